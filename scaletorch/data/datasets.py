@@ -1,0 +1,148 @@
+"""Token sources. Each has ``vocab_size`` and ``sample(num_sequences, length, rng)``.
+
+``sample`` draws everything from the numpy Generator it is given, so the loader can make a
+batch a pure function of (seed, step): identical on every rank and after a resume.
+
+- SyntheticMarkov: tokens from a random first-order Markov chain. Its entropy rate is known
+  exactly, so a learning curve has a floor to aim for (a perfect model reaches it).
+- ByteTextDataset: the bytes of a local text file, vocabulary 256.
+- BinDataset: a nanoGPT-style flat file of token ids (e.g. uint16), memory-mapped.
+"""
+
+import os
+from typing import Optional
+
+import numpy as np
+
+
+class SyntheticMarkov:
+    """A seeded random Markov chain over ``vocab_size`` tokens.
+
+    Row i of the transition matrix is softmax(z_i / temperature) with z_i ~ N(0, I). Lower
+    temperature concentrates each row on a few tokens (lower entropy, easier to learn);
+    temperature 0.3 over 256 tokens gives about 2.2 nats/token against log(256) = 5.5.
+    Every entry is positive, so the chain has a unique stationary distribution.
+    The matrix is V x V float64: keep the vocabulary small (a few thousand at most).
+    """
+
+    def __init__(self, vocab_size: int, seed: int, temperature: float = 0.3) -> None:
+        if vocab_size < 2:
+            raise ValueError(f"vocab_size must be at least 2, got {vocab_size}")
+        if temperature <= 0:
+            raise ValueError(f"temperature must be positive, got {temperature}")
+        self.vocab_size = vocab_size
+        rng = np.random.default_rng(seed)  # its own generator: the chain depends on seed only
+        logits = rng.standard_normal((vocab_size, vocab_size)) / temperature
+        logits -= logits.max(axis=1, keepdims=True)  # stable softmax
+        probs = np.exp(logits)
+        self.transition = probs / probs.sum(axis=1, keepdims=True)  # (V, V), rows sum to 1
+        self._cdf = np.cumsum(self.transition, axis=1)
+        self.stationary = self._stationary_distribution()
+
+    def _stationary_distribution(self, tol: float = 1e-13, max_iters: int = 10000) -> np.ndarray:
+        """pi with pi = pi P, by power iteration (converges: all entries of P are positive)."""
+        pi = np.full(self.vocab_size, 1.0 / self.vocab_size)
+        for _ in range(max_iters):
+            new_pi = pi @ self.transition
+            if np.abs(new_pi - pi).sum() < tol:
+                return new_pi
+            pi = new_pi
+        return pi
+
+    def entropy_rate(self) -> float:
+        """Exact entropy rate in nats/token: sum_i pi_i H(P_i)."""
+        row_entropy = -(self.transition * np.log(self.transition)).sum(axis=1)
+        return float(self.stationary @ row_entropy)
+
+    def sample(self, num_sequences: int, length: int, rng: np.random.Generator) -> np.ndarray:
+        """(num_sequences, length) int64; the first token is drawn from the stationary dist."""
+        out = np.empty((num_sequences, length), dtype=np.int64)
+        if length == 0:
+            return out
+        out[:, 0] = rng.choice(self.vocab_size, size=num_sequences, p=self.stationary)
+        for t in range(1, length):
+            # Inverse-CDF sampling of every sequence's next token at once.
+            u = rng.random((num_sequences, 1))
+            next_tokens = (u > self._cdf[out[:, t - 1]]).sum(axis=1)
+            # Rounding can leave the last cdf entry a hair below 1.
+            out[:, t] = np.minimum(next_tokens, self.vocab_size - 1)
+        return out
+
+
+def _random_windows(tokens: np.ndarray, num_sequences: int, length: int,
+                    rng: np.random.Generator, source: str) -> np.ndarray:
+    """(num_sequences, length) int64 windows starting at uniform random offsets."""
+    if len(tokens) < length:
+        raise ValueError(
+            f"{source} has {len(tokens)} tokens, fewer than the {length} needed for one "
+            f"sequence")
+    starts = rng.integers(0, len(tokens) - length + 1, size=num_sequences)
+    index = starts[:, None] + np.arange(length)[None, :]  # (num_sequences, length)
+    return tokens[index].astype(np.int64)
+
+
+def _check_exists(path: str) -> None:
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"dataset file not found: {path}")
+
+
+class ByteTextDataset:
+    """The bytes of a local file as tokens (vocabulary 256, no tokenizer needed)."""
+
+    def __init__(self, path: str) -> None:
+        _check_exists(path)
+        self.path = path
+        self.vocab_size = 256
+        with open(path, "rb") as f:
+            self.tokens = np.frombuffer(f.read(), dtype=np.uint8)
+
+    def sample(self, num_sequences: int, length: int, rng: np.random.Generator) -> np.ndarray:
+        """(num_sequences, length) int64 random windows of the file."""
+        return _random_windows(self.tokens, num_sequences, length, rng, self.path)
+
+
+class BinDataset:
+    """A nanoGPT-style token file: a flat array of ``dtype`` token ids, memory-mapped.
+
+    vocab_size: the tokenizer's vocabulary (50257 for GPT-2); the default 65536 admits any
+    uint16 token. Sampled windows are checked against it, so a wrong value fails loudly.
+    """
+
+    def __init__(self, path: str, vocab_size: int = 65536, dtype: type = np.uint16) -> None:
+        _check_exists(path)
+        if vocab_size <= 0:
+            raise ValueError(f"vocab_size must be positive, got {vocab_size}")
+        self.path = path
+        self.vocab_size = vocab_size
+        # memmap: the file can be far larger than RAM; only sampled windows are read.
+        self.tokens = np.memmap(path, dtype=dtype, mode="r")
+
+    def sample(self, num_sequences: int, length: int, rng: np.random.Generator) -> np.ndarray:
+        """(num_sequences, length) int64 random windows of the file."""
+        out = _random_windows(self.tokens, num_sequences, length, rng, self.path)
+        if out.size and out.max() >= self.vocab_size:
+            raise ValueError(
+                f"{self.path} holds token {out.max()}, outside vocab_size ({self.vocab_size})")
+        return out
+
+
+DATASET_NAMES = ("synthetic", "text", "bin")
+
+
+def build_dataset(name: str, vocab_size: int, seed: int, path: Optional[str] = None):
+    """Build a dataset by name: "synthetic", "text" or "bin".
+
+    seed only shapes the synthetic chain; path is required for "text" and "bin". For "text"
+    vocab_size must be at least 256 (one token per byte value).
+    """
+    if name not in DATASET_NAMES:
+        raise ValueError(f"unknown dataset {name!r}; valid names: {', '.join(DATASET_NAMES)}")
+    if name == "synthetic":
+        return SyntheticMarkov(vocab_size, seed)
+    if path is None:
+        raise ValueError(f"dataset {name!r} needs a path")
+    if name == "text":
+        if vocab_size < 256:
+            raise ValueError(f"byte-level text needs vocab_size >= 256, got {vocab_size}")
+        return ByteTextDataset(path)
+    return BinDataset(path, vocab_size=vocab_size)

@@ -1,0 +1,19 @@
+"""Models: a small Llama that knows nothing about parallelism."""
+
+from scaletorch.models.llama import (MLP, Attention, Llama, LlamaConfig, RMSNorm, TransformerBlock,
+                                     apply_rope, build_model, causal_attention, loss_fn,
+                                     rope_cos_sin)
+
+__all__ = [
+    "Attention",
+    "Llama",
+    "LlamaConfig",
+    "MLP",
+    "RMSNorm",
+    "TransformerBlock",
+    "apply_rope",
+    "build_model",
+    "causal_attention",
+    "loss_fn",
+    "rope_cos_sin",
+]

@@ -1,0 +1,115 @@
+"""Checkpoints that survive a crash mid-write: one file per rank, a manifest written last.
+
+Layout of one checkpoint (every strategy uses it: each rank saves what it holds, so a sharded
+model is saved sharded)::
+
+    <dir>/step_0000040/rank_00000.pt     model, optimizer, scheduler, RNG of rank 0
+    <dir>/step_0000040/rank_00001.pt
+    <dir>/step_0000040/manifest.json     written by rank 0 after every rank has finished
+
+Each file is written to a temporary name, flushed to disk (fsync) and renamed, so a file
+either exists whole or not at all; a checkpoint without its manifest is incomplete and is
+ignored. Resuming needs the same world size (loading at another layout is chapter 07's).
+"""
+
+import json
+import os
+import random
+import shutil
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+import torch
+
+from scaletorch.dist import comm
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+
+
+def _atomic_write(path: str, write) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def step_dir(root: str, step: int) -> str:
+    return os.path.join(root, f"step_{step:07d}")
+
+
+def rank_file(path: str, rank: int) -> str:
+    return os.path.join(path, f"rank_{rank:05d}.pt")
+
+
+def rng_state() -> Dict[str, Any]:
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: Dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def list_checkpoints(root: str) -> List[str]:
+    """Complete checkpoints (those with a manifest) under ``root``, oldest first."""
+    if not os.path.isdir(root):
+        return []
+    found = [
+        os.path.join(root, d) for d in sorted(os.listdir(root))
+        if d.startswith("step_") and os.path.isfile(os.path.join(root, d, MANIFEST))
+    ]
+    return found
+
+
+def latest_checkpoint(root: str) -> Optional[str]:
+    found = list_checkpoints(root)
+    return found[-1] if found else None
+
+
+def save_checkpoint(root: str, step: int, state: Dict[str, Any], rank: int, world_size: int,
+                    keep_last: int = 2, group=None) -> str:
+    """Every rank writes its ``state``; rank 0 writes the manifest once all have finished.
+
+    Collective over ``group`` (the default: every rank). Returns the checkpoint directory.
+    """
+    path = step_dir(root, step)
+    os.makedirs(path, exist_ok=True)
+    _atomic_write(rank_file(path, rank), lambda f: torch.save(state, f))
+    comm.barrier(group)  # the manifest must only exist once every rank's file does
+    if rank == 0:
+        manifest = {"format_version": FORMAT_VERSION, "step": step, "world_size": world_size}
+        _atomic_write(os.path.join(path, MANIFEST),
+                      lambda f: f.write(json.dumps(manifest, indent=1).encode()))
+        for old in list_checkpoints(root)[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+    comm.barrier(group)
+    return path
+
+
+def load_checkpoint(path: str, rank: int, world_size: int) -> Dict[str, Any]:
+    """Read this rank's state from checkpoint directory ``path`` (checked against its manifest)."""
+    manifest_path = os.path.join(path, MANIFEST)
+    if not os.path.isfile(manifest_path):
+        raise FileNotFoundError(f"{path!r} is not a complete checkpoint (no {MANIFEST})")
+    with open(manifest_path) as f:
+        manifest = json.load(f)
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"checkpoint {path!r} has format version "
+                         f"{manifest.get('format_version')}, this code reads {FORMAT_VERSION}")
+    if manifest["world_size"] != world_size:
+        raise ValueError(f"checkpoint {path!r} was saved by {manifest['world_size']} ranks; "
+                         f"this run has {world_size}")
+    return torch.load(rank_file(path, rank), map_location="cpu", weights_only=False)

@@ -1,0 +1,355 @@
+"""Run configuration: dataclasses, loaded from YAML, overridden on the command line.
+
+One ``Config`` holds every knob, grouped in sections that match the YAML files in
+``examples/configs``. Precedence: dataclass defaults < YAML file < command line. Overrides:
+
+    --training.lr 1e-3          any field, by section and name
+    --set training.lr=1e-3      the same, in one token (repeatable)
+    --steps 20 --tp 2 ...       short aliases for the fields used most (see ALIASES)
+
+Every value is checked: unknown keys, wrong types and impossible layouts raise ValueError
+naming the offending values, before any process group or model exists.
+"""
+
+import argparse
+import dataclasses
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence
+
+import yaml
+
+from scaletorch.models import LlamaConfig
+
+
+@dataclass
+class DataConfig:
+    dataset: str = "synthetic"  # synthetic | text | bin
+    path: Optional[str] = None  # the file for text and bin
+    seq_len: int = 32
+    global_batch_size: int = 8  # sequences per optimizer step, over all data-parallel ranks
+    num_micro_batches: int = 1  # gradient accumulation steps (micro-batches per rank per step)
+    seed: int = 1234  # the data seed: batch t is a function of (seed, t) only
+
+
+@dataclass
+class ParallelConfig:
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    context_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    data_parallel_size: int = 0  # 0: whatever the world size leaves; else must match it
+    impl: str = "scaletorch"  # scaletorch (ours, by hand) | naive (01 only) | torch (native)
+    bucket_size_mb: float = 25.0  # DDP gradient bucket size
+    zero_stage: int = 0  # 0: plain data parallel; 1, 2, 3: ZeRO stages
+    sequence_parallel: bool = False
+    schedule: str = "1f1b"  # afab | 1f1b | interleaved
+    virtual_pipeline_stages: int = 1
+    cp_variant: str = "ring"  # ring | ulysses
+
+
+@dataclass
+class TrainingConfig:
+    steps: int = 100
+    lr: float = 3e-3
+    min_lr: float = 3e-4  # the cosine decays to this
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0  # global-norm clipping; 0 disables it
+    precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16
+    model_seed: int = 42  # one seed builds the same full model on every rank
+    timeout_seconds: float = 300.0  # every collective fails after this instead of hanging
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0  # save every N steps; 0: never
+    dir: Optional[str] = None  # default: <run dir>/checkpoints
+    resume: Optional[str] = None  # "latest" or a checkpoint directory
+    keep_last: int = 2  # older checkpoints are deleted
+
+
+@dataclass
+class LoggingConfig:
+    run_dir: str = "runs"
+    name: str = "run"
+    log_every: int = 10
+    progress: bool = True  # tqdm bar on rank 0
+
+
+@dataclass
+class Config:
+    model: LlamaConfig = field(default_factory=LlamaConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    check: bool = False  # also run the single-device reference and compare
+
+    @property
+    def run_path(self) -> str:
+        return os.path.join(self.logging.run_dir, self.logging.name)
+
+    @property
+    def checkpoint_path(self) -> str:
+        return self.checkpoint.dir or os.path.join(self.run_path, "checkpoints")
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+SECTIONS = ("model", "data", "parallel", "training", "checkpoint", "logging")
+
+# Short command-line flags for the fields every chapter uses.
+ALIASES = {
+    "--steps": "training.steps",
+    "--tp": "parallel.tensor_model_parallel_size",
+    "--pp": "parallel.pipeline_model_parallel_size",
+    "--cp": "parallel.context_parallel_size",
+    "--ep": "parallel.expert_model_parallel_size",
+    "--dp": "parallel.data_parallel_size",
+    "--impl": "parallel.impl",
+    "--zero-stage": "parallel.zero_stage",
+    "--schedule": "parallel.schedule",
+    "--virtual-stages": "parallel.virtual_pipeline_stages",
+    "--cp-variant": "parallel.cp_variant",
+    "--micro-batches": "data.num_micro_batches",
+    "--name": "logging.name",
+}
+FLAGS = {"--sequence-parallel": "parallel.sequence_parallel", "--check": "check"}
+
+
+def _convert(value: Any, annotation: Any, key: str) -> Any:
+    """Coerce a YAML or command-line value to the field's type, or raise ValueError."""
+    if typing.get_origin(annotation) is typing.Union:  # Optional[T]
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            return None
+        annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
+            return value.lower() in ("true", "1")
+        raise ValueError(f"{key} must be true or false, got {value!r}")
+    if annotation in (int, float):
+        if isinstance(value, bool):
+            raise ValueError(f"{key} must be {annotation.__name__}, got {value!r}")
+        try:
+            converted = annotation(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{key} must be {annotation.__name__}, got {value!r}") from None
+        if annotation is int and isinstance(value, float) and value != converted:
+            raise ValueError(f"{key} must be int, got {value!r}")
+        return converted
+    if annotation is str:
+        if not isinstance(value, (str, int, float)):
+            raise ValueError(f"{key} must be a string, got {value!r}")
+        return str(value)
+    return value
+
+
+def _field_types(obj: Any) -> Dict[str, Any]:
+    return typing.get_type_hints(type(obj))
+
+
+def set_value(cfg: Config, key: str, value: Any) -> None:
+    """Set ``section.name`` (or a top-level name) on ``cfg``, converting the type."""
+    parts = key.split(".")
+    if len(parts) == 1:
+        target, name = cfg, parts[0]
+        allowed = [n for n in _field_types(cfg) if n not in SECTIONS]
+    elif len(parts) == 2 and parts[0] in SECTIONS:
+        target, name = getattr(cfg, parts[0]), parts[1]
+        allowed = list(_field_types(target))
+    else:
+        raise ValueError(f"unknown config key {key!r}; sections are {', '.join(SECTIONS)}")
+    types = _field_types(target)
+    if name not in types or name not in allowed:
+        raise ValueError(f"unknown config key {key!r}; valid keys there: {', '.join(allowed)}")
+    setattr(target, name, _convert(value, types[name], key))
+
+
+def apply_dict(cfg: Config, values: Dict[str, Any], source: str = "config") -> None:
+    """Apply a nested dict (as read from YAML) onto ``cfg``."""
+    if not isinstance(values, dict):
+        raise ValueError(f"{source} must be a mapping of sections, got {type(values).__name__}")
+    for section, body in values.items():
+        if section in SECTIONS:
+            if not isinstance(body, dict):
+                raise ValueError(f"{source}: section {section!r} must be a mapping")
+            for name, value in body.items():
+                set_value(cfg, f"{section}.{name}", value)
+        else:
+            set_value(cfg, section, body)
+    # LlamaConfig validates itself on construction; re-run its checks after edits.
+    cfg.model.__post_init__()
+
+
+def load_yaml(path: str) -> Dict[str, Any]:
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"config file {path!r} does not exist")
+    with open(path) as f:
+        return yaml.safe_load(f) or {}
+
+
+def parse_args(argv: Optional[Sequence[str]] = None, default_config: Optional[str] = None,
+               description: str = "") -> Config:
+    """Build a Config from dataclass defaults, ``--config`` YAML and command-line overrides."""
+    parser = argparse.ArgumentParser(
+        description=description,
+        epilog="Any field can be overridden as --section.name VALUE or --set section.name=VALUE.")
+    parser.add_argument("--config", default=default_config, help="YAML config file")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override one field, e.g. --set training.lr=1e-3")
+    parser.add_argument("--resume", nargs="?", const="latest", default=None,
+                        help="resume from the latest checkpoint (or the directory given)")
+    for flag, key in ALIASES.items():
+        parser.add_argument(flag, dest=key, default=None, help=f"= {key}")
+    for flag, key in FLAGS.items():
+        parser.add_argument(flag, dest=key, action="store_true", default=None, help=f"= {key}")
+    args, rest = parser.parse_known_args(argv)
+
+    cfg = Config()
+    if args.config:
+        apply_dict(cfg, load_yaml(args.config), source=args.config)
+    overrides: List[tuple] = []
+    i = 0
+    while i < len(rest):  # --section.name VALUE or --section.name=VALUE
+        token = rest[i]
+        if not token.startswith("--") or "." not in token:
+            raise ValueError(f"unrecognized argument {token!r} (see --help)")
+        if "=" in token:
+            key, value = token[2:].split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(rest):
+                raise ValueError(f"{token} needs a value")
+            key, value = token[2:], rest[i + 1]
+            i += 2
+        overrides.append((key, value))
+    for item in args.set:
+        if "=" not in item:
+            raise ValueError(f"--set takes KEY=VALUE, got {item!r}")
+        overrides.append(tuple(item.split("=", 1)))
+    for key in list(ALIASES.values()) + list(FLAGS.values()):
+        value = getattr(args, key)
+        if value is not None:
+            overrides.append((key, value))
+    for key, value in overrides:
+        if isinstance(value, str):
+            value = yaml.safe_load(value) if value != "" else value  # "1e-3" -> 0.001
+        set_value(cfg, key, value)
+    if args.resume is not None:
+        cfg.checkpoint.resume = args.resume
+    cfg.model.__post_init__()
+    validate(cfg)
+    return cfg
+
+
+CHOICES = {
+    "data.dataset": ("synthetic", "text", "bin"),
+    "parallel.impl": ("scaletorch", "naive", "torch"),
+    "parallel.schedule": ("afab", "1f1b", "interleaved"),
+    "parallel.cp_variant": ("ring", "ulysses"),
+    "training.precision": ("auto", "fp32", "bf16"),
+}
+
+
+def validate(cfg: Config, world_size: Optional[int] = None) -> None:
+    """Raise ValueError for any value or layout that cannot work, naming the numbers.
+
+    Without ``world_size`` only the checks that do not depend on it run.
+    """
+    for key, choices in CHOICES.items():
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value not in choices:
+            raise ValueError(f"{key} must be one of {', '.join(choices)}, got {value!r}")
+    positive = {
+        "data.seq_len": cfg.data.seq_len,
+        "data.global_batch_size": cfg.data.global_batch_size,
+        "data.num_micro_batches": cfg.data.num_micro_batches,
+        "training.steps": cfg.training.steps,
+        "training.timeout_seconds": cfg.training.timeout_seconds,
+        "logging.log_every": cfg.logging.log_every,
+        "parallel.tensor_model_parallel_size": cfg.parallel.tensor_model_parallel_size,
+        "parallel.pipeline_model_parallel_size": cfg.parallel.pipeline_model_parallel_size,
+        "parallel.context_parallel_size": cfg.parallel.context_parallel_size,
+        "parallel.expert_model_parallel_size": cfg.parallel.expert_model_parallel_size,
+        "parallel.virtual_pipeline_stages": cfg.parallel.virtual_pipeline_stages,
+        "parallel.bucket_size_mb": cfg.parallel.bucket_size_mb,
+    }
+    for key, value in positive.items():
+        if value <= 0:
+            raise ValueError(f"{key} must be positive, got {value}")
+    non_negative = {
+        "training.lr": cfg.training.lr,
+        "training.min_lr": cfg.training.min_lr,
+        "training.warmup_steps": cfg.training.warmup_steps,
+        "training.weight_decay": cfg.training.weight_decay,
+        "training.grad_clip": cfg.training.grad_clip,
+        "checkpoint.every": cfg.checkpoint.every,
+        "parallel.data_parallel_size": cfg.parallel.data_parallel_size,
+    }
+    for key, value in non_negative.items():
+        if value < 0:
+            raise ValueError(f"{key} must be >= 0, got {value}")
+    if cfg.checkpoint.keep_last < 1:
+        raise ValueError(f"checkpoint.keep_last must be >= 1, got {cfg.checkpoint.keep_last}")
+    if cfg.parallel.zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"parallel.zero_stage must be 0, 1, 2 or 3, got {cfg.parallel.zero_stage}")
+    if cfg.data.seq_len > cfg.model.max_seq_len:
+        raise ValueError(f"data.seq_len ({cfg.data.seq_len}) exceeds model.max_seq_len "
+                         f"({cfg.model.max_seq_len})")
+    if cfg.data.dataset in ("text", "bin") and not cfg.data.path:
+        raise ValueError(f"data.dataset {cfg.data.dataset!r} needs data.path")
+    if cfg.data.dataset == "text" and cfg.model.vocab_size < 256:
+        raise ValueError(f"the byte-level text dataset needs model.vocab_size >= 256, "
+                         f"got {cfg.model.vocab_size}")
+    if world_size is not None:
+        validate_layout(cfg, world_size)
+
+
+def data_parallel_size(cfg: Config, world_size: int) -> int:
+    """Ranks that see different samples: world / (tp x pp x cp), checked against the config."""
+    p = cfg.parallel
+    model_parallel = (p.tensor_model_parallel_size * p.pipeline_model_parallel_size *
+                      p.context_parallel_size)
+    if world_size % model_parallel != 0:
+        raise ValueError(
+            f"world size {world_size} is not divisible by tensor_model_parallel_size "
+            f"({p.tensor_model_parallel_size}) x pipeline_model_parallel_size "
+            f"({p.pipeline_model_parallel_size}) x context_parallel_size "
+            f"({p.context_parallel_size})")
+    dp = world_size // model_parallel
+    if p.data_parallel_size not in (0, dp):
+        raise ValueError(
+            f"data_parallel_size ({p.data_parallel_size}) x tensor_model_parallel_size "
+            f"({p.tensor_model_parallel_size}) x pipeline_model_parallel_size "
+            f"({p.pipeline_model_parallel_size}) x context_parallel_size "
+            f"({p.context_parallel_size}) != world size ({world_size})")
+    return dp
+
+
+def validate_layout(cfg: Config, world_size: int) -> None:
+    """Checks that need the world size: the rank grid and the batch split."""
+    dp = data_parallel_size(cfg, world_size)
+    per_step = dp * cfg.data.num_micro_batches
+    if cfg.data.global_batch_size % per_step != 0:
+        raise ValueError(
+            f"data.global_batch_size ({cfg.data.global_batch_size}) is not divisible by "
+            f"data_parallel_size ({dp}) x data.num_micro_batches "
+            f"({cfg.data.num_micro_batches})")
+
+
+def save_config(cfg: Config, path: str) -> None:
+    """Write the resolved config as YAML (atomically: a reader never sees half a file)."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
+    os.replace(tmp, path)

@@ -1,0 +1,73 @@
+"""One optimizer step's forward and backward, for every strategy that is not a pipeline.
+
+The contract every strategy keeps (DESIGN.md): the loss is the mean over all tokens of the
+global batch, exactly as on one device. Each data-parallel rank takes an equal slice of the
+batch and splits it into micro-batches; a micro-batch's mean loss is divided by their number,
+so the accumulated gradient is the gradient of the rank's mean loss, and averaging gradients
+over data-parallel ranks (the strategy's job) gives the gradient of the global mean.
+
+A model wrapper may provide two hooks, both optional:
+- ``no_sync()``: a context in which backward must not synchronize gradients (all
+  micro-batches but the last; see 01_ddp);
+- ``finish_grad_sync()``: called once after the last backward (wait for in-flight
+  reductions, or do them now).
+"""
+
+from contextlib import nullcontext
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from scaletorch.data import shard_batch, split_micro_batches
+from scaletorch.dist import comm
+from scaletorch.models import loss_fn
+
+ForwardBackward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def forward_backward(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
+                     num_micro_batches: int) -> torch.Tensor:
+    """Accumulate gradients of this rank's mean loss; returns that loss (detached).
+
+    inputs, targets: (b, s), the rank's slice of the global batch.
+    """
+    micro_batches = split_micro_batches(inputs, targets, num_micro_batches)
+    total = torch.zeros((), device=inputs.device)
+    for i, (x, y) in enumerate(micro_batches):
+        is_last = i == len(micro_batches) - 1
+        no_sync = getattr(model, "no_sync", None)
+        with nullcontext() if is_last or no_sync is None else no_sync():
+            loss = loss_fn(model(x), y) / num_micro_batches
+            loss.backward()
+        total += loss.detach()
+    finish = getattr(model, "finish_grad_sync", None)
+    if finish is not None:
+        finish()
+    return total
+
+
+def average_over_group(value: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    """Mean of a scalar over ``group`` (for reporting the global loss; not differentiable)."""
+    out = value.detach().clone()
+    comm.all_reduce(out, group)
+    return out / comm.group_size(group)
+
+
+def make_data_parallel_step(model: nn.Module, num_micro_batches: int, data_parallel_rank: int,
+                            data_parallel_size: int,
+                            loss_group: Optional[dist.ProcessGroup]) -> ForwardBackward:
+    """The step for single device, DDP, ZeRO and tensor parallel: slice, accumulate, report.
+
+    ``loss_group`` averages the reported loss over the ranks that saw different tokens
+    (data x context parallel); the gradients are the model wrapper's business.
+    """
+
+    def step(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        inputs = shard_batch(inputs, data_parallel_rank, data_parallel_size)
+        targets = shard_batch(targets, data_parallel_rank, data_parallel_size)
+        loss = forward_backward(model, inputs, targets, num_micro_batches)
+        return average_over_group(loss, loss_group)
+
+    return step

@@ -1,0 +1,218 @@
+"""The training loop that every numbered script shares.
+
+    for step in range(start, steps):
+        inputs, targets = loader.get_batch(step)        # the same global batch on every rank
+        loss = forward_backward(inputs, targets)        # the strategy's step (see step.py)
+        grad_norm = clip_grad_norm(max_norm)            # global norm, however params are split
+        optimizer.step(); scheduler.step()
+        log, checkpoint
+
+A strategy changes the model (wrapping or sharding it) and, where it must, passes its own
+``forward_backward`` (pipeline schedules), ``clip_grad_norm`` (sharded parameters) or
+``optimizer`` (ZeRO). Everything else stays the same, which is what makes the runs comparable.
+"""
+
+import json
+import math
+import os
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional
+
+import torch
+from torch import nn
+
+from scaletorch.data import GlobalBatchLoader, build_dataset
+from scaletorch.dist import comm, get_ledger
+from scaletorch.trainer import checkpoint as ckpt
+from scaletorch.trainer.config import Config, save_config
+from scaletorch.trainer.step import ForwardBackward, make_data_parallel_step
+
+
+@dataclass
+class TrainResult:
+    losses: List[float] = field(default_factory=list)  # global mean loss of each step run
+    grad_norms: List[float] = field(default_factory=list)
+    start_step: int = 0  # > 0 when resumed from a checkpoint
+
+
+def build_optimizer(cfg: Config, params) -> torch.optim.Optimizer:
+    t = cfg.training
+    return torch.optim.AdamW(params, lr=t.lr, betas=(t.beta1, t.beta2),
+                             weight_decay=t.weight_decay)
+
+
+def lr_at(cfg: Config, step: int) -> float:
+    """Linear warmup to ``lr`` over ``warmup_steps``, then cosine decay to ``min_lr``."""
+    t = cfg.training
+    if step < t.warmup_steps:
+        return t.lr * (step + 1) / t.warmup_steps
+    progress = (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps)
+    return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def build_loader(cfg: Config) -> GlobalBatchLoader:
+    dataset = build_dataset(cfg.data.dataset, cfg.model.vocab_size, cfg.data.seed,
+                            path=cfg.data.path)
+    return GlobalBatchLoader(dataset, cfg.data.global_batch_size, cfg.data.seq_len,
+                             cfg.data.seed)
+
+
+def autocast_context(cfg: Config, device: torch.device):
+    """bf16 autocast when asked for (or 'auto' on a GPU); fp32 otherwise."""
+    precision = cfg.training.precision
+    if precision == "auto":
+        precision = "bf16" if device.type == "cuda" else "fp32"
+    if precision == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return nullcontext()
+
+
+class Trainer:
+    """Runs ``cfg.training.steps`` optimizer steps of ``model`` on the global batches.
+
+    ``pgm`` is the process-group manager; ``None`` means a plain single-device run that
+    touches no process group (the reference of every parity check). Only global rank 0
+    prints, shows the progress bar and writes ``runs/<name>/{config.yaml,metrics.jsonl}``;
+    ``verbose=False`` silences it entirely.
+    """
+
+    def __init__(self, cfg: Config, model: nn.Module, pgm=None, *,
+                 device: Optional[torch.device] = None,
+                 optimizer: Optional[torch.optim.Optimizer] = None,
+                 forward_backward: Optional[ForwardBackward] = None,
+                 clip_grad_norm: Optional[Callable[[float], torch.Tensor]] = None,
+                 verbose: bool = True) -> None:
+        self.cfg = cfg
+        self.model = model
+        self.pgm = pgm
+        self.device = device or next(model.parameters()).device
+        self.rank = comm.group_rank() if pgm is not None else 0
+        self.world_size = comm.group_size() if pgm is not None else 1
+        self.verbose = verbose and self.rank == 0
+        self.loader = build_loader(cfg)
+        self.optimizer = optimizer or build_optimizer(cfg, model.parameters())
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: lr_at(cfg, step) / cfg.training.lr
+            if cfg.training.lr > 0 else 0.0)
+        if forward_backward is None:
+            if pgm is None:
+                forward_backward = make_data_parallel_step(model, cfg.data.num_micro_batches,
+                                                           0, 1, None)
+            else:
+                forward_backward = make_data_parallel_step(
+                    model, cfg.data.num_micro_batches, pgm.data_parallel_rank,
+                    pgm.data_parallel_world_size, pgm.data_parallel_group_with_context)
+        self.forward_backward = forward_backward
+        self.clip_grad_norm = clip_grad_norm or self._clip_replicated
+        self.step = 0
+
+    def _clip_replicated(self, max_norm: float) -> torch.Tensor:
+        """Global norm when every rank holds whole, already-synchronized gradients."""
+        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+
+    # ---- checkpoints -------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        return {
+            "step": self.step,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "rng": ckpt.rng_state(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        ckpt.set_rng_state(state["rng"])
+        self.step = state["step"]
+
+    def maybe_resume(self) -> None:
+        resume = self.cfg.checkpoint.resume
+        if not resume:
+            return
+        path = ckpt.latest_checkpoint(self.cfg.checkpoint_path) if resume == "latest" else resume
+        if path is None:
+            self._print(f"no checkpoint in {self.cfg.checkpoint_path}: starting from step 0")
+            return
+        self.load_state_dict(ckpt.load_checkpoint(path, self.rank, self.world_size))
+        self._print(f"resumed from {path} at step {self.step}")
+
+    def save(self) -> str:
+        return ckpt.save_checkpoint(self.cfg.checkpoint_path, self.step, self.state_dict(),
+                                    self.rank, self.world_size, self.cfg.checkpoint.keep_last)
+
+    # ---- the loop ----------------------------------------------------------------------
+
+    def _print(self, message: str) -> None:
+        if self.verbose:
+            print(message, flush=True)
+
+    def train_step(self) -> tuple[float, float]:
+        """One optimizer step on global batch ``self.step``; returns (loss, grad norm)."""
+        get_ledger().set_step(self.step)
+        inputs, targets = self.loader.get_batch(self.step)
+        inputs, targets = inputs.to(self.device), targets.to(self.device)
+        self.optimizer.zero_grad(set_to_none=True)
+        with autocast_context(self.cfg, self.device):
+            loss = self.forward_backward(inputs, targets)
+        max_norm = self.cfg.training.grad_clip or math.inf  # 0 disables clipping
+        grad_norm = self.clip_grad_norm(max_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.step += 1
+        return float(loss), float(grad_norm)
+
+    def train(self) -> TrainResult:
+        cfg = self.cfg
+        self.maybe_resume()
+        result = TrainResult(start_step=self.step)
+        metrics = None
+        if self.verbose:
+            os.makedirs(cfg.run_path, exist_ok=True)
+            save_config(cfg, os.path.join(cfg.run_path, "config.yaml"))
+            metrics = open(os.path.join(cfg.run_path, "metrics.jsonl"),
+                           "a" if self.step > 0 else "w")
+        bar = None
+        # A bar only on a terminal: in a log file its redraws are noise; the log lines remain.
+        if (self.verbose and cfg.logging.progress and self.step < cfg.training.steps
+                and sys.stderr.isatty()):
+            from tqdm import tqdm
+            bar = tqdm(total=cfg.training.steps, initial=self.step, desc="train", unit="step",
+                       dynamic_ncols=True)
+        tokens_per_step = cfg.data.global_batch_size * cfg.data.seq_len
+        try:
+            while self.step < cfg.training.steps:
+                start = time.perf_counter()
+                lr = self.scheduler.get_last_lr()[0]
+                loss, grad_norm = self.train_step()
+                elapsed = time.perf_counter() - start
+                result.losses.append(loss)
+                result.grad_norms.append(grad_norm)
+                record = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                          "tokens_per_s": tokens_per_step / elapsed}
+                if metrics is not None:
+                    metrics.write(json.dumps(record) + "\n")
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{loss:.4f}")
+                if self.step % cfg.logging.log_every == 0 or self.step == cfg.training.steps:
+                    line = (f"step {self.step:5d} | loss {loss:.4f} | lr {lr:.2e} | "
+                            f"grad norm {grad_norm:.3f} | {record['tokens_per_s']:,.0f} tok/s")
+                    if bar is not None:
+                        bar.write(line)
+                    else:
+                        self._print(line)
+                if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
+                    path = self.save()
+                    self._print(f"saved checkpoint {path}")
+        finally:
+            if bar is not None:
+                bar.close()
+            if metrics is not None:
+                metrics.close()
+        return result

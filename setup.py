@@ -1,0 +1,17 @@
+from setuptools import find_packages, setup
+
+with open("requirements.txt") as f:
+    requirements = [line.strip() for line in f if line.strip() and not line.startswith("#")]
+
+setup(
+    name="scaletorch",
+    version="0.1.0",
+    description="Distributed training of transformer language models, one strategy at a time",
+    packages=find_packages(include=["scaletorch", "scaletorch.*"]),
+    python_requires=">=3.10",
+    install_requires=requirements,
+    extras_require={
+        "dev": ["pytest", "flake8", "yapf", "isort"],
+        "plot": ["matplotlib"],
+    },
+)
