@@ -1,7 +1,8 @@
 """Config, training loop, checkpoints and the parity check shared by every script."""
 
 from scaletorch.trainer.config import Config, parse_args, validate, validate_layout
-from scaletorch.trainer.parity import (max_weight_diff, report_parity, run_reference)
+from scaletorch.trainer.parity import (check_against_reference, max_weight_diff, report_parity,
+                                       run_reference)
 from scaletorch.trainer.step import (average_over_group, forward_backward,
                                      make_data_parallel_step)
 from scaletorch.trainer.trainer import Trainer, TrainResult
@@ -9,5 +10,5 @@ from scaletorch.trainer.trainer import Trainer, TrainResult
 __all__ = [
     "Config", "parse_args", "validate", "validate_layout", "Trainer", "TrainResult",
     "forward_backward", "make_data_parallel_step", "average_over_group", "run_reference",
-    "report_parity", "max_weight_diff"
+    "report_parity", "max_weight_diff", "check_against_reference"
 ]

@@ -1,15 +1,17 @@
 """The proof: run the single-device reference on the same seed and data, and compare.
 
-Every numbered script's ``--check`` ends with ``report_parity``, whose last line reads
-``parity: max |loss - reference| = 3.1e-07 over 10 steps (tolerance 1e-05): OK``.
+Every numbered script's ``--check`` ends with ``check_against_reference``, which prints
+``parity: max |loss - reference| = 3.1e-07 over 10 steps (tolerance 1e-05): OK`` and the same
+for the weights, when the strategy can gather them.
 """
 
 import copy
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
+from scaletorch.dist import comm, get_ledger
 from scaletorch.models import build_model
 from scaletorch.trainer.config import Config
 
@@ -53,3 +55,29 @@ def report_parity(losses: Sequence[float], reference: Sequence[float],
     print(f"parity: max |loss - reference| = {diff:.1e} over {len(losses)} steps "
           f"(tolerance {tolerance:.0e}): {'OK' if ok else 'FAIL'}", flush=True)
     return ok
+
+
+def check_against_reference(cfg: Config, losses: Sequence[float], device: torch.device,
+                            full_state: Optional[Dict[str, torch.Tensor]] = None,
+                            start_step: int = 0, tolerance: float = TOLERANCE) -> bool:
+    """``--check`` for every script: rank 0 runs the reference and prints the verdict.
+
+    ``losses`` are the parallel run's per-step losses from ``start_step``; ``full_state`` is
+    its gathered, unsharded state dict (on rank 0; None to skip the weight comparison). The
+    verdict is broadcast so that every rank returns the same answer (and exit code).
+    """
+    ok = torch.ones(1, device=device)
+    if comm.group_rank() == 0:
+        reference, ref_model = run_reference(cfg, device)
+        passed = report_parity(losses, reference[start_step:], tolerance)
+        if full_state is not None:
+            diff = max_weight_diff(full_state, ref_model.state_dict())
+            print(f"parity: max |weight - reference| = {diff:.1e} after "
+                  f"{cfg.training.steps} steps (tolerance {tolerance:.0e}): "
+                  f"{'OK' if diff <= tolerance else 'FAIL'}", flush=True)
+            passed = passed and diff <= tolerance
+        ok.fill_(float(passed))
+    get_ledger().enabled = False  # the verdict is not part of the strategy's traffic
+    comm.broadcast(ok, src=0)
+    get_ledger().enabled = True
+    return bool(ok.item())
