@@ -1,0 +1,106 @@
+"""Collectives that scaletorch calls, each written down in the communication ledger.
+
+Thin wrappers over ``torch.distributed`` with the same arguments. Each one is a no-op on a
+group of one rank (or when no process group exists), so single-device code takes the same
+path without special cases. None of these are differentiable: see ``functional.py``.
+"""
+
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+from scaletorch.dist.ledger import get_ledger
+
+Group = Optional[dist.ProcessGroup]
+
+
+def group_size(group: Group = None) -> int:
+    """Ranks in ``group``; 1 when torch.distributed is not initialized."""
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+def group_rank(group: Group = None) -> int:
+    """This process's rank inside ``group``; 0 when torch.distributed is not initialized."""
+    return dist.get_rank(group) if dist.is_initialized() else 0
+
+
+def _record(op: str, group: Group, tensor: torch.Tensor, numel: Optional[int] = None) -> None:
+    elements = tensor.numel() if numel is None else numel
+    get_ledger().record(op, group, group_size(group), elements, tensor.element_size())
+
+
+def all_reduce(tensor: torch.Tensor, group: Group = None, op=dist.ReduceOp.SUM,
+               async_op: bool = False):
+    """In-place all-reduce of ``tensor`` over ``group``; returns a work handle if async."""
+    if group_size(group) == 1:
+        return None
+    _record("all_reduce", group, tensor)
+    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+
+def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: Group = None,
+                           async_op: bool = False):
+    """``output`` (N * n, ...) = concatenation over dim 0 of every rank's ``input`` (n, ...)."""
+    if group_size(group) == 1:
+        output.copy_(input)
+        return None
+    _record("all_gather", group, output)
+    return dist.all_gather_into_tensor(output, input.contiguous(), group=group, async_op=async_op)
+
+
+def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group: Group = None,
+                          op=dist.ReduceOp.SUM, async_op: bool = False):
+    """``output`` (n, ...) = this rank's dim-0 chunk of the sum over ranks of ``input``."""
+    if group_size(group) == 1:
+        output.copy_(input)
+        return None
+    _record("reduce_scatter", group, input)
+    return dist.reduce_scatter_tensor(output, input.contiguous(), op=op, group=group,
+                                      async_op=async_op)
+
+
+def broadcast(tensor: torch.Tensor, src: int, group: Group = None, async_op: bool = False):
+    """Copy ``tensor`` from global rank ``src`` to every rank of ``group``."""
+    if group_size(group) == 1:
+        return None
+    _record("broadcast", group, tensor)
+    return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+
+
+def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
+                      output_split_sizes: Optional[List[int]] = None,
+                      input_split_sizes: Optional[List[int]] = None, group: Group = None,
+                      async_op: bool = False):
+    """Send dim-0 slices of ``input`` to every rank and receive theirs into ``output``.
+
+    The ledger counts only the elements sent to other ranks (the slice kept is not moved).
+    """
+    n = group_size(group)
+    if n == 1:
+        output.copy_(input)
+        return None
+    rank = group_rank(group)
+    row = input[0].numel() if input.dim() > 0 and input.shape[0] > 0 else 1
+    if input_split_sizes is None:
+        kept = input.shape[0] // n
+    else:
+        kept = input_split_sizes[rank]
+    _record("all_to_all", group, input, numel=input.numel() - kept * row)
+    return dist.all_to_all_single(output, input.contiguous(), output_split_sizes,
+                                  input_split_sizes, group=group, async_op=async_op)
+
+
+def batch_isend_irecv(ops: List[dist.P2POp], group: Group = None) -> list:
+    """Post a batch of point-to-point sends and receives; returns their work handles.
+
+    Sends are recorded as "send", receives as "recv", with the element count of the tensor.
+    """
+    for p2p in ops:
+        _record("send" if p2p.op is dist.isend else "recv", group, p2p.tensor)
+    return dist.batch_isend_irecv(ops) if ops else []
+
+
+def barrier(group: Group = None) -> None:
+    if group_size(group) > 1:
+        dist.barrier(group=group)

@@ -1,0 +1,206 @@
+"""Differentiable collectives: the Megatron f/g operators and their relatives.
+
+``torch.distributed`` collectives are invisible to autograd. Each parallel strategy needs a
+collective in forward *and its conjugate in backward*, so each pair is one small
+``torch.autograd.Function`` here. The group is always an argument: the same operator serves
+tensor parallel ("tp"), sequence parallel, context parallel and expert parallel.
+
+    operator                              forward          backward
+    copy_to_parallel_region      (f)      identity         all-reduce
+    reduce_from_parallel_region  (g)      all-reduce       identity
+    scatter_to_parallel_region            split dim        all-gather dim
+    gather_from_parallel_region           all-gather dim   split dim
+    gather_from_sequence_parallel_region  all-gather dim   reduce-scatter dim   (g-bar)
+    reduce_scatter_to_sequence_parallel   reduce-scatter   all-gather dim       (f-bar)
+    all_to_all                            all-to-all       all-to-all, splits swapped
+"""
+
+from typing import List, Optional
+
+import torch
+
+from scaletorch.dist import comm
+from scaletorch.dist.comm import Group
+
+
+def split_along_dim(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    """This rank's contiguous chunk of ``x`` along ``dim`` (no communication)."""
+    n, rank = comm.group_size(group), comm.group_rank(group)
+    if x.shape[dim] % n != 0:
+        raise ValueError(f"dimension {dim} of size {x.shape[dim]} is not divisible by the "
+                         f"group size {n}")
+    return x.chunk(n, dim=dim)[rank].contiguous()
+
+
+def gather_along_dim(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim``: (.., n, ..) -> (.., N * n, ..)."""
+    n = comm.group_size(group)
+    if n == 1:
+        return x
+    # all_gather_into_tensor concatenates along dim 0 only (on gloo too), so move dim first.
+    moved = x.movedim(dim, 0).contiguous()
+    out = moved.new_empty((n * moved.shape[0], *moved.shape[1:]))
+    comm.all_gather_into_tensor(out, moved, group)
+    return out.movedim(0, dim).contiguous()
+
+
+def reduce_scatter_along_dim(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    """Sum ``x`` over ranks and keep this rank's chunk along ``dim``: (.., N n, ..) -> (.., n, ..)."""
+    n = comm.group_size(group)
+    if n == 1:
+        return x
+    if x.shape[dim] % n != 0:
+        raise ValueError(f"dimension {dim} of size {x.shape[dim]} is not divisible by the "
+                         f"group size {n}")
+    moved = x.movedim(dim, 0).contiguous()
+    out = moved.new_empty((moved.shape[0] // n, *moved.shape[1:]))
+    comm.reduce_scatter_tensor(out, moved, group)
+    return out.movedim(0, dim).contiguous()
+
+
+def all_reduce_sum(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Out-of-place sum over ``group`` (the input is left untouched)."""
+    out = x.clone()
+    comm.all_reduce(out, group)
+    return out
+
+
+class _CopyToParallelRegion(torch.autograd.Function):
+    """f: forward identity, backward all-reduce (a replicated input used by every shard)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce_sum(grad, ctx.group), None
+
+
+class _ReduceFromParallelRegion(torch.autograd.Function):
+    """g: forward all-reduce (sum the partial results of the shards), backward identity."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return all_reduce_sum(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ScatterToParallelRegion(torch.autograd.Function):
+    """Forward: keep this rank's chunk along ``dim``; backward: all-gather the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return split_along_dim(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return gather_along_dim(grad, ctx.dim, ctx.group), None, None
+
+
+class _GatherFromParallelRegion(torch.autograd.Function):
+    """Forward: all-gather along ``dim``; backward: keep this rank's chunk of the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return gather_along_dim(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return split_along_dim(grad, ctx.dim, ctx.group), None, None
+
+
+class _GatherFromSequenceParallelRegion(torch.autograd.Function):
+    """g-bar: forward all-gather along ``dim``, backward reduce-scatter along ``dim``.
+
+    Used before a column-parallel matmul under sequence parallel: every rank needs the whole
+    sequence, and each rank's gradient w.r.t. it is partial, so the backward sums and splits.
+    """
+
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return gather_along_dim(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter_along_dim(grad, ctx.dim, ctx.group), None, None
+
+
+class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
+    """f-bar: forward reduce-scatter along ``dim``, backward all-gather along ``dim``.
+
+    Used after a row-parallel matmul under sequence parallel: sum the partial outputs and keep
+    this rank's piece of the sequence.
+    """
+
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return reduce_scatter_along_dim(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return gather_along_dim(grad, ctx.dim, ctx.group), None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    """Forward: all-to-all of dim-0 slices; backward: the reverse all-to-all (splits swapped)."""
+
+    @staticmethod
+    def forward(ctx, x, output_split_sizes, input_split_sizes, group):
+        ctx.group = group
+        ctx.output_split_sizes, ctx.input_split_sizes = output_split_sizes, input_split_sizes
+        n = comm.group_size(group)
+        rows = sum(output_split_sizes) if output_split_sizes is not None else x.shape[0]
+        if output_split_sizes is None and x.shape[0] % n != 0:
+            raise ValueError(f"all_to_all without split sizes needs dim 0 ({x.shape[0]}) "
+                             f"divisible by the group size ({n})")
+        out = x.new_empty((rows, *x.shape[1:]))
+        comm.all_to_all_single(out, x.contiguous(), output_split_sizes, input_split_sizes, group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        # What this rank received from rank j goes back to rank j: the splits swap roles.
+        out = _AllToAll.apply(grad.contiguous(), ctx.input_split_sizes,
+                              ctx.output_split_sizes, ctx.group)
+        return out, None, None, None
+
+
+def copy_to_parallel_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return _CopyToParallelRegion.apply(x, group)
+
+
+def reduce_from_parallel_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return _ReduceFromParallelRegion.apply(x, group)
+
+
+def scatter_to_parallel_region(x: torch.Tensor, group: Group, dim: int = -1) -> torch.Tensor:
+    return _ScatterToParallelRegion.apply(x, group, dim)
+
+
+def gather_from_parallel_region(x: torch.Tensor, group: Group, dim: int = -1) -> torch.Tensor:
+    return _GatherFromParallelRegion.apply(x, group, dim)
+
+
+def gather_from_sequence_parallel_region(x: torch.Tensor, group: Group,
+                                         dim: int = 1) -> torch.Tensor:
+    return _GatherFromSequenceParallelRegion.apply(x, group, dim)
+
+
+def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group: Group,
+                                               dim: int = 1) -> torch.Tensor:
+    return _ReduceScatterToSequenceParallelRegion.apply(x, group, dim)
+
+
+def all_to_all(x: torch.Tensor, output_split_sizes: Optional[List[int]],
+               input_split_sizes: Optional[List[int]], group: Group) -> torch.Tensor:
+    """Differentiable all-to-all along dim 0: x (sum(input_splits), ...) -> (sum(output_splits), ...)."""
+    return _AllToAll.apply(x, output_split_sizes, input_split_sizes, group)

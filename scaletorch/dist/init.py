@@ -1,0 +1,84 @@
+"""Start and stop torch.distributed from torchrun's environment, on CPU or GPU.
+
+torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT for every process.
+Without them we run as one process and create no process group, so every script also runs
+with a plain ``python examples/...``. The device and backend follow the hardware: NCCL and
+``cuda:LOCAL_RANK`` when CUDA is present, gloo and the CPU otherwise.
+"""
+
+import datetime
+import gc
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT_SECONDS = 300.0
+
+
+@dataclass(frozen=True)
+class DistributedEnv:
+    """What this process is: its ranks, the device it computes on and the backend."""
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def pick_device_and_backend(local_rank: int) -> tuple[torch.device, str]:
+    """CUDA + NCCL when a GPU is visible, CPU + gloo otherwise."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", local_rank % torch.cuda.device_count()), "nccl"
+    return torch.device("cpu"), "gloo"
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def init_distributed(timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS) -> DistributedEnv:
+    """Initialize the default process group from torchrun's variables (or run alone).
+
+    ``timeout_seconds`` bounds every collective: a peer that never arrives makes the others
+    raise after that long instead of hanging forever. If a process group already exists
+    (the test harness creates one) it is reused.
+    """
+    if timeout_seconds <= 0:
+        raise ValueError(f"timeout_seconds must be positive, got {timeout_seconds}")
+    rank = _env_int("RANK", 0)
+    world_size = _env_int("WORLD_SIZE", 1)
+    local_rank = _env_int("LOCAL_RANK", 0)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"RANK={rank} is outside WORLD_SIZE={world_size}")
+    device, backend = pick_device_and_backend(local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if dist.is_initialized():
+        backend = dist.get_backend()
+    elif world_size > 1:
+        dist.init_process_group(backend, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout_seconds))
+    return DistributedEnv(rank, local_rank, world_size, device, backend)
+
+
+def destroy_distributed() -> None:
+    """Tear down the default process group, if any.
+
+    ``gc.collect()`` first: dropping DDP's reducer inside destroy occasionally aborts the
+    process on gloo (see CPU_GLOO_NOTES.md); collecting it before avoids that.
+    """
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()

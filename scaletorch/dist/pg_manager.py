@@ -1,0 +1,411 @@
+"""The rank grid and the process-group manager: which ranks talk to which.
+
+Every rank of the world gets one coordinate per parallel axis. The attention (dense) layers
+see the world as four axes, listed fastest-varying first (Megatron's order string):
+
+    rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))     # "tp-cp-dp-pp"
+
+so tensor-parallel peers are neighbours (one node), and pipeline stages are far apart.
+A group of kind "tp" holds the ranks that differ only in tp_rank, and so on. "dp_cp" holds
+the ranks that differ in dp_rank or cp_rank: gradients are averaged over it, because with
+context parallel every rank of it holds a different slice of the global batch.
+
+Expert parallel is not a fifth multiplicative axis ("MoE parallel folding", as in Megatron
+and torchtitan): the expert layers see the same world as tp x ep x edp x pp, with
+ep * edp = dp * cp. Within one pipeline stage and tensor rank, take the dp_cp group (its
+ranks in increasing order; position = data_parallel_rank_with_context) and cut it into
+consecutive blocks of ep ranks: each block is an "ep" group, and the ranks at the same
+position of every block form an "edp" group (strided). Example, world 8, tp 2, dp 4, ep 2:
+
+    dp_cp groups  [0 2 4 6]      [1 3 5 7]
+    ep groups     [0 2] [4 6]    [1 3] [5 7]      (consecutive)
+    edp groups    [0 4] [2 6]    [1 5] [3 7]      (strided)
+
+``RankGrid`` is plain Python (unit-tested without a process group); ``ProcessGroupManager``
+creates the torch.distributed groups from it once and exposes them with Megatron names.
+"""
+
+import datetime
+import numbers
+from typing import Dict, List, Optional, Union
+
+import torch.distributed as dist
+
+from scaletorch.dist.ledger import name_group
+
+AXES = ("tp", "cp", "dp", "pp")
+KINDS = ("tp", "cp", "dp", "dp_cp", "pp", "ep", "edp")
+DEFAULT_ORDER = "tp-cp-dp-pp"
+
+
+def _check_positive(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+class RankGrid:
+    """Rank <-> coordinate arithmetic for tp, cp, dp, pp and the folded ep, edp; no comms.
+
+    ``groups(kind)`` lists every group of a kind, each sorted by rank, the groups sorted by
+    their first rank. Kinds: "tp", "cp", "dp" (data parallel without cp), "dp_cp" (data
+    parallel with cp folded in), "pp", "ep", "edp".
+    """
+
+    def __init__(self, world_size: int, tensor_model_parallel_size: int = 1,
+                 pipeline_model_parallel_size: int = 1, context_parallel_size: int = 1,
+                 expert_model_parallel_size: int = 1, order: str = DEFAULT_ORDER) -> None:
+        _check_positive("world_size", world_size)
+        _check_positive("tensor_model_parallel_size", tensor_model_parallel_size)
+        _check_positive("pipeline_model_parallel_size", pipeline_model_parallel_size)
+        _check_positive("context_parallel_size", context_parallel_size)
+        _check_positive("expert_model_parallel_size", expert_model_parallel_size)
+        tp, pp, cp = tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size
+        if world_size % (tp * pp * cp) != 0:
+            raise ValueError(
+                f"world size {world_size} is not divisible by tensor_model_parallel_size ({tp}) "
+                f"x pipeline_model_parallel_size ({pp}) x context_parallel_size ({cp})")
+        dp = world_size // (tp * pp * cp)
+        ep = expert_model_parallel_size
+        if (dp * cp) % ep != 0:
+            raise ValueError(
+                f"expert_model_parallel_size ({ep}) does not divide data_parallel_size ({dp}) "
+                f"x context_parallel_size ({cp}) = {dp * cp}")
+        axes = tuple(order.split("-")) if isinstance(order, str) else ()
+        if sorted(axes) != sorted(AXES):
+            raise ValueError(f"order {order!r} must list each of tp, cp, dp, pp exactly once, "
+                             f"fastest-varying first, joined by '-' (e.g. {DEFAULT_ORDER!r})")
+
+        self.world_size = world_size
+        self.tensor_model_parallel_size = tp
+        self.pipeline_model_parallel_size = pp
+        self.context_parallel_size = cp
+        self.data_parallel_size = dp
+        self.expert_model_parallel_size = ep
+        self.expert_data_parallel_size = dp * cp // ep
+        self.order = order
+        self._sizes = {"tp": tp, "cp": cp, "dp": dp, "pp": pp, "dp_cp": dp * cp, "ep": ep,
+                       "edp": dp * cp // ep}
+        self._strides: Dict[str, int] = {}
+        stride = 1
+        for axis in axes:  # fastest-varying first
+            self._strides[axis] = stride
+            stride *= self._sizes[axis]
+        self._groups = self._build_groups()
+        # rank -> index of its group, per kind, for group_of() and coordinates()
+        self._index = {kind: {r: i for i, g in enumerate(groups) for r in g}
+                       for kind, groups in self._groups.items()}
+
+    def _axis_rank(self, axis: str, rank: int) -> int:
+        return rank // self._strides[axis] % self._sizes[axis]
+
+    def _build_groups(self) -> Dict[str, List[List[int]]]:
+        groups: Dict[str, List[List[int]]] = {}
+        ranks = range(self.world_size)
+        for axis in AXES:
+            stride, size = self._strides[axis], self._sizes[axis]
+            groups[axis] = [[base + i * stride for i in range(size)]
+                            for base in ranks if self._axis_rank(axis, base) == 0]
+        s_cp, s_dp = self._strides["cp"], self._strides["dp"]
+        groups["dp_cp"] = [
+            sorted(base + c * s_cp + d * s_dp for c in range(self._sizes["cp"])
+                   for d in range(self._sizes["dp"]))
+            for base in ranks if self._axis_rank("dp", base) == self._axis_rank("cp", base) == 0
+        ]
+        ep = self.expert_model_parallel_size
+        ep_groups = [g[i:i + ep] for g in groups["dp_cp"] for i in range(0, len(g), ep)]
+        edp_groups = [g[i::ep] for g in groups["dp_cp"] for i in range(ep)]
+        groups["ep"] = sorted(ep_groups)
+        groups["edp"] = sorted(edp_groups)
+        return groups
+
+    def _check_kind(self, kind: str) -> None:
+        if kind not in KINDS:
+            raise ValueError(f"unknown group kind {kind!r}; expected one of {KINDS}")
+
+    def size(self, kind: str) -> int:
+        """Number of ranks in each group of ``kind``."""
+        self._check_kind(kind)
+        return self._sizes[kind]
+
+    def groups(self, kind: str) -> List[List[int]]:
+        """Every group of ``kind`` (partition of the world), sorted by their first rank."""
+        self._check_kind(kind)
+        return [list(g) for g in self._groups[kind]]
+
+    def group_of(self, kind: str, rank: int) -> List[int]:
+        """The ranks of the ``kind`` group that ``rank`` belongs to, in increasing order."""
+        self._check_kind(kind)
+        if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) \
+                or not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank!r} is outside world size {self.world_size}")
+        return list(self._groups[kind][self._index[kind][rank]])
+
+    def coordinates(self, rank: int) -> Dict[str, int]:
+        """``rank``'s position in every kind of group: tp, cp, dp, pp, dp_cp, ep, edp."""
+        return {kind: self.group_of(kind, rank).index(rank) for kind in KINDS}
+
+    def describe(self) -> str:
+        """A short table of the grid for logging: one line per pipeline stage.
+
+        Each ``[..]`` is one tensor-parallel group; the brackets after ``dp d:`` are the
+        context-parallel ranks 0, 1, ... of data-parallel rank d.
+        """
+        width = len(str(self.world_size - 1))
+        s = self._sizes
+        lines = [
+            f"rank grid: world {self.world_size} = tp {s['tp']} x cp {s['cp']} x dp {s['dp']} "
+            f"x pp {s['pp']}, order {self.order} (fastest first)",
+            f"experts: ep {s['ep']} x edp {s['edp']}; [..] = one tp group, cp ranks side by side",
+        ]
+        for p in range(s["pp"]):
+            cells = []
+            for d in range(s["dp"]):
+                blocks = []
+                for c in range(s["cp"]):
+                    tp_ranks = [self._rank_at(t, c, d, p) for t in range(s["tp"])]
+                    blocks.append("[" + " ".join(f"{r:>{width}}" for r in tp_ranks) + "]")
+                cells.append(f"dp {d}: " + " ".join(blocks))
+            lines.append(f"pp {p} | " + " | ".join(cells))
+        return "\n".join(lines)
+
+    def _rank_at(self, tp_rank: int, cp_rank: int, dp_rank: int, pp_rank: int) -> int:
+        coords = {"tp": tp_rank, "cp": cp_rank, "dp": dp_rank, "pp": pp_rank}
+        return sum(coords[a] * self._strides[a] for a in AXES)
+
+
+class ProcessGroupManager:
+    """Creates every torch.distributed group of a ``RankGrid`` once and names them.
+
+    Needs ``dist.init_process_group`` first, except for world size 1 without a process group:
+    then every group is None, every rank 0 and every size 1, so single-device code runs.
+    """
+
+    def __init__(self, grid: RankGrid,
+                 timeout: Optional[Union[datetime.timedelta, float]] = None) -> None:
+        self.grid = grid
+        if dist.is_initialized():
+            self.rank = dist.get_rank()
+            self.world_size = dist.get_world_size()
+            if self.world_size != grid.world_size:
+                raise ValueError(f"the grid is for world size {grid.world_size} but "
+                                 f"torch.distributed has world size {self.world_size}")
+        elif grid.world_size == 1:
+            self.rank, self.world_size = 0, 1
+        else:
+            raise RuntimeError(f"torch.distributed is not initialized, so only world size 1 "
+                               f"can run; the grid has world size {grid.world_size}")
+        self._coords = grid.coordinates(self.rank)
+        if isinstance(timeout, (int, float)):
+            timeout = datetime.timedelta(seconds=timeout)
+        self._groups: Dict[str, Optional[dist.ProcessGroup]] = {kind: None for kind in KINDS}
+        if dist.is_initialized():
+            # new_group is collective over the whole world: every rank creates every group,
+            # in the same order, and keeps the one it belongs to.
+            for kind in KINDS:
+                for ranks in grid.groups(kind):
+                    group = dist.new_group(ranks, timeout=timeout)
+                    if self.rank in ranks:
+                        self._groups[kind] = group
+                        name_group(group, kind)  # how the communication ledger labels it
+
+    # -- generic access ---------------------------------------------------------------------
+    def get_group(self, kind: str) -> Optional[dist.ProcessGroup]:
+        """This rank's group of ``kind`` (None without a process group)."""
+        self.grid.size(kind)  # validates kind
+        return self._groups[kind]
+
+    def group_ranks(self, kind: str) -> List[int]:
+        """Global ranks of this rank's group of ``kind``, in increasing order."""
+        return self.grid.group_of(kind, self.rank)
+
+    def _rank_in(self, kind: str) -> int:
+        return self._coords[kind]
+
+    @property
+    def group_names(self) -> Dict[dist.ProcessGroup, str]:
+        """{group: short name} for this rank's groups ("tp", "cp", "dp", "dp_cp", ...)."""
+        return {g: kind for kind, g in self._groups.items() if g is not None}
+
+    def name_of(self, group: Optional[dist.ProcessGroup]) -> str:
+        """Short label of a group for the communication ledger: "tp", "dp_cp", ..., "world".
+
+        None and the default group are "world"; a group this manager did not create is a
+        ValueError (a collective on an unexpected group is a bug worth seeing).
+        """
+        if group is None or group is dist.GroupMember.WORLD:
+            return "world"
+        name = self.group_names.get(group)
+        if name is None:
+            raise ValueError(f"group {group!r} was not created by this ProcessGroupManager")
+        return name
+
+    def log_topology(self) -> None:
+        """Print the grid once, from rank 0."""
+        if self.rank == 0:
+            print(self.grid.describe(), flush=True)
+
+    def destroy(self) -> None:
+        """Destroy the subgroups this rank holds (the default group stays)."""
+        if dist.is_initialized():
+            for group in self._groups.values():
+                if group is not None:
+                    dist.destroy_process_group(group)
+        self._groups = {kind: None for kind in KINDS}
+
+    # -- tensor parallel --------------------------------------------------------------------
+    @property
+    def tensor_model_parallel_group(self) -> Optional[dist.ProcessGroup]:
+        return self._groups["tp"]
+
+    @property
+    def tensor_model_parallel_rank(self) -> int:
+        return self._rank_in("tp")
+
+    @property
+    def tensor_model_parallel_world_size(self) -> int:
+        return self.grid.tensor_model_parallel_size
+
+    # -- pipeline parallel ------------------------------------------------------------------
+    @property
+    def pipeline_model_parallel_group(self) -> Optional[dist.ProcessGroup]:
+        return self._groups["pp"]
+
+    @property
+    def pipeline_model_parallel_rank(self) -> int:
+        return self._rank_in("pp")
+
+    @property
+    def pipeline_model_parallel_world_size(self) -> int:
+        return self.grid.pipeline_model_parallel_size
+
+    @property
+    def is_pipeline_first_stage(self) -> bool:
+        return self.pipeline_model_parallel_rank == 0
+
+    @property
+    def is_pipeline_last_stage(self) -> bool:
+        return self.pipeline_model_parallel_rank == self.pipeline_model_parallel_world_size - 1
+
+    @property
+    def pipeline_next_rank(self) -> Optional[int]:
+        """Global rank of the next stage (None on the last stage)."""
+        if self.is_pipeline_last_stage:
+            return None
+        return self.group_ranks("pp")[self.pipeline_model_parallel_rank + 1]
+
+    @property
+    def pipeline_prev_rank(self) -> Optional[int]:
+        """Global rank of the previous stage (None on the first stage)."""
+        if self.is_pipeline_first_stage:
+            return None
+        return self.group_ranks("pp")[self.pipeline_model_parallel_rank - 1]
+
+    @property
+    def pipeline_first_rank(self) -> int:
+        return self.group_ranks("pp")[0]
+
+    @property
+    def pipeline_last_rank(self) -> int:
+        return self.group_ranks("pp")[-1]
+
+    # -- context parallel -------------------------------------------------------------------
+    @property
+    def context_parallel_group(self) -> Optional[dist.ProcessGroup]:
+        return self._groups["cp"]
+
+    @property
+    def context_parallel_rank(self) -> int:
+        return self._rank_in("cp")
+
+    @property
+    def context_parallel_world_size(self) -> int:
+        return self.grid.context_parallel_size
+
+    # -- data parallel (without and with context parallel folded in) ------------------------
+    @property
+    def data_parallel_group(self) -> Optional[dist.ProcessGroup]:
+        return self._groups["dp"]
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return self._rank_in("dp")
+
+    @property
+    def data_parallel_world_size(self) -> int:
+        return self.grid.data_parallel_size
+
+    @property
+    def data_parallel_group_with_context(self) -> Optional[dist.ProcessGroup]:
+        """The gradient-averaging group: every rank that sees different tokens."""
+        return self._groups["dp_cp"]
+
+    @property
+    def data_parallel_rank_with_context(self) -> int:
+        return self._rank_in("dp_cp")
+
+    @property
+    def data_parallel_world_size_with_context(self) -> int:
+        return self.grid.data_parallel_size * self.grid.context_parallel_size
+
+    # -- expert parallel (folded into dp x cp) ----------------------------------------------
+    @property
+    def expert_model_parallel_group(self) -> Optional[dist.ProcessGroup]:
+        return self._groups["ep"]
+
+    @property
+    def expert_model_parallel_rank(self) -> int:
+        return self._rank_in("ep")
+
+    @property
+    def expert_model_parallel_world_size(self) -> int:
+        return self.grid.expert_model_parallel_size
+
+    @property
+    def expert_data_parallel_group(self) -> Optional[dist.ProcessGroup]:
+        """Ranks holding the same experts: expert gradients are averaged over it."""
+        return self._groups["edp"]
+
+    @property
+    def expert_data_parallel_rank(self) -> int:
+        return self._rank_in("edp")
+
+    @property
+    def expert_data_parallel_world_size(self) -> int:
+        return self.grid.expert_data_parallel_size
+
+
+_PG_MANAGER: Optional[ProcessGroupManager] = None
+
+
+def init_pg_manager(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
+                    context_parallel_size: int = 1, expert_model_parallel_size: int = 1,
+                    order: str = DEFAULT_ORDER,
+                    timeout: Optional[Union[datetime.timedelta, float]] = None
+                    ) -> ProcessGroupManager:
+    """Build the manager for the current world (1 without a process group) and register it.
+
+    Call once, after ``init_distributed``, on every rank; ``destroy_pg_manager`` undoes it.
+    """
+    global _PG_MANAGER
+    if _PG_MANAGER is not None:
+        raise RuntimeError("pg_manager is already initialized; call destroy_pg_manager() first")
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    grid = RankGrid(world_size, tensor_model_parallel_size, pipeline_model_parallel_size,
+                    context_parallel_size, expert_model_parallel_size, order)
+    _PG_MANAGER = ProcessGroupManager(grid, timeout=timeout)
+    return _PG_MANAGER
+
+
+def get_pg_manager() -> ProcessGroupManager:
+    """The manager registered by ``init_pg_manager``."""
+    if _PG_MANAGER is None:
+        raise RuntimeError("pg_manager is not initialized; call init_pg_manager(...) first")
+    return _PG_MANAGER
+
+
+def destroy_pg_manager() -> None:
+    """Destroy the registered manager's subgroups and unregister it (no-op when unset)."""
+    global _PG_MANAGER
+    if _PG_MANAGER is not None:
+        _PG_MANAGER.destroy()
+        _PG_MANAGER = None
