@@ -26,8 +26,8 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, timeout: float, fn: Callable,
-            args: tuple, queue) -> None:
+def _worker(rank: int, world_size: int, port: int, timeout: float, fn: Callable, args: tuple,
+            queue) -> None:
     os.environ.update({
         "RANK": str(rank),
         "LOCAL_RANK": str(rank),

@@ -12,6 +12,7 @@ from scaletorch.data import (BinDataset, ByteTextDataset, GlobalBatchLoader, Syn
 
 
 class TestSyntheticMarkov(unittest.TestCase):
+
     def setUp(self):
         self.dataset = SyntheticMarkov(vocab_size=64, seed=0)
 
@@ -51,6 +52,7 @@ class TestSyntheticMarkov(unittest.TestCase):
 
 
 class TestFileDatasets(unittest.TestCase):
+
     def setUp(self):
         self.tmp = tempfile.TemporaryDirectory()
         self.addCleanup(self.tmp.cleanup)
@@ -80,8 +82,8 @@ class TestFileDatasets(unittest.TestCase):
         self.assertTrue((np.diff(tokens, axis=1) == 7).all())
 
     def test_bin_token_outside_vocab_raises(self):
-        dataset = BinDataset(self._write("big.bin", np.full(50, 300, np.uint16).tobytes()),
-                             vocab_size=256)
+        dataset = BinDataset(self._write("big.bin",
+                                         np.full(50, 300, np.uint16).tobytes()), vocab_size=256)
         with self.assertRaisesRegex(ValueError, "300"):
             dataset.sample(1, 10, np.random.default_rng(0))
 
@@ -113,6 +115,7 @@ class TestFileDatasets(unittest.TestCase):
 
 
 class TestGlobalBatchLoader(unittest.TestCase):
+
     def setUp(self):
         self.dataset = SyntheticMarkov(vocab_size=32, seed=0)
 
@@ -149,6 +152,7 @@ class TestGlobalBatchLoader(unittest.TestCase):
 
 
 class TestSharding(unittest.TestCase):
+
     def setUp(self):
         self.batch = torch.arange(8 * 6).view(8, 6)
 

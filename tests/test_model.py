@@ -16,6 +16,7 @@ ATOL = 1e-5
 
 
 class TestLlamaConfig(unittest.TestCase):
+
     def test_head_dim_is_hidden_over_heads(self):
         self.assertEqual(LlamaConfig(hidden_size=64, num_attention_heads=4).head_dim, 16)
 
@@ -36,6 +37,7 @@ class TestLlamaConfig(unittest.TestCase):
 
 
 class TestLlamaModel(unittest.TestCase):
+
     def setUp(self):
         self.config = LlamaConfig()
         self.model = build_model(self.config, seed=0)
@@ -53,8 +55,7 @@ class TestLlamaModel(unittest.TestCase):
         cos, sin = self.model.rope(None, 16, x.device)
         for layer in self.model.layers:
             x = layer(x, cos, sin)
-        torch.testing.assert_close(self.model.head(x), self.model(self.input_ids),
-                                   rtol=0, atol=0)
+        torch.testing.assert_close(self.model.head(x), self.model(self.input_ids), rtol=0, atol=0)
 
     def test_same_seed_builds_identical_weights_whatever_the_global_rng_state(self):
         with torch.random.fork_rng(devices=[]):
@@ -64,8 +65,7 @@ class TestLlamaModel(unittest.TestCase):
         for (name, p), q in zip(self.model.named_parameters(), other.parameters()):
             torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
         different = build_model(self.config, seed=1)
-        self.assertFalse(torch.equal(self.model.embed_tokens.weight,
-                                     different.embed_tokens.weight))
+        self.assertFalse(torch.equal(self.model.embed_tokens.weight, different.embed_tokens.weight))
 
     def test_build_model_leaves_the_global_rng_state_unchanged(self):
         state = torch.get_rng_state()
@@ -112,10 +112,9 @@ class TestLlamaModel(unittest.TestCase):
     def test_explicit_arange_positions_equal_default_in_both_shapes(self):
         default = self.model(self.input_ids)
         positions = torch.arange(16)
-        torch.testing.assert_close(self.model(self.input_ids, positions), default,
+        torch.testing.assert_close(self.model(self.input_ids, positions), default, rtol=0, atol=0)
+        torch.testing.assert_close(self.model(self.input_ids, positions.expand(2, 16)), default,
                                    rtol=0, atol=0)
-        torch.testing.assert_close(self.model(self.input_ids, positions.expand(2, 16)),
-                                   default, rtol=0, atol=0)
 
     def test_positions_change_the_output(self):
         shifted = self.model(self.input_ids, torch.arange(16) + 3)
@@ -179,6 +178,7 @@ class TestRope(unittest.TestCase):
 
 
 class TestAttention(unittest.TestCase):
+
     def setUp(self):
         g = torch.Generator().manual_seed(0)
         self.q = torch.randn(2, 10, 4, 8, generator=g)
@@ -189,15 +189,15 @@ class TestAttention(unittest.TestCase):
         gqa = causal_attention(self.q, self.k, self.v)
         k_mha = self.k.repeat_interleave(2, dim=2)
         v_mha = self.v.repeat_interleave(2, dim=2)
-        torch.testing.assert_close(gqa, causal_attention(self.q, k_mha, v_mha),
-                                   rtol=0, atol=0)
+        torch.testing.assert_close(gqa, causal_attention(self.q, k_mha, v_mha), rtol=0, atol=0)
         self.assertEqual(gqa.shape, self.q.shape)
 
     def test_causal_attention_matches_torch_sdpa(self):
         out = causal_attention(self.q, self.k, self.v)
-        expected = F.scaled_dot_product_attention(
-            self.q.transpose(1, 2), self.k.repeat_interleave(2, 2).transpose(1, 2),
-            self.v.repeat_interleave(2, 2).transpose(1, 2), is_causal=True).transpose(1, 2)
+        expected = F.scaled_dot_product_attention(self.q.transpose(1, 2),
+                                                  self.k.repeat_interleave(2, 2).transpose(1, 2),
+                                                  self.v.repeat_interleave(2, 2).transpose(1, 2),
+                                                  is_causal=True).transpose(1, 2)
         torch.testing.assert_close(out, expected, rtol=0, atol=ATOL)
 
     def test_indivisible_head_counts_raise(self):

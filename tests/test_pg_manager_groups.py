@@ -20,9 +20,15 @@ from tests.harness import run_distributed
 
 WORLD_SIZE = 8
 LAYOUTS = [
-    {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2},
-    {"tensor_model_parallel_size": 2, "context_parallel_size": 2,
-     "expert_model_parallel_size": 2},
+    {
+        "tensor_model_parallel_size": 2,
+        "pipeline_model_parallel_size": 2
+    },
+    {
+        "tensor_model_parallel_size": 2,
+        "context_parallel_size": 2,
+        "expert_model_parallel_size": 2
+    },
 ]
 
 
@@ -51,24 +57,35 @@ def _measure_groups(rank: int, world_size: int, layouts: List[Dict[str, int]]) -
         if not pgm.is_pipeline_last_stage:
             dist.send(torch.tensor([rank]), dst=pgm.pipeline_next_rank)
         attributes = {
-            "rank": pgm.rank, "world_size": pgm.world_size,
+            "rank":
+            pgm.rank,
+            "world_size":
+            pgm.world_size,
             "tp": (pgm.tensor_model_parallel_rank, pgm.tensor_model_parallel_world_size),
             "pp": (pgm.pipeline_model_parallel_rank, pgm.pipeline_model_parallel_world_size),
             "cp": (pgm.context_parallel_rank, pgm.context_parallel_world_size),
             "dp": (pgm.data_parallel_rank, pgm.data_parallel_world_size),
-            "dp_cp": (pgm.data_parallel_rank_with_context,
-                      pgm.data_parallel_world_size_with_context),
+            "dp_cp":
+            (pgm.data_parallel_rank_with_context, pgm.data_parallel_world_size_with_context),
             "ep": (pgm.expert_model_parallel_rank, pgm.expert_model_parallel_world_size),
             "edp": (pgm.expert_data_parallel_rank, pgm.expert_data_parallel_world_size),
-            "pipeline": (pgm.is_pipeline_first_stage, pgm.is_pipeline_last_stage,
-                         pgm.pipeline_prev_rank, pgm.pipeline_next_rank,
-                         pgm.pipeline_first_rank, pgm.pipeline_last_rank),
-            "group_ranks": {kind: pgm.group_ranks(kind) for kind in KINDS},
+            "pipeline":
+            (pgm.is_pipeline_first_stage, pgm.is_pipeline_last_stage, pgm.pipeline_prev_rank,
+             pgm.pipeline_next_rank, pgm.pipeline_first_rank, pgm.pipeline_last_rank),
+            "group_ranks": {
+                kind: pgm.group_ranks(kind)
+                for kind in KINDS
+            },
         }
         names["world"] = pgm.name_of(None)
         names["WORLD"] = pgm.name_of(dist.group.WORLD)
-        results.append({"members": members, "sums": sums, "names": names,
-                        "received": received, "attributes": attributes})
+        results.append({
+            "members": members,
+            "sums": sums,
+            "names": names,
+            "received": received,
+            "attributes": attributes
+        })
         destroy_pg_manager()
     return results
 
@@ -96,8 +113,7 @@ class TestProcessGroupManagerOnEightRanks(unittest.TestCase):
             for rank in range(WORLD_SIZE):
                 attributes = self.results[rank][i]["attributes"]
                 coords = grid.coordinates(rank)
-                self.assertEqual((attributes["rank"], attributes["world_size"]),
-                                 (rank, WORLD_SIZE))
+                self.assertEqual((attributes["rank"], attributes["world_size"]), (rank, WORLD_SIZE))
                 for kind in KINDS:
                     self.assertEqual(attributes[kind], (coords[kind], grid.size(kind)),
                                      (i, rank, kind))
@@ -130,8 +146,13 @@ class TestProcessGroupManagerOnEightRanks(unittest.TestCase):
     def test_name_of_labels_every_group_for_the_ledger(self):
         for rank in range(WORLD_SIZE):
             for measured in self.results[rank]:
-                self.assertEqual(measured["names"], {**{kind: kind for kind in KINDS},
-                                                     "world": "world", "WORLD": "world"})
+                self.assertEqual(measured["names"], {
+                    **{
+                        kind: kind
+                        for kind in KINDS
+                    }, "world": "world",
+                    "WORLD": "world"
+                })
 
 
 class TestProcessGroupManagerWithoutProcessGroup(unittest.TestCase):
@@ -170,8 +191,9 @@ class TestProcessGroupManagerWithoutProcessGroup(unittest.TestCase):
         self.assertEqual(out.getvalue(), RankGrid(1).describe() + "\n")
 
     def test_accessor_lifecycle(self):
-        with self.assertRaisesRegex(RuntimeError, r"pg_manager is not initialized; call "
-                                                  r"init_pg_manager\(...\) first"):
+        with self.assertRaisesRegex(
+                RuntimeError, r"pg_manager is not initialized; call "
+                r"init_pg_manager\(...\) first"):
             get_pg_manager()
         pgm = init_pg_manager()
         self.assertIs(get_pg_manager(), pgm)

@@ -21,10 +21,15 @@ class RankGridInvariants:
 
     def check_invariants(self, grid: RankGrid) -> None:
         world = grid.world_size
-        sizes = {"tp": grid.tensor_model_parallel_size, "cp": grid.context_parallel_size,
-                 "dp": grid.data_parallel_size, "pp": grid.pipeline_model_parallel_size,
-                 "dp_cp": grid.data_parallel_size * grid.context_parallel_size,
-                 "ep": grid.expert_model_parallel_size, "edp": grid.expert_data_parallel_size}
+        sizes = {
+            "tp": grid.tensor_model_parallel_size,
+            "cp": grid.context_parallel_size,
+            "dp": grid.data_parallel_size,
+            "pp": grid.pipeline_model_parallel_size,
+            "dp_cp": grid.data_parallel_size * grid.context_parallel_size,
+            "ep": grid.expert_model_parallel_size,
+            "edp": grid.expert_data_parallel_size
+        }
         self.assertEqual(sizes["tp"] * sizes["cp"] * sizes["dp"] * sizes["pp"], world)
         self.assertEqual(sizes["ep"] * sizes["edp"], sizes["dp_cp"])
         for kind in KINDS:
@@ -64,59 +69,77 @@ class TestRankGridGoldenLayouts(unittest.TestCase, RankGridInvariants):
         self.assertEqual(grid.coordinates(0), {kind: 0 for kind in KINDS})
 
     def test_tp2_dp2(self):
-        self.check_golden(RankGrid(4, tensor_model_parallel_size=2), {
-            "tp": [[0, 1], [2, 3]],
-            "cp": singletons(4),
-            "dp": [[0, 2], [1, 3]],
-            "dp_cp": [[0, 2], [1, 3]],
-            "pp": singletons(4),
-            "ep": singletons(4),
-            "edp": [[0, 2], [1, 3]],
-        })
+        self.check_golden(
+            RankGrid(4, tensor_model_parallel_size=2), {
+                "tp": [[0, 1], [2, 3]],
+                "cp": singletons(4),
+                "dp": [[0, 2], [1, 3]],
+                "dp_cp": [[0, 2], [1, 3]],
+                "pp": singletons(4),
+                "ep": singletons(4),
+                "edp": [[0, 2], [1, 3]],
+            })
 
     def test_tp2_pp2_dp2(self):
         # rank = tp + 2 * (dp + 2 * pp)
         grid = RankGrid(8, tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
-        self.check_golden(grid, {
-            "tp": [[0, 1], [2, 3], [4, 5], [6, 7]],
-            "cp": singletons(8),
-            "dp": [[0, 2], [1, 3], [4, 6], [5, 7]],
-            "dp_cp": [[0, 2], [1, 3], [4, 6], [5, 7]],
-            "pp": [[0, 4], [1, 5], [2, 6], [3, 7]],
-            "ep": singletons(8),
-            "edp": [[0, 2], [1, 3], [4, 6], [5, 7]],
+        self.check_golden(
+            grid, {
+                "tp": [[0, 1], [2, 3], [4, 5], [6, 7]],
+                "cp": singletons(8),
+                "dp": [[0, 2], [1, 3], [4, 6], [5, 7]],
+                "dp_cp": [[0, 2], [1, 3], [4, 6], [5, 7]],
+                "pp": [[0, 4], [1, 5], [2, 6], [3, 7]],
+                "ep": singletons(8),
+                "edp": [[0, 2], [1, 3], [4, 6], [5, 7]],
+            })
+        self.assertEqual(grid.coordinates(6), {
+            "tp": 0,
+            "cp": 0,
+            "dp": 1,
+            "dp_cp": 1,
+            "pp": 1,
+            "ep": 0,
+            "edp": 1
         })
-        self.assertEqual(grid.coordinates(6),
-                         {"tp": 0, "cp": 0, "dp": 1, "dp_cp": 1, "pp": 1, "ep": 0, "edp": 1})
         self.assertEqual(grid.group_of("pp", 5), [1, 5])
 
     def test_tp2_cp2_dp2(self):
         # rank = tp + 2 * (cp + 2 * dp)
         grid = RankGrid(8, tensor_model_parallel_size=2, context_parallel_size=2)
-        self.check_golden(grid, {
-            "tp": [[0, 1], [2, 3], [4, 5], [6, 7]],
-            "cp": [[0, 2], [1, 3], [4, 6], [5, 7]],
-            "dp": [[0, 4], [1, 5], [2, 6], [3, 7]],
-            "dp_cp": [[0, 2, 4, 6], [1, 3, 5, 7]],
-            "pp": singletons(8),
-            "ep": singletons(8),
-            "edp": [[0, 2, 4, 6], [1, 3, 5, 7]],
+        self.check_golden(
+            grid, {
+                "tp": [[0, 1], [2, 3], [4, 5], [6, 7]],
+                "cp": [[0, 2], [1, 3], [4, 6], [5, 7]],
+                "dp": [[0, 4], [1, 5], [2, 6], [3, 7]],
+                "dp_cp": [[0, 2, 4, 6], [1, 3, 5, 7]],
+                "pp": singletons(8),
+                "ep": singletons(8),
+                "edp": [[0, 2, 4, 6], [1, 3, 5, 7]],
+            })
+        self.assertEqual(grid.coordinates(7), {
+            "tp": 1,
+            "cp": 1,
+            "dp": 1,
+            "dp_cp": 3,
+            "pp": 0,
+            "ep": 0,
+            "edp": 3
         })
-        self.assertEqual(grid.coordinates(7),
-                         {"tp": 1, "cp": 1, "dp": 1, "dp_cp": 3, "pp": 0, "ep": 0, "edp": 3})
 
     def test_pp2_cp2_tp2_without_data_parallel(self):
         # dp = 1; rank = tp + 2 * (cp + 2 * pp)
         grid = RankGrid(8, tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
                         context_parallel_size=2)
         self.assertEqual(grid.data_parallel_size, 1)
-        self.check_golden(grid, {
-            "tp": [[0, 1], [2, 3], [4, 5], [6, 7]],
-            "cp": [[0, 2], [1, 3], [4, 6], [5, 7]],
-            "dp": singletons(8),
-            "dp_cp": [[0, 2], [1, 3], [4, 6], [5, 7]],
-            "pp": [[0, 4], [1, 5], [2, 6], [3, 7]],
-        })
+        self.check_golden(
+            grid, {
+                "tp": [[0, 1], [2, 3], [4, 5], [6, 7]],
+                "cp": [[0, 2], [1, 3], [4, 6], [5, 7]],
+                "dp": singletons(8),
+                "dp_cp": [[0, 2], [1, 3], [4, 6], [5, 7]],
+                "pp": [[0, 4], [1, 5], [2, 6], [3, 7]],
+            })
 
     def test_128_ranks_tp8_pp4_dp4(self):
         # rank = tp + 8 * (dp + 4 * pp)
@@ -129,18 +152,26 @@ class TestRankGridGoldenLayouts(unittest.TestCase, RankGridInvariants):
         self.assertEqual(grid.group_of("pp", 127), [31, 63, 95, 127])
         self.assertEqual(grid.groups("pp")[:2], [[0, 32, 64, 96], [1, 33, 65, 97]])
         self.assertEqual(grid.coordinates(127)["pp"], 3)
-        self.assertEqual(grid.coordinates(100),
-                         {"tp": 4, "cp": 0, "dp": 0, "dp_cp": 0, "pp": 3, "ep": 0, "edp": 0})
+        self.assertEqual(grid.coordinates(100), {
+            "tp": 4,
+            "cp": 0,
+            "dp": 0,
+            "dp_cp": 0,
+            "pp": 3,
+            "ep": 0,
+            "edp": 0
+        })
         self.check_invariants(grid)
 
     def test_expert_folding_tp2_dp4_ep2(self):
         # dp groups [0 2 4 6] [1 3 5 7]; ep = consecutive halves, edp = strided
         grid = RankGrid(8, tensor_model_parallel_size=2, expert_model_parallel_size=2)
-        self.check_golden(grid, {
-            "dp_cp": [[0, 2, 4, 6], [1, 3, 5, 7]],
-            "ep": [[0, 2], [1, 3], [4, 6], [5, 7]],
-            "edp": [[0, 4], [1, 5], [2, 6], [3, 7]],
-        })
+        self.check_golden(
+            grid, {
+                "dp_cp": [[0, 2, 4, 6], [1, 3, 5, 7]],
+                "ep": [[0, 2], [1, 3], [4, 6], [5, 7]],
+                "edp": [[0, 4], [1, 5], [2, 6], [3, 7]],
+            })
         self.assertEqual(grid.expert_data_parallel_size, 2)
         self.assertEqual(grid.coordinates(6)["ep"], 1)
         self.assertEqual(grid.coordinates(6)["edp"], 1)
@@ -158,26 +189,28 @@ class TestRankGridGoldenLayouts(unittest.TestCase, RankGridInvariants):
         # rank = tp + 2 * (cp + 2 * (dp + 2 * pp)); dp_cp of (tp 0, pp 1) is [8 10 12 14]
         grid = RankGrid(16, tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
                         context_parallel_size=2, expert_model_parallel_size=2)
-        self.check_golden(grid, {
-            "tp": [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13], [14, 15]],
-            "cp": [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]],
-            "dp": [[0, 4], [1, 5], [2, 6], [3, 7], [8, 12], [9, 13], [10, 14], [11, 15]],
-            "dp_cp": [[0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14], [9, 11, 13, 15]],
-            "pp": [[0, 8], [1, 9], [2, 10], [3, 11], [4, 12], [5, 13], [6, 14], [7, 15]],
-            "ep": [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]],
-            "edp": [[0, 4], [1, 5], [2, 6], [3, 7], [8, 12], [9, 13], [10, 14], [11, 15]],
-        })
+        self.check_golden(
+            grid, {
+                "tp": [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13], [14, 15]],
+                "cp": [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]],
+                "dp": [[0, 4], [1, 5], [2, 6], [3, 7], [8, 12], [9, 13], [10, 14], [11, 15]],
+                "dp_cp": [[0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14], [9, 11, 13, 15]],
+                "pp": [[0, 8], [1, 9], [2, 10], [3, 11], [4, 12], [5, 13], [6, 14], [7, 15]],
+                "ep": [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]],
+                "edp": [[0, 4], [1, 5], [2, 6], [3, 7], [8, 12], [9, 13], [10, 14], [11, 15]],
+            })
 
     def test_order_pp_dp_tp_cp_puts_pipeline_fastest(self):
         # rank = pp + 2 * (dp + 2 * tp)
         grid = RankGrid(8, tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
                         order="pp-dp-tp-cp")
-        self.check_golden(grid, {
-            "pp": [[0, 1], [2, 3], [4, 5], [6, 7]],
-            "dp": [[0, 2], [1, 3], [4, 6], [5, 7]],
-            "tp": [[0, 4], [1, 5], [2, 6], [3, 7]],
-            "cp": singletons(8),
-        })
+        self.check_golden(
+            grid, {
+                "pp": [[0, 1], [2, 3], [4, 5], [6, 7]],
+                "dp": [[0, 2], [1, 3], [4, 6], [5, 7]],
+                "tp": [[0, 4], [1, 5], [2, 6], [3, 7]],
+                "cp": singletons(8),
+            })
         self.assertEqual(grid.coordinates(5)["tp"], 1)
         self.assertEqual(grid.coordinates(5)["pp"], 1)
 
@@ -185,16 +218,24 @@ class TestRankGridGoldenLayouts(unittest.TestCase, RankGridInvariants):
         # rank = tp + 2 * (dp + 2 * cp); dp_cp [0 2 4 6] = (dp0 cp0, dp1 cp0, dp0 cp1, dp1 cp1)
         grid = RankGrid(8, tensor_model_parallel_size=2, context_parallel_size=2,
                         expert_model_parallel_size=2, order="tp-dp-cp-pp")
-        self.check_golden(grid, {
-            "tp": [[0, 1], [2, 3], [4, 5], [6, 7]],
-            "cp": [[0, 4], [1, 5], [2, 6], [3, 7]],
-            "dp": [[0, 2], [1, 3], [4, 6], [5, 7]],
-            "dp_cp": [[0, 2, 4, 6], [1, 3, 5, 7]],
-            "ep": [[0, 2], [1, 3], [4, 6], [5, 7]],
-            "edp": [[0, 4], [1, 5], [2, 6], [3, 7]],
+        self.check_golden(
+            grid, {
+                "tp": [[0, 1], [2, 3], [4, 5], [6, 7]],
+                "cp": [[0, 4], [1, 5], [2, 6], [3, 7]],
+                "dp": [[0, 2], [1, 3], [4, 6], [5, 7]],
+                "dp_cp": [[0, 2, 4, 6], [1, 3, 5, 7]],
+                "ep": [[0, 2], [1, 3], [4, 6], [5, 7]],
+                "edp": [[0, 4], [1, 5], [2, 6], [3, 7]],
+            })
+        self.assertEqual(grid.coordinates(6), {
+            "tp": 0,
+            "cp": 1,
+            "dp": 1,
+            "dp_cp": 3,
+            "pp": 0,
+            "ep": 1,
+            "edp": 1
         })
-        self.assertEqual(grid.coordinates(6),
-                         {"tp": 0, "cp": 1, "dp": 1, "dp_cp": 3, "pp": 0, "ep": 1, "edp": 1})
 
     def test_512_ranks_all_axes_keep_the_invariants(self):
         grid = RankGrid(512, tensor_model_parallel_size=8, pipeline_model_parallel_size=4,
@@ -226,16 +267,16 @@ class TestRankGridRejectsInvalidLayouts(unittest.TestCase):
             self.assertIn(fragment, str(ctx.exception))
 
     def test_world_not_divisible_names_every_size(self):
-        self.assertRaisesWith(
-            ["world size 6 is not divisible by tensor_model_parallel_size (4) x "
-             "pipeline_model_parallel_size (1) x context_parallel_size (1)"],
-            6, tensor_model_parallel_size=4)
-        self.assertRaisesWith(
-            ["world size 8 is not divisible by tensor_model_parallel_size (2) x "
-             "pipeline_model_parallel_size (3) x context_parallel_size (1)"],
-            8, tensor_model_parallel_size=2, pipeline_model_parallel_size=3)
-        self.assertRaisesWith(["world size 4", "context_parallel_size (8)"],
-                              4, context_parallel_size=8)
+        self.assertRaisesWith([
+            "world size 6 is not divisible by tensor_model_parallel_size (4) x "
+            "pipeline_model_parallel_size (1) x context_parallel_size (1)"
+        ], 6, tensor_model_parallel_size=4)
+        self.assertRaisesWith([
+            "world size 8 is not divisible by tensor_model_parallel_size (2) x "
+            "pipeline_model_parallel_size (3) x context_parallel_size (1)"
+        ], 8, tensor_model_parallel_size=2, pipeline_model_parallel_size=3)
+        self.assertRaisesWith(["world size 4", "context_parallel_size (8)"], 4,
+                              context_parallel_size=8)
 
     def test_non_positive_sizes(self):
         self.assertRaisesWith(["world_size", "0"], 0)
@@ -243,18 +284,15 @@ class TestRankGridRejectsInvalidLayouts(unittest.TestCase):
         self.assertRaisesWith(["pipeline_model_parallel_size", "-2"], 8,
                               pipeline_model_parallel_size=-2)
         self.assertRaisesWith(["context_parallel_size", "2.0"], 8, context_parallel_size=2.0)
-        self.assertRaisesWith(["expert_model_parallel_size", "0"], 8,
-                              expert_model_parallel_size=0)
+        self.assertRaisesWith(["expert_model_parallel_size", "0"], 8, expert_model_parallel_size=0)
 
     def test_expert_size_must_divide_data_times_context(self):
-        self.assertRaisesWith(
-            ["expert_model_parallel_size (3)", "data_parallel_size (4)",
-             "context_parallel_size (1)"],
-            8, tensor_model_parallel_size=2, expert_model_parallel_size=3)
-        self.assertRaisesWith(
-            ["expert_model_parallel_size (4)", "data_parallel_size (1)",
-             "context_parallel_size (2)"],
-            4, tensor_model_parallel_size=2, context_parallel_size=2, expert_model_parallel_size=4)
+        self.assertRaisesWith([
+            "expert_model_parallel_size (3)", "data_parallel_size (4)", "context_parallel_size (1)"
+        ], 8, tensor_model_parallel_size=2, expert_model_parallel_size=3)
+        self.assertRaisesWith([
+            "expert_model_parallel_size (4)", "data_parallel_size (1)", "context_parallel_size (2)"
+        ], 4, tensor_model_parallel_size=2, context_parallel_size=2, expert_model_parallel_size=4)
 
     def test_bad_order_strings(self):
         for order in ["tp-cp-dp", "tp-cp-dp-pp-ep", "tp-tp-dp-pp", "tp,cp,dp,pp", ""]:

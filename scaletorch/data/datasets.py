@@ -69,8 +69,8 @@ class SyntheticMarkov:
         return out
 
 
-def _random_windows(tokens: np.ndarray, num_sequences: int, length: int,
-                    rng: np.random.Generator, source: str) -> np.ndarray:
+def _random_windows(tokens: np.ndarray, num_sequences: int, length: int, rng: np.random.Generator,
+                    source: str) -> np.ndarray:
     """(num_sequences, length) int64 windows starting at uniform random offsets."""
     if len(tokens) < length:
         raise ValueError(

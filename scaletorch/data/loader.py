@@ -61,7 +61,6 @@ def split_micro_batches(inputs: torch.Tensor, targets: torch.Tensor,
         raise ValueError(
             f"inputs {tuple(inputs.shape)} and targets {tuple(targets.shape)} differ in shape")
     if num_micro_batches <= 0 or inputs.size(0) % num_micro_batches != 0:
-        raise ValueError(
-            f"batch size {inputs.size(0)} is not divisible by num_micro_batches "
-            f"({num_micro_batches})")
+        raise ValueError(f"batch size {inputs.size(0)} is not divisible by num_micro_batches "
+                         f"({num_micro_batches})")
     return list(zip(inputs.chunk(num_micro_batches), targets.chunk(num_micro_batches)))

@@ -87,8 +87,8 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
     else:
         kept = input_split_sizes[rank]
     _record("all_to_all", group, input, numel=input.numel() - kept * row)
-    return dist.all_to_all_single(output, input.contiguous(), output_split_sizes,
-                                  input_split_sizes, group=group, async_op=async_op)
+    return dist.all_to_all_single(output, input.contiguous(), output_split_sizes, input_split_sizes,
+                                  group=group, async_op=async_op)
 
 
 def batch_isend_irecv(ops: List[dist.P2POp], group: Group = None) -> list:

@@ -169,8 +169,8 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         # What this rank received from rank j goes back to rank j: the splits swap roles.
-        out = _AllToAll.apply(grad.contiguous(), ctx.input_split_sizes,
-                              ctx.output_split_sizes, ctx.group)
+        out = _AllToAll.apply(grad.contiguous(), ctx.input_split_sizes, ctx.output_split_sizes,
+                              ctx.group)
         return out, None, None, None
 
 

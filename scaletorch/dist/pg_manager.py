@@ -83,8 +83,15 @@ class RankGrid:
         self.expert_model_parallel_size = ep
         self.expert_data_parallel_size = dp * cp // ep
         self.order = order
-        self._sizes = {"tp": tp, "cp": cp, "dp": dp, "pp": pp, "dp_cp": dp * cp, "ep": ep,
-                       "edp": dp * cp // ep}
+        self._sizes = {
+            "tp": tp,
+            "cp": cp,
+            "dp": dp,
+            "pp": pp,
+            "dp_cp": dp * cp,
+            "ep": ep,
+            "edp": dp * cp // ep
+        }
         self._strides: Dict[str, int] = {}
         stride = 1
         for axis in axes:  # fastest-varying first
@@ -92,8 +99,14 @@ class RankGrid:
             stride *= self._sizes[axis]
         self._groups = self._build_groups()
         # rank -> index of its group, per kind, for group_of() and coordinates()
-        self._index = {kind: {r: i for i, g in enumerate(groups) for r in g}
-                       for kind, groups in self._groups.items()}
+        self._index = {
+            kind: {
+                r: i
+                for i, g in enumerate(groups)
+                for r in g
+            }
+            for kind, groups in self._groups.items()
+        }
 
     def _axis_rank(self, axis: str, rank: int) -> int:
         return rank // self._strides[axis] % self._sizes[axis]
@@ -103,13 +116,13 @@ class RankGrid:
         ranks = range(self.world_size)
         for axis in AXES:
             stride, size = self._strides[axis], self._sizes[axis]
-            groups[axis] = [[base + i * stride for i in range(size)]
-                            for base in ranks if self._axis_rank(axis, base) == 0]
+            groups[axis] = [[base + i * stride for i in range(size)] for base in ranks
+                            if self._axis_rank(axis, base) == 0]
         s_cp, s_dp = self._strides["cp"], self._strides["dp"]
         groups["dp_cp"] = [
             sorted(base + c * s_cp + d * s_dp for c in range(self._sizes["cp"])
-                   for d in range(self._sizes["dp"]))
-            for base in ranks if self._axis_rank("dp", base) == self._axis_rank("cp", base) == 0
+                   for d in range(self._sizes["dp"])) for base in ranks
+            if self._axis_rank("dp", base) == self._axis_rank("cp", base) == 0
         ]
         ep = self.expert_model_parallel_size
         ep_groups = [g[i:i + ep] for g in groups["dp_cp"] for i in range(0, len(g), ep)]
@@ -180,8 +193,8 @@ class ProcessGroupManager:
     then every group is None, every rank 0 and every size 1, so single-device code runs.
     """
 
-    def __init__(self, grid: RankGrid,
-                 timeout: Optional[Union[datetime.timedelta, float]] = None) -> None:
+    def __init__(self, grid: RankGrid, timeout: Optional[Union[datetime.timedelta,
+                                                               float]] = None) -> None:
         self.grid = grid
         if dist.is_initialized():
             self.rank = dist.get_rank()
@@ -377,11 +390,11 @@ class ProcessGroupManager:
 _PG_MANAGER: Optional[ProcessGroupManager] = None
 
 
-def init_pg_manager(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
-                    context_parallel_size: int = 1, expert_model_parallel_size: int = 1,
-                    order: str = DEFAULT_ORDER,
-                    timeout: Optional[Union[datetime.timedelta, float]] = None
-                    ) -> ProcessGroupManager:
+def init_pg_manager(
+        tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
+        context_parallel_size: int = 1, expert_model_parallel_size: int = 1,
+        order: str = DEFAULT_ORDER, timeout: Optional[Union[datetime.timedelta,
+                                                            float]] = None) -> ProcessGroupManager:
     """Build the manager for the current world (1 without a process group) and register it.
 
     Call once, after ``init_distributed``, on every rank; ``destroy_pg_manager`` undoes it.

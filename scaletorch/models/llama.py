@@ -40,15 +40,14 @@ class LlamaConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
-                     "num_attention_heads", "num_key_value_heads", "max_seq_len",
-                     "rope_theta", "norm_eps", "init_std"):
+                     "num_attention_heads", "num_key_value_heads", "max_seq_len", "rope_theta",
+                     "norm_eps", "init_std"):
             value = getattr(self, name)
             if value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")
         if self.hidden_size % self.num_attention_heads != 0:
-            raise ValueError(
-                f"hidden_size ({self.hidden_size}) is not divisible by "
-                f"num_attention_heads ({self.num_attention_heads})")
+            raise ValueError(f"hidden_size ({self.hidden_size}) is not divisible by "
+                             f"num_attention_heads ({self.num_attention_heads})")
         if self.num_attention_heads % self.num_key_value_heads != 0:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) is not divisible by "
@@ -84,8 +83,8 @@ def rope_cos_sin(position_ids: torch.Tensor, head_dim: int,
     position_ids: (s,) or (b, s) integer positions, in any order (context parallel passes a
     zigzag subset). Returns cos, sin of shape (*position_ids.shape, head_dim), fp32.
     """
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids.device,
-                                             dtype=torch.float32) / head_dim))
+    inv_freq = 1.0 / (theta**(
+        torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim))
     angles = position_ids.to(torch.float32).unsqueeze(-1) * inv_freq  # (..., s, d/2)
     # Channel i is paired with channel i + d/2 (the "rotate half" layout used by Llama).
     angles = torch.cat((angles, angles), dim=-1)  # (..., s, d)
@@ -132,6 +131,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
 
 
 class Attention(nn.Module):
+
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.head_dim = config.head_dim
@@ -169,6 +169,7 @@ class MLP(nn.Module):
 
 
 class TransformerBlock(nn.Module):
+
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
@@ -184,6 +185,7 @@ class TransformerBlock(nn.Module):
 
 
 class Llama(nn.Module):
+
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.config = config

@@ -30,9 +30,10 @@ def _squared_norm(params: Iterable[torch.nn.Parameter], device: torch.device) ->
     return total
 
 
-def global_grad_norm(replicated: Iterable[torch.nn.Parameter],
-                     sharded: Sequence[ParamsOverGroup] = (),
-                     device: torch.device = torch.device("cpu")) -> torch.Tensor:
+def global_grad_norm(
+    replicated: Iterable[torch.nn.Parameter], sharded: Sequence[ParamsOverGroup] = (),
+    device: torch.device = torch.device("cpu")
+) -> torch.Tensor:
     """The norm of all gradients: ``replicated`` counted once, each ``sharded`` set summed over
     its group (one all-reduce of a scalar per group). Returns a 0-dim tensor on ``device``."""
     total = _squared_norm(replicated, device)

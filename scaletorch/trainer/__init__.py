@@ -3,8 +3,7 @@
 from scaletorch.trainer.config import Config, parse_args, validate, validate_layout
 from scaletorch.trainer.parity import (check_against_reference, max_weight_diff, report_parity,
                                        run_reference)
-from scaletorch.trainer.step import (average_over_group, forward_backward,
-                                     make_data_parallel_step)
+from scaletorch.trainer.step import average_over_group, forward_backward, make_data_parallel_step
 from scaletorch.trainer.trainer import Trainer, TrainResult
 
 __all__ = [

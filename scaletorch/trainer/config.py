@@ -320,11 +320,10 @@ def data_parallel_size(cfg: Config, world_size: int) -> int:
     model_parallel = (p.tensor_model_parallel_size * p.pipeline_model_parallel_size *
                       p.context_parallel_size)
     if world_size % model_parallel != 0:
-        raise ValueError(
-            f"world size {world_size} is not divisible by tensor_model_parallel_size "
-            f"({p.tensor_model_parallel_size}) x pipeline_model_parallel_size "
-            f"({p.pipeline_model_parallel_size}) x context_parallel_size "
-            f"({p.context_parallel_size})")
+        raise ValueError(f"world size {world_size} is not divisible by tensor_model_parallel_size "
+                         f"({p.tensor_model_parallel_size}) x pipeline_model_parallel_size "
+                         f"({p.pipeline_model_parallel_size}) x context_parallel_size "
+                         f"({p.context_parallel_size})")
     dp = world_size // model_parallel
     if p.data_parallel_size not in (0, dp):
         raise ValueError(

@@ -18,8 +18,10 @@ from scaletorch.trainer.config import Config
 TOLERANCE = 1e-5  # fp32, K >= 5 steps: see DESIGN.md, "The correctness contract"
 
 
-def run_reference(cfg: Config, device: torch.device = torch.device("cpu"),
-                  ) -> Tuple[List[float], nn.Module]:
+def run_reference(
+        cfg: Config,
+        device: torch.device = torch.device("cpu"),
+) -> Tuple[List[float], nn.Module]:
     """Train the unsharded model on one device for ``cfg.training.steps`` steps.
 
     Touches no process group, writes no file, loads no checkpoint. Returns (losses, model).
@@ -43,8 +45,9 @@ def max_weight_diff(state: Dict[str, torch.Tensor], reference: Dict[str, torch.T
     """Largest absolute difference between two full state dicts with the same keys."""
     if set(state) != set(reference):
         raise ValueError(f"state dict keys differ: {sorted(set(state) ^ set(reference))}")
-    return max((state[k].detach().cpu().float() - reference[k].detach().cpu().float()
-                ).abs().max().item() for k in state)
+    return max(
+        (state[k].detach().cpu().float() - reference[k].detach().cpu().float()).abs().max().item()
+        for k in state)
 
 
 def report_parity(losses: Sequence[float], reference: Sequence[float],
@@ -52,8 +55,9 @@ def report_parity(losses: Sequence[float], reference: Sequence[float],
     """Print the parity line and return whether it passed."""
     diff = max_loss_diff(losses, reference)
     ok = diff <= tolerance
-    print(f"parity: max |loss - reference| = {diff:.1e} over {len(losses)} steps "
-          f"(tolerance {tolerance:.0e}): {'OK' if ok else 'FAIL'}", flush=True)
+    print(
+        f"parity: max |loss - reference| = {diff:.1e} over {len(losses)} steps "
+        f"(tolerance {tolerance:.0e}): {'OK' if ok else 'FAIL'}", flush=True)
     return ok
 
 
@@ -72,9 +76,10 @@ def check_against_reference(cfg: Config, losses: Sequence[float], device: torch.
         passed = report_parity(losses, reference[start_step:], tolerance)
         if full_state is not None:
             diff = max_weight_diff(full_state, ref_model.state_dict())
-            print(f"parity: max |weight - reference| = {diff:.1e} after "
-                  f"{cfg.training.steps} steps (tolerance {tolerance:.0e}): "
-                  f"{'OK' if diff <= tolerance else 'FAIL'}", flush=True)
+            print(
+                f"parity: max |weight - reference| = {diff:.1e} after "
+                f"{cfg.training.steps} steps (tolerance {tolerance:.0e}): "
+                f"{'OK' if diff <= tolerance else 'FAIL'}", flush=True)
             passed = passed and diff <= tolerance
         ok.fill_(float(passed))
     get_ledger().enabled = False  # the verdict is not part of the strategy's traffic

@@ -40,8 +40,7 @@ class TrainResult:
 
 def build_optimizer(cfg: Config, params) -> torch.optim.Optimizer:
     t = cfg.training
-    return torch.optim.AdamW(params, lr=t.lr, betas=(t.beta1, t.beta2),
-                             weight_decay=t.weight_decay)
+    return torch.optim.AdamW(params, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)
 
 
 def lr_at(cfg: Config, step: int) -> float:
@@ -56,8 +55,7 @@ def lr_at(cfg: Config, step: int) -> float:
 def build_loader(cfg: Config) -> GlobalBatchLoader:
     dataset = build_dataset(cfg.data.dataset, cfg.model.vocab_size, cfg.data.seed,
                             path=cfg.data.path)
-    return GlobalBatchLoader(dataset, cfg.data.global_batch_size, cfg.data.seq_len,
-                             cfg.data.seed)
+    return GlobalBatchLoader(dataset, cfg.data.global_batch_size, cfg.data.seq_len, cfg.data.seed)
 
 
 def autocast_context(cfg: Config, device: torch.device):
@@ -99,12 +97,13 @@ class Trainer:
             if cfg.training.lr > 0 else 0.0)
         if forward_backward is None:
             if pgm is None:
-                forward_backward = make_data_parallel_step(model, cfg.data.num_micro_batches,
-                                                           0, 1, None)
+                forward_backward = make_data_parallel_step(model, cfg.data.num_micro_batches, 0, 1,
+                                                           None)
             else:
-                forward_backward = make_data_parallel_step(
-                    model, cfg.data.num_micro_batches, pgm.data_parallel_rank,
-                    pgm.data_parallel_world_size, pgm.data_parallel_group_with_context)
+                forward_backward = make_data_parallel_step(model, cfg.data.num_micro_batches,
+                                                           pgm.data_parallel_rank,
+                                                           pgm.data_parallel_world_size,
+                                                           pgm.data_parallel_group_with_context)
         self.forward_backward = forward_backward
         self.clip_grad_norm = clip_grad_norm or self._clip_replicated
         self.step = 0
@@ -193,8 +192,13 @@ class Trainer:
                 elapsed = time.perf_counter() - start
                 result.losses.append(loss)
                 result.grad_norms.append(grad_norm)
-                record = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                          "tokens_per_s": tokens_per_step / elapsed}
+                record = {
+                    "step": self.step,
+                    "loss": loss,
+                    "lr": lr,
+                    "grad_norm": grad_norm,
+                    "tokens_per_s": tokens_per_step / elapsed
+                }
                 if metrics is not None:
                     metrics.write(json.dumps(record) + "\n")
                 if bar is not None:

@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Launch a ScaleTorch script with torchrun, on one node or several.
+#
+#   scripts/launch.sh SCRIPT [--nproc-per-node N] [--nnodes N --node-rank R
+#                    --master-addr A --master-port P] [--max-restarts N] [-- SCRIPT ARGS]
+#
+# Examples:
+#   scripts/launch.sh examples/00_single_device.py
+#   scripts/launch.sh examples/01_ddp.py --nproc-per-node 2 -- --check --steps 10
+#   # two nodes, run once on each (node ranks 0 and 1):
+#   scripts/launch.sh examples/01_ddp.py --nproc-per-node 4 --nnodes 2 --node-rank 0 \
+#       --master-addr 10.0.0.1 --master-port 29500
+#
+# On a machine without a GPU it sets OMP_NUM_THREADS=1 (unless already set), so that ranks
+# sharing the CPU do not fight over its cores. It prints the command it runs.
+set -euo pipefail
+
+usage() { sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; }
+
+if [[ $# -eq 0 || "$1" == "-h" || "$1" == "--help" ]]; then
+  usage
+  exit 0
+fi
+script="$1"
+shift
+if [[ ! -f "$script" ]]; then
+  echo "launch.sh: script '$script' not found" >&2
+  exit 2
+fi
+
+nproc=1 nnodes=1 node_rank=0 master_addr=127.0.0.1 master_port="" max_restarts=0
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --nproc-per-node) nproc="$2"; shift 2 ;;
+    --nnodes) nnodes="$2"; shift 2 ;;
+    --node-rank) node_rank="$2"; shift 2 ;;
+    --master-addr) master_addr="$2"; shift 2 ;;
+    --master-port) master_port="$2"; shift 2 ;;
+    --max-restarts) max_restarts="$2"; shift 2 ;;
+    -h|--help) usage; exit 0 ;;
+    --) shift; break ;;
+    *) echo "launch.sh: unknown option '$1' (script arguments go after --)" >&2; exit 2 ;;
+  esac
+done
+for value in "$nproc" "$nnodes" "$node_rank" "$max_restarts"; do
+  if ! [[ "$value" =~ ^[0-9]+$ ]]; then
+    echo "launch.sh: '$value' is not a non-negative integer" >&2
+    exit 2
+  fi
+done
+
+if ! python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+fi
+
+cmd=(python -m torch.distributed.run --nproc-per-node "$nproc" --max-restarts "$max_restarts")
+if [[ "$nnodes" -gt 1 ]]; then
+  master_port="${master_port:-29500}"
+  cmd+=(--nnodes "$nnodes" --node-rank "$node_rank" --rdzv-backend c10d
+        --rdzv-endpoint "$master_addr:$master_port" --rdzv-id scaletorch)
+else
+  # One node: a free port chosen by torchrun unless one is given.
+  if [[ -n "$master_port" ]]; then
+    cmd+=(--master-addr "$master_addr" --master-port "$master_port")
+  else
+    cmd+=(--standalone)
+  fi
+fi
+cmd+=("$script" "$@")
+echo "+ ${OMP_NUM_THREADS:+OMP_NUM_THREADS=$OMP_NUM_THREADS }${cmd[*]}"
+exec "${cmd[@]}"
