@@ -9,6 +9,7 @@ starting ranks costs seconds on a 2-core machine (see ../shared/CPU_GLOO_NOTES.m
 
 import datetime
 import gc
+import io
 import os
 import socket
 import traceback
@@ -42,7 +43,11 @@ def _worker(rank: int, world_size: int, port: int, timeout: float, fn: Callable,
         dist.init_process_group("gloo", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout))
         result = fn(rank, world_size, *args)
-        queue.put((rank, "ok", result))
+        # Plain bytes, not tensors: torch would share tensor storage through file
+        # descriptors, which vanish when this process exits before the parent reads them.
+        buffer = io.BytesIO()
+        torch.save(result, buffer)
+        queue.put((rank, "ok", buffer.getvalue()))
     except BaseException:  # noqa: B902 - every failure must reach the parent with its rank
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -83,7 +88,7 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
             continue
         rank, status, payload = queue.get()
         if status == "ok":
-            results[rank] = payload
+            results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
         else:
             errors.append((rank, payload))
             break  # the first failure is the interesting one; peers may now hang
