@@ -25,13 +25,15 @@ from scaletorch.dist import comm
 from scaletorch.models import loss_fn
 
 ForwardBackward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def forward_backward(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
-                     num_micro_batches: int) -> torch.Tensor:
+                     num_micro_batches: int, loss_fn: LossFn = loss_fn) -> torch.Tensor:
     """Accumulate gradients of this rank's mean loss; returns that loss (detached).
 
-    inputs, targets: (b, s), the rank's slice of the global batch.
+    inputs, targets: (b, s), the rank's slice of the global batch. ``loss_fn(logits, targets)``
+    is the mean loss of a micro-batch (tensor parallel passes its vocab-parallel one).
     """
     micro_batches = split_micro_batches(inputs, targets, num_micro_batches)
     total = torch.zeros((), device=inputs.device)
@@ -57,7 +59,8 @@ def average_over_group(value: torch.Tensor, group: Optional[dist.ProcessGroup]) 
 
 def make_data_parallel_step(model: nn.Module, num_micro_batches: int, data_parallel_rank: int,
                             data_parallel_size: int,
-                            loss_group: Optional[dist.ProcessGroup]) -> ForwardBackward:
+                            loss_group: Optional[dist.ProcessGroup],
+                            loss_fn: LossFn = loss_fn) -> ForwardBackward:
     """The step for single device, DDP, ZeRO and tensor parallel: slice, accumulate, report.
 
     ``loss_group`` averages the reported loss over the ranks that saw different tokens
@@ -67,7 +70,7 @@ def make_data_parallel_step(model: nn.Module, num_micro_batches: int, data_paral
     def step(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         inputs = shard_batch(inputs, data_parallel_rank, data_parallel_size)
         targets = shard_batch(targets, data_parallel_rank, data_parallel_size)
-        loss = forward_backward(model, inputs, targets, num_micro_batches)
+        loss = forward_backward(model, inputs, targets, num_micro_batches, loss_fn)
         return average_over_group(loss, loss_group)
 
     return step
