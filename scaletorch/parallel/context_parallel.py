@@ -1,0 +1,431 @@
+"""Context parallel: split every sequence over the "cp" group; attention still sees all of it.
+
+Each of the N ranks of a context-parallel group holds s/N tokens of every sequence (and their
+activations). Everything except attention is per token, so only attention talks:
+
+ring (default)  K/V chunks travel around the ring; each rank attends its queries to every
+                chunk as it passes and merges the partial results with their log-sum-exp.
+                Forward: each rank sends its K and V (hkv heads, not expanded) N-1 times per
+                layer: (N-1) x 2 x b x s/N x hkv x d elements. Backward: K/V go round again
+                (N-1 sends) and dK/dV go round back to their owners (N sends).
+ulysses         all-to-all: scatter heads, gather the sequence, run ordinary causal attention
+                on h/N heads, all-to-all back. 4 all-to-alls per layer (q, k, v, out), each
+                sending (N-1)/N of its tensor; needs heads divisible by N.
+
+Zigzag sharding balances the causal work: the sequence is cut into 2N chunks and rank r keeps
+chunks r and 2N-1-r, so every rank computes 2N-1 full blocks and 2 diagonal blocks.
+Picture for N = 2 (rows: query chunks, columns: key chunks; F full, D diagonal, . skipped):
+
+    rank 0 holds chunks 0, 3      rank 1 holds chunks 1, 2
+    q0 | D . . .                  q1 | F D . .
+    q3 | F F F D                  q2 | F F D .
+
+RoPE uses each token's true position (``zigzag_positions``), passed to the model as
+``position_ids``. Gradients are averaged over data x context ranks (``dp_cp``): each cp rank
+computes the loss of different tokens, exactly like a data-parallel rank.
+"""
+
+import math
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from scaletorch.dist import comm
+from scaletorch.dist.comm import Group
+from scaletorch.dist.functional import all_to_all
+from scaletorch.models.llama import causal_attention
+
+LAYOUTS = ("zigzag", "contiguous")
+VARIANTS = ("ring", "ulysses")
+IMPLS = ("math", "fused")
+KV_TAG, DKV_TAG = 1, 2  # distinct tags: K/V and dK/dV are in flight between the same ranks
+
+
+# ---- which tokens each rank holds ------------------------------------------------------------
+
+
+def chunk_ids(cp_rank: int, cp_size: int, layout: str = "zigzag") -> Tuple[int, int]:
+    """The two of the 2 x cp_size sequence chunks that ``cp_rank`` holds, in sequence order."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    if layout == "zigzag":
+        return cp_rank, 2 * cp_size - 1 - cp_rank
+    return 2 * cp_rank, 2 * cp_rank + 1
+
+
+def check_sequence_length(seq_len: int, cp_size: int) -> None:
+    if seq_len % (2 * cp_size) != 0:
+        raise ValueError(f"sequence length {seq_len} is not divisible by 2 x "
+                         f"context_parallel_size ({cp_size}) = {2 * cp_size}")
+
+
+def zigzag_positions(seq_len: int, cp_size: int, cp_rank: int, layout: str = "zigzag",
+                     device: Optional[torch.device] = None) -> torch.Tensor:
+    """(seq_len / cp_size,) int64: the true positions of the tokens ``cp_rank`` holds.
+
+    They are the RoPE ``position_ids`` of the local tokens and the indices that shard them.
+    """
+    check_sequence_length(seq_len, cp_size)
+    chunk = seq_len // (2 * cp_size)
+    return torch.cat([torch.arange(c * chunk, (c + 1) * chunk, device=device)
+                      for c in chunk_ids(cp_rank, cp_size, layout)])
+
+
+def make_sequence_sharder(pgm, seq_len: int, layout: str = "zigzag") -> Callable:
+    """fn(inputs, targets) (b, s) -> (inputs, targets) (b, s/cp) and position_ids (s/cp,).
+
+    For ``make_data_parallel_step(..., shard_sequence=fn)``: after the batch is cut over
+    data-parallel ranks, this rank keeps its context-parallel tokens.
+    """
+    positions = zigzag_positions(seq_len, pgm.context_parallel_world_size,
+                                 pgm.context_parallel_rank, layout)
+
+    def shard(inputs: torch.Tensor, targets: torch.Tensor):
+        if inputs.size(1) != seq_len:
+            raise ValueError(f"batch sequence length {inputs.size(1)} != {seq_len}")
+        pos = positions.to(inputs.device)
+        return inputs[:, pos], targets[:, pos], pos
+
+    return shard
+
+
+# ---- which (query chunk, key chunk) blocks are computed --------------------------------------
+
+
+def block_kind(q_chunk: int, kv_chunk: int) -> str:
+    """Causal mask of one chunk pair: "full" (keys all earlier), "diagonal", or "skipped"."""
+    if kv_chunk < q_chunk:
+        return "full"
+    return "diagonal" if kv_chunk == q_chunk else "skipped"
+
+
+def ring_schedule(cp_rank: int, cp_size: int,
+                  layout: str = "zigzag") -> List[List[Tuple[int, int, str]]]:
+    """Per ring step, (local q half, kv half, kind) of the blocks ``cp_rank`` computes.
+
+    At step t the rank holds the K/V of rank (cp_rank - t) mod cp_size.
+    """
+    q_chunks = chunk_ids(cp_rank, cp_size, layout)
+    steps = []
+    for t in range(cp_size):
+        kv_chunks = chunk_ids((cp_rank - t) % cp_size, cp_size, layout)
+        steps.append([(a, b, block_kind(qc, kc)) for a, qc in enumerate(q_chunks)
+                      for b, kc in enumerate(kv_chunks)])
+    return steps
+
+
+def block_counts(cp_rank: int, cp_size: int, layout: str = "zigzag") -> Dict[str, int]:
+    """How many full / diagonal / skipped blocks ``cp_rank`` meets in one attention forward."""
+    counts = {"full": 0, "diagonal": 0, "skipped": 0}
+    for step in ring_schedule(cp_rank, cp_size, layout):
+        for _, _, kind in step:
+            counts[kind] += 1
+    return counts
+
+
+# ---- attention on one block, with its log-sum-exp --------------------------------------------
+# q (b, hq, sq, d); k, v (b, hkv, sk, d); query head j uses kv head j // (hq / hkv).
+
+
+def _grouped(q: torch.Tensor, hkv: int) -> torch.Tensor:
+    b, hq, s, d = q.shape
+    return q.reshape(b, hkv, hq // hkv, s, d)  # (b, hkv, g, s, d): broadcasts with kv heads
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+    scores = _grouped(q, k.size(1)) @ k.unsqueeze(2).transpose(-2, -1) * scale
+    if causal:  # the diagonal block: query i sees keys 0..i of the same chunk
+        sq, sk = scores.shape[-2:]
+        future = torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(future, float("-inf"))
+    return scores  # (b, hkv, g, sq, sk)
+
+
+def _math_forward(q, k, v, causal: bool, scale: float):
+    """Readable path for every device: out (b, hq, sq, d) and lse (b, hq, sq)."""
+    scores = _scores(q, k, causal, scale)
+    lse = scores.logsumexp(dim=-1, keepdim=True)
+    out = torch.exp(scores - lse) @ v.unsqueeze(2)
+    return out.flatten(1, 2), lse.squeeze(-1).flatten(1, 2)
+
+
+def _math_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+    """dq, dk, dv of one block, given the *merged* out and lse of the whole row.
+
+    p = exp(s - lse) is this block's share of the final softmax, so the block's gradients
+    are those of ordinary attention with delta = rowsum(dout * out) (FlashAttention-2).
+    """
+    hkv = k.size(1)
+    p = torch.exp(_scores(q, k, causal, scale) - _grouped(lse.unsqueeze(-1), hkv))
+    dout_g = _grouped(dout, hkv)
+    dv = (p.transpose(-2, -1) @ dout_g).sum(2)  # sum over the g query heads sharing a kv head
+    dp = dout_g @ v.unsqueeze(2).transpose(-2, -1)
+    delta = _grouped((dout * out).sum(-1, keepdim=True), hkv)
+    ds = p * (dp - delta) * scale
+    dq = (ds @ k.unsqueeze(2)).flatten(1, 2)
+    dk = (ds.transpose(-2, -1) @ _grouped(q, hkv)).sum(2)
+    return dq, dk, dv
+
+
+def _expand(kv: torch.Tensor, hq: int) -> torch.Tensor:
+    return kv.repeat_interleave(hq // kv.size(1), dim=1)
+
+
+def _fused_forward(q, k, v, causal: bool, scale: float):
+    """The CPU flash kernel, which also returns the log-sum-exp (CPU_GLOO_NOTES.md)."""
+    hq = q.size(1)
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q.contiguous(), _expand(k, hq), _expand(v, hq), 0.0, is_causal=causal, scale=scale)
+
+
+def _fused_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+    b, hkv, s, d = k.shape
+    hq = q.size(1)
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout.contiguous(), q.contiguous(), _expand(k, hq), _expand(v, hq), out.contiguous(),
+        lse.contiguous(), 0.0, causal, scale=scale)
+    # K/V were expanded locally (never on the wire): fold the gradients back to hkv heads.
+    return dq, dk.view(b, hkv, -1, s, d).sum(2), dv.view(b, hkv, -1, s, d).sum(2)
+
+
+BLOCK_FNS = {"math": (_math_forward, _math_backward), "fused": (_fused_forward, _fused_backward)}
+
+
+def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
+          block_lse: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Combine softmax attention over two disjoint key sets (doc/05_context_parallel.md).
+
+    out_i = sum_j exp(s_ij - lse) v_j over keys j; with lse = log(e^lse_a + e^lse_b),
+    out = e^(lse_a - lse) out_a + e^(lse_b - lse) out_b. Every exponent is <= 0: stable.
+    """
+    new_lse = torch.logaddexp(lse, block_lse)
+    out = torch.exp(lse - new_lse).unsqueeze(-1) * out + \
+        torch.exp(block_lse - new_lse).unsqueeze(-1) * block_out
+    return out, new_lse
+
+
+# ---- ring attention ------------------------------------------------------------------------
+
+
+def _ring_peers(group: Group) -> Tuple[int, int]:
+    """Global ranks of the next and previous rank of ``group``'s ring."""
+    ranks = dist.get_process_group_ranks(group)
+    r = comm.group_rank(group)
+    return ranks[(r + 1) % len(ranks)], ranks[(r - 1) % len(ranks)]
+
+
+def _exchange(send: torch.Tensor, group: Group, tag: int) -> Tuple[torch.Tensor, list]:
+    """Post: send ``send`` to the next rank, receive the previous rank's into a new buffer."""
+    nxt, prev = _ring_peers(group)
+    recv = torch.empty_like(send)
+    ops = [dist.P2POp(dist.isend, send, nxt, group, tag),
+           dist.P2POp(dist.irecv, recv, prev, group, tag)]
+    return recv, comm.batch_isend_irecv(ops, group)
+
+
+def _wait(works: list) -> None:
+    for work in works:
+        work.wait()
+
+
+class _RingAttention(torch.autograd.Function):
+    """Causal attention of local queries over the whole sequence, K/V passed around ``group``.
+
+    q (b, hq, s_local, d), k and v (b, hkv, s_local, d): this rank's two chunks, concatenated.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, layout, impl):
+        cp, rank = comm.group_size(group), comm.group_rank(group)
+        block_fwd, _ = BLOCK_FNS[impl]
+        scale = 1.0 / math.sqrt(q.size(-1))
+        dtype = q.dtype
+        with torch.autocast(q.device.type, enabled=False):  # blocks and merges in fp32
+            q, k, v = q.float(), k.float(), v.float()
+            qs = q.chunk(2, dim=2)
+            outs: List[Optional[torch.Tensor]] = [None, None]
+            lses: List[Optional[torch.Tensor]] = [None, None]
+            kv = torch.stack([k, v])  # one message: (2, b, hkv, s_local, d)
+            for t, blocks in enumerate(ring_schedule(rank, cp, layout)):
+                if t + 1 < cp:  # post the next K/V before computing: comm overlaps compute
+                    next_kv, works = _exchange(kv, group, KV_TAG)
+                ks, vs = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
+                for a, b, kind in blocks:
+                    if kind == "skipped":
+                        continue
+                    o, lse = block_fwd(qs[a], ks[b], vs[b], kind == "diagonal", scale)
+                    if outs[a] is None:
+                        outs[a], lses[a] = o, lse
+                    else:
+                        outs[a], lses[a] = merge(outs[a], lses[a], o, lse)
+                if t + 1 < cp:
+                    _wait(works)
+                    kv = next_kv
+            out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.layout, ctx.impl, ctx.scale, ctx.dtype = group, layout, impl, scale, dtype
+        return out.to(dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, scale = ctx.group, ctx.scale
+        cp, rank = comm.group_size(group), comm.group_rank(group)
+        _, block_bwd = BLOCK_FNS[ctx.impl]
+        with torch.autocast(q.device.type, enabled=False):
+            dout = dout.float()
+            qs, outs, lses = q.chunk(2, 2), out.chunk(2, 2), lse.chunk(2, 2)
+            douts = dout.chunk(2, 2)
+            dq = torch.zeros_like(q)
+            dqs = dq.chunk(2, dim=2)  # views: accumulating into them fills dq
+            kv = torch.stack([k, v])
+            dkv_in, dkv_works = None, []
+            for t, blocks in enumerate(ring_schedule(rank, cp, ctx.layout)):
+                if t + 1 < cp:
+                    next_kv, kv_works = _exchange(kv, group, KV_TAG)
+                # dkv: gradient w.r.t. the K/V held now, i.e. of rank (rank - t) mod cp
+                dkv = torch.zeros_like(kv)
+                ks, vs = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
+                dks, dvs = dkv[0].chunk(2, dim=2), dkv[1].chunk(2, dim=2)
+                for a, b, kind in blocks:
+                    if kind == "skipped":
+                        continue
+                    dq_a, dk_b, dv_b = block_bwd(douts[a], qs[a], ks[b], vs[b], outs[a],
+                                                 lses[a], kind == "diagonal", scale)
+                    dqs[a].add_(dq_a)
+                    dks[b].add_(dk_b)
+                    dvs[b].add_(dv_b)
+                if dkv_in is not None:  # what the ranks before us added to the same K/V
+                    _wait(dkv_works)
+                    dkv += dkv_in
+                if cp > 1:  # pass it on; after cp hops it is back at its owner
+                    dkv_in, dkv_works = _exchange(dkv, group, DKV_TAG)
+                if t + 1 < cp:
+                    _wait(kv_works)
+                    kv = next_kv
+            if cp > 1:
+                _wait(dkv_works)
+                dkv = dkv_in
+        dtype = ctx.dtype
+        return dq.to(dtype), dkv[0].to(dtype), dkv[1].to(dtype), None, None, None
+
+
+class RingAttention:
+    """``Attention.attention_fn`` for ring attention over ``group``; counts blocks computed.
+
+    Called with q (b, s_local, hq, d), k and v (b, s_local, hkv, d); returns (b, s_local, hq, d).
+    """
+
+    def __init__(self, group: Group, layout: str = "zigzag", impl: str = "math") -> None:
+        if impl not in IMPLS:
+            raise ValueError(f"attention impl must be one of {', '.join(IMPLS)}, got {impl!r}")
+        chunk_ids(0, 1, layout)  # validates layout
+        self.group, self.layout, self.impl = group, layout, impl
+        self.blocks = {"full": 0, "diagonal": 0, "skipped": 0}  # summed over forward calls
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.impl == "fused" and q.device.type != "cpu":
+            raise ValueError(f"the fused attention impl is CPU only; got device {q.device}")
+        if q.size(1) % 2 != 0:
+            raise ValueError(f"local sequence length {q.size(1)} must be even (two chunks)")
+        cp, rank = comm.group_size(self.group), comm.group_rank(self.group)
+        for kind, n in block_counts(rank, cp, self.layout).items():
+            self.blocks[kind] += n
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (b, heads, s_local, d)
+        out = _RingAttention.apply(q, k, v, self.group, self.layout, self.impl)
+        return out.transpose(1, 2)
+
+
+# ---- Ulysses (all-to-all) ------------------------------------------------------------------
+
+
+def _heads_to_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """(b, s_local, h, d) -> (b, cp x s_local, h / cp, d): all-to-all over ``group``."""
+    cp = comm.group_size(group)
+    b, s, h, d = x.shape
+    x = x.reshape(b, s, cp, h // cp, d).permute(2, 0, 1, 3, 4).contiguous()  # head chunk first
+    x = all_to_all(x.view(cp * b, s, h // cp, d), None, None, group)  # now: source rank first
+    return x.view(cp, b, s, h // cp, d).transpose(0, 1).reshape(b, cp * s, h // cp, d)
+
+
+def _sequence_to_heads(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """(b, cp x s_local, h / cp, d) -> (b, s_local, h, d): the inverse all-to-all."""
+    cp = comm.group_size(group)
+    b, s_all, hl, d = x.shape
+    s = s_all // cp
+    x = x.view(b, cp, s, hl, d).transpose(0, 1).contiguous()  # sequence chunk first
+    x = all_to_all(x.view(cp * b, s, hl, d), None, None, group)  # now: head chunk first
+    return x.view(cp, b, s, hl, d).permute(1, 2, 0, 3, 4).reshape(b, s, cp * hl, d)
+
+
+class UlyssesAttention:
+    """``Attention.attention_fn`` that trades the sequence split for a head split.
+
+    Every rank gathers the whole sequence for hq/cp query and hkv/cp key-value heads, puts the
+    tokens back in true order (they arrive in zigzag order), runs causal attention, and sends
+    the result back.
+    """
+
+    def __init__(self, group: Group, layout: str = "zigzag") -> None:
+        chunk_ids(0, 1, layout)
+        self.group, self.layout = group, layout
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        cp = comm.group_size(self.group)
+        check_ulysses_heads(q.size(2), k.size(2), cp)
+        seq_len = cp * q.size(1)
+        # position of each gathered token; argsort puts the sequence in true order
+        order = torch.cat([zigzag_positions(seq_len, cp, r, self.layout, q.device)
+                           for r in range(cp)])
+        natural = order.argsort()
+        q, k, v = (_heads_to_sequence(t, self.group)[:, natural] for t in (q, k, v))
+        out = causal_attention(q, k, v)[:, order]  # (b, s, hq / cp, d), back in gathered order
+        return _sequence_to_heads(out, self.group)
+
+
+def check_ulysses_heads(num_q_heads: int, num_kv_heads: int, cp_size: int) -> None:
+    if num_q_heads % cp_size != 0 or num_kv_heads % cp_size != 0:
+        raise ValueError(
+            f"Ulysses splits heads over context_parallel_size ({cp_size}): query heads "
+            f"({num_q_heads}) and key/value heads ({num_kv_heads}) must both be divisible by it")
+
+
+# ---- install -------------------------------------------------------------------------------
+
+
+def apply_context_parallel(model: nn.Module, pgm, variant: str = "ring",
+                           layout: str = "zigzag", impl: str = "math") -> nn.Module:
+    """Replace every attention module's ``attention_fn``; the weights are untouched.
+
+    Apply after tensor parallel (heads are then the local ones) and before data parallel,
+    which must average gradients over ``pgm.data_parallel_group_with_context``.
+    ``impl`` ("math" or "fused", ring only) picks the block kernel.
+    """
+    if variant not in VARIANTS:
+        raise ValueError(f"cp variant must be one of {', '.join(VARIANTS)}, got {variant!r}")
+    group, cp = pgm.context_parallel_group, pgm.context_parallel_world_size
+    attentions = [m for m in model.modules() if hasattr(m, "attention_fn")]
+    if not attentions:
+        raise ValueError("the model has no module with an attention_fn to replace")
+    for module in attentions:
+        if variant == "ring":
+            module.attention_fn = RingAttention(group, layout, impl)
+        else:
+            head_dim = module.head_dim
+            check_ulysses_heads(module.q_proj.weight.size(0) // head_dim,
+                                module.k_proj.weight.size(0) // head_dim, cp)
+            module.attention_fn = UlyssesAttention(group, layout)
+    return model
+
+
+def attention_block_counts(model: nn.Module) -> Dict[str, int]:
+    """Full / diagonal / skipped blocks this rank's ring attention computed, over all layers."""
+    total = {"full": 0, "diagonal": 0, "skipped": 0}
+    for module in model.modules():
+        fn = getattr(module, "attention_fn", None)
+        if isinstance(fn, RingAttention):
+            for kind, n in fn.blocks.items():
+                total[kind] += n
+    return total
