@@ -14,7 +14,7 @@ A model wrapper may provide two hooks, both optional:
 """
 
 from contextlib import nullcontext
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -26,14 +26,18 @@ from scaletorch.models import loss_fn
 
 ForwardBackward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+SequenceShard = Callable[[torch.Tensor, torch.Tensor],
+                         Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 def forward_backward(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
-                     num_micro_batches: int, loss_fn: LossFn = loss_fn) -> torch.Tensor:
+                     num_micro_batches: int, loss_fn: LossFn = loss_fn,
+                     position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Accumulate gradients of this rank's mean loss; returns that loss (detached).
 
     inputs, targets: (b, s), the rank's slice of the global batch. ``loss_fn(logits, targets)``
     is the mean loss of a micro-batch (tensor parallel passes its vocab-parallel one).
+    ``position_ids`` (s,), if given, go to the model (context parallel: the true positions).
     """
     micro_batches = split_micro_batches(inputs, targets, num_micro_batches)
     total = torch.zeros((), device=inputs.device)
@@ -41,7 +45,8 @@ def forward_backward(model: nn.Module, inputs: torch.Tensor, targets: torch.Tens
         is_last = i == len(micro_batches) - 1
         no_sync = getattr(model, "no_sync", None)
         with nullcontext() if is_last or no_sync is None else no_sync():
-            loss = loss_fn(model(x), y) / num_micro_batches
+            logits = model(x) if position_ids is None else model(x, position_ids=position_ids)
+            loss = loss_fn(logits, y) / num_micro_batches
             loss.backward()
         total += loss.detach()
     finish = getattr(model, "finish_grad_sync", None)
@@ -60,17 +65,24 @@ def average_over_group(value: torch.Tensor, group: Optional[dist.ProcessGroup]) 
 def make_data_parallel_step(model: nn.Module, num_micro_batches: int, data_parallel_rank: int,
                             data_parallel_size: int,
                             loss_group: Optional[dist.ProcessGroup],
-                            loss_fn: LossFn = loss_fn) -> ForwardBackward:
+                            loss_fn: LossFn = loss_fn,
+                            shard_sequence: Optional[SequenceShard] = None) -> ForwardBackward:
     """The step for single device, DDP, ZeRO and tensor parallel: slice, accumulate, report.
 
     ``loss_group`` averages the reported loss over the ranks that saw different tokens
     (data x context parallel); the gradients are the model wrapper's business.
+    ``shard_sequence(inputs, targets) -> (inputs, targets, position_ids)`` then keeps this
+    rank's tokens of each sequence (context parallel).
     """
 
     def step(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         inputs = shard_batch(inputs, data_parallel_rank, data_parallel_size)
         targets = shard_batch(targets, data_parallel_rank, data_parallel_size)
-        loss = forward_backward(model, inputs, targets, num_micro_batches, loss_fn)
+        position_ids = None
+        if shard_sequence is not None:
+            inputs, targets, position_ids = shard_sequence(inputs, targets)
+        loss = forward_backward(model, inputs, targets, num_micro_batches, loss_fn,
+                                position_ids)
         return average_over_group(loss, loss_group)
 
     return step
