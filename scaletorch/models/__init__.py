@@ -3,6 +3,7 @@
 from scaletorch.models.llama import (MLP, Attention, Llama, LlamaConfig, RMSNorm, TransformerBlock,
                                      apply_rope, build_model, causal_attention, loss_fn,
                                      rope_cos_sin)
+from scaletorch.models.moe import Experts, MoE, moe_aux_loss
 
 __all__ = [
     "Attention",
@@ -14,6 +15,9 @@ __all__ = [
     "apply_rope",
     "build_model",
     "causal_attention",
+    "Experts",
+    "MoE",
+    "moe_aux_loss",
     "loss_fn",
     "rope_cos_sin",
 ]

@@ -12,6 +12,9 @@ choices here exist to make that surgery easy:
 - ``Llama.forward`` is split into ``embed``, ``rope``, the layers and ``head`` so pipeline
   stages can run just their part.
 
+With ``num_experts > 0`` the MLP of every ``moe_layer_freq``-th block is a mixture of experts
+(``moe.py``); the trainer adds its auxiliary load-balancing loss to the training loss.
+
 Shapes: b = batch, s = sequence, h = hidden, hq / hkv = query / key-value heads, d = head_dim.
 """
 
@@ -22,6 +25,8 @@ from typing import Optional, Tuple
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from scaletorch.models.moe import Experts, MoE
 
 
 @dataclass
@@ -37,6 +42,13 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
     init_std: float = 0.02
+    # Mixture of experts (moe.py); num_experts 0 = a dense model.
+    num_experts: int = 0
+    moe_top_k: int = 2  # experts per token
+    moe_layer_freq: int = 1  # block i is MoE when i % moe_layer_freq == 0 (1: every block)
+    moe_intermediate_size: int = 0  # each expert's SwiGLU width; 0: intermediate_size
+    moe_aux_loss_coeff: float = 0.01  # weight of the load-balancing loss in the training loss
+    moe_capacity_factor: float = 0.0  # > 0: drop assignments beyond capacity; 0: never drop
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -55,6 +67,22 @@ class LlamaConfig:
         if self.head_dim % 2 != 0:
             # RoPE rotates pairs of channels.
             raise ValueError(f"head_dim ({self.head_dim}) must be even for rotary embeddings")
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        for name in ("num_experts", "moe_intermediate_size", "moe_aux_loss_coeff",
+                     "moe_capacity_factor"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.moe_layer_freq < 1:
+            raise ValueError(f"moe_layer_freq must be >= 1, got {self.moe_layer_freq}")
+        if self.num_experts > 0 and not 1 <= self.moe_top_k <= self.num_experts:
+            raise ValueError(f"moe_top_k ({self.moe_top_k}) must be between 1 and num_experts "
+                             f"({self.num_experts})")
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Whether block ``layer_idx`` has a mixture of experts instead of the dense MLP."""
+        return self.num_experts > 0 and layer_idx % self.moe_layer_freq == 0
 
     @property
     def head_dim(self) -> int:
@@ -168,14 +196,21 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def build_moe(config: LlamaConfig) -> MoE:
+    """The mixture of experts that replaces a block's MLP (``config.num_experts > 0``)."""
+    return MoE(config.hidden_size, config.moe_intermediate_size or config.intermediate_size,
+               config.num_experts, config.moe_top_k, config.moe_aux_loss_coeff,
+               config.moe_capacity_factor)
+
+
 class TransformerBlock(nn.Module):
 
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, layer_idx: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
         self.self_attn = Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = build_moe(config) if config.is_moe_layer(layer_idx) else MLP(config)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x: (b, s, h) -> (b, s, h), pre-norm residual blocks."""
@@ -190,7 +225,8 @@ class Llama(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            TransformerBlock(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
@@ -210,6 +246,8 @@ class Llama(nn.Module):
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 is_residual = name.endswith(("o_proj", "down_proj"))
                 nn.init.normal_(module.weight, mean=0.0, std=residual_std if is_residual else std)
+            elif isinstance(module, Experts):
+                module.init_weights(std, residual_std)
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
 

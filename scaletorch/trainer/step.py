@@ -22,7 +22,7 @@ from torch import nn
 
 from scaletorch.data import shard_batch, split_micro_batches
 from scaletorch.dist import comm
-from scaletorch.models import loss_fn
+from scaletorch.models import loss_fn, moe_aux_loss
 
 ForwardBackward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -46,7 +46,8 @@ def forward_backward(model: nn.Module, inputs: torch.Tensor, targets: torch.Tens
         no_sync = getattr(model, "no_sync", None)
         with nullcontext() if is_last or no_sync is None else no_sync():
             logits = model(x) if position_ids is None else model(x, position_ids=position_ids)
-            loss = loss_fn(logits, y) / num_micro_batches
+            # + the MoE load-balancing losses of this forward (0.0 for a dense model)
+            loss = (loss_fn(logits, y) + moe_aux_loss(model)) / num_micro_batches
             loss.backward()
         total += loss.detach()
     finish = getattr(model, "finish_grad_sync", None)
