@@ -72,8 +72,7 @@ class Experts(nn.Module):
         return torch.cat(outs)
 
 
-def run_local_experts(experts: Experts, routed: torch.Tensor,
-                      counts: torch.Tensor) -> torch.Tensor:
+def run_local_experts(experts: Experts, routed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """The single-device ``dispatch_fn``: every expert is here, so just run them."""
     return experts(routed, counts)
 
@@ -92,9 +91,8 @@ class MoE(nn.Module):
     on this rank by the capacity limit).
     """
 
-    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int,
-                 top_k: int = 2, aux_loss_coeff: float = 0.01,
-                 capacity_factor: float = 0.0) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int = 2,
+                 aux_loss_coeff: float = 0.01, capacity_factor: float = 0.0) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k ({top_k}) must be between 1 and num_experts "
