@@ -1,0 +1,345 @@
+"""Data parallel: every rank holds the whole model, sees 1/N of the batch, averages gradients.
+
+Over ``pgm.data_parallel_group_with_context`` (N ranks; context-parallel ranks are in it
+because they also see different tokens), after backward every rank holds
+
+    grad = (1/N) sum_r grad_r        = the gradient of the global mean loss,
+
+so the optimizer steps are identical everywhere. Cost per step: an all-reduce of Psi gradient
+elements, which a ring moves as 2 (N-1)/N x 4 Psi bytes per rank.
+
+- ``NaiveDataParallel``: when backward has finished, one blocking all-reduce per parameter.
+  The network idles during backward and backward idles during the network.
+- ``BucketedDataParallel`` (DDP): gradients are accumulated, in fp32, into flat buckets of
+  about ``bucket_size_mb`` filled in reverse parameter order, the order backward produces
+  them. A full bucket starts an async all-reduce while backward computes the next layers:
+
+      backward   |== layer L ==|== layer L-1 ==|== ... ==|== layer 1 ==|wait|
+      all-reduce               |-- bucket 0 --|-- bucket 1 --| ...  |-- k --|
+
+  Buckets are launched strictly in index order (all ranks must issue collectives in the same
+  order); one wait at the end of backward.
+- ``TorchDataParallel``: torch.nn.parallel.DistributedDataParallel, the reference (its C++
+  reducer calls the backend directly, so its all-reduces are not in our ledger).
+
+All three accept ``no_sync()`` (gradient accumulation: only the last micro-batch syncs) and
+``finish_grad_sync()``, and their ``state_dict()`` is the wrapped model's: no ``module.``
+prefix, so checkpoints and parity checks compare keys one to one.
+"""
+
+import math
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Dict, Iterator, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd import Variable
+from torch.nn.parallel import DistributedDataParallel
+
+from scaletorch.dist import comm
+
+IMPLS = ("naive", "scaletorch", "torch")
+
+
+class _Wrapper:
+    """Plain state_dict keys and attribute fall-through to ``self.module`` (a mixin)."""
+
+    def state_dict(self, *args, **kwargs):
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "module":
+                raise
+            return getattr(self.module, name)  # e.g. model.num_parameters(), model.config
+
+
+class _DataParallel(_Wrapper, nn.Module):
+    """What both hand-written wrappers share: hooks, no_sync, the end-of-backward sync.
+
+    A sync happens once per accumulation: at the end of a backward run outside ``no_sync``
+    (an autograd callback, so a plain ``loss.backward(); opt.step()`` loop is synced too), or
+    in ``finish_grad_sync()`` if a forward ran since the last sync and none happened.
+    """
+
+    def __init__(self, module: nn.Module, group: Optional[dist.ProcessGroup]) -> None:
+        super().__init__()
+        self.module = module
+        self.group = group
+        self.world = comm.group_size(group)
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self._sync_enabled = True
+        self._needs_sync = False
+        self._callback_queued = False
+        # Same start everywhere (torch DDP does this too): rank 0 of the group wins.
+        src = 0 if group is None or not dist.is_initialized() else dist.get_global_rank(group, 0)
+        with torch.no_grad():
+            for tensor in list(module.parameters()) + list(module.buffers()):
+                comm.broadcast(tensor.data, src=src, group=group)
+        for i, p in enumerate(self.params):
+            p.register_post_accumulate_grad_hook(lambda p, i=i: self._grad_ready(i))
+
+    def forward(self, *args, **kwargs):
+        if torch.is_grad_enabled():
+            self._needs_sync = True
+        return self.module(*args, **kwargs)
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward inside accumulates locally; the first backward outside syncs it all."""
+        previous, self._sync_enabled = self._sync_enabled, False
+        try:
+            yield
+        finally:
+            self._sync_enabled = previous
+
+    def finish_grad_sync(self) -> None:
+        """Make ``p.grad`` the group average now (no-op if backward already synced)."""
+        if self._needs_sync:
+            self._sync()
+
+    def _grad_ready(self, i: int) -> None:
+        """Post-accumulate-grad hook of parameter i: runs inside backward."""
+        self._needs_sync = True
+        if self._sync_enabled and not self._callback_queued:
+            self._callback_queued = True
+            Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        self._callback_queued = False
+        if self._sync_enabled:
+            self._sync()
+
+    def _sync(self) -> None:
+        raise NotImplementedError
+
+
+class NaiveDataParallel(_DataParallel):
+    """After backward, all-reduce each gradient (blocking) and divide by N."""
+
+    def _sync(self) -> None:
+        for p in self.params:
+            if p.grad is None:  # unused here, maybe used elsewhere: every rank must reduce
+                p.grad = torch.zeros_like(p)
+            comm.all_reduce(p.grad, self.group)  # SUM over the dp_cp group
+            if self.world > 1:
+                p.grad.div_(self.world)
+        self._needs_sync = False
+
+
+@dataclass
+class Bucket:
+    """A flat fp32 gradient buffer for a run of parameters (in reverse registration order)."""
+    index: int
+    param_ids: List[int]
+    buffer: torch.Tensor  # (numel,) fp32
+    ready: int = 0  # parameters whose gradient arrived in this sync's backward
+    work: Optional[object] = None  # the async all-reduce handle, once launched
+
+
+@dataclass
+class BucketLaunch:
+    """One bucket's all-reduce in the recorded timeline (times: time.perf_counter())."""
+    index: int
+    numel: int
+    in_backward: bool  # launched by a gradient hook, i.e. while backward was still running
+    grads_pending: int  # parameters whose gradient backward had not yet produced
+    t_launch: float
+    t_done: float = float("nan")  # when the all-reduce completed
+
+
+@dataclass
+class SyncTimeline:
+    """The last synced backward: when it ran, when each bucket went out and came back."""
+    t_forward: float = float("nan")  # forward start of the micro-batch that synced
+    t_first_grad: float = float("nan")
+    t_backward_end: float = float("nan")  # all gradients produced; the wait starts
+    t_wait_end: float = float("nan")
+    launches: List[BucketLaunch] = field(default_factory=list)
+
+
+class BucketedDataParallel(_DataParallel):
+    """DDP with gradient buckets: all-reduce of bucket k overlaps backward of earlier layers.
+
+    Gradients live in the buckets: after the first micro-batch ``p.grad`` is a view of the
+    fp32 bucket buffer (of a copy, for non-fp32 parameters), so later micro-batches accumulate
+    in place. ``optimizer.zero_grad()`` works as usual: with set_to_none the next gradient
+    overwrites the stale bucket slot instead of adding to it. A parameter that gets no
+    gradient is reduced as zeros (ranks must agree on every bucket), so after a sync it has a
+    zero gradient, not None.
+    """
+
+    def __init__(self, module: nn.Module, group: Optional[dist.ProcessGroup],
+                 bucket_size_mb: float = 25.0) -> None:
+        if not bucket_size_mb > 0:
+            raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb}")
+        devices = {p.device for p in module.parameters()}
+        if len(devices) > 1:
+            raise ValueError(f"data parallel wraps a model on one device, got {devices}")
+        super().__init__(module, group)
+        self.bucket_size_mb = bucket_size_mb
+        capacity = max(1, int(bucket_size_mb * 2**20) // 4)  # fp32 elements per bucket
+        self.buckets: List[Bucket] = []
+        self._bucket_of: Dict[int, int] = {}
+        self._views: List[torch.Tensor] = [None] * len(self.params)
+        ids: List[int] = []
+        for i in reversed(range(len(self.params))):  # backward meets the last layers first
+            if ids and sum(self.params[j].numel() for j in ids) + self.params[i].numel() \
+                    > capacity:
+                self._add_bucket(ids)
+                ids = []
+            ids.append(i)
+        if ids:
+            self._add_bucket(ids)
+        self._stale = set(range(len(self.params)))  # slots still holding the last sync's grad
+        self._next_bucket = 0  # buckets launch in index order, the same on every rank
+        self._grads_ready = 0
+        self.timeline = SyncTimeline()
+        self._recording = SyncTimeline()
+
+    def _add_bucket(self, ids: List[int]) -> None:
+        device = self.params[ids[0]].device
+        buffer = torch.zeros(sum(self.params[j].numel() for j in ids), dtype=torch.float32,
+                             device=device)
+        offset = 0
+        for j in ids:
+            n = self.params[j].numel()
+            self._views[j] = buffer[offset:offset + n].view_as(self.params[j])
+            self._bucket_of[j] = len(self.buckets)
+            offset += n
+        self.buckets.append(Bucket(len(self.buckets), list(ids), buffer))
+
+    def forward(self, *args, **kwargs):
+        if self._sync_enabled and torch.is_grad_enabled():
+            self._recording.t_forward = time.perf_counter()
+        return super().forward(*args, **kwargs)
+
+    def _take_grad(self, i: int) -> None:
+        """Move parameter i's fresh ``p.grad`` into its bucket slot (fp32), if not there yet."""
+        p, view = self.params[i], self._views[i]
+        grad = p.grad
+        if grad is None or grad.data_ptr() == view.data_ptr():
+            pass  # nothing new, or autograd already accumulated in place into the slot
+        elif i in self._stale:
+            view.copy_(grad)  # first gradient since the last sync replaces the old average
+        else:
+            view.add_(grad)
+        if grad is not None:
+            p.grad = view if p.dtype == view.dtype else None
+        elif i in self._stale:
+            view.zero_()  # no gradient at all in this accumulation
+        self._stale.discard(i)
+
+    def _grad_ready(self, i: int) -> None:
+        super()._grad_ready(i)
+        self._take_grad(i)
+        if not self._sync_enabled:
+            return
+        if self._grads_ready == 0:
+            self._recording.t_first_grad = time.perf_counter()
+        self._grads_ready += 1
+        self.buckets[self._bucket_of[i]].ready += 1
+        while self._next_bucket < len(self.buckets):
+            bucket = self.buckets[self._next_bucket]
+            if bucket.ready < len(bucket.param_ids):
+                break  # strictly in index order: every rank issues the same sequence
+            self._launch(bucket, in_backward=True)
+
+    def _launch(self, bucket: Bucket, in_backward: bool) -> None:
+        """Start the async all-reduce (SUM of grad / N over the dp_cp group) of one bucket."""
+        for i in bucket.param_ids:
+            if i in self._stale:  # no gradient arrived for it on this rank
+                self._take_grad(i)
+        if self.world > 1:
+            bucket.buffer.div_(self.world)  # before the sum, as torch DDP does
+        bucket.work = comm.all_reduce(bucket.buffer, self.group, async_op=True)
+        launch = BucketLaunch(bucket.index, bucket.buffer.numel(), in_backward,
+                              len(self.params) - self._grads_ready, time.perf_counter())
+        if bucket.work is None:  # a group of one rank: nothing to wait for
+            launch.t_done = launch.t_launch
+        else:
+            bucket.work.get_future().then(
+                lambda _, rec=launch: setattr(rec, "t_done", time.perf_counter()))
+        self._recording.launches.append(launch)
+        self._next_bucket += 1
+
+    def _sync(self) -> None:
+        """Launch what backward did not (unused parameters), wait once, hand out the grads."""
+        self._recording.t_backward_end = time.perf_counter()
+        while self._next_bucket < len(self.buckets):
+            self._launch(self.buckets[self._next_bucket], in_backward=False)
+        for bucket in self.buckets:
+            if bucket.work is not None:
+                bucket.work.wait()
+            bucket.work, bucket.ready = None, 0
+        self._recording.t_wait_end = time.perf_counter()
+        for p, view in zip(self.params, self._views):
+            p.grad = view if p.dtype == view.dtype else view.to(p.dtype)
+        self._stale = set(range(len(self.params)))
+        self._next_bucket = self._grads_ready = 0
+        self._needs_sync = False
+        self.timeline, self._recording = self._recording, SyncTimeline()
+
+
+class TorchDataParallel(_Wrapper, DistributedDataParallel):
+    """torch's DDP with ``finish_grad_sync`` (its reducer already waited) and plain keys."""
+
+    def finish_grad_sync(self) -> None:
+        pass
+
+
+def format_timeline(timeline: SyncTimeline, width: int = 60) -> str:
+    """ASCII picture of one synced step: compute (=), each bucket's all-reduce (#), wait (.).
+
+    Times are ms from the forward of the micro-batch that synced; a bucket's bar runs from
+    its launch to the completion of its all-reduce.
+    """
+    t0 = timeline.t_first_grad if math.isnan(timeline.t_forward) else timeline.t_forward
+    dones = [x.t_done for x in timeline.launches if not math.isnan(x.t_done)]
+    scale = width / max(max([timeline.t_wait_end] + dones) - t0, 1e-9)
+
+    def row(label: str, start: float, end: float, char: str, note: str = "") -> str:
+        a = min(width - 1, int((start - t0) * scale))
+        b = max(a + 1, min(width, round((end - t0) * scale)))
+        bar = " " * a + char * (b - a) + " " * (width - b)
+        return f"{label:<17}|{bar}| {(start - t0) * 1e3:7.1f} -{(end - t0) * 1e3:7.1f} ms{note}"
+
+    lines = [row("forward+backward", t0, timeline.t_backward_end, "=")]
+    for x in timeline.launches:
+        done = timeline.t_wait_end if math.isnan(x.t_done) else x.t_done
+        lines.append(
+            row(f"bucket {x.index}", x.t_launch, done, "#", f"  {x.numel * 4 / 1e6:.3f} MB"))
+    lines.append(row("wait", timeline.t_backward_end, timeline.t_wait_end, "."))
+    return "\n".join(lines)
+
+
+def apply_data_parallel(model: nn.Module, pgm, impl: str = "scaletorch",
+                        bucket_size_mb: float = 25.0) -> nn.Module:
+    """Wrap ``model`` for data parallel over ``pgm.data_parallel_group_with_context``.
+
+    impl: "naive" (all-reduce per parameter after backward), "scaletorch" (bucketed, overlapped)
+    or "torch" (torch.nn.parallel.DistributedDataParallel). Returns the wrapper.
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {', '.join(IMPLS)}, got {impl!r}")
+    if not bucket_size_mb > 0:
+        raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb}")
+    group = None if pgm is None else pgm.data_parallel_group_with_context
+    if impl == "torch" and not dist.is_initialized():
+        raise ValueError("impl 'torch' (DistributedDataParallel) needs a process group: "
+                         "launch with torchrun, or use impl 'scaletorch' on one process")
+    if impl == "naive":
+        return NaiveDataParallel(model, group)
+    if impl == "scaletorch":
+        return BucketedDataParallel(model, group, bucket_size_mb)
+    device = next(model.parameters()).device
+    return TorchDataParallel(model, device_ids=None if device.type == "cpu" else [device.index],
+                             process_group=group, bucket_cap_mb=bucket_size_mb)
