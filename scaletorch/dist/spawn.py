@@ -1,0 +1,107 @@
+"""Run a function on N gloo processes on this machine and bring the results back.
+
+The test suite and the benchmarks use this to start a world without torchrun: it spawns
+``world_size`` CPU processes, initializes a gloo process group on a free localhost port in
+each, calls ``fn(rank, world_size, *args)``, and returns the list of per-rank return values.
+A test class spawns one world in ``setUpClass`` and asserts on the results in several test
+methods, since starting ranks costs seconds on a 2-core machine.
+"""
+
+import datetime
+import gc
+import io
+import os
+import socket
+import traceback
+from typing import Any, Callable, List
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    """Ask the OS for a TCP port that is free on localhost right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, timeout: float, fn: Callable, args: tuple,
+            queue) -> None:
+    os.environ.update({
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    })
+    # Two cores are shared by all ranks: more threads per rank only fight each other.
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout))
+        result = fn(rank, world_size, *args)
+        # Plain bytes, not tensors: torch would share tensor storage through file
+        # descriptors, which vanish when this process exits before the parent reads them.
+        buffer = io.BytesIO()
+        torch.save(result, buffer)
+        queue.put((rank, "ok", buffer.getvalue()))
+    except BaseException:  # noqa: B902 - every failure must reach the parent with its rank
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        # gc before destroy avoids a rare SIGABRT at exit after DDP (CPU_GLOO_NOTES.md).
+        gc.collect()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 120) -> List[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes.
+
+    ``fn`` must be a module-level function (it is pickled for spawn) and return something
+    picklable (tensors are fine). Returns the per-rank results in rank order. Raises
+    RuntimeError with the rank and traceback of the first failure, or if the world does not
+    finish within ``timeout`` seconds (collectives also time out after ``timeout``).
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(rank, world_size, port, timeout, fn, args, queue),
+                    daemon=True) for rank in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    results: dict = {}
+    errors: list = []
+    deadline = timeout + 60  # process start-up plus the collective timeout
+    start = datetime.datetime.now()
+    while len(results) + len(errors) < world_size:
+        if (datetime.datetime.now() - start).total_seconds() > deadline:
+            break
+        if queue.empty():
+            if all(not p.is_alive() for p in procs) and queue.empty():
+                break
+            procs[0].join(0.05)
+            continue
+        rank, status, payload = queue.get()
+        if status == "ok":
+            results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+        else:
+            errors.append((rank, payload))
+            break  # the first failure is the interesting one; peers may now hang
+    for proc in procs:
+        proc.join(5 if not errors else 1)
+        if proc.is_alive():
+            proc.kill()
+    if errors:
+        rank, tb = errors[0]
+        raise RuntimeError(f"rank {rank} of {world_size} failed:\n{tb}")
+    missing = [r for r in range(world_size) if r not in results]
+    if missing:
+        codes = [p.exitcode for p in procs]
+        raise RuntimeError(f"ranks {missing} of {world_size} returned nothing within "
+                           f"{deadline:.0f} s (exit codes {codes})")
+    return [results[r] for r in range(world_size)]
