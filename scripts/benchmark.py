@@ -1,0 +1,71 @@
+"""Benchmarks: our strategies against PyTorch's native ones, measured side by side.
+
+    python scripts/benchmark.py                 # every chapter's rows
+    python scripts/benchmark.py --only ddp fsdp # some of them
+    python scripts/benchmark.py --list
+
+Each chapter's rows live in ``scripts/benchmarks/<name>.py`` as ``run(args) -> list[dict]``.
+A row reports ratios measured alternately in one run (ours / native step time), never a
+single absolute time: on a shared CPU only ratios measured together mean something.
+"""
+
+import argparse
+import importlib
+import os
+import pkgutil
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import scripts.benchmarks as benchmarks  # noqa: E402
+
+
+def available() -> list:
+    return sorted(m.name for m in pkgutil.iter_modules(benchmarks.__path__))
+
+
+def print_rows(rows: list) -> None:
+    if not rows:
+        return
+    keys = list(dict.fromkeys(k for row in rows for k in row))
+    widths = {k: max(len(k), *(len(_fmt(row.get(k, ""))) for row in rows)) for k in keys}
+    print("  ".join(k.ljust(widths[k]) for k in keys))
+    for row in rows:
+        print("  ".join(_fmt(row.get(k, "")).ljust(widths[k]) for k in keys))
+
+
+def _fmt(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    return str(value)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="+", default=None, help="chapters to run")
+    parser.add_argument("--list", action="store_true", help="list the chapters and exit")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per repeat")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="alternating repeats of each implementation")
+    parser.add_argument("--world-size", type=int, default=2, help="ranks per benchmark")
+    args = parser.parse_args()
+    names = available()
+    if args.list:
+        print("\n".join(names))
+        return 0
+    selected = args.only or names
+    unknown = sorted(set(selected) - set(names))
+    if unknown:
+        raise ValueError(f"unknown benchmark(s) {unknown}; available: {names}")
+    for name in selected:
+        module = importlib.import_module(f"scripts.benchmarks.{name}")
+        start = time.perf_counter()
+        print(f"== {name}")
+        print_rows(module.run(args))
+        print(f"({time.perf_counter() - start:.0f} s)\n", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Benchmark rows, one module per chapter; each exposes ``run(args) -> list[dict]``."""
