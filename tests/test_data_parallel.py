@@ -49,14 +49,12 @@ def _train_every_impl(rank: int, world: int) -> Dict[tuple, dict]:
             model = apply_data_parallel(model, pgm, impl, cfg.parallel.bucket_size_mb)
             get_ledger().clear()
             result = Trainer(cfg, model, pgm, device=torch.device("cpu"), verbose=False).train()
-            out[(impl, m)] = {
-                "losses": result.losses,
-                "state": {k: v.clone() for k, v in model.state_dict().items()},
-                "all_reduced": [
-                    get_ledger().total(op="all_reduce", group="dp_cp", step=s)
-                    for s in range(cfg.training.steps)
-                ],
-            }
+            state = {k: v.clone() for k, v in model.state_dict().items()}
+            reduced = [
+                get_ledger().total(op="all_reduce", group="dp_cp", step=s)
+                for s in range(cfg.training.steps)
+            ]
+            out[(impl, m)] = dict(losses=result.losses, state=state, all_reduced=reduced)
     destroy_pg_manager()
     return out
 
@@ -96,14 +94,13 @@ def _toy_grads(rank: int, world: int, impl: str) -> dict:
             (model(xs[rank, 0]).pow(2).mean() / 2).backward()
         (model(xs[rank, 1]).pow(2).mean() / 2).backward()
         model.finish_grad_sync()
-    return {
-        "grads": {n: p.grad.clone() for n, p in model.module.named_parameters()},
-        "expected": {
-            n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p))
-            for n, p in expected.named_parameters()
-        },
-        "buckets": len(model.buckets) if isinstance(model, BucketedDataParallel) else None,
+    grads = {n: p.grad.clone() for n, p in model.module.named_parameters()}
+    want = {
+        n: p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+        for n, p in expected.named_parameters()
     }
+    buckets = len(model.buckets) if isinstance(model, BucketedDataParallel) else None
+    return dict(grads=grads, expected=want, buckets=buckets)
 
 
 def _mechanics(rank: int, world: int) -> dict:
@@ -119,8 +116,8 @@ def _mechanics(rank: int, world: int) -> dict:
         get_ledger().clear()
         forward_backward(model, inputs[shard], targets[shard], num_micro_batches=2)
         records = get_ledger().select(op="all_reduce")
-        out[f"ledger_{impl}"] = (sum(r.elements for r in records), len(records),
-                                 model.num_parameters())
+        elements = sum(r.elements for r in records)
+        out[f"ledger_{impl}"] = (elements, len(records), model.num_parameters())
         if impl == "scaletorch":
             out["launches"] = [(x.index, x.in_backward, x.grads_pending, x.t_launch
                                 < model.timeline.t_backward_end) for x in model.timeline.launches]
@@ -170,8 +167,7 @@ class DataParallel4MatchesSingleDevice(_ParityMixin, unittest.TestCase):
         cls.results = run_distributed(_train_every_impl, 4)
         cls.refs = cls.references()
 
-    def test_naive_bucketed_and_torch_ddp_match_single_device_with_and_without_accumulation(
-            self):
+    def test_naive_bucketed_and_torch_ddp_match_single_device_with_and_without_accumulation(self):
         self.check_parity(self.results, self.refs)
 
     def test_ledger_all_reduces_parameter_count_once_per_step(self):
@@ -190,8 +186,7 @@ class DataParallel2Mechanics(_ParityMixin, unittest.TestCase):
         cls.results = run_distributed(_mechanics, 2)
         cls.refs = cls.references()
 
-    def test_naive_bucketed_and_torch_ddp_match_single_device_with_and_without_accumulation(
-            self):
+    def test_naive_bucketed_and_torch_ddp_match_single_device_with_and_without_accumulation(self):
         self.check_parity([r["parity"] for r in self.results], self.refs)
 
     def test_accumulation_all_reduces_each_gradient_once_not_per_micro_batch(self):
@@ -228,8 +223,8 @@ class DataParallel2Mechanics(_ParityMixin, unittest.TestCase):
                 toy = res["toy"][impl]
                 for name, grad in toy["grads"].items():
                     # Two micro-batches and two ranks summed in another order: ulps.
-                    torch.testing.assert_close(grad, toy["expected"][name], rtol=1e-5,
-                                               atol=1e-6, msg=f"{impl} {name}")
+                    torch.testing.assert_close(grad, toy["expected"][name], rtol=1e-5, atol=1e-6,
+                                               msg=f"{impl} {name}")
                 self.assertEqual(toy["grads"]["unused"].abs().max().item(), 0.0)
             if impl == "scaletorch":
                 self.assertGreaterEqual(self.results[0]["toy"][impl]["buckets"], 3)
