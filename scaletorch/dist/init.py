@@ -82,3 +82,8 @@ def destroy_distributed() -> None:
     gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def restart_count() -> int:
+    """How many times torchrun has restarted this job (``--max-restarts``); 0 on the first try."""
+    return _env_int("TORCHELASTIC_RESTART_COUNT", 0)

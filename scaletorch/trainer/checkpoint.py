@@ -9,14 +9,19 @@ model is saved sharded)::
 
 Each file is written to a temporary name, flushed to disk (fsync) and renamed, so a file
 either exists whole or not at all; a checkpoint without its manifest is incomplete and is
-ignored. Resuming needs the same world size (loading at another layout is chapter 07's).
+ignored. The manifest holds a format version and the sha256 of every rank's file, so a file
+truncated or damaged later is detected, and ``latest_valid_checkpoint`` falls back to the one
+before. Resuming needs the same world size (loading at another layout is chapter 07's). With
+several nodes the directory must be on a filesystem that every node sees.
 """
 
+import hashlib
+import io
 import json
 import os
 import random
 import shutil
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -27,13 +32,22 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 
 
-def _atomic_write(path: str, write) -> None:
+def _atomic_write(path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that a reader sees the old file or the new one, never half."""
     tmp = f"{path}.tmp.{os.getpid()}"
     with open(tmp, "wb") as f:
-        write(f)
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _checksum_file(path: str) -> str:
+    return os.path.join(os.path.dirname(path), os.path.basename(path) + ".sha256")
 
 
 def step_dir(root: str, step: int) -> str:
@@ -87,29 +101,86 @@ def save_checkpoint(root: str, step: int, state: Dict[str, Any], rank: int, worl
     """
     path = step_dir(root, step)
     os.makedirs(path, exist_ok=True)
-    _atomic_write(rank_file(path, rank), lambda f: torch.save(state, f))
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    data = buffer.getvalue()
+    _atomic_write(rank_file(path, rank), data)
+    _atomic_write(_checksum_file(rank_file(path, rank)), _sha256(data).encode())
     comm.barrier(group)  # the manifest must only exist once every rank's file does
     if rank == 0:
-        manifest = {"format_version": FORMAT_VERSION, "step": step, "world_size": world_size}
-        _atomic_write(os.path.join(path, MANIFEST),
-                      lambda f: f.write(json.dumps(manifest, indent=1).encode()))
+        files = {}
+        for r in range(world_size):
+            with open(_checksum_file(rank_file(path, r))) as f:
+                files[os.path.basename(rank_file(path, r))] = f.read().strip()
+        manifest = {"format_version": FORMAT_VERSION, "step": step, "world_size": world_size,
+                    "sha256": files}
+        _atomic_write(os.path.join(path, MANIFEST), json.dumps(manifest, indent=1).encode())
         for old in list_checkpoints(root)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
     comm.barrier(group)
     return path
 
 
-def load_checkpoint(path: str, rank: int, world_size: int) -> Dict[str, Any]:
-    """Read this rank's state from checkpoint directory ``path`` (checked against its manifest)."""
+class CorruptCheckpointError(ValueError):
+    """A checkpoint whose manifest is unreadable or whose files do not match their checksums."""
+
+
+def read_manifest(path: str) -> Dict[str, Any]:
     manifest_path = os.path.join(path, MANIFEST)
     if not os.path.isfile(manifest_path):
         raise FileNotFoundError(f"{path!r} is not a complete checkpoint (no {MANIFEST})")
-    with open(manifest_path) as f:
-        manifest = json.load(f)
+    try:
+        with open(manifest_path) as f:
+            manifest = json.load(f)
+    except (OSError, json.JSONDecodeError) as err:
+        raise CorruptCheckpointError(f"{manifest_path!r} is unreadable: {err}") from err
     if manifest.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"checkpoint {path!r} has format version "
                          f"{manifest.get('format_version')}, this code reads {FORMAT_VERSION}")
+    return manifest
+
+
+def _read_verified(path: str, name: str, manifest: Dict[str, Any]) -> bytes:
+    file_path = os.path.join(path, name)
+    if not os.path.isfile(file_path):
+        raise CorruptCheckpointError(f"checkpoint {path!r} is missing {name}")
+    with open(file_path, "rb") as f:
+        data = f.read()
+    expected = manifest["sha256"].get(name)
+    if _sha256(data) != expected:
+        raise CorruptCheckpointError(
+            f"checkpoint {path!r}: {name} does not match its sha256 in the manifest "
+            f"({len(data)} bytes; truncated or damaged)")
+    return data
+
+
+def verify_checkpoint(path: str) -> None:
+    """Raise CorruptCheckpointError unless every rank's file matches the manifest."""
+    manifest = read_manifest(path)
+    for name in manifest["sha256"]:
+        _read_verified(path, name, manifest)
+
+
+def latest_valid_checkpoint(root: str) -> Tuple[Optional[str], List[str]]:
+    """The newest checkpoint that verifies, and a message for each newer one skipped.
+
+    Every rank reads every file, so all ranks reach the same answer without talking.
+    """
+    skipped = []
+    for path in reversed(list_checkpoints(root)):
+        try:
+            verify_checkpoint(path)
+            return path, skipped
+        except CorruptCheckpointError as err:
+            skipped.append(f"skipping corrupt checkpoint: {err}")
+    return None, skipped
+
+
+def load_checkpoint(path: str, rank: int, world_size: int) -> Dict[str, Any]:
+    """Read this rank's state from checkpoint directory ``path`` (checked against its manifest)."""
+    manifest = read_manifest(path)
     if manifest["world_size"] != world_size:
         raise ValueError(f"checkpoint {path!r} was saved by {manifest['world_size']} ranks; "
                          f"this run has {world_size}")
-    return torch.load(rank_file(path, rank), map_location="cpu", weights_only=False)
+    data = _read_verified(path, os.path.basename(rank_file(path, rank)), manifest)
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)

@@ -62,6 +62,8 @@ class TrainingConfig:
     precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16
     model_seed: int = 42  # one seed builds the same full model on every rank
     timeout_seconds: float = 300.0  # every collective fails after this instead of hanging
+    fail_at_step: int = -1  # fault injection: kill rank ``fail_rank`` at this step (first try only)
+    fail_rank: int = 0
 
 
 @dataclass
@@ -119,6 +121,8 @@ ALIASES = {
     "--cp-variant": "parallel.cp_variant",
     "--micro-batches": "data.num_micro_batches",
     "--name": "logging.name",
+    "--fail-at-step": "training.fail_at_step",
+    "--fail-rank": "training.fail_rank",
 }
 FLAGS = {"--sequence-parallel": "parallel.sequence_parallel", "--check": "check"}
 
@@ -298,6 +302,11 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
     for key, value in non_negative.items():
         if value < 0:
             raise ValueError(f"{key} must be >= 0, got {value}")
+    if cfg.training.fail_rank < 0:
+        raise ValueError(f"training.fail_rank must be >= 0, got {cfg.training.fail_rank}")
+    if world_size is not None and cfg.training.fail_rank >= world_size:
+        raise ValueError(f"training.fail_rank ({cfg.training.fail_rank}) is not a rank of a "
+                         f"world of {world_size}")
     if cfg.checkpoint.keep_last < 1:
         raise ValueError(f"checkpoint.keep_last must be >= 1, got {cfg.checkpoint.keep_last}")
     if cfg.parallel.zero_stage not in (0, 1, 2, 3):

@@ -15,6 +15,7 @@ A strategy changes the model (wrapping or sharding it) and, where it must, passe
 import json
 import math
 import os
+import signal
 import sys
 import time
 from contextlib import nullcontext
@@ -22,10 +23,11 @@ from dataclasses import dataclass, field
 from typing import Callable, List, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from scaletorch.data import GlobalBatchLoader, build_dataset
-from scaletorch.dist import comm, get_ledger
+from scaletorch.dist import comm, get_ledger, restart_count
 from scaletorch.trainer import checkpoint as ckpt
 from scaletorch.trainer.config import Config, save_config
 from scaletorch.trainer.step import ForwardBackward, make_data_parallel_step
@@ -131,10 +133,23 @@ class Trainer:
         self.step = state["step"]
 
     def maybe_resume(self) -> None:
+        """Load ``checkpoint.resume`` ("latest" or a directory), if set.
+
+        After torchrun restarts a failed job (``--max-restarts``) every rank resumes from the
+        latest valid checkpoint by itself, so the restarted run continues where it stopped.
+        """
         resume = self.cfg.checkpoint.resume
+        if not resume and self.pgm is not None and restart_count() > 0:
+            resume = "latest"
+            self._print(f"torchrun restart {restart_count()}: resuming from the latest "
+                        f"checkpoint in {self.cfg.checkpoint_path}")
         if not resume:
             return
-        path = ckpt.latest_checkpoint(self.cfg.checkpoint_path) if resume == "latest" else resume
+        path = resume
+        if resume == "latest":
+            path, skipped = ckpt.latest_valid_checkpoint(self.cfg.checkpoint_path)
+            for message in skipped:
+                self._print(message)
         if path is None:
             self._print(f"no checkpoint in {self.cfg.checkpoint_path}: starting from step 0")
             return
@@ -166,6 +181,27 @@ class Trainer:
         self.step += 1
         return float(loss), float(grad_norm)
 
+    def _maybe_inject_failure(self) -> None:
+        """``--fail-at-step K --fail-rank R``: rank R dies abruptly at step K, on the first try.
+
+        SIGKILL, not an exception: no cleanup runs, as when a machine or a process is lost.
+        """
+        t = self.cfg.training
+        if (t.fail_at_step == self.step and self.rank == t.fail_rank and restart_count() == 0
+                and self.pgm is not None):
+            print(f"rank {self.rank}: injected failure at step {self.step}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def _train_step_with_context(self) -> tuple[float, float]:
+        """``train_step``, and if a collective fails (a peer died or timed out), say where."""
+        try:
+            return self.train_step()
+        except (RuntimeError, dist.DistError) as err:
+            records = get_ledger().records
+            last = (f"; the last collective issued was {records[-1].op} over group "
+                    f"'{records[-1].group}' ({records[-1].group_size} ranks)") if records else ""
+            raise RuntimeError(f"rank {self.rank}: step {self.step} failed{last}: {err}") from err
+
     def train(self) -> TrainResult:
         cfg = self.cfg
         self.maybe_resume()
@@ -188,7 +224,8 @@ class Trainer:
             while self.step < cfg.training.steps:
                 start = time.perf_counter()
                 lr = self.scheduler.get_last_lr()[0]
-                loss, grad_norm = self.train_step()
+                self._maybe_inject_failure()
+                loss, grad_norm = self._train_step_with_context()
                 elapsed = time.perf_counter() - start
                 result.losses.append(loss)
                 result.grad_norms.append(grad_norm)
