@@ -4,7 +4,7 @@ import os
 import tempfile
 import unittest
 
-from scaletorch.trainer.config import Config, parse_args, save_config, validate
+from scaletorch.trainer.config import parse_args, save_config, validate
 
 CONFIG_00 = "examples/configs/00_single_device.yaml"
 
@@ -48,32 +48,53 @@ class ConfigLoadsAndOverrides(unittest.TestCase):
                 parse_args(["--config", os.path.join("examples/configs", name)])
 
 
-class BadConfigsRaiseValueErrorsNamingTheValues(unittest.TestCase):
+class BadConfigsRaiseErrorsNamingTheValues(unittest.TestCase):
+    """The invalid-configuration table: each row is (command line, world size, error, text)."""
 
     CASES = [
-        (["--training.lrr", "1"], "training.lrr"),
-        (["--optimizer.lr", "1"], "optimizer.lr"),
-        (["--training.steps", "ten"], "'ten'"),
-        (["--training.steps", "2.5"], "2.5"),
-        (["--steps", "0"], "training.steps must be positive, got 0"),
-        (["--tp", "-2"], "tensor_model_parallel_size must be positive, got -2"),
-        (["--zero-stage", "4"], "zero_stage must be 0, 1, 2 or 3, got 4"),
-        (["--schedule", "zigzag"], "'zigzag'"),
-        (["--impl", "fast"], "'fast'"),
-        (["--data.dataset", "text"], "needs data.path"),
-        (["--data.seq_len", "128"], "data.seq_len (128) exceeds model.max_seq_len (64)"),
-        (["--model.num_attention_heads", "3"], "3"),
-        (["--training.lr", "-1"], "training.lr must be >= 0, got -1"),
-        (["--set", "training.lr"], "KEY=VALUE"),
-        (["--data.seq_len"], "needs a value"),
-        (["stray"], "'stray'"),
+        # unknown keys and wrong types
+        (["--training.lrr", "1"], None, ValueError, "training.lrr"),
+        (["--optimizer.lr", "1"], None, ValueError, "optimizer.lr"),
+        (["--training.steps", "ten"], None, ValueError, "'ten'"),
+        (["--training.steps", "2.5"], None, ValueError, "2.5"),
+        (["--logging.progress", "maybe"], None, ValueError, "'maybe'"),
+        (["--set", "training.lr"], None, ValueError, "KEY=VALUE"),
+        (["--data.seq_len"], None, ValueError, "needs a value"),
+        (["stray"], None, ValueError, "'stray'"),
+        # negative or zero sizes
+        (["--steps", "0"], None, ValueError, "training.steps must be positive, got 0"),
+        (["--tp", "-2"], None, ValueError, "tensor_model_parallel_size must be positive, got -2"),
+        (["--training.lr", "-1"], None, ValueError, "training.lr must be >= 0, got -1"),
+        (["--fail-rank", "-1"], None, ValueError, "fail_rank must be >= 0, got -1"),
+        # choices
+        (["--zero-stage", "4"], None, ValueError, "zero_stage must be 0, 1, 2 or 3, got 4"),
+        (["--schedule", "zigzag"], None, ValueError, "'zigzag'"),
+        (["--impl", "fast"], None, ValueError, "'fast'"),
+        # model and data
+        (["--model.num_attention_heads", "3"], None, ValueError, "3"),
+        (["--data.seq_len",
+          "128"], None, ValueError, "data.seq_len (128) exceeds model.max_seq_len (64)"),
+        (["--data.dataset", "text"], None, ValueError, "needs data.path"),
+        (["--data.dataset", "bin", "--data.path",
+          "missing.bin"], None, FileNotFoundError, "'missing.bin'"),
+        # layouts that do not fit the world
+        (["--tp",
+          "4"], 6, ValueError, "world size 6 is not divisible by tensor_model_parallel_size (4) x "
+         "pipeline_model_parallel_size (1) x context_parallel_size (1)"),
+        (["--tp", "2", "--pp", "2", "--cp", "2"], 4, ValueError, "world size 4 is not divisible"),
+        (["--dp", "3"], 4, ValueError, "data_parallel_size (3)"),
+        (["--data.global_batch_size", "8", "--micro-batches",
+          "3"], 2, ValueError, "global_batch_size (8) is not divisible by data_parallel_size (2) x "
+         "data.num_micro_batches (3)"),
+        (["--fail-rank", "4"], 4, ValueError, "fail_rank (4) is not a rank of a world of 4"),
     ]
 
-    def test_each_bad_command_line_raises_with_the_value(self):
-        for argv, fragment in self.CASES:
-            with self.subTest(argv=argv):
-                with self.assertRaises(ValueError) as ctx:
-                    parse_args(argv)
+    def test_each_bad_configuration_raises_with_the_value(self):
+        self.assertGreaterEqual(len(self.CASES), 15)
+        for argv, world_size, error, fragment in self.CASES:
+            with self.subTest(argv=argv, world_size=world_size):
+                with self.assertRaises(error) as ctx:
+                    validate(parse_args(argv), world_size=world_size)
                 self.assertIn(fragment, str(ctx.exception))
 
     def test_unknown_yaml_key_and_missing_file(self):
@@ -89,24 +110,6 @@ class BadConfigsRaiseValueErrorsNamingTheValues(unittest.TestCase):
                 parse_args(["--config", path])
         with self.assertRaisesRegex(FileNotFoundError, "nope.yaml"):
             parse_args(["--config", "nope.yaml"])
-
-    def test_layouts_that_do_not_fit_the_world(self):
-        cfg = Config()
-        cfg.parallel.tensor_model_parallel_size = 4
-        with self.assertRaisesRegex(
-                ValueError, r"world size 6 is not divisible by "
-                r"tensor_model_parallel_size \(4\)"):
-            validate(cfg, world_size=6)
-        cfg = Config()
-        cfg.parallel.data_parallel_size = 3
-        with self.assertRaisesRegex(ValueError, r"data_parallel_size \(3\).*world size \(4\)"):
-            validate(cfg, world_size=4)
-        cfg = Config()
-        cfg.data.global_batch_size, cfg.data.num_micro_batches = 8, 3
-        with self.assertRaisesRegex(
-                ValueError, r"global_batch_size \(8\) is not divisible by "
-                r"data_parallel_size \(2\) x data.num_micro_batches \(3\)"):
-            validate(cfg, world_size=2)
 
 
 if __name__ == "__main__":
