@@ -5,17 +5,26 @@ import subprocess
 import sys
 import tempfile
 import unittest
+from concurrent.futures import ThreadPoolExecutor
+from typing import Sequence
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def launch(script: str, nproc: int, *args: str, timeout: float = 240) -> str:
-    """Run ``scripts/launch.sh script --nproc-per-node nproc -- args``; return its output."""
+def launch(script: str, nproc: int, *args: str, launcher: Sequence[str] = (), timeout: float = 300,
+           background: bool = False):
+    """Run ``scripts/launch.sh script --nproc-per-node nproc [launcher] -- args``.
+
+    Returns its output (stdout + stderr); raises AssertionError with the output if it failed.
+    ``background=True`` returns a future instead (for several launchers at once).
+    """
+    if background:
+        return _POOL.submit(launch, script, nproc, *args, launcher=launcher, timeout=timeout)
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [
             "bash",
             os.path.join(ROOT, "scripts", "launch.sh"), script, "--nproc-per-node",
-            str(nproc), "--", "--logging.run_dir", tmp, *args
+            str(nproc), *launcher, "--", "--logging.run_dir", tmp, *args
         ]
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env={
             **os.environ, "PYTHONPATH": ROOT
@@ -24,6 +33,9 @@ def launch(script: str, nproc: int, *args: str, timeout: float = 240) -> str:
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}:\n{output[-3000:]}")
     return output
+
+
+_POOL = ThreadPoolExecutor(max_workers=4)
 
 
 class Chapter00RunsFromTheLauncher(unittest.TestCase):
