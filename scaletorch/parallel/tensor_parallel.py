@@ -1,0 +1,443 @@
+"""Tensor parallel (Megatron-LM) and sequence parallel: split every matrix over the "tp" group.
+
+A linear layer y = x A^T (A: out x in) can be split two ways over N ranks:
+
+    column parallel   A = [A_1; ...; A_N] by output rows   y_i = x A_i^T    (b, s, out/N)
+    row parallel      A = [A_1 ... A_N] by input columns   y = sum_i x_i A_i^T  (b, s, out)
+
+A column-parallel layer followed by a row-parallel one needs no communication in between:
+attention (q/k/v column, heads split; o row) and the MLP (gate/up column; down row) each cost
+one all-reduce of (b, s, h) in forward (g, after the row-parallel matmul) and one in backward
+(f, on the input of the column-parallel matmuls): 2 + 2 per transformer block.
+
+    x (b,s,h) --f--> q,k,v | gate,up (column) --> (b,s,out/N) --> o | down (row) --g--> (b,s,h)
+                 fwd: identity, bwd: all-reduce             fwd: all-reduce, bwd: identity
+
+Sequence parallel (Korthikanti et al. 2022) shards the activations *between* those regions
+(norms, residual adds) on the sequence: (b, s/N, h). f becomes an all-gather of the sequence
+(backward: reduce-scatter) and g a reduce-scatter (backward: all-gather): the same bytes on
+the wire as the all-reduce (= reduce-scatter + all-gather), but the norms and the residual
+stream now hold s/N tokens per rank. The RMSNorm weights stay whole on every rank; each rank
+sees only its tokens, so their gradients are summed over "tp" (the f operator on the weight).
+
+Embedding and head are split over the vocabulary; the loss never gathers the logits: each
+rank has (b, s, V/N) and only the max and the sum of exponentials are all-reduced.
+"""
+
+from typing import Callable, Dict, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                               SequenceParallel, parallelize_module)
+
+from scaletorch.dist import comm, get_ledger
+from scaletorch.dist.comm import Group
+from scaletorch.dist.functional import (copy_to_parallel_region, gather_along_dim,
+                                        gather_from_sequence_parallel_region,
+                                        reduce_from_parallel_region,
+                                        reduce_scatter_to_sequence_parallel_region)
+from scaletorch.models import Llama, LlamaConfig, RMSNorm
+from scaletorch.parallel.grad_norm import clip_grads_, global_grad_norm
+
+
+def _mark_sharded(param: nn.Parameter, dim: int) -> nn.Parameter:
+    """Tag a parameter as split over tp along ``dim`` (for grad-norm and gathering)."""
+    param.tensor_model_parallel = True
+    param.partition_dim = dim
+    return param
+
+
+def _enter_region(x: torch.Tensor, group: Group, sequence_parallel: bool) -> torch.Tensor:
+    """Hand a replicated activation to column-parallel matmuls.
+
+    Without sequence parallel: f (forward identity, backward all-reduce over ``group``).
+    With it: (b, s/N, h) -> (b, s, h) all-gather (backward reduce-scatter over ``group``).
+    """
+    if sequence_parallel:
+        return gather_from_sequence_parallel_region(x, group, dim=1)
+    return copy_to_parallel_region(x, group)
+
+
+def _exit_region(x: torch.Tensor, group: Group, sequence_parallel: bool) -> torch.Tensor:
+    """Sum the partial outputs of row-parallel shards: all-reduce (g), or reduce-scatter of
+    the sequence under sequence parallel: (b, s, h) -> (b, s/N, h)."""
+    if sequence_parallel:
+        return reduce_scatter_to_sequence_parallel_region(x, group, dim=1)
+    return reduce_from_parallel_region(x, group)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y_i = x A_i^T: this rank holds rows [i out/N, (i+1) out/N) of A (no bias).
+
+    x: (b, s, in) replicated, or (b, s/N, in) under sequence parallel; y: (b, s, out/N).
+    ``enter_region=False`` when the caller already applied f / the all-gather once for several
+    layers reading the same input (q/k/v, gate/up): one collective instead of three.
+    """
+
+    def __init__(self, in_features: int, out_features: int, group: Group, *,
+                 sequence_parallel: bool = False, enter_region: bool = True) -> None:
+        super().__init__()
+        n = comm.group_size(group)
+        if out_features % n != 0:
+            raise ValueError(f"column-parallel output size {out_features} is not divisible by "
+                             f"the tensor-parallel size {n}")
+        self.group, self.sequence_parallel, self.enter_region = group, sequence_parallel, \
+            enter_region
+        self.weight = _mark_sharded(nn.Parameter(torch.empty(out_features // n, in_features)), 0)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group: Group, **kwargs) -> "ColumnParallelLinear":
+        """This rank's row block of ``linear.weight`` (copied, so results equal the full layer)."""
+        out_features, in_features = linear.weight.shape
+        layer = cls(in_features, out_features, group, **kwargs).to(linear.weight)
+        rows = layer.weight.shape[0]
+        with torch.no_grad():
+            layer.weight.copy_(linear.weight[comm.group_rank(group) * rows:][:rows])
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.enter_region:
+            x = _enter_region(x, self.group, self.sequence_parallel)
+        return F.linear(x, self.weight)  # (b, s, out/N)
+
+
+class RowParallelLinear(nn.Module):
+    """y = sum_i x_i A_i^T: this rank holds columns [i in/N, (i+1) in/N) of A (no bias).
+
+    x: (b, s, in/N), the output of a column-parallel layer; y: (b, s, out) after the
+    all-reduce over ``group``, or (b, s/N, out) after the reduce-scatter under sequence parallel.
+    """
+
+    def __init__(self, in_features: int, out_features: int, group: Group, *,
+                 sequence_parallel: bool = False) -> None:
+        super().__init__()
+        n = comm.group_size(group)
+        if in_features % n != 0:
+            raise ValueError(f"row-parallel input size {in_features} is not divisible by the "
+                             f"tensor-parallel size {n}")
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.weight = _mark_sharded(nn.Parameter(torch.empty(out_features, in_features // n)), 1)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group: Group, **kwargs) -> "RowParallelLinear":
+        """This rank's column block of ``linear.weight``."""
+        out_features, in_features = linear.weight.shape
+        layer = cls(in_features, out_features, group, **kwargs).to(linear.weight)
+        cols = layer.weight.shape[1]
+        with torch.no_grad():
+            layer.weight.copy_(linear.weight[:, comm.group_rank(group) * cols:][:, :cols])
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        partial = F.linear(x, self.weight)  # (b, s, out), this rank's share of the sum
+        return _exit_region(partial, self.group, self.sequence_parallel)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [i V/N, (i+1) V/N) of the embedding table on rank i.
+
+    ids: (b, s) -> (b, s, h) after an all-reduce over ``group`` (each token's row lives on one
+    rank; the others contribute zeros), or (b, s/N, h) after a reduce-scatter under sequence
+    parallel.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, group: Group, *,
+                 sequence_parallel: bool = False) -> None:
+        super().__init__()
+        n = comm.group_size(group)
+        if num_embeddings % n != 0:
+            raise ValueError(f"vocabulary size {num_embeddings} is not divisible by the "
+                             f"tensor-parallel size {n}")
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.vocab_start = comm.group_rank(group) * (num_embeddings // n)
+        self.weight = _mark_sharded(nn.Parameter(torch.empty(num_embeddings // n, embedding_dim)),
+                                    0)
+
+    @classmethod
+    def from_embedding(cls, embedding: nn.Embedding, group: Group,
+                       **kwargs) -> "VocabParallelEmbedding":
+        layer = cls(*embedding.weight.shape, group, **kwargs).to(embedding.weight)
+        rows = layer.weight.shape[0]
+        with torch.no_grad():
+            layer.weight.copy_(embedding.weight[layer.vocab_start:][:rows])
+        return layer
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        n = comm.group_size(self.group)
+        if self.sequence_parallel and ids.size(1) % n != 0:
+            raise ValueError(f"sequence parallel splits the sequence over the tensor-parallel "
+                             f"group: sequence length {ids.size(1)} is not divisible by "
+                             f"tensor_model_parallel_size {n}")
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)  # (b, s, h)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)  # rows held by other ranks
+        return _exit_region(out, self.group, self.sequence_parallel)
+
+
+class ParallelRMSNorm(RMSNorm):
+    """RMSNorm whose output feeds column-parallel matmuls: norm, then f or the all-gather.
+
+    Doing the entry here, once, serves q/k/v (or gate/up, or the head) with one collective.
+    x: (b, s, h) or (b, s/N, h) under sequence parallel -> (b, s, h). Under sequence parallel
+    each rank normalizes only its tokens, so the weight goes through f: its gradient is
+    all-reduced over ``group`` in backward and stays identical on every rank.
+    """
+
+    def __init__(self, dim: int, eps: float, group: Group, sequence_parallel: bool) -> None:
+        super().__init__(dim, eps)
+        self.group, self.sequence_parallel = group, sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        if self.sequence_parallel:
+            weight = copy_to_parallel_region(weight, self.group)
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        y = (normed * weight.float()).to(x.dtype)
+        return _enter_region(y, self.group, self.sequence_parallel)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of vocab-sharded logits (n, V/N); targets (n,) global ids.
+
+    Forward: all-reduce MAX of the row max (n), then one all-reduce SUM of [sum exp, target
+    logit] (2 n) over ``group``. Backward: (softmax - one_hot) / n, local, no communication.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, targets, group):
+        logits32 = logits.float()
+        row_max = logits32.max(dim=-1).values  # (n,)
+        comm.all_reduce(row_max, group, op=dist.ReduceOp.MAX)
+        shifted = logits32 - row_max.unsqueeze(-1)  # (n, V/N), <= 0 everywhere
+        vocab_local = logits.size(-1)
+        local = targets - comm.group_rank(group) * vocab_local
+        mine = (local >= 0) & (local < vocab_local)  # this rank holds the target's logit
+        local = local.masked_fill(~mine, 0)
+        target_logit = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1) * mine
+        exp = shifted.exp()
+        stats = torch.stack((exp.sum(dim=-1), target_logit))  # (2, n)
+        comm.all_reduce(stats, group)
+        sum_exp, target_logit = stats[0], stats[1]
+        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local, mine)
+        ctx.input_dtype = logits.dtype
+        return (sum_exp.log() - target_logit).mean()
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, local, mine = ctx.saved_tensors  # softmax: (n, V/N) of the full distribution
+        grad_logits = softmax.clone()
+        rows = torch.arange(grad_logits.size(0), device=grad_logits.device)
+        grad_logits[rows, local] -= mine.to(grad_logits.dtype)
+        grad_logits.mul_(grad / grad_logits.size(0))
+        return grad_logits.to(ctx.input_dtype), None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
+                                 group: Group) -> torch.Tensor:
+    """Mean cross-entropy of logits (b, s, V/N) sharded over ``group`` by vocabulary and
+    targets (b, s); equals ``models.loss_fn`` on the gathered logits, never gathering them."""
+    return _VocabParallelCrossEntropy.apply(logits.reshape(-1, logits.size(-1)),
+                                            targets.reshape(-1), group)
+
+
+def tensor_parallel_loss_fn(pgm) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``loss_fn(logits, targets)`` for the trainer step of a model converted here."""
+    group = pgm.tensor_model_parallel_group
+    return lambda logits, targets: vocab_parallel_cross_entropy(logits, targets, group)
+
+
+def validate_tensor_parallel(config: LlamaConfig, tensor_model_parallel_size: int,
+                             sequence_parallel: bool = False,
+                             seq_len: Optional[int] = None) -> None:
+    """Raise ValueError if ``config`` cannot be split over ``tensor_model_parallel_size`` ranks."""
+    tp = tensor_model_parallel_size
+    if sequence_parallel and tp == 1:
+        raise ValueError("sequence parallel shards activations over the tensor-parallel group "
+                         "and needs tensor_model_parallel_size > 1, got 1")
+    sizes = {
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "intermediate_size": config.intermediate_size,
+        "vocab_size": config.vocab_size,
+    }
+    for name, value in sizes.items():
+        if value % tp != 0:
+            raise ValueError(f"model.{name} ({value}) is not divisible by "
+                             f"tensor_model_parallel_size ({tp})")
+    if sequence_parallel and seq_len is not None and seq_len % tp != 0:
+        raise ValueError(f"sequence parallel needs the sequence length ({seq_len}) divisible by "
+                         f"tensor_model_parallel_size ({tp})")
+
+
+def apply_tensor_parallel(model: Llama, pgm, sequence_parallel: bool = False) -> Llama:
+    """Convert the reference Llama in place; every shard is copied from the full weights.
+
+    q/k/v, gate/up: column parallel (heads and kv heads split contiguously, so a rank's query
+    heads use its own kv heads); o, down: row parallel; embedding and head: vocabulary
+    parallel; norms: replicated. The model's forward then returns logits (b, s, V/N): use
+    ``tensor_parallel_loss_fn(pgm)`` as the trainer's loss.
+    """
+    group, tp = pgm.tensor_model_parallel_group, pgm.tensor_model_parallel_world_size
+    cfg = model.config
+    validate_tensor_parallel(cfg, tp, sequence_parallel)
+
+    def norm(old: RMSNorm) -> ParallelRMSNorm:
+        new = ParallelRMSNorm(old.weight.numel(), old.eps, group, sequence_parallel).to(old.weight)
+        with torch.no_grad():
+            new.weight.copy_(old.weight)
+        return new
+
+    def column(linear: nn.Linear) -> ColumnParallelLinear:  # the norm before it enters the region
+        return ColumnParallelLinear.from_linear(linear, group, enter_region=False,
+                                                sequence_parallel=sequence_parallel)
+
+    def row(linear: nn.Linear) -> RowParallelLinear:
+        return RowParallelLinear.from_linear(linear, group, sequence_parallel=sequence_parallel)
+
+    for block in model.layers:
+        attn, mlp = block.self_attn, block.mlp
+        block.input_layernorm = norm(block.input_layernorm)
+        attn.q_proj, attn.k_proj, attn.v_proj = column(attn.q_proj), column(attn.k_proj), \
+            column(attn.v_proj)
+        attn.o_proj = row(attn.o_proj)
+        block.post_attention_layernorm = norm(block.post_attention_layernorm)
+        mlp.gate_proj, mlp.up_proj = column(mlp.gate_proj), column(mlp.up_proj)
+        mlp.down_proj = row(mlp.down_proj)
+    model.embed_tokens = VocabParallelEmbedding.from_embedding(model.embed_tokens, group,
+                                                               sequence_parallel=sequence_parallel)
+    model.norm = norm(model.norm)
+    model.lm_head = column(model.lm_head)
+    if cfg.tie_word_embeddings:  # both are split by vocabulary rows: the same shard
+        model.lm_head.weight = model.embed_tokens.weight
+    return model
+
+
+def _is_sharded(param: torch.Tensor) -> bool:
+    return getattr(param, "tensor_model_parallel", False)
+
+
+def tensor_parallel_clip_grad_norm(model: nn.Module, pgm) -> Callable[[float], torch.Tensor]:
+    """``clip_grad_norm(max_norm)`` for the Trainer: sharded gradients summed over "tp",
+    replicated ones (norms) counted once; one all-reduce of a scalar over "tp"."""
+    params = list(model.parameters())
+    sharded = [p for p in params if _is_sharded(p)]
+    replicated = [p for p in params if not _is_sharded(p)]
+    device = params[0].device
+
+    def clip(max_norm: float) -> torch.Tensor:
+        norm = global_grad_norm(replicated, [(sharded, pgm.tensor_model_parallel_group)], device)
+        return clip_grads_(params, max_norm, norm)
+
+    return clip
+
+
+def gather_full_state_dict(model: nn.Module, pgm) -> Dict[str, torch.Tensor]:
+    """The reference-keyed full weights on every rank, for either implementation (all-gathers
+    over "tp", kept out of the ledger: a check, not training traffic)."""
+    model = getattr(model, "module", model)  # through a data-parallel wrapper
+    group = pgm.tensor_model_parallel_group
+    ledger = get_ledger()
+    enabled, ledger.enabled = ledger.enabled, False
+    try:
+        full = {}
+        for name, tensor in model.state_dict(keep_vars=True).items():
+            if isinstance(tensor, DTensor):
+                full[name] = tensor.detach().full_tensor()
+            elif _is_sharded(tensor):
+                full[name] = gather_along_dim(tensor.detach(), tensor.partition_dim, group)
+            else:
+                full[name] = tensor.detach().clone()
+    finally:
+        ledger.enabled = enabled
+    return full
+
+
+# ---- the native reference: torch DTensor tensor parallel on the same model -----------------
+
+
+def apply_dtensor_tensor_parallel(model: Llama, pgm, sequence_parallel: bool = False) -> Llama:
+    """The same split with ``parallelize_module`` (torchtitan's plan) on a 1-D "tp" mesh.
+
+    Needs the whole world to be one tensor-parallel group (data x tensor with DTensor is
+    FSDP2's job, chapter 07). The head returns logits as a DTensor sharded on the vocabulary:
+    train inside ``loss_parallel()`` with ``dtensor_loss_fn``.
+    """
+    tp = pgm.tensor_model_parallel_world_size
+    if pgm.world_size != tp:
+        raise ValueError(f"the DTensor path runs tensor parallel only: world size "
+                         f"{pgm.world_size} != tensor_model_parallel_size ({tp})")
+    validate_tensor_parallel(model.config, tp, sequence_parallel)
+    device_type = next(model.parameters()).device.type
+    mesh = init_device_mesh(device_type, (tp, ), mesh_dim_names=("tp", ))
+    seq = Shard(1) if sequence_parallel else Replicate()  # the layout between blocks
+    top = {
+        "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+        "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1),
+                                   use_local_output=False),
+    }
+    if sequence_parallel:
+        top["norm"] = SequenceParallel()
+    parallelize_module(model, mesh, top)
+    for block in model.layers:
+        plan = {
+            "self_attn.q_proj": ColwiseParallel(),
+            "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(),
+            "self_attn.o_proj": RowwiseParallel(output_layouts=seq),
+            "mlp.gate_proj": ColwiseParallel(),
+            "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(output_layouts=seq),
+        }
+        if sequence_parallel:  # norms on s/N tokens; one all-gather per attention / MLP input
+            plan["input_layernorm"] = SequenceParallel()
+            plan["post_attention_layernorm"] = SequenceParallel()
+            plan["self_attn"] = PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                                   desired_input_layouts=(Replicate(), None, None))
+            plan["mlp"] = PrepareModuleInput(input_layouts=Shard(1),
+                                             desired_input_layouts=Replicate())
+        parallelize_module(block, mesh, plan)
+    if model.config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    return model
+
+
+def dtensor_loss_fn(logits: DTensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of vocab-sharded DTensor logits (b, s, V); call (and backward)
+    inside ``loss_parallel()``. Returns this rank's (replicated) loss as a plain tensor."""
+    loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    return loss.to_local()
+
+
+def dtensor_clip_grad_norm(model: nn.Module, pgm) -> Callable[[float], torch.Tensor]:
+    """Grad-norm clipping for the DTensor path, where sharded DTensor and plain (replicated)
+    gradients mix and ``torch.nn.utils.clip_grad_norm_`` refuses them."""
+    params = list(model.parameters())
+    group = pgm.tensor_model_parallel_group
+    zero = torch.zeros(1, device=params[0].device)
+
+    def local(grad: torch.Tensor) -> torch.Tensor:
+        return grad.to_local() if isinstance(grad, DTensor) else grad
+
+    def clip(max_norm: float) -> torch.Tensor:
+        grads = [p.grad for p in params if p.grad is not None]
+        sharded = [
+            isinstance(g, DTensor) and any(x.is_shard() for x in g.placements) for g in grads
+        ]
+        sq_sharded, sq_replicated = zero.clone(), zero.clone()
+        for g, is_sharded in zip(grads, sharded):
+            (sq_sharded if is_sharded else sq_replicated).add_(local(g).float().pow(2).sum())
+        comm.all_reduce(sq_sharded, group)  # sum the shards' parts; replicated ones count once
+        norm = (sq_sharded + sq_replicated).sqrt()[0]
+        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # as clip_grad_norm_ does
+        for g in grads:
+            local(g).mul_(scale)
+        return norm
+
+    return clip
