@@ -84,6 +84,10 @@ def make_data_parallel_step(model: nn.Module, num_micro_batches: int, data_paral
             inputs, targets, position_ids = shard_sequence(inputs, targets)
         loss = forward_backward(model, inputs, targets, num_micro_batches, loss_fn,
                                 position_ids)
+        if loss_group is None and data_parallel_size == 1:
+            # A single-device run (the reference of --check, run by rank 0 alone): it must not
+            # touch the world group that may exist around it (None means the world in comm).
+            return loss
         return average_over_group(loss, loss_group)
 
     return step
