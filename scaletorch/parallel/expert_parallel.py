@@ -1,0 +1,241 @@
+"""Expert parallel: the E experts of every MoE layer are split over the "ep" group.
+
+Expert parallel is carved out of the data x context ranks ("MoE parallel folding", see
+pg_manager): the P ranks of an "ep" group see different tokens and each holds E/P experts,
+rank j the experts [j E/P, (j+1) E/P). No rank computes a token twice; each token travels to
+the rank of each expert it chose and back:
+
+      rank 0 (experts 0 1)                        rank 1 (experts 2 3)
+    route, sort by expert: [0 0 1 | 2 3 3]      [0 1 | 2 2 3]
+    1. counts all-to-all:  send [2 1 | 1 2]     send [1 1 | 2 1]     (E ints: per expert)
+    2. dispatch all-to-all --- [2 3 3] -->      <-- [0 1] ---        (tokens x h, variable)
+       received: [0 0 1 | 0 1]  (from 0 | 1)    [2 3 3 | 2 2 3]
+    3. regroup by local expert, run the SwiGLU experts, undo the regrouping
+    4. combine all-to-all: the reverse splits, each result back to its token's rank
+    5. weight by the router probability, scatter-add into the token's row (MoE.forward)
+
+Both all-to-alls are differentiable (``functional.all_to_all``: backward = the all-to-all with
+the splits swapped), so per MoE layer a step moves, per rank, h x (tokens sent to other ranks
++ tokens received from them) elements in forward and the same in backward.
+
+Gradients. Every rank's loss is the mean over its T/R tokens (R = data x context ranks);
+the reference's loss is the mean over all T tokens = (1/R) sum_r loss_r. So every gradient
+must end up as (1/R) sum_r d loss_r / dW:
+
+- dense weights (attention, norms, embeddings, routers): each rank has its own
+  d loss_r / dW -> all-reduce over "dp_cp" (R ranks), divide by R (plain data parallel);
+- experts: the backward all-to-all already brought every token's gradient of the ep group
+  home, so rank j holds sum over its ep group of d loss_r / dW_e; the ranks holding the same
+  experts ("edp", R/P of them) add the other ep groups' -> all-reduce over "edp", and divide
+  by R too (not by R/P: the sum covers all R ranks' losses).
+
+The aux loss uses global statistics: the token counts per expert are summed over "dp_cp" (one
+all-reduce of E+1 numbers per layer), so f_e is the fraction over the whole batch; P_e stays
+local, and the mean over ranks of coeff E sum_e f_e P_e^r is the reference's loss, value and
+gradient. (With num_micro_batches > 1 "the whole batch" is one micro-batch of every rank,
+which is not the reference's micro-batch: parity is exact with one micro-batch.)
+Capacity (``moe_capacity_factor`` > 0) is applied per rank on its own T/R tokens, so with
+dropping on the run is not the reference's (which caps over all T tokens): parity needs 0.
+"""
+
+from functools import partial
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from scaletorch.dist import comm, get_ledger
+from scaletorch.dist.comm import Group
+from scaletorch.dist.functional import all_reduce_sum, all_to_all, gather_along_dim
+from scaletorch.models.moe import Experts, MoE
+from scaletorch.parallel.grad_norm import clip_grads_, global_grad_norm
+
+
+def validate_expert_parallel(num_experts: int, expert_model_parallel_size: int,
+                             data_parallel_size_with_context: int) -> None:
+    """Raise ValueError if ``num_experts`` experts cannot be split over the ep ranks."""
+    ep, e, dp_cp = expert_model_parallel_size, num_experts, data_parallel_size_with_context
+    if ep > 1 and e == 0:
+        raise ValueError(f"expert_model_parallel_size ({ep}) needs a mixture-of-experts model, "
+                         f"but model.num_experts is 0")
+    if e % ep != 0:
+        raise ValueError(f"model.num_experts ({e}) is not divisible by "
+                         f"expert_model_parallel_size ({ep})")
+    if dp_cp % ep != 0:
+        raise ValueError(f"expert_model_parallel_size ({ep}) does not divide data_parallel_size "
+                         f"x context_parallel_size ({dp_cp})")
+
+
+class AllToAllDispatcher:
+    """``MoE.dispatch_fn`` under expert parallel: send tokens to their experts' ranks and back.
+
+    After each call: ``sent`` (P,) tokens this rank sent to each ep rank (itself included),
+    ``received`` (P, E/P) tokens from each ep rank for each local expert, ``row_bytes`` bytes
+    of one token row.
+    """
+
+    def __init__(self, group: Group) -> None:
+        self.group = group
+        self.sent: Optional[torch.Tensor] = None
+        self.received: Optional[torch.Tensor] = None
+        self.row_bytes = 0
+
+    def __call__(self, experts: Experts, routed: torch.Tensor,
+                 counts: torch.Tensor) -> torch.Tensor:
+        """routed (N, h) grouped by global expert, counts (E,) -> expert outputs (N, h)."""
+        world, local = comm.group_size(self.group), experts.num_experts
+        if counts.numel() != world * local:
+            raise ValueError(f"{counts.numel()} experts routed to, but {world} ranks hold "
+                             f"{local} each")
+        send_counts = counts.view(world, local)  # [j, l]: my tokens for expert l of rank j
+        recv_counts = torch.empty_like(send_counts)  # [i, l]: rank i's tokens for my expert l
+        comm.all_to_all_single(recv_counts, send_counts, group=self.group)
+        send_splits, recv_splits = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
+        received = all_to_all(routed, recv_splits, send_splits, self.group)  # (M, h)
+
+        # received is ordered (source rank, local expert); the experts want (local expert).
+        expert_of_row = torch.arange(local, device=routed.device).repeat(world)
+        expert_of_row = expert_of_row.repeat_interleave(recv_counts.flatten())  # (M,)
+        by_expert = torch.sort(expert_of_row, stable=True).indices
+        out = experts(received[by_expert], recv_counts.sum(0))  # (M, h)
+        out = out[torch.argsort(by_expert)]  # back to (source rank, local expert) order
+
+        combined = all_to_all(out, send_splits, recv_splits, self.group)  # (N, h)
+        self.sent, self.received = send_counts.sum(1).detach(), recv_counts.detach()
+        self.row_bytes = routed[0].numel() * routed.element_size() if routed.numel() else 0
+        return combined
+
+    def remote_tokens(self, rank: int) -> Tuple[int, int]:
+        """(tokens sent to other ranks, tokens received from them) in the last forward."""
+        sent = int(self.sent.sum() - self.sent[rank])
+        received = int(self.received.sum() - self.received[rank].sum())
+        return sent, received
+
+
+def _is_expert(param: torch.Tensor) -> bool:
+    return getattr(param, "expert_parallel", False)
+
+
+def _is_tensor_parallel(param: torch.Tensor) -> bool:
+    return getattr(param, "tensor_model_parallel", False)
+
+
+def _all_reduce_mean(params: List[nn.Parameter], group: Group, divisor: int) -> None:
+    """grad <- sum over ``group`` of grad / divisor, one coalesced all-reduce for all params.
+
+    A parameter without a gradient contributes zeros: every rank must send the same sizes.
+    """
+    if not params or (comm.group_size(group) == 1 and divisor == 1):
+        return
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    comm.all_reduce(flat, group)
+    flat.div_(divisor)
+    for p, g in zip(params, flat.split([p.numel() for p in params])):
+        p.grad = g.view_as(p).clone()
+
+
+class ExpertParallel(nn.Module):
+    """The converted model plus the two gradient reductions and the sharded grad norm.
+
+    ``finish_grad_sync`` (called by the trainer's step after the last backward): dense
+    gradients averaged over "dp_cp", expert gradients summed over "edp" and divided by the
+    same R = |dp_cp| (see the module docstring). ``state_dict`` is the wrapped model's.
+    """
+
+    def __init__(self, module: nn.Module, pgm) -> None:
+        super().__init__()
+        self.module = module
+        self.pgm = pgm
+        params = list(module.parameters())
+        self.expert_params = [p for p in params if _is_expert(p)]
+        self.dense_params = [p for p in params if not _is_expert(p)]
+        self.num_token_shards = pgm.data_parallel_world_size_with_context  # R
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "module":
+                raise
+            return getattr(self.module, name)  # e.g. model.config, model.num_parameters()
+
+    def state_dict(self, *args, **kwargs):
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def finish_grad_sync(self) -> None:
+        pgm, r = self.pgm, self.num_token_shards
+        _all_reduce_mean(self.dense_params, pgm.data_parallel_group_with_context, r)
+        _all_reduce_mean(self.expert_params, pgm.expert_data_parallel_group, r)
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Trainer hook: the norm of the full model's gradient, every element counted once.
+
+        Experts are split over "ep" (and whole on every tp and edp rank); with tensor parallel,
+        its shards are split over "tp". One all-reduce of a scalar per split group.
+        """
+        pgm = self.pgm
+        tp_sharded = [p for p in self.dense_params if _is_tensor_parallel(p)]
+        replicated = [p for p in self.dense_params if not _is_tensor_parallel(p)]
+        sharded = [(self.expert_params, pgm.expert_model_parallel_group)]
+        if pgm.tensor_model_parallel_world_size > 1:
+            sharded.append((tp_sharded, pgm.tensor_model_parallel_group))
+        device = next(self.module.parameters()).device
+        norm = global_grad_norm(replicated, sharded, device)
+        return clip_grads_(self.module.parameters(), max_norm, norm)
+
+    def full_state_dict(self) -> Dict[str, torch.Tensor]:
+        """Reference-keyed full weights on every rank: experts all-gathered over "ep" (and
+        tensor-parallel shards over "tp"). Not in the ledger: a check, not training traffic."""
+        pgm, ledger = self.pgm, get_ledger()
+        enabled, ledger.enabled = ledger.enabled, False
+        try:
+            full = {}
+            for name, t in self.module.state_dict(keep_vars=True).items():
+                t_full = t.detach()
+                if _is_expert(t):
+                    t_full = gather_along_dim(t_full, 0, pgm.expert_model_parallel_group)
+                if _is_tensor_parallel(t):
+                    t_full = gather_along_dim(t_full, t.partition_dim,
+                                              pgm.tensor_model_parallel_group)
+                full[name] = t_full.clone()
+        finally:
+            ledger.enabled = enabled
+        return full
+
+
+def moe_layers(model: nn.Module) -> List[MoE]:
+    """The MoE layers of ``model``, in order (through wrappers)."""
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def apply_expert_parallel(model: nn.Module, pgm) -> ExpertParallel:
+    """Shard every MoE layer's experts over "ep" in place and wrap the model.
+
+    Rank j of its ep group keeps experts [j E/P, (j+1) E/P) (copied from the full weights, so
+    the run starts from the reference), its MoE layers dispatch through the all-to-alls, and
+    their routing statistics are summed over "dp_cp". Dense weights stay whole (or as tensor
+    parallel left them). Returns the wrapper the trainer drives.
+    """
+    layers = moe_layers(model)
+    ep = pgm.expert_model_parallel_world_size
+    validate_expert_parallel(layers[0].num_experts if layers else 0, ep,
+                             pgm.data_parallel_world_size_with_context)
+    rank, group = pgm.expert_model_parallel_rank, pgm.expert_model_parallel_group
+    stats_fn: Callable = partial(all_reduce_sum, group=pgm.data_parallel_group_with_context)
+    for moe in layers:
+        local = moe.num_experts // ep
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            full = getattr(moe.experts, name)
+            shard = nn.Parameter(full.detach()[rank * local:(rank + 1) * local].clone())
+            shard.expert_parallel = True  # reduced over "edp", gathered over "ep"
+            setattr(moe.experts, name, shard)
+        moe.dispatch_fn = AllToAllDispatcher(group)
+        moe.global_stats_fn = stats_fn
+    return ExpertParallel(model, pgm)
