@@ -1,0 +1,311 @@
+"""Fully sharded data parallel: ZeRO stages 1, 2, 3 by hand, and FSDP2 ``fully_shard``.
+
+Same global batch as chapter 01: each of the N ranks of ``pgm.data_parallel_group_with_context``
+takes 1/N of it. Instead of every rank holding everything, each keeps only its shard of the
+optimizer state (stage 1), also of the gradients (stage 2), also of the parameters (stage 3 /
+FSDP); the building blocks, memory and communication formulas are in ``zero.py``.
+
+Stage 3 on a model cut into units U0 (embedding), U1..UL (blocks), UL+1 (head = norm + lm_head):
+
+    forward    gather U0, run U0, free U0 | gather U1, run U1, free U1 | ...
+    backward   ... | gather U1, grads of U1, reduce-scatter + free U1 | gather U0, ...
+
+Hooks do it: a forward pre-hook on a unit's first module gathers; a forward hook on its last
+module frees and hooks the output's gradient (the unit's backward starts: gather again); the
+parameters' post-accumulate-grad hooks reduce-scatter once the unit's last gradient is in, then
+free. With ``prefetch`` the next unit's all-gather (async) travels while the current unit
+computes: at most two units are full at a time instead of one. Stages 1 and 2 reduce-scatter
+per unit in the same hooks (while backward goes on), and ``ZeroAdamW.step`` all-gathers the
+updated shards. Gradient accumulation: inside ``no_sync()`` nothing is reduced (gradients
+accumulate full size); the last micro-batch reduces once.
+"""
+
+import os
+from contextlib import contextmanager
+from functools import partial
+from typing import Dict, Iterator, List, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from scaletorch.dist import comm
+from scaletorch.parallel.grad_norm import clip_grads_, global_grad_norm
+from scaletorch.parallel.zero import FlatUnit, NamedModules
+
+Units = Sequence[Tuple[str, NamedModules]]  # (unit name, [(module name, module), ...])
+
+
+class ShardedDataParallel(nn.Module):
+    """ZeRO stage 1, 2 or 3 of ``module`` over ``group`` (see the module docstring).
+
+    ``units`` lists (name, [(name of the module in ``module``, module), ...]) in forward order;
+    every parameter must be in exactly one unit. The wrapper's parameters (``self.shards``, one
+    flat (S,) shard per unit) are all that the optimizer and ``state_dict`` see: this rank's
+    shards. ``full_state_dict()`` gathers the full tensors under the original names.
+    """
+
+    def __init__(self, module: nn.Module, units: Units, group, zero_stage: int,
+                 prefetch: bool = True) -> None:
+        super().__init__()
+        if zero_stage not in (1, 2, 3):
+            raise ValueError(f"zero_stage must be 1, 2 or 3, got {zero_stage}")
+        owner: Dict[int, str] = {}
+        for unit_name, modules in units:
+            for _, sub in modules:
+                for name, param in sub.named_parameters():
+                    if owner.setdefault(id(param), unit_name) != unit_name:
+                        raise ValueError(f"parameter {name!r} is in units {owner[id(param)]!r} "
+                                         f"and {unit_name!r} (e.g. tied embeddings); a "
+                                         f"parameter must be in exactly one unit")
+        missing = [name for name, p in module.named_parameters() if id(p) not in owner]
+        if missing:
+            raise ValueError(f"parameters in no unit: {missing}")
+        self.module = module
+        self.group = group
+        self.zero_stage = zero_stage
+        self.prefetch = prefetch
+        self.units = [FlatUnit(name, modules, group, zero_stage) for name, modules in units]
+        # Parameter names may not contain dots: "layers.0" -> "layers_0".
+        self.shards = nn.ParameterDict({u.name.replace(".", "_"): u.shard for u in self.units})
+        self._sync = True
+        self._ready = [0] * len(self.units)  # gradients received in this backward, per unit
+        self._dirty = [False] * len(self.units)  # unit holds gradients not yet reduced
+        self._pending = None  # (work, finish) of the reduce-scatter in flight
+        self._gathering: Dict[int, object] = {}  # unit -> work of an async all-gather (prefetch)
+        self.peak_gathered_units = 0  # stage 3: most units full at the same time
+        self.peak_gathered_bytes = 0
+        for i, unit in enumerate(self.units):
+            for tensor in unit.tensors:
+                if tensor.requires_grad:
+                    tensor.register_post_accumulate_grad_hook(partial(self._on_grad, i))
+            if zero_stage == 3:
+                unit.modules[0].register_forward_pre_hook(partial(self._pre_forward, i))
+                unit.modules[-1].register_forward_hook(partial(self._post_forward, i))
+
+    @property
+    def numel(self) -> int:
+        """Psi: parameters of the model."""
+        return sum(u.numel for u in self.units)
+
+    @property
+    def padded_numel(self) -> int:
+        """Psi': parameters plus each unit's padding to a multiple of N."""
+        return sum(u.padded_numel for u in self.units)
+
+    def forward(self, *args, **kwargs):
+        self._ready = [0] * len(self.units)  # one forward, one backward: count afresh
+        return self.module(*args, **kwargs)
+
+    # ---- stage 3: gather before use, free after -----------------------------------------
+
+    def _gather(self, i: int, async_op: bool = False) -> None:
+        """Make unit i's full parameters available (with ``async_op``: start to)."""
+        if i in self._gathering:
+            if not async_op:
+                self._gathering.pop(i).wait()
+            return
+        unit = self.units[i]
+        if unit.gathered_bytes:
+            return
+        work = unit.gather(async_op)
+        if async_op and work is not None:
+            self._gathering[i] = work
+        held = [u.gathered_bytes for u in self.units if u.gathered_bytes]
+        self.peak_gathered_units = max(self.peak_gathered_units, len(held))
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, sum(held))
+
+    def _free(self, i: int) -> None:
+        if i in self._gathering:  # never free a buffer that a transfer is writing
+            self._gathering.pop(i).wait()
+        self.units[i].free()
+
+    def _pre_forward(self, i: int, module: nn.Module, args) -> None:
+        self._gather(i)
+        if self.prefetch and i + 1 < len(self.units):
+            self._gather(i + 1, async_op=True)
+
+    def _post_forward(self, i: int, module: nn.Module, args, output) -> None:
+        self._free(i)
+        if torch.is_tensor(output) and output.requires_grad:
+            # Fires when the gradient of the unit's output is ready: its backward starts.
+            output.register_hook(partial(self._pre_backward, i))
+
+    def _pre_backward(self, i: int, grad: torch.Tensor) -> None:
+        self._gather(i)
+        if self.prefetch and i > 0:
+            self._gather(i - 1, async_op=True)  # backward runs the units in reverse
+
+    # ---- gradients: one reduce-scatter per unit, once per accumulation --------------------
+
+    def _on_grad(self, i: int, tensor: torch.Tensor) -> None:
+        self._ready[i] += 1
+        self._dirty[i] = True
+        if self._ready[i] == self.units[i].trainable:  # the unit's backward is complete
+            if self._sync:
+                self._reduce(i)
+            if self.zero_stage == 3:
+                self._free(i)
+
+    def _reduce(self, i: int) -> None:
+        # One reduce-scatter in flight at a time: its full-size input is freed sooner.
+        self._wait_reduce()
+        self._pending = self.units[i].reduce_grads()
+        self._dirty[i] = False
+
+    def _wait_reduce(self) -> None:
+        if self._pending is not None:
+            work, finish = self._pending
+            if work is not None:
+                work.wait()
+            finish()
+            self._pending = None
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward accumulates full gradients and reduces nothing (all but the last
+        micro-batch); stage 3 still gathers and frees the parameters around each unit."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    def finish_grad_sync(self) -> None:
+        """Reduce what the hooks left (units with unused parameters), wait for all of it."""
+        for i, dirty in enumerate(self._dirty):
+            if dirty:
+                self._reduce(i)
+        self._wait_reduce()
+        if self.zero_stage == 3:
+            for i in range(len(self.units)):
+                self._free(i)
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip to the global norm of the averaged gradients. Each rank holds a shard of them,
+        so the squared norms are summed over the group (an all-reduce of one number)."""
+        self.finish_grad_sync()
+        shards = list(self.shards.values())
+        norm = global_grad_norm([], [(shards, self.group)], shards[0].device)
+        return clip_grads_(shards, max_norm, norm)
+
+    # ---- what ZeroAdamW calls -------------------------------------------------------------
+
+    @torch.no_grad()
+    def gather_params(self) -> None:
+        """Stages 1, 2: all-gather every rank's updated shard into the full parameters."""
+        if self.zero_stage == 3:
+            return  # stage 3 gathers each unit just before it is used
+        works = [unit.gather(async_op=True) for unit in self.units]
+        for work in works:
+            if work is not None:
+                work.wait()
+
+    def zero_grad_buffers(self) -> None:
+        """Clear the full-size gradients (stage 1 zeroes its flat buffers in place)."""
+        for unit in self.units:
+            unit.zero_grad()
+
+    # ---- checkpoints ------------------------------------------------------------------------
+
+    def state_dict(self, *args, **kwargs):
+        """This rank's shards {"shards.<unit>": (S,)}, copied: in stages 1 and 2 a shard is a
+        view of the full flat parameters, and torch.save would write the whole of them."""
+        state = super().state_dict(*args, **kwargs)
+        for key, value in state.items():
+            state[key] = value.clone()
+        return state
+
+    def load_state_dict(self, state_dict, strict: bool = True):
+        """Load this rank's shards (saved by the same rank of the same N); stages 1, 2 then
+        rebuild the full parameters (an all-gather: every rank of the group must call it)."""
+        result = super().load_state_dict(state_dict, strict=strict)
+        self.gather_params()
+        return result
+
+    def full_state_dict(self) -> Dict[str, torch.Tensor]:
+        """{name: full tensor}, the keys and shapes of the unwrapped model's state_dict.
+
+        Stage 3 all-gathers each unit over the group: every rank must call it.
+        """
+        state: Dict[str, torch.Tensor] = {}
+        for unit in self.units:
+            state.update(unit.full_state())
+        return state
+
+
+def check_zero_layout(zero_stage: int, pgm) -> None:
+    """ZeRO shards over data parallel only in this chapter (chapter 07 combines strategies)."""
+    if zero_stage not in (1, 2, 3):
+        raise ValueError(f"zero_stage must be 1, 2 or 3, got {zero_stage}")
+    other = {
+        "tensor_model_parallel_size": pgm.tensor_model_parallel_world_size,
+        "pipeline_model_parallel_size": pgm.pipeline_model_parallel_world_size,
+        "expert_model_parallel_size": pgm.expert_model_parallel_world_size,
+    }
+    unsupported = [f"{name} ({size})" for name, size in other.items() if size > 1]
+    if unsupported:
+        raise ValueError(f"zero_stage {zero_stage} shards over data parallel only; got "
+                         f"{', '.join(unsupported)}")
+
+
+def llama_units(model: nn.Module) -> List[Tuple[str, NamedModules]]:
+    """The sharding units of a Llama, in forward order: embedding, each block, head."""
+    units = [("embed_tokens", [("embed_tokens", model.embed_tokens)])]
+    units += [(f"layers.{i}", [(f"layers.{i}", layer)]) for i, layer in enumerate(model.layers)]
+    units.append(("head", [("norm", model.norm), ("lm_head", model.lm_head)]))
+    return units
+
+
+def apply_zero(model: nn.Module, pgm, zero_stage: int,
+               prefetch: bool = True) -> ShardedDataParallel:
+    """Shard a Llama over ``pgm.data_parallel_group_with_context`` (ZeRO ``zero_stage``).
+
+    Every rank must pass the same weights (build_model with one seed). Pair the result with
+    ``ZeroAdamW(model, ...)`` and pass ``clip_grad_norm=model.clip_grad_norm_`` to the Trainer.
+    """
+    check_zero_layout(zero_stage, pgm)
+    return ShardedDataParallel(model, llama_units(model), pgm.data_parallel_group_with_context,
+                               zero_stage, prefetch)
+
+
+def apply_fully_shard(model: nn.Module, pgm) -> nn.Module:
+    """FSDP2, the reference: ``fully_shard`` each block, then the root (embedding, norm, head),
+    on a 1-D device mesh over the data-parallel group. Its collectives bypass our ledger."""
+    check_zero_layout(3, pgm)
+    if not dist.is_initialized():
+        raise ValueError("fully_shard needs torch.distributed: launch with torchrun")
+    device_type = next(model.parameters()).device.type
+    mesh = DeviceMesh.from_group(pgm.data_parallel_group_with_context, device_type)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def full_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
+    """The full, unsharded state dict of a ZeRO or FSDP2 model (collective; on every rank)."""
+    if isinstance(model, ShardedDataParallel):
+        return model.full_state_dict()
+    return {
+        key: (value.full_tensor() if isinstance(value, DTensor) else value).detach().clone()
+        for key, value in model.state_dict().items()
+    }
+
+
+def save_consolidated(model: nn.Module, path: str) -> None:
+    """Gather the full state dict (collective) and write it from global rank 0, atomically.
+
+    The file is a plain {name: tensor} dict: ``build_model(cfg).load_state_dict(torch.load(
+    path))`` restores the weights in a single-device run (chapter 00's model).
+    """
+    state = full_state_dict(model)
+    if comm.group_rank() == 0:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        tmp = f"{path}.tmp.{os.getpid()}"
+        torch.save(state, tmp)
+        os.replace(tmp, path)
+    comm.barrier()
