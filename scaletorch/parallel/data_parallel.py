@@ -79,11 +79,8 @@ class _DataParallel(_Wrapper, nn.Module):
         self._sync_enabled = True
         self._needs_sync = False
         self._callback_queued = False
-        # Same start everywhere (torch DDP does this too): rank 0 of the group wins.
-        src = 0 if group is None or not dist.is_initialized() else dist.get_global_rank(group, 0)
-        with torch.no_grad():
-            for tensor in list(module.parameters()) + list(module.buffers()):
-                comm.broadcast(tensor.data, src=src, group=group)
+        # No broadcast of rank 0's weights (torch DDP does one): one seed already built the
+        # same model on every rank (DESIGN.md), and the ledger then shows only gradients.
         for i, p in enumerate(self.params):
             p.register_post_accumulate_grad_hook(lambda p, i=i: self._grad_ready(i))
 
