@@ -42,7 +42,6 @@ VARIANTS = ("ring", "ulysses")
 IMPLS = ("math", "fused")
 KV_TAG, DKV_TAG = 1, 2  # distinct tags: K/V and dK/dV are in flight between the same ranks
 
-
 # ---- which tokens each rank holds ------------------------------------------------------------
 
 
@@ -69,8 +68,10 @@ def zigzag_positions(seq_len: int, cp_size: int, cp_rank: int, layout: str = "zi
     """
     check_sequence_length(seq_len, cp_size)
     chunk = seq_len // (2 * cp_size)
-    return torch.cat([torch.arange(c * chunk, (c + 1) * chunk, device=device)
-                      for c in chunk_ids(cp_rank, cp_size, layout)])
+    return torch.cat([
+        torch.arange(c * chunk, (c + 1) * chunk, device=device)
+        for c in chunk_ids(cp_rank, cp_size, layout)
+    ])
 
 
 def make_sequence_sharder(pgm, seq_len: int, layout: str = "zigzag") -> Callable:
@@ -175,9 +176,9 @@ def _expand(kv: torch.Tensor, hq: int) -> torch.Tensor:
 
 def _fused_forward(q, k, v, causal: bool, scale: float):
     """The CPU flash kernel, which also returns the log-sum-exp (CPU_GLOO_NOTES.md)."""
-    hq = q.size(1)
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q.contiguous(), _expand(k, hq), _expand(v, hq), 0.0, is_causal=causal, scale=scale)
+    k, v = _expand(k, q.size(1)), _expand(v, q.size(1))
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    return flash(q.contiguous(), k, v, 0.0, is_causal=causal, scale=scale)
 
 
 def _fused_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
@@ -220,8 +221,10 @@ def _exchange(send: torch.Tensor, group: Group, tag: int) -> Tuple[torch.Tensor,
     """Post: send ``send`` to the next rank, receive the previous rank's into a new buffer."""
     nxt, prev = _ring_peers(group)
     recv = torch.empty_like(send)
-    ops = [dist.P2POp(dist.isend, send, nxt, group, tag),
-           dist.P2POp(dist.irecv, recv, prev, group, tag)]
+    ops = [
+        dist.P2POp(dist.isend, send, nxt, group, tag),
+        dist.P2POp(dist.irecv, recv, prev, group, tag)
+    ]
     return recv, comm.batch_isend_irecv(ops, group)
 
 
@@ -292,8 +295,8 @@ class _RingAttention(torch.autograd.Function):
                 for a, b, kind in blocks:
                     if kind == "skipped":
                         continue
-                    dq_a, dk_b, dv_b = block_bwd(douts[a], qs[a], ks[b], vs[b], outs[a],
-                                                 lses[a], kind == "diagonal", scale)
+                    dq_a, dk_b, dv_b = block_bwd(douts[a], qs[a], ks[b], vs[b], outs[a], lses[a],
+                                                 kind == "diagonal", scale)
                     dqs[a].add_(dq_a)
                     dks[b].add_(dk_b)
                     dvs[b].add_(dv_b)
@@ -377,8 +380,8 @@ class UlyssesAttention:
         check_ulysses_heads(q.size(2), k.size(2), cp)
         seq_len = cp * q.size(1)
         # position of each gathered token; argsort puts the sequence in true order
-        order = torch.cat([zigzag_positions(seq_len, cp, r, self.layout, q.device)
-                           for r in range(cp)])
+        order = torch.cat(
+            [zigzag_positions(seq_len, cp, r, self.layout, q.device) for r in range(cp)])
         natural = order.argsort()
         q, k, v = (_heads_to_sequence(t, self.group)[:, natural] for t in (q, k, v))
         out = causal_attention(q, k, v)[:, order]  # (b, s, hq / cp, d), back in gathered order
@@ -395,8 +398,8 @@ def check_ulysses_heads(num_q_heads: int, num_kv_heads: int, cp_size: int) -> No
 # ---- install -------------------------------------------------------------------------------
 
 
-def apply_context_parallel(model: nn.Module, pgm, variant: str = "ring",
-                           layout: str = "zigzag", impl: str = "math") -> nn.Module:
+def apply_context_parallel(model: nn.Module, pgm, variant: str = "ring", layout: str = "zigzag",
+                           impl: str = "math") -> nn.Module:
     """Replace every attention module's ``attention_fn``; the weights are untouched.
 
     Apply after tensor parallel (heads are then the local ones) and before data parallel,
@@ -414,8 +417,9 @@ def apply_context_parallel(model: nn.Module, pgm, variant: str = "ring",
             module.attention_fn = RingAttention(group, layout, impl)
         else:
             head_dim = module.head_dim
-            check_ulysses_heads(module.q_proj.weight.size(0) // head_dim,
-                                module.k_proj.weight.size(0) // head_dim, cp)
+            check_ulysses_heads(
+                module.q_proj.weight.size(0) // head_dim,
+                module.k_proj.weight.size(0) // head_dim, cp)
             module.attention_fn = UlyssesAttention(group, layout)
     return model
 

@@ -1,0 +1,95 @@
+"""Chapter 05: context parallel. Every sequence is split over the "cp" ranks; attention is not.
+
+    scripts/launch.sh examples/05_context_parallel.py --nproc-per-node 2 -- --check
+    scripts/launch.sh examples/05_context_parallel.py --nproc-per-node 4 -- --cp 2 --tp 2 --check
+    scripts/launch.sh examples/05_context_parallel.py --nproc-per-node 4 -- --cp-variant ulysses
+
+Chapter 01 plus: shard each sequence zigzag (positions go to RoPE), swap every attention for
+ring attention, and average gradients over data x context ranks (also when dp = 1).
+"""
+
+import sys
+
+import torch
+
+from scaletorch.dist import (destroy_distributed, destroy_pg_manager, functional, get_ledger,
+                             init_distributed, init_pg_manager)
+from scaletorch.models import build_model, loss_fn
+from scaletorch.parallel.context_parallel import (apply_context_parallel, attention_block_counts,
+                                                  make_sequence_sharder)
+from scaletorch.parallel.data_parallel import apply_data_parallel
+from scaletorch.parallel.tensor_parallel import (apply_tensor_parallel, gather_full_state_dict,
+                                                 tensor_parallel_clip_grad_norm,
+                                                 tensor_parallel_loss_fn)
+from scaletorch.trainer import (Trainer, check_against_reference, make_data_parallel_step,
+                                parse_args, validate_layout)
+
+
+def main() -> int:
+    cfg = parse_args(default_config="examples/configs/05_context_parallel.yaml",
+                     description="Chapter 05: context parallel (ring attention)")
+    env = init_distributed(cfg.training.timeout_seconds)
+    validate_layout(cfg, env.world_size)
+    p = cfg.parallel
+    if p.pipeline_model_parallel_size > 1 or p.expert_model_parallel_size > 1:
+        raise ValueError("05_context_parallel composes cp with dp and tp; pipeline and expert "
+                         "parallel join in 07_nd_parallel")
+    pgm = init_pg_manager(tensor_model_parallel_size=p.tensor_model_parallel_size,
+                          context_parallel_size=p.context_parallel_size)
+    pgm.log_topology()
+    shard_sequence = make_sequence_sharder(pgm, cfg.data.seq_len)  # seq % (2 cp) checked here
+
+    model = build_model(cfg.model, seed=cfg.training.model_seed).to(env.device)
+    loss, clip = loss_fn, None
+    if pgm.tensor_model_parallel_world_size > 1:  # tensor, then context, then data parallel
+        model = apply_tensor_parallel(model, pgm, p.sequence_parallel)
+        loss, clip = tensor_parallel_loss_fn(pgm), tensor_parallel_clip_grad_norm(model, pgm)
+    model = apply_context_parallel(model, pgm, p.cp_variant)
+    model = apply_data_parallel(model, pgm, p.impl, p.bucket_size_mb)  # over dp x cp
+    step = make_data_parallel_step(model, cfg.data.num_micro_batches, pgm.data_parallel_rank,
+                                   pgm.data_parallel_world_size,
+                                   pgm.data_parallel_group_with_context, loss, shard_sequence)
+    result = Trainer(cfg, model, pgm, device=env.device, forward_backward=step,
+                     clip_grad_norm=clip).train()
+
+    # What this chapter is about: K/V traffic per layer and the causal work per rank.
+    cp, m, layers = pgm.context_parallel_world_size, cfg.data.num_micro_batches, \
+        cfg.model.num_layers
+    b, s_local, d = cfg.data.global_batch_size // pgm.data_parallel_world_size, \
+        cfg.data.seq_len // cp, cfg.model.head_dim
+    hq, hkv = (cfg.model.num_attention_heads // pgm.tensor_model_parallel_world_size,
+               cfg.model.num_key_value_heads // pgm.tensor_model_parallel_world_size)
+    ledger, last = get_ledger(), cfg.training.steps - 1
+    if p.cp_variant == "ring":  # fwd: K/V (cp-1)x; bwd: K/V (cp-1)x, dK/dV cp x
+        op, formula = "send", (3 * cp - 2) * 2 * b * s_local * hkv * d if cp > 1 else 0
+    else:  # q, k, v, out all-to-all in forward and again in backward; (cp-1)/cp leaves
+        op, formula = "all_to_all", 2 * (cp - 1) * b * s_local * (2 * hq + 2 * hkv) * d // cp
+    measured = ledger.total(op=op, group="cp", step=last) / layers
+    blocks = attention_block_counts(model)
+    ledger.enabled = False  # the report's own gather is not training traffic
+    per_forward = torch.tensor([blocks["full"], blocks["diagonal"]], device=env.device) \
+        // (layers * m * (cfg.training.steps - result.start_step))
+    all_blocks = functional.gather_along_dim(per_forward, 0, pgm.context_parallel_group)
+    ledger.enabled = True
+    if pgm.rank == 0:
+        print(ledger.table(step=last))
+        what = "K/V" if p.cp_variant == "ring" else "q/k/v/out"
+        print(f"{p.cp_variant} {what} traffic per layer per step per rank ({op} over cp): "
+              f"{measured:,.0f} elements = {measured * 4 / 1e6:.3f} MB; formula {formula:,}")
+        if p.cp_variant == "ring":
+            pairs = all_blocks.view(cp, 2).tolist()
+            print("attention blocks per layer per forward, by cp rank (full + diagonal): " +
+                  ", ".join(f"rank {r}: {f} + {g}" for r, (f, g) in enumerate(pairs)))
+
+    ok = True
+    if cfg.check:
+        full_state = gather_full_state_dict(model, pgm)
+        ok = check_against_reference(cfg, result.losses, env.device,
+                                     full_state if pgm.rank == 0 else None, result.start_step)
+    destroy_pg_manager()
+    destroy_distributed()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
