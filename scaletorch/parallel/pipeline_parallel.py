@@ -1,0 +1,392 @@
+"""Pipeline parallel: the layers are cut into stages over the "pp" group; micro-batches flow.
+
+Stage s of S = p v holds consecutive layers (embedding on stage 0; final norm, head and loss on
+stage S - 1). Rank r of the pipeline holds stages r, r + p, ... (v "virtual stages" or model
+chunks per rank when interleaved). A micro-batch's activation (b, s, h) goes forward from
+stage to stage and its gradient comes back, point to point:
+
+    rank 0  [embed, layers 0-1] --act--> rank 1 [layers 2-3, norm, head, loss]
+            <---------------- grad of act -------------
+
+Cost per step and rank: 2 m v messages of b s h elements each way (forward + backward), no
+collective in between; the price is the bubble, (p-1)/(v m + p - 1) of the step idle, and the
+memory of the activations held between a micro-batch's forward and its backward (m with AFAB,
+at most p - r with 1F1B). The schedules are plain data in ``pipeline_schedules.py``; here
+they run: every step of a rank's plan posts one ``batch_isend_irecv`` (paired sends and recvs,
+shapes known in advance) and then computes one forward or backward.
+
+The loss of each micro-batch is divided by m, so the accumulated gradients are those of the
+rank's mean loss; data-parallel wrappers of the chunks sync only in the chunk's last backward.
+"""
+
+from contextlib import nullcontext
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from scaletorch.data import shard_batch, split_micro_batches
+from scaletorch.dist import comm, get_ledger
+from scaletorch.models import Llama, loss_fn, rope_cos_sin
+from scaletorch.parallel.data_parallel import TorchDataParallel, apply_data_parallel
+from scaletorch.parallel.grad_norm import clip_grads_, global_grad_norm
+from scaletorch.parallel.pipeline_schedules import (Action, Timeline, TimelineRecorder,
+                                                    schedule_actions, schedule_plan, stage_index,
+                                                    validate_schedule)
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+State = Dict[str, torch.Tensor]
+
+
+def split_layers(num_layers: int, num_stages: int,
+                 layer_split: Optional[Sequence[int]] = None) -> List[List[int]]:
+    """Layer indices of each stage: an even split, or ``layer_split[s]`` layers on stage s."""
+    if layer_split is None:
+        if num_layers % num_stages != 0:
+            raise ValueError(f"num_layers ({num_layers}) is not divisible by the number of "
+                             f"pipeline stages ({num_stages} = pipeline_model_parallel_size x "
+                             f"virtual_pipeline_stages); pass an explicit layer_split")
+        layer_split = [num_layers // num_stages] * num_stages
+    if len(layer_split) != num_stages or sum(layer_split) != num_layers \
+            or min(layer_split) < 1:
+        raise ValueError(f"layer_split {list(layer_split)} must have {num_stages} entries >= 1 "
+                         f"summing to num_layers ({num_layers})")
+    bounds = [sum(layer_split[:s]) for s in range(num_stages + 1)]
+    return [list(range(bounds[s], bounds[s + 1])) for s in range(num_stages)]
+
+
+class PipelineChunk(nn.Module):
+    """One stage: [embedding] -> its layers -> [final norm -> head]. Parameter names are the
+    full model's (``layers`` is keyed by the layer's global index), so state dicts line up.
+
+    forward: token ids (b, s) on stage 0, else hidden (b, s, h) (or (b, s/tp, h) under
+    sequence parallel) -> hidden of the same shape, or logits (b, s, V) on the last stage.
+    """
+
+    def __init__(self, model: Llama, layer_ids: List[int], first: bool, last: bool,
+                 sequence_parallel_size: int = 1) -> None:
+        super().__init__()
+        cfg = model.config
+        self.head_dim, self.rope_theta = cfg.head_dim, cfg.rope_theta
+        self.sequence_parallel_size = sequence_parallel_size  # tokens of x = s / this
+        self.embed_tokens = model.embed_tokens if first else None
+        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layer_ids})
+        self.norm = model.norm if last else None
+        self.lm_head = model.lm_head if last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        seq_len = x.size(1) * (1 if self.embed_tokens is not None else self.sequence_parallel_size)
+        if self.embed_tokens is not None:
+            x = self.embed_tokens(x)  # (b, s, h)
+        cos, sin = rope_cos_sin(torch.arange(seq_len, device=x.device), self.head_dim,
+                                self.rope_theta)
+        for layer in self.layers.values():
+            x = layer(x, cos, sin)
+        if self.lm_head is not None:
+            x = self.lm_head(self.norm(x))  # (b, s, V)
+        return x
+
+
+class PipelineModel(nn.Module):
+    """This rank's v chunks (``chunks[c]`` is global stage c p + rank), and where every full
+    model key lives (``owner[key]`` = global stage)."""
+
+    def __init__(self, chunks: List[PipelineChunk], stages: List[int], num_stages: int,
+                 owner: Dict[str, int], hidden_size: int) -> None:
+        super().__init__()
+        self.chunks = nn.ModuleList(chunks)
+        self.stages, self.num_stages, self.owner = stages, num_stages, owner
+        self.hidden_size = hidden_size
+        self.sequence_parallel_size = chunks[0].sequence_parallel_size
+
+    def local_state_dict(self) -> State:
+        """This rank's tensors under their full-model names (the chunks' keys)."""
+        return {k: t for chunk in self.chunks for k, t in chunk.state_dict().items()}
+
+
+def apply_pipeline_parallel(model: Llama, pgm, virtual_stages: int = 1,
+                            layer_split: Optional[Sequence[int]] = None,
+                            sequence_parallel: bool = False) -> PipelineModel:
+    """Keep this pipeline rank's stages of ``model`` (already tensor-parallel, if any).
+
+    ``layer_split``: layers per global stage (p v entries), default an even split.
+    ``sequence_parallel``: activations between stages are (b, s/tp, h) (chapter 03).
+    """
+    p, rank = pgm.pipeline_model_parallel_world_size, pgm.pipeline_model_parallel_rank
+    if virtual_stages > 1 and p == 1:
+        raise ValueError(f"virtual_pipeline_stages ({virtual_stages}) needs a pipeline: "
+                         f"pipeline_model_parallel_size is 1")
+    if model.config.tie_word_embeddings and p > 1:
+        raise ValueError("tie_word_embeddings puts one weight on the first and the last stage; "
+                         "pipeline parallel needs tie_word_embeddings false")
+    if model.config.num_experts > 0:
+        raise ValueError("pipeline parallel of mixture-of-experts models is not supported "
+                         f"(num_experts = {model.config.num_experts})")
+    num_stages = p * virtual_stages
+    layers = split_layers(model.config.num_layers, num_stages, layer_split)
+    stage_of_layer = {i: s for s, ids in enumerate(layers) for i in ids}
+    owner = {}
+    for key in model.state_dict():
+        if key.startswith("layers."):
+            owner[key] = stage_of_layer[int(key.split(".")[1])]
+        else:  # embed_tokens on the first stage; norm and lm_head on the last
+            owner[key] = 0 if key.startswith("embed_tokens.") else num_stages - 1
+    sp = pgm.tensor_model_parallel_world_size if sequence_parallel else 1
+    stages = [stage_index(rank, c, p) for c in range(virtual_stages)]
+    chunks = [PipelineChunk(model, layers[s], s == 0, s == num_stages - 1, sp) for s in stages]
+    # NCCL wants the first call on a group to involve all its ranks, and p2p is partial.
+    comm.barrier(pgm.pipeline_model_parallel_group)
+    return PipelineModel(chunks, stages, num_stages, owner, model.config.hidden_size)
+
+
+def apply_data_parallel_to_chunks(pipe: PipelineModel, pgm, impl: str = "scaletorch",
+                                  bucket_size_mb: float = 25.0) -> PipelineModel:
+    """Wrap each chunk for data parallel over "dp_cp" (chapter 01); state dict keys unchanged.
+
+    impl "scaletorch": bucketed DDP; "torch": torch DDP, with find_unused_parameters=True,
+    which torch.distributed.pipelining needs in torch 2.13: without it the reducer's bucket
+    rebuild asserts after the first step, and static_graph=True gives wrong gradients.
+    """
+    if pgm.data_parallel_world_size_with_context == 1:
+        return pipe
+    device = next(pipe.parameters()).device
+
+    def wrap(chunk: nn.Module) -> nn.Module:
+        if impl != "torch":
+            return apply_data_parallel(chunk, pgm, impl, bucket_size_mb)
+        return TorchDataParallel(chunk, device_ids=None if device.type == "cpu" else [device.index],
+                                 process_group=pgm.data_parallel_group_with_context,
+                                 bucket_cap_mb=bucket_size_mb, find_unused_parameters=True)
+
+    pipe.chunks = nn.ModuleList(wrap(chunk) for chunk in pipe.chunks)
+    return pipe
+
+
+class PipelineSchedule:
+    """The Trainer's ``forward_backward(inputs, targets) -> loss`` for a pipeline model.
+
+    inputs, targets: the global batch (B, s); this rank takes its data-parallel slice and
+    splits it into m micro-batches. Returns the global mean loss, the same on every rank
+    (all-reduce over "pp", then mean over "dp_cp"). ``timeline`` holds the last step's events.
+    """
+
+    def __init__(self, pipe: PipelineModel, pgm, schedule: str, num_micro_batches: int,
+                 loss_fn: LossFn = loss_fn) -> None:
+        self.pipe, self.pgm, self.loss_fn = pipe, pgm, loss_fn
+        p, rank = pgm.pipeline_model_parallel_world_size, pgm.pipeline_model_parallel_rank
+        v = len(pipe.chunks)
+        validate_schedule(schedule, p, num_micro_batches, v)
+        self.m, self.group = num_micro_batches, pgm.pipeline_model_parallel_group
+        self.ranks = pgm.group_ranks("pp")  # pipeline rank -> global rank
+        self.plan = schedule_plan(schedule, p, num_micro_batches, rank, v)
+        actions = schedule_actions(schedule, p, num_micro_batches, rank, v)
+        # a chunk's data-parallel gradients sync in its last backward only
+        self.syncs = {
+            max(i for i, a in enumerate(actions) if a.kind == "B" and a.chunk == c)
+            for c in range(v)
+        }
+        self.recorder = TimelineRecorder(rank, p, num_micro_batches, v)
+        self.dtype = next(pipe.parameters()).dtype
+
+    @property
+    def timeline(self) -> Timeline:
+        return self.recorder.timeline
+
+    def __call__(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        pgm = self.pgm
+        inputs = shard_batch(inputs, pgm.data_parallel_rank, pgm.data_parallel_world_size)
+        targets = shard_batch(targets, pgm.data_parallel_rank, pgm.data_parallel_world_size)
+        self.micro_batches = split_micro_batches(inputs, targets, self.m)
+        b, s = self.micro_batches[0][0].shape
+        self.shape = (b, s // self.pipe.sequence_parallel_size, self.pipe.hidden_size)
+        self.recorder.reset()
+        self.held: Dict[tuple, tuple] = {}  # (mb, chunk) -> (stage input, output or loss)
+        self.inbox: Dict[tuple, torch.Tensor] = {}  # (kind, mb, dst stage) -> received
+        self.outbox: Dict[tuple, torch.Tensor] = {}  # (kind, mb, src stage) -> to send
+        self.loss = torch.zeros((), device=inputs.device)
+        for i, (batch, action) in enumerate(self.plan):
+            self._exchange(batch)
+            if action is not None:
+                with self.recorder.time(action):
+                    if action.kind == "F":
+                        self._forward(action)
+                    else:
+                        self._backward(action, i)
+        for chunk in self.pipe.chunks:
+            finish = getattr(chunk, "finish_grad_sync", None)
+            if finish is not None:
+                finish()
+        loss = self.loss.detach().clone()  # nonzero on the last stage only
+        comm.all_reduce(loss, self.group)
+        comm.all_reduce(loss, pgm.data_parallel_group_with_context)
+        return loss / pgm.data_parallel_world_size_with_context
+
+    def _exchange(self, batch) -> None:
+        """Post this step's sends and recvs as one batch over "pp" and wait for all of them."""
+        ops = []
+        for op in batch:
+            peer = self.ranks[op.peer]
+            if op.op == "send":
+                tensor = self.outbox.pop((op.kind, op.micro_batch, op.src))
+                ops.append(dist.P2POp(dist.isend, tensor, peer, self.group))
+            else:
+                tensor = torch.empty(self.shape, dtype=self.dtype, device=self.loss.device)
+                self.inbox[(op.kind, op.micro_batch, op.dst)] = tensor
+                ops.append(dist.P2POp(dist.irecv, tensor, peer, self.group))
+        for work in comm.batch_isend_irecv(ops, self.group):
+            work.wait()
+
+    def _forward(self, action: Action) -> None:
+        stage, mb = self.pipe.stages[action.chunk], action.micro_batch
+        if stage == 0:
+            x = self.micro_batches[mb][0]  # (b, s) token ids
+        else:
+            x = self.inbox.pop(("act", mb, stage)).requires_grad_()  # (b, s, h)
+        out = self.pipe.chunks[action.chunk](x)
+        if stage == self.pipe.num_stages - 1:
+            out = self.loss_fn(out, self.micro_batches[mb][1]) / self.m  # out: the loss
+            self.loss += out.detach()
+        else:
+            self.outbox[("act", mb, stage)] = out.detach().to(self.dtype)
+        self.held[(mb, action.chunk)] = (x, out)
+
+    def _backward(self, action: Action, index: int) -> None:
+        stage, mb = self.pipe.stages[action.chunk], action.micro_batch
+        chunk = self.pipe.chunks[action.chunk]
+        x, out = self.held.pop((mb, action.chunk))
+        grad = None
+        if stage < self.pipe.num_stages - 1:
+            grad = self.inbox.pop(("grad", mb, stage)).to(out.dtype)
+        no_sync = getattr(chunk, "no_sync", None)
+        with nullcontext() if index in self.syncs or no_sync is None else no_sync():
+            torch.autograd.backward(out, grad)
+        if stage > 0:
+            self.outbox[("grad", mb, stage)] = x.grad.to(self.dtype)
+
+
+class TorchPipelineSchedule:
+    """The same contract with torch.distributed.pipelining (the native reference):
+    ScheduleGPipe, Schedule1F1B or ScheduleInterleaved1F1B over this rank's chunks. Its
+    messages bypass our ledger. Gradients are scaled by 1/m (scale_grads) as ours."""
+
+    def __init__(self, pipe: PipelineModel, pgm, schedule: str, num_micro_batches: int,
+                 loss_fn: LossFn = loss_fn) -> None:
+        from torch.distributed import pipelining
+
+        p = pgm.pipeline_model_parallel_world_size
+        validate_schedule(schedule, p, num_micro_batches, len(pipe.chunks))
+        self.pipe, self.pgm, self.m = pipe, pgm, num_micro_batches
+        device = next(pipe.parameters()).device
+        stages = [
+            pipelining.PipelineStage(chunk, s, pipe.num_stages, device,
+                                     group=pgm.pipeline_model_parallel_group)
+            for chunk, s in zip(pipe.chunks, pipe.stages)
+        ]
+        if schedule == "interleaved":
+            self.schedule = pipelining.ScheduleInterleaved1F1B(stages, num_micro_batches,
+                                                               loss_fn=loss_fn)
+        else:
+            cls = pipelining.ScheduleGPipe if schedule == "afab" else pipelining.Schedule1F1B
+            self.schedule = cls(stages[0], num_micro_batches, loss_fn=loss_fn)
+
+    def __call__(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        pgm, pipe = self.pgm, self.pipe
+        inputs = shard_batch(inputs, pgm.data_parallel_rank, pgm.data_parallel_world_size)
+        targets = shard_batch(targets, pgm.data_parallel_rank, pgm.data_parallel_world_size)
+        last = pipe.num_stages - 1 in pipe.stages
+        losses: List[torch.Tensor] = []
+        args = (inputs, ) if 0 in pipe.stages else ()
+        self.schedule.step(*args, target=targets if last else None, losses=losses if last else None)
+        zero = torch.zeros((), device=inputs.device)
+        loss = torch.stack(losses).mean().detach() if last else zero
+        comm.all_reduce(loss, pgm.pipeline_model_parallel_group)
+        comm.all_reduce(loss, pgm.data_parallel_group_with_context)
+        return loss / pgm.data_parallel_world_size_with_context
+
+
+def pipeline_clip_grad_norm(pipe: PipelineModel, pgm) -> Callable[[float], torch.Tensor]:
+    """``clip_grad_norm(max_norm)`` for the Trainer: each stage holds different parameters,
+    so squared norms sum over "pp" (and tensor-parallel shards, tagged
+    ``tensor_model_parallel`` by chapter 03, over "tp" first)."""
+    params = [p for p in pipe.parameters() if p.requires_grad]
+    sharded = [p for p in params if getattr(p, "tensor_model_parallel", False)]
+    replicated = [p for p in params if not getattr(p, "tensor_model_parallel", False)]
+    device = params[0].device
+
+    def clip(max_norm: float) -> torch.Tensor:
+        stage_norm = global_grad_norm(replicated, [(sharded, pgm.tensor_model_parallel_group)],
+                                      device)
+        squared = stage_norm.square().reshape(1)
+        comm.all_reduce(squared, pgm.pipeline_model_parallel_group)  # SUM over stages
+        return clip_grads_(params, max_norm, squared.sqrt()[0])
+
+    return clip
+
+
+def _gather_to_first_stage(pgm, payload: torch.Tensor, sizes: Sequence[int]) -> List[torch.Tensor]:
+    """Pipeline rank 0 receives ``payload`` (``sizes[q]`` elements) from every stage q and
+    returns them in stage order; other ranks send theirs and get []. Not in the ledger: it is
+    for checks and charts, not training traffic."""
+    group, ranks = pgm.pipeline_model_parallel_group, pgm.group_ranks("pp")
+    ledger = get_ledger()
+    enabled, ledger.enabled = ledger.enabled, False
+    try:
+        if pgm.pipeline_model_parallel_rank != 0:
+            out, ops = [], [dist.P2POp(dist.isend, payload, ranks[0], group)]
+        else:
+            out = [payload] + [payload.new_empty(n) for n in sizes[1:]]
+            ops = [dist.P2POp(dist.irecv, t, ranks[q], group) for q, t in enumerate(out) if q]
+        for work in comm.batch_isend_irecv(ops, group):
+            work.wait()
+    finally:
+        ledger.enabled = enabled
+    return out
+
+
+def gather_pipeline_state_dict(pipe: PipelineModel, pgm,
+                               local_state: Optional[State] = None) -> Optional[State]:
+    """Every stage's tensors (fp32, full-model names) on pipeline rank 0; None elsewhere.
+
+    ``local_state``: this rank's full tensors (default ``pipe.local_state_dict()``; under
+    tensor parallel pass the tp-gathered one). Shapes travel first, then the values.
+    """
+    p, rank = pgm.pipeline_model_parallel_world_size, pgm.pipeline_model_parallel_rank
+    state = pipe.local_state_dict() if local_state is None else local_state
+    keys = [[k for k in pipe.owner if pipe.owner[k] % p == q] for q in range(p)]
+    if sorted(state) != sorted(keys[rank]):
+        raise ValueError(f"local_state keys {sorted(state)} are not this stage's {keys[rank]}")
+    device = next(pipe.parameters()).device
+    # per tensor: ndim, then up to 4 sizes padded with 1s
+    dims = torch.ones(len(keys[rank]), 5, dtype=torch.long, device=device)
+    for i, k in enumerate(keys[rank]):
+        dims[i, 0] = state[k].dim()
+        dims[i, 1:1 + state[k].dim()] = torch.tensor(state[k].shape)
+    dims = _gather_to_first_stage(pgm, dims.flatten(), [5 * len(k) for k in keys])
+    dims = [d.view(-1, 5) for d in dims]
+    values = torch.cat([state[k].detach().float().flatten() for k in keys[rank]])
+    values = _gather_to_first_stage(pgm, values, [int(d[:, 1:].prod(1).sum()) for d in dims])
+    if rank != 0:
+        return None
+    full = {}
+    for q in range(p):
+        flats = values[q].split(dims[q][:, 1:].prod(1).tolist())
+        for k, flat, d in zip(keys[q], flats, dims[q].tolist()):
+            full[k] = flat.view(d[1:1 + d[0]]).clone()
+    return full
+
+
+def gather_timeline(timeline: Timeline, pgm, device: torch.device) -> Optional[Timeline]:
+    """Every stage's events of the last step on pipeline rank 0 (for the chart); None elsewhere."""
+    p, v = timeline.stages, timeline.virtual_stages
+    rows = [[float(e.action.kind == "B"), e.action.micro_batch, e.action.chunk, e.start, e.end]
+            for e in timeline.events]
+    payload = torch.tensor(rows, dtype=torch.float64, device=device).flatten()
+    parts = _gather_to_first_stage(pgm, payload, [5 * 2 * timeline.micro_batches * v] * p)
+    if pgm.pipeline_model_parallel_rank != 0:
+        return None
+    full = Timeline(p, timeline.micro_batches, v)
+    for rank, part in enumerate(parts):
+        for kind, mb, chunk, start, end in part.view(-1, 5).tolist():
+            full.record(rank, Action("B" if kind else "F", int(mb), int(chunk)), start, end)
+    return full
