@@ -84,9 +84,12 @@ def train(cfg: Config, tp: int, cp: int, variant: str = "ring") -> dict:
                      verbose=False).train()
     sends = get_ledger().total(op="send", group="cp") / (STEPS * cfg.model.num_layers)
     state = gather_full_state_dict(model, pgm)
-    out = {"losses": result.losses, "sends_per_layer": sends, "blocks": None}
-    out["blocks"] = attention_block_counts(model)
-    out["state"] = state if pgm.rank == 0 else None
+    out = {
+        "losses": result.losses,
+        "sends_per_layer": sends,
+        "blocks": attention_block_counts(model),
+        "state": state if pgm.rank == 0 else None
+    }
     destroy_pg_manager()
     return out
 
@@ -180,12 +183,22 @@ class TestContextParallel(unittest.TestCase):
             self.assertGreater(len({b["full"] for b in contiguous}), 1)
             for r in range(cp):  # the counters agree with the schedule
                 self.assertEqual(block_counts(r, cp), zigzag[r])
+        # In training (cp 4): per layer, per step, per micro-batch (2), the same on every rank.
+        forwards = self.cfg.model.num_layers * STEPS * 2
+        for r in self.four:
+            blocks = r["train"]["cp4"]["blocks"]
+            self.assertEqual((blocks["full"], blocks["diagonal"]), (7 * forwards, 2 * forwards))
 
     def test_rope_positions_under_zigzag_are_the_unsharded_positions(self):
         for r in self.four:
             self.assertLess(r["rope_error"].item(), ATOL)
             # Without the true positions the logits differ: the check above can fail.
             self.assertGreater(r["rope_error_without_positions"].item(), 1e-2)
+
+    def test_installing_ulysses_with_heads_not_divisible_by_cp_raises(self):
+        for r in self.four:  # 2 key/value heads over cp 4
+            self.assertIn("key/value heads (2)", r["ulysses_error"])
+            self.assertIn("context_parallel_size (4)", r["ulysses_error"])
 
     def _assert_parity(self, result: dict) -> None:
         diff = max(abs(a - b) for a, b in zip(result["losses"], self.reference_losses))
@@ -241,9 +254,6 @@ class TestContextParallelErrors(unittest.TestCase):
         self.assertIn("(2)", str(ctx.exception))
         self.assertIn("(4)", str(ctx.exception))
         check_ulysses_heads(8, 4, 4)  # divisible: no error
-        world = TestContextParallel  # the same check when installing on a model, in a world
-        if hasattr(world, "four"):
-            self.assertIn("key/value heads (2)", world.four[0]["ulysses_error"])
 
     def test_unknown_variant_layout_and_impl_raise(self):
         with self.assertRaises(ValueError):
