@@ -55,8 +55,8 @@ class ShardedDataParallel(nn.Module):
             raise ValueError(f"zero_stage must be 1, 2 or 3, got {zero_stage}")
         owner: Dict[int, str] = {}
         for unit_name, modules in units:
-            for _, sub in modules:
-                for name, param in sub.named_parameters():
+            for prefix, sub in modules:
+                for name, param in sub.named_parameters(prefix=prefix):
                     if owner.setdefault(id(param), unit_name) != unit_name:
                         raise ValueError(f"parameter {name!r} is in units {owner[id(param)]!r} "
                                          f"and {unit_name!r} (e.g. tied embeddings); a "
