@@ -1,0 +1,113 @@
+"""Chapter 02 rows: step time of our ZeRO-1/2/3 vs FSDP2 ``fully_shard``, and bytes/step.
+
+One world of ``args.world_size`` gloo ranks (2 by default) trains four copies of the same
+3.7M-parameter Llama: ZeRO-1, ZeRO-2, ZeRO-3 (ours, with prefetch) and ``fully_shard`` (each
+block, then the root). A step is zero_grad, forward + backward, global-norm clipping and AdamW,
+as in the Trainer. Steps alternate between the four (the order rotates every step), so
+background load hits all alike; a step's time is the slowest rank's, and a row reports the
+median over rounds of the ratio to ``fully_shard``. Target: ZeRO-3 <= 1.2 x fully_shard.
+
+    python scripts/benchmark.py --only fsdp --steps 10 --repeats 3
+"""
+
+import statistics
+import time
+from typing import Dict, List
+
+import torch
+
+from scaletorch.dist import comm, destroy_pg_manager, get_ledger, init_pg_manager
+from scaletorch.models import LlamaConfig, build_model
+from scaletorch.parallel.fsdp import apply_fully_shard, apply_zero
+from scaletorch.parallel.zero import ZeroAdamW, comm_formula
+from scaletorch.trainer import forward_backward
+
+MODEL = LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=768, num_layers=4,
+                    num_attention_heads=8, num_key_value_heads=4, max_seq_len=64)
+BATCH_PER_RANK, SEQ_LEN, WARMUP = 4, 64, 2
+IMPLS = ("zero1", "zero2", "zero3", "fully_shard")
+
+
+def _build(impl: str, pgm):
+    """(model, optimizer, clip) for one implementation, from the same seed."""
+    model = build_model(MODEL, seed=0)
+    if impl == "fully_shard":
+        model = apply_fully_shard(model, pgm)
+        clip = lambda max_norm: torch.nn.utils.clip_grad_norm_(  # noqa: E731
+            model.parameters(), max_norm)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-4), clip
+    model = apply_zero(model, pgm, int(impl[-1]))
+    return model, ZeroAdamW(model, 1e-4, (0.9, 0.95), 0.1), model.clip_grad_norm_
+
+
+def _measure(rank: int, world: int, samples: int) -> Dict[str, object]:
+    """Per implementation: ``samples`` step times (max over ranks), and our bytes per step."""
+    pgm = init_pg_manager()
+    runs = {impl: _build(impl, pgm) for impl in IMPLS}
+    gen = torch.Generator().manual_seed(1000 + rank)  # each rank its own slice of the batch
+    x = torch.randint(0, MODEL.vocab_size, (BATCH_PER_RANK, SEQ_LEN), generator=gen)
+    y = torch.randint(0, MODEL.vocab_size, (BATCH_PER_RANK, SEQ_LEN), generator=gen)
+    times: Dict[str, List[float]] = {impl: [] for impl in IMPLS}
+    elements: Dict[str, float] = {}
+    for step in range(WARMUP + samples):
+        for k in range(len(IMPLS)):
+            impl = IMPLS[(step + k) % len(IMPLS)]  # rotate who goes first
+            model, optimizer, clip = runs[impl]
+            comm.barrier()
+            get_ledger().clear()
+            start = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            forward_backward(model, x, y, num_micro_batches=1)
+            clip(1.0)
+            optimizer.step()
+            elapsed = time.perf_counter() - start
+            if step >= WARMUP:
+                times[impl].append(elapsed)
+            elements[impl] = sum(get_ledger().total(op=op)
+                                 for op in ("all_gather", "reduce_scatter"))
+    get_ledger().enabled = False  # the benchmark's own bookkeeping is not traffic
+    slowest = torch.tensor([times[impl] for impl in IMPLS], dtype=torch.float64)
+    comm.all_reduce(slowest, op=torch.distributed.ReduceOp.MAX)
+    get_ledger().enabled = True
+    padded = runs["zero3"][0].padded_numel
+    destroy_pg_manager()
+    return {"times": dict(zip(IMPLS, slowest.tolist())), "elements": elements, "padded": padded}
+
+
+def run(args) -> List[dict]:
+    """Rows: ZeRO-1/2/3 / fully_shard (median step-time ratios); elements/step vs formula."""
+    from scaletorch.dist.spawn import run_distributed
+
+    world = getattr(args, "world_size", 2)
+    samples = getattr(args, "steps", 10) * getattr(args, "repeats", 3)
+    result = run_distributed(_measure, world, samples, timeout=1800)[0]
+    times, padded = result["times"], result["padded"]
+    median = {impl: statistics.median(t) * 1e3 for impl, t in times.items()}
+
+    def paired(a: str, b: str) -> float:
+        """Median over rounds of a/b: the four steps of a round ran back to back."""
+        return statistics.median(x / y for x, y in zip(times[a], times[b]))
+
+    common = {"ranks": world, "params": padded, "steps": samples}
+    rows = []
+    for stage in (1, 2, 3):
+        impl = f"zero{stage}"
+        rows.append({
+            "name": f"ZeRO-{stage} (ours) / fully_shard step time",
+            "ours_ms": median[impl],
+            "native_ms": median["fully_shard"],
+            "ratio": paired(impl, "fully_shard"),
+            "target": "<= 1.2" if stage == 3 else "",
+            **common
+        })
+    for stage, label in ((1, "2 Psi'"), (3, "3 Psi'")):
+        formula = sum(comm_formula(stage, padded).values())
+        rows.append({
+            "name": f"ZeRO-{stage} gathered + reduce-scattered elements / {label}",
+            "ours_ms": "",
+            "native_ms": "",
+            "ratio": result["elements"][f"zero{stage}"] / formula,
+            "target": "== 1",
+            **common
+        })
+    return rows
