@@ -41,7 +41,7 @@ from scaletorch.dist.functional import (copy_to_parallel_region, gather_along_di
                                         gather_from_sequence_parallel_region,
                                         reduce_from_parallel_region,
                                         reduce_scatter_to_sequence_parallel_region)
-from scaletorch.models import Llama, LlamaConfig, RMSNorm
+from scaletorch.models import Llama, LlamaConfig, MoE, RMSNorm
 from scaletorch.parallel.grad_norm import clip_grads_, global_grad_norm
 
 
@@ -261,6 +261,10 @@ def validate_tensor_parallel(config: LlamaConfig, tensor_model_parallel_size: in
     if sequence_parallel and tp == 1:
         raise ValueError("sequence parallel shards activations over the tensor-parallel group "
                          "and needs tensor_model_parallel_size > 1, got 1")
+    if sequence_parallel and config.num_experts > 0:
+        raise ValueError(f"sequence parallel with mixture-of-experts layers is not supported "
+                         f"(num_experts = {config.num_experts}): the MoE runs whole on every "
+                         f"tensor-parallel rank and needs the full sequence")
     sizes = {
         "num_attention_heads": config.num_attention_heads,
         "num_key_value_heads": config.num_key_value_heads,
@@ -307,6 +311,8 @@ def apply_tensor_parallel(model: Llama, pgm, sequence_parallel: bool = False) ->
         attn.q_proj, attn.k_proj, attn.v_proj = column(attn.q_proj), column(attn.k_proj), \
             column(attn.v_proj)
         attn.o_proj = row(attn.o_proj)
+        if isinstance(mlp, MoE):  # experts are split over "ep" (chapter 06), not "tp": the MoE
+            continue  # runs whole on every tp rank on the replicated input, so no f before it
         block.post_attention_layernorm = norm(block.post_attention_layernorm)
         mlp.gate_proj, mlp.up_proj = column(mlp.gate_proj), column(mlp.up_proj)
         mlp.down_proj = row(mlp.down_proj)
@@ -357,6 +363,56 @@ def gather_full_state_dict(model: nn.Module, pgm) -> Dict[str, torch.Tensor]:
     finally:
         ledger.enabled = enabled
     return full
+
+
+def comm_elements_per_step(config: LlamaConfig, tokens: int, sequence_parallel: bool,
+                           num_micro_batches: int = 1) -> Dict[str, int]:
+    """Elements each rank sends through collectives over "tp" per optimizer step, by op, as the
+    ledger counts them (the full tensor of an all-gather or reduce-scatter), tp > 1.
+
+    tokens = b x s summed over the rank's micro-batches; L blocks of hidden size h:
+        blocks        4 L tokens h    (2 forward + 2 backward per block)
+        embedding       tokens h      (forward: sum of the vocab shards' rows)
+        head input      tokens h      (backward: f before the vocab-parallel head)
+        loss          3 tokens        (max, then [sum exp, target logit])
+        grad norm     1               (sum of the shards' squares)
+        sp norms      (2 L + 1) h m   (RMSNorm weight gradients, per micro-batch; sp only)
+    Without sequence parallel all are all-reduces; with it the activation terms become an
+    all-gather and a reduce-scatter each (the same bytes on the wire).
+    """
+    h, layers = config.hidden_size, config.num_layers
+    activations = (4 * layers + 2) * tokens * h
+    scalars = 3 * tokens + 1
+    if not sequence_parallel:
+        return {"all_reduce": activations + scalars}
+    norms = (2 * layers + 1) * h * num_micro_batches
+    return {"all_gather": activations, "reduce_scatter": activations, "all_reduce": scalars + norms}
+
+
+def format_block_comm(config: LlamaConfig, tokens: int, tp: int, sequence_parallel: bool) -> str:
+    """The collectives of one transformer block for one micro-batch of ``tokens`` = b x s."""
+    n = tokens * config.hidden_size
+    if sequence_parallel:
+        sites = [("attention input (g-bar)", "all_gather", "reduce_scatter"),
+                 ("o_proj output (f-bar)", "reduce_scatter", "all_gather"),
+                 ("MLP input (g-bar)", "all_gather", "reduce_scatter"),
+                 ("down_proj output (f-bar)", "reduce_scatter", "all_gather")]
+        wire = 8 * (tp - 1) / tp * 4 * n
+    else:
+        sites = [("attention input (f)", "-", "all_reduce"),
+                 ("o_proj output (g)", "all_reduce", "-"), ("MLP input (f)", "-", "all_reduce"),
+                 ("down_proj output (g)", "all_reduce", "-")]
+        wire = 4 * 2 * (tp - 1) / tp * 4 * n
+    lines = [
+        f"one transformer block, one micro-batch: b x s x h = {tokens} x "
+        f"{config.hidden_size} = {n:,} elements per collective, tp {tp}",
+        f"{'site':<26}{'forward':<16}{'backward':<16}"
+    ]
+    lines += [f"{site:<26}{fwd:<16}{bwd:<16}" for site, fwd, bwd in sites]
+    lines.append(f"per block: 2 forward + 2 backward = 4 x b x s x h = {4 * n:,} elements" +
+                 (" in each of all_gather and reduce_scatter" if sequence_parallel else "") +
+                 f"; ring wire {wire / 1e6:.3f} MB per rank (fp32)")
+    return "\n".join(lines)
 
 
 # ---- the native reference: torch DTensor tensor parallel on the same model -----------------
@@ -417,7 +473,8 @@ def dtensor_loss_fn(logits: DTensor, targets: torch.Tensor) -> torch.Tensor:
 
 def dtensor_clip_grad_norm(model: nn.Module, pgm) -> Callable[[float], torch.Tensor]:
     """Grad-norm clipping for the DTensor path, where sharded DTensor and plain (replicated)
-    gradients mix and ``torch.nn.utils.clip_grad_norm_`` refuses them."""
+    gradients mix and ``torch.nn.utils.clip_grad_norm_`` refuses them. Sharded gradients are
+    summed over "tp" (our all-reduce of one scalar), replicated ones counted once."""
     params = list(model.parameters())
     group = pgm.tensor_model_parallel_group
     zero = torch.zeros(1, device=params[0].device)
@@ -426,7 +483,14 @@ def dtensor_clip_grad_norm(model: nn.Module, pgm) -> Callable[[float], torch.Ten
         return grad.to_local() if isinstance(grad, DTensor) else grad
 
     def clip(max_norm: float) -> torch.Tensor:
-        grads = [p.grad for p in params if p.grad is not None]
+        grads = []
+        for p in params:
+            if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+                # Norm weights under sequence parallel get Partial(sum) gradients (each rank
+                # saw its tokens only): sum them now, as the optimizer step would.
+                p.grad = p.grad.redistribute(p.grad.device_mesh, p.placements)
+            if p.grad is not None:
+                grads.append(p.grad)
         sharded = [
             isinstance(g, DTensor) and any(x.is_shard() for x in g.placements) for g in grads
         ]
