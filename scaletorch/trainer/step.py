@@ -26,8 +26,8 @@ from scaletorch.models import loss_fn, moe_aux_loss
 
 ForwardBackward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-SequenceShard = Callable[[torch.Tensor, torch.Tensor],
-                         Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+ShardedBatch = Tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # inputs, targets, position_ids
+SequenceShard = Callable[[torch.Tensor, torch.Tensor], ShardedBatch]
 
 
 def forward_backward(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
@@ -64,8 +64,7 @@ def average_over_group(value: torch.Tensor, group: Optional[dist.ProcessGroup]) 
 
 
 def make_data_parallel_step(model: nn.Module, num_micro_batches: int, data_parallel_rank: int,
-                            data_parallel_size: int,
-                            loss_group: Optional[dist.ProcessGroup],
+                            data_parallel_size: int, loss_group: Optional[dist.ProcessGroup],
                             loss_fn: LossFn = loss_fn,
                             shard_sequence: Optional[SequenceShard] = None) -> ForwardBackward:
     """The step for single device, DDP, ZeRO and tensor parallel: slice, accumulate, report.
@@ -82,8 +81,7 @@ def make_data_parallel_step(model: nn.Module, num_micro_batches: int, data_paral
         position_ids = None
         if shard_sequence is not None:
             inputs, targets, position_ids = shard_sequence(inputs, targets)
-        loss = forward_backward(model, inputs, targets, num_micro_batches, loss_fn,
-                                position_ids)
+        loss = forward_backward(model, inputs, targets, num_micro_batches, loss_fn, position_ids)
         if loss_group is None and data_parallel_size == 1:
             # A single-device run (the reference of --check, run by rank 0 alone): it must not
             # touch the world group that may exist around it (None means the world in comm).
