@@ -9,6 +9,6 @@ from scaletorch.dist.pg_manager import (ProcessGroupManager, RankGrid, destroy_p
 
 __all__ = [
     "comm", "functional", "DistributedEnv", "init_distributed", "destroy_distributed",
-    "pick_device_and_backend", "restart_count", "CommLedger", "get_ledger", "name_group", "ProcessGroupManager",
-    "RankGrid", "init_pg_manager", "get_pg_manager", "destroy_pg_manager"
+    "pick_device_and_backend", "restart_count", "CommLedger", "get_ledger", "name_group",
+    "ProcessGroupManager", "RankGrid", "init_pg_manager", "get_pg_manager", "destroy_pg_manager"
 ]

@@ -112,8 +112,12 @@ def save_checkpoint(root: str, step: int, state: Dict[str, Any], rank: int, worl
         for r in range(world_size):
             with open(_checksum_file(rank_file(path, r))) as f:
                 files[os.path.basename(rank_file(path, r))] = f.read().strip()
-        manifest = {"format_version": FORMAT_VERSION, "step": step, "world_size": world_size,
-                    "sha256": files}
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "step": step,
+            "world_size": world_size,
+            "sha256": files
+        }
         _atomic_write(os.path.join(path, MANIFEST), json.dumps(manifest, indent=1).encode())
         for old in list_checkpoints(root)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
