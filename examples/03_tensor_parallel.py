@@ -1,10 +1,11 @@
 """Chapter 03: tensor parallel. Every matrix of every block is split over the "tp" ranks.
 
     scripts/launch.sh examples/03_tensor_parallel.py --nproc-per-node 2 -- --check
-    scripts/launch.sh examples/03_tensor_parallel.py --nproc-per-node 4 -- --tp 4 \
-        --sequence-parallel --check
-    scripts/launch.sh examples/03_tensor_parallel.py --nproc-per-node 4 -- --tp 2 --check
+    scripts/launch.sh examples/03_tensor_parallel.py --nproc-per-node 4 -- --tp 4 --check
+    scripts/launch.sh examples/03_tensor_parallel.py --nproc-per-node 4 -- --sequence-parallel
     scripts/launch.sh examples/03_tensor_parallel.py --nproc-per-node 2 -- --impl torch --check
+
+With 4 processes and the config's tp 2, the other factor 2 is data parallel (tp 2 x dp 2).
 
 Chapter 01 plus: convert the model (column / row / vocab-parallel layers), train with the
 vocab-parallel loss and a grad norm that sums the shards over "tp". With dp > 1 the data-
