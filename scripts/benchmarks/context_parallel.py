@@ -9,7 +9,9 @@ of ``args.world_size`` ranks (cp = world size) on a long sequence where attentio
 - fused / math: the CPU flash kernel vs the readable matmul + logsumexp blocks.
 
 Each step is forward + backward of the model on this rank's tokens; a step's time is the
-slowest rank's; a row reports the median over rounds of the ratio.
+slowest rank's; a row reports the median over rounds of the ratio. zigzag / contiguous only
+shows the balance when every rank has a core to itself: on an oversubscribed CPU the wall time
+follows the total work, which both layouts share equally.
 
     python scripts/benchmark.py --only context_parallel --steps 5 --repeats 2
 """
