@@ -42,6 +42,7 @@ from torch.nn.parallel import DistributedDataParallel
 from scaletorch.dist import comm
 
 IMPLS = ("naive", "scaletorch", "torch")
+FIRST_BUCKET_MB = 1.0
 
 
 class _Wrapper:
@@ -163,6 +164,11 @@ class SyncTimeline:
     launches: List[BucketLaunch] = field(default_factory=list)
 
 
+def _elements(megabytes: float) -> int:
+    """fp32 elements in ``megabytes`` MiB (at least one)."""
+    return max(1, int(megabytes * 2**20) // 4)
+
+
 class BucketedDataParallel(_DataParallel):
     """DDP with gradient buckets: all-reduce of bucket k overlaps backward of earlier layers.
 
@@ -183,14 +189,16 @@ class BucketedDataParallel(_DataParallel):
             raise ValueError(f"data parallel wraps a model on one device, got {devices}")
         super().__init__(module, group)
         self.bucket_size_mb = bucket_size_mb
-        capacity = max(1, int(bucket_size_mb * 2**20) // 4)  # fp32 elements per bucket
+        # fp32 elements per bucket; like torch DDP, the first bucket holds at most 1 MB, so
+        # the first all-reduce starts early in backward.
+        caps = [_elements(min(FIRST_BUCKET_MB, bucket_size_mb)), _elements(bucket_size_mb)]
         self.buckets: List[Bucket] = []
         self._bucket_of: Dict[int, int] = {}
         self._views: List[torch.Tensor] = [None] * len(self.params)
         ids: List[int] = []
         for i in reversed(range(len(self.params))):  # backward meets the last layers first
-            if ids and sum(self.params[j].numel() for j in ids) + self.params[i].numel() \
-                    > capacity:
+            size = sum(self.params[j].numel() for j in ids) + self.params[i].numel()
+            if ids and size > caps[min(len(self.buckets), 1)]:
                 self._add_bucket(ids)
                 ids = []
             ids.append(i)
