@@ -145,8 +145,8 @@ def _train(cfg: Config, pgm, tensor_parallel: bool = False) -> dict:
     return {
         "losses": result.losses,
         "state": state if pgm.rank == 0 else None,
-        # fp32 token rows vs the int64 count exchange, told apart by element size
-        "token_elements": sum(r.elements for r in records if r.bytes == 4 * r.elements),
+        # token rows (fp32) vs the int64 count exchange, told apart by element size
+        "token_elements": sum(r.elements for r in records if r.bytes != 8 * r.elements),
         "count_elements": sum(r.elements for r in records if r.bytes == 8 * r.elements),
         "remote": remote,
     }

@@ -70,15 +70,15 @@ class AllToAllDispatcher:
     """``MoE.dispatch_fn`` under expert parallel: send tokens to their experts' ranks and back.
 
     After each call: ``sent`` (P,) tokens this rank sent to each ep rank (itself included),
-    ``received`` (P, E/P) tokens from each ep rank for each local expert, ``row_bytes`` bytes
-    of one token row.
+    ``received`` (P, E/P) tokens from each ep rank for each local expert, ``row_elements`` and
+    ``element_size`` of one token row (h elements).
     """
 
     def __init__(self, group: Group) -> None:
         self.group = group
         self.sent: Optional[torch.Tensor] = None
         self.received: Optional[torch.Tensor] = None
-        self.row_bytes = 0
+        self.row_elements = self.element_size = 0
 
     def __call__(self, experts: Experts, routed: torch.Tensor,
                  counts: torch.Tensor) -> torch.Tensor:
@@ -102,7 +102,7 @@ class AllToAllDispatcher:
 
         combined = all_to_all(out, send_splits, recv_splits, self.group)  # (N, h)
         self.sent, self.received = send_counts.sum(1).detach(), recv_counts.detach()
-        self.row_bytes = routed[0].numel() * routed.element_size() if routed.numel() else 0
+        self.row_elements, self.element_size = routed.shape[1], routed.element_size()
         return combined
 
     def remote_tokens(self, rank: int) -> Tuple[int, int]:
@@ -239,3 +239,59 @@ def apply_expert_parallel(model: nn.Module, pgm) -> ExpertParallel:
         moe.dispatch_fn = AllToAllDispatcher(group)
         moe.global_stats_fn = stats_fn
     return ExpertParallel(model, pgm)
+
+
+def all_to_all_elements(model: nn.Module, pgm) -> int:
+    """Token elements this rank's all-to-alls carried for the last forward and its backward:
+    per MoE layer 2 directions x h x (tokens sent to other ep ranks + received from them)."""
+    total = 0
+    for layer in moe_layers(model):
+        sent, received = layer.dispatch_fn.remote_tokens(pgm.expert_model_parallel_rank)
+        total += 2 * layer.dispatch_fn.row_elements * (sent + received)
+    return total
+
+
+def format_routing(model: nn.Module, pgm) -> str:
+    """What the last forward routed, per MoE layer and rank (collective; text on rank 0).
+
+    Per layer: the global tokens per expert (the aux loss's statistics), then per rank the
+    tokens its local experts computed, the tokens it sent to / received from the other ep
+    ranks and the bytes of the dispatch and combine all-to-alls (forward; backward the same).
+    Gathered over the world with the ledger off: a report, not training traffic.
+    """
+    layers = moe_layers(model)
+    if not layers or layers[0].tokens_per_expert is None:
+        return ""
+    ep, rank_in_ep = pgm.expert_model_parallel_world_size, pgm.expert_model_parallel_rank
+    local = layers[0].num_experts // ep
+    rows = []
+    for layer in layers:  # (local experts' tokens..., sent, received, bytes per token row)
+        d = layer.dispatch_fn
+        sent, received = d.remote_tokens(rank_in_ep)
+        rows.append(d.received.sum(0).tolist() + [sent, received, d.row_elements * d.element_size])
+    mine = torch.tensor(rows, dtype=torch.long, device=layers[0].router.weight.device)
+    ledger = get_ledger()
+    enabled, ledger.enabled = ledger.enabled, False
+    try:
+        every = gather_along_dim(mine.unsqueeze(0), 0, None).cpu()  # (world, layers, local + 3)
+        ep_ranks = gather_along_dim(torch.tensor([[rank_in_ep]], device=mine.device), 0, None)
+    finally:
+        ledger.enabled = enabled
+    if pgm.rank != 0:
+        return ""
+    lines = [
+        f"routing of the last forward: {layers[0].num_experts} experts, top-"
+        f"{layers[0].top_k}, over ep {ep} ({local} experts per rank)"
+    ]
+    for i, layer in enumerate(layers):
+        counts = " ".join(f"{int(c)}" for c in layer.tokens_per_expert.tolist())
+        lines.append(f"MoE layer {i}: tokens per expert over all ranks [{counts}]")
+        lines.append(f"  {'rank':>4} {'experts':>8} {'tokens per local expert':>24} "
+                     f"{'sent':>6} {'recv':>6} {'dispatch KB':>12} {'combine KB':>11}")
+        for r in range(every.shape[0]):
+            *computed, sent, received, row_bytes = every[r, i].tolist()
+            first = int(ep_ranks[r, 0]) * local
+            lines.append(f"  {r:>4} {f'{first}-{first + local - 1}':>8} "
+                         f"{str(computed):>24} {sent:>6} {received:>6} "
+                         f"{sent * row_bytes / 1e3:>12.2f} {received * row_bytes / 1e3:>11.2f}")
+    return "\n".join(lines)
