@@ -42,7 +42,7 @@ from torch.nn.parallel import DistributedDataParallel
 from scaletorch.dist import comm
 
 IMPLS = ("naive", "scaletorch", "torch")
-FIRST_BUCKET_MB = 1.0
+FIRST_BUCKET_MB = 1.0  # torch DDP's default first bucket: communication starts early
 
 
 class _Wrapper:
