@@ -14,6 +14,11 @@ from scaletorch.dist.ledger import get_ledger
 
 Group = Optional[dist.ProcessGroup]
 
+# torch 2.13 renamed the dim-0 gather/scatter collectives (*_into_tensor / *_tensor -> *_single)
+# and deprecated the old names; older torch 2.x only has the old ones.
+_all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
 
 def group_size(group: Group = None) -> int:
     """Ranks in ``group``; 1 when torch.distributed is not initialized."""
@@ -46,7 +51,7 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: Gro
         output.copy_(input)
         return None
     _record("all_gather", group, output)
-    return dist.all_gather_into_tensor(output, input.contiguous(), group=group, async_op=async_op)
+    return _all_gather(output, input.contiguous(), group=group, async_op=async_op)
 
 
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group: Group = None,
@@ -56,8 +61,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group: Grou
         output.copy_(input)
         return None
     _record("reduce_scatter", group, input)
-    return dist.reduce_scatter_tensor(output, input.contiguous(), op=op, group=group,
-                                      async_op=async_op)
+    return _reduce_scatter(output, input.contiguous(), op=op, group=group, async_op=async_op)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: Group = None, async_op: bool = False):
