@@ -231,6 +231,7 @@ def parity_run(name: str) -> dict:
         last = cfg.training.steps - 1
         out["sent"] = get_ledger().total(op="send", group="pp", step=last)
         out["send_calls"] = len(get_ledger().select(op="send", group="pp", step=last))
+        out["dp_calls"] = len(get_ledger().select(op="all_reduce", group="dp_cp", step=last))
         out["timeline"] = gather_timeline(step.timeline, pgm, torch.device("cpu"))
     destroy_pg_manager()
     return out
@@ -366,6 +367,13 @@ class TestPipelineParallelRanks(unittest.TestCase):
             calls = 4 * ((r < 3) + (r > 0))  # activations forward, gradients backward
             self.assertEqual(run["send_calls"], calls)
             self.assertEqual(run["sent"], calls * 4 * 16 * 32)
+
+    def test_data_parallel_syncs_each_chunk_once_per_step_not_per_micro_batch(self):
+        # one gradient bucket per chunk (25 MB buckets) + the reported loss; syncing every
+        # micro-batch would be m v + 1 all-reduces
+        for name, v in (("pp2_dp2_1f1b", 1), ("pp2_dp2_interleaved", 2)):
+            for res in self.results:
+                self.assertEqual(res["parity"][name]["dp_calls"], v + 1, name)
 
     def test_every_schedule_finishes_under_a_timeout(self):
         # p in {2, 4}; m in {p, 2p + 1} (interleaved: {p, 2p}, it needs m divisible by p).
