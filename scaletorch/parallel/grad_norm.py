@@ -8,10 +8,29 @@ is summed over the group that holds the pieces:
     norm^2 = sum_replicated |g|^2  +  sum_groups all_reduce_sum(sum_local_shards |g|^2, group)
 
 Every rank ends with the same norm and scales its own gradients by min(1, max_norm / norm).
+
+Any combination of strategies (chapter 07) uses one rule instead of a list of groups. Let
+replicas(x) be the number of ranks of the world that hold an identical copy of gradient element
+x. Then
+
+    norm^2 = all_reduce_sum over the world of  sum_{x on this rank} g_x^2 / replicas(x)
+
+counts every distinct element exactly once: a replicated element is added replicas(x) times,
+each time divided by replicas(x); a shard is held once. For the rank grid (pg_manager):
+
+    dense parameter (attention, norms, embeddings, router)   dp_cp x (tp if not tp-sharded)
+    expert parameter (split over "ep")                       edp   x (tp: experts are whole
+                                                                       on every tp rank)
+    ZeRO shard (split over "dp_cp")                          1 or tp, per element
+    pipeline                                                 each stage holds its own layers:
+                                                             no factor, the world sum adds them
+
+One all-reduce of one number over the world, whatever the layout (``replica_count``,
+``world_grad_norm``).
 """
 
 import math
-from typing import Iterable, List, Optional, Sequence, Tuple
+from typing import Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -53,3 +72,37 @@ def clip_grads_(params: Iterable[torch.nn.Parameter], max_norm: float,
         for p in params:
             p.grad.mul_(scale.to(p.grad.device))
     return total_norm
+
+
+def replica_count(param: torch.Tensor, pgm) -> int:
+    """Ranks of the world holding an identical copy of ``param``'s gradient (see above).
+
+    Reads the tags the strategies put on parameters: ``tensor_model_parallel`` (chapter 03)
+    and ``expert_parallel`` (chapter 06). Pipeline stages hold different parameters, so "pp"
+    adds no factor; a parameter sharded by ZeRO needs per-element counts (``world_grad_norm``
+    accepts a tensor of them).
+    """
+    tp = 1 if getattr(param, "tensor_model_parallel", False) \
+        else pgm.tensor_model_parallel_world_size
+    if getattr(param, "expert_parallel", False):
+        return tp * pgm.expert_data_parallel_world_size
+    return tp * pgm.data_parallel_world_size_with_context
+
+
+ParamReplicas = Tuple[torch.Tensor, Union[int, float, torch.Tensor]]
+
+
+def world_grad_norm(params: Iterable[ParamReplicas], device: torch.device,
+                    group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+    """sqrt(all_reduce_sum over ``group`` (default the world) of sum g^2 / replicas).
+
+    ``params``: (parameter, replicas) pairs, replicas an int or a tensor shaped like the
+    gradient (per element). Parameters without a gradient count zero. Returns a 0-dim tensor,
+    the same on every rank.
+    """
+    total = torch.zeros(1, device=device)
+    for p, replicas in params:
+        if p.grad is not None:
+            total += (p.grad.detach().float().pow(2) / replicas).sum()
+    comm.all_reduce(total, group)
+    return total.sqrt()[0]

@@ -17,6 +17,8 @@ shapes known in advance) and then computes one forward or backward.
 
 The loss of each micro-batch is divided by m, so the accumulated gradients are those of the
 rank's mean loss; data-parallel wrappers of the chunks sync only in the chunk's last backward.
+A mixture-of-experts chunk adds its layers' load-balancing losses (/ m) where they arise: each
+stage backpropagates its own with its activation gradient, and the reported loss sums them.
 """
 
 from contextlib import nullcontext
@@ -28,7 +30,7 @@ from torch import nn
 
 from scaletorch.data import shard_batch, split_micro_batches
 from scaletorch.dist import comm, get_ledger
-from scaletorch.models import Llama, loss_fn, rope_cos_sin
+from scaletorch.models import Llama, MoE, loss_fn, moe_aux_loss, rope_cos_sin
 from scaletorch.parallel.data_parallel import TorchDataParallel, apply_data_parallel
 from scaletorch.parallel.grad_norm import clip_grads_, global_grad_norm
 from scaletorch.parallel.pipeline_schedules import (Action, Timeline, TimelineRecorder,
@@ -62,6 +64,7 @@ class PipelineChunk(nn.Module):
 
     forward: token ids (b, s) on stage 0, else hidden (b, s, h) (or (b, s/tp, h) under
     sequence parallel) -> hidden of the same shape, or logits (b, s, V) on the last stage.
+    ``position_ids`` (s,): the tokens' true positions for RoPE (context parallel), else 0..s-1.
     """
 
     def __init__(self, model: Llama, layer_ids: List[int], first: bool, last: bool,
@@ -75,12 +78,13 @@ class PipelineChunk(nn.Module):
         self.norm = model.norm if last else None
         self.lm_head = model.lm_head if last else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         seq_len = x.size(1) * (1 if self.embed_tokens is not None else self.sequence_parallel_size)
+        if position_ids is None:
+            position_ids = torch.arange(seq_len, device=x.device)
         if self.embed_tokens is not None:
             x = self.embed_tokens(x)  # (b, s, h)
-        cos, sin = rope_cos_sin(torch.arange(seq_len, device=x.device), self.head_dim,
-                                self.rope_theta)
+        cos, sin = rope_cos_sin(position_ids, self.head_dim, self.rope_theta)
         for layer in self.layers.values():
             x = layer(x, cos, sin)
         if self.lm_head is not None:
@@ -120,9 +124,6 @@ def apply_pipeline_parallel(model: Llama, pgm, virtual_stages: int = 1,
     if model.config.tie_word_embeddings and p > 1:
         raise ValueError("tie_word_embeddings puts one weight on the first and the last stage; "
                          "pipeline parallel needs tie_word_embeddings false")
-    if model.config.num_experts > 0:
-        raise ValueError("pipeline parallel of mixture-of-experts models is not supported "
-                         f"(num_experts = {model.config.num_experts})")
     num_stages = p * virtual_stages
     layers = split_layers(model.config.num_layers, num_stages, layer_split)
     stage_of_layer = {i: s for s, ids in enumerate(layers) for i in ids}
@@ -169,11 +170,14 @@ class PipelineSchedule:
     inputs, targets: the global batch (B, s); this rank takes its data-parallel slice and
     splits it into m micro-batches. Returns the global mean loss, the same on every rank
     (all-reduce over "pp", then mean over "dp_cp"). ``timeline`` holds the last step's events.
+    ``shard_sequence(inputs, targets) -> (inputs, targets, position_ids)`` then keeps this
+    rank's tokens of each sequence (context parallel, as in ``make_data_parallel_step``).
     """
 
     def __init__(self, pipe: PipelineModel, pgm, schedule: str, num_micro_batches: int,
-                 loss_fn: LossFn = loss_fn) -> None:
+                 loss_fn: LossFn = loss_fn, shard_sequence: Optional[Callable] = None) -> None:
         self.pipe, self.pgm, self.loss_fn = pipe, pgm, loss_fn
+        self.shard_sequence = shard_sequence
         p, rank = pgm.pipeline_model_parallel_world_size, pgm.pipeline_model_parallel_rank
         v = len(pipe.chunks)
         validate_schedule(schedule, p, num_micro_batches, v)
@@ -197,6 +201,9 @@ class PipelineSchedule:
         pgm = self.pgm
         inputs = shard_batch(inputs, pgm.data_parallel_rank, pgm.data_parallel_world_size)
         targets = shard_batch(targets, pgm.data_parallel_rank, pgm.data_parallel_world_size)
+        self.position_ids = None
+        if self.shard_sequence is not None:
+            inputs, targets, self.position_ids = self.shard_sequence(inputs, targets)
         self.micro_batches = split_micro_batches(inputs, targets, self.m)
         b, s = self.micro_batches[0][0].shape
         self.shape = (b, s // self.pipe.sequence_parallel_size, self.pipe.hidden_size)
@@ -243,24 +250,32 @@ class PipelineSchedule:
             x = self.micro_batches[mb][0]  # (b, s) token ids
         else:
             x = self.inbox.pop(("act", mb, stage)).requires_grad_()  # (b, s, h)
-        out = self.pipe.chunks[action.chunk](x)
+        chunk = self.pipe.chunks[action.chunk]
+        out = chunk(x) if self.position_ids is None else chunk(x, position_ids=self.position_ids)
+        aux = moe_aux_loss(chunk) / self.m  # this chunk's MoE layers' losses; 0.0 if dense
         if stage == self.pipe.num_stages - 1:
-            out = self.loss_fn(out, self.micro_batches[mb][1]) / self.m  # out: the loss
+            out = self.loss_fn(out, self.micro_batches[mb][1]) / self.m + aux  # out: the loss
             self.loss += out.detach()
         else:
             self.outbox[("act", mb, stage)] = out.detach().to(self.dtype)
-        self.held[(mb, action.chunk)] = (x, out)
+            if torch.is_tensor(aux):
+                self.loss += aux.detach()
+            else:
+                aux = None
+        self.held[(mb, action.chunk)] = (x, out, aux)
 
     def _backward(self, action: Action, index: int) -> None:
         stage, mb = self.pipe.stages[action.chunk], action.micro_batch
         chunk = self.pipe.chunks[action.chunk]
-        x, out = self.held.pop((mb, action.chunk))
-        grad = None
+        x, out, aux = self.held.pop((mb, action.chunk))
+        outputs, grads = [out], [None]
         if stage < self.pipe.num_stages - 1:
-            grad = self.inbox.pop(("grad", mb, stage)).to(out.dtype)
+            grads = [self.inbox.pop(("grad", mb, stage)).to(out.dtype)]
+            if aux is not None:  # a stage's own MoE loss: d aux / d aux = 1
+                outputs, grads = [out, aux], grads + [torch.ones_like(aux)]
         no_sync = getattr(chunk, "no_sync", None)
         with nullcontext() if index in self.syncs or no_sync is None else no_sync():
-            torch.autograd.backward(out, grad)
+            torch.autograd.backward(outputs, grads)
         if stage > 0:
             self.outbox[("grad", mb, stage)] = x.grad.to(self.dtype)
 
@@ -274,6 +289,9 @@ class TorchPipelineSchedule:
                  loss_fn: LossFn = loss_fn) -> None:
         from torch.distributed import pipelining
 
+        if any(isinstance(m, MoE) for m in pipe.modules()):
+            raise ValueError("torch.distributed.pipelining runs dense models only here (it "
+                             "would drop the MoE load-balancing losses); use impl scaletorch")
         p = pgm.pipeline_model_parallel_world_size
         validate_schedule(schedule, p, num_micro_batches, len(pipe.chunks))
         self.pipe, self.pgm, self.m = pipe, pgm, num_micro_batches

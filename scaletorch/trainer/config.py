@@ -47,6 +47,7 @@ class ParallelConfig:
     schedule: str = "1f1b"  # afab | 1f1b | interleaved
     virtual_pipeline_stages: int = 1
     cp_variant: str = "ring"  # ring | ulysses
+    activation_checkpointing: bool = False  # recompute each block's activations in backward
 
 
 @dataclass
@@ -124,7 +125,11 @@ ALIASES = {
     "--fail-at-step": "training.fail_at_step",
     "--fail-rank": "training.fail_rank",
 }
-FLAGS = {"--sequence-parallel": "parallel.sequence_parallel", "--check": "check"}
+FLAGS = {
+    "--sequence-parallel": "parallel.sequence_parallel",
+    "--activation-checkpointing": "parallel.activation_checkpointing",
+    "--check": "check",
+}
 
 
 def _convert(value: Any, annotation: Any, key: str) -> Any:
