@@ -268,10 +268,11 @@ def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer, zero_stage
     """The memory ledger of every rank of ``group`` (gathered over it) next to the formula.
 
     Collective over ``group``; returns the same table on every rank. ``peak_gathered`` is the
-    most bytes of full parameters a stage-3 wrapper held at once (0 for the others).
+    most bytes of full parameters our stage-3 wrapper held at once (0 in stages 1, 2: they
+    keep the full parameters anyway; "-" for FSDP2, which we do not track).
     """
     mine = measure_memory(model, optimizer)
-    mine["peak_gathered"] = getattr(model, "peak_gathered_bytes", 0)
+    mine["peak_gathered"] = getattr(model, "peak_gathered_bytes", -1)  # -1: not tracked
     row = torch.tensor([[mine[k] for k in KINDS]], dtype=torch.float64,
                        device=next(model.parameters()).device)
     rows = row.new_empty(comm.group_size(group), len(KINDS))
@@ -290,16 +291,17 @@ def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer, zero_stage
     lines = [
         f"memory per rank, bytes ({names[zero_stage]}, N = {n}, Psi = {numel:,}, "
         f"Psi' = {padded_numel:,} with padding to multiples of N)",
-        f"{'rank':<10}{'params':>12}{'grads':>12}{'optimizer':>12}{'total':>12}"
+        f"{'rank':<10}{'params':>12}{'grads':>12}{'optimizer':>12}{'total':>14}"
         f"{'peak gathered':>16}",
     ]
     for r, values in enumerate(rows.tolist()):
+        peak = f"{int(values[3]):,}" if values[3] >= 0 else "-"
         lines.append(f"{r:<10}" + "".join(f"{int(v):>12,}" for v in values[:3]) +
-                     f"{int(sum(values[:3])):>12,}{int(values[3]):>16,}")
+                     f"{int(sum(values[:3])):>14,}{peak:>16}")
     total = sum(formula.values())
     lines.append(f"{'formula':<10}" + "".join(f"{int(formula[k]):>12,}"
-                                              for k in KINDS[:3]) + f"{int(total):>12,}")
-    lines.append(f"{'':<10}" + "".join(f"{s:>12}" for s in symbols) + f"{total_symbol:>12}" +
+                                              for k in KINDS[:3]) + f"{int(total):>14,}")
+    lines.append(f"{'':<10}" + "".join(f"{s:>12}" for s in symbols) + f"{total_symbol:>14}" +
                  ("   + units in flight" if zero_stage == 3 else ""))
     return "\n".join(lines)
 
