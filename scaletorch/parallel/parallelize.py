@@ -421,3 +421,38 @@ def resume_consolidated(trainer, par: Parallelized, state: Dict[str, Any]) -> No
     for group, lr in zip(opt.param_groups, trainer.scheduler.get_last_lr()):
         group["lr"] = lr
     trainer.step = state["step"]
+
+
+# ---- what chapter 07 prints: every rank's place, traffic and memory in one table -------------
+
+GROUPS = ("tp", "cp", "dp_cp", "pp", "ep", "edp", "world")
+COORDS = ("tp", "cp", "dp", "pp", "ep")
+
+
+def rank_report(pgm, model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> str:
+    """Collective over the world: one row per rank with its coordinates, the bytes it put on
+    the wire per group in ``step`` (the ledger) and the bytes it holds (params, grads, AdamW
+    state). The same string on every rank."""
+    from scaletorch.parallel.zero import measure_memory
+
+    ledger = get_ledger()
+    coords = pgm.grid.coordinates(pgm.rank)
+    memory = measure_memory(model, optimizer)
+    row = [coords[c] for c in COORDS]
+    row += [ledger.total(group=g, step=step, field="wire_bytes") / 1e6 for g in GROUPS]
+    row += [memory[k] / 1e6 for k in ("params", "grads", "optimizer")]
+    mine = torch.tensor([row], dtype=torch.float64, device=next(model.parameters()).device)
+    rows = mine.new_empty(pgm.world_size, len(row))
+    enabled, ledger.enabled = ledger.enabled, False  # the report is not training traffic
+    comm.all_gather_into_tensor(rows, mine)
+    ledger.enabled = enabled
+    head = (f"{'rank':>4} " + "".join(f"{c:>3}" for c in COORDS) + " |" + "".join(f"{g:>7}"
+                                                                                  for g in GROUPS) +
+            " | " + "".join(f"{k:>9}" for k in ("params", "grads", "adam", "total")))
+    lines = [f"per rank, step {step}: coordinates | wire MB per group | memory MB", head]
+    for r, values in enumerate(rows.tolist()):
+        mem = values[-3:]
+        lines.append(f"{r:>4} " + "".join(f"{int(v):>3}" for v in values[:len(COORDS)]) + " |" +
+                     "".join(f"{v:>7.3f}" for v in values[len(COORDS):-3]) + " | " +
+                     "".join(f"{v:>9.3f}" for v in mem + [sum(mem)]))
+    return "\n".join(lines)
