@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.rendezvous import rendezvous
 
 DEFAULT_TIMEOUT_SECONDS = 300.0
 
@@ -68,8 +69,14 @@ def init_distributed(timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS) -> Distri
     if dist.is_initialized():
         backend = dist.get_backend()
     elif world_size > 1:
-        dist.init_process_group(backend, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout_seconds))
+        timeout = datetime.timedelta(seconds=timeout_seconds)
+        store, _, _ = next(rendezvous("env://", rank, world_size, timeout=timeout))
+        # torchrun keeps its key-value store across restarts (--max-restarts). The groups of a
+        # restarted attempt would find the dead attempt's addresses under the same keys, so
+        # every attempt gets keys of its own.
+        store = dist.PrefixStore(f"scaletorch/attempt_{restart_count()}", store)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=timeout)
     return DistributedEnv(rank, local_rank, world_size, device, backend)
 
 

@@ -1,0 +1,148 @@
+"""Surviving failures: corrupt checkpoints, peers that vanish, killed ranks, several nodes."""
+
+import contextlib
+import io
+import json
+import os
+import tempfile
+import time
+import unittest
+
+import torch
+
+from scaletorch.dist import destroy_pg_manager, init_pg_manager
+from scaletorch.models import build_model
+from scaletorch.trainer import Trainer
+from scaletorch.trainer import checkpoint as ckpt
+from scaletorch.trainer import parse_args
+from tests.harness import free_port, run_distributed
+from tests.test_examples import launch
+
+
+def _config(tmp: str, *overrides: str):
+    return parse_args([
+        "--config", "examples/configs/00_single_device.yaml", "--logging.run_dir", tmp,
+        "--logging.progress", "false", *overrides
+    ])
+
+
+class CorruptCheckpointFallsBackToThePreviousOne(unittest.TestCase):
+
+    def test_truncated_latest_is_detected_and_the_one_before_is_used(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            cfg = _config(tmp, "--steps", "6", "--checkpoint.every", "2", "--checkpoint.keep_last",
+                          "3")
+            Trainer(cfg, build_model(cfg.model, 42), verbose=False).train()
+            latest = ckpt.step_dir(cfg.checkpoint_path, 6)
+            with open(ckpt.rank_file(latest, 0), "r+b") as f:  # a crash of the disk, say
+                f.truncate(100)
+            with self.assertRaisesRegex(ckpt.CorruptCheckpointError, "does not match its sha256"):
+                ckpt.verify_checkpoint(latest)
+            path, skipped = ckpt.latest_valid_checkpoint(cfg.checkpoint_path)
+            self.assertTrue(path.endswith("step_0000004"))
+            self.assertEqual(len(skipped), 1)
+
+            resume = _config(tmp, "--steps", "6", "--checkpoint.resume", "latest")
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out):
+                result = Trainer(resume, build_model(cfg.model, 42), verbose=True).train()
+            self.assertEqual(result.start_step, 4)
+            self.assertIn("skipping corrupt checkpoint", out.getvalue())
+
+    def test_manifest_names_format_version_and_checksums(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            cfg = _config(tmp, "--steps", "2", "--checkpoint.every", "2")
+            Trainer(cfg, build_model(cfg.model, 42), verbose=False).train()
+            with open(os.path.join(ckpt.step_dir(cfg.checkpoint_path, 2), ckpt.MANIFEST)) as f:
+                manifest = json.load(f)
+        self.assertEqual(manifest["format_version"], ckpt.FORMAT_VERSION)
+        self.assertEqual(list(manifest["sha256"]), ["rank_00000.pt"])
+        self.assertEqual(len(manifest["sha256"]["rank_00000.pt"]), 64)
+
+
+TIMEOUT = 4.0
+
+
+def _peer_leaves_early(rank: int, world: int, tmp: str) -> dict:
+    """Rank 1 leaves before the first step; rank 0 must fail fast and say where."""
+    pgm = init_pg_manager()  # creating groups needs every rank: rank 1 leaves right after
+    if rank == 1:
+        destroy_pg_manager()
+        return {}
+    cfg = _config(tmp, "--steps", "3")
+    start = time.perf_counter()
+    try:
+        Trainer(cfg, build_model(cfg.model, 42), pgm, verbose=False).train()
+        message = None
+    except RuntimeError as err:
+        message = str(err)
+    destroy_pg_manager()
+    return {"message": message, "seconds": time.perf_counter() - start}
+
+
+class PeerThatNeverArrivesFailsFast(unittest.TestCase):
+
+    def test_others_raise_within_the_timeout_naming_step_and_group(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            results = run_distributed(_peer_leaves_early, 2, tmp, timeout=TIMEOUT)
+        message = results[0]["message"]
+        self.assertIsNotNone(message, "rank 0 trained although its peer was gone")
+        self.assertIn("rank 0: step 0 failed", message)
+        self.assertIn("all_reduce over group 'dp_cp' (2 ranks)", message)
+        self.assertLess(results[0]["seconds"], TIMEOUT + 5)
+
+
+def _final_weights(checkpoint_root: str, step: int, world: int) -> list:
+    path = ckpt.step_dir(checkpoint_root, step)
+    return [ckpt.load_checkpoint(path, r, world)["model"] for r in range(world)]
+
+
+class KilledRankIsRestartedAndResumesExactly(unittest.TestCase):
+    """torchrun --max-restarts 1: rank 1 is killed at step 5, every rank restarts, resumes at
+    the step-4 checkpoint, and ends with the weights of the run that never failed."""
+
+    def test_kill_restart_resume_is_bit_identical(self):
+        args = ["--steps", "8", "--checkpoint.every", "2", "--logging.log_every", "100"]
+        with tempfile.TemporaryDirectory() as tmp:
+            straight = os.path.join(tmp, "straight")
+            failing = os.path.join(tmp, "failing")
+            launch("examples/01_ddp.py", 2, *args, "--checkpoint.dir", straight)
+            out = launch("examples/01_ddp.py", 2, *args, "--checkpoint.dir", failing,
+                         "--fail-at-step", "5", "--fail-rank", "1",
+                         launcher=["--max-restarts", "1"])
+            self.assertIn("injected failure at step 5", out)
+            self.assertIn("resumed from", out)
+            expected = _final_weights(straight, 8, 2)
+            actual = _final_weights(failing, 8, 2)
+        for want, got in zip(expected, actual):
+            for name in want:
+                self.assertTrue(torch.equal(want[name], got[name]), name)
+
+
+class TwoLaunchersAsTwoNodesEqualOneLauncher(unittest.TestCase):
+
+    def test_localhost_two_node_run_matches_single_node(self):
+        args = ["--steps", "5", "--checkpoint.every", "5"]
+        with tempfile.TemporaryDirectory() as tmp:
+            single = os.path.join(tmp, "single")
+            launch("examples/01_ddp.py", 2, *args, "--checkpoint.dir", single)
+            multi = os.path.join(tmp, "multi")
+            port = str(free_port())
+            nodes = [
+                launch(
+                    "examples/01_ddp.py", 1, *args, "--checkpoint.dir", multi, launcher=[
+                        "--nnodes", "2", "--node-rank",
+                        str(node), "--master-addr", "127.0.0.1", "--master-port", port
+                    ], background=True) for node in (0, 1)
+            ]
+            for node in nodes:
+                node.result()
+            expected = _final_weights(single, 5, 2)
+            actual = _final_weights(multi, 5, 2)
+        for want, got in zip(expected, actual):
+            for name in want:
+                self.assertTrue(torch.equal(want[name], got[name]), name)
+
+
+if __name__ == "__main__":
+    unittest.main()
