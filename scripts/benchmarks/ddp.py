@@ -63,7 +63,7 @@ def _measure(rank: int, world: int, samples: int) -> Dict[str, object]:
 
 def run(args) -> List[dict]:
     """Rows: bucketed vs torch DDP, naive vs bucketed (median step-time ratios), bytes/step."""
-    from tests.harness import run_distributed  # spawns gloo ranks, as the tests do
+    from scaletorch.dist.spawn import run_distributed  # gloo ranks, as the tests spawn them
 
     world = getattr(args, "world_size", 2)
     samples = getattr(args, "steps", 10) * getattr(args, "repeats", 3)
