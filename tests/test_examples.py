@@ -1,6 +1,7 @@
 """The numbered scripts run as a user runs them: through scripts/launch.sh (torchrun)."""
 
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -26,10 +27,20 @@ def launch(script: str, nproc: int, *args: str, launcher: Sequence[str] = (), ti
             os.path.join(ROOT, "scripts", "launch.sh"), script, "--nproc-per-node",
             str(nproc), *launcher, "--", "--logging.run_dir", tmp, *args
         ]
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env={
-            **os.environ, "PYTHONPATH": ROOT
-        })
-    output = proc.stdout + proc.stderr
+        # A session of its own: on a timeout the whole tree (torchrun and its ranks) is killed,
+        # not only the launcher, so no rank outlives the test.
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True, env={
+                                    **os.environ, "PYTHONPATH": ROOT
+                                })
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
+            raise AssertionError(f"{' '.join(cmd)} did not finish in {timeout} s:\n"
+                                 f"{(stdout + stderr)[-3000:]}") from None
+    output = stdout + stderr
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}:\n{output[-3000:]}")
     return output
