@@ -87,6 +87,15 @@ class BadConfigsRaiseErrorsNamingTheValues(unittest.TestCase):
           "3"], 2, ValueError, "global_batch_size (8) is not divisible by data_parallel_size (2) x "
          "data.num_micro_batches (3)"),
         (["--fail-rank", "4"], 4, ValueError, "fail_rank (4) is not a rank of a world of 4"),
+        # pipeline schedule limits
+        (["--pp", "4", "--micro-batches", "2"], 4, ValueError,
+         "1F1B needs num_micro_batches (2) >= pipeline_model_parallel_size (4)"),
+        ([
+            "--pp", "2", "--schedule", "interleaved", "--virtual-stages", "2", "--micro-batches",
+            "3", "--data.global_batch_size", "12"
+        ], 2, ValueError, "num_micro_batches (3) divisible by pipeline_model_parallel_size (2)"),
+        (["--virtual-stages", "2", "--schedule",
+          "interleaved"], 2, ValueError, "virtual_pipeline_stages (2) needs a pipeline"),
     ]
 
     def test_each_bad_configuration_raises_with_the_value(self):

@@ -21,6 +21,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import yaml
 
 from scaletorch.models import LlamaConfig
+from scaletorch.parallel.pipeline_schedules import validate_schedule
 
 
 @dataclass
@@ -353,6 +354,10 @@ def data_parallel_size(cfg: Config, world_size: int) -> int:
 def validate_layout(cfg: Config, world_size: int) -> None:
     """Checks that need the world size: the rank grid and the batch split."""
     dp = data_parallel_size(cfg, world_size)
+    p = cfg.parallel
+    if p.pipeline_model_parallel_size > 1 or p.virtual_pipeline_stages > 1:
+        validate_schedule(p.schedule, p.pipeline_model_parallel_size, cfg.data.num_micro_batches,
+                          p.virtual_pipeline_stages)
     per_step = dp * cfg.data.num_micro_batches
     if cfg.data.global_batch_size % per_step != 0:
         raise ValueError(
