@@ -1,0 +1,116 @@
+"""Chapter 07 rows: memory and communication per rank as the world grows 1 -> 2 -> 4.
+
+For each world size one gloo world trains the same model under several layouts (built with
+``parallelize``, each with its own process-group manager), their steps alternating so that
+background load hits all alike. A row: the layout, the median step time and its ratio to
+plain data parallel in the same world (measured alternately), the most memory any rank holds
+(parameters + gradients + AdamW state), the activations autograd saved for backward in one
+step (summed over micro-batches, ``saved_activation_bytes``; ZeRO-3 rows include the gathered
+weights the matmuls keep) and the most bytes any rank puts on the wire per step, by group.
+Expected: tp and pp divide the memory by about tp x pp, ZeRO-3 by dp, plain dp not at all;
+tp pays activations on "tp", pp a few messages on "pp", dp the gradients on "dp_cp";
+activation checkpointing keeps only each block's input.
+
+    python scripts/benchmark.py --only scaling --steps 5 --repeats 1
+"""
+
+import statistics
+import time
+from typing import Dict, List
+
+import torch
+
+from scaletorch.dist import comm, get_ledger
+from scaletorch.dist.pg_manager import ProcessGroupManager, RankGrid
+from scaletorch.models import LlamaConfig, build_model
+from scaletorch.parallel.parallelize import GROUPS, parallelize, saved_activation_bytes
+from scaletorch.parallel.zero import measure_memory
+from scaletorch.trainer import Config, Trainer
+
+WORLDS = (1, 2, 4)
+# world -> [(name, tp, pp, zero_stage)]; the rest of the world is data parallel
+LAYOUTS = {
+    1: [("single", 1, 1, 0)],
+    2: [("dp2", 1, 1, 0), ("tp2", 2, 1, 0), ("pp2", 1, 2, 0), ("zero3_dp2", 1, 1, 3)],
+    4: [("dp4", 1, 1, 0), ("tp2_dp2", 2, 1, 0), ("tp2_pp2", 2, 2, 0), ("zero3_dp4", 1, 1, 3),
+        ("tp2_pp2_ckpt", 2, 2, -1)],
+}
+WARMUP = 2
+
+
+def _config(tp: int, pp: int, zero: int) -> Config:
+    cfg = Config()
+    cfg.model = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=384, num_layers=4,
+                            num_attention_heads=8, num_key_value_heads=4, max_seq_len=64)
+    cfg.data.seq_len, cfg.data.global_batch_size, cfg.data.num_micro_batches = 64, 8, 2
+    cfg.training.steps, cfg.logging.progress = 10**6, False
+    p = cfg.parallel
+    p.tensor_model_parallel_size, p.pipeline_model_parallel_size = tp, pp
+    p.zero_stage, p.activation_checkpointing = max(zero, 0), zero < 0
+    return cfg
+
+
+def _measure(rank: int, world: int, samples: int) -> Dict[str, dict]:
+    runs = {}
+    for name, tp, pp, zero in LAYOUTS[world]:
+        cfg = _config(tp, pp, zero)
+        pgm = ProcessGroupManager(RankGrid(world, tp, pp))
+        par = parallelize(build_model(cfg.model, seed=0), cfg, pgm, torch.device("cpu"))
+        trainer = Trainer(cfg, par.model, pgm, optimizer=par.optimizer,
+                          forward_backward=par.forward_backward, clip_grad_norm=par.clip_grad_norm,
+                          verbose=False)
+        runs[name] = (pgm, trainer, [])
+    names, wires = list(runs), {}
+    for step in range(WARMUP + samples):
+        for k in range(len(names)):
+            name = names[(step + k) % len(names)]  # rotate who goes first
+            pgm, trainer, times = runs[name]
+            comm.barrier()
+            get_ledger().clear()
+            start = time.perf_counter()
+            trainer.train_step()
+            if step >= WARMUP:
+                times.append(time.perf_counter() - start)
+            wires[name] = {g: get_ledger().total(group=g, field="wire_bytes") for g in GROUPS}
+    out = {}
+    get_ledger().enabled = False  # the benchmark's own bookkeeping is not traffic
+    for name in names:
+        (pgm, trainer, times), wire = runs[name], wires[name]
+        mem = measure_memory(trainer.model, trainer.optimizer)
+        activations, _ = saved_activation_bytes(trainer.model, trainer.train_step)  # one more
+        row = torch.tensor(times + [sum(mem.values()), activations] + [wire[g] for g in GROUPS],
+                           dtype=torch.float64)
+        comm.all_reduce(row, op=torch.distributed.ReduceOp.MAX)  # the slowest / fullest rank
+        out[name] = {
+            "times": row[:samples].tolist(),
+            "memory": row[samples].item(),
+            "activations": row[samples + 1].item(),
+            "wire": dict(zip(GROUPS, row[samples + 2:].tolist()))
+        }
+        pgm.destroy()
+    return out
+
+
+def run(args) -> List[dict]:
+    """Rows: per layout, step time (and ratio to dp of the same world), max memory and max
+    wire bytes per rank and step."""
+    from scaletorch.dist.spawn import run_distributed
+
+    samples = getattr(args, "steps", 10) * getattr(args, "repeats", 3)
+    rows = []
+    for world in WORLDS:
+        result = run_distributed(_measure, world, samples, timeout=1800)[0]
+        base = next(iter(result.values()))["times"]
+        for name, r in result.items():
+            wire = {g: v / 1e6 for g, v in r["wire"].items() if v}
+            rows.append({
+                "world": world,
+                "layout": name,
+                "ms/step": statistics.median(r["times"]) * 1e3,
+                "vs_dp": statistics.median(a / b for a, b in zip(r["times"], base)),
+                "mem_MB/rank": r["memory"] / 1e6,
+                "saved_act_MB": r["activations"] / 1e6,
+                "wire_MB/step": sum(wire.values()),
+                "by_group": " ".join(f"{g}:{v:.2f}" for g, v in wire.items()) or "-",
+            })
+    return rows
