@@ -20,6 +20,7 @@ the end of the run) also gets a consolidated file: full weights and full AdamW s
 like chapter 00's model, which any other layout (or one device) resumes with --resume FILE.
 """
 
+import json
 import os
 import sys
 
@@ -85,6 +86,20 @@ def main() -> int:
             print(f"pipeline timeline of step {last} ({p.schedule}), rank 0's pipeline:")
             print(timeline.chart())
             print(timeline.summary())
+            with open(os.path.join(cfg.run_path, "timeline.json"), "w") as f:  # scripts/plot.py
+                json.dump(
+                    {
+                        "stages":
+                        timeline.stages,
+                        "micro_batches":
+                        timeline.micro_batches,
+                        "virtual_stages":
+                        timeline.virtual_stages,
+                        "events": [[
+                            e.rank, e.action.kind, e.action.micro_batch, e.action.chunk, e.start,
+                            e.end
+                        ] for e in timeline.events]
+                    }, f)
         print(f"consolidated checkpoint (full weights and AdamW state, any layout): {path}")
         if cfg.model.num_experts > 0 and cfg.data.num_micro_batches > 1:
             print("note: MoE matches the reference exactly with 1 micro-batch only (the "
