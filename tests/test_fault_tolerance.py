@@ -119,29 +119,49 @@ class KilledRankIsRestartedAndResumesExactly(unittest.TestCase):
                 self.assertTrue(torch.equal(want[name], got[name]), name)
 
 
+def _two_nodes_vs_one(script: str, per_node: int, args: list, tmp: str) -> None:
+    """Train ``script`` with one launcher of 2 x per_node ranks, then with two launchers of
+    per_node ranks each on 127.0.0.1 as node 0 and node 1; return both final checkpoints."""
+    single = os.path.join(tmp, "single")
+    launch(script, 2 * per_node, *args, "--checkpoint.dir", single)
+    multi = os.path.join(tmp, "multi")
+    port = str(free_port())
+    nodes = [
+        launch(
+            script, per_node, *args, "--checkpoint.dir", multi, background=True, launcher=[
+                "--nnodes", "2", "--node-rank",
+                str(node), "--master-addr", "127.0.0.1", "--master-port", port
+            ]) for node in (0, 1)
+    ]
+    for node in nodes:
+        node.result()
+    return single, multi
+
+
 class TwoLaunchersAsTwoNodesEqualOneLauncher(unittest.TestCase):
 
-    def test_localhost_two_node_run_matches_single_node(self):
-        args = ["--steps", "5", "--checkpoint.every", "5"]
+    def assertStatesEqual(self, expected: dict, actual: dict) -> None:
+        self.assertEqual(sorted(expected), sorted(actual))
+        for name in expected:
+            self.assertTrue(torch.equal(expected[name], actual[name]), name)
+
+    def test_ddp_two_node_run_matches_single_node(self):
         with tempfile.TemporaryDirectory() as tmp:
-            single = os.path.join(tmp, "single")
-            launch("examples/01_ddp.py", 2, *args, "--checkpoint.dir", single)
-            multi = os.path.join(tmp, "multi")
-            port = str(free_port())
-            nodes = [
-                launch(
-                    "examples/01_ddp.py", 1, *args, "--checkpoint.dir", multi, launcher=[
-                        "--nnodes", "2", "--node-rank",
-                        str(node), "--master-addr", "127.0.0.1", "--master-port", port
-                    ], background=True) for node in (0, 1)
+            single, multi = _two_nodes_vs_one("examples/01_ddp.py", 1,
+                                              ["--steps", "5", "--checkpoint.every", "5"], tmp)
+            for want, got in zip(_final_weights(single, 5, 2), _final_weights(multi, 5, 2)):
+                self.assertStatesEqual(want, got)
+
+    def test_nd_parallel_two_node_run_matches_single_node(self):
+        # tp 2 inside each "node", data parallel across the two: 4 ranks in all.
+        args = ["--tp", "2", "--steps", "5", "--checkpoint.every", "5"]
+        with tempfile.TemporaryDirectory() as tmp:
+            single, multi = _two_nodes_vs_one("examples/07_nd_parallel.py", 2, args, tmp)
+            consolidated = [
+                torch.load(os.path.join(ckpt.step_dir(root, 5), "consolidated.pt"),
+                           weights_only=False) for root in (single, multi)
             ]
-            for node in nodes:
-                node.result()
-            expected = _final_weights(single, 5, 2)
-            actual = _final_weights(multi, 5, 2)
-        for want, got in zip(expected, actual):
-            for name in want:
-                self.assertTrue(torch.equal(want[name], got[name]), name)
+        self.assertStatesEqual(consolidated[0]["model"], consolidated[1]["model"])
 
 
 if __name__ == "__main__":
