@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The tour: every chapter's script, 00 to 07, on the CPU at its smallest world size, each
-# checking itself against the single-device reference (--check). About 10 minutes on 2 cores.
+# checking itself against the single-device reference (--check). About 3 minutes on 2 idle
+# cores (10 steps each).
 #
 #   scripts/tour.sh                 # every chapter, 10 steps each
 #   STEPS=30 scripts/tour.sh 03 07  # some chapters, more steps
