@@ -58,6 +58,8 @@ LAYOUTS = {
     "tp2_cp2_dp2": (False, 2, _layout(tp=2, cp=2)),
     "pp2_cp2_tp2": (False, 2, _layout(tp=2, pp=2, cp=2)),
     "zero3_dp4_tp2": (False, 2, _layout(tp=2, zero_stage=3)),
+    "zero3_pp2_interleaved_dp4":
+    (False, 2, _layout(pp=2, zero_stage=3, schedule="interleaved", virtual_pipeline_stages=2)),
     "moe_ep2_dp4_tp2": (True, 1, _layout(tp=2, ep=2)),
     "moe_pp2_dp4_ep2": (True, 1, _layout(pp=2, ep=2, schedule="afab")),
     "ckpt_tp2_sp_pp2_dp2":
@@ -219,6 +221,9 @@ class NDParallelMatchesSingleDevice(unittest.TestCase):
 
     def test_zero3_dp4_tp2_matches_single_device(self):
         self._assert_parity("zero3_dp4_tp2")
+
+    def test_zero3_per_pipeline_chunk_interleaved_pp2_dp4_matches_single_device(self):
+        self._assert_parity("zero3_pp2_interleaved_dp4")
 
     def test_moe_ep2_folded_into_dp4_tp2_matches_single_device(self):
         self._assert_parity("moe_ep2_dp4_tp2")
