@@ -181,11 +181,11 @@ class Layout:
     used to load a full optimizer state at any layout.
     """
 
-    def __init__(self, pgm, splits: Dict[str, Tuple[Optional[int], bool]], params: List[Any],
+    def __init__(self, pgm, splits: Dict[str, Tuple[Optional[int], bool]], entries: List[Any],
                  pipe=None) -> None:
         self.pgm, self.splits, self.pipe = pgm, splits, pipe
         # each entry: (optimizer parameter, [(names, shape, offset)], ZeRO unit or None)
-        self.entries = params
+        self.entries = entries
 
     @classmethod
     def record_splits(cls, model: nn.Module) -> Dict[str, Tuple[Optional[int], bool]]:
@@ -366,9 +366,15 @@ def consolidated_state(trainer, par: Parallelized) -> Optional[Dict[str, Any]]:
     """Collective. {"step", "model", "optimizer": {"step", "exp_avg", "exp_avg_sq"},
     "scheduler"} with full reference-keyed tensors, on global rank 0 (None elsewhere)."""
     opt = trainer.optimizer
-    have_state = all(param in opt.state for param, _, _ in par.layout.entries)
+    # AdamW has state once it stepped; every rank must agree before the collective gathers
+    have_state = torch.tensor([float(all(p in opt.state for p, _, _ in par.layout.entries))],
+                              device=par.layout.entries[0][0].device)
+    ledger = get_ledger()
+    enabled, ledger.enabled = ledger.enabled, False
+    comm.all_reduce(have_state, op=torch.distributed.ReduceOp.MIN)
+    ledger.enabled = enabled
     optim = None
-    if have_state:
+    if have_state.item():
         first = opt.state[par.layout.entries[0][0]]
         optim = {"step": float(first["step"])}
         for key in ("exp_avg", "exp_avg_sq"):
