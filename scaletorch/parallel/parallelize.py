@@ -55,10 +55,10 @@ from scaletorch.parallel.pipeline_parallel import (PipelineSchedule, apply_data_
                                                    apply_pipeline_parallel,
                                                    gather_pipeline_state_dict)
 from scaletorch.parallel.pipeline_schedules import validate_schedule
+from scaletorch.parallel.step import ForwardBackward, make_data_parallel_step
 from scaletorch.parallel.tensor_parallel import (apply_tensor_parallel, tensor_parallel_loss_fn,
                                                  validate_tensor_parallel)
 from scaletorch.parallel.zero import ZeroAdamW
-from scaletorch.trainer.step import ForwardBackward, make_data_parallel_step
 
 State = Dict[str, torch.Tensor]
 ORDER = ("expert", "tensor", "context", "activation checkpointing", "pipeline", "data")

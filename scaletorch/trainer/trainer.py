@@ -28,9 +28,9 @@ from torch import nn
 
 from scaletorch.data import GlobalBatchLoader, build_dataset
 from scaletorch.dist import comm, get_ledger, restart_count
+from scaletorch.parallel.step import ForwardBackward, make_data_parallel_step
 from scaletorch.trainer import checkpoint as ckpt
 from scaletorch.trainer.config import Config, save_config
-from scaletorch.trainer.step import ForwardBackward, make_data_parallel_step
 
 
 @dataclass
