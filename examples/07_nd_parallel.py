@@ -87,19 +87,7 @@ def main() -> int:
             print(timeline.chart())
             print(timeline.summary())
             with open(os.path.join(cfg.run_path, "timeline.json"), "w") as f:  # scripts/plot.py
-                json.dump(
-                    {
-                        "stages":
-                        timeline.stages,
-                        "micro_batches":
-                        timeline.micro_batches,
-                        "virtual_stages":
-                        timeline.virtual_stages,
-                        "events": [[
-                            e.rank, e.action.kind, e.action.micro_batch, e.action.chunk, e.start,
-                            e.end
-                        ] for e in timeline.events]
-                    }, f)
+                json.dump(timeline.to_json(), f)
         print(f"consolidated checkpoint (full weights and AdamW state, any layout): {path}")
         if cfg.model.num_experts > 0 and cfg.data.num_micro_batches > 1:
             print("note: MoE matches the reference exactly with 1 micro-batch only (the "

@@ -238,6 +238,14 @@ class Timeline:
         self.events.append(
             Event(rank, action, stage_index(rank, action.chunk, self.stages), start, end))
 
+    def to_json(self) -> dict:
+        """Plain data for timeline.json (scripts/plot.py draws it): events as
+        [rank, kind, micro_batch, chunk, start, end]."""
+        events = [[e.rank, e.action.kind, e.action.micro_batch, e.action.chunk, e.start, e.end]
+                  for e in self.events]
+        return dict(stages=self.stages, micro_batches=self.micro_batches,
+                    virtual_stages=self.virtual_stages, events=events)
+
     def ranks(self) -> List[int]:
         return sorted({e.rank for e in self.events})
 
