@@ -45,7 +45,7 @@ def gather_along_dim(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
 
 
 def reduce_scatter_along_dim(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
-    """Sum ``x`` over ranks and keep this rank's chunk along ``dim``: (.., N n, ..) -> (.., n, ..)."""
+    """Sum ``x`` over ranks, keep this rank's chunk along ``dim``: (.., N n, ..) -> (.., n, ..)."""
     n = comm.group_size(group)
     if n == 1:
         return x
@@ -202,5 +202,8 @@ def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group: Group,
 
 def all_to_all(x: torch.Tensor, output_split_sizes: Optional[List[int]],
                input_split_sizes: Optional[List[int]], group: Group) -> torch.Tensor:
-    """Differentiable all-to-all along dim 0: x (sum(input_splits), ...) -> (sum(output_splits), ...)."""
+    """Differentiable all-to-all along dim 0.
+
+    x (sum(input_split_sizes), ...) -> (sum(output_split_sizes), ...); backward is the reverse.
+    """
     return _AllToAll.apply(x, output_split_sizes, input_split_sizes, group)
