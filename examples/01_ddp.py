@@ -5,7 +5,9 @@
     scripts/launch.sh examples/01_ddp.py --nproc-per-node 2 -- --impl naive --check
     scripts/launch.sh examples/01_ddp.py --nproc-per-node 2 -- --impl torch --check
 
-Chapter 00 plus one line, ``apply_data_parallel``. Then it prints the gradient traffic of the
+Chapter 00 plus one call, ``parallelize``: with only data parallel in the config it wraps the
+model for data parallel (``apply_data_parallel``), the same call that composes every strategy
+in chapter 07. Then it prints the gradient traffic of the
 last step (a ring all-reduce of Psi fp32 elements moves 2 (N-1)/N x 4 Psi bytes per rank) and,
 for the bucketed DDP, when each bucket's all-reduce ran while backward was still computing.
 """
@@ -15,8 +17,8 @@ import sys
 from scaletorch.dist import (destroy_distributed, destroy_pg_manager, get_ledger, init_distributed,
                              init_pg_manager)
 from scaletorch.models import build_model
-from scaletorch.parallel.data_parallel import (BucketedDataParallel, apply_data_parallel,
-                                               format_timeline)
+from scaletorch.parallel.data_parallel import BucketedDataParallel, format_timeline
+from scaletorch.parallel.parallelize import parallelize
 from scaletorch.trainer import Trainer, check_against_reference, parse_args, validate_layout
 
 
@@ -33,8 +35,9 @@ def main() -> int:
     pgm = init_pg_manager()
     pgm.log_topology()
 
-    model = build_model(cfg.model, seed=cfg.training.model_seed).to(env.device)
-    model = apply_data_parallel(model, pgm, p.impl, p.bucket_size_mb)  # the new line
+    model = build_model(cfg.model, seed=cfg.training.model_seed)
+    par = parallelize(model, cfg, pgm, env.device)  # the new line: the data-parallel wrapper
+    model = par.model
     psi, n = model.num_parameters(), pgm.data_parallel_world_size_with_context
     if pgm.rank == 0:
         print(f"model: {psi:,} parameters; data parallel over {n} ranks, impl {p.impl}")
@@ -42,7 +45,7 @@ def main() -> int:
             sizes = ", ".join(f"{b.buffer.numel():,}" for b in model.buckets)
             print(f"{len(model.buckets)} buckets of <= {p.bucket_size_mb} MB, in reverse "
                   f"parameter order (elements): {sizes}")
-    result = Trainer(cfg, model, pgm, device=env.device).train()
+    result = Trainer.from_parallelized(cfg, par, pgm, device=env.device).train()
 
     # What this chapter is about: one all-reduce of every gradient per step, not per micro-batch.
     ledger, last = get_ledger(), cfg.training.steps - 1
@@ -63,10 +66,9 @@ def main() -> int:
             print(format_timeline(model.timeline))
 
     ok = True
-    if cfg.check:  # the wrapper's state_dict is the model's: no "module." prefix
-        ok = check_against_reference(cfg, result.losses, env.device,
-                                     model.state_dict() if pgm.rank == 0 else None,
-                                     result.start_step)
+    if cfg.check:
+        full = par.full_state_dict()  # the weights of rank 0 (every rank holds them all)
+        ok = check_against_reference(cfg, result.losses, env.device, full, result.start_step)
     destroy_pg_manager()
     destroy_distributed()
     return 0 if ok else 1

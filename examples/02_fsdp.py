@@ -6,9 +6,11 @@ parameters too (ZeRO-3 = FSDP). The run is still chapter 00's, to 1e-5.
     scripts/launch.sh examples/02_fsdp.py --nproc-per-node 4 -- --zero-stage 1 --micro-batches 2
     scripts/launch.sh examples/02_fsdp.py --nproc-per-node 2 -- --impl torch --check   # FSDP2
 
-Prints the communication of the last step and the memory ledger of every rank, each next to
-its formula, and writes runs/<name>/consolidated.pt: the full weights, loadable by chapter 00's
-model (``build_model(cfg.model, seed).load_state_dict(torch.load(path))``).
+Chapter 01's ``parallelize`` call does it: with zero_stage > 0 it shards the model (ours) or
+hands it to FSDP2 (``--impl torch``). Prints the communication of the last step and the memory
+ledger of every rank, each next to its formula, and writes runs/<name>/consolidated.pt: full
+weights and full AdamW state, keyed like chapter 00's model (``build_model(cfg.model, seed)
+.load_state_dict(torch.load(path)["model"])``; chapter 07 resumes it with ``--resume``).
 """
 
 import os
@@ -17,9 +19,9 @@ import sys
 from scaletorch.dist import (destroy_distributed, destroy_pg_manager, get_ledger, init_distributed,
                              init_pg_manager)
 from scaletorch.models import build_model
-from scaletorch.parallel.fsdp import (apply_fully_shard, apply_zero, full_state_dict,
-                                      save_consolidated)
-from scaletorch.parallel.zero import ZeroAdamW, comm_report, memory_report
+from scaletorch.parallel.fsdp import check_zero_layout
+from scaletorch.parallel.parallelize import parallelize, save_consolidated
+from scaletorch.parallel.zero import comm_report, memory_report
 from scaletorch.trainer import Trainer, check_against_reference, parse_args, validate_layout
 
 
@@ -29,29 +31,21 @@ def main() -> int:
     env = init_distributed(cfg.training.timeout_seconds)
     validate_layout(cfg, env.world_size)
     p = cfg.parallel
-    if p.impl not in ("scaletorch", "torch"):
-        raise ValueError(f"02_fsdp runs parallel.impl scaletorch or torch, got {p.impl!r}")
-    if p.impl == "torch" and p.zero_stage != 3:
-        raise ValueError(f"--impl torch is FSDP2 fully_shard, which is ZeRO-3; got "
-                         f"--zero-stage {p.zero_stage}")
     pgm = init_pg_manager(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                           p.context_parallel_size, p.expert_model_parallel_size)
+    check_zero_layout(p.zero_stage, pgm)  # this chapter: ZeRO over data parallel only
     pgm.log_topology()
 
-    model = build_model(cfg.model, seed=cfg.training.model_seed).to(env.device)
+    model = build_model(cfg.model, seed=cfg.training.model_seed)
     numel = model.num_parameters()
-    if p.impl == "torch":  # the Trainer's AdamW and clip_grad_norm_ work on FSDP2's DTensors
-        model, optimizer, clip = apply_fully_shard(model, pgm), None, None
-    else:  # the new idea: shard, and let each rank's AdamW update its shard only
-        model = apply_zero(model, pgm, p.zero_stage)
-        t = cfg.training
-        optimizer = ZeroAdamW(model, t.lr, (t.beta1, t.beta2), t.weight_decay)
-        clip = model.clip_grad_norm_
+    # the new idea: shard, and let each rank's AdamW (ours: ZeroAdamW) update its shard only
+    par = parallelize(model, cfg, pgm, env.device)
+    model = par.model
     name = "FSDP2 fully_shard" if p.impl == "torch" else f"ZeRO-{p.zero_stage}"
     if env.rank == 0:
         print(f"{name}: {numel:,} parameters over {pgm.data_parallel_world_size_with_context} "
               f"data-parallel ranks")
-    trainer = Trainer(cfg, model, pgm, device=env.device, optimizer=optimizer, clip_grad_norm=clip)
+    trainer = Trainer.from_parallelized(cfg, par, pgm, device=env.device)
     result = trainer.train()
 
     last = cfg.training.steps - 1
@@ -68,17 +62,16 @@ def main() -> int:
     table = memory_report(model, trainer.optimizer, p.zero_stage, numel, padded,
                           pgm.data_parallel_group_with_context)
     path = os.path.join(cfg.run_path, "consolidated.pt")
-    save_consolidated(model, path)
+    save_consolidated(path, trainer, par)
     if env.rank == 0:
         print(table)
-        print(f"consolidated checkpoint (full weights, chapter 00's keys): {path}")
+        print(f"consolidated checkpoint (full weights and AdamW state, chapter 00's keys): "
+              f"{path}")
 
     ok = True
     if cfg.check:
-        full = full_state_dict(model)  # collective: every rank gathers, rank 0 compares
-        ok = check_against_reference(cfg, result.losses, env.device,
-                                     full_state=full if env.rank == 0 else None,
-                                     start_step=result.start_step)
+        full = par.full_state_dict()  # collective: every rank gathers, rank 0 compares
+        ok = check_against_reference(cfg, result.losses, env.device, full, result.start_step)
     destroy_pg_manager()
     destroy_distributed()
     return 0 if ok else 1

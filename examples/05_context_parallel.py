@@ -4,8 +4,9 @@
     scripts/launch.sh examples/05_context_parallel.py --nproc-per-node 4 -- --cp 2 --tp 2 --check
     scripts/launch.sh examples/05_context_parallel.py --nproc-per-node 4 -- --cp-variant ulysses
 
-Chapter 01 plus: shard each sequence zigzag (positions go to RoPE), swap every attention for
-ring attention, and average gradients over data x context ranks (also when dp = 1).
+Chapter 01's ``parallelize`` call, now with cp > 1: it swaps every attention for ring attention
+and returns a step that shards each sequence zigzag (positions go to RoPE) and averages
+gradients over data x context ranks (also when dp = 1).
 """
 
 import sys
@@ -14,15 +15,10 @@ import torch
 
 from scaletorch.dist import (destroy_distributed, destroy_pg_manager, functional, get_ledger,
                              init_distributed, init_pg_manager)
-from scaletorch.models import build_model, loss_fn
-from scaletorch.parallel.context_parallel import (apply_context_parallel, attention_block_counts,
-                                                  make_sequence_sharder)
-from scaletorch.parallel.data_parallel import apply_data_parallel
-from scaletorch.parallel.tensor_parallel import (apply_tensor_parallel, gather_full_state_dict,
-                                                 tensor_parallel_clip_grad_norm,
-                                                 tensor_parallel_loss_fn)
-from scaletorch.trainer import (Trainer, check_against_reference, make_data_parallel_step,
-                                parse_args, validate_layout)
+from scaletorch.models import build_model
+from scaletorch.parallel.context_parallel import attention_block_counts
+from scaletorch.parallel.parallelize import parallelize
+from scaletorch.trainer import Trainer, check_against_reference, parse_args, validate_layout
 
 
 def main() -> int:
@@ -34,23 +30,17 @@ def main() -> int:
     if p.pipeline_model_parallel_size > 1 or p.expert_model_parallel_size > 1:
         raise ValueError("05_context_parallel composes cp with dp and tp; pipeline and expert "
                          "parallel join in 07_nd_parallel")
+    if p.context_parallel_size < 2:
+        raise ValueError(f"05_context_parallel needs context_parallel_size >= 2 (--cp), got "
+                         f"{p.context_parallel_size}")
     pgm = init_pg_manager(tensor_model_parallel_size=p.tensor_model_parallel_size,
                           context_parallel_size=p.context_parallel_size)
     pgm.log_topology()
-    shard_sequence = make_sequence_sharder(pgm, cfg.data.seq_len)  # seq % (2 cp) checked here
 
-    model = build_model(cfg.model, seed=cfg.training.model_seed).to(env.device)
-    loss, clip = loss_fn, None
-    if pgm.tensor_model_parallel_world_size > 1:  # tensor, then context, then data parallel
-        model = apply_tensor_parallel(model, pgm, p.sequence_parallel)
-        loss, clip = tensor_parallel_loss_fn(pgm), tensor_parallel_clip_grad_norm(model, pgm)
-    model = apply_context_parallel(model, pgm, p.cp_variant)
-    model = apply_data_parallel(model, pgm, p.impl, p.bucket_size_mb)  # over dp x cp
-    step = make_data_parallel_step(model, cfg.data.num_micro_batches, pgm.data_parallel_rank,
-                                   pgm.data_parallel_world_size,
-                                   pgm.data_parallel_group_with_context, loss, shard_sequence)
-    result = Trainer(cfg, model, pgm, device=env.device, forward_backward=step,
-                     clip_grad_norm=clip).train()
+    model = build_model(cfg.model, seed=cfg.training.model_seed)
+    par = parallelize(model, cfg, pgm, env.device)  # tensor, then context, then data parallel
+    model = par.model
+    result = Trainer.from_parallelized(cfg, par, pgm, device=env.device).train()
 
     # What this chapter is about: K/V traffic per layer and the causal work per rank.
     cp, m, layers = pgm.context_parallel_world_size, cfg.data.num_micro_batches, \
@@ -83,9 +73,8 @@ def main() -> int:
 
     ok = True
     if cfg.check:
-        full_state = gather_full_state_dict(model, pgm)
-        ok = check_against_reference(cfg, result.losses, env.device,
-                                     full_state if pgm.rank == 0 else None, result.start_step)
+        full = par.full_state_dict()  # collective: the shards gathered over tp, on rank 0
+        ok = check_against_reference(cfg, result.losses, env.device, full, result.start_step)
     destroy_pg_manager()
     destroy_distributed()
     return 0 if ok else 1

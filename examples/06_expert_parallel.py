@@ -8,23 +8,22 @@
 The experts are carved out of the data-parallel ranks: with 4 processes and the config's ep 2,
 dp 4 = ep 2 x edp 2 (two ranks hold each half of the experts, each sees its own tokens).
 
-Chapter 01 plus: the config's model has ``num_experts`` > 0 (chapter 00 would build the same
-MoE model, the reference of ``--check``), and ``apply_expert_parallel`` takes the place of the
-data-parallel wrapper: it keeps this rank's experts, routes tokens through two all-to-alls per
-layer, and reduces expert gradients over "edp", dense ones over "dp_cp". With ``--tp`` the
-attention is tensor parallel (chapter 03) and the MoE runs whole on every tp rank.
+Chapter 01's ``parallelize`` call, now with ``num_experts`` > 0 in the config's model
+(chapter 00 builds the same MoE model, the reference of ``--check``): ``apply_expert_parallel``
+runs first and its wrapper takes the place of the data-parallel one: it keeps this rank's
+experts, routes tokens through two all-to-alls per layer, and reduces expert gradients over
+"edp", dense ones over "dp_cp". With ``--tp`` the attention is tensor parallel (chapter 03) and
+the MoE runs whole on every tp rank.
 """
 
 import sys
 
 from scaletorch.dist import (destroy_distributed, destroy_pg_manager, get_ledger, init_distributed,
                              init_pg_manager)
-from scaletorch.models import build_model, loss_fn
-from scaletorch.parallel import tensor_parallel as tp_lib
-from scaletorch.parallel.expert_parallel import (all_to_all_elements, apply_expert_parallel,
-                                                 format_routing, validate_expert_parallel)
-from scaletorch.trainer import (Trainer, check_against_reference, make_data_parallel_step,
-                                parse_args, validate_layout)
+from scaletorch.models import build_model
+from scaletorch.parallel.expert_parallel import all_to_all_elements, format_routing
+from scaletorch.parallel.parallelize import parallelize
+from scaletorch.trainer import Trainer, check_against_reference, parse_args, validate_layout
 
 
 def main() -> int:
@@ -37,22 +36,14 @@ def main() -> int:
             p.impl != "scaletorch" or p.sequence_parallel:
         raise ValueError(f"06_expert_parallel composes ep with dp and tp (impl scaletorch, got "
                          f"{p.impl!r}); pp, cp and sequence parallel are in 07_nd_parallel")
-    tp, ep = p.tensor_model_parallel_size, p.expert_model_parallel_size
-    validate_expert_parallel(cfg.model.num_experts, ep, env.world_size // tp)
-    pgm = init_pg_manager(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+    pgm = init_pg_manager(tensor_model_parallel_size=p.tensor_model_parallel_size,
+                          expert_model_parallel_size=p.expert_model_parallel_size)
     pgm.log_topology()
 
-    model = build_model(cfg.model, seed=cfg.training.model_seed).to(env.device)
-    loss = loss_fn
-    if tp > 1:
-        model = tp_lib.apply_tensor_parallel(model, pgm)
-        loss = tp_lib.tensor_parallel_loss_fn(pgm)
-    model = apply_expert_parallel(model, pgm)  # the new line
-    step = make_data_parallel_step(model, cfg.data.num_micro_batches, pgm.data_parallel_rank,
-                                   pgm.data_parallel_world_size,
-                                   pgm.data_parallel_group_with_context, loss)
-    result = Trainer(cfg, model, pgm, device=env.device, forward_backward=step,
-                     clip_grad_norm=model.clip_grad_norm).train()
+    model = build_model(cfg.model, seed=cfg.training.model_seed)
+    par = parallelize(model, cfg, pgm, env.device)  # expert, then tensor parallel
+    model = par.model
+    result = Trainer.from_parallelized(cfg, par, pgm, device=env.device).train()
 
     # What this chapter is about: where the tokens went, and what moving them cost.
     report, ledger, last = format_routing(model, pgm), get_ledger(), cfg.training.steps - 1
@@ -69,9 +60,8 @@ def main() -> int:
 
     ok = True
     if cfg.check:
-        full_state = model.full_state_dict()
-        ok = check_against_reference(cfg, result.losses, env.device,
-                                     full_state if pgm.rank == 0 else None, result.start_step)
+        full = par.full_state_dict()  # collective: experts gathered over ep, on rank 0
+        ok = check_against_reference(cfg, result.losses, env.device, full, result.start_step)
     destroy_pg_manager()
     destroy_distributed()
     return 0 if ok else 1

@@ -9,6 +9,8 @@ import unittest
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
+import torch
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -58,6 +60,35 @@ class Chapter00RunsFromTheLauncher(unittest.TestCase):
         self.assertRegex(
             out, r"parity: max \|loss - reference\| = 0\.0e\+00 over 20 steps "
             r"\(tolerance 1e-05\): OK")
+
+
+class ChaptersShareOneCodePath(unittest.TestCase):
+    """Scripts 01-07 build their layout with the one ``parallelize`` call, none by hand."""
+
+    def test_every_parallel_chapter_calls_parallelize_and_no_apply_function(self):
+        scripts = sorted(f for f in os.listdir(os.path.join(ROOT, "examples"))
+                         if f[:2].isdigit() and f.endswith(".py") and f[:2] != "00")
+        self.assertEqual([f[:2] for f in scripts], ["01", "02", "03", "04", "05", "06", "07"])
+        for name in scripts:
+            with open(os.path.join(ROOT, "examples", name)) as f:
+                source = f.read()
+            self.assertIn("parallelize(model, cfg, pgm, env.device)", source, name)
+            self.assertNotRegex(source, r"\bapply_\w+\(", name)
+
+    def test_fsdp2_chapter_runs_through_parallelize_and_writes_a_resumable_checkpoint(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            out = launch("examples/02_fsdp.py", 2, "--impl", "torch", "--steps", "5", "--check",
+                         "--logging.run_dir", tmp, "--name", "fsdp2")
+            self.assertIn("FSDP2 fully_shard: ", out)
+            self.assertRegex(
+                out, r"parity: max \|loss - reference\| = \S+ over 5 steps "
+                r"\(tolerance 1e-05\): OK")
+            self.assertRegex(out, r"max \|weight - reference\| = .*: OK")
+            # the file holds full weights and AdamW state, with chapter 00's keys
+            state = torch.load(os.path.join(tmp, "fsdp2", "consolidated.pt"), weights_only=False)
+        self.assertEqual(state["step"], 5)
+        self.assertEqual(set(state["model"]), set(state["optimizer"]["exp_avg"]))
+        self.assertIn("layers.0.mlp.up_proj.weight", state["model"])
 
 
 class LauncherRejectsBadInput(unittest.TestCase):

@@ -84,9 +84,7 @@ def _build(cfg: Config, pgm, state=None):
     if state is not None:
         model.load_state_dict(state)
     par = parallelize(model, cfg, pgm, torch.device("cpu"))
-    trainer = Trainer(cfg, par.model, pgm, optimizer=par.optimizer,
-                      forward_backward=par.forward_backward, clip_grad_norm=par.clip_grad_norm,
-                      verbose=False)
+    trainer = Trainer.from_parallelized(cfg, par, pgm, verbose=False)
     return par, trainer
 
 
@@ -147,6 +145,14 @@ def _invalid_combinations() -> dict:
         lambda: parallelize(build_model(cfg.model, 0), cfg, pgm, torch.device("cpu")))
     cfg = make_config(True, 1, **_layout(tp=2, sequence_parallel=True))  # SP x MoE
     out["sp_moe"] = _error(
+        lambda: parallelize(build_model(cfg.model, 0), cfg, pgm, torch.device("cpu")))
+    cfg = make_config(False, 1, **_layout(tp=2, impl="torch"))  # DTensor tp 2 in a world of 8
+    out["dtensor_tp2_dp4"] = _error(
+        lambda: parallelize(build_model(cfg.model, 0), cfg, pgm, torch.device("cpu")))
+    destroy_pg_manager()
+    cfg = make_config(False, 2, **_layout(pp=2, cp=2, impl="torch"))  # torch pipelining x cp
+    pgm = _pgm(cfg)
+    out["torch_pp_cp"] = _error(
         lambda: parallelize(build_model(cfg.model, 0), cfg, pgm, torch.device("cpu")))
     destroy_pg_manager()
     cfg = make_config(False, 1, **_layout(pp=2, cp=2, schedule="1f1b"))  # 1F1B with m < p
@@ -266,6 +272,8 @@ class NDParallelMatchesSingleDevice(unittest.TestCase):
         self.assertRegex(errors["zero_moe"], r"zero_stage \(1\).*num_experts = 4")
         self.assertRegex(errors["zero_impl_torch"], r"'torch'.*zero_stage 1")
         self.assertRegex(errors["sp_moe"], r"sequence parallel.*num_experts = 4")
+        self.assertRegex(errors["dtensor_tp2_dp4"], r"world size 8 != .*\(2\)")
+        self.assertRegex(errors["torch_pp_cp"], r"pipelining.*pp 2.*cp 2")
         self.assertRegex(errors["1f1b_m1"], r"num_micro_batches \(1\).*\(2\)")
         self.assertRegex(errors["cp_seq"], r"sequence length 12.*8")
         with self.assertRaisesRegex(ValueError, r"world size 8 .* \(3\)"):

@@ -279,7 +279,11 @@ def apply_fully_shard(model: nn.Module, pgm) -> nn.Module:
     if not dist.is_initialized():
         raise ValueError("fully_shard needs torch.distributed: launch with torchrun")
     device_type = next(model.parameters()).device.type
-    mesh = DeviceMesh.from_group(pgm.data_parallel_group_with_context, device_type)
+    group = pgm.data_parallel_group_with_context
+    # DeviceMesh equality ignores the process group and DTensor caches by mesh: naming the
+    # dimension after the group keeps a mesh over a rebuilt pg_manager (tests rebuild it inside
+    # one world) from being taken for the mesh over the destroyed one.
+    mesh = DeviceMesh.from_group(group, device_type, mesh_dim_names=(f"dp_cp{group.group_name}", ))
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)

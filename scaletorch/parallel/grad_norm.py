@@ -26,7 +26,7 @@ each time divided by replicas(x); a shard is held once. For the rank grid (pg_ma
                                                              no factor, the world sum adds them
 
 One all-reduce of one number over the world, whatever the layout (``replica_count``,
-``world_grad_norm``).
+``world_grad_norm``); none when every rank holds every gradient (pure data parallel).
 """
 
 import math
@@ -100,6 +100,11 @@ def world_grad_norm(params: Iterable[ParamReplicas], device: torch.device,
     gradient (per element). Parameters without a gradient count zero. Returns a 0-dim tensor,
     the same on every rank.
     """
+    params = list(params)
+    world = comm.group_size(group)
+    if all(isinstance(r, int) and r == world for _, r in params):
+        # every rank holds every gradient (pure data parallel): the local norm is the world's
+        return _squared_norm([p for p, _ in params], device).sqrt()[0]
     total = torch.zeros(1, device=device)
     for p, replicas in params:
         if p.grad is not None:

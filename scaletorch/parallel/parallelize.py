@@ -28,18 +28,31 @@ over the world. ``full_state_dict()`` gathers the reference-keyed weights on glo
 ``save_consolidated`` / ``load_consolidated`` write and read full weights *and* full AdamW
 state, so a run saved at one layout resumes at any other.
 
+``parallel.impl`` picks whose version runs, so each chapter's native comparison goes through
+this same call (chapters 01-06 all use ``parallelize``):
+
+    scaletorch  ours, by hand, every combination above
+    naive       data parallel as one all-reduce per parameter after backward (chapter 01)
+    torch       PyTorch's own, first match: FSDP2 ``fully_shard`` for zero_stage 3 (dp only);
+                DTensor ``parallelize_module`` for tp > 1 without pp (tp = world size);
+                torch.distributed.pipelining for pp > 1 (our tp inside, torch DDP over dp);
+                else DistributedDataParallel over dp_cp (around our cp)
+
 Not supported (ValueError): ZeRO with MoE (experts would need sharding over "edp"), sequence
-parallel with MoE (tensor_parallel.py), impl torch or naive with MoE or ZeRO.
+parallel with MoE (tensor_parallel.py), impl torch or naive with MoE, naive with ZeRO, impl
+torch with ZeRO-1/2 or ZeRO-3 beside other strategies, torch pipelining with cp.
 MoE parity with the reference is exact with one micro-batch (moe.py: the load-balancing
 statistics are per micro-batch, and a micro-batch of the parallel run holds other tokens).
 """
 
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils.checkpoint import checkpoint
 
 from scaletorch.dist import comm, get_ledger
@@ -49,14 +62,17 @@ from scaletorch.parallel.context_parallel import apply_context_parallel, make_se
 from scaletorch.parallel.data_parallel import apply_data_parallel
 from scaletorch.parallel.expert_parallel import (ExpertParallel, apply_expert_parallel,
                                                  validate_expert_parallel)
-from scaletorch.parallel.fsdp import ShardedDataParallel, llama_units
+from scaletorch.parallel.fsdp import ShardedDataParallel, apply_fully_shard, llama_units
 from scaletorch.parallel.grad_norm import clip_grads_, replica_count, world_grad_norm
-from scaletorch.parallel.pipeline_parallel import (PipelineSchedule, apply_data_parallel_to_chunks,
+from scaletorch.parallel.pipeline_parallel import (PipelineSchedule, TorchPipelineSchedule,
+                                                   apply_data_parallel_to_chunks,
                                                    apply_pipeline_parallel,
                                                    gather_pipeline_state_dict)
 from scaletorch.parallel.pipeline_schedules import validate_schedule
 from scaletorch.parallel.step import ForwardBackward, make_data_parallel_step
-from scaletorch.parallel.tensor_parallel import (apply_tensor_parallel, tensor_parallel_loss_fn,
+from scaletorch.parallel.tensor_parallel import (apply_dtensor_tensor_parallel,
+                                                 apply_tensor_parallel, dtensor_clip_grad_norm,
+                                                 dtensor_loss_fn, tensor_parallel_loss_fn,
                                                  validate_tensor_parallel)
 from scaletorch.parallel.zero import ZeroAdamW
 
@@ -71,14 +87,16 @@ class Parallelized:
     model: the Trainer's model (a data-parallel wrapper, or the pipeline's PipelineModel);
     forward_backward: the step (pipeline schedule, or the data-parallel step with the
     vocab-parallel loss and the sequence sharder); clip_grad_norm: the global-norm clip;
-    optimizer: ZeRO's sharded AdamW, None for the Trainer's own; full_state_dict():
-    collective, the reference-keyed full weights on global rank 0 (None elsewhere).
+    optimizer: ZeRO's sharded AdamW, None for the Trainer's own; layout: where each reference
+    tensor lives (``Layout`` for ours, ``DTensorLayout`` for PyTorch's FSDP2 / DTensor);
+    full_state_dict(): collective, the reference-keyed full weights on global rank 0 (None
+    elsewhere).
     """
     model: nn.Module
     forward_backward: ForwardBackward
     clip_grad_norm: Callable[[float], torch.Tensor]
     optimizer: Optional[torch.optim.Optimizer]
-    layout: "Layout"
+    layout: Union["Layout", "DTensorLayout"]
 
     def full_state_dict(self) -> Optional[State]:
         return self.layout.gather(lambda p: p.detach())
@@ -100,9 +118,21 @@ def validate_nd(cfg, pgm) -> None:
                          f"(num_experts = {m.num_experts}) is not supported: ZeRO shards over "
                          f"dp_cp ({dp_cp}) but experts are replicated over edp "
                          f"({pgm.expert_data_parallel_world_size})")
-    if (m.num_experts > 0 or p.zero_stage > 0) and p.impl != "scaletorch":
-        raise ValueError(f"parallel.impl {p.impl!r} is plain data parallel; ZeRO (zero_stage "
-                         f"{p.zero_stage}) and MoE (num_experts {m.num_experts}) need 'scaletorch'")
+    if m.num_experts > 0 and p.impl != "scaletorch":
+        raise ValueError(f"parallel.impl {p.impl!r} has no mixture-of-experts (num_experts "
+                         f"{m.num_experts}): expert parallel is ours only, impl 'scaletorch'")
+    if p.zero_stage > 0 and p.impl == "naive":
+        raise ValueError(f"parallel.impl 'naive' is plain data parallel, not ZeRO (zero_stage "
+                         f"{p.zero_stage}): use impl 'scaletorch' or 'torch'")
+    others = {"tp": tp, "pp": pp, "cp": pgm.context_parallel_world_size}
+    if p.zero_stage > 0 and p.impl == "torch" and (p.zero_stage != 3 or max(others.values()) > 1):
+        raise ValueError(f"parallel.impl 'torch' runs ZeRO as FSDP2 fully_shard, which is ZeRO-3 "
+                         f"over data parallel alone; got zero_stage {p.zero_stage}, " +
+                         ", ".join(f"{k} {v}" for k, v in others.items()))
+    if p.impl == "torch" and pp > 1 and others["cp"] > 1:
+        raise ValueError(f"torch.distributed.pipelining (impl 'torch', pp {pp}) cannot shard "
+                         f"sequences for context parallel (cp {others['cp']}): use impl "
+                         f"'scaletorch'")
 
 
 class _Checkpointed:
@@ -197,6 +227,10 @@ class Layout:
             splits[name] = (tp_dim, bool(getattr(t, "expert_parallel", False)))
         return splits
 
+    def params(self) -> List[torch.Tensor]:
+        """The optimizer's parameters, one per entry (what AdamW keeps state for)."""
+        return [param for param, _, _ in self.entries]
+
     @staticmethod
     def plain_entries(modules: List[nn.Module]) -> List[Any]:
         """One entry per parameter of ``modules``, with every name it has (tied weights)."""
@@ -282,6 +316,74 @@ class Layout:
         return out
 
 
+class DTensorLayout:
+    """Where every reference tensor lives under PyTorch's FSDP2 or DTensor tensor parallel:
+    each parameter keeps its reference name and is a DTensor (its placements say how it is
+    split) or a plain tensor replicated on every rank. Same contract as ``Layout``."""
+
+    def __init__(self, pgm, model: nn.Module) -> None:
+        self.pgm = pgm
+        by_param: Dict[int, Tuple[torch.Tensor, List[str]]] = {}
+        for name, t in model.state_dict(keep_vars=True).items():
+            by_param.setdefault(id(t), (t, []))[1].append(name)
+        self.entries = list(by_param.values())  # (parameter, its names: tied weights)
+
+    def params(self) -> List[torch.Tensor]:
+        return [param for param, _ in self.entries]
+
+    def gather(self, value_of: Callable[[torch.Tensor], torch.Tensor]) -> Optional[State]:
+        """Collective (DTensor's own all-gathers). {reference name: full fp32 tensor} on rank 0."""
+        full_state: State = {}
+        for param, names in self.entries:
+            value = value_of(param).detach()
+            full = value.full_tensor() if isinstance(value, DTensor) else value
+            full_state.update({n: full.float().clone() for n in names})
+        return full_state if self.pgm.rank == 0 else None
+
+    def scatter(self, full: State) -> Dict[torch.Tensor, torch.Tensor]:
+        """{parameter: this rank's part of ``full``}, as DTensors placed like the parameter."""
+        out = {}
+        for param, names in self.entries:
+            t = full[names[0]].to(param.device, param.dtype)
+            out[param] = distribute_tensor(t, param.device_mesh, param.placements) \
+                if isinstance(param, DTensor) else t.clone()
+        return out
+
+
+def _in_loss_parallel(step: ForwardBackward) -> ForwardBackward:
+    """DTensor's vocab-sharded cross-entropy (forward and backward) needs ``loss_parallel()``."""
+
+    def run(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        with loss_parallel():
+            return step(inputs, targets)
+
+    return run
+
+
+def _parallelize_native(model: Llama, cfg, pgm) -> Parallelized:
+    """impl torch, one native strategy alone: FSDP2 ``fully_shard`` for zero_stage 3 over
+    data parallel, or DTensor ``parallelize_module`` for tensor parallel over the world."""
+    p = cfg.parallel
+    if p.activation_checkpointing:  # before the hooks that gather or redistribute parameters
+        apply_activation_checkpointing(model)
+    loss: Callable = loss_fn
+    if p.zero_stage == 3:
+        model = apply_fully_shard(model, pgm)
+        params = list(model.parameters())
+
+        def clip(max_norm: float) -> torch.Tensor:  # DTensor gradients: torch sums the shards
+            return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    else:
+        model = apply_dtensor_tensor_parallel(model, pgm, p.sequence_parallel)
+        loss, clip = dtensor_loss_fn, dtensor_clip_grad_norm(model, pgm)
+    step = make_data_parallel_step(model, cfg.data.num_micro_batches, pgm.data_parallel_rank,
+                                   pgm.data_parallel_world_size,
+                                   pgm.data_parallel_group_with_context, loss)
+    if p.zero_stage != 3:
+        step = _in_loss_parallel(step)
+    return Parallelized(model, step, clip, None, DTensorLayout(pgm, model))
+
+
 def parallelize(model: Llama, cfg, pgm, device: torch.device) -> Parallelized:
     """Apply expert -> tensor -> context -> checkpointing -> pipeline -> data parallel to the
     reference ``model`` (built with the same seed on every rank), as ``cfg.parallel`` says.
@@ -291,6 +393,9 @@ def parallelize(model: Llama, cfg, pgm, device: torch.device) -> Parallelized:
     validate_nd(cfg, pgm)
     p, t = cfg.parallel, cfg.training
     model = model.to(device)
+    tp, pp = pgm.tensor_model_parallel_world_size, pgm.pipeline_model_parallel_world_size
+    if p.impl == "torch" and (p.zero_stage == 3 or (tp > 1 and pp == 1)):
+        return _parallelize_native(model, cfg, pgm)
     loss, shard_sequence = loss_fn, None
     moe = cfg.model.num_experts > 0
     if moe:  # 1: experts over ep (also at ep 1: the load-balancing statistics over dp_cp)
@@ -340,8 +445,12 @@ def parallelize(model: Llama, cfg, pgm, device: torch.device) -> Parallelized:
     if pipe is not None:
         pipe.chunks = nn.ModuleList(wrapped)
         trainer_model: nn.Module = pipe
-        step: ForwardBackward = PipelineSchedule(pipe, pgm, p.schedule, cfg.data.num_micro_batches,
-                                                 loss, shard_sequence)
+        if p.impl == "torch":  # torch.distributed.pipelining over our chunks
+            step: ForwardBackward = TorchPipelineSchedule(pipe, pgm, p.schedule,
+                                                          cfg.data.num_micro_batches, loss)
+        else:
+            step = PipelineSchedule(pipe, pgm, p.schedule, cfg.data.num_micro_batches, loss,
+                                    shard_sequence)
     else:
         trainer_model = wrapped[0]
         step = make_data_parallel_step(trainer_model, cfg.data.num_micro_batches,
@@ -367,15 +476,15 @@ def consolidated_state(trainer, par: Parallelized) -> Optional[Dict[str, Any]]:
     "scheduler"} with full reference-keyed tensors, on global rank 0 (None elsewhere)."""
     opt = trainer.optimizer
     # AdamW has state once it stepped; every rank must agree before the collective gathers
-    have_state = torch.tensor([float(all(p in opt.state for p, _, _ in par.layout.entries))],
-                              device=par.layout.entries[0][0].device)
+    params = par.layout.params()
+    have_state = torch.tensor([float(all(p in opt.state for p in params))], device=params[0].device)
     ledger = get_ledger()
     enabled, ledger.enabled = ledger.enabled, False
     comm.all_reduce(have_state, op=torch.distributed.ReduceOp.MIN)
     ledger.enabled = enabled
     optim = None
     if have_state.item():
-        first = opt.state[par.layout.entries[0][0]]
+        first = opt.state[params[0]]
         optim = {"step": float(first["step"])}
         for key in ("exp_avg", "exp_avg_sq"):
             optim[key] = par.layout.gather(lambda p, key=key: opt.state[p][key])

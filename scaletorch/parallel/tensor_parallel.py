@@ -366,7 +366,8 @@ def gather_full_state_dict(model: nn.Module, pgm) -> Dict[str, torch.Tensor]:
 
 
 def comm_elements_per_step(config: LlamaConfig, tokens: int, sequence_parallel: bool,
-                           num_micro_batches: int = 1) -> Dict[str, int]:
+                           num_micro_batches: int = 1,
+                           grad_norm_over_tp: bool = True) -> Dict[str, int]:
     """Elements each rank sends through collectives over "tp" per optimizer step, by op, as the
     ledger counts them (the full tensor of an all-gather or reduce-scatter), tp > 1.
 
@@ -375,14 +376,15 @@ def comm_elements_per_step(config: LlamaConfig, tokens: int, sequence_parallel: 
         embedding       tokens h      (forward: sum of the vocab shards' rows)
         head input      tokens h      (backward: f before the vocab-parallel head)
         loss          3 tokens        (max, then [sum exp, target logit])
-        grad norm     1               (sum of the shards' squares)
+        grad norm     1               (sum of the shards' squares; 0 with grad_norm_over_tp
+                                       False: ``parallelize`` sums it over the world instead)
         sp norms      (2 L + 1) h m   (RMSNorm weight gradients, per micro-batch; sp only)
     Without sequence parallel all are all-reduces; with it the activation terms become an
     all-gather and a reduce-scatter each (the same bytes on the wire).
     """
     h, layers = config.hidden_size, config.num_layers
     activations = (4 * layers + 2) * tokens * h
-    scalars = 3 * tokens + 1
+    scalars = 3 * tokens + int(grad_norm_over_tp)
     if not sequence_parallel:
         return {"all_reduce": activations + scalars}
     norms = (2 * layers + 1) * h * num_micro_batches

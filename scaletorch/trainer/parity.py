@@ -41,13 +41,23 @@ def max_loss_diff(losses: Sequence[float], reference: Sequence[float]) -> float:
     return max(abs(a - b) for a, b in zip(losses, reference))
 
 
-def max_weight_diff(state: Dict[str, torch.Tensor], reference: Dict[str, torch.Tensor]) -> float:
-    """Largest absolute difference between two full state dicts with the same keys."""
+State = Dict[str, torch.Tensor]
+
+
+def weight_diffs(state: State, reference: State) -> Dict[str, float]:
+    """{name: largest absolute difference} of two full state dicts with the same keys."""
     if set(state) != set(reference):
         raise ValueError(f"state dict keys differ: {sorted(set(state) ^ set(reference))}")
-    return max(
-        (state[k].detach().cpu().float() - reference[k].detach().cpu().float()).abs().max().item()
-        for k in state)
+    diffs = {}
+    for k in state:
+        diff = state[k].detach().cpu().float() - reference[k].detach().cpu().float()
+        diffs[k] = diff.abs().max().item()
+    return diffs
+
+
+def max_weight_diff(state: Dict[str, torch.Tensor], reference: Dict[str, torch.Tensor]) -> float:
+    """Largest absolute difference between two full state dicts with the same keys."""
+    return max(weight_diffs(state, reference).values())
 
 
 def report_parity(losses: Sequence[float], reference: Sequence[float],
@@ -75,10 +85,12 @@ def check_against_reference(cfg: Config, losses: Sequence[float], device: torch.
         reference, ref_model = run_reference(cfg, device)
         passed = report_parity(losses, reference[start_step:], tolerance)
         if full_state is not None:
-            diff = max_weight_diff(full_state, ref_model.state_dict())
+            diffs = weight_diffs(full_state, ref_model.state_dict())
+            worst = max(diffs, key=diffs.get)
+            diff = diffs[worst]
             print(
                 f"parity: max |weight - reference| = {diff:.1e} after "
-                f"{cfg.training.steps} steps (tolerance {tolerance:.0e}): "
+                f"{cfg.training.steps} steps, in {worst} (tolerance {tolerance:.0e}): "
                 f"{'OK' if diff <= tolerance else 'FAIL'}", flush=True)
             passed = passed and diff <= tolerance
         ok.fill_(float(passed))

@@ -110,6 +110,15 @@ class Trainer:
         self.clip_grad_norm = clip_grad_norm or self._clip_replicated
         self.step = 0
 
+    @classmethod
+    def from_parallelized(cls, cfg: Config, par, pgm, *, device: Optional[torch.device] = None,
+                          verbose: bool = True) -> "Trainer":
+        """The Trainer of what ``scaletorch.parallel.parallelize`` returned: its model, its
+        step (data parallel or pipeline), its global-norm clipping and (ZeRO) optimizer."""
+        return cls(cfg, par.model, pgm, device=device, optimizer=par.optimizer,
+                   forward_backward=par.forward_backward, clip_grad_norm=par.clip_grad_norm,
+                   verbose=verbose)
+
     def _clip_replicated(self, max_norm: float) -> torch.Tensor:
         """Global norm when every rank holds whole, already-synchronized gradients."""
         return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
