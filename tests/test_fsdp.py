@@ -15,7 +15,8 @@ import torch
 from scaletorch.dist import destroy_pg_manager, get_ledger, init_pg_manager
 from scaletorch.models import LlamaConfig, build_model
 from scaletorch.parallel.fsdp import (ShardedDataParallel, apply_fully_shard, apply_zero,
-                                      full_state_dict, llama_units, save_consolidated)
+                                      full_state_dict, llama_units)
+from scaletorch.parallel.parallelize import parallelize, save_consolidated
 from scaletorch.parallel.zero import ZeroAdamW, comm_formula, measure_memory, memory_formula
 from scaletorch.trainer import Config, Trainer
 from scaletorch.trainer import checkpoint as ckpt
@@ -129,10 +130,12 @@ def world_of_two(rank: int, world_size: int, tmp: str) -> dict:
     out = {stage: _run(tiny_config(2), pgm, stage) for stage in (1, 2, 3, "torch")}
     for stage in (1, 3):
         out[f"resume {stage}"] = _resume_run(tiny_config(1), pgm, stage, f"{tmp}/stage{stage}")
-    model = apply_zero(build_model(tiny_config(1).model, seed=7), pgm, 3)
+    cfg = tiny_config(1)  # the script's way: parallelize with zero_stage 3, save before step 1
+    cfg.parallel.zero_stage = 3
+    par = parallelize(build_model(cfg.model, seed=7), cfg, pgm, torch.device("cpu"))
     path = os.path.join(tmp, "consolidated.pt")
-    save_consolidated(model, path)
-    out["consolidated"] = {"path": path, "gathered": full_state_dict(model)}
+    save_consolidated(path, Trainer.from_parallelized(cfg, par, pgm, verbose=False), par)
+    out["consolidated"] = {"path": path, "gathered": full_state_dict(par.model)}
     destroy_pg_manager()
     return out
 
@@ -276,7 +279,9 @@ class ZeroAndFullyShardOnTwoRanks(_Worlds):
     def test_consolidated_checkpoint_loads_into_the_single_device_model(self):
         consolidated = self.results[0]["consolidated"]
         model = build_model(tiny_config(1).model, seed=0)  # other weights, replaced by the load
-        model.load_state_dict(torch.load(consolidated["path"]))  # strict: same keys and shapes
+        state = torch.load(consolidated["path"], weights_only=False)
+        self.assertIsNone(state["optimizer"])  # saved before the first step: no AdamW state yet
+        model.load_state_dict(state["model"])  # strict: same keys and shapes
         for key, value in model.state_dict().items():
             self.assertTrue(torch.equal(value, consolidated["gathered"][key]), key)
         self.assertEqual(

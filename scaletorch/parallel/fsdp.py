@@ -20,7 +20,6 @@ updated shards. Gradient accumulation: inside ``no_sync()`` nothing is reduced (
 accumulate full size); the last micro-batch reduces once.
 """
 
-import os
 from contextlib import contextmanager
 from functools import partial
 from typing import Dict, Iterator, List, Sequence, Tuple
@@ -32,7 +31,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from scaletorch.dist import comm
 from scaletorch.parallel.grad_norm import clip_grads_, global_grad_norm
 from scaletorch.parallel.zero import FlatUnit, NamedModules
 
@@ -298,18 +296,3 @@ def full_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
         key: (value.full_tensor() if isinstance(value, DTensor) else value).detach().clone()
         for key, value in model.state_dict().items()
     }
-
-
-def save_consolidated(model: nn.Module, path: str) -> None:
-    """Gather the full state dict (collective) and write it from global rank 0, atomically.
-
-    The file is a plain {name: tensor} dict: ``build_model(cfg).load_state_dict(torch.load(
-    path))`` restores the weights in a single-device run (chapter 00's model).
-    """
-    state = full_state_dict(model)
-    if comm.group_rank() == 0:
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        tmp = f"{path}.tmp.{os.getpid()}"
-        torch.save(state, tmp)
-        os.replace(tmp, path)
-    comm.barrier()

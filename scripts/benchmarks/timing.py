@@ -1,0 +1,80 @@
+"""Step timing shared by the benchmarks: alternate the implementations, keep the slowest rank.
+
+Every benchmark trains its implementations side by side in one world. ``alternate`` runs rounds
+of one step each, the order rotating every round, so that background load on a shared CPU hits
+all alike; ``max_over_ranks`` turns each rank's step times into the slowest rank's; a row then
+reports ``median_ms`` and ``paired_ratio`` (the median over rounds of ours / native, the steps
+of a round having run back to back), never a single absolute time on its own.
+"""
+
+import statistics
+import time
+from contextlib import contextmanager
+from typing import Callable, Dict, Iterator, List, Sequence, Tuple
+
+import torch
+
+from scaletorch.dist import comm, get_ledger
+
+
+def samples(args) -> int:
+    """Timed rounds: ``--steps`` x ``--repeats``."""
+    return getattr(args, "steps", 10) * getattr(args, "repeats", 3)
+
+
+@contextmanager
+def untracked() -> Iterator[None]:
+    """Keep the benchmark's own collectives out of the ledger: they are not traffic."""
+    ledger = get_ledger()
+    enabled, ledger.enabled = ledger.enabled, False
+    try:
+        yield
+    finally:
+        ledger.enabled = enabled
+
+
+def alternate(names: Sequence[str], rounds: int, warmup: int, step: Callable[[str], None],
+              read: Callable[[str], object]) -> Tuple[Dict[str, List[float]], Dict[str, object]]:
+    """This rank's step times in seconds per name, and ``read(name)`` after its last step.
+
+    ``warmup + rounds`` rounds, each one ``step(name)`` of every name, the order rotating every
+    round; the warm-up rounds are not kept. Each step starts after a barrier over the default
+    (world) group, with a cleared ledger that ``read`` may then total; ``read`` is not timed.
+    """
+    names = list(names)
+    times: Dict[str, List[float]] = {name: [] for name in names}
+    readings: Dict[str, object] = {}
+    for r in range(warmup + rounds):
+        for k in range(len(names)):
+            name = names[(r + k) % len(names)]  # rotate who goes first
+            comm.barrier()
+            get_ledger().clear()
+            start = time.perf_counter()
+            step(name)
+            elapsed = time.perf_counter() - start
+            if r >= warmup:
+                times[name].append(elapsed)
+            readings[name] = read(name)
+    return times, readings
+
+
+def max_over_ranks(values: Dict[str, List[float]]) -> Dict[str, List[float]]:
+    """Each value's maximum over the ranks of the default (world) group: one all-reduce MAX.
+
+    For step times: the slowest rank's time of each step, which is the step's time.
+    """
+    flat = torch.tensor([v for vs in values.values() for v in vs], dtype=torch.float64)
+    with untracked():
+        comm.all_reduce(flat, op=torch.distributed.ReduceOp.MAX)
+    parts = flat.split([len(vs) for vs in values.values()])
+    return {name: part.tolist() for name, part in zip(values, parts)}
+
+
+def median_ms(times: List[float]) -> float:
+    """The median step time in milliseconds."""
+    return statistics.median(times) * 1e3
+
+
+def paired_ratio(a: List[float], b: List[float]) -> float:
+    """Median over rounds of a / b: the two steps of a round ran back to back."""
+    return statistics.median(x / y for x, y in zip(a, b))
