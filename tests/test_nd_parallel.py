@@ -20,7 +20,7 @@ from scaletorch.parallel.parallelize import (apply_activation_checkpointing, loa
                                              saved_activation_bytes)
 from scaletorch.trainer import Config, Trainer
 from scaletorch.trainer.parity import max_weight_diff
-from tests.harness import run_distributed
+from tests.harness import run_distributed, value_error
 
 WORLD = 8
 TOL = 1e-5  # fp32, 5 AdamW steps: only the order of the reductions differs (DESIGN.md)
@@ -126,44 +126,36 @@ def _checkpoint_runs(path: str) -> dict:
     return out
 
 
-def _error(fn) -> str:
-    try:
-        fn()
-    except ValueError as err:
-        return str(err)
-    return "no error"
-
-
 def _invalid_combinations() -> dict:
     out = {}
     cfg = make_config(True, 1, **_layout(tp=2, zero_stage=1))  # ZeRO x MoE
     pgm = _pgm(cfg)
-    out["zero_moe"] = _error(
+    out["zero_moe"] = value_error(
         lambda: parallelize(build_model(cfg.model, 0), cfg, pgm, torch.device("cpu")))
     cfg = make_config(False, 1, **_layout(tp=2, zero_stage=1, impl="torch"))
-    out["zero_impl_torch"] = _error(
+    out["zero_impl_torch"] = value_error(
         lambda: parallelize(build_model(cfg.model, 0), cfg, pgm, torch.device("cpu")))
     cfg = make_config(True, 1, **_layout(tp=2, sequence_parallel=True))  # SP x MoE
-    out["sp_moe"] = _error(
+    out["sp_moe"] = value_error(
         lambda: parallelize(build_model(cfg.model, 0), cfg, pgm, torch.device("cpu")))
     cfg = make_config(False, 1, **_layout(tp=2, impl="torch"))  # DTensor tp 2 in a world of 8
-    out["dtensor_tp2_dp4"] = _error(
+    out["dtensor_tp2_dp4"] = value_error(
         lambda: parallelize(build_model(cfg.model, 0), cfg, pgm, torch.device("cpu")))
     destroy_pg_manager()
     cfg = make_config(False, 2, **_layout(pp=2, cp=2, impl="torch"))  # torch pipelining x cp
     pgm = _pgm(cfg)
-    out["torch_pp_cp"] = _error(
+    out["torch_pp_cp"] = value_error(
         lambda: parallelize(build_model(cfg.model, 0), cfg, pgm, torch.device("cpu")))
     destroy_pg_manager()
     cfg = make_config(False, 1, **_layout(pp=2, cp=2, schedule="1f1b"))  # 1F1B with m < p
     pgm = _pgm(cfg)
-    out["1f1b_m1"] = _error(
+    out["1f1b_m1"] = value_error(
         lambda: parallelize(build_model(cfg.model, 0), cfg, pgm, torch.device("cpu")))
     destroy_pg_manager()
     cfg = make_config(False, 1, **_layout(cp=4))  # seq 16 into 2 x 4 chunks: fine; s/cp % tp
     cfg.data.seq_len = 12
     pgm = _pgm(cfg)
-    out["cp_seq"] = _error(
+    out["cp_seq"] = value_error(
         lambda: parallelize(build_model(cfg.model, 0), cfg, pgm, torch.device("cpu")))
     destroy_pg_manager()
     return out

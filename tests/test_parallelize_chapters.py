@@ -18,8 +18,8 @@ from scaletorch.parallel.parallelize import (DTensorLayout, Layout, load_consoli
                                              resume_consolidated, save_consolidated)
 from scaletorch.trainer import Config, Trainer
 from scaletorch.trainer.parity import max_weight_diff
-from tests.harness import run_distributed
-from tests.test_nd_parallel import _build, _error, _layout, _pgm, make_config
+from tests.harness import run_distributed, value_error
+from tests.test_nd_parallel import _build, _layout, _pgm, make_config
 
 WORLD = 2
 TOL = 1e-5  # fp32, 5 AdamW steps at lr 3e-3 (test_nd_parallel.make_config)
@@ -104,7 +104,7 @@ def _invalid_impls() -> dict:
     }.items():
         cfg = make_config(moe, 1, **parallel)
         pgm = _pgm(cfg)
-        out[name] = _error(
+        out[name] = value_error(
             lambda: parallelize(build_model(cfg.model, 0), cfg, pgm, torch.device("cpu")))
         destroy_pg_manager()
     return out

@@ -19,7 +19,7 @@ from scaletorch.models import LlamaConfig, build_model, loss_fn
 from scaletorch.parallel import tensor_parallel as tp_lib
 from scaletorch.parallel.data_parallel import apply_data_parallel
 from scaletorch.trainer import Config, Trainer, make_data_parallel_step, max_weight_diff
-from tests.harness import run_distributed
+from tests.harness import run_distributed, value_error
 
 WORLD = 4
 LAYER_TOL = 1e-6
@@ -119,26 +119,18 @@ def _layer_checks(rank: int) -> dict:
     return out
 
 
-def _error(fn) -> str:
-    try:
-        fn()
-    except ValueError as err:
-        return str(err)
-    return "no error"
-
-
 def _error_checks() -> dict:
     """Errors that need a pg_manager: the conversion and the forward check their inputs."""
     out = {}
     pgm = init_pg_manager(tensor_model_parallel_size=WORLD)
     gqa2 = copy.deepcopy(MODEL)
     gqa2.num_key_value_heads = 2
-    out["kv_heads"] = _error(lambda: tp_lib.apply_tensor_parallel(build_model(gqa2, 0), pgm))
+    out["kv_heads"] = value_error(lambda: tp_lib.apply_tensor_parallel(build_model(gqa2, 0), pgm))
     model = tp_lib.apply_tensor_parallel(build_model(MODEL, 0), pgm, sequence_parallel=True)
-    out["seq_len"] = _error(lambda: model(torch.zeros(2, 10, dtype=torch.long)))
+    out["seq_len"] = value_error(lambda: model(torch.zeros(2, 10, dtype=torch.long)))
     destroy_pg_manager()
     pgm = init_pg_manager(tensor_model_parallel_size=2)
-    out["dtensor_dp"] = _error(
+    out["dtensor_dp"] = value_error(
         lambda: tp_lib.apply_dtensor_tensor_parallel(build_model(MODEL, 0), pgm))
     destroy_pg_manager()
     return out
