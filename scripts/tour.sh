@@ -6,8 +6,9 @@
 #   scripts/tour.sh                 # every chapter, 10 steps each
 #   STEPS=30 scripts/tour.sh 03 07  # some chapters, more steps
 #
-# Each run writes runs/tour_<chapter>/ (config.yaml, metrics.jsonl); the end prints one line
-# per run and exits 1 if any failed. Overlay the curves with
+# Each run writes runs/tour_<chapter>/ (config.yaml, metrics.jsonl, tour.log); the end prints
+# one table (script, ranks, final loss, largest deviation from one device, wire bytes per step,
+# seconds) and exits 1 if any run failed. Overlay the curves with
 #   python scripts/plot.py loss runs/tour_*/metrics.jsonl
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -29,8 +30,9 @@ runs=(
 )
 selected=("$@")
 
-results=()
-failed=0
+mkdir -p runs
+table=runs/tour_runs.tsv  # one line per run; scripts/tour_summary.py makes the table
+: > "$table"
 for run in "${runs[@]}"; do
   IFS="|" read -r chapter nproc args <<< "$run"
   if [[ ${#selected[@]} -gt 0 && ! " ${selected[*]} " =~ " ${chapter} " ]]; then
@@ -38,23 +40,23 @@ for run in "${runs[@]}"; do
   fi
   script=$(ls examples/"${chapter}"_*.py 2>/dev/null | head -n 1)
   if [[ -z "$script" ]]; then
-    results+=("MISSING $chapter (no examples/${chapter}_*.py)")
-    failed=1
+    printf '%s\t%s\t%s\t%s\t0\t127\n' "$chapter" "$nproc" "$args" "runs/missing" >> "$table"
     continue
   fi
   name="tour_${chapter}$(echo "$args" | tr -cd '[:alnum:] ' | tr ' ' '_')"
+  mkdir -p "runs/$name"
   echo "=== $script on $nproc process(es): $args"
+  start_ns=$(date +%s%N)
   # shellcheck disable=SC2086  # $args is a list of flags
-  if scripts/launch.sh "$script" --nproc-per-node "$nproc" -- --steps "$steps" --check \
-      --name "$name" $args; then
-    results+=("ok      $chapter x$nproc $args")
-  else
-    results+=("FAILED  $chapter x$nproc $args")
-    failed=1
-  fi
+  scripts/launch.sh "$script" --nproc-per-node "$nproc" -- --steps "$steps" --check \
+      --name "$name" $args 2>&1 | tee "runs/$name/tour.log"
+  code=${PIPESTATUS[0]}
+  ms=$(( ($(date +%s%N) - start_ns) / 1000000 ))
+  seconds=$(printf '%d.%03d' $((ms / 1000)) $((ms % 1000)))
+  printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$(basename "$script" .py)" "$nproc" "$args" \
+      "runs/$name" "$seconds" "$code" >> "$table"
 done
 
 echo
-echo "=== tour summary (--steps $steps, --check: loss and weights within 1e-5 of one device)"
-printf '%s\n' "${results[@]}"
-exit "$failed"
+echo "=== tour summary (--steps $steps; each run --check'ed against one device)"
+python scripts/tour_summary.py "$table"

@@ -1,5 +1,6 @@
 """The numbered scripts run as a user runs them: through scripts/launch.sh (torchrun)."""
 
+import json
 import os
 import signal
 import subprocess
@@ -89,6 +90,40 @@ class ChaptersShareOneCodePath(unittest.TestCase):
         self.assertEqual(state["step"], 5)
         self.assertEqual(set(state["model"]), set(state["optimizer"]["exp_avg"]))
         self.assertIn("layers.0.mlp.up_proj.weight", state["model"])
+
+
+class TourSummary(unittest.TestCase):
+    """scripts/tour_summary.py turns what each run left behind into the tour's table."""
+
+    def test_table_reads_metrics_and_check_lines_and_flags_failures(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            run = os.path.join(tmp, "tour_03")
+            os.makedirs(run)
+            with open(os.path.join(run, "metrics.jsonl"), "w") as f:
+                for step, wire in ((1, 1.0e6), (2, 3.0e6)):
+                    f.write(
+                        json.dumps({
+                            "step": step,
+                            "loss": 4.0 - step,
+                            "wire_bytes": wire
+                        }) + "\n")
+            with open(os.path.join(run, "tour.log"), "w") as f:
+                f.write("parity: max |loss - reference| = 4.8e-07 over 2 steps (tolerance ...\n"
+                        "parity: max |weight - reference| = 9.5e-07 after 2 steps, in x: OK\n")
+            tsv = os.path.join(tmp, "runs.tsv")
+            with open(tsv, "w") as f:
+                f.write(f"03_tensor_parallel\t2\t--tp 2\t{run}\t9.84\t0\n"
+                        f"04_pipeline_parallel\t2\t\t{tmp}/missing\t1.0\t1\n")
+            proc = subprocess.run([sys.executable, "scripts/tour_summary.py", tsv], cwd=ROOT,
+                                  capture_output=True, text=True)
+        self.assertEqual(proc.returncode, 1, proc.stderr)  # one run failed
+        rows = proc.stdout.splitlines()
+        self.assertRegex(
+            rows[2], r"03_tensor_parallel\s+2\s+--tp 2\s+2\.0000\s+4\.8e-07\s+"
+            r"9\.5e-07\s+2\.000\s+9\.8\s+ok")
+        self.assertRegex(
+            rows[3], r"04_pipeline_parallel\s+2\s+\(config\)\s+-\s+-\s+-\s+-\s+"
+            r"1\.0\s+FAILED")
 
 
 class LauncherRejectsBadInput(unittest.TestCase):

@@ -1,5 +1,6 @@
 """Chapter 00 learns, and a resumed run is the uninterrupted run, bit for bit."""
 
+import json
 import os
 import tempfile
 import unittest
@@ -47,6 +48,9 @@ class SingleDeviceTrains(unittest.TestCase):
             with open(os.path.join(tmp, "unit", "metrics.jsonl")) as f:
                 lines = f.read().splitlines()
             self.assertEqual(len(lines), 3)
+            record = json.loads(lines[-1])
+            self.assertEqual(record["step"], 3)
+            self.assertEqual(record["wire_bytes"], 0)  # one device: nothing on the wire
             self.assertTrue(os.path.isfile(os.path.join(tmp, "unit", "config.yaml")))
 
     def test_lr_warms_up_then_decays_to_min_lr(self):

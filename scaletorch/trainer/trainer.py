@@ -243,7 +243,9 @@ class Trainer:
                     "loss": loss,
                     "lr": lr,
                     "grad_norm": grad_norm,
-                    "tokens_per_s": tokens_per_step / elapsed
+                    "tokens_per_s": tokens_per_step / elapsed,
+                    # bytes this rank sent in the step's collectives (our ledger: not torch's)
+                    "wire_bytes": get_ledger().total(step=self.step - 1, field="wire_bytes"),
                 }
                 if metrics is not None:
                     metrics.write(json.dumps(record) + "\n")
