@@ -4,7 +4,8 @@
     python scripts/benchmark.py --only ddp fsdp # some of them
     python scripts/benchmark.py --list
 
-Each chapter's rows live in ``scripts/benchmarks/<name>.py`` as ``run(args) -> list[dict]``.
+Each chapter's rows live in ``scripts/benchmarks/<name>.py`` as ``run(args) -> list[dict]``,
+timed with the helpers of ``scripts/benchmarks/timing.py``.
 A row reports ratios measured alternately in one run (ours / native step time), never a
 single absolute time: on a shared CPU only ratios measured together mean something.
 """
@@ -22,7 +23,8 @@ import scripts.benchmarks as benchmarks  # noqa: E402
 
 
 def available() -> list:
-    return sorted(m.name for m in pkgutil.iter_modules(benchmarks.__path__))
+    """The chapters' modules: every one in scripts/benchmarks but the shared ``timing``."""
+    return sorted(m.name for m in pkgutil.iter_modules(benchmarks.__path__) if m.name != "timing")
 
 
 def print_rows(rows: list) -> None:

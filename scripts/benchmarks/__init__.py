@@ -1,1 +1,4 @@
-"""Benchmark rows, one module per chapter; each exposes ``run(args) -> list[dict]``."""
+"""Benchmark rows, one module per chapter; each exposes ``run(args) -> list[dict]``.
+
+``timing`` is not a chapter: the step timing they all share.
+"""

@@ -16,16 +16,15 @@ follows the total work, which both layouts share equally.
     python scripts/benchmark.py --only context_parallel --steps 5 --repeats 2
 """
 
-import statistics
-import time
 from typing import Dict, List
 
 import torch
 
-from scaletorch.dist import comm, destroy_pg_manager, get_ledger, init_pg_manager
+from scaletorch.dist import destroy_pg_manager, get_ledger, init_pg_manager
 from scaletorch.models import LlamaConfig, build_model
 from scaletorch.parallel.context_parallel import apply_context_parallel, zigzag_positions
 from scaletorch.trainer import forward_backward
+from scripts.benchmarks import timing
 
 MODEL = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=2,
                     num_attention_heads=8, num_key_value_heads=4, max_seq_len=1024)
@@ -50,28 +49,21 @@ def _measure(rank: int, world: int, samples: int) -> Dict[str, object]:
     gen = torch.Generator().manual_seed(0)  # the same sequences on every rank
     x = torch.randint(0, MODEL.vocab_size, (BATCH, SEQ_LEN), generator=gen)
     y = torch.randint(0, MODEL.vocab_size, (BATCH, SEQ_LEN), generator=gen)
-    times: Dict[str, List[float]] = {name: [] for name in names}
-    sent: Dict[str, float] = {}
-    for step in range(WARMUP + samples):
-        for k in range(len(names)):
-            name = names[(step + k) % len(names)]  # rotate who goes first
-            pos = zigzag_positions(SEQ_LEN, cp, cp_rank, VARIANTS[name][1])
-            comm.barrier()
-            get_ledger().clear()
-            start = time.perf_counter()
-            models[name].zero_grad(set_to_none=True)
-            forward_backward(models[name], x[:, pos], y[:, pos], 1, position_ids=pos)
-            elapsed = time.perf_counter() - start
-            if step >= WARMUP:
-                times[name].append(elapsed)
-            op = "all_to_all" if VARIANTS[name][0] == "ulysses" else "send"
-            sent[name] = get_ledger().total(op=op, group="cp") / MODEL.num_layers
-    get_ledger().enabled = False  # the benchmark's own bookkeeping is not traffic
-    slowest = torch.tensor([times[name] for name in names], dtype=torch.float64)
-    comm.all_reduce(slowest, op=torch.distributed.ReduceOp.MAX)
-    get_ledger().enabled = True
+    positions = {name: zigzag_positions(SEQ_LEN, cp, cp_rank, VARIANTS[name][1]) for name in names}
+
+    def step(name: str) -> None:
+        pos = positions[name]
+        models[name].zero_grad(set_to_none=True)
+        forward_backward(models[name], x[:, pos], y[:, pos], 1, position_ids=pos)
+
+    def read(name: str) -> float:
+        op = "all_to_all" if VARIANTS[name][0] == "ulysses" else "send"
+        return get_ledger().total(op=op, group="cp") / MODEL.num_layers
+
+    times, sent = timing.alternate(names, samples, WARMUP, step, read)
+    times = timing.max_over_ranks(times)
     destroy_pg_manager()
-    return {"times": dict(zip(names, slowest.tolist())), "sent": sent}
+    return {"times": times, "sent": sent}
 
 
 def run(args) -> List[dict]:
@@ -79,14 +71,9 @@ def run(args) -> List[dict]:
     from scaletorch.dist.spawn import run_distributed
 
     cp = getattr(args, "world_size", 2)
-    samples = getattr(args, "steps", 10) * getattr(args, "repeats", 3)
+    samples = timing.samples(args)
     result = run_distributed(_measure, cp, samples, timeout=1800)[0]
     times, sent = result["times"], result["sent"]
-    median = {name: statistics.median(t) * 1e3 for name, t in times.items()}
-
-    def paired(a: str, b: str) -> float:
-        return statistics.median(x / y for x, y in zip(times[a], times[b]))
-
     s, d = SEQ_LEN // cp, MODEL.head_dim
     hq, hkv = MODEL.num_attention_heads, MODEL.num_key_value_heads
     ring_formula = (3 * cp - 2) * 2 * BATCH * s * hkv * d
@@ -96,14 +83,7 @@ def run(args) -> List[dict]:
     for name, a, b, target in (("cp zigzag / contiguous (slowest rank)", "zigzag", "contiguous",
                                 "< 1"), ("cp ring / ulysses", "zigzag", "ulysses", "~ 1"),
                                ("cp ring fused / math blocks", "fused", "zigzag", "< 1")):
-        rows.append({
-            "name": name,
-            "ours_ms": median[a],
-            "native_ms": median[b],
-            "ratio": paired(a, b),
-            "target": target,
-            **common
-        })
+        rows.append(timing.versus(name, times[a], times[b], target, **common))
     rows.append({
         "name": "cp ring K/V elements per layer / (3cp-2) 2 b s/cp hkv d",
         "ours_ms": "",

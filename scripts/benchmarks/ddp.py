@@ -10,16 +10,15 @@ several buckets whose all-reduces can overlap backward; naive has no buckets.
     python scripts/benchmark.py --only ddp --steps 10 --repeats 3
 """
 
-import statistics
-import time
 from typing import Dict, List
 
 import torch
 
-from scaletorch.dist import comm, destroy_pg_manager, get_ledger, init_pg_manager
+from scaletorch.dist import destroy_pg_manager, get_ledger, init_pg_manager
 from scaletorch.models import LlamaConfig, build_model
 from scaletorch.parallel.data_parallel import IMPLS, apply_data_parallel
 from scaletorch.trainer import forward_backward
+from scripts.benchmarks import timing
 
 MODEL = LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=768, num_layers=4,
                     num_attention_heads=8, num_key_value_heads=4, max_seq_len=64)
@@ -37,28 +36,19 @@ def _measure(rank: int, world: int, samples: int) -> Dict[str, object]:
     gen = torch.Generator().manual_seed(1000 + rank)  # each rank its own slice of the batch
     x = torch.randint(0, MODEL.vocab_size, (BATCH_PER_RANK, SEQ_LEN), generator=gen)
     y = torch.randint(0, MODEL.vocab_size, (BATCH_PER_RANK, SEQ_LEN), generator=gen)
-    times = {impl: [] for impl in IMPLS}
-    wire = {}
-    for step in range(WARMUP + samples):
-        for k in range(len(IMPLS)):
-            impl = IMPLS[(step + k) % len(IMPLS)]  # rotate who goes first
-            comm.barrier()
-            get_ledger().clear()
-            start = time.perf_counter()
-            optimizers[impl].zero_grad(set_to_none=True)
-            forward_backward(models[impl], x, y, num_micro_batches=1)
-            optimizers[impl].step()
-            elapsed = time.perf_counter() - start
-            if step >= WARMUP:
-                times[impl].append(elapsed)
-            wire[impl] = get_ledger().total(op="all_reduce", field="wire_bytes")
-    get_ledger().enabled = False  # the benchmark's own bookkeeping is not traffic
-    slowest = torch.tensor([times[impl] for impl in IMPLS], dtype=torch.float64)
-    comm.all_reduce(slowest, op=torch.distributed.ReduceOp.MAX)
-    get_ledger().enabled = True
+
+    def step(impl: str) -> None:
+        optimizers[impl].zero_grad(set_to_none=True)
+        forward_backward(models[impl], x, y, num_micro_batches=1)
+        optimizers[impl].step()
+
+    times, wire = timing.alternate(
+        IMPLS, samples, WARMUP, step,
+        lambda impl: get_ledger().total(op="all_reduce", field="wire_bytes"))
     psi = models["scaletorch"].num_parameters()
+    times = timing.max_over_ranks(times)
     destroy_pg_manager()
-    return {"times": dict(zip(IMPLS, slowest.tolist())), "wire": wire, "psi": psi}
+    return {"times": times, "wire": wire, "psi": psi}
 
 
 def run(args) -> List[dict]:
@@ -66,35 +56,16 @@ def run(args) -> List[dict]:
     from scaletorch.dist.spawn import run_distributed  # gloo ranks, as the tests spawn them
 
     world = getattr(args, "world_size", 2)
-    samples = getattr(args, "steps", 10) * getattr(args, "repeats", 3)
+    samples = timing.samples(args)
     result = run_distributed(_measure, world, samples, timeout=900)[0]
     times = result["times"]
-    median = {impl: statistics.median(t) * 1e3 for impl, t in times.items()}
-
-    def paired(a: str, b: str) -> float:
-        """Median over rounds of a/b: the three steps of a round ran back to back."""
-        return statistics.median(x / y for x, y in zip(times[a], times[b]))
-
     psi, n = result["psi"], world
     formula = 2 * (n - 1) / n * 4 * psi
     common = {"ranks": n, "params": psi, "steps": samples}
     return [
-        {
-            "name": "ddp bucketed / torch DDP",
-            "ours_ms": median["scaletorch"],
-            "native_ms": median["torch"],
-            "ratio": paired("scaletorch", "torch"),
-            "target": "<= 1.05",
-            **common
-        },
-        {
-            "name": "ddp naive / bucketed",
-            "ours_ms": median["naive"],
-            "native_ms": median["scaletorch"],
-            "ratio": paired("naive", "scaletorch"),
-            "target": "> 1",
-            **common
-        },
+        timing.versus("ddp bucketed / torch DDP", times["scaletorch"], times["torch"], "<= 1.05",
+                      **common),
+        timing.versus("ddp naive / bucketed", times["naive"], times["scaletorch"], "> 1", **common),
         {
             "name": "ddp wire bytes/step / 2(N-1)/N x 4 Psi",
             "ours_ms": "",

@@ -10,18 +10,17 @@ is the slowest rank's and a row reports the median of the per-round ratios.
     python scripts/benchmark.py --only expert_parallel --steps 10 --repeats 3
 """
 
-import statistics
-import time
 from typing import Dict, List
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from scaletorch.dist import (ProcessGroupManager, RankGrid, comm, destroy_pg_manager, get_ledger,
+from scaletorch.dist import (ProcessGroupManager, RankGrid, destroy_pg_manager, get_ledger,
                              init_pg_manager)
 from scaletorch.models import LlamaConfig, build_model
 from scaletorch.parallel.expert_parallel import all_to_all_elements, apply_expert_parallel
 from scaletorch.trainer import forward_backward
+from scripts.benchmarks import timing
 
 MODEL = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2,
                     num_attention_heads=8, num_key_value_heads=4, max_seq_len=128, num_experts=8,
@@ -41,39 +40,25 @@ def _measure(rank: int, world: int, samples: int) -> Dict[str, object]:
     gen = torch.Generator().manual_seed(1000 + rank)  # each rank its own tokens
     x = torch.randint(0, MODEL.vocab_size, (BATCH_PER_RANK, SEQ_LEN), generator=gen)
     y = torch.randint(0, MODEL.vocab_size, (BATCH_PER_RANK, SEQ_LEN), generator=gen)
-    times: Dict[str, List[float]] = {impl: [] for impl in IMPLS}
-    moved = formula = 0
-    for step in range(WARMUP + samples):
-        for k in range(len(IMPLS)):
-            impl = IMPLS[(step + k) % len(IMPLS)]
-            comm.barrier()
-            get_ledger().clear()
-            start = time.perf_counter()
-            models[impl].zero_grad(set_to_none=True)
-            forward_backward(models[impl], x, y, num_micro_batches=1)
-            elapsed = time.perf_counter() - start
-            if step >= WARMUP:
-                times[impl].append(elapsed)
-            if impl == "ep":
-                moved = sum(r.elements for r in get_ledger().select("all_to_all", "ep")
-                            if r.bytes != 8 * r.elements)  # token rows, not the int64 counts
-                formula = all_to_all_elements(models["ep"], ep_pgm)
-    get_ledger().enabled = False  # the benchmark's own bookkeeping is not traffic
-    slowest = torch.tensor([times[impl] for impl in IMPLS], dtype=torch.float64)
-    comm.all_reduce(slowest, op=torch.distributed.ReduceOp.MAX)
-    get_ledger().enabled = True
+
+    def step(impl: str) -> None:
+        models[impl].zero_grad(set_to_none=True)
+        forward_backward(models[impl], x, y, num_micro_batches=1)
+
+    def read(impl: str) -> int:
+        return sum(r.elements for r in get_ledger().select("all_to_all", "ep")
+                   if r.bytes != 8 * r.elements)  # token rows, not the int64 counts
+
+    times, moved = timing.alternate(IMPLS, samples, WARMUP, step, read)
+    times = timing.max_over_ranks(times)
+    formula = all_to_all_elements(models["ep"], ep_pgm)  # of the last ep step's routing
     experts = {
         impl: sum(p.numel() for n, p in m.named_parameters() if ".experts." in n)
         for impl, m in models.items()
     }
     ep_pgm.destroy()
     destroy_pg_manager()
-    return {
-        "times": dict(zip(IMPLS, slowest.tolist())),
-        "moved": moved,
-        "formula": formula,
-        "experts": experts
-    }
+    return {"times": times, "moved": moved["ep"], "formula": formula, "experts": experts}
 
 
 def run(args) -> List[dict]:
@@ -81,23 +66,17 @@ def run(args) -> List[dict]:
     from scaletorch.dist.spawn import run_distributed
 
     world = getattr(args, "world_size", 2)
-    samples = getattr(args, "steps", 10) * getattr(args, "repeats", 3)
+    samples = timing.samples(args)
     results = run_distributed(_measure, world, samples, timeout=1800)
     times = results[0]["times"]
     common = {"ranks": world, "experts": MODEL.num_experts, "steps": samples}
-    ratio = statistics.median(a / b for a, b in zip(times["ep"], times["ddp"]))
     moved = sum(r["moved"] for r in results)
     formula = sum(r["formula"] for r in results)
     experts = results[0]["experts"]
     return [
-        {
-            "name": f"ep{world} (experts sharded, all-to-all) / torch DDP (experts replicated)",
-            "ours_ms": statistics.median(times["ep"]) * 1e3,
-            "native_ms": statistics.median(times["ddp"]) * 1e3,
-            "ratio": ratio,
-            "target": "~ 1 (fewer grads to all-reduce vs token all-to-alls)",
-            **common
-        },
+        timing.versus(f"ep{world} (experts sharded, all-to-all) / torch DDP (experts replicated)",
+                      times["ep"], times["ddp"],
+                      "~ 1 (fewer grads to all-reduce vs token all-to-alls)", **common),
         {
             "name": "ep all-to-all token elements / 2 h (sent + received) per layer",
             "ours_ms": "",

@@ -10,17 +10,16 @@ median over rounds of the ratio to ``fully_shard``. Target: ZeRO-3 <= 1.2 x full
     python scripts/benchmark.py --only fsdp --steps 10 --repeats 3
 """
 
-import statistics
-import time
 from typing import Dict, List
 
 import torch
 
-from scaletorch.dist import comm, destroy_pg_manager, get_ledger, init_pg_manager
+from scaletorch.dist import destroy_pg_manager, get_ledger, init_pg_manager
 from scaletorch.models import LlamaConfig, build_model
 from scaletorch.parallel.fsdp import apply_fully_shard, apply_zero
 from scaletorch.parallel.zero import ZeroAdamW, comm_formula
 from scaletorch.trainer import forward_backward
+from scripts.benchmarks import timing
 
 MODEL = LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=768, num_layers=4,
                     num_attention_heads=8, num_key_value_heads=4, max_seq_len=64)
@@ -47,31 +46,21 @@ def _measure(rank: int, world: int, samples: int) -> Dict[str, object]:
     gen = torch.Generator().manual_seed(1000 + rank)  # each rank its own slice of the batch
     x = torch.randint(0, MODEL.vocab_size, (BATCH_PER_RANK, SEQ_LEN), generator=gen)
     y = torch.randint(0, MODEL.vocab_size, (BATCH_PER_RANK, SEQ_LEN), generator=gen)
-    times: Dict[str, List[float]] = {impl: [] for impl in IMPLS}
-    elements: Dict[str, float] = {}
-    for step in range(WARMUP + samples):
-        for k in range(len(IMPLS)):
-            impl = IMPLS[(step + k) % len(IMPLS)]  # rotate who goes first
-            model, optimizer, clip = runs[impl]
-            comm.barrier()
-            get_ledger().clear()
-            start = time.perf_counter()
-            optimizer.zero_grad(set_to_none=True)
-            forward_backward(model, x, y, num_micro_batches=1)
-            clip(1.0)
-            optimizer.step()
-            elapsed = time.perf_counter() - start
-            if step >= WARMUP:
-                times[impl].append(elapsed)
-            elements[impl] = sum(get_ledger().total(op=op)
-                                 for op in ("all_gather", "reduce_scatter"))
-    get_ledger().enabled = False  # the benchmark's own bookkeeping is not traffic
-    slowest = torch.tensor([times[impl] for impl in IMPLS], dtype=torch.float64)
-    comm.all_reduce(slowest, op=torch.distributed.ReduceOp.MAX)
-    get_ledger().enabled = True
+
+    def step(impl: str) -> None:
+        model, optimizer, clip = runs[impl]
+        optimizer.zero_grad(set_to_none=True)
+        forward_backward(model, x, y, num_micro_batches=1)
+        clip(1.0)
+        optimizer.step()
+
+    times, elements = timing.alternate(
+        IMPLS, samples, WARMUP, step,
+        lambda impl: sum(get_ledger().total(op=op) for op in ("all_gather", "reduce_scatter")))
+    times = timing.max_over_ranks(times)
     padded = runs["zero3"][0].padded_numel
     destroy_pg_manager()
-    return {"times": dict(zip(IMPLS, slowest.tolist())), "elements": elements, "padded": padded}
+    return {"times": times, "elements": elements, "padded": padded}
 
 
 def run(args) -> List[dict]:
@@ -79,27 +68,16 @@ def run(args) -> List[dict]:
     from scaletorch.dist.spawn import run_distributed
 
     world = getattr(args, "world_size", 2)
-    samples = getattr(args, "steps", 10) * getattr(args, "repeats", 3)
+    samples = timing.samples(args)
     result = run_distributed(_measure, world, samples, timeout=1800)[0]
     times, padded = result["times"], result["padded"]
-    median = {impl: statistics.median(t) * 1e3 for impl, t in times.items()}
-
-    def paired(a: str, b: str) -> float:
-        """Median over rounds of a/b: the four steps of a round ran back to back."""
-        return statistics.median(x / y for x, y in zip(times[a], times[b]))
-
     common = {"ranks": world, "params": padded, "steps": samples}
     rows = []
     for stage in (1, 2, 3):
         impl = f"zero{stage}"
-        rows.append({
-            "name": f"ZeRO-{stage} (ours) / fully_shard step time",
-            "ours_ms": median[impl],
-            "native_ms": median["fully_shard"],
-            "ratio": paired(impl, "fully_shard"),
-            "target": "<= 1.2" if stage == 3 else "",
-            **common
-        })
+        rows.append(
+            timing.versus(f"ZeRO-{stage} (ours) / fully_shard step time", times[impl],
+                          times["fully_shard"], "<= 1.2" if stage == 3 else "", **common))
     for stage, label in ((1, "2 Psi'"), (3, "3 Psi'")):
         formula = sum(comm_formula(stage, padded).values())
         rows.append({

@@ -10,8 +10,6 @@ ratio. Further rows: the p2p bytes of our step against the formula, and the bubb
     python scripts/benchmark.py --only pipeline_parallel --steps 10 --repeats 3
 """
 
-import statistics
-import time
 from typing import Dict, List
 
 import torch
@@ -20,6 +18,7 @@ from scaletorch.dist import comm, destroy_pg_manager, get_ledger, init_pg_manage
 from scaletorch.models import LlamaConfig, build_model
 from scaletorch.parallel.pipeline_parallel import (PipelineSchedule, TorchPipelineSchedule,
                                                    apply_pipeline_parallel, gather_timeline)
+from scripts.benchmarks import timing
 
 MODEL = LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=768, num_layers=4,
                     num_attention_heads=8, num_key_value_heads=4, max_seq_len=64)
@@ -39,35 +38,22 @@ def _measure(rank: int, world: int, samples: int) -> Dict[str, object]:
     gen = torch.Generator().manual_seed(1000)  # the same global batch on every rank
     x = torch.randint(0, MODEL.vocab_size, (BATCH, SEQ_LEN), generator=gen)
     y = torch.randint(0, MODEL.vocab_size, (BATCH, SEQ_LEN), generator=gen)
-    times = {impl: [] for impl in IMPLS}
-    sent = 0.0
-    for step in range(WARMUP + samples):
-        for k in range(len(IMPLS)):
-            impl = IMPLS[(step + k) % len(IMPLS)]  # alternate who goes first
-            comm.barrier()
-            get_ledger().clear()
-            start = time.perf_counter()
-            optimizers[impl].zero_grad(set_to_none=True)
-            schedules[impl](x, y)
-            optimizers[impl].step()
-            elapsed = time.perf_counter() - start
-            if step >= WARMUP:
-                times[impl].append(elapsed)
-            if impl == "scaletorch":
-                sent = get_ledger().total(op="send", group="pp", field="bytes")
-    get_ledger().enabled = False  # the benchmark's own bookkeeping is not traffic
-    slowest = torch.tensor([times[impl] for impl in IMPLS], dtype=torch.float64)
-    comm.all_reduce(slowest, op=torch.distributed.ReduceOp.MAX)
-    sent_all = torch.tensor([sent], dtype=torch.float64)
-    comm.all_reduce(sent_all)
-    timeline = gather_timeline(schedules["scaletorch"].timeline, pgm, torch.device("cpu"))
-    get_ledger().enabled = True
+
+    def step(impl: str) -> None:
+        optimizers[impl].zero_grad(set_to_none=True)
+        schedules[impl](x, y)
+        optimizers[impl].step()
+
+    times, sent = timing.alternate(
+        IMPLS, samples, WARMUP, step,
+        lambda impl: get_ledger().total(op="send", group="pp", field="bytes"))
+    times = timing.max_over_ranks(times)
+    with timing.untracked():
+        sent_all = torch.tensor([sent["scaletorch"]], dtype=torch.float64)
+        comm.all_reduce(sent_all)
+        timeline = gather_timeline(schedules["scaletorch"].timeline, pgm, torch.device("cpu"))
     destroy_pg_manager()
-    return {
-        "times": dict(zip(IMPLS, slowest.tolist())),
-        "sent": sent_all.item(),
-        "timeline": timeline
-    }
+    return {"times": times, "sent": sent_all.item(), "timeline": timeline}
 
 
 def run(args) -> List[dict]:
@@ -75,25 +61,17 @@ def run(args) -> List[dict]:
     from scaletorch.dist.spawn import run_distributed
 
     world = getattr(args, "world_size", 2)
-    samples = getattr(args, "steps", 10) * getattr(args, "repeats", 3)
+    samples = timing.samples(args)
     result = run_distributed(_measure, world, samples, timeout=900)[0]
     times = result["times"]
-    median = {impl: statistics.median(t) * 1e3 for impl, t in times.items()}
-    ratio = statistics.median(a / b for a, b in zip(times["scaletorch"], times["torch"]))
     # every stage boundary carries m activations forward and m gradients back, b s h fp32 each
     boundary = (world - 1) * 2 * MICRO_BATCHES * (BATCH // MICRO_BATCHES) * SEQ_LEN
     formula = boundary * MODEL.hidden_size * 4
     timeline = result["timeline"]
     common = {"ranks": world, "m": MICRO_BATCHES, "steps": samples}
     return [
-        {
-            "name": "pp 1f1b ours / torch Schedule1F1B",
-            "ours_ms": median["scaletorch"],
-            "native_ms": median["torch"],
-            "ratio": ratio,
-            "target": "<= 1.05",
-            **common
-        },
+        timing.versus("pp 1f1b ours / torch Schedule1F1B", times["scaletorch"], times["torch"],
+                      "<= 1.05", **common),
         {
             "name": "pp p2p bytes/step (all ranks) / 2 (p-1) m b s h x 4",
             "ours_ms": "",

@@ -14,18 +14,17 @@ activation checkpointing keeps only each block's input.
     python scripts/benchmark.py --only scaling --steps 5 --repeats 1
 """
 
-import statistics
-import time
 from typing import Dict, List
 
 import torch
 
-from scaletorch.dist import comm, get_ledger
+from scaletorch.dist import get_ledger
 from scaletorch.dist.pg_manager import ProcessGroupManager, RankGrid
 from scaletorch.models import LlamaConfig, build_model
 from scaletorch.parallel.parallelize import GROUPS, parallelize, saved_activation_bytes
 from scaletorch.parallel.zero import measure_memory
 from scaletorch.trainer import Config, Trainer
+from scripts.benchmarks import timing
 
 WORLDS = (1, 2, 4)
 # world -> [(name, tp, pp, zero_stage)]; the rest of the world is data parallel
@@ -59,36 +58,30 @@ def _measure(rank: int, world: int, samples: int) -> Dict[str, dict]:
         trainer = Trainer(cfg, par.model, pgm, optimizer=par.optimizer,
                           forward_backward=par.forward_backward, clip_grad_norm=par.clip_grad_norm,
                           verbose=False)
-        runs[name] = (pgm, trainer, [])
-    names, wires = list(runs), {}
-    for step in range(WARMUP + samples):
-        for k in range(len(names)):
-            name = names[(step + k) % len(names)]  # rotate who goes first
-            pgm, trainer, times = runs[name]
-            comm.barrier()
-            get_ledger().clear()
-            start = time.perf_counter()
-            trainer.train_step()
-            if step >= WARMUP:
-                times.append(time.perf_counter() - start)
-            wires[name] = {g: get_ledger().total(group=g, field="wire_bytes") for g in GROUPS}
-    out = {}
-    get_ledger().enabled = False  # the benchmark's own bookkeeping is not traffic
-    for name in names:
-        (pgm, trainer, times), wire = runs[name], wires[name]
-        mem = measure_memory(trainer.model, trainer.optimizer)
-        activations, _ = saved_activation_bytes(trainer.model, trainer.train_step)  # one more
-        row = torch.tensor(times + [sum(mem.values()), activations] + [wire[g] for g in GROUPS],
-                           dtype=torch.float64)
-        comm.all_reduce(row, op=torch.distributed.ReduceOp.MAX)  # the slowest / fullest rank
-        out[name] = {
-            "times": row[:samples].tolist(),
-            "memory": row[samples].item(),
-            "activations": row[samples + 1].item(),
-            "wire": dict(zip(GROUPS, row[samples + 2:].tolist()))
-        }
+        runs[name] = (pgm, trainer)
+    times, wires = timing.alternate(
+        list(runs), samples, WARMUP, lambda name: runs[name][1].train_step(),
+        lambda name: {g: get_ledger().total(group=g, field="wire_bytes")
+                      for g in GROUPS})
+    rows = {}
+    with timing.untracked():  # the benchmark's own bookkeeping is not traffic
+        for name, (pgm, trainer) in runs.items():
+            mem = measure_memory(trainer.model, trainer.optimizer)
+            activations, _ = saved_activation_bytes(trainer.model, trainer.train_step)  # one more
+            rows[name] = (times[name] + [sum(mem.values()), activations] +
+                          [wires[name][g] for g in GROUPS])
+    rows = timing.max_over_ranks(rows)  # the slowest / fullest rank
+    for pgm, _ in runs.values():
         pgm.destroy()
-    return out
+    return {
+        name: {
+            "times": row[:samples],
+            "memory": row[samples],
+            "activations": row[samples + 1],
+            "wire": dict(zip(GROUPS, row[samples + 2:]))
+        }
+        for name, row in rows.items()
+    }
 
 
 def run(args) -> List[dict]:
@@ -96,7 +89,7 @@ def run(args) -> List[dict]:
     wire bytes per rank and step."""
     from scaletorch.dist.spawn import run_distributed
 
-    samples = getattr(args, "steps", 10) * getattr(args, "repeats", 3)
+    samples = timing.samples(args)
     rows = []
     for world in WORLDS:
         result = run_distributed(_measure, world, samples, timeout=1800)[0]
@@ -106,8 +99,8 @@ def run(args) -> List[dict]:
             rows.append({
                 "world": world,
                 "layout": name,
-                "ms/step": statistics.median(r["times"]) * 1e3,
-                "vs_dp": statistics.median(a / b for a, b in zip(r["times"], base)),
+                "ms/step": timing.median_ms(r["times"]),
+                "vs_dp": timing.paired_ratio(r["times"], base),
                 "mem_MB/rank": r["memory"] / 1e6,
                 "saved_act_MB": r["activations"] / 1e6,
                 "wire_MB/step": sum(wire.values()),

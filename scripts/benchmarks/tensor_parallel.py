@@ -10,18 +10,17 @@ and a row reports the median over rounds of the ratio ours / DTensor.
     python scripts/benchmark.py --only tensor_parallel --steps 10 --repeats 3
 """
 
-import statistics
-import time
 from contextlib import nullcontext
 from typing import Dict, List
 
 import torch
 from torch.distributed.tensor.parallel import loss_parallel
 
-from scaletorch.dist import comm, destroy_pg_manager, get_ledger, init_pg_manager
+from scaletorch.dist import destroy_pg_manager, get_ledger, init_pg_manager
 from scaletorch.models import LlamaConfig, build_model
 from scaletorch.parallel import tensor_parallel as tp_lib
 from scaletorch.trainer import forward_backward
+from scripts.benchmarks import timing
 
 MODEL = LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=768, num_layers=4,
                     num_attention_heads=8, num_key_value_heads=4, max_seq_len=64)
@@ -56,33 +55,25 @@ def _measure(rank: int, world: int, samples: int) -> Dict[str, object]:
     gen = torch.Generator().manual_seed(0)  # tensor parallel: every rank sees the same batch
     x = torch.randint(0, MODEL.vocab_size, (BATCH, SEQ_LEN), generator=gen)
     y = torch.randint(0, MODEL.vocab_size, (BATCH, SEQ_LEN), generator=gen)
-    times: Dict[str, List[float]] = {name: [] for name in names}
-    elements: Dict[str, Dict[str, float]] = {}
-    for step in range(WARMUP + samples):
-        for k in range(len(names)):
-            name = names[(step + k) % len(names)]  # rotate who goes first
-            model, optimizer, loss, clip = runs[name]
-            comm.barrier()
-            get_ledger().clear()
-            start = time.perf_counter()
-            with loss_parallel() if IMPLS[name][0] == "torch" else nullcontext():
-                optimizer.zero_grad(set_to_none=True)
-                forward_backward(model, x, y, num_micro_batches=1, loss_fn=loss)
-                clip(1.0)
-                optimizer.step()
-            elapsed = time.perf_counter() - start
-            if step >= WARMUP:
-                times[name].append(elapsed)
-            elements[name] = {
-                op: get_ledger().total(op=op, group="tp")
-                for op in ("all_reduce", "all_gather", "reduce_scatter")
-            }
-    get_ledger().enabled = False  # the benchmark's own bookkeeping is not traffic
-    slowest = torch.tensor([times[name] for name in names], dtype=torch.float64)
-    comm.all_reduce(slowest, op=torch.distributed.ReduceOp.MAX)
-    get_ledger().enabled = True
+
+    def step(name: str) -> None:
+        model, optimizer, loss, clip = runs[name]
+        with loss_parallel() if IMPLS[name][0] == "torch" else nullcontext():
+            optimizer.zero_grad(set_to_none=True)
+            forward_backward(model, x, y, num_micro_batches=1, loss_fn=loss)
+            clip(1.0)
+            optimizer.step()
+
+    def read(name: str) -> Dict[str, float]:
+        return {
+            op: get_ledger().total(op=op, group="tp")
+            for op in ("all_reduce", "all_gather", "reduce_scatter")
+        }
+
+    times, elements = timing.alternate(names, samples, WARMUP, step, read)
+    times = timing.max_over_ranks(times)
     destroy_pg_manager()
-    return {"times": dict(zip(names, slowest.tolist())), "elements": elements}
+    return {"times": times, "elements": elements}
 
 
 def run(args) -> List[dict]:
@@ -91,24 +82,15 @@ def run(args) -> List[dict]:
 
     world = getattr(args, "world_size", 2)
     tp_lib.validate_tensor_parallel(MODEL, world, True, SEQ_LEN)
-    samples = getattr(args, "steps", 10) * getattr(args, "repeats", 3)
+    samples = timing.samples(args)
     result = run_distributed(_measure, world, samples, timeout=900)[0]
     times = result["times"]
-    median = {name: statistics.median(t) * 1e3 for name, t in times.items()}
-
-    def paired(a: str, b: str) -> float:
-        """Median over rounds of a/b: the steps of a round ran back to back."""
-        return statistics.median(x / y for x, y in zip(times[a], times[b]))
-
     common = {"ranks": world, "params": build_model(MODEL, 0).num_parameters(), "steps": samples}
-    rows = [{
-        "name": f"tp{' + sp' if sp else ''} ours / DTensor",
-        "ours_ms": median[ours],
-        "native_ms": median[native],
-        "ratio": paired(ours, native),
-        "target": "<= 1.1",
-        **common
-    } for ours, native, sp in (("ours", "dtensor", False), ("ours_sp", "dtensor_sp", True))]
+    rows = [
+        timing.versus(f"tp{' + sp' if sp else ''} ours / DTensor", times[ours], times[native],
+                      "<= 1.1", **common)
+        for ours, native, sp in (("ours", "dtensor", False), ("ours_sp", "dtensor_sp", True))
+    ]
     for name, sp in (("ours", False), ("ours_sp", True)):
         formula = tp_lib.comm_elements_per_step(MODEL, BATCH * SEQ_LEN, sp)
         measured = sum(result["elements"][name].values())

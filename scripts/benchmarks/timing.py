@@ -4,7 +4,7 @@ Every benchmark trains its implementations side by side in one world. ``alternat
 of one step each, the order rotating every round, so that background load on a shared CPU hits
 all alike; ``max_over_ranks`` turns each rank's step times into the slowest rank's; a row then
 reports ``median_ms`` and ``paired_ratio`` (the median over rounds of ours / native, the steps
-of a round having run back to back), never a single absolute time on its own.
+of a round having run back to back; ``versus`` makes that row), never an absolute time on its own.
 """
 
 import statistics
@@ -78,3 +78,16 @@ def median_ms(times: List[float]) -> float:
 def paired_ratio(a: List[float], b: List[float]) -> float:
     """Median over rounds of a / b: the two steps of a round ran back to back."""
     return statistics.median(x / y for x, y in zip(a, b))
+
+
+def versus(name: str, ours: List[float], native: List[float], target: str, **common) -> dict:
+    """The row of one comparison: median ``ours_ms`` and ``native_ms``, their paired ``ratio``,
+    the ``target`` for that ratio, then the ``common`` columns."""
+    return {
+        "name": name,
+        "ours_ms": median_ms(ours),
+        "native_ms": median_ms(native),
+        "ratio": paired_ratio(ours, native),
+        "target": target,
+        **common
+    }
