@@ -2,6 +2,7 @@
 
     python scripts/benchmark.py                 # every chapter's rows
     python scripts/benchmark.py --only ddp fsdp # some of them
+    python scripts/benchmark.py --scaling       # world 1, 2, 4: memory and traffic per rank
     python scripts/benchmark.py --list
 
 Each chapter's rows live in ``scripts/benchmarks/<name>.py`` as ``run(args) -> list[dict]``,
@@ -47,6 +48,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="+", default=None, help="chapters to run")
     parser.add_argument("--list", action="store_true", help="list the chapters and exit")
+    parser.add_argument("--scaling", action="store_true",
+                        help="sweep world size 1, 2, 4 (= --only scaling)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per repeat")
     parser.add_argument("--repeats", type=int, default=3,
                         help="alternating repeats of each implementation")
@@ -56,7 +59,7 @@ def main() -> int:
     if args.list:
         print("\n".join(names))
         return 0
-    selected = args.only or names
+    selected = ["scaling"] if args.scaling else (args.only or names)
     unknown = sorted(set(selected) - set(names))
     if unknown:
         raise ValueError(f"unknown benchmark(s) {unknown}; available: {names}")

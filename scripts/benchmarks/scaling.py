@@ -11,7 +11,7 @@ Expected: tp and pp divide the memory by about tp x pp, ZeRO-3 by dp, plain dp n
 tp pays activations on "tp", pp a few messages on "pp", dp the gradients on "dp_cp";
 activation checkpointing keeps only each block's input.
 
-    python scripts/benchmark.py --only scaling --steps 5 --repeats 1
+    python scripts/benchmark.py --scaling --steps 5 --repeats 1
 """
 
 from typing import Dict, List
