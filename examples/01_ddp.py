@@ -6,10 +6,10 @@
     scripts/launch.sh examples/01_ddp.py --nproc-per-node 2 -- --impl torch --check
 
 Chapter 00 plus one call, ``parallelize``: with only data parallel in the config it wraps the
-model for data parallel (``apply_data_parallel``), the same call that composes every strategy
-in chapter 07. Then it prints the gradient traffic of the
-last step (a ring all-reduce of Psi fp32 elements moves 2 (N-1)/N x 4 Psi bytes per rank) and,
-for the bucketed DDP, when each bucket's all-reduce ran while backward was still computing.
+model for data parallel (``apply_data_parallel``); the same call composes every strategy in
+chapter 07. Then it prints the gradient traffic of the last step (a ring all-reduce of Psi fp32
+elements moves 2 (N-1)/N x 4 Psi bytes per rank) and, for the bucketed DDP, when each bucket's
+all-reduce ran while backward was still computing.
 """
 
 import sys

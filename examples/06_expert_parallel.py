@@ -36,6 +36,9 @@ def main() -> int:
             p.impl != "scaletorch" or p.sequence_parallel:
         raise ValueError(f"06_expert_parallel composes ep with dp and tp (impl scaletorch, got "
                          f"{p.impl!r}); pp, cp and sequence parallel are in 07_nd_parallel")
+    if cfg.model.num_experts < 1:
+        raise ValueError(f"06_expert_parallel needs a mixture-of-experts model "
+                         f"(model.num_experts >= 1), got {cfg.model.num_experts}")
     pgm = init_pg_manager(tensor_model_parallel_size=p.tensor_model_parallel_size,
                           expert_model_parallel_size=p.expert_model_parallel_size)
     pgm.log_topology()
