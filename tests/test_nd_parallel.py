@@ -16,153 +16,57 @@ import torch
 from scaletorch.dist import RankGrid, destroy_pg_manager, init_pg_manager
 from scaletorch.models import build_model, loss_fn
 from scaletorch.parallel.parallelize import (apply_activation_checkpointing, load_consolidated,
-                                             parallelize, resume_consolidated, save_consolidated,
-                                             saved_activation_bytes)
-from scaletorch.trainer import Config, Trainer
-from scaletorch.trainer.parity import max_weight_diff
-from tests.harness import run_distributed, value_error
+                                             resume_consolidated, saved_activation_bytes)
+from tests.harness import run_distributed
+from tests.layouts import (TOL, assert_parity, build, config_of, layout, make_config,
+                           parallelize_error, reference_key, references, save_and_resume, train)
 
 WORLD = 8
-TOL = 1e-5  # fp32, 5 AdamW steps: only the order of the reductions differs (DESIGN.md)
 SAVE_AT = 3  # the checkpoint test saves after 3 of the 5 steps
-
-
-def make_config(moe: bool = False, micro_batches: int = 2, **parallel) -> Config:
-    cfg = Config()
-    m = cfg.model
-    m.vocab_size, m.hidden_size, m.intermediate_size, m.num_layers = 64, 32, 64, 4
-    m.num_attention_heads, m.num_key_value_heads, m.max_seq_len = 4, 2, 32
-    if moe:  # aux loss about 0.2 of the loss, so wrong statistics would show
-        m.num_experts, m.moe_top_k, m.moe_aux_loss_coeff = 4, 2, 0.1
-    cfg.data.seq_len, cfg.data.global_batch_size, cfg.data.num_micro_batches = 16, 8, \
-        micro_batches
-    t = cfg.training
-    # lr 3e-3: AdamW turns rounding-level gradient differences of elements whose gradient is
-    # near 0 into weight differences of up to ~lr; at 1e-2 two single-device runs that differ
-    # only in micro-batching already differ by 9e-6 in the weights.
-    t.steps, t.lr, t.warmup_steps, t.grad_clip = 5, 3e-3, 2, 0.5  # clipping is active
-    cfg.logging.progress = False
-    for key, value in parallel.items():
-        setattr(cfg.parallel, key, value)
-    return cfg
-
-
-def _layout(tp=1, pp=1, cp=1, ep=1, **rest) -> dict:
-    return dict(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                context_parallel_size=cp, expert_model_parallel_size=ep, **rest)
-
 
 # name -> (moe, micro-batches, parallel config); MoE runs use 1 micro-batch (see parallelize.py)
 LAYOUTS = {
-    "tp2_pp2_dp2": (False, 2, _layout(tp=2, pp=2)),
-    "tp2_cp2_dp2": (False, 2, _layout(tp=2, cp=2)),
-    "pp2_cp2_tp2": (False, 2, _layout(tp=2, pp=2, cp=2)),
-    "zero3_dp4_tp2": (False, 2, _layout(tp=2, zero_stage=3)),
+    "tp2_pp2_dp2": (False, 2, layout(tp=2, pp=2)),
+    "tp2_cp2_dp2": (False, 2, layout(tp=2, cp=2)),
+    "pp2_cp2_tp2": (False, 2, layout(tp=2, pp=2, cp=2)),
+    "zero3_dp4_tp2": (False, 2, layout(tp=2, zero_stage=3)),
     "zero3_pp2_interleaved_dp4":
-    (False, 2, _layout(pp=2, zero_stage=3, schedule="interleaved", virtual_pipeline_stages=2)),
-    "moe_ep2_dp4_tp2": (True, 1, _layout(tp=2, ep=2)),
-    "moe_pp2_dp4_ep2": (True, 1, _layout(pp=2, ep=2, schedule="afab")),
+    (False, 2, layout(pp=2, zero_stage=3, schedule="interleaved", virtual_pipeline_stages=2)),
+    "moe_ep2_dp4_tp2": (True, 1, layout(tp=2, ep=2)),
+    "moe_pp2_dp4_ep2": (True, 1, layout(pp=2, ep=2, schedule="afab")),
     "ckpt_tp2_sp_pp2_dp2":
-    (False, 2, _layout(tp=2, pp=2, sequence_parallel=True, activation_checkpointing=True)),
-    "ckpt_zero2_cp2_dp4": (False, 2, _layout(cp=2, zero_stage=2, activation_checkpointing=True)),
+    (False, 2, layout(tp=2, pp=2, sequence_parallel=True, activation_checkpointing=True)),
+    "ckpt_zero2_cp2_dp4": (False, 2, layout(cp=2, zero_stage=2, activation_checkpointing=True)),
 }
-
-
-def layout_config(name: str) -> Config:
-    moe, m, parallel = LAYOUTS[name]
-    return make_config(moe, m, **parallel)
-
-
-def _pgm(cfg: Config):
-    p = cfg.parallel
-    return init_pg_manager(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-                           p.context_parallel_size, p.expert_model_parallel_size)
-
-
-def _build(cfg: Config, pgm, state=None):
-    model = build_model(cfg.model, seed=cfg.training.model_seed)
-    if state is not None:
-        model.load_state_dict(state)
-    par = parallelize(model, cfg, pgm, torch.device("cpu"))
-    trainer = Trainer.from_parallelized(cfg, par, pgm, verbose=False)
-    return par, trainer
-
-
-def _train_layout(name: str) -> dict:
-    cfg = layout_config(name)
-    pgm = _pgm(cfg)
-    start = time.perf_counter()
-    par, trainer = _build(cfg, pgm)
-    result = trainer.train()
-    out = {
-        "losses": result.losses,
-        "grad_norms": result.grad_norms,
-        "state": par.full_state_dict(),
-        "seconds": time.perf_counter() - start
-    }
-    destroy_pg_manager()
-    return out
 
 
 def _checkpoint_runs(path: str) -> dict:
     """Save after 3 steps at tp2 x pp2 x dp2 (consolidated), resume at dp 8 and at ZeRO-3
     tp2 x dp4; each returns the losses of steps 3 and 4."""
-    out = {}
-    cfg = layout_config("tp2_pp2_dp2")
-    pgm = _pgm(cfg)
-    par, trainer = _build(cfg, pgm)
-    for _ in range(SAVE_AT):
-        trainer.train_step()
-    save_consolidated(path, trainer, par)
-    destroy_pg_manager()
-    state = load_consolidated(path)
-    for name, parallel in (("dp8", _layout()), ("zero3_tp2_dp4", _layout(tp=2, zero_stage=3))):
-        cfg = make_config(False, 1, **parallel)
-        pgm = _pgm(cfg)
-        par, trainer = _build(cfg, pgm, state["model"])
-        resume_consolidated(trainer, par, state)
-        out[name] = trainer.train().losses
-        destroy_pg_manager()
-    return out
+    resumes = {
+        "dp8": make_config(False, 1, **layout()),
+        "zero3_tp2_dp4": make_config(False, 1, **layout(tp=2, zero_stage=3)),
+    }
+    return save_and_resume(config_of(LAYOUTS, "tp2_pp2_dp2"), resumes, path, SAVE_AT)
 
 
 def _invalid_combinations() -> dict:
-    out = {}
-    cfg = make_config(True, 1, **_layout(tp=2, zero_stage=1))  # ZeRO x MoE
-    pgm = _pgm(cfg)
-    out["zero_moe"] = value_error(
-        lambda: parallelize(build_model(cfg.model, 0), cfg, pgm, torch.device("cpu")))
-    cfg = make_config(False, 1, **_layout(tp=2, zero_stage=1, impl="torch"))
-    out["zero_impl_torch"] = value_error(
-        lambda: parallelize(build_model(cfg.model, 0), cfg, pgm, torch.device("cpu")))
-    cfg = make_config(True, 1, **_layout(tp=2, sequence_parallel=True))  # SP x MoE
-    out["sp_moe"] = value_error(
-        lambda: parallelize(build_model(cfg.model, 0), cfg, pgm, torch.device("cpu")))
-    cfg = make_config(False, 1, **_layout(tp=2, impl="torch"))  # DTensor tp 2 in a world of 8
-    out["dtensor_tp2_dp4"] = value_error(
-        lambda: parallelize(build_model(cfg.model, 0), cfg, pgm, torch.device("cpu")))
-    destroy_pg_manager()
-    cfg = make_config(False, 2, **_layout(pp=2, cp=2, impl="torch"))  # torch pipelining x cp
-    pgm = _pgm(cfg)
-    out["torch_pp_cp"] = value_error(
-        lambda: parallelize(build_model(cfg.model, 0), cfg, pgm, torch.device("cpu")))
-    destroy_pg_manager()
-    cfg = make_config(False, 1, **_layout(pp=2, cp=2, schedule="1f1b"))  # 1F1B with m < p
-    pgm = _pgm(cfg)
-    out["1f1b_m1"] = value_error(
-        lambda: parallelize(build_model(cfg.model, 0), cfg, pgm, torch.device("cpu")))
-    destroy_pg_manager()
-    cfg = make_config(False, 1, **_layout(cp=4))  # seq 16 into 2 x 4 chunks: fine; s/cp % tp
-    cfg.data.seq_len = 12
-    pgm = _pgm(cfg)
-    out["cp_seq"] = value_error(
-        lambda: parallelize(build_model(cfg.model, 0), cfg, pgm, torch.device("cpu")))
-    destroy_pg_manager()
-    return out
+    cp_seq = make_config(False, 1, **layout(cp=4))  # s/cp = 3 tokens: not 2 zigzag chunks
+    cp_seq.data.seq_len = 12
+    configs = {
+        "zero_moe": make_config(True, 1, **layout(tp=2, zero_stage=1)),
+        "zero_impl_torch": make_config(False, 1, **layout(tp=2, zero_stage=1, impl="torch")),
+        "sp_moe": make_config(True, 1, **layout(tp=2, sequence_parallel=True)),
+        "dtensor_tp2_dp4": make_config(False, 1, **layout(tp=2, impl="torch")),
+        "torch_pp_cp": make_config(False, 2, **layout(pp=2, cp=2, impl="torch")),
+        "1f1b_m1": make_config(False, 1, **layout(pp=2, cp=2, schedule="1f1b")),  # m < p
+        "cp_seq": cp_seq,
+    }
+    return {name: parallelize_error(cfg) for name, cfg in configs.items()}
 
 
 def _world(rank: int, world: int, path: str) -> dict:
-    out = {name: _train_layout(name) for name in LAYOUTS}
+    out = {name: train(config_of(LAYOUTS, name)) for name in LAYOUTS}
     out["checkpoint"] = _checkpoint_runs(path)
     out["errors"] = _invalid_combinations()
     return out
@@ -178,35 +82,18 @@ class NDParallelMatchesSingleDevice(unittest.TestCase):
         cls.results = run_distributed(_world, WORLD, cls.path, timeout=300)
         cls.world_seconds = time.perf_counter() - start
         # one single-device reference per (model, micro-batches): losses, grad norms, weights
-        cls.references = {}
-        for cfg in [layout_config(name) for name in LAYOUTS] + [make_config(False, 1)]:
-            key = (cfg.model.num_experts, cfg.data.num_micro_batches)
-            if key not in cls.references:
-                cfg.parallel = Config().parallel
-                model = build_model(cfg.model, seed=cfg.training.model_seed)
-                result = Trainer(cfg, model, None, verbose=False).train()
-                cls.references[key] = (result.losses, result.grad_norms, model.state_dict())
+        cls.references = references([config_of(LAYOUTS, name)
+                                     for name in LAYOUTS] + [make_config(False, 1)])
 
     @classmethod
     def tearDownClass(cls):
         cls.tmp.cleanup()
 
     def _reference(self, name: str):
-        cfg = layout_config(name)
-        return self.references[(cfg.model.num_experts, cfg.data.num_micro_batches)]
+        return self.references[reference_key(config_of(LAYOUTS, name))]
 
     def _assert_parity(self, name: str) -> None:
-        losses, norms, state = self._reference(name)
-        out = self.results[0][name]
-        for rank, res in enumerate(self.results):  # every rank reports the same global loss
-            self.assertEqual(len(res[name]["losses"]), 5)
-            for a, b in zip(res[name]["losses"], losses):
-                self.assertAlmostEqual(a, b, delta=TOL, msg=f"{name} rank {rank}")
-            for a, b in zip(res[name]["grad_norms"], norms):
-                self.assertAlmostEqual(a, b, delta=TOL * max(1.0, b), msg=f"{name} rank {rank}")
-            if rank > 0:
-                self.assertIsNone(res[name]["state"])
-        self.assertLessEqual(max_weight_diff(out["state"], state), TOL, name)
+        assert_parity(self, self.results, name, self._reference(name))
 
     def test_tp2_pp2_dp2_matches_single_device(self):
         self._assert_parity("tp2_pp2_dp2")
@@ -250,7 +137,7 @@ class NDParallelMatchesSingleDevice(unittest.TestCase):
         cfg = make_config(False, 1)
         pgm = init_pg_manager()
         try:
-            par, trainer = _build(cfg, pgm, state["model"])
+            par, trainer = build(cfg, pgm, state["model"])
             resume_consolidated(trainer, par, state)
             result = trainer.train()
         finally:

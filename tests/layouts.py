@@ -1,0 +1,158 @@
+"""What the tests of ``parallelize`` share: the small model and config, a layout's parallel
+config, training one layout inside a gloo world (the pg_manager rebuilt per layout), the
+single-device references and the parity assertion.
+
+Used by tests/test_nd_parallel.py (8 ranks, the composed layouts) and
+tests/test_parallelize_chapters.py (2 ranks, each chapter's layout, ours and PyTorch's).
+"""
+
+import time
+import unittest
+from typing import Dict, Iterable, List, Tuple
+
+import torch
+
+from scaletorch.dist import destroy_pg_manager, init_pg_manager
+from scaletorch.models import build_model
+from scaletorch.parallel.parallelize import (Parallelized, load_consolidated, parallelize,
+                                             resume_consolidated, save_consolidated)
+from scaletorch.trainer import Config, Trainer
+from scaletorch.trainer.parity import max_weight_diff
+from tests.harness import value_error
+
+TOL = 1e-5  # fp32, 5 AdamW steps: only the order of the reductions differs (DESIGN.md)
+STEPS = 5
+
+
+def make_config(moe: bool = False, micro_batches: int = 2, **parallel) -> Config:
+    """4 layers, hidden 32, 4 query / 2 key-value heads, 8 sequences of 16 tokens, 5 steps."""
+    cfg = Config()
+    m = cfg.model
+    m.vocab_size, m.hidden_size, m.intermediate_size, m.num_layers = 64, 32, 64, 4
+    m.num_attention_heads, m.num_key_value_heads, m.max_seq_len = 4, 2, 32
+    if moe:  # aux loss about 0.2 of the loss, so wrong statistics would show
+        m.num_experts, m.moe_top_k, m.moe_aux_loss_coeff = 4, 2, 0.1
+    cfg.data.seq_len, cfg.data.global_batch_size, cfg.data.num_micro_batches = 16, 8, \
+        micro_batches
+    t = cfg.training
+    # lr 3e-3: AdamW turns rounding-level gradient differences of elements whose gradient is
+    # near 0 into weight differences of up to ~lr; at 1e-2 two single-device runs that differ
+    # only in micro-batching already differ by 9e-6 in the weights.
+    t.steps, t.lr, t.warmup_steps, t.grad_clip = STEPS, 3e-3, 2, 0.5  # clipping is active
+    cfg.logging.progress = False
+    for key, value in parallel.items():
+        setattr(cfg.parallel, key, value)
+    return cfg
+
+
+def layout(tp=1, pp=1, cp=1, ep=1, **rest) -> dict:
+    """The parallel section of a config: sizes by their short names, the rest as given."""
+    return dict(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                context_parallel_size=cp, expert_model_parallel_size=ep, **rest)
+
+
+def config_of(layouts: Dict[str, Tuple[bool, int, dict]], name: str) -> Config:
+    """The config of ``layouts[name]`` = (moe, micro-batches, parallel config)."""
+    moe, m, parallel = layouts[name]
+    return make_config(moe, m, **parallel)
+
+
+def pg_manager_for(cfg: Config):
+    p = cfg.parallel
+    return init_pg_manager(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+                           p.context_parallel_size, p.expert_model_parallel_size)
+
+
+def build(cfg: Config, pgm, state=None) -> Tuple[Parallelized, Trainer]:
+    """Chapter 00's model (optionally loaded with ``state``), parallelized, and its Trainer."""
+    model = build_model(cfg.model, seed=cfg.training.model_seed)
+    if state is not None:
+        model.load_state_dict(state)
+    par = parallelize(model, cfg, pgm, torch.device("cpu"))
+    return par, Trainer.from_parallelized(cfg, par, pgm, verbose=False)
+
+
+def train(cfg: Config) -> dict:
+    """Inside a world: train ``cfg``'s layout; losses, grad norms, full weights (rank 0)."""
+    pgm = pg_manager_for(cfg)
+    start = time.perf_counter()
+    par, trainer = build(cfg, pgm)
+    result = trainer.train()
+    out = {
+        "losses": result.losses,
+        "grad_norms": result.grad_norms,
+        "state": par.full_state_dict(),
+        "layout": type(par.layout).__name__,
+        "seconds": time.perf_counter() - start
+    }
+    destroy_pg_manager()
+    return out
+
+
+def save_and_resume(saved: Config, resumes: Dict[str, Config], path: str,
+                    save_at: int) -> Dict[str, List[float]]:
+    """Inside a world: train ``saved`` for ``save_at`` steps, write a consolidated checkpoint to
+    ``path``, resume it at each layout of ``resumes``; {name: losses of the remaining steps}."""
+    pgm = pg_manager_for(saved)
+    par, trainer = build(saved, pgm)
+    for _ in range(save_at):
+        trainer.train_step()
+    save_consolidated(path, trainer, par)
+    destroy_pg_manager()
+    state = load_consolidated(path)
+    out = {}
+    for name, cfg in resumes.items():
+        pgm = pg_manager_for(cfg)
+        par, trainer = build(cfg, pgm, state["model"])  # the weights before parallelize
+        resume_consolidated(trainer, par, state)  # then each rank's part of the AdamW state
+        out[name] = trainer.train().losses
+        destroy_pg_manager()
+    return out
+
+
+def parallelize_error(cfg: Config, pgm=None) -> str:
+    """Inside a world: the ValueError ``parallelize`` raises for ``cfg`` (its own pg_manager
+    unless one is given)."""
+    own = pgm is None
+    pgm = pg_manager_for(cfg) if own else pgm
+    try:
+        return value_error(
+            lambda: parallelize(build_model(cfg.model, 0), cfg, pgm, torch.device("cpu")))
+    finally:
+        if own:
+            destroy_pg_manager()
+
+
+def references(configs: Iterable[Config]) -> Dict[Tuple[int, int], tuple]:
+    """Outside the world: one single-device run per (num_experts, micro-batches) of
+    ``configs``: (losses, grad norms, final weights)."""
+    out: Dict[Tuple[int, int], tuple] = {}
+    for cfg in configs:
+        key = (cfg.model.num_experts, cfg.data.num_micro_batches)
+        if key not in out:
+            cfg.parallel = Config().parallel
+            model = build_model(cfg.model, seed=cfg.training.model_seed)
+            result = Trainer(cfg, model, None, verbose=False).train()
+            out[key] = (result.losses, result.grad_norms, model.state_dict())
+    return out
+
+
+def reference_key(cfg: Config) -> Tuple[int, int]:
+    return cfg.model.num_experts, cfg.data.num_micro_batches
+
+
+def assert_parity(test: unittest.TestCase, results: List[dict], name: str,
+                  reference: tuple) -> None:
+    """Every rank's losses and grad norms, and rank 0's final weights, within TOL of the
+    single-device ``reference``; the full weights are on rank 0 only."""
+    losses, norms, state = reference
+    for rank, res in enumerate(results):
+        out = res[name]
+        test.assertEqual(len(out["losses"]), STEPS)
+        for a, b in zip(out["losses"], losses):
+            test.assertAlmostEqual(a, b, delta=TOL, msg=f"{name} rank {rank}")
+        for a, b in zip(out["grad_norms"], norms):
+            test.assertAlmostEqual(a, b, delta=TOL * max(1.0, b), msg=f"{name} rank {rank}")
+        if rank > 0:
+            test.assertIsNone(out["state"])
+    test.assertLessEqual(max_weight_diff(results[0][name]["state"], state), TOL, name)
