@@ -46,6 +46,7 @@ statistics are per micro-batch, and a micro-batch of the parallel run holds othe
 """
 
 import os
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
@@ -155,21 +156,52 @@ def apply_activation_checkpointing(model: Llama) -> Llama:
     return model
 
 
+class _Saved:
+    """What autograd holds in place of a saved tensor while ``saved_activation_bytes`` watches:
+    the tensor, and (through a weakref finalizer) word of when autograd lets it go."""
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
 def saved_activation_bytes(model: nn.Module, fn: Callable[[], Any]) -> Tuple[int, Any]:
-    """Bytes of the tensors autograd keeps for backward while ``fn()`` runs (distinct storages,
-    parameters excluded), and fn's result: what activation checkpointing saves."""
+    """The most bytes of tensors autograd kept for backward at one time while ``fn()`` ran
+    (distinct storages, parameters excluded), and fn's result: what activation checkpointing
+    saves. For a forward alone that is everything it saved; for a whole step (forward and
+    backward of several micro-batches, or a pipeline schedule) the peak, since backward frees
+    what it used."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: Dict[int, int] = {}
+    live: Dict[int, List[int]] = {}  # storage address -> [bytes, saved tensors using it]
+    current, peak = 0, 0
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
+    def release(ptr: int) -> None:
+        nonlocal current
+        live[ptr][1] -= 1
+        if live[ptr][1] == 0:
+            current -= live.pop(ptr)[0]
+
+    def pack(t: torch.Tensor) -> Any:
+        nonlocal current, peak
         storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
+        ptr = storage.data_ptr()
+        if ptr in params:
+            return t
+        entry = live.setdefault(ptr, [storage.nbytes(), 0])
+        if entry[1] == 0:  # a storage counts once, however many saved views share it
+            current += entry[0]
+            peak = max(peak, current)
+        entry[1] += 1
+        saved = _Saved(t)
+        weakref.finalize(saved, release, ptr)
+        return saved
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    def unpack(saved: Any) -> torch.Tensor:
+        return saved.tensor if isinstance(saved, _Saved) else saved
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         out = fn()
-    return sum(seen.values()), out
+    return peak, out
 
 
 class _ZeroChunks(nn.Module):

@@ -4,9 +4,9 @@ For each world size one gloo world trains the same model under several layouts (
 ``parallelize``, each with its own process-group manager), their steps alternating so that
 background load hits all alike. A row: the layout, the median step time and its ratio to
 plain data parallel in the same world (measured alternately), the most memory any rank holds
-(parameters + gradients + AdamW state), the activations autograd saved for backward in one
-step (summed over micro-batches, ``saved_activation_bytes``; ZeRO-3 rows include the gathered
-weights the matmuls keep) and the most bytes any rank puts on the wire per step, by group.
+(parameters + gradients + AdamW state), the most activations autograd held for backward at
+once during one step (``saved_activation_bytes``; ZeRO-3 rows include the gathered weights
+the matmuls keep, which vary a little with the prefetch timing) and the most bytes any rank puts on the wire per step, by group.
 Expected: tp and pp divide the memory by about tp x pp, ZeRO-3 by dp, plain dp not at all;
 tp pays activations on "tp", pp a few messages on "pp", dp the gradients on "dp_cp";
 activation checkpointing keeps only each block's input.
