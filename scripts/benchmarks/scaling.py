@@ -6,7 +6,8 @@ background load hits all alike. A row: the layout, the median step time and its 
 plain data parallel in the same world (measured alternately), the most memory any rank holds
 (parameters + gradients + AdamW state), the most activations autograd held for backward at
 once during one step (``saved_activation_bytes``; ZeRO-3 rows include the gathered weights
-the matmuls keep, which vary a little with the prefetch timing) and the most bytes any rank puts on the wire per step, by group.
+the matmuls keep, which vary a little with the prefetch timing) and the most bytes any rank
+puts on the wire per step, by group.
 Expected: tp and pp divide the memory by about tp x pp, ZeRO-3 by dp, plain dp not at all;
 tp pays activations on "tp", pp a few messages on "pp", dp the gradients on "dp_cp";
 activation checkpointing keeps only each block's input.
