@@ -6,6 +6,9 @@ block, then the root). A step is zero_grad, forward + backward, global-norm clip
 as in the Trainer. Steps alternate between the four (the order rotates every step), so
 background load hits all alike; a step's time is the slowest rank's, and a row reports the
 median over rounds of the ratio to ``fully_shard``. Target: ZeRO-3 <= 1.2 x fully_shard.
+Then the elements each stage gathers and reduce-scatters per step, and the bytes each rank
+holds after a step (parameters, gradients, AdamW state; the most of any rank), next to the
+formulas of zero.py.
 
     python scripts/benchmark.py --only fsdp --steps 10 --repeats 3
 """
@@ -17,7 +20,7 @@ import torch
 from scaletorch.dist import destroy_pg_manager, get_ledger, init_pg_manager
 from scaletorch.models import LlamaConfig, build_model
 from scaletorch.parallel.fsdp import apply_fully_shard, apply_zero
-from scaletorch.parallel.zero import ZeroAdamW, comm_formula
+from scaletorch.parallel.zero import ZeroAdamW, comm_formula, measure_memory, memory_formula
 from scaletorch.trainer import forward_backward
 from scripts.benchmarks import timing
 
@@ -58,9 +61,12 @@ def _measure(rank: int, world: int, samples: int) -> Dict[str, object]:
         IMPLS, samples, WARMUP, step,
         lambda impl: sum(get_ledger().total(op=op) for op in ("all_gather", "reduce_scatter")))
     times = timing.max_over_ranks(times)
+    memory = timing.max_over_ranks(
+        {impl: [sum(measure_memory(*runs[impl][:2]).values())]
+         for impl in IMPLS})
     padded = runs["zero3"][0].padded_numel
     destroy_pg_manager()
-    return {"times": times, "elements": elements, "padded": padded}
+    return {"times": times, "elements": elements, "padded": padded, "memory": memory}
 
 
 def run(args) -> List[dict]:
@@ -86,6 +92,17 @@ def run(args) -> List[dict]:
             "native_ms": "",
             "ratio": result["elements"][f"zero{stage}"] / formula,
             "target": "== 1",
+            **common
+        })
+    for impl, stage, label in (("zero1", 1, "(8 + 8/N) Psi'"), ("zero2", 2, "(4 + 12/N) Psi'"),
+                               ("zero3", 3, "16 Psi'/N"), ("fully_shard", 3, "16 Psi'/N")):
+        formula = sum(memory_formula(stage, padded, world).values())
+        rows.append({
+            "name": f"{impl} bytes per rank / {label}",
+            "ours_ms": "",
+            "native_ms": "",
+            "ratio": result["memory"][impl][0] / formula,
+            "target": "== 1" if impl != "fully_shard" else "~ 1 (pads per tensor)",
             **common
         })
     return rows
