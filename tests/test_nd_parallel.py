@@ -134,6 +134,7 @@ class NDParallelMatchesSingleDevice(unittest.TestCase):
         # and on one device, no process group at all
         state = load_consolidated(self.path)
         self.assertEqual(state["step"], SAVE_AT)
+        self.assertEqual(state["schedule"]["steps"], 5)  # resume warns when the schedule differs
         cfg = make_config(False, 1)
         pgm = init_pg_manager()
         try:

@@ -527,8 +527,17 @@ def consolidated_state(trainer, par: Parallelized) -> Optional[Dict[str, Any]]:
         "step": trainer.step,
         "model": model,
         "optimizer": optim,
-        "scheduler": trainer.scheduler.state_dict()
+        "scheduler": trainer.scheduler.state_dict(),
+        "schedule": _schedule(trainer.cfg),
     }
+
+
+SCHEDULE = ("steps", "lr", "min_lr", "warmup_steps")
+
+
+def _schedule(cfg) -> Dict[str, float]:
+    """The training fields the learning-rate schedule is a function of."""
+    return {key: getattr(cfg.training, key) for key in SCHEDULE}
 
 
 def save_consolidated(path: str, trainer, par: Parallelized) -> Optional[str]:
@@ -568,6 +577,14 @@ def resume_consolidated(trainer, par: Parallelized, state: Dict[str, Any]) -> No
     for group, lr in zip(opt.param_groups, trainer.scheduler.get_last_lr()):
         group["lr"] = lr
     trainer.step = state["step"]
+    saved, now = state.get("schedule"), _schedule(trainer.cfg)
+    if saved is not None and saved != now and par.layout.pgm.rank == 0:
+        differ = ", ".join(f"{k} {saved[k]} -> {now[k]}" for k in SCHEDULE if saved[k] != now[k])
+        print(
+            f"note: resuming a run whose schedule was {differ}: from step {trainer.step} the "
+            f"learning rate follows this run's schedule, so the result differs from one "
+            f"uninterrupted run of either config (and --check compares with this config's)",
+            flush=True)
 
 
 # ---- what chapter 07 prints: every rank's place, traffic and memory in one table -------------
