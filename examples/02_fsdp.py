@@ -19,8 +19,9 @@ import sys
 from scaletorch.dist import (destroy_distributed, destroy_pg_manager, get_ledger, init_distributed,
                              init_pg_manager)
 from scaletorch.models import build_model
+from scaletorch.parallel.consolidated import save_consolidated
 from scaletorch.parallel.fsdp import check_zero_layout
-from scaletorch.parallel.parallelize import parallelize, save_consolidated
+from scaletorch.parallel.parallelize import parallelize
 from scaletorch.parallel.zero import comm_report, memory_report
 from scaletorch.trainer import Trainer, check_against_reference, parse_args, validate_layout
 

@@ -27,8 +27,9 @@ import sys
 from scaletorch.dist import (destroy_distributed, destroy_pg_manager, get_ledger, init_distributed,
                              init_pg_manager)
 from scaletorch.models import build_model
-from scaletorch.parallel.parallelize import (ORDER, load_consolidated, parallelize, rank_report,
-                                             resume_consolidated, save_consolidated)
+from scaletorch.parallel.consolidated import (load_consolidated, resume_consolidated,
+                                              save_consolidated)
+from scaletorch.parallel.parallelize import ORDER, parallelize, rank_report
 from scaletorch.parallel.pipeline_parallel import gather_timeline
 from scaletorch.trainer import Trainer, check_against_reference, parse_args, validate_layout
 

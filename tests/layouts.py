@@ -14,8 +14,9 @@ import torch
 
 from scaletorch.dist import destroy_pg_manager, init_pg_manager
 from scaletorch.models import build_model
-from scaletorch.parallel.parallelize import (Parallelized, load_consolidated, parallelize,
-                                             resume_consolidated, save_consolidated)
+from scaletorch.parallel.consolidated import (load_consolidated, resume_consolidated,
+                                              save_consolidated)
+from scaletorch.parallel.parallelize import Parallelized, parallelize
 from scaletorch.trainer import Config, Trainer
 from scaletorch.trainer.parity import max_weight_diff
 from tests.harness import value_error

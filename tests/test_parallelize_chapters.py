@@ -10,7 +10,7 @@ import os
 import tempfile
 import unittest
 
-from scaletorch.parallel.parallelize import DTensorLayout, Layout
+from scaletorch.parallel.layout import DTensorLayout, Layout
 from tests.harness import run_distributed
 from tests.layouts import (STEPS, TOL, assert_parity, config_of, layout, make_config,
                            parallelize_error, reference_key, references, save_and_resume, train)

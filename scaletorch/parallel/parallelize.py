@@ -10,9 +10,9 @@ the Trainer needs. The order (as in torchtitan), and why:
                  Before context parallel: ring attention then works on this rank's heads.
     3 context    swap each attention's ``attention_fn`` for ring (or Ulysses) attention over
                  "cp"; the step shards every sequence zigzag and passes the true positions.
-    4 checkpoint recompute each block in backward (``--activation-checkpointing``). After the
-                 strategies that change a block (its recompute re-runs their collectives),
-                 before the pipeline cuts the blocks into stages.
+    4 checkpoint recompute each block in backward (``--activation-checkpointing``,
+                 activation_checkpointing.py). After the strategies that change a block (its
+                 recompute re-runs their collectives), before the pipeline cuts the blocks.
     5 pipeline   keep this rank's stages over "pp"; the step is the pipeline schedule.
     6 data       last, because it must see exactly the parameters this rank holds (after the
                  tp shards and the pp cut): bucketed DDP over "dp_cp", ZeRO-1/2/3 over
@@ -24,9 +24,10 @@ experts, s/cp tokens of B/dp sequences; ZeRO also shards what is left over dp_cp
 
 Gradient clipping is one rule for every layout (``grad_norm.world_grad_norm``): every gradient
 element counted once, replicated copies divided by their number of replicas, one all-reduce
-over the world. ``full_state_dict()`` gathers the reference-keyed weights on global rank 0;
-``save_consolidated`` / ``load_consolidated`` write and read full weights *and* full AdamW
-state, so a run saved at one layout resumes at any other.
+over the world. The returned ``layout`` (layout.py) knows where every reference tensor lives:
+``full_state_dict()`` gathers the reference-keyed weights on global rank 0, and
+consolidated.py writes and reads full weights *and* full AdamW state through it, so a run
+saved at one layout resumes at any other.
 
 ``parallel.impl`` picks whose version runs, so each chapter's native comparison goes through
 this same call (chapters 01-06 all use ``parallelize``):
@@ -45,30 +46,26 @@ MoE parity with the reference is exact with one micro-batch (moe.py: the load-ba
 statistics are per micro-batch, and a micro-batch of the parallel run holds other tokens).
 """
 
-import os
-import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Callable, List, Optional, Union
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.parallel import loss_parallel
-from torch.utils.checkpoint import checkpoint
 
 from scaletorch.dist import comm, get_ledger
-from scaletorch.dist.functional import gather_along_dim, split_along_dim
 from scaletorch.models import Llama, loss_fn
+from scaletorch.parallel.activation_checkpointing import apply_activation_checkpointing
 from scaletorch.parallel.context_parallel import apply_context_parallel, make_sequence_sharder
 from scaletorch.parallel.data_parallel import apply_data_parallel
 from scaletorch.parallel.expert_parallel import (ExpertParallel, apply_expert_parallel,
                                                  validate_expert_parallel)
 from scaletorch.parallel.fsdp import ShardedDataParallel, apply_fully_shard, llama_units
-from scaletorch.parallel.grad_norm import clip_grads_, replica_count, world_grad_norm
+from scaletorch.parallel.grad_norm import clip_grads_, world_grad_norm
+from scaletorch.parallel.layout import DTensorLayout, Layout, State
 from scaletorch.parallel.pipeline_parallel import (PipelineSchedule, TorchPipelineSchedule,
                                                    apply_data_parallel_to_chunks,
-                                                   apply_pipeline_parallel,
-                                                   gather_pipeline_state_dict)
+                                                   apply_pipeline_parallel)
 from scaletorch.parallel.pipeline_schedules import validate_schedule
 from scaletorch.parallel.step import ForwardBackward, make_data_parallel_step
 from scaletorch.parallel.tensor_parallel import (apply_dtensor_tensor_parallel,
@@ -77,7 +74,6 @@ from scaletorch.parallel.tensor_parallel import (apply_dtensor_tensor_parallel,
                                                  validate_tensor_parallel)
 from scaletorch.parallel.zero import ZeroAdamW
 
-State = Dict[str, torch.Tensor]
 ORDER = ("expert", "tensor", "context", "activation checkpointing", "pipeline", "data")
 
 
@@ -97,7 +93,7 @@ class Parallelized:
     forward_backward: ForwardBackward
     clip_grad_norm: Callable[[float], torch.Tensor]
     optimizer: Optional[torch.optim.Optimizer]
-    layout: Union["Layout", "DTensorLayout"]
+    layout: Union[Layout, DTensorLayout]
 
     def full_state_dict(self) -> Optional[State]:
         return self.layout.gather(lambda p: p.detach())
@@ -136,74 +132,6 @@ def validate_nd(cfg, pgm) -> None:
                          f"'scaletorch'")
 
 
-class _Checkpointed:
-    """A block's forward that keeps only its inputs and recomputes the rest in backward."""
-
-    def __init__(self, forward: Callable) -> None:
-        self.forward = forward
-
-    def __call__(self, *args):
-        return checkpoint(self.forward, *args, use_reentrant=False)
-
-
-def apply_activation_checkpointing(model: Llama) -> Llama:
-    """Checkpoint every transformer block: per block only its input (b, s, h) (and RoPE's
-    cos/sin) stays alive between forward and backward; the block's forward runs again in
-    backward, collectives included. Parameter names (state dicts) are unchanged."""
-    for block in model.layers:
-        if not isinstance(block.forward, _Checkpointed):
-            block.forward = _Checkpointed(block.forward)
-    return model
-
-
-class _Saved:
-    """What autograd holds in place of a saved tensor while ``saved_activation_bytes`` watches:
-    the tensor, and (through a weakref finalizer) word of when autograd lets it go."""
-    __slots__ = ("tensor", "__weakref__")
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
-
-
-def saved_activation_bytes(model: nn.Module, fn: Callable[[], Any]) -> Tuple[int, Any]:
-    """The most bytes of tensors autograd kept for backward at one time while ``fn()`` ran
-    (distinct storages, parameters excluded), and fn's result: what activation checkpointing
-    saves. For a forward alone that is everything it saved; for a whole step (forward and
-    backward of several micro-batches, or a pipeline schedule) the peak, since backward frees
-    what it used."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    live: Dict[int, List[int]] = {}  # storage address -> [bytes, saved tensors using it]
-    current, peak = 0, 0
-
-    def release(ptr: int) -> None:
-        nonlocal current
-        live[ptr][1] -= 1
-        if live[ptr][1] == 0:
-            current -= live.pop(ptr)[0]
-
-    def pack(t: torch.Tensor) -> Any:
-        nonlocal current, peak
-        storage = t.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr in params:
-            return t
-        entry = live.setdefault(ptr, [storage.nbytes(), 0])
-        if entry[1] == 0:  # a storage counts once, however many saved views share it
-            current += entry[0]
-            peak = max(peak, current)
-        entry[1] += 1
-        saved = _Saved(t)
-        weakref.finalize(saved, release, ptr)
-        return saved
-
-    def unpack(saved: Any) -> torch.Tensor:
-        return saved.tensor if isinstance(saved, _Saved) else saved
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        out = fn()
-    return peak, out
-
-
 class _ZeroChunks(nn.Module):
     """What ZeroAdamW drives when a pipeline rank holds several ZeRO-wrapped chunks."""
 
@@ -232,154 +160,6 @@ def _chunk_units(chunk: nn.Module):
     if chunk.lm_head is not None:
         units.append(("head", [("norm", chunk.norm), ("lm_head", chunk.lm_head)]))
     return units
-
-
-class Layout:
-    """Where every reference tensor lives on this rank: which optimizer parameter holds it and
-    how it is split (tp dim, ep, a ZeRO unit's flat shard over dp_cp, a pipeline stage).
-
-    ``gather(value_of)`` builds full reference-keyed tensors from one local tensor per optimizer
-    parameter (the parameter, or an AdamW state of its shape); ``scatter(full)`` is the inverse,
-    used to load a full optimizer state at any layout.
-    """
-
-    def __init__(self, pgm, splits: Dict[str, Tuple[Optional[int], bool]], entries: List[Any],
-                 pipe=None) -> None:
-        self.pgm, self.splits, self.pipe = pgm, splits, pipe
-        # each entry: (optimizer parameter, [(names, shape, offset)], ZeRO unit or None)
-        self.entries = entries
-
-    @classmethod
-    def record_splits(cls, model: nn.Module) -> Dict[str, Tuple[Optional[int], bool]]:
-        """{reference name: (tp partition dim or None, is expert)}, read from the tags the
-        strategies put on parameters, before wrappers and ZeRO hide them."""
-        splits = {}
-        for name, t in model.state_dict(keep_vars=True).items():
-            tp_dim = t.partition_dim if getattr(t, "tensor_model_parallel", False) else None
-            splits[name] = (tp_dim, bool(getattr(t, "expert_parallel", False)))
-        return splits
-
-    def params(self) -> List[torch.Tensor]:
-        """The optimizer's parameters, one per entry (what AdamW keeps state for)."""
-        return [param for param, _, _ in self.entries]
-
-    @staticmethod
-    def plain_entries(modules: List[nn.Module]) -> List[Any]:
-        """One entry per parameter of ``modules``, with every name it has (tied weights)."""
-        by_param: Dict[int, Tuple[torch.Tensor, List[str]]] = {}
-        for module in modules:
-            for name, t in module.state_dict(keep_vars=True).items():
-                by_param.setdefault(id(t), (t, []))[1].append(name)
-        return [(t, [(names, t.shape, 0)], None) for t, names in by_param.values()]
-
-    @staticmethod
-    def zero_entries(wrappers: List[ShardedDataParallel]) -> List[Any]:
-        """One entry per ZeRO unit: its flat shard and the (names, shape, offset) of its pieces."""
-        return [(u.shard, list(zip(u.names, u.shapes, u.offsets)), u) for w in wrappers
-                for u in w.units]
-
-    # ---- full <-> local, one tensor at a time ----------------------------------------------
-
-    def _full(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        tp_dim, expert = self.splits[name]
-        if expert:
-            t = gather_along_dim(t, 0, self.pgm.expert_model_parallel_group)
-        if tp_dim is not None:
-            t = gather_along_dim(t, tp_dim, self.pgm.tensor_model_parallel_group)
-        return t
-
-    def _local(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        tp_dim, expert = self.splits[name]
-        if expert:
-            t = split_along_dim(t, 0, self.pgm.expert_model_parallel_group)
-        if tp_dim is not None:
-            t = split_along_dim(t, tp_dim, self.pgm.tensor_model_parallel_group)
-        return t
-
-    def gather(self, value_of: Callable[[torch.Tensor], torch.Tensor]) -> Optional[State]:
-        """Collective over the world. {reference name: full fp32 tensor} on global rank 0."""
-        ledger = get_ledger()
-        enabled, ledger.enabled = ledger.enabled, False  # a check, not training traffic
-        try:
-            local: State = {}
-            for param, pieces, unit in self.entries:
-                value = value_of(param).detach()
-                if unit is not None:  # the unit's flat vector: all-gather the shards over dp_cp
-                    flat = value.new_empty(unit.padded_numel)
-                    comm.all_gather_into_tensor(flat, value.contiguous(), unit.group)
-                for names, shape, offset in pieces:
-                    t = value if unit is None else flat[offset:offset + shape.numel()].view(shape)
-                    full = self._full(names[0], t).float().clone()
-                    local.update({n: full for n in names})
-            if self.pipe is not None:
-                local = gather_pipeline_state_dict(self.pipe, self.pgm, local)
-        finally:
-            ledger.enabled = enabled
-        return local if self.pgm.rank == 0 else None
-
-    def scatter(self, full: State) -> Dict[torch.Tensor, torch.Tensor]:
-        """{optimizer parameter: this rank's part of ``full``} (no communication)."""
-        out = {}
-        for param, pieces, unit in self.entries:
-            if unit is None:
-                out[param] = self._local(pieces[0][0][0], full[pieces[0][0][0]]).clone()
-                continue
-            flat = torch.zeros(unit.padded_numel, dtype=param.dtype)
-            for names, shape, offset in pieces:
-                piece = self._local(names[0], full[names[0]])
-                flat[offset:offset + shape.numel()] = piece.flatten()
-            out[param] = flat[unit.rank * unit.shard_numel:][:unit.shard_numel].clone()
-        return {p: t.to(p.device, p.dtype) for p, t in out.items()}
-
-    def replicas(self) -> List[Tuple[torch.Tensor, Any]]:
-        """(optimizer parameter, replicas) for ``world_grad_norm``: a count per parameter, or
-        per element of a ZeRO shard (whose pieces are each tp-split or tp-replicated)."""
-        tp = self.pgm.tensor_model_parallel_world_size
-        out = []
-        for param, pieces, unit in self.entries:
-            if unit is None:
-                out.append((param, replica_count(param, self.pgm)))
-                continue
-            counts = torch.ones(unit.padded_numel, device=param.device)  # padding: zero grads
-            for names, shape, offset in pieces:
-                counts[offset:offset + shape.numel()] = 1 if self.splits[names[0]][0] is not None \
-                    else tp
-            out.append((param, counts[unit.rank * unit.shard_numel:][:unit.shard_numel]))
-        return out
-
-
-class DTensorLayout:
-    """Where every reference tensor lives under PyTorch's FSDP2 or DTensor tensor parallel:
-    each parameter keeps its reference name and is a DTensor (its placements say how it is
-    split) or a plain tensor replicated on every rank. Same contract as ``Layout``."""
-
-    def __init__(self, pgm, model: nn.Module) -> None:
-        self.pgm = pgm
-        by_param: Dict[int, Tuple[torch.Tensor, List[str]]] = {}
-        for name, t in model.state_dict(keep_vars=True).items():
-            by_param.setdefault(id(t), (t, []))[1].append(name)
-        self.entries = list(by_param.values())  # (parameter, its names: tied weights)
-
-    def params(self) -> List[torch.Tensor]:
-        return [param for param, _ in self.entries]
-
-    def gather(self, value_of: Callable[[torch.Tensor], torch.Tensor]) -> Optional[State]:
-        """Collective (DTensor's own all-gathers). {reference name: full fp32 tensor} on rank 0."""
-        full_state: State = {}
-        for param, names in self.entries:
-            value = value_of(param).detach()
-            full = value.full_tensor() if isinstance(value, DTensor) else value
-            full_state.update({n: full.float().clone() for n in names})
-        return full_state if self.pgm.rank == 0 else None
-
-    def scatter(self, full: State) -> Dict[torch.Tensor, torch.Tensor]:
-        """{parameter: this rank's part of ``full``}, as DTensors placed like the parameter."""
-        out = {}
-        for param, names in self.entries:
-            t = full[names[0]].to(param.device, param.dtype)
-            out[param] = distribute_tensor(t, param.device_mesh, param.placements) \
-                if isinstance(param, DTensor) else t.clone()
-        return out
 
 
 def _in_loss_parallel(step: ForwardBackward) -> ForwardBackward:
@@ -498,93 +278,6 @@ def parallelize(model: Llama, cfg, pgm, device: torch.device) -> Parallelized:
         return clip_grads_([param for param, _ in replicas], max_norm, norm)
 
     return Parallelized(trainer_model, step, clip_grad_norm, optimizer, layout)
-
-
-# ---- consolidated checkpoints: full weights and full AdamW state, any layout to any layout ----
-
-
-def consolidated_state(trainer, par: Parallelized) -> Optional[Dict[str, Any]]:
-    """Collective. {"step", "model", "optimizer": {"step", "exp_avg", "exp_avg_sq"},
-    "scheduler"} with full reference-keyed tensors, on global rank 0 (None elsewhere)."""
-    opt = trainer.optimizer
-    # AdamW has state once it stepped; every rank must agree before the collective gathers
-    params = par.layout.params()
-    have_state = torch.tensor([float(all(p in opt.state for p in params))], device=params[0].device)
-    ledger = get_ledger()
-    enabled, ledger.enabled = ledger.enabled, False
-    comm.all_reduce(have_state, op=torch.distributed.ReduceOp.MIN)
-    ledger.enabled = enabled
-    optim = None
-    if have_state.item():
-        first = opt.state[params[0]]
-        optim = {"step": float(first["step"])}
-        for key in ("exp_avg", "exp_avg_sq"):
-            optim[key] = par.layout.gather(lambda p, key=key: opt.state[p][key])
-    model = par.full_state_dict()
-    if par.layout.pgm.rank != 0:
-        return None
-    return {
-        "step": trainer.step,
-        "model": model,
-        "optimizer": optim,
-        "scheduler": trainer.scheduler.state_dict(),
-        "schedule": _schedule(trainer.cfg),
-    }
-
-
-SCHEDULE = ("steps", "lr", "min_lr", "warmup_steps")
-
-
-def _schedule(cfg) -> Dict[str, float]:
-    """The training fields the learning-rate schedule is a function of."""
-    return {key: getattr(cfg.training, key) for key in SCHEDULE}
-
-
-def save_consolidated(path: str, trainer, par: Parallelized) -> Optional[str]:
-    """Gather (collective) and write one file from global rank 0, atomically."""
-    state = consolidated_state(trainer, par)
-    if state is not None:
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        tmp = f"{path}.tmp.{os.getpid()}"
-        torch.save(state, tmp)
-        os.replace(tmp, path)
-    comm.barrier()
-    return path
-
-
-def load_consolidated(path: str) -> Dict[str, Any]:
-    """Read a consolidated checkpoint (every rank reads the whole file, on CPU)."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"consolidated checkpoint {path!r} does not exist")
-    return torch.load(path, map_location="cpu", weights_only=False)
-
-
-def resume_consolidated(trainer, par: Parallelized, state: Dict[str, Any]) -> None:
-    """Continue a consolidated checkpoint at this layout. The weights must already be in the
-    model that ``parallelize`` sharded (``model.load_state_dict(state["model"])`` on the full
-    model first); this sets each rank's part of the AdamW state, the schedule and the step."""
-    opt = trainer.optimizer
-    if state["optimizer"] is not None:
-        exp_avg = par.layout.scatter(state["optimizer"]["exp_avg"])
-        exp_avg_sq = par.layout.scatter(state["optimizer"]["exp_avg_sq"])
-        for param in exp_avg:
-            opt.state[param] = {
-                "step": torch.tensor(state["optimizer"]["step"]),
-                "exp_avg": exp_avg[param],
-                "exp_avg_sq": exp_avg_sq[param],
-            }
-    trainer.scheduler.load_state_dict(state["scheduler"])
-    for group, lr in zip(opt.param_groups, trainer.scheduler.get_last_lr()):
-        group["lr"] = lr
-    trainer.step = state["step"]
-    saved, now = state.get("schedule"), _schedule(trainer.cfg)
-    if saved is not None and saved != now and par.layout.pgm.rank == 0:
-        differ = ", ".join(f"{k} {saved[k]} -> {now[k]}" for k in SCHEDULE if saved[k] != now[k])
-        print(
-            f"note: resuming a run whose schedule was {differ}: from step {trainer.step} the "
-            f"learning rate follows this run's schedule, so the result differs from one "
-            f"uninterrupted run of either config (and --check compares with this config's)",
-            flush=True)
 
 
 # ---- what chapter 07 prints: every rank's place, traffic and memory in one table -------------

@@ -22,7 +22,8 @@ import torch
 from scaletorch.dist import get_ledger
 from scaletorch.dist.pg_manager import ProcessGroupManager, RankGrid
 from scaletorch.models import LlamaConfig, build_model
-from scaletorch.parallel.parallelize import GROUPS, parallelize, saved_activation_bytes
+from scaletorch.parallel.activation_checkpointing import saved_activation_bytes
+from scaletorch.parallel.parallelize import GROUPS, parallelize
 from scaletorch.parallel.zero import measure_memory
 from scaletorch.trainer import Config, Trainer
 from scripts.benchmarks import timing

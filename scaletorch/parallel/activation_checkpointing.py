@@ -1,0 +1,86 @@
+"""Activation checkpointing: keep each block's input, recompute the block in backward.
+
+Without it autograd keeps every intermediate of every block (attention scores, MLP
+activations, norms) from forward until backward; with it a block keeps only its input
+(b, s, h) (and RoPE's cos/sin), and its forward runs again when backward reaches it, its
+collectives included (tp all-reduces, the cp ring, the ep all-to-alls). ``parallelize``
+applies it after the strategies that change a block and before the pipeline cuts the blocks
+(chapter 07). ``saved_activation_bytes`` measures what it saves.
+"""
+
+import weakref
+from typing import Any, Callable, Dict, List, Tuple
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from scaletorch.models import Llama
+
+
+class _Checkpointed:
+    """A block's forward that keeps only its inputs and recomputes the rest in backward."""
+
+    def __init__(self, forward: Callable) -> None:
+        self.forward = forward
+
+    def __call__(self, *args):
+        return checkpoint(self.forward, *args, use_reentrant=False)
+
+
+def apply_activation_checkpointing(model: Llama) -> Llama:
+    """Checkpoint every transformer block: per block only its input (b, s, h) (and RoPE's
+    cos/sin) stays alive between forward and backward; the block's forward runs again in
+    backward, collectives included. Parameter names (state dicts) are unchanged."""
+    for block in model.layers:
+        if not isinstance(block.forward, _Checkpointed):
+            block.forward = _Checkpointed(block.forward)
+    return model
+
+
+class _Saved:
+    """What autograd holds in place of a saved tensor while ``saved_activation_bytes`` watches:
+    the tensor, and (through a weakref finalizer) word of when autograd lets it go."""
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+def saved_activation_bytes(model: nn.Module, fn: Callable[[], Any]) -> Tuple[int, Any]:
+    """The most bytes of tensors autograd kept for backward at one time while ``fn()`` ran
+    (distinct storages, parameters excluded), and fn's result: what activation checkpointing
+    saves. For a forward alone that is everything it saved; for a whole step (forward and
+    backward of several micro-batches, or a pipeline schedule) the peak, since backward frees
+    what it used."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    live: Dict[int, List[int]] = {}  # storage address -> [bytes, saved tensors using it]
+    current, peak = 0, 0
+
+    def release(ptr: int) -> None:
+        nonlocal current
+        live[ptr][1] -= 1
+        if live[ptr][1] == 0:
+            current -= live.pop(ptr)[0]
+
+    def pack(t: torch.Tensor) -> Any:
+        nonlocal current, peak
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr in params:
+            return t
+        entry = live.setdefault(ptr, [storage.nbytes(), 0])
+        if entry[1] == 0:  # a storage counts once, however many saved views share it
+            current += entry[0]
+            peak = max(peak, current)
+        entry[1] += 1
+        saved = _Saved(t)
+        weakref.finalize(saved, release, ptr)
+        return saved
+
+    def unpack(saved: Any) -> torch.Tensor:
+        return saved.tensor if isinstance(saved, _Saved) else saved
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        out = fn()
+    return peak, out

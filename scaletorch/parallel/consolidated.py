@@ -1,0 +1,104 @@
+"""Consolidated checkpoints: full weights and full AdamW state, from any layout to any layout.
+
+The Trainer's own checkpoints are per rank (each rank's shards): exact and fast, but they
+resume only at the same layout. A consolidated file holds what one device would hold, keyed
+like chapter 00's model: ``save_consolidated`` gathers it through the layout (collective) and
+writes it from global rank 0; to continue at another layout (or on one device) load its weights
+into the full model *before* ``parallelize`` shards it, then ``resume_consolidated`` gives each
+rank its part of the AdamW state (``Layout.scatter``), the schedule and the step.
+
+    {"step", "model": {name: tensor}, "optimizer": {"step", "exp_avg", "exp_avg_sq"} or None,
+     "scheduler": LambdaLR state, "schedule": {steps, lr, min_lr, warmup_steps}}
+"""
+
+import os
+from typing import Any, Dict, Optional
+
+import torch
+
+from scaletorch.dist import comm, get_ledger
+from scaletorch.parallel.parallelize import Parallelized
+
+
+def consolidated_state(trainer, par: Parallelized) -> Optional[Dict[str, Any]]:
+    """Collective. {"step", "model", "optimizer": {"step", "exp_avg", "exp_avg_sq"},
+    "scheduler"} with full reference-keyed tensors, on global rank 0 (None elsewhere)."""
+    opt = trainer.optimizer
+    # AdamW has state once it stepped; every rank must agree before the collective gathers
+    params = par.layout.params()
+    have_state = torch.tensor([float(all(p in opt.state for p in params))], device=params[0].device)
+    ledger = get_ledger()
+    enabled, ledger.enabled = ledger.enabled, False
+    comm.all_reduce(have_state, op=torch.distributed.ReduceOp.MIN)
+    ledger.enabled = enabled
+    optim = None
+    if have_state.item():
+        first = opt.state[params[0]]
+        optim = {"step": float(first["step"])}
+        for key in ("exp_avg", "exp_avg_sq"):
+            optim[key] = par.layout.gather(lambda p, key=key: opt.state[p][key])
+    model = par.full_state_dict()
+    if par.layout.pgm.rank != 0:
+        return None
+    return {
+        "step": trainer.step,
+        "model": model,
+        "optimizer": optim,
+        "scheduler": trainer.scheduler.state_dict(),
+        "schedule": _schedule(trainer.cfg),
+    }
+
+
+SCHEDULE = ("steps", "lr", "min_lr", "warmup_steps")
+
+
+def _schedule(cfg) -> Dict[str, float]:
+    """The training fields the learning-rate schedule is a function of."""
+    return {key: getattr(cfg.training, key) for key in SCHEDULE}
+
+
+def save_consolidated(path: str, trainer, par: Parallelized) -> Optional[str]:
+    """Gather (collective) and write one file from global rank 0, atomically."""
+    state = consolidated_state(trainer, par)
+    if state is not None:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        tmp = f"{path}.tmp.{os.getpid()}"
+        torch.save(state, tmp)
+        os.replace(tmp, path)
+    comm.barrier()
+    return path
+
+
+def load_consolidated(path: str) -> Dict[str, Any]:
+    """Read a consolidated checkpoint (every rank reads the whole file, on CPU)."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"consolidated checkpoint {path!r} does not exist")
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def resume_consolidated(trainer, par: Parallelized, state: Dict[str, Any]) -> None:
+    """Continue a consolidated checkpoint at this layout. The weights must already be in the
+    model that ``parallelize`` sharded (``model.load_state_dict(state["model"])`` on the full
+    model first); this sets each rank's part of the AdamW state, the schedule and the step."""
+    opt = trainer.optimizer
+    if state["optimizer"] is not None:
+        exp_avg = par.layout.scatter(state["optimizer"]["exp_avg"])
+        exp_avg_sq = par.layout.scatter(state["optimizer"]["exp_avg_sq"])
+        for param in exp_avg:
+            opt.state[param] = {
+                "step": torch.tensor(state["optimizer"]["step"]),
+                "exp_avg": exp_avg[param],
+                "exp_avg_sq": exp_avg_sq[param],
+            }
+    trainer.scheduler.load_state_dict(state["scheduler"])
+    for group, lr in zip(opt.param_groups, trainer.scheduler.get_last_lr()):
+        group["lr"] = lr
+    trainer.step = state["step"]
+    saved, now = state.get("schedule"), _schedule(trainer.cfg)
+    if saved is not None and saved != now and par.layout.pgm.rank == 0:
+        differ = ", ".join(f"{k} {saved[k]} -> {now[k]}" for k in SCHEDULE if saved[k] != now[k])
+        print(
+            f"note: resuming a run whose schedule was {differ}: from step {trainer.step} the "
+            f"learning rate follows this run's schedule, so the result differs from one "
+            f"uninterrupted run of either config (and --check compares with this config's)",
+            flush=True)

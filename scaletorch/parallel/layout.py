@@ -1,0 +1,175 @@
+"""Where every reference tensor lives on this rank, for any layout ``parallelize`` builds.
+
+A layout maps each tensor of chapter 00's state dict to the optimizer parameter that holds it
+here and how it is split: a tp dimension, an ep shard of the experts, a piece of a ZeRO
+unit's flat shard over dp_cp, a pipeline stage (``Layout``, for ours), or a DTensor's
+placements (``DTensorLayout``, for PyTorch's FSDP2 and DTensor tensor parallel).
+
+Both answer the same three questions: ``params()`` (what AdamW keeps state for),
+``gather(value_of)`` (collective: the full reference-keyed tensors of the parameters, or of
+an AdamW state shaped like them, on global rank 0) and ``scatter(full)`` (this rank's part of
+full tensors, no communication): what consolidated checkpoints need to move a run from any
+layout to any other (consolidated.py).
+"""
+
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from scaletorch.dist import comm, get_ledger
+from scaletorch.dist.functional import gather_along_dim, split_along_dim
+from scaletorch.parallel.fsdp import ShardedDataParallel
+from scaletorch.parallel.grad_norm import replica_count
+from scaletorch.parallel.pipeline_parallel import gather_pipeline_state_dict
+
+State = Dict[str, torch.Tensor]
+
+
+class Layout:
+    """Where every reference tensor lives on this rank: which optimizer parameter holds it and
+    how it is split (tp dim, ep, a ZeRO unit's flat shard over dp_cp, a pipeline stage).
+
+    ``gather(value_of)`` builds full reference-keyed tensors from one local tensor per optimizer
+    parameter (the parameter, or an AdamW state of its shape); ``scatter(full)`` is the inverse,
+    used to load a full optimizer state at any layout.
+    """
+
+    def __init__(self, pgm, splits: Dict[str, Tuple[Optional[int], bool]], entries: List[Any],
+                 pipe=None) -> None:
+        self.pgm, self.splits, self.pipe = pgm, splits, pipe
+        # each entry: (optimizer parameter, [(names, shape, offset)], ZeRO unit or None)
+        self.entries = entries
+
+    @classmethod
+    def record_splits(cls, model: nn.Module) -> Dict[str, Tuple[Optional[int], bool]]:
+        """{reference name: (tp partition dim or None, is expert)}, read from the tags the
+        strategies put on parameters, before wrappers and ZeRO hide them."""
+        splits = {}
+        for name, t in model.state_dict(keep_vars=True).items():
+            tp_dim = t.partition_dim if getattr(t, "tensor_model_parallel", False) else None
+            splits[name] = (tp_dim, bool(getattr(t, "expert_parallel", False)))
+        return splits
+
+    def params(self) -> List[torch.Tensor]:
+        """The optimizer's parameters, one per entry (what AdamW keeps state for)."""
+        return [param for param, _, _ in self.entries]
+
+    @staticmethod
+    def plain_entries(modules: List[nn.Module]) -> List[Any]:
+        """One entry per parameter of ``modules``, with every name it has (tied weights)."""
+        by_param: Dict[int, Tuple[torch.Tensor, List[str]]] = {}
+        for module in modules:
+            for name, t in module.state_dict(keep_vars=True).items():
+                by_param.setdefault(id(t), (t, []))[1].append(name)
+        return [(t, [(names, t.shape, 0)], None) for t, names in by_param.values()]
+
+    @staticmethod
+    def zero_entries(wrappers: List[ShardedDataParallel]) -> List[Any]:
+        """One entry per ZeRO unit: its flat shard and the (names, shape, offset) of its pieces."""
+        return [(u.shard, list(zip(u.names, u.shapes, u.offsets)), u) for w in wrappers
+                for u in w.units]
+
+    # ---- full <-> local, one tensor at a time ----------------------------------------------
+
+    def _full(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        tp_dim, expert = self.splits[name]
+        if expert:
+            t = gather_along_dim(t, 0, self.pgm.expert_model_parallel_group)
+        if tp_dim is not None:
+            t = gather_along_dim(t, tp_dim, self.pgm.tensor_model_parallel_group)
+        return t
+
+    def _local(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        tp_dim, expert = self.splits[name]
+        if expert:
+            t = split_along_dim(t, 0, self.pgm.expert_model_parallel_group)
+        if tp_dim is not None:
+            t = split_along_dim(t, tp_dim, self.pgm.tensor_model_parallel_group)
+        return t
+
+    def gather(self, value_of: Callable[[torch.Tensor], torch.Tensor]) -> Optional[State]:
+        """Collective over the world. {reference name: full fp32 tensor} on global rank 0."""
+        ledger = get_ledger()
+        enabled, ledger.enabled = ledger.enabled, False  # a check, not training traffic
+        try:
+            local: State = {}
+            for param, pieces, unit in self.entries:
+                value = value_of(param).detach()
+                if unit is not None:  # the unit's flat vector: all-gather the shards over dp_cp
+                    flat = value.new_empty(unit.padded_numel)
+                    comm.all_gather_into_tensor(flat, value.contiguous(), unit.group)
+                for names, shape, offset in pieces:
+                    t = value if unit is None else flat[offset:offset + shape.numel()].view(shape)
+                    full = self._full(names[0], t).float().clone()
+                    local.update({n: full for n in names})
+            if self.pipe is not None:
+                local = gather_pipeline_state_dict(self.pipe, self.pgm, local)
+        finally:
+            ledger.enabled = enabled
+        return local if self.pgm.rank == 0 else None
+
+    def scatter(self, full: State) -> Dict[torch.Tensor, torch.Tensor]:
+        """{optimizer parameter: this rank's part of ``full``} (no communication)."""
+        out = {}
+        for param, pieces, unit in self.entries:
+            if unit is None:
+                out[param] = self._local(pieces[0][0][0], full[pieces[0][0][0]]).clone()
+                continue
+            flat = torch.zeros(unit.padded_numel, dtype=param.dtype)
+            for names, shape, offset in pieces:
+                piece = self._local(names[0], full[names[0]])
+                flat[offset:offset + shape.numel()] = piece.flatten()
+            out[param] = flat[unit.rank * unit.shard_numel:][:unit.shard_numel].clone()
+        return {p: t.to(p.device, p.dtype) for p, t in out.items()}
+
+    def replicas(self) -> List[Tuple[torch.Tensor, Any]]:
+        """(optimizer parameter, replicas) for ``world_grad_norm``: a count per parameter, or
+        per element of a ZeRO shard (whose pieces are each tp-split or tp-replicated)."""
+        tp = self.pgm.tensor_model_parallel_world_size
+        out = []
+        for param, pieces, unit in self.entries:
+            if unit is None:
+                out.append((param, replica_count(param, self.pgm)))
+                continue
+            counts = torch.ones(unit.padded_numel, device=param.device)  # padding: zero grads
+            for names, shape, offset in pieces:
+                counts[offset:offset + shape.numel()] = 1 if self.splits[names[0]][0] is not None \
+                    else tp
+            out.append((param, counts[unit.rank * unit.shard_numel:][:unit.shard_numel]))
+        return out
+
+
+class DTensorLayout:
+    """Where every reference tensor lives under PyTorch's FSDP2 or DTensor tensor parallel:
+    each parameter keeps its reference name and is a DTensor (its placements say how it is
+    split) or a plain tensor replicated on every rank. Same contract as ``Layout``."""
+
+    def __init__(self, pgm, model: nn.Module) -> None:
+        self.pgm = pgm
+        by_param: Dict[int, Tuple[torch.Tensor, List[str]]] = {}
+        for name, t in model.state_dict(keep_vars=True).items():
+            by_param.setdefault(id(t), (t, []))[1].append(name)
+        self.entries = list(by_param.values())  # (parameter, its names: tied weights)
+
+    def params(self) -> List[torch.Tensor]:
+        return [param for param, _ in self.entries]
+
+    def gather(self, value_of: Callable[[torch.Tensor], torch.Tensor]) -> Optional[State]:
+        """Collective (DTensor's own all-gathers). {reference name: full fp32 tensor} on rank 0."""
+        full_state: State = {}
+        for param, names in self.entries:
+            value = value_of(param).detach()
+            full = value.full_tensor() if isinstance(value, DTensor) else value
+            full_state.update({n: full.float().clone() for n in names})
+        return full_state if self.pgm.rank == 0 else None
+
+    def scatter(self, full: State) -> Dict[torch.Tensor, torch.Tensor]:
+        """{parameter: this rank's part of ``full``}, as DTensors placed like the parameter."""
+        out = {}
+        for param, names in self.entries:
+            t = full[names[0]].to(param.device, param.dtype)
+            out[param] = distribute_tensor(t, param.device_mesh, param.placements) \
+                if isinstance(param, DTensor) else t.clone()
+        return out
