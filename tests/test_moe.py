@@ -186,7 +186,7 @@ class TestAuxLossReachesTheTrainingLoss(unittest.TestCase):
         loss = forward_backward(model, x, y, num_micro_batches=1)
         logits = twin(x)
         aux = moe_aux_loss(twin)
-        self.assertGreater(float(aux), 0.05)  # coeff 0.1 x (about 1): a visible share
+        self.assertGreater(aux.item(), 0.05)  # coeff 0.1 x (about 1): a visible share
         torch.testing.assert_close(loss, (loss_fn(logits, y) + aux).detach(), rtol=0, atol=1e-6)
 
     def test_reference_run_trains_the_moe_model_with_the_aux_loss(self):
