@@ -9,7 +9,7 @@ With 4 processes and the config's tp 2, the other factor 2 is data parallel (tp 
 
 Chapter 01's ``parallelize`` call, now with tp > 1 in the config: it converts the model
 (column / row / vocab-parallel layers) and returns a step with the vocab-parallel loss and a
-grad norm that sums the shards over "tp". With dp > 1 the data-parallel wrapper of chapter 01
+grad norm that counts every shard once. With dp > 1 the data-parallel wrapper of chapter 01
 goes around the tensor-parallel model. ``--impl torch`` runs torch's DTensor tensor parallel on
 the same model instead (tp = world size).
 """

@@ -11,9 +11,9 @@
 Chapter 01's ``parallelize`` call, now with pp > 1: it keeps this rank's stages
 (``apply_pipeline_parallel``, after tensor parallel, before the data-parallel wrapper of each
 chunk) and hands the Trainer the schedule as its forward_backward and a grad norm summed over
-the stages. Then it prints the
-point-to-point traffic of the last step and its timeline: which stage computed which
-micro-batch when, the measured bubble next to (p-1)/(v m + p - 1), and the peak activations.
+the stages. Then it prints the point-to-point traffic of the last step and its timeline: which
+stage computed which micro-batch when, the measured bubble next to (p-1)/(v m + p - 1), and the
+peak activations.
 """
 
 import sys
