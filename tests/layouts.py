@@ -6,7 +6,6 @@ Used by tests/test_nd_parallel.py (8 ranks, the composed layouts) and
 tests/test_parallelize_chapters.py (2 ranks, each chapter's layout, ours and PyTorch's).
 """
 
-import time
 import unittest
 from typing import Dict, Iterable, List, Tuple
 
@@ -76,7 +75,6 @@ def build(cfg: Config, pgm, state=None) -> Tuple[Parallelized, Trainer]:
 def train(cfg: Config) -> dict:
     """Inside a world: train ``cfg``'s layout; losses, grad norms, full weights (rank 0)."""
     pgm = pg_manager_for(cfg)
-    start = time.perf_counter()
     par, trainer = build(cfg, pgm)
     result = trainer.train()
     out = {
@@ -84,7 +82,6 @@ def train(cfg: Config) -> dict:
         "grad_norms": result.grad_norms,
         "state": par.full_state_dict(),
         "layout": type(par.layout).__name__,
-        "seconds": time.perf_counter() - start
     }
     destroy_pg_manager()
     return out

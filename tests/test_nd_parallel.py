@@ -8,7 +8,6 @@ references run in this (parent) process, which has no process group.
 
 import os
 import tempfile
-import time
 import unittest
 
 import torch
@@ -79,9 +78,7 @@ class NDParallelMatchesSingleDevice(unittest.TestCase):
     def setUpClass(cls):
         cls.tmp = tempfile.TemporaryDirectory()
         cls.path = os.path.join(cls.tmp.name, "consolidated.pt")
-        start = time.perf_counter()
         cls.results = run_distributed(_world, WORLD, cls.path, timeout=300)
-        cls.world_seconds = time.perf_counter() - start
         # one single-device reference per (model, micro-batches): losses, grad norms, weights
         cls.references = references([config_of(LAYOUTS, name)
                                      for name in LAYOUTS] + [make_config(False, 1)])

@@ -21,8 +21,8 @@ from scaletorch.parallel.parallelize import Parallelized
 
 
 def consolidated_state(trainer, par: Parallelized) -> Optional[Dict[str, Any]]:
-    """Collective. {"step", "model", "optimizer": {"step", "exp_avg", "exp_avg_sq"},
-    "scheduler"} with full reference-keyed tensors, on global rank 0 (None elsewhere)."""
+    """Collective. The dict of the module docstring, with full reference-keyed tensors, on
+    global rank 0 (None elsewhere); "optimizer" is None before AdamW's first step."""
     opt = trainer.optimizer
     # AdamW has state once it stepped; every rank must agree before the collective gathers
     params = par.layout.params()
