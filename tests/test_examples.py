@@ -86,7 +86,7 @@ class ChaptersShareOneCodePath(unittest.TestCase):
                 r"\(tolerance 1e-05\): OK")
             self.assertRegex(out, r"max \|weight - reference\| = .*: OK")
             # the file holds full weights and AdamW state, with chapter 00's keys
-            state = torch.load(os.path.join(tmp, "fsdp2", "consolidated.pt"), weights_only=False)
+            state = torch.load(os.path.join(tmp, "fsdp2", "consolidated.pt"), weights_only=True)
         self.assertEqual(state["step"], 5)
         self.assertEqual(set(state["model"]), set(state["optimizer"]["exp_avg"]))
         self.assertIn("layers.0.mlp.up_proj.weight", state["model"])

@@ -159,7 +159,7 @@ class TwoLaunchersAsTwoNodesEqualOneLauncher(unittest.TestCase):
             single, multi = _two_nodes_vs_one("examples/07_nd_parallel.py", 2, args, tmp)
             consolidated = [
                 torch.load(os.path.join(ckpt.step_dir(root, 5), "consolidated.pt"),
-                           weights_only=False) for root in (single, multi)
+                           weights_only=True) for root in (single, multi)
             ]
         self.assertStatesEqual(consolidated[0]["model"], consolidated[1]["model"])
 

@@ -110,7 +110,7 @@ def _resume_run(cfg: Config, pgm, stage, root: str) -> dict:
     cfg.checkpoint.dir, cfg.checkpoint.every = root, 3
     first = _run(cfg, pgm, stage)
     path = ckpt.latest_checkpoint(root)
-    saved = torch.load(ckpt.rank_file(path, pgm.rank), weights_only=False)
+    saved = torch.load(ckpt.rank_file(path, pgm.rank), weights_only=True)
     cfg.checkpoint.every, cfg.checkpoint.resume = 0, "latest"
     second = _run(cfg, pgm, stage)
     return {
@@ -280,7 +280,7 @@ class ZeroAndFullyShardOnTwoRanks(_Worlds):
     def test_consolidated_checkpoint_loads_into_the_single_device_model(self):
         consolidated = self.results[0]["consolidated"]
         model = build_model(tiny_config(1).model, seed=0)  # other weights, replaced by the load
-        state = torch.load(consolidated["path"], weights_only=False)
+        state = torch.load(consolidated["path"], weights_only=True)
         self.assertIsNone(state["optimizer"])  # saved before the first step: no AdamW state yet
         model.load_state_dict(state["model"])  # strict: same keys and shapes
         for key, value in model.state_dict().items():

@@ -11,8 +11,10 @@ rank its part of the AdamW state (``Layout.scatter``), the schedule and the step
      "scheduler": LambdaLR state, "schedule": {steps, lr, min_lr, warmup_steps}}
 """
 
+import io
 import os
-from typing import Any, Dict, Optional
+import pickle
+from typing import Any, Dict, Optional, Union
 
 import torch
 
@@ -69,11 +71,35 @@ def save_consolidated(path: str, trainer, par: Parallelized) -> Optional[str]:
     return path
 
 
+def load_tensors_only(source: Union[str, bytes], name: str) -> Any:
+    """``torch.load`` on CPU that unpickles only tensors and plain Python values (dict, list,
+    tuple, str, int, float, bool, None): a checkpoint someone else wrote cannot run code when it
+    is loaded. ``source`` is a path or the file's bytes; ``name`` says what it is in the error.
+
+    Every ScaleTorch checkpoint holds only such values (``rng_state`` stores NumPy's state as
+    a tensor and ints); a file that needs any other class is refused with a ValueError.
+    """
+    file = io.BytesIO(source) if isinstance(source, bytes) else source
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        # torch's message names the class the file asked for ("Trying to load unsupported
+        # GLOBAL posix.system ...") and then suggests weights_only=False, which we do not
+        needed = [line.strip() for line in str(err).splitlines() if "GLOBAL" in line]
+        raise ValueError(
+            f"{name} needs more than tensors and plain Python values to load"
+            f"{' (' + needed[0] + ')' if needed else ''}: it is not a ScaleTorch checkpoint, or "
+            f"it was written by an older ScaleTorch or another program. It was not unpickled, "
+            f"since that could run code; re-save it with this version from a source you "
+            f"trust.") from None
+
+
 def load_consolidated(path: str) -> Dict[str, Any]:
-    """Read a consolidated checkpoint (every rank reads the whole file, on CPU)."""
+    """Read a consolidated checkpoint (every rank reads the whole file, on CPU); a file that
+    holds anything but tensors and plain values is refused (``load_tensors_only``)."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"consolidated checkpoint {path!r} does not exist")
-    return torch.load(path, map_location="cpu", weights_only=False)
+    return load_tensors_only(path, f"consolidated checkpoint {path!r}")
 
 
 def resume_consolidated(trainer, par: Parallelized, state: Dict[str, Any]) -> None:

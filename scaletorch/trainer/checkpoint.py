@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from scaletorch.dist import comm
+from scaletorch.parallel.consolidated import load_tensors_only
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -59,9 +60,17 @@ def rank_file(path: str, rank: int) -> str:
 
 
 def rng_state() -> Dict[str, Any]:
+    """The Python, NumPy, torch (and CUDA) generator states, in values that
+    ``torch.load(weights_only=True)`` reads: Python's is a tuple of ints; NumPy's key (an
+    ndarray of 624 uint32) becomes an int64 tensor beside its plain ints and float."""
+    numpy = np.random.get_state(legacy=False)  # {"bit_generator", "state", "has_gauss", "gauss"}
+    numpy["state"] = {
+        "key": torch.from_numpy(numpy["state"]["key"].astype(np.int64)),
+        "pos": int(numpy["state"]["pos"]),
+    }
     state = {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": numpy,
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
@@ -70,8 +79,14 @@ def rng_state() -> Dict[str, Any]:
 
 
 def set_rng_state(state: Dict[str, Any]) -> None:
+    """Restore what ``rng_state`` returned (rebuilding NumPy's ndarray key)."""
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    numpy = dict(state["numpy"])
+    numpy["state"] = {
+        "key": numpy["state"]["key"].numpy().astype(np.uint32),
+        "pos": numpy["state"]["pos"],
+    }
+    np.random.set_state(numpy)
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
@@ -187,4 +202,4 @@ def load_checkpoint(path: str, rank: int, world_size: int) -> Dict[str, Any]:
         raise ValueError(f"checkpoint {path!r} was saved by {manifest['world_size']} ranks; "
                          f"this run has {world_size}")
     data = _read_verified(path, os.path.basename(rank_file(path, rank)), manifest)
-    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+    return load_tensors_only(data, f"checkpoint file {rank_file(path, rank)!r}")
