@@ -10,6 +10,7 @@ import datetime
 import gc
 import os
 from dataclasses import dataclass
+from typing import Any, Dict, Optional
 
 import torch
 import torch.distributed as dist
@@ -32,11 +33,39 @@ class DistributedEnv:
         return self.rank == 0
 
 
-def pick_device_and_backend(local_rank: int) -> tuple[torch.device, str]:
-    """CUDA + NCCL when a GPU is visible, CPU + gloo otherwise."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", local_rank % torch.cuda.device_count()), "nccl"
-    return torch.device("cpu"), "gloo"
+def pick_device_and_backend(local_rank: int, local_world_size: Optional[int] = None,
+                            cuda_available: Optional[bool] = None,
+                            device_count: Optional[int] = None) -> tuple[torch.device, str]:
+    """CUDA + NCCL with GPU ``local_rank`` when a GPU is visible, CPU + gloo otherwise.
+
+    Each rank of a node needs a GPU of its own: two ranks on one GPU make NCCL stop at
+    communicator setup ("Duplicate GPU detected"), so that is a ValueError here instead.
+    ``cuda_available`` and ``device_count`` default to what torch sees (tests inject them).
+    """
+    if cuda_available is None:
+        cuda_available = torch.cuda.is_available()
+    if not cuda_available:
+        return torch.device("cpu"), "gloo"
+    if device_count is None:
+        device_count = torch.cuda.device_count()
+    # LOCAL_WORLD_SIZE (set by torchrun) lets every rank of the node refuse alike, not only
+    # the ones past the last GPU
+    needed = max(local_rank + 1, local_world_size or 0)
+    if needed > device_count:
+        ranks = f"LOCAL_WORLD_SIZE={local_world_size}" if local_world_size else "LOCAL_WORLD_SIZE unset"
+        raise ValueError(
+            f"local rank {local_rank} ({ranks}) needs a GPU of its own, but this node sees "
+            f"{device_count} (torch.cuda.device_count()={device_count}); two ranks on one GPU "
+            f"stop NCCL at communicator setup. Launch at most {device_count} processes per node "
+            f"(--nproc-per-node {device_count}) or make more GPUs visible (CUDA_VISIBLE_DEVICES)")
+    return torch.device("cuda", local_rank), "nccl"
+
+
+def process_group_options(device: torch.device) -> Dict[str, Any]:
+    """Extra ``init_process_group`` arguments: on CUDA, ``device_id`` binds the group to this
+    rank's GPU (NCCL then sets up its communicator at once, on the right device, instead of
+    guessing one at the first collective); the CPU and gloo need nothing."""
+    return {"device_id": device} if device.type == "cuda" else {}
 
 
 def _env_int(name: str, default: int) -> int:
@@ -63,7 +92,8 @@ def init_distributed(timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS) -> Distri
     local_rank = _env_int("LOCAL_RANK", 0)
     if not 0 <= rank < world_size:
         raise ValueError(f"RANK={rank} is outside WORLD_SIZE={world_size}")
-    device, backend = pick_device_and_backend(local_rank)
+    local_world_size = _env_int("LOCAL_WORLD_SIZE", 0) or None
+    device, backend = pick_device_and_backend(local_rank, local_world_size)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if dist.is_initialized():
@@ -76,7 +106,7 @@ def init_distributed(timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS) -> Distri
         # every attempt gets keys of its own.
         store = dist.PrefixStore(f"scaletorch/attempt_{restart_count()}", store)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=timeout)
+                                timeout=timeout, **process_group_options(device))
     return DistributedEnv(rank, local_rank, world_size, device, backend)
 
 
