@@ -52,7 +52,8 @@ def pick_device_and_backend(local_rank: int, local_world_size: Optional[int] = N
     # the ones past the last GPU
     needed = max(local_rank + 1, local_world_size or 0)
     if needed > device_count:
-        ranks = f"LOCAL_WORLD_SIZE={local_world_size}" if local_world_size else "LOCAL_WORLD_SIZE unset"
+        ranks = (f"LOCAL_WORLD_SIZE={local_world_size}"
+                 if local_world_size else "LOCAL_WORLD_SIZE unset")
         raise ValueError(
             f"local rank {local_rank} ({ranks}) needs a GPU of its own, but this node sees "
             f"{device_count} (torch.cuda.device_count()={device_count}); two ranks on one GPU "
