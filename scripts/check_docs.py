@@ -1,0 +1,380 @@
+"""Check that the docs reproduce: re-run every documented command and compare its output.
+
+    python scripts/check_docs.py --lint          # structure only, no runs (a second)
+    python scripts/check_docs.py --ci            # the blocks marked ci (tiny runs; CI runs these)
+    python scripts/check_docs.py --all           # every documented command (about 15 minutes)
+    python scripts/check_docs.py --all -k 04_    # the blocks whose file or command contains 04_
+
+The convention (doc/design.md, "Docs that reproduce"):
+
+- An output block is a ```text fence. It must follow a ```bash fence (only blank lines
+  between) that holds the command(s) that printed it, with every flag they were run with.
+  The commands run in order, from the repository root, in ``bash -e``; the output searched is
+  their stdout followed by their stderr.
+- An HTML comment ``<!-- check: OPTIONS -->`` just before the ```bash fence sets options,
+  separated by spaces: ``ci`` (run by --ci too: keep it tiny), ``fails`` (the command must
+  exit non-zero), ``timing-columns=NAME,NAME`` (table columns, named by their header, whose
+  values are timings).
+- An output block may be an excerpt. A line ``...`` skips any number of output lines; ``...``
+  inside a line matches any text. Between two ``...`` lines the doc's lines must match
+  consecutive output lines, so a row that appears or disappears is drift.
+- Timing is ignored by rule: numbers followed by tok/s, ms, s or %, dates, ``runs/...`` paths
+  and the measured bubble are masked; chart lines (``|====  ##  ..|``) and torchrun's log
+  lines are skipped. Deviations printed as d.de-XX (rounding-level, they vary with the CPU's
+  instruction set) match within a factor of 3. Everything else (parity verdicts and
+  tolerances, ledger elements and bytes, memory tables, the rank grid, formula lines) must be
+  equal.
+- A ``scripts/launch.sh`` command in a checked block must pass ``--steps``.
+- A plain ``` fence that looks like program output (a parity line, a ledger header...) is an
+  error: label it ```text and put its command before it.
+
+Exit status 1 and a diff (``-`` the doc, ``+`` the output) on any drift or structure error.
+"""
+
+import argparse
+import difflib
+import glob
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ELLIPSIS = "..."
+FACTOR = 3.0  # how far a rounding-level deviation (d.de-XX) may move between machines
+
+# Timing tokens, masked in the doc and in the output alike.
+MASKS: List[Tuple[re.Pattern, str]] = [
+    (re.compile(r"\d{4}-\d{2}-\d{2}[T _]\d{2}:\d{2}(:\d{2}(\.\d+)?)?"), "<date>"),
+    (re.compile(r"[\d,]+(\.\d+)?\s*tok/s"), "<tok/s>"),
+    (re.compile(r"\d+(\.\d+)?\s*ms\b"), "<ms>"),
+    (re.compile(r"(?<![\w.])\d+(\.\d+)?\s*(s|sec|seconds)\b(?!/)"), "<s>"),
+    (re.compile(r"\d+(\.\d+)?\s*%"), "<%>"),
+    (re.compile(r"bubble: measured [\d.]+"), "bubble: measured <t>"),
+    (re.compile(r"\bruns/[^\s'\"),]+"), "<run>"),
+]
+# Lines that are timing as a whole: charts drawn from a clock, torchrun's own log lines.
+SKIP = [
+    re.compile(r"\|[=#. a-zA-Z]{10,}\|"),
+    re.compile(r"^[WIEF]\d{4} \d{2}:\d{2}:\d{2}"),
+]
+SCI = re.compile(r"\d\.\de[-+]\d\d")
+# What ScaleTorch's scripts print: a plain fence holding one of these is unlabeled output.
+OUTPUT_SIGNS = re.compile(r"^(parity: max|communication per rank|op\s+group\s+N\s+calls|"
+                          r"rank grid: world|step\s+\d+ \| loss|bubble: measured|final loss|"
+                          r"(all_reduce|all_gather|reduce_scatter|all_to_all|send|recv)\s+\w+"
+                          r"\s+\d+\s+\d+|(bucket \d+|forward\+backward|stage \d+)\s+\||"
+                          r"routing of the last|RuntimeError: rank)")
+FENCE = re.compile(r"^```\s*(\S*)\s*$")
+MARKER = re.compile(r"^<!--\s*check:(.*?)-->\s*$")
+
+
+@dataclass
+class Block:
+    """A command block and the output block under it."""
+    path: str
+    line: int  # 1-based line of the ```bash fence
+    commands: List[str]
+    expected: List[str]
+    options: Dict[str, str] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return f"{os.path.relpath(self.path, ROOT)}:{self.line}"
+
+
+@dataclass
+class Fence:
+    info: str
+    start: int  # 0-based index of the opening line
+    lines: List[str]
+    marker: Optional[str]  # the options of a <!-- check: --> comment just before it
+
+
+def _fences(text: str) -> List[Fence]:
+    lines = text.splitlines()
+    fences, i = [], 0
+    while i < len(lines):
+        m = FENCE.match(lines[i])
+        if not m:
+            i += 1
+            continue
+        j = i + 1
+        while j < len(lines) and lines[j].strip() != "```":
+            j += 1
+        k = i - 1
+        while k >= 0 and not lines[k].strip():
+            k -= 1
+        marker = MARKER.match(lines[k].strip()) if k >= 0 else None
+        fences.append(Fence(m.group(1), i, lines[i + 1:j], marker and marker.group(1)))
+        i = j + 1
+    return fences
+
+
+def _adjacent(lines: List[str], a: Fence, b: Fence) -> bool:
+    """True when only blank lines separate the end of fence ``a`` from the start of ``b``."""
+    end = a.start + len(a.lines) + 1
+    return all(not line.strip() for line in lines[end + 1:b.start])
+
+
+def _commands(lines: List[str]) -> List[str]:
+    """Shell commands of a bash block: backslash continuations joined, comments dropped."""
+    out, current = [], ""
+    for line in lines:
+        stripped = line.strip()
+        if not current and (not stripped or stripped.startswith("#")):
+            continue
+        if stripped.endswith("\\"):
+            current += stripped[:-1].rstrip() + " "
+            continue
+        out.append(current + stripped)
+        current = ""
+    if current:
+        out.append(current.strip())
+    return out
+
+
+def _options(marker: Optional[str]) -> Dict[str, str]:
+    opts = {}
+    for word in (marker or "").split():
+        key, _, value = word.partition("=")
+        opts[key] = value
+    return opts
+
+
+def parse(path: str, text: Optional[str] = None) -> Tuple[List[Block], List[str]]:
+    """The command/output blocks of one markdown file, and its structure errors."""
+    if text is None:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    lines = text.splitlines()
+    rel = os.path.relpath(path, ROOT)
+    fences = _fences(text)
+    blocks, errors = [], []
+    for i, fence in enumerate(fences):
+        prev = fences[i - 1] if i > 0 else None
+        nxt = fences[i + 1] if i + 1 < len(fences) else None
+        where = f"{rel}:{fence.start + 1}"
+        if fence.info == "text":
+            if prev is None or prev.info != "bash" or not _adjacent(lines, prev, fence):
+                errors.append(f"{where}: output block without its command (put a ```bash block "
+                              f"with the exact command right before it)")
+        elif fence.info == "bash":
+            has_output = nxt is not None and nxt.info == "text" and _adjacent(lines, fence, nxt)
+            if fence.marker is not None and not has_output:
+                errors.append(f"{where}: a check marker but no ```text output block after it")
+            if not has_output:
+                continue
+            commands = _commands(fence.lines)
+            if not commands:
+                errors.append(f"{where}: empty command block")
+                continue
+            for command in commands:
+                if "scripts/launch.sh examples/" in command and "--steps" not in command:
+                    errors.append(f"{where}: '{command}' does not say its --steps")
+            blocks.append(Block(path, fence.start + 1, commands, nxt.lines, _options(fence.marker)))
+        elif fence.info == "":
+            for line in fence.lines:
+                if OUTPUT_SIGNS.match(line.strip()):
+                    errors.append(f"{where}: looks like program output ('{line.strip()[:40]}'): "
+                                  f"label it ```text and put its command before it")
+                    break
+    return blocks, errors
+
+
+# --- comparison ------------------------------------------------------------------------------
+
+
+def normalize(line: str) -> Optional[str]:
+    """The line with its timing masked, or None when the whole line is timing."""
+    line = line.rstrip()
+    if any(p.search(line) for p in SKIP):
+        return None
+    for pattern, repl in MASKS:
+        line = pattern.sub(repl, line)
+    return line
+
+
+def _columns(header: str, names: Sequence[str]) -> List[int]:
+    fields = header.split()
+    return [fields.index(n) for n in names if n in fields]
+
+
+def _mask_columns(lines: List[str], names: Sequence[str]) -> List[str]:
+    """Replace the named columns' values by <t> in the rows of the table whose header names them."""
+    if not names:
+        return lines
+    out, width, cols = [], None, []
+    for line in lines:
+        fields = line.split()
+        if all(n in fields for n in names):
+            width, cols = len(fields), _columns(line, names)
+            out.append(" ".join(fields))
+        elif width is not None and len(fields) == width:
+            out.append(" ".join("<t>" if i in cols else f for i, f in enumerate(fields)))
+        else:
+            out.append(line)
+    return out
+
+
+def prepare(lines: Sequence[str], timing_columns: Sequence[str] = ()) -> List[str]:
+    out = [n for n in (normalize(line) for line in lines) if n is not None]
+    return _mask_columns(out, timing_columns)
+
+
+def _line_pattern(doc: str) -> Tuple[re.Pattern, List[str]]:
+    parts, numbers, pos = [], [], 0
+    for m in re.finditer(r"\.\.\.|" + SCI.pattern, doc):
+        parts.append(re.escape(doc[pos:m.start()]))
+        if m.group() == ELLIPSIS:
+            parts.append(".*?")
+        else:
+            parts.append(f"({SCI.pattern})")
+            numbers.append(m.group())
+        pos = m.end()
+    parts.append(re.escape(doc[pos:]))
+    return re.compile("".join(parts)), numbers
+
+
+def line_matches(doc: str, out: str) -> bool:
+    """One doc line against one output line (both prepared)."""
+    if doc == out:
+        return True
+    pattern, numbers = _line_pattern(doc)
+    m = pattern.fullmatch(out)
+    if not m:
+        return False
+    for expected, got in zip(numbers, m.groups()):
+        a, b = float(expected), float(got)
+        if a == b:
+            continue
+        if a <= 0 or b <= 0 or max(a / b, b / a) > FACTOR:
+            return False
+    return True
+
+
+def _segments(doc: List[str]) -> List[List[str]]:
+    segments, current = [], []
+    for line in doc:
+        if line.strip() == ELLIPSIS:
+            if current:
+                segments.append(current)
+            current = []
+        else:
+            current.append(line)
+    if current:
+        segments.append(current)
+    return segments
+
+
+def compare(doc_lines: Sequence[str], output: str, timing_columns: Sequence[str] = ()) -> List[str]:
+    """Diff lines ('-' doc, '+' output) for the parts of the doc block the output lacks; [] if
+    the output reproduces the block."""
+    doc = prepare(doc_lines, timing_columns)
+    out = prepare(output.splitlines(), timing_columns)
+    pos, diff = 0, []
+    for seg in _segments(doc):
+        found = None
+        for start in range(pos, len(out) - len(seg) + 1):
+            if all(line_matches(d, o) for d, o in zip(seg, out[start:start + len(seg)])):
+                found = start
+                break
+        if found is not None:
+            pos = found + len(seg)
+            continue
+        # the closest window of the output, to show what changed
+        best, best_score = pos, -1.0
+        for start in range(pos, max(pos + 1, len(out) - len(seg) + 1)):
+            window = out[start:start + len(seg)]
+            score = sum(difflib.SequenceMatcher(None, d, o).ratio() for d, o in zip(seg, window))
+            if score > best_score:
+                best, best_score = start, score
+        window = out[best:best + len(seg)]
+        diff.extend(difflib.unified_diff(seg, window, "doc", "output", lineterm="", n=len(seg)))
+    return diff
+
+
+# --- running ---------------------------------------------------------------------------------
+
+
+def run_block(block: Block, timeout: float) -> Tuple[int, str, str]:
+    """Run the block's commands from the repository root; (exit status, stdout, stderr)."""
+    script = "set -e\n" + "\n".join(block.commands) + "\n"
+    proc = subprocess.Popen(["bash", "-c", script], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every rank it started
+        stdout, stderr = proc.communicate()
+        return -1, stdout, stderr + f"\ncheck_docs: timed out after {timeout:.0f} s"
+    return proc.returncode, stdout, stderr
+
+
+def check_block(block: Block, timeout: float) -> List[str]:
+    """Problems of one block (empty when it reproduces)."""
+    code, stdout, stderr = run_block(block, timeout)
+    fails = "fails" in block.options
+    if (code != 0) != fails:
+        tail = "\n".join((stdout + stderr).splitlines()[-15:])
+        want = "a non-zero exit" if fails else "exit 0"
+        return [f"exit status {code}, the doc expects {want}; last lines:", tail]
+    columns = [c for c in block.options.get("timing-columns", "").split(",") if c]
+    return compare(block.expected, stdout + "\n" + stderr, columns)
+
+
+def doc_files(names: Sequence[str]) -> List[str]:
+    if names:
+        return [os.path.abspath(n) for n in names]
+    return sorted(glob.glob(os.path.join(ROOT, "doc", "*.md")))
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--lint", action="store_true", help="check the structure only, run nothing")
+    mode.add_argument("--ci", action="store_true", help="run the blocks marked ci")
+    mode.add_argument("--all", action="store_true", help="run every documented command")
+    parser.add_argument("-k", dest="pattern", default="",
+                        help="only the blocks whose file or command contains this")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per block")
+    parser.add_argument("files", nargs="*", help="markdown files (default: doc/*.md)")
+    args = parser.parse_args(argv)
+
+    blocks, errors = [], []
+    for path in doc_files(args.files):
+        found, problems = parse(path)
+        blocks += found
+        errors += problems
+    for error in errors:
+        print(f"STRUCTURE {error}")
+    if args.lint:
+        print(f"{len(blocks)} command blocks with output, {len(errors)} structure errors")
+        return 1 if errors else 0
+
+    def wanted(b: Block) -> bool:
+        named = args.pattern in b.name or any(args.pattern in c for c in b.commands)
+        return (args.all or "ci" in b.options) and named
+
+    selected = [b for b in blocks if wanted(b)]
+    failed, start = 0, time.time()
+    for block in selected:
+        t0 = time.time()
+        problems = check_block(block, args.timeout)
+        verdict = "DRIFT" if problems else "ok"
+        print(f"{verdict:5s} {block.name}  ({time.time() - t0:.0f} s)  {block.commands[-1]}",
+              flush=True)
+        for line in problems:
+            print(f"      {line}")
+        failed += bool(problems)
+    print(f"{len(selected) - failed} reproduced, {failed} drifted, {len(errors)} structure "
+          f"errors ({time.time() - start:.0f} s)")
+    return 1 if failed or errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
