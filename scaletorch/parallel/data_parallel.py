@@ -28,9 +28,8 @@ prefix, so checkpoints and parity checks compare keys one to one.
 """
 
 import math
-import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Dict, Iterator, List, Optional
 
 import torch
@@ -40,6 +39,7 @@ from torch.autograd import Variable
 from torch.nn.parallel import DistributedDataParallel
 
 from scaletorch.dist import comm
+from scaletorch.dist.timer import Mark, Timer, seconds
 
 IMPLS = ("naive", "scaletorch", "torch")
 FIRST_BUCKET_MB = 1.0  # torch DDP's default first bucket: communication starts early
@@ -145,23 +145,33 @@ class Bucket:
 
 @dataclass
 class BucketLaunch:
-    """One bucket's all-reduce in the recorded timeline (times: time.perf_counter())."""
+    """One bucket's all-reduce in the recorded timeline (times: ``Timer`` marks, seconds once
+    read through ``BucketedDataParallel.timeline``)."""
     index: int
     numel: int
     in_backward: bool  # launched by a gradient hook, i.e. while backward was still running
     grads_pending: int  # parameters whose gradient backward had not yet produced
-    t_launch: float
-    t_done: float = float("nan")  # when the all-reduce completed
+    t_launch: Mark
+    t_done: Mark = float("nan")  # when the all-reduce completed
 
 
 @dataclass
 class SyncTimeline:
     """The last synced backward: when it ran, when each bucket went out and came back."""
-    t_forward: float = float("nan")  # forward start of the micro-batch that synced
-    t_first_grad: float = float("nan")
-    t_backward_end: float = float("nan")  # all gradients produced; the wait starts
-    t_wait_end: float = float("nan")
+    t_forward: Mark = float("nan")  # forward start of the micro-batch that synced
+    t_first_grad: Mark = float("nan")
+    t_backward_end: Mark = float("nan")  # all gradients produced; the wait starts
+    t_wait_end: Mark = float("nan")
     launches: List[BucketLaunch] = field(default_factory=list)
+
+    def in_seconds(self) -> "SyncTimeline":
+        """A copy with every mark read in seconds (on CUDA: waits for those events)."""
+        launches = [
+            replace(x, t_launch=seconds(x.t_launch), t_done=seconds(x.t_done))
+            for x in self.launches
+        ]
+        return SyncTimeline(seconds(self.t_forward), seconds(self.t_first_grad),
+                            seconds(self.t_backward_end), seconds(self.t_wait_end), launches)
 
 
 def _elements(megabytes: float) -> int:
@@ -207,8 +217,16 @@ class BucketedDataParallel(_DataParallel):
         self._stale = set(range(len(self.params)))  # slots still holding the last sync's grad
         self._next_bucket = 0  # buckets launch in index order, the same on every rank
         self._grads_ready = 0
-        self.timeline = SyncTimeline()
+        # CPU: perf_counter at each mark; CUDA: events in the stream (see scaletorch.dist.timer)
+        self._timer = Timer(next(iter(devices), torch.device("cpu")))
+        self._synced = SyncTimeline()  # the last sync's marks
         self._recording = SyncTimeline()
+
+    @property
+    def timeline(self) -> SyncTimeline:
+        """The last synced backward, in seconds (on CUDA reading it waits for the events, so
+        read it after the step, not inside it)."""
+        return self._synced.in_seconds()
 
     def _add_bucket(self, ids: List[int]) -> None:
         device = self.params[ids[0]].device
@@ -224,7 +242,7 @@ class BucketedDataParallel(_DataParallel):
 
     def forward(self, *args, **kwargs):
         if self._sync_enabled and torch.is_grad_enabled():
-            self._recording.t_forward = time.perf_counter()
+            self._recording.t_forward = self._timer.mark()
         return super().forward(*args, **kwargs)
 
     def _take_grad(self, i: int) -> None:
@@ -249,7 +267,7 @@ class BucketedDataParallel(_DataParallel):
         if not self._sync_enabled:
             return
         if self._grads_ready == 0:
-            self._recording.t_first_grad = time.perf_counter()
+            self._recording.t_first_grad = self._timer.mark()
         self._grads_ready += 1
         self.buckets[self._bucket_of[i]].ready += 1
         while self._next_bucket < len(self.buckets):
@@ -267,31 +285,37 @@ class BucketedDataParallel(_DataParallel):
             bucket.buffer.div_(self.world)  # before the sum, as torch DDP does
         bucket.work = comm.all_reduce(bucket.buffer, self.group, async_op=True)
         launch = BucketLaunch(bucket.index, bucket.buffer.numel(), in_backward,
-                              len(self.params) - self._grads_ready, time.perf_counter())
+                              len(self.params) - self._grads_ready, self._timer.mark())
         if bucket.work is None:  # a group of one rank: nothing to wait for
             launch.t_done = launch.t_launch
         else:
+            # The completion mark, taken in the future's callback. gloo (CPU) runs it when the
+            # all-reduce has finished: the clock then is the completion time. NCCL runs it as
+            # soon as the all-reduce is queued, but with a current stream that waits for the
+            # all-reduce's kernel (torch.futures.Future.then), so the CUDA event recorded
+            # there fires when the all-reduce has finished on the GPU. (A clock reading there
+            # would be the launch time, and work.wait() does not block the host on NCCL.)
             bucket.work.get_future().then(
-                lambda _, rec=launch: setattr(rec, "t_done", time.perf_counter()))
+                lambda _, rec=launch: setattr(rec, "t_done", self._timer.mark()))
         self._recording.launches.append(launch)
         self._next_bucket += 1
 
     def _sync(self) -> None:
         """Launch what backward did not (unused parameters), wait once, hand out the grads."""
-        self._recording.t_backward_end = time.perf_counter()
+        self._recording.t_backward_end = self._timer.mark()
         while self._next_bucket < len(self.buckets):
             self._launch(self.buckets[self._next_bucket], in_backward=False)
         for bucket in self.buckets:
             if bucket.work is not None:
                 bucket.work.wait()
             bucket.work, bucket.ready = None, 0
-        self._recording.t_wait_end = time.perf_counter()
+        self._recording.t_wait_end = self._timer.mark()  # CUDA: the wait()s joined the stream
         for p, view in zip(self.params, self._views):
             p.grad = view if p.dtype == view.dtype else view.to(p.dtype)
         self._stale = set(range(len(self.params)))
         self._next_bucket = self._grads_ready = 0
         self._needs_sync = False
-        self.timeline, self._recording = self._recording, SyncTimeline()
+        self._synced, self._recording = self._recording, SyncTimeline()
 
 
 class TorchDataParallel(_Wrapper, DistributedDataParallel):

@@ -190,7 +190,8 @@ class PipelineSchedule:
             max(i for i, a in enumerate(actions) if a.kind == "B" and a.chunk == c)
             for c in range(v)
         }
-        self.recorder = TimelineRecorder(rank, p, num_micro_batches, v)
+        self.recorder = TimelineRecorder(rank, p, num_micro_batches, v,
+                                         device=next(pipe.parameters()).device)
         self.dtype = next(pipe.parameters()).dtype
 
     @property

@@ -25,7 +25,11 @@ Interleaving v chunks per rank (each 1/v of the work) shrinks the bubble to
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+
+from scaletorch.dist.timer import Clock, Mark, Timer, seconds
 
 SCHEDULES = ("afab", "1f1b", "interleaved")
 
@@ -311,22 +315,37 @@ class Timeline:
 
 
 class TimelineRecorder:
-    """Times each action of one rank: ``with recorder.time(action): ...``; ``reset()`` per step."""
+    """Times each action of one rank: ``with recorder.time(action): ...``; ``reset()`` per step.
+
+    The marks come from a ``Timer`` on the stage's ``device``: on the CPU the clock, on CUDA
+    events in the stream, so a time is when the work ran on the GPU (and a stage that waits
+    for a receive shows the wait as idle), not when it was queued.
+    """
 
     def __init__(self, rank: int, stages: int, micro_batches: int, virtual_stages: int = 1,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Clock = time.time, device: Optional[torch.device] = None) -> None:
         # time.time: one clock for every process of a host (perf_counter's origin is not).
-        self.rank, self.clock = rank, clock
-        self.timeline = Timeline(stages, micro_batches, virtual_stages)
+        self.rank, self.shape = rank, (stages, micro_batches, virtual_stages)
+        self.timer = Timer(device or torch.device("cpu"), clock)
+        self.marks: List[Tuple[Action, Mark, Mark]] = []
 
     def reset(self) -> None:
-        self.timeline.events.clear()
+        self.marks.clear()
 
     @contextmanager
     def time(self, action: Action) -> Iterator[None]:
-        start = self.clock()
+        start = self.timer.mark()
         yield
-        self.timeline.record(self.rank, action, start, self.clock())
+        self.marks.append((action, start, self.timer.mark()))
+
+    @property
+    def timeline(self) -> Timeline:
+        """This step's events in seconds (on CUDA reading waits for their events, so read it
+        after the step, not inside it)."""
+        timeline = Timeline(*self.shape)
+        for action, start, end in self.marks:
+            timeline.record(self.rank, action, seconds(start), seconds(end))
+        return timeline
 
 
 # ---- simulation: equal-cost stages, strict rendezvous sends --------------------------------
