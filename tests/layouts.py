@@ -51,6 +51,23 @@ def layout(tp=1, pp=1, cp=1, ep=1, **rest) -> dict:
                 context_parallel_size=cp, expert_model_parallel_size=ep, **rest)
 
 
+# Chapter 07's parity matrix on 8 ranks (test_nd_parallel.py; test_resume.py resumes each):
+# name -> (moe, micro-batches, parallel config); MoE runs use 1 micro-batch (see parallelize.py)
+ND_LAYOUTS = {
+    "tp2_pp2_dp2": (False, 2, layout(tp=2, pp=2)),
+    "tp2_cp2_dp2": (False, 2, layout(tp=2, cp=2)),
+    "pp2_cp2_tp2": (False, 2, layout(tp=2, pp=2, cp=2)),
+    "zero3_dp4_tp2": (False, 2, layout(tp=2, zero_stage=3)),
+    "zero3_pp2_interleaved_dp4":
+    (False, 2, layout(pp=2, zero_stage=3, schedule="interleaved", virtual_pipeline_stages=2)),
+    "moe_ep2_dp4_tp2": (True, 1, layout(tp=2, ep=2)),
+    "moe_pp2_dp4_ep2": (True, 1, layout(pp=2, ep=2, schedule="afab")),
+    "ckpt_tp2_sp_pp2_dp2":
+    (False, 2, layout(tp=2, pp=2, sequence_parallel=True, activation_checkpointing=True)),
+    "ckpt_zero2_cp2_dp4": (False, 2, layout(cp=2, zero_stage=2, activation_checkpointing=True)),
+}
+
+
 def config_of(layouts: Dict[str, Tuple[bool, int, dict]], name: str) -> Config:
     """The config of ``layouts[name]`` = (moe, micro-batches, parallel config)."""
     moe, m, parallel = layouts[name]

@@ -18,26 +18,13 @@ from scaletorch.parallel.activation_checkpointing import (apply_activation_check
                                                           saved_activation_bytes)
 from scaletorch.parallel.consolidated import load_consolidated, resume_consolidated
 from tests.harness import run_distributed
-from tests.layouts import (TOL, assert_parity, build, config_of, layout, make_config,
+from tests.layouts import (ND_LAYOUTS, TOL, assert_parity, build, config_of, layout, make_config,
                            parallelize_error, reference_key, references, save_and_resume, train)
 
 WORLD = 8
 SAVE_AT = 3  # the checkpoint test saves after 3 of the 5 steps
 
-# name -> (moe, micro-batches, parallel config); MoE runs use 1 micro-batch (see parallelize.py)
-LAYOUTS = {
-    "tp2_pp2_dp2": (False, 2, layout(tp=2, pp=2)),
-    "tp2_cp2_dp2": (False, 2, layout(tp=2, cp=2)),
-    "pp2_cp2_tp2": (False, 2, layout(tp=2, pp=2, cp=2)),
-    "zero3_dp4_tp2": (False, 2, layout(tp=2, zero_stage=3)),
-    "zero3_pp2_interleaved_dp4":
-    (False, 2, layout(pp=2, zero_stage=3, schedule="interleaved", virtual_pipeline_stages=2)),
-    "moe_ep2_dp4_tp2": (True, 1, layout(tp=2, ep=2)),
-    "moe_pp2_dp4_ep2": (True, 1, layout(pp=2, ep=2, schedule="afab")),
-    "ckpt_tp2_sp_pp2_dp2":
-    (False, 2, layout(tp=2, pp=2, sequence_parallel=True, activation_checkpointing=True)),
-    "ckpt_zero2_cp2_dp4": (False, 2, layout(cp=2, zero_stage=2, activation_checkpointing=True)),
-}
+LAYOUTS = ND_LAYOUTS  # the parity matrix (tests/layouts.py)
 
 
 def _checkpoint_runs(path: str) -> dict:

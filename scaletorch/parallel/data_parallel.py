@@ -30,7 +30,7 @@ prefix, so checkpoints and parity checks compare keys one to one.
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -45,14 +45,36 @@ IMPLS = ("naive", "scaletorch", "torch")
 FIRST_BUCKET_MB = 1.0  # torch DDP's default first bucket: communication starts early
 
 
-class _Wrapper:
-    """Plain state_dict keys and attribute fall-through to ``self.module`` (a mixin)."""
+def _strip_module_prefix(module: nn.Module, state_dict: Dict[str, Any], prefix: str,
+                         local_metadata: Any) -> None:
+    """state_dict post-hook: ``<prefix>module.<name>`` -> ``<prefix><name>``."""
+    inner = prefix + "module."
+    for key in [k for k in state_dict if k.startswith(inner)]:
+        state_dict[prefix + key[len(inner):]] = state_dict.pop(key)
 
-    def state_dict(self, *args, **kwargs):
-        return self.module.state_dict(*args, **kwargs)
 
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+def _add_module_prefix(module: nn.Module, state_dict: Dict[str, Any], prefix: str,
+                       *args: Any) -> None:
+    """load_state_dict pre-hook, the inverse: ``<prefix><name>`` -> ``<prefix>module.<name>``."""
+    inner = prefix + "module."
+    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
+        state_dict[inner + key[len(prefix):]] = state_dict.pop(key)
+
+
+class ModuleWrapper:
+    """A mixin for modules that wrap ``self.module``: plain state_dict keys (no ``module.``)
+    and attribute fall-through to the wrapped module.
+
+    The keys are renamed by state-dict hooks, not by overriding ``state_dict`` and
+    ``load_state_dict``: a container that holds wrappers (the pipeline's chunks) saves and
+    loads them through nn.Module's recursion, which runs every submodule's hooks but never a
+    submodule's own ``load_state_dict``. So a wrapper's checkpoint works alone and nested.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.register_state_dict_post_hook(_strip_module_prefix)
+        self.register_load_state_dict_pre_hook(_add_module_prefix)
 
     def __getattr__(self, name: str):
         try:
@@ -63,7 +85,7 @@ class _Wrapper:
             return getattr(self.module, name)  # e.g. model.num_parameters(), model.config
 
 
-class _DataParallel(_Wrapper, nn.Module):
+class _DataParallel(ModuleWrapper, nn.Module):
     """What both hand-written wrappers share: hooks, no_sync, the end-of-backward sync.
 
     A sync happens once per accumulation: at the end of a backward run outside ``no_sync``
@@ -318,7 +340,7 @@ class BucketedDataParallel(_DataParallel):
         self._synced, self._recording = self._recording, SyncTimeline()
 
 
-class TorchDataParallel(_Wrapper, DistributedDataParallel):
+class TorchDataParallel(ModuleWrapper, DistributedDataParallel):
     """torch's DDP with ``finish_grad_sync`` (its reducer already waited) and plain keys."""
 
     def finish_grad_sync(self) -> None:

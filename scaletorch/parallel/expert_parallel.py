@@ -48,6 +48,7 @@ from scaletorch.dist import comm, get_ledger
 from scaletorch.dist.comm import Group
 from scaletorch.dist.functional import all_reduce_sum, all_to_all, gather_along_dim
 from scaletorch.models.moe import Experts, MoE
+from scaletorch.parallel.data_parallel import ModuleWrapper
 from scaletorch.parallel.grad_norm import clip_grads_, global_grad_norm
 
 
@@ -135,7 +136,7 @@ def _all_reduce_mean(params: List[nn.Parameter], group: Group, divisor: int) -> 
         p.grad = g.view_as(p).clone()
 
 
-class ExpertParallel(nn.Module):
+class ExpertParallel(ModuleWrapper, nn.Module):
     """The converted model plus the two gradient reductions and the sharded grad norm.
 
     ``finish_grad_sync`` (called by the trainer's step after the last backward): dense
@@ -154,20 +155,6 @@ class ExpertParallel(nn.Module):
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
-
-    def __getattr__(self, name: str):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            if name == "module":
-                raise
-            return getattr(self.module, name)  # e.g. model.config, model.num_parameters()
-
-    def state_dict(self, *args, **kwargs):
-        return self.module.state_dict(*args, **kwargs)
-
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
     def finish_grad_sync(self) -> None:
         pgm, r = self.pgm, self.num_token_shards
@@ -193,9 +180,8 @@ class ExpertParallel(nn.Module):
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
         """Reference-keyed full weights on every rank: experts all-gathered over "ep" (and
         tensor-parallel shards over "tp"). Not in the ledger: a check, not training traffic."""
-        pgm, ledger = self.pgm, get_ledger()
-        enabled, ledger.enabled = ledger.enabled, False
-        try:
+        pgm = self.pgm
+        with get_ledger().paused():
             full = {}
             for name, t in self.module.state_dict(keep_vars=True).items():
                 t_full = t.detach()
@@ -205,8 +191,6 @@ class ExpertParallel(nn.Module):
                     t_full = gather_along_dim(t_full, t.partition_dim,
                                               pgm.tensor_model_parallel_group)
                 full[name] = t_full.clone()
-        finally:
-            ledger.enabled = enabled
         return full
 
 
@@ -270,13 +254,9 @@ def format_routing(model: nn.Module, pgm) -> str:
         sent, received = d.remote_tokens(rank_in_ep)
         rows.append(d.received.sum(0).tolist() + [sent, received, d.row_elements * d.element_size])
     mine = torch.tensor(rows, dtype=torch.long, device=layers[0].router.weight.device)
-    ledger = get_ledger()
-    enabled, ledger.enabled = ledger.enabled, False
-    try:
+    with get_ledger().paused():
         every = gather_along_dim(mine.unsqueeze(0), 0, None).cpu()  # (world, layers, local + 3)
         ep_ranks = gather_along_dim(torch.tensor([[rank_in_ep]], device=mine.device), 0, None)
-    finally:
-        ledger.enabled = enabled
     if pgm.rank != 0:
         return ""
     lines = [

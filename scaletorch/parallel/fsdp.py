@@ -22,7 +22,7 @@ accumulate full size); the last micro-batch reduces once.
 
 from contextlib import contextmanager
 from functools import partial
-from typing import Dict, Iterator, List, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -76,6 +76,8 @@ class ShardedDataParallel(nn.Module):
         self._gathering: Dict[int, object] = {}  # unit -> work of an async all-gather (prefetch)
         self.peak_gathered_units = 0  # stage 3: most units full at the same time
         self.peak_gathered_bytes = 0
+        self.register_state_dict_post_hook(self._copy_shards)
+        self.register_load_state_dict_post_hook(self._gather_after_load)
         for i, unit in enumerate(self.units):
             for tensor in unit.tensors:
                 if tensor.requires_grad:
@@ -209,20 +211,24 @@ class ShardedDataParallel(nn.Module):
 
     # ---- checkpoints ------------------------------------------------------------------------
 
-    def state_dict(self, *args, **kwargs):
-        """This rank's shards {"shards.<unit>": (S,)}, copied: in stages 1 and 2 a shard is a
-        view of the full flat parameters, and torch.save would write the whole of them."""
-        state = super().state_dict(*args, **kwargs)
-        for key, value in state.items():
-            state[key] = value.clone()
-        return state
+    # The state dict is this rank's shards {"shards.<unit>": (S,)}, saved by the same rank of
+    # the same N. Hooks, not overrides, so that it also works when the wrapper sits inside a
+    # container (a pipeline's chunks): nn.Module's recursion runs every submodule's hooks.
 
-    def load_state_dict(self, state_dict, strict: bool = True):
-        """Load this rank's shards (saved by the same rank of the same N); stages 1, 2 then
-        rebuild the full parameters (an all-gather: every rank of the group must call it)."""
-        result = super().load_state_dict(state_dict, strict=strict)
-        self.gather_params()
-        return result
+    @staticmethod
+    def _copy_shards(module: nn.Module, state_dict: Dict[str, Any], prefix: str,
+                     local_metadata: Any) -> None:
+        """state_dict post-hook: copy each shard. In stages 1 and 2 a shard is a view of the
+        full flat parameters, and torch.save would write the whole of them."""
+        for key in [k for k in state_dict if k.startswith(prefix + "shards.")]:
+            if not isinstance(state_dict[key], nn.Parameter):  # keep_vars=True wants the vars
+                state_dict[key] = state_dict[key].clone()
+
+    @staticmethod
+    def _gather_after_load(module: nn.Module, incompatible_keys: Any) -> None:
+        """load_state_dict post-hook: stages 1, 2 rebuild the full parameters from the loaded
+        shards (an all-gather: every rank of the group loads)."""
+        module.gather_params()
 
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
         """{name: full tensor}, the keys and shapes of the unwrapped model's state_dict.

@@ -109,10 +109,12 @@ def latest_checkpoint(root: str) -> Optional[str]:
 
 
 def save_checkpoint(root: str, step: int, state: Dict[str, Any], rank: int, world_size: int,
-                    keep_last: int = 2, group=None) -> str:
+                    keep_last: int = 2, group=None, layout: Optional[Dict[str, Any]] = None) -> str:
     """Every rank writes its ``state``; rank 0 writes the manifest once all have finished.
 
-    Collective over ``group`` (the default: every rank). Returns the checkpoint directory.
+    Collective over ``group`` (the default: every rank). ``layout`` (e.g. the parallel sizes
+    and ZeRO stage) goes into the manifest: the files are shards of that layout, and
+    ``load_checkpoint`` refuses another. Returns the checkpoint directory.
     """
     path = step_dir(root, step)
     os.makedirs(path, exist_ok=True)
@@ -131,6 +133,7 @@ def save_checkpoint(root: str, step: int, state: Dict[str, Any], rank: int, worl
             "format_version": FORMAT_VERSION,
             "step": step,
             "world_size": world_size,
+            "layout": layout or {},
             "sha256": files
         }
         _atomic_write(os.path.join(path, MANIFEST), json.dumps(manifest, indent=1).encode())
@@ -195,11 +198,35 @@ def latest_valid_checkpoint(root: str) -> Tuple[Optional[str], List[str]]:
     return None, skipped
 
 
-def load_checkpoint(path: str, rank: int, world_size: int) -> Dict[str, Any]:
-    """Read this rank's state from checkpoint directory ``path`` (checked against its manifest)."""
+def check_layout(path: str, manifest: Dict[str, Any], world_size: int,
+                 layout: Optional[Dict[str, Any]]) -> None:
+    """Raise ValueError unless this run has the world size and layout that wrote ``path``.
+
+    Per-rank files are shards of one layout: rank r of another layout holds other pieces, so
+    loading them would fail or, worse, train on misplaced weights. The message points to the
+    consolidated file (full tensors, any layout) instead.
+    """
+    saved = dict(manifest.get("layout") or {}, world_size=manifest["world_size"])
+    now = dict(layout or {}, world_size=world_size)
+    differ = [k for k in saved if k in now and saved[k] != now[k]]
+    if not differ:
+        return
+    consolidated = os.path.join(path, "consolidated.pt")
+    hint = (f"resume the consolidated file instead: --resume {consolidated}"
+            if os.path.isfile(consolidated) else
+            "to change layouts, resume a consolidated file (full weights and AdamW state, any "
+            "layout): examples/07_nd_parallel.py writes consolidated.pt beside each checkpoint")
+    raise ValueError(f"checkpoint {path!r} holds per-rank shards of another layout ("
+                     + ", ".join(f"{k} {saved[k]} there, {now[k]} here" for k in differ)
+                     + "); per-rank checkpoints resume only at the layout that wrote them; "
+                     + hint)
+
+
+def load_checkpoint(path: str, rank: int, world_size: int,
+                    layout: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """Read this rank's state from checkpoint directory ``path`` (checked against its manifest,
+    and against this run's world size and ``layout``: see ``check_layout``)."""
     manifest = read_manifest(path)
-    if manifest["world_size"] != world_size:
-        raise ValueError(f"checkpoint {path!r} was saved by {manifest['world_size']} ranks; "
-                         f"this run has {world_size}")
+    check_layout(path, manifest, world_size, layout)
     data = _read_verified(path, os.path.basename(rank_file(path, rank)), manifest)
     return load_tensors_only(data, f"checkpoint file {rank_file(path, rank)!r}")

@@ -162,12 +162,31 @@ class Trainer:
         if path is None:
             self._print(f"no checkpoint in {self.cfg.checkpoint_path}: starting from step 0")
             return
-        self.load_state_dict(ckpt.load_checkpoint(path, self.rank, self.world_size))
+        self.load_state_dict(ckpt.load_checkpoint(path, self.rank, self.world_size, self.layout()))
         self._print(f"resumed from {path} at step {self.step}")
+
+    def layout(self) -> dict:
+        """What decides which shard of the model and optimizer each rank holds: a per-rank
+        checkpoint records it, and resumes only where it is the same."""
+        p, pgm = self.cfg.parallel, self.pgm
+        if pgm is None:  # one device, whole model: nothing is split
+            return {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1}
+        return {
+            "tensor_model_parallel_size": pgm.tensor_model_parallel_world_size,
+            "pipeline_model_parallel_size": pgm.pipeline_model_parallel_world_size,
+            "context_parallel_size": pgm.context_parallel_world_size,
+            "expert_model_parallel_size": pgm.expert_model_parallel_world_size,
+            "data_parallel_size": pgm.data_parallel_world_size,
+            "zero_stage": p.zero_stage,
+            "virtual_pipeline_stages": p.virtual_pipeline_stages,
+            "layer_split": list(getattr(p, "layer_split", None) or []),
+            "impl": p.impl,
+        }
 
     def save(self) -> str:
         return ckpt.save_checkpoint(self.cfg.checkpoint_path, self.step, self.state_dict(),
-                                    self.rank, self.world_size, self.cfg.checkpoint.keep_last)
+                                    self.rank, self.world_size, self.cfg.checkpoint.keep_last,
+                                    layout=self.layout())
 
     # ---- the loop ----------------------------------------------------------------------
 
