@@ -56,7 +56,7 @@ def main() -> int:
                                                     cfg.data.num_micro_batches,
                                                     grad_norm_over_tp=False)
             for op, expected in formula.items():
-                measured = ledger.total(op=op, group="tp", step=last)
+                measured = ledger.total(op=op, group="tp", step=last, phase="compute")
                 print(f"{op} over tp in step {last}: ledger {measured:,.0f} elements, formula "
                       f"{expected:,} ({'OK' if measured == expected else 'MISMATCH'})")
 

@@ -54,18 +54,23 @@ def main() -> int:
         op, formula = "send", (3 * cp - 2) * 2 * b * s_local * hkv * d if cp > 1 else 0
     else:  # q, k, v, out all-to-all in forward and again in backward; (cp-1)/cp leaves
         op, formula = "all_to_all", 2 * (cp - 1) * b * s_local * (2 * hq + 2 * hkv) * d // cp
-    measured = ledger.total(op=op, group="cp", step=last) / layers
+    measured = ledger.total(op=op, group="cp", step=last, phase="compute") / layers
+    # activation checkpointing re-runs each block's forward in backward: its K/V ring again
+    recomputed = ledger.total(op=op, group="cp", step=last, phase="recompute") / layers
+    forward = (cp - 1) * 2 * b * s_local * hkv * d if p.cp_variant == "ring" else formula // 2
     blocks = attention_block_counts(model)
-    ledger.enabled = False  # the report's own gather is not training traffic
     per_forward = torch.tensor([blocks["full"], blocks["diagonal"]], device=env.device) \
         // (layers * m * (cfg.training.steps - result.start_step))
-    all_blocks = functional.gather_along_dim(per_forward, 0, pgm.context_parallel_group)
-    ledger.enabled = True
+    with ledger.paused():  # the report's own gather is not training traffic
+        all_blocks = functional.gather_along_dim(per_forward, 0, pgm.context_parallel_group)
     if pgm.rank == 0:
         print(ledger.table(step=last))
         what = "K/V" if p.cp_variant == "ring" else "q/k/v/out"
         print(f"{p.cp_variant} {what} traffic per layer per step per rank ({op} over cp): "
               f"{measured:,.0f} elements = {measured * 4 / 1e6:.3f} MB; formula {formula:,}")
+        if p.activation_checkpointing:
+            print(f"recomputed (activation checkpointing): {recomputed:,.0f} elements per layer; "
+                  f"formula: the forward's {forward:,}")
         if p.cp_variant == "ring":
             pairs = all_blocks.view(cp, 2).tolist()
             print("attention blocks per layer per forward, by cp rank (full + diagonal): " +

@@ -54,7 +54,7 @@ def main() -> int:
         print(report)
         print(ledger.table(step=last))
         # token rows: every all_to_all over ep but the exchange of int64 counts
-        moved = sum(r.elements for r in ledger.select("all_to_all", "ep", last)
+        moved = sum(r.elements for r in ledger.select("all_to_all", "ep", last, "compute")
                     if r.bytes != 8 * r.elements)
         formula = all_to_all_elements(model, pgm)
         print(f"rank 0, step {last}: all-to-all token elements over ep {moved:,} = 2 directions "

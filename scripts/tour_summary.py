@@ -4,8 +4,9 @@
 
 The TSV (written by tour.sh) has one line per run: chapter, processes, arguments, run
 directory, seconds, exit code. From the run directory it reads metrics.jsonl (the last loss,
-rank 0's wire bytes per step from the ledger) and tour.log (the ``--check`` verdicts: the
-largest loss and weight deviations from the single-device run).
+rank 0's wire bytes per step from the ledger: what it sent, a message counted at its sender)
+and tour.log (the ``--check`` verdicts: the largest loss and weight deviations from the
+single-device run).
 """
 
 import json
@@ -60,8 +61,8 @@ def main(tsv: str) -> int:
                      f"{float(seconds):>9.1f}  {'ok' if ok else 'FAILED'}")
     print("\n".join(lines))
     print("max dloss / dweight: largest |difference| from the single-device run (--check, "
-          "tolerance 1e-5);\nMB/step: bytes rank 0 put on the wire per step, as our ledger saw "
-          "them (PyTorch's own collectives bypass it)")
+          "tolerance 1e-5);\nMB/step: bytes rank 0 sent per step (a receive sends nothing), as "
+          "our ledger saw them (PyTorch's own collectives bypass it)")
     return 1 if failed else 0
 
 

@@ -176,6 +176,7 @@ class LedgerWithoutProcessGroup(unittest.TestCase):
         self.assertAlmostEqual(wire_bytes("all_reduce", 100, 4), 150.0)
         self.assertAlmostEqual(wire_bytes("all_gather", 100, 4), 75.0)
         self.assertAlmostEqual(wire_bytes("send", 100, 2), 100.0)
+        self.assertEqual(wire_bytes("recv", 100, 2), 0.0)  # the sender counts the message
 
     def test_table_lists_each_op_and_group(self):
         ledger = get_ledger()

@@ -98,7 +98,9 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
 def batch_isend_irecv(ops: List[dist.P2POp], group: Group = None) -> list:
     """Post a batch of point-to-point sends and receives; returns their work handles.
 
-    Sends are recorded as "send", receives as "recv", with the element count of the tensor.
+    Sends are recorded as "send", receives as "recv", with the element count of the tensor; a
+    message's wire bytes are its sender's (a recv sends nothing), so summed over ranks each
+    message counts once.
     """
     for p2p in ops:
         _record("send" if p2p.op is dist.isend else "recv", group, p2p.tensor)

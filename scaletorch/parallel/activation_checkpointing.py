@@ -15,17 +15,31 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from scaletorch.dist import get_ledger
 from scaletorch.models import Llama
 
 
 class _Checkpointed:
-    """A block's forward that keeps only its inputs and recomputes the rest in backward."""
+    """A block's forward that keeps only its inputs and recomputes the rest in backward.
+
+    The recomputation's collectives are real traffic: the ledger books them under the phase
+    "recompute", apart from the forward's."""
 
     def __init__(self, forward: Callable) -> None:
         self.forward = forward
 
     def __call__(self, *args):
-        return checkpoint(self.forward, *args, use_reentrant=False)
+        first = True
+
+        def run(*inputs):  # checkpoint calls it once in forward, again to recompute
+            nonlocal first
+            if first:
+                first = False
+                return self.forward(*inputs)
+            with get_ledger().in_phase("recompute"):
+                return self.forward(*inputs)
+
+        return checkpoint(run, *args, use_reentrant=False)
 
 
 def apply_activation_checkpointing(model: Llama) -> Llama:

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from scaletorch.dist import comm
+from scaletorch.dist import comm, get_ledger
 from scaletorch.dist.comm import Group
 from scaletorch.dist.functional import all_to_all
 from scaletorch.models.llama import causal_attention
@@ -334,8 +334,9 @@ class RingAttention:
         if q.size(1) % 2 != 0:
             raise ValueError(f"local sequence length {q.size(1)} must be even (two chunks)")
         cp, rank = comm.group_size(self.group), comm.group_rank(self.group)
-        for kind, n in block_counts(rank, cp, self.layout).items():
-            self.blocks[kind] += n
+        if get_ledger().phase != "recompute":  # activation checkpointing's rerun: same forward
+            for kind, n in block_counts(rank, cp, self.layout).items():
+                self.blocks[kind] += n
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (b, heads, s_local, d)
         out = _RingAttention.apply(q, k, v, self.group, self.layout, self.impl)
         return out.transpose(1, 2)

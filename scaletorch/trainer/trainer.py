@@ -225,9 +225,9 @@ class Trainer:
         try:
             return self.train_step()
         except (RuntimeError, dist.DistError) as err:
-            records = get_ledger().records
-            last = (f"; the last collective issued was {records[-1].op} over group "
-                    f"'{records[-1].group}' ({records[-1].group_size} ranks)") if records else ""
+            r = get_ledger().last
+            last = (f"; the last collective issued was {r.op} over group '{r.group}' "
+                    f"({r.group_size} ranks)") if r is not None else ""
             raise RuntimeError(f"rank {self.rank}: step {self.step} failed{last}: {err}") from err
 
     def train(self) -> TrainResult:
