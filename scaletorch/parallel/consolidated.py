@@ -29,10 +29,8 @@ def consolidated_state(trainer, par: Parallelized) -> Optional[Dict[str, Any]]:
     # AdamW has state once it stepped; every rank must agree before the collective gathers
     params = par.layout.params()
     have_state = torch.tensor([float(all(p in opt.state for p in params))], device=params[0].device)
-    ledger = get_ledger()
-    enabled, ledger.enabled = ledger.enabled, False
-    comm.all_reduce(have_state, op=torch.distributed.ReduceOp.MIN)
-    ledger.enabled = enabled
+    with get_ledger().paused():
+        comm.all_reduce(have_state, op=torch.distributed.ReduceOp.MIN)
     optim = None
     if have_state.item():
         first = opt.state[params[0]]

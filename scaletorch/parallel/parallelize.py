@@ -300,9 +300,8 @@ def rank_report(pgm, model: nn.Module, optimizer: torch.optim.Optimizer, step: i
     row += [memory[k] / 1e6 for k in ("params", "grads", "optimizer")]
     mine = torch.tensor([row], dtype=torch.float64, device=next(model.parameters()).device)
     rows = mine.new_empty(pgm.world_size, len(row))
-    enabled, ledger.enabled = ledger.enabled, False  # the report is not training traffic
-    comm.all_gather_into_tensor(rows, mine)
-    ledger.enabled = enabled
+    with ledger.paused():  # the report is not training traffic
+        comm.all_gather_into_tensor(rows, mine)
     head = (f"{'rank':>4} " + "".join(f"{c:>3}" for c in COORDS) + " |" + "".join(f"{g:>7}"
                                                                                   for g in GROUPS) +
             " | " + "".join(f"{k:>9}" for k in ("params", "grads", "adam", "total")))

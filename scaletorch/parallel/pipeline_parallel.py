@@ -348,9 +348,7 @@ def _gather_to_first_stage(pgm, payload: torch.Tensor, sizes: Sequence[int]) -> 
     returns them in stage order; other ranks send theirs and get []. Not in the ledger: it is
     for checks and charts, not training traffic."""
     group, ranks = pgm.pipeline_model_parallel_group, pgm.group_ranks("pp")
-    ledger = get_ledger()
-    enabled, ledger.enabled = ledger.enabled, False
-    try:
+    with get_ledger().paused():
         if pgm.pipeline_model_parallel_rank != 0:
             out, ops = [], [dist.P2POp(dist.isend, payload, ranks[0], group)]
         else:
@@ -358,8 +356,6 @@ def _gather_to_first_stage(pgm, payload: torch.Tensor, sizes: Sequence[int]) -> 
             ops = [dist.P2POp(dist.irecv, t, ranks[q], group) for q, t in enumerate(out) if q]
         for work in comm.batch_isend_irecv(ops, group):
             work.wait()
-    finally:
-        ledger.enabled = enabled
     return out
 
 

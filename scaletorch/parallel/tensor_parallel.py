@@ -349,9 +349,7 @@ def gather_full_state_dict(model: nn.Module, pgm) -> Dict[str, torch.Tensor]:
     over "tp", kept out of the ledger: a check, not training traffic)."""
     model = getattr(model, "module", model)  # through a data-parallel wrapper
     group = pgm.tensor_model_parallel_group
-    ledger = get_ledger()
-    enabled, ledger.enabled = ledger.enabled, False
-    try:
+    with get_ledger().paused():
         full = {}
         for name, tensor in model.state_dict(keep_vars=True).items():
             if isinstance(tensor, DTensor):
@@ -360,8 +358,6 @@ def gather_full_state_dict(model: nn.Module, pgm) -> Dict[str, torch.Tensor]:
                 full[name] = gather_along_dim(tensor.detach(), tensor.partition_dim, group)
             else:
                 full[name] = tensor.detach().clone()
-    finally:
-        ledger.enabled = enabled
     return full
 
 

@@ -276,9 +276,8 @@ def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer, zero_stage
     row = torch.tensor([[mine[k] for k in KINDS]], dtype=torch.float64,
                        device=next(model.parameters()).device)
     rows = row.new_empty(comm.group_size(group), len(KINDS))
-    get_ledger().enabled = False  # bookkeeping, not the strategy's traffic
-    comm.all_gather_into_tensor(rows, row, group)
-    get_ledger().enabled = True
+    with get_ledger().paused():  # bookkeeping, not the strategy's traffic
+        comm.all_gather_into_tensor(rows, row, group)
     n = comm.group_size(group)
     formula = memory_formula(zero_stage, padded_numel, n)
     names = {0: "baseline", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}

@@ -25,12 +25,8 @@ def samples(args) -> int:
 @contextmanager
 def untracked() -> Iterator[None]:
     """Keep the benchmark's own collectives out of the ledger: they are not traffic."""
-    ledger = get_ledger()
-    enabled, ledger.enabled = ledger.enabled, False
-    try:
+    with get_ledger().paused():
         yield
-    finally:
-        ledger.enabled = enabled
 
 
 def alternate(names: Sequence[str], rounds: int, warmup: int, step: Callable[[str], None],
