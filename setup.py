@@ -11,7 +11,10 @@ setup(
     python_requires=">=3.10",
     install_requires=requirements,
     extras_require={
-        "dev": ["pytest", "flake8", "yapf", "isort"],
+        "dev": [
+            "pytest", "flake8", "flake8-quotes", "yapf", "isort", "mypy", "pre-commit",
+            "pre-commit-hooks"
+        ],
         "plot": ["matplotlib"],
     },
 )
