@@ -22,6 +22,7 @@ import yaml
 
 from scaletorch.models import LlamaConfig
 from scaletorch.parallel.pipeline_schedules import validate_schedule
+from scaletorch.trainer.precision import PRECISIONS
 
 
 @dataclass
@@ -61,7 +62,7 @@ class TrainingConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0  # global-norm clipping; 0 disables it
-    precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16
+    precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU and under --check) | fp32 | bf16
     model_seed: int = 42  # one seed builds the same full model on every rank
     timeout_seconds: float = 300.0  # every collective fails after this instead of hanging
     fail_at_step: int = -1  # fault injection: kill rank ``fail_rank`` at this step (first try only)
@@ -265,7 +266,7 @@ CHOICES = {
     "parallel.impl": ("scaletorch", "naive", "torch"),
     "parallel.schedule": ("afab", "1f1b", "interleaved"),
     "parallel.cp_variant": ("ring", "ulysses"),
-    "training.precision": ("auto", "fp32", "bf16"),
+    "training.precision": PRECISIONS,
 }
 
 

@@ -2,7 +2,9 @@
 
 Every numbered script's ``--check`` ends with ``check_against_reference``, which prints
 ``parity: max |loss - reference| = 3.1e-07 over 10 steps (tolerance 1e-05): OK`` and the same
-for the weights, when the strategy can gather them.
+for the weights, when the strategy can gather them. The reference computes in the run's
+precision (precision.py decides it for both) and the tolerance is that precision's: 1e-5 in
+fp32, 2^-5 under bf16 autocast (``(tolerance 3.1e-02, bf16)`` on the line).
 """
 
 import copy
@@ -14,8 +16,9 @@ from torch import nn
 from scaletorch.dist import comm, get_ledger
 from scaletorch.models import build_model
 from scaletorch.trainer.config import Config
+from scaletorch.trainer.precision import TOLERANCES, parity_tolerance, resolve_precision
 
-TOLERANCE = 1e-5  # fp32, K >= 5 steps: see DESIGN.md, "The correctness contract"
+TOLERANCE = TOLERANCES["fp32"]  # K >= 5 steps in fp32; bf16's is derived in precision.py
 
 
 def run_reference(
@@ -60,37 +63,49 @@ def max_weight_diff(state: Dict[str, torch.Tensor], reference: Dict[str, torch.T
     return max(weight_diffs(state, reference).values())
 
 
-def report_parity(losses: Sequence[float], reference: Sequence[float],
-                  tolerance: float = TOLERANCE) -> bool:
+def tolerance_text(tolerance: float, precision: str = "fp32") -> str:
+    """"tolerance 1e-05" in fp32; "tolerance 3.1e-02, bf16" under a lower precision."""
+    if precision == "fp32":
+        return f"tolerance {tolerance:.0e}"
+    return f"tolerance {tolerance:.1e}, {precision}"
+
+
+def report_parity(losses: Sequence[float], reference: Sequence[float], tolerance: float = TOLERANCE,
+                  precision: str = "fp32") -> bool:
     """Print the parity line and return whether it passed."""
     diff = max_loss_diff(losses, reference)
     ok = diff <= tolerance
     print(
         f"parity: max |loss - reference| = {diff:.1e} over {len(losses)} steps "
-        f"(tolerance {tolerance:.0e}): {'OK' if ok else 'FAIL'}", flush=True)
+        f"({tolerance_text(tolerance, precision)}): {'OK' if ok else 'FAIL'}", flush=True)
     return ok
 
 
 def check_against_reference(cfg: Config, losses: Sequence[float], device: torch.device,
                             full_state: Optional[Dict[str, torch.Tensor]] = None,
-                            start_step: int = 0, tolerance: float = TOLERANCE) -> bool:
+                            start_step: int = 0, tolerance: Optional[float] = None) -> bool:
     """``--check`` for every script: rank 0 runs the reference and prints the verdict.
 
     ``losses`` are the parallel run's per-step losses from ``start_step``; ``full_state`` is
     its gathered, unsharded state dict (on rank 0; None to skip the weight comparison). The
-    verdict is broadcast so that every rank returns the same answer (and exit code).
+    reference runs in the same precision (``resolve_precision``); ``tolerance`` defaults to
+    that precision's. The verdict is broadcast so that every rank returns the same answer
+    (and exit code).
     """
+    precision = resolve_precision(cfg, device.type)
+    if tolerance is None:
+        tolerance = parity_tolerance(cfg, device.type)
     ok = torch.ones(1, device=device)
     if comm.group_rank() == 0:
         reference, ref_model = run_reference(cfg, device)
-        passed = report_parity(losses, reference[start_step:], tolerance)
+        passed = report_parity(losses, reference[start_step:], tolerance, precision)
         if full_state is not None:
             diffs = weight_diffs(full_state, ref_model.state_dict())
             worst = max(diffs, key=diffs.get)
-            diff = diffs[worst]
+            diff, limit = diffs[worst], tolerance_text(tolerance, precision)
             print(
                 f"parity: max |weight - reference| = {diff:.1e} after "
-                f"{cfg.training.steps} steps, in {worst} (tolerance {tolerance:.0e}): "
+                f"{cfg.training.steps} steps, in {worst} ({limit}): "
                 f"{'OK' if diff <= tolerance else 'FAIL'}", flush=True)
             passed = passed and diff <= tolerance
         ok.fill_(float(passed))

@@ -18,7 +18,6 @@ import os
 import signal
 import sys
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional
 
@@ -31,6 +30,7 @@ from scaletorch.dist import comm, get_ledger, restart_count
 from scaletorch.parallel.step import ForwardBackward, make_data_parallel_step
 from scaletorch.trainer import checkpoint as ckpt
 from scaletorch.trainer.config import Config, save_config
+from scaletorch.trainer.precision import autocast, precision_note
 
 
 @dataclass
@@ -58,16 +58,6 @@ def build_loader(cfg: Config) -> GlobalBatchLoader:
     dataset = build_dataset(cfg.data.dataset, cfg.model.vocab_size, cfg.data.seed,
                             path=cfg.data.path)
     return GlobalBatchLoader(dataset, cfg.data.global_batch_size, cfg.data.seq_len, cfg.data.seed)
-
-
-def autocast_context(cfg: Config, device: torch.device):
-    """bf16 autocast when asked for (or 'auto' on a GPU); fp32 otherwise."""
-    precision = cfg.training.precision
-    if precision == "auto":
-        precision = "bf16" if device.type == "cuda" else "fp32"
-    if precision == "bf16":
-        return torch.autocast(device.type, dtype=torch.bfloat16)
-    return nullcontext()
 
 
 class Trainer:
@@ -200,7 +190,7 @@ class Trainer:
         inputs, targets = self.loader.get_batch(self.step)
         inputs, targets = inputs.to(self.device), targets.to(self.device)
         self.optimizer.zero_grad(set_to_none=True)
-        with autocast_context(self.cfg, self.device):
+        with autocast(self.cfg, self.device):  # the precision the reference uses too
             loss = self.forward_backward(inputs, targets)
         max_norm = self.cfg.training.grad_clip or math.inf  # 0 disables clipping
         grad_norm = self.clip_grad_norm(max_norm)
@@ -208,6 +198,9 @@ class Trainer:
         self.scheduler.step()
         self.step += 1
         return float(loss), float(grad_norm)
+
+    def _wire_bytes(self, step: int) -> float:
+        return get_ledger().total(step=step, field="wire_bytes") if self.pgm is not None else 0.0
 
     def _maybe_inject_failure(self) -> None:
         """``--fail-at-step K --fail-rank R``: rank R dies abruptly at step K, on the first try.
@@ -232,6 +225,8 @@ class Trainer:
 
     def train(self) -> TrainResult:
         cfg = self.cfg
+        if cfg.check:
+            self._print(precision_note(cfg, self.device.type))  # rank 0, once
         self.maybe_resume()
         result = TrainResult(start_step=self.step)
         metrics = None
@@ -263,8 +258,9 @@ class Trainer:
                     "lr": lr,
                     "grad_norm": grad_norm,
                     "tokens_per_s": tokens_per_step / elapsed,
-                    # bytes this rank sent in the step's collectives (our ledger: not torch's)
-                    "wire_bytes": get_ledger().total(step=self.step - 1, field="wire_bytes"),
+                    # bytes this rank sent in the step's collectives (our ledger: not torch's);
+                    # none without process groups (the --check reference, after the run's steps)
+                    "wire_bytes": self._wire_bytes(self.step - 1),
                 }
                 if metrics is not None:
                     metrics.write(json.dumps(record) + "\n")

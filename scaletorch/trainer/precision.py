@@ -1,0 +1,71 @@
+"""Which precision a run computes in, and how close ``--check`` may then ask it to be.
+
+``resolve_precision`` is the one place that decides: the training loop's autocast and the
+parity check's reference both call it, so a parallel run and its reference always compute in
+the same precision.
+
+    training.precision   without --check            with --check
+    fp32                 fp32                       fp32, tolerance 1e-5
+    bf16                 bf16 autocast              bf16 autocast for both, tolerance 2^-5
+    auto                 bf16 on CUDA, else fp32    fp32 (the check proves fp32 parity)
+
+Why 2^-5 under bf16. bf16 keeps 8 significant bits: its unit roundoff is u = 2^-8 = 3.9e-3,
+the largest relative error of one rounding. The parallel run and the reference do the same
+math in another order (tp's partial sums, dp's split batch, a pipeline's micro-batches), and
+autocast rounds every matmul output to bf16, so their activations differ by about u
+relative, not by fp32's 6e-8: the loss (about 4 nats) by up to a few u x 4 nats. AdamW
+normalizes every update to about lr, so an element whose tiny gradient the rounding flips
+moves by up to about 2 lr per step the other way: weight deviations of order lr. Measured on
+CPU against the bf16 reference (chapters 01-05 and 07 tp2 x pp2, 20-50 steps, lr 1e-3 to
+1e-2): at most 2.5e-3 in the loss and 9.5e-3 in the weights. The tolerance is 8u = 2^-5 =
+3.1e-2, three times the largest measured. It proves less than fp32's 1e-5 (a deviation
+below 3.1e-2 passes): prove a strategy in fp32, check the bf16 path with bf16.
+"""
+
+from contextlib import nullcontext
+from typing import ContextManager
+
+import torch
+
+PRECISIONS = ("auto", "fp32", "bf16")  # training.precision; chapter 08 adds fp16
+
+BF16_UNIT_ROUNDOFF = 2.0**-8  # 8 significant bits (7 stored + 1 implicit)
+TOLERANCES = {
+    "fp32": 1e-5,  # K >= 5 steps in fp32: reduction order only (see the module docstring)
+    "bf16": 8 * BF16_UNIT_ROUNDOFF,  # 2^-5 = 3.1e-2, derived in the module docstring
+}
+DTYPES = {"fp32": None, "bf16": torch.bfloat16}  # the autocast dtype; None: no autocast
+
+
+def resolve_precision(cfg, device_type: str) -> str:
+    """The precision the run computes in, "fp32" or "bf16", on a device of ``device_type``
+    ("cpu", "cuda", ...): ``training.precision``, with "auto" resolved (fp32 under --check)."""
+    precision = cfg.training.precision
+    if precision not in PRECISIONS:
+        raise ValueError(f"training.precision must be one of {', '.join(PRECISIONS)}, "
+                         f"got {precision!r}")
+    if precision == "auto":
+        return "bf16" if device_type == "cuda" and not cfg.check else "fp32"
+    return precision
+
+
+def parity_tolerance(cfg, device_type: str) -> float:
+    """The largest loss and weight deviation ``--check`` accepts for this run's precision."""
+    return TOLERANCES[resolve_precision(cfg, device_type)]
+
+
+def precision_note(cfg, device_type: str) -> str:
+    """The one line a ``--check`` run prints about its precision."""
+    precision = resolve_precision(cfg, device_type)
+    if cfg.training.precision == "auto":
+        return (f"precision: training.precision auto is {precision} under --check, for the run "
+                f"and the reference (without --check a GPU computes in bf16); "
+                f"--training.precision bf16 checks bf16")
+    return (f"precision: {precision} for the run and the reference, parity tolerance "
+            f"{TOLERANCES[precision]:.1e}")
+
+
+def autocast(cfg, device: torch.device) -> ContextManager:
+    """Autocast to the resolved precision's dtype on ``device`` (nothing for fp32)."""
+    dtype = DTYPES[resolve_precision(cfg, device.type)]
+    return nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
