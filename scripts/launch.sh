@@ -12,10 +12,12 @@
 #       --master-addr 10.0.0.1 --master-port 29500
 #
 # On a machine without a GPU it sets OMP_NUM_THREADS=1 (unless already set), so that ranks
-# sharing the CPU do not fight over its cores. It prints the command it runs.
+# sharing the CPU do not fight over its cores. It sets TORCH_NCCL_BLOCKING_WAIT=1 and
+# TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (unless already set), so that on GPUs a collective whose
+# peer died raises an error after the timeout (doc/fault_tolerance.md). It prints the command.
 set -euo pipefail
 
-usage() { sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; }
 
 if [[ $# -eq 0 || "$1" == "-h" || "$1" == "--help" ]]; then
   usage
@@ -52,6 +54,13 @@ done
 if ! python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
   export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 fi
+# NCCL: wait() blocks until the collective completes or the process group's timeout passes,
+# then raises in the rank's own thread (otherwise the call returns at once and NCCL's watchdog
+# kills the process later, with no Python error); without blocking wait, the watchdog aborts
+# the communicators before taking the process down. gloo reads neither variable, so they are
+# set on every machine; a value the user set wins (e.g. TORCH_NCCL_BLOCKING_WAIT=0 for speed).
+export TORCH_NCCL_BLOCKING_WAIT="${TORCH_NCCL_BLOCKING_WAIT:-1}"
+export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"
 
 cmd=(python -m torch.distributed.run --nproc-per-node "$nproc" --max-restarts "$max_restarts")
 if [[ "$nnodes" -gt 1 ]]; then
@@ -67,5 +76,7 @@ else
   fi
 fi
 cmd+=("$script" "$@")
-echo "+ ${OMP_NUM_THREADS:+OMP_NUM_THREADS=$OMP_NUM_THREADS }${cmd[*]}"
+nccl="TORCH_NCCL_BLOCKING_WAIT=$TORCH_NCCL_BLOCKING_WAIT"
+nccl+=" TORCH_NCCL_ASYNC_ERROR_HANDLING=$TORCH_NCCL_ASYNC_ERROR_HANDLING"
+echo "+ ${OMP_NUM_THREADS:+OMP_NUM_THREADS=$OMP_NUM_THREADS }$nccl ${cmd[*]}"
 exec "${cmd[@]}"
