@@ -25,7 +25,7 @@ class LauncherSetsNcclErrorHandling(unittest.TestCase):
         self.assertEqual(proc.returncode, 0, proc.stdout + proc.stderr)
         ranks = [line for line in proc.stdout.splitlines() if line.startswith("rank env")]
         self.assertEqual(ranks, ["rank env 0 1"])  # kept 0; set the unset one to 1
-        command = proc.stdout.splitlines()[0]  # the launcher prints what it runs
+        command = next(line for line in proc.stdout.splitlines() if line.startswith("+ "))
         self.assertIn("TORCH_NCCL_BLOCKING_WAIT=0 TORCH_NCCL_ASYNC_ERROR_HANDLING=1", command)
 
 
