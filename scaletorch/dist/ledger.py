@@ -125,6 +125,10 @@ class CommLedger:
         self._dropped: Optional[int] = None  # the newest step whose records were dropped
 
     def set_step(self, step: int) -> None:
+        """Tag what follows with training step ``step``. A step number at or below the dropped
+        ones starts a new count (another run in the same process, e.g. --check's reference)."""
+        if self._dropped is not None and step <= self._dropped:
+            self._dropped = None
         self.step = step
 
     def clear(self) -> None:
