@@ -20,7 +20,7 @@ from scaletorch.trainer import Config, Trainer
 from scaletorch.trainer.parity import max_weight_diff
 from tests.harness import value_error
 
-TOL = 1e-5  # fp32, 5 AdamW steps: only the order of the reductions differs (DESIGN.md)
+TOL = 1e-5  # fp32, 5 AdamW steps: only the order of the reductions differs (doc/design.md)
 STEPS = 5
 
 

@@ -21,7 +21,7 @@ from tests.harness import run_distributed
 
 WORLD, H, FFN, E, K = 4, 32, 64, 4, 2
 TOKENS = 32  # tokens of the single-layer checks, split over the 4 ranks
-TOL = 1e-5  # fp32, 5 AdamW steps: reduction order differs (DESIGN.md parity contract)
+TOL = 1e-5  # fp32, 5 AdamW steps: reduction order differs (doc/design.md, parity contract)
 
 
 def _config() -> Config:

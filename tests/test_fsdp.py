@@ -26,7 +26,7 @@ from tests.harness import run_distributed
 
 # fp32, 5 steps. Each rank averages its own tokens and the ranks' means are averaged, where the
 # reference averages all tokens at once: the same sum in another order, ~1e-7 per step. We see
-# <= 1e-6; FSDP2 was measured within 3e-6 after 20 steps (CPU_GLOO_NOTES.md).
+# <= 1e-6, FSDP2 too (doc/design.md, "The correctness contract").
 TOL = 1e-5
 STEPS = 5
 

@@ -25,7 +25,7 @@ from scaletorch.parallel.pipeline_schedules import (SCHEDULES, PipelineDeadlock,
 from scaletorch.trainer import Config, Trainer, max_weight_diff, run_reference
 from tests.harness import run_distributed
 
-TOLERANCE = 1e-5  # fp32, 5 steps: DESIGN.md's parity contract
+TOLERANCE = 1e-5  # fp32, 5 steps: doc/design.md's parity contract
 
 
 def order(schedule, p, m, rank, v=1):

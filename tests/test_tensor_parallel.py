@@ -3,7 +3,7 @@
 One world of 4 gloo ranks computes everything (layer checks, six training layouts rebuilt in
 turn with the pg_manager, the ledger, errors that need ranks); the test methods assert on its
 results. Tolerances: 1e-6 for single layers (one matmul split in blocks; relative to the
-largest value when that exceeds 1), 1e-5 for 5 fp32 training steps (DESIGN.md).
+largest value when that exceeds 1), 1e-5 for 5 fp32 training steps (doc/design.md).
 """
 
 import copy

@@ -115,7 +115,7 @@ def destroy_distributed() -> None:
     """Tear down the default process group, if any.
 
     ``gc.collect()`` first: dropping DDP's reducer inside destroy occasionally aborts the
-    process on gloo (see CPU_GLOO_NOTES.md); collecting it before avoids that.
+    process on gloo (see doc/cpu_and_gloo.md); collecting it before avoids that.
     """
     gc.collect()
     if dist.is_initialized():

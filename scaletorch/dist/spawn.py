@@ -51,7 +51,7 @@ def _worker(rank: int, world_size: int, port: int, timeout: float, fn: Callable,
     except BaseException:  # noqa: B902 - every failure must reach the parent with its rank
         queue.put((rank, "error", traceback.format_exc()))
     finally:
-        # gc before destroy avoids a rare SIGABRT at exit after DDP (CPU_GLOO_NOTES.md).
+        # gc before destroy avoids a rare SIGABRT at exit after DDP (doc/cpu_and_gloo.md).
         gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()

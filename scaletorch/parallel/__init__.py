@@ -1,1 +1,1 @@
-"""One module per strategy; each converts the reference model in place (see DESIGN.md)."""
+"""One module per strategy; each converts the reference model in place (see doc/design.md)."""

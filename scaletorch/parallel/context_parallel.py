@@ -175,7 +175,7 @@ def _expand(kv: torch.Tensor, hq: int) -> torch.Tensor:
 
 
 def _fused_forward(q, k, v, causal: bool, scale: float):
-    """The CPU flash kernel, which also returns the log-sum-exp (CPU_GLOO_NOTES.md)."""
+    """The CPU flash kernel, which also returns the log-sum-exp (doc/cpu_and_gloo.md)."""
     k, v = _expand(k, q.size(1)), _expand(v, q.size(1))
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     return flash(q.contiguous(), k, v, 0.0, is_causal=causal, scale=scale)

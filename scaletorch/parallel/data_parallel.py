@@ -103,7 +103,7 @@ class _DataParallel(ModuleWrapper, nn.Module):
         self._needs_sync = False
         self._callback_queued = False
         # No broadcast of rank 0's weights (torch DDP does one): one seed already built the
-        # same model on every rank (DESIGN.md), and the ledger then shows only gradients.
+        # same model on every rank (doc/design.md), and the ledger then shows only gradients.
         for i, p in enumerate(self.params):
             p.register_post_accumulate_grad_hook(lambda p, i=i: self._grad_ready(i))
 

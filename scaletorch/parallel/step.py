@@ -1,6 +1,6 @@
 """One optimizer step's forward and backward, for every strategy that is not a pipeline.
 
-The contract every strategy keeps (DESIGN.md): the loss is the mean over all tokens of the
+The contract every strategy keeps (doc/design.md): the loss is the mean over all tokens of the
 global batch, exactly as on one device. Each data-parallel rank takes an equal slice of the
 batch and splits it into micro-batches; a micro-batch's mean loss is divided by their number,
 so the accumulated gradient is the gradient of the rank's mean loss, and averaging gradients

@@ -1,7 +1,7 @@
 """Chapter 05 rows: ring attention variants against each other, and K/V bytes vs the formula.
 
 There is no native context parallel on CPU (torch's ring attention has no CPU sharding rule,
-see CPU_GLOO_NOTES.md), so the rows compare our variants, measured alternately in one world
+see doc/cpu_and_gloo.md), so the rows compare our variants, measured alternately in one world
 of ``args.world_size`` ranks (cp = world size) on a long sequence where attention dominates:
 
 - zigzag / contiguous: the same ring, with balanced vs unbalanced causal work (slowest rank);
