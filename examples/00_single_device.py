@@ -12,17 +12,21 @@ import sys
 from scaletorch.data import build_dataset
 from scaletorch.dist import destroy_distributed, init_distributed, init_pg_manager
 from scaletorch.models import build_model
-from scaletorch.trainer import Trainer, parse_args, report_parity, run_reference, validate_layout
+from scaletorch.trainer import Trainer, load_config, report_parity, run_reference
+from scaletorch.trainer.precision import TOLERANCES, resolve_precision
+
+
+def limits(cfg, world_size: int) -> None:
+    """This chapter's scope (load_config checks it with the layout, before anything starts)."""
+    if world_size > 1:
+        raise ValueError(f"00_single_device runs on one process, got world size "
+                         f"{world_size}; chapter 01 is the first with several")
 
 
 def main() -> int:
-    cfg = parse_args(default_config="examples/configs/00_single_device.yaml",
-                     description="Chapter 00: single-device training")
+    cfg = load_config("examples/configs/00_single_device.yaml",
+                      "Chapter 00: single-device training", limits)
     env = init_distributed(cfg.training.timeout_seconds)
-    validate_layout(cfg, env.world_size)
-    if env.world_size > 1:
-        raise ValueError(f"00_single_device runs on one process, got world size "
-                         f"{env.world_size}; chapter 01 is the first with several")
     pgm = init_pg_manager()
 
     model = build_model(cfg.model, seed=cfg.training.model_seed).to(env.device)
@@ -37,7 +41,9 @@ def main() -> int:
     ok = True
     if cfg.check:  # trivial here: the reference is this very run, done again
         reference, _ = run_reference(cfg, env.device)
-        ok = report_parity(result.losses, reference[result.start_step:])
+        precision = resolve_precision(cfg, env.device.type)  # the reference's too
+        ok = report_parity(result.losses, reference[result.start_step:], TOLERANCES[precision],
+                           precision)
     destroy_distributed()
     return 0 if ok else 1
 

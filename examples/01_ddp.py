@@ -19,19 +19,22 @@ from scaletorch.dist import (destroy_distributed, destroy_pg_manager, get_ledger
 from scaletorch.models import build_model
 from scaletorch.parallel.data_parallel import BucketedDataParallel, format_timeline
 from scaletorch.parallel.parallelize import parallelize
-from scaletorch.trainer import Trainer, check_against_reference, parse_args, validate_layout
+from scaletorch.trainer import Trainer, check_against_reference, load_config
 
 
-def main() -> int:
-    cfg = parse_args(default_config="examples/configs/01_ddp.yaml",
-                     description="Chapter 01: data parallel (DDP)")
-    env = init_distributed(cfg.training.timeout_seconds)
-    validate_layout(cfg, env.world_size)
+def limits(cfg, world_size: int) -> None:
+    """This chapter's scope (load_config checks it with the layout, before anything starts)."""
     p = cfg.parallel
     if max(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size,
            p.expert_model_parallel_size) > 1:
         raise ValueError("01_ddp is data parallel only: every rank holds the whole model; "
                          "tp, pp, cp and ep come in the later chapters")
+
+
+def main() -> int:
+    cfg = load_config("examples/configs/01_ddp.yaml", "Chapter 01: data parallel (DDP)", limits)
+    env = init_distributed(cfg.training.timeout_seconds)
+    p = cfg.parallel
     pgm = init_pg_manager()
     pgm.log_topology()
 

@@ -20,21 +20,35 @@ from scaletorch.dist import (destroy_distributed, destroy_pg_manager, get_ledger
                              init_pg_manager)
 from scaletorch.models import build_model
 from scaletorch.parallel.consolidated import save_consolidated
-from scaletorch.parallel.fsdp import check_zero_layout
 from scaletorch.parallel.parallelize import parallelize
 from scaletorch.parallel.zero import comm_report, memory_report
-from scaletorch.trainer import Trainer, check_against_reference, parse_args, validate_layout
+from scaletorch.trainer import Trainer, check_against_reference, load_config
+
+
+def limits(cfg, world_size: int) -> None:
+    """This chapter's scope, ZeRO over data parallel only (load_config checks it with the
+    layout, before anything starts); chapter 07 combines ZeRO with the others."""
+    p = cfg.parallel
+    if p.zero_stage not in (1, 2, 3):
+        raise ValueError(f"02_fsdp needs parallel.zero_stage 1, 2 or 3 (--zero-stage), got "
+                         f"{p.zero_stage}")
+    other = {
+        "tensor_model_parallel_size": p.tensor_model_parallel_size,
+        "pipeline_model_parallel_size": p.pipeline_model_parallel_size,
+        "expert_model_parallel_size": p.expert_model_parallel_size,
+    }
+    unsupported = [f"{name} ({size})" for name, size in other.items() if size > 1]
+    if unsupported:
+        raise ValueError(f"02_fsdp shards over data parallel only; got {', '.join(unsupported)}: "
+                         f"07_nd_parallel combines ZeRO with them")
 
 
 def main() -> int:
-    cfg = parse_args(default_config="examples/configs/02_fsdp.yaml",
-                     description="Chapter 02: ZeRO-1/2/3 and FSDP")
+    cfg = load_config("examples/configs/02_fsdp.yaml", "Chapter 02: ZeRO-1/2/3 and FSDP", limits)
     env = init_distributed(cfg.training.timeout_seconds)
-    validate_layout(cfg, env.world_size)
     p = cfg.parallel
     pgm = init_pg_manager(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                           p.context_parallel_size, p.expert_model_parallel_size)
-    check_zero_layout(p.zero_stage, pgm)  # this chapter: ZeRO over data parallel only
     pgm.log_topology()
 
     model = build_model(cfg.model, seed=cfg.training.model_seed)

@@ -21,19 +21,23 @@ from scaletorch.dist import (destroy_distributed, destroy_pg_manager, get_ledger
 from scaletorch.models import build_model
 from scaletorch.parallel import tensor_parallel as tp_lib
 from scaletorch.parallel.parallelize import parallelize
-from scaletorch.trainer import Trainer, check_against_reference, parse_args, validate_layout
+from scaletorch.trainer import Trainer, check_against_reference, load_config
 
 
-def main() -> int:
-    cfg = parse_args(default_config="examples/configs/03_tensor_parallel.yaml",
-                     description="Chapter 03: tensor parallel (+ sequence parallel)")
-    env = init_distributed(cfg.training.timeout_seconds)
-    validate_layout(cfg, env.world_size)
+def limits(cfg, world_size: int) -> None:
+    """This chapter's scope (load_config checks it with the layout, before anything starts)."""
     p = cfg.parallel
     if p.pipeline_model_parallel_size > 1 or p.context_parallel_size > 1 or \
             p.expert_model_parallel_size > 1 or p.impl not in ("scaletorch", "torch"):
         raise ValueError(f"03_tensor_parallel composes tp with dp, with impl scaletorch or torch "
                          f"(got impl {p.impl!r}); pp, cp and ep have their own chapters")
+
+
+def main() -> int:
+    cfg = load_config("examples/configs/03_tensor_parallel.yaml",
+                      "Chapter 03: tensor parallel (+ sequence parallel)", limits)
+    env = init_distributed(cfg.training.timeout_seconds)
+    p = cfg.parallel
     tp, sp = p.tensor_model_parallel_size, p.sequence_parallel
     pgm = init_pg_manager(tensor_model_parallel_size=tp)
     pgm.log_topology()

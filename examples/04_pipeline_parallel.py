@@ -23,21 +23,25 @@ from scaletorch.dist import (destroy_distributed, destroy_pg_manager, get_ledger
 from scaletorch.models import build_model
 from scaletorch.parallel.parallelize import parallelize
 from scaletorch.parallel.pipeline_parallel import gather_timeline
-from scaletorch.trainer import Trainer, check_against_reference, parse_args, validate_layout
+from scaletorch.trainer import Trainer, check_against_reference, load_config
 
 
-def main() -> int:
-    cfg = parse_args(default_config="examples/configs/04_pipeline_parallel.yaml",
-                     description="Chapter 04: pipeline parallel")
-    env = init_distributed(cfg.training.timeout_seconds)
-    validate_layout(cfg, env.world_size)
-    p, m = cfg.parallel, cfg.data.num_micro_batches
+def limits(cfg, world_size: int) -> None:
+    """This chapter's scope (load_config checks it with the layout, before anything starts)."""
+    p = cfg.parallel
     if p.context_parallel_size > 1 or p.expert_model_parallel_size > 1 or p.impl == "naive":
         raise ValueError("04_pipeline_parallel composes pp with dp and tp (impl scaletorch or "
                          "torch); context and expert parallel join in 07_nd_parallel")
     if p.pipeline_model_parallel_size < 2:
         raise ValueError(f"04_pipeline_parallel needs pipeline_model_parallel_size >= 2 (--pp), "
                          f"got {p.pipeline_model_parallel_size}")
+
+
+def main() -> int:
+    cfg = load_config("examples/configs/04_pipeline_parallel.yaml", "Chapter 04: pipeline parallel",
+                      limits)
+    env = init_distributed(cfg.training.timeout_seconds)
+    p, m = cfg.parallel, cfg.data.num_micro_batches
     pgm = init_pg_manager(tensor_model_parallel_size=p.tensor_model_parallel_size,
                           pipeline_model_parallel_size=p.pipeline_model_parallel_size)
     pgm.log_topology()

@@ -18,14 +18,11 @@ from scaletorch.dist import (destroy_distributed, destroy_pg_manager, functional
 from scaletorch.models import build_model
 from scaletorch.parallel.context_parallel import attention_block_counts
 from scaletorch.parallel.parallelize import parallelize
-from scaletorch.trainer import Trainer, check_against_reference, parse_args, validate_layout
+from scaletorch.trainer import Trainer, check_against_reference, load_config
 
 
-def main() -> int:
-    cfg = parse_args(default_config="examples/configs/05_context_parallel.yaml",
-                     description="Chapter 05: context parallel (ring attention)")
-    env = init_distributed(cfg.training.timeout_seconds)
-    validate_layout(cfg, env.world_size)
+def limits(cfg, world_size: int) -> None:
+    """This chapter's scope (load_config checks it with the layout, before anything starts)."""
     p = cfg.parallel
     if p.pipeline_model_parallel_size > 1 or p.expert_model_parallel_size > 1:
         raise ValueError("05_context_parallel composes cp with dp and tp; pipeline and expert "
@@ -33,6 +30,13 @@ def main() -> int:
     if p.context_parallel_size < 2:
         raise ValueError(f"05_context_parallel needs context_parallel_size >= 2 (--cp), got "
                          f"{p.context_parallel_size}")
+
+
+def main() -> int:
+    cfg = load_config("examples/configs/05_context_parallel.yaml",
+                      "Chapter 05: context parallel (ring attention)", limits)
+    env = init_distributed(cfg.training.timeout_seconds)
+    p = cfg.parallel
     pgm = init_pg_manager(tensor_model_parallel_size=p.tensor_model_parallel_size,
                           context_parallel_size=p.context_parallel_size)
     pgm.log_topology()

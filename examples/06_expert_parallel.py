@@ -23,14 +23,11 @@ from scaletorch.dist import (destroy_distributed, destroy_pg_manager, get_ledger
 from scaletorch.models import build_model
 from scaletorch.parallel.expert_parallel import all_to_all_elements, format_routing
 from scaletorch.parallel.parallelize import parallelize
-from scaletorch.trainer import Trainer, check_against_reference, parse_args, validate_layout
+from scaletorch.trainer import Trainer, check_against_reference, load_config
 
 
-def main() -> int:
-    cfg = parse_args(default_config="examples/configs/06_expert_parallel.yaml",
-                     description="Chapter 06: expert parallel (mixture of experts)")
-    env = init_distributed(cfg.training.timeout_seconds)
-    validate_layout(cfg, env.world_size)
+def limits(cfg, world_size: int) -> None:
+    """This chapter's scope (load_config checks it with the layout, before anything starts)."""
     p = cfg.parallel
     if p.pipeline_model_parallel_size > 1 or p.context_parallel_size > 1 or \
             p.impl != "scaletorch" or p.sequence_parallel:
@@ -39,6 +36,13 @@ def main() -> int:
     if cfg.model.num_experts < 1:
         raise ValueError(f"06_expert_parallel needs a mixture-of-experts model "
                          f"(model.num_experts >= 1), got {cfg.model.num_experts}")
+
+
+def main() -> int:
+    cfg = load_config("examples/configs/06_expert_parallel.yaml",
+                      "Chapter 06: expert parallel (mixture of experts)", limits)
+    env = init_distributed(cfg.training.timeout_seconds)
+    p = cfg.parallel
     pgm = init_pg_manager(tensor_model_parallel_size=p.tensor_model_parallel_size,
                           expert_model_parallel_size=p.expert_model_parallel_size)
     pgm.log_topology()

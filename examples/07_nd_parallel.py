@@ -31,7 +31,7 @@ from scaletorch.parallel.consolidated import (load_consolidated, resume_consolid
                                               save_consolidated)
 from scaletorch.parallel.parallelize import ORDER, parallelize, rank_report
 from scaletorch.parallel.pipeline_parallel import gather_timeline
-from scaletorch.trainer import Trainer, check_against_reference, parse_args, validate_layout
+from scaletorch.trainer import Trainer, check_against_reference, load_config
 
 
 class NDTrainer(Trainer):
@@ -49,10 +49,9 @@ class NDTrainer(Trainer):
 
 
 def main() -> int:
-    cfg = parse_args(default_config="examples/configs/07_nd_parallel.yaml",
-                     description="Chapter 07: N-D parallel (tp x pp x cp x dp, ep, ZeRO)")
+    cfg = load_config("examples/configs/07_nd_parallel.yaml",
+                      "Chapter 07: N-D parallel (tp x pp x cp x dp, ep, ZeRO)")
     env = init_distributed(cfg.training.timeout_seconds)
-    validate_layout(cfg, env.world_size)
     p = cfg.parallel
     pgm = init_pg_manager(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                           p.context_parallel_size, p.expert_model_parallel_size)

@@ -62,7 +62,20 @@ fi
 export TORCH_NCCL_BLOCKING_WAIT="${TORCH_NCCL_BLOCKING_WAIT:-1}"
 export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"
 
-cmd=(python -m torch.distributed.run --nproc-per-node "$nproc" --max-restarts "$max_restarts")
+# Pre-flight: a script built on scaletorch's load_config checks its config for the world it is
+# about to get (nproc x nnodes) before any process starts, so a mistake is one line
+# "error: ..." and exit status 2, not a traceback from every rank. SCALETORCH_PREFLIGHT=0
+# skips it (the ranks then refuse the config themselves, with the same line, once).
+preflight="${SCALETORCH_PREFLIGHT:-1}"
+for arg in "$@"; do
+  [[ "$arg" == "-h" || "$arg" == "--help" ]] && preflight=0
+done
+if [[ "$preflight" != 0 ]] && grep -q "load_config" "$script"; then
+  python "$script" --validate-only --world-size "$((nproc * nnodes))" "$@" || exit $?
+fi
+
+# torchrun (scripts/torchrun.py: the same, minus torchrun's traceback after a refused config)
+cmd=(python "$(dirname "$0")/torchrun.py" --nproc-per-node "$nproc" --max-restarts "$max_restarts")
 if [[ "$nnodes" -gt 1 ]]; then
   master_port="${master_port:-29500}"
   cmd+=(--nnodes "$nnodes" --node-rank "$node_rank" --rdzv-backend c10d

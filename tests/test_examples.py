@@ -8,7 +8,7 @@ import sys
 import tempfile
 import unittest
 from concurrent.futures import ThreadPoolExecutor
-from typing import Sequence
+from typing import Dict, Optional, Sequence
 
 import torch
 
@@ -24,6 +24,16 @@ def launch(script: str, nproc: int, *args: str, launcher: Sequence[str] = (), ti
     """
     if background:
         return _POOL.submit(launch, script, nproc, *args, launcher=launcher, timeout=timeout)
+    output, code, cmd = launch_status(script, nproc, *args, launcher=launcher, timeout=timeout)
+    if code != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {code}:\n{output[-3000:]}")
+    return output
+
+
+def launch_status(script: str, nproc: int, *args: str, launcher: Sequence[str] = (),
+                  timeout: float = 300, env: Optional[Dict[str, str]] = None):
+    """``launch`` for runs that may fail: (output, exit status, command); ``env`` adds
+    environment variables."""
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [
             "bash",
@@ -32,10 +42,9 @@ def launch(script: str, nproc: int, *args: str, launcher: Sequence[str] = (), ti
         ]
         # A session of its own: on a timeout the whole tree (torchrun and its ranks) is killed,
         # not only the launcher, so no rank outlives the test.
+        env = {**os.environ, "PYTHONPATH": ROOT, **(env or {})}
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, start_new_session=True, env={
-                                    **os.environ, "PYTHONPATH": ROOT
-                                })
+                                text=True, start_new_session=True, env=env)
         try:
             stdout, stderr = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -43,10 +52,7 @@ def launch(script: str, nproc: int, *args: str, launcher: Sequence[str] = (), ti
             stdout, stderr = proc.communicate()
             raise AssertionError(f"{' '.join(cmd)} did not finish in {timeout} s:\n"
                                  f"{(stdout + stderr)[-3000:]}") from None
-    output = stdout + stderr
-    if proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}:\n{output[-3000:]}")
-    return output
+    return stdout + stderr, proc.returncode, cmd
 
 
 _POOL = ThreadPoolExecutor(max_workers=4)
@@ -56,7 +62,7 @@ class Chapter00RunsFromTheLauncher(unittest.TestCase):
 
     def test_single_device_prints_falling_loss_floor_and_parity(self):
         out = launch("examples/00_single_device.py", 1, "--steps", "20", "--check")
-        self.assertIn("torch.distributed.run", out)  # the launcher printed its command
+        self.assertIn("torchrun.py --nproc-per-node 1", out)  # the launcher printed its command
         self.assertIn("entropy floor", out)
         self.assertRegex(
             out, r"parity: max \|loss - reference\| = 0\.0e\+00 over 20 steps "

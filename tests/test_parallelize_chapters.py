@@ -10,10 +10,12 @@ import os
 import tempfile
 import unittest
 
+from scaletorch.dist import destroy_pg_manager
 from scaletorch.parallel.layout import DTensorLayout, Layout
 from tests.harness import run_distributed
-from tests.layouts import (STEPS, TOL, assert_parity, config_of, layout, make_config,
-                           parallelize_error, reference_key, references, save_and_resume, train)
+from tests.layouts import (STEPS, TOL, assert_parity, build, config_of, layout, make_config,
+                           parallelize_error, pg_manager_for, reference_key, references,
+                           save_and_resume, train)
 
 WORLD = 2
 SAVE_AT = 3
@@ -30,6 +32,7 @@ CHAPTERS = {
     "03_dtensor_tp2": (False, 2, layout(tp=2, impl="torch")),
     "03_dtensor_tp2_sp": (False, 2, layout(tp=2, impl="torch", sequence_parallel=True)),
     "04_pp2_1f1b": (False, 2, layout(pp=2)),
+    "04_pp2_uneven_layer_split": (False, 2, layout(pp=2, layer_split=[1, 3])),
     "04_torch_pipelining_pp2": (False, 2, layout(pp=2, impl="torch")),
     "05_cp2_ulysses_torch_ddp": (False, 2, layout(cp=2, cp_variant="ulysses", impl="torch")),
     "06_moe_ep2": (True, 1, layout(ep=2)),
@@ -68,8 +71,21 @@ def _invalid_impls() -> dict:
     return {name: parallelize_error(cfg) for name, cfg in configs.items()}
 
 
+def _stage_layers(cfg) -> list:
+    """Layers per pipeline stage of ``cfg``'s parallelized model (from the pipeline's owners)."""
+    pgm = pg_manager_for(cfg)
+    par, _ = build(cfg, pgm)
+    stage_of = {
+        int(k.split(".")[1]): s
+        for k, s in par.model.owner.items() if k.startswith("layers.")
+    }
+    destroy_pg_manager()
+    return [list(stage_of.values()).count(s) for s in range(par.model.num_stages)]
+
+
 def _world(rank: int, world: int, tmp: str) -> dict:
     out = {name: train(config_of(CHAPTERS, name)) for name in CHAPTERS}
+    out["uneven_stage_layers"] = _stage_layers(config_of(CHAPTERS, "04_pp2_uneven_layer_split"))
     out["resumed"] = _save_and_resume(tmp)
     out["errors"] = _invalid_impls()
     return out
@@ -106,6 +122,11 @@ class ChaptersThroughParallelizeMatchSingleDevice(unittest.TestCase):
     def test_chapter_04_pipeline_ours_and_torch_pipelining(self):
         self._assert_parity("04_pp2_1f1b")
         self._assert_parity("04_torch_pipelining_pp2")
+
+    def test_chapter_04_uneven_layer_split_from_the_config_matches_single_device(self):
+        # parallel.layer_split [1, 3]: stage 0 holds the embedding and layer 0, stage 1 the rest
+        self.assertEqual(self.results[0]["uneven_stage_layers"], [1, 3])
+        self._assert_parity("04_pp2_uneven_layer_split")
 
     def test_chapter_05_ulysses_under_torch_ddp(self):
         self._assert_parity("05_cp2_ulysses_torch_ddp")

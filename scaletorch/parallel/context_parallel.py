@@ -55,9 +55,11 @@ def chunk_ids(cp_rank: int, cp_size: int, layout: str = "zigzag") -> Tuple[int, 
 
 
 def check_sequence_length(seq_len: int, cp_size: int) -> None:
+    """Zigzag cuts each sequence into 2 x cp chunks: ``seq_len`` must be divisible by it."""
     if seq_len % (2 * cp_size) != 0:
-        raise ValueError(f"sequence length {seq_len} is not divisible by 2 x "
-                         f"context_parallel_size ({cp_size}) = {2 * cp_size}")
+        raise ValueError(f"sequence length {seq_len} (data.seq_len) is not divisible by 2 x "
+                         f"context_parallel_size ({cp_size}) = {2 * cp_size}, the zigzag "
+                         f"chunks: set data.seq_len to a multiple of {2 * cp_size}")
 
 
 def zigzag_positions(seq_len: int, cp_size: int, cp_rank: int, layout: str = "zigzag",

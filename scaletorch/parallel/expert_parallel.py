@@ -58,13 +58,16 @@ def validate_expert_parallel(num_experts: int, expert_model_parallel_size: int,
     ep, e, dp_cp = expert_model_parallel_size, num_experts, data_parallel_size_with_context
     if ep > 1 and e == 0:
         raise ValueError(f"expert_model_parallel_size ({ep}) needs a mixture-of-experts model, "
-                         f"but model.num_experts is 0")
+                         f"but model.num_experts is 0: set model.num_experts (e.g. "
+                         f"--model.num_experts {2 * ep}) or --ep 1")
     if e % ep != 0:
         raise ValueError(f"model.num_experts ({e}) is not divisible by "
-                         f"expert_model_parallel_size ({ep})")
+                         f"expert_model_parallel_size ({ep}): every ep rank holds "
+                         f"num_experts / ep experts")
     if dp_cp % ep != 0:
         raise ValueError(f"expert_model_parallel_size ({ep}) does not divide data_parallel_size "
-                         f"x context_parallel_size ({dp_cp})")
+                         f"x context_parallel_size ({dp_cp}): ep is carved out of those ranks; "
+                         f"choose an ep that divides {dp_cp}")
 
 
 class AllToAllDispatcher:

@@ -39,9 +39,11 @@ this same call (chapters 01-06 all use ``parallelize``):
                 torch.distributed.pipelining for pp > 1 (our tp inside, torch DDP over dp);
                 else DistributedDataParallel over dp_cp (around our cp)
 
-Not supported (ValueError): ZeRO with MoE (experts would need sharding over "edp"), sequence
-parallel with MoE (tensor_parallel.py), impl torch or naive with MoE, naive with ZeRO, impl
-torch with ZeRO-1/2 or ZeRO-3 beside other strategies, torch pipelining with cp.
+Not supported (ValueError from the one layout check, validation.py, before any surgery): ZeRO
+with MoE (experts would need sharding over "edp"), sequence parallel with MoE
+(tensor_parallel.py), tied embeddings with ZeRO or a pipeline, impl torch or naive with MoE,
+naive with ZeRO, impl torch with ZeRO-1/2 or ZeRO-3 beside other strategies, torch pipelining
+with cp; doc/07_nd_parallel.md, "Limits", lists every refusal.
 MoE parity with the reference is exact with one micro-batch (moe.py: the load-balancing
 statistics are per micro-batch, and a micro-batch of the parallel run holds other tokens).
 """
@@ -58,20 +60,18 @@ from scaletorch.models import Llama, loss_fn
 from scaletorch.parallel.activation_checkpointing import apply_activation_checkpointing
 from scaletorch.parallel.context_parallel import apply_context_parallel, make_sequence_sharder
 from scaletorch.parallel.data_parallel import apply_data_parallel
-from scaletorch.parallel.expert_parallel import (ExpertParallel, apply_expert_parallel,
-                                                 validate_expert_parallel)
+from scaletorch.parallel.expert_parallel import ExpertParallel, apply_expert_parallel
 from scaletorch.parallel.fsdp import ShardedDataParallel, apply_fully_shard, llama_units
 from scaletorch.parallel.grad_norm import clip_grads_, world_grad_norm
 from scaletorch.parallel.layout import DTensorLayout, Layout, State
 from scaletorch.parallel.pipeline_parallel import (PipelineSchedule, TorchPipelineSchedule,
                                                    apply_data_parallel_to_chunks,
                                                    apply_pipeline_parallel)
-from scaletorch.parallel.pipeline_schedules import validate_schedule
 from scaletorch.parallel.step import ForwardBackward, make_data_parallel_step
 from scaletorch.parallel.tensor_parallel import (apply_dtensor_tensor_parallel,
                                                  apply_tensor_parallel, dtensor_clip_grad_norm,
-                                                 dtensor_loss_fn, tensor_parallel_loss_fn,
-                                                 validate_tensor_parallel)
+                                                 dtensor_loss_fn, tensor_parallel_loss_fn)
+from scaletorch.parallel.validation import validate_layout
 from scaletorch.parallel.zero import ZeroAdamW
 
 ORDER = ("expert", "tensor", "context", "activation checkpointing", "pipeline", "data")
@@ -99,37 +99,20 @@ class Parallelized:
         return self.layout.gather(lambda p: p.detach())
 
 
-def validate_nd(cfg, pgm) -> None:
-    """Raise ValueError, naming the numbers, for a combination that cannot run."""
-    p, m = cfg.parallel, cfg.model
-    tp, pp = pgm.tensor_model_parallel_world_size, pgm.pipeline_model_parallel_world_size
-    dp_cp, ep = pgm.data_parallel_world_size_with_context, pgm.expert_model_parallel_world_size
-    # under context parallel, sequence parallel splits the s/cp local tokens over tp
-    validate_tensor_parallel(m, tp, p.sequence_parallel,
-                             cfg.data.seq_len // pgm.context_parallel_world_size)
-    validate_expert_parallel(m.num_experts, ep, dp_cp)
-    if pp > 1 or p.virtual_pipeline_stages > 1:
-        validate_schedule(p.schedule, pp, cfg.data.num_micro_batches, p.virtual_pipeline_stages)
-    if m.num_experts > 0 and p.zero_stage > 0:
-        raise ValueError(f"zero_stage ({p.zero_stage}) with mixture-of-experts "
-                         f"(num_experts = {m.num_experts}) is not supported: ZeRO shards over "
-                         f"dp_cp ({dp_cp}) but experts are replicated over edp "
-                         f"({pgm.expert_data_parallel_world_size})")
-    if m.num_experts > 0 and p.impl != "scaletorch":
-        raise ValueError(f"parallel.impl {p.impl!r} has no mixture-of-experts (num_experts "
-                         f"{m.num_experts}): expert parallel is ours only, impl 'scaletorch'")
-    if p.zero_stage > 0 and p.impl == "naive":
-        raise ValueError(f"parallel.impl 'naive' is plain data parallel, not ZeRO (zero_stage "
-                         f"{p.zero_stage}): use impl 'scaletorch' or 'torch'")
-    others = {"tp": tp, "pp": pp, "cp": pgm.context_parallel_world_size}
-    if p.zero_stage > 0 and p.impl == "torch" and (p.zero_stage != 3 or max(others.values()) > 1):
-        raise ValueError(f"parallel.impl 'torch' runs ZeRO as FSDP2 fully_shard, which is ZeRO-3 "
-                         f"over data parallel alone; got zero_stage {p.zero_stage}, " +
-                         ", ".join(f"{k} {v}" for k, v in others.items()))
-    if p.impl == "torch" and pp > 1 and others["cp"] > 1:
-        raise ValueError(f"torch.distributed.pipelining (impl 'torch', pp {pp}) cannot shard "
-                         f"sequences for context parallel (cp {others['cp']}): use impl "
-                         f"'scaletorch'")
+def _check_groups_match(cfg, pgm, sizes) -> None:
+    """``pgm`` must be the process groups of ``cfg``'s layout (the one layout check read the
+    config's sizes)."""
+    have = {
+        "tp": pgm.tensor_model_parallel_world_size,
+        "pp": pgm.pipeline_model_parallel_world_size,
+        "cp": pgm.context_parallel_world_size,
+        "ep": pgm.expert_model_parallel_world_size,
+        "dp": pgm.data_parallel_world_size,
+    }
+    wrong = [f"{k} {have[k]} (config: {sizes[k]})" for k in have if have[k] != sizes[k]]
+    if wrong:
+        raise ValueError(f"the process-group manager's sizes differ from cfg.parallel: "
+                         f"{', '.join(wrong)}; build it from the same config")
 
 
 class _ZeroChunks(nn.Module):
@@ -202,7 +185,8 @@ def parallelize(model: Llama, cfg, pgm, device: torch.device) -> Parallelized:
 
     ``cfg``: the scaletorch Config; ``pgm``: the process-group manager of the same layout.
     """
-    validate_nd(cfg, pgm)
+    sizes = validate_layout(cfg, pgm.world_size)  # every refusal, before any surgery
+    _check_groups_match(cfg, pgm, sizes)
     p, t = cfg.parallel, cfg.training
     model = model.to(device)
     tp, pp = pgm.tensor_model_parallel_world_size, pgm.pipeline_model_parallel_world_size
@@ -224,7 +208,7 @@ def parallelize(model: Llama, cfg, pgm, device: torch.device) -> Parallelized:
 
     pipe, optimizer = None, None
     if pgm.pipeline_model_parallel_world_size > 1:  # 5
-        pipe = apply_pipeline_parallel(model, pgm, p.virtual_pipeline_stages,
+        pipe = apply_pipeline_parallel(model, pgm, p.virtual_pipeline_stages, p.layer_split,
                                        sequence_parallel=p.sequence_parallel)
         modules = list(pipe.chunks)
     else:

@@ -62,16 +62,18 @@ def validate_schedule(schedule: str, stages: int, micro_batches: int,
             raise ValueError(f"{name} must be positive, got {value}")
     if virtual_stages > 1 and stages == 1:
         raise ValueError(f"virtual_pipeline_stages ({virtual_stages}) needs a pipeline: "
-                         f"pipeline_model_parallel_size is 1")
+                         f"pipeline_model_parallel_size is 1 (set --pp)")
     if virtual_stages > 1 and schedule != "interleaved":
         raise ValueError(f"virtual_pipeline_stages ({virtual_stages}) > 1 needs the "
-                         f"interleaved schedule, got {schedule!r}")
+                         f"interleaved schedule, got {schedule!r} (set --schedule interleaved)")
     if schedule == "1f1b" and micro_batches < stages:
         raise ValueError(f"1F1B needs num_micro_batches ({micro_batches}) >= "
-                         f"pipeline_model_parallel_size ({stages}) to fill the pipeline")
+                         f"pipeline_model_parallel_size ({stages}) to fill the pipeline: set "
+                         f"--micro-batches {stages} or more, or --schedule afab")
     if schedule == "interleaved" and micro_batches % stages != 0:
         raise ValueError(f"interleaved 1F1B needs num_micro_batches ({micro_batches}) "
-                         f"divisible by pipeline_model_parallel_size ({stages})")
+                         f"divisible by pipeline_model_parallel_size ({stages}): set "
+                         f"--micro-batches to a multiple of {stages}")
 
 
 def afab_actions(stages: int, micro_batches: int, rank: int) -> List[Action]:

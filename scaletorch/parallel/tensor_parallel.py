@@ -24,6 +24,7 @@ Embedding and head are split over the vocabulary; the loss never gathers the log
 rank has (b, s, V/N) and only the max and the sum of exponentials are all-reduced.
 """
 
+import math
 from typing import Callable, Dict, Optional
 
 import torch
@@ -260,11 +261,13 @@ def validate_tensor_parallel(config: LlamaConfig, tensor_model_parallel_size: in
     tp = tensor_model_parallel_size
     if sequence_parallel and tp == 1:
         raise ValueError("sequence parallel shards activations over the tensor-parallel group "
-                         "and needs tensor_model_parallel_size > 1, got 1")
+                         "and needs tensor_model_parallel_size > 1, got 1: set --tp, or drop "
+                         "--sequence-parallel")
     if sequence_parallel and config.num_experts > 0:
         raise ValueError(f"sequence parallel with mixture-of-experts layers is not supported "
                          f"(num_experts = {config.num_experts}): the MoE runs whole on every "
-                         f"tensor-parallel rank and needs the full sequence")
+                         f"tensor-parallel rank and needs the full sequence; drop "
+                         f"--sequence-parallel")
     sizes = {
         "num_attention_heads": config.num_attention_heads,
         "num_key_value_heads": config.num_key_value_heads,
@@ -273,11 +276,15 @@ def validate_tensor_parallel(config: LlamaConfig, tensor_model_parallel_size: in
     }
     for name, value in sizes.items():
         if value % tp != 0:
+            divides = math.gcd(*sizes.values())
             raise ValueError(f"model.{name} ({value}) is not divisible by "
-                             f"tensor_model_parallel_size ({tp})")
+                             f"tensor_model_parallel_size ({tp}): tp must divide the heads, "
+                             f"key/value heads, intermediate size and vocabulary; here a "
+                             f"divisor of {divides}")
     if sequence_parallel and seq_len is not None and seq_len % tp != 0:
-        raise ValueError(f"sequence parallel needs the sequence length ({seq_len}) divisible by "
-                         f"tensor_model_parallel_size ({tp})")
+        raise ValueError(f"sequence parallel needs the sequence length ({seq_len}) of a cp "
+                         f"rank divisible by tensor_model_parallel_size ({tp}): change "
+                         f"data.seq_len or --tp")
 
 
 def apply_tensor_parallel(model: Llama, pgm, sequence_parallel: bool = False) -> Llama:

@@ -14,14 +14,17 @@ naming the offending values, before any process group or model exists.
 import argparse
 import dataclasses
 import os
+import sys
+import time
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import yaml
 
 from scaletorch.models import LlamaConfig
-from scaletorch.parallel.pipeline_schedules import validate_schedule
+# the one layout check (also run by parallelize): re-exported for the scripts
+from scaletorch.parallel.validation import validate_layout
 from scaletorch.trainer.precision import PRECISIONS
 
 
@@ -50,6 +53,8 @@ class ParallelConfig:
     virtual_pipeline_stages: int = 1
     cp_variant: str = "ring"  # ring | ulysses
     activation_checkpointing: bool = False  # recompute each block's activations in backward
+    # layers per global pipeline stage (pp x virtual stages entries); None: an even split
+    layer_split: Optional[List[int]] = None
 
 
 @dataclass
@@ -122,6 +127,7 @@ ALIASES = {
     "--schedule": "parallel.schedule",
     "--virtual-stages": "parallel.virtual_pipeline_stages",
     "--cp-variant": "parallel.cp_variant",
+    "--layer-split": "parallel.layer_split",
     "--micro-batches": "data.num_micro_batches",
     "--name": "logging.name",
     "--fail-at-step": "training.fail_at_step",
@@ -160,6 +166,13 @@ def _convert(value: Any, annotation: Any, key: str) -> Any:
         if not isinstance(value, (str, int, float)):
             raise ValueError(f"{key} must be a string, got {value!r}")
         return str(value)
+    if typing.get_origin(annotation) is list:  # a YAML list, or "1,3" / "[1,3]" on the CLI
+        if isinstance(value, (int, str)) and not isinstance(value, bool):
+            value = [v for v in str(value).strip("[] ").split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)) or not value:
+            raise ValueError(f"{key} must be a non-empty list, e.g. [1, 3], got {value!r}")
+        item = typing.get_args(annotation)[0]
+        return [_convert(v.strip() if isinstance(v, str) else v, item, key) for v in value]
     return value
 
 
@@ -212,7 +225,8 @@ def parse_args(argv: Optional[Sequence[str]] = None, default_config: Optional[st
     """Build a Config from dataclass defaults, ``--config`` YAML and command-line overrides."""
     parser = argparse.ArgumentParser(
         description=description,
-        epilog="Any field can be overridden as --section.name VALUE or --set section.name=VALUE.")
+        epilog="Any field can be overridden as --section.name VALUE or --set section.name=VALUE. "
+        "--validate-only --world-size N: check the config for N ranks and exit (0: valid).")
     parser.add_argument("--config", default=default_config, help="YAML config file")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override one field, e.g. --set training.lr=1e-3")
@@ -258,6 +272,42 @@ def parse_args(argv: Optional[Sequence[str]] = None, default_config: Optional[st
         cfg.checkpoint.resume = args.resume
     cfg.model.__post_init__()
     validate(cfg)
+    return cfg
+
+
+Limits = Callable[[Config, int], None]  # a script's own refusals: limits(cfg, world_size)
+
+
+def load_config(default_config: str, description: str, limits: Optional[Limits] = None,
+                argv: Optional[Sequence[str]] = None) -> Config:
+    """A script's config, checked for the world it is launched into before anything starts.
+
+    ``parse_args``, then ``validate(cfg, world_size)`` (the one layout check) and the script's
+    own ``limits(cfg, world_size)``, with ``world_size`` from torchrun's WORLD_SIZE (1 without
+    torchrun). A mistake is one line ``error: ...`` on stderr, printed by rank 0 only, and
+    every rank exits with status 2: no traceback, not once per rank.
+
+    ``--validate-only --world-size N`` (scripts/launch.sh runs it before torchrun) checks the
+    config for N ranks and exits: 0 if it can run, 2 with the error line if not.
+    """
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--validate-only", action="store_true")
+    pre.add_argument("--world-size", type=int, default=None)
+    known, rest = pre.parse_known_args(argv)
+    world_size = known.world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        cfg = parse_args(rest, default_config, description)
+        validate(cfg, world_size)
+        if limits is not None:
+            limits(cfg, world_size)
+    except (ValueError, FileNotFoundError) as err:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {err}", file=sys.stderr, flush=True)
+        else:  # torchrun stops every rank when one exits: let rank 0 print its line first
+            time.sleep(5)
+        sys.exit(2)
+    if known.validate_only:
+        sys.exit(0)
     return cfg
 
 
@@ -330,41 +380,6 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
                          f"got {cfg.model.vocab_size}")
     if world_size is not None:
         validate_layout(cfg, world_size)
-
-
-def data_parallel_size(cfg: Config, world_size: int) -> int:
-    """Ranks that see different samples: world / (tp x pp x cp), checked against the config."""
-    p = cfg.parallel
-    model_parallel = (p.tensor_model_parallel_size * p.pipeline_model_parallel_size *
-                      p.context_parallel_size)
-    if world_size % model_parallel != 0:
-        raise ValueError(f"world size {world_size} is not divisible by tensor_model_parallel_size "
-                         f"({p.tensor_model_parallel_size}) x pipeline_model_parallel_size "
-                         f"({p.pipeline_model_parallel_size}) x context_parallel_size "
-                         f"({p.context_parallel_size})")
-    dp = world_size // model_parallel
-    if p.data_parallel_size not in (0, dp):
-        raise ValueError(
-            f"data_parallel_size ({p.data_parallel_size}) x tensor_model_parallel_size "
-            f"({p.tensor_model_parallel_size}) x pipeline_model_parallel_size "
-            f"({p.pipeline_model_parallel_size}) x context_parallel_size "
-            f"({p.context_parallel_size}) != world size ({world_size})")
-    return dp
-
-
-def validate_layout(cfg: Config, world_size: int) -> None:
-    """Checks that need the world size: the rank grid and the batch split."""
-    dp = data_parallel_size(cfg, world_size)
-    p = cfg.parallel
-    if p.pipeline_model_parallel_size > 1 or p.virtual_pipeline_stages > 1:
-        validate_schedule(p.schedule, p.pipeline_model_parallel_size, cfg.data.num_micro_batches,
-                          p.virtual_pipeline_stages)
-    per_step = dp * cfg.data.num_micro_batches
-    if cfg.data.global_batch_size % per_step != 0:
-        raise ValueError(
-            f"data.global_batch_size ({cfg.data.global_batch_size}) is not divisible by "
-            f"data_parallel_size ({dp}) x data.num_micro_batches "
-            f"({cfg.data.num_micro_batches})")
 
 
 def save_config(cfg: Config, path: str) -> None:

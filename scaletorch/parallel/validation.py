@@ -1,0 +1,166 @@
+"""The one layout check: can this config run on ``world_size`` ranks?
+
+``validate_layout(cfg, world_size)`` decides from the config's sizes alone: no process group,
+no model. Every script calls it before it starts a process group or builds a model
+(``trainer.load_config``), ``scripts/launch.sh`` calls it before torchrun starts any process
+(``--validate-only``), and ``parallelize`` calls it again before any surgery. A refusal is a
+ValueError naming the user's settings and what to change, e.g.
+
+    model.tie_word_embeddings true with parallel.zero_stage 2: ...; set ...
+
+Rules that are a strategy's own (heads divisible by tp, the pipeline schedule, experts over
+ep, the split of the layers) live in its module and are called from here; the strategies keep
+their checks on the tensors they are handed. doc/07_nd_parallel.md, "Limits", lists them all.
+"""
+
+from typing import Dict
+
+from scaletorch.parallel.context_parallel import check_sequence_length
+from scaletorch.parallel.expert_parallel import validate_expert_parallel
+from scaletorch.parallel.pipeline_parallel import split_layers
+from scaletorch.parallel.pipeline_schedules import validate_schedule
+from scaletorch.parallel.tensor_parallel import validate_tensor_parallel
+
+
+def data_parallel_size(cfg, world_size: int) -> int:
+    """Ranks that see different samples: world / (tp x pp x cp), checked against the config."""
+    p = cfg.parallel
+    model_parallel = (p.tensor_model_parallel_size * p.pipeline_model_parallel_size *
+                      p.context_parallel_size)
+    if world_size % model_parallel != 0:
+        raise ValueError(f"world size {world_size} is not divisible by tensor_model_parallel_size "
+                         f"({p.tensor_model_parallel_size}) x pipeline_model_parallel_size "
+                         f"({p.pipeline_model_parallel_size}) x context_parallel_size "
+                         f"({p.context_parallel_size}) = {model_parallel}: launch a multiple of "
+                         f"{model_parallel} processes, or change these sizes")
+    dp = world_size // model_parallel
+    if p.data_parallel_size not in (0, dp):
+        raise ValueError(
+            f"data_parallel_size ({p.data_parallel_size}) x tensor_model_parallel_size "
+            f"({p.tensor_model_parallel_size}) x pipeline_model_parallel_size "
+            f"({p.pipeline_model_parallel_size}) x context_parallel_size "
+            f"({p.context_parallel_size}) != world size ({world_size}): set "
+            f"parallel.data_parallel_size {dp}, or 0 for whatever the world leaves")
+    return dp
+
+
+def layout_sizes(cfg, world_size: int) -> Dict[str, int]:
+    """{tp, pp, cp, ep, dp, dp_cp, stages}: the group sizes ``cfg`` asks of ``world_size`` ranks."""
+    p = cfg.parallel
+    dp = data_parallel_size(cfg, world_size)
+    return {
+        "tp": p.tensor_model_parallel_size,
+        "pp": p.pipeline_model_parallel_size,
+        "cp": p.context_parallel_size,
+        "ep": p.expert_model_parallel_size,
+        "dp": dp,
+        "dp_cp": dp * p.context_parallel_size,
+        "stages": p.pipeline_model_parallel_size * p.virtual_pipeline_stages,
+    }
+
+
+def validate_layout(cfg, world_size: int) -> Dict[str, int]:
+    """Raise ValueError, naming the settings and what to change, for any layout of ``cfg`` that
+    cannot run on ``world_size`` ranks; else return ``layout_sizes``."""
+    sizes = layout_sizes(cfg, world_size)
+    _check_batch(cfg, sizes)
+    _check_context(cfg, sizes)
+    # under context parallel, sequence parallel splits the s/cp local tokens over tp
+    validate_tensor_parallel(cfg.model, sizes["tp"], cfg.parallel.sequence_parallel,
+                             cfg.data.seq_len // sizes["cp"])
+    validate_expert_parallel(cfg.model.num_experts, sizes["ep"], sizes["dp_cp"])
+    _check_pipeline(cfg, sizes)
+    _check_tied_embeddings(cfg, sizes)
+    _check_combinations(cfg, sizes, world_size)
+    return sizes
+
+
+def _check_batch(cfg, sizes: Dict[str, int]) -> None:
+    m, batch = cfg.data.num_micro_batches, cfg.data.global_batch_size
+    if batch % (sizes["dp"] * m) != 0:
+        raise ValueError(f"data.global_batch_size ({batch}) is not divisible by "
+                         f"data_parallel_size ({sizes['dp']}) x data.num_micro_batches ({m}): "
+                         f"set data.global_batch_size to a multiple of {sizes['dp'] * m}")
+
+
+def _check_context(cfg, sizes: Dict[str, int]) -> None:
+    cp, tp = sizes["cp"], sizes["tp"]
+    if cp == 1:
+        return
+    check_sequence_length(cfg.data.seq_len, cp)
+    if cfg.parallel.cp_variant != "ulysses":
+        return
+    # Ulysses gives each cp rank 1/cp of the heads that this tp rank holds
+    heads = {
+        "num_attention_heads": cfg.model.num_attention_heads,
+        "num_key_value_heads": cfg.model.num_key_value_heads,
+    }
+    for name, total in heads.items():
+        local = total // tp
+        if local % cp != 0:
+            per_rank = f" / tensor_model_parallel_size {tp} = {local} heads per tp rank," \
+                if tp > 1 else " heads"
+            raise ValueError(
+                f"model.{name} {total}{per_rank} not divisible by context_parallel_size {cp} "
+                f"for Ulysses (it splits each tp rank's heads over cp): use "
+                f"--cp-variant ring, or a context_parallel_size that divides {local}")
+
+
+def _check_pipeline(cfg, sizes: Dict[str, int]) -> None:
+    p = cfg.parallel
+    if sizes["pp"] > 1 or p.virtual_pipeline_stages > 1:
+        validate_schedule(p.schedule, sizes["pp"], cfg.data.num_micro_batches,
+                          p.virtual_pipeline_stages)
+    if p.layer_split is not None and sizes["pp"] == 1:
+        raise ValueError(f"parallel.layer_split {list(p.layer_split)} needs a pipeline: "
+                         f"pipeline_model_parallel_size is 1 (set --pp, or drop layer_split)")
+    if sizes["pp"] > 1:
+        split_layers(cfg.model.num_layers, sizes["stages"], p.layer_split)
+
+
+def _check_tied_embeddings(cfg, sizes: Dict[str, int]) -> None:
+    p = cfg.parallel
+    if not cfg.model.tie_word_embeddings:
+        return
+    if sizes["pp"] > 1:
+        raise ValueError(f"model.tie_word_embeddings true with "
+                         f"parallel.pipeline_model_parallel_size {sizes['pp']}: the one tied "
+                         f"weight would be the embedding of the first stage and the head of the "
+                         f"last; set model.tie_word_embeddings false, or "
+                         f"pipeline_model_parallel_size 1")
+    if p.zero_stage > 0 and p.impl != "torch":
+        raise ValueError(f"model.tie_word_embeddings true with parallel.zero_stage "
+                         f"{p.zero_stage}: ZeRO shards the embedding and the head as separate "
+                         f"units and a tied weight would be in both; set "
+                         f"model.tie_word_embeddings false, or parallel.zero_stage 0 (or impl "
+                         f"torch with zero_stage 3: FSDP2 keeps both in its root unit)")
+
+
+def _check_combinations(cfg, sizes: Dict[str, int], world_size: int) -> None:
+    """What ``parallelize`` cannot compose (its module docstring says why)."""
+    p, m = cfg.parallel, cfg.model
+    tp, pp, cp = sizes["tp"], sizes["pp"], sizes["cp"]
+    if m.num_experts > 0 and p.zero_stage > 0:
+        raise ValueError(f"zero_stage ({p.zero_stage}) with mixture-of-experts "
+                         f"(num_experts = {m.num_experts}) is not supported: ZeRO shards over "
+                         f"dp_cp ({sizes['dp_cp']}) but experts are replicated over edp "
+                         f"({sizes['dp_cp'] // sizes['ep']}); set parallel.zero_stage 0")
+    if m.num_experts > 0 and p.impl != "scaletorch":
+        raise ValueError(f"parallel.impl {p.impl!r} has no mixture-of-experts (num_experts "
+                         f"{m.num_experts}): expert parallel is ours only, impl 'scaletorch'")
+    if p.zero_stage > 0 and p.impl == "naive":
+        raise ValueError(f"parallel.impl 'naive' is plain data parallel, not ZeRO (zero_stage "
+                         f"{p.zero_stage}): use impl 'scaletorch' or 'torch'")
+    others = {"tp": tp, "pp": pp, "cp": cp}
+    if p.zero_stage > 0 and p.impl == "torch" and (p.zero_stage != 3 or max(others.values()) > 1):
+        got = ", ".join(f"{k} {v}" for k, v in others.items())
+        raise ValueError(f"parallel.impl 'torch' runs ZeRO as FSDP2 fully_shard, which is ZeRO-3 "
+                         f"over data parallel alone; got zero_stage {p.zero_stage}, {got}: use "
+                         f"impl 'scaletorch'")
+    if p.impl == "torch" and pp > 1 and cp > 1:
+        raise ValueError(f"torch.distributed.pipelining (impl 'torch', pp {pp}) cannot shard "
+                         f"sequences for context parallel (cp {cp}): use impl 'scaletorch'")
+    if p.impl == "torch" and p.zero_stage != 3 and tp > 1 and pp == 1 and tp != world_size:
+        raise ValueError(f"parallel.impl 'torch' runs tensor parallel as DTensor over the whole "
+                         f"world: world size {world_size} != tensor_model_parallel_size ({tp}); "
+                         f"launch {tp} processes, or use impl 'scaletorch' to add dp or cp")

@@ -1,0 +1,133 @@
+"""Every refusal is raised by the one layout check, before anything is built, in the user's
+terms (the settings and what to change), and reaches the user once, without a traceback."""
+
+import os
+import subprocess
+import sys
+import unittest
+
+from scaletorch.dist import destroy_pg_manager, init_pg_manager
+from scaletorch.models import build_model
+from scaletorch.parallel.parallelize import parallelize
+from scaletorch.trainer import parse_args, validate_layout
+from tests.layouts import layout, make_config
+from tests.test_examples import ROOT, launch_status
+
+ND = "examples/07_nd_parallel.py"
+
+
+def _error(cfg, world_size: int) -> str:
+    try:
+        validate_layout(cfg, world_size)
+    except ValueError as err:
+        return str(err)
+    raise AssertionError(f"no error for world size {world_size}")
+
+
+class RefusalsNameTheSettings(unittest.TestCase):
+    """Computed from the config's sizes: no process group, no model."""
+
+    def test_tied_embeddings_with_zero_name_both_settings_and_the_fix(self):
+        cfg = make_config(False, 2, **layout(zero_stage=2))
+        cfg.model.tie_word_embeddings = True
+        message = _error(cfg, 2)
+        self.assertIn("model.tie_word_embeddings true with parallel.zero_stage 2", message)
+        self.assertIn("set model.tie_word_embeddings false", message)
+        cfg.parallel.impl = "torch"  # FSDP2 keeps the embedding and the head in one unit
+        cfg.parallel.zero_stage = 3
+        validate_layout(cfg, 2)
+
+    def test_tied_embeddings_with_a_pipeline_name_both_settings(self):
+        cfg = make_config(False, 2, **layout(pp=2))
+        cfg.model.tie_word_embeddings = True
+        message = _error(cfg, 2)
+        self.assertIn(
+            "model.tie_word_embeddings true with "
+            "parallel.pipeline_model_parallel_size 2", message)
+        self.assertIn("set model.tie_word_embeddings false", message)
+
+    def test_ulysses_under_tp_counts_heads_from_the_configured_numbers(self):
+        cfg = make_config(False, 1, **layout(tp=2, cp=8, cp_variant="ulysses"))
+        cfg.model.num_attention_heads, cfg.model.num_key_value_heads = 8, 4
+        cfg.model.hidden_size, cfg.data.seq_len = 64, 32
+        message = _error(cfg, 16)
+        self.assertIn(
+            "model.num_attention_heads 8 / tensor_model_parallel_size 2 = 4 heads per "
+            "tp rank, not divisible by context_parallel_size 8 for Ulysses", message)
+        self.assertIn("--cp-variant ring", message)
+        cfg.parallel.context_parallel_size = 2  # 4 and 2 heads per tp rank: both split over 2
+        validate_layout(cfg, 4)
+
+    def test_layer_split_is_a_config_key_and_its_errors_name_it(self):
+        cfg = make_config(False, 4, **layout(pp=4))
+        cfg.model.num_layers = 6
+        self.assertIn("set parallel.layer_split, e.g. --layer-split 2,2,1,1", _error(cfg, 4))
+        cfg.parallel.layer_split = [1, 2, 2, 1]
+        validate_layout(cfg, 4)
+        cfg.parallel.layer_split = [1, 4]
+        self.assertRegex(
+            _error(cfg, 4), r"parallel.layer_split \[1, 4\] must have one entry per "
+            r"pipeline stage \(4 = .*summing to model.num_layers \(6\)")
+        cfg.parallel.pipeline_model_parallel_size = 1
+        self.assertIn("parallel.layer_split [1, 4] needs a pipeline", _error(cfg, 1))
+
+    def test_layer_split_from_the_command_line_and_yaml_forms(self):
+        for argv in (["--layer-split", "1,3"], ["--parallel.layer_split",
+                                                "[1,3]"], ["--set", "parallel.layer_split=[1, 3]"]):
+            with self.subTest(argv=argv):
+                self.assertEqual(parse_args(argv + ["--pp", "2"]).parallel.layer_split, [1, 3])
+        with self.assertRaisesRegex(ValueError, "parallel.layer_split must be int, got '1.5'"):
+            parse_args(["--layer-split", "1.5,2"])
+
+    def test_parallelize_refuses_before_any_surgery(self):
+        cfg = make_config(False, 2, **layout(zero_stage=1))
+        cfg.model.tie_word_embeddings = True
+        model = build_model(cfg.model, seed=0)
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        pgm = init_pg_manager()  # one process
+        try:
+            with self.assertRaisesRegex(ValueError, "tie_word_embeddings true with parallel"):
+                parallelize(model, cfg, pgm, next(model.parameters()).device)
+        finally:
+            destroy_pg_manager()
+        self.assertEqual(type(model.lm_head).__name__, "Linear")  # no wrapper, no shard
+        self.assertEqual(set(model.state_dict()), set(before))
+
+
+class BadLayoutsReachTheUserOnce(unittest.TestCase):
+    """Through scripts/launch.sh, as a user runs them."""
+
+    def _assert_once(self, output: str, code: int, message: str) -> None:
+        self.assertEqual(code, 2, output[-2000:])
+        self.assertEqual(output.count(message), 1, output[-2000:])
+        self.assertEqual(output.count("error: "), 1, output[-2000:])
+        self.assertNotIn("Traceback", output)
+
+    def test_the_launcher_checks_before_any_process_starts(self):
+        out, code, _ = launch_status(ND, 3, "--pp", "2", timeout=120)
+        self._assert_once(
+            out, code, "error: world size 3 is not divisible by "
+            "tensor_model_parallel_size (1) x pipeline_model_parallel_size (2)")
+        self.assertNotIn("torchrun.py", out)  # no rank was started
+        out, code, _ = launch_status(ND, 3, "--tp", "3", timeout=120)
+        self._assert_once(
+            out, code, "model.num_attention_heads (8) is not divisible by "
+            "tensor_model_parallel_size (3)")
+
+    def test_without_the_pre_flight_rank_0_says_it_once_and_every_rank_exits_2(self):
+        out, code, _ = launch_status(ND, 2, "--zero-stage", "2", "--model.tie_word_embeddings",
+                                     "true", env={"SCALETORCH_PREFLIGHT": "0"}, timeout=120)
+        self.assertIn("torchrun.py", out)  # the ranks started and refused
+        self._assert_once(out, code, "model.tie_word_embeddings true with parallel.zero_stage 2")
+
+    def test_validate_only_accepts_a_valid_layout_silently(self):
+        proc = subprocess.run(
+            [sys.executable, ND, "--validate-only", "--world-size", "8", "--tp", "2", "--pp", "2"],
+            cwd=ROOT, capture_output=True, text=True, timeout=120, env={
+                **os.environ, "PYTHONPATH": ROOT
+            })
+        self.assertEqual((proc.returncode, proc.stdout, proc.stderr), (0, "", ""))
+
+
+if __name__ == "__main__":
+    unittest.main()
