@@ -88,6 +88,8 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
             continue
         rank, status, payload = queue.get()
         if status == "ok":
+            # Not a checkpoint: bytes our own worker processes just pickled (results may be
+            # objects such as a pipeline Timeline), so a full unpickle is safe here.
             results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
         else:
             errors.append((rank, payload))
