@@ -214,7 +214,7 @@ def _mask_columns(lines: List[str], names: Sequence[str]) -> List[str]:
         if all(n in fields for n in names):
             width, cols = len(fields), _columns(line, names)
             out.append(" ".join(fields))
-        elif width is not None and len(fields) == width:
+        elif width is not None and len(fields) >= width:  # a last column may hold spaces
             out.append(" ".join("<t>" if i in cols else f for i, f in enumerate(fields)))
         else:
             out.append(line)
@@ -232,6 +232,8 @@ def _line_pattern(doc: str) -> Tuple[re.Pattern, List[str]]:
         parts.append(re.escape(doc[pos:m.start()]))
         if m.group() == ELLIPSIS:
             parts.append(".*?")
+        elif doc[:m.start()].endswith("tolerance "):  # a tolerance is a setting: exact
+            parts.append(re.escape(m.group()))
         else:
             parts.append(f"({SCI.pattern})")
             numbers.append(m.group())

@@ -1,0 +1,158 @@
+"""The docs reproduce: scripts/check_docs.py's parser and comparison on a synthetic page, then
+the documented commands marked ``ci`` re-run and compared with what doc/*.md shows."""
+
+import os
+import subprocess
+import sys
+import unittest
+
+from scripts import check_docs
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FENCE = "```"
+
+PAGE = f"""# A page
+
+Commands without output are not checked:
+
+{FENCE}
+scripts/launch.sh examples/01_ddp.py --nproc-per-node 2 -- --check
+{FENCE}
+
+<!-- check: ci timing-columns=ms/step -->
+{FENCE}bash
+scripts/launch.sh examples/01_ddp.py --nproc-per-node 2 -- \\
+    --steps 10 --check
+{FENCE}
+
+{FENCE}text
+step    10 | loss 2.5955 | lr 1.00e-02 | grad norm 0.970 | 34,342 tok/s
+communication per rank (step 9)
+all_reduce      dp_cp      2       9        82,241     0.329     0.329
+...
+parity: max |loss - reference| = 2.4e-07 over 10 steps (tolerance 1e-05): OK
+{FENCE}
+
+{FENCE}bash
+python scripts/benchmark.py --only ddp
+{FENCE}
+{FENCE}text
+name  ms/step  MB
+ddp   51.7     3.41
+{FENCE}
+"""
+
+OUTPUT = """+ OMP_NUM_THREADS=1 python -m torch.distributed.run ...
+step    10 | loss 2.5955 | lr 1.00e-02 | grad norm 0.970 | 12,001 tok/s
+communication per rank (step 9)
+all_reduce      dp_cp      2       9        82,241     0.329     0.329
+gradients all-reduced in step 9: 82,240 elements
+overlap in step 9 (rank 0; = compute, # a bucket's all-reduce in flight, . waiting):
+bucket 0         |                 ######                        |     3.6 -    7.2 ms  0.049 MB
+parity: max |loss - reference| = 3.1e-07 over 10 steps (tolerance 1e-05): OK
+"""
+
+
+class ParserFindsCommandsAndOutputs(unittest.TestCase):
+
+    def test_a_bash_block_followed_by_a_text_block_is_one_checked_block(self):
+        blocks, errors = check_docs.parse("page.md", PAGE)
+        self.assertEqual(errors, [])
+        self.assertEqual(len(blocks), 2)
+        first = blocks[0]
+        # the continuation line is joined into one command; the marker's options are read
+        self.assertEqual(
+            first.commands,
+            ["scripts/launch.sh examples/01_ddp.py --nproc-per-node 2 -- --steps 10 "
+             "--check"])
+        self.assertEqual(first.options, {"ci": "", "timing-columns": "ms/step"})
+        self.assertEqual(first.expected[0][:10], "step    10")
+        self.assertNotIn("ci", blocks[1].options)
+
+    def test_output_without_its_command_is_an_error(self):
+        page = PAGE.replace(f"{FENCE}bash\npython scripts/benchmark.py --only ddp\n{FENCE}\n", "")
+        _, errors = check_docs.parse("page.md", page)
+        self.assertEqual(len(errors), 1)
+        self.assertIn("output block without its command", errors[0])
+
+    def test_unlabeled_output_is_an_error(self):
+        page = PAGE + f"\n{FENCE}\nparity: max |loss - reference| = 2.4e-07 over 9 steps\n{FENCE}\n"
+        _, errors = check_docs.parse("page.md", page)
+        self.assertEqual(len(errors), 1)
+        self.assertIn("looks like program output", errors[0])
+
+    def test_a_launch_without_steps_is_an_error(self):
+        _, errors = check_docs.parse("page.md", PAGE.replace("--steps 10 ", ""))
+        self.assertEqual(len(errors), 1)
+        self.assertIn("--steps", errors[0])
+
+
+class ComparisonIgnoresTimingAndCatchesDrift(unittest.TestCase):
+
+    def setUp(self):
+        self.block = check_docs.parse("page.md", PAGE)[0][0]
+
+    def test_the_same_run_reproduces_whatever_its_timings(self):
+        # tok/s differ, a timeline chart is skipped, 2.4e-07 vs 3.1e-07 is rounding-level
+        self.assertEqual(check_docs.compare(self.block.expected, OUTPUT), [])
+
+    def test_a_changed_ledger_number_is_drift_with_a_diff(self):
+        diff = check_docs.compare(self.block.expected, OUTPUT.replace("82,241", "82,242"))
+        self.assertIn("-all_reduce      dp_cp      2       9        82,241     0.329     0.329",
+                      diff)
+        self.assertIn("+all_reduce      dp_cp      2       9        82,242     0.329     0.329",
+                      diff)
+
+    def test_a_new_row_inside_a_shown_table_is_drift(self):
+        # between two '...' lines the doc's lines must be consecutive output lines
+        extra = "recv            pp         2       8        32,768     0.131     0.000\n"
+        output = OUTPUT.replace("communication per rank (step 9)\n",
+                                "communication per rank (step 9)\n" + extra)
+        self.assertNotEqual(check_docs.compare(self.block.expected, output), [])
+
+    def test_a_changed_verdict_or_tolerance_is_drift(self):
+        for old, new in (("OK", "FAIL"), ("1e-05", "1e-04"), ("3.1e-07", "4.2e-05")):
+            with self.subTest(new=new):
+                output = OUTPUT.replace(old, new)
+                self.assertNotEqual(check_docs.compare(self.block.expected, output), [])
+
+    def test_a_tolerance_is_exact_where_a_deviation_may_move(self):
+        line = "parity: max |loss - reference| = {} over 10 steps (tolerance {}, bf16): OK"
+        doc = [line.format("3.1e-04", "3.1e-02")]
+        self.assertEqual(check_docs.compare(doc, line.format("2.2e-04", "3.1e-02")), [])
+        self.assertNotEqual(check_docs.compare(doc, line.format("3.1e-04", "4.0e-02")), [])
+
+    def test_timing_columns_named_by_the_marker_are_ignored(self):
+        doc = ["name  ms/step  MB", "ddp   51.7     3.41"]
+        same, other = "name ms/step MB\nddp 99.0 3.41", "name ms/step MB\nddp 99.0 3.42"
+        self.assertEqual(check_docs.compare(doc, same, ["ms/step"]), [])
+        self.assertNotEqual(check_docs.compare(doc, other, ["ms/step"]), [])
+
+    def test_ellipsis_inside_a_line_matches_any_text(self):
+        doc = ["RuntimeError: rank 0: step 0 failed; ... Connection closed by peer ..."]
+        out = "RuntimeError: rank 0: step 0 failed; the last [gloo] Connection closed by peer x"
+        self.assertEqual(check_docs.compare(doc, out), [])
+
+
+class DocumentedCommandsReproduce(unittest.TestCase):
+
+    def test_the_docs_have_no_output_without_its_command(self):
+        blocks, errors = [], []
+        for path in check_docs.doc_files([]):
+            found, problems = check_docs.parse(path)
+            blocks += found
+            errors += problems
+        self.assertEqual(errors, [])
+        self.assertGreater(len(blocks), 0)
+
+    def test_the_commands_marked_ci_print_what_the_docs_show(self):
+        # tiny runs (2 ranks, 10 steps); `python scripts/check_docs.py --all` runs every block
+        proc = subprocess.run([sys.executable, "scripts/check_docs.py", "--ci"], cwd=ROOT,
+                              capture_output=True, text=True, timeout=600, env={
+                                  **os.environ, "PYTHONPATH": ROOT
+                              })
+        self.assertEqual(proc.returncode, 0, proc.stdout + proc.stderr)
+
+
+if __name__ == "__main__":
+    unittest.main()
