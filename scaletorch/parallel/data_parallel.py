@@ -53,8 +53,8 @@ def _strip_module_prefix(module: nn.Module, state_dict: Dict[str, Any], prefix: 
         state_dict[prefix + key[len(inner):]] = state_dict.pop(key)
 
 
-def _add_module_prefix(module: nn.Module, state_dict: Dict[str, Any], prefix: str,
-                       *args: Any) -> None:
+def _add_module_prefix(module: nn.Module, state_dict: Dict[str, Any], prefix: str, *args:
+                       Any) -> None:
     """load_state_dict pre-hook, the inverse: ``<prefix><name>`` -> ``<prefix>module.<name>``."""
     inner = prefix + "module."
     for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:

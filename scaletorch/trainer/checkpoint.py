@@ -216,10 +216,9 @@ def check_layout(path: str, manifest: Dict[str, Any], world_size: int,
             if os.path.isfile(consolidated) else
             "to change layouts, resume a consolidated file (full weights and AdamW state, any "
             "layout): examples/07_nd_parallel.py writes consolidated.pt beside each checkpoint")
-    raise ValueError(f"checkpoint {path!r} holds per-rank shards of another layout ("
-                     + ", ".join(f"{k} {saved[k]} there, {now[k]} here" for k in differ)
-                     + "); per-rank checkpoints resume only at the layout that wrote them; "
-                     + hint)
+    raise ValueError(f"checkpoint {path!r} holds per-rank shards of another layout (" +
+                     ", ".join(f"{k} {saved[k]} there, {now[k]} here" for k in differ) +
+                     "); per-rank checkpoints resume only at the layout that wrote them; " + hint)
 
 
 def load_checkpoint(path: str, rank: int, world_size: int,
