@@ -257,10 +257,18 @@ def check_zero_layout(zero_stage: int, pgm) -> None:
 
 
 def llama_units(model: nn.Module) -> List[Tuple[str, NamedModules]]:
-    """The sharding units of a Llama, in forward order: embedding, each block, head."""
-    units = [("embed_tokens", [("embed_tokens", model.embed_tokens)])]
-    units += [(f"layers.{i}", [(f"layers.{i}", layer)]) for i, layer in enumerate(model.layers)]
-    units.append(("head", [("norm", model.norm), ("lm_head", model.lm_head)]))
+    """The sharding units of a Llama, in forward order: embedding, each block, head.
+
+    Also of a pipeline chunk (chapter 04), which holds some of them: its ``layers`` are keyed
+    by their index in the full model, and a stage without the embedding or the head has None.
+    """
+    layers = model.layers.items() if isinstance(model.layers, nn.ModuleDict) \
+        else enumerate(model.layers)
+    units = [("embed_tokens", [("embed_tokens", model.embed_tokens)])] \
+        if model.embed_tokens is not None else []
+    units += [(f"layers.{i}", [(f"layers.{i}", layer)]) for i, layer in layers]
+    if model.lm_head is not None:
+        units.append(("head", [("norm", model.norm), ("lm_head", model.lm_head)]))
     return units
 
 

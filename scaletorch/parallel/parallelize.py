@@ -135,16 +135,6 @@ class _ZeroChunks(nn.Module):
             w.zero_grad_buffers()
 
 
-def _chunk_units(chunk: nn.Module):
-    """ZeRO units of a pipeline chunk, in forward order: [embedding], its blocks, [head]."""
-    units = [("embed_tokens", [("embed_tokens", chunk.embed_tokens)])] \
-        if chunk.embed_tokens is not None else []
-    units += [(f"layers.{i}", [(f"layers.{i}", layer)]) for i, layer in chunk.layers.items()]
-    if chunk.lm_head is not None:
-        units.append(("head", [("norm", chunk.norm), ("lm_head", chunk.lm_head)]))
-    return units
-
-
 def _in_loss_parallel(step: ForwardBackward) -> ForwardBackward:
     """DTensor's vocab-sharded cross-entropy (forward and backward) needs ``loss_parallel()``."""
 
@@ -216,7 +206,7 @@ def parallelize(model: Llama, cfg, pgm, device: torch.device) -> Parallelized:
 
     zero = []  # 6
     if p.zero_stage > 0:
-        units = [_chunk_units(c) for c in modules] if pipe is not None else [llama_units(model)]
+        units = [llama_units(c) for c in modules]  # the whole model, or each chunk
         zero = [
             ShardedDataParallel(c, u, pgm.data_parallel_group_with_context, p.zero_stage)
             for c, u in zip(modules, units)

@@ -28,14 +28,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from scaletorch.data import shard_batch, split_micro_batches
+from scaletorch.data import split_micro_batches
 from scaletorch.dist import comm, get_ledger
-from scaletorch.models import Llama, MoE, loss_fn, moe_aux_loss, rope_cos_sin
+from scaletorch.models import Llama, MoE, loss_fn, moe_aux_loss
 from scaletorch.parallel.data_parallel import TorchDataParallel, apply_data_parallel
 from scaletorch.parallel.grad_norm import clip_grads_, global_grad_norm
 from scaletorch.parallel.pipeline_schedules import (Action, Timeline, TimelineRecorder,
                                                     schedule_actions, schedule_plan, stage_index,
                                                     validate_schedule)
+from scaletorch.parallel.step import average_over_group, local_batch
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 State = Dict[str, torch.Tensor]
@@ -73,11 +74,14 @@ class PipelineChunk(nn.Module):
     ``position_ids`` (s,): the tokens' true positions for RoPE (context parallel), else 0..s-1.
     """
 
+    # The model's own pieces, the same code bound to this chunk's share of the modules:
+    # embed (the embedding), rope (the rotary tables of the positions), head (norm, lm_head).
+    embed, rope, head = Llama.embed, Llama.rope, Llama.head
+
     def __init__(self, model: Llama, layer_ids: List[int], first: bool, last: bool,
                  sequence_parallel_size: int = 1) -> None:
         super().__init__()
-        cfg = model.config
-        self.head_dim, self.rope_theta = cfg.head_dim, cfg.rope_theta
+        self.config = model.config
         self.sequence_parallel_size = sequence_parallel_size  # tokens of x = s / this
         self.embed_tokens = model.embed_tokens if first else None
         self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layer_ids})
@@ -85,16 +89,15 @@ class PipelineChunk(nn.Module):
         self.lm_head = model.lm_head if last else None
 
     def forward(self, x: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        seq_len = x.size(1) * (1 if self.embed_tokens is not None else self.sequence_parallel_size)
-        if position_ids is None:
-            position_ids = torch.arange(seq_len, device=x.device)
-        if self.embed_tokens is not None:
-            x = self.embed_tokens(x)  # (b, s, h)
-        cos, sin = rope_cos_sin(position_ids, self.head_dim, self.rope_theta)
-        for layer in self.layers.values():
+        first = self.embed_tokens is not None
+        seq_len = x.size(1) * (1 if first else self.sequence_parallel_size)
+        if first:
+            x = self.embed(x)  # (b, s) -> (b, s, h)
+        cos, sin = self.rope(position_ids, seq_len, x.device)
+        for layer in self.layers.values():  # as Llama.forward, on this stage's layers
             x = layer(x, cos, sin)
         if self.lm_head is not None:
-            x = self.lm_head(self.norm(x))  # (b, s, V)
+            x = self.head(x)  # (b, s, V)
         return x
 
 
@@ -206,11 +209,9 @@ class PipelineSchedule:
 
     def __call__(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         pgm = self.pgm
-        inputs = shard_batch(inputs, pgm.data_parallel_rank, pgm.data_parallel_world_size)
-        targets = shard_batch(targets, pgm.data_parallel_rank, pgm.data_parallel_world_size)
-        self.position_ids = None
-        if self.shard_sequence is not None:
-            inputs, targets, self.position_ids = self.shard_sequence(inputs, targets)
+        inputs, targets, self.position_ids = local_batch(inputs, targets, pgm.data_parallel_rank,
+                                                         pgm.data_parallel_world_size,
+                                                         self.shard_sequence)
         self.micro_batches = split_micro_batches(inputs, targets, self.m)
         b, s = self.micro_batches[0][0].shape
         self.shape = (b, s // self.pipe.sequence_parallel_size, self.pipe.hidden_size)
@@ -232,9 +233,8 @@ class PipelineSchedule:
             if finish is not None:
                 finish()
         loss = self.loss.detach().clone()  # nonzero on the last stage only
-        comm.all_reduce(loss, self.group)
-        comm.all_reduce(loss, pgm.data_parallel_group_with_context)
-        return loss / pgm.data_parallel_world_size_with_context
+        comm.all_reduce(loss, self.group)  # every stage gets it
+        return average_over_group(loss, pgm.data_parallel_group_with_context)
 
     def _exchange(self, batch) -> None:
         """Post this step's sends and recvs as one batch over "pp" and wait for all of them."""
@@ -317,8 +317,8 @@ class TorchPipelineSchedule:
 
     def __call__(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         pgm, pipe = self.pgm, self.pipe
-        inputs = shard_batch(inputs, pgm.data_parallel_rank, pgm.data_parallel_world_size)
-        targets = shard_batch(targets, pgm.data_parallel_rank, pgm.data_parallel_world_size)
+        inputs, targets, _ = local_batch(inputs, targets, pgm.data_parallel_rank,
+                                         pgm.data_parallel_world_size)
         last = pipe.num_stages - 1 in pipe.stages
         losses: List[torch.Tensor] = []
         args = (inputs, ) if 0 in pipe.stages else ()
@@ -326,8 +326,7 @@ class TorchPipelineSchedule:
         zero = torch.zeros((), device=inputs.device)
         loss = torch.stack(losses).mean().detach() if last else zero
         comm.all_reduce(loss, pgm.pipeline_model_parallel_group)
-        comm.all_reduce(loss, pgm.data_parallel_group_with_context)
-        return loss / pgm.data_parallel_world_size_with_context
+        return average_over_group(loss, pgm.data_parallel_group_with_context)
 
 
 def pipeline_clip_grad_norm(pipe: PipelineModel, pgm) -> Callable[[float], torch.Tensor]:

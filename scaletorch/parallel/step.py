@@ -56,6 +56,19 @@ def forward_backward(model: nn.Module, inputs: torch.Tensor, targets: torch.Tens
     return total
 
 
+def local_batch(inputs: torch.Tensor, targets: torch.Tensor, data_parallel_rank: int,
+                data_parallel_size: int,
+                shard_sequence: Optional[SequenceShard] = None) -> ShardedBatch:
+    """This rank's part of the global batch: (B, s) -> its data-parallel slice (B/dp, s), then,
+    with ``shard_sequence`` (context parallel), its tokens of each sequence (B/dp, s/cp).
+    Returns (inputs, targets, position_ids), position_ids None without context parallel."""
+    inputs = shard_batch(inputs, data_parallel_rank, data_parallel_size)
+    targets = shard_batch(targets, data_parallel_rank, data_parallel_size)
+    if shard_sequence is None:
+        return inputs, targets, None
+    return shard_sequence(inputs, targets)
+
+
 def average_over_group(value: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
     """Mean of a scalar over ``group`` (for reporting the global loss; not differentiable)."""
     out = value.detach().clone()
@@ -76,11 +89,8 @@ def make_data_parallel_step(model: nn.Module, num_micro_batches: int, data_paral
     """
 
     def step(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        inputs = shard_batch(inputs, data_parallel_rank, data_parallel_size)
-        targets = shard_batch(targets, data_parallel_rank, data_parallel_size)
-        position_ids = None
-        if shard_sequence is not None:
-            inputs, targets, position_ids = shard_sequence(inputs, targets)
+        inputs, targets, position_ids = local_batch(inputs, targets, data_parallel_rank,
+                                                    data_parallel_size, shard_sequence)
         loss = forward_backward(model, inputs, targets, num_micro_batches, loss_fn, position_ids)
         if loss_group is None and data_parallel_size == 1:
             # A single-device run (the reference of --check, run by rank 0 alone): it must not
