@@ -1,5 +1,7 @@
 """Check that the docs reproduce: re-run every documented command and compare its output.
 
+The docs are doc/*.md and README.md.
+
     python scripts/check_docs.py --lint          # structure only, no runs (a second)
     python scripts/check_docs.py --ci            # the blocks marked ci (tiny runs; CI runs these)
     python scripts/check_docs.py --all           # every documented command (about 15 minutes)
@@ -14,7 +16,7 @@ The convention (doc/design.md, "Docs that reproduce"):
 - An HTML comment ``<!-- check: OPTIONS -->`` just before the ```bash fence sets options,
   separated by spaces: ``ci`` (run by --ci too: keep it tiny), ``fails`` (the command must
   exit non-zero), ``timing-columns=NAME,NAME`` (table columns, named by their header, whose
-  values are timings).
+  values are timings; counted from the header's nearer end).
 - An output block may be an excerpt. A line ``...`` skips any number of output lines; ``...``
   inside a line matches any text. Between two ``...`` lines the doc's lines must match
   consecutive output lines, so a row that appears or disappears is drift.
@@ -199,23 +201,27 @@ def normalize(line: str) -> Optional[str]:
     return line
 
 
-def _columns(header: str, names: Sequence[str]) -> List[int]:
-    fields = header.split()
-    return [fields.index(n) for n in names if n in fields]
-
-
 def _mask_columns(lines: List[str], names: Sequence[str]) -> List[str]:
-    """Replace the named columns' values by <t> in the rows of the table whose header names them."""
+    """Replace the named columns' values by <t> in the rows under the header that names them.
+
+    Whitespace-separated fields, counted from the header's nearer end: a column in its right
+    half is counted from the right, so that a column with spaces (a list of arguments, a
+    two-word header) on its other side does not shift it.
+    """
     if not names:
         return lines
-    out, width, cols = [], None, []
+    out, positions = [], None
     for line in lines:
         fields = line.split()
         if all(n in fields for n in names):
-            width, cols = len(fields), _columns(line, names)
+            width = len(fields)
+            positions = [i if i < width / 2 else i - width for i in map(fields.index, names)]
             out.append(" ".join(fields))
-        elif width is not None and len(fields) >= width:  # a last column may hold spaces
-            out.append(" ".join("<t>" if i in cols else f for i, f in enumerate(fields)))
+        elif positions is not None and len(fields) > 1:
+            for i in positions:
+                if -len(fields) <= i < len(fields):
+                    fields[i] = "<t>"
+            out.append(" ".join(fields))
         else:
             out.append(line)
     return out
@@ -332,7 +338,7 @@ def check_block(block: Block, timeout: float) -> List[str]:
 def doc_files(names: Sequence[str]) -> List[str]:
     if names:
         return [os.path.abspath(n) for n in names]
-    return sorted(glob.glob(os.path.join(ROOT, "doc", "*.md")))
+    return sorted(glob.glob(os.path.join(ROOT, "doc", "*.md"))) + [os.path.join(ROOT, "README.md")]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -344,7 +350,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("-k", dest="pattern", default="",
                         help="only the blocks whose file or command contains this")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per block")
-    parser.add_argument("files", nargs="*", help="markdown files (default: doc/*.md)")
+    parser.add_argument("files", nargs="*", help="markdown files (default: doc/*.md, README.md)")
     args = parser.parse_args(argv)
 
     blocks, errors = [], []
