@@ -127,6 +127,12 @@ class ComparisonIgnoresTimingAndCatchesDrift(unittest.TestCase):
         same, other = "name ms/step MB\nddp 99.0 3.41", "name ms/step MB\nddp 99.0 3.42"
         self.assertEqual(check_docs.compare(doc, same, ["ms/step"]), [])
         self.assertNotEqual(check_docs.compare(doc, other, ["ms/step"]), [])
+        # a column in the header's right half counts from the right: arguments may hold spaces
+        tour = ["script  arguments  MB/step  seconds  result", "07  --tp 2 --pp 2  1.311  11.6  ok"]
+        slower = "script arguments MB/step seconds result\n07 --tp 2 --pp 2 1.311 19.0 ok"
+        self.assertEqual(check_docs.compare(tour, slower, ["seconds"]), [])
+        self.assertNotEqual(check_docs.compare(tour, slower.replace("1.311", "1.312"), ["seconds"]),
+                            [])
 
     def test_ellipsis_inside_a_line_matches_any_text(self):
         doc = ["RuntimeError: rank 0: step 0 failed; ... Connection closed by peer ..."]
