@@ -328,9 +328,13 @@ def check_block(block: Block, timeout: float) -> List[str]:
     code, stdout, stderr = run_block(block, timeout)
     fails = "fails" in block.options
     if (code != 0) != fails:
-        tail = "\n".join((stdout + stderr).splitlines()[-15:])
+        lines = (stdout + stderr).splitlines()
+        errors = [line for line in lines if re.search(r"\w*Error\b|^error:", line)][:3]
         want = "a non-zero exit" if fails else "exit 0"
-        return [f"exit status {code}, the doc expects {want}; last lines:", tail]
+        return [
+            f"exit status {code}, the doc expects {want}; the errors and last lines:", *errors,
+            *lines[-10:]
+        ]
     columns = [c for c in block.options.get("timing-columns", "").split(",") if c]
     return compare(block.expected, stdout + "\n" + stderr, columns)
 
