@@ -15,6 +15,8 @@ mid-run and every rank restarts from the latest checkpoint. Run here for the pip
 that once resumed wrongly or crashed; set SCALETORCH_FULL_RESUME=1 to run it for every layout.
 """
 
+import contextlib
+import io
 import os
 import tempfile
 import unittest
@@ -22,6 +24,7 @@ import unittest
 from scaletorch.dist import destroy_pg_manager
 from scaletorch.parallel.consolidated import consolidated_state, load_consolidated
 from scaletorch.trainer import checkpoint as ckpt
+from scaletorch.trainer import load_config
 from tests.harness import run_distributed, value_error
 from tests.layouts import ND_LAYOUTS, build, config_of, layout, pg_manager_for
 from tests.test_examples import launch
@@ -123,6 +126,16 @@ class InWorldResume(unittest.TestCase):
         message = self.results[0]["other_layout"]
         self.assertRegex(message, r"zero_stage 1 there, 0 here")
         self.assertIn("consolidated", message)
+
+    def test_a_script_refuses_it_once_before_any_process_group(self):
+        directory = ckpt.step_dir(os.path.join(self.tmp.name, "zero1_pp2_dp4"), SAVE_AT)
+        stderr = io.StringIO()
+        with contextlib.redirect_stderr(stderr), self.assertRaises(SystemExit) as exit:
+            load_config("examples/configs/07_nd_parallel.yaml", "07", argv=[
+                "--validate-only", "--world-size", "8", "--pp", "2", "--resume", directory
+            ])
+        self.assertEqual(exit.exception.code, 2)
+        self.assertRegex(stderr.getvalue(), r"^error: checkpoint .*zero_stage 1 there, 0 here")
 
 
 def _launch_run(tmp: str, name: str, nproc: int, args: list, fail: bool) -> tuple:

@@ -26,7 +26,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from scaletorch.dist import comm
+from scaletorch.dist import comm, restart_count
 from scaletorch.parallel.consolidated import load_tensors_only
 
 FORMAT_VERSION = 1
@@ -219,6 +219,42 @@ def check_layout(path: str, manifest: Dict[str, Any], world_size: int,
     raise ValueError(f"checkpoint {path!r} holds per-rank shards of another layout (" +
                      ", ".join(f"{k} {saved[k]} there, {now[k]} here" for k in differ) +
                      "); per-rank checkpoints resume only at the layout that wrote them; " + hint)
+
+
+def run_layout(cfg, world_size: int) -> Dict[str, Any]:
+    """What decides which shard of the model and optimizer each rank holds (``cfg``: the
+    scaletorch Config): a per-rank checkpoint records it and resumes only where it is the same.
+    """
+    p = cfg.parallel
+    model_parallel = (p.tensor_model_parallel_size * p.pipeline_model_parallel_size *
+                      p.context_parallel_size)
+    return {
+        "tensor_model_parallel_size": p.tensor_model_parallel_size,
+        "pipeline_model_parallel_size": p.pipeline_model_parallel_size,
+        "context_parallel_size": p.context_parallel_size,
+        "expert_model_parallel_size": p.expert_model_parallel_size,
+        "data_parallel_size": world_size // model_parallel,
+        "zero_stage": p.zero_stage,
+        "virtual_pipeline_stages": p.virtual_pipeline_stages,
+        "layer_split": list(p.layer_split or []),
+        "impl": p.impl,
+    }
+
+
+def check_resume(cfg, world_size: int) -> None:
+    """Before any process starts training: refuse to resume a per-rank checkpoint of another
+    layout (the check ``load_checkpoint`` makes too), so the message is printed once.
+
+    What would be resumed: ``checkpoint.resume`` (a directory, or "latest"), or after a
+    torchrun restart the latest checkpoint. A file (a consolidated checkpoint) fits any layout.
+    """
+    resume = cfg.checkpoint.resume or ("latest" if restart_count() > 0 else None)
+    if resume == "latest":
+        path = latest_checkpoint(cfg.checkpoint_path)
+    else:
+        path = resume if resume and os.path.isdir(resume) else None
+    if path is not None:
+        check_layout(path, read_manifest(path), world_size, run_layout(cfg, world_size))
 
 
 def load_checkpoint(path: str, rank: int, world_size: int,

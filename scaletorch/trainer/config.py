@@ -25,6 +25,7 @@ import yaml
 from scaletorch.models import LlamaConfig
 # the one layout check (also run by parallelize): re-exported for the scripts
 from scaletorch.parallel.validation import validate_layout
+from scaletorch.trainer.checkpoint import check_resume
 from scaletorch.trainer.precision import PRECISIONS
 
 
@@ -300,6 +301,7 @@ def load_config(default_config: str, description: str, limits: Optional[Limits] 
         validate(cfg, world_size)
         if limits is not None:
             limits(cfg, world_size)
+        check_resume(cfg, world_size)  # a per-rank checkpoint fits only the layout that wrote it
     except (ValueError, FileNotFoundError) as err:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {err}", file=sys.stderr, flush=True)

@@ -156,22 +156,8 @@ class Trainer:
         self._print(f"resumed from {path} at step {self.step}")
 
     def layout(self) -> dict:
-        """What decides which shard of the model and optimizer each rank holds: a per-rank
-        checkpoint records it, and resumes only where it is the same."""
-        p, pgm = self.cfg.parallel, self.pgm
-        if pgm is None:  # one device, whole model: nothing is split
-            return {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1}
-        return {
-            "tensor_model_parallel_size": pgm.tensor_model_parallel_world_size,
-            "pipeline_model_parallel_size": pgm.pipeline_model_parallel_world_size,
-            "context_parallel_size": pgm.context_parallel_world_size,
-            "expert_model_parallel_size": pgm.expert_model_parallel_world_size,
-            "data_parallel_size": pgm.data_parallel_world_size,
-            "zero_stage": p.zero_stage,
-            "virtual_pipeline_stages": p.virtual_pipeline_stages,
-            "layer_split": list(getattr(p, "layer_split", None) or []),
-            "impl": p.impl,
-        }
+        """The sizes that decide which shard each rank holds (``checkpoint.run_layout``)."""
+        return ckpt.run_layout(self.cfg, self.world_size)
 
     def save(self) -> str:
         return ckpt.save_checkpoint(self.cfg.checkpoint_path, self.step, self.state_dict(),
