@@ -66,7 +66,7 @@ def _invalid_impls() -> dict:
     configs = {
         "naive_zero": make_config(False, 1, **layout(zero_stage=1, impl="naive")),
         "torch_moe": make_config(True, 1, **layout(ep=2, impl="torch")),
-        "torch_zero3_tp2": make_config(False, 1, **layout(tp=2, zero_stage=3, impl="torch")),
+        "torch_zero1": make_config(False, 1, **layout(zero_stage=1, impl="torch")),
     }
     return {name: parallelize_error(cfg) for name, cfg in configs.items()}
 
@@ -134,12 +134,11 @@ class ChaptersThroughParallelizeMatchSingleDevice(unittest.TestCase):
     def test_chapter_06_experts(self):
         self._assert_parity("06_moe_ep2")
 
-    def test_native_sharding_is_described_by_dtensor_layouts(self):
-        layouts = {name: self.results[0][name]["layout"] for name in CHAPTERS}
-        self.assertEqual(layouts["02_fsdp2_dp2_checkpointed"], DTensorLayout.__name__)
-        self.assertEqual(layouts["03_dtensor_tp2"], DTensorLayout.__name__)
-        self.assertEqual(layouts["01_torch_ddp_dp2"], Layout.__name__)  # plain tensors
-        self.assertEqual(layouts["04_torch_pipelining_pp2"], Layout.__name__)
+    def test_native_layouts_are_described_by_dtensor_layouts_and_ours_by_layouts(self):
+        for name, (_, _, parallel) in CHAPTERS.items():
+            native = parallel.get("impl") == "torch"
+            expected = DTensorLayout if native else Layout
+            self.assertEqual(self.results[0][name]["layout"], expected.__name__, name)
 
     def test_consolidated_checkpoints_of_native_layouts_resume_anywhere(self):
         reference = self.references[(0, 2)][0][SAVE_AT:]
@@ -154,7 +153,7 @@ class ChaptersThroughParallelizeMatchSingleDevice(unittest.TestCase):
         errors = self.results[0]["errors"]
         self.assertRegex(errors["naive_zero"], r"'naive'.*zero_stage 1")
         self.assertRegex(errors["torch_moe"], r"'torch'.*num_experts 4")
-        self.assertRegex(errors["torch_zero3_tp2"], r"FSDP2.*zero_stage 3, tp 2")
+        self.assertRegex(errors["torch_zero1"], r"FSDP2.*ZeRO-3; got zero_stage 1")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from scaletorch.dist import destroy_pg_manager, get_ledger, init_pg_manager
 from scaletorch.models import LlamaConfig, build_model, loss_fn
+from scaletorch.parallel import native
 from scaletorch.parallel import tensor_parallel as tp_lib
 from scaletorch.parallel.data_parallel import apply_data_parallel
 from scaletorch.trainer import Config, Trainer, make_data_parallel_step, max_weight_diff
@@ -129,10 +130,6 @@ def _error_checks() -> dict:
     model = tp_lib.apply_tensor_parallel(build_model(MODEL, 0), pgm, sequence_parallel=True)
     out["seq_len"] = value_error(lambda: model(torch.zeros(2, 10, dtype=torch.long)))
     destroy_pg_manager()
-    pgm = init_pg_manager(tensor_model_parallel_size=2)
-    out["dtensor_dp"] = value_error(
-        lambda: tp_lib.apply_dtensor_tensor_parallel(build_model(MODEL, 0), pgm))
-    destroy_pg_manager()
     return out
 
 
@@ -141,8 +138,11 @@ def _train(rank: int, cfg: Config, impl: str) -> dict:
     pgm = init_pg_manager(tensor_model_parallel_size=p.tensor_model_parallel_size)
     model = build_model(cfg.model, seed=cfg.training.model_seed)
     if impl == "torch":
-        model = tp_lib.apply_dtensor_tensor_parallel(model, pgm, p.sequence_parallel)
-        loss, clip = tp_lib.dtensor_loss_fn, tp_lib.dtensor_clip_grad_norm(model, pgm)
+        model = native.apply_dtensor_tensor_parallel(model,
+                                                     native.device_mesh(pgm, "cpu")["tp"],
+                                                     p.sequence_parallel)
+        loss = native.dtensor_loss_fn
+        clip = native.native_clip_grad_norm(list(model.parameters()), pgm)
     else:
         model = tp_lib.apply_tensor_parallel(model, pgm, p.sequence_parallel)
         loss, clip = tp_lib.tensor_parallel_loss_fn(pgm), \
@@ -343,7 +343,6 @@ class TestTensorParallel(unittest.TestCase):
         self.assertRegex(errors["kv_heads"], r"num_key_value_heads \(2\)")
         self.assertRegex(errors["seq_len"], r"sequence length 10 is not divisible by "
                          r"tensor_model_parallel_size 4")
-        self.assertRegex(errors["dtensor_dp"], r"world size 4 != tensor_model_parallel_size")
 
 
 if __name__ == "__main__":

@@ -34,10 +34,17 @@ from typing import Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from scaletorch.dist import comm
 
 ParamsOverGroup = Tuple[Iterable[torch.nn.Parameter], Optional[dist.ProcessGroup]]
+
+
+def local_grad(param: torch.Tensor) -> torch.Tensor:
+    """The gradient elements this rank holds (a DTensor gradient's local shard)."""
+    grad = param.grad
+    return grad.to_local() if isinstance(grad, DTensor) else grad
 
 
 def _squared_norm(params: Iterable[torch.nn.Parameter], device: torch.device) -> torch.Tensor:
@@ -45,7 +52,7 @@ def _squared_norm(params: Iterable[torch.nn.Parameter], device: torch.device) ->
     total = torch.zeros(1, device=device)
     for p in params:
         if p.grad is not None:
-            total += p.grad.detach().float().pow(2).sum()
+            total += local_grad(p).detach().float().pow(2).sum()
     return total
 
 
@@ -70,7 +77,7 @@ def clip_grads_(params: Iterable[torch.nn.Parameter], max_norm: float,
     if math.isfinite(max_norm):
         scale = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
         for p in params:
-            p.grad.mul_(scale.to(p.grad.device))
+            local_grad(p).mul_(scale.to(p.grad.device))
     return total_norm
 
 
@@ -108,6 +115,6 @@ def world_grad_norm(params: Iterable[ParamReplicas], device: torch.device,
     total = torch.zeros(1, device=device)
     for p, replicas in params:
         if p.grad is not None:
-            total += (p.grad.detach().float().pow(2) / replicas).sum()
+            total += (local_grad(p).detach().float().pow(2) / replicas).sum()
     comm.all_reduce(total, group)
     return total.sqrt()[0]

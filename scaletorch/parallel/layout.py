@@ -140,13 +140,16 @@ class Layout:
 class DTensorLayout:
     """Where every reference tensor lives under PyTorch's FSDP2 or DTensor tensor parallel:
     each parameter keeps its reference name and is a DTensor (its placements say how it is
-    split) or a plain tensor replicated on every rank. Same contract as ``Layout``."""
+    split) or a plain tensor replicated on every rank. Same contract as ``Layout``. With a
+    pipeline (``pipe``) this rank's chunks hold its stages, and gathering adds the other
+    stages' tensors (pipeline rank 0 receives them)."""
 
-    def __init__(self, pgm, model: nn.Module) -> None:
-        self.pgm = pgm
+    def __init__(self, pgm, model: nn.Module, pipe=None) -> None:
+        self.pgm, self.pipe = pgm, pipe
         by_param: Dict[int, Tuple[torch.Tensor, List[str]]] = {}
-        for name, t in model.state_dict(keep_vars=True).items():
-            by_param.setdefault(id(t), (t, []))[1].append(name)
+        for module in [model] if pipe is None else pipe.chunks:
+            for name, t in module.state_dict(keep_vars=True).items():
+                by_param.setdefault(id(t), (t, []))[1].append(name)
         self.entries = list(by_param.values())  # (parameter, its names: tied weights)
 
     def params(self) -> List[torch.Tensor]:
@@ -159,6 +162,8 @@ class DTensorLayout:
             value = value_of(param).detach()
             full = value.full_tensor() if isinstance(value, DTensor) else value
             full_state.update({n: full.float().clone() for n in names})
+        if self.pipe is not None:
+            full_state = gather_pipeline_state_dict(self.pipe, self.pgm, full_state)
         return full_state if self.pgm.rank == 0 else None
 
     def scatter(self, full: State) -> Dict[torch.Tensor, torch.Tensor]:

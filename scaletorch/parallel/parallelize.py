@@ -34,16 +34,16 @@ this same call (chapters 01-06 all use ``parallelize``):
 
     scaletorch  ours, by hand, every combination above
     naive       data parallel as one all-reduce per parameter after backward (chapter 01)
-    torch       PyTorch's own, first match: FSDP2 ``fully_shard`` for zero_stage 3 (dp only);
-                DTensor ``parallelize_module`` for tp > 1 without pp (tp = world size);
-                torch.distributed.pipelining for pp > 1 (our tp inside, torch DDP over dp);
-                else DistributedDataParallel over dp_cp (around our cp)
+    torch       PyTorch's own, composed on one DeviceMesh (native.py): DTensor
+                ``parallelize_module`` over "tp", torch.distributed.pipelining over "pp",
+                FSDP2 ``fully_shard`` (ZeRO-3) or ``replicate`` over "dp"; a whole model
+                takes DistributedDataParallel over dp_cp (around our cp)
 
 Not supported (ValueError from the one layout check, validation.py, before any surgery): ZeRO
 with MoE (experts would need sharding over "edp"), sequence parallel with MoE
 (tensor_parallel.py), tied embeddings with ZeRO or a pipeline, impl torch or naive with MoE,
-naive with ZeRO, impl torch with ZeRO-1/2 or ZeRO-3 beside other strategies, torch pipelining
-with cp; doc/07_nd_parallel.md, "Limits", lists every refusal.
+naive with ZeRO, impl torch with ZeRO-1/2 or with cp beside tp, pp or ZeRO-3;
+doc/07_nd_parallel.md, "Limits", lists every refusal.
 MoE parity with the reference is exact with one micro-batch (moe.py: the load-balancing
 statistics are per micro-batch, and a micro-batch of the parallel run holds other tokens).
 """
@@ -53,7 +53,6 @@ from typing import Callable, List, Optional, Union
 
 import torch
 from torch import nn
-from torch.distributed.tensor.parallel import loss_parallel
 
 from scaletorch.dist import comm, get_ledger
 from scaletorch.models import Llama, loss_fn
@@ -61,16 +60,14 @@ from scaletorch.parallel.activation_checkpointing import apply_activation_checkp
 from scaletorch.parallel.context_parallel import apply_context_parallel, make_sequence_sharder
 from scaletorch.parallel.data_parallel import apply_data_parallel
 from scaletorch.parallel.expert_parallel import ExpertParallel, apply_expert_parallel
-from scaletorch.parallel.fsdp import ShardedDataParallel, apply_fully_shard, llama_units
+from scaletorch.parallel.fsdp import ShardedDataParallel, llama_units
 from scaletorch.parallel.grad_norm import clip_grads_, world_grad_norm
 from scaletorch.parallel.layout import DTensorLayout, Layout, State
-from scaletorch.parallel.pipeline_parallel import (PipelineSchedule, TorchPipelineSchedule,
-                                                   apply_data_parallel_to_chunks,
+from scaletorch.parallel.native import parallelize_native
+from scaletorch.parallel.pipeline_parallel import (PipelineSchedule, apply_data_parallel_to_chunks,
                                                    apply_pipeline_parallel)
 from scaletorch.parallel.step import ForwardBackward, make_data_parallel_step
-from scaletorch.parallel.tensor_parallel import (apply_dtensor_tensor_parallel,
-                                                 apply_tensor_parallel, dtensor_clip_grad_norm,
-                                                 dtensor_loss_fn, tensor_parallel_loss_fn)
+from scaletorch.parallel.tensor_parallel import apply_tensor_parallel, tensor_parallel_loss_fn
 from scaletorch.parallel.validation import validate_layout
 from scaletorch.parallel.zero import ZeroAdamW
 
@@ -135,40 +132,6 @@ class _ZeroChunks(nn.Module):
             w.zero_grad_buffers()
 
 
-def _in_loss_parallel(step: ForwardBackward) -> ForwardBackward:
-    """DTensor's vocab-sharded cross-entropy (forward and backward) needs ``loss_parallel()``."""
-
-    def run(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        with loss_parallel():
-            return step(inputs, targets)
-
-    return run
-
-
-def _parallelize_native(model: Llama, cfg, pgm) -> Parallelized:
-    """impl torch, one native strategy alone: FSDP2 ``fully_shard`` for zero_stage 3 over
-    data parallel, or DTensor ``parallelize_module`` for tensor parallel over the world."""
-    p = cfg.parallel
-    if p.activation_checkpointing:  # before the hooks that gather or redistribute parameters
-        apply_activation_checkpointing(model)
-    loss: Callable = loss_fn
-    if p.zero_stage == 3:
-        model = apply_fully_shard(model, pgm)
-        params = list(model.parameters())
-
-        def clip(max_norm: float) -> torch.Tensor:  # DTensor gradients: torch sums the shards
-            return torch.nn.utils.clip_grad_norm_(params, max_norm)
-    else:
-        model = apply_dtensor_tensor_parallel(model, pgm, p.sequence_parallel)
-        loss, clip = dtensor_loss_fn, dtensor_clip_grad_norm(model, pgm)
-    step = make_data_parallel_step(model, cfg.data.num_micro_batches, pgm.data_parallel_rank,
-                                   pgm.data_parallel_world_size,
-                                   pgm.data_parallel_group_with_context, loss)
-    if p.zero_stage != 3:
-        step = _in_loss_parallel(step)
-    return Parallelized(model, step, clip, None, DTensorLayout(pgm, model))
-
-
 def parallelize(model: Llama, cfg, pgm, device: torch.device) -> Parallelized:
     """Apply expert -> tensor -> context -> checkpointing -> pipeline -> data parallel to the
     reference ``model`` (built with the same seed on every rank), as ``cfg.parallel`` says.
@@ -179,9 +142,8 @@ def parallelize(model: Llama, cfg, pgm, device: torch.device) -> Parallelized:
     _check_groups_match(cfg, pgm, sizes)
     p, t = cfg.parallel, cfg.training
     model = model.to(device)
-    tp, pp = pgm.tensor_model_parallel_world_size, pgm.pipeline_model_parallel_world_size
-    if p.impl == "torch" and (p.zero_stage == 3 or (tp > 1 and pp == 1)):
-        return _parallelize_native(model, cfg, pgm)
+    if p.impl == "torch":  # PyTorch's own strategies on one DeviceMesh (native.py)
+        return Parallelized(*parallelize_native(model, cfg, pgm))
     loss, shard_sequence = loss_fn, None
     moe = cfg.model.num_experts > 0
     if moe:  # 1: experts over ep (also at ep 1: the load-balancing statistics over dp_cp)
@@ -231,12 +193,8 @@ def parallelize(model: Llama, cfg, pgm, device: torch.device) -> Parallelized:
     if pipe is not None:
         pipe.chunks = nn.ModuleList(wrapped)
         trainer_model: nn.Module = pipe
-        if p.impl == "torch":  # torch.distributed.pipelining over our chunks
-            step: ForwardBackward = TorchPipelineSchedule(pipe, pgm, p.schedule,
-                                                          cfg.data.num_micro_batches, loss)
-        else:
-            step = PipelineSchedule(pipe, pgm, p.schedule, cfg.data.num_micro_batches, loss,
-                                    shard_sequence)
+        step: ForwardBackward = PipelineSchedule(pipe, pgm, p.schedule, cfg.data.num_micro_batches,
+                                                 loss, shard_sequence)
     else:
         trainer_model = wrapped[0]
         step = make_data_parallel_step(trainer_model, cfg.data.num_micro_batches,

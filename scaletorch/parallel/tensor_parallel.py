@@ -31,10 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                               SequenceParallel, parallelize_module)
+from torch.distributed.tensor import DTensor
 
 from scaletorch.dist import comm, get_ledger
 from scaletorch.dist.comm import Group
@@ -418,95 +415,3 @@ def format_block_comm(config: LlamaConfig, tokens: int, tp: int, sequence_parall
                  (" in each of all_gather and reduce_scatter" if sequence_parallel else "") +
                  f"; ring wire {wire / 1e6:.3f} MB per rank (fp32)")
     return "\n".join(lines)
-
-
-# ---- the native reference: torch DTensor tensor parallel on the same model -----------------
-
-
-def apply_dtensor_tensor_parallel(model: Llama, pgm, sequence_parallel: bool = False) -> Llama:
-    """The same split with ``parallelize_module`` (torchtitan's plan) on a 1-D "tp" mesh.
-
-    Needs the whole world to be one tensor-parallel group (data x tensor with DTensor is
-    FSDP2's job, chapter 07). The head returns logits as a DTensor sharded on the vocabulary:
-    train inside ``loss_parallel()`` with ``dtensor_loss_fn``.
-    """
-    tp = pgm.tensor_model_parallel_world_size
-    if pgm.world_size != tp:
-        raise ValueError(f"the DTensor path runs tensor parallel only: world size "
-                         f"{pgm.world_size} != tensor_model_parallel_size ({tp})")
-    validate_tensor_parallel(model.config, tp, sequence_parallel)
-    device_type = next(model.parameters()).device.type
-    mesh = init_device_mesh(device_type, (tp, ), mesh_dim_names=("tp", ))
-    seq = Shard(1) if sequence_parallel else Replicate()  # the layout between blocks
-    top = {
-        "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
-        "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1),
-                                   use_local_output=False),
-    }
-    if sequence_parallel:
-        top["norm"] = SequenceParallel()
-    parallelize_module(model, mesh, top)
-    for block in model.layers:
-        plan = {
-            "self_attn.q_proj": ColwiseParallel(),
-            "self_attn.k_proj": ColwiseParallel(),
-            "self_attn.v_proj": ColwiseParallel(),
-            "self_attn.o_proj": RowwiseParallel(output_layouts=seq),
-            "mlp.gate_proj": ColwiseParallel(),
-            "mlp.up_proj": ColwiseParallel(),
-            "mlp.down_proj": RowwiseParallel(output_layouts=seq),
-        }
-        if sequence_parallel:  # norms on s/N tokens; one all-gather per attention / MLP input
-            plan["input_layernorm"] = SequenceParallel()
-            plan["post_attention_layernorm"] = SequenceParallel()
-            plan["self_attn"] = PrepareModuleInput(input_layouts=(Shard(1), None, None),
-                                                   desired_input_layouts=(Replicate(), None, None))
-            plan["mlp"] = PrepareModuleInput(input_layouts=Shard(1),
-                                             desired_input_layouts=Replicate())
-        parallelize_module(block, mesh, plan)
-    if model.config.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
-    return model
-
-
-def dtensor_loss_fn(logits: DTensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of vocab-sharded DTensor logits (b, s, V); call (and backward)
-    inside ``loss_parallel()``. Returns this rank's (replicated) loss as a plain tensor."""
-    loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-    return loss.to_local()
-
-
-def dtensor_clip_grad_norm(model: nn.Module, pgm) -> Callable[[float], torch.Tensor]:
-    """Grad-norm clipping for the DTensor path, where sharded DTensor and plain (replicated)
-    gradients mix and ``torch.nn.utils.clip_grad_norm_`` refuses them. Sharded gradients are
-    summed over "tp" (our all-reduce of one scalar), replicated ones counted once."""
-    params = list(model.parameters())
-    group = pgm.tensor_model_parallel_group
-    zero = torch.zeros(1, device=params[0].device)
-
-    def local(grad: torch.Tensor) -> torch.Tensor:
-        return grad.to_local() if isinstance(grad, DTensor) else grad
-
-    def clip(max_norm: float) -> torch.Tensor:
-        grads = []
-        for p in params:
-            if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
-                # Norm weights under sequence parallel get Partial(sum) gradients (each rank
-                # saw its tokens only): sum them now, as the optimizer step would.
-                p.grad = p.grad.redistribute(p.grad.device_mesh, p.placements)
-            if p.grad is not None:
-                grads.append(p.grad)
-        sharded = [
-            isinstance(g, DTensor) and any(x.is_shard() for x in g.placements) for g in grads
-        ]
-        sq_sharded, sq_replicated = zero.clone(), zero.clone()
-        for g, is_sharded in zip(grads, sharded):
-            (sq_sharded if is_sharded else sq_replicated).add_(local(g).float().pow(2).sum())
-        comm.all_reduce(sq_sharded, group)  # sum the shards' parts; replicated ones count once
-        norm = (sq_sharded + sq_replicated).sqrt()[0]
-        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # as clip_grad_norm_ does
-        for g in grads:
-            local(g).mul_(scale)
-        return norm
-
-    return clip

@@ -71,7 +71,7 @@ def validate_layout(cfg, world_size: int) -> Dict[str, int]:
     validate_expert_parallel(cfg.model.num_experts, sizes["ep"], sizes["dp_cp"])
     _check_pipeline(cfg, sizes)
     _check_tied_embeddings(cfg, sizes)
-    _check_combinations(cfg, sizes, world_size)
+    _check_combinations(cfg, sizes)
     return sizes
 
 
@@ -136,7 +136,7 @@ def _check_tied_embeddings(cfg, sizes: Dict[str, int]) -> None:
                          f"torch with zero_stage 3: FSDP2 keeps both in its root unit)")
 
 
-def _check_combinations(cfg, sizes: Dict[str, int], world_size: int) -> None:
+def _check_combinations(cfg, sizes: Dict[str, int]) -> None:
     """What ``parallelize`` cannot compose (its module docstring says why)."""
     p, m = cfg.parallel, cfg.model
     tp, pp, cp = sizes["tp"], sizes["pp"], sizes["cp"]
@@ -151,16 +151,13 @@ def _check_combinations(cfg, sizes: Dict[str, int], world_size: int) -> None:
     if p.zero_stage > 0 and p.impl == "naive":
         raise ValueError(f"parallel.impl 'naive' is plain data parallel, not ZeRO (zero_stage "
                          f"{p.zero_stage}): use impl 'scaletorch' or 'torch'")
-    others = {"tp": tp, "pp": pp, "cp": cp}
-    if p.zero_stage > 0 and p.impl == "torch" and (p.zero_stage != 3 or max(others.values()) > 1):
+    if p.impl == "torch" and p.zero_stage in (1, 2):
+        raise ValueError(f"parallel.impl 'torch' runs ZeRO as FSDP2 fully_shard, which is ZeRO-3; "
+                         f"got zero_stage {p.zero_stage}: use zero_stage 3, or impl 'scaletorch'")
+    others = {"tp": tp, "pp": pp, "zero_stage": p.zero_stage}
+    if p.impl == "torch" and cp > 1 and (tp > 1 or pp > 1 or p.zero_stage == 3):
         got = ", ".join(f"{k} {v}" for k, v in others.items())
-        raise ValueError(f"parallel.impl 'torch' runs ZeRO as FSDP2 fully_shard, which is ZeRO-3 "
-                         f"over data parallel alone; got zero_stage {p.zero_stage}, {got}: use "
-                         f"impl 'scaletorch'")
-    if p.impl == "torch" and pp > 1 and cp > 1:
-        raise ValueError(f"torch.distributed.pipelining (impl 'torch', pp {pp}) cannot shard "
-                         f"sequences for context parallel (cp {cp}): use impl 'scaletorch'")
-    if p.impl == "torch" and p.zero_stage != 3 and tp > 1 and pp == 1 and tp != world_size:
-        raise ValueError(f"parallel.impl 'torch' runs tensor parallel as DTensor over the whole "
-                         f"world: world size {world_size} != tensor_model_parallel_size ({tp}); "
-                         f"launch {tp} processes, or use impl 'scaletorch' to add dp or cp")
+        raise ValueError(f"parallel.impl 'torch' with context_parallel_size {cp} runs our ring "
+                         f"or Ulysses attention beside DistributedDataParallel only (PyTorch's "
+                         f"context_parallel shards CUDA attention kernels, none on CPU); got "
+                         f"{got}: use impl 'scaletorch'")

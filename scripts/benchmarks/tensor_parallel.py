@@ -18,6 +18,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from scaletorch.dist import destroy_pg_manager, get_ledger, init_pg_manager
 from scaletorch.models import LlamaConfig, build_model
+from scaletorch.parallel import native
 from scaletorch.parallel import tensor_parallel as tp_lib
 from scaletorch.trainer import forward_backward
 from scripts.benchmarks import timing
@@ -38,8 +39,10 @@ def _build(impl: str, sp: bool, pgm):
     """(model, optimizer, loss_fn, clip) for one implementation, from the same seed."""
     model = build_model(MODEL, seed=0)
     if impl == "torch":
-        model = tp_lib.apply_dtensor_tensor_parallel(model, pgm, sp)
-        loss, clip = tp_lib.dtensor_loss_fn, tp_lib.dtensor_clip_grad_norm(model, pgm)
+        tp_mesh = native.device_mesh(pgm, next(model.parameters()).device.type)["tp"]
+        model = native.apply_dtensor_tensor_parallel(model, tp_mesh, sp)
+        loss = native.dtensor_loss_fn
+        clip = native.native_clip_grad_norm(list(model.parameters()), pgm)
     else:
         model = tp_lib.apply_tensor_parallel(model, pgm, sp)
         loss, clip = tp_lib.tensor_parallel_loss_fn(pgm), \

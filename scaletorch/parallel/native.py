@@ -1,0 +1,241 @@
+"""PyTorch's own strategies composed on one DeviceMesh (``parallel.impl = "torch"``).
+
+What a PyTorch user runs for N-D training, built over the same process groups as ours so that
+chapter 07 compares them layout for layout. One mesh names the dims of our rank grid (tp
+fastest, then dp, then pp); each strategy takes the sub-mesh it works over:
+
+    mesh (pp, dp, tp), 8 ranks      pp 0: dp 0 [0 1]  dp 1 [2 3]    pp 1: dp 0 [4 5]  dp 1 [6 7]
+
+    1 context    ours (ring / Ulysses), only beside plain data parallel: PyTorch's own
+                 ``context_parallel`` shards the CUDA attention kernels, it has none on CPU
+    2 checkpoint recompute each block in backward (activation_checkpointing.py)
+    3 tensor     ``parallelize_module`` on mesh["tp"]: weights become DTensors sharded over tp
+                 (column / row parallel, torchtitan's plan; sequence parallel between blocks)
+    4 pipeline   our cut into chunks (pipeline_parallel.py), one torch.distributed.pipelining
+                 ``PipelineStage`` per chunk over "pp"
+    5 data       per block, then per model or chunk (its root: embedding, norm, head), on
+                 mesh["dp"]: ``fully_shard`` for ZeRO-3 (with tp: 2-D (dp, tp) DTensors), else
+                 FSDP2's ``replicate`` (whole weights, gradients all-reduced over dp); a model
+                 without tp, pp or ZeRO-3 takes DistributedDataParallel over dp_cp (chapter 01)
+
+Why ``replicate`` beside tp and pp, not DistributedDataParallel: its reducer buckets plain
+tensors and torch's DDP-based composable ``replicate`` accepts 1-D meshes only, while FSDP2's
+``replicate`` (same hooks as ``fully_shard``, no sharding) takes DTensor weights on the tp
+mesh and is what ``PipelineStage`` drives between micro-batches (as it drives ``fully_shard``:
+gradients reduced once, after the last micro-batch).
+
+Clip: ``world_grad_norm`` (grad_norm.py), every local gradient element divided by the number
+of ranks that hold it; one all-reduce over the world, which also sums the pipeline stages.
+Loss: without a pipeline the head's logits stay sharded on the vocabulary and the loss runs
+under ``loss_parallel()``; pipelining's ``loss_fn`` gets plain tensors, so there the head
+gathers them. DTensor, FSDP2 and pipelining issue their own collectives: our ledger does not
+see them. What cannot run here (validation.py): MoE, ZeRO-1/2, context parallel beside tp, pp
+or ZeRO-3.
+"""
+
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
+
+import torch
+from torch import nn
+from torch.distributed._composable.replicate_with_fsdp import replicate
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                               SequenceParallel, loss_parallel, parallelize_module)
+from torch.nn import functional as F
+
+from scaletorch.models import Llama, loss_fn
+from scaletorch.parallel.activation_checkpointing import apply_activation_checkpointing
+from scaletorch.parallel.context_parallel import apply_context_parallel, make_sequence_sharder
+from scaletorch.parallel.data_parallel import apply_data_parallel
+from scaletorch.parallel.grad_norm import clip_grads_, world_grad_norm
+from scaletorch.parallel.layout import DTensorLayout
+from scaletorch.parallel.pipeline_parallel import TorchPipelineSchedule, apply_pipeline_parallel
+from scaletorch.parallel.step import ForwardBackward, make_data_parallel_step
+from scaletorch.parallel.tensor_parallel import validate_tensor_parallel
+
+MESH_DIMS = ("pp", "dp", "tp")  # slowest to fastest, as the rank grid orders them
+
+# ---- 0 the mesh ------------------------------------------------------------------------------
+
+
+def device_mesh(pgm, device_type: str) -> Dict[str, DeviceMesh]:
+    """One DeviceMesh (pp, dp, tp) over the world, made of the pg_manager's own groups (no new
+    ones), and its 1-D sub-meshes: {"world": mesh, "pp": .., "dp": .., "tp": ..}."""
+    if pgm.context_parallel_world_size > 1:
+        raise ValueError(f"the native mesh has no cp dim (context_parallel_size "
+                         f"{pgm.context_parallel_world_size}): use impl 'scaletorch'")
+    grid = pgm.grid
+    ranks = torch.empty([grid.size(d) for d in MESH_DIMS], dtype=torch.int)
+    for rank in range(pgm.world_size):
+        where = grid.coordinates(rank)
+        ranks[tuple(where[d] for d in MESH_DIMS)] = rank
+    groups = [pgm.get_group(d) for d in MESH_DIMS]
+    # DeviceMesh equality ignores the process groups and DTensor caches by mesh: dims named
+    # after this pg_manager's groups keep a mesh over a rebuilt pg_manager (tests rebuild it
+    # inside one world) from being taken for a mesh over destroyed groups.
+    names = tuple(f"{d}{g.group_name}" for d, g in zip(MESH_DIMS, groups))
+    mesh = DeviceMesh.from_group(groups, device_type, ranks, mesh_dim_names=names)
+    return {"world": mesh, **{d: mesh[name] for d, name in zip(MESH_DIMS, names)}}
+
+
+# ---- 3 tensor parallel: parallelize_module on mesh["tp"] -------------------------------------
+
+
+def apply_dtensor_tensor_parallel(model: Llama, tp_mesh: DeviceMesh,
+                                  sequence_parallel: bool = False,
+                                  vocab_parallel_logits: bool = True) -> Llama:
+    """Chapter 03's split with ``parallelize_module`` (torchtitan's plan) over ``tp_mesh``.
+
+    ``vocab_parallel_logits``: the head returns (b, s, V) logits as a DTensor sharded on the
+    vocabulary (train inside ``loss_parallel()`` with ``dtensor_loss_fn``); else it gathers
+    them into a plain tensor (what a pipeline's loss function takes).
+    """
+    validate_tensor_parallel(model.config, tp_mesh.size(), sequence_parallel)
+    seq = Shard(1) if sequence_parallel else Replicate()  # the layout between blocks
+    logits = (Shard(-1), False) if vocab_parallel_logits else (Replicate(), True)
+    top = {
+        "embed_tokens":
+        RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+        "lm_head":
+        ColwiseParallel(input_layouts=seq, output_layouts=logits[0], use_local_output=logits[1]),
+    }
+    if sequence_parallel:
+        top["norm"] = SequenceParallel()
+    parallelize_module(model, tp_mesh, top)
+    for block in model.layers:
+        plan = {
+            "self_attn.q_proj": ColwiseParallel(),
+            "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(),
+            "self_attn.o_proj": RowwiseParallel(output_layouts=seq),
+            "mlp.gate_proj": ColwiseParallel(),
+            "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(output_layouts=seq),
+        }
+        if sequence_parallel:  # norms on s/N tokens; one all-gather per attention / MLP input
+            plan["input_layernorm"] = SequenceParallel()
+            plan["post_attention_layernorm"] = SequenceParallel()
+            plan["self_attn"] = PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                                   desired_input_layouts=(Replicate(), None, None))
+            plan["mlp"] = PrepareModuleInput(input_layouts=Shard(1),
+                                             desired_input_layouts=Replicate())
+        parallelize_module(block, tp_mesh, plan)
+    if model.config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    return model
+
+
+def dtensor_loss_fn(logits: DTensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of vocab-sharded DTensor logits (b, s, V); call (and backward)
+    inside ``loss_parallel()``. Returns this rank's (replicated) loss as a plain tensor."""
+    loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    return loss.to_local()
+
+
+def _in_loss_parallel(step: ForwardBackward) -> ForwardBackward:
+    """DTensor's vocab-sharded cross-entropy (forward and backward) needs ``loss_parallel()``."""
+
+    def run(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        with loss_parallel():
+            return step(inputs, targets)
+
+    return run
+
+
+# ---- 5 data parallel: fully_shard or replicate on mesh["dp"] ---------------------------------
+
+
+def apply_native_data_parallel(modules: Iterable[nn.Module], dp_mesh: DeviceMesh,
+                               zero3: bool) -> None:
+    """Each block, then each module's root (embedding, norm, head), as one FSDP2 unit over
+    ``dp_mesh``: ``fully_shard`` (ZeRO-3) or ``replicate``. ``modules``: a Llama, or this
+    rank's pipeline chunks (each its own root, so each stage syncs its own gradients)."""
+    wrap = fully_shard if zero3 else replicate
+    for module in modules:
+        blocks = module.layers.values() if isinstance(module.layers, nn.ModuleDict) \
+            else module.layers
+        for block in blocks:
+            wrap(block, mesh=dp_mesh)
+        wrap(module, mesh=dp_mesh)
+
+
+# ---- clip: the global norm over every layout --------------------------------------------------
+
+
+def copies(param: torch.Tensor, pgm) -> int:
+    """Ranks of the world holding the same elements as this rank's part of ``param``: those
+    of its pipeline stage (world / pp), divided by each mesh dim that shards it."""
+    n = pgm.world_size // pgm.pipeline_model_parallel_world_size
+    if isinstance(param, DTensor):
+        for size, placement in zip(param.device_mesh.shape, param.placements):
+            # Shard or FSDP2's _StridedShard (dp over a tp-sharded dim), whose is_shard() is False
+            n //= 1 if placement.is_replicate() or placement.is_partial() else size
+    return n
+
+
+def native_clip_grad_norm(params: List[nn.Parameter], pgm) -> Callable[[float], torch.Tensor]:
+    """``clip(max_norm)``: the global norm of DTensor and plain gradients, then the scaling."""
+    device = params[0].device
+
+    def clip(max_norm: float) -> torch.Tensor:
+        for p in params:
+            if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+                # Norm weights under sequence parallel get Partial(sum) gradients (each rank
+                # saw its tokens only): sum them now, as the optimizer step would.
+                p.grad = p.grad.redistribute(p.grad.device_mesh, p.placements)
+        norm = world_grad_norm([(p, copies(p, pgm)) for p in params], device)
+        return clip_grads_(params, max_norm, norm)
+
+    return clip
+
+
+# ---- all of it, in order ---------------------------------------------------------------------
+
+
+def parallelize_native(
+    model: Llama, cfg, pgm
+) -> Tuple[nn.Module, ForwardBackward, Callable[[float], torch.Tensor],
+           Optional[torch.optim.Optimizer], DTensorLayout]:
+    """impl torch: context -> checkpointing -> tensor -> pipeline -> data on ``model`` (built
+    with the same seed on every rank). Returns (model for the Trainer, step, clip, None: the
+    Trainer's AdamW over the DTensors, layout), the fields of ``Parallelized``."""
+    p, m = cfg.parallel, cfg.data.num_micro_batches
+    tp, pp = pgm.tensor_model_parallel_world_size, pgm.pipeline_model_parallel_world_size
+    zero3 = p.zero_stage == 3
+    mesh = device_mesh(pgm, next(model.parameters()).device.type) \
+        if pgm.context_parallel_world_size == 1 else None
+    shard_sequence = None
+    if pgm.context_parallel_world_size > 1:  # 1
+        apply_context_parallel(model, pgm, p.cp_variant)
+        shard_sequence = make_sequence_sharder(pgm, cfg.data.seq_len)
+    if p.activation_checkpointing:  # 2
+        apply_activation_checkpointing(model)
+    if tp > 1:  # 3
+        apply_dtensor_tensor_parallel(model, mesh["tp"], p.sequence_parallel,
+                                      vocab_parallel_logits=pp == 1)
+    modules: List[nn.Module] = [model]
+    pipe = None
+    if pp > 1:  # 4
+        pipe = apply_pipeline_parallel(model, pgm, p.virtual_pipeline_stages, p.layer_split,
+                                       sequence_parallel=p.sequence_parallel)
+        modules = list(pipe.chunks)
+    trainer_model: nn.Module = model if pipe is None else pipe
+    if zero3 or (pgm.data_parallel_world_size > 1 and (tp > 1 or pp > 1)):  # 5
+        apply_native_data_parallel(modules, mesh["dp"], zero3)
+    elif pgm.data_parallel_world_size_with_context > 1 and pipe is None:
+        trainer_model = apply_data_parallel(model, pgm, "torch", p.bucket_size_mb)
+    layout = DTensorLayout(pgm, model, pipe)  # FSDP2 swapped in DTensors; DDP is around model
+
+    if pipe is not None:
+        step: ForwardBackward = TorchPipelineSchedule(pipe, pgm, p.schedule, m, loss_fn)
+    else:
+        step = make_data_parallel_step(trainer_model, m, pgm.data_parallel_rank,
+                                       pgm.data_parallel_world_size,
+                                       pgm.data_parallel_group_with_context,
+                                       dtensor_loss_fn if tp > 1 else loss_fn, shard_sequence)
+        if tp > 1:
+            step = _in_loss_parallel(step)
+    clip = native_clip_grad_norm(list(trainer_model.parameters()), pgm)
+    return trainer_model, step, clip, None, layout

@@ -1,0 +1,127 @@
+"""PyTorch's own strategies composed on one DeviceMesh (``parallel.impl = torch``, native.py)
+equal the single device and ours on 8 gloo ranks: DTensor tensor parallel with FSDP2 ZeRO-3 and
+with FSDP2's replicate over dp, pipelining with FSDP2 per stage, and all three together; losses,
+grad norms (clipping active) and final weights over 5 steps within 1e-5. Consolidated
+checkpoints move from the native stack to ours and back, and what cannot run natively here
+raises ValueError naming the settings.
+
+One world of 8 ranks; each layout rebuilds the pg_manager (and so the mesh) inside it: the
+4-rank layouts of chapter 07 run with dp 4 instead of 2.
+"""
+
+import os
+import tempfile
+import unittest
+
+from scaletorch.parallel.layout import DTensorLayout
+from scaletorch.trainer.parity import max_weight_diff
+from tests.harness import run_distributed
+from tests.layouts import (STEPS, TOL, assert_parity, layout, make_config, parallelize_error,
+                           references, save_and_resume, train)
+
+WORLD = 8
+SAVE_AT = 3
+
+# name -> parallel config of the native run; the same sizes with impl scaletorch are "ours"
+NATIVE = {
+    "tp2_dp4_zero3": layout(tp=2, zero_stage=3),
+    "tp2_dp4": layout(tp=2),
+    "pp2_dp4_zero3": layout(pp=2, zero_stage=3),
+    "tp2_pp2_dp2_zero3": layout(tp=2, pp=2, zero_stage=3),
+}
+
+
+def _config(name: str, impl: str = "torch"):
+    return make_config(False, 2, **NATIVE[name], impl=impl)
+
+
+def _checkpoints(tmp: str) -> dict:
+    """Save after 3 steps at native tp2 x pp2 x dp2 ZeRO-3 and resume at ours (tp2 x dp4) and
+    at native tp2 x dp4; save at ours tp2 x pp2 x dp2 ZeRO-3 and resume natively at pp2 x dp4
+    ZeRO-3. Each returns the losses of steps 3 and 4."""
+    plan = {
+        ("torch", "tp2_pp2_dp2_zero3"): {
+            "ours tp2_dp4": _config("tp2_dp4", "scaletorch"),
+            "native tp2_dp4": _config("tp2_dp4"),
+        },
+        ("scaletorch", "tp2_pp2_dp2_zero3"): {
+            "native pp2_dp4_zero3": _config("pp2_dp4_zero3"),
+        },
+    }
+    out = {}
+    for (impl, saved), resumes in plan.items():
+        path = os.path.join(tmp, f"{impl}_{saved}.pt")
+        for name, losses in save_and_resume(_config(saved, impl), resumes, path, SAVE_AT).items():
+            out[f"{impl} {saved} -> {name}"] = losses
+    return out
+
+
+def _refusals() -> dict:
+    configs = {
+        "cp_tp": make_config(False, 2, **layout(tp=2, cp=2, impl="torch")),
+        "zero1": make_config(False, 2, **layout(tp=2, zero_stage=1, impl="torch")),
+        "moe": make_config(True, 1, **layout(tp=2, impl="torch")),
+    }
+    return {name: parallelize_error(cfg) for name, cfg in configs.items()}
+
+
+def _world(rank: int, world: int, tmp: str) -> dict:
+    out = {name: train(_config(name)) for name in NATIVE}
+    out.update({f"ours {name}": train(_config(name, "scaletorch")) for name in NATIVE})
+    out["checkpoints"] = _checkpoints(tmp)
+    out["errors"] = _refusals()
+    return out
+
+
+class NativeStrategiesComposedOnOneMesh(unittest.TestCase):
+
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.TemporaryDirectory()
+        cls.results = run_distributed(_world, WORLD, cls.tmp.name, timeout=400)
+        cls.reference = references([make_config(False, 2)])[(0, 2)]
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.tmp.cleanup()
+
+    def _assert_native_equals_reference_and_ours(self, name: str) -> None:
+        assert_parity(self, self.results, name, self.reference)
+        native, ours = self.results[0][name], self.results[0][f"ours {name}"]
+        self.assertEqual(native["layout"], DTensorLayout.__name__)
+        for a, b in zip(native["losses"], ours["losses"]):
+            self.assertAlmostEqual(a, b, delta=TOL, msg=name)
+        self.assertLessEqual(max_weight_diff(native["state"], ours["state"]), TOL, name)
+
+    def test_dtensor_tp2_with_fsdp2_zero3_over_dp4_matches_single_device_and_ours(self):
+        self._assert_native_equals_reference_and_ours("tp2_dp4_zero3")
+
+    def test_dtensor_tp2_with_replicated_dp4_matches_single_device_and_ours(self):
+        self._assert_native_equals_reference_and_ours("tp2_dp4")
+
+    def test_pipelining_pp2_with_fsdp2_per_stage_matches_single_device_and_ours(self):
+        self._assert_native_equals_reference_and_ours("pp2_dp4_zero3")
+
+    def test_tp2_pp2_dp2_zero3_all_native_matches_single_device_and_ours(self):
+        self._assert_native_equals_reference_and_ours("tp2_pp2_dp2_zero3")
+
+    def test_clipping_is_active_so_the_grad_norm_comparison_means_something(self):
+        self.assertGreater(max(self.reference[1]), make_config().training.grad_clip)
+
+    def test_consolidated_checkpoints_move_between_native_and_ours(self):
+        resumed = self.results[0]["checkpoints"]
+        self.assertEqual(len(resumed), 3)
+        for name, losses in resumed.items():
+            self.assertEqual(len(losses), STEPS - SAVE_AT, name)
+            for a, b in zip(losses, self.reference[0][SAVE_AT:]):
+                self.assertAlmostEqual(a, b, delta=TOL, msg=name)
+
+    def test_what_cannot_run_natively_raises_value_errors_naming_the_settings(self):
+        errors = self.results[0]["errors"]
+        self.assertRegex(errors["cp_tp"], r"context_parallel_size 2.*CUDA.*tp 2")
+        self.assertRegex(errors["zero1"], r"'torch'.*ZeRO-3.*zero_stage 1")
+        self.assertRegex(errors["moe"], r"'torch'.*num_experts 4")
+
+
+if __name__ == "__main__":
+    unittest.main()
