@@ -117,8 +117,7 @@ class LedgerCountsWhatCrossesTheNetwork(unittest.TestCase):
             cfg = _config(name)
             layers, h = cfg.model.num_layers, cfg.model.hidden_size
             tokens = cfg.data.global_batch_size // (WORLD // 2) * cfg.data.seq_len
-            formula = tp_lib.comm_elements_per_step(cfg.model, tokens, sp, 1,
-                                                    grad_norm_over_tp=False)
+            formula = tp_lib.comm_elements_per_step(cfg.model, tokens, sp, 1)
             recompute = ({
                 "all_gather": 2 * layers * tokens * h,
                 "reduce_scatter": layers * tokens * h
@@ -164,9 +163,10 @@ class LedgerStaysFlat(unittest.TestCase):
             ledger.total(step=100)
         ledger.set_step(0)  # another run in the same process counts its steps from 0 again
         self.assertEqual(ledger.total(step=0), 0)
-        # the median block (of 10) of the last 1000 steps within 3x the first's: an append-only
-        # ledger scanned per step is ~1000x slower here; 3x leaves room for a loaded machine
-        self.assertLess(sorted(last)[5], 3 * sorted(first)[5])
+        # the median block (of 10) of the last 1000 steps within 10x the first's: an
+        # append-only ledger scanned per step is ~1000x slower here; 10x leaves room for a
+        # loaded machine (3x once failed while other test worlds shared the 2 cores)
+        self.assertLess(sorted(last)[5], 10 * sorted(first)[5])
 
     def test_paused_records_nothing_and_restores_the_state_even_after_an_error(self):
         ledger = CommLedger()

@@ -10,7 +10,7 @@ batch a pure function of (seed, step): identical on every rank and after a resum
 """
 
 import os
-from typing import Optional
+from typing import Optional, Union
 
 import numpy as np
 
@@ -126,10 +126,11 @@ class BinDataset:
         return out
 
 
+Dataset = Union[SyntheticMarkov, ByteTextDataset, BinDataset]  # each has sample()
 DATASET_NAMES = ("synthetic", "text", "bin")
 
 
-def build_dataset(name: str, vocab_size: int, seed: int, path: Optional[str] = None):
+def build_dataset(name: str, vocab_size: int, seed: int, path: Optional[str] = None) -> "Dataset":
     """Build a dataset by name: "synthetic", "text" or "bin".
 
     seed only shapes the synthetic chain; path is required for "text" and "bin". For "text"

@@ -13,11 +13,13 @@ from typing import List, Tuple
 import numpy as np
 import torch
 
+from scaletorch.data.datasets import Dataset
+
 
 class GlobalBatchLoader:
     """Deterministic global batches: ``get_batch(step)`` depends only on (seed, step)."""
 
-    def __init__(self, dataset, global_batch_size: int, seq_len: int, seed: int) -> None:
+    def __init__(self, dataset: Dataset, global_batch_size: int, seq_len: int, seed: int) -> None:
         if global_batch_size <= 0 or seq_len <= 0:
             raise ValueError(
                 f"global_batch_size ({global_batch_size}) and seq_len ({seq_len}) must be "
@@ -36,8 +38,8 @@ class GlobalBatchLoader:
         # A fresh generator per step: no state carried between calls, so call order and
         # resuming do not matter.
         rng = np.random.default_rng([self.seed, step])
-        tokens = self.dataset.sample(self.global_batch_size, self.seq_len + 1, rng)
-        tokens = torch.from_numpy(np.ascontiguousarray(tokens, dtype=np.int64))
+        sample = self.dataset.sample(self.global_batch_size, self.seq_len + 1, rng)
+        tokens = torch.from_numpy(np.ascontiguousarray(sample, dtype=np.int64))
         return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 

@@ -5,7 +5,7 @@ group of one rank (or when no process group exists), so single-device code takes
 path without special cases. None of these are differentiable: see ``functional.py``.
 """
 
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -13,6 +13,7 @@ import torch.distributed as dist
 from scaletorch.dist.ledger import get_ledger
 
 Group = Optional[dist.ProcessGroup]
+Work = dist.Work  # what an async collective returns: wait() on it
 
 # torch 2.13 renamed the dim-0 gather/scatter collectives (*_into_tensor / *_tensor -> *_single)
 # and deprecated the old names; older torch 2.x only has the old ones.
@@ -35,8 +36,8 @@ def _record(op: str, group: Group, tensor: torch.Tensor, numel: Optional[int] = 
     get_ledger().record(op, group, group_size(group), elements, tensor.element_size())
 
 
-def all_reduce(tensor: torch.Tensor, group: Group = None, op=dist.ReduceOp.SUM,
-               async_op: bool = False):
+def all_reduce(tensor: torch.Tensor, group: Group = None, op: Any = dist.ReduceOp.SUM,
+               async_op: bool = False) -> Optional[Work]:
     """In-place all-reduce of ``tensor`` over ``group``; returns a work handle if async."""
     if group_size(group) == 1:
         return None
@@ -45,7 +46,7 @@ def all_reduce(tensor: torch.Tensor, group: Group = None, op=dist.ReduceOp.SUM,
 
 
 def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: Group = None,
-                           async_op: bool = False):
+                           async_op: bool = False) -> Optional[Work]:
     """``output`` (N * n, ...) = concatenation over dim 0 of every rank's ``input`` (n, ...)."""
     if group_size(group) == 1:
         output.copy_(input)
@@ -55,7 +56,7 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: Gro
 
 
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group: Group = None,
-                          op=dist.ReduceOp.SUM, async_op: bool = False):
+                          op: Any = dist.ReduceOp.SUM, async_op: bool = False) -> Optional[Work]:
     """``output`` (n, ...) = this rank's dim-0 chunk of the sum over ranks of ``input``."""
     if group_size(group) == 1:
         output.copy_(input)
@@ -64,7 +65,8 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group: Grou
     return _reduce_scatter(output, input.contiguous(), op=op, group=group, async_op=async_op)
 
 
-def broadcast(tensor: torch.Tensor, src: int, group: Group = None, async_op: bool = False):
+def broadcast(tensor: torch.Tensor, src: int, group: Group = None,
+              async_op: bool = False) -> Optional[Work]:
     """Copy ``tensor`` from global rank ``src`` to every rank of ``group``."""
     if group_size(group) == 1:
         return None
@@ -75,7 +77,7 @@ def broadcast(tensor: torch.Tensor, src: int, group: Group = None, async_op: boo
 def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
                       output_split_sizes: Optional[List[int]] = None,
                       input_split_sizes: Optional[List[int]] = None, group: Group = None,
-                      async_op: bool = False):
+                      async_op: bool = False) -> Optional[Work]:
     """Send dim-0 slices of ``input`` to every rank and receive theirs into ``output``.
 
     The ledger counts only the elements sent to other ranks (the slice kept is not moved).

@@ -15,7 +15,7 @@ tensor parallel ("tp"), sequence parallel, context parallel and expert parallel.
     all_to_all                            all-to-all       all-to-all, splits swapped
 """
 
-from typing import List, Optional
+from typing import Any, List, Optional, Tuple
 
 import torch
 
@@ -69,12 +69,12 @@ class _CopyToParallelRegion(torch.autograd.Function):
     """f: forward identity, backward all-reduce (a replicated input used by every shard)."""
 
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
         ctx.group = group
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[torch.Tensor, None]:
         return all_reduce_sum(grad, ctx.group), None
 
 
@@ -82,11 +82,11 @@ class _ReduceFromParallelRegion(torch.autograd.Function):
     """g: forward all-reduce (sum the partial results of the shards), backward identity."""
 
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
         return all_reduce_sum(x, group)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[torch.Tensor, None]:
         return grad, None
 
 
@@ -94,12 +94,12 @@ class _ScatterToParallelRegion(torch.autograd.Function):
     """Forward: keep this rank's chunk along ``dim``; backward: all-gather the gradient."""
 
     @staticmethod
-    def forward(ctx, x, group, dim):
+    def forward(ctx: Any, x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
         ctx.group, ctx.dim = group, dim
         return split_along_dim(x, dim, group)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[torch.Tensor, None, None]:
         return gather_along_dim(grad, ctx.dim, ctx.group), None, None
 
 
@@ -107,12 +107,12 @@ class _GatherFromParallelRegion(torch.autograd.Function):
     """Forward: all-gather along ``dim``; backward: keep this rank's chunk of the gradient."""
 
     @staticmethod
-    def forward(ctx, x, group, dim):
+    def forward(ctx: Any, x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
         ctx.group, ctx.dim = group, dim
         return gather_along_dim(x, dim, group)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[torch.Tensor, None, None]:
         return split_along_dim(grad, ctx.dim, ctx.group), None, None
 
 
@@ -124,12 +124,12 @@ class _GatherFromSequenceParallelRegion(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, group, dim):
+    def forward(ctx: Any, x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
         ctx.group, ctx.dim = group, dim
         return gather_along_dim(x, dim, group)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[torch.Tensor, None, None]:
         return reduce_scatter_along_dim(grad, ctx.dim, ctx.group), None, None
 
 
@@ -141,12 +141,12 @@ class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, group, dim):
+    def forward(ctx: Any, x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
         ctx.group, ctx.dim = group, dim
         return reduce_scatter_along_dim(x, dim, group)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[torch.Tensor, None, None]:
         return gather_along_dim(grad, ctx.dim, ctx.group), None, None
 
 
@@ -154,7 +154,8 @@ class _AllToAll(torch.autograd.Function):
     """Forward: all-to-all of dim-0 slices; backward: the reverse all-to-all (splits swapped)."""
 
     @staticmethod
-    def forward(ctx, x, output_split_sizes, input_split_sizes, group):
+    def forward(ctx: Any, x: torch.Tensor, output_split_sizes: Optional[List[int]],
+                input_split_sizes: Optional[List[int]], group: Group) -> torch.Tensor:
         ctx.group = group
         ctx.output_split_sizes, ctx.input_split_sizes = output_split_sizes, input_split_sizes
         n = comm.group_size(group)
@@ -167,7 +168,7 @@ class _AllToAll(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[torch.Tensor, None, None, None]:
         # What this rank received from rank j goes back to rank j: the splits swap roles.
         out = _AllToAll.apply(grad.contiguous(), ctx.input_split_sizes, ctx.output_split_sizes,
                               ctx.group)

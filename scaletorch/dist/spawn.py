@@ -28,7 +28,7 @@ def free_port() -> int:
 
 
 def _worker(rank: int, world_size: int, port: int, timeout: float, fn: Callable, args: tuple,
-            queue) -> None:
+            queue: Any) -> None:
     os.environ.update({
         "RANK": str(rank),
         "LOCAL_RANK": str(rank),

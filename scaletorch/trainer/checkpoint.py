@@ -21,13 +21,17 @@ import json
 import os
 import random
 import shutil
-from typing import Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from scaletorch.dist import comm, restart_count
 from scaletorch.parallel.consolidated import load_tensors_only
+
+if TYPE_CHECKING:  # the config module imports this one
+    from scaletorch.trainer.config import Config
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -109,7 +113,8 @@ def latest_checkpoint(root: str) -> Optional[str]:
 
 
 def save_checkpoint(root: str, step: int, state: Dict[str, Any], rank: int, world_size: int,
-                    keep_last: int = 2, group=None, layout: Optional[Dict[str, Any]] = None) -> str:
+                    keep_last: int = 2, group: Optional[dist.ProcessGroup] = None,
+                    layout: Optional[Dict[str, Any]] = None) -> str:
     """Every rank writes its ``state``; rank 0 writes the manifest once all have finished.
 
     Collective over ``group`` (the default: every rank). ``layout`` (e.g. the parallel sizes
@@ -188,7 +193,7 @@ def latest_valid_checkpoint(root: str) -> Tuple[Optional[str], List[str]]:
 
     Every rank reads every file, so all ranks reach the same answer without talking.
     """
-    skipped = []
+    skipped: List[str] = []
     for path in reversed(list_checkpoints(root)):
         try:
             verify_checkpoint(path)
@@ -221,7 +226,7 @@ def check_layout(path: str, manifest: Dict[str, Any], world_size: int,
                      "); per-rank checkpoints resume only at the layout that wrote them; " + hint)
 
 
-def run_layout(cfg, world_size: int) -> Dict[str, Any]:
+def run_layout(cfg: "Config", world_size: int) -> Dict[str, Any]:
     """What decides which shard of the model and optimizer each rank holds (``cfg``: the
     scaletorch Config): a per-rank checkpoint records it and resumes only where it is the same.
     """
@@ -241,7 +246,7 @@ def run_layout(cfg, world_size: int) -> Dict[str, Any]:
     }
 
 
-def check_resume(cfg, world_size: int) -> None:
+def check_resume(cfg: "Config", world_size: int) -> None:
     """Before any process starts training: refuse to resume a per-rank checkpoint of another
     layout (the check ``load_checkpoint`` makes too), so the message is printed once.
 

@@ -375,7 +375,7 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
                          f"({cfg.model.max_seq_len})")
     if cfg.data.dataset in ("text", "bin") and not cfg.data.path:
         raise ValueError(f"data.dataset {cfg.data.dataset!r} needs data.path")
-    if cfg.data.dataset in ("text", "bin") and not os.path.isfile(cfg.data.path):
+    if cfg.data.dataset in ("text", "bin") and not os.path.isfile(cfg.data.path or ""):
         raise FileNotFoundError(f"data.path {cfg.data.path!r} does not exist")
     if cfg.data.dataset == "text" and cfg.model.vocab_size < 256:
         raise ValueError(f"the byte-level text dataset needs model.vocab_size >= 256, "

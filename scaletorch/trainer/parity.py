@@ -101,7 +101,7 @@ def check_against_reference(cfg: Config, losses: Sequence[float], device: torch.
         passed = report_parity(losses, reference[start_step:], tolerance, precision)
         if full_state is not None:
             diffs = weight_diffs(full_state, ref_model.state_dict())
-            worst = max(diffs, key=diffs.get)
+            worst = max(diffs, key=lambda name: diffs[name])
             diff, limit = diffs[worst], tolerance_text(tolerance, precision)
             print(
                 f"parity: max |weight - reference| = {diff:.1e} after "

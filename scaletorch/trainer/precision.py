@@ -23,9 +23,12 @@ below 3.1e-2 passes): prove a strategy in fp32, check the bf16 path with bf16.
 """
 
 from contextlib import nullcontext
-from typing import ContextManager
+from typing import TYPE_CHECKING, ContextManager
 
 import torch
+
+if TYPE_CHECKING:  # the config module imports this one
+    from scaletorch.trainer.config import Config
 
 PRECISIONS = ("auto", "fp32", "bf16")  # training.precision; chapter 08 adds fp16
 
@@ -37,7 +40,7 @@ TOLERANCES = {
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}  # the autocast dtype; None: no autocast
 
 
-def resolve_precision(cfg, device_type: str) -> str:
+def resolve_precision(cfg: "Config", device_type: str) -> str:
     """The precision the run computes in, "fp32" or "bf16", on a device of ``device_type``
     ("cpu", "cuda", ...): ``training.precision``, with "auto" resolved (fp32 under --check)."""
     precision = cfg.training.precision
@@ -49,12 +52,12 @@ def resolve_precision(cfg, device_type: str) -> str:
     return precision
 
 
-def parity_tolerance(cfg, device_type: str) -> float:
+def parity_tolerance(cfg: "Config", device_type: str) -> float:
     """The largest loss and weight deviation ``--check`` accepts for this run's precision."""
     return TOLERANCES[resolve_precision(cfg, device_type)]
 
 
-def precision_note(cfg, device_type: str) -> str:
+def precision_note(cfg: "Config", device_type: str) -> str:
     """The one line a ``--check`` run prints about its precision."""
     precision = resolve_precision(cfg, device_type)
     if cfg.training.precision == "auto":
@@ -65,7 +68,7 @@ def precision_note(cfg, device_type: str) -> str:
             f"{TOLERANCES[precision]:.1e}")
 
 
-def autocast(cfg, device: torch.device) -> ContextManager:
+def autocast(cfg: "Config", device: torch.device) -> ContextManager:
     """Autocast to the resolved precision's dtype on ``device`` (nothing for fp32)."""
     dtype = DTYPES[resolve_precision(cfg, device.type)]
     return nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)

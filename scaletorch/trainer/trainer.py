@@ -19,18 +19,21 @@ import signal
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional
+from typing import TYPE_CHECKING, Callable, Iterable, List, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from scaletorch.data import GlobalBatchLoader, build_dataset
-from scaletorch.dist import comm, get_ledger, restart_count
+from scaletorch.dist import ProcessGroupManager, comm, get_ledger, restart_count
 from scaletorch.parallel.step import ForwardBackward, make_data_parallel_step
 from scaletorch.trainer import checkpoint as ckpt
 from scaletorch.trainer.config import Config, save_config
 from scaletorch.trainer.precision import autocast, precision_note
+
+if TYPE_CHECKING:
+    from scaletorch.parallel.parallelize import Parallelized
 
 
 @dataclass
@@ -40,7 +43,7 @@ class TrainResult:
     start_step: int = 0  # > 0 when resumed from a checkpoint
 
 
-def build_optimizer(cfg: Config, params) -> torch.optim.Optimizer:
+def build_optimizer(cfg: Config, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
     t = cfg.training
     return torch.optim.AdamW(params, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)
 
@@ -69,7 +72,7 @@ class Trainer:
     ``verbose=False`` silences it entirely.
     """
 
-    def __init__(self, cfg: Config, model: nn.Module, pgm=None, *,
+    def __init__(self, cfg: Config, model: nn.Module, pgm: Optional[ProcessGroupManager] = None, *,
                  device: Optional[torch.device] = None,
                  optimizer: Optional[torch.optim.Optimizer] = None,
                  forward_backward: Optional[ForwardBackward] = None,
@@ -101,8 +104,8 @@ class Trainer:
         self.step = 0
 
     @classmethod
-    def from_parallelized(cls, cfg: Config, par, pgm, *, device: Optional[torch.device] = None,
-                          verbose: bool = True) -> "Trainer":
+    def from_parallelized(cls, cfg: Config, par: "Parallelized", pgm: ProcessGroupManager, *,
+                          device: Optional[torch.device] = None, verbose: bool = True) -> "Trainer":
         """The Trainer of what ``scaletorch.parallel.parallelize`` returned: its model, its
         step (data parallel or pipeline), its global-norm clipping and (ZeRO) optimizer."""
         return cls(cfg, par.model, pgm, device=device, optimizer=par.optimizer,
@@ -144,7 +147,7 @@ class Trainer:
                         f"checkpoint in {self.cfg.checkpoint_path}")
         if not resume:
             return
-        path = resume
+        path: Optional[str] = resume
         if resume == "latest":
             path, skipped = ckpt.latest_valid_checkpoint(self.cfg.checkpoint_path)
             for message in skipped:
