@@ -6,6 +6,9 @@
         --activation-checkpointing --check
     scripts/launch.sh examples/07_nd_parallel.py --nproc-per-node 8 -- --tp 2 --ep 2 \\
         --model.num_experts 4 --micro-batches 1 --check
+    # PyTorch's own on one DeviceMesh: DTensor tp x FSDP2 ZeRO-3 over dp (native.py)
+    scripts/launch.sh examples/07_nd_parallel.py --nproc-per-node 4 -- --impl torch --tp 2 \\
+        --zero-stage 3 --check
     # save at tp 2 x pp 2 x dp 2, resume at dp 4: a consolidated checkpoint fits any layout
     scripts/launch.sh examples/07_nd_parallel.py --nproc-per-node 8 -- --tp 2 --pp 2 \\
         --checkpoint.every 15

@@ -18,11 +18,12 @@ fastest, then dp, then pp); each strategy takes the sub-mesh it works over:
                  FSDP2's ``replicate`` (whole weights, gradients all-reduced over dp); a model
                  without tp, pp or ZeRO-3 takes DistributedDataParallel over dp_cp (chapter 01)
 
-Why ``replicate`` beside tp and pp, not DistributedDataParallel: its reducer buckets plain
-tensors and torch's DDP-based composable ``replicate`` accepts 1-D meshes only, while FSDP2's
-``replicate`` (same hooks as ``fully_shard``, no sharding) takes DTensor weights on the tp
-mesh and is what ``PipelineStage`` drives between micro-batches (as it drives ``fully_shard``:
-gradients reduced once, after the last micro-batch).
+Why ``replicate`` beside tp and pp, not DistributedDataParallel: DDP takes a tp model only
+through a stop-gap (given a dp sub-mesh it turns the DTensor weights back into plain local
+tensors, and its own comment says state dicts then need care), so the placements that the
+clip and ``DTensorLayout`` read would be gone. FSDP2's ``replicate`` (the hooks of
+``fully_shard``, no sharding) keeps 2-D (dp, tp) DTensors and is what ``PipelineStage`` drives
+between micro-batches, as it drives ``fully_shard`` (gradients reduced once, after the last).
 
 Clip: ``world_grad_norm`` (grad_norm.py), every local gradient element divided by the number
 of ranks that hold it; one all-reduce over the world, which also sums the pipeline stages.
