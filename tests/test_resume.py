@@ -32,12 +32,14 @@ from tests.test_examples import launch
 WORLD = 8
 STEPS, SAVE_AT = 6, 3
 
-# The pipeline combinations whose per-rank checkpoints once lost or could not load state.
+# The pipeline combinations whose per-rank checkpoints once lost or could not load state, and
+# PyTorch's own (DTensor parameters: the files hold local pieces, placed on the new mesh).
 PIPELINE_LAYOUTS = {
     "zero1_pp2_dp4": (False, 2, layout(pp=2, zero_stage=1)),
     "zero2_pp2_dp4": (False, 2, layout(pp=2, zero_stage=2)),
     "ddp_pp2_dp4": (False, 2, layout(pp=2)),
     "torch_pp2_dp4": (False, 2, layout(pp=2, impl="torch")),
+    "torch_tp2_dp4_zero3": (False, 2, layout(tp=2, zero_stage=3, impl="torch")),
     "interleaved_pp2_dp4": (False, 2, layout(pp=2, schedule="interleaved",
                                              virtual_pipeline_stages=2)),
 }

@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
 
 from scaletorch.dist import comm, restart_count
 from scaletorch.parallel.consolidated import load_tensors_only
@@ -224,6 +226,40 @@ def check_layout(path: str, manifest: Dict[str, Any], world_size: int,
     raise ValueError(f"checkpoint {path!r} holds per-rank shards of another layout (" +
                      ", ".join(f"{k} {saved[k]} there, {now[k]} here" for k in differ) +
                      "); per-rank checkpoints resume only at the layout that wrote them; " + hint)
+
+
+def local_tensors(state: Any) -> Any:
+    """``state`` with every DTensor (PyTorch's FSDP2 / tensor parallel) replaced by this rank's
+    local piece: a per-rank file holds the rank's shards, not the device mesh they were on."""
+    if isinstance(state, DTensor):
+        return state.to_local()
+    if isinstance(state, dict):
+        return type(state)((k, local_tensors(v)) for k, v in state.items())
+    if isinstance(state, (list, tuple)):
+        return type(state)(local_tensors(v) for v in state)
+    return state
+
+
+def as_dtensor_like(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """A local piece loaded from a per-rank file, placed as ``param`` is (on this run's mesh),
+    when ``param`` is a DTensor; unchanged otherwise."""
+    if not isinstance(param, DTensor) or isinstance(local, DTensor) or local.dim() == 0:
+        return local
+    return DTensor.from_local(local.to(param.device), param.device_mesh, param.placements,
+                              shape=param.shape, stride=param.stride())
+
+
+def load_model_and_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer,
+                             state: Dict[str, Any]) -> None:
+    """Load what ``local_tensors`` saved: pieces of DTensor parameters (and of their AdamW
+    moments) become DTensors on the current mesh again; plain tensors load as they are."""
+    params = model.state_dict(keep_vars=True)
+    model.load_state_dict({k: as_dtensor_like(v, params[k]) for k, v in state["model"].items()})
+    optimizer.load_state_dict(state["optimizer"])
+    for param, values in optimizer.state.items():
+        for key, value in values.items():
+            if torch.is_tensor(value):
+                values[key] = as_dtensor_like(value, param)
 
 
 def run_layout(cfg: "Config", world_size: int) -> Dict[str, Any]:

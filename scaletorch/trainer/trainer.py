@@ -121,15 +121,14 @@ class Trainer:
     def state_dict(self) -> dict:
         return {
             "step": self.step,
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "model": ckpt.local_tensors(self.model.state_dict()),
+            "optimizer": ckpt.local_tensors(self.optimizer.state_dict()),
             "scheduler": self.scheduler.state_dict(),
             "rng": ckpt.rng_state(),
         }
 
     def load_state_dict(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        ckpt.load_model_and_optimizer(self.model, self.optimizer, state)
         self.scheduler.load_state_dict(state["scheduler"])
         ckpt.set_rng_state(state["rng"])
         self.step = state["step"]
