@@ -55,10 +55,9 @@ def main() -> int:
         if p.impl == "torch":
             print("note: DTensor issues its collectives itself, out of our ledger's sight")
         else:
-            # the grad norm is one all-reduce over the world (parallelize), not over tp
+            # the grad norm is one all-reduce over the world (grad_norm.py), not over tp
             formula = tp_lib.comm_elements_per_step(cfg.model, tokens, sp,
-                                                    cfg.data.num_micro_batches,
-                                                    grad_norm_over_tp=False)
+                                                    cfg.data.num_micro_batches)
             for op, expected in formula.items():
                 measured = ledger.total(op=op, group="tp", step=last, phase="compute")
                 print(f"{op} over tp in step {last}: ledger {measured:,.0f} elements, formula "

@@ -4,18 +4,26 @@ single-device references and the parity assertion.
 
 Used by tests/test_nd_parallel.py (8 ranks, the composed layouts) and
 tests/test_parallelize_chapters.py (2 ranks, each chapter's layout, ours and PyTorch's).
+The chapter tests that build a strategy by hand (not through ``parallelize``) take its
+clipping and its full weights from the library's one rule each: ``clip_fn``, ``full_state``.
 """
 
 import unittest
-from typing import Dict, Iterable, List, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
 
 from scaletorch.dist import destroy_pg_manager, init_pg_manager
 from scaletorch.models import build_model
 from scaletorch.parallel.consolidated import (load_consolidated, resume_consolidated,
                                               save_consolidated)
+from scaletorch.parallel.fsdp import ShardedDataParallel
+from scaletorch.parallel.grad_norm import clip_grads_, replica_count, world_grad_norm
+from scaletorch.parallel.layout import DTensorLayout, Layout, State
 from scaletorch.parallel.parallelize import Parallelized, parallelize
+from scaletorch.parallel.pipeline_parallel import PipelineModel
 from scaletorch.trainer import Config, Trainer
 from scaletorch.trainer.parity import max_weight_diff
 from tests.harness import value_error
@@ -78,6 +86,34 @@ def pg_manager_for(cfg: Config):
     p = cfg.parallel
     return init_pg_manager(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                            p.context_parallel_size, p.expert_model_parallel_size)
+
+
+def clip_fn(model: nn.Module, pgm, copies: Optional[int] = None) -> Callable[[float], torch.Tensor]:
+    """The Trainer's ``clip_grad_norm`` for a model built by hand: grad_norm.py's one rule
+    (one all-reduce over the world), each parameter counted ``copies`` times in the world
+    (ZeRO's shards: 1), by default as its tags say (``replica_count``)."""
+    params = list(model.parameters())
+    replicas = [(p, copies or replica_count(p, pgm)) for p in params]
+    return lambda max_norm: clip_grads_(params, max_norm, world_grad_norm(
+        replicas, params[0].device))
+
+
+def full_state(model: nn.Module, pgm) -> Optional[State]:
+    """Collective: the reference-keyed full weights of a model built by hand on global rank 0
+    (None elsewhere), through the one consolidation routine, ``Layout.gather``: tp / ep shards
+    by their tags (inside data-parallel wrappers or not), a ZeRO wrapper's units, a
+    PipelineModel's stages; a model of DTensors (FSDP2, DTensor tp) through ``DTensorLayout``."""
+    pipe = model if isinstance(model, PipelineModel) else None
+    modules = list(model.chunks) if pipe is not None else [model]
+    if isinstance(model, ShardedDataParallel):  # ZeRO over dp_cp alone (chapter 02)
+        names = [n for unit in model.units for names in unit.names for n in names]
+        layout = Layout(pgm, dict.fromkeys(names, (None, False)), Layout.zero_entries([model]))
+    elif any(isinstance(p, DTensor) for p in model.parameters()):
+        layout = DTensorLayout(pgm, model)
+    else:
+        splits = {k: v for m in modules for k, v in Layout.record_splits(m).items()}
+        layout = Layout(pgm, splits, Layout.plain_entries(modules), pipe)
+    return layout.gather(lambda p: p.detach())
 
 
 def build(cfg: Config, pgm, state=None) -> Tuple[Parallelized, Trainer]:

@@ -19,12 +19,11 @@ from scaletorch.parallel.context_parallel import (RingAttention, UlyssesAttentio
                                                   block_counts, check_ulysses_heads,
                                                   make_sequence_sharder, zigzag_positions)
 from scaletorch.parallel.data_parallel import apply_data_parallel
-from scaletorch.parallel.tensor_parallel import (apply_tensor_parallel, gather_full_state_dict,
-                                                 tensor_parallel_clip_grad_norm,
-                                                 tensor_parallel_loss_fn)
+from scaletorch.parallel.tensor_parallel import apply_tensor_parallel, tensor_parallel_loss_fn
 from scaletorch.trainer import Config, Trainer, make_data_parallel_step, run_reference
 from scaletorch.trainer.parity import max_weight_diff
 from tests.harness import run_distributed
+from tests.layouts import clip_fn, full_state
 
 # fp32: ring attention sums the same terms as full attention in another order (block by
 # block, merged by log-sum-exp), so outputs and gradients agree to ~1e-6, losses to ~5e-7.
@@ -73,7 +72,7 @@ def train(cfg: Config, tp: int, cp: int, variant: str = "ring") -> dict:
     loss, clip = loss_fn, None
     if tp > 1:
         model = apply_tensor_parallel(model, pgm)
-        loss, clip = tensor_parallel_loss_fn(pgm), tensor_parallel_clip_grad_norm(model, pgm)
+        loss, clip = tensor_parallel_loss_fn(pgm), clip_fn(model, pgm)
     model = apply_data_parallel(apply_context_parallel(model, pgm, variant), pgm)
     step = make_data_parallel_step(model, cfg.data.num_micro_batches, pgm.data_parallel_rank,
                                    pgm.data_parallel_world_size,
@@ -83,12 +82,12 @@ def train(cfg: Config, tp: int, cp: int, variant: str = "ring") -> dict:
     result = Trainer(cfg, model, pgm, forward_backward=step, clip_grad_norm=clip,
                      verbose=False).train()
     sends = get_ledger().total(op="send", group="cp") / (STEPS * cfg.model.num_layers)
-    state = gather_full_state_dict(model, pgm)
+    state = full_state(model, pgm)  # collective: on rank 0
     out = {
         "losses": result.losses,
         "sends_per_layer": sends,
         "blocks": attention_block_counts(model),
-        "state": state if pgm.rank == 0 else None
+        "state": state
     }
     destroy_pg_manager()
     return out

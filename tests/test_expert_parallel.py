@@ -18,6 +18,7 @@ from scaletorch.parallel.tensor_parallel import apply_tensor_parallel, tensor_pa
 from scaletorch.trainer import Config, Trainer, make_data_parallel_step, run_reference
 from scaletorch.trainer.parity import max_weight_diff
 from tests.harness import run_distributed
+from tests.layouts import clip_fn, full_state
 
 WORLD, H, FFN, E, K = 4, 32, 64, 4, 2
 TOKENS = 32  # tokens of the single-layer checks, split over the 4 ranks
@@ -134,17 +135,17 @@ def _train(cfg: Config, pgm, tensor_parallel: bool = False) -> dict:
                                        loss_fn=tensor_parallel_loss_fn(pgm))
     get_ledger().clear()
     result = Trainer(cfg, model, pgm, verbose=False, forward_backward=step,
-                     clip_grad_norm=model.clip_grad_norm).train()
+                     clip_grad_norm=clip_fn(model, pgm)).train()
     last = cfg.training.steps - 1
     records = get_ledger().select(op="all_to_all", group="ep", step=last)
     remote = [
         d.remote_tokens(pgm.expert_model_parallel_rank)
         for d in (layer.dispatch_fn for layer in moe_layers(model))
     ]
-    state = model.full_state_dict()  # collective: every rank gathers
+    state = full_state(model, pgm)  # collective: on rank 0
     return {
         "losses": result.losses,
-        "state": state if pgm.rank == 0 else None,
+        "state": state,
         # token rows (fp32) vs the int64 count exchange, told apart by element size
         "token_elements": sum(r.elements for r in records if r.bytes != 8 * r.elements),
         "count_elements": sum(r.elements for r in records if r.bytes == 8 * r.elements),

@@ -15,14 +15,14 @@ import torch
 from scaletorch.dist import destroy_pg_manager, get_ledger, init_pg_manager
 from scaletorch.models import LlamaConfig, build_model
 from scaletorch.parallel.consolidated import save_consolidated
-from scaletorch.parallel.fsdp import (ShardedDataParallel, apply_fully_shard, apply_zero,
-                                      full_state_dict, llama_units)
+from scaletorch.parallel.fsdp import ShardedDataParallel, apply_fully_shard, apply_zero, llama_units
 from scaletorch.parallel.parallelize import parallelize
 from scaletorch.parallel.zero import ZeroAdamW, comm_formula, measure_memory, memory_formula
 from scaletorch.trainer import Config, Trainer
 from scaletorch.trainer import checkpoint as ckpt
 from scaletorch.trainer import max_weight_diff, run_reference
 from tests.harness import run_distributed
+from tests.layouts import clip_fn, full_state
 
 # fp32, 5 steps. Each rank averages its own tokens and the ranks' means are averaged, where the
 # reference averages all tokens at once: the same sum in another order, ~1e-7 per step. We see
@@ -59,7 +59,7 @@ def _run(cfg: Config, pgm, stage, prefetch: bool = True) -> dict:
         t = cfg.training
         optimizer = ZeroAdamW(model, t.lr, (t.beta1, t.beta2), t.weight_decay)
         trainer = Trainer(cfg, model, pgm, optimizer=optimizer,
-                          clip_grad_norm=model.clip_grad_norm_, verbose=False)
+                          clip_grad_norm=clip_fn(model, pgm, copies=1), verbose=False)
     result = trainer.train()
     last = cfg.training.steps - 1
     out = {
@@ -80,7 +80,7 @@ def _run(cfg: Config, pgm, stage, prefetch: bool = True) -> dict:
     if stage != "torch":
         out.update(padded=model.padded_numel, units=[u.padded_numel for u in model.units],
                    peak_units=model.peak_gathered_units, peak_bytes=model.peak_gathered_bytes)
-    out["full"] = full_state_dict(model)  # after the ledger reads: it all-gathers too
+    out["full"] = full_state(model, pgm)  # on rank 0; after the ledger reads (it gathers)
     return out
 
 
@@ -136,7 +136,7 @@ def world_of_two(rank: int, world_size: int, tmp: str) -> dict:
     par = parallelize(build_model(cfg.model, seed=7), cfg, pgm, torch.device("cpu"))
     path = os.path.join(tmp, "consolidated.pt")
     save_consolidated(path, Trainer.from_parallelized(cfg, par, pgm, verbose=False), par)
-    out["consolidated"] = {"path": path, "gathered": full_state_dict(par.model)}
+    out["consolidated"] = {"path": path, "gathered": par.full_state_dict()}
     destroy_pg_manager()
     return out
 
@@ -156,8 +156,9 @@ class _Worlds(unittest.TestCase):
             diff = max(abs(a - b) for a, b in zip(run["losses"], losses))
             self.assertEqual(len(run["losses"]), STEPS)
             self.assertLessEqual(diff, TOL, f"{key}, rank {rank}: losses")
-            self.assertLessEqual(max_weight_diff(run["full"], reference), TOL,
-                                 f"{key}, rank {rank}: weights")
+        # the full weights, gathered from every rank's shards on rank 0
+        self.assertLessEqual(max_weight_diff(self.results[0][key]["full"], reference), TOL,
+                             f"{key}: weights")
 
     def assert_memory_is_the_formula(self, key, stage):
         n = self.world
@@ -272,10 +273,11 @@ class ZeroAndFullyShardOnTwoRanks(_Worlds):
                     run = result[f"resume {stage}"]
                     first, second = run["first"], run["second"]
                     self.assertEqual(second["losses"], first["losses"][3:])  # bit for bit
-                    for key, value in first["full"].items():
-                        self.assertTrue(torch.equal(value, second["full"][key]), key)
                     self.assertEqual(run["model_numel"], first["padded"] // 2)
                     self.assertEqual(run["optimizer_numel"], 2 * first["padded"] // 2)
+            run = self.results[0][f"resume {stage}"]  # the full weights are on rank 0
+            for key, value in run["first"]["full"].items():
+                self.assertTrue(torch.equal(value, run["second"]["full"][key]), key)
 
     def test_consolidated_checkpoint_loads_into_the_single_device_model(self):
         consolidated = self.results[0]["consolidated"]

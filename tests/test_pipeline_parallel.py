@@ -15,15 +15,15 @@ from scaletorch.dist import destroy_pg_manager, get_ledger, init_pg_manager
 from scaletorch.models import LlamaConfig, build_model
 from scaletorch.parallel.pipeline_parallel import (PipelineSchedule, TorchPipelineSchedule,
                                                    apply_data_parallel_to_chunks,
-                                                   apply_pipeline_parallel,
-                                                   gather_pipeline_state_dict, gather_timeline,
-                                                   pipeline_clip_grad_norm, split_layers)
+                                                   apply_pipeline_parallel, gather_timeline,
+                                                   split_layers)
 from scaletorch.parallel.pipeline_schedules import (SCHEDULES, PipelineDeadlock, comm_plan,
                                                     peak_live_activations, schedule_actions,
                                                     simulate, simulate_plans, theoretical_bubble,
                                                     validate_schedule)
 from scaletorch.trainer import Config, Trainer, max_weight_diff, run_reference
 from tests.harness import run_distributed
+from tests.layouts import clip_fn, full_state
 
 TOLERANCE = 1e-5  # fp32, 5 steps: doc/design.md's parity contract
 
@@ -218,15 +218,9 @@ def parity_run(name: str) -> dict:
     cfg = make_config(4 * v, m, batch)
     pgm, pipe, step = build_pipeline(cfg, pp, tp, schedule, v, impl, **extra)
     get_ledger().clear()
-    result = Trainer(cfg, pipe, pgm, forward_backward=step,
-                     clip_grad_norm=pipeline_clip_grad_norm(pipe, pgm), verbose=False).train()
-    local = None
-    if tp > 1:
-        from scaletorch.parallel.tensor_parallel import gather_full_state_dict
-        local = {}
-        for chunk in pipe.chunks:
-            local.update(gather_full_state_dict(chunk, pgm))
-    out = {"losses": result.losses, "full": gather_pipeline_state_dict(pipe, pgm, local)}
+    result = Trainer(cfg, pipe, pgm, forward_backward=step, clip_grad_norm=clip_fn(pipe, pgm),
+                     verbose=False).train()
+    out = {"losses": result.losses, "full": full_state(pipe, pgm)}  # on rank 0
     if impl != "torch":
         out["order"] = step.timeline.order(pgm.pipeline_model_parallel_rank)
         out["pp_rank"] = pgm.pipeline_model_parallel_rank

@@ -21,6 +21,7 @@ from scaletorch.parallel import tensor_parallel as tp_lib
 from scaletorch.parallel.data_parallel import apply_data_parallel
 from scaletorch.trainer import Config, Trainer, make_data_parallel_step, max_weight_diff
 from tests.harness import run_distributed, value_error
+from tests.layouts import clip_fn, full_state
 
 WORLD = 4
 LAYER_TOL = 1e-6
@@ -145,8 +146,7 @@ def _train(rank: int, cfg: Config, impl: str) -> dict:
         clip = native.native_clip_grad_norm(list(model.parameters()), pgm)
     else:
         model = tp_lib.apply_tensor_parallel(model, pgm, p.sequence_parallel)
-        loss, clip = tp_lib.tensor_parallel_loss_fn(pgm), \
-            tp_lib.tensor_parallel_clip_grad_norm(model, pgm)
+        loss, clip = tp_lib.tensor_parallel_loss_fn(pgm), clip_fn(model, pgm)
         if pgm.data_parallel_world_size > 1:
             model = apply_data_parallel(model, pgm, "scaletorch")
     local_numel = sum(p.numel() for p in model.parameters())
@@ -162,14 +162,14 @@ def _train(rank: int, cfg: Config, impl: str) -> dict:
         (r.op, r.group): ledger.total(op=r.op, group=r.group, step=s, field=field)
         for r in ledger.select(step=s)
     } for s in range(cfg.training.steps) for field in ("elements", "wire_bytes")]
-    full = tp_lib.gather_full_state_dict(model, pgm)
+    full = full_state(model, pgm)  # collective: on rank 0
     destroy_pg_manager()
     return {
         "losses": result.losses,
         "grad_norms": result.grad_norms,
         "comm": comm,
         "local_numel": local_numel,
-        "full": full if rank == 0 else None
+        "full": full
     }
 
 
@@ -276,7 +276,7 @@ class TestTensorParallel(unittest.TestCase):
     #   embedding    T h     forward: sum of the vocabulary shards' rows
     #   head         T h     backward: the head's input gradient
     #   loss       3 T       max, then [sum exp, target logit]
-    #   grad norm  1         the shards' sum of squares
+    # and the grad norm: 1 element all-reduced over the world, not tp (grad_norm.py).
     # Without sp all are all-reduces; with sp the activation terms are one all-gather and one
     # reduce-scatter each, and the RMSNorm weight gradients (2 L + 1) h per micro-batch are
     # all-reduced.
@@ -285,7 +285,7 @@ class TestTensorParallel(unittest.TestCase):
         tp, sp, micro, _ = LAYOUTS[name]
         tokens, h, layers = 8 // (WORLD // tp) * 16, MODEL.hidden_size, MODEL.num_layers
         activations = 4 * layers * tokens * h + tokens * h + tokens * h
-        scalars = 3 * tokens + 1
+        scalars = 3 * tokens
         return activations, scalars, (2 * layers + 1) * h * micro
 
     def step_comm(self, name: str, rank: int, step: int, field: str = "elements") -> dict:
@@ -298,6 +298,7 @@ class TestTensorParallel(unittest.TestCase):
                 for step in range(5):
                     comm = self.step_comm(name, rank, step)
                     self.assertEqual(comm[("all_reduce", "tp")], activations + scalars)
+                    self.assertEqual(comm[("all_reduce", "world")], 1)  # the grad norm
                     self.assertNotIn(("all_gather", "tp"), comm)
         # the library's formula (printed by the script) says the same
         self.assertEqual(tp_lib.comm_elements_per_step(MODEL, 128, False),
@@ -312,6 +313,7 @@ class TestTensorParallel(unittest.TestCase):
                     self.assertEqual(comm[("all_gather", "tp")], activations)
                     self.assertEqual(comm[("reduce_scatter", "tp")], activations)
                     self.assertEqual(comm[("all_reduce", "tp")], scalars + norms)
+                    self.assertEqual(comm[("all_reduce", "world")], 1)  # the grad norm
         self.assertEqual(
             tp_lib.comm_elements_per_step(MODEL, 128, True, 1), {
                 "all_gather": self.ledger_terms("tp4_sp")[0],

@@ -39,7 +39,7 @@ dropping on the run is not the reference's (which caps over all T tokens): parit
 """
 
 from functools import partial
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -49,7 +49,6 @@ from scaletorch.dist.comm import Group
 from scaletorch.dist.functional import all_reduce_sum, all_to_all, gather_along_dim
 from scaletorch.models.moe import Experts, MoE
 from scaletorch.parallel.data_parallel import ModuleWrapper
-from scaletorch.parallel.grad_norm import clip_grads_, global_grad_norm
 
 
 def validate_expert_parallel(num_experts: int, expert_model_parallel_size: int,
@@ -120,10 +119,6 @@ def _is_expert(param: torch.Tensor) -> bool:
     return getattr(param, "expert_parallel", False)
 
 
-def _is_tensor_parallel(param: torch.Tensor) -> bool:
-    return getattr(param, "tensor_model_parallel", False)
-
-
 def _all_reduce_mean(params: List[nn.Parameter], group: Group, divisor: int) -> None:
     """grad <- sum over ``group`` of grad / divisor, one coalesced all-reduce for all params.
 
@@ -140,11 +135,13 @@ def _all_reduce_mean(params: List[nn.Parameter], group: Group, divisor: int) -> 
 
 
 class ExpertParallel(ModuleWrapper, nn.Module):
-    """The converted model plus the two gradient reductions and the sharded grad norm.
+    """The converted model plus its two gradient reductions.
 
     ``finish_grad_sync`` (called by the trainer's step after the last backward): dense
     gradients averaged over "dp_cp", expert gradients summed over "edp" and divided by the
-    same R = |dp_cp| (see the module docstring). ``state_dict`` is the wrapped model's.
+    same R = |dp_cp| (see the module docstring). ``state_dict`` is the wrapped model's; the
+    expert shards carry the ``expert_parallel`` tag, by which ``grad_norm.replica_count`` counts
+    their copies and ``Layout`` gathers them over "ep" (dim 0).
     """
 
     def __init__(self, module: nn.Module, pgm) -> None:
@@ -163,38 +160,6 @@ class ExpertParallel(ModuleWrapper, nn.Module):
         pgm, r = self.pgm, self.num_token_shards
         _all_reduce_mean(self.dense_params, pgm.data_parallel_group_with_context, r)
         _all_reduce_mean(self.expert_params, pgm.expert_data_parallel_group, r)
-
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """Trainer hook: the norm of the full model's gradient, every element counted once.
-
-        Experts are split over "ep" (and whole on every tp and edp rank); with tensor parallel,
-        its shards are split over "tp". One all-reduce of a scalar per split group.
-        """
-        pgm = self.pgm
-        tp_sharded = [p for p in self.dense_params if _is_tensor_parallel(p)]
-        replicated = [p for p in self.dense_params if not _is_tensor_parallel(p)]
-        sharded = [(self.expert_params, pgm.expert_model_parallel_group)]
-        if pgm.tensor_model_parallel_world_size > 1:
-            sharded.append((tp_sharded, pgm.tensor_model_parallel_group))
-        device = next(self.module.parameters()).device
-        norm = global_grad_norm(replicated, sharded, device)
-        return clip_grads_(self.module.parameters(), max_norm, norm)
-
-    def full_state_dict(self) -> Dict[str, torch.Tensor]:
-        """Reference-keyed full weights on every rank: experts all-gathered over "ep" (and
-        tensor-parallel shards over "tp"). Not in the ledger: a check, not training traffic."""
-        pgm = self.pgm
-        with get_ledger().paused():
-            full = {}
-            for name, t in self.module.state_dict(keep_vars=True).items():
-                t_full = t.detach()
-                if _is_expert(t):
-                    t_full = gather_along_dim(t_full, 0, pgm.expert_model_parallel_group)
-                if _is_tensor_parallel(t):
-                    t_full = gather_along_dim(t_full, t.partition_dim,
-                                              pgm.tensor_model_parallel_group)
-                full[name] = t_full.clone()
-        return full
 
 
 def moe_layers(model: nn.Module) -> List[MoE]:

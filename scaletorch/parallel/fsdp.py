@@ -29,9 +29,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
 
-from scaletorch.parallel.grad_norm import clip_grads_, global_grad_norm
 from scaletorch.parallel.zero import FlatUnit, NamedModules
 
 Units = Sequence[Tuple[str, NamedModules]]  # (unit name, [(module name, module), ...])
@@ -43,7 +41,9 @@ class ShardedDataParallel(nn.Module):
     ``units`` lists (name, [(name of the module in ``module``, module), ...]) in forward order;
     every parameter must be in exactly one unit. The wrapper's parameters (``self.shards``, one
     flat (S,) shard per unit) are all that the optimizer and ``state_dict`` see: this rank's
-    shards. ``full_state_dict()`` gathers the full tensors under the original names.
+    shards. ``Layout`` (layout.py) gathers the full tensors under the original names, each
+    unit's with ``FlatUnit.all_gather_flat``; clipping counts each shard element once
+    (grad_norm.py).
     """
 
     def __init__(self, module: nn.Module, units: Units, group, zero_stage: int,
@@ -184,14 +184,6 @@ class ShardedDataParallel(nn.Module):
             for i in range(len(self.units)):
                 self._free(i)
 
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Clip to the global norm of the averaged gradients. Each rank holds a shard of them,
-        so the squared norms are summed over the group (an all-reduce of one number)."""
-        self.finish_grad_sync()
-        shards = list(self.shards.values())
-        norm = global_grad_norm([], [(shards, self.group)], shards[0].device)
-        return clip_grads_(shards, max_norm, norm)
-
     # ---- what ZeroAdamW calls -------------------------------------------------------------
 
     @torch.no_grad()
@@ -230,16 +222,6 @@ class ShardedDataParallel(nn.Module):
         shards (an all-gather: every rank of the group loads)."""
         module.gather_params()
 
-    def full_state_dict(self) -> Dict[str, torch.Tensor]:
-        """{name: full tensor}, the keys and shapes of the unwrapped model's state_dict.
-
-        Stage 3 all-gathers each unit over the group: every rank must call it.
-        """
-        state: Dict[str, torch.Tensor] = {}
-        for unit in self.units:
-            state.update(unit.full_state())
-        return state
-
 
 def check_zero_layout(zero_stage: int, pgm) -> None:
     """ZeRO shards over data parallel only in this chapter (chapter 07 combines strategies)."""
@@ -277,7 +259,8 @@ def apply_zero(model: nn.Module, pgm, zero_stage: int,
     """Shard a Llama over ``pgm.data_parallel_group_with_context`` (ZeRO ``zero_stage``).
 
     Every rank must pass the same weights (build_model with one seed). Pair the result with
-    ``ZeroAdamW(model, ...)`` and pass ``clip_grad_norm=model.clip_grad_norm_`` to the Trainer.
+    ``ZeroAdamW(model, ...)``; ``parallelize`` also gives the Trainer the clip that counts
+    each shard element once (``Layout.replicas``).
     """
     check_zero_layout(zero_stage, pgm)
     return ShardedDataParallel(model, llama_units(model), pgm.data_parallel_group_with_context,
@@ -300,13 +283,3 @@ def apply_fully_shard(model: nn.Module, pgm) -> nn.Module:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
-
-
-def full_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
-    """The full, unsharded state dict of a ZeRO or FSDP2 model (collective; on every rank)."""
-    if isinstance(model, ShardedDataParallel):
-        return model.full_state_dict()
-    return {
-        key: (value.full_tensor() if isinstance(value, DTensor) else value).detach().clone()
-        for key, value in model.state_dict().items()
-    }

@@ -1,17 +1,10 @@
-"""Global gradient-norm clipping when parameters are split over process groups.
+"""Global gradient-norm clipping, one rule for every layout.
 
-The global norm is sqrt(sum of every *distinct* gradient element squared). A replicated
-parameter (every rank holds the same gradient, e.g. after data-parallel averaging or an RMSNorm
-weight under tensor parallel) is counted once; a sharded parameter (each rank holds a piece)
-is summed over the group that holds the pieces:
-
-    norm^2 = sum_replicated |g|^2  +  sum_groups all_reduce_sum(sum_local_shards |g|^2, group)
-
-Every rank ends with the same norm and scales its own gradients by min(1, max_norm / norm).
-
-Any combination of strategies (chapter 07) uses one rule instead of a list of groups. Let
-replicas(x) be the number of ranks of the world that hold an identical copy of gradient element
-x. Then
+The global norm is sqrt(sum of every *distinct* gradient element squared): a replicated element
+(every rank of a group holds the same gradient, e.g. after data-parallel averaging, or an
+RMSNorm weight under tensor parallel) counts once, a sharded one (each rank holds a piece)
+counts on the rank that holds it. Let replicas(x) be the number of ranks of the world that hold
+an identical copy of gradient element x. Then
 
     norm^2 = all_reduce_sum over the world of  sum_{x on this rank} g_x^2 / replicas(x)
 
@@ -26,19 +19,19 @@ each time divided by replicas(x); a shard is held once. For the rank grid (pg_ma
                                                              no factor, the world sum adds them
 
 One all-reduce of one number over the world, whatever the layout (``replica_count``,
-``world_grad_norm``); none when every rank holds every gradient (pure data parallel).
+``world_grad_norm``); none when every rank holds every gradient (pure data parallel). Every
+rank ends with the same norm and scales its own gradients by min(1, max_norm / norm)
+(``clip_grads_``).
 """
 
 import math
-from typing import Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Iterable, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from scaletorch.dist import comm
-
-ParamsOverGroup = Tuple[Iterable[torch.nn.Parameter], Optional[dist.ProcessGroup]]
 
 
 def local_grad(param: torch.Tensor) -> torch.Tensor:
@@ -54,20 +47,6 @@ def _squared_norm(params: Iterable[torch.nn.Parameter], device: torch.device) ->
         if p.grad is not None:
             total += local_grad(p).detach().float().pow(2).sum()
     return total
-
-
-def global_grad_norm(
-    replicated: Iterable[torch.nn.Parameter], sharded: Sequence[ParamsOverGroup] = (),
-    device: torch.device = torch.device("cpu")
-) -> torch.Tensor:
-    """The norm of all gradients: ``replicated`` counted once, each ``sharded`` set summed over
-    its group (one all-reduce of a scalar per group). Returns a 0-dim tensor on ``device``."""
-    total = _squared_norm(replicated, device)
-    for params, group in sharded:
-        partial = _squared_norm(params, device)
-        comm.all_reduce(partial, group)
-        total += partial
-    return total.sqrt()[0]
 
 
 def clip_grads_(params: Iterable[torch.nn.Parameter], max_norm: float,

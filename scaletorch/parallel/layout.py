@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from scaletorch.dist import comm, get_ledger
+from scaletorch.dist import get_ledger
 from scaletorch.dist.functional import gather_along_dim, split_along_dim
 from scaletorch.parallel.fsdp import ShardedDataParallel
 from scaletorch.parallel.grad_norm import replica_count
@@ -73,34 +73,33 @@ class Layout:
 
     # ---- full <-> local, one tensor at a time ----------------------------------------------
 
-    def _full(self, name: str, t: torch.Tensor) -> torch.Tensor:
+    def _resplit(self, name: str, t: torch.Tensor, along: Callable) -> torch.Tensor:
+        """``along`` = gather_along_dim (this rank's piece -> full, collective) or
+        split_along_dim (full -> this rank's piece) over each split the tags recorded: experts
+        over "ep" on dim 0, tensor-parallel shards over "tp" on their partition dim."""
         tp_dim, expert = self.splits[name]
         if expert:
-            t = gather_along_dim(t, 0, self.pgm.expert_model_parallel_group)
+            t = along(t, 0, self.pgm.expert_model_parallel_group)
         if tp_dim is not None:
-            t = gather_along_dim(t, tp_dim, self.pgm.tensor_model_parallel_group)
-        return t
-
-    def _local(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        tp_dim, expert = self.splits[name]
-        if expert:
-            t = split_along_dim(t, 0, self.pgm.expert_model_parallel_group)
-        if tp_dim is not None:
-            t = split_along_dim(t, tp_dim, self.pgm.tensor_model_parallel_group)
+            t = along(t, tp_dim, self.pgm.tensor_model_parallel_group)
         return t
 
     def gather(self, value_of: Callable[[torch.Tensor], torch.Tensor]) -> Optional[State]:
-        """Collective over the world. {reference name: full fp32 tensor} on global rank 0."""
+        """Collective over the world. {reference name: full fp32 tensor} on global rank 0.
+
+        The one consolidation every layout goes through; each strategy un-shards its piece:
+        a ZeRO unit's flat vector all-gathered over dp_cp, then each tensor over ep and tp,
+        then the pipeline stages' tensors sent to pipeline rank 0.
+        """
         with get_ledger().paused():  # a check, not training traffic
             local: State = {}
             for param, pieces, unit in self.entries:
                 value = value_of(param).detach()
-                if unit is not None:  # the unit's flat vector: all-gather the shards over dp_cp
-                    flat = value.new_empty(unit.padded_numel)
-                    comm.all_gather_into_tensor(flat, value.contiguous(), unit.group)
+                if unit is not None:
+                    value = unit.all_gather_flat(value)  # (S,) -> (P',) over dp_cp
                 for names, shape, offset in pieces:
-                    t = value if unit is None else flat[offset:offset + shape.numel()].view(shape)
-                    full = self._full(names[0], t).float().clone()
+                    t = value if unit is None else value[offset:offset + shape.numel()].view(shape)
+                    full = self._resplit(names[0], t, gather_along_dim).float().clone()
                     local.update({n: full for n in names})
             if self.pipe is not None:
                 local = gather_pipeline_state_dict(self.pipe, self.pgm, local)
@@ -111,11 +110,12 @@ class Layout:
         out = {}
         for param, pieces, unit in self.entries:
             if unit is None:
-                out[param] = self._local(pieces[0][0][0], full[pieces[0][0][0]]).clone()
+                name = pieces[0][0][0]
+                out[param] = self._resplit(name, full[name], split_along_dim).clone()
                 continue
             flat = torch.zeros(unit.padded_numel, dtype=param.dtype)
             for names, shape, offset in pieces:
-                piece = self._local(names[0], full[names[0]])
+                piece = self._resplit(names[0], full[names[0]], split_along_dim)
                 flat[offset:offset + shape.numel()] = piece.flatten()
             out[param] = flat[unit.rank * unit.shard_numel:][:unit.shard_numel].clone()
         return {p: t.to(p.device, p.dtype) for p, t in out.items()}

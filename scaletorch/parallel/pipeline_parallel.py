@@ -32,7 +32,6 @@ from scaletorch.data import split_micro_batches
 from scaletorch.dist import comm, get_ledger
 from scaletorch.models import Llama, MoE, loss_fn, moe_aux_loss
 from scaletorch.parallel.data_parallel import TorchDataParallel, apply_data_parallel
-from scaletorch.parallel.grad_norm import clip_grads_, global_grad_norm
 from scaletorch.parallel.pipeline_schedules import (Action, Timeline, TimelineRecorder,
                                                     schedule_actions, schedule_plan, stage_index,
                                                     validate_schedule)
@@ -112,10 +111,6 @@ class PipelineModel(nn.Module):
         self.stages, self.num_stages, self.owner = stages, num_stages, owner
         self.hidden_size = hidden_size
         self.sequence_parallel_size = chunks[0].sequence_parallel_size
-
-    def local_state_dict(self) -> State:
-        """This rank's tensors under their full-model names (the chunks' keys)."""
-        return {k: t for chunk in self.chunks for k, t in chunk.state_dict().items()}
 
 
 def apply_pipeline_parallel(model: Llama, pgm, virtual_stages: int = 1,
@@ -329,25 +324,6 @@ class TorchPipelineSchedule:
         return average_over_group(loss, pgm.data_parallel_group_with_context)
 
 
-def pipeline_clip_grad_norm(pipe: PipelineModel, pgm) -> Callable[[float], torch.Tensor]:
-    """``clip_grad_norm(max_norm)`` for the Trainer: each stage holds different parameters,
-    so squared norms sum over "pp" (and tensor-parallel shards, tagged
-    ``tensor_model_parallel`` by chapter 03, over "tp" first)."""
-    params = [p for p in pipe.parameters() if p.requires_grad]
-    sharded = [p for p in params if getattr(p, "tensor_model_parallel", False)]
-    replicated = [p for p in params if not getattr(p, "tensor_model_parallel", False)]
-    device = params[0].device
-
-    def clip(max_norm: float) -> torch.Tensor:
-        stage_norm = global_grad_norm(replicated, [(sharded, pgm.tensor_model_parallel_group)],
-                                      device)
-        squared = stage_norm.square().reshape(1)
-        comm.all_reduce(squared, pgm.pipeline_model_parallel_group)  # SUM over stages
-        return clip_grads_(params, max_norm, squared.sqrt()[0])
-
-    return clip
-
-
 def _gather_to_first_stage(pgm, payload: torch.Tensor, sizes: Sequence[int]) -> List[torch.Tensor]:
     """Pipeline rank 0 receives ``payload`` (``sizes[q]`` elements) from every stage q and
     returns them in stage order; other ranks send theirs and get []. Not in the ledger: it is
@@ -364,18 +340,16 @@ def _gather_to_first_stage(pgm, payload: torch.Tensor, sizes: Sequence[int]) -> 
     return out
 
 
-def gather_pipeline_state_dict(pipe: PipelineModel, pgm,
-                               local_state: Optional[State] = None) -> Optional[State]:
+def gather_pipeline_state_dict(pipe: PipelineModel, pgm, state: State) -> Optional[State]:
     """Every stage's tensors (fp32, full-model names) on pipeline rank 0; None elsewhere.
 
-    ``local_state``: this rank's full tensors (default ``pipe.local_state_dict()``; under
-    tensor parallel pass the tp-gathered one). Shapes travel first, then the values.
+    ``state``: this rank's stages' tensors, already un-sharded (``Layout.gather`` passes them,
+    gathered over tp, ep and ZeRO's dp_cp). Shapes travel first, then the values.
     """
     p, rank = pgm.pipeline_model_parallel_world_size, pgm.pipeline_model_parallel_rank
-    state = pipe.local_state_dict() if local_state is None else local_state
     keys = [[k for k in pipe.owner if pipe.owner[k] % p == q] for q in range(p)]
     if sorted(state) != sorted(keys[rank]):
-        raise ValueError(f"local_state keys {sorted(state)} are not this stage's {keys[rank]}")
+        raise ValueError(f"state keys {sorted(state)} are not this stage's {keys[rank]}")
     device = next(pipe.parameters()).device
     # per tensor: ndim, then up to 4 sizes padded with 1s
     dims = torch.ones(len(keys[rank]), 5, dtype=torch.long, device=device)

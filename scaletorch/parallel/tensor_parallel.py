@@ -31,16 +31,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-from scaletorch.dist import comm, get_ledger
+from scaletorch.dist import comm
 from scaletorch.dist.comm import Group
-from scaletorch.dist.functional import (copy_to_parallel_region, gather_along_dim,
+from scaletorch.dist.functional import (copy_to_parallel_region,
                                         gather_from_sequence_parallel_region,
                                         reduce_from_parallel_region,
                                         reduce_scatter_to_sequence_parallel_region)
 from scaletorch.models import Llama, LlamaConfig, MoE, RMSNorm
-from scaletorch.parallel.grad_norm import clip_grads_, global_grad_norm
 
 
 def _mark_sharded(param: nn.Parameter, dim: int) -> nn.Parameter:
@@ -329,45 +327,8 @@ def apply_tensor_parallel(model: Llama, pgm, sequence_parallel: bool = False) ->
     return model
 
 
-def _is_sharded(param: torch.Tensor) -> bool:
-    return getattr(param, "tensor_model_parallel", False)
-
-
-def tensor_parallel_clip_grad_norm(model: nn.Module, pgm) -> Callable[[float], torch.Tensor]:
-    """``clip_grad_norm(max_norm)`` for the Trainer: sharded gradients summed over "tp",
-    replicated ones (norms) counted once; one all-reduce of a scalar over "tp"."""
-    params = list(model.parameters())
-    sharded = [p for p in params if _is_sharded(p)]
-    replicated = [p for p in params if not _is_sharded(p)]
-    device = params[0].device
-
-    def clip(max_norm: float) -> torch.Tensor:
-        norm = global_grad_norm(replicated, [(sharded, pgm.tensor_model_parallel_group)], device)
-        return clip_grads_(params, max_norm, norm)
-
-    return clip
-
-
-def gather_full_state_dict(model: nn.Module, pgm) -> Dict[str, torch.Tensor]:
-    """The reference-keyed full weights on every rank, for either implementation (all-gathers
-    over "tp", kept out of the ledger: a check, not training traffic)."""
-    model = getattr(model, "module", model)  # through a data-parallel wrapper
-    group = pgm.tensor_model_parallel_group
-    with get_ledger().paused():
-        full = {}
-        for name, tensor in model.state_dict(keep_vars=True).items():
-            if isinstance(tensor, DTensor):
-                full[name] = tensor.detach().full_tensor()
-            elif _is_sharded(tensor):
-                full[name] = gather_along_dim(tensor.detach(), tensor.partition_dim, group)
-            else:
-                full[name] = tensor.detach().clone()
-    return full
-
-
 def comm_elements_per_step(config: LlamaConfig, tokens: int, sequence_parallel: bool,
-                           num_micro_batches: int = 1,
-                           grad_norm_over_tp: bool = True) -> Dict[str, int]:
+                           num_micro_batches: int = 1) -> Dict[str, int]:
     """Elements each rank sends through collectives over "tp" per optimizer step, by op, as the
     ledger counts them (the full tensor of an all-gather or reduce-scatter), tp > 1.
 
@@ -376,15 +337,14 @@ def comm_elements_per_step(config: LlamaConfig, tokens: int, sequence_parallel: 
         embedding       tokens h      (forward: sum of the vocab shards' rows)
         head input      tokens h      (backward: f before the vocab-parallel head)
         loss          3 tokens        (max, then [sum exp, target logit])
-        grad norm     1               (sum of the shards' squares; 0 with grad_norm_over_tp
-                                       False: ``parallelize`` sums it over the world instead)
         sp norms      (2 L + 1) h m   (RMSNorm weight gradients, per micro-batch; sp only)
     Without sequence parallel all are all-reduces; with it the activation terms become an
-    all-gather and a reduce-scatter each (the same bytes on the wire).
+    all-gather and a reduce-scatter each (the same bytes on the wire). The grad norm's one
+    number is all-reduced over the world, not "tp" (grad_norm.py).
     """
     h, layers = config.hidden_size, config.num_layers
     activations = (4 * layers + 2) * tokens * h
-    scalars = 3 * tokens + int(grad_norm_over_tp)
+    scalars = 3 * tokens
     if not sequence_parallel:
         return {"all_reduce": activations + scalars}
     norms = (2 * layers + 1) * h * num_micro_batches

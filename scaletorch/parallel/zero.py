@@ -157,17 +157,12 @@ class FlatUnit:
             for tensor in self.tensors:
                 tensor.grad = None
 
-    def full_state(self) -> Dict[str, torch.Tensor]:
-        """{name: full tensor} of this unit (collective over the group when sharded)."""
-        flat = self.flat
-        if self.gathered_bytes == 0:
-            flat = self.flat.new_empty(self.padded_numel)
-            comm.all_gather_into_tensor(flat, self.shard.detach(), self.group)
-        state = {}
-        for names, shape, start in zip(self.names, self.shapes, self.offsets):
-            value = flat[start:start + shape.numel()].view(shape).clone()
-            state.update({name: value for name in names})
-        return state
+    def all_gather_flat(self, shard: torch.Tensor) -> torch.Tensor:
+        """A new (P',) vector of every rank's (S,) ``shard`` (the parameters' shard, or an AdamW
+        state shaped like it), all-gathered over the group: how ``Layout`` un-shards a unit."""
+        flat = shard.new_empty(self.padded_numel)
+        comm.all_gather_into_tensor(flat, shard.detach().contiguous(), self.group)
+        return flat
 
 
 class ZeroAdamW(torch.optim.AdamW):

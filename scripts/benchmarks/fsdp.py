@@ -20,6 +20,7 @@ import torch
 from scaletorch.dist import destroy_pg_manager, get_ledger, init_pg_manager
 from scaletorch.models import LlamaConfig, build_model
 from scaletorch.parallel.fsdp import apply_fully_shard, apply_zero
+from scaletorch.parallel.grad_norm import clip_grads_, world_grad_norm
 from scaletorch.parallel.zero import ZeroAdamW, comm_formula, measure_memory, memory_formula
 from scaletorch.trainer import forward_backward
 from scripts.benchmarks import timing
@@ -39,7 +40,13 @@ def _build(impl: str, pgm):
             model.parameters(), max_norm)
         return model, torch.optim.AdamW(model.parameters(), lr=1e-4), clip
     model = apply_zero(model, pgm, int(impl[-1]))
-    return model, ZeroAdamW(model, 1e-4, (0.9, 0.95), 0.1), model.clip_grad_norm_
+    shards = list(model.parameters())  # each element on one rank: 1 copy (grad_norm.py)
+
+    def clip_shards(max_norm: float) -> torch.Tensor:
+        norm = world_grad_norm([(s, 1) for s in shards], shards[0].device)
+        return clip_grads_(shards, max_norm, norm)
+
+    return model, ZeroAdamW(model, 1e-4, (0.9, 0.95), 0.1), clip_shards
 
 
 def _measure(rank: int, world: int, samples: int) -> Dict[str, object]:

@@ -20,6 +20,7 @@ from scaletorch.dist import destroy_pg_manager, get_ledger, init_pg_manager
 from scaletorch.models import LlamaConfig, build_model
 from scaletorch.parallel import native
 from scaletorch.parallel import tensor_parallel as tp_lib
+from scaletorch.parallel.grad_norm import clip_grads_, replica_count, world_grad_norm
 from scaletorch.trainer import forward_backward
 from scripts.benchmarks import timing
 
@@ -45,8 +46,12 @@ def _build(impl: str, sp: bool, pgm):
         clip = native.native_clip_grad_norm(list(model.parameters()), pgm)
     else:
         model = tp_lib.apply_tensor_parallel(model, pgm, sp)
-        loss, clip = tp_lib.tensor_parallel_loss_fn(pgm), \
-            tp_lib.tensor_parallel_clip_grad_norm(model, pgm)
+        loss, params = tp_lib.tensor_parallel_loss_fn(pgm), list(model.parameters())
+        copies = [(p, replica_count(p, pgm)) for p in params]  # grad_norm.py's one rule
+
+        def clip(max_norm: float) -> torch.Tensor:
+            return clip_grads_(params, max_norm, world_grad_norm(copies, params[0].device))
+
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4), loss, clip
 
 
