@@ -25,7 +25,7 @@ rank ends with the same norm and scales its own gradients by min(1, max_norm / n
 """
 
 import math
-from typing import Iterable, List, Optional, Tuple, Union
+from typing import Iterable, List, Optional, Tuple, Union, cast
 
 import torch
 import torch.distributed as dist
@@ -36,7 +36,7 @@ from scaletorch.dist import comm
 
 def local_grad(param: torch.Tensor) -> torch.Tensor:
     """The gradient elements this rank holds (a DTensor gradient's local shard)."""
-    grad = param.grad
+    grad = cast(torch.Tensor, param.grad)  # callers skip parameters without a gradient
     return grad.to_local() if isinstance(grad, DTensor) else grad
 
 

@@ -162,9 +162,10 @@ class DTensorLayout:
             value = value_of(param).detach()
             full = value.full_tensor() if isinstance(value, DTensor) else value
             full_state.update({n: full.float().clone() for n in names})
-        if self.pipe is not None:
-            full_state = gather_pipeline_state_dict(self.pipe, self.pgm, full_state)
-        return full_state if self.pgm.rank == 0 else None
+        gathered: Optional[State] = full_state
+        if self.pipe is not None:  # and the other stages' tensors, on pipeline rank 0
+            gathered = gather_pipeline_state_dict(self.pipe, self.pgm, full_state)
+        return gathered if self.pgm.rank == 0 else None
 
     def scatter(self, full: State) -> Dict[torch.Tensor, torch.Tensor]:
         """{parameter: this rank's part of ``full``}, as DTensors placed like the parameter."""

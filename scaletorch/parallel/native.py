@@ -34,7 +34,7 @@ see them. What cannot run here (validation.py): MoE, ZeRO-1/2, context parallel 
 or ZeRO-3.
 """
 
-from typing import Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Tuple, cast
 
 import torch
 from torch import nn
@@ -128,11 +128,11 @@ def apply_dtensor_tensor_parallel(model: Llama, tp_mesh: DeviceMesh,
     return model
 
 
-def dtensor_loss_fn(logits: DTensor, targets: torch.Tensor) -> torch.Tensor:
+def dtensor_loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy of vocab-sharded DTensor logits (b, s, V); call (and backward)
     inside ``loss_parallel()``. Returns this rank's (replicated) loss as a plain tensor."""
     loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-    return loss.to_local()
+    return cast(DTensor, loss).to_local()  # a DTensor, as the logits were
 
 
 def _in_loss_parallel(step: ForwardBackward) -> ForwardBackward:
@@ -155,8 +155,8 @@ def apply_native_data_parallel(modules: Iterable[nn.Module], dp_mesh: DeviceMesh
     rank's pipeline chunks (each its own root, so each stage syncs its own gradients)."""
     wrap = fully_shard if zero3 else replicate
     for module in modules:
-        blocks = module.layers.values() if isinstance(module.layers, nn.ModuleDict) \
-            else module.layers
+        layers = module.get_submodule("layers")  # a Llama's list, or a chunk's dict
+        blocks = layers.values() if isinstance(layers, nn.ModuleDict) else layers.children()
         for block in blocks:
             wrap(block, mesh=dp_mesh)
         wrap(module, mesh=dp_mesh)
@@ -182,7 +182,8 @@ def native_clip_grad_norm(params: List[nn.Parameter], pgm) -> Callable[[float], 
 
     def clip(max_norm: float) -> torch.Tensor:
         for p in params:
-            if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+            if isinstance(p, DTensor) and isinstance(p.grad, DTensor) \
+                    and p.grad.placements != p.placements:
                 # Norm weights under sequence parallel get Partial(sum) gradients (each rank
                 # saw its tokens only): sum them now, as the optimizer step would.
                 p.grad = p.grad.redistribute(p.grad.device_mesh, p.placements)
@@ -206,7 +207,7 @@ def parallelize_native(
     tp, pp = pgm.tensor_model_parallel_world_size, pgm.pipeline_model_parallel_world_size
     zero3 = p.zero_stage == 3
     mesh = device_mesh(pgm, next(model.parameters()).device.type) \
-        if pgm.context_parallel_world_size == 1 else None
+        if pgm.context_parallel_world_size == 1 else {}  # cp: DDP only (validation.py)
     shard_sequence = None
     if pgm.context_parallel_world_size > 1:  # 1
         apply_context_parallel(model, pgm, p.cp_variant)
