@@ -21,7 +21,7 @@ from scaletorch.dist import (destroy_distributed, destroy_pg_manager, get_ledger
 from scaletorch.models import build_model
 from scaletorch.parallel.consolidated import save_consolidated
 from scaletorch.parallel.parallelize import parallelize
-from scaletorch.parallel.zero import comm_report, memory_report
+from scaletorch.parallel.zero_memory import comm_report, memory_report
 from scaletorch.trainer import Trainer, check_against_reference, load_config
 
 

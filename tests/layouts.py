@@ -19,11 +19,11 @@ from scaletorch.dist import destroy_pg_manager, init_pg_manager
 from scaletorch.models import build_model
 from scaletorch.parallel.consolidated import (load_consolidated, resume_consolidated,
                                               save_consolidated)
-from scaletorch.parallel.fsdp import ShardedDataParallel
 from scaletorch.parallel.grad_norm import clip_grads_, replica_count, world_grad_norm
 from scaletorch.parallel.layout import DTensorLayout, Layout, State
 from scaletorch.parallel.parallelize import Parallelized, parallelize
 from scaletorch.parallel.pipeline_parallel import PipelineModel
+from scaletorch.parallel.zero import ShardedDataParallel
 from scaletorch.trainer import Config, Trainer
 from scaletorch.trainer.parity import max_weight_diff
 from tests.harness import value_error

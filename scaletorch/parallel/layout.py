@@ -20,9 +20,9 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from scaletorch.dist import get_ledger
 from scaletorch.dist.functional import gather_along_dim, split_along_dim
-from scaletorch.parallel.fsdp import ShardedDataParallel
 from scaletorch.parallel.grad_norm import replica_count
 from scaletorch.parallel.pipeline_parallel import gather_pipeline_state_dict
+from scaletorch.parallel.zero import ShardedDataParallel
 
 State = Dict[str, torch.Tensor]
 

@@ -37,6 +37,7 @@ or ZeRO-3.
 from typing import Callable, Dict, Iterable, List, Optional, Tuple, cast
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
@@ -55,6 +56,7 @@ from scaletorch.parallel.layout import DTensorLayout
 from scaletorch.parallel.pipeline_parallel import TorchPipelineSchedule, apply_pipeline_parallel
 from scaletorch.parallel.step import ForwardBackward, make_data_parallel_step
 from scaletorch.parallel.tensor_parallel import validate_tensor_parallel
+from scaletorch.parallel.zero import check_zero_layout
 
 MESH_DIMS = ("pp", "dp", "tp")  # slowest to fastest, as the rank grid orders them
 
@@ -241,3 +243,19 @@ def parallelize_native(
             step = _in_loss_parallel(step)
     clip = native_clip_grad_norm(list(trainer_model.parameters()), pgm)
     return trainer_model, step, clip, None, layout
+
+
+def apply_fully_shard(model: nn.Module, pgm) -> nn.Module:
+    """Chapter 02's reference, FSDP2 alone: ``fully_shard`` each block, then the root
+    (embedding, norm, head), on a 1-D device mesh over ``pgm.data_parallel_group_with_context``.
+    Its collectives bypass our ledger."""
+    check_zero_layout(3, pgm)
+    if not dist.is_initialized():
+        raise ValueError("fully_shard needs torch.distributed: launch with torchrun")
+    group = pgm.data_parallel_group_with_context
+    # Named after the group, for the reason device_mesh gives.
+    mesh = DeviceMesh.from_group(group,
+                                 next(model.parameters()).device.type,
+                                 mesh_dim_names=(f"dp_cp{group.group_name}", ))
+    apply_native_data_parallel([model], mesh, zero3=True)
+    return model

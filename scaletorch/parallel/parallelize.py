@@ -60,7 +60,6 @@ from scaletorch.parallel.activation_checkpointing import apply_activation_checkp
 from scaletorch.parallel.context_parallel import apply_context_parallel, make_sequence_sharder
 from scaletorch.parallel.data_parallel import apply_data_parallel
 from scaletorch.parallel.expert_parallel import ExpertParallel, apply_expert_parallel
-from scaletorch.parallel.fsdp import ShardedDataParallel, llama_units
 from scaletorch.parallel.grad_norm import clip_grads_, world_grad_norm
 from scaletorch.parallel.layout import DTensorLayout, Layout, State
 from scaletorch.parallel.native import parallelize_native
@@ -69,7 +68,7 @@ from scaletorch.parallel.pipeline_parallel import (PipelineSchedule, apply_data_
 from scaletorch.parallel.step import ForwardBackward, make_data_parallel_step
 from scaletorch.parallel.tensor_parallel import apply_tensor_parallel, tensor_parallel_loss_fn
 from scaletorch.parallel.validation import validate_layout
-from scaletorch.parallel.zero import ZeroAdamW
+from scaletorch.parallel.zero import ShardedDataParallel, ZeroAdamW, llama_units
 
 ORDER = ("expert", "tensor", "context", "activation checkpointing", "pipeline", "data")
 
@@ -222,7 +221,7 @@ def rank_report(pgm, model: nn.Module, optimizer: torch.optim.Optimizer, step: i
     """Collective over the world: one row per rank with its coordinates, the bytes it put on
     the wire per group in ``step`` (the ledger) and the bytes it holds (params, grads, AdamW
     state). The same string on every rank."""
-    from scaletorch.parallel.zero import measure_memory
+    from scaletorch.parallel.zero_memory import measure_memory
 
     ledger = get_ledger()
     coords = pgm.grid.coordinates(pgm.rank)

@@ -1,14 +1,9 @@
-"""ZeRO building blocks: flat units of parameters, their shards, the sharded AdamW, the ledgers.
+"""ZeRO stages 1, 2 and 3 by hand: the sharded data-parallel wrapper and its AdamW.
 
 ZeRO (Rajbhandari et al., 2020) removes the redundancy of data parallel over the N ranks of
-``pgm.data_parallel_group_with_context``. The parameters of one *unit* (the embedding, one
-transformer block, the head) are laid end to end in a flat vector of P elements, padded with
-zeros to P' = N * ceil(P / N) so that it cuts into N equal shards of S = P' / N elements:
-
-    flat   | shard 0 | shard 1 | ... | shard N-1 |pad|        rank r owns shard r: it keeps
-             rank 0    rank 1          rank N-1               the Adam state for it, updates it
-
-What else a rank keeps is the stage (fp32 everywhere, 4 bytes per element, Psi parameters):
+``pgm.data_parallel_group_with_context`` (same global batch as chapter 01: each rank takes 1/N
+of it). Each unit's parameters are one flat vector cut into N shards (flat_unit.py); rank r
+owns shard r. What else a rank keeps is the stage (fp32, 4 bytes per element, Psi parameters):
 
     stage     params       grads          Adam state     bytes per rank
     0 (DDP)   full         full           full           4Psi + 4Psi + 8Psi      = 16 Psi
@@ -20,149 +15,266 @@ Communication per step (elements of the flat vectors; a ring puts (N-1)/N of eac
 stages 1, 2 reduce-scatter the gradients and all-gather the updated parameters: 2 Psi, the same
 as DDP's all-reduce. Stage 3 all-gathers each unit before its forward and again before its
 backward, and reduce-scatters its gradients: 3 Psi. With m micro-batches, stage 3 gathers
-2 m Psi (the gradients are still reduced once, after the last micro-batch).
+2 m Psi (the gradients are still reduced once, after the last micro-batch). The formulas and
+the measured ledgers: zero_memory.py. PyTorch's own ZeRO-3, FSDP2 ``fully_shard``: native.py.
+
+Stage 3 on a model cut into units U0 (embedding), U1..UL (blocks), UL+1 (head = norm + lm_head):
+
+    forward    gather U0, run U0, free U0 | gather U1, run U1, free U1 | ...
+    backward   ... | gather U1, grads of U1, reduce-scatter + free U1 | gather U0, ...
+
+Hooks do it: a forward pre-hook on a unit's first module gathers; a forward hook on its last
+module frees and hooks the output's gradient (the unit's backward starts: gather again); the
+parameters' post-accumulate-grad hooks reduce-scatter once the unit's last gradient is in, then
+free. With ``prefetch`` the next unit's all-gather (async) travels while the current unit
+computes: at most two units are full at a time instead of one. Stages 1 and 2 reduce-scatter
+per unit in the same hooks (while backward goes on), and ``ZeroAdamW.step`` all-gathers the
+updated shards. Gradient accumulation: inside ``no_sync()`` nothing is reduced (gradients
+accumulate full size); the last micro-batch reduces once.
 """
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from contextlib import contextmanager
+from functools import partial
+from typing import Any, Dict, Iterator, List, Tuple
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from scaletorch.dist import comm, get_ledger
+from scaletorch.parallel.flat_unit import FlatUnit, NamedModules
 
-NamedModules = Sequence[Tuple[str, nn.Module]]  # (name inside the model, module)
+Units = List[Tuple[str, NamedModules]]  # (unit name, [(module name, module), ...])
 
 
-class FlatUnit:
-    """Some modules' parameters as one flat vector of P' elements, and this rank's shard.
+class ShardedDataParallel(nn.Module):
+    """ZeRO stage 1, 2 or 3 of ``module`` over ``group`` (see the module docstring).
 
-    Each parameter is replaced in its module by a plain leaf tensor that lives on the storage
-    of ``self.flat`` (same shape, requires grad), so writing ``flat`` (an all-gather) sets every
-    parameter, and resizing its storage to 0 frees them all (stage 3) even while autograd still
-    holds views of them (``weight.t()`` saved by a matmul). ``shard`` (S elements, a Parameter)
-    is what the optimizer updates: a view of ``flat`` when the full parameters stay (stages 1,
-    2), its own tensor otherwise (stage 3). Stage 1 also keeps a full flat gradient buffer that
-    the parameters' ``.grad`` are views of, so backward accumulates into it in place.
+    ``units`` lists (name, [(name of the module in ``module``, module), ...]) in forward order;
+    every parameter must be in exactly one unit. The wrapper's parameters (``self.shards``, one
+    flat (S,) shard per unit) are all that the optimizer and ``state_dict`` see: this rank's
+    shards. ``Layout`` (layout.py) gathers the full tensors under the original names, each
+    unit's with ``FlatUnit.all_gather_flat``; clipping counts each shard element once
+    (grad_norm.py).
     """
 
-    def __init__(self, name: str, modules: NamedModules, group: Optional[dist.ProcessGroup],
-                 zero_stage: int) -> None:
-        self.name, self.group, self.zero_stage = name, group, zero_stage
-        self.modules = [module for _, module in modules]
-        self.world, self.rank = comm.group_size(group), comm.group_rank(group)
-        # Every distinct parameter once, with every (module, attribute, name) that holds it.
-        found: Dict[int, Tuple[nn.Parameter, List[Tuple[nn.Module, str, str]]]] = {}
-        for prefix, module in modules:
-            for sub_name, sub in module.named_modules(prefix=prefix):
-                for attr, param in sub._parameters.items():
-                    if param is not None:
-                        found.setdefault(id(param), (param, []))[1].append(
-                            (sub, attr, f"{sub_name}.{attr}"))
-        if not found:
-            raise ValueError(f"unit {name!r} has no parameters")
-        params = [param for param, _ in found.values()]
-        self.names = [[fqn for _, _, fqn in holders] for _, holders in found.values()]
-        self.shapes = [p.shape for p in params]
-        self.offsets = [0]
-        for p in params:
-            self.offsets.append(self.offsets[-1] + p.numel())
-        self.numel = self.offsets[-1]  # P
-        self.shard_numel = -(-self.numel // self.world)  # S = ceil(P / N)
-        self.padded_numel = self.shard_numel * self.world  # P'
-        first = params[0]
-        self.flat = torch.zeros(self.padded_numel, dtype=first.dtype, device=first.device)
-        self.tensors: List[torch.Tensor] = []
-        storage = self.flat.untyped_storage()
-        for param, (_, holders), start in zip(params, found.values(), self.offsets):
-            self.flat[start:start + param.numel()].copy_(param.detach().reshape(-1))
-            # set_ (not a view): the tensor shares flat's storage but not its version counter,
-            # so re-gathering flat between forward and backward is not an in-place error.
-            tensor = torch.empty(0, dtype=first.dtype, device=first.device).set_(
-                storage, start, param.shape).requires_grad_(param.requires_grad)
-            for sub, attr, _ in holders:
-                del sub._parameters[attr]  # the module keeps a plain tensor, not a Parameter
-                setattr(sub, attr, tensor)
-            self.tensors.append(tensor)
-        self.trainable = sum(t.requires_grad for t in self.tensors)
-        own = self.flat[self.rank * self.shard_numel:(self.rank + 1) * self.shard_numel]
-        self.shard = nn.Parameter(own if zero_stage < 3 else own.clone())
-        self.flat_grad: Optional[torch.Tensor] = None
-        if zero_stage == 1:
-            self.flat_grad = torch.zeros_like(self.flat)
-            for tensor, start in zip(self.tensors, self.offsets):
+    def __init__(self, module: nn.Module, units: Units, group, zero_stage: int,
+                 prefetch: bool = True) -> None:
+        super().__init__()
+        if zero_stage not in (1, 2, 3):
+            raise ValueError(f"zero_stage must be 1, 2 or 3, got {zero_stage}")
+        owner: Dict[int, str] = {}
+        for unit_name, modules in units:
+            for prefix, sub in modules:
+                for name, param in sub.named_parameters(prefix=prefix):
+                    if owner.setdefault(id(param), unit_name) != unit_name:
+                        raise ValueError(f"parameter {name!r} is in units {owner[id(param)]!r} "
+                                         f"and {unit_name!r} (e.g. tied embeddings); a "
+                                         f"parameter must be in exactly one unit")
+        missing = [name for name, p in module.named_parameters() if id(p) not in owner]
+        if missing:
+            raise ValueError(f"parameters in no unit: {missing}")
+        self.module = module
+        self.group = group
+        self.zero_stage = zero_stage
+        self.prefetch = prefetch
+        self.units = [FlatUnit(name, modules, group, zero_stage) for name, modules in units]
+        # Parameter names may not contain dots: "layers.0" -> "layers_0".
+        self.shards = nn.ParameterDict({u.name.replace(".", "_"): u.shard for u in self.units})
+        self._sync = True
+        self._ready = [0] * len(self.units)  # gradients received in this backward, per unit
+        self._dirty = [False] * len(self.units)  # unit holds gradients not yet reduced
+        self._pending = None  # (work, finish) of the reduce-scatter in flight
+        self._gathering: Dict[int, object] = {}  # unit -> work of an async all-gather (prefetch)
+        self.peak_gathered_units = 0  # stage 3: most units full at the same time
+        self.peak_gathered_bytes = 0
+        self.register_state_dict_post_hook(self._copy_shards)
+        self.register_load_state_dict_post_hook(self._gather_after_load)
+        for i, unit in enumerate(self.units):
+            for tensor in unit.tensors:
                 if tensor.requires_grad:
-                    tensor.grad = self.flat_grad[start:start + tensor.numel()].view(tensor.shape)
-        if zero_stage == 3:
-            self.free()
+                    tensor.register_post_accumulate_grad_hook(partial(self._on_grad, i))
+            if zero_stage == 3:
+                unit.modules[0].register_forward_pre_hook(partial(self._pre_forward, i))
+                unit.modules[-1].register_forward_hook(partial(self._post_forward, i))
 
     @property
-    def gathered_bytes(self) -> int:
-        """Bytes of full parameters this unit holds right now (0 when freed)."""
-        return self.flat.untyped_storage().nbytes()
+    def numel(self) -> int:
+        """Psi: parameters of the model."""
+        return sum(u.numel for u in self.units)
 
-    def gather(self, async_op: bool = False):
-        """All-gather every rank's shard into ``flat`` over the group: (S,) -> (P',)."""
-        if self.gathered_bytes == 0:
-            self.flat.untyped_storage().resize_(self.padded_numel * self.flat.element_size())
-        source = self.shard.detach()
-        if self.zero_stage < 3:
-            source = source.clone()  # the shard is a slice of flat: do not alias in and out
-        return comm.all_gather_into_tensor(self.flat, source, self.group, async_op=async_op)
+    @property
+    def padded_numel(self) -> int:
+        """Psi': parameters plus each unit's padding to a multiple of N."""
+        return sum(u.padded_numel for u in self.units)
 
-    def free(self) -> None:
-        """Drop the full parameters (stage 3); every tensor on flat's storage goes with it."""
-        self.flat.untyped_storage().resize_(0)
+    def forward(self, *args, **kwargs):
+        self._ready = [0] * len(self.units)  # one forward, one backward: count afresh
+        return self.module(*args, **kwargs)
 
-    def reduce_grads(self) -> Tuple[object, object]:
-        """Start the reduce-scatter of this unit's gradients over the group: (P',) -> (S,).
+    # ---- stage 3: gather before use, free after -----------------------------------------
 
-        Gradients are averaged (divided by N), so the shard's gradient is that of the global
-        mean loss. Returns (work, finish); call ``finish()`` after ``work.wait()``. Stages 2, 3
-        free the full gradients here; stage 1 keeps them (its flat gradient buffer).
-        """
-        if self.flat_grad is not None:
-            full = self.flat_grad
-        else:
-            pieces = [
-                t.grad.reshape(-1) if t.grad is not None else self.flat.new_zeros(t.numel())
-                for t in self.tensors
-            ]
-            pieces.append(self.flat.new_zeros(self.padded_numel - self.numel))
-            full = torch.cat(pieces)  # (P',)
-            for tensor in self.tensors:
-                tensor.grad = None
-        full.div_(self.world)
-        out = torch.empty_like(self.shard)
-        work = comm.reduce_scatter_tensor(out, full, self.group, async_op=True)
+    def _gather(self, i: int, async_op: bool = False) -> None:
+        """Make unit i's full parameters available (with ``async_op``: start to)."""
+        if i in self._gathering:
+            if not async_op:
+                self._gathering.pop(i).wait()
+            return
+        unit = self.units[i]
+        if unit.gathered_bytes:
+            return
+        work = unit.gather(async_op)
+        if async_op and work is not None:
+            self._gathering[i] = work
+        held = [u.gathered_bytes for u in self.units if u.gathered_bytes]
+        self.peak_gathered_units = max(self.peak_gathered_units, len(held))
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, sum(held))
 
-        def finish(full=full, out=out) -> None:  # full stays alive until the work is done
-            if self.flat_grad is not None:
-                own = self.flat_grad[self.rank * self.shard_numel:(self.rank + 1) *
-                                     self.shard_numel]
-                own.copy_(out)
-                self.shard.grad = own  # still one full gradient buffer (4 Psi), as stage 1 says
-            elif self.shard.grad is None:
-                self.shard.grad = out
-            else:
-                self.shard.grad += out
+    def _free(self, i: int) -> None:
+        if i in self._gathering:  # never free a buffer that a transfer is writing
+            self._gathering.pop(i).wait()
+        self.units[i].free()
 
-        return work, finish
+    def _pre_forward(self, i: int, module: nn.Module, args) -> None:
+        self._gather(i)
+        if self.prefetch and i + 1 < len(self.units):
+            self._gather(i + 1, async_op=True)
 
-    def zero_grad(self) -> None:
-        """Stage 1: zero the flat gradient buffer in place (the parameters' grads view it)."""
-        if self.flat_grad is not None:
-            self.flat_grad.zero_()
-        else:
-            for tensor in self.tensors:
-                tensor.grad = None
+    def _post_forward(self, i: int, module: nn.Module, args, output) -> None:
+        self._free(i)
+        if torch.is_tensor(output) and output.requires_grad:
+            # Fires when the gradient of the unit's output is ready: its backward starts.
+            output.register_hook(partial(self._pre_backward, i))
 
-    def all_gather_flat(self, shard: torch.Tensor) -> torch.Tensor:
-        """A new (P',) vector of every rank's (S,) ``shard`` (the parameters' shard, or an AdamW
-        state shaped like it), all-gathered over the group: how ``Layout`` un-shards a unit."""
-        flat = shard.new_empty(self.padded_numel)
-        comm.all_gather_into_tensor(flat, shard.detach().contiguous(), self.group)
-        return flat
+    def _pre_backward(self, i: int, grad: torch.Tensor) -> None:
+        self._gather(i)
+        if self.prefetch and i > 0:
+            self._gather(i - 1, async_op=True)  # backward runs the units in reverse
+
+    # ---- gradients: one reduce-scatter per unit, once per accumulation --------------------
+
+    def _on_grad(self, i: int, tensor: torch.Tensor) -> None:
+        self._ready[i] += 1
+        self._dirty[i] = True
+        if self._ready[i] == self.units[i].trainable:  # the unit's backward is complete
+            if self._sync:
+                self._reduce(i)
+            if self.zero_stage == 3:
+                self._free(i)
+
+    def _reduce(self, i: int) -> None:
+        # One reduce-scatter in flight at a time: its full-size input is freed sooner.
+        self._wait_reduce()
+        self._pending = self.units[i].reduce_grads()
+        self._dirty[i] = False
+
+    def _wait_reduce(self) -> None:
+        if self._pending is not None:
+            work, finish = self._pending
+            if work is not None:
+                work.wait()
+            finish()
+            self._pending = None
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward accumulates full gradients and reduces nothing (all but the last
+        micro-batch); stage 3 still gathers and frees the parameters around each unit."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    def finish_grad_sync(self) -> None:
+        """Reduce what the hooks left (units with unused parameters), wait for all of it."""
+        for i, dirty in enumerate(self._dirty):
+            if dirty:
+                self._reduce(i)
+        self._wait_reduce()
+        if self.zero_stage == 3:
+            for i in range(len(self.units)):
+                self._free(i)
+
+    # ---- what ZeroAdamW calls -------------------------------------------------------------
+
+    @torch.no_grad()
+    def gather_params(self) -> None:
+        """Stages 1, 2: all-gather every rank's updated shard into the full parameters."""
+        if self.zero_stage == 3:
+            return  # stage 3 gathers each unit just before it is used
+        works = [unit.gather(async_op=True) for unit in self.units]
+        for work in works:
+            if work is not None:
+                work.wait()
+
+    def zero_grad_buffers(self) -> None:
+        """Clear the full-size gradients (stage 1 zeroes its flat buffers in place)."""
+        for unit in self.units:
+            unit.zero_grad()
+
+    # ---- checkpoints ------------------------------------------------------------------------
+
+    # The state dict is this rank's shards {"shards.<unit>": (S,)}, saved by the same rank of
+    # the same N. Hooks, not overrides, so that it also works when the wrapper sits inside a
+    # container (a pipeline's chunks): nn.Module's recursion runs every submodule's hooks.
+
+    @staticmethod
+    def _copy_shards(module: nn.Module, state_dict: Dict[str, Any], prefix: str,
+                     local_metadata: Any) -> None:
+        """state_dict post-hook: copy each shard. In stages 1 and 2 a shard is a view of the
+        full flat parameters, and torch.save would write the whole of them."""
+        for key in [k for k in state_dict if k.startswith(prefix + "shards.")]:
+            if not isinstance(state_dict[key], nn.Parameter):  # keep_vars=True wants the vars
+                state_dict[key] = state_dict[key].clone()
+
+    @staticmethod
+    def _gather_after_load(module: nn.Module, incompatible_keys: Any) -> None:
+        """load_state_dict post-hook: stages 1, 2 rebuild the full parameters from the loaded
+        shards (an all-gather: every rank of the group loads)."""
+        module.gather_params()
+
+
+def check_zero_layout(zero_stage: int, pgm) -> None:
+    """ZeRO shards over data parallel only in this chapter (chapter 07 combines strategies)."""
+    if zero_stage not in (1, 2, 3):
+        raise ValueError(f"zero_stage must be 1, 2 or 3, got {zero_stage}")
+    other = {
+        "tensor_model_parallel_size": pgm.tensor_model_parallel_world_size,
+        "pipeline_model_parallel_size": pgm.pipeline_model_parallel_world_size,
+        "expert_model_parallel_size": pgm.expert_model_parallel_world_size,
+    }
+    unsupported = [f"{name} ({size})" for name, size in other.items() if size > 1]
+    if unsupported:
+        raise ValueError(f"zero_stage {zero_stage} shards over data parallel only; got "
+                         f"{', '.join(unsupported)}")
+
+
+def llama_units(model: nn.Module) -> List[Tuple[str, NamedModules]]:
+    """The sharding units of a Llama, in forward order: embedding, each block, head.
+
+    Also of a pipeline chunk (chapter 04), which holds some of them: its ``layers`` are keyed
+    by their index in the full model, and a stage without the embedding or the head has None.
+    """
+    layers = model.layers.items() if isinstance(model.layers, nn.ModuleDict) \
+        else enumerate(model.layers)
+    units = [("embed_tokens", [("embed_tokens", model.embed_tokens)])] \
+        if model.embed_tokens is not None else []
+    units += [(f"layers.{i}", [(f"layers.{i}", layer)]) for i, layer in layers]
+    if model.lm_head is not None:
+        units.append(("head", [("norm", model.norm), ("lm_head", model.lm_head)]))
+    return units
+
+
+def apply_zero(model: nn.Module, pgm, zero_stage: int,
+               prefetch: bool = True) -> ShardedDataParallel:
+    """Shard a Llama over ``pgm.data_parallel_group_with_context`` (ZeRO ``zero_stage``).
+
+    Every rank must pass the same weights (build_model with one seed). Pair the result with
+    ``ZeroAdamW(model, ...)``; ``parallelize`` also gives the Trainer the clip that counts
+    each shard element once (``Layout.replicas``).
+    """
+    check_zero_layout(zero_stage, pgm)
+    return ShardedDataParallel(model, llama_units(model), pgm.data_parallel_group_with_context,
+                               zero_stage, prefetch)
 
 
 class ZeroAdamW(torch.optim.AdamW):
@@ -189,127 +301,3 @@ class ZeroAdamW(torch.optim.AdamW):
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
         self.model.zero_grad_buffers()
-
-
-# ---- the ledgers ----------------------------------------------------------------------------
-
-
-def memory_formula(zero_stage: int, numel: int, world: int,
-                   element_size: int = 4) -> Dict[str, float]:
-    """Bytes per rank the formulas predict for ``numel`` parameters (Psi) over N = ``world``.
-
-    Stage 0 is plain data parallel (16 Psi). Exact integers when N divides ``numel`` (pass the
-    padded count P' to compare with a measurement).
-    """
-    if zero_stage not in (0, 1, 2, 3):
-        raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage}")
-    psi = numel * element_size
-    shard = psi // world if psi % world == 0 else psi / world
-    return {
-        "params": shard if zero_stage == 3 else psi,
-        "grads": shard if zero_stage >= 2 else psi,
-        "optimizer": 2 * shard if zero_stage >= 1 else 2 * psi,
-    }
-
-
-def comm_formula(zero_stage: int, numel: int, num_micro_batches: int = 1) -> Dict[str, int]:
-    """Elements each collective carries per step (the full flat size, as the ledger records).
-
-    A ring moves (N-1)/N of them per rank. Stages 1, 2: reduce-scatter + all-gather of Psi;
-    stage 3: all-gather 2 m Psi (forward and backward of m micro-batches) + reduce-scatter Psi.
-    """
-    if zero_stage not in (1, 2, 3):
-        raise ValueError(f"zero_stage must be 1, 2 or 3, got {zero_stage}")
-    gathers = 2 * num_micro_batches if zero_stage == 3 else 1
-    return {"all_gather": gathers * numel, "reduce_scatter": numel}
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """The part of a (possibly DTensor) tensor that lives on this rank."""
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
-
-
-def measure_memory(model: nn.Module, optimizer: torch.optim.Optimizer) -> Dict[str, int]:
-    """Bytes this rank holds now for parameters, gradients and optimizer state.
-
-    Counts each storage once, whole (so padding and the full buffer behind a shard view are
-    included); DTensors (FSDP2) count their local shard; scalar state (Adam's step) is left out.
-    """
-
-    def total(tensors) -> int:
-        seen = {}
-        for t in tensors:
-            storage = _local(t).untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes()
-        return sum(seen.values())
-
-    params = list(model.parameters())
-    state = [
-        v for s in optimizer.state.values() for v in s.values()
-        if torch.is_tensor(v) and v.dim() > 0
-    ]
-    return {
-        "params": total(params),
-        "grads": total(p.grad for p in params if p.grad is not None),
-        "optimizer": total(state),
-    }
-
-
-KINDS = ("params", "grads", "optimizer", "peak_gathered")
-
-
-def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer, zero_stage: int, numel: int,
-                  padded_numel: int, group: Optional[dist.ProcessGroup]) -> str:
-    """The memory ledger of every rank of ``group`` (gathered over it) next to the formula.
-
-    Collective over ``group``; returns the same table on every rank. ``peak_gathered`` is the
-    most bytes of full parameters our stage-3 wrapper held at once (0 in stages 1, 2: they
-    keep the full parameters anyway; "-" for FSDP2, which we do not track).
-    """
-    mine = measure_memory(model, optimizer)
-    mine["peak_gathered"] = getattr(model, "peak_gathered_bytes", -1)  # -1: not tracked
-    row = torch.tensor([[mine[k] for k in KINDS]], dtype=torch.float64,
-                       device=next(model.parameters()).device)
-    rows = row.new_empty(comm.group_size(group), len(KINDS))
-    with get_ledger().paused():  # bookkeeping, not the strategy's traffic
-        comm.all_gather_into_tensor(rows, row, group)
-    n = comm.group_size(group)
-    formula = memory_formula(zero_stage, padded_numel, n)
-    names = {0: "baseline", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
-    *symbols, total_symbol = {
-        0: ("4Psi", "4Psi", "8Psi", "16Psi"),
-        1: ("4Psi", "4Psi", "8Psi/N", "8Psi+8Psi/N"),
-        2: ("4Psi", "4Psi/N", "8Psi/N", "4Psi+12Psi/N"),
-        3: ("4Psi/N", "4Psi/N", "8Psi/N", "16Psi/N"),
-    }[zero_stage]
-    lines = [
-        f"memory per rank, bytes ({names[zero_stage]}, N = {n}, Psi = {numel:,}, "
-        f"Psi' = {padded_numel:,} with padding to multiples of N)",
-        f"{'rank':<10}{'params':>12}{'grads':>12}{'optimizer':>12}{'total':>14}"
-        f"{'peak gathered':>16}",
-    ]
-    for r, values in enumerate(rows.tolist()):
-        peak = f"{int(values[3]):,}" if values[3] >= 0 else "-"
-        lines.append(f"{r:<10}" + "".join(f"{int(v):>12,}" for v in values[:3]) +
-                     f"{int(sum(values[:3])):>14,}{peak:>16}")
-    total = sum(formula.values())
-    lines.append(f"{'formula':<10}" + "".join(f"{int(formula[k]):>12,}"
-                                              for k in KINDS[:3]) + f"{int(total):>14,}")
-    lines.append(f"{'':<10}" + "".join(f"{s:>12}" for s in symbols) + f"{total_symbol:>14}" +
-                 ("   + units in flight" if zero_stage == 3 else ""))
-    return "\n".join(lines)
-
-
-def comm_report(zero_stage: int, padded_numel: int, num_micro_batches: int, world: int,
-                step: int) -> str:
-    """The ledger's all-gather and reduce-scatter volume of ``step`` next to the formula."""
-    ledger = get_ledger()
-    formula = comm_formula(zero_stage, padded_numel, num_micro_batches)
-    measured = {op: int(ledger.total(op=op, step=step)) for op in formula}
-    wire = sum(ledger.total(op=op, step=step, field="wire_bytes") for op in formula)
-    expected_wire = sum(formula.values()) * 4 * (world - 1) / world
-    gathers = "Psi'" if zero_stage < 3 else f"2 x {num_micro_batches} x Psi'"
-    return (f"formula, step {step}: all-gather {gathers} = {formula['all_gather']:,} elements "
-            f"(measured {measured['all_gather']:,}), reduce-scatter Psi' = "
-            f"{formula['reduce_scatter']:,} (measured {measured['reduce_scatter']:,}); on the "
-            f"wire (N-1)/N x 4 B each: {expected_wire / 1e6:.3f} MB (measured {wire / 1e6:.3f})")

@@ -8,7 +8,7 @@ background load hits all alike; a step's time is the slowest rank's, and a row r
 median over rounds of the ratio to ``fully_shard``. Target: ZeRO-3 <= 1.2 x fully_shard.
 Then the elements each stage gathers and reduce-scatters per step, and the bytes each rank
 holds after a step (parameters, gradients, AdamW state; the most of any rank), next to the
-formulas of zero.py.
+formulas of zero_memory.py.
 
     python scripts/benchmark.py --only fsdp --steps 10 --repeats 3
 """
@@ -19,9 +19,10 @@ import torch
 
 from scaletorch.dist import destroy_pg_manager, get_ledger, init_pg_manager
 from scaletorch.models import LlamaConfig, build_model
-from scaletorch.parallel.fsdp import apply_fully_shard, apply_zero
 from scaletorch.parallel.grad_norm import clip_grads_, world_grad_norm
-from scaletorch.parallel.zero import ZeroAdamW, comm_formula, measure_memory, memory_formula
+from scaletorch.parallel.native import apply_fully_shard
+from scaletorch.parallel.zero import ZeroAdamW, apply_zero
+from scaletorch.parallel.zero_memory import comm_formula, measure_memory, memory_formula
 from scaletorch.trainer import forward_backward
 from scripts.benchmarks import timing
 

@@ -1,0 +1,154 @@
+"""Flat units: some modules' parameters laid end to end in one vector, cut into N shards.
+
+The building block of the hand-written ZeRO (zero.py). The parameters of one *unit* (the
+embedding, one transformer block, the head) are laid end to end in a flat vector of P elements,
+padded with zeros to P' = N * ceil(P / N) so that it cuts into N equal shards of S = P' / N
+elements, over the N ranks of the unit's group:
+
+    flat   | shard 0 | shard 1 | ... | shard N-1 |pad|        rank r owns shard r: it keeps
+             rank 0    rank 1          rank N-1               the Adam state for it, updates it
+
+A unit all-gathers its shards into ``flat`` (every parameter is a view of it) and frees it
+again, and reduce-scatters its gradients so that each rank ends with its shard's sum.
+"""
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from scaletorch.dist import comm
+
+NamedModules = Sequence[Tuple[str, nn.Module]]  # (name inside the model, module)
+
+
+class FlatUnit:
+    """Some modules' parameters as one flat vector of P' elements, and this rank's shard.
+
+    Each parameter is replaced in its module by a plain leaf tensor that lives on the storage
+    of ``self.flat`` (same shape, requires grad), so writing ``flat`` (an all-gather) sets every
+    parameter, and resizing its storage to 0 frees them all (stage 3) even while autograd still
+    holds views of them (``weight.t()`` saved by a matmul). ``shard`` (S elements, a Parameter)
+    is what the optimizer updates: a view of ``flat`` when the full parameters stay (stages 1,
+    2), its own tensor otherwise (stage 3). Stage 1 also keeps a full flat gradient buffer that
+    the parameters' ``.grad`` are views of, so backward accumulates into it in place.
+    """
+
+    def __init__(self, name: str, modules: NamedModules, group: Optional[dist.ProcessGroup],
+                 zero_stage: int) -> None:
+        self.name, self.group, self.zero_stage = name, group, zero_stage
+        self.modules = [module for _, module in modules]
+        self.world, self.rank = comm.group_size(group), comm.group_rank(group)
+        # Every distinct parameter once, with every (module, attribute, name) that holds it.
+        found: Dict[int, Tuple[nn.Parameter, List[Tuple[nn.Module, str, str]]]] = {}
+        for prefix, module in modules:
+            for sub_name, sub in module.named_modules(prefix=prefix):
+                for attr, param in sub._parameters.items():
+                    if param is not None:
+                        found.setdefault(id(param), (param, []))[1].append(
+                            (sub, attr, f"{sub_name}.{attr}"))
+        if not found:
+            raise ValueError(f"unit {name!r} has no parameters")
+        params = [param for param, _ in found.values()]
+        self.names = [[fqn for _, _, fqn in holders] for _, holders in found.values()]
+        self.shapes = [p.shape for p in params]
+        self.offsets = [0]
+        for p in params:
+            self.offsets.append(self.offsets[-1] + p.numel())
+        self.numel = self.offsets[-1]  # P
+        self.shard_numel = -(-self.numel // self.world)  # S = ceil(P / N)
+        self.padded_numel = self.shard_numel * self.world  # P'
+        first = params[0]
+        self.flat = torch.zeros(self.padded_numel, dtype=first.dtype, device=first.device)
+        self.tensors: List[torch.Tensor] = []
+        storage = self.flat.untyped_storage()
+        for param, (_, holders), start in zip(params, found.values(), self.offsets):
+            self.flat[start:start + param.numel()].copy_(param.detach().reshape(-1))
+            # set_ (not a view): the tensor shares flat's storage but not its version counter,
+            # so re-gathering flat between forward and backward is not an in-place error.
+            tensor = torch.empty(0, dtype=first.dtype, device=first.device).set_(
+                storage, start, param.shape).requires_grad_(param.requires_grad)
+            for sub, attr, _ in holders:
+                del sub._parameters[attr]  # the module keeps a plain tensor, not a Parameter
+                setattr(sub, attr, tensor)
+            self.tensors.append(tensor)
+        self.trainable = sum(t.requires_grad for t in self.tensors)
+        own = self.flat[self.rank * self.shard_numel:(self.rank + 1) * self.shard_numel]
+        self.shard = nn.Parameter(own if zero_stage < 3 else own.clone())
+        self.flat_grad: Optional[torch.Tensor] = None
+        if zero_stage == 1:
+            self.flat_grad = torch.zeros_like(self.flat)
+            for tensor, start in zip(self.tensors, self.offsets):
+                if tensor.requires_grad:
+                    tensor.grad = self.flat_grad[start:start + tensor.numel()].view(tensor.shape)
+        if zero_stage == 3:
+            self.free()
+
+    @property
+    def gathered_bytes(self) -> int:
+        """Bytes of full parameters this unit holds right now (0 when freed)."""
+        return self.flat.untyped_storage().nbytes()
+
+    def gather(self, async_op: bool = False):
+        """All-gather every rank's shard into ``flat`` over the group: (S,) -> (P',)."""
+        if self.gathered_bytes == 0:
+            self.flat.untyped_storage().resize_(self.padded_numel * self.flat.element_size())
+        source = self.shard.detach()
+        if self.zero_stage < 3:
+            source = source.clone()  # the shard is a slice of flat: do not alias in and out
+        return comm.all_gather_into_tensor(self.flat, source, self.group, async_op=async_op)
+
+    def free(self) -> None:
+        """Drop the full parameters (stage 3); every tensor on flat's storage goes with it."""
+        self.flat.untyped_storage().resize_(0)
+
+    def reduce_grads(self) -> Tuple[object, object]:
+        """Start the reduce-scatter of this unit's gradients over the group: (P',) -> (S,).
+
+        Gradients are averaged (divided by N), so the shard's gradient is that of the global
+        mean loss. Returns (work, finish); call ``finish()`` after ``work.wait()``. Stages 2, 3
+        free the full gradients here; stage 1 keeps them (its flat gradient buffer).
+        """
+        if self.flat_grad is not None:
+            full = self.flat_grad
+        else:
+            pieces = [
+                t.grad.reshape(-1) if t.grad is not None else self.flat.new_zeros(t.numel())
+                for t in self.tensors
+            ]
+            pieces.append(self.flat.new_zeros(self.padded_numel - self.numel))
+            full = torch.cat(pieces)  # (P',)
+            for tensor in self.tensors:
+                tensor.grad = None
+        full.div_(self.world)
+        out = torch.empty_like(self.shard)
+        work = comm.reduce_scatter_tensor(out, full, self.group, async_op=True)
+
+        def finish(full=full, out=out) -> None:  # full stays alive until the work is done
+            if self.flat_grad is not None:
+                own = self.flat_grad[self.rank * self.shard_numel:(self.rank + 1) *
+                                     self.shard_numel]
+                own.copy_(out)
+                self.shard.grad = own  # still one full gradient buffer (4 Psi), as stage 1 says
+            elif self.shard.grad is None:
+                self.shard.grad = out
+            else:
+                self.shard.grad += out
+
+        return work, finish
+
+    def zero_grad(self) -> None:
+        """Stage 1: zero the flat gradient buffer in place (the parameters' grads view it)."""
+        if self.flat_grad is not None:
+            self.flat_grad.zero_()
+        else:
+            for tensor in self.tensors:
+                tensor.grad = None
+
+    def all_gather_flat(self, shard: torch.Tensor) -> torch.Tensor:
+        """A new (P',) vector of every rank's (S,) ``shard`` (the parameters' shard, or an AdamW
+        state shaped like it), all-gathered over the group: how ``Layout`` un-shards a unit."""
+        flat = shard.new_empty(self.padded_numel)
+        comm.all_gather_into_tensor(flat, shard.detach().contiguous(), self.group)
+        return flat
