@@ -16,5 +16,8 @@ setup(
             "pre-commit-hooks"
         ],
         "plot": ["matplotlib"],
+        # Hugging Face checkpoints (safetensors), tokenizer.json files (tokenizers); transformers
+        # only for the comparison tests and doc/10's cross-check.
+        "hf": ["safetensors", "tokenizers", "transformers"],
     },
 )

@@ -1,0 +1,292 @@
+"""Hugging Face Llama checkpoints in and out: config.json + safetensors <-> our ``Llama``.
+
+A Hugging Face Llama directory holds ``config.json`` and the weights, either one
+``model.safetensors`` or shards listed by ``model.safetensors.index.json``. Our module tree
+mirrors ``LlamaForCausalLM``'s, so the name mapping is one prefix:
+
+    HF                                          ours
+    model.embed_tokens.weight                   embed_tokens.weight
+    model.layers.{i}.self_attn.{q,k,v,o}_proj   layers.{i}.self_attn.{q,k,v,o}_proj
+    model.layers.{i}.mlp.{gate,up,down}_proj    layers.{i}.mlp.{gate,up,down}_proj
+    model.layers.{i}.{input,post_attention}_layernorm.weight   (same, without "model.")
+    model.norm.weight                           norm.weight
+    lm_head.weight (absent when tied)           lm_head.weight (the embedding when tied)
+
+No permutation of q/k is needed: Hugging Face's Llama rotates channel i with channel i + d/2
+("rotate_half"), and so does ``llama.apply_rope``. (Meta's original checkpoints pair channels
+2i and 2i+1; Hugging Face's conversion script permutes q_proj/k_proj rows once, at conversion,
+so every HF directory is already in the rotate-half layout.)
+
+Loading reads and checks every tensor before it builds the model, so a bad directory raises
+one ValueError naming the file and the tensor and nothing is half-loaded. Needs the optional
+``hf`` extra (``pip install -e ".[hf]"``) for ``safetensors``.
+"""
+
+import json
+import os
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from scaletorch.models.llama import Llama, LlamaConfig
+
+CONFIG_FILE = "config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+ARCHITECTURE = "LlamaForCausalLM"
+HF_PREFIX = "model."
+# Buffers some older exports saved; recomputed from the config, so skipped on load.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq", )
+
+
+def require_hf(module: str) -> Any:
+    """Import an optional dependency of the ``hf`` extra, or say how to install it."""
+    try:
+        return __import__(module)
+    except ImportError as err:
+        raise ImportError(f"{module} is needed for Hugging Face checkpoints and tokenizers: "
+                          f'pip install -e ".[hf]" (or pip install {module})') from err
+
+
+def to_hf_name(name: str) -> str:
+    """Our parameter name -> the Hugging Face name (lm_head stays at the top)."""
+    return name if name.startswith("lm_head.") else HF_PREFIX + name
+
+
+def from_hf_name(name: str) -> str:
+    """A Hugging Face parameter name -> ours."""
+    return name[len(HF_PREFIX):] if name.startswith(HF_PREFIX) else name
+
+
+def _rope_theta(hf: Dict[str, Any], path: str) -> float:
+    """RoPE theta from either config style, refusing scaled RoPE we do not implement.
+
+    transformers >= 5 writes ``rope_parameters: {rope_type, rope_theta}``; 4.x wrote a top-level
+    ``rope_theta`` and ``rope_scaling`` (null or {type/rope_type, factor, ...}).
+    """
+    params = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or {}
+    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type")
+    if rope_type not in (None, "default"):
+        raise ValueError(
+            f"{path}: rope type {rope_type!r} is not supported: our Llama implements plain RoPE "
+            f"(rope_type 'default') with a theta; Llama 3.1+ style 'llama3', 'linear', 'dynamic' "
+            f"and 'yarn' scaling change the frequencies and would give different logits")
+    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+
+
+def config_from_hf(hf: Dict[str, Any], path: str = CONFIG_FILE) -> LlamaConfig:
+    """A Hugging Face Llama config dict -> our LlamaConfig (ValueError for what we lack)."""
+    architectures = hf.get("architectures") or []
+    if hf.get("model_type") != "llama" or ARCHITECTURE not in architectures:
+        raise ValueError(f"{path}: model_type {hf.get('model_type')!r} / architectures "
+                         f"{architectures} is not a Llama ({ARCHITECTURE}, model_type 'llama')")
+    for key, wanted in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
+        if hf.get(key, wanted) != wanted:
+            raise ValueError(f"{path}: {key} = {hf[key]!r} is not supported (ours: {wanted!r})")
+    heads = hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    if head_dim * heads != hf["hidden_size"]:
+        raise ValueError(f"{path}: head_dim {head_dim} x num_attention_heads {heads} != "
+                         f"hidden_size {hf['hidden_size']}; ours needs head_dim = hidden / heads")
+    return LlamaConfig(vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+                       intermediate_size=hf["intermediate_size"],
+                       num_layers=hf["num_hidden_layers"], num_attention_heads=heads,
+                       num_key_value_heads=hf.get("num_key_value_heads") or heads,
+                       max_seq_len=hf.get("max_position_embeddings", 2048),
+                       rope_theta=_rope_theta(hf, path), norm_eps=hf.get("rms_norm_eps", 1e-6),
+                       tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)))
+
+
+def config_to_hf(config: LlamaConfig, dtype: torch.dtype) -> Dict[str, Any]:
+    """Our LlamaConfig -> a config.json that transformers 4.x and 5.x both read."""
+    if config.num_experts > 0:
+        raise ValueError(f"a mixture-of-experts model (num_experts {config.num_experts}) has "
+                         f"no LlamaForCausalLM equivalent")
+    return {
+        "architectures": [ARCHITECTURE],
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+        "max_position_embeddings": config.max_seq_len,
+        "rms_norm_eps": config.norm_eps,
+        "rope_theta": config.rope_theta,  # 4.x reads this, 5.x reads rope_parameters
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": config.rope_theta
+        },
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        "dtype": str(dtype).removeprefix("torch.")
+    }
+
+
+def load_hf_config(path: str) -> LlamaConfig:
+    """Read ``path/config.json`` into our LlamaConfig."""
+    file = os.path.join(path, CONFIG_FILE)
+    if not os.path.isfile(file):
+        raise ValueError(f"{path} is not a Hugging Face model directory: {CONFIG_FILE} is missing")
+    try:
+        with open(file) as f:
+            hf = json.load(f)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{file} is not valid JSON: {err}") from err
+    return config_from_hf(hf, file)
+
+
+def _weight_files(path: str) -> Dict[str, List[str]]:
+    """{safetensors file: [HF tensor names it should hold]} (names empty: read them all)."""
+    index = os.path.join(path, INDEX_FILE)
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        files: Dict[str, List[str]] = {}
+        for name, file in weight_map.items():
+            files.setdefault(os.path.join(path, file), []).append(name)
+        for file, names in files.items():
+            if not os.path.isfile(file):
+                raise ValueError(f"shard {file} listed in {index} is missing (it holds "
+                                 f"{names[0]} and {len(names) - 1} more tensors)")
+        return files
+    single = os.path.join(path, SINGLE_FILE)
+    if not os.path.isfile(single):
+        raise ValueError(f"{path} has neither {SINGLE_FILE} nor {INDEX_FILE}")
+    return {single: []}
+
+
+def _read_file(file: str, names: List[str]) -> Dict[str, torch.Tensor]:
+    """Every tensor of one safetensors file (those of ``names`` at least), checked readable."""
+    safetensors = require_hf("safetensors")
+    from safetensors.torch import safe_open
+    out: Dict[str, torch.Tensor] = {}
+    current = "the header"
+    try:
+        with safe_open(file, framework="pt") as f:
+            keys = list(f.keys())
+            for name in names:
+                if name not in keys:
+                    raise ValueError(f"{file} does not hold {name}, which the index says it does")
+            for current in keys:
+                out[current] = f.get_tensor(current)
+    except safetensors.SafetensorError as err:
+        # A truncated file fails on its header or when a tensor's bytes run past its end.
+        raise ValueError(f"{file} is not a readable safetensors file (reading {current}): "
+                         f"{err}") from err
+    return out
+
+
+def load_hf_state_dict(path: str, config: LlamaConfig) -> Dict[str, torch.Tensor]:
+    """All weights of an HF directory, renamed to ours and checked against ``config``.
+
+    Raises ValueError naming the file and tensor for a missing, unexpected or misshapen tensor.
+    """
+    expected = {name: tuple(p.shape) for name, p in _shapes(config).items()}
+    state: Dict[str, torch.Tensor] = {}
+    origin: Dict[str, str] = {}
+    for file, names in _weight_files(path).items():
+        for hf_name, tensor in _read_file(file, names).items():
+            if hf_name.endswith(IGNORED_SUFFIXES):
+                continue
+            name = from_hf_name(hf_name)
+            if name not in expected:
+                raise ValueError(f"{file}: tensor {hf_name} is not part of a Llama with this "
+                                 f"config ({path}/{CONFIG_FILE})")
+            if tuple(tensor.shape) != expected[name]:
+                raise ValueError(f"{file}: tensor {hf_name} has shape {tuple(tensor.shape)}, but "
+                                 f"{CONFIG_FILE} implies {expected[name]}")
+            state[name], origin[name] = tensor, file
+    if config.tie_word_embeddings and "lm_head.weight" in state:
+        # Some tied exports save both; they must be the same tensor for the tie to hold.
+        if not torch.equal(state.pop("lm_head.weight"), state["embed_tokens.weight"]):
+            raise ValueError(f"{origin['lm_head.weight']}: lm_head.weight differs from "
+                             f"model.embed_tokens.weight but the config ties them")
+    missing = [to_hf_name(n) for n in expected if n not in state]
+    if missing:
+        raise ValueError(f"{path}: {len(missing)} tensors missing, e.g. {missing[0]}")
+    return state
+
+
+def _shapes(config: LlamaConfig) -> Dict[str, torch.Tensor]:
+    """Our parameter names -> meta tensors of their shapes (tied lm_head omitted)."""
+    with torch.device("meta"):
+        model = Llama(config)
+    names = dict(model.named_parameters())  # named_parameters lists a tied tensor once
+    return names
+
+
+def load_hf_llama(path: str, dtype: torch.dtype = torch.float32) -> Llama:
+    """Build our Llama from a Hugging Face Llama directory, weights cast to ``dtype``."""
+    config = load_hf_config(path)
+    state = load_hf_state_dict(path, config)  # all checked before a model exists
+    with torch.device("meta"):
+        model = Llama(config)
+    model.to_empty(device="cpu")
+    if config.tie_word_embeddings:  # to_empty keeps the tie; re-point it to be sure
+        model.lm_head.weight = model.embed_tokens.weight
+    model.load_state_dict({n: t.to(dtype) for n, t in state.items()}, strict=False)
+    return model.to(dtype)
+
+
+def hf_state_dict(model: Llama, dtype: Optional[torch.dtype] = None) -> Dict[str, torch.Tensor]:
+    """Our model's weights under HF names, contiguous, tied lm_head omitted."""
+    out = {}
+    for name, param in model.named_parameters():  # lists a tied weight once (the embedding)
+        tensor = param.detach().to("cpu", dtype or param.dtype).contiguous()
+        out[to_hf_name(name)] = tensor
+    return out
+
+
+def export_hf_llama(model: Llama, path: str, dtype: Optional[torch.dtype] = None,
+                    max_shard_bytes: Optional[int] = None) -> List[str]:
+    """Write ``model`` as a Hugging Face Llama directory; returns the files written.
+
+    dtype: the stored dtype (default: the model's). max_shard_bytes: split the weights into
+    shards of at most this size with an index, as ``save_pretrained`` does for large models.
+    """
+    require_hf("safetensors")
+    from safetensors.torch import save_file
+    state = hf_state_dict(model, dtype)
+    stored = next(iter(state.values())).dtype
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, CONFIG_FILE), "w") as f:
+        json.dump(config_to_hf(model.config, stored), f, indent=2)
+    shards = _split(state, max_shard_bytes)
+    if len(shards) == 1:
+        files = [os.path.join(path, SINGLE_FILE)]
+        save_file(state, files[0], metadata={"format": "pt"})
+        return [os.path.join(path, CONFIG_FILE)] + files
+    files, weight_map = [], {}
+    for i, shard in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, os.path.join(path, name), metadata={"format": "pt"})
+        files.append(os.path.join(path, name))
+        weight_map.update({tensor: name for tensor in shard})
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    with open(os.path.join(path, INDEX_FILE), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    return [os.path.join(path, CONFIG_FILE), os.path.join(path, INDEX_FILE)] + files
+
+
+def _split(state: Dict[str, torch.Tensor],
+           max_bytes: Optional[int]) -> List[Dict[str, torch.Tensor]]:
+    """Consecutive groups of tensors of at most max_bytes each (a larger tensor alone)."""
+    if max_bytes is None:
+        return [state]
+    shards: List[Dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in state.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+    return shards
