@@ -20,8 +20,8 @@ from scaletorch.models import build_model
 from scaletorch.parallel.consolidated import (load_consolidated, resume_consolidated,
                                               save_consolidated)
 from scaletorch.parallel.grad_norm import clip_grads_, replica_count, world_grad_norm
-from scaletorch.parallel.layout import DTensorLayout, Layout, State
 from scaletorch.parallel.parallelize import Parallelized, parallelize
+from scaletorch.parallel.param_map import DTensorParamMap, ParamMap, State
 from scaletorch.parallel.pipeline_parallel import PipelineModel
 from scaletorch.parallel.zero import ShardedDataParallel
 from scaletorch.trainer import Config, Trainer
@@ -100,20 +100,21 @@ def clip_fn(model: nn.Module, pgm, copies: Optional[int] = None) -> Callable[[fl
 
 def full_state(model: nn.Module, pgm) -> Optional[State]:
     """Collective: the reference-keyed full weights of a model built by hand on global rank 0
-    (None elsewhere), through the one consolidation routine, ``Layout.gather``: tp / ep shards
+    (None elsewhere), through the one consolidation routine, ``ParamMap.gather``: tp / ep shards
     by their tags (inside data-parallel wrappers or not), a ZeRO wrapper's units, a
-    PipelineModel's stages; a model of DTensors (FSDP2, DTensor tp) through ``DTensorLayout``."""
+    PipelineModel's stages; a model of DTensors (FSDP2, DTensor tp) through ``DTensorParamMap``."""
     pipe = model if isinstance(model, PipelineModel) else None
     modules = list(model.chunks) if pipe is not None else [model]
     if isinstance(model, ShardedDataParallel):  # ZeRO over dp_cp alone (chapter 02)
         names = [n for unit in model.units for names in unit.names for n in names]
-        layout = Layout(pgm, dict.fromkeys(names, (None, False)), Layout.zero_entries([model]))
+        splits = dict.fromkeys(names, (None, False))
+        param_map = ParamMap(pgm, splits, ParamMap.zero_entries([model]))
     elif any(isinstance(p, DTensor) for p in model.parameters()):
-        layout = DTensorLayout(pgm, model)
+        param_map = DTensorParamMap(pgm, model)
     else:
-        splits = {k: v for m in modules for k, v in Layout.record_splits(m).items()}
-        layout = Layout(pgm, splits, Layout.plain_entries(modules), pipe)
-    return layout.gather(lambda p: p.detach())
+        splits = {k: v for m in modules for k, v in ParamMap.record_splits(m).items()}
+        param_map = ParamMap(pgm, splits, ParamMap.plain_entries(modules), pipe)
+    return param_map.gather(lambda p: p.detach())
 
 
 def build(cfg: Config, pgm, state=None) -> Tuple[Parallelized, Trainer]:
@@ -134,7 +135,7 @@ def train(cfg: Config) -> dict:
         "losses": result.losses,
         "grad_norms": result.grad_norms,
         "state": par.full_state_dict(),
-        "layout": type(par.layout).__name__,
+        "param_map": type(par.param_map).__name__,
     }
     destroy_pg_manager()
     return out

@@ -51,13 +51,13 @@ def attention_inputs(hq: int, hkv: int, b: int = 2, s: int = 16, d: int = 8):
     return q, k, v, torch.randn(b, s, hq, d, generator=g)
 
 
-def attention_errors(pgm, fn, hq: int, hkv: int, layout: str = "zigzag") -> float:
+def attention_errors(pgm, fn, hq: int, hkv: int, order: str = "zigzag") -> float:
     """Largest |local - full| over the output and dq, dk, dv of this rank's tokens."""
     q, k, v, dout = attention_inputs(hq, hkv)
     full = causal_attention(q, k, v)
     full.backward(dout)
     pos = zigzag_positions(q.size(1), pgm.context_parallel_world_size, pgm.context_parallel_rank,
-                           layout)
+                           order)
     ql, kl, vl = (t.detach()[:, pos].clone().requires_grad_() for t in (q, k, v))
     out = fn(ql, kl, vl)
     out.backward(dout[:, pos])
@@ -108,10 +108,10 @@ def world_of_four(rank: int, world_size: int, cfg: Config) -> dict:
             if hq % cp == 0 and hkv % cp == 0:
                 res["attention"][("ulysses", cp, hq,
                                   hkv)] = attention_errors(pgm, UlyssesAttention(group), hq, hkv)
-        for layout in ("zigzag", "contiguous"):  # contiguous: correct, but unbalanced
-            fn = RingAttention(group, layout=layout)
-            res["attention"][(layout, cp, 4, 2)] = attention_errors(pgm, fn, 4, 2, layout)
-            res["blocks"][(layout, cp)] = dict(fn.blocks)
+        for order in ("zigzag", "contiguous"):  # contiguous: correct, but unbalanced
+            fn = RingAttention(group, order=order)
+            res["attention"][(order, cp, 4, 2)] = attention_errors(pgm, fn, 4, 2, order)
+            res["blocks"][(order, cp)] = dict(fn.blocks)
         destroy_pg_manager()
 
     # RoPE under zigzag: local logits = full logits at the local tokens' positions.
@@ -254,11 +254,11 @@ class TestContextParallelErrors(unittest.TestCase):
         self.assertIn("(4)", str(ctx.exception))
         check_ulysses_heads(8, 4, 4)  # divisible: no error
 
-    def test_unknown_variant_layout_and_impl_raise(self):
+    def test_unknown_variant_order_and_impl_raise(self):
         with self.assertRaises(ValueError):
             apply_context_parallel(build_model(tiny_config().model, 0), None, "striped")
         with self.assertRaises(ValueError):
-            zigzag_positions(16, 2, 0, layout="random")
+            zigzag_positions(16, 2, 0, order="random")
         with self.assertRaises(ValueError):
             RingAttention(None, impl="flash")
 

@@ -13,7 +13,7 @@ import os
 import tempfile
 import unittest
 
-from scaletorch.parallel.layout import DTensorLayout
+from scaletorch.parallel.param_map import DTensorParamMap
 from scaletorch.trainer.parity import max_weight_diff
 from tests.harness import run_distributed
 from tests.layouts import (STEPS, TOL, assert_parity, layout, make_config, parallelize_error,
@@ -88,7 +88,7 @@ class NativeStrategiesComposedOnOneMesh(unittest.TestCase):
     def _assert_native_equals_reference_and_ours(self, name: str) -> None:
         assert_parity(self, self.results, name, self.reference)
         native, ours = self.results[0][name], self.results[0][f"ours {name}"]
-        self.assertEqual(native["layout"], DTensorLayout.__name__)
+        self.assertEqual(native["param_map"], DTensorParamMap.__name__)
         for a, b in zip(native["losses"], ours["losses"]):
             self.assertAlmostEqual(a, b, delta=TOL, msg=name)
         self.assertLessEqual(max_weight_diff(native["state"], ours["state"]), TOL, name)

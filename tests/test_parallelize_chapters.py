@@ -11,7 +11,7 @@ import tempfile
 import unittest
 
 from scaletorch.dist import destroy_pg_manager
-from scaletorch.parallel.layout import DTensorLayout, Layout
+from scaletorch.parallel.param_map import DTensorParamMap, ParamMap
 from tests.harness import run_distributed
 from tests.layouts import (STEPS, TOL, assert_parity, build, config_of, layout, make_config,
                            parallelize_error, pg_manager_for, reference_key, references,
@@ -137,8 +137,8 @@ class ChaptersThroughParallelizeMatchSingleDevice(unittest.TestCase):
     def test_native_layouts_are_described_by_dtensor_layouts_and_ours_by_layouts(self):
         for name, (_, _, parallel) in CHAPTERS.items():
             native = parallel.get("impl") == "torch"
-            expected = DTensorLayout if native else Layout
-            self.assertEqual(self.results[0][name]["layout"], expected.__name__, name)
+            expected = DTensorParamMap if native else ParamMap
+            self.assertEqual(self.results[0][name]["param_map"], expected.__name__, name)
 
     def test_consolidated_checkpoints_of_native_layouts_resume_anywhere(self):
         reference = self.references[(0, 2)][0][SAVE_AT:]

@@ -5,7 +5,7 @@ resume only at the same layout. A consolidated file holds what one device would 
 like chapter 00's model: ``save_consolidated`` gathers it through the layout (collective) and
 writes it from global rank 0; to continue at another layout (or on one device) load its weights
 into the full model *before* ``parallelize`` shards it, then ``resume_consolidated`` gives each
-rank its part of the AdamW state (``Layout.scatter``), the schedule and the step.
+rank its part of the AdamW state (``ParamMap.scatter``), the schedule and the step.
 
     {"step", "model": {name: tensor}, "optimizer": {"step", "exp_avg", "exp_avg_sq"} or None,
      "scheduler": LambdaLR state, "schedule": {steps, lr, min_lr, warmup_steps}}
@@ -27,7 +27,7 @@ def consolidated_state(trainer, par: Parallelized) -> Optional[Dict[str, Any]]:
     global rank 0 (None elsewhere); "optimizer" is None before AdamW's first step."""
     opt = trainer.optimizer
     # AdamW has state once it stepped; every rank must agree before the collective gathers
-    params = par.layout.params()
+    params = par.param_map.params()
     have_state = torch.tensor([float(all(p in opt.state for p in params))], device=params[0].device)
     with get_ledger().paused():
         comm.all_reduce(have_state, op=torch.distributed.ReduceOp.MIN)
@@ -36,9 +36,9 @@ def consolidated_state(trainer, par: Parallelized) -> Optional[Dict[str, Any]]:
         first = opt.state[params[0]]
         optim = {"step": float(first["step"])}
         for key in ("exp_avg", "exp_avg_sq"):
-            optim[key] = par.layout.gather(lambda p, key=key: opt.state[p][key])
+            optim[key] = par.param_map.gather(lambda p, key=key: opt.state[p][key])
     model = par.full_state_dict()
-    if par.layout.pgm.rank != 0:
+    if par.param_map.pgm.rank != 0:
         return None
     return {
         "step": trainer.step,
@@ -106,8 +106,8 @@ def resume_consolidated(trainer, par: Parallelized, state: Dict[str, Any]) -> No
     model first); this sets each rank's part of the AdamW state, the schedule and the step."""
     opt = trainer.optimizer
     if state["optimizer"] is not None:
-        exp_avg = par.layout.scatter(state["optimizer"]["exp_avg"])
-        exp_avg_sq = par.layout.scatter(state["optimizer"]["exp_avg_sq"])
+        exp_avg = par.param_map.scatter(state["optimizer"]["exp_avg"])
+        exp_avg_sq = par.param_map.scatter(state["optimizer"]["exp_avg_sq"])
         for param in exp_avg:
             opt.state[param] = {
                 "step": torch.tensor(state["optimizer"]["step"]),
@@ -119,7 +119,7 @@ def resume_consolidated(trainer, par: Parallelized, state: Dict[str, Any]) -> No
         group["lr"] = lr
     trainer.step = state["step"]
     saved, now = state.get("schedule"), _schedule(trainer.cfg)
-    if saved is not None and saved != now and par.layout.pgm.rank == 0:
+    if saved is not None and saved != now and par.param_map.pgm.rank == 0:
         differ = ", ".join(f"{k} {saved[k]} -> {now[k]}" for k in SCHEDULE if saved[k] != now[k])
         print(
             f"note: resuming a run whose schedule was {differ}: from step {trainer.step} the "

@@ -37,7 +37,7 @@ from scaletorch.dist.comm import Group
 from scaletorch.dist.functional import all_to_all
 from scaletorch.models.llama import causal_attention
 
-LAYOUTS = ("zigzag", "contiguous")
+ORDERS = ("zigzag", "contiguous")
 VARIANTS = ("ring", "ulysses")
 IMPLS = ("math", "fused")
 KV_TAG, DKV_TAG = 1, 2  # distinct tags: K/V and dK/dV are in flight between the same ranks
@@ -45,11 +45,11 @@ KV_TAG, DKV_TAG = 1, 2  # distinct tags: K/V and dK/dV are in flight between the
 # ---- which tokens each rank holds ------------------------------------------------------------
 
 
-def chunk_ids(cp_rank: int, cp_size: int, layout: str = "zigzag") -> Tuple[int, int]:
+def chunk_ids(cp_rank: int, cp_size: int, order: str = "zigzag") -> Tuple[int, int]:
     """The two of the 2 x cp_size sequence chunks that ``cp_rank`` holds, in sequence order."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
-    if layout == "zigzag":
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {', '.join(ORDERS)}, got {order!r}")
+    if order == "zigzag":
         return cp_rank, 2 * cp_size - 1 - cp_rank
     return 2 * cp_rank, 2 * cp_rank + 1
 
@@ -62,7 +62,7 @@ def check_sequence_length(seq_len: int, cp_size: int) -> None:
                          f"chunks: set data.seq_len to a multiple of {2 * cp_size}")
 
 
-def zigzag_positions(seq_len: int, cp_size: int, cp_rank: int, layout: str = "zigzag",
+def zigzag_positions(seq_len: int, cp_size: int, cp_rank: int, order: str = "zigzag",
                      device: Optional[torch.device] = None) -> torch.Tensor:
     """(seq_len / cp_size,) int64: the true positions of the tokens ``cp_rank`` holds.
 
@@ -72,18 +72,18 @@ def zigzag_positions(seq_len: int, cp_size: int, cp_rank: int, layout: str = "zi
     chunk = seq_len // (2 * cp_size)
     return torch.cat([
         torch.arange(c * chunk, (c + 1) * chunk, device=device)
-        for c in chunk_ids(cp_rank, cp_size, layout)
+        for c in chunk_ids(cp_rank, cp_size, order)
     ])
 
 
-def make_sequence_sharder(pgm, seq_len: int, layout: str = "zigzag") -> Callable:
+def make_sequence_sharder(pgm, seq_len: int, order: str = "zigzag") -> Callable:
     """fn(inputs, targets) (b, s) -> (inputs, targets) (b, s/cp) and position_ids (s/cp,).
 
     For ``make_data_parallel_step(..., shard_sequence=fn)``: after the batch is cut over
     data-parallel ranks, this rank keeps its context-parallel tokens.
     """
     positions = zigzag_positions(seq_len, pgm.context_parallel_world_size,
-                                 pgm.context_parallel_rank, layout)
+                                 pgm.context_parallel_rank, order)
 
     def shard(inputs: torch.Tensor, targets: torch.Tensor):
         if inputs.size(1) != seq_len:
@@ -105,24 +105,24 @@ def block_kind(q_chunk: int, kv_chunk: int) -> str:
 
 
 def ring_schedule(cp_rank: int, cp_size: int,
-                  layout: str = "zigzag") -> List[List[Tuple[int, int, str]]]:
+                  order: str = "zigzag") -> List[List[Tuple[int, int, str]]]:
     """Per ring step, (local q half, kv half, kind) of the blocks ``cp_rank`` computes.
 
     At step t the rank holds the K/V of rank (cp_rank - t) mod cp_size.
     """
-    q_chunks = chunk_ids(cp_rank, cp_size, layout)
+    q_chunks = chunk_ids(cp_rank, cp_size, order)
     steps = []
     for t in range(cp_size):
-        kv_chunks = chunk_ids((cp_rank - t) % cp_size, cp_size, layout)
+        kv_chunks = chunk_ids((cp_rank - t) % cp_size, cp_size, order)
         steps.append([(a, b, block_kind(qc, kc)) for a, qc in enumerate(q_chunks)
                       for b, kc in enumerate(kv_chunks)])
     return steps
 
 
-def block_counts(cp_rank: int, cp_size: int, layout: str = "zigzag") -> Dict[str, int]:
+def block_counts(cp_rank: int, cp_size: int, order: str = "zigzag") -> Dict[str, int]:
     """How many full / diagonal / skipped blocks ``cp_rank`` meets in one attention forward."""
     counts = {"full": 0, "diagonal": 0, "skipped": 0}
-    for step in ring_schedule(cp_rank, cp_size, layout):
+    for step in ring_schedule(cp_rank, cp_size, order):
         for _, _, kind in step:
             counts[kind] += 1
     return counts
@@ -242,7 +242,7 @@ class _RingAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, group, layout, impl):
+    def forward(ctx, q, k, v, group, order, impl):
         cp, rank = comm.group_size(group), comm.group_rank(group)
         block_fwd, _ = BLOCK_FNS[impl]
         scale = 1.0 / math.sqrt(q.size(-1))
@@ -253,7 +253,7 @@ class _RingAttention(torch.autograd.Function):
             outs: List[Optional[torch.Tensor]] = [None, None]
             lses: List[Optional[torch.Tensor]] = [None, None]
             kv = torch.stack([k, v])  # one message: (2, b, hkv, s_local, d)
-            for t, blocks in enumerate(ring_schedule(rank, cp, layout)):
+            for t, blocks in enumerate(ring_schedule(rank, cp, order)):
                 if t + 1 < cp:  # post the next K/V before computing: comm overlaps compute
                     next_kv, works = _exchange(kv, group, KV_TAG)
                 ks, vs = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
@@ -270,7 +270,7 @@ class _RingAttention(torch.autograd.Function):
                     kv = next_kv
             out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.layout, ctx.impl, ctx.scale, ctx.dtype = group, layout, impl, scale, dtype
+        ctx.group, ctx.order, ctx.impl, ctx.scale, ctx.dtype = group, order, impl, scale, dtype
         return out.to(dtype)
 
     @staticmethod
@@ -287,7 +287,7 @@ class _RingAttention(torch.autograd.Function):
             dqs = dq.chunk(2, dim=2)  # views: accumulating into them fills dq
             kv = torch.stack([k, v])
             dkv_in, dkv_works = None, []
-            for t, blocks in enumerate(ring_schedule(rank, cp, ctx.layout)):
+            for t, blocks in enumerate(ring_schedule(rank, cp, ctx.order)):
                 if t + 1 < cp:
                     next_kv, kv_works = _exchange(kv, group, KV_TAG)
                 # dkv: gradient w.r.t. the K/V held now, i.e. of rank (rank - t) mod cp
@@ -323,11 +323,11 @@ class RingAttention:
     Called with q (b, s_local, hq, d), k and v (b, s_local, hkv, d); returns (b, s_local, hq, d).
     """
 
-    def __init__(self, group: Group, layout: str = "zigzag", impl: str = "math") -> None:
+    def __init__(self, group: Group, order: str = "zigzag", impl: str = "math") -> None:
         if impl not in IMPLS:
             raise ValueError(f"attention impl must be one of {', '.join(IMPLS)}, got {impl!r}")
-        chunk_ids(0, 1, layout)  # validates layout
-        self.group, self.layout, self.impl = group, layout, impl
+        chunk_ids(0, 1, order)  # validates order
+        self.group, self.order, self.impl = group, order, impl
         self.blocks = {"full": 0, "diagonal": 0, "skipped": 0}  # summed over forward calls
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -337,10 +337,10 @@ class RingAttention:
             raise ValueError(f"local sequence length {q.size(1)} must be even (two chunks)")
         cp, rank = comm.group_size(self.group), comm.group_rank(self.group)
         if get_ledger().phase != "recompute":  # activation checkpointing's rerun: same forward
-            for kind, n in block_counts(rank, cp, self.layout).items():
+            for kind, n in block_counts(rank, cp, self.order).items():
                 self.blocks[kind] += n
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (b, heads, s_local, d)
-        out = _RingAttention.apply(q, k, v, self.group, self.layout, self.impl)
+        out = _RingAttention.apply(q, k, v, self.group, self.order, self.impl)
         return out.transpose(1, 2)
 
 
@@ -374,9 +374,9 @@ class UlyssesAttention:
     the result back.
     """
 
-    def __init__(self, group: Group, layout: str = "zigzag") -> None:
-        chunk_ids(0, 1, layout)
-        self.group, self.layout = group, layout
+    def __init__(self, group: Group, order: str = "zigzag") -> None:
+        chunk_ids(0, 1, order)
+        self.group, self.order = group, order
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         cp = comm.group_size(self.group)
@@ -384,7 +384,7 @@ class UlyssesAttention:
         seq_len = cp * q.size(1)
         # position of each gathered token; argsort puts the sequence in true order
         order = torch.cat(
-            [zigzag_positions(seq_len, cp, r, self.layout, q.device) for r in range(cp)])
+            [zigzag_positions(seq_len, cp, r, self.order, q.device) for r in range(cp)])
         natural = order.argsort()
         q, k, v = (_heads_to_sequence(t, self.group)[:, natural] for t in (q, k, v))
         out = causal_attention(q, k, v)[:, order]  # (b, s, hq / cp, d), back in gathered order
@@ -401,7 +401,7 @@ def check_ulysses_heads(num_q_heads: int, num_kv_heads: int, cp_size: int) -> No
 # ---- install -------------------------------------------------------------------------------
 
 
-def apply_context_parallel(model: nn.Module, pgm, variant: str = "ring", layout: str = "zigzag",
+def apply_context_parallel(model: nn.Module, pgm, variant: str = "ring", order: str = "zigzag",
                            impl: str = "math") -> nn.Module:
     """Replace every attention module's ``attention_fn``; the weights are untouched.
 
@@ -417,13 +417,13 @@ def apply_context_parallel(model: nn.Module, pgm, variant: str = "ring", layout:
         raise ValueError("the model has no module with an attention_fn to replace")
     for module in attentions:
         if variant == "ring":
-            module.attention_fn = RingAttention(group, layout, impl)
+            module.attention_fn = RingAttention(group, order, impl)
         else:
             head_dim = module.head_dim
             check_ulysses_heads(
                 module.q_proj.weight.size(0) // head_dim,
                 module.k_proj.weight.size(0) // head_dim, cp)
-            module.attention_fn = UlyssesAttention(group, layout)
+            module.attention_fn = UlyssesAttention(group, order)
     return model
 
 

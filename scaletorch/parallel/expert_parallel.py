@@ -141,7 +141,7 @@ class ExpertParallel(ModuleWrapper, nn.Module):
     gradients averaged over "dp_cp", expert gradients summed over "edp" and divided by the
     same R = |dp_cp| (see the module docstring). ``state_dict`` is the wrapped model's; the
     expert shards carry the ``expert_parallel`` tag, by which ``grad_norm.replica_count`` counts
-    their copies and ``Layout`` gathers them over "ep" (dim 0).
+    their copies and ``ParamMap`` gathers them over "ep" (dim 0).
     """
 
     def __init__(self, module: nn.Module, pgm) -> None:
@@ -167,13 +167,14 @@ def moe_layers(model: nn.Module) -> List[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 
-def apply_expert_parallel(model: nn.Module, pgm) -> ExpertParallel:
-    """Shard every MoE layer's experts over "ep" in place and wrap the model.
+def shard_experts(model: nn.Module, pgm) -> nn.Module:
+    """Shard every MoE layer's experts over "ep" in place; returns ``model``.
 
     Rank j of its ep group keeps experts [j E/P, (j+1) E/P) (copied from the full weights, so
     the run starts from the reference), its MoE layers dispatch through the all-to-alls, and
     their routing statistics are summed over "dp_cp". Dense weights stay whole (or as tensor
-    parallel left them). Returns the wrapper the trainer drives.
+    parallel left them). The gradients' sync is ``ExpertParallel``'s, applied last (parallelize
+    applies it as its data-parallel step, after tensor parallel and the pipeline cut).
     """
     layers = moe_layers(model)
     ep = pgm.expert_model_parallel_world_size
@@ -190,7 +191,13 @@ def apply_expert_parallel(model: nn.Module, pgm) -> ExpertParallel:
             setattr(moe.experts, name, shard)
         moe.dispatch_fn = AllToAllDispatcher(group)
         moe.global_stats_fn = stats_fn
-    return ExpertParallel(model, pgm)
+    return model
+
+
+def apply_expert_parallel(model: nn.Module, pgm) -> ExpertParallel:
+    """Chapter 06 on its own: ``shard_experts``, then the wrapper that syncs the gradients
+    (dense over "dp_cp", experts over "edp"); the wrapper is what the trainer drives."""
+    return ExpertParallel(shard_experts(model, pgm), pgm)
 
 
 def all_to_all_elements(model: nn.Module, pgm) -> int:

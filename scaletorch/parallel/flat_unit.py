@@ -148,7 +148,7 @@ class FlatUnit:
 
     def all_gather_flat(self, shard: torch.Tensor) -> torch.Tensor:
         """A new (P',) vector of every rank's (S,) ``shard`` (the parameters' shard, or an AdamW
-        state shaped like it), all-gathered over the group: how ``Layout`` un-shards a unit."""
+        state shaped like it), all-gathered over the group: how ``ParamMap`` un-shards a unit."""
         flat = shard.new_empty(self.padded_numel)
         comm.all_gather_into_tensor(flat, shard.detach().contiguous(), self.group)
         return flat

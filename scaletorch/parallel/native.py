@@ -21,7 +21,7 @@ fastest, then dp, then pp); each strategy takes the sub-mesh it works over:
 Why ``replicate`` beside tp and pp, not DistributedDataParallel: DDP takes a tp model only
 through a stop-gap (given a dp sub-mesh it turns the DTensor weights back into plain local
 tensors, and its own comment says state dicts then need care), so the placements that the
-clip and ``DTensorLayout`` read would be gone. FSDP2's ``replicate`` (the hooks of
+clip and ``DTensorParamMap`` read would be gone. FSDP2's ``replicate`` (the hooks of
 ``fully_shard``, no sharding) keeps 2-D (dp, tp) DTensors and is what ``PipelineStage`` drives
 between micro-batches, as it drives ``fully_shard`` (gradients reduced once, after the last).
 
@@ -52,7 +52,7 @@ from scaletorch.parallel.activation_checkpointing import apply_activation_checkp
 from scaletorch.parallel.context_parallel import apply_context_parallel, make_sequence_sharder
 from scaletorch.parallel.data_parallel import apply_data_parallel
 from scaletorch.parallel.grad_norm import clip_grads_, world_grad_norm
-from scaletorch.parallel.layout import DTensorLayout
+from scaletorch.parallel.param_map import DTensorParamMap
 from scaletorch.parallel.pipeline_parallel import TorchPipelineSchedule, apply_pipeline_parallel
 from scaletorch.parallel.step import ForwardBackward, make_data_parallel_step
 from scaletorch.parallel.tensor_parallel import validate_tensor_parallel
@@ -201,10 +201,10 @@ def native_clip_grad_norm(params: List[nn.Parameter], pgm) -> Callable[[float], 
 def parallelize_native(
     model: Llama, cfg, pgm
 ) -> Tuple[nn.Module, ForwardBackward, Callable[[float], torch.Tensor],
-           Optional[torch.optim.Optimizer], DTensorLayout]:
+           Optional[torch.optim.Optimizer], DTensorParamMap]:
     """impl torch: context -> checkpointing -> tensor -> pipeline -> data on ``model`` (built
     with the same seed on every rank). Returns (model for the Trainer, step, clip, None: the
-    Trainer's AdamW over the DTensors, layout), the fields of ``Parallelized``."""
+    Trainer's AdamW over the DTensors, param map), the fields of ``Parallelized``."""
     p, m = cfg.parallel, cfg.data.num_micro_batches
     tp, pp = pgm.tensor_model_parallel_world_size, pgm.pipeline_model_parallel_world_size
     zero3 = p.zero_stage == 3
@@ -230,7 +230,7 @@ def parallelize_native(
         apply_native_data_parallel(modules, mesh["dp"], zero3)
     elif pgm.data_parallel_world_size_with_context > 1 and pipe is None:
         trainer_model = apply_data_parallel(model, pgm, "torch", p.bucket_size_mb)
-    layout = DTensorLayout(pgm, model, pipe)  # FSDP2 swapped in DTensors; DDP is around model
+    param_map = DTensorParamMap(pgm, model, pipe)  # FSDP2 swapped in DTensors; DDP is around model
 
     if pipe is not None:
         step: ForwardBackward = TorchPipelineSchedule(pipe, pgm, p.schedule, m, loss_fn)
@@ -242,7 +242,7 @@ def parallelize_native(
         if tp > 1:
             step = _in_loss_parallel(step)
     clip = native_clip_grad_norm(list(trainer_model.parameters()), pgm)
-    return trainer_model, step, clip, None, layout
+    return trainer_model, step, clip, None, param_map
 
 
 def apply_fully_shard(model: nn.Module, pgm) -> nn.Module:

@@ -24,7 +24,7 @@ experts, s/cp tokens of B/dp sequences; ZeRO also shards what is left over dp_cp
 
 Gradient clipping is one rule for every layout (``grad_norm.world_grad_norm``): every gradient
 element counted once, replicated copies divided by their number of replicas, one all-reduce
-over the world. The returned ``layout`` (layout.py) knows where every reference tensor lives:
+over the world. The returned ``param_map`` (param_map.py) knows where every reference tensor lives:
 ``full_state_dict()`` gathers the reference-keyed weights on global rank 0, and
 consolidated.py writes and reads full weights *and* full AdamW state through it, so a run
 saved at one layout resumes at any other.
@@ -49,7 +49,7 @@ statistics are per micro-batch, and a micro-batch of the parallel run holds othe
 """
 
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Union
+from typing import Callable, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -59,12 +59,11 @@ from scaletorch.models import Llama, loss_fn
 from scaletorch.parallel.activation_checkpointing import apply_activation_checkpointing
 from scaletorch.parallel.context_parallel import apply_context_parallel, make_sequence_sharder
 from scaletorch.parallel.data_parallel import apply_data_parallel
-from scaletorch.parallel.expert_parallel import ExpertParallel, apply_expert_parallel
+from scaletorch.parallel.expert_parallel import ExpertParallel, shard_experts
 from scaletorch.parallel.grad_norm import clip_grads_, world_grad_norm
-from scaletorch.parallel.layout import DTensorLayout, Layout, State
 from scaletorch.parallel.native import parallelize_native
-from scaletorch.parallel.pipeline_parallel import (PipelineSchedule, apply_data_parallel_to_chunks,
-                                                   apply_pipeline_parallel)
+from scaletorch.parallel.param_map import DTensorParamMap, ParamMap, State
+from scaletorch.parallel.pipeline_parallel import PipelineSchedule, apply_pipeline_parallel
 from scaletorch.parallel.step import ForwardBackward, make_data_parallel_step
 from scaletorch.parallel.tensor_parallel import apply_tensor_parallel, tensor_parallel_loss_fn
 from scaletorch.parallel.validation import validate_layout
@@ -80,8 +79,8 @@ class Parallelized:
     model: the Trainer's model (a data-parallel wrapper, or the pipeline's PipelineModel);
     forward_backward: the step (pipeline schedule, or the data-parallel step with the
     vocab-parallel loss and the sequence sharder); clip_grad_norm: the global-norm clip;
-    optimizer: ZeRO's sharded AdamW, None for the Trainer's own; layout: where each reference
-    tensor lives (``Layout`` for ours, ``DTensorLayout`` for PyTorch's FSDP2 / DTensor);
+    optimizer: ZeRO's sharded AdamW, None for the Trainer's own; param_map: where each reference
+    tensor lives (``ParamMap`` for ours, ``DTensorParamMap`` for PyTorch's FSDP2 / DTensor);
     full_state_dict(): collective, the reference-keyed full weights on global rank 0 (None
     elsewhere).
     """
@@ -89,10 +88,10 @@ class Parallelized:
     forward_backward: ForwardBackward
     clip_grad_norm: Callable[[float], torch.Tensor]
     optimizer: Optional[torch.optim.Optimizer]
-    layout: Union[Layout, DTensorLayout]
+    param_map: Union[ParamMap, DTensorParamMap]
 
     def full_state_dict(self) -> Optional[State]:
-        return self.layout.gather(lambda p: p.detach())
+        return self.param_map.gather(lambda p: p.detach())
 
 
 def _check_groups_match(cfg, pgm, sizes) -> None:
@@ -131,6 +130,28 @@ class _ZeroChunks(nn.Module):
             w.zero_grad_buffers()
 
 
+def _apply_data_parallel(modules: List[nn.Module], cfg,
+                         pgm) -> Tuple[List[nn.Module], Optional[torch.optim.Optimizer]]:
+    """Step 6: wrap each of ``modules`` (the model, or this rank's pipeline chunks) for data
+    parallel over "dp_cp": ZeRO-1/2/3 (with its sharded AdamW), a MoE model's ExpertParallel
+    (dense gradients over "dp_cp", expert gradients over "edp"), or DDP (bucketed, or naive).
+    Returns (wrapped modules, ZeRO's optimizer or None for the Trainer's AdamW)."""
+    p, t = cfg.parallel, cfg.training
+    if p.zero_stage > 0:
+        zero = [
+            ShardedDataParallel(m, llama_units(m), pgm.data_parallel_group_with_context,
+                                p.zero_stage) for m in modules
+        ]
+        optimizer = ZeroAdamW(zero[0] if len(zero) == 1 else _ZeroChunks(zero), t.lr,
+                              (t.beta1, t.beta2), t.weight_decay)
+        return list(zero), optimizer
+    if cfg.model.num_experts > 0:
+        return [ExpertParallel(m, pgm) for m in modules], None
+    if pgm.data_parallel_world_size_with_context == 1:
+        return modules, None
+    return [apply_data_parallel(m, pgm, p.impl, p.bucket_size_mb) for m in modules], None
+
+
 def parallelize(model: Llama, cfg, pgm, device: torch.device) -> Parallelized:
     """Apply expert -> tensor -> context -> checkpointing -> pipeline -> data parallel to the
     reference ``model`` (built with the same seed on every rank), as ``cfg.parallel`` says.
@@ -139,14 +160,13 @@ def parallelize(model: Llama, cfg, pgm, device: torch.device) -> Parallelized:
     """
     sizes = validate_layout(cfg, pgm.world_size)  # every refusal, before any surgery
     _check_groups_match(cfg, pgm, sizes)
-    p, t = cfg.parallel, cfg.training
+    p = cfg.parallel
     model = model.to(device)
     if p.impl == "torch":  # PyTorch's own strategies on one DeviceMesh (native.py)
         return Parallelized(*parallelize_native(model, cfg, pgm))
     loss, shard_sequence = loss_fn, None
-    moe = cfg.model.num_experts > 0
-    if moe:  # 1: experts over ep (also at ep 1: the load-balancing statistics over dp_cp)
-        model = apply_expert_parallel(model, pgm).module
+    if cfg.model.num_experts > 0:  # 1 (also at ep 1: the routing statistics over dp_cp)
+        shard_experts(model, pgm)
     if pgm.tensor_model_parallel_world_size > 1:  # 2
         apply_tensor_parallel(model, pgm, p.sequence_parallel)
         loss = tensor_parallel_loss_fn(pgm)
@@ -155,39 +175,19 @@ def parallelize(model: Llama, cfg, pgm, device: torch.device) -> Parallelized:
         shard_sequence = make_sequence_sharder(pgm, cfg.data.seq_len)
     if p.activation_checkpointing:  # 4
         apply_activation_checkpointing(model)
-    splits = Layout.record_splits(model)
+    splits = ParamMap.record_splits(model)
 
-    pipe, optimizer = None, None
+    pipe = None
     if pgm.pipeline_model_parallel_world_size > 1:  # 5
         pipe = apply_pipeline_parallel(model, pgm, p.virtual_pipeline_stages, p.layer_split,
                                        sequence_parallel=p.sequence_parallel)
-        modules = list(pipe.chunks)
-    else:
-        modules = [model]
+    modules = list(pipe.chunks) if pipe is not None else [model]
+    plain_entries = ParamMap.plain_entries(modules)
 
-    zero = []  # 6
-    if p.zero_stage > 0:
-        units = [llama_units(c) for c in modules]  # the whole model, or each chunk
-        zero = [
-            ShardedDataParallel(c, u, pgm.data_parallel_group_with_context, p.zero_stage)
-            for c, u in zip(modules, units)
-        ]
-        wrapped = zero
-        optimizer = ZeroAdamW(zero[0] if len(zero) == 1 else _ZeroChunks(zero), t.lr,
-                              (t.beta1, t.beta2), t.weight_decay)
-        entries = Layout.zero_entries(zero)
-    else:
-        entries = Layout.plain_entries(modules)
-        if moe:
-            wrapped = [ExpertParallel(c, pgm) for c in modules]
-        elif pipe is not None:
-            wrapped = list(
-                apply_data_parallel_to_chunks(pipe, pgm, p.impl, p.bucket_size_mb).chunks)
-        elif pgm.data_parallel_world_size_with_context > 1:
-            wrapped = [apply_data_parallel(model, pgm, p.impl, p.bucket_size_mb)]
-        else:
-            wrapped = [model]
-    layout = Layout(pgm, splits, entries, pipe)
+    wrapped, optimizer = _apply_data_parallel(modules, cfg, pgm)  # 6
+    zero = [w for w in wrapped if isinstance(w, ShardedDataParallel)]
+    entries = ParamMap.zero_entries(zero) if zero else plain_entries
+    param_map = ParamMap(pgm, splits, entries, pipe)
 
     if pipe is not None:
         pipe.chunks = nn.ModuleList(wrapped)
@@ -200,7 +200,7 @@ def parallelize(model: Llama, cfg, pgm, device: torch.device) -> Parallelized:
                                        pgm.data_parallel_rank, pgm.data_parallel_world_size,
                                        pgm.data_parallel_group_with_context, loss, shard_sequence)
 
-    replicas = layout.replicas()
+    replicas = param_map.replicas()
 
     def clip_grad_norm(max_norm: float) -> torch.Tensor:
         for w in zero:
@@ -208,7 +208,7 @@ def parallelize(model: Llama, cfg, pgm, device: torch.device) -> Parallelized:
         norm = world_grad_norm(replicas, device)  # one all-reduce of one number, world
         return clip_grads_([param for param, _ in replicas], max_norm, norm)
 
-    return Parallelized(trainer_model, step, clip_grad_norm, optimizer, layout)
+    return Parallelized(trainer_model, step, clip_grad_norm, optimizer, param_map)
 
 
 # ---- what chapter 07 prints: every rank's place, traffic and memory in one table -------------

@@ -343,7 +343,7 @@ def _gather_to_first_stage(pgm, payload: torch.Tensor, sizes: Sequence[int]) -> 
 def gather_pipeline_state_dict(pipe: PipelineModel, pgm, state: State) -> Optional[State]:
     """Every stage's tensors (fp32, full-model names) on pipeline rank 0; None elsewhere.
 
-    ``state``: this rank's stages' tensors, already un-sharded (``Layout.gather`` passes them,
+    ``state``: this rank's stages' tensors, already un-sharded (``ParamMap.gather`` passes them,
     gathered over tp, ep and ZeRO's dp_cp). Shapes travel first, then the values.
     """
     p, rank = pgm.pipeline_model_parallel_world_size, pgm.pipeline_model_parallel_rank

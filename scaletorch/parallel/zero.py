@@ -51,7 +51,7 @@ class ShardedDataParallel(nn.Module):
     ``units`` lists (name, [(name of the module in ``module``, module), ...]) in forward order;
     every parameter must be in exactly one unit. The wrapper's parameters (``self.shards``, one
     flat (S,) shard per unit) are all that the optimizer and ``state_dict`` see: this rank's
-    shards. ``Layout`` (layout.py) gathers the full tensors under the original names, each
+    shards. ``ParamMap`` (param_map.py) gathers the full tensors under the original names, each
     unit's with ``FlatUnit.all_gather_flat``; clipping counts each shard element once
     (grad_norm.py).
     """
@@ -270,7 +270,7 @@ def apply_zero(model: nn.Module, pgm, zero_stage: int,
 
     Every rank must pass the same weights (build_model with one seed). Pair the result with
     ``ZeroAdamW(model, ...)``; ``parallelize`` also gives the Trainer the clip that counts
-    each shard element once (``Layout.replicas``).
+    each shard element once (``ParamMap.replicas``).
     """
     check_zero_layout(zero_stage, pgm)
     return ShardedDataParallel(model, llama_units(model), pgm.data_parallel_group_with_context,

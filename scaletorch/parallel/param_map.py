@@ -1,9 +1,9 @@
 """Where every reference tensor lives on this rank, for any layout ``parallelize`` builds.
 
-A layout maps each tensor of chapter 00's state dict to the optimizer parameter that holds it
+A param map maps each tensor of chapter 00's state dict to the optimizer parameter that holds it
 here and how it is split: a tp dimension, an ep shard of the experts, a piece of a ZeRO
-unit's flat shard over dp_cp, a pipeline stage (``Layout``, for ours), or a DTensor's
-placements (``DTensorLayout``, for PyTorch's FSDP2 and DTensor tensor parallel).
+unit's flat shard over dp_cp, a pipeline stage (``ParamMap``, for ours), or a DTensor's
+placements (``DTensorParamMap``, for PyTorch's FSDP2 and DTensor tensor parallel).
 
 Both answer the same three questions: ``params()`` (what AdamW keeps state for),
 ``gather(value_of)`` (collective: the full reference-keyed tensors of the parameters, or of
@@ -27,7 +27,7 @@ from scaletorch.parallel.zero import ShardedDataParallel
 State = Dict[str, torch.Tensor]
 
 
-class Layout:
+class ParamMap:
     """Where every reference tensor lives on this rank: which optimizer parameter holds it and
     how it is split (tp dim, ep, a ZeRO unit's flat shard over dp_cp, a pipeline stage).
 
@@ -137,10 +137,10 @@ class Layout:
         return out
 
 
-class DTensorLayout:
+class DTensorParamMap:
     """Where every reference tensor lives under PyTorch's FSDP2 or DTensor tensor parallel:
     each parameter keeps its reference name and is a DTensor (its placements say how it is
-    split) or a plain tensor replicated on every rank. Same contract as ``Layout``. With a
+    split) or a plain tensor replicated on every rank. Same contract as ``ParamMap``. With a
     pipeline (``pipe``) this rank's chunks hold its stages, and gathering adds the other
     stages' tensors (pipeline rank 0 receives them)."""
 
