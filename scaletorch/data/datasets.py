@@ -14,6 +14,8 @@ from typing import Optional, Union
 
 import numpy as np
 
+from scaletorch.data.tokenizer import bin_dtype
+
 
 class SyntheticMarkov:
     """A seeded random Markov chain over ``vocab_size`` tokens.
@@ -146,4 +148,5 @@ def build_dataset(name: str, vocab_size: int, seed: int, path: Optional[str] = N
         if vocab_size < 256:
             raise ValueError(f"byte-level text needs vocab_size >= 256, got {vocab_size}")
         return ByteTextDataset(path)
-    return BinDataset(path, vocab_size=vocab_size)
+    # The same rule as scripts/prepare_text.py: uint16 ids while they fit, else uint32.
+    return BinDataset(path, vocab_size=vocab_size, dtype=bin_dtype(vocab_size))

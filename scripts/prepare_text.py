@@ -1,0 +1,61 @@
+"""Turn text files into a nanoGPT-style token file that ``--data.dataset bin`` reads.
+
+    python scripts/prepare_text.py doc/*.md --out runs/docs.bin                   # bytes
+    python scripts/prepare_text.py my.txt --tokenizer path/to/tokenizer.json --out my.bin
+
+The files are joined with a blank line, tokenized ("byte": UTF-8 bytes, vocabulary 256, no
+dependency; or a local tokenizer.json through the ``tokenizers`` library) and written as one
+flat array of token ids: uint16 when the vocabulary fits (as nanoGPT's), uint32 otherwise; the
+loader picks the same dtype from ``--model.vocab_size``. Prints the flags that train on it.
+"""
+
+import argparse
+import os
+import sys
+from typing import List
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from scaletorch.data.tokenizer import bin_dtype, load_tokenizer  # noqa: E402
+
+
+def prepare(paths: List[str], tokenizer_spec: str, out: str) -> np.ndarray:
+    """Tokenize the concatenated files and write them to ``out``; returns the token array."""
+    tokenizer = load_tokenizer(tokenizer_spec)
+    texts = []
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            texts.append(f.read())
+    ids = np.asarray(tokenizer.encode("\n\n".join(texts)), dtype=np.int64)
+    if ids.size and ids.max() >= tokenizer.vocab_size:  # a tokenizer.json with stray ids
+        raise ValueError(f"token {ids.max()} >= the tokenizer's vocabulary {tokenizer.vocab_size}")
+    tokens = ids.astype(bin_dtype(tokenizer.vocab_size))
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    tokens.tofile(out)
+    return tokens
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("files", nargs="+", help="text files (UTF-8), joined in this order")
+    parser.add_argument("--tokenizer", default="byte",
+                        help='"byte" (default) or a tokenizer.json / model directory holding one')
+    parser.add_argument("--out", required=True, help="the .bin file to write")
+    args = parser.parse_args()
+    try:
+        tokens = prepare(args.files, args.tokenizer, args.out)
+    except (OSError, ValueError, ImportError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    vocab = load_tokenizer(args.tokenizer).vocab_size
+    print(f"{len(args.files)} files -> {tokens.size} tokens ({tokens.dtype}, vocabulary {vocab}) "
+          f"in {args.out}")
+    print(f"train on it with: --data.dataset bin --data.path {args.out} "
+          f"--model.vocab_size {vocab}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
