@@ -28,10 +28,10 @@ class _Checkpointed:
     def __init__(self, forward: Callable) -> None:
         self.forward = forward
 
-    def __call__(self, *args):
+    def __call__(self, *args: Any) -> Any:
         first = True
 
-        def run(*inputs):  # checkpoint calls it once in forward, again to recompute
+        def run(*inputs: Any) -> Any:  # checkpoint calls it once in forward, again to recompute
             nonlocal first
             if first:
                 first = False

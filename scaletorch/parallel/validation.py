@@ -13,7 +13,7 @@ ep, the split of the layers) live in its module and are called from here; the st
 their checks on the tensors they are handed. doc/07_nd_parallel.md, "Limits", lists them all.
 """
 
-from typing import Dict
+from typing import TYPE_CHECKING, Dict
 
 from scaletorch.parallel.context_parallel import check_sequence_length
 from scaletorch.parallel.expert_parallel import validate_expert_parallel
@@ -21,8 +21,11 @@ from scaletorch.parallel.pipeline_parallel import split_layers
 from scaletorch.parallel.pipeline_schedules import validate_schedule
 from scaletorch.parallel.tensor_parallel import validate_tensor_parallel
 
+if TYPE_CHECKING:  # the config module imports this one
+    from scaletorch.trainer.config import Config
 
-def data_parallel_size(cfg, world_size: int) -> int:
+
+def data_parallel_size(cfg: "Config", world_size: int) -> int:
     """Ranks that see different samples: world / (tp x pp x cp), checked against the config."""
     p = cfg.parallel
     model_parallel = (p.tensor_model_parallel_size * p.pipeline_model_parallel_size *
@@ -44,7 +47,7 @@ def data_parallel_size(cfg, world_size: int) -> int:
     return dp
 
 
-def layout_sizes(cfg, world_size: int) -> Dict[str, int]:
+def layout_sizes(cfg: "Config", world_size: int) -> Dict[str, int]:
     """{tp, pp, cp, ep, dp, dp_cp, stages}: the group sizes ``cfg`` asks of ``world_size`` ranks."""
     p = cfg.parallel
     dp = data_parallel_size(cfg, world_size)
@@ -59,7 +62,7 @@ def layout_sizes(cfg, world_size: int) -> Dict[str, int]:
     }
 
 
-def validate_layout(cfg, world_size: int) -> Dict[str, int]:
+def validate_layout(cfg: "Config", world_size: int) -> Dict[str, int]:
     """Raise ValueError, naming the settings and what to change, for any layout of ``cfg`` that
     cannot run on ``world_size`` ranks; else return ``layout_sizes``."""
     sizes = layout_sizes(cfg, world_size)
@@ -75,7 +78,7 @@ def validate_layout(cfg, world_size: int) -> Dict[str, int]:
     return sizes
 
 
-def _check_batch(cfg, sizes: Dict[str, int]) -> None:
+def _check_batch(cfg: "Config", sizes: Dict[str, int]) -> None:
     m, batch = cfg.data.num_micro_batches, cfg.data.global_batch_size
     if batch % (sizes["dp"] * m) != 0:
         raise ValueError(f"data.global_batch_size ({batch}) is not divisible by "
@@ -83,7 +86,7 @@ def _check_batch(cfg, sizes: Dict[str, int]) -> None:
                          f"set data.global_batch_size to a multiple of {sizes['dp'] * m}")
 
 
-def _check_context(cfg, sizes: Dict[str, int]) -> None:
+def _check_context(cfg: "Config", sizes: Dict[str, int]) -> None:
     cp, tp = sizes["cp"], sizes["tp"]
     if cp == 1:
         return
@@ -106,7 +109,7 @@ def _check_context(cfg, sizes: Dict[str, int]) -> None:
                 f"--cp-variant ring, or a context_parallel_size that divides {local}")
 
 
-def _check_pipeline(cfg, sizes: Dict[str, int]) -> None:
+def _check_pipeline(cfg: "Config", sizes: Dict[str, int]) -> None:
     p = cfg.parallel
     if sizes["pp"] > 1 or p.virtual_pipeline_stages > 1:
         validate_schedule(p.schedule, sizes["pp"], cfg.data.num_micro_batches,
@@ -118,7 +121,7 @@ def _check_pipeline(cfg, sizes: Dict[str, int]) -> None:
         split_layers(cfg.model.num_layers, sizes["stages"], p.layer_split)
 
 
-def _check_tied_embeddings(cfg, sizes: Dict[str, int]) -> None:
+def _check_tied_embeddings(cfg: "Config", sizes: Dict[str, int]) -> None:
     p = cfg.parallel
     if not cfg.model.tie_word_embeddings:
         return
@@ -136,7 +139,7 @@ def _check_tied_embeddings(cfg, sizes: Dict[str, int]) -> None:
                          f"torch with zero_stage 3: FSDP2 keeps both in its root unit)")
 
 
-def _check_combinations(cfg, sizes: Dict[str, int]) -> None:
+def _check_combinations(cfg: "Config", sizes: Dict[str, int]) -> None:
     """What ``parallelize`` cannot compose (its module docstring says why)."""
     p, m = cfg.parallel, cfg.model
     tp, pp, cp = sizes["tp"], sizes["pp"], sizes["cp"]
