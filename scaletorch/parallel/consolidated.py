@@ -14,15 +14,19 @@ rank its part of the AdamW state (``ParamMap.scatter``), the schedule and the st
 import io
 import os
 import pickle
-from typing import Any, Dict, Optional, Union
+from typing import TYPE_CHECKING, Any, Dict, Optional, Union
 
 import torch
 
 from scaletorch.dist import comm, get_ledger
 from scaletorch.parallel.parallelize import Parallelized
 
+if TYPE_CHECKING:  # the trainer imports this module (through its checkpoints)
+    from scaletorch.trainer.config import Config
+    from scaletorch.trainer.trainer import Trainer
 
-def consolidated_state(trainer, par: Parallelized) -> Optional[Dict[str, Any]]:
+
+def consolidated_state(trainer: "Trainer", par: Parallelized) -> Optional[Dict[str, Any]]:
     """Collective. The dict of the module docstring, with full reference-keyed tensors, on
     global rank 0 (None elsewhere); "optimizer" is None before AdamW's first step."""
     opt = trainer.optimizer
@@ -31,12 +35,13 @@ def consolidated_state(trainer, par: Parallelized) -> Optional[Dict[str, Any]]:
     have_state = torch.tensor([float(all(p in opt.state for p in params))], device=params[0].device)
     with get_ledger().paused():
         comm.all_reduce(have_state, op=torch.distributed.ReduceOp.MIN)
-    optim = None
+    optim: Optional[Dict[str, Any]] = None
     if have_state.item():
         first = opt.state[params[0]]
         optim = {"step": float(first["step"])}
         for key in ("exp_avg", "exp_avg_sq"):
-            optim[key] = par.param_map.gather(lambda p, key=key: opt.state[p][key])
+            # gather calls the lambda at once, so its ``key`` is this iteration's
+            optim[key] = par.param_map.gather(lambda p: opt.state[p][key])
     model = par.full_state_dict()
     if par.param_map.pgm.rank != 0:
         return None
@@ -52,12 +57,12 @@ def consolidated_state(trainer, par: Parallelized) -> Optional[Dict[str, Any]]:
 SCHEDULE = ("steps", "lr", "min_lr", "warmup_steps")
 
 
-def _schedule(cfg) -> Dict[str, float]:
+def _schedule(cfg: "Config") -> Dict[str, float]:
     """The training fields the learning-rate schedule is a function of."""
     return {key: getattr(cfg.training, key) for key in SCHEDULE}
 
 
-def save_consolidated(path: str, trainer, par: Parallelized) -> Optional[str]:
+def save_consolidated(path: str, trainer: "Trainer", par: Parallelized) -> Optional[str]:
     """Gather (collective) and write one file from global rank 0, atomically."""
     state = consolidated_state(trainer, par)
     if state is not None:
@@ -100,7 +105,7 @@ def load_consolidated(path: str) -> Dict[str, Any]:
     return load_tensors_only(path, f"consolidated checkpoint {path!r}")
 
 
-def resume_consolidated(trainer, par: Parallelized, state: Dict[str, Any]) -> None:
+def resume_consolidated(trainer: "Trainer", par: Parallelized, state: Dict[str, Any]) -> None:
     """Continue a consolidated checkpoint at this layout. The weights must already be in the
     model that ``parallelize`` sharded (``model.load_state_dict(state["model"])`` on the full
     model first); this sets each rank's part of the AdamW state, the schedule and the step."""
