@@ -25,13 +25,13 @@ rank ends with the same norm and scales its own gradients by min(1, max_norm / n
 """
 
 import math
-from typing import Iterable, List, Optional, Tuple, Union, cast
+from typing import Iterable, Optional, Tuple, Union, cast
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from scaletorch.dist import comm
+from scaletorch.dist import ProcessGroupManager, comm
 
 
 def local_grad(param: torch.Tensor) -> torch.Tensor:
@@ -40,7 +40,7 @@ def local_grad(param: torch.Tensor) -> torch.Tensor:
     return grad.to_local() if isinstance(grad, DTensor) else grad
 
 
-def _squared_norm(params: Iterable[torch.nn.Parameter], device: torch.device) -> torch.Tensor:
+def _squared_norm(params: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
     """(1,) tensor: sum of squares of the gradients of ``params`` on this rank."""
     total = torch.zeros(1, device=device)
     for p in params:
@@ -49,18 +49,19 @@ def _squared_norm(params: Iterable[torch.nn.Parameter], device: torch.device) ->
     return total
 
 
-def clip_grads_(params: Iterable[torch.nn.Parameter], max_norm: float,
+def clip_grads_(params: Iterable[torch.Tensor], max_norm: float,
                 total_norm: torch.Tensor) -> torch.Tensor:
     """Scale the gradients of ``params`` (this rank's) in place so the global norm <= max_norm."""
-    params: List[torch.nn.Parameter] = [p for p in params if p.grad is not None]
+    with_grad = [p for p in params if p.grad is not None]
     if math.isfinite(max_norm):
         scale = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-        for p in params:
-            local_grad(p).mul_(scale.to(p.grad.device))
+        for p in with_grad:
+            grad = local_grad(p)
+            grad.mul_(scale.to(grad.device))
     return total_norm
 
 
-def replica_count(param: torch.Tensor, pgm) -> int:
+def replica_count(param: torch.Tensor, pgm: ProcessGroupManager) -> int:
     """Ranks of the world holding an identical copy of ``param``'s gradient (see above).
 
     Reads the tags the strategies put on parameters: ``tensor_model_parallel`` (chapter 03)
