@@ -26,7 +26,8 @@ from scaletorch.models import loss_fn, moe_aux_loss
 
 ForwardBackward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-ShardedBatch = Tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # inputs, targets, position_ids
+# inputs, targets, position_ids (None without context parallel)
+ShardedBatch = Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]
 SequenceShard = Callable[[torch.Tensor, torch.Tensor], ShardedBatch]
 
 
