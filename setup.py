@@ -11,9 +11,10 @@ setup(
     python_requires=">=3.10",
     install_requires=requirements,
     extras_require={
+        # types-*: stubs of the runtime requirements (pyyaml, tqdm) that mypy checks against
         "dev": [
             "pytest", "flake8", "flake8-quotes", "yapf", "isort", "mypy", "pre-commit",
-            "pre-commit-hooks"
+            "pre-commit-hooks", "types-PyYAML", "types-tqdm"
         ],
         "plot": ["matplotlib"],
         # Hugging Face checkpoints (safetensors), tokenizer.json files (tokenizers); transformers
