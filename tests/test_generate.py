@@ -1,0 +1,91 @@
+"""Generation (scaletorch/models/generate.py): the KV cache changes nothing, sampling filters
+do what they say, and greedy tokens equal transformers' for the same checkpoint."""
+
+import os
+import tempfile
+import unittest
+
+import torch
+
+from scaletorch.models import LlamaConfig, build_model
+from scaletorch.models.generate import forward_with_cache, generate, sample_next
+from tests.test_hf import HAVE_HF, SKIP_REASON, save_transformers_llama
+
+# fp32: the cached path runs the same ops on fewer rows; logits agree to rounding (~1e-7).
+ATOL = 1e-5
+
+
+def tiny(**overrides) -> "torch.nn.Module":
+    # init_std 0.2: peaked logits, so a greedy choice is never a rounding-level tie
+    kwargs = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_seq_len=64, init_std=0.2)
+    kwargs.update(overrides)
+    return build_model(LlamaConfig(**kwargs), seed=0)
+
+
+class TestGenerate(unittest.TestCase):
+
+    def test_kv_cache_gives_the_uncached_logits_and_greedy_tokens(self):
+        prompt = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(0))
+        for kv_heads, tied in ((2, False), (1, True), (4, False)):
+            with self.subTest(kv_heads=kv_heads, tied=tied):
+                model = tiny(num_key_value_heads=kv_heads, tie_word_embeddings=tied)
+                cached = generate(model, prompt, 30)
+                uncached = generate(model, prompt, 30, use_cache=False)
+                self.assertTrue(torch.equal(cached, uncached))
+                self.assertTrue(torch.equal(cached[:, :5], prompt))
+                # a prefill of 17 positions then 13 more from the cache = one full forward
+                ids = cached[:, :30]
+                with torch.no_grad():
+                    head, cache = forward_with_cache(model, ids[:, :17], None)
+                    tail, cache = forward_with_cache(model, ids[:, 17:], cache)
+                    torch.testing.assert_close(torch.cat((head, tail), 1), model(ids), atol=ATOL,
+                                               rtol=0)
+                self.assertEqual(tuple(cache[0][0].shape), (2, 30, kv_heads, 8))
+
+    def test_top_k_one_and_tiny_top_p_are_greedy(self):
+        logits = torch.randn(8, 50, generator=torch.Generator().manual_seed(1))
+        greedy = sample_next(logits)
+        gen = torch.Generator().manual_seed(0)
+        self.assertTrue(torch.equal(sample_next(logits, 1.0, top_k=1, generator=gen), greedy))
+        self.assertTrue(torch.equal(sample_next(logits, 1.0, top_p=1e-6, generator=gen), greedy))
+
+    def test_top_k_and_top_p_sample_only_inside_their_set(self):
+        # probabilities 0.5, 0.3, 0.15, 0.05: top_p 0.8 keeps the first two (0.5 < 0.8 <= 0.8)
+        logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log().repeat(2000, 1)
+        gen = torch.Generator().manual_seed(0)
+        nucleus = sample_next(logits, 1.0, top_p=0.8, generator=gen)
+        self.assertEqual(set(nucleus.tolist()), {0, 1})
+        top3 = sample_next(logits, 1.0, top_k=3, generator=gen)
+        self.assertEqual(set(top3.tolist()), {0, 1, 2})
+        # renormalised: token 0 has 0.5 / 0.8 of the nucleus (2000 draws: std 0.011)
+        self.assertAlmostEqual((nucleus == 0).float().mean().item(), 0.625, delta=0.05)
+        with self.assertRaises(ValueError):
+            sample_next(logits, 1.0, top_p=0.0)
+
+    def test_sampling_is_reproducible_and_stays_below_vocab_size(self):
+        model, prompt = tiny(), torch.zeros(1, 1, dtype=torch.long)
+        runs = [
+            generate(model, prompt, 40, temperature=1.5, top_k=20, top_p=0.95,
+                     generator=torch.Generator().manual_seed(7), vocab_size=10) for _ in range(2)
+        ]
+        self.assertTrue(torch.equal(runs[0], runs[1]))
+        self.assertLess(int(runs[0].max()), 10)
+        with self.assertRaises(ValueError):
+            generate(model, prompt, 64)  # 65 positions > max_seq_len 64
+
+
+@unittest.skipUnless(HAVE_HF, SKIP_REASON)
+class TestGenerateAgainstTransformers(unittest.TestCase):
+
+    def test_greedy_tokens_equal_transformers_generate(self):
+        from scaletorch.models.hf import load_hf_llama
+        prompt = torch.randint(0, 97, (2, 6), generator=torch.Generator().manual_seed(3))
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "hf")
+            theirs = save_transformers_llama(path, seed=11, num_attention_heads=4,
+                                             num_key_value_heads=2, initializer_range=0.2)
+            ours = load_hf_llama(path)
+        theirs.generation_config.eos_token_id = None  # 40 tokens, even past an "end" token
+        expected = theirs.generate(prompt, max_new_tokens=40, do_sample=False, pad_token_id=0)
+        self.assertTrue(torch.equal(generate(ours, prompt, 40), expected))
