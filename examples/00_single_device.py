@@ -10,7 +10,7 @@ loss any model can reach, so the printed floor tells how much there is left to l
 import sys
 
 from scaletorch.data import build_dataset
-from scaletorch.dist import destroy_distributed, init_distributed, init_pg_manager
+from scaletorch.dist import destroy_distributed, init_distributed, init_pg_manager_from_config
 from scaletorch.models import build_model
 from scaletorch.trainer import Trainer, load_config, report_parity, run_reference
 from scaletorch.trainer.precision import TOLERANCES, resolve_precision
@@ -27,7 +27,7 @@ def main() -> int:
     cfg = load_config("examples/configs/00_single_device.yaml",
                       "Chapter 00: single-device training", limits)
     env = init_distributed(cfg.training.timeout_seconds)
-    pgm = init_pg_manager()
+    pgm = init_pg_manager_from_config(cfg.parallel, cfg.training.timeout_seconds)
 
     model = build_model(cfg.model, seed=cfg.training.model_seed).to(env.device)
     print(f"model: {model.num_parameters():,} parameters, {cfg.model.num_layers} layers, "

@@ -14,10 +14,10 @@ all-reduce ran while backward was still computing.
 
 import sys
 
-from scaletorch.dist import (destroy_distributed, destroy_pg_manager, get_ledger, init_distributed,
-                             init_pg_manager)
+from scaletorch.dist import (destroy_distributed, destroy_pg_manager, init_distributed,
+                             init_pg_manager_from_config)
 from scaletorch.models import build_model
-from scaletorch.parallel.data_parallel import BucketedDataParallel, format_timeline
+from scaletorch.parallel.data_parallel import BucketedDataParallel, ddp_report
 from scaletorch.parallel.parallelize import parallelize
 from scaletorch.trainer import Trainer, check_against_reference, load_config
 
@@ -35,7 +35,7 @@ def main() -> int:
     cfg = load_config("examples/configs/01_ddp.yaml", "Chapter 01: data parallel (DDP)", limits)
     env = init_distributed(cfg.training.timeout_seconds)
     p = cfg.parallel
-    pgm = init_pg_manager()
+    pgm = init_pg_manager_from_config(p, cfg.training.timeout_seconds)
     pgm.log_topology()
 
     model = build_model(cfg.model, seed=cfg.training.model_seed)
@@ -51,22 +51,9 @@ def main() -> int:
     result = Trainer.from_parallelized(cfg, par, pgm, device=env.device).train()
 
     # What this chapter is about: one all-reduce of every gradient per step, not per micro-batch.
-    ledger, last = get_ledger(), cfg.training.steps - 1
-    if pgm.rank == 0 and n > 1:
-        print(ledger.table(step=last))
-        if p.impl == "torch":
-            print("note: torch DDP all-reduces inside its C++ reducer, which our ledger cannot "
-                  "see: the table shows only the loss the trainer averages for its log")
-        else:
-            grads = ledger.total(op="all_reduce", group="dp_cp", step=last) - 1  # - the loss
-            wire = ledger.total(op="all_reduce", group="dp_cp", step=last, field="wire_bytes")
-            print(f"gradients all-reduced in step {last}: {grads:,.0f} elements (Psi = {psi:,}); "
-                  f"ring volume per rank 2(N-1)/N x 4 Psi = {2 * (n - 1) / n * 4 * psi / 1e6:.3f}"
-                  f" MB (ledger: {wire / 1e6:.3f} MB, with the loss)")
-        if isinstance(model, BucketedDataParallel) and model.timeline.launches:
-            print(f"overlap in step {last} (rank 0; = compute, # a bucket's all-reduce in "
-                  f"flight, . waiting):")
-            print(format_timeline(model.timeline))
+    report = ddp_report(model, pgm, p.impl, step=cfg.training.steps - 1)
+    if pgm.rank == 0 and report:
+        print(report)
 
     ok = True
     if cfg.check:

@@ -16,12 +16,12 @@ weights and full AdamW state, keyed like chapter 00's model (``build_model(cfg.m
 import os
 import sys
 
-from scaletorch.dist import (destroy_distributed, destroy_pg_manager, get_ledger, init_distributed,
-                             init_pg_manager)
+from scaletorch.dist import (destroy_distributed, destroy_pg_manager, init_distributed,
+                             init_pg_manager_from_config)
 from scaletorch.models import build_model
 from scaletorch.parallel.consolidated import save_consolidated
 from scaletorch.parallel.parallelize import parallelize
-from scaletorch.parallel.zero_memory import comm_report, memory_report
+from scaletorch.parallel.zero_memory import zero_report
 from scaletorch.trainer import Trainer, check_against_reference, load_config
 
 
@@ -47,8 +47,7 @@ def main() -> int:
     cfg = load_config("examples/configs/02_fsdp.yaml", "Chapter 02: ZeRO-1/2/3 and FSDP", limits)
     env = init_distributed(cfg.training.timeout_seconds)
     p = cfg.parallel
-    pgm = init_pg_manager(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-                          p.context_parallel_size, p.expert_model_parallel_size)
+    pgm = init_pg_manager_from_config(p, cfg.training.timeout_seconds)
     pgm.log_topology()
 
     model = build_model(cfg.model, seed=cfg.training.model_seed)
@@ -63,23 +62,12 @@ def main() -> int:
     trainer = Trainer.from_parallelized(cfg, par, pgm, device=env.device)
     result = trainer.train()
 
-    last = cfg.training.steps - 1
-    if env.rank == 0 and result.losses:
-        print(get_ledger().table(step=last))
-        if p.impl == "torch":
-            print("(fully_shard calls the backend directly: its collectives are not in the "
-                  "ledger, only the loss and norm all-reduces are)")
-        else:
-            print(
-                comm_report(p.zero_stage, model.padded_numel, cfg.data.num_micro_batches,
-                            pgm.data_parallel_world_size_with_context, last))
-    padded = getattr(model, "padded_numel", numel)
-    table = memory_report(model, trainer.optimizer, p.zero_stage, numel, padded,
-                          pgm.data_parallel_group_with_context)
+    # What this chapter is about: 1/N of the model state per rank (stage 3: for 1.5x the traffic).
+    report = zero_report(model, trainer.optimizer, cfg, pgm, numel, step=cfg.training.steps - 1)
     path = os.path.join(cfg.run_path, "consolidated.pt")
     save_consolidated(path, trainer, par)
     if env.rank == 0:
-        print(table)
+        print(report)
         print(f"consolidated checkpoint (full weights and AdamW state, chapter 00's keys): "
               f"{path}")
 

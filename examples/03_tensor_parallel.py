@@ -1,26 +1,29 @@
 """Chapter 03: tensor parallel. Every matrix of every block is split over the "tp" ranks.
 
     scripts/launch.sh examples/03_tensor_parallel.py --nproc-per-node 2 -- --check
-    scripts/launch.sh examples/03_tensor_parallel.py --nproc-per-node 4 -- --tp 4 --check
+    scripts/launch.sh examples/03_tensor_parallel.py --nproc-per-node 4 -- --tp 4 \
+        --model.num_key_value_heads 4 --check     # tp 4 needs 4 kv heads: a different model
     scripts/launch.sh examples/03_tensor_parallel.py --nproc-per-node 4 -- --sequence-parallel
     scripts/launch.sh examples/03_tensor_parallel.py --nproc-per-node 2 -- --impl torch --check
 
 With 4 processes and the config's tp 2, the other factor 2 is data parallel (tp 2 x dp 2).
+The model is chapter 00's (4 query, 2 key/value heads): tp 2 splits both evenly; tp 4 needs
+4 key/value heads, a different model (the layout check says so before anything starts).
 
 Chapter 01's ``parallelize`` call, now with tp > 1 in the config: it converts the model
 (column / row / vocab-parallel layers) and returns a step with the vocab-parallel loss and a
 grad norm that counts every shard once. With dp > 1 the data-parallel wrapper of chapter 01
-goes around the tensor-parallel model. ``--impl torch`` runs torch's DTensor tensor parallel on
-the same model instead (tp = world size).
+goes around the tensor-parallel model. ``--impl torch`` runs torch's DTensor tensor parallel
+(``parallelize_module``) on the same model instead, with FSDP2's ``replicate`` over dp.
 """
 
 import sys
 
-from scaletorch.dist import (destroy_distributed, destroy_pg_manager, get_ledger, init_distributed,
-                             init_pg_manager)
+from scaletorch.dist import (destroy_distributed, destroy_pg_manager, init_distributed,
+                             init_pg_manager_from_config)
 from scaletorch.models import build_model
-from scaletorch.parallel import tensor_parallel as tp_lib
 from scaletorch.parallel.parallelize import parallelize
+from scaletorch.parallel.tensor_parallel import tp_report
 from scaletorch.trainer import Trainer, check_against_reference, load_config
 
 
@@ -37,9 +40,7 @@ def main() -> int:
     cfg = load_config("examples/configs/03_tensor_parallel.yaml",
                       "Chapter 03: tensor parallel (+ sequence parallel)", limits)
     env = init_distributed(cfg.training.timeout_seconds)
-    p = cfg.parallel
-    tp, sp = p.tensor_model_parallel_size, p.sequence_parallel
-    pgm = init_pg_manager(tensor_model_parallel_size=tp)
+    pgm = init_pg_manager_from_config(cfg.parallel, cfg.training.timeout_seconds)
     pgm.log_topology()
 
     model = build_model(cfg.model, seed=cfg.training.model_seed)
@@ -47,21 +48,9 @@ def main() -> int:
     result = Trainer.from_parallelized(cfg, par, pgm, device=env.device).train()
 
     # What this chapter is about: 2 + 2 collectives of b x s x h per block, nothing bigger.
-    ledger, last = get_ledger(), cfg.training.steps - 1
-    tokens = cfg.data.global_batch_size // pgm.data_parallel_world_size * cfg.data.seq_len
-    if pgm.rank == 0 and tp > 1:
-        print(tp_lib.format_block_comm(cfg.model, tokens // cfg.data.num_micro_batches, tp, sp))
-        print(ledger.table(step=last))
-        if p.impl == "torch":
-            print("note: DTensor issues its collectives itself, out of our ledger's sight")
-        else:
-            # the grad norm is one all-reduce over the world (grad_norm.py), not over tp
-            formula = tp_lib.comm_elements_per_step(cfg.model, tokens, sp,
-                                                    cfg.data.num_micro_batches)
-            for op, expected in formula.items():
-                measured = ledger.total(op=op, group="tp", step=last, phase="compute")
-                print(f"{op} over tp in step {last}: ledger {measured:,.0f} elements, formula "
-                      f"{expected:,} ({'OK' if measured == expected else 'MISMATCH'})")
+    report = tp_report(cfg, pgm, step=cfg.training.steps - 1)
+    if pgm.rank == 0 and report:
+        print(report)
 
     ok = True
     if cfg.check:

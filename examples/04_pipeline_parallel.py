@@ -19,7 +19,7 @@ peak activations.
 import sys
 
 from scaletorch.dist import (destroy_distributed, destroy_pg_manager, get_ledger, init_distributed,
-                             init_pg_manager)
+                             init_pg_manager_from_config)
 from scaletorch.models import build_model
 from scaletorch.parallel.parallelize import parallelize
 from scaletorch.parallel.pipeline_parallel import gather_timeline
@@ -42,8 +42,7 @@ def main() -> int:
                       limits)
     env = init_distributed(cfg.training.timeout_seconds)
     p, m = cfg.parallel, cfg.data.num_micro_batches
-    pgm = init_pg_manager(tensor_model_parallel_size=p.tensor_model_parallel_size,
-                          pipeline_model_parallel_size=p.pipeline_model_parallel_size)
+    pgm = init_pg_manager_from_config(p, cfg.training.timeout_seconds)
     pgm.log_topology()
 
     model = build_model(cfg.model, seed=cfg.training.model_seed)

@@ -18,10 +18,10 @@ the MoE runs whole on every tp rank.
 
 import sys
 
-from scaletorch.dist import (destroy_distributed, destroy_pg_manager, get_ledger, init_distributed,
-                             init_pg_manager)
+from scaletorch.dist import (destroy_distributed, destroy_pg_manager, init_distributed,
+                             init_pg_manager_from_config)
 from scaletorch.models import build_model
-from scaletorch.parallel.expert_parallel import all_to_all_elements, format_routing
+from scaletorch.parallel.expert_parallel import ep_report
 from scaletorch.parallel.parallelize import parallelize
 from scaletorch.trainer import Trainer, check_against_reference, load_config
 
@@ -42,9 +42,7 @@ def main() -> int:
     cfg = load_config("examples/configs/06_expert_parallel.yaml",
                       "Chapter 06: expert parallel (mixture of experts)", limits)
     env = init_distributed(cfg.training.timeout_seconds)
-    p = cfg.parallel
-    pgm = init_pg_manager(tensor_model_parallel_size=p.tensor_model_parallel_size,
-                          expert_model_parallel_size=p.expert_model_parallel_size)
+    pgm = init_pg_manager_from_config(cfg.parallel, cfg.training.timeout_seconds)
     pgm.log_topology()
 
     model = build_model(cfg.model, seed=cfg.training.model_seed)
@@ -53,17 +51,9 @@ def main() -> int:
     result = Trainer.from_parallelized(cfg, par, pgm, device=env.device).train()
 
     # What this chapter is about: where the tokens went, and what moving them cost.
-    report, ledger, last = format_routing(model, pgm), get_ledger(), cfg.training.steps - 1
+    report = ep_report(model, pgm, step=cfg.training.steps - 1)
     if pgm.rank == 0:
         print(report)
-        print(ledger.table(step=last))
-        # token rows: every all_to_all over ep but the exchange of int64 counts
-        moved = sum(r.elements for r in ledger.select("all_to_all", "ep", last, "compute")
-                    if r.bytes != 8 * r.elements)
-        formula = all_to_all_elements(model, pgm)
-        print(f"rank 0, step {last}: all-to-all token elements over ep {moved:,} = 2 directions "
-              f"x h x (sent + received) summed over layers {formula:,} "
-              f"({'OK' if moved == formula else 'MISMATCH'})")
 
     ok = True
     if cfg.check:

@@ -28,7 +28,7 @@ import os
 import sys
 
 from scaletorch.dist import (destroy_distributed, destroy_pg_manager, get_ledger, init_distributed,
-                             init_pg_manager)
+                             init_pg_manager_from_config)
 from scaletorch.models import build_model
 from scaletorch.parallel.consolidated import (load_consolidated, resume_consolidated,
                                               save_consolidated)
@@ -56,8 +56,7 @@ def main() -> int:
                       "Chapter 07: N-D parallel (tp x pp x cp x dp, ep, ZeRO)")
     env = init_distributed(cfg.training.timeout_seconds)
     p = cfg.parallel
-    pgm = init_pg_manager(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-                          p.context_parallel_size, p.expert_model_parallel_size)
+    pgm = init_pg_manager_from_config(p, cfg.training.timeout_seconds)
     pgm.log_topology()
 
     model = build_model(cfg.model, seed=cfg.training.model_seed)

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from scaletorch.dist import destroy_pg_manager, init_pg_manager
+from scaletorch.dist import destroy_pg_manager, init_pg_manager_from_config
 from scaletorch.models import build_model
 from scaletorch.parallel.consolidated import (load_consolidated, resume_consolidated,
                                               save_consolidated)
@@ -83,9 +83,7 @@ def config_of(layouts: Dict[str, Tuple[bool, int, dict]], name: str) -> Config:
 
 
 def pg_manager_for(cfg: Config):
-    p = cfg.parallel
-    return init_pg_manager(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-                           p.context_parallel_size, p.expert_model_parallel_size)
+    return init_pg_manager_from_config(cfg.parallel)
 
 
 def clip_fn(model: nn.Module, pgm, copies: Optional[int] = None) -> Callable[[float], torch.Tensor]:

@@ -5,10 +5,12 @@ from scaletorch.dist.init import (DistributedEnv, destroy_distributed, init_dist
                                   pick_device_and_backend, restart_count)
 from scaletorch.dist.ledger import CommLedger, get_ledger, name_group
 from scaletorch.dist.pg_manager import (ProcessGroupManager, RankGrid, destroy_pg_manager,
-                                        get_pg_manager, init_pg_manager)
+                                        get_pg_manager, init_pg_manager,
+                                        init_pg_manager_from_config)
 
 __all__ = [
     "comm", "functional", "DistributedEnv", "init_distributed", "destroy_distributed",
     "pick_device_and_backend", "restart_count", "CommLedger", "get_ledger", "name_group",
-    "ProcessGroupManager", "RankGrid", "init_pg_manager", "get_pg_manager", "destroy_pg_manager"
+    "ProcessGroupManager", "RankGrid", "init_pg_manager", "init_pg_manager_from_config",
+    "get_pg_manager", "destroy_pg_manager"
 ]

@@ -27,7 +27,7 @@ creates the torch.distributed groups from it once and exposes them with Megatron
 
 import datetime
 import numbers
-from typing import Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional, Union
 
 import torch.distributed as dist
 
@@ -407,6 +407,15 @@ def init_pg_manager(
                     context_parallel_size, expert_model_parallel_size, order)
     _PG_MANAGER = ProcessGroupManager(grid, timeout=timeout)
     return _PG_MANAGER
+
+
+def init_pg_manager_from_config(parallel: Any,
+                                timeout_seconds: Optional[float] = None) -> ProcessGroupManager:
+    """``init_pg_manager`` with the sizes of a config's ``parallel`` section (cfg.parallel):
+    how every script and test builds its process groups, with the run's timeout on each."""
+    return init_pg_manager(parallel.tensor_model_parallel_size,
+                           parallel.pipeline_model_parallel_size, parallel.context_parallel_size,
+                           parallel.expert_model_parallel_size, timeout=timeout_seconds)
 
 
 def get_pg_manager() -> ProcessGroupManager:

@@ -26,7 +26,7 @@ computes the loss of different tokens, exactly like a data-parallel rank.
 """
 
 import math
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -34,7 +34,7 @@ from torch import nn
 
 from scaletorch.dist import comm, get_ledger
 from scaletorch.dist.comm import Group
-from scaletorch.dist.functional import all_to_all
+from scaletorch.dist.functional import all_to_all, gather_along_dim
 from scaletorch.models.llama import causal_attention
 
 ORDERS = ("zigzag", "contiguous")
@@ -436,3 +436,47 @@ def attention_block_counts(model: nn.Module) -> Dict[str, int]:
             for kind, n in fn.blocks.items():
                 total[kind] += n
     return total
+
+
+def cp_report(cfg: Any, model: nn.Module, pgm: Any, steps_run: int, step: int) -> str:
+    """What chapter 05 prints after training. Collective over "cp" (every rank's attention
+    blocks are gathered); the text on global rank 0, "" elsewhere: the ledger's table of
+    ``step``, the K/V (ring) or q/k/v/out (Ulysses) traffic per layer next to its formula, what
+    activation checkpointing re-sent, and the causal work per cp rank. ``steps_run``: the
+    optimizer steps this process ran (the blocks are counted since it started)."""
+    p, d, ledger = cfg.parallel, cfg.data, get_ledger()
+    cp, m, layers = pgm.context_parallel_world_size, d.num_micro_batches, cfg.model.num_layers
+    b, s_local, hd = d.global_batch_size // pgm.data_parallel_world_size, d.seq_len // cp, \
+        cfg.model.head_dim
+    tp = pgm.tensor_model_parallel_world_size
+    hq, hkv = cfg.model.num_attention_heads // tp, cfg.model.num_key_value_heads // tp
+    if p.cp_variant == "ring":  # fwd: K/V (cp-1)x; bwd: K/V (cp-1)x, dK/dV cp x
+        op, formula = "send", (3 * cp - 2) * 2 * b * s_local * hkv * hd if cp > 1 else 0
+    else:  # q, k, v, out all-to-all in forward and again in backward; (cp-1)/cp leaves
+        op, formula = "all_to_all", 2 * (cp - 1) * b * s_local * (2 * hq + 2 * hkv) * hd // cp
+    measured = ledger.total(op=op, group="cp", step=step, phase="compute") / layers
+    # activation checkpointing re-runs each block's forward in backward: its K/V ring again
+    recomputed = ledger.total(op=op, group="cp", step=step, phase="recompute") / layers
+    forward = (cp - 1) * 2 * b * s_local * hkv * hd if p.cp_variant == "ring" else formula // 2
+    blocks = attention_block_counts(model)
+    device = next(model.parameters()).device
+    per_forward = torch.tensor([blocks["full"], blocks["diagonal"]], device=device) \
+        // (layers * m * steps_run)
+    with ledger.paused():  # the report's own gather is not training traffic
+        all_blocks = gather_along_dim(per_forward, 0, pgm.context_parallel_group)
+    if pgm.rank != 0:
+        return ""
+    what = "K/V" if p.cp_variant == "ring" else "q/k/v/out"
+    lines = [
+        ledger.table(step=step),
+        f"{p.cp_variant} {what} traffic per layer per step per rank ({op} over cp): "
+        f"{measured:,.0f} elements = {measured * 4 / 1e6:.3f} MB; formula {formula:,}"
+    ]
+    if p.activation_checkpointing:
+        lines.append(f"recomputed (activation checkpointing): {recomputed:,.0f} elements per "
+                     f"layer; formula: the forward's {forward:,}")
+    if p.cp_variant == "ring":
+        pairs = all_blocks.view(cp, 2).tolist()
+        lines.append("attention blocks per layer per forward, by cp rank (full + diagonal): " +
+                     ", ".join(f"rank {r}: {f} + {g}" for r, (f, g) in enumerate(pairs)))
+    return "\n".join(lines)

@@ -38,7 +38,7 @@ from torch import nn
 from torch.autograd import Variable
 from torch.nn.parallel import DistributedDataParallel
 
-from scaletorch.dist import comm
+from scaletorch.dist import comm, get_ledger
 from scaletorch.dist.timer import Mark, Timer, seconds
 
 IMPLS = ("naive", "scaletorch", "torch")
@@ -369,6 +369,32 @@ def format_timeline(timeline: SyncTimeline, width: int = 60) -> str:
         lines.append(
             row(f"bucket {x.index}", x.t_launch, done, "#", f"  {x.numel * 4 / 1e6:.3f} MB"))
     lines.append(row("wait", timeline.t_backward_end, timeline.t_wait_end, "."))
+    return "\n".join(lines)
+
+
+def ddp_report(model: nn.Module, pgm, impl: str, step: int) -> str:
+    """What chapter 01 prints after training (rank 0's view, no communication): the ledger's
+    table of ``step``, the gradients' all-reduce next to the ring formula 2 (N-1)/N x 4 Psi
+    bytes per rank, and the bucketed DDP's overlap of all-reduces with backward."""
+    ledger, n = get_ledger(), pgm.data_parallel_world_size_with_context
+    if n == 1:
+        return ""
+    psi = sum(p.numel() for p in model.parameters())
+    lines = [ledger.table(step=step)]
+    if impl == "torch":
+        lines.append("note: torch DDP all-reduces inside its C++ reducer, which our ledger cannot "
+                     "see: the table shows only the loss the trainer averages for its log")
+    else:
+        grads = ledger.total(op="all_reduce", group="dp_cp", step=step) - 1  # - the loss
+        wire = ledger.total(op="all_reduce", group="dp_cp", step=step, field="wire_bytes")
+        lines.append(f"gradients all-reduced in step {step}: {grads:,.0f} elements (Psi = "
+                     f"{psi:,}); ring volume per rank 2(N-1)/N x 4 Psi = "
+                     f"{2 * (n - 1) / n * 4 * psi / 1e6:.3f} MB (ledger: {wire / 1e6:.3f} MB, "
+                     f"with the loss)")
+    if isinstance(model, BucketedDataParallel) and model.timeline.launches:
+        lines.append(f"overlap in step {step} (rank 0; = compute, # a bucket's all-reduce in "
+                     f"flight, . waiting):")
+        lines.append(format_timeline(model.timeline))
     return "\n".join(lines)
 
 

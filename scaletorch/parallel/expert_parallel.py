@@ -39,7 +39,7 @@ dropping on the run is not the reference's (which caps over all T tokens): parit
 """
 
 from functools import partial
-from typing import Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -250,3 +250,24 @@ def format_routing(model: nn.Module, pgm) -> str:
                          f"{str(computed):>24} {sent:>6} {received:>6} "
                          f"{sent * row_bytes / 1e3:>12.2f} {received * row_bytes / 1e3:>11.2f}")
     return "\n".join(lines)
+
+
+def ep_report(model: nn.Module, pgm: Any, step: int) -> str:
+    """What chapter 06 prints after training. Collective over the world (the routing table
+    gathers every rank's counts); the text on global rank 0, "" elsewhere: where the tokens
+    went, the ledger's table of ``step``, and rank 0's all-to-all token elements next to the
+    formula 2 directions x h x (sent + received) summed over MoE layers."""
+    routing, ledger = format_routing(model, pgm), get_ledger()
+    if pgm.rank != 0:
+        return ""
+    # token rows: every all_to_all over ep but the exchange of int64 counts
+    moved = sum(r.elements for r in ledger.select("all_to_all", "ep", step, "compute")
+                if r.bytes != 8 * r.elements)
+    formula = all_to_all_elements(model, pgm)
+    return "\n".join([
+        routing,
+        ledger.table(step=step),
+        f"rank 0, step {step}: all-to-all token elements over ep {moved:,} = 2 directions x h x "
+        f"(sent + received) summed over layers {formula:,} "
+        f"({'OK' if moved == formula else 'MISMATCH'})"
+    ])

@@ -25,14 +25,14 @@ rank has (b, s, V/N) and only the max and the sum of exponentials are all-reduce
 """
 
 import math
-from typing import Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from scaletorch.dist import comm
+from scaletorch.dist import comm, get_ledger
 from scaletorch.dist.comm import Group
 from scaletorch.dist.functional import (copy_to_parallel_region,
                                         gather_from_sequence_parallel_region,
@@ -374,4 +374,28 @@ def format_block_comm(config: LlamaConfig, tokens: int, tp: int, sequence_parall
     lines.append(f"per block: 2 forward + 2 backward = 4 x b x s x h = {4 * n:,} elements" +
                  (" in each of all_gather and reduce_scatter" if sequence_parallel else "") +
                  f"; ring wire {wire / 1e6:.3f} MB per rank (fp32)")
+    return "\n".join(lines)
+
+
+def tp_report(cfg: Any, pgm: Any, step: int) -> str:
+    """What chapter 03 prints after training (rank 0's view, no communication): one block's
+    collectives, the ledger's table of ``step`` and every tp op next to its formula."""
+    p, d, tp = cfg.parallel, cfg.data, pgm.tensor_model_parallel_world_size
+    if tp == 1:
+        return ""
+    tokens = d.global_batch_size // pgm.data_parallel_world_size * d.seq_len  # per rank
+    ledger = get_ledger()
+    lines = [
+        format_block_comm(cfg.model, tokens // d.num_micro_batches, tp, p.sequence_parallel),
+        ledger.table(step=step)
+    ]
+    if p.impl == "torch":
+        lines.append("note: DTensor issues its collectives itself, out of our ledger's sight")
+        return "\n".join(lines)
+    # the grad norm is one all-reduce over the world (grad_norm.py), not over tp
+    formula = comm_elements_per_step(cfg.model, tokens, p.sequence_parallel, d.num_micro_batches)
+    for op, expected in formula.items():
+        measured = ledger.total(op=op, group="tp", step=step, phase="compute")
+        lines.append(f"{op} over tp in step {step}: ledger {measured:,.0f} elements, formula "
+                     f"{expected:,} ({'OK' if measured == expected else 'MISMATCH'})")
     return "\n".join(lines)

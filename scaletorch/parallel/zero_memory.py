@@ -5,7 +5,7 @@ carries per step (``comm_formula``) for the ZeRO stages of zero.py; ``measure_me
 tensors a rank actually holds, ``memory_report`` and ``comm_report`` print both side by side.
 """
 
-from typing import Dict, Optional
+from typing import Any, Dict, Optional
 
 import torch
 import torch.distributed as dist
@@ -133,3 +133,25 @@ def comm_report(zero_stage: int, padded_numel: int, num_micro_batches: int, worl
             f"(measured {measured['all_gather']:,}), reduce-scatter Psi' = "
             f"{formula['reduce_scatter']:,} (measured {measured['reduce_scatter']:,}); on the "
             f"wire (N-1)/N x 4 B each: {expected_wire / 1e6:.3f} MB (measured {wire / 1e6:.3f})")
+
+
+def zero_report(model: nn.Module, optimizer: torch.optim.Optimizer, cfg: Any, pgm: Any, numel: int,
+                step: int) -> str:
+    """What chapter 02 prints after training. Collective over the data-parallel group (the
+    memory table gathers every rank's row); the text on its rank 0, "" elsewhere: the ledger's
+    table of ``step``, the all-gather and reduce-scatter volume next to the formula, and every
+    rank's memory next to the formula. ``numel``: Psi of the unsharded model."""
+    p, group = cfg.parallel, pgm.data_parallel_group_with_context
+    padded = getattr(model, "padded_numel", numel)  # FSDP2 does not pad
+    memory = memory_report(model, optimizer, p.zero_stage, numel, padded, group)
+    if comm.group_rank(group) != 0:
+        return ""
+    lines = [get_ledger().table(step=step)]
+    if p.impl == "torch":
+        lines.append("(fully_shard calls the backend directly: its collectives are not in the "
+                     "ledger, only the loss and norm all-reduces are)")
+    else:
+        lines.append(
+            comm_report(p.zero_stage, padded, cfg.data.num_micro_batches, comm.group_size(group),
+                        step))
+    return "\n".join(lines + [memory])
