@@ -12,13 +12,14 @@ A unit all-gathers its shards into ``flat`` (every parameter is a view of it) an
 again, and reduce-scatters its gradients so that each rank ends with its shard's sum.
 """
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from scaletorch.dist import comm
+from scaletorch.dist.comm import Work
 
 NamedModules = Sequence[Tuple[str, nn.Module]]  # (name inside the model, module)
 
@@ -67,8 +68,10 @@ class FlatUnit:
             self.flat[start:start + param.numel()].copy_(param.detach().reshape(-1))
             # set_ (not a view): the tensor shares flat's storage but not its version counter,
             # so re-gathering flat between forward and backward is not an in-place error.
-            tensor = torch.empty(0, dtype=first.dtype, device=first.device).set_(
-                storage, start, param.shape).requires_grad_(param.requires_grad)
+            tensor = torch.empty(0, dtype=first.dtype, device=first.device)
+            # torch's stub wants a stride after (storage, offset, size); none means contiguous
+            tensor.set_(storage, start, param.shape)  # type: ignore[call-overload]
+            tensor.requires_grad_(param.requires_grad)
             for sub, attr, _ in holders:
                 del sub._parameters[attr]  # the module keeps a plain tensor, not a Parameter
                 setattr(sub, attr, tensor)
@@ -90,7 +93,7 @@ class FlatUnit:
         """Bytes of full parameters this unit holds right now (0 when freed)."""
         return self.flat.untyped_storage().nbytes()
 
-    def gather(self, async_op: bool = False):
+    def gather(self, async_op: bool = False) -> Optional[Work]:
         """All-gather every rank's shard into ``flat`` over the group: (S,) -> (P',)."""
         if self.gathered_bytes == 0:
             self.flat.untyped_storage().resize_(self.padded_numel * self.flat.element_size())
@@ -103,7 +106,7 @@ class FlatUnit:
         """Drop the full parameters (stage 3); every tensor on flat's storage goes with it."""
         self.flat.untyped_storage().resize_(0)
 
-    def reduce_grads(self) -> Tuple[object, object]:
+    def reduce_grads(self) -> Tuple[Optional[Work], Callable[[], None]]:
         """Start the reduce-scatter of this unit's gradients over the group: (P',) -> (S,).
 
         Gradients are averaged (divided by N), so the shard's gradient is that of the global
@@ -125,7 +128,8 @@ class FlatUnit:
         out = torch.empty_like(self.shard)
         work = comm.reduce_scatter_tensor(out, full, self.group, async_op=True)
 
-        def finish(full=full, out=out) -> None:  # full stays alive until the work is done
+        # the default binds full: it stays alive until the work is done
+        def finish(full: torch.Tensor = full, out: torch.Tensor = out) -> None:
             if self.flat_grad is not None:
                 own = self.flat_grad[self.rank * self.shard_numel:(self.rank + 1) *
                                      self.shard_numel]
