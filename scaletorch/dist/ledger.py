@@ -34,6 +34,8 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch.distributed as dist
 
+from scaletorch.plan.comm import wire_bytes  # the ring formulas live with the planner
+
 _GROUP_NAMES: Dict[object, str] = {}
 
 PHASES = ("compute", "recompute")
@@ -61,18 +63,6 @@ class CommRecord:
     bytes: int
     wire_bytes: float
     phase: str = "compute"
-
-
-def wire_bytes(op: str, nbytes: int, group_size: int) -> float:
-    """Bytes one rank sends for ``op`` on ``nbytes`` over a ring of ``group_size`` ranks."""
-    n = group_size
-    if op == "all_reduce":
-        return 2 * (n - 1) / n * nbytes
-    if op in ("all_gather", "reduce_scatter"):
-        return (n - 1) / n * nbytes
-    if op == "recv":
-        return 0.0
-    return float(nbytes)
 
 
 Key = Tuple[str, str, int, str]  # (op, group, group size, phase)

@@ -1,0 +1,208 @@
+"""Traffic per group per step, in the communication ledger's definition of wire bytes.
+
+A rank's step is a list of collectives (``Collective``: group, op, elements, element size,
+phase), each the call the strategies make (scaletorch/parallel); ``wire_bytes`` turns a call
+into the bytes this rank sends with the textbook ring algorithms:
+
+    all_reduce                        2 (N-1)/N x bytes
+    all_gather, reduce_scatter          (N-1)/N x bytes of the full (gathered) tensor
+    broadcast, send                               bytes
+    all_to_all                     bytes sent to other ranks
+    recv                                          0   (a receive sends nothing)
+
+Per step and rank (T tokens = micro-batch b x local sequence s/cp, m micro-batches, L_r the
+rank's blocks, P its parameters, h hidden):
+
+    dp_cp  DDP: all-reduce P (+ 1, the reported loss); ZeRO-1/2: reduce-scatter and all-gather
+           P' (padded); ZeRO-3: all-gather 2 m P', reduce-scatter P'; MoE: E + 1 routing
+           statistics per MoE block and micro-batch
+    edp    all-reduce of the expert gradients (expert parallel)
+    tp     4 all-reduces of T h per dense block per micro-batch (2 for an MoE block), the
+           embedding's and the head input's T h, 3 T for the vocab-parallel loss; sequence
+           parallel: all-gather + reduce-scatter of the same, and the norms' weight gradients
+    pp     per micro-batch an activation (forward) or gradient (backward) of T h (/ tp under
+           sequence parallel) across each stage boundary the rank sends over; 1 for the loss
+    cp     ring: (3 cp - 2) K/V messages of 2 T kv_local per block and micro-batch
+    ep     per MoE block and micro-batch 4 all-to-alls (dispatch, combine; forward, backward)
+           of k T h, (ep-1)/ep of them to other ranks with balanced routing, + the counts
+    world  1 (the gradient norm's sum of squares) unless every rank holds every gradient
+
+Recomputation (activation checkpointing) repeats a block's forward collectives under the
+phase "recompute", up to its last saved tensor (torch.utils.checkpoint stops there).
+"""
+
+from collections import defaultdict
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence
+
+from scaletorch.plan.layout import ACTIVATION_BYTES, PRECISIONS, PlanLayout
+from scaletorch.plan.memory import rank_units
+from scaletorch.plan.model import ModelSpec
+from scaletorch.plan.pipeline import rank_layers
+
+
+def wire_bytes(op: str, nbytes: int, group_size: int) -> float:
+    """Bytes one rank sends for ``op`` on ``nbytes`` over a ring of ``group_size`` ranks."""
+    n = group_size
+    if op == "all_reduce":
+        return 2 * (n - 1) / n * nbytes
+    if op in ("all_gather", "reduce_scatter"):
+        return (n - 1) / n * nbytes
+    if op == "recv":
+        return 0.0
+    return float(nbytes)
+
+
+def zero_comm_elements(zero_stage: int, numel: int, num_micro_batches: int = 1) -> Dict[str, int]:
+    """Elements each ZeRO collective carries per step (the full flat size, as the ledger records).
+
+    A ring moves (N-1)/N of them per rank. Stages 1, 2: reduce-scatter + all-gather of Psi;
+    stage 3: all-gather 2 m Psi (forward and backward of m micro-batches) + reduce-scatter Psi.
+    """
+    if zero_stage not in (1, 2, 3):
+        raise ValueError(f"zero_stage must be 1, 2 or 3, got {zero_stage}")
+    gathers = 2 * num_micro_batches if zero_stage == 3 else 1
+    return {"all_gather": gathers * numel, "reduce_scatter": numel}
+
+
+def tp_comm_elements(config: Any, tokens: int, sequence_parallel: bool, num_micro_batches: int = 1,
+                     layers: Optional[Sequence[int]] = None, first: bool = True,
+                     last: bool = True) -> Dict[str, int]:
+    """Elements each rank sends through collectives over "tp" per optimizer step, by op, as the
+    ledger counts them (the full tensor of an all-gather or reduce-scatter), tp > 1.
+
+    tokens = b x s summed over the rank's micro-batches; ``layers`` the rank's blocks (default
+    all), ``first`` / ``last``: whether it holds the embedding / the head; hidden size h:
+        blocks        4 tokens h per dense block, 2 per MoE block (2 forward + 2 backward;
+                      the experts are not split over tp)
+        embedding       tokens h      (forward: sum of the vocab shards' rows)
+        head input      tokens h      (backward: f before the vocab-parallel head)
+        loss          3 tokens        (max, then [sum exp, target logit])
+        sp norms      h m per norm    (RMSNorm weight gradients, per micro-batch; sp only)
+    Without sequence parallel all are all-reduces; with it the activation terms become an
+    all-gather and a reduce-scatter each (the same bytes on the wire). The grad norm's one
+    number is all-reduced over the world, not "tp" (grad_norm.py).
+    """
+    h = config.hidden_size
+    layers = range(config.num_layers) if layers is None else layers
+    moe = sum(1 for i in layers if config.is_moe_layer(i))
+    blocks = 4 * (len(layers) - moe) + 2 * moe
+    activations = (blocks + first + last) * tokens * h
+    scalars = 3 * tokens if last else 0
+    if not sequence_parallel:
+        return {"all_reduce": activations + scalars}
+    norms = (2 * len(layers) - moe + last) * h * num_micro_batches
+    return {"all_gather": activations, "reduce_scatter": activations, "all_reduce": scalars + norms}
+
+
+BUCKET = 25 * 2**20  # DDP's gradient bucket, bytes (parallel.bucket_size_mb)
+
+
+class Collective(NamedTuple):
+    group: str
+    size: int
+    op: str
+    elements: int
+    element_size: int
+    phase: str = "compute"
+    calls: int = 1  # how many calls carry it (each pays the latency)
+
+    @property
+    def wire(self) -> float:
+        return wire_bytes(self.op, self.elements * self.element_size, self.size)
+
+
+def _pipeline_sends(layout: PlanLayout, pp_rank: int) -> int:
+    """Stage boundaries rank ``pp_rank`` sends across per micro-batch: an activation from each of
+    its stages but the last, a gradient from each but the first."""
+    stages = layout.pp * layout.virtual_stages
+    mine = [pp_rank + c * layout.pp for c in range(layout.virtual_stages)]
+    return sum((g < stages - 1) + (g > 0) for g in mine)
+
+
+def collectives(model: ModelSpec, layout: PlanLayout, pp_rank: int = 0) -> List[Collective]:
+    """Every collective a rank of pipeline rank ``pp_rank`` issues in one step."""
+    lay, out = layout, []
+    m, b, s = lay.num_micro_batches, lay.micro_batch_size, lay.seq_len // lay.cp
+    h, t, T = model.hidden_size, lay.tp, b * s  # T: tokens of one micro-batch on this rank
+    act = ACTIVATION_BYTES[lay.precision]
+    grad = PRECISIONS[lay.precision][1]
+    param = PRECISIONS[lay.precision][0]
+    chunks = rank_layers(model.num_layers, lay.pp, lay.virtual_stages, lay.layer_split)
+    layers = [i for c in chunks[pp_rank] for i in c]
+    moe = sum(1 for i in layers if model.is_moe_layer(i))
+    stages = lay.pp * lay.virtual_stages
+    first = pp_rank == 0
+    last = any(pp_rank + c * lay.pp == stages - 1 for c in range(lay.virtual_stages))
+    units = rank_units(model, lay, pp_rank)
+    dense, expert = sum(u.dense for u in units), sum(u.expert for u in units)
+    n, edp = lay.dp_cp, lay.dp_cp // lay.ep
+
+    def add(group: str, size: int, op: str, elements: int, esize: int, phase: str = "compute",
+            calls: int = 1) -> None:
+        if size > 1 and elements > 0:
+            out.append(Collective(group, size, op, elements, esize, phase, calls))
+
+    # data parallel (over dp x cp): the gradients, the reported loss, MoE statistics
+    if lay.zero_stage == 0:
+        add("dp_cp", n, "all_reduce", dense, grad, calls=1 + dense * grad // BUCKET)
+    else:
+        padded = sum(-(-u.dense // n) * n for u in units)
+        ops = zero_comm_elements(lay.zero_stage, padded, m)
+        gathers = len(units) * (2 * m if lay.zero_stage == 3 else 1)
+        add("dp_cp", n, "all_gather", ops["all_gather"], param, calls=gathers)
+        add("dp_cp", n, "reduce_scatter", ops["reduce_scatter"], grad, calls=len(units))
+    add("dp_cp", n, "all_reduce", 1 + moe * (model.num_experts + 1) * m, 4)
+    add("edp", edp, "all_reduce", expert, grad)
+    # tensor parallel
+    if t > 1:
+        ops = tp_comm_elements(model, T * m, lay.sequence_parallel, m, layers, first, last)
+        calls = (4 * (len(layers) - moe) + 2 * moe + first + last) * m
+        for op, elements in ops.items():
+            add("tp", t, op, elements, act, calls=calls if elements > 3 * T * m else m)
+        if lay.activation_checkpointing == "full":  # the forward again, but its last collective
+            dense_blocks = len(layers) - moe
+            if lay.sequence_parallel:
+                add("tp", t, "all_gather", 2 * dense_blocks * T * h * m, act, "recompute")
+                add("tp", t, "reduce_scatter", dense_blocks * T * h * m, act, "recompute")
+            else:
+                add("tp", t, "all_reduce", dense_blocks * T * h * m, act, "recompute")
+    # pipeline: activations forward, gradients backward; the loss from the last stage
+    if lay.pp > 1:
+        message = T * h // (t if lay.sequence_parallel else 1)
+        sends = _pipeline_sends(lay, pp_rank) * m * message
+        add("pp", lay.pp, "send", sends, act, calls=_pipeline_sends(lay, pp_rank) * m)
+        add("pp", lay.pp, "recv", sends, act)
+        add("pp", lay.pp, "all_reduce", 1, 4)
+    # context parallel: the ring passes K and V
+    if lay.cp > 1:
+        kv = 2 * T * model.kv_size // t  # one K/V message: this tp rank's kv heads
+        if lay.cp_variant == "ring":
+            for phase, count in (("compute", 3 * lay.cp - 2), ("recompute", lay.cp - 1)):
+                if phase == "recompute" and lay.activation_checkpointing == "none":
+                    continue
+                add("cp", lay.cp, "send",
+                    count * kv * len(layers) * m, act, phase, calls=count * len(layers) * m)
+                add("cp", lay.cp, "recv", count * kv * len(layers) * m, act, phase)
+        else:  # Ulysses: q, k, v and the output, forward and backward, (cp-1)/cp sent
+            qkvo = 2 * T * h // t + kv
+            add("cp", lay.cp, "all_to_all", 2 * qkvo * (lay.cp - 1) // lay.cp * len(layers) * m,
+                act)
+    # expert parallel: the routed tokens there and back, forward and backward (balanced)
+    if lay.ep > 1 and moe:
+        tokens = T * model.moe_top_k * h * (lay.ep - 1) // lay.ep
+        add("ep", lay.ep, "all_to_all", 4 * tokens * moe * m, act, calls=4 * moe * m)
+        add("ep", lay.ep, "all_to_all", model.num_experts * (lay.ep - 1) // lay.ep * moe * m, 8)
+    # the gradient norm: one number over the world, unless every rank holds every gradient
+    if lay.tp > 1 or lay.pp > 1 or lay.zero_stage > 0 or (lay.ep > 1 and expert):
+        add("world", lay.world, "all_reduce", 1, 4)
+    return out
+
+
+def wire_bytes_per_group(model: ModelSpec, layout: PlanLayout, pp_rank: int = 0,
+                         phase: Optional[str] = None) -> Dict[str, float]:
+    """{group: bytes this rank sends per step}, over both phases unless ``phase`` is given."""
+    totals: Dict[str, float] = defaultdict(float)
+    for c in collectives(model, layout, pp_rank):
+        if phase is None or c.phase == phase:
+            totals[c.group] += c.wire
+    return dict(totals)

@@ -1,0 +1,143 @@
+"""A layout as the planner sees it: the sizes of every axis and the per-step knobs.
+
+The same knobs as ``parallel`` and ``data`` in a run's config (scaletorch/trainer/config.py),
+with the data-parallel size explicit and the batch given per micro-batch:
+
+    world = tp x cp x dp x pp           global batch = dp x m x b sequences of s tokens
+
+``from_config`` reads a run's config (duck-typed: nothing is imported from the trainer).
+"""
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+RECOMPUTE = ("none", "selective", "full")
+SCHEDULES = ("afab", "1f1b", "interleaved")
+
+# bytes per parameter: (working parameters, gradients, optimizer state incl. fp32 master)
+PRECISIONS: Dict[str, tuple] = {
+    "fp32": (4, 4, 8),  # fp32 training: parameters, gradients, Adam m and v
+    "bf16": (2, 2, 12),  # bf16 copy + bf16 gradients; fp32 master, m, v (ZeRO's K = 12)
+    "bf16-fp32-grads": (2, 4, 12),  # gradients accumulated in fp32 (Megatron; 18 B/param)
+    "autocast": (4, 4, 8),  # this repository's bf16: fp32 weights, bf16 autocast compute
+}
+ACTIVATION_BYTES = {"fp32": 4, "bf16": 2, "bf16-fp32-grads": 2, "autocast": 2}
+
+
+@dataclass
+class PlanLayout:
+    """tp, pp, cp, ep, dp: group sizes (ep is carved out of dp x cp, as in the trainer)."""
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    dp: int = 1
+    zero_stage: int = 0
+    virtual_stages: int = 1
+    schedule: str = "1f1b"
+    num_micro_batches: int = 1
+    micro_batch_size: int = 1  # b: sequences per micro-batch per data-parallel rank
+    seq_len: int = 2048
+    sequence_parallel: bool = False
+    activation_checkpointing: str = "none"  # none | selective | full
+    precision: str = "fp32"
+    flash_attention: bool = False  # True: attention keeps out + log-sum-exp, not s x s scores
+    cp_variant: str = "ring"
+    layer_split: Optional[List[int]] = field(default=None)
+
+    def __post_init__(self) -> None:
+        sizes = {
+            "tp": self.tp,
+            "pp": self.pp,
+            "cp": self.cp,
+            "ep": self.ep,
+            "dp": self.dp,
+            "virtual_stages": self.virtual_stages,
+            "micro_batches": self.num_micro_batches,
+            "micro_batch_size": self.micro_batch_size,
+            "seq_len": self.seq_len
+        }
+        bad = {k: v for k, v in sizes.items() if not isinstance(v, int) or v <= 0}
+        if bad:
+            raise ValueError("sizes must be positive integers, got " +
+                             ", ".join(f"{k} {v}" for k, v in bad.items()))
+        choices = {
+            "zero_stage": (self.zero_stage, (0, 1, 2, 3)),
+            "schedule": (self.schedule, SCHEDULES),
+            "activation_checkpointing": (self.activation_checkpointing, RECOMPUTE),
+            "precision": (self.precision, tuple(PRECISIONS)),
+        }
+        for name, (value, allowed) in choices.items():
+            if value not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(map(str, allowed))}, "
+                                 f"got {value!r}")
+        if (self.dp * self.cp) % self.ep:
+            raise ValueError(f"expert parallel size {self.ep} must divide data x context "
+                             f"parallel ({self.dp} x {self.cp})")
+        if self.seq_len % self.cp:
+            raise ValueError(f"seq_len {self.seq_len} is not divisible by cp {self.cp}")
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.cp * self.dp * self.pp
+
+    @property
+    def dp_cp(self) -> int:
+        return self.dp * self.cp
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per optimizer step."""
+        return self.dp * self.num_micro_batches * self.micro_batch_size
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.seq_len
+
+    def describe(self) -> str:
+        ac = "" if self.activation_checkpointing == "none" else \
+            f" ac={self.activation_checkpointing}"
+        vs = f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""
+        return (f"tp{self.tp} cp{self.cp} pp{self.pp}{vs} dp{self.dp}" +
+                (f" ep{self.ep}" if self.ep > 1 else "") +
+                (f" zero{self.zero_stage}" if self.zero_stage else "") +
+                (" sp" if self.sequence_parallel else "") + ac +
+                f" m{self.num_micro_batches} b{self.micro_batch_size}")
+
+    def as_dict(self) -> Dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def recompute_mode(value: Any) -> str:
+    """``parallel.activation_checkpointing`` as none | selective | full (true/false: full/none,
+    as older configs wrote it)."""
+    if value is True or value is False:
+        return "full" if value else "none"
+    if value in RECOMPUTE:
+        return value
+    raise ValueError(f"activation_checkpointing must be one of none, selective, full "
+                     f"(or true/false), got {value!r}")
+
+
+def from_config(cfg: Any, world_size: int, precision: str = "fp32") -> PlanLayout:
+    """The layout a run of ``cfg`` on ``world_size`` ranks uses (the data-parallel size is what
+    the world leaves, as in the trainer)."""
+    p, d = cfg.parallel, cfg.data
+    model_parallel = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * \
+        p.context_parallel_size
+    if world_size % model_parallel:
+        raise ValueError(f"world size {world_size} is not divisible by tp x pp x cp "
+                         f"({model_parallel})")
+    dp = world_size // model_parallel
+    if d.global_batch_size % (dp * d.num_micro_batches):
+        raise ValueError(f"global batch {d.global_batch_size} is not divisible by dp ({dp}) x "
+                         f"micro-batches ({d.num_micro_batches})")
+    return PlanLayout(tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
+                      cp=p.context_parallel_size, ep=p.expert_model_parallel_size, dp=dp,
+                      zero_stage=p.zero_stage, virtual_stages=p.virtual_pipeline_stages,
+                      schedule=p.schedule, num_micro_batches=d.num_micro_batches,
+                      micro_batch_size=d.global_batch_size // (dp * d.num_micro_batches),
+                      seq_len=d.seq_len, sequence_parallel=p.sequence_parallel,
+                      activation_checkpointing=recompute_mode(p.activation_checkpointing),
+                      precision=precision, cp_variant=p.cp_variant,
+                      layer_split=list(p.layer_split) if p.layer_split else None)

@@ -1,0 +1,218 @@
+"""Bytes a rank holds: model states (parameters, gradients, optimizer) and activations.
+
+Model states. Each rank holds the units of its pipeline chunks (embedding, blocks, final norm
++ head), tensor parallel splits their matrices (norms stay whole), expert parallel gives each
+rank E / ep experts, and ZeRO over the N = dp x cp ranks shards a unit padded to a multiple of
+N (scaletorch/parallel/flat_unit.py). Bytes per parameter by precision (PRECISIONS):
+
+    stage     params      grads        optimizer            fp32: 4 + 4 + 8; bf16: 2 + 2 + 12
+    0         P           P            P                    (ZeRO's Psi, K = 12)
+    1         P           P            P'/N
+    2         P           P'/N         P'/N
+    3         P'/N        P'/N         P'/N
+
+Activations per micro-batch, derived for this repository's Llama (llama.py) from what autograd
+keeps for backward (b micro-batch, s tokens per rank = seq / cp, h hidden, f MLP width, a
+heads, kv key-value width, t = tp, e bytes of an activation; RMSNorm computes in fp32, the
+softmax in fp32):
+
+    norms (2)    4 (4 b s h + 2 b s)      input x, x / rms and 1 / rms, each norm; / t with SP
+    linears      e (2 b s h)              the two normed inputs (q/k/v and gate/up read them)
+    attention    e (4 b s h / t)          q after RoPE, k and v repeated to a heads, o's input
+    scores       (4 + e') b a s^2 / t + s^2   softmax output (fp32), its e-byte copy if e < 4,
+                                              and the causal mask (bool)
+    MLP          e (4 b s f / t)          gate, silu(gate), up, their product
+
+Selective recomputation keeps the attention core's inputs (q, k, v: e (b s h + 2 b s kv) / t)
+instead of the repeated k, v and the scores; full recomputation keeps a block's input,
+e b s h (/ t with SP), and rebuilds one block at a time in backward. Flash attention keeps the
+output and the log-sum-exp (4 b a s / t) instead of the scores. The GPT kind uses Korthikanti
+et al.'s formulas (16-bit activations, dropout masks), which the planner is checked against.
+"""
+
+import math
+from typing import Dict, List, NamedTuple, Tuple
+
+from scaletorch.plan.layout import ACTIVATION_BYTES, PRECISIONS, PlanLayout
+from scaletorch.plan.model import ModelSpec
+from scaletorch.plan.pipeline import in_flight, rank_layers
+
+
+def memory_formula(zero_stage: int, numel: int, world: int,
+                   element_size: int = 4) -> Dict[str, float]:
+    """Bytes per rank the formulas predict for ``numel`` parameters (Psi) over N = ``world``.
+
+    Stage 0 is plain data parallel (16 Psi). Exact integers when N divides ``numel`` (pass the
+    padded count P' to compare with a measurement).
+    """
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage}")
+    psi = numel * element_size
+    shard = psi // world if psi % world == 0 else psi / world
+    return {
+        "params": shard if zero_stage == 3 else psi,
+        "grads": shard if zero_stage >= 2 else psi,
+        "optimizer": 2 * shard if zero_stage >= 1 else 2 * psi,
+    }
+
+
+def model_state_bytes(zero_stage: int, numel: float, world: int,
+                      precision: str = "bf16") -> Dict[str, float]:
+    """Bytes per rank of ``numel`` parameters over ``world`` ZeRO ranks, by precision (no
+    padding): ZeRO's Table 1 is this with precision "bf16" (2 + 2 + 12)."""
+    p, g, o = PRECISIONS[precision]
+    return {
+        "params": p * numel / (world if zero_stage == 3 else 1),
+        "grads": g * numel / (world if zero_stage >= 2 else 1),
+        "optimizer": o * numel / (world if zero_stage >= 1 else 1),
+    }
+
+
+class Unit(NamedTuple):
+    """Parameters of one sharding unit on one rank: dense (replicated over dp x cp) and
+    expert (replicated over the expert-data-parallel ranks)."""
+    name: str
+    dense: int
+    expert: int
+
+
+def _split(model: ModelSpec, tp: int, i: int, ep: int) -> Tuple[int, int]:
+    """(dense, expert) parameters of block ``i`` on one tp rank, 1 / ep of its experts."""
+    h, t = model.hidden_size, tp
+    norms = 2 * model.norm_params()
+    if model.kind == "gpt":  # qkv, fc1 biases are split; the row layers' biases are not
+        attention = (4 * h * h + 3 * h) // t + h
+        mlp = (2 * h * model.intermediate_size + model.intermediate_size) // t + h
+    else:
+        attention = model.attention_params() // t
+        mlp = model.mlp_params() // t
+    if model.is_moe_layer(i):  # the MoE runs whole on every tp rank (expert_parallel.py)
+        return attention + norms + model.router_params(), model.expert_params() // ep
+    return attention + norms + mlp, 0
+
+
+def rank_units(model: ModelSpec, layout: PlanLayout, pp_rank: int = 0) -> List[Unit]:
+    """The units pipeline rank ``pp_rank`` holds, per tp rank, in forward order."""
+    chunks = rank_layers(model.num_layers, layout.pp, layout.virtual_stages, layout.layer_split)
+    stages = layout.pp * layout.virtual_stages
+    t, units = layout.tp, []
+    for c, layers in enumerate(chunks[pp_rank]):
+        stage = pp_rank + c * layout.pp
+        if stage == 0:
+            units.append(Unit("embed_tokens", model.embedding_params() // t, 0))
+        units += [Unit(f"layers.{i}", *_split(model, t, i, layout.ep)) for i in layers]
+        if stage == stages - 1:
+            head = 0 if model.tie_word_embeddings else model.embedding_params() // t
+            units.append(Unit("head", model.norm_params() + head, 0))
+    return units
+
+
+def _padded(numel: int, n: int) -> int:
+    return n * math.ceil(numel / n)
+
+
+def state_bytes(model: ModelSpec, layout: PlanLayout, pp_rank: int = 0) -> Dict[str, float]:
+    """Parameter, gradient and optimizer bytes on pipeline rank ``pp_rank`` (any tp rank).
+
+    ZeRO shards each dense unit over dp x cp, padded to a multiple of it; expert units over the
+    expert-data-parallel ranks (dp x cp / ep). Stage 3 also holds gathered units in flight
+    (``buffers``: the unit computing and the one prefetched, at most two of the largest)."""
+    p, g, o = PRECISIONS[layout.precision]
+    z, out = layout.zero_stage, {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
+    largest = 0
+    for unit in rank_units(model, layout, pp_rank):
+        for numel, n in ((unit.dense, layout.dp_cp), (unit.expert, layout.dp_cp // layout.ep)):
+            if numel == 0:
+                continue
+            full = _padded(numel, n) if z else numel
+            shard = full // n if z else numel
+            out["params"] += p * (shard if z == 3 else full)
+            out["grads"] += g * (shard if z >= 2 else full)
+            out["optimizer"] += o * (shard if z >= 1 else full)
+            largest = max(largest, full)
+    out["buffers"] = 2 * p * largest if z == 3 else 0
+    return out
+
+
+# ---- activations ------------------------------------------------------------------------
+def _gpt_layer(b: int, s: int, h: int, a: int, t: int, sp: bool, recompute: str) -> float:
+    """Korthikanti et al. 2022, bytes per layer per micro-batch (16-bit, dropout included)."""
+    sbh = s * b * h
+    if recompute == "full":
+        return 2 * sbh / (t if sp else 1)
+    attention_core = 0 if recompute == "selective" else 5 * a * s / h
+    if sp:
+        return sbh / t * (34 + attention_core)
+    return sbh * (10 + 24 / t + attention_core / t)
+
+
+def layer_activation_bytes(model: ModelSpec, layout: PlanLayout) -> float:
+    """Bytes one block keeps for backward for one micro-batch on one rank (dense blocks)."""
+    b, s = layout.micro_batch_size, layout.seq_len // layout.cp
+    h, t, a = model.hidden_size, layout.tp, model.num_attention_heads
+    sp, mode = layout.sequence_parallel and t > 1, layout.activation_checkpointing
+    e = ACTIVATION_BYTES[layout.precision]
+    if model.kind == "gpt":
+        return _gpt_layer(b, s, h, a, t, sp, mode)
+    norm_t = t if sp else 1
+    if mode == "full":
+        return e * b * s * h / norm_t
+    bsh, kv, f = b * s * h, b * s * model.kv_size, model.intermediate_size
+    norms = 4 * (4 * bsh + 2 * b * s) / norm_t
+    linears = e * (2 * bsh + 4 * b * s * f / t)
+    if mode == "selective" or layout.flash_attention:  # q, k, v and o's input
+        attention = e * (2 * bsh + 2 * kv) / t
+    else:
+        attention = e * 4 * bsh / t
+    if mode == "selective":
+        scores = 0.0
+    elif layout.flash_attention or layout.cp > 1:  # output kept above; log-sum-exp (fp32)
+        scores = 4 * b * a * s / t
+    else:
+        scores = (4 + (e if e < 4 else 0)) * b * a * s * s / t + s * s
+    return norms + linears + attention + scores
+
+
+def _ends(model: ModelSpec, layout: PlanLayout, first: bool, last: bool) -> float:
+    """What the embedding, RoPE and the head keep per micro-batch (this repo's Llama)."""
+    if model.kind == "gpt":  # left out in the paper's figures
+        return 0.0
+    b, s, h, t = layout.micro_batch_size, layout.seq_len // layout.cp, model.hidden_size, \
+        layout.tp
+    e, norm_t = ACTIVATION_BYTES[layout.precision], t if layout.sequence_parallel else 1
+    out = 0.0
+    if first:
+        out += 8 * b * s + 2 * 4 * s * model.head_dim  # token ids (int64); cos, sin (fp32)
+    if last:  # final norm, the head's input, the fp32 log-softmax of the logits, the targets
+        out += 4 * (2 * b * s * h + b * s) / norm_t + e * b * s * h
+        out += 4 * b * s * model.vocab_size / t + 8 * b * s
+    return out
+
+
+def activation_bytes(model: ModelSpec, layout: PlanLayout, pp_rank: int = 0) -> Dict[str, float]:
+    """Activations on pipeline rank ``pp_rank``: ``micro_batch`` (one micro-batch through all
+    the rank's layers, as a forward leaves it), ``in_flight`` (micro-batches the schedule keeps
+    at once on this rank) and ``peak`` (in_flight x micro_batch, plus the block rebuilt in
+    backward under recomputation)."""
+    chunks = rank_layers(model.num_layers, layout.pp, layout.virtual_stages, layout.layer_split)
+    layers = sum(len(c) for c in chunks[pp_rank])
+    stages = layout.pp * layout.virtual_stages
+    first = pp_rank == 0
+    last = any(pp_rank + c * layout.pp == stages - 1 for c in range(layout.virtual_stages))
+    per_layer = layer_activation_bytes(model, layout)
+    micro = layers * per_layer + _ends(model, layout, first, last)
+    n = in_flight(layout.schedule, layout.pp, layout.num_micro_batches, layout.virtual_stages,
+                  pp_rank)
+    rebuilt = 0.0
+    if layout.activation_checkpointing != "none":  # one block (full) or attention core
+        whole = PlanLayout(**{**layout.as_dict(), "activation_checkpointing": "none"})
+        rebuilt = layer_activation_bytes(model, whole) - per_layer  # rebuilt in backward
+    return {"micro_batch": micro, "in_flight": n, "peak": n * micro + rebuilt}
+
+
+def rank_memory(model: ModelSpec, layout: PlanLayout, pp_rank: int = 0) -> Dict[str, float]:
+    """params, grads, optimizer, buffers, activations (peak) and total on ``pp_rank``."""
+    out = state_bytes(model, layout, pp_rank)
+    out["activations"] = activation_bytes(model, layout, pp_rank)["peak"]
+    out["total"] = sum(out.values())
+    return out

@@ -1,0 +1,70 @@
+"""One layout's prediction as a dict (``evaluate``, what ``scripts/plan.py --json`` prints) and
+as a few lines of text (``format_breakdown``)."""
+
+from typing import Any, Dict, Optional
+
+from scaletorch.plan.cluster import Cluster
+from scaletorch.plan.comm import wire_bytes_per_group
+from scaletorch.plan.layout import PlanLayout
+from scaletorch.plan.memory import activation_bytes, rank_memory
+from scaletorch.plan.model import ModelSpec
+from scaletorch.plan.time import step_time
+
+KINDS = ("params", "grads", "optimizer", "buffers", "activations", "total")
+
+
+def evaluate(model: ModelSpec, layout: PlanLayout,
+             cluster: Optional[Cluster] = None) -> Dict[str, Any]:
+    """The layout's fields; ``memory_bytes`` and ``wire_bytes_per_step`` of the most-loaded
+    pipeline rank (the first or the last stage); the time figures if a cluster is given."""
+    ranks = sorted({0, layout.pp - 1})
+    memory = {r: rank_memory(model, layout, r) for r in ranks}
+    worst = max(ranks, key=lambda r: memory[r]["total"])
+    out: Dict[str, Any] = dict(layout.as_dict())
+    out.update({
+        "model": model.name,
+        "world": layout.world,
+        "most_loaded_pp_rank": worst,
+        "memory_bytes": {
+            k: memory[worst][k]
+            for k in KINDS
+        },
+        "in_flight_micro_batches": activation_bytes(model, layout, worst)["in_flight"],
+        "wire_bytes_per_step": wire_bytes_per_group(model, layout, worst),
+    })
+    if cluster is not None:
+        t = step_time(model, layout, cluster)
+        out.update({k: t[k] for k in ("bubble", "step_time_s", "tokens_per_s_per_gpu", "mfu")})
+        out["exposed_comm_s"] = t["exposed_s"]
+        out["compute_s"] = t["compute_s"]
+        out["fits"] = memory[worst]["total"] <= cluster.hbm_bytes
+    return out
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:.2f}"
+
+
+def format_breakdown(result: Dict[str, Any]) -> str:
+    """A few lines: memory by kind, wire bytes by group, time, bubble, MFU."""
+    mem = result["memory_bytes"]
+    lines = [
+        f"model {result['model']}, world {result['world']}: " + layout_line(result),
+        f"memory per GPU, GB (pp rank {result['most_loaded_pp_rank']}): " +
+        ", ".join(f"{k} {_gb(mem[k])}" for k in KINDS),
+        "wire bytes per step per GPU, GB: " +
+        (", ".join(f"{g} {_gb(v)}"
+                   for g, v in sorted(result["wire_bytes_per_step"].items())) or "none"),
+    ]
+    if "step_time_s" in result:
+        exposed = ", ".join(f"{g} {v:.3f}" for g, v in sorted(result["exposed_comm_s"].items()))
+        lines.append(f"step {result['step_time_s']:.3f} s (compute {result['compute_s']:.3f} s, "
+                     f"exposed comm s: {exposed or 'none'}, bubble {result['bubble']:.3f}); "
+                     f"{result['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, MFU "
+                     f"{100 * result['mfu']:.1f}%")
+    return "\n".join(lines)
+
+
+def layout_line(r: Dict[str, Any]) -> str:
+    layout = PlanLayout(**{k: r[k] for k in PlanLayout().as_dict()})
+    return layout.describe() + f" s{layout.seq_len}"

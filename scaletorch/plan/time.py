@@ -1,0 +1,96 @@
+"""Step time, tokens/s per GPU and MFU of a layout on a cluster.
+
+    compute   = hardware FLOPs per rank / (peak x compute_efficiency)    (balanced ranks)
+    a group's time = wire bytes / (link bandwidth x comm_efficiency)
+                     + calls x 2 log2(N) x latency      (small messages go by a tree)
+
+Ranks are placed in Megatron's order (tp fastest, then cp, dp, pp): a group whose ranks span
+stride x size <= GPUs per node stays on NVLink, others use the NIC. What overlaps with what
+(as in this repository's strategies):
+- tp, ep, pp and cp messages sit on the critical path (tensor parallel waits for each
+  all-reduce; a pipeline stage waits for its input), except that the ring of context parallel
+  hides behind the attention it feeds: exposed cp = max(0, cp time - attention core time);
+- the data-parallel gradient reduction (DDP buckets, ZeRO's reduce-scatter) overlaps the last
+  micro-batch's backward; ZeRO-3's gathers are prefetched, overlapping all compute.
+Then the pipeline bubble stretches the busy time: step = busy / (1 - bubble) + exposed dp.
+"""
+
+import math
+from typing import Dict
+
+from scaletorch.plan.cluster import Cluster
+from scaletorch.plan.comm import collectives
+from scaletorch.plan.flops import hardware_flops, model_flops
+from scaletorch.plan.layout import PlanLayout
+from scaletorch.plan.model import ModelSpec
+from scaletorch.plan.pipeline import theoretical_bubble
+
+
+def group_span(layout: PlanLayout, group: str) -> int:
+    """Consecutive ranks a group of ``group`` spans (stride x size), in tp-cp-dp-pp order."""
+    lay = layout
+    return {
+        "tp": lay.tp,
+        "cp": lay.tp * lay.cp,
+        "dp_cp": lay.tp * lay.cp * lay.dp,
+        "ep": lay.tp * lay.ep,
+        "edp": lay.tp * lay.cp * lay.dp,
+        "pp": lay.world,
+        "world": lay.world,
+    }[group]
+
+
+def comm_seconds(model: ModelSpec, layout: PlanLayout, cluster: Cluster,
+                 pp_rank: int = 0) -> Dict[str, float]:
+    """Seconds each group's traffic of one step takes on ``cluster`` (not yet overlapped)."""
+    out: Dict[str, float] = {}
+    for c in collectives(model, layout, pp_rank):
+        intra = group_span(layout, c.group) <= cluster.gpus_per_node
+        bandwidth = cluster.intra_node_bandwidth if intra else cluster.inter_node_bandwidth
+        latency = cluster.intra_node_latency if intra else cluster.inter_node_latency
+        hops = c.calls * 2 * math.ceil(math.log2(c.size))  # latency-bound: a tree (NCCL)
+        seconds = c.wire / (bandwidth * cluster.comm_efficiency) + hops * latency
+        out[c.group] = out.get(c.group, 0.0) + seconds
+    return out
+
+
+def step_time(model: ModelSpec, layout: PlanLayout, cluster: Cluster) -> Dict[str, float]:
+    """compute_s, exposed_s (by group), bubble, step_time_s, tokens_per_s_per_gpu, mfu, and
+    the FLOPs (model and hardware, per step)."""
+    lay = layout
+    rate = cluster.peak_flops * cluster.compute_efficiency
+    hw = hardware_flops(model, lay)
+    compute = hw / lay.world / rate
+    # the attention cores' share: what the cp ring hides behind
+    core = 3 * 4 * lay.seq_len * model.hidden_size * model.num_layers * lay.tokens_per_step
+    core_s = core / lay.world / rate
+    last_micro_backward = compute * 2 / 3 / lay.num_micro_batches
+    comm = {}
+    for r in sorted({0, lay.pp - 1}):  # the first and the last stage: the slower one sets it
+        for group, seconds in comm_seconds(model, lay, cluster, r).items():
+            comm[group] = max(comm.get(group, 0.0), seconds)
+    exposed = {}
+    for group, seconds in comm.items():
+        if group == "cp":
+            exposed[group] = max(0.0, seconds - core_s)
+        elif group in ("dp_cp", "edp", "world"):
+            window = compute if lay.zero_stage == 3 else last_micro_backward
+            exposed[group] = max(0.0, seconds - window) if group != "world" else seconds
+        else:
+            exposed[group] = seconds
+    bubble = theoretical_bubble(lay.pp, lay.num_micro_batches, lay.virtual_stages) \
+        if lay.pp > 1 else 0.0
+    busy = compute + sum(v for g, v in exposed.items() if g in ("tp", "cp", "ep", "pp"))
+    step = busy / (1 - bubble) + sum(v
+                                     for g, v in exposed.items() if g in ("dp_cp", "edp", "world"))
+    flops = model_flops(model, lay.global_batch, lay.seq_len)
+    return {
+        "compute_s": compute,
+        "exposed_s": exposed,
+        "bubble": bubble,
+        "step_time_s": step,
+        "tokens_per_s_per_gpu": lay.tokens_per_step / step / lay.world,
+        "mfu": flops / (step * lay.world * cluster.peak_flops),
+        "model_flops": flops,
+        "hardware_flops": hw,
+    }
