@@ -35,11 +35,14 @@ accumulate full size); the last micro-batch reduces once.
 
 from contextlib import contextmanager
 from functools import partial
-from typing import Any, Dict, Iterator, List, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Protocol, Tuple, Union, cast
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from scaletorch.dist import ProcessGroupManager
+from scaletorch.dist.comm import Work
 from scaletorch.parallel.flat_unit import FlatUnit, NamedModules
 
 Units = List[Tuple[str, NamedModules]]  # (unit name, [(module name, module), ...])
@@ -56,8 +59,8 @@ class ShardedDataParallel(nn.Module):
     (grad_norm.py).
     """
 
-    def __init__(self, module: nn.Module, units: Units, group, zero_stage: int,
-                 prefetch: bool = True) -> None:
+    def __init__(self, module: nn.Module, units: Units, group: Optional[dist.ProcessGroup],
+                 zero_stage: int, prefetch: bool = True) -> None:
         super().__init__()
         if zero_stage not in (1, 2, 3):
             raise ValueError(f"zero_stage must be 1, 2 or 3, got {zero_stage}")
@@ -82,8 +85,9 @@ class ShardedDataParallel(nn.Module):
         self._sync = True
         self._ready = [0] * len(self.units)  # gradients received in this backward, per unit
         self._dirty = [False] * len(self.units)  # unit holds gradients not yet reduced
-        self._pending = None  # (work, finish) of the reduce-scatter in flight
-        self._gathering: Dict[int, object] = {}  # unit -> work of an async all-gather (prefetch)
+        # (work, finish) of the reduce-scatter in flight
+        self._pending: Optional[Tuple[Optional[Work], Callable[[], None]]] = None
+        self._gathering: Dict[int, Work] = {}  # unit -> work of an async all-gather (prefetch)
         self.peak_gathered_units = 0  # stage 3: most units full at the same time
         self.peak_gathered_bytes = 0
         self.register_state_dict_post_hook(self._copy_shards)
@@ -106,7 +110,7 @@ class ShardedDataParallel(nn.Module):
         """Psi': parameters plus each unit's padding to a multiple of N."""
         return sum(u.padded_numel for u in self.units)
 
-    def forward(self, *args, **kwargs):
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._ready = [0] * len(self.units)  # one forward, one backward: count afresh
         return self.module(*args, **kwargs)
 
@@ -133,12 +137,12 @@ class ShardedDataParallel(nn.Module):
             self._gathering.pop(i).wait()
         self.units[i].free()
 
-    def _pre_forward(self, i: int, module: nn.Module, args) -> None:
+    def _pre_forward(self, i: int, module: nn.Module, args: Tuple[Any, ...]) -> None:
         self._gather(i)
         if self.prefetch and i + 1 < len(self.units):
             self._gather(i + 1, async_op=True)
 
-    def _post_forward(self, i: int, module: nn.Module, args, output) -> None:
+    def _post_forward(self, i: int, module: nn.Module, args: Tuple[Any, ...], output: Any) -> None:
         self._free(i)
         if torch.is_tensor(output) and output.requires_grad:
             # Fires when the gradient of the unit's output is ready: its backward starts.
@@ -227,13 +231,13 @@ class ShardedDataParallel(nn.Module):
                 state_dict[key] = state_dict[key].clone()
 
     @staticmethod
-    def _gather_after_load(module: nn.Module, incompatible_keys: Any) -> None:
+    def _gather_after_load(module: "ShardedDataParallel", incompatible_keys: Any) -> None:
         """load_state_dict post-hook: stages 1, 2 rebuild the full parameters from the loaded
         shards (an all-gather: every rank of the group loads)."""
         module.gather_params()
 
 
-def check_zero_layout(zero_stage: int, pgm) -> None:
+def check_zero_layout(zero_stage: int, pgm: ProcessGroupManager) -> None:
     """ZeRO shards over data parallel only in this chapter (chapter 07 combines strategies)."""
     if zero_stage not in (1, 2, 3):
         raise ValueError(f"zero_stage must be 1, 2 or 3, got {zero_stage}")
@@ -248,23 +252,25 @@ def check_zero_layout(zero_stage: int, pgm) -> None:
                          f"{', '.join(unsupported)}")
 
 
-def llama_units(model: nn.Module) -> List[Tuple[str, NamedModules]]:
+def llama_units(model: nn.Module) -> Units:
     """The sharding units of a Llama, in forward order: embedding, each block, head.
 
     Also of a pipeline chunk (chapter 04), which holds some of them: its ``layers`` are keyed
     by their index in the full model, and a stage without the embedding or the head has None.
     """
-    layers = model.layers.items() if isinstance(model.layers, nn.ModuleDict) \
-        else enumerate(model.layers)
-    units = [("embed_tokens", [("embed_tokens", model.embed_tokens)])] \
-        if model.embed_tokens is not None else []
+    # torch types a module's attributes Tensor | Module; these are modules, or None in a chunk
+    blocks = cast(Union[nn.ModuleList, nn.ModuleDict], model.layers)
+    embed = cast(Optional[nn.Module], model.embed_tokens)
+    lm_head = cast(Optional[nn.Module], model.lm_head)
+    layers = blocks.items() if isinstance(blocks, nn.ModuleDict) else enumerate(blocks)
+    units: Units = [("embed_tokens", [("embed_tokens", embed)])] if embed is not None else []
     units += [(f"layers.{i}", [(f"layers.{i}", layer)]) for i, layer in layers]
-    if model.lm_head is not None:
-        units.append(("head", [("norm", model.norm), ("lm_head", model.lm_head)]))
+    if lm_head is not None:
+        units.append(("head", [("norm", cast(nn.Module, model.norm)), ("lm_head", lm_head)]))
     return units
 
 
-def apply_zero(model: nn.Module, pgm, zero_stage: int,
+def apply_zero(model: nn.Module, pgm: ProcessGroupManager, zero_stage: int,
                prefetch: bool = True) -> ShardedDataParallel:
     """Shard a Llama over ``pgm.data_parallel_group_with_context`` (ZeRO ``zero_stage``).
 
@@ -277,6 +283,22 @@ def apply_zero(model: nn.Module, pgm, zero_stage: int,
                                zero_stage, prefetch)
 
 
+class ZeroModel(Protocol):
+    """What ZeroAdamW drives: a ``ShardedDataParallel``, or several (a pipeline rank's chunks)."""
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        ...
+
+    def finish_grad_sync(self) -> None:
+        ...
+
+    def gather_params(self) -> None:
+        ...
+
+    def zero_grad_buffers(self) -> None:
+        ...
+
+
 class ZeroAdamW(torch.optim.AdamW):
     """torch.optim.AdamW over this rank's shards: the same arithmetic, 1/N of the state.
 
@@ -285,14 +307,16 @@ class ZeroAdamW(torch.optim.AdamW):
     every rank's full parameters. ``zero_grad()`` also clears the wrapper's full gradients.
     """
 
-    def __init__(self, model: nn.Module, lr: float, betas: Tuple[float, float], weight_decay: float,
+    def __init__(self, model: ZeroModel, lr: float, betas: Tuple[float, float], weight_decay: float,
                  eps: float = 1e-8) -> None:
         super().__init__(list(model.parameters()), lr=lr, betas=betas, eps=eps,
                          weight_decay=weight_decay)
         self.model = model
 
+    # torch's stub overloads step on closure (None -> None, callable -> float); this covers both
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(  # type: ignore[override]
+            self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
         self.model.finish_grad_sync()
         loss = super().step(closure)
         self.model.gather_params()
