@@ -34,7 +34,7 @@ see them. What cannot run here (validation.py): MoE, ZeRO-1/2, context parallel 
 or ZeRO-3.
 """
 
-from typing import Callable, Dict, Iterable, List, Optional, Tuple, cast
+from typing import TYPE_CHECKING, Callable, Dict, Iterable, List, Optional, Tuple, cast
 
 import torch
 import torch.distributed as dist
@@ -47,6 +47,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                SequenceParallel, loss_parallel, parallelize_module)
 from torch.nn import functional as F
 
+from scaletorch.dist import ProcessGroupManager
 from scaletorch.models import Llama, loss_fn
 from scaletorch.parallel.activation_checkpointing import apply_activation_checkpointing
 from scaletorch.parallel.context_parallel import apply_context_parallel, make_sequence_sharder
@@ -58,12 +59,15 @@ from scaletorch.parallel.step import ForwardBackward, make_data_parallel_step
 from scaletorch.parallel.tensor_parallel import validate_tensor_parallel
 from scaletorch.parallel.zero import check_zero_layout
 
+if TYPE_CHECKING:  # the config module imports scaletorch.parallel
+    from scaletorch.trainer.config import Config
+
 MESH_DIMS = ("pp", "dp", "tp")  # slowest to fastest, as the rank grid orders them
 
 # ---- 0 the mesh ------------------------------------------------------------------------------
 
 
-def device_mesh(pgm, device_type: str) -> Dict[str, DeviceMesh]:
+def device_mesh(pgm: ProcessGroupManager, device_type: str) -> Dict[str, DeviceMesh]:
     """One DeviceMesh (pp, dp, tp) over the world, made of the pg_manager's own groups (no new
     ones), and its 1-D sub-meshes: {"world": mesh, "pp": .., "dp": .., "tp": ..}."""
     if pgm.context_parallel_world_size > 1:
@@ -74,7 +78,8 @@ def device_mesh(pgm, device_type: str) -> Dict[str, DeviceMesh]:
     for rank in range(pgm.world_size):
         where = grid.coordinates(rank)
         ranks[tuple(where[d] for d in MESH_DIMS)] = rank
-    groups = [pgm.get_group(d) for d in MESH_DIMS]
+    # a mesh needs torch.distributed initialized, and then every group exists (never None)
+    groups = [cast(dist.ProcessGroup, pgm.get_group(d)) for d in MESH_DIMS]
     # DeviceMesh equality ignores the process groups and DTensor caches by mesh: dims named
     # after this pg_manager's groups keep a mesh over a rebuilt pg_manager (tests rebuild it
     # inside one world) from being taken for a mesh over destroyed groups.
@@ -167,7 +172,7 @@ def apply_native_data_parallel(modules: Iterable[nn.Module], dp_mesh: DeviceMesh
 # ---- clip: the global norm over every layout --------------------------------------------------
 
 
-def copies(param: torch.Tensor, pgm) -> int:
+def copies(param: torch.Tensor, pgm: ProcessGroupManager) -> int:
     """Ranks of the world holding the same elements as this rank's part of ``param``: those
     of its pipeline stage (world / pp), divided by each mesh dim that shards it."""
     n = pgm.world_size // pgm.pipeline_model_parallel_world_size
@@ -178,7 +183,8 @@ def copies(param: torch.Tensor, pgm) -> int:
     return n
 
 
-def native_clip_grad_norm(params: List[nn.Parameter], pgm) -> Callable[[float], torch.Tensor]:
+def native_clip_grad_norm(params: List[nn.Parameter],
+                          pgm: ProcessGroupManager) -> Callable[[float], torch.Tensor]:
     """``clip(max_norm)``: the global norm of DTensor and plain gradients, then the scaling."""
     device = params[0].device
 
@@ -199,7 +205,7 @@ def native_clip_grad_norm(params: List[nn.Parameter], pgm) -> Callable[[float], 
 
 
 def parallelize_native(
-    model: Llama, cfg, pgm
+    model: Llama, cfg: "Config", pgm: ProcessGroupManager
 ) -> Tuple[nn.Module, ForwardBackward, Callable[[float], torch.Tensor],
            Optional[torch.optim.Optimizer], DTensorParamMap]:
     """impl torch: context -> checkpointing -> tensor -> pipeline -> data on ``model`` (built
@@ -245,14 +251,14 @@ def parallelize_native(
     return trainer_model, step, clip, None, param_map
 
 
-def apply_fully_shard(model: nn.Module, pgm) -> nn.Module:
+def apply_fully_shard(model: nn.Module, pgm: ProcessGroupManager) -> nn.Module:
     """Chapter 02's reference, FSDP2 alone: ``fully_shard`` each block, then the root
     (embedding, norm, head), on a 1-D device mesh over ``pgm.data_parallel_group_with_context``.
     Its collectives bypass our ledger."""
     check_zero_layout(3, pgm)
     if not dist.is_initialized():
         raise ValueError("fully_shard needs torch.distributed: launch with torchrun")
-    group = pgm.data_parallel_group_with_context
+    group = cast(dist.ProcessGroup, pgm.data_parallel_group_with_context)  # initialized: exists
     # Named after the group, for the reason device_mesh gives.
     mesh = DeviceMesh.from_group(group,
                                  next(model.parameters()).device.type,
