@@ -218,7 +218,8 @@ def _shapes(config: LlamaConfig) -> Dict[str, torch.Tensor]:
     """Our parameter names -> meta tensors of their shapes (tied lm_head omitted)."""
     with torch.device("meta"):
         model = Llama(config)
-    names = dict(model.named_parameters())  # named_parameters lists a tied tensor once
+    # named_parameters lists a tied tensor once
+    names: Dict[str, torch.Tensor] = dict(model.named_parameters())
     return names
 
 
