@@ -18,10 +18,10 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from scaletorch.dist import get_ledger
+from scaletorch.dist import ProcessGroupManager, get_ledger
 from scaletorch.dist.functional import gather_along_dim, split_along_dim
-from scaletorch.parallel.grad_norm import replica_count
-from scaletorch.parallel.pipeline_parallel import gather_pipeline_state_dict
+from scaletorch.parallel.grad_norm import ParamReplicas, replica_count
+from scaletorch.parallel.pipeline_parallel import PipelineModel, gather_pipeline_state_dict
 from scaletorch.parallel.zero import ShardedDataParallel
 
 State = Dict[str, torch.Tensor]
@@ -36,8 +36,8 @@ class ParamMap:
     used to load a full optimizer state at any layout.
     """
 
-    def __init__(self, pgm, splits: Dict[str, Tuple[Optional[int], bool]], entries: List[Any],
-                 pipe=None) -> None:
+    def __init__(self, pgm: ProcessGroupManager, splits: Dict[str, Tuple[Optional[int], bool]],
+                 entries: List[Any], pipe: Optional[PipelineModel] = None) -> None:
         self.pgm, self.splits, self.pipe = pgm, splits, pipe
         # each entry: (optimizer parameter, [(names, shape, offset)], ZeRO unit or None)
         self.entries = entries
@@ -101,9 +101,10 @@ class ParamMap:
                     t = value if unit is None else value[offset:offset + shape.numel()].view(shape)
                     full = self._resplit(names[0], t, gather_along_dim).float().clone()
                     local.update({n: full for n in names})
+            gathered: Optional[State] = local
             if self.pipe is not None:
-                local = gather_pipeline_state_dict(self.pipe, self.pgm, local)
-        return local if self.pgm.rank == 0 else None
+                gathered = gather_pipeline_state_dict(self.pipe, self.pgm, local)
+        return gathered if self.pgm.rank == 0 else None
 
     def scatter(self, full: State) -> Dict[torch.Tensor, torch.Tensor]:
         """{optimizer parameter: this rank's part of ``full``} (no communication)."""
@@ -120,11 +121,11 @@ class ParamMap:
             out[param] = flat[unit.rank * unit.shard_numel:][:unit.shard_numel].clone()
         return {p: t.to(p.device, p.dtype) for p, t in out.items()}
 
-    def replicas(self) -> List[Tuple[torch.Tensor, Any]]:
+    def replicas(self) -> List[ParamReplicas]:
         """(optimizer parameter, replicas) for ``world_grad_norm``: a count per parameter, or
         per element of a ZeRO shard (whose pieces are each tp-split or tp-replicated)."""
         tp = self.pgm.tensor_model_parallel_world_size
-        out = []
+        out: List[ParamReplicas] = []
         for param, pieces, unit in self.entries:
             if unit is None:
                 out.append((param, replica_count(param, self.pgm)))
@@ -144,7 +145,8 @@ class DTensorParamMap:
     pipeline (``pipe``) this rank's chunks hold its stages, and gathering adds the other
     stages' tensors (pipeline rank 0 receives them)."""
 
-    def __init__(self, pgm, model: nn.Module, pipe=None) -> None:
+    def __init__(self, pgm: ProcessGroupManager, model: nn.Module,
+                 pipe: Optional[PipelineModel] = None) -> None:
         self.pgm, self.pipe = pgm, pipe
         by_param: Dict[int, Tuple[torch.Tensor, List[str]]] = {}
         for module in [model] if pipe is None else pipe.chunks:
