@@ -14,10 +14,10 @@ import torch
 
 from scaletorch.dist import destroy_pg_manager, get_ledger, init_pg_manager
 from scaletorch.models import LlamaConfig, build_model, causal_attention, loss_fn
-from scaletorch.parallel.context_parallel import (RingAttention, UlyssesAttention,
-                                                  apply_context_parallel, attention_block_counts,
-                                                  block_counts, check_ulysses_heads,
-                                                  make_sequence_sharder, zigzag_positions)
+from scaletorch.parallel.context_parallel import (UlyssesAttention, apply_context_parallel,
+                                                  check_ulysses_heads, make_sequence_sharder,
+                                                  zigzag_positions)
+from scaletorch.parallel.ring_attention import RingAttention, attention_block_counts, block_counts
 from scaletorch.parallel.data_parallel import apply_data_parallel
 from scaletorch.parallel.tensor_parallel import apply_tensor_parallel, tensor_parallel_loss_fn
 from scaletorch.trainer import Config, Trainer, make_data_parallel_step, run_reference

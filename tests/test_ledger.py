@@ -17,7 +17,7 @@ from scaletorch.dist import destroy_pg_manager, get_ledger
 from scaletorch.dist.ledger import CommLedger
 from scaletorch.models import build_model
 from scaletorch.parallel import tensor_parallel as tp_lib
-from scaletorch.parallel.context_parallel import attention_block_counts, block_counts
+from scaletorch.parallel.ring_attention import attention_block_counts, block_counts
 from tests.harness import run_distributed
 from tests.layouts import build, layout, make_config, pg_manager_for
 

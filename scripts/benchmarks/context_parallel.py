@@ -29,7 +29,7 @@ from scripts.benchmarks import timing
 MODEL = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=2,
                     num_attention_heads=8, num_key_value_heads=4, max_seq_len=1024)
 BATCH, SEQ_LEN, WARMUP = 2, 1024, 1
-# name: (variant, layout, block kernel)
+# name: (variant, sequence order, block kernel)
 VARIANTS = {
     "zigzag": ("ring", "zigzag", "math"),
     "contiguous": ("ring", "contiguous", "math"),
@@ -43,8 +43,8 @@ def _measure(rank: int, world: int, samples: int) -> Dict[str, object]:
     cp, cp_rank = pgm.context_parallel_world_size, pgm.context_parallel_rank
     names = list(VARIANTS)
     models = {
-        name: apply_context_parallel(build_model(MODEL, seed=0), pgm, variant, layout, impl)
-        for name, (variant, layout, impl) in VARIANTS.items()
+        name: apply_context_parallel(build_model(MODEL, seed=0), pgm, variant, order, impl)
+        for name, (variant, order, impl) in VARIANTS.items()
     }
     gen = torch.Generator().manual_seed(0)  # the same sequences on every rank
     x = torch.randint(0, MODEL.vocab_size, (BATCH, SEQ_LEN), generator=gen)

@@ -1,0 +1,297 @@
+"""Ring attention: context parallel's default attention (chapter 05), by hand.
+
+The N ranks of a "cp" group each hold two of the 2N chunks of every sequence (``chunk_ids``:
+zigzag, rank r keeps chunks r and 2N-1-r, or contiguous). K/V chunks travel around the ring;
+at step t a rank holds the K/V of rank (r - t) mod N, attends its queries to them block by
+block (a block is full, diagonal or skipped under the causal mask: ``ring_schedule``) and
+merges the partial results with their log-sum-exp. Forward: each rank sends its K and V
+(hkv heads, not expanded) N-1 times per layer. Backward: K/V go round again (N-1 sends) and
+dK/dV go round back to their owners (N sends). context_parallel.py shards the sequences and
+installs this attention (or Ulysses).
+"""
+
+import math
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from scaletorch.dist import comm, get_ledger
+from scaletorch.dist.comm import Group
+
+ORDERS = ("zigzag", "contiguous")
+IMPLS = ("math", "fused")
+KV_TAG, DKV_TAG = 1, 2  # distinct tags: K/V and dK/dV are in flight between the same ranks
+
+# ---- which tokens each rank holds ------------------------------------------------------------
+
+
+def chunk_ids(cp_rank: int, cp_size: int, order: str = "zigzag") -> Tuple[int, int]:
+    """The two of the 2 x cp_size sequence chunks that ``cp_rank`` holds, in sequence order."""
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {', '.join(ORDERS)}, got {order!r}")
+    if order == "zigzag":
+        return cp_rank, 2 * cp_size - 1 - cp_rank
+    return 2 * cp_rank, 2 * cp_rank + 1
+
+
+# ---- which (query chunk, key chunk) blocks are computed --------------------------------------
+
+
+def block_kind(q_chunk: int, kv_chunk: int) -> str:
+    """Causal mask of one chunk pair: "full" (keys all earlier), "diagonal", or "skipped"."""
+    if kv_chunk < q_chunk:
+        return "full"
+    return "diagonal" if kv_chunk == q_chunk else "skipped"
+
+
+def ring_schedule(cp_rank: int, cp_size: int,
+                  order: str = "zigzag") -> List[List[Tuple[int, int, str]]]:
+    """Per ring step, (local q half, kv half, kind) of the blocks ``cp_rank`` computes.
+
+    At step t the rank holds the K/V of rank (cp_rank - t) mod cp_size.
+    """
+    q_chunks = chunk_ids(cp_rank, cp_size, order)
+    steps = []
+    for t in range(cp_size):
+        kv_chunks = chunk_ids((cp_rank - t) % cp_size, cp_size, order)
+        steps.append([(a, b, block_kind(qc, kc)) for a, qc in enumerate(q_chunks)
+                      for b, kc in enumerate(kv_chunks)])
+    return steps
+
+
+def block_counts(cp_rank: int, cp_size: int, order: str = "zigzag") -> Dict[str, int]:
+    """How many full / diagonal / skipped blocks ``cp_rank`` meets in one attention forward."""
+    counts = {"full": 0, "diagonal": 0, "skipped": 0}
+    for step in ring_schedule(cp_rank, cp_size, order):
+        for _, _, kind in step:
+            counts[kind] += 1
+    return counts
+
+
+# ---- attention on one block, with its log-sum-exp --------------------------------------------
+# q (b, hq, sq, d); k, v (b, hkv, sk, d); query head j uses kv head j // (hq / hkv).
+
+
+def _grouped(q: torch.Tensor, hkv: int) -> torch.Tensor:
+    b, hq, s, d = q.shape
+    return q.reshape(b, hkv, hq // hkv, s, d)  # (b, hkv, g, s, d): broadcasts with kv heads
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+    scores = _grouped(q, k.size(1)) @ k.unsqueeze(2).transpose(-2, -1) * scale
+    if causal:  # the diagonal block: query i sees keys 0..i of the same chunk
+        sq, sk = scores.shape[-2:]
+        future = torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(future, float("-inf"))
+    return scores  # (b, hkv, g, sq, sk)
+
+
+def _math_forward(q, k, v, causal: bool, scale: float):
+    """Readable path for every device: out (b, hq, sq, d) and lse (b, hq, sq)."""
+    scores = _scores(q, k, causal, scale)
+    lse = scores.logsumexp(dim=-1, keepdim=True)
+    out = torch.exp(scores - lse) @ v.unsqueeze(2)
+    return out.flatten(1, 2), lse.squeeze(-1).flatten(1, 2)
+
+
+def _math_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+    """dq, dk, dv of one block, given the *merged* out and lse of the whole row.
+
+    p = exp(s - lse) is this block's share of the final softmax, so the block's gradients
+    are those of ordinary attention with delta = rowsum(dout * out) (FlashAttention-2).
+    """
+    hkv = k.size(1)
+    p = torch.exp(_scores(q, k, causal, scale) - _grouped(lse.unsqueeze(-1), hkv))
+    dout_g = _grouped(dout, hkv)
+    dv = (p.transpose(-2, -1) @ dout_g).sum(2)  # sum over the g query heads sharing a kv head
+    dp = dout_g @ v.unsqueeze(2).transpose(-2, -1)
+    delta = _grouped((dout * out).sum(-1, keepdim=True), hkv)
+    ds = p * (dp - delta) * scale
+    dq = (ds @ k.unsqueeze(2)).flatten(1, 2)
+    dk = (ds.transpose(-2, -1) @ _grouped(q, hkv)).sum(2)
+    return dq, dk, dv
+
+
+def _expand(kv: torch.Tensor, hq: int) -> torch.Tensor:
+    return kv.repeat_interleave(hq // kv.size(1), dim=1)
+
+
+def _fused_forward(q, k, v, causal: bool, scale: float):
+    """The CPU flash kernel, which also returns the log-sum-exp (doc/cpu_and_gloo.md)."""
+    k, v = _expand(k, q.size(1)), _expand(v, q.size(1))
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    return flash(q.contiguous(), k, v, 0.0, is_causal=causal, scale=scale)
+
+
+def _fused_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+    b, hkv, s, d = k.shape
+    hq = q.size(1)
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout.contiguous(), q.contiguous(), _expand(k, hq), _expand(v, hq), out.contiguous(),
+        lse.contiguous(), 0.0, causal, scale=scale)
+    # K/V were expanded locally (never on the wire): fold the gradients back to hkv heads.
+    return dq, dk.view(b, hkv, -1, s, d).sum(2), dv.view(b, hkv, -1, s, d).sum(2)
+
+
+BLOCK_FNS = {"math": (_math_forward, _math_backward), "fused": (_fused_forward, _fused_backward)}
+
+
+def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
+          block_lse: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Combine softmax attention over two disjoint key sets (doc/05_context_parallel.md).
+
+    out_i = sum_j exp(s_ij - lse) v_j over keys j; with lse = log(e^lse_a + e^lse_b),
+    out = e^(lse_a - lse) out_a + e^(lse_b - lse) out_b. Every exponent is <= 0: stable.
+    """
+    new_lse = torch.logaddexp(lse, block_lse)
+    out = torch.exp(lse - new_lse).unsqueeze(-1) * out + \
+        torch.exp(block_lse - new_lse).unsqueeze(-1) * block_out
+    return out, new_lse
+
+
+# ---- ring attention ------------------------------------------------------------------------
+
+
+def _ring_peers(group: Group) -> Tuple[int, int]:
+    """Global ranks of the next and previous rank of ``group``'s ring."""
+    ranks = dist.get_process_group_ranks(group)
+    r = comm.group_rank(group)
+    return ranks[(r + 1) % len(ranks)], ranks[(r - 1) % len(ranks)]
+
+
+def _exchange(send: torch.Tensor, group: Group, tag: int) -> Tuple[torch.Tensor, list]:
+    """Post: send ``send`` to the next rank, receive the previous rank's into a new buffer."""
+    nxt, prev = _ring_peers(group)
+    recv = torch.empty_like(send)
+    ops = [
+        dist.P2POp(dist.isend, send, nxt, group, tag),
+        dist.P2POp(dist.irecv, recv, prev, group, tag)
+    ]
+    return recv, comm.batch_isend_irecv(ops, group)
+
+
+def _wait(works: list) -> None:
+    for work in works:
+        work.wait()
+
+
+class _RingAttention(torch.autograd.Function):
+    """Causal attention of local queries over the whole sequence, K/V passed around ``group``.
+
+    q (b, hq, s_local, d), k and v (b, hkv, s_local, d): this rank's two chunks, concatenated.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, order, impl):
+        cp, rank = comm.group_size(group), comm.group_rank(group)
+        block_fwd, _ = BLOCK_FNS[impl]
+        scale = 1.0 / math.sqrt(q.size(-1))
+        dtype = q.dtype
+        with torch.autocast(q.device.type, enabled=False):  # blocks and merges in fp32
+            q, k, v = q.float(), k.float(), v.float()
+            qs = q.chunk(2, dim=2)
+            outs: List[Optional[torch.Tensor]] = [None, None]
+            lses: List[Optional[torch.Tensor]] = [None, None]
+            kv = torch.stack([k, v])  # one message: (2, b, hkv, s_local, d)
+            for t, blocks in enumerate(ring_schedule(rank, cp, order)):
+                if t + 1 < cp:  # post the next K/V before computing: comm overlaps compute
+                    next_kv, works = _exchange(kv, group, KV_TAG)
+                ks, vs = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
+                for a, b, kind in blocks:
+                    if kind == "skipped":
+                        continue
+                    o, lse = block_fwd(qs[a], ks[b], vs[b], kind == "diagonal", scale)
+                    if outs[a] is None:
+                        outs[a], lses[a] = o, lse
+                    else:
+                        outs[a], lses[a] = merge(outs[a], lses[a], o, lse)
+                if t + 1 < cp:
+                    _wait(works)
+                    kv = next_kv
+            out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.order, ctx.impl, ctx.scale, ctx.dtype = group, order, impl, scale, dtype
+        return out.to(dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, scale = ctx.group, ctx.scale
+        cp, rank = comm.group_size(group), comm.group_rank(group)
+        _, block_bwd = BLOCK_FNS[ctx.impl]
+        with torch.autocast(q.device.type, enabled=False):
+            dout = dout.float()
+            qs, outs, lses = q.chunk(2, 2), out.chunk(2, 2), lse.chunk(2, 2)
+            douts = dout.chunk(2, 2)
+            dq = torch.zeros_like(q)
+            dqs = dq.chunk(2, dim=2)  # views: accumulating into them fills dq
+            kv = torch.stack([k, v])
+            dkv_in, dkv_works = None, []
+            for t, blocks in enumerate(ring_schedule(rank, cp, ctx.order)):
+                if t + 1 < cp:
+                    next_kv, kv_works = _exchange(kv, group, KV_TAG)
+                # dkv: gradient w.r.t. the K/V held now, i.e. of rank (rank - t) mod cp
+                dkv = torch.zeros_like(kv)
+                ks, vs = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
+                dks, dvs = dkv[0].chunk(2, dim=2), dkv[1].chunk(2, dim=2)
+                for a, b, kind in blocks:
+                    if kind == "skipped":
+                        continue
+                    dq_a, dk_b, dv_b = block_bwd(douts[a], qs[a], ks[b], vs[b], outs[a], lses[a],
+                                                 kind == "diagonal", scale)
+                    dqs[a].add_(dq_a)
+                    dks[b].add_(dk_b)
+                    dvs[b].add_(dv_b)
+                if dkv_in is not None:  # what the ranks before us added to the same K/V
+                    _wait(dkv_works)
+                    dkv += dkv_in
+                if cp > 1:  # pass it on; after cp hops it is back at its owner
+                    dkv_in, dkv_works = _exchange(dkv, group, DKV_TAG)
+                if t + 1 < cp:
+                    _wait(kv_works)
+                    kv = next_kv
+            if cp > 1:
+                _wait(dkv_works)
+                dkv = dkv_in
+        dtype = ctx.dtype
+        return dq.to(dtype), dkv[0].to(dtype), dkv[1].to(dtype), None, None, None
+
+
+class RingAttention:
+    """``Attention.attention_fn`` for ring attention over ``group``; counts blocks computed.
+
+    Called with q (b, s_local, hq, d), k and v (b, s_local, hkv, d); returns (b, s_local, hq, d).
+    """
+
+    def __init__(self, group: Group, order: str = "zigzag", impl: str = "math") -> None:
+        if impl not in IMPLS:
+            raise ValueError(f"attention impl must be one of {', '.join(IMPLS)}, got {impl!r}")
+        chunk_ids(0, 1, order)  # validates order
+        self.group, self.order, self.impl = group, order, impl
+        self.blocks = {"full": 0, "diagonal": 0, "skipped": 0}  # summed over forward calls
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.impl == "fused" and q.device.type != "cpu":
+            raise ValueError(f"the fused attention impl is CPU only; got device {q.device}")
+        if q.size(1) % 2 != 0:
+            raise ValueError(f"local sequence length {q.size(1)} must be even (two chunks)")
+        cp, rank = comm.group_size(self.group), comm.group_rank(self.group)
+        if get_ledger().phase != "recompute":  # activation checkpointing's rerun: same forward
+            for kind, n in block_counts(rank, cp, self.order).items():
+                self.blocks[kind] += n
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (b, heads, s_local, d)
+        out = _RingAttention.apply(q, k, v, self.group, self.order, self.impl)
+        return out.transpose(1, 2)
+
+
+def attention_block_counts(model: nn.Module) -> Dict[str, int]:
+    """Full / diagonal / skipped blocks this rank's ring attention computed, over all layers."""
+    total = {"full": 0, "diagonal": 0, "skipped": 0}
+    for module in model.modules():
+        fn = getattr(module, "attention_fn", None)
+        if isinstance(fn, RingAttention):
+            for kind, n in fn.blocks.items():
+                total[kind] += n
+    return total
