@@ -38,7 +38,8 @@ from torch import nn
 from torch.autograd import Variable
 from torch.nn.parallel import DistributedDataParallel
 
-from scaletorch.dist import comm, get_ledger
+from scaletorch.dist import ProcessGroupManager, comm, get_ledger
+from scaletorch.dist.comm import Work
 from scaletorch.dist.timer import Mark, Timer, seconds
 
 IMPLS = ("naive", "scaletorch", "torch")
@@ -76,9 +77,10 @@ class ModuleWrapper:
         self.register_state_dict_post_hook(_strip_module_prefix)
         self.register_load_state_dict_pre_hook(_add_module_prefix)
 
-    def __getattr__(self, name: str):
+    def __getattr__(self, name: str) -> Any:
         try:
-            return super().__getattr__(name)
+            # a mixin: the nn.Module after it in the class's bases has __getattr__
+            return super().__getattr__(name)  # type: ignore[misc]
         except AttributeError:
             if name == "module":
                 raise
@@ -107,7 +109,7 @@ class _DataParallel(ModuleWrapper, nn.Module):
         for i, p in enumerate(self.params):
             p.register_post_accumulate_grad_hook(lambda p, i=i: self._grad_ready(i))
 
-    def forward(self, *args, **kwargs):
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         if torch.is_grad_enabled():
             self._needs_sync = True
         return self.module(*args, **kwargs)
@@ -162,7 +164,7 @@ class Bucket:
     param_ids: List[int]
     buffer: torch.Tensor  # (numel,) fp32
     ready: int = 0  # parameters whose gradient arrived in this sync's backward
-    work: Optional[object] = None  # the async all-reduce handle, once launched
+    work: Optional[Work] = None  # the async all-reduce handle, once launched
 
 
 @dataclass
@@ -226,7 +228,8 @@ class BucketedDataParallel(_DataParallel):
         caps = [_elements(min(FIRST_BUCKET_MB, bucket_size_mb)), _elements(bucket_size_mb)]
         self.buckets: List[Bucket] = []
         self._bucket_of: Dict[int, int] = {}
-        self._views: List[torch.Tensor] = [None] * len(self.params)
+        # every slot is set by _add_bucket below
+        self._views: List[torch.Tensor] = [None] * len(self.params)  # type: ignore[list-item]
         ids: List[int] = []
         for i in reversed(range(len(self.params))):  # backward meets the last layers first
             size = sum(self.params[j].numel() for j in ids) + self.params[i].numel()
@@ -262,7 +265,7 @@ class BucketedDataParallel(_DataParallel):
             offset += n
         self.buckets.append(Bucket(len(self.buckets), list(ids), buffer))
 
-    def forward(self, *args, **kwargs):
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._sync_enabled and torch.is_grad_enabled():
             self._recording.t_forward = self._timer.mark()
         return super().forward(*args, **kwargs)
@@ -317,8 +320,7 @@ class BucketedDataParallel(_DataParallel):
             # all-reduce's kernel (torch.futures.Future.then), so the CUDA event recorded
             # there fires when the all-reduce has finished on the GPU. (A clock reading there
             # would be the launch time, and work.wait() does not block the host on NCCL.)
-            bucket.work.get_future().then(
-                lambda _, rec=launch: setattr(rec, "t_done", self._timer.mark()))
+            bucket.work.get_future().then(lambda _: setattr(launch, "t_done", self._timer.mark()))
         self._recording.launches.append(launch)
         self._next_bucket += 1
 
@@ -353,9 +355,13 @@ def format_timeline(timeline: SyncTimeline, width: int = 60) -> str:
     Times are ms from the forward of the micro-batch that synced; a bucket's bar runs from
     its launch to the completion of its all-reduce.
     """
-    t0 = timeline.t_first_grad if math.isnan(timeline.t_forward) else timeline.t_forward
-    dones = [x.t_done for x in timeline.launches if not math.isnan(x.t_done)]
-    scale = width / max(max([timeline.t_wait_end] + dones) - t0, 1e-9)
+    # as floats (``BucketedDataParallel.timeline`` already read them: seconds() passes them on)
+    forward, first_grad = seconds(timeline.t_forward), seconds(timeline.t_first_grad)
+    backward_end, wait_end = seconds(timeline.t_backward_end), seconds(timeline.t_wait_end)
+    launches = [(x, seconds(x.t_launch), seconds(x.t_done)) for x in timeline.launches]
+    t0 = first_grad if math.isnan(forward) else forward
+    dones = [done for _, _, done in launches if not math.isnan(done)]
+    scale = width / max(max([wait_end] + dones) - t0, 1e-9)
 
     def row(label: str, start: float, end: float, char: str, note: str = "") -> str:
         a = min(width - 1, int((start - t0) * scale))
@@ -363,16 +369,15 @@ def format_timeline(timeline: SyncTimeline, width: int = 60) -> str:
         bar = " " * a + char * (b - a) + " " * (width - b)
         return f"{label:<17}|{bar}| {(start - t0) * 1e3:7.1f} -{(end - t0) * 1e3:7.1f} ms{note}"
 
-    lines = [row("forward+backward", t0, timeline.t_backward_end, "=")]
-    for x in timeline.launches:
-        done = timeline.t_wait_end if math.isnan(x.t_done) else x.t_done
-        lines.append(
-            row(f"bucket {x.index}", x.t_launch, done, "#", f"  {x.numel * 4 / 1e6:.3f} MB"))
-    lines.append(row("wait", timeline.t_backward_end, timeline.t_wait_end, "."))
+    lines = [row("forward+backward", t0, backward_end, "=")]
+    for x, launch, done in launches:
+        done = wait_end if math.isnan(done) else done
+        lines.append(row(f"bucket {x.index}", launch, done, "#", f"  {x.numel * 4 / 1e6:.3f} MB"))
+    lines.append(row("wait", backward_end, wait_end, "."))
     return "\n".join(lines)
 
 
-def ddp_report(model: nn.Module, pgm, impl: str, step: int) -> str:
+def ddp_report(model: nn.Module, pgm: ProcessGroupManager, impl: str, step: int) -> str:
     """What chapter 01 prints after training (rank 0's view, no communication): the ledger's
     table of ``step``, the gradients' all-reduce next to the ring formula 2 (N-1)/N x 4 Psi
     bytes per rank, and the bucketed DDP's overlap of all-reduces with backward."""
@@ -398,8 +403,8 @@ def ddp_report(model: nn.Module, pgm, impl: str, step: int) -> str:
     return "\n".join(lines)
 
 
-def apply_data_parallel(model: nn.Module, pgm, impl: str = "scaletorch",
-                        bucket_size_mb: float = 25.0) -> nn.Module:
+def apply_data_parallel(model: nn.Module, pgm: Optional[ProcessGroupManager],
+                        impl: str = "scaletorch", bucket_size_mb: float = 25.0) -> nn.Module:
     """Wrap ``model`` for data parallel over ``pgm.data_parallel_group_with_context``.
 
     impl: "naive" (all-reduce per parameter after backward), "scaletorch" (bucketed, overlapped)
