@@ -12,6 +12,7 @@ full tensors, no communication): what consolidated checkpoints need to move a ru
 layout to any other (consolidated.py).
 """
 
+import logging
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -160,10 +161,16 @@ class DTensorParamMap:
     def gather(self, value_of: Callable[[torch.Tensor], torch.Tensor]) -> Optional[State]:
         """Collective (DTensor's own all-gathers). {reference name: full fp32 tensor} on rank 0."""
         full_state: State = {}
+        # A 2-D (dp, tp) parameter of FSDP2 + tensor parallel gathers in two all-gathers, and
+        # DTensor logs a warning per parameter saying so: right, and not the learner's concern.
+        quiet = logging.getLogger("torch.distributed.tensor._redistribute")
+        level = quiet.level
+        quiet.setLevel(logging.ERROR)
         for param, names in self.entries:
             value = value_of(param).detach()
             full = value.full_tensor() if isinstance(value, DTensor) else value
             full_state.update({n: full.float().clone() for n in names})
+        quiet.setLevel(level)
         gathered: Optional[State] = full_state
         if self.pipe is not None:  # and the other stages' tensors, on pipeline rank 0
             gathered = gather_pipeline_state_dict(self.pipe, self.pgm, full_state)
