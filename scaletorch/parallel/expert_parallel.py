@@ -39,12 +39,12 @@ dropping on the run is not the reference's (which caps over all T tokens): parit
 """
 
 from functools import partial
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple, cast
 
 import torch
 from torch import nn
 
-from scaletorch.dist import comm, get_ledger
+from scaletorch.dist import ProcessGroupManager, comm, get_ledger
 from scaletorch.dist.comm import Group
 from scaletorch.dist.functional import all_reduce_sum, all_to_all, gather_along_dim
 from scaletorch.models.moe import Experts, MoE
@@ -110,9 +110,19 @@ class AllToAllDispatcher:
 
     def remote_tokens(self, rank: int) -> Tuple[int, int]:
         """(tokens sent to other ranks, tokens received from them) in the last forward."""
+        if self.sent is None or self.received is None:
+            raise RuntimeError("no tokens dispatched yet: run a forward first")
         sent = int(self.sent.sum() - self.sent[rank])
         received = int(self.received.sum() - self.received[rank].sum())
         return sent, received
+
+
+def _dispatcher(layer: MoE) -> AllToAllDispatcher:
+    """The all-to-all dispatcher that ``shard_experts`` gave ``layer``."""
+    if not isinstance(layer.dispatch_fn, AllToAllDispatcher):
+        raise ValueError("the MoE layer dispatches locally: shard its experts first "
+                         "(shard_experts)")
+    return layer.dispatch_fn
 
 
 def _is_expert(param: torch.Tensor) -> bool:
@@ -144,7 +154,7 @@ class ExpertParallel(ModuleWrapper, nn.Module):
     their copies and ``ParamMap`` gathers them over "ep" (dim 0).
     """
 
-    def __init__(self, module: nn.Module, pgm) -> None:
+    def __init__(self, module: nn.Module, pgm: ProcessGroupManager) -> None:
         super().__init__()
         self.module = module
         self.pgm = pgm
@@ -153,7 +163,7 @@ class ExpertParallel(ModuleWrapper, nn.Module):
         self.dense_params = [p for p in params if not _is_expert(p)]
         self.num_token_shards = pgm.data_parallel_world_size_with_context  # R
 
-    def forward(self, *args, **kwargs):
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
 
     def finish_grad_sync(self) -> None:
@@ -167,7 +177,7 @@ def moe_layers(model: nn.Module) -> List[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 
-def shard_experts(model: nn.Module, pgm) -> nn.Module:
+def shard_experts(model: nn.Module, pgm: ProcessGroupManager) -> nn.Module:
     """Shard every MoE layer's experts over "ep" in place; returns ``model``.
 
     Rank j of its ep group keeps experts [j E/P, (j+1) E/P) (copied from the full weights, so
@@ -187,30 +197,31 @@ def shard_experts(model: nn.Module, pgm) -> nn.Module:
         for name in ("gate_proj", "up_proj", "down_proj"):
             full = getattr(moe.experts, name)
             shard = nn.Parameter(full.detach()[rank * local:(rank + 1) * local].clone())
-            shard.expert_parallel = True  # reduced over "edp", gathered over "ep"
+            setattr(shard, "expert_parallel", True)  # a tag: reduced over "edp", gathered over "ep"
             setattr(moe.experts, name, shard)
         moe.dispatch_fn = AllToAllDispatcher(group)
         moe.global_stats_fn = stats_fn
     return model
 
 
-def apply_expert_parallel(model: nn.Module, pgm) -> ExpertParallel:
+def apply_expert_parallel(model: nn.Module, pgm: ProcessGroupManager) -> ExpertParallel:
     """Chapter 06 on its own: ``shard_experts``, then the wrapper that syncs the gradients
     (dense over "dp_cp", experts over "edp"); the wrapper is what the trainer drives."""
     return ExpertParallel(shard_experts(model, pgm), pgm)
 
 
-def all_to_all_elements(model: nn.Module, pgm) -> int:
+def all_to_all_elements(model: nn.Module, pgm: ProcessGroupManager) -> int:
     """Token elements this rank's all-to-alls carried for the last forward and its backward:
     per MoE layer 2 directions x h x (tokens sent to other ep ranks + received from them)."""
     total = 0
     for layer in moe_layers(model):
-        sent, received = layer.dispatch_fn.remote_tokens(pgm.expert_model_parallel_rank)
-        total += 2 * layer.dispatch_fn.row_elements * (sent + received)
+        dispatch = _dispatcher(layer)
+        sent, received = dispatch.remote_tokens(pgm.expert_model_parallel_rank)
+        total += 2 * dispatch.row_elements * (sent + received)
     return total
 
 
-def format_routing(model: nn.Module, pgm) -> str:
+def format_routing(model: nn.Module, pgm: ProcessGroupManager) -> str:
     """What the last forward routed, per MoE layer and rank (collective; text on rank 0).
 
     Per layer: the global tokens per expert (the aux loss's statistics), then per rank the
@@ -225,9 +236,10 @@ def format_routing(model: nn.Module, pgm) -> str:
     local = layers[0].num_experts // ep
     rows = []
     for layer in layers:  # (local experts' tokens..., sent, received, bytes per token row)
-        d = layer.dispatch_fn
-        sent, received = d.remote_tokens(rank_in_ep)
-        rows.append(d.received.sum(0).tolist() + [sent, received, d.row_elements * d.element_size])
+        d = _dispatcher(layer)
+        sent, received = d.remote_tokens(rank_in_ep)  # (it checked that a forward set them)
+        per_expert = cast(torch.Tensor, d.received).sum(0).tolist()
+        rows.append(per_expert + [sent, received, d.row_elements * d.element_size])
     mine = torch.tensor(rows, dtype=torch.long, device=layers[0].router.weight.device)
     with get_ledger().paused():
         every = gather_along_dim(mine.unsqueeze(0), 0, None).cpu()  # (world, layers, local + 3)
@@ -239,7 +251,8 @@ def format_routing(model: nn.Module, pgm) -> str:
         f"{layers[0].top_k}, over ep {ep} ({local} experts per rank)"
     ]
     for i, layer in enumerate(layers):
-        counts = " ".join(f"{int(c)}" for c in layer.tokens_per_expert.tolist())
+        stats = cast(torch.Tensor, layer.tokens_per_expert)  # every layer's forward set it
+        counts = " ".join(f"{int(c)}" for c in stats.tolist())
         lines.append(f"MoE layer {i}: tokens per expert over all ranks [{counts}]")
         lines.append(f"  {'rank':>4} {'experts':>8} {'tokens per local expert':>24} "
                      f"{'sent':>6} {'recv':>6} {'dispatch KB':>12} {'combine KB':>11}")
