@@ -25,16 +25,19 @@ RoPE uses each token's true position (``zigzag_positions``), passed to the model
 computes the loss of different tokens, exactly like a data-parallel rank.
 """
 
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional, Tuple
 
 import torch
 from torch import nn
 
-from scaletorch.dist import comm, get_ledger
+from scaletorch.dist import ProcessGroupManager, comm, get_ledger
 from scaletorch.dist.comm import Group
 from scaletorch.dist.functional import all_to_all, gather_along_dim
-from scaletorch.models.llama import causal_attention
+from scaletorch.models.llama import Attention, causal_attention
 from scaletorch.parallel.ring_attention import RingAttention, attention_block_counts, chunk_ids
+
+if TYPE_CHECKING:  # the config module imports scaletorch.parallel
+    from scaletorch.trainer.config import Config
 
 VARIANTS = ("ring", "ulysses")
 
@@ -63,7 +66,8 @@ def zigzag_positions(seq_len: int, cp_size: int, cp_rank: int, order: str = "zig
     ])
 
 
-def make_sequence_sharder(pgm, seq_len: int, order: str = "zigzag") -> Callable:
+def make_sequence_sharder(pgm: ProcessGroupManager, seq_len: int,
+                          order: str = "zigzag") -> Callable:
     """fn(inputs, targets) (b, s) -> (inputs, targets) (b, s/cp) and position_ids (s/cp,).
 
     For ``make_data_parallel_step(..., shard_sequence=fn)``: after the batch is cut over
@@ -72,7 +76,8 @@ def make_sequence_sharder(pgm, seq_len: int, order: str = "zigzag") -> Callable:
     positions = zigzag_positions(seq_len, pgm.context_parallel_world_size,
                                  pgm.context_parallel_rank, order)
 
-    def shard(inputs: torch.Tensor, targets: torch.Tensor):
+    def shard(inputs: torch.Tensor,
+              targets: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if inputs.size(1) != seq_len:
             raise ValueError(f"batch sequence length {inputs.size(1)} != {seq_len}")
         pos = positions.to(inputs.device)
@@ -138,8 +143,8 @@ def check_ulysses_heads(num_q_heads: int, num_kv_heads: int, cp_size: int) -> No
 # ---- install -------------------------------------------------------------------------------
 
 
-def apply_context_parallel(model: nn.Module, pgm, variant: str = "ring", order: str = "zigzag",
-                           impl: str = "math") -> nn.Module:
+def apply_context_parallel(model: nn.Module, pgm: ProcessGroupManager, variant: str = "ring",
+                           order: str = "zigzag", impl: str = "math") -> nn.Module:
     """Replace every attention module's ``attention_fn``; the weights are untouched.
 
     Apply after tensor parallel (heads are then the local ones) and before data parallel,
@@ -149,7 +154,7 @@ def apply_context_parallel(model: nn.Module, pgm, variant: str = "ring", order: 
     if variant not in VARIANTS:
         raise ValueError(f"cp variant must be one of {', '.join(VARIANTS)}, got {variant!r}")
     group, cp = pgm.context_parallel_group, pgm.context_parallel_world_size
-    attentions = [m for m in model.modules() if hasattr(m, "attention_fn")]
+    attentions = [m for m in model.modules() if isinstance(m, Attention)]
     if not attentions:
         raise ValueError("the model has no module with an attention_fn to replace")
     for module in attentions:
@@ -164,7 +169,8 @@ def apply_context_parallel(model: nn.Module, pgm, variant: str = "ring", order: 
     return model
 
 
-def cp_report(cfg: Any, model: nn.Module, pgm: Any, steps_run: int, step: int) -> str:
+def cp_report(cfg: "Config", model: nn.Module, pgm: ProcessGroupManager, steps_run: int,
+              step: int) -> str:
     """What chapter 05 prints after training. Collective over "cp" (every rank's attention
     blocks are gathered); the text on global rank 0, "" elsewhere: the ledger's table of
     ``step``, the K/V (ring) or q/k/v/out (Ulysses) traffic per layer next to its formula, what
