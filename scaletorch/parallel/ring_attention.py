@@ -11,7 +11,7 @@ installs this attention (or Ulysses).
 """
 
 import math
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, cast
 
 import torch
 import torch.distributed as dist
@@ -88,7 +88,8 @@ def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> tor
     return scores  # (b, hkv, g, sq, sk)
 
 
-def _math_forward(q, k, v, causal: bool, scale: float):
+def _math_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                  scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
     """Readable path for every device: out (b, hq, sq, d) and lse (b, hq, sq)."""
     scores = _scores(q, k, causal, scale)
     lse = scores.logsumexp(dim=-1, keepdim=True)
@@ -96,7 +97,9 @@ def _math_forward(q, k, v, causal: bool, scale: float):
     return out.flatten(1, 2), lse.squeeze(-1).flatten(1, 2)
 
 
-def _math_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+def _math_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   out: torch.Tensor, lse: torch.Tensor, causal: bool,
+                   scale: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv of one block, given the *merged* out and lse of the whole row.
 
     p = exp(s - lse) is this block's share of the final softmax, so the block's gradients
@@ -118,14 +121,17 @@ def _expand(kv: torch.Tensor, hq: int) -> torch.Tensor:
     return kv.repeat_interleave(hq // kv.size(1), dim=1)
 
 
-def _fused_forward(q, k, v, causal: bool, scale: float):
+def _fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                   scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
     """The CPU flash kernel, which also returns the log-sum-exp (doc/cpu_and_gloo.md)."""
     k, v = _expand(k, q.size(1)), _expand(v, q.size(1))
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     return flash(q.contiguous(), k, v, 0.0, is_causal=causal, scale=scale)
 
 
-def _fused_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+def _fused_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    out: torch.Tensor, lse: torch.Tensor, causal: bool,
+                    scale: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     b, hkv, s, d = k.shape
     hq = q.size(1)
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
@@ -184,7 +190,8 @@ class _RingAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, group, order, impl):
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group,
+                order: str, impl: str) -> torch.Tensor:
         cp, rank = comm.group_size(group), comm.group_rank(group)
         block_fwd, _ = BLOCK_FNS[impl]
         scale = 1.0 / math.sqrt(q.size(-1))
@@ -192,8 +199,7 @@ class _RingAttention(torch.autograd.Function):
         with torch.autocast(q.device.type, enabled=False):  # blocks and merges in fp32
             q, k, v = q.float(), k.float(), v.float()
             qs = q.chunk(2, dim=2)
-            outs: List[Optional[torch.Tensor]] = [None, None]
-            lses: List[Optional[torch.Tensor]] = [None, None]
+            merged: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # query chunk: (out, lse)
             kv = torch.stack([k, v])  # one message: (2, b, hkv, s_local, d)
             for t, blocks in enumerate(ring_schedule(rank, cp, order)):
                 if t + 1 < cp:  # post the next K/V before computing: comm overlaps compute
@@ -203,20 +209,20 @@ class _RingAttention(torch.autograd.Function):
                     if kind == "skipped":
                         continue
                     o, lse = block_fwd(qs[a], ks[b], vs[b], kind == "diagonal", scale)
-                    if outs[a] is None:
-                        outs[a], lses[a] = o, lse
-                    else:
-                        outs[a], lses[a] = merge(outs[a], lses[a], o, lse)
+                    merged[a] = merge(*merged[a], o, lse) if a in merged else (o, lse)
                 if t + 1 < cp:
                     _wait(works)
                     kv = next_kv
-            out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+            out = torch.cat([merged[0][0], merged[1][0]], dim=2)
+            lse = torch.cat([merged[0][1], merged[1][1]], dim=2)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.order, ctx.impl, ctx.scale, ctx.dtype = group, order, impl, scale, dtype
         return out.to(dtype)
 
     @staticmethod
-    def backward(ctx, dout):
+    def backward(
+            ctx: Any, dout: torch.Tensor
+    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None, None]:
         q, k, v, out, lse = ctx.saved_tensors
         group, scale = ctx.group, ctx.scale
         cp, rank = comm.group_size(group), comm.group_rank(group)
@@ -228,7 +234,8 @@ class _RingAttention(torch.autograd.Function):
             dq = torch.zeros_like(q)
             dqs = dq.chunk(2, dim=2)  # views: accumulating into them fills dq
             kv = torch.stack([k, v])
-            dkv_in, dkv_works = None, []
+            dkv_in: Optional[torch.Tensor] = None
+            dkv_works: List[Any] = []
             for t, blocks in enumerate(ring_schedule(rank, cp, ctx.order)):
                 if t + 1 < cp:
                     next_kv, kv_works = _exchange(kv, group, KV_TAG)
@@ -254,7 +261,7 @@ class _RingAttention(torch.autograd.Function):
                     kv = next_kv
             if cp > 1:
                 _wait(dkv_works)
-                dkv = dkv_in
+                dkv = cast(torch.Tensor, dkv_in)  # the last hop brought it back
         dtype = ctx.dtype
         return dq.to(dtype), dkv[0].to(dtype), dkv[1].to(dtype), None, None, None
 
