@@ -25,7 +25,7 @@ rank has (b, s, V/N) and only the max and the sum of exponentials are all-reduce
 """
 
 import math
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,8 @@ from scaletorch.dist.functional import (copy_to_parallel_region,
                                         reduce_from_parallel_region,
                                         reduce_scatter_to_sequence_parallel_region)
 from scaletorch.models import Llama, LlamaConfig, MoE, RMSNorm
+# the formula lives with the planner (scaletorch/plan), which predicts whole layouts with it
+from scaletorch.plan.comm import tp_comm_elements as comm_elements_per_step
 
 
 def _mark_sharded(param: nn.Parameter, dim: int) -> nn.Parameter:
@@ -325,30 +327,6 @@ def apply_tensor_parallel(model: Llama, pgm, sequence_parallel: bool = False) ->
     if cfg.tie_word_embeddings:  # both are split by vocabulary rows: the same shard
         model.lm_head.weight = model.embed_tokens.weight
     return model
-
-
-def comm_elements_per_step(config: LlamaConfig, tokens: int, sequence_parallel: bool,
-                           num_micro_batches: int = 1) -> Dict[str, int]:
-    """Elements each rank sends through collectives over "tp" per optimizer step, by op, as the
-    ledger counts them (the full tensor of an all-gather or reduce-scatter), tp > 1.
-
-    tokens = b x s summed over the rank's micro-batches; L blocks of hidden size h:
-        blocks        4 L tokens h    (2 forward + 2 backward per block)
-        embedding       tokens h      (forward: sum of the vocab shards' rows)
-        head input      tokens h      (backward: f before the vocab-parallel head)
-        loss          3 tokens        (max, then [sum exp, target logit])
-        sp norms      (2 L + 1) h m   (RMSNorm weight gradients, per micro-batch; sp only)
-    Without sequence parallel all are all-reduces; with it the activation terms become an
-    all-gather and a reduce-scatter each (the same bytes on the wire). The grad norm's one
-    number is all-reduced over the world, not "tp" (grad_norm.py).
-    """
-    h, layers = config.hidden_size, config.num_layers
-    activations = (4 * layers + 2) * tokens * h
-    scalars = 3 * tokens
-    if not sequence_parallel:
-        return {"all_reduce": activations + scalars}
-    norms = (2 * layers + 1) * h * num_micro_batches
-    return {"all_gather": activations, "reduce_scatter": activations, "all_reduce": scalars + norms}
 
 
 def format_block_comm(config: LlamaConfig, tokens: int, tp: int, sequence_parallel: bool) -> str:

@@ -12,36 +12,9 @@ import torch.distributed as dist
 from torch import nn
 
 from scaletorch.dist import comm, get_ledger
-
-
-def memory_formula(zero_stage: int, numel: int, world: int,
-                   element_size: int = 4) -> Dict[str, float]:
-    """Bytes per rank the formulas predict for ``numel`` parameters (Psi) over N = ``world``.
-
-    Stage 0 is plain data parallel (16 Psi). Exact integers when N divides ``numel`` (pass the
-    padded count P' to compare with a measurement).
-    """
-    if zero_stage not in (0, 1, 2, 3):
-        raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage}")
-    psi = numel * element_size
-    shard = psi // world if psi % world == 0 else psi / world
-    return {
-        "params": shard if zero_stage == 3 else psi,
-        "grads": shard if zero_stage >= 2 else psi,
-        "optimizer": 2 * shard if zero_stage >= 1 else 2 * psi,
-    }
-
-
-def comm_formula(zero_stage: int, numel: int, num_micro_batches: int = 1) -> Dict[str, int]:
-    """Elements each collective carries per step (the full flat size, as the ledger records).
-
-    A ring moves (N-1)/N of them per rank. Stages 1, 2: reduce-scatter + all-gather of Psi;
-    stage 3: all-gather 2 m Psi (forward and backward of m micro-batches) + reduce-scatter Psi.
-    """
-    if zero_stage not in (1, 2, 3):
-        raise ValueError(f"zero_stage must be 1, 2 or 3, got {zero_stage}")
-    gathers = 2 * num_micro_batches if zero_stage == 3 else 1
-    return {"all_gather": gathers * numel, "reduce_scatter": numel}
+# the formulas live with the planner (scaletorch/plan), which predicts whole layouts with them
+from scaletorch.plan.comm import zero_comm_elements as comm_formula
+from scaletorch.plan.memory import memory_formula
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
