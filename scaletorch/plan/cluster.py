@@ -72,11 +72,11 @@ def load_cluster(name_or_path: str) -> Cluster:
                          ("; " if missing and unknown else "") +
                          (f"unknown keys {', '.join(unknown)}" if unknown else ""))
     try:
-        return Cluster(
-            **{
-                k: (v if k == "name" else float(v) if k != "gpus_per_node" else int(v))
-                for k, v in values.items()
-            })
+        typed: Dict[str, Any] = {
+            k: (v if k == "name" else float(v) if k != "gpus_per_node" else int(v))
+            for k, v in values.items()
+        }
+        return Cluster(**typed)
     except (TypeError, ValueError) as err:
         raise ValueError(f"cluster file {name_or_path!r}: {err}") from None
 

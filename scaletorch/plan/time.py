@@ -16,7 +16,7 @@ Then the pipeline bubble stretches the busy time: step = busy / (1 - bubble) + e
 """
 
 import math
-from typing import Dict
+from typing import Any, Dict
 
 from scaletorch.plan.cluster import Cluster
 from scaletorch.plan.comm import collectives
@@ -54,7 +54,7 @@ def comm_seconds(model: ModelSpec, layout: PlanLayout, cluster: Cluster,
     return out
 
 
-def step_time(model: ModelSpec, layout: PlanLayout, cluster: Cluster) -> Dict[str, float]:
+def step_time(model: ModelSpec, layout: PlanLayout, cluster: Cluster) -> Dict[str, Any]:
     """compute_s, exposed_s (by group), bubble, step_time_s, tokens_per_s_per_gpu, mfu, and
     the FLOPs (model and hardware, per step)."""
     lay = layout
@@ -65,7 +65,7 @@ def step_time(model: ModelSpec, layout: PlanLayout, cluster: Cluster) -> Dict[st
     core = 3 * 4 * lay.seq_len * model.hidden_size * model.num_layers * lay.tokens_per_step
     core_s = core / lay.world / rate
     last_micro_backward = compute * 2 / 3 / lay.num_micro_batches
-    comm = {}
+    comm: Dict[str, float] = {}
     for r in sorted({0, lay.pp - 1}):  # the first and the last stage: the slower one sets it
         for group, seconds in comm_seconds(model, lay, cluster, r).items():
             comm[group] = max(comm.get(group, 0.0), seconds)
