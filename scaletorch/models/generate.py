@@ -15,7 +15,7 @@ HF directory into it first).
 """
 
 import math
-from typing import List, Optional, Tuple
+from typing import List, Optional, Tuple, cast
 
 import torch
 import torch.nn.functional as F
@@ -72,7 +72,8 @@ def forward_with_cache(model: Llama, input_ids: torch.Tensor,
     x = model.embed(input_ids)
     new_cache = []
     for i, layer in enumerate(model.layers):
-        x, layer_cache = _block_with_cache(layer, x, cos, sin, None if cache is None else cache[i])
+        block = cast(TransformerBlock, layer)  # torch types a ModuleList's items nn.Module
+        x, layer_cache = _block_with_cache(block, x, cos, sin, None if cache is None else cache[i])
         new_cache.append(layer_cache)
     return model.head(x), new_cache
 
