@@ -25,14 +25,14 @@ rank has (b, s, V/N) and only the max and the sum of exponentials are all-reduce
 """
 
 import math
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from scaletorch.dist import comm, get_ledger
+from scaletorch.dist import ProcessGroupManager, comm, get_ledger
 from scaletorch.dist.comm import Group
 from scaletorch.dist.functional import (copy_to_parallel_region,
                                         gather_from_sequence_parallel_region,
@@ -45,8 +45,8 @@ from scaletorch.plan.comm import tp_comm_elements as comm_elements_per_step
 
 def _mark_sharded(param: nn.Parameter, dim: int) -> nn.Parameter:
     """Tag a parameter as split over tp along ``dim`` (for grad-norm and gathering)."""
-    param.tensor_model_parallel = True
-    param.partition_dim = dim
+    setattr(param, "tensor_model_parallel", True)
+    setattr(param, "partition_dim", dim)
     return param
 
 
@@ -89,7 +89,7 @@ class ColumnParallelLinear(nn.Module):
         self.weight = _mark_sharded(nn.Parameter(torch.empty(out_features // n, in_features)), 0)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group: Group, **kwargs) -> "ColumnParallelLinear":
+    def from_linear(cls, linear: nn.Linear, group: Group, **kwargs: Any) -> "ColumnParallelLinear":
         """This rank's row block of ``linear.weight`` (copied, so results equal the full layer)."""
         out_features, in_features = linear.weight.shape
         layer = cls(in_features, out_features, group, **kwargs).to(linear.weight)
@@ -122,7 +122,7 @@ class RowParallelLinear(nn.Module):
         self.weight = _mark_sharded(nn.Parameter(torch.empty(out_features, in_features // n)), 1)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group: Group, **kwargs) -> "RowParallelLinear":
+    def from_linear(cls, linear: nn.Linear, group: Group, **kwargs: Any) -> "RowParallelLinear":
         """This rank's column block of ``linear.weight``."""
         out_features, in_features = linear.weight.shape
         layer = cls(in_features, out_features, group, **kwargs).to(linear.weight)
@@ -158,8 +158,9 @@ class VocabParallelEmbedding(nn.Module):
 
     @classmethod
     def from_embedding(cls, embedding: nn.Embedding, group: Group,
-                       **kwargs) -> "VocabParallelEmbedding":
-        layer = cls(*embedding.weight.shape, group, **kwargs).to(embedding.weight)
+                       **kwargs: Any) -> "VocabParallelEmbedding":
+        num_embeddings, embedding_dim = embedding.weight.shape
+        layer = cls(num_embeddings, embedding_dim, group, **kwargs).to(embedding.weight)
         rows = layer.weight.shape[0]
         with torch.no_grad():
             layer.weight.copy_(embedding.weight[layer.vocab_start:][:rows])
@@ -192,7 +193,7 @@ class ParallelRMSNorm(RMSNorm):
         self.group, self.sequence_parallel = group, sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight
+        weight: torch.Tensor = self.weight
         if self.sequence_parallel:
             weight = copy_to_parallel_region(weight, self.group)
         x32 = x.float()
@@ -209,7 +210,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, targets, group):
+    def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor,
+                group: Group) -> torch.Tensor:
         logits32 = logits.float()
         row_max = logits32.max(dim=-1).values  # (n,)
         comm.all_reduce(row_max, group, op=dist.ReduceOp.MAX)
@@ -228,7 +230,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return (sum_exp.log() - target_logit).mean()
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[torch.Tensor, None, None]:
         softmax, local, mine = ctx.saved_tensors  # softmax: (n, V/N) of the full distribution
         grad_logits = softmax.clone()
         rows = torch.arange(grad_logits.size(0), device=grad_logits.device)
@@ -245,7 +247,8 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
                                             targets.reshape(-1), group)
 
 
-def tensor_parallel_loss_fn(pgm) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+def tensor_parallel_loss_fn(
+        pgm: ProcessGroupManager) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """``loss_fn(logits, targets)`` for the trainer step of a model converted here."""
     group = pgm.tensor_model_parallel_group
     return lambda logits, targets: vocab_parallel_cross_entropy(logits, targets, group)
@@ -284,7 +287,8 @@ def validate_tensor_parallel(config: LlamaConfig, tensor_model_parallel_size: in
                          f"data.seq_len or --tp")
 
 
-def apply_tensor_parallel(model: Llama, pgm, sequence_parallel: bool = False) -> Llama:
+def apply_tensor_parallel(model: Llama, pgm: ProcessGroupManager,
+                          sequence_parallel: bool = False) -> Llama:
     """Convert the reference Llama in place; every shard is copied from the full weights.
 
     q/k/v, gate/up: column parallel (heads and kv heads split contiguously, so a rank's query
@@ -309,7 +313,10 @@ def apply_tensor_parallel(model: Llama, pgm, sequence_parallel: bool = False) ->
     def row(linear: nn.Linear) -> RowParallelLinear:
         return RowParallelLinear.from_linear(linear, group, sequence_parallel=sequence_parallel)
 
-    for block in model.layers:
+    # The surgery puts parallel modules where the reference's types say nn.Linear, nn.Embedding
+    # or RMSNorm, which mypy cannot follow: it works on an untyped handle of the same model.
+    ref: Any = model
+    for block in ref.layers:
         attn, mlp = block.self_attn, block.mlp
         block.input_layernorm = norm(block.input_layernorm)
         attn.q_proj, attn.k_proj, attn.v_proj = column(attn.q_proj), column(attn.k_proj), \
@@ -320,12 +327,12 @@ def apply_tensor_parallel(model: Llama, pgm, sequence_parallel: bool = False) ->
         block.post_attention_layernorm = norm(block.post_attention_layernorm)
         mlp.gate_proj, mlp.up_proj = column(mlp.gate_proj), column(mlp.up_proj)
         mlp.down_proj = row(mlp.down_proj)
-    model.embed_tokens = VocabParallelEmbedding.from_embedding(model.embed_tokens, group,
-                                                               sequence_parallel=sequence_parallel)
-    model.norm = norm(model.norm)
-    model.lm_head = column(model.lm_head)
+    ref.embed_tokens = VocabParallelEmbedding.from_embedding(ref.embed_tokens, group,
+                                                             sequence_parallel=sequence_parallel)
+    ref.norm = norm(ref.norm)
+    ref.lm_head = column(ref.lm_head)
     if cfg.tie_word_embeddings:  # both are split by vocabulary rows: the same shard
-        model.lm_head.weight = model.embed_tokens.weight
+        ref.lm_head.weight = ref.embed_tokens.weight
     return model
 
 
