@@ -5,7 +5,7 @@ carries per step (``comm_formula``) for the ZeRO stages of zero.py; ``measure_me
 tensors a rank actually holds, ``memory_report`` and ``comm_report`` print both side by side.
 """
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -29,8 +29,8 @@ def measure_memory(model: nn.Module, optimizer: torch.optim.Optimizer) -> Dict[s
     included); DTensors (FSDP2) count their local shard; scalar state (Adam's step) is left out.
     """
 
-    def total(tensors) -> int:
-        seen = {}
+    def total(tensors: Iterable[torch.Tensor]) -> int:
+        seen: Dict[int, int] = {}
         for t in tensors:
             storage = _local(t).untyped_storage()
             seen[storage.data_ptr()] = storage.nbytes()
