@@ -265,7 +265,7 @@ def format_routing(model: nn.Module, pgm: ProcessGroupManager) -> str:
     return "\n".join(lines)
 
 
-def ep_report(model: nn.Module, pgm: Any, step: int) -> str:
+def ep_report(model: nn.Module, pgm: ProcessGroupManager, step: int) -> str:
     """What chapter 06 prints after training. Collective over the world (the routing table
     gathers every rank's counts); the text on global rank 0, "" elsewhere: where the tokens
     went, the ledger's table of ``step``, and rank 0's all-to-all token elements next to the

@@ -25,7 +25,7 @@ rank has (b, s, V/N) and only the max and the sum of exponentials are all-reduce
 """
 
 import math
-from typing import Any, Callable, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -41,6 +41,9 @@ from scaletorch.dist.functional import (copy_to_parallel_region,
 from scaletorch.models import Llama, LlamaConfig, MoE, RMSNorm
 # the formula lives with the planner (scaletorch/plan), which predicts whole layouts with it
 from scaletorch.plan.comm import tp_comm_elements as comm_elements_per_step
+
+if TYPE_CHECKING:  # the config module imports scaletorch.parallel
+    from scaletorch.trainer.config import Config
 
 
 def _mark_sharded(param: nn.Parameter, dim: int) -> nn.Parameter:
@@ -362,7 +365,7 @@ def format_block_comm(config: LlamaConfig, tokens: int, tp: int, sequence_parall
     return "\n".join(lines)
 
 
-def tp_report(cfg: Any, pgm: Any, step: int) -> str:
+def tp_report(cfg: "Config", pgm: ProcessGroupManager, step: int) -> str:
     """What chapter 03 prints after training (rank 0's view, no communication): one block's
     collectives, the ledger's table of ``step`` and every tp op next to its formula."""
     p, d, tp = cfg.parallel, cfg.data, pgm.tensor_model_parallel_world_size

@@ -5,16 +5,19 @@ carries per step (``comm_formula``) for the ZeRO stages of zero.py; ``measure_me
 tensors a rank actually holds, ``memory_report`` and ``comm_report`` print both side by side.
 """
 
-from typing import Any, Dict, Iterable, Optional
+from typing import TYPE_CHECKING, Dict, Iterable, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from scaletorch.dist import comm, get_ledger
+from scaletorch.dist import ProcessGroupManager, comm, get_ledger
 # the formulas live with the planner (scaletorch/plan), which predicts whole layouts with them
 from scaletorch.plan.comm import zero_comm_elements as comm_formula
 from scaletorch.plan.memory import memory_formula
+
+if TYPE_CHECKING:  # the config module imports scaletorch.parallel
+    from scaletorch.trainer.config import Config
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -108,8 +111,8 @@ def comm_report(zero_stage: int, padded_numel: int, num_micro_batches: int, worl
             f"wire (N-1)/N x 4 B each: {expected_wire / 1e6:.3f} MB (measured {wire / 1e6:.3f})")
 
 
-def zero_report(model: nn.Module, optimizer: torch.optim.Optimizer, cfg: Any, pgm: Any, numel: int,
-                step: int) -> str:
+def zero_report(model: nn.Module, optimizer: torch.optim.Optimizer, cfg: "Config",
+                pgm: ProcessGroupManager, numel: int, step: int) -> str:
     """What chapter 02 prints after training. Collective over the data-parallel group (the
     memory table gathers every rank's row); the text on its rank 0, "" elsewhere: the ledger's
     table of ``step``, the all-gather and reduce-scatter volume next to the formula, and every
