@@ -72,7 +72,8 @@ ND_LAYOUTS = {
     "moe_pp2_dp4_ep2": (True, 1, layout(pp=2, ep=2, schedule="afab")),
     "ckpt_tp2_sp_pp2_dp2":
     (False, 2, layout(tp=2, pp=2, sequence_parallel=True, activation_checkpointing=True)),
-    "ckpt_zero2_cp2_dp4": (False, 2, layout(cp=2, zero_stage=2, activation_checkpointing=True)),
+    "ckpt_zero2_cp2_dp4":  # selective: only the attention core (here the cp ring) recomputed
+    (False, 2, layout(cp=2, zero_stage=2, activation_checkpointing="selective")),
 }
 
 

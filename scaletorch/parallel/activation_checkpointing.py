@@ -6,10 +6,17 @@ activations, norms) from forward until backward; with it a block keeps only its 
 collectives included (tp all-reduces, the cp ring, the ep all-to-alls). ``parallelize``
 applies it after the strategies that change a block and before the pipeline cuts the blocks
 (chapter 07). ``saved_activation_bytes`` measures what it saves.
+
+Two modes (``parallel.activation_checkpointing``; true/false in older configs are full/none):
+- ``full``: checkpoint each block, as above;
+- ``selective`` (Korthikanti et al. 2022): checkpoint only the attention core (scores, softmax,
+  the weighted sum: ``Attention.attention_fn``), which holds the b x a x s^2 scores but costs
+  few FLOPs to redo; the block keeps its other activations and only the core runs again.
+  Under context parallel the core is the ring, so its K/V passes are redone too.
 """
 
 import weakref
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Tuple, Union
 
 import torch
 from torch import nn
@@ -17,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from scaletorch.dist import get_ledger
 from scaletorch.models import Llama
+from scaletorch.plan.layout import recompute_mode  # none | selective | full (true/false: full/none)
 
 
 class _Checkpointed:
@@ -42,13 +50,19 @@ class _Checkpointed:
         return checkpoint(run, *args, use_reentrant=False)
 
 
-def apply_activation_checkpointing(model: Llama) -> Llama:
-    """Checkpoint every transformer block: per block only its input (b, s, h) (and RoPE's
-    cos/sin) stays alive between forward and backward; the block's forward runs again in
-    backward, collectives included. Parameter names (state dicts) are unchanged."""
-    for block in model.layers:
-        if not isinstance(block.forward, _Checkpointed):
+def apply_activation_checkpointing(model: Llama, mode: Union[str, bool] = "full") -> Llama:
+    """``full``: checkpoint every transformer block: per block only its input (b, s, h) (and
+    RoPE's cos/sin) stays alive between forward and backward; the block's forward runs again in
+    backward, collectives included. ``selective``: checkpoint each block's attention core
+    (q, k, v in, the attention output out). ``none`` (or False): nothing. Parameter names
+    (state dicts) are unchanged."""
+    mode = recompute_mode(mode)
+    for block in model.layers if mode != "none" else []:
+        if mode == "full" and not isinstance(block.forward, _Checkpointed):
             block.forward = _Checkpointed(block.forward)
+        attn = block.self_attn
+        if mode == "selective" and not isinstance(attn.attention_fn, _Checkpointed):
+            attn.attention_fn = _Checkpointed(attn.attention_fn)
     return model
 
 

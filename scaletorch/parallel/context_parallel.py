@@ -35,6 +35,7 @@ from scaletorch.dist.comm import Group
 from scaletorch.dist.functional import all_to_all, gather_along_dim
 from scaletorch.models.llama import Attention, causal_attention
 from scaletorch.parallel.ring_attention import RingAttention, attention_block_counts, chunk_ids
+from scaletorch.plan.layout import recompute_mode
 
 if TYPE_CHECKING:  # the config module imports scaletorch.parallel
     from scaletorch.trainer.config import Config
@@ -204,7 +205,7 @@ def cp_report(cfg: "Config", model: nn.Module, pgm: ProcessGroupManager, steps_r
         f"{p.cp_variant} {what} traffic per layer per step per rank ({op} over cp): "
         f"{measured:,.0f} elements = {measured * 4 / 1e6:.3f} MB; formula {formula:,}"
     ]
-    if p.activation_checkpointing:
+    if recompute_mode(p.activation_checkpointing) != "none":  # the ring is in the core
         lines.append(f"recomputed (activation checkpointing): {recomputed:,.0f} elements per "
                      f"layer; formula: the forward's {forward:,}")
     if p.cp_variant == "ring":

@@ -220,8 +220,7 @@ def parallelize_native(
     if pgm.context_parallel_world_size > 1:  # 1
         apply_context_parallel(model, pgm, p.cp_variant)
         shard_sequence = make_sequence_sharder(pgm, cfg.data.seq_len)
-    if p.activation_checkpointing:  # 2
-        apply_activation_checkpointing(model)
+    apply_activation_checkpointing(model, p.activation_checkpointing)  # 2 (none: nothing)
     if tp > 1:  # 3
         apply_dtensor_tensor_parallel(model, mesh["tp"], p.sequence_parallel,
                                       vocab_parallel_logits=pp == 1)

@@ -173,8 +173,7 @@ def parallelize(model: Llama, cfg, pgm, device: torch.device) -> Parallelized:
     if pgm.context_parallel_world_size > 1:  # 3
         apply_context_parallel(model, pgm, p.cp_variant)
         shard_sequence = make_sequence_sharder(pgm, cfg.data.seq_len)
-    if p.activation_checkpointing:  # 4
-        apply_activation_checkpointing(model)
+    apply_activation_checkpointing(model, p.activation_checkpointing)  # 4 (none: nothing)
     splits = ParamMap.record_splits(model)
 
     pipe = None

@@ -111,6 +111,8 @@ class PlanLayout:
 def recompute_mode(value: Any) -> str:
     """``parallel.activation_checkpointing`` as none | selective | full (true/false: full/none,
     as older configs wrote it)."""
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        value = value.lower() == "true"
     if value is True or value is False:
         return "full" if value else "none"
     if value in RECOMPUTE:

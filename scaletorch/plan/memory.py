@@ -192,8 +192,10 @@ def _ends(model: ModelSpec, layout: PlanLayout, first: bool, last: bool) -> floa
 def activation_bytes(model: ModelSpec, layout: PlanLayout, pp_rank: int = 0) -> Dict[str, float]:
     """Activations on pipeline rank ``pp_rank``: ``micro_batch`` (one micro-batch through all
     the rank's layers, as a forward leaves it), ``in_flight`` (micro-batches the schedule keeps
-    at once on this rank) and ``peak`` (in_flight x micro_batch, plus the block rebuilt in
-    backward under recomputation)."""
+    at once on this rank), ``saved`` (in_flight x micro_batch: what autograd keeps for backward,
+    which ``saved_tensors_hooks`` see), ``rebuilt`` (under recomputation, the one block or
+    attention core rebuilt in backward: inside torch.utils.checkpoint, unseen by an outer hook)
+    and ``peak`` = saved + rebuilt."""
     chunks = rank_layers(model.num_layers, layout.pp, layout.virtual_stages, layout.layer_split)
     layers = sum(len(c) for c in chunks[pp_rank])
     stages = layout.pp * layout.virtual_stages
@@ -207,7 +209,13 @@ def activation_bytes(model: ModelSpec, layout: PlanLayout, pp_rank: int = 0) -> 
     if layout.activation_checkpointing != "none":  # one block (full) or attention core
         whole = PlanLayout(**{**layout.as_dict(), "activation_checkpointing": "none"})
         rebuilt = layer_activation_bytes(model, whole) - per_layer  # rebuilt in backward
-    return {"micro_batch": micro, "in_flight": n, "peak": n * micro + rebuilt}
+    return {
+        "micro_batch": micro,
+        "in_flight": n,
+        "saved": n * micro,
+        "rebuilt": rebuilt,
+        "peak": n * micro + rebuilt
+    }
 
 
 def rank_memory(model: ModelSpec, layout: PlanLayout, pp_rank: int = 0) -> Dict[str, float]:

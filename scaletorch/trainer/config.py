@@ -25,6 +25,7 @@ import yaml
 from scaletorch.models import LlamaConfig
 # the one layout check (also run by parallelize): re-exported for the scripts
 from scaletorch.parallel.validation import validate_layout
+from scaletorch.plan.layout import recompute_mode
 from scaletorch.trainer.checkpoint import check_resume
 from scaletorch.trainer.precision import PRECISIONS
 
@@ -53,7 +54,8 @@ class ParallelConfig:
     schedule: str = "1f1b"  # afab | 1f1b | interleaved
     virtual_pipeline_stages: int = 1
     cp_variant: str = "ring"  # ring | ulysses
-    activation_checkpointing: bool = False  # recompute each block's activations in backward
+    # none | selective (recompute the attention core) | full (each block); true/false: full/none
+    activation_checkpointing: str = "none"
     # layers per global pipeline stage (pp x virtual stages entries); None: an even split
     layer_split: Optional[List[int]] = None
 
@@ -134,9 +136,9 @@ ALIASES = {
     "--fail-at-step": "training.fail_at_step",
     "--fail-rank": "training.fail_rank",
 }
+RECOMPUTE = "parallel.activation_checkpointing"  # --activation-checkpointing [MODE]
 FLAGS = {
     "--sequence-parallel": "parallel.sequence_parallel",
-    "--activation-checkpointing": "parallel.activation_checkpointing",
     "--check": "check",
 }
 
@@ -195,6 +197,8 @@ def set_value(cfg: Config, key: str, value: Any) -> None:
     types = _field_types(target)
     if name not in types or name not in allowed:
         raise ValueError(f"unknown config key {key!r}; valid keys there: {', '.join(allowed)}")
+    if key == RECOMPUTE:  # older configs say true / false
+        value = recompute_mode(value)
     setattr(target, name, _convert(value, types[name], key))
 
 
@@ -237,6 +241,8 @@ def parse_args(argv: Optional[Sequence[str]] = None, default_config: Optional[st
         parser.add_argument(flag, dest=key, default=None, help=f"= {key}")
     for flag, key in FLAGS.items():
         parser.add_argument(flag, dest=key, action="store_true", default=None, help=f"= {key}")
+    parser.add_argument("--activation-checkpointing", dest=RECOMPUTE, nargs="?", const="full",
+                        default=None, help=f"= {RECOMPUTE}: none | selective | full (alone: full)")
     args, rest = parser.parse_known_args(argv)
 
     cfg = Config()
@@ -261,7 +267,7 @@ def parse_args(argv: Optional[Sequence[str]] = None, default_config: Optional[st
         if "=" not in item:
             raise ValueError(f"--set takes KEY=VALUE, got {item!r}")
         overrides.append(tuple(item.split("=", 1)))
-    for key in list(ALIASES.values()) + list(FLAGS.values()):
+    for key in list(ALIASES.values()) + list(FLAGS.values()) + [RECOMPUTE]:
         value = getattr(args, key)
         if value is not None:
             overrides.append((key, value))
@@ -368,6 +374,7 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
                          f"world of {world_size}")
     if cfg.checkpoint.keep_last < 1:
         raise ValueError(f"checkpoint.keep_last must be >= 1, got {cfg.checkpoint.keep_last}")
+    recompute_mode(cfg.parallel.activation_checkpointing)  # none | selective | full
     if cfg.parallel.zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"parallel.zero_stage must be 0, 1, 2 or 3, got {cfg.parallel.zero_stage}")
     if cfg.data.seq_len > cfg.model.max_seq_len:
