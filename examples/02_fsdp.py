@@ -21,6 +21,7 @@ from scaletorch.dist import (destroy_distributed, destroy_pg_manager, init_distr
 from scaletorch.models import build_model
 from scaletorch.parallel.consolidated import save_consolidated
 from scaletorch.parallel.parallelize import parallelize
+from scaletorch.parallel.zero import check_zero_layout
 from scaletorch.parallel.zero_memory import zero_report
 from scaletorch.trainer import Trainer, check_against_reference, load_config
 
@@ -29,18 +30,8 @@ def limits(cfg, world_size: int) -> None:
     """This chapter's scope, ZeRO over data parallel only (load_config checks it with the
     layout, before anything starts); chapter 07 combines ZeRO with the others."""
     p = cfg.parallel
-    if p.zero_stage not in (1, 2, 3):
-        raise ValueError(f"02_fsdp needs parallel.zero_stage 1, 2 or 3 (--zero-stage), got "
-                         f"{p.zero_stage}")
-    other = {
-        "tensor_model_parallel_size": p.tensor_model_parallel_size,
-        "pipeline_model_parallel_size": p.pipeline_model_parallel_size,
-        "expert_model_parallel_size": p.expert_model_parallel_size,
-    }
-    unsupported = [f"{name} ({size})" for name, size in other.items() if size > 1]
-    if unsupported:
-        raise ValueError(f"02_fsdp shards over data parallel only; got {', '.join(unsupported)}: "
-                         f"07_nd_parallel combines ZeRO with them")
+    check_zero_layout(p.zero_stage, p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+                      p.expert_model_parallel_size)
 
 
 def main() -> int:

@@ -237,19 +237,22 @@ class ShardedDataParallel(nn.Module):
         module.gather_params()
 
 
-def check_zero_layout(zero_stage: int, pgm: ProcessGroupManager) -> None:
-    """ZeRO shards over data parallel only in this chapter (chapter 07 combines strategies)."""
+def check_zero_layout(zero_stage: int, tensor_model_parallel_size: int = 1,
+                      pipeline_model_parallel_size: int = 1,
+                      expert_model_parallel_size: int = 1) -> None:
+    """ZeRO on its own (chapter 02: ``apply_zero``, ``apply_fully_shard``) shards over data
+    parallel only; ``parallelize`` (chapter 07) combines it with the others."""
     if zero_stage not in (1, 2, 3):
-        raise ValueError(f"zero_stage must be 1, 2 or 3, got {zero_stage}")
+        raise ValueError(f"zero_stage must be 1, 2 or 3 (--zero-stage), got {zero_stage}")
     other = {
-        "tensor_model_parallel_size": pgm.tensor_model_parallel_world_size,
-        "pipeline_model_parallel_size": pgm.pipeline_model_parallel_world_size,
-        "expert_model_parallel_size": pgm.expert_model_parallel_world_size,
+        "tensor_model_parallel_size": tensor_model_parallel_size,
+        "pipeline_model_parallel_size": pipeline_model_parallel_size,
+        "expert_model_parallel_size": expert_model_parallel_size,
     }
     unsupported = [f"{name} ({size})" for name, size in other.items() if size > 1]
     if unsupported:
-        raise ValueError(f"zero_stage {zero_stage} shards over data parallel only; got "
-                         f"{', '.join(unsupported)}")
+        raise ValueError(f"zero_stage {zero_stage} on its own shards over data parallel only; got "
+                         f"{', '.join(unsupported)}: 07_nd_parallel combines ZeRO with them")
 
 
 def llama_units(model: nn.Module) -> Units:
@@ -278,7 +281,8 @@ def apply_zero(model: nn.Module, pgm: ProcessGroupManager, zero_stage: int,
     ``ZeroAdamW(model, ...)``; ``parallelize`` also gives the Trainer the clip that counts
     each shard element once (``ParamMap.replicas``).
     """
-    check_zero_layout(zero_stage, pgm)
+    check_zero_layout(zero_stage, pgm.tensor_model_parallel_world_size,
+                      pgm.pipeline_model_parallel_world_size, pgm.expert_model_parallel_world_size)
     return ShardedDataParallel(model, llama_units(model), pgm.data_parallel_group_with_context,
                                zero_stage, prefetch)
 
