@@ -20,7 +20,7 @@ Shapes: b = batch, s = sequence, h = hidden, hq / hkv = query / key-value heads,
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -168,8 +168,9 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, config.num_key_value_heads * d, bias=False)
         self.v_proj = nn.Linear(h, config.num_key_value_heads * d, bias=False)
         self.o_proj = nn.Linear(config.num_attention_heads * d, h, bias=False)
-        # Context parallel replaces this with ring attention on each module.
-        self.attention_fn = causal_attention
+        # (q, k, v) -> out. Context parallel replaces this with ring attention on each module.
+        self.attention_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor],
+                                    torch.Tensor] = causal_attention
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x: (b, s, h) -> (b, s, h). cos/sin: (s, d) or (b, s, d)."""

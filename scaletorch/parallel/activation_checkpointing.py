@@ -16,7 +16,7 @@ Two modes (``parallel.activation_checkpointing``; true/false in older configs ar
 """
 
 import weakref
-from typing import Any, Callable, Dict, List, Tuple, Union
+from typing import Any, Callable, Dict, List, Tuple, Union, cast
 
 import torch
 from torch import nn
@@ -24,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from scaletorch.dist import get_ledger
 from scaletorch.models import Llama
+from scaletorch.models.llama import Attention
 from scaletorch.plan.layout import recompute_mode  # none | selective | full (true/false: full/none)
 
 
@@ -36,7 +37,7 @@ class _Checkpointed:
     def __init__(self, forward: Callable) -> None:
         self.forward = forward
 
-    def __call__(self, *args: Any) -> Any:
+    def __call__(self, *args: torch.Tensor) -> torch.Tensor:
         first = True
 
         def run(*inputs: Any) -> Any:  # checkpoint calls it once in forward, again to recompute
@@ -60,7 +61,7 @@ def apply_activation_checkpointing(model: Llama, mode: Union[str, bool] = "full"
     for block in model.layers if mode != "none" else []:
         if mode == "full" and not isinstance(block.forward, _Checkpointed):
             block.forward = _Checkpointed(block.forward)
-        attn = block.self_attn
+        attn = cast(Attention, block.self_attn)  # torch types submodules Tensor | Module
         if mode == "selective" and not isinstance(attn.attention_fn, _Checkpointed):
             attn.attention_fn = _Checkpointed(attn.attention_fn)
     return model
