@@ -48,7 +48,7 @@ from scaletorch.dist import ProcessGroupManager, comm, get_ledger
 from scaletorch.dist.comm import Group
 from scaletorch.dist.functional import all_reduce_sum, all_to_all, gather_along_dim
 from scaletorch.models.moe import Experts, MoE
-from scaletorch.parallel.data_parallel import ModuleWrapper
+from scaletorch.parallel.wrapper import ModuleWrapper
 
 
 def validate_expert_parallel(num_experts: int, expert_model_parallel_size: int,
