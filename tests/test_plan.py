@@ -13,10 +13,13 @@
 - Bad input: one ValueError naming the values.
 """
 
+import io
+import json
 import os
 import tempfile
 import unittest
 from collections import defaultdict
+from contextlib import redirect_stderr, redirect_stdout
 
 from scaletorch.dist import destroy_pg_manager, get_ledger
 from scaletorch.parallel.activation_checkpointing import saved_activation_bytes
@@ -140,6 +143,58 @@ class PlannerRefusesBadInput(unittest.TestCase):
                 load_cluster(path)
         with self.assertRaisesRegex(ValueError, "unknown cluster 'h200'"):
             load_cluster("h200")
+
+
+def _script(*argv: str):
+    """scripts/plan.py in this process: (exit status, stdout, stderr)."""
+    from scripts.plan import main
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        status = main(list(argv))
+    return status, out.getvalue(), err.getvalue()
+
+
+class PlanScript(unittest.TestCase):
+
+    def test_json_has_the_fields_and_predicts_the_chapter_07_run(self):
+        status, out, _ = _script("examples/configs/07_nd_parallel.yaml", "--tp", "2", "--pp", "2",
+                                 "--gpus", "8", "--json")
+        self.assertEqual(status, 0)
+        result = json.loads(out)["layouts"][0]
+        self.assertEqual((result["tp"], result["pp"], result["dp"]), (2, 2, 2))
+        for key in ("memory_bytes", "wire_bytes_per_step", "bubble", "step_time_s",
+                    "tokens_per_s_per_gpu", "mfu"):
+            self.assertIn(key, result)
+        self.assertEqual(set(result["memory_bytes"]),
+                         {"params", "grads", "optimizer", "buffers", "activations", "total"})
+        self.assertEqual(set(result["wire_bytes_per_step"]), {"dp_cp", "tp", "pp", "world"})
+
+    def test_search_ranks_layouts_that_fit_and_says_why_families_were_rejected(self):
+        status, out, _ = _script("--preset", "llama3-70b", "--gpus", "32", "--search", "--top", "3",
+                                 "--json")
+        self.assertEqual(status, 0)
+        found = json.loads(out)
+        self.assertEqual(len(found["layouts"]), 3)
+        speeds = [r["tokens_per_s_per_gpu"] for r in found["layouts"]]
+        self.assertEqual(speeds, sorted(speeds, reverse=True))
+        self.assertTrue(all(r["memory_bytes"]["total"] <= 80e9 for r in found["layouts"]))
+        # on 8 GPUs nothing fits: 18 bytes x 70.6e9 parameters / 8 = 159 GB of model states
+        status, out, _ = _script("--preset", "llama3-70b", "--gpus", "8", "--search", "--json")
+        found = json.loads(out)
+        self.assertEqual(found["layouts"], [])
+        self.assertEqual(found["rejected"]["tp8 cp1 pp1"],
+                         "out of memory: at least 162 GB per GPU > 80")
+
+    def test_bad_input_is_one_error_line_and_exit_status_2(self):
+        for argv, message in ((("--preset", "llama9"), "unknown model preset 'llama9'"),
+                              (("--preset", "llama3-8b", "--gpus", "6", "--tp", "4"),
+                               "world size 6 is not divisible"),
+                              (("--preset", "llama3-8b", "--gpus", "0"), "--gpus must be positive"),
+                              (("--preset", "llama3-8b", "--cluster", "x.yaml"), "cluster file")):
+            status, out, err = _script(*argv)
+            self.assertEqual(status, 2, argv)
+            self.assertEqual(len(err.splitlines()), 1, err)
+            self.assertIn(message, err)
 
 
 # chapter 07's parity matrix (tests/layouts.py ND_LAYOUTS) on 4 ranks: each 8-rank layout

@@ -41,8 +41,12 @@ def evaluate(model: ModelSpec, layout: PlanLayout,
     return out
 
 
-def _gb(x: float) -> str:
-    return f"{x / 1e9:.2f}"
+def human(x: float) -> str:
+    """Bytes with a decimal unit: 1.23 GB, 45.6 MB, 789 B."""
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if x >= size:
+            return f"{x / size:.3g} {unit}"
+    return f"{x:.0f} B"
 
 
 def format_breakdown(result: Dict[str, Any]) -> str:
@@ -50,15 +54,15 @@ def format_breakdown(result: Dict[str, Any]) -> str:
     mem = result["memory_bytes"]
     lines = [
         f"model {result['model']}, world {result['world']}: " + layout_line(result),
-        f"memory per GPU, GB (pp rank {result['most_loaded_pp_rank']}): " +
-        ", ".join(f"{k} {_gb(mem[k])}" for k in KINDS),
-        "wire bytes per step per GPU, GB: " +
-        (", ".join(f"{g} {_gb(v)}"
+        f"memory per GPU (pp rank {result['most_loaded_pp_rank']}): " +
+        ", ".join(f"{k} {human(mem[k])}" for k in KINDS),
+        "wire bytes per step per GPU: " +
+        (", ".join(f"{g} {human(v)}"
                    for g, v in sorted(result["wire_bytes_per_step"].items())) or "none"),
     ]
     if "step_time_s" in result:
-        exposed = ", ".join(f"{g} {v:.3f}" for g, v in sorted(result["exposed_comm_s"].items()))
-        lines.append(f"step {result['step_time_s']:.3f} s (compute {result['compute_s']:.3f} s, "
+        exposed = ", ".join(f"{g} {v:.3g}" for g, v in sorted(result["exposed_comm_s"].items()))
+        lines.append(f"step {result['step_time_s']:.3g} s (compute {result['compute_s']:.3g} s, "
                      f"exposed comm s: {exposed or 'none'}, bubble {result['bubble']:.3f}); "
                      f"{result['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, MFU "
                      f"{100 * result['mfu']:.1f}%")

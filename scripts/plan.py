@@ -1,0 +1,159 @@
+"""Chapter 09: plan a layout before running it: memory, traffic, bubble, step time.
+
+    python scripts/plan.py examples/configs/07_nd_parallel.yaml --tp 2 --pp 2 --gpus 8
+    python scripts/plan.py --preset llama3-8b --gpus 8 --tp 8 --cluster h100
+    python scripts/plan.py --preset llama3-405b --gpus 16384 --cluster h100 --seq-len 8192 \\
+        --search
+    python scripts/plan.py --params 13e9 --gpus 64 --search --top 3 --json
+
+A run's config comes as in the examples (a YAML file, then --tp, --pp, --zero-stage, ... and
+--section.name VALUE overrides, scaletorch/trainer/config.py); --preset or --params replaces its
+model. With the layout fixed it prints the breakdown of the most-loaded rank; --search tries
+every layout that the trainer's layout check accepts (scaletorch/parallel/validation.py) and
+prints the --top fastest that fit in memory, and why each rejected family (tp, cp, pp) was
+rejected. --json prints the same as one JSON object. Bad input: one "error:" line, exit 2.
+"""
+
+import argparse
+import copy
+import json
+import os
+import sys
+from typing import List, Optional
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from scaletorch.parallel.validation import validate_layout  # noqa: E402
+from scaletorch.plan.cluster import load_cluster  # noqa: E402
+from scaletorch.plan.layout import PRECISIONS, PlanLayout  # noqa: E402
+from scaletorch.plan.layout import from_config as layout_of  # noqa: E402
+from scaletorch.plan.model import PRESETS, ModelSpec, from_config, from_params, preset  # noqa: E402
+from scaletorch.plan.report import evaluate, format_breakdown  # noqa: E402
+from scaletorch.plan.search import search, with_split  # noqa: E402
+from scaletorch.trainer.config import Config, parse_args  # noqa: E402
+
+
+def run_config(base: Config, model: ModelSpec, layout: PlanLayout) -> Config:
+    """``base`` with ``model``'s shapes and ``layout``'s sizes: what the trainer would check."""
+    cfg = copy.deepcopy(base)
+    m, p, d = cfg.model, cfg.parallel, cfg.data
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                 "num_attention_heads", "num_key_value_heads", "tie_word_embeddings", "num_experts",
+                 "moe_top_k", "moe_layer_freq", "moe_intermediate_size"):
+        setattr(m, name, getattr(model, name))
+    m.max_seq_len = max(m.max_seq_len, layout.seq_len)
+    p.tensor_model_parallel_size, p.pipeline_model_parallel_size = layout.tp, layout.pp
+    p.context_parallel_size, p.expert_model_parallel_size = layout.cp, layout.ep
+    p.data_parallel_size, p.zero_stage = layout.dp, layout.zero_stage
+    p.virtual_pipeline_stages, p.schedule = layout.virtual_stages, layout.schedule
+    p.sequence_parallel, p.layer_split = layout.sequence_parallel, layout.layer_split
+    p.activation_checkpointing = layout.activation_checkpointing
+    d.seq_len, d.num_micro_batches = layout.seq_len, layout.num_micro_batches
+    d.global_batch_size = layout.global_batch
+    return cfg
+
+
+def checker(base: Config):
+    """The trainer's layout check for a planned layout: None if it can run, else why not."""
+
+    def check(model: ModelSpec, layout: PlanLayout) -> Optional[str]:
+        try:
+            validate_layout(run_config(base, model, layout), layout.world)
+        except ValueError as err:
+            return str(err)
+        return None
+
+    return check
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    epilog = ("Also every flag of the examples: --tp, --pp, --cp, --ep, --zero-stage, "
+              "--micro-batches, --schedule, --virtual-stages, --sequence-parallel, "
+              "--activation-checkpointing [MODE], --section.name VALUE.")
+    parser = argparse.ArgumentParser(usage="plan.py [CONFIG.yaml] [options]",
+                                     description=__doc__.splitlines()[0], epilog=epilog)
+    parser.add_argument("--preset", help=f"a model instead of the config's: {', '.join(PRESETS)}")
+    parser.add_argument("--params", type=float, help="a Llama of about this many parameters")
+    parser.add_argument("--gpus", type=int, help="world size (default: tp x pp x cp x --dp)")
+    parser.add_argument("--cluster", default="h100", help="h100 | a100 | b200 | FILE.yaml")
+    parser.add_argument("--seq-len", type=int, help="tokens per sequence (default: the config's)")
+    parser.add_argument("--global-batch-tokens", type=int,
+                        help="tokens per step (default: the config's batch; presets 16M)")
+    parser.add_argument("--precision", choices=tuple(PRECISIONS),
+                        help="fp32 (default for a config) | bf16 | bf16-fp32-grads (presets)")
+    parser.add_argument("--attention", choices=("eager", "flash"),
+                        help="eager keeps the s x s scores (this repo); flash (presets' default)")
+    parser.add_argument("--search", action="store_true", help="rank every valid layout")
+    parser.add_argument("--top", type=int, default=5, help="layouts --search prints")
+    parser.add_argument("--json", action="store_true", help="one JSON object")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    config = argv.pop(0) if argv and not argv[0].startswith("-") else None  # a run's YAML
+    args, rest = parser.parse_known_args(argv)
+    try:
+        cfg = parse_args(rest + (["--config", config] if config else []))
+        production = args.preset is not None or args.params is not None
+        if args.preset is not None:
+            model = preset(args.preset)
+        elif args.params is not None:
+            model = from_params(args.params)
+        else:
+            model = from_config(cfg.model)
+        p = cfg.parallel
+        default_gpus = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * \
+            p.context_parallel_size * max(1, p.data_parallel_size)
+        gpus = args.gpus if args.gpus is not None else default_gpus
+        seq = args.seq_len if args.seq_len is not None else \
+            (8192 if production else cfg.data.seq_len)
+        tokens = args.global_batch_tokens if args.global_batch_tokens is not None else (
+            2**24 if production else cfg.data.global_batch_size * seq)
+        for name, value in (("--gpus", gpus), ("--seq-len", seq), ("--global-batch-tokens", tokens),
+                            ("--top", args.top)):
+            if value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+        if tokens % seq:
+            raise ValueError(f"--global-batch-tokens {tokens} is not a multiple of the sequence "
+                             f"length {seq}")
+        precision = args.precision or ("bf16-fp32-grads" if production else "fp32")
+        flash = (args.attention or ("flash" if production else "eager")) == "flash"
+        cluster = load_cluster(args.cluster)
+        check = checker(cfg)
+        if args.search:
+            best, rejected = search(model, gpus, cluster, tokens // seq, seq, precision, flash,
+                                    check, args.top)
+            report(best, rejected, args.json)
+            return 0
+        cfg.data.seq_len, cfg.data.global_batch_size = seq, tokens // seq
+        layout = layout_of(cfg, gpus, precision)
+        layout = with_split(PlanLayout(**{
+            **layout.as_dict(), "flash_attention": flash
+        }), model.num_layers)
+        why = check(model, layout)
+        if why is not None:
+            raise ValueError(why)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    result = evaluate(model, layout, cluster)
+    print(json.dumps({"layouts": [result]}, indent=1) if args.json else format_breakdown(result))
+    return 0
+
+
+def report(best: list, rejected: dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps({"layouts": best, "rejected": rejected}, indent=1))
+        return
+    print(f"{'layout':<56}{'memory GB':>10}{'step s':>9}{'tokens/s/GPU':>14}{'MFU':>7}"
+          f"{'bubble':>8}")
+    for r in best:
+        layout = PlanLayout(**{k: r[k] for k in PlanLayout().as_dict()})
+        print(f"{layout.describe():<56}{r['memory_bytes']['total'] / 1e9:>10.1f}"
+              f"{r['step_time_s']:>9.2f}{r['tokens_per_s_per_gpu']:>14,.0f}"
+              f"{100 * r['mfu']:>6.1f}%{r['bubble']:>8.3f}")
+    if not best:
+        print("no layout fits")
+    for family, why in rejected.items():
+        print(f"rejected {family}: {why}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
