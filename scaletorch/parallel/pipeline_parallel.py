@@ -36,32 +36,11 @@ from scaletorch.parallel.pipeline_schedules import (Action, Timeline, TimelineRe
                                                     schedule_actions, schedule_plan, stage_index,
                                                     validate_schedule)
 from scaletorch.parallel.step import average_over_group, local_batch
+# which layers each stage holds: layout arithmetic, with the planner (scaletorch/plan)
+from scaletorch.plan.pipeline import split_layers
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 State = Dict[str, torch.Tensor]
-
-
-def split_layers(num_layers: int, num_stages: int,
-                 layer_split: Optional[Sequence[int]] = None) -> List[List[int]]:
-    """Layer indices of each stage: an even split, or ``layer_split[s]`` layers on stage s
-    (``parallel.layer_split``, one entry per global stage: p x v of them)."""
-    stages = f"{num_stages} = pipeline_model_parallel_size x virtual_pipeline_stages"
-    if layer_split is None:
-        if num_layers % num_stages != 0:
-            base, extra = divmod(num_layers, num_stages)
-            example = ",".join(str(base + (s < extra)) for s in range(num_stages))
-            fix = f"set parallel.layer_split, e.g. --layer-split {example}" if base > 0 else \
-                "use fewer stages"
-            raise ValueError(f"model.num_layers ({num_layers}) is not divisible by the number "
-                             f"of pipeline stages ({stages}): {fix}")
-        layer_split = [num_layers // num_stages] * num_stages
-    if len(layer_split) != num_stages or sum(layer_split) != num_layers \
-            or min(layer_split) < 1:
-        raise ValueError(f"parallel.layer_split {list(layer_split)} must have one entry per "
-                         f"pipeline stage ({stages}), each >= 1, summing to model.num_layers "
-                         f"({num_layers})")
-    bounds = [sum(layer_split[:s]) for s in range(num_stages + 1)]
-    return [list(range(bounds[s], bounds[s + 1])) for s in range(num_stages)]
 
 
 class PipelineChunk(nn.Module):

@@ -30,6 +30,8 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 
 from scaletorch.dist.timer import Clock, Mark, Timer, seconds
+# the formula lives with the planner (scaletorch/plan), which predicts step times with it
+from scaletorch.plan.pipeline import theoretical_bubble
 
 SCHEDULES = ("afab", "1f1b", "interleaved")
 
@@ -137,11 +139,6 @@ def peak_live_activations(actions: Sequence[Action]) -> int:
         live += 1 if action.kind == "F" else -1
         peak = max(peak, live)
     return peak
-
-
-def theoretical_bubble(stages: int, micro_batches: int, virtual_stages: int = 1) -> float:
-    """Idle fraction of a step with equal-cost stages: (p-1)/(v m + p - 1)."""
-    return (stages - 1) / (virtual_stages * micro_batches + stages - 1)
 
 
 # ---- point-to-point plan ------------------------------------------------------------------
