@@ -17,15 +17,17 @@ from scaletorch.parallel.pipeline_parallel import (PipelineSchedule, TorchPipeli
                                                    apply_data_parallel_to_chunks,
                                                    apply_pipeline_parallel, gather_timeline,
                                                    split_layers)
-from scaletorch.parallel.pipeline_schedules import (SCHEDULES, PipelineDeadlock, comm_plan,
-                                                    peak_live_activations, schedule_actions,
-                                                    simulate, simulate_plans, theoretical_bubble,
-                                                    validate_schedule)
+from scaletorch.parallel.pipeline_schedules import (V_SHAPED, ZERO_BUBBLE, PipelineDeadlock,
+                                                    comm_plan, peak_live_activations,
+                                                    schedule_actions, simulate, simulate_plans,
+                                                    theoretical_bubble, validate_schedule)
+from scaletorch.parallel.split_backward import ZeroBubbleSchedule
 from scaletorch.trainer import Config, Trainer, max_weight_diff, run_reference
 from tests.harness import run_distributed
 from tests.layouts import clip_fn, full_state
 
 TOLERANCE = 1e-5  # fp32, 5 steps: doc/design.md's parity contract
+CLASSIC = ("afab", "1f1b", "interleaved")  # the zero-bubble ones: tests/test_zero_bubble.py
 
 
 def order(schedule, p, m, rank, v=1):
@@ -79,7 +81,7 @@ class TestScheduleDefinitions(unittest.TestCase):
 
     def test_every_plan_pairs_its_messages_and_never_deadlocks(self):
         # simulate() uses rendezvous sends (a send waits for the matching recv, as on NCCL)
-        for schedule in SCHEDULES:
+        for schedule in CLASSIC:
             for v in ((1, ) if schedule != "interleaved" else (1, 2, 3)):
                 for p in (1, 2, 3, 4, 5, 8):
                     for m in range(1, 2 * p + 2):
@@ -181,9 +183,11 @@ def build_pipeline(cfg: Config, pp: int, tp: int, schedule: str, v: int, impl: s
                                                          tensor_parallel_loss_fn)
         apply_tensor_parallel(model, pgm, sequence_parallel)
         kwargs["loss_fn"] = tensor_parallel_loss_fn(pgm)
-    pipe = apply_pipeline_parallel(model, pgm, v, layer_split, sequence_parallel)
+    pipe = apply_pipeline_parallel(model, pgm, v, layer_split, sequence_parallel,
+                                   schedule in V_SHAPED)
     apply_data_parallel_to_chunks(pipe, pgm, impl)
-    cls = TorchPipelineSchedule if impl == "torch" else PipelineSchedule
+    cls = TorchPipelineSchedule if impl == "torch" else \
+        ZeroBubbleSchedule if schedule in ZERO_BUBBLE else PipelineSchedule
     return pgm, pipe, cls(pipe, pgm, schedule, cfg.data.num_micro_batches, **kwargs)
 
 
@@ -197,17 +201,23 @@ class _Sleep(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        # once: a zero-bubble W walks this graph again (split_backward.py), B already slept
         time.sleep(ctx.backward_s)
+        ctx.backward_s = 0.0
         return grad, None, None
 
 
 class Delayed(torch.nn.Module):
     """A layer that also sleeps a fixed time in forward and backward: equal-cost stages whose
-    cost is not CPU time, so the measured bubble does not depend on other processes."""
+    cost is not CPU time, so the measured bubble does not depend on other processes.
+    ``backward_s`` is slept on the way to the layer's input (B), ``weight_s`` when its first
+    weight's gradient is made (W; a full backward sleeps both)."""
 
-    def __init__(self, layer, forward_s: float, backward_s: float) -> None:
+    def __init__(self, layer, forward_s: float, backward_s: float, weight_s: float = 0.0) -> None:
         super().__init__()
         self.layer, self.forward_s, self.backward_s = layer, forward_s, backward_s
+        self.weight_s = weight_s
+        next(layer.parameters()).register_hook(lambda grad: time.sleep(self.weight_s))
 
     def forward(self, x, cos, sin):
         return self.layer(_Sleep.apply(x, self.forward_s, self.backward_s), cos, sin)
@@ -293,7 +303,7 @@ def world(rank: int, world_size: int) -> dict:
             continue
         out["parity"][name] = parity_run(name)
     for pp in (2, 4):
-        for schedule in SCHEDULES:
+        for schedule in CLASSIC:
             for m in ((pp, 2 * pp) if schedule == "interleaved" else (pp, 2 * pp + 1)):
                 out["deadlock"][(pp, schedule, m)] = deadlock_run(pp, schedule, m)
     for schedule, v in (("afab", 1), ("1f1b", 1), ("interleaved", 2)):

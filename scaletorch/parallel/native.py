@@ -55,6 +55,7 @@ from scaletorch.parallel.data_parallel import apply_data_parallel
 from scaletorch.parallel.grad_norm import clip_grads_, world_grad_norm
 from scaletorch.parallel.param_map import DTensorParamMap
 from scaletorch.parallel.pipeline_parallel import TorchPipelineSchedule, apply_pipeline_parallel
+from scaletorch.parallel.pipeline_schedules import V_SHAPED
 from scaletorch.parallel.step import ForwardBackward, make_data_parallel_step
 from scaletorch.parallel.tensor_parallel import validate_tensor_parallel
 from scaletorch.parallel.zero import check_zero_layout
@@ -228,7 +229,7 @@ def parallelize_native(
     pipe = None
     if pp > 1:  # 4
         pipe = apply_pipeline_parallel(model, pgm, p.virtual_pipeline_stages, p.layer_split,
-                                       sequence_parallel=p.sequence_parallel)
+                                       p.sequence_parallel, p.schedule in V_SHAPED)
         modules = list(pipe.chunks)
     trainer_model: nn.Module = model if pipe is None else pipe
     if zero3 or (pgm.data_parallel_world_size > 1 and (tp > 1 or pp > 1)):  # 5

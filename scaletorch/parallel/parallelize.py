@@ -64,6 +64,8 @@ from scaletorch.parallel.grad_norm import clip_grads_, world_grad_norm
 from scaletorch.parallel.native import parallelize_native
 from scaletorch.parallel.param_map import DTensorParamMap, ParamMap, State
 from scaletorch.parallel.pipeline_parallel import PipelineSchedule, apply_pipeline_parallel
+from scaletorch.parallel.pipeline_schedules import V_SHAPED, ZERO_BUBBLE
+from scaletorch.parallel.split_backward import ZeroBubbleSchedule
 from scaletorch.parallel.step import ForwardBackward, make_data_parallel_step
 from scaletorch.parallel.tensor_parallel import apply_tensor_parallel, tensor_parallel_loss_fn
 from scaletorch.parallel.validation import validate_layout
@@ -179,7 +181,7 @@ def parallelize(model: Llama, cfg, pgm, device: torch.device) -> Parallelized:
     pipe = None
     if pgm.pipeline_model_parallel_world_size > 1:  # 5
         pipe = apply_pipeline_parallel(model, pgm, p.virtual_pipeline_stages, p.layer_split,
-                                       sequence_parallel=p.sequence_parallel)
+                                       p.sequence_parallel, p.schedule in V_SHAPED)
     modules = list(pipe.chunks) if pipe is not None else [model]
     plain_entries = ParamMap.plain_entries(modules)
 
@@ -191,8 +193,9 @@ def parallelize(model: Llama, cfg, pgm, device: torch.device) -> Parallelized:
     if pipe is not None:
         pipe.chunks = nn.ModuleList(wrapped)
         trainer_model: nn.Module = pipe
-        step: ForwardBackward = PipelineSchedule(pipe, pgm, p.schedule, cfg.data.num_micro_batches,
-                                                 loss, shard_sequence)
+        cls = ZeroBubbleSchedule if p.schedule in ZERO_BUBBLE else PipelineSchedule
+        step: ForwardBackward = cls(pipe, pgm, p.schedule, cfg.data.num_micro_batches, loss,
+                                    shard_sequence)
     else:
         trainer_model = wrapped[0]
         step = make_data_parallel_step(trainer_model, cfg.data.num_micro_batches,

@@ -32,10 +32,11 @@ from scaletorch.data import split_micro_batches
 from scaletorch.dist import comm, get_ledger
 from scaletorch.models import Llama, MoE, loss_fn, moe_aux_loss
 from scaletorch.parallel.data_parallel import TorchDataParallel, apply_data_parallel
-from scaletorch.parallel.pipeline_schedules import (Action, Timeline, TimelineRecorder,
-                                                    schedule_actions, schedule_plan, stage_index,
-                                                    validate_schedule)
+from scaletorch.parallel.pipeline_schedules import (ZERO_BUBBLE, Action, Timeline, TimelineRecorder,
+                                                    rank_of_stage, schedule_actions, schedule_plan,
+                                                    stage_index, validate_schedule)
 from scaletorch.parallel.step import average_over_group, local_batch
+from scaletorch.parallel.zero_bubble import ActivationMeter
 # which layers each stage holds: layout arithmetic, with the planner (scaletorch/plan)
 from scaletorch.plan.pipeline import split_layers
 
@@ -80,25 +81,28 @@ class PipelineChunk(nn.Module):
 
 
 class PipelineModel(nn.Module):
-    """This rank's v chunks (``chunks[c]`` is global stage c p + rank), and where every full
-    model key lives (``owner[key]`` = global stage)."""
+    """This rank's v chunks (``chunks[c]`` is global stage c p + rank, or in a V stages rank
+    and 2p - 1 - rank), and where every full model key lives (``owner[key]`` = global stage)."""
 
     def __init__(self, chunks: List[PipelineChunk], stages: List[int], num_stages: int,
-                 owner: Dict[str, int], hidden_size: int) -> None:
+                 owner: Dict[str, int], hidden_size: int, v_shape: bool = False) -> None:
         super().__init__()
         self.chunks = nn.ModuleList(chunks)
         self.stages, self.num_stages, self.owner = stages, num_stages, owner
+        self.v_shape = v_shape
         self.hidden_size = hidden_size
         self.sequence_parallel_size = chunks[0].sequence_parallel_size
 
 
 def apply_pipeline_parallel(model: Llama, pgm, virtual_stages: int = 1,
                             layer_split: Optional[Sequence[int]] = None,
-                            sequence_parallel: bool = False) -> PipelineModel:
+                            sequence_parallel: bool = False,
+                            v_shape: bool = False) -> PipelineModel:
     """Keep this pipeline rank's stages of ``model`` (already tensor-parallel, if any).
 
     ``layer_split``: layers per global stage (p v entries), default an even split.
     ``sequence_parallel``: activations between stages are (b, s/tp, h) (chapter 03).
+    ``v_shape``: two chunks, stages rank and 2p - 1 - rank (the zbv and dualpipev schedules).
     """
     p, rank = pgm.pipeline_model_parallel_world_size, pgm.pipeline_model_parallel_rank
     if virtual_stages > 1 and p == 1:
@@ -117,11 +121,11 @@ def apply_pipeline_parallel(model: Llama, pgm, virtual_stages: int = 1,
         else:  # embed_tokens on the first stage; norm and lm_head on the last
             owner[key] = 0 if key.startswith("embed_tokens.") else num_stages - 1
     sp = pgm.tensor_model_parallel_world_size if sequence_parallel else 1
-    stages = [stage_index(rank, c, p) for c in range(virtual_stages)]
+    stages = [stage_index(rank, c, p, v_shape) for c in range(virtual_stages)]
     chunks = [PipelineChunk(model, layers[s], s == 0, s == num_stages - 1, sp) for s in stages]
     # NCCL wants the first call on a group to involve all its ranks, and p2p is partial.
     comm.barrier(pgm.pipeline_model_parallel_group)
-    return PipelineModel(chunks, stages, num_stages, owner, model.config.hidden_size)
+    return PipelineModel(chunks, stages, num_stages, owner, model.config.hidden_size, v_shape)
 
 
 def apply_data_parallel_to_chunks(pipe: PipelineModel, pgm, impl: str = "scaletorch",
@@ -175,6 +179,7 @@ class PipelineSchedule:
         }
         self.recorder = TimelineRecorder(rank, p, num_micro_batches, v,
                                          device=next(pipe.parameters()).device)
+        self.meter = ActivationMeter(list(pipe.parameters()))  # the last step's activations
         self.dtype = next(pipe.parameters()).dtype
 
     @property
@@ -190,6 +195,7 @@ class PipelineSchedule:
         b, s = self.micro_batches[0][0].shape
         self.shape = (b, s // self.pipe.sequence_parallel_size, self.pipe.hidden_size)
         self.recorder.reset()
+        self.meter.reset()
         self.held: Dict[tuple, tuple] = {}  # (mb, chunk) -> (stage input, output or loss)
         self.inbox: Dict[tuple, torch.Tensor] = {}  # (kind, mb, dst stage) -> received
         self.outbox: Dict[tuple, torch.Tensor] = {}  # (kind, mb, src stage) -> to send
@@ -232,7 +238,9 @@ class PipelineSchedule:
         else:
             x = self.inbox.pop(("act", mb, stage)).requires_grad_()  # (b, s, h)
         chunk = self.pipe.chunks[action.chunk]
-        out = chunk(x) if self.position_ids is None else chunk(x, position_ids=self.position_ids)
+        with self.meter.saving((mb, action.chunk)):
+            out = chunk(x) if self.position_ids is None else \
+                chunk(x, position_ids=self.position_ids)
         aux = moe_aux_loss(chunk) / self.m  # this chunk's MoE layers' losses; 0.0 if dense
         if stage == self.pipe.num_stages - 1:
             out = self.loss_fn(out, self.micro_batches[mb][1]) / self.m + aux  # out: the loss
@@ -245,26 +253,34 @@ class PipelineSchedule:
                 aux = None
         self.held[(mb, action.chunk)] = (x, out, aux)
 
-    def _backward(self, action: Action, index: int) -> None:
+    def _outputs_and_grads(self, action: Action) -> tuple:
+        """(stage input, outputs, their gradients) of a micro-batch's forward through a chunk."""
         stage, mb = self.pipe.stages[action.chunk], action.micro_batch
-        chunk = self.pipe.chunks[action.chunk]
         x, out, aux = self.held.pop((mb, action.chunk))
         outputs, grads = [out], [None]
         if stage < self.pipe.num_stages - 1:
             grads = [self.inbox.pop(("grad", mb, stage)).to(out.dtype)]
             if aux is not None:  # a stage's own MoE loss: d aux / d aux = 1
                 outputs, grads = [out, aux], grads + [torch.ones_like(aux)]
+        return x, outputs, grads
+
+    def _backward(self, action: Action, index: int) -> None:
+        stage, mb = self.pipe.stages[action.chunk], action.micro_batch
+        chunk = self.pipe.chunks[action.chunk]
+        x, outputs, grads = self._outputs_and_grads(action)
         no_sync = getattr(chunk, "no_sync", None)
         with nullcontext() if index in self.syncs or no_sync is None else no_sync():
             torch.autograd.backward(outputs, grads)
+        self.meter.free((mb, action.chunk))
         if stage > 0:
             self.outbox[("grad", mb, stage)] = x.grad.to(self.dtype)
 
 
 class TorchPipelineSchedule:
     """The same contract with torch.distributed.pipelining (the native reference):
-    ScheduleGPipe, Schedule1F1B or ScheduleInterleaved1F1B over this rank's chunks. Its
-    messages bypass our ledger. Gradients are scaled by 1/m (scale_grads) as ours."""
+    ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble (for
+    zb-h1), ScheduleZBVZeroBubble or ScheduleDualPipeV over this rank's chunks. Its messages
+    bypass our ledger. Gradients are scaled by 1/m (scale_grads) as ours."""
 
     def __init__(self, pipe: PipelineModel, pgm, schedule: str, num_micro_batches: int,
                  loss_fn: LossFn = loss_fn) -> None:
@@ -282,9 +298,14 @@ class TorchPipelineSchedule:
                                      group=pgm.pipeline_model_parallel_group)
             for chunk, s in zip(pipe.chunks, pipe.stages)
         ]
-        if schedule == "interleaved":
-            self.schedule = pipelining.ScheduleInterleaved1F1B(stages, num_micro_batches,
-                                                               loss_fn=loss_fn)
+        multi = {
+            "interleaved": pipelining.ScheduleInterleaved1F1B,
+            "zb-h1": pipelining.ScheduleInterleavedZeroBubble,  # ZB-H1 with one stage per rank
+            "zbv": pipelining.ScheduleZBVZeroBubble,
+            "dualpipev": pipelining.ScheduleDualPipeV,
+        }
+        if schedule in multi:
+            self.schedule = multi[schedule](stages, num_micro_batches, loss_fn=loss_fn)
         else:
             cls = pipelining.ScheduleGPipe if schedule == "afab" else pipelining.Schedule1F1B
             self.schedule = cls(stages[0], num_micro_batches, loss_fn=loss_fn)
@@ -326,7 +347,8 @@ def gather_pipeline_state_dict(pipe: PipelineModel, pgm, state: State) -> Option
     gathered over tp, ep and ZeRO's dp_cp). Shapes travel first, then the values.
     """
     p, rank = pgm.pipeline_model_parallel_world_size, pgm.pipeline_model_parallel_rank
-    keys = [[k for k in pipe.owner if pipe.owner[k] % p == q] for q in range(p)]
+    keys = [[k for k in pipe.owner if rank_of_stage(pipe.owner[k], p, pipe.v_shape) == q]
+            for q in range(p)]
     if sorted(state) != sorted(keys[rank]):
         raise ValueError(f"state keys {sorted(state)} are not this stage's {keys[rank]}")
     device = next(pipe.parameters()).device
@@ -351,15 +373,18 @@ def gather_pipeline_state_dict(pipe: PipelineModel, pgm, state: State) -> Option
 
 def gather_timeline(timeline: Timeline, pgm, device: torch.device) -> Optional[Timeline]:
     """Every stage's events of the last step on pipeline rank 0 (for the chart); None elsewhere."""
-    p, v = timeline.stages, timeline.virtual_stages
-    rows = [[float(e.action.kind == "B"), e.action.micro_batch, e.action.chunk, e.start, e.end]
+    p, m, v = timeline.stages, timeline.micro_batches, timeline.virtual_stages
+    rows = [["FBW".index(e.action.kind), e.action.micro_batch, e.action.chunk, e.start, e.end]
             for e in timeline.events]
     payload = torch.tensor(rows, dtype=torch.float64, device=device).flatten()
-    parts = _gather_to_first_stage(pgm, payload, [5 * 2 * timeline.micro_batches * v] * p)
+    counts = [2 * m * v] * p  # actions per rank: F and B of each micro-batch and chunk
+    if timeline.schedule in ZERO_BUBBLE:  # and the W's split off
+        counts = [len(schedule_actions(timeline.schedule, p, m, q, v)) for q in range(p)]
+    parts = _gather_to_first_stage(pgm, payload, [5 * n for n in counts])
     if pgm.pipeline_model_parallel_rank != 0:
         return None
-    full = Timeline(p, timeline.micro_batches, v)
+    full = Timeline(p, m, v, schedule=timeline.schedule)
     for rank, part in enumerate(parts):
         for kind, mb, chunk, start, end in part.view(-1, 5).tolist():
-            full.record(rank, Action("B" if kind else "F", int(mb), int(chunk)), start, end)
+            full.record(rank, Action("FBW"[int(kind)], int(mb), int(chunk)), start, end)
     return full

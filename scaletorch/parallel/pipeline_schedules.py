@@ -19,7 +19,9 @@ Simulated with F = 1 slot and B = 2 slots per stage (a, b, ...: forward of micro
 Both idle (p-1)/(m+p-1) of the time (the bubble); 1F1B holds at most p - r micro-batches of
 activations on rank r instead of m, because each backward frees one as soon as it can.
 Interleaving v chunks per rank (each 1/v of the work) shrinks the bubble to
-(p-1)/(v m + p - 1) at the price of v times more point-to-point messages.
+(p-1)/(v m + p - 1) at the price of v times more point-to-point messages. The zero-bubble
+schedules (``zb-h1``, ``zbv``, ``dualpipev``: ``zero_bubble.py``) split each backward into B
+(input gradient) and W (weight gradient) and use the W's to fill the bubble.
 """
 
 import time
@@ -33,13 +35,16 @@ from scaletorch.dist.timer import Clock, Mark, Timer, seconds
 # the formula lives with the planner (scaletorch/plan), which predicts step times with it
 from scaletorch.plan.pipeline import theoretical_bubble
 
-SCHEDULES = ("afab", "1f1b", "interleaved")
+ZERO_BUBBLE = ("zb-h1", "zbv", "dualpipev")  # zero_bubble.py
+SCHEDULES = ("afab", "1f1b", "interleaved") + ZERO_BUBBLE
+V_SHAPED = ("zbv", "dualpipev")  # two chunks per rank: stages r and 2p - 1 - r
 
 
 @dataclass(frozen=True)
 class Action:
     """One unit of work on one rank: the forward ("F") or backward ("B") of a micro-batch
-    through the rank's model chunk ``chunk`` (0 unless interleaved)."""
+    through the rank's model chunk ``chunk`` (0 unless interleaved or V-shaped). In the
+    zero-bubble schedules B is the input gradient only and "W" the weight gradient."""
     kind: str
     micro_batch: int
     chunk: int = 0
@@ -65,6 +70,11 @@ def validate_schedule(schedule: str, stages: int, micro_batches: int,
     if virtual_stages > 1 and stages == 1:
         raise ValueError(f"virtual_pipeline_stages ({virtual_stages}) needs a pipeline: "
                          f"pipeline_model_parallel_size is 1 (set --pp)")
+    if schedule in ZERO_BUBBLE:
+        # their own module imports Action from here, so it is imported when needed
+        from scaletorch.parallel.zero_bubble import validate_zero_bubble
+        validate_zero_bubble(schedule, stages, micro_batches, virtual_stages)
+        return
     if virtual_stages > 1 and schedule != "interleaved":
         raise ValueError(f"virtual_pipeline_stages ({virtual_stages}) > 1 needs the "
                          f"interleaved schedule, got {schedule!r} (set --schedule interleaved)")
@@ -122,7 +132,10 @@ def schedule_units(schedule: str, stages: int, micro_batches: int, rank: int,
         return [[a] for a in afab_actions(stages, micro_batches, rank)]
     if schedule == "1f1b":
         return [[a] for a in one_f_one_b_actions(stages, micro_batches, rank)]
-    return interleaved_units(stages, micro_batches, rank, virtual_stages)
+    if schedule == "interleaved":
+        return interleaved_units(stages, micro_batches, rank, virtual_stages)
+    from scaletorch.parallel.zero_bubble import zero_bubble_units
+    return zero_bubble_units(schedule, stages, micro_batches, rank)
 
 
 def schedule_actions(schedule: str, stages: int, micro_batches: int, rank: int,
@@ -133,10 +146,15 @@ def schedule_actions(schedule: str, stages: int, micro_batches: int, rank: int,
 
 
 def peak_live_activations(actions: Sequence[Action]) -> int:
-    """Most micro-batch chunks whose forward ran and whose backward has not (held activations)."""
+    """Most micro-batch chunks whose forward ran and whose backward has not (held activations).
+    A B whose W comes later keeps them (W walks the same graph): they go at the W."""
+    deferred = {(a.micro_batch, a.chunk) for a in actions if a.kind == "W"}
     live = peak = 0
     for action in actions:
-        live += 1 if action.kind == "F" else -1
+        if action.kind == "F":
+            live += 1
+        elif action.kind == "W" or (action.micro_batch, action.chunk) not in deferred:
+            live -= 1
         peak = max(peak, live)
     return peak
 
@@ -160,33 +178,51 @@ class P2P:
 Step = Tuple[Tuple[P2P, ...], Optional[Action]]
 
 
-def stage_index(rank: int, chunk: int, stages: int) -> int:
-    """Global (virtual) stage of ``chunk`` on pipeline rank ``rank``: chunk * p + rank."""
+def stage_index(rank: int, chunk: int, stages: int, v_shape: bool = False) -> int:
+    """Global (virtual) stage of ``chunk`` on pipeline rank ``rank``: chunk * p + rank, or in a
+    V (``zbv``, ``dualpipev``: two chunks) rank on the way down and 2p - 1 - rank back up."""
+    if v_shape and chunk == 1:
+        return 2 * stages - 1 - rank
     return chunk * stages + rank
 
 
-def action_p2p(action: Action, rank: int, stages: int,
-               virtual_stages: int) -> Tuple[Optional[P2P], Optional[P2P]]:
+def rank_of_stage(stage: int, stages: int, v_shape: bool = False) -> int:
+    """The pipeline rank holding global stage ``stage`` (the inverse of ``stage_index``)."""
+    if v_shape and stage >= stages:
+        return 2 * stages - 1 - stage
+    return stage % stages
+
+
+def action_p2p(action: Action, rank: int, stages: int, virtual_stages: int,
+               v_shape: bool = False) -> Tuple[Optional[P2P], Optional[P2P]]:
     """(the recv the action needs before it runs, the send it makes after), or None.
 
     F receives the previous stage's output and sends its own to the next stage; B receives
-    the gradient of its output from the next stage and sends its input's gradient back.
+    the gradient of its output from the next stage and sends its input's gradient back; W
+    talks to nobody. A neighbour stage on this same rank (the turn of a V) is no message: the
+    executor hands the tensor over locally.
     """
     p = stages
-    s = stage_index(rank, action.chunk, p)
+    s = stage_index(rank, action.chunk, p, v_shape)
     last = p * virtual_stages - 1
     mb = action.micro_batch
+
+    def op(kind: str, tensor: str, src: int, dst: int) -> Optional[P2P]:
+        peer = rank_of_stage(dst if kind == "send" else src, p, v_shape)
+        return None if peer == rank else P2P(kind, peer, tensor, mb, src, dst)
+
+    recv = send = None
     if action.kind == "F":
-        recv = P2P("recv", (s - 1) % p, "act", mb, s - 1, s) if s > 0 else None
-        send = P2P("send", (s + 1) % p, "act", mb, s, s + 1) if s < last else None
-    else:
-        recv = P2P("recv", (s + 1) % p, "grad", mb, s + 1, s) if s < last else None
-        send = P2P("send", (s - 1) % p, "grad", mb, s, s - 1) if s > 0 else None
+        recv = op("recv", "act", s - 1, s) if s > 0 else None
+        send = op("send", "act", s, s + 1) if s < last else None
+    elif action.kind == "B":
+        recv = op("recv", "grad", s + 1, s) if s < last else None
+        send = op("send", "grad", s, s - 1) if s > 0 else None
     return recv, send
 
 
-def comm_plan(units: Sequence[Sequence[Action]], rank: int, stages: int,
-              virtual_stages: int = 1) -> List[Step]:
+def comm_plan(units: Sequence[Sequence[Action]], rank: int, stages: int, virtual_stages: int = 1,
+              v_shape: bool = False) -> List[Step]:
     """Steps of (p2p batch, action): post the batch, wait for it, then run the action.
 
     The batch before a unit pairs the sends of the previous unit with the recvs the unit
@@ -200,7 +236,7 @@ def comm_plan(units: Sequence[Sequence[Action]], rank: int, stages: int,
     steps: List[Step] = []
     pending: List[P2P] = []
     for unit in units:
-        ops = [action_p2p(a, rank, stages, virtual_stages) for a in unit]
+        ops = [action_p2p(a, rank, stages, virtual_stages, v_shape) for a in unit]
         steps.append((tuple(pending + [recv for recv, _ in ops if recv]), unit[0]))
         steps += [((), a) for a in unit[1:]]
         pending = [send for _, send in ops if send]
@@ -212,7 +248,7 @@ def schedule_plan(schedule: str, stages: int, micro_batches: int, rank: int,
                   virtual_stages: int = 1) -> List[Step]:
     """``comm_plan`` of ``schedule_units``: what the executor of rank ``rank`` runs."""
     units = schedule_units(schedule, stages, micro_batches, rank, virtual_stages)
-    return comm_plan(units, rank, stages, virtual_stages)
+    return comm_plan(units, rank, stages, virtual_stages, schedule in V_SHAPED)
 
 
 # ---- timelines ----------------------------------------------------------------------------
@@ -236,10 +272,11 @@ class Timeline:
     micro_batches: int
     virtual_stages: int = 1
     events: List[Event] = field(default_factory=list)
+    schedule: str = ""  # set for the zero-bubble schedules: their theory and V placement
 
     def record(self, rank: int, action: Action, start: float, end: float) -> None:
-        self.events.append(
-            Event(rank, action, stage_index(rank, action.chunk, self.stages), start, end))
+        stage = stage_index(rank, action.chunk, self.stages, self.schedule in V_SHAPED)
+        self.events.append(Event(rank, action, stage, start, end))
 
     def to_json(self) -> dict:
         """Plain data for timeline.json (scripts/plot.py draws it): events as
@@ -247,7 +284,7 @@ class Timeline:
         events = [[e.rank, e.action.kind, e.action.micro_batch, e.action.chunk, e.start, e.end]
                   for e in self.events]
         return dict(stages=self.stages, micro_batches=self.micro_batches,
-                    virtual_stages=self.virtual_stages, events=events)
+                    virtual_stages=self.virtual_stages, schedule=self.schedule, events=events)
 
     def ranks(self) -> List[int]:
         return sorted({e.rank for e in self.events})
@@ -275,13 +312,18 @@ class Timeline:
         return 1.0 - sum(self.busy_fraction(r) for r in ranks) / len(ranks)
 
     def theory(self) -> float:
+        """(p-1)/(v m + p - 1); a zero-bubble schedule's simulated bubble with F = B = W."""
+        if self.schedule in ZERO_BUBBLE:
+            return simulate(self.schedule, self.stages, self.micro_batches, self.virtual_stages,
+                            1.0, 1.0, 1.0).bubble_fraction()
         return theoretical_bubble(self.stages, self.micro_batches, self.virtual_stages)
 
     def chart(self, width: int = 96, unit: Optional[float] = None) -> str:
         """ASCII picture: one row per rank, a cell = ``unit`` of time (default: span/width).
 
         Forward of micro-batch i is drawn with the letter "abc..."[i], its backward in upper
-        case, idle as ".". A cell shows the event covering most of it.
+        case, its weight gradient W (zero-bubble schedules) as the digit i % 10, idle as ".".
+        A cell shows the event covering most of it.
         """
         start, end = self.span()
         unit = unit or (end - start) / width
@@ -293,6 +335,7 @@ class Timeline:
             for e in self.of(rank):
                 letter = chr(ord("a") + e.action.micro_batch % 26)
                 letter = letter if e.action.kind == "F" else letter.upper()
+                letter = str(e.action.micro_batch % 10) if e.action.kind == "W" else letter
                 first = int((e.start - start) / unit)
                 last = min(cells - 1, int((e.end - start) / unit - 1e-9))
                 for c in range(first, last + 1):
@@ -308,6 +351,8 @@ class Timeline:
         p, m, v = self.stages, self.micro_batches, self.virtual_stages
         formula = f"(p-1)/(v m+p-1) with p={p}, v={v}, m={m}" if v > 1 else \
             f"(p-1)/(m+p-1) with p={p}, m={m}"
+        if self.schedule in ZERO_BUBBLE:
+            formula = f"{self.schedule} simulated with F = B = W, p={p}, m={m}"
         return (f"bubble: measured {self.bubble_fraction():.3f}, theory {self.theory():.3f} "
                 f"= {formula}; peak live activations per stage "
                 f"{[self.peak_live(r) for r in self.ranks()]}")
@@ -322,9 +367,11 @@ class TimelineRecorder:
     """
 
     def __init__(self, rank: int, stages: int, micro_batches: int, virtual_stages: int = 1,
-                 clock: Clock = time.time, device: Optional[torch.device] = None) -> None:
+                 clock: Clock = time.time, device: Optional[torch.device] = None,
+                 schedule: str = "") -> None:
         # time.time: one clock for every process of a host (perf_counter's origin is not).
         self.rank, self.shape = rank, (stages, micro_batches, virtual_stages)
+        self.schedule = schedule
         self.timer = Timer(device or torch.device("cpu"), clock)
         self.marks: List[Tuple[Action, Mark, Mark]] = []
 
@@ -341,7 +388,7 @@ class TimelineRecorder:
     def timeline(self) -> Timeline:
         """This step's events in seconds (on CUDA reading waits for their events, so read it
         after the step, not inside it)."""
-        timeline = Timeline(*self.shape)
+        timeline = Timeline(*self.shape, schedule=self.schedule)
         for action, start, end in self.marks:
             timeline.record(self.rank, action, seconds(start), seconds(end))
         return timeline
@@ -355,8 +402,16 @@ class PipelineDeadlock(RuntimeError):
 
 
 def simulate(schedule: str, stages: int, micro_batches: int, virtual_stages: int = 1,
-             forward_cost: float = 1.0, backward_cost: float = 2.0) -> Timeline:
-    """The slot timeline of ``schedule`` with equal-cost stages (see ``simulate_plans``)."""
+             forward_cost: float = 1.0, backward_cost: float = 2.0,
+             weight_cost: Optional[float] = None) -> Timeline:
+    """The slot timeline of ``schedule`` with equal-cost stages (see ``simulate_plans``). The
+    zero-bubble schedules' runtime sends asynchronously: ``zero_bubble.simulate_async`` (W
+    costs ``weight_cost``, default as much as B)."""
+    if schedule in ZERO_BUBBLE:
+        from scaletorch.parallel.zero_bubble import simulate_async
+        weight = backward_cost if weight_cost is None else weight_cost
+        return simulate_async(schedule, stages, micro_batches, virtual_stages, forward_cost,
+                              backward_cost, weight)
     plans = [
         schedule_plan(schedule, stages, micro_batches, r, virtual_stages) for r in range(stages)
     ]

@@ -114,6 +114,13 @@ def _check_pipeline(cfg: "Config", sizes: Dict[str, int]) -> None:
     if sizes["pp"] > 1 or p.virtual_pipeline_stages > 1:
         validate_schedule(p.schedule, sizes["pp"], cfg.data.num_micro_batches,
                           p.virtual_pipeline_stages)
+    m, pp = cfg.data.num_micro_batches, sizes["pp"]
+    rounds = max(1, m // pp)  # how torch's ScheduleInterleavedZeroBubble groups micro-batches
+    if p.impl == "torch" and p.schedule == "zb-h1" and pp > 1 and m % rounds != 0:
+        raise ValueError(f"parallel.impl 'torch' runs zb-h1 as ScheduleInterleavedZeroBubble, "
+                         f"which needs num_micro_batches ({m}) divisible by max(1, "
+                         f"num_micro_batches // pipeline_model_parallel_size ({pp})) = {rounds}: "
+                         f"use a multiple of {pp}, or impl 'scaletorch'")
     if p.layer_split is not None and sizes["pp"] == 1:
         raise ValueError(f"parallel.layer_split {list(p.layer_split)} needs a pipeline: "
                          f"pipeline_model_parallel_size is 1 (set --pp, or drop layer_split)")

@@ -51,7 +51,7 @@ class ParallelConfig:
     bucket_size_mb: float = 25.0  # DDP gradient bucket size
     zero_stage: int = 0  # 0: plain data parallel; 1, 2, 3: ZeRO stages
     sequence_parallel: bool = False
-    schedule: str = "1f1b"  # afab | 1f1b | interleaved
+    schedule: str = "1f1b"  # afab | 1f1b | interleaved | zb-h1 | zbv | dualpipev (chapter 04)
     virtual_pipeline_stages: int = 1
     cp_variant: str = "ring"  # ring | ulysses
     # none | selective (recompute the attention core) | full (each block); true/false: full/none
@@ -322,7 +322,7 @@ def load_config(default_config: str, description: str, limits: Optional[Limits] 
 CHOICES = {
     "data.dataset": ("synthetic", "text", "bin"),
     "parallel.impl": ("scaletorch", "naive", "torch"),
-    "parallel.schedule": ("afab", "1f1b", "interleaved"),
+    "parallel.schedule": ("afab", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev"),
     "parallel.cp_variant": ("ring", "ulysses"),
     "training.precision": PRECISIONS,
 }

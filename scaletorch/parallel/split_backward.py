@@ -1,0 +1,186 @@
+"""The split backward and the runtime of the zero-bubble schedules (``zero_bubble.py``).
+
+B and W of one micro-batch through one chunk, with autograd's explicit ``inputs``:
+
+    out = chunk(x)                               # F: autograd saves the activations
+    dx, = torch.autograd.grad(out, x, dout, retain_graph=True)   # B: input gradient; send it
+    torch.autograd.backward(out, dout, inputs=params)            # W, later: weight gradients
+
+B runs only the nodes between ``out`` and ``x``, each computing only the gradient that leads
+there (a linear layer's grad_input, not its grad_weight). W walks the graph again to the
+weights and accumulates into ``.grad`` (so data-parallel gradient hooks fire as in a plain
+backward), then frees it. What the deferred W holds: every tensor autograd saved in the
+forward stays alive until W (B frees none of them), so a micro-batch's activations live from
+its F to its W, which is why ZB-H1 holds W's back only as far as 1F1B's peak allows
+(``zero_bubble.ActivationMeter`` measures those bytes). This readable version
+pays the activation-gradient chain twice (in B and again in W); production code
+(torch.distributed.pipelining's stage_backward_weight, Megatron's WeightGradStore) keeps B's
+intermediate gradients so that W is only the weight matmuls.
+
+The runtime sends asynchronously: a B's gradient goes out at once and the rank moves on (to a
+W, say) while its neighbour is still busy; the sends are waited for at the end of the step.
+Receives are posted on each channel (peer -> this rank) in the order the peer sends, which it
+is computed from the peer's own schedule: without tags (NCCL has none) the k-th receive on a
+channel gets the k-th message, and in a V the activations of one chunk and the gradients of
+the other share a channel in an order neither rank's compute order gives.
+"""
+
+from contextlib import nullcontext
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+
+from scaletorch.data import split_micro_batches
+from scaletorch.dist import comm
+from scaletorch.parallel.pipeline_parallel import PipelineChunk, PipelineSchedule
+from scaletorch.parallel.pipeline_schedules import (Action, action_p2p, rank_of_stage,
+                                                    schedule_actions)
+from scaletorch.parallel.step import average_over_group, local_batch
+
+
+class ZeroBubbleSchedule(PipelineSchedule):
+    """``PipelineSchedule``'s contract for zb-h1, zbv and dualpipev: F, B (input gradient
+    only, when a W of the same micro-batch and chunk follows; else the full backward) and W.
+    A micro-batch's activations (``meter``) are freed at its W."""
+
+    def __init__(self, pipe, pgm, schedule: str, num_micro_batches: int, *args, **kwargs) -> None:
+        super().__init__(pipe, pgm, schedule, num_micro_batches, *args, **kwargs)
+        p, rank, v = self.recorder.shape[0], pgm.pipeline_model_parallel_rank, len(pipe.chunks)
+        self.p, self.rank, self.v = p, rank, v
+        self.recorder.schedule = schedule
+        plans = [schedule_actions(schedule, p, num_micro_batches, q, v) for q in range(p)]
+        self.actions = plans[rank]
+        self.split = {(a.micro_batch, a.chunk) for a in self.actions if a.kind == "W"}
+        # a chunk's data-parallel gradients sync in the last action that makes them
+        makes_grads = [
+            i for i, a in enumerate(self.actions)
+            if a.kind == "W" or (a.kind == "B" and (a.micro_batch, a.chunk) not in self.split)
+        ]
+        self.syncs = {max(i for i in makes_grads if self.actions[i].chunk == c) for c in range(v)}
+        # per peer: the (kind, micro-batch, dst stage) of its messages to us, in its send order
+        self.expected: Dict[int, List[tuple]] = {q: [] for q in range(p) if q != rank}
+        for q, plan in enumerate(plans):
+            for action in plan:
+                send = action_p2p(action, q, p, v, pipe.v_shape)[1]
+                if send is not None and send.peer == rank:
+                    self.expected[q].append((send.kind, send.micro_batch, send.dst))
+        self.params = [[p for p in chunk.parameters() if p.requires_grad] for chunk in pipe.chunks]
+        # stage 0's B has no input to send: it stops at the embedding's output (taken by a hook)
+        self.embedded = None
+        for module in pipe.modules():
+            if isinstance(module, PipelineChunk) and module.embed_tokens is not None:
+                module.embed_tokens.register_forward_hook(self._keep_embedded)
+
+    def _keep_embedded(self, module, inputs, output) -> None:
+        self.embedded = output
+
+    def __call__(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        pgm = self.pgm
+        inputs, targets, self.position_ids = local_batch(inputs, targets, pgm.data_parallel_rank,
+                                                         pgm.data_parallel_world_size,
+                                                         self.shard_sequence)
+        self.micro_batches = split_micro_batches(inputs, targets, self.m)
+        b, s = self.micro_batches[0][0].shape
+        self.shape = (b, s // self.pipe.sequence_parallel_size, self.pipe.hidden_size)
+        self.recorder.reset()
+        self.meter.reset()
+        self.held: Dict[tuple, tuple] = {}
+        self.inbox: Dict[tuple, torch.Tensor] = {}
+        self.outbox: Dict[tuple, torch.Tensor] = {}
+        self.receiving: Dict[tuple, tuple] = {}  # key -> (buffer, works) posted, not waited
+        self.posted = {q: 0 for q in self.expected}  # receives posted per peer
+        self.sending: List[tuple] = []  # (tensor, works) until the end of the step
+        self.loss = torch.zeros((), device=inputs.device)
+        for peer in self.expected:  # one receive ahead on every channel (see _receive)
+            self._post_receive(peer)
+        for i, action in enumerate(self.actions):
+            self._receive(action)  # waiting here is the bubble; the rest is the action's time
+            with self.recorder.time(action):
+                if action.kind == "F":
+                    self._forward(action)
+                elif action.kind == "W":
+                    self._weight(action, i)
+                elif (action.micro_batch, action.chunk) in self.split:
+                    self._backward_input(action)
+                else:
+                    self._backward(action, i)
+                self._send(action)
+        for _, works in self.sending:
+            for work in works:
+                work.wait()
+        for chunk in self.pipe.chunks:
+            finish = getattr(chunk, "finish_grad_sync", None)
+            if finish is not None:
+                finish()
+        loss = self.loss.detach().clone()  # nonzero on the last stage only
+        comm.all_reduce(loss, self.group)
+        return average_over_group(loss, pgm.data_parallel_group_with_context)
+
+    def _post_receive(self, peer: int) -> None:
+        """Post the next receive on the channel from ``peer``, if it has more to send."""
+        if self.posted[peer] == len(self.expected[peer]):
+            return
+        key = self.expected[peer][self.posted[peer]]
+        self.posted[peer] += 1
+        buffer = torch.empty(self.shape, dtype=self.dtype, device=self.loss.device)
+        op = dist.P2POp(dist.irecv, buffer, self.ranks[peer], self.group)
+        self.receiving[key] = (buffer, comm.batch_isend_irecv([op], self.group))
+
+    def _receive(self, action: Action) -> None:
+        """Wait for the message ``action`` needs, posting this peer's receives up to it. Each
+        channel keeps one receive posted ahead: a message sent before the receiver needs it
+        is then already on its way (a transfer starts only once both sides have posted)."""
+        recv = action_p2p(action, self.rank, self.p, self.v, self.pipe.v_shape)[0]
+        if recv is None:
+            return
+        key = (recv.kind, recv.micro_batch, recv.dst)
+        while key not in self.receiving:
+            self._post_receive(recv.peer)
+        buffer, works = self.receiving.pop(key)
+        for work in works:
+            work.wait()
+        self._post_receive(recv.peer)
+        self.inbox[key] = buffer
+
+    def _send(self, action: Action) -> None:
+        """Post the action's output (activation or input gradient) and go on; a neighbour
+        stage on this rank (the turn of a V) gets it directly."""
+        stage = self.pipe.stages[action.chunk]
+        tensor_kind = {"F": "act", "B": "grad"}.get(action.kind)
+        key = (tensor_kind, action.micro_batch, stage)
+        if key not in self.outbox:
+            return
+        tensor = self.outbox.pop(key)
+        dst = stage + 1 if action.kind == "F" else stage - 1
+        peer = rank_of_stage(dst, self.p, self.pipe.v_shape)
+        if peer == self.rank:
+            self.inbox[(tensor_kind, action.micro_batch, dst)] = tensor
+            return
+        op = dist.P2POp(dist.isend, tensor, self.ranks[peer], self.group)
+        self.sending.append((tensor, comm.batch_isend_irecv([op], self.group)))
+
+    def _forward(self, action: Action) -> None:
+        super()._forward(action)
+        if self.pipe.stages[action.chunk] == 0:  # B's input: the embedding's output
+            x, out, aux = self.held[(action.micro_batch, action.chunk)]
+            self.held[(action.micro_batch, action.chunk)] = (self.embedded, out, aux)
+
+    def _backward_input(self, action: Action) -> None:
+        """B: the gradient of the chunk's input, sent at once; the graph stays for W."""
+        x, outputs, grads = self._outputs_and_grads(action)
+        dx, = torch.autograd.grad(outputs, [x], grads, retain_graph=True)
+        if self.pipe.stages[action.chunk] > 0:
+            self.outbox[("grad", action.micro_batch, self.pipe.stages[action.chunk])] = \
+                dx.to(self.dtype)
+        self.held[(action.micro_batch, action.chunk)] = (outputs, grads)
+
+    def _weight(self, action: Action, index: int) -> None:
+        """W: the weights' gradients into .grad (data-parallel sync in the chunk's last W)."""
+        key = (action.micro_batch, action.chunk)
+        outputs, grads = self.held.pop(key)
+        chunk = self.pipe.chunks[action.chunk]
+        no_sync = getattr(chunk, "no_sync", None)
+        with nullcontext() if index in self.syncs or no_sync is None else no_sync():
+            torch.autograd.backward(outputs, grads, inputs=self.params[action.chunk])
+        self.meter.free(key)
