@@ -183,8 +183,8 @@ def build_pipeline(cfg: Config, pp: int, tp: int, schedule: str, v: int, impl: s
                                                          tensor_parallel_loss_fn)
         apply_tensor_parallel(model, pgm, sequence_parallel)
         kwargs["loss_fn"] = tensor_parallel_loss_fn(pgm)
-    pipe = apply_pipeline_parallel(model, pgm, v, layer_split, sequence_parallel,
-                                   schedule in V_SHAPED)
+    v_shape = schedule in V_SHAPED  # zbv, dualpipev: stages r and 2p - 1 - r
+    pipe = apply_pipeline_parallel(model, pgm, v, layer_split, sequence_parallel, v_shape)
     apply_data_parallel_to_chunks(pipe, pgm, impl)
     cls = TorchPipelineSchedule if impl == "torch" else \
         ZeroBubbleSchedule if schedule in ZERO_BUBBLE else PipelineSchedule
