@@ -19,7 +19,7 @@ import copy
 import json
 import os
 import sys
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -66,6 +66,76 @@ def checker(base: Config):
     return check
 
 
+def measure_rank(rank: int, world: int, configs: Dict[str, Config]) -> Dict[str, dict]:
+    """Inside a gloo world: train each config's layout (``training.steps`` steps) and measure
+    this rank: ``wire`` {(op, group, phase): wire bytes of the last step} from the ledger,
+    ``memory`` (parameters, gradients, optimizer: the tensors held), ``saved`` (the most bytes
+    autograd kept for backward during one more step, saved_tensors_hooks), ``pp_rank``."""
+    import torch
+
+    from scaletorch.dist import destroy_pg_manager, get_ledger, init_pg_manager
+    from scaletorch.models import build_model
+    from scaletorch.parallel.activation_checkpointing import saved_activation_bytes
+    from scaletorch.parallel.parallelize import parallelize
+    from scaletorch.parallel.zero_memory import measure_memory
+    from scaletorch.trainer import Trainer
+
+    out, ledger = {}, get_ledger()
+    for name, cfg in configs.items():
+        p = cfg.parallel
+        pgm = init_pg_manager(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+                              p.context_parallel_size, p.expert_model_parallel_size)
+        model = build_model(cfg.model, seed=cfg.training.model_seed)
+        par = parallelize(model, cfg, pgm, torch.device("cpu"))
+        trainer = Trainer.from_parallelized(cfg, par, pgm, verbose=False)
+        ledger.clear()
+        trainer.train()
+        wire: Dict[tuple, float] = {}
+        for r in ledger.select(step=cfg.training.steps - 1):
+            wire[(r.op, r.group, r.phase)] = wire.get((r.op, r.group, r.phase), 0.0) + \
+                r.wire_bytes
+        memory = measure_memory(trainer.model, trainer.optimizer)
+        inputs, targets = trainer.loader.get_batch(0)
+        with ledger.paused():  # not the step's traffic
+            saved, _ = saved_activation_bytes(par.model,
+                                              lambda: par.forward_backward(inputs, targets))
+        out[name] = {
+            "wire": wire,
+            "memory": memory,
+            "saved": saved,
+            "pp_rank": pgm.pipeline_model_parallel_rank
+        }
+        destroy_pg_manager()
+    return out
+
+
+def measured_report(cfg: Config, world: int, model: ModelSpec, layout: PlanLayout) -> str:
+    """Run ``cfg`` here on ``world`` CPU ranks and print each rank's measurement beside the
+    prediction: wire bytes per group, model-state bytes, activations."""
+    from scaletorch.dist.spawn import run_distributed
+    from scaletorch.plan.comm import wire_bytes_per_group
+    from scaletorch.plan.memory import activation_bytes, state_bytes
+
+    results = run_distributed(measure_rank, world, {"run": cfg}, timeout=600)
+    lines = [f"{'rank':<6}{'what':<22}{'predicted':>14}{'measured':>14}"]
+    for rank, res in enumerate(results):
+        got, r = res["run"], res["run"]["pp_rank"]
+        wire: Dict[str, float] = {}
+        for (_, group, _), value in got["wire"].items():
+            wire[group] = wire.get(group, 0.0) + value
+        rows = [(f"wire {g}", v, wire.get(g, 0.0))
+                for g, v in sorted(wire_bytes_per_group(model, layout, r).items())]
+        states = state_bytes(model, layout, r)
+        rows += [(k, states[k], got["memory"][k]) for k in ("params", "grads", "optimizer")]
+        if layout.pp == 1:  # a pipeline schedule's saved tensors escape this hook
+            saved = activation_bytes(model, layout, r)["saved"]
+            rows.append(("activations (saved)", saved, got["saved"]))
+        for what, predicted, measured in rows:
+            mark = "=" if predicted == measured else f"{100 * (predicted / measured - 1):+.1f}%"
+            lines.append(f"{rank:<6}{what:<22}{predicted:>14,.0f}{measured:>14,.0f}  {mark}")
+    return "\n".join(lines)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     epilog = ("Also every flag of the examples: --tp, --pp, --cp, --ep, --zero-stage, "
               "--micro-batches, --schedule, --virtual-stages, --sequence-parallel, "
@@ -86,6 +156,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--search", action="store_true", help="rank every valid layout")
     parser.add_argument("--top", type=int, default=5, help="layouts --search prints")
     parser.add_argument("--json", action="store_true", help="one JSON object")
+    parser.add_argument(
+        "--measure", action="store_true",
+        help="also run the layout here (CPU, gloo, --gpus ranks, --steps steps) "
+        "and print each rank's measurement beside the prediction")
     argv = list(sys.argv[1:] if argv is None else argv)
     config = argv.pop(0) if argv and not argv[0].startswith("-") else None  # a run's YAML
     args, rest = parser.parse_known_args(argv)
@@ -135,6 +209,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     result = evaluate(model, layout, cluster)
     print(json.dumps({"layouts": [result]}, indent=1) if args.json else format_breakdown(result))
+    if args.measure:
+        print(measured_report(cfg, gpus, model, layout))
     return 0
 
 
