@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from scaletorch.dist import comm, restart_count
 from scaletorch.parallel.consolidated import load_tensors_only
+from scaletorch.parallel.pipeline_schedules import V_SHAPED
 
 if TYPE_CHECKING:  # the config module imports this one
     from scaletorch.trainer.config import Config
@@ -277,6 +278,8 @@ def run_layout(cfg: "Config", world_size: int) -> Dict[str, Any]:
         "data_parallel_size": world_size // model_parallel,
         "zero_stage": p.zero_stage,
         "virtual_pipeline_stages": p.virtual_pipeline_stages,
+        # zbv and dualpipev hold stages r and 2p - 1 - r, the interleaved schedule r and r + p
+        "pipeline_placement": "v" if p.schedule in V_SHAPED else "interleaved",
         "layer_split": list(p.layer_split or []),
         "impl": p.impl,
     }
