@@ -22,19 +22,20 @@ stage backpropagates its own with its activation gradient, and the reported loss
 """
 
 from contextlib import nullcontext
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from scaletorch.data import split_micro_batches
-from scaletorch.dist import comm, get_ledger
+from scaletorch.dist import ProcessGroupManager, comm, get_ledger
 from scaletorch.models import Llama, MoE, loss_fn, moe_aux_loss
 from scaletorch.parallel.data_parallel import TorchDataParallel, apply_data_parallel
-from scaletorch.parallel.pipeline_schedules import (ZERO_BUBBLE, Action, Timeline, TimelineRecorder,
-                                                    rank_of_stage, schedule_actions, schedule_plan,
-                                                    stage_index, validate_schedule)
+from scaletorch.parallel.pipeline_schedules import (P2P, ZERO_BUBBLE, Action, Timeline,
+                                                    TimelineRecorder, rank_of_stage,
+                                                    schedule_actions, schedule_plan, stage_index,
+                                                    validate_schedule)
 from scaletorch.parallel.step import average_over_group, local_batch
 from scaletorch.parallel.zero_bubble import ActivationMeter
 # which layers each stage holds: layout arithmetic, with the planner (scaletorch/plan)
@@ -55,6 +56,7 @@ class PipelineChunk(nn.Module):
 
     # The model's own pieces, the same code bound to this chunk's share of the modules:
     # embed (the embedding), rope (the rotary tables of the positions), head (norm, lm_head).
+    # mypy types their self as a Llama, hence an ignore[misc] where forward calls them.
     embed, rope, head = Llama.embed, Llama.rope, Llama.head
 
     def __init__(self, model: Llama, layer_ids: List[int], first: bool, last: bool,
@@ -71,12 +73,12 @@ class PipelineChunk(nn.Module):
         first = self.embed_tokens is not None
         seq_len = x.size(1) * (1 if first else self.sequence_parallel_size)
         if first:
-            x = self.embed(x)  # (b, s) -> (b, s, h)
-        cos, sin = self.rope(position_ids, seq_len, x.device)
+            x = self.embed(x)  # type: ignore[misc]  # (b, s) -> (b, s, h)
+        cos, sin = self.rope(position_ids, seq_len, x.device)  # type: ignore[misc]
         for layer in self.layers.values():  # as Llama.forward, on this stage's layers
             x = layer(x, cos, sin)
         if self.lm_head is not None:
-            x = self.head(x)  # (b, s, V)
+            x = self.head(x)  # type: ignore[misc]  # (b, s, V)
         return x
 
 
@@ -94,7 +96,7 @@ class PipelineModel(nn.Module):
         self.sequence_parallel_size = chunks[0].sequence_parallel_size
 
 
-def apply_pipeline_parallel(model: Llama, pgm, virtual_stages: int = 1,
+def apply_pipeline_parallel(model: Llama, pgm: ProcessGroupManager, virtual_stages: int = 1,
                             layer_split: Optional[Sequence[int]] = None,
                             sequence_parallel: bool = False,
                             v_shape: bool = False) -> PipelineModel:
@@ -128,7 +130,8 @@ def apply_pipeline_parallel(model: Llama, pgm, virtual_stages: int = 1,
     return PipelineModel(chunks, stages, num_stages, owner, model.config.hidden_size, v_shape)
 
 
-def apply_data_parallel_to_chunks(pipe: PipelineModel, pgm, impl: str = "scaletorch",
+def apply_data_parallel_to_chunks(pipe: PipelineModel, pgm: ProcessGroupManager,
+                                  impl: str = "scaletorch",
                                   bucket_size_mb: float = 25.0) -> PipelineModel:
     """Wrap each chunk for data parallel over "dp_cp" (chapter 01); state dict keys unchanged.
 
@@ -161,8 +164,9 @@ class PipelineSchedule:
     rank's tokens of each sequence (context parallel, as in ``make_data_parallel_step``).
     """
 
-    def __init__(self, pipe: PipelineModel, pgm, schedule: str, num_micro_batches: int,
-                 loss_fn: LossFn = loss_fn, shard_sequence: Optional[Callable] = None) -> None:
+    def __init__(self, pipe: PipelineModel, pgm: ProcessGroupManager, schedule: str,
+                 num_micro_batches: int, loss_fn: LossFn = loss_fn,
+                 shard_sequence: Optional[Callable] = None) -> None:
         self.pipe, self.pgm, self.loss_fn = pipe, pgm, loss_fn
         self.shard_sequence = shard_sequence
         p, rank = pgm.pipeline_model_parallel_world_size, pgm.pipeline_model_parallel_rank
@@ -216,7 +220,7 @@ class PipelineSchedule:
         comm.all_reduce(loss, self.group)  # every stage gets it
         return average_over_group(loss, pgm.data_parallel_group_with_context)
 
-    def _exchange(self, batch) -> None:
+    def _exchange(self, batch: Iterable[P2P]) -> None:
         """Post this step's sends and recvs as one batch over "pp" and wait for all of them."""
         ops = []
         for op in batch:
@@ -249,15 +253,15 @@ class PipelineSchedule:
             self.outbox[("act", mb, stage)] = out.detach().to(self.dtype)
             if torch.is_tensor(aux):
                 self.loss += aux.detach()
-            else:
-                aux = None
-        self.held[(mb, action.chunk)] = (x, out, aux)
+        # a middle stage backpropagates its own MoE loss with its output (None: dense)
+        self.held[(mb, action.chunk)] = (x, out, aux if torch.is_tensor(aux) else None)
 
     def _outputs_and_grads(self, action: Action) -> tuple:
         """(stage input, outputs, their gradients) of a micro-batch's forward through a chunk."""
         stage, mb = self.pipe.stages[action.chunk], action.micro_batch
         x, out, aux = self.held.pop((mb, action.chunk))
-        outputs, grads = [out], [None]
+        outputs: List[torch.Tensor] = [out]
+        grads: List[Optional[torch.Tensor]] = [None]  # None: d loss / d loss = 1
         if stage < self.pipe.num_stages - 1:
             grads = [self.inbox.pop(("grad", mb, stage)).to(out.dtype)]
             if aux is not None:  # a stage's own MoE loss: d aux / d aux = 1
@@ -282,8 +286,8 @@ class TorchPipelineSchedule:
     zb-h1), ScheduleZBVZeroBubble or ScheduleDualPipeV over this rank's chunks. Its messages
     bypass our ledger. Gradients are scaled by 1/m (scale_grads) as ours."""
 
-    def __init__(self, pipe: PipelineModel, pgm, schedule: str, num_micro_batches: int,
-                 loss_fn: LossFn = loss_fn) -> None:
+    def __init__(self, pipe: PipelineModel, pgm: ProcessGroupManager, schedule: str,
+                 num_micro_batches: int, loss_fn: LossFn = loss_fn) -> None:
         from torch.distributed import pipelining
 
         if any(isinstance(m, MoE) for m in pipe.modules()):
@@ -304,8 +308,12 @@ class TorchPipelineSchedule:
             "zbv": pipelining.ScheduleZBVZeroBubble,
             "dualpipev": pipelining.ScheduleDualPipeV,
         }
+        self.schedule: Union[pipelining.schedules.PipelineScheduleMulti,
+                             pipelining.schedules.PipelineScheduleSingle]
         if schedule in multi:
-            self.schedule = multi[schedule](stages, num_micro_batches, loss_fn=loss_fn)
+            # torch types the stages list[_PipelineStageBase], its private base (list is invariant)
+            runtime = multi[schedule]
+            self.schedule = runtime(stages, self.m, loss_fn=loss_fn)  # type: ignore[arg-type]
         else:
             cls = pipelining.ScheduleGPipe if schedule == "afab" else pipelining.Schedule1F1B
             self.schedule = cls(stages[0], num_micro_batches, loss_fn=loss_fn)
@@ -324,7 +332,8 @@ class TorchPipelineSchedule:
         return average_over_group(loss, pgm.data_parallel_group_with_context)
 
 
-def _gather_to_first_stage(pgm, payload: torch.Tensor, sizes: Sequence[int]) -> List[torch.Tensor]:
+def _gather_to_first_stage(pgm: ProcessGroupManager, payload: torch.Tensor,
+                           sizes: Sequence[int]) -> List[torch.Tensor]:
     """Pipeline rank 0 receives ``payload`` (``sizes[q]`` elements) from every stage q and
     returns them in stage order; other ranks send theirs and get []. Not in the ledger: it is
     for checks and charts, not training traffic."""
@@ -340,7 +349,8 @@ def _gather_to_first_stage(pgm, payload: torch.Tensor, sizes: Sequence[int]) -> 
     return out
 
 
-def gather_pipeline_state_dict(pipe: PipelineModel, pgm, state: State) -> Optional[State]:
+def gather_pipeline_state_dict(pipe: PipelineModel, pgm: ProcessGroupManager,
+                               state: State) -> Optional[State]:
     """Every stage's tensors (fp32, full-model names) on pipeline rank 0; None elsewhere.
 
     ``state``: this rank's stages' tensors, already un-sharded (``ParamMap.gather`` passes them,
@@ -357,21 +367,24 @@ def gather_pipeline_state_dict(pipe: PipelineModel, pgm, state: State) -> Option
     for i, k in enumerate(keys[rank]):
         dims[i, 0] = state[k].dim()
         dims[i, 1:1 + state[k].dim()] = torch.tensor(state[k].shape)
-    dims = _gather_to_first_stage(pgm, dims.flatten(), [5 * len(k) for k in keys])
-    dims = [d.view(-1, 5) for d in dims]
-    values = torch.cat([state[k].detach().float().flatten() for k in keys[rank]])
-    values = _gather_to_first_stage(pgm, values, [int(d[:, 1:].prod(1).sum()) for d in dims])
+    shapes = [
+        d.view(-1, 5)
+        for d in _gather_to_first_stage(pgm, dims.flatten(), [5 * len(k) for k in keys])
+    ]
+    mine = torch.cat([state[k].detach().float().flatten() for k in keys[rank]])
+    values = _gather_to_first_stage(pgm, mine, [int(d[:, 1:].prod(1).sum()) for d in shapes])
     if rank != 0:
         return None
     full = {}
     for q in range(p):
-        flats = values[q].split(dims[q][:, 1:].prod(1).tolist())
-        for k, flat, d in zip(keys[q], flats, dims[q].tolist()):
+        flats = values[q].split(shapes[q][:, 1:].prod(1).tolist())
+        for k, flat, d in zip(keys[q], flats, shapes[q].tolist()):
             full[k] = flat.view(d[1:1 + d[0]]).clone()
     return full
 
 
-def gather_timeline(timeline: Timeline, pgm, device: torch.device) -> Optional[Timeline]:
+def gather_timeline(timeline: Timeline, pgm: ProcessGroupManager,
+                    device: torch.device) -> Optional[Timeline]:
     """Every stage's events of the last step on pipeline rank 0 (for the chart); None elsewhere."""
     p, m, v = timeline.stages, timeline.micro_batches, timeline.virtual_stages
     rows = [["FBW".index(e.action.kind), e.action.micro_batch, e.action.chunk, e.start, e.end]
