@@ -26,14 +26,15 @@ the other share a channel in an order neither rank's compute order gives.
 """
 
 from contextlib import nullcontext
-from typing import Dict, List
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from scaletorch.data import split_micro_batches
-from scaletorch.dist import comm
-from scaletorch.parallel.pipeline_parallel import PipelineChunk, PipelineSchedule
+from scaletorch.dist import ProcessGroupManager, comm
+from scaletorch.parallel.pipeline_parallel import PipelineChunk, PipelineModel, PipelineSchedule
 from scaletorch.parallel.pipeline_schedules import (Action, action_p2p, rank_of_stage,
                                                     schedule_actions)
 from scaletorch.parallel.step import average_over_group, local_batch
@@ -44,7 +45,8 @@ class ZeroBubbleSchedule(PipelineSchedule):
     only, when a W of the same micro-batch and chunk follows; else the full backward) and W.
     A micro-batch's activations (``meter``) are freed at its W."""
 
-    def __init__(self, pipe, pgm, schedule: str, num_micro_batches: int, *args, **kwargs) -> None:
+    def __init__(self, pipe: PipelineModel, pgm: ProcessGroupManager, schedule: str,
+                 num_micro_batches: int, *args: Any, **kwargs: Any) -> None:
         super().__init__(pipe, pgm, schedule, num_micro_batches, *args, **kwargs)
         p, rank, v = self.recorder.shape[0], pgm.pipeline_model_parallel_rank, len(pipe.chunks)
         self.p, self.rank, self.v = p, rank, v
@@ -67,12 +69,13 @@ class ZeroBubbleSchedule(PipelineSchedule):
                     self.expected[q].append((send.kind, send.micro_batch, send.dst))
         self.params = [[p for p in chunk.parameters() if p.requires_grad] for chunk in pipe.chunks]
         # stage 0's B has no input to send: it stops at the embedding's output (taken by a hook)
-        self.embedded = None
+        self.embedded: Optional[torch.Tensor] = None
         for module in pipe.modules():
             if isinstance(module, PipelineChunk) and module.embed_tokens is not None:
                 module.embed_tokens.register_forward_hook(self._keep_embedded)
 
-    def _keep_embedded(self, module, inputs, output) -> None:
+    def _keep_embedded(self, module: nn.Module, inputs: Tuple[Any, ...],
+                       output: torch.Tensor) -> None:
         self.embedded = output
 
     def __call__(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
