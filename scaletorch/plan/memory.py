@@ -192,8 +192,9 @@ def _ends(model: ModelSpec, layout: PlanLayout, first: bool, last: bool) -> floa
 def activation_bytes(model: ModelSpec, layout: PlanLayout, pp_rank: int = 0) -> Dict[str, float]:
     """Activations on pipeline rank ``pp_rank``: ``micro_batch`` (one micro-batch through all
     the rank's layers, as a forward leaves it), ``in_flight`` (micro-batches the schedule keeps
-    at once on this rank), ``saved`` (in_flight x micro_batch: what autograd keeps for backward,
-    which ``saved_tensors_hooks`` see), ``rebuilt`` (under recomputation, the one block or
+    at once on this rank), ``saved`` (in_flight x micro_batch, the head's logits once: the last
+    stage runs each micro-batch's backward right after its forward; what autograd keeps for
+    backward, which ``saved_tensors_hooks`` see), ``rebuilt`` (under recomputation, the one block or
     attention core rebuilt in backward: inside torch.utils.checkpoint, unseen by an outer hook)
     and ``peak`` = saved + rebuilt."""
     chunks = rank_layers(model.num_layers, layout.pp, layout.virtual_stages, layout.layer_split)
@@ -202,7 +203,8 @@ def activation_bytes(model: ModelSpec, layout: PlanLayout, pp_rank: int = 0) -> 
     first = pp_rank == 0
     last = any(pp_rank + c * layout.pp == stages - 1 for c in range(layout.virtual_stages))
     per_layer = layer_activation_bytes(model, layout)
-    micro = layers * per_layer + _ends(model, layout, first, last)
+    head = _ends(model, layout, False, last)  # the last stage's head: one micro-batch at a time
+    micro = layers * per_layer + _ends(model, layout, first, False) + head
     n = in_flight(layout.schedule, layout.pp, layout.num_micro_batches, layout.virtual_stages,
                   pp_rank)
     rebuilt = 0.0
@@ -212,9 +214,9 @@ def activation_bytes(model: ModelSpec, layout: PlanLayout, pp_rank: int = 0) -> 
     return {
         "micro_batch": micro,
         "in_flight": n,
-        "saved": n * micro,
+        "saved": n * (micro - head) + head,
         "rebuilt": rebuilt,
-        "peak": n * micro + rebuilt
+        "peak": n * (micro - head) + head + rebuilt
     }
 
 

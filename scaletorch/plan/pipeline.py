@@ -48,14 +48,15 @@ def in_flight(schedule: str, pp: int, micro_batches: int, virtual_stages: int = 
     """Micro-batches of activations pipeline rank ``rank`` holds at its peak, in units of one
     micro-batch through all of its layers.
 
-    AFAB (GPipe) keeps all m; 1F1B keeps min(m, p - r); the interleaved schedule keeps, on
-    the first rank, p (1 + (p - 1) / (p v)) chunk-sized pieces of 1/v each (Korthikanti et al.:
-    the first stage holds 1 + (p - 1)/(p v) times the L layers' worth of 1F1B).
+    AFAB (GPipe) keeps all m; 1F1B keeps min(m, p - r); the interleaved schedule warms up with
+    2 (p - r - 1) + (v - 1) p + 1 chunk forwards of 1/v each (Megatron's schedule), on the first
+    rank p + (p - 1)/v: Korthikanti et al.'s 1 + (p - 1)/(p v) times the L layers of 1F1B.
     """
     if pp == 1:  # no pipeline: each micro-batch's backward runs before the next forward
         return 1.0
     if schedule == "afab":
         return float(micro_batches)
     if schedule == "interleaved" and virtual_stages > 1:
-        return min(float(micro_batches), pp * (1 + (pp - 1) / (pp * virtual_stages)))
+        warmup = 2 * (pp - rank - 1) + (virtual_stages - 1) * pp + 1
+        return min(float(micro_batches), warmup / virtual_stages)
     return float(min(micro_batches, pp - rank))
