@@ -49,12 +49,12 @@ statistics are per micro-batch, and a micro-batch of the parallel run holds othe
 """
 
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
 
-from scaletorch.dist import comm, get_ledger
+from scaletorch.dist import ProcessGroupManager, comm, get_ledger
 from scaletorch.models import Llama, loss_fn
 from scaletorch.parallel.activation_checkpointing import apply_activation_checkpointing
 from scaletorch.parallel.context_parallel import apply_context_parallel, make_sequence_sharder
@@ -66,10 +66,13 @@ from scaletorch.parallel.param_map import DTensorParamMap, ParamMap, State
 from scaletorch.parallel.pipeline_parallel import PipelineSchedule, apply_pipeline_parallel
 from scaletorch.parallel.pipeline_schedules import V_SHAPED, ZERO_BUBBLE
 from scaletorch.parallel.split_backward import ZeroBubbleSchedule
-from scaletorch.parallel.step import ForwardBackward, make_data_parallel_step
+from scaletorch.parallel.step import ForwardBackward, LossFn, make_data_parallel_step
 from scaletorch.parallel.tensor_parallel import apply_tensor_parallel, tensor_parallel_loss_fn
 from scaletorch.parallel.validation import validate_layout
 from scaletorch.parallel.zero import ShardedDataParallel, ZeroAdamW, llama_units
+
+if TYPE_CHECKING:  # the config module imports scaletorch.parallel
+    from scaletorch.trainer.config import Config
 
 ORDER = ("expert", "tensor", "context", "activation checkpointing", "pipeline", "data")
 
@@ -96,7 +99,7 @@ class Parallelized:
         return self.param_map.gather(lambda p: p.detach())
 
 
-def _check_groups_match(cfg, pgm, sizes) -> None:
+def _check_groups_match(cfg: "Config", pgm: ProcessGroupManager, sizes: Dict[str, int]) -> None:
     """``pgm`` must be the process groups of ``cfg``'s layout (the one layout check read the
     config's sizes)."""
     have = {
@@ -118,22 +121,24 @@ class _ZeroChunks(nn.Module):
     def __init__(self, wrappers: List[ShardedDataParallel]) -> None:
         super().__init__()
         self.wrappers = nn.ModuleList(wrappers)
+        self.zero = wrappers  # the same modules, typed (a ModuleList yields nn.Module)
 
     def finish_grad_sync(self) -> None:
-        for w in self.wrappers:
+        for w in self.zero:
             w.finish_grad_sync()
 
     def gather_params(self) -> None:
-        for w in self.wrappers:
+        for w in self.zero:
             w.gather_params()
 
     def zero_grad_buffers(self) -> None:
-        for w in self.wrappers:
+        for w in self.zero:
             w.zero_grad_buffers()
 
 
-def _apply_data_parallel(modules: List[nn.Module], cfg,
-                         pgm) -> Tuple[List[nn.Module], Optional[torch.optim.Optimizer]]:
+def _apply_data_parallel(
+        modules: List[nn.Module], cfg: "Config",
+        pgm: ProcessGroupManager) -> Tuple[List[nn.Module], Optional[torch.optim.Optimizer]]:
     """Step 6: wrap each of ``modules`` (the model, or this rank's pipeline chunks) for data
     parallel over "dp_cp": ZeRO-1/2/3 (with its sharded AdamW), a MoE model's ExpertParallel
     (dense gradients over "dp_cp", expert gradients over "edp"), or DDP (bucketed, or naive).
@@ -154,7 +159,8 @@ def _apply_data_parallel(modules: List[nn.Module], cfg,
     return [apply_data_parallel(m, pgm, p.impl, p.bucket_size_mb) for m in modules], None
 
 
-def parallelize(model: Llama, cfg, pgm, device: torch.device) -> Parallelized:
+def parallelize(model: Llama, cfg: "Config", pgm: ProcessGroupManager,
+                device: torch.device) -> Parallelized:
     """Apply expert -> tensor -> context -> checkpointing -> pipeline -> data parallel to the
     reference ``model`` (built with the same seed on every rank), as ``cfg.parallel`` says.
 
@@ -166,7 +172,8 @@ def parallelize(model: Llama, cfg, pgm, device: torch.device) -> Parallelized:
     model = model.to(device)
     if p.impl == "torch":  # PyTorch's own strategies on one DeviceMesh (native.py)
         return Parallelized(*parallelize_native(model, cfg, pgm))
-    loss, shard_sequence = loss_fn, None
+    loss: LossFn = loss_fn
+    shard_sequence: Optional[Callable] = None
     if cfg.model.num_experts > 0:  # 1 (also at ep 1: the routing statistics over dp_cp)
         shard_experts(model, pgm)
     if pgm.tensor_model_parallel_world_size > 1:  # 2
@@ -182,7 +189,7 @@ def parallelize(model: Llama, cfg, pgm, device: torch.device) -> Parallelized:
     if pgm.pipeline_model_parallel_world_size > 1:  # 5
         pipe = apply_pipeline_parallel(model, pgm, p.virtual_pipeline_stages, p.layer_split,
                                        p.sequence_parallel, p.schedule in V_SHAPED)
-    modules = list(pipe.chunks) if pipe is not None else [model]
+    modules: List[nn.Module] = list(pipe.chunks) if pipe is not None else [model]
     plain_entries = ParamMap.plain_entries(modules)
 
     wrapped, optimizer = _apply_data_parallel(modules, cfg, pgm)  # 6
@@ -219,7 +226,8 @@ GROUPS = ("tp", "cp", "dp_cp", "pp", "ep", "edp", "world")
 COORDS = ("tp", "cp", "dp", "pp", "ep")
 
 
-def rank_report(pgm, model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> str:
+def rank_report(pgm: ProcessGroupManager, model: nn.Module, optimizer: torch.optim.Optimizer,
+                step: int) -> str:
     """Collective over the world: one row per rank with its coordinates, the bytes it put on
     the wire per group in ``step`` (the ledger) and the bytes it holds (params, grads, AdamW
     state). The same string on every rank."""
@@ -228,7 +236,7 @@ def rank_report(pgm, model: nn.Module, optimizer: torch.optim.Optimizer, step: i
     ledger = get_ledger()
     coords = pgm.grid.coordinates(pgm.rank)
     memory = measure_memory(model, optimizer)
-    row = [coords[c] for c in COORDS]
+    row: List[float] = [coords[c] for c in COORDS]
     row += [ledger.total(group=g, step=step, field="wire_bytes") / 1e6 for g in GROUPS]
     row += [memory[k] / 1e6 for k in ("params", "grads", "optimizer")]
     mine = torch.tensor([row], dtype=torch.float64, device=next(model.parameters()).device)
