@@ -7,6 +7,8 @@
     scripts/launch.sh examples/04_pipeline_parallel.py --nproc-per-node 4 -- --check  # x dp 2
     scripts/launch.sh examples/04_pipeline_parallel.py --nproc-per-node 4 -- --tp 2 --check
     scripts/launch.sh examples/04_pipeline_parallel.py --nproc-per-node 2 -- --impl torch --check
+    scripts/launch.sh examples/04_pipeline_parallel.py --nproc-per-node 4 -- --pp 4 \\
+        --schedule zb-h1 --check  # zero bubble: zb-h1, or zbv / dualpipev with --virtual-stages 2
 
 Chapter 01's ``parallelize`` call, now with pp > 1: it keeps this rank's stages
 (``apply_pipeline_parallel``, after tensor parallel, before the data-parallel wrapper of each
@@ -64,7 +66,8 @@ def main() -> int:
               (" (torch's pipelining bypasses our ledger)" if p.impl == "torch" else ""))
         if timeline is not None:
             print(f"timeline of step {last} ({p.schedule}; a-z: forward of micro-batch 0-25, "
-                  f"A-Z: its backward, '.': idle or waiting):")
+                  f"A-Z: its backward, 0-9: its weight gradient (zero bubble), '.': idle or "
+                  f"waiting):")
             print(timeline.chart())
             print(timeline.summary())
 

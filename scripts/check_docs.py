@@ -61,7 +61,7 @@ MASKS: List[Tuple[re.Pattern, str]] = [
 ]
 # Lines that are timing as a whole: charts drawn from a clock, torchrun's own log lines.
 SKIP = [
-    re.compile(r"\|[=#. a-zA-Z]{10,}\|"),
+    re.compile(r"\|[=#. a-zA-Z0-9]{10,}\|"),  # 0-9: the zero-bubble schedules' W
     re.compile(r"^[WIEF]\d{4} \d{2}:\d{2}:\d{2}"),
 ]
 SCI = re.compile(r"\d\.\de[-+]\d\d")

@@ -23,6 +23,7 @@ from scaletorch.parallel.pipeline_schedules import (V_SHAPED, ZERO_BUBBLE, Pipel
                                                     theoretical_bubble, validate_schedule)
 from scaletorch.parallel.split_backward import ZeroBubbleSchedule
 from scaletorch.trainer import Config, Trainer, max_weight_diff, run_reference
+from scripts.benchmarks.timing import Delayed
 from tests.harness import run_distributed
 from tests.layouts import clip_fn, full_state
 
@@ -189,38 +190,6 @@ def build_pipeline(cfg: Config, pp: int, tp: int, schedule: str, v: int, impl: s
     cls = TorchPipelineSchedule if impl == "torch" else \
         ZeroBubbleSchedule if schedule in ZERO_BUBBLE else PipelineSchedule
     return pgm, pipe, cls(pipe, pgm, schedule, cfg.data.num_micro_batches, **kwargs)
-
-
-class _Sleep(torch.autograd.Function):
-
-    @staticmethod
-    def forward(ctx, x, forward_s, backward_s):
-        time.sleep(forward_s)
-        ctx.backward_s = backward_s
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        # once: a zero-bubble W walks this graph again (split_backward.py), B already slept
-        time.sleep(ctx.backward_s)
-        ctx.backward_s = 0.0
-        return grad, None, None
-
-
-class Delayed(torch.nn.Module):
-    """A layer that also sleeps a fixed time in forward and backward: equal-cost stages whose
-    cost is not CPU time, so the measured bubble does not depend on other processes.
-    ``backward_s`` is slept on the way to the layer's input (B), ``weight_s`` when its first
-    weight's gradient is made (W; a full backward sleeps both)."""
-
-    def __init__(self, layer, forward_s: float, backward_s: float, weight_s: float = 0.0) -> None:
-        super().__init__()
-        self.layer, self.forward_s, self.backward_s = layer, forward_s, backward_s
-        self.weight_s = weight_s
-        next(layer.parameters()).register_hook(lambda grad: time.sleep(self.weight_s))
-
-    def forward(self, x, cos, sin):
-        return self.layer(_Sleep.apply(x, self.forward_s, self.backward_s), cos, sin)
 
 
 def parity_run(name: str) -> dict:

@@ -17,9 +17,10 @@ from scaletorch.parallel.pipeline_schedules import (ZERO_BUBBLE, peak_live_activ
 from scaletorch.parallel.validation import validate_layout
 from scaletorch.parallel.zero_bubble import ActivationMeter, simulate_async, zero_bubble_theory
 from scaletorch.trainer import max_weight_diff
+from scripts.benchmarks.timing import Delayed
 from tests.harness import run_distributed
 from tests.layouts import TOL, layout, make_config, train
-from tests.test_pipeline_parallel import Delayed, build_pipeline
+from tests.test_pipeline_parallel import build_pipeline
 from tests.test_pipeline_parallel import make_config as pipeline_config
 
 

@@ -5,6 +5,8 @@ of one step each, the order rotating every round, so that background load on a s
 all alike; ``max_over_ranks`` turns each rank's step times into the slowest rank's; a row then
 reports ``median_ms`` and ``paired_ratio`` (the median over rounds of ours / native, the steps
 of a round having run back to back; ``versus`` makes that row), never an absolute time on its own.
+``Delayed`` injects fixed sleeps into a layer's F, B and W, for pipeline bubbles that do not
+depend on the CPU's load (the benchmarks and tests/test_pipeline_parallel.py, test_zero_bubble.py).
 """
 
 import statistics
@@ -87,3 +89,35 @@ def versus(name: str, ours: List[float], native: List[float], target: str, **com
         "target": target,
         **common
     }
+
+
+class _Sleep(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, x, forward_s, backward_s):
+        time.sleep(forward_s)
+        ctx.backward_s = backward_s
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # once: a zero-bubble W walks this graph again (split_backward.py), B already slept
+        time.sleep(ctx.backward_s)
+        ctx.backward_s = 0.0
+        return grad, None, None
+
+
+class Delayed(torch.nn.Module):
+    """A layer that also sleeps a fixed time in forward and backward: equal-cost stages whose
+    cost is not CPU time, so the measured bubble does not depend on other processes.
+    ``backward_s`` is slept on the way to the layer's input (B), ``weight_s`` when its first
+    weight's gradient is made (W; a full backward sleeps both)."""
+
+    def __init__(self, layer, forward_s: float, backward_s: float, weight_s: float = 0.0) -> None:
+        super().__init__()
+        self.layer, self.forward_s, self.backward_s = layer, forward_s, backward_s
+        self.weight_s = weight_s
+        next(layer.parameters()).register_hook(lambda grad: time.sleep(self.weight_s))
+
+    def forward(self, x, cos, sin):
+        return self.layer(_Sleep.apply(x, self.forward_s, self.backward_s), cos, sin)
