@@ -202,8 +202,9 @@ class TestTensorParallelConfigErrors(unittest.TestCase):
     def test_kv_heads_not_divisible_by_tensor_size_raises(self):
         self.check(r"num_key_value_heads \(2\) .* \(4\)", 4, num_key_value_heads=2)
 
-    def test_vocabulary_not_divisible_raises(self):
-        self.check(r"vocab_size \(66\) .* \(4\)", 4, vocab_size=66)
+    def test_vocabulary_not_divisible_is_padded_not_refused(self):
+        # apply_tensor_parallel pads it (model.vocab_pad_to); tests/test_vocab_padding.py
+        tp_lib.validate_tensor_parallel(LlamaConfig(vocab_size=66), 2)
 
     def test_intermediate_size_not_divisible_raises(self):
         self.check(r"intermediate_size \(66\) .* \(4\)", 4, intermediate_size=66)

@@ -42,6 +42,10 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
     init_std: float = 0.02
+    # Tensor parallel splits embedding and head by vocabulary rows; a vocabulary tp does not
+    # divide is padded there to a multiple of vocab_pad_to x tp (Megatron's
+    # make-vocab-size-divisible-by), with the padded logits masked. This model is never padded.
+    vocab_pad_to: int = 128
     # Mixture of experts (moe.py); num_experts 0 = a dense model.
     num_experts: int = 0
     moe_top_k: int = 2  # experts per token
@@ -53,7 +57,7 @@ class LlamaConfig:
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                      "num_attention_heads", "num_key_value_heads", "max_seq_len", "rope_theta",
-                     "norm_eps", "init_std"):
+                     "norm_eps", "init_std", "vocab_pad_to"):
             value = getattr(self, name)
             if value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")

@@ -26,6 +26,8 @@ from scaletorch.parallel.pipeline_parallel import PipelineModel, gather_pipeline
 from scaletorch.parallel.zero import ShardedDataParallel
 
 State = Dict[str, torch.Tensor]
+# (tp partition dim, expert-parallel, (vocabulary, padded rows) of a padded vocabulary split)
+Split = Tuple[Optional[int], bool, Optional[Tuple[int, int]]]
 
 
 class ParamMap:
@@ -37,20 +39,22 @@ class ParamMap:
     used to load a full optimizer state at any layout.
     """
 
-    def __init__(self, pgm: ProcessGroupManager, splits: Dict[str, Tuple[Optional[int], bool]],
-                 entries: List[Any], pipe: Optional[PipelineModel] = None) -> None:
+    def __init__(self, pgm: ProcessGroupManager, splits: Dict[str, Split], entries: List[Any],
+                 pipe: Optional[PipelineModel] = None) -> None:
         self.pgm, self.splits, self.pipe = pgm, splits, pipe
         # each entry: (optimizer parameter, [(names, shape, offset)], ZeRO unit or None)
         self.entries = entries
 
     @classmethod
-    def record_splits(cls, model: nn.Module) -> Dict[str, Tuple[Optional[int], bool]]:
-        """{reference name: (tp partition dim or None, is expert)}, read from the tags the
-        strategies put on parameters, before wrappers and ZeRO hide them."""
+    def record_splits(cls, model: nn.Module) -> Dict[str, Split]:
+        """{reference name: (tp partition dim or None, is expert, (vocabulary, padded rows) or
+        None)}, read from the tags the strategies put on parameters, before wrappers and ZeRO
+        hide them."""
         splits = {}
         for name, t in model.state_dict(keep_vars=True).items():
             tp_dim = t.partition_dim if getattr(t, "tensor_model_parallel", False) else None
-            splits[name] = (tp_dim, bool(getattr(t, "expert_parallel", False)))
+            splits[name] = (tp_dim, bool(getattr(t, "expert_parallel",
+                                                 False)), getattr(t, "vocab_padding", None))
         return splits
 
     def params(self) -> List[torch.Tensor]:
@@ -78,11 +82,17 @@ class ParamMap:
         """``along`` = gather_along_dim (this rank's piece -> full, collective) or
         split_along_dim (full -> this rank's piece) over each split the tags recorded: experts
         over "ep" on dim 0, tensor-parallel shards over "tp" on their partition dim."""
-        tp_dim, expert = self.splits[name]
+        split = self.splits[name]
+        tp_dim, expert = split[0], split[1]
+        padding = split[2] if len(split) > 2 else None  # maps built by hand may give 2 entries
         if expert:
             t = along(t, 0, self.pgm.expert_model_parallel_group)
+        if padding is not None and along is split_along_dim:  # the reference has no padding rows
+            t = torch.cat((t, t.new_zeros(padding[1] - padding[0], *t.shape[1:])))
         if tp_dim is not None:
             t = along(t, tp_dim, self.pgm.tensor_model_parallel_group)
+        if padding is not None and along is gather_along_dim:
+            t = t[:padding[0]]
         return t
 
     def gather(self, value_of: Callable[[torch.Tensor], torch.Tensor]) -> Optional[State]:

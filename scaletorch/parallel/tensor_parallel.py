@@ -21,7 +21,10 @@ stream now hold s/N tokens per rank. The RMSNorm weights stay whole on every ran
 sees only its tokens, so their gradients are summed over "tp" (the f operator on the weight).
 
 Embedding and head are split over the vocabulary; the loss never gathers the logits: each
-rank has (b, s, V/N) and only the max and the sum of exponentials are all-reduced.
+rank has (b, s, V/N) and only the max and the sum of exponentials are all-reduced. A vocabulary
+that N does not divide (32000 at tp 3, 50257 at tp 2) is padded with zero rows to a multiple of
+``vocab_pad_to`` x N, as Megatron does; the head gives the padding rows -inf logits, so loss,
+gradients and sampling are those of the unpadded model, and a gathered state has no padding.
 """
 
 import math
@@ -44,6 +47,25 @@ from scaletorch.plan.comm import tp_comm_elements as comm_elements_per_step
 
 if TYPE_CHECKING:  # the config module imports scaletorch.parallel
     from scaletorch.trainer.config import Config
+
+
+def padded_vocab_size(vocab_size: int, tp: int, pad_to: int) -> int:
+    """Vocabulary rows under tensor parallel: ``vocab_size`` when tp divides it, else rounded up
+    to a multiple of pad_to x tp (Megatron's rule; 50257 at tp 2, pad_to 128 -> 50432)."""
+    if vocab_size % tp == 0:
+        return vocab_size
+    return -(-vocab_size // (pad_to * tp)) * pad_to * tp
+
+
+def _pad_rows(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    """weight (V, h) with zero rows appended up to (rows, h): rows no token id reaches."""
+    return torch.cat((weight, weight.new_zeros(rows - weight.size(0), weight.size(1))))
+
+
+def _mark_padded(param: nn.Parameter, vocab_size: int, padded_size: int) -> None:
+    """Tag a vocabulary-split parameter whose full form has rows [vocab_size, padded_size) of
+    padding (param_map strips them when gathering and adds them back when scattering)."""
+    setattr(param, "vocab_padding", (vocab_size, padded_size))
 
 
 def _mark_sharded(param: nn.Parameter, dim: int) -> nn.Parameter:
@@ -160,13 +182,17 @@ class VocabParallelEmbedding(nn.Module):
                                     0)
 
     @classmethod
-    def from_embedding(cls, embedding: nn.Embedding, group: Group,
+    def from_embedding(cls, embedding: nn.Embedding, group: Group, padded_size: int = 0,
                        **kwargs: Any) -> "VocabParallelEmbedding":
+        """This rank's rows of ``embedding``, padded with zero rows to ``padded_size`` if larger."""
         num_embeddings, embedding_dim = embedding.weight.shape
-        layer = cls(num_embeddings, embedding_dim, group, **kwargs).to(embedding.weight)
+        padded_size = max(padded_size, num_embeddings)
+        layer = cls(padded_size, embedding_dim, group, **kwargs).to(embedding.weight)
         rows = layer.weight.shape[0]
         with torch.no_grad():
-            layer.weight.copy_(embedding.weight[layer.vocab_start:][:rows])
+            layer.weight.copy_(_pad_rows(embedding.weight, padded_size)[layer.vocab_start:][:rows])
+        if padded_size > num_embeddings:
+            _mark_padded(layer.weight, num_embeddings, padded_size)
         return layer
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -180,6 +206,36 @@ class VocabParallelEmbedding(nn.Module):
         out = F.embedding(local.masked_fill(outside, 0), self.weight)  # (b, s, h)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)  # rows held by other ranks
         return _exit_region(out, self.group, self.sequence_parallel)
+
+
+class VocabParallelHead(ColumnParallelLinear):
+    """The output layer split by vocabulary rows, padded like the embedding; the logits of the
+    padding rows are -inf, so the loss and sampling never see them (exp(-inf) = 0: no
+    probability, no gradient). x: (b, s, h) -> logits (b, s, V_padded/N)."""
+
+    vocab_size, vocab_start = 0, 0  # the real vocabulary, this rank's first row
+
+    @classmethod
+    def from_head(cls, head: nn.Linear, group: Group, padded_size: int,
+                  **kwargs: Any) -> "VocabParallelHead":
+        vocab_size, hidden = head.weight.shape
+        full = nn.Linear(hidden, max(padded_size, vocab_size), bias=False).to(head.weight)
+        with torch.no_grad():
+            full.weight.copy_(_pad_rows(head.weight, full.weight.size(0)))
+        layer = cls.from_linear(full, group, **kwargs)
+        layer.vocab_size = vocab_size
+        layer.vocab_start = comm.group_rank(group) * layer.weight.shape[0]
+        if full.weight.size(0) > vocab_size:
+            _mark_padded(layer.weight, vocab_size, full.weight.size(0))
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = super().forward(x)  # (b, s, V_padded/N)
+        first_pad = self.vocab_size - self.vocab_start  # local columns from here are padding
+        if first_pad < logits.size(-1):
+            pad = torch.arange(logits.size(-1), device=logits.device) >= first_pad
+            logits = logits.masked_fill(pad, float("-inf"))
+        return logits
 
 
 class ParallelRMSNorm(RMSNorm):
@@ -223,7 +279,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         local = targets - comm.group_rank(group) * vocab_local
         mine = (local >= 0) & (local < vocab_local)  # this rank holds the target's logit
         local = local.masked_fill(~mine, 0)
-        target_logit = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1) * mine
+        # where, not a product: a rank holding only padding has -inf there (-inf * 0 = nan)
+        target_logit = torch.where(mine, shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1), 0.0)
         exp = shifted.exp()
         stats = torch.stack((exp.sum(dim=-1), target_logit))  # (2, n)
         comm.all_reduce(stats, group)
@@ -275,15 +332,14 @@ def validate_tensor_parallel(config: LlamaConfig, tensor_model_parallel_size: in
         "num_attention_heads": config.num_attention_heads,
         "num_key_value_heads": config.num_key_value_heads,
         "intermediate_size": config.intermediate_size,
-        "vocab_size": config.vocab_size,
-    }
+    }  # the vocabulary need not divide: apply_tensor_parallel pads it (vocab_pad_to)
     for name, value in sizes.items():
         if value % tp != 0:
             divides = math.gcd(*sizes.values())
             raise ValueError(f"model.{name} ({value}) is not divisible by "
                              f"tensor_model_parallel_size ({tp}): tp must divide the heads, "
-                             f"key/value heads, intermediate size and vocabulary; here a "
-                             f"divisor of {divides}")
+                             f"key/value heads and intermediate size; here a divisor of "
+                             f"{divides}")
     if sequence_parallel and seq_len is not None and seq_len % tp != 0:
         raise ValueError(f"sequence parallel needs the sequence length ({seq_len}) of a cp "
                          f"rank divisible by tensor_model_parallel_size ({tp}): change "
@@ -330,10 +386,12 @@ def apply_tensor_parallel(model: Llama, pgm: ProcessGroupManager,
         block.post_attention_layernorm = norm(block.post_attention_layernorm)
         mlp.gate_proj, mlp.up_proj = column(mlp.gate_proj), column(mlp.up_proj)
         mlp.down_proj = row(mlp.down_proj)
-    ref.embed_tokens = VocabParallelEmbedding.from_embedding(ref.embed_tokens, group,
+    padded = padded_vocab_size(cfg.vocab_size, tp, cfg.vocab_pad_to)
+    ref.embed_tokens = VocabParallelEmbedding.from_embedding(ref.embed_tokens, group, padded,
                                                              sequence_parallel=sequence_parallel)
     ref.norm = norm(ref.norm)
-    ref.lm_head = column(ref.lm_head)
+    ref.lm_head = VocabParallelHead.from_head(ref.lm_head, group, padded, enter_region=False,
+                                              sequence_parallel=sequence_parallel)
     if cfg.tie_word_embeddings:  # both are split by vocabulary rows: the same shard
         ref.lm_head.weight = ref.embed_tokens.weight
     return model

@@ -1,0 +1,103 @@
+"""A vocabulary that tensor parallel does not divide is padded (Megatron's make-vocab-size-
+divisible-by, ``model.vocab_pad_to``), and the run still equals the unpadded single-device one.
+
+World 3: vocabulary 1000 at tp 3 (1000 % 3 = 1, padded to 1152). World 4: vocabulary 1001
+(odd) at tp 2 x pp 2 and tp 2 x dp 2 with ZeRO-3, padded to 1024. Each compares losses, grad
+norms and the gathered full weights (which have the reference's unpadded shapes) with a single
+device run at 1e-5 (tests/layouts.py).
+"""
+
+import unittest
+
+import torch
+
+from scaletorch.dist import destroy_pg_manager
+from scaletorch.models import build_model
+from scaletorch.parallel.parallelize import parallelize
+from scaletorch.parallel.tensor_parallel import padded_vocab_size
+from tests.harness import run_distributed
+from tests.layouts import (assert_parity, layout, make_config, pg_manager_for, reference_key,
+                           references, train)
+
+WORLD3 = {"vocab1000_tp3": (1000, layout(tp=3))}
+WORLD4 = {
+    "vocab1001_tp2_pp2": (1001, layout(tp=2, pp=2)),
+    "vocab1001_tp2_dp2_zero3": (1001, layout(tp=2, zero_stage=3)),
+}
+
+
+def config(vocab: int, parallel: dict):
+    cfg = make_config(**parallel)
+    cfg.model.vocab_size = vocab
+    if parallel["tensor_model_parallel_size"] == 3:  # heads, kv heads and FFN divisible by 3
+        m = cfg.model
+        m.hidden_size, m.num_attention_heads, m.num_key_value_heads = 48, 6, 3
+        m.intermediate_size = 96
+    return cfg
+
+
+def padded_head_logits(vocab: int, parallel: dict) -> dict:
+    """Inside a world: this rank's head logits on a few tokens, its padding columns, and
+    whether scattering the unpadded full weights (a resume at this layout) gives its shards."""
+    cfg = config(vocab, parallel)
+    pgm = pg_manager_for(cfg)
+    model = build_model(cfg.model, seed=0)
+    par = parallelize(model, cfg, pgm, torch.device("cpu"))
+    head = model.lm_head
+    logits = head(torch.randn(1, 4, cfg.model.hidden_size))  # (1, 4, V_padded / tp)
+    local = par.param_map.scatter(build_model(cfg.model, seed=0).state_dict())
+    destroy_pg_manager()
+    return {
+        "cols": logits.size(-1),
+        "start": head.vocab_start,
+        "inf": torch.isinf(logits).all(dim=(0, 1)).tolist(),
+        "scatter_exact": all(torch.equal(p.detach(), t) for p, t in local.items())
+    }
+
+
+def _world(rank: int, world_size: int, layouts: dict) -> dict:
+    out = {name: train(config(vocab, parallel)) for name, (vocab, parallel) in layouts.items()}
+    vocab, parallel = next(iter(layouts.values()))
+    out["head"] = padded_head_logits(vocab, parallel)
+    return out
+
+
+class TestPaddedVocabularyMatchesSingleDevice(unittest.TestCase):
+
+    @classmethod
+    def setUpClass(cls):
+        cls.results = {}
+        for layouts, world in ((WORLD3, 3), (WORLD4, 4)):
+            ranks = run_distributed(_world, world, layouts, timeout=300)
+            configs = {name: config(*spec) for name, spec in layouts.items()}
+            refs = references(configs.values())
+            cls.results.update({
+                name: (ranks, refs[reference_key(cfg)])
+                for name, cfg in configs.items()
+            })
+            cls.results[f"head{world}"] = ranks
+
+    def test_padded_size_follows_megatron_and_only_when_tp_does_not_divide(self):
+        self.assertEqual(padded_vocab_size(1000, 3, 128), 1152)
+        self.assertEqual(padded_vocab_size(50257, 2, 128), 50432)
+        self.assertEqual(padded_vocab_size(32000, 2, 128), 32000)  # divides: left alone
+        self.assertEqual(padded_vocab_size(64, 4, 128), 64)
+
+    def test_losses_grad_norms_and_unpadded_weights_equal_the_single_device_run(self):
+        for name in list(WORLD3) + list(WORLD4):
+            with self.subTest(layout=name):
+                ranks, reference = self.results[name]
+                assert_parity(self, ranks, name, reference)
+                state = ranks[0][name]["state"]
+                self.assertEqual(tuple(state["embed_tokens.weight"].shape[:1]),
+                                 (WORLD3.get(name, WORLD4.get(name))[0], ))
+
+    def test_padding_columns_of_the_head_are_minus_infinity_and_only_those(self):
+        for world, vocab in ((3, 1000), (4, 1001)):
+            for rank, res in enumerate(self.results[f"head{world}"]):
+                head = res["head"]
+                real = max(0, min(head["cols"], vocab - head["start"]))
+                with self.subTest(world=world, rank=rank):
+                    self.assertEqual(head["inf"], [False] * real + [True] * (head["cols"] - real))
+                    # unpadded full weights scatter to this rank's padded shards exactly
+                    self.assertTrue(head["scatter_exact"])
