@@ -6,7 +6,9 @@ because they also see different tokens), after backward every rank holds
     grad = (1/N) sum_r grad_r        = the gradient of the global mean loss,
 
 so the optimizer steps are identical everywhere. Cost per step: an all-reduce of Psi gradient
-elements, which a ring moves as 2 (N-1)/N x 4 Psi bytes per rank.
+elements, which a ring moves as 2 (N-1)/N x 4 Psi bytes per rank (x 2 Psi with a bf16
+``reduce_dtype``: the gradients are cast for the wire and the average cast back into fp32,
+mixed_precision.py).
 
 - ``NaiveDataParallel``: when backward has finished, one blocking all-reduce per parameter.
   The network idles during backward and backward idles during the network.
@@ -41,6 +43,7 @@ from torch.nn.parallel import DistributedDataParallel
 from scaletorch.dist import ProcessGroupManager, comm, get_ledger
 from scaletorch.dist.comm import Work
 from scaletorch.dist.timer import Mark, Timer, seconds
+from scaletorch.parallel.mixed_precision import MixedPrecisionPolicy, reduce_in
 from scaletorch.parallel.wrapper import ModuleWrapper
 
 IMPLS = ("naive", "scaletorch", "torch")
@@ -55,10 +58,12 @@ class _DataParallel(ModuleWrapper, nn.Module):
     in ``finish_grad_sync()`` if a forward ran since the last sync and none happened.
     """
 
-    def __init__(self, module: nn.Module, group: Optional[dist.ProcessGroup]) -> None:
+    def __init__(self, module: nn.Module, group: Optional[dist.ProcessGroup],
+                 policy: Optional[MixedPrecisionPolicy] = None) -> None:
         super().__init__()
         self.module = module
         self.group = group
+        self.policy = policy  # its reduce_dtype is what the gradients cross the wire in
         self.world = comm.group_size(group)
         self.params = [p for p in module.parameters() if p.requires_grad]
         self._sync_enabled = True
@@ -111,9 +116,13 @@ class NaiveDataParallel(_DataParallel):
         for p in self.params:
             if p.grad is None:  # unused here, maybe used elsewhere: every rank must reduce
                 p.grad = torch.zeros_like(p)
-            comm.all_reduce(p.grad, self.group)  # SUM over the dp_cp group
+            # cast only what crosses a wire (one rank: nothing to round)
+            wire = reduce_in(self.policy, p.grad) if self.world > 1 else p.grad
+            comm.all_reduce(wire, self.group)  # SUM over the dp_cp group
             if self.world > 1:
-                p.grad.div_(self.world)
+                wire.div_(self.world)
+            if wire is not p.grad:
+                p.grad.copy_(wire)  # the average back into the fp32 gradient
         self._needs_sync = False
 
 
@@ -125,6 +134,7 @@ class Bucket:
     buffer: torch.Tensor  # (numel,) fp32
     ready: int = 0  # parameters whose gradient arrived in this sync's backward
     work: Optional[Work] = None  # the async all-reduce handle, once launched
+    wire: Optional[torch.Tensor] = None  # the buffer cast to reduce_dtype, while in flight
 
 
 @dataclass
@@ -175,13 +185,14 @@ class BucketedDataParallel(_DataParallel):
     """
 
     def __init__(self, module: nn.Module, group: Optional[dist.ProcessGroup],
-                 bucket_size_mb: float = 25.0) -> None:
+                 bucket_size_mb: float = 25.0,
+                 policy: Optional[MixedPrecisionPolicy] = None) -> None:
         if not bucket_size_mb > 0:
             raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb}")
         devices = {p.device for p in module.parameters()}
         if len(devices) > 1:
             raise ValueError(f"data parallel wraps a model on one device, got {devices}")
-        super().__init__(module, group)
+        super().__init__(module, group, policy)
         self.bucket_size_mb = bucket_size_mb
         # fp32 elements per bucket; like torch DDP, the first bucket holds at most 1 MB, so
         # the first all-reduce starts early in backward.
@@ -268,7 +279,9 @@ class BucketedDataParallel(_DataParallel):
                 self._take_grad(i)
         if self.world > 1:
             bucket.buffer.div_(self.world)  # before the sum, as torch DDP does
-        bucket.work = comm.all_reduce(bucket.buffer, self.group, async_op=True)
+        # the buffer itself in fp32 or on one rank (nothing crosses a wire: nothing to round)
+        bucket.wire = reduce_in(self.policy, bucket.buffer) if self.world > 1 else bucket.buffer
+        bucket.work = comm.all_reduce(bucket.wire, self.group, async_op=True)
         launch = BucketLaunch(bucket.index, bucket.buffer.numel(), in_backward,
                               len(self.params) - self._grads_ready, self._timer.mark())
         if bucket.work is None:  # a group of one rank: nothing to wait for
@@ -292,7 +305,9 @@ class BucketedDataParallel(_DataParallel):
         for bucket in self.buckets:
             if bucket.work is not None:
                 bucket.work.wait()
-            bucket.work, bucket.ready = None, 0
+            if bucket.wire is not None and bucket.wire is not bucket.buffer:
+                bucket.buffer.copy_(bucket.wire)  # accumulated in fp32, averaged in reduce_dtype
+            bucket.work, bucket.wire, bucket.ready = None, None, 0
         self._recording.t_wait_end = self._timer.mark()  # CUDA: the wait()s joined the stream
         for p, view in zip(self.params, self._views):
             p.grad = view if p.dtype == view.dtype else view.to(p.dtype)
@@ -352,9 +367,11 @@ def ddp_report(model: nn.Module, pgm: ProcessGroupManager, impl: str, step: int)
     else:
         grads = ledger.total(op="all_reduce", group="dp_cp", step=step) - 1  # - the loss
         wire = ledger.total(op="all_reduce", group="dp_cp", step=step, field="wire_bytes")
+        policy = getattr(model, "policy", None)  # bytes per gradient element on the wire
+        e = 4 if policy is None else policy.reduce_dtype.itemsize
         lines.append(f"gradients all-reduced in step {step}: {grads:,.0f} elements (Psi = "
-                     f"{psi:,}); ring volume per rank 2(N-1)/N x 4 Psi = "
-                     f"{2 * (n - 1) / n * 4 * psi / 1e6:.3f} MB (ledger: {wire / 1e6:.3f} MB, "
+                     f"{psi:,}); ring volume per rank 2(N-1)/N x {e} Psi = "
+                     f"{2 * (n - 1) / n * e * psi / 1e6:.3f} MB (ledger: {wire / 1e6:.3f} MB, "
                      f"with the loss)")
     if isinstance(model, BucketedDataParallel) and model.timeline.launches:
         lines.append(f"overlap in step {step} (rank 0; = compute, # a bucket's all-reduce in "
@@ -364,11 +381,13 @@ def ddp_report(model: nn.Module, pgm: ProcessGroupManager, impl: str, step: int)
 
 
 def apply_data_parallel(model: nn.Module, pgm: Optional[ProcessGroupManager],
-                        impl: str = "scaletorch", bucket_size_mb: float = 25.0) -> nn.Module:
+                        impl: str = "scaletorch", bucket_size_mb: float = 25.0,
+                        policy: Optional[MixedPrecisionPolicy] = None) -> nn.Module:
     """Wrap ``model`` for data parallel over ``pgm.data_parallel_group_with_context``.
 
     impl: "naive" (all-reduce per parameter after backward), "scaletorch" (bucketed, overlapped)
-    or "torch" (torch.nn.parallel.DistributedDataParallel). Returns the wrapper.
+    or "torch" (torch.nn.parallel.DistributedDataParallel). ``policy``: the dtype gradients are
+    reduced in (ours only; None: fp32). Returns the wrapper.
     """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {', '.join(IMPLS)}, got {impl!r}")
@@ -379,9 +398,9 @@ def apply_data_parallel(model: nn.Module, pgm: Optional[ProcessGroupManager],
         raise ValueError("impl 'torch' (DistributedDataParallel) needs a process group: "
                          "launch with torchrun, or use impl 'scaletorch' on one process")
     if impl == "naive":
-        return NaiveDataParallel(model, group)
+        return NaiveDataParallel(model, group, policy)
     if impl == "scaletorch":
-        return BucketedDataParallel(model, group, bucket_size_mb)
+        return BucketedDataParallel(model, group, bucket_size_mb, policy)
     device = next(model.parameters()).device
     return TorchDataParallel(model, device_ids=None if device.type == "cpu" else [device.index],
                              process_group=group, bucket_cap_mb=bucket_size_mb)

@@ -10,6 +10,11 @@ elements, over the N ranks of the unit's group:
 
 A unit all-gathers its shards into ``flat`` (every parameter is a view of it) and frees it
 again, and reduce-scatters its gradients so that each rank ends with its shard's sum.
+
+Mixed precision (mixed_precision.py): the shard is the fp32 master. At stage 3 ``flat`` is in
+the policy's ``param_dtype``: the gather sends a bf16 copy of the shard (half the bytes) and
+the unit computes with bf16 weights; gradients are reduce-scattered in ``reduce_dtype`` and
+land in the fp32 shard gradient.
 """
 
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -20,6 +25,7 @@ from torch import nn
 
 from scaletorch.dist import comm
 from scaletorch.dist.comm import Work
+from scaletorch.parallel.mixed_precision import MixedPrecisionPolicy, reduce_in
 
 NamedModules = Sequence[Tuple[str, nn.Module]]  # (name inside the model, module)
 
@@ -37,8 +43,9 @@ class FlatUnit:
     """
 
     def __init__(self, name: str, modules: NamedModules, group: Optional[dist.ProcessGroup],
-                 zero_stage: int) -> None:
+                 zero_stage: int, policy: Optional[MixedPrecisionPolicy] = None) -> None:
         self.name, self.group, self.zero_stage = name, group, zero_stage
+        self.policy = policy
         self.modules = [module for _, module in modules]
         self.world, self.rank = comm.group_size(group), comm.group_rank(group)
         # Every distinct parameter once, with every (module, attribute, name) that holds it.
@@ -61,14 +68,18 @@ class FlatUnit:
         self.shard_numel = -(-self.numel // self.world)  # S = ceil(P / N)
         self.padded_numel = self.shard_numel * self.world  # P'
         first = params[0]
-        self.flat = torch.zeros(self.padded_numel, dtype=first.dtype, device=first.device)
+        master = torch.zeros(self.padded_numel, dtype=first.dtype, device=first.device)
+        for param, start in zip(params, self.offsets):
+            master[start:start + param.numel()].copy_(param.detach().reshape(-1))
+        # stage 3 gathers (and computes with) param_dtype; stages 1, 2 keep the full master
+        low = policy is not None and zero_stage == 3 and policy.param_dtype != first.dtype
+        self.flat = master.to(policy.param_dtype) if low and policy is not None else master
         self.tensors: List[torch.Tensor] = []
         storage = self.flat.untyped_storage()
         for param, (_, holders), start in zip(params, found.values(), self.offsets):
-            self.flat[start:start + param.numel()].copy_(param.detach().reshape(-1))
             # set_ (not a view): the tensor shares flat's storage but not its version counter,
             # so re-gathering flat between forward and backward is not an in-place error.
-            tensor = torch.empty(0, dtype=first.dtype, device=first.device)
+            tensor = torch.empty(0, dtype=self.flat.dtype, device=first.device)
             # torch's stub wants a stride after (storage, offset, size); none means contiguous
             tensor.set_(storage, start, param.shape)  # type: ignore[call-overload]
             tensor.requires_grad_(param.requires_grad)
@@ -77,7 +88,7 @@ class FlatUnit:
                 setattr(sub, attr, tensor)
             self.tensors.append(tensor)
         self.trainable = sum(t.requires_grad for t in self.tensors)
-        own = self.flat[self.rank * self.shard_numel:(self.rank + 1) * self.shard_numel]
+        own = master[self.rank * self.shard_numel:(self.rank + 1) * self.shard_numel]
         self.shard = nn.Parameter(own if zero_stage < 3 else own.clone())
         self.flat_grad: Optional[torch.Tensor] = None
         if zero_stage == 1:
@@ -98,7 +109,9 @@ class FlatUnit:
         if self.gathered_bytes == 0:
             self.flat.untyped_storage().resize_(self.padded_numel * self.flat.element_size())
         source = self.shard.detach()
-        if self.zero_stage < 3:
+        if source.dtype != self.flat.dtype:
+            source = source.to(self.flat.dtype)  # param_dtype: the copy that crosses the wire
+        elif self.zero_stage < 3:
             source = source.clone()  # the shard is a slice of flat: do not alias in and out
         return comm.all_gather_into_tensor(self.flat, source, self.group, async_op=async_op)
 
@@ -125,11 +138,14 @@ class FlatUnit:
             for tensor in self.tensors:
                 tensor.grad = None
         full.div_(self.world)
-        out = torch.empty_like(self.shard)
-        work = comm.reduce_scatter_tensor(out, full, self.group, async_op=True)
+        # reduce_dtype on the wire (one rank: nothing crosses it, nothing to round)
+        wire = reduce_in(self.policy, full) if self.world > 1 else full
+        out = wire.new_empty(self.shard_numel)
+        work = comm.reduce_scatter_tensor(out, wire, self.group, async_op=True)
 
         # the default binds full: it stays alive until the work is done
-        def finish(full: torch.Tensor = full, out: torch.Tensor = out) -> None:
+        def finish(full: torch.Tensor = wire, out: torch.Tensor = out) -> None:
+            out = out.to(self.shard.dtype)  # gradients accumulate in fp32 (the master's)
             if self.flat_grad is not None:
                 own = self.flat_grad[self.rank * self.shard_numel:(self.rank + 1) *
                                      self.shard_numel]

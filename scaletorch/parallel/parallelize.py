@@ -61,6 +61,7 @@ from scaletorch.parallel.context_parallel import apply_context_parallel, make_se
 from scaletorch.parallel.data_parallel import apply_data_parallel
 from scaletorch.parallel.expert_parallel import ExpertParallel, shard_experts
 from scaletorch.parallel.grad_norm import clip_grads_, world_grad_norm
+from scaletorch.parallel.mixed_precision import MixedPrecisionPolicy
 from scaletorch.parallel.native import parallelize_native
 from scaletorch.parallel.param_map import DTensorParamMap, ParamMap, State
 from scaletorch.parallel.pipeline_parallel import PipelineSchedule, apply_pipeline_parallel
@@ -144,10 +145,11 @@ def _apply_data_parallel(
     (dense gradients over "dp_cp", expert gradients over "edp"), or DDP (bucketed, or naive).
     Returns (wrapped modules, ZeRO's optimizer or None for the Trainer's AdamW)."""
     p, t = cfg.parallel, cfg.training
+    policy = MixedPrecisionPolicy.of(p.param_dtype, p.reduce_dtype)  # chapter 08
     if p.zero_stage > 0:
         zero = [
             ShardedDataParallel(m, llama_units(m), pgm.data_parallel_group_with_context,
-                                p.zero_stage) for m in modules
+                                p.zero_stage, policy=policy) for m in modules
         ]
         optimizer = ZeroAdamW(zero[0] if len(zero) == 1 else _ZeroChunks(zero), t.lr,
                               (t.beta1, t.beta2), t.weight_decay)
@@ -156,7 +158,7 @@ def _apply_data_parallel(
         return [ExpertParallel(m, pgm) for m in modules], None
     if pgm.data_parallel_world_size_with_context == 1:
         return modules, None
-    return [apply_data_parallel(m, pgm, p.impl, p.bucket_size_mb) for m in modules], None
+    return [apply_data_parallel(m, pgm, p.impl, p.bucket_size_mb, policy) for m in modules], None
 
 
 def parallelize(model: Llama, cfg: "Config", pgm: ProcessGroupManager,

@@ -44,6 +44,7 @@ from torch import nn
 from scaletorch.dist import ProcessGroupManager
 from scaletorch.dist.comm import Work
 from scaletorch.parallel.flat_unit import FlatUnit, NamedModules
+from scaletorch.parallel.mixed_precision import MixedPrecisionPolicy
 
 Units = List[Tuple[str, NamedModules]]  # (unit name, [(module name, module), ...])
 
@@ -60,7 +61,8 @@ class ShardedDataParallel(nn.Module):
     """
 
     def __init__(self, module: nn.Module, units: Units, group: Optional[dist.ProcessGroup],
-                 zero_stage: int, prefetch: bool = True) -> None:
+                 zero_stage: int, prefetch: bool = True,
+                 policy: Optional[MixedPrecisionPolicy] = None) -> None:
         super().__init__()
         if zero_stage not in (1, 2, 3):
             raise ValueError(f"zero_stage must be 1, 2 or 3, got {zero_stage}")
@@ -79,7 +81,8 @@ class ShardedDataParallel(nn.Module):
         self.group = group
         self.zero_stage = zero_stage
         self.prefetch = prefetch
-        self.units = [FlatUnit(name, modules, group, zero_stage) for name, modules in units]
+        self.policy = policy  # stage 3 gathers in its param_dtype; all reduce in reduce_dtype
+        self.units = [FlatUnit(name, modules, group, zero_stage, policy) for name, modules in units]
         # Parameter names may not contain dots: "layers.0" -> "layers_0".
         self.shards = nn.ParameterDict({u.name.replace(".", "_"): u.shard for u in self.units})
         self._sync = True
@@ -273,18 +276,19 @@ def llama_units(model: nn.Module) -> Units:
     return units
 
 
-def apply_zero(model: nn.Module, pgm: ProcessGroupManager, zero_stage: int,
-               prefetch: bool = True) -> ShardedDataParallel:
+def apply_zero(model: nn.Module, pgm: ProcessGroupManager, zero_stage: int, prefetch: bool = True,
+               policy: Optional[MixedPrecisionPolicy] = None) -> ShardedDataParallel:
     """Shard a Llama over ``pgm.data_parallel_group_with_context`` (ZeRO ``zero_stage``).
 
     Every rank must pass the same weights (build_model with one seed). Pair the result with
-    ``ZeroAdamW(model, ...)``; ``parallelize`` also gives the Trainer the clip that counts
+    ``ZeroAdamW(model, ...)``. ``policy``: mixed_precision.py (None: fp32 everywhere).
+    ``parallelize`` also gives the Trainer the clip that counts
     each shard element once (``ParamMap.replicas``).
     """
     check_zero_layout(zero_stage, pgm.tensor_model_parallel_world_size,
                       pgm.pipeline_model_parallel_world_size, pgm.expert_model_parallel_world_size)
     return ShardedDataParallel(model, llama_units(model), pgm.data_parallel_group_with_context,
-                               zero_stage, prefetch)
+                               zero_stage, prefetch, policy)
 
 
 class ZeroModel(Protocol):

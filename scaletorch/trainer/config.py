@@ -20,6 +20,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+import torch
 import yaml
 
 from scaletorch.models import LlamaConfig
@@ -28,6 +29,7 @@ from scaletorch.parallel.validation import validate_layout
 from scaletorch.plan.layout import recompute_mode
 from scaletorch.trainer.checkpoint import check_resume
 from scaletorch.trainer.precision import PRECISIONS
+from scaletorch.trainer.precision import policy as precision_policy
 
 
 @dataclass
@@ -58,6 +60,9 @@ class ParallelConfig:
     activation_checkpointing: str = "none"
     # layers per global pipeline stage (pp x virtual stages entries); None: an even split
     layer_split: Optional[List[int]] = None
+    # mixed precision (chapter 08): ZeRO-3's parameter all-gather dtype, gradients' wire dtype
+    param_dtype: str = "fp32"  # fp32 | the compute dtype (training.precision bf16 or fp16)
+    reduce_dtype: str = "fp32"  # fp32 | bf16 | fp16
 
 
 @dataclass
@@ -70,7 +75,8 @@ class TrainingConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0  # global-norm clipping; 0 disables it
-    precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU and under --check) | fp32 | bf16
+    # auto (bf16 on GPU, fp32 on CPU and under --check) | fp32 | bf16 | fp16
+    precision: str = "auto"
     model_seed: int = 42  # one seed builds the same full model on every rank
     timeout_seconds: float = 300.0  # every collective fails after this instead of hanging
     fail_at_step: int = -1  # fault injection: kill rank ``fail_rank`` at this step (first try only)
@@ -375,6 +381,11 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
     if cfg.checkpoint.keep_last < 1:
         raise ValueError(f"checkpoint.keep_last must be >= 1, got {cfg.checkpoint.keep_last}")
     recompute_mode(cfg.parallel.activation_checkpointing)  # none | selective | full
+    precision_policy(cfg, "cuda" if torch.cuda.is_available() else "cpu")  # dtype names
+    if cfg.training.precision == "fp16":  # the policy accepts it; the loop cannot scale yet
+        raise ValueError("training.precision fp16 needs a dynamic loss scale in the training "
+                         "loop, which the Trainer does not run yet (mixed_precision.py's "
+                         "DynamicLossScaler works on its own); use bf16, which needs none")
     if cfg.parallel.zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"parallel.zero_stage must be 0, 1, 2 or 3, got {cfg.parallel.zero_stage}")
     if cfg.data.seq_len > cfg.model.max_seq_len:

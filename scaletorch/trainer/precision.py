@@ -7,6 +7,7 @@ the same precision.
     training.precision   without --check            with --check
     fp32                 fp32                       fp32, tolerance 1e-5
     bf16                 bf16 autocast              bf16 autocast for both, tolerance 2^-5
+    fp16                 fp16 autocast              fp16 autocast for both, tolerance 2^-5
     auto                 bf16 on CUDA, else fp32    fp32 (the check proves fp32 parity)
 
 Why 2^-5 under bf16. bf16 keeps 8 significant bits: its unit roundoff is u = 2^-8 = 3.9e-3,
@@ -19,7 +20,12 @@ moves by up to about 2 lr per step the other way: weight deviations of order lr.
 CPU against the bf16 reference (chapters 01-05 and 07 tp2 x pp2, 20-50 steps, lr 1e-3 to
 1e-2): at most 2.5e-3 in the loss and 9.5e-3 in the weights. The tolerance is 8u = 2^-5 =
 3.1e-2, three times the largest measured. It proves less than fp32's 1e-5 (a deviation
-below 3.1e-2 passes): prove a strategy in fp32, check the bf16 path with bf16.
+below 3.1e-2 passes): prove a strategy in fp32, check the bf16 path with bf16. fp16 keeps
+11 significant bits (u = 2^-11), so the same argument bounds it by bf16's tolerance.
+
+``policy`` turns the config into the ``MixedPrecisionPolicy`` every strategy reads
+(scaletorch/parallel/mixed_precision.py: fp32 master weights and optimizer state always,
+``parallel.param_dtype``, ``parallel.reduce_dtype``).
 """
 
 from contextlib import nullcontext
@@ -27,21 +33,25 @@ from typing import TYPE_CHECKING, ContextManager
 
 import torch
 
+from scaletorch.parallel.mixed_precision import MixedPrecisionPolicy
+
 if TYPE_CHECKING:  # the config module imports this one
     from scaletorch.trainer.config import Config
 
-PRECISIONS = ("auto", "fp32", "bf16")  # training.precision; chapter 08 adds fp16
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")  # training.precision
 
 BF16_UNIT_ROUNDOFF = 2.0**-8  # 8 significant bits (7 stored + 1 implicit)
 TOLERANCES = {
     "fp32": 1e-5,  # K >= 5 steps in fp32: reduction order only (see the module docstring)
     "bf16": 8 * BF16_UNIT_ROUNDOFF,  # 2^-5 = 3.1e-2, derived in the module docstring
+    "fp16": 8 * BF16_UNIT_ROUNDOFF,  # fp16 rounds finer (2^-11): bf16's bound holds
 }
-DTYPES = {"fp32": None, "bf16": torch.bfloat16}  # the autocast dtype; None: no autocast
+# the autocast dtype; None: no autocast
+DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def resolve_precision(cfg: "Config", device_type: str) -> str:
-    """The precision the run computes in, "fp32" or "bf16", on a device of ``device_type``
+    """The precision the run computes in, "fp32", "bf16" or "fp16", on a device of ``device_type``
     ("cpu", "cuda", ...): ``training.precision``, with "auto" resolved (fp32 under --check)."""
     precision = cfg.training.precision
     if precision not in PRECISIONS:
@@ -72,3 +82,11 @@ def autocast(cfg: "Config", device: torch.device) -> ContextManager:
     """Autocast to the resolved precision's dtype on ``device`` (nothing for fp32)."""
     dtype = DTYPES[resolve_precision(cfg, device.type)]
     return nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
+
+
+def policy(cfg: "Config", device_type: str) -> MixedPrecisionPolicy:
+    """The run's mixed-precision policy: the resolved precision with ``parallel.param_dtype``
+    and ``parallel.reduce_dtype`` (ValueError naming the values if they cannot go together)."""
+    p = cfg.parallel
+    return MixedPrecisionPolicy.from_names(resolve_precision(cfg, device_type), p.param_dtype,
+                                           p.reduce_dtype, device_type)

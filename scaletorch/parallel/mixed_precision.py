@@ -1,0 +1,175 @@
+"""Mixed precision, one policy for every strategy: which dtype is kept, gathered, reduced.
+
+In the spirit of FSDP2's ``MixedPrecisionPolicy``. The master weights and AdamW's m and v are
+fp32 always (an update of lr x 1e-3 is below bf16's resolution of a weight near 1: it would be
+lost); the forward and backward compute in the autocast dtype (``training.precision``); and
+
+    param_dtype    the dtype ZeRO-3 all-gathers a unit's parameters in: a copy of the fp32
+                   shard cast to it, so the gather moves 2 bytes per element instead of 4, and
+                   the unit then computes with those weights (fp32 or the compute dtype)
+    reduce_dtype   the dtype gradients cross the wire in: DDP (naive and bucketed) casts its
+                   fp32 gradients (or bucket) to it, all-reduces, and casts the average back
+                   into the fp32 gradients; ZeRO-1/2/3 reduce-scatter in it
+
+Gradients are accumulated in fp32 (DDP's buckets, ZeRO-1's flat buffer, every shard's .grad):
+micro-batches add up there, and the optimizer reads fp32. Only the wire is low precision.
+
+fp16 (5 exponent bits, largest finite 65504, smallest normal 6e-5) needs a loss scale: the
+gradients of a loss of ~4 are often below 6e-5 and would flush to zero. ``DynamicLossScaler``
+multiplies the loss by S before backward and divides the gradients by S after; a step whose
+gradients hold an inf or NaN is skipped and S halved; after ``growth_interval`` clean steps S
+doubles. The overflow flag is all-reduced (MAX) over every rank that holds gradients: under
+ZeRO or tensor / pipeline / expert parallel each rank sees only its own gradients, and a rank
+that skipped alone would leave the replicas different forever. bf16 has fp32's exponent range
+(8 bits): its gradients do not underflow, so it needs no scale.
+"""
+
+import warnings
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+import torch
+import torch.distributed as dist
+
+from scaletorch.dist import comm
+
+# fp64 is named only to be refused (wider than the master)
+DTYPES = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp64": torch.float64
+}
+NAMES = {dtype: name for name, dtype in DTYPES.items()}
+MASTER = torch.float32  # master weights, optimizer state and accumulated gradients
+
+
+def dtype_of(name: str, key: str) -> torch.dtype:
+    """The torch dtype of ``name`` ("fp32", "bf16", "fp16"), for the config field ``key``."""
+    if name not in DTYPES:
+        raise ValueError(f"{key} must be one of fp32, bf16, fp16, got {name!r}")
+    return DTYPES[name]
+
+
+def supports_fp16(device_type: str) -> bool:
+    """Whether autocast computes in fp16 on this device type (asked, not assumed: torch
+    warns and disables autocast for a dtype a device does not support)."""
+    from torch.amp.autocast_mode import is_autocast_available
+    if not is_autocast_available(device_type):
+        return False
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with torch.autocast(device_type, dtype=torch.float16):
+            return torch.is_autocast_enabled(device_type)
+
+
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """The dtypes a strategy gathers parameters in and reduces gradients in (see the module
+    docstring). The default, fp32 for both, is exactly what the strategies did before."""
+    param_dtype: torch.dtype = torch.float32
+    reduce_dtype: torch.dtype = torch.float32
+
+    @classmethod
+    def of(cls, param_dtype: str, reduce_dtype: str) -> "MixedPrecisionPolicy":
+        """The policy of two dtype names (``parallel.param_dtype``, ``parallel.reduce_dtype``),
+        already checked together with the precision by ``from_names`` (config validation)."""
+        return cls(dtype_of(param_dtype, "parallel.param_dtype"),
+                   dtype_of(reduce_dtype, "parallel.reduce_dtype"))
+
+    @classmethod
+    def from_names(cls, compute: str, param_dtype: str = "fp32", reduce_dtype: str = "fp32",
+                   device_type: str = "cpu") -> "MixedPrecisionPolicy":
+        """The policy of ``training.precision`` (resolved: fp32 | bf16 | fp16),
+        ``parallel.param_dtype`` and ``parallel.reduce_dtype``; ValueError naming the values
+        for unknown names, fp16 on a device type that cannot compute in it, a param_dtype wider
+        than the fp32 master or other than the compute dtype."""
+        compute_dtype = dtype_of(compute, "training.precision")
+        param = dtype_of(param_dtype, "parallel.param_dtype")
+        reduce = dtype_of(reduce_dtype, "parallel.reduce_dtype")
+        for key, name, dtype in (("parallel.param_dtype", param_dtype, param),
+                                 ("parallel.reduce_dtype", reduce_dtype, reduce)):
+            if dtype.itemsize > MASTER.itemsize:
+                raise ValueError(f"{key} {name} ({dtype.itemsize} bytes) is wider than the fp32 "
+                                 f"master weights ({MASTER.itemsize} bytes)")
+        if torch.float16 in (compute_dtype, param, reduce) and not supports_fp16(device_type):
+            raise ValueError(f"fp16 (training.precision {compute}, parallel.param_dtype "
+                             f"{param_dtype}, parallel.reduce_dtype {reduce_dtype}) needs a "
+                             f"device that computes in fp16; device type {device_type!r} "
+                             f"does not: use bf16")
+        if param not in (MASTER, compute_dtype):
+            raise ValueError(f"parallel.param_dtype {param_dtype} must be fp32 or the compute "
+                             f"dtype (training.precision {compute})")
+        return cls(param, reduce)
+
+    def __str__(self) -> str:
+        return f"param_dtype {NAMES[self.param_dtype]}, reduce_dtype {NAMES[self.reduce_dtype]}"
+
+
+FP32 = MixedPrecisionPolicy()
+
+
+def reduce_in(policy: Optional[MixedPrecisionPolicy], grad: torch.Tensor) -> torch.Tensor:
+    """``grad`` as it crosses the wire: itself if already in ``reduce_dtype``, else a copy."""
+    dtype = (policy or FP32).reduce_dtype
+    return grad if grad.dtype == dtype else grad.to(dtype)
+
+
+class DynamicLossScaler:
+    """fp16's dynamic loss scale, agreed over ``group`` (the world: every rank holding
+    gradients). Use: ``(loss * scaler.scale).backward()``, sync the gradients, then
+    ``scaler.step(optimizer, params)``, which unscales, checks, steps or skips, and updates.
+    """
+
+    def __init__(self, init_scale: float = 2.0**16, growth_interval: int = 2000,
+                 group: Optional[dist.ProcessGroup] = None) -> None:
+        if not init_scale > 0 or growth_interval < 1:
+            raise ValueError(f"init_scale must be positive and growth_interval >= 1, got "
+                             f"{init_scale} and {growth_interval}")
+        self.scale = float(init_scale)
+        self.growth_interval = growth_interval
+        self.group = group
+        self.clean_steps = 0  # steps since the last overflow
+        self.skipped = 0  # steps skipped so far
+
+    @torch.no_grad()
+    def unscale_and_check(self, params: Iterable[torch.Tensor]) -> bool:
+        """Divide this rank's gradients by the scale; True if any rank's hold inf or NaN.
+
+        One all-reduce (MAX) of a single flag over the group: every rank gets the same answer.
+        """
+        grads = [p.grad for p in params if p.grad is not None]
+        found = torch.zeros((), dtype=torch.float32,
+                            device=grads[0].device if grads else torch.device("cpu"))
+        for g in grads:
+            g.mul_(1.0 / self.scale)
+            found = torch.maximum(found, (~torch.isfinite(g)).any().float())
+        comm.all_reduce(found, self.group, op=dist.ReduceOp.MAX)
+        return bool(found.item())
+
+    def update(self, found_inf: bool) -> None:
+        """Halve the scale after an overflow; double it after ``growth_interval`` clean steps."""
+        if found_inf:
+            self.scale /= 2.0
+            self.clean_steps = 0
+            self.skipped += 1
+            return
+        self.clean_steps += 1
+        if self.clean_steps == self.growth_interval:
+            self.scale *= 2.0
+            self.clean_steps = 0
+
+    def step(self, optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor]) -> bool:
+        """Unscale, then step unless some rank overflowed; returns whether the step ran."""
+        found_inf = self.unscale_and_check(params)
+        if not found_inf:
+            optimizer.step()
+        self.update(found_inf)
+        return not found_inf
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "clean_steps": self.clean_steps, "skipped": self.skipped}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale, self.clean_steps = state["scale"], state["clean_steps"]
+        self.skipped = state["skipped"]
