@@ -190,7 +190,8 @@ class PipelineSchedule:
     def timeline(self) -> Timeline:
         return self.recorder.timeline
 
-    def __call__(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def _start(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+        """This rank's micro-batches of the global batch, and the step's empty bookkeeping."""
         pgm = self.pgm
         inputs, targets, self.position_ids = local_batch(inputs, targets, pgm.data_parallel_rank,
                                                          pgm.data_parallel_world_size,
@@ -204,6 +205,19 @@ class PipelineSchedule:
         self.inbox: Dict[tuple, torch.Tensor] = {}  # (kind, mb, dst stage) -> received
         self.outbox: Dict[tuple, torch.Tensor] = {}  # (kind, mb, src stage) -> to send
         self.loss = torch.zeros((), device=inputs.device)
+
+    def _finish(self) -> torch.Tensor:
+        """End the chunks' data-parallel syncs; the global mean loss, the same on every rank."""
+        for chunk in self.pipe.chunks:
+            finish = getattr(chunk, "finish_grad_sync", None)
+            if finish is not None:
+                finish()
+        loss = self.loss.detach().clone()  # nonzero on the last stage only
+        comm.all_reduce(loss, self.group)  # every stage gets it
+        return average_over_group(loss, self.pgm.data_parallel_group_with_context)
+
+    def __call__(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        self._start(inputs, targets)
         for i, (batch, action) in enumerate(self.plan):
             self._exchange(batch)
             if action is not None:
@@ -212,13 +226,7 @@ class PipelineSchedule:
                         self._forward(action)
                     else:
                         self._backward(action, i)
-        for chunk in self.pipe.chunks:
-            finish = getattr(chunk, "finish_grad_sync", None)
-            if finish is not None:
-                finish()
-        loss = self.loss.detach().clone()  # nonzero on the last stage only
-        comm.all_reduce(loss, self.group)  # every stage gets it
-        return average_over_group(loss, pgm.data_parallel_group_with_context)
+        return self._finish()
 
     def _exchange(self, batch: Iterable[P2P]) -> None:
         """Post this step's sends and recvs as one batch over "pp" and wait for all of them."""

@@ -32,12 +32,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from scaletorch.data import split_micro_batches
 from scaletorch.dist import ProcessGroupManager, comm
 from scaletorch.parallel.pipeline_parallel import PipelineChunk, PipelineModel, PipelineSchedule
 from scaletorch.parallel.pipeline_schedules import (Action, action_p2p, rank_of_stage,
                                                     schedule_actions)
-from scaletorch.parallel.step import average_over_group, local_batch
 
 
 class ZeroBubbleSchedule(PipelineSchedule):
@@ -79,22 +77,10 @@ class ZeroBubbleSchedule(PipelineSchedule):
         self.embedded = output
 
     def __call__(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        pgm = self.pgm
-        inputs, targets, self.position_ids = local_batch(inputs, targets, pgm.data_parallel_rank,
-                                                         pgm.data_parallel_world_size,
-                                                         self.shard_sequence)
-        self.micro_batches = split_micro_batches(inputs, targets, self.m)
-        b, s = self.micro_batches[0][0].shape
-        self.shape = (b, s // self.pipe.sequence_parallel_size, self.pipe.hidden_size)
-        self.recorder.reset()
-        self.meter.reset()
-        self.held: Dict[tuple, tuple] = {}
-        self.inbox: Dict[tuple, torch.Tensor] = {}
-        self.outbox: Dict[tuple, torch.Tensor] = {}
+        self._start(inputs, targets)
         self.receiving: Dict[tuple, tuple] = {}  # key -> (buffer, works) posted, not waited
         self.posted = {q: 0 for q in self.expected}  # receives posted per peer
         self.sending: List[tuple] = []  # (tensor, works) until the end of the step
-        self.loss = torch.zeros((), device=inputs.device)
         for peer in self.expected:  # one receive ahead on every channel (see _receive)
             self._post_receive(peer)
         for i, action in enumerate(self.actions):
@@ -112,13 +98,7 @@ class ZeroBubbleSchedule(PipelineSchedule):
         for _, works in self.sending:
             for work in works:
                 work.wait()
-        for chunk in self.pipe.chunks:
-            finish = getattr(chunk, "finish_grad_sync", None)
-            if finish is not None:
-                finish()
-        loss = self.loss.detach().clone()  # nonzero on the last stage only
-        comm.all_reduce(loss, self.group)
-        return average_over_group(loss, pgm.data_parallel_group_with_context)
+        return self._finish()
 
     def _post_receive(self, peer: int) -> None:
         """Post the next receive on the channel from ``peer``, if it has more to send."""
