@@ -1,7 +1,9 @@
 """The numbered scripts run as a user runs them: through scripts/launch.sh (torchrun)."""
 
+import importlib.util
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -69,14 +71,31 @@ class Chapter00RunsFromTheLauncher(unittest.TestCase):
             r"\(tolerance 1e-05\): OK")
 
 
+class Chapter10TrainsExportsAndSamples(unittest.TestCase):
+
+    @unittest.skipUnless(importlib.util.find_spec("safetensors"),
+                         'needs the hf extra: pip install -e ".[hf]"')
+    def test_real_text_loss_falls_below_uniform_at_tp2_with_parity_and_a_sample(self):
+        out = launch("examples/10_real_model.py", 2, "--tp", "2", "--steps", "8",
+                     "--training.warmup_steps", "3", "--max-new-tokens", "20", "--check")
+        first, last = map(float, re.search(r"byte-level loss (\S+) -> (\S+) nats", out).groups())
+        self.assertGreater(first, 5.0)  # starts near uniform, log 256 = 5.545
+        self.assertLess(last, 4.5)  # the docs' bytes are far from uniform: > 1 nat in 8 steps
+        self.assertIn("reloaded weights identical", out)
+        self.assertRegex(out, r"KV cache\):\nTensor parallel ")  # the prompt, then the sample
+        self.assertRegex(
+            out, r"parity: max \|loss - reference\| = \S+ over 8 steps "
+            r"\(tolerance 1e-05\): OK")
+
+
 class ChaptersShareOneCodePath(unittest.TestCase):
-    """Scripts 01-08 build their layout with the one ``parallelize`` call, none by hand."""
+    """Scripts 01-08 and 10 build their layout with the one ``parallelize`` call, none by hand."""
 
     def test_every_parallel_chapter_calls_parallelize_and_no_apply_function(self):
         scripts = sorted(f for f in os.listdir(os.path.join(ROOT, "examples"))
                          if f[:2].isdigit() and f.endswith(".py") and f[:2] != "00")
         self.assertEqual([f[:2] for f in scripts],
-                         ["01", "02", "03", "04", "05", "06", "07", "08"])
+                         ["01", "02", "03", "04", "05", "06", "07", "08", "10"])
         for name in scripts:
             with open(os.path.join(ROOT, "examples", name)) as f:
                 source = f.read()

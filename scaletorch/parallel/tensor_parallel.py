@@ -28,7 +28,7 @@ gradients and sampling are those of the unpadded model, and a gathered state has
 """
 
 import math
-from typing import TYPE_CHECKING, Any, Callable, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Optional, Tuple, cast
 
 import torch
 import torch.distributed as dist
@@ -213,7 +213,8 @@ class VocabParallelHead(ColumnParallelLinear):
     padding rows are -inf, so the loss and sampling never see them (exp(-inf) = 0: no
     probability, no gradient). x: (b, s, h) -> logits (b, s, V_padded/N)."""
 
-    vocab_size, vocab_start = 0, 0  # the real vocabulary, this rank's first row
+    vocab_size: int = 0  # the real vocabulary
+    vocab_start: int = 0  # this rank's first row
 
     @classmethod
     def from_head(cls, head: nn.Linear, group: Group, padded_size: int,
@@ -222,7 +223,7 @@ class VocabParallelHead(ColumnParallelLinear):
         full = nn.Linear(hidden, max(padded_size, vocab_size), bias=False).to(head.weight)
         with torch.no_grad():
             full.weight.copy_(_pad_rows(head.weight, full.weight.size(0)))
-        layer = cls.from_linear(full, group, **kwargs)
+        layer = cast(VocabParallelHead, cls.from_linear(full, group, **kwargs))
         layer.vocab_size = vocab_size
         layer.vocab_start = comm.group_rank(group) * layer.weight.shape[0]
         if full.weight.size(0) > vocab_size:
