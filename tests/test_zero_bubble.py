@@ -212,15 +212,15 @@ def bubble_run(schedule: str, v: int) -> dict:
     return out
 
 
-def stretch(timeline, v: int) -> float:
-    """The slowest action over its sleep (a chunk of 1/v sleeps DELAY / v; a full B twice
-    that): near 1 + compute when nothing else ran on the cores, more when something did."""
+def excess(timeline, v: int) -> float:
+    """The most an action took beyond its sleep (a chunk of 1/v sleeps DELAY / v; a full B
+    twice that), in seconds: a few ms of compute when nothing else ran on the cores."""
 
     def sleep(e) -> float:
         full = e.action.kind == "B" and timeline.schedule == ""
         return DELAY / v * (2 if full else 1)
 
-    return max((e.end - e.start) / sleep(e) for e in timeline.events)
+    return max((e.end - e.start) - sleep(e) for e in timeline.events)
 
 
 def world(rank: int, world_size: int) -> dict:
@@ -275,28 +275,34 @@ class TestZeroBubbleRanks(unittest.TestCase):
         # F = B = W = 120 ms per stage; messages and Python add a few ms per action, which
         # only add idle time: on a quiet 2-core machine the measured bubbles are within 15%
         # of the simulator's, the upper bound allows + 0.03 for some load. A step in which
-        # another process slowed an action by 25% or more is not a measurement of the
-        # schedule: the better clean step of two counts, and with none the test skips.
-        timelines = {}
+        # another process stalled an action by 30 ms or more is not a measurement of the
+        # schedule: the better clean step of two counts; a check whose schedules have none
+        # is left out, and the test then skips, naming them.
+        timelines, disturbed = {}, []
         for schedule, v in BUBBLE_RUNS:
-            clean = [
-                t for t in self.results[0]["bubble"][schedule]["timelines"] if stretch(t, v) < 1.25
-            ]
-            if not clean:  # both steps had actions slowed down by other processes
-                worst = min(stretch(t, v) for t in self.results[0]["bubble"][schedule]["timelines"])
-                self.skipTest(f"{schedule}: an action took {worst:.1f}x its sleep in "
-                              f"both steps: the machine is too loaded to time the bubble")
-            timelines[schedule] = min(clean, key=lambda t: t.bubble_fraction())
+            runs = self.results[0]["bubble"][schedule]["timelines"]
+            clean = [t for t in runs if excess(t, v) < 0.03]
+            if clean:
+                timelines[schedule] = min(clean, key=lambda t: t.bubble_fraction())
+            else:
+                worst = min(excess(t, v) for t in runs)
+                disturbed.append(f"{schedule} (an action {worst * 1e3:.0f} ms over its sleep)")
         measured = {s: t.bubble_fraction() for s, t in timelines.items()}
         charts = "\n".join(f"{s}: {measured[s]:.3f}\n{t.chart(width=90)}"
                            for s, t in timelines.items())
-        self.assertLessEqual(measured["zb-h1"], measured["1f1b"] / 2, charts)
-        # ZBV's simulated margin is small (0.059 vs 0.273 / 4 = 0.068): + 0.01 for the load
-        self.assertLessEqual(measured["zbv"], measured["1f1b"] / 4 + 0.01, charts)
+        if {"zb-h1", "1f1b"} <= set(measured):
+            self.assertLessEqual(measured["zb-h1"], measured["1f1b"] / 2, charts)
+        if {"zbv", "1f1b"} <= set(measured):
+            # ZBV's simulated margin is small (0.059 vs 0.273 / 4 = 0.068): + 0.01 for load
+            self.assertLessEqual(measured["zbv"], measured["1f1b"] / 4 + 0.01, charts)
         for schedule, v in BUBBLE_RUNS:
-            simulated = simulate_async(schedule, 4, 8, v, 1.0, 1.0, 1.0).bubble_fraction()
-            self.assertGreater(measured[schedule], simulated - 0.01, charts)
-            self.assertLess(measured[schedule], max(1.15 * simulated, simulated + 0.03), charts)
+            if schedule in measured:
+                simulated = simulate_async(schedule, 4, 8, v, 1.0, 1.0, 1.0).bubble_fraction()
+                self.assertGreater(measured[schedule], simulated - 0.01, charts)
+                self.assertLess(measured[schedule], max(1.15 * simulated, simulated + 0.03), charts)
+        if disturbed:
+            self.skipTest(f"other processes stalled both timed steps of {', '.join(disturbed)}: "
+                          f"their checks were left out")
 
     def test_measured_peak_activations_zb_h1_as_1f1b_and_zbv_as_simulated(self):
         # ActivationMeter: bytes autograd saved, alive from F to the last backward (W or B)
