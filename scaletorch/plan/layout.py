@@ -68,9 +68,9 @@ class PlanLayout:
             "precision": (self.precision, tuple(PRECISIONS)),
         }
         for name, (value, allowed) in choices.items():
-            if value not in allowed:
-                raise ValueError(f"{name} must be one of {', '.join(map(str, allowed))}, "
-                                 f"got {value!r}")
+            if value not in allowed:  # zb-h1, zbv, dualpipev (chapter 04): not modelled yet
+                raise ValueError(f"the planner's {name} must be one of "
+                                 f"{', '.join(map(str, allowed))}, got {value!r}")
         if (self.dp * self.cp) % self.ep:
             raise ValueError(f"expert parallel size {self.ep} must divide data x context "
                              f"parallel ({self.dp} x {self.cp})")
