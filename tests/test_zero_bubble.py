@@ -163,6 +163,7 @@ PARITY = {
     "zb-h1 pp2 tp2 m2": (4, 2, layout(pp=2, tp=2, schedule="zb-h1")),
     "zbv pp4 m8": (8, 8, layout(pp=4, schedule="zbv", virtual_pipeline_stages=2)),
     "zbv pp2 dp2 m4": (4, 4, layout(pp=2, schedule="zbv", virtual_pipeline_stages=2)),
+    "dualpipev pp4 m8": (8, 8, layout(pp=4, schedule="dualpipev", virtual_pipeline_stages=2)),
     "dualpipev pp2 tp2 m4":
     (4, 4, layout(pp=2, tp=2, schedule="dualpipev", virtual_pipeline_stages=2)),
     "torch zb-h1 pp4 m4": (4, 4, layout(pp=4, schedule="zb-h1", impl="torch")),
