@@ -43,7 +43,7 @@ class TestSplitBackward(unittest.TestCase):
         dx_full = x.grad.clone()
         layer.zero_grad(set_to_none=True)
 
-        meter = ActivationMeter(list(layer.parameters()))
+        meter = ActivationMeter(list(layer.parameters()), enabled=True)
         with meter.saving((0, 0)):
             out = layer(x, cos, sin)
         saved = meter.bytes()
@@ -193,6 +193,7 @@ def bubble_run(schedule: str, v: int) -> dict:
     the better one (a step of another process on the same cores can stretch a single one)."""
     cfg = pipeline_config(8, 8, 16)
     pgm, pipe, step = build_pipeline(cfg, 4, 1, schedule, v, "scaletorch", delay=(0.0, 0.0))
+    step.meter.enabled = True  # off by default (it hides saved tensors from outer hooks)
     inputs = torch.randint(0, cfg.model.vocab_size, (cfg.data.global_batch_size, 16))
     step(inputs, inputs)
     share = DELAY / 2  # 2 layers per stage (v = 1), or 1 per chunk of half a stage (v = 2)

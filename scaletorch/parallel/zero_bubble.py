@@ -284,9 +284,13 @@ class ActivationMeter:
 
     ``with meter.saving(key): out = chunk(x)`` counts every saved tensor's storage once
     (parameters excluded: they are not activations); ``meter.free(key)`` when its graph goes.
+    Off unless ``enabled``: its hooks would hide the saved tensors from any outer
+    ``saved_tensors_hooks`` (autograd uses the innermost pair only), e.g. the benchmark's
+    ``saved_activation_bytes``, and cost a little on every step.
     """
 
-    def __init__(self, params: Sequence[torch.Tensor]) -> None:
+    def __init__(self, params: Sequence[torch.Tensor], enabled: bool = False) -> None:
+        self.enabled = enabled
         self.param_storages = {p.untyped_storage().data_ptr() for p in params}
         self.live: Dict[tuple, Dict[int, int]] = {}  # key -> {storage pointer: bytes}
         self.peak_bytes = self.peak_count = 0
@@ -297,6 +301,9 @@ class ActivationMeter:
 
     @contextmanager
     def saving(self, key: tuple) -> Iterator[None]:
+        if not self.enabled:
+            yield
+            return
         storages = self.live.setdefault(key, {})
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
