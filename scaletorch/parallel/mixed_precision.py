@@ -122,13 +122,14 @@ class DynamicLossScaler:
     """
 
     def __init__(self, init_scale: float = 2.0**16, growth_interval: int = 2000,
-                 group: Optional[dist.ProcessGroup] = None) -> None:
+                 group: Optional[dist.ProcessGroup] = None, agree: bool = True) -> None:
         if not init_scale > 0 or growth_interval < 1:
             raise ValueError(f"init_scale must be positive and growth_interval >= 1, got "
                              f"{init_scale} and {growth_interval}")
         self.scale = float(init_scale)
         self.growth_interval = growth_interval
         self.group = group
+        self.agree = agree  # False: one process alone (a single-device run inside a world)
         self.clean_steps = 0  # steps since the last overflow
         self.skipped = 0  # steps skipped so far
 
@@ -144,7 +145,8 @@ class DynamicLossScaler:
         for g in grads:
             g.mul_(1.0 / self.scale)
             found = torch.maximum(found, (~torch.isfinite(g)).any().float())
-        comm.all_reduce(found, self.group, op=dist.ReduceOp.MAX)
+        if self.agree:
+            comm.all_reduce(found, self.group, op=dist.ReduceOp.MAX)
         return bool(found.item())
 
     def update(self, found_inf: bool) -> None:

@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy as FSDPMixedPrecision
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
@@ -53,6 +54,7 @@ from scaletorch.parallel.activation_checkpointing import apply_activation_checkp
 from scaletorch.parallel.context_parallel import apply_context_parallel, make_sequence_sharder
 from scaletorch.parallel.data_parallel import apply_data_parallel
 from scaletorch.parallel.grad_norm import clip_grads_, world_grad_norm
+from scaletorch.parallel.mixed_precision import MixedPrecisionPolicy
 from scaletorch.parallel.param_map import DTensorParamMap
 from scaletorch.parallel.pipeline_parallel import TorchPipelineSchedule, apply_pipeline_parallel
 from scaletorch.parallel.pipeline_schedules import V_SHAPED
@@ -156,18 +158,23 @@ def _in_loss_parallel(step: ForwardBackward) -> ForwardBackward:
 # ---- 5 data parallel: fully_shard or replicate on mesh["dp"] ---------------------------------
 
 
-def apply_native_data_parallel(modules: Iterable[nn.Module], dp_mesh: DeviceMesh,
-                               zero3: bool) -> None:
+def apply_native_data_parallel(modules: Iterable[nn.Module], dp_mesh: DeviceMesh, zero3: bool,
+                               policy: Optional[MixedPrecisionPolicy] = None) -> None:
     """Each block, then each module's root (embedding, norm, head), as one FSDP2 unit over
     ``dp_mesh``: ``fully_shard`` (ZeRO-3) or ``replicate``. ``modules``: a Llama, or this
-    rank's pipeline chunks (each its own root, so each stage syncs its own gradients)."""
+    rank's pipeline chunks (each its own root, so each stage syncs its own gradients).
+    ``policy`` (chapter 08) becomes FSDP2's ``mp_policy``: fp32 means no cast (None)."""
     wrap = fully_shard if zero3 else replicate
+    p = policy or MixedPrecisionPolicy()
+    mp = FSDPMixedPrecision(
+        param_dtype=None if p.param_dtype == torch.float32 else p.param_dtype,
+        reduce_dtype=None if p.reduce_dtype == torch.float32 else p.reduce_dtype)
     for module in modules:
         layers = module.get_submodule("layers")  # a Llama's list, or a chunk's dict
         blocks = layers.values() if isinstance(layers, nn.ModuleDict) else layers.children()
         for block in blocks:
-            wrap(block, mesh=dp_mesh)
-        wrap(module, mesh=dp_mesh)
+            wrap(block, mesh=dp_mesh, mp_policy=mp)
+        wrap(module, mesh=dp_mesh, mp_policy=mp)
 
 
 # ---- clip: the global norm over every layout --------------------------------------------------
@@ -233,7 +240,8 @@ def parallelize_native(
         modules = list(pipe.chunks)
     trainer_model: nn.Module = model if pipe is None else pipe
     if zero3 or (pgm.data_parallel_world_size > 1 and (tp > 1 or pp > 1)):  # 5
-        apply_native_data_parallel(modules, mesh["dp"], zero3)
+        apply_native_data_parallel(modules, mesh["dp"], zero3,
+                                   MixedPrecisionPolicy.of(p.param_dtype, p.reduce_dtype))
     elif pgm.data_parallel_world_size_with_context > 1 and pipe is None:
         trainer_model = apply_data_parallel(model, pgm, "torch", p.bucket_size_mb)
     param_map = DTensorParamMap(pgm, model, pipe)  # FSDP2 swapped in DTensors; DDP is around model
@@ -255,8 +263,7 @@ def apply_fully_shard(model: nn.Module, pgm: ProcessGroupManager) -> nn.Module:
     """Chapter 02's reference, FSDP2 alone: ``fully_shard`` each block, then the root
     (embedding, norm, head), on a 1-D device mesh over ``pgm.data_parallel_group_with_context``.
     Its collectives bypass our ledger."""
-    check_zero_layout(3, pgm.tensor_model_parallel_world_size,
-                      pgm.pipeline_model_parallel_world_size, pgm.expert_model_parallel_world_size)
+    check_zero_layout(3, pgm)
     if not dist.is_initialized():
         raise ValueError("fully_shard needs torch.distributed: launch with torchrun")
     group = cast(dist.ProcessGroup, pgm.data_parallel_group_with_context)  # initialized: exists

@@ -61,7 +61,7 @@ from scaletorch.parallel.context_parallel import apply_context_parallel, make_se
 from scaletorch.parallel.data_parallel import apply_data_parallel
 from scaletorch.parallel.expert_parallel import ExpertParallel, shard_experts
 from scaletorch.parallel.grad_norm import clip_grads_, world_grad_norm
-from scaletorch.parallel.mixed_precision import MixedPrecisionPolicy
+from scaletorch.parallel.mixed_precision import DynamicLossScaler, MixedPrecisionPolicy
 from scaletorch.parallel.native import parallelize_native
 from scaletorch.parallel.param_map import DTensorParamMap, ParamMap, State
 from scaletorch.parallel.pipeline_parallel import PipelineSchedule, apply_pipeline_parallel
@@ -95,6 +95,7 @@ class Parallelized:
     clip_grad_norm: Callable[[float], torch.Tensor]
     optimizer: Optional[torch.optim.Optimizer]
     param_map: Union[ParamMap, DTensorParamMap]
+    scaler: Optional[DynamicLossScaler] = None  # fp16's loss scale, agreed over the world
 
     def full_state_dict(self) -> Optional[State]:
         return self.param_map.gather(lambda p: p.detach())
@@ -181,6 +182,8 @@ def parallelize(model: Llama, cfg: "Config", pgm: ProcessGroupManager,
     if pgm.tensor_model_parallel_world_size > 1:  # 2
         apply_tensor_parallel(model, pgm, p.sequence_parallel)
         loss = tensor_parallel_loss_fn(pgm)
+    # fp16 (chapter 08): the step scales the loss; every rank of the world agrees on overflows
+    scaler = DynamicLossScaler() if cfg.training.precision == "fp16" else None
     if pgm.context_parallel_world_size > 1:  # 3
         apply_context_parallel(model, pgm, p.cp_variant)
         shard_sequence = make_sequence_sharder(pgm, cfg.data.seq_len)
@@ -209,7 +212,8 @@ def parallelize(model: Llama, cfg: "Config", pgm: ProcessGroupManager,
         trainer_model = wrapped[0]
         step = make_data_parallel_step(trainer_model, cfg.data.num_micro_batches,
                                        pgm.data_parallel_rank, pgm.data_parallel_world_size,
-                                       pgm.data_parallel_group_with_context, loss, shard_sequence)
+                                       pgm.data_parallel_group_with_context, loss, shard_sequence,
+                                       scaler)
 
     replicas = param_map.replicas()
 
@@ -219,7 +223,7 @@ def parallelize(model: Llama, cfg: "Config", pgm: ProcessGroupManager,
         norm = world_grad_norm(replicas, device)  # one all-reduce of one number, world
         return clip_grads_([param for param, _ in replicas], max_norm, norm)
 
-    return Parallelized(trainer_model, step, clip_grad_norm, optimizer, param_map)
+    return Parallelized(trainer_model, step, clip_grad_norm, optimizer, param_map, scaler)
 
 
 # ---- what chapter 07 prints: every rank's place, traffic and memory in one table -------------

@@ -23,6 +23,7 @@ from torch import nn
 from scaletorch.data import shard_batch, split_micro_batches
 from scaletorch.dist import comm
 from scaletorch.models import loss_fn, moe_aux_loss
+from scaletorch.parallel.mixed_precision import DynamicLossScaler
 
 ForwardBackward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -33,12 +34,15 @@ SequenceShard = Callable[[torch.Tensor, torch.Tensor], ShardedBatch]
 
 def forward_backward(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
                      num_micro_batches: int, loss_fn: LossFn = loss_fn,
-                     position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     position_ids: Optional[torch.Tensor] = None,
+                     loss_scale: float = 1.0) -> torch.Tensor:
     """Accumulate gradients of this rank's mean loss; returns that loss (detached).
 
     inputs, targets: (b, s), the rank's slice of the global batch. ``loss_fn(logits, targets)``
     is the mean loss of a micro-batch (tensor parallel passes its vocab-parallel one).
     ``position_ids`` (s,), if given, go to the model (context parallel: the true positions).
+    ``loss_scale``: backward runs on loss x loss_scale (fp16's loss scale; the gradients are
+    then that many times too large until the scaler divides them).
     """
     micro_batches = split_micro_batches(inputs, targets, num_micro_batches)
     total = torch.zeros((), device=inputs.device)
@@ -49,7 +53,7 @@ def forward_backward(model: nn.Module, inputs: torch.Tensor, targets: torch.Tens
             logits = model(x) if position_ids is None else model(x, position_ids=position_ids)
             # + the MoE load-balancing losses of this forward (0.0 for a dense model)
             loss = (loss_fn(logits, y) + moe_aux_loss(model)) / num_micro_batches
-            loss.backward()
+            (loss * loss_scale if loss_scale != 1.0 else loss).backward()
         total += loss.detach()
     finish = getattr(model, "finish_grad_sync", None)
     if finish is not None:
@@ -80,19 +84,23 @@ def average_over_group(value: torch.Tensor, group: Optional[dist.ProcessGroup]) 
 def make_data_parallel_step(model: nn.Module, num_micro_batches: int, data_parallel_rank: int,
                             data_parallel_size: int, loss_group: Optional[dist.ProcessGroup],
                             loss_fn: LossFn = loss_fn,
-                            shard_sequence: Optional[SequenceShard] = None) -> ForwardBackward:
+                            shard_sequence: Optional[SequenceShard] = None,
+                            scaler: Optional[DynamicLossScaler] = None) -> ForwardBackward:
     """The step for single device, DDP, ZeRO and tensor parallel: slice, accumulate, report.
 
     ``loss_group`` averages the reported loss over the ranks that saw different tokens
     (data x context parallel); the gradients are the model wrapper's business.
     ``shard_sequence(inputs, targets) -> (inputs, targets, position_ids)`` then keeps this
-    rank's tokens of each sequence (context parallel).
+    rank's tokens of each sequence (context parallel). ``scaler`` (fp16): backward runs on the
+    loss times its current scale.
     """
 
     def step(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         inputs, targets, position_ids = local_batch(inputs, targets, data_parallel_rank,
                                                     data_parallel_size, shard_sequence)
-        loss = forward_backward(model, inputs, targets, num_micro_batches, loss_fn, position_ids)
+        scale = 1.0 if scaler is None else scaler.scale
+        loss = forward_backward(model, inputs, targets, num_micro_batches, loss_fn, position_ids,
+                                scale)
         if loss_group is None and data_parallel_size == 1:
             # A single-device run (the reference of --check, run by rank 0 alone): it must not
             # touch the world group that may exist around it (None means the world in comm).

@@ -27,10 +27,11 @@ from torch import nn
 
 from scaletorch.data import GlobalBatchLoader, build_dataset
 from scaletorch.dist import ProcessGroupManager, comm, get_ledger, restart_count
+from scaletorch.parallel.mixed_precision import DynamicLossScaler
 from scaletorch.parallel.step import ForwardBackward, make_data_parallel_step
 from scaletorch.trainer import checkpoint as ckpt
 from scaletorch.trainer.config import Config, save_config
-from scaletorch.trainer.precision import autocast, precision_note
+from scaletorch.trainer.precision import autocast, precision_note, resolve_precision
 
 if TYPE_CHECKING:
     from scaletorch.parallel.parallelize import Parallelized
@@ -77,7 +78,7 @@ class Trainer:
                  optimizer: Optional[torch.optim.Optimizer] = None,
                  forward_backward: Optional[ForwardBackward] = None,
                  clip_grad_norm: Optional[Callable[[float], torch.Tensor]] = None,
-                 verbose: bool = True) -> None:
+                 scaler: Optional[DynamicLossScaler] = None, verbose: bool = True) -> None:
         self.cfg = cfg
         self.model = model
         self.pgm = pgm
@@ -90,15 +91,23 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: lr_at(cfg, step) / cfg.training.lr
             if cfg.training.lr > 0 else 0.0)
+        fp16 = resolve_precision(cfg, self.device.type) == "fp16"
         if forward_backward is None:
+            # fp16: a loss scale, agreed over the world (alone on one device: pgm None)
+            scaler = DynamicLossScaler(agree=pgm is not None) if fp16 else None
             if pgm is None:
                 forward_backward = make_data_parallel_step(model, cfg.data.num_micro_batches, 0, 1,
-                                                           None)
+                                                           None, scaler=scaler)
             else:
                 forward_backward = make_data_parallel_step(model, cfg.data.num_micro_batches,
                                                            pgm.data_parallel_rank,
                                                            pgm.data_parallel_world_size,
-                                                           pgm.data_parallel_group_with_context)
+                                                           pgm.data_parallel_group_with_context,
+                                                           scaler=scaler)
+        if fp16 and scaler is None:
+            raise ValueError("training.precision fp16: this step does not scale the loss (pass "
+                             "the DynamicLossScaler its forward_backward uses)")
+        self.scaler = scaler
         self.forward_backward = forward_backward
         self.clip_grad_norm = clip_grad_norm or self._clip_replicated
         self.step = 0
@@ -110,7 +119,7 @@ class Trainer:
         step (data parallel or pipeline), its global-norm clipping and (ZeRO) optimizer."""
         return cls(cfg, par.model, pgm, device=device, optimizer=par.optimizer,
                    forward_backward=par.forward_backward, clip_grad_norm=par.clip_grad_norm,
-                   verbose=verbose)
+                   scaler=par.scaler, verbose=verbose)
 
     def _clip_replicated(self, max_norm: float) -> torch.Tensor:
         """Global norm when every rank holds whole, already-synchronized gradients."""
@@ -119,18 +128,23 @@ class Trainer:
     # ---- checkpoints -------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        return {
+        state = {
             "step": self.step,
             "model": ckpt.local_tensors(self.model.state_dict()),
             "optimizer": ckpt.local_tensors(self.optimizer.state_dict()),
             "scheduler": self.scheduler.state_dict(),
             "rng": ckpt.rng_state(),
         }
+        if self.scaler is not None:  # fp16: the loss scale resumes where it was
+            state["scaler"] = self.scaler.state_dict()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         ckpt.load_model_and_optimizer(self.model, self.optimizer, state)
         self.scheduler.load_state_dict(state["scheduler"])
         ckpt.set_rng_state(state["rng"])
+        if self.scaler is not None and "scaler" in state:
+            self.scaler.load_state_dict(state["scaler"])
         self.step = state["step"]
 
     def maybe_resume(self) -> None:
@@ -180,9 +194,15 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         with autocast(self.cfg, self.device):  # the precision the reference uses too
             loss = self.forward_backward(inputs, targets)
+        # fp16: divide by the loss scale; an inf or NaN on any rank skips the step everywhere
+        overflow = self.scaler is not None and self.scaler.unscale_and_check(
+            self.model.parameters())
         max_norm = self.cfg.training.grad_clip or math.inf  # 0 disables clipping
         grad_norm = self.clip_grad_norm(max_norm)
-        self.optimizer.step()
+        if not overflow:
+            self.optimizer.step()
+        if self.scaler is not None:
+            self.scaler.update(overflow)
         self.scheduler.step()
         self.step += 1
         return float(loss), float(grad_norm)
