@@ -263,7 +263,8 @@ def apply_fully_shard(model: nn.Module, pgm: ProcessGroupManager) -> nn.Module:
     """Chapter 02's reference, FSDP2 alone: ``fully_shard`` each block, then the root
     (embedding, norm, head), on a 1-D device mesh over ``pgm.data_parallel_group_with_context``.
     Its collectives bypass our ledger."""
-    check_zero_layout(3, pgm)
+    check_zero_layout(3, pgm.tensor_model_parallel_world_size,
+                      pgm.pipeline_model_parallel_world_size, pgm.expert_model_parallel_world_size)
     if not dist.is_initialized():
         raise ValueError("fully_shard needs torch.distributed: launch with torchrun")
     group = cast(dist.ProcessGroup, pgm.data_parallel_group_with_context)  # initialized: exists
