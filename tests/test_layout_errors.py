@@ -46,6 +46,14 @@ class RefusalsNameTheSettings(unittest.TestCase):
             "parallel.pipeline_model_parallel_size 2", message)
         self.assertIn("set model.tie_word_embeddings false", message)
 
+    def test_an_unpadded_vocabulary_under_dtensor_tp_is_refused_ours_pads_it(self):
+        cfg = make_config(False, 1, **layout(tp=2, impl="torch"))
+        cfg.model.vocab_size = 63
+        message = _error(cfg, 2)
+        self.assertIn("vocab_size 63 is not divisible by tensor_model_parallel_size 2", message)
+        cfg.parallel.impl = "scaletorch"  # pads the embedding and the head to 128 x tp rows
+        validate_layout(cfg, 2)
+
     def test_ulysses_under_tp_counts_heads_from_the_configured_numbers(self):
         cfg = make_config(False, 1, **layout(tp=2, cp=8, cp_variant="ulysses"))
         cfg.model.num_attention_heads, cfg.model.num_key_value_heads = 8, 4

@@ -164,6 +164,11 @@ def _check_combinations(cfg: "Config", sizes: Dict[str, int]) -> None:
     if p.impl == "torch" and p.zero_stage in (1, 2):
         raise ValueError(f"parallel.impl 'torch' runs ZeRO as FSDP2 fully_shard, which is ZeRO-3; "
                          f"got zero_stage {p.zero_stage}: use zero_stage 3, or impl 'scaletorch'")
+    if p.impl == "torch" and tp > 1 and m.vocab_size % tp != 0:
+        raise ValueError(f"parallel.impl 'torch' splits the embedding and head with DTensor, "
+                         f"which does not pad the vocabulary: vocab_size {m.vocab_size} is not "
+                         f"divisible by tensor_model_parallel_size {tp}; use impl 'scaletorch' "
+                         f"(it pads to a multiple of model.vocab_pad_to x tp)")
     others = {"tp": tp, "pp": pp, "zero_stage": p.zero_stage}
     if p.impl == "torch" and cp > 1 and (tp > 1 or pp > 1 or p.zero_stage == 3):
         got = ", ".join(f"{k} {v}" for k, v in others.items())
