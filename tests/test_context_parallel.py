@@ -17,8 +17,8 @@ from scaletorch.models import LlamaConfig, build_model, causal_attention, loss_f
 from scaletorch.parallel.context_parallel import (UlyssesAttention, apply_context_parallel,
                                                   check_ulysses_heads, make_sequence_sharder,
                                                   zigzag_positions)
-from scaletorch.parallel.ring_attention import RingAttention, attention_block_counts, block_counts
 from scaletorch.parallel.data_parallel import apply_data_parallel
+from scaletorch.parallel.ring_attention import RingAttention, attention_block_counts, block_counts
 from scaletorch.parallel.tensor_parallel import apply_tensor_parallel, tensor_parallel_loss_fn
 from scaletorch.trainer import Config, Trainer, make_data_parallel_step, run_reference
 from scaletorch.trainer.parity import max_weight_diff
