@@ -27,6 +27,10 @@ mixed_precision.py).
 All three accept ``no_sync()`` (gradient accumulation: only the last micro-batch syncs) and
 ``finish_grad_sync()``, and their ``state_dict()`` is the wrapped model's: no ``module.``
 prefix, so checkpoints and parity checks compare keys one to one.
+
+Longer than 300 lines on purpose: the naive and the bucketed wrapper are meant to be read side
+by side (the bucketed one is the naive one plus buckets, hooks and overlap), with the timeline
+that shows the overlap.
 """
 
 import math

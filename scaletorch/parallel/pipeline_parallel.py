@@ -19,6 +19,10 @@ The loss of each micro-batch is divided by m, so the accumulated gradients are t
 rank's mean loss; data-parallel wrappers of the chunks sync only in the chunk's last backward.
 A mixture-of-experts chunk adds its layers' load-balancing losses (/ m) where they arise: each
 stage backpropagates its own with its activation gradient, and the reported loss sums them.
+
+Longer than 300 lines on purpose: the cut into stages, the runtime that executes a schedule's
+actions with its point-to-point messages, and PyTorch's pipelining beside it are read together;
+the schedules themselves are data (pipeline_schedules.py, zero_bubble.py).
 """
 
 from contextlib import nullcontext

@@ -22,6 +22,10 @@ Interleaving v chunks per rank (each 1/v of the work) shrinks the bubble to
 (p-1)/(v m + p - 1) at the price of v times more point-to-point messages. The zero-bubble
 schedules (``zb-h1``, ``zbv``, ``dualpipev``: ``zero_bubble.py``) split each backward into B
 (input gradient) and W (weight gradient) and use the W's to fill the bubble.
+
+Longer than 300 lines on purpose: the three classic schedules, their validation and the
+simulator that draws them are read together (each schedule is a short generator of per-rank
+action lists; the timeline chart and the theory sit beside them).
 """
 
 import time

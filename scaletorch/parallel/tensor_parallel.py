@@ -25,6 +25,10 @@ rank has (b, s, V/N) and only the max and the sum of exponentials are all-reduce
 that N does not divide (32000 at tp 3, 50257 at tp 2) is padded with zero rows to a multiple of
 ``vocab_pad_to`` x N, as Megatron does; the head gives the padding rows -inf logits, so loss,
 gradients and sampling are those of the unpadded model, and a gathered state has no padding.
+
+Longer than 300 lines on purpose: the column, row and vocabulary-parallel layers, the loss that
+never gathers the logits and the model surgery that uses them are one lesson; the chapter's
+report and its formulas (scaletorch/plan) are the only other things here.
 """
 
 import math
