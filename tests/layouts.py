@@ -192,6 +192,18 @@ def reference_key(cfg: Config) -> Tuple[int, int]:
     return cfg.model.num_experts, cfg.data.num_micro_batches
 
 
+def assert_run_matches(test: unittest.TestCase, results: List[dict], name: str, losses: List[float],
+                       state: State, weights: str = "state") -> None:
+    """Run ``name`` of ``results[r]["parity"]``: every rank's losses, and rank 0's full weights
+    (under ``weights``), within TOL of the single-device ``losses`` and ``state``."""
+    for rank, res in enumerate(results):  # every rank reports the same global loss
+        got = res["parity"][name]["losses"]
+        test.assertLessEqual(max(abs(a - b) for a, b in zip(got, losses)), TOL,
+                             f"{name} rank {rank}")
+    full = results[0]["parity"][name][weights]
+    test.assertLessEqual(max_weight_diff(full, state), TOL, name)
+
+
 def assert_parity(test: unittest.TestCase, results: List[dict], name: str,
                   reference: tuple) -> None:
     """Every rank's losses and grad norms, and rank 0's final weights, within TOL of the

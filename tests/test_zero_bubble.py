@@ -19,7 +19,7 @@ from scaletorch.parallel.zero_bubble import ActivationMeter, simulate_async, zer
 from scaletorch.trainer import max_weight_diff
 from scripts.benchmarks.timing import Delayed
 from tests.harness import run_distributed
-from tests.layouts import TOL, layout, make_config, train
+from tests.layouts import TOL, assert_run_matches, layout, make_config, train
 from tests.test_pipeline_parallel import build_pipeline
 from tests.test_pipeline_parallel import make_config as pipeline_config
 
@@ -254,11 +254,7 @@ class TestZeroBubbleRanks(unittest.TestCase):
         for name in names:
             with self.subTest(run=name):
                 losses, state = self.references[PARITY[name][:2]]
-                for res in self.results:  # every rank reports the same global loss
-                    got = res["parity"][name]["losses"]
-                    self.assertLessEqual(max(abs(a - b) for a, b in zip(got, losses)), TOL)
-                full = self.results[0]["parity"][name]["state"]
-                self.assertLessEqual(max_weight_diff(full, state), TOL)
+                assert_run_matches(self, self.results, name, losses, state)
 
     def test_zb_h1_matches_single_device_at_2_and_4_stages_with_dp_and_tp(self):
         self.check_parity([n for n in PARITY if n.startswith("zb-h1")])
