@@ -32,12 +32,14 @@ TOL = 1e-5
 STEPS = 5
 
 
-def tiny_config(num_micro_batches: int, **training) -> Config:
+def tiny_config(num_micro_batches: int, tied: bool = False, **training) -> Config:
     cfg = Config()
     # Units of 1920 (embedding), 7950 (each block) and 1950 (head) elements: over 4 ranks the
-    # blocks and the head need padding (hidden is even, so over 2 ranks nothing does).
+    # blocks and the head need padding (hidden is even, so over 2 ranks nothing does). Tied:
+    # the head unit is the norm's 30 and borrows the embedding unit's 1920 (zero.py).
     cfg.model = LlamaConfig(vocab_size=64, hidden_size=30, intermediate_size=61, num_layers=2,
-                            num_attention_heads=3, num_key_value_heads=1, max_seq_len=16)
+                            num_attention_heads=3, num_key_value_heads=1, max_seq_len=16,
+                            tie_word_embeddings=tied)
     cfg.data.seq_len, cfg.data.global_batch_size = 16, 8
     cfg.data.num_micro_batches = num_micro_batches
     cfg.training.steps, cfg.training.warmup_steps, cfg.training.lr = STEPS, 2, 1e-2
@@ -89,6 +91,8 @@ def world_of_four(rank: int, world_size: int) -> dict:
     pgm = init_pg_manager()
     out = {stage: _run(tiny_config(2), pgm, stage) for stage in (1, 2, 3)}
     out["3 no prefetch"] = _run(tiny_config(1), pgm, 3, prefetch=False)
+    for stage in (1, 2, 3):  # tied embeddings: one shard, the head borrows it
+        out[f"tied {stage}"] = _run(tiny_config(2, tied=True), pgm, stage)
     destroy_pg_manager()
     errors = {}
     for kind, kwargs in (("tp", dict(tensor_model_parallel_size=2)),
@@ -183,6 +187,7 @@ class ZeroOnFourRanks(_Worlds):
     @classmethod
     def setUpClass(cls):
         cls.references = {m: run_reference(tiny_config(m)) for m in (1, 2)}
+        cls.references["tied"] = run_reference(tiny_config(2, tied=True))
         cls.results = run_distributed(world_of_four, 4, timeout=240)
 
     def test_every_stage_matches_single_device_with_accumulation(self):
@@ -196,6 +201,24 @@ class ZeroOnFourRanks(_Worlds):
             with self.subTest(stage=stage):
                 self.assert_memory_is_the_formula(stage, stage)
         self.assert_memory_is_the_formula("3 no prefetch", 3)
+
+    def test_tied_embeddings_match_single_device_sharded_once_every_stage(self):
+        vocab_by_hidden = 64 * 30
+        for stage in (1, 2, 3):
+            with self.subTest(stage=stage):
+                key = f"tied {stage}"
+                self.assert_parity(key, "tied")
+                self.assert_memory_is_the_formula(key, stage)  # Psi counts the weight once
+                for result in self.results:
+                    run = result[key]
+                    self.assertEqual(run["numel"], result[stage]["numel"] - vocab_by_hidden)
+        # stage 3 gathers the embedding also around the head, forward and backward, per
+        # micro-batch (2 here); its one gradient (both uses) is reduce-scattered once
+        for result in self.results:
+            run, plain = result["tied 3"], comm_formula(3, result["tied 3"]["padded"], 2)
+            self.assertEqual(run["comm"]["all_gather"],
+                             plain["all_gather"] + 2 * 2 * vocab_by_hidden)
+            self.assertEqual(run["comm"]["reduce_scatter"], plain["reduce_scatter"])
 
     def test_units_not_divisible_by_four_are_padded(self):
         for result in self.results:
@@ -312,14 +335,21 @@ class ZeroOnOneRank(unittest.TestCase):
                 self.assertEqual(run["losses"], losses)
                 self.assertEqual(max_weight_diff(run["full"], reference.state_dict()), 0.0)
 
-    def test_invalid_stage_and_tied_embeddings_raise_value_error(self):
+    def test_one_rank_tied_embeddings_every_stage_equal_torch_adamw_bit_for_bit(self):
+        cfg = tiny_config(2, tied=True, grad_clip=0.0)
+        losses, reference = run_reference(cfg)
+        for stage in (1, 2, 3):
+            with self.subTest(stage=stage):
+                run = _run(cfg, self.pgm, stage)
+                self.assertEqual(run["losses"], losses)
+                self.assertEqual(max_weight_diff(run["full"], reference.state_dict()), 0.0)
+                self.assertIs(run["full"]["lm_head.weight"], run["full"]["embed_tokens.weight"])
+
+    def test_invalid_stage_raises_value_error(self):
         model = build_model(tiny_config(1).model, seed=0)
         for stage in (0, 4):
             with self.assertRaisesRegex(ValueError, f"got {stage}"):
                 apply_zero(model, self.pgm, stage)
-        tied = build_model(LlamaConfig(tie_word_embeddings=True), seed=0)
-        with self.assertRaisesRegex(ValueError, "lm_head.weight"):
-            apply_zero(tied, self.pgm, 1)
         with self.assertRaisesRegex(ValueError, "no unit"):
             ShardedDataParallel(model, llama_units(model)[1:], None, 3)
         with self.assertRaisesRegex(ValueError, "got 5"):

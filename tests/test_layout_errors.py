@@ -27,24 +27,24 @@ def _error(cfg, world_size: int) -> str:
 class RefusalsNameTheSettings(unittest.TestCase):
     """Computed from the config's sizes: no process group, no model."""
 
-    def test_tied_embeddings_with_zero_name_both_settings_and_the_fix(self):
-        cfg = make_config(False, 2, **layout(zero_stage=2))
+    def test_tied_embeddings_run_with_zero_and_our_pipeline_not_where_two_stages_meet(self):
+        cfg = make_config(False, 2, **layout(pp=2, zero_stage=2))
         cfg.model.tie_word_embeddings = True
-        message = _error(cfg, 2)
-        self.assertIn("model.tie_word_embeddings true with parallel.zero_stage 2", message)
-        self.assertIn("set model.tie_word_embeddings false", message)
-        cfg.parallel.impl = "torch"  # FSDP2 keeps the embedding and the head in one unit
-        cfg.parallel.zero_stage = 3
-        validate_layout(cfg, 2)
-
-    def test_tied_embeddings_with_a_pipeline_name_both_settings(self):
-        cfg = make_config(False, 2, **layout(pp=2))
-        cfg.model.tie_word_embeddings = True
-        message = _error(cfg, 2)
+        validate_layout(cfg, 4)  # ZeRO shards it once; the pipeline keeps two synced copies
+        cfg.parallel.schedule, cfg.parallel.virtual_pipeline_stages = "zbv", 2
+        cfg.data.num_micro_batches = 4
+        message = _error(cfg, 4)
         self.assertIn(
-            "model.tie_word_embeddings true with "
-            "parallel.pipeline_model_parallel_size 2", message)
-        self.assertIn("set model.tie_word_embeddings false", message)
+            "model.tie_word_embeddings true with parallel.schedule 'zbv' "
+            "(pipeline_model_parallel_size 2)", message)
+        self.assertIn("or model.tie_word_embeddings false", message)
+        cfg.parallel.schedule, cfg.parallel.virtual_pipeline_stages = "1f1b", 1
+        cfg.parallel.impl, cfg.parallel.zero_stage, cfg.data.num_micro_batches = "torch", 0, 2
+        self.assertIn(
+            "model.tie_word_embeddings true with parallel.impl 'torch' and "
+            "pipeline_model_parallel_size 2", _error(cfg, 4))
+        cfg.parallel.pipeline_model_parallel_size = 1  # FSDP2 / DTensor tie without a pipeline
+        validate_layout(cfg, 4)
 
     def test_an_unpadded_vocabulary_under_dtensor_tp_is_refused_ours_pads_it(self):
         cfg = make_config(False, 1, **layout(tp=2, impl="torch"))
@@ -88,13 +88,12 @@ class RefusalsNameTheSettings(unittest.TestCase):
             parse_args(["--layer-split", "1.5,2"])
 
     def test_parallelize_refuses_before_any_surgery(self):
-        cfg = make_config(False, 2, **layout(zero_stage=1))
-        cfg.model.tie_word_embeddings = True
+        cfg = make_config(False, 2, **layout(zero_stage=1, impl="naive"))
         model = build_model(cfg.model, seed=0)
         before = {k: v.clone() for k, v in model.state_dict().items()}
         pgm = init_pg_manager()  # one process
         try:
-            with self.assertRaisesRegex(ValueError, "tie_word_embeddings true with parallel"):
+            with self.assertRaisesRegex(ValueError, "impl 'naive' is plain data parallel"):
                 parallelize(model, cfg, pgm, next(model.parameters()).device)
         finally:
             destroy_pg_manager()
@@ -123,10 +122,11 @@ class BadLayoutsReachTheUserOnce(unittest.TestCase):
             "tensor_model_parallel_size (3)")
 
     def test_without_the_pre_flight_rank_0_says_it_once_and_every_rank_exits_2(self):
-        out, code, _ = launch_status(ND, 2, "--zero-stage", "2", "--model.tie_word_embeddings",
-                                     "true", env={"SCALETORCH_PREFLIGHT": "0"}, timeout=120)
+        out, code, _ = launch_status(ND, 2, "--pp", "2", "--impl", "torch",
+                                     "--model.tie_word_embeddings", "true",
+                                     env={"SCALETORCH_PREFLIGHT": "0"}, timeout=120)
         self.assertIn("torchrun.py", out)  # the ranks started and refused
-        self._assert_once(out, code, "model.tie_word_embeddings true with parallel.zero_stage 2")
+        self._assert_once(out, code, "model.tie_word_embeddings true with parallel.impl 'torch'")
 
     def test_validate_only_accepts_a_valid_layout_silently(self):
         proc = subprocess.run(

@@ -16,7 +16,7 @@ from scaletorch.models import LlamaConfig, build_model
 from scaletorch.parallel.pipeline_parallel import (PipelineSchedule, TorchPipelineSchedule,
                                                    apply_data_parallel_to_chunks,
                                                    apply_pipeline_parallel, gather_timeline,
-                                                   split_layers)
+                                                   split_layers, tied_embedding_params)
 from scaletorch.parallel.pipeline_schedules import (V_SHAPED, ZERO_BUBBLE, PipelineDeadlock,
                                                     comm_plan, peak_live_activations,
                                                     schedule_actions, simulate, simulate_plans,
@@ -24,7 +24,7 @@ from scaletorch.parallel.pipeline_schedules import (V_SHAPED, ZERO_BUBBLE, Pipel
 from scaletorch.parallel.split_backward import ZeroBubbleSchedule
 from scaletorch.trainer import Config, Trainer, run_reference
 from scripts.benchmarks.timing import Delayed
-from tests.harness import run_distributed
+from tests.harness import run_distributed, value_error
 from tests.layouts import assert_run_matches, clip_fn, full_state
 
 CLASSIC = ("afab", "1f1b", "interleaved")  # the zero-bubble ones: tests/test_zero_bubble.py
@@ -137,10 +137,12 @@ class TestScheduleDefinitions(unittest.TestCase):
 # ---- one world of 4 ranks ------------------------------------------------------------------
 
 
-def make_config(layers: int, micro_batches: int, global_batch: int, steps: int = 5) -> Config:
+def make_config(layers: int, micro_batches: int, global_batch: int, steps: int = 5,
+                tied: bool = False) -> Config:
     cfg = Config()
     cfg.model = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=layers,
-                            num_attention_heads=4, num_key_value_heads=2, max_seq_len=32)
+                            num_attention_heads=4, num_key_value_heads=2, max_seq_len=32,
+                            tie_word_embeddings=tied)
     cfg.data.seq_len, cfg.data.global_batch_size = 16, global_batch
     cfg.data.num_micro_batches = micro_batches
     cfg.training.steps, cfg.training.warmup_steps, cfg.training.lr = steps, 2, 1e-2
@@ -162,6 +164,16 @@ PARITY_RUNS = {
     "pp2_tp2_1f1b": (2, 2, "1f1b", 1, 4, 16, "scaletorch", {}),
     "pp2_tp2_sp_interleaved": (2, 2, "interleaved", 2, 2, 16, "scaletorch", {
         "sequence_parallel": True
+    }),
+    # tied embeddings: a copy on the first and on the last stage, summed over the embedding group
+    "tied_pp2_dp2_1f1b": (2, 1, "1f1b", 1, 2, 8, "scaletorch", {
+        "tied": True
+    }),
+    "tied_pp2_dp2_afab": (2, 1, "afab", 1, 2, 8, "scaletorch", {
+        "tied": True
+    }),
+    "tied_pp4_interleaved": (4, 1, "interleaved", 2, 4, 8, "scaletorch", {
+        "tied": True
     }),
     "torch_pp4_afab": (4, 1, "afab", 1, 4, 16, "torch", {}),
     "torch_pp2_dp2_1f1b": (2, 1, "1f1b", 1, 4, 16, "torch", {}),
@@ -191,14 +203,31 @@ def build_pipeline(cfg: Config, pp: int, tp: int, schedule: str, v: int, impl: s
     return pgm, pipe, cls(pipe, pgm, schedule, cfg.data.num_micro_batches, **kwargs)
 
 
+def tied_copies_spread(pipe, pgm) -> float:
+    """max - min over the embedding group of the tied embedding's copies (0: equal), on the
+    ranks that hold one; 0.0 elsewhere."""
+    copies = tied_embedding_params(pipe)
+    if not copies:
+        return 0.0
+    high, low = copies[0].detach().clone(), copies[0].detach().clone()
+    torch.distributed.all_reduce(high, torch.distributed.ReduceOp.MAX, pgm.embedding_group)
+    torch.distributed.all_reduce(low, torch.distributed.ReduceOp.MIN, pgm.embedding_group)
+    return (high - low).abs().max().item()
+
+
 def parity_run(name: str) -> dict:
     pp, tp, schedule, v, m, batch, impl, extra = PARITY_RUNS[name]
-    cfg = make_config(4 * v, m, batch)
+    extra = dict(extra)
+    cfg = make_config(4 * v, m, batch, tied=extra.pop("tied", False))
     pgm, pipe, step = build_pipeline(cfg, pp, tp, schedule, v, impl, **extra)
     get_ledger().clear()
     result = Trainer(cfg, pipe, pgm, forward_backward=step, clip_grad_norm=clip_fn(pipe, pgm),
                      verbose=False).train()
     out = {"losses": result.losses, "full": full_state(pipe, pgm)}  # on rank 0
+    if cfg.model.tie_word_embeddings:
+        out["tied_spread"] = tied_copies_spread(pipe, pgm)
+        out["embd_calls"] = len(get_ledger().select(op="all_reduce", group="embd",
+                                                    step=cfg.training.steps - 1))
     if impl != "torch":
         out["order"] = step.timeline.order(pgm.pipeline_model_parallel_rank)
         out["pp_rank"] = pgm.pipeline_model_parallel_rank
@@ -240,22 +269,26 @@ def bubble_run(schedule: str, v: int, m: int, delay=(0.08, 0.16)):
     return timeline
 
 
-def tied_embeddings_error(cfg: Config) -> str:
+def tied_embeddings_errors(cfg: Config) -> list:
+    """What a tied model cannot run under pp 2: a V-shaped schedule (first and last stage on one
+    rank), torch.distributed.pipelining (no embedding group)."""
     pgm = init_pg_manager(pipeline_model_parallel_size=2)
-    try:
-        cfg.model.tie_word_embeddings = True
-        apply_pipeline_parallel(build_model(cfg.model, seed=0), pgm)
-    except ValueError as err:
-        return str(err)
-    finally:
-        destroy_pg_manager()
-    return ""
+    cfg.model.tie_word_embeddings = True
+    errors = [
+        value_error(
+            lambda: apply_pipeline_parallel(build_model(cfg.model, 0), pgm, 2, v_shape=True)),
+        value_error(lambda: TorchPipelineSchedule(
+            apply_pipeline_parallel(build_model(cfg.model, 0), pgm), pgm, "1f1b", 2)),
+    ]
+    destroy_pg_manager()
+    return errors
 
 
 def reference_key(name: str) -> tuple:
-    """(layers, micro-batches, global batch): what the single-device reference depends on."""
+    """(layers, micro-batches, global batch, tied): what the single-device reference depends
+    on."""
     pp, tp, schedule, v, m, batch, impl, extra = PARITY_RUNS[name]
-    return (4 * v, m, batch)
+    return (4 * v, m, batch, 5, extra.get("tied", False))
 
 
 def world(rank: int, world_size: int) -> dict:
@@ -276,7 +309,7 @@ def world(rank: int, world_size: int) -> dict:
                 out["deadlock"][(pp, schedule, m)] = deadlock_run(pp, schedule, m)
     for schedule, v in (("afab", 1), ("1f1b", 1), ("interleaved", 2)):
         out["bubble"][schedule] = bubble_run(schedule, v, 4)
-    out["tied"] = tied_embeddings_error(make_config(4, 2, 8))
+    out["tied"] = tied_embeddings_errors(make_config(4, 2, 8))
     # the single-device references, shared out over the ranks (one thread each)
     keys = sorted({reference_key(name) for name in PARITY_RUNS})
     for key in keys[rank::world_size]:
@@ -364,8 +397,21 @@ class TestPipelineParallelRanks(unittest.TestCase):
                 self.assertGreater(measured, theory - 0.02, timeline.chart(width=80))
                 self.assertLess(measured, theory + 0.06, timeline.chart(width=80))
 
-    def test_tied_embeddings_across_stages_raise(self):
-        self.assertIn("tie_word_embeddings", self.results[0]["tied"])
+    def test_tied_embeddings_match_single_device_with_synced_copies_on_first_and_last_stage(self):
+        names = ["tied_pp2_dp2_1f1b", "tied_pp2_dp2_afab", "tied_pp4_interleaved"]
+        self.check_parity(names)
+        for name in names:
+            for res in self.results:
+                run = res["parity"][name]
+                self.assertEqual(run["tied_spread"], 0.0, name)  # bit for bit the same copy
+                # one all-reduce of the gradient per step, on the first and the last stage only
+                ends = run["pp_rank"] in (0, PARITY_RUNS[name][0] - 1)
+                self.assertEqual(run["embd_calls"], 1 if ends else 0, name)
+
+    def test_tied_embeddings_with_a_v_shape_or_torch_pipelining_raise(self):
+        v_shape, torch_pipelining = self.results[0]["tied"]
+        self.assertIn("tie_word_embeddings with a V-shaped schedule (zbv, dualpipev)", v_shape)
+        self.assertIn("tie_word_embeddings true needs impl scaletorch", torch_pipelining)
 
 
 if __name__ == "__main__":

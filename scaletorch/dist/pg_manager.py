@@ -153,6 +153,19 @@ class RankGrid:
             raise ValueError(f"rank {rank!r} is outside world size {self.world_size}")
         return list(self._groups[kind][self._index[kind][rank]])
 
+    def embedding_groups(self) -> List[List[int]]:
+        """Megatron's embedding groups: the first and the last rank of every pipeline group,
+        i.e. one pair per (tp, cp, dp) coordinate; none when pp is 1.
+
+        With tied embeddings under pipeline parallel the first stage holds the embedding and
+        the last stage a copy of it as the output layer; the two copies' gradients are summed
+        over this group after backward so that both stay equal (pipeline_parallel.py). Not a
+        partition of the world (middle stages are in no group), hence not one of ``KINDS``.
+        """
+        if self._sizes["pp"] == 1:
+            return []
+        return [[g[0], g[-1]] for g in self._groups["pp"]]
+
     def coordinates(self, rank: int) -> Dict[str, int]:
         """``rank``'s position in every kind of group: tp, cp, dp, pp, dp_cp, ep, edp."""
         return {kind: self.group_of(kind, rank).index(rank) for kind in KINDS}
@@ -211,6 +224,7 @@ class ProcessGroupManager:
         if isinstance(timeout, (int, float)):
             timeout = datetime.timedelta(seconds=timeout)
         self._groups: Dict[str, Optional[dist.ProcessGroup]] = {kind: None for kind in KINDS}
+        self._groups["embd"] = None  # the embedding group (not a kind: see embedding_groups)
         if dist.is_initialized():
             # new_group is collective over the whole world: every rank creates every group,
             # in the same order, and keeps the one it belongs to.
@@ -220,6 +234,11 @@ class ProcessGroupManager:
                     if self.rank in ranks:
                         self._groups[kind] = group
                         name_group(group, kind)  # how the communication ledger labels it
+            for ranks in grid.embedding_groups():  # after KINDS: the same order on every rank
+                group = dist.new_group(ranks, timeout=timeout)
+                if self.rank in ranks:
+                    self._groups["embd"] = group
+                    name_group(group, "embd")
 
     # -- generic access ---------------------------------------------------------------------
     def get_group(self, kind: str) -> Optional[dist.ProcessGroup]:
@@ -264,6 +283,7 @@ class ProcessGroupManager:
                 if group is not None:
                     dist.destroy_process_group(group)
         self._groups = {kind: None for kind in KINDS}
+        self._groups["embd"] = None
 
     # -- tensor parallel --------------------------------------------------------------------
     @property
@@ -320,6 +340,18 @@ class ProcessGroupManager:
     @property
     def pipeline_last_rank(self) -> int:
         return self.group_ranks("pp")[-1]
+
+    @property
+    def embedding_group(self) -> Optional[dist.ProcessGroup]:
+        """Megatron's embedding group: this pipeline's first and last rank (the holders of a
+        tied embedding and of its copy as the output layer, ``RankGrid.embedding_groups``).
+        None on a middle stage, with pp 1, or without a process group: callers that hold no
+        tied copy must not use it (None means the world to a collective)."""
+        return self._groups["embd"]
+
+    @property
+    def is_rank_in_embedding_group(self) -> bool:
+        return self._groups["embd"] is not None
 
     # -- context parallel -------------------------------------------------------------------
     @property

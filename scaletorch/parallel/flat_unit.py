@@ -20,11 +20,10 @@ land in the fp32 shard gradient.
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from scaletorch.dist import comm
-from scaletorch.dist.comm import Work
+from scaletorch.dist.comm import Group, Work
 from scaletorch.parallel.mixed_precision import MixedPrecisionPolicy, reduce_in
 
 NamedModules = Sequence[Tuple[str, nn.Module]]  # (name inside the model, module)
@@ -42,20 +41,23 @@ class FlatUnit:
     the parameters' ``.grad`` are views of, so backward accumulates into it in place.
     """
 
-    def __init__(self, name: str, modules: NamedModules, group: Optional[dist.ProcessGroup],
-                 zero_stage: int, policy: Optional[MixedPrecisionPolicy] = None) -> None:
+    def __init__(self, name: str, modules: NamedModules, group: Group, zero_stage: int,
+                 policy: Optional[MixedPrecisionPolicy] = None, users: NamedModules = ()) -> None:
         self.name, self.group, self.zero_stage = name, group, zero_stage
         self.policy = policy
         self.modules = [module for _, module in modules]
         self.world, self.rank = comm.group_size(group), comm.group_rank(group)
-        # Every distinct parameter once, with every (module, attribute, name) that holds it.
+        # Every distinct parameter once, with every (module, attribute, name) that holds it:
+        # in ``modules``, and in ``users`` (other units' modules that borrow some of these
+        # parameters: a head tied to this embedding, zero.py) for those parameters only.
         found: Dict[int, Tuple[nn.Parameter, List[Tuple[nn.Module, str, str]]]] = {}
-        for prefix, module in modules:
-            for sub_name, sub in module.named_modules(prefix=prefix):
-                for attr, param in sub._parameters.items():
-                    if param is not None:
-                        found.setdefault(id(param), (param, []))[1].append(
-                            (sub, attr, f"{sub_name}.{attr}"))
+        for only_found, named in ((False, modules), (True, users)):
+            for prefix, module in named:
+                for sub_name, sub in module.named_modules(prefix=prefix):
+                    for attr, param in sub._parameters.items():
+                        if param is not None and (id(param) in found or not only_found):
+                            found.setdefault(id(param), (param, []))[1].append(
+                                (sub, attr, f"{sub_name}.{attr}"))
         if not found:
             raise ValueError(f"unit {name!r} has no parameters")
         params = [param for param, _ in found.values()]
@@ -90,6 +92,10 @@ class FlatUnit:
         self.trainable = sum(t.requires_grad for t in self.tensors)
         own = master[self.rank * self.shard_numel:(self.rank + 1) * self.shard_numel]
         self.shard = nn.Parameter(own if zero_stage < 3 else own.clone())
+        if all(getattr(p, "shared_embedding", False) for p in params):
+            # a tied embedding's copy under a pipeline (pipeline_parallel.py): the pipeline
+            # sums this shard's gradient with the other copy's over the embedding group
+            self.shard.shared_embedding = True  # type: ignore[attr-defined]
         self.flat_grad: Optional[torch.Tensor] = None
         if zero_stage == 1:
             self.flat_grad = torch.zeros_like(self.flat)

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from scaletorch.dist import ProcessGroupManager, get_ledger
 from scaletorch.dist.functional import gather_along_dim, split_along_dim
-from scaletorch.parallel.grad_norm import ParamReplicas, replica_count
+from scaletorch.parallel.grad_norm import ParamReplicas, replica_count, tied_copies
 from scaletorch.parallel.pipeline_parallel import PipelineModel, gather_pipeline_state_dict
 from scaletorch.parallel.zero import ShardedDataParallel
 
@@ -145,6 +145,7 @@ class ParamMap:
             for names, shape, offset in pieces:
                 counts[offset:offset + shape.numel()] = 1 if self.splits[names[0]][0] is not None \
                     else tp
+            counts *= tied_copies(param)  # a tied embedding's copy under a pipeline: x 2
             out.append((param, counts[unit.rank * unit.shard_numel:][:unit.shard_numel]))
         return out
 

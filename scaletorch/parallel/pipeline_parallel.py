@@ -88,11 +88,14 @@ class PipelineChunk(nn.Module):
 
 class PipelineModel(nn.Module):
     """This rank's v chunks (``chunks[c]`` is global stage c p + rank, or in a V stages rank
-    and 2p - 1 - rank), and where every full model key lives (``owner[key]`` = global stage)."""
+    and 2p - 1 - rank), and where every full model key lives (``owner[key]`` = global stage).
+    ``tied_embeddings``: the first and last stage each hold a copy of the tied embedding."""
 
     def __init__(self, chunks: List[PipelineChunk], stages: List[int], num_stages: int,
-                 owner: Dict[str, int], hidden_size: int, v_shape: bool = False) -> None:
+                 owner: Dict[str, int], hidden_size: int, v_shape: bool = False,
+                 tied_embeddings: bool = False) -> None:
         super().__init__()
+        self.tied_embeddings = tied_embeddings  # a copy on the first and on the last stage
         self.chunks = nn.ModuleList(chunks)
         self.stages, self.num_stages, self.owner = stages, num_stages, owner
         self.v_shape = v_shape
@@ -115,8 +118,7 @@ def apply_pipeline_parallel(model: Llama, pgm: ProcessGroupManager, virtual_stag
         raise ValueError(f"virtual_pipeline_stages ({virtual_stages}) needs a pipeline: "
                          f"pipeline_model_parallel_size is 1")
     if model.config.tie_word_embeddings and p > 1:
-        raise ValueError("tie_word_embeddings puts one weight on the first and the last stage; "
-                         "pipeline parallel needs tie_word_embeddings false")
+        untie_across_stages(model, v_shape)
     num_stages = p * virtual_stages
     layers = split_layers(model.config.num_layers, num_stages, layer_split)
     stage_of_layer = {i: s for s, ids in enumerate(layers) for i in ids}
@@ -131,7 +133,51 @@ def apply_pipeline_parallel(model: Llama, pgm: ProcessGroupManager, virtual_stag
     chunks = [PipelineChunk(model, layers[s], s == 0, s == num_stages - 1, sp) for s in stages]
     # NCCL wants the first call on a group to involve all its ranks, and p2p is partial.
     comm.barrier(pgm.pipeline_model_parallel_group)
-    return PipelineModel(chunks, stages, num_stages, owner, model.config.hidden_size, v_shape)
+    return PipelineModel(chunks, stages, num_stages, owner, model.config.hidden_size, v_shape,
+                         tied_embeddings=model.config.tie_word_embeddings and p > 1)
+
+
+# ---- tied embeddings: a copy on the last stage, gradients summed over the embedding group ----
+
+
+def untie_across_stages(model: Llama, v_shape: bool = False) -> None:
+    """Megatron's way for ``tie_word_embeddings`` under a pipeline: the embedding (first stage)
+    and the output layer (last stage) live on different ranks, so the last stage gets its own
+    copy of the tied weight, and ``sync_tied_embedding_grads`` sums the two copies' gradients
+    over the embedding group (pg_manager) after backward: each copy then has the gradient of
+    the one tied weight (embedding use + head use), and the same AdamW update keeps them equal.
+
+    Same init without communication: every rank built the whole model from one seed, so the
+    copy is the clone of bit-identical values. Both copies are tagged ``shared_embedding``
+    (the sync finds them by it; the clip counts them as 2 replicas; ZeRO gives the copy its own
+    unit); the copy keeps the tensor-parallel tags, as the vocabulary rows are split alike.
+    """
+    if v_shape:
+        raise ValueError("tie_word_embeddings with a V-shaped schedule (zbv, dualpipev): the "
+                         "first and the last stage are on the same rank there; use afab, "
+                         "1f1b or interleaved, or tie_word_embeddings false")
+    weight = model.embed_tokens.weight
+    weight.shared_embedding = True  # type: ignore[attr-defined]
+    copy = nn.Parameter(weight.detach().clone(), requires_grad=weight.requires_grad)
+    copy.__dict__.update(weight.__dict__)  # tensor_model_parallel, partition_dim, vocab_padding
+    model.lm_head.weight = copy
+
+
+def tied_embedding_params(module: nn.Module) -> List[torch.Tensor]:
+    """The copies of a tied embedding that ``module`` holds (after any wrapper: ZeRO tags the
+    shard of the unit that holds one)."""
+    return [p for p in module.parameters() if getattr(p, "shared_embedding", False)]
+
+
+def sync_tied_embedding_grads(params: Sequence[torch.Tensor], pgm: ProcessGroupManager) -> None:
+    """Sum the gradients of the tied embedding's two copies over the embedding group (first and
+    last pipeline rank): one all-reduce of V x h / tp elements (or a ZeRO shard of them) per
+    step, after the data-parallel sync. ``params``: this rank's copies, none on a middle
+    stage (then nothing to do: it is in no embedding group)."""
+    for param in params:
+        if param.grad is None:  # a copy with no use this step still joins the sum
+            param.grad = torch.zeros_like(param)
+        comm.all_reduce(param.grad, pgm.embedding_group)
 
 
 def apply_data_parallel_to_chunks(pipe: PipelineModel, pgm: ProcessGroupManager,
@@ -189,6 +235,7 @@ class PipelineSchedule:
                                          device=next(pipe.parameters()).device)
         self.meter = ActivationMeter(list(pipe.parameters()))  # the last step's activations
         self.dtype = next(pipe.parameters()).dtype
+        self.tied = tied_embedding_params(pipe)  # a tied embedding's copy on this rank, if any
 
     @property
     def timeline(self) -> Timeline:
@@ -216,6 +263,7 @@ class PipelineSchedule:
             finish = getattr(chunk, "finish_grad_sync", None)
             if finish is not None:
                 finish()
+        sync_tied_embedding_grads(self.tied, self.pgm)  # first and last stage (embedding group)
         loss = self.loss.detach().clone()  # nonzero on the last stage only
         comm.all_reduce(loss, self.group)  # every stage gets it
         return average_over_group(loss, self.pgm.data_parallel_group_with_context)
@@ -305,6 +353,10 @@ class TorchPipelineSchedule:
         if any(isinstance(m, MoE) for m in pipe.modules()):
             raise ValueError("torch.distributed.pipelining runs dense models only here (it "
                              "would drop the MoE load-balancing losses); use impl scaletorch")
+        if pipe.tied_embeddings:
+            raise ValueError("torch.distributed.pipelining has no embedding group to sum a tied "
+                             "embedding's gradients across its first and last stage: "
+                             "tie_word_embeddings true needs impl scaletorch under a pipeline")
         p = pgm.pipeline_model_parallel_world_size
         validate_schedule(schedule, p, num_micro_batches, len(pipe.chunks))
         self.pipe, self.pgm, self.m = pipe, pgm, num_micro_batches
@@ -392,6 +444,8 @@ def gather_pipeline_state_dict(pipe: PipelineModel, pgm: ProcessGroupManager,
         flats = values[q].split(shapes[q][:, 1:].prod(1).tolist())
         for k, flat, d in zip(keys[q], flats, shapes[q].tolist()):
             full[k] = flat.view(d[1:1 + d[0]]).clone()
+    if pipe.tied_embeddings:  # two equal copies: one tensor under both names, as on one device
+        full["lm_head.weight"] = full["embed_tokens.weight"]
     return full
 
 

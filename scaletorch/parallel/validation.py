@@ -6,7 +6,7 @@ no model. Every script calls it before it starts a process group or builds a mod
 (``--validate-only``), and ``parallelize`` calls it again before any surgery. A refusal is a
 ValueError naming the user's settings and what to change, e.g.
 
-    model.tie_word_embeddings true with parallel.zero_stage 2: ...; set ...
+    model.tie_word_embeddings true with parallel.schedule 'zbv' ...: ...; use ...
 
 Rules that are a strategy's own (heads divisible by tp, the pipeline schedule, experts over
 ep, the split of the layers) live in its module and are called from here; the strategies keep
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Dict
 from scaletorch.parallel.context_parallel import check_sequence_length
 from scaletorch.parallel.expert_parallel import validate_expert_parallel
 from scaletorch.parallel.pipeline_parallel import split_layers
-from scaletorch.parallel.pipeline_schedules import validate_schedule
+from scaletorch.parallel.pipeline_schedules import V_SHAPED, validate_schedule
 from scaletorch.parallel.tensor_parallel import validate_tensor_parallel
 
 if TYPE_CHECKING:  # the config module imports this one
@@ -129,21 +129,22 @@ def _check_pipeline(cfg: "Config", sizes: Dict[str, int]) -> None:
 
 
 def _check_tied_embeddings(cfg: "Config", sizes: Dict[str, int]) -> None:
+    """Tied embeddings run with ZeRO (one shard, zero.py) and with our pipeline (a copy on the
+    first and the last stage, pipeline_parallel.py), except where those two stages meet."""
     p = cfg.parallel
-    if not cfg.model.tie_word_embeddings:
+    if not cfg.model.tie_word_embeddings or sizes["pp"] == 1:
         return
-    if sizes["pp"] > 1:
-        raise ValueError(f"model.tie_word_embeddings true with "
-                         f"parallel.pipeline_model_parallel_size {sizes['pp']}: the one tied "
-                         f"weight would be the embedding of the first stage and the head of the "
-                         f"last; set model.tie_word_embeddings false, or "
-                         f"pipeline_model_parallel_size 1")
-    if p.zero_stage > 0 and p.impl != "torch":
-        raise ValueError(f"model.tie_word_embeddings true with parallel.zero_stage "
-                         f"{p.zero_stage}: ZeRO shards the embedding and the head as separate "
-                         f"units and a tied weight would be in both; set "
-                         f"model.tie_word_embeddings false, or parallel.zero_stage 0 (or impl "
-                         f"torch with zero_stage 3: FSDP2 keeps both in its root unit)")
+    if p.schedule in V_SHAPED:
+        raise ValueError(f"model.tie_word_embeddings true with parallel.schedule {p.schedule!r} "
+                         f"(pipeline_model_parallel_size {sizes['pp']}): a V-shaped schedule "
+                         f"puts the first and the last stage on one rank, where our embedding "
+                         f"group sums two ranks' copies; use afab, 1f1b, interleaved or zb-h1, "
+                         f"or model.tie_word_embeddings false")
+    if p.impl == "torch":
+        raise ValueError(f"model.tie_word_embeddings true with parallel.impl 'torch' and "
+                         f"pipeline_model_parallel_size {sizes['pp']}: torch.distributed."
+                         f"pipelining has no embedding group to sum the two stages' copies; use "
+                         f"impl 'scaletorch', or model.tie_word_embeddings false")
 
 
 def _check_combinations(cfg: "Config", sizes: Dict[str, int]) -> None:

@@ -23,6 +23,16 @@ Stage 3 on a model cut into units U0 (embedding), U1..UL (blocks), UL+1 (head = 
     forward    gather U0, run U0, free U0 | gather U1, run U1, free U1 | ...
     backward   ... | gather U1, grads of U1, reduce-scatter + free U1 | gather U0, ...
 
+Tied embeddings (``lm_head.weight is embed_tokens.weight``): the one weight is sharded once,
+in the first unit that lists it (the embedding's); the head unit *borrows* it. Why this and not
+a unit of its own or two copies: it keeps "one parameter, one shard, one reduce-scatter" with
+no new unit kind. Autograd sums the weight's two uses (lookup, output projection) into one
+gradient before its post-accumulate hook fires, so that hook reduce-scatters the sum once,
+after the embedding's backward. Stage 3 gathers the owner also around the head (forward and
+backward) and frees it with the head: the embedding matrix crosses the wire twice more per
+micro-batch, 3 Psi + 2 V h in all. Under a pipeline the embedding and the head are on
+different ranks: each holds a copy (pipeline_parallel.py), the copy is a unit of its own.
+
 Hooks do it: a forward pre-hook on a unit's first module gathers; a forward hook on its last
 module frees and hooks the output's gradient (the unit's backward starts: gather again); the
 parameters' post-accumulate-grad hooks reduce-scatter once the unit's last gradient is in, then
@@ -66,14 +76,17 @@ class ShardedDataParallel(nn.Module):
         super().__init__()
         if zero_stage not in (1, 2, 3):
             raise ValueError(f"zero_stage must be 1, 2 or 3, got {zero_stage}")
-        owner: Dict[int, str] = {}
-        for unit_name, modules in units:
+        # A parameter belongs to the first unit that lists it; a later unit that also uses it
+        # (the head tied to the embedding) borrows it: owner[id] = first unit, borrows[j] = the
+        # units whose parameters unit j uses.
+        owner: Dict[int, int] = {}
+        self.borrows: List[List[int]] = [[] for _ in units]
+        for j, (_, modules) in enumerate(units):
             for prefix, sub in modules:
-                for name, param in sub.named_parameters(prefix=prefix):
-                    if owner.setdefault(id(param), unit_name) != unit_name:
-                        raise ValueError(f"parameter {name!r} is in units {owner[id(param)]!r} "
-                                         f"and {unit_name!r} (e.g. tied embeddings); a "
-                                         f"parameter must be in exactly one unit")
+                for param in sub.parameters():
+                    i = owner.setdefault(id(param), j)
+                    if i != j and i not in self.borrows[j]:
+                        self.borrows[j].append(i)
         missing = [name for name, p in module.named_parameters() if id(p) not in owner]
         if missing:
             raise ValueError(f"parameters in no unit: {missing}")
@@ -82,7 +95,12 @@ class ShardedDataParallel(nn.Module):
         self.zero_stage = zero_stage
         self.prefetch = prefetch
         self.policy = policy  # stage 3 gathers in its param_dtype; all reduce in reduce_dtype
-        self.units = [FlatUnit(name, modules, group, zero_stage, policy) for name, modules in units]
+        self.units = []  # in order: an owner first takes its parameters out of its borrowers
+        for i, (name, modules) in enumerate(units):
+            borrowers = [
+                m for j, (_, mods) in enumerate(units) if i in self.borrows[j] for m in mods
+            ]
+            self.units.append(FlatUnit(name, modules, group, zero_stage, policy, borrowers))
         # Parameter names may not contain dots: "layers.0" -> "layers_0".
         self.shards = nn.ParameterDict({u.name.replace(".", "_"): u.shard for u in self.units})
         self._sync = True
@@ -140,19 +158,25 @@ class ShardedDataParallel(nn.Module):
             self._gathering.pop(i).wait()
         self.units[i].free()
 
+    # A unit that borrows another's parameter (the head tied to the embedding) gathers and
+    # frees the owner with itself, in forward and in backward.
+
     def _pre_forward(self, i: int, module: nn.Module, args: Tuple[Any, ...]) -> None:
-        self._gather(i)
+        for k in [i] + self.borrows[i]:
+            self._gather(k)
         if self.prefetch and i + 1 < len(self.units):
             self._gather(i + 1, async_op=True)
 
     def _post_forward(self, i: int, module: nn.Module, args: Tuple[Any, ...], output: Any) -> None:
-        self._free(i)
+        for k in [i] + self.borrows[i]:
+            self._free(k)
         if torch.is_tensor(output) and output.requires_grad:
             # Fires when the gradient of the unit's output is ready: its backward starts.
             output.register_hook(partial(self._pre_backward, i))
 
     def _pre_backward(self, i: int, grad: torch.Tensor) -> None:
-        self._gather(i)
+        for k in [i] + self.borrows[i]:
+            self._gather(k)
         if self.prefetch and i > 0:
             self._gather(i - 1, async_op=True)  # backward runs the units in reverse
 
@@ -165,7 +189,8 @@ class ShardedDataParallel(nn.Module):
             if self._sync:
                 self._reduce(i)
             if self.zero_stage == 3:
-                self._free(i)
+                for k in [i] + self.borrows[i]:  # its backward no longer needs the owner's
+                    self._free(k)
 
     def _reduce(self, i: int) -> None:
         # One reduce-scatter in flight at a time: its full-size input is freed sooner.
@@ -271,8 +296,14 @@ def llama_units(model: nn.Module) -> Units:
     layers = blocks.items() if isinstance(blocks, nn.ModuleDict) else enumerate(blocks)
     units: Units = [("embed_tokens", [("embed_tokens", embed)])] if embed is not None else []
     units += [(f"layers.{i}", [(f"layers.{i}", layer)]) for i, layer in layers]
-    if lm_head is not None:
-        units.append(("head", [("norm", cast(nn.Module, model.norm)), ("lm_head", lm_head)]))
+    norm = cast(nn.Module, model.norm)
+    if lm_head is not None and getattr(lm_head.weight, "shared_embedding", False):
+        # a pipeline's last-stage copy of a tied embedding: a unit of its own, cut into shards
+        # exactly as the first stage's embedding unit, so that the embedding group can sum the
+        # two copies' gradient shards element for element (pipeline_parallel.py)
+        units += [("head", [("norm", norm)]), ("lm_head", [("lm_head", lm_head)])]
+    elif lm_head is not None:  # tied without a pipeline: the head borrows the embedding's unit
+        units.append(("head", [("norm", norm), ("lm_head", lm_head)]))
     return units
 
 
