@@ -5,6 +5,7 @@
     python scripts/plan.py --preset llama3-405b --gpus 16384 --cluster h100 --seq-len 8192 \\
         --search
     python scripts/plan.py --params 13e9 --gpus 64 --search --top 3 --json
+    python scripts/plan.py examples/configs/07_nd_parallel.yaml --calibrate runs/host.json
 
 A run's config comes as in the examples (a YAML file, then --tp, --pp, --zero-stage, ... and
 --section.name VALUE overrides, scaletorch/trainer/config.py); --preset or --params replaces its
@@ -79,6 +80,7 @@ def measure_rank(rank: int, world: int, configs: Dict[str, Config]) -> Dict[str,
     from scaletorch.parallel.parallelize import parallelize
     from scaletorch.parallel.zero_memory import measure_memory
     from scaletorch.trainer import Trainer
+    from scaletorch.trainer.plan_check import plan_report
 
     out, ledger = {}, get_ledger()
     for name, cfg in configs.items():
@@ -100,10 +102,18 @@ def measure_rank(rank: int, world: int, configs: Dict[str, Config]) -> Dict[str,
             saved, _ = saved_activation_bytes(par.model,
                                               lambda: par.forward_backward(inputs, targets))
         out[name] = {
-            "wire": wire,
-            "memory": memory,
-            "saved": saved,
-            "pp_rank": pgm.pipeline_model_parallel_rank
+            "wire":
+            wire,
+            "memory":
+            memory,
+            "saved":
+            saved,
+            "pp_rank":
+            pgm.pipeline_model_parallel_rank,
+            # what the trainer prints at the end of a run (rank 0's), from this rank
+            "report":
+            plan_report(cfg, world, pgm.pipeline_model_parallel_rank, trainer.model,
+                        trainer.optimizer, cfg.training.steps - 1, []),
         }
         destroy_pg_manager()
     return out
@@ -127,9 +137,8 @@ def measured_report(cfg: Config, world: int, model: ModelSpec, layout: PlanLayou
                 for g, v in sorted(wire_bytes_per_group(model, layout, r).items())]
         states = state_bytes(model, layout, r)
         rows += [(k, states[k], got["memory"][k]) for k in ("params", "grads", "optimizer")]
-        if layout.pp == 1:  # a pipeline schedule's saved tensors escape this hook
-            saved = activation_bytes(model, layout, r)["saved"]
-            rows.append(("activations (saved)", saved, got["saved"]))
+        saved = activation_bytes(model, layout, r)["saved"]  # the peak over the schedule
+        rows.append(("activations (saved)", saved, got["saved"]))
         for what, predicted, measured in rows:
             mark = "=" if predicted == measured else f"{100 * (predicted / measured - 1):+.1f}%"
             lines.append(f"{rank:<6}{what:<22}{predicted:>14,.0f}{measured:>14,.0f}  {mark}")
@@ -145,7 +154,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--preset", help=f"a model instead of the config's: {', '.join(PRESETS)}")
     parser.add_argument("--params", type=float, help="a Llama of about this many parameters")
     parser.add_argument("--gpus", type=int, help="world size (default: tp x pp x cp x --dp)")
-    parser.add_argument("--cluster", default="h100", help="h100 | a100 | b200 | FILE.yaml")
+    parser.add_argument("--cluster", default="h100",
+                        help="h100 | a100 | b200 | FILE.yaml | FILE.json (--calibrate writes one)")
+    parser.add_argument(
+        "--calibrate", metavar="FILE.json",
+        help="measure this host (matmul FLOP/s and per-op cost at the config's model sizes, "
+        "gloo latency and bandwidth in worlds of 2-4; about a minute) into a cluster file")
     parser.add_argument("--seq-len", type=int, help="tokens per sequence (default: the config's)")
     parser.add_argument("--global-batch-tokens", type=int,
                         help="tokens per step (default: the config's batch; presets 16M)")
@@ -187,6 +201,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         if tokens % seq:
             raise ValueError(f"--global-batch-tokens {tokens} is not a multiple of the sequence "
                              f"length {seq}")
+        if args.calibrate is not None:
+            if not args.calibrate.endswith(".json"):
+                raise ValueError(f"--calibrate {args.calibrate}: the cluster file must end .json")
+            from scripts.calibrate import calibrate
+
+            calibrate(cfg.model, seq, args.calibrate, progress)
+            if sys.stderr.isatty():
+                print(file=sys.stderr)  # end the progress line
+            return 0
         precision = args.precision or ("bf16-fp32-grads" if production else "fp32")
         flash = (args.attention or ("flash" if production else "eager")) == "flash"
         cluster = load_cluster(args.cluster)
@@ -212,6 +235,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.measure:
         print(measured_report(cfg, gpus, model, layout))
     return 0
+
+
+def progress(line: str) -> None:
+    """One line rewritten in place on a terminal, one line each in a log."""
+    tty = sys.stderr.isatty()
+    print(("\r\033[K" if tty else "") + line, end="" if tty else "\n", file=sys.stderr, flush=True)
 
 
 def report(best: list, rejected: dict, as_json: bool) -> None:

@@ -6,11 +6,20 @@ quoted in bits). Real kernels and collectives reach a fraction of the peaks:
 ``compute_efficiency`` (a large bf16 matmul: about 0.7 of peak on H100) and
 ``comm_efficiency`` (NCCL's bus bandwidth: about 0.75 of the link) are parameters of the
 cluster, so a measured host (``scripts/plan.py --calibrate``) or a better guess replaces them.
-A cluster file is YAML with every key of ``Cluster``.
+A cluster file is YAML (or JSON) with every required key of ``Cluster``.
+
+A measured host adds what a GPU spec sheet leaves out, since a CPU run of a small model is
+bound by them (``scripts/plan.py --calibrate`` measures each; scaletorch/plan/time.py uses them):
+``cores`` (ranks beyond them share a core), ``layer_overhead_s`` and ``micro_batch_overhead_s``
+(the fixed cost of a block's, and of the embedding + head + loss's, forward and backward per
+micro-batch: the dispatch of their many small ops), ``step_overhead_s`` (clipping, optimizer
+step) and ``links`` (per world size and group size, per collective: latency in seconds and
+bandwidth in wire bytes/s, measured with every group of the world busy at once).
 """
 
-from dataclasses import MISSING, dataclass, fields
-from typing import Any, Dict
+import json
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, Dict, List
 
 import yaml
 
@@ -27,18 +36,45 @@ class Cluster:
     inter_node_latency: float
     compute_efficiency: float = 0.7
     comm_efficiency: float = 0.75
+    # measured hosts only (0 / empty: a GPU per rank, overheads hidden by asynchronous launches)
+    cores: int = 0
+    layer_overhead_s: float = 0.0
+    micro_batch_overhead_s: float = 0.0
+    step_overhead_s: float = 0.0
+    # {world: {group size: {op: [latency s, bandwidth wire bytes/s]}}}, keys as strings (JSON)
+    links: Dict[str, Dict[str, Dict[str, List[float]]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        optional = ("cores", "layer_overhead_s", "micro_batch_overhead_s", "step_overhead_s")
         bad = {
             f.name: getattr(self, f.name)
-            for f in fields(self) if f.name != "name" and not getattr(self, f.name) > 0
+            for f in fields(self) if f.name not in ("name", "links") and not (
+                getattr(self, f.name) >= 0 if f.name in optional else getattr(self, f.name) > 0)
         }
         if bad:
-            raise ValueError("cluster " + ", ".join(f"{k} {v}"
-                                                    for k, v in bad.items()) + ": must be positive")
+            raise ValueError("cluster " + ", ".join(f"{k} {v}" for k, v in bad.items()) +
+                             ": must be positive (the overheads and cores: not negative)")
         for key in ("compute_efficiency", "comm_efficiency"):
             if getattr(self, key) > 1:
                 raise ValueError(f"cluster {key} {getattr(self, key)} must be at most 1")
+
+    def link(self, op: str, group_size: int, world: int) -> List[float]:
+        """[latency s, bandwidth wire bytes/s] of ``op`` over ``group_size`` ranks of a world of
+        ``world``, from ``links`` (the nearest measured world, then group size, not above them
+        if possible). A reduce-scatter is timed as an all-gather, a broadcast as an all-reduce."""
+        op = {"reduce_scatter": "all_gather", "broadcast": "all_reduce", "recv": "send"}.get(op, op)
+
+        def nearest(sizes: List[int], want: int) -> str:
+            below = [k for k in sorted(sizes) if k <= want]
+            return str(below[-1] if below else min(sizes))
+
+        worlds = [
+            int(w) for w, groups in self.links.items() if any(op in ops for ops in groups.values())
+        ]
+        if not worlds:
+            raise ValueError(f"cluster {self.name}: no measured {op} in links")
+        groups = self.links[nearest(worlds, world)]
+        return groups[nearest([int(n) for n, ops in groups.items() if op in ops], group_size)][op]
 
 
 CLUSTERS: Dict[str, Cluster] = {
@@ -49,21 +85,26 @@ CLUSTERS: Dict[str, Cluster] = {
 
 
 def load_cluster(name_or_path: str) -> Cluster:
-    """A preset by name, or a YAML file with every key of ``Cluster``."""
+    """A preset by name, or a YAML (or JSON) file with every required key of ``Cluster``."""
     if name_or_path in CLUSTERS:
         return CLUSTERS[name_or_path]
-    if not name_or_path.endswith((".yaml", ".yml")):
+    if not name_or_path.endswith((".yaml", ".yml", ".json")):
         raise ValueError(f"unknown cluster {name_or_path!r}: use one of "
-                         f"{', '.join(CLUSTERS)} or a .yaml file")
+                         f"{', '.join(CLUSTERS)} or a .yaml / .json file")
     try:
-        with open(name_or_path) as f:
-            values: Any = yaml.safe_load(f) or {}
+        with open(name_or_path) as f:  # JSON apart: YAML 1.1 reads 5e-05 as a string
+            values: Any = (json.load(f)
+                           if name_or_path.endswith(".json") else yaml.safe_load(f)) or {}
     except OSError as err:
         raise ValueError(f"cluster file {name_or_path!r}: {err.strerror}") from None
+    except ValueError as err:  # json.JSONDecodeError
+        raise ValueError(f"cluster file {name_or_path!r}: {err}") from None
     if not isinstance(values, dict):
         raise ValueError(f"cluster file {name_or_path!r} must be a mapping of keys")
     keys = [f.name for f in fields(Cluster)]
-    required = [f.name for f in fields(Cluster) if f.default is MISSING]
+    required = [
+        f.name for f in fields(Cluster) if f.default is MISSING and f.default_factory is MISSING
+    ]
     missing = [k for k in required if k not in values]
     unknown = [k for k in values if k not in keys]
     if missing or unknown:
@@ -73,15 +114,29 @@ def load_cluster(name_or_path: str) -> Cluster:
                          (f"unknown keys {', '.join(unknown)}" if unknown else ""))
     try:
         typed: Dict[str, Any] = {
-            k: (v if k == "name" else float(v) if k != "gpus_per_node" else int(v))
+            k: (v if k in ("name", "links") else int(v) if k in ("gpus_per_node",
+                                                                 "cores") else float(v))
             for k, v in values.items()
         }
-        return Cluster(**typed)
-    except (TypeError, ValueError) as err:
+        cluster = Cluster(**typed)
+        for world, groups in cluster.links.items():  # every entry is [latency, bandwidth] > 0
+            for size, ops in groups.items():
+                for op, (latency, bandwidth) in ops.items():
+                    if not (int(world) >= int(size) > 1 and latency >= 0 and bandwidth > 0):
+                        raise ValueError(f"links {world}/{size}/{op} [{latency}, {bandwidth}]: "
+                                         "need world >= group size > 1, latency >= 0, "
+                                         "bandwidth > 0")
+        return cluster
+    except (AttributeError, TypeError, ValueError) as err:
         raise ValueError(f"cluster file {name_or_path!r}: {err}") from None
 
 
 def save_cluster(cluster: Cluster, path: str) -> None:
+    """Write ``cluster`` as ``load_cluster`` reads it: JSON for a .json path, else YAML."""
+    values = {f.name: getattr(cluster, f.name) for f in fields(cluster)}
     with open(path, "w") as f:
-        yaml.safe_dump({f.name: getattr(cluster, f.name)
-                        for f in fields(cluster)}, f, sort_keys=False)
+        if path.endswith(".json"):
+            json.dump(values, f, indent=1)
+            f.write("\n")
+        else:
+            yaml.safe_dump(values, f, sort_keys=False)

@@ -22,6 +22,7 @@ softmax in fp32):
     scores       (4 + e') b a s^2 / t + s^2   softmax output (fp32), its e-byte copy if e < 4,
                                               and the causal mask (bool)
     MLP          e (4 b s f / t)          gate, silu(gate), up, their product
+    MoE MLP      4 (T + 1) E + 28 k T + e k T (3 h + 4 f_e)   (T = b s; moe_activation_bytes)
 
 Selective recomputation keeps the attention core's inputs (q, k, v: e (b s h + 2 b s kv) / t)
 instead of the repeated k, v and the scores; full recomputation keeps a block's input,
@@ -146,8 +147,22 @@ def _gpt_layer(b: int, s: int, h: int, a: int, t: int, sp: bool, recompute: str)
     return sbh * (10 + 24 / t + attention_core / t)
 
 
-def layer_activation_bytes(model: ModelSpec, layout: PlanLayout) -> float:
-    """Bytes one block keeps for backward for one micro-batch on one rank (dense blocks)."""
+def moe_activation_bytes(model: ModelSpec, tokens: int, e: int) -> float:
+    """What an MoE block's MLP keeps for ``tokens`` tokens (moe.py; it runs whole on each tp
+    rank): the router's fp32 probabilities (T E) and the balance loss's f_e (E), three int64
+    index tensors of the k T assignments (top-k's choices, the assignment order, the token
+    index) and their fp32 weights; per assignment the routed input, the experts' output and
+    the weighted output (e 3 h: index_add keeps its source) and the expert's SwiGLU (e 4 f).
+    Under expert parallel a rank runs the k T assignments its experts receive (balanced
+    routing: as many as it sends)."""
+    routed = model.moe_top_k * tokens
+    return 4 * (tokens + 1) * model.num_experts + routed * (3 * 8 + 4) + \
+        e * routed * (3 * model.hidden_size + 4 * model.expert_size)
+
+
+def layer_activation_bytes(model: ModelSpec, layout: PlanLayout, moe: bool = False) -> float:
+    """Bytes one block keeps for backward for one micro-batch on one rank (an MoE block if
+    ``moe``)."""
     b, s = layout.micro_batch_size, layout.seq_len // layout.cp
     h, t, a = model.hidden_size, layout.tp, model.num_attention_heads
     sp, mode = layout.sequence_parallel and t > 1, layout.activation_checkpointing
@@ -159,7 +174,8 @@ def layer_activation_bytes(model: ModelSpec, layout: PlanLayout) -> float:
         return e * b * s * h / norm_t
     bsh, kv, f = b * s * h, b * s * model.kv_size, model.intermediate_size
     norms = 4 * (4 * bsh + 2 * b * s) / norm_t
-    linears = e * (2 * bsh + 4 * b * s * f / t)
+    linears = e * 2 * bsh + (moe_activation_bytes(model, b * s, e) if moe else e * 4 * b * s * f /
+                             t)
     if mode == "selective" or layout.flash_attention:  # q, k, v and o's input
         attention = e * (2 * bsh + 2 * kv) / t
     else:
@@ -202,15 +218,21 @@ def activation_bytes(model: ModelSpec, layout: PlanLayout, pp_rank: int = 0) -> 
     stages = layout.pp * layout.virtual_stages
     first = pp_rank == 0
     last = any(pp_rank + c * layout.pp == stages - 1 for c in range(layout.virtual_stages))
+    mine = [i for c in chunks[pp_rank] for i in c]
+    moe = sum(1 for i in mine if model.is_moe_layer(i))
     per_layer = layer_activation_bytes(model, layout)
+    per_moe = layer_activation_bytes(model, layout, moe=True) if moe else 0.0
     head = _ends(model, layout, False, last)  # the last stage's head: one micro-batch at a time
-    micro = layers * per_layer + _ends(model, layout, first, False) + head
+    micro = (layers - moe) * per_layer + moe * per_moe + _ends(model, layout, first, False) + head
     n = in_flight(layout.schedule, layout.pp, layout.num_micro_batches, layout.virtual_stages,
                   pp_rank)
     rebuilt = 0.0
     if layout.activation_checkpointing != "none":  # one block (full) or attention core
         whole = PlanLayout(**{**layout.as_dict(), "activation_checkpointing": "none"})
-        rebuilt = layer_activation_bytes(model, whole) - per_layer  # rebuilt in backward
+        rebuilt = max(
+            layer_activation_bytes(model, whole, moe=m) -
+            layer_activation_bytes(model, layout, moe=m)
+            for m in {False, moe > 0})  # the largest rebuilt in backward
     return {
         "micro_batch": micro,
         "in_flight": n,

@@ -13,6 +13,18 @@ stride x size <= GPUs per node stays on NVLink, others use the NIC. What overlap
 - the data-parallel gradient reduction (DDP buckets, ZeRO's reduce-scatter) overlaps the last
   micro-batch's backward; ZeRO-3's gathers are prefetched, overlapping all compute.
 Then the pipeline bubble stretches the busy time: step = busy / (1 - bubble) + exposed dp.
+
+A measured host (``scripts/plan.py --calibrate``: CPU ranks over gloo) differs in three ways,
+each measured rather than assumed:
+- a small model's compute is mostly fixed cost per op: each block costs ``layer_overhead_s``
+  per micro-batch (4/3 of it under full recomputation: its forward again), the embedding,
+  head and loss ``micro_batch_overhead_s``, clipping and AdamW ``step_overhead_s``, on top of
+  the FLOPs at the measured rate;
+- nothing overlaps: the cores that compute also move the bytes, so every collective's
+  calls x latency + wire bytes / bandwidth (measured per world and group size) is exposed;
+- ranks beyond the ``cores`` share them: the step is at least world / cores times a rank's
+  compute (time-slicing), and a pipeline rank's bubble is then time another rank uses:
+  step = max(compute x world / cores, compute / (1 - bubble)) + communication.
 """
 
 import math
@@ -23,7 +35,7 @@ from scaletorch.plan.comm import collectives
 from scaletorch.plan.flops import hardware_flops, model_flops
 from scaletorch.plan.layout import PlanLayout
 from scaletorch.plan.model import ModelSpec
-from scaletorch.plan.pipeline import theoretical_bubble
+from scaletorch.plan.pipeline import rank_layers, theoretical_bubble
 
 
 def group_span(layout: PlanLayout, group: str) -> int:
@@ -54,12 +66,68 @@ def comm_seconds(model: ModelSpec, layout: PlanLayout, cluster: Cluster,
     return out
 
 
+def measured_comm_seconds(model: ModelSpec, layout: PlanLayout, cluster: Cluster,
+                          pp_rank: int = 0) -> Dict[str, float]:
+    """On a measured host: seconds each group's calls of one step take, from ``links`` (a
+    receive is its send's other end: the send pays)."""
+    out: Dict[str, float] = {}
+    for c in collectives(model, layout, pp_rank):
+        if c.op == "recv":
+            continue
+        latency, bandwidth = cluster.link(c.op, c.size, layout.world)
+        out[c.group] = out.get(c.group, 0.0) + c.calls * latency + c.wire / bandwidth
+    return out
+
+
+REDO = {"none": 1.0, "selective": 1.0, "full": 4 / 3}  # fixed costs of a block incl. recompute
+
+
+def compute_seconds(model: ModelSpec, layout: PlanLayout, cluster: Cluster,
+                    pp_rank: int = 0) -> float:
+    """A rank's compute per step: its share of the hardware FLOPs at peak x efficiency, plus
+    the fixed costs of a measured host (zero for the GPU presets)."""
+    lay = layout
+    seconds = hardware_flops(model,
+                             lay) / lay.world / (cluster.peak_flops * cluster.compute_efficiency)
+    chunks = rank_layers(model.num_layers, lay.pp, lay.virtual_stages, lay.layer_split)
+    blocks = sum(len(c) for c in chunks[pp_rank])
+    ends = pp_rank in (0, lay.pp - 1)  # the embedding or the head and loss
+    per_micro_batch = blocks * cluster.layer_overhead_s * REDO[lay.activation_checkpointing] + \
+        ends * cluster.micro_batch_overhead_s
+    return seconds + lay.num_micro_batches * per_micro_batch + cluster.step_overhead_s
+
+
+def _measured_host_step(model: ModelSpec, layout: PlanLayout, cluster: Cluster) -> Dict[str, Any]:
+    """compute_s, exposed_s, bubble, step_time_s of a measured host (the module docstring)."""
+    lay = layout
+    ranks = sorted({0, lay.pp - 1})
+    compute = max(compute_seconds(model, lay, cluster, r) for r in ranks)
+    exposed: Dict[str, float] = {}
+    for r in ranks:  # the slower stage's traffic, group by group
+        for group, seconds in measured_comm_seconds(model, lay, cluster, r).items():
+            exposed[group] = max(exposed.get(group, 0.0), seconds)
+    bubble = theoretical_bubble(lay.pp, lay.num_micro_batches, lay.virtual_stages) \
+        if lay.pp > 1 else 0.0
+    share = max(1.0, lay.world / cluster.cores)
+    step = max(compute * share, compute / (1 - bubble)) + sum(exposed.values())
+    return {"compute_s": compute, "exposed_s": exposed, "bubble": bubble, "step_time_s": step}
+
+
 def step_time(model: ModelSpec, layout: PlanLayout, cluster: Cluster) -> Dict[str, Any]:
     """compute_s, exposed_s (by group), bubble, step_time_s, tokens_per_s_per_gpu, mfu, and
     the FLOPs (model and hardware, per step)."""
     lay = layout
-    rate = cluster.peak_flops * cluster.compute_efficiency
     hw = hardware_flops(model, lay)
+    flops = model_flops(model, lay.global_batch, lay.seq_len)
+    if cluster.cores:
+        out = _measured_host_step(model, lay, cluster)
+        return {
+            **out, "tokens_per_s_per_gpu": lay.tokens_per_step / out["step_time_s"] / lay.world,
+            "mfu": flops / (out["step_time_s"] * lay.world * cluster.peak_flops),
+            "model_flops": flops,
+            "hardware_flops": hw
+        }
+    rate = cluster.peak_flops * cluster.compute_efficiency
     compute = hw / lay.world / rate
     # the attention cores' share: what the cp ring hides behind
     core = 3 * 4 * lay.seq_len * model.hidden_size * model.num_layers * lay.tokens_per_step
@@ -83,7 +151,6 @@ def step_time(model: ModelSpec, layout: PlanLayout, cluster: Cluster) -> Dict[st
     busy = compute + sum(v for g, v in exposed.items() if g in ("tp", "cp", "ep", "pp"))
     step = busy / (1 - bubble) + sum(v
                                      for g, v in exposed.items() if g in ("dp_cp", "edp", "world"))
-    flops = model_flops(model, lay.global_batch, lay.seq_len)
     return {
         "compute_s": compute,
         "exposed_s": exposed,

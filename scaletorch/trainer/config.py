@@ -97,6 +97,9 @@ class LoggingConfig:
     name: str = "run"
     log_every: int = 10
     progress: bool = True  # tqdm bar on rank 0
+    # a cluster file from scripts/plan.py --calibrate: the run ends with the planner's step time
+    # beside the measured one (memory and wire bytes are compared without it)
+    plan_cluster: str = ""
 
 
 @dataclass

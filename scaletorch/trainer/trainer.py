@@ -31,6 +31,7 @@ from scaletorch.parallel.mixed_precision import DynamicLossScaler
 from scaletorch.parallel.step import ForwardBackward, make_data_parallel_step
 from scaletorch.trainer import checkpoint as ckpt
 from scaletorch.trainer.config import Config, save_config
+from scaletorch.trainer.plan_check import plan_report
 from scaletorch.trainer.precision import autocast, precision_note, resolve_precision
 
 if TYPE_CHECKING:
@@ -251,6 +252,7 @@ class Trainer:
             bar = tqdm(total=cfg.training.steps, initial=self.step, desc="train", unit="step",
                        dynamic_ncols=True)
         tokens_per_step = cfg.data.global_batch_size * cfg.data.seq_len
+        step_seconds: List[float] = []
         try:
             while self.step < cfg.training.steps:
                 start = time.perf_counter()
@@ -258,6 +260,7 @@ class Trainer:
                 self._maybe_inject_failure()
                 loss, grad_norm = self._train_step_with_context()
                 elapsed = time.perf_counter() - start
+                step_seconds.append(elapsed)
                 result.losses.append(loss)
                 result.grad_norms.append(grad_norm)
                 record = {
@@ -290,4 +293,9 @@ class Trainer:
                 bar.close()
             if metrics is not None:
                 metrics.close()
+        if self.verbose and self.pgm is not None and step_seconds:  # chapter 09's prediction
+            report = plan_report(cfg, self.world_size, self.pgm.pipeline_model_parallel_rank,
+                                 self.model, self.optimizer, self.step - 1, step_seconds)
+            if report:
+                self._print(report)
         return result

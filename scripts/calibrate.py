@@ -1,0 +1,221 @@
+"""Measure this host into a cluster file the planner reads (``scripts/plan.py --calibrate``).
+
+    python scripts/plan.py examples/configs/07_nd_parallel.yaml --calibrate runs/host.json
+    python scripts/plan.py examples/configs/07_nd_parallel.yaml --cluster runs/host.json
+
+What a spec sheet gives for a GPU, measured here for CPU ranks (one thread each, as
+scripts/launch.sh runs them), in well under a minute:
+
+- compute, one process: the matmuls of the config's block at its micro-batch sizes give
+  ``peak_flops``; a whole forward + backward of the model at 1 and 2 blocks and three
+  micro-batch sizes, fitted as time = blocks x layer_overhead + micro_batch_overhead +
+  FLOPs / (peak x compute_efficiency), gives the rest (a small model's step is mostly the
+  fixed cost of its many small ops, not its FLOPs); clipping + AdamW gives ``step_overhead_s``;
+- links, in gloo worlds of 2, 3 and 4 processes (``cores`` of them at once at most run, so a
+  world above the core count measures the time-slicing too): all-reduce, all-gather,
+  all-to-all and send/recv over every group size that divides the world, all groups busy at
+  once as in a run; latency = the time of a 4-byte call, bandwidth = the ledger's wire bytes of
+  a 256 KiB call over its extra time.
+"""
+
+import os
+import statistics
+import sys
+import time
+from dataclasses import replace
+from typing import Any, Callable, Dict, List, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from scaletorch.dist.spawn import run_distributed
+from scaletorch.models import build_model
+from scaletorch.plan.cluster import Cluster, save_cluster
+from scaletorch.plan.comm import wire_bytes
+from scaletorch.plan.flops import model_flops
+from scaletorch.plan.model import from_config
+
+WORLDS = (2, 3, 4)
+SMALL, LARGE = 1, 2**16  # fp32 elements of a latency-bound and a bandwidth-bound call
+OPS = ("all_reduce", "all_gather", "all_to_all", "send")
+
+
+def _median_seconds(fn: Callable[[], Any], reps: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _fit(rows: List[List[float]], times: List[float]) -> List[float]:
+    """Least squares: times ~ rows @ coefficients (no numpy needed: torch's lstsq)."""
+    a = torch.tensor(rows, dtype=torch.float64)
+    b = torch.tensor(times, dtype=torch.float64).unsqueeze(1)
+    return torch.linalg.lstsq(a, b).solution.squeeze(1).tolist()
+
+
+def measure_compute(model_cfg: Any, seq_len: int, seed: int = 0) -> Dict[str, float]:
+    """``peak_flops``, ``compute_efficiency``, ``layer_overhead_s``, ``micro_batch_overhead_s``
+    and ``step_overhead_s`` of one CPU thread for ``model_cfg``'s shapes."""
+    torch.set_num_threads(1)
+    spec = from_config(model_cfg)
+    h, batches = spec.hidden_size, (1, 4, 16)
+    # the block's matmuls, (b s, h) x (h, out), at the largest micro-batch measured
+    tokens = batches[-1] * seq_len
+    x = torch.randn(tokens, h)
+    shapes = [
+        spec.head_dim * spec.num_attention_heads, spec.kv_size, spec.kv_size, h,
+        spec.intermediate_size, spec.intermediate_size
+    ]
+    weights = [torch.randn(h, o) for o in shapes] + [torch.randn(spec.intermediate_size, h)]
+    inputs = [x] * len(shapes) + [torch.randn(tokens, spec.intermediate_size)]
+    flops = sum(2 * i.shape[0] * w.shape[0] * w.shape[1] for i, w in zip(inputs, weights))
+    seconds = _median_seconds(lambda: [i @ w for i, w in zip(inputs, weights)], 30)
+    peak = flops / seconds
+    # forward + backward of the whole model: blocks x overhead + ends + FLOPs / rate
+    rows, times = [], []
+    for layers in (1, 2):
+        cfg = replace(model_cfg, num_layers=layers)
+        model = build_model(cfg, seed=seed)
+        for b in batches:
+            ids = torch.randint(0, cfg.vocab_size, (b, seq_len))
+
+            def step() -> None:
+                logits = model(ids)
+                F.cross_entropy(logits.flatten(0, 1), ids.flatten()).backward()
+                model.zero_grad(set_to_none=True)
+
+            times.append(_median_seconds(step, 7))
+            rows.append([layers, 1.0, model_flops(replace(spec, num_layers=layers), b, seq_len)])
+    per_layer, per_micro_batch, per_flop = _fit(rows, times)
+    efficiency = min(1.0, 1 / (per_flop * peak)) if per_flop > 0 else 1.0
+    # clipping and AdamW over the config's model (gradients present)
+    model = build_model(model_cfg, seed=seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+
+    def update() -> None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+
+    return {
+        "peak_flops": peak,
+        "compute_efficiency": efficiency,
+        "layer_overhead_s": max(0.0, per_layer),
+        "micro_batch_overhead_s": max(0.0, per_micro_batch),
+        "step_overhead_s": _median_seconds(update, 10),
+    }
+
+
+def _call(op: str, tensor: torch.Tensor, out: torch.Tensor, group: Any, peer: int,
+          rank: int) -> None:
+    if op == "all_reduce":
+        dist.all_reduce(tensor, group=group)
+    elif op == "all_gather":
+        dist.all_gather_into_tensor(out, tensor, group=group)
+    elif op == "all_to_all":
+        dist.all_to_all_single(out[:tensor.numel()], tensor, group=group)
+    else:  # one message each way: half the round trip is one send
+        if rank < peer:
+            dist.send(tensor, peer)
+            dist.recv(tensor, peer)
+        else:
+            dist.recv(tensor, peer)
+            dist.send(tensor, peer)
+
+
+def measure_links(rank: int, world: int) -> Dict[str, Dict[str, Tuple[float, float]]]:
+    """In a gloo world: {group size: {op: (latency s, wire bytes/s)}} with every group of that
+    size (consecutive ranks) busy at once; send/recv between rank pairs (2 i, 2 i + 1)."""
+    out: Dict[str, Dict[str, Tuple[float, float]]] = {}
+    for size in range(2, world + 1):
+        # collectives over groups of consecutive ranks that tile the world; send/recv between
+        # pairs (an odd world's last rank sits them out)
+        ops = [
+            op for op in OPS if (op == "send" and size == 2) or (op != "send" and world % size == 0)
+        ]
+        if not ops:
+            continue
+        groups = [
+            dist.new_group(list(range(g, g + size))) for g in range(0, world, size)
+            if world % size == 0
+        ]
+        group = groups[rank // size] if groups else None
+        out[str(size)] = {}
+        for op in ops:
+            peer = rank ^ 1
+            times = {}
+            for numel in (SMALL, LARGE):
+                tensor = torch.ones(numel * (size if op == "all_to_all" else 1))
+                buffer = torch.empty(numel * size)
+                dist.barrier()
+                if op == "send" and peer >= world:  # an odd world's last rank has no partner
+                    times[numel] = 0.0
+                    continue
+                reps = 30 if numel == SMALL else 8
+                seconds = _median_seconds(lambda: _call(op, tensor, buffer, group, peer, rank),
+                                          reps)
+                times[numel] = seconds / (2 if op == "send" else 1)
+            nbytes = {
+                n: 4 * n * (size if op in ("all_gather", "all_to_all") else 1)
+                for n in (SMALL, LARGE)
+            }
+            wire = {
+                n:
+                wire_bytes(op, nbytes[n], size) if op != "all_to_all" else nbytes[n] * (size - 1) /
+                size
+                for n in (SMALL, LARGE)
+            }
+            extra = times[LARGE] - times[SMALL]
+            bandwidth = (wire[LARGE] - wire[SMALL]) / extra if extra > 0 else \
+                wire[LARGE] / max(times[LARGE], 1e-9)
+            out[str(size)][op] = (times[SMALL], bandwidth)
+    return out
+
+
+def calibrate(model_cfg: Any, seq_len: int, path: str, progress: Callable[[str], None],
+              worlds: Sequence[int] = WORLDS) -> Cluster:
+    """Measure this host for ``model_cfg`` at ``seq_len`` tokens and write ``path`` (links in
+    gloo worlds of each size in ``worlds``)."""
+    start = time.perf_counter()
+
+    def say(what: str) -> None:
+        progress(f"calibrate [{time.perf_counter() - start:4.0f} s] {what}")
+
+    say("compute: matmuls, forward + backward at 1-2 blocks x 3 micro-batch sizes, AdamW")
+    compute = measure_compute(model_cfg, seq_len)
+    links: Dict[str, Dict[str, Dict[str, List[float]]]] = {}
+    for world in worlds:
+        say(f"links: gloo world of {world} (all-reduce, all-gather, all-to-all, send)")
+        per_rank = run_distributed(measure_links, world, timeout=120)
+        links[str(world)] = {
+            size: {
+                op: [
+                    statistics.mean(r[size][op][0] for r in per_rank if r[size][op][0] > 0),
+                    statistics.mean(r[size][op][1] for r in per_rank if r[size][op][0] > 0)
+                ]
+                for op in per_rank[0][size]
+            }
+            for size in per_rank[0]
+        }
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
+        (os.cpu_count() or 1)
+    pair = links[str(min(worlds))]["2"]["all_reduce"]
+    cluster = Cluster(name=f"host ({cores} cores, calibrated)", gpus_per_node=max(worlds),
+                      hbm_bytes=float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")),
+                      intra_node_bandwidth=pair[1], inter_node_bandwidth=pair[1],
+                      intra_node_latency=pair[0], inter_node_latency=pair[0], comm_efficiency=1.0,
+                      cores=cores, links=links, **compute)
+    save_cluster(cluster, path)
+    say(f"wrote {path}")
+    return cluster
+
+
+if __name__ == "__main__":
+    sys.exit("run: python scripts/plan.py [CONFIG.yaml] --calibrate FILE.json")
