@@ -26,6 +26,20 @@ SAVE_AT = 3  # the checkpoint test saves after 3 of the 5 steps
 
 LAYOUTS = ND_LAYOUTS  # the parity matrix (tests/layouts.py)
 
+# Tied embeddings (model.tie_word_embeddings): tp x pp x dp, and ZeRO-3 beside tp and pp. The
+# vocabulary-parallel embedding and head split the rows alike, so the tie holds per tp rank;
+# the pipeline's first and last stage each hold a copy, summed over the embedding group.
+TIED_LAYOUTS = {
+    "tied_tp2_pp2_dp2": (False, 2, layout(tp=2, pp=2)),
+    "tied_zero3_tp2_pp2_dp2": (False, 2, layout(tp=2, pp=2, zero_stage=3)),
+}
+
+
+def tied_config(name: str, layouts: dict = TIED_LAYOUTS):
+    cfg = config_of(layouts, name)
+    cfg.model.tie_word_embeddings = True
+    return cfg
+
 
 def _checkpoint_runs(path: str) -> dict:
     """Save after 3 steps at tp2 x pp2 x dp2 (consolidated), resume at dp 8 and at ZeRO-3
@@ -55,6 +69,12 @@ def _world(rank: int, world: int, path: str) -> dict:
     out = {name: train(config_of(LAYOUTS, name)) for name in LAYOUTS}
     out["checkpoint"] = _checkpoint_runs(path)
     out["errors"] = _invalid_combinations()
+    out.update({name: train(tied_config(name)) for name in TIED_LAYOUTS})
+    # consolidated (the tied weight once) at tp2 x pp2 x dp2, resumed at ZeRO-3 tp2 x dp4
+    resume = {"tied_zero3_tp2_dp4": (False, 2, layout(tp=2, zero_stage=3))}
+    out["tied_checkpoint"] = save_and_resume(tied_config("tied_tp2_pp2_dp2"),
+                                             {"zero3": tied_config("tied_zero3_tp2_dp4", resume)},
+                                             path + ".tied", SAVE_AT)
     return out
 
 
@@ -68,6 +88,7 @@ class NDParallelMatchesSingleDevice(unittest.TestCase):
         # one single-device reference per (model, micro-batches): losses, grad norms, weights
         cls.references = references([config_of(LAYOUTS, name)
                                      for name in LAYOUTS] + [make_config(False, 1)])
+        cls.tied_reference = references([tied_config("tied_tp2_pp2_dp2")])
 
     @classmethod
     def tearDownClass(cls):
@@ -103,6 +124,18 @@ class NDParallelMatchesSingleDevice(unittest.TestCase):
     def test_activation_checkpointing_keeps_parity_with_sp_pp_tp_and_zero2_cp(self):
         self._assert_parity("ckpt_tp2_sp_pp2_dp2")
         self._assert_parity("ckpt_zero2_cp2_dp4")
+
+    def test_tied_embeddings_at_tp2_pp2_dp2_and_with_zero3_match_single_device(self):
+        reference, = self.tied_reference.values()  # the tied model, 2 micro-batches
+        for name in TIED_LAYOUTS:
+            with self.subTest(layout=name):
+                assert_parity(self, self.results, name, reference)
+                state = self.results[0][name]["state"]  # one tensor under both names
+                self.assertIs(state["lm_head.weight"], state["embed_tokens.weight"])
+        resumed = self.results[0]["tied_checkpoint"]["zero3"]
+        for a, b in zip(resumed, reference[0][SAVE_AT:]):
+            self.assertAlmostEqual(a, b, delta=TOL)
+        self.assertEqual(len(resumed), 5 - SAVE_AT)
 
     def test_clipping_is_active_so_the_grad_norm_comparison_means_something(self):
         _, norms, _ = self._reference("tp2_pp2_dp2")
