@@ -20,6 +20,10 @@ rank's mean loss; data-parallel wrappers of the chunks sync only in the chunk's 
 A mixture-of-experts chunk adds its layers' load-balancing losses (/ m) where they arise: each
 stage backpropagates its own with its activation gradient, and the reported loss sums them.
 
+Tied embeddings (Megatron's way): the first stage holds the embedding, the last a copy of it as
+the output layer; after backward one all-reduce over the embedding group (pg_manager: the
+pipeline's first and last rank) sums the two copies' gradients, so both stay equal.
+
 Longer than 300 lines on purpose: the cut into stages, the runtime that executes a schedule's
 actions with its point-to-point messages, and PyTorch's pipelining beside it are read together;
 the schedules themselves are data (pipeline_schedules.py, zero_bubble.py).
