@@ -7,8 +7,10 @@ bytes per element and skips an fp16 overflow that only one rank saw.
 """
 
 import unittest
+import weakref
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from scaletorch.dist import destroy_pg_manager, get_ledger
 from scaletorch.models import build_model, loss_fn
@@ -21,7 +23,7 @@ from scaletorch.trainer.config import validate
 from scaletorch.trainer.parity import max_weight_diff
 from scaletorch.trainer.precision import TOLERANCES, policy
 from tests.harness import run_distributed
-from tests.layouts import build, make_config, pg_manager_for
+from tests.layouts import build, config_of, layout, make_config, pg_manager_for, references, train
 
 STEPS = 20
 # bf16 against bf16 with the same policy: precision.py derives 8 u = 2^-5 = 3.1e-2 from
@@ -29,7 +31,7 @@ STEPS = 20
 # AdamW's ~lr moves of elements whose tiny gradient the rounding flips). The same bound here.
 TOL = TOLERANCES["bf16"]
 
-CASES = {  # name -> parallel config (2 ranks, all data parallel)
+CASES = {  # name -> parallel config (2 ranks)
     "naive": dict(impl="naive"),
     "bucketed": dict(impl="scaletorch", bucket_size_mb=0.01),  # several buckets
     "zero1": dict(zero_stage=1),
@@ -38,19 +40,39 @@ CASES = {  # name -> parallel config (2 ranks, all data parallel)
     "fsdp2": dict(impl="torch", zero_stage=3, param_dtype="bf16"),  # fully_shard(mp_policy=...)
     # fp16 with the loss scaler, gradients reduced in fp16 (CPU fp16 matmuls are slow: one case)
     "fp16_zero2": dict(zero_stage=2),
+    # the other strategies (dp 1): activations and their gradients cross tp / pp / cp / ep in
+    # the compute dtype (WIRE); ep is the MoE model
+    "tp2": layout(tp=2, sequence_parallel=True),
+    "pp2": layout(pp=2),
+    "cp2": layout(cp=2),
+    "ep2": layout(ep=2),
 }
+WIRE = {"tp2": "tp", "pp2": "pp", "cp2": "cp", "ep2": "ep"}  # case -> its group
+DATA_PARALLEL = ("naive", "bucketed", "zero1", "zero2", "zero3", "fsdp2", "fp16_zero2")
 
 
 def precision_of(name: str) -> str:
     return "fp16" if name.startswith("fp16") else "bf16"
 
 
-def low_config(name: str) -> Config:
-    """Case ``name`` at its precision, gradients reduced in that precision, 20 steps."""
-    precision = precision_of(name)
-    cfg = make_config(micro_batches=2, reduce_dtype=precision, **CASES[name])
-    cfg.training.steps, cfg.training.precision = STEPS, precision
+def low_config(name: str, precision: str = "", steps: int = STEPS) -> Config:
+    """Case ``name`` at its precision (or ``precision``), gradients reduced in it, 20 steps;
+    the MoE model (ep) with one micro-batch, as tests/layouts.py's."""
+    precision = precision or precision_of(name)
+    moe = name == "ep2"
+    cfg = make_config(moe, 1 if moe else 2, reduce_dtype=precision, **CASES[name])
+    cfg.training.steps, cfg.training.precision = steps, precision
     return cfg
+
+
+def _wire(group: str, step: int) -> dict:
+    """{op: (elements, bytes)} that went over ``group`` in ``step``."""
+    ledger = get_ledger()
+    out = {}
+    for op in {r.op for r in ledger.select(group=group, step=step)}:
+        out[op] = (ledger.total(op=op, group=group, step=step),
+                   ledger.total(op=op, group=group, step=step, field="bytes"))
+    return out
 
 
 def _grad_bytes_per_element(step: int) -> dict:
@@ -113,14 +135,23 @@ def _rank_main(rank: int, world_size: int) -> dict:
             "losses": result.losses,
             "state": par.full_state_dict(),
             "bytes_per_element": _grad_bytes_per_element(STEPS - 1),
-            "memory": measure_memory(par.model, trainer.optimizer),
             "numel": sum(u.padded_numel for u in units),
         }
+        if name in DATA_PARALLEL:
+            out[name]["memory"] = measure_memory(par.model, trainer.optimizer)
+        if name in WIRE:
+            out[name]["wire"] = _wire(WIRE[name], STEPS - 1)
         if units and cfg.parallel.zero_stage == 3:  # ours: a gathered unit holds 2 x P' bytes
             units[1].gather()
             out[name]["gathered"] = (units[1].gathered_bytes, units[1].padded_numel,
                                      units[1].flat.dtype)
             units[1].free()
+        destroy_pg_manager()
+    for name, group in WIRE.items():  # the same strategies in fp32, for their bytes
+        pgm = pg_manager_for(low_config(name, "fp32", 2))
+        get_ledger().clear()
+        build(low_config(name, "fp32", 2), pgm)[1].train()
+        out[name]["wire_fp32"] = _wire(group, 1)
         destroy_pg_manager()
     out["overflow"] = _overflow_on_one_rank()
     return out
@@ -142,6 +173,7 @@ def _reference(cfg: Config) -> tuple:
     bf16 copy of its parameters, as the 2-rank ZeRO-3 does."""
     model = build_model(cfg.model, seed=cfg.training.model_seed)
     p = cfg.parallel
+    cfg.parallel = Config().parallel  # one device; param_dtype and reduce_dtype read from p
     if p.zero_stage == 3:
         zero = ShardedDataParallel(model, llama_units(model), None, 3,
                                    policy=MixedPrecisionPolicy.of(p.param_dtype, p.reduce_dtype))
@@ -153,7 +185,74 @@ def _reference(cfg: Config) -> tuple:
     return trainer.train().losses, {k: v.detach() for k, v in model.state_dict().items()}
 
 
+class _WeightCasts(TorchDispatchMode):
+    """Sees every op: keeps a weak reference to each bf16 copy of a 2-D fp32 tensor (a weight;
+    activations are 3-D), so ``held()`` is the bytes of such copies still alive."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refs: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._to_copy.default and args[0].dim() == 2 and \
+                args[0].dtype == torch.float32 and out.dtype == torch.bfloat16:
+            self.refs.append(weakref.ref(out))
+        return out
+
+    def held(self) -> int:
+        alive = [r() for r in self.refs]
+        return sum({
+            t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+            for t in alive if t is not None
+        }.values())
+
+
+def _zero3_weight_copies_held(param_dtype: str) -> dict:
+    """One process, ZeRO-3 over all units (world 1: the shard is the unit), one bf16 step:
+    bytes of bf16 weight copies alive at the end of forward and of backward (inside autocast,
+    as the Trainer's step), and the bytes ZeRO-3 says it holds gathered at most."""
+    cfg = make_config()
+    model = build_model(cfg.model, seed=0)
+    zero = ShardedDataParallel(model, llama_units(model), None, 3,
+                               policy=MixedPrecisionPolicy.of(param_dtype, "fp32", "bf16"))
+    x = torch.randint(0, cfg.model.vocab_size, (4, 16))
+    casts = _WeightCasts()
+    with torch.autocast("cpu", dtype=torch.bfloat16), casts:
+        loss = loss_fn(zero(x), x)
+        forward = casts.held()
+        loss.backward()
+        backward = casts.held()
+    return {
+        "forward": forward,
+        "backward": backward,
+        "claim": zero.peak_gathered_bytes,
+        "linear_bf16": 2 * sum(p.numel() for p in zero.shards.parameters())
+    }
+
+
 class MixedPrecisionPolicyConfig(unittest.TestCase):
+
+    def test_zero3_under_bf16_holds_no_weight_copies_beyond_its_gathered_units(self):
+        # default param_dtype (auto = the compute dtype): the unit gathers bf16 and autocast
+        # has nothing to cast; what backward saves is on the flat buffer ZeRO-3 frees
+        auto = _zero3_weight_copies_held("auto")
+        print(f"\nZeRO-3 bf16, param_dtype auto: bf16 weight copies held after forward "
+              f"{auto['forward']:,} B, after backward {auto['backward']:,} B; gathered at most "
+              f"{auto['claim']:,} B")
+        self.assertEqual((auto["forward"], auto["backward"]), (0, 0))
+        # 2 units in flight (prefetch) of 2 bytes per element: under 2 bytes per parameter
+        self.assertLess(auto["claim"], auto["linear_bf16"])
+        # param_dtype fp32: autograd saves autocast's copies until each unit's backward (about
+        # 2 bytes per parameter after forward); with the autocast cache off per unit they no
+        # longer outlive backward (before: all of them, to the end of the step)
+        fp32 = _zero3_weight_copies_held("fp32")
+        print(f"ZeRO-3 bf16, param_dtype fp32: bf16 weight copies held after forward "
+              f"{fp32['forward']:,} B, after backward {fp32['backward']:,} B; 2 bytes per "
+              f"parameter {fp32['linear_bf16']:,} B")
+        self.assertGreater(fp32["forward"], fp32["claim"])
+        self.assertLessEqual(fp32["forward"], fp32["linear_bf16"])
+        self.assertEqual(fp32["backward"], 0)
 
     def test_default_policy_is_fp32_and_bf16_names_resolve(self):
         cfg = Config()
@@ -249,6 +348,39 @@ class MixedPrecisionDataParallel(unittest.TestCase):
             held, padded, dtype = self.results[rank]["zero3"]["gathered"]
             self.assertEqual((held, dtype), (2 * padded, torch.bfloat16))
 
+    def test_tp_pp_cp_ep_send_activations_and_their_gradients_in_bf16_half_the_fp32_bytes(self):
+        # Per group, bytes per element of step 19 in bf16 over those of step 1 in fp32: 1/2,
+        # up to what stays fp32 on purpose: the vocabulary-parallel loss statistics (max, sum
+        # of exp, target logit) and the sequence-parallel norm weights' gradient over tp, the
+        # loss over pp, the int64 token counts over ep. They are under 1% of the bytes.
+        for name, group in WIRE.items():
+            for rank in (0, 1):
+                got = self.results[rank][name]
+                bf16, fp32 = got["wire"], got["wire_fp32"]
+                per_element = [
+                    sum(b for _, b in wire.values()) / sum(e for e, _ in wire.values())
+                    for wire in (bf16, fp32)
+                ]
+                ratio = per_element[0] / per_element[1]
+                if rank == 0:
+                    print(f"\n{name}: {group} bytes per element bf16 {per_element[0]:.3f}, fp32 "
+                          f"{per_element[1]:.3f}: ratio {ratio:.4f}")
+                with self.subTest(strategy=name, rank=rank):
+                    self.assertGreaterEqual(ratio, 0.5)
+                    self.assertLessEqual(ratio, 0.51)
+        # exactly half where nothing else travels: the pipeline's sends, the ring's
+        cfg = low_config("cp2")
+        m = cfg.model
+        b, s_local, hd = cfg.data.global_batch_size, cfg.data.seq_len // 2, m.hidden_size // \
+            m.num_attention_heads
+        ring = (3 * 2 - 2) * 2 * b * s_local * m.num_key_value_heads * hd * m.num_layers
+        for rank in (0, 1):
+            with self.subTest(rank=rank):
+                pp = self.results[rank]["pp2"]
+                self.assertEqual(pp["wire"]["send"][1], pp["wire_fp32"]["send"][1] / 2)
+                # ring attention: K, V forward and backward, dK, dV: the formula x 2 bytes
+                self.assertEqual(self.results[rank]["cp2"]["wire"]["send"], (ring, 2 * ring))
+
     def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(self):
         for rank in (0, 1):
             got = self.results[rank]["overflow"]
@@ -257,6 +389,49 @@ class MixedPrecisionDataParallel(unittest.TestCase):
                 self.assertEqual(got["scales"], [2.0**10, 2.0**9, 2.0**9])
                 self.assertEqual(got["skipped"], 1)
                 self.assertTrue(got["replicas_equal"])
+
+
+# Chapter 07 layouts on 4 ranks in bf16, gradients reduced in bf16: (moe, micro-batches, parallel)
+COMPOSED = {
+    "tp2_pp2": (False, 2, layout(tp=2, pp=2)),
+    "cp2_dp2_zero1": (False, 2, layout(cp=2, zero_stage=1)),
+    "ep2_pp2_dp2": (True, 1, layout(pp=2, ep=2, schedule="afab")),
+}
+
+
+def composed_config(name: str) -> Config:
+    cfg = config_of(COMPOSED, name)
+    cfg.parallel.reduce_dtype = cfg.training.precision = "bf16"
+    cfg.training.steps = STEPS
+    return cfg
+
+
+def _composed_main(rank: int, world_size: int) -> dict:
+    return {name: train(composed_config(name)) for name in COMPOSED}
+
+
+class MixedPrecisionComposedLayouts(unittest.TestCase):
+    """4 ranks, three chapter-07 layouts, 20 bf16 steps each, one world."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.results = run_distributed(_composed_main, 4, timeout=400)
+        cls.references = references(composed_config(name) for name in COMPOSED)
+
+    def test_composed_layouts_in_bf16_match_single_device_bf16_within_2_to_the_minus_5(self):
+        for name in COMPOSED:
+            cfg = composed_config(name)
+            losses, _, state = self.references[(cfg.model.num_experts, cfg.data.num_micro_batches)]
+            with self.subTest(layout=name):
+                loss_diff = max(
+                    abs(a - b) for rank in range(4)
+                    for a, b in zip(self.results[rank][name]["losses"], losses))
+                weight_diff = max_weight_diff(self.results[0][name]["state"], state)
+                print(f"\n{name}: bf16, {STEPS} steps: max |loss - reference| = {loss_diff:.1e}, "
+                      f"max |weight - reference| = {weight_diff:.1e} (tolerance {TOL:.1e})")
+                self.assertEqual(len(self.results[0][name]["losses"]), STEPS)
+                self.assertLessEqual(loss_diff, TOL)
+                self.assertLessEqual(weight_diff, TOL)
 
 
 if __name__ == "__main__":

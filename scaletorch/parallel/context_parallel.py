@@ -188,6 +188,9 @@ def cp_report(cfg: "Config", model: nn.Module, pgm: ProcessGroupManager, steps_r
     else:  # q, k, v, out all-to-all in forward and again in backward; (cp-1)/cp leaves
         op, formula = "all_to_all", 2 * (cp - 1) * b * s_local * (2 * hq + 2 * hkv) * hd // cp
     measured = ledger.total(op=op, group="cp", step=step, phase="compute") / layers
+    # the bytes of what was sent: 2 per element under bf16 (chapter 08), 4 in fp32
+    measured_mb = ledger.total(op=op, group="cp", step=step, phase="compute",
+                               field="bytes") / layers / 1e6
     # activation checkpointing re-runs each block's forward in backward: its K/V ring again
     recomputed = ledger.total(op=op, group="cp", step=step, phase="recompute") / layers
     forward = (cp - 1) * 2 * b * s_local * hkv * hd if p.cp_variant == "ring" else formula // 2
@@ -203,7 +206,7 @@ def cp_report(cfg: "Config", model: nn.Module, pgm: ProcessGroupManager, steps_r
     lines = [
         ledger.table(step=step),
         f"{p.cp_variant} {what} traffic per layer per step per rank ({op} over cp): "
-        f"{measured:,.0f} elements = {measured * 4 / 1e6:.3f} MB; formula {formula:,}"
+        f"{measured:,.0f} elements = {measured_mb:.3f} MB; formula {formula:,}"
     ]
     if recompute_mode(p.activation_checkpointing) != "none":  # the ring is in the core
         lines.append(f"recomputed (activation checkpointing): {recomputed:,.0f} elements per "

@@ -48,6 +48,7 @@ from scaletorch.dist import ProcessGroupManager, comm, get_ledger
 from scaletorch.dist.comm import Group
 from scaletorch.dist.functional import all_reduce_sum, all_to_all, gather_along_dim
 from scaletorch.models.moe import Experts, MoE
+from scaletorch.parallel.mixed_precision import to_compute
 from scaletorch.parallel.wrapper import ModuleWrapper
 
 
@@ -94,6 +95,7 @@ class AllToAllDispatcher:
         recv_counts = torch.empty_like(send_counts)  # [i, l]: rank i's tokens for my expert l
         comm.all_to_all_single(recv_counts, send_counts, group=self.group)
         send_splits, recv_splits = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
+        routed = to_compute(routed)  # the experts' matmul dtype under autocast (chapter 08)
         received = all_to_all(routed, recv_splits, send_splits, self.group)  # (M, h)
 
         # received is ordered (source rank, local expert); the experts want (local expert).

@@ -6,7 +6,14 @@ lost); the forward and backward compute in the autocast dtype (``training.precis
 
     param_dtype    the dtype ZeRO-3 all-gathers a unit's parameters in: a copy of the fp32
                    shard cast to it, so the gather moves 2 bytes per element instead of 4, and
-                   the unit then computes with those weights (fp32 or the compute dtype)
+                   the unit then computes with those weights (fp32 or the compute dtype; the
+                   default "auto" is the compute dtype). Why the compute dtype: a unit gathered
+                   in fp32 under bf16 autocast has autocast cast each weight to bf16, and
+                   autograd saves those copies for backward, outside the unit's flat buffer
+                   that ZeRO-3 frees: 2 bytes per parameter of every unit stay until its
+                   backward (autocast's cache kept them to the end of the step until each unit
+                   turned it off). Gathered in bf16, there is nothing to cast: what backward
+                   saves lives on the flat buffer, freed after the unit and gathered again.
     reduce_dtype   the dtype gradients cross the wire in: DDP (naive and bucketed) casts its
                    fp32 gradients (or bucket) to it, all-reduces, and casts the average back
                    into the fp32 gradients; ZeRO-1/2/3 reduce-scatter in it
@@ -71,9 +78,12 @@ class MixedPrecisionPolicy:
     reduce_dtype: torch.dtype = torch.float32
 
     @classmethod
-    def of(cls, param_dtype: str, reduce_dtype: str) -> "MixedPrecisionPolicy":
+    def of(cls, param_dtype: str, reduce_dtype: str,
+           compute: str = "fp32") -> "MixedPrecisionPolicy":
         """The policy of two dtype names (``parallel.param_dtype``, ``parallel.reduce_dtype``),
-        already checked together with the precision by ``from_names`` (config validation)."""
+        already checked together with the precision by ``from_names`` (config validation);
+        param_dtype "auto" is ``compute`` (the resolved ``training.precision``)."""
+        param_dtype = compute if param_dtype == "auto" else param_dtype
         return cls(dtype_of(param_dtype, "parallel.param_dtype"),
                    dtype_of(reduce_dtype, "parallel.reduce_dtype"))
 
@@ -81,10 +91,12 @@ class MixedPrecisionPolicy:
     def from_names(cls, compute: str, param_dtype: str = "fp32", reduce_dtype: str = "fp32",
                    device_type: str = "cpu") -> "MixedPrecisionPolicy":
         """The policy of ``training.precision`` (resolved: fp32 | bf16 | fp16),
-        ``parallel.param_dtype`` and ``parallel.reduce_dtype``; ValueError naming the values
-        for unknown names, fp16 on a device type that cannot compute in it, a param_dtype wider
-        than the fp32 master or other than the compute dtype."""
+        ``parallel.param_dtype`` ("auto": the compute dtype) and ``parallel.reduce_dtype``;
+        ValueError naming the values for unknown names, fp16 on a device type that cannot
+        compute in it, a param_dtype wider than the fp32 master or other than the compute
+        dtype."""
         compute_dtype = dtype_of(compute, "training.precision")
+        param_dtype = compute if param_dtype == "auto" else param_dtype
         param = dtype_of(param_dtype, "parallel.param_dtype")
         reduce = dtype_of(reduce_dtype, "parallel.reduce_dtype")
         for key, name, dtype in (("parallel.param_dtype", param_dtype, param),
@@ -107,6 +119,26 @@ class MixedPrecisionPolicy:
 
 
 FP32 = MixedPrecisionPolicy()
+
+
+def compute_dtype(device_type: str) -> Optional[torch.dtype]:
+    """The dtype autocast computes matmuls in on ``device_type`` now; None when it is off."""
+    if not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)
+
+
+def to_compute(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in the autocast dtype when autocast is on and ``x`` is wider: what activations
+    cross the wire in (tensor, sequence and expert parallel call it before a collective).
+
+    ``x`` is about to enter an autocast matmul, which would cast it after the collective: done
+    before, it is the same numbers and half the bytes, and the cast's backward receives the
+    matmul's gradient in the compute dtype, so the conjugate collective sends that too."""
+    dtype = compute_dtype(x.device.type)
+    if dtype is None or not x.is_floating_point() or x.element_size() <= dtype.itemsize:
+        return x
+    return x.to(dtype)
 
 
 def reduce_in(policy: Optional[MixedPrecisionPolicy], grad: torch.Tensor) -> torch.Tensor:

@@ -240,8 +240,11 @@ def parallelize_native(
         modules = list(pipe.chunks)
     trainer_model: nn.Module = model if pipe is None else pipe
     if zero3 or (pgm.data_parallel_world_size > 1 and (tp > 1 or pp > 1)):  # 5
-        apply_native_data_parallel(modules, mesh["dp"], zero3,
-                                   MixedPrecisionPolicy.of(p.param_dtype, p.reduce_dtype))
+        from scaletorch.trainer.precision import policy  # the trainer imports this module
+        mp = policy(cfg, next(model.parameters()).device.type)
+        if not zero3:  # param_dtype is what ZeRO-3 gathers in; replicate gathers nothing
+            mp = MixedPrecisionPolicy(reduce_dtype=mp.reduce_dtype)
+        apply_native_data_parallel(modules, mesh["dp"], zero3, mp)
     elif pgm.data_parallel_world_size_with_context > 1 and pipe is None:
         trainer_model = apply_data_parallel(model, pgm, "torch", p.bucket_size_mb)
     param_map = DTensorParamMap(pgm, model, pipe)  # FSDP2 swapped in DTensors; DDP is around model

@@ -61,7 +61,7 @@ from scaletorch.parallel.context_parallel import apply_context_parallel, make_se
 from scaletorch.parallel.data_parallel import apply_data_parallel
 from scaletorch.parallel.expert_parallel import ExpertParallel, shard_experts
 from scaletorch.parallel.grad_norm import clip_grads_, world_grad_norm
-from scaletorch.parallel.mixed_precision import DynamicLossScaler, MixedPrecisionPolicy
+from scaletorch.parallel.mixed_precision import DynamicLossScaler
 from scaletorch.parallel.native import parallelize_native
 from scaletorch.parallel.param_map import DTensorParamMap, ParamMap, State
 from scaletorch.parallel.pipeline_parallel import PipelineSchedule, apply_pipeline_parallel
@@ -146,7 +146,9 @@ def _apply_data_parallel(
     (dense gradients over "dp_cp", expert gradients over "edp"), or DDP (bucketed, or naive).
     Returns (wrapped modules, ZeRO's optimizer or None for the Trainer's AdamW)."""
     p, t = cfg.parallel, cfg.training
-    policy = MixedPrecisionPolicy.of(p.param_dtype, p.reduce_dtype)  # chapter 08
+    # chapter 08; imported here: the trainer package imports this module
+    from scaletorch.trainer.precision import policy as run_policy
+    policy = run_policy(cfg, next(modules[0].parameters()).device.type)
     if p.zero_stage > 0:
         zero = [
             ShardedDataParallel(m, llama_units(m), pgm.data_parallel_group_with_context,

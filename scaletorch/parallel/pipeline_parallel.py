@@ -40,6 +40,7 @@ from scaletorch.data import split_micro_batches
 from scaletorch.dist import ProcessGroupManager, comm, get_ledger
 from scaletorch.models import Llama, MoE, loss_fn, moe_aux_loss
 from scaletorch.parallel.data_parallel import TorchDataParallel, apply_data_parallel
+from scaletorch.parallel.mixed_precision import compute_dtype
 from scaletorch.parallel.pipeline_schedules import (P2P, ZERO_BUBBLE, Action, Timeline,
                                                     TimelineRecorder, rank_of_stage,
                                                     schedule_actions, schedule_plan, stage_index,
@@ -238,7 +239,9 @@ class PipelineSchedule:
         self.recorder = TimelineRecorder(rank, p, num_micro_batches, v,
                                          device=next(pipe.parameters()).device)
         self.meter = ActivationMeter(list(pipe.parameters()))  # the last step's activations
-        self.dtype = next(pipe.parameters()).dtype
+        # The stage inputs' dtype (the parameters'), and what activations and their gradients
+        # cross the wire in: the compute dtype under autocast (chapter 08), set per step.
+        self.param_dtype = self.dtype = next(pipe.parameters()).dtype
         self.tied = tied_embedding_params(pipe)  # a tied embedding's copy on this rank, if any
 
     @property
@@ -256,6 +259,7 @@ class PipelineSchedule:
         self.shape = (b, s // self.pipe.sequence_parallel_size, self.pipe.hidden_size)
         self.recorder.reset()
         self.meter.reset()
+        self.dtype = compute_dtype(inputs.device.type) or self.param_dtype  # the wire's
         self.held: Dict[tuple, tuple] = {}  # (mb, chunk) -> (stage input, output or loss)
         self.inbox: Dict[tuple, torch.Tensor] = {}  # (kind, mb, dst stage) -> received
         self.outbox: Dict[tuple, torch.Tensor] = {}  # (kind, mb, src stage) -> to send
@@ -304,7 +308,9 @@ class PipelineSchedule:
         if stage == 0:
             x = self.micro_batches[mb][0]  # (b, s) token ids
         else:
-            x = self.inbox.pop(("act", mb, stage)).requires_grad_()  # (b, s, h)
+            # (b, s, h), back in the stage's dtype: the residual stream stays fp32 as on one
+            # device; its gradient leaves in the wire's (_backward)
+            x = self.inbox.pop(("act", mb, stage)).to(self.param_dtype).requires_grad_()
         chunk = self.pipe.chunks[action.chunk]
         with self.meter.saving((mb, action.chunk)):
             out = chunk(x) if self.position_ids is None else \

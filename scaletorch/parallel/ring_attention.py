@@ -6,8 +6,11 @@ at step t a rank holds the K/V of rank (r - t) mod N, attends its queries to the
 block (a block is full, diagonal or skipped under the causal mask: ``ring_schedule``) and
 merges the partial results with their log-sum-exp. Forward: each rank sends its K and V
 (hkv heads, not expanded) N-1 times per layer. Backward: K/V go round again (N-1 sends) and
-dK/dV go round back to their owners (N sends). context_parallel.py shards the sequences and
-installs this attention (or Ulysses).
+dK/dV go round back to their owners (N sends). Mixed precision (chapter 08): K/V and dK/dV
+cross the ring in q's dtype (the compute dtype: bf16 under autocast, 2 bytes per element)
+and q, k, v and the output are saved in it; the blocks, the merges and the softmax statistics
+(log-sum-exp) are fp32, upcast on the rank that computes. context_parallel.py shards the
+sequences and installs this attention (or Ulysses).
 """
 
 import math
@@ -195,16 +198,16 @@ class _RingAttention(torch.autograd.Function):
         cp, rank = comm.group_size(group), comm.group_rank(group)
         block_fwd, _ = BLOCK_FNS[impl]
         scale = 1.0 / math.sqrt(q.size(-1))
-        dtype = q.dtype
+        dtype = q.dtype  # the compute dtype (bf16 under autocast): what crosses the ring
         with torch.autocast(q.device.type, enabled=False):  # blocks and merges in fp32
-            q, k, v = q.float(), k.float(), v.float()
-            qs = q.chunk(2, dim=2)
+            qs = q.float().chunk(2, dim=2)
             merged: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # query chunk: (out, lse)
-            kv = torch.stack([k, v])  # one message: (2, b, hkv, s_local, d)
+            kv = torch.stack([k, v])  # one message, in q's dtype: (2, b, hkv, s_local, d)
             for t, blocks in enumerate(ring_schedule(rank, cp, order)):
                 if t + 1 < cp:  # post the next K/V before computing: comm overlaps compute
                     next_kv, works = _exchange(kv, group, KV_TAG)
-                ks, vs = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
+                kv32 = kv.float()  # upcast after the wire, on this rank
+                ks, vs = kv32[0].chunk(2, dim=2), kv32[1].chunk(2, dim=2)
                 for a, b, kind in blocks:
                     if kind == "skipped":
                         continue
@@ -213,11 +216,11 @@ class _RingAttention(torch.autograd.Function):
                 if t + 1 < cp:
                     _wait(works)
                     kv = next_kv
-            out = torch.cat([merged[0][0], merged[1][0]], dim=2)
-            lse = torch.cat([merged[0][1], merged[1][1]], dim=2)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.order, ctx.impl, ctx.scale, ctx.dtype = group, order, impl, scale, dtype
-        return out.to(dtype)
+            out = torch.cat([merged[0][0], merged[1][0]], dim=2).to(dtype)
+            lse = torch.cat([merged[0][1], merged[1][1]], dim=2)  # softmax statistics: fp32
+        ctx.save_for_backward(q, k, v, out, lse)  # q, k, v, out in the compute dtype
+        ctx.group, ctx.order, ctx.impl, ctx.scale = group, order, impl, scale
+        return out
 
     @staticmethod
     def backward(
@@ -227,11 +230,11 @@ class _RingAttention(torch.autograd.Function):
         group, scale = ctx.group, ctx.scale
         cp, rank = comm.group_size(group), comm.group_rank(group)
         _, block_bwd = BLOCK_FNS[ctx.impl]
+        dtype = q.dtype  # K/V and dK/dV cross the ring in it; the blocks add up in fp32
         with torch.autocast(q.device.type, enabled=False):
-            dout = dout.float()
-            qs, outs, lses = q.chunk(2, 2), out.chunk(2, 2), lse.chunk(2, 2)
-            douts = dout.chunk(2, 2)
-            dq = torch.zeros_like(q)
+            qs, outs, lses = q.float().chunk(2, 2), out.float().chunk(2, 2), lse.chunk(2, 2)
+            douts = dout.float().chunk(2, 2)
+            dq = torch.zeros_like(q, dtype=torch.float32)
             dqs = dq.chunk(2, dim=2)  # views: accumulating into them fills dq
             kv = torch.stack([k, v])
             dkv_in: Optional[torch.Tensor] = None
@@ -240,8 +243,9 @@ class _RingAttention(torch.autograd.Function):
                 if t + 1 < cp:
                     next_kv, kv_works = _exchange(kv, group, KV_TAG)
                 # dkv: gradient w.r.t. the K/V held now, i.e. of rank (rank - t) mod cp
-                dkv = torch.zeros_like(kv)
-                ks, vs = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
+                dkv = torch.zeros_like(kv, dtype=torch.float32)
+                kv32 = kv.float()
+                ks, vs = kv32[0].chunk(2, dim=2), kv32[1].chunk(2, dim=2)
                 dks, dvs = dkv[0].chunk(2, dim=2), dkv[1].chunk(2, dim=2)
                 for a, b, kind in blocks:
                     if kind == "skipped":
@@ -255,14 +259,13 @@ class _RingAttention(torch.autograd.Function):
                     _wait(dkv_works)
                     dkv += dkv_in
                 if cp > 1:  # pass it on; after cp hops it is back at its owner
-                    dkv_in, dkv_works = _exchange(dkv, group, DKV_TAG)
+                    dkv_in, dkv_works = _exchange(dkv.to(dtype), group, DKV_TAG)
                 if t + 1 < cp:
                     _wait(kv_works)
                     kv = next_kv
             if cp > 1:
                 _wait(dkv_works)
                 dkv = cast(torch.Tensor, dkv_in)  # the last hop brought it back
-        dtype = ctx.dtype
         return dq.to(dtype), dkv[0].to(dtype), dkv[1].to(dtype), None, None, None
 
 

@@ -46,6 +46,7 @@ from scaletorch.dist.functional import (copy_to_parallel_region,
                                         reduce_from_parallel_region,
                                         reduce_scatter_to_sequence_parallel_region)
 from scaletorch.models import Llama, LlamaConfig, MoE, RMSNorm
+from scaletorch.parallel.mixed_precision import to_compute
 # the formula lives with the planner (scaletorch/plan), which predicts whole layouts with it
 from scaletorch.plan.comm import tp_comm_elements as comm_elements_per_step
 
@@ -85,6 +86,7 @@ def _enter_region(x: torch.Tensor, group: Group, sequence_parallel: bool) -> tor
     Without sequence parallel: f (forward identity, backward all-reduce over ``group``).
     With it: (b, s/N, h) -> (b, s, h) all-gather (backward reduce-scatter over ``group``).
     """
+    x = to_compute(x)  # the matmuls' dtype under autocast: half the bytes (chapter 08)
     if sequence_parallel:
         return gather_from_sequence_parallel_region(x, group, dim=1)
     return copy_to_parallel_region(x, group)
@@ -209,7 +211,9 @@ class VocabParallelEmbedding(nn.Module):
         outside = (local < 0) | (local >= self.weight.shape[0])
         out = F.embedding(local.masked_fill(outside, 0), self.weight)  # (b, s, h)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)  # rows held by other ranks
-        return _exit_region(out, self.group, self.sequence_parallel)
+        # the wire in the compute dtype under autocast (chapter 08), the residual stream in
+        # the embedding's dtype again (fp32, as on one device)
+        return _exit_region(to_compute(out), self.group, self.sequence_parallel).to(out.dtype)
 
 
 class VocabParallelHead(ColumnParallelLinear):
@@ -402,20 +406,23 @@ def apply_tensor_parallel(model: Llama, pgm: ProcessGroupManager,
     return model
 
 
-def format_block_comm(config: LlamaConfig, tokens: int, tp: int, sequence_parallel: bool) -> str:
-    """The collectives of one transformer block for one micro-batch of ``tokens`` = b x s."""
+def format_block_comm(config: LlamaConfig, tokens: int, tp: int, sequence_parallel: bool,
+                      precision: str = "fp32") -> str:
+    """The collectives of one transformer block for one micro-batch of ``tokens`` = b x s;
+    activations cross the wire in the compute ``precision`` (chapter 08: 2 bytes in bf16)."""
+    e = 4 if precision == "fp32" else 2
     n = tokens * config.hidden_size
     if sequence_parallel:
         sites = [("attention input (g-bar)", "all_gather", "reduce_scatter"),
                  ("o_proj output (f-bar)", "reduce_scatter", "all_gather"),
                  ("MLP input (g-bar)", "all_gather", "reduce_scatter"),
                  ("down_proj output (f-bar)", "reduce_scatter", "all_gather")]
-        wire = 8 * (tp - 1) / tp * 4 * n
+        wire = 8 * (tp - 1) / tp * e * n
     else:
         sites = [("attention input (f)", "-", "all_reduce"),
                  ("o_proj output (g)", "all_reduce", "-"), ("MLP input (f)", "-", "all_reduce"),
                  ("down_proj output (g)", "all_reduce", "-")]
-        wire = 4 * 2 * (tp - 1) / tp * 4 * n
+        wire = 4 * 2 * (tp - 1) / tp * e * n
     lines = [
         f"one transformer block, one micro-batch: b x s x h = {tokens} x "
         f"{config.hidden_size} = {n:,} elements per collective, tp {tp}",
@@ -424,7 +431,7 @@ def format_block_comm(config: LlamaConfig, tokens: int, tp: int, sequence_parall
     lines += [f"{site:<26}{fwd:<16}{bwd:<16}" for site, fwd, bwd in sites]
     lines.append(f"per block: 2 forward + 2 backward = 4 x b x s x h = {4 * n:,} elements" +
                  (" in each of all_gather and reduce_scatter" if sequence_parallel else "") +
-                 f"; ring wire {wire / 1e6:.3f} MB per rank (fp32)")
+                 f"; ring wire {wire / 1e6:.3f} MB per rank ({precision})")
     return "\n".join(lines)
 
 
@@ -434,10 +441,13 @@ def tp_report(cfg: "Config", pgm: ProcessGroupManager, step: int) -> str:
     p, d, tp = cfg.parallel, cfg.data, pgm.tensor_model_parallel_world_size
     if tp == 1:
         return ""
+    from scaletorch.trainer.precision import resolve_precision  # the trainer imports us
     tokens = d.global_batch_size // pgm.data_parallel_world_size * d.seq_len  # per rank
     ledger = get_ledger()
+    precision = resolve_precision(cfg, "cuda" if torch.cuda.is_available() else "cpu")
     lines = [
-        format_block_comm(cfg.model, tokens // d.num_micro_batches, tp, p.sequence_parallel),
+        format_block_comm(cfg.model, tokens // d.num_micro_batches, tp, p.sequence_parallel,
+                          precision),
         ledger.table(step=step)
     ]
     if p.impl == "torch":

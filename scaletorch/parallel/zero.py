@@ -54,7 +54,7 @@ from torch import nn
 from scaletorch.dist import ProcessGroupManager
 from scaletorch.dist.comm import Work
 from scaletorch.parallel.flat_unit import FlatUnit, NamedModules
-from scaletorch.parallel.mixed_precision import MixedPrecisionPolicy
+from scaletorch.parallel.mixed_precision import MixedPrecisionPolicy, compute_dtype
 
 Units = List[Tuple[str, NamedModules]]  # (unit name, [(module name, module), ...])
 
@@ -111,6 +111,7 @@ class ShardedDataParallel(nn.Module):
         self._gathering: Dict[int, Work] = {}  # unit -> work of an async all-gather (prefetch)
         self.peak_gathered_units = 0  # stage 3: most units full at the same time
         self.peak_gathered_bytes = 0
+        self._autocast_cache: Optional[bool] = None  # set while a unit runs without the cache
         self.register_state_dict_post_hook(self._copy_shards)
         self.register_load_state_dict_post_hook(self._gather_after_load)
         for i, unit in enumerate(self.units):
@@ -164,12 +165,21 @@ class ShardedDataParallel(nn.Module):
     def _pre_forward(self, i: int, module: nn.Module, args: Tuple[Any, ...]) -> None:
         for k in [i] + self.borrows[i]:
             self._gather(k)
+        low = compute_dtype(self.units[i].flat.device.type)
+        if low is not None and low.itemsize < self.units[i].flat.element_size():
+            # param_dtype fp32 under autocast: autocast casts each weight, and its cache would
+            # keep every unit's copy to the end of the step; off, they go with their backward
+            self._autocast_cache = torch.is_autocast_cache_enabled()
+            torch.set_autocast_cache_enabled(False)
         if self.prefetch and i + 1 < len(self.units):
             self._gather(i + 1, async_op=True)
 
     def _post_forward(self, i: int, module: nn.Module, args: Tuple[Any, ...], output: Any) -> None:
         for k in [i] + self.borrows[i]:
             self._free(k)
+        if self._autocast_cache is not None:
+            torch.set_autocast_cache_enabled(self._autocast_cache)
+            self._autocast_cache = None
         if torch.is_tensor(output) and output.requires_grad:
             # Fires when the gradient of the unit's output is ready: its backward starts.
             output.register_hook(partial(self._pre_backward, i))

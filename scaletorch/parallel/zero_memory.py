@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from scaletorch.dist import ProcessGroupManager, comm, get_ledger
+from scaletorch.parallel.mixed_precision import MixedPrecisionPolicy
 # the formulas live with the planner (scaletorch/plan), which predicts whole layouts with them
 from scaletorch.plan.comm import zero_comm_elements as comm_formula
 from scaletorch.plan.memory import memory_formula
@@ -96,19 +97,29 @@ def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer, zero_stage
     return "\n".join(lines)
 
 
-def comm_report(zero_stage: int, padded_numel: int, num_micro_batches: int, world: int,
-                step: int) -> str:
-    """The ledger's all-gather and reduce-scatter volume of ``step`` next to the formula."""
+def comm_report(zero_stage: int, padded_numel: int, num_micro_batches: int, world: int, step: int,
+                policy: Optional[MixedPrecisionPolicy] = None) -> str:
+    """The ledger's all-gather and reduce-scatter volume of ``step`` next to the formula; the
+    bytes per element are the policy's (chapter 08): stage 3 gathers in ``param_dtype``,
+    stages 1, 2 gather the fp32 masters, all reduce-scatter in ``reduce_dtype``."""
     ledger = get_ledger()
     formula = comm_formula(zero_stage, padded_numel, num_micro_batches)
     measured = {op: int(ledger.total(op=op, step=step)) for op in formula}
     wire = sum(ledger.total(op=op, step=step, field="wire_bytes") for op in formula)
-    expected_wire = sum(formula.values()) * 4 * (world - 1) / world
+    p = policy or MixedPrecisionPolicy()
+    size = {
+        "all_gather": p.param_dtype.itemsize if zero_stage == 3 else 4,
+        "reduce_scatter": p.reduce_dtype.itemsize
+    }
+    expected_wire = sum(n * size[op] for op, n in formula.items()) * (world - 1) / world
+    gather, reduce = size["all_gather"], size["reduce_scatter"]
+    each = f"{gather} B each" if gather == reduce else \
+        f"{gather} B (all-gather) and {reduce} B (reduce-scatter)"
     gathers = "Psi'" if zero_stage < 3 else f"2 x {num_micro_batches} x Psi'"
     return (f"formula, step {step}: all-gather {gathers} = {formula['all_gather']:,} elements "
             f"(measured {measured['all_gather']:,}), reduce-scatter Psi' = "
             f"{formula['reduce_scatter']:,} (measured {measured['reduce_scatter']:,}); on the "
-            f"wire (N-1)/N x 4 B each: {expected_wire / 1e6:.3f} MB (measured {wire / 1e6:.3f})")
+            f"wire (N-1)/N x {each}: {expected_wire / 1e6:.3f} MB (measured {wire / 1e6:.3f})")
 
 
 def zero_report(model: nn.Module, optimizer: torch.optim.Optimizer, cfg: "Config",
@@ -117,7 +128,9 @@ def zero_report(model: nn.Module, optimizer: torch.optim.Optimizer, cfg: "Config
     memory table gathers every rank's row); the text on its rank 0, "" elsewhere: the ledger's
     table of ``step``, the all-gather and reduce-scatter volume next to the formula, and every
     rank's memory next to the formula. ``numel``: Psi of the unsharded model."""
+    from scaletorch.trainer.precision import policy as run_policy  # the trainer imports us
     p, group = cfg.parallel, pgm.data_parallel_group_with_context
+    mp = run_policy(cfg, next(model.parameters()).device.type)
     padded = getattr(model, "padded_numel", numel)  # FSDP2 does not pad
     memory = memory_report(model, optimizer, p.zero_stage, numel, padded, group)
     if comm.group_rank(group) != 0:
@@ -129,5 +142,5 @@ def zero_report(model: nn.Module, optimizer: torch.optim.Optimizer, cfg: "Config
     else:
         lines.append(
             comm_report(p.zero_stage, padded, cfg.data.num_micro_batches, comm.group_size(group),
-                        step))
+                        step, mp))
     return "\n".join(lines + [memory])

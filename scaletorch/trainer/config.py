@@ -61,7 +61,8 @@ class ParallelConfig:
     # layers per global pipeline stage (pp x virtual stages entries); None: an even split
     layer_split: Optional[List[int]] = None
     # mixed precision (chapter 08): ZeRO-3's parameter all-gather dtype, gradients' wire dtype
-    param_dtype: str = "fp32"  # fp32 | the compute dtype (training.precision bf16 or fp16)
+    # auto (the compute dtype: what ZeRO-3 should gather, mixed_precision.py) | fp32 | bf16 | fp16
+    param_dtype: str = "auto"
     reduce_dtype: str = "fp32"  # fp32 | bf16 | fp16
 
 
