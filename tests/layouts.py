@@ -74,6 +74,12 @@ ND_LAYOUTS = {
     (False, 2, layout(tp=2, pp=2, sequence_parallel=True, activation_checkpointing=True)),
     "ckpt_zero2_cp2_dp4":  # selective: only the attention core (here the cp ring) recomputed
     (False, 2, layout(cp=2, zero_stage=2, activation_checkpointing="selective")),
+    # the zero-bubble schedules (chapter 04) under tp and dp: zbv with m = 2 < 2p (rank 0's
+    # warm-up cut short), dualpipev at its least, m = 2p = 4
+    "zb_h1_tp2_pp2_dp2": (False, 2, layout(tp=2, pp=2, schedule="zb-h1")),
+    "zbv_tp2_pp2_dp2": (False, 2, layout(tp=2, pp=2, schedule="zbv", virtual_pipeline_stages=2)),
+    "dualpipev_tp2_pp2_dp2":
+    (False, 4, layout(tp=2, pp=2, schedule="dualpipev", virtual_pipeline_stages=2)),
 }
 
 

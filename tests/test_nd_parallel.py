@@ -125,6 +125,11 @@ class NDParallelMatchesSingleDevice(unittest.TestCase):
         self._assert_parity("ckpt_tp2_sp_pp2_dp2")
         self._assert_parity("ckpt_zero2_cp2_dp4")
 
+    def test_zero_bubble_schedules_zb_h1_zbv_dualpipev_at_tp2_pp2_dp2_match_single_device(self):
+        for name in ("zb_h1_tp2_pp2_dp2", "zbv_tp2_pp2_dp2", "dualpipev_tp2_pp2_dp2"):
+            with self.subTest(layout=name):
+                self._assert_parity(name)
+
     def test_tied_embeddings_at_tp2_pp2_dp2_and_with_zero3_match_single_device(self):
         reference, = self.tied_reference.values()  # the tied model, 2 micro-batches
         for name in TIED_LAYOUTS:

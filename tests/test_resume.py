@@ -43,8 +43,7 @@ PIPELINE_LAYOUTS = {
     "torch_tp2_dp4_zero3": (False, 2, layout(tp=2, zero_stage=3, impl="torch")),
     "interleaved_pp2_dp4": (False, 2, layout(pp=2, schedule="interleaved",
                                              virtual_pipeline_stages=2)),
-    "zb_h1_pp2_dp4": (False, 2, layout(pp=2, schedule="zb-h1")),  # the split backward
-}
+}  # the zero-bubble schedules (the split backward, the V) are in ND_LAYOUTS: tp2 x pp2 x dp2
 LAYOUTS = {**ND_LAYOUTS, **PIPELINE_LAYOUTS}
 
 
