@@ -180,12 +180,12 @@ def parallelize_error(cfg: Config, pgm=None) -> str:
             destroy_pg_manager()
 
 
-def references(configs: Iterable[Config]) -> Dict[Tuple[int, int], tuple]:
-    """Outside the world: one single-device run per (num_experts, micro-batches) of
-    ``configs``: (losses, grad norms, final weights)."""
-    out: Dict[Tuple[int, int], tuple] = {}
+def references(configs: Iterable[Config]) -> Dict[Tuple[int, int, int], tuple]:
+    """Outside the world: one single-device run per reference_key of ``configs``: (losses,
+    grad norms, final weights)."""
+    out: Dict[Tuple[int, int, int], tuple] = {}
     for cfg in configs:
-        key = (cfg.model.num_experts, cfg.data.num_micro_batches)
+        key = reference_key(cfg)
         if key not in out:
             cfg.parallel = Config().parallel
             model = build_model(cfg.model, seed=cfg.training.model_seed)
@@ -194,8 +194,10 @@ def references(configs: Iterable[Config]) -> Dict[Tuple[int, int], tuple]:
     return out
 
 
-def reference_key(cfg: Config) -> Tuple[int, int]:
-    return cfg.model.num_experts, cfg.data.num_micro_batches
+def reference_key(cfg: Config) -> Tuple[int, int, int]:
+    """What the single-device run depends on among the layouts: experts, micro-batches and
+    the vocabulary (which also picks the data: a synthetic chain or a .bin above 4096)."""
+    return cfg.model.num_experts, cfg.data.num_micro_batches, cfg.model.vocab_size
 
 
 def assert_run_matches(test: unittest.TestCase, results: List[dict], name: str, losses: List[float],

@@ -96,6 +96,8 @@ class BadConfigsRaiseErrorsNamingTheValues(unittest.TestCase):
         ], 2, ValueError, "num_micro_batches (3) divisible by pipeline_model_parallel_size (2)"),
         (["--virtual-stages", "2", "--schedule",
           "interleaved"], 2, ValueError, "virtual_pipeline_stages (2) needs a pipeline"),
+        # a synthetic chain over GPT-2's vocabulary would need 37.6 GiB: refused before any work
+        (["--model.vocab_size", "50257"], 1, ValueError, "synthetic dataset over vocab_size 50257"),
     ]
 
     def test_each_bad_configuration_raises_with_the_value(self):

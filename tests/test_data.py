@@ -50,6 +50,11 @@ class TestSyntheticMarkov(unittest.TestCase):
         with self.assertRaises(ValueError):
             SyntheticMarkov(vocab_size=8, seed=0, temperature=0.0)
 
+    def test_a_vocabulary_too_large_for_the_matrices_is_refused_with_its_size(self):
+        # GPT-2's vocabulary would need 2 x 50257^2 float64 = 37.6 GiB (the run was OOM-killed)
+        with self.assertRaisesRegex(ValueError, r"vocab_size 50257 .*37\.6 GiB.* at most 4096"):
+            SyntheticMarkov(vocab_size=50257, seed=0)
+
 
 class TestFileDatasets(unittest.TestCase):
 

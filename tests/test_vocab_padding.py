@@ -2,13 +2,17 @@
 divisible-by, ``model.vocab_pad_to``), and the run still equals the unpadded single-device one.
 
 World 3: vocabulary 1000 at tp 3 (1000 % 3 = 1, padded to 1152). World 4: vocabulary 1001
-(odd) at tp 2 x pp 2 and tp 2 x dp 2 with ZeRO-3, padded to 1024. Each compares losses, grad
+(odd) at tp 2 x pp 2 and tp 2 x dp 2 with ZeRO-3, padded to 1024, and GPT-2's 50257 at tp 2 x
+dp 2, padded to 50432 (hidden 32, so its 1.6M-row tables stay cheap). Each compares losses, grad
 norms and the gathered full weights (which have the reference's unpadded shapes) with a single
 device run at 1e-5 (tests/layouts.py).
 """
 
+import os
+import tempfile
 import unittest
 
+import numpy as np
 import torch
 
 from scaletorch.dist import destroy_pg_manager
@@ -23,12 +27,27 @@ WORLD3 = {"vocab1000_tp3": (1000, layout(tp=3))}
 WORLD4 = {
     "vocab1001_tp2_pp2": (1001, layout(tp=2, pp=2)),
     "vocab1001_tp2_dp2_zero3": (1001, layout(tp=2, zero_stage=3)),
+    "vocab50257_tp2_dp2": (50257, layout(tp=2)),
 }
+
+
+def gpt2_sized_tokens() -> str:
+    """A .bin of 4096 seeded random uint16 ids below 50257: the synthetic chain cannot hold a
+    50257 x 50257 matrix. Same bytes in every process, so writing it twice is harmless."""
+    path = os.path.join(tempfile.gettempdir(), "scaletorch_test_vocab50257.bin")
+    if not os.path.isfile(path):
+        tokens = np.random.default_rng(0).integers(0, 50257, size=4096, dtype=np.uint16)
+        partial = f"{path}.{os.getpid()}"
+        tokens.tofile(partial)
+        os.replace(partial, path)
+    return path
 
 
 def config(vocab: int, parallel: dict):
     cfg = make_config(**parallel)
     cfg.model.vocab_size = vocab
+    if vocab > 4096:
+        cfg.data.dataset, cfg.data.path = "bin", gpt2_sized_tokens()
     if parallel["tensor_model_parallel_size"] == 3:  # heads, kv heads and FFN divisible by 3
         m = cfg.model
         m.hidden_size, m.num_attention_heads, m.num_key_value_heads = 48, 6, 3

@@ -16,6 +16,20 @@ import numpy as np
 
 from scaletorch.data.tokenizer import bin_dtype
 
+# The chain keeps two V x V float64 matrices (transition and its cumulative sum): 256 MiB at
+# 4096 tokens, but 40 GB at GPT-2's 50257. Real vocabularies train on text or .bin files.
+SYNTHETIC_MAX_VOCAB = 4096
+
+
+def check_synthetic_vocab(vocab_size: int) -> None:
+    """Refuse a synthetic chain too large for memory, naming its size and the alternatives."""
+    if vocab_size > SYNTHETIC_MAX_VOCAB:
+        gib = 2 * vocab_size**2 * 8 / 2**30
+        raise ValueError(f"the synthetic dataset over vocab_size {vocab_size} needs two "
+                         f"{vocab_size} x {vocab_size} float64 matrices ({gib:.1f} GiB); it "
+                         f"allows at most {SYNTHETIC_MAX_VOCAB} tokens. Use data.dataset bin "
+                         f"(scripts/prepare_text.py) or text for a larger vocabulary")
+
 
 class SyntheticMarkov:
     """A seeded random Markov chain over ``vocab_size`` tokens.
@@ -24,7 +38,7 @@ class SyntheticMarkov:
     temperature concentrates each row on a few tokens (lower entropy, easier to learn);
     temperature 0.3 over 256 tokens gives about 2.2 nats/token against log(256) = 5.5.
     Every entry is positive, so the chain has a unique stationary distribution.
-    The matrix is V x V float64: keep the vocabulary small (a few thousand at most).
+    The matrix is V x V float64, so the vocabulary is at most SYNTHETIC_MAX_VOCAB.
     """
 
     def __init__(self, vocab_size: int, seed: int, temperature: float = 0.3) -> None:
@@ -32,6 +46,7 @@ class SyntheticMarkov:
             raise ValueError(f"vocab_size must be at least 2, got {vocab_size}")
         if temperature <= 0:
             raise ValueError(f"temperature must be positive, got {temperature}")
+        check_synthetic_vocab(vocab_size)
         self.vocab_size = vocab_size
         rng = np.random.default_rng(seed)  # its own generator: the chain depends on seed only
         logits = rng.standard_normal((vocab_size, vocab_size)) / temperature

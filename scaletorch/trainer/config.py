@@ -23,6 +23,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 import yaml
 
+from scaletorch.data.datasets import check_synthetic_vocab
 from scaletorch.models import LlamaConfig
 # the one layout check (also run by parallelize): re-exported for the scripts
 from scaletorch.parallel.validation import validate_layout
@@ -398,6 +399,8 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
     if cfg.data.seq_len > cfg.model.max_seq_len:
         raise ValueError(f"data.seq_len ({cfg.data.seq_len}) exceeds model.max_seq_len "
                          f"({cfg.model.max_seq_len})")
+    if cfg.data.dataset == "synthetic":
+        check_synthetic_vocab(cfg.model.vocab_size)
     if cfg.data.dataset in ("text", "bin") and not cfg.data.path:
         raise ValueError(f"data.dataset {cfg.data.dataset!r} needs data.path")
     if cfg.data.dataset in ("text", "bin") and not os.path.isfile(cfg.data.path or ""):

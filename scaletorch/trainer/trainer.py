@@ -27,6 +27,7 @@ from torch import nn
 
 from scaletorch.data import GlobalBatchLoader, build_dataset
 from scaletorch.dist import ProcessGroupManager, comm, get_ledger, restart_count
+from scaletorch.parallel.grad_norm import clip_grads_, world_grad_norm
 from scaletorch.parallel.mixed_precision import DynamicLossScaler
 from scaletorch.parallel.step import ForwardBackward, make_data_parallel_step
 from scaletorch.trainer import checkpoint as ckpt
@@ -123,8 +124,17 @@ class Trainer:
                    scaler=par.scaler, verbose=verbose)
 
     def _clip_replicated(self, max_norm: float) -> torch.Tensor:
-        """Global norm when every rank holds whole, already-synchronized gradients."""
-        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        """Global norm when every rank holds whole, already-synchronized gradients.
+
+        The same fp32 sum of squares as every sharded layout (grad_norm.py), not
+        torch.nn.utils.clip_grad_norm_: on CPU its per-tensor norm (torch._foreach_norm) is
+        off by 1e-5 relative on a 1.6M-element gradient (GPT-2's vocabulary at hidden 32),
+        and through the clipping factor that alone broke 1e-5 parity with the sharded runs.
+        """
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        world = comm.group_size()  # every rank holds every gradient: no communication
+        norm = world_grad_norm(((p, world) for p in params), self.device)
+        return clip_grads_(params, max_norm, norm)
 
     # ---- checkpoints -------------------------------------------------------------------
 
