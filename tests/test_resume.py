@@ -6,7 +6,8 @@ at the same layout, the run must continue exactly as if it had never stopped: fi
 and AdamW state bit-identical to the uninterrupted run, and the same losses.
 
 ``InWorldResume``: every layout of chapter 07's parity matrix and the pipeline combinations
-(pp x ZeRO-1/2, pp x DDP ours and torch's, pp x MoE, interleaved pp x dp), each trained
+(pp x ZeRO-1/2, pp x DDP ours and torch's, pp x MoE, interleaved pp x dp, tied embeddings
+under pp x ZeRO-3), each trained
 straight, then rebuilt from scratch (a new model, a new ``parallelize``: what a restarted
 process does) and resumed from the middle checkpoint. One world of 8 ranks.
 
@@ -43,6 +44,8 @@ PIPELINE_LAYOUTS = {
     "torch_tp2_dp4_zero3": (False, 2, layout(tp=2, zero_stage=3, impl="torch")),
     "interleaved_pp2_dp4": (False, 2, layout(pp=2, schedule="interleaved",
                                              virtual_pipeline_stages=2)),
+    # tied embeddings: the last stage's copy in a ZeRO-3 unit of its own, and its AdamW state
+    "tied_zero3_pp2_dp4": (False, 2, layout(pp=2, zero_stage=3)),
 }  # the zero-bubble schedules (the split backward, the V) are in ND_LAYOUTS: tp2 x pp2 x dp2
 LAYOUTS = {**ND_LAYOUTS, **PIPELINE_LAYOUTS}
 
@@ -72,6 +75,7 @@ def _resume_every_layout(rank: int, world: int, root: str) -> dict:
     out = {}
     for name in LAYOUTS:
         cfg = config_of(LAYOUTS, name)
+        cfg.model.tie_word_embeddings = name.startswith("tied_")
         cfg.training.steps = STEPS
         cfg.checkpoint.every = SAVE_AT
         cfg.checkpoint.dir = os.path.join(root, name)
