@@ -7,9 +7,9 @@ and AdamW state bit-identical to the uninterrupted run, and the same losses.
 
 ``InWorldResume``: every layout of chapter 07's parity matrix and the pipeline combinations
 (pp x ZeRO-1/2, pp x DDP ours and torch's, pp x MoE, interleaved pp x dp, tied embeddings
-under pp x ZeRO-3), each trained
-straight, then rebuilt from scratch (a new model, a new ``parallelize``: what a restarted
-process does) and resumed from the middle checkpoint. One world of 8 ranks.
+under pp x ZeRO-3), each trained straight, then rebuilt from scratch (a new model, a new
+``parallelize``: what a restarted process does) and resumed from the middle checkpoint. One
+world of 8 ranks.
 
 ``KilledRankResumes``: the real thing under ``torchrun --max-restarts 1``: a rank is killed
 mid-run and every rank restarts from the latest checkpoint. Run here for the pipeline layouts
