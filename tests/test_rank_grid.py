@@ -104,6 +104,15 @@ class TestRankGridGoldenLayouts(unittest.TestCase, RankGridInvariants):
         })
         self.assertEqual(grid.group_of("pp", 5), [1, 5])
 
+    def test_embedding_groups_pair_each_pipelines_first_and_last_rank(self):
+        # Megatron's embedding group: one pair per (tp, cp, dp) coordinate; none without pp
+        grid = RankGrid(16, tensor_model_parallel_size=2, pipeline_model_parallel_size=4)
+        self.assertEqual(grid.embedding_groups(), [[0, 12], [1, 13], [2, 14], [3, 15]])
+        self.assertEqual(
+            RankGrid(8, pipeline_model_parallel_size=2).embedding_groups(),
+            [[0, 4], [1, 5], [2, 6], [3, 7]])
+        self.assertEqual(RankGrid(8, tensor_model_parallel_size=2).embedding_groups(), [])
+
     def test_tp2_cp2_dp2(self):
         # rank = tp + 2 * (cp + 2 * dp)
         grid = RankGrid(8, tensor_model_parallel_size=2, context_parallel_size=2)
