@@ -11,11 +11,13 @@ scripts/launch.sh runs them), in well under a minute:
   micro-batch sizes, fitted as time = blocks x layer_overhead + micro_batch_overhead +
   FLOPs / (peak x compute_efficiency), gives the rest (a small model's step is mostly the
   fixed cost of its many small ops, not its FLOPs); clipping + AdamW gives ``step_overhead_s``;
-- links, in gloo worlds of 2, 3 and 4 processes (``cores`` of them at once at most run, so a
-  world above the core count measures the time-slicing too): all-reduce, all-gather,
-  all-to-all and send/recv over every group size that divides the world, all groups busy at
-  once as in a run; latency = the time of a 4-byte call, bandwidth = the ledger's wire bytes of
-  a 256 KiB call over its extra time.
+- time-slicing, in gloo worlds of 2, 3 and 4 processes: how much longer a fixed piece of
+  compute takes with every rank computing at once than alone (``slowdown``: about world /
+  cores past the core count, more if other programs hold cores);
+- links, in the same worlds: all-reduce, all-gather, all-to-all and send/recv over every group
+  size that divides the world, all groups busy at once as in a run; latency = the time a 4-byte
+  call adds between pieces of compute (past the core count a rank waits for the scheduler to
+  run its peer), bandwidth = the ledger's wire bytes of a 256 KiB call over its extra time.
 """
 
 import os
@@ -130,9 +132,29 @@ def _call(op: str, tensor: torch.Tensor, out: torch.Tensor, group: Any, peer: in
             dist.send(tensor, peer)
 
 
-def measure_links(rank: int, world: int) -> Dict[str, Dict[str, Tuple[float, float]]]:
-    """In a gloo world: {group size: {op: (latency s, wire bytes/s)}} with every group of that
-    size (consecutive ranks) busy at once; send/recv between rank pairs (2 i, 2 i + 1)."""
+def _work() -> Callable[[], Any]:
+    """A fixed piece of compute (about 2 ms on one core): what ranks do between calls."""
+    a = torch.randn(256, 256)
+    return lambda: [a @ a for _ in range(4)]
+
+
+def measure_links(rank: int, world: int) -> Dict[str, Any]:
+    """In a gloo world: ``busy`` (how much longer ``_work`` takes with every rank computing at
+    once than with this rank alone, the others waiting) and
+    ``links`` {group size: {op: (latency s, wire bytes/s)}} with every group of that size
+    (consecutive ranks) busy at once; send/recv between rank pairs (2 i, 2 i + 1).
+
+    The latency is that of a 4-byte call made between pieces of compute, as in a run: past the
+    core count a rank that waits for a peer waits until the scheduler runs the peer, a cost an
+    idle ping-pong never sees. The bandwidth is from the extra time of a 256 KiB call."""
+    work = _work()
+    alone = 0.0
+    for r in range(world):  # one rank at a time, the others waiting: the work alone
+        dist.barrier()
+        if rank == r:
+            alone = _median_seconds(work, 10)
+    dist.barrier()
+    busy = _median_seconds(work, 10) / alone  # every rank at once
     out: Dict[str, Dict[str, Tuple[float, float]]] = {}
     for size in range(2, world + 1):
         # collectives over groups of consecutive ranks that tile the world; send/recv between
@@ -150,33 +172,39 @@ def measure_links(rank: int, world: int) -> Dict[str, Dict[str, Tuple[float, flo
         out[str(size)] = {}
         for op in ops:
             peer = rank ^ 1
+            idle = op == "send" and peer >= world  # an odd world's last rank has no partner
             times = {}
             for numel in (SMALL, LARGE):
                 tensor = torch.ones(numel * (size if op == "all_to_all" else 1))
                 buffer = torch.empty(numel * size)
+
+                def call() -> None:
+                    _call(op, tensor, buffer, group, peer, rank)
+
                 dist.barrier()
-                if op == "send" and peer >= world:  # an odd world's last rank has no partner
+                if idle:
                     times[numel] = 0.0
                     continue
-                reps = 30 if numel == SMALL else 8
-                seconds = _median_seconds(lambda: _call(op, tensor, buffer, group, peer, rank),
-                                          reps)
+                seconds = _median_seconds(call, 10 if numel == SMALL else 5)
                 times[numel] = seconds / (2 if op == "send" else 1)
+            dist.barrier()
+            loaded = 0.0 if idle else _median_seconds(lambda: (work(), call()), 10)
+            latency = max(times[SMALL], (loaded - busy * alone) / (2 if op == "send" else 1))
             nbytes = {
                 n: 4 * n * (size if op in ("all_gather", "all_to_all") else 1)
                 for n in (SMALL, LARGE)
             }
             wire = {
                 n:
-                wire_bytes(op, nbytes[n], size) if op != "all_to_all" else nbytes[n] * (size - 1) /
-                size
+                nbytes[n] * (size - 1) /
+                size if op == "all_to_all" else wire_bytes(op, nbytes[n], size)
                 for n in (SMALL, LARGE)
             }
             extra = times[LARGE] - times[SMALL]
             bandwidth = (wire[LARGE] - wire[SMALL]) / extra if extra > 0 else \
                 wire[LARGE] / max(times[LARGE], 1e-9)
-            out[str(size)][op] = (times[SMALL], bandwidth)
-    return out
+            out[str(size)][op] = (0.0 if idle else latency, bandwidth)
+    return {"busy": busy, "links": out}
 
 
 def calibrate(model_cfg: Any, seq_len: int, path: str, progress: Callable[[str], None],
@@ -191,9 +219,12 @@ def calibrate(model_cfg: Any, seq_len: int, path: str, progress: Callable[[str],
     say("compute: matmuls, forward + backward at 1-2 blocks x 3 micro-batch sizes, AdamW")
     compute = measure_compute(model_cfg, seq_len)
     links: Dict[str, Dict[str, Dict[str, List[float]]]] = {}
+    slowdown: Dict[str, float] = {}
     for world in worlds:
         say(f"links: gloo world of {world} (all-reduce, all-gather, all-to-all, send)")
-        per_rank = run_distributed(measure_links, world, timeout=120)
+        results = run_distributed(measure_links, world, timeout=120)
+        slowdown[str(world)] = max(1.0, statistics.mean(r["busy"] for r in results))
+        per_rank = [r["links"] for r in results]
         links[str(world)] = {
             size: {
                 op: [
@@ -211,7 +242,7 @@ def calibrate(model_cfg: Any, seq_len: int, path: str, progress: Callable[[str],
                       hbm_bytes=float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")),
                       intra_node_bandwidth=pair[1], inter_node_bandwidth=pair[1],
                       intra_node_latency=pair[0], inter_node_latency=pair[0], comm_efficiency=1.0,
-                      cores=cores, links=links, **compute)
+                      cores=cores, slowdown=slowdown, links=links, **compute)
     save_cluster(cluster, path)
     say(f"wrote {path}")
     return cluster

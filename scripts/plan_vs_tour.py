@@ -62,7 +62,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         measured = measured_step_seconds(run_dir)
         t = step_time(model, layout, cluster)
         ratio = t["step_time_s"] / measured
-        terms = {"compute": t["compute_s"] * max(1, layout.world / cluster.cores)}
+        terms = {"compute": t["compute_s"] * cluster.time_slicing(layout.world)}
         terms.update({f"comm:{g}": v for g, v in t["exposed_s"].items()})
         ok = 1 / (1 + args.tolerance) <= ratio <= 1 + args.tolerance
         if not ok:

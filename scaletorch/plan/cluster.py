@@ -41,6 +41,9 @@ class Cluster:
     layer_overhead_s: float = 0.0
     micro_batch_overhead_s: float = 0.0
     step_overhead_s: float = 0.0
+    # {world: compute time with every rank of the world computing / alone}; without it a world
+    # above ``cores`` is world / cores slower
+    slowdown: Dict[str, float] = field(default_factory=dict)
     # {world: {group size: {op: [latency s, bandwidth wire bytes/s]}}}, keys as strings (JSON)
     links: Dict[str, Dict[str, Dict[str, List[float]]]] = field(default_factory=dict)
 
@@ -48,7 +51,7 @@ class Cluster:
         optional = ("cores", "layer_overhead_s", "micro_batch_overhead_s", "step_overhead_s")
         bad = {
             f.name: getattr(self, f.name)
-            for f in fields(self) if f.name not in ("name", "links") and not (
+            for f in fields(self) if f.name not in ("name", "links", "slowdown") and not (
                 getattr(self, f.name) >= 0 if f.name in optional else getattr(self, f.name) > 0)
         }
         if bad:
@@ -57,6 +60,18 @@ class Cluster:
         for key in ("compute_efficiency", "comm_efficiency"):
             if getattr(self, key) > 1:
                 raise ValueError(f"cluster {key} {getattr(self, key)} must be at most 1")
+
+    def time_slicing(self, world: int) -> float:
+        """How much longer a rank's compute takes when ``world`` ranks run at once: measured
+        (``slowdown``, the nearest world measured not above it, scaled by world / that world
+        beyond the cores) or world / cores."""
+        if not self.cores:
+            return 1.0
+        measured = [int(w) for w in self.slowdown if int(w) <= world]
+        if not measured:
+            return max(1.0, world / self.cores)
+        w = max(measured)
+        return self.slowdown[str(w)] * max(1.0, world / max(w, self.cores))
 
     def link(self, op: str, group_size: int, world: int) -> List[float]:
         """[latency s, bandwidth wire bytes/s] of ``op`` over ``group_size`` ranks of a world of
@@ -114,11 +129,14 @@ def load_cluster(name_or_path: str) -> Cluster:
                          (f"unknown keys {', '.join(unknown)}" if unknown else ""))
     try:
         typed: Dict[str, Any] = {
-            k: (v if k in ("name", "links") else int(v) if k in ("gpus_per_node",
-                                                                 "cores") else float(v))
+            k: (v if k in ("name", "links", "slowdown") else int(v) if k in ("gpus_per_node",
+                                                                             "cores") else float(v))
             for k, v in values.items()
         }
         cluster = Cluster(**typed)
+        for world, factor in cluster.slowdown.items():
+            if not (int(world) >= 1 and float(factor) >= 1):
+                raise ValueError(f"slowdown {world}: {factor} must be at least 1")
         for world, groups in cluster.links.items():  # every entry is [latency, bandwidth] > 0
             for size, ops in groups.items():
                 for op, (latency, bandwidth) in ops.items():

@@ -22,9 +22,10 @@ each measured rather than assumed:
   the FLOPs at the measured rate;
 - nothing overlaps: the cores that compute also move the bytes, so every collective's
   calls x latency + wire bytes / bandwidth (measured per world and group size) is exposed;
-- ranks beyond the ``cores`` share them: the step is at least world / cores times a rank's
-  compute (time-slicing), and a pipeline rank's bubble is then time another rank uses:
-  step = max(compute x world / cores, compute / (1 - bubble)) + communication.
+- ranks beyond the ``cores`` share them: the step is at least the measured slowdown of a
+  world computing at once (about world / cores) times a rank's compute, and a pipeline rank's
+  bubble is then time another rank uses:
+  step = max(compute x slowdown, compute / (1 - bubble)) + communication.
 """
 
 import math
@@ -108,7 +109,7 @@ def _measured_host_step(model: ModelSpec, layout: PlanLayout, cluster: Cluster) 
             exposed[group] = max(exposed.get(group, 0.0), seconds)
     bubble = theoretical_bubble(lay.pp, lay.num_micro_batches, lay.virtual_stages) \
         if lay.pp > 1 else 0.0
-    share = max(1.0, lay.world / cluster.cores)
+    share = cluster.time_slicing(lay.world)
     step = max(compute * share, compute / (1 - bubble)) + sum(exposed.values())
     return {"compute_s": compute, "exposed_s": exposed, "bubble": bubble, "step_time_s": step}
 
