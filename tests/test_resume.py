@@ -166,6 +166,8 @@ FULL_KILL_LAYOUTS = {
     "zero2_pp2_dp2": (4, ["--pp", "2", "--zero-stage", "2"]),
     "zero3_pp2_dp2": (4, ["--pp", "2", "--zero-stage", "3"]),
     "interleaved_pp2_dp2": (4, ["--pp", "2", "--schedule", "interleaved", "--virtual-stages", "2"]),
+    "zbv_pp2_dp2": (4, ["--pp", "2", "--schedule", "zbv", "--virtual-stages", "2"]),
+    "dualpipev_pp2_dp2": (4, ["--pp", "2", "--schedule", "dualpipev", "--virtual-stages", "2"]),
     "tp2_pp2_dp2": (8, ["--tp", "2", "--pp", "2"]),
     "tp2_cp2_dp2": (8, ["--tp", "2", "--cp", "2"]),
     "pp2_cp2_tp2": (8, ["--tp", "2", "--pp", "2", "--cp", "2"]),
