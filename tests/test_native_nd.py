@@ -79,7 +79,7 @@ class NativeStrategiesComposedOnOneMesh(unittest.TestCase):
     def setUpClass(cls):
         cls.tmp = tempfile.TemporaryDirectory()
         cls.results = run_distributed(_world, WORLD, cls.tmp.name, timeout=400)
-        cls.reference = references([make_config(False, 2)])[(0, 2)]
+        cls.reference, = references([make_config(False, 2)]).values()  # the one reference
 
     @classmethod
     def tearDownClass(cls):

@@ -148,7 +148,7 @@ class NDParallelMatchesSingleDevice(unittest.TestCase):
 
     def test_consolidated_checkpoint_resumes_at_other_layouts_with_the_same_losses(self):
         losses, _, _ = self._reference("tp2_pp2_dp2")
-        ref1 = self.references[(0, 1)]  # the resumed runs use 1 micro-batch
+        ref1 = self.references[reference_key(make_config(False, 1))]  # resumed: 1 micro-batch
         for name, resumed in self.results[0]["checkpoint"].items():
             self.assertEqual(len(resumed), 5 - SAVE_AT, name)
             for a, b in zip(resumed, ref1[0][SAVE_AT:]):

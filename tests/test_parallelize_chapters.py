@@ -141,7 +141,7 @@ class ChaptersThroughParallelizeMatchSingleDevice(unittest.TestCase):
             self.assertEqual(self.results[0][name]["param_map"], expected.__name__, name)
 
     def test_consolidated_checkpoints_of_native_layouts_resume_anywhere(self):
-        reference = self.references[(0, 2)][0][SAVE_AT:]
+        reference = self.references[reference_key(make_config(False, 2))][0][SAVE_AT:]
         resumed = self.results[0]["resumed"]
         self.assertEqual(len(resumed), 4)
         for name, losses in resumed.items():
