@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, List, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from scaletorch.data import GlobalBatchLoader, build_dataset
 from scaletorch.dist import ProcessGroupManager, comm, get_ledger, restart_count
@@ -132,6 +133,8 @@ class Trainer:
         and through the clipping factor that alone broke 1e-5 parity with the sharded runs.
         """
         params = [p for p in self.model.parameters() if p.grad is not None]
+        if any(isinstance(p, DTensor) for p in params):  # FSDP2 alone (chapter 02): shards
+            return torch.nn.utils.clip_grad_norm_(params, max_norm)  # DTensor's global norm
         world = comm.group_size()  # every rank holds every gradient: no communication
         norm = world_grad_norm(((p, world) for p in params), self.device)
         return clip_grads_(params, max_norm, norm)
