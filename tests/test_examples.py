@@ -71,13 +71,34 @@ class Chapter00RunsFromTheLauncher(unittest.TestCase):
             r"\(tolerance 1e-05\): OK")
 
 
+def generate_script(source: str, *args: str) -> str:
+    """scripts/generate.py's greedy sample (20 tokens) from ``source``; fails on an error."""
+    cmd = [
+        sys.executable,
+        os.path.join(ROOT, "scripts", "generate.py"), source, "--max-new-tokens", "20", *args
+    ]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    if proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stderr[-2000:]}")
+    return proc.stdout
+
+
 class Chapter10TrainsExportsAndSamples(unittest.TestCase):
 
     @unittest.skipUnless(importlib.util.find_spec("safetensors"),
                          'needs the hf extra: pip install -e ".[hf]"')
     def test_real_text_loss_falls_below_uniform_at_tp2_with_parity_and_a_sample(self):
-        out = launch("examples/10_real_model.py", 2, "--tp", "2", "--steps", "8",
-                     "--training.warmup_steps", "3", "--max-new-tokens", "20", "--check")
+        with tempfile.TemporaryDirectory() as tmp:
+            out = launch("examples/10_real_model.py", 2, "--tp", "2", "--steps", "8",
+                         "--training.warmup_steps", "3", "--max-new-tokens", "20", "--check",
+                         "--logging.run_dir", tmp)
+            run = os.path.join(tmp, "10_real_model")
+            # scripts/generate.py samples the same greedy text from both things the run left
+            consolidated = generate_script(os.path.join(run, "consolidated.pt"), "--config",
+                                           os.path.join(run, "config.yaml"))
+            exported = generate_script(os.path.join(run, "hf"))
+        self.assertGreater(len(consolidated), len("Tensor parallel "))
+        self.assertEqual(consolidated, exported)
         first, last = map(float, re.search(r"byte-level loss (\S+) -> (\S+) nats", out).groups())
         self.assertGreater(first, 5.0)  # starts near uniform, log 256 = 5.545
         self.assertLess(last, 4.5)  # the docs' bytes are far from uniform: > 1 nat in 8 steps
@@ -86,6 +107,33 @@ class Chapter10TrainsExportsAndSamples(unittest.TestCase):
         self.assertRegex(
             out, r"parity: max \|loss - reference\| = \S+ over 8 steps "
             r"\(tolerance 1e-05\): OK")
+
+
+class ParityFloorScript(unittest.TestCase):
+    """scripts/parity_floor.py: two splittings of the same batches agree on synthetic data (the
+    claim under every fp32 parity test), and a bad step count is refused."""
+
+    def run_floor(self, *args: str) -> subprocess.CompletedProcess:
+        cmd = [
+            sys.executable,
+            os.path.join(ROOT, "scripts", "parity_floor.py"), "examples/configs/10_real_model.yaml",
+            *args, "--", "--data.dataset", "synthetic"
+        ]
+        return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+    def test_micro_batch_splittings_agree_below_the_tolerance_on_synthetic_data(self):
+        proc = self.run_floor("--steps", "2", "4")
+        self.assertEqual(proc.returncode, 0, proc.stderr[-2000:])
+        lines = re.findall(r"after +(\d) steps: .*weight diff\| (\S+) \((\w+) the tolerance\)",
+                           proc.stdout)
+        self.assertEqual([(step, verdict) for step, _, verdict in lines], [("2", "below"),
+                                                                           ("4", "below")])
+        self.assertTrue(all(float(diff) <= 1e-5 for _, diff, _ in lines))
+
+    def test_a_step_count_below_one_is_refused(self):
+        proc = self.run_floor("--steps", "0")
+        self.assertEqual(proc.returncode, 2)
+        self.assertIn("--steps must be positive, got [0]", proc.stderr)
 
 
 class ChaptersShareOneCodePath(unittest.TestCase):

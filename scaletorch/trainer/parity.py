@@ -108,6 +108,11 @@ def check_against_reference(cfg: Config, losses: Sequence[float], device: torch.
                 f"{cfg.training.steps} steps, in {worst} ({limit}): "
                 f"{'OK' if diff <= tolerance else 'FAIL'}", flush=True)
             passed = passed and diff <= tolerance
+        if not passed:  # a wrong layout, or a run too sensitive to rounding for this many steps
+            print(
+                f"parity: do two single-device runs agree for {cfg.training.steps} steps? "
+                f"python scripts/parity_floor.py CONFIG --steps {cfg.training.steps} "
+                f"(doc/10_real_model.md, 'How long parity holds')", flush=True)
         ok.fill_(float(passed))
     with get_ledger().paused():  # the verdict is not part of the strategy's traffic
         comm.broadcast(ok, src=0)
