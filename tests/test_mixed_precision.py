@@ -23,7 +23,8 @@ from scaletorch.trainer.config import validate
 from scaletorch.trainer.parity import max_weight_diff
 from scaletorch.trainer.precision import TOLERANCES, policy
 from tests.harness import run_distributed
-from tests.layouts import build, config_of, layout, make_config, pg_manager_for, references, train
+from tests.layouts import (build, config_of, layout, make_config, pg_manager_for, reference_key,
+                           references, train)
 
 STEPS = 20
 # bf16 against bf16 with the same policy: precision.py derives 8 u = 2^-5 = 3.1e-2 from
@@ -38,6 +39,7 @@ CASES = {  # name -> parallel config (2 ranks)
     "zero2": dict(zero_stage=2),
     "zero3": dict(zero_stage=3, param_dtype="bf16"),
     "fsdp2": dict(impl="torch", zero_stage=3, param_dtype="bf16"),  # fully_shard(mp_policy=...)
+    "ddp_torch": dict(impl="torch"),  # torch's DDP with our reduce_dtype comm hook
     # fp16 with the loss scaler, gradients reduced in fp16 (CPU fp16 matmuls are slow: one case)
     "fp16_zero2": dict(zero_stage=2),
     # the other strategies (dp 1): activations and their gradients cross tp / pp / cp / ep in
@@ -319,6 +321,7 @@ class MixedPrecisionDataParallel(unittest.TestCase):
         want = {
             "naive": dict(all_reduce=2),
             "bucketed": dict(all_reduce=2),
+            "ddp_torch": dict(all_reduce=2),  # reduce_dtype_hook: the buckets in bf16
             "zero1": dict(reduce_scatter=2, all_gather=4),  # stages 1, 2 gather fp32 masters
             "zero2": dict(reduce_scatter=2, all_gather=4),
             "zero3": dict(reduce_scatter=2, all_gather=2),  # param_dtype bf16: half
@@ -421,7 +424,7 @@ class MixedPrecisionComposedLayouts(unittest.TestCase):
     def test_composed_layouts_in_bf16_match_single_device_bf16_within_2_to_the_minus_5(self):
         for name in COMPOSED:
             cfg = composed_config(name)
-            losses, _, state = self.references[(cfg.model.num_experts, cfg.data.num_micro_batches)]
+            losses, _, state = self.references[reference_key(cfg)]
             with self.subTest(layout=name):
                 loss_diff = max(
                     abs(a - b) for rank in range(4)

@@ -47,7 +47,7 @@ from torch.nn.parallel import DistributedDataParallel
 from scaletorch.dist import ProcessGroupManager, comm, get_ledger
 from scaletorch.dist.comm import Work
 from scaletorch.dist.timer import Mark, Timer, seconds
-from scaletorch.parallel.mixed_precision import MixedPrecisionPolicy, reduce_in
+from scaletorch.parallel.mixed_precision import MixedPrecisionPolicy, reduce_dtype_hook, reduce_in
 from scaletorch.parallel.wrapper import ModuleWrapper
 
 IMPLS = ("naive", "scaletorch", "torch")
@@ -391,7 +391,7 @@ def apply_data_parallel(model: nn.Module, pgm: Optional[ProcessGroupManager],
 
     impl: "naive" (all-reduce per parameter after backward), "scaletorch" (bucketed, overlapped)
     or "torch" (torch.nn.parallel.DistributedDataParallel). ``policy``: the dtype gradients are
-    reduced in (ours only; None: fp32). Returns the wrapper.
+    reduced in (None: fp32; torch's DDP through ``reduce_dtype_hook``). Returns the wrapper.
     """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {', '.join(IMPLS)}, got {impl!r}")
@@ -406,5 +406,8 @@ def apply_data_parallel(model: nn.Module, pgm: Optional[ProcessGroupManager],
     if impl == "scaletorch":
         return BucketedDataParallel(model, group, bucket_size_mb, policy)
     device = next(model.parameters()).device
-    return TorchDataParallel(model, device_ids=None if device.type == "cpu" else [device.index],
-                             process_group=group, bucket_cap_mb=bucket_size_mb)
+    ddp = TorchDataParallel(model, device_ids=None if device.type == "cpu" else [device.index],
+                            process_group=group, bucket_cap_mb=bucket_size_mb)
+    if policy is not None and policy.reduce_dtype != torch.float32:  # chapter 08
+        ddp.register_comm_hook((group, policy.reduce_dtype), reduce_dtype_hook)
+    return ddp

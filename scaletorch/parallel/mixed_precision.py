@@ -33,7 +33,7 @@ that skipped alone would leave the replicas different forever. bf16 has fp32's e
 
 import warnings
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -145,6 +145,26 @@ def reduce_in(policy: Optional[MixedPrecisionPolicy], grad: torch.Tensor) -> tor
     """``grad`` as it crosses the wire: itself if already in ``reduce_dtype``, else a copy."""
     dtype = (policy or FP32).reduce_dtype
     return grad if grad.dtype == dtype else grad.to(dtype)
+
+
+def reduce_dtype_hook(state: Tuple[Optional[dist.ProcessGroup], torch.dtype],
+                      bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """torch DDP's comm hook for ``reduce_dtype`` (``state`` = (group, dtype)): torch's
+    ``bf16_compress_hook``, on any backend (torch's needs NCCL). The fp32 bucket is cast to the
+    dtype and divided by N, all-reduced (in our ledger), and the average cast back into it."""
+    group, dtype = state
+    grad = bucket.buffer()
+    wire = grad.to(dtype).div_(comm.group_size(group))
+    work = comm.all_reduce(wire, group, async_op=True)
+
+    def back(fut: torch.futures.Future) -> torch.Tensor:
+        return grad.copy_(wire)
+
+    if work is None:  # one rank: nothing to wait for
+        done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        done.set_result(grad.copy_(wire))
+        return done
+    return work.get_future().then(back)
 
 
 class DynamicLossScaler:

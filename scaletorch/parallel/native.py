@@ -239,14 +239,14 @@ def parallelize_native(
                                        p.sequence_parallel, p.schedule in V_SHAPED)
         modules = list(pipe.chunks)
     trainer_model: nn.Module = model if pipe is None else pipe
+    from scaletorch.trainer.precision import policy  # the trainer imports this module
+    mp = policy(cfg, next(model.parameters()).device.type)  # chapter 08
     if zero3 or (pgm.data_parallel_world_size > 1 and (tp > 1 or pp > 1)):  # 5
-        from scaletorch.trainer.precision import policy  # the trainer imports this module
-        mp = policy(cfg, next(model.parameters()).device.type)
         if not zero3:  # param_dtype is what ZeRO-3 gathers in; replicate gathers nothing
             mp = MixedPrecisionPolicy(reduce_dtype=mp.reduce_dtype)
         apply_native_data_parallel(modules, mesh["dp"], zero3, mp)
     elif pgm.data_parallel_world_size_with_context > 1 and pipe is None:
-        trainer_model = apply_data_parallel(model, pgm, "torch", p.bucket_size_mb)
+        trainer_model = apply_data_parallel(model, pgm, "torch", p.bucket_size_mb, mp)
     param_map = DTensorParamMap(pgm, model, pipe)  # FSDP2 swapped in DTensors; DDP is around model
 
     if pipe is not None:
@@ -262,10 +262,11 @@ def parallelize_native(
     return trainer_model, step, clip, None, param_map
 
 
-def apply_fully_shard(model: nn.Module, pgm: ProcessGroupManager) -> nn.Module:
+def apply_fully_shard(model: nn.Module, pgm: ProcessGroupManager,
+                      policy: Optional[MixedPrecisionPolicy] = None) -> nn.Module:
     """Chapter 02's reference, FSDP2 alone: ``fully_shard`` each block, then the root
-    (embedding, norm, head), on a 1-D device mesh over ``pgm.data_parallel_group_with_context``.
-    Its collectives bypass our ledger."""
+    (embedding, norm, head), on a 1-D device mesh over ``pgm.data_parallel_group_with_context``,
+    with ``policy`` as its ``mp_policy`` (chapter 08). Its collectives bypass our ledger."""
     check_zero_layout(3, pgm.tensor_model_parallel_world_size,
                       pgm.pipeline_model_parallel_world_size, pgm.expert_model_parallel_world_size)
     if not dist.is_initialized():
@@ -275,5 +276,5 @@ def apply_fully_shard(model: nn.Module, pgm: ProcessGroupManager) -> nn.Module:
     mesh = DeviceMesh.from_group(group,
                                  next(model.parameters()).device.type,
                                  mesh_dim_names=(f"dp_cp{group.group_name}", ))
-    apply_native_data_parallel([model], mesh, zero3=True)
+    apply_native_data_parallel([model], mesh, zero3=True, policy=policy)
     return model
