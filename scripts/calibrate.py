@@ -7,9 +7,10 @@ What a spec sheet gives for a GPU, measured here for CPU ranks (one thread each,
 scripts/launch.sh runs them), in well under a minute:
 
 - compute, one process: the matmuls of the config's block at its micro-batch sizes give
-  ``peak_flops``; a whole forward + backward of the model at 1 and 2 blocks and three
-  micro-batch sizes, fitted as time = blocks x layer_overhead + micro_batch_overhead +
-  FLOPs / (peak x compute_efficiency), gives the rest (a small model's step is mostly the
+  ``peak_flops``; a whole forward + backward of the model at 1 and 2 dense blocks and 1 MoE
+  block, three micro-batch sizes each, fitted as time = dense blocks x layer_overhead + MoE
+  blocks x moe_layer_overhead + micro_batch_overhead + FLOPs / (peak x compute_efficiency),
+  gives the rest (a small model's step is mostly the
   fixed cost of its many small ops, not its FLOPs); clipping + AdamW gives ``step_overhead_s``;
 - time-slicing, in gloo worlds of 2, 3 and 4 processes: how much longer a fixed piece of
   compute takes with every rank computing at once than alone (``slowdown``: about world /
@@ -43,7 +44,10 @@ SMALL, LARGE = 1, 2**16  # fp32 elements of a latency-bound and a bandwidth-boun
 OPS = ("all_reduce", "all_gather", "all_to_all", "send")
 
 
-def _median_seconds(fn: Callable[[], Any], reps: int, warmup: int = 2) -> float:
+def _seconds(fn: Callable[[], Any], reps: int, warmup: int = 2) -> float:
+    """The fastest of ``reps`` timed calls: on a shared host other programs only ever add
+    time, so the minimum is the host's own speed (the tour's step times are read the same
+    way, scripts/plan_vs_tour.py)."""
     for _ in range(warmup):
         fn()
     times = []
@@ -51,7 +55,7 @@ def _median_seconds(fn: Callable[[], Any], reps: int, warmup: int = 2) -> float:
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return min(times)
 
 
 def _fit(rows: List[List[float]], times: List[float]) -> List[float]:
@@ -62,8 +66,9 @@ def _fit(rows: List[List[float]], times: List[float]) -> List[float]:
 
 
 def measure_compute(model_cfg: Any, seq_len: int, seed: int = 0) -> Dict[str, float]:
-    """``peak_flops``, ``compute_efficiency``, ``layer_overhead_s``, ``micro_batch_overhead_s``
-    and ``step_overhead_s`` of one CPU thread for ``model_cfg``'s shapes."""
+    """``peak_flops``, ``compute_efficiency``, ``layer_overhead_s``, ``moe_layer_overhead_s``,
+    ``micro_batch_overhead_s`` and ``step_overhead_s`` of one CPU thread for ``model_cfg``'s
+    shapes."""
     torch.set_num_threads(1)
     spec = from_config(model_cfg)
     h, batches = spec.hidden_size, (1, 4, 16)
@@ -77,12 +82,17 @@ def measure_compute(model_cfg: Any, seq_len: int, seed: int = 0) -> Dict[str, fl
     weights = [torch.randn(h, o) for o in shapes] + [torch.randn(spec.intermediate_size, h)]
     inputs = [x] * len(shapes) + [torch.randn(tokens, spec.intermediate_size)]
     flops = sum(2 * i.shape[0] * w.shape[0] * w.shape[1] for i, w in zip(inputs, weights))
-    seconds = _median_seconds(lambda: [i @ w for i, w in zip(inputs, weights)], 30)
+    seconds = _seconds(lambda: [i @ w for i, w in zip(inputs, weights)], 30)
     peak = flops / seconds
-    # forward + backward of the whole model: blocks x overhead + ends + FLOPs / rate
+    # forward + backward of the whole model: dense blocks x overhead + MoE blocks x theirs +
+    # ends + FLOPs / rate (the config's experts, or chapter 06's 4 if it has none)
+    dense = replace(model_cfg, num_experts=0)
+    moe = replace(
+        model_cfg, num_experts=model_cfg.num_experts or 4, moe_layer_freq=1,
+        moe_intermediate_size=model_cfg.moe_intermediate_size or model_cfg.intermediate_size // 2)
     rows, times = [], []
-    for layers in (1, 2):
-        cfg = replace(model_cfg, num_layers=layers)
+    for cfg, dense_layers, moe_layers in ((dense, 1, 0), (dense, 2, 0), (moe, 0, 1)):
+        cfg = replace(cfg, num_layers=dense_layers + moe_layers)
         model = build_model(cfg, seed=seed)
         for b in batches:
             ids = torch.randint(0, cfg.vocab_size, (b, seq_len))
@@ -92,9 +102,9 @@ def measure_compute(model_cfg: Any, seq_len: int, seed: int = 0) -> Dict[str, fl
                 F.cross_entropy(logits.flatten(0, 1), ids.flatten()).backward()
                 model.zero_grad(set_to_none=True)
 
-            times.append(_median_seconds(step, 7))
-            rows.append([layers, 1.0, model_flops(replace(spec, num_layers=layers), b, seq_len)])
-    per_layer, per_micro_batch, per_flop = _fit(rows, times)
+            times.append(_seconds(step, 7))
+            rows.append([dense_layers, moe_layers, 1.0, model_flops(from_config(cfg), b, seq_len)])
+    per_layer, per_moe_layer, per_micro_batch, per_flop = _fit(rows, times)
     efficiency = min(1.0, 1 / (per_flop * peak)) if per_flop > 0 else 1.0
     # clipping and AdamW over the config's model (gradients present)
     model = build_model(model_cfg, seed=seed)
@@ -110,8 +120,9 @@ def measure_compute(model_cfg: Any, seq_len: int, seed: int = 0) -> Dict[str, fl
         "peak_flops": peak,
         "compute_efficiency": efficiency,
         "layer_overhead_s": max(0.0, per_layer),
+        "moe_layer_overhead_s": max(0.0, per_moe_layer),
         "micro_batch_overhead_s": max(0.0, per_micro_batch),
-        "step_overhead_s": _median_seconds(update, 10),
+        "step_overhead_s": _seconds(update, 10),
     }
 
 
@@ -152,9 +163,9 @@ def measure_links(rank: int, world: int) -> Dict[str, Any]:
     for r in range(world):  # one rank at a time, the others waiting: the work alone
         dist.barrier()
         if rank == r:
-            alone = _median_seconds(work, 10)
+            alone = _seconds(work, 10)
     dist.barrier()
-    busy = _median_seconds(work, 10) / alone  # every rank at once
+    busy = _seconds(work, 10) / alone  # every rank at once
     out: Dict[str, Dict[str, Tuple[float, float]]] = {}
     for size in range(2, world + 1):
         # collectives over groups of consecutive ranks that tile the world; send/recv between
@@ -185,10 +196,10 @@ def measure_links(rank: int, world: int) -> Dict[str, Any]:
                 if idle:
                     times[numel] = 0.0
                     continue
-                seconds = _median_seconds(call, 10 if numel == SMALL else 5)
+                seconds = _seconds(call, 10 if numel == SMALL else 5)
                 times[numel] = seconds / (2 if op == "send" else 1)
             dist.barrier()
-            loaded = 0.0 if idle else _median_seconds(lambda: (work(), call()), 10)
+            loaded = 0.0 if idle else _seconds(lambda: (work(), call()), 10)
             latency = max(times[SMALL], (loaded - busy * alone) / (2 if op == "send" else 1))
             nbytes = {
                 n: 4 * n * (size if op in ("all_gather", "all_to_all") else 1)
@@ -218,12 +229,15 @@ def calibrate(model_cfg: Any, seq_len: int, path: str, progress: Callable[[str],
 
     say("compute: matmuls, forward + backward at 1-2 blocks x 3 micro-batch sizes, AdamW")
     compute = measure_compute(model_cfg, seq_len)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
+        (os.cpu_count() or 1)
     links: Dict[str, Dict[str, Dict[str, List[float]]]] = {}
     slowdown: Dict[str, float] = {}
     for world in worlds:
         say(f"links: gloo world of {world} (all-reduce, all-gather, all-to-all, send)")
         results = run_distributed(measure_links, world, timeout=120)
-        slowdown[str(world)] = max(1.0, statistics.mean(r["busy"] for r in results))
+        # never below world / cores: ranks beyond the cores cannot all run at once
+        slowdown[str(world)] = max(1.0, world / cores, statistics.mean(r["busy"] for r in results))
         per_rank = [r["links"] for r in results]
         links[str(world)] = {
             size: {
@@ -235,8 +249,6 @@ def calibrate(model_cfg: Any, seq_len: int, path: str, progress: Callable[[str],
             }
             for size in per_rank[0]
         }
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
-        (os.cpu_count() or 1)
     pair = links[str(min(worlds))]["2"]["all_reduce"]
     cluster = Cluster(name=f"host ({cores} cores, calibrated)", gpus_per_node=max(worlds),
                       hbm_bytes=float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")),

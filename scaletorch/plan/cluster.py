@@ -10,11 +10,13 @@ A cluster file is YAML (or JSON) with every required key of ``Cluster``.
 
 A measured host adds what a GPU spec sheet leaves out, since a CPU run of a small model is
 bound by them (``scripts/plan.py --calibrate`` measures each; scaletorch/plan/time.py uses them):
-``cores`` (ranks beyond them share a core), ``layer_overhead_s`` and ``micro_batch_overhead_s``
-(the fixed cost of a block's, and of the embedding + head + loss's, forward and backward per
-micro-batch: the dispatch of their many small ops), ``step_overhead_s`` (clipping, optimizer
-step) and ``links`` (per world size and group size, per collective: latency in seconds and
-bandwidth in wire bytes/s, measured with every group of the world busy at once).
+``cores`` (ranks beyond them share a core; ``slowdown``: how much longer a rank computes when
+the whole world computes at once), ``layer_overhead_s``, ``moe_layer_overhead_s`` and
+``micro_batch_overhead_s`` (the fixed cost of a dense block's, an MoE block's and the
+embedding + head + loss's forward and backward per micro-batch: the dispatch of their many
+small ops), ``step_overhead_s`` (clipping, optimizer step) and ``links`` (per world size and
+group size, per collective: latency in seconds and bandwidth in wire bytes/s, measured with
+every group of the world busy at once).
 """
 
 import json
@@ -39,6 +41,7 @@ class Cluster:
     # measured hosts only (0 / empty: a GPU per rank, overheads hidden by asynchronous launches)
     cores: int = 0
     layer_overhead_s: float = 0.0
+    moe_layer_overhead_s: float = 0.0  # an MoE block's (0: as a dense block's)
     micro_batch_overhead_s: float = 0.0
     step_overhead_s: float = 0.0
     # {world: compute time with every rank of the world computing / alone}; without it a world
@@ -48,7 +51,8 @@ class Cluster:
     links: Dict[str, Dict[str, Dict[str, List[float]]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        optional = ("cores", "layer_overhead_s", "micro_batch_overhead_s", "step_overhead_s")
+        optional = ("cores", "layer_overhead_s", "moe_layer_overhead_s", "micro_batch_overhead_s",
+                    "step_overhead_s")
         bad = {
             f.name: getattr(self, f.name)
             for f in fields(self) if f.name not in ("name", "links", "slowdown") and not (

@@ -17,9 +17,9 @@ Then the pipeline bubble stretches the busy time: step = busy / (1 - bubble) + e
 A measured host (``scripts/plan.py --calibrate``: CPU ranks over gloo) differs in three ways,
 each measured rather than assumed:
 - a small model's compute is mostly fixed cost per op: each block costs ``layer_overhead_s``
-  per micro-batch (4/3 of it under full recomputation: its forward again), the embedding,
-  head and loss ``micro_batch_overhead_s``, clipping and AdamW ``step_overhead_s``, on top of
-  the FLOPs at the measured rate;
+  (an MoE block ``moe_layer_overhead_s``) per micro-batch (4/3 of it under full
+  recomputation: its forward again), the embedding, head and loss ``micro_batch_overhead_s``,
+  clipping and AdamW ``step_overhead_s``, on top of the FLOPs at the measured rate;
 - nothing overlaps: the cores that compute also move the bytes, so every collective's
   calls x latency + wire bytes / bandwidth (measured per world and group size) is exposed;
 - ranks beyond the ``cores`` share them: the step is at least the measured slowdown of a
@@ -91,10 +91,12 @@ def compute_seconds(model: ModelSpec, layout: PlanLayout, cluster: Cluster,
     seconds = hardware_flops(model,
                              lay) / lay.world / (cluster.peak_flops * cluster.compute_efficiency)
     chunks = rank_layers(model.num_layers, lay.pp, lay.virtual_stages, lay.layer_split)
-    blocks = sum(len(c) for c in chunks[pp_rank])
+    blocks = [i for c in chunks[pp_rank] for i in c]
+    moe = sum(1 for i in blocks if model.is_moe_layer(i))
+    moe_cost = cluster.moe_layer_overhead_s or cluster.layer_overhead_s
     ends = pp_rank in (0, lay.pp - 1)  # the embedding or the head and loss
-    per_micro_batch = blocks * cluster.layer_overhead_s * REDO[lay.activation_checkpointing] + \
-        ends * cluster.micro_batch_overhead_s
+    per_micro_batch = ((len(blocks) - moe) * cluster.layer_overhead_s + moe * moe_cost) * \
+        REDO[lay.activation_checkpointing] + ends * cluster.micro_batch_overhead_s
     return seconds + lay.num_micro_batches * per_micro_batch + cluster.step_overhead_s
 
 
