@@ -149,9 +149,9 @@ def _work() -> Callable[[], Any]:
     return lambda: [a @ a for _ in range(4)]
 
 
-def measure_links(rank: int, world: int) -> Dict[str, Any]:
+def measure_links(rank: int, world: int, alone: float) -> Dict[str, Any]:
     """In a gloo world: ``busy`` (how much longer ``_work`` takes with every rank computing at
-    once than with this rank alone, the others waiting) and
+    once than ``alone``, its time in the parent before the world started) and
     ``links`` {group size: {op: (latency s, wire bytes/s)}} with every group of that size
     (consecutive ranks) busy at once; send/recv between rank pairs (2 i, 2 i + 1).
 
@@ -159,13 +159,8 @@ def measure_links(rank: int, world: int) -> Dict[str, Any]:
     core count a rank that waits for a peer waits until the scheduler runs the peer, a cost an
     idle ping-pong never sees. The bandwidth is from the extra time of a 256 KiB call."""
     work = _work()
-    alone = 0.0
-    for r in range(world):  # one rank at a time, the others waiting: the work alone
-        dist.barrier()
-        if rank == r:
-            alone = _seconds(work, 10)
     dist.barrier()
-    busy = _seconds(work, 10) / alone  # every rank at once
+    busy = _seconds(work, 10) / alone  # every rank at once, against ``alone``: the parent's
     out: Dict[str, Dict[str, Tuple[float, float]]] = {}
     for size in range(2, world + 1):
         # collectives over groups of consecutive ranks that tile the world; send/recv between
@@ -235,7 +230,8 @@ def calibrate(model_cfg: Any, seq_len: int, path: str, progress: Callable[[str],
     slowdown: Dict[str, float] = {}
     for world in worlds:
         say(f"links: gloo world of {world} (all-reduce, all-gather, all-to-all, send)")
-        results = run_distributed(measure_links, world, timeout=120)
+        alone = _seconds(_work(), 10)  # no rank of ours running (a waiting rank may spin)
+        results = run_distributed(measure_links, world, alone, timeout=120)
         # never below world / cores: ranks beyond the cores cannot all run at once
         slowdown[str(world)] = max(1.0, world / cores, statistics.mean(r["busy"] for r in results))
         per_rank = [r["links"] for r in results]
