@@ -27,22 +27,32 @@ def _error(cfg, world_size: int) -> str:
 class RefusalsNameTheSettings(unittest.TestCase):
     """Computed from the config's sizes: no process group, no model."""
 
-    def test_tied_embeddings_run_with_zero_and_our_pipeline_not_where_two_stages_meet(self):
+    def test_tied_embeddings_run_with_zero_our_pipeline_and_a_v_without_a_wrapper(self):
         cfg = make_config(False, 2, **layout(pp=2, zero_stage=2))
         cfg.model.tie_word_embeddings = True
         validate_layout(cfg, 4)  # ZeRO shards it once; the pipeline keeps two synced copies
         cfg.parallel.schedule, cfg.parallel.virtual_pipeline_stages = "zbv", 2
         cfg.data.num_micro_batches = 4
-        message = _error(cfg, 4)
+        message = _error(cfg, 4)  # a V's two chunks share the weight: one wrapper each refuses
         self.assertIn(
             "model.tie_word_embeddings true with parallel.schedule 'zbv' "
-            "(pipeline_model_parallel_size 2)", message)
+            "(pipeline_model_parallel_size 2), dp_cp 2, zero_stage 2, num_experts 0", message)
         self.assertIn("or model.tie_word_embeddings false", message)
+        cfg.parallel.zero_stage = 0
+        self.assertIn("dp_cp 2, zero_stage 0", _error(cfg, 4))
+        cfg.parallel.schedule = "dualpipev"
+        validate_layout(cfg, 2)  # pp 2 alone: rank 0's chunks hold the one parameter
+        cfg.parallel.tensor_model_parallel_size = 2
+        validate_layout(cfg, 4)
+        cfg.parallel.tensor_model_parallel_size = 1
         cfg.parallel.schedule, cfg.parallel.virtual_pipeline_stages = "1f1b", 1
         cfg.parallel.impl, cfg.parallel.zero_stage, cfg.data.num_micro_batches = "torch", 0, 2
+        message = _error(cfg, 4)
         self.assertIn(
             "model.tie_word_embeddings true with parallel.impl 'torch' and "
-            "pipeline_model_parallel_size 2", _error(cfg, 4))
+            "pipeline_model_parallel_size 2", message)
+        self.assertIn("stages do not share parameters across ranks", message)
+        self.assertIn("use impl 'scaletorch'", message)
         cfg.parallel.pipeline_model_parallel_size = 1  # FSDP2 / DTensor tie without a pipeline
         validate_layout(cfg, 4)
 

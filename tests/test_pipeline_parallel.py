@@ -270,13 +270,14 @@ def bubble_run(schedule: str, v: int, m: int, delay=(0.08, 0.16)):
 
 
 def tied_embeddings_errors(cfg: Config) -> list:
-    """What a tied model cannot run under pp 2: a V-shaped schedule (first and last stage on one
-    rank), torch.distributed.pipelining (no embedding group)."""
+    """What a tied model cannot run under pp 2 x dp 2: a V-shaped schedule's chunks wrapped for
+    data parallel one by one (they share the tied weight), torch.distributed.pipelining (its
+    stages share no parameter across ranks)."""
     pgm = init_pg_manager(pipeline_model_parallel_size=2)
     cfg.model.tie_word_embeddings = True
     errors = [
-        value_error(
-            lambda: apply_pipeline_parallel(build_model(cfg.model, 0), pgm, 2, v_shape=True)),
+        value_error(lambda: apply_data_parallel_to_chunks(
+            apply_pipeline_parallel(build_model(cfg.model, 0), pgm, 2, v_shape=True), pgm)),
         value_error(lambda: TorchPipelineSchedule(
             apply_pipeline_parallel(build_model(cfg.model, 0), pgm), pgm, "1f1b", 2)),
     ]
@@ -408,10 +409,13 @@ class TestPipelineParallelRanks(unittest.TestCase):
                 ends = run["pp_rank"] in (0, PARITY_RUNS[name][0] - 1)
                 self.assertEqual(run["embd_calls"], 1 if ends else 0, name)
 
-    def test_tied_embeddings_with_a_v_shape_or_torch_pipelining_raise(self):
+    def test_tied_embeddings_with_a_data_parallel_v_shape_or_torch_pipelining_raise(self):
         v_shape, torch_pipelining = self.results[0]["tied"]
-        self.assertIn("tie_word_embeddings with a V-shaped schedule (zbv, dualpipev)", v_shape)
-        self.assertIn("tie_word_embeddings true needs impl scaletorch", torch_pipelining)
+        self.assertIn(
+            "tie_word_embeddings with a V-shaped schedule (zbv, dualpipev) and data "
+            "parallel over dp_cp (2)", v_shape)
+        self.assertIn("stages do not share parameters across ranks", torch_pipelining)
+        self.assertIn("use impl scaletorch", torch_pipelining)
 
 
 if __name__ == "__main__":

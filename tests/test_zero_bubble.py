@@ -185,9 +185,14 @@ PARITY = {
     "dualpipev pp4 m8": (8, 8, layout(pp=4, schedule="dualpipev", virtual_pipeline_stages=2)),
     "dualpipev pp2 tp2 m4":
     (4, 4, layout(pp=2, tp=2, schedule="dualpipev", virtual_pipeline_stages=2)),
+    # tied embeddings in a V: rank 0's two chunks share the one parameter (dp_cp 1, see
+    # validation.py's refusal of a V with a data-parallel wrapper)
+    "tied zbv pp2 tp2 m4": (4, 4, layout(pp=2, tp=2, schedule="zbv", virtual_pipeline_stages=2)),
+    "tied dualpipev pp2 tp2 m4":
+    (4, 4, layout(pp=2, tp=2, schedule="dualpipev", virtual_pipeline_stages=2)),
     "torch zb-h1 pp4 m4": (4, 4, layout(pp=4, schedule="zb-h1", impl="torch")),
-    "torch zbv pp2 dp2 m4":
-    (4, 4, layout(pp=2, schedule="zbv", virtual_pipeline_stages=2, impl="torch")),
+    "torch zbv pp2 dp2 m4": (4, 4,
+                             layout(pp=2, schedule="zbv", virtual_pipeline_stages=2, impl="torch")),
     "torch dualpipev pp2 dp2 m4":
     (4, 4, layout(pp=2, schedule="dualpipev", virtual_pipeline_stages=2, impl="torch")),
 }
@@ -207,7 +212,13 @@ def config(name: str):
     layers, m, parallel = PARITY[name]
     cfg = make_config(micro_batches=m, **parallel)
     cfg.model.num_layers = layers
+    cfg.model.tie_word_embeddings = name.startswith("tied")
     return cfg
+
+
+def reference_key(name: str) -> tuple:
+    """(layers, micro-batches, tied): what the single-device reference depends on."""
+    return PARITY[name][0], PARITY[name][1], name.startswith("tied")
 
 
 def bubble_run(schedule: str, v: int, steps: int) -> dict:
@@ -276,13 +287,14 @@ def world(rank: int, world_size: int) -> dict:
     from scaletorch.trainer import Trainer
 
     out["references"] = {}
-    keys = sorted({(PARITY[n][0], PARITY[n][1]) for n in PARITY})
-    for layers, m in keys[rank::world_size]:
+    keys = sorted({reference_key(n) for n in PARITY})
+    for layers, m, tied in keys[rank::world_size]:
         cfg = make_config(micro_batches=m)
-        cfg.model.num_layers = layers
+        cfg.model.num_layers, cfg.model.tie_word_embeddings = layers, tied
         model = build_model(cfg.model, seed=cfg.training.model_seed)
-        losses = Trainer(cfg, model, None, verbose=False).train().losses
-        out["references"][(layers, m)] = (losses, model.state_dict())
+        result = Trainer(cfg, model, None, verbose=False).train()
+        out["references"][(layers, m, tied)] = (result.losses, model.state_dict(),
+                                                result.grad_norms)
     return out
 
 
@@ -297,7 +309,7 @@ class TestZeroBubbleRanks(unittest.TestCase):
     def check_parity(self, names):
         for name in names:
             with self.subTest(run=name):
-                losses, state = self.references[PARITY[name][:2]]
+                losses, state, _ = self.references[reference_key(name)]
                 assert_run_matches(self, self.results, name, losses, state)
 
     def test_zb_h1_matches_single_device_at_2_and_4_stages_with_dp_and_tp(self):
@@ -305,6 +317,20 @@ class TestZeroBubbleRanks(unittest.TestCase):
 
     def test_zbv_and_dualpipev_match_single_device(self):
         self.check_parity([n for n in PARITY if n.startswith(("zbv", "dualpipev"))])
+
+    def test_tied_zbv_and_dualpipev_share_one_weight_and_match_the_tied_single_device(self):
+        # rank 0's two chunks use the one parameter: losses and weights within TOL (1e-5), and
+        # the clip's grad norms too (counted once, not as an embedding group's two copies)
+        names = [n for n in PARITY if n.startswith("tied")]
+        self.check_parity(names)
+        for name in names:
+            norms = self.references[reference_key(name)][2]
+            for rank, res in enumerate(self.results):
+                got = res["parity"][name]["grad_norms"]
+                self.assertLessEqual(max(abs(a - b) for a, b in zip(got, norms)), TOL,
+                                     f"{name} rank {rank}")
+            state = self.results[0]["parity"][name]["state"]
+            self.assertIs(state["lm_head.weight"], state["embed_tokens.weight"], name)
 
     def test_torch_zero_bubble_schedules_match_single_device_and_ours(self):
         self.check_parity([n for n in PARITY if n.startswith("torch")])

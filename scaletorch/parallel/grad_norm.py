@@ -17,7 +17,8 @@ each time divided by replicas(x); a shard is held once. For the rank grid (pg_ma
     ZeRO shard (split over "dp_cp")                          1 or tp, per element
     pipeline                                                 each stage holds its own layers:
                                                              no factor, the world sum adds them
-    tied embedding under a pipeline                          x 2 (first and last stage's copy)
+    tied embedding under a pipeline                          x 2 (first and last stage's copy;
+                                                             in a V one shared parameter: x 1)
 
 One all-reduce of one number over the world, whatever the layout (``replica_count``,
 ``world_grad_norm``); none when every rank holds every gradient (pure data parallel). Every

@@ -41,7 +41,8 @@ this same call (chapters 01-06 all use ``parallelize``):
 
 Not supported (ValueError from the one layout check, validation.py, before any surgery): ZeRO
 with MoE (experts would need sharding over "edp"), sequence parallel with MoE
-(tensor_parallel.py), tied embeddings with a V-shaped schedule or with impl torch and pp,
+(tensor_parallel.py), tied embeddings with a V-shaped schedule beside dp_cp, ZeRO or MoE
+wrappers, or with impl torch and pp,
 impl torch or naive with MoE, naive with ZeRO, impl torch with ZeRO-1/2 or with cp beside tp,
 pp or ZeRO-3; doc/07_nd_parallel.md, "Limits", lists every refusal.
 MoE parity with the reference is exact with one micro-batch (moe.py: the load-balancing

@@ -22,7 +22,9 @@ stage backpropagates its own with its activation gradient, and the reported loss
 
 Tied embeddings (Megatron's way): the first stage holds the embedding, the last a copy of it as
 the output layer; after backward one all-reduce over the embedding group (pg_manager: the
-pipeline's first and last rank) sums the two copies' gradients, so both stay equal.
+pipeline's first and last rank) sums the two copies' gradients, so both stay equal. In a V
+(zbv, dualpipev) both stages are rank 0's chunks: they share the one parameter, as on one
+device, and its two uses accumulate into its one ``.grad`` (no copy, no embedding group).
 
 Longer than 300 lines on purpose: the cut into stages, the runtime that executes a schedule's
 actions with its point-to-point messages, and PyTorch's pipelining beside it are read together;
@@ -94,7 +96,8 @@ class PipelineChunk(nn.Module):
 class PipelineModel(nn.Module):
     """This rank's v chunks (``chunks[c]`` is global stage c p + rank, or in a V stages rank
     and 2p - 1 - rank), and where every full model key lives (``owner[key]`` = global stage).
-    ``tied_embeddings``: the first and last stage each hold a copy of the tied embedding."""
+    ``tied_embeddings``: the first and last stage each hold a copy of the tied embedding (in a
+    V: rank 0's two chunks hold the one parameter)."""
 
     def __init__(self, chunks: List[PipelineChunk], stages: List[int], num_stages: int,
                  owner: Dict[str, int], hidden_size: int, v_shape: bool = False,
@@ -122,8 +125,8 @@ def apply_pipeline_parallel(model: Llama, pgm: ProcessGroupManager, virtual_stag
     if virtual_stages > 1 and p == 1:
         raise ValueError(f"virtual_pipeline_stages ({virtual_stages}) needs a pipeline: "
                          f"pipeline_model_parallel_size is 1")
-    if model.config.tie_word_embeddings and p > 1:
-        untie_across_stages(model, v_shape)
+    if model.config.tie_word_embeddings and p > 1 and not v_shape:
+        untie_across_stages(model)  # a V keeps the tie: both ends are chunks of rank 0
     num_stages = p * virtual_stages
     layers = split_layers(model.config.num_layers, num_stages, layer_split)
     stage_of_layer = {i: s for s, ids in enumerate(layers) for i in ids}
@@ -145,7 +148,7 @@ def apply_pipeline_parallel(model: Llama, pgm: ProcessGroupManager, virtual_stag
 # ---- tied embeddings: a copy on the last stage, gradients summed over the embedding group ----
 
 
-def untie_across_stages(model: Llama, v_shape: bool = False) -> None:
+def untie_across_stages(model: Llama) -> None:
     """Megatron's way for ``tie_word_embeddings`` under a pipeline: the embedding (first stage)
     and the output layer (last stage) live on different ranks, so the last stage gets its own
     copy of the tied weight, and ``sync_tied_embedding_grads`` sums the two copies' gradients
@@ -157,10 +160,6 @@ def untie_across_stages(model: Llama, v_shape: bool = False) -> None:
     (the sync finds them by it; the clip counts them as 2 replicas; ZeRO gives the copy its own
     unit); the copy keeps the tensor-parallel tags, as the vocabulary rows are split alike.
     """
-    if v_shape:
-        raise ValueError("tie_word_embeddings with a V-shaped schedule (zbv, dualpipev): the "
-                         "first and the last stage are on the same rank there; use afab, "
-                         "1f1b or interleaved, or tie_word_embeddings false")
     weight = model.embed_tokens.weight
     weight.shared_embedding = True  # type: ignore[attr-defined]
     copy = nn.Parameter(weight.detach().clone(), requires_grad=weight.requires_grad)
@@ -196,6 +195,13 @@ def apply_data_parallel_to_chunks(pipe: PipelineModel, pgm: ProcessGroupManager,
     """
     if pgm.data_parallel_world_size_with_context == 1:
         return pipe
+    if pipe.v_shape and pipe.tied_embeddings:
+        # validation.py refuses it first for parallelize (and ZeRO's or experts' wrappers)
+        raise ValueError(f"tie_word_embeddings with a V-shaped schedule (zbv, dualpipev) and data "
+                         f"parallel over dp_cp ({pgm.data_parallel_world_size_with_context}): "
+                         f"rank 0's two chunks share the tied weight, and each chunk's wrapper "
+                         f"would sync it on its own; run the V with dp_cp 1, or use afab, 1f1b, "
+                         f"interleaved or zb-h1")
     device = next(pipe.parameters()).device
 
     def wrap(chunk: nn.Module) -> nn.Module:
@@ -364,9 +370,10 @@ class TorchPipelineSchedule:
             raise ValueError("torch.distributed.pipelining runs dense models only here (it "
                              "would drop the MoE load-balancing losses); use impl scaletorch")
         if pipe.tied_embeddings:
-            raise ValueError("torch.distributed.pipelining has no embedding group to sum a tied "
-                             "embedding's gradients across its first and last stage: "
-                             "tie_word_embeddings true needs impl scaletorch under a pipeline")
+            raise ValueError("tie_word_embeddings true with torch.distributed.pipelining: its "
+                             "stages do not share parameters across ranks (no embedding group "
+                             "sums the first and the last stage's copies); use impl scaletorch "
+                             "under a pipeline")
         p = pgm.pipeline_model_parallel_world_size
         validate_schedule(schedule, p, num_micro_batches, len(pipe.chunks))
         self.pipe, self.pgm, self.m = pipe, pgm, num_micro_batches

@@ -130,21 +130,26 @@ def _check_pipeline(cfg: "Config", sizes: Dict[str, int]) -> None:
 
 def _check_tied_embeddings(cfg: "Config", sizes: Dict[str, int]) -> None:
     """Tied embeddings run with ZeRO (one shard, zero.py) and with our pipeline (a copy on the
-    first and the last stage, pipeline_parallel.py), except where those two stages meet."""
+    first and the last stage, pipeline_parallel.py; in a V both are rank 0's chunks, which
+    share the one parameter), except where a V's chunks are wrapped one by one."""
     p = cfg.parallel
     if not cfg.model.tie_word_embeddings or sizes["pp"] == 1:
         return
-    if p.schedule in V_SHAPED:
+    wrapped = sizes["dp_cp"] > 1 or p.zero_stage > 0 or cfg.model.num_experts > 0
+    if p.schedule in V_SHAPED and p.impl != "torch" and wrapped:
         raise ValueError(f"model.tie_word_embeddings true with parallel.schedule {p.schedule!r} "
-                         f"(pipeline_model_parallel_size {sizes['pp']}): a V-shaped schedule "
-                         f"puts the first and the last stage on one rank, where our embedding "
-                         f"group sums two ranks' copies; use afab, 1f1b, interleaved or zb-h1, "
-                         f"or model.tie_word_embeddings false")
+                         f"(pipeline_model_parallel_size {sizes['pp']}), dp_cp {sizes['dp_cp']}, "
+                         f"zero_stage {p.zero_stage}, num_experts {cfg.model.num_experts}: a "
+                         f"V-shaped schedule's two chunks on rank 0 share the tied weight, and "
+                         f"each chunk's data-parallel, ZeRO or expert wrapper would sync it on "
+                         f"its own; run the V with dp_cp 1, zero_stage 0 and no experts, use "
+                         f"afab, 1f1b, interleaved or zb-h1, or model.tie_word_embeddings false")
     if p.impl == "torch":
         raise ValueError(f"model.tie_word_embeddings true with parallel.impl 'torch' and "
                          f"pipeline_model_parallel_size {sizes['pp']}: torch.distributed."
-                         f"pipelining has no embedding group to sum the two stages' copies; use "
-                         f"impl 'scaletorch', or model.tie_word_embeddings false")
+                         f"pipelining stages do not share parameters across ranks (no embedding "
+                         f"group sums the first and the last stage's copies); use impl "
+                         f"'scaletorch', or model.tie_word_embeddings false")
 
 
 def _check_combinations(cfg: "Config", sizes: Dict[str, int]) -> None:
