@@ -343,6 +343,9 @@ LAYOUTS = {
     (False, 2, layout(tp=2, pp=2, sequence_parallel=True, activation_checkpointing=True)),
     "ckpt_zero2_cp2_dp2": (False, 2, layout(cp=2, zero_stage=2, activation_checkpointing=True)),
     "selective_tp2_cp2": (False, 2, layout(tp=2, cp=2, activation_checkpointing="selective")),
+    # tied embeddings: the last stage's copy (memory) and the embedding group's all-reduce
+    "tied_tp2_pp2": (False, 2, layout(tp=2, pp=2)),
+    "tied_zero1_pp2_dp2": (False, 2, layout(pp=2, zero_stage=1)),
 }
 # activations: tp 2 x dp 2, one micro-batch of 2 sequences per rank (none / selective / full,
 # with and without SP); the first pipeline stage's peak under 1F1B (min(m, p) micro-batches in
@@ -390,6 +393,7 @@ def _config(name: str):
     else:
         moe, m, parallel = {**LAYOUTS, **ACTIVATIONS}[name]
         cfg = make_config(moe, m, **parallel)
+        cfg.model.tie_word_embeddings = name.startswith("tied_")
     cfg.training.steps = 1
     return cfg
 

@@ -35,7 +35,7 @@ from collections import defaultdict
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence
 
 from scaletorch.plan.layout import ACTIVATION_BYTES, PRECISIONS, PlanLayout
-from scaletorch.plan.memory import rank_units
+from scaletorch.plan.memory import has_tied_copy, rank_units
 from scaletorch.plan.model import ModelSpec
 from scaletorch.plan.pipeline import rank_layers
 
@@ -173,6 +173,9 @@ def collectives(model: ModelSpec, layout: PlanLayout, pp_rank: int = 0) -> List[
         add("pp", lay.pp, "send", sends, act, calls=_pipeline_sends(lay, pp_rank) * m)
         add("pp", lay.pp, "recv", sends, act)
         add("pp", lay.pp, "all_reduce", 1, 4)
+        if has_tied_copy(model, lay) and (first or last):  # the two copies' gradients
+            copy = model.embedding_params() // t
+            add("embd", 2, "all_reduce", copy if lay.zero_stage == 0 else -(-copy // n), grad)
     # context parallel: the ring passes K and V
     if lay.cp > 1:
         kv = 2 * T * model.kv_size // t  # one K/V message: this tp rank's kv heads

@@ -105,7 +105,15 @@ def rank_units(model: ModelSpec, layout: PlanLayout, pp_rank: int = 0) -> List[U
         if stage == stages - 1:
             head = 0 if model.tie_word_embeddings else model.embedding_params() // t
             units.append(Unit("head", model.norm_params() + head, 0))
+            if has_tied_copy(model, layout):  # ZeRO gives the copy a unit of its own
+                units.append(Unit("tied_embedding_copy", model.embedding_params() // t, 0))
     return units
+
+
+def has_tied_copy(model: ModelSpec, layout: PlanLayout) -> bool:
+    """A tied embedding under a pipeline: the last stage holds a copy of it as its output
+    layer, summed with the first stage's over the embedding group (pipeline_parallel.py)."""
+    return model.tie_word_embeddings and layout.pp * layout.virtual_stages > 1
 
 
 def _padded(numel: int, n: int) -> int:
