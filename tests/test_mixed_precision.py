@@ -42,6 +42,8 @@ CASES = {  # name -> parallel config (2 ranks)
     "ddp_torch": dict(impl="torch"),  # torch's DDP with our reduce_dtype comm hook
     # fp16 with the loss scaler, gradients reduced in fp16 (CPU fp16 matmuls are slow: one case)
     "fp16_zero2": dict(zero_stage=2),
+    # fp16 through a 2-stage pipeline (1F1B): the last stage's backward starts from the scale
+    "fp16_pp2": layout(pp=2),
     # the other strategies (dp 1): activations and their gradients cross tp / pp / cp / ep in
     # the compute dtype (WIRE); ep is the MoE model
     "tp2": layout(tp=2, sequence_parallel=True),
@@ -120,7 +122,8 @@ def _overflow_on_one_rank() -> dict:
         "stepped": stepped,
         "scales": scales,
         "skipped": scaler.skipped,
-        "replicas_equal": bool(torch.equal(replicas[0], replicas[1]))
+        "replicas_equal": bool(torch.equal(replicas[0], replicas[1])),
+        "finite": bool(torch.isfinite(full).all())
     }
 
 
@@ -287,6 +290,19 @@ class MixedPrecisionPolicyConfig(unittest.TestCase):
             MixedPrecisionPolicy.from_names("fp16", "fp32", "fp32", "meta")
 
 
+def assert_skipped_step_1_everywhere(test: unittest.TestCase, results: list) -> None:
+    """Every rank's ``overflow`` run (3 steps, scale 2^10, an inf on one rank at step 1): each
+    skipped step 1 alone, halved the scale once, and kept its replicas equal and finite."""
+    for rank, res in enumerate(results):
+        got = res["overflow"]
+        with test.subTest(rank=rank):
+            test.assertEqual(got["stepped"], [True, False, True])
+            test.assertEqual(got["scales"], [2.0**10, 2.0**9, 2.0**9])
+            test.assertEqual(got["skipped"], 1)
+            test.assertTrue(got["replicas_equal"])
+            test.assertTrue(got["finite"])
+
+
 class MixedPrecisionDataParallel(unittest.TestCase):
     """2 ranks, 20 bf16 steps per strategy, one world."""
 
@@ -385,56 +401,103 @@ class MixedPrecisionDataParallel(unittest.TestCase):
                 self.assertEqual(self.results[rank]["cp2"]["wire"]["send"], (ring, 2 * ring))
 
     def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(self):
-        for rank in (0, 1):
-            got = self.results[rank]["overflow"]
-            with self.subTest(rank=rank):
-                self.assertEqual(got["stepped"], [True, False, True])
-                self.assertEqual(got["scales"], [2.0**10, 2.0**9, 2.0**9])
-                self.assertEqual(got["skipped"], 1)
-                self.assertTrue(got["replicas_equal"])
+        assert_skipped_step_1_everywhere(self, self.results)
 
 
-# Chapter 07 layouts on 4 ranks in bf16, gradients reduced in bf16: (moe, micro-batches, parallel)
+# Chapter 07 layouts on 4 ranks in bf16 (fp16_*: fp16), gradients reduced in it:
+# (moe, micro-batches, parallel)
 COMPOSED = {
     "tp2_pp2": (False, 2, layout(tp=2, pp=2)),
     "cp2_dp2_zero1": (False, 2, layout(cp=2, zero_stage=1)),
     "ep2_pp2_dp2": (True, 1, layout(pp=2, ep=2, schedule="afab")),
+    "fp16_pp2_dp2": (False, 2, layout(pp=2)),
 }
 
 
 def composed_config(name: str) -> Config:
     cfg = config_of(COMPOSED, name)
-    cfg.parallel.reduce_dtype = cfg.training.precision = "bf16"
+    cfg.parallel.reduce_dtype = cfg.training.precision = precision_of(name)
     cfg.training.steps = STEPS
     return cfg
 
 
+def _overflow_in_one_stage() -> dict:
+    """fp16, pp 2 x dp 2 (1F1B): after step 1's backward, the last stage's replica on dp rank
+    1 gets an inf in its (already reduced) gradient; the first stage's ranks see none. Every
+    rank must skip that step and halve the scale; each stage's two replicas stay equal."""
+    cfg = composed_config("fp16_pp2_dp2")
+    cfg.training.steps = 3
+    pgm = pg_manager_for(cfg)
+    par, trainer = build(cfg, pgm)
+    trainer.scaler.scale = 2.0**10  # clean steps before and after (growth_interval 2000)
+    forward_backward = trainer.forward_backward
+    last, dp_rank = pgm.pipeline_model_parallel_rank == 1, pgm.data_parallel_rank
+
+    def with_inf(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = forward_backward(inputs, targets)
+        if trainer.step == 1 and last and dp_rank == 1:
+            next(p for p in par.model.parameters() if p.grad is not None).grad[0] = float("inf")
+        return loss
+
+    trainer.forward_backward = with_inf
+    stepped, scales = [], []
+    for _ in range(3):
+        skipped = trainer.scaler.skipped
+        trainer.train_step()
+        stepped.append(trainer.scaler.skipped == skipped)
+        scales.append(trainer.scaler.scale)
+    mine = torch.cat([p.detach().flatten() for p in par.model.parameters()])
+    replicas = [torch.empty_like(mine) for _ in range(2)]
+    torch.distributed.all_gather(replicas, mine, group=pgm.data_parallel_group_with_context)
+    destroy_pg_manager()
+    return {
+        "stepped": stepped,
+        "scales": scales,
+        "skipped": trainer.scaler.skipped,
+        "replicas_equal": bool(torch.equal(replicas[0], replicas[1])),
+        "finite": bool(torch.isfinite(mine).all())
+    }
+
+
 def _composed_main(rank: int, world_size: int) -> dict:
-    return {name: train(composed_config(name)) for name in COMPOSED}
+    out = {name: train(composed_config(name)) for name in COMPOSED}
+    out["overflow"] = _overflow_in_one_stage()
+    return out
 
 
 class MixedPrecisionComposedLayouts(unittest.TestCase):
-    """4 ranks, three chapter-07 layouts, 20 bf16 steps each, one world."""
+    """4 ranks, three chapter-07 layouts in bf16 and pp 2 x dp 2 in fp16, 20 steps each, one
+    world; and an fp16 overflow in one stage of one replica."""
 
     @classmethod
     def setUpClass(cls):
         cls.results = run_distributed(_composed_main, 4, timeout=400)
-        cls.references = references(composed_config(name) for name in COMPOSED)
+        bf16 = [name for name in COMPOSED if precision_of(name) == "bf16"]
+        refs = references(composed_config(name) for name in bf16)
+        # reference_key ignores the precision: fp16's single-device run (its own scaler) apart
+        cls.references = {name: refs[reference_key(composed_config(name))][::2] for name in bf16}
+        cls.references.update(
+            {name: _reference(composed_config(name))
+             for name in COMPOSED if name not in bf16})
 
     def test_composed_layouts_in_bf16_match_single_device_bf16_within_2_to_the_minus_5(self):
+        # fp16 (11 significant bits) rounds finer than bf16: bf16's bound holds for it
         for name in COMPOSED:
-            cfg = composed_config(name)
-            losses, _, state = self.references[reference_key(cfg)]
+            losses, state = self.references[name]
             with self.subTest(layout=name):
                 loss_diff = max(
                     abs(a - b) for rank in range(4)
                     for a, b in zip(self.results[rank][name]["losses"], losses))
                 weight_diff = max_weight_diff(self.results[0][name]["state"], state)
-                print(f"\n{name}: bf16, {STEPS} steps: max |loss - reference| = {loss_diff:.1e}, "
-                      f"max |weight - reference| = {weight_diff:.1e} (tolerance {TOL:.1e})")
+                print(f"\n{name}: {precision_of(name)}, {STEPS} steps: max |loss - reference| = "
+                      f"{loss_diff:.1e}, max |weight - reference| = {weight_diff:.1e} "
+                      f"(tolerance {TOL:.1e})")
                 self.assertEqual(len(self.results[0][name]["losses"]), STEPS)
                 self.assertLessEqual(loss_diff, TOL)
                 self.assertLessEqual(weight_diff, TOL)
+
+    def test_an_overflow_in_one_pipeline_stage_skips_the_step_on_every_rank(self):
+        assert_skipped_step_1_everywhere(self, self.results)
 
 
 if __name__ == "__main__":

@@ -210,7 +210,7 @@ def parallelize(model: Llama, cfg: "Config", pgm: ProcessGroupManager,
         trainer_model: nn.Module = pipe
         cls = ZeroBubbleSchedule if p.schedule in ZERO_BUBBLE else PipelineSchedule
         step: ForwardBackward = cls(pipe, pgm, p.schedule, cfg.data.num_micro_batches, loss,
-                                    shard_sequence)
+                                    shard_sequence, scaler)
     else:
         trainer_model = wrapped[0]
         step = make_data_parallel_step(trainer_model, cfg.data.num_micro_batches,

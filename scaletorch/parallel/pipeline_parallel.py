@@ -42,7 +42,7 @@ from scaletorch.data import split_micro_batches
 from scaletorch.dist import ProcessGroupManager, comm, get_ledger
 from scaletorch.models import Llama, MoE, loss_fn, moe_aux_loss
 from scaletorch.parallel.data_parallel import TorchDataParallel, apply_data_parallel
-from scaletorch.parallel.mixed_precision import compute_dtype
+from scaletorch.parallel.mixed_precision import DynamicLossScaler, compute_dtype
 from scaletorch.parallel.pipeline_schedules import (P2P, ZERO_BUBBLE, Action, Timeline,
                                                     TimelineRecorder, rank_of_stage,
                                                     schedule_actions, schedule_plan, stage_index,
@@ -223,13 +223,16 @@ class PipelineSchedule:
     (all-reduce over "pp", then mean over "dp_cp"). ``timeline`` holds the last step's events.
     ``shard_sequence(inputs, targets) -> (inputs, targets, position_ids)`` then keeps this
     rank's tokens of each sequence (context parallel, as in ``make_data_parallel_step``).
+    ``scaler`` (fp16): the backward starts from the loss x ``scaler.scale`` (the last stage's
+    loss and a stage's own MoE loss; the rest arrives scaled); the returned loss is unscaled.
     """
 
     def __init__(self, pipe: PipelineModel, pgm: ProcessGroupManager, schedule: str,
                  num_micro_batches: int, loss_fn: LossFn = loss_fn,
-                 shard_sequence: Optional[Callable] = None) -> None:
+                 shard_sequence: Optional[Callable] = None,
+                 scaler: Optional[DynamicLossScaler] = None) -> None:
         self.pipe, self.pgm, self.loss_fn = pipe, pgm, loss_fn
-        self.shard_sequence = shard_sequence
+        self.shard_sequence, self.scaler = shard_sequence, scaler
         p, rank = pgm.pipeline_model_parallel_world_size, pgm.pipeline_model_parallel_rank
         v = len(pipe.chunks)
         validate_schedule(schedule, p, num_micro_batches, v)
@@ -337,11 +340,15 @@ class PipelineSchedule:
         stage, mb = self.pipe.stages[action.chunk], action.micro_batch
         x, out, aux = self.held.pop((mb, action.chunk))
         outputs: List[torch.Tensor] = [out]
-        grads: List[Optional[torch.Tensor]] = [None]  # None: d loss / d loss = 1
+        # d (scale x loss) / d loss = scale (fp16); the gradients that arrive are scaled already
+        scale = 1.0 if self.scaler is None else self.scaler.scale
+        grads: List[Optional[torch.Tensor]] = [
+            None if scale == 1.0 else torch.full_like(out, scale)
+        ]
         if stage < self.pipe.num_stages - 1:
             grads = [self.inbox.pop(("grad", mb, stage)).to(out.dtype)]
-            if aux is not None:  # a stage's own MoE loss: d aux / d aux = 1
-                outputs, grads = [out, aux], grads + [torch.ones_like(aux)]
+            if aux is not None:  # a stage's own MoE loss: d (scale x aux) / d aux = scale
+                outputs, grads = [out, aux], grads + [torch.full_like(aux, scale)]
         return x, outputs, grads
 
     def _backward(self, action: Action, index: int) -> None:

@@ -388,12 +388,11 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
     recompute_mode(cfg.parallel.activation_checkpointing)  # none | selective | full
     precision_policy(cfg, "cuda" if torch.cuda.is_available() else "cpu")  # dtype names
     p = cfg.parallel
-    if cfg.training.precision == "fp16" and (p.pipeline_model_parallel_size > 1
-                                             or p.impl == "torch"):
-        # the loss scale lives in the data-parallel step (step.py); a schedule has its own
-        raise ValueError(f"training.precision fp16 scales the loss in the data-parallel step "
-                         f"only: not with pipeline_model_parallel_size "
-                         f"{p.pipeline_model_parallel_size} or impl {p.impl!r}; use bf16")
+    if cfg.training.precision == "fp16" and p.impl == "torch":
+        # our steps (step.py, the pipeline's schedules) scale the loss; torch's DDP, fully_shard
+        # and pipelining schedules are not given our scaler
+        raise ValueError(f"training.precision fp16 scales the loss in our steps only: not with "
+                         f"impl {p.impl!r}; use bf16 or impl scaletorch")
     if cfg.parallel.zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"parallel.zero_stage must be 0, 1, 2 or 3, got {cfg.parallel.zero_stage}")
     if cfg.data.seq_len > cfg.model.max_seq_len:
