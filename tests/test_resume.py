@@ -5,11 +5,11 @@ Per-rank checkpoints hold each rank's shards: the pipeline's chunks and whatever
 at the same layout, the run must continue exactly as if it had never stopped: final weights
 and AdamW state bit-identical to the uninterrupted run, and the same losses.
 
-``InWorldResume``: every layout of chapter 07's parity matrix and the pipeline combinations
-(pp x ZeRO-1/2, pp x DDP ours and torch's, pp x MoE, interleaved pp x dp, tied embeddings
-under pp x ZeRO-3), each trained straight, then rebuilt from scratch (a new model, a new
-``parallelize``: what a restarted process does) and resumed from the middle checkpoint. One
-world of 8 ranks.
+``InWorldResume``: every layout of chapter 07's parity matrix (the zero-bubble schedules as
+zbv: see SAME_STATE_AS_ANOTHER) and the pipeline combinations (pp x ZeRO-1/2, pp x DDP ours
+and torch's, pp x MoE, interleaved pp x dp, tied embeddings under pp x ZeRO-3), each trained
+straight, then rebuilt from scratch (a new model, a new ``parallelize``: what a restarted
+process does) and resumed from the middle checkpoint. Two worlds of 8 ranks.
 
 ``KilledRankResumes``: the real thing under ``torchrun --max-restarts 1``: a rank is killed
 mid-run and every rank restarts from the latest checkpoint. Run here for the pipeline layouts
@@ -46,8 +46,13 @@ PIPELINE_LAYOUTS = {
                                              virtual_pipeline_stages=2)),
     # tied embeddings: the last stage's copy in a ZeRO-3 unit of its own, and its AdamW state
     "tied_zero3_pp2_dp4": (False, 2, layout(pp=2, zero_stage=3)),
-}  # the zero-bubble schedules (the split backward, the V) are in ND_LAYOUTS: tp2 x pp2 x dp2
-LAYOUTS = {**ND_LAYOUTS, **PIPELINE_LAYOUTS}
+}
+# Chapter 07's matrix, less two schedules whose state is laid out as another's: zb-h1 holds
+# what 1F1B holds (tp2_pp2_dp2), dualpipev what zbv holds (two chunks per rank, the V);
+# KilledRankResumes resumes both under torchrun with SCALETORCH_FULL_RESUME=1.
+SAME_STATE_AS_ANOTHER = ("zb_h1_tp2_pp2_dp2", "dualpipev_tp2_pp2_dp2")
+ND_RESUMED = {k: v for k, v in ND_LAYOUTS.items() if k not in SAME_STATE_AS_ANOTHER}
+LAYOUTS = {**ND_RESUMED, **PIPELINE_LAYOUTS}
 
 
 def _run(cfg, resume=None):
@@ -71,9 +76,9 @@ def _differences(want: dict, got: dict) -> list:
     return [name for name, a, b in pairs if not a.equal(b)]
 
 
-def _resume_every_layout(rank: int, world: int, root: str) -> dict:
+def _resume_every_layout(rank: int, world: int, root: str, names: list) -> dict:
     out = {}
-    for name in LAYOUTS:
+    for name in names:
         cfg = config_of(LAYOUTS, name)
         cfg.model.tie_word_embeddings = name.startswith("tied_")
         cfg.training.steps = STEPS
@@ -87,6 +92,8 @@ def _resume_every_layout(rank: int, world: int, root: str) -> dict:
             "start": resumed.start_step,
             "differ": None if rank else _differences(want, got),
         }
+    if "zero1_pp2_dp4" not in names:
+        return out
     # The same files at another layout: refused, pointing to the consolidated file.
     other = config_of(LAYOUTS, "ddp_pp2_dp4")  # pp 2 instead of zero1_pp2_dp4's ZeRO-1
     other.checkpoint.dir = os.path.join(root, "zero1_pp2_dp4")
@@ -106,7 +113,13 @@ class InWorldResume(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         cls.tmp = tempfile.TemporaryDirectory()
-        cls.results = run_distributed(_resume_every_layout, WORLD, cls.tmp.name, timeout=600)
+        # Two worlds, not one: every rebuilt pg_manager leaves gloo threads behind, and one
+        # world of 20 layouts took 303 s on 2 cores, these two of 10 and 8 take 82 s.
+        worlds = [
+            run_distributed(_resume_every_layout, WORLD, cls.tmp.name, list(names), timeout=600)
+            for names in (ND_RESUMED, PIPELINE_LAYOUTS)
+        ]
+        cls.results = [{**a, **b} for a, b in zip(*worlds)]
 
     @classmethod
     def tearDownClass(cls):
