@@ -89,8 +89,12 @@ class Chapter10TrainsExportsAndSamples(unittest.TestCase):
                          'needs the hf extra: pip install -e ".[hf]"')
     def test_real_text_loss_falls_below_uniform_at_tp2_with_parity_and_a_sample(self):
         with tempfile.TemporaryDirectory() as tmp:
-            out = launch("examples/10_real_model.py", 2, "--tp", "2", "--steps", "8",
-                         "--training.warmup_steps", "3", "--max-new-tokens", "20", "--check",
+            # warmup 10, not 3: AdamW's first steps move a weight whose gradient is near its
+            # eps (1e-8) by about lr x g / (|g| + eps), so tensor parallel's other summation
+            # order (g differing by ~1e-9) moved one weight 1.1e-05 at lr 1e-3 in step 1 (the
+            # docs, the training text, had changed); at lr 3e-4 it is 3.4e-06 after 10 steps
+            out = launch("examples/10_real_model.py", 2, "--tp", "2", "--steps", "10",
+                         "--training.warmup_steps", "10", "--max-new-tokens", "20", "--check",
                          "--logging.run_dir", tmp)
             run = os.path.join(tmp, "10_real_model")
             # scripts/generate.py samples the same greedy text from both things the run left
@@ -101,11 +105,11 @@ class Chapter10TrainsExportsAndSamples(unittest.TestCase):
         self.assertEqual(consolidated, exported)
         first, last = map(float, re.search(r"byte-level loss (\S+) -> (\S+) nats", out).groups())
         self.assertGreater(first, 5.0)  # starts near uniform, log 256 = 5.545
-        self.assertLess(last, 4.5)  # the docs' bytes are far from uniform: > 1 nat in 8 steps
+        self.assertLess(last, 4.5)  # the docs' bytes are far from uniform: > 1 nat in 10 steps
         self.assertIn("reloaded weights identical", out)
         self.assertRegex(out, r"KV cache\):\nTensor parallel ")  # the prompt, then the sample
         self.assertRegex(
-            out, r"parity: max \|loss - reference\| = \S+ over 8 steps "
+            out, r"parity: max \|loss - reference\| = \S+ over 10 steps "
             r"\(tolerance 1e-05\): OK")
 
 
