@@ -70,6 +70,10 @@ def shipped_text(path: str) -> str:
 def main() -> int:
     args, rest = chapter_args()
     cfg = load_config("examples/configs/10_real_model.yaml", "Chapter 10: a real model", argv=rest)
+    if cfg.check and args.init_from:  # before any process starts training
+        print("error: --check compares with a run from the seed; not with --init-from",
+              file=sys.stderr)
+        return 2
     env = init_distributed(cfg.training.timeout_seconds)
     if cfg.data.dataset == "text" and cfg.data.path == DOCS:
         cfg.data.path = shipped_text(os.path.join(cfg.run_path, "text.txt"))
@@ -108,8 +112,6 @@ def main() -> int:
         print(tokenizer.decode(out[0].tolist()))
     ok = True
     if cfg.check:
-        if args.init_from:
-            raise ValueError("--check compares with a run from the seed; not with --init-from")
         ok = check_against_reference(cfg, result.losses, env.device, full, result.start_step)
     destroy_pg_manager()
     destroy_distributed()
