@@ -270,6 +270,16 @@ def layout_name(result: dict, with_run: bool) -> str:
     return (f"{result['model']} s{layout.seq_len} " if with_run else "") + layout.describe()
 
 
+# the same colour for a kind in every picture, whichever kinds it shows
+COLORS = {
+    "params": "tab:blue",
+    "grads": "tab:orange",
+    "optimizer": "tab:green",
+    "buffers": "tab:purple",
+    "activations": "tab:red"
+}
+
+
 def plot_plan_memory(layouts: List[dict], cluster: str, out: str) -> None:
     """One stacked bar per layout: params, grads, optimizer, buffers (if any), activations of
     the most-loaded pipeline rank, GB, with the cluster's HBM as a line."""
@@ -298,12 +308,12 @@ def plot_plan_memory(layouts: List[dict], cluster: str, out: str) -> None:
     bottom = [0.0] * len(layouts)
     for kind in kinds:
         values = [r["memory_bytes"][kind] / 1e9 for r in layouts]
-        ax.bar(x, values, bottom=bottom, width=0.6, label=kind)
+        ax.bar(x, values, bottom=bottom, width=0.6, label=kind, color=COLORS[kind])
         bottom = [b + v for b, v in zip(bottom, values)]
     for i, r in enumerate(layouts):
         ax.text(i, bottom[i], f"{r['memory_bytes']['total'] / 1e9:.1f}", ha="center", va="bottom",
                 fontsize=8)
-    ax.axhline(hbm / 1e9, color="red", linestyle="--", linewidth=1,
+    ax.axhline(hbm / 1e9, color="black", linestyle="--", linewidth=1,
                label=f"HBM {hbm / 1e9:g} GB ({cluster})")
     labels = [
         textwrap.fill(name, 18) + f"\npp rank {r['most_loaded_pp_rank']}"
