@@ -18,9 +18,18 @@ scripts/launch.sh runs them), in well under a minute:
 - links, in the same worlds: all-reduce, all-gather, all-to-all and send/recv over every group
   size that divides the world, all groups busy at once as in a run; latency = the time a 4-byte
   call adds between pieces of compute (past the core count a rank waits for the scheduler to
-  run its peer), bandwidth = the ledger's wire bytes of a 256 KiB call over its extra time.
+  run its peer), bandwidth = the ledger's wire bytes of a 256 KiB call over its extra time;
+- calls as the strategies issue them, in the same worlds of an even size: the config trained
+  with one strategy of size 2 (tp, tp with sequence parallel, cp, pp, ep; the rest data
+  parallel) or data parallel alone
+  (DDP, ZeRO-3), a few steps each: the seconds one of its calls adds to a step (``issued``) =
+  (the fastest step after the first - the step predicted with those calls free) / the calls.
+  A bare call between pieces of compute misses what a strategy does around its calls (ring
+  attention's block merges, the experts' dispatch, DDP's buckets) and, past the core count,
+  how long a rank waits in a step for a peer the scheduler has not run.
 """
 
+import copy
 import os
 import statistics
 import sys
@@ -34,14 +43,18 @@ import torch.nn.functional as F
 
 from scaletorch.dist.spawn import run_distributed
 from scaletorch.models import build_model
-from scaletorch.plan.cluster import Cluster, save_cluster
-from scaletorch.plan.comm import wire_bytes
+from scaletorch.plan.cluster import ISSUED, Cluster, save_cluster
+from scaletorch.plan.comm import collectives, wire_bytes
 from scaletorch.plan.flops import model_flops
-from scaletorch.plan.model import from_config
+from scaletorch.plan.layout import PlanLayout
+from scaletorch.plan.model import ModelSpec, from_config
+from scaletorch.plan.time import issuing_strategy, step_time
+from scaletorch.trainer.config import Config
 
 WORLDS = (2, 3, 4)
 SMALL, LARGE = 1, 2**16  # fp32 elements of a latency-bound and a bandwidth-bound call
 OPS = ("all_reduce", "all_gather", "all_to_all", "send")
+STRATEGY_STEPS = 8  # per strategy: the first warms up, the fastest of the others is kept
 
 
 def _seconds(fn: Callable[[], Any], reps: int, warmup: int = 2) -> float:
@@ -213,10 +226,72 @@ def measure_links(rank: int, world: int, alone: float) -> Dict[str, Any]:
     return {"busy": busy, "links": out}
 
 
-def calibrate(model_cfg: Any, seq_len: int, path: str, progress: Callable[[str], None],
+def strategy_layouts(cfg: Config, seq_len: int,
+                     world: int) -> Dict[str, Tuple[ModelSpec, PlanLayout, Config]]:
+    """For each strategy of ISSUED that ``cfg``'s model can run on ``world`` ranks: its model,
+    its layout (the strategy at size 2, the rest of the world data parallel; dp and zero3: all
+    of it) and the config that trains it. MoE for ep (the config's experts, or chapter 06's 4),
+    one micro-batch there, at least 2 under the pipeline."""
+    from scripts.plan import checker, run_config  # the planner's own translation and check
+
+    dense = from_config(replace(cfg.model, num_experts=0))
+    moe = from_config(
+        replace(
+            cfg.model, num_experts=cfg.model.num_experts or 4, moe_layer_freq=1,
+            moe_intermediate_size=cfg.model.moe_intermediate_size
+            or cfg.model.intermediate_size // 2))
+    base = copy.deepcopy(cfg)
+    base.training.steps, base.checkpoint.every, base.check = STRATEGY_STEPS, 0, False
+    base.logging.progress = False
+    check = checker(base)
+    m = cfg.data.num_micro_batches
+    out = {}
+    for kind in ISSUED:
+        sizes = {"tp": 1, "pp": 1, "cp": 1, "ep": 1}
+        if kind in sizes or kind == "sp":
+            sizes["tp" if kind == "sp" else kind] = 2
+        dp = world // (2 if kind in ("tp", "sp", "pp", "cp") else 1)
+        micro = {"pp": max(m, 2), "ep": 1}.get(kind, m)
+        if cfg.data.global_batch_size % (dp * micro):
+            continue
+        try:
+            layout = PlanLayout(**sizes, dp=dp, zero_stage=3 if kind == "zero3" else 0,
+                                sequence_parallel=kind == "sp", num_micro_batches=micro,
+                                micro_batch_size=cfg.data.global_batch_size // (dp * micro),
+                                seq_len=seq_len)
+        except ValueError:
+            continue
+        model = moe if kind == "ep" else dense
+        if check(model, layout) is None:
+            out[kind] = (model, layout, run_config(base, model, layout))
+    return out
+
+
+def measure_issued(cfg: Config, seq_len: int, world: int, cluster: Cluster) -> Dict[str, float]:
+    """{strategy: seconds one of its calls adds to a step} in a gloo world of ``world``: each
+    strategy's layout trained STRATEGY_STEPS steps; the fastest step after the first (rank 0's,
+    as the tour reads it) minus the step ``cluster`` predicts with those calls free, over the
+    calls (not below 0)."""
+    from scripts.plan import measure_rank
+
+    runs = strategy_layouts(cfg, seq_len, world)
+    results = run_distributed(measure_rank, world, {k: v[2] for k, v in runs.items()}, timeout=300)
+    out = {}
+    for kind, (model, layout, _) in runs.items():
+        measured = min(results[0][kind]["step_seconds"][1:])
+        free = replace(cluster, issued={str(world): {kind: 0.0}})
+        predicted = step_time(model, layout, free)["step_time_s"]
+        calls = sum(c.calls for c in collectives(model, layout, 0)
+                    if c.op != "recv" and issuing_strategy(c.group, layout) == kind)
+        out[kind] = max(0.0, (measured - predicted) / calls) if calls else 0.0
+    return out
+
+
+def calibrate(cfg: Config, seq_len: int, path: str, progress: Callable[[str], None],
               worlds: Sequence[int] = WORLDS) -> Cluster:
-    """Measure this host for ``model_cfg`` at ``seq_len`` tokens and write ``path`` (links in
-    gloo worlds of each size in ``worlds``)."""
+    """Measure this host for ``cfg``'s model at ``seq_len`` tokens and write ``path`` (links
+    in gloo worlds of each size in ``worlds``; calls as issued in those of an even size)."""
+    model_cfg = cfg.model
     start = time.perf_counter()
 
     def say(what: str) -> None:
@@ -251,6 +326,11 @@ def calibrate(model_cfg: Any, seq_len: int, path: str, progress: Callable[[str],
                       intra_node_bandwidth=pair[1], inter_node_bandwidth=pair[1],
                       intra_node_latency=pair[0], inter_node_latency=pair[0], comm_efficiency=1.0,
                       cores=cores, slowdown=slowdown, links=links, **compute)
+    issued: Dict[str, Dict[str, float]] = {}
+    for world in (w for w in worlds if w % 2 == 0):
+        say(f"calls as issued: {', '.join(ISSUED)} trained on {world} ranks")
+        issued[str(world)] = measure_issued(cfg, seq_len, world, cluster)
+    cluster = replace(cluster, issued=issued)
     save_cluster(cluster, path)
     say(f"wrote {path}")
     return cluster

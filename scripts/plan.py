@@ -71,7 +71,8 @@ def measure_rank(rank: int, world: int, configs: Dict[str, Config]) -> Dict[str,
     """Inside a gloo world: train each config's layout (``training.steps`` steps) and measure
     this rank: ``wire`` {(op, group, phase): wire bytes of the last step} from the ledger,
     ``memory`` (parameters, gradients, optimizer: the tensors held), ``saved`` (the most bytes
-    autograd kept for backward during one more step, saved_tensors_hooks), ``pp_rank``."""
+    autograd kept for backward during one more step, saved_tensors_hooks), ``pp_rank``,
+    ``step_seconds`` (each step's wall time)."""
     import torch
 
     from scaletorch.dist import destroy_pg_manager, get_ledger, init_pg_manager
@@ -91,7 +92,7 @@ def measure_rank(rank: int, world: int, configs: Dict[str, Config]) -> Dict[str,
         par = parallelize(model, cfg, pgm, torch.device("cpu"))
         trainer = Trainer.from_parallelized(cfg, par, pgm, verbose=False)
         ledger.clear()
-        trainer.train()
+        result = trainer.train()
         wire: Dict[tuple, float] = {}
         for r in ledger.select(step=cfg.training.steps - 1):
             wire[(r.op, r.group, r.phase)] = wire.get((r.op, r.group, r.phase), 0.0) + \
@@ -110,6 +111,8 @@ def measure_rank(rank: int, world: int, configs: Dict[str, Config]) -> Dict[str,
             saved,
             "pp_rank":
             pgm.pipeline_model_parallel_rank,
+            "step_seconds":
+            result.step_seconds,
             # what the trainer prints at the end of a run (rank 0's), from this rank
             "report":
             plan_report(cfg, world, pgm.pipeline_model_parallel_rank, trainer.model,
@@ -206,7 +209,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 raise ValueError(f"--calibrate {args.calibrate}: the cluster file must end .json")
             from scripts.calibrate import calibrate
 
-            calibrate(cfg.model, seq, args.calibrate, progress)
+            calibrate(cfg, seq, args.calibrate, progress)
             if sys.stderr.isatty():
                 print(file=sys.stderr)  # end the progress line
             return 0

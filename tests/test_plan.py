@@ -21,7 +21,7 @@ import unittest
 from collections import defaultdict
 from contextlib import redirect_stderr, redirect_stdout
 
-from scaletorch.plan.cluster import Cluster, load_cluster, save_cluster
+from scaletorch.plan.cluster import ISSUED, Cluster, load_cluster, save_cluster
 from scaletorch.plan.comm import collectives
 from scaletorch.plan.flops import gpt_model_flops, model_flops, six_nd
 from scaletorch.plan.layout import PlanLayout
@@ -236,6 +236,27 @@ class PlannerTimeOnAMeasuredHost(unittest.TestCase):
         self.assertAlmostEqual(t["compute_s"], compute, delta=1e-12)
         self.assertAlmostEqual(t["step_time_s"], compute + comm, delta=1e-12)
 
+    def test_a_strategys_calls_cost_what_they_add_to_a_step_as_it_issues_them(self):
+        # the same data-parallel step with ``issued`` 5 ms per dp call (measured by training,
+        # scripts/calibrate.py): its two all-reduces over dp (the gradients', the loss's) cost
+        # 5 ms each instead of the bare call's 0.1 ms; tp's entry does not apply
+        m = self.model
+        plan = PlanLayout(dp=2, num_micro_batches=1, micro_batch_size=8, seq_len=32)
+        issued = Cluster(**{**HOST, "issued": {"2": {"dp": 5e-3, "tp": 1.0}}})
+        t, bare = step_time(m, plan, issued), step_time(m, plan, self.host)
+        self.assertAlmostEqual(t["step_time_s"] - bare["step_time_s"], 2 * (5e-3 - 1e-4),
+                               delta=1e-12)
+        # the nearest measured world not above (else the smallest); ZeRO-3 is its own entry
+        self.assertEqual([issued.issued_latency("dp", w) for w in (2, 8)], [5e-3, 5e-3])
+        self.assertIsNone(issued.issued_latency("zero3", 2))
+        zero3 = PlanLayout(dp=2, zero_stage=3, num_micro_batches=1, micro_batch_size=8, seq_len=32)
+        self.assertEqual(step_time(m, zero3, issued), step_time(m, zero3, self.host))
+        with tempfile.TemporaryDirectory() as tmp:
+            with self.assertRaisesRegex(
+                    ValueError, "issued 2/dpp -1: need world > 1, a strategy "
+                    "of tp, sp, cp, pp, ep, dp, zero3, seconds >= 0"):
+                load_cluster(_write(tmp, {**HOST, "issued": {"2": {"dpp": -1}}}))
+
     def test_ranks_beyond_the_cores_share_them_and_use_the_bubble(self):
         # 4 ranks on 2 cores: a rank computes half the time, so its compute takes twice as
         # long; pp 2 x dp 2 idles (p-1)/(m+p-1) = 1/9 in the bubble, which another rank fills
@@ -261,13 +282,16 @@ class Calibrate(unittest.TestCase):
         lines = []
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "host.json")
-            calibrate(cfg.model, 16, path, lines.append, worlds=(2, ))
+            calibrate(cfg, 16, path, lines.append, worlds=(2, ))
             host = load_cluster(path)
             self.assertGreaterEqual(host.cores, 1)
             self.assertLessEqual(host.compute_efficiency, 1)
             for op in ("all_reduce", "all_gather", "all_to_all", "send"):
                 latency, bandwidth = host.links["2"]["2"][op]
                 self.assertTrue(latency > 0 and bandwidth > 0, op)
+            # every strategy trained on the 2 ranks: a call as issued, in seconds (>= 0)
+            self.assertEqual(sorted(host.issued["2"]), sorted(ISSUED))
+            self.assertTrue(all(0 <= s < 1 for s in host.issued["2"].values()), host.issued)
             self.assertTrue(all(line.startswith("calibrate [") for line in lines), lines)
             status, out, _ = _script("examples/configs/01_ddp.yaml", "--gpus", "2", "--cluster",
                                      path)

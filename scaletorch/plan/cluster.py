@@ -16,12 +16,14 @@ the whole world computes at once), ``layer_overhead_s``, ``moe_layer_overhead_s`
 embedding + head + loss's forward and backward per micro-batch: the dispatch of their many
 small ops), ``step_overhead_s`` (clipping, optimizer step) and ``links`` (per world size and
 group size, per collective: latency in seconds and bandwidth in wire bytes/s, measured with
-every group of the world busy at once).
+every group of the world busy at once) and ``issued`` (per world size, per strategy: the seconds
+one of its calls adds to a training step as the strategy issues it, measured by training the
+config with that strategy alone; see scripts/calibrate.py).
 """
 
 import json
 from dataclasses import MISSING, dataclass, field, fields
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import yaml
 
@@ -49,13 +51,16 @@ class Cluster:
     slowdown: Dict[str, float] = field(default_factory=dict)
     # {world: {group size: {op: [latency s, bandwidth wire bytes/s]}}}, keys as strings (JSON)
     links: Dict[str, Dict[str, Dict[str, List[float]]]] = field(default_factory=dict)
+    # {world: {strategy: seconds a call adds to a step}}, strategies in ISSUED; replaces the
+    # bare call's latency of ``links`` for that strategy's calls
+    issued: Dict[str, Dict[str, float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         optional = ("cores", "layer_overhead_s", "moe_layer_overhead_s", "micro_batch_overhead_s",
                     "step_overhead_s")
         bad = {
             f.name: getattr(self, f.name)
-            for f in fields(self) if f.name not in ("name", "links", "slowdown") and not (
+            for f in fields(self) if f.name not in ("name", "links", "slowdown", "issued") and not (
                 getattr(self, f.name) >= 0 if f.name in optional else getattr(self, f.name) > 0)
         }
         if bad:
@@ -77,6 +82,16 @@ class Cluster:
         w = max(measured)
         return self.slowdown[str(w)] * max(1.0, world / max(w, self.cores))
 
+    def issued_latency(self, strategy: str, world: int) -> Optional[float]:
+        """Seconds one call of ``strategy`` (one of ISSUED) adds to a step in a world of
+        ``world``, from ``issued`` (the nearest measured world not above it if possible), or
+        None when it was not measured."""
+        worlds = [int(w) for w, kinds in self.issued.items() if strategy in kinds]
+        if not worlds:
+            return None
+        below = [w for w in worlds if w <= world]
+        return self.issued[str(max(below) if below else min(worlds))][strategy]
+
     def link(self, op: str, group_size: int, world: int) -> List[float]:
         """[latency s, bandwidth wire bytes/s] of ``op`` over ``group_size`` ranks of a world of
         ``world``, from ``links`` (the nearest measured world, then group size, not above them
@@ -95,6 +110,11 @@ class Cluster:
         groups = self.links[nearest(worlds, world)]
         return groups[nearest([int(n) for n, ops in groups.items() if op in ops], group_size)][op]
 
+
+# the strategies whose calls ``issued`` times: tensor parallel without and with sequence
+# parallel, context, pipeline and expert parallel, data parallel (DDP's buckets, ZeRO-1/2's
+# reduce-scatter and gather) and ZeRO-3
+ISSUED = ("tp", "sp", "cp", "pp", "ep", "dp", "zero3")
 
 CLUSTERS: Dict[str, Cluster] = {
     "a100": Cluster("a100", 8, 312e12, 80e9, 300e9, 25e9, 5e-6, 10e-6),
@@ -133,8 +153,8 @@ def load_cluster(name_or_path: str) -> Cluster:
                          (f"unknown keys {', '.join(unknown)}" if unknown else ""))
     try:
         typed: Dict[str, Any] = {
-            k: (v if k in ("name", "links", "slowdown") else int(v) if k in ("gpus_per_node",
-                                                                             "cores") else float(v))
+            k: (v if k in ("name", "links", "slowdown",
+                           "issued") else int(v) if k in ("gpus_per_node", "cores") else float(v))
             for k, v in values.items()
         }
         cluster = Cluster(**typed)
@@ -148,6 +168,11 @@ def load_cluster(name_or_path: str) -> Cluster:
                         raise ValueError(f"links {world}/{size}/{op} [{latency}, {bandwidth}]: "
                                          "need world >= group size > 1, latency >= 0, "
                                          "bandwidth > 0")
+        for world, kinds in cluster.issued.items():
+            for kind, seconds in kinds.items():
+                if not (int(world) > 1 and kind in ISSUED and float(seconds) >= 0):
+                    raise ValueError(f"issued {world}/{kind} {seconds}: need world > 1, a "
+                                     f"strategy of {', '.join(ISSUED)}, seconds >= 0")
         return cluster
     except (AttributeError, TypeError, ValueError) as err:
         raise ValueError(f"cluster file {name_or_path!r}: {err}") from None

@@ -21,7 +21,11 @@ each measured rather than assumed:
   recomputation: its forward again), the embedding, head and loss ``micro_batch_overhead_s``,
   clipping and AdamW ``step_overhead_s``, on top of the FLOPs at the measured rate;
 - nothing overlaps: the cores that compute also move the bytes, so every collective's
-  calls x latency + wire bytes / bandwidth (measured per world and group size) is exposed;
+  calls x latency + wire bytes / bandwidth is exposed. The bandwidth is a bare call's
+  (measured per world and group size); the latency is what one call adds to a training step
+  as its strategy issues it (``issued``: measured by training the config with that strategy
+  alone, so it holds the strategy's bookkeeping around the call and, past the core count, the
+  wait for a peer the scheduler has not run yet), a bare call's when not measured;
 - ranks beyond the ``cores`` share them: the step is at least the measured slowdown of a
   world computing at once (about world / cores) times a rank's compute, and a pipeline rank's
   bubble is then time another rank uses:
@@ -29,7 +33,7 @@ each measured rather than assumed:
 """
 
 import math
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 from scaletorch.plan.cluster import Cluster
 from scaletorch.plan.comm import collectives
@@ -67,15 +71,31 @@ def comm_seconds(model: ModelSpec, layout: PlanLayout, cluster: Cluster,
     return out
 
 
+def issuing_strategy(group: str, layout: PlanLayout) -> Optional[str]:
+    """The strategy whose calls go over ``group`` (a key of Cluster.issued), or None for the
+    world's few scalars (the loss, the grad norm) and the tied embedding's all-reduce."""
+    if group in ("dp_cp", "edp"):
+        return "zero3" if layout.zero_stage == 3 else "dp"
+    if group == "tp" and layout.sequence_parallel:
+        return "sp"
+    return group if group in ("tp", "cp", "pp", "ep") else None
+
+
 def measured_comm_seconds(model: ModelSpec, layout: PlanLayout, cluster: Cluster,
                           pp_rank: int = 0) -> Dict[str, float]:
-    """On a measured host: seconds each group's calls of one step take, from ``links`` (a
-    receive is its send's other end: the send pays)."""
+    """On a measured host: seconds each group's calls of one step take (a receive is its
+    send's other end: the send pays). A call costs what it adds to a step as its strategy
+    issues it (``issued``: the bookkeeping around it and the wait for a peer the scheduler
+    has not run yet included), else a bare call's latency (``links``); its bytes go at the
+    link's bandwidth."""
     out: Dict[str, float] = {}
     for c in collectives(model, layout, pp_rank):
         if c.op == "recv":
             continue
         latency, bandwidth = cluster.link(c.op, c.size, layout.world)
+        strategy = issuing_strategy(c.group, layout)
+        issued = cluster.issued_latency(strategy, layout.world) if strategy else None
+        latency = latency if issued is None else issued
         out[c.group] = out.get(c.group, 0.0) + c.calls * latency + c.wire / bandwidth
     return out
 

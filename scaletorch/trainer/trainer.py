@@ -45,6 +45,7 @@ class TrainResult:
     losses: List[float] = field(default_factory=list)  # global mean loss of each step run
     grad_norms: List[float] = field(default_factory=list)
     start_step: int = 0  # > 0 when resumed from a checkpoint
+    step_seconds: List[float] = field(default_factory=list)  # this rank's wall time of each step
 
 
 def build_optimizer(cfg: Config, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
@@ -265,7 +266,7 @@ class Trainer:
             bar = tqdm(total=cfg.training.steps, initial=self.step, desc="train", unit="step",
                        dynamic_ncols=True)
         tokens_per_step = cfg.data.global_batch_size * cfg.data.seq_len
-        step_seconds: List[float] = []
+        step_seconds = result.step_seconds
         try:
             while self.step < cfg.training.steps:
                 start = time.perf_counter()
