@@ -2,7 +2,8 @@
 
     scripts/tour.sh                                    # runs/tour_runs.tsv + runs/tour_*/
     python scripts/plan.py examples/configs/07_nd_parallel.yaml --calibrate runs/host.json
-    python scripts/plan_vs_tour.py runs/tour_runs.tsv --cluster runs/host.json
+    python scripts/plan_vs_tour.py runs/tour_runs.tsv --cluster runs/host.json \
+        --json runs/plan_vs_tour.json   # for: python scripts/plot.py plan-vs-measured FILE
 
 For each run of the tour: its config (the run directory's config.yaml, flags applied) and world
 size give the planner's model and layout; the measured step time is the fastest of the run's
@@ -43,6 +44,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("tsv", help="runs/tour_runs.tsv (written by scripts/tour.sh)")
     parser.add_argument("--cluster", required=True, help="a calibrated cluster file")
     parser.add_argument("--tolerance", type=float, default=0.3)
+    parser.add_argument(
+        "--json", metavar="FILE", help="also write the rows as a JSON list "
+        "(script, ranks, arguments, measured_s, predicted_s)")
     args = parser.parse_args(argv)
     try:
         cluster = load_cluster(args.cluster)
@@ -53,7 +57,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         rows = [line.rstrip("\n").split("\t") for line in f if line.strip()]
     print(f"{'script':<22}{'ranks':>5}  {'arguments':<62}{'measured':>9}{'predicted':>10}"
           f"{'ratio':>7}  {'largest':<12}verdict")
-    outside = []
+    outside, points = [], []
     for chapter, nproc, run_args, run_dir, _, code in rows:
         if code != "0":
             continue
@@ -65,6 +69,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         terms = {"compute": t["compute_s"] * cluster.time_slicing(layout.world)}
         terms.update({f"comm:{g}": v for g, v in t["exposed_s"].items()})
         ok = 1 / (1 + args.tolerance) <= ratio <= 1 + args.tolerance
+        points.append({
+            "script": chapter,
+            "ranks": int(nproc),
+            "arguments": run_args,
+            "measured_s": measured,
+            "predicted_s": t["step_time_s"]
+        })
         if not ok:
             outside.append(f"{chapter} {run_args}".strip())
         print(f"{chapter:<22}{nproc:>5}  {run_args or '(config)':<62}{1e3 * measured:>9.1f}"
@@ -73,6 +84,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     print("measured (the fastest step after the first), predicted: ms per step; ratio = "
           "predicted / measured;\nlargest: the prediction's biggest term (compute incl. "
           "time-slicing, or a group's calls)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(points, f, indent=1)
     print(f"within {args.tolerance:.0%}: "
           f"{'all' if not outside else 'not ' + '; '.join(outside)}")
     return 1 if outside else 0
