@@ -1,14 +1,17 @@
 """The multi-rank test harness: ``run_distributed(fn, world_size, *args, timeout=...)``.
 
 It lives in ``scaletorch.dist.spawn`` so that the benchmarks use the same one.
-``value_error(fn)`` collects an error message inside a rank, for the parent to assert on.
+``value_error(fn)`` collects an error message inside a rank, for the parent to assert on;
+``run_main(main, *argv)`` runs a script's ``main`` in the test's process.
 """
 
-from typing import Callable
+import io
+from contextlib import redirect_stderr, redirect_stdout
+from typing import Callable, List, Optional, Tuple
 
 from scaletorch.dist.spawn import free_port, run_distributed
 
-__all__ = ["free_port", "run_distributed", "value_error"]
+__all__ = ["free_port", "run_distributed", "run_main", "value_error"]
 
 
 def value_error(fn: Callable[[], object]) -> str:
@@ -19,3 +22,11 @@ def value_error(fn: Callable[[], object]) -> str:
     except ValueError as err:
         return str(err)
     return "no error"
+
+
+def run_main(main: Callable[[Optional[List[str]]], int], *argv: str) -> Tuple[int, str, str]:
+    """A script's ``main(argv)`` in this process: (exit status, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        status = main(list(argv))
+    return status, out.getvalue(), err.getvalue()

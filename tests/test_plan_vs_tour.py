@@ -5,12 +5,10 @@ file is a calibrated host's (scaletorch/plan/cluster.py). No ranks are started: 
 only reads files, so the figures here are chosen, not measured.
 """
 
-import io
 import json
 import os
 import tempfile
 import unittest
-from contextlib import redirect_stderr, redirect_stdout
 from dataclasses import asdict
 
 from scaletorch.plan.cluster import Cluster, save_cluster
@@ -19,6 +17,7 @@ from scaletorch.plan.model import from_config as model_of
 from scaletorch.plan.time import step_time
 from scaletorch.trainer.config import parse_args, save_config
 from scripts.plan_vs_tour import main
+from tests.harness import run_main
 
 HOST = Cluster(name="test host", gpus_per_node=4, peak_flops=5e10, hbm_bytes=24e9,
                intra_node_bandwidth=1e9, inter_node_bandwidth=1e9, intra_node_latency=1e-4,
@@ -50,13 +49,6 @@ def _predicted(config: str, world: int) -> float:
     return step_time(model_of(cfg.model), layout_of(cfg, world), HOST)["step_time_s"]
 
 
-def _main(*argv: str):
-    out, err = io.StringIO(), io.StringIO()
-    with redirect_stdout(out), redirect_stderr(err):
-        status = main(list(argv))
-    return status, out.getvalue(), err.getvalue()
-
-
 class PlanVsTour(unittest.TestCase):
 
     def test_reads_the_fastest_step_after_the_first_and_writes_the_rows_as_json(self):
@@ -71,7 +63,7 @@ class PlanVsTour(unittest.TestCase):
                 f.write(f"01_ddp\t2\t--failed\t{run}\t1.0\t1\n")  # a failed run: not compared
             host, rows = os.path.join(tmp, "host.json"), os.path.join(tmp, "rows.json")
             save_cluster(HOST, host)
-            status, out, _ = _main(tsv, "--cluster", host, "--json", rows)
+            status, out, _ = run_main(main, tsv, "--cluster", host, "--json", rows)
             self.assertEqual(status, 0, out)
             self.assertIn("within 30%: all", out)
             with open(rows) as f:
@@ -83,7 +75,7 @@ class PlanVsTour(unittest.TestCase):
             self.assertAlmostEqual(points[0]["predicted_s"], predicted, delta=1e-12)
             # 1.5 x slower than predicted: outside 30%, named, exit status 1
             _run(tmp, "tour_01", ddp, [10 * predicted, 1.5 * predicted])
-            status, out, _ = _main(tsv, "--cluster", host)
+            status, out, _ = run_main(main, tsv, "--cluster", host)
             self.assertEqual(status, 1)
             self.assertIn("within 30%: not 01_ddp", out)
             self.assertRegex(out, r"0\.67 .*OUTSIDE")
@@ -93,7 +85,7 @@ class PlanVsTour(unittest.TestCase):
             bad = os.path.join(tmp, "host.json")
             with open(bad, "w") as f:
                 json.dump({k: v for k, v in asdict(HOST).items() if k != "peak_flops"}, f)
-            status, out, err = _main(os.path.join(tmp, "none.tsv"), "--cluster", bad)
+            status, out, err = run_main(main, os.path.join(tmp, "none.tsv"), "--cluster", bad)
         self.assertEqual(status, 2)
         self.assertEqual(out, "")
         self.assertRegex(err, r"^error: cluster file .*missing keys peak_flops\n$")

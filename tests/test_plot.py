@@ -7,16 +7,16 @@ process, no ranks: about 3 s, most of it importing plan.py and matplotlib.
 """
 
 import importlib.util
-import io
 import json
 import os
 import sys
 import tempfile
 import unittest
-from contextlib import redirect_stderr, redirect_stdout
+from contextlib import redirect_stdout
 from unittest import mock
 
 from scripts.plot import main
+from tests.harness import run_main
 
 HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -33,10 +33,7 @@ EIGHT_B = "--preset llama3-8b --gpus 8 --tp 8 --global-batch-tokens 65536 --micr
 
 def _plot(*argv: str):
     """scripts/plot.py in this process: (exit status, stdout, stderr)."""
-    out, err = io.StringIO(), io.StringIO()
-    with redirect_stdout(out), redirect_stderr(err):
-        status = main(list(argv))
-    return status, out.getvalue(), err.getvalue()
+    return run_main(main, *argv)
 
 
 class PlotPlannerPictures(unittest.TestCase):
