@@ -30,7 +30,7 @@ from scaletorch.plan.layout import PRECISIONS, PlanLayout  # noqa: E402
 from scaletorch.plan.layout import from_config as layout_of  # noqa: E402
 from scaletorch.plan.model import PRESETS, ModelSpec, from_config, from_params, preset  # noqa: E402
 from scaletorch.plan.report import evaluate, format_breakdown  # noqa: E402
-from scaletorch.plan.search import search, with_split  # noqa: E402
+from scaletorch.plan.search import NOT_SEARCHED, search, with_split  # noqa: E402
 from scaletorch.trainer.config import Config, parse_args  # noqa: E402
 
 
@@ -248,7 +248,12 @@ def progress(line: str) -> None:
 
 def report(best: list, rejected: dict, as_json: bool) -> None:
     if as_json:
-        print(json.dumps({"layouts": best, "rejected": rejected}, indent=1))
+        print(
+            json.dumps({
+                "layouts": best,
+                "rejected": rejected,
+                "not_searched": NOT_SEARCHED
+            }, indent=1))
         return
     print(f"{'layout':<56}{'memory GB':>10}{'step s':>9}{'tokens/s/GPU':>14}{'MFU':>7}"
           f"{'bubble':>8}")
@@ -261,6 +266,10 @@ def report(best: list, rejected: dict, as_json: bool) -> None:
         print("no layout fits")
     for family, why in rejected.items():
         print(f"rejected {family}: {why}")
+    # on stderr: the table above stays one block (and doc/09's excerpts of it unchanged)
+    print(
+        f"not searched: the zero-bubble schedules ({', '.join(NOT_SEARCHED)}; their bubble is "
+        f"simulated, up to seconds per layout): plan one with --schedule", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -21,14 +21,18 @@ import unittest
 from collections import defaultdict
 from contextlib import redirect_stderr, redirect_stdout
 
+from scaletorch.parallel.tensor_parallel import padded_vocab_size
+from scaletorch.parallel.zero_bubble import simulate_async, zero_bubble_theory
 from scaletorch.plan.cluster import ISSUED, Cluster, load_cluster, save_cluster
 from scaletorch.plan.comm import collectives
-from scaletorch.plan.flops import gpt_model_flops, model_flops, six_nd
+from scaletorch.plan.flops import (gpt_model_flops, hardware_flops, model_flops, six_nd,
+                                   split_backward_flops)
 from scaletorch.plan.layout import PlanLayout
 from scaletorch.plan.layout import from_config as layout_of
-from scaletorch.plan.memory import activation_bytes, model_state_bytes, state_bytes
+from scaletorch.plan.memory import activation_bytes, model_state_bytes, rank_units, state_bytes
 from scaletorch.plan.model import from_config as model_of
 from scaletorch.plan.model import from_params, preset
+from scaletorch.plan.pipeline import bubble, in_flight
 from scaletorch.plan.time import step_time
 from scaletorch.trainer.config import parse_args
 from scripts.calibrate import calibrate
@@ -129,6 +133,97 @@ class PlannerMatchesThePapers(unittest.TestCase):
             self.assertAlmostEqual(from_params(n).num_parameters() / n, 1, delta=0.05)
 
 
+class PlannerModelsZeroBubbleAndPaddedVocabularies(unittest.TestCase):
+    """zb-h1, zbv, dualpipev (chapter 04) and a vocabulary padded for tp, in pure Python; the
+    ledgers and tensors of such runs: PlannerMatchesTheLedgers."""
+
+    def setUp(self):
+        self.model = preset("llama3-8b")  # 32 layers: p 4 x v 2 stages of 4
+
+    def plan(self, schedule: str, **rest) -> PlanLayout:
+        v = 2 if schedule in ("zbv", "dualpipev") else 1
+        return PlanLayout(
+            **{
+                "pp": 4,
+                "schedule": schedule,
+                "virtual_stages": v,
+                "num_micro_batches": 8,
+                "seq_len": 8192,
+                **rest
+            })
+
+    def test_bubble_is_the_schedule_simulated_with_each_actions_flops(self):
+        # per token of a stage's 4 blocks: F = matmul + core, B = matmul + 2 core (+ the
+        # recomputed forward), W = matmul; ZB-H1 against its closed form (Qi et al.), the V's
+        # against the simulator fed the same costs; 1F1B's (p-1)/(m+p-1) = 3/11 for scale
+        for ac, redo in (("none", 0), ("selective", 1), ("full", 2)):
+            f, b, w = split_backward_flops(self.model, self.plan("zbv",
+                                                                 activation_checkpointing=ac),
+                                           range(4))
+            core = f - w  # the attention cores' forward: 4 s h per token and block
+            self.assertEqual(core, 4 * 8192 * 4096 * 4)
+            # B: the matmuls' input gradients (= W), the cores' backward, what is recomputed
+            self.assertEqual(b, w + 2 * core + (core if redo else 0) + (w if redo == 2 else 0))
+            zb_h1 = bubble(self.model, self.plan("zb-h1", activation_checkpointing=ac))
+            self.assertAlmostEqual(zb_h1, zero_bubble_theory("zb-h1", 4, 8, f, b, w), places=12)
+            for schedule in ("zbv", "dualpipev"):
+                got = bubble(self.model, self.plan(schedule, activation_checkpointing=ac))
+                want = simulate_async(schedule, 4, 8, 2, f, b, w).bubble_fraction()
+                self.assertAlmostEqual(got, want, places=12, msg=f"{schedule} {ac}")
+        ours = {s: bubble(self.model, self.plan(s)) for s in ("1f1b", "zb-h1", "zbv", "dualpipev")}
+        self.assertAlmostEqual(ours["1f1b"], 3 / 11, places=12)
+        self.assertLess(ours["zbv"], ours["zb-h1"])  # at s 8192 the cores make B > W:
+        self.assertLess(ours["zb-h1"], ours["1f1b"])  # ZB-H1 idles (p-1)(F+B-W), not 0
+
+    def test_in_flight_is_the_schedules_count_at_p4_m8(self):
+        # chapter 04's measured micro-batch chunks (tests/test_zero_bubble.py), each 1/v of a
+        # rank's layers: 1F1B 4 3 2 1, ZB-H1 4 on every rank, ZBV 8 and DualPipeV 9 halves
+        counts = {"1f1b": [4, 3, 2, 1], "zb-h1": [4] * 4, "zbv": [8] * 4, "dualpipev": [9] * 4}
+        for schedule, chunks in counts.items():
+            v = self.plan(schedule).virtual_stages
+            ours = [in_flight(schedule, 4, 8, v, r) * v for r in range(4)]
+            self.assertEqual(ours, chunks, schedule)
+            simulated = simulate_async(schedule, 4, 8, v)
+            self.assertEqual(ours, [simulated.peak_live(r) for r in range(4)], schedule)
+
+    def test_a_v_puts_the_embedding_and_the_head_on_rank_0_and_sends_twice_per_end(self):
+        v_plan, plain = self.plan("zbv"), self.plan("1f1b")
+        names = [[u.name for u in rank_units(self.model, v_plan, r)] for r in range(4)]
+        self.assertEqual((names[0][0], names[0][-1]), ("embed_tokens", "head"))
+        self.assertEqual(names[0][1:-1],
+                         [f"layers.{i}" for i in list(range(4)) + list(range(28, 32))])
+        self.assertTrue(all(n.startswith("layers.") for r in (1, 2, 3) for n in names[r]))
+        # pp sends per micro-batch: an activation and a gradient at each end of the V (rank 3
+        # turns it locally), two of each between: twice 1F1B's on every rank
+        for plan, sends in ((v_plan, [2, 4, 4, 2]), (plain, [1, 2, 2, 1])):
+            pp = [
+                sum(c.calls for c in collectives(self.model, plan, r)
+                    if (c.group, c.op) == ("pp", "send")) for r in range(4)
+            ]
+            self.assertEqual(pp, [8 * n for n in sends])
+        # tied: rank 0's two chunks share the one weight: no copy, no embedding group
+        from dataclasses import replace
+        tied = replace(self.model, tie_word_embeddings=True)
+        self.assertNotIn("tied_embedding_copy", [u.name for u in rank_units(tied, v_plan, 0)])
+        self.assertNotIn("embd", {c.group for c in collectives(tied, v_plan, 0)})
+        self.assertIn("embd", {c.group for c in collectives(tied, plain, 0)})
+
+    def test_a_padded_vocabulary_is_held_sent_and_multiplied_as_the_trainer_pads_it(self):
+        # vocabulary 65 at tp 2: the trainer's padded_vocab_size, 256 rows (128 per rank)
+        from dataclasses import replace
+        model = replace(model_of(make_config().model), vocab_size=65)
+        self.assertEqual(model.vocab_rows(2), padded_vocab_size(65, 2, 128))
+        self.assertEqual(model.vocab_rows(2), 256)
+        self.assertEqual(model.vocab_rows(1), 65)  # one rank: never padded
+        plan = PlanLayout(tp=2, num_micro_batches=2, micro_batch_size=4, seq_len=16)
+        units = {u.name: u.dense for u in rank_units(model, plan)}
+        self.assertEqual(units["embed_tokens"], 128 * 32)
+        self.assertEqual(units["head"], 128 * 32 + 32)  # its rows and the final norm
+        # the padding rows are multiplied (hardware FLOPs), not counted in MFU's model FLOPs
+        extra = hardware_flops(model, plan) - model_flops(model, 8, 16)
+        self.assertEqual(extra, 3 * 2 * 32 * (256 - 65) * 8 * 16)
+
+
 class PlannerRefusesBadInput(unittest.TestCase):
 
     def test_unknown_preset_bad_sizes_and_cluster_files_name_the_values(self):
@@ -148,6 +243,10 @@ class PlannerRefusesBadInput(unittest.TestCase):
                 load_cluster(path)
         with self.assertRaisesRegex(ValueError, "unknown cluster 'h200'"):
             load_cluster("h200")
+        with self.assertRaisesRegex(
+                ValueError, "schedule must be one of afab, 1f1b, interleaved"
+                ", zb-h1, zbv, dualpipev, got 'zb'"):
+            PlanLayout(schedule="zb")
 
 
 # A measured host as scripts/plan.py --calibrate writes it (figures of the order this 2-core
@@ -338,6 +437,19 @@ class PlanScript(unittest.TestCase):
         self.assertEqual(found["rejected"]["tp8 cp1 pp1"],
                          "out of memory: at least 162 GB per GPU > 80")
 
+    def test_a_zero_bubble_schedule_is_planned_and_search_says_it_leaves_them_out(self):
+        status, out, _ = _script("examples/configs/04_pipeline_parallel.yaml", "--schedule", "zbv",
+                                 "--virtual-stages", "2", "--gpus", "2", "--json")
+        self.assertEqual(status, 0)
+        result = json.loads(out)["layouts"][0]
+        plan = PlanLayout(**{k: result[k] for k in PlanLayout().as_dict()})
+        cfg = parse_args(["--config", "examples/configs/04_pipeline_parallel.yaml"])
+        self.assertEqual(result["bubble"], bubble(model_of(cfg.model), plan))
+        self.assertEqual(result["in_flight_micro_batches"], 2)  # 4 half-rank chunks, p 2 m 8
+        status, out, err = _script("--preset", "llama3-8b", "--gpus", "8", "--search", "--top", "1")
+        self.assertEqual(status, 0)
+        self.assertIn("not searched: the zero-bubble schedules (zb-h1, zbv, dualpipev", err)
+
     def test_bad_input_is_one_error_line_and_exit_status_2(self):
         for argv, message in ((("--preset", "llama9"), "unknown model preset 'llama9'"),
                               (("--preset", "llama3-8b", "--gpus", "6", "--tp", "4"),
@@ -370,6 +482,18 @@ LAYOUTS = {
     # tied embeddings: the last stage's copy (memory) and the embedding group's all-reduce
     "tied_tp2_pp2": (False, 2, layout(tp=2, pp=2)),
     "tied_zero1_pp2_dp2": (False, 2, layout(pp=2, zero_stage=1)),
+    # the zero-bubble schedules (chapter 04): a V holds the embedding and the head on rank 0
+    # (tied: one weight, no copy, no embedding group) and sends twice per micro-batch there
+    "zb_h1_tp2_pp2": (False, 2, layout(tp=2, pp=2, schedule="zb-h1")),
+    "zb_h1_tp2_sp_pp2": (False, 2, layout(tp=2, pp=2, schedule="zb-h1", sequence_parallel=True)),
+    "zbv_tp2_pp2": (False, 4, layout(tp=2, pp=2, schedule="zbv", virtual_pipeline_stages=2)),
+    "dualpipev_tp2_pp2": (False, 4,
+                          layout(tp=2, pp=2, schedule="dualpipev", virtual_pipeline_stages=2)),
+    # a vocabulary tp does not divide (65 at tp 2: 256 rows), padded as the trainer pads it
+    "vocab65_tp2_pp2": (False, 2, layout(tp=2, pp=2)),
+    "vocab65_tp2_zero1_dp2": (False, 2, layout(tp=2, zero_stage=1)),
+    "tied_vocab65_zbv_tp2_pp2": (False, 4,
+                                 layout(tp=2, pp=2, schedule="zbv", virtual_pipeline_stages=2)),
 }
 # activations: tp 2 x dp 2, one micro-batch of 2 sequences per rank (none / selective / full,
 # with and without SP); the first pipeline stage's peak under 1F1B (min(m, p) micro-batches in
@@ -385,6 +509,10 @@ ACTIVATIONS.update({
     "pp2_interleaved_v2_m4":
     (False, 4, layout(pp=2, schedule="interleaved", virtual_pipeline_stages=2)),
     "moe_ep2_dp4": (True, 1, layout(ep=2)),
+    # zero-bubble: each micro-batch chunk held from its F to its W, the schedule's own peak
+    "pp2_zb_h1_m4": (False, 4, layout(pp=2, schedule="zb-h1")),
+    "pp2_zbv_m4": (False, 4, layout(pp=2, schedule="zbv", virtual_pipeline_stages=2)),
+    "pp2_dualpipev_m4": (False, 4, layout(pp=2, schedule="dualpipev", virtual_pipeline_stages=2)),
 })
 # each chapter's default run: its config as the tour runs it (scripts/tour.sh), 1 step
 CHAPTERS_2 = {
@@ -418,6 +546,8 @@ def _config(name: str):
         moe, m, parallel = {**LAYOUTS, **ACTIVATIONS}[name]
         cfg = make_config(moe, m, **parallel)
         cfg.model.tie_word_embeddings = name.startswith("tied_")
+        if "vocab65" in name:
+            cfg.model.vocab_size = 65
     cfg.training.steps = 1
     return cfg
 
@@ -457,6 +587,11 @@ class PlannerMatchesTheLedgers(unittest.TestCase):
 
     def test_wire_bytes_and_model_states_equal_the_ledger_for_the_parity_matrix(self):
         _check_wire_and_states(self, LAYOUTS, self.results, WORLD)
+
+    def test_zero_bubble_runs_under_dp_wire_bytes_and_model_states_are_exact(self):
+        # the zero-bubble activation runs below (pp 2 x dp 2: DDP on each chunk), as above
+        names = [n for n in ACTIVATIONS if n.startswith(("pp2_zb", "pp2_dualpipev"))]
+        _check_wire_and_states(self, names, self.results, WORLD)
 
     def test_chapter_07s_default_and_tour_runs_wire_bytes_and_model_states_are_exact(self):
         _check_wire_and_states(self, CHAPTERS_4, self.results, WORLD)

@@ -69,11 +69,16 @@ def apply_activation_checkpointing(model: Llama, mode: Union[str, bool] = "full"
 
 class _Saved:
     """What autograd holds in place of a saved tensor while ``saved_activation_bytes`` watches:
-    the tensor, and (through a weakref finalizer) word of when autograd lets it go."""
+    the tensor, and (through a weakref finalizer) word of when autograd lets it go.
+
+    It holds the tensor detached (the same storage, no grad_fn): an op's saved *output* held
+    with its grad_fn would make a cycle (node -> this -> output -> node) that only running the
+    node breaks, so the nodes a split backward never runs (zero-bubble W's stop at the
+    weights; the input's own path was run by B) would stay alive and be counted forever."""
     __slots__ = ("tensor", "__weakref__")
 
     def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
+        self.tensor = tensor.detach()
 
 
 def saved_activation_bytes(model: nn.Module, fn: Callable[[], Any]) -> Tuple[int, Any]:

@@ -36,12 +36,13 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 
 from scaletorch.dist.timer import Clock, Mark, Timer, seconds
-# the formula lives with the planner (scaletorch/plan), which predicts step times with it
-from scaletorch.plan.pipeline import theoretical_bubble
+# the formula and the placement of the stages live with the planner (scaletorch/plan), which
+# predicts step times and memory with them; ZERO_BUBBLE: zero_bubble.py's schedules,
+# V_SHAPED: two chunks per rank, stages r and 2p - 1 - r
+from scaletorch.plan.layout import V_SHAPED, ZERO_BUBBLE
+from scaletorch.plan.pipeline import rank_of_stage, stage_index, theoretical_bubble
 
-ZERO_BUBBLE = ("zb-h1", "zbv", "dualpipev")  # zero_bubble.py
 SCHEDULES = ("afab", "1f1b", "interleaved") + ZERO_BUBBLE
-V_SHAPED = ("zbv", "dualpipev")  # two chunks per rank: stages r and 2p - 1 - r
 
 
 @dataclass(frozen=True)
@@ -149,16 +150,20 @@ def schedule_actions(schedule: str, stages: int, micro_batches: int, rank: int,
     return [action for unit in units for action in unit]
 
 
-def peak_live_activations(actions: Sequence[Action]) -> int:
+def peak_live_activations(actions: Sequence[Action],
+                          chunk_sizes: Optional[Sequence[float]] = None) -> float:
     """Most micro-batch chunks whose forward ran and whose backward has not (held activations).
-    A B whose W comes later keeps them (W walks the same graph): they go at the W."""
+    A B whose W comes later keeps them (W walks the same graph): they go at the W. With
+    ``chunk_sizes`` each live chunk c weighs ``chunk_sizes[c]`` (the planner's bytes)."""
     deferred = {(a.micro_batch, a.chunk) for a in actions if a.kind == "W"}
-    live = peak = 0
+    live: float = 0
+    peak: float = 0
     for action in actions:
+        size = 1 if chunk_sizes is None else chunk_sizes[action.chunk]
         if action.kind == "F":
-            live += 1
+            live += size
         elif action.kind == "W" or (action.micro_batch, action.chunk) not in deferred:
-            live -= 1
+            live -= size
         peak = max(peak, live)
     return peak
 
@@ -180,21 +185,6 @@ class P2P:
 
 
 Step = Tuple[Tuple[P2P, ...], Optional[Action]]
-
-
-def stage_index(rank: int, chunk: int, stages: int, v_shape: bool = False) -> int:
-    """Global (virtual) stage of ``chunk`` on pipeline rank ``rank``: chunk * p + rank, or in a
-    V (``zbv``, ``dualpipev``: two chunks) rank on the way down and 2p - 1 - rank back up."""
-    if v_shape and chunk == 1:
-        return 2 * stages - 1 - rank
-    return chunk * stages + rank
-
-
-def rank_of_stage(stage: int, stages: int, v_shape: bool = False) -> int:
-    """The pipeline rank holding global stage ``stage`` (the inverse of ``stage_index``)."""
-    if v_shape and stage >= stages:
-        return 2 * stages - 1 - stage
-    return stage % stages
 
 
 def action_p2p(action: Action, rank: int, stages: int, virtual_stages: int,
@@ -301,7 +291,7 @@ class Timeline:
         return [str(e.action) for e in self.of(rank)]
 
     def peak_live(self, rank: int) -> int:
-        return peak_live_activations([e.action for e in self.of(rank)])
+        return int(peak_live_activations([e.action for e in self.of(rank)]))
 
     def span(self) -> Tuple[float, float]:
         return min(e.start for e in self.events), max(e.end for e in self.events)

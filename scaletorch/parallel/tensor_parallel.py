@@ -47,19 +47,12 @@ from scaletorch.dist.functional import (copy_to_parallel_region,
                                         reduce_scatter_to_sequence_parallel_region)
 from scaletorch.models import Llama, LlamaConfig, MoE, RMSNorm
 from scaletorch.parallel.mixed_precision import to_compute
-# the formula lives with the planner (scaletorch/plan), which predicts whole layouts with it
+# the formulas live with the planner (scaletorch/plan), which predicts whole layouts with them
 from scaletorch.plan.comm import tp_comm_elements as comm_elements_per_step
+from scaletorch.plan.model import padded_vocab_size
 
 if TYPE_CHECKING:  # the config module imports scaletorch.parallel
     from scaletorch.trainer.config import Config
-
-
-def padded_vocab_size(vocab_size: int, tp: int, pad_to: int) -> int:
-    """Vocabulary rows under tensor parallel: ``vocab_size`` when tp divides it, else rounded up
-    to a multiple of pad_to x tp (Megatron's rule; 50257 at tp 2, pad_to 128 -> 50432)."""
-    if vocab_size % tp == 0:
-        return vocab_size
-    return -(-vocab_size // (pad_to * tp)) * pad_to * tp
 
 
 def _pad_rows(weight: torch.Tensor, rows: int) -> torch.Tensor:

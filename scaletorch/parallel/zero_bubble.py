@@ -227,14 +227,15 @@ def zero_bubble_theory(schedule: str, stages: int, micro_batches: int, forward: 
 
 def simulate_async(schedule: str, stages: int, micro_batches: int, virtual_stages: int = 1,
                    forward: float = 1.0, backward: float = 1.0, weight: float = 1.0,
-                   comm: float = 0.0, durations: Optional[Dict[Tuple[int, str],
-                                                               float]] = None) -> Timeline:
+                   comm: float = 0.0, durations: Optional[Dict[Tuple[int, str], float]] = None,
+                   stage_costs: Optional[Sequence[Tuple[float, float, float]]] = None) -> Timeline:
     """The timeline of any schedule when sends never block (``split_backward``'s runtime).
 
     Each rank runs its actions in order; an action starts when the rank is free and its input
     exists: F needs the previous stage's F, B the next stage's B (the last stage: its own F),
     W its own B. A message from another rank arrives ``comm`` after its action ended. Costs:
     F ``forward``, B ``backward`` (+ ``weight`` if its W is not split off), W ``weight``;
+    or per global stage, ``stage_costs[s]`` = (F, B, W) (the planner's FLOPs of each stage);
     or each action's own, ``durations[(rank, str(action))]`` (to replay a measured step).
     Raises PipelineDeadlock when no rank can go on, ValueError for an input a rank has not
     made yet on itself (an order that cannot run).
@@ -271,9 +272,10 @@ def simulate_async(schedule: str, stages: int, micro_batches: int, virtual_stage
                                              f"{kind}{mb} of stage {source}, which it needs")
                         break
                     ready = max(ready, ended[(kind, mb, source)] + (0.0 if local else comm))
-                cost = {"F": forward, "W": weight}.get(action.kind, backward)
+                f, b, w = (forward, backward, weight) if stage_costs is None else stage_costs[s]
+                cost = {"F": f, "W": w}.get(action.kind, b)
                 if action.kind == "B" and (mb, action.chunk) not in split[r]:
-                    cost += weight  # a full backward
+                    cost += w  # a full backward
                 if durations is not None:
                     cost = durations[(r, str(action))]
                 timeline.record(r, action, ready, ready + cost)

@@ -21,7 +21,9 @@ rank's blocks, P its parameters, h hidden):
            embedding's and the head input's T h, 3 T for the vocab-parallel loss; sequence
            parallel: all-gather + reduce-scatter of the same, and the norms' weight gradients
     pp     per micro-batch an activation (forward) or gradient (backward) of T h (/ tp under
-           sequence parallel) across each stage boundary the rank sends over; 1 for the loss
+           sequence parallel) across each stage boundary the rank sends over (1F1B: one per
+           rank; interleaved: 2v - 1 on the ends, 2v between; a V: 2 on the ends (rank p - 1
+           turns the V locally), 4 between); 1 for the loss
     cp     ring: (3 cp - 2) K/V messages of 2 T kv_local per block and micro-batch
     ep     per MoE block and micro-batch 4 all-to-alls (dispatch, combine; forward, backward)
            of k T h, (ep-1)/ep of them to other ranks with balanced routing, + the counts
@@ -34,10 +36,11 @@ phase "recompute", up to its last saved tensor (torch.utils.checkpoint stops the
 from collections import defaultdict
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence
 
-from scaletorch.plan.layout import ACTIVATION_BYTES, PRECISIONS, PlanLayout
+from scaletorch.plan.layout import ACTIVATION_BYTES, PRECISIONS, V_SHAPED, ZERO_BUBBLE, PlanLayout
 from scaletorch.plan.memory import has_tied_copy, rank_units
 from scaletorch.plan.model import ModelSpec
-from scaletorch.plan.pipeline import rank_layers
+from scaletorch.plan.pipeline import (holds_ends, rank_layers, rank_of_stage, rank_stages,
+                                      split_backwards, stage_index)
 
 
 def wire_bytes(op: str, nbytes: int, group_size: int) -> float:
@@ -113,10 +116,41 @@ class Collective(NamedTuple):
 
 def _pipeline_sends(layout: PlanLayout, pp_rank: int) -> int:
     """Stage boundaries rank ``pp_rank`` sends across per micro-batch: an activation from each of
-    its stages but the last, a gradient from each but the first."""
-    stages = layout.pp * layout.virtual_stages
-    mine = [pp_rank + c * layout.pp for c in range(layout.virtual_stages)]
-    return sum((g < stages - 1) + (g > 0) for g in mine)
+    its stages but the last, a gradient from each but the first, unless the neighbour stage is
+    on this rank (the turn of a V: stages p - 1 and p on rank p - 1; none otherwise)."""
+    p, stages = layout.pp, layout.pp * layout.virtual_stages
+    v_shape = layout.schedule in V_SHAPED
+    sends = 0
+    for g in rank_stages(p, layout.virtual_stages, pp_rank, layout.schedule):
+        for neighbour in (g + 1, g - 1):
+            if 0 <= neighbour < stages and rank_of_stage(neighbour, p, v_shape) != pp_rank:
+                sends += 1
+    return sends
+
+
+def _w_repeats(model: ModelSpec, layout: PlanLayout, pp_rank: int, tokens: int) -> Dict[str, int]:
+    """The tp elements this repository's W sends again: a zero-bubble schedule's W walks the
+    input-gradient chain a second time to reach the weights (split_backward.py), so each
+    split backward repeats its chunk's backward collectives of the blocks (2 T h per dense
+    block, 1 per MoE block) and of the head's input (T h); the embedding's backward sends
+    nothing without SP. Under SP each is a reduce-scatter and (blocks) an all-gather."""
+    lay = layout
+    if lay.schedule not in ZERO_BUBBLE or lay.pp == 1:
+        return {}
+    v_shape, last = lay.schedule in V_SHAPED, lay.pp * lay.virtual_stages - 1
+    chunks = rank_layers(model.num_layers, lay.pp, lay.virtual_stages, lay.layer_split,
+                         lay.schedule)[pp_rank]
+    splits = split_backwards(lay.schedule, lay.pp, lay.num_micro_batches, lay.virtual_stages,
+                             pp_rank)
+    blocks = head = 0
+    for c, (layers, n) in enumerate(zip(chunks, splits)):
+        moe = sum(1 for i in layers if model.is_moe_layer(i))
+        blocks += n * (2 * (len(layers) - moe) + moe)
+        head += n * (stage_index(pp_rank, c, lay.pp, v_shape) == last)
+    h = model.hidden_size * tokens
+    if lay.sequence_parallel:
+        return {"all_gather": blocks * h, "reduce_scatter": (blocks + head) * h}
+    return {"all_reduce": (blocks + head) * h}
 
 
 def collectives(model: ModelSpec, layout: PlanLayout, pp_rank: int = 0) -> List[Collective]:
@@ -127,12 +161,11 @@ def collectives(model: ModelSpec, layout: PlanLayout, pp_rank: int = 0) -> List[
     act = ACTIVATION_BYTES[lay.precision]
     grad = PRECISIONS[lay.precision][1]
     param = PRECISIONS[lay.precision][0]
-    chunks = rank_layers(model.num_layers, lay.pp, lay.virtual_stages, lay.layer_split)
+    chunks = rank_layers(model.num_layers, lay.pp, lay.virtual_stages, lay.layer_split,
+                         lay.schedule)
     layers = [i for c in chunks[pp_rank] for i in c]
     moe = sum(1 for i in layers if model.is_moe_layer(i))
-    stages = lay.pp * lay.virtual_stages
-    first = pp_rank == 0
-    last = any(pp_rank + c * lay.pp == stages - 1 for c in range(lay.virtual_stages))
+    first, last = holds_ends(lay, pp_rank)
     units = rank_units(model, lay, pp_rank)
     dense, expert = sum(u.dense for u in units), sum(u.expert for u in units)
     n, edp = lay.dp_cp, lay.dp_cp // lay.ep
@@ -159,6 +192,8 @@ def collectives(model: ModelSpec, layout: PlanLayout, pp_rank: int = 0) -> List[
         calls = (4 * (len(layers) - moe) + 2 * moe + first + last) * m
         for op, elements in ops.items():
             add("tp", t, op, elements, act, calls=calls if elements > 3 * T * m else m)
+        for op, elements in _w_repeats(model, lay, pp_rank, T).items():
+            add("tp", t, op, elements, act, calls=elements // (T * h))
         if lay.activation_checkpointing == "full":  # the forward again, but its last collective
             dense_blocks = len(layers) - moe
             if lay.sequence_parallel:
@@ -174,7 +209,7 @@ def collectives(model: ModelSpec, layout: PlanLayout, pp_rank: int = 0) -> List[
         add("pp", lay.pp, "recv", sends, act)
         add("pp", lay.pp, "all_reduce", 1, 4)
         if has_tied_copy(model, lay) and (first or last):  # the two copies' gradients
-            copy = model.embedding_params() // t
+            copy = model.vocab_rows(t) * h // t  # this tp rank's rows, padding included
             add("embd", 2, "all_reduce", copy if lay.zero_stage == 0 else -(-copy // n), grad)
     # context parallel: the ring passes K and V
     if lay.cp > 1:

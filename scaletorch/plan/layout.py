@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 RECOMPUTE = ("none", "selective", "full")
-SCHEDULES = ("afab", "1f1b", "interleaved")
+ZERO_BUBBLE = ("zb-h1", "zbv", "dualpipev")  # chapter 04: backward split into B and W
+V_SHAPED = ("zbv", "dualpipev")  # two chunks per rank: stages r and 2p - 1 - r
+SCHEDULES = ("afab", "1f1b", "interleaved") + ZERO_BUBBLE
 
 # bytes per parameter: (working parameters, gradients, optimizer state incl. fp32 master)
 PRECISIONS: Dict[str, tuple] = {
@@ -68,7 +70,7 @@ class PlanLayout:
             "precision": (self.precision, tuple(PRECISIONS)),
         }
         for name, (value, allowed) in choices.items():
-            if value not in allowed:  # zb-h1, zbv, dualpipev (chapter 04): not modelled yet
+            if value not in allowed:
                 raise ValueError(f"the planner's {name} must be one of "
                                  f"{', '.join(map(str, allowed))}, got {value!r}")
         if (self.dp * self.cp) % self.ep:
@@ -98,6 +100,7 @@ class PlanLayout:
         ac = "" if self.activation_checkpointing == "none" else \
             f" ac={self.activation_checkpointing}"
         vs = f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""
+        vs += f" {self.schedule}" if self.schedule in ZERO_BUBBLE else ""
         return (f"tp{self.tp} cp{self.cp} pp{self.pp}{vs} dp{self.dp}" +
                 (f" ep{self.ep}" if self.ep > 1 else "") +
                 (f" zero{self.zero_stage}" if self.zero_stage else "") +

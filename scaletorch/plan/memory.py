@@ -34,9 +34,9 @@ et al.'s formulas (16-bit activations, dropout masks), which the planner is chec
 import math
 from typing import Dict, List, NamedTuple, Tuple
 
-from scaletorch.plan.layout import ACTIVATION_BYTES, PRECISIONS, PlanLayout
+from scaletorch.plan.layout import ACTIVATION_BYTES, PRECISIONS, V_SHAPED, ZERO_BUBBLE, PlanLayout
 from scaletorch.plan.model import ModelSpec
-from scaletorch.plan.pipeline import in_flight, rank_layers
+from scaletorch.plan.pipeline import held_peak, holds_ends, in_flight, rank_layers, rank_stages
 
 
 def memory_formula(zero_stage: int, numel: int, world: int,
@@ -93,27 +93,33 @@ def _split(model: ModelSpec, tp: int, i: int, ep: int) -> Tuple[int, int]:
 
 
 def rank_units(model: ModelSpec, layout: PlanLayout, pp_rank: int = 0) -> List[Unit]:
-    """The units pipeline rank ``pp_rank`` holds, per tp rank, in forward order."""
-    chunks = rank_layers(model.num_layers, layout.pp, layout.virtual_stages, layout.layer_split)
+    """The units pipeline rank ``pp_rank`` holds, per tp rank, in forward order (in a V rank 0
+    holds the embedding and the head: stages 0 and 2p - 1). The embedding and the head hold the
+    vocabulary padded for tp (``ModelSpec.vocab_rows``), V' h / t each."""
+    chunks = rank_layers(model.num_layers, layout.pp, layout.virtual_stages, layout.layer_split,
+                         layout.schedule)
     stages = layout.pp * layout.virtual_stages
     t, units = layout.tp, []
-    for c, layers in enumerate(chunks[pp_rank]):
-        stage = pp_rank + c * layout.pp
+    table = model.vocab_rows(t) * model.hidden_size // t  # this tp rank's rows of V' x h
+    mine = rank_stages(layout.pp, layout.virtual_stages, pp_rank, layout.schedule)
+    for stage, layers in zip(mine, chunks[pp_rank]):
         if stage == 0:
-            units.append(Unit("embed_tokens", model.embedding_params() // t, 0))
+            units.append(Unit("embed_tokens", table, 0))
         units += [Unit(f"layers.{i}", *_split(model, t, i, layout.ep)) for i in layers]
         if stage == stages - 1:
-            head = 0 if model.tie_word_embeddings else model.embedding_params() // t
+            head = 0 if model.tie_word_embeddings else table
             units.append(Unit("head", model.norm_params() + head, 0))
             if has_tied_copy(model, layout):  # ZeRO gives the copy a unit of its own
-                units.append(Unit("tied_embedding_copy", model.embedding_params() // t, 0))
+                units.append(Unit("tied_embedding_copy", table, 0))
     return units
 
 
 def has_tied_copy(model: ModelSpec, layout: PlanLayout) -> bool:
     """A tied embedding under a pipeline: the last stage holds a copy of it as its output
-    layer, summed with the first stage's over the embedding group (pipeline_parallel.py)."""
-    return model.tie_word_embeddings and layout.pp * layout.virtual_stages > 1
+    layer, summed with the first stage's over the embedding group (pipeline_parallel.py). Not
+    in a V (zbv, dualpipev): both ends are rank 0's chunks, which share the one parameter."""
+    return model.tie_word_embeddings and layout.pp * layout.virtual_stages > 1 and \
+        layout.schedule not in V_SHAPED
 
 
 def _padded(numel: int, n: int) -> int:
@@ -209,7 +215,7 @@ def _ends(model: ModelSpec, layout: PlanLayout, first: bool, last: bool) -> floa
         out += 8 * b * s + 2 * 4 * s * model.head_dim  # token ids (int64); cos, sin (fp32)
     if last:  # final norm, the head's input, the fp32 log-softmax of the logits, the targets
         out += 4 * (2 * b * s * h + b * s) / norm_t + e * b * s * h
-        out += 4 * b * s * model.vocab_size / t + 8 * b * s
+        out += 4 * b * s * model.vocab_rows(t) / t + 8 * b * s  # padded columns included
     return out
 
 
@@ -221,11 +227,10 @@ def activation_bytes(model: ModelSpec, layout: PlanLayout, pp_rank: int = 0) -> 
     backward, which ``saved_tensors_hooks`` see), ``rebuilt`` (under recomputation, the one block or
     attention core rebuilt in backward: inside torch.utils.checkpoint, unseen by an outer hook)
     and ``peak`` = saved + rebuilt."""
-    chunks = rank_layers(model.num_layers, layout.pp, layout.virtual_stages, layout.layer_split)
+    chunks = rank_layers(model.num_layers, layout.pp, layout.virtual_stages, layout.layer_split,
+                         layout.schedule)
     layers = sum(len(c) for c in chunks[pp_rank])
-    stages = layout.pp * layout.virtual_stages
-    first = pp_rank == 0
-    last = any(pp_rank + c * layout.pp == stages - 1 for c in range(layout.virtual_stages))
+    first, last = holds_ends(layout, pp_rank)
     mine = [i for c in chunks[pp_rank] for i in c]
     moe = sum(1 for i in mine if model.is_moe_layer(i))
     per_layer = layer_activation_bytes(model, layout)
@@ -234,6 +239,10 @@ def activation_bytes(model: ModelSpec, layout: PlanLayout, pp_rank: int = 0) -> 
     micro = (layers - moe) * per_layer + moe * per_moe + _ends(model, layout, first, False) + head
     n = in_flight(layout.schedule, layout.pp, layout.num_micro_batches, layout.virtual_stages,
                   pp_rank)
+    if layout.schedule in ZERO_BUBBLE and layout.pp > 1:
+        saved = _held_from_f_to_w(model, layout, pp_rank, per_layer, per_moe)
+    else:
+        saved = n * (micro - head) + head
     rebuilt = 0.0
     if layout.activation_checkpointing != "none":  # one block (full) or attention core
         whole = PlanLayout(**{**layout.as_dict(), "activation_checkpointing": "none"})
@@ -244,10 +253,31 @@ def activation_bytes(model: ModelSpec, layout: PlanLayout, pp_rank: int = 0) -> 
     return {
         "micro_batch": micro,
         "in_flight": n,
-        "saved": n * (micro - head) + head,
+        "saved": saved,
         "rebuilt": rebuilt,
-        "peak": n * (micro - head) + head + rebuilt
+        "peak": saved + rebuilt
     }
+
+
+def _held_from_f_to_w(model: ModelSpec, layout: PlanLayout, pp_rank: int, per_layer: float,
+                      per_moe: float) -> float:
+    """A zero-bubble schedule's peak on ``pp_rank``: each (micro-batch, chunk) holds its chunk's
+    blocks, its RoPE tables (each chunk computes its own) and the ends its stage holds, from its
+    F to its W (the head's logits too: W walks the graph again), summed at the schedule's worst
+    moment (``held_peak`` on its action list)."""
+    chunks = rank_layers(model.num_layers, layout.pp, layout.virtual_stages, layout.layer_split,
+                         layout.schedule)[pp_rank]
+    stages = rank_stages(layout.pp, layout.virtual_stages, pp_rank, layout.schedule)
+    last = layout.pp * layout.virtual_stages - 1
+    rope = 0.0 if model.kind == "gpt" else 2 * 4 * (layout.seq_len // layout.cp) * model.head_dim
+    sizes = []
+    for stage, layers in zip(stages, chunks):
+        moe = sum(1 for i in layers if model.is_moe_layer(i))
+        ends = _ends(model, layout, stage == 0, stage == last)
+        sizes.append((len(layers) - moe) * per_layer + moe * per_moe + ends +
+                     (rope if stage > 0 else 0.0))  # stage 0's tables are in _ends
+    return held_peak(layout.schedule, layout.pp, layout.num_micro_batches, layout.virtual_stages,
+                     pp_rank, sizes)
 
 
 def rank_memory(model: ModelSpec, layout: PlanLayout, pp_rank: int = 0) -> Dict[str, float]:

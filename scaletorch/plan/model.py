@@ -33,6 +33,7 @@ class ModelSpec:
     moe_top_k: int = 2
     moe_layer_freq: int = 1
     moe_intermediate_size: int = 0
+    vocab_pad_to: int = 128  # tensor parallel pads V to a multiple of this x tp (Megatron)
 
     def __post_init__(self) -> None:
         if self.kind not in ("llama", "gpt"):
@@ -95,6 +96,11 @@ class ModelSpec:
     def embedding_params(self) -> int:
         return self.vocab_size * self.hidden_size
 
+    def vocab_rows(self, tp: int = 1) -> int:
+        """Rows of the embedding and the head as the trainer holds them under tensor parallel
+        ``tp``: the vocabulary padded when tp does not divide it (``padded_vocab_size``)."""
+        return padded_vocab_size(self.vocab_size, tp, self.vocab_pad_to)
+
     def head_params(self) -> int:
         """The final norm and the output projection (0 for a head tied to the embedding)."""
         return self.norm_params() + (0 if self.tie_word_embeddings else self.embedding_params())
@@ -121,7 +127,16 @@ def from_config(config: Any) -> ModelSpec:
                      intermediate_size=config.intermediate_size, kind="llama", name="config",
                      tie_word_embeddings=config.tie_word_embeddings, num_experts=config.num_experts,
                      moe_top_k=config.moe_top_k, moe_layer_freq=config.moe_layer_freq,
-                     moe_intermediate_size=config.moe_intermediate_size)
+                     moe_intermediate_size=config.moe_intermediate_size,
+                     vocab_pad_to=config.vocab_pad_to)
+
+
+def padded_vocab_size(vocab_size: int, tp: int, pad_to: int) -> int:
+    """Vocabulary rows under tensor parallel: ``vocab_size`` when tp divides it, else rounded up
+    to a multiple of pad_to x tp (Megatron's rule; 50257 at tp 2, pad_to 128 -> 50432)."""
+    if vocab_size % tp == 0:
+        return vocab_size
+    return -(-vocab_size // (pad_to * tp)) * pad_to * tp
 
 
 def _llama3(name: str, layers: int, hidden: int, heads: int, ffn: int) -> ModelSpec:

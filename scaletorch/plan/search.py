@@ -7,18 +7,22 @@ same bytes as 1 and hold more), virtual stages 1, 2, 4 under a pipeline, micro-b
 recomputation none, selective or full; sequence parallel whenever tp > 1. Each is checked by
 ``check`` (the trainer's one layout check, from scripts/plan.py) and against the GPU's memory;
 the rest are ranked by predicted tokens/s per GPU. A family (tp, cp, pp) none of whose
-variants survive is reported with its reason.
+variants survive is reported with its reason. The pipelines are 1F1B (v = 1) and
+interleaved (v > 1): the zero-bubble schedules (``NOT_SEARCHED``) are planned one at a time
+(``--schedule``), since their bubble is a simulation of the schedule (pipeline.bubble), about
+a second per layout at p = 64 and longer beyond, where a search tries thousands of layouts.
 """
 
 from dataclasses import replace
 from typing import Callable, Dict, List, Optional, Tuple
 
 from scaletorch.plan.cluster import Cluster
-from scaletorch.plan.layout import PlanLayout
+from scaletorch.plan.layout import ZERO_BUBBLE, PlanLayout
 from scaletorch.plan.model import ModelSpec
 from scaletorch.plan.report import evaluate
 
 Check = Callable[[ModelSpec, PlanLayout], Optional[str]]  # None: valid; else why not
+NOT_SEARCHED = ZERO_BUBBLE  # what the search leaves out (the module docstring says why)
 
 
 def _powers(limit: int) -> List[int]:

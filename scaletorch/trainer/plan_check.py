@@ -36,7 +36,7 @@ def plan_report(cfg: "Config", world: int, pp_rank: int, model: nn.Module, optim
                 step: int, step_seconds: Sequence[float]) -> str:
     """'plan' lines for this rank: predicted = measured. Empty when the planner does not model
     the run: impl torch (PyTorch's own collectives bypass the ledger), a precision other than
-    fp32, a schedule it does not model (the zero-bubble ones)."""
+    fp32."""
     from scaletorch.parallel.zero_memory import measure_memory
 
     if cfg.parallel.impl != "scaletorch" or cfg.training.precision not in ("auto", "fp32"):
