@@ -40,7 +40,8 @@ from scaletorch.plan.comm import collectives
 from scaletorch.plan.flops import hardware_flops, model_flops
 from scaletorch.plan.layout import PlanLayout
 from scaletorch.plan.model import ModelSpec
-from scaletorch.plan.pipeline import rank_layers, theoretical_bubble
+from scaletorch.plan.pipeline import bubble as pipeline_bubble
+from scaletorch.plan.pipeline import rank_layers
 
 
 def group_span(layout: PlanLayout, group: str) -> int:
@@ -129,8 +130,7 @@ def _measured_host_step(model: ModelSpec, layout: PlanLayout, cluster: Cluster) 
     for r in ranks:  # the slower stage's traffic, group by group
         for group, seconds in measured_comm_seconds(model, lay, cluster, r).items():
             exposed[group] = max(exposed.get(group, 0.0), seconds)
-    bubble = theoretical_bubble(lay.pp, lay.num_micro_batches, lay.virtual_stages) \
-        if lay.pp > 1 else 0.0
+    bubble = pipeline_bubble(model, lay)  # each schedule's (the zero-bubble ones simulated)
     share = cluster.time_slicing(lay.world)
     step = max(compute * share, compute / (1 - bubble)) + sum(exposed.values())
     return {"compute_s": compute, "exposed_s": exposed, "bubble": bubble, "step_time_s": step}
@@ -169,8 +169,7 @@ def step_time(model: ModelSpec, layout: PlanLayout, cluster: Cluster) -> Dict[st
             exposed[group] = max(0.0, seconds - window) if group != "world" else seconds
         else:
             exposed[group] = seconds
-    bubble = theoretical_bubble(lay.pp, lay.num_micro_batches, lay.virtual_stages) \
-        if lay.pp > 1 else 0.0
+    bubble = pipeline_bubble(model, lay)  # each schedule's (the zero-bubble ones simulated)
     busy = compute + sum(v for g, v in exposed.items() if g in ("tp", "cp", "ep", "pp"))
     step = busy / (1 - bubble) + sum(v
                                      for g, v in exposed.items() if g in ("dp_cp", "edp", "world"))
