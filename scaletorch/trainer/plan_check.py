@@ -29,6 +29,8 @@ def _pair(predicted: float, measured: float) -> str:
     """'157 kB =' when the prediction equals the measurement, else both and the difference."""
     if predicted == measured:
         return f"{human(predicted)} ="
+    if measured == 0:  # nothing measured (e.g. no gradient held at the end): no ratio
+        return f"{human(predicted)} vs 0 B"
     return f"{human(predicted)} vs {human(measured)} ({100 * (predicted / measured - 1):+.1f}%)"
 
 
