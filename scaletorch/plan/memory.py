@@ -223,7 +223,8 @@ def activation_bytes(model: ModelSpec, layout: PlanLayout, pp_rank: int = 0) -> 
     """Activations on pipeline rank ``pp_rank``: ``micro_batch`` (one micro-batch through all
     the rank's layers, as a forward leaves it), ``in_flight`` (micro-batches the schedule keeps
     at once on this rank), ``saved`` (in_flight x micro_batch, the head's logits once: the last
-    stage runs each micro-batch's backward right after its forward; what autograd keeps for
+    stage runs each micro-batch's backward right after its forward; under a zero-bubble
+    schedule the most its chunks hold at once, each from its F to its W; what autograd keeps for
     backward, which ``saved_tensors_hooks`` see), ``rebuilt`` (under recomputation, the one block or
     attention core rebuilt in backward: inside torch.utils.checkpoint, unseen by an outer hook)
     and ``peak`` = saved + rebuilt."""
