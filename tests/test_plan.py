@@ -489,6 +489,11 @@ LAYOUTS = {
     "zbv_tp2_pp2": (False, 4, layout(tp=2, pp=2, schedule="zbv", virtual_pipeline_stages=2)),
     "dualpipev_tp2_pp2": (False, 4,
                           layout(tp=2, pp=2, schedule="dualpipev", virtual_pipeline_stages=2)),
+    # this runtime's W also sends the cp ring's (or Ulysses') backward messages again
+    "zbv_cp2_pp2": (False, 4, layout(cp=2, pp=2, schedule="zbv", virtual_pipeline_stages=2)),
+    "dualpipev_ulysses_cp2_pp2": (False, 4,
+                                  layout(cp=2, pp=2, schedule="dualpipev",
+                                         virtual_pipeline_stages=2, cp_variant="ulysses")),
     # a vocabulary tp does not divide (65 at tp 2: 256 rows), padded as the trainer pads it
     "vocab65_tp2_pp2": (False, 2, layout(tp=2, pp=2)),
     "vocab65_tp2_zero1_dp2": (False, 2, layout(tp=2, zero_stage=1)),

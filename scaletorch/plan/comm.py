@@ -34,7 +34,7 @@ phase "recompute", up to its last saved tensor (torch.utils.checkpoint stops the
 """
 
 from collections import defaultdict
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from scaletorch.plan.layout import ACTIVATION_BYTES, PRECISIONS, V_SHAPED, ZERO_BUBBLE, PlanLayout
 from scaletorch.plan.memory import has_tied_copy, rank_units
@@ -128,29 +128,28 @@ def _pipeline_sends(layout: PlanLayout, pp_rank: int) -> int:
     return sends
 
 
-def _w_repeats(model: ModelSpec, layout: PlanLayout, pp_rank: int, tokens: int) -> Dict[str, int]:
-    """The tp elements this repository's W sends again: a zero-bubble schedule's W walks the
-    input-gradient chain a second time to reach the weights (split_backward.py), so each
-    split backward repeats its chunk's backward collectives of the blocks (2 T h per dense
-    block, 1 per MoE block) and of the head's input (T h); the embedding's backward sends
-    nothing without SP. Under SP each is a reduce-scatter and (blocks) an all-gather."""
+def w_repeats(model: ModelSpec, layout: PlanLayout, pp_rank: int) -> Tuple[int, int, int]:
+    """(dense blocks, MoE blocks, heads) whose backward this repository's W runs again on
+    ``pp_rank``, per step: a zero-bubble schedule's W walks the input-gradient chain a second
+    time to reach the weights (split_backward.py), once for each backward it splits. Their
+    collectives are sent again: tp 2 T h per dense block and 1 per MoE block, T h for the
+    head's input (under SP reduce-scatters and, for the blocks, all-gathers; the embedding's
+    backward sends nothing more); the cp ring's 2 cp - 1 backward K/V messages per block
+    (Ulysses: the backward's all-to-alls). Expert parallel's are not counted."""
     lay = layout
     if lay.schedule not in ZERO_BUBBLE or lay.pp == 1:
-        return {}
+        return 0, 0, 0
     v_shape, last = lay.schedule in V_SHAPED, lay.pp * lay.virtual_stages - 1
     chunks = rank_layers(model.num_layers, lay.pp, lay.virtual_stages, lay.layer_split,
                          lay.schedule)[pp_rank]
     splits = split_backwards(lay.schedule, lay.pp, lay.num_micro_batches, lay.virtual_stages,
                              pp_rank)
-    blocks = head = 0
+    dense = moe = head = 0
     for c, (layers, n) in enumerate(zip(chunks, splits)):
-        moe = sum(1 for i in layers if model.is_moe_layer(i))
-        blocks += n * (2 * (len(layers) - moe) + moe)
+        experts = sum(1 for i in layers if model.is_moe_layer(i))
+        dense, moe = dense + n * (len(layers) - experts), moe + n * experts
         head += n * (stage_index(pp_rank, c, lay.pp, v_shape) == last)
-    h = model.hidden_size * tokens
-    if lay.sequence_parallel:
-        return {"all_gather": blocks * h, "reduce_scatter": (blocks + head) * h}
-    return {"all_reduce": (blocks + head) * h}
+    return dense, moe, head
 
 
 def collectives(model: ModelSpec, layout: PlanLayout, pp_rank: int = 0) -> List[Collective]:
@@ -192,8 +191,15 @@ def collectives(model: ModelSpec, layout: PlanLayout, pp_rank: int = 0) -> List[
         calls = (4 * (len(layers) - moe) + 2 * moe + first + last) * m
         for op, elements in ops.items():
             add("tp", t, op, elements, act, calls=calls if elements > 3 * T * m else m)
-        for op, elements in _w_repeats(model, lay, pp_rank, T).items():
-            add("tp", t, op, elements, act, calls=elements // (T * h))
+        again, again_moe, again_head = w_repeats(model, lay, pp_rank)
+        blocks = (2 * again + again_moe) * T * h
+        if lay.sequence_parallel:
+            add("tp", t, "all_gather", blocks, act, calls=2 * again + again_moe)
+            add("tp", t, "reduce_scatter", blocks + again_head * T * h, act,
+                calls=2 * again + again_moe + again_head)
+        else:
+            add("tp", t, "all_reduce", blocks + again_head * T * h, act,
+                calls=2 * again + again_moe + again_head)
         if lay.activation_checkpointing == "full":  # the forward again, but its last collective
             dense_blocks = len(layers) - moe
             if lay.sequence_parallel:
@@ -214,17 +220,20 @@ def collectives(model: ModelSpec, layout: PlanLayout, pp_rank: int = 0) -> List[
     # context parallel: the ring passes K and V
     if lay.cp > 1:
         kv = 2 * T * model.kv_size // t  # one K/V message: this tp rank's kv heads
+        again = sum(w_repeats(model, lay, pp_rank)[:2])  # blocks whose backward runs twice
         if lay.cp_variant == "ring":
-            for phase, count in (("compute", 3 * lay.cp - 2), ("recompute", lay.cp - 1)):
+            for phase, count in (("compute",
+                                  (3 * lay.cp - 2) * len(layers) * m + (2 * lay.cp - 1) * again),
+                                 ("recompute", (lay.cp - 1) * len(layers) * m)):
                 if phase == "recompute" and lay.activation_checkpointing == "none":
                     continue
-                add("cp", lay.cp, "send",
-                    count * kv * len(layers) * m, act, phase, calls=count * len(layers) * m)
-                add("cp", lay.cp, "recv", count * kv * len(layers) * m, act, phase)
+                add("cp", lay.cp, "send", count * kv, act, phase, calls=count)
+                add("cp", lay.cp, "recv", count * kv, act, phase)
         else:  # Ulysses: q, k, v and the output, forward and backward, (cp-1)/cp sent
             qkvo = 2 * T * h // t + kv
-            add("cp", lay.cp, "all_to_all", 2 * qkvo * (lay.cp - 1) // lay.cp * len(layers) * m,
-                act)
+            add(
+                "cp", lay.cp, "all_to_all", 2 * qkvo * (lay.cp - 1) // lay.cp * len(layers) * m +
+                qkvo * (lay.cp - 1) // lay.cp * again, act)
     # expert parallel: the routed tokens there and back, forward and backward (balanced)
     if lay.ep > 1 and moe:
         tokens = T * model.moe_top_k * h * (lay.ep - 1) // lay.ep
