@@ -33,7 +33,7 @@ from scaletorch.plan.memory import activation_bytes, model_state_bytes, rank_uni
 from scaletorch.plan.model import from_config as model_of
 from scaletorch.plan.model import from_params, preset
 from scaletorch.plan.pipeline import bubble, in_flight
-from scaletorch.plan.time import step_time
+from scaletorch.plan.time import compute_seconds, stage_ranks, step_time
 from scaletorch.trainer.config import parse_args
 from scripts.calibrate import calibrate
 from scripts.plan import main, measure_rank
@@ -355,6 +355,23 @@ class PlannerTimeOnAMeasuredHost(unittest.TestCase):
                     ValueError, "issued 2/dpp -1: need world > 1, a strategy "
                     "of tp, sp, cp, pp, ep, dp, zero3, seconds >= 0"):
                 load_cluster(_write(tmp, {**HOST, "issued": {"2": {"dpp": -1}}}))
+
+    def test_in_a_v_rank_0_pays_both_ends_and_a_middle_rank_is_considered(self):
+        # 1F1B at pp 2: rank 0 the embedding, rank 1 head and loss, each one micro-batch
+        # overhead; a V (zbv): rank 0 holds both ends, rank 1 neither
+        layouts = {
+            s:
+            PlanLayout(pp=2, virtual_stages=1 if s == "1f1b" else 2, schedule=s,
+                       num_micro_batches=4, micro_batch_size=2, seq_len=32)
+            for s in ("1f1b", "zbv")
+        }
+        model = model_of(parse_args(["--config", "examples/configs/07_nd_parallel.yaml"]).model)
+        one, vee = ([compute_seconds(model, lay, self.host, r) for r in (0, 1)]
+                    for lay in layouts.values())
+        self.assertAlmostEqual(one[0], one[1], delta=1e-12)
+        self.assertAlmostEqual(vee[0] - vee[1], 4 * 2e-3, delta=1e-12)
+        self.assertEqual(stage_ranks(PlanLayout(pp=4, virtual_stages=2, schedule="zbv")), [0, 1, 3])
+        self.assertEqual(stage_ranks(PlanLayout(pp=4)), [0, 3])
 
     def test_ranks_beyond_the_cores_share_them_and_use_the_bubble(self):
         # 4 ranks on 2 cores: a rank computes half the time, so its compute takes twice as

@@ -33,15 +33,15 @@ each measured rather than assumed:
 """
 
 import math
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 from scaletorch.plan.cluster import Cluster
 from scaletorch.plan.comm import collectives
 from scaletorch.plan.flops import hardware_flops, model_flops
-from scaletorch.plan.layout import PlanLayout
+from scaletorch.plan.layout import V_SHAPED, PlanLayout
 from scaletorch.plan.model import ModelSpec
 from scaletorch.plan.pipeline import bubble as pipeline_bubble
-from scaletorch.plan.pipeline import rank_layers
+from scaletorch.plan.pipeline import holds_ends, rank_layers
 
 
 def group_span(layout: PlanLayout, group: str) -> int:
@@ -111,20 +111,29 @@ def compute_seconds(model: ModelSpec, layout: PlanLayout, cluster: Cluster,
     lay = layout
     seconds = hardware_flops(model,
                              lay) / lay.world / (cluster.peak_flops * cluster.compute_efficiency)
-    chunks = rank_layers(model.num_layers, lay.pp, lay.virtual_stages, lay.layer_split)
+    chunks = rank_layers(model.num_layers, lay.pp, lay.virtual_stages, lay.layer_split,
+                         lay.schedule)
     blocks = [i for c in chunks[pp_rank] for i in c]
     moe = sum(1 for i in blocks if model.is_moe_layer(i))
     moe_cost = cluster.moe_layer_overhead_s or cluster.layer_overhead_s
-    ends = pp_rank in (0, lay.pp - 1)  # the embedding or the head and loss
+    ends = any(holds_ends(lay, pp_rank))  # the embedding or the head and loss (a V: both)
     per_micro_batch = ((len(blocks) - moe) * cluster.layer_overhead_s + moe * moe_cost) * \
         REDO[lay.activation_checkpointing] + ends * cluster.micro_batch_overhead_s
     return seconds + lay.num_micro_batches * per_micro_batch + cluster.step_overhead_s
 
 
+def stage_ranks(layout: PlanLayout) -> List[int]:
+    """The pipeline ranks whose compute and traffic can set the step: the first and the last
+    (the embedding; the head and loss), and in a V a middle rank too (rank 0 holds both ends,
+    a middle rank sends twice as much between its two chunks' neighbours)."""
+    middle = {1} if layout.schedule in V_SHAPED and layout.pp > 2 else set()
+    return sorted({0, layout.pp - 1} | middle)
+
+
 def _measured_host_step(model: ModelSpec, layout: PlanLayout, cluster: Cluster) -> Dict[str, Any]:
     """compute_s, exposed_s, bubble, step_time_s of a measured host (the module docstring)."""
     lay = layout
-    ranks = sorted({0, lay.pp - 1})
+    ranks = stage_ranks(lay)
     compute = max(compute_seconds(model, lay, cluster, r) for r in ranks)
     exposed: Dict[str, float] = {}
     for r in ranks:  # the slower stage's traffic, group by group
@@ -157,7 +166,7 @@ def step_time(model: ModelSpec, layout: PlanLayout, cluster: Cluster) -> Dict[st
     core_s = core / lay.world / rate
     last_micro_backward = compute * 2 / 3 / lay.num_micro_batches
     comm: Dict[str, float] = {}
-    for r in sorted({0, lay.pp - 1}):  # the first and the last stage: the slower one sets it
+    for r in stage_ranks(lay):  # the slowest of them sets it
         for group, seconds in comm_seconds(model, lay, cluster, r).items():
             comm[group] = max(comm.get(group, 0.0), seconds)
     exposed = {}
