@@ -23,7 +23,8 @@ scripts/launch.sh runs them), in well under a minute:
   with one strategy of size 2 (tp, tp with sequence parallel, cp, pp, ep; the rest data
   parallel) or data parallel alone
   (DDP, ZeRO-3), a few steps each: the seconds one of its calls adds to a step (``issued``) =
-  (the fastest step after the first - the step predicted with those calls free) / the calls.
+  (the fastest step after the first - the step predicted with those calls free) / the calls
+  (DDP: / the micro-batches, its hooks run in each backward).
   A bare call between pieces of compute misses what a strategy does around its calls (ring
   attention's block merges, the experts' dispatch, DDP's buckets) and, past the core count,
   how long a rank waits in a step for a peer the scheduler has not run.
@@ -44,11 +45,11 @@ import torch.nn.functional as F
 from scaletorch.dist.spawn import run_distributed
 from scaletorch.models import build_model
 from scaletorch.plan.cluster import ISSUED, Cluster, save_cluster
-from scaletorch.plan.comm import collectives, wire_bytes
+from scaletorch.plan.comm import wire_bytes
 from scaletorch.plan.flops import model_flops
 from scaletorch.plan.layout import PlanLayout
 from scaletorch.plan.model import ModelSpec, from_config
-from scaletorch.plan.time import issuing_strategy, step_time
+from scaletorch.plan.time import issued_counts, issuing_strategy, step_time
 from scaletorch.trainer.config import Config
 
 WORLDS = (2, 3, 4)
@@ -271,7 +272,7 @@ def measure_issued(cfg: Config, seq_len: int, world: int, cluster: Cluster) -> D
     """{strategy: seconds one of its calls adds to a step} in a gloo world of ``world``: each
     strategy's layout trained STRATEGY_STEPS steps; the fastest step after the first (rank 0's,
     as the tour reads it) minus the step ``cluster`` predicts with those calls free, over the
-    calls (not below 0)."""
+    calls (time.issued_counts: DDP's micro-batches; not below 0)."""
     from scripts.plan import measure_rank
 
     runs = strategy_layouts(cfg, seq_len, world)
@@ -281,10 +282,32 @@ def measure_issued(cfg: Config, seq_len: int, world: int, cluster: Cluster) -> D
         measured = min(results[0][kind]["step_seconds"][1:])
         free = replace(cluster, issued={str(world): {kind: 0.0}})
         predicted = step_time(model, layout, free)["step_time_s"]
-        calls = sum(c.calls for c in collectives(model, layout, 0)
-                    if c.op != "recv" and issuing_strategy(c.group, layout) == kind)
+        calls = sum(n for group, n in issued_counts(model, layout).items()
+                    if issuing_strategy(group, layout) == kind)
         out[kind] = max(0.0, (measured - predicted) / calls) if calls else 0.0
     return out
+
+
+def summary(cluster: Cluster) -> str:
+    """What ``calibrate`` measured, in a few lines (milliseconds)."""
+    c = cluster
+    lines = [
+        f"{c.name}: matmuls {c.peak_flops / 1e9:.0f} GFLOP/s; fixed costs per block "
+        f"{1e3 * c.layer_overhead_s:.2f} ms (MoE {1e3 * c.moe_layer_overhead_s:.2f}), per "
+        f"micro-batch {1e3 * c.micro_batch_overhead_s:.2f}, per step {1e3 * c.step_overhead_s:.2f}"
+    ]
+    bare = [
+        f"{1e3 * c.links[w]['2']['all_reduce'][0]:.2f} ms on {w} ranks" for w in c.links
+        if "all_reduce" in c.links[w].get("2", {})
+    ]
+    lines.append("a 4-byte all-reduce over 2 ranks between pieces of compute: " + ", ".join(bare))
+    if c.issued:
+        lines.append(f"{'a call as issued, ms':<22}" + "".join(f"{k:>7}" for k in ISSUED))
+        for world, kinds in c.issued.items():
+            lines.append(f"{'  ' + world + ' ranks':<22}" +
+                         "".join(f"{1e3 * kinds[k]:>7.2f}" if k in kinds else f"{'-':>7}"
+                                 for k in ISSUED))
+    return "\n".join(lines)
 
 
 def calibrate(cfg: Config, seq_len: int, path: str, progress: Callable[[str], None],

@@ -207,11 +207,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.calibrate is not None:
             if not args.calibrate.endswith(".json"):
                 raise ValueError(f"--calibrate {args.calibrate}: the cluster file must end .json")
-            from scripts.calibrate import calibrate
+            from scripts.calibrate import calibrate, summary
 
-            calibrate(cfg, seq, args.calibrate, progress)
+            host = calibrate(cfg, seq, args.calibrate, progress)
             if sys.stderr.isatty():
                 print(file=sys.stderr)  # end the progress line
+            print(summary(host))
             return 0
         precision = args.precision or ("bf16-fp32-grads" if production else "fp32")
         flash = (args.attention or ("flash" if production else "eager")) == "flash"

@@ -82,13 +82,29 @@ def issuing_strategy(group: str, layout: PlanLayout) -> Optional[str]:
     return group if group in ("tp", "cp", "pp", "ep") else None
 
 
+def issued_counts(model: ModelSpec, layout: PlanLayout, pp_rank: int = 0) -> Dict[str, int]:
+    """{group: how many times its strategy's ``issued`` cost is paid per step}: once per call
+    (a receive is its send's other end: the send pays), but data parallel (DDP, ZeRO-1/2)
+    once per micro-batch: its gradient hooks run in every backward, its one or two calls
+    come at the end."""
+    out: Dict[str, int] = {}
+    for c in collectives(model, layout, pp_rank):
+        strategy = issuing_strategy(c.group, layout)
+        if c.op == "recv" or strategy is None:
+            continue
+        out[c.group] = layout.num_micro_batches if strategy == "dp" else \
+            out.get(c.group, 0) + c.calls
+    return out
+
+
 def measured_comm_seconds(model: ModelSpec, layout: PlanLayout, cluster: Cluster,
                           pp_rank: int = 0) -> Dict[str, float]:
-    """On a measured host: seconds each group's calls of one step take (a receive is its
-    send's other end: the send pays). A call costs what it adds to a step as its strategy
-    issues it (``issued``: the bookkeeping around it and the wait for a peer the scheduler
-    has not run yet included), else a bare call's latency (``links``); its bytes go at the
-    link's bandwidth."""
+    """On a measured host: seconds each group's communication of one step takes. A strategy's
+    calls cost what they add to a step as the strategy issues them (``issued`` x
+    ``issued_counts``: the bookkeeping around them and the wait for a peer the scheduler has
+    not run yet included), other calls (and strategies not measured) a bare call's latency
+    (``links``); the bytes go at the link's bandwidth (a receive: its send pays)."""
+    counts = issued_counts(model, layout, pp_rank)
     out: Dict[str, float] = {}
     for c in collectives(model, layout, pp_rank):
         if c.op == "recv":
@@ -96,8 +112,12 @@ def measured_comm_seconds(model: ModelSpec, layout: PlanLayout, cluster: Cluster
         latency, bandwidth = cluster.link(c.op, c.size, layout.world)
         strategy = issuing_strategy(c.group, layout)
         issued = cluster.issued_latency(strategy, layout.world) if strategy else None
-        latency = latency if issued is None else issued
-        out[c.group] = out.get(c.group, 0.0) + c.calls * latency + c.wire / bandwidth
+        calls = c.calls * latency if issued is None else 0.0
+        out[c.group] = out.get(c.group, 0.0) + calls + c.wire / bandwidth
+    for group, count in counts.items():
+        issued = cluster.issued_latency(issuing_strategy(group, layout) or "", layout.world)
+        if issued is not None:
+            out[group] += count * issued
     return out
 
 
