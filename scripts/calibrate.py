@@ -289,24 +289,23 @@ def measure_issued(cfg: Config, seq_len: int, world: int, cluster: Cluster) -> D
 
 
 def summary(cluster: Cluster) -> str:
-    """What ``calibrate`` measured, in a few lines (milliseconds)."""
+    """What ``calibrate`` measured, in a few lines (every time in ms)."""
     c = cluster
     lines = [
-        f"{c.name}: matmuls {c.peak_flops / 1e9:.0f} GFLOP/s; fixed costs per block "
-        f"{1e3 * c.layer_overhead_s:.2f} ms (MoE {1e3 * c.moe_layer_overhead_s:.2f}), per "
-        f"micro-batch {1e3 * c.micro_batch_overhead_s:.2f}, per step {1e3 * c.step_overhead_s:.2f}"
+        f"{c.name}: fixed costs per block {1e3 * c.layer_overhead_s:.2f} ms (MoE "
+        f"{1e3 * c.moe_layer_overhead_s:.2f} ms), per micro-batch "
+        f"{1e3 * c.micro_batch_overhead_s:.2f} ms, per step {1e3 * c.step_overhead_s:.2f} ms"
     ]
     bare = [
         f"{1e3 * c.links[w]['2']['all_reduce'][0]:.2f} ms on {w} ranks" for w in c.links
         if "all_reduce" in c.links[w].get("2", {})
     ]
     lines.append("a 4-byte all-reduce over 2 ranks between pieces of compute: " + ", ".join(bare))
-    if c.issued:
-        lines.append(f"{'a call as issued, ms':<22}" + "".join(f"{k:>7}" for k in ISSUED))
-        for world, kinds in c.issued.items():
-            lines.append(f"{'  ' + world + ' ranks':<22}" +
-                         "".join(f"{1e3 * kinds[k]:>7.2f}" if k in kinds else f"{'-':>7}"
-                                 for k in ISSUED))
+    for world, kinds in c.issued.items():
+        lines.append(f"a call as issued on {world} ranks: " +
+                     ", ".join(f"{k} {1e3 * kinds[k]:.2f} ms" +
+                               (" (per micro-batch)" if k == "dp" else "")
+                               for k in ISSUED if k in kinds))
     return "\n".join(lines)
 
 
