@@ -1,7 +1,7 @@
 """Zero-bubble pipeline schedules (zb-h1, zbv, dualpipev): the split backward, the schedules as
 data and their simulation (no ranks), then one world of 4 ranks: parity with the single
-device for ours and torch.distributed.pipelining's, alone and beside dp and tp, and the
-bubble and activations measured with injected delays (F = B = W) at p = 4, m = 8.
+device for ours and torch.distributed.pipelining's, alone and beside dp (DDP and ZeRO 1-3) and
+tp, and the bubble and activations measured with injected delays (F = B = W) at p = 4, m = 8.
 """
 
 import statistics
@@ -196,6 +196,14 @@ PARITY = {
     "torch dualpipev pp2 dp2 m4":
     (4, 4, layout(pp=2, schedule="dualpipev", virtual_pipeline_stages=2, impl="torch")),
 }
+# ZeRO 1, 2, 3 under each schedule at pp 2 x dp 2: W must reach the ZeRO units' full
+# parameters, not the wrapper's shards (split_backward.weight_leaves)
+PARITY.update({
+    f"zero{z} {s} pp2 dp2 m4":
+    (4, 4, layout(pp=2, schedule=s, zero_stage=z, virtual_pipeline_stages=1 if s == "zb-h1" else 2))
+    for s in ZERO_BUBBLE
+    for z in (1, 2, 3)
+})
 TORCH_VS_OURS = {
     "torch zb-h1 pp4 m4": "zb-h1 pp4 m4",
     "torch zbv pp2 dp2 m4": "zbv pp2 dp2 m4",
@@ -299,7 +307,8 @@ def world(rank: int, world_size: int) -> dict:
 
 
 class TestZeroBubbleRanks(unittest.TestCase):
-    """pp 4, pp 2 x dp 2, pp 2 x tp 2; ours and torch.distributed.pipelining's; measured."""
+    """pp 4, pp 2 x dp 2 (DDP and ZeRO 1-3), pp 2 x tp 2; ours and
+    torch.distributed.pipelining's; measured."""
 
     @classmethod
     def setUpClass(cls):
@@ -317,6 +326,9 @@ class TestZeroBubbleRanks(unittest.TestCase):
 
     def test_zbv_and_dualpipev_match_single_device(self):
         self.check_parity([n for n in PARITY if n.startswith(("zbv", "dualpipev"))])
+
+    def test_zb_h1_zbv_and_dualpipev_with_zero_1_2_3_match_single_device(self):
+        self.check_parity([n for n in PARITY if n.startswith("zero")])
 
     def test_tied_zbv_and_dualpipev_share_one_weight_and_match_the_tied_single_device(self):
         # rank 0's two chunks use the one parameter: losses and weights within TOL (1e-5), and

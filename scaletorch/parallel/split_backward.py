@@ -38,6 +38,16 @@ from scaletorch.parallel.pipeline_schedules import (Action, action_p2p, rank_of_
                                                     schedule_actions)
 
 
+def weight_leaves(chunk: nn.Module) -> List[torch.Tensor]:
+    """The leaves a chunk's W differentiates: the trainable weights its forward reads. Those
+    are its parameters, but for a ZeRO wrapper (zero.py), whose parameters are this rank's
+    shards: the graph holds its units' full parameters (``graph_params``), and a W over the
+    shards would reach no weight (no gradient, no reduce-scatter)."""
+    graph_params = getattr(chunk, "graph_params", None)
+    params = chunk.parameters() if graph_params is None else graph_params()
+    return [p for p in params if p.requires_grad]
+
+
 class ZeroBubbleSchedule(PipelineSchedule):
     """``PipelineSchedule``'s contract for zb-h1, zbv and dualpipev: F, B (input gradient
     only, when a W of the same micro-batch and chunk follows; else the full backward) and W.
@@ -65,7 +75,7 @@ class ZeroBubbleSchedule(PipelineSchedule):
                 send = action_p2p(action, q, p, v, pipe.v_shape)[1]
                 if send is not None and send.peer == rank:
                     self.expected[q].append((send.kind, send.micro_batch, send.dst))
-        self.params = [[p for p in chunk.parameters() if p.requires_grad] for chunk in pipe.chunks]
+        self.params = [weight_leaves(chunk) for chunk in pipe.chunks]  # what W differentiates
         # stage 0's B has no input to send: it stops at the embedding's output (taken by a hook)
         self.embedded: Optional[torch.Tensor] = None
         for module in pipe.modules():

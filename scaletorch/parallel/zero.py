@@ -136,6 +136,13 @@ class ShardedDataParallel(nn.Module):
         self._ready = [0] * len(self.units)  # one forward, one backward: count afresh
         return self.module(*args, **kwargs)
 
+    def graph_params(self) -> List[torch.Tensor]:
+        """The trainable tensors the forward reads and backward accumulates ``.grad`` into:
+        every unit's full parameters, views of its flat vector. Not ``parameters()`` (this
+        rank's shards, which no graph contains): a backward restricted to some ``inputs``
+        (a zero-bubble W, split_backward.py) must name these, or it reaches no weight."""
+        return [t for unit in self.units for t in unit.tensors if t.requires_grad]
+
     # ---- stage 3: gather before use, free after -----------------------------------------
 
     def _gather(self, i: int, async_op: bool = False) -> None:
@@ -196,6 +203,9 @@ class ShardedDataParallel(nn.Module):
         self._ready[i] += 1
         self._dirty[i] = True
         if self._ready[i] == self.units[i].trainable:  # the unit's backward is complete
+            # count afresh: several backwards may follow one forward without another between
+            # (a pipeline's cool-down: 1F1B's B's, a zero-bubble schedule's W's)
+            self._ready[i] = 0
             if self._sync:
                 self._reduce(i)
             if self.zero_stage == 3:
