@@ -55,7 +55,7 @@ from scaletorch.trainer.config import Config
 WORLDS = (2, 3, 4)
 SMALL, LARGE = 1, 2**16  # fp32 elements of a latency-bound and a bandwidth-bound call
 OPS = ("all_reduce", "all_gather", "all_to_all", "send")
-STRATEGY_STEPS = 8  # per strategy: the first warms up, the fastest of the others is kept
+STRATEGY_STEPS = 20  # per strategy, as many as the tour: the fastest after the first is kept
 
 
 def _seconds(fn: Callable[[], Any], reps: int, warmup: int = 2) -> float:
@@ -272,15 +272,17 @@ def measure_issued(cfg: Config, seq_len: int, world: int, cluster: Cluster) -> D
     """{strategy: seconds one of its calls adds to a step} in a gloo world of ``world``: each
     strategy's layout trained STRATEGY_STEPS steps; the fastest step after the first (rank 0's,
     as the tour reads it) minus the step ``cluster`` predicts with those calls free, over the
-    calls (time.issued_counts: DDP's micro-batches; not below 0)."""
+    calls (time.issued_counts: DDP's micro-batches; not below 0). Data parallel first: the
+    other strategies' layouts hold data-parallel ranks too, whose cost is then known."""
     from scripts.plan import measure_rank
 
     runs = strategy_layouts(cfg, seq_len, world)
     results = run_distributed(measure_rank, world, {k: v[2] for k, v in runs.items()}, timeout=300)
-    out = {}
-    for kind, (model, layout, _) in runs.items():
+    out: Dict[str, float] = {}
+    for kind in sorted(runs, key=lambda k: k not in ("dp", "zero3")):
+        model, layout, _ = runs[kind]
         measured = min(results[0][kind]["step_seconds"][1:])
-        free = replace(cluster, issued={str(world): {kind: 0.0}})
+        free = replace(cluster, issued={str(world): {**out, kind: 0.0}})
         predicted = step_time(model, layout, free)["step_time_s"]
         calls = sum(n for group, n in issued_counts(model, layout).items()
                     if issuing_strategy(group, layout) == kind)
