@@ -227,8 +227,9 @@ def measure_links(rank: int, world: int, alone: float) -> Dict[str, Any]:
     return {"busy": busy, "links": out}
 
 
-def strategy_layouts(cfg: Config, seq_len: int,
-                     world: int) -> Dict[str, Tuple[ModelSpec, PlanLayout, Config]]:
+def strategy_layouts(
+        cfg: Config, seq_len: int, world: int,
+        steps: int = STRATEGY_STEPS) -> Dict[str, Tuple[ModelSpec, PlanLayout, Config]]:
     """For each strategy of ISSUED that ``cfg``'s model can run on ``world`` ranks: its model,
     its layout (the strategy at size 2, the rest of the world data parallel; dp and zero3: all
     of it) and the config that trains it. MoE for ep (the config's experts, or chapter 06's 4),
@@ -242,7 +243,7 @@ def strategy_layouts(cfg: Config, seq_len: int,
             moe_intermediate_size=cfg.model.moe_intermediate_size
             or cfg.model.intermediate_size // 2))
     base = copy.deepcopy(cfg)
-    base.training.steps, base.checkpoint.every, base.check = STRATEGY_STEPS, 0, False
+    base.training.steps, base.checkpoint.every, base.check = steps, 0, False
     base.logging.progress = False
     check = checker(base)
     m = cfg.data.num_micro_batches
@@ -268,15 +269,16 @@ def strategy_layouts(cfg: Config, seq_len: int,
     return out
 
 
-def measure_issued(cfg: Config, seq_len: int, world: int, cluster: Cluster) -> Dict[str, float]:
+def measure_issued(cfg: Config, seq_len: int, world: int, cluster: Cluster,
+                   steps: int = STRATEGY_STEPS) -> Dict[str, float]:
     """{strategy: seconds one of its calls adds to a step} in a gloo world of ``world``: each
-    strategy's layout trained STRATEGY_STEPS steps; the fastest step after the first (rank 0's,
+    strategy's layout trained ``steps`` steps; the fastest step after the first (rank 0's,
     as the tour reads it) minus the step ``cluster`` predicts with those calls free, over the
     calls (time.issued_counts: DDP's micro-batches; not below 0). Data parallel first: the
     other strategies' layouts hold data-parallel ranks too, whose cost is then known."""
     from scripts.plan import measure_rank
 
-    runs = strategy_layouts(cfg, seq_len, world)
+    runs = strategy_layouts(cfg, seq_len, world, steps)
     results = run_distributed(measure_rank, world, {k: v[2] for k, v in runs.items()}, timeout=300)
     out: Dict[str, float] = {}
     for kind in sorted(runs, key=lambda k: k not in ("dp", "zero3")):
@@ -312,7 +314,7 @@ def summary(cluster: Cluster) -> str:
 
 
 def calibrate(cfg: Config, seq_len: int, path: str, progress: Callable[[str], None],
-              worlds: Sequence[int] = WORLDS) -> Cluster:
+              worlds: Sequence[int] = WORLDS, steps: int = STRATEGY_STEPS) -> Cluster:
     """Measure this host for ``cfg``'s model at ``seq_len`` tokens and write ``path`` (links
     in gloo worlds of each size in ``worlds``; calls as issued in those of an even size)."""
     model_cfg = cfg.model
@@ -353,7 +355,7 @@ def calibrate(cfg: Config, seq_len: int, path: str, progress: Callable[[str], No
     issued: Dict[str, Dict[str, float]] = {}
     for world in (w for w in worlds if w % 2 == 0):
         say(f"calls as issued: {', '.join(ISSUED)} trained on {world} ranks")
-        issued[str(world)] = measure_issued(cfg, seq_len, world, cluster)
+        issued[str(world)] = measure_issued(cfg, seq_len, world, cluster, steps)
     cluster = replace(cluster, issued=issued)
     save_cluster(cluster, path)
     say(f"wrote {path}")

@@ -402,7 +402,7 @@ class Calibrate(unittest.TestCase):
         lines = []
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "host.json")
-            calibrate(cfg, 16, path, lines.append, worlds=(2, ))
+            calibrate(cfg, 16, path, lines.append, worlds=(2, ), steps=3)
             host = load_cluster(path)
             self.assertGreaterEqual(host.cores, 1)
             self.assertLessEqual(host.compute_efficiency, 1)
