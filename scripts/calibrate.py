@@ -316,7 +316,8 @@ def summary(cluster: Cluster) -> str:
 def calibrate(cfg: Config, seq_len: int, path: str, progress: Callable[[str], None],
               worlds: Sequence[int] = WORLDS, steps: int = STRATEGY_STEPS) -> Cluster:
     """Measure this host for ``cfg``'s model at ``seq_len`` tokens and write ``path`` (links
-    in gloo worlds of each size in ``worlds``; calls as issued in those of an even size)."""
+    in gloo worlds of each size in ``worlds``; calls as issued in those of an even size,
+    ``steps`` steps per strategy)."""
     model_cfg = cfg.model
     start = time.perf_counter()
 
