@@ -7,27 +7,30 @@ What a spec sheet gives for a GPU, measured here for CPU ranks (one thread each,
 scripts/launch.sh runs them), in well under a minute:
 
 - compute, one process: the matmuls of the config's block at its micro-batch sizes give
-  ``peak_flops``; a whole forward + backward of the model at 1 and 2 dense blocks and 1 MoE
+  ``peak_flops``; a whole forward + backward of the model at 1, 2 and 4 dense blocks and 1 MoE
   block, three micro-batch sizes each, fitted as time = dense blocks x layer_overhead + MoE
   blocks x moe_layer_overhead + micro_batch_overhead + FLOPs / (peak x compute_efficiency),
   gives the rest (a small model's step is mostly the
   fixed cost of its many small ops, not its FLOPs); clipping + AdamW gives ``step_overhead_s``;
 - time-slicing, in gloo worlds of 2, 3 and 4 processes: how much longer a fixed piece of
-  compute takes with every rank computing at once than alone (``slowdown``: about world /
-  cores past the core count, more if other programs hold cores);
+  compute takes with every rank computing at once than alone (``slowdown``: about 1 within
+  the cores, about world / cores past them, more if other programs hold cores);
 - links, in the same worlds: all-reduce, all-gather, all-to-all and send/recv over every group
   size that divides the world, all groups busy at once as in a run; latency = the time a 4-byte
   call adds between pieces of compute (past the core count a rank waits for the scheduler to
   run its peer), bandwidth = the ledger's wire bytes of a 256 KiB call over its extra time;
-- calls as the strategies issue them, in the same worlds of an even size: the config trained
-  with one strategy of size 2 (tp, tp with sequence parallel, cp, pp, ep; the rest data
-  parallel) or data parallel alone
-  (DDP, ZeRO-3), a few steps each: the seconds one of its calls adds to a step (``issued``) =
+- calls as the strategies issue them, in the worlds of an even size within the cores (2
+  here, where every rank has a core): the config trained with one strategy of size 2 (tp, tp
+  with sequence parallel, cp, pp, ep; the rest data parallel) or data parallel alone (DDP,
+  ZeRO-3), ``steps`` steps each: the seconds one of its calls adds to a step (``issued``) =
   (the fastest step after the first - the step predicted with those calls free) / the calls
-  (DDP: / the micro-batches, its hooks run in each backward).
-  A bare call between pieces of compute misses what a strategy does around its calls (ring
-  attention's block merges, the experts' dispatch, DDP's buckets) and, past the core count,
-  how long a rank waits in a step for a peer the scheduler has not run.
+  (DDP: / the micro-batches, its hooks run in each backward). A bare call between pieces of
+  compute misses what a strategy does around its calls (ring attention's block merges, the
+  experts' dispatch, DDP's buckets) and the wait for its peers;
+- past the cores (4 ranks here), the slowdown of a real step: the config trained data
+  parallel over the whole world, its fastest step / the step predicted with a core per rank
+  (``slowdown``, replacing the compute-only figure: switching between ranks and waiting for
+  a peer that is not running add to world / cores).
 """
 
 import copy
@@ -105,7 +108,7 @@ def measure_compute(model_cfg: Any, seq_len: int, seed: int = 0) -> Dict[str, fl
         model_cfg, num_experts=model_cfg.num_experts or 4, moe_layer_freq=1,
         moe_intermediate_size=model_cfg.moe_intermediate_size or model_cfg.intermediate_size // 2)
     rows, times = [], []
-    for cfg, dense_layers, moe_layers in ((dense, 1, 0), (dense, 2, 0), (moe, 0, 1)):
+    for cfg, dense_layers, moe_layers in ((dense, 1, 0), (dense, 2, 0), (dense, 4, 0), (moe, 0, 1)):
         cfg = replace(cfg, num_layers=dense_layers + moe_layers)
         model = build_model(cfg, seed=seed)
         for b in batches:
@@ -116,7 +119,7 @@ def measure_compute(model_cfg: Any, seq_len: int, seed: int = 0) -> Dict[str, fl
                 F.cross_entropy(logits.flatten(0, 1), ids.flatten()).backward()
                 model.zero_grad(set_to_none=True)
 
-            times.append(_seconds(step, 7))
+            times.append(_seconds(step, 40))  # 4 coefficients from 9 points: keep them steady
             rows.append([dense_layers, moe_layers, 1.0, model_flops(from_config(cfg), b, seq_len)])
     per_layer, per_moe_layer, per_micro_batch, per_flop = _fit(rows, times)
     efficiency = min(1.0, 1 / (per_flop * peak)) if per_flop > 0 else 1.0
@@ -324,7 +327,7 @@ def calibrate(cfg: Config, seq_len: int, path: str, progress: Callable[[str], No
     def say(what: str) -> None:
         progress(f"calibrate [{time.perf_counter() - start:4.0f} s] {what}")
 
-    say("compute: matmuls, forward + backward at 1-2 blocks x 3 micro-batch sizes, AdamW")
+    say("compute: matmuls, forward + backward at 1, 2, 4 blocks x 3 micro-batch sizes, AdamW")
     compute = measure_compute(model_cfg, seq_len)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
         (os.cpu_count() or 1)
@@ -354,10 +357,26 @@ def calibrate(cfg: Config, seq_len: int, path: str, progress: Callable[[str], No
                       intra_node_latency=pair[0], inter_node_latency=pair[0], comm_efficiency=1.0,
                       cores=cores, slowdown=slowdown, links=links, **compute)
     issued: Dict[str, Dict[str, float]] = {}
-    for world in (w for w in worlds if w % 2 == 0):
+    for world in (w for w in worlds if w % 2 == 0 and w <= cores):
         say(f"calls as issued: {', '.join(ISSUED)} trained on {world} ranks")
         issued[str(world)] = measure_issued(cfg, seq_len, world, cluster, steps)
     cluster = replace(cluster, issued=issued)
+    for world in (w for w in worlds if w > cores):
+        runs = strategy_layouts(cfg, seq_len, world, steps)
+        if "dp" not in runs:  # the batch does not split over this world
+            continue
+        say(f"slowdown of a training step: data parallel on {world} ranks")
+        model, layout, run = runs["dp"]
+        from scripts.plan import measure_rank
+
+        measured = min(
+            run_distributed(measure_rank, world, {"dp": run},
+                            timeout=300)[0]["dp"]["step_seconds"][1:])
+        own_core = replace(cluster, slowdown={**cluster.slowdown, str(world): 1.0})
+        predicted = step_time(model, layout, own_core)["step_time_s"]
+        # never below world / cores: ranks beyond the cores cannot all run at once
+        slowdown[str(world)] = max(world / cores, measured / predicted)
+    cluster = replace(cluster, slowdown=slowdown)
     save_cluster(cluster, path)
     say(f"wrote {path}")
     return cluster

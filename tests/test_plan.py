@@ -377,21 +377,25 @@ class PlannerTimeOnAMeasuredHost(unittest.TestCase):
         self.assertEqual(stage_ranks(PlanLayout(pp=4, virtual_stages=2, schedule="zbv")), [0, 1, 3])
         self.assertEqual(stage_ranks(PlanLayout(pp=4)), [0, 3])
 
-    def test_ranks_beyond_the_cores_share_them_and_use_the_bubble(self):
-        # 4 ranks on 2 cores: a rank computes half the time, so its compute takes twice as
-        # long; pp 2 x dp 2 idles (p-1)/(m+p-1) = 1/9 in the bubble, which another rank fills
+    def test_ranks_beyond_the_cores_stretch_the_step_they_would_take_with_a_core_each(self):
+        # pp 2 x dp 2 idles (p-1)/(m+p-1) = 1/9 in the bubble; with a core per rank the step
+        # is compute x 9/8 + communication
         plan = PlanLayout(pp=2, dp=2, num_micro_batches=8, micro_batch_size=1, seq_len=32)
-        t = step_time(self.model, plan, self.host)
+        four = Cluster(**{**HOST, "cores": 4})
+        t = step_time(self.model, plan, four)
         self.assertAlmostEqual(t["bubble"], 1 / 9)
         comm = sum(t["exposed_s"].values())
-        self.assertAlmostEqual(t["step_time_s"], 2 * t["compute_s"] + comm, delta=1e-12)
-        # a measured slowdown replaces world / cores (beyond the largest world measured: scaled)
+        own_core = t["compute_s"] * 9 / 8 + comm
+        self.assertAlmostEqual(t["step_time_s"], own_core, delta=1e-12)
+        # 4 ranks on 2 cores: world / cores = 2 times that step, or the measured slowdown
+        t = step_time(self.model, plan, self.host)
+        self.assertAlmostEqual(t["step_time_s"], 2 * own_core, delta=1e-12)
         measured = Cluster(**{**HOST, "slowdown": {"2": 1.25, "4": 2.5}})
+        self.assertAlmostEqual(
+            step_time(self.model, plan, measured)["step_time_s"], 2.5 * own_core, delta=1e-12)
+        # the nearest measured world not above, scaled beyond it by world / that world
         self.assertEqual([measured.time_slicing(w) for w in (1, 2, 3, 4, 8)],
                          [1.0, 1.25, 1.25 * 1.5, 2.5, 5.0])
-        four = Cluster(**{**HOST, "cores": 4})  # one core each: the bubble shows
-        t = step_time(self.model, plan, four)
-        self.assertAlmostEqual(t["step_time_s"], t["compute_s"] * 9 / 8 + comm, delta=1e-12)
 
 
 class Calibrate(unittest.TestCase):

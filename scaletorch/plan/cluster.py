@@ -10,15 +10,15 @@ A cluster file is YAML (or JSON) with every required key of ``Cluster``.
 
 A measured host adds what a GPU spec sheet leaves out, since a CPU run of a small model is
 bound by them (``scripts/plan.py --calibrate`` measures each; scaletorch/plan/time.py uses them):
-``cores`` (ranks beyond them share a core; ``slowdown``: how much longer a rank computes when
-the whole world computes at once), ``layer_overhead_s``, ``moe_layer_overhead_s`` and
+``cores`` (ranks beyond them share a core; ``slowdown``: how much longer a rank's step takes
+when the whole world runs at once), ``layer_overhead_s``, ``moe_layer_overhead_s`` and
 ``micro_batch_overhead_s`` (the fixed cost of a dense block's, an MoE block's and the
 embedding + head + loss's forward and backward per micro-batch: the dispatch of their many
 small ops), ``step_overhead_s`` (clipping, optimizer step) and ``links`` (per world size and
 group size, per collective: latency in seconds and bandwidth in wire bytes/s, measured with
-every group of the world busy at once) and ``issued`` (per world size, per strategy: the seconds
-one of its calls adds to a training step as the strategy issues it, measured by training the
-config with that strategy alone; see scripts/calibrate.py).
+every group of the world busy at once) and ``issued`` (per world size within the cores, per
+strategy: the seconds one of its calls adds to a training step as the strategy issues it,
+measured by training the config with that strategy alone; see scripts/calibrate.py).
 """
 
 import json
@@ -46,8 +46,9 @@ class Cluster:
     moe_layer_overhead_s: float = 0.0  # an MoE block's (0: as a dense block's)
     micro_batch_overhead_s: float = 0.0
     step_overhead_s: float = 0.0
-    # {world: compute time with every rank of the world computing / alone}; without it a world
-    # above ``cores`` is world / cores slower
+    # {world: how much longer a rank's step takes in a world of that size than with a core of
+    # its own (within the cores: compute with every rank computing / alone; past them: a
+    # data-parallel training step, scripts/calibrate.py)}; without it world / cores
     slowdown: Dict[str, float] = field(default_factory=dict)
     # {world: {group size: {op: [latency s, bandwidth wire bytes/s]}}}, keys as strings (JSON)
     links: Dict[str, Dict[str, Dict[str, List[float]]]] = field(default_factory=dict)
@@ -71,9 +72,9 @@ class Cluster:
                 raise ValueError(f"cluster {key} {getattr(self, key)} must be at most 1")
 
     def time_slicing(self, world: int) -> float:
-        """How much longer a rank's compute takes when ``world`` ranks run at once: measured
-        (``slowdown``, the nearest world measured not above it, scaled by world / that world
-        beyond the cores) or world / cores."""
+        """How much longer a rank's step takes when ``world`` ranks share the ``cores``:
+        measured (``slowdown``, the nearest world measured not above it, scaled by world / that
+        world beyond the cores) or world / cores."""
         if not self.cores:
             return 1.0
         measured = [int(w) for w in self.slowdown if int(w) <= world]

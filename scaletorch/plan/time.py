@@ -24,12 +24,15 @@ each measured rather than assumed:
   calls x latency + wire bytes / bandwidth is exposed. The bandwidth is a bare call's
   (measured per world and group size); the latency is what one call adds to a training step
   as its strategy issues it (``issued``: measured by training the config with that strategy
-  alone, so it holds the strategy's bookkeeping around the call and, past the core count, the
-  wait for a peer the scheduler has not run yet), a bare call's when not measured;
-- ranks beyond the ``cores`` share them: the step is at least the measured slowdown of a
-  world computing at once (about world / cores) times a rank's compute, and a pipeline rank's
-  bubble is then time another rank uses:
-  step = max(compute x slowdown, compute / (1 - bubble)) + communication.
+  alone, where every rank has a core, so it holds the strategy's bookkeeping around the call
+  and the wait for its peers), a bare call's when not measured;
+- ranks beyond the ``cores`` share them: a rank's step as if it had a core of its own,
+  (compute / (1 - bubble) + communication), is stretched by ``slowdown``, measured for a
+  world past the cores on a real training step (data parallel over the whole world: its
+  measured step / the step predicted with a core per rank; about world / cores and some
+  more: switching between ranks, waiting for a peer that is not running). Within the cores
+  the slowdown is that of pure compute (about 1):
+  step = slowdown x (compute / (1 - bubble) + communication).
 """
 
 import math
@@ -160,8 +163,7 @@ def _measured_host_step(model: ModelSpec, layout: PlanLayout, cluster: Cluster) 
         for group, seconds in measured_comm_seconds(model, lay, cluster, r).items():
             exposed[group] = max(exposed.get(group, 0.0), seconds)
     bubble = pipeline_bubble(model, lay)  # each schedule's (the zero-bubble ones simulated)
-    share = cluster.time_slicing(lay.world)
-    step = max(compute * share, compute / (1 - bubble)) + sum(exposed.values())
+    step = cluster.time_slicing(lay.world) * (compute / (1 - bubble) + sum(exposed.values()))
     return {"compute_s": compute, "exposed_s": exposed, "bubble": bubble, "step_time_s": step}
 
 
