@@ -24,7 +24,8 @@ scripts/launch.sh runs them), in well under a minute:
   with sequence parallel, cp, pp, ep; the rest data parallel) or data parallel alone (DDP,
   ZeRO-3), ``steps`` steps each: the seconds one of its calls adds to a step (``issued``) =
   (the fastest step after the first - the step predicted with those calls free) / the calls
-  (DDP: / the micro-batches, its hooks run in each backward). A bare call between pieces of
+  (DDP: trained with 1 and with m micro-batches, split into a cost per step, its sync at the
+  end of the backward, and one per micro-batch, its hooks). A bare call between pieces of
   compute misses what a strategy does around its calls (ring attention's block merges, the
   experts' dispatch, DDP's buckets) and the wait for its peers;
 - past the cores (4 ranks here), the slowdown of a real step: the config trained data
@@ -52,7 +53,7 @@ from scaletorch.plan.comm import wire_bytes
 from scaletorch.plan.flops import model_flops
 from scaletorch.plan.layout import PlanLayout
 from scaletorch.plan.model import ModelSpec, from_config
-from scaletorch.plan.time import issued_counts, issuing_strategy, step_time
+from scaletorch.plan.time import issued_counts, step_time
 from scaletorch.trainer.config import Config
 
 WORLDS = (2, 3, 4)
@@ -234,9 +235,10 @@ def strategy_layouts(
         cfg: Config, seq_len: int, world: int,
         steps: int = STRATEGY_STEPS) -> Dict[str, Tuple[ModelSpec, PlanLayout, Config]]:
     """For each strategy of ISSUED that ``cfg``'s model can run on ``world`` ranks: its model,
-    its layout (the strategy at size 2, the rest of the world data parallel; dp and zero3: all
-    of it) and the config that trains it. MoE for ep (the config's experts, or chapter 06's 4),
-    one micro-batch there, at least 2 under the pipeline."""
+    its layout (the strategy at size 2, the rest of the world data parallel; dp,
+    dp_micro_batch and zero3: all of it) and the config that trains it. MoE for ep (the
+    config's experts, or chapter 06's 4), one micro-batch there and for dp, at least 2 under
+    the pipeline and for dp_micro_batch."""
     from scripts.plan import checker, run_config  # the planner's own translation and check
 
     dense = from_config(replace(cfg.model, num_experts=0))
@@ -256,7 +258,9 @@ def strategy_layouts(
         if kind in sizes or kind == "sp":
             sizes["tp" if kind == "sp" else kind] = 2
         dp = world // (2 if kind in ("tp", "sp", "pp", "cp") else 1)
-        micro = {"pp": max(m, 2), "ep": 1}.get(kind, m)
+        # data parallel twice: 1 micro-batch ("dp") and more ("dp_micro_batch"), to split
+        # its cost per step from its cost per micro-batch
+        micro = {"pp": max(m, 2), "ep": 1, "dp": 1, "dp_micro_batch": max(m, 2)}.get(kind, m)
         if cfg.data.global_batch_size % (dp * micro):
             continue
         try:
@@ -274,24 +278,33 @@ def strategy_layouts(
 
 def measure_issued(cfg: Config, seq_len: int, world: int, cluster: Cluster,
                    steps: int = STRATEGY_STEPS) -> Dict[str, float]:
-    """{strategy: seconds one of its calls adds to a step} in a gloo world of ``world``: each
-    strategy's layout trained ``steps`` steps; the fastest step after the first (rank 0's,
-    as the tour reads it) minus the step ``cluster`` predicts with those calls free, over the
-    calls (time.issued_counts: DDP's micro-batches; not below 0). Data parallel first: the
-    other strategies' layouts hold data-parallel ranks too, whose cost is then known."""
+    """{key of Cluster.issued: seconds} in a gloo world of ``world``: each strategy's layout
+    trained ``steps`` steps; its excess = the fastest step after the first (rank 0's, as the
+    tour reads it) minus the step ``cluster`` predicts with the strategy's calls free; per call
+    = excess / the calls (time.issued_counts; not below 0). Data parallel first, from its two
+    runs (1 and m micro-batches: excess = per step + micro-batches x per micro-batch), since
+    the other strategies' layouts hold data-parallel ranks too, whose cost is then known."""
     from scripts.plan import measure_rank
 
     runs = strategy_layouts(cfg, seq_len, world, steps)
     results = run_distributed(measure_rank, world, {k: v[2] for k, v in runs.items()}, timeout=300)
-    out: Dict[str, float] = {}
-    for kind in sorted(runs, key=lambda k: k not in ("dp", "zero3")):
+
+    def excess(kind: str, known: Dict[str, float]) -> float:
         model, layout, _ = runs[kind]
-        measured = min(results[0][kind]["step_seconds"][1:])
-        free = replace(cluster, issued={str(world): {**out, kind: 0.0}})
-        predicted = step_time(model, layout, free)["step_time_s"]
-        calls = sum(n for group, n in issued_counts(model, layout).items()
-                    if issuing_strategy(group, layout) == kind)
-        out[kind] = max(0.0, (measured - predicted) / calls) if calls else 0.0
+        free = replace(cluster, issued={str(world): {**known, kind: 0.0}})
+        return min(results[0][kind]["step_seconds"][1:]) - \
+            step_time(model, layout, free)["step_time_s"]
+
+    out: Dict[str, float] = {}
+    if "dp" in runs and "dp_micro_batch" in runs:
+        free = {"dp": 0.0, "dp_micro_batch": 0.0}
+        one, m = excess("dp", free), runs["dp_micro_batch"][1].num_micro_batches
+        per_micro_batch = max(0.0, (excess("dp_micro_batch", free) - one) / (m - 1))
+        out = {"dp": max(0.0, one - per_micro_batch), "dp_micro_batch": per_micro_batch}
+    for kind in sorted((k for k in runs if k not in out), key=lambda k: k != "zero3"):
+        model, layout, _ = runs[kind]
+        calls = sum(n for (_, key), n in issued_counts(model, layout).items() if key == kind)
+        out[kind] = max(0.0, excess(kind, out) / calls) if calls else 0.0
     return out
 
 
@@ -309,10 +322,10 @@ def summary(cluster: Cluster) -> str:
     ]
     lines.append("a 4-byte all-reduce over 2 ranks between pieces of compute: " + ", ".join(bare))
     for world, kinds in c.issued.items():
-        lines.append(f"a call as issued on {world} ranks: " +
-                     ", ".join(f"{k} {1e3 * kinds[k]:.2f} ms" +
-                               (" (per micro-batch)" if k == "dp" else "")
-                               for k in ISSUED if k in kinds))
+        lines.append(f"a call as issued on {world} ranks: " + ", ".join(
+            f"{k} {1e3 * kinds[k]:.2f} ms" +
+            (" per step" if k == "dp" else " per micro-batch" if k == "dp_micro_batch" else "")
+            for k in ISSUED if k in kinds))
     return "\n".join(lines)
 
 

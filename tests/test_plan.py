@@ -336,19 +336,29 @@ class PlannerTimeOnAMeasuredHost(unittest.TestCase):
         self.assertAlmostEqual(t["step_time_s"], compute + comm, delta=1e-12)
 
     def test_a_strategys_calls_cost_what_they_add_to_a_step_as_it_issues_them(self):
-        # the same data-parallel step with ``issued`` 5 ms per micro-batch for dp (measured
-        # by training, scripts/calibrate.py): DDP's hooks run in every backward, so 1
-        # micro-batch costs 5 ms in place of its two bare all-reduces over dp (the
-        # gradients', the loss's: 0.1 ms each); tp's entry does not apply
+        # the same data-parallel step with ``issued`` dp 5 ms per step and 1 ms per
+        # micro-batch (measured by training, scripts/calibrate.py: DDP's sync at the end of
+        # the backward, its hooks in every backward), in place of its two bare all-reduces
+        # over dp (the gradients', the loss's: 0.1 ms each); tp's entry does not apply
         m = self.model
         plan = PlanLayout(dp=2, num_micro_batches=1, micro_batch_size=8, seq_len=32)
-        issued = Cluster(**{**HOST, "issued": {"2": {"dp": 5e-3, "tp": 1.0}}})
+        issued = Cluster(**{
+            **HOST, "issued": {
+                "2": {
+                    "dp": 5e-3,
+                    "dp_micro_batch": 1e-3,
+                    "tp": 1.0
+                }
+            }
+        })
         t, bare = step_time(m, plan, issued), step_time(m, plan, self.host)
-        self.assertAlmostEqual(t["step_time_s"] - bare["step_time_s"], 5e-3 - 2 * 1e-4, delta=1e-12)
+        self.assertAlmostEqual(t["step_time_s"] - bare["step_time_s"], 5e-3 + 1e-3 - 2 * 1e-4,
+                               delta=1e-12)
         four = PlanLayout(dp=2, num_micro_batches=4, micro_batch_size=2, seq_len=32)
         self.assertAlmostEqual(
             step_time(m, four, issued)["exposed_s"]["dp_cp"] -
-            step_time(m, four, self.host)["exposed_s"]["dp_cp"], 4 * 5e-3 - 2 * 1e-4, delta=1e-12)
+            step_time(m, four, self.host)["exposed_s"]["dp_cp"], 5e-3 + 4 * 1e-3 - 2 * 1e-4,
+            delta=1e-12)
         # the nearest measured world not above (else the smallest); ZeRO-3 is its own entry
         self.assertEqual([issued.issued_latency("dp", w) for w in (2, 8)], [5e-3, 5e-3])
         self.assertIsNone(issued.issued_latency("zero3", 2))
@@ -357,7 +367,7 @@ class PlannerTimeOnAMeasuredHost(unittest.TestCase):
         with tempfile.TemporaryDirectory() as tmp:
             with self.assertRaisesRegex(
                     ValueError, "issued 2/dpp -1: need world > 1, a strategy "
-                    "of tp, sp, cp, pp, ep, dp, zero3, seconds >= 0"):
+                    "of tp, sp, cp, pp, ep, dp, dp_micro_batch, zero3, seconds >= 0"):
                 load_cluster(_write(tmp, {**HOST, "issued": {"2": {"dpp": -1}}}))
 
     def test_in_a_v_rank_0_pays_both_ends_and_a_middle_rank_is_considered(self):

@@ -113,9 +113,10 @@ class Cluster:
 
 
 # the strategies whose calls ``issued`` times: tensor parallel without and with sequence
-# parallel, context, pipeline and expert parallel, data parallel (DDP's buckets, ZeRO-1/2's
-# reduce-scatter and gather) and ZeRO-3
-ISSUED = ("tp", "sp", "cp", "pp", "ep", "dp", "zero3")
+# parallel, context, pipeline and expert parallel (per call), data parallel (DDP, ZeRO-1/2:
+# per step, its sync at the end of the backward, and per micro-batch, its gradient hooks)
+# and ZeRO-3 (per call)
+ISSUED = ("tp", "sp", "cp", "pp", "ep", "dp", "dp_micro_batch", "zero3")
 
 CLUSTERS: Dict[str, Cluster] = {
     "a100": Cluster("a100", 8, 312e12, 80e9, 300e9, 25e9, 5e-6, 10e-6),

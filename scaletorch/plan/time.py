@@ -36,7 +36,7 @@ each measured rather than assumed:
 """
 
 import math
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from scaletorch.plan.cluster import Cluster
 from scaletorch.plan.comm import collectives
@@ -85,18 +85,22 @@ def issuing_strategy(group: str, layout: PlanLayout) -> Optional[str]:
     return group if group in ("tp", "cp", "pp", "ep") else None
 
 
-def issued_counts(model: ModelSpec, layout: PlanLayout, pp_rank: int = 0) -> Dict[str, int]:
-    """{group: how many times its strategy's ``issued`` cost is paid per step}: once per call
-    (a receive is its send's other end: the send pays), but data parallel (DDP, ZeRO-1/2)
-    once per micro-batch: its gradient hooks run in every backward, its one or two calls
-    come at the end."""
-    out: Dict[str, int] = {}
+def issued_counts(model: ModelSpec, layout: PlanLayout,
+                  pp_rank: int = 0) -> Dict[Tuple[str, str], int]:
+    """{(group, key of Cluster.issued): how many times that cost is paid per step}: a
+    strategy's calls once each (a receive is its send's other end: the send pays); data
+    parallel (DDP, ZeRO-1/2) once per step ("dp": the sync at the end of the backward) and
+    once per micro-batch ("dp_micro_batch": its gradient hooks run in every backward)."""
+    out: Dict[Tuple[str, str], int] = {}
     for c in collectives(model, layout, pp_rank):
         strategy = issuing_strategy(c.group, layout)
         if c.op == "recv" or strategy is None:
             continue
-        out[c.group] = layout.num_micro_batches if strategy == "dp" else \
-            out.get(c.group, 0) + c.calls
+        if strategy == "dp":
+            out[(c.group, "dp")] = 1
+            out[(c.group, "dp_micro_batch")] = layout.num_micro_batches
+        else:
+            out[(c.group, strategy)] = out.get((c.group, strategy), 0) + c.calls
     return out
 
 
@@ -104,21 +108,20 @@ def measured_comm_seconds(model: ModelSpec, layout: PlanLayout, cluster: Cluster
                           pp_rank: int = 0) -> Dict[str, float]:
     """On a measured host: seconds each group's communication of one step takes. A strategy's
     calls cost what they add to a step as the strategy issues them (``issued`` x
-    ``issued_counts``: the bookkeeping around them and the wait for a peer the scheduler has
-    not run yet included), other calls (and strategies not measured) a bare call's latency
-    (``links``); the bytes go at the link's bandwidth (a receive: its send pays)."""
-    counts = issued_counts(model, layout, pp_rank)
+    ``issued_counts``: the bookkeeping around them and the wait for its peers included),
+    other calls (and strategies not measured) a bare call's latency (``links``); the bytes
+    go at the link's bandwidth (a receive: its send pays)."""
     out: Dict[str, float] = {}
     for c in collectives(model, layout, pp_rank):
         if c.op == "recv":
             continue
         latency, bandwidth = cluster.link(c.op, c.size, layout.world)
         strategy = issuing_strategy(c.group, layout)
-        issued = cluster.issued_latency(strategy, layout.world) if strategy else None
-        calls = c.calls * latency if issued is None else 0.0
-        out[c.group] = out.get(c.group, 0.0) + calls + c.wire / bandwidth
-    for group, count in counts.items():
-        issued = cluster.issued_latency(issuing_strategy(group, layout) or "", layout.world)
+        measured = strategy and cluster.issued_latency(strategy, layout.world) is not None
+        out[c.group] = out.get(c.group, 0.0) + (0.0 if measured else c.calls * latency) + \
+            c.wire / bandwidth
+    for (group, key), count in issued_counts(model, layout, pp_rank).items():
+        issued = cluster.issued_latency(key, layout.world)
         if issued is not None:
             out[group] += count * issued
     return out
