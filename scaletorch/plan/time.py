@@ -89,15 +89,19 @@ def issued_counts(model: ModelSpec, layout: PlanLayout,
                   pp_rank: int = 0) -> Dict[Tuple[str, str], int]:
     """{(group, key of Cluster.issued): how many times that cost is paid per step}: a
     strategy's calls once each (a receive is its send's other end: the send pays); data
-    parallel (DDP, ZeRO-1/2) once per step ("dp": the sync at the end of the backward) and
-    once per micro-batch ("dp_micro_batch": its gradient hooks run in every backward)."""
+    parallel (DDP, ZeRO-1/2) once per step ("dp": the sync at the end of the backward, without
+    cp or ep) and once per micro-batch ("dp_micro_batch": its hooks run in every backward)."""
     out: Dict[Tuple[str, str], int] = {}
     for c in collectives(model, layout, pp_rank):
         strategy = issuing_strategy(c.group, layout)
         if c.op == "recv" or strategy is None:
             continue
         if strategy == "dp":
-            out[(c.group, "dp")] = 1
+            # its sync at the end of the backward waits for the slowest replica, unless the
+            # step already keeps them together: cp's ring or ep's all-to-alls run between
+            # the ranks of dp_cp block by block
+            if layout.cp == 1 and layout.ep == 1:
+                out[(c.group, "dp")] = 1
             out[(c.group, "dp_micro_batch")] = layout.num_micro_batches
         else:
             out[(c.group, strategy)] = out.get((c.group, strategy), 0) + c.calls
