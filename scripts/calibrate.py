@@ -25,7 +25,8 @@ scripts/launch.sh runs them), in well under a minute:
   ZeRO-3), ``steps`` steps each: the seconds one of its calls adds to a step (``issued``) =
   (the fastest step after the first - the step predicted with those calls free) / the calls
   (DDP: trained with 1 and with m micro-batches, split into a cost per step, its sync at the
-  end of the backward, and one per micro-batch, its hooks). A bare call between pieces of
+  end of the backward, and one per micro-batch, its hooks; ZeRO-3: per block and
+  micro-batch, each unit's gather, free and reduce-scatter). A bare call between pieces of
   compute misses what a strategy does around its calls (ring attention's block merges, the
   experts' dispatch, DDP's buckets) and the wait for its peers;
 - past the cores (4 ranks here), the slowdown of a real step: the config trained data
@@ -308,6 +309,14 @@ def measure_issued(cfg: Config, seq_len: int, world: int, cluster: Cluster,
     return out
 
 
+# what an issued cost is paid per, where not per call (scaletorch/plan/time.issued_counts)
+PAID_PER = {
+    "dp": " per step",
+    "dp_micro_batch": " per micro-batch",
+    "zero3": " per block and micro-batch"
+}
+
+
 def summary(cluster: Cluster) -> str:
     """What ``calibrate`` measured, in a few lines (every time in ms)."""
     c = cluster
@@ -322,10 +331,9 @@ def summary(cluster: Cluster) -> str:
     ]
     lines.append("a 4-byte all-reduce over 2 ranks between pieces of compute: " + ", ".join(bare))
     for world, kinds in c.issued.items():
-        lines.append(f"a call as issued on {world} ranks: " + ", ".join(
-            f"{k} {1e3 * kinds[k]:.2f} ms" +
-            (" per step" if k == "dp" else " per micro-batch" if k == "dp_micro_batch" else "")
-            for k in ISSUED if k in kinds))
+        lines.append(f"a call as issued on {world} ranks: " +
+                     ", ".join(f"{k} {1e3 * kinds[k]:.2f} ms" + PAID_PER.get(k, "")
+                               for k in ISSUED if k in kinds))
     return "\n".join(lines)
 
 

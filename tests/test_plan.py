@@ -33,7 +33,7 @@ from scaletorch.plan.memory import activation_bytes, model_state_bytes, rank_uni
 from scaletorch.plan.model import from_config as model_of
 from scaletorch.plan.model import from_params, preset
 from scaletorch.plan.pipeline import bubble, in_flight
-from scaletorch.plan.time import compute_seconds, stage_ranks, step_time
+from scaletorch.plan.time import compute_seconds, issued_counts, stage_ranks, step_time
 from scaletorch.trainer.config import parse_args
 from scripts.calibrate import calibrate
 from scripts.plan import main, measure_rank
@@ -364,6 +364,9 @@ class PlannerTimeOnAMeasuredHost(unittest.TestCase):
         self.assertIsNone(issued.issued_latency("zero3", 2))
         zero3 = PlanLayout(dp=2, zero_stage=3, num_micro_batches=1, micro_batch_size=8, seq_len=32)
         self.assertEqual(step_time(m, zero3, issued), step_time(m, zero3, self.host))
+        # ZeRO-3's is paid per block and micro-batch (a unit gathered, freed, reduced)
+        zero3 = PlanLayout(dp=2, zero_stage=3, num_micro_batches=4, micro_batch_size=2, seq_len=32)
+        self.assertEqual(issued_counts(m, zero3), {("dp_cp", "zero3"): m.num_layers * 4})
         with tempfile.TemporaryDirectory() as tmp:
             with self.assertRaisesRegex(
                     ValueError, "issued 2/dpp -1: need world > 1, a strategy "

@@ -115,7 +115,7 @@ class Cluster:
 # the strategies whose calls ``issued`` times: tensor parallel without and with sequence
 # parallel, context, pipeline and expert parallel (per call), data parallel (DDP, ZeRO-1/2:
 # per step, its sync at the end of the backward, and per micro-batch, its gradient hooks)
-# and ZeRO-3 (per call)
+# and ZeRO-3 (per block and micro-batch: a unit's gather, free and reduce-scatter)
 ISSUED = ("tp", "sp", "cp", "pp", "ep", "dp", "dp_micro_batch", "zero3")
 
 CLUSTERS: Dict[str, Cluster] = {

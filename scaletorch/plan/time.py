@@ -90,13 +90,19 @@ def issued_counts(model: ModelSpec, layout: PlanLayout,
     """{(group, key of Cluster.issued): how many times that cost is paid per step}: a
     strategy's calls once each (a receive is its send's other end: the send pays); data
     parallel (DDP, ZeRO-1/2) once per step ("dp": the sync at the end of the backward, without
-    cp or ep) and once per micro-batch ("dp_micro_batch": its hooks run in every backward)."""
+    cp or ep) and once per micro-batch ("dp_micro_batch": its hooks run in every backward);
+    ZeRO-3 once per block and micro-batch (each unit is gathered for its forward and again
+    for its backward, freed, and its gradient reduce-scattered)."""
     out: Dict[Tuple[str, str], int] = {}
     for c in collectives(model, layout, pp_rank):
         strategy = issuing_strategy(c.group, layout)
         if c.op == "recv" or strategy is None:
             continue
-        if strategy == "dp":
+        if strategy == "zero3":  # each block's unit gathered, freed, reduced per micro-batch
+            blocks = rank_layers(model.num_layers, layout.pp, layout.virtual_stages,
+                                 layout.layer_split, layout.schedule)[pp_rank]
+            out[(c.group, "zero3")] = sum(map(len, blocks)) * layout.num_micro_batches
+        elif strategy == "dp":
             # its sync at the end of the backward waits for the slowest replica, unless the
             # step already keeps them together: cp's ring or ep's all-to-alls run between
             # the ranks of dp_cp block by block
