@@ -2,7 +2,7 @@
 
     python examples/10_real_model.py                       # one device, about a minute on a CPU
     scripts/launch.sh examples/10_real_model.py --nproc-per-node 4 -- --tp 2 --pp 2 --check \\
-        --steps 20                                         # parity holds ~20 steps on text
+        --steps 10                                         # parity holds ~10 steps on text
     python examples/10_real_model.py --data.path my.txt --prompt "Once upon a time"
     python examples/10_real_model.py --init-from path/to/hf_llama --data.dataset bin \\
         --data.path my.bin                                 # continue a real checkpoint
