@@ -41,7 +41,7 @@ import statistics
 import sys
 import time
 from dataclasses import replace
-from typing import Any, Callable, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -54,7 +54,7 @@ from scaletorch.plan.comm import wire_bytes
 from scaletorch.plan.flops import model_flops
 from scaletorch.plan.layout import PlanLayout
 from scaletorch.plan.model import ModelSpec, from_config
-from scaletorch.plan.time import issued_counts, step_time
+from scaletorch.plan.time import fastest_step, issued_counts, step_time
 from scaletorch.trainer.config import Config
 
 WORLDS = (2, 3, 4)
@@ -277,6 +277,24 @@ def strategy_layouts(
     return out
 
 
+def measure_slowdown(cfg: Config, seq_len: int, world: int, cluster: Cluster,
+                     steps: int = STRATEGY_STEPS) -> Optional[float]:
+    """How much longer a real training step takes on ``world`` ranks sharing the cores than
+    ``cluster`` predicts with a core per rank: the config trained data parallel over the whole
+    world (never below world / cores), or None if the batch does not split over the world."""
+    from scripts.plan import measure_rank
+
+    runs = strategy_layouts(cfg, seq_len, world, steps)
+    if "dp" not in runs:
+        return None
+    model, layout, run = runs["dp"]
+    result = run_distributed(measure_rank, world, {"dp": run}, timeout=300)[0]["dp"]
+    measured = fastest_step(result["step_seconds"])
+    own_core = replace(cluster, slowdown={**cluster.slowdown, str(world): 1.0})
+    predicted = step_time(model, layout, own_core)["step_time_s"]
+    return max(world / (cluster.cores or 1), measured / predicted)
+
+
 def measure_issued(cfg: Config, seq_len: int, world: int, cluster: Cluster,
                    steps: int = STRATEGY_STEPS) -> Dict[str, float]:
     """{key of Cluster.issued: seconds} in a gloo world of ``world``: each strategy's layout
@@ -293,8 +311,8 @@ def measure_issued(cfg: Config, seq_len: int, world: int, cluster: Cluster,
     def excess(kind: str, known: Dict[str, float]) -> float:
         model, layout, _ = runs[kind]
         free = replace(cluster, issued={str(world): {**known, kind: 0.0}})
-        return min(results[0][kind]["step_seconds"][1:]) - \
-            step_time(model, layout, free)["step_time_s"]
+        return fastest_step(results[0][kind]["step_seconds"]) - step_time(model, layout,
+                                                                          free)["step_time_s"]
 
     out: Dict[str, float] = {}
     if "dp" in runs and "dp_micro_batch" in runs:
@@ -302,7 +320,7 @@ def measure_issued(cfg: Config, seq_len: int, world: int, cluster: Cluster,
         one, m = excess("dp", free), runs["dp_micro_batch"][1].num_micro_batches
         per_micro_batch = max(0.0, (excess("dp_micro_batch", free) - one) / (m - 1))
         out = {"dp": max(0.0, one - per_micro_batch), "dp_micro_batch": per_micro_batch}
-    for kind in sorted((k for k in runs if k not in out), key=lambda k: k != "zero3"):
+    for kind in (k for k in ISSUED if k in runs and k not in out):
         model, layout, _ = runs[kind]
         calls = sum(n for (_, key), n in issued_counts(model, layout).items() if key == kind)
         out[kind] = max(0.0, excess(kind, out) / calls) if calls else 0.0
@@ -382,21 +400,11 @@ def calibrate(cfg: Config, seq_len: int, path: str, progress: Callable[[str], No
         say(f"calls as issued: {', '.join(ISSUED)} trained on {world} ranks")
         issued[str(world)] = measure_issued(cfg, seq_len, world, cluster, steps)
     cluster = replace(cluster, issued=issued)
-    for world in (w for w in worlds if w > cores):
-        runs = strategy_layouts(cfg, seq_len, world, steps)
-        if "dp" not in runs:  # the batch does not split over this world
-            continue
+    for world in (w for w in worlds if w > cores):  # past the cores: a real step's slowdown
         say(f"slowdown of a training step: data parallel on {world} ranks")
-        model, layout, run = runs["dp"]
-        from scripts.plan import measure_rank
-
-        measured = min(
-            run_distributed(measure_rank, world, {"dp": run},
-                            timeout=300)[0]["dp"]["step_seconds"][1:])
-        own_core = replace(cluster, slowdown={**cluster.slowdown, str(world): 1.0})
-        predicted = step_time(model, layout, own_core)["step_time_s"]
-        # never below world / cores: ranks beyond the cores cannot all run at once
-        slowdown[str(world)] = max(world / cores, measured / predicted)
+        factor = measure_slowdown(cfg, seq_len, world, cluster, steps)
+        if factor is not None:
+            slowdown[str(world)] = factor
     cluster = replace(cluster, slowdown=slowdown)
     save_cluster(cluster, path)
     say(f"wrote {path}")

@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from scaletorch.plan.cluster import load_cluster  # noqa: E402
 from scaletorch.plan.layout import from_config as layout_of  # noqa: E402
 from scaletorch.plan.model import from_config as model_of  # noqa: E402
-from scaletorch.plan.time import step_time  # noqa: E402
+from scaletorch.plan.time import fastest_step, step_time  # noqa: E402
 from scaletorch.trainer.config import parse_args  # noqa: E402
 
 
@@ -36,7 +36,7 @@ def measured_step_seconds(run_dir: str) -> float:
         records = [json.loads(line) for line in f if line.strip()]
     if len(records) < 2:
         raise ValueError(f"{run_dir}: fewer than 2 steps in metrics.jsonl")
-    return min(tokens / r["tokens_per_s"] for r in records[1:])
+    return fastest_step([tokens / r["tokens_per_s"] for r in records])
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -13,13 +13,11 @@
 - Bad input: one ValueError naming the values.
 """
 
-import io
 import json
 import os
 import tempfile
 import unittest
 from collections import defaultdict
-from contextlib import redirect_stderr, redirect_stdout
 
 from scaletorch.parallel.tensor_parallel import padded_vocab_size
 from scaletorch.parallel.zero_bubble import simulate_async, zero_bubble_theory
@@ -37,7 +35,7 @@ from scaletorch.plan.time import compute_seconds, issued_counts, stage_ranks, st
 from scaletorch.trainer.config import parse_args
 from scripts.calibrate import calibrate
 from scripts.plan import main, measure_rank
-from tests.harness import run_distributed
+from tests.harness import run_distributed, run_main
 from tests.layouts import layout, make_config
 
 GiB = 2**30
@@ -438,10 +436,7 @@ class Calibrate(unittest.TestCase):
 
 def _script(*argv: str):
     """scripts/plan.py in this process: (exit status, stdout, stderr)."""
-    out, err = io.StringIO(), io.StringIO()
-    with redirect_stdout(out), redirect_stderr(err):
-        status = main(list(argv))
-    return status, out.getvalue(), err.getvalue()
+    return run_main(main, *argv)
 
 
 class PlanScript(unittest.TestCase):

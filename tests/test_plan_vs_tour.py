@@ -14,7 +14,7 @@ from dataclasses import asdict
 from scaletorch.plan.cluster import Cluster, save_cluster
 from scaletorch.plan.layout import from_config as layout_of
 from scaletorch.plan.model import from_config as model_of
-from scaletorch.plan.time import step_time
+from scaletorch.plan.time import fastest_step, step_time
 from scaletorch.trainer.config import parse_args, save_config
 from scripts.plan_vs_tour import main
 from tests.harness import run_main
@@ -79,6 +79,12 @@ class PlanVsTour(unittest.TestCase):
             self.assertEqual(status, 1)
             self.assertIn("within 30%: not 01_ddp", out)
             self.assertRegex(out, r"0\.67 .*OUTSIDE")
+
+    def test_a_step_time_is_the_fastest_step_after_the_first(self):
+        # the convention the tour, the calibration and the trainer's plan line share
+        self.assertEqual(fastest_step([0.9, 0.3, 0.2, 0.4]), 0.2)
+        with self.assertRaisesRegex(ValueError, "at least 2 steps .*got 1"):
+            fastest_step([0.9])
 
     def test_a_bad_cluster_file_is_one_error_line_and_exit_status_2(self):
         with tempfile.TemporaryDirectory() as tmp:

@@ -36,7 +36,7 @@ each measured rather than assumed:
 """
 
 import math
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from scaletorch.plan.cluster import Cluster
 from scaletorch.plan.comm import collectives
@@ -45,6 +45,16 @@ from scaletorch.plan.layout import V_SHAPED, PlanLayout
 from scaletorch.plan.model import ModelSpec
 from scaletorch.plan.pipeline import bubble as pipeline_bubble
 from scaletorch.plan.pipeline import holds_ends, rank_layers
+
+
+def fastest_step(step_seconds: Sequence[float]) -> float:
+    """A measured step time, as this repository reads one on a CPU host: the fastest step
+    after the first (the first warms up; on a shared host other programs only add time). The
+    tour's runs (scripts/plan_vs_tour.py), the calibration and the trainer's plan line agree."""
+    if len(step_seconds) < 2:
+        raise ValueError(f"a step time needs at least 2 steps (the first warms up), got "
+                         f"{len(step_seconds)}")
+    return min(step_seconds[1:])
 
 
 def group_span(layout: PlanLayout, group: str) -> int:
