@@ -69,8 +69,8 @@ def checker(base: Config):
 
 def measure_rank(rank: int, world: int, configs: Dict[str, Config]) -> Dict[str, dict]:
     """Inside a gloo world: train each config's layout (``training.steps`` steps) and measure
-    this rank: ``wire`` {(op, group, phase): wire bytes of the last step} from the ledger,
-    ``memory`` (parameters, gradients, optimizer: the tensors held), ``saved`` (the most bytes
+    this rank: ``wire`` {(op, group, phase): wire bytes of the last step} and ``calls`` {the
+    same keys: calls of the last step} from the ledger, ``memory`` (parameters, gradients, optimizer: the tensors held), ``saved`` (the most bytes
     autograd kept for backward during one more step, saved_tensors_hooks), ``pp_rank``,
     ``step_seconds`` (each step's wall time)."""
     import torch
@@ -94,9 +94,11 @@ def measure_rank(rank: int, world: int, configs: Dict[str, Config]) -> Dict[str,
         ledger.clear()
         result = trainer.train()
         wire: Dict[tuple, float] = {}
+        calls: Dict[tuple, int] = {}
         for r in ledger.select(step=cfg.training.steps - 1):
-            wire[(r.op, r.group, r.phase)] = wire.get((r.op, r.group, r.phase), 0.0) + \
-                r.wire_bytes
+            key = (r.op, r.group, r.phase)
+            wire[key] = wire.get(key, 0.0) + r.wire_bytes
+            calls[key] = calls.get(key, 0) + 1
         memory = measure_memory(trainer.model, trainer.optimizer)
         inputs, targets = trainer.loader.get_batch(0)
         with ledger.paused():  # not the step's traffic
@@ -105,6 +107,8 @@ def measure_rank(rank: int, world: int, configs: Dict[str, Config]) -> Dict[str,
         out[name] = {
             "wire":
             wire,
+            "calls":
+            calls,
             "memory":
             memory,
             "saved":
