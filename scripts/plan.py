@@ -70,9 +70,10 @@ def checker(base: Config):
 def measure_rank(rank: int, world: int, configs: Dict[str, Config]) -> Dict[str, dict]:
     """Inside a gloo world: train each config's layout (``training.steps`` steps) and measure
     this rank: ``wire`` {(op, group, phase): wire bytes of the last step} and ``calls`` {the
-    same keys: calls of the last step} from the ledger, ``memory`` (parameters, gradients, optimizer: the tensors held), ``saved`` (the most bytes
-    autograd kept for backward during one more step, saved_tensors_hooks), ``pp_rank``,
-    ``step_seconds`` (each step's wall time)."""
+    same keys: calls of the last step} from the ledger, ``memory`` (parameters, gradients,
+    optimizer: the tensors held), ``saved`` (the most bytes autograd kept for backward during
+    one more step, saved_tensors_hooks), ``pp_rank``, ``step_seconds`` (each step's wall
+    time)."""
     import torch
 
     from scaletorch.dist import destroy_pg_manager, get_ledger, init_pg_manager
