@@ -7,7 +7,8 @@
 - Against this repository, in one world of 4 ranks: for each layout of chapter 07's parity
   matrix (tests/layouts.py, scaled to 4 ranks) the planner's bytes per group per step equal
   the ledger's exactly, every rank (expert parallel's all-to-all: within 10%, the routing is
-  data-dependent); parameter, gradient and optimizer bytes equal the tensors each rank holds;
+  data-dependent), and so do its calls per (op, group, phase), expert parallel's included;
+  parameter, gradient and optimizer bytes equal the tensors each rank holds;
   activation bytes (no recomputation, selective, full; with and without sequence parallel)
   are within 5% of what autograd keeps (``torch.autograd.graph.saved_tensors_hooks``).
 - Bad input: one ValueError naming the values.
@@ -590,21 +591,24 @@ def _config(name: str):
     return cfg
 
 
-def _check_wire_and_states(test: unittest.TestCase, names, results, world: int) -> None:
+def _check_wire_calls_and_states(test: unittest.TestCase, names, results, world: int) -> None:
     """Every rank: the planner's wire bytes per (op, group, phase) equal the ledger's (expert
-    parallel's all-to-all within 10%: tokens per expert follow the router, balanced +- 10%);
-    parameter, gradient and optimizer bytes equal the tensors held (sums of exact binary
-    fractions: equal, not close)."""
+    parallel's all-to-all within 10%: tokens per expert follow the router, balanced +- 10%)
+    and so do its calls (exactly, expert parallel's too: every MoE block issues its
+    all-to-alls however the router splits the tokens); parameter, gradient and optimizer
+    bytes equal the tensors held (sums of exact binary fractions: equal, not close)."""
     for name in names:
         cfg = _config(name)
         model, plan = model_of(cfg.model), layout_of(cfg, world)
         for rank, res in enumerate(results):
             r = res[name]["pp_rank"]
-            predicted = defaultdict(float)
+            predicted, calls = defaultdict(float), defaultdict(int)
             for c in collectives(model, plan, r):
                 predicted[(c.op, c.group, c.phase)] += c.wire
+                calls[(c.op, c.group, c.phase)] += c.calls
             measured = res[name]["wire"]
             test.assertEqual(set(predicted), set(measured), f"{name} rank {rank}")
+            test.assertEqual(dict(calls), res[name]["calls"], f"{name} rank {rank}: calls")
             for key, wire in measured.items():
                 if key[1] == "ep":
                     test.assertAlmostEqual(predicted[key] / wire, 1, delta=0.1, msg=name)
@@ -623,16 +627,16 @@ class PlannerMatchesTheLedgers(unittest.TestCase):
         cls.results = run_distributed(measure_rank, WORLD, {n: _config(n)
                                                             for n in names}, timeout=300)
 
-    def test_wire_bytes_and_model_states_equal_the_ledger_for_the_parity_matrix(self):
-        _check_wire_and_states(self, LAYOUTS, self.results, WORLD)
+    def test_wire_bytes_calls_and_model_states_equal_the_ledger_for_the_parity_matrix(self):
+        _check_wire_calls_and_states(self, LAYOUTS, self.results, WORLD)
 
-    def test_zero_bubble_runs_under_dp_wire_bytes_and_model_states_are_exact(self):
-        # the zero-bubble activation runs below (pp 2 x dp 2: DDP on each chunk), as above
-        names = [n for n in ACTIVATIONS if n.startswith(("pp2_zb", "pp2_dualpipev"))]
-        _check_wire_and_states(self, names, self.results, WORLD)
+    def test_activation_runs_wire_bytes_calls_and_model_states_are_exact(self):
+        # the activation runs below, as above: recomputation's calls under tp (and SP), DDP's
+        # buckets per pipeline chunk (interleaved, and the zero-bubble schedules' V)
+        _check_wire_calls_and_states(self, ACTIVATIONS, self.results, WORLD)
 
-    def test_chapter_07s_default_and_tour_runs_wire_bytes_and_model_states_are_exact(self):
-        _check_wire_and_states(self, CHAPTERS_4, self.results, WORLD)
+    def test_chapter_07s_default_and_tour_runs_wire_bytes_calls_and_model_states_are_exact(self):
+        _check_wire_calls_and_states(self, CHAPTERS_4, self.results, WORLD)
 
     def test_activation_bytes_within_5_percent_of_what_autograd_keeps(self):
         # the peak of the bytes saved for backward over one step, every rank: under a pipeline
@@ -655,15 +659,16 @@ class PlannerMatchesTheLedgers(unittest.TestCase):
 
 
 class PlannerMatchesEachChaptersDefaultRun(unittest.TestCase):
-    """Chapters 01-06 as the tour runs them, on their 2 ranks: wire bytes and model states."""
+    """Chapters 01-06 as the tour runs them, on their 2 ranks: wire bytes, calls (01's
+    bucket_size_mb 0.05: its buckets) and model states."""
 
     @classmethod
     def setUpClass(cls):
         configs = {n: _config(n) for n in CHAPTERS_2}
         cls.results = run_distributed(measure_rank, 2, configs, timeout=300)
 
-    def test_each_chapters_wire_bytes_and_model_states_equal_the_ledger(self):
-        _check_wire_and_states(self, CHAPTERS_2, self.results, 2)
+    def test_each_chapters_wire_bytes_calls_and_model_states_equal_the_ledger(self):
+        _check_wire_calls_and_states(self, CHAPTERS_2, self.results, 2)
 
 
 if __name__ == "__main__":

@@ -49,9 +49,10 @@ from scaletorch.dist.comm import Work
 from scaletorch.dist.timer import Mark, Timer, seconds
 from scaletorch.parallel.mixed_precision import MixedPrecisionPolicy, reduce_dtype_hook, reduce_in
 from scaletorch.parallel.wrapper import ModuleWrapper
+# which parameters share a bucket: layout arithmetic, with the planner (which counts the calls)
+from scaletorch.plan.comm import ddp_buckets
 
 IMPLS = ("naive", "scaletorch", "torch")
-FIRST_BUCKET_MB = 1.0  # torch DDP's default first bucket: communication starts early
 
 
 class _DataParallel(ModuleWrapper, nn.Module):
@@ -172,11 +173,6 @@ class SyncTimeline:
                             seconds(self.t_backward_end), seconds(self.t_wait_end), launches)
 
 
-def _elements(megabytes: float) -> int:
-    """fp32 elements in ``megabytes`` MiB (at least one)."""
-    return max(1, int(megabytes * 2**20) // 4)
-
-
 class BucketedDataParallel(_DataParallel):
     """DDP with gradient buckets: all-reduce of bucket k overlaps backward of earlier layers.
 
@@ -198,21 +194,14 @@ class BucketedDataParallel(_DataParallel):
             raise ValueError(f"data parallel wraps a model on one device, got {devices}")
         super().__init__(module, group, policy)
         self.bucket_size_mb = bucket_size_mb
-        # fp32 elements per bucket; like torch DDP, the first bucket holds at most 1 MB, so
-        # the first all-reduce starts early in backward.
-        caps = [_elements(min(FIRST_BUCKET_MB, bucket_size_mb)), _elements(bucket_size_mb)]
         self.buckets: List[Bucket] = []
         self._bucket_of: Dict[int, int] = {}
         # every slot is set by _add_bucket below
         self._views: List[torch.Tensor] = [None] * len(self.params)  # type: ignore[list-item]
-        ids: List[int] = []
-        for i in reversed(range(len(self.params))):  # backward meets the last layers first
-            size = sum(self.params[j].numel() for j in ids) + self.params[i].numel()
-            if ids and size > caps[min(len(self.buckets), 1)]:
-                self._add_bucket(ids)
-                ids = []
-            ids.append(i)
-        if ids:
+        # fp32 elements per bucket, filled in reverse (backward meets the last layers first);
+        # like torch DDP, the first bucket holds at most 1 MB, so the first all-reduce starts
+        # early in backward
+        for ids in ddp_buckets([p.numel() for p in self.params], bucket_size_mb):
             self._add_bucket(ids)
         self._stale = set(range(len(self.params)))  # slots still holding the last sync's grad
         self._next_bucket = 0  # buckets launch in index order, the same on every rank

@@ -11,22 +11,29 @@ into the bytes this rank sends with the textbook ring algorithms:
     recv                                          0   (a receive sends nothing)
 
 Per step and rank (T tokens = micro-batch b x local sequence s/cp, m micro-batches, L_r the
-rank's blocks, P its parameters, h hidden):
+rank's blocks, P its parameters, h hidden), and the calls that carry it (``Collective.calls``,
+one ledger record each):
 
-    dp_cp  DDP: all-reduce P (+ 1, the reported loss); ZeRO-1/2: reduce-scatter and all-gather
-           P' (padded); ZeRO-3: all-gather 2 m P', reduce-scatter P'; MoE: E + 1 routing
-           statistics per MoE block and micro-batch
-    edp    all-reduce of the expert gradients (expert parallel)
+    dp_cp  DDP: all-reduce P, a call per bucket of each pipeline chunk (``ddp_buckets``); MoE
+           (ExpertParallel): one call per chunk; ZeRO-1/2: reduce-scatter and all-gather P'
+           (padded), a call per unit each; ZeRO-3: all-gather 2 m P' (each unit for its
+           forward and its backward), reduce-scatter P' (a call per unit). The reported loss:
+           1 call; MoE: E + 1 routing statistics per MoE block and micro-batch (a call each)
+    edp    all-reduce of the expert gradients (expert parallel), a call per chunk with experts
     tp     4 all-reduces of T h per dense block per micro-batch (2 for an MoE block), the
-           embedding's and the head input's T h, 3 T for the vocab-parallel loss; sequence
-           parallel: all-gather + reduce-scatter of the same, and the norms' weight gradients
+           embedding's and the head input's T h, 3 T for the vocab-parallel loss (2 calls: the
+           max, then [sum exp, target logit]); sequence parallel: all-gather + reduce-scatter
+           of the same, and the norms' weight gradients (h, a call per norm and micro-batch)
     pp     per micro-batch an activation (forward) or gradient (backward) of T h (/ tp under
            sequence parallel) across each stage boundary the rank sends over (1F1B: one per
            rank; interleaved: 2v - 1 on the ends, 2v between; a V: 2 on the ends (rank p - 1
-           turns the V locally), 4 between); 1 for the loss
-    cp     ring: (3 cp - 2) K/V messages of 2 T kv_local per block and micro-batch
+           turns the V locally), 4 between), one send each, and as many recvs; 1 for the loss
+    cp     ring: (3 cp - 2) K/V messages of 2 T kv_local per block and micro-batch (a send and
+           a recv each); Ulysses: 8 all-to-alls per block and micro-batch (q, k, v, out;
+           forward and backward), (cp-1)/cp of each to other ranks
     ep     per MoE block and micro-batch 4 all-to-alls (dispatch, combine; forward, backward)
-           of k T h, (ep-1)/ep of them to other ranks with balanced routing, + the counts
+           of k T h, (ep-1)/ep of them to other ranks with balanced routing, and 1 of the E
+           counts (forward only): 5 calls however the router splits the tokens
     world  1 (the gradient norm's sum of squares) unless every rank holds every gradient
 
 Recomputation (activation checkpointing) repeats a block's forward collectives under the
@@ -37,7 +44,7 @@ from collections import defaultdict
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from scaletorch.plan.layout import ACTIVATION_BYTES, PRECISIONS, V_SHAPED, ZERO_BUBBLE, PlanLayout
-from scaletorch.plan.memory import has_tied_copy, rank_units
+from scaletorch.plan.memory import Unit, has_tied_copy, rank_units
 from scaletorch.plan.model import ModelSpec
 from scaletorch.plan.pipeline import (holds_ends, rank_layers, rank_of_stage, rank_stages,
                                       split_backwards, stage_index)
@@ -67,6 +74,17 @@ def zero_comm_elements(zero_stage: int, numel: int, num_micro_batches: int = 1) 
     return {"all_gather": gathers * numel, "reduce_scatter": numel}
 
 
+def _tp_sites(config: Any, layers: Optional[Sequence[int]], first: bool,
+              last: bool) -> Tuple[int, int, int]:
+    """Per micro-batch on one tp rank: (activation collectives: 4 per dense block, 2 per MoE
+    block, the embedding's, the head input's; RMSNorm weights whose gradient sequence parallel
+    all-reduces: 2 per dense block, 1 per MoE block, the final norm; loss all-reduces: 2)."""
+    layers = range(config.num_layers) if layers is None else layers
+    moe = sum(1 for i in layers if config.is_moe_layer(i))
+    return (4 * (len(layers) - moe) + 2 * moe + first + last, 2 * len(layers) - moe + last,
+            2 * last)
+
+
 def tp_comm_elements(config: Any, tokens: int, sequence_parallel: bool, num_micro_batches: int = 1,
                      layers: Optional[Sequence[int]] = None, first: bool = True,
                      last: bool = True) -> Dict[str, int]:
@@ -83,21 +101,69 @@ def tp_comm_elements(config: Any, tokens: int, sequence_parallel: bool, num_micr
         sp norms      h m per norm    (RMSNorm weight gradients, per micro-batch; sp only)
     Without sequence parallel all are all-reduces; with it the activation terms become an
     all-gather and a reduce-scatter each (the same bytes on the wire). The grad norm's one
-    number is all-reduced over the world, not "tp" (grad_norm.py).
+    number is all-reduced over the world, not "tp" (grad_norm.py). ``tp_comm_calls``: the
+    calls that carry them.
     """
-    h = config.hidden_size
-    layers = range(config.num_layers) if layers is None else layers
-    moe = sum(1 for i in layers if config.is_moe_layer(i))
-    blocks = 4 * (len(layers) - moe) + 2 * moe
-    activations = (blocks + first + last) * tokens * h
+    sites, norms, _ = _tp_sites(config, layers, first, last)
+    activations = sites * tokens * config.hidden_size
     scalars = 3 * tokens if last else 0
     if not sequence_parallel:
         return {"all_reduce": activations + scalars}
-    norms = (2 * len(layers) - moe + last) * h * num_micro_batches
+    norms *= config.hidden_size * num_micro_batches
     return {"all_gather": activations, "reduce_scatter": activations, "all_reduce": scalars + norms}
 
 
-BUCKET = 25 * 2**20  # DDP's gradient bucket, bytes (parallel.bucket_size_mb)
+def tp_comm_calls(config: Any, sequence_parallel: bool, num_micro_batches: int = 1,
+                  layers: Optional[Sequence[int]] = None, first: bool = True,
+                  last: bool = True) -> Dict[str, int]:
+    """Calls over "tp" per optimizer step, by op, that carry ``tp_comm_elements``: per
+    micro-batch one per activation term (a block's f and g: 4 per dense block, 2 per MoE
+    block; the embedding's; the head input's), two for the loss (the max; [sum exp, target
+    logit]) and under sequence parallel one per norm weight (its all-reduce in backward)."""
+    sites, norms, loss = _tp_sites(config, layers, first, last)
+    m = num_micro_batches
+    if not sequence_parallel:
+        return {"all_reduce": (sites + loss) * m}
+    return {"all_gather": sites * m, "reduce_scatter": sites * m, "all_reduce": (loss + norms) * m}
+
+
+FIRST_BUCKET_MB = 1.0  # torch DDP's default first bucket: communication starts early
+
+
+def ddp_buckets(numels: Sequence[int], bucket_size_mb: float) -> List[List[int]]:
+    """DDP's gradient buckets (data_parallel.py): indices into ``numels`` (a module's parameters
+    in registration order), filled in reverse order (backward meets the last layers first),
+    fp32 elements up to ``bucket_size_mb`` MiB each, the first up to ``FIRST_BUCKET_MB``; a
+    parameter larger than a bucket fills one alone. Each bucket is one all-reduce per sync."""
+    first = min(FIRST_BUCKET_MB, bucket_size_mb)
+    caps = [max(1, int(mb * 2**20) // 4) for mb in (first, bucket_size_mb)]  # fp32 elements
+    buckets: List[List[int]] = []
+    ids: List[int] = []
+    size = 0
+    for i in reversed(range(len(numels))):
+        if ids and size + numels[i] > caps[min(len(buckets), 1)]:
+            buckets.append(ids)
+            ids, size = [], 0
+        ids.append(i)
+        size += numels[i]
+    return buckets + [ids] if ids else buckets
+
+
+def unit_params(model: ModelSpec, tp: int, unit: Unit) -> List[int]:
+    """The elements of each parameter of ``unit`` on one tp rank, in registration order
+    (llama.py; a GPT block: LayerNorm weight and bias, biased fused qkv and projections)."""
+    h, t = model.hidden_size, tp
+    norm = [h, h] if model.kind == "gpt" else [h]
+    if unit.name == "head":  # the final norm, then the output layer unless tied to the input
+        return norm + ([unit.dense - sum(norm)] if unit.dense > sum(norm) else [])
+    if not unit.name.startswith("layers."):  # the embedding, or a tied copy of it
+        return [unit.dense]
+    f, kv, i = model.intermediate_size, model.kv_size, int(unit.name.split(".")[1])
+    if model.kind == "gpt":
+        return norm + [3 * h * h // t, 3 * h // t, h * h // t, h] + norm + \
+            [f * h // t, f // t, h * f // t, h]
+    mlp = [h * model.num_experts] if model.is_moe_layer(i) else [f * h // t] * 3
+    return norm + [h * h // t, kv * h // t, kv * h // t, h * h // t] + norm + mlp
 
 
 class Collective(NamedTuple):
@@ -167,30 +233,36 @@ def collectives(model: ModelSpec, layout: PlanLayout, pp_rank: int = 0) -> List[
     first, last = holds_ends(lay, pp_rank)
     units = rank_units(model, lay, pp_rank)
     dense, expert = sum(u.dense for u in units), sum(u.expert for u in units)
-    n, edp = lay.dp_cp, lay.dp_cp // lay.ep
+    n, edp, v = lay.dp_cp, lay.dp_cp // lay.ep, len(chunks[pp_rank])
 
     def add(group: str, size: int, op: str, elements: int, esize: int, phase: str = "compute",
             calls: int = 1) -> None:
         if size > 1 and elements > 0:
             out.append(Collective(group, size, op, elements, esize, phase, calls))
 
-    # data parallel (over dp x cp): the gradients, the reported loss, MoE statistics
-    if lay.zero_stage == 0:
-        add("dp_cp", n, "all_reduce", dense, grad, calls=1 + dense * grad // BUCKET)
+    # data parallel (over dp x cp), each pipeline chunk wrapped on its own: the gradients,
+    # the reported loss, MoE statistics
+    if lay.zero_stage == 0 and model.num_experts:  # ExpertParallel: one flat all-reduce each
+        add("dp_cp", n, "all_reduce", dense, grad, calls=v)
+    elif lay.zero_stage == 0:  # DDP: one all-reduce per bucket
+        params = [[p for u in units if u.chunk == c for p in unit_params(model, t, u)]
+                  for c in range(v)]
+        add("dp_cp", n, "all_reduce", dense, grad,
+            calls=sum(len(ddp_buckets(chunk, lay.bucket_size_mb)) for chunk in params))
     else:
         padded = sum(-(-u.dense // n) * n for u in units)
         ops = zero_comm_elements(lay.zero_stage, padded, m)
         gathers = len(units) * (2 * m if lay.zero_stage == 3 else 1)
         add("dp_cp", n, "all_gather", ops["all_gather"], param, calls=gathers)
         add("dp_cp", n, "reduce_scatter", ops["reduce_scatter"], grad, calls=len(units))
-    add("dp_cp", n, "all_reduce", 1 + moe * (model.num_experts + 1) * m, 4)
-    add("edp", edp, "all_reduce", expert, grad)
+    add("dp_cp", n, "all_reduce", 1 + moe * (model.num_experts + 1) * m, 4, calls=1 + moe * m)
+    add("edp", edp, "all_reduce", expert, grad, calls=len({u.chunk for u in units if u.expert}))
     # tensor parallel
     if t > 1:
         ops = tp_comm_elements(model, T * m, lay.sequence_parallel, m, layers, first, last)
-        calls = (4 * (len(layers) - moe) + 2 * moe + first + last) * m
+        calls = tp_comm_calls(model, lay.sequence_parallel, m, layers, first, last)
         for op, elements in ops.items():
-            add("tp", t, op, elements, act, calls=calls if elements > 3 * T * m else m)
+            add("tp", t, op, elements, act, calls=calls[op])
         again, again_moe, again_head = w_repeats(model, lay, pp_rank)
         blocks = (2 * again + again_moe) * T * h
         if lay.sequence_parallel:
@@ -203,16 +275,19 @@ def collectives(model: ModelSpec, layout: PlanLayout, pp_rank: int = 0) -> List[
         if lay.activation_checkpointing == "full":  # the forward again, but its last collective
             dense_blocks = len(layers) - moe
             if lay.sequence_parallel:
-                add("tp", t, "all_gather", 2 * dense_blocks * T * h * m, act, "recompute")
-                add("tp", t, "reduce_scatter", dense_blocks * T * h * m, act, "recompute")
+                add("tp", t, "all_gather", 2 * dense_blocks * T * h * m, act, "recompute",
+                    calls=2 * dense_blocks * m)
+                add("tp", t, "reduce_scatter", dense_blocks * T * h * m, act, "recompute",
+                    calls=dense_blocks * m)
             else:
-                add("tp", t, "all_reduce", dense_blocks * T * h * m, act, "recompute")
+                add("tp", t, "all_reduce", dense_blocks * T * h * m, act, "recompute",
+                    calls=dense_blocks * m)
     # pipeline: activations forward, gradients backward; the loss from the last stage
     if lay.pp > 1:
         message = T * h // (t if lay.sequence_parallel else 1)
-        sends = _pipeline_sends(lay, pp_rank) * m * message
-        add("pp", lay.pp, "send", sends, act, calls=_pipeline_sends(lay, pp_rank) * m)
-        add("pp", lay.pp, "recv", sends, act)
+        messages = _pipeline_sends(lay, pp_rank) * m  # as many received as sent
+        add("pp", lay.pp, "send", messages * message, act, calls=messages)
+        add("pp", lay.pp, "recv", messages * message, act, calls=messages)
         add("pp", lay.pp, "all_reduce", 1, 4)
         if has_tied_copy(model, lay) and (first or last):  # the two copies' gradients
             copy = model.vocab_rows(t) * h // t  # this tp rank's rows, padding included
@@ -228,17 +303,18 @@ def collectives(model: ModelSpec, layout: PlanLayout, pp_rank: int = 0) -> List[
                 if phase == "recompute" and lay.activation_checkpointing == "none":
                     continue
                 add("cp", lay.cp, "send", count * kv, act, phase, calls=count)
-                add("cp", lay.cp, "recv", count * kv, act, phase)
+                add("cp", lay.cp, "recv", count * kv, act, phase, calls=count)
         else:  # Ulysses: q, k, v and the output, forward and backward, (cp-1)/cp sent
             qkvo = 2 * T * h // t + kv
-            add(
-                "cp", lay.cp, "all_to_all", 2 * qkvo * (lay.cp - 1) // lay.cp * len(layers) * m +
-                qkvo * (lay.cp - 1) // lay.cp * again, act)
+            both, w = 2 * qkvo * (lay.cp - 1) // lay.cp, qkvo * (lay.cp - 1) // lay.cp
+            add("cp", lay.cp, "all_to_all",
+                both * len(layers) * m + w * again, act, calls=8 * len(layers) * m + 4 * again)
     # expert parallel: the routed tokens there and back, forward and backward (balanced)
     if lay.ep > 1 and moe:
         tokens = T * model.moe_top_k * h * (lay.ep - 1) // lay.ep
         add("ep", lay.ep, "all_to_all", 4 * tokens * moe * m, act, calls=4 * moe * m)
-        add("ep", lay.ep, "all_to_all", model.num_experts * (lay.ep - 1) // lay.ep * moe * m, 8)
+        counts = model.num_experts * (lay.ep - 1) // lay.ep  # int64, forward only
+        add("ep", lay.ep, "all_to_all", counts * moe * m, 8, calls=moe * m)
     # the gradient norm: one number over the world, unless every rank holds every gradient
     if lay.tp > 1 or lay.pp > 1 or lay.zero_stage > 0 or (lay.ep > 1 and expert):
         add("world", lay.world, "all_reduce", 1, 4)

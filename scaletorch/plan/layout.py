@@ -46,6 +46,7 @@ class PlanLayout:
     flash_attention: bool = False  # True: attention keeps out + log-sum-exp, not s x s scores
     cp_variant: str = "ring"
     layer_split: Optional[List[int]] = field(default=None)
+    bucket_size_mb: float = 25.0  # DDP's gradient buckets (parallel.bucket_size_mb)
 
     def __post_init__(self) -> None:
         sizes = {
@@ -78,6 +79,8 @@ class PlanLayout:
                              f"parallel ({self.dp} x {self.cp})")
         if self.seq_len % self.cp:
             raise ValueError(f"seq_len {self.seq_len} is not divisible by cp {self.cp}")
+        if not self.bucket_size_mb > 0:
+            raise ValueError(f"bucket_size_mb must be positive, got {self.bucket_size_mb}")
 
     @property
     def world(self) -> int:
@@ -145,4 +148,5 @@ def from_config(cfg: Any, world_size: int, precision: str = "fp32") -> PlanLayou
                       seq_len=d.seq_len, sequence_parallel=p.sequence_parallel,
                       activation_checkpointing=recompute_mode(p.activation_checkpointing),
                       precision=precision, cp_variant=p.cp_variant,
-                      layer_split=list(p.layer_split) if p.layer_split else None)
+                      layer_split=list(p.layer_split) if p.layer_split else None,
+                      bucket_size_mb=p.bucket_size_mb)

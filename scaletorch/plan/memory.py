@@ -75,6 +75,7 @@ class Unit(NamedTuple):
     name: str
     dense: int
     expert: int
+    chunk: int = 0  # which of the rank's pipeline chunks holds it (each has its own wrapper)
 
 
 def _split(model: ModelSpec, tp: int, i: int, ep: int) -> Tuple[int, int]:
@@ -102,15 +103,15 @@ def rank_units(model: ModelSpec, layout: PlanLayout, pp_rank: int = 0) -> List[U
     t, units = layout.tp, []
     table = model.vocab_rows(t) * model.hidden_size // t  # this tp rank's rows of V' x h
     mine = rank_stages(layout.pp, layout.virtual_stages, pp_rank, layout.schedule)
-    for stage, layers in zip(mine, chunks[pp_rank]):
+    for c, (stage, layers) in enumerate(zip(mine, chunks[pp_rank])):
         if stage == 0:
-            units.append(Unit("embed_tokens", table, 0))
-        units += [Unit(f"layers.{i}", *_split(model, t, i, layout.ep)) for i in layers]
+            units.append(Unit("embed_tokens", table, 0, c))
+        units += [Unit(f"layers.{i}", *_split(model, t, i, layout.ep), c) for i in layers]
         if stage == stages - 1:
             head = 0 if model.tie_word_embeddings else table
-            units.append(Unit("head", model.norm_params() + head, 0))
+            units.append(Unit("head", model.norm_params() + head, 0, c))
             if has_tied_copy(model, layout):  # ZeRO gives the copy a unit of its own
-                units.append(Unit("tied_embedding_copy", table, 0))
+                units.append(Unit("tied_embedding_copy", table, 0, c))
     return units
 
 
