@@ -32,7 +32,8 @@ from scaletorch.plan.memory import activation_bytes, model_state_bytes, rank_uni
 from scaletorch.plan.model import from_config as model_of
 from scaletorch.plan.model import from_params, preset
 from scaletorch.plan.pipeline import bubble, in_flight
-from scaletorch.plan.time import compute_seconds, issued_counts, stage_ranks, step_time
+from scaletorch.plan.time import (comm_seconds, compute_seconds, issued_counts, stage_ranks,
+                                  step_time)
 from scaletorch.trainer.config import parse_args
 from scripts.calibrate import calibrate
 from scripts.plan import main, measure_rank
@@ -366,11 +367,40 @@ class PlannerTimeOnAMeasuredHost(unittest.TestCase):
         # ZeRO-3's is paid per block and micro-batch (a unit gathered, freed, reduced)
         zero3 = PlanLayout(dp=2, zero_stage=3, num_micro_batches=4, micro_batch_size=2, seq_len=32)
         self.assertEqual(issued_counts(m, zero3), {("dp_cp", "zero3"): m.num_layers * 4})
+        # an MoE model (chapter 06's, 2 blocks): per MoE block and micro-batch the dispatch's
+        # 5 calls over ep (counts, there and back in forward and backward) and the routing
+        # statistics' all-reduce over dp_cp, all "ep" calls; data parallel's sync once, not
+        # once for the dense (dp_cp) and again for the expert (edp) gradients
+        moe = model_of(parse_args(["--config", "examples/configs/06_expert_parallel.yaml"]).model)
+        ep2 = PlanLayout(ep=2, dp=2, num_micro_batches=1, micro_batch_size=8, seq_len=32)
+        self.assertEqual(issued_counts(moe, ep2), {
+            ("ep", "ep"): 5 * 2,
+            ("dp_cp", "ep"): 2,
+            ("dp_cp", "dp_micro_batch"): 1
+        })
+        ep1 = PlanLayout(dp=2, num_micro_batches=2, micro_batch_size=4, seq_len=32)
+        self.assertEqual(issued_counts(moe, ep1), {
+            ("dp_cp", "ep"): 2 * 2,
+            ("dp_cp", "dp"): 1,
+            ("dp_cp", "dp_micro_batch"): 2
+        })
         with tempfile.TemporaryDirectory() as tmp:
             with self.assertRaisesRegex(
                     ValueError, "issued 2/dpp -1: need world > 1, a strategy "
                     "of tp, sp, cp, pp, ep, dp, dp_micro_batch, zero3, seconds >= 0"):
                 load_cluster(_write(tmp, {**HOST, "issued": {"2": {"dpp": -1}}}))
+
+    def test_on_a_gpu_cluster_a_pipeline_message_pays_once_not_again_at_its_receiver(self):
+        # H100 (no calibration): pp 2, 8 micro-batches; rank 0 sends 8 activations and
+        # receives 8 gradients, so 8 sends cost a latency each, 2 log2(2) hops, over NVLink
+        h100 = load_cluster("h100")
+        plan = PlanLayout(pp=2, num_micro_batches=8, micro_batch_size=1, seq_len=32)
+        sends = [c for c in collectives(self.model, plan) if (c.group, c.op) == ("pp", "send")]
+        self.assertEqual(sum(c.calls for c in sends), 8)
+        loss = [c for c in collectives(self.model, plan) if (c.group, c.op) == ("pp", "all_reduce")]
+        expected = sum(c.wire / (h100.intra_node_bandwidth * h100.comm_efficiency) +
+                       c.calls * 2 * h100.intra_node_latency for c in sends + loss)
+        self.assertAlmostEqual(comm_seconds(self.model, plan, h100)["pp"], expected, delta=1e-15)
 
     def test_in_a_v_rank_0_pays_both_ends_and_a_middle_rank_is_considered(self):
         # 1F1B at pp 2: rank 0 the embedding, rank 1 head and loss, each one micro-batch

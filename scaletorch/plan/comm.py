@@ -14,11 +14,12 @@ Per step and rank (T tokens = micro-batch b x local sequence s/cp, m micro-batch
 rank's blocks, P its parameters, h hidden), and the calls that carry it (``Collective.calls``,
 one ledger record each):
 
-    dp_cp  DDP: all-reduce P, a call per bucket of each pipeline chunk (``ddp_buckets``); MoE
-           (ExpertParallel): one call per chunk; ZeRO-1/2: reduce-scatter and all-gather P'
-           (padded), a call per unit each; ZeRO-3: all-gather 2 m P' (each unit for its
-           forward and its backward), reduce-scatter P' (a call per unit). The reported loss:
-           1 call; MoE: E + 1 routing statistics per MoE block and micro-batch (a call each)
+    dp_cp  DDP: all-reduce P, a call per bucket of each pipeline chunk (DDP's
+           ``data_parallel.ddp_buckets``); MoE (ExpertParallel): one call per chunk;
+           ZeRO-1/2: reduce-scatter and all-gather P' (padded), a call per unit each; ZeRO-3:
+           all-gather 2 m P' (each unit for its forward and its backward), reduce-scatter P'
+           (a call per unit). The reported loss: 1 call; MoE: E + 1 routing statistics per
+           MoE block and micro-batch (a call each)
     edp    all-reduce of the expert gradients (expert parallel), a call per chunk with experts
     tp     4 all-reduces of T h per dense block per micro-batch (2 for an MoE block), the
            embedding's and the head input's T h, 3 T for the vocab-parallel loss (2 calls: the
@@ -127,28 +128,6 @@ def tp_comm_calls(config: Any, sequence_parallel: bool, num_micro_batches: int =
     return {"all_gather": sites * m, "reduce_scatter": sites * m, "all_reduce": (loss + norms) * m}
 
 
-FIRST_BUCKET_MB = 1.0  # torch DDP's default first bucket: communication starts early
-
-
-def ddp_buckets(numels: Sequence[int], bucket_size_mb: float) -> List[List[int]]:
-    """DDP's gradient buckets (data_parallel.py): indices into ``numels`` (a module's parameters
-    in registration order), filled in reverse order (backward meets the last layers first),
-    fp32 elements up to ``bucket_size_mb`` MiB each, the first up to ``FIRST_BUCKET_MB``; a
-    parameter larger than a bucket fills one alone. Each bucket is one all-reduce per sync."""
-    first = min(FIRST_BUCKET_MB, bucket_size_mb)
-    caps = [max(1, int(mb * 2**20) // 4) for mb in (first, bucket_size_mb)]  # fp32 elements
-    buckets: List[List[int]] = []
-    ids: List[int] = []
-    size = 0
-    for i in reversed(range(len(numels))):
-        if ids and size + numels[i] > caps[min(len(buckets), 1)]:
-            buckets.append(ids)
-            ids, size = [], 0
-        ids.append(i)
-        size += numels[i]
-    return buckets + [ids] if ids else buckets
-
-
 def unit_params(model: ModelSpec, tp: int, unit: Unit) -> List[int]:
     """The elements of each parameter of ``unit`` on one tp rank, in registration order
     (llama.py; a GPT block: LayerNorm weight and bias, biased fused qkv and projections)."""
@@ -247,6 +226,9 @@ def collectives(model: ModelSpec, layout: PlanLayout, pp_rank: int = 0) -> List[
     elif lay.zero_stage == 0:  # DDP: one all-reduce per bucket
         params = [[p for u in units if u.chunk == c for p in unit_params(model, t, u)]
                   for c in range(v)]
+        # DDP's own bucket rule (chapter 01's data_parallel.py; imported here, where it is
+        # needed, so that the planner imports without torch)
+        from scaletorch.parallel.data_parallel import ddp_buckets
         add("dp_cp", n, "all_reduce", dense, grad,
             calls=sum(len(ddp_buckets(chunk, lay.bucket_size_mb)) for chunk in params))
     else:

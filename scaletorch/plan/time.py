@@ -76,6 +76,8 @@ def comm_seconds(model: ModelSpec, layout: PlanLayout, cluster: Cluster,
     """Seconds each group's traffic of one step takes on ``cluster`` (not yet overlapped)."""
     out: Dict[str, float] = {}
     for c in collectives(model, layout, pp_rank):
+        if c.op == "recv":  # its send's other end: the send pays
+            continue
         intra = group_span(layout, c.group) <= cluster.gpus_per_node
         bandwidth = cluster.intra_node_bandwidth if intra else cluster.inter_node_bandwidth
         latency = cluster.intra_node_latency if intra else cluster.inter_node_latency
@@ -100,19 +102,29 @@ def issued_counts(model: ModelSpec, layout: PlanLayout,
     """{(group, key of Cluster.issued): how many times that cost is paid per step}: a
     strategy's calls once each (a receive is its send's other end: the send pays); data
     parallel (DDP, ZeRO-1/2) once per step ("dp": the sync at the end of the backward, without
-    cp or ep) and once per micro-batch ("dp_micro_batch": its hooks run in every backward);
+    cp or ep) and once per micro-batch ("dp_micro_batch": its hooks run in every backward),
+    charged to the first of its groups (an MoE model's expert gradients over "edp" are synced
+    by the same wrapper in the same wait as the dense ones over "dp_cp");
     ZeRO-3 once per block and micro-batch (each unit is gathered for its forward and again
-    for its backward, freed, and its gradient reduce-scattered)."""
+    for its backward, freed, and its gradient reduce-scattered); an MoE block's routing
+    statistics over dp_cp as an "ep" call, once per micro-batch (it runs even at ep 1)."""
     out: Dict[Tuple[str, str], int] = {}
+    blocks = rank_layers(model.num_layers, layout.pp, layout.virtual_stages, layout.layer_split,
+                         layout.schedule)[pp_rank]
+    moe = sum(1 for chunk in blocks for i in chunk if model.is_moe_layer(i))
+    if moe and layout.dp_cp > 1:
+        # each MoE block's routing statistics, an all-reduce over dp_cp in its forward that
+        # every rank waits for, as for the dispatch: an MoE call (its bytes go with dp_cp's)
+        out[("dp_cp", "ep")] = moe * layout.num_micro_batches
     for c in collectives(model, layout, pp_rank):
         strategy = issuing_strategy(c.group, layout)
         if c.op == "recv" or strategy is None:
             continue
         if strategy == "zero3":  # each block's unit gathered, freed, reduced per micro-batch
-            blocks = rank_layers(model.num_layers, layout.pp, layout.virtual_stages,
-                                 layout.layer_split, layout.schedule)[pp_rank]
             out[(c.group, "zero3")] = sum(map(len, blocks)) * layout.num_micro_batches
         elif strategy == "dp":
+            if any(key in ("dp", "dp_micro_batch") for _, key in out):
+                continue  # one wrapper syncs the dense (dp_cp) and expert (edp) gradients
             # its sync at the end of the backward waits for the slowest replica, unless the
             # step already keeps them together: cp's ring or ep's all-to-alls run between
             # the ranks of dp_cp block by block
