@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from scaletorch.dist import comm
 from scaletorch.dist.spawn import run_distributed
 from scaletorch.models import build_model
 from scaletorch.plan.cluster import ISSUED, Cluster, save_cluster
@@ -157,7 +158,7 @@ def _call(op: str, tensor: torch.Tensor, out: torch.Tensor, group: Any, peer: in
     if op == "all_reduce":
         dist.all_reduce(tensor, group=group)
     elif op == "all_gather":
-        dist.all_gather_into_tensor(out, tensor, group=group)
+        comm.torch_all_gather(out, tensor, group=group)  # bare: no ledger record
     elif op == "all_to_all":
         dist.all_to_all_single(out[:tensor.numel()], tensor, group=group)
     else:  # one message each way: half the round trip is one send

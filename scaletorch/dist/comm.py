@@ -16,9 +16,10 @@ Group = Optional[dist.ProcessGroup]
 Work = dist.Work  # what an async collective returns: wait() on it
 
 # torch 2.13 renamed the dim-0 gather/scatter collectives (*_into_tensor / *_tensor -> *_single)
-# and deprecated the old names; older torch 2.x only has the old ones.
-_all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-_reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+# and deprecated the old names; older torch 2.x only has the old ones. These two are torch's own
+# calls under whichever name this torch has: no ledger record, no shortcut for one rank.
+torch_all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+torch_reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 
 def group_size(group: Group = None) -> int:
@@ -52,7 +53,7 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: Gro
         output.copy_(input)
         return None
     _record("all_gather", group, output)
-    return _all_gather(output, input.contiguous(), group=group, async_op=async_op)
+    return torch_all_gather(output, input.contiguous(), group=group, async_op=async_op)
 
 
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group: Group = None,
@@ -62,7 +63,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group: Grou
         output.copy_(input)
         return None
     _record("reduce_scatter", group, input)
-    return _reduce_scatter(output, input.contiguous(), op=op, group=group, async_op=async_op)
+    return torch_reduce_scatter(output, input.contiguous(), op=op, group=group, async_op=async_op)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: Group = None,
