@@ -543,6 +543,14 @@ LAYOUTS = {
     (False, 2, layout(tp=2, pp=2, sequence_parallel=True, activation_checkpointing=True)),
     "ckpt_zero2_cp2_dp2": (False, 2, layout(cp=2, zero_stage=2, activation_checkpointing=True)),
     "selective_tp2_cp2": (False, 2, layout(tp=2, cp=2, activation_checkpointing="selective")),
+    # recomputation repeats Ulysses' forward all-to-alls (selective: q, k, v; full: and the
+    # output's) and an MoE block's dispatch, combine, counts and routing statistics (full)
+    "selective_ulysses_cp2_dp2":
+    (False, 2, layout(cp=2, cp_variant="ulysses", activation_checkpointing="selective")),
+    "ckpt_ulysses_cp2_dp2": (False, 2,
+                             layout(cp=2, cp_variant="ulysses", activation_checkpointing=True)),
+    "ckpt_moe_ep2_dp2_tp2": (True, 1, layout(tp=2, ep=2, activation_checkpointing=True)),
+    "selective_moe_ep2_dp4": (True, 1, layout(ep=2, activation_checkpointing="selective")),
     # tied embeddings: the last stage's copy (memory) and the embedding group's all-reduce
     "tied_tp2_pp2": (False, 2, layout(tp=2, pp=2)),
     "tied_zero1_pp2_dp2": (False, 2, layout(pp=2, zero_stage=1)),

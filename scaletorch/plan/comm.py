@@ -38,7 +38,10 @@ one ledger record each):
     world  1 (the gradient norm's sum of squares) unless every rank holds every gradient
 
 Recomputation (activation checkpointing) repeats a block's forward collectives under the
-phase "recompute", up to its last saved tensor (torch.utils.checkpoint stops there).
+phase "recompute", up to its last saved tensor (torch.utils.checkpoint stops there): full,
+every block's but its last tp collective, an MoE block's all-to-alls and routing statistics
+too; selective (the attention core), Ulysses' all-to-alls of q, k and v (full: and the
+output's) and the ring's K/V passes.
 """
 
 from collections import defaultdict
@@ -238,6 +241,10 @@ def collectives(model: ModelSpec, layout: PlanLayout, pp_rank: int = 0) -> List[
         add("dp_cp", n, "all_gather", ops["all_gather"], param, calls=gathers)
         add("dp_cp", n, "reduce_scatter", ops["reduce_scatter"], grad, calls=len(units))
     add("dp_cp", n, "all_reduce", 1 + moe * (model.num_experts + 1) * m, 4, calls=1 + moe * m)
+    full = lay.activation_checkpointing == "full"
+    if full:  # each MoE forward again: its routing statistics again
+        add("dp_cp", n, "all_reduce",
+            moe * (model.num_experts + 1) * m, 4, "recompute", calls=moe * m)
     add("edp", edp, "all_reduce", expert, grad, calls=len({u.chunk for u in units if u.expert}))
     # tensor parallel
     if t > 1:
@@ -254,16 +261,13 @@ def collectives(model: ModelSpec, layout: PlanLayout, pp_rank: int = 0) -> List[
         else:
             add("tp", t, "all_reduce", blocks + again_head * T * h, act,
                 calls=2 * again + again_moe + again_head)
-        if lay.activation_checkpointing == "full":  # the forward again, but its last collective
-            dense_blocks = len(layers) - moe
-            if lay.sequence_parallel:
-                add("tp", t, "all_gather", 2 * dense_blocks * T * h * m, act, "recompute",
-                    calls=2 * dense_blocks * m)
-                add("tp", t, "reduce_scatter", dense_blocks * T * h * m, act, "recompute",
-                    calls=dense_blocks * m)
+        if full:  # the forward again, but its last collective (an MoE block's is attention's)
+            redone = len(layers) * m
+            if lay.sequence_parallel:  # (no MoE: sequence parallel refuses it)
+                add("tp", t, "all_gather", 2 * redone * T * h, act, "recompute", calls=2 * redone)
+                add("tp", t, "reduce_scatter", redone * T * h, act, "recompute", calls=redone)
             else:
-                add("tp", t, "all_reduce", dense_blocks * T * h * m, act, "recompute",
-                    calls=dense_blocks * m)
+                add("tp", t, "all_reduce", redone * T * h, act, "recompute", calls=redone)
     # pipeline: activations forward, gradients backward; the loss from the last stage
     if lay.pp > 1:
         message = T * h // (t if lay.sequence_parallel else 1)
@@ -291,12 +295,21 @@ def collectives(model: ModelSpec, layout: PlanLayout, pp_rank: int = 0) -> List[
             both, w = 2 * qkvo * (lay.cp - 1) // lay.cp, qkvo * (lay.cp - 1) // lay.cp
             add("cp", lay.cp, "all_to_all",
                 both * len(layers) * m + w * again, act, calls=8 * len(layers) * m + 4 * again)
+            if lay.activation_checkpointing != "none":  # the forward's again: q, k, v (and out)
+                redo, calls = (qkvo, 4) if full else (qkvo - T * h // t, 3)
+                add("cp", lay.cp, "all_to_all",
+                    redo * (lay.cp - 1) // lay.cp * len(layers) * m, act, "recompute",
+                    calls=calls * len(layers) * m)
     # expert parallel: the routed tokens there and back, forward and backward (balanced)
     if lay.ep > 1 and moe:
         tokens = T * model.moe_top_k * h * (lay.ep - 1) // lay.ep
         add("ep", lay.ep, "all_to_all", 4 * tokens * moe * m, act, calls=4 * moe * m)
         counts = model.num_experts * (lay.ep - 1) // lay.ep  # int64, forward only
         add("ep", lay.ep, "all_to_all", counts * moe * m, 8, calls=moe * m)
+        if full:  # the forward again: dispatch, combine and the counts
+            add("ep", lay.ep, "all_to_all", 2 * tokens * moe * m, act, "recompute",
+                calls=2 * moe * m)
+            add("ep", lay.ep, "all_to_all", counts * moe * m, 8, "recompute", calls=moe * m)
     # the gradient norm: one number over the world, unless every rank holds every gradient
     if lay.tp > 1 or lay.pp > 1 or lay.zero_stage > 0 or (lay.ep > 1 and expert):
         add("world", lay.world, "all_reduce", 1, 4)

@@ -107,7 +107,7 @@ def issued_counts(model: ModelSpec, layout: PlanLayout,
     by the same wrapper in the same wait as the dense ones over "dp_cp");
     ZeRO-3 once per block and micro-batch (each unit is gathered for its forward and again
     for its backward, freed, and its gradient reduce-scattered); an MoE block's routing
-    statistics over dp_cp as an "ep" call, once per micro-batch (it runs even at ep 1)."""
+    statistics over dp_cp as an "ep" call, once per forward (it runs even at ep 1)."""
     out: Dict[Tuple[str, str], int] = {}
     blocks = rank_layers(model.num_layers, layout.pp, layout.virtual_stages, layout.layer_split,
                          layout.schedule)[pp_rank]
@@ -115,7 +115,9 @@ def issued_counts(model: ModelSpec, layout: PlanLayout,
     if moe and layout.dp_cp > 1:
         # each MoE block's routing statistics, an all-reduce over dp_cp in its forward that
         # every rank waits for, as for the dispatch: an MoE call (its bytes go with dp_cp's)
-        out[("dp_cp", "ep")] = moe * layout.num_micro_batches
+        # (full recomputation runs each MoE forward, and so this call, twice)
+        redo = 2 if layout.activation_checkpointing == "full" else 1
+        out[("dp_cp", "ep")] = redo * moe * layout.num_micro_batches
     for c in collectives(model, layout, pp_rank):
         strategy = issuing_strategy(c.group, layout)
         if c.op == "recv" or strategy is None:
