@@ -266,7 +266,8 @@ def layout_name(result: dict, with_run: bool) -> str:
     """A planned layout as plan.py prints it, after the model and sequence length if asked."""
     from scaletorch.plan.layout import PlanLayout
 
-    layout = PlanLayout(**{k: result[k] for k in PlanLayout().as_dict()})
+    # a field an older plan.py did not write (bucket_size_mb) takes its default
+    layout = PlanLayout(**{k: result[k] for k in PlanLayout().as_dict() if k in result})
     return (f"{result['model']} s{layout.seq_len} " if with_run else "") + layout.describe()
 
 

@@ -97,6 +97,12 @@ class PlotPlannerPictures(unittest.TestCase):
         self.assertIn("02_fsdp                   2  --zero-stage 3", scatter[1])
         self.assertIn("within 10%: 2 of 3", scatter[1])  # 1 / 1.1 = 0.909 <= 0.92
 
+    def test_a_plan_written_before_bucket_size_mb_was_a_field_reads_with_its_default(self):
+        from scripts.plot import layout_name, read_plans
+        result = read_plans([self.plans])[0]
+        old = {k: v for k, v in result.items() if k != "bucket_size_mb"}
+        self.assertEqual(layout_name(old, True), layout_name(result, True))
+
     def test_bad_input_is_one_error_line_and_exit_status_2(self):
         empty_plan, empty_runs, bad_run = (self.path(n) for n in ("e.json", "r.json", "b.json"))
         no_layouts = {"layouts": [], "rejected": {}}  # what a search that finds none prints
