@@ -295,15 +295,16 @@ def measure_slowdown(cfg: Config, seq_len: int, world: int, cluster: Cluster,
                      steps: int = STRATEGY_STEPS) -> Optional[float]:
     """How much longer a real training step takes on ``world`` ranks sharing the cores than
     ``cluster`` predicts with a core per rank: the config trained data parallel over the whole
-    world (never below world / cores), or None if the batch does not split over the world."""
+    world, twice (the faster kept, as in measure_issued; never below world / cores), or None
+    if the batch does not split over the world."""
     from scripts.plan import measure_rank
 
     runs = strategy_layouts(cfg, seq_len, world, steps)
     if "dp" not in runs:
         return None
     model, layout, run = runs["dp"]
-    result = run_distributed(measure_rank, world, {"dp": run}, timeout=300)[0]["dp"]
-    measured = fastest_step(result["step_seconds"])
+    results = run_distributed(measure_rank, world, {"dp 1": run, "dp 2": run}, timeout=300)[0]
+    measured = min(fastest_step(results[f"dp {r}"]["step_seconds"]) for r in (1, 2))
     own_core = replace(cluster, slowdown={**cluster.slowdown, str(world): 1.0})
     predicted = step_time(model, layout, own_core)["step_time_s"]
     return max(world / (cluster.cores or 1), measured / predicted)
