@@ -23,9 +23,9 @@ The convention (doc/design.md, "Docs that reproduce"):
 - Timing is ignored by rule: numbers followed by tok/s, ms, s or %, dates, ``runs/...`` paths
   and the measured bubble are masked; chart lines (``|====  ##  ..|``) and torchrun's log
   lines are skipped. Deviations printed as d.de-XX (rounding-level, they vary with the CPU's
-  instruction set) match within a factor of 3. Everything else (parity verdicts and
-  tolerances, ledger elements and bytes, memory tables, the rank grid, formula lines) must be
-  equal.
+  instruction set) match within a factor of 3, and the weight named beside one is masked.
+  Blank lines are skipped. Everything else (parity verdicts and tolerances, ledger elements
+  and bytes, memory tables, the rank grid, formula lines) must be equal.
 - A ``scripts/launch.sh`` command in a checked block must pass ``--steps``.
 - A plain ``` fence that looks like program output (a parity line, a ledger header...) is an
   error: label it ```text and put its command before it.
@@ -58,6 +58,8 @@ MASKS: List[Tuple[re.Pattern, str]] = [
     (re.compile(r"\d+(\.\d+)?\s*%"), "<%>"),
     (re.compile(r"bubble: measured [\d.]+"), "bubble: measured <t>"),
     (re.compile(r"\bruns/[^\s'\"),]+"), "<run>"),
+    # the weight a rounding-level deviation is largest in moves with the CPU, as the deviation
+    (re.compile(r"(\d\.\de[-+]\d\d after \d+ steps, in )[\w.]+"), r"\1<param>"),
 ]
 # Lines that are timing as a whole: charts drawn from a clock, torchrun's own log lines.
 SKIP = [
@@ -192,9 +194,10 @@ def parse(path: str, text: Optional[str] = None) -> Tuple[List[Block], List[str]
 
 
 def normalize(line: str) -> Optional[str]:
-    """The line with its timing masked, or None when the whole line is timing."""
+    """The line with its timing masked, or None when the whole line is timing or blank (a
+    blank line says nothing, and one separates a block's stdout from its stderr)."""
     line = line.rstrip()
-    if any(p.search(line) for p in SKIP):
+    if not line or any(p.search(line) for p in SKIP):
         return None
     for pattern, repl in MASKS:
         line = pattern.sub(repl, line)

@@ -134,6 +134,13 @@ class ComparisonIgnoresTimingAndCatchesDrift(unittest.TestCase):
         self.assertNotEqual(check_docs.compare(tour, slower.replace("1.311", "1.312"), ["seconds"]),
                             [])
 
+    def test_the_weight_of_a_rounding_level_deviation_and_blank_lines_are_not_drift(self):
+        line = "parity: max |weight - reference| = {} after 50 steps, in {} (tolerance 1e-05): OK"
+        doc = [line.format("4.8e-07", "layers.0.post_attention_layernorm.weight"), "stderr"]
+        out = line.format("7.2e-07", "layers.0.mlp.down_proj.weight") + "\n\nstderr"
+        self.assertEqual(check_docs.compare(doc, out), [])
+        self.assertNotEqual(check_docs.compare(doc, out.replace("OK", "FAIL")), [])
+
     def test_ellipsis_inside_a_line_matches_any_text(self):
         doc = ["RuntimeError: rank 0: step 0 failed; ... Connection closed by peer ..."]
         out = "RuntimeError: rank 0: step 0 failed; the last [gloo] Connection closed by peer x"
