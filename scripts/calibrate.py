@@ -61,7 +61,8 @@ from scaletorch.trainer.config import Config
 WORLDS = (2, 3, 4)
 SMALL, LARGE = 1, 2**16  # fp32 elements of a latency-bound and a bandwidth-bound call
 OPS = ("all_reduce", "all_gather", "all_to_all", "send")
-STRATEGY_STEPS = 20  # per strategy, as many as the tour: the fastest after the first is kept
+STRATEGY_STEPS = 20  # per strategy and round (two rounds): the fastest after the first is kept
+STEADY = 0.1  # how far the same compute may move between calibrate's start and end
 
 
 def _seconds(fn: Callable[[], Any], reps: int, warmup: int = 2) -> float:
@@ -391,9 +392,11 @@ def calibrate(cfg: Config, seq_len: int, path: str, progress: Callable[[str], No
         (os.cpu_count() or 1)
     links: Dict[str, Dict[str, Dict[str, List[float]]]] = {}
     slowdown: Dict[str, float] = {}
+    work = _work()
+    first = _seconds(work, 100)  # again at the end: did another program take the cores?
     for world in worlds:
         say(f"links: gloo world of {world} (all-reduce, all-gather, all-to-all, send)")
-        alone = _seconds(_work(), 100)  # no rank of ours running (a waiting rank may spin)
+        alone = _seconds(work, 100)  # no rank of ours running (a waiting rank may spin)
         results = run_distributed(measure_links, world, alone, timeout=120)
         # never below world / cores: ranks beyond the cores cannot all run at once
         slowdown[str(world)] = max(1.0, world / cores, statistics.mean(r["busy"] for r in results))
@@ -427,6 +430,12 @@ def calibrate(cfg: Config, seq_len: int, path: str, progress: Callable[[str], No
     cluster = replace(cluster, slowdown=slowdown)
     save_cluster(cluster, path)
     say(f"wrote {path}")
+    last = _seconds(work, 100)
+    change = last / first - 1
+    busy = abs(change) > STEADY
+    advice = "; the host was busier at one end: calibrate again when it is quiet" if busy else ""
+    say(f"steadiness: a fixed piece of compute took {1e3 * first:.2f} ms at the start, "
+        f"{1e3 * last:.2f} ms at the end ({100 * change:+.0f}%){advice}")
     return cluster
 
 

@@ -459,6 +459,10 @@ class Calibrate(unittest.TestCase):
             self.assertEqual(sorted(host.issued["2"]), sorted(ISSUED))
             self.assertTrue(all(0 <= s < 1 for s in host.issued["2"].values()), host.issued)
             self.assertTrue(all(line.startswith("calibrate [") for line in lines), lines)
+            # the same compute timed at the start and the end: was the host quiet throughout?
+            self.assertRegex(
+                lines[-1], r"steadiness: a fixed piece of compute took [\d.]+ ms "
+                r"at the start, [\d.]+ ms at the end \([+-]\d+%\)")
             status, out, _ = _script("examples/configs/01_ddp.yaml", "--gpus", "2", "--cluster",
                                      path)
         self.assertEqual(status, 0)
