@@ -296,10 +296,10 @@ def collectives(model: ModelSpec, layout: PlanLayout, pp_rank: int = 0) -> List[
             add("cp", lay.cp, "all_to_all",
                 both * len(layers) * m + w * again, act, calls=8 * len(layers) * m + 4 * again)
             if lay.activation_checkpointing != "none":  # the forward's again: q, k, v (and out)
-                redo, calls = (qkvo, 4) if full else (qkvo - T * h // t, 3)
+                redo, per_block = (qkvo, 4) if full else (qkvo - T * h // t, 3)
                 add("cp", lay.cp, "all_to_all",
                     redo * (lay.cp - 1) // lay.cp * len(layers) * m, act, "recompute",
-                    calls=calls * len(layers) * m)
+                    calls=per_block * len(layers) * m)
     # expert parallel: the routed tokens there and back, forward and backward (balanced)
     if lay.ep > 1 and moe:
         tokens = T * model.moe_top_k * h * (lay.ep - 1) // lay.ep
