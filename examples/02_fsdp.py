@@ -19,11 +19,11 @@ import sys
 from scaletorch.dist import (destroy_distributed, destroy_pg_manager, init_distributed,
                              init_pg_manager_from_config)
 from scaletorch.models import build_model
-from scaletorch.parallel.consolidated import save_consolidated
+from scaletorch.parallel.memory_report import zero_report
 from scaletorch.parallel.parallelize import parallelize
 from scaletorch.parallel.zero import check_zero_layout
-from scaletorch.parallel.zero_memory import zero_report
 from scaletorch.trainer import Trainer, check_against_reference, load_config
+from scaletorch.trainer.consolidated import save_consolidated
 
 
 def limits(cfg, world_size: int) -> None:

@@ -30,11 +30,11 @@ import sys
 from scaletorch.dist import (destroy_distributed, destroy_pg_manager, get_ledger, init_distributed,
                              init_pg_manager_from_config)
 from scaletorch.models import build_model
-from scaletorch.parallel.consolidated import (load_consolidated, resume_consolidated,
-                                              save_consolidated)
 from scaletorch.parallel.parallelize import ORDER, parallelize, rank_report
 from scaletorch.parallel.pipeline_parallel import gather_timeline
 from scaletorch.trainer import Trainer, check_against_reference, load_config
+from scaletorch.trainer.consolidated import (load_consolidated, resume_consolidated,
+                                             save_consolidated)
 
 
 class NDTrainer(Trainer):

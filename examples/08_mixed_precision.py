@@ -17,13 +17,14 @@ import sys
 
 import torch
 
+from scaletorch.config import resolve_precision
 from scaletorch.dist import (comm, destroy_distributed, destroy_pg_manager, get_ledger,
                              init_distributed, init_pg_manager_from_config)
 from scaletorch.models import build_model
+from scaletorch.parallel.memory_report import memory_report
+from scaletorch.parallel.mixed_precision import policy_for as policy
 from scaletorch.parallel.parallelize import parallelize
-from scaletorch.parallel.zero_memory import memory_report
 from scaletorch.trainer import Trainer, check_against_reference, load_config
-from scaletorch.trainer.precision import policy, resolve_precision
 
 
 def limits(cfg, world_size: int) -> None:

@@ -34,9 +34,9 @@ from scaletorch.dist import (destroy_distributed, destroy_pg_manager, init_distr
 from scaletorch.models import build_model
 from scaletorch.models.generate import generate
 from scaletorch.models.hf import export_hf_llama, load_hf_llama
-from scaletorch.parallel.consolidated import load_consolidated, save_consolidated
 from scaletorch.parallel.parallelize import parallelize
 from scaletorch.trainer import Trainer, check_against_reference, load_config
+from scaletorch.trainer.consolidated import load_consolidated, save_consolidated
 
 DOCS = "README.md"  # the config's data.path: stands for README.md + doc/*.md, joined
 

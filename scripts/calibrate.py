@@ -47,16 +47,17 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from scaletorch.config import Config
 from scaletorch.dist import comm
 from scaletorch.dist.spawn import run_distributed
 from scaletorch.models import build_model
 from scaletorch.plan.cluster import ISSUED, Cluster, save_cluster
-from scaletorch.plan.comm import wire_bytes
 from scaletorch.plan.flops import model_flops
 from scaletorch.plan.layout import PlanLayout
 from scaletorch.plan.model import ModelSpec, from_config
 from scaletorch.plan.time import fastest_step, issued_counts, step_time
-from scaletorch.trainer.config import Config
+from scaletorch.rules.wire import wire_bytes
+from scripts.plan_measure import checker, measure_rank, run_config
 
 WORLDS = (2, 3, 4)
 SMALL, LARGE = 1, 2**16  # fp32 elements of a latency-bound and a bandwidth-bound call
@@ -255,7 +256,6 @@ def strategy_layouts(
     dp_micro_batch and zero3: all of it) and the config that trains it. MoE for ep (the
     config's experts, or chapter 06's 4), one micro-batch there and for dp, at least 2 under
     the pipeline and for dp_micro_batch."""
-    from scripts.plan import checker, run_config  # the planner's own translation and check
 
     dense = from_config(replace(cfg.model, num_experts=0))
     moe = from_config(
@@ -298,7 +298,6 @@ def measure_slowdown(cfg: Config, seq_len: int, world: int, cluster: Cluster,
     ``cluster`` predicts with a core per rank: the config trained data parallel over the whole
     world, twice (the faster kept, as in measure_issued; never below world / cores), or None
     if the batch does not split over the world."""
-    from scripts.plan import measure_rank
 
     runs = strategy_layouts(cfg, seq_len, world, steps)
     if "dp" not in runs:
@@ -320,7 +319,6 @@ def measure_issued(cfg: Config, seq_len: int, world: int, cluster: Cluster,
     below 0). Data parallel first, from its two runs (1 and m micro-batches: excess = per step
     + micro-batches x per micro-batch), since the other strategies' layouts hold
     data-parallel ranks too, whose cost is then known."""
-    from scripts.plan import measure_rank
 
     runs = strategy_layouts(cfg, seq_len, world, steps)
     # two rounds, every strategy in each, the faster kept: a moment of load on a shared host

@@ -30,8 +30,8 @@ def load_model(source: str, config_file: str) -> Llama:
     """Our Llama from an HF directory, or from a consolidated .pt plus the run's config.yaml."""
     if os.path.isdir(source):
         return load_hf_llama(source)
-    from scaletorch.parallel.consolidated import load_consolidated
     from scaletorch.trainer.config import Config, apply_dict, load_yaml
+    from scaletorch.trainer.consolidated import load_consolidated
     cfg = Config()
     apply_dict(cfg, load_yaml(config_file), source=config_file)
     model = build_model(cfg.model, seed=0)

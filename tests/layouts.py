@@ -17,14 +17,14 @@ from torch.distributed.tensor import DTensor
 
 from scaletorch.dist import destroy_pg_manager, init_pg_manager_from_config
 from scaletorch.models import build_model
-from scaletorch.parallel.consolidated import (load_consolidated, resume_consolidated,
-                                              save_consolidated)
 from scaletorch.parallel.grad_norm import clip_grads_, replica_count, world_grad_norm
 from scaletorch.parallel.parallelize import Parallelized, parallelize
 from scaletorch.parallel.param_map import DTensorParamMap, ParamMap, State
 from scaletorch.parallel.pipeline_parallel import PipelineModel
 from scaletorch.parallel.zero import ShardedDataParallel
 from scaletorch.trainer import Config, Trainer
+from scaletorch.trainer.consolidated import (load_consolidated, resume_consolidated,
+                                             save_consolidated)
 from scaletorch.trainer.parity import max_weight_diff
 from tests.harness import value_error
 

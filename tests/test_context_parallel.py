@@ -19,8 +19,9 @@ from scaletorch.parallel.context_parallel import (UlyssesAttention, apply_contex
                                                   zigzag_positions)
 from scaletorch.parallel.data_parallel import apply_data_parallel
 from scaletorch.parallel.ring_attention import RingAttention, attention_block_counts, block_counts
+from scaletorch.parallel.step import make_data_parallel_step
 from scaletorch.parallel.tensor_parallel import apply_tensor_parallel, tensor_parallel_loss_fn
-from scaletorch.trainer import Config, Trainer, make_data_parallel_step, run_reference
+from scaletorch.trainer import Config, Trainer, run_reference
 from scaletorch.trainer.parity import max_weight_diff
 from tests.harness import run_distributed
 from tests.layouts import clip_fn, full_state

@@ -16,7 +16,8 @@ from scaletorch.dist import destroy_pg_manager, get_ledger, init_pg_manager
 from scaletorch.models import LlamaConfig, build_model, loss_fn
 from scaletorch.parallel.data_parallel import (IMPLS, BucketedDataParallel, apply_data_parallel,
                                                format_timeline)
-from scaletorch.trainer import Config, Trainer, forward_backward, run_reference, validate
+from scaletorch.parallel.step import forward_backward
+from scaletorch.trainer import Config, Trainer, run_reference, validate
 from scaletorch.trainer.trainer import build_loader
 from tests.harness import run_distributed
 

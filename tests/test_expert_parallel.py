@@ -14,8 +14,9 @@ from scaletorch.dist import destroy_pg_manager, functional, get_ledger, init_pg_
 from scaletorch.models import MoE, build_model, moe_aux_loss
 from scaletorch.parallel.expert_parallel import (AllToAllDispatcher, apply_expert_parallel,
                                                  moe_layers, validate_expert_parallel)
+from scaletorch.parallel.step import make_data_parallel_step
 from scaletorch.parallel.tensor_parallel import apply_tensor_parallel, tensor_parallel_loss_fn
-from scaletorch.trainer import Config, Trainer, make_data_parallel_step, run_reference
+from scaletorch.trainer import Config, Trainer, run_reference
 from scaletorch.trainer.parity import max_weight_diff
 from tests.harness import run_distributed
 from tests.layouts import clip_fn, full_state

@@ -14,14 +14,14 @@ import torch
 
 from scaletorch.dist import destroy_pg_manager, get_ledger, init_pg_manager
 from scaletorch.models import LlamaConfig, build_model
-from scaletorch.parallel.consolidated import save_consolidated
+from scaletorch.parallel.memory_report import comm_formula, measure_memory, memory_formula
 from scaletorch.parallel.native import apply_fully_shard
 from scaletorch.parallel.parallelize import parallelize
 from scaletorch.parallel.zero import ShardedDataParallel, ZeroAdamW, apply_zero, llama_units
-from scaletorch.parallel.zero_memory import comm_formula, measure_memory, memory_formula
 from scaletorch.trainer import Config, Trainer
 from scaletorch.trainer import checkpoint as ckpt
 from scaletorch.trainer import max_weight_diff, run_reference
+from scaletorch.trainer.consolidated import save_consolidated
 from tests.harness import run_distributed
 from tests.layouts import clip_fn, full_state
 

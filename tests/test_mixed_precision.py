@@ -14,14 +14,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from scaletorch.dist import destroy_pg_manager, get_ledger
 from scaletorch.models import build_model, loss_fn
-from scaletorch.parallel.mixed_precision import (DynamicLossScaler, MixedPrecisionPolicy,
-                                                 supports_fp16)
+from scaletorch.parallel.memory_report import measure_memory, memory_formula
+from scaletorch.parallel.mixed_precision import DynamicLossScaler, MixedPrecisionPolicy
+from scaletorch.parallel.mixed_precision import policy_for as policy
+from scaletorch.parallel.mixed_precision import supports_fp16
 from scaletorch.parallel.zero import ShardedDataParallel, ZeroAdamW, llama_units
-from scaletorch.parallel.zero_memory import measure_memory, memory_formula
 from scaletorch.trainer import Config, Trainer
 from scaletorch.trainer.config import validate
 from scaletorch.trainer.parity import max_weight_diff
-from scaletorch.trainer.precision import TOLERANCES, policy
+from scaletorch.trainer.precision import TOLERANCES
 from tests.harness import run_distributed
 from tests.layouts import (build, config_of, layout, make_config, pg_manager_for, reference_key,
                            references, train)

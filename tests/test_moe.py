@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 from scaletorch.models import LlamaConfig, MoE, build_model, loss_fn, moe_aux_loss
 from scaletorch.models.llama import MLP
-from scaletorch.trainer import Config, forward_backward, run_reference
+from scaletorch.parallel.step import forward_backward
+from scaletorch.trainer import Config, run_reference
 
 H, FFN, E, K = 32, 64, 4, 2
 ATOL = 1e-5  # fp32 outputs of size ~1: the same maths in another order (batched vs per token)

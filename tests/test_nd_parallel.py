@@ -16,7 +16,7 @@ from scaletorch.dist import RankGrid, destroy_pg_manager, init_pg_manager
 from scaletorch.models import build_model, loss_fn
 from scaletorch.parallel.activation_checkpointing import (apply_activation_checkpointing,
                                                           saved_activation_bytes)
-from scaletorch.parallel.consolidated import load_consolidated, resume_consolidated
+from scaletorch.trainer.consolidated import load_consolidated, resume_consolidated
 from tests.harness import run_distributed
 from tests.layouts import (ND_LAYOUTS, TOL, assert_parity, build, config_of, layout, make_config,
                            parallelize_error, reference_key, references, save_and_resume, train)

@@ -23,7 +23,6 @@ from collections import defaultdict
 from scaletorch.parallel.tensor_parallel import padded_vocab_size
 from scaletorch.parallel.zero_bubble import simulate_async, zero_bubble_theory
 from scaletorch.plan.cluster import ISSUED, Cluster, load_cluster, save_cluster
-from scaletorch.plan.comm import collectives
 from scaletorch.plan.flops import (gpt_model_flops, hardware_flops, model_flops, six_nd,
                                    split_backward_flops)
 from scaletorch.plan.layout import PlanLayout
@@ -34,9 +33,11 @@ from scaletorch.plan.model import from_params, preset
 from scaletorch.plan.pipeline import bubble, in_flight
 from scaletorch.plan.time import (comm_seconds, compute_seconds, issued_counts, stage_ranks,
                                   step_time)
+from scaletorch.plan.traffic import collectives
 from scaletorch.trainer.config import parse_args
 from scripts.calibrate import calibrate
-from scripts.plan import main, measure_rank
+from scripts.plan import main
+from scripts.plan_measure import measure_rank
 from tests.harness import run_distributed, run_main
 from tests.layouts import layout, make_config
 
@@ -693,7 +694,7 @@ class PlannerMatchesTheLedgers(unittest.TestCase):
                                        msg=f"{name} rank {rank}")
 
     def test_the_trainers_end_of_run_line_says_predicted_equals_measured(self):
-        # scaletorch/trainer/plan_check.py: what a run prints, here for tp 2 x pp 2
+        # scaletorch/trainer/plan_line.py: what a run prints, here for tp 2 x pp 2
         for res in self.results:
             line = res["tp2_pp2"]["report"]
             self.assertRegex(line, r"params \S+ \S+ =, grads \S+ \S+ =, optimizer \S+ \S+ =")

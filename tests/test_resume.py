@@ -23,9 +23,9 @@ import tempfile
 import unittest
 
 from scaletorch.dist import destroy_pg_manager
-from scaletorch.parallel.consolidated import consolidated_state, load_consolidated
 from scaletorch.trainer import checkpoint as ckpt
 from scaletorch.trainer import load_config
+from scaletorch.trainer.consolidated import consolidated_state, load_consolidated
 from tests.harness import run_distributed, value_error
 from tests.layouts import ND_LAYOUTS, build, config_of, layout, pg_manager_for
 from tests.test_examples import launch

@@ -11,10 +11,10 @@ import numpy as np
 import torch
 
 from scaletorch.models import build_model
-from scaletorch.parallel.consolidated import load_consolidated
 from scaletorch.trainer import Trainer
 from scaletorch.trainer import checkpoint as ckpt
 from scaletorch.trainer import parse_args
+from scaletorch.trainer.consolidated import load_consolidated
 
 
 class _RunsCode:

@@ -19,7 +19,8 @@ from scaletorch.models import LlamaConfig, build_model, loss_fn
 from scaletorch.parallel import native
 from scaletorch.parallel import tensor_parallel as tp_lib
 from scaletorch.parallel.data_parallel import apply_data_parallel
-from scaletorch.trainer import Config, Trainer, make_data_parallel_step, max_weight_diff
+from scaletorch.parallel.step import make_data_parallel_step
+from scaletorch.trainer import Config, Trainer, max_weight_diff
 from tests.harness import run_distributed, value_error
 from tests.layouts import clip_fn, full_state
 

@@ -34,7 +34,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch.distributed as dist
 
-from scaletorch.plan.comm import wire_bytes  # the ring formulas live with the planner
+from scaletorch.rules.wire import wire_bytes
 
 _GROUP_NAMES: Dict[object, str] = {}
 

@@ -38,7 +38,7 @@ from scaletorch.parallel.ring_attention import RingAttention, attention_block_co
 from scaletorch.plan.layout import recompute_mode
 
 if TYPE_CHECKING:  # the config module imports scaletorch.parallel
-    from scaletorch.trainer.config import Config
+    from scaletorch.config import Config
 
 VARIANTS = ("ring", "ulysses")
 

@@ -36,7 +36,7 @@ that shows the overlap.
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -49,6 +49,7 @@ from scaletorch.dist.comm import Work
 from scaletorch.dist.timer import Mark, Timer, seconds
 from scaletorch.parallel.mixed_precision import MixedPrecisionPolicy, reduce_dtype_hook, reduce_in
 from scaletorch.parallel.wrapper import ModuleWrapper
+from scaletorch.rules.buckets import ddp_buckets
 
 IMPLS = ("naive", "scaletorch", "torch")
 
@@ -169,29 +170,6 @@ class SyncTimeline:
         ]
         return SyncTimeline(seconds(self.t_forward), seconds(self.t_first_grad),
                             seconds(self.t_backward_end), seconds(self.t_wait_end), launches)
-
-
-FIRST_BUCKET_MB = 1.0  # torch DDP's default first bucket: communication starts early
-
-
-def ddp_buckets(numels: Sequence[int], bucket_size_mb: float) -> List[List[int]]:
-    """BucketedDataParallel's gradient buckets: indices into ``numels`` (a module's parameters
-    in registration order), filled in reverse order (backward meets the last layers first),
-    fp32 elements up to ``bucket_size_mb`` MiB each, the first up to ``FIRST_BUCKET_MB``; a
-    parameter larger than a bucket fills one alone. Each bucket is one all-reduce per sync
-    (the planner, scaletorch/plan/comm.py, counts the calls by it)."""
-    first = min(FIRST_BUCKET_MB, bucket_size_mb)
-    caps = [max(1, int(mb * 2**20) // 4) for mb in (first, bucket_size_mb)]  # fp32 elements
-    buckets: List[List[int]] = []
-    ids: List[int] = []
-    size = 0
-    for i in reversed(range(len(numels))):
-        if ids and size + numels[i] > caps[min(len(buckets), 1)]:
-            buckets.append(ids)
-            ids, size = [], 0
-        ids.append(i)
-        size += numels[i]
-    return buckets + [ids] if ids else buckets
 
 
 class BucketedDataParallel(_DataParallel):

@@ -38,6 +38,7 @@ from typing import Iterable, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from scaletorch.config import Config, resolve_precision
 from scaletorch.dist import comm
 
 # fp64 is named only to be refused (wider than the master)
@@ -119,6 +120,14 @@ class MixedPrecisionPolicy:
 
 
 FP32 = MixedPrecisionPolicy()
+
+
+def policy_for(cfg: Config, device_type: str) -> MixedPrecisionPolicy:
+    """The run's mixed-precision policy: the resolved precision with ``parallel.param_dtype``
+    and ``parallel.reduce_dtype`` (ValueError naming the values if they cannot go together)."""
+    p = cfg.parallel
+    return MixedPrecisionPolicy.from_names(resolve_precision(cfg, device_type), p.param_dtype,
+                                           p.reduce_dtype, device_type)
 
 
 def compute_dtype(device_type: str) -> Optional[torch.dtype]:

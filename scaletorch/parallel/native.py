@@ -63,7 +63,7 @@ from scaletorch.parallel.tensor_parallel import validate_tensor_parallel
 from scaletorch.parallel.zero import check_zero_layout
 
 if TYPE_CHECKING:  # the config module imports scaletorch.parallel
-    from scaletorch.trainer.config import Config
+    from scaletorch.config import Config
 
 MESH_DIMS = ("pp", "dp", "tp")  # slowest to fastest, as the rank grid orders them
 
@@ -239,7 +239,7 @@ def parallelize_native(
                                        p.sequence_parallel, p.schedule in V_SHAPED)
         modules = list(pipe.chunks)
     trainer_model: nn.Module = model if pipe is None else pipe
-    from scaletorch.trainer.precision import policy  # the trainer imports this module
+    from scaletorch.parallel.mixed_precision import policy_for as policy
     mp = policy(cfg, next(model.parameters()).device.type)  # chapter 08
     if zero3 or (pgm.data_parallel_world_size > 1 and (tp > 1 or pp > 1)):  # 5
         if not zero3:  # param_dtype is what ZeRO-3 gathers in; replicate gathers nothing

@@ -74,7 +74,7 @@ from scaletorch.parallel.validation import validate_layout
 from scaletorch.parallel.zero import ShardedDataParallel, ZeroAdamW, llama_units
 
 if TYPE_CHECKING:  # the config module imports scaletorch.parallel
-    from scaletorch.trainer.config import Config
+    from scaletorch.config import Config
 
 ORDER = ("expert", "tensor", "context", "activation checkpointing", "pipeline", "data")
 
@@ -148,7 +148,7 @@ def _apply_data_parallel(
     Returns (wrapped modules, ZeRO's optimizer or None for the Trainer's AdamW)."""
     p, t = cfg.parallel, cfg.training
     # chapter 08; imported here: the trainer package imports this module
-    from scaletorch.trainer.precision import policy as run_policy
+    from scaletorch.parallel.mixed_precision import policy_for as run_policy
     policy = run_policy(cfg, next(modules[0].parameters()).device.type)
     if p.zero_stage > 0:
         zero = [
@@ -240,7 +240,7 @@ def rank_report(pgm: ProcessGroupManager, model: nn.Module, optimizer: torch.opt
     """Collective over the world: one row per rank with its coordinates, the bytes it put on
     the wire per group in ``step`` (the ledger) and the bytes it holds (params, grads, AdamW
     state). The same string on every rank."""
-    from scaletorch.parallel.zero_memory import measure_memory
+    from scaletorch.parallel.memory_report import measure_memory
 
     ledger = get_ledger()
     coords = pgm.grid.coordinates(pgm.rank)

@@ -47,12 +47,12 @@ from scaletorch.dist.functional import (copy_to_parallel_region,
                                         reduce_scatter_to_sequence_parallel_region)
 from scaletorch.models import Llama, LlamaConfig, MoE, RMSNorm
 from scaletorch.parallel.mixed_precision import to_compute
-# the formulas live with the planner (scaletorch/plan), which predicts whole layouts with them
-from scaletorch.plan.comm import tp_comm_elements as comm_elements_per_step
 from scaletorch.plan.model import padded_vocab_size
+# the formulas live with the planner (scaletorch/plan), which predicts whole layouts with them
+from scaletorch.plan.traffic import tp_comm_elements as comm_elements_per_step
 
 if TYPE_CHECKING:  # the config module imports scaletorch.parallel
-    from scaletorch.trainer.config import Config
+    from scaletorch.config import Config
 
 
 def _pad_rows(weight: torch.Tensor, rows: int) -> torch.Tensor:
@@ -434,7 +434,7 @@ def tp_report(cfg: "Config", pgm: ProcessGroupManager, step: int) -> str:
     p, d, tp = cfg.parallel, cfg.data, pgm.tensor_model_parallel_world_size
     if tp == 1:
         return ""
-    from scaletorch.trainer.precision import resolve_precision  # the trainer imports us
+    from scaletorch.config import resolve_precision
     tokens = d.global_batch_size // pgm.data_parallel_world_size * d.seq_len  # per rank
     ledger = get_ledger()
     precision = resolve_precision(cfg, "cuda" if torch.cuda.is_available() else "cpu")

@@ -22,7 +22,7 @@ from scaletorch.parallel.pipeline_schedules import V_SHAPED, validate_schedule
 from scaletorch.parallel.tensor_parallel import validate_tensor_parallel
 
 if TYPE_CHECKING:  # the config module imports this one
-    from scaletorch.trainer.config import Config
+    from scaletorch.config import Config
 
 
 def data_parallel_size(cfg: "Config", world_size: int) -> int:

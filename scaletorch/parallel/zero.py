@@ -16,7 +16,7 @@ stages 1, 2 reduce-scatter the gradients and all-gather the updated parameters: 
 as DDP's all-reduce. Stage 3 all-gathers each unit before its forward and again before its
 backward, and reduce-scatters its gradients: 3 Psi. With m micro-batches, stage 3 gathers
 2 m Psi (the gradients are still reduced once, after the last micro-batch). The formulas and
-the measured ledgers: zero_memory.py. PyTorch's own ZeRO-3, FSDP2 ``fully_shard``: native.py.
+the measured ledgers: memory_report.py. PyTorch's own ZeRO-3, FSDP2 ``fully_shard``: native.py.
 
 Stage 3 on a model cut into units U0 (embedding), U1..UL (blocks), UL+1 (head = norm + lm_head):
 

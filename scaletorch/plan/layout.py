@@ -11,13 +11,14 @@ with the data-parallel size explicit and the batch given per micro-batch:
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-RECOMPUTE = ("none", "selective", "full")
+from scaletorch.rules.recompute import RECOMPUTE, recompute_mode
+
 ZERO_BUBBLE = ("zb-h1", "zbv", "dualpipev")  # chapter 04: backward split into B and W
 V_SHAPED = ("zbv", "dualpipev")  # two chunks per rank: stages r and 2p - 1 - r
 SCHEDULES = ("afab", "1f1b", "interleaved") + ZERO_BUBBLE
 
 # bytes per parameter: (working parameters, gradients, optimizer state incl. fp32 master)
-PRECISIONS: Dict[str, tuple] = {
+PRECISION_BYTES: Dict[str, tuple] = {
     "fp32": (4, 4, 8),  # fp32 training: parameters, gradients, Adam m and v
     "bf16": (2, 2, 12),  # bf16 copy + bf16 gradients; fp32 master, m, v (ZeRO's K = 12)
     "bf16-fp32-grads": (2, 4, 12),  # gradients accumulated in fp32 (Megatron; 18 B/param)
@@ -68,7 +69,7 @@ class PlanLayout:
             "zero_stage": (self.zero_stage, (0, 1, 2, 3)),
             "schedule": (self.schedule, SCHEDULES),
             "activation_checkpointing": (self.activation_checkpointing, RECOMPUTE),
-            "precision": (self.precision, tuple(PRECISIONS)),
+            "precision": (self.precision, tuple(PRECISION_BYTES)),
         }
         for name, (value, allowed) in choices.items():
             if value not in allowed:
@@ -112,19 +113,6 @@ class PlanLayout:
 
     def as_dict(self) -> Dict[str, Any]:
         return dict(self.__dict__)
-
-
-def recompute_mode(value: Any) -> str:
-    """``parallel.activation_checkpointing`` as none | selective | full (true/false: full/none,
-    as older configs wrote it)."""
-    if isinstance(value, str) and value.lower() in ("true", "false"):
-        value = value.lower() == "true"
-    if value is True or value is False:
-        return "full" if value else "none"
-    if value in RECOMPUTE:
-        return value
-    raise ValueError(f"activation_checkpointing must be one of none, selective, full "
-                     f"(or true/false), got {value!r}")
 
 
 def from_config(cfg: Any, world_size: int, precision: str = "fp32") -> PlanLayout:

@@ -3,7 +3,7 @@
 Model states. Each rank holds the units of its pipeline chunks (embedding, blocks, final norm
 + head), tensor parallel splits their matrices (norms stay whole), expert parallel gives each
 rank E / ep experts, and ZeRO over the N = dp x cp ranks shards a unit padded to a multiple of
-N (scaletorch/parallel/flat_unit.py). Bytes per parameter by precision (PRECISIONS):
+N (scaletorch/parallel/flat_unit.py). Bytes per parameter by precision (PRECISION_BYTES):
 
     stage     params      grads        optimizer            fp32: 4 + 4 + 8; bf16: 2 + 2 + 12
     0         P           P            P                    (ZeRO's Psi, K = 12)
@@ -34,7 +34,8 @@ et al.'s formulas (16-bit activations, dropout masks), which the planner is chec
 import math
 from typing import Dict, List, NamedTuple, Tuple
 
-from scaletorch.plan.layout import ACTIVATION_BYTES, PRECISIONS, V_SHAPED, ZERO_BUBBLE, PlanLayout
+from scaletorch.plan.layout import (ACTIVATION_BYTES, PRECISION_BYTES, V_SHAPED, ZERO_BUBBLE,
+                                    PlanLayout)
 from scaletorch.plan.model import ModelSpec
 from scaletorch.plan.pipeline import held_peak, holds_ends, in_flight, rank_layers, rank_stages
 
@@ -61,7 +62,7 @@ def model_state_bytes(zero_stage: int, numel: float, world: int,
                       precision: str = "bf16") -> Dict[str, float]:
     """Bytes per rank of ``numel`` parameters over ``world`` ZeRO ranks, by precision (no
     padding): ZeRO's Table 1 is this with precision "bf16" (2 + 2 + 12)."""
-    p, g, o = PRECISIONS[precision]
+    p, g, o = PRECISION_BYTES[precision]
     return {
         "params": p * numel / (world if zero_stage == 3 else 1),
         "grads": g * numel / (world if zero_stage >= 2 else 1),
@@ -133,7 +134,7 @@ def state_bytes(model: ModelSpec, layout: PlanLayout, pp_rank: int = 0) -> Dict[
     ZeRO shards each dense unit over dp x cp, padded to a multiple of it; expert units over the
     expert-data-parallel ranks (dp x cp / ep). Stage 3 also holds gathered units in flight
     (``buffers``: the unit computing and the one prefetched, at most two of the largest)."""
-    p, g, o = PRECISIONS[layout.precision]
+    p, g, o = PRECISION_BYTES[layout.precision]
     z, out = layout.zero_stage, {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
     largest = 0
     for unit in rank_units(model, layout, pp_rank):

@@ -4,11 +4,11 @@ as a few lines of text (``format_breakdown``)."""
 from typing import Any, Dict, Optional
 
 from scaletorch.plan.cluster import Cluster
-from scaletorch.plan.comm import wire_bytes_per_group
 from scaletorch.plan.layout import PlanLayout
 from scaletorch.plan.memory import activation_bytes, rank_memory
 from scaletorch.plan.model import ModelSpec
 from scaletorch.plan.time import step_time
+from scaletorch.plan.traffic import wire_bytes_per_group
 
 KINDS = ("params", "grads", "optimizer", "buffers", "activations", "total")
 

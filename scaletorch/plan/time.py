@@ -39,12 +39,12 @@ import math
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from scaletorch.plan.cluster import Cluster
-from scaletorch.plan.comm import collectives
 from scaletorch.plan.flops import hardware_flops, model_flops
 from scaletorch.plan.layout import V_SHAPED, PlanLayout
 from scaletorch.plan.model import ModelSpec
 from scaletorch.plan.pipeline import bubble as pipeline_bubble
 from scaletorch.plan.pipeline import holds_ends, rank_layers
+from scaletorch.plan.traffic import collectives
 
 
 def fastest_step(step_seconds: Sequence[float]) -> float:

@@ -1,6 +1,5 @@
 """Config, training loop, checkpoints and the parity check shared by every script."""
 
-from scaletorch.parallel.step import average_over_group, forward_backward, make_data_parallel_step
 from scaletorch.trainer.config import Config, load_config, parse_args, validate, validate_layout
 from scaletorch.trainer.parity import (check_against_reference, max_weight_diff, report_parity,
                                        run_reference)
@@ -8,6 +7,5 @@ from scaletorch.trainer.trainer import Trainer, TrainResult
 
 __all__ = [
     "Config", "load_config", "parse_args", "validate", "validate_layout", "Trainer", "TrainResult",
-    "forward_backward", "make_data_parallel_step", "average_over_group", "run_reference",
-    "report_parity", "max_weight_diff", "check_against_reference"
+    "run_reference", "report_parity", "max_weight_diff", "check_against_reference"
 ]

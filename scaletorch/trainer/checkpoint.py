@@ -19,9 +19,10 @@ import hashlib
 import io
 import json
 import os
+import pickle
 import random
 import shutil
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -29,12 +30,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from scaletorch.config import Config
 from scaletorch.dist import comm, restart_count
-from scaletorch.parallel.consolidated import load_tensors_only
 from scaletorch.parallel.pipeline_schedules import V_SHAPED
-
-if TYPE_CHECKING:  # the config module imports this one
-    from scaletorch.trainer.config import Config
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -263,7 +261,7 @@ def load_model_and_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer,
                 values[key] = as_dtensor_like(value, param)
 
 
-def run_layout(cfg: "Config", world_size: int) -> Dict[str, Any]:
+def run_layout(cfg: Config, world_size: int) -> Dict[str, Any]:
     """What decides which shard of the model and optimizer each rank holds (``cfg``: the
     scaletorch Config): a per-rank checkpoint records it and resumes only where it is the same.
     """
@@ -285,7 +283,7 @@ def run_layout(cfg: "Config", world_size: int) -> Dict[str, Any]:
     }
 
 
-def check_resume(cfg: "Config", world_size: int) -> None:
+def check_resume(cfg: Config, world_size: int) -> None:
     """Before any process starts training: refuse to resume a per-rank checkpoint of another
     layout (the check ``load_checkpoint`` makes too), so the message is printed once.
 
@@ -309,3 +307,26 @@ def load_checkpoint(path: str, rank: int, world_size: int,
     check_layout(path, manifest, world_size, layout)
     data = _read_verified(path, os.path.basename(rank_file(path, rank)), manifest)
     return load_tensors_only(data, f"checkpoint file {rank_file(path, rank)!r}")
+
+
+def load_tensors_only(source: Union[str, bytes], name: str) -> Any:
+    """``torch.load`` on CPU that unpickles only tensors and plain Python values (dict, list,
+    tuple, str, int, float, bool, None): a checkpoint someone else wrote cannot run code when it
+    is loaded. ``source`` is a path or the file's bytes; ``name`` says what it is in the error.
+
+    Every ScaleTorch checkpoint holds only such values (``rng_state`` stores NumPy's state as
+    a tensor and ints); a file that needs any other class is refused with a ValueError.
+    """
+    file = io.BytesIO(source) if isinstance(source, bytes) else source
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        # torch's message names the class the file asked for ("Trying to load unsupported
+        # GLOBAL posix.system ...") and then suggests weights_only=False, which we do not
+        needed = [line.strip() for line in str(err).splitlines() if "GLOBAL" in line]
+        raise ValueError(
+            f"{name} needs more than tensors and plain Python values to load"
+            f"{' (' + needed[0] + ')' if needed else ''}: it is not a ScaleTorch checkpoint, or "
+            f"it was written by an older ScaleTorch or another program. It was not unpickled, "
+            f"since that could run code; re-save it with this version from a source you "
+            f"trust.") from None

@@ -1,7 +1,8 @@
-"""Run configuration: dataclasses, loaded from YAML, overridden on the command line.
+"""Loading a run's configuration: YAML, then the command line, then every value checked.
 
-One ``Config`` holds every knob, grouped in sections that match the YAML files in
-``examples/configs``. Precedence: dataclass defaults < YAML file < command line. Overrides:
+The fields themselves (one ``Config`` of sections that match the YAML files in
+``examples/configs``) live in scaletorch/config.py, re-exported here.
+Precedence: dataclass defaults < YAML file < command line. Overrides:
 
     --training.lr 1e-3          any field, by section and name
     --set training.lr=1e-3      the same, in one token (repeatable)
@@ -12,119 +13,27 @@ naming the offending values, before any process group or model exists.
 """
 
 import argparse
-import dataclasses
 import os
 import sys
 import time
 import typing
-from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 import yaml
 
+from scaletorch.config import (PRECISIONS, CheckpointConfig, Config, DataConfig, LoggingConfig,
+                               ParallelConfig, TrainingConfig, recompute_mode)
 from scaletorch.data.datasets import check_synthetic_vocab
-from scaletorch.models import LlamaConfig
+from scaletorch.parallel.mixed_precision import policy_for as precision_policy
 # the one layout check (also run by parallelize): re-exported for the scripts
 from scaletorch.parallel.validation import validate_layout
-from scaletorch.plan.layout import recompute_mode
 from scaletorch.trainer.checkpoint import check_resume
-from scaletorch.trainer.precision import PRECISIONS
-from scaletorch.trainer.precision import policy as precision_policy
 
-
-@dataclass
-class DataConfig:
-    dataset: str = "synthetic"  # synthetic | text | bin
-    path: Optional[str] = None  # the file for text and bin
-    seq_len: int = 32
-    global_batch_size: int = 8  # sequences per optimizer step, over all data-parallel ranks
-    num_micro_batches: int = 1  # gradient accumulation steps (micro-batches per rank per step)
-    seed: int = 1234  # the data seed: batch t is a function of (seed, t) only
-
-
-@dataclass
-class ParallelConfig:
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-    context_parallel_size: int = 1
-    expert_model_parallel_size: int = 1
-    data_parallel_size: int = 0  # 0: whatever the world size leaves; else must match it
-    impl: str = "scaletorch"  # scaletorch (ours, by hand) | naive (01 only) | torch (native)
-    bucket_size_mb: float = 25.0  # DDP gradient bucket size
-    zero_stage: int = 0  # 0: plain data parallel; 1, 2, 3: ZeRO stages
-    sequence_parallel: bool = False
-    schedule: str = "1f1b"  # afab | 1f1b | interleaved | zb-h1 | zbv | dualpipev (chapter 04)
-    virtual_pipeline_stages: int = 1
-    cp_variant: str = "ring"  # ring | ulysses
-    # none | selective (recompute the attention core) | full (each block); true/false: full/none
-    activation_checkpointing: str = "none"
-    # layers per global pipeline stage (pp x virtual stages entries); None: an even split
-    layer_split: Optional[List[int]] = None
-    # mixed precision (chapter 08): ZeRO-3's parameter all-gather dtype, gradients' wire dtype
-    # auto (the compute dtype: what ZeRO-3 should gather, mixed_precision.py) | fp32 | bf16 | fp16
-    param_dtype: str = "auto"
-    reduce_dtype: str = "fp32"  # fp32 | bf16 | fp16
-
-
-@dataclass
-class TrainingConfig:
-    steps: int = 100
-    lr: float = 3e-3
-    min_lr: float = 3e-4  # the cosine decays to this
-    warmup_steps: int = 10
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0  # global-norm clipping; 0 disables it
-    # auto (bf16 on GPU, fp32 on CPU and under --check) | fp32 | bf16 | fp16
-    precision: str = "auto"
-    model_seed: int = 42  # one seed builds the same full model on every rank
-    timeout_seconds: float = 300.0  # every collective fails after this instead of hanging
-    fail_at_step: int = -1  # fault injection: kill rank ``fail_rank`` at this step (first try only)
-    fail_rank: int = 0
-
-
-@dataclass
-class CheckpointConfig:
-    every: int = 0  # save every N steps; 0: never
-    dir: Optional[str] = None  # default: <run dir>/checkpoints
-    resume: Optional[str] = None  # "latest" or a checkpoint directory
-    keep_last: int = 2  # older checkpoints are deleted
-
-
-@dataclass
-class LoggingConfig:
-    run_dir: str = "runs"
-    name: str = "run"
-    log_every: int = 10
-    progress: bool = True  # tqdm bar on rank 0
-    # a cluster file from scripts/plan.py --calibrate: the run ends with the planner's step time
-    # beside the measured one (memory and wire bytes are compared without it)
-    plan_cluster: str = ""
-
-
-@dataclass
-class Config:
-    model: LlamaConfig = field(default_factory=LlamaConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    training: TrainingConfig = field(default_factory=TrainingConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
-    check: bool = False  # also run the single-device reference and compare
-
-    @property
-    def run_path(self) -> str:
-        return os.path.join(self.logging.run_dir, self.logging.name)
-
-    @property
-    def checkpoint_path(self) -> str:
-        return self.checkpoint.dir or os.path.join(self.run_path, "checkpoints")
-
-    def to_dict(self) -> Dict[str, Any]:
-        return dataclasses.asdict(self)
-
+__all__ = [
+    "CheckpointConfig", "Config", "DataConfig", "LoggingConfig", "ParallelConfig", "TrainingConfig",
+    "load_config", "parse_args", "save_config", "validate", "validate_layout"
+]
 
 SECTIONS = ("model", "data", "parallel", "training", "checkpoint", "logging")
 

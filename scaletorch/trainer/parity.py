@@ -13,9 +13,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from scaletorch.config import Config
 from scaletorch.dist import comm, get_ledger
 from scaletorch.models import build_model
-from scaletorch.trainer.config import Config
 from scaletorch.trainer.precision import TOLERANCES, parity_tolerance, resolve_precision
 
 TOLERANCE = TOLERANCES["fp32"]  # K >= 5 steps in fp32; bf16's is derived in precision.py

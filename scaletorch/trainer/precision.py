@@ -23,22 +23,20 @@ CPU against the bf16 reference (chapters 01-05 and 07 tp2 x pp2, 20-50 steps, lr
 below 3.1e-2 passes): prove a strategy in fp32, check the bf16 path with bf16. fp16 keeps
 11 significant bits (u = 2^-11), so the same argument bounds it by bf16's tolerance.
 
-``policy`` turns the config into the ``MixedPrecisionPolicy`` every strategy reads
-(scaletorch/parallel/mixed_precision.py: fp32 master weights and optimizer state always,
-``parallel.param_dtype``, ``parallel.reduce_dtype``).
+``resolve_precision`` lives with the config (scaletorch/config.py); chapter 08's
+``mixed_precision.policy_for`` turns the config into the ``MixedPrecisionPolicy`` the strategies
+read (fp32 master weights and optimizer state always, ``parallel.param_dtype``,
+``parallel.reduce_dtype``).
 """
 
 from contextlib import nullcontext
-from typing import TYPE_CHECKING, ContextManager
+from typing import ContextManager
 
 import torch
 
-from scaletorch.parallel.mixed_precision import MixedPrecisionPolicy
+from scaletorch.config import Config, resolve_precision
 
-if TYPE_CHECKING:  # the config module imports this one
-    from scaletorch.trainer.config import Config
-
-PRECISIONS = ("auto", "fp32", "bf16", "fp16")  # training.precision
+__all__ = ["TOLERANCES", "autocast", "parity_tolerance", "precision_note", "resolve_precision"]
 
 BF16_UNIT_ROUNDOFF = 2.0**-8  # 8 significant bits (7 stored + 1 implicit)
 TOLERANCES = {
@@ -50,24 +48,12 @@ TOLERANCES = {
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def resolve_precision(cfg: "Config", device_type: str) -> str:
-    """The precision the run computes in, "fp32", "bf16" or "fp16", on a device of ``device_type``
-    ("cpu", "cuda", ...): ``training.precision``, with "auto" resolved (fp32 under --check)."""
-    precision = cfg.training.precision
-    if precision not in PRECISIONS:
-        raise ValueError(f"training.precision must be one of {', '.join(PRECISIONS)}, "
-                         f"got {precision!r}")
-    if precision == "auto":
-        return "bf16" if device_type == "cuda" and not cfg.check else "fp32"
-    return precision
-
-
-def parity_tolerance(cfg: "Config", device_type: str) -> float:
+def parity_tolerance(cfg: Config, device_type: str) -> float:
     """The largest loss and weight deviation ``--check`` accepts for this run's precision."""
     return TOLERANCES[resolve_precision(cfg, device_type)]
 
 
-def precision_note(cfg: "Config", device_type: str) -> str:
+def precision_note(cfg: Config, device_type: str) -> str:
     """The one line a ``--check`` run prints about its precision."""
     precision = resolve_precision(cfg, device_type)
     if cfg.training.precision == "auto":
@@ -78,15 +64,7 @@ def precision_note(cfg: "Config", device_type: str) -> str:
             f"{TOLERANCES[precision]:.1e}")
 
 
-def autocast(cfg: "Config", device: torch.device) -> ContextManager:
+def autocast(cfg: Config, device: torch.device) -> ContextManager:
     """Autocast to the resolved precision's dtype on ``device`` (nothing for fp32)."""
     dtype = DTYPES[resolve_precision(cfg, device.type)]
     return nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
-
-
-def policy(cfg: "Config", device_type: str) -> MixedPrecisionPolicy:
-    """The run's mixed-precision policy: the resolved precision with ``parallel.param_dtype``
-    and ``parallel.reduce_dtype`` (ValueError naming the values if they cannot go together)."""
-    p = cfg.parallel
-    return MixedPrecisionPolicy.from_names(resolve_precision(cfg, device_type), p.param_dtype,
-                                           p.reduce_dtype, device_type)

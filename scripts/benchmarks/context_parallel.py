@@ -23,7 +23,7 @@ import torch
 from scaletorch.dist import destroy_pg_manager, get_ledger, init_pg_manager
 from scaletorch.models import LlamaConfig, build_model
 from scaletorch.parallel.context_parallel import apply_context_parallel, zigzag_positions
-from scaletorch.trainer import forward_backward
+from scaletorch.parallel.step import forward_backward
 from scripts.benchmarks import timing
 
 MODEL = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=2,

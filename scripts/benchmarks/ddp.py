@@ -17,7 +17,7 @@ import torch
 from scaletorch.dist import destroy_pg_manager, get_ledger, init_pg_manager
 from scaletorch.models import LlamaConfig, build_model
 from scaletorch.parallel.data_parallel import IMPLS, apply_data_parallel
-from scaletorch.trainer import forward_backward
+from scaletorch.parallel.step import forward_backward
 from scripts.benchmarks import timing
 
 MODEL = LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=768, num_layers=4,

@@ -19,7 +19,7 @@ from scaletorch.dist import (ProcessGroupManager, RankGrid, destroy_pg_manager, 
                              init_pg_manager)
 from scaletorch.models import LlamaConfig, build_model
 from scaletorch.parallel.expert_parallel import all_to_all_elements, apply_expert_parallel
-from scaletorch.trainer import forward_backward
+from scaletorch.parallel.step import forward_backward
 from scripts.benchmarks import timing
 
 MODEL = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2,

@@ -20,8 +20,8 @@ from scaletorch.dist import destroy_pg_manager, get_ledger, init_pg_manager
 from scaletorch.models import build_model
 from scaletorch.parallel.mixed_precision import MixedPrecisionPolicy
 from scaletorch.parallel.native import apply_fully_shard
+from scaletorch.parallel.step import forward_backward
 from scaletorch.parallel.zero import ZeroAdamW, apply_zero
-from scaletorch.trainer import forward_backward
 from scripts.benchmarks import timing
 from scripts.benchmarks.fsdp import BATCH_PER_RANK, MODEL, SEQ_LEN, WARMUP
 

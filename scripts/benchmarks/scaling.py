@@ -23,8 +23,8 @@ from scaletorch.dist import get_ledger
 from scaletorch.dist.pg_manager import ProcessGroupManager, RankGrid
 from scaletorch.models import LlamaConfig, build_model
 from scaletorch.parallel.activation_checkpointing import saved_activation_bytes
+from scaletorch.parallel.memory_report import measure_memory
 from scaletorch.parallel.parallelize import GROUPS, parallelize
-from scaletorch.parallel.zero_memory import measure_memory
 from scaletorch.trainer import Config, Trainer
 from scripts.benchmarks import timing
 

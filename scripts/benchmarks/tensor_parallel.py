@@ -21,7 +21,7 @@ from scaletorch.models import LlamaConfig, build_model
 from scaletorch.parallel import native
 from scaletorch.parallel import tensor_parallel as tp_lib
 from scaletorch.parallel.grad_norm import clip_grads_, replica_count, world_grad_norm
-from scaletorch.trainer import forward_backward
+from scaletorch.parallel.step import forward_backward
 from scripts.benchmarks import timing
 
 MODEL = LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=768, num_layers=4,

@@ -47,23 +47,14 @@ output's) and the ring's K/V passes.
 from collections import defaultdict
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
-from scaletorch.plan.layout import ACTIVATION_BYTES, PRECISIONS, V_SHAPED, ZERO_BUBBLE, PlanLayout
+from scaletorch.plan.layout import (ACTIVATION_BYTES, PRECISION_BYTES, V_SHAPED, ZERO_BUBBLE,
+                                    PlanLayout)
 from scaletorch.plan.memory import Unit, has_tied_copy, rank_units
 from scaletorch.plan.model import ModelSpec
 from scaletorch.plan.pipeline import (holds_ends, rank_layers, rank_of_stage, rank_stages,
                                       split_backwards, stage_index)
-
-
-def wire_bytes(op: str, nbytes: int, group_size: int) -> float:
-    """Bytes one rank sends for ``op`` on ``nbytes`` over a ring of ``group_size`` ranks."""
-    n = group_size
-    if op == "all_reduce":
-        return 2 * (n - 1) / n * nbytes
-    if op in ("all_gather", "reduce_scatter"):
-        return (n - 1) / n * nbytes
-    if op == "recv":
-        return 0.0
-    return float(nbytes)
+from scaletorch.rules.buckets import ddp_buckets
+from scaletorch.rules.wire import wire_bytes
 
 
 def zero_comm_elements(zero_stage: int, numel: int, num_micro_batches: int = 1) -> Dict[str, int]:
@@ -206,8 +197,8 @@ def collectives(model: ModelSpec, layout: PlanLayout, pp_rank: int = 0) -> List[
     m, b, s = lay.num_micro_batches, lay.micro_batch_size, lay.seq_len // lay.cp
     h, t, T = model.hidden_size, lay.tp, b * s  # T: tokens of one micro-batch on this rank
     act = ACTIVATION_BYTES[lay.precision]
-    grad = PRECISIONS[lay.precision][1]
-    param = PRECISIONS[lay.precision][0]
+    grad = PRECISION_BYTES[lay.precision][1]
+    param = PRECISION_BYTES[lay.precision][0]
     chunks = rank_layers(model.num_layers, lay.pp, lay.virtual_stages, lay.layer_split,
                          lay.schedule)
     layers = [i for c in chunks[pp_rank] for i in c]
@@ -231,7 +222,6 @@ def collectives(model: ModelSpec, layout: PlanLayout, pp_rank: int = 0) -> List[
                   for c in range(v)]
         # DDP's own bucket rule (chapter 01's data_parallel.py; imported here, where it is
         # needed, so that the planner imports without torch)
-        from scaletorch.parallel.data_parallel import ddp_buckets
         add("dp_cp", n, "all_reduce", dense, grad,
             calls=sum(len(ddp_buckets(chunk, lay.bucket_size_mb)) for chunk in params))
     else:

@@ -14,15 +14,15 @@ from torch.optim import Optimizer
 
 from scaletorch.dist import get_ledger
 from scaletorch.plan.cluster import load_cluster
-from scaletorch.plan.comm import wire_bytes_per_group
 from scaletorch.plan.layout import from_config as layout_of
 from scaletorch.plan.memory import state_bytes
 from scaletorch.plan.model import from_config as model_of
 from scaletorch.plan.report import human
 from scaletorch.plan.time import fastest_step, step_time
+from scaletorch.plan.traffic import wire_bytes_per_group
 
 if TYPE_CHECKING:
-    from scaletorch.trainer.config import Config
+    from scaletorch.config import Config
 
 
 def _pair(predicted: float, measured: float) -> str:
@@ -39,7 +39,7 @@ def plan_report(cfg: "Config", world: int, pp_rank: int, model: nn.Module, optim
     """'plan' lines for this rank: predicted = measured. Empty when the planner does not model
     the run: impl torch (PyTorch's own collectives bypass the ledger), a precision other than
     fp32."""
-    from scaletorch.parallel.zero_memory import measure_memory
+    from scaletorch.parallel.memory_report import measure_memory
 
     if cfg.parallel.impl != "scaletorch" or cfg.training.precision not in ("auto", "fp32"):
         return ""

@@ -11,18 +11,17 @@ rank its part of the AdamW state (``ParamMap.scatter``), the schedule and the st
      "scheduler": LambdaLR state, "schedule": {steps, lr, min_lr, warmup_steps}}
 """
 
-import io
 import os
-import pickle
-from typing import TYPE_CHECKING, Any, Dict, Optional, Union
+from typing import TYPE_CHECKING, Any, Dict, Optional
 
 import torch
 
+from scaletorch.config import Config
 from scaletorch.dist import comm, get_ledger
 from scaletorch.parallel.parallelize import Parallelized
+from scaletorch.trainer.checkpoint import load_tensors_only
 
-if TYPE_CHECKING:  # the trainer imports this module (through its checkpoints)
-    from scaletorch.trainer.config import Config
+if TYPE_CHECKING:  # only the type: chapter 07's script hands its Trainer in
     from scaletorch.trainer.trainer import Trainer
 
 
@@ -57,7 +56,7 @@ def consolidated_state(trainer: "Trainer", par: Parallelized) -> Optional[Dict[s
 SCHEDULE = ("steps", "lr", "min_lr", "warmup_steps")
 
 
-def _schedule(cfg: "Config") -> Dict[str, float]:
+def _schedule(cfg: Config) -> Dict[str, float]:
     """The training fields the learning-rate schedule is a function of."""
     return {key: getattr(cfg.training, key) for key in SCHEDULE}
 
@@ -72,29 +71,6 @@ def save_consolidated(path: str, trainer: "Trainer", par: Parallelized) -> Optio
         os.replace(tmp, path)
     comm.barrier()
     return path
-
-
-def load_tensors_only(source: Union[str, bytes], name: str) -> Any:
-    """``torch.load`` on CPU that unpickles only tensors and plain Python values (dict, list,
-    tuple, str, int, float, bool, None): a checkpoint someone else wrote cannot run code when it
-    is loaded. ``source`` is a path or the file's bytes; ``name`` says what it is in the error.
-
-    Every ScaleTorch checkpoint holds only such values (``rng_state`` stores NumPy's state as
-    a tensor and ints); a file that needs any other class is refused with a ValueError.
-    """
-    file = io.BytesIO(source) if isinstance(source, bytes) else source
-    try:
-        return torch.load(file, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as err:
-        # torch's message names the class the file asked for ("Trying to load unsupported
-        # GLOBAL posix.system ...") and then suggests weights_only=False, which we do not
-        needed = [line.strip() for line in str(err).splitlines() if "GLOBAL" in line]
-        raise ValueError(
-            f"{name} needs more than tensors and plain Python values to load"
-            f"{' (' + needed[0] + ')' if needed else ''}: it is not a ScaleTorch checkpoint, or "
-            f"it was written by an older ScaleTorch or another program. It was not unpickled, "
-            f"since that could run code; re-save it with this version from a source you "
-            f"trust.") from None
 
 
 def load_consolidated(path: str) -> Dict[str, Any]:

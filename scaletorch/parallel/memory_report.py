@@ -13,12 +13,12 @@ from torch import nn
 
 from scaletorch.dist import ProcessGroupManager, comm, get_ledger
 from scaletorch.parallel.mixed_precision import MixedPrecisionPolicy
-# the formulas live with the planner (scaletorch/plan), which predicts whole layouts with them
-from scaletorch.plan.comm import zero_comm_elements as comm_formula
 from scaletorch.plan.memory import memory_formula
+# the formulas live with the planner (scaletorch/plan), which predicts whole layouts with them
+from scaletorch.plan.traffic import zero_comm_elements as comm_formula
 
 if TYPE_CHECKING:  # the config module imports scaletorch.parallel
-    from scaletorch.trainer.config import Config
+    from scaletorch.config import Config
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -128,7 +128,7 @@ def zero_report(model: nn.Module, optimizer: torch.optim.Optimizer, cfg: "Config
     memory table gathers every rank's row); the text on its rank 0, "" elsewhere: the ledger's
     table of ``step``, the all-gather and reduce-scatter volume next to the formula, and every
     rank's memory next to the formula. ``numel``: Psi of the unsharded model."""
-    from scaletorch.trainer.precision import policy as run_policy  # the trainer imports us
+    from scaletorch.parallel.mixed_precision import policy_for as run_policy
     p, group = cfg.parallel, pgm.data_parallel_group_with_context
     mp = run_policy(cfg, next(model.parameters()).device.type)
     padded = getattr(model, "padded_numel", numel)  # FSDP2 does not pad

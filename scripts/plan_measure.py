@@ -1,0 +1,109 @@
+"""What scripts/plan.py and scripts/calibrate.py both need from a real run: a planned layout
+as a trainer config (``run_config``), the trainer's layout check for it (``checker``), and one
+rank's measurements of training it (``measure_rank``: ledger bytes and calls, memory, saved
+activations, step times).
+"""
+
+import copy
+import os
+import sys
+from typing import Dict, Optional
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from scaletorch.dist import destroy_pg_manager, get_ledger, init_pg_manager  # noqa: E402
+from scaletorch.models import build_model  # noqa: E402
+from scaletorch.parallel.activation_checkpointing import saved_activation_bytes  # noqa: E402
+from scaletorch.parallel.memory_report import measure_memory  # noqa: E402
+from scaletorch.parallel.parallelize import parallelize  # noqa: E402
+from scaletorch.parallel.validation import validate_layout  # noqa: E402
+from scaletorch.plan.layout import PlanLayout  # noqa: E402
+from scaletorch.plan.model import ModelSpec  # noqa: E402
+from scaletorch.trainer import Trainer  # noqa: E402
+from scaletorch.trainer.config import Config  # noqa: E402
+from scaletorch.trainer.plan_line import plan_report  # noqa: E402
+
+
+def run_config(base: Config, model: ModelSpec, layout: PlanLayout) -> Config:
+    """``base`` with ``model``'s shapes and ``layout``'s sizes: what the trainer would check."""
+    cfg = copy.deepcopy(base)
+    m, p, d = cfg.model, cfg.parallel, cfg.data
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                 "num_attention_heads", "num_key_value_heads", "tie_word_embeddings", "num_experts",
+                 "moe_top_k", "moe_layer_freq", "moe_intermediate_size"):
+        setattr(m, name, getattr(model, name))
+    m.max_seq_len = max(m.max_seq_len, layout.seq_len)
+    p.tensor_model_parallel_size, p.pipeline_model_parallel_size = layout.tp, layout.pp
+    p.context_parallel_size, p.expert_model_parallel_size = layout.cp, layout.ep
+    p.data_parallel_size, p.zero_stage = layout.dp, layout.zero_stage
+    p.virtual_pipeline_stages, p.schedule = layout.virtual_stages, layout.schedule
+    p.sequence_parallel, p.layer_split = layout.sequence_parallel, layout.layer_split
+    p.activation_checkpointing = layout.activation_checkpointing
+    d.seq_len, d.num_micro_batches = layout.seq_len, layout.num_micro_batches
+    d.global_batch_size = layout.global_batch
+    return cfg
+
+
+def checker(base: Config):
+    """The trainer's layout check for a planned layout: None if it can run, else why not."""
+
+    def check(model: ModelSpec, layout: PlanLayout) -> Optional[str]:
+        try:
+            validate_layout(run_config(base, model, layout), layout.world)
+        except ValueError as err:
+            return str(err)
+        return None
+
+    return check
+
+
+def measure_rank(rank: int, world: int, configs: Dict[str, Config]) -> Dict[str, dict]:
+    """Inside a gloo world: train each config's layout (``training.steps`` steps) and measure
+    this rank: ``wire`` {(op, group, phase): wire bytes of the last step} and ``calls`` {the
+    same keys: calls of the last step} from the ledger, ``memory`` (parameters, gradients,
+    optimizer: the tensors held), ``saved`` (the most bytes autograd kept for backward during
+    one more step, saved_tensors_hooks), ``pp_rank``, ``step_seconds`` (each step's wall
+    time)."""
+    out, ledger = {}, get_ledger()
+    for name, cfg in configs.items():
+        p = cfg.parallel
+        pgm = init_pg_manager(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+                              p.context_parallel_size, p.expert_model_parallel_size)
+        model = build_model(cfg.model, seed=cfg.training.model_seed)
+        par = parallelize(model, cfg, pgm, torch.device("cpu"))
+        trainer = Trainer.from_parallelized(cfg, par, pgm, verbose=False)
+        ledger.clear()
+        result = trainer.train()
+        wire: Dict[tuple, float] = {}
+        calls: Dict[tuple, int] = {}
+        for r in ledger.select(step=cfg.training.steps - 1):
+            key = (r.op, r.group, r.phase)
+            wire[key] = wire.get(key, 0.0) + r.wire_bytes
+            calls[key] = calls.get(key, 0) + 1
+        memory = measure_memory(trainer.model, trainer.optimizer)
+        inputs, targets = trainer.loader.get_batch(0)
+        with ledger.paused():  # not the step's traffic
+            saved, _ = saved_activation_bytes(par.model,
+                                              lambda: par.forward_backward(inputs, targets))
+        out[name] = {
+            "wire":
+            wire,
+            "calls":
+            calls,
+            "memory":
+            memory,
+            "saved":
+            saved,
+            "pp_rank":
+            pgm.pipeline_model_parallel_rank,
+            "step_seconds":
+            result.step_seconds,
+            # what the trainer prints at the end of a run (rank 0's), from this rank
+            "report":
+            plan_report(cfg, world, pgm.pipeline_model_parallel_rank, trainer.model,
+                        trainer.optimizer, cfg.training.steps - 1, []),
+        }
+        destroy_pg_manager()
+    return out
