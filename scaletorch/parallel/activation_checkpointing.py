@@ -25,7 +25,7 @@ from torch.utils.checkpoint import checkpoint
 from scaletorch.dist import get_ledger
 from scaletorch.models import Llama
 from scaletorch.models.llama import Attention
-from scaletorch.plan.layout import recompute_mode  # none | selective | full (true/false: full/none)
+from scaletorch.config import recompute_mode
 
 
 class _Checkpointed:
