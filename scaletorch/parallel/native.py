@@ -18,12 +18,10 @@ fastest, then dp, then pp); each strategy takes the sub-mesh it works over:
                  FSDP2's ``replicate`` (whole weights, gradients all-reduced over dp); a model
                  without tp, pp or ZeRO-3 takes DistributedDataParallel over dp_cp (chapter 01)
 
-Why ``replicate`` beside tp and pp, not DistributedDataParallel: DDP takes a tp model only
-through a stop-gap (given a dp sub-mesh it turns the DTensor weights back into plain local
-tensors, and its own comment says state dicts then need care), so the placements that the
-clip and ``DTensorParamMap`` read would be gone. FSDP2's ``replicate`` (the hooks of
-``fully_shard``, no sharding) keeps 2-D (dp, tp) DTensors and is what ``PipelineStage`` drives
-between micro-batches, as it drives ``fully_shard`` (gradients reduced once, after the last).
+Why ``replicate`` beside tp and pp, not DistributedDataParallel: tensor_parallel_dtensor.py
+(chapter 03's native piece, which also holds the mesh, the DTensor split, its loss and its
+clip) says why for tp; ``PipelineStage`` drives ``replicate`` between micro-batches, as it
+drives ``fully_shard`` (gradients reduced once, after the last).
 
 Clip: ``world_grad_norm`` (grad_norm.py), every local gradient element divided by the number
 of ranks that hold it; one all-reduce over the world, which also sums the pipeline stages.
@@ -34,7 +32,7 @@ see them. What cannot run here (validation.py): MoE, ZeRO-1/2, context parallel 
 or ZeRO-3.
 """
 
-from typing import TYPE_CHECKING, Callable, Dict, Iterable, List, Optional, Tuple, cast
+from typing import TYPE_CHECKING, Callable, Iterable, List, Optional, Tuple, cast
 
 import torch
 import torch.distributed as dist
@@ -43,117 +41,25 @@ from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy as FSDPMixedPrecision
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                               SequenceParallel, loss_parallel, parallelize_module)
-from torch.nn import functional as F
 
 from scaletorch.dist import ProcessGroupManager
 from scaletorch.models import Llama, loss_fn
 from scaletorch.parallel.activation_checkpointing import apply_activation_checkpointing
 from scaletorch.parallel.context_parallel import apply_context_parallel, make_sequence_sharder
 from scaletorch.parallel.data_parallel import apply_data_parallel
-from scaletorch.parallel.grad_norm import clip_grads_, world_grad_norm
 from scaletorch.parallel.mixed_precision import MixedPrecisionPolicy
 from scaletorch.parallel.param_map import DTensorParamMap
 from scaletorch.parallel.pipeline_parallel import TorchPipelineSchedule, apply_pipeline_parallel
 from scaletorch.parallel.pipeline_schedules import V_SHAPED
 from scaletorch.parallel.step import ForwardBackward, make_data_parallel_step
-from scaletorch.parallel.tensor_parallel import validate_tensor_parallel
+from scaletorch.parallel.tensor_parallel_dtensor import (apply_dtensor_tensor_parallel,
+                                                          apply_per_block, device_mesh,
+                                                          dtensor_loss_fn, in_loss_parallel,
+                                                          native_clip_grad_norm)
 from scaletorch.parallel.zero import check_zero_layout
 
 if TYPE_CHECKING:  # the config module imports scaletorch.parallel
     from scaletorch.config import Config
-
-MESH_DIMS = ("pp", "dp", "tp")  # slowest to fastest, as the rank grid orders them
-
-# ---- 0 the mesh ------------------------------------------------------------------------------
-
-
-def device_mesh(pgm: ProcessGroupManager, device_type: str) -> Dict[str, DeviceMesh]:
-    """One DeviceMesh (pp, dp, tp) over the world, made of the pg_manager's own groups (no new
-    ones), and its 1-D sub-meshes: {"world": mesh, "pp": .., "dp": .., "tp": ..}."""
-    if pgm.context_parallel_world_size > 1:
-        raise ValueError(f"the native mesh has no cp dim (context_parallel_size "
-                         f"{pgm.context_parallel_world_size}): use impl 'scaletorch'")
-    grid = pgm.grid
-    ranks = torch.empty([grid.size(d) for d in MESH_DIMS], dtype=torch.int)
-    for rank in range(pgm.world_size):
-        where = grid.coordinates(rank)
-        ranks[tuple(where[d] for d in MESH_DIMS)] = rank
-    # a mesh needs torch.distributed initialized, and then every group exists (never None)
-    groups = [cast(dist.ProcessGroup, pgm.get_group(d)) for d in MESH_DIMS]
-    # DeviceMesh equality ignores the process groups and DTensor caches by mesh: dims named
-    # after this pg_manager's groups keep a mesh over a rebuilt pg_manager (tests rebuild it
-    # inside one world) from being taken for a mesh over destroyed groups.
-    names = tuple(f"{d}{g.group_name}" for d, g in zip(MESH_DIMS, groups))
-    mesh = DeviceMesh.from_group(groups, device_type, ranks, mesh_dim_names=names)
-    return {"world": mesh, **{d: mesh[name] for d, name in zip(MESH_DIMS, names)}}
-
-
-# ---- 3 tensor parallel: parallelize_module on mesh["tp"] -------------------------------------
-
-
-def apply_dtensor_tensor_parallel(model: Llama, tp_mesh: DeviceMesh,
-                                  sequence_parallel: bool = False,
-                                  vocab_parallel_logits: bool = True) -> Llama:
-    """Chapter 03's split with ``parallelize_module`` (torchtitan's plan) over ``tp_mesh``.
-
-    ``vocab_parallel_logits``: the head returns (b, s, V) logits as a DTensor sharded on the
-    vocabulary (train inside ``loss_parallel()`` with ``dtensor_loss_fn``); else it gathers
-    them into a plain tensor (what a pipeline's loss function takes).
-    """
-    validate_tensor_parallel(model.config, tp_mesh.size(), sequence_parallel)
-    seq = Shard(1) if sequence_parallel else Replicate()  # the layout between blocks
-    logits = (Shard(-1), False) if vocab_parallel_logits else (Replicate(), True)
-    top = {
-        "embed_tokens":
-        RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
-        "lm_head":
-        ColwiseParallel(input_layouts=seq, output_layouts=logits[0], use_local_output=logits[1]),
-    }
-    if sequence_parallel:
-        top["norm"] = SequenceParallel()
-    parallelize_module(model, tp_mesh, top)
-    for block in model.layers:
-        plan = {
-            "self_attn.q_proj": ColwiseParallel(),
-            "self_attn.k_proj": ColwiseParallel(),
-            "self_attn.v_proj": ColwiseParallel(),
-            "self_attn.o_proj": RowwiseParallel(output_layouts=seq),
-            "mlp.gate_proj": ColwiseParallel(),
-            "mlp.up_proj": ColwiseParallel(),
-            "mlp.down_proj": RowwiseParallel(output_layouts=seq),
-        }
-        if sequence_parallel:  # norms on s/N tokens; one all-gather per attention / MLP input
-            plan["input_layernorm"] = SequenceParallel()
-            plan["post_attention_layernorm"] = SequenceParallel()
-            plan["self_attn"] = PrepareModuleInput(input_layouts=(Shard(1), None, None),
-                                                   desired_input_layouts=(Replicate(), None, None))
-            plan["mlp"] = PrepareModuleInput(input_layouts=Shard(1),
-                                             desired_input_layouts=Replicate())
-        parallelize_module(block, tp_mesh, plan)
-    if model.config.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
-    return model
-
-
-def dtensor_loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of vocab-sharded DTensor logits (b, s, V); call (and backward)
-    inside ``loss_parallel()``. Returns this rank's (replicated) loss as a plain tensor."""
-    loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-    return cast(DTensor, loss).to_local()  # a DTensor, as the logits were
-
-
-def _in_loss_parallel(step: ForwardBackward) -> ForwardBackward:
-    """DTensor's vocab-sharded cross-entropy (forward and backward) needs ``loss_parallel()``."""
-
-    def run(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        with loss_parallel():
-            return step(inputs, targets)
-
-    return run
-
 
 # ---- 5 data parallel: fully_shard or replicate on mesh["dp"] ---------------------------------
 
@@ -164,49 +70,11 @@ def apply_native_data_parallel(modules: Iterable[nn.Module], dp_mesh: DeviceMesh
     ``dp_mesh``: ``fully_shard`` (ZeRO-3) or ``replicate``. ``modules``: a Llama, or this
     rank's pipeline chunks (each its own root, so each stage syncs its own gradients).
     ``policy`` (chapter 08) becomes FSDP2's ``mp_policy``: fp32 means no cast (None)."""
-    wrap = fully_shard if zero3 else replicate
     p = policy or MixedPrecisionPolicy()
     mp = FSDPMixedPrecision(
         param_dtype=None if p.param_dtype == torch.float32 else p.param_dtype,
         reduce_dtype=None if p.reduce_dtype == torch.float32 else p.reduce_dtype)
-    for module in modules:
-        layers = module.get_submodule("layers")  # a Llama's list, or a chunk's dict
-        blocks = layers.values() if isinstance(layers, nn.ModuleDict) else layers.children()
-        for block in blocks:
-            wrap(block, mesh=dp_mesh, mp_policy=mp)
-        wrap(module, mesh=dp_mesh, mp_policy=mp)
-
-
-# ---- clip: the global norm over every layout --------------------------------------------------
-
-
-def copies(param: torch.Tensor, pgm: ProcessGroupManager) -> int:
-    """Ranks of the world holding the same elements as this rank's part of ``param``: those
-    of its pipeline stage (world / pp), divided by each mesh dim that shards it."""
-    n = pgm.world_size // pgm.pipeline_model_parallel_world_size
-    if isinstance(param, DTensor):
-        for size, placement in zip(param.device_mesh.shape, param.placements):
-            # Shard or FSDP2's _StridedShard (dp over a tp-sharded dim), whose is_shard() is False
-            n //= 1 if placement.is_replicate() or placement.is_partial() else size
-    return n
-
-
-def native_clip_grad_norm(params: List[nn.Parameter],
-                          pgm: ProcessGroupManager) -> Callable[[float], torch.Tensor]:
-    """``clip(max_norm)``: the global norm of DTensor and plain gradients, then the scaling."""
-    device = params[0].device
-
-    def clip(max_norm: float) -> torch.Tensor:
-        for p in params:
-            if isinstance(p, DTensor) and isinstance(p.grad, DTensor) \
-                    and p.grad.placements != p.placements:
-                # Norm weights under sequence parallel get Partial(sum) gradients (each rank
-                # saw its tokens only): sum them now, as the optimizer step would.
-                p.grad = p.grad.redistribute(p.grad.device_mesh, p.placements)
-        norm = world_grad_norm([(p, copies(p, pgm)) for p in params], device)
-        return clip_grads_(params, max_norm, norm)
-
-    return clip
+    apply_per_block(fully_shard if zero3 else replicate, modules, dp_mesh, mp)
 
 
 # ---- all of it, in order ---------------------------------------------------------------------
@@ -257,7 +125,7 @@ def parallelize_native(
                                        pgm.data_parallel_group_with_context,
                                        dtensor_loss_fn if tp > 1 else loss_fn, shard_sequence)
         if tp > 1:
-            step = _in_loss_parallel(step)
+            step = in_loss_parallel(step)
     clip = native_clip_grad_norm(list(trainer_model.parameters()), pgm)
     return trainer_model, step, clip, None, param_map
 

@@ -41,7 +41,7 @@ this same call (chapters 01-06 all use ``parallelize``):
 
 Not supported (ValueError from the one layout check, validation.py, before any surgery): ZeRO
 with MoE (experts would need sharding over "edp"), sequence parallel with MoE
-(tensor_parallel.py), tied embeddings with a V-shaped schedule beside dp_cp, ZeRO or MoE
+(validation.py), tied embeddings with a V-shaped schedule beside dp_cp, ZeRO or MoE
 wrappers, or with impl torch and pp,
 impl torch or naive with MoE, naive with ZeRO, impl torch with ZeRO-1/2 or with cp beside tp,
 pp or ZeRO-3; doc/07_nd_parallel.md, "Limits", lists every refusal.
@@ -62,7 +62,7 @@ from scaletorch.parallel.context_parallel import apply_context_parallel, make_se
 from scaletorch.parallel.data_parallel import apply_data_parallel
 from scaletorch.parallel.expert_parallel import ExpertParallel, shard_experts
 from scaletorch.parallel.grad_norm import clip_grads_, world_grad_norm
-from scaletorch.parallel.mixed_precision import DynamicLossScaler
+from scaletorch.parallel.mixed_precision import DTYPES, DynamicLossScaler
 from scaletorch.parallel.native import parallelize_native
 from scaletorch.parallel.param_map import DTensorParamMap, ParamMap, State
 from scaletorch.parallel.pipeline_parallel import PipelineSchedule, apply_pipeline_parallel
@@ -165,6 +165,12 @@ def _apply_data_parallel(
     return [apply_data_parallel(m, pgm, p.impl, p.bucket_size_mb, policy) for m in modules], None
 
 
+def _compute_dtype(cfg: "Config", device: torch.device) -> torch.dtype:
+    """The dtype the Trainer's autocast computes in (chapter 08; fp32: no autocast)."""
+    from scaletorch.trainer.precision import resolve_precision  # the trainer imports us
+    return DTYPES[resolve_precision(cfg, device.type)]
+
+
 def parallelize(model: Llama, cfg: "Config", pgm: ProcessGroupManager,
                 device: torch.device) -> Parallelized:
     """Apply expert -> tensor -> context -> checkpointing -> pipeline -> data parallel to the
@@ -182,8 +188,8 @@ def parallelize(model: Llama, cfg: "Config", pgm: ProcessGroupManager,
     shard_sequence: Optional[Callable] = None
     if cfg.model.num_experts > 0:  # 1 (also at ep 1: the routing statistics over dp_cp)
         shard_experts(model, pgm)
-    if pgm.tensor_model_parallel_world_size > 1:  # 2
-        apply_tensor_parallel(model, pgm, p.sequence_parallel)
+    if pgm.tensor_model_parallel_world_size > 1:  # 2, activations on the wire in autocast's dtype
+        apply_tensor_parallel(model, pgm, p.sequence_parallel, _compute_dtype(cfg, device))
         loss = tensor_parallel_loss_fn(pgm)
     # fp16 (chapter 08): the step scales the loss; every rank of the world agrees on overflows
     scaler = DynamicLossScaler() if cfg.training.precision == "fp16" else None

@@ -26,294 +26,30 @@ that N does not divide (32000 at tp 3, 50257 at tp 2) is padded with zero rows t
 ``vocab_pad_to`` x N, as Megatron does; the head gives the padding rows -inf logits, so loss,
 gradients and sampling are those of the unpadded model, and a gathered state has no padding.
 
-Longer than 300 lines on purpose: the column, row and vocabulary-parallel layers, the loss that
-never gathers the logits and the model surgery that uses them are one lesson; the chapter's
-report and its formulas (scaletorch/plan) are the only other things here.
+The layers and the f / g operators are in tensor_parallel_layers.py; here is the model surgery
+that uses them, the chapter's clip and gather, and its formula. PyTorch's DTensor version is in
+tensor_parallel_dtensor.py.
 """
 
 import math
-from typing import TYPE_CHECKING, Any, Callable, Optional, Tuple, cast
+from typing import Any, Callable, Dict, Optional
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
-from scaletorch.dist import ProcessGroupManager, comm, get_ledger
-from scaletorch.dist.comm import Group
-from scaletorch.dist.functional import (copy_to_parallel_region,
-                                        gather_from_sequence_parallel_region,
-                                        reduce_from_parallel_region,
-                                        reduce_scatter_to_sequence_parallel_region)
-from scaletorch.models import Llama, LlamaConfig, MoE, RMSNorm
-from scaletorch.parallel.mixed_precision import to_compute
-from scaletorch.plan.model import padded_vocab_size
-# the formulas live with the planner (scaletorch/plan), which predicts whole layouts with them
-from scaletorch.plan.traffic import tp_comm_elements as comm_elements_per_step
+from scaletorch.config import Config
+from scaletorch.dist import ProcessGroupManager, get_ledger
+from scaletorch.dist.functional import gather_along_dim
+from scaletorch.models import MLP, Llama, LlamaConfig, RMSNorm
+from scaletorch.parallel.grad_norm import clip_grads_, replica_count, world_grad_norm
+from scaletorch.parallel.tensor_parallel_layers import (ColumnParallelLinear, ParallelRMSNorm,
+                                                        RowParallelLinear, VocabParallelEmbedding,
+                                                        VocabParallelHead,
+                                                        vocab_parallel_cross_entropy)
+from scaletorch.rules.vocab import padded_vocab_size
 
-if TYPE_CHECKING:  # the config module imports scaletorch.parallel
-    from scaletorch.config import Config
-
-
-def _pad_rows(weight: torch.Tensor, rows: int) -> torch.Tensor:
-    """weight (V, h) with zero rows appended up to (rows, h): rows no token id reaches."""
-    return torch.cat((weight, weight.new_zeros(rows - weight.size(0), weight.size(1))))
-
-
-def _mark_padded(param: nn.Parameter, vocab_size: int, padded_size: int) -> None:
-    """Tag a vocabulary-split parameter whose full form has rows [vocab_size, padded_size) of
-    padding (param_map strips them when gathering and adds them back when scattering)."""
-    setattr(param, "vocab_padding", (vocab_size, padded_size))
-
-
-def _mark_sharded(param: nn.Parameter, dim: int) -> nn.Parameter:
-    """Tag a parameter as split over tp along ``dim`` (for grad-norm and gathering)."""
-    setattr(param, "tensor_model_parallel", True)
-    setattr(param, "partition_dim", dim)
-    return param
-
-
-def _enter_region(x: torch.Tensor, group: Group, sequence_parallel: bool) -> torch.Tensor:
-    """Hand a replicated activation to column-parallel matmuls.
-
-    Without sequence parallel: f (forward identity, backward all-reduce over ``group``).
-    With it: (b, s/N, h) -> (b, s, h) all-gather (backward reduce-scatter over ``group``).
-    """
-    x = to_compute(x)  # the matmuls' dtype under autocast: half the bytes (chapter 08)
-    if sequence_parallel:
-        return gather_from_sequence_parallel_region(x, group, dim=1)
-    return copy_to_parallel_region(x, group)
-
-
-def _exit_region(x: torch.Tensor, group: Group, sequence_parallel: bool) -> torch.Tensor:
-    """Sum the partial outputs of row-parallel shards: all-reduce (g), or reduce-scatter of
-    the sequence under sequence parallel: (b, s, h) -> (b, s/N, h)."""
-    if sequence_parallel:
-        return reduce_scatter_to_sequence_parallel_region(x, group, dim=1)
-    return reduce_from_parallel_region(x, group)
-
-
-class ColumnParallelLinear(nn.Module):
-    """y_i = x A_i^T: this rank holds rows [i out/N, (i+1) out/N) of A (no bias).
-
-    x: (b, s, in) replicated, or (b, s/N, in) under sequence parallel; y: (b, s, out/N).
-    ``enter_region=False`` when the caller already applied f / the all-gather once for several
-    layers reading the same input (q/k/v, gate/up): one collective instead of three.
-    """
-
-    def __init__(self, in_features: int, out_features: int, group: Group, *,
-                 sequence_parallel: bool = False, enter_region: bool = True) -> None:
-        super().__init__()
-        n = comm.group_size(group)
-        if out_features % n != 0:
-            raise ValueError(f"column-parallel output size {out_features} is not divisible by "
-                             f"the tensor-parallel size {n}")
-        self.group, self.sequence_parallel, self.enter_region = group, sequence_parallel, \
-            enter_region
-        self.weight = _mark_sharded(nn.Parameter(torch.empty(out_features // n, in_features)), 0)
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, group: Group, **kwargs: Any) -> "ColumnParallelLinear":
-        """This rank's row block of ``linear.weight`` (copied, so results equal the full layer)."""
-        out_features, in_features = linear.weight.shape
-        layer = cls(in_features, out_features, group, **kwargs).to(linear.weight)
-        rows = layer.weight.shape[0]
-        with torch.no_grad():
-            layer.weight.copy_(linear.weight[comm.group_rank(group) * rows:][:rows])
-        return layer
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.enter_region:
-            x = _enter_region(x, self.group, self.sequence_parallel)
-        return F.linear(x, self.weight)  # (b, s, out/N)
-
-
-class RowParallelLinear(nn.Module):
-    """y = sum_i x_i A_i^T: this rank holds columns [i in/N, (i+1) in/N) of A (no bias).
-
-    x: (b, s, in/N), the output of a column-parallel layer; y: (b, s, out) after the
-    all-reduce over ``group``, or (b, s/N, out) after the reduce-scatter under sequence parallel.
-    """
-
-    def __init__(self, in_features: int, out_features: int, group: Group, *,
-                 sequence_parallel: bool = False) -> None:
-        super().__init__()
-        n = comm.group_size(group)
-        if in_features % n != 0:
-            raise ValueError(f"row-parallel input size {in_features} is not divisible by the "
-                             f"tensor-parallel size {n}")
-        self.group, self.sequence_parallel = group, sequence_parallel
-        self.weight = _mark_sharded(nn.Parameter(torch.empty(out_features, in_features // n)), 1)
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, group: Group, **kwargs: Any) -> "RowParallelLinear":
-        """This rank's column block of ``linear.weight``."""
-        out_features, in_features = linear.weight.shape
-        layer = cls(in_features, out_features, group, **kwargs).to(linear.weight)
-        cols = layer.weight.shape[1]
-        with torch.no_grad():
-            layer.weight.copy_(linear.weight[:, comm.group_rank(group) * cols:][:, :cols])
-        return layer
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        partial = F.linear(x, self.weight)  # (b, s, out), this rank's share of the sum
-        return _exit_region(partial, self.group, self.sequence_parallel)
-
-
-class VocabParallelEmbedding(nn.Module):
-    """Rows [i V/N, (i+1) V/N) of the embedding table on rank i.
-
-    ids: (b, s) -> (b, s, h) after an all-reduce over ``group`` (each token's row lives on one
-    rank; the others contribute zeros), or (b, s/N, h) after a reduce-scatter under sequence
-    parallel.
-    """
-
-    def __init__(self, num_embeddings: int, embedding_dim: int, group: Group, *,
-                 sequence_parallel: bool = False) -> None:
-        super().__init__()
-        n = comm.group_size(group)
-        if num_embeddings % n != 0:
-            raise ValueError(f"vocabulary size {num_embeddings} is not divisible by the "
-                             f"tensor-parallel size {n}")
-        self.group, self.sequence_parallel = group, sequence_parallel
-        self.vocab_start = comm.group_rank(group) * (num_embeddings // n)
-        self.weight = _mark_sharded(nn.Parameter(torch.empty(num_embeddings // n, embedding_dim)),
-                                    0)
-
-    @classmethod
-    def from_embedding(cls, embedding: nn.Embedding, group: Group, padded_size: int = 0,
-                       **kwargs: Any) -> "VocabParallelEmbedding":
-        """This rank's rows of ``embedding``, padded with zero rows to ``padded_size`` if larger."""
-        num_embeddings, embedding_dim = embedding.weight.shape
-        padded_size = max(padded_size, num_embeddings)
-        layer = cls(padded_size, embedding_dim, group, **kwargs).to(embedding.weight)
-        rows = layer.weight.shape[0]
-        with torch.no_grad():
-            layer.weight.copy_(_pad_rows(embedding.weight, padded_size)[layer.vocab_start:][:rows])
-        if padded_size > num_embeddings:
-            _mark_padded(layer.weight, num_embeddings, padded_size)
-        return layer
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        n = comm.group_size(self.group)
-        if self.sequence_parallel and ids.size(1) % n != 0:
-            raise ValueError(f"sequence parallel splits the sequence over the tensor-parallel "
-                             f"group: sequence length {ids.size(1)} is not divisible by "
-                             f"tensor_model_parallel_size {n}")
-        local = ids - self.vocab_start
-        outside = (local < 0) | (local >= self.weight.shape[0])
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)  # (b, s, h)
-        out = out.masked_fill(outside.unsqueeze(-1), 0.0)  # rows held by other ranks
-        # the wire in the compute dtype under autocast (chapter 08), the residual stream in
-        # the embedding's dtype again (fp32, as on one device)
-        return _exit_region(to_compute(out), self.group, self.sequence_parallel).to(out.dtype)
-
-
-class VocabParallelHead(ColumnParallelLinear):
-    """The output layer split by vocabulary rows, padded like the embedding; the logits of the
-    padding rows are -inf, so the loss and sampling never see them (exp(-inf) = 0: no
-    probability, no gradient). x: (b, s, h) -> logits (b, s, V_padded/N)."""
-
-    vocab_size: int = 0  # the real vocabulary
-    vocab_start: int = 0  # this rank's first row
-
-    @classmethod
-    def from_head(cls, head: nn.Linear, group: Group, padded_size: int,
-                  **kwargs: Any) -> "VocabParallelHead":
-        vocab_size, hidden = head.weight.shape
-        full = nn.Linear(hidden, max(padded_size, vocab_size), bias=False).to(head.weight)
-        with torch.no_grad():
-            full.weight.copy_(_pad_rows(head.weight, full.weight.size(0)))
-        layer = cast(VocabParallelHead, cls.from_linear(full, group, **kwargs))
-        layer.vocab_size = vocab_size
-        layer.vocab_start = comm.group_rank(group) * layer.weight.shape[0]
-        if full.weight.size(0) > vocab_size:
-            _mark_padded(layer.weight, vocab_size, full.weight.size(0))
-        return layer
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = super().forward(x)  # (b, s, V_padded/N)
-        first_pad = self.vocab_size - self.vocab_start  # local columns from here are padding
-        if first_pad < logits.size(-1):
-            pad = torch.arange(logits.size(-1), device=logits.device) >= first_pad
-            logits = logits.masked_fill(pad, float("-inf"))
-        return logits
-
-
-class ParallelRMSNorm(RMSNorm):
-    """RMSNorm whose output feeds column-parallel matmuls: norm, then f or the all-gather.
-
-    Doing the entry here, once, serves q/k/v (or gate/up, or the head) with one collective.
-    x: (b, s, h) or (b, s/N, h) under sequence parallel -> (b, s, h). Under sequence parallel
-    each rank normalizes only its tokens, so the weight goes through f: its gradient is
-    all-reduced over ``group`` in backward and stays identical on every rank.
-    """
-
-    def __init__(self, dim: int, eps: float, group: Group, sequence_parallel: bool) -> None:
-        super().__init__(dim, eps)
-        self.group, self.sequence_parallel = group, sequence_parallel
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight: torch.Tensor = self.weight
-        if self.sequence_parallel:
-            weight = copy_to_parallel_region(weight, self.group)
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        y = (normed * weight.float()).to(x.dtype)
-        return _enter_region(y, self.group, self.sequence_parallel)
-
-
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Mean cross-entropy of vocab-sharded logits (n, V/N); targets (n,) global ids.
-
-    Forward: all-reduce MAX of the row max (n), then one all-reduce SUM of [sum exp, target
-    logit] (2 n) over ``group``. Backward: (softmax - one_hot) / n, local, no communication.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor,
-                group: Group) -> torch.Tensor:
-        logits32 = logits.float()
-        row_max = logits32.max(dim=-1).values  # (n,)
-        comm.all_reduce(row_max, group, op=dist.ReduceOp.MAX)
-        shifted = logits32 - row_max.unsqueeze(-1)  # (n, V/N), <= 0 everywhere
-        vocab_local = logits.size(-1)
-        local = targets - comm.group_rank(group) * vocab_local
-        mine = (local >= 0) & (local < vocab_local)  # this rank holds the target's logit
-        local = local.masked_fill(~mine, 0)
-        # where, not a product: a rank holding only padding has -inf there (-inf * 0 = nan)
-        target_logit = torch.where(mine, shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1), 0.0)
-        exp = shifted.exp()
-        stats = torch.stack((exp.sum(dim=-1), target_logit))  # (2, n)
-        comm.all_reduce(stats, group)
-        sum_exp, target_logit = stats[0], stats[1]
-        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local, mine)
-        ctx.input_dtype = logits.dtype
-        return (sum_exp.log() - target_logit).mean()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[torch.Tensor, None, None]:
-        softmax, local, mine = ctx.saved_tensors  # softmax: (n, V/N) of the full distribution
-        grad_logits = softmax.clone()
-        rows = torch.arange(grad_logits.size(0), device=grad_logits.device)
-        grad_logits[rows, local] -= mine.to(grad_logits.dtype)
-        grad_logits.mul_(grad / grad_logits.size(0))
-        return grad_logits.to(ctx.input_dtype), None, None
-
-
-def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
-                                 group: Group) -> torch.Tensor:
-    """Mean cross-entropy of logits (b, s, V/N) sharded over ``group`` by vocabulary and
-    targets (b, s); equals ``models.loss_fn`` on the gathered logits, never gathering them."""
-    return _VocabParallelCrossEntropy.apply(logits.reshape(-1, logits.size(-1)),
-                                            targets.reshape(-1), group)
-
-
-def tensor_parallel_loss_fn(
-        pgm: ProcessGroupManager) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """``loss_fn(logits, targets)`` for the trainer step of a model converted here."""
-    group = pgm.tensor_model_parallel_group
-    return lambda logits, targets: vocab_parallel_cross_entropy(logits, targets, group)
+State = Dict[str, torch.Tensor]
 
 
 def validate_tensor_parallel(config: LlamaConfig, tensor_model_parallel_size: int,
@@ -325,11 +61,6 @@ def validate_tensor_parallel(config: LlamaConfig, tensor_model_parallel_size: in
         raise ValueError("sequence parallel shards activations over the tensor-parallel group "
                          "and needs tensor_model_parallel_size > 1, got 1: set --tp, or drop "
                          "--sequence-parallel")
-    if sequence_parallel and config.num_experts > 0:
-        raise ValueError(f"sequence parallel with mixture-of-experts layers is not supported "
-                         f"(num_experts = {config.num_experts}): the MoE runs whole on every "
-                         f"tensor-parallel rank and needs the full sequence; drop "
-                         f"--sequence-parallel")
     sizes = {
         "num_attention_heads": config.num_attention_heads,
         "num_key_value_heads": config.num_key_value_heads,
@@ -348,28 +79,30 @@ def validate_tensor_parallel(config: LlamaConfig, tensor_model_parallel_size: in
                          f"data.seq_len or --tp")
 
 
-def apply_tensor_parallel(model: Llama, pgm: ProcessGroupManager,
-                          sequence_parallel: bool = False) -> Llama:
+def apply_tensor_parallel(model: Llama, pgm: ProcessGroupManager, sequence_parallel: bool = False,
+                          compute_dtype: Optional[torch.dtype] = None) -> Llama:
     """Convert the reference Llama in place; every shard is copied from the full weights.
 
     q/k/v, gate/up: column parallel (heads and kv heads split contiguously, so a rank's query
     heads use its own kv heads); o, down: row parallel; embedding and head: vocabulary
     parallel; norms: replicated. The model's forward then returns logits (b, s, V/N): use
-    ``tensor_parallel_loss_fn(pgm)`` as the trainer's loss.
+    ``tensor_parallel_loss_fn(pgm)`` as the trainer's loss. ``compute_dtype``: see
+    tensor_parallel_layers.py (chapter 08's autocast dtype; None in fp32).
     """
     group, tp = pgm.tensor_model_parallel_group, pgm.tensor_model_parallel_world_size
     cfg = model.config
     validate_tensor_parallel(cfg, tp, sequence_parallel)
+    kwargs: Dict[str, Any] = {"sequence_parallel": sequence_parallel, "compute_dtype": compute_dtype}
 
     def norm(old: RMSNorm) -> ParallelRMSNorm:
-        new = ParallelRMSNorm(old.weight.numel(), old.eps, group, sequence_parallel).to(old.weight)
+        new = ParallelRMSNorm(old.weight.numel(), old.eps, group, sequence_parallel,
+                              compute_dtype).to(old.weight)
         with torch.no_grad():
             new.weight.copy_(old.weight)
         return new
 
     def column(linear: nn.Linear) -> ColumnParallelLinear:  # the norm before it enters the region
-        return ColumnParallelLinear.from_linear(linear, group, enter_region=False,
-                                                sequence_parallel=sequence_parallel)
+        return ColumnParallelLinear.from_linear(linear, group, enter_region=False, **kwargs)
 
     def row(linear: nn.Linear) -> RowParallelLinear:
         return RowParallelLinear.from_linear(linear, group, sequence_parallel=sequence_parallel)
@@ -383,20 +116,62 @@ def apply_tensor_parallel(model: Llama, pgm: ProcessGroupManager,
         attn.q_proj, attn.k_proj, attn.v_proj = column(attn.q_proj), column(attn.k_proj), \
             column(attn.v_proj)
         attn.o_proj = row(attn.o_proj)
-        if isinstance(mlp, MoE):  # experts are split over "ep" (chapter 06), not "tp": the MoE
-            continue  # runs whole on every tp rank on the replicated input, so no f before it
+        if not isinstance(mlp, MLP):  # only chapter 00's dense MLP is split here; another
+            continue  # (chapter 06's MoE) runs whole on every tp rank on the replicated input
         block.post_attention_layernorm = norm(block.post_attention_layernorm)
         mlp.gate_proj, mlp.up_proj = column(mlp.gate_proj), column(mlp.up_proj)
         mlp.down_proj = row(mlp.down_proj)
     padded = padded_vocab_size(cfg.vocab_size, tp, cfg.vocab_pad_to)
     ref.embed_tokens = VocabParallelEmbedding.from_embedding(ref.embed_tokens, group, padded,
-                                                             sequence_parallel=sequence_parallel)
+                                                             **kwargs)
     ref.norm = norm(ref.norm)
     ref.lm_head = VocabParallelHead.from_head(ref.lm_head, group, padded, enter_region=False,
-                                              sequence_parallel=sequence_parallel)
+                                              **kwargs)
     if cfg.tie_word_embeddings:  # both are split by vocabulary rows: the same shard
         ref.lm_head.weight = ref.embed_tokens.weight
     return model
+
+
+def tensor_parallel_loss_fn(
+        pgm: ProcessGroupManager) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``loss_fn(logits, targets)`` for the trainer step of a model converted here."""
+    group = pgm.tensor_model_parallel_group
+    return lambda logits, targets: vocab_parallel_cross_entropy(logits, targets, group)
+
+
+
+def tensor_parallel_clip_grad_norm(model: nn.Module,
+                                   pgm: ProcessGroupManager) -> Callable[[float], torch.Tensor]:
+    """The Trainer's ``clip_grad_norm``: the global norm counts a tp shard once and a replicated
+    norm weight once per tp group (divided by its tp x dp copies, grad_norm.py); one
+    all-reduce of one number over the world."""
+    params = list(model.parameters())
+    replicas = [(p, replica_count(p, pgm)) for p in params]
+
+    def clip(max_norm: float) -> torch.Tensor:
+        return clip_grads_(params, max_norm, world_grad_norm(replicas, params[0].device))
+
+    return clip
+
+
+def gather_tensor_parallel_state_dict(model: nn.Module,
+                                      pgm: ProcessGroupManager) -> Optional[State]:
+    """Collective over "tp": the reference-keyed full weights on global rank 0, None elsewhere.
+
+    Each tp shard is all-gathered along its partition dim and loses its vocabulary padding rows;
+    a DTensor (``--impl torch``) gathers itself; a replicated norm weight is taken as it is.
+    """
+    full: State = {}
+    with get_ledger().paused():  # a check, not training traffic
+        for name, t in model.state_dict(keep_vars=True).items():
+            value = t.detach()
+            if isinstance(value, DTensor):
+                value = value.full_tensor()
+            elif getattr(t, "tensor_model_parallel", False):
+                value = gather_along_dim(value, t.partition_dim, pgm.tensor_model_parallel_group)
+                value = value[:getattr(t, "vocab_padding", (len(value), ))[0]]
+            full[name] = value.float().clone()
+    return full if pgm.rank == 0 else None
 
 
 def format_block_comm(config: LlamaConfig, tokens: int, tp: int, sequence_parallel: bool,
@@ -428,16 +203,38 @@ def format_block_comm(config: LlamaConfig, tokens: int, tp: int, sequence_parall
     return "\n".join(lines)
 
 
-def tp_report(cfg: "Config", pgm: ProcessGroupManager, step: int) -> str:
+def tp_comm_elements(config: LlamaConfig, tokens: int, sequence_parallel: bool,
+                     num_micro_batches: int = 1) -> Dict[str, int]:
+    """Elements a rank sends over "tp" per optimizer step, by op, as the ledger counts them (the
+    full tensor of an all-gather or reduce-scatter); ``tokens`` = b x s over its micro-batches:
+
+        blocks       4 tokens h per block (2 forward + 2 backward)
+        embedding      tokens h   (forward: the sum of the vocabulary shards' rows)
+        head input     tokens h   (backward: f before the vocabulary-parallel head)
+        loss         3 tokens     (the max, then [sum exp, target logit])
+        sp norms     h m per norm (the RMSNorm weight gradients, per micro-batch; sp only)
+
+    Without sequence parallel all are all-reduces; with it each activation term is one
+    all-gather and one reduce-scatter. The grad norm's number goes over the world, not "tp".
+    """
+    layers, h = config.num_layers, config.hidden_size
+    activations = (4 * layers + 2) * tokens * h
+    if not sequence_parallel:
+        return {"all_reduce": activations + 3 * tokens}
+    norms = (2 * layers + 1) * h * num_micro_batches
+    return {"all_gather": activations, "reduce_scatter": activations,
+            "all_reduce": 3 * tokens + norms}
+
+
+def tp_report(cfg: Config, pgm: ProcessGroupManager, step: int, precision: str = "fp32") -> str:
     """What chapter 03 prints after training (rank 0's view, no communication): one block's
-    collectives, the ledger's table of ``step`` and every tp op next to its formula."""
+    collectives, the ledger's table of ``step`` and every tp op next to its formula;
+    ``precision``: the run's compute precision ("fp32", "bf16", "fp16")."""
     p, d, tp = cfg.parallel, cfg.data, pgm.tensor_model_parallel_world_size
     if tp == 1:
         return ""
-    from scaletorch.config import resolve_precision
     tokens = d.global_batch_size // pgm.data_parallel_world_size * d.seq_len  # per rank
     ledger = get_ledger()
-    precision = resolve_precision(cfg, "cuda" if torch.cuda.is_available() else "cpu")
     lines = [
         format_block_comm(cfg.model, tokens // d.num_micro_batches, tp, p.sequence_parallel,
                           precision),
@@ -447,7 +244,7 @@ def tp_report(cfg: "Config", pgm: ProcessGroupManager, step: int) -> str:
         lines.append("note: DTensor issues its collectives itself, out of our ledger's sight")
         return "\n".join(lines)
     # the grad norm is one all-reduce over the world (grad_norm.py), not over tp
-    formula = comm_elements_per_step(cfg.model, tokens, p.sequence_parallel, d.num_micro_batches)
+    formula = tp_comm_elements(cfg.model, tokens, p.sequence_parallel, d.num_micro_batches)
     for op, expected in formula.items():
         measured = ledger.total(op=op, group="tp", step=step, phase="compute")
         lines.append(f"{op} over tp in step {step}: ledger {measured:,.0f} elements, formula "

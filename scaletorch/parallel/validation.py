@@ -161,6 +161,11 @@ def _check_combinations(cfg: "Config", sizes: Dict[str, int]) -> None:
                          f"(num_experts = {m.num_experts}) is not supported: ZeRO shards over "
                          f"dp_cp ({sizes['dp_cp']}) but experts are replicated over edp "
                          f"({sizes['dp_cp'] // sizes['ep']}); set parallel.zero_stage 0")
+    if m.num_experts > 0 and p.sequence_parallel:
+        raise ValueError(f"sequence parallel with mixture-of-experts layers is not supported "
+                         f"(num_experts = {m.num_experts}): the MoE runs whole on every "
+                         f"tensor-parallel rank and needs the full sequence; drop "
+                         f"--sequence-parallel")
     if m.num_experts > 0 and p.impl != "scaletorch":
         raise ValueError(f"parallel.impl {p.impl!r} has no mixture-of-experts (num_experts "
                          f"{m.num_experts}): expert parallel is ours only, impl 'scaletorch'")

@@ -16,6 +16,8 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Tuple
 
+from scaletorch.rules.vocab import padded_vocab_size
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -129,14 +131,6 @@ def from_config(config: Any) -> ModelSpec:
                      moe_top_k=config.moe_top_k, moe_layer_freq=config.moe_layer_freq,
                      moe_intermediate_size=config.moe_intermediate_size,
                      vocab_pad_to=config.vocab_pad_to)
-
-
-def padded_vocab_size(vocab_size: int, tp: int, pad_to: int) -> int:
-    """Vocabulary rows under tensor parallel: ``vocab_size`` when tp divides it, else rounded up
-    to a multiple of pad_to x tp (Megatron's rule; 50257 at tp 2, pad_to 128 -> 50432)."""
-    if vocab_size % tp == 0:
-        return vocab_size
-    return -(-vocab_size // (pad_to * tp)) * pad_to * tp
 
 
 def _llama3(name: str, layers: int, hidden: int, heads: int, ffn: int) -> ModelSpec:

@@ -1,0 +1,301 @@
+"""Megatron's tensor-parallel layers: the f and g operators and the column, row and vocabulary
+parallel layers that use them, each over one "tp" group of N ranks (chapter 03).
+
+    f  (entering a column-parallel region)   forward: identity     backward: all-reduce
+    g  (leaving a row-parallel region)       forward: all-reduce   backward: identity
+
+Under sequence parallel f becomes an all-gather of the sequence (backward: reduce-scatter)
+and g a reduce-scatter (backward: all-gather). The collectives are scaletorch.dist's
+autograd-aware ones, recorded in the ledger. tensor_parallel.py puts these layers into a model.
+
+``compute_dtype`` (None: no cast): chapter 08 passes its autocast dtype, so activations cross
+the wire in bf16 or fp16 where the matmul after the collective would cast them anyway.
+"""
+
+from typing import Any, Optional, Tuple, cast
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from scaletorch.dist import comm
+from scaletorch.dist.comm import Group
+from scaletorch.dist.functional import (copy_to_parallel_region,
+                                        gather_from_sequence_parallel_region,
+                                        reduce_from_parallel_region,
+                                        reduce_scatter_to_sequence_parallel_region)
+from scaletorch.models import RMSNorm
+
+
+def _pad_rows(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    """weight (V, h) with zero rows appended up to (rows, h): rows no token id reaches."""
+    return torch.cat((weight, weight.new_zeros(rows - weight.size(0), weight.size(1))))
+
+
+def _mark_padded(param: nn.Parameter, vocab_size: int, padded_size: int) -> None:
+    """Tag a vocabulary-split parameter whose full form has rows [vocab_size, padded_size) of
+    padding (param_map strips them when gathering and adds them back when scattering)."""
+    setattr(param, "vocab_padding", (vocab_size, padded_size))
+
+
+def _mark_sharded(param: nn.Parameter, dim: int) -> nn.Parameter:
+    """Tag a parameter as split over tp along ``dim`` (for grad-norm and gathering)."""
+    setattr(param, "tensor_model_parallel", True)
+    setattr(param, "partition_dim", dim)
+    return param
+
+
+def _to_compute(x: torch.Tensor, compute_dtype: Optional[torch.dtype]) -> torch.Tensor:
+    """``x`` in ``compute_dtype`` under autocast when it is wider: the same numbers the matmul
+    would cast, in fewer bytes; the cast's backward sends the gradient in that dtype too."""
+    if compute_dtype is None or not torch.is_autocast_enabled(x.device.type) \
+            or x.element_size() <= compute_dtype.itemsize:
+        return x
+    return x.to(compute_dtype)
+
+
+def _enter_region(x: torch.Tensor, group: Group, sequence_parallel: bool,
+                  compute_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """Hand a replicated activation to column-parallel matmuls.
+
+    Without sequence parallel: f (forward identity, backward all-reduce over ``group``).
+    With it: (b, s/N, h) -> (b, s, h) all-gather (backward reduce-scatter over ``group``).
+    """
+    x = _to_compute(x, compute_dtype)
+    if sequence_parallel:
+        return gather_from_sequence_parallel_region(x, group, dim=1)
+    return copy_to_parallel_region(x, group)
+
+
+def _exit_region(x: torch.Tensor, group: Group, sequence_parallel: bool) -> torch.Tensor:
+    """Sum the partial outputs of row-parallel shards: all-reduce (g), or reduce-scatter of
+    the sequence under sequence parallel: (b, s, h) -> (b, s/N, h)."""
+    if sequence_parallel:
+        return reduce_scatter_to_sequence_parallel_region(x, group, dim=1)
+    return reduce_from_parallel_region(x, group)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y_i = x A_i^T: this rank holds rows [i out/N, (i+1) out/N) of A (no bias).
+
+    x: (b, s, in) replicated, or (b, s/N, in) under sequence parallel; y: (b, s, out/N).
+    ``enter_region=False`` when the caller already applied f / the all-gather once for several
+    layers reading the same input (q/k/v, gate/up): one collective instead of three.
+    """
+
+    def __init__(self, in_features: int, out_features: int, group: Group, *,
+                 sequence_parallel: bool = False, enter_region: bool = True,
+                 compute_dtype: Optional[torch.dtype] = None) -> None:
+        super().__init__()
+        n = comm.group_size(group)
+        if out_features % n != 0:
+            raise ValueError(f"column-parallel output size {out_features} is not divisible by "
+                             f"the tensor-parallel size {n}")
+        self.group, self.sequence_parallel, self.enter_region = group, sequence_parallel, \
+            enter_region
+        self.compute_dtype = compute_dtype
+        self.weight = _mark_sharded(nn.Parameter(torch.empty(out_features // n, in_features)), 0)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group: Group, **kwargs: Any) -> "ColumnParallelLinear":
+        """This rank's row block of ``linear.weight`` (copied, so results equal the full layer)."""
+        out_features, in_features = linear.weight.shape
+        layer = cls(in_features, out_features, group, **kwargs).to(linear.weight)
+        rows = layer.weight.shape[0]
+        with torch.no_grad():
+            layer.weight.copy_(linear.weight[comm.group_rank(group) * rows:][:rows])
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.enter_region:
+            x = _enter_region(x, self.group, self.sequence_parallel, self.compute_dtype)
+        return F.linear(x, self.weight)  # (b, s, out/N)
+
+
+class RowParallelLinear(nn.Module):
+    """y = sum_i x_i A_i^T: this rank holds columns [i in/N, (i+1) in/N) of A (no bias).
+
+    x: (b, s, in/N), the output of a column-parallel layer; y: (b, s, out) after the
+    all-reduce over ``group``, or (b, s/N, out) after the reduce-scatter under sequence parallel.
+    """
+
+    def __init__(self, in_features: int, out_features: int, group: Group, *,
+                 sequence_parallel: bool = False) -> None:
+        super().__init__()
+        n = comm.group_size(group)
+        if in_features % n != 0:
+            raise ValueError(f"row-parallel input size {in_features} is not divisible by the "
+                             f"tensor-parallel size {n}")
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.weight = _mark_sharded(nn.Parameter(torch.empty(out_features, in_features // n)), 1)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group: Group, **kwargs: Any) -> "RowParallelLinear":
+        """This rank's column block of ``linear.weight``."""
+        out_features, in_features = linear.weight.shape
+        layer = cls(in_features, out_features, group, **kwargs).to(linear.weight)
+        cols = layer.weight.shape[1]
+        with torch.no_grad():
+            layer.weight.copy_(linear.weight[:, comm.group_rank(group) * cols:][:, :cols])
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        partial = F.linear(x, self.weight)  # (b, s, out), this rank's share of the sum
+        return _exit_region(partial, self.group, self.sequence_parallel)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [i V/N, (i+1) V/N) of the embedding table on rank i.
+
+    ids: (b, s) -> (b, s, h) after an all-reduce over ``group`` (each token's row lives on one
+    rank; the others contribute zeros), or (b, s/N, h) after a reduce-scatter under sequence
+    parallel.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, group: Group, *,
+                 sequence_parallel: bool = False,
+                 compute_dtype: Optional[torch.dtype] = None) -> None:
+        super().__init__()
+        self.compute_dtype = compute_dtype
+        n = comm.group_size(group)
+        if num_embeddings % n != 0:
+            raise ValueError(f"vocabulary size {num_embeddings} is not divisible by the "
+                             f"tensor-parallel size {n}")
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.vocab_start = comm.group_rank(group) * (num_embeddings // n)
+        self.weight = _mark_sharded(nn.Parameter(torch.empty(num_embeddings // n, embedding_dim)),
+                                    0)
+
+    @classmethod
+    def from_embedding(cls, embedding: nn.Embedding, group: Group, padded_size: int = 0,
+                       **kwargs: Any) -> "VocabParallelEmbedding":
+        """This rank's rows of ``embedding``, padded with zero rows to ``padded_size`` if larger."""
+        num_embeddings, embedding_dim = embedding.weight.shape
+        padded_size = max(padded_size, num_embeddings)
+        layer = cls(padded_size, embedding_dim, group, **kwargs).to(embedding.weight)
+        rows = layer.weight.shape[0]
+        with torch.no_grad():
+            layer.weight.copy_(_pad_rows(embedding.weight, padded_size)[layer.vocab_start:][:rows])
+        if padded_size > num_embeddings:
+            _mark_padded(layer.weight, num_embeddings, padded_size)
+        return layer
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        n = comm.group_size(self.group)
+        if self.sequence_parallel and ids.size(1) % n != 0:
+            raise ValueError(f"sequence parallel splits the sequence over the tensor-parallel "
+                             f"group: sequence length {ids.size(1)} is not divisible by "
+                             f"tensor_model_parallel_size {n}")
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)  # (b, s, h)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)  # rows held by other ranks
+        # the wire in the compute dtype under autocast, the residual stream in the embedding's
+        # dtype again (fp32, as on one device)
+        out_wire = _to_compute(out, self.compute_dtype)
+        return _exit_region(out_wire, self.group, self.sequence_parallel).to(out.dtype)
+
+
+class VocabParallelHead(ColumnParallelLinear):
+    """The output layer split by vocabulary rows, padded like the embedding; the logits of the
+    padding rows are -inf, so the loss and sampling never see them (exp(-inf) = 0: no
+    probability, no gradient). x: (b, s, h) -> logits (b, s, V_padded/N)."""
+
+    vocab_size: int = 0  # the real vocabulary
+    vocab_start: int = 0  # this rank's first row
+
+    @classmethod
+    def from_head(cls, head: nn.Linear, group: Group, padded_size: int,
+                  **kwargs: Any) -> "VocabParallelHead":
+        vocab_size, hidden = head.weight.shape
+        full = nn.Linear(hidden, max(padded_size, vocab_size), bias=False).to(head.weight)
+        with torch.no_grad():
+            full.weight.copy_(_pad_rows(head.weight, full.weight.size(0)))
+        layer = cast(VocabParallelHead, cls.from_linear(full, group, **kwargs))
+        layer.vocab_size = vocab_size
+        layer.vocab_start = comm.group_rank(group) * layer.weight.shape[0]
+        if full.weight.size(0) > vocab_size:
+            _mark_padded(layer.weight, vocab_size, full.weight.size(0))
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = super().forward(x)  # (b, s, V_padded/N)
+        first_pad = self.vocab_size - self.vocab_start  # local columns from here are padding
+        if first_pad < logits.size(-1):
+            pad = torch.arange(logits.size(-1), device=logits.device) >= first_pad
+            logits = logits.masked_fill(pad, float("-inf"))
+        return logits
+
+
+class ParallelRMSNorm(RMSNorm):
+    """RMSNorm whose output feeds column-parallel matmuls: norm, then f or the all-gather.
+
+    Doing the entry here, once, serves q/k/v (or gate/up, or the head) with one collective.
+    x: (b, s, h) or (b, s/N, h) under sequence parallel -> (b, s, h). Under sequence parallel
+    each rank normalizes only its tokens, so the weight goes through f: its gradient is
+    all-reduced over ``group`` in backward and stays identical on every rank.
+    """
+
+    def __init__(self, dim: int, eps: float, group: Group, sequence_parallel: bool,
+                 compute_dtype: Optional[torch.dtype] = None) -> None:
+        super().__init__(dim, eps)
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.compute_dtype = compute_dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight: torch.Tensor = self.weight
+        if self.sequence_parallel:
+            weight = copy_to_parallel_region(weight, self.group)
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        y = (normed * weight.float()).to(x.dtype)
+        return _enter_region(y, self.group, self.sequence_parallel, self.compute_dtype)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of vocab-sharded logits (n, V/N); targets (n,) global ids.
+
+    Forward: all-reduce MAX of the row max (n), then one all-reduce SUM of [sum exp, target
+    logit] (2 n) over ``group``. Backward: (softmax - one_hot) / n, local, no communication.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor,
+                group: Group) -> torch.Tensor:
+        logits32 = logits.float()
+        row_max = logits32.max(dim=-1).values  # (n,)
+        comm.all_reduce(row_max, group, op=dist.ReduceOp.MAX)
+        shifted = logits32 - row_max.unsqueeze(-1)  # (n, V/N), <= 0 everywhere
+        vocab_local = logits.size(-1)
+        local = targets - comm.group_rank(group) * vocab_local
+        mine = (local >= 0) & (local < vocab_local)  # this rank holds the target's logit
+        local = local.masked_fill(~mine, 0)
+        # where, not a product: a rank holding only padding has -inf there (-inf * 0 = nan)
+        target_logit = torch.where(mine, shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1), 0.0)
+        exp = shifted.exp()
+        stats = torch.stack((exp.sum(dim=-1), target_logit))  # (2, n)
+        comm.all_reduce(stats, group)
+        sum_exp, target_logit = stats[0], stats[1]
+        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local, mine)
+        ctx.input_dtype = logits.dtype
+        return (sum_exp.log() - target_logit).mean()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[torch.Tensor, None, None]:
+        softmax, local, mine = ctx.saved_tensors  # softmax: (n, V/N) of the full distribution
+        grad_logits = softmax.clone()
+        rows = torch.arange(grad_logits.size(0), device=grad_logits.device)
+        grad_logits[rows, local] -= mine.to(grad_logits.dtype)
+        grad_logits.mul_(grad / grad_logits.size(0))
+        return grad_logits.to(ctx.input_dtype), None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
+                                 group: Group) -> torch.Tensor:
+    """Mean cross-entropy of logits (b, s, V/N) sharded over ``group`` by vocabulary and
+    targets (b, s); equals ``models.loss_fn`` on the gathered logits, never gathering them."""
+    return _VocabParallelCrossEntropy.apply(logits.reshape(-1, logits.size(-1)),
+                                            targets.reshape(-1), group)
+
+
