@@ -10,51 +10,84 @@ With 4 processes and the config's tp 2, the other factor 2 is data parallel (tp 
 The model is chapter 00's (4 query, 2 key/value heads): tp 2 splits both evenly; tp 4 needs
 4 key/value heads, a different model (the layout check says so before anything starts).
 
-Chapter 01's ``parallelize`` call, now with tp > 1 in the config: it converts the model
-(column / row / vocab-parallel layers) and returns a step with the vocab-parallel loss and a
-grad norm that counts every shard once. With dp > 1 the data-parallel wrapper of chapter 01
-goes around the tensor-parallel model. ``--impl torch`` runs torch's DTensor tensor parallel
-(``parallelize_module``) on the same model instead, with FSDP2's ``replicate`` over dp.
+The new lines: ``apply_tensor_parallel`` converts the model (column / row / vocab-parallel
+layers); the step takes the vocab-parallel loss and the clip counts every shard once. With
+dp > 1 chapter 01's data-parallel wrapper goes around the tensor-parallel model. ``--impl
+torch`` runs torch's DTensor tensor parallel (``parallelize_module``) on the same model
+instead, with FSDP2's ``replicate`` over dp.
 """
 
 import sys
 
+from scaletorch.config import resolve_precision
 from scaletorch.dist import (destroy_distributed, destroy_pg_manager, init_distributed,
                              init_pg_manager_from_config)
 from scaletorch.models import build_model
-from scaletorch.parallel.parallelize import parallelize
-from scaletorch.parallel.tensor_parallel import tp_report
+from scaletorch.parallel.data_parallel import apply_data_parallel
+from scaletorch.parallel.step import make_data_parallel_step
+from scaletorch.parallel.tensor_parallel import (apply_tensor_parallel,
+                                                 gather_tensor_parallel_state_dict,
+                                                 tensor_parallel_clip_grad_norm,
+                                                 tensor_parallel_loss_fn, tp_report)
+from scaletorch.parallel.tensor_parallel_dtensor import (apply_dtensor_tensor_parallel,
+                                                         device_mesh, dtensor_loss_fn,
+                                                         in_loss_parallel, native_clip_grad_norm,
+                                                         replicate_over_data_parallel)
 from scaletorch.trainer import Trainer, check_against_reference, load_config
+from scaletorch.trainer.precision import DTYPES
 
 
 def limits(cfg, world_size: int) -> None:
     """This chapter's scope (load_config checks it with the layout, before anything starts)."""
     p = cfg.parallel
-    if p.pipeline_model_parallel_size > 1 or p.context_parallel_size > 1 or \
-            p.expert_model_parallel_size > 1 or p.impl not in ("scaletorch", "torch"):
-        raise ValueError(f"03_tensor_parallel composes tp with dp, with impl scaletorch or torch "
-                         f"(got impl {p.impl!r}); pp, cp and ep have their own chapters")
+    later = {
+        "pp": p.pipeline_model_parallel_size > 1, "cp": p.context_parallel_size > 1,
+        "ep": p.expert_model_parallel_size > 1, "zero_stage": p.zero_stage > 0,
+        "num_experts": cfg.model.num_experts > 0, "fp16": cfg.training.precision == "fp16",
+        "activation_checkpointing": p.activation_checkpointing != "none",
+        "reduce_dtype": p.reduce_dtype != "fp32", "impl": p.impl not in ("scaletorch", "torch"),
+        "tp 1": p.tensor_model_parallel_size == 1
+    }
+    if any(later.values()):
+        raise ValueError(f"03_tensor_parallel is tp > 1 beside plain data parallel, impl "
+                         f"scaletorch or torch; {', '.join(k for k, v in later.items() if v)}: "
+                         f"run chapter 07")
 
 
 def main() -> int:
     cfg = load_config("examples/configs/03_tensor_parallel.yaml",
                       "Chapter 03: tensor parallel (+ sequence parallel)", limits)
     env = init_distributed(cfg.training.timeout_seconds)
-    pgm = init_pg_manager_from_config(cfg.parallel, cfg.training.timeout_seconds)
+    p, m = cfg.parallel, cfg.data.num_micro_batches
+    pgm = init_pg_manager_from_config(p, cfg.training.timeout_seconds)
     pgm.log_topology()
+    dp, dp_group = pgm.data_parallel_world_size, pgm.data_parallel_group_with_context
+    precision = resolve_precision(cfg, env.device.type)
 
-    model = build_model(cfg.model, seed=cfg.training.model_seed)
-    par = parallelize(model, cfg, pgm, env.device)  # tp shards every block, dp goes around
-    result = Trainer.from_parallelized(cfg, par, pgm, device=env.device).train()
+    model = build_model(cfg.model, seed=cfg.training.model_seed).to(env.device)
+    if p.impl == "torch":  # PyTorch's own: DTensor tp, FSDP2's replicate over dp
+        mesh = device_mesh(pgm, env.device.type)
+        tp_model = apply_dtensor_tensor_parallel(model, mesh["tp"], p.sequence_parallel)
+        model = replicate_over_data_parallel(tp_model, mesh["dp"]) if dp > 1 else tp_model
+        loss_fn, clip = dtensor_loss_fn, native_clip_grad_norm(list(model.parameters()), pgm)
+    else:  # the new idea: tp shards every block, the activations cross in the compute dtype
+        tp_model = apply_tensor_parallel(model, pgm, p.sequence_parallel, DTYPES[precision])
+        if dp > 1:  # chapter 01 around it
+            model = apply_data_parallel(tp_model, pgm, p.impl, p.bucket_size_mb)
+        loss_fn, clip = tensor_parallel_loss_fn(pgm), tensor_parallel_clip_grad_norm(tp_model, pgm)
+    step = make_data_parallel_step(model, m, pgm.data_parallel_rank, dp, dp_group, loss_fn)
+    step = in_loss_parallel(step) if p.impl == "torch" else step  # DTensor's sharded loss
+    result = Trainer(cfg, model, pgm, device=env.device, forward_backward=step,
+                     clip_grad_norm=clip).train()
 
     # What this chapter is about: 2 + 2 collectives of b x s x h per block, nothing bigger.
-    report = tp_report(cfg, pgm, step=cfg.training.steps - 1)
-    if pgm.rank == 0 and report:
+    report = tp_report(cfg, pgm, cfg.training.steps - 1, precision)
+    if pgm.rank == 0:
         print(report)
 
     ok = True
     if cfg.check:
-        full = par.full_state_dict()  # collective: the shards gathered over tp, on rank 0
+        full = gather_tensor_parallel_state_dict(tp_model, pgm)  # collective over tp, on rank 0
         ok = check_against_reference(cfg, result.losses, env.device, full, result.start_step)
     destroy_pg_manager()
     destroy_distributed()

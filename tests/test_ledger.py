@@ -117,7 +117,7 @@ class LedgerCountsWhatCrossesTheNetwork(unittest.TestCase):
             cfg = _config(name)
             layers, h = cfg.model.num_layers, cfg.model.hidden_size
             tokens = cfg.data.global_batch_size // (WORLD // 2) * cfg.data.seq_len
-            formula = tp_lib.comm_elements_per_step(cfg.model, tokens, sp, 1)
+            formula = tp_lib.tp_comm_elements(cfg.model, tokens, sp, 1)
             recompute = ({
                 "all_gather": 2 * layers * tokens * h,
                 "reduce_scatter": layers * tokens * h

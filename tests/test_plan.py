@@ -20,7 +20,7 @@ import tempfile
 import unittest
 from collections import defaultdict
 
-from scaletorch.parallel.tensor_parallel import padded_vocab_size
+from scaletorch.rules.vocab import padded_vocab_size
 from scaletorch.parallel.zero_bubble import simulate_async, zero_bubble_theory
 from scaletorch.plan.cluster import ISSUED, Cluster, load_cluster, save_cluster
 from scaletorch.plan.flops import (gpt_model_flops, hardware_flops, model_flops, six_nd,

@@ -16,13 +16,14 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from scaletorch.dist import destroy_pg_manager, get_ledger, init_pg_manager
 from scaletorch.models import LlamaConfig, build_model, loss_fn
-from scaletorch.parallel import native
 from scaletorch.parallel import tensor_parallel as tp_lib
+from scaletorch.parallel import tensor_parallel_dtensor as dtensor_tp
+from scaletorch.parallel import tensor_parallel_layers as tp_layers
+from scaletorch.plan.traffic import tp_comm_elements as planned_tp_comm_elements
 from scaletorch.parallel.data_parallel import apply_data_parallel
 from scaletorch.parallel.step import make_data_parallel_step
 from scaletorch.trainer import Config, Trainer, max_weight_diff
 from tests.harness import run_distributed, value_error
-from tests.layouts import clip_fn, full_state
 
 WORLD = 4
 LAYER_TOL = 1e-6
@@ -77,7 +78,7 @@ def _layer_checks(rank: int) -> dict:
         x = torch.randn(2, 8, 16, generator=gen, requires_grad=True)
         g = torch.randn(2, 8, 24, generator=gen)
         ref(x).backward(g)
-        layer = tp_lib.ColumnParallelLinear.from_linear(ref, group, sequence_parallel=sp)
+        layer = tp_layers.ColumnParallelLinear.from_linear(ref, group, sequence_parallel=sp)
         x_in = seq(x).detach().requires_grad_()
         y = layer(x_in)  # (b, s, 24/N)
         y.backward(_mine(g, -1, rank, n))
@@ -89,7 +90,7 @@ def _layer_checks(rank: int) -> dict:
         x = torch.randn(2, 8, 24, generator=gen, requires_grad=True)
         g = torch.randn(2, 8, 16, generator=gen)
         ref(x).backward(g)
-        layer = tp_lib.RowParallelLinear.from_linear(ref, group, sequence_parallel=sp)
+        layer = tp_layers.RowParallelLinear.from_linear(ref, group, sequence_parallel=sp)
         x_in = _mine(x, -1, rank, n).detach().requires_grad_()
         y = layer(x_in)  # (b, s, 16), or (b, s/N, 16) under sp
         y.backward(seq(g))
@@ -101,7 +102,7 @@ def _layer_checks(rank: int) -> dict:
         ids = torch.randint(0, 64, (2, 8), generator=gen)
         g = torch.randn(2, 8, 16, generator=gen)
         ref(ids).backward(g)
-        layer = tp_lib.VocabParallelEmbedding.from_embedding(ref, group, sequence_parallel=sp)
+        layer = tp_layers.VocabParallelEmbedding.from_embedding(ref, group, sequence_parallel=sp)
         y = layer(ids)
         y.backward(seq(g))
         out[f"embedding sp={sp}"] = max(
@@ -113,7 +114,7 @@ def _layer_checks(rank: int) -> dict:
     ref_loss.backward()
     local = _mine(logits, -1, rank, n).detach().requires_grad_()
     get_ledger().clear()
-    loss = tp_lib.vocab_parallel_cross_entropy(local, targets, group)
+    loss = tp_layers.vocab_parallel_cross_entropy(local, targets, group)
     loss.backward()
     out["cross_entropy"] = max(_diff(loss, ref_loss),
                                _diff(local.grad, _mine(logits.grad, -1, rank, n)))
@@ -140,16 +141,19 @@ def _train(rank: int, cfg: Config, impl: str) -> dict:
     pgm = init_pg_manager(tensor_model_parallel_size=p.tensor_model_parallel_size)
     model = build_model(cfg.model, seed=cfg.training.model_seed)
     if impl == "torch":
-        model = native.apply_dtensor_tensor_parallel(model,
-                                                     native.device_mesh(pgm, "cpu")["tp"],
-                                                     p.sequence_parallel)
-        loss = native.dtensor_loss_fn
-        clip = native.native_clip_grad_norm(list(model.parameters()), pgm)
-    else:
-        model = tp_lib.apply_tensor_parallel(model, pgm, p.sequence_parallel)
-        loss, clip = tp_lib.tensor_parallel_loss_fn(pgm), clip_fn(model, pgm)
+        model = dtensor_tp.apply_dtensor_tensor_parallel(model,
+                                                         dtensor_tp.device_mesh(pgm, "cpu")["tp"],
+                                                         p.sequence_parallel)
+        loss = dtensor_tp.dtensor_loss_fn
+        clip = dtensor_tp.native_clip_grad_norm(list(model.parameters()), pgm)
+        tp_model = model
+    else:  # chapter 03's own clip and gather, as examples/03_tensor_parallel.py uses them
+        tp_model = tp_lib.apply_tensor_parallel(model, pgm, p.sequence_parallel)
+        loss, clip = tp_lib.tensor_parallel_loss_fn(pgm), tp_lib.tensor_parallel_clip_grad_norm(
+            tp_model, pgm)
+        model = tp_model
         if pgm.data_parallel_world_size > 1:
-            model = apply_data_parallel(model, pgm, "scaletorch")
+            model = apply_data_parallel(tp_model, pgm, "scaletorch")
     local_numel = sum(p.numel() for p in model.parameters())
     step = make_data_parallel_step(model, cfg.data.num_micro_batches, pgm.data_parallel_rank,
                                    pgm.data_parallel_world_size,
@@ -163,7 +167,7 @@ def _train(rank: int, cfg: Config, impl: str) -> dict:
         (r.op, r.group): ledger.total(op=r.op, group=r.group, step=s, field=field)
         for r in ledger.select(step=s)
     } for s in range(cfg.training.steps) for field in ("elements", "wire_bytes")]
-    full = full_state(model, pgm)  # collective: on rank 0
+    full = tp_lib.gather_tensor_parallel_state_dict(tp_model, pgm)  # collective: on rank 0
     destroy_pg_manager()
     return {
         "losses": result.losses,
@@ -216,6 +220,18 @@ class TestTensorParallelConfigErrors(unittest.TestCase):
     def test_sequence_length_not_divisible_under_sequence_parallel_raises(self):
         self.check(r"sequence length \(30\) .* \(4\)", 4, sp=True, seq_len=30)
         tp_lib.validate_tensor_parallel(MODEL, 4, False, 30)  # fine without sp
+
+
+class TestChapterFormulaIsThePlanners(unittest.TestCase):
+    """Chapter 03 prints its own formula (tensor_parallel.tp_comm_elements) beside the ledger;
+    the planner's (plan/traffic.py, whole layouts) gives the same numbers for a whole model."""
+
+    def test_chapter_03_formula_equals_the_planners_for_dense_models(self):
+        for layers, tokens, sp, micro in ((2, 128, False, 1), (4, 512, True, 2), (3, 64, True, 1)):
+            config = LlamaConfig(**{**MODEL.__dict__, "num_layers": layers})
+            with self.subTest(layers=layers, sp=sp):
+                self.assertEqual(tp_lib.tp_comm_elements(config, tokens, sp, micro),
+                                 planned_tp_comm_elements(config, tokens, sp, micro))
 
 
 class TestTensorParallel(unittest.TestCase):

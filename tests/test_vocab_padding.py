@@ -18,7 +18,7 @@ import torch
 from scaletorch.dist import destroy_pg_manager
 from scaletorch.models import build_model
 from scaletorch.parallel.parallelize import parallelize
-from scaletorch.parallel.tensor_parallel import padded_vocab_size
+from scaletorch.rules.vocab import padded_vocab_size
 from tests.harness import run_distributed
 from tests.layouts import (assert_parity, layout, make_config, pg_manager_for, reference_key,
                            references, train)

@@ -55,6 +55,7 @@ from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple, Union
 import torch
 from torch import nn
 
+from scaletorch.config import resolve_precision
 from scaletorch.dist import ProcessGroupManager, comm, get_ledger
 from scaletorch.models import Llama, loss_fn
 from scaletorch.parallel.activation_checkpointing import apply_activation_checkpointing
@@ -167,7 +168,6 @@ def _apply_data_parallel(
 
 def _compute_dtype(cfg: "Config", device: torch.device) -> torch.dtype:
     """The dtype the Trainer's autocast computes in (chapter 08; fp32: no autocast)."""
-    from scaletorch.trainer.precision import resolve_precision  # the trainer imports us
     return DTYPES[resolve_precision(cfg, device.type)]
 
 

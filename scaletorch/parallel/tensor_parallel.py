@@ -26,9 +26,8 @@ that N does not divide (32000 at tp 3, 50257 at tp 2) is padded with zero rows t
 ``vocab_pad_to`` x N, as Megatron does; the head gives the padding rows -inf logits, so loss,
 gradients and sampling are those of the unpadded model, and a gathered state has no padding.
 
-The layers and the f / g operators are in tensor_parallel_layers.py; here is the model surgery
-that uses them, the chapter's clip and gather, and its formula. PyTorch's DTensor version is in
-tensor_parallel_dtensor.py.
+Here: the model surgery, the chapter's clip, gather and formula; the layers are in
+tensor_parallel_layers.py, PyTorch's DTensor version in tensor_parallel_dtensor.py.
 """
 
 import math
@@ -107,8 +106,7 @@ def apply_tensor_parallel(model: Llama, pgm: ProcessGroupManager, sequence_paral
     def row(linear: nn.Linear) -> RowParallelLinear:
         return RowParallelLinear.from_linear(linear, group, sequence_parallel=sequence_parallel)
 
-    # The surgery puts parallel modules where the reference's types say nn.Linear, nn.Embedding
-    # or RMSNorm, which mypy cannot follow: it works on an untyped handle of the same model.
+    # parallel modules where the reference's types say nn.Linear or RMSNorm: an untyped handle
     ref: Any = model
     for block in ref.layers:
         attn, mlp = block.self_attn, block.mlp
@@ -137,7 +135,6 @@ def tensor_parallel_loss_fn(
     """``loss_fn(logits, targets)`` for the trainer step of a model converted here."""
     group = pgm.tensor_model_parallel_group
     return lambda logits, targets: vocab_parallel_cross_entropy(logits, targets, group)
-
 
 
 def tensor_parallel_clip_grad_norm(model: nn.Module,
@@ -180,17 +177,13 @@ def format_block_comm(config: LlamaConfig, tokens: int, tp: int, sequence_parall
     activations cross the wire in the compute ``precision`` (chapter 08: 2 bytes in bf16)."""
     e = 4 if precision == "fp32" else 2
     n = tokens * config.hidden_size
-    if sequence_parallel:
-        sites = [("attention input (g-bar)", "all_gather", "reduce_scatter"),
-                 ("o_proj output (f-bar)", "reduce_scatter", "all_gather"),
-                 ("MLP input (g-bar)", "all_gather", "reduce_scatter"),
-                 ("down_proj output (f-bar)", "reduce_scatter", "all_gather")]
-        wire = 8 * (tp - 1) / tp * e * n
-    else:
-        sites = [("attention input (f)", "-", "all_reduce"),
-                 ("o_proj output (g)", "all_reduce", "-"), ("MLP input (f)", "-", "all_reduce"),
-                 ("down_proj output (g)", "all_reduce", "-")]
-        wire = 4 * 2 * (tp - 1) / tp * e * n
+    enter, leave = (("g-bar", "all_gather", "reduce_scatter"), ("f-bar", "reduce_scatter",
+                                                                "all_gather")) \
+        if sequence_parallel else (("f", "-", "all_reduce"), ("g", "all_reduce", "-"))
+    sites = [(f"{where} ({op[0]})", op[1], op[2]) for where, op in (
+        ("attention input", enter), ("o_proj output", leave), ("MLP input", enter),
+        ("down_proj output", leave))]
+    wire = 8 * (tp - 1) / tp * e * n  # 4 all-reduces, or 4 all-gather + reduce-scatter pairs
     lines = [
         f"one transformer block, one micro-batch: b x s x h = {tokens} x "
         f"{config.hidden_size} = {n:,} elements per collective, tp {tp}",
@@ -215,7 +208,7 @@ def tp_comm_elements(config: LlamaConfig, tokens: int, sequence_parallel: bool,
         sp norms     h m per norm (the RMSNorm weight gradients, per micro-batch; sp only)
 
     Without sequence parallel all are all-reduces; with it each activation term is one
-    all-gather and one reduce-scatter. The grad norm's number goes over the world, not "tp".
+    all-gather and one reduce-scatter. (The grad norm's one number goes over the world.)
     """
     layers, h = config.num_layers, config.hidden_size
     activations = (4 * layers + 2) * tokens * h
@@ -231,15 +224,11 @@ def tp_report(cfg: Config, pgm: ProcessGroupManager, step: int, precision: str =
     collectives, the ledger's table of ``step`` and every tp op next to its formula;
     ``precision``: the run's compute precision ("fp32", "bf16", "fp16")."""
     p, d, tp = cfg.parallel, cfg.data, pgm.tensor_model_parallel_world_size
-    if tp == 1:
-        return ""
     tokens = d.global_batch_size // pgm.data_parallel_world_size * d.seq_len  # per rank
     ledger = get_ledger()
-    lines = [
-        format_block_comm(cfg.model, tokens // d.num_micro_batches, tp, p.sequence_parallel,
-                          precision),
-        ledger.table(step=step)
-    ]
+    block = format_block_comm(cfg.model, tokens // d.num_micro_batches, tp, p.sequence_parallel,
+                              precision)
+    lines = [block, ledger.table(step=step)]
     if p.impl == "torch":
         lines.append("note: DTensor issues its collectives itself, out of our ledger's sight")
         return "\n".join(lines)

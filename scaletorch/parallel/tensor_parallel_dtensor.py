@@ -1,9 +1,6 @@
 """PyTorch's own tensor parallel (chapter 03's ``--impl torch``): DTensor ``parallelize_module``
-over the "tp" ranks of a DeviceMesh, the loss under ``loss_parallel()``, the global grad norm of
-DTensor gradients, and FSDP2's ``replicate`` over dp beside it.
-
-The mesh names the dims of our rank grid (pp, dp, tp; tp fastest) and is built from the
-pg_manager's own groups, so the native run and ours split the same ranks the same way.
+over the "tp" dim of a DeviceMesh made of the pg_manager's groups, the loss under
+``loss_parallel()``, the global grad norm of DTensor gradients, FSDP2's ``replicate`` over dp.
 
 Why ``replicate`` over dp, not DistributedDataParallel: DDP takes a tp model only through a
 stop-gap (given a dp sub-mesh it turns the DTensor weights back into plain local tensors, and
@@ -34,15 +31,10 @@ from scaletorch.parallel.tensor_parallel import validate_tensor_parallel
 
 MESH_DIMS = ("pp", "dp", "tp")  # slowest to fastest, as the rank grid orders them
 
-# ---- 0 the mesh ------------------------------------------------------------------------------
-
 
 def device_mesh(pgm: ProcessGroupManager, device_type: str) -> Dict[str, DeviceMesh]:
     """One DeviceMesh (pp, dp, tp) over the world, made of the pg_manager's own groups (no new
-    ones), and its 1-D sub-meshes: {"world": mesh, "pp": .., "dp": .., "tp": ..}."""
-    if pgm.context_parallel_world_size > 1:
-        raise ValueError(f"the native mesh has no cp dim (context_parallel_size "
-                         f"{pgm.context_parallel_world_size}): use impl 'scaletorch'")
+    ones; cp 1), and its 1-D sub-meshes: {"world": mesh, "pp": .., "dp": .., "tp": ..}."""
     grid = pgm.grid
     ranks = torch.empty([grid.size(d) for d in MESH_DIMS], dtype=torch.int)
     for rank in range(pgm.world_size):
@@ -117,6 +109,7 @@ def in_loss_parallel(step: ForwardBackward) -> ForwardBackward:
             return step(inputs, targets)
 
     return run
+
 
 def apply_per_block(wrap: Callable[..., object], modules: Iterable[nn.Module], dp_mesh: DeviceMesh,
                     mp_policy: Optional[FSDPMixedPrecision] = None) -> None:

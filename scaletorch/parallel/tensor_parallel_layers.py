@@ -1,15 +1,7 @@
-"""Megatron's tensor-parallel layers: the f and g operators and the column, row and vocabulary
-parallel layers that use them, each over one "tp" group of N ranks (chapter 03).
-
-    f  (entering a column-parallel region)   forward: identity     backward: all-reduce
-    g  (leaving a row-parallel region)       forward: all-reduce   backward: identity
-
-Under sequence parallel f becomes an all-gather of the sequence (backward: reduce-scatter)
-and g a reduce-scatter (backward: all-gather). The collectives are scaletorch.dist's
-autograd-aware ones, recorded in the ledger. tensor_parallel.py puts these layers into a model.
-
-``compute_dtype`` (None: no cast): chapter 08 passes its autocast dtype, so activations cross
-the wire in bf16 or fp16 where the matmul after the collective would cast them anyway.
+"""Megatron's tensor-parallel layers over one "tp" group: the f / g operators (tensor_parallel.py
+draws them), the column, row and vocabulary-parallel layers, and the loss that never gathers
+the logits. ``compute_dtype`` (None: no cast; chapter 08 passes autocast's dtype): activations
+cross the wire in it, as the matmul after the collective would cast them anyway.
 """
 
 from typing import Any, Optional, Tuple, cast
@@ -31,12 +23,6 @@ from scaletorch.models import RMSNorm
 def _pad_rows(weight: torch.Tensor, rows: int) -> torch.Tensor:
     """weight (V, h) with zero rows appended up to (rows, h): rows no token id reaches."""
     return torch.cat((weight, weight.new_zeros(rows - weight.size(0), weight.size(1))))
-
-
-def _mark_padded(param: nn.Parameter, vocab_size: int, padded_size: int) -> None:
-    """Tag a vocabulary-split parameter whose full form has rows [vocab_size, padded_size) of
-    padding (param_map strips them when gathering and adds them back when scattering)."""
-    setattr(param, "vocab_padding", (vocab_size, padded_size))
 
 
 def _mark_sharded(param: nn.Parameter, dim: int) -> nn.Parameter:
@@ -92,9 +78,8 @@ class ColumnParallelLinear(nn.Module):
         if out_features % n != 0:
             raise ValueError(f"column-parallel output size {out_features} is not divisible by "
                              f"the tensor-parallel size {n}")
-        self.group, self.sequence_parallel, self.enter_region = group, sequence_parallel, \
-            enter_region
-        self.compute_dtype = compute_dtype
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.enter_region, self.compute_dtype = enter_region, compute_dtype
         self.weight = _mark_sharded(nn.Parameter(torch.empty(out_features // n, in_features)), 0)
 
     @classmethod
@@ -157,12 +142,12 @@ class VocabParallelEmbedding(nn.Module):
                  sequence_parallel: bool = False,
                  compute_dtype: Optional[torch.dtype] = None) -> None:
         super().__init__()
-        self.compute_dtype = compute_dtype
         n = comm.group_size(group)
         if num_embeddings % n != 0:
             raise ValueError(f"vocabulary size {num_embeddings} is not divisible by the "
                              f"tensor-parallel size {n}")
-        self.group, self.sequence_parallel = group, sequence_parallel
+        self.group, self.sequence_parallel, self.compute_dtype = group, sequence_parallel, \
+            compute_dtype
         self.vocab_start = comm.group_rank(group) * (num_embeddings // n)
         self.weight = _mark_sharded(nn.Parameter(torch.empty(num_embeddings // n, embedding_dim)),
                                     0)
@@ -178,7 +163,7 @@ class VocabParallelEmbedding(nn.Module):
         with torch.no_grad():
             layer.weight.copy_(_pad_rows(embedding.weight, padded_size)[layer.vocab_start:][:rows])
         if padded_size > num_embeddings:
-            _mark_padded(layer.weight, num_embeddings, padded_size)
+            setattr(layer.weight, "vocab_padding", (num_embeddings, padded_size))
         return layer
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -191,10 +176,8 @@ class VocabParallelEmbedding(nn.Module):
         outside = (local < 0) | (local >= self.weight.shape[0])
         out = F.embedding(local.masked_fill(outside, 0), self.weight)  # (b, s, h)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)  # rows held by other ranks
-        # the wire in the compute dtype under autocast, the residual stream in the embedding's
-        # dtype again (fp32, as on one device)
-        out_wire = _to_compute(out, self.compute_dtype)
-        return _exit_region(out_wire, self.group, self.sequence_parallel).to(out.dtype)
+        wire = _to_compute(out, self.compute_dtype)  # the residual stream: fp32 again, below
+        return _exit_region(wire, self.group, self.sequence_parallel).to(out.dtype)
 
 
 class VocabParallelHead(ColumnParallelLinear):
@@ -216,7 +199,7 @@ class VocabParallelHead(ColumnParallelLinear):
         layer.vocab_size = vocab_size
         layer.vocab_start = comm.group_rank(group) * layer.weight.shape[0]
         if full.weight.size(0) > vocab_size:
-            _mark_padded(layer.weight, vocab_size, full.weight.size(0))
+            setattr(layer.weight, "vocab_padding", (vocab_size, full.weight.size(0)))
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -240,8 +223,8 @@ class ParallelRMSNorm(RMSNorm):
     def __init__(self, dim: int, eps: float, group: Group, sequence_parallel: bool,
                  compute_dtype: Optional[torch.dtype] = None) -> None:
         super().__init__(dim, eps)
-        self.group, self.sequence_parallel = group, sequence_parallel
-        self.compute_dtype = compute_dtype
+        self.group, self.sequence_parallel, self.compute_dtype = group, sequence_parallel, \
+            compute_dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight: torch.Tensor = self.weight
@@ -297,5 +280,3 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
     targets (b, s); equals ``models.loss_fn`` on the gathered logits, never gathering them."""
     return _VocabParallelCrossEntropy.apply(logits.reshape(-1, logits.size(-1)),
                                             targets.reshape(-1), group)
-
-
