@@ -29,9 +29,9 @@ from scaletorch.parallel.tensor_parallel import (apply_tensor_parallel,
                                                  gather_tensor_parallel_state_dict,
                                                  tensor_parallel_clip_grad_norm,
                                                  tensor_parallel_loss_fn, tp_report)
-from scaletorch.parallel.tensor_parallel_dtensor import (apply_dtensor_tensor_parallel,
-                                                         device_mesh, dtensor_loss_fn,
-                                                         in_loss_parallel, native_clip_grad_norm,
+from scaletorch.parallel.tensor_parallel_dtensor import (apply_dtensor_tensor_parallel, device_mesh,
+                                                         dtensor_loss_fn, in_loss_parallel,
+                                                         native_clip_grad_norm,
                                                          replicate_over_data_parallel)
 from scaletorch.trainer import Trainer, check_against_reference, load_config
 from scaletorch.trainer.precision import DTYPES
@@ -41,11 +41,15 @@ def limits(cfg, world_size: int) -> None:
     """This chapter's scope (load_config checks it with the layout, before anything starts)."""
     p = cfg.parallel
     later = {
-        "pp": p.pipeline_model_parallel_size > 1, "cp": p.context_parallel_size > 1,
-        "ep": p.expert_model_parallel_size > 1, "zero_stage": p.zero_stage > 0,
-        "num_experts": cfg.model.num_experts > 0, "fp16": cfg.training.precision == "fp16",
+        "pp": p.pipeline_model_parallel_size > 1,
+        "cp": p.context_parallel_size > 1,
+        "ep": p.expert_model_parallel_size > 1,
+        "zero_stage": p.zero_stage > 0,
+        "num_experts": cfg.model.num_experts > 0,
+        "fp16": cfg.training.precision == "fp16",
         "activation_checkpointing": p.activation_checkpointing != "none",
-        "reduce_dtype": p.reduce_dtype != "fp32", "impl": p.impl not in ("scaletorch", "torch"),
+        "reduce_dtype": p.reduce_dtype != "fp32",
+        "impl": p.impl not in ("scaletorch", "torch"),
         "tp 1": p.tensor_model_parallel_size == 1
     }
     if any(later.values()):

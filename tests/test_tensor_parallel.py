@@ -19,9 +19,9 @@ from scaletorch.models import LlamaConfig, build_model, loss_fn
 from scaletorch.parallel import tensor_parallel as tp_lib
 from scaletorch.parallel import tensor_parallel_dtensor as dtensor_tp
 from scaletorch.parallel import tensor_parallel_layers as tp_layers
-from scaletorch.plan.traffic import tp_comm_elements as planned_tp_comm_elements
 from scaletorch.parallel.data_parallel import apply_data_parallel
 from scaletorch.parallel.step import make_data_parallel_step
+from scaletorch.plan.traffic import tp_comm_elements as planned_tp_comm_elements
 from scaletorch.trainer import Config, Trainer, max_weight_diff
 from tests.harness import run_distributed, value_error
 

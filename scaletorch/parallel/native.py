@@ -53,9 +53,9 @@ from scaletorch.parallel.pipeline_parallel import TorchPipelineSchedule, apply_p
 from scaletorch.parallel.pipeline_schedules import V_SHAPED
 from scaletorch.parallel.step import ForwardBackward, make_data_parallel_step
 from scaletorch.parallel.tensor_parallel_dtensor import (apply_dtensor_tensor_parallel,
-                                                          apply_per_block, device_mesh,
-                                                          dtensor_loss_fn, in_loss_parallel,
-                                                          native_clip_grad_norm)
+                                                         apply_per_block, device_mesh,
+                                                         dtensor_loss_fn, in_loss_parallel,
+                                                         native_clip_grad_norm)
 from scaletorch.parallel.zero import check_zero_layout
 
 if TYPE_CHECKING:  # the config module imports scaletorch.parallel

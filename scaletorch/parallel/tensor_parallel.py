@@ -91,7 +91,7 @@ def apply_tensor_parallel(model: Llama, pgm: ProcessGroupManager, sequence_paral
     group, tp = pgm.tensor_model_parallel_group, pgm.tensor_model_parallel_world_size
     cfg = model.config
     validate_tensor_parallel(cfg, tp, sequence_parallel)
-    kwargs: Dict[str, Any] = {"sequence_parallel": sequence_parallel, "compute_dtype": compute_dtype}
+    kwargs: Dict[str, Any] = dict(sequence_parallel=sequence_parallel, compute_dtype=compute_dtype)
 
     def norm(old: RMSNorm) -> ParallelRMSNorm:
         new = ParallelRMSNorm(old.weight.numel(), old.eps, group, sequence_parallel,
@@ -114,8 +114,9 @@ def apply_tensor_parallel(model: Llama, pgm: ProcessGroupManager, sequence_paral
         attn.q_proj, attn.k_proj, attn.v_proj = column(attn.q_proj), column(attn.k_proj), \
             column(attn.v_proj)
         attn.o_proj = row(attn.o_proj)
-        if not isinstance(mlp, MLP):  # only chapter 00's dense MLP is split here; another
-            continue  # (chapter 06's MoE) runs whole on every tp rank on the replicated input
+        dense = isinstance(mlp, MLP)  # only chapter 00's dense MLP is split here; another
+        if not dense:  # (chapter 06's MoE) runs whole on every tp rank on the replicated input
+            continue
         block.post_attention_layernorm = norm(block.post_attention_layernorm)
         mlp.gate_proj, mlp.up_proj = column(mlp.gate_proj), column(mlp.up_proj)
         mlp.down_proj = row(mlp.down_proj)
@@ -180,9 +181,9 @@ def format_block_comm(config: LlamaConfig, tokens: int, tp: int, sequence_parall
     enter, leave = (("g-bar", "all_gather", "reduce_scatter"), ("f-bar", "reduce_scatter",
                                                                 "all_gather")) \
         if sequence_parallel else (("f", "-", "all_reduce"), ("g", "all_reduce", "-"))
-    sites = [(f"{where} ({op[0]})", op[1], op[2]) for where, op in (
-        ("attention input", enter), ("o_proj output", leave), ("MLP input", enter),
-        ("down_proj output", leave))]
+    sites = [(f"{where} ({op[0]})", op[1], op[2])
+             for where, op in (("attention input", enter), ("o_proj output", leave),
+                               ("MLP input", enter), ("down_proj output", leave))]
     wire = 8 * (tp - 1) / tp * e * n  # 4 all-reduces, or 4 all-gather + reduce-scatter pairs
     lines = [
         f"one transformer block, one micro-batch: b x s x h = {tokens} x "
@@ -215,8 +216,11 @@ def tp_comm_elements(config: LlamaConfig, tokens: int, sequence_parallel: bool,
     if not sequence_parallel:
         return {"all_reduce": activations + 3 * tokens}
     norms = (2 * layers + 1) * h * num_micro_batches
-    return {"all_gather": activations, "reduce_scatter": activations,
-            "all_reduce": 3 * tokens + norms}
+    return {
+        "all_gather": activations,
+        "reduce_scatter": activations,
+        "all_reduce": 3 * tokens + norms
+    }
 
 
 def tp_report(cfg: Config, pgm: ProcessGroupManager, step: int, precision: str = "fp32") -> str:

@@ -18,8 +18,8 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from scaletorch.dist import destroy_pg_manager, get_ledger, init_pg_manager
 from scaletorch.models import LlamaConfig, build_model
-from scaletorch.parallel import tensor_parallel_dtensor as native
 from scaletorch.parallel import tensor_parallel as tp_lib
+from scaletorch.parallel import tensor_parallel_dtensor as native
 from scaletorch.parallel.grad_norm import clip_grads_, replica_count, world_grad_norm
 from scaletorch.parallel.step import forward_backward
 from scripts.benchmarks import timing
