@@ -18,20 +18,21 @@ instead, with FSDP2's ``replicate`` over dp.
 """
 
 import sys
+from contextlib import nullcontext
+
+from torch.distributed.tensor.parallel import loss_parallel
 
 from scaletorch.config import resolve_precision
 from scaletorch.dist import (destroy_distributed, destroy_pg_manager, init_distributed,
                              init_pg_manager_from_config)
 from scaletorch.models import build_model
 from scaletorch.parallel.data_parallel import apply_data_parallel
-from scaletorch.parallel.step import make_data_parallel_step
 from scaletorch.parallel.tensor_parallel import (apply_tensor_parallel,
                                                  gather_tensor_parallel_state_dict,
                                                  tensor_parallel_clip_grad_norm,
                                                  tensor_parallel_loss_fn, tp_report)
 from scaletorch.parallel.tensor_parallel_dtensor import (apply_dtensor_tensor_parallel, device_mesh,
-                                                         dtensor_loss_fn, in_loss_parallel,
-                                                         native_clip_grad_norm,
+                                                         dtensor_loss_fn, native_clip_grad_norm,
                                                          replicate_over_data_parallel)
 from scaletorch.trainer import Trainer, check_against_reference, load_config
 from scaletorch.trainer.precision import DTYPES
@@ -46,7 +47,6 @@ def limits(cfg, world_size: int) -> None:
         "ep": p.expert_model_parallel_size > 1,
         "zero_stage": p.zero_stage > 0,
         "num_experts": cfg.model.num_experts > 0,
-        "fp16": cfg.training.precision == "fp16",
         "activation_checkpointing": p.activation_checkpointing != "none",
         "reduce_dtype": p.reduce_dtype != "fp32",
         "impl": p.impl not in ("scaletorch", "torch"),
@@ -62,10 +62,10 @@ def main() -> int:
     cfg = load_config("examples/configs/03_tensor_parallel.yaml",
                       "Chapter 03: tensor parallel (+ sequence parallel)", limits)
     env = init_distributed(cfg.training.timeout_seconds)
-    p, m = cfg.parallel, cfg.data.num_micro_batches
+    p = cfg.parallel
     pgm = init_pg_manager_from_config(p, cfg.training.timeout_seconds)
     pgm.log_topology()
-    dp, dp_group = pgm.data_parallel_world_size, pgm.data_parallel_group_with_context
+    dp = pgm.data_parallel_world_size
     precision = resolve_precision(cfg, env.device.type)
 
     model = build_model(cfg.model, seed=cfg.training.model_seed).to(env.device)
@@ -79,10 +79,9 @@ def main() -> int:
         if dp > 1:  # chapter 01 around it
             model = apply_data_parallel(tp_model, pgm, p.impl, p.bucket_size_mb)
         loss_fn, clip = tensor_parallel_loss_fn(pgm), tensor_parallel_clip_grad_norm(tp_model, pgm)
-    step = make_data_parallel_step(model, m, pgm.data_parallel_rank, dp, dp_group, loss_fn)
-    step = in_loss_parallel(step) if p.impl == "torch" else step  # DTensor's sharded loss
-    result = Trainer(cfg, model, pgm, device=env.device, forward_backward=step,
-                     clip_grad_norm=clip).train()
+    trainer = Trainer(cfg, model, pgm, device=env.device, loss_fn=loss_fn, clip_grad_norm=clip)
+    with loss_parallel() if p.impl == "torch" else nullcontext():  # DTensor's vocab-sharded loss
+        result = trainer.train()
 
     # What this chapter is about: 2 + 2 collectives of b x s x h per block, nothing bigger.
     report = tp_report(cfg, pgm, cfg.training.steps - 1, precision)

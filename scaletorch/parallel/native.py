@@ -41,6 +41,7 @@ from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy as FSDPMixedPrecision
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import loss_parallel
 
 from scaletorch.dist import ProcessGroupManager
 from scaletorch.models import Llama, loss_fn
@@ -54,8 +55,7 @@ from scaletorch.parallel.pipeline_schedules import V_SHAPED
 from scaletorch.parallel.step import ForwardBackward, make_data_parallel_step
 from scaletorch.parallel.tensor_parallel_dtensor import (apply_dtensor_tensor_parallel,
                                                          apply_per_block, device_mesh,
-                                                         dtensor_loss_fn, in_loss_parallel,
-                                                         native_clip_grad_norm)
+                                                         dtensor_loss_fn, native_clip_grad_norm)
 from scaletorch.parallel.zero import check_zero_layout
 
 if TYPE_CHECKING:  # the config module imports scaletorch.parallel
@@ -75,6 +75,16 @@ def apply_native_data_parallel(modules: Iterable[nn.Module], dp_mesh: DeviceMesh
         param_dtype=None if p.param_dtype == torch.float32 else p.param_dtype,
         reduce_dtype=None if p.reduce_dtype == torch.float32 else p.reduce_dtype)
     apply_per_block(fully_shard if zero3 else replicate, modules, dp_mesh, mp)
+
+
+def _in_loss_parallel(step: ForwardBackward) -> ForwardBackward:
+    """DTensor's vocab-sharded cross-entropy (forward and backward) needs ``loss_parallel()``."""
+
+    def run(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        with loss_parallel():
+            return step(inputs, targets)
+
+    return run
 
 
 # ---- all of it, in order ---------------------------------------------------------------------
@@ -125,7 +135,7 @@ def parallelize_native(
                                        pgm.data_parallel_group_with_context,
                                        dtensor_loss_fn if tp > 1 else loss_fn, shard_sequence)
         if tp > 1:
-            step = in_loss_parallel(step)
+            step = _in_loss_parallel(step)
     clip = native_clip_grad_norm(list(trainer_model.parameters()), pgm)
     return trainer_model, step, clip, None, param_map
 

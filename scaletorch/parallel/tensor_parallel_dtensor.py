@@ -1,6 +1,6 @@
 """PyTorch's own tensor parallel (chapter 03's ``--impl torch``): DTensor ``parallelize_module``
-over the "tp" dim of a DeviceMesh made of the pg_manager's groups, the loss under
-``loss_parallel()``, the global grad norm of DTensor gradients, FSDP2's ``replicate`` over dp.
+over the "tp" dim of a DeviceMesh made of the pg_manager's groups, the loss (train under
+``loss_parallel()``), the global grad norm of DTensor gradients, FSDP2's ``replicate`` over dp.
 
 Why ``replicate`` over dp, not DistributedDataParallel: DDP takes a tp model only through a
 stop-gap (given a dp sub-mesh it turns the DTensor weights back into plain local tensors, and
@@ -20,13 +20,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy as FSDPMixedPrecision
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                               SequenceParallel, loss_parallel, parallelize_module)
+                                               SequenceParallel, parallelize_module)
 from torch.nn import functional as F
 
 from scaletorch.dist import ProcessGroupManager
 from scaletorch.models import Llama
 from scaletorch.parallel.grad_norm import clip_grads_, world_grad_norm
-from scaletorch.parallel.step import ForwardBackward
 from scaletorch.parallel.tensor_parallel import validate_tensor_parallel
 
 MESH_DIMS = ("pp", "dp", "tp")  # slowest to fastest, as the rank grid orders them
@@ -99,16 +98,6 @@ def dtensor_loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
     inside ``loss_parallel()``. Returns this rank's (replicated) loss as a plain tensor."""
     loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
     return cast(DTensor, loss).to_local()  # a DTensor, as the logits were
-
-
-def in_loss_parallel(step: ForwardBackward) -> ForwardBackward:
-    """DTensor's vocab-sharded cross-entropy (forward and backward) needs ``loss_parallel()``."""
-
-    def run(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        with loss_parallel():
-            return step(inputs, targets)
-
-    return run
 
 
 def apply_per_block(wrap: Callable[..., object], modules: Iterable[nn.Module], dp_mesh: DeviceMesh,

@@ -8,8 +8,9 @@
         log, checkpoint
 
 A strategy changes the model (wrapping or sharding it) and, where it must, passes its own
-``forward_backward`` (pipeline schedules), ``clip_grad_norm`` (sharded parameters) or
-``optimizer`` (ZeRO). Everything else stays the same, which is what makes the runs comparable.
+``loss_fn`` (tensor parallel's vocab-parallel loss, for the default step), ``forward_backward``
+(pipeline schedules), ``clip_grad_norm`` (sharded parameters) or ``optimizer`` (ZeRO).
+Everything else stays the same, which is what makes the runs comparable.
 """
 
 import json
@@ -28,9 +29,10 @@ from torch.distributed.tensor import DTensor
 
 from scaletorch.data import GlobalBatchLoader, build_dataset
 from scaletorch.dist import ProcessGroupManager, comm, get_ledger, restart_count
+from scaletorch.models import loss_fn
 from scaletorch.parallel.grad_norm import clip_grads_, world_grad_norm
 from scaletorch.parallel.mixed_precision import DynamicLossScaler
-from scaletorch.parallel.step import ForwardBackward, make_data_parallel_step
+from scaletorch.parallel.step import ForwardBackward, LossFn, make_data_parallel_step
 from scaletorch.trainer import checkpoint as ckpt
 from scaletorch.trainer.config import Config, save_config
 from scaletorch.trainer.plan_line import plan_report
@@ -80,7 +82,7 @@ class Trainer:
     def __init__(self, cfg: Config, model: nn.Module, pgm: Optional[ProcessGroupManager] = None, *,
                  device: Optional[torch.device] = None,
                  optimizer: Optional[torch.optim.Optimizer] = None,
-                 forward_backward: Optional[ForwardBackward] = None,
+                 forward_backward: Optional[ForwardBackward] = None, loss_fn: LossFn = loss_fn,
                  clip_grad_norm: Optional[Callable[[float], torch.Tensor]] = None,
                  scaler: Optional[DynamicLossScaler] = None, verbose: bool = True) -> None:
         self.cfg = cfg
@@ -101,13 +103,13 @@ class Trainer:
             scaler = DynamicLossScaler(agree=pgm is not None) if fp16 else None
             if pgm is None:
                 forward_backward = make_data_parallel_step(model, cfg.data.num_micro_batches, 0, 1,
-                                                           None, scaler=scaler)
+                                                           None, loss_fn, scaler=scaler)
             else:
                 forward_backward = make_data_parallel_step(model, cfg.data.num_micro_batches,
                                                            pgm.data_parallel_rank,
                                                            pgm.data_parallel_world_size,
                                                            pgm.data_parallel_group_with_context,
-                                                           scaler=scaler)
+                                                           loss_fn, scaler=scaler)
         if fp16 and scaler is None:
             raise ValueError("training.precision fp16: this step does not scale the loss (pass "
                              "the DynamicLossScaler its forward_backward uses)")
