@@ -319,7 +319,7 @@ class TestTensorParallel(unittest.TestCase):
                     self.assertEqual(comm[("all_reduce", "world")], 1)  # the grad norm
                     self.assertNotIn(("all_gather", "tp"), comm)
         # the library's formula (printed by the script) says the same
-        self.assertEqual(tp_lib.comm_elements_per_step(MODEL, 128, False),
+        self.assertEqual(tp_lib.tp_comm_elements(MODEL, 128, False),
                          {"all_reduce": sum(self.ledger_terms("tp4")[:2])})
 
     def test_ledger_sequence_parallel_is_all_gather_plus_reduce_scatter_of_same_size(self):
@@ -333,7 +333,7 @@ class TestTensorParallel(unittest.TestCase):
                     self.assertEqual(comm[("all_reduce", "tp")], scalars + norms)
                     self.assertEqual(comm[("all_reduce", "world")], 1)  # the grad norm
         self.assertEqual(
-            tp_lib.comm_elements_per_step(MODEL, 128, True, 1), {
+            tp_lib.tp_comm_elements(MODEL, 128, True, 1), {
                 "all_gather": self.ledger_terms("tp4_sp")[0],
                 "reduce_scatter": self.ledger_terms("tp4_sp")[0],
                 "all_reduce": sum(self.ledger_terms("tp4_sp")[1:])
