@@ -100,7 +100,7 @@ def run(args) -> List[dict]:
         for ours, native, sp in (("ours", "dtensor", False), ("ours_sp", "dtensor_sp", True))
     ]
     for name, sp in (("ours", False), ("ours_sp", True)):
-        formula = tp_lib.comm_elements_per_step(MODEL, BATCH * SEQ_LEN, sp)
+        formula = tp_lib.tp_comm_elements(MODEL, BATCH * SEQ_LEN, sp)
         measured = sum(result["elements"][name].values())
         rows.append({
             "name": f"tp{' + sp' if sp else ''} tp elements/step / formula",
