@@ -2,5 +2,6 @@
 
 Chapter 01 data_parallel (+ step, grad_norm), 02 zero (+ flat_unit), 03 tensor_parallel
 (+ tensor_parallel_layers, tensor_parallel_dtensor), 04 pipeline_parallel, 05 context_parallel
-(+ ring_attention), 06 expert_parallel; chapter 07's parallelize composes them all. doc/design.md maps every module.
+(+ ring_attention), 06 expert_parallel; chapter 07's parallelize composes them all.
+doc/design.md maps every module.
 """
