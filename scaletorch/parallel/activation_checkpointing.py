@@ -22,10 +22,10 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from scaletorch.config import recompute_mode
 from scaletorch.dist import get_ledger
 from scaletorch.models import Llama
 from scaletorch.models.llama import Attention
-from scaletorch.config import recompute_mode
 
 
 class _Checkpointed:
