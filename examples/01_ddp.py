@@ -14,11 +14,13 @@ all-reduce ran while backward was still computing.
 """
 
 import sys
+from functools import partial
 
 from scaletorch.dist import (destroy_distributed, destroy_pg_manager, init_distributed,
                              init_pg_manager_from_config)
 from scaletorch.models import build_model
 from scaletorch.parallel.data_parallel import BucketedDataParallel, apply_data_parallel, ddp_report
+from scaletorch.parallel.grad_norm import clip_replicated
 from scaletorch.trainer import Trainer, check_against_reference, load_config
 
 
@@ -57,7 +59,9 @@ def main() -> int:
             sizes = ", ".join(f"{b.buffer.numel():,}" for b in model.buckets)
             print(f"{len(model.buckets)} buckets of <= {p.bucket_size_mb} MB, in reverse "
                   f"parameter order (elements): {sizes}")
-    result = Trainer(cfg, model, pgm, device=env.device).train()
+    # every rank holds every averaged gradient: the local norm is the global one, no all-reduce
+    clip = partial(clip_replicated, list(model.parameters()))
+    result = Trainer(cfg, model, pgm, device=env.device, clip_grad_norm=clip).train()
 
     # What this chapter is about: one all-reduce of every gradient per step, not per micro-batch.
     report = ddp_report(model, pgm, p.impl, step=cfg.training.steps - 1)

@@ -1,11 +1,8 @@
 """PyTorch's own ZeRO-3, FSDP2 ``fully_shard``: chapter 02's reference beside zero.py.
 
-``apply_fully_shard`` calls ``fully_shard`` on each block, then on the root (embedding, norm,
-head), over a 1-D DeviceMesh of the data-parallel group: every parameter becomes a DTensor
-sharded on dim 0 over the N ranks, all-gathered before its unit's forward and backward, its
-gradient reduce-scattered. The Trainer's own AdamW and ``clip_grad_norm_`` work on the
-DTensors; ``full_state_dict`` gathers them. Its collectives bypass our ledger. Chapter 07
-(native.py) wraps the same way beside DTensor tensor parallel and pipelining.
+Each parameter becomes a DTensor sharded on dim 0 over the data-parallel group, all-gathered
+around its unit (a block, or the root: embedding, norm, head), its gradient reduce-scattered.
+The Trainer's AdamW and clip work on the DTensors. Its collectives bypass our ledger.
 """
 
 from typing import Callable, Dict, Iterable, Optional, cast
@@ -24,10 +21,8 @@ from scaletorch.parallel.zero import check_zero_layout
 def shard_blocks_then_root(modules: Iterable[nn.Module], mesh: DeviceMesh,
                            wrap: Callable = fully_shard,
                            mp_policy: Optional[MixedPrecisionPolicy] = None) -> None:
-    """Each block, then each module's root (embedding, norm, head), as one FSDP2 unit over
-    ``mesh``. ``modules``: a Llama, or a pipeline rank's chunks (chapter 07, each its own
-    root). ``wrap``: ``fully_shard``, or chapter 07's ``replicate``; ``mp_policy``: FSDP2's
-    (chapter 08), None for fp32."""
+    """Each block, then each module's root, as one FSDP2 unit over ``mesh``. Chapter 07 passes
+    a pipeline rank's chunks, or ``replicate`` as ``wrap``; chapter 08 an ``mp_policy``."""
     mp = mp_policy or MixedPrecisionPolicy()
     for module in modules:
         layers = module.get_submodule("layers")  # a Llama's list, or a chunk's dict
@@ -46,8 +41,7 @@ def apply_fully_shard(model: nn.Module, pgm: ProcessGroupManager,
     if not dist.is_initialized():
         raise ValueError("fully_shard needs torch.distributed: launch with torchrun")
     group = cast(dist.ProcessGroup, pgm.data_parallel_group_with_context)  # initialized: exists
-    # Named after the group: DeviceMesh equality ignores process groups, and DTensor caches by
-    # mesh, so a mesh over a rebuilt pg_manager must not be taken for one over destroyed groups.
+    # named after the group: a mesh over a rebuilt pg_manager is another mesh (native.py)
     mesh = DeviceMesh.from_group(group,
                                  next(model.parameters()).device.type,
                                  mesh_dim_names=(f"dp_cp{group.group_name}", ))

@@ -62,6 +62,14 @@ def clip_grads_(params: Iterable[torch.Tensor], max_norm: float,
     return total_norm
 
 
+def clip_replicated(params: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Data parallel's clip (chapter 01): every rank holds every gradient, averaged, so its
+    local norm is the global one and no rank communicates; returns the norm."""
+    params = [p for p in params if p.grad is not None]
+    norm = _squared_norm(params, params[0].device if params else torch.device("cpu")).sqrt()[0]
+    return clip_grads_(params, max_norm, norm)
+
+
 def replica_count(param: torch.Tensor, pgm: ProcessGroupManager) -> int:
     """Ranks of the world holding an identical copy of ``param``'s gradient (see above).
 

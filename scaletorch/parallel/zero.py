@@ -12,11 +12,10 @@ owns shard r. What else a rank keeps is the stage (fp32, 4 bytes per element, Ps
     3         shard        shard          shard          16 Psi/N  (+ gathered units in flight)
 
 Communication per step (elements of the flat vectors; a ring puts (N-1)/N of each on the wire):
-stages 1, 2 reduce-scatter the gradients and all-gather the updated parameters: 2 Psi, the same
-as DDP's all-reduce. Stage 3 all-gathers each unit before its forward and again before its
-backward, and reduce-scatters its gradients: 3 Psi. With m micro-batches, stage 3 gathers
-2 m Psi (the gradients are still reduced once, after the last micro-batch). The formulas and
-the measured ledgers: zero_report.py. PyTorch's own ZeRO-3, FSDP2 ``fully_shard``: fully_shard.py.
+stages 1, 2 reduce-scatter the gradients and all-gather the updated parameters: 2 Psi, as DDP's
+all-reduce. Stage 3 all-gathers each unit before its forward and again before its backward, and
+reduce-scatters its gradients: 3 Psi (2 m Psi gathered with m micro-batches). zero_report.py
+prints the formulas beside the ledgers; fully_shard.py holds PyTorch's ZeRO-3, FSDP2.
 
 Stage 3 on a model cut into units U0 (embedding), U1..UL (blocks), UL+1 (head = norm + lm_head):
 
@@ -76,8 +75,7 @@ class ShardedDataParallel(nn.Module):
         self.group = group
         self.zero_stage = zero_stage
         self.prefetch = prefetch
-        # stage 3 gathers in param_dtype, every stage reduces in reduce_dtype (None: the
-        # parameters' dtype); chapter 08 passes them
+        # chapter 08: stage 3 gathers in param_dtype, all reduce in reduce_dtype (None: fp32)
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         self.units = self._build_units(units)
         # Parameter names may not contain dots: "layers.0" -> "layers_0".
@@ -117,8 +115,7 @@ class ShardedDataParallel(nn.Module):
         ]
 
     def _gathered_with(self, i: int) -> List[int]:
-        """The units that must be full while unit i runs: unit i (a subclass adds those whose
-        parameters it uses too)."""
+        """The units that must be full while unit i runs (a subclass adds borrowed ones)."""
         return [i]
 
     @property
@@ -134,13 +131,6 @@ class ShardedDataParallel(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._ready = [0] * len(self.units)  # one forward, one backward: count afresh
         return self.module(*args, **kwargs)
-
-    def graph_params(self) -> List[torch.Tensor]:
-        """The trainable tensors the forward reads and backward accumulates ``.grad`` into:
-        every unit's full parameters, views of its flat vector. Not ``parameters()`` (this
-        rank's shards, which no graph contains): a backward restricted to some ``inputs``
-        (a zero-bubble W, split_backward.py) must name these, or it reaches no weight."""
-        return [t for unit in self.units for t in unit.tensors if t.requires_grad]
 
     # ---- stage 3: gather before use, free after -----------------------------------------
 

@@ -1,19 +1,9 @@
-"""What chapter 02 prints: ZeRO's formulas next to what the ledgers measured.
+"""What chapter 02 prints: ZeRO's formulas (zero.py's table) next to what the ledgers measured.
 
-Per rank and per step, for Psi parameters (Psi' with each unit padded to a multiple of N) over
-N ranks, fp32 (4 bytes per element) and AdamW (m and v: 8 bytes):
-
-    memory (``memory_formula``)     params      grads       AdamW       total
-      baseline (DDP)                4Psi        4Psi        8Psi        16Psi
-      ZeRO-1                        4Psi        4Psi        8Psi/N      8Psi + 8Psi/N
-      ZeRO-2                        4Psi        4Psi/N      8Psi/N      4Psi + 12Psi/N
-      ZeRO-3                        4Psi/N      4Psi/N      8Psi/N      16Psi/N
-    elements (``comm_formula``)     all-gather              reduce-scatter
-      ZeRO-1, 2                     Psi'                    Psi'
-      ZeRO-3, m micro-batches       2 m Psi'                Psi'
-
-A ring puts (N-1)/N of each collective's bytes on the wire. The planner (scaletorch/plan) makes
-the same predictions for whole layouts; tests check that both agree with the ledgers.
+Bytes per rank (``memory_formula``: 16 Psi, ZeRO-1 8 Psi + 8 Psi/N, ZeRO-2 4 Psi + 12 Psi/N,
+ZeRO-3 16 Psi/N) and elements per collective and step (``comm_formula``: all-gather Psi', or
+2 m Psi' at stage 3 with m micro-batches; reduce-scatter Psi'), Psi' padded to multiples of N.
+The planner (scaletorch/plan) predicts the same for whole layouts; tests check both.
 """
 
 from typing import Dict, Optional

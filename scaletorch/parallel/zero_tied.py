@@ -1,4 +1,4 @@
-"""Tied embeddings under ZeRO (chapter 07): one weight used by two units, sharded once.
+"""ZeRO in chapter 07's compositions: tied embeddings shared by two units, zero-bubble's W.
 
 With ``lm_head.weight is embed_tokens.weight`` the one weight is sharded once, in the first unit
 that lists it (the embedding's); the head unit *borrows* it. Why this and not a unit of its own
@@ -17,6 +17,7 @@ embedding group can sum the two copies' gradient shards element for element.
 
 from typing import Dict, List, cast
 
+import torch
 from torch import nn
 
 from scaletorch.parallel.flat_unit import FlatUnit
@@ -25,7 +26,8 @@ from scaletorch.parallel.zero import ShardedDataParallel, Units, llama_units
 
 class TiedShardedDataParallel(ShardedDataParallel):
     """``ShardedDataParallel`` whose units may share parameters: the first unit that lists a
-    parameter owns it, a later one borrows it and gathers and frees the owner with itself."""
+    parameter owns it, a later one borrows it and gathers and frees the owner with itself.
+    Also names the tensors a zero-bubble W differentiates (``graph_params``)."""
 
     def _build_units(self, units: Units) -> List[FlatUnit]:
         # owner[id] = first unit listing the parameter; borrows[j] = the units whose
@@ -59,6 +61,13 @@ class TiedShardedDataParallel(ShardedDataParallel):
 
     def _gathered_with(self, i: int) -> List[int]:
         return [i] + self.borrows[i]
+
+    def graph_params(self) -> List[torch.Tensor]:
+        """The trainable tensors the forward reads and backward accumulates ``.grad`` into:
+        every unit's full parameters, views of its flat vector. Not ``parameters()`` (this
+        rank's shards, which no graph contains): a backward restricted to some ``inputs``
+        (a zero-bubble W, split_backward.py) must name these, or it reaches no weight."""
+        return [t for unit in self.units for t in unit.tensors if t.requires_grad]
 
 
 def zero_units(model: nn.Module) -> Units:
