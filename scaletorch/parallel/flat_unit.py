@@ -1,19 +1,15 @@
 """Flat units: some modules' parameters laid end to end in one vector, cut into N shards.
 
-The building block of the hand-written ZeRO (zero.py). The parameters of one *unit* (the
-embedding, one transformer block, the head) are laid end to end in a flat vector of P elements,
-padded with zeros to P' = N * ceil(P / N) so that it cuts into N equal shards of S = P' / N
-elements, over the N ranks of the unit's group:
+The building block of ZeRO (zero.py): a *unit*'s parameters (the embedding, one block, the
+head) in a flat vector of P elements, padded with zeros to P' = N * ceil(P / N), cut into N
+shards of S = P' / N elements over the N ranks of the unit's group:
 
     flat   | shard 0 | shard 1 | ... | shard N-1 |pad|        rank r owns shard r: it keeps
              rank 0    rank 1          rank N-1               the Adam state for it, updates it
 
 A unit all-gathers its shards into ``flat`` (every parameter is a view of it) and frees it
-again, and reduce-scatters its gradients so that each rank ends with its shard's sum.
-
-The shard is the master copy. Chapter 08 passes ``param_dtype`` (stage 3 gathers a copy of
-the shard in it) and ``reduce_dtype`` (gradients cross the wire in it, then land in the shard's
-gradient in the shard's dtype); None keeps the parameters' dtype.
+again, and reduce-scatters its gradients so that each rank ends with its shard's sum. Chapter
+08 passes ``param_dtype`` (what stage 3 gathers in) and ``reduce_dtype`` (the wire's).
 """
 
 from typing import Callable, Dict, List, Optional, Sequence, Tuple

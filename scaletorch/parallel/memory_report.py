@@ -1,9 +1,5 @@
-"""The memory ledger: the bytes of parameters, gradients and optimizer state a rank holds.
-
-``measure_memory`` counts the tensors a rank actually holds, for any layout (ZeRO's shards,
-FSDP2's DTensors, tensor-parallel slices); chapter 02 prints it next to ZeRO's formulas
-(zero_report.py), chapter 07 in its per-rank table, the planner's checks against its model.
-"""
+"""The memory ledger: the bytes of parameters, gradients and optimizer state a rank holds,
+for any layout; chapter 02 prints it next to ZeRO's formulas (zero_report.py), 07 per rank."""
 
 from typing import Dict, Iterable
 

@@ -120,27 +120,6 @@ def _check_groups_match(cfg: "Config", pgm: ProcessGroupManager, sizes: Dict[str
                          f"{', '.join(wrong)}; build it from the same config")
 
 
-class _ZeroChunks(nn.Module):
-    """What ZeroAdamW drives when a pipeline rank holds several ZeRO-wrapped chunks."""
-
-    def __init__(self, wrappers: List[ShardedDataParallel]) -> None:
-        super().__init__()
-        self.wrappers = nn.ModuleList(wrappers)
-        self.zero = wrappers  # the same modules, typed (a ModuleList yields nn.Module)
-
-    def finish_grad_sync(self) -> None:
-        for w in self.zero:
-            w.finish_grad_sync()
-
-    def gather_params(self) -> None:
-        for w in self.zero:
-            w.gather_params()
-
-    def zero_grad_buffers(self) -> None:
-        for w in self.zero:
-            w.zero_grad_buffers()
-
-
 def _apply_data_parallel(
         modules: List[nn.Module], cfg: "Config",
         pgm: ProcessGroupManager) -> Tuple[List[nn.Module], Optional[torch.optim.Optimizer]]:
@@ -158,8 +137,7 @@ def _apply_data_parallel(
         ]
         for z in zero:
             disable_autocast_cache_per_unit(z)
-        optimizer = ZeroAdamW(zero[0] if len(zero) == 1 else _ZeroChunks(zero), t.lr,
-                              (t.beta1, t.beta2), t.weight_decay)
+        optimizer = ZeroAdamW(zero, t.lr, (t.beta1, t.beta2), t.weight_decay)
         return list(zero), optimizer
     if cfg.model.num_experts > 0:
         return [ExpertParallel(m, pgm) for m in modules], None

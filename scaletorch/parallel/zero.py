@@ -25,18 +25,16 @@ Stage 3 on a model cut into units U0 (embedding), U1..UL (blocks), UL+1 (head = 
 Hooks do it: a forward pre-hook on a unit's first module gathers; a forward hook on its last
 module frees and hooks the output's gradient (the unit's backward starts: gather again); the
 parameters' post-accumulate-grad hooks reduce-scatter once the unit's last gradient is in, then
-free. With ``prefetch`` the next unit's all-gather (async) travels while the current unit
-computes: at most two units are full at a time instead of one. Stages 1 and 2 reduce-scatter
-per unit in the same hooks (while backward goes on), and ``ZeroAdamW.step`` all-gathers the
-updated shards. Gradient accumulation: inside ``no_sync()`` nothing is reduced (gradients
-accumulate full size); the last micro-batch reduces once. Chapter 07 shares a tied
-embedding between two units (zero_tied.py); chapter 08 gathers and reduces in lower precision
-(the ``param_dtype`` and ``reduce_dtype`` arguments, mixed_precision.py).
+free. With ``prefetch`` the next unit's all-gather travels while this one computes (two units
+full at a time). Stages 1 and 2 reduce-scatter in the same hooks, and ``ZeroAdamW.step``
+all-gathers the updated shards. Inside ``no_sync()`` nothing is reduced: gradients accumulate
+full size and the last micro-batch reduces once. Chapter 07 shares tied weights between units
+(zero_tied.py); chapter 08 passes ``param_dtype`` and ``reduce_dtype``.
 """
 
 from contextlib import contextmanager
 from functools import partial
-from typing import Any, Callable, Dict, Iterator, List, Optional, Protocol, Tuple, Union, cast
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union, cast
 
 import torch
 import torch.distributed as dist
@@ -60,6 +58,7 @@ class ShardedDataParallel(nn.Module):
     shards. ``full_state_dict`` gathers the full tensors under the original names;
     ``clip_grad_norm`` counts each shard element once.
     """
+    shares_parameters = False  # chapter 07's subclass shares a tied weight (zero_tied.py)
 
     def __init__(self, module: nn.Module, units: Units, group: Optional[dist.ProcessGroup],
                  zero_stage: int, prefetch: bool = True, param_dtype: Optional[torch.dtype] = None,
@@ -67,10 +66,18 @@ class ShardedDataParallel(nn.Module):
         super().__init__()
         if zero_stage not in (1, 2, 3):
             raise ValueError(f"zero_stage must be 1, 2 or 3, got {zero_stage}")
-        listed = {id(p) for _, modules in units for _, sub in modules for p in sub.parameters()}
+        listed = [
+            id(p) for _, mods in units for p in {
+                p: 0
+                for _, m in mods
+                for p in m.parameters()
+            }
+        ]
         missing = [name for name, p in module.named_parameters() if id(p) not in listed]
-        if missing:
-            raise ValueError(f"parameters in no unit: {missing}")
+        shared = 0 if self.shares_parameters else len(listed) - len(set(listed))
+        if missing or shared:
+            raise ValueError(f"each parameter must be in one unit; parameters in no unit: "
+                             f"{missing}, in two: {shared} (tied weights: zero_tied.py)")
         self.module = module
         self.group = group
         self.zero_stage = zero_stage
@@ -99,16 +106,6 @@ class ShardedDataParallel(nn.Module):
                 unit.modules[-1].register_forward_hook(partial(self._post_forward, i))
 
     def _build_units(self, units: Units) -> List[FlatUnit]:
-        """One FlatUnit per unit. A parameter that two units list (a tied embedding) is refused
-        here; chapter 07's ``TiedShardedDataParallel`` (zero_tied.py) shares it."""
-        unit_of: Dict[int, str] = {}
-        for name, modules in units:
-            for _, sub in modules:
-                for param in sub.parameters():
-                    if unit_of.setdefault(id(param), name) != name:
-                        raise ValueError(f"a parameter is in units {unit_of[id(param)]!r} and "
-                                         f"{name!r} (tied weights): TiedShardedDataParallel "
-                                         f"(zero_tied.py) shares it")
         return [
             FlatUnit(name, modules, self.group, self.zero_stage, self.param_dtype,
                      self.reduce_dtype) for name, modules in units
@@ -117,11 +114,6 @@ class ShardedDataParallel(nn.Module):
     def _gathered_with(self, i: int) -> List[int]:
         """The units that must be full while unit i runs (a subclass adds borrowed ones)."""
         return [i]
-
-    @property
-    def numel(self) -> int:
-        """Psi: parameters of the model."""
-        return sum(u.numel for u in self.units)
 
     @property
     def padded_numel(self) -> int:
@@ -264,50 +256,43 @@ class ShardedDataParallel(nn.Module):
                     full.update({name: tensor for name in names})  # tied: one tensor, both names
         return full
 
-    # The state dict is this rank's shards {"shards.<unit>": (S,)}, saved by the same rank of
-    # the same N. Hooks, not overrides, so that it also works when the wrapper sits inside a
-    # container (a pipeline's chunks): nn.Module's recursion runs every submodule's hooks.
+    # The state dict is this rank's shards {"shards.<unit>": (S,)}, resumed by the same rank of
+    # the same N. Hooks, not overrides: they also run inside a container (a pipeline's chunks).
 
     @staticmethod
     def _copy_shards(module: nn.Module, state_dict: Dict[str, Any], prefix: str,
                      local_metadata: Any) -> None:
-        """state_dict post-hook: copy each shard. In stages 1 and 2 a shard is a view of the
-        full flat parameters, and torch.save would write the whole of them."""
+        """state_dict post-hook: copy each shard (stages 1, 2: a view of the full flat vector,
+        which torch.save would write whole)."""
         for key in [k for k in state_dict if k.startswith(prefix + "shards.")]:
             if not isinstance(state_dict[key], nn.Parameter):  # keep_vars=True wants the vars
                 state_dict[key] = state_dict[key].clone()
 
     @staticmethod
     def _gather_after_load(module: "ShardedDataParallel", incompatible_keys: Any) -> None:
-        """load_state_dict post-hook: stages 1, 2 rebuild the full parameters from the loaded
-        shards (an all-gather: every rank of the group loads)."""
+        """load_state_dict post-hook: stages 1, 2 all-gather the loaded shards (every rank)."""
         module.gather_params()
 
 
 def check_zero_layout(zero_stage: int, tensor_model_parallel_size: int = 1,
                       pipeline_model_parallel_size: int = 1,
                       expert_model_parallel_size: int = 1) -> None:
-    """ZeRO on its own (chapter 02: ``apply_zero``, ``fully_shard.apply_fully_shard``) shards
-    over data parallel only; ``parallelize`` (chapter 07) combines it with the others."""
+    """ZeRO on its own (chapter 02) shards over data parallel only; ``parallelize`` (chapter
+    07) combines it with the others."""
     if zero_stage not in (1, 2, 3):
         raise ValueError(f"zero_stage must be 1, 2 or 3 (--zero-stage), got {zero_stage}")
-    other = {
-        "tensor_model_parallel_size": tensor_model_parallel_size,
-        "pipeline_model_parallel_size": pipeline_model_parallel_size,
-        "expert_model_parallel_size": expert_model_parallel_size,
-    }
-    unsupported = [f"{name} ({size})" for name, size in other.items() if size > 1]
+    sizes = zip(
+        ("tensor", "pipeline", "expert"),
+        (tensor_model_parallel_size, pipeline_model_parallel_size, expert_model_parallel_size))
+    unsupported = [f"{name}_model_parallel_size ({n})" for name, n in sizes if n > 1]
     if unsupported:
         raise ValueError(f"zero_stage {zero_stage} on its own shards over data parallel only; got "
                          f"{', '.join(unsupported)}: 07_nd_parallel combines ZeRO with them")
 
 
 def llama_units(model: nn.Module) -> Units:
-    """The sharding units of a Llama, in forward order: embedding, each block, head.
-
-    Also of a pipeline chunk (chapter 04), which holds some of them: its ``layers`` are keyed
-    by their index in the full model, and a stage without the embedding or the head has None.
-    """
+    """The sharding units of a Llama, in forward order: embedding, each block, head (or of
+    a pipeline chunk, chapter 04: its ``layers`` keyed by index, a missing end None)."""
     # torch types a module's attributes Tensor | Module; these are modules, or None in a chunk
     blocks = cast(Union[nn.ModuleList, nn.ModuleDict], model.layers)
     embed = cast(Optional[nn.Module], model.embed_tokens)
@@ -333,45 +318,33 @@ def apply_zero(model: nn.Module, pgm: ProcessGroupManager, zero_stage: int,
                                zero_stage, prefetch)
 
 
-class ZeroModel(Protocol):
-    """What ZeroAdamW drives: a ``ShardedDataParallel``, or several (a pipeline rank's chunks)."""
-
-    def parameters(self) -> Iterator[nn.Parameter]:
-        ...
-
-    def finish_grad_sync(self) -> None:
-        ...
-
-    def gather_params(self) -> None:
-        ...
-
-    def zero_grad_buffers(self) -> None:
-        ...
-
-
 class ZeroAdamW(torch.optim.AdamW):
     """torch.optim.AdamW over this rank's shards: the same arithmetic, 1/N of the state.
 
-    ``model`` is the ZeRO wrapper (``ShardedDataParallel``). ``step()`` first finishes any
-    gradient sync still in flight, updates the shards, then (stages 1, 2) all-gathers them into
-    every rank's full parameters. ``zero_grad()`` also clears the wrapper's full gradients.
+    ``model`` is the ZeRO wrapper (or a list of them: a pipeline rank's chunks, chapter 07).
+    ``step()`` first finishes any gradient sync still in flight, updates the shards, then
+    (stages 1, 2) all-gathers them into every rank's full parameters. ``zero_grad()`` also
+    clears the wrappers' full gradients.
     """
 
-    def __init__(self, model: ZeroModel, lr: float, betas: Tuple[float, float], weight_decay: float,
-                 eps: float = 1e-8) -> None:
-        super().__init__(list(model.parameters()), lr=lr, betas=betas, eps=eps,
-                         weight_decay=weight_decay)
-        self.model = model
+    def __init__(self, model: Union[ShardedDataParallel, Sequence[ShardedDataParallel]], lr: float,
+                 betas: Tuple[float, float], weight_decay: float, eps: float = 1e-8) -> None:
+        self.wrappers = [model] if isinstance(model, ShardedDataParallel) else list(model)
+        super().__init__([p for w in self.wrappers for p in w.parameters()], lr=lr, betas=betas,
+                         eps=eps, weight_decay=weight_decay)
 
     # torch's stub overloads step on closure (None -> None, callable -> float); this covers both
     @torch.no_grad()
     def step(  # type: ignore[override]
             self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
-        self.model.finish_grad_sync()
+        for w in self.wrappers:
+            w.finish_grad_sync()
         loss = super().step(closure)
-        self.model.gather_params()
+        for w in self.wrappers:
+            w.gather_params()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
-        self.model.zero_grad_buffers()
+        for w in self.wrappers:
+            w.zero_grad_buffers()

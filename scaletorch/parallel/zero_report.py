@@ -60,15 +60,12 @@ def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer, zero_stage
         comm.all_gather_into_tensor(rows, row, group)
     n = comm.group_size(group)
     formula = memory_formula(zero_stage, padded_numel, n)
-    names = {0: "baseline", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
-    *symbols, total_symbol = {
-        0: ("4Psi", "4Psi", "8Psi", "16Psi"),
-        1: ("4Psi", "4Psi", "8Psi/N", "8Psi+8Psi/N"),
-        2: ("4Psi", "4Psi/N", "8Psi/N", "4Psi+12Psi/N"),
-        3: ("4Psi/N", "4Psi/N", "8Psi/N", "16Psi/N"),
-    }[zero_stage]
+    *symbols, total_symbol = ("4Psi 4Psi 8Psi 16Psi", "4Psi 4Psi 8Psi/N 8Psi+8Psi/N",
+                              "4Psi 4Psi/N 8Psi/N 4Psi+12Psi/N",
+                              "4Psi/N 4Psi/N 8Psi/N 16Psi/N")[zero_stage].split()
+    name = f"ZeRO-{zero_stage}" if zero_stage else "baseline"
     lines = [
-        f"memory per rank, bytes ({names[zero_stage]}, N = {n}, Psi = {numel:,}, "
+        f"memory per rank, bytes ({name}, N = {n}, Psi = {numel:,}, "
         f"Psi' = {padded_numel:,} with padding to multiples of N)",
         f"{'rank':<10}{'params':>12}{'grads':>12}{'optimizer':>12}{'total':>14}"
         f"{'peak gathered':>16}",
@@ -85,29 +82,20 @@ def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer, zero_stage
     return "\n".join(lines)
 
 
-def comm_report(zero_stage: int, padded_numel: int, num_micro_batches: int, world: int, step: int,
-                param_dtype: torch.dtype = torch.float32,
-                reduce_dtype: torch.dtype = torch.float32) -> str:
-    """The ledger's all-gather and reduce-scatter volume of ``step`` next to the formula; bytes
-    per element: stage 3 gathers in ``param_dtype``, stages 1, 2 gather the fp32 masters, all
-    reduce-scatter in ``reduce_dtype`` (chapter 08 passes them; fp32 here)."""
+def comm_report(zero_stage: int, padded_numel: int, num_micro_batches: int, world: int,
+                step: int) -> str:
+    """The ledger's all-gather and reduce-scatter volume of ``step`` next to the formula (fp32:
+    4 bytes per element)."""
     ledger = get_ledger()
     formula = comm_formula(zero_stage, padded_numel, num_micro_batches)
     measured = {op: int(ledger.total(op=op, step=step)) for op in formula}
     wire = sum(ledger.total(op=op, step=step, field="wire_bytes") for op in formula)
-    size = {
-        "all_gather": param_dtype.itemsize if zero_stage == 3 else 4,
-        "reduce_scatter": reduce_dtype.itemsize
-    }
-    expected_wire = sum(n * size[op] for op, n in formula.items()) * (world - 1) / world
-    gather, reduce = size["all_gather"], size["reduce_scatter"]
-    each = f"{gather} B each" if gather == reduce else \
-        f"{gather} B (all-gather) and {reduce} B (reduce-scatter)"
+    expected_wire = sum(formula.values()) * 4 * (world - 1) / world
     gathers = "Psi'" if zero_stage < 3 else f"2 x {num_micro_batches} x Psi'"
     return (f"formula, step {step}: all-gather {gathers} = {formula['all_gather']:,} elements "
             f"(measured {measured['all_gather']:,}), reduce-scatter Psi' = "
             f"{formula['reduce_scatter']:,} (measured {measured['reduce_scatter']:,}); on the "
-            f"wire (N-1)/N x {each}: {expected_wire / 1e6:.3f} MB (measured {wire / 1e6:.3f})")
+            f"wire (N-1)/N x 4 B each: {expected_wire / 1e6:.3f} MB (measured {wire / 1e6:.3f})")
 
 
 def zero_report(model: nn.Module, optimizer: torch.optim.Optimizer, pgm: ProcessGroupManager,

@@ -28,6 +28,7 @@ class TiedShardedDataParallel(ShardedDataParallel):
     """``ShardedDataParallel`` whose units may share parameters: the first unit that lists a
     parameter owns it, a later one borrows it and gathers and frees the owner with itself.
     Also names the tensors a zero-bubble W differentiates (``graph_params``)."""
+    shares_parameters = True
 
     def _build_units(self, units: Units) -> List[FlatUnit]:
         # owner[id] = first unit listing the parameter; borrows[j] = the units whose
