@@ -9,8 +9,9 @@ Chapter 00 plus one call, ``apply_data_parallel``: it wraps the model so that ba
 averages the gradients over the data-parallel ranks (``--impl naive``: one all-reduce per
 parameter; ``scaletorch``: our bucketed DDP; ``torch``: PyTorch's DistributedDataParallel).
 Then it prints the gradient traffic of the last step (a ring all-reduce of Psi fp32 elements
-moves 2 (N-1)/N x 4 Psi bytes per rank) and, for the bucketed DDP, when each bucket's
-all-reduce ran while backward was still computing.
+moves 2 (N-1)/N x 4 Psi bytes per rank), for the bucketed DDP when each bucket's all-reduce
+ran while backward was still computing, and the bytes each rank holds: 16 Psi, the whole model
+state on every rank, which chapter 02 shards.
 """
 
 import sys
@@ -21,6 +22,7 @@ from scaletorch.dist import (destroy_distributed, destroy_pg_manager, init_distr
 from scaletorch.models import build_model
 from scaletorch.parallel.data_parallel import BucketedDataParallel, apply_data_parallel, ddp_report
 from scaletorch.parallel.grad_norm import clip_replicated
+from scaletorch.parallel.memory_report import memory_table
 from scaletorch.trainer import Trainer, check_against_reference, load_config
 
 
@@ -61,12 +63,20 @@ def main() -> int:
                   f"parameter order (elements): {sizes}")
     # every rank holds every averaged gradient: the local norm is the global one, no all-reduce
     clip = partial(clip_replicated, list(model.parameters()))
-    result = Trainer(cfg, model, pgm, device=env.device, clip_grad_norm=clip).train()
+    trainer = Trainer(cfg, model, pgm, device=env.device, clip_grad_norm=clip)
+    result = trainer.train()
 
-    # What this chapter is about: one all-reduce of every gradient per step, not per micro-batch.
+    # What this chapter is about: one all-reduce of every gradient per step, not per micro-batch;
+    # and what chapter 02 removes: every rank holds the whole model state, 16 Psi bytes (fp32)
     report = ddp_report(model, pgm, p.impl, step=cfg.training.steps - 1)
+    memory = memory_table(model, trainer.optimizer, pgm.data_parallel_group_with_context,
+                          f"memory per rank, bytes (data parallel, N = {n}, Psi = {psi:,})",
+                          dict(params=4 * psi, grads=4 * psi,
+                               optimizer=8 * psi), ("4Psi", "4Psi", "8Psi", "16Psi"))
     if pgm.rank == 0 and report:
         print(report)
+    if pgm.rank == 0:
+        print(memory)
 
     ok = True
     if cfg.check:

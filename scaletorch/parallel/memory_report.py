@@ -1,10 +1,17 @@
-"""The memory ledger: the bytes of parameters, gradients and optimizer state a rank holds,
-for any layout; chapter 02 prints it next to ZeRO's formulas (zero_report.py), 07 per rank."""
+"""The memory ledger: the bytes of parameters, gradients and optimizer state each rank holds.
 
-from typing import Dict, Iterable
+``measure_memory`` counts them on this rank, for any layout; ``memory_table`` prints every
+rank's next to a formula: 16 Psi for data parallel (chapter 01), ZeRO's stages (chapter 02,
+zero_report.py). Chapter 07 prints them per rank beside the traffic.
+"""
+
+from typing import Dict, Iterable, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
+
+from scaletorch.dist import comm, get_ledger
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -36,3 +43,36 @@ def measure_memory(model: nn.Module, optimizer: torch.optim.Optimizer) -> Dict[s
         "grads": total(p.grad for p in params if p.grad is not None),
         "optimizer": total(state),
     }
+
+
+KINDS = ("params", "grads", "optimizer", "peak_gathered")
+
+
+def memory_table(model: nn.Module, optimizer: torch.optim.Optimizer,
+                 group: Optional[dist.ProcessGroup], title: str, formula: Dict[str, float],
+                 symbols: Sequence[str], note: str = "") -> str:
+    """Collective over ``group``: each rank's ``measure_memory`` (gathered) and, under them, the
+    ``formula`` bytes and its ``symbols`` (params, grads, optimizer, total). The same table on
+    every rank. "peak gathered": the most bytes of full parameters a ZeRO-3 wrapper held at
+    once (0 in stages 1, 2, which keep them all; "-" where nothing tracks it)."""
+    mine = measure_memory(model, optimizer)
+    mine["peak_gathered"] = getattr(model, "peak_gathered_bytes", -1)  # -1: not tracked
+    row = torch.tensor([[mine[k] for k in KINDS]], dtype=torch.float64,
+                       device=next(model.parameters()).device)
+    rows = row.new_empty(comm.group_size(group), len(KINDS))
+    with get_ledger().paused():  # bookkeeping, not the strategy's traffic
+        comm.all_gather_into_tensor(rows, row, group)
+    lines = [
+        title, f"{'rank':<10}{'params':>12}{'grads':>12}{'optimizer':>12}{'total':>14}"
+        f"{'peak gathered':>16}"
+    ]
+    for r, values in enumerate(rows.tolist()):
+        peak = f"{int(values[3]):,}" if values[3] >= 0 else "-"
+        lines.append(f"{r:<10}" + "".join(f"{int(v):>12,}" for v in values[:3]) +
+                     f"{int(sum(values[:3])):>14,}{peak:>16}")
+    total = sum(formula[k] for k in KINDS[:3])
+    lines.append(f"{'formula':<10}" + "".join(f"{int(formula[k]):>12,}"
+                                              for k in KINDS[:3]) + f"{int(total):>14,}")
+    lines.append(f"{'':<10}" + "".join(f"{s:>12}"
+                                       for s in symbols[:3]) + f"{symbols[3]:>14}" + note)
+    return "\n".join(lines)

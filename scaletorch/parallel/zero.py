@@ -233,11 +233,12 @@ class ShardedDataParallel(nn.Module):
             unit.zero_grad()
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """The Trainer's clip: every shard element lives on one rank of the group, so each
-        counts once (grad_norm.py's rule, replicas 1); one all-reduce of one number."""
+        """The Trainer's clip: each shard element lives on one rank, so it counts once
+        (grad_norm.py's rule, replicas 1); one all-reduce of one number over the world, which
+        ZeRO alone shards over (chapter 07's ``parallelize`` clips composed layouts)."""
         self.finish_grad_sync()
         shards = list(self.shards.values())
-        norm = world_grad_norm([(s, 1) for s in shards], shards[0].device, self.group)
+        norm = world_grad_norm([(s, 1) for s in shards], shards[0].device)
         return clip_grads_(shards, max_norm, norm)
 
     # ---- checkpoints ------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from scaletorch.dist import ProcessGroupManager, comm, get_ledger
-from scaletorch.parallel.memory_report import measure_memory
+from scaletorch.parallel.memory_report import memory_table
 
 
 def memory_formula(zero_stage: int, numel: int, world: int,
@@ -40,46 +40,19 @@ def comm_formula(zero_stage: int, numel: int, num_micro_batches: int = 1) -> Dic
     return {"all_gather": gathers * numel, "reduce_scatter": numel}
 
 
-KINDS = ("params", "grads", "optimizer", "peak_gathered")
-
-
 def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer, zero_stage: int, numel: int,
                   padded_numel: int, group: Optional[dist.ProcessGroup]) -> str:
-    """The memory ledger of every rank of ``group`` (gathered over it) next to the formula.
-
-    Collective over ``group``; returns the same table on every rank. ``peak_gathered`` is the
-    most bytes of full parameters our stage-3 wrapper held at once (0 in stages 1, 2: they
-    keep the full parameters anyway; "-" for FSDP2, which we do not track).
-    """
-    mine = measure_memory(model, optimizer)
-    mine["peak_gathered"] = getattr(model, "peak_gathered_bytes", -1)  # -1: not tracked
-    row = torch.tensor([[mine[k] for k in KINDS]], dtype=torch.float64,
-                       device=next(model.parameters()).device)
-    rows = row.new_empty(comm.group_size(group), len(KINDS))
-    with get_ledger().paused():  # bookkeeping, not the strategy's traffic
-        comm.all_gather_into_tensor(rows, row, group)
+    """Every rank's memory ledger next to ZeRO's formula (``memory_table``: collective over
+    ``group``, the same table on every rank)."""
     n = comm.group_size(group)
-    formula = memory_formula(zero_stage, padded_numel, n)
-    *symbols, total_symbol = ("4Psi 4Psi 8Psi 16Psi", "4Psi 4Psi 8Psi/N 8Psi+8Psi/N",
-                              "4Psi 4Psi/N 8Psi/N 4Psi+12Psi/N",
-                              "4Psi/N 4Psi/N 8Psi/N 16Psi/N")[zero_stage].split()
+    symbols = ("4Psi 4Psi 8Psi 16Psi", "4Psi 4Psi 8Psi/N 8Psi+8Psi/N",
+               "4Psi 4Psi/N 8Psi/N 4Psi+12Psi/N", "4Psi/N 4Psi/N 8Psi/N 16Psi/N")[zero_stage]
     name = f"ZeRO-{zero_stage}" if zero_stage else "baseline"
-    lines = [
-        f"memory per rank, bytes ({name}, N = {n}, Psi = {numel:,}, "
+    return memory_table(
+        model, optimizer, group, f"memory per rank, bytes ({name}, N = {n}, Psi = {numel:,}, "
         f"Psi' = {padded_numel:,} with padding to multiples of N)",
-        f"{'rank':<10}{'params':>12}{'grads':>12}{'optimizer':>12}{'total':>14}"
-        f"{'peak gathered':>16}",
-    ]
-    for r, values in enumerate(rows.tolist()):
-        peak = f"{int(values[3]):,}" if values[3] >= 0 else "-"
-        lines.append(f"{r:<10}" + "".join(f"{int(v):>12,}" for v in values[:3]) +
-                     f"{int(sum(values[:3])):>14,}{peak:>16}")
-    total = sum(formula.values())
-    lines.append(f"{'formula':<10}" + "".join(f"{int(formula[k]):>12,}"
-                                              for k in KINDS[:3]) + f"{int(total):>14,}")
-    lines.append(f"{'':<10}" + "".join(f"{s:>12}" for s in symbols) + f"{total_symbol:>14}" +
-                 ("   + units in flight" if zero_stage == 3 else ""))
-    return "\n".join(lines)
+        memory_formula(zero_stage, padded_numel, n), symbols.split(),
+        "   + units in flight" if zero_stage == 3 else "")
 
 
 def comm_report(zero_stage: int, padded_numel: int, num_micro_batches: int, world: int,
@@ -112,8 +85,8 @@ def zero_report(model: nn.Module, optimizer: torch.optim.Optimizer, pgm: Process
         return ""
     lines = [get_ledger().table(step=step)]
     if impl == "torch":
-        lines.append("(fully_shard calls the backend directly: its collectives are not in the "
-                     "ledger, only the loss and norm all-reduces are)")
+        lines.append("(fully_shard and clip_grad_norm_ call the backend directly: their "
+                     "collectives are not in the ledger, only the loss all-reduce is)")
     else:
         lines.append(
             comm_report(zero_stage, padded, num_micro_batches, comm.group_size(group), step))
