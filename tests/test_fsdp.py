@@ -353,6 +353,17 @@ class ZeroOnOneRank(unittest.TestCase):
                         self.assertIs(run["full"]["lm_head.weight"],
                                       run["full"]["embed_tokens.weight"])
 
+    def test_chapter_formulas_are_the_planners(self):
+        # zero_report.py writes ZeRO's formulas in chapter 02's own module; the planner keeps
+        # its own (torch-free) copy: both must say the same
+        from scaletorch.plan.memory import memory_formula as plan_memory
+        from scaletorch.plan.traffic import zero_comm_elements as plan_comm
+        for stage, numel, world, m in ((0, 82240, 2, 1), (1, 82241, 4, 2), (2, 10, 3, 1), (3, 82240,
+                                                                                           4, 3)):
+            self.assertEqual(memory_formula(stage, numel, world), plan_memory(stage, numel, world))
+            if stage:
+                self.assertEqual(comm_formula(stage, numel, m), plan_comm(stage, numel, m))
+
     def test_invalid_stage_raises_value_error(self):
         model = build_model(tiny_config(1).model, seed=0)
         for stage in (0, 4):
