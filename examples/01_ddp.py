@@ -69,10 +69,10 @@ def main() -> int:
     # What this chapter is about: one all-reduce of every gradient per step, not per micro-batch;
     # and what chapter 02 removes: every rank holds the whole model state, 16 Psi bytes (fp32)
     report = ddp_report(model, pgm, p.impl, step=cfg.training.steps - 1)
+    fp32_adamw = {"params": 4 * psi, "grads": 4 * psi, "optimizer": 8 * psi}  # bytes per rank
     memory = memory_table(model, trainer.optimizer, pgm.data_parallel_group_with_context,
                           f"memory per rank, bytes (data parallel, N = {n}, Psi = {psi:,})",
-                          dict(params=4 * psi, grads=4 * psi,
-                               optimizer=8 * psi), ("4Psi", "4Psi", "8Psi", "16Psi"))
+                          fp32_adamw, ("4Psi", "4Psi", "8Psi", "16Psi"))
     if pgm.rank == 0 and report:
         print(report)
     if pgm.rank == 0:
