@@ -21,6 +21,11 @@ lost); the forward and backward compute in the autocast dtype (``training.precis
 Gradients are accumulated in fp32 (DDP's buckets, ZeRO-1's flat buffer, every shard's .grad):
 micro-batches add up there, and the optimizer reads fp32. Only the wire is low precision.
 
+The policy attaches from here to chapters 01 and 02, which take plain dtypes: DDP's
+``reduce_dtype`` (``apply_data_parallel_in``: torch's DDP gets ``reduce_dtype_hook``), ZeRO's
+``param_dtype`` and ``reduce_dtype`` arguments with ``disable_autocast_cache_per_unit``, and
+FSDP2's ``mp_policy`` (``fsdp_mp_policy``).
+
 fp16 (5 exponent bits, largest finite 65504, smallest normal 6e-5) needs a loss scale: the
 gradients of a loss of ~4 are often below 6e-5 and would flush to zero. ``DynamicLossScaler``
 multiplies the loss by S before backward and divides the gradients by S after; a step whose
