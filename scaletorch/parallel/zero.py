@@ -66,13 +66,8 @@ class ShardedDataParallel(nn.Module):
         super().__init__()
         if zero_stage not in (1, 2, 3):
             raise ValueError(f"zero_stage must be 1, 2 or 3, got {zero_stage}")
-        listed = [
-            id(p) for _, mods in units for p in {
-                p: 0
-                for _, m in mods
-                for p in m.parameters()
-            }
-        ]
+        per_unit = [{p for _, m in mods for p in m.parameters()} for _, mods in units]
+        listed = [id(p) for params in per_unit for p in params]  # twice: a tied weight
         missing = [name for name, p in module.named_parameters() if id(p) not in listed]
         shared = 0 if self.shares_parameters else len(listed) - len(set(listed))
         if missing or shared:
@@ -106,6 +101,7 @@ class ShardedDataParallel(nn.Module):
                 unit.modules[-1].register_forward_hook(partial(self._post_forward, i))
 
     def _build_units(self, units: Units) -> List[FlatUnit]:
+        """One FlatUnit per unit (chapter 07's subclass lets units share a parameter)."""
         return [
             FlatUnit(name, modules, self.group, self.zero_stage, self.param_dtype,
                      self.reduce_dtype) for name, modules in units
