@@ -23,7 +23,7 @@ from functools import partial
 from scaletorch.dist import (destroy_distributed, destroy_pg_manager, init_distributed,
                              init_pg_manager_from_config)
 from scaletorch.models import build_model
-from scaletorch.parallel import fully_shard
+from scaletorch.parallel.fully_shard import apply_fully_shard, full_state_dict
 from scaletorch.parallel.zero import ZeroAdamW, apply_zero, check_zero_layout
 from scaletorch.parallel.zero_report import zero_report
 from scaletorch.trainer import Trainer, check_against_reference, load_config
@@ -62,9 +62,9 @@ def main() -> int:
     numel = model.num_parameters()
     t = cfg.training
     if p.impl == "torch":  # PyTorch's ZeRO-3: the Trainer's AdamW and clip work on its DTensors
-        model = fully_shard.apply_fully_shard(model, pgm)
+        model = apply_fully_shard(model, pgm)
         trainer = Trainer(cfg, model, pgm, device=env.device)
-        gather = partial(fully_shard.full_state_dict, model)
+        gather = partial(full_state_dict, model)
     else:
         # the new idea: shard, and let each rank's AdamW update its shard only
         model = apply_zero(model, pgm, p.zero_stage)

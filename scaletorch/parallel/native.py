@@ -32,10 +32,9 @@ see them. What cannot run here (validation.py): MoE, ZeRO-1/2, context parallel 
 or ZeRO-3.
 """
 
-from typing import TYPE_CHECKING, Callable, Iterable, List, Optional, Tuple, cast
+from typing import TYPE_CHECKING, Callable, Iterable, List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
