@@ -5,20 +5,24 @@
     scripts/launch.sh examples/01_ddp.py --nproc-per-node 2 -- --impl naive --check
     scripts/launch.sh examples/01_ddp.py --nproc-per-node 2 -- --impl torch --check
 
-Chapter 00 plus one call, ``parallelize``: with only data parallel in the config it wraps the
-model for data parallel (``apply_data_parallel``); the same call composes every strategy in
-chapter 07. Then it prints the gradient traffic of the last step (a ring all-reduce of Psi fp32
-elements moves 2 (N-1)/N x 4 Psi bytes per rank) and, for the bucketed DDP, when each bucket's
-all-reduce ran while backward was still computing.
+Chapter 00 plus one call, ``apply_data_parallel``: it wraps the model so that backward
+averages the gradients over the data-parallel ranks (``--impl naive``: one all-reduce per
+parameter; ``scaletorch``: our bucketed DDP; ``torch``: PyTorch's DistributedDataParallel).
+Then it prints the gradient traffic of the last step (a ring all-reduce of Psi fp32 elements
+moves 2 (N-1)/N x 4 Psi bytes per rank), for the bucketed DDP when each bucket's all-reduce
+ran while backward was still computing, and the bytes each rank holds: 16 Psi, the whole model
+state on every rank, which chapter 02 shards.
 """
 
 import sys
+from functools import partial
 
 from scaletorch.dist import (destroy_distributed, destroy_pg_manager, init_distributed,
                              init_pg_manager_from_config)
 from scaletorch.models import build_model
-from scaletorch.parallel.data_parallel import BucketedDataParallel, ddp_report
-from scaletorch.parallel.parallelize import parallelize
+from scaletorch.parallel.data_parallel import BucketedDataParallel, apply_data_parallel, ddp_report
+from scaletorch.parallel.grad_norm import clip_replicated
+from scaletorch.parallel.memory_report import memory_table
 from scaletorch.trainer import Trainer, check_against_reference, load_config
 
 
@@ -29,6 +33,15 @@ def limits(cfg, world_size: int) -> None:
            p.expert_model_parallel_size) > 1:
         raise ValueError("01_ddp is data parallel only: every rank holds the whole model; "
                          "tp, pp, cp and ep come in the later chapters")
+    later = {
+        "parallel.zero_stage": (p.zero_stage, 0, "02_fsdp"),
+        "model.num_experts": (cfg.model.num_experts, 0, "06_expert_parallel"),
+        "parallel.activation_checkpointing": (p.activation_checkpointing, "none", "07_nd_parallel"),
+        "parallel.reduce_dtype": (p.reduce_dtype, "fp32", "08_mixed_precision"),
+    }
+    for key, (value, default, chapter) in later.items():
+        if value != default:
+            raise ValueError(f"01_ddp runs {key} {default} only, got {value!r}: see {chapter}")
 
 
 def main() -> int:
@@ -38,9 +51,9 @@ def main() -> int:
     pgm = init_pg_manager_from_config(p, cfg.training.timeout_seconds)
     pgm.log_topology()
 
-    model = build_model(cfg.model, seed=cfg.training.model_seed)
-    par = parallelize(model, cfg, pgm, env.device)  # the new line: the data-parallel wrapper
-    model = par.model
+    model = build_model(cfg.model, seed=cfg.training.model_seed).to(env.device)
+    # the new line: backward now averages the gradients over the data-parallel ranks
+    model = apply_data_parallel(model, pgm, p.impl, p.bucket_size_mb)
     psi, n = model.num_parameters(), pgm.data_parallel_world_size_with_context
     if pgm.rank == 0:
         print(f"model: {psi:,} parameters; data parallel over {n} ranks, impl {p.impl}")
@@ -48,16 +61,26 @@ def main() -> int:
             sizes = ", ".join(f"{b.buffer.numel():,}" for b in model.buckets)
             print(f"{len(model.buckets)} buckets of <= {p.bucket_size_mb} MB, in reverse "
                   f"parameter order (elements): {sizes}")
-    result = Trainer.from_parallelized(cfg, par, pgm, device=env.device).train()
+    # every rank holds every averaged gradient: the local norm is the global one, no all-reduce
+    clip = partial(clip_replicated, list(model.parameters()))
+    trainer = Trainer(cfg, model, pgm, device=env.device, clip_grad_norm=clip)
+    result = trainer.train()
 
-    # What this chapter is about: one all-reduce of every gradient per step, not per micro-batch.
+    # What this chapter is about: one all-reduce of every gradient per step, not per micro-batch;
+    # and what chapter 02 removes: every rank holds the whole model state, 16 Psi bytes (fp32)
     report = ddp_report(model, pgm, p.impl, step=cfg.training.steps - 1)
+    fp32_adamw = {"params": 4 * psi, "grads": 4 * psi, "optimizer": 8 * psi}  # bytes per rank
+    memory = memory_table(model, trainer.optimizer, pgm.data_parallel_group_with_context,
+                          f"memory per rank, bytes (data parallel, N = {n}, Psi = {psi:,})",
+                          fp32_adamw, ("4Psi", "4Psi", "8Psi", "16Psi"))
     if pgm.rank == 0 and report:
         print(report)
+    if pgm.rank == 0:
+        print(memory)
 
     ok = True
     if cfg.check:
-        full = par.full_state_dict()  # the weights of rank 0 (every rank holds them all)
+        full = model.state_dict()  # the weights of rank 0 (every rank holds them all)
         ok = check_against_reference(cfg, result.losses, env.device, full, result.start_step)
     destroy_pg_manager()
     destroy_distributed()

@@ -1,27 +1,31 @@
 """Chapter 02: ZeRO and FSDP. Same global batch as chapter 01, but each of the N data-parallel
 ranks keeps only 1/N of the optimizer state (ZeRO-1), of the gradients too (ZeRO-2), of the
-parameters too (ZeRO-3 = FSDP). The run is still chapter 00's, to 1e-5.
+parameters too (ZeRO-3 = FSDP). The losses and weights are still chapter 00's, to 1e-5.
 
     scripts/launch.sh examples/02_fsdp.py --nproc-per-node 2 -- --check
     scripts/launch.sh examples/02_fsdp.py --nproc-per-node 4 -- --zero-stage 1 --micro-batches 2
     scripts/launch.sh examples/02_fsdp.py --nproc-per-node 2 -- --impl torch --check   # FSDP2
 
-Chapter 01's ``parallelize`` call does it: with zero_stage > 0 it shards the model (ours) or
-hands it to FSDP2 (``--impl torch``). Prints the communication of the last step and the memory
-ledger of every rank, each next to its formula, and writes runs/<name>/consolidated.pt: full
-weights and full AdamW state, keyed like chapter 00's model (``build_model(cfg.model, seed)
-.load_state_dict(torch.load(path)["model"])``; chapter 07 resumes it with ``--resume``).
+Chapter 01 with ZeRO in place of DDP: ``apply_zero`` wraps the model in ZeRO's
+``ShardedDataParallel``, ``ZeroAdamW`` updates this rank's shards only, and the Trainer clips
+with the wrapper's ``clip_grad_norm`` (each shard element counted once). ``--impl torch``
+hands the model to FSDP2 (``apply_fully_shard``) and keeps the Trainer's AdamW. Prints the
+communication of the last step and the memory ledger of every rank, each next to its formula,
+and writes runs/<name>/consolidated.pt: full weights and full AdamW state, keyed like chapter
+00's model (``build_model(cfg.model, seed).load_state_dict(torch.load(path)["model"])``;
+chapter 07 resumes it with ``--resume``).
 """
 
 import os
 import sys
+from functools import partial
 
 from scaletorch.dist import (destroy_distributed, destroy_pg_manager, init_distributed,
                              init_pg_manager_from_config)
 from scaletorch.models import build_model
-from scaletorch.parallel.memory_report import zero_report
-from scaletorch.parallel.parallelize import parallelize
-from scaletorch.parallel.zero import check_zero_layout
+from scaletorch.parallel.fully_shard import apply_fully_shard, full_state_dict
+from scaletorch.parallel.zero import ZeroAdamW, apply_zero, check_zero_layout
+from scaletorch.parallel.zero_report import zero_report
 from scaletorch.trainer import Trainer, check_against_reference, load_config
 from scaletorch.trainer.consolidated import save_consolidated
 
@@ -32,6 +36,19 @@ def limits(cfg, world_size: int) -> None:
     p = cfg.parallel
     check_zero_layout(p.zero_stage, p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                       p.expert_model_parallel_size)
+    later = {
+        "parallel.context_parallel_size": (p.context_parallel_size, 1, "07_nd_parallel"),
+        "model.num_experts": (cfg.model.num_experts, 0, "06_expert_parallel"),
+        "model.tie_word_embeddings": (cfg.model.tie_word_embeddings, False, "07_nd_parallel"),
+        "parallel.activation_checkpointing": (p.activation_checkpointing, "none", "07_nd_parallel"),
+        "parallel.param_dtype": (p.param_dtype, ("auto", "fp32"), "08_mixed_precision"),
+        "parallel.reduce_dtype": (p.reduce_dtype, "fp32", "08_mixed_precision"),
+    }
+    for key, (value, allowed, chapter) in later.items():
+        allowed = allowed if isinstance(allowed, tuple) else (allowed, )
+        if value not in allowed:
+            raise ValueError(f"02_fsdp runs {key} {' or '.join(map(str, allowed))} only, got "
+                             f"{value!r}: see {chapter}")
 
 
 def main() -> int:
@@ -41,22 +58,31 @@ def main() -> int:
     pgm = init_pg_manager_from_config(p, cfg.training.timeout_seconds)
     pgm.log_topology()
 
-    model = build_model(cfg.model, seed=cfg.training.model_seed)
+    model = build_model(cfg.model, seed=cfg.training.model_seed).to(env.device)
     numel = model.num_parameters()
-    # the new idea: shard, and let each rank's AdamW (ours: ZeroAdamW) update its shard only
-    par = parallelize(model, cfg, pgm, env.device)
-    model = par.model
+    t = cfg.training
+    if p.impl == "torch":  # PyTorch's ZeRO-3: the Trainer's AdamW and clip work on its DTensors
+        model = apply_fully_shard(model, pgm)
+        trainer = Trainer(cfg, model, pgm, device=env.device)
+        gather = partial(full_state_dict, model)
+    else:
+        # the new idea: shard, and let each rank's AdamW update its shard only
+        model = apply_zero(model, pgm, p.zero_stage)
+        optimizer = ZeroAdamW(model, t.lr, (t.beta1, t.beta2), t.weight_decay)
+        trainer = Trainer(cfg, model, pgm, device=env.device, optimizer=optimizer,
+                          clip_grad_norm=model.clip_grad_norm)
+        gather = model.full_state_dict
     name = "FSDP2 fully_shard" if p.impl == "torch" else f"ZeRO-{p.zero_stage}"
     if env.rank == 0:
         print(f"{name}: {numel:,} parameters over {pgm.data_parallel_world_size_with_context} "
               f"data-parallel ranks")
-    trainer = Trainer.from_parallelized(cfg, par, pgm, device=env.device)
     result = trainer.train()
 
     # What this chapter is about: 1/N of the model state per rank (stage 3: for 1.5x the traffic).
-    report = zero_report(model, trainer.optimizer, cfg, pgm, numel, step=cfg.training.steps - 1)
+    report = zero_report(model, trainer.optimizer, pgm, p.zero_stage, p.impl,
+                         cfg.data.num_micro_batches, numel, step=t.steps - 1)
     path = os.path.join(cfg.run_path, "consolidated.pt")
-    save_consolidated(path, trainer, par)
+    save_consolidated(path, trainer, gather)
     if env.rank == 0:
         print(report)
         print(f"consolidated checkpoint (full weights and AdamW state, chapter 00's keys): "
@@ -64,7 +90,7 @@ def main() -> int:
 
     ok = True
     if cfg.check:
-        full = par.full_state_dict()  # collective: every rank gathers, rank 0 compares
+        full = gather()  # collective: every rank gathers, rank 0 compares
         ok = check_against_reference(cfg, result.losses, env.device, full, result.start_step)
     destroy_pg_manager()
     destroy_distributed()

@@ -5,7 +5,7 @@
     scripts/launch.sh examples/08_mixed_precision.py --nproc-per-node 2 -- \
         --training.precision fp32 --parallel.param_dtype fp32 --parallel.reduce_dtype fp32
 
-The same ``parallelize`` call as chapters 01 and 02; the config's precision policy
+The ``parallelize`` call of chapter 07; the config's precision policy
 (``training.precision``, ``parallel.param_dtype``, ``parallel.reduce_dtype``, one home:
 scaletorch/parallel/mixed_precision.py) decides what the strategy gathers and reduces in.
 fp32 master weights, gradients and AdamW state stay on every rank. Prints the policy, the bytes
@@ -21,9 +21,9 @@ from scaletorch.config import resolve_precision
 from scaletorch.dist import (comm, destroy_distributed, destroy_pg_manager, get_ledger,
                              init_distributed, init_pg_manager_from_config)
 from scaletorch.models import build_model
-from scaletorch.parallel.memory_report import memory_report
 from scaletorch.parallel.mixed_precision import policy_for as policy
 from scaletorch.parallel.parallelize import parallelize
+from scaletorch.parallel.zero_report import memory_report
 from scaletorch.trainer import Trainer, check_against_reference, load_config
 
 

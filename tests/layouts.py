@@ -19,7 +19,7 @@ from scaletorch.dist import destroy_pg_manager, init_pg_manager_from_config
 from scaletorch.models import build_model
 from scaletorch.parallel.grad_norm import clip_grads_, replica_count, world_grad_norm
 from scaletorch.parallel.parallelize import Parallelized, parallelize
-from scaletorch.parallel.param_map import DTensorParamMap, ParamMap, State
+from scaletorch.parallel.param_map import DTensorParamMap, ParamMap, State, tied_copies
 from scaletorch.parallel.pipeline_parallel import PipelineModel
 from scaletorch.parallel.zero import ShardedDataParallel
 from scaletorch.trainer import Config, Trainer
@@ -98,7 +98,7 @@ def clip_fn(model: nn.Module, pgm, copies: Optional[int] = None) -> Callable[[fl
     (one all-reduce over the world), each parameter counted ``copies`` times in the world
     (ZeRO's shards: 1), by default as its tags say (``replica_count``)."""
     params = list(model.parameters())
-    replicas = [(p, copies or replica_count(p, pgm)) for p in params]
+    replicas = [(p, copies or replica_count(p, pgm) * tied_copies(p)) for p in params]
     return lambda max_norm: clip_grads_(params, max_norm, world_grad_norm(
         replicas, params[0].device))
 

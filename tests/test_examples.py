@@ -158,7 +158,7 @@ class ParityFloorScript(unittest.TestCase):
 
 # Chapters whose script applies its own strategy with its own module's calls (issue 27); the
 # others still go through ``parallelize`` until theirs do.
-OWN_CALLS = {"03"}
+OWN_CALLS = {"01", "02", "03"}
 
 
 class ChaptersShareOneCodePath(unittest.TestCase):
@@ -180,7 +180,7 @@ class ChaptersShareOneCodePath(unittest.TestCase):
             self.assertIn("parallelize(model, cfg, pgm, env.device)", source, name)
             self.assertNotRegex(source, r"\bapply_\w+\(", name)
 
-    def test_fsdp2_chapter_runs_through_parallelize_and_writes_a_resumable_checkpoint(self):
+    def test_fsdp2_chapter_runs_fully_shard_and_writes_a_resumable_checkpoint(self):
         with tempfile.TemporaryDirectory() as tmp:
             out = launch("examples/02_fsdp.py", 2, "--impl", "torch", "--steps", "5", "--check",
                          "--logging.run_dir", tmp, "--name", "fsdp2")

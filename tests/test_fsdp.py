@@ -14,16 +14,18 @@ import torch
 
 from scaletorch.dist import destroy_pg_manager, get_ledger, init_pg_manager
 from scaletorch.models import LlamaConfig, build_model
-from scaletorch.parallel.memory_report import comm_formula, measure_memory, memory_formula
-from scaletorch.parallel.native import apply_fully_shard
+from scaletorch.parallel.fully_shard import apply_fully_shard
+from scaletorch.parallel.memory_report import measure_memory
 from scaletorch.parallel.parallelize import parallelize
 from scaletorch.parallel.zero import ShardedDataParallel, ZeroAdamW, apply_zero, llama_units
+from scaletorch.parallel.zero_report import comm_formula, memory_formula
+from scaletorch.parallel.zero_tied import TiedShardedDataParallel, zero_units
 from scaletorch.trainer import Config, Trainer
 from scaletorch.trainer import checkpoint as ckpt
 from scaletorch.trainer import max_weight_diff, run_reference
 from scaletorch.trainer.consolidated import save_consolidated
 from tests.harness import run_distributed
-from tests.layouts import clip_fn, full_state
+from tests.layouts import full_state
 
 # fp32, 5 steps. Each rank averages its own tokens and the ranks' means are averaged, where the
 # reference averages all tokens at once: the same sum in another order, ~1e-7 per step. We see
@@ -36,7 +38,7 @@ def tiny_config(num_micro_batches: int, tied: bool = False, **training) -> Confi
     cfg = Config()
     # Units of 1920 (embedding), 7950 (each block) and 1950 (head) elements: over 4 ranks the
     # blocks and the head need padding (hidden is even, so over 2 ranks nothing does). Tied:
-    # the head unit is the norm's 30 and borrows the embedding unit's 1920 (zero.py).
+    # the head unit is the norm's 30 and borrows the embedding unit's 1920 (zero_tied.py).
     cfg.model = LlamaConfig(vocab_size=64, hidden_size=30, intermediate_size=61, num_layers=2,
                             num_attention_heads=3, num_key_value_heads=1, max_seq_len=16,
                             tie_word_embeddings=tied)
@@ -58,11 +60,16 @@ def _run(cfg: Config, pgm, stage, prefetch: bool = True) -> dict:
         model = apply_fully_shard(model, pgm)
         trainer = Trainer(cfg, model, pgm, verbose=False)
     else:
-        model = apply_zero(model, pgm, stage, prefetch=prefetch)
+        if cfg.model.tie_word_embeddings:  # one weight in two units: chapter 07's subclass
+            model = TiedShardedDataParallel(model, zero_units(model),
+                                            pgm.data_parallel_group_with_context, stage, prefetch)
+        else:
+            model = apply_zero(model, pgm, stage, prefetch=prefetch)
         t = cfg.training
         optimizer = ZeroAdamW(model, t.lr, (t.beta1, t.beta2), t.weight_decay)
-        trainer = Trainer(cfg, model, pgm, optimizer=optimizer,
-                          clip_grad_norm=clip_fn(model, pgm, copies=1), verbose=False)
+        # the wrapper's clip: grad_norm.py's rule with each shard element counted once
+        trainer = Trainer(cfg, model, pgm, optimizer=optimizer, clip_grad_norm=model.clip_grad_norm,
+                          verbose=False)
     result = trainer.train()
     last = cfg.training.steps - 1
     out = {
@@ -84,6 +91,8 @@ def _run(cfg: Config, pgm, stage, prefetch: bool = True) -> dict:
         out.update(padded=model.padded_numel, units=[u.padded_numel for u in model.units],
                    peak_units=model.peak_gathered_units, peak_bytes=model.peak_gathered_bytes)
     out["full"] = full_state(model, pgm)  # on rank 0; after the ledger reads (it gathers)
+    if stage != "torch":  # the chapter's own gather (02_fsdp's --check) gives the same tensors
+        out["own_full"] = model.full_state_dict()
     return out
 
 
@@ -164,6 +173,11 @@ class _Worlds(unittest.TestCase):
         # the full weights, gathered from every rank's shards on rank 0
         self.assertLessEqual(max_weight_diff(self.results[0][key]["full"], reference), TOL,
                              f"{key}: weights")
+        if "own_full" in self.results[0][key]:  # ZeRO's own gather: the same tensors
+            own, full = self.results[0][key]["own_full"], self.results[0][key]["full"]
+            self.assertEqual(sorted(own), sorted(full))
+            for name in own:
+                self.assertTrue(torch.equal(own[name], full[name]), f"{key}: {name}")
 
     def assert_memory_is_the_formula(self, key, stage):
         n = self.world
@@ -338,6 +352,17 @@ class ZeroOnOneRank(unittest.TestCase):
                     if tied:  # one tensor under both names, as on one device
                         self.assertIs(run["full"]["lm_head.weight"],
                                       run["full"]["embed_tokens.weight"])
+
+    def test_chapter_formulas_are_the_planners(self):
+        # zero_report.py writes ZeRO's formulas in chapter 02's own module; the planner keeps
+        # its own (torch-free) copy: both must say the same
+        from scaletorch.plan.memory import memory_formula as plan_memory
+        from scaletorch.plan.traffic import zero_comm_elements as plan_comm
+        for stage, numel, world, m in ((0, 82240, 2, 1), (1, 82241, 4, 2), (2, 10, 3, 1), (3, 82240,
+                                                                                           4, 3)):
+            self.assertEqual(memory_formula(stage, numel, world), plan_memory(stage, numel, world))
+            if stage:
+                self.assertEqual(comm_formula(stage, numel, m), plan_comm(stage, numel, m))
 
     def test_invalid_stage_raises_value_error(self):
         model = build_model(tiny_config(1).model, seed=0)

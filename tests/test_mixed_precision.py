@@ -14,11 +14,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from scaletorch.dist import destroy_pg_manager, get_ledger
 from scaletorch.models import build_model, loss_fn
-from scaletorch.parallel.memory_report import measure_memory, memory_formula
-from scaletorch.parallel.mixed_precision import DynamicLossScaler, MixedPrecisionPolicy
+from scaletorch.parallel.memory_report import measure_memory
+from scaletorch.parallel.mixed_precision import (DynamicLossScaler, MixedPrecisionPolicy,
+                                                 disable_autocast_cache_per_unit)
 from scaletorch.parallel.mixed_precision import policy_for as policy
 from scaletorch.parallel.mixed_precision import supports_fp16
 from scaletorch.parallel.zero import ShardedDataParallel, ZeroAdamW, llama_units
+from scaletorch.parallel.zero_report import memory_formula
 from scaletorch.trainer import Config, Trainer
 from scaletorch.trainer.config import validate
 from scaletorch.trainer.parity import max_weight_diff
@@ -181,8 +183,10 @@ def _reference(cfg: Config) -> tuple:
     p = cfg.parallel
     cfg.parallel = Config().parallel  # one device; param_dtype and reduce_dtype read from p
     if p.zero_stage == 3:
+        policy = MixedPrecisionPolicy.of(p.param_dtype, p.reduce_dtype)
         zero = ShardedDataParallel(model, llama_units(model), None, 3,
-                                   policy=MixedPrecisionPolicy.of(p.param_dtype, p.reduce_dtype))
+                                   param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype)
+        disable_autocast_cache_per_unit(zero)  # as parallelize does
         t = cfg.training
         optimizer = ZeroAdamW(zero, t.lr, (t.beta1, t.beta2), t.weight_decay)
         trainer = Trainer(cfg, zero, None, optimizer=optimizer, verbose=False)
@@ -220,8 +224,10 @@ def _zero3_weight_copies_held(param_dtype: str) -> dict:
     as the Trainer's step), and the bytes ZeRO-3 says it holds gathered at most."""
     cfg = make_config()
     model = build_model(cfg.model, seed=0)
-    zero = ShardedDataParallel(model, llama_units(model), None, 3,
-                               policy=MixedPrecisionPolicy.of(param_dtype, "fp32", "bf16"))
+    policy = MixedPrecisionPolicy.of(param_dtype, "fp32", "bf16")
+    zero = ShardedDataParallel(model, llama_units(model), None, 3, param_dtype=policy.param_dtype,
+                               reduce_dtype=policy.reduce_dtype)
+    disable_autocast_cache_per_unit(zero)  # as parallelize does
     x = torch.randint(0, cfg.model.vocab_size, (4, 16))
     casts = _WeightCasts()
     with torch.autocast("cpu", dtype=torch.bfloat16), casts:

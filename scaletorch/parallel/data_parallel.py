@@ -7,8 +7,7 @@ because they also see different tokens), after backward every rank holds
 
 so the optimizer steps are identical everywhere. Cost per step: an all-reduce of Psi gradient
 elements, which a ring moves as 2 (N-1)/N x 4 Psi bytes per rank (x 2 Psi with a bf16
-``reduce_dtype``: the gradients are cast for the wire and the average cast back into fp32,
-mixed_precision.py).
+``reduce_dtype``, chapter 08: the gradients are cast for the wire, the average back to fp32).
 
 - ``NaiveDataParallel``: when backward has finished, one blocking all-reduce per parameter.
   The network idles during backward and backward idles during the network.
@@ -28,9 +27,8 @@ All three accept ``no_sync()`` (gradient accumulation: only the last micro-batch
 ``finish_grad_sync()``, and their ``state_dict()`` is the wrapped model's: no ``module.``
 prefix, so checkpoints and parity checks compare keys one to one.
 
-Longer than 300 lines on purpose: the naive and the bucketed wrapper are meant to be read side
-by side (the bucketed one is the naive one plus buckets, hooks and overlap), with the timeline
-that shows the overlap.
+Read the naive and the bucketed wrapper side by side: the bucketed one is the naive one plus
+buckets, hooks and overlap, and the timeline at the end shows the overlap.
 """
 
 import math
@@ -47,7 +45,6 @@ from torch.nn.parallel import DistributedDataParallel
 from scaletorch.dist import ProcessGroupManager, comm, get_ledger
 from scaletorch.dist.comm import Work
 from scaletorch.dist.timer import Mark, Timer, seconds
-from scaletorch.parallel.mixed_precision import MixedPrecisionPolicy, reduce_dtype_hook, reduce_in
 from scaletorch.parallel.wrapper import ModuleWrapper
 from scaletorch.rules.buckets import ddp_buckets
 
@@ -63,11 +60,11 @@ class _DataParallel(ModuleWrapper, nn.Module):
     """
 
     def __init__(self, module: nn.Module, group: Optional[dist.ProcessGroup],
-                 policy: Optional[MixedPrecisionPolicy] = None) -> None:
+                 reduce_dtype: Optional[torch.dtype] = None) -> None:
         super().__init__()
         self.module = module
         self.group = group
-        self.policy = policy  # its reduce_dtype is what the gradients cross the wire in
+        self.reduce_dtype = reduce_dtype or torch.float32  # what gradients cross the wire in
         self.world = comm.group_size(group)
         self.params = [p for p in module.parameters() if p.requires_grad]
         self._sync_enabled = True
@@ -109,6 +106,11 @@ class _DataParallel(ModuleWrapper, nn.Module):
         if self._sync_enabled:
             self._sync()
 
+    def _wire(self, grad: torch.Tensor) -> torch.Tensor:
+        """``grad`` on the wire: a copy in ``reduce_dtype`` (itself if so already, or alone)."""
+        return grad if self.world == 1 or grad.dtype == self.reduce_dtype \
+            else grad.to(self.reduce_dtype)
+
     def _sync(self) -> None:
         raise NotImplementedError
 
@@ -120,8 +122,7 @@ class NaiveDataParallel(_DataParallel):
         for p in self.params:
             if p.grad is None:  # unused here, maybe used elsewhere: every rank must reduce
                 p.grad = torch.zeros_like(p)
-            # cast only what crosses a wire (one rank: nothing to round)
-            wire = reduce_in(self.policy, p.grad) if self.world > 1 else p.grad
+            wire = self._wire(p.grad)
             comm.all_reduce(wire, self.group)  # SUM over the dp_cp group
             if self.world > 1:
                 wire.div_(self.world)
@@ -184,14 +185,13 @@ class BucketedDataParallel(_DataParallel):
     """
 
     def __init__(self, module: nn.Module, group: Optional[dist.ProcessGroup],
-                 bucket_size_mb: float = 25.0,
-                 policy: Optional[MixedPrecisionPolicy] = None) -> None:
+                 bucket_size_mb: float = 25.0, reduce_dtype: Optional[torch.dtype] = None) -> None:
         if not bucket_size_mb > 0:
             raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb}")
         devices = {p.device for p in module.parameters()}
         if len(devices) > 1:
             raise ValueError(f"data parallel wraps a model on one device, got {devices}")
-        super().__init__(module, group, policy)
+        super().__init__(module, group, reduce_dtype)
         self.bucket_size_mb = bucket_size_mb
         self.buckets: List[Bucket] = []
         self._bucket_of: Dict[int, int] = {}
@@ -271,8 +271,7 @@ class BucketedDataParallel(_DataParallel):
                 self._take_grad(i)
         if self.world > 1:
             bucket.buffer.div_(self.world)  # before the sum, as torch DDP does
-        # the buffer itself in fp32 or on one rank (nothing crosses a wire: nothing to round)
-        bucket.wire = reduce_in(self.policy, bucket.buffer) if self.world > 1 else bucket.buffer
+        bucket.wire = self._wire(bucket.buffer)
         bucket.work = comm.all_reduce(bucket.wire, self.group, async_op=True)
         launch = BucketLaunch(bucket.index, bucket.buffer.numel(), in_backward,
                               len(self.params) - self._grads_ready, self._timer.mark())
@@ -359,8 +358,7 @@ def ddp_report(model: nn.Module, pgm: ProcessGroupManager, impl: str, step: int)
     else:
         grads = ledger.total(op="all_reduce", group="dp_cp", step=step) - 1  # - the loss
         wire = ledger.total(op="all_reduce", group="dp_cp", step=step, field="wire_bytes")
-        policy = getattr(model, "policy", None)  # bytes per gradient element on the wire
-        e = 4 if policy is None else policy.reduce_dtype.itemsize
+        e = getattr(model, "reduce_dtype", torch.float32).itemsize  # bytes on the wire
         lines.append(f"gradients all-reduced in step {step}: {grads:,.0f} elements (Psi = "
                      f"{psi:,}); ring volume per rank 2(N-1)/N x {e} Psi = "
                      f"{2 * (n - 1) / n * e * psi / 1e6:.3f} MB (ledger: {wire / 1e6:.3f} MB, "
@@ -374,12 +372,13 @@ def ddp_report(model: nn.Module, pgm: ProcessGroupManager, impl: str, step: int)
 
 def apply_data_parallel(model: nn.Module, pgm: Optional[ProcessGroupManager],
                         impl: str = "scaletorch", bucket_size_mb: float = 25.0,
-                        policy: Optional[MixedPrecisionPolicy] = None) -> nn.Module:
+                        reduce_dtype: Optional[torch.dtype] = None) -> nn.Module:
     """Wrap ``model`` for data parallel over ``pgm.data_parallel_group_with_context``.
 
     impl: "naive" (all-reduce per parameter after backward), "scaletorch" (bucketed, overlapped)
-    or "torch" (torch.nn.parallel.DistributedDataParallel). ``policy``: the dtype gradients are
-    reduced in (None: fp32; torch's DDP through ``reduce_dtype_hook``). Returns the wrapper.
+    or "torch" (torch.nn.parallel.DistributedDataParallel). ``reduce_dtype``: what our wrappers
+    reduce gradients in (None: fp32; torch's DDP takes chapter 08's comm hook for it,
+    mixed_precision.py). Returns the wrapper.
     """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {', '.join(IMPLS)}, got {impl!r}")
@@ -390,12 +389,11 @@ def apply_data_parallel(model: nn.Module, pgm: Optional[ProcessGroupManager],
         raise ValueError("impl 'torch' (DistributedDataParallel) needs a process group: "
                          "launch with torchrun, or use impl 'scaletorch' on one process")
     if impl == "naive":
-        return NaiveDataParallel(model, group, policy)
+        return NaiveDataParallel(model, group, reduce_dtype)
     if impl == "scaletorch":
-        return BucketedDataParallel(model, group, bucket_size_mb, policy)
+        return BucketedDataParallel(model, group, bucket_size_mb, reduce_dtype)
+    if reduce_dtype not in (None, torch.float32):  # chapter 08 registers a comm hook for it
+        raise ValueError(f"impl 'torch' reduces in fp32 here, got reduce_dtype {reduce_dtype}")
     device = next(model.parameters()).device
-    ddp = TorchDataParallel(model, device_ids=None if device.type == "cpu" else [device.index],
-                            process_group=group, bucket_cap_mb=bucket_size_mb)
-    if policy is not None and policy.reduce_dtype != torch.float32:  # chapter 08
-        ddp.register_comm_hook((group, policy.reduce_dtype), reduce_dtype_hook)
-    return ddp
+    return TorchDataParallel(model, device_ids=None if device.type == "cpu" else [device.index],
+                             process_group=group, bucket_cap_mb=bucket_size_mb)

@@ -1,20 +1,15 @@
 """Flat units: some modules' parameters laid end to end in one vector, cut into N shards.
 
-The building block of the hand-written ZeRO (zero.py). The parameters of one *unit* (the
-embedding, one transformer block, the head) are laid end to end in a flat vector of P elements,
-padded with zeros to P' = N * ceil(P / N) so that it cuts into N equal shards of S = P' / N
-elements, over the N ranks of the unit's group:
+The building block of ZeRO (zero.py): a *unit*'s parameters (the embedding, one block, the
+head) in a flat vector of P elements, padded with zeros to P' = N * ceil(P / N), cut into N
+shards of S = P' / N elements over the N ranks of the unit's group:
 
     flat   | shard 0 | shard 1 | ... | shard N-1 |pad|        rank r owns shard r: it keeps
              rank 0    rank 1          rank N-1               the Adam state for it, updates it
 
 A unit all-gathers its shards into ``flat`` (every parameter is a view of it) and frees it
-again, and reduce-scatters its gradients so that each rank ends with its shard's sum.
-
-Mixed precision (mixed_precision.py): the shard is the fp32 master. At stage 3 ``flat`` is in
-the policy's ``param_dtype``: the gather sends a bf16 copy of the shard (half the bytes) and
-the unit computes with bf16 weights; gradients are reduce-scattered in ``reduce_dtype`` and
-land in the fp32 shard gradient.
+again, and reduce-scatters its gradients so that each rank ends with its shard's sum. Chapter
+08 passes ``param_dtype`` (what stage 3 gathers in) and ``reduce_dtype`` (the wire's).
 """
 
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -24,7 +19,6 @@ from torch import nn
 
 from scaletorch.dist import comm
 from scaletorch.dist.comm import Group, Work
-from scaletorch.parallel.mixed_precision import MixedPrecisionPolicy, reduce_in
 
 NamedModules = Sequence[Tuple[str, nn.Module]]  # (name inside the model, module)
 
@@ -42,14 +36,15 @@ class FlatUnit:
     """
 
     def __init__(self, name: str, modules: NamedModules, group: Group, zero_stage: int,
-                 policy: Optional[MixedPrecisionPolicy] = None, users: NamedModules = ()) -> None:
+                 param_dtype: Optional[torch.dtype] = None,
+                 reduce_dtype: Optional[torch.dtype] = None, users: NamedModules = ()) -> None:
         self.name, self.group, self.zero_stage = name, group, zero_stage
-        self.policy = policy
+        self.reduce_dtype = reduce_dtype
         self.modules = [module for _, module in modules]
         self.world, self.rank = comm.group_size(group), comm.group_rank(group)
         # Every distinct parameter once, with every (module, attribute, name) that holds it:
-        # in ``modules``, and in ``users`` (other units' modules that borrow some of these
-        # parameters: a head tied to this embedding, zero.py) for those parameters only.
+        # in ``modules``, and in ``users`` (modules outside the unit that hold some of these
+        # parameters: tied weights, zero_tied.py) for those parameters only.
         found: Dict[int, Tuple[nn.Parameter, List[Tuple[nn.Module, str, str]]]] = {}
         for only_found, named in ((False, modules), (True, users)):
             for prefix, module in named:
@@ -74,8 +69,8 @@ class FlatUnit:
         for param, start in zip(params, self.offsets):
             master[start:start + param.numel()].copy_(param.detach().reshape(-1))
         # stage 3 gathers (and computes with) param_dtype; stages 1, 2 keep the full master
-        low = policy is not None and zero_stage == 3 and policy.param_dtype != first.dtype
-        self.flat = master.to(policy.param_dtype) if low and policy is not None else master
+        low = zero_stage == 3 and param_dtype is not None and param_dtype != first.dtype
+        self.flat = master.to(param_dtype) if low else master
         self.tensors: List[torch.Tensor] = []
         storage = self.flat.untyped_storage()
         for param, (_, holders), start in zip(params, found.values(), self.offsets):
@@ -92,10 +87,6 @@ class FlatUnit:
         self.trainable = sum(t.requires_grad for t in self.tensors)
         own = master[self.rank * self.shard_numel:(self.rank + 1) * self.shard_numel]
         self.shard = nn.Parameter(own if zero_stage < 3 else own.clone())
-        if all(getattr(p, "shared_embedding", False) for p in params):
-            # a tied embedding's copy under a pipeline (pipeline_parallel.py): the pipeline
-            # sums this shard's gradient with the other copy's over the embedding group
-            self.shard.shared_embedding = True  # type: ignore[attr-defined]
         self.flat_grad: Optional[torch.Tensor] = None
         if zero_stage == 1:
             self.flat_grad = torch.zeros_like(self.flat)
@@ -145,7 +136,8 @@ class FlatUnit:
                 tensor.grad = None
         full.div_(self.world)
         # reduce_dtype on the wire (one rank: nothing crosses it, nothing to round)
-        wire = reduce_in(self.policy, full) if self.world > 1 else full
+        low = self.reduce_dtype not in (None, full.dtype) and self.world > 1
+        wire = full.to(self.reduce_dtype) if low else full
         out = wire.new_empty(self.shard_numel)
         work = comm.reduce_scatter_tensor(out, wire, self.group, async_op=True)
 

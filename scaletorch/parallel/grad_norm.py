@@ -17,9 +17,8 @@ each time divided by replicas(x); a shard is held once. For the rank grid (pg_ma
     ZeRO shard (split over "dp_cp")                          1 or tp, per element
     pipeline                                                 each stage holds its own layers:
                                                              no factor, the world sum adds them
-    tied embedding under a pipeline                          x 2 (first and last stage's copy;
-                                                             in a V one shared parameter: x 1)
 
+(A tied embedding's two copies under a pipeline add a factor of 2: param_map.py, chapter 07.)
 One all-reduce of one number over the world, whatever the layout (``replica_count``,
 ``world_grad_norm``); none when every rank holds every gradient (pure data parallel). Every
 rank ends with the same norm and scales its own gradients by min(1, max_norm / norm)
@@ -63,6 +62,14 @@ def clip_grads_(params: Iterable[torch.Tensor], max_norm: float,
     return total_norm
 
 
+def clip_replicated(params: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Data parallel's clip (chapter 01): every rank holds every gradient, averaged, so its
+    local norm is the global one and no rank communicates; returns the norm."""
+    params = [p for p in params if p.grad is not None]
+    norm = _squared_norm(params, params[0].device if params else torch.device("cpu")).sqrt()[0]
+    return clip_grads_(params, max_norm, norm)
+
+
 def replica_count(param: torch.Tensor, pgm: ProcessGroupManager) -> int:
     """Ranks of the world holding an identical copy of ``param``'s gradient (see above).
 
@@ -75,13 +82,7 @@ def replica_count(param: torch.Tensor, pgm: ProcessGroupManager) -> int:
         else pgm.tensor_model_parallel_world_size
     if getattr(param, "expert_parallel", False):
         return tp * pgm.expert_data_parallel_world_size
-    return tp * pgm.data_parallel_world_size_with_context * tied_copies(param)
-
-
-def tied_copies(param: torch.Tensor) -> int:
-    """2 for a tied embedding under a pipeline (a copy on the first and on the last stage,
-    equal gradients after the embedding group's all-reduce), else 1."""
-    return 2 if getattr(param, "shared_embedding", False) else 1
+    return tp * pgm.data_parallel_world_size_with_context
 
 
 ParamReplicas = Tuple[torch.Tensor, Union[int, float, torch.Tensor]]

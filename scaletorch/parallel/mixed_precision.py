@@ -21,6 +21,11 @@ lost); the forward and backward compute in the autocast dtype (``training.precis
 Gradients are accumulated in fp32 (DDP's buckets, ZeRO-1's flat buffer, every shard's .grad):
 micro-batches add up there, and the optimizer reads fp32. Only the wire is low precision.
 
+The policy attaches from here to chapters 01 and 02, which take plain dtypes: DDP's
+``reduce_dtype`` (``apply_data_parallel_in``: torch's DDP gets ``reduce_dtype_hook``), ZeRO's
+``param_dtype`` and ``reduce_dtype`` arguments with ``disable_autocast_cache_per_unit``, and
+FSDP2's ``mp_policy`` (``fsdp_mp_policy``).
+
 fp16 (5 exponent bits, largest finite 65504, smallest normal 6e-5) needs a loss scale: the
 gradients of a loss of ~4 are often below 6e-5 and would flush to zero. ``DynamicLossScaler``
 multiplies the loss by S before backward and divides the gradients by S after; a step whose
@@ -33,13 +38,18 @@ that skipped alone would leave the replicas different forever. bf16 has fp32's e
 
 import warnings
 from dataclasses import dataclass
-from typing import Iterable, Optional, Tuple
+from functools import partial
+from typing import Any, Iterable, List, Optional, Tuple, cast
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy as FSDPMixedPrecision
+from torch.nn.parallel import DistributedDataParallel
 
 from scaletorch.config import Config, resolve_precision
-from scaletorch.dist import comm
+from scaletorch.dist import ProcessGroupManager, comm
+from scaletorch.parallel.data_parallel import apply_data_parallel
 
 # fp64 is named only to be refused (wider than the master)
 DTYPES = {
@@ -174,6 +184,53 @@ def reduce_dtype_hook(state: Tuple[Optional[dist.ProcessGroup], torch.dtype],
         done.set_result(grad.copy_(wire))
         return done
     return work.get_future().then(back)
+
+
+def apply_data_parallel_in(reduce_dtype: torch.dtype, model: nn.Module, pgm: ProcessGroupManager,
+                           impl: str, bucket_size_mb: float) -> nn.Module:
+    """Chapter 01's ``apply_data_parallel`` reducing gradients in ``reduce_dtype``: our wrappers
+    take the dtype, torch's DDP takes ``reduce_dtype_hook`` as its comm hook."""
+    if impl != "torch":
+        return apply_data_parallel(model, pgm, impl, bucket_size_mb, reduce_dtype)
+    ddp = cast(DistributedDataParallel, apply_data_parallel(model, pgm, impl, bucket_size_mb))
+    if reduce_dtype != torch.float32:
+        ddp.register_comm_hook((pgm.data_parallel_group_with_context, reduce_dtype),
+                               reduce_dtype_hook)
+    return ddp
+
+
+def fsdp_mp_policy(policy: Optional[MixedPrecisionPolicy]) -> FSDPMixedPrecision:
+    """FSDP2's ``mp_policy`` of ours: fp32 means no cast (None)."""
+    p = policy or FP32
+    return FSDPMixedPrecision(
+        param_dtype=None if p.param_dtype == torch.float32 else p.param_dtype,
+        reduce_dtype=None if p.reduce_dtype == torch.float32 else p.reduce_dtype)
+
+
+def disable_autocast_cache_per_unit(zero: nn.Module) -> None:
+    """ZeRO-3 under autocast (zero.py's ``ShardedDataParallel``): while a unit runs whose
+    gathered weights are wider than the compute dtype, autocast's cache is off.
+
+    Why: autocast casts each fp32 weight to the compute dtype and caches the copy to the end of
+    the step, so every unit's copy would stay although ZeRO-3 frees the unit; uncached, each
+    copy goes with its backward. A forward pre-hook and a forward hook on each unit's first and
+    last module, beside ZeRO's own.
+    """
+    saved: List[bool] = []
+
+    def before(unit: Any, module: nn.Module, args: Any) -> None:
+        low = compute_dtype(unit.flat.device.type)
+        if low is not None and low.itemsize < unit.flat.element_size():
+            saved.append(torch.is_autocast_cache_enabled())
+            torch.set_autocast_cache_enabled(False)
+
+    def after(module: nn.Module, args: Any, output: Any) -> None:
+        if saved:
+            torch.set_autocast_cache_enabled(saved.pop())
+
+    for unit in getattr(zero, "units"):
+        unit.modules[0].register_forward_pre_hook(partial(before, unit))
+        unit.modules[-1].register_forward_hook(after)
 
 
 class DynamicLossScaler:

@@ -32,14 +32,12 @@ see them. What cannot run here (validation.py): MoE, ZeRO-1/2, context parallel 
 or ZeRO-3.
 """
 
-from typing import TYPE_CHECKING, Callable, Iterable, List, Optional, Tuple, cast
+from typing import TYPE_CHECKING, Callable, Iterable, List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy as FSDPMixedPrecision
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import loss_parallel
 
@@ -47,16 +45,15 @@ from scaletorch.dist import ProcessGroupManager
 from scaletorch.models import Llama, loss_fn
 from scaletorch.parallel.activation_checkpointing import apply_activation_checkpointing
 from scaletorch.parallel.context_parallel import apply_context_parallel, make_sequence_sharder
-from scaletorch.parallel.data_parallel import apply_data_parallel
-from scaletorch.parallel.mixed_precision import MixedPrecisionPolicy
+from scaletorch.parallel.fully_shard import shard_blocks_then_root
+from scaletorch.parallel.mixed_precision import (MixedPrecisionPolicy, apply_data_parallel_in,
+                                                 fsdp_mp_policy)
 from scaletorch.parallel.param_map import DTensorParamMap
 from scaletorch.parallel.pipeline_parallel import TorchPipelineSchedule, apply_pipeline_parallel
 from scaletorch.parallel.pipeline_schedules import V_SHAPED
 from scaletorch.parallel.step import ForwardBackward, make_data_parallel_step
-from scaletorch.parallel.tensor_parallel_dtensor import (apply_dtensor_tensor_parallel,
-                                                         apply_per_block, device_mesh,
+from scaletorch.parallel.tensor_parallel_dtensor import (apply_dtensor_tensor_parallel, device_mesh,
                                                          dtensor_loss_fn, native_clip_grad_norm)
-from scaletorch.parallel.zero import check_zero_layout
 
 if TYPE_CHECKING:  # the config module imports scaletorch.parallel
     from scaletorch.config import Config
@@ -66,15 +63,11 @@ if TYPE_CHECKING:  # the config module imports scaletorch.parallel
 
 def apply_native_data_parallel(modules: Iterable[nn.Module], dp_mesh: DeviceMesh, zero3: bool,
                                policy: Optional[MixedPrecisionPolicy] = None) -> None:
-    """Each block, then each module's root (embedding, norm, head), as one FSDP2 unit over
-    ``dp_mesh``: ``fully_shard`` (ZeRO-3) or ``replicate``. ``modules``: a Llama, or this
-    rank's pipeline chunks (each its own root, so each stage syncs its own gradients).
-    ``policy`` (chapter 08) becomes FSDP2's ``mp_policy``: fp32 means no cast (None)."""
-    p = policy or MixedPrecisionPolicy()
-    mp = FSDPMixedPrecision(
-        param_dtype=None if p.param_dtype == torch.float32 else p.param_dtype,
-        reduce_dtype=None if p.reduce_dtype == torch.float32 else p.reduce_dtype)
-    apply_per_block(fully_shard if zero3 else replicate, modules, dp_mesh, mp)
+    """Each block, then each module's root, as one FSDP2 unit over ``dp_mesh`` (chapter 02's
+    ``shard_blocks_then_root``): ``fully_shard`` (ZeRO-3) or ``replicate``. ``policy``
+    (chapter 08) becomes FSDP2's ``mp_policy``."""
+    shard_blocks_then_root(modules, dp_mesh, fully_shard if zero3 else replicate,
+                           fsdp_mp_policy(policy))
 
 
 def _in_loss_parallel(step: ForwardBackward) -> ForwardBackward:
@@ -124,7 +117,8 @@ def parallelize_native(
             mp = MixedPrecisionPolicy(reduce_dtype=mp.reduce_dtype)
         apply_native_data_parallel(modules, mesh["dp"], zero3, mp)
     elif pgm.data_parallel_world_size_with_context > 1 and pipe is None:
-        trainer_model = apply_data_parallel(model, pgm, "torch", p.bucket_size_mb, mp)
+        trainer_model = apply_data_parallel_in(mp.reduce_dtype, model, pgm, "torch",
+                                               p.bucket_size_mb)
     param_map = DTensorParamMap(pgm, model, pipe)  # FSDP2 swapped in DTensors; DDP is around model
 
     if pipe is not None:
@@ -138,21 +132,3 @@ def parallelize_native(
             step = _in_loss_parallel(step)
     clip = native_clip_grad_norm(list(trainer_model.parameters()), pgm)
     return trainer_model, step, clip, None, param_map
-
-
-def apply_fully_shard(model: nn.Module, pgm: ProcessGroupManager,
-                      policy: Optional[MixedPrecisionPolicy] = None) -> nn.Module:
-    """Chapter 02's reference, FSDP2 alone: ``fully_shard`` each block, then the root
-    (embedding, norm, head), on a 1-D device mesh over ``pgm.data_parallel_group_with_context``,
-    with ``policy`` as its ``mp_policy`` (chapter 08). Its collectives bypass our ledger."""
-    check_zero_layout(3, pgm.tensor_model_parallel_world_size,
-                      pgm.pipeline_model_parallel_world_size, pgm.expert_model_parallel_world_size)
-    if not dist.is_initialized():
-        raise ValueError("fully_shard needs torch.distributed: launch with torchrun")
-    group = cast(dist.ProcessGroup, pgm.data_parallel_group_with_context)  # initialized: exists
-    # Named after the group, for the reason device_mesh gives.
-    mesh = DeviceMesh.from_group(group,
-                                 next(model.parameters()).device.type,
-                                 mesh_dim_names=(f"dp_cp{group.group_name}", ))
-    apply_native_data_parallel([model], mesh, zero3=True, policy=policy)
-    return model

@@ -29,8 +29,8 @@ over the world. The returned ``param_map`` (param_map.py) knows where every refe
 consolidated.py writes and reads full weights *and* full AdamW state through it, so a run
 saved at one layout resumes at any other.
 
-``parallel.impl`` picks whose version runs, so each chapter's native comparison goes through
-this same call (chapters 01-06 all use ``parallelize``):
+``parallel.impl`` picks whose version runs, so each chapter's native comparison can go through
+this same call:
 
     scaletorch  ours, by hand, every combination above
     naive       data parallel as one all-reduce per parameter after backward (chapter 01)
@@ -60,10 +60,10 @@ from scaletorch.dist import ProcessGroupManager, comm, get_ledger
 from scaletorch.models import Llama, loss_fn
 from scaletorch.parallel.activation_checkpointing import apply_activation_checkpointing
 from scaletorch.parallel.context_parallel import apply_context_parallel, make_sequence_sharder
-from scaletorch.parallel.data_parallel import apply_data_parallel
 from scaletorch.parallel.expert_parallel import ExpertParallel, shard_experts
 from scaletorch.parallel.grad_norm import clip_grads_, world_grad_norm
-from scaletorch.parallel.mixed_precision import DTYPES, DynamicLossScaler
+from scaletorch.parallel.mixed_precision import (DTYPES, DynamicLossScaler, apply_data_parallel_in,
+                                                 disable_autocast_cache_per_unit, policy_for)
 from scaletorch.parallel.native import parallelize_native
 from scaletorch.parallel.param_map import DTensorParamMap, ParamMap, State
 from scaletorch.parallel.pipeline_parallel import PipelineSchedule, apply_pipeline_parallel
@@ -72,7 +72,8 @@ from scaletorch.parallel.split_backward import ZeroBubbleSchedule
 from scaletorch.parallel.step import ForwardBackward, LossFn, make_data_parallel_step
 from scaletorch.parallel.tensor_parallel import apply_tensor_parallel, tensor_parallel_loss_fn
 from scaletorch.parallel.validation import validate_layout
-from scaletorch.parallel.zero import ShardedDataParallel, ZeroAdamW, llama_units
+from scaletorch.parallel.zero import ShardedDataParallel, ZeroAdamW
+from scaletorch.parallel.zero_tied import TiedShardedDataParallel, zero_units
 
 if TYPE_CHECKING:  # the config module imports scaletorch.parallel
     from scaletorch.config import Config
@@ -119,27 +120,6 @@ def _check_groups_match(cfg: "Config", pgm: ProcessGroupManager, sizes: Dict[str
                          f"{', '.join(wrong)}; build it from the same config")
 
 
-class _ZeroChunks(nn.Module):
-    """What ZeroAdamW drives when a pipeline rank holds several ZeRO-wrapped chunks."""
-
-    def __init__(self, wrappers: List[ShardedDataParallel]) -> None:
-        super().__init__()
-        self.wrappers = nn.ModuleList(wrappers)
-        self.zero = wrappers  # the same modules, typed (a ModuleList yields nn.Module)
-
-    def finish_grad_sync(self) -> None:
-        for w in self.zero:
-            w.finish_grad_sync()
-
-    def gather_params(self) -> None:
-        for w in self.zero:
-            w.gather_params()
-
-    def zero_grad_buffers(self) -> None:
-        for w in self.zero:
-            w.zero_grad_buffers()
-
-
 def _apply_data_parallel(
         modules: List[nn.Module], cfg: "Config",
         pgm: ProcessGroupManager) -> Tuple[List[nn.Module], Optional[torch.optim.Optimizer]]:
@@ -148,22 +128,25 @@ def _apply_data_parallel(
     (dense gradients over "dp_cp", expert gradients over "edp"), or DDP (bucketed, or naive).
     Returns (wrapped modules, ZeRO's optimizer or None for the Trainer's AdamW)."""
     p, t = cfg.parallel, cfg.training
-    # chapter 08; imported here: the trainer package imports this module
-    from scaletorch.parallel.mixed_precision import policy_for as run_policy
-    policy = run_policy(cfg, next(modules[0].parameters()).device.type)
-    if p.zero_stage > 0:
-        zero = [
-            ShardedDataParallel(m, llama_units(m), pgm.data_parallel_group_with_context,
-                                p.zero_stage, policy=policy) for m in modules
+    policy = policy_for(cfg, next(modules[0].parameters()).device.type)  # chapter 08
+    if p.zero_stage > 0:  # tied embeddings shared between units (zero_tied.py)
+        zero: List[ShardedDataParallel] = [
+            TiedShardedDataParallel(m, zero_units(m), pgm.data_parallel_group_with_context,
+                                    p.zero_stage, param_dtype=policy.param_dtype,
+                                    reduce_dtype=policy.reduce_dtype) for m in modules
         ]
-        optimizer = ZeroAdamW(zero[0] if len(zero) == 1 else _ZeroChunks(zero), t.lr,
-                              (t.beta1, t.beta2), t.weight_decay)
+        for z in zero:
+            disable_autocast_cache_per_unit(z)
+        optimizer = ZeroAdamW(zero, t.lr, (t.beta1, t.beta2), t.weight_decay)
         return list(zero), optimizer
     if cfg.model.num_experts > 0:
         return [ExpertParallel(m, pgm) for m in modules], None
     if pgm.data_parallel_world_size_with_context == 1:
         return modules, None
-    return [apply_data_parallel(m, pgm, p.impl, p.bucket_size_mb, policy) for m in modules], None
+    return [
+        apply_data_parallel_in(policy.reduce_dtype, m, pgm, p.impl, p.bucket_size_mb)
+        for m in modules
+    ], None
 
 
 def _compute_dtype(cfg: "Config", device: torch.device) -> torch.dtype:

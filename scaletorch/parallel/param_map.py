@@ -21,13 +21,20 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from scaletorch.dist import ProcessGroupManager, get_ledger
 from scaletorch.dist.functional import gather_along_dim, split_along_dim
-from scaletorch.parallel.grad_norm import ParamReplicas, replica_count, tied_copies
+from scaletorch.parallel.grad_norm import ParamReplicas, replica_count
 from scaletorch.parallel.pipeline_parallel import PipelineModel, gather_pipeline_state_dict
 from scaletorch.parallel.zero import ShardedDataParallel
 
 State = Dict[str, torch.Tensor]
 # (tp partition dim, expert-parallel, (vocabulary, padded rows) of a padded vocabulary split)
 Split = Tuple[Optional[int], bool, Optional[Tuple[int, int]]]
+
+
+def tied_copies(param: torch.Tensor) -> int:
+    """2 for a tied embedding under a pipeline (a copy on the first and on the last stage,
+    equal gradients after the embedding group's all-reduce), else 1: a factor on top of
+    ``grad_norm.replica_count``. In a V one shared parameter: 1."""
+    return 2 if getattr(param, "shared_embedding", False) else 1
 
 
 class ParamMap:
@@ -139,7 +146,7 @@ class ParamMap:
         out: List[ParamReplicas] = []
         for param, pieces, unit in self.entries:
             if unit is None:
-                out.append((param, replica_count(param, self.pgm)))
+                out.append((param, replica_count(param, self.pgm) * tied_copies(param)))
                 continue
             counts = torch.ones(unit.padded_numel, device=param.device)  # padding: zero grads
             for names, shape, offset in pieces:

@@ -14,7 +14,7 @@ A model wrapper may provide two hooks, both optional:
 """
 
 from contextlib import nullcontext
-from typing import Callable, Optional, Tuple
+from typing import Callable, Optional, Protocol, Tuple
 
 import torch
 import torch.distributed as dist
@@ -23,13 +23,17 @@ from torch import nn
 from scaletorch.data import shard_batch, split_micro_batches
 from scaletorch.dist import comm
 from scaletorch.models import loss_fn, moe_aux_loss
-from scaletorch.parallel.mixed_precision import DynamicLossScaler
 
 ForwardBackward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 # inputs, targets, position_ids (None without context parallel)
 ShardedBatch = Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]
 SequenceShard = Callable[[torch.Tensor, torch.Tensor], ShardedBatch]
+
+
+class LossScale(Protocol):
+    """What scales the loss before backward: chapter 08's fp16 loss scaler, by its ``scale``."""
+    scale: float
 
 
 def forward_backward(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
@@ -85,14 +89,14 @@ def make_data_parallel_step(model: nn.Module, num_micro_batches: int, data_paral
                             data_parallel_size: int, loss_group: Optional[dist.ProcessGroup],
                             loss_fn: LossFn = loss_fn,
                             shard_sequence: Optional[SequenceShard] = None,
-                            scaler: Optional[DynamicLossScaler] = None) -> ForwardBackward:
+                            scaler: Optional[LossScale] = None) -> ForwardBackward:
     """The step for single device, DDP, ZeRO and tensor parallel: slice, accumulate, report.
 
     ``loss_group`` averages the reported loss over the ranks that saw different tokens
     (data x context parallel); the gradients are the model wrapper's business.
     ``shard_sequence(inputs, targets) -> (inputs, targets, position_ids)`` then keeps this
-    rank's tokens of each sequence (context parallel). ``scaler`` (fp16): backward runs on the
-    loss times its current scale.
+    rank's tokens of each sequence (context parallel). ``scaler`` (fp16, chapter 08): backward
+    runs on the loss times its current ``scale``.
     """
 
     def step(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

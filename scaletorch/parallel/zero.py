@@ -12,51 +12,41 @@ owns shard r. What else a rank keeps is the stage (fp32, 4 bytes per element, Ps
     3         shard        shard          shard          16 Psi/N  (+ gathered units in flight)
 
 Communication per step (elements of the flat vectors; a ring puts (N-1)/N of each on the wire):
-stages 1, 2 reduce-scatter the gradients and all-gather the updated parameters: 2 Psi, the same
-as DDP's all-reduce. Stage 3 all-gathers each unit before its forward and again before its
-backward, and reduce-scatters its gradients: 3 Psi. With m micro-batches, stage 3 gathers
-2 m Psi (the gradients are still reduced once, after the last micro-batch). The formulas and
-the measured ledgers: memory_report.py. PyTorch's own ZeRO-3, FSDP2 ``fully_shard``: native.py.
+stages 1, 2 reduce-scatter the gradients and all-gather the updated parameters: 2 Psi, as DDP's
+all-reduce. Stage 3 all-gathers each unit before its forward and again before its backward, and
+reduce-scatters its gradients: 3 Psi (2 m Psi gathered with m micro-batches). zero_report.py
+prints the formulas beside the ledgers; fully_shard.py holds PyTorch's ZeRO-3, FSDP2.
 
 Stage 3 on a model cut into units U0 (embedding), U1..UL (blocks), UL+1 (head = norm + lm_head):
 
     forward    gather U0, run U0, free U0 | gather U1, run U1, free U1 | ...
     backward   ... | gather U1, grads of U1, reduce-scatter + free U1 | gather U0, ...
 
-Tied embeddings (``lm_head.weight is embed_tokens.weight``): the one weight is sharded once,
-in the first unit that lists it (the embedding's); the head unit *borrows* it. Why this and not
-a unit of its own or two copies: it keeps "one parameter, one shard, one reduce-scatter" with
-no new unit kind. Autograd sums the weight's two uses (lookup, output projection) into one
-gradient before its post-accumulate hook fires, so that hook reduce-scatters the sum once,
-after the embedding's backward. Stage 3 gathers the owner also around the head (forward and
-backward) and frees it with the head: the embedding matrix crosses the wire twice more per
-micro-batch, 3 Psi + 2 V h in all. Under a pipeline the embedding and the head are on
-different ranks: each holds a copy (pipeline_parallel.py), the copy is a unit of its own.
-
 Hooks do it: a forward pre-hook on a unit's first module gathers; a forward hook on its last
 module frees and hooks the output's gradient (the unit's backward starts: gather again); the
 parameters' post-accumulate-grad hooks reduce-scatter once the unit's last gradient is in, then
-free. With ``prefetch`` the next unit's all-gather (async) travels while the current unit
-computes: at most two units are full at a time instead of one. Stages 1 and 2 reduce-scatter
-per unit in the same hooks (while backward goes on), and ``ZeroAdamW.step`` all-gathers the
-updated shards. Gradient accumulation: inside ``no_sync()`` nothing is reduced (gradients
-accumulate full size); the last micro-batch reduces once.
+free. With ``prefetch`` the next unit's all-gather travels while this one computes (two units
+full at a time). Stages 1 and 2 reduce-scatter in the same hooks, and ``ZeroAdamW.step``
+all-gathers the updated shards. Inside ``no_sync()`` nothing is reduced: gradients accumulate
+full size and the last micro-batch reduces once. Chapter 07 shares tied weights between units
+(zero_tied.py); chapter 08 passes ``param_dtype`` and ``reduce_dtype``.
 """
 
 from contextlib import contextmanager
 from functools import partial
-from typing import Any, Callable, Dict, Iterator, List, Optional, Protocol, Tuple, Union, cast
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from scaletorch.dist import ProcessGroupManager
+from scaletorch.dist import ProcessGroupManager, get_ledger
 from scaletorch.dist.comm import Work
 from scaletorch.parallel.flat_unit import FlatUnit, NamedModules
-from scaletorch.parallel.mixed_precision import MixedPrecisionPolicy, compute_dtype
+from scaletorch.parallel.grad_norm import clip_grads_, world_grad_norm
 
 Units = List[Tuple[str, NamedModules]]  # (unit name, [(module name, module), ...])
+State = Dict[str, torch.Tensor]
 
 
 class ShardedDataParallel(nn.Module):
@@ -65,42 +55,31 @@ class ShardedDataParallel(nn.Module):
     ``units`` lists (name, [(name of the module in ``module``, module), ...]) in forward order;
     every parameter must be in exactly one unit. The wrapper's parameters (``self.shards``, one
     flat (S,) shard per unit) are all that the optimizer and ``state_dict`` see: this rank's
-    shards. ``ParamMap`` (param_map.py) gathers the full tensors under the original names, each
-    unit's with ``FlatUnit.all_gather_flat``; clipping counts each shard element once
-    (grad_norm.py).
+    shards. ``full_state_dict`` gathers the full tensors under the original names;
+    ``clip_grad_norm`` counts each shard element once.
     """
+    shares_parameters = False  # chapter 07's subclass shares a tied weight (zero_tied.py)
 
     def __init__(self, module: nn.Module, units: Units, group: Optional[dist.ProcessGroup],
-                 zero_stage: int, prefetch: bool = True,
-                 policy: Optional[MixedPrecisionPolicy] = None) -> None:
+                 zero_stage: int, prefetch: bool = True, param_dtype: Optional[torch.dtype] = None,
+                 reduce_dtype: Optional[torch.dtype] = None) -> None:
         super().__init__()
         if zero_stage not in (1, 2, 3):
             raise ValueError(f"zero_stage must be 1, 2 or 3, got {zero_stage}")
-        # A parameter belongs to the first unit that lists it; a later unit that also uses it
-        # (the head tied to the embedding) borrows it: owner[id] = first unit, borrows[j] = the
-        # units whose parameters unit j uses.
-        owner: Dict[int, int] = {}
-        self.borrows: List[List[int]] = [[] for _ in units]
-        for j, (_, modules) in enumerate(units):
-            for prefix, sub in modules:
-                for param in sub.parameters():
-                    i = owner.setdefault(id(param), j)
-                    if i != j and i not in self.borrows[j]:
-                        self.borrows[j].append(i)
-        missing = [name for name, p in module.named_parameters() if id(p) not in owner]
-        if missing:
-            raise ValueError(f"parameters in no unit: {missing}")
+        per_unit = [{p for _, m in mods for p in m.parameters()} for _, mods in units]
+        listed = [id(p) for params in per_unit for p in params]  # twice: a tied weight
+        missing = [name for name, p in module.named_parameters() if id(p) not in listed]
+        shared = 0 if self.shares_parameters else len(listed) - len(set(listed))
+        if missing or shared:
+            raise ValueError(f"each parameter must be in one unit; parameters in no unit: "
+                             f"{missing}, in two: {shared} (tied weights: zero_tied.py)")
         self.module = module
         self.group = group
         self.zero_stage = zero_stage
         self.prefetch = prefetch
-        self.policy = policy  # stage 3 gathers in its param_dtype; all reduce in reduce_dtype
-        self.units = []  # in order: an owner first takes its parameters out of its borrowers
-        for i, (name, modules) in enumerate(units):
-            borrowers = [
-                m for j, (_, mods) in enumerate(units) if i in self.borrows[j] for m in mods
-            ]
-            self.units.append(FlatUnit(name, modules, group, zero_stage, policy, borrowers))
+        # chapter 08: stage 3 gathers in param_dtype, all reduce in reduce_dtype (None: fp32)
+        self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
+        self.units = self._build_units(units)
         # Parameter names may not contain dots: "layers.0" -> "layers_0".
         self.shards = nn.ParameterDict({u.name.replace(".", "_"): u.shard for u in self.units})
         self._sync = True
@@ -111,7 +90,6 @@ class ShardedDataParallel(nn.Module):
         self._gathering: Dict[int, Work] = {}  # unit -> work of an async all-gather (prefetch)
         self.peak_gathered_units = 0  # stage 3: most units full at the same time
         self.peak_gathered_bytes = 0
-        self._autocast_cache: Optional[bool] = None  # set while a unit runs without the cache
         self.register_state_dict_post_hook(self._copy_shards)
         self.register_load_state_dict_post_hook(self._gather_after_load)
         for i, unit in enumerate(self.units):
@@ -122,10 +100,16 @@ class ShardedDataParallel(nn.Module):
                 unit.modules[0].register_forward_pre_hook(partial(self._pre_forward, i))
                 unit.modules[-1].register_forward_hook(partial(self._post_forward, i))
 
-    @property
-    def numel(self) -> int:
-        """Psi: parameters of the model."""
-        return sum(u.numel for u in self.units)
+    def _build_units(self, units: Units) -> List[FlatUnit]:
+        """One FlatUnit per unit (chapter 07's subclass lets units share a parameter)."""
+        return [
+            FlatUnit(name, modules, self.group, self.zero_stage, self.param_dtype,
+                     self.reduce_dtype) for name, modules in units
+        ]
+
+    def _gathered_with(self, i: int) -> List[int]:
+        """The units that must be full while unit i runs (a subclass adds borrowed ones)."""
+        return [i]
 
     @property
     def padded_numel(self) -> int:
@@ -135,13 +119,6 @@ class ShardedDataParallel(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._ready = [0] * len(self.units)  # one forward, one backward: count afresh
         return self.module(*args, **kwargs)
-
-    def graph_params(self) -> List[torch.Tensor]:
-        """The trainable tensors the forward reads and backward accumulates ``.grad`` into:
-        every unit's full parameters, views of its flat vector. Not ``parameters()`` (this
-        rank's shards, which no graph contains): a backward restricted to some ``inputs``
-        (a zero-bubble W, split_backward.py) must name these, or it reaches no weight."""
-        return [t for unit in self.units for t in unit.tensors if t.requires_grad]
 
     # ---- stage 3: gather before use, free after -----------------------------------------
 
@@ -166,33 +143,21 @@ class ShardedDataParallel(nn.Module):
             self._gathering.pop(i).wait()
         self.units[i].free()
 
-    # A unit that borrows another's parameter (the head tied to the embedding) gathers and
-    # frees the owner with itself, in forward and in backward.
-
     def _pre_forward(self, i: int, module: nn.Module, args: Tuple[Any, ...]) -> None:
-        for k in [i] + self.borrows[i]:
+        for k in self._gathered_with(i):
             self._gather(k)
-        low = compute_dtype(self.units[i].flat.device.type)
-        if low is not None and low.itemsize < self.units[i].flat.element_size():
-            # param_dtype fp32 under autocast: autocast casts each weight, and its cache would
-            # keep every unit's copy to the end of the step; off, they go with their backward
-            self._autocast_cache = torch.is_autocast_cache_enabled()
-            torch.set_autocast_cache_enabled(False)
         if self.prefetch and i + 1 < len(self.units):
             self._gather(i + 1, async_op=True)
 
     def _post_forward(self, i: int, module: nn.Module, args: Tuple[Any, ...], output: Any) -> None:
-        for k in [i] + self.borrows[i]:
+        for k in self._gathered_with(i):
             self._free(k)
-        if self._autocast_cache is not None:
-            torch.set_autocast_cache_enabled(self._autocast_cache)
-            self._autocast_cache = None
         if torch.is_tensor(output) and output.requires_grad:
             # Fires when the gradient of the unit's output is ready: its backward starts.
             output.register_hook(partial(self._pre_backward, i))
 
     def _pre_backward(self, i: int, grad: torch.Tensor) -> None:
-        for k in [i] + self.borrows[i]:
+        for k in self._gathered_with(i):
             self._gather(k)
         if self.prefetch and i > 0:
             self._gather(i - 1, async_op=True)  # backward runs the units in reverse
@@ -209,7 +174,7 @@ class ShardedDataParallel(nn.Module):
             if self._sync:
                 self._reduce(i)
             if self.zero_stage == 3:
-                for k in [i] + self.borrows[i]:  # its backward no longer needs the owner's
+                for k in self._gathered_with(i):
                     self._free(k)
 
     def _reduce(self, i: int) -> None:
@@ -263,52 +228,68 @@ class ShardedDataParallel(nn.Module):
         for unit in self.units:
             unit.zero_grad()
 
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """The Trainer's clip: each shard element lives on one rank, so it counts once
+        (grad_norm.py's rule, replicas 1); one all-reduce of one number over the world, which
+        ZeRO alone shards over (chapter 07's ``parallelize`` clips composed layouts)."""
+        self.finish_grad_sync()
+        shards = list(self.shards.values())
+        norm = world_grad_norm([(s, 1) for s in shards], shards[0].device)
+        return clip_grads_(shards, max_norm, norm)
+
     # ---- checkpoints ------------------------------------------------------------------------
 
-    # The state dict is this rank's shards {"shards.<unit>": (S,)}, saved by the same rank of
-    # the same N. Hooks, not overrides, so that it also works when the wrapper sits inside a
-    # container (a pipeline's chunks): nn.Module's recursion runs every submodule's hooks.
+    def full_state_dict(
+            self, value_of: Callable[[torch.Tensor], torch.Tensor] = torch.Tensor.detach) -> State:
+        """Collective over the group: chapter 00's {name: full tensor} of the shards, or of
+        anything shaped like them (``value_of(shard)``: an AdamW state). Each unit's (S,) pieces
+        are all-gathered into its (P',) vector and cut at the parameters' offsets."""
+        full: State = {}
+        with get_ledger().paused():  # a check, not training traffic
+            for unit in self.units:
+                flat = unit.all_gather_flat(value_of(unit.shard))
+                for names, shape, start in zip(unit.names, unit.shapes, unit.offsets):
+                    tensor = flat[start:start + shape.numel()].view(shape).float().clone()
+                    full.update({name: tensor for name in names})  # tied: one tensor, both names
+        return full
+
+    # The state dict is this rank's shards {"shards.<unit>": (S,)}, resumed by the same rank of
+    # the same N. Hooks, not overrides: they also run inside a container (a pipeline's chunks).
 
     @staticmethod
     def _copy_shards(module: nn.Module, state_dict: Dict[str, Any], prefix: str,
                      local_metadata: Any) -> None:
-        """state_dict post-hook: copy each shard. In stages 1 and 2 a shard is a view of the
-        full flat parameters, and torch.save would write the whole of them."""
+        """state_dict post-hook: copy each shard (stages 1, 2: a view of the full flat vector,
+        which torch.save would write whole)."""
         for key in [k for k in state_dict if k.startswith(prefix + "shards.")]:
             if not isinstance(state_dict[key], nn.Parameter):  # keep_vars=True wants the vars
                 state_dict[key] = state_dict[key].clone()
 
     @staticmethod
     def _gather_after_load(module: "ShardedDataParallel", incompatible_keys: Any) -> None:
-        """load_state_dict post-hook: stages 1, 2 rebuild the full parameters from the loaded
-        shards (an all-gather: every rank of the group loads)."""
+        """load_state_dict post-hook: stages 1, 2 all-gather the loaded shards (every rank)."""
         module.gather_params()
 
 
 def check_zero_layout(zero_stage: int, tensor_model_parallel_size: int = 1,
                       pipeline_model_parallel_size: int = 1,
                       expert_model_parallel_size: int = 1) -> None:
-    """ZeRO on its own (chapter 02: ``apply_zero``, ``apply_fully_shard``) shards over data
-    parallel only; ``parallelize`` (chapter 07) combines it with the others."""
+    """ZeRO on its own (chapter 02) shards over data parallel only; ``parallelize`` (chapter
+    07) combines it with the others."""
     if zero_stage not in (1, 2, 3):
         raise ValueError(f"zero_stage must be 1, 2 or 3 (--zero-stage), got {zero_stage}")
-    other = {
-        "tensor_model_parallel_size": tensor_model_parallel_size,
-        "pipeline_model_parallel_size": pipeline_model_parallel_size,
-        "expert_model_parallel_size": expert_model_parallel_size,
-    }
-    unsupported = [f"{name} ({size})" for name, size in other.items() if size > 1]
+    sizes = zip(
+        ("tensor", "pipeline", "expert"),
+        (tensor_model_parallel_size, pipeline_model_parallel_size, expert_model_parallel_size))
+    unsupported = [f"{name}_model_parallel_size ({n})" for name, n in sizes if n > 1]
     if unsupported:
         raise ValueError(f"zero_stage {zero_stage} on its own shards over data parallel only; got "
                          f"{', '.join(unsupported)}: 07_nd_parallel combines ZeRO with them")
 
 
 def llama_units(model: nn.Module) -> Units:
-    """The sharding units of a Llama, in forward order: embedding, each block, head.
-
-    Also of a pipeline chunk (chapter 04), which holds some of them: its ``layers`` are keyed
-    by their index in the full model, and a stage without the embedding or the head has None.
-    """
+    """The sharding units of a Llama, in forward order: embedding, each block, head (or of
+    a pipeline chunk, chapter 04: its ``layers`` keyed by index, a missing end None)."""
     # torch types a module's attributes Tensor | Module; these are modules, or None in a chunk
     blocks = cast(Union[nn.ModuleList, nn.ModuleDict], model.layers)
     embed = cast(Optional[nn.Module], model.embed_tokens)
@@ -316,71 +297,51 @@ def llama_units(model: nn.Module) -> Units:
     layers = blocks.items() if isinstance(blocks, nn.ModuleDict) else enumerate(blocks)
     units: Units = [("embed_tokens", [("embed_tokens", embed)])] if embed is not None else []
     units += [(f"layers.{i}", [(f"layers.{i}", layer)]) for i, layer in layers]
-    norm = cast(nn.Module, model.norm)
-    if lm_head is not None and getattr(lm_head.weight, "shared_embedding", False):
-        # a pipeline's last-stage copy of a tied embedding: a unit of its own, cut into shards
-        # exactly as the first stage's embedding unit, so that the embedding group can sum the
-        # two copies' gradient shards element for element (pipeline_parallel.py)
-        units += [("head", [("norm", norm)]), ("lm_head", [("lm_head", lm_head)])]
-    elif lm_head is not None:  # tied without a pipeline: the head borrows the embedding's unit
-        units.append(("head", [("norm", norm), ("lm_head", lm_head)]))
+    if lm_head is not None:
+        units.append(("head", [("norm", cast(nn.Module, model.norm)), ("lm_head", lm_head)]))
     return units
 
 
-def apply_zero(model: nn.Module, pgm: ProcessGroupManager, zero_stage: int, prefetch: bool = True,
-               policy: Optional[MixedPrecisionPolicy] = None) -> ShardedDataParallel:
+def apply_zero(model: nn.Module, pgm: ProcessGroupManager, zero_stage: int,
+               prefetch: bool = True) -> ShardedDataParallel:
     """Shard a Llama over ``pgm.data_parallel_group_with_context`` (ZeRO ``zero_stage``).
 
     Every rank must pass the same weights (build_model with one seed). Pair the result with
-    ``ZeroAdamW(model, ...)``. ``policy``: mixed_precision.py (None: fp32 everywhere).
-    ``parallelize`` also gives the Trainer the clip that counts
-    each shard element once (``ParamMap.replicas``).
+    ``ZeroAdamW(model, ...)`` and give the Trainer ``model.clip_grad_norm``.
     """
     check_zero_layout(zero_stage, pgm.tensor_model_parallel_world_size,
                       pgm.pipeline_model_parallel_world_size, pgm.expert_model_parallel_world_size)
     return ShardedDataParallel(model, llama_units(model), pgm.data_parallel_group_with_context,
-                               zero_stage, prefetch, policy)
-
-
-class ZeroModel(Protocol):
-    """What ZeroAdamW drives: a ``ShardedDataParallel``, or several (a pipeline rank's chunks)."""
-
-    def parameters(self) -> Iterator[nn.Parameter]:
-        ...
-
-    def finish_grad_sync(self) -> None:
-        ...
-
-    def gather_params(self) -> None:
-        ...
-
-    def zero_grad_buffers(self) -> None:
-        ...
+                               zero_stage, prefetch)
 
 
 class ZeroAdamW(torch.optim.AdamW):
     """torch.optim.AdamW over this rank's shards: the same arithmetic, 1/N of the state.
 
-    ``model`` is the ZeRO wrapper (``ShardedDataParallel``). ``step()`` first finishes any
-    gradient sync still in flight, updates the shards, then (stages 1, 2) all-gathers them into
-    every rank's full parameters. ``zero_grad()`` also clears the wrapper's full gradients.
+    ``model`` is the ZeRO wrapper (or a list of them: a pipeline rank's chunks, chapter 07).
+    ``step()`` first finishes any gradient sync still in flight, updates the shards, then
+    (stages 1, 2) all-gathers them into every rank's full parameters. ``zero_grad()`` also
+    clears the wrappers' full gradients.
     """
 
-    def __init__(self, model: ZeroModel, lr: float, betas: Tuple[float, float], weight_decay: float,
-                 eps: float = 1e-8) -> None:
-        super().__init__(list(model.parameters()), lr=lr, betas=betas, eps=eps,
-                         weight_decay=weight_decay)
-        self.model = model
+    def __init__(self, model: Union[ShardedDataParallel, Sequence[ShardedDataParallel]], lr: float,
+                 betas: Tuple[float, float], weight_decay: float, eps: float = 1e-8) -> None:
+        self.wrappers = [model] if isinstance(model, ShardedDataParallel) else list(model)
+        super().__init__([p for w in self.wrappers for p in w.parameters()], lr=lr, betas=betas,
+                         eps=eps, weight_decay=weight_decay)
 
     # torch's stub overloads step on closure (None -> None, callable -> float); this covers both
     @torch.no_grad()
     def step(  # type: ignore[override]
             self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
-        self.model.finish_grad_sync()
+        for w in self.wrappers:
+            w.finish_grad_sync()
         loss = super().step(closure)
-        self.model.gather_params()
+        for w in self.wrappers:
+            w.gather_params()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
-        self.model.zero_grad_buffers()
+        for w in self.wrappers:
+            w.zero_grad_buffers()

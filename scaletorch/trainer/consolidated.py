@@ -12,7 +12,7 @@ rank its part of the AdamW state (``ParamMap.scatter``), the schedule and the st
 """
 
 import os
-from typing import TYPE_CHECKING, Any, Dict, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Union
 
 import torch
 
@@ -24,13 +24,20 @@ from scaletorch.trainer.checkpoint import load_tensors_only
 if TYPE_CHECKING:  # only the type: chapter 07's script hands its Trainer in
     from scaletorch.trainer.trainer import Trainer
 
+# A layout's gather: value_of(parameter) -> chapter 00's {name: full tensor} (on global rank 0
+# at least): ``ParamMap.gather`` (chapter 07), ZeRO's or FSDP2's ``full_state_dict`` (chapter 02).
+Gather = Callable[[Callable[[torch.Tensor], torch.Tensor]], Optional[Dict[str, torch.Tensor]]]
 
-def consolidated_state(trainer: "Trainer", par: Parallelized) -> Optional[Dict[str, Any]]:
+
+def consolidated_state(trainer: "Trainer", par: Union[Parallelized,
+                                                      Gather]) -> Optional[Dict[str, Any]]:
     """Collective. The dict of the module docstring, with full reference-keyed tensors, on
-    global rank 0 (None elsewhere); "optimizer" is None before AdamW's first step."""
+    global rank 0 (None elsewhere); "optimizer" is None before AdamW's first step. ``par``:
+    what ``parallelize`` returned, or a strategy's own gather (chapter 02)."""
+    gather = par.param_map.gather if isinstance(par, Parallelized) else par
     opt = trainer.optimizer
     # AdamW has state once it stepped; every rank must agree before the collective gathers
-    params = par.param_map.params()
+    params = [p for group in opt.param_groups for p in group["params"]]
     have_state = torch.tensor([float(all(p in opt.state for p in params))], device=params[0].device)
     with get_ledger().paused():
         comm.all_reduce(have_state, op=torch.distributed.ReduceOp.MIN)
@@ -40,9 +47,9 @@ def consolidated_state(trainer: "Trainer", par: Parallelized) -> Optional[Dict[s
         optim = {"step": float(first["step"])}
         for key in ("exp_avg", "exp_avg_sq"):
             # gather calls the lambda at once, so its ``key`` is this iteration's
-            optim[key] = par.param_map.gather(lambda p: opt.state[p][key])
-    model = par.full_state_dict()
-    if par.param_map.pgm.rank != 0:
+            optim[key] = gather(lambda p: opt.state[p][key])
+    model = gather(lambda p: p.detach())
+    if comm.group_rank() != 0:
         return None
     return {
         "step": trainer.step,
@@ -61,7 +68,8 @@ def _schedule(cfg: Config) -> Dict[str, float]:
     return {key: getattr(cfg.training, key) for key in SCHEDULE}
 
 
-def save_consolidated(path: str, trainer: "Trainer", par: Parallelized) -> Optional[str]:
+def save_consolidated(path: str, trainer: "Trainer", par: Union[Parallelized,
+                                                                Gather]) -> Optional[str]:
     """Gather (collective) and write one file from global rank 0, atomically."""
     state = consolidated_state(trainer, par)
     if state is not None:

@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 from scaletorch.data import GlobalBatchLoader, build_dataset
 from scaletorch.dist import ProcessGroupManager, comm, get_ledger, restart_count
 from scaletorch.models import loss_fn
-from scaletorch.parallel.grad_norm import clip_grads_, world_grad_norm
+from scaletorch.parallel.grad_norm import clip_replicated
 from scaletorch.parallel.mixed_precision import DynamicLossScaler
 from scaletorch.parallel.step import ForwardBackward, LossFn, make_data_parallel_step
 from scaletorch.trainer import checkpoint as ckpt
@@ -138,9 +138,7 @@ class Trainer:
         params = [p for p in self.model.parameters() if p.grad is not None]
         if any(isinstance(p, DTensor) for p in params):  # FSDP2 alone (chapter 02): shards
             return torch.nn.utils.clip_grad_norm_(params, max_norm)  # DTensor's global norm
-        world = comm.group_size()  # every rank holds every gradient: no communication
-        norm = world_grad_norm(((p, world) for p in params), self.device)
-        return clip_grads_(params, max_norm, norm)
+        return clip_replicated(params, max_norm)  # every rank holds every gradient
 
     # ---- checkpoints -------------------------------------------------------------------
 

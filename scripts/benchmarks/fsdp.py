@@ -8,7 +8,7 @@ background load hits all alike; a step's time is the slowest rank's, and a row r
 median over rounds of the ratio to ``fully_shard``. Target: ZeRO-3 <= 1.2 x fully_shard.
 Then the elements each stage gathers and reduce-scatters per step, and the bytes each rank
 holds after a step (parameters, gradients, AdamW state; the most of any rank), next to the
-formulas of memory_report.py.
+formulas of zero_report.py.
 
     python scripts/benchmark.py --only fsdp --steps 10 --repeats 3
 """
@@ -19,11 +19,12 @@ import torch
 
 from scaletorch.dist import destroy_pg_manager, get_ledger, init_pg_manager
 from scaletorch.models import LlamaConfig, build_model
+from scaletorch.parallel.fully_shard import apply_fully_shard
 from scaletorch.parallel.grad_norm import clip_grads_, world_grad_norm
-from scaletorch.parallel.memory_report import comm_formula, measure_memory, memory_formula
-from scaletorch.parallel.native import apply_fully_shard
+from scaletorch.parallel.memory_report import measure_memory
 from scaletorch.parallel.step import forward_backward
 from scaletorch.parallel.zero import ZeroAdamW, apply_zero
+from scaletorch.parallel.zero_report import comm_formula, memory_formula
 from scripts.benchmarks import timing
 
 MODEL = LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=768, num_layers=4,

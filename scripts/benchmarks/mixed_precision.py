@@ -18,10 +18,11 @@ import torch
 
 from scaletorch.dist import destroy_pg_manager, get_ledger, init_pg_manager
 from scaletorch.models import build_model
-from scaletorch.parallel.mixed_precision import MixedPrecisionPolicy
-from scaletorch.parallel.native import apply_fully_shard
+from scaletorch.parallel.fully_shard import apply_fully_shard
+from scaletorch.parallel.mixed_precision import (MixedPrecisionPolicy,
+                                                 disable_autocast_cache_per_unit, fsdp_mp_policy)
 from scaletorch.parallel.step import forward_backward
-from scaletorch.parallel.zero import ZeroAdamW, apply_zero
+from scaletorch.parallel.zero import ShardedDataParallel, ZeroAdamW, llama_units
 from scripts.benchmarks import timing
 from scripts.benchmarks.fsdp import BATCH_PER_RANK, MODEL, SEQ_LEN, WARMUP
 
@@ -37,9 +38,11 @@ def _build(impl: str, pgm) -> tuple:
     model = build_model(MODEL, seed=0)
     policy = POLICIES[impl.rsplit("_", 1)[1]]
     if impl.startswith("fully_shard"):
-        model = apply_fully_shard(model, pgm, policy)
+        model = apply_fully_shard(model, pgm, fsdp_mp_policy(policy))
         return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
-    model = apply_zero(model, pgm, 3, policy=policy)
+    model = ShardedDataParallel(model, llama_units(model), pgm.data_parallel_group_with_context, 3,
+                                param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype)
+    disable_autocast_cache_per_unit(model)  # as parallelize does
     return model, ZeroAdamW(model, 1e-4, (0.9, 0.95), 0.1)
 
 
