@@ -1,0 +1,219 @@
+"""The zero-bubble pipeline schedules as plain data: each backward split in two, half of it waits.
+
+A chunk's backward computes two things: the gradient of its input (B, which the previous stage
+is waiting for: it is on the critical path) and the gradients of its weights (W, which nobody
+needs before the optimizer step). Run B at once, send its result, and keep W for later: the
+W's then fill the idle slots that 1F1B leaves in its cool-down (Qi et al., "Zero Bubble
+Pipeline Parallelism", 2023). F = forward, B = input gradient, W = weight gradient; F = B = W = 1:
+
+    1F1B (B+W together)                          ZB-H1
+    stage 0 |abcd......AA.BB.CC.DD|   ->   stage 0 |abcd...AeBfCgDhE0F1G2H3|  (0-9: W)
+    stage 3 |...aAAbBBcCCdDD......|   ->   stage 3 |...aAbB0cC1dD2...
+
+Schedules (per-rank lists of actions, like the classic ones in ``orders.py``):
+
+- ``zb-h1``: 1F1B's order with B split off; stage r holds back r W's, so no stage holds more
+  than p micro-batches of activations (1F1B's peak): bubble (p-1)(F+B-W) instead of
+  (p-1)(F+B+W).
+- ``zbv``: two chunks per rank in a V (rank r holds stages r and 2p-1-r, so the turn from
+  stage p-1 to p and the loss stay on one rank); the ZB-V schedule of Qi et al. 2024: with
+  F = B = W the bubble nearly vanishes, at 1F1B's activation memory.
+- ``dualpipev``: DeepSeek's DualPipe folded into a V (single direction): in the steady state a
+  rank runs the forward of one micro-batch and the backward of another as one unit, so that
+  on a GPU the compute of one hides the all-to-all/p2p of the other. gloo on a CPU cannot
+  overlap them; we run the pair back to back and draw them as one unit.
+
+The runtime (scaletorch/parallel/split_backward.py) sends asynchronously: a B's gradient
+goes out at once and the rank moves on to a W while the neighbour is still busy; a rendezvous
+batch (the classic runtime's) would hold the rank until the neighbour posts its receive, and
+the W's would fill nothing. ``simulate.simulate_async`` is that runtime's timeline.
+"""
+
+from typing import List, Optional, Tuple
+
+from scaletorch.schedule.orders import Action, check_sizes
+
+
+def validate_zero_bubble(schedule: str, stages: int, micro_batches: int,
+                         virtual_stages: int) -> None:
+    """Raise ValueError, naming the numbers, when ``schedule`` cannot run with them."""
+    p, m, v = stages, micro_batches, virtual_stages
+    check_sizes(p, m, v)
+    if schedule == "zb-h1":
+        if v != 1:
+            raise ValueError(f"zb-h1 runs one chunk per rank: virtual_pipeline_stages must be 1, "
+                             f"got {v} (use --schedule zbv for two chunks per rank)")
+        if m < p:
+            raise ValueError(f"zb-h1 needs num_micro_batches ({m}) >= "
+                             f"pipeline_model_parallel_size ({p}) to fill the pipeline: set "
+                             f"--micro-batches {p} or more")
+        return
+    if v != 2:
+        raise ValueError(f"{schedule} places two chunks per rank in a V: set "
+                         f"--virtual-stages 2 (virtual_pipeline_stages is {v})")
+    if p < 2:
+        raise ValueError(f"{schedule} needs a pipeline: pipeline_model_parallel_size is {p}")
+    # DualPipe's order is built for m >= 2p (its main phase runs m - 2p + rank + 1 times; torch's
+    # ScheduleDualPipeV and DeepSeek's own code refuse fewer); zbv runs any m (see zbv_actions)
+    if schedule == "dualpipev" and m < 2 * p:
+        raise ValueError(f"{schedule} needs num_micro_batches ({m}) >= 2 x "
+                         f"pipeline_model_parallel_size ({p}) = {2 * p} stages: set "
+                         f"--micro-batches {2 * p} or more (or --schedule zbv, which runs any "
+                         f"number)")
+
+
+def zb_h1_actions(stages: int, micro_batches: int, rank: int) -> List[Action]:
+    """ZB-H1: 1F1B with each backward split in B then W, and W's held back on later stages.
+
+    Warm-up: p - rank - 1 forwards (as 1F1B). Then every B is followed by the oldest waiting
+    W, except that rank r lets its first r B's go without one: r W's stay pending and fill the
+    cool-down, where the rank would otherwise wait for gradients. Live activations (F done,
+    W not) peak at (p - r) + r = p on every rank: 1F1B's peak on rank 0.
+    """
+    p, m = stages, micro_batches
+    warmup = min(p - rank - 1, m)
+    actions = [Action("F", i) for i in range(warmup)]
+    for b in range(m):
+        if warmup + b < m:
+            actions.append(Action("F", warmup + b))
+        actions.append(Action("B", b))
+        if b >= rank:  # the oldest pending W; the first ``rank`` wait for the cool-down
+            actions.append(Action("W", b - rank))
+    return actions + [Action("W", i) for i in range(max(m - rank, 0), m)]
+
+
+def zbv_actions(stages: int, micro_batches: int, rank: int) -> List[Action]:
+    """ZB-V (Qi et al.): chunk 0 is stage ``rank`` (going down), chunk 1 is stage 2p-1-rank
+    (coming back up); the same order as torch's ScheduleZBVZeroBubble.
+
+    1. warm-up: 2 (p - rank) - 1 forwards of chunk 0, then ``rank`` pairs F(chunk 1), F(chunk 0)
+    2. p - rank times F B W on chunk 1 (its input came from the turn of the V)
+    3. steady state: F B W on chunk 0, F B W on chunk 1, until every forward ran
+    4. cool-down: ``rank`` pairs B(chunk 0) B(chunk 1), then p - rank times B W on chunk 0,
+       then the W's still owed (chunk 1's, then chunk 0's)
+
+    Rank 0's warm-up alone runs 2p - 1 forwards, so with fewer micro-batches the order is built
+    for 2p - 1 and the actions of the micro-batches that do not exist are left out (as torch
+    does): every dependency is within one micro-batch, so what remains still runs; the V is
+    then not full (bubble 0.46 at p = 4, m = 2 against 0.059 at m = 8).
+    """
+    if micro_batches < 2 * stages - 1:
+        full = zbv_actions(stages, 2 * stages - 1, rank)
+        return [a for a in full if a.micro_batch < micro_batches]
+    p, m = stages, micro_batches
+    count = {(kind, c): 0 for kind in "FBW" for c in (0, 1)}
+    actions: List[Action] = []
+
+    def do(kind: str, chunk: int) -> None:
+        actions.append(Action(kind, count[(kind, chunk)], chunk))
+        count[(kind, chunk)] += 1
+
+    for _ in range(2 * (p - rank) - 1):
+        do("F", 0)
+    for _ in range(rank):
+        do("F", 1)
+        do("F", 0)
+    for _ in range(p - rank):
+        do("F", 1)
+        do("B", 1)
+        do("W", 1)
+    while count[("F", 1)] < count[("F", 0)] or count[("F", 0)] < m:
+        if count[("F", 0)] < m:
+            do("F", 0)
+        do("B", 0)
+        do("W", 0)
+        do("F", 1)
+        do("B", 1)
+        do("W", 1)
+    for _ in range(rank):
+        do("B", 0)
+        do("B", 1)
+    for _ in range(p - rank):
+        do("B", 0)
+        do("W", 0)
+    for chunk in (1, 0):
+        while count[("W", chunk)] < count[("B", chunk)]:
+            do("W", chunk)
+    return actions
+
+
+def dualpipev_units(stages: int, micro_batches: int, rank: int) -> List[List[Action]]:
+    """DualPipeV (DeepSeek-V3's DualPipe in a V), as torch's ScheduleDualPipeV orders it.
+
+    A unit of two actions [F of one chunk, B of the other] is DualPipe's overlapped pair: its
+    messages go out together and, on a GPU, the two computations hide each other's
+    communication. A B with no W later in the list is a full backward (B + W at once); the
+    B's of the last phases are split, and their W's fill the final bubble.
+    """
+    p, m = stages, micro_batches
+    count = {(kind, c): 0 for kind in "FBW" for c in (0, 1)}
+    pending_w: List[Tuple[int, int]] = []  # (chunk, micro-batch) whose W is owed
+    units: List[List[Action]] = []
+
+    def act(kind: str, chunk: int, split: bool = False) -> Action:
+        action = Action(kind, count[(kind, chunk)], chunk)
+        count[(kind, chunk)] += 1
+        if kind == "B" and split:
+            pending_w.append((chunk, action.micro_batch))
+        return action
+
+    def weight() -> None:
+        if pending_w:
+            chunk, mb = pending_w.pop(0)
+            units.append([Action("W", mb, chunk)])
+
+    for _ in range(2 * (p - rank - 1)):  # 1: forwards of chunk 0
+        units.append([act("F", 0)])
+    for _ in range(rank + 1):  # 2: F0 F1
+        units.append([act("F", 0)])
+        units.append([act("F", 1)])
+    for _ in range(p - rank - 1):  # 3: B1 W F1 (zero bubble)
+        units.append([act("B", 1, split=True)])
+        weight()
+        units.append([act("F", 1)])
+    for i in range(m - 2 * p + rank + 1):  # 4: main: (F0, B1) and (F1, B0), overlapped
+        if i == 0 and rank == p - 1:  # not overlapped: the turn of the V is on this rank
+            units.append([act("F", 0)])
+            units.append([act("B", 1)])
+        else:
+            units.append([act("F", 0), act("B", 1)])
+        units.append([act("F", 1), act("B", 0)])
+    for _ in range(p - rank - 1):  # 5: B1, (F1, B0)
+        units.append([act("B", 1)])
+        units.append([act("F", 1), act("B", 0)])
+    split = False
+    for i in range(rank + 1):  # 6: B1 B0; the second half split (zero bubble)
+        if i == (rank + 1) // 2 and rank % 2 == 1:
+            split = True
+        units.append([act("B", 1, split)])
+        if i == (rank + 1) // 2 and rank % 2 == 0:
+            split = True
+        units.append([act("B", 0, split)])
+    for _ in range(p - rank - 1):  # 7: W B0
+        weight()
+        units.append([act("B", 0, split)])
+    while pending_w:  # 8: the W's still owed
+        weight()
+    return units
+
+
+def zero_bubble_units(schedule: str, stages: int, micro_batches: int,
+                      rank: int) -> List[List[Action]]:
+    """The work of pipeline rank ``rank``, in units whose p2p is batched (see comm_plan)."""
+    if schedule == "zb-h1":
+        return [[a] for a in zb_h1_actions(stages, micro_batches, rank)]
+    if schedule == "zbv":
+        return [[a] for a in zbv_actions(stages, micro_batches, rank)]
+    return dualpipev_units(stages, micro_batches, rank)
+
+
+def zero_bubble_theory(schedule: str, stages: int, micro_batches: int, forward: float = 1.0,
+                       backward: float = 1.0, weight: float = 1.0) -> Optional[float]:
+    """Idle fraction of ZB-H1 with per-stage costs F, B, W (W <= F + B): each rank idles
+    (p-1)(F+B-W) of a step that works m (F+B+W). None for the V schedules (the simulator
+    gives theirs)."""
+    if schedule != "zb-h1":
+        return None
+    p, m = stages, micro_batches
+    idle = (p - 1) * max(forward + backward - weight, 0.0)
+    return idle / (m * (forward + backward + weight) + idle)
