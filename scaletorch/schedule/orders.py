@@ -1,14 +1,11 @@
 """The classic pipeline schedules as plain data: what each rank computes, in which order, and
 which point-to-point messages go with it.
 
-Nothing here touches a process group, so every schedule is checked in milliseconds: the order
-of forwards (F) and backwards (B) per rank, the peak number of live activations, that the
-messages pair up and that no rank ever waits for itself (``simulate.simulate``).
-
-p = pipeline ranks, m = micro-batches, v = model chunks (virtual stages) per rank; rank r holds
-the global stages r, r + p, ... (placement.py). Simulated with F = 1 slot and B = 2 slots per
-stage (a, b, ...: forward of micro-batch 0, 1, ...; A, B, ...: its backward; ".": idle),
-p = 4, m = 4:
+No process group here: every schedule is checked in milliseconds (the order of forwards F
+and backwards B, the live activations, that the messages pair up, no deadlock: simulate.py).
+p = pipeline ranks, m = micro-batches, v = model chunks per rank (placement.py). Simulated
+with F = 1 slot and B = 2 (a, b, ...: forward of micro-batch 0, 1, ...; A, B, ...: its
+backward; ".": idle), p = 4, m = 4:
 
     AFAB (GPipe)                  1F1B
     stage 0 |abcd.........AABBCCDD|   stage 0 |abcd......AA.BB.CC.DD|
@@ -25,7 +22,7 @@ Interleaving v chunks per rank (each 1/v of the work) shrinks the bubble to
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
-from scaletorch.schedule.placement import CLASSIC, rank_of_stage, stage_index
+from scaletorch.schedule.placement import rank_of_stage, stage_index
 
 
 @dataclass(frozen=True)
@@ -39,41 +36,6 @@ class Action:
 
     def __str__(self) -> str:
         return f"{self.kind}{self.micro_batch}" + (f".{self.chunk}" if self.chunk else "")
-
-
-def check_sizes(stages: int, micro_batches: int, virtual_stages: int) -> None:
-    """Raise ValueError for a size below 1, or chunks per rank without a pipeline."""
-    sizes = {
-        "pipeline_model_parallel_size": stages,
-        "num_micro_batches": micro_batches,
-        "virtual_pipeline_stages": virtual_stages
-    }
-    for name, value in sizes.items():
-        if value < 1:
-            raise ValueError(f"{name} must be positive, got {value}")
-    if virtual_stages > 1 and stages == 1:
-        raise ValueError(f"virtual_pipeline_stages ({virtual_stages}) needs a pipeline: "
-                         f"pipeline_model_parallel_size is 1 (set --pp)")
-
-
-def validate_classic(schedule: str, stages: int, micro_batches: int,
-                     virtual_stages: int = 1) -> None:
-    """Raise ValueError for afab, 1f1b or interleaved when it cannot run with these numbers."""
-    if schedule not in CLASSIC:
-        raise ValueError(f"pipeline schedule must be one of {', '.join(CLASSIC)}, "
-                         f"got {schedule!r}")
-    check_sizes(stages, micro_batches, virtual_stages)
-    if virtual_stages > 1 and schedule != "interleaved":
-        raise ValueError(f"virtual_pipeline_stages ({virtual_stages}) > 1 needs the "
-                         f"interleaved schedule, got {schedule!r} (set --schedule interleaved)")
-    if schedule == "1f1b" and micro_batches < stages:
-        raise ValueError(f"1F1B needs num_micro_batches ({micro_batches}) >= "
-                         f"pipeline_model_parallel_size ({stages}) to fill the pipeline: set "
-                         f"--micro-batches {stages} or more, or --schedule afab")
-    if schedule == "interleaved" and micro_batches % stages != 0:
-        raise ValueError(f"interleaved 1F1B needs num_micro_batches ({micro_batches}) "
-                         f"divisible by pipeline_model_parallel_size ({stages}): set "
-                         f"--micro-batches to a multiple of {stages}")
 
 
 def afab_actions(stages: int, micro_batches: int, rank: int) -> List[Action]:
@@ -114,8 +76,8 @@ def interleaved_units(stages: int, micro_batches: int, rank: int,
 
 def classic_units(schedule: str, stages: int, micro_batches: int, rank: int,
                   virtual_stages: int = 1) -> List[List[Action]]:
-    """The work of pipeline rank ``rank`` for one step, in units whose p2p is batched."""
-    validate_classic(schedule, stages, micro_batches, virtual_stages)
+    """The work of pipeline rank ``rank`` for one step, in units whose p2p is batched (for
+    numbers that ``catalog.validate_schedule`` accepts)."""
     if schedule == "afab":
         return [[a] for a in afab_actions(stages, micro_batches, rank)]
     if schedule == "1f1b":
@@ -146,9 +108,8 @@ def peak_live_activations(actions: Sequence[Action],
 
 @dataclass(frozen=True)
 class P2P:
-    """One send or recv of an activation ("act", forward) or a gradient ("grad", backward)
-    of ``micro_batch`` between global stages ``src`` and ``dst``, to/from pipeline rank
-    ``peer``."""
+    """A send or recv of an activation ("act") or a gradient ("grad") of ``micro_batch``
+    from global stage ``src`` to ``dst``, to/from pipeline rank ``peer``."""
     op: str
     peer: int
     kind: str
@@ -164,10 +125,9 @@ def action_p2p(action: Action, rank: int, stages: int, virtual_stages: int,
                v_shape: bool = False) -> Tuple[Optional[P2P], Optional[P2P]]:
     """(the recv the action needs before it runs, the send it makes after), or None.
 
-    F receives the previous stage's output and sends its own to the next stage; B receives
-    the gradient of its output from the next stage and sends its input's gradient back; W
-    talks to nobody. A neighbour stage on this same rank (the turn of a V) is no message: the
-    executor hands the tensor over locally.
+    F receives the previous stage's output and sends its own; B receives its output's gradient
+    and sends its input's; W talks to nobody; a neighbour stage on this rank (the turn of a V)
+    is no message.
     """
     p = stages
     s = stage_index(rank, action.chunk, p, v_shape)
@@ -193,12 +153,11 @@ def comm_plan(units: Sequence[Sequence[Action]], rank: int, stages: int, virtual
     """Steps of (p2p batch, action): post the batch, wait for it, then run the action.
 
     The batch before a unit pairs the sends of the previous unit with the recvs the unit
-    needs. With one action per unit (AFAB, 1F1B), the 1F1B steady state sends an activation
-    and receives a gradient together (and the reverse), meeting the neighbour's matching
-    pair. Interleaved steady-state units are a forward and a backward, so each batch has up
-    to four ops (Megatron's send_forward_backward_recv_forward_backward): interleaving wraps
-    the last rank's output around to rank 0, the p2p pattern is a ring and every rank must
-    be in the same phase. ``simulate.simulate`` proves each plan deadlock-free.
+    needs: the 1F1B steady state sends an activation and receives a gradient together,
+    meeting the neighbour's opposite pair. Interleaving makes the p2p a ring, so its
+    steady-state units are a forward and a backward, up to four ops a batch (Megatron's
+    send_forward_backward_recv_forward_backward). ``simulate.simulate`` proves each plan
+    deadlock-free.
     """
     steps: List[Step] = []
     pending: List[P2P] = []
