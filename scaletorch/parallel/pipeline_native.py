@@ -6,7 +6,7 @@ import torch
 from torch.distributed import pipelining
 
 from scaletorch.dist import ProcessGroupManager, comm
-from scaletorch.models import loss_fn
+from scaletorch.models import MoE, loss_fn
 from scaletorch.parallel.pipeline_parallel import LossFn, PipelineModel
 from scaletorch.parallel.step import average_over_group, local_batch
 
@@ -21,11 +21,17 @@ MULTI_STAGE = {  # torch's schedules that drive several chunks per rank
 class TorchPipelineSchedule:
     """``PipelineSchedule``'s contract with torch.distributed.pipelining (the native reference):
     ScheduleGPipe, Schedule1F1B, or ``MULTI_STAGE``'s schedule over this rank's chunks. Its
-    messages bypass our ledger. Gradients are scaled by 1/m (scale_grads) as ours. Dense models
-    without tied embeddings only (validation.py refuses the others before this runs)."""
+    messages bypass our ledger. Gradients are scaled by 1/m (scale_grads) as ours."""
 
     def __init__(self, pipe: PipelineModel, pgm: ProcessGroupManager, schedule: str,
                  num_micro_batches: int, loss_fn: LossFn = loss_fn) -> None:
+        if any(isinstance(m, MoE) for m in pipe.modules()):
+            raise ValueError("torch.distributed.pipelining runs dense models only here (it "
+                             "would drop the MoE load-balancing losses); use impl scaletorch")
+        if any(getattr(p, "shared_embedding", False) for p in pipe.parameters()):
+            raise ValueError("tie_word_embeddings true with torch.distributed.pipelining: its "
+                             "stages do not share parameters across ranks (no embedding group "
+                             "sums the first and the last stage's copies); use impl scaletorch")
         self.pipe, self.pgm, self.m = pipe, pgm, num_micro_batches
         device = next(pipe.parameters()).device
         stages = [

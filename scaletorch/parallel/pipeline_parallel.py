@@ -389,14 +389,14 @@ def _unshard(t: torch.Tensor, pgm: ProcessGroupManager) -> torch.Tensor:
     """The full tensor of a tensor-parallel shard (collective over "tp"), without the padding
     rows of a padded vocabulary; other tensors as they are."""
     if getattr(t, "tensor_model_parallel", False):
-        full = gather_along_dim(t.detach(), t.partition_dim, pgm.tensor_model_parallel_group)
+        dim = getattr(t, "partition_dim")  # noqa: B009 - set by chapter 03, not typed
+        full = gather_along_dim(t.detach(), dim, pgm.tensor_model_parallel_group)
         padding = getattr(t, "vocab_padding", None)
         return full if padding is None else full[:padding[0]]
     return t
 
 
-def gather_timeline(timeline: Timeline, pgm: ProcessGroupManager,
-                    device: Optional[torch.device] = None) -> Optional[Timeline]:
+def gather_timeline(timeline: Timeline, pgm: ProcessGroupManager) -> Optional[Timeline]:
     """Every stage's events of the last step on pipeline rank 0 (for the chart); None elsewhere."""
     events = [(e.action, e.start, e.end) for e in timeline.events]
     parts = _gather_to_first_stage(pgm, events)
