@@ -1,24 +1,18 @@
 """Pipeline parallel: the layers are cut into stages over the "pp" group; micro-batches flow.
 
-Stage s of S = p v holds consecutive layers (embedding on stage 0; final norm, head and loss on
-stage S - 1). Rank r of the pipeline holds stages r, r + p, ... (v "virtual stages" or model
-chunks per rank when interleaved). A micro-batch's activation (b, s, h) goes forward from
-stage to stage and its gradient comes back, point to point:
+Stage s of S = p v holds consecutive layers (embedding on stage 0; norm, head and loss on stage
+S - 1); rank r holds stages r, r + p, ... (v chunks per rank when interleaved). A micro-batch's
+activation (b, s, h) goes from stage to stage and its gradient comes back, point to point:
 
     rank 0  [embed, layers 0-1] --act--> rank 1 [layers 2-3, norm, head, loss]
             <---------------- grad of act -------------
 
-Cost per step and rank: 2 m v messages of b s h elements each way (forward + backward), no
-collective in between; the price is the bubble, (p-1)/(v m + p - 1) of the step idle, and the
-memory of the activations held between a micro-batch's forward and its backward (m with AFAB,
-at most p - r with 1F1B). The schedules are plain data (scaletorch/schedule/orders.py); here
-they run: every step of a rank's plan posts one ``batch_isend_irecv`` (paired sends and recvs,
-shapes known in advance) and then computes one forward or backward.
-
-Each micro-batch's loss is divided by m, so the accumulated gradients are those of the
-rank's mean loss; data-parallel wrappers of the chunks sync only in the chunk's last backward.
-Later chapters attach to ``PipelineSchedule`` from outside (its docstring), and the zero-bubble
-schedules subclass it (split_backward.py, chapter 04b).
+Cost per step and rank: 2 m v messages of b s h elements each way, no collective; the price
+is the bubble, (p-1)/(v m + p - 1) of the step idle, and the activations held from a
+micro-batch's forward to its backward (m with AFAB, at most p - r with 1F1B). The schedules are
+plain data (scaletorch/schedule/orders.py); here each step of a rank's plan posts one
+``batch_isend_irecv`` (shapes known in advance), then computes one forward or backward. Each
+micro-batch's loss is divided by m; data-parallel wrappers sync in a chunk's last backward.
 """
 
 import time
@@ -54,9 +48,8 @@ class PipelineChunk(nn.Module):
     ``position_ids`` (s,): the tokens' true positions for RoPE (context parallel), else 0..s-1.
     """
 
-    # The model's own pieces, the same code bound to this chunk's share of the modules:
-    # embed (the embedding), rope (the rotary tables of the positions), head (norm, lm_head).
-    # mypy types their self as a Llama, hence an ignore[misc] where forward calls them.
+    # The model's own code, bound to this chunk's modules: embed, rope (the rotary tables),
+    # head (norm, lm_head). mypy types their self as a Llama, hence the ignore[misc] below.
     embed, rope, head = Llama.embed, Llama.rope, Llama.head
 
     def __init__(self, model: Llama, layer_ids: List[int], first: bool, last: bool,
@@ -162,11 +155,8 @@ def pipeline_clip_grad_norm(pipe: nn.Module,
 
 
 class TimelineRecorder:
-    """Times each action of one rank: ``with recorder.time(action): ...``; ``reset()`` per step.
-
-    A ``Timer`` on the stage's ``device`` marks the times: the clock on the CPU, CUDA events
-    in the stream (when the work ran, not when it was queued).
-    """
+    """Times each action of one rank (``with recorder.time(action)``) with a ``Timer`` on the
+    stage's device: the clock on the CPU, CUDA events (when the work ran) on a GPU."""
 
     def __init__(self, rank: int, stages: int, micro_batches: int, virtual_stages: int = 1,
                  clock: Clock = time.time, device: Optional[torch.device] = None,
@@ -198,17 +188,12 @@ class TimelineRecorder:
 class PipelineSchedule:
     """The Trainer's ``forward_backward(inputs, targets) -> loss`` for a pipeline model.
 
-    inputs, targets: the global batch (B, s); this rank takes its data-parallel slice and
-    splits it into m micro-batches. Returns the global mean loss, the same on every rank
-    (all-reduce over "pp", then mean over "dp_cp"). ``timeline`` holds the last step's events.
-    ``shard_sequence(inputs, targets) -> (inputs, targets, position_ids)`` then keeps this
-    rank's tokens of each sequence (context parallel, as in ``make_data_parallel_step``).
-
-    Attached by later chapters: ``scaler`` (anything with a ``scale``: the backward starts from
-    loss x scale; what arrives is scaled already), ``wire_dtype(device_type)`` (what crosses the
-    wire; default the parameters' dtype), ``aux_loss(chunk)`` (a chunk's own loss after its
-    forward, backpropagated with its output), ``after_backward`` (callables run after the
-    data-parallel syncs) and ``meter`` (``saving(key)`` around a forward, ``free(key)``).
+    inputs, targets: the global batch (B, s); this rank takes its data-parallel slice (and with
+    ``shard_sequence``, context parallel, its tokens) in m micro-batches. Returns the global
+    mean loss on every rank (all-reduce over "pp", mean over "dp_cp"); ``timeline``: the last
+    step's events. Attached by later chapters: ``scaler`` (backward from loss x its ``scale``),
+    ``wire_dtype(device_type)`` (the messages' dtype), ``aux_loss(chunk)`` (a chunk's own loss,
+    e.g. MoE's), ``after_backward`` (callables) and ``meter`` (``saving(key)``, ``free(key)``).
     """
 
     def __init__(self, pipe: PipelineModel, pgm: ProcessGroupManager, schedule: str,
