@@ -45,10 +45,14 @@ def limits(cfg, world_size: int) -> None:
     if p.pipeline_model_parallel_size < 2:
         raise ValueError(f"04_pipeline_parallel needs pipeline_model_parallel_size >= 2 (--pp), "
                          f"got {p.pipeline_model_parallel_size}")
-    later = {"--zero-stage": p.zero_stage > 0, "tied embeddings": cfg.model.tie_word_embeddings,
-             "MoE": cfg.model.num_experts > 0, "fp16": t.precision == "fp16",
-             "--activation-checkpointing": p.activation_checkpointing != "none",
-             "--impl torch with --tp": p.impl == "torch" and p.tensor_model_parallel_size > 1}
+    later = {
+        "--zero-stage": p.zero_stage > 0,
+        "tied embeddings": cfg.model.tie_word_embeddings,
+        "MoE": cfg.model.num_experts > 0,
+        "fp16": t.precision == "fp16",
+        "--activation-checkpointing": p.activation_checkpointing != "none",
+        "--impl torch with --tp": p.impl == "torch" and p.tensor_model_parallel_size > 1
+    }
     if any(later.values()):
         raise ValueError(f"04_pipeline_parallel composes pp with dp and tp only: "
                          f"{', '.join(k for k, v in later.items() if v)} under a pipeline "

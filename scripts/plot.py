@@ -439,7 +439,8 @@ def main(argv=None) -> int:
     loss.add_argument("--out", default="loss.png")
     tl = sub.add_parser("timeline", help="draw a pipeline timeline")
     tl.add_argument("path", nargs="?", help="timeline.json written by 07_nd_parallel")
-    tl.add_argument("--simulate", choices=placement.SCHEDULES, help="draw a schedule instead (slots)")
+    tl.add_argument("--simulate", choices=placement.SCHEDULES,
+                    help="draw a schedule instead (slots)")
     tl.add_argument("--costs", type=float, nargs=3, default=None, metavar=("F", "B", "W"),
                     help="per-action costs of a simulated schedule (default F 1, B 2, no W)")
     tl.add_argument("--pp", type=int, default=4)
@@ -490,8 +491,8 @@ def dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         compare_schedules(args.pp, args.micro_batches, args.costs, args.comm, args.out)
     elif args.simulate:
         f, b, w = args.costs or (1.0, 2.0, None)
-        timeline = simulate.simulate(args.simulate, args.pp, args.micro_batches, args.virtual_stages, f,
-                               b, w)
+        timeline = simulate.simulate(args.simulate, args.pp, args.micro_batches,
+                                     args.virtual_stages, f, b, w)
         costs = f"F {f:g}, B {b:g}" + ("" if w is None else f", W {w:g}")
         plot_timeline(
             timeline, f"{args.simulate}, p={args.pp}, m={args.micro_batches}, "

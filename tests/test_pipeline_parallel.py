@@ -17,9 +17,8 @@ from scaletorch.parallel.pipeline_native import TorchPipelineSchedule
 from scaletorch.parallel.pipeline_parallel import (PipelineSchedule, apply_data_parallel_to_chunks,
                                                    apply_pipeline_parallel, gather_timeline)
 from scaletorch.parallel.split_backward import ZeroBubbleSchedule
-from scaletorch.parallel.tied_embeddings import (attach_tied_embedding_sync,
-                                                 check_v_shape_wrappers, tied_embedding_params,
-                                                 untie_across_stages)
+from scaletorch.parallel.tied_embeddings import (attach_tied_embedding_sync, check_v_shape_wrappers,
+                                                 tied_embedding_params, untie_across_stages)
 from scaletorch.schedule.catalog import schedule_actions, validate_schedule
 from scaletorch.schedule.orders import comm_plan, peak_live_activations
 from scaletorch.schedule.placement import V_SHAPED, ZERO_BUBBLE, split_layers, theoretical_bubble

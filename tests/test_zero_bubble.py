@@ -12,8 +12,8 @@ import torch
 
 from scaletorch.dist import destroy_pg_manager
 from scaletorch.models import LlamaConfig, build_model
-from scaletorch.parallel.pipeline_parallel import gather_timeline
 from scaletorch.parallel.activation_meter import ActivationMeter
+from scaletorch.parallel.pipeline_parallel import gather_timeline
 from scaletorch.parallel.validation import validate_layout
 from scaletorch.schedule.catalog import schedule_actions, validate_schedule
 from scaletorch.schedule.orders import peak_live_activations

@@ -150,8 +150,8 @@ def pipeline_clip_grad_norm(pipe: nn.Module,
     rule: one all-reduce over the world, each element divided by the ranks holding it)."""
     params = list(pipe.parameters())
     replicas = [(p, replica_count(p, pgm)) for p in params]
-    return lambda max_norm: clip_grads_(params, max_norm,
-                                        world_grad_norm(replicas, params[0].device))
+    return lambda max_norm: clip_grads_(params, max_norm, world_grad_norm(
+        replicas, params[0].device))
 
 
 class TimelineRecorder:
@@ -211,8 +211,11 @@ class PipelineSchedule:
         self.group, self.ranks = pgm.pipeline_model_parallel_group, pgm.group_ranks("pp")
         self.plan = self.make_plan(schedule, p, rank, v)
         # a chunk's data-parallel gradients sync in its last backward only
-        self.syncs = {max(i for i, (_, a) in enumerate(self.plan)
-                          if a is not None and a.kind == "B" and a.chunk == c) for c in range(v)}
+        self.syncs = {
+            max(i for i, (_, a) in enumerate(self.plan)
+                if a is not None and a.kind == "B" and a.chunk == c)
+            for c in range(v)
+        }
         self.recorder = TimelineRecorder(rank, p, num_micro_batches, v,
                                          device=next(pipe.parameters()).device)
         # the stage inputs' dtype (the parameters'); the wire's is set per step (_start)
@@ -361,8 +364,11 @@ def gather_pipeline_state_dict(pipe: PipelineModel, pgm: ProcessGroupManager,
     mine = [k for k in pipe.owner if rank_of_stage(pipe.owner[k], p, pipe.v_shape) == rank]
     if state is None:
         with get_ledger().paused():
-            state = {k: _unshard(t, pgm) for chunk in pipe.chunks
-                     for k, t in chunk.state_dict(keep_vars=True).items()}
+            state = {
+                k: _unshard(t, pgm)
+                for chunk in pipe.chunks
+                for k, t in chunk.state_dict(keep_vars=True).items()
+            }
     if sorted(state) != sorted(mine):
         raise ValueError(f"state keys {sorted(state)} are not this stage's {mine}")
     parts = _gather_to_first_stage(pgm, {k: t.detach().float().cpu() for k, t in state.items()})

@@ -18,8 +18,8 @@ class ZeroBubbleTimeline(Timeline):
     """A zero-bubble schedule's timeline: its theory is its own simulation with F = B = W."""
 
     def theory(self) -> float:
-        return simulate_async(self.schedule, self.stages, self.micro_batches,
-                              self.virtual_stages, 1.0, 1.0, 1.0).bubble_fraction()
+        return simulate_async(self.schedule, self.stages, self.micro_batches, self.virtual_stages,
+                              1.0, 1.0, 1.0).bubble_fraction()
 
     def formula(self) -> str:
         return f"{self.schedule} simulated with F = B = W, p={self.stages}, m={self.micro_batches}"
@@ -111,10 +111,11 @@ def simulate_plans(plans: Sequence[List[Step]], micro_batches: int, virtual_stag
     return timeline
 
 
-def simulate_async(schedule: str, stages: int, micro_batches: int, virtual_stages: int = 1,
-                   forward: float = 1.0, backward: float = 1.0, weight: float = 1.0,
-                   comm: float = 0.0, durations: Optional[Dict[Tuple[int, str], float]] = None,
-                   stage_costs: Optional[Sequence[Tuple[float, float, float]]] = None) -> "ZeroBubbleTimeline":
+def simulate_async(
+        schedule: str, stages: int, micro_batches: int, virtual_stages: int = 1,
+        forward: float = 1.0, backward: float = 1.0, weight: float = 1.0, comm: float = 0.0,
+        durations: Optional[Dict[Tuple[int, str], float]] = None,
+        stage_costs: Optional[Sequence[Tuple[float, float, float]]] = None) -> "ZeroBubbleTimeline":
     """The timeline of any schedule when sends never block (``split_backward``'s runtime).
 
     Each rank runs its actions in order; an action starts when the rank is free and its input
