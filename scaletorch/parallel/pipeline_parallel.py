@@ -159,9 +159,9 @@ class TimelineRecorder:
     stage's device: the clock on the CPU, CUDA events (when the work ran) on a GPU."""
 
     def __init__(self, rank: int, stages: int, micro_batches: int, virtual_stages: int = 1,
-                 clock: Clock = time.time, device: Optional[torch.device] = None,
+                 clock: Clock = time.time,  # one clock for every process of a host
+                 device: Optional[torch.device] = None,
                  schedule: str = "", timeline_type: type = Timeline) -> None:
-        # time.time: one clock for every process of a host (perf_counter's origin is not).
         self.rank, self.shape = rank, (stages, micro_batches, virtual_stages)
         self.schedule, self.timeline_type = schedule, timeline_type
         self.timer = Timer(device or torch.device("cpu"), clock)
@@ -238,9 +238,7 @@ class PipelineSchedule:
         self.micro_batches = split_micro_batches(inputs, targets, self.m)
         b, s = self.micro_batches[0][0].shape
         self.shape = (b, s // self.pipe.sequence_parallel_size, self.pipe.hidden_size)
-        self.recorder.reset()
-        if self.meter is not None:
-            self.meter.reset()
+        self.recorder.reset()  # (a meter's peaks are the same every step: no reset)
         wire = self.wire_dtype(inputs.device.type) if self.wire_dtype else None
         self.dtype = wire or self.param_dtype
         self.held: Dict[tuple, tuple] = {}  # (mb, chunk) -> (stage input, output or loss)
@@ -344,8 +342,8 @@ class PipelineSchedule:
 
 
 def _gather_to_first_stage(pgm: ProcessGroupManager, obj: Any) -> List[Any]:
-    """Every pipeline rank's ``obj`` (picklable) in stage order on pipeline rank 0, [] elsewhere
-    (for checks and charts: not in the ledger, not training traffic)."""
+    """Every pipeline rank's ``obj`` in stage order on pipeline rank 0, [] elsewhere (checks
+    and charts: not in the ledger, as not training traffic)."""
     rank, ranks = pgm.pipeline_model_parallel_rank, pgm.group_ranks("pp")
     out: Optional[List[Any]] = [None] * len(ranks) if rank == 0 else None
     dist.gather_object(obj, out, dst=ranks[0], group=pgm.pipeline_model_parallel_group)
@@ -355,25 +353,24 @@ def _gather_to_first_stage(pgm: ProcessGroupManager, obj: Any) -> List[Any]:
 def gather_pipeline_state_dict(pipe: PipelineModel, pgm: ProcessGroupManager,
                                state: Optional[State] = None) -> Optional[State]:
     """Every stage's tensors (fp32, full-model names) on pipeline rank 0; None elsewhere.
-
-    ``state``: this rank's stages' tensors, already un-sharded (``ParamMap.gather`` passes them,
-    gathered over tp, ep and ZeRO's dp_cp); by default the chunks' own, their tensor-parallel
-    shards gathered over "tp" (chapter 03's tags).
-    """
+    ``state``: this rank's stages' tensors, un-sharded (``ParamMap.gather``'s); by default the
+    chunks' own, their tensor-parallel shards gathered over "tp" (by chapter 03's tags)."""
     p, rank = pgm.pipeline_model_parallel_world_size, pgm.pipeline_model_parallel_rank
     mine = [k for k in pipe.owner if rank_of_stage(pipe.owner[k], p, pipe.v_shape) == rank]
     if state is None:
         with get_ledger().paused():
-            state = {
-                k: _unshard(t, pgm)
-                for chunk in pipe.chunks
-                for k, t in chunk.state_dict(keep_vars=True).items()
-            }
+            tensors = [c.state_dict(keep_vars=True).items() for c in pipe.chunks]  # with tags
+            state = {k: _unshard(t, pgm) for items in tensors for k, t in items}
     if sorted(state) != sorted(mine):
         raise ValueError(f"state keys {sorted(state)} are not this stage's {mine}")
-    parts = _gather_to_first_stage(pgm, {k: t.detach().float().cpu() for k, t in state.items()})
+    # one tensor under two names (a V's tied weight) stays one tensor: pickle keeps the alias
+    cpu: Dict[int, torch.Tensor] = {}
+    parts = _gather_to_first_stage(
+        pgm, {k: cpu.setdefault(id(t), t.detach().float().cpu()) for k, t in state.items()})
+    moved: Dict[int, torch.Tensor] = {}
     device = next(pipe.parameters()).device
-    return {k: t.to(device) for part in parts for k, t in part.items()} if rank == 0 else None
+    full = {k: moved.setdefault(id(t), t.to(device)) for part in parts for k, t in part.items()}
+    return full if rank == 0 else None
 
 
 def _unshard(t: torch.Tensor, pgm: ProcessGroupManager) -> torch.Tensor:
