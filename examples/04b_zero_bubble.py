@@ -24,10 +24,11 @@ from scaletorch.models import build_model, loss_fn
 from scaletorch.parallel.pipeline_native import TorchPipelineSchedule
 from scaletorch.parallel.pipeline_parallel import (apply_data_parallel_to_chunks,
                                                    apply_pipeline_parallel,
-                                                   gather_pipeline_state_dict, gather_timeline,
-                                                   pipeline_clip_grad_norm)
+                                                   gather_pipeline_state_dict, gather_timeline)
 from scaletorch.parallel.split_backward import ZeroBubbleSchedule
-from scaletorch.parallel.tensor_parallel import apply_tensor_parallel, tensor_parallel_loss_fn
+from scaletorch.parallel.tensor_parallel import (apply_tensor_parallel,
+                                                 tensor_parallel_clip_grad_norm,
+                                                 tensor_parallel_loss_fn)
 from scaletorch.schedule.placement import V_SHAPED, ZERO_BUBBLE
 from scaletorch.trainer import Trainer, check_against_reference, load_config
 
@@ -78,8 +79,10 @@ def main() -> int:
     # the new idea: a schedule whose backward is B now, W later
     schedule = TorchPipelineSchedule(pipe, pgm, p.schedule, m) if p.impl == "torch" else \
         ZeroBubbleSchedule(pipe, pgm, p.schedule, m, loss)
+    # chapter 03's clip, one rule: each element once over the world; the stages' squares add up
+    clip = tensor_parallel_clip_grad_norm(pipe, pgm)
     result = Trainer(cfg, pipe, pgm, device=env.device, forward_backward=schedule,
-                     clip_grad_norm=pipeline_clip_grad_norm(pipe, pgm)).train()
+                     clip_grad_norm=clip).train()
 
     # What this chapter is about: the W's in the bubble.
     ledger, last = get_ledger(), cfg.training.steps - 1

@@ -29,7 +29,6 @@ from scaletorch.dist.functional import gather_along_dim
 from scaletorch.dist.timer import Clock, Mark, Timer, seconds
 from scaletorch.models import Llama, loss_fn
 from scaletorch.parallel.data_parallel import TorchDataParallel, apply_data_parallel
-from scaletorch.parallel.grad_norm import clip_grads_, replica_count, world_grad_norm
 from scaletorch.parallel.step import average_over_group, local_batch
 from scaletorch.schedule.orders import P2P, Action, Step, classic_units, comm_plan
 from scaletorch.schedule.placement import rank_of_stage, split_layers, stage_index
@@ -144,24 +143,14 @@ def apply_data_parallel_to_chunks(pipe: PipelineModel, pgm: ProcessGroupManager,
     return pipe
 
 
-def pipeline_clip_grad_norm(pipe: nn.Module,
-                            pgm: ProcessGroupManager) -> Callable[[float], torch.Tensor]:
-    """The Trainer's ``clip_grad_norm``: the stages' squared norms add up (grad_norm.py's one
-    rule: one all-reduce over the world, each element divided by the ranks holding it)."""
-    params = list(pipe.parameters())
-    replicas = [(p, replica_count(p, pgm)) for p in params]
-    return lambda max_norm: clip_grads_(params, max_norm, world_grad_norm(
-        replicas, params[0].device))
-
-
 class TimelineRecorder:
     """Times each action of one rank (``with recorder.time(action)``) with a ``Timer`` on the
     stage's device: the clock on the CPU, CUDA events (when the work ran) on a GPU."""
 
     def __init__(self, rank: int, stages: int, micro_batches: int, virtual_stages: int = 1,
-                 clock: Clock = time.time,  # one clock for every process of a host
-                 device: Optional[torch.device] = None,
+                 clock: Clock = time.time, device: Optional[torch.device] = None,
                  schedule: str = "", timeline_type: type = Timeline) -> None:
+        # time.time: one clock for every process of a host
         self.rank, self.shape = rank, (stages, micro_batches, virtual_stages)
         self.schedule, self.timeline_type = schedule, timeline_type
         self.timer = Timer(device or torch.device("cpu"), clock)
@@ -365,8 +354,8 @@ def gather_pipeline_state_dict(pipe: PipelineModel, pgm: ProcessGroupManager,
         raise ValueError(f"state keys {sorted(state)} are not this stage's {mine}")
     # one tensor under two names (a V's tied weight) stays one tensor: pickle keeps the alias
     cpu: Dict[int, torch.Tensor] = {}
-    parts = _gather_to_first_stage(
-        pgm, {k: cpu.setdefault(id(t), t.detach().float().cpu()) for k, t in state.items()})
+    mine_cpu = {k: cpu.setdefault(id(t), t.detach().float().cpu()) for k, t in state.items()}
+    parts = _gather_to_first_stage(pgm, mine_cpu)
     moved: Dict[int, torch.Tensor] = {}
     device = next(pipe.parameters()).device
     full = {k: moved.setdefault(id(t), t.to(device)) for part in parts for k, t in part.items()}
