@@ -7,36 +7,57 @@
     scripts/launch.sh examples/04_pipeline_parallel.py --nproc-per-node 4 -- --check  # x dp 2
     scripts/launch.sh examples/04_pipeline_parallel.py --nproc-per-node 4 -- --tp 2 --check
     scripts/launch.sh examples/04_pipeline_parallel.py --nproc-per-node 2 -- --impl torch --check
-    scripts/launch.sh examples/04_pipeline_parallel.py --nproc-per-node 4 -- --pp 4 \\
-        --schedule zb-h1 --check  # zero bubble: zb-h1, or zbv / dualpipev with --virtual-stages 2
 
-Chapter 01's ``parallelize`` call, now with pp > 1: it keeps this rank's stages
-(``apply_pipeline_parallel``, after tensor parallel, before the data-parallel wrapper of each
-chunk) and hands the Trainer the schedule as its forward_backward and a grad norm summed over
-the stages. Then it prints the point-to-point traffic of the last step and its timeline: which
-stage computed which micro-batch when, the measured bubble next to (p-1)/(v m + p - 1), and the
-peak activations.
+The zero-bubble schedules (zb-h1, zbv, dualpipev) have their own script, 04b_zero_bubble.py.
+
+Chapter 03's tensor parallel (with --tp) on the whole model first, then the new idea: this rank
+keeps only its stages (``apply_pipeline_parallel``), and chapter 01's data-parallel wrapper
+goes around each of its chunks (dp > 1). The Trainer gets the schedule as its forward_backward
+and a grad norm summed over the stages. Then the script prints the point-to-point traffic of
+the last step and its timeline: which stage computed which micro-batch when, the measured
+bubble next to (p-1)/(v m + p - 1), and the peak activations.
 """
 
 import sys
 
 from scaletorch.dist import (destroy_distributed, destroy_pg_manager, get_ledger, init_distributed,
                              init_pg_manager_from_config)
-from scaletorch.models import build_model
-from scaletorch.parallel.parallelize import parallelize
-from scaletorch.parallel.pipeline_parallel import gather_timeline
+from scaletorch.models import build_model, loss_fn
+from scaletorch.parallel.pipeline_native import TorchPipelineSchedule
+from scaletorch.parallel.pipeline_parallel import (PipelineSchedule, apply_data_parallel_to_chunks,
+                                                   apply_pipeline_parallel,
+                                                   gather_pipeline_state_dict, gather_timeline)
+from scaletorch.parallel.tensor_parallel import (apply_tensor_parallel,
+                                                 tensor_parallel_clip_grad_norm,
+                                                 tensor_parallel_loss_fn)
+from scaletorch.schedule.placement import ZERO_BUBBLE
 from scaletorch.trainer import Trainer, check_against_reference, load_config
 
 
 def limits(cfg, world_size: int) -> None:
     """This chapter's scope (load_config checks it with the layout, before anything starts)."""
-    p = cfg.parallel
+    p, t = cfg.parallel, cfg.training
+    if p.schedule in ZERO_BUBBLE:
+        raise ValueError(f"04_pipeline_parallel runs afab, 1f1b and interleaved; {p.schedule} "
+                         f"splits the backward: run examples/04b_zero_bubble.py")
     if p.context_parallel_size > 1 or p.expert_model_parallel_size > 1 or p.impl == "naive":
         raise ValueError("04_pipeline_parallel composes pp with dp and tp (impl scaletorch or "
                          "torch); context and expert parallel join in 07_nd_parallel")
     if p.pipeline_model_parallel_size < 2:
         raise ValueError(f"04_pipeline_parallel needs pipeline_model_parallel_size >= 2 (--pp), "
                          f"got {p.pipeline_model_parallel_size}")
+    later = {
+        "--zero-stage": p.zero_stage > 0,
+        "tied embeddings": cfg.model.tie_word_embeddings,
+        "MoE": cfg.model.num_experts > 0,
+        "fp16": t.precision == "fp16",
+        "--activation-checkpointing": p.activation_checkpointing != "none",
+        "--impl torch with --tp": p.impl == "torch" and p.tensor_model_parallel_size > 1
+    }
+    if any(later.values()):
+        raise ValueError(f"04_pipeline_parallel composes pp with dp and tp only: "
+                         f"{', '.join(k for k, v in later.items() if v)} under a pipeline "
+                         f"in 07_nd_parallel")
 
 
 def main() -> int:
@@ -47,14 +68,25 @@ def main() -> int:
     pgm = init_pg_manager_from_config(p, cfg.training.timeout_seconds)
     pgm.log_topology()
 
-    model = build_model(cfg.model, seed=cfg.training.model_seed)
-    par = parallelize(model, cfg, pgm, env.device)  # tensor, then pipeline, then data parallel
-    pipe, schedule = par.model, par.forward_backward
-    result = Trainer.from_parallelized(cfg, par, pgm, device=env.device).train()
+    model = build_model(cfg.model, seed=cfg.training.model_seed).to(env.device)
+    loss = loss_fn
+    if pgm.tensor_model_parallel_world_size > 1:  # chapter 03 first, on the whole model
+        apply_tensor_parallel(model, pgm, p.sequence_parallel)
+        loss = tensor_parallel_loss_fn(pgm)
+    # the new idea: keep this rank's stages; then chapter 01's wrapper around each chunk
+    pipe = apply_pipeline_parallel(model, pgm, p.virtual_pipeline_stages, p.layer_split,
+                                   p.sequence_parallel)
+    apply_data_parallel_to_chunks(pipe, pgm, p.impl, p.bucket_size_mb)
+    schedule = TorchPipelineSchedule(pipe, pgm, p.schedule, m) if p.impl == "torch" else \
+        PipelineSchedule(pipe, pgm, p.schedule, m, loss)
+    # chapter 03's clip, one rule: each element once over the world; the stages' squares add up
+    clip = tensor_parallel_clip_grad_norm(pipe, pgm)
+    result = Trainer(cfg, pipe, pgm, device=env.device, forward_backward=schedule,
+                     clip_grad_norm=clip).train()
 
     # What this chapter is about: activations and gradients passed between stages, the bubble.
     ledger, last = get_ledger(), cfg.training.steps - 1
-    timeline = None if p.impl == "torch" else gather_timeline(schedule.timeline, pgm, env.device)
+    timeline = None if p.impl == "torch" else gather_timeline(schedule.timeline, pgm)
     if pgm.rank == 0:
         print(ledger.table(step=last))
         b = cfg.data.global_batch_size // (pgm.data_parallel_world_size * m)
@@ -66,14 +98,13 @@ def main() -> int:
               (" (torch's pipelining bypasses our ledger)" if p.impl == "torch" else ""))
         if timeline is not None:
             print(f"timeline of step {last} ({p.schedule}; a-z: forward of micro-batch 0-25, "
-                  f"A-Z: its backward, 0-9: its weight gradient (zero bubble), '.': idle or "
-                  f"waiting):")
+                  f"A-Z: its backward, '.': idle or waiting):")
             print(timeline.chart())
             print(timeline.summary())
 
     ok = True
     if cfg.check:
-        full = par.full_state_dict()  # every stage's layers, gathered over tp, on rank 0
+        full = gather_pipeline_state_dict(pipe, pgm)  # every stage, gathered over tp, on rank 0
         ok = check_against_reference(cfg, result.losses, env.device, full, result.start_step)
     destroy_pg_manager()
     destroy_distributed()

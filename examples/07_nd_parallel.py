@@ -79,7 +79,7 @@ def main() -> int:
     report = rank_report(pgm, par.model, trainer.optimizer, last)
     timeline = getattr(par.forward_backward, "timeline", None)
     if timeline is not None:
-        timeline = gather_timeline(timeline, pgm, env.device)
+        timeline = gather_timeline(timeline, pgm)
     path = save_consolidated(os.path.join(cfg.run_path, "consolidated.pt"), trainer, par)
     if env.rank == 0:
         print(get_ledger().table(step=last))

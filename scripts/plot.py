@@ -35,8 +35,9 @@ from typing import Dict, List
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from scaletorch.parallel import pipeline_schedules as ps  # noqa: E402
-from scaletorch.parallel import zero_bubble as zb  # noqa: E402
+from scaletorch.schedule import orders, placement, simulate  # noqa: E402
+from scaletorch.schedule import zero_bubble_orders as zb  # noqa: E402
+from scaletorch.schedule.timeline import Timeline  # noqa: E402
 
 MISSING = ("matplotlib is not installed (it is optional): pip install matplotlib. "
            "Printing the data as text instead.")
@@ -97,19 +98,21 @@ def plot_losses(paths: List[str], key: str, out: str) -> None:
     print(f"wrote {out}")
 
 
-def read_timeline(path: str) -> ps.Timeline:
+def read_timeline(path: str) -> Timeline:
     """A timeline.json: {"stages", "micro_batches", "virtual_stages", "events": [[rank, kind,
     micro_batch, chunk, start, end], ...]}."""
     with open(path) as f:
         data = json.load(f)
-    timeline = ps.Timeline(data["stages"], data["micro_batches"], data["virtual_stages"],
-                           schedule=data.get("schedule", ""))
+    zero_bubble = data.get("schedule", "") in placement.ZERO_BUBBLE  # its theory: simulated
+    kind = simulate.ZeroBubbleTimeline if zero_bubble else Timeline
+    timeline = kind(data["stages"], data["micro_batches"], data["virtual_stages"],
+                    schedule=data.get("schedule", ""))
     for rank, kind, mb, chunk, start, end in data["events"]:
-        timeline.record(rank, ps.Action(kind, mb, chunk), start, end)
+        timeline.record(rank, orders.Action(kind, mb, chunk), start, end)
     return timeline
 
 
-def draw_timeline(ax, timeline: ps.Timeline, title: str, unit: str, span: float) -> None:
+def draw_timeline(ax, timeline: Timeline, title: str, unit: str, span: float) -> None:
     """One row per pipeline rank; a box per forward (light), backward (dark) and weight
     gradient (hatched) of each micro-batch, numbered; gaps are the bubble. DualPipeV's
     overlapped pairs (a forward and a backward run as one unit) are framed in red."""
@@ -164,7 +167,7 @@ def plot_timelines(timelines: List[tuple], out: str, unit: str = "s", note: str 
     print(f"wrote {out}")
 
 
-def plot_timeline(timeline: ps.Timeline, title: str, out: str, unit: str = "s") -> None:
+def plot_timeline(timeline: Timeline, title: str, out: str, unit: str = "s") -> None:
     plot_timelines([(f"{title} (theory {timeline.theory():.3f})", timeline)], out, unit)
 
 
@@ -183,11 +186,11 @@ def compare_schedules(p: int, m: int, costs: List[float], comm: float, out: str)
           f"peak live per rank (chunks)  in stages")
     timelines = []
     for schedule, v in COMPARED:
-        timeline = zb.simulate_async(schedule, p, m, v, f / v, b / v, w / v, comm)
+        timeline = simulate.simulate_async(schedule, p, m, v, f / v, b / v, w / v, comm)
         theory = {
-            "afab": ps.theoretical_bubble(p, m),
-            "1f1b": ps.theoretical_bubble(p, m),
-            "interleaved": ps.theoretical_bubble(p, m, v),
+            "afab": placement.theoretical_bubble(p, m),
+            "1f1b": placement.theoretical_bubble(p, m),
+            "interleaved": placement.theoretical_bubble(p, m, v),
             "zb-h1": zb.zero_bubble_theory("zb-h1", p, m, f, b, w),
         }.get(schedule)
         peaks = [timeline.peak_live(r) for r in range(p)]
@@ -436,7 +439,8 @@ def main(argv=None) -> int:
     loss.add_argument("--out", default="loss.png")
     tl = sub.add_parser("timeline", help="draw a pipeline timeline")
     tl.add_argument("path", nargs="?", help="timeline.json written by 07_nd_parallel")
-    tl.add_argument("--simulate", choices=ps.SCHEDULES, help="draw a schedule instead (slots)")
+    tl.add_argument("--simulate", choices=placement.SCHEDULES,
+                    help="draw a schedule instead (slots)")
     tl.add_argument("--costs", type=float, nargs=3, default=None, metavar=("F", "B", "W"),
                     help="per-action costs of a simulated schedule (default F 1, B 2, no W)")
     tl.add_argument("--pp", type=int, default=4)
@@ -487,8 +491,8 @@ def dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         compare_schedules(args.pp, args.micro_batches, args.costs, args.comm, args.out)
     elif args.simulate:
         f, b, w = args.costs or (1.0, 2.0, None)
-        timeline = ps.simulate(args.simulate, args.pp, args.micro_batches, args.virtual_stages, f,
-                               b, w)
+        timeline = simulate.simulate(args.simulate, args.pp, args.micro_batches,
+                                     args.virtual_stages, f, b, w)
         costs = f"F {f:g}, B {b:g}" + ("" if w is None else f", W {w:g}")
         plot_timeline(
             timeline, f"{args.simulate}, p={args.pp}, m={args.micro_batches}, "

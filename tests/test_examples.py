@@ -158,7 +158,7 @@ class ParityFloorScript(unittest.TestCase):
 
 # Chapters whose script applies its own strategy with its own module's calls (issue 27); the
 # others still go through ``parallelize`` until theirs do.
-OWN_CALLS = {"01", "02", "03"}
+OWN_CALLS = {"01", "02", "03", "04"}
 
 
 class ChaptersShareOneCodePath(unittest.TestCase):
@@ -169,7 +169,7 @@ class ChaptersShareOneCodePath(unittest.TestCase):
         scripts = sorted(f for f in os.listdir(os.path.join(ROOT, "examples"))
                          if f[:2].isdigit() and f.endswith(".py") and f[:2] != "00")
         self.assertEqual([f[:2] for f in scripts],
-                         ["01", "02", "03", "04", "05", "06", "07", "08", "10"])
+                         ["01", "02", "03", "04", "04", "05", "06", "07", "08", "10"])
         for name in scripts:
             with open(os.path.join(ROOT, "examples", name)) as f:
                 source = f.read()
@@ -179,6 +179,16 @@ class ChaptersShareOneCodePath(unittest.TestCase):
                 continue
             self.assertIn("parallelize(model, cfg, pgm, env.device)", source, name)
             self.assertNotRegex(source, r"\bapply_\w+\(", name)
+
+    def test_pipeline_chapters_send_the_other_schedules_to_each_other(self):
+        for script, schedule, other in (("04_pipeline_parallel", "zbv", "04b_zero_bubble"),
+                                        ("04b_zero_bubble", "1f1b", "04_pipeline_parallel")):
+            proc = subprocess.run([
+                sys.executable, f"examples/{script}.py", "--validate-only", "--world-size", "2",
+                "--schedule", schedule, "--virtual-stages", "2" if schedule == "zbv" else "1"
+            ], cwd=ROOT, capture_output=True, text=True, timeout=120)
+            self.assertEqual(proc.returncode, 2, proc.stderr)
+            self.assertIn(f"run examples/{other}.py", proc.stderr)
 
     def test_fsdp2_chapter_runs_fully_shard_and_writes_a_resumable_checkpoint(self):
         with tempfile.TemporaryDirectory() as tmp:

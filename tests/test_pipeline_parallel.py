@@ -13,15 +13,16 @@ import torch
 
 from scaletorch.dist import destroy_pg_manager, get_ledger, init_pg_manager
 from scaletorch.models import LlamaConfig, build_model
-from scaletorch.parallel.pipeline_parallel import (PipelineSchedule, TorchPipelineSchedule,
-                                                   apply_data_parallel_to_chunks,
-                                                   apply_pipeline_parallel, gather_timeline,
-                                                   split_layers, tied_embedding_params)
-from scaletorch.parallel.pipeline_schedules import (V_SHAPED, ZERO_BUBBLE, PipelineDeadlock,
-                                                    comm_plan, peak_live_activations,
-                                                    schedule_actions, simulate, simulate_plans,
-                                                    theoretical_bubble, validate_schedule)
+from scaletorch.parallel.pipeline_native import TorchPipelineSchedule
+from scaletorch.parallel.pipeline_parallel import (PipelineSchedule, apply_data_parallel_to_chunks,
+                                                   apply_pipeline_parallel, gather_timeline)
 from scaletorch.parallel.split_backward import ZeroBubbleSchedule
+from scaletorch.parallel.tied_embeddings import (attach_tied_embedding_sync, check_v_shape_wrappers,
+                                                 tied_embedding_params, untie_across_stages)
+from scaletorch.schedule.catalog import schedule_actions, validate_schedule
+from scaletorch.schedule.orders import comm_plan, peak_live_activations
+from scaletorch.schedule.placement import V_SHAPED, ZERO_BUBBLE, split_layers, theoretical_bubble
+from scaletorch.schedule.simulate import PipelineDeadlock, simulate, simulate_plans
 from scaletorch.trainer import Config, Trainer, run_reference
 from scripts.benchmarks.timing import Delayed
 from tests.harness import run_distributed, value_error
@@ -196,11 +197,16 @@ def build_pipeline(cfg: Config, pp: int, tp: int, schedule: str, v: int, impl: s
         apply_tensor_parallel(model, pgm, sequence_parallel)
         kwargs["loss_fn"] = tensor_parallel_loss_fn(pgm)
     v_shape = schedule in V_SHAPED  # zbv, dualpipev: stages r and 2p - 1 - r
+    if cfg.model.tie_word_embeddings and not v_shape:
+        untie_across_stages(model)  # a copy on the last stage (tied_embeddings.py)
     pipe = apply_pipeline_parallel(model, pgm, v, layer_split, sequence_parallel, v_shape)
     apply_data_parallel_to_chunks(pipe, pgm, impl)
     cls = TorchPipelineSchedule if impl == "torch" else \
         ZeroBubbleSchedule if schedule in ZERO_BUBBLE else PipelineSchedule
-    return pgm, pipe, cls(pipe, pgm, schedule, cfg.data.num_micro_batches, **kwargs)
+    step = cls(pipe, pgm, schedule, cfg.data.num_micro_batches, **kwargs)
+    if cfg.model.tie_word_embeddings and impl != "torch":
+        attach_tied_embedding_sync(step, pgm)
+    return pgm, pipe, step
 
 
 def tied_copies_spread(pipe, pgm) -> float:
@@ -235,7 +241,7 @@ def parity_run(name: str) -> dict:
         out["sent"] = get_ledger().total(op="send", group="pp", step=last)
         out["send_calls"] = len(get_ledger().select(op="send", group="pp", step=last))
         out["dp_calls"] = len(get_ledger().select(op="all_reduce", group="dp_cp", step=last))
-        out["timeline"] = gather_timeline(step.timeline, pgm, torch.device("cpu"))
+        out["timeline"] = gather_timeline(step.timeline, pgm)
     destroy_pg_manager()
     return out
 
@@ -264,7 +270,7 @@ def bubble_run(schedule: str, v: int, m: int, delay=(0.08, 0.16)):
         if isinstance(module, Delayed):
             module.forward_s, module.backward_s = delay
     step(inputs, inputs)
-    timeline = gather_timeline(step.timeline, pgm, torch.device("cpu"))
+    timeline = gather_timeline(step.timeline, pgm)
     destroy_pg_manager()
     return timeline
 
@@ -275,11 +281,16 @@ def tied_embeddings_errors(cfg: Config) -> list:
     stages share no parameter across ranks)."""
     pgm = init_pg_manager(pipeline_model_parallel_size=2)
     cfg.model.tie_word_embeddings = True
+
+    def untied(model):
+        untie_across_stages(model)
+        return model
+
     errors = [
-        value_error(lambda: apply_data_parallel_to_chunks(
+        value_error(lambda: check_v_shape_wrappers(
             apply_pipeline_parallel(build_model(cfg.model, 0), pgm, 2, v_shape=True), pgm)),
         value_error(lambda: TorchPipelineSchedule(
-            apply_pipeline_parallel(build_model(cfg.model, 0), pgm), pgm, "1f1b", 2)),
+            apply_pipeline_parallel(untied(build_model(cfg.model, 0)), pgm), pgm, "1f1b", 2)),
     ]
     destroy_pg_manager()
     return errors

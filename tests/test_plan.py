@@ -20,7 +20,6 @@ import tempfile
 import unittest
 from collections import defaultdict
 
-from scaletorch.parallel.zero_bubble import simulate_async, zero_bubble_theory
 from scaletorch.plan.cluster import ISSUED, Cluster, load_cluster, save_cluster
 from scaletorch.plan.flops import (gpt_model_flops, hardware_flops, model_flops, six_nd,
                                    split_backward_flops)
@@ -34,6 +33,8 @@ from scaletorch.plan.time import (comm_seconds, compute_seconds, issued_counts, 
                                   step_time)
 from scaletorch.plan.traffic import collectives
 from scaletorch.rules.vocab import padded_vocab_size
+from scaletorch.schedule.simulate import simulate_async
+from scaletorch.schedule.zero_bubble_orders import zero_bubble_theory
 from scaletorch.trainer.config import parse_args
 from scripts.calibrate import calibrate
 from scripts.plan import main

@@ -8,7 +8,8 @@ import torch
 
 from scaletorch.dist.timer import Timer, seconds
 from scaletorch.parallel.data_parallel import BucketLaunch, SyncTimeline
-from scaletorch.parallel.pipeline_schedules import Action, TimelineRecorder
+from scaletorch.parallel.pipeline_parallel import TimelineRecorder
+from scaletorch.schedule.orders import Action
 
 
 class _FakeClock:

@@ -12,12 +12,14 @@ import torch
 
 from scaletorch.dist import destroy_pg_manager
 from scaletorch.models import LlamaConfig, build_model
+from scaletorch.parallel.activation_meter import ActivationMeter
 from scaletorch.parallel.pipeline_parallel import gather_timeline
-from scaletorch.parallel.pipeline_schedules import (V_SHAPED, ZERO_BUBBLE, peak_live_activations,
-                                                    rank_of_stage, schedule_actions, simulate,
-                                                    validate_schedule)
 from scaletorch.parallel.validation import validate_layout
-from scaletorch.parallel.zero_bubble import ActivationMeter, simulate_async, zero_bubble_theory
+from scaletorch.schedule.catalog import schedule_actions, validate_schedule
+from scaletorch.schedule.orders import peak_live_activations
+from scaletorch.schedule.placement import V_SHAPED, ZERO_BUBBLE, rank_of_stage
+from scaletorch.schedule.simulate import simulate, simulate_async
+from scaletorch.schedule.zero_bubble_orders import zero_bubble_theory
 from scaletorch.trainer import max_weight_diff
 from scripts.benchmarks.timing import Delayed
 from tests.harness import run_distributed
@@ -234,7 +236,8 @@ def bubble_run(schedule: str, v: int, steps: int) -> dict:
     chunk its share). One step without delays (warm-up), then ``steps`` timed steps."""
     cfg = pipeline_config(8, 8, 16)
     pgm, pipe, step = build_pipeline(cfg, 4, 1, schedule, v, "scaletorch", delay=(0.0, 0.0))
-    step.meter.enabled = True  # off by default (it hides saved tensors from outer hooks)
+    # attached from outside (chapter 09's meter); its hooks hide saved tensors from outer ones
+    step.meter = ActivationMeter(list(pipe.parameters()), enabled=True)
     inputs = torch.randint(0, cfg.model.vocab_size, (cfg.data.global_batch_size, 16))
     step(inputs, inputs)
     share = DELAY / 2  # 2 layers per stage (v = 1), or 1 per chunk of half a stage (v = 2)
@@ -244,7 +247,7 @@ def bubble_run(schedule: str, v: int, steps: int) -> dict:
     timelines = []
     for _ in range(steps):
         step(inputs, inputs)
-        timelines.append(gather_timeline(step.timeline, pgm, torch.device("cpu")))
+        timelines.append(gather_timeline(step.timeline, pgm))
     out = {
         "timelines": timelines,
         "peak_count": step.meter.peak_count,

@@ -12,7 +12,7 @@ fastest, then dp, then pp); each strategy takes the sub-mesh it works over:
     3 tensor     ``parallelize_module`` on mesh["tp"]: weights become DTensors sharded over tp
                  (column / row parallel, torchtitan's plan; sequence parallel between blocks)
     4 pipeline   our cut into chunks (pipeline_parallel.py), one torch.distributed.pipelining
-                 ``PipelineStage`` per chunk over "pp"
+                 ``PipelineStage`` per chunk over "pp" (pipeline_native.py)
     5 data       per block, then per model or chunk (its root: embedding, norm, head), on
                  mesh["dp"]: ``fully_shard`` for ZeRO-3 (with tp: 2-D (dp, tp) DTensors), else
                  FSDP2's ``replicate`` (whole weights, gradients all-reduced over dp); a model
@@ -49,11 +49,12 @@ from scaletorch.parallel.fully_shard import shard_blocks_then_root
 from scaletorch.parallel.mixed_precision import (MixedPrecisionPolicy, apply_data_parallel_in,
                                                  fsdp_mp_policy)
 from scaletorch.parallel.param_map import DTensorParamMap
-from scaletorch.parallel.pipeline_parallel import TorchPipelineSchedule, apply_pipeline_parallel
-from scaletorch.parallel.pipeline_schedules import V_SHAPED
+from scaletorch.parallel.pipeline_native import TorchPipelineSchedule
+from scaletorch.parallel.pipeline_parallel import apply_pipeline_parallel
 from scaletorch.parallel.step import ForwardBackward, make_data_parallel_step
 from scaletorch.parallel.tensor_parallel_dtensor import (apply_dtensor_tensor_parallel, device_mesh,
                                                          dtensor_loss_fn, native_clip_grad_norm)
+from scaletorch.schedule.placement import V_SHAPED
 
 if TYPE_CHECKING:  # the config module imports scaletorch.parallel
     from scaletorch.config import Config

@@ -57,23 +57,25 @@ from torch import nn
 
 from scaletorch.config import resolve_precision
 from scaletorch.dist import ProcessGroupManager, comm, get_ledger
-from scaletorch.models import Llama, loss_fn
+from scaletorch.models import Llama, loss_fn, moe_aux_loss
 from scaletorch.parallel.activation_checkpointing import apply_activation_checkpointing
 from scaletorch.parallel.context_parallel import apply_context_parallel, make_sequence_sharder
 from scaletorch.parallel.expert_parallel import ExpertParallel, shard_experts
 from scaletorch.parallel.grad_norm import clip_grads_, world_grad_norm
 from scaletorch.parallel.mixed_precision import (DTYPES, DynamicLossScaler, apply_data_parallel_in,
-                                                 disable_autocast_cache_per_unit, policy_for)
+                                                 compute_dtype, disable_autocast_cache_per_unit,
+                                                 policy_for)
 from scaletorch.parallel.native import parallelize_native
 from scaletorch.parallel.param_map import DTensorParamMap, ParamMap, State
 from scaletorch.parallel.pipeline_parallel import PipelineSchedule, apply_pipeline_parallel
-from scaletorch.parallel.pipeline_schedules import V_SHAPED, ZERO_BUBBLE
 from scaletorch.parallel.split_backward import ZeroBubbleSchedule
 from scaletorch.parallel.step import ForwardBackward, LossFn, make_data_parallel_step
 from scaletorch.parallel.tensor_parallel import apply_tensor_parallel, tensor_parallel_loss_fn
+from scaletorch.parallel.tied_embeddings import attach_tied_embedding_sync, untie_across_stages
 from scaletorch.parallel.validation import validate_layout
 from scaletorch.parallel.zero import ShardedDataParallel, ZeroAdamW
 from scaletorch.parallel.zero_tied import TiedShardedDataParallel, zero_units
+from scaletorch.schedule.placement import V_SHAPED, ZERO_BUBBLE
 
 if TYPE_CHECKING:  # the config module imports scaletorch.parallel
     from scaletorch.config import Config
@@ -184,6 +186,8 @@ def parallelize(model: Llama, cfg: "Config", pgm: ProcessGroupManager,
 
     pipe = None
     if pgm.pipeline_model_parallel_world_size > 1:  # 5
+        if cfg.model.tie_word_embeddings and p.schedule not in V_SHAPED:
+            untie_across_stages(model)  # a V keeps the tie: both ends are chunks of rank 0
         pipe = apply_pipeline_parallel(model, pgm, p.virtual_pipeline_stages, p.layer_split,
                                        p.sequence_parallel, p.schedule in V_SHAPED)
     modules: List[nn.Module] = list(pipe.chunks) if pipe is not None else [model]
@@ -198,8 +202,11 @@ def parallelize(model: Llama, cfg: "Config", pgm: ProcessGroupManager,
         pipe.chunks = nn.ModuleList(wrapped)
         trainer_model: nn.Module = pipe
         cls = ZeroBubbleSchedule if p.schedule in ZERO_BUBBLE else PipelineSchedule
-        step: ForwardBackward = cls(pipe, pgm, p.schedule, cfg.data.num_micro_batches, loss,
-                                    shard_sequence, scaler)
+        schedule = cls(pipe, pgm, p.schedule, cfg.data.num_micro_batches, loss, shard_sequence,
+                       scaler, wire_dtype=compute_dtype, aux_loss=moe_aux_loss)
+        if cfg.model.tie_word_embeddings:  # sum the first and the last stage's copies
+            attach_tied_embedding_sync(schedule, pgm)
+        step: ForwardBackward = schedule
     else:
         trainer_model = wrapped[0]
         step = make_data_parallel_step(trainer_model, cfg.data.num_micro_batches,

@@ -51,6 +51,9 @@ class ParamMap:
         self.pgm, self.splits, self.pipe = pgm, splits, pipe
         # each entry: (optimizer parameter, [(names, shape, offset)], ZeRO unit or None)
         self.entries = entries
+        # a tied embedding's copy under a pipeline (tied_embeddings.py), on the first stage
+        self.tied = pipe is not None and any(
+            getattr(param, "shared_embedding", False) for param, _, _ in entries)
 
     @classmethod
     def record_splits(cls, model: nn.Module) -> Dict[str, Split]:
@@ -122,6 +125,8 @@ class ParamMap:
             gathered: Optional[State] = local
             if self.pipe is not None:
                 gathered = gather_pipeline_state_dict(self.pipe, self.pgm, local)
+            if gathered is not None and self.tied:  # two equal copies: one tensor, both names
+                gathered["lm_head.weight"] = gathered["embed_tokens.weight"]
         return gathered if self.pgm.rank == 0 else None
 
     def scatter(self, full: State) -> Dict[torch.Tensor, torch.Tensor]:

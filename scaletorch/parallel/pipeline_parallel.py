@@ -1,38 +1,23 @@
 """Pipeline parallel: the layers are cut into stages over the "pp" group; micro-batches flow.
 
-Stage s of S = p v holds consecutive layers (embedding on stage 0; final norm, head and loss on
-stage S - 1). Rank r of the pipeline holds stages r, r + p, ... (v "virtual stages" or model
-chunks per rank when interleaved). A micro-batch's activation (b, s, h) goes forward from
-stage to stage and its gradient comes back, point to point:
+Stage s of S = p v holds consecutive layers (embedding on stage 0; norm, head and loss on stage
+S - 1); rank r holds stages r, r + p, ... (v chunks per rank when interleaved). A micro-batch's
+activation (b, s, h) goes from stage to stage and its gradient comes back, point to point:
 
     rank 0  [embed, layers 0-1] --act--> rank 1 [layers 2-3, norm, head, loss]
             <---------------- grad of act -------------
 
-Cost per step and rank: 2 m v messages of b s h elements each way (forward + backward), no
-collective in between; the price is the bubble, (p-1)/(v m + p - 1) of the step idle, and the
-memory of the activations held between a micro-batch's forward and its backward (m with AFAB,
-at most p - r with 1F1B). The schedules are plain data in ``pipeline_schedules.py``; here
-they run: every step of a rank's plan posts one ``batch_isend_irecv`` (paired sends and recvs,
-shapes known in advance) and then computes one forward or backward.
-
-The loss of each micro-batch is divided by m, so the accumulated gradients are those of the
-rank's mean loss; data-parallel wrappers of the chunks sync only in the chunk's last backward.
-A mixture-of-experts chunk adds its layers' load-balancing losses (/ m) where they arise: each
-stage backpropagates its own with its activation gradient, and the reported loss sums them.
-
-Tied embeddings (Megatron's way): the first stage holds the embedding, the last a copy of it as
-the output layer; after backward one all-reduce over the embedding group (pg_manager: the
-pipeline's first and last rank) sums the two copies' gradients, so both stay equal. In a V
-(zbv, dualpipev) both stages are rank 0's chunks: they share the one parameter, as on one
-device, and its two uses accumulate into its one ``.grad`` (no copy, no embedding group).
-
-Longer than 300 lines on purpose: the cut into stages, the runtime that executes a schedule's
-actions with its point-to-point messages, and PyTorch's pipelining beside it are read together;
-the schedules themselves are data (pipeline_schedules.py, zero_bubble.py).
+Cost per step and rank: 2 m v messages of b s h elements each way, no collective; the price
+is the bubble, (p-1)/(v m + p - 1) of the step idle, and the activations held from a
+micro-batch's forward to its backward (m with AFAB, at most p - r with 1F1B). The schedules are
+plain data (scaletorch/schedule/orders.py); here each step of a rank's plan posts one
+``batch_isend_irecv`` (shapes known in advance), then computes one forward or backward. Each
+micro-batch's loss is divided by m; data-parallel wrappers sync in a chunk's last backward.
 """
 
-from contextlib import nullcontext
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Union
+import time
+from contextlib import contextmanager, nullcontext
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -40,17 +25,14 @@ from torch import nn
 
 from scaletorch.data import split_micro_batches
 from scaletorch.dist import ProcessGroupManager, comm, get_ledger
-from scaletorch.models import Llama, MoE, loss_fn, moe_aux_loss
+from scaletorch.dist.functional import gather_along_dim
+from scaletorch.dist.timer import Clock, Mark, Timer, seconds
+from scaletorch.models import Llama, loss_fn
 from scaletorch.parallel.data_parallel import TorchDataParallel, apply_data_parallel
-from scaletorch.parallel.mixed_precision import DynamicLossScaler, compute_dtype
-from scaletorch.parallel.pipeline_schedules import (P2P, ZERO_BUBBLE, Action, Timeline,
-                                                    TimelineRecorder, rank_of_stage,
-                                                    schedule_actions, schedule_plan, stage_index,
-                                                    validate_schedule)
 from scaletorch.parallel.step import average_over_group, local_batch
-from scaletorch.parallel.zero_bubble import ActivationMeter
-# which layers each stage holds: layout arithmetic, with the planner (scaletorch/plan)
-from scaletorch.plan.pipeline import split_layers
+from scaletorch.schedule.orders import P2P, Action, Step, classic_units, comm_plan
+from scaletorch.schedule.placement import rank_of_stage, split_layers, stage_index
+from scaletorch.schedule.timeline import Timeline
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 State = Dict[str, torch.Tensor]
@@ -65,9 +47,8 @@ class PipelineChunk(nn.Module):
     ``position_ids`` (s,): the tokens' true positions for RoPE (context parallel), else 0..s-1.
     """
 
-    # The model's own pieces, the same code bound to this chunk's share of the modules:
-    # embed (the embedding), rope (the rotary tables of the positions), head (norm, lm_head).
-    # mypy types their self as a Llama, hence an ignore[misc] where forward calls them.
+    # The model's own code, bound to this chunk's modules: embed, rope (the rotary tables),
+    # head (norm, lm_head). mypy types their self as a Llama, hence the ignore[misc] below.
     embed, rope, head = Llama.embed, Llama.rope, Llama.head
 
     def __init__(self, model: Llama, layer_ids: List[int], first: bool, last: bool,
@@ -94,16 +75,12 @@ class PipelineChunk(nn.Module):
 
 
 class PipelineModel(nn.Module):
-    """This rank's v chunks (``chunks[c]`` is global stage c p + rank, or in a V stages rank
-    and 2p - 1 - rank), and where every full model key lives (``owner[key]`` = global stage).
-    ``tied_embeddings``: the first and last stage each hold a copy of the tied embedding (in a
-    V: rank 0's two chunks hold the one parameter)."""
+    """This rank's v chunks (``chunks[c]`` is global stage ``stages[c]``) and where every full
+    model key lives (``owner[key]`` = global stage)."""
 
     def __init__(self, chunks: List[PipelineChunk], stages: List[int], num_stages: int,
-                 owner: Dict[str, int], hidden_size: int, v_shape: bool = False,
-                 tied_embeddings: bool = False) -> None:
+                 owner: Dict[str, int], hidden_size: int, v_shape: bool = False) -> None:
         super().__init__()
-        self.tied_embeddings = tied_embeddings  # a copy on the first and on the last stage
         self.chunks = nn.ModuleList(chunks)
         self.stages, self.num_stages, self.owner = stages, num_stages, owner
         self.v_shape = v_shape
@@ -125,8 +102,9 @@ def apply_pipeline_parallel(model: Llama, pgm: ProcessGroupManager, virtual_stag
     if virtual_stages > 1 and p == 1:
         raise ValueError(f"virtual_pipeline_stages ({virtual_stages}) needs a pipeline: "
                          f"pipeline_model_parallel_size is 1")
-    if model.config.tie_word_embeddings and p > 1 and not v_shape:
-        untie_across_stages(model)  # a V keeps the tie: both ends are chunks of rank 0
+    if p > 1 and not v_shape and model.lm_head.weight is model.embed_tokens.weight:
+        raise ValueError("tied embeddings need a copy on the first and the last stage: call "
+                         "tied_embeddings.untie_across_stages(model) first (chapter 07)")
     num_stages = p * virtual_stages
     layers = split_layers(model.config.num_layers, num_stages, layer_split)
     stage_of_layer = {i: s for s, ids in enumerate(layers) for i in ids}
@@ -141,67 +119,17 @@ def apply_pipeline_parallel(model: Llama, pgm: ProcessGroupManager, virtual_stag
     chunks = [PipelineChunk(model, layers[s], s == 0, s == num_stages - 1, sp) for s in stages]
     # NCCL wants the first call on a group to involve all its ranks, and p2p is partial.
     comm.barrier(pgm.pipeline_model_parallel_group)
-    return PipelineModel(chunks, stages, num_stages, owner, model.config.hidden_size, v_shape,
-                         tied_embeddings=model.config.tie_word_embeddings and p > 1)
-
-
-# ---- tied embeddings: a copy on the last stage, gradients summed over the embedding group ----
-
-
-def untie_across_stages(model: Llama) -> None:
-    """Megatron's way for ``tie_word_embeddings`` under a pipeline: the embedding (first stage)
-    and the output layer (last stage) live on different ranks, so the last stage gets its own
-    copy of the tied weight, and ``sync_tied_embedding_grads`` sums the two copies' gradients
-    over the embedding group (pg_manager) after backward: each copy then has the gradient of
-    the one tied weight (embedding use + head use), and the same AdamW update keeps them equal.
-
-    Same init without communication: every rank built the whole model from one seed, so the
-    copy is the clone of bit-identical values. Both copies are tagged ``shared_embedding``
-    (the sync finds them by it; the clip counts them as 2 replicas; ZeRO gives the copy its own
-    unit); the copy keeps the tensor-parallel tags, as the vocabulary rows are split alike.
-    """
-    weight = model.embed_tokens.weight
-    weight.shared_embedding = True  # type: ignore[attr-defined]
-    copy = nn.Parameter(weight.detach().clone(), requires_grad=weight.requires_grad)
-    copy.__dict__.update(weight.__dict__)  # tensor_model_parallel, partition_dim, vocab_padding
-    model.lm_head.weight = copy
-
-
-def tied_embedding_params(module: nn.Module) -> List[torch.Tensor]:
-    """The copies of a tied embedding that ``module`` holds (after any wrapper: ZeRO tags the
-    shard of the unit that holds one)."""
-    return [p for p in module.parameters() if getattr(p, "shared_embedding", False)]
-
-
-def sync_tied_embedding_grads(params: Sequence[torch.Tensor], pgm: ProcessGroupManager) -> None:
-    """Sum the gradients of the tied embedding's two copies over the embedding group (first and
-    last pipeline rank): one all-reduce of V x h / tp elements (or a ZeRO shard of them) per
-    step, after the data-parallel sync. ``params``: this rank's copies, none on a middle
-    stage (then nothing to do: it is in no embedding group)."""
-    for param in params:
-        if param.grad is None:  # a copy with no use this step still joins the sum
-            param.grad = torch.zeros_like(param)
-        comm.all_reduce(param.grad, pgm.embedding_group)
+    return PipelineModel(chunks, stages, num_stages, owner, model.config.hidden_size, v_shape)
 
 
 def apply_data_parallel_to_chunks(pipe: PipelineModel, pgm: ProcessGroupManager,
                                   impl: str = "scaletorch",
                                   bucket_size_mb: float = 25.0) -> PipelineModel:
     """Wrap each chunk for data parallel over "dp_cp" (chapter 01); state dict keys unchanged.
-
-    impl "scaletorch": bucketed DDP; "torch": torch DDP, with find_unused_parameters=True,
-    which torch.distributed.pipelining needs in torch 2.13: without it the reducer's bucket
-    rebuild asserts after the first step, and static_graph=True gives wrong gradients.
-    """
+    impl "torch": torch DDP with find_unused_parameters=True, which pipelining needs in torch
+    2.13 (else the reducer's bucket rebuild asserts; static_graph=True gives wrong gradients)."""
     if pgm.data_parallel_world_size_with_context == 1:
         return pipe
-    if pipe.v_shape and pipe.tied_embeddings:
-        # validation.py refuses it first for parallelize (and ZeRO's or experts' wrappers)
-        raise ValueError(f"tie_word_embeddings with a V-shaped schedule (zbv, dualpipev) and data "
-                         f"parallel over dp_cp ({pgm.data_parallel_world_size_with_context}): "
-                         f"rank 0's two chunks share the tied weight, and each chunk's wrapper "
-                         f"would sync it on its own; run the V with dp_cp 1, or use afab, 1f1b, "
-                         f"interleaved or zb-h1")
     device = next(pipe.parameters()).device
 
     def wrap(chunk: nn.Module) -> nn.Module:
@@ -215,43 +143,76 @@ def apply_data_parallel_to_chunks(pipe: PipelineModel, pgm: ProcessGroupManager,
     return pipe
 
 
+class TimelineRecorder:
+    """Times each action of one rank (``with recorder.time(action)``) with a ``Timer`` on the
+    stage's device: the clock on the CPU, CUDA events (when the work ran) on a GPU."""
+
+    def __init__(self, rank: int, stages: int, micro_batches: int, virtual_stages: int = 1,
+                 clock: Clock = time.time, device: Optional[torch.device] = None,
+                 schedule: str = "", timeline_type: type = Timeline) -> None:
+        # time.time: one clock for every process of a host
+        self.rank, self.shape = rank, (stages, micro_batches, virtual_stages)
+        self.schedule, self.timeline_type = schedule, timeline_type
+        self.timer = Timer(device or torch.device("cpu"), clock)
+        self.marks: List[Tuple[Action, Mark, Mark]] = []
+
+    def reset(self) -> None:
+        self.marks.clear()
+
+    @contextmanager
+    def time(self, action: Action) -> Iterator[None]:
+        start = self.timer.mark()
+        yield
+        self.marks.append((action, start, self.timer.mark()))
+
+    @property
+    def timeline(self) -> Timeline:
+        """This step's events in seconds (on CUDA: read it after the step)."""
+        timeline = self.timeline_type(*self.shape, schedule=self.schedule)
+        for action, start, end in self.marks:
+            timeline.record(self.rank, action, seconds(start), seconds(end))
+        return timeline
+
+
 class PipelineSchedule:
     """The Trainer's ``forward_backward(inputs, targets) -> loss`` for a pipeline model.
 
-    inputs, targets: the global batch (B, s); this rank takes its data-parallel slice and
-    splits it into m micro-batches. Returns the global mean loss, the same on every rank
-    (all-reduce over "pp", then mean over "dp_cp"). ``timeline`` holds the last step's events.
-    ``shard_sequence(inputs, targets) -> (inputs, targets, position_ids)`` then keeps this
-    rank's tokens of each sequence (context parallel, as in ``make_data_parallel_step``).
-    ``scaler`` (fp16): the backward starts from the loss x ``scaler.scale`` (the last stage's
-    loss and a stage's own MoE loss; the rest arrives scaled); the returned loss is unscaled.
+    inputs, targets: the global batch (B, s); this rank takes its data-parallel slice (and with
+    ``shard_sequence``, context parallel, its tokens) in m micro-batches. Returns the global
+    mean loss on every rank (all-reduce over "pp", mean over "dp_cp"); ``timeline``: the last
+    step's events. Attached by later chapters: ``scaler`` (backward from loss x its ``scale``),
+    ``wire_dtype(device_type)`` (the messages' dtype), ``aux_loss(chunk)`` (a chunk's own loss,
+    e.g. MoE's), ``after_backward`` (callables) and ``meter`` (``saving(key)``, ``free(key)``).
     """
 
     def __init__(self, pipe: PipelineModel, pgm: ProcessGroupManager, schedule: str,
                  num_micro_batches: int, loss_fn: LossFn = loss_fn,
-                 shard_sequence: Optional[Callable] = None,
-                 scaler: Optional[DynamicLossScaler] = None) -> None:
+                 shard_sequence: Optional[Callable] = None, scaler: Optional[Any] = None,
+                 wire_dtype: Optional[Callable[[str], Optional[torch.dtype]]] = None,
+                 aux_loss: Optional[Callable[[nn.Module], Any]] = None) -> None:
         self.pipe, self.pgm, self.loss_fn = pipe, pgm, loss_fn
         self.shard_sequence, self.scaler = shard_sequence, scaler
+        self.wire_dtype, self.aux_loss = wire_dtype, aux_loss
+        self.after_backward: List[Callable[[], None]] = []
+        self.meter: Optional[Any] = None
         p, rank = pgm.pipeline_model_parallel_world_size, pgm.pipeline_model_parallel_rank
-        v = len(pipe.chunks)
-        validate_schedule(schedule, p, num_micro_batches, v)
-        self.m, self.group = num_micro_batches, pgm.pipeline_model_parallel_group
-        self.ranks = pgm.group_ranks("pp")  # pipeline rank -> global rank
-        self.plan = schedule_plan(schedule, p, num_micro_batches, rank, v)
-        actions = schedule_actions(schedule, p, num_micro_batches, rank, v)
+        v, self.m = len(pipe.chunks), num_micro_batches
+        self.group, self.ranks = pgm.pipeline_model_parallel_group, pgm.group_ranks("pp")
+        self.plan = self.make_plan(schedule, p, rank, v)
         # a chunk's data-parallel gradients sync in its last backward only
         self.syncs = {
-            max(i for i, a in enumerate(actions) if a.kind == "B" and a.chunk == c)
+            max(i for i, (_, a) in enumerate(self.plan)
+                if a is not None and a.kind == "B" and a.chunk == c)
             for c in range(v)
         }
         self.recorder = TimelineRecorder(rank, p, num_micro_batches, v,
                                          device=next(pipe.parameters()).device)
-        self.meter = ActivationMeter(list(pipe.parameters()))  # the last step's activations
-        # The stage inputs' dtype (the parameters'), and what activations and their gradients
-        # cross the wire in: the compute dtype under autocast (chapter 08), set per step.
+        # the stage inputs' dtype (the parameters'); the wire's is set per step (_start)
         self.param_dtype = self.dtype = next(pipe.parameters()).dtype
-        self.tied = tied_embedding_params(pipe)  # a tied embedding's copy on this rank, if any
+
+    def make_plan(self, schedule: str, p: int, rank: int, v: int) -> List[Step]:
+        """This rank's steps: afab, 1f1b or interleaved (a subclass runs other orders)."""
+        return comm_plan(classic_units(schedule, p, self.m, rank, v), rank, p, v)
 
     @property
     def timeline(self) -> Timeline:
@@ -266,9 +227,9 @@ class PipelineSchedule:
         self.micro_batches = split_micro_batches(inputs, targets, self.m)
         b, s = self.micro_batches[0][0].shape
         self.shape = (b, s // self.pipe.sequence_parallel_size, self.pipe.hidden_size)
-        self.recorder.reset()
-        self.meter.reset()
-        self.dtype = compute_dtype(inputs.device.type) or self.param_dtype  # the wire's
+        self.recorder.reset()  # (a meter's peaks are the same every step: no reset)
+        wire = self.wire_dtype(inputs.device.type) if self.wire_dtype else None
+        self.dtype = wire or self.param_dtype
         self.held: Dict[tuple, tuple] = {}  # (mb, chunk) -> (stage input, output or loss)
         self.inbox: Dict[tuple, torch.Tensor] = {}  # (kind, mb, dst stage) -> received
         self.outbox: Dict[tuple, torch.Tensor] = {}  # (kind, mb, src stage) -> to send
@@ -280,7 +241,8 @@ class PipelineSchedule:
             finish = getattr(chunk, "finish_grad_sync", None)
             if finish is not None:
                 finish()
-        sync_tied_embedding_grads(self.tied, self.pgm)  # first and last stage (embedding group)
+        for hook in self.after_backward:
+            hook()
         loss = self.loss.detach().clone()  # nonzero on the last stage only
         comm.all_reduce(loss, self.group)  # every stage gets it
         return average_over_group(loss, self.pgm.data_parallel_group_with_context)
@@ -297,7 +259,7 @@ class PipelineSchedule:
                         self._backward(action, i)
         return self._finish()
 
-    def _exchange(self, batch: Iterable[P2P]) -> None:
+    def _exchange(self, batch: Sequence[P2P]) -> None:
         """Post this step's sends and recvs as one batch over "pp" and wait for all of them."""
         ops = []
         for op in batch:
@@ -316,24 +278,25 @@ class PipelineSchedule:
         stage, mb = self.pipe.stages[action.chunk], action.micro_batch
         if stage == 0:
             x = self.micro_batches[mb][0]  # (b, s) token ids
-        else:
-            # (b, s, h), back in the stage's dtype: the residual stream stays fp32 as on one
-            # device; its gradient leaves in the wire's (_backward)
+        else:  # (b, s, h), in the parameters' dtype, as the residual stream on one device
             x = self.inbox.pop(("act", mb, stage)).to(self.param_dtype).requires_grad_()
         chunk = self.pipe.chunks[action.chunk]
-        with self.meter.saving((mb, action.chunk)):
+        with nullcontext() if self.meter is None else self.meter.saving((mb, action.chunk)):
             out = chunk(x) if self.position_ids is None else \
                 chunk(x, position_ids=self.position_ids)
-        aux = moe_aux_loss(chunk) / self.m  # this chunk's MoE layers' losses; 0.0 if dense
+        aux = self.aux_loss(chunk) / self.m if self.aux_loss is not None else None
+        aux = aux if torch.is_tensor(aux) else None  # a dense chunk's extra loss is 0.0
         if stage == self.pipe.num_stages - 1:
-            out = self.loss_fn(out, self.micro_batches[mb][1]) / self.m + aux  # out: the loss
+            out = self.loss_fn(out, self.micro_batches[mb][1]) / self.m  # out: the loss
+            out = out if aux is None else out + aux
             self.loss += out.detach()
+            aux = None
         else:
             self.outbox[("act", mb, stage)] = out.detach().to(self.dtype)
-            if torch.is_tensor(aux):
+            if aux is not None:
                 self.loss += aux.detach()
-        # a middle stage backpropagates its own MoE loss with its output (None: dense)
-        self.held[(mb, action.chunk)] = (x, out, aux if torch.is_tensor(aux) else None)
+        # a middle stage backpropagates its own extra loss with its output
+        self.held[(mb, action.chunk)] = (x, out, aux)
 
     def _outputs_and_grads(self, action: Action) -> tuple:
         """(stage input, outputs, their gradients) of a micro-batch's forward through a chunk."""
@@ -347,7 +310,7 @@ class PipelineSchedule:
         ]
         if stage < self.pipe.num_stages - 1:
             grads = [self.inbox.pop(("grad", mb, stage)).to(out.dtype)]
-            if aux is not None:  # a stage's own MoE loss: d (scale x aux) / d aux = scale
+            if aux is not None:  # a stage's own extra loss: d (scale x aux) / d aux = scale
                 outputs, grads = [out, aux], grads + [torch.full_like(aux, scale)]
         return x, outputs, grads
 
@@ -358,136 +321,67 @@ class PipelineSchedule:
         no_sync = getattr(chunk, "no_sync", None)
         with nullcontext() if index in self.syncs or no_sync is None else no_sync():
             torch.autograd.backward(outputs, grads)
-        self.meter.free((mb, action.chunk))
+        if self.meter is not None:
+            self.meter.free((mb, action.chunk))
         if stage > 0:
             self.outbox[("grad", mb, stage)] = x.grad.to(self.dtype)
 
 
-class TorchPipelineSchedule:
-    """The same contract with torch.distributed.pipelining (the native reference):
-    ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble (for
-    zb-h1), ScheduleZBVZeroBubble or ScheduleDualPipeV over this rank's chunks. Its messages
-    bypass our ledger. Gradients are scaled by 1/m (scale_grads) as ours."""
-
-    def __init__(self, pipe: PipelineModel, pgm: ProcessGroupManager, schedule: str,
-                 num_micro_batches: int, loss_fn: LossFn = loss_fn) -> None:
-        from torch.distributed import pipelining
-
-        if any(isinstance(m, MoE) for m in pipe.modules()):
-            raise ValueError("torch.distributed.pipelining runs dense models only here (it "
-                             "would drop the MoE load-balancing losses); use impl scaletorch")
-        if pipe.tied_embeddings:
-            raise ValueError("tie_word_embeddings true with torch.distributed.pipelining: its "
-                             "stages do not share parameters across ranks (no embedding group "
-                             "sums the first and the last stage's copies); use impl scaletorch "
-                             "under a pipeline")
-        p = pgm.pipeline_model_parallel_world_size
-        validate_schedule(schedule, p, num_micro_batches, len(pipe.chunks))
-        self.pipe, self.pgm, self.m = pipe, pgm, num_micro_batches
-        device = next(pipe.parameters()).device
-        stages = [
-            pipelining.PipelineStage(chunk, s, pipe.num_stages, device,
-                                     group=pgm.pipeline_model_parallel_group)
-            for chunk, s in zip(pipe.chunks, pipe.stages)
-        ]
-        multi = {
-            "interleaved": pipelining.ScheduleInterleaved1F1B,
-            "zb-h1": pipelining.ScheduleInterleavedZeroBubble,  # ZB-H1 with one stage per rank
-            "zbv": pipelining.ScheduleZBVZeroBubble,
-            "dualpipev": pipelining.ScheduleDualPipeV,
-        }
-        self.schedule: Union[pipelining.schedules.PipelineScheduleMulti,
-                             pipelining.schedules.PipelineScheduleSingle]
-        if schedule in multi:
-            # torch types the stages list[_PipelineStageBase], its private base (list is invariant)
-            runtime = multi[schedule]
-            self.schedule = runtime(stages, self.m, loss_fn=loss_fn)  # type: ignore[arg-type]
-        else:
-            cls = pipelining.ScheduleGPipe if schedule == "afab" else pipelining.Schedule1F1B
-            self.schedule = cls(stages[0], num_micro_batches, loss_fn=loss_fn)
-
-    def __call__(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        pgm, pipe = self.pgm, self.pipe
-        inputs, targets, _ = local_batch(inputs, targets, pgm.data_parallel_rank,
-                                         pgm.data_parallel_world_size)
-        last = pipe.num_stages - 1 in pipe.stages
-        losses: List[torch.Tensor] = []
-        args = (inputs, ) if 0 in pipe.stages else ()
-        self.schedule.step(*args, target=targets if last else None, losses=losses if last else None)
-        zero = torch.zeros((), device=inputs.device)
-        loss = torch.stack(losses).mean().detach() if last else zero
-        comm.all_reduce(loss, pgm.pipeline_model_parallel_group)
-        return average_over_group(loss, pgm.data_parallel_group_with_context)
+# ---- gathers on pipeline rank 0: the full weights (for --check) and the timeline ----------
 
 
-def _gather_to_first_stage(pgm: ProcessGroupManager, payload: torch.Tensor,
-                           sizes: Sequence[int]) -> List[torch.Tensor]:
-    """Pipeline rank 0 receives ``payload`` (``sizes[q]`` elements) from every stage q and
-    returns them in stage order; other ranks send theirs and get []. Not in the ledger: it is
-    for checks and charts, not training traffic."""
-    group, ranks = pgm.pipeline_model_parallel_group, pgm.group_ranks("pp")
-    with get_ledger().paused():
-        if pgm.pipeline_model_parallel_rank != 0:
-            out, ops = [], [dist.P2POp(dist.isend, payload, ranks[0], group)]
-        else:
-            out = [payload] + [payload.new_empty(n) for n in sizes[1:]]
-            ops = [dist.P2POp(dist.irecv, t, ranks[q], group) for q, t in enumerate(out) if q]
-        for work in comm.batch_isend_irecv(ops, group):
-            work.wait()
-    return out
+def _gather_to_first_stage(pgm: ProcessGroupManager, obj: Any) -> List[Any]:
+    """Every pipeline rank's ``obj`` in stage order on pipeline rank 0, [] elsewhere (checks
+    and charts: not in the ledger, as not training traffic)."""
+    rank, ranks = pgm.pipeline_model_parallel_rank, pgm.group_ranks("pp")
+    out: Optional[List[Any]] = [None] * len(ranks) if rank == 0 else None
+    dist.gather_object(obj, out, dst=ranks[0], group=pgm.pipeline_model_parallel_group)
+    return out or []
 
 
 def gather_pipeline_state_dict(pipe: PipelineModel, pgm: ProcessGroupManager,
-                               state: State) -> Optional[State]:
+                               state: Optional[State] = None) -> Optional[State]:
     """Every stage's tensors (fp32, full-model names) on pipeline rank 0; None elsewhere.
-
-    ``state``: this rank's stages' tensors, already un-sharded (``ParamMap.gather`` passes them,
-    gathered over tp, ep and ZeRO's dp_cp). Shapes travel first, then the values.
-    """
+    ``state``: this rank's stages' tensors, un-sharded (``ParamMap.gather``'s); by default the
+    chunks' own, their tensor-parallel shards gathered over "tp" (by chapter 03's tags)."""
     p, rank = pgm.pipeline_model_parallel_world_size, pgm.pipeline_model_parallel_rank
-    keys = [[k for k in pipe.owner if rank_of_stage(pipe.owner[k], p, pipe.v_shape) == q]
-            for q in range(p)]
-    if sorted(state) != sorted(keys[rank]):
-        raise ValueError(f"state keys {sorted(state)} are not this stage's {keys[rank]}")
+    mine = [k for k in pipe.owner if rank_of_stage(pipe.owner[k], p, pipe.v_shape) == rank]
+    if state is None:
+        with get_ledger().paused():
+            tensors = [c.state_dict(keep_vars=True).items() for c in pipe.chunks]  # with tags
+            state = {k: _unshard(t, pgm) for items in tensors for k, t in items}
+    if sorted(state) != sorted(mine):
+        raise ValueError(f"state keys {sorted(state)} are not this stage's {mine}")
+    # one tensor under two names (a V's tied weight) stays one tensor: pickle keeps the alias
+    cpu: Dict[int, torch.Tensor] = {}
+    mine_cpu = {k: cpu.setdefault(id(t), t.detach().float().cpu()) for k, t in state.items()}
+    parts = _gather_to_first_stage(pgm, mine_cpu)
+    moved: Dict[int, torch.Tensor] = {}
     device = next(pipe.parameters()).device
-    # per tensor: ndim, then up to 4 sizes padded with 1s
-    dims = torch.ones(len(keys[rank]), 5, dtype=torch.long, device=device)
-    for i, k in enumerate(keys[rank]):
-        dims[i, 0] = state[k].dim()
-        dims[i, 1:1 + state[k].dim()] = torch.tensor(state[k].shape)
-    shapes = [
-        d.view(-1, 5)
-        for d in _gather_to_first_stage(pgm, dims.flatten(), [5 * len(k) for k in keys])
-    ]
-    mine = torch.cat([state[k].detach().float().flatten() for k in keys[rank]])
-    values = _gather_to_first_stage(pgm, mine, [int(d[:, 1:].prod(1).sum()) for d in shapes])
-    if rank != 0:
-        return None
-    full = {}
-    for q in range(p):
-        flats = values[q].split(shapes[q][:, 1:].prod(1).tolist())
-        for k, flat, d in zip(keys[q], flats, shapes[q].tolist()):
-            full[k] = flat.view(d[1:1 + d[0]]).clone()
-    if pipe.tied_embeddings:  # two equal copies: one tensor under both names, as on one device
-        full["lm_head.weight"] = full["embed_tokens.weight"]
-    return full
+    full = {k: moved.setdefault(id(t), t.to(device)) for part in parts for k, t in part.items()}
+    return full if rank == 0 else None
 
 
-def gather_timeline(timeline: Timeline, pgm: ProcessGroupManager,
-                    device: torch.device) -> Optional[Timeline]:
+def _unshard(t: torch.Tensor, pgm: ProcessGroupManager) -> torch.Tensor:
+    """The full tensor of a tensor-parallel shard (collective over "tp"), without the padding
+    rows of a padded vocabulary; other tensors as they are."""
+    if getattr(t, "tensor_model_parallel", False):
+        dim = getattr(t, "partition_dim")  # noqa: B009 - set by chapter 03, not typed
+        full = gather_along_dim(t.detach(), dim, pgm.tensor_model_parallel_group)
+        padding = getattr(t, "vocab_padding", None)
+        return full if padding is None else full[:padding[0]]
+    return t
+
+
+def gather_timeline(timeline: Timeline, pgm: ProcessGroupManager) -> Optional[Timeline]:
     """Every stage's events of the last step on pipeline rank 0 (for the chart); None elsewhere."""
-    p, m, v = timeline.stages, timeline.micro_batches, timeline.virtual_stages
-    rows = [["FBW".index(e.action.kind), e.action.micro_batch, e.action.chunk, e.start, e.end]
-            for e in timeline.events]
-    payload = torch.tensor(rows, dtype=torch.float64, device=device).flatten()
-    counts = [2 * m * v] * p  # actions per rank: F and B of each micro-batch and chunk
-    if timeline.schedule in ZERO_BUBBLE:  # and the W's split off
-        counts = [len(schedule_actions(timeline.schedule, p, m, q, v)) for q in range(p)]
-    parts = _gather_to_first_stage(pgm, payload, [5 * n for n in counts])
+    events = [(e.action, e.start, e.end) for e in timeline.events]
+    parts = _gather_to_first_stage(pgm, events)
     if pgm.pipeline_model_parallel_rank != 0:
         return None
-    full = Timeline(p, m, v, schedule=timeline.schedule)
+    full = type(timeline)(timeline.stages, timeline.micro_batches, timeline.virtual_stages,
+                          schedule=timeline.schedule)
     for rank, part in enumerate(parts):
-        for kind, mb, chunk, start, end in part.view(-1, 5).tolist():
-            full.record(rank, Action("FBW"[int(kind)], int(mb), int(chunk)), start, end)
+        for action, start, end in part:
+            full.record(rank, action, start, end)
     return full

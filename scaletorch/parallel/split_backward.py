@@ -1,4 +1,6 @@
-"""The split backward and the runtime of the zero-bubble schedules (``zero_bubble.py``).
+"""The split backward and the runtime of the zero-bubble schedules (chapter 04b).
+
+Their orders are plain data in scaletorch/schedule/zero_bubble_orders.py.
 
 B and W of one micro-batch through one chunk, with autograd's explicit ``inputs``:
 
@@ -12,7 +14,7 @@ weights and accumulates into ``.grad`` (so data-parallel gradient hooks fire as 
 backward), then frees it. What the deferred W holds: every tensor autograd saved in the
 forward stays alive until W (B frees none of them), so a micro-batch's activations live from
 its F to its W, which is why ZB-H1 holds W's back only as far as 1F1B's peak allows
-(``zero_bubble.ActivationMeter`` measures those bytes). This readable version
+(``activation_meter.ActivationMeter`` measures those bytes). This readable version
 pays the activation-gradient chain twice (in B and again in W); production code
 (torch.distributed.pipelining's stage_backward_weight, Megatron's WeightGradStore) keeps B's
 intermediate gradients so that W is only the weight matmuls.
@@ -34,8 +36,10 @@ from torch import nn
 
 from scaletorch.dist import ProcessGroupManager, comm
 from scaletorch.parallel.pipeline_parallel import PipelineChunk, PipelineModel, PipelineSchedule
-from scaletorch.parallel.pipeline_schedules import (Action, action_p2p, rank_of_stage,
-                                                    schedule_actions)
+from scaletorch.schedule.catalog import schedule_actions, schedule_plan
+from scaletorch.schedule.orders import Action, Step, action_p2p
+from scaletorch.schedule.placement import rank_of_stage
+from scaletorch.schedule.simulate import ZeroBubbleTimeline
 
 
 def weight_leaves(chunk: nn.Module) -> List[torch.Tensor]:
@@ -51,14 +55,15 @@ def weight_leaves(chunk: nn.Module) -> List[torch.Tensor]:
 class ZeroBubbleSchedule(PipelineSchedule):
     """``PipelineSchedule``'s contract for zb-h1, zbv and dualpipev: F, B (input gradient
     only, when a W of the same micro-batch and chunk follows; else the full backward) and W.
-    A micro-batch's activations (``meter``) are freed at its W."""
+    A micro-batch's activations (``meter``) are freed at its W. The classic schedules run too
+    (through the same asynchronous runtime)."""
 
     def __init__(self, pipe: PipelineModel, pgm: ProcessGroupManager, schedule: str,
                  num_micro_batches: int, *args: Any, **kwargs: Any) -> None:
         super().__init__(pipe, pgm, schedule, num_micro_batches, *args, **kwargs)
         p, rank, v = self.recorder.shape[0], pgm.pipeline_model_parallel_rank, len(pipe.chunks)
         self.p, self.rank, self.v = p, rank, v
-        self.recorder.schedule = schedule
+        self.recorder.schedule, self.recorder.timeline_type = schedule, ZeroBubbleTimeline
         plans = [schedule_actions(schedule, p, num_micro_batches, q, v) for q in range(p)]
         self.actions = plans[rank]
         self.split = {(a.micro_batch, a.chunk) for a in self.actions if a.kind == "W"}
@@ -81,6 +86,10 @@ class ZeroBubbleSchedule(PipelineSchedule):
         for module in pipe.modules():
             if isinstance(module, PipelineChunk) and module.embed_tokens is not None:
                 module.embed_tokens.register_forward_hook(self._keep_embedded)
+
+    def make_plan(self, schedule: str, p: int, rank: int, v: int) -> List[Step]:
+        """Any schedule of the catalog (the zero-bubble ones split B and W)."""
+        return schedule_plan(schedule, p, self.m, rank, v)
 
     def _keep_embedded(self, module: nn.Module, inputs: Tuple[Any, ...],
                        output: torch.Tensor) -> None:
@@ -176,4 +185,5 @@ class ZeroBubbleSchedule(PipelineSchedule):
         no_sync = getattr(chunk, "no_sync", None)
         with nullcontext() if index in self.syncs or no_sync is None else no_sync():
             torch.autograd.backward(outputs, grads, inputs=self.params[action.chunk])
-        self.meter.free(key)
+        if self.meter is not None:
+            self.meter.free(key)

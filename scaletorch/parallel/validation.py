@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Dict
 
 from scaletorch.parallel.context_parallel import check_sequence_length
 from scaletorch.parallel.expert_parallel import validate_expert_parallel
-from scaletorch.parallel.pipeline_parallel import split_layers
-from scaletorch.parallel.pipeline_schedules import V_SHAPED, validate_schedule
 from scaletorch.parallel.tensor_parallel import validate_tensor_parallel
+from scaletorch.schedule.catalog import validate_schedule
+from scaletorch.schedule.placement import V_SHAPED, split_layers
 
 if TYPE_CHECKING:  # the config module imports this one
     from scaletorch.config import Config
@@ -130,7 +130,7 @@ def _check_pipeline(cfg: "Config", sizes: Dict[str, int]) -> None:
 
 def _check_tied_embeddings(cfg: "Config", sizes: Dict[str, int]) -> None:
     """Tied embeddings run with ZeRO (one shard, zero.py) and with our pipeline (a copy on the
-    first and the last stage, pipeline_parallel.py; in a V both are rank 0's chunks, which
+    first and the last stage, tied_embeddings.py; in a V both are rank 0's chunks, which
     share the one parameter), except where a V's chunks are wrapped one by one."""
     p = cfg.parallel
     if not cfg.model.tie_word_embeddings or sizes["pp"] == 1:

@@ -12,10 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from scaletorch.rules.recompute import RECOMPUTE, recompute_mode
-
-ZERO_BUBBLE = ("zb-h1", "zbv", "dualpipev")  # chapter 04: backward split into B and W
-V_SHAPED = ("zbv", "dualpipev")  # two chunks per rank: stages r and 2p - 1 - r
-SCHEDULES = ("afab", "1f1b", "interleaved") + ZERO_BUBBLE
+# the schedules' names: ZERO_BUBBLE split B and W (chapter 04b), V_SHAPED hold stages r and
+# 2p - 1 - r (the planner's modules import them from here)
+from scaletorch.schedule.placement import SCHEDULES, V_SHAPED, ZERO_BUBBLE  # noqa: F401
 
 # bytes per parameter: (working parameters, gradients, optimizer state incl. fp32 master)
 PRECISION_BYTES: Dict[str, tuple] = {

@@ -3,13 +3,12 @@
 p = pipeline ranks, m = micro-batches, v = model chunks (virtual stages) per rank; rank r holds
 the global stages r, r + p, ..., r + (v - 1) p (Megatron's interleaved assignment), or in a V
 (``zbv``, ``dualpipev``: v = 2) the stages r and 2p - 1 - r, so that rank 0 holds the first and
-the last stage (the embedding and the head). The schedules themselves
-(scaletorch/parallel/pipeline_schedules.py, zero_bubble.py) are checked against these.
+the last stage (the embedding and the head): the placement, the orders and the simulators are
+the runtime's own (scaletorch/schedule, pure Python).
 
 The zero-bubble schedules have no closed form for every order: their bubble and the
-activations they hold come from the repository's own schedule (the action lists and
-``simulate_async``, which import torch but start no process group), fed with costs
-proportional to each action's FLOPs (``flops.split_backward_flops``).
+activations they hold come from the schedule's own action lists and ``simulate_async``, fed
+with costs proportional to each action's FLOPs (``flops.split_backward_flops``).
 """
 
 from functools import lru_cache
@@ -18,49 +17,15 @@ from typing import List, Optional, Sequence, Tuple
 from scaletorch.plan.flops import split_backward_flops
 from scaletorch.plan.layout import V_SHAPED, ZERO_BUBBLE, PlanLayout
 from scaletorch.plan.model import ModelSpec
-
-
-def stage_index(rank: int, chunk: int, stages: int, v_shape: bool = False) -> int:
-    """Global (virtual) stage of ``chunk`` on pipeline rank ``rank``: chunk * p + rank, or in a
-    V (``zbv``, ``dualpipev``: two chunks) rank on the way down and 2p - 1 - rank back up."""
-    if v_shape and chunk == 1:
-        return 2 * stages - 1 - rank
-    return chunk * stages + rank
-
-
-def rank_of_stage(stage: int, stages: int, v_shape: bool = False) -> int:
-    """The pipeline rank holding global stage ``stage`` (the inverse of ``stage_index``)."""
-    if v_shape and stage >= stages:
-        return 2 * stages - 1 - stage
-    return stage % stages
+from scaletorch.schedule.catalog import schedule_actions
+from scaletorch.schedule.orders import peak_live_activations
+from scaletorch.schedule.placement import split_layers, stage_index, theoretical_bubble
+from scaletorch.schedule.simulate import simulate_async
 
 
 def rank_stages(pp: int, virtual_stages: int, pp_rank: int, schedule: str = "1f1b") -> List[int]:
     """The global stages of pipeline rank ``pp_rank``'s chunks, in chunk order."""
     return [stage_index(pp_rank, c, pp, schedule in V_SHAPED) for c in range(virtual_stages)]
-
-
-def split_layers(num_layers: int, num_stages: int,
-                 layer_split: Optional[Sequence[int]] = None) -> List[List[int]]:
-    """Layer indices of each stage: an even split, or ``layer_split[s]`` layers on stage s
-    (``parallel.layer_split``, one entry per global stage: p x v of them)."""
-    stages = f"{num_stages} = pipeline_model_parallel_size x virtual_pipeline_stages"
-    if layer_split is None:
-        if num_layers % num_stages != 0:
-            base, extra = divmod(num_layers, num_stages)
-            example = ",".join(str(base + (s < extra)) for s in range(num_stages))
-            fix = f"set parallel.layer_split, e.g. --layer-split {example}" if base > 0 else \
-                "use fewer stages"
-            raise ValueError(f"model.num_layers ({num_layers}) is not divisible by the number "
-                             f"of pipeline stages ({stages}): {fix}")
-        layer_split = [num_layers // num_stages] * num_stages
-    if len(layer_split) != num_stages or sum(layer_split) != num_layers \
-            or min(layer_split) < 1:
-        raise ValueError(f"parallel.layer_split {list(layer_split)} must have one entry per "
-                         f"pipeline stage ({stages}), each >= 1, summing to model.num_layers "
-                         f"({num_layers})")
-    bounds = [sum(layer_split[:s]) for s in range(num_stages + 1)]
-    return [list(range(bounds[s], bounds[s + 1])) for s in range(num_stages)]
 
 
 def rank_layers(num_layers: int, pp: int, virtual_stages: int = 1,
@@ -77,11 +42,6 @@ def holds_ends(layout: PlanLayout, pp_rank: int) -> Tuple[bool, bool]:
     and the last (final norm, head and loss); in a V rank 0 holds both."""
     stages = rank_stages(layout.pp, layout.virtual_stages, pp_rank, layout.schedule)
     return 0 in stages, layout.pp * layout.virtual_stages - 1 in stages
-
-
-def theoretical_bubble(stages: int, micro_batches: int, virtual_stages: int = 1) -> float:
-    """Idle fraction of a step with equal-cost stages: (p-1)/(v m + p - 1)."""
-    return (stages - 1) / (virtual_stages * micro_batches + stages - 1)
 
 
 def in_flight(schedule: str, pp: int, micro_batches: int, virtual_stages: int = 1,
@@ -114,9 +74,6 @@ def held_peak(schedule: str, pp: int, micro_batches: int, virtual_stages: int, r
     chunk's F to its last backward: its W, or a B with no W after it), counted on the schedule's
     own action list; with ``chunk_sizes``, the most of their sizes (chunk c weighs
     ``chunk_sizes[c]``: the planner's activation bytes)."""
-    # imported here: pipeline_schedules imports this module
-    from scaletorch.parallel.pipeline_schedules import peak_live_activations, schedule_actions
-
     actions = schedule_actions(schedule, pp, micro_batches, rank, virtual_stages)
     return peak_live_activations(actions, chunk_sizes)
 
@@ -125,8 +82,6 @@ def split_backwards(schedule: str, pp: int, micro_batches: int, virtual_stages: 
                     rank: int) -> List[int]:
     """Per chunk of rank ``rank``: how many of its backwards are split into B and a later W
     (the rest run whole), from the schedule's action list."""
-    from scaletorch.parallel.pipeline_schedules import schedule_actions
-
     actions = schedule_actions(schedule, pp, micro_batches, rank, virtual_stages)
     return [sum(a.kind == "W" and a.chunk == c for a in actions) for c in range(virtual_stages)]
 
@@ -134,7 +89,7 @@ def split_backwards(schedule: str, pp: int, micro_batches: int, virtual_stages: 
 def bubble(model: ModelSpec, layout: PlanLayout) -> float:
     """Idle fraction of a step. AFAB, 1F1B, interleaved: (p-1)/(v m + p - 1) (equal stages);
     zb-h1, zbv, dualpipev: the schedule simulated with asynchronous sends
-    (``zero_bubble.simulate_async``, their runtime), each stage's F, B and W costing the FLOPs
+    (``simulate.simulate_async``, their runtime), each stage's F, B and W costing the FLOPs
     of its blocks (``split_backward_flops``; head and embedding left out, as in the closed
     form)."""
     lay = layout
@@ -152,7 +107,5 @@ def bubble(model: ModelSpec, layout: PlanLayout) -> float:
 @lru_cache(maxsize=4096)
 def _simulated_bubble(schedule: str, pp: int, micro_batches: int, virtual_stages: int,
                       stage_costs: Tuple[Tuple[float, float, float], ...]) -> float:
-    from scaletorch.parallel.zero_bubble import simulate_async
-
     return simulate_async(schedule, pp, micro_batches, virtual_stages,
                           stage_costs=stage_costs).bubble_fraction()

@@ -51,10 +51,10 @@ from scaletorch.plan.layout import (ACTIVATION_BYTES, PRECISION_BYTES, V_SHAPED,
                                     PlanLayout)
 from scaletorch.plan.memory import Unit, has_tied_copy, rank_units
 from scaletorch.plan.model import ModelSpec
-from scaletorch.plan.pipeline import (holds_ends, rank_layers, rank_of_stage, rank_stages,
-                                      split_backwards, stage_index)
+from scaletorch.plan.pipeline import holds_ends, rank_layers, rank_stages, split_backwards
 from scaletorch.rules.buckets import ddp_buckets
 from scaletorch.rules.wire import wire_bytes
+from scaletorch.schedule.placement import rank_of_stage, stage_index
 
 
 def zero_comm_elements(zero_stage: int, numel: int, num_micro_batches: int = 1) -> Dict[str, int]:

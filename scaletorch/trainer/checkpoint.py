@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 
 from scaletorch.config import Config
 from scaletorch.dist import comm, restart_count
-from scaletorch.parallel.pipeline_schedules import V_SHAPED
+from scaletorch.schedule.placement import V_SHAPED
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"

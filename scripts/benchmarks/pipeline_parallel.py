@@ -16,8 +16,9 @@ import torch
 
 from scaletorch.dist import comm, destroy_pg_manager, get_ledger, init_pg_manager
 from scaletorch.models import LlamaConfig, build_model
-from scaletorch.parallel.pipeline_parallel import (PipelineSchedule, TorchPipelineSchedule,
-                                                   apply_pipeline_parallel, gather_timeline)
+from scaletorch.parallel.pipeline_native import TorchPipelineSchedule
+from scaletorch.parallel.pipeline_parallel import (PipelineSchedule, apply_pipeline_parallel,
+                                                   gather_timeline)
 from scripts.benchmarks import timing
 
 MODEL = LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=768, num_layers=4,
@@ -51,7 +52,7 @@ def _measure(rank: int, world: int, samples: int) -> Dict[str, object]:
     with timing.untracked():
         sent_all = torch.tensor([sent["scaletorch"]], dtype=torch.float64)
         comm.all_reduce(sent_all)
-        timeline = gather_timeline(schedules["scaletorch"].timeline, pgm, torch.device("cpu"))
+        timeline = gather_timeline(schedules["scaletorch"].timeline, pgm)
     destroy_pg_manager()
     return {"times": times, "sent": sent_all.item(), "timeline": timeline}
 

@@ -17,11 +17,12 @@ import torch
 
 from scaletorch.dist import destroy_pg_manager, init_pg_manager
 from scaletorch.models import LlamaConfig, build_model
-from scaletorch.parallel.pipeline_parallel import (PipelineSchedule, TorchPipelineSchedule,
-                                                   apply_pipeline_parallel, gather_timeline)
-from scaletorch.parallel.pipeline_schedules import V_SHAPED, ZERO_BUBBLE
+from scaletorch.parallel.pipeline_native import TorchPipelineSchedule
+from scaletorch.parallel.pipeline_parallel import (PipelineSchedule, apply_pipeline_parallel,
+                                                   gather_timeline)
 from scaletorch.parallel.split_backward import ZeroBubbleSchedule
-from scaletorch.parallel.zero_bubble import simulate_async
+from scaletorch.schedule.placement import V_SHAPED, ZERO_BUBBLE
+from scaletorch.schedule.simulate import simulate_async
 from scripts.benchmarks import timing
 from scripts.benchmarks.timing import Delayed
 
@@ -66,7 +67,7 @@ def _measure(rank: int, world: int, rounds: int) -> Dict[str, object]:
     times = timing.max_over_ranks(times)
     with timing.untracked():
         timelines = {
-            s: gather_timeline(runs[(s, "scaletorch")][1].timeline, pgm, torch.device("cpu"))
+            s: gather_timeline(runs[(s, "scaletorch")][1].timeline, pgm)
             for s, _ in SCHEDULES
         }
     destroy_pg_manager()

@@ -1,4 +1,4 @@
-"""Zero-bubble pipeline schedules: split each backward in two and let half of it wait.
+"""The zero-bubble pipeline schedules as plain data: each backward split in two, half of it waits.
 
 A chunk's backward computes two things: the gradient of its input (B, which the previous stage
 is waiting for: it is on the critical path) and the gradients of its weights (W, which nobody
@@ -10,7 +10,7 @@ Pipeline Parallelism", 2023). F = forward, B = input gradient, W = weight gradie
     stage 0 |abcd......AA.BB.CC.DD|   ->   stage 0 |abcd...AeBfCgDhE0F1G2H3|  (0-9: W)
     stage 3 |...aAAbBBcCCdDD......|   ->   stage 3 |...aAbB0cC1dD2...
 
-Schedules (per-rank lists of actions, like the others in ``pipeline_schedules.py``):
+Schedules (per-rank lists of actions, like the classic ones in ``orders.py``):
 
 - ``zb-h1``: 1F1B's order with B split off; stage r holds back r W's, so no stage holds more
   than p micro-batches of activations (1F1B's peak): bubble (p-1)(F+B-W) instead of
@@ -23,19 +23,15 @@ Schedules (per-rank lists of actions, like the others in ``pipeline_schedules.py
   on a GPU the compute of one hides the all-to-all/p2p of the other. gloo on a CPU cannot
   overlap them; we run the pair back to back and draw them as one unit.
 
-The runtime (``split_backward.py``) sends asynchronously: a B's gradient goes out at once
-and the rank moves on to a W while the neighbour is still busy; a rendezvous batch (the
-classic runtime's) would hold the rank until the neighbour posts its receive, and the W's
-would fill nothing. ``simulate_async`` is that runtime's timeline from per-action costs.
+The runtime (scaletorch/parallel/split_backward.py) sends asynchronously: a B's gradient
+goes out at once and the rank moves on to a W while the neighbour is still busy; a rendezvous
+batch (the classic runtime's) would hold the rank until the neighbour posts its receive, and
+the W's would fill nothing. ``simulate.simulate_async`` is that runtime's timeline.
 """
 
-from contextlib import contextmanager
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import List, Optional, Tuple
 
-import torch
-
-from scaletorch.parallel.pipeline_schedules import (V_SHAPED, Action, PipelineDeadlock, Timeline,
-                                                    rank_of_stage, schedule_actions, stage_index)
+from scaletorch.schedule.orders import Action
 
 
 def validate_zero_bubble(schedule: str, stages: int, micro_batches: int,
@@ -220,118 +216,3 @@ def zero_bubble_theory(schedule: str, stages: int, micro_batches: int, forward: 
     p, m = stages, micro_batches
     idle = (p - 1) * max(forward + backward - weight, 0.0)
     return idle / (m * (forward + backward + weight) + idle)
-
-
-# ---- simulation: asynchronous sends, per-action costs --------------------------------------
-
-
-def simulate_async(schedule: str, stages: int, micro_batches: int, virtual_stages: int = 1,
-                   forward: float = 1.0, backward: float = 1.0, weight: float = 1.0,
-                   comm: float = 0.0, durations: Optional[Dict[Tuple[int, str], float]] = None,
-                   stage_costs: Optional[Sequence[Tuple[float, float, float]]] = None) -> Timeline:
-    """The timeline of any schedule when sends never block (``split_backward``'s runtime).
-
-    Each rank runs its actions in order; an action starts when the rank is free and its input
-    exists: F needs the previous stage's F, B the next stage's B (the last stage: its own F),
-    W its own B. A message from another rank arrives ``comm`` after its action ended. Costs:
-    F ``forward``, B ``backward`` (+ ``weight`` if its W is not split off), W ``weight``;
-    or per global stage, ``stage_costs[s]`` = (F, B, W) (the planner's FLOPs of each stage);
-    or each action's own, ``durations[(rank, str(action))]`` (to replay a measured step).
-    Raises PipelineDeadlock when no rank can go on, ValueError for an input a rank has not
-    made yet on itself (an order that cannot run).
-    """
-    p, m, v = stages, micro_batches, virtual_stages
-    v_shape, last = schedule in V_SHAPED, p * v - 1
-    plans = [schedule_actions(schedule, p, m, r, v) for r in range(p)]
-    split = [{(a.micro_batch, a.chunk) for a in plan if a.kind == "W"} for plan in plans]
-    timeline = Timeline(p, m, v, schedule=schedule)
-    ended: Dict[Tuple[str, int, int], float] = {}  # (kind, micro-batch, stage) -> end time
-    clock, pos = [0.0] * p, [0] * p
-
-    def needs(action: Action, s: int) -> Tuple[str, int]:
-        if action.kind == "F":
-            return "F", s - 1
-        if action.kind == "B":
-            return ("B", s + 1) if s < last else ("F", s)
-        return "B", s
-
-    progress = True
-    while progress:
-        progress = False
-        for r in range(p):
-            while pos[r] < len(plans[r]):
-                action = plans[r][pos[r]]
-                s, mb = stage_index(r, action.chunk, p, v_shape), action.micro_batch
-                kind, source = needs(action, s)
-                ready = clock[r]
-                if 0 <= source <= last:
-                    local = rank_of_stage(source, p, v_shape) == r
-                    if (kind, mb, source) not in ended:
-                        if local:
-                            raise ValueError(f"rank {r} runs {action} (stage {s}) before "
-                                             f"{kind}{mb} of stage {source}, which it needs")
-                        break
-                    ready = max(ready, ended[(kind, mb, source)] + (0.0 if local else comm))
-                f, b, w = (forward, backward, weight) if stage_costs is None else stage_costs[s]
-                cost = {"F": f, "W": w}.get(action.kind, b)
-                if action.kind == "B" and (mb, action.chunk) not in split[r]:
-                    cost += w  # a full backward
-                if durations is not None:
-                    cost = durations[(r, str(action))]
-                timeline.record(r, action, ready, ready + cost)
-                ended[(action.kind, mb, s)] = clock[r] = ready + cost
-                pos[r] += 1
-                progress = True
-    stuck = {r: str(plans[r][pos[r]]) for r in range(p) if pos[r] < len(plans[r])}
-    if stuck:
-        raise PipelineDeadlock(f"{schedule} p={p} m={m} v={v}: ranks wait at {stuck}")
-    return timeline
-
-
-# ---- measured: the activations a schedule holds ----------------------------------------------
-
-
-class ActivationMeter:
-    """Bytes autograd saved in each (micro-batch, chunk)'s forward, alive until its last
-    backward (W, or a full B) frees them: the activation memory a schedule holds, measured.
-
-    ``with meter.saving(key): out = chunk(x)`` counts every saved tensor's storage once
-    (parameters excluded: they are not activations); ``meter.free(key)`` when its graph goes.
-    Off unless ``enabled``: its hooks would hide the saved tensors from any outer
-    ``saved_tensors_hooks`` (autograd uses the innermost pair only), e.g. the benchmark's
-    ``saved_activation_bytes``, and cost a little on every step.
-    """
-
-    def __init__(self, params: Sequence[torch.Tensor], enabled: bool = False) -> None:
-        self.enabled = enabled
-        self.param_storages = {p.untyped_storage().data_ptr() for p in params}
-        self.live: Dict[tuple, Dict[int, int]] = {}  # key -> {storage pointer: bytes}
-        self.peak_bytes = self.peak_count = 0
-
-    def reset(self) -> None:
-        self.live.clear()
-        self.peak_bytes = self.peak_count = 0
-
-    @contextmanager
-    def saving(self, key: tuple) -> Iterator[None]:
-        if not self.enabled:
-            yield
-            return
-        storages = self.live.setdefault(key, {})
-
-        def pack(tensor: torch.Tensor) -> torch.Tensor:
-            storage = tensor.untyped_storage()
-            if storage.data_ptr() not in self.param_storages:
-                storages[storage.data_ptr()] = storage.nbytes()
-            return tensor
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            yield
-        self.peak_count = max(self.peak_count, len(self.live))
-        self.peak_bytes = max(self.peak_bytes, self.bytes())
-
-    def free(self, key: tuple) -> None:
-        self.live.pop(key, None)
-
-    def bytes(self) -> int:
-        return sum(sum(storages.values()) for storages in self.live.values())

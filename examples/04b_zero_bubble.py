@@ -1,0 +1,109 @@
+"""Chapter 04b: zero-bubble pipeline schedules. Each backward is split in two, and the weight
+gradients fill the bubble.
+
+    scripts/launch.sh examples/04b_zero_bubble.py --nproc-per-node 2 -- --check
+    scripts/launch.sh examples/04b_zero_bubble.py --nproc-per-node 4 -- --pp 4 --check
+    scripts/launch.sh examples/04b_zero_bubble.py --nproc-per-node 2 -- \\
+        --schedule zbv --virtual-stages 2 --check
+    scripts/launch.sh examples/04b_zero_bubble.py --nproc-per-node 4 -- --tp 2 --check
+    scripts/launch.sh examples/04b_zero_bubble.py --nproc-per-node 2 -- --schedule dualpipev \\
+        --virtual-stages 2 --impl torch --check
+
+Chapter 04's script with the split backward: the schedule is a ``ZeroBubbleSchedule``
+(split_backward.py), which runs B (the input gradient) at once and W (the weight gradient)
+later, with asynchronous sends; zbv and dualpipev place two chunks per rank in a V (stages r
+and 2p - 1 - r). The timeline shows each W as a digit, and its theory is the schedule
+simulated with F = B = W.
+"""
+
+import sys
+
+from scaletorch.dist import (destroy_distributed, destroy_pg_manager, get_ledger, init_distributed,
+                             init_pg_manager_from_config)
+from scaletorch.models import build_model, loss_fn
+from scaletorch.parallel.pipeline_native import TorchPipelineSchedule
+from scaletorch.parallel.pipeline_parallel import (apply_data_parallel_to_chunks,
+                                                   apply_pipeline_parallel,
+                                                   gather_pipeline_state_dict, gather_timeline)
+from scaletorch.parallel.split_backward import ZeroBubbleSchedule
+from scaletorch.parallel.tensor_parallel import (apply_tensor_parallel,
+                                                 tensor_parallel_clip_grad_norm,
+                                                 tensor_parallel_loss_fn)
+from scaletorch.schedule.placement import V_SHAPED, ZERO_BUBBLE
+from scaletorch.trainer import Trainer, check_against_reference, load_config
+
+
+def limits(cfg, world_size: int) -> None:
+    """This chapter's scope (load_config checks it with the layout, before anything starts)."""
+    p, t = cfg.parallel, cfg.training
+    if p.schedule not in ZERO_BUBBLE:
+        raise ValueError(f"04b_zero_bubble runs zb-h1, zbv and dualpipev; {p.schedule} is "
+                         f"chapter 04's: run examples/04_pipeline_parallel.py")
+    if p.context_parallel_size > 1 or p.expert_model_parallel_size > 1 or p.impl == "naive":
+        raise ValueError("04b_zero_bubble composes pp with dp and tp (impl scaletorch or "
+                         "torch); context and expert parallel join in 07_nd_parallel")
+    if p.pipeline_model_parallel_size < 2:
+        raise ValueError(f"04b_zero_bubble needs pipeline_model_parallel_size >= 2 (--pp), "
+                         f"got {p.pipeline_model_parallel_size}")
+    later = {
+        "--zero-stage": p.zero_stage > 0,
+        "tied embeddings": cfg.model.tie_word_embeddings,
+        "MoE": cfg.model.num_experts > 0,
+        "fp16": t.precision == "fp16",
+        "--activation-checkpointing": p.activation_checkpointing != "none",
+        "--impl torch with --tp": p.impl == "torch" and p.tensor_model_parallel_size > 1
+    }
+    if any(later.values()):
+        raise ValueError(f"04b_zero_bubble composes pp with dp and tp only: "
+                         f"{', '.join(k for k, v in later.items() if v)} under a pipeline "
+                         f"in 07_nd_parallel")
+
+
+def main() -> int:
+    cfg = load_config("examples/configs/04b_zero_bubble.yaml",
+                      "Chapter 04b: zero-bubble pipeline schedules", limits)
+    env = init_distributed(cfg.training.timeout_seconds)
+    p, m = cfg.parallel, cfg.data.num_micro_batches
+    pgm = init_pg_manager_from_config(p, cfg.training.timeout_seconds)
+    pgm.log_topology()
+
+    model = build_model(cfg.model, seed=cfg.training.model_seed).to(env.device)
+    loss = loss_fn
+    if pgm.tensor_model_parallel_world_size > 1:  # chapter 03 first, on the whole model
+        apply_tensor_parallel(model, pgm, p.sequence_parallel)
+        loss = tensor_parallel_loss_fn(pgm)
+    # chapter 04's cut (in a V for zbv and dualpipev), chapter 01's wrapper around each chunk
+    pipe = apply_pipeline_parallel(model, pgm, p.virtual_pipeline_stages, p.layer_split,
+                                   p.sequence_parallel, v_shape=p.schedule in V_SHAPED)
+    apply_data_parallel_to_chunks(pipe, pgm, p.impl, p.bucket_size_mb)
+    # the new idea: a schedule whose backward is B now, W later
+    schedule = TorchPipelineSchedule(pipe, pgm, p.schedule, m) if p.impl == "torch" else \
+        ZeroBubbleSchedule(pipe, pgm, p.schedule, m, loss)
+    # chapter 03's clip, one rule: each element once over the world; the stages' squares add up
+    clip = tensor_parallel_clip_grad_norm(pipe, pgm)
+    result = Trainer(cfg, pipe, pgm, device=env.device, forward_backward=schedule,
+                     clip_grad_norm=clip).train()
+
+    # What this chapter is about: the W's in the bubble.
+    ledger, last = get_ledger(), cfg.training.steps - 1
+    timeline = None if p.impl == "torch" else gather_timeline(schedule.timeline, pgm)
+    if pgm.rank == 0:
+        print(ledger.table(step=last))
+        if timeline is not None:
+            print(f"timeline of step {last} ({p.schedule}; a-z: forward of micro-batch 0-25, "
+                  f"A-Z: its backward (B), 0-9: its weight gradient (W), '.': idle or "
+                  f"waiting):")
+            print(timeline.chart())
+            print(timeline.summary())
+
+    ok = True
+    if cfg.check:
+        full = gather_pipeline_state_dict(pipe, pgm)  # every stage, gathered over tp, on rank 0
+        ok = check_against_reference(cfg, result.losses, env.device, full, result.start_step)
+    destroy_pg_manager()
+    destroy_distributed()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

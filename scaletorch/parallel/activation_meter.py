@@ -1,0 +1,58 @@
+"""The activations a pipeline schedule holds, measured: bytes autograd saved per micro-batch.
+
+Chapter 09's meter (its planner predicts these bytes), attached to a pipeline schedule from
+outside: ``schedule.meter = ActivationMeter(list(pipe.parameters()), enabled=True)``; the
+schedule wraps each forward in ``meter.saving(key)`` and calls ``meter.free(key)`` at the
+micro-batch's last backward (W, or a full B).
+"""
+
+from contextlib import contextmanager
+from typing import Dict, Iterator, Sequence
+
+import torch
+
+
+class ActivationMeter:
+    """Bytes autograd saved in each (micro-batch, chunk)'s forward, alive until its last
+    backward (W, or a full B) frees them: the activation memory a schedule holds, measured.
+
+    ``with meter.saving(key): out = chunk(x)`` counts every saved tensor's storage once
+    (parameters excluded: they are not activations); ``meter.free(key)`` when its graph goes.
+    Off unless ``enabled``: its hooks would hide the saved tensors from any outer
+    ``saved_tensors_hooks`` (autograd uses the innermost pair only), e.g. the benchmark's
+    ``saved_activation_bytes``, and cost a little on every step.
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor], enabled: bool = False) -> None:
+        self.enabled = enabled
+        self.param_storages = {p.untyped_storage().data_ptr() for p in params}
+        self.live: Dict[tuple, Dict[int, int]] = {}  # key -> {storage pointer: bytes}
+        self.peak_bytes = self.peak_count = 0
+
+    def reset(self) -> None:
+        self.live.clear()
+        self.peak_bytes = self.peak_count = 0
+
+    @contextmanager
+    def saving(self, key: tuple) -> Iterator[None]:
+        if not self.enabled:
+            yield
+            return
+        storages = self.live.setdefault(key, {})
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in self.param_storages:
+                storages[storage.data_ptr()] = storage.nbytes()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            yield
+        self.peak_count = max(self.peak_count, len(self.live))
+        self.peak_bytes = max(self.peak_bytes, self.bytes())
+
+    def free(self, key: tuple) -> None:
+        self.live.pop(key, None)
+
+    def bytes(self) -> int:
+        return sum(sum(storages.values()) for storages in self.live.values())

@@ -1,0 +1,70 @@
+"""Tied embeddings under a pipeline (Megatron's way): a copy on the last stage, gradients summed.
+
+A model with ``tie_word_embeddings`` uses one weight for the embedding (first stage) and the
+output layer (last stage). Under a pipeline those live on different ranks, so the last stage
+gets its own copy (``untie_across_stages``, before the cut), and after backward one all-reduce
+over the embedding group (pg_manager: the pipeline's first and last rank) sums the two copies'
+gradients (``sync_tied_embedding_grads``), so both stay equal. In a V (zbv, dualpipev) both
+stages are rank 0's chunks: they share the one parameter, as on one device, and its two uses
+accumulate into its one ``.grad`` (no copy, no embedding group). ``parallelize`` (chapter 07)
+attaches this to the pipeline schedule from outside (``attach_tied_embedding_sync``).
+"""
+
+from typing import List, Sequence
+
+import torch
+from torch import nn
+
+from scaletorch.dist import ProcessGroupManager, comm
+from scaletorch.models import Llama
+from scaletorch.parallel.pipeline_parallel import PipelineModel, PipelineSchedule
+
+
+def untie_across_stages(model: Llama) -> None:
+    """Give the output layer its own copy of the tied weight (before the cut into stages).
+
+    Same init without communication: every rank built the whole model from one seed, so the
+    copy is the clone of bit-identical values. Both copies are tagged ``shared_embedding``
+    (the sync finds them by it; the clip counts them as 2 replicas; ZeRO gives the copy its own
+    unit); the copy keeps the tensor-parallel tags, as the vocabulary rows are split alike.
+    """
+    weight = model.embed_tokens.weight
+    weight.shared_embedding = True  # type: ignore[attr-defined]
+    copy = nn.Parameter(weight.detach().clone(), requires_grad=weight.requires_grad)
+    copy.__dict__.update(weight.__dict__)  # tensor_model_parallel, partition_dim, vocab_padding
+    model.lm_head.weight = copy
+
+
+def tied_embedding_params(module: nn.Module) -> List[torch.Tensor]:
+    """The copies of a tied embedding that ``module`` holds (after any wrapper: ZeRO tags the
+    shard of the unit that holds one)."""
+    return [p for p in module.parameters() if getattr(p, "shared_embedding", False)]
+
+
+def sync_tied_embedding_grads(params: Sequence[torch.Tensor], pgm: ProcessGroupManager) -> None:
+    """Sum the gradients of the tied embedding's two copies over the embedding group (first and
+    last pipeline rank): one all-reduce of V x h / tp elements (or a ZeRO shard of them) per
+    step, after the data-parallel sync. ``params``: this rank's copies, none on a middle
+    stage (then nothing to do: it is in no embedding group)."""
+    for param in params:
+        if param.grad is None:  # a copy with no use this step still joins the sum
+            param.grad = torch.zeros_like(param)
+        comm.all_reduce(param.grad, pgm.embedding_group)
+
+
+def attach_tied_embedding_sync(schedule: PipelineSchedule, pgm: ProcessGroupManager) -> None:
+    """After each step's backward (and data-parallel syncs), sum this rank's copies' gradients."""
+    params = tied_embedding_params(schedule.pipe)
+    schedule.after_backward.append(lambda: sync_tied_embedding_grads(params, pgm))
+
+
+def check_v_shape_wrappers(pipe: PipelineModel, pgm: ProcessGroupManager) -> None:
+    """Refuse to wrap a V's chunks one by one for data parallel when they share the tied weight
+    (validation.py refuses the layout first for ``parallelize``)."""
+    if pipe.v_shape and pgm.data_parallel_world_size_with_context > 1 and \
+            any(p is q for p in pipe.chunks[0].parameters() for q in pipe.chunks[1].parameters()):
+        raise ValueError(f"tie_word_embeddings with a V-shaped schedule (zbv, dualpipev) and data "
+                         f"parallel over dp_cp ({pgm.data_parallel_world_size_with_context}): "
+                         f"rank 0's two chunks share the tied weight, and each chunk's wrapper "
+                         f"would sync it on its own; run the V with dp_cp 1, or use afab, 1f1b, "
+                         f"interleaved or zb-h1")

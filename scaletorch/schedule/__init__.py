@@ -1,0 +1,1 @@
+"""Pipeline schedules as plain data, no torch: stage placement, per-rank orders, simulators."""

@@ -1,0 +1,79 @@
+"""Every pipeline schedule by name (chapter 04's classic ones and 04b's zero-bubble ones):
+validation, per-rank units and actions, the point-to-point plan. What the planner, the
+simulators and the zero-bubble runtime look schedules up in."""
+
+from typing import List
+
+from scaletorch.schedule.orders import Action, Step, classic_units, comm_plan
+from scaletorch.schedule.placement import CLASSIC, SCHEDULES, V_SHAPED, ZERO_BUBBLE
+from scaletorch.schedule.zero_bubble_orders import validate_zero_bubble, zero_bubble_units
+
+
+def validate_schedule(schedule: str, stages: int, micro_batches: int,
+                      virtual_stages: int = 1) -> None:
+    """Raise ValueError for a schedule that cannot run with these numbers."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"pipeline schedule must be one of {', '.join(SCHEDULES)}, "
+                         f"got {schedule!r}")
+    check_sizes(stages, micro_batches, virtual_stages)
+    if schedule in ZERO_BUBBLE:
+        validate_zero_bubble(schedule, stages, micro_batches, virtual_stages)
+    else:
+        validate_classic(schedule, stages, micro_batches, virtual_stages)
+
+
+def check_sizes(stages: int, micro_batches: int, virtual_stages: int) -> None:
+    """Raise ValueError for a size below 1, or chunks per rank without a pipeline."""
+    sizes = {
+        "pipeline_model_parallel_size": stages,
+        "num_micro_batches": micro_batches,
+        "virtual_pipeline_stages": virtual_stages
+    }
+    for name, value in sizes.items():
+        if value < 1:
+            raise ValueError(f"{name} must be positive, got {value}")
+    if virtual_stages > 1 and stages == 1:
+        raise ValueError(f"virtual_pipeline_stages ({virtual_stages}) needs a pipeline: "
+                         f"pipeline_model_parallel_size is 1 (set --pp)")
+
+
+def validate_classic(schedule: str, stages: int, micro_batches: int,
+                     virtual_stages: int = 1) -> None:
+    """Raise ValueError for afab, 1f1b or interleaved when it cannot run with these numbers."""
+    if schedule not in CLASSIC:
+        raise ValueError(f"pipeline schedule must be one of {', '.join(CLASSIC)}, "
+                         f"got {schedule!r}")
+    if virtual_stages > 1 and schedule != "interleaved":
+        raise ValueError(f"virtual_pipeline_stages ({virtual_stages}) > 1 needs the "
+                         f"interleaved schedule, got {schedule!r} (set --schedule interleaved)")
+    if schedule == "1f1b" and micro_batches < stages:
+        raise ValueError(f"1F1B needs num_micro_batches ({micro_batches}) >= "
+                         f"pipeline_model_parallel_size ({stages}) to fill the pipeline: set "
+                         f"--micro-batches {stages} or more, or --schedule afab")
+    if schedule == "interleaved" and micro_batches % stages != 0:
+        raise ValueError(f"interleaved 1F1B needs num_micro_batches ({micro_batches}) "
+                         f"divisible by pipeline_model_parallel_size ({stages}): set "
+                         f"--micro-batches to a multiple of {stages}")
+
+
+def schedule_units(schedule: str, stages: int, micro_batches: int, rank: int,
+                   virtual_stages: int = 1) -> List[List[Action]]:
+    """The work of pipeline rank ``rank`` for one step, in units whose p2p is batched."""
+    validate_schedule(schedule, stages, micro_batches, virtual_stages)
+    if schedule in ZERO_BUBBLE:
+        return zero_bubble_units(schedule, stages, micro_batches, rank)
+    return classic_units(schedule, stages, micro_batches, rank, virtual_stages)
+
+
+def schedule_actions(schedule: str, stages: int, micro_batches: int, rank: int,
+                     virtual_stages: int = 1) -> List[Action]:
+    """The ordered work of pipeline rank ``rank`` for one optimizer step."""
+    units = schedule_units(schedule, stages, micro_batches, rank, virtual_stages)
+    return [action for unit in units for action in unit]
+
+
+def schedule_plan(schedule: str, stages: int, micro_batches: int, rank: int,
+                  virtual_stages: int = 1) -> List[Step]:
+    """``comm_plan`` of ``schedule_units``: what a rendezvous executor of rank ``rank`` runs."""
+    units = schedule_units(schedule, stages, micro_batches, rank, virtual_stages)
+    return comm_plan(units, rank, stages, virtual_stages, schedule in V_SHAPED)

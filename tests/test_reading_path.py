@@ -1,0 +1,173 @@
+"""Each chapter reads in one sitting: its reading path, checked against the code and its page.
+
+A chapter's reading path is what its script reaches by imports inside the strategy code: every
+import statement (top level, in a function, under TYPE_CHECKING), followed through
+scaletorch/parallel, scaletorch/schedule, scaletorch/rules and scaletorch/plan. The shared
+infrastructure of chapter 00 (dist, models, data, config, trainer) is not followed: a learner
+met it before the first strategy.
+
+The rules (doc/design.md):
+- a chapter's path holds no module that a later chapter introduces;
+- it adds at most 700 lines over the paths of the chapters before it;
+- no strategy module is over 400 lines;
+- the chapter's page opens with its reading path: the files it adds, in reading order, with
+  their line counts, and the total. A page whose counts drift from the code fails here.
+"""
+
+import ast
+import os
+import re
+import unittest
+from typing import Dict, List, Set, Tuple
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FOLLOWED = ("scaletorch.parallel", "scaletorch.schedule", "scaletorch.rules", "scaletorch.plan")
+BUDGET = 700  # lines a chapter may add to the ones before it
+MODULE_LIMIT = 400  # lines of one strategy module
+
+# (chapter, script, page), in reading order
+CHAPTERS: List[Tuple[str, str, str]] = [
+    ("01", "examples/01_ddp.py", "doc/01_ddp.md"),
+    ("02", "examples/02_fsdp.py", "doc/02_fsdp.md"),
+    ("03", "examples/03_tensor_parallel.py", "doc/03_tensor_parallel.md"),
+    ("04", "examples/04_pipeline_parallel.py", "doc/04_pipeline_parallel.md"),
+    ("04b", "examples/04b_zero_bubble.py", "doc/04b_zero_bubble.md"),
+    ("05", "examples/05_context_parallel.py", "doc/05_context_parallel.md"),
+    ("06", "examples/06_expert_parallel.py", "doc/06_expert_parallel.md"),
+    ("07", "examples/07_nd_parallel.py", "doc/07_nd_parallel.md"),
+    ("08", "examples/08_mixed_precision.py", "doc/08_mixed_precision.md"),
+]
+# Modules that a later chapter introduces: no earlier chapter's path may reach them.
+INTRODUCED_LATER: Dict[str, str] = {
+    "scaletorch/parallel/parallelize.py": "07",
+    "scaletorch/parallel/param_map.py": "07",
+    "scaletorch/parallel/native.py": "07",
+    "scaletorch/parallel/activation_checkpointing.py": "07",
+    "scaletorch/parallel/validation.py": "07",
+    "scaletorch/parallel/memory_report.py": "07",
+    "scaletorch/parallel/mixed_precision.py": "08",
+    "scaletorch/plan/": "09",
+}
+
+
+def chapters() -> List[Tuple[str, str, str]]:
+    """The chapters whose script exists (04b, zero bubble, has a script of its own)."""
+    return [c for c in CHAPTERS if os.path.isfile(os.path.join(ROOT, c[1]))]
+
+
+def module_file(name: str) -> str:
+    base = os.path.join(ROOT, *name.split("."))
+    for candidate in (base + ".py", os.path.join(base, "__init__.py")):
+        if os.path.isfile(candidate):
+            return os.path.relpath(candidate, ROOT)
+    return ""
+
+
+def imports(path: str) -> Set[str]:
+    with open(os.path.join(ROOT, path)) as f:
+        tree = ast.parse(f.read(), path)
+    out: Set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.add(node.module)
+            out.update(f"{node.module}.{a.name}" for a in node.names)
+    return {m for m in out if m.startswith("scaletorch")}
+
+
+def lines(path: str) -> int:
+    with open(os.path.join(ROOT, path)) as f:
+        return sum(1 for _ in f)
+
+
+def reach(script: str) -> Dict[str, int]:
+    """{file: lines} of every followed module that ``script`` reaches. A package's __init__
+    that only names the package (no imports) is not reading."""
+    seen: Dict[str, int] = {}
+    todo = list(imports(script))
+    while todo:
+        name = todo.pop()
+        path = module_file(name)
+        if not path or path in seen or not name.startswith(FOLLOWED):
+            continue
+        if path.endswith("__init__.py") and not imports(path):
+            continue
+        seen[path] = lines(path)
+        todo.extend(imports(path))
+    return seen
+
+
+def page_table(page: str) -> Tuple[List[Tuple[str, int]], int]:
+    """The rows of the page's "## Reading path" table: ([(file, lines)], total)."""
+    with open(os.path.join(ROOT, page)) as f:
+        text = f.read()
+    match = re.search(r"^## Reading path\n(.*?)(?=^## |\Z)", text, re.M | re.S)
+    if match is None:
+        raise AssertionError(f"{page} has no '## Reading path' section")
+    rows = re.findall(r"^\| `([^`]+\.py)` \| (\d+) \|", match.group(1), re.M)
+    total = re.search(r"^\| total \| (\d+) \|", match.group(1), re.M)
+    if total is None:
+        raise AssertionError(f"{page}: the reading path table has no 'total' row")
+    return [(f, int(n)) for f, n in rows], int(total.group(1))
+
+
+def introduced_later(path: str) -> str:
+    for prefix, chapter in INTRODUCED_LATER.items():
+        if path == prefix or (prefix.endswith("/") and path.startswith(prefix)):
+            return chapter
+    return ""
+
+
+def order(chapter: str) -> Tuple[int, str]:
+    return int(chapter[:2]), chapter[2:]
+
+
+class ReadingPathTest(unittest.TestCase):
+
+    def test_each_page_lists_what_its_chapter_adds_with_true_line_counts(self) -> None:
+        before: Set[str] = set()
+        checked = 0
+        for chapter, script, page in chapters():
+            path = reach(script)
+            new = {f: n for f, n in path.items() if f not in before}
+            rows, total = page_table(page)
+            with self.subTest(chapter=chapter):
+                self.assertEqual(sorted(f for f, _ in rows), sorted(new),
+                                 f"{page}: the files chapter {chapter} adds")
+                self.assertEqual({f: n for f, n in rows}, new, f"{page}: line counts")
+                self.assertEqual(total, sum(new.values()), f"{page}: total")
+            before |= set(path)
+            checked += 1
+        self.assertGreaterEqual(checked, 8)
+
+    def test_a_chapter_adds_at_most_700_lines_and_nothing_from_a_later_chapter(self) -> None:
+        before: Set[str] = set()
+        for chapter, script, _ in chapters():
+            path = reach(script)
+            added = sum(n for f, n in path.items() if f not in before)
+            later = sorted(f for f in path
+                           if introduced_later(f) and order(introduced_later(f)) > order(chapter))
+            with self.subTest(chapter=chapter):
+                self.assertLessEqual(added, BUDGET, f"chapter {chapter} adds {added} lines")
+                self.assertEqual(later, [], f"chapter {chapter} reaches later chapters' modules")
+            before |= set(path)
+
+    def test_no_strategy_module_is_over_400_lines(self) -> None:
+        sizes = {}
+        for folder in ("scaletorch/parallel", "scaletorch/schedule"):
+            for name in sorted(os.listdir(os.path.join(ROOT, folder))):
+                if name.endswith(".py"):
+                    sizes[f"{folder}/{name}"] = lines(f"{folder}/{name}")
+        self.assertGreater(len(sizes), 10)
+        self.assertEqual({f: n for f, n in sizes.items() if n > MODULE_LIMIT}, {})
+
+    def test_no_numbered_script_before_chapter_07_calls_parallelize(self) -> None:
+        for chapter, script, _ in chapters():
+            if order(chapter) < order("07"):
+                with open(os.path.join(ROOT, script)) as f:
+                    self.assertNotIn("parallelize(", f.read(), script)
+
+
+if __name__ == "__main__":
+    unittest.main()
