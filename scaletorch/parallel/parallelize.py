@@ -187,7 +187,8 @@ def parallelize(model: Llama, cfg: "Config", pgm: ProcessGroupManager,
     loss: LossFn = loss_fn
     shard_sequence: Optional[Callable] = None
     if cfg.model.num_experts > 0:  # 1 (also at ep 1: the routing statistics over dp_cp)
-        shard_experts(model, pgm)
+        # the routed tokens cross the wire in autocast's dtype (chapter 08)
+        shard_experts(model, pgm, _compute_dtype(cfg, device))
     if pgm.tensor_model_parallel_world_size > 1:  # 2, activations on the wire in autocast's dtype
         apply_tensor_parallel(model, pgm, p.sequence_parallel, _compute_dtype(cfg, device))
         loss = tensor_parallel_loss_fn(pgm)
