@@ -171,8 +171,8 @@ def apply_context_parallel(model: nn.Module, pgm: ProcessGroupManager, variant: 
     return model
 
 
-def gather_context_parallel_state_dict(model: nn.Module,
-                                       pgm: ProcessGroupManager) -> Optional[Dict[str, torch.Tensor]]:
+def gather_context_parallel_state_dict(
+        model: nn.Module, pgm: ProcessGroupManager) -> Optional[Dict[str, torch.Tensor]]:
     """Collective over "tp": the reference-keyed full weights on global rank 0, None elsewhere.
 
     Context parallel splits tokens, not weights: every cp rank holds the same weights, so this

@@ -157,8 +157,8 @@ class ExpertParallel(ModuleWrapper, nn.Module):
     ``finish_grad_sync`` (called by the trainer's step after the last backward): dense
     gradients averaged over "dp_cp", expert gradients summed over "edp" and divided by the
     same R = |dp_cp| (see the module docstring). ``state_dict`` is the wrapped model's; the
-    expert shards carry the ``expert_parallel`` tag, by which ``grad_norm.replica_count`` counts
-    their copies and ``ParamMap`` gathers them over "ep" (dim 0).
+    expert shards carry the ``expert_parallel`` tag, by which ``expert_copies`` counts their
+    copies and ``gather_expert_parallel_state_dict`` gathers them over "ep" (dim 0).
     """
 
     def __init__(self, module: nn.Module, pgm: ProcessGroupManager) -> None:
@@ -240,8 +240,8 @@ def expert_parallel_clip_grad_norm(model: nn.Module,
     return clip
 
 
-def gather_expert_parallel_state_dict(model: nn.Module,
-                                      pgm: ProcessGroupManager) -> Optional[Dict[str, torch.Tensor]]:
+def gather_expert_parallel_state_dict(
+        model: nn.Module, pgm: ProcessGroupManager) -> Optional[Dict[str, torch.Tensor]]:
     """Collective over "ep", then "tp": the reference-keyed full weights on global rank 0, None
     elsewhere. Expert shards are all-gathered along dim 0 (rank j of "ep" holds experts
     [j E/P, (j+1) E/P)); the dense weights are chapter 03's gather."""

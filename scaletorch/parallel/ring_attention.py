@@ -224,7 +224,7 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(
-            ctx: Any, dout: torch.Tensor
+        ctx: Any, dout: torch.Tensor
     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None, None, None]:
         q, k, v, out, lse = ctx.saved_tensors
         group, scale = ctx.group, ctx.scale
