@@ -29,8 +29,8 @@ over the world. The returned ``param_map`` (param_map.py) knows where every refe
 consolidated.py writes and reads full weights *and* full AdamW state through it, so a run
 saved at one layout resumes at any other.
 
-``parallel.impl`` picks whose version runs, so each chapter's native comparison goes through
-this same call (chapters 01-06 all use ``parallelize``):
+``parallel.impl`` picks whose version runs, so every native comparison of the N-D layouts
+goes through this same call (chapters 07, 08 and 10 use ``parallelize``):
 
     scaletorch  ours, by hand, every combination above
     naive       data parallel as one all-reduce per parameter after backward (chapter 01)
