@@ -17,7 +17,7 @@ layer; ``ExpertParallel`` reduces expert gradients over "edp", dense ones over "
 
 import sys
 
-from scaletorch.config import recompute_mode
+from scaletorch.config import recompute_mode, resolve_precision
 from scaletorch.dist import (destroy_distributed, destroy_pg_manager, init_distributed,
                              init_pg_manager_from_config)
 from scaletorch.models import build_model, loss_fn
@@ -27,6 +27,7 @@ from scaletorch.parallel.expert_parallel import (ExpertParallel, ep_report,
 from scaletorch.parallel.step import make_data_parallel_step
 from scaletorch.parallel.tensor_parallel import apply_tensor_parallel, tensor_parallel_loss_fn
 from scaletorch.trainer import Trainer, check_against_reference, load_config
+from scaletorch.trainer.precision import DTYPES
 
 
 def limits(cfg, world_size: int) -> None:
@@ -56,11 +57,13 @@ def main() -> int:
     pgm = init_pg_manager_from_config(cfg.parallel, cfg.training.timeout_seconds)
     pgm.log_topology()
 
+    compute_dtype = DTYPES[resolve_precision(cfg, env.device.type)]  # what crosses the wire
+
     model = build_model(cfg.model, seed=cfg.training.model_seed).to(env.device)
-    shard_experts(model, pgm)  # the new idea: E/ep experts here, tokens travel to them
+    shard_experts(model, pgm, compute_dtype)  # the new idea: E/ep experts here, tokens go to them
     loss = loss_fn
     if pgm.tensor_model_parallel_world_size > 1:  # chapter 03: attention split, MoE whole
-        apply_tensor_parallel(model, pgm)
+        apply_tensor_parallel(model, pgm, compute_dtype=compute_dtype)
         loss = tensor_parallel_loss_fn(pgm)
     model = ExpertParallel(model, pgm)  # in place of DDP: dense over dp_cp, experts over edp
     step = make_data_parallel_step(model, cfg.data.num_micro_batches, pgm.data_parallel_rank,
