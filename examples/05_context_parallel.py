@@ -3,28 +3,48 @@
     scripts/launch.sh examples/05_context_parallel.py --nproc-per-node 2 -- --check
     scripts/launch.sh examples/05_context_parallel.py --nproc-per-node 4 -- --cp 2 --tp 2 --check
     scripts/launch.sh examples/05_context_parallel.py --nproc-per-node 4 -- --cp-variant ulysses
+    scripts/launch.sh examples/05_context_parallel.py --nproc-per-node 2 -- --impl torch --check
 
-Chapter 01's ``parallelize`` call, now with cp > 1: it swaps every attention for ring attention
-and returns a step that shards each sequence zigzag (positions go to RoPE) and averages
-gradients over data x context ranks (also when dp = 1).
+Chapter 01 plus two calls: ``apply_context_parallel`` swaps every attention for ring (or
+Ulysses) attention, and the step's sequence sharder keeps this rank's tokens of each sequence
+(zigzag) and passes their true positions to RoPE. Data parallel (chapter 01, ``--impl``)
+averages gradients over the data x context ranks, also when dp = 1: each cp rank's loss is
+over different tokens. With ``--tp`` chapter 03 splits the matrices first.
 """
 
 import sys
 
+from scaletorch.config import recompute_mode, resolve_precision
 from scaletorch.dist import (destroy_distributed, destroy_pg_manager, init_distributed,
                              init_pg_manager_from_config)
-from scaletorch.models import build_model
-from scaletorch.parallel.context_parallel import cp_report
-from scaletorch.parallel.parallelize import parallelize
+from scaletorch.models import build_model, loss_fn
+from scaletorch.parallel.context_parallel import (apply_context_parallel, cp_report,
+                                                  gather_context_parallel_state_dict,
+                                                  make_sequence_sharder)
+from scaletorch.parallel.data_parallel import apply_data_parallel
+from scaletorch.parallel.step import make_data_parallel_step
+from scaletorch.parallel.tensor_parallel import (apply_tensor_parallel,
+                                                 tensor_parallel_clip_grad_norm,
+                                                 tensor_parallel_loss_fn)
 from scaletorch.trainer import Trainer, check_against_reference, load_config
+from scaletorch.trainer.precision import DTYPES
 
 
 def limits(cfg, world_size: int) -> None:
     """This chapter's scope (load_config checks it with the layout, before anything starts)."""
     p = cfg.parallel
-    if p.pipeline_model_parallel_size > 1 or p.expert_model_parallel_size > 1:
-        raise ValueError("05_context_parallel composes cp with dp and tp; pipeline and expert "
-                         "parallel join in 07_nd_parallel")
+    later = {
+        "--pp": p.pipeline_model_parallel_size > 1,
+        "--ep": p.expert_model_parallel_size > 1,
+        "--zero-stage": p.zero_stage > 0,
+        "--activation-checkpointing": recompute_mode(p.activation_checkpointing) != "none",
+        "--training.precision fp16": cfg.training.precision == "fp16",
+        "--parallel.reduce_dtype": p.reduce_dtype != "fp32",
+    }
+    if any(later.values()):
+        raise ValueError(f"05_context_parallel composes cp with dp and tp; "
+                         f"{', '.join(k for k, v in later.items() if v)}: run "
+                         f"examples/07_nd_parallel.py, which composes every strategy")
     if p.context_parallel_size < 2:
         raise ValueError(f"05_context_parallel needs context_parallel_size >= 2 (--cp), got "
                          f"{p.context_parallel_size}")
@@ -34,13 +54,24 @@ def main() -> int:
     cfg = load_config("examples/configs/05_context_parallel.yaml",
                       "Chapter 05: context parallel (ring attention)", limits)
     env = init_distributed(cfg.training.timeout_seconds)
-    pgm = init_pg_manager_from_config(cfg.parallel, cfg.training.timeout_seconds)
+    p = cfg.parallel
+    pgm = init_pg_manager_from_config(p, cfg.training.timeout_seconds)
     pgm.log_topology()
 
-    model = build_model(cfg.model, seed=cfg.training.model_seed)
-    par = parallelize(model, cfg, pgm, env.device)  # tensor, then context, then data parallel
-    model = par.model
-    result = Trainer.from_parallelized(cfg, par, pgm, device=env.device).train()
+    model = build_model(cfg.model, seed=cfg.training.model_seed).to(env.device)
+    loss, clip = loss_fn, None
+    if pgm.tensor_model_parallel_world_size > 1:  # chapter 03 first: ring attention on its heads
+        compute_dtype = DTYPES[resolve_precision(cfg, env.device.type)]
+        apply_tensor_parallel(model, pgm, p.sequence_parallel, compute_dtype)
+        loss, clip = tensor_parallel_loss_fn(pgm), tensor_parallel_clip_grad_norm(model, pgm)
+    apply_context_parallel(model, pgm, p.cp_variant)  # the new idea: attention over the ring
+    model = apply_data_parallel(model, pgm, p.impl, p.bucket_size_mb)  # over dp x cp (dp_cp)
+    step = make_data_parallel_step(model, cfg.data.num_micro_batches, pgm.data_parallel_rank,
+                                   pgm.data_parallel_world_size,
+                                   pgm.data_parallel_group_with_context, loss,
+                                   shard_sequence=make_sequence_sharder(pgm, cfg.data.seq_len))
+    result = Trainer(cfg, model, pgm, device=env.device, forward_backward=step,
+                     clip_grad_norm=clip).train()
 
     # What this chapter is about: K/V traffic per layer and the causal work per rank.
     steps_run = cfg.training.steps - result.start_step
@@ -50,7 +81,7 @@ def main() -> int:
 
     ok = True
     if cfg.check:
-        full = par.full_state_dict()  # collective: the shards gathered over tp, on rank 0
+        full = gather_context_parallel_state_dict(model, pgm)  # collective over tp, on rank 0
         ok = check_against_reference(cfg, result.losses, env.device, full, result.start_step)
     destroy_pg_manager()
     destroy_distributed()

@@ -8,31 +8,43 @@
 The experts are carved out of the data-parallel ranks: with 4 processes and the config's ep 2,
 dp 4 = ep 2 x edp 2 (two ranks hold each half of the experts, each sees its own tokens).
 
-Chapter 01's ``parallelize`` call, now with ``num_experts`` > 0 in the config's model
-(chapter 00 builds the same MoE model, the reference of ``--check``): ``apply_expert_parallel``
-runs first and its wrapper takes the place of the data-parallel one: it keeps this rank's
-experts, routes tokens through two all-to-alls per layer, and reduces expert gradients over
-"edp", dense ones over "dp_cp". With ``--tp`` the attention is tensor parallel (chapter 03) and
-the MoE runs whole on every tp rank.
+Chapter 01 with ``num_experts`` > 0 in the config's model (chapter 00 builds the same MoE
+model, the reference of ``--check``) and two calls in place of the data-parallel wrapper:
+``shard_experts`` keeps this rank's experts and routes tokens through two all-to-alls per
+layer; ``ExpertParallel`` reduces expert gradients over "edp", dense ones over "dp_cp". With
+``--tp`` the attention is tensor parallel (chapter 03) and the MoE runs whole on every tp rank.
 """
 
 import sys
 
+from scaletorch.config import recompute_mode, resolve_precision
 from scaletorch.dist import (destroy_distributed, destroy_pg_manager, init_distributed,
                              init_pg_manager_from_config)
-from scaletorch.models import build_model
-from scaletorch.parallel.expert_parallel import ep_report
-from scaletorch.parallel.parallelize import parallelize
+from scaletorch.models import build_model, loss_fn
+from scaletorch.parallel.expert_parallel import (ExpertParallel, ep_report,
+                                                 expert_parallel_clip_grad_norm,
+                                                 gather_expert_parallel_state_dict, shard_experts)
+from scaletorch.parallel.step import make_data_parallel_step
+from scaletorch.parallel.tensor_parallel import apply_tensor_parallel, tensor_parallel_loss_fn
 from scaletorch.trainer import Trainer, check_against_reference, load_config
+from scaletorch.trainer.precision import DTYPES
 
 
 def limits(cfg, world_size: int) -> None:
     """This chapter's scope (load_config checks it with the layout, before anything starts)."""
     p = cfg.parallel
-    if p.pipeline_model_parallel_size > 1 or p.context_parallel_size > 1 or \
-            p.impl != "scaletorch" or p.sequence_parallel:
-        raise ValueError(f"06_expert_parallel composes ep with dp and tp (impl scaletorch, got "
-                         f"{p.impl!r}); pp, cp and sequence parallel are in 07_nd_parallel")
+    later = {
+        "--pp": p.pipeline_model_parallel_size > 1,
+        "--cp": p.context_parallel_size > 1,
+        "--sequence-parallel": p.sequence_parallel,
+        f"--impl {p.impl}": p.impl != "scaletorch",
+        "--activation-checkpointing": recompute_mode(p.activation_checkpointing) != "none",
+        "--training.precision fp16": cfg.training.precision == "fp16",
+    }
+    if any(later.values()):
+        raise ValueError(f"06_expert_parallel composes ep with dp and tp (impl scaletorch); "
+                         f"{', '.join(k for k, v in later.items() if v)}: run "
+                         f"examples/07_nd_parallel.py, which composes every strategy")
     if cfg.model.num_experts < 1:
         raise ValueError(f"06_expert_parallel needs a mixture-of-experts model "
                          f"(model.num_experts >= 1), got {cfg.model.num_experts}")
@@ -45,10 +57,20 @@ def main() -> int:
     pgm = init_pg_manager_from_config(cfg.parallel, cfg.training.timeout_seconds)
     pgm.log_topology()
 
-    model = build_model(cfg.model, seed=cfg.training.model_seed)
-    par = parallelize(model, cfg, pgm, env.device)  # expert, then tensor parallel
-    model = par.model
-    result = Trainer.from_parallelized(cfg, par, pgm, device=env.device).train()
+    compute_dtype = DTYPES[resolve_precision(cfg, env.device.type)]  # what crosses the wire
+
+    model = build_model(cfg.model, seed=cfg.training.model_seed).to(env.device)
+    shard_experts(model, pgm, compute_dtype)  # the new idea: E/ep experts here, tokens go to them
+    loss = loss_fn
+    if pgm.tensor_model_parallel_world_size > 1:  # chapter 03: attention split, MoE whole
+        apply_tensor_parallel(model, pgm, compute_dtype=compute_dtype)
+        loss = tensor_parallel_loss_fn(pgm)
+    model = ExpertParallel(model, pgm)  # in place of DDP: dense over dp_cp, experts over edp
+    step = make_data_parallel_step(model, cfg.data.num_micro_batches, pgm.data_parallel_rank,
+                                   pgm.data_parallel_world_size,
+                                   pgm.data_parallel_group_with_context, loss)
+    result = Trainer(cfg, model, pgm, device=env.device, forward_backward=step,
+                     clip_grad_norm=expert_parallel_clip_grad_norm(model, pgm)).train()
 
     # What this chapter is about: where the tokens went, and what moving them cost.
     report = ep_report(model, pgm, step=cfg.training.steps - 1)
@@ -57,7 +79,7 @@ def main() -> int:
 
     ok = True
     if cfg.check:
-        full = par.full_state_dict()  # collective: experts gathered over ep, on rank 0
+        full = gather_expert_parallel_state_dict(model, pgm)  # experts over ep, dense over tp
         ok = check_against_reference(cfg, result.losses, env.device, full, result.start_step)
     destroy_pg_manager()
     destroy_distributed()

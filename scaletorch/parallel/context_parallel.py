@@ -25,7 +25,7 @@ RoPE uses each token's true position (``zigzag_positions``), passed to the model
 computes the loss of different tokens, exactly like a data-parallel rank.
 """
 
-from typing import TYPE_CHECKING, Callable, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, Optional, Tuple
 
 import torch
 from torch import nn
@@ -35,9 +35,9 @@ from scaletorch.dist.comm import Group
 from scaletorch.dist.functional import all_to_all, gather_along_dim
 from scaletorch.models.llama import Attention, causal_attention
 from scaletorch.parallel.ring_attention import RingAttention, attention_block_counts, chunk_ids
-from scaletorch.plan.layout import recompute_mode
+from scaletorch.parallel.tensor_parallel import gather_tensor_parallel_state_dict
 
-if TYPE_CHECKING:  # the config module imports scaletorch.parallel
+if TYPE_CHECKING:
     from scaletorch.config import Config
 
 VARIANTS = ("ring", "ulysses")
@@ -150,7 +150,8 @@ def apply_context_parallel(model: nn.Module, pgm: ProcessGroupManager, variant: 
 
     Apply after tensor parallel (heads are then the local ones) and before data parallel,
     which must average gradients over ``pgm.data_parallel_group_with_context``.
-    ``impl`` ("math" or "fused", ring only) picks the block kernel.
+    ``impl`` ("math" or "fused", ring only) picks the block kernel; no config field sets it
+    (the tests and scripts/benchmarks/context_parallel.py compare the two).
     """
     if variant not in VARIANTS:
         raise ValueError(f"cp variant must be one of {', '.join(VARIANTS)}, got {variant!r}")
@@ -170,13 +171,23 @@ def apply_context_parallel(model: nn.Module, pgm: ProcessGroupManager, variant: 
     return model
 
 
+def gather_context_parallel_state_dict(
+        model: nn.Module, pgm: ProcessGroupManager) -> Optional[Dict[str, torch.Tensor]]:
+    """Collective over "tp": the reference-keyed full weights on global rank 0, None elsewhere.
+
+    Context parallel splits tokens, not weights: every cp rank holds the same weights, so this
+    is chapter 03's gather (which, at tp 1, is rank 0's own weights).
+    """
+    return gather_tensor_parallel_state_dict(model, pgm)
+
+
 def cp_report(cfg: "Config", model: nn.Module, pgm: ProcessGroupManager, steps_run: int,
               step: int) -> str:
     """What chapter 05 prints after training. Collective over "cp" (every rank's attention
     blocks are gathered); the text on global rank 0, "" elsewhere: the ledger's table of
-    ``step``, the K/V (ring) or q/k/v/out (Ulysses) traffic per layer next to its formula, what
-    activation checkpointing re-sent, and the causal work per cp rank. ``steps_run``: the
-    optimizer steps this process ran (the blocks are counted since it started)."""
+    ``step``, the K/V (ring) or q/k/v/out (Ulysses) traffic per layer next to its formula, and
+    the causal work per cp rank. ``steps_run``: the optimizer steps this process ran (the
+    blocks are counted since it started)."""
     p, d, ledger = cfg.parallel, cfg.data, get_ledger()
     cp, m, layers = pgm.context_parallel_world_size, d.num_micro_batches, cfg.model.num_layers
     b, s_local, hd = d.global_batch_size // pgm.data_parallel_world_size, d.seq_len // cp, \
@@ -191,9 +202,6 @@ def cp_report(cfg: "Config", model: nn.Module, pgm: ProcessGroupManager, steps_r
     # the bytes of what was sent: 2 per element under bf16 (chapter 08), 4 in fp32
     measured_mb = ledger.total(op=op, group="cp", step=step, phase="compute",
                                field="bytes") / layers / 1e6
-    # activation checkpointing re-runs each block's forward in backward: its K/V ring again
-    recomputed = ledger.total(op=op, group="cp", step=step, phase="recompute") / layers
-    forward = (cp - 1) * 2 * b * s_local * hkv * hd if p.cp_variant == "ring" else formula // 2
     blocks = attention_block_counts(model)
     device = next(model.parameters()).device
     per_forward = torch.tensor([blocks["full"], blocks["diagonal"]], device=device) \
@@ -208,9 +216,6 @@ def cp_report(cfg: "Config", model: nn.Module, pgm: ProcessGroupManager, steps_r
         f"{p.cp_variant} {what} traffic per layer per step per rank ({op} over cp): "
         f"{measured:,.0f} elements = {measured_mb:.3f} MB; formula {formula:,}"
     ]
-    if recompute_mode(p.activation_checkpointing) != "none":  # the ring is in the core
-        lines.append(f"recomputed (activation checkpointing): {recomputed:,.0f} elements per "
-                     f"layer; formula: the forward's {forward:,}")
     if p.cp_variant == "ring":
         pairs = all_blocks.view(cp, 2).tolist()
         lines.append("attention blocks per layer per forward, by cp rank (full + diagonal): " +

@@ -39,7 +39,7 @@ dropping on the run is not the reference's (which caps over all T tokens): parit
 """
 
 from functools import partial
-from typing import Any, Callable, List, Optional, Tuple, cast
+from typing import Any, Callable, Dict, List, Optional, Tuple, cast
 
 import torch
 from torch import nn
@@ -48,7 +48,8 @@ from scaletorch.dist import ProcessGroupManager, comm, get_ledger
 from scaletorch.dist.comm import Group
 from scaletorch.dist.functional import all_reduce_sum, all_to_all, gather_along_dim
 from scaletorch.models.moe import Experts, MoE
-from scaletorch.parallel.mixed_precision import to_compute
+from scaletorch.parallel.grad_norm import clip_grads_, replica_count, world_grad_norm
+from scaletorch.parallel.tensor_parallel import gather_tensor_parallel_state_dict
 from scaletorch.parallel.wrapper import ModuleWrapper
 
 
@@ -75,11 +76,12 @@ class AllToAllDispatcher:
 
     After each call: ``sent`` (P,) tokens this rank sent to each ep rank (itself included),
     ``received`` (P, E/P) tokens from each ep rank for each local expert, ``row_elements`` and
-    ``element_size`` of one token row (h elements).
+    ``element_size`` of one token row (h elements). ``compute_dtype`` (None: no cast): under
+    autocast the tokens cross in it, as the experts' matmul would cast them (chapter 08).
     """
 
-    def __init__(self, group: Group) -> None:
-        self.group = group
+    def __init__(self, group: Group, compute_dtype: Optional[torch.dtype] = None) -> None:
+        self.group, self.compute_dtype = group, compute_dtype
         self.sent: Optional[torch.Tensor] = None
         self.received: Optional[torch.Tensor] = None
         self.row_elements = self.element_size = 0
@@ -95,7 +97,10 @@ class AllToAllDispatcher:
         recv_counts = torch.empty_like(send_counts)  # [i, l]: rank i's tokens for my expert l
         comm.all_to_all_single(recv_counts, send_counts, group=self.group)
         send_splits, recv_splits = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
-        routed = to_compute(routed)  # the experts' matmul dtype under autocast (chapter 08)
+        dtype = self.compute_dtype
+        if dtype is not None and torch.is_autocast_enabled(routed.device.type) \
+                and routed.element_size() > dtype.itemsize:
+            routed = routed.to(dtype)  # the same numbers the matmul would cast, fewer bytes
         received = all_to_all(routed, recv_splits, send_splits, self.group)  # (M, h)
 
         # received is ordered (source rank, local expert); the experts want (local expert).
@@ -152,8 +157,8 @@ class ExpertParallel(ModuleWrapper, nn.Module):
     ``finish_grad_sync`` (called by the trainer's step after the last backward): dense
     gradients averaged over "dp_cp", expert gradients summed over "edp" and divided by the
     same R = |dp_cp| (see the module docstring). ``state_dict`` is the wrapped model's; the
-    expert shards carry the ``expert_parallel`` tag, by which ``grad_norm.replica_count`` counts
-    their copies and ``ParamMap`` gathers them over "ep" (dim 0).
+    expert shards carry the ``expert_parallel`` tag, by which ``expert_copies`` counts their
+    copies and ``gather_expert_parallel_state_dict`` gathers them over "ep" (dim 0).
     """
 
     def __init__(self, module: nn.Module, pgm: ProcessGroupManager) -> None:
@@ -179,14 +184,15 @@ def moe_layers(model: nn.Module) -> List[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 
-def shard_experts(model: nn.Module, pgm: ProcessGroupManager) -> nn.Module:
+def shard_experts(model: nn.Module, pgm: ProcessGroupManager,
+                  compute_dtype: Optional[torch.dtype] = None) -> nn.Module:
     """Shard every MoE layer's experts over "ep" in place; returns ``model``.
 
     Rank j of its ep group keeps experts [j E/P, (j+1) E/P) (copied from the full weights, so
     the run starts from the reference), its MoE layers dispatch through the all-to-alls, and
     their routing statistics are summed over "dp_cp". Dense weights stay whole (or as tensor
-    parallel left them). The gradients' sync is ``ExpertParallel``'s, applied last (parallelize
-    applies it as its data-parallel step, after tensor parallel and the pipeline cut).
+    parallel left them). The gradients' sync is ``ExpertParallel``'s, wrapped around the model
+    last (after tensor parallel). ``compute_dtype``: see ``AllToAllDispatcher``.
     """
     layers = moe_layers(model)
     ep = pgm.expert_model_parallel_world_size
@@ -201,7 +207,7 @@ def shard_experts(model: nn.Module, pgm: ProcessGroupManager) -> nn.Module:
             shard = nn.Parameter(full.detach()[rank * local:(rank + 1) * local].clone())
             setattr(shard, "expert_parallel", True)  # a tag: reduced over "edp", gathered over "ep"
             setattr(moe.experts, name, shard)
-        moe.dispatch_fn = AllToAllDispatcher(group)
+        moe.dispatch_fn = AllToAllDispatcher(group, compute_dtype)
         moe.global_stats_fn = stats_fn
     return model
 
@@ -210,6 +216,43 @@ def apply_expert_parallel(model: nn.Module, pgm: ProcessGroupManager) -> ExpertP
     """Chapter 06 on its own: ``shard_experts``, then the wrapper that syncs the gradients
     (dense over "dp_cp", experts over "edp"); the wrapper is what the trainer drives."""
     return ExpertParallel(shard_experts(model, pgm), pgm)
+
+
+def expert_copies(param: torch.Tensor, pgm: ProcessGroupManager) -> int:
+    """Ranks of the world holding an identical copy of ``param``'s gradient: an expert shard is
+    held by its "edp" group on every tp rank (the MoE runs whole under tensor parallel), any
+    other weight as grad_norm.py counts it."""
+    if _is_expert(param):
+        return pgm.expert_data_parallel_world_size * pgm.tensor_model_parallel_world_size
+    return replica_count(param, pgm)
+
+
+def expert_parallel_clip_grad_norm(model: nn.Module,
+                                   pgm: ProcessGroupManager) -> Callable[[float], torch.Tensor]:
+    """The Trainer's ``clip_grad_norm``: grad_norm.py's rule (each element's square divided by
+    its copies, ``expert_copies``), one all-reduce of one number over the world."""
+    params = list(model.parameters())
+    replicas = [(p, expert_copies(p, pgm)) for p in params]
+
+    def clip(max_norm: float) -> torch.Tensor:
+        return clip_grads_(params, max_norm, world_grad_norm(replicas, params[0].device))
+
+    return clip
+
+
+def gather_expert_parallel_state_dict(
+        model: nn.Module, pgm: ProcessGroupManager) -> Optional[Dict[str, torch.Tensor]]:
+    """Collective over "ep", then "tp": the reference-keyed full weights on global rank 0, None
+    elsewhere. Expert shards are all-gathered along dim 0 (rank j of "ep" holds experts
+    [j E/P, (j+1) E/P)); the dense weights are chapter 03's gather."""
+    experts = {}
+    with get_ledger().paused():  # a check, not training traffic
+        for name, t in model.state_dict(keep_vars=True).items():
+            if _is_expert(t):
+                experts[name] = gather_along_dim(t.detach(), 0,
+                                                 pgm.expert_model_parallel_group).float()
+    full = gather_tensor_parallel_state_dict(model, pgm)
+    return None if full is None else {**full, **experts}
 
 
 def all_to_all_elements(model: nn.Module, pgm: ProcessGroupManager) -> int:

@@ -29,8 +29,8 @@ over the world. The returned ``param_map`` (param_map.py) knows where every refe
 consolidated.py writes and reads full weights *and* full AdamW state through it, so a run
 saved at one layout resumes at any other.
 
-``parallel.impl`` picks whose version runs, so each chapter's native comparison can go through
-this same call:
+``parallel.impl`` picks whose version runs, so every native comparison of the N-D layouts
+goes through this same call (chapters 07, 08 and 10 use ``parallelize``):
 
     scaletorch  ours, by hand, every combination above
     naive       data parallel as one all-reduce per parameter after backward (chapter 01)
@@ -172,7 +172,8 @@ def parallelize(model: Llama, cfg: "Config", pgm: ProcessGroupManager,
     loss: LossFn = loss_fn
     shard_sequence: Optional[Callable] = None
     if cfg.model.num_experts > 0:  # 1 (also at ep 1: the routing statistics over dp_cp)
-        shard_experts(model, pgm)
+        # the routed tokens cross the wire in autocast's dtype (chapter 08)
+        shard_experts(model, pgm, _compute_dtype(cfg, device))
     if pgm.tensor_model_parallel_world_size > 1:  # 2, activations on the wire in autocast's dtype
         apply_tensor_parallel(model, pgm, p.sequence_parallel, _compute_dtype(cfg, device))
         loss = tensor_parallel_loss_fn(pgm)

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from scaletorch.dist import comm, get_ledger
+from scaletorch.dist import comm
 from scaletorch.dist.comm import Group
 
 ORDERS = ("zigzag", "contiguous")
@@ -194,7 +194,7 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group,
-                order: str, impl: str) -> torch.Tensor:
+                order: str, impl: str, counts: Dict[str, int]) -> torch.Tensor:
         cp, rank = comm.group_size(group), comm.group_rank(group)
         block_fwd, _ = BLOCK_FNS[impl]
         scale = 1.0 / math.sqrt(q.size(-1))
@@ -219,16 +219,20 @@ class _RingAttention(torch.autograd.Function):
             out = torch.cat([merged[0][0], merged[1][0]], dim=2).to(dtype)
             lse = torch.cat([merged[0][1], merged[1][1]], dim=2)  # softmax statistics: fp32
         ctx.save_for_backward(q, k, v, out, lse)  # q, k, v, out in the compute dtype
-        ctx.group, ctx.order, ctx.impl, ctx.scale = group, order, impl, scale
+        ctx.group, ctx.order, ctx.impl, ctx.scale, ctx.counts = group, order, impl, scale, counts
         return out
 
     @staticmethod
     def backward(
-            ctx: Any, dout: torch.Tensor
-    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None, None]:
+        ctx: Any, dout: torch.Tensor
+    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None, None, None]:
         q, k, v, out, lse = ctx.saved_tensors
         group, scale = ctx.group, ctx.scale
         cp, rank = comm.group_size(group), comm.group_rank(group)
+        # Counted here, once per forward-and-backward: a forward run again before its backward
+        # (to save memory) is not counted twice.
+        for kind, n in block_counts(rank, cp, ctx.order).items():
+            ctx.counts[kind] += n
         _, block_bwd = BLOCK_FNS[ctx.impl]
         dtype = q.dtype  # K/V and dK/dV cross the ring in it; the blocks add up in fp32
         with torch.autocast(q.device.type, enabled=False):
@@ -266,13 +270,14 @@ class _RingAttention(torch.autograd.Function):
             if cp > 1:
                 _wait(dkv_works)
                 dkv = cast(torch.Tensor, dkv_in)  # the last hop brought it back
-        return dq.to(dtype), dkv[0].to(dtype), dkv[1].to(dtype), None, None, None
+        return dq.to(dtype), dkv[0].to(dtype), dkv[1].to(dtype), None, None, None, None
 
 
 class RingAttention:
     """``Attention.attention_fn`` for ring attention over ``group``; counts blocks computed.
 
     Called with q (b, s_local, hq, d), k and v (b, s_local, hkv, d); returns (b, s_local, hq, d).
+    ``blocks``: the full / diagonal / skipped blocks of every forward whose backward ran.
     """
 
     def __init__(self, group: Group, order: str = "zigzag", impl: str = "math") -> None:
@@ -280,19 +285,15 @@ class RingAttention:
             raise ValueError(f"attention impl must be one of {', '.join(IMPLS)}, got {impl!r}")
         chunk_ids(0, 1, order)  # validates order
         self.group, self.order, self.impl = group, order, impl
-        self.blocks = {"full": 0, "diagonal": 0, "skipped": 0}  # summed over forward calls
+        self.blocks = {"full": 0, "diagonal": 0, "skipped": 0}
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self.impl == "fused" and q.device.type != "cpu":
             raise ValueError(f"the fused attention impl is CPU only; got device {q.device}")
         if q.size(1) % 2 != 0:
             raise ValueError(f"local sequence length {q.size(1)} must be even (two chunks)")
-        cp, rank = comm.group_size(self.group), comm.group_rank(self.group)
-        if get_ledger().phase != "recompute":  # activation checkpointing's rerun: same forward
-            for kind, n in block_counts(rank, cp, self.order).items():
-                self.blocks[kind] += n
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (b, heads, s_local, d)
-        out = _RingAttention.apply(q, k, v, self.group, self.order, self.impl)
+        out = _RingAttention.apply(q, k, v, self.group, self.order, self.impl, self.blocks)
         return out.transpose(1, 2)
 
 
