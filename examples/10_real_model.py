@@ -62,7 +62,11 @@ def limits(init_from: str):
             raise InputError("--check compares with a run from the seed; not with --init-from")
         if init_from:
             cfg.model = check_hf_llama(init_from)  # its config replaces model.*
-            validate(cfg, world_size)
+            try:
+                validate(cfg, world_size)
+            except ValueError as err:
+                raise InputError(f"--init-from {init_from} (its config.json sets model.*): "
+                                 f"{err}") from None
     return check
 
 

@@ -141,13 +141,15 @@ def config_to_hf(config: LlamaConfig, dtype: torch.dtype) -> Dict[str, Any]:
 def load_hf_config(path: str) -> LlamaConfig:
     """Read ``path/config.json`` into our LlamaConfig."""
     if not os.path.exists(path):
-        raise MissingInputError(f"Hugging Face directory {path} does not exist")
+        raise MissingInputError(f"Hugging Face directory {path} does not exist: give a directory "
+                                f"that holds {CONFIG_FILE} and the safetensors files")
     if not os.path.isdir(path):
         raise InputError(f"{path} is a file, not a Hugging Face model directory: give the "
                          f"directory that holds {CONFIG_FILE} and the safetensors files")
     file = os.path.join(path, CONFIG_FILE)
     if not os.path.isfile(file):
-        raise InputError(f"{path} is not a Hugging Face model directory: {CONFIG_FILE} is missing")
+        raise InputError(f"{path} is not a Hugging Face model directory: {CONFIG_FILE} is missing; "
+                         f"give the directory that holds it and the safetensors files")
     try:
         with open(file, encoding="utf-8") as f:
             hf = json.load(f)
@@ -244,7 +246,7 @@ def check_hf_llama(path: str) -> LlamaConfig:
     InputError naming the file otherwise. A run calls it before any process starts."""
     config = load_hf_config(path)
     expected = {name: tuple(p.shape) for name, p in _shapes(config).items()}
-    found = set()
+    found: set = set()
     for file, names in _weight_files(path).items():
         for hf_name, shape in _read_shapes(file, names).items():
             found.add(_our_name(file, hf_name, shape, expected, path))

@@ -24,6 +24,7 @@ import json
 import os
 import pickle
 import random
+import re
 import shutil
 import zipfile
 from typing import Any, Dict, List, Optional, Tuple, Union
@@ -343,7 +344,11 @@ def check_resume(cfg: Config, world_size: int, files: bool = False) -> None:
                                  f"a consolidated file resumes with examples/07_nd_parallel.py")
             check_consolidated(path, cfg)
             return
-        verify_checkpoint(path)  # "latest" falls back past a damaged one instead
+        try:
+            verify_checkpoint(path)  # "latest" falls back past a damaged one instead
+        except CorruptCheckpointError as err:
+            raise CorruptCheckpointError(f"{err}: resume an earlier checkpoint, or --resume alone "
+                                         f"(the latest that verifies)") from None
     check_layout(path, read_manifest(path), world_size, run_layout(cfg, world_size))
 
 
@@ -396,10 +401,10 @@ def load_tensors_only(source: Union[str, bytes], name: str, mmap: bool = False) 
     except pickle.UnpicklingError as err:
         # torch's message names the class the file asked for ("Trying to load unsupported
         # GLOBAL posix.system ...") and then suggests weights_only=False, which we do not
-        needed = [line.strip() for line in str(err).splitlines() if "GLOBAL" in line]
+        needed = re.search(r"GLOBAL \S+", str(err))  # e.g. "GLOBAL posix.system"
         raise InputError(
             f"{name} needs more than tensors and plain Python values to load"
-            f"{' (' + needed[0] + ')' if needed else ''}: it is not a ScaleTorch checkpoint, or "
+            f"{' (' + needed.group() + ')' if needed else ''}: it is not a ScaleTorch checkpoint, or "
             f"it was written by an older ScaleTorch or another program. It was not unpickled, "
             f"since that could run code; re-save it with this version from a source you "
             f"trust.") from None
