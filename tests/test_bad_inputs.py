@@ -69,26 +69,26 @@ ROWS = [
     # the data
     Row("--data.path of a text too short for one sequence (3 bytes, 129 needed)", C10,
         ("--data.path", "D/short.txt"),
-        "data.path D/short.txt has 3 bytes, fewer than the 129 one sequence needs"),
+        "data.path 'D/short.txt' has 3 bytes, fewer than the 129 one sequence needs"),
     Row("--data.path of a binary file read as text", C10, ("--data.path", "D/binary.txt"),
-        "data.path D/binary.txt is not text: it holds a NUL byte at offset 0", launched=True),
+        "data.path 'D/binary.txt' is not text: it holds a NUL byte at offset 0", launched=True),
     Row("--data.path of a text that is not UTF-8", C10, ("--data.path", "D/latin1.txt"),
-        "data.path D/latin1.txt is not text: it is not UTF-8 (byte 0xe9 at offset 3)"),
+        "data.path 'D/latin1.txt' is not text: it is not UTF-8 (byte 0xe9 at offset 3)"),
     Row("--data.path of an empty file", C10, ("--data.path", "D/empty.txt"),
-        "data.path D/empty.txt is empty"),
+        "data.path 'D/empty.txt' is empty"),
     Row("--data.path of a directory", C10, ("--data.path", "D/folder"),
-        "data.path D/folder is not a file"),
+        "data.path 'D/folder' is not a file"),
     Row("--data.path of a file that does not exist", C10, ("--data.path", "D/nope.txt"),
-        "data.path D/nope.txt does not exist"),
+        "data.path 'D/nope.txt' does not exist"),
     Row("a .bin too short for one sequence", C10,
         ("--data.dataset", "bin", "--data.path", "D/tokens3.bin"),
-        "data.path D/tokens3.bin has 3 tokens, fewer than the 129 one sequence needs"),
+        "data.path 'D/tokens3.bin' has 3 tokens, fewer than the 129 one sequence needs"),
     Row("a .bin with tokens outside the vocabulary", C10,
         ("--data.dataset", "bin", "--data.path", "D/vocab300.bin"),
-        "data.path D/vocab300.bin holds token 300 (at index 0), outside model.vocab_size 256"),
+        "data.path 'D/vocab300.bin' holds token 300 (at index 0), outside model.vocab_size 256"),
     Row("a .bin whose dtype does not fit the vocabulary (uint16 read as uint32)", C10,
         ("--data.dataset", "bin", "--data.path", "D/odd.bin", "--model.vocab_size", "100000"),
-        "data.path D/odd.bin has 602 bytes, not a whole number of uint32 tokens"),
+        "data.path 'D/odd.bin' has 602 bytes, not a whole number of uint32 tokens"),
     # a Hugging Face directory to start from
     Row("--init-from a Hugging Face directory of another architecture (GPT2LMHeadModel)", C10,
         ("--init-from", "D/gpt2"), "D/gpt2/config.json: model_type 'gpt2' / architectures "
@@ -150,10 +150,10 @@ ROWS = [
     # preparing a .bin (scripts/prepare_text.py)
     Row("--tokenizer of a tokenizer.json that is not one", PREPARE,
         ("D/long.txt", "--tokenizer", "D/not_tokenizer.json", "--out", "D/out/x.bin"),
-        "tokenizer file D/not_tokenizer.json is not a tokenizer.json", hf=True),
+        "tokenizer file 'D/not_tokenizer.json' is not a tokenizer.json", hf=True),
     Row("a text that is not UTF-8, where the tokenizer needs text", PREPARE,
         ("D/latin1.txt", "--out", "D/out/x.bin"),
-        "text file D/latin1.txt is not text: it is not UTF-8 (byte 0xe9 at offset 3)"),
+        "text file 'D/latin1.txt' is not text: it is not UTF-8 (byte 0xe9 at offset 3)"),
 ]
 
 

@@ -96,13 +96,13 @@ SCAN_TOKENS = 1 << 27
 
 
 def _too_short(path: str, have: int, length: int, unit: str = "tokens") -> InputError:
-    return InputError(f"data.path {path} has {have} {unit}, fewer than the {length} one sequence "
+    return InputError(f"data.path {path!r} has {have} {unit}, fewer than the {length} one sequence "
                       f"needs (data.seq_len {length - 1} + 1): use a longer file or lower "
                       f"--data.seq_len")
 
 
 def _bin_vocab_error(path: str, token: int, where: str, vocab_size: int) -> InputError:
-    return InputError(f"data.path {path} holds token {token} ({where}), outside "
+    return InputError(f"data.path {path!r} holds token {token} ({where}), outside "
                       f"model.vocab_size {vocab_size}: the file was written for a larger "
                       f"vocabulary; train with the --model.vocab_size that "
                       f"scripts/prepare_text.py printed for it")
@@ -116,17 +116,17 @@ def check_data_file(dataset: str, path: Optional[str], vocab_size: int, seq_len:
         raise InputError(f"data.dataset {dataset!r} needs data.path: give it a file with "
                          f"--data.path FILE")
     if not os.path.exists(path):
-        raise MissingInputError(f"data.path {path} does not exist: give a text file "
+        raise MissingInputError(f"data.path {path!r} does not exist: give a text file "
                                 f"(data.dataset text) or a token file from "
                                 f"scripts/prepare_text.py (data.dataset bin)")
     if not os.path.isfile(path):
-        raise InputError(f"data.path {path} is not a file: give one file (scripts/prepare_text.py "
+        raise InputError(f"data.path {path!r} is not a file: give one file (scripts/prepare_text.py "
                          f"joins several into one .bin)")
     size = os.path.getsize(path)
     length = seq_len + 1
     if dataset == "text":
         if size == 0:
-            raise InputError(f"data.path {path} is empty: give a text file of at least {length} "
+            raise InputError(f"data.path {path!r} is empty: give a text file of at least {length} "
                              f"bytes (data.seq_len {seq_len} + 1)")
         with open(path, "rb") as f:
             head = f.read(1 << 20)
@@ -137,7 +137,7 @@ def check_data_file(dataset: str, path: Optional[str], vocab_size: int, seq_len:
         return
     dtype = np.dtype(bin_dtype(vocab_size))
     if size == 0 or size % dtype.itemsize:
-        raise InputError(f"data.path {path} has {size} bytes, not a whole number of {dtype} "
+        raise InputError(f"data.path {path!r} has {size} bytes, not a whole number of {dtype} "
                          f"tokens ({dtype.itemsize} bytes each, the dtype for model.vocab_size "
                          f"{vocab_size}): it is not a token file written for this vocabulary "
                          f"(scripts/prepare_text.py writes one and prints the vocab_size)")
