@@ -57,6 +57,7 @@ def chapter_args() -> tuple:
 def limits(init_from: str):
     """--init-from's checks, made by load_config before any process starts: the directory is a
     Hugging Face Llama (config.json, every tensor's shape) and the layout fits its model."""
+
     def check(cfg, world_size: int) -> None:
         if init_from and cfg.check:
             raise InputError("--check compares with a run from the seed; not with --init-from")
@@ -67,6 +68,7 @@ def limits(init_from: str):
             except ValueError as err:
                 raise InputError(f"--init-from {init_from} (its config.json sets model.*): "
                                  f"{err}") from None
+
     return check
 
 

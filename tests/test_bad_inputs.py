@@ -49,7 +49,8 @@ class Row(NamedTuple):
 
 ROWS = [
     # the config file
-    Row("--config of a malformed YAML file", C00, ("--config", "D/malformed.yaml"),
+    Row(
+        "--config of a malformed YAML file", C00, ("--config", "D/malformed.yaml"),
         "config file 'D/malformed.yaml' is not valid YAML at line 2, column 1: expected ',' or ']'",
         launched=True),
     Row("--config of a file that does not exist", C00, ("--config", "D/nope.yaml"),
@@ -90,7 +91,8 @@ ROWS = [
         ("--data.dataset", "bin", "--data.path", "D/odd.bin", "--model.vocab_size", "100000"),
         "data.path 'D/odd.bin' has 602 bytes, not a whole number of uint32 tokens"),
     # a Hugging Face directory to start from
-    Row("--init-from a Hugging Face directory of another architecture (GPT2LMHeadModel)", C10,
+    Row(
+        "--init-from a Hugging Face directory of another architecture (GPT2LMHeadModel)", C10,
         ("--init-from", "D/gpt2"), "D/gpt2/config.json: model_type 'gpt2' / architectures "
         "['GPT2LMHeadModel'] is not a Llama", launched=True),
     Row("--init-from a directory that does not exist", C10, ("--init-from", "D/nope"),
@@ -103,11 +105,13 @@ ROWS = [
         "D/bad_json/config.json is not valid JSON"),
     Row("--init-from a truncated safetensors file", C10, ("--init-from", "D/truncated"),
         "D/truncated/model.safetensors is not a readable safetensors file", hf=True),
-    Row("--init-from weights of another size than its config.json", C10,
+    Row(
+        "--init-from weights of another size than its config.json", C10,
         ("--init-from", "D/resized"), "D/resized/model.safetensors: tensor "
         "model.layers.0.mlp.down_proj.weight has shape (32, 64), but config.json implies "
         "(32, 128)", hf=True),
-    Row("--init-from a Llama whose vocabulary is smaller than text needs", C10,
+    Row(
+        "--init-from a Llama whose vocabulary is smaller than text needs", C10,
         ("--init-from", "D/vocab128"),
         "--init-from D/vocab128 (its config.json sets model.*): the byte-level text dataset "
         "needs model.vocab_size >= 256, got 128", hf=True),
@@ -121,21 +125,22 @@ ROWS = [
     Row("--resume of the checkpoints folder instead of one checkpoint", C00,
         ("--resume", "D/ckpts"), "it holds checkpoints: resume one, e.g. --resume "
         "D/ckpts/step_0000005"),
-    Row("--resume of a checkpoint of another model size", C00,
-        ("--resume", "D/ckpts/step_0000005"), "checkpoint 'D/ckpts/step_0000005' holds another "
+    Row("--resume of a checkpoint of another model size", C00, ("--resume", "D/ckpts/step_0000005"),
+        "checkpoint 'D/ckpts/step_0000005' holds another "
         "model (hidden_size 128 there, 64 here"),
-    Row("--resume of a checkpoint with a damaged file", C00,
-        ("--resume", "D/damaged/step_0000005"),
+    Row("--resume of a checkpoint with a damaged file", C00, ("--resume", "D/damaged/step_0000005"),
         "rank_00000.pt does not match its sha256 in the manifest"),
-    Row("--resume of a consolidated file of another model size", C07,
+    Row(
+        "--resume of a consolidated file of another model size", C07,
         ("--resume", "D/other_size.pt"), "--resume D/other_size.pt holds another model: "
         "embed_tokens.weight is shape (64, 128) there, shape (64, 64)"),
-    Row("--resume of a torch file that needs more than tensors", C07,
-        ("--resume", "D/pickle.pt"), "--resume D/pickle.pt needs more than tensors"),
+    Row("--resume of a torch file that needs more than tensors", C07, ("--resume", "D/pickle.pt"),
+        "--resume D/pickle.pt needs more than tensors"),
     Row("--resume of a file that is not a torch file (chapter 07)", C07,
         ("--resume", "D/short.txt"), "--resume D/short.txt is not a consolidated checkpoint"),
     # where the run writes
-    Row("--logging.run_dir that cannot be created", C00, ("--logging.run_dir", "D/short.txt/runs"),
+    Row(
+        "--logging.run_dir that cannot be created", C00, ("--logging.run_dir", "D/short.txt/runs"),
         "logging.run_dir: cannot create 'D/short.txt/runs/00_single_device', since "
         "'D/short.txt' is a file"),
     Row("--logging.run_dir that cannot be written (read-only)", C00,
@@ -170,9 +175,15 @@ def _fake_checkpoint(root: str, model_args: List[str], damaged: bool = False) ->
     os.makedirs(path)
     data = b"rank 0's state"
     _write(ckpt.rank_file(path, 0), data + (b"!" if damaged else b""))
-    manifest = {"format_version": ckpt.FORMAT_VERSION, "step": 5, "world_size": 1,
-                "layout": ckpt.run_layout(cfg, 1),
-                "sha256": {"rank_00000.pt": hashlib.sha256(data).hexdigest()}}
+    manifest = {
+        "format_version": ckpt.FORMAT_VERSION,
+        "step": 5,
+        "world_size": 1,
+        "layout": ckpt.run_layout(cfg, 1),
+        "sha256": {
+            "rank_00000.pt": hashlib.sha256(data).hexdigest()
+        }
+    }
     _write(os.path.join(path, ckpt.MANIFEST), json.dumps(manifest))
 
 
@@ -196,7 +207,11 @@ def make_bad_inputs(d: str) -> None:
     _write(os.path.join(d, "not_tokenizer.json"), '{"version": "1.0", "model": 3}')
     os.makedirs(os.path.join(d, "gpt2"))
     _write(os.path.join(d, "gpt2", "config.json"),
-           json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": 64}))
+           json.dumps({
+               "architectures": ["GPT2LMHeadModel"],
+               "model_type": "gpt2",
+               "n_embd": 64
+           }))
     os.makedirs(os.path.join(d, "bad_json"))
     _write(os.path.join(d, "bad_json", "config.json"), '{"model_type": "llama",')
     if HAVE_HF:
@@ -218,8 +233,11 @@ def make_bad_inputs(d: str) -> None:
     _fake_checkpoint(os.path.join(d, "damaged"), [], damaged=True)
     other = LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=128, num_layers=4,
                         num_attention_heads=8, num_key_value_heads=4, max_seq_len=64)
-    torch.save({"step": 3, "model": build_model(other, seed=0).state_dict(), "optimizer": None},
-               os.path.join(d, "other_size.pt"))
+    torch.save({
+        "step": 3,
+        "model": build_model(other, seed=0).state_dict(),
+        "optimizer": None
+    }, os.path.join(d, "other_size.pt"))
     torch.save({"step": 3, "model": argparse.Namespace(weights=1)}, os.path.join(d, "pickle.pt"))
 
 
@@ -275,8 +293,10 @@ def run_table(d: str, rows: List[Row]) -> Dict[str, Tuple[int, str, List[str]]]:
             code, out = run_in_process(row.script, argv)
             results[row.what] = (code, out, argv)
     with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {row.what: (pool.submit(launch_status, row.script, 1, *argv, timeout=180), argv)
-                   for row, argv in launched}
+        futures = {
+            row.what: (pool.submit(launch_status, row.script, 1, *argv, timeout=180), argv)
+            for row, argv in launched
+        }
         for what, (future, argv) in futures.items():
             out, code, _ = future.result()
             results[what] = (code, out, argv)
@@ -333,8 +353,10 @@ class EveryBadInputIsOneLine(unittest.TestCase):
         for row in ROWS:
             with self.subTest(what=row.what):
                 self.assertIn(f"| {row.what} |", doc)
-                self.assertIn(row.says.replace("D/", "/tmp/bad_inputs/").replace(
-                    "READONLY", "/sys/scaletorch"), doc)
+                self.assertIn(
+                    row.says.replace("D/",
+                                     "/tmp/bad_inputs/").replace("READONLY", "/sys/scaletorch"),
+                    doc)
 
 
 class RefusedByTheRanksThemselves(unittest.TestCase):
@@ -355,9 +377,10 @@ class RefusedByTheRanksThemselves(unittest.TestCase):
     def _python(self, code: str) -> subprocess.CompletedProcess:
         prelude = ("import sys; from scaletorch.trainer.config import InputError, "
                    "report_input_errors; sys.excepthook = report_input_errors; ")
-        return subprocess.run([sys.executable, "-c", prelude + code], cwd=ROOT,
-                              capture_output=True, text=True, timeout=120,
-                              env={**os.environ, "PYTHONPATH": ROOT})
+        return subprocess.run([sys.executable, "-c", prelude + code], cwd=ROOT, capture_output=True,
+                              text=True, timeout=120, env={
+                                  **os.environ, "PYTHONPATH": ROOT
+                              })
 
     def test_an_input_error_found_later_is_one_line_and_a_bug_keeps_its_traceback(self):
         later = self._python("print('step 1'); raise InputError('data.path x.bin holds token 9')")

@@ -120,8 +120,9 @@ def check_data_file(dataset: str, path: Optional[str], vocab_size: int, seq_len:
                                 f"(data.dataset text) or a token file from "
                                 f"scripts/prepare_text.py (data.dataset bin)")
     if not os.path.isfile(path):
-        raise InputError(f"data.path {path!r} is not a file: give one file (scripts/prepare_text.py "
-                         f"joins several into one .bin)")
+        raise InputError(
+            f"data.path {path!r} is not a file: give one file (scripts/prepare_text.py "
+            f"joins several into one .bin)")
     size = os.path.getsize(path)
     length = seq_len + 1
     if dataset == "text":
@@ -144,10 +145,10 @@ def check_data_file(dataset: str, path: Optional[str], vocab_size: int, seq_len:
     tokens = np.memmap(path, dtype=dtype, mode="r")
     if len(tokens) < length:
         raise _too_short(path, len(tokens), length)
-    head = tokens[:SCAN_TOKENS]
-    index = int(head.argmax())
-    if int(head[index]) >= vocab_size:
-        raise _bin_vocab_error(path, int(head[index]), f"at index {index}", vocab_size)
+    window = tokens[:SCAN_TOKENS]
+    index = int(window.argmax())
+    if int(window[index]) >= vocab_size:
+        raise _bin_vocab_error(path, int(window[index]), f"at index {index}", vocab_size)
 
 
 def _random_windows(tokens: np.ndarray, num_sequences: int, length: int, rng: np.random.Generator,

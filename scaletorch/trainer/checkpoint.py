@@ -306,7 +306,10 @@ def run_layout(cfg: Config, world_size: int) -> Dict[str, Any]:
         "layer_split": list(p.layer_split or []),
         "impl": p.impl,
         # what decides every tensor's shape: a checkpoint of another model cannot load
-        "model": {name: getattr(cfg.model, name) for name in MODEL_SHAPE},
+        "model": {
+            name: getattr(cfg.model, name)
+            for name in MODEL_SHAPE
+        },
     }
 
 
@@ -339,9 +342,10 @@ def check_resume(cfg: Config, world_size: int, files: bool = False) -> None:
                                     f"the latest in {cfg.checkpoint_path}")
         if os.path.isfile(path):
             if not files:
-                raise InputError(f"--resume {path} is a file, not a checkpoint directory: this "
-                                 f"script resumes its step_NNNNNNN directories (with a {MANIFEST}); "
-                                 f"a consolidated file resumes with examples/07_nd_parallel.py")
+                raise InputError(
+                    f"--resume {path} is a file, not a checkpoint directory: this "
+                    f"script resumes its step_NNNNNNN directories (with a {MANIFEST}); "
+                    f"a consolidated file resumes with examples/07_nd_parallel.py")
             check_consolidated(path, cfg)
             return
         try:
@@ -402,9 +406,9 @@ def load_tensors_only(source: Union[str, bytes], name: str, mmap: bool = False) 
         # torch's message names the class the file asked for ("Trying to load unsupported
         # GLOBAL posix.system ...") and then suggests weights_only=False, which we do not
         needed = re.search(r"GLOBAL \S+", str(err))  # e.g. "GLOBAL posix.system"
+        asked = f" ({needed.group()})" if needed else ""
         raise InputError(
-            f"{name} needs more than tensors and plain Python values to load"
-            f"{' (' + needed.group() + ')' if needed else ''}: it is not a ScaleTorch checkpoint, or "
-            f"it was written by an older ScaleTorch or another program. It was not unpickled, "
-            f"since that could run code; re-save it with this version from a source you "
-            f"trust.") from None
+            f"{name} needs more than tensors and plain Python values to load{asked}: it is not "
+            f"a ScaleTorch checkpoint, or it was written by an older ScaleTorch or another "
+            f"program. It was not unpickled, since that could run code; re-save it with this "
+            f"version from a source you trust.") from None
