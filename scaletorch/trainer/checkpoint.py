@@ -224,7 +224,7 @@ def latest_valid_checkpoint(root: str) -> Tuple[Optional[str], List[str]]:
 
 def check_layout(path: str, manifest: Dict[str, Any], world_size: int,
                  layout: Optional[Dict[str, Any]]) -> None:
-    """Raise ValueError unless this run has the world size and layout that wrote ``path``.
+    """Raise InputError unless this run has the world size, layout and model that wrote ``path``.
 
     Per-rank files are shards of one layout: rank r of another layout holds other pieces, so
     loading them would fail or, worse, train on misplaced weights. The message points to the
@@ -233,14 +233,14 @@ def check_layout(path: str, manifest: Dict[str, Any], world_size: int,
     saved = dict(manifest.get("layout") or {}, world_size=manifest.get("world_size"))
     now = dict(layout or {}, world_size=world_size)
     there, here = saved.pop("model", None), now.pop("model", None)
-    if there is not None and here is not None and there != here:
-        raise InputError(f"checkpoint {path!r} holds another model (" +
-                         ", ".join(f"{k} {there.get(k)} there, {here[k]} here"
-                                   for k in here if there.get(k) != here[k]) +
-                         "): resume it with the config that wrote it (config.yaml in its run "
-                         "directory), or start a new run with another --name")
     differ = [k for k in saved if k in now and saved[k] != now[k]]
     if not differ:
+        if there is not None and here is not None and there != here:  # the layout first
+            raise InputError(f"checkpoint {path!r} holds another model (" +
+                             ", ".join(f"{k} {there.get(k)} there, {here[k]} here"
+                                       for k in here if there.get(k) != here[k]) +
+                             "): resume it with the config that wrote it (config.yaml in its "
+                             "run directory), or start a new run with another --name")
         return
     consolidated = os.path.join(path, "consolidated.pt")
     hint = (f"resume the consolidated file instead: --resume {consolidated}"
