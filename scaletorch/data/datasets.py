@@ -129,8 +129,12 @@ def check_data_file(dataset: str, path: Optional[str], vocab_size: int, seq_len:
         if size == 0:
             raise InputError(f"data.path {path!r} is empty: give a text file of at least {length} "
                              f"bytes (data.seq_len {seq_len} + 1)")
-        with open(path, "rb") as f:
-            head = f.read(1 << 20)
+        try:
+            with open(path, "rb") as f:
+                head = f.read(1 << 20)
+        except OSError as err:  # e.g. no permission to read it
+            raise InputError(f"data.path {path!r} cannot be read ({err.strerror}): give a file "
+                             f"you can read") from None
         check_utf8(head, path, "data.path", whole=size <= len(head),
                    hint="data.dataset text reads UTF-8 text; a token file is --data.dataset bin")
         if size < length:

@@ -161,6 +161,9 @@ def load_yaml(path: str) -> Dict[str, Any]:
     except UnicodeDecodeError as err:
         raise InputError(f"config file {path!r} is not text (byte 0x{err.object[err.start]:02x} "
                          f"at offset {err.start} is not UTF-8): give a YAML file") from None
+    except OSError as err:  # e.g. no permission to read it
+        raise InputError(f"config file {path!r} cannot be read ({err.strerror}): give a file "
+                         f"you can read") from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
