@@ -53,7 +53,7 @@ class NDTrainer(Trainer):
 
 def main() -> int:
     cfg = load_config("examples/configs/07_nd_parallel.yaml",
-                      "Chapter 07: N-D parallel (tp x pp x cp x dp, ep, ZeRO)")
+                      "Chapter 07: N-D parallel (tp x pp x cp x dp, ep, ZeRO)", resume_files=True)
     env = init_distributed(cfg.training.timeout_seconds)
     p = cfg.parallel
     pgm = init_pg_manager_from_config(p, cfg.training.timeout_seconds)

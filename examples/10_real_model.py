@@ -33,9 +33,10 @@ from scaletorch.dist import (destroy_distributed, destroy_pg_manager, init_distr
                              init_pg_manager)
 from scaletorch.models import build_model
 from scaletorch.models.generate import generate
-from scaletorch.models.hf import export_hf_llama, load_hf_llama
+from scaletorch.models.hf import check_hf_llama, export_hf_llama, load_hf_llama
 from scaletorch.parallel.parallelize import parallelize
 from scaletorch.trainer import Trainer, check_against_reference, load_config
+from scaletorch.trainer.config import InputError, validate
 from scaletorch.trainer.consolidated import load_consolidated, save_consolidated
 
 DOCS = "README.md"  # the config's data.path: stands for README.md + doc/*.md, joined
@@ -51,6 +52,24 @@ def chapter_args() -> tuple:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--top-p", type=float, default=0.95)
     return parser.parse_known_args()
+
+
+def limits(init_from: str):
+    """--init-from's checks, made by load_config before any process starts: the directory is a
+    Hugging Face Llama (config.json, every tensor's shape) and the layout fits its model."""
+
+    def check(cfg, world_size: int) -> None:
+        if init_from and cfg.check:
+            raise InputError("--check compares with a run from the seed; not with --init-from")
+        if init_from:
+            cfg.model = check_hf_llama(init_from)  # its config replaces model.*
+            try:
+                validate(cfg, world_size)
+            except ValueError as err:
+                raise InputError(f"--init-from {init_from} (its config.json sets model.*): "
+                                 f"{err}") from None
+
+    return check
 
 
 def shipped_text(path: str) -> str:
@@ -69,11 +88,8 @@ def shipped_text(path: str) -> str:
 
 def main() -> int:
     args, rest = chapter_args()
-    cfg = load_config("examples/configs/10_real_model.yaml", "Chapter 10: a real model", argv=rest)
-    if cfg.check and args.init_from:  # before any process starts training
-        print("error: --check compares with a run from the seed; not with --init-from",
-              file=sys.stderr)
-        return 2
+    cfg = load_config("examples/configs/10_real_model.yaml", "Chapter 10: a real model",
+                      limits(args.init_from), argv=rest)
     env = init_distributed(cfg.training.timeout_seconds)
     if cfg.data.dataset == "text" and cfg.data.path == DOCS:
         cfg.data.path = shipped_text(os.path.join(cfg.run_path, "text.txt"))

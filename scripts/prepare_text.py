@@ -18,16 +18,13 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from scaletorch.data.tokenizer import bin_dtype, load_tokenizer  # noqa: E402
+from scaletorch.data.tokenizer import bin_dtype, load_tokenizer, read_text  # noqa: E402
 
 
 def prepare(paths: List[str], tokenizer_spec: str, out: str) -> np.ndarray:
     """Tokenize the concatenated files and write them to ``out``; returns the token array."""
     tokenizer = load_tokenizer(tokenizer_spec)
-    texts = []
-    for path in paths:
-        with open(path, encoding="utf-8") as f:
-            texts.append(f.read())
+    texts = [read_text(path) for path in paths]  # InputError naming a file that is not text
     ids = np.asarray(tokenizer.encode("\n\n".join(texts)), dtype=np.int64)
     if ids.size and ids.max() >= tokenizer.vocab_size:  # a tokenizer.json with stray ids
         raise ValueError(f"token {ids.max()} >= the tokenizer's vocabulary {tokenizer.vocab_size}")

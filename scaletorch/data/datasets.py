@@ -7,6 +7,9 @@ batch a pure function of (seed, step): identical on every rank and after a resum
   exactly, so a learning curve has a floor to aim for (a perfect model reaches it).
 - ByteTextDataset: the bytes of a local text file, vocabulary 256.
 - BinDataset: a nanoGPT-style flat file of token ids (e.g. uint16), memory-mapped.
+
+``check_data_file`` checks a text or .bin file against the run before anything starts (kind,
+format, length, vocabulary); a mistake is an ``InputError`` that names the file.
 """
 
 import os
@@ -14,7 +17,8 @@ from typing import Optional, Union
 
 import numpy as np
 
-from scaletorch.data.tokenizer import bin_dtype
+from scaletorch.data.tokenizer import bin_dtype, check_utf8
+from scaletorch.rules.errors import InputError, MissingInputError
 
 # The chain keeps two V x V float64 matrices (transition and its cumulative sum): 256 MiB at
 # 4096 tokens, but 40 GB at GPT-2's 50257. Real vocabularies train on text or .bin files.
@@ -86,13 +90,76 @@ class SyntheticMarkov:
         return out
 
 
+# check_data_file reads at most this many tokens of a .bin for its vocabulary check (256 MB of
+# uint16: a fraction of a second); windows past them are checked when they are sampled.
+SCAN_TOKENS = 1 << 27
+
+
+def _too_short(path: str, have: int, length: int, unit: str = "tokens") -> InputError:
+    return InputError(f"data.path {path!r} has {have} {unit}, fewer than the {length} one sequence "
+                      f"needs (data.seq_len {length - 1} + 1): use a longer file or lower "
+                      f"--data.seq_len")
+
+
+def _bin_vocab_error(path: str, token: int, where: str, vocab_size: int) -> InputError:
+    return InputError(f"data.path {path!r} holds token {token} ({where}), outside "
+                      f"model.vocab_size {vocab_size}: the file was written for a larger "
+                      f"vocabulary; train with the --model.vocab_size that "
+                      f"scripts/prepare_text.py printed for it")
+
+
+def check_data_file(dataset: str, path: Optional[str], vocab_size: int, seq_len: int) -> None:
+    """Raise InputError unless ``path`` can feed ``dataset`` ("text" or "bin") sequences of
+    ``seq_len`` + 1 tokens over ``vocab_size``: it exists, is a file, is UTF-8 text without NUL
+    bytes (text), holds whole tokens all below ``vocab_size`` (bin), and is long enough."""
+    if not path:
+        raise InputError(f"data.dataset {dataset!r} needs data.path: give it a file with "
+                         f"--data.path FILE")
+    if not os.path.exists(path):
+        raise MissingInputError(f"data.path {path!r} does not exist: give a text file "
+                                f"(data.dataset text) or a token file from "
+                                f"scripts/prepare_text.py (data.dataset bin)")
+    if not os.path.isfile(path):
+        raise InputError(
+            f"data.path {path!r} is not a file: give one file (scripts/prepare_text.py "
+            f"joins several into one .bin)")
+    size = os.path.getsize(path)
+    length = seq_len + 1
+    if dataset == "text":
+        if size == 0:
+            raise InputError(f"data.path {path!r} is empty: give a text file of at least {length} "
+                             f"bytes (data.seq_len {seq_len} + 1)")
+        try:
+            with open(path, "rb") as f:
+                head = f.read(1 << 20)
+        except OSError as err:  # e.g. no permission to read it
+            raise InputError(f"data.path {path!r} cannot be read ({err.strerror}): give a file "
+                             f"you can read") from None
+        check_utf8(head, path, "data.path", whole=size <= len(head),
+                   hint="data.dataset text reads UTF-8 text; a token file is --data.dataset bin")
+        if size < length:
+            raise _too_short(path, size, length, "bytes")
+        return
+    dtype = np.dtype(bin_dtype(vocab_size))
+    if size == 0 or size % dtype.itemsize:
+        raise InputError(f"data.path {path!r} has {size} bytes, not a whole number of {dtype} "
+                         f"tokens ({dtype.itemsize} bytes each, the dtype for model.vocab_size "
+                         f"{vocab_size}): it is not a token file written for this vocabulary "
+                         f"(scripts/prepare_text.py writes one and prints the vocab_size)")
+    tokens = np.memmap(path, dtype=dtype, mode="r")
+    if len(tokens) < length:
+        raise _too_short(path, len(tokens), length)
+    window = tokens[:SCAN_TOKENS]
+    index = int(window.argmax())
+    if int(window[index]) >= vocab_size:
+        raise _bin_vocab_error(path, int(window[index]), f"at index {index}", vocab_size)
+
+
 def _random_windows(tokens: np.ndarray, num_sequences: int, length: int, rng: np.random.Generator,
-                    source: str) -> np.ndarray:
+                    source: str, unit: str = "tokens") -> np.ndarray:
     """(num_sequences, length) int64 windows starting at uniform random offsets."""
     if len(tokens) < length:
-        raise ValueError(
-            f"{source} has {len(tokens)} tokens, fewer than the {length} needed for one "
-            f"sequence")
+        raise _too_short(source, len(tokens), length, unit)
     starts = rng.integers(0, len(tokens) - length + 1, size=num_sequences)
     index = starts[:, None] + np.arange(length)[None, :]  # (num_sequences, length)
     return tokens[index].astype(np.int64)
@@ -100,7 +167,7 @@ def _random_windows(tokens: np.ndarray, num_sequences: int, length: int, rng: np
 
 def _check_exists(path: str) -> None:
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"dataset file not found: {path}")
+        raise MissingInputError(f"dataset file not found: {path}")
 
 
 class ByteTextDataset:
@@ -115,7 +182,7 @@ class ByteTextDataset:
 
     def sample(self, num_sequences: int, length: int, rng: np.random.Generator) -> np.ndarray:
         """(num_sequences, length) int64 random windows of the file."""
-        return _random_windows(self.tokens, num_sequences, length, rng, self.path)
+        return _random_windows(self.tokens, num_sequences, length, rng, self.path, "bytes")
 
 
 class BinDataset:
@@ -137,9 +204,9 @@ class BinDataset:
     def sample(self, num_sequences: int, length: int, rng: np.random.Generator) -> np.ndarray:
         """(num_sequences, length) int64 random windows of the file."""
         out = _random_windows(self.tokens, num_sequences, length, rng, self.path)
-        if out.size and out.max() >= self.vocab_size:
-            raise ValueError(
-                f"{self.path} holds token {out.max()}, outside vocab_size ({self.vocab_size})")
+        if out.size and out.max() >= self.vocab_size:  # past check_data_file's scan
+            raise _bin_vocab_error(self.path, int(out.max()), "in a sampled window",
+                                   self.vocab_size)
         return out
 
 

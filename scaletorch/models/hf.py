@@ -18,8 +18,9 @@ No permutation of q/k is needed: Hugging Face's Llama rotates channel i with cha
 so every HF directory is already in the rotate-half layout.)
 
 Loading reads and checks every tensor before it builds the model, so a bad directory raises
-one ValueError naming the file and the tensor and nothing is half-loaded. Needs the optional
-``hf`` extra (``pip install -e ".[hf]"``) for ``safetensors``.
+one InputError (a ValueError) naming the file and the tensor and nothing is half-loaded;
+``check_hf_llama`` makes the same checks from the safetensors headers alone, before a run starts.
+Needs the optional ``hf`` extra (``pip install -e ".[hf]"``) for ``safetensors``.
 """
 
 import json
@@ -29,6 +30,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from scaletorch.models.llama import Llama, LlamaConfig
+from scaletorch.rules.errors import InputError, MissingInputError
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -68,7 +70,7 @@ def _rope_theta(hf: Dict[str, Any], path: str) -> float:
     scaling = hf.get("rope_scaling") or {}
     rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type")
     if rope_type not in (None, "default"):
-        raise ValueError(
+        raise InputError(
             f"{path}: rope type {rope_type!r} is not supported: our Llama implements plain RoPE "
             f"(rope_type 'default') with a theta; Llama 3.1+ style 'llama3', 'linear', 'dynamic' "
             f"and 'yarn' scaling change the frequencies and would give different logits")
@@ -79,15 +81,22 @@ def config_from_hf(hf: Dict[str, Any], path: str = CONFIG_FILE) -> LlamaConfig:
     """A Hugging Face Llama config dict -> our LlamaConfig (ValueError for what we lack)."""
     architectures = hf.get("architectures") or []
     if hf.get("model_type") != "llama" or ARCHITECTURE not in architectures:
-        raise ValueError(f"{path}: model_type {hf.get('model_type')!r} / architectures "
-                         f"{architectures} is not a Llama ({ARCHITECTURE}, model_type 'llama')")
+        raise InputError(f"{path}: model_type {hf.get('model_type')!r} / architectures "
+                         f"{architectures} is not a Llama ({ARCHITECTURE}, model_type 'llama'): "
+                         f"only Hugging Face Llama directories load here")
     for key, wanted in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
         if hf.get(key, wanted) != wanted:
-            raise ValueError(f"{path}: {key} = {hf[key]!r} is not supported (ours: {wanted!r})")
+            raise InputError(f"{path}: {key} = {hf[key]!r} is not supported (ours: {wanted!r})")
+    needed = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+              "num_attention_heads")
+    absent = [key for key in needed if not isinstance(hf.get(key), int) or hf[key] <= 0]
+    if absent:
+        raise InputError(f"{path}: {', '.join(absent)} missing or not a positive integer; a "
+                         f"Llama config.json sets {', '.join(needed)}")
     heads = hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
     if head_dim * heads != hf["hidden_size"]:
-        raise ValueError(f"{path}: head_dim {head_dim} x num_attention_heads {heads} != "
+        raise InputError(f"{path}: head_dim {head_dim} x num_attention_heads {heads} != "
                          f"hidden_size {hf['hidden_size']}; ours needs head_dim = hidden / heads")
     return LlamaConfig(vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
                        intermediate_size=hf["intermediate_size"],
@@ -131,14 +140,24 @@ def config_to_hf(config: LlamaConfig, dtype: torch.dtype) -> Dict[str, Any]:
 
 def load_hf_config(path: str) -> LlamaConfig:
     """Read ``path/config.json`` into our LlamaConfig."""
+    if not os.path.exists(path):
+        raise MissingInputError(f"Hugging Face directory {path} does not exist: give a directory "
+                                f"that holds {CONFIG_FILE} and the safetensors files")
+    if not os.path.isdir(path):
+        raise InputError(f"{path} is a file, not a Hugging Face model directory: give the "
+                         f"directory that holds {CONFIG_FILE} and the safetensors files")
     file = os.path.join(path, CONFIG_FILE)
     if not os.path.isfile(file):
-        raise ValueError(f"{path} is not a Hugging Face model directory: {CONFIG_FILE} is missing")
+        raise InputError(f"{path} is not a Hugging Face model directory: {CONFIG_FILE} is missing; "
+                         f"give the directory that holds it and the safetensors files")
     try:
-        with open(file) as f:
+        with open(file, encoding="utf-8") as f:
             hf = json.load(f)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{file} is not valid JSON: {err}") from err
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise InputError(f"{file} is not valid JSON ({err}): restore the file the model "
+                         f"came with") from None
+    if not isinstance(hf, dict):
+        raise InputError(f"{file} holds a {type(hf).__name__}, not a config object")
     return config_from_hf(hf, file)
 
 
@@ -146,19 +165,23 @@ def _weight_files(path: str) -> Dict[str, List[str]]:
     """{safetensors file: [HF tensor names it should hold]} (names empty: read them all)."""
     index = os.path.join(path, INDEX_FILE)
     if os.path.isfile(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
+        try:
+            with open(index, encoding="utf-8") as f:
+                weight_map = json.load(f)["weight_map"]
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as err:
+            raise InputError(f"{index} is not a safetensors index (a JSON object with a "
+                             f"weight_map): {err}") from None
         files: Dict[str, List[str]] = {}
         for name, file in weight_map.items():
             files.setdefault(os.path.join(path, file), []).append(name)
         for file, names in files.items():
             if not os.path.isfile(file):
-                raise ValueError(f"shard {file} listed in {index} is missing (it holds "
+                raise InputError(f"shard {file} listed in {index} is missing (it holds "
                                  f"{names[0]} and {len(names) - 1} more tensors)")
         return files
     single = os.path.join(path, SINGLE_FILE)
     if not os.path.isfile(single):
-        raise ValueError(f"{path} has neither {SINGLE_FILE} nor {INDEX_FILE}")
+        raise InputError(f"{path} has neither {SINGLE_FILE} nor {INDEX_FILE}")
     return {single: []}
 
 
@@ -173,14 +196,64 @@ def _read_file(file: str, names: List[str]) -> Dict[str, torch.Tensor]:
             keys = list(f.keys())
             for name in names:
                 if name not in keys:
-                    raise ValueError(f"{file} does not hold {name}, which the index says it does")
+                    raise InputError(f"{file} does not hold {name}, which the index says it does")
             for current in keys:
                 out[current] = f.get_tensor(current)
     except safetensors.SafetensorError as err:
         # A truncated file fails on its header or when a tensor's bytes run past its end.
-        raise ValueError(f"{file} is not a readable safetensors file (reading {current}): "
+        raise InputError(f"{file} is not a readable safetensors file (reading {current}): "
                          f"{err}") from err
     return out
+
+
+def _read_shapes(file: str, names: List[str]) -> Dict[str, tuple]:
+    """Every tensor's shape in one safetensors file, from its header (no weights are read)."""
+    safetensors = require_hf("safetensors")
+    from safetensors.torch import safe_open
+    try:
+        # safe_open checks that the header's offsets cover the file: a truncated one fails here
+        with safe_open(file, framework="pt") as f:
+            keys = list(f.keys())
+            shapes = {name: tuple(f.get_slice(name).get_shape()) for name in keys}
+    except safetensors.SafetensorError as err:
+        raise InputError(f"{file} is not a readable safetensors file ({err}): it is truncated or "
+                         f"damaged; download or export it again") from None
+    for name in names:
+        if name not in shapes:
+            raise InputError(f"{file} does not hold {name}, which the index says it does")
+    return shapes
+
+
+def _our_name(file: str, hf_name: str, shape: tuple, expected: Dict[str, tuple],
+              path: str) -> Optional[str]:
+    """Our name for tensor ``hf_name`` of ``file`` (None: a buffer we skip); InputError when
+    a Llama of ``path``'s config.json has no such tensor or another shape."""
+    if hf_name.endswith(IGNORED_SUFFIXES):
+        return None
+    name = from_hf_name(hf_name)
+    if name not in expected:
+        raise InputError(f"{file}: tensor {hf_name} is not part of a Llama with this "
+                         f"config ({path}/{CONFIG_FILE})")
+    if shape != expected[name]:
+        raise InputError(f"{file}: tensor {hf_name} has shape {shape}, but "
+                         f"{CONFIG_FILE} implies {expected[name]}")
+    return name
+
+
+def check_hf_llama(path: str) -> LlamaConfig:
+    """The LlamaConfig of Hugging Face directory ``path``, once its config.json and every
+    tensor's name and shape (from the safetensors headers, no weights read) are checked:
+    InputError naming the file otherwise. A run calls it before any process starts."""
+    config = load_hf_config(path)
+    expected = {name: tuple(p.shape) for name, p in _shapes(config).items()}
+    found: set = set()
+    for file, names in _weight_files(path).items():
+        for hf_name, shape in _read_shapes(file, names).items():
+            found.add(_our_name(file, hf_name, shape, expected, path))
+    missing = [to_hf_name(n) for n in expected if n not in found]
+    if missing:
+        raise InputError(f"{path}: {len(missing)} tensors missing, e.g. {missing[0]}")
+    return config
 
 
 def load_hf_state_dict(path: str, config: LlamaConfig) -> Dict[str, torch.Tensor]:
@@ -193,24 +266,17 @@ def load_hf_state_dict(path: str, config: LlamaConfig) -> Dict[str, torch.Tensor
     origin: Dict[str, str] = {}
     for file, names in _weight_files(path).items():
         for hf_name, tensor in _read_file(file, names).items():
-            if hf_name.endswith(IGNORED_SUFFIXES):
-                continue
-            name = from_hf_name(hf_name)
-            if name not in expected:
-                raise ValueError(f"{file}: tensor {hf_name} is not part of a Llama with this "
-                                 f"config ({path}/{CONFIG_FILE})")
-            if tuple(tensor.shape) != expected[name]:
-                raise ValueError(f"{file}: tensor {hf_name} has shape {tuple(tensor.shape)}, but "
-                                 f"{CONFIG_FILE} implies {expected[name]}")
-            state[name], origin[name] = tensor, file
+            name = _our_name(file, hf_name, tuple(tensor.shape), expected, path)
+            if name is not None:
+                state[name], origin[name] = tensor, file
     if config.tie_word_embeddings and "lm_head.weight" in state:
         # Some tied exports save both; they must be the same tensor for the tie to hold.
         if not torch.equal(state.pop("lm_head.weight"), state["embed_tokens.weight"]):
-            raise ValueError(f"{origin['lm_head.weight']}: lm_head.weight differs from "
+            raise InputError(f"{origin['lm_head.weight']}: lm_head.weight differs from "
                              f"model.embed_tokens.weight but the config ties them")
     missing = [to_hf_name(n) for n in expected if n not in state]
     if missing:
-        raise ValueError(f"{path}: {len(missing)} tensors missing, e.g. {missing[0]}")
+        raise InputError(f"{path}: {len(missing)} tensors missing, e.g. {missing[0]}")
     return state
 
 

@@ -11,8 +11,11 @@ Each file is written to a temporary name, flushed to disk (fsync) and renamed, s
 either exists whole or not at all; a checkpoint without its manifest is incomplete and is
 ignored. The manifest holds a format version and the sha256 of every rank's file, so a file
 truncated or damaged later is detected, and ``latest_valid_checkpoint`` falls back to the one
-before. Resuming needs the same world size (loading at another layout is chapter 07's). With
-several nodes the directory must be on a filesystem that every node sees.
+before. Resuming needs the same world size and model (loading at another layout is chapter
+07's). With several nodes the directory must be on a filesystem that every node sees.
+
+``check_resume`` makes every check a resume makes before any process starts, without loading
+a tensor; a checkpoint that cannot resume raises an ``InputError`` naming it.
 """
 
 import hashlib
@@ -21,7 +24,9 @@ import json
 import os
 import pickle
 import random
+import re
 import shutil
+import zipfile
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import numpy as np
@@ -32,6 +37,8 @@ from torch.distributed.tensor import DTensor
 
 from scaletorch.config import Config
 from scaletorch.dist import comm, restart_count
+from scaletorch.models import Llama
+from scaletorch.rules.errors import InputError, MissingInputError
 from scaletorch.schedule.placement import V_SHAPED
 
 FORMAT_VERSION = 1
@@ -149,21 +156,32 @@ def save_checkpoint(root: str, step: int, state: Dict[str, Any], rank: int, worl
     return path
 
 
-class CorruptCheckpointError(ValueError):
+class CorruptCheckpointError(InputError):
     """A checkpoint whose manifest is unreadable or whose files do not match their checksums."""
+
+
+class NotACheckpointError(InputError, FileNotFoundError):
+    """A path given as a checkpoint directory that holds no manifest."""
 
 
 def read_manifest(path: str) -> Dict[str, Any]:
     manifest_path = os.path.join(path, MANIFEST)
     if not os.path.isfile(manifest_path):
-        raise FileNotFoundError(f"{path!r} is not a complete checkpoint (no {MANIFEST})")
+        steps = list_checkpoints(path) if os.path.isdir(path) else []
+        hint = (f"it holds checkpoints: resume one, e.g. --resume {steps[-1]}" if steps else
+                f"resume a step_NNNNNNN directory that holds a {MANIFEST}, or --resume alone "
+                f"for the latest one in checkpoint.dir")
+        raise NotACheckpointError(f"{path!r} is not a complete checkpoint (no {MANIFEST}); {hint}")
     try:
         with open(manifest_path) as f:
             manifest = json.load(f)
-    except (OSError, json.JSONDecodeError) as err:
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as err:
         raise CorruptCheckpointError(f"{manifest_path!r} is unreadable: {err}") from err
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("sha256"), dict):
+        raise CorruptCheckpointError(f"{manifest_path!r} is not a ScaleTorch manifest (no sha256 "
+                                     f"of the rank files)")
     if manifest.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"checkpoint {path!r} has format version "
+        raise InputError(f"checkpoint {path!r} has format version "
                          f"{manifest.get('format_version')}, this code reads {FORMAT_VERSION}")
     return manifest
 
@@ -206,23 +224,30 @@ def latest_valid_checkpoint(root: str) -> Tuple[Optional[str], List[str]]:
 
 def check_layout(path: str, manifest: Dict[str, Any], world_size: int,
                  layout: Optional[Dict[str, Any]]) -> None:
-    """Raise ValueError unless this run has the world size and layout that wrote ``path``.
+    """Raise InputError unless this run has the world size, layout and model that wrote ``path``.
 
     Per-rank files are shards of one layout: rank r of another layout holds other pieces, so
     loading them would fail or, worse, train on misplaced weights. The message points to the
     consolidated file (full tensors, any layout) instead.
     """
-    saved = dict(manifest.get("layout") or {}, world_size=manifest["world_size"])
+    saved = dict(manifest.get("layout") or {}, world_size=manifest.get("world_size"))
     now = dict(layout or {}, world_size=world_size)
+    there, here = saved.pop("model", None), now.pop("model", None)
     differ = [k for k in saved if k in now and saved[k] != now[k]]
     if not differ:
+        if there is not None and here is not None and there != here:  # the layout first
+            raise InputError(f"checkpoint {path!r} holds another model (" +
+                             ", ".join(f"{k} {there.get(k)} there, {here[k]} here"
+                                       for k in here if there.get(k) != here[k]) +
+                             "): resume it with the config that wrote it (config.yaml in its "
+                             "run directory), or start a new run with another --name")
         return
     consolidated = os.path.join(path, "consolidated.pt")
     hint = (f"resume the consolidated file instead: --resume {consolidated}"
             if os.path.isfile(consolidated) else
             "to change layouts, resume a consolidated file (full weights and AdamW state, any "
             "layout): examples/07_nd_parallel.py writes consolidated.pt beside each checkpoint")
-    raise ValueError(f"checkpoint {path!r} holds per-rank shards of another layout (" +
+    raise InputError(f"checkpoint {path!r} holds per-rank shards of another layout (" +
                      ", ".join(f"{k} {saved[k]} there, {now[k]} here" for k in differ) +
                      "); per-rank checkpoints resume only at the layout that wrote them; " + hint)
 
@@ -280,23 +305,79 @@ def run_layout(cfg: Config, world_size: int) -> Dict[str, Any]:
         "pipeline_placement": "v" if p.schedule in V_SHAPED else "interleaved",
         "layer_split": list(p.layer_split or []),
         "impl": p.impl,
+        # what decides every tensor's shape: a checkpoint of another model cannot load
+        "model": {
+            name: getattr(cfg.model, name)
+            for name in MODEL_SHAPE
+        },
     }
 
 
-def check_resume(cfg: Config, world_size: int) -> None:
-    """Before any process starts training: refuse to resume a per-rank checkpoint of another
-    layout (the check ``load_checkpoint`` makes too), so the message is printed once.
+MODEL_SHAPE = ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+               "num_attention_heads", "num_key_value_heads", "tie_word_embeddings", "num_experts",
+               "moe_layer_freq", "moe_intermediate_size")
+
+
+def check_resume(cfg: Config, world_size: int, files: bool = False) -> None:
+    """Before any process starts training: refuse what ``checkpoint.resume`` names unless it
+    can resume this run (the checks ``load_checkpoint`` makes, and the checksums), so the
+    message is printed once. InputError naming the path.
 
     What would be resumed: ``checkpoint.resume`` (a directory, or "latest"), or after a
-    torchrun restart the latest checkpoint. A file (a consolidated checkpoint) fits any layout.
+    torchrun restart the latest checkpoint. A file is a consolidated checkpoint, which fits any
+    layout, if the script resumes those (``files``: chapter 07); it must fit the model.
     """
     resume = cfg.checkpoint.resume or ("latest" if restart_count() > 0 else None)
+    if resume is None:
+        return
     if resume == "latest":
-        path = latest_checkpoint(cfg.checkpoint_path)
+        path = latest_checkpoint(cfg.checkpoint_path)  # a corrupt newest one is skipped later
+        if path is None:
+            return
     else:
-        path = resume if resume and os.path.isdir(resume) else None
-    if path is not None:
-        check_layout(path, read_manifest(path), world_size, run_layout(cfg, world_size))
+        path = resume
+        if not os.path.exists(path):
+            raise MissingInputError(f"--resume {path} does not exist: give a checkpoint directory "
+                                    f"(step_NNNNNNN under checkpoint.dir), or --resume alone for "
+                                    f"the latest in {cfg.checkpoint_path}")
+        if os.path.isfile(path):
+            if not files:
+                raise InputError(
+                    f"--resume {path} is a file, not a checkpoint directory: this "
+                    f"script resumes its step_NNNNNNN directories (with a {MANIFEST}); "
+                    f"a consolidated file resumes with examples/07_nd_parallel.py")
+            check_consolidated(path, cfg)
+            return
+        try:
+            verify_checkpoint(path)  # "latest" falls back past a damaged one instead
+        except CorruptCheckpointError as err:
+            raise CorruptCheckpointError(f"{err}: resume an earlier checkpoint, or --resume alone "
+                                         f"(the latest that verifies)") from None
+    check_layout(path, read_manifest(path), world_size, run_layout(cfg, world_size))
+
+
+def check_consolidated(path: str, cfg: Config) -> None:
+    """InputError unless ``path`` is a consolidated checkpoint of ``cfg.model`` (its tensors
+    memory-mapped: their shapes are read, not their bytes)."""
+    name = f"--resume {path}"
+    if not zipfile.is_zipfile(path):
+        raise InputError(f"{name} is not a consolidated checkpoint (a torch.save file): give "
+                         f"a consolidated.pt written by chapter 02, 07 or 10, or a checkpoint "
+                         f"directory")
+    state = load_tensors_only(path, name, mmap=True)
+    model = state.get("model") if isinstance(state, dict) else None
+    if not isinstance(model, dict) or "step" not in state:
+        raise InputError(f"{name} is a torch file but not a consolidated checkpoint (no 'model' "
+                         f"and 'step'): give a consolidated.pt written by chapter 02, 07 or 10")
+    with torch.device("meta"):
+        expected = Llama(cfg.model).state_dict()
+    for key, tensor in expected.items():
+        saved = model.get(key)
+        if saved is None or tuple(saved.shape) != tuple(tensor.shape):
+            there = "missing" if saved is None else f"shape {tuple(saved.shape)}"
+            raise InputError(f"{name} holds another model: {key} is {there} there, shape "
+                             f"{tuple(tensor.shape)} for this config's model.*; resume it with "
+                             f"the model config that wrote it")
 
 
 def load_checkpoint(path: str, rank: int, world_size: int,
@@ -309,24 +390,25 @@ def load_checkpoint(path: str, rank: int, world_size: int,
     return load_tensors_only(data, f"checkpoint file {rank_file(path, rank)!r}")
 
 
-def load_tensors_only(source: Union[str, bytes], name: str) -> Any:
+def load_tensors_only(source: Union[str, bytes], name: str, mmap: bool = False) -> Any:
     """``torch.load`` on CPU that unpickles only tensors and plain Python values (dict, list,
     tuple, str, int, float, bool, None): a checkpoint someone else wrote cannot run code when it
     is loaded. ``source`` is a path or the file's bytes; ``name`` says what it is in the error.
 
     Every ScaleTorch checkpoint holds only such values (``rng_state`` stores NumPy's state as
-    a tensor and ints); a file that needs any other class is refused with a ValueError.
+    a tensor and ints); a file that needs any other class is refused with an InputError.
+    ``mmap``: map a file's tensors instead of reading them (for a look at their shapes).
     """
     file = io.BytesIO(source) if isinstance(source, bytes) else source
     try:
-        return torch.load(file, map_location="cpu", weights_only=True)
+        return torch.load(file, map_location="cpu", weights_only=True, mmap=mmap or None)
     except pickle.UnpicklingError as err:
         # torch's message names the class the file asked for ("Trying to load unsupported
         # GLOBAL posix.system ...") and then suggests weights_only=False, which we do not
-        needed = [line.strip() for line in str(err).splitlines() if "GLOBAL" in line]
-        raise ValueError(
-            f"{name} needs more than tensors and plain Python values to load"
-            f"{' (' + needed[0] + ')' if needed else ''}: it is not a ScaleTorch checkpoint, or "
-            f"it was written by an older ScaleTorch or another program. It was not unpickled, "
-            f"since that could run code; re-save it with this version from a source you "
-            f"trust.") from None
+        needed = re.search(r"GLOBAL \S+", str(err))  # e.g. "GLOBAL posix.system"
+        asked = f" ({needed.group()})" if needed else ""
+        raise InputError(
+            f"{name} needs more than tensors and plain Python values to load{asked}: it is not "
+            f"a ScaleTorch checkpoint, or it was written by an older ScaleTorch or another "
+            f"program. It was not unpickled, since that could run code; re-save it with this "
+            f"version from a source you trust.") from None

@@ -9,30 +9,36 @@ Precedence: dataclass defaults < YAML file < command line. Overrides:
     --steps 20 --tp 2 ...       short aliases for the fields used most (see ALIASES)
 
 Every value is checked: unknown keys, wrong types and impossible layouts raise ValueError
-naming the offending values, before any process group or model exists.
+naming the offending values, before any process group or model exists; so is every file the
+run reads (config, data, checkpoint to resume) and every directory it writes (``check_inputs``):
+a mistake there is an InputError naming the file and what to do.
 """
 
 import argparse
 import os
 import sys
+import tempfile
 import time
 import typing
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from types import TracebackType
+from typing import Any, Callable, Dict, List, Optional, Sequence, Type
 
 import torch
 import yaml
 
 from scaletorch.config import (PRECISIONS, CheckpointConfig, Config, DataConfig, LoggingConfig,
                                ParallelConfig, TrainingConfig, recompute_mode)
-from scaletorch.data.datasets import check_synthetic_vocab
+from scaletorch.data.datasets import check_data_file, check_synthetic_vocab
 from scaletorch.parallel.mixed_precision import policy_for as precision_policy
 # the one layout check (also run by parallelize): re-exported for the scripts
 from scaletorch.parallel.validation import validate_layout
+from scaletorch.rules.errors import InputError, MissingInputError
 from scaletorch.trainer.checkpoint import check_resume
 
 __all__ = [
-    "CheckpointConfig", "Config", "DataConfig", "LoggingConfig", "ParallelConfig", "TrainingConfig",
-    "load_config", "parse_args", "save_config", "validate", "validate_layout"
+    "CheckpointConfig", "Config", "DataConfig", "InputError", "LoggingConfig", "ParallelConfig",
+    "TrainingConfig", "check_inputs", "load_config", "parse_args", "save_config", "validate",
+    "validate_layout"
 ]
 
 SECTIONS = ("model", "data", "parallel", "training", "checkpoint", "logging")
@@ -125,24 +131,49 @@ def set_value(cfg: Config, key: str, value: Any) -> None:
 def apply_dict(cfg: Config, values: Dict[str, Any], source: str = "config") -> None:
     """Apply a nested dict (as read from YAML) onto ``cfg``."""
     if not isinstance(values, dict):
-        raise ValueError(f"{source} must be a mapping of sections, got {type(values).__name__}")
-    for section, body in values.items():
-        if section in SECTIONS:
-            if not isinstance(body, dict):
-                raise ValueError(f"{source}: section {section!r} must be a mapping")
-            for name, value in body.items():
-                set_value(cfg, f"{section}.{name}", value)
-        else:
-            set_value(cfg, section, body)
-    # LlamaConfig validates itself on construction; re-run its checks after edits.
-    cfg.model.__post_init__()
+        raise InputError(f"{source} must be a mapping of sections, got {type(values).__name__}")
+    try:
+        for section, body in values.items():
+            if section in SECTIONS:
+                if not isinstance(body, dict):
+                    raise ValueError(f"section {section!r} must be a mapping")
+                for name, value in body.items():
+                    set_value(cfg, f"{section}.{name}", value)
+            else:
+                set_value(cfg, section, body)
+        # LlamaConfig validates itself on construction; re-run its checks after edits.
+        cfg.model.__post_init__()
+    except ValueError as err:  # a value of the file: say which file holds it
+        raise InputError(f"{source}: {err}") from None
 
 
 def load_yaml(path: str) -> Dict[str, Any]:
+    """The settings of a YAML config file; InputError naming it when it cannot be one."""
+    if not os.path.exists(path):
+        raise MissingInputError(f"config file {path!r} does not exist; each script's defaults "
+                                f"are in examples/configs/")
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"config file {path!r} does not exist")
-    with open(path) as f:
-        return yaml.safe_load(f) or {}
+        raise InputError(f"config file {path!r} is not a file: give a YAML file such as "
+                         f"examples/configs/00_single_device.yaml")
+    try:
+        with open(path, encoding="utf-8") as f:
+            values = yaml.safe_load(f)
+    except UnicodeDecodeError as err:
+        raise InputError(f"config file {path!r} is not text (byte 0x{err.object[err.start]:02x} "
+                         f"at offset {err.start} is not UTF-8): give a YAML file") from None
+    except OSError as err:  # e.g. no permission to read it
+        raise InputError(f"config file {path!r} cannot be read ({err.strerror}): give a file "
+                         f"you can read") from None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise InputError(f"config file {path!r} is not valid YAML{where}: {problem}; fix the "
+                         f"syntax there") from None
+    if values is None:
+        raise InputError(f"config file {path!r} holds no settings: give a YAML file of "
+                         f"sections, as in examples/configs/")
+    return values
 
 
 def parse_args(argv: Optional[Sequence[str]] = None, default_config: Optional[str] = None,
@@ -206,13 +237,16 @@ Limits = Callable[[Config, int], None]  # a script's own refusals: limits(cfg, w
 
 
 def load_config(default_config: str, description: str, limits: Optional[Limits] = None,
-                argv: Optional[Sequence[str]] = None) -> Config:
+                argv: Optional[Sequence[str]] = None, resume_files: bool = False) -> Config:
     """A script's config, checked for the world it is launched into before anything starts.
 
-    ``parse_args``, then ``validate(cfg, world_size)`` (the one layout check) and the script's
-    own ``limits(cfg, world_size)``, with ``world_size`` from torchrun's WORLD_SIZE (1 without
-    torchrun). A mistake is one line ``error: ...`` on stderr, printed by rank 0 only, and
-    every rank exits with status 2: no traceback, not once per rank.
+    ``parse_args``, then ``validate(cfg, world_size)`` (the one layout check), the script's
+    own ``limits(cfg, world_size)`` and ``check_inputs`` (the checkpoint to resume, a file too
+    if ``resume_files``; the directories to write), with ``world_size`` from torchrun's
+    WORLD_SIZE (1 without torchrun). A mistake is one line ``error: ...`` on stderr, printed by
+    rank 0 only, and every rank exits with status 2: no traceback, not once per rank. An
+    InputError raised later (a file's fault found only while it is read) ends the script the
+    same way (``report_input_errors``); any other exception keeps its traceback.
 
     ``--validate-only --world-size N`` (scripts/launch.sh runs it before torchrun) checks the
     config for N ranks and exits: 0 if it can run, 2 with the error line if not.
@@ -227,7 +261,7 @@ def load_config(default_config: str, description: str, limits: Optional[Limits] 
         validate(cfg, world_size)
         if limits is not None:
             limits(cfg, world_size)
-        check_resume(cfg, world_size)  # a per-rank checkpoint fits only the layout that wrote it
+        check_inputs(cfg, world_size, resume_files)
     except (ValueError, FileNotFoundError) as err:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {err}", file=sys.stderr, flush=True)
@@ -236,7 +270,55 @@ def load_config(default_config: str, description: str, limits: Optional[Limits] 
         sys.exit(2)
     if known.validate_only:
         sys.exit(0)
+    sys.excepthook = report_input_errors
     return cfg
+
+
+def report_input_errors(kind: Type[BaseException], err: BaseException,
+                        tb: Optional[TracebackType]) -> None:
+    """sys.excepthook of a script past load_config: an InputError that escapes it is printed
+    as ``error: ...`` by one rank and the process exits with status 2; anything else is a bug
+    and gets Python's traceback. Rank 0 prints at once; another rank waits, so that when rank 0
+    has the same error torchrun stops this rank before it repeats the line."""
+    if not isinstance(err, InputError):
+        sys.__excepthook__(kind, err, tb)
+        return
+    if int(os.environ.get("RANK", "0")) != 0:
+        time.sleep(5)
+    sys.stdout.flush()
+    print(f"error: {err}", file=sys.stderr, flush=True)
+    os._exit(2)  # the exit status of load_config's refusals (scripts/torchrun.py keeps it quiet)
+
+
+def check_inputs(cfg: Config, world_size: int, resume_files: bool = False) -> None:
+    """What ``validate`` cannot see without touching the disk: the checkpoint to resume fits
+    this run (``check_resume``), and the run directory (and checkpoint.dir when checkpoints
+    are saved) can be created and written. InputError naming the path."""
+    check_resume(cfg, world_size, resume_files)
+    outputs = {"logging.run_dir": cfg.run_path}
+    if cfg.checkpoint.every > 0:
+        outputs["checkpoint.dir"] = cfg.checkpoint_path
+    for key, path in outputs.items():
+        check_writable(key, path)
+
+
+def check_writable(key: str, path: str) -> None:
+    """InputError unless directory ``path`` exists or can be created, and can be written.
+
+    Writes nothing that stays: the nearest existing ancestor is probed with an empty directory
+    that is removed at once (permission bits do not tell: root writes through them, no one
+    writes to a read-only filesystem)."""
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise InputError(f"{key}: cannot create {path!r}, since {existing!r} is a file; give a "
+                         f"directory path with --{key}")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".scaletorch-probe-", dir=existing))
+    except OSError as err:
+        raise InputError(f"{key}: cannot write {path!r} ({existing!r}: {err.strerror}); give a "
+                         f"directory you can write with --{key}") from None
 
 
 CHOICES = {
@@ -309,13 +391,14 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
                          f"({cfg.model.max_seq_len})")
     if cfg.data.dataset == "synthetic":
         check_synthetic_vocab(cfg.model.vocab_size)
-    if cfg.data.dataset in ("text", "bin") and not cfg.data.path:
-        raise ValueError(f"data.dataset {cfg.data.dataset!r} needs data.path")
-    if cfg.data.dataset in ("text", "bin") and not os.path.isfile(cfg.data.path or ""):
-        raise FileNotFoundError(f"data.path {cfg.data.path!r} does not exist")
     if cfg.data.dataset == "text" and cfg.model.vocab_size < 256:
         raise ValueError(f"the byte-level text dataset needs model.vocab_size >= 256, "
                          f"got {cfg.model.vocab_size}")
+    if cfg.data.dataset in ("text", "bin"):  # kind, format, length, vocabulary
+        check_data_file(cfg.data.dataset, cfg.data.path, cfg.model.vocab_size, cfg.data.seq_len)
+    if cfg.logging.plan_cluster and not os.path.isfile(cfg.logging.plan_cluster):
+        raise MissingInputError(f"logging.plan_cluster {cfg.logging.plan_cluster!r} is not a "
+                                f"file: give a cluster file from scripts/plan.py --calibrate")
     if world_size is not None:
         validate_layout(cfg, world_size)
 

@@ -1,0 +1,416 @@
+"""Every mistake in a run's inputs is one line before anything starts (doc/bad_inputs.md).
+
+The table: a bad file, directory or value per row, given to a chapter as a user would. Each
+must print exactly one line ``error: ...`` naming the file, exit with status 2, print no
+traceback and write nothing where the run would write. Most rows run the script in this
+process through the path scripts/launch.sh takes first (``--validate-only``); the LAUNCHED
+rows go through scripts/launch.sh itself (and one through torchrun's ranks), to show the
+whole road. ``python -m tests.test_bad_inputs --table`` prints the doc's table.
+"""
+
+import argparse
+import contextlib
+import hashlib
+import io
+import json
+import os
+import runpy
+import shutil
+import subprocess
+import sys
+import tempfile
+import unittest
+from concurrent.futures import ThreadPoolExecutor
+from typing import Dict, List, NamedTuple, Optional, Tuple
+
+import numpy as np
+import torch
+
+from scaletorch.models import LlamaConfig, build_model
+from scaletorch.trainer import checkpoint as ckpt
+from scaletorch.trainer.config import parse_args
+from tests.test_examples import ROOT, launch_status
+
+C00, C07, C10 = "examples/00_single_device.py", "examples/07_nd_parallel.py", \
+    "examples/10_real_model.py"
+PREPARE = "scripts/prepare_text.py"
+HAVE_HF = all(__import__("importlib").util.find_spec(m) for m in ("safetensors", "tokenizers"))
+DOC = os.path.join(ROOT, "doc", "bad_inputs.md")
+
+
+class Row(NamedTuple):
+    what: str  # the mistake, as the doc's table names it
+    script: str
+    args: Tuple[str, ...]  # D stands for the folder of bad files
+    says: str  # a fragment of the error line (with D); it names the file or value
+    launched: bool = False  # through scripts/launch.sh, not in this process
+    hf: bool = False  # needs the hf extra (safetensors, tokenizers)
+
+
+ROWS = [
+    # the config file
+    Row(
+        "--config of a malformed YAML file", C00, ("--config", "D/malformed.yaml"),
+        "config file 'D/malformed.yaml' is not valid YAML at line 2, column 1: expected ',' or ']'",
+        launched=True),
+    Row("--config of a file that does not exist", C00, ("--config", "D/nope.yaml"),
+        "config file 'D/nope.yaml' does not exist"),
+    Row("--config of a directory", C00, ("--config", "D/folder"),
+        "config file 'D/folder' is not a file"),
+    Row("--config of an empty file (comments only)", C00, ("--config", "D/empty.yaml"),
+        "config file 'D/empty.yaml' holds no settings"),
+    Row("--config of a file that is not text", C00, ("--config", "D/latin1.yaml"),
+        "config file 'D/latin1.yaml' is not text (byte 0xe9"),
+    Row("a key of the wrong type inside YAML", C00, ("--config", "D/wrong_type.yaml"),
+        "D/wrong_type.yaml: training.steps must be int, got 'ten'"),
+    Row("an unknown key inside YAML", C00, ("--config", "D/unknown_key.yaml"),
+        "D/unknown_key.yaml: unknown config key 'training.stepz'"),
+    Row("a YAML list where sections belong", C00, ("--config", "D/list.yaml"),
+        "D/list.yaml must be a mapping of sections, got list"),
+    # the data
+    Row("--data.path of a text too short for one sequence (3 bytes, 129 needed)", C10,
+        ("--data.path", "D/short.txt"),
+        "data.path 'D/short.txt' has 3 bytes, fewer than the 129 one sequence needs"),
+    Row("--data.path of a binary file read as text", C10, ("--data.path", "D/binary.txt"),
+        "data.path 'D/binary.txt' is not text: it holds a NUL byte at offset 0", launched=True),
+    Row("--data.path of a text that is not UTF-8", C10, ("--data.path", "D/latin1.txt"),
+        "data.path 'D/latin1.txt' is not text: it is not UTF-8 (byte 0xe9 at offset 3)"),
+    Row("--data.path of an empty file", C10, ("--data.path", "D/empty.txt"),
+        "data.path 'D/empty.txt' is empty"),
+    Row("--data.path of a directory", C10, ("--data.path", "D/folder"),
+        "data.path 'D/folder' is not a file"),
+    Row("--data.path of a file that does not exist", C10, ("--data.path", "D/nope.txt"),
+        "data.path 'D/nope.txt' does not exist"),
+    Row("a .bin too short for one sequence", C10,
+        ("--data.dataset", "bin", "--data.path", "D/tokens3.bin"),
+        "data.path 'D/tokens3.bin' has 3 tokens, fewer than the 129 one sequence needs"),
+    Row("a .bin with tokens outside the vocabulary", C10,
+        ("--data.dataset", "bin", "--data.path", "D/vocab300.bin"),
+        "data.path 'D/vocab300.bin' holds token 300 (at index 0), outside model.vocab_size 256"),
+    Row("a .bin whose dtype does not fit the vocabulary (uint16 read as uint32)", C10,
+        ("--data.dataset", "bin", "--data.path", "D/odd.bin", "--model.vocab_size", "100000"),
+        "data.path 'D/odd.bin' has 602 bytes, not a whole number of uint32 tokens"),
+    # a Hugging Face directory to start from
+    Row(
+        "--init-from a Hugging Face directory of another architecture (GPT2LMHeadModel)", C10,
+        ("--init-from", "D/gpt2"), "D/gpt2/config.json: model_type 'gpt2' / architectures "
+        "['GPT2LMHeadModel'] is not a Llama", launched=True),
+    Row("--init-from a directory that does not exist", C10, ("--init-from", "D/nope"),
+        "Hugging Face directory D/nope does not exist"),
+    Row("--init-from a file", C10, ("--init-from", "D/short.txt"),
+        "D/short.txt is a file, not a Hugging Face model directory"),
+    Row("--init-from a directory without config.json", C10, ("--init-from", "D/folder"),
+        "D/folder is not a Hugging Face model directory: config.json is missing"),
+    Row("--init-from a config.json that is not JSON", C10, ("--init-from", "D/bad_json"),
+        "D/bad_json/config.json is not valid JSON"),
+    Row("--init-from a truncated safetensors file", C10, ("--init-from", "D/truncated"),
+        "D/truncated/model.safetensors is not a readable safetensors file", hf=True),
+    Row(
+        "--init-from weights of another size than its config.json", C10,
+        ("--init-from", "D/resized"), "D/resized/model.safetensors: tensor "
+        "model.layers.0.mlp.down_proj.weight has shape (32, 64), but config.json implies "
+        "(32, 128)", hf=True),
+    Row(
+        "--init-from a Llama whose vocabulary is smaller than text needs", C10,
+        ("--init-from", "D/vocab128"),
+        "--init-from D/vocab128 (its config.json sets model.*): the byte-level text dataset "
+        "needs model.vocab_size >= 256, got 128", hf=True),
+    # a checkpoint to resume
+    Row("--resume of a file that is not a checkpoint", C00, ("--resume", "D/short.txt"),
+        "--resume D/short.txt is a file, not a checkpoint directory", launched=True),
+    Row("--resume of a path that does not exist", C00, ("--resume", "D/nope"),
+        "--resume D/nope does not exist"),
+    Row("--resume of a directory that is not a checkpoint", C00, ("--resume", "D/folder"),
+        "'D/folder' is not a complete checkpoint (no manifest.json)"),
+    Row("--resume of the checkpoints folder instead of one checkpoint", C00,
+        ("--resume", "D/ckpts"), "it holds checkpoints: resume one, e.g. --resume "
+        "D/ckpts/step_0000005"),
+    Row("--resume of a checkpoint of another model size", C00, ("--resume", "D/ckpts/step_0000005"),
+        "checkpoint 'D/ckpts/step_0000005' holds another "
+        "model (hidden_size 128 there, 64 here"),
+    Row("--resume of a checkpoint with a damaged file", C00, ("--resume", "D/damaged/step_0000005"),
+        "rank_00000.pt does not match its sha256 in the manifest"),
+    Row(
+        "--resume of a consolidated file of another model size", C07,
+        ("--resume", "D/other_size.pt"), "--resume D/other_size.pt holds another model: "
+        "embed_tokens.weight is shape (64, 128) there, shape (64, 64)"),
+    Row("--resume of a torch file that needs more than tensors", C07, ("--resume", "D/pickle.pt"),
+        "--resume D/pickle.pt needs more than tensors"),
+    Row("--resume of a file that is not a torch file (chapter 07)", C07,
+        ("--resume", "D/short.txt"), "--resume D/short.txt is not a consolidated checkpoint"),
+    # where the run writes
+    Row(
+        "--logging.run_dir that cannot be created", C00, ("--logging.run_dir", "D/short.txt/runs"),
+        "logging.run_dir: cannot create 'D/short.txt/runs/00_single_device', since "
+        "'D/short.txt' is a file"),
+    Row("--logging.run_dir that cannot be written (read-only)", C00,
+        ("--logging.run_dir", "READONLY/runs"), "logging.run_dir: cannot write "
+        "'READONLY/runs/00_single_device'"),
+    Row("--checkpoint.dir that cannot be created", C00,
+        ("--checkpoint.every", "5", "--checkpoint.dir", "D/short.txt/ckpts"),
+        "checkpoint.dir: cannot create 'D/short.txt/ckpts'"),
+    Row("--logging.plan_cluster of a file that does not exist", C00,
+        ("--logging.plan_cluster", "D/nope.json"), "logging.plan_cluster 'D/nope.json' is not a "
+        "file"),
+    # preparing a .bin (scripts/prepare_text.py)
+    Row("--tokenizer of a tokenizer.json that is not one", PREPARE,
+        ("D/long.txt", "--tokenizer", "D/not_tokenizer.json", "--out", "D/out/x.bin"),
+        "tokenizer file 'D/not_tokenizer.json' is not a tokenizer.json", hf=True),
+    Row("a text that is not UTF-8, where the tokenizer needs text", PREPARE,
+        ("D/latin1.txt", "--out", "D/out/x.bin"),
+        "text file 'D/latin1.txt' is not text: it is not UTF-8 (byte 0xe9 at offset 3)"),
+]
+
+
+def _write(path: str, data) -> None:
+    with open(path, "wb" if isinstance(data, bytes) else "w") as f:
+        f.write(data)
+
+
+def _fake_checkpoint(root: str, model_args: List[str], damaged: bool = False) -> None:
+    """A complete checkpoint of chapter 00 at step 5 (its manifest as the Trainer writes it)
+    for ``model_args``; its rank file is a stand-in, checked by checksum only."""
+    cfg = parse_args(["--config", "examples/configs/00_single_device.yaml", *model_args])
+    path = ckpt.step_dir(root, 5)
+    os.makedirs(path)
+    data = b"rank 0's state"
+    _write(ckpt.rank_file(path, 0), data + (b"!" if damaged else b""))
+    manifest = {
+        "format_version": ckpt.FORMAT_VERSION,
+        "step": 5,
+        "world_size": 1,
+        "layout": ckpt.run_layout(cfg, 1),
+        "sha256": {
+            "rank_00000.pt": hashlib.sha256(data).hexdigest()
+        }
+    }
+    _write(os.path.join(path, ckpt.MANIFEST), json.dumps(manifest))
+
+
+def make_bad_inputs(d: str) -> None:
+    """Every bad file and folder of the table, in ``d``."""
+    os.makedirs(os.path.join(d, "folder"))
+    _write(os.path.join(d, "malformed.yaml"), "training: {steps: [1, 2\n")
+    _write(os.path.join(d, "empty.yaml"), "# settings to come\n")
+    _write(os.path.join(d, "latin1.yaml"), "logging:\n  name: caf\xe9\n".encode("latin-1"))
+    _write(os.path.join(d, "wrong_type.yaml"), "training:\n  steps: ten\n")
+    _write(os.path.join(d, "unknown_key.yaml"), "training:\n  stepz: 3\n")
+    _write(os.path.join(d, "list.yaml"), "- training\n- data\n")
+    _write(os.path.join(d, "short.txt"), "abc")
+    _write(os.path.join(d, "long.txt"), "Tensor parallel splits every matrix. " * 20)
+    _write(os.path.join(d, "empty.txt"), "")
+    _write(os.path.join(d, "binary.txt"), bytes(range(256)) * 4)
+    _write(os.path.join(d, "latin1.txt"), ("caf\xe9 au lait. " * 30).encode("latin-1"))
+    np.arange(1, 4, dtype=np.uint16).tofile(os.path.join(d, "tokens3.bin"))
+    np.full(200, 300, dtype=np.uint16).tofile(os.path.join(d, "vocab300.bin"))
+    np.arange(301, dtype=np.uint16).tofile(os.path.join(d, "odd.bin"))  # 602 bytes
+    _write(os.path.join(d, "not_tokenizer.json"), '{"version": "1.0", "model": 3}')
+    os.makedirs(os.path.join(d, "gpt2"))
+    _write(os.path.join(d, "gpt2", "config.json"),
+           json.dumps({
+               "architectures": ["GPT2LMHeadModel"],
+               "model_type": "gpt2",
+               "n_embd": 64
+           }))
+    os.makedirs(os.path.join(d, "bad_json"))
+    _write(os.path.join(d, "bad_json", "config.json"), '{"model_type": "llama",')
+    if HAVE_HF:
+        from scaletorch.models.hf import export_hf_llama
+        small = dict(hidden_size=32, intermediate_size=64, num_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, max_seq_len=128)
+        for name, vocab in (("llama", 256), ("vocab128", 128)):
+            export_hf_llama(build_model(LlamaConfig(vocab_size=vocab, **small), seed=0),
+                            os.path.join(d, name))
+        for name in ("truncated", "resized"):
+            shutil.copytree(os.path.join(d, "llama"), os.path.join(d, name))
+        weights = os.path.join(d, "truncated", "model.safetensors")
+        os.truncate(weights, os.path.getsize(weights) // 2)
+        config_file = os.path.join(d, "resized", "config.json")
+        with open(config_file) as f:
+            config = json.load(f)
+        _write(config_file, json.dumps(dict(config, intermediate_size=128)))
+    _fake_checkpoint(os.path.join(d, "ckpts"), ["--model.hidden_size", "128"])
+    _fake_checkpoint(os.path.join(d, "damaged"), [], damaged=True)
+    other = LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=128, num_layers=4,
+                        num_attention_heads=8, num_key_value_heads=4, max_seq_len=64)
+    torch.save({
+        "step": 3,
+        "model": build_model(other, seed=0).state_dict(),
+        "optimizer": None
+    }, os.path.join(d, "other_size.pt"))
+    torch.save({"step": 3, "model": argparse.Namespace(weights=1)}, os.path.join(d, "pickle.pt"))
+
+
+def read_only_dir(d: str) -> str:
+    """A directory this user cannot write: permission bits stop anyone but root, and root
+    is stopped by a filesystem that refuses new entries (sysfs)."""
+    if os.geteuid() == 0:
+        return "/sys/scaletorch"
+    path = os.path.join(d, "read_only")
+    os.makedirs(path, exist_ok=True)
+    os.chmod(path, 0o555)
+    return path
+
+
+def _argv(row: Row, d: str, read_only: str) -> List[str]:
+    return [a.replace("D/", d + "/").replace("READONLY", read_only) for a in row.args]
+
+
+def run_in_process(script: str, argv: List[str]) -> Tuple[int, str]:
+    """``python script --validate-only --world-size 1 ARGV`` as scripts/launch.sh's pre-flight
+    runs it, in this process: (exit status, stdout + stderr). prepare_text takes ARGV alone."""
+    if script != PREPARE:
+        argv = ["--validate-only", "--world-size", "1", *argv]
+    out = io.StringIO()
+    saved = sys.argv, sys.excepthook, os.getcwd()
+    sys.argv = [script, *argv]
+    os.chdir(ROOT)
+    code: Optional[object] = 0
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            runpy.run_path(script, run_name="__main__")
+    except SystemExit as done:
+        code = done.code
+    finally:
+        sys.argv, sys.excepthook = saved[0], saved[1]
+        os.chdir(saved[2])
+    return int(code or 0), out.getvalue()
+
+
+def run_table(d: str, rows: List[Row]) -> Dict[str, Tuple[int, str, List[str]]]:
+    """{row.what: (exit status, output, arguments)}, each row with a run directory of its own;
+    the launched rows in two launchers at a time (the pre-flight is one Python each)."""
+    read_only = read_only_dir(d)
+    results: Dict[str, Tuple[int, str, List[str]]] = {}
+    launched = []
+    for i, row in enumerate(rows):
+        argv = ["--logging.run_dir", os.path.join(d, "runs", str(i))] if row.script != PREPARE \
+            else []
+        argv += _argv(row, d, read_only)
+        if row.launched:
+            launched.append((row, argv))
+        else:
+            code, out = run_in_process(row.script, argv)
+            results[row.what] = (code, out, argv)
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {
+            row.what: (pool.submit(launch_status, row.script, 1, *argv, timeout=180), argv)
+            for row, argv in launched
+        }
+        for what, (future, argv) in futures.items():
+            out, code, _ = future.result()
+            results[what] = (code, out, argv)
+    return results
+
+
+class EveryBadInputIsOneLine(unittest.TestCase):
+    """The table, run once for every test of the class."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.TemporaryDirectory()
+        cls.d = os.path.join(cls.tmp.name, "bad_inputs")
+        os.makedirs(cls.d)
+        make_bad_inputs(cls.d)
+        cls.rows = [r for r in ROWS if HAVE_HF or not r.hf]
+        cls.results = run_table(cls.d, cls.rows)
+
+    @classmethod
+    def tearDownClass(cls):
+        ro = os.path.join(cls.d, "read_only")
+        if os.path.isdir(ro):
+            os.chmod(ro, 0o755)
+        cls.tmp.cleanup()
+
+    def test_the_table_has_every_case_of_the_issue_and_more(self):
+        self.assertGreaterEqual(len(ROWS), 25)
+        self.assertEqual(len({r.what for r in ROWS}), len(ROWS))
+        self.assertGreaterEqual(sum(r.launched for r in ROWS), 4)
+
+    def test_each_bad_input_is_one_error_line_naming_it_exit_2_no_traceback(self):
+        read_only = read_only_dir(self.d)
+        for row in self.rows:
+            with self.subTest(what=row.what):
+                code, out, _ = self.results[row.what]
+                says = row.says.replace("D/", self.d + "/").replace("READONLY", read_only)
+                self.assertEqual(code, 2, out[-2000:])
+                self.assertEqual(out.count("error: "), 1, out[-2000:])
+                self.assertIn(says, out)
+                self.assertNotIn("Traceback", out)
+                self.assertNotIn("torchrun.py", out)  # launched: refused before any rank
+                line = next(x for x in out.splitlines() if x.startswith("error: "))
+                self.assertEqual(out.strip(), line)  # nothing but the line
+
+    def test_nothing_is_written_where_the_run_would_write(self):
+        self.assertFalse(os.path.exists(os.path.join(self.d, "runs")))
+        self.assertFalse(os.path.exists(os.path.join(self.d, "out")))
+        leftovers = [n for n in os.listdir(self.d) if n.startswith(".scaletorch-probe")]
+        self.assertEqual(leftovers, [])
+
+    def test_the_doc_shows_every_row(self):
+        with open(DOC, encoding="utf-8") as f:
+            doc = f.read()
+        for row in ROWS:
+            with self.subTest(what=row.what):
+                self.assertIn(f"| {row.what} |", doc)
+                self.assertIn(
+                    row.says.replace("D/",
+                                     "/tmp/bad_inputs/").replace("READONLY", "/sys/scaletorch"),
+                    doc)
+
+
+class RefusedByTheRanksThemselves(unittest.TestCase):
+    """Without the launcher's pre-flight, every rank refuses and rank 0 says it once; an
+    InputError found later ends the script the same way; a bug keeps its traceback."""
+
+    def test_two_ranks_refuse_a_bad_file_with_one_line_and_exit_2(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "short.txt")
+            _write(path, "abc")
+            out, code, _ = launch_status(C10, 2, "--data.path", path, "--steps", "1",
+                                         env={"SCALETORCH_PREFLIGHT": "0"}, timeout=180)
+        self.assertIn("torchrun.py", out)  # the ranks started, and refused
+        self.assertEqual(code, 2, out[-2000:])
+        self.assertEqual(out.count("error: data.path"), 1, out[-2000:])
+        self.assertNotIn("Traceback", out)
+
+    def _python(self, code: str) -> subprocess.CompletedProcess:
+        prelude = ("import sys; from scaletorch.trainer.config import InputError, "
+                   "report_input_errors; sys.excepthook = report_input_errors; ")
+        return subprocess.run([sys.executable, "-c", prelude + code], cwd=ROOT, capture_output=True,
+                              text=True, timeout=120, env={
+                                  **os.environ, "PYTHONPATH": ROOT
+                              })
+
+    def test_an_input_error_found_later_is_one_line_and_a_bug_keeps_its_traceback(self):
+        later = self._python("print('step 1'); raise InputError('data.path x.bin holds token 9')")
+        self.assertEqual((later.returncode, later.stdout, later.stderr),
+                         (2, "step 1\n", "error: data.path x.bin holds token 9\n"))
+        bug = self._python("raise KeyError('a bug')")
+        self.assertEqual(bug.returncode, 1)
+        self.assertIn("Traceback", bug.stderr)
+        self.assertIn("KeyError: 'a bug'", bug.stderr)
+
+
+def print_table() -> None:
+    """The doc's table, from a run of every row (paths as /tmp/bad_inputs/...)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        d = os.path.join(tmp, "bad_inputs")
+        os.makedirs(d)
+        make_bad_inputs(d)
+        results = run_table(d, ROWS)
+        print("| mistake | command | what the user sees |")
+        print("| --- | --- | --- |")
+        for row in ROWS:
+            code, out, argv = results[row.what]
+            line = out.strip().replace(d, "/tmp/bad_inputs")
+            args = " ".join(row.args).replace("D/", "/tmp/bad_inputs/").replace(
+                "READONLY", "/sys/scaletorch")
+            print(f"| {row.what} | `{row.script} {args}` | `{line}` (exit {code}) |")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--table"]:
+        print_table()
+    else:
+        unittest.main()
