@@ -157,11 +157,14 @@ class CommLedger:
             self.phase = previous
 
     def record(self, op: str, group: Optional[dist.ProcessGroup], group_size: int, elements: int,
-               element_size: int) -> None:
+               element_size: int, name: Optional[str] = None) -> None:
+        """One call: ``name`` labels it (the role it serves: "cp", "ep", ...), else the group's
+        own name (``name_group``); pg_manager shares one group among roles with the same
+        ranks, so a call for a role other than the group's first says which."""
         if not self.enabled:
             return
         nbytes = elements * element_size
-        r = CommRecord(self.step, op, group_name(group), group_size, elements, nbytes,
+        r = CommRecord(self.step, op, name or group_name(group), group_size, elements, nbytes,
                        wire_bytes(op, nbytes, group_size), self.phase)
         entry = self._steps.get(r.step)
         if entry is None:

@@ -181,7 +181,7 @@ def sync_tied_embedding_grads(params: Sequence[torch.Tensor], pgm: ProcessGroupM
     for param in params:
         if param.grad is None:  # a copy with no use this step still joins the sum
             param.grad = torch.zeros_like(param)
-        comm.all_reduce(param.grad, pgm.embedding_group)
+        comm.all_reduce(param.grad, pgm.embedding_group, name="embd")
 
 
 def apply_data_parallel_to_chunks(pipe: PipelineModel, pgm: ProcessGroupManager,
