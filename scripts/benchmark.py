@@ -67,9 +67,10 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=10, help="timed steps per repeat")
     parser.add_argument("--repeats", type=int, default=3,
                         help="alternating repeats of each implementation")
-    parser.add_argument("--world-size", type=int, default=None,
-                        help=f"ranks per benchmark (default {DEFAULT_WORLD_SIZE}, or the one "
-                        f"world a benchmark needs)")
+    parser.add_argument(
+        "--world-size", type=int, default=None,
+        help=f"ranks per benchmark (default {DEFAULT_WORLD_SIZE}, or the one "
+        f"world a benchmark needs)")
     args = parser.parse_args()
     names = available()
     if args.list:

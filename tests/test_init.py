@@ -48,19 +48,17 @@ class EachRankGetsADeviceOfItsOwn(unittest.TestCase):
             for local_world_size in (None, 4):
                 with self.subTest(local_rank=local_rank, local_world_size=local_world_size):
                     self.assertEqual(
-                        pick_device_and_backend(local_rank, local_world_size,
-                                                cuda_available=True, device_count=1,
-                                                shared_devices=False),
+                        pick_device_and_backend(local_rank, local_world_size, cuda_available=True,
+                                                device_count=1, shared_devices=False),
                         (torch.device("cuda", 0), "nccl"))
 
     def test_one_gpu_shared_by_torchruns_workers_is_still_refused(self):
         # torchrun gives every worker the same CUDA_VISIBLE_DEVICES: four workers, one GPU
         with self.assertRaisesRegex(ValueError, "local rank 1 .*LOCAL_WORLD_SIZE=4.* sees 1"):
-            pick_device_and_backend(1, 4, cuda_available=True, device_count=1,
-                                    shared_devices=True)
+            pick_device_and_backend(1, 4, cuda_available=True, device_count=1, shared_devices=True)
         self.assertEqual(
-            pick_device_and_backend(0, 1, cuda_available=True, device_count=1,
-                                    shared_devices=True), (torch.device("cuda", 0), "nccl"))
+            pick_device_and_backend(0, 1, cuda_available=True, device_count=1, shared_devices=True),
+            (torch.device("cuda", 0), "nccl"))
 
     def test_torchrun_is_taken_to_share_devices_and_srun_not(self):
         # the default of shared_devices: TORCHELASTIC_RUN_ID is set by torchrun only

@@ -33,8 +33,8 @@ class LauncherSetsNcclErrorHandling(unittest.TestCase):
         # blocking waits would hold the host at every wait(): no overlap (doc/fault_tolerance.md)
         ranks, command = self._launch()
         self.assertEqual(ranks, ["rank env None 1"])
-        self.assertIn("+ TORCH_NCCL_ASYNC_ERROR_HANDLING=1 ", command.replace(
-            "OMP_NUM_THREADS=1 ", ""))
+        self.assertIn("+ TORCH_NCCL_ASYNC_ERROR_HANDLING=1 ",
+                      command.replace("OMP_NUM_THREADS=1 ", ""))
         self.assertNotIn("BLOCKING_WAIT", command)
         # the user's choices are kept, and printed
         ranks, command = self._launch(TORCH_NCCL_BLOCKING_WAIT="1",

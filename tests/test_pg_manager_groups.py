@@ -82,8 +82,10 @@ def _measure_groups(rank: int, world_size: int, layouts: List[Dict[str, int]]) -
         names["world"] = pgm.name_of(None)
         names["WORLD"] = pgm.name_of(dist.group.WORLD)
         # which kinds share one group object, and what the ledger writes for a call per kind
-        same = {kind: [k for k in KINDS if pgm.get_group(k) is pgm.get_group(kind)]
-                for kind in KINDS}
+        same = {
+            kind: [k for k in KINDS if pgm.get_group(k) is pgm.get_group(kind)]
+            for kind in KINDS
+        }
         ledger = get_ledger()
         ledger.clear()
         comm.all_reduce(torch.ones(1), pgm.data_parallel_group_with_context)

@@ -69,6 +69,7 @@ class PrecisionResolution(unittest.TestCase):
             self.assertEqual(resolve_precision(_cfg("auto", False), "cpu"), "fp32")
 
     def test_a_torch_without_including_emulation_reads_the_compute_capability(self):
+
         def old_api():  # torch 2.x before the keyword: TypeError on it
             return True
 

@@ -283,21 +283,23 @@ class TestOneGroupPerDistinctSetOfRanks(unittest.TestCase):
 
     def test_with_cp_and_ep_1_dp_dp_cp_and_edp_are_one_group(self):
         grid = RankGrid(8, tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
-        self.assertEqual(grid.distinct_groups(), [
-            ([0, 1], ["tp"]),
-            ([2, 3], ["tp"]),
-            ([4, 5], ["tp"]),
-            ([6, 7], ["tp"]),
-            *[([r], ["cp", "ep"]) for r in range(8)],
-            ([0, 2], ["dp", "dp_cp", "edp"]),
-            ([1, 3], ["dp", "dp_cp", "edp"]),
-            ([4, 6], ["dp", "dp_cp", "edp"]),
-            ([5, 7], ["dp", "dp_cp", "edp"]),
-            ([0, 4], ["pp", "embd"]),  # pp 2: the embedding group is the pipeline group
-            ([1, 5], ["pp", "embd"]),
-            ([2, 6], ["pp", "embd"]),
-            ([3, 7], ["pp", "embd"]),
-        ])
+        self.assertEqual(
+            grid.distinct_groups(),
+            [
+                ([0, 1], ["tp"]),
+                ([2, 3], ["tp"]),
+                ([4, 5], ["tp"]),
+                ([6, 7], ["tp"]),
+                *[([r], ["cp", "ep"]) for r in range(8)],
+                ([0, 2], ["dp", "dp_cp", "edp"]),
+                ([1, 3], ["dp", "dp_cp", "edp"]),
+                ([4, 6], ["dp", "dp_cp", "edp"]),
+                ([5, 7], ["dp", "dp_cp", "edp"]),
+                ([0, 4], ["pp", "embd"]),  # pp 2: the embedding group is the pipeline group
+                ([1, 5], ["pp", "embd"]),
+                ([2, 6], ["pp", "embd"]),
+                ([3, 7], ["pp", "embd"]),
+            ])
         # 20 groups where one per kind (and embd) made 4 + 8 + 4 + 4 + 4 + 8 + 4 + 4 = 40:
         # every rank holds 4 groups instead of 8
         groups = grid.distinct_groups()
