@@ -11,12 +11,14 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+import torch
+
 from scaletorch.models import LlamaConfig
 from scaletorch.rules.recompute import RECOMPUTE, recompute_mode
 
 __all__ = [
     "CheckpointConfig", "Config", "DataConfig", "LoggingConfig", "ParallelConfig", "PRECISIONS",
-    "RECOMPUTE", "TrainingConfig", "recompute_mode", "resolve_precision"
+    "RECOMPUTE", "TrainingConfig", "gpu_has_native_bf16", "recompute_mode", "resolve_precision"
 ]
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")  # training.precision
@@ -115,13 +117,30 @@ class Config:
         return dataclasses.asdict(self)
 
 
-def resolve_precision(cfg: Config, device_type: str) -> str:
+def resolve_precision(cfg: Config, device_type: str, bf16_native: Optional[bool] = None) -> str:
     """The precision the run computes in, "fp32", "bf16" or "fp16", on a device of ``device_type``
-    ("cpu", "cuda", ...): ``training.precision``, with "auto" resolved (fp32 under --check)."""
+    ("cpu", "cuda", ...): ``training.precision``, with "auto" resolved: bf16 on a GPU that
+    computes in bf16 natively (compute capability 8.0 and later: A100, H100, ...), fp32 on any
+    other device and under --check. A V100 or T4 only emulates bf16 (slower than fp32, or an
+    error under autocast); fp16 with a loss scale is its mixed precision, asked for by name.
+    ``bf16_native`` defaults to what the current GPU says (tests inject it)."""
     precision = cfg.training.precision
     if precision not in PRECISIONS:
         raise ValueError(f"training.precision must be one of {', '.join(PRECISIONS)}, "
                          f"got {precision!r}")
     if precision == "auto":
-        return "bf16" if device_type == "cuda" and not cfg.check else "fp32"
+        if device_type != "cuda" or cfg.check:
+            return "fp32"
+        if bf16_native is None:
+            bf16_native = gpu_has_native_bf16()
+        return "bf16" if bf16_native else "fp32"
     return precision
+
+
+def gpu_has_native_bf16() -> bool:
+    """Whether the current CUDA device computes in bf16 in hardware (not emulated). Call only
+    where CUDA is present."""
+    try:
+        return bool(torch.cuda.is_bf16_supported(including_emulation=False))
+    except TypeError:  # a torch 2.x before the argument existed: ask the capability
+        return torch.cuda.get_device_capability()[0] >= 8

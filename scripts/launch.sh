@@ -12,9 +12,9 @@
 #       --master-addr 10.0.0.1 --master-port 29500
 #
 # On a machine without a GPU it sets OMP_NUM_THREADS=1 (unless already set), so that ranks
-# sharing the CPU do not fight over its cores. It sets TORCH_NCCL_BLOCKING_WAIT=1 and
-# TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (unless already set), so that on GPUs a collective whose
-# peer died raises an error after the timeout (doc/fault_tolerance.md). It prints the command.
+# sharing the CPU do not fight over its cores. It sets TORCH_NCCL_ASYNC_ERROR_HANDLING=1
+# (unless already set), so that on GPUs NCCL's watchdog ends a run whose collective failed or
+# outlived the timeout, without blocking waits (doc/fault_tolerance.md). It prints the command.
 set -euo pipefail
 
 usage() { sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; }
@@ -54,12 +54,12 @@ done
 if ! python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
   export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 fi
-# NCCL: wait() blocks until the collective completes or the process group's timeout passes,
-# then raises in the rank's own thread (otherwise the call returns at once and NCCL's watchdog
-# kills the process later, with no Python error); without blocking wait, the watchdog aborts
-# the communicators before taking the process down. gloo reads neither variable, so they are
-# set on every machine; a value the user set wins (e.g. TORCH_NCCL_BLOCKING_WAIT=0 for speed).
-export TORCH_NCCL_BLOCKING_WAIT="${TORCH_NCCL_BLOCKING_WAIT:-1}"
+# NCCL fails fast through async error handling: its watchdog thread sees a collective that
+# failed or outlived the process group's timeout, aborts the communicators and takes the
+# process down, while wait() stays asynchronous, so collectives keep overlapping compute.
+# (TORCH_NCCL_BLOCKING_WAIT=1 would make every wait() hold the host until the GPU finishes:
+# a Python error where the wait failed, and no overlap; not set here.) gloo ignores it, so
+# it is set on every machine; a value the user set wins.
 export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"
 
 # Pre-flight: a script built on scaletorch's load_config checks its config for the world it is
@@ -89,7 +89,7 @@ else
   fi
 fi
 cmd+=("$script" "$@")
-nccl="TORCH_NCCL_BLOCKING_WAIT=$TORCH_NCCL_BLOCKING_WAIT"
-nccl+=" TORCH_NCCL_ASYNC_ERROR_HANDLING=$TORCH_NCCL_ASYNC_ERROR_HANDLING"
+nccl="${TORCH_NCCL_BLOCKING_WAIT:+TORCH_NCCL_BLOCKING_WAIT=$TORCH_NCCL_BLOCKING_WAIT }"
+nccl+="TORCH_NCCL_ASYNC_ERROR_HANDLING=$TORCH_NCCL_ASYNC_ERROR_HANDLING"
 echo "+ ${OMP_NUM_THREADS:+OMP_NUM_THREADS=$OMP_NUM_THREADS }$nccl ${cmd[*]}"
 exec "${cmd[@]}"

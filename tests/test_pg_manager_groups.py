@@ -8,12 +8,14 @@ compares what each rank measured with the pure-Python grid.
 import contextlib
 import datetime
 import io
+import os
 import unittest
 from typing import Any, Dict, List
 
 import torch
 import torch.distributed as dist
 
+from scaletorch.dist import comm, get_ledger
 from scaletorch.dist.pg_manager import (KINDS, ProcessGroupManager, RankGrid, destroy_pg_manager,
                                         get_pg_manager, init_pg_manager)
 from tests.harness import run_distributed
@@ -79,7 +81,22 @@ def _measure_groups(rank: int, world_size: int, layouts: List[Dict[str, int]]) -
         }
         names["world"] = pgm.name_of(None)
         names["WORLD"] = pgm.name_of(dist.group.WORLD)
+        # which kinds share one group object, and what the ledger writes for a call per kind
+        same = {
+            kind: [k for k in KINDS if pgm.get_group(k) is pgm.get_group(kind)]
+            for kind in KINDS
+        }
+        ledger = get_ledger()
+        ledger.clear()
+        comm.all_reduce(torch.ones(1), pgm.data_parallel_group_with_context)
+        comm.all_reduce(torch.ones(2), pgm.expert_data_parallel_group, name="edp")
+        comm.all_reduce(torch.ones(3), pgm.context_parallel_group, name="cp")
+        ledger_groups = {r.elements: r.group for r in ledger.records}
+        ledger.clear()
         results.append({
+            "same": same,
+            "ledger": ledger_groups,
+            "distinct": len(pgm.group_names),
             "members": members,
             "sums": sums,
             "names": names,
@@ -87,7 +104,19 @@ def _measure_groups(rank: int, world_size: int, layouts: List[Dict[str, int]]) -
             "attributes": attributes
         })
         destroy_pg_manager()
-    return results
+    # rebuilding the manager in one process: the threads of the destroyed groups go with them
+    threads = []
+    for _ in range(3):
+        init_pg_manager(**layouts[0])
+        destroy_pg_manager()
+        threads.append(_threads())
+    return [results, threads]
+
+
+def _threads() -> int:
+    """This process's threads, C++ ones (gloo's) included; 0 where /proc is not there."""
+    path = "/proc/self/task"
+    return len(os.listdir(path)) if os.path.isdir(path) else 0
 
 
 class TestProcessGroupManagerOnEightRanks(unittest.TestCase):
@@ -95,7 +124,9 @@ class TestProcessGroupManagerOnEightRanks(unittest.TestCase):
 
     @classmethod
     def setUpClass(cls):
-        cls.results = run_distributed(_measure_groups, WORLD_SIZE, LAYOUTS, timeout=120)
+        measured = run_distributed(_measure_groups, WORLD_SIZE, LAYOUTS, timeout=120)
+        cls.results = [m[0] for m in measured]
+        cls.threads = [m[1] for m in measured]
         cls.grids = [RankGrid(WORLD_SIZE, **layout) for layout in LAYOUTS]
 
     def test_every_group_gathers_exactly_the_grid_members(self):
@@ -144,15 +175,60 @@ class TestProcessGroupManagerOnEightRanks(unittest.TestCase):
         self.assertEqual(members[3]["edp"], [3, 7])
 
     def test_name_of_labels_every_group_for_the_ledger(self):
+        # a group that serves several kinds has one name: dp_cp's when dp_cp is one of them
+        names = [{
+            "tp": "tp",
+            "cp": "cp",
+            "dp": "dp_cp",
+            "dp_cp": "dp_cp",
+            "pp": "pp",
+            "ep": "cp",
+            "edp": "dp_cp"
+        }, {
+            "tp": "tp",
+            "cp": "cp",
+            "dp": "dp",
+            "dp_cp": "dp_cp",
+            "pp": "pp",
+            "ep": "cp",
+            "edp": "dp"
+        }]
         for rank in range(WORLD_SIZE):
-            for measured in self.results[rank]:
+            for i, measured in enumerate(self.results[rank]):
                 self.assertEqual(measured["names"], {
-                    **{
-                        kind: kind
-                        for kind in KINDS
-                    }, "world": "world",
+                    **names[i], "world": "world",
                     "WORLD": "world"
-                })
+                }, (i, rank))
+
+    def test_kinds_with_the_same_ranks_share_one_group(self):
+        # tp2 pp2 dp2 (cp = ep = 1): dp, dp_cp and edp are one group; cp and ep are the rank
+        # alone; tp2 cp2 dp2 ep2: ep's blocks are the cp groups and edp's the dp groups
+        expected = [[["tp"], ["cp", "ep"], ["dp", "dp_cp", "edp"], ["pp"]],
+                    [["tp"], ["cp", "ep"], ["dp", "edp"], ["dp_cp"], ["pp"]]]
+        for rank in range(WORLD_SIZE):
+            for i, measured in enumerate(self.results[rank]):
+                for kinds in expected[i]:
+                    for kind in kinds:
+                        self.assertEqual(measured["same"][kind], kinds, (i, rank, kind))
+                # tp2 pp2: tp, the cp/ep singleton, dp/dp_cp/edp, pp (= embd); tp2 cp2 dp2
+                # ep2: tp, cp/ep, dp/edp, dp_cp and the pp singleton
+                self.assertEqual(measured["distinct"], 4 if i == 0 else 5, (i, rank))
+
+    def test_the_ledger_names_the_kind_a_call_was_made_for(self):
+        # one group for dp_cp and edp (tp2 pp2), yet each call is written down under its kind;
+        # a call on a group of one rank is not a collective and is not written down
+        for rank in range(WORLD_SIZE):
+            self.assertEqual(self.results[rank][0]["ledger"], {1: "dp_cp", 2: "edp"})
+            self.assertEqual(self.results[rank][1]["ledger"], {1: "dp_cp", 2: "edp", 3: "cp"})
+
+    def test_rebuilding_the_manager_leaves_no_threads_behind(self):
+        # each gloo group holds threads (3 on this torch); a destroyed group used to keep them
+        # while the ledger's name for it kept the object alive: 21 more per rebuild
+        for rank in range(WORLD_SIZE):
+            threads = self.threads[rank]
+            if threads[0] == 0:
+                self.skipTest("no /proc/self/task to count threads")
+            self.assertEqual(len(set(threads)), 1, (rank, threads))
 
 
 class TestProcessGroupManagerWithoutProcessGroup(unittest.TestCase):

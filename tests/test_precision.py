@@ -3,6 +3,7 @@ reference, and the tolerance is that precision's."""
 
 import re
 import unittest
+from unittest import mock
 
 import torch
 
@@ -33,11 +34,50 @@ class PrecisionResolution(unittest.TestCase):
             ("fp32", False, "cuda", "fp32"),
             ("fp32", True, "cuda", "fp32"),
         ]
+        # a GPU with native bf16 (an A100, an H100): asked, never assumed
+        native = mock.patch.object(torch.cuda, "is_bf16_supported", lambda **kw: True)
         for precision, check, device_type, want in table:
-            with self.subTest(precision=precision, check=check, device_type=device_type):
+            with self.subTest(precision=precision, check=check, device_type=device_type), native:
                 cfg = _cfg(precision, check)
                 self.assertEqual(resolve_precision(cfg, device_type), want)
                 self.assertEqual(parity_tolerance(cfg, device_type), TOLERANCES[want])
+
+    def test_auto_is_bf16_only_on_a_gpu_with_native_bf16(self):
+        # V100 / T4 (compute capability 7.x) emulate bf16: auto computes in fp32 there; bf16
+        # asked for by name stays the user's choice
+        for native, want in ((True, "bf16"), (False, "fp32")):
+            with self.subTest(native=native):
+                self.assertEqual(resolve_precision(_cfg("auto", False), "cuda", native), want)
+        self.assertEqual(resolve_precision(_cfg("bf16", False), "cuda", False), "bf16")
+        self.assertEqual(resolve_precision(_cfg("auto", True), "cuda", True), "fp32")
+
+    def test_the_gpu_is_asked_for_hardware_bf16_not_emulation(self):
+        # without the argument, the GPU's answer decides; emulation does not count
+        asked = []
+
+        def is_bf16_supported(including_emulation=True):
+            asked.append(including_emulation)
+            return False
+
+        with mock.patch.object(torch.cuda, "is_bf16_supported", is_bf16_supported):
+            self.assertEqual(resolve_precision(_cfg("auto", False), "cuda"), "fp32")
+        self.assertEqual(asked, [False])
+        with mock.patch.object(torch.cuda, "is_bf16_supported", lambda **kw: True):
+            self.assertEqual(resolve_precision(_cfg("auto", False), "cuda"), "bf16")
+        # the CPU never asks CUDA
+        with mock.patch.object(torch.cuda, "is_bf16_supported", side_effect=AssertionError):
+            self.assertEqual(resolve_precision(_cfg("auto", False), "cpu"), "fp32")
+
+    def test_a_torch_without_including_emulation_reads_the_compute_capability(self):
+
+        def old_api():  # torch 2.x before the keyword: TypeError on it
+            return True
+
+        for capability, want in (((7, 0), "fp32"), ((8, 0), "bf16"), ((9, 0), "bf16")):
+            with self.subTest(capability=capability), \
+                    mock.patch.object(torch.cuda, "is_bf16_supported", old_api), \
+                    mock.patch.object(torch.cuda, "get_device_capability", lambda: capability):
+                self.assertEqual(resolve_precision(_cfg("auto", False), "cuda"), want)
 
     def test_bf16_tolerance_is_eight_unit_roundoffs_and_fp32_is_1e_5(self):
         self.assertEqual(BF16_UNIT_ROUNDOFF, 2.0**-8)

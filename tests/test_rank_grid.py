@@ -9,7 +9,7 @@ ranks ("ep"); the ranks at the same position of every block form an "edp" group.
 import unittest
 from typing import Dict, List
 
-from scaletorch.dist.pg_manager import KINDS, RankGrid
+from scaletorch.dist.pg_manager import KINDS, RankGrid, ledger_name
 
 
 def singletons(world_size: int) -> List[List[int]]:
@@ -54,6 +54,17 @@ class RankGridInvariants:
                 expected = coords["tp"] + sizes["tp"] * (
                     coords["cp"] + sizes["cp"] * (coords["dp"] + sizes["dp"] * coords["pp"]))
                 self.assertEqual(rank, expected)
+
+        # one torch group per distinct set of ranks, serving every kind that has those ranks
+        distinct = grid.distinct_groups()
+        sets = [tuple(ranks) for ranks, _ in distinct]
+        self.assertEqual(len(sets), len(set(sets)))
+        for kind in KINDS + ("embd", ):
+            groups = grid.embedding_groups() if kind == "embd" else grid.groups(kind)
+            serving = [ranks for ranks, kinds in distinct if kind in kinds]
+            self.assertEqual(sorted(serving), sorted(groups), kind)
+        for ranks, kinds in distinct:
+            self.assertEqual(kinds, sorted(kinds, key=(KINDS + ("embd", )).index))
 
     def check_golden(self, grid: RankGrid, golden: Dict[str, List[List[int]]]) -> None:
         for kind, expected in golden.items():
@@ -265,6 +276,57 @@ class TestRankGridGoldenLayouts(unittest.TestCase, RankGridInvariants):
             "pp 0 | dp 0: [ 0  1] [ 2  3] | dp 1: [ 4  5] [ 6  7]",
             "pp 1 | dp 0: [ 8  9] [10 11] | dp 1: [12 13] [14 15]",
         ])
+
+
+class TestOneGroupPerDistinctSetOfRanks(unittest.TestCase):
+    """The kinds that have the same ranks share one group (one NCCL communicator on GPUs)."""
+
+    def test_with_cp_and_ep_1_dp_dp_cp_and_edp_are_one_group(self):
+        grid = RankGrid(8, tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
+        self.assertEqual(
+            grid.distinct_groups(),
+            [
+                ([0, 1], ["tp"]),
+                ([2, 3], ["tp"]),
+                ([4, 5], ["tp"]),
+                ([6, 7], ["tp"]),
+                *[([r], ["cp", "ep"]) for r in range(8)],
+                ([0, 2], ["dp", "dp_cp", "edp"]),
+                ([1, 3], ["dp", "dp_cp", "edp"]),
+                ([4, 6], ["dp", "dp_cp", "edp"]),
+                ([5, 7], ["dp", "dp_cp", "edp"]),
+                ([0, 4], ["pp", "embd"]),  # pp 2: the embedding group is the pipeline group
+                ([1, 5], ["pp", "embd"]),
+                ([2, 6], ["pp", "embd"]),
+                ([3, 7], ["pp", "embd"]),
+            ])
+        # 20 groups where one per kind (and embd) made 4 + 8 + 4 + 4 + 4 + 8 + 4 + 4 = 40:
+        # every rank holds 4 groups instead of 8
+        groups = grid.distinct_groups()
+        self.assertEqual(len(groups), 20)
+        self.assertEqual(sum(1 for ranks, _ in groups if 5 in ranks), 4)
+
+    def test_chapter_06_at_two_ranks_shares_ep_with_dp_cp(self):
+        grid = RankGrid(2, expert_model_parallel_size=2)  # ep 2 = dp 2: edp is each rank alone
+        self.assertEqual(grid.distinct_groups(), [([0], ["tp", "cp", "pp", "edp"]),
+                                                  ([1], ["tp", "cp", "pp", "edp"]),
+                                                  ([0, 1], ["dp", "dp_cp", "ep"])])
+
+    def test_ep_equal_to_cp_shares_their_groups_and_edp_shares_dp(self):
+        grid = RankGrid(8, tensor_model_parallel_size=2, context_parallel_size=2,
+                        expert_model_parallel_size=2)
+        kinds = {tuple(ranks): kinds for ranks, kinds in grid.distinct_groups()}
+        self.assertEqual(kinds[(0, 2)], ["cp", "ep"])
+        self.assertEqual(kinds[(0, 4)], ["dp", "edp"])
+        self.assertEqual(kinds[(0, 2, 4, 6)], ["dp_cp"])
+
+    def test_the_ledger_names_a_shared_group_by_the_kind_whose_calls_name_none(self):
+        self.assertEqual(ledger_name(["dp", "dp_cp", "edp"]), "dp_cp")
+        self.assertEqual(ledger_name(["dp", "dp_cp", "ep"]), "dp_cp")
+        self.assertEqual(ledger_name(["pp", "embd"]), "pp")
+        self.assertEqual(ledger_name(["cp", "ep"]), "cp")
+        self.assertEqual(ledger_name(["tp", "cp", "pp", "edp"]), "tp")
+        self.assertEqual(ledger_name(["edp"]), "edp")
 
 
 class TestRankGridRejectsInvalidLayouts(unittest.TestCase):

@@ -3,6 +3,11 @@
 Thin wrappers over ``torch.distributed`` with the same arguments. Each one is a no-op on a
 group of one rank (or when no process group exists), so single-device code takes the same
 path without special cases. None of these are differentiable: see ``functional.py``.
+
+``name`` is the ledger's label for a call ("cp", "ep", "edp", "embd"): the process-group manager
+creates one group per distinct set of ranks, so a group can serve several roles (with cp = 1,
+"dp" and "dp_cp" are one group) and is known to the ledger by its first; a call made for
+another role names it. Without ``name`` the ledger uses the group's own name.
 """
 
 from typing import Any, List, Optional
@@ -32,53 +37,55 @@ def group_rank(group: Group = None) -> int:
     return dist.get_rank(group) if dist.is_initialized() else 0
 
 
-def _record(op: str, group: Group, tensor: torch.Tensor, numel: Optional[int] = None) -> None:
+def _record(op: str, group: Group, tensor: torch.Tensor, numel: Optional[int] = None,
+            name: Optional[str] = None) -> None:
     elements = tensor.numel() if numel is None else numel
-    get_ledger().record(op, group, group_size(group), elements, tensor.element_size())
+    get_ledger().record(op, group, group_size(group), elements, tensor.element_size(), name)
 
 
 def all_reduce(tensor: torch.Tensor, group: Group = None, op: Any = dist.ReduceOp.SUM,
-               async_op: bool = False) -> Optional[Work]:
+               async_op: bool = False, name: Optional[str] = None) -> Optional[Work]:
     """In-place all-reduce of ``tensor`` over ``group``; returns a work handle if async."""
     if group_size(group) == 1:
         return None
-    _record("all_reduce", group, tensor)
+    _record("all_reduce", group, tensor, name=name)
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
 def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: Group = None,
-                           async_op: bool = False) -> Optional[Work]:
+                           async_op: bool = False, name: Optional[str] = None) -> Optional[Work]:
     """``output`` (N * n, ...) = concatenation over dim 0 of every rank's ``input`` (n, ...)."""
     if group_size(group) == 1:
         output.copy_(input)
         return None
-    _record("all_gather", group, output)
+    _record("all_gather", group, output, name=name)
     return torch_all_gather(output, input.contiguous(), group=group, async_op=async_op)
 
 
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group: Group = None,
-                          op: Any = dist.ReduceOp.SUM, async_op: bool = False) -> Optional[Work]:
+                          op: Any = dist.ReduceOp.SUM, async_op: bool = False,
+                          name: Optional[str] = None) -> Optional[Work]:
     """``output`` (n, ...) = this rank's dim-0 chunk of the sum over ranks of ``input``."""
     if group_size(group) == 1:
         output.copy_(input)
         return None
-    _record("reduce_scatter", group, input)
+    _record("reduce_scatter", group, input, name=name)
     return torch_reduce_scatter(output, input.contiguous(), op=op, group=group, async_op=async_op)
 
 
-def broadcast(tensor: torch.Tensor, src: int, group: Group = None,
-              async_op: bool = False) -> Optional[Work]:
+def broadcast(tensor: torch.Tensor, src: int, group: Group = None, async_op: bool = False,
+              name: Optional[str] = None) -> Optional[Work]:
     """Copy ``tensor`` from global rank ``src`` to every rank of ``group``."""
     if group_size(group) == 1:
         return None
-    _record("broadcast", group, tensor)
+    _record("broadcast", group, tensor, name=name)
     return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
 
 
 def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
                       output_split_sizes: Optional[List[int]] = None,
                       input_split_sizes: Optional[List[int]] = None, group: Group = None,
-                      async_op: bool = False) -> Optional[Work]:
+                      async_op: bool = False, name: Optional[str] = None) -> Optional[Work]:
     """Send dim-0 slices of ``input`` to every rank and receive theirs into ``output``.
 
     The ledger counts only the elements sent to other ranks (the slice kept is not moved).
@@ -93,12 +100,13 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
         kept = input.shape[0] // n
     else:
         kept = input_split_sizes[rank]
-    _record("all_to_all", group, input, numel=input.numel() - kept * row)
+    _record("all_to_all", group, input, numel=input.numel() - kept * row, name=name)
     return dist.all_to_all_single(output, input.contiguous(), output_split_sizes, input_split_sizes,
                                   group=group, async_op=async_op)
 
 
-def batch_isend_irecv(ops: List[dist.P2POp], group: Group = None) -> list:
+def batch_isend_irecv(ops: List[dist.P2POp], group: Group = None,
+                      name: Optional[str] = None) -> list:
     """Post a batch of point-to-point sends and receives; returns their work handles.
 
     Sends are recorded as "send", receives as "recv", with the element count of the tensor; a
@@ -106,7 +114,7 @@ def batch_isend_irecv(ops: List[dist.P2POp], group: Group = None) -> list:
     message counts once.
     """
     for p2p in ops:
-        _record("send" if p2p.op is dist.isend else "recv", group, p2p.tensor)
+        _record("send" if p2p.op is dist.isend else "recv", group, p2p.tensor, name=name)
     return dist.batch_isend_irecv(ops) if ops else []
 
 

@@ -3,7 +3,8 @@
 torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT for every process.
 Without them we run as one process and create no process group, so every script also runs
 with a plain ``python examples/...``. The device and backend follow the hardware: NCCL and
-``cuda:LOCAL_RANK`` when CUDA is present, gloo and the CPU otherwise.
+``cuda:LOCAL_RANK`` when CUDA is present (``cuda:0`` when the launcher gives each process one
+GPU of its own), gloo and the CPU otherwise.
 """
 
 import datetime
@@ -35,11 +36,17 @@ class DistributedEnv:
 
 def pick_device_and_backend(local_rank: int, local_world_size: Optional[int] = None,
                             cuda_available: Optional[bool] = None,
-                            device_count: Optional[int] = None) -> tuple[torch.device, str]:
+                            device_count: Optional[int] = None,
+                            shared_devices: Optional[bool] = None) -> tuple[torch.device, str]:
     """CUDA + NCCL with GPU ``local_rank`` when a GPU is visible, CPU + gloo otherwise.
 
     Each rank of a node needs a GPU of its own: two ranks on one GPU make NCCL stop at
     communicator setup ("Duplicate GPU detected"), so that is a ValueError here instead.
+    A process that sees exactly one GPU while the node's processes do not share their devices
+    (``srun --gpus-per-task=1``: CUDA_VISIBLE_DEVICES names one GPU per task) computes on
+    ``cuda:0``, its own GPU, whatever its LOCAL_RANK. ``shared_devices`` says whether the
+    node's processes all see the same GPUs; it defaults to whether torchrun started this one
+    (TORCHELASTIC_RUN_ID set): torchrun gives all its workers the same CUDA_VISIBLE_DEVICES.
     ``cuda_available`` and ``device_count`` default to what torch sees (tests inject them).
     """
     if cuda_available is None:
@@ -48,6 +55,10 @@ def pick_device_and_backend(local_rank: int, local_world_size: Optional[int] = N
         return torch.device("cpu"), "gloo"
     if device_count is None:
         device_count = torch.cuda.device_count()
+    if shared_devices is None:
+        shared_devices = "TORCHELASTIC_RUN_ID" in os.environ
+    if device_count == 1 and not shared_devices:
+        return torch.device("cuda", 0), "nccl"  # one GPU per process: the one it sees
     # LOCAL_WORLD_SIZE (set by torchrun) lets every rank of the node refuse alike, not only
     # the ones past the last GPU
     needed = max(local_rank + 1, local_world_size or 0)

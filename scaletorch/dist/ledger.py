@@ -27,6 +27,7 @@ sums of step ``s``; it does not scan the run.
 Scripts print ``ledger.table(step=...)``; tests compare ``ledger.total(...)`` with formulas.
 """
 
+import weakref
 from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -36,19 +37,26 @@ import torch.distributed as dist
 
 from scaletorch.rules.wire import wire_bytes
 
-_GROUP_NAMES: Dict[object, str] = {}
+# Weak keys: a name must not keep its group alive. A destroyed gloo group whose object lived on
+# here kept its threads (3 a group, 21 a pg_manager rebuild) until the process ended.
+_GROUP_NAMES: "weakref.WeakKeyDictionary[dist.ProcessGroup, str]" = weakref.WeakKeyDictionary()
 
 PHASES = ("compute", "recompute")
 FIELDS = ("calls", "elements", "bytes", "wire_bytes")
 
 
-def name_group(group: Optional[dist.ProcessGroup], name: str) -> None:
+def name_group(group: dist.ProcessGroup, name: str) -> None:
     """Give a process group the short name that ledger tables show ("tp", "dp_cp", ...)."""
     _GROUP_NAMES[group] = name
 
 
+def forget_group(group: dist.ProcessGroup) -> None:
+    """Drop ``group``'s name (when it is destroyed); a group without a name is a no-op."""
+    _GROUP_NAMES.pop(group, None)
+
+
 def group_name(group: Optional[dist.ProcessGroup]) -> str:
-    if group in _GROUP_NAMES:
+    if group is not None and group in _GROUP_NAMES:
         return _GROUP_NAMES[group]
     return "world" if group is None or group is dist.group.WORLD else "group"
 
@@ -149,11 +157,14 @@ class CommLedger:
             self.phase = previous
 
     def record(self, op: str, group: Optional[dist.ProcessGroup], group_size: int, elements: int,
-               element_size: int) -> None:
+               element_size: int, name: Optional[str] = None) -> None:
+        """One call: ``name`` labels it (the role it serves: "cp", "ep", ...), else the group's
+        own name (``name_group``); pg_manager shares one group among roles with the same
+        ranks, so a call for a role other than the group's first says which."""
         if not self.enabled:
             return
         nbytes = elements * element_size
-        r = CommRecord(self.step, op, group_name(group), group_size, elements, nbytes,
+        r = CommRecord(self.step, op, name or group_name(group), group_size, elements, nbytes,
                        wire_bytes(op, nbytes, group_size), self.phase)
         entry = self._steps.get(r.step)
         if entry is None:

@@ -23,19 +23,35 @@ position of every block form an "edp" group (strided). Example, world 8, tp 2, d
 
 ``RankGrid`` is plain Python (unit-tested without a process group); ``ProcessGroupManager``
 creates the torch.distributed groups from it once and exposes them with Megatron names.
+
+Kinds often have the same ranks: with cp = 1 a "dp" group is its "dp_cp" group, with ep = 1
+an "edp" group is too, with pp = 2 the embedding group is the pipeline group, and a kind of
+size 1 is the rank alone. Each distinct set of ranks gets one torch.distributed group, which
+serves every kind with those ranks (``RankGrid.distinct_groups``): on GPUs one NCCL
+communicator, with its buffers, instead of one per kind. The communication ledger knows a
+shared group by one name (``ledger_name``); a collective issued for another of its kinds
+names it at the call (comm.py's ``name``).
 """
 
 import datetime
 import numbers
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch.distributed as dist
 
-from scaletorch.dist.ledger import name_group
+from scaletorch.dist.ledger import forget_group, name_group
 
 AXES = ("tp", "cp", "dp", "pp")
 KINDS = ("tp", "cp", "dp", "dp_cp", "pp", "ep", "edp")
 DEFAULT_ORDER = "tp-cp-dp-pp"
+# A shared group's name in the ledger: the first of its kinds in this order. The kinds whose
+# collectives name no kind at the call come first (tp, pp, and dp_cp: DDP, ZeRO, the loss).
+LEDGER_NAME_ORDER = ("tp", "pp", "dp_cp", "dp", "cp", "ep", "edp", "embd")
+
+
+def ledger_name(kinds: Sequence[str]) -> str:
+    """The ledger's name for a group that serves ``kinds`` (see LEDGER_NAME_ORDER)."""
+    return min(kinds, key=LEDGER_NAME_ORDER.index)
 
 
 def _check_positive(name: str, value: int) -> None:
@@ -166,6 +182,18 @@ class RankGrid:
             return []
         return [[g[0], g[-1]] for g in self._groups["pp"]]
 
+    def distinct_groups(self) -> List[Tuple[List[int], List[str]]]:
+        """Every distinct set of ranks among the groups of all kinds and the embedding groups,
+        once, with the kinds it is a group of ("embd" for an embedding group), in the order
+        the manager creates them: by kind in ``KINDS`` order, then the embedding groups, each
+        set where it first appears. One torch.distributed group serves each."""
+        roles: Dict[Tuple[int, ...], List[str]] = {}  # insertion order = creation order
+        kinds = [(kind, self._groups[kind]) for kind in KINDS]
+        for kind, groups in kinds + [("embd", self.embedding_groups())]:
+            for ranks in groups:
+                roles.setdefault(tuple(ranks), []).append(kind)
+        return [(list(ranks), kinds_of) for ranks, kinds_of in roles.items()]
+
     def coordinates(self, rank: int) -> Dict[str, int]:
         """``rank``'s position in every kind of group: tp, cp, dp, pp, dp_cp, ep, edp."""
         return {kind: self.group_of(kind, rank).index(rank) for kind in KINDS}
@@ -225,20 +253,18 @@ class ProcessGroupManager:
             timeout = datetime.timedelta(seconds=timeout)
         self._groups: Dict[str, Optional[dist.ProcessGroup]] = {kind: None for kind in KINDS}
         self._groups["embd"] = None  # the embedding group (not a kind: see embedding_groups)
+        self._roles: Dict[dist.ProcessGroup, List[str]] = {}  # this rank's groups -> kinds
         if dist.is_initialized():
             # new_group is collective over the whole world: every rank creates every group,
-            # in the same order, and keeps the one it belongs to.
-            for kind in KINDS:
-                for ranks in grid.groups(kind):
-                    group = dist.new_group(ranks, timeout=timeout)
-                    if self.rank in ranks:
-                        self._groups[kind] = group
-                        name_group(group, kind)  # how the communication ledger labels it
-            for ranks in grid.embedding_groups():  # after KINDS: the same order on every rank
+            # in the same order, and keeps the ones it belongs to; one per distinct set of
+            # ranks, serving every kind with those ranks.
+            for ranks, kinds in grid.distinct_groups():
                 group = dist.new_group(ranks, timeout=timeout)
                 if self.rank in ranks:
-                    self._groups["embd"] = group
-                    name_group(group, "embd")
+                    self._roles[group] = kinds
+                    for kind in kinds:
+                        self._groups[kind] = group
+                    name_group(group, ledger_name(kinds))  # how the ledger labels it
 
     # -- generic access ---------------------------------------------------------------------
     def get_group(self, kind: str) -> Optional[dist.ProcessGroup]:
@@ -255,8 +281,14 @@ class ProcessGroupManager:
 
     @property
     def group_names(self) -> Dict[dist.ProcessGroup, str]:
-        """{group: short name} for this rank's groups ("tp", "cp", "dp", "dp_cp", ...)."""
-        return {g: kind for kind, g in self._groups.items() if g is not None}
+        """{group: short name} for this rank's groups ("tp", "cp", "dp_cp", ...): a group that
+        serves several kinds has the ledger's name for them (``ledger_name``)."""
+        return {g: ledger_name(kinds) for g, kinds in self._roles.items()}
+
+    def kinds_of(self, group: dist.ProcessGroup) -> List[str]:
+        """The kinds ``group`` serves on this rank (e.g. ["dp", "dp_cp", "edp"] with cp = ep =
+        1), "embd" for the embedding group; [] for a group this manager did not create."""
+        return list(self._roles.get(group, []))
 
     def name_of(self, group: Optional[dist.ProcessGroup]) -> str:
         """Short label of a group for the communication ledger: "tp", "dp_cp", ..., "world".
@@ -277,11 +309,13 @@ class ProcessGroupManager:
             print(self.grid.describe(), flush=True)
 
     def destroy(self) -> None:
-        """Destroy the subgroups this rank holds (the default group stays)."""
-        if dist.is_initialized():
-            for group in self._groups.values():
-                if group is not None:
-                    dist.destroy_process_group(group)
+        """Destroy every subgroup this rank holds, each once (the default group stays), and
+        drop their ledger names: nothing keeps a destroyed group, or its gloo threads, alive."""
+        for group in self._roles:
+            forget_group(group)
+            if dist.is_initialized():
+                dist.destroy_process_group(group)
+        self._roles = {}
         self._groups = {kind: None for kind in KINDS}
         self._groups["embd"] = None
 

@@ -95,7 +95,7 @@ def _heads_to_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
     cp = comm.group_size(group)
     b, s, h, d = x.shape
     x = x.reshape(b, s, cp, h // cp, d).permute(2, 0, 1, 3, 4).contiguous()  # head chunk first
-    x = all_to_all(x.view(cp * b, s, h // cp, d), None, None, group)  # now: source rank first
+    x = all_to_all(x.view(cp * b, s, h // cp, d), None, None, group, "cp")  # source rank first
     return x.view(cp, b, s, h // cp, d).transpose(0, 1).reshape(b, cp * s, h // cp, d)
 
 
@@ -105,7 +105,7 @@ def _sequence_to_heads(x: torch.Tensor, group: Group) -> torch.Tensor:
     b, s_all, hl, d = x.shape
     s = s_all // cp
     x = x.view(b, cp, s, hl, d).transpose(0, 1).contiguous()  # sequence chunk first
-    x = all_to_all(x.view(cp * b, s, hl, d), None, None, group)  # now: head chunk first
+    x = all_to_all(x.view(cp * b, s, hl, d), None, None, group, "cp")  # head chunk first
     return x.view(cp, b, s, hl, d).permute(1, 2, 0, 3, 4).reshape(b, s, cp * hl, d)
 
 

@@ -95,13 +95,13 @@ class AllToAllDispatcher:
                              f"{local} each")
         send_counts = counts.view(world, local)  # [j, l]: my tokens for expert l of rank j
         recv_counts = torch.empty_like(send_counts)  # [i, l]: rank i's tokens for my expert l
-        comm.all_to_all_single(recv_counts, send_counts, group=self.group)
+        comm.all_to_all_single(recv_counts, send_counts, group=self.group, name="ep")
         send_splits, recv_splits = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
         dtype = self.compute_dtype
         if dtype is not None and torch.is_autocast_enabled(routed.device.type) \
                 and routed.element_size() > dtype.itemsize:
             routed = routed.to(dtype)  # the same numbers the matmul would cast, fewer bytes
-        received = all_to_all(routed, recv_splits, send_splits, self.group)  # (M, h)
+        received = all_to_all(routed, recv_splits, send_splits, self.group, "ep")  # (M, h)
 
         # received is ordered (source rank, local expert); the experts want (local expert).
         expert_of_row = torch.arange(local, device=routed.device).repeat(world)
@@ -110,7 +110,7 @@ class AllToAllDispatcher:
         out = experts(received[by_expert], recv_counts.sum(0))  # (M, h)
         out = out[torch.argsort(by_expert)]  # back to (source rank, local expert) order
 
-        combined = all_to_all(out, send_splits, recv_splits, self.group)  # (N, h)
+        combined = all_to_all(out, send_splits, recv_splits, self.group, "ep")  # (N, h)
         self.sent, self.received = send_counts.sum(1).detach(), recv_counts.detach()
         self.row_elements, self.element_size = routed.shape[1], routed.element_size()
         return combined
@@ -136,8 +136,10 @@ def _is_expert(param: torch.Tensor) -> bool:
     return getattr(param, "expert_parallel", False)
 
 
-def _all_reduce_mean(params: List[nn.Parameter], group: Group, divisor: int) -> None:
-    """grad <- sum over ``group`` of grad / divisor, one coalesced all-reduce for all params.
+def _all_reduce_mean(params: List[nn.Parameter], group: Group, divisor: int,
+                     name: Optional[str] = None) -> None:
+    """grad <- sum over ``group`` of grad / divisor, one coalesced all-reduce for all params
+    (``name``: the ledger's label when the group serves another role too, comm.py).
 
     A parameter without a gradient contributes zeros: every rank must send the same sizes.
     """
@@ -145,7 +147,7 @@ def _all_reduce_mean(params: List[nn.Parameter], group: Group, divisor: int) -> 
         return
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     flat = torch.cat([g.reshape(-1) for g in grads])
-    comm.all_reduce(flat, group)
+    comm.all_reduce(flat, group, name=name)
     flat.div_(divisor)
     for p, g in zip(params, flat.split([p.numel() for p in params])):
         p.grad = g.view_as(p).clone()
@@ -176,7 +178,7 @@ class ExpertParallel(ModuleWrapper, nn.Module):
     def finish_grad_sync(self) -> None:
         pgm, r = self.pgm, self.num_token_shards
         _all_reduce_mean(self.dense_params, pgm.data_parallel_group_with_context, r)
-        _all_reduce_mean(self.expert_params, pgm.expert_data_parallel_group, r)
+        _all_reduce_mean(self.expert_params, pgm.expert_data_parallel_group, r, "edp")
 
 
 def moe_layers(model: nn.Module) -> List[MoE]:

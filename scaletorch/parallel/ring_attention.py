@@ -178,7 +178,7 @@ def _exchange(send: torch.Tensor, group: Group, tag: int) -> Tuple[torch.Tensor,
         dist.P2POp(dist.isend, send, nxt, group, tag),
         dist.P2POp(dist.irecv, recv, prev, group, tag)
     ]
-    return recv, comm.batch_isend_irecv(ops, group)
+    return recv, comm.batch_isend_irecv(ops, group, name="cp")
 
 
 def _wait(works: list) -> None:

@@ -49,7 +49,7 @@ def sync_tied_embedding_grads(params: Sequence[torch.Tensor], pgm: ProcessGroupM
     for param in params:
         if param.grad is None:  # a copy with no use this step still joins the sum
             param.grad = torch.zeros_like(param)
-        comm.all_reduce(param.grad, pgm.embedding_group)
+        comm.all_reduce(param.grad, pgm.embedding_group, name="embd")
 
 
 def attach_tied_embedding_sync(schedule: PipelineSchedule, pgm: ProcessGroupManager) -> None:

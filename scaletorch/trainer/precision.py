@@ -8,7 +8,8 @@ the same precision.
     fp32                 fp32                       fp32, tolerance 1e-5
     bf16                 bf16 autocast              bf16 autocast for both, tolerance 2^-5
     fp16                 fp16 autocast              fp16 autocast for both, tolerance 2^-5
-    auto                 bf16 on CUDA, else fp32    fp32 (the check proves fp32 parity)
+    auto                 bf16 on a GPU with         fp32 (the check proves fp32 parity)
+                         native bf16, else fp32
 
 Why 2^-5 under bf16. bf16 keeps 8 significant bits: its unit roundoff is u = 2^-8 = 3.9e-3,
 the largest relative error of one rounding. The parallel run and the reference do the same
@@ -58,7 +59,7 @@ def precision_note(cfg: Config, device_type: str) -> str:
     precision = resolve_precision(cfg, device_type)
     if cfg.training.precision == "auto":
         return (f"precision: training.precision auto is {precision} under --check, for the run "
-                f"and the reference (without --check a GPU computes in bf16); "
+                f"and the reference (without --check a GPU with native bf16 computes in bf16); "
                 f"--training.precision bf16 checks bf16")
     return (f"precision: {precision} for the run and the reference, parity tolerance "
             f"{TOLERANCES[precision]:.1e}")

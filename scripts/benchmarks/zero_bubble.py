@@ -31,6 +31,7 @@ MODEL = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_l
 BATCH, SEQ_LEN, MICRO_BATCHES, STAGES, DELAY = 16, 32, 8, 4, 0.05
 SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zbv", 2))
 IMPLS = ("scaletorch", "torch")
+WORLD_SIZE = STAGES  # scripts/benchmark.py runs this family at pp = 4 ranks only
 
 
 def _pipeline(pgm, schedule: str, v: int, impl: str):
