@@ -47,6 +47,12 @@ def name_group(group: Optional[dist.ProcessGroup], name: str) -> None:
     _GROUP_NAMES[group] = name
 
 
+def forget_group(group: Optional[dist.ProcessGroup]) -> None:
+    """Drop a group's name (before destroying it): the name would keep the group, with its
+    gloo threads and sockets, alive for the rest of the process."""
+    _GROUP_NAMES.pop(group, None)
+
+
 def group_name(group: Optional[dist.ProcessGroup]) -> str:
     if group in _GROUP_NAMES:
         return _GROUP_NAMES[group]

@@ -31,7 +31,7 @@ from typing import Any, Dict, List, Optional, Union
 
 import torch.distributed as dist
 
-from scaletorch.dist.ledger import name_group
+from scaletorch.dist.ledger import forget_group, name_group
 
 AXES = ("tp", "cp", "dp", "pp")
 KINDS = ("tp", "cp", "dp", "dp_cp", "pp", "ep", "edp")
@@ -281,6 +281,7 @@ class ProcessGroupManager:
         if dist.is_initialized():
             for group in self._groups.values():
                 if group is not None:
+                    forget_group(group)  # else its name keeps it, and its threads, alive
                     dist.destroy_process_group(group)
         self._groups = {kind: None for kind in KINDS}
         self._groups["embd"] = None
