@@ -122,6 +122,8 @@ class KilledRankIsRestartedAndResumesExactly(unittest.TestCase):
             out = launch("examples/01_ddp.py", 2, *DDP_ARGS, "--checkpoint.dir", failing,
                          "--fail-at-step", "5", "--fail-rank", "1",
                          launcher=["--max-restarts", "1"])
+            # launch.sh echoes the command it runs
+            self.assertIn("torchrun.py --nproc-per-node 2 --max-restarts 1", out)
             self.assertIn("injected failure at step 5", out)
             self.assertIn("resumed from", out)
             expected = _final_weights(_straight_ddp_run(), DDP_STEPS, 2)
