@@ -17,6 +17,7 @@ from scaletorch.trainer import checkpoint as ckpt
 from scaletorch.trainer import parse_args
 from tests.harness import free_port, run_distributed
 from tests.test_examples import launch
+from tests.test_resume import KILL_LAYOUTS, RUN_FLAGS, straight_run
 
 
 def _config(tmp: str, *overrides: str):
@@ -150,14 +151,6 @@ def _two_nodes(script: str, per_node: int, args: list, tmp: str) -> str:
     return multi
 
 
-def _two_nodes_vs_one(script: str, per_node: int, args: list, tmp: str) -> tuple:
-    """Train ``script`` with one launcher of 2 x per_node ranks, then as two nodes (above);
-    return both checkpoint roots."""
-    single = os.path.join(tmp, "single")
-    launch(script, 2 * per_node, *args, "--checkpoint.dir", single)
-    return single, _two_nodes(script, per_node, args, tmp)
-
-
 class TwoLaunchersAsTwoNodesEqualOneLauncher(unittest.TestCase):
 
     def assertStatesEqual(self, expected: dict, actual: dict) -> None:
@@ -174,15 +167,16 @@ class TwoLaunchersAsTwoNodesEqualOneLauncher(unittest.TestCase):
                 self.assertStatesEqual(want, got)
 
     def test_nd_parallel_two_node_run_matches_single_node(self):
-        # tp 2 inside each "node", data parallel across the two: 4 ranks in all.
-        args = ["--tp", "2", "--steps", "5", "--checkpoint.every", "5"]
+        # pp 2 x ZeRO-1 dp 2, 4 ranks: ZeRO's dp group inside each "node", the pipeline's two
+        # stages across the two (as Megatron places them; the DDP test above all-reduces across
+        # them). The one-launcher run is test_resume's uninterrupted zero1_pp2_dp2 run, shared.
+        nproc, args = KILL_LAYOUTS["zero1_pp2_dp2"]
+        _, want = straight_run("zero1_pp2_dp2")
         with tempfile.TemporaryDirectory() as tmp:
-            single, multi = _two_nodes_vs_one("examples/07_nd_parallel.py", 2, args, tmp)
-            consolidated = [
-                torch.load(os.path.join(ckpt.step_dir(root, 5), "consolidated.pt"),
-                           weights_only=True) for root in (single, multi)
-            ]
-        self.assertStatesEqual(consolidated[0]["model"], consolidated[1]["model"])
+            multi = _two_nodes("examples/07_nd_parallel.py", nproc // 2, [*args, *RUN_FLAGS], tmp)
+            got = torch.load(os.path.join(ckpt.step_dir(multi, 8), "consolidated.pt"),
+                             weights_only=True)
+        self.assertStatesEqual(want["model"], got["model"])
 
 
 if __name__ == "__main__":

@@ -181,15 +181,31 @@ class InWorldResume(unittest.TestCase):
         self.assertRegex(stderr.getvalue(), r"^error: checkpoint .*zero_stage 1 there, 0 here")
 
 
+RUN_FLAGS = ["--steps", "8", "--checkpoint.every", "2", "--logging.log_every", "1"]
+
+
 def _launch_run(tmp: str, name: str, nproc: int, args: list, fail: bool) -> tuple:
-    """07 under torchrun, 8 steps, checkpoints every 2; with ``fail`` rank 1 is killed at step
-    5 and torchrun restarts every rank once. Returns (output, consolidated file of step 8)."""
+    """07 under torchrun, RUN_FLAGS (8 steps, checkpoints every 2); with ``fail`` rank 1 is
+    killed at step 5 and torchrun restarts every rank once. Returns (output, consolidated file
+    of step 8)."""
     root = os.path.join(tmp, name)
     extra = ["--fail-at-step", "5", "--fail-rank", "1"] if fail else []
-    out = launch("examples/07_nd_parallel.py", nproc, *args, "--steps", "8", "--checkpoint.every",
-                 "2", "--checkpoint.dir", root, "--logging.log_every", "1", *extra,
-                 launcher=["--max-restarts", "1"] if fail else [])
+    out = launch("examples/07_nd_parallel.py", nproc, *args, *RUN_FLAGS, "--checkpoint.dir", root,
+                 *extra, launcher=["--max-restarts", "1"] if fail else [])
     return out, load_consolidated(os.path.join(ckpt.step_dir(root, 8), "consolidated.pt"))
+
+
+_STRAIGHT = tempfile.TemporaryDirectory()  # removed when the process exits
+_STRAIGHT_RUNS: dict = {}
+
+
+def straight_run(name: str) -> tuple:
+    """The uninterrupted run of KILL_LAYOUTS[name], launched once per process (test_fault_
+    tolerance's two-node test compares with zero1_pp2_dp2's): (output, consolidated step 8)."""
+    if name not in _STRAIGHT_RUNS:
+        nproc, args = KILL_LAYOUTS[name]
+        _STRAIGHT_RUNS[name] = _launch_run(_STRAIGHT.name, name, nproc, args, fail=False)
+    return _STRAIGHT_RUNS[name]
 
 
 def _last_logged_loss(output: str) -> str:
@@ -236,7 +252,7 @@ class KilledRankResumes(unittest.TestCase):
         with tempfile.TemporaryDirectory() as tmp:
             for name, (nproc, args) in KILL_LAYOUTS.items():
                 with self.subTest(layout=name):
-                    out_a, want = _launch_run(tmp, f"{name}_straight", nproc, args, fail=False)
+                    out_a, want = straight_run(name)
                     out_b, got = _launch_run(tmp, f"{name}_killed", nproc, args, fail=True)
                     self.assertIn("injected failure at step 5", out_b)
                     self.assertIn("resumed from", out_b)
