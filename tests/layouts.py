@@ -138,7 +138,7 @@ def train(cfg: Config, checkpoint_dir: Optional[str] = None,
     ``checkpoint_dir``, also per-rank checkpoints there every CHECKPOINT_EVERY steps and the
     final weights and AdamW state (rank 0, "consolidated"), for test_resume to resume; with
     ``consolidated_at = (step, path)``, a consolidated checkpoint of that step at ``path``
-    (``resume_at`` resumes it at other layouts), written between two ``train()`` calls."""
+    (``resume_at`` resumes it at other layouts), written before ``train()`` goes on."""
     if checkpoint_dir is not None:
         cfg.checkpoint.every, cfg.checkpoint.dir = CHECKPOINT_EVERY, checkpoint_dir
     pgm = pg_manager_for(cfg)
@@ -147,12 +147,11 @@ def train(cfg: Config, checkpoint_dir: Optional[str] = None,
     norms: List[float] = []
     if consolidated_at is not None:
         save_at, path = consolidated_at
-        t = trainer.cfg.training  # the schedule was built for t.steps; stop at save_at first
-        steps, t.steps = t.steps, save_at
-        first = trainer.train()
-        t.steps = steps
+        for _ in range(save_at):  # train()'s steps one by one (its schedule reads t.steps)
+            loss, norm = trainer.train_step()
+            losses.append(loss)
+            norms.append(norm)
         save_consolidated(path, trainer, par)
-        losses, norms = first.losses, first.grad_norms
     result = trainer.train()
     out = {
         "losses": losses + result.losses,
