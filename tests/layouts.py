@@ -23,13 +23,14 @@ from scaletorch.parallel.param_map import DTensorParamMap, ParamMap, State, tied
 from scaletorch.parallel.pipeline_parallel import PipelineModel
 from scaletorch.parallel.zero import ShardedDataParallel
 from scaletorch.trainer import Config, Trainer
-from scaletorch.trainer.consolidated import (load_consolidated, resume_consolidated,
-                                             save_consolidated)
+from scaletorch.trainer.consolidated import (consolidated_state, load_consolidated,
+                                             resume_consolidated, save_consolidated)
 from scaletorch.trainer.parity import max_weight_diff
 from tests.harness import value_error
 
 TOL = 1e-5  # fp32, 5 AdamW steps: only the order of the reductions differs (doc/design.md)
 STEPS = 5
+CHECKPOINT_EVERY = 2  # train(..., checkpoint_dir): test_resume resumes from step 2 of 5
 
 
 def make_config(moe: bool = False, micro_batches: int = 2, **parallel) -> Config:
@@ -131,17 +132,35 @@ def build(cfg: Config, pgm, state=None) -> Tuple[Parallelized, Trainer]:
     return par, Trainer.from_parallelized(cfg, par, pgm, verbose=False)
 
 
-def train(cfg: Config) -> dict:
-    """Inside a world: train ``cfg``'s layout; losses, grad norms, full weights (rank 0)."""
+def train(cfg: Config, checkpoint_dir: Optional[str] = None,
+          consolidated_at: Optional[Tuple[int, str]] = None) -> dict:
+    """Inside a world: train ``cfg``'s layout; losses, grad norms, full weights (rank 0). With
+    ``checkpoint_dir``, also per-rank checkpoints there every CHECKPOINT_EVERY steps and the
+    final weights and AdamW state (rank 0, "consolidated"), for test_resume to resume; with
+    ``consolidated_at = (step, path)``, a consolidated checkpoint of that step at ``path``
+    (``resume_at`` resumes it at other layouts), written before ``train()`` goes on."""
+    if checkpoint_dir is not None:
+        cfg.checkpoint.every, cfg.checkpoint.dir = CHECKPOINT_EVERY, checkpoint_dir
     pgm = pg_manager_for(cfg)
     par, trainer = build(cfg, pgm)
+    losses: List[float] = []
+    norms: List[float] = []
+    if consolidated_at is not None:
+        save_at, path = consolidated_at
+        for _ in range(save_at):  # train()'s steps one by one (its schedule reads t.steps)
+            loss, norm = trainer.train_step()
+            losses.append(loss)
+            norms.append(norm)
+        save_consolidated(path, trainer, par)
     result = trainer.train()
     out = {
-        "losses": result.losses,
-        "grad_norms": result.grad_norms,
+        "losses": losses + result.losses,
+        "grad_norms": norms + result.grad_norms,
         "state": par.full_state_dict(),
         "param_map": type(par.param_map).__name__,
     }
+    if checkpoint_dir is not None:
+        out["consolidated"] = consolidated_state(trainer, par)
     destroy_pg_manager()
     return out
 
@@ -156,6 +175,12 @@ def save_and_resume(saved: Config, resumes: Dict[str, Config], path: str,
         trainer.train_step()
     save_consolidated(path, trainer, par)
     destroy_pg_manager()
+    return resume_at(path, resumes)
+
+
+def resume_at(path: str, resumes: Dict[str, Config]) -> Dict[str, List[float]]:
+    """Inside a world: resume the consolidated checkpoint at ``path`` at each layout of
+    ``resumes``; {name: losses of the remaining steps}."""
     state = load_consolidated(path)
     out = {}
     for name, cfg in resumes.items():

@@ -17,6 +17,7 @@ from scaletorch.trainer import checkpoint as ckpt
 from scaletorch.trainer import parse_args
 from tests.harness import free_port, run_distributed
 from tests.test_examples import launch
+from tests.test_resume import KILL_LAYOUTS, RUN_FLAGS, straight_run
 
 
 def _config(tmp: str, *overrides: str):
@@ -97,33 +98,45 @@ def _final_weights(checkpoint_root: str, step: int, world: int) -> list:
     return [ckpt.load_checkpoint(path, r, world)["model"] for r in range(world)]
 
 
+# One straight chapter-01 run at 2 ranks, shared: the kill test's uninterrupted run and the
+# two-node test's one-launcher run (6 steps, a checkpoint every 2).
+DDP_ARGS = ["--steps", "6", "--checkpoint.every", "2", "--logging.log_every", "100"]
+DDP_STEPS = 6
+_STRAIGHT = tempfile.TemporaryDirectory()
+
+
+def _straight_ddp_run() -> str:
+    """The checkpoint root of the straight 2-rank run of DDP_ARGS (launched once)."""
+    root = os.path.join(_STRAIGHT.name, "straight")
+    if not os.path.isdir(ckpt.step_dir(root, DDP_STEPS)):
+        launch("examples/01_ddp.py", 2, *DDP_ARGS, "--checkpoint.dir", root)
+    return root
+
+
 class KilledRankIsRestartedAndResumesExactly(unittest.TestCase):
     """torchrun --max-restarts 1: rank 1 is killed at step 5, every rank restarts, resumes at
     the step-4 checkpoint, and ends with the weights of the run that never failed."""
 
     def test_kill_restart_resume_is_bit_identical(self):
-        args = ["--steps", "8", "--checkpoint.every", "2", "--logging.log_every", "100"]
         with tempfile.TemporaryDirectory() as tmp:
-            straight = os.path.join(tmp, "straight")
             failing = os.path.join(tmp, "failing")
-            launch("examples/01_ddp.py", 2, *args, "--checkpoint.dir", straight)
-            out = launch("examples/01_ddp.py", 2, *args, "--checkpoint.dir", failing,
+            out = launch("examples/01_ddp.py", 2, *DDP_ARGS, "--checkpoint.dir", failing,
                          "--fail-at-step", "5", "--fail-rank", "1",
                          launcher=["--max-restarts", "1"])
+            # launch.sh echoes the command it runs
+            self.assertIn("torchrun.py --nproc-per-node 2 --max-restarts 1", out)
             self.assertIn("injected failure at step 5", out)
             self.assertIn("resumed from", out)
-            expected = _final_weights(straight, 8, 2)
-            actual = _final_weights(failing, 8, 2)
+            expected = _final_weights(_straight_ddp_run(), DDP_STEPS, 2)
+            actual = _final_weights(failing, DDP_STEPS, 2)
         for want, got in zip(expected, actual):
             for name in want:
                 self.assertTrue(torch.equal(want[name], got[name]), name)
 
 
-def _two_nodes_vs_one(script: str, per_node: int, args: list, tmp: str) -> None:
-    """Train ``script`` with one launcher of 2 x per_node ranks, then with two launchers of
-    per_node ranks each on 127.0.0.1 as node 0 and node 1; return both final checkpoints."""
-    single = os.path.join(tmp, "single")
-    launch(script, 2 * per_node, *args, "--checkpoint.dir", single)
+def _two_nodes(script: str, per_node: int, args: list, tmp: str) -> str:
+    """Train ``script`` with two launchers of per_node ranks each on 127.0.0.1 as node 0 and
+    node 1; return the checkpoint root."""
     multi = os.path.join(tmp, "multi")
     port = str(free_port())
     nodes = [
@@ -135,7 +148,7 @@ def _two_nodes_vs_one(script: str, per_node: int, args: list, tmp: str) -> None:
     ]
     for node in nodes:
         node.result()
-    return single, multi
+    return multi
 
 
 class TwoLaunchersAsTwoNodesEqualOneLauncher(unittest.TestCase):
@@ -146,22 +159,24 @@ class TwoLaunchersAsTwoNodesEqualOneLauncher(unittest.TestCase):
             self.assertTrue(torch.equal(expected[name], actual[name]), name)
 
     def test_ddp_two_node_run_matches_single_node(self):
+        # the one-launcher run is the kill test's straight run
         with tempfile.TemporaryDirectory() as tmp:
-            single, multi = _two_nodes_vs_one("examples/01_ddp.py", 1,
-                                              ["--steps", "5", "--checkpoint.every", "5"], tmp)
-            for want, got in zip(_final_weights(single, 5, 2), _final_weights(multi, 5, 2)):
+            multi = _two_nodes("examples/01_ddp.py", 1, DDP_ARGS, tmp)
+            for want, got in zip(_final_weights(_straight_ddp_run(), DDP_STEPS, 2),
+                                 _final_weights(multi, DDP_STEPS, 2)):
                 self.assertStatesEqual(want, got)
 
     def test_nd_parallel_two_node_run_matches_single_node(self):
-        # tp 2 inside each "node", data parallel across the two: 4 ranks in all.
-        args = ["--tp", "2", "--steps", "5", "--checkpoint.every", "5"]
+        # pp 2 x ZeRO-1 dp 2, 4 ranks: ZeRO's dp group inside each "node", the pipeline's two
+        # stages across the two (as Megatron places them; the DDP test above all-reduces across
+        # them). The one-launcher run is test_resume's uninterrupted zero1_pp2_dp2 run, shared.
+        nproc, args = KILL_LAYOUTS["zero1_pp2_dp2"]
+        _, want = straight_run("zero1_pp2_dp2")
         with tempfile.TemporaryDirectory() as tmp:
-            single, multi = _two_nodes_vs_one("examples/07_nd_parallel.py", 2, args, tmp)
-            consolidated = [
-                torch.load(os.path.join(ckpt.step_dir(root, 5), "consolidated.pt"),
-                           weights_only=True) for root in (single, multi)
-            ]
-        self.assertStatesEqual(consolidated[0]["model"], consolidated[1]["model"])
+            multi = _two_nodes("examples/07_nd_parallel.py", nproc // 2, [*args, *RUN_FLAGS], tmp)
+            got = torch.load(os.path.join(ckpt.step_dir(multi, 8), "consolidated.pt"),
+                             weights_only=True)
+        self.assertStatesEqual(want["model"], got["model"])
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from scaletorch.parallel.param_map import DTensorParamMap
 from scaletorch.trainer.parity import max_weight_diff
 from tests.harness import run_distributed
 from tests.layouts import (STEPS, TOL, assert_parity, layout, make_config, parallelize_error,
-                           references, save_and_resume, train)
+                           references, resume_at, train)
 
 WORLD = 8
 SAVE_AT = 3
@@ -29,6 +29,7 @@ NATIVE = {
     "pp2_dp4_zero3": layout(pp=2, zero_stage=3),
     "tp2_pp2_dp2_zero3": layout(tp=2, pp=2, zero_stage=3),
 }
+SAVED = "tp2_pp2_dp2_zero3"  # its parity runs (native and ours) also save step 3, consolidated
 
 
 def _config(name: str, impl: str = "torch"):
@@ -36,24 +37,28 @@ def _config(name: str, impl: str = "torch"):
 
 
 def _checkpoints(tmp: str) -> dict:
-    """Save after 3 steps at native tp2 x pp2 x dp2 ZeRO-3 and resume at ours (tp2 x dp4) and
-    at native tp2 x dp4; save at ours tp2 x pp2 x dp2 ZeRO-3 and resume natively at pp2 x dp4
-    ZeRO-3. Each returns the losses of steps 3 and 4."""
+    """Resume native tp2 x pp2 x dp2 ZeRO-3's step 3 at ours (tp2 x dp4) and at native
+    tp2 x dp4, and ours tp2 x pp2 x dp2 ZeRO-3's step 3 natively at pp2 x dp4 ZeRO-3 (their
+    parity runs wrote the consolidated files). Each returns the losses of steps 3 and 4."""
     plan = {
-        ("torch", "tp2_pp2_dp2_zero3"): {
+        "torch": {
             "ours tp2_dp4": _config("tp2_dp4", "scaletorch"),
             "native tp2_dp4": _config("tp2_dp4"),
         },
-        ("scaletorch", "tp2_pp2_dp2_zero3"): {
+        "scaletorch": {
             "native pp2_dp4_zero3": _config("pp2_dp4_zero3"),
         },
     }
     out = {}
-    for (impl, saved), resumes in plan.items():
-        path = os.path.join(tmp, f"{impl}_{saved}.pt")
-        for name, losses in save_and_resume(_config(saved, impl), resumes, path, SAVE_AT).items():
-            out[f"{impl} {saved} -> {name}"] = losses
+    for impl, resumes in plan.items():
+        for name, losses in resume_at(_saved(tmp, impl)[1], resumes).items():
+            out[f"{impl} {SAVED} -> {name}"] = losses
     return out
+
+
+def _saved(tmp: str, impl: str) -> tuple:
+    """Where the parity run of SAVED at ``impl`` writes its consolidated step 3."""
+    return SAVE_AT, os.path.join(tmp, f"{impl}_{SAVED}.pt")
 
 
 def _refusals() -> dict:
@@ -66,8 +71,11 @@ def _refusals() -> dict:
 
 
 def _world(rank: int, world: int, tmp: str) -> dict:
-    out = {name: train(_config(name)) for name in NATIVE}
-    out.update({f"ours {name}": train(_config(name, "scaletorch")) for name in NATIVE})
+    out = {}
+    for impl, prefix in (("torch", ""), ("scaletorch", "ours ")):
+        for name in NATIVE:
+            save = _saved(tmp, impl) if name == SAVED else None
+            out[prefix + name] = train(_config(name, impl), consolidated_at=save)
     out["checkpoints"] = _checkpoints(tmp)
     out["errors"] = _refusals()
     return out

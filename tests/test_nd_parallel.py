@@ -3,7 +3,9 @@ of every layout of the matrix over 5 steps, a consolidated checkpoint resumed at
 activation checkpointing, and the combinations that must raise ValueError.
 
 One world of 8 ranks for the whole file; each layout rebuilds the pg_manager inside it. The
-references run in this (parent) process, which has no process group.
+references run in this (parent) process, which has no process group. The world runs once per
+process (``nd_world``): tests/test_resume.py resumes the per-rank checkpoints its layouts write
+(every layout trained once, not once per test file).
 """
 
 import os
@@ -19,7 +21,9 @@ from scaletorch.parallel.activation_checkpointing import (apply_activation_check
 from scaletorch.trainer.consolidated import load_consolidated, resume_consolidated
 from tests.harness import run_distributed
 from tests.layouts import (ND_LAYOUTS, TOL, assert_parity, build, config_of, layout, make_config,
-                           parallelize_error, reference_key, references, save_and_resume, train)
+                           parallelize_error, reference_key, references, resume_at, train)
+
+RESUMED_ELSEWHERE = ("dualpipev_tp2_pp2_dp2", )  # test_resume: its state is laid out as zbv's
 
 WORLD = 8
 SAVE_AT = 3  # the checkpoint test saves after 3 of the 5 steps
@@ -42,13 +46,13 @@ def tied_config(name: str, layouts: dict = TIED_LAYOUTS):
 
 
 def _checkpoint_runs(path: str) -> dict:
-    """Save after 3 steps at tp2 x pp2 x dp2 (consolidated), resume at dp 8 and at ZeRO-3
-    tp2 x dp4; each returns the losses of steps 3 and 4."""
+    """Resume the consolidated checkpoint of tp2 x pp2 x dp2's step 3 (its parity run wrote it)
+    at dp 8 and at ZeRO-3 tp2 x dp4; each returns the losses of steps 3 and 4."""
     resumes = {
         "dp8": make_config(False, 1, **layout()),
         "zero3_tp2_dp4": make_config(False, 1, **layout(tp=2, zero_stage=3)),
     }
-    return save_and_resume(config_of(LAYOUTS, "tp2_pp2_dp2"), resumes, path, SAVE_AT)
+    return resume_at(path, resumes)
 
 
 def _invalid_combinations() -> dict:
@@ -65,34 +69,48 @@ def _invalid_combinations() -> dict:
     return {name: parallelize_error(cfg) for name, cfg in configs.items()}
 
 
-def _world(rank: int, world: int, path: str) -> dict:
-    out = {name: train(config_of(LAYOUTS, name)) for name in LAYOUTS}
+def _world(rank: int, world: int, path: str, checkpoints: str) -> dict:
+    # tp2 x pp2 x dp2 and its tied twin also write a consolidated checkpoint of step 3
+    saves = {"tp2_pp2_dp2": (SAVE_AT, path), "tied_tp2_pp2_dp2": (SAVE_AT, path + ".tied")}
+    out = {}
+    for name in LAYOUTS:
+        per_rank = None if name in RESUMED_ELSEWHERE else os.path.join(checkpoints, name)
+        out[name] = train(config_of(LAYOUTS, name), per_rank, saves.get(name))
     out["checkpoint"] = _checkpoint_runs(path)
     out["errors"] = _invalid_combinations()
-    out.update({name: train(tied_config(name)) for name in TIED_LAYOUTS})
+    out.update(
+        {name: train(tied_config(name), consolidated_at=saves.get(name))
+         for name in TIED_LAYOUTS})
     # consolidated (the tied weight once) at tp2 x pp2 x dp2, resumed at ZeRO-3 tp2 x dp4
     resume = {"tied_zero3_tp2_dp4": (False, 2, layout(tp=2, zero_stage=3))}
-    out["tied_checkpoint"] = save_and_resume(tied_config("tied_tp2_pp2_dp2"),
-                                             {"zero3": tied_config("tied_zero3_tp2_dp4", resume)},
-                                             path + ".tied", SAVE_AT)
+    out["tied_checkpoint"] = resume_at(path + ".tied",
+                                       {"zero3": tied_config("tied_zero3_tp2_dp4", resume)})
     return out
+
+
+_TMP = tempfile.TemporaryDirectory()  # removed when the process exits
+_WORLD: list = []
+
+
+def nd_world() -> tuple:
+    """The 8-rank world's per-rank results, the consolidated checkpoint's path and the root of
+    the layouts' per-rank checkpoints (a directory per layout); run once per process."""
+    path = os.path.join(_TMP.name, "consolidated.pt")
+    checkpoints = os.path.join(_TMP.name, "per_rank")
+    if not _WORLD:
+        _WORLD.append(run_distributed(_world, WORLD, path, checkpoints, timeout=300))
+    return _WORLD[0], path, checkpoints
 
 
 class NDParallelMatchesSingleDevice(unittest.TestCase):
 
     @classmethod
     def setUpClass(cls):
-        cls.tmp = tempfile.TemporaryDirectory()
-        cls.path = os.path.join(cls.tmp.name, "consolidated.pt")
-        cls.results = run_distributed(_world, WORLD, cls.path, timeout=300)
+        cls.results, cls.path, _ = nd_world()
         # one single-device reference per (model, micro-batches): losses, grad norms, weights
         cls.references = references([config_of(LAYOUTS, name)
                                      for name in LAYOUTS] + [make_config(False, 1)])
         cls.tied_reference = references([tied_config("tied_tp2_pp2_dp2")])
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.tmp.cleanup()
 
     def _reference(self, name: str):
         return self.references[reference_key(config_of(LAYOUTS, name))]

@@ -9,7 +9,9 @@ and AdamW state bit-identical to the uninterrupted run, and the same losses.
 SAME_STATE_AS_ANOTHER) and the pipeline combinations (pp x ZeRO-1/2, pp x DDP ours
 and torch's, pp x MoE, interleaved pp x dp, tied embeddings under pp x ZeRO-3), each trained
 straight, then rebuilt from scratch (a new model, a new ``parallelize``: what a restarted
-process does) and resumed from the middle checkpoint. Two worlds of 8 ranks.
+process does) and resumed from the middle checkpoint. Two worlds of 8 ranks. The matrix's
+straight runs are test_nd_parallel's parity runs (5 steps, checkpoints every 2: ``nd_world``),
+so this file only resumes them.
 
 ``KilledRankResumes``: the real thing under ``torchrun --max-restarts 1``: a rank is killed
 mid-run and every rank restarts from the latest checkpoint. Run here for the pipeline layouts
@@ -27,11 +29,13 @@ from scaletorch.trainer import checkpoint as ckpt
 from scaletorch.trainer import load_config
 from scaletorch.trainer.consolidated import consolidated_state, load_consolidated
 from tests.harness import run_distributed, value_error
-from tests.layouts import ND_LAYOUTS, build, config_of, layout, pg_manager_for
+from tests.layouts import CHECKPOINT_EVERY, ND_LAYOUTS, build, config_of, layout, pg_manager_for
 from tests.test_examples import launch
+from tests.test_nd_parallel import nd_world
 
 WORLD = 8
 STEPS, SAVE_AT = 4, 2  # two steps after the resume: AdamW's moments and step count in use
+ND_SAVE_AT = CHECKPOINT_EVERY  # the matrix: 5 steps (test_nd_parallel), resumed from step 2
 
 # The pipeline combinations whose per-rank checkpoints once lost or could not load state, and
 # PyTorch's own (DTensor parameters: the files hold local pieces, placed on the new mesh).
@@ -89,6 +93,7 @@ def _resume_every_layout(rank: int, world: int, root: str, names: list) -> dict:
         out[name] = {
             "losses": (straight.losses[SAVE_AT:], resumed.losses),
             "start": resumed.start_step,
+            "save_at": SAVE_AT,
             "differ": None if rank else _differences(want, got),
         }
     if "zero1_pp2_dp4" not in names:
@@ -107,18 +112,44 @@ def _resume_every_layout(rank: int, world: int, root: str, names: list) -> dict:
     return out
 
 
+def _resume_the_matrix(rank: int, world: int, root: str, straight: list) -> dict:
+    """Resume each layout of ND_RESUMED from step 2 of its straight run in test_nd_parallel
+    (``straight``: every rank's results there; the checkpoints under ``root``)."""
+    out = {}
+    for name in ND_RESUMED:
+        cfg = config_of(LAYOUTS, name)
+        cfg.checkpoint.every, cfg.checkpoint.dir = CHECKPOINT_EVERY, os.path.join(root, name)
+        # a restarted process: a new model and strategy, then the checkpoint of step 2
+        resumed, got = _run(cfg, resume=ckpt.step_dir(cfg.checkpoint.dir, ND_SAVE_AT))
+        want = straight[rank][name]
+        out[name] = {
+            "losses": (want["losses"][ND_SAVE_AT:], resumed.losses),
+            "start": resumed.start_step,
+            "save_at": ND_SAVE_AT,
+            "differ": None if rank else _differences(want["consolidated"], got),
+        }
+    return out
+
+
 class InWorldResume(unittest.TestCase):
 
     @classmethod
     def setUpClass(cls):
         cls.tmp = tempfile.TemporaryDirectory()
-        # Two worlds, not one: every rebuilt pg_manager leaves gloo threads behind, and one
-        # world of 20 layouts took 303 s on 2 cores, these two of 11 and 8 take 85 s.
-        worlds = [
-            run_distributed(_resume_every_layout, WORLD, cls.tmp.name, list(names), timeout=600)
-            for names in (ND_RESUMED, PIPELINE_LAYOUTS)
-        ]
-        cls.results = [{**a, **b} for a, b in zip(*worlds)]
+        # Two worlds, not one: one world of 20 layouts took 303 s on 2 cores, two of 11 and 8
+        # took 85 s. The matrix's straight runs (and their checkpoints) are test_nd_parallel's.
+        results, _, root = nd_world()
+        straight = [{
+            name: {
+                key: res[name].get(key)
+                for key in ("losses", "consolidated")
+            }
+            for name in ND_RESUMED
+        } for res in results]
+        matrix = run_distributed(_resume_the_matrix, WORLD, root, straight, timeout=600)
+        pipelines = run_distributed(_resume_every_layout, WORLD, cls.tmp.name,
+                                    list(PIPELINE_LAYOUTS), timeout=600)
+        cls.results = [{**a, **b} for a, b in zip(matrix, pipelines)]
 
     @classmethod
     def tearDownClass(cls):
@@ -128,7 +159,8 @@ class InWorldResume(unittest.TestCase):
         for name in LAYOUTS:
             for rank, res in enumerate(self.results):
                 out = res[name]
-                self.assertEqual(out["start"], SAVE_AT, name)
+                self.assertEqual(out["start"], out["save_at"], name)
+                self.assertGreaterEqual(len(out["losses"][1]), 2, name)  # AdamW state in use
                 straight, resumed = out["losses"]
                 self.assertEqual(straight, resumed, f"{name} rank {rank}")  # exactly
             self.assertEqual(self.results[0][name]["differ"], [], name)
@@ -149,15 +181,31 @@ class InWorldResume(unittest.TestCase):
         self.assertRegex(stderr.getvalue(), r"^error: checkpoint .*zero_stage 1 there, 0 here")
 
 
+RUN_FLAGS = ["--steps", "8", "--checkpoint.every", "2", "--logging.log_every", "1"]
+
+
 def _launch_run(tmp: str, name: str, nproc: int, args: list, fail: bool) -> tuple:
-    """07 under torchrun, 8 steps, checkpoints every 2; with ``fail`` rank 1 is killed at step
-    5 and torchrun restarts every rank once. Returns (output, consolidated file of step 8)."""
+    """07 under torchrun, RUN_FLAGS (8 steps, checkpoints every 2); with ``fail`` rank 1 is
+    killed at step 5 and torchrun restarts every rank once. Returns (output, consolidated file
+    of step 8)."""
     root = os.path.join(tmp, name)
     extra = ["--fail-at-step", "5", "--fail-rank", "1"] if fail else []
-    out = launch("examples/07_nd_parallel.py", nproc, *args, "--steps", "8", "--checkpoint.every",
-                 "2", "--checkpoint.dir", root, "--logging.log_every", "1", *extra,
-                 launcher=["--max-restarts", "1"] if fail else [])
+    out = launch("examples/07_nd_parallel.py", nproc, *args, *RUN_FLAGS, "--checkpoint.dir", root,
+                 *extra, launcher=["--max-restarts", "1"] if fail else [])
     return out, load_consolidated(os.path.join(ckpt.step_dir(root, 8), "consolidated.pt"))
+
+
+_STRAIGHT = tempfile.TemporaryDirectory()  # removed when the process exits
+_STRAIGHT_RUNS: dict = {}
+
+
+def straight_run(name: str) -> tuple:
+    """The uninterrupted run of KILL_LAYOUTS[name], launched once per process (test_fault_
+    tolerance's two-node test compares with zero1_pp2_dp2's): (output, consolidated step 8)."""
+    if name not in _STRAIGHT_RUNS:
+        nproc, args = KILL_LAYOUTS[name]
+        _STRAIGHT_RUNS[name] = _launch_run(_STRAIGHT.name, name, nproc, args, fail=False)
+    return _STRAIGHT_RUNS[name]
 
 
 def _last_logged_loss(output: str) -> str:
@@ -204,7 +252,7 @@ class KilledRankResumes(unittest.TestCase):
         with tempfile.TemporaryDirectory() as tmp:
             for name, (nproc, args) in KILL_LAYOUTS.items():
                 with self.subTest(layout=name):
-                    out_a, want = _launch_run(tmp, f"{name}_straight", nproc, args, fail=False)
+                    out_a, want = straight_run(name)
                     out_b, got = _launch_run(tmp, f"{name}_killed", nproc, args, fail=True)
                     self.assertIn("injected failure at step 5", out_b)
                     self.assertIn("resumed from", out_b)
