@@ -5,8 +5,9 @@
     scripts/launch.sh examples/08_mixed_precision.py --nproc-per-node 2 -- \
         --training.precision fp32 --parallel.param_dtype fp32 --parallel.reduce_dtype fp32
 
-The ``parallelize`` call of chapter 07; the config's precision policy
-(``training.precision``, ``parallel.param_dtype``, ``parallel.reduce_dtype``, one home:
+The ``parallelize`` call of chapter 07 with this chapter's hooks attached from outside
+(``precision_hooks``): the config's precision policy (``training.precision``,
+``parallel.param_dtype``, ``parallel.reduce_dtype``, one home:
 scaletorch/parallel/mixed_precision.py) decides what the strategy gathers and reduces in.
 fp32 master weights, gradients and AdamW state stay on every rank. Prints the policy, the bytes
 each collective moved per element in the last step (2 where bf16 crossed the wire), the memory
@@ -21,7 +22,7 @@ from scaletorch.config import resolve_precision
 from scaletorch.dist import (comm, destroy_distributed, destroy_pg_manager, get_ledger,
                              init_distributed, init_pg_manager_from_config)
 from scaletorch.models import build_model
-from scaletorch.parallel.mixed_precision import policy_for as policy
+from scaletorch.parallel.mixed_precision import precision_hooks
 from scaletorch.parallel.parallelize import parallelize
 from scaletorch.parallel.zero_report import memory_report
 from scaletorch.trainer import Trainer, check_against_reference, load_config
@@ -63,10 +64,11 @@ def main() -> int:
     pgm.log_topology()
     model = build_model(cfg.model, seed=cfg.training.model_seed)
     numel = model.num_parameters()
-    par = parallelize(model, cfg, pgm, env.device)
+    precision = precision_hooks(cfg, env.device.type)  # the new idea: dtypes and fp16's scaler
+    par = parallelize(model, cfg, pgm, env.device, precision)
     if env.rank == 0:
         print(f"{numel:,} parameters, ZeRO stage {p.zero_stage}, compute "
-              f"{resolve_precision(cfg, env.device.type)}, {policy(cfg, env.device.type)}; "
+              f"{resolve_precision(cfg, env.device.type)}, {precision.policy}; "
               f"master weights, gradients and AdamW state fp32")
     trainer = Trainer.from_parallelized(cfg, par, pgm, device=env.device)
     result = trainer.train()

@@ -18,7 +18,8 @@ from scaletorch.rules.recompute import RECOMPUTE, recompute_mode
 
 __all__ = [
     "CheckpointConfig", "Config", "DataConfig", "LoggingConfig", "ParallelConfig", "PRECISIONS",
-    "RECOMPUTE", "TrainingConfig", "gpu_has_native_bf16", "recompute_mode", "resolve_precision"
+    "RECOMPUTE", "TrainingConfig", "autocast_dtype", "gpu_has_native_bf16", "recompute_mode",
+    "resolve_precision"
 ]
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")  # training.precision
@@ -135,6 +136,15 @@ def resolve_precision(cfg: Config, device_type: str, bf16_native: Optional[bool]
             bf16_native = gpu_has_native_bf16()
         return "bf16" if bf16_native else "fp32"
     return precision
+
+
+def autocast_dtype(cfg: Config, device_type: str) -> torch.dtype:
+    """The dtype the Trainer's autocast computes matmuls in (fp32: no autocast): tensor and
+    expert parallel send activations in it, as the matmul would cast them anyway."""
+    return getattr(torch, _TORCH_NAMES[resolve_precision(cfg, device_type)])
+
+
+_TORCH_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def gpu_has_native_bf16() -> bool:

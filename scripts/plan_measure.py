@@ -17,6 +17,7 @@ from scaletorch.dist import destroy_pg_manager, get_ledger, init_pg_manager  # n
 from scaletorch.models import build_model  # noqa: E402
 from scaletorch.parallel.activation_checkpointing import saved_activation_bytes  # noqa: E402
 from scaletorch.parallel.memory_report import measure_memory  # noqa: E402
+from scaletorch.parallel.mixed_precision import precision_hooks  # noqa: E402
 from scaletorch.parallel.parallelize import parallelize  # noqa: E402
 from scaletorch.parallel.validation import validate_layout  # noqa: E402
 from scaletorch.plan.layout import PlanLayout  # noqa: E402
@@ -72,7 +73,7 @@ def measure_rank(rank: int, world: int, configs: Dict[str, Config]) -> Dict[str,
         pgm = init_pg_manager(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                               p.context_parallel_size, p.expert_model_parallel_size)
         model = build_model(cfg.model, seed=cfg.training.model_seed)
-        par = parallelize(model, cfg, pgm, torch.device("cpu"))
+        par = parallelize(model, cfg, pgm, torch.device("cpu"), precision_hooks(cfg, "cpu"))
         trainer = Trainer.from_parallelized(cfg, par, pgm, verbose=False)
         ledger.clear()
         result = trainer.train()

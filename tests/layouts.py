@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 from scaletorch.dist import destroy_pg_manager, init_pg_manager_from_config
 from scaletorch.models import build_model
 from scaletorch.parallel.grad_norm import clip_grads_, replica_count, world_grad_norm
+from scaletorch.parallel.mixed_precision import precision_hooks
 from scaletorch.parallel.parallelize import Parallelized, parallelize
 from scaletorch.parallel.param_map import DTensorParamMap, ParamMap, State, tied_copies
 from scaletorch.parallel.pipeline_parallel import PipelineModel
@@ -128,7 +129,7 @@ def build(cfg: Config, pgm, state=None) -> Tuple[Parallelized, Trainer]:
     model = build_model(cfg.model, seed=cfg.training.model_seed)
     if state is not None:
         model.load_state_dict(state)
-    par = parallelize(model, cfg, pgm, torch.device("cpu"))
+    par = parallelize(model, cfg, pgm, torch.device("cpu"), precision_hooks(cfg, "cpu"))
     return par, Trainer.from_parallelized(cfg, par, pgm, verbose=False)
 
 
@@ -198,8 +199,8 @@ def parallelize_error(cfg: Config, pgm=None) -> str:
     own = pgm is None
     pgm = pg_manager_for(cfg) if own else pgm
     try:
-        return value_error(
-            lambda: parallelize(build_model(cfg.model, 0), cfg, pgm, torch.device("cpu")))
+        return value_error(lambda: parallelize(build_model(cfg.model, 0), cfg, pgm,
+                                               torch.device("cpu"), precision_hooks(cfg, "cpu")))
     finally:
         if own:
             destroy_pg_manager()

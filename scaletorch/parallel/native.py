@@ -32,7 +32,7 @@ see them. What cannot run here (validation.py): MoE, ZeRO-1/2, context parallel 
 or ZeRO-3.
 """
 
-from typing import TYPE_CHECKING, Callable, Iterable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Iterable, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -45,9 +45,8 @@ from scaletorch.dist import ProcessGroupManager
 from scaletorch.models import Llama, loss_fn
 from scaletorch.parallel.activation_checkpointing import apply_activation_checkpointing
 from scaletorch.parallel.context_parallel import apply_context_parallel, make_sequence_sharder
+from scaletorch.parallel.data_parallel import apply_data_parallel
 from scaletorch.parallel.fully_shard import shard_blocks_then_root
-from scaletorch.parallel.mixed_precision import (MixedPrecisionPolicy, apply_data_parallel_in,
-                                                 fsdp_mp_policy)
 from scaletorch.parallel.param_map import DTensorParamMap
 from scaletorch.parallel.pipeline_native import TorchPipelineSchedule
 from scaletorch.parallel.pipeline_parallel import apply_pipeline_parallel
@@ -63,12 +62,11 @@ if TYPE_CHECKING:  # the config module imports scaletorch.parallel
 
 
 def apply_native_data_parallel(modules: Iterable[nn.Module], dp_mesh: DeviceMesh, zero3: bool,
-                               policy: Optional[MixedPrecisionPolicy] = None) -> None:
+                               mp_policy: Optional[Any] = None) -> None:
     """Each block, then each module's root, as one FSDP2 unit over ``dp_mesh`` (chapter 02's
-    ``shard_blocks_then_root``): ``fully_shard`` (ZeRO-3) or ``replicate``. ``policy``
-    (chapter 08) becomes FSDP2's ``mp_policy``."""
-    shard_blocks_then_root(modules, dp_mesh, fully_shard if zero3 else replicate,
-                           fsdp_mp_policy(policy))
+    ``shard_blocks_then_root``): ``fully_shard`` (ZeRO-3) or ``replicate``; ``mp_policy``:
+    FSDP2's, from chapter 08's hooks (None: no casts)."""
+    shard_blocks_then_root(modules, dp_mesh, fully_shard if zero3 else replicate, mp_policy)
 
 
 def _in_loss_parallel(step: ForwardBackward) -> ForwardBackward:
@@ -85,12 +83,13 @@ def _in_loss_parallel(step: ForwardBackward) -> ForwardBackward:
 
 
 def parallelize_native(
-    model: Llama, cfg: "Config", pgm: ProcessGroupManager
+    model: Llama, cfg: "Config", pgm: ProcessGroupManager, precision: Optional[Any] = None
 ) -> Tuple[nn.Module, ForwardBackward, Callable[[float], torch.Tensor],
            Optional[torch.optim.Optimizer], DTensorParamMap]:
     """impl torch: context -> checkpointing -> tensor -> pipeline -> data on ``model`` (built
     with the same seed on every rank). Returns (model for the Trainer, step, clip, None: the
-    Trainer's AdamW over the DTensors, param map), the fields of ``Parallelized``."""
+    Trainer's AdamW over the DTensors, param map), the fields of ``Parallelized``.
+    ``precision``: chapter 08's hooks (their dtypes), or None for fp32 on every wire."""
     p, m = cfg.parallel, cfg.data.num_micro_batches
     tp, pp = pgm.tensor_model_parallel_world_size, pgm.pipeline_model_parallel_world_size
     zero3 = p.zero_stage == 3
@@ -111,15 +110,13 @@ def parallelize_native(
                                        p.sequence_parallel, p.schedule in V_SHAPED)
         modules = list(pipe.chunks)
     trainer_model: nn.Module = model if pipe is None else pipe
-    from scaletorch.parallel.mixed_precision import policy_for as policy
-    mp = policy(cfg, next(model.parameters()).device.type)  # chapter 08
     if zero3 or (pgm.data_parallel_world_size > 1 and (tp > 1 or pp > 1)):  # 5
-        if not zero3:  # param_dtype is what ZeRO-3 gathers in; replicate gathers nothing
-            mp = MixedPrecisionPolicy(reduce_dtype=mp.reduce_dtype)
+        # chapter 08: ZeRO-3 gathers in param_dtype; replicate gathers nothing, only reduces
+        mp = None if precision is None else precision.fsdp_policy(gather=zero3)
         apply_native_data_parallel(modules, mesh["dp"], zero3, mp)
     elif pgm.data_parallel_world_size_with_context > 1 and pipe is None:
-        trainer_model = apply_data_parallel_in(mp.reduce_dtype, model, pgm, "torch",
-                                               p.bucket_size_mb)
+        wrap = apply_data_parallel if precision is None else precision.data_parallel
+        trainer_model = wrap(model, pgm, "torch", p.bucket_size_mb)
     param_map = DTensorParamMap(pgm, model, pipe)  # FSDP2 swapped in DTensors; DDP is around model
 
     if pipe is not None:

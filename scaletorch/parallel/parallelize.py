@@ -50,26 +50,24 @@ statistics are per micro-batch, and a micro-batch of the parallel run holds othe
 """
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
 
-from scaletorch.config import resolve_precision
+from scaletorch.config import autocast_dtype
 from scaletorch.dist import ProcessGroupManager, comm, get_ledger
 from scaletorch.models import Llama, loss_fn, moe_aux_loss
 from scaletorch.parallel.activation_checkpointing import apply_activation_checkpointing
 from scaletorch.parallel.context_parallel import apply_context_parallel, make_sequence_sharder
+from scaletorch.parallel.data_parallel import apply_data_parallel
 from scaletorch.parallel.expert_parallel import ExpertParallel, shard_experts
 from scaletorch.parallel.grad_norm import clip_grads_, world_grad_norm
-from scaletorch.parallel.mixed_precision import (DTYPES, DynamicLossScaler, apply_data_parallel_in,
-                                                 compute_dtype, disable_autocast_cache_per_unit,
-                                                 policy_for)
 from scaletorch.parallel.native import parallelize_native
 from scaletorch.parallel.param_map import DTensorParamMap, ParamMap, State
 from scaletorch.parallel.pipeline_parallel import PipelineSchedule, apply_pipeline_parallel
 from scaletorch.parallel.split_backward import ZeroBubbleSchedule
-from scaletorch.parallel.step import ForwardBackward, LossFn, make_data_parallel_step
+from scaletorch.parallel.step import ForwardBackward, LossFn, LossScale, make_data_parallel_step
 from scaletorch.parallel.tensor_parallel import apply_tensor_parallel, tensor_parallel_loss_fn
 from scaletorch.parallel.tied_embeddings import attach_tied_embedding_sync, untie_across_stages
 from scaletorch.parallel.validation import validate_layout
@@ -100,7 +98,7 @@ class Parallelized:
     clip_grad_norm: Callable[[float], torch.Tensor]
     optimizer: Optional[torch.optim.Optimizer]
     param_map: Union[ParamMap, DTensorParamMap]
-    scaler: Optional[DynamicLossScaler] = None  # fp16's loss scale, agreed over the world
+    scaler: Optional[LossScale] = None  # fp16's loss scale, agreed over the world (chapter 08)
 
     def full_state_dict(self) -> Optional[State]:
         return self.param_map.gather(lambda p: p.detach())
@@ -123,62 +121,72 @@ def _check_groups_match(cfg: "Config", pgm: ProcessGroupManager, sizes: Dict[str
 
 
 def _apply_data_parallel(
-        modules: List[nn.Module], cfg: "Config",
-        pgm: ProcessGroupManager) -> Tuple[List[nn.Module], Optional[torch.optim.Optimizer]]:
+        modules: List[nn.Module], cfg: "Config", pgm: ProcessGroupManager,
+        precision: Optional[Any]) -> Tuple[List[nn.Module], Optional[torch.optim.Optimizer]]:
     """Step 6: wrap each of ``modules`` (the model, or this rank's pipeline chunks) for data
     parallel over "dp_cp": ZeRO-1/2/3 (with its sharded AdamW), a MoE model's ExpertParallel
     (dense gradients over "dp_cp", expert gradients over "edp"), or DDP (bucketed, or naive).
+    ``precision``: chapter 08's hooks (their dtypes), or None for fp32 on the wire.
     Returns (wrapped modules, ZeRO's optimizer or None for the Trainer's AdamW)."""
     p, t = cfg.parallel, cfg.training
-    policy = policy_for(cfg, next(modules[0].parameters()).device.type)  # chapter 08
     if p.zero_stage > 0:  # tied embeddings shared between units (zero_tied.py)
+        dtypes = {} if precision is None else dict(param_dtype=precision.policy.param_dtype,
+                                                   reduce_dtype=precision.policy.reduce_dtype)
         zero: List[ShardedDataParallel] = [
             TiedShardedDataParallel(m, zero_units(m), pgm.data_parallel_group_with_context,
-                                    p.zero_stage, param_dtype=policy.param_dtype,
-                                    reduce_dtype=policy.reduce_dtype) for m in modules
+                                    p.zero_stage, **dtypes) for m in modules
         ]
         for z in zero:
-            disable_autocast_cache_per_unit(z)
+            if precision is not None:
+                precision.after_zero(z)
         optimizer = ZeroAdamW(zero, t.lr, (t.beta1, t.beta2), t.weight_decay)
         return list(zero), optimizer
     if cfg.model.num_experts > 0:
         return [ExpertParallel(m, pgm) for m in modules], None
     if pgm.data_parallel_world_size_with_context == 1:
         return modules, None
-    return [
-        apply_data_parallel_in(policy.reduce_dtype, m, pgm, p.impl, p.bucket_size_mb)
-        for m in modules
-    ], None
+    wrap = apply_data_parallel if precision is None else precision.data_parallel
+    return [wrap(m, pgm, p.impl, p.bucket_size_mb) for m in modules], None
 
 
-def _compute_dtype(cfg: "Config", device: torch.device) -> torch.dtype:
-    """The dtype the Trainer's autocast computes in (chapter 08; fp32: no autocast)."""
-    return DTYPES[resolve_precision(cfg, device.type)]
+def check_fp32_without_hooks(cfg: "Config") -> None:
+    """Without chapter 08's hooks every wire is fp32 (autocast may still compute in bf16):
+    ValueError for what needs them, fp16's loss scale and the policy's dtypes."""
+    t, p = cfg.training, cfg.parallel
+    if t.precision == "fp16" or p.param_dtype not in ("auto", "fp32") or p.reduce_dtype != "fp32":
+        raise ValueError(f"training.precision {t.precision}, parallel.param_dtype "
+                         f"{p.param_dtype}, parallel.reduce_dtype {p.reduce_dtype} need chapter "
+                         f"08's hooks: parallelize(..., precision=precision_hooks(cfg, "
+                         f"device.type)) from scaletorch.parallel.mixed_precision")
 
 
-def parallelize(model: Llama, cfg: "Config", pgm: ProcessGroupManager,
-                device: torch.device) -> Parallelized:
+def parallelize(model: Llama, cfg: "Config", pgm: ProcessGroupManager, device: torch.device,
+                precision: Optional[Any] = None) -> Parallelized:
     """Apply expert -> tensor -> context -> checkpointing -> pipeline -> data parallel to the
     reference ``model`` (built with the same seed on every rank), as ``cfg.parallel`` says.
 
-    ``cfg``: the scaletorch Config; ``pgm``: the process-group manager of the same layout.
+    ``cfg``: the scaletorch Config; ``pgm``: the process-group manager of the same layout;
+    ``precision``: chapter 08's ``PrecisionHooks`` (mixed_precision.py), attached from outside;
+    None keeps every wire in fp32.
     """
     sizes = validate_layout(cfg, pgm.world_size)  # every refusal, before any surgery
     _check_groups_match(cfg, pgm, sizes)
+    if precision is None:
+        check_fp32_without_hooks(cfg)
     p = cfg.parallel
     model = model.to(device)
     if p.impl == "torch":  # PyTorch's own strategies on one DeviceMesh (native.py)
-        return Parallelized(*parallelize_native(model, cfg, pgm))
+        return Parallelized(*parallelize_native(model, cfg, pgm, precision))
     loss: LossFn = loss_fn
     shard_sequence: Optional[Callable] = None
     if cfg.model.num_experts > 0:  # 1 (also at ep 1: the routing statistics over dp_cp)
         # the routed tokens cross the wire in autocast's dtype (chapter 08)
-        shard_experts(model, pgm, _compute_dtype(cfg, device))
+        shard_experts(model, pgm, autocast_dtype(cfg, device.type))
     if pgm.tensor_model_parallel_world_size > 1:  # 2, activations on the wire in autocast's dtype
-        apply_tensor_parallel(model, pgm, p.sequence_parallel, _compute_dtype(cfg, device))
+        apply_tensor_parallel(model, pgm, p.sequence_parallel, autocast_dtype(cfg, device.type))
         loss = tensor_parallel_loss_fn(pgm)
     # fp16 (chapter 08): the step scales the loss; every rank of the world agrees on overflows
-    scaler = DynamicLossScaler() if cfg.training.precision == "fp16" else None
+    scaler = None if precision is None else precision.scaler
     if pgm.context_parallel_world_size > 1:  # 3
         apply_context_parallel(model, pgm, p.cp_variant)
         shard_sequence = make_sequence_sharder(pgm, cfg.data.seq_len)
@@ -194,7 +202,7 @@ def parallelize(model: Llama, cfg: "Config", pgm: ProcessGroupManager,
     modules: List[nn.Module] = list(pipe.chunks) if pipe is not None else [model]
     plain_entries = ParamMap.plain_entries(modules)
 
-    wrapped, optimizer = _apply_data_parallel(modules, cfg, pgm)  # 6
+    wrapped, optimizer = _apply_data_parallel(modules, cfg, pgm, precision)  # 6
     zero = [w for w in wrapped if isinstance(w, ShardedDataParallel)]
     entries = ParamMap.zero_entries(zero) if zero else plain_entries
     param_map = ParamMap(pgm, splits, entries, pipe)
@@ -204,7 +212,8 @@ def parallelize(model: Llama, cfg: "Config", pgm: ProcessGroupManager,
         trainer_model: nn.Module = pipe
         cls = ZeroBubbleSchedule if p.schedule in ZERO_BUBBLE else PipelineSchedule
         schedule = cls(pipe, pgm, p.schedule, cfg.data.num_micro_batches, loss, shard_sequence,
-                       scaler, wire_dtype=compute_dtype, aux_loss=moe_aux_loss)
+                       scaler, wire_dtype=None if precision is None else precision.wire_dtype,
+                       aux_loss=moe_aux_loss)
         if cfg.model.tie_word_embeddings:  # sum the first and the last stage's copies
             attach_tied_embedding_sync(schedule, pgm)
         step: ForwardBackward = schedule

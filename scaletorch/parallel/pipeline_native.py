@@ -5,10 +5,11 @@ from typing import List, Union
 import torch
 from torch.distributed import pipelining
 
+from scaletorch.data import local_batch
 from scaletorch.dist import ProcessGroupManager, comm
+from scaletorch.dist.comm import average_over_group
 from scaletorch.models import MoE, loss_fn
 from scaletorch.parallel.pipeline_parallel import LossFn, PipelineModel
-from scaletorch.parallel.step import average_over_group, local_batch
 
 MULTI_STAGE = {  # torch's schedules that drive several chunks per rank
     "interleaved": pipelining.ScheduleInterleaved1F1B,

@@ -23,13 +23,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from scaletorch.data import split_micro_batches
+from scaletorch.data import local_batch, split_micro_batches
 from scaletorch.dist import ProcessGroupManager, comm, get_ledger
+from scaletorch.dist.comm import average_over_group
 from scaletorch.dist.functional import gather_along_dim
 from scaletorch.dist.timer import Clock, Mark, Timer, seconds
 from scaletorch.models import Llama, loss_fn
 from scaletorch.parallel.data_parallel import TorchDataParallel, apply_data_parallel
-from scaletorch.parallel.step import average_over_group, local_batch
 from scaletorch.schedule.orders import P2P, Action, Step, classic_units, comm_plan
 from scaletorch.schedule.placement import rank_of_stage, split_layers, stage_index
 from scaletorch.schedule.timeline import Timeline

@@ -14,21 +14,18 @@ A model wrapper may provide two hooks, both optional:
 """
 
 from contextlib import nullcontext
-from typing import Callable, Optional, Protocol, Tuple
+from typing import Callable, Optional, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from scaletorch.data import shard_batch, split_micro_batches
-from scaletorch.dist import comm
+from scaletorch.data import SequenceShard, local_batch, split_micro_batches
+from scaletorch.dist.comm import average_over_group
 from scaletorch.models import loss_fn, moe_aux_loss
 
 ForwardBackward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-# inputs, targets, position_ids (None without context parallel)
-ShardedBatch = Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]
-SequenceShard = Callable[[torch.Tensor, torch.Tensor], ShardedBatch]
 
 
 class LossScale(Protocol):
@@ -63,26 +60,6 @@ def forward_backward(model: nn.Module, inputs: torch.Tensor, targets: torch.Tens
     if finish is not None:
         finish()
     return total
-
-
-def local_batch(inputs: torch.Tensor, targets: torch.Tensor, data_parallel_rank: int,
-                data_parallel_size: int,
-                shard_sequence: Optional[SequenceShard] = None) -> ShardedBatch:
-    """This rank's part of the global batch: (B, s) -> its data-parallel slice (B/dp, s), then,
-    with ``shard_sequence`` (context parallel), its tokens of each sequence (B/dp, s/cp).
-    Returns (inputs, targets, position_ids), position_ids None without context parallel."""
-    inputs = shard_batch(inputs, data_parallel_rank, data_parallel_size)
-    targets = shard_batch(targets, data_parallel_rank, data_parallel_size)
-    if shard_sequence is None:
-        return inputs, targets, None
-    return shard_sequence(inputs, targets)
-
-
-def average_over_group(value: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
-    """Mean of a scalar over ``group`` (for reporting the global loss; not differentiable)."""
-    out = value.detach().clone()
-    comm.all_reduce(out, group)
-    return out / comm.group_size(group)
 
 
 def make_data_parallel_step(model: nn.Module, num_micro_batches: int, data_parallel_rank: int,

@@ -24,6 +24,7 @@ from scaletorch.dist.pg_manager import ProcessGroupManager, RankGrid
 from scaletorch.models import LlamaConfig, build_model
 from scaletorch.parallel.activation_checkpointing import saved_activation_bytes
 from scaletorch.parallel.memory_report import measure_memory
+from scaletorch.parallel.mixed_precision import precision_hooks
 from scaletorch.parallel.parallelize import GROUPS, parallelize
 from scaletorch.trainer import Config, Trainer
 from scripts.benchmarks import timing
@@ -56,7 +57,8 @@ def _measure(rank: int, world: int, samples: int) -> Dict[str, dict]:
     for name, tp, pp, zero in LAYOUTS[world]:
         cfg = _config(tp, pp, zero)
         pgm = ProcessGroupManager(RankGrid(world, tp, pp))
-        par = parallelize(build_model(cfg.model, seed=0), cfg, pgm, torch.device("cpu"))
+        par = parallelize(build_model(cfg.model, seed=0), cfg, pgm, torch.device("cpu"),
+                          precision_hooks(cfg, "cpu"))
         trainer = Trainer(cfg, par.model, pgm, optimizer=par.optimizer,
                           forward_backward=par.forward_backward, clip_grad_norm=par.clip_grad_norm,
                           verbose=False)
