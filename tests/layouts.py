@@ -152,6 +152,8 @@ def train(cfg: Config, checkpoint_dir: Optional[str] = None,
             loss, norm = trainer.train_step()
             losses.append(loss)
             norms.append(norm)
+            if checkpoint_dir is not None and trainer.step % CHECKPOINT_EVERY == 0:
+                trainer.save()  # as train() would: test_resume resumes these
         save_consolidated(path, trainer, par)
     result = trainer.train()
     out = {
