@@ -1,7 +1,8 @@
 """Chapter 09: the planner against published GPU runs: tokens/s per GPU and peak memory.
 
     python scripts/plan_validate.py            # the table: predicted, published, error, verdict
-    python scripts/plan_validate.py --json     # the same rows as JSON (scripts/plot.py reads it)
+    python scripts/plan_validate.py --json     # the same rows as JSON
+    python scripts/plan_validate.py --plot doc/img/09_validation.png   # predicted vs published
 
 Each row is a run someone measured and published, with its source: the Llama 3 paper's
 Table 4 (405B on 8,192 and 16,384 H100s: TFLOP/s per GPU; no memory published) and
@@ -192,10 +193,61 @@ def table(results: List[Dict[str, Any]]) -> str:
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="the rows as one JSON object")
+    parser.add_argument(
+        "--plot", metavar="FILE.png",
+        help="also draw predicted against published, one point per row (needs "
+        "the optional plot extra: pip install -e .[plot])")
     args = parser.parse_args(argv)
     results = [predict(r) for r in ROWS]
     print(json.dumps({"rows": results}, indent=1) if args.json else table(results))
+    if args.plot:
+        try:
+            plot(results, args.plot)
+        except ImportError:
+            print("error: --plot needs matplotlib (pip install -e .[plot])", file=sys.stderr)
+            return 2
+        print(f"wrote {args.plot}")
     return 0
+
+
+def plot(results: List[Dict[str, Any]], path: str) -> None:
+    """Two panels: speed (published over predicted, as a ratio to the published figure) and
+    memory, one point per row, the tolerance band shaded."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 5))
+    panels = (("speed", "published_speed", "speed_error", SPEED_TOLERANCE,
+               "tokens/s per GPU (torchtitan) or TFLOP/s per GPU (Llama 3)"),
+              ("memory", "published_memory_gib", "memory_error", MEMORY_TOLERANCE,
+               "peak memory, GiB (torchtitan)"))
+    for ax, (title, key, error, tolerance, label) in zip(axes, panels):
+        rows = [r for r in results if r[key]]
+        published = [r[key] for r in rows]
+        predicted = [r[key] * (1 + r[error]) for r in rows]
+        low, high = min(published + predicted) / 1.5, max(published + predicted) * 1.5
+        line = [low, high]
+        ax.plot(line, line, color="black", linewidth=0.8)
+        ax.fill_between(line, [x * (1 - tolerance) for x in line],
+                        [x * (1 + tolerance) for x in line], color="tab:green", alpha=0.15,
+                        label=f"within {tolerance:.0%}")
+        for r, x, y in zip(rows, published, predicted):
+            color = "tab:gray" if r["missing"] else (
+                "tab:blue" if abs(r[error]) <= tolerance else "tab:red")
+            ax.scatter([x], [y], color=color, s=18)
+            ax.annotate(r["name"], (x, y), fontsize=6, xytext=(3, 2), textcoords="offset points")
+        if title == "speed":
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+        ax.set_xlim(low, high)
+        ax.set_ylim(low, high)
+        ax.set_xlabel(f"published {label}")
+        ax.set_ylabel("planner")
+        ax.set_title(f"{title}: red outside the band, gray: not all modelled")
+        ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":
