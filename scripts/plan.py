@@ -19,12 +19,14 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import replace
 from typing import Dict, List, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import scaletorch.plan.model as plan_model  # noqa: E402
 from scaletorch.plan.cluster import load_cluster  # noqa: E402
-from scaletorch.plan.layout import PRECISION_BYTES, PlanLayout  # noqa: E402
+from scaletorch.plan.layout import FP8, FRAMEWORKS, PRECISION_BYTES, PlanLayout  # noqa: E402
 from scaletorch.plan.layout import from_config as layout_of  # noqa: E402
 from scaletorch.plan.model import PRESETS, ModelSpec, from_config, from_params, preset  # noqa: E402
 from scaletorch.plan.report import evaluate, format_breakdown  # noqa: E402
@@ -67,6 +69,22 @@ def main(argv: Optional[List[str]] = None) -> int:
                                      description=__doc__.splitlines()[0], epilog=epilog)
     parser.add_argument("--preset", help=f"a model instead of the config's: {', '.join(PRESETS)}")
     parser.add_argument("--params", type=float, help="a Llama of about this many parameters")
+    parser.add_argument(
+        "--exact-params", action="store_true",
+        help="--params is exact: the nearest smaller Llama plus the remainder as "
+        "extra parameters in the head's unit (formula work: ZeRO's Psi)")
+    parser.add_argument(
+        "--framework", choices=FRAMEWORKS,
+        help="whose code runs the layout: scaletorch (default; this repository's "
+        "trainer, ledger-exact) | torchtitan (FSDP2, SDPA, its recomputation)")
+    parser.add_argument(
+        "--recompute", metavar="MODE",
+        help="torchtitan's recomputation beyond none | selective | full: op "
+        "(per-op selective) or every-N (per-layer selective)")
+    parser.add_argument("--compile", action="store_true",
+                        help="torchtitan under torch.compile (fused elementwise kernels)")
+    parser.add_argument("--fp8", choices=FP8, default="none",
+                        help="torchao float8 linears (torchtitan): matmul, or matmul+all-gather")
     parser.add_argument("--gpus", type=int, help="world size (default: tp x pp x cp x --dp)")
     parser.add_argument("--cluster", default="h100",
                         help="h100 | a100 | b200 | FILE.yaml | FILE.json (--calibrate writes one)")
@@ -98,6 +116,12 @@ def main(argv: Optional[List[str]] = None) -> int:
             model = preset(args.preset)
         elif args.params is not None:
             model = from_params(args.params)
+            if args.exact_params:
+                while model.num_parameters() > args.params and model.num_layers > 1:
+                    model = replace(model, num_layers=model.num_layers - 1)
+                model = plan_model.exact(model, args.params)
+        elif args.exact_params:
+            raise ValueError("--exact-params needs --params N")
         else:
             model = from_config(cfg.model)
         p = cfg.parallel
@@ -135,10 +159,28 @@ def main(argv: Optional[List[str]] = None) -> int:
             report(best, rejected, args.json)
             return 0
         cfg.data.seq_len, cfg.data.global_batch_size = seq, tokens // seq
+        note = fill_pipeline(cfg, gpus, "--micro-batches" not in " ".join(rest), check, model)
         layout = layout_of(cfg, gpus, precision)
-        layout = with_split(PlanLayout(**{
-            **layout.as_dict(), "flash_attention": flash
-        }), model.num_layers)
+        framework = args.framework or "scaletorch"
+        layout = with_split(
+            PlanLayout(
+                **{
+                    **layout.as_dict(),
+                    "flash_attention":
+                    flash,
+                    "framework":
+                    framework,
+                    "compiled":
+                    args.compile,
+                    "fp8":
+                    args.fp8,
+                    "activation_checkpointing":
+                    args.recompute or layout.activation_checkpointing,
+                    # torchtitan's tensor parallel always shards the norms' sequence
+                    "sequence_parallel":
+                    layout.sequence_parallel or (framework == "torchtitan" and layout.tp > 1)
+                }),
+            model.num_layers)
         why = check(model, layout)
         if why is not None:
             raise ValueError(why)
@@ -146,10 +188,35 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     result = evaluate(model, layout, cluster)
+    if note and not args.json:
+        print(note)
     print(json.dumps({"layouts": [result]}, indent=1) if args.json else format_breakdown(result))
     if args.measure:
         print(measured_report(cfg, gpus, model, layout))
     return 0
+
+
+def fill_pipeline(cfg: Config, gpus: int, default: bool, check, model: ModelSpec) -> str:
+    """With a pipeline and no --micro-batches: the fewest micro-batches that the layout check
+    accepts (1F1B needs at least pp to fill the pipeline) and that divide the batch; returns
+    the line that says so ("" if nothing was chosen)."""
+    p = cfg.parallel
+    pp = p.pipeline_model_parallel_size
+    if not default or pp == 1 or cfg.data.num_micro_batches >= pp:
+        return ""
+    model_parallel = p.tensor_model_parallel_size * pp * p.context_parallel_size
+    if gpus % model_parallel:
+        return ""  # the layout check says why
+    per_replica = cfg.data.global_batch_size // (gpus // model_parallel)
+    for m in range(pp, per_replica + 1):
+        if per_replica % m:
+            continue
+        cfg.data.num_micro_batches = m
+        if check(model, with_split(layout_of(cfg, gpus), model.num_layers)) is None:
+            return (f"micro-batches: {m}, the fewest that fill the {pp}-stage pipeline and "
+                    f"divide the {per_replica} sequences of a replica (--micro-batches sets it)")
+    cfg.data.num_micro_batches = 1
+    return ""
 
 
 def progress(line: str) -> None:

@@ -55,19 +55,34 @@ class Cluster:
     # {world: {strategy: seconds a call adds to a step}}, strategies in ISSUED; replaces the
     # bare call's latency of ``links`` for that strategy's calls
     issued: Dict[str, Dict[str, float]] = field(default_factory=dict)
+    # GPUs, what a datasheet's peak leaves out (scaletorch/plan/kernels.py; hbm_bandwidth 0:
+    # the flat roofline compute / (peak x compute_efficiency) of a cluster file without them)
+    hbm_bandwidth: float = 0.0  # bytes/s of HBM (datasheet)
+    hbm_efficiency: float = 0.8  # fraction of it an elementwise kernel streams at
+    attention_efficiency: float = 0.35  # flash attention's FLOP/s (forward + backward) / peak
+    sms: int = 0  # streaming multiprocessors: a GEMM's tiles run in waves of this many
+    kernel_overhead_s: float = 0.0  # the gap one kernel adds after the one before it
+    overlap_cost: float = 0.0  # of each second of communication hidden behind compute, what
+    # the compute loses (NCCL's kernels take SMs and HBM bandwidth from it)
+    fp8_flops: float = 0.0  # dense fp8 FLOP/s (0: 2 x peak_flops)
+    fp8_efficiency: float = 0.0  # of fp8_flops, what a large fp8 GEMM sustains (0: as bf16)
+    sources: Dict[str, str] = field(default_factory=dict)  # {key: where its value comes from}
 
     def __post_init__(self) -> None:
         optional = ("cores", "layer_overhead_s", "moe_layer_overhead_s", "micro_batch_overhead_s",
-                    "step_overhead_s")
+                    "step_overhead_s", "hbm_bandwidth", "sms", "kernel_overhead_s", "overlap_cost",
+                    "fp8_flops", "fp8_efficiency")
         bad = {
             f.name: getattr(self, f.name)
-            for f in fields(self) if f.name not in ("name", "links", "slowdown", "issued") and not (
+            for f in fields(self)
+            if f.name not in ("name", "links", "slowdown", "issued", "sources") and not (
                 getattr(self, f.name) >= 0 if f.name in optional else getattr(self, f.name) > 0)
         }
         if bad:
             raise ValueError("cluster " + ", ".join(f"{k} {v}" for k, v in bad.items()) +
                              ": must be positive (the overheads and cores: not negative)")
-        for key in ("compute_efficiency", "comm_efficiency"):
+        for key in ("compute_efficiency", "comm_efficiency", "hbm_efficiency",
+                    "attention_efficiency", "fp8_efficiency"):
             if getattr(self, key) > 1:
                 raise ValueError(f"cluster {key} {getattr(self, key)} must be at most 1")
 
@@ -118,10 +133,57 @@ class Cluster:
 # and ZeRO-3 (per block and micro-batch: a unit's gather, free and reduce-scatter)
 ISSUED = ("tp", "sp", "cp", "pp", "ep", "dp", "dp_micro_batch", "zero3")
 
+# Where the GPU presets' values come from. The peaks, HBM sizes and bandwidths, NVLink and NIC
+# rates, SM counts: the vendors' datasheets (dense, per GPU). The rest are this chapter's
+# assumptions, stated here and in doc/09_planning.md, and checked there against published runs
+# (scripts/plan_validate.py), not measured on these GPUs by us.
+GPU_SOURCES = {
+    "peak_flops":
+    "vendor datasheet, dense bf16",
+    "hbm_bandwidth":
+    "vendor datasheet",
+    "sms":
+    "vendor datasheet (H100 SXM 132, A100 108, B200 148)",
+    "compute_efficiency":
+    "assumption: a large bf16 GEMM (cuBLAS) sustains about 0.75 of the "
+    "datasheet peak at 700 W, about 0.6 at torchtitan's 500 W cap (lower clocks)",
+    "attention_efficiency":
+    "assumption: FlashAttention-2 (PyTorch SDPA) reaches about 0.35 of "
+    "peak forward + backward on H100 at 700 W, counting the causal half it computes; 0.25 at "
+    "500 W (attention draws the most power)",
+    "fp8_efficiency":
+    "assumption: an fp8 GEMM sustains about 0.85 of the fraction of its (2x) "
+    "peak that a bf16 GEMM sustains of its own",
+    "hbm_efficiency":
+    "assumption: an elementwise kernel streams at about 0.8 of HBM bandwidth",
+    "kernel_overhead_s":
+    "assumption: 3 us between dependent kernels (launch and tail)",
+    "overlap_cost":
+    "assumption: hidden NCCL traffic slows compute by 0.1 of its duration",
+    "comm_efficiency":
+    "assumption: NCCL bus bandwidth about 0.75 of the link",
+}
+
+
+def _gpu(name: str, peak: float, hbm: float, nvlink: float, nic: float, hbm_bw: float, sms: int,
+         efficiency: float = 0.75, attention: float = 0.35) -> Cluster:
+    return Cluster(name, 8, peak, hbm, nvlink, nic, 5e-6, 10e-6, compute_efficiency=efficiency,
+                   hbm_bandwidth=hbm_bw, attention_efficiency=attention, sms=sms,
+                   fp8_efficiency=round(0.85 * efficiency, 4), kernel_overhead_s=3e-6,
+                   overlap_cost=0.1, sources=GPU_SOURCES)
+
+
 CLUSTERS: Dict[str, Cluster] = {
-    "a100": Cluster("a100", 8, 312e12, 80e9, 300e9, 25e9, 5e-6, 10e-6),
-    "h100": Cluster("h100", 8, 989e12, 80e9, 450e9, 50e9, 5e-6, 10e-6),
-    "b200": Cluster("b200", 8, 2.25e15, 180e9, 900e9, 50e9, 5e-6, 10e-6),
+    "a100":
+    _gpu("a100", 312e12, 80e9, 300e9, 25e9, 2.0e12, 108),
+    "h100":
+    _gpu("h100", 989e12, 80e9, 450e9, 50e9, 3.35e12, 132),
+    # torchtitan's benchmark GPUs (benchmarks/llama3_h100_202412_torchtitan.md): H100 SXM with
+    # 96 GB of HBM (95 GiB usable is their footnote's; we take 96e9 bytes) capped at 500 W
+    "h100-500w":
+    _gpu("h100-500w", 989e12, 96e9, 450e9, 50e9, 3.35e12, 132, efficiency=0.6, attention=0.25),
+    "b200":
+    _gpu("b200", 2.25e15, 180e9, 900e9, 50e9, 8e12, 148),
 }
 
 
@@ -155,8 +217,9 @@ def load_cluster(name_or_path: str) -> Cluster:
                          (f"unknown keys {', '.join(unknown)}" if unknown else ""))
     try:
         typed: Dict[str, Any] = {
-            k: (v if k in ("name", "links", "slowdown",
-                           "issued") else int(v) if k in ("gpus_per_node", "cores") else float(v))
+            k: (v if k in ("name", "links", "slowdown", "issued",
+                           "sources") else int(v) if k in ("gpus_per_node", "cores",
+                                                           "sms") else float(v))
             for k, v in values.items()
         }
         cluster = Cluster(**typed)

@@ -85,5 +85,5 @@ def split_backward_flops(model: ModelSpec, layout: PlanLayout,
     """
     matmul = sum(2.0 * block_matmul_params(model, i) for i in layers)
     core = 4.0 * layout.seq_len * model.hidden_size * len(layers)
-    redo = {"none": 0.0, "selective": core, "full": matmul + core}[layout.activation_checkpointing]
+    redo = {"selective": core, "full": matmul + core}.get(layout.activation_checkpointing, 0.0)
     return matmul + core, matmul + 2 * core + redo, matmul

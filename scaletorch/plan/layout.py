@@ -25,6 +25,25 @@ PRECISION_BYTES: Dict[str, tuple] = {
 }
 ACTIVATION_BYTES = {"fp32": 4, "bf16": 2, "bf16-fp32-grads": 2, "autocast": 2}
 
+# How a run's code is written, which sets what autograd keeps and which kernels run:
+# "scaletorch" (this repository: the ledger-exact formulas) or "torchtitan" (PyTorch's own
+# trainer: FSDP2 with fp32 sharded parameters and bf16 compute, flash attention through SDPA,
+# an fp32 loss, its checkpointing modes; eager unless ``compiled``).
+FRAMEWORKS = ("scaletorch", "torchtitan")
+# Recomputation the planner knows beyond the trainer's none | selective | full (torchtitan
+# only): "op" (torchtitan's per-op selective checkpointing: a block keeps every other matmul's
+# output and the attention output, the rest is recomputed) and "every-N" (torchtitan's
+# per-layer selective checkpointing: every N-th block fully recomputed, the others keep all).
+FRAMEWORK_RECOMPUTE = ("op", )
+FP8 = ("none", "matmul", "matmul+all-gather")
+
+
+def every_n(mode: str) -> int:
+    """N of an "every-N" recomputation mode, 0 for any other mode."""
+    if mode.startswith("every-") and mode[6:].isdigit() and int(mode[6:]) >= 1:
+        return int(mode[6:])
+    return 0
+
 
 @dataclass
 class PlanLayout:
@@ -47,6 +66,9 @@ class PlanLayout:
     cp_variant: str = "ring"
     layer_split: Optional[List[int]] = field(default=None)
     bucket_size_mb: float = 25.0  # DDP's gradient buckets (parallel.bucket_size_mb)
+    framework: str = "scaletorch"  # FRAMEWORKS
+    compiled: bool = False  # torch.compile: a block's elementwise ops fused into few kernels
+    fp8: str = "none"  # none | matmul | matmul+all-gather (torchao float8, torchtitan only)
 
     def __post_init__(self) -> None:
         sizes = {
@@ -67,9 +89,22 @@ class PlanLayout:
         choices = {
             "zero_stage": (self.zero_stage, (0, 1, 2, 3)),
             "schedule": (self.schedule, SCHEDULES),
-            "activation_checkpointing": (self.activation_checkpointing, RECOMPUTE),
             "precision": (self.precision, tuple(PRECISION_BYTES)),
+            "framework": (self.framework, FRAMEWORKS),
+            "fp8": (self.fp8, FP8),
         }
+        mode = self.activation_checkpointing
+        if self.framework == "scaletorch" and mode not in RECOMPUTE:
+            raise ValueError(f"the planner's activation_checkpointing must be one of "
+                             f"{', '.join(RECOMPUTE)} for this repository's trainer, got "
+                             f"{mode!r} (op and every-N: --framework torchtitan)")
+        if mode not in RECOMPUTE + FRAMEWORK_RECOMPUTE and not every_n(mode):
+            raise ValueError(f"the planner's activation_checkpointing must be one of "
+                             f"{', '.join(RECOMPUTE + FRAMEWORK_RECOMPUTE)} or every-N (N >= 1), "
+                             f"got {mode!r}")
+        if self.framework == "scaletorch" and (self.compiled or self.fp8 != "none"):
+            raise ValueError(f"compiled {self.compiled} and fp8 {self.fp8!r} are torchtitan's: "
+                             "this repository's trainer runs neither (--framework torchtitan)")
         for name, (value, allowed) in choices.items():
             if value not in allowed:
                 raise ValueError(f"the planner's {name} must be one of "
@@ -108,7 +143,10 @@ class PlanLayout:
                 (f" ep{self.ep}" if self.ep > 1 else "") +
                 (f" zero{self.zero_stage}" if self.zero_stage else "") +
                 (" sp" if self.sequence_parallel else "") + ac +
-                f" m{self.num_micro_batches} b{self.micro_batch_size}")
+                f" m{self.num_micro_batches} b{self.micro_batch_size}" +
+                ("" if self.framework == "scaletorch" else f" {self.framework}") +
+                (" compiled" if self.compiled else "") +
+                ("" if self.fp8 == "none" else f" fp8={self.fp8}"))
 
     def as_dict(self) -> Dict[str, Any]:
         return dict(self.__dict__)

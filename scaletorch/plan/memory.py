@@ -35,7 +35,7 @@ import math
 from typing import Dict, List, NamedTuple, Tuple
 
 from scaletorch.plan.layout import (ACTIVATION_BYTES, PRECISION_BYTES, V_SHAPED, ZERO_BUBBLE,
-                                    PlanLayout)
+                                    PlanLayout, every_n)
 from scaletorch.plan.model import ModelSpec
 from scaletorch.plan.pipeline import held_peak, holds_ends, in_flight, rank_layers, rank_stages
 
@@ -110,7 +110,7 @@ def rank_units(model: ModelSpec, layout: PlanLayout, pp_rank: int = 0) -> List[U
         units += [Unit(f"layers.{i}", *_split(model, t, i, layout.ep), c) for i in layers]
         if stage == stages - 1:
             head = 0 if model.tie_word_embeddings else table
-            units.append(Unit("head", model.norm_params() + head, 0, c))
+            units.append(Unit("head", model.norm_params() + head + model.extra_params, 0, c))
             if has_tied_copy(model, layout):  # ZeRO gives the copy a unit of its own
                 units.append(Unit("tied_embedding_copy", table, 0, c))
     return units
@@ -148,7 +148,25 @@ def state_bytes(model: ModelSpec, layout: PlanLayout, pp_rank: int = 0) -> Dict[
             out["optimizer"] += o * (shard if z >= 1 else full)
             largest = max(largest, full)
     out["buffers"] = 2 * p * largest if z == 3 else 0
+    if layout.framework == "torchtitan" and z == 3:
+        out["buffers"] = _titan_gathered(model, layout, pp_rank)
     return out
+
+
+def _titan_gathered(model: ModelSpec, layout: PlanLayout, pp_rank: int) -> float:
+    """FSDP2's gathered parameters under torchtitan: in bf16 (1 byte under fp8's all-gather
+    of the blocks), the block computing and the one prefetched, plus the stage's root unit
+    (embedding, final norm, head), which FSDP2 does not free between forward and backward.
+    Under a pipeline, all of the stage's, and its unsharded fp32 gradients."""
+    units = rank_units(model, layout, pp_rank)
+    blocks = [u.dense + u.expert for u in units if u.name.startswith("layers.")]
+    root = sum(u.dense for u in units if not u.name.startswith("layers."))
+    per_block = 1 if layout.fp8 == "matmul+all-gather" else 2
+    if layout.pp > 1:  # each stage keeps its parameters gathered and accumulates its gradients
+        # unsharded in fp32 across the micro-batches (the pipeline turns the sync off but on
+        # the last): 2 (or 1) + 4 bytes a parameter of the stage
+        return (per_block + 4) * sum(blocks) + 6 * root
+    return per_block * 2 * max(blocks, default=0) + 2 * root
 
 
 # ---- activations ------------------------------------------------------------------------
@@ -185,6 +203,8 @@ def layer_activation_bytes(model: ModelSpec, layout: PlanLayout, moe: bool = Fal
     e = ACTIVATION_BYTES[layout.precision]
     if model.kind == "gpt":
         return _gpt_layer(b, s, h, a, t, sp, mode)
+    if layout.framework == "torchtitan":
+        return b * s * titan_layer_bytes(model, t, sp, mode, layout.fp8 != "none")
     norm_t = t if sp else 1
     if mode == "full":
         return e * b * s * h / norm_t
@@ -205,12 +225,55 @@ def layer_activation_bytes(model: ModelSpec, layout: PlanLayout, moe: bool = Fal
     return norms + linears + attention + scores
 
 
+def titan_layer_bytes(model: ModelSpec, t: int, sp: bool, mode: str, fp8: bool = False) -> float:
+    """Bytes per token one torchtitan block keeps for backward on a tp rank (bf16
+    activations; its RMSNorm computes in fp32 and keeps x in fp32 (4 h) and the normed bf16
+    output (2 h); RoPE multiplies q, k as fp32 complex numbers and keeps them; SDPA's flash
+    kernel keeps q, k and v (k, v repeated to every head), its output and the fp32
+    log-sum-exp; SwiGLU keeps w1's and w3's outputs and their product). Under tensor parallel
+    the column-parallel linears keep their all-gathered input (2 h, not / t); the norms' part
+    is / t with sequence parallel (``sp``). Per mode:
+
+        none, selective   12 h / t_sp + 4 h + (14 h + 4 kv + 4 a + 8 f) / t
+        op                2 h / t_sp + 2 h + (4 h + 2 kv + 4 a + 2 f) / t (+ 4 h / t if t > 1)
+        full              2 h / t_sp                      (the block's input)
+        every-N           (full + (N - 1) none) / N        (an average block)
+
+    "selective" (Korthikanti et al.'s: the attention core recomputed) keeps as much as none
+    here: flash attention never keeps the s x s scores it would drop. "op" keeps the block's
+    input, the outputs of the odd-numbered matmuls (wq, wv, w1, w2; w2's output is whole
+    before its reduce-scatter), the attention output and log-sum-exp, and under tp the
+    reduce-scatters' outputs (torchtitan's save list). fp8: float8 linears keep their
+    inputs as 1-byte copies instead of bf16 ones: the linears' inputs count half."""
+    h, f, kv, a = model.hidden_size, model.intermediate_size, model.kv_size, \
+        model.num_attention_heads
+    ts = t if sp else 1
+    linear_inputs = 4 * h + (2 * h + 2 * f) / t  # qkv's and w1/w3's inputs; wo's and w2's
+    none = 12 * h / ts + 4 * h + (14 * h + 4 * kv + 4 * a + 8 * f) / t
+    if fp8:
+        none -= linear_inputs / 2
+    if mode in ("none", "selective"):
+        return none
+    full = 2 * h / ts
+    if mode == "full":
+        return full
+    if mode == "op":
+        return 2 * h / ts + 2 * h + (4 * h + 2 * kv + 4 * a + 2 * f) / t + (4 * h /
+                                                                            t if t > 1 else 0)
+    n = every_n(mode)
+    return (full + (n - 1) * none) / n
+
+
 def _ends(model: ModelSpec, layout: PlanLayout, first: bool, last: bool) -> float:
     """What the embedding, RoPE and the head keep per micro-batch (this repo's Llama)."""
     if model.kind == "gpt":  # left out in the paper's figures
         return 0.0
     b, s, h, t = layout.micro_batch_size, layout.seq_len // layout.cp, model.hidden_size, \
         layout.tp
+    if layout.framework == "torchtitan":  # token ids; final norm, head input, fp32 log-softmax
+        ts = t if layout.sequence_parallel else 1
+        return b * s * ((8 if first else 0) +
+                        ((6 * h / ts + 2 * h + 4 * model.vocab_rows(t) / t) if last else 0))
     e, norm_t = ACTIVATION_BYTES[layout.precision], t if layout.sequence_parallel else 1
     out = 0.0
     if first:
@@ -253,6 +316,15 @@ def activation_bytes(model: ModelSpec, layout: PlanLayout, pp_rank: int = 0) -> 
             layer_activation_bytes(model, whole, moe=m) -
             layer_activation_bytes(model, layout, moe=m)
             for m in {False, moe > 0})  # the largest rebuilt in backward
+        if every_n(layout.activation_checkpointing):  # a recomputed block: all it drops
+            kept = PlanLayout(**{**whole.as_dict(), "activation_checkpointing": "full"})
+            rebuilt = layer_activation_bytes(model, whole) - layer_activation_bytes(model, kept)
+    if layout.framework == "torchtitan" and last:
+        # the loss's backward, before any block's: the gradient of the log-softmax output and
+        # of its input, both fp32 (b s V' / t each), beside the saved log-softmax output
+        loss = 8 * layout.micro_batch_size * (layout.seq_len // layout.cp) * \
+            model.vocab_rows(layout.tp) / layout.tp
+        rebuilt = max(rebuilt, loss)
     return {
         "micro_batch": micro,
         "in_flight": n,
@@ -288,4 +360,12 @@ def rank_memory(model: ModelSpec, layout: PlanLayout, pp_rank: int = 0) -> Dict[
     out = state_bytes(model, layout, pp_rank)
     out["activations"] = activation_bytes(model, layout, pp_rank)["peak"]
     out["total"] = sum(out.values())
+    out["reserved"] = out["total"] * (1 + ALLOCATOR_SLACK[layout.framework])
     return out
+
+
+# What PyTorch's caching allocator reserves beyond the bytes allocated at the peak (blocks
+# split and cached for reuse; torchtitan logs the peak reserved), as a fraction of them: 0 for
+# this repository's formulas (they count tensors); torchtitan 0.08, fitted: the mean gap of
+# its six 8B FSDP rows (scripts/plan_validate.py) before any slack, not a measured constant.
+ALLOCATOR_SLACK = {"scaletorch": 0.0, "torchtitan": 0.08}

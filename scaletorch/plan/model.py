@@ -36,6 +36,9 @@ class ModelSpec:
     moe_layer_freq: int = 1
     moe_intermediate_size: int = 0
     vocab_pad_to: int = 128  # tensor parallel pads V to a multiple of this x tp (Megatron)
+    # parameters added to the head's unit so that a model has an exact count (``exact``): for
+    # formula work (ZeRO's Table 1 is of Psi = 7.5e9 exactly), not a layer of a real model
+    extra_params: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in ("llama", "gpt"):
@@ -44,6 +47,8 @@ class ModelSpec:
                      "num_key_value_heads", "intermediate_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"model {name} must be positive, got {getattr(self, name)}")
+        if self.extra_params < 0:
+            raise ValueError(f"model extra_params must not be negative, got {self.extra_params}")
         if self.hidden_size % self.num_attention_heads or \
                 self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"hidden_size ({self.hidden_size}), num_attention_heads "
@@ -105,7 +110,8 @@ class ModelSpec:
 
     def head_params(self) -> int:
         """The final norm and the output projection (0 for a head tied to the embedding)."""
-        return self.norm_params() + (0 if self.tie_word_embeddings else self.embedding_params())
+        return self.norm_params() + (0 if self.tie_word_embeddings else
+                                     self.embedding_params()) + self.extra_params
 
     def num_parameters(self) -> int:
         return self.embedding_params() + self.head_params() + sum(
@@ -184,3 +190,15 @@ def from_params(num_params: float, vocab_size: int = 128256) -> ModelSpec:
             0.05 * abs(math.log(h / (128 * layers)))
         best.append((error, spec))
     return min(best, key=lambda e: e[0])[1]
+
+
+def exact(spec: ModelSpec, num_params: float) -> ModelSpec:
+    """``spec`` with ``extra_params`` making its count exactly ``num_params`` (rounded to an
+    integer): for formula work where the count, not the shape, is given. Only upward: a
+    count below the shape's raises ValueError naming both."""
+    target = round(num_params)
+    have = spec.num_parameters() - spec.extra_params
+    if target < have:
+        raise ValueError(f"--exact-params: {target:,} parameters is below the {have:,} of "
+                         f"{spec.name}'s shape; give a smaller model")
+    return replace(spec, extra_params=target - have)

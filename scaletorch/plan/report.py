@@ -23,12 +23,15 @@ def evaluate(model: ModelSpec, layout: PlanLayout,
     out: Dict[str, Any] = dict(layout.as_dict())
     out.update({
         "model": model.name,
+        "parameters": model.num_parameters(),
         "world": layout.world,
         "most_loaded_pp_rank": worst,
         "memory_bytes": {
             k: memory[worst][k]
             for k in KINDS
         },
+        # what the caching allocator reserves at that peak (memory.ALLOCATOR_SLACK)
+        "memory_reserved_bytes": memory[worst]["reserved"],
         "in_flight_micro_batches": activation_bytes(model, layout, worst)["in_flight"],
         "wire_bytes_per_step": wire_bytes_per_group(model, layout, worst),
     })
@@ -53,7 +56,8 @@ def format_breakdown(result: Dict[str, Any]) -> str:
     """A few lines: memory by kind, wire bytes by group, time, bubble, MFU."""
     mem = result["memory_bytes"]
     lines = [
-        f"model {result['model']}, world {result['world']}: " + layout_line(result),
+        f"model {result['model']} ({result['parameters']:,} parameters), world "
+        f"{result['world']}: " + layout_line(result),
         f"memory per GPU (pp rank {result['most_loaded_pp_rank']}): " +
         ", ".join(f"{k} {human(mem[k])}" for k in KINDS),
         "wire bytes per step per GPU: " +

@@ -40,6 +40,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from scaletorch.plan.cluster import Cluster
 from scaletorch.plan.flops import hardware_flops, model_flops
+from scaletorch.plan.kernels import gpu_step
 from scaletorch.plan.layout import V_SHAPED, PlanLayout
 from scaletorch.plan.model import ModelSpec
 from scaletorch.plan.pipeline import bubble as pipeline_bubble
@@ -217,6 +218,23 @@ def step_time(model: ModelSpec, layout: PlanLayout, cluster: Cluster) -> Dict[st
             "mfu": flops / (out["step_time_s"] * lay.world * cluster.peak_flops),
             "model_flops": flops,
             "hardware_flops": hw
+        }
+    if cluster.hbm_bandwidth:  # a GPU, kernel by kind (scaletorch/plan/kernels.py)
+        comm: Dict[str, float] = {}
+        for r in stage_ranks(lay):
+            for group, seconds in comm_seconds(model, lay, cluster, r).items():
+                comm[group] = max(comm.get(group, 0.0), seconds)
+        gpu = gpu_step(model, lay, cluster, stage_ranks(lay), comm)
+        bubble = pipeline_bubble(model, lay)
+        step = gpu["busy_s"] / (1 - bubble) + gpu["after_s"]
+        return {
+            **gpu,
+            "bubble": bubble,
+            "step_time_s": step,
+            "tokens_per_s_per_gpu": lay.tokens_per_step / step / lay.world,
+            "mfu": flops / (step * lay.world * cluster.peak_flops),
+            "model_flops": flops,
+            "hardware_flops": hw,
         }
     rate = cluster.peak_flops * cluster.compute_efficiency
     compute = hw / lay.world / rate

@@ -199,6 +199,8 @@ def collectives(model: ModelSpec, layout: PlanLayout, pp_rank: int = 0) -> List[
     act = ACTIVATION_BYTES[lay.precision]
     grad = PRECISION_BYTES[lay.precision][1]
     param = PRECISION_BYTES[lay.precision][0]
+    if lay.framework == "torchtitan":  # FSDP2 gathers bf16 copies (fp8 ones under float8's)
+        param = 1 if lay.fp8 == "matmul+all-gather" else 2
     chunks = rank_layers(model.num_layers, lay.pp, lay.virtual_stages, lay.layer_split,
                          lay.schedule)
     layers = [i for c in chunks[pp_rank] for i in c]
