@@ -220,11 +220,11 @@ def step_time(model: ModelSpec, layout: PlanLayout, cluster: Cluster) -> Dict[st
             "hardware_flops": hw
         }
     if cluster.hbm_bandwidth:  # a GPU, kernel by kind (scaletorch/plan/kernels.py)
-        comm: Dict[str, float] = {}
+        slowest: Dict[str, float] = {}  # per group, the slowest rank's seconds
         for r in stage_ranks(lay):
             for group, seconds in comm_seconds(model, lay, cluster, r).items():
-                comm[group] = max(comm.get(group, 0.0), seconds)
-        gpu = gpu_step(model, lay, cluster, stage_ranks(lay), comm)
+                slowest[group] = max(slowest.get(group, 0.0), seconds)
+        gpu = gpu_step(model, lay, cluster, stage_ranks(lay), slowest)
         bubble = pipeline_bubble(model, lay)
         step = gpu["busy_s"] / (1 - bubble) + gpu["after_s"]
         return {

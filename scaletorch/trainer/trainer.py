@@ -20,7 +20,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterable, List, Optional
+from typing import TYPE_CHECKING, Callable, Iterable, List, Optional, cast
 
 import torch
 import torch.distributed as dist
@@ -125,7 +125,7 @@ class Trainer:
         step (data parallel or pipeline), its global-norm clipping and (ZeRO) optimizer."""
         return cls(cfg, par.model, pgm, device=device, optimizer=par.optimizer,
                    forward_backward=par.forward_backward, clip_grad_norm=par.clip_grad_norm,
-                   scaler=par.scaler, verbose=verbose)
+                   scaler=cast(Optional[DynamicLossScaler], par.scaler), verbose=verbose)
 
     def _clip_replicated(self, max_norm: float) -> torch.Tensor:
         """Global norm when every rank holds whole, already-synchronized gradients.
