@@ -62,7 +62,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         # a collective failed or timed out: this rank's last collectives, for fr_analyze.py
         path = flight_recorder.dump(os.path.join(cfg.run_path, "flight_recorder"), env.rank,
                                     pgm.group_names.items())
-        print(f"rank {env.rank}: flight recorder written to {path}", file=sys.stderr, flush=True)
+        print(
+            f"rank {env.rank}: flight recorder written to {path} (read them all: python "
+            f"scripts/fr_analyze.py {os.path.dirname(path)})", file=sys.stderr, flush=True)
         raise
     if line:
         print(line)

@@ -11,14 +11,15 @@ reads the same files: ``torchfrtrace DIR --prefix rank_``.
 
 import argparse
 import sys
+from typing import List, Optional
 
 from scaletorch.dist import flight_recorder
 
 
-def main() -> int:
+def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("directory", help="the run's flight_recorder directory")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     try:
         traces = flight_recorder.load(args.directory)
     except (FileNotFoundError, NotADirectoryError) as err:

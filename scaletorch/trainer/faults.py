@@ -132,22 +132,22 @@ class FaultyStep:
 
 def straggler_report(busy: List[float], world_size: int,
                      threshold: float = STRAGGLER) -> Optional[str]:
-    """Every rank calls this at the end of the run (an all-gather over the world); rank 0 gets
-    the line naming the slowest rank when its median busy time per step is more than
-    ``threshold`` over the median of the ranks, and every rank gets None otherwise."""
+    """Every rank calls this at the end of the run (an all-gather over the world). Rank 0 gets
+    a line naming the slowest rank when its busy time per step (median over the steps after
+    the first) is more than ``threshold`` over the median of the other ranks; None otherwise."""
     mine = statistics.median(busy[1:] or busy) if busy else 0.0  # step 0 warms up
     everyone = torch.zeros(world_size, dtype=torch.float64)
     with get_ledger().paused():  # a report, not training traffic
         comm.all_gather_into_tensor(everyone, torch.tensor([mine], dtype=torch.float64))
     times = everyone.tolist()
-    median = statistics.median(times)
     slowest = max(range(world_size), key=lambda r: times[r])
-    if comm.group_rank() != 0 or times[slowest] <= (1 + threshold) * median:
+    others = statistics.median(t for r, t in enumerate(times) if r != slowest)
+    if comm.group_rank() != 0 or times[slowest] <= (1 + threshold) * others:
         return None
     spread = ", ".join(f"{t * 1e3:.1f}" for t in times)
     return (f"straggler: rank {slowest} is busy {times[slowest] * 1e3:.1f} ms a step, "
-            f"{times[slowest] / median - 1:.0%} over the median of the ranks "
-            f"({median * 1e3:.1f} ms); busy ms a step per rank: {spread}")
+            f"{times[slowest] / others:.1f}x the median of the other ranks "
+            f"({others * 1e3:.1f} ms); busy ms a step, rank 0 first: {spread}")
 
 
 def profiler(run_path: str, rank: int, steps: int) -> Optional[torch.profiler.profile]:
