@@ -90,11 +90,11 @@ class InjectedFaultsEndAsDocumented(unittest.TestCase):
                       out.getvalue())
         # torch's analyzer (torchfrtrace) reads them too: dump() fills the group table that
         # gloo leaves empty
-        out = io.StringIO()
-        with redirect_stdout(out):
+        with self.assertLogs("Flight Recorder", "INFO") as logs:
             fr_trace.main([directory, "--prefix", "rank_"])
+        text = "\n".join(r.getMessage() for r in logs.records)
         self.assertRegex(
-            out.getvalue(), r"group info: \d+:dp_cp\ncollective: gloo:all_reduce\n"
+            text, r"group info: \d+:dp_cp\ncollective: gloo:all_reduce\n"
             r"missing ranks: \{1\}")
 
     def test_a_raising_rank_gives_one_traceback_and_one_line_per_other_rank(self):
