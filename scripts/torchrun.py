@@ -1,24 +1,90 @@
-"""torchrun, except when the ranks refused their configuration: then no traceback.
+"""torchrun, with one error report: the traceback of the rank that failed first, once.
 
 scripts/launch.sh runs this with torchrun's arguments (``python -m torch.distributed.run``
-does the same work). A script built on ``scaletorch.trainer.load_config`` that refuses its
-config prints ``error: ...`` once (rank 0) and every rank exits with status 2; torchrun would
-add its own traceback and failure table to that line. Here that case exits 2 quietly; any
-other failure gets torchrun's usual report.
+does the same work). When ranks fail, torchrun raises ChildFailedError with every failed
+rank; here that becomes:
+
+    error: rank 0 failed first:
+    Traceback (most recent call last):
+      ...
+    RuntimeError: injected error on rank 0 at step 3
+    rank 1: stopped because rank 0 failed (torchrun ended it: SIGTERM)
+
+A rank killed by a signal other than torchrun's SIGTERM (a lost machine, an abort) failed
+first; otherwise the first is the earliest time in the ranks' error files, which the scripts
+write (``scaletorch.trainer.config.write_error_file``) instead of printing their traceback.
+A script that refused its configuration printed ``error: ...`` once and every rank exited
+with status 2: that case exits 2 quietly.
 """
 
 import sys
+from typing import Dict, Tuple
 
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.run import main
 
 CONFIG_ERROR = 2  # load_config's exit status
+STOPPED = ("SIGTERM", "SIGINT")  # how torchrun ends the other ranks when one fails
+
+
+def _time(f: ProcessFailure) -> float:
+    data = f.error_file_data.get("scaletorch") if isinstance(f.error_file_data, dict) else None
+    return float(data["time"]) if data else float(f.timestamp)
+
+
+def _crashed(f: ProcessFailure) -> bool:
+    return f.exitcode < 0 and f.signal_name() not in STOPPED
+
+
+def first_failure(failures: Dict[int, ProcessFailure]) -> Tuple[int, ProcessFailure]:
+    """(rank, failure) of the rank that failed first (see the module's docstring)."""
+    crashed = [(r, f) for r, f in failures.items() if _crashed(f)]
+    written = [(r, f) for r, f in failures.items() if isinstance(f.message, dict)]
+    pool = crashed or written or list(failures.items())
+    return min(pool, key=lambda item: (_time(item[1]), item[0]))
+
+
+def _summary(f: ProcessFailure) -> str:
+    if isinstance(f.message, dict):
+        first = f.message["message"].strip().splitlines()[0]
+        return first if len(first) <= 240 else first[:237] + "..."
+    if f.exitcode < 0:
+        return f"torchrun ended it: {f.signal_name()}" if not _crashed(
+            f) else f"killed by {f.signal_name()}"
+    return f"exit code {f.exitcode}"
+
+
+def report(failures: Dict[int, ProcessFailure]) -> str:
+    """The traceback of the first failure once, then one line for each other failed rank."""
+    rank, first = first_failure(failures)
+    if isinstance(first.message, dict):
+        lines = [
+            f"error: rank {rank} failed first:",
+            first.message["extraInfo"]["py_callstack"].rstrip()
+        ]
+    elif _crashed(first):
+        lines = [
+            f"error: rank {rank} failed first: killed by {first.signal_name()} "
+            f"(a killed process leaves no traceback; see its output above)"
+        ]
+    else:
+        lines = [
+            f"error: rank {rank} failed first (exit code {first.exitcode}; no error file: "
+            f"see its output above)"
+        ]
+    for r, f in sorted(failures.items()):
+        if r != rank:
+            lines.append(f"rank {r}: stopped because rank {rank} failed ({_summary(f)})")
+    return "\n".join(lines)
+
 
 if __name__ == "__main__":
     try:
         main()
     except ChildFailedError as err:
         _, first = err.get_first_failure()
-        if first.exitcode != CONFIG_ERROR:
-            raise
-        sys.exit(CONFIG_ERROR)
+        if first.exitcode == CONFIG_ERROR:
+            sys.exit(CONFIG_ERROR)
+        print(report(err.failures), file=sys.stderr, flush=True)
+        code = first_failure(err.failures)[1].exitcode
+        sys.exit(code if code > 0 else 1)

@@ -1,6 +1,6 @@
 """Distributed plumbing: start-up, the process-group manager, collectives and their ledger."""
 
-from scaletorch.dist import comm, functional
+from scaletorch.dist import comm, flight_recorder, functional
 from scaletorch.dist.init import (DistributedEnv, destroy_distributed, init_distributed,
                                   pick_device_and_backend, restart_count)
 from scaletorch.dist.ledger import CommLedger, get_ledger, name_group
@@ -9,8 +9,8 @@ from scaletorch.dist.pg_manager import (ProcessGroupManager, RankGrid, destroy_p
                                         init_pg_manager_from_config)
 
 __all__ = [
-    "comm", "functional", "DistributedEnv", "init_distributed", "destroy_distributed",
-    "pick_device_and_backend", "restart_count", "CommLedger", "get_ledger", "name_group",
-    "ProcessGroupManager", "RankGrid", "init_pg_manager", "init_pg_manager_from_config",
-    "get_pg_manager", "destroy_pg_manager"
+    "comm", "flight_recorder", "functional", "DistributedEnv", "init_distributed",
+    "destroy_distributed", "pick_device_and_backend", "restart_count", "CommLedger", "get_ledger",
+    "name_group", "ProcessGroupManager", "RankGrid", "init_pg_manager",
+    "init_pg_manager_from_config", "get_pg_manager", "destroy_pg_manager"
 ]

@@ -10,12 +10,13 @@ creates one group per distinct set of ranks, so a group can serve several roles 
 another role names it. Without ``name`` the ledger uses the group's own name.
 """
 
-from typing import Any, List, Optional
+from contextlib import nullcontext
+from typing import Any, ContextManager, List, Optional
 
 import torch
 import torch.distributed as dist
 
-from scaletorch.dist.ledger import get_ledger
+from scaletorch.dist.ledger import get_ledger, group_name
 
 Group = Optional[dist.ProcessGroup]
 Work = dist.Work  # what an async collective returns: wait() on it
@@ -38,9 +39,14 @@ def group_rank(group: Group = None) -> int:
 
 
 def _record(op: str, group: Group, tensor: torch.Tensor, numel: Optional[int] = None,
-            name: Optional[str] = None) -> None:
+            name: Optional[str] = None) -> ContextManager:
+    """Write the call in the ledger; the returned context labels it in a profile ("dp_cp
+    all_reduce": torch.profiler.record_function) while a profiler runs (chapter 11)."""
     elements = tensor.numel() if numel is None else numel
     get_ledger().record(op, group, group_size(group), elements, tensor.element_size(), name)
+    if not torch.autograd.profiler._is_profiler_enabled:
+        return nullcontext()
+    return torch.profiler.record_function(f"{name or group_name(group)} {op}")
 
 
 def all_reduce(tensor: torch.Tensor, group: Group = None, op: Any = dist.ReduceOp.SUM,
@@ -48,8 +54,8 @@ def all_reduce(tensor: torch.Tensor, group: Group = None, op: Any = dist.ReduceO
     """In-place all-reduce of ``tensor`` over ``group``; returns a work handle if async."""
     if group_size(group) == 1:
         return None
-    _record("all_reduce", group, tensor, name=name)
-    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    with _record("all_reduce", group, tensor, name=name):
+        return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
 def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: Group = None,
@@ -58,8 +64,8 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: Gro
     if group_size(group) == 1:
         output.copy_(input)
         return None
-    _record("all_gather", group, output, name=name)
-    return torch_all_gather(output, input.contiguous(), group=group, async_op=async_op)
+    with _record("all_gather", group, output, name=name):
+        return torch_all_gather(output, input.contiguous(), group=group, async_op=async_op)
 
 
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group: Group = None,
@@ -69,8 +75,9 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group: Grou
     if group_size(group) == 1:
         output.copy_(input)
         return None
-    _record("reduce_scatter", group, input, name=name)
-    return torch_reduce_scatter(output, input.contiguous(), op=op, group=group, async_op=async_op)
+    with _record("reduce_scatter", group, input, name=name):
+        return torch_reduce_scatter(output, input.contiguous(), op=op, group=group,
+                                    async_op=async_op)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: Group = None, async_op: bool = False,
@@ -78,8 +85,8 @@ def broadcast(tensor: torch.Tensor, src: int, group: Group = None, async_op: boo
     """Copy ``tensor`` from global rank ``src`` to every rank of ``group``."""
     if group_size(group) == 1:
         return None
-    _record("broadcast", group, tensor, name=name)
-    return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+    with _record("broadcast", group, tensor, name=name):
+        return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
 
 
 def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
@@ -100,9 +107,9 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
         kept = input.shape[0] // n
     else:
         kept = input_split_sizes[rank]
-    _record("all_to_all", group, input, numel=input.numel() - kept * row, name=name)
-    return dist.all_to_all_single(output, input.contiguous(), output_split_sizes, input_split_sizes,
-                                  group=group, async_op=async_op)
+    with _record("all_to_all", group, input, numel=input.numel() - kept * row, name=name):
+        return dist.all_to_all_single(output, input.contiguous(), output_split_sizes,
+                                      input_split_sizes, group=group, async_op=async_op)
 
 
 def batch_isend_irecv(ops: List[dist.P2POp], group: Group = None,

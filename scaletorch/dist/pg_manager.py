@@ -257,9 +257,10 @@ class ProcessGroupManager:
         if dist.is_initialized():
             # new_group is collective over the whole world: every rank creates every group,
             # in the same order, and keeps the ones it belongs to; one per distinct set of
-            # ranks, serving every kind with those ranks.
+            # ranks, serving every kind with those ranks. Its description is the ledger's
+            # name, which the flight recorder's dumps and NCCL's logs show.
             for ranks, kinds in grid.distinct_groups():
-                group = dist.new_group(ranks, timeout=timeout)
+                group = dist.new_group(ranks, timeout=timeout, group_desc=ledger_name(kinds))
                 if self.rank in ranks:
                     self._roles[group] = kinds
                     for kind in kinds:

@@ -15,10 +15,12 @@ a mistake there is an InputError naming the file and what to do.
 """
 
 import argparse
+import json
 import os
 import sys
 import tempfile
 import time
+import traceback
 import typing
 from types import TracebackType
 from typing import Any, Callable, Dict, List, Optional, Sequence, Type
@@ -279,8 +281,16 @@ def report_input_errors(kind: Type[BaseException], err: BaseException,
     """sys.excepthook of a script past load_config: an InputError that escapes it is printed
     as ``error: ...`` by one rank and the process exits with status 2; anything else is a bug
     and gets Python's traceback. Rank 0 prints at once; another rank waits, so that when rank 0
-    has the same error torchrun stops this rank before it repeats the line."""
+    has the same error torchrun stops this rank before it repeats the line.
+
+    Under torchrun with several ranks, a bug's traceback goes to torchrun's error file instead
+    (``write_error_file``): scripts/torchrun.py then prints the traceback of the rank that
+    failed first, once, and one line for every other rank."""
     if not isinstance(err, InputError):
+        error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+        if error_file and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            write_error_file(error_file, err, tb)
+            return  # the process exits with status 1
         sys.__excepthook__(kind, err, tb)
         return
     if int(os.environ.get("RANK", "0")) != 0:
@@ -288,6 +298,46 @@ def report_input_errors(kind: Type[BaseException], err: BaseException,
     sys.stdout.flush()
     print(f"error: {err}", file=sys.stderr, flush=True)
     os._exit(2)  # the exit status of load_config's refusals (scripts/torchrun.py keeps it quiet)
+
+
+def one_traceback(err: BaseException) -> str:
+    """``err``'s traceback as one: a chain ("raise ... from err", as the trainer adds where a
+    step failed) is Python's traceback per exception; here the frames of the whole chain come
+    in one stack, down to where the first exception was raised, and its message, then the
+    message of each exception that wrapped it."""
+    chain = [err]
+    while chain[-1].__cause__ is not None or chain[-1].__context__ is not None:
+        chain.append(chain[-1].__cause__ or chain[-1].__context__)  # type: ignore[arg-type]
+    frames: List[traceback.FrameSummary] = []
+    for i, e in enumerate(chain):
+        stack = traceback.extract_tb(e.__traceback__)
+        frames.extend(stack if i == len(chain) - 1 else stack[:-1])  # the last one re-raised
+    lines = ["Traceback (most recent call last):\n", *traceback.format_list(frames)]
+    lines += traceback.format_exception_only(type(chain[-1]), chain[-1])
+    for e in reversed(chain[:-1]):
+        lines.append(f"(raised again as {type(e).__name__}: {e})\n")
+    return "".join(lines)
+
+
+def write_error_file(path: str, err: BaseException, tb: Optional[TracebackType]) -> None:
+    """torchrun's error file (the format of torch's ``@record``), plus the time in ns: the
+    launcher tells which rank failed first, and the others failed because of it."""
+    now = time.time()
+    data = {
+        "message": {
+            "message": f"{type(err).__name__}: {err}",
+            "extraInfo": {
+                "py_callstack": one_traceback(err),
+                "timestamp": str(int(now)),
+            },
+        },
+        "scaletorch": {
+            "rank": int(os.environ.get("RANK", "0")),
+            "time": now
+        },
+    }
+    with open(path, "w") as f:
+        json.dump(data, f)
 
 
 def check_inputs(cfg: Config, world_size: int, resume_files: bool = False) -> None:

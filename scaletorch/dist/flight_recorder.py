@@ -1,0 +1,190 @@
+"""torch's flight recorder: the last collectives of every rank, written down when a run hangs.
+
+With ``TORCH_FR_BUFFER_SIZE=N`` set before the first process group exists, torch keeps the
+last N collectives each rank issued (gloo and NCCL alike): op, process group, sequence number
+in that group, tensor sizes and the Python stack that issued it. ``dump`` writes them to
+``<dir>/rank_<r>``; ``analyze`` reads every rank's file and names the first collective the
+ranks disagree on. On NCCL the watchdog can dump by itself (``TORCH_NCCL_DUMP_ON_TIMEOUT=1``);
+gloo has no watchdog, so the rank that catches the timeout calls ``dump``.
+
+gloo leaves the dump's group table (``pg_config``) empty, which stops torch's own analyzer
+(``torchfrtrace``, a KeyError). ``dump`` fills it from the groups this rank knows, so
+``torchfrtrace DIR --prefix rank_`` works on these files too. The groups' descriptions are the
+ledger's names ("tp", "dp_cp", ...): pg_manager creates each group with that ``group_desc``.
+"""
+
+import os
+import pickle
+import re
+from dataclasses import dataclass
+from typing import Any, Dict, Iterable, List, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+BUFFER_ENV = "TORCH_FR_BUFFER_SIZE"
+PREFIX = "rank_"
+# frames that are not ours (torch's), or only pass a call on (our collectives' wrappers)
+SKIPPED = re.compile(r"[/\\](torch|contextlib|threading)[/\\.]|scaletorch[/\\]dist[/\\]comm\.py")
+
+
+def enable(entries: int = 2000) -> None:
+    """Keep the last ``entries`` collectives of each rank; call before init_distributed (a
+    value already in the environment wins). A few thousand entries cost a little host memory."""
+    if dist.is_initialized():
+        raise RuntimeError("the flight recorder must be enabled before the process group exists")
+    os.environ.setdefault(BUFFER_ENV, str(entries))
+
+
+def dump(directory: str, rank: int, groups: Iterable[Tuple[Any, str]] = ()) -> str:
+    """Write this rank's flight-recorder entries to ``<directory>/rank_<rank>``; returns the path.
+
+    ``groups``: (process group, name) pairs whose ranks go in the dump's group table, besides
+    the default group (gloo leaves the table empty).
+    """
+    # torch's stubs do not declare it (torch 2.13)
+    trace = pickle.loads(torch._C._distributed_c10d._dump_fr_trace())  # type: ignore[attr-defined]
+    table = {}
+    for group, name in [(dist.group.WORLD, "world"), *groups]:
+        if group is None:
+            continue
+        table[group.group_name] = {
+            "name": group.group_name,
+            "desc": name,
+            "ranks": str(dist.get_process_group_ranks(group)),
+        }
+    trace["pg_config"] = table
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, f"{PREFIX}{rank}")
+    with open(f"{path}.tmp", "wb") as f:
+        pickle.dump(trace, f)
+    os.replace(f"{path}.tmp", path)  # a reader never sees half a file
+    return path
+
+
+def load(directory: str) -> Dict[int, dict]:
+    """{rank: trace} of every ``rank_<r>`` file in ``directory``."""
+    traces = {}
+    for name in sorted(os.listdir(directory)):
+        match = re.fullmatch(rf"{PREFIX}(\d+)", name)
+        if match:
+            with open(os.path.join(directory, name), "rb") as f:
+                traces[int(match.group(1))] = pickle.load(f)
+    if not traces:
+        raise FileNotFoundError(f"no flight-recorder dumps ({PREFIX}<rank>) in {directory!r}")
+    return traces
+
+
+@dataclass(frozen=True)
+class Call:
+    """One collective as one rank issued it."""
+    rank: int
+    group_id: str  # torch's name of the group ("1"): the same on every rank
+    group: str  # the ledger's name ("dp_cp"), or torch's description ("default_pg")
+    seq: int  # its number among the group's collectives on this rank (1, 2, ...)
+    op: str  # "all_reduce", ...
+    sizes: str  # "[[82240]] Float"
+    time_ns: int  # when it was issued
+    stack: Tuple[str, ...]  # our frames (not torch's), innermost first: "file:line function"
+
+    @property
+    def where(self) -> str:
+        return self.stack[0] if self.stack else "?"
+
+
+def _ours(frames: Sequence[dict]) -> Tuple[str, ...]:
+    out = []
+    for f in frames:
+        if not SKIPPED.search(f["filename"]):
+            name = os.path.relpath(f["filename"]) if os.path.isabs(f["filename"]) else f["filename"]
+            out.append(f"{name}:{f['line']} {f['name']}")
+    return tuple(out)
+
+
+def calls(rank: int, trace: dict) -> List[Call]:
+    """A rank's collectives, in the order it issued them (p2p operations are left out)."""
+    desc = {name: c["desc"] for name, c in trace.get("pg_config", {}).items()}
+    out = []
+    for e in trace["entries"]:
+        if e.get("is_p2p"):
+            continue
+        pg_name, pg_desc = e["process_group"]
+        out.append(
+            Call(rank, pg_name, desc.get(pg_name, pg_desc or pg_name), e["collective_seq_id"],
+                 e["profiling_name"].split(":", 1)[-1],
+                 f"{e['input_sizes']} {','.join(e['input_dtypes'])}", e["time_created_ns"],
+                 _ours(e.get("frames", []))))
+    return out
+
+
+def _members(traces: Dict[int, dict]) -> Dict[str, List[int]]:
+    members: Dict[str, List[int]] = {}
+    for t in traces.values():
+        for name, c in t.get("pg_config", {}).items():
+            members[name] = [int(r) for r in c["ranks"].strip("[]").split(",") if r.strip()]
+    return members
+
+
+def disagreements(traces: Dict[int, dict]) -> List[Tuple[Call, Dict[int, Call], List[int]]]:
+    """Per group, the first collective that some rank of the group did not issue as its call of
+    the same number (another op, other sizes, or none): (call, {rank: its call}, group ranks).
+
+    Collective n of a group on one rank meets collective n of the group on every other rank.
+    Numbers older than a rank's oldest recorded one (its buffer wrapped) are not compared.
+    Ordered by how many collectives the group had run in agreement before: a hang breaks an
+    established pattern (the gradient all-reduces of every step), and the rank missing there
+    is the one out of step; a group that has just started is where that rank went instead.
+    """
+    by_rank = {rank: calls(rank, t) for rank, t in traces.items()}
+    members = _members(traces)
+    table: Dict[Tuple[str, int], Dict[int, Call]] = {}
+    oldest: Dict[Tuple[str, int], int] = {}
+    for rank, cs in by_rank.items():
+        for c in cs:
+            table.setdefault((c.group_id, c.seq), {})[rank] = c
+            oldest[(c.group_id, rank)] = min(oldest.get((c.group_id, rank), c.seq), c.seq)
+    first: Dict[str, Tuple[Call, Dict[int, Call], List[int]]] = {}
+    for cs in by_rank.values():
+        for c in cs:
+            ranks = [r for r in members.get(c.group_id, sorted(traces)) if r in traces]
+            if any(c.seq < oldest.get((c.group_id, r), 0) for r in ranks):
+                continue
+            there = table[(c.group_id, c.seq)]
+            if any(r not in there or (there[r].op, there[r].sizes) != (c.op, c.sizes)
+                   for r in ranks):
+                if c.group_id not in first or c.seq < first[c.group_id][0].seq:
+                    first[c.group_id] = (c, there, ranks)
+                break
+    return sorted(first.values(), key=lambda f: (-f[0].seq, f[0].time_ns))
+
+
+def analyze(traces: Dict[int, dict]) -> List[str]:
+    """Lines naming the first collective the ranks disagree on, and where each rank stopped."""
+    lines = []
+    found = disagreements(traces)
+    if not found:
+        n = sum(len(calls(r, t)) for r, t in traces.items())
+        lines.append(f"the ranks agree on all {n} collectives recorded: look for a rank that "
+                     f"stopped outside a collective")
+    for i, (c, there, ranks) in enumerate(found):
+        lines.append(f"{'first disagreement' if i == 0 else 'then'}: collective #{c.seq} of "
+                     f"group '{c.group}' (ranks {ranks})")
+        for r in ranks:
+            x = there.get(r)
+            lines.append(f"  rank {r}: {x.op} {x.sizes}, issued at {x.where}"
+                         if x else f"  rank {r}: never issued it")
+        for frame in c.stack[1:4]:
+            lines.append(f"    called from {frame}")
+    lines.append("where each rank stopped (its last collective):")
+    for rank, t in sorted(traces.items()):
+        cs = calls(rank, t)
+        if not cs:
+            lines.append(f"  rank {rank}: no collective recorded")
+        else:
+            last = cs[-1]
+            lines.append(f"  rank {rank}: {last.op} #{last.seq} of group '{last.group}' "
+                         f"{last.sizes}, issued at {last.where}")
+    missing = sorted(set(range(max(traces) + 1)) - set(traces))
+    if missing:
+        lines.append(f"no dump from ranks {missing} (killed, or still running)")
+    return lines

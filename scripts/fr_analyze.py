@@ -1,0 +1,34 @@
+"""Name the first collective the ranks disagree on, from the flight recorder's dumps of a run.
+
+    python scripts/fr_analyze.py runs/11_debugging/flight_recorder
+
+Each rank of a run that failed in a collective wrote ``rank_<r>`` there (examples/11_debugging.py,
+``scaletorch.dist.flight_recorder.dump``). The answer: the group (by the ledger's name: "tp",
+"dp_cp", ...), the collective's number in it, each rank's op and tensor sizes or "never issued
+it", the line of our code that issued it, and where each rank stopped. torch's own analyzer
+reads the same files: ``torchfrtrace DIR --prefix rank_``.
+"""
+
+import argparse
+import sys
+from typing import List, Optional
+
+from scaletorch.dist import flight_recorder
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("directory", help="the run's flight_recorder directory")
+    args = parser.parse_args(argv)
+    try:
+        traces = flight_recorder.load(args.directory)
+    except (FileNotFoundError, NotADirectoryError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"{len(traces)} dumps: ranks {sorted(traces)}")
+    print("\n".join(flight_recorder.analyze(traces)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

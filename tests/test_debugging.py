@@ -1,0 +1,163 @@
+"""Chapter 11: each injected fault ends as doc/11_debugging.md shows, and the tools find it.
+
+One launch per fault (examples/11_debugging.py, 2 ranks, 5 steps, timeout 3 s), two at a time;
+the checks read their output, the flight-recorder dumps and the profiles.
+"""
+
+import io
+import json
+import os
+import re
+import shutil
+import tempfile
+import unittest
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import redirect_stdout
+
+from torch.distributed.flight_recorder import fr_trace
+
+from scaletorch.dist import flight_recorder
+from scaletorch.trainer.config import one_traceback
+from scripts import fr_analyze
+from tests.test_examples import launch_status
+
+SCRIPT = "examples/11_debugging.py"
+FAST = ("--steps", "5", "--training.timeout_seconds", "3", "--logging.progress", "false")
+RUNS = {  # name: (arguments, environment)
+    "skip": (("--fault", "skip", "--fault-rank", "1", "--fault-step", "2"), {}),
+    "raise": (("--fault", "raise", "--fault-rank", "0", "--fault-step", "2"), {}),
+    "kill": (("--fault", "kill", "--fault-rank", "1", "--fault-step", "2"), {}),
+    "shape": (("--fault", "shape", "--fault-rank", "1", "--fault-step", "2"), {
+        "TORCH_DISTRIBUTED_DEBUG": "DETAIL"
+    }),
+    # a straggler that sleeps 60 ms a step (a step is about 10 ms here), profiled for 2 steps
+    "straggler": (("--fault", "straggler", "--fault-rank", "1", "--fault-step", "1",
+                   "--fault-seconds", "0.06", "--profile", "2"), {}),
+}
+TRACEBACK = "Traceback (most recent call last)"
+
+
+class InjectedFaultsEndAsDocumented(unittest.TestCase):
+
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.mkdtemp()
+
+        def run(name):
+            args, env = RUNS[name]
+            run_dir = os.path.join(cls.tmp, name)
+            out, code, _ = launch_status(SCRIPT, 2, *FAST, *args, "--logging.run_dir", run_dir,
+                                         env=env, timeout=120)
+            return out, code, os.path.join(run_dir, "11_debugging")
+
+        with ThreadPoolExecutor(max_workers=2) as pool:  # 4 ranks at a time
+            cls.runs = dict(zip(RUNS, pool.map(run, RUNS)))
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.tmp, ignore_errors=True)
+
+    def test_a_skipped_collective_hangs_until_the_timeout_and_the_dumps_name_rank_op_and_group(
+            self):
+        out, code, run = self.runs["skip"]
+        self.assertEqual(code, 1, out[-3000:])
+        self.assertIn("Timed out waiting 3000ms", out)
+        self.assertEqual(out.count(TRACEBACK), 1, out[-3000:])
+        traces = flight_recorder.load(os.path.join(run, "flight_recorder"))
+        self.assertEqual(sorted(traces), [0, 1])  # every rank wrote its trace
+        first = flight_recorder.disagreements(traces)[0]
+        call, there, ranks = first
+        # rank 1 stopped after step 1: rank 0's first gradient all-reduce of step 2 over the
+        # dp_cp group has no partner. 8 buckets (chapter 01's 0.05 MB) + 1 loss all-reduce per
+        # step: step 2's first bucket is dp_cp's collective 2 * 9 + 1 = 19.
+        self.assertEqual((call.group, call.op, call.seq, ranks),
+                         ("dp_cp", "all_reduce", 19, [0, 1]))
+        self.assertEqual(sorted(there), [0])
+        self.assertEqual(call.where, "scaletorch/parallel/data_parallel.py:275 _launch")
+        lines = flight_recorder.analyze(traces)
+        self.assertIn("  rank 1: never issued it", lines)
+        self.assertIn(
+            "  rank 1: all_gather #1 of group 'world' [[1]] Double, issued at "
+            "scaletorch/trainer/faults.py:141 straggler_report", lines)
+
+    def test_the_analyzer_script_and_torchfrtrace_read_the_dumps(self):
+        _, _, run = self.runs["skip"]
+        directory = os.path.join(run, "flight_recorder")
+        out = io.StringIO()
+        with redirect_stdout(out):
+            self.assertEqual(fr_analyze.main([directory]), 0)
+        self.assertIn("first disagreement: collective #19 of group 'dp_cp' (ranks [0, 1])",
+                      out.getvalue())
+        # torch's analyzer (torchfrtrace) reads them too: dump() fills the group table that
+        # gloo leaves empty
+        with self.assertLogs("Flight Recorder", "INFO") as logs:
+            fr_trace.main([directory, "--prefix", "rank_"])
+        text = "\n".join(r.getMessage() for r in logs.records)
+        self.assertRegex(
+            text, r"group info: \d+:dp_cp\ncollective: gloo:all_reduce\n"
+            r"missing ranks: \{1\}")
+
+    def test_a_raising_rank_gives_one_traceback_and_one_line_per_other_rank(self):
+        out, code, _ = self.runs["raise"]
+        self.assertEqual(code, 1, out[-3000:])
+        self.assertEqual(out.count(TRACEBACK), 1, out[-3000:])
+        self.assertIn("error: rank 0 failed first:", out)
+        self.assertIn("RuntimeError: injected error on rank 0 at step 2", out)
+        self.assertEqual(len(re.findall(r"^rank 1: stopped because rank 0 failed", out, re.M)), 1)
+
+    def test_a_killed_rank_is_named_as_the_first_failure(self):
+        out, code, _ = self.runs["kill"]
+        self.assertEqual(code, 1, out[-3000:])
+        self.assertIn("rank 1: injected kill (SIGKILL) at step 2", out)
+        self.assertIn("error: rank 1 failed first: killed by SIGKILL", out)
+        self.assertIn("rank 0: stopped because rank 1 failed", out)
+        self.assertEqual(out.count(TRACEBACK), 0, out[-3000:])
+
+    def test_another_shape_is_named_with_both_shapes_under_distributed_debug_detail(self):
+        out, code, _ = self.runs["shape"]
+        self.assertNotEqual(code, 0)
+        self.assertIn("Detected mismatch between collectives on ranks", out)
+        # the first bucket of chapter 01's model holds 12,352 elements; rank 1 sent one more
+        self.assertIn("TensorShape=[12352]", out)
+        self.assertIn("TensorShape=[12353]", out)
+        self.assertEqual(out.count(TRACEBACK), 1, out[-3000:])
+
+    def test_a_straggler_is_named_and_the_profiles_hold_the_labelled_collectives(self):
+        out, code, run = self.runs["straggler"]
+        self.assertEqual(code, 0, out[-3000:])
+        match = re.search(r"straggler: rank (\d) is busy ([\d.]+) ms a step, ([\d.]+)x the median",
+                          out)
+        self.assertIsNotNone(match, out[-2000:])
+        self.assertEqual(match.group(1), "1")
+        self.assertGreaterEqual(float(match.group(2)), 60.0)  # its sleep alone is 60 ms
+        for rank in (0, 1):
+            with open(os.path.join(run, "profile", f"rank_{rank}.json")) as f:
+                events = json.load(f)["traceEvents"]
+            names = [e.get("name", "") for e in events]
+            # 2 profiled steps x (8 buckets + 1 loss) all-reduces over dp_cp, each labelled
+            self.assertEqual(names.count("dp_cp all_reduce"), 18)
+            self.assertIn("ProfilerStep#1", names)
+
+
+class OneTraceback(unittest.TestCase):
+
+    def test_a_chain_of_raise_from_is_one_stack_and_every_message(self):
+
+        def inner():
+            raise KeyError("a bug")
+
+        try:
+            try:
+                inner()
+            except KeyError as err:
+                raise RuntimeError("step 3 failed") from err
+        except RuntimeError as err:
+            text = one_traceback(err)
+        self.assertEqual(text.count(TRACEBACK), 1)
+        self.assertRegex(
+            text, r"in inner\n\s+raise KeyError\(\"a bug\"\)\nKeyError: 'a bug'\n"
+            r"\(raised again as RuntimeError: step 3 failed\)\n$")
+
+
+if __name__ == "__main__":
+    unittest.main()
