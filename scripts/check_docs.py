@@ -2,7 +2,7 @@
 
 The docs are doc/*.md and README.md.
 
-    python scripts/check_docs.py --lint          # structure only, no runs (a second)
+    python scripts/check_docs.py --lint          # structure and sentence length, no runs
     python scripts/check_docs.py --ci            # the blocks marked ci (tiny runs; CI runs these)
     python scripts/check_docs.py --all           # every documented command (about 15 minutes)
     python scripts/check_docs.py --all -k 04_    # the blocks whose file or command contains 04_
@@ -29,6 +29,12 @@ The convention (doc/design.md, "Docs that reproduce"):
 - A ``scripts/launch.sh`` command in a checked block must pass ``--steps``.
 - A plain ``` fence that looks like program output (a parity line, a ledger header...) is an
   error: label it ```text and put its command before it.
+
+- A prose sentence has at most 40 words (MAX_WORDS): a learner reads prose, so --lint counts
+  it. Fences, indented blocks, tables, headings, HTML comments and images are not prose. A
+  sentence ends at ``. ! ? : ;`` followed by a space and a capital, a backtick, ``(`` or ``*``;
+  a blank line or a list item's marker starts a new one. A word is a run of non-spaces with a
+  letter in it, so numbers and symbols do not count.
 
 Exit status 1 and a diff (``-`` the doc, ``+`` the output) on any drift or structure error.
 """
@@ -74,6 +80,10 @@ OUTPUT_SIGNS = re.compile(r"^(parity: max|communication per rank|op\s+group\s+N\
                           r"\s+\d+\s+\d+|(bucket \d+|forward\+backward|stage \d+)\s+\||"
                           r"routing of the last|RuntimeError: rank)")
 FENCE = re.compile(r"^```\s*(\S*)\s*$")
+MAX_WORDS = 40
+NOT_PROSE = ("    ", "\t", "|", "#", "<!--", "![")
+LIST_MARKER = re.compile(r"^\s*([-*]|\d+\.)\s+")
+SENTENCE_END = re.compile(r"(?<=[.!?:;])\s+(?=[A-Z(`*])")
 MARKER = re.compile(r"^<!--\s*check:(.*?)-->\s*$")
 
 
@@ -188,6 +198,49 @@ def parse(path: str, text: Optional[str] = None) -> Tuple[List[Block], List[str]
                                   f"label it ```text and put its command before it")
                     break
     return blocks, errors
+
+
+def long_sentences(path: str, text: Optional[str] = None,
+                   limit: int = MAX_WORDS) -> List[str]:
+    """One error per prose sentence of more than ``limit`` words, with the line where its
+    paragraph starts and its first words."""
+    if text is None:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    rel = os.path.relpath(path, ROOT)
+    # paragraphs of prose: (line where it starts, its text); code, tables, headings break them
+    paragraphs: List[Tuple[int, str]] = []
+    current: List[str] = []
+    start, in_fence = 0, False
+
+    def close() -> None:
+        if current:
+            paragraphs.append((start, " ".join(current)))
+            current.clear()
+
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.lstrip().startswith("```"):
+            in_fence = not in_fence
+            close()
+            continue
+        if in_fence or not line.strip() or line.startswith(NOT_PROSE):
+            close()
+            continue
+        if LIST_MARKER.match(line):
+            close()
+            line = LIST_MARKER.sub("", line)
+        if not current:
+            start = number
+        current.append(line.strip())
+    close()
+    errors = []
+    for number, paragraph in paragraphs:
+        for sentence in SENTENCE_END.split(paragraph):
+            words = [w for w in sentence.split() if re.search(r"[A-Za-z]", w)]
+            if len(words) > limit:
+                errors.append(f"{rel}:{number}: a sentence of {len(words)} words (at most "
+                              f"{limit}): '{sentence[:60]}...'")
+    return errors
 
 
 # --- comparison ------------------------------------------------------------------------------
@@ -351,7 +404,8 @@ def doc_files(names: Sequence[str]) -> List[str]:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     mode = parser.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--lint", action="store_true", help="check the structure only, run nothing")
+    mode.add_argument("--lint", action="store_true",
+                      help="check the structure and sentence length only, run nothing")
     mode.add_argument("--ci", action="store_true", help="run the blocks marked ci")
     mode.add_argument("--all", action="store_true", help="run every documented command")
     parser.add_argument("-k", dest="pattern", default="",
@@ -365,10 +419,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         found, problems = parse(path)
         blocks += found
         errors += problems
+        if args.lint:
+            errors += long_sentences(path)
     for error in errors:
         print(f"STRUCTURE {error}")
     if args.lint:
-        print(f"{len(blocks)} command blocks with output, {len(errors)} structure errors")
+        print(f"{len(blocks)} command blocks with output, {len(errors)} structure errors "
+              f"(sentences of more than {MAX_WORDS} words included)")
         return 1 if errors else 0
 
     def wanted(b: Block) -> bool:

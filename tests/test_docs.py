@@ -87,6 +87,33 @@ class ParserFindsCommandsAndOutputs(unittest.TestCase):
         self.assertIn("--steps", errors[0])
 
 
+class LintCountsTheWordsOfProseSentences(unittest.TestCase):
+    """--lint: a prose sentence has at most 40 words; code, tables and output do not count."""
+
+    def test_a_41_word_sentence_fails_and_a_40_word_one_passes(self):
+        forty = " ".join(f"Word{i}" for i in range(40)) + "."
+        page = f"# Title\n\nShort one. {forty}\nNext sentence here.\n"
+        self.assertEqual(check_docs.long_sentences("page.md", page), [])
+        errors = check_docs.long_sentences("page.md", page.replace(forty, "And " + forty))
+        self.assertEqual(len(errors), 1)
+        self.assertIn("page.md:3: a sentence of 41 words", errors[0])
+
+    def test_code_tables_output_and_numbers_are_not_prose(self):
+        long_line = " ".join(["word"] * 50)
+        page = (f"{FENCE}text\n{long_line}\n{FENCE}\n\n| {long_line} |\n\n    {long_line}\n\n"
+                f"Numbers are not words: {' '.join(['1,024'] * 50)}.\n")
+        self.assertEqual(check_docs.long_sentences("page.md", page), [])
+
+    def test_a_sentence_runs_across_lines_and_a_list_item_starts_a_new_one(self):
+        half = " ".join(["word"] * 21)
+        self.assertEqual(len(check_docs.long_sentences("page.md", f"{half}\n{half}.\n")), 1)
+        self.assertEqual(check_docs.long_sentences("page.md", f"- {half}\n- {half}.\n"), [])
+
+    def test_every_page_keeps_its_sentences_short(self):
+        errors = [e for path in check_docs.doc_files([]) for e in check_docs.long_sentences(path)]
+        self.assertEqual(errors, [])
+
+
 class ComparisonIgnoresTimingAndCatchesDrift(unittest.TestCase):
 
     def setUp(self):
