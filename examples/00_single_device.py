@@ -1,4 +1,5 @@
-"""Chapter 00: train a tiny Llama on one device. Every later chapter must reproduce this run.
+"""Chapter 00: train a tiny Llama on one device. Every later chapter's --check
+runs this single-device training on its own config and compares.
 
     python examples/00_single_device.py                 # about half a minute on a CPU
     scripts/launch.sh examples/00_single_device.py -- --steps 50

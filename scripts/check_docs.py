@@ -200,8 +200,7 @@ def parse(path: str, text: Optional[str] = None) -> Tuple[List[Block], List[str]
     return blocks, errors
 
 
-def long_sentences(path: str, text: Optional[str] = None,
-                   limit: int = MAX_WORDS) -> List[str]:
+def long_sentences(path: str, text: Optional[str] = None, limit: int = MAX_WORDS) -> List[str]:
     """One error per prose sentence of more than ``limit`` words, with the line where its
     paragraph starts and its first words."""
     if text is None:

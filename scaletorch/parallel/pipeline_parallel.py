@@ -7,12 +7,12 @@ activation (b, s, h) goes from stage to stage and its gradient comes back, point
     rank 0  [embed, layers 0-1] --act--> rank 1 [layers 2-3, norm, head, loss]
             <---------------- grad of act -------------
 
-Cost per step and rank: 2 m v messages of b s h elements each way, no collective; the price
-is the bubble, (p-1)/(v m + p - 1) of the step idle, and the activations held from a
-micro-batch's forward to its backward (m with AFAB, at most p - r with 1F1B). The schedules are
-plain data (scaletorch/schedule/orders.py); here each step of a rank's plan posts one
-``batch_isend_irecv`` (shapes known in advance), then computes one forward or backward. Each
-micro-batch's loss is divided by m; data-parallel wrappers sync in a chunk's last backward.
+Cost per step and rank: m sends of b s h elements per chunk each way, none off the ends (at
+most 2 m v; m for rank 0 at p = 2), no collective. The price: the bubble, (p-1)/(v m + p - 1)
+of the step idle, and activations held from a micro-batch's forward to its backward (m with
+AFAB, at most p - r with 1F1B). Schedules are plain data (scaletorch/schedule/orders.py); each
+step of a rank's plan posts one ``batch_isend_irecv`` (shapes known in advance), then one
+forward or backward. Micro-batch losses are divided by m; dp wrappers sync in a last backward.
 """
 
 import time

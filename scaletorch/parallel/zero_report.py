@@ -41,13 +41,13 @@ def comm_formula(zero_stage: int, numel: int, num_micro_batches: int = 1) -> Dic
 
 
 def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer, zero_stage: int, numel: int,
-                  padded_numel: int, group: Optional[dist.ProcessGroup]) -> str:
+                  padded_numel: int, group: Optional[dist.ProcessGroup], name: str = "") -> str:
     """Every rank's memory ledger next to ZeRO's formula (``memory_table``: collective over
-    ``group``, the same table on every rank)."""
+    ``group``, the same table on every rank). ``name`` labels the table (default: the stage)."""
     n = comm.group_size(group)
     symbols = ("4Psi 4Psi 8Psi 16Psi", "4Psi 4Psi 8Psi/N 8Psi+8Psi/N",
                "4Psi 4Psi/N 8Psi/N 4Psi+12Psi/N", "4Psi/N 4Psi/N 8Psi/N 16Psi/N")[zero_stage]
-    name = f"ZeRO-{zero_stage}" if zero_stage else "baseline"
+    name = name or (f"ZeRO-{zero_stage}" if zero_stage else "baseline")
     return memory_table(
         model, optimizer, group, f"memory per rank, bytes ({name}, N = {n}, Psi = {numel:,}, "
         f"Psi' = {padded_numel:,} with padding to multiples of N)",
@@ -80,7 +80,8 @@ def zero_report(model: nn.Module, optimizer: torch.optim.Optimizer, pgm: Process
     "torch": FSDP2, whose collectives the ledger does not see."""
     group = pgm.data_parallel_group_with_context
     padded = getattr(model, "padded_numel", numel)  # FSDP2 does not pad
-    memory = memory_report(model, optimizer, zero_stage, numel, padded, group)
+    label = "FSDP2 fully_shard" if impl == "torch" else ""  # its formula is ZeRO-3's
+    memory = memory_report(model, optimizer, zero_stage, numel, padded, group, label)
     if comm.group_rank(group) != 0:
         return ""
     lines = [get_ledger().table(step=step)]
