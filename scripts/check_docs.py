@@ -29,12 +29,11 @@ The convention (doc/design.md, "Docs that reproduce"):
 - A ``scripts/launch.sh`` command in a checked block must pass ``--steps``.
 - A plain ``` fence that looks like program output (a parity line, a ledger header...) is an
   error: label it ```text and put its command before it.
-
 - A prose sentence has at most 40 words (MAX_WORDS): a learner reads prose, so --lint counts
-  it. Fences, indented blocks, tables, headings, HTML comments and images are not prose. A
-  sentence ends at ``. ! ? : ;`` followed by a space and a capital, a backtick, ``(`` or ``*``;
-  a blank line or a list item's marker starts a new one. A word is a run of non-spaces with a
-  letter in it, so numbers and symbols do not count.
+  it. Fences, indented blocks, tables (a list item's too), headings, HTML comments and images
+  are not prose. A sentence ends at ``. ! ? : ;`` followed by a space and a capital, a
+  backtick, ``(`` or ``*``; a blank line or a list item's marker starts a new one. A word is a
+  run of non-spaces with a letter in it, so numbers and symbols do not count.
 
 Exit status 1 and a diff (``-`` the doc, ``+`` the output) on any drift or structure error.
 """
@@ -81,7 +80,7 @@ OUTPUT_SIGNS = re.compile(r"^(parity: max|communication per rank|op\s+group\s+N\
                           r"routing of the last|RuntimeError: rank)")
 FENCE = re.compile(r"^```\s*(\S*)\s*$")
 MAX_WORDS = 40
-NOT_PROSE = ("    ", "\t", "|", "#", "<!--", "![")
+NOT_PROSE = ("    ", "\t", "#", "<!--", "![")  # and a table's row, indented or not
 LIST_MARKER = re.compile(r"^\s*([-*]|\d+\.)\s+")
 SENTENCE_END = re.compile(r"(?<=[.!?:;])\s+(?=[A-Z(`*])")
 MARKER = re.compile(r"^<!--\s*check:(.*?)-->\s*$")
@@ -222,7 +221,7 @@ def long_sentences(path: str, text: Optional[str] = None, limit: int = MAX_WORDS
             in_fence = not in_fence
             close()
             continue
-        if in_fence or not line.strip() or line.startswith(NOT_PROSE):
+        if in_fence or not line.strip() or line.startswith(NOT_PROSE) or line.lstrip()[:1] == "|":
             close()
             continue
         if LIST_MARKER.match(line):

@@ -101,6 +101,7 @@ class LintCountsTheWordsOfProseSentences(unittest.TestCase):
     def test_code_tables_output_and_numbers_are_not_prose(self):
         long_line = " ".join(["word"] * 50)
         page = (f"{FENCE}text\n{long_line}\n{FENCE}\n\n| {long_line} |\n\n    {long_line}\n\n"
+                f"- an item with a table:\n\n  | {long_line} |\n\n"
                 f"Numbers are not words: {' '.join(['1,024'] * 50)}.\n")
         self.assertEqual(check_docs.long_sentences("page.md", page), [])
 
