@@ -11,7 +11,7 @@ import unittest
 
 import torch
 
-from scaletorch.dist import destroy_pg_manager, get_ledger, init_pg_manager
+from scaletorch.dist import destroy_pg_manager, get_ledger, init_pg_manager, p2p_order
 from scaletorch.models import LlamaConfig, build_model
 from scaletorch.parallel.pipeline_native import TorchPipelineSchedule
 from scaletorch.parallel.pipeline_parallel import (PipelineSchedule, apply_data_parallel_to_chunks,
@@ -311,6 +311,7 @@ def world(rank: int, world_size: int) -> dict:
     except ImportError:
         have_tp = False
     out["have_tp"] = have_tp
+    p2p_order.set_in_order(True)  # parity and deadlock runs in NCCL's order (test_nccl_order)
     for name in PARITY_RUNS:
         if PARITY_RUNS[name][1] > 1 and not have_tp:
             continue
@@ -319,6 +320,7 @@ def world(rank: int, world_size: int) -> dict:
         for schedule in CLASSIC:
             for m in ((pp, 2 * pp) if schedule == "interleaved" else (pp, 2 * pp + 1)):
                 out["deadlock"][(pp, schedule, m)] = deadlock_run(pp, schedule, m)
+    p2p_order.set_in_order(False)  # the bubble as gloo runs it
     for schedule, v in (("afab", 1), ("1f1b", 1), ("interleaved", 2)):
         out["bubble"][schedule] = bubble_run(schedule, v, 4)
     out["tied"] = tied_embeddings_errors(make_config(4, 2, 8))

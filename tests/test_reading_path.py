@@ -46,7 +46,10 @@ MODULES_OF: Dict[str, List[str]] = {
     "02": ["zero", "flat_unit", "zero_report", "fully_shard"],
     "03": ["tensor_parallel", "tensor_parallel_layers", "tensor_parallel_dtensor"],
     "04": ["pipeline_parallel", "pipeline_native", "orders", "timeline", "placement"],
-    "04b": ["split_backward", "activation_meter", "zero_bubble_orders", "simulate", "catalog"],
+    "04b": [
+        "split_backward", "activation_meter", "zero_bubble_orders", "simulate", "catalog",
+        "posting", "in_order"
+    ],
     "05": ["context_parallel", "ring_attention", "step"],
     "06": ["expert_parallel"],
     "07": [

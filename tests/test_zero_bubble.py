@@ -10,7 +10,7 @@ from collections import Counter
 
 import torch
 
-from scaletorch.dist import destroy_pg_manager
+from scaletorch.dist import destroy_pg_manager, p2p_order
 from scaletorch.models import LlamaConfig, build_model
 from scaletorch.parallel.activation_meter import ActivationMeter
 from scaletorch.parallel.pipeline_parallel import gather_timeline
@@ -292,7 +292,9 @@ def predicted(timeline) -> float:
 
 
 def world(rank: int, world_size: int) -> dict:
+    p2p_order.set_in_order(True)  # the parity runs in NCCL's order (tests/test_nccl_order.py)
     out = {"parity": {name: train(config(name)) for name in PARITY}}
+    p2p_order.set_in_order(False)  # the bubble as gloo runs it
     out["bubble"] = {s: bubble_run(s, v, steps) for s, (v, steps) in BUBBLE_RUNS.items()}
     # the single-device references, shared out over the ranks
     from scaletorch.trainer import Trainer

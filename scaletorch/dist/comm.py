@@ -16,6 +16,7 @@ from typing import Any, ContextManager, List, Optional
 import torch
 import torch.distributed as dist
 
+from scaletorch.dist import p2p_order
 from scaletorch.dist.ledger import get_ledger, group_name
 
 Group = Optional[dist.ProcessGroup]
@@ -118,11 +119,14 @@ def batch_isend_irecv(ops: List[dist.P2POp], group: Group = None,
 
     Sends are recorded as "send", receives as "recv", with the element count of the tensor; a
     message's wire bytes are its sender's (a recv sends nothing), so summed over ranks each
-    message counts once.
+    message counts once. With ``p2p_order.in_order()`` (a test mode) the batch runs in NCCL's
+    order: after every batch this rank posted on the group before it.
     """
     for p2p in ops:
         _record("send" if p2p.op is dist.isend else "recv", group, p2p.tensor, name=name)
-    return dist.batch_isend_irecv(ops) if ops else []
+    if not ops:
+        return []
+    return p2p_order.post_in_order(ops) if p2p_order.in_order() else dist.batch_isend_irecv(ops)
 
 
 def barrier(group: Group = None) -> None:

@@ -1,8 +1,6 @@
-"""The split backward and the runtime of the zero-bubble schedules (chapter 04b).
-
-Their orders are plain data in scaletorch/schedule/zero_bubble_orders.py.
-
-B and W of one micro-batch through one chunk, with autograd's explicit ``inputs``:
+"""The split backward and the runtime of the zero-bubble schedules (chapter 04b); their orders
+are plain data in scaletorch/schedule/zero_bubble_orders.py. B and W of one micro-batch
+through one chunk, with autograd's explicit ``inputs``:
 
     out = chunk(x)                               # F: autograd saves the activations
     dx, = torch.autograd.grad(out, x, dout, retain_graph=True)   # B: input gradient; send it
@@ -20,11 +18,8 @@ pays the activation-gradient chain twice (in B and again in W); production code
 intermediate gradients so that W is only the weight matmuls.
 
 The runtime sends asynchronously: a B's gradient goes out at once and the rank moves on (to a
-W, say) while its neighbour is still busy; the sends are waited for at the end of the step.
-Receives are posted on each channel (peer -> this rank) in the order the peer sends, which it
-is computed from the peer's own schedule: without tags (NCCL has none) the k-th receive on a
-channel gets the k-th message, and in a V the activations of one chunk and the gradients of
-the other share a channel in an order neither rank's compute order gives.
+W, say) while its neighbour is still busy. What it posts, and when, is ``posting_program``'s,
+an order that cannot hang on NCCL (doc/04b_zero_bubble.md, "Posting order on NCCL").
 """
 
 from contextlib import nullcontext
@@ -37,8 +32,9 @@ from torch import nn
 from scaletorch.dist import ProcessGroupManager, comm
 from scaletorch.parallel.pipeline_parallel import PipelineChunk, PipelineModel, PipelineSchedule
 from scaletorch.schedule.catalog import schedule_actions, schedule_plan
-from scaletorch.schedule.orders import Action, Step, action_p2p
+from scaletorch.schedule.orders import P2P, Action, Step
 from scaletorch.schedule.placement import rank_of_stage
+from scaletorch.schedule.posting import Batch, posting_program
 from scaletorch.schedule.simulate import ZeroBubbleTimeline
 
 
@@ -64,8 +60,7 @@ class ZeroBubbleSchedule(PipelineSchedule):
         p, rank, v = self.recorder.shape[0], pgm.pipeline_model_parallel_rank, len(pipe.chunks)
         self.p, self.rank, self.v = p, rank, v
         self.recorder.schedule, self.recorder.timeline_type = schedule, ZeroBubbleTimeline
-        plans = [schedule_actions(schedule, p, num_micro_batches, q, v) for q in range(p)]
-        self.actions = plans[rank]
+        self.actions = schedule_actions(schedule, p, num_micro_batches, rank, v)
         self.split = {(a.micro_batch, a.chunk) for a in self.actions if a.kind == "W"}
         # a chunk's data-parallel gradients sync in the last action that makes them
         makes_grads = [
@@ -73,13 +68,8 @@ class ZeroBubbleSchedule(PipelineSchedule):
             if a.kind == "W" or (a.kind == "B" and (a.micro_batch, a.chunk) not in self.split)
         ]
         self.syncs = {max(i for i in makes_grads if self.actions[i].chunk == c) for c in range(v)}
-        # per peer: the (kind, micro-batch, dst stage) of its messages to us, in its send order
-        self.expected: Dict[int, List[tuple]] = {q: [] for q in range(p) if q != rank}
-        for q, plan in enumerate(plans):
-            for action in plan:
-                send = action_p2p(action, q, p, v, pipe.v_shape)[1]
-                if send is not None and send.peer == rank:
-                    self.expected[q].append((send.kind, send.micro_batch, send.dst))
+        # per action: the batches to post first, the action, the receive it waits for
+        self.program = posting_program(schedule, p, num_micro_batches, rank, v)
         self.params = [weight_leaves(chunk) for chunk in pipe.chunks]  # what W differentiates
         # stage 0's B has no input to send: it stops at the embedding's output (taken by a hook)
         self.embedded: Optional[torch.Tensor] = None
@@ -97,13 +87,19 @@ class ZeroBubbleSchedule(PipelineSchedule):
 
     def __call__(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         self._start(inputs, targets)
-        self.receiving: Dict[tuple, tuple] = {}  # key -> (buffer, works) posted, not waited
-        self.posted = {q: 0 for q in self.expected}  # receives posted per peer
-        self.sending: List[tuple] = []  # (tensor, works) until the end of the step
-        for peer in self.expected:  # one receive ahead on every channel (see _receive)
-            self._post_receive(peer)
-        for i, action in enumerate(self.actions):
-            self._receive(action)  # waiting here is the bubble; the rest is the action's time
+        self.receiving: Dict[P2P, tuple] = {}  # receive -> (buffer, its batch's works)
+        self.posted: List[tuple] = []  # (tensors, works) of every batch, until the end
+        for i, (batches, action, recv) in enumerate(self.program):
+            for batch in batches:
+                self._post(batch)
+            if action is None:
+                break
+            if recv is not None:  # waiting here is the bubble; the rest is the action's time
+                buffer, works = self.receiving.pop(recv)
+                for work in works:
+                    work.wait()
+                works.clear()  # waited (a gloo receive waited twice waits for another message)
+                self.inbox[(recv.kind, recv.micro_batch, recv.dst)] = buffer
             with self.recorder.time(action):
                 if action.kind == "F":
                     self._forward(action)
@@ -113,54 +109,33 @@ class ZeroBubbleSchedule(PipelineSchedule):
                     self._backward_input(action)
                 else:
                     self._backward(action, i)
-                self._send(action)
-        for _, works in self.sending:
+                self._keep_local(action)
+        for _, works in self.posted:
             for work in works:
                 work.wait()
         return self._finish()
 
-    def _post_receive(self, peer: int) -> None:
-        """Post the next receive on the channel from ``peer``, if it has more to send."""
-        if self.posted[peer] == len(self.expected[peer]):
-            return
-        key = self.expected[peer][self.posted[peer]]
-        self.posted[peer] += 1
-        buffer = torch.empty(self.shape, dtype=self.dtype, device=self.loss.device)
-        op = dist.P2POp(dist.irecv, buffer, self.ranks[peer], self.group)
-        self.receiving[key] = (buffer, comm.batch_isend_irecv([op], self.group))
+    def _post(self, batch: Batch) -> None:
+        """Post one batch of the program: its sends (outputs computed already) and receives."""
+        ops, tensors = [], []
+        for op in batch:
+            send = op.op == "send"
+            tensor = self.outbox.pop((op.kind, op.micro_batch, op.src)) if send else \
+                torch.empty(self.shape, dtype=self.dtype, device=self.loss.device)
+            ops.append(
+                dist.P2POp(dist.isend if send else dist.irecv, tensor, self.ranks[op.peer],
+                           self.group))
+            tensors.append(tensor)
+        works = list(comm.batch_isend_irecv(ops, self.group))
+        self.posted.append((tensors, works))
+        self.receiving.update({op: (t, works) for op, t in zip(batch, tensors) if op.op == "recv"})
 
-    def _receive(self, action: Action) -> None:
-        """Wait for the message ``action`` needs, posting this peer's receives up to it. Each
-        channel keeps one receive posted ahead: a message sent before the receiver needs it
-        is then already on its way (a transfer starts only once both sides have posted)."""
-        recv = action_p2p(action, self.rank, self.p, self.v, self.pipe.v_shape)[0]
-        if recv is None:
-            return
-        key = (recv.kind, recv.micro_batch, recv.dst)
-        while key not in self.receiving:
-            self._post_receive(recv.peer)
-        buffer, works = self.receiving.pop(key)
-        for work in works:
-            work.wait()
-        self._post_receive(recv.peer)
-        self.inbox[key] = buffer
-
-    def _send(self, action: Action) -> None:
-        """Post the action's output (activation or input gradient) and go on; a neighbour
-        stage on this rank (the turn of a V) gets it directly."""
-        stage = self.pipe.stages[action.chunk]
-        tensor_kind = {"F": "act", "B": "grad"}.get(action.kind)
-        key = (tensor_kind, action.micro_batch, stage)
-        if key not in self.outbox:
-            return
-        tensor = self.outbox.pop(key)
-        dst = stage + 1 if action.kind == "F" else stage - 1
-        peer = rank_of_stage(dst, self.p, self.pipe.v_shape)
-        if peer == self.rank:
-            self.inbox[(tensor_kind, action.micro_batch, dst)] = tensor
-            return
-        op = dist.P2POp(dist.isend, tensor, self.ranks[peer], self.group)
-        self.sending.append((tensor, comm.batch_isend_irecv([op], self.group)))
+    def _keep_local(self, action: Action) -> None:
+        """An output for a stage on this rank (the turn of a V) goes to its inbox directly."""
+        for kind, mb, stage in [key for key in self.outbox if key[1] == action.micro_batch]:
+            dst = stage + 1 if kind == "act" else stage - 1
+            if rank_of_stage(dst, self.p, self.pipe.v_shape) == self.rank:
+                self.inbox[(kind, mb, dst)] = self.outbox.pop((kind, mb, stage))
 
     def _forward(self, action: Action) -> None:
         super()._forward(action)
