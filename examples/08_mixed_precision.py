@@ -37,11 +37,13 @@ def limits(cfg, world_size: int) -> None:
                          "naive, tp = pp = cp = ep = 1): those reduce in parallel.reduce_dtype")
 
 
-def bf16_sum_error(group, numel: int = 1 << 16) -> str:
+def bf16_sum_error(group, device: torch.device, numel: int = 1 << 16) -> str:
     """Collective over ``group``: all-reduce the same random gradients in fp32 and in bf16
-    (cast, sum, cast back) and compare: the precision a bf16 reduce-scatter loses."""
+    (cast, sum, cast back) and compare: the precision a bf16 reduce-scatter loses. The
+    gradients are drawn on the CPU (the same numbers on any device), then moved to ``device``:
+    an NCCL group takes the run's device's tensors only."""
     n, rank = comm.group_size(group), comm.group_rank(group)
-    g = torch.randn(numel, generator=torch.Generator().manual_seed(rank)) * 1e-3
+    g = (torch.randn(numel, generator=torch.Generator().manual_seed(rank)) * 1e-3).to(device)
     exact, low = g.clone(), g.to(torch.bfloat16)
     with get_ledger().paused():  # a measurement, not the strategy's traffic
         comm.all_reduce(exact, group)
@@ -85,7 +87,7 @@ def main() -> int:
                          f"B = {int(nbytes):>9,} B, on the wire {int(wire):>9,} B")
     padded = sum(u.padded_numel for u in getattr(par.model, "units", [])) or numel
     memory = memory_report(par.model, trainer.optimizer, p.zero_stage, numel, padded, group)
-    error = bf16_sum_error(group)
+    error = bf16_sum_error(group, env.device)
     if env.rank == 0:
         print("\n".join(lines + [memory, error]))
 

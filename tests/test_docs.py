@@ -7,6 +7,7 @@ import sys
 import unittest
 
 from scripts import check_docs
+from tests.harness import NCCL_CHECKS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FENCE = "```"
@@ -190,7 +191,8 @@ class DocumentedCommandsReproduce(unittest.TestCase):
         # tiny runs (2 ranks, 10 steps); `python scripts/check_docs.py --all` runs every block
         proc = subprocess.run([sys.executable, "scripts/check_docs.py", "--ci"], cwd=ROOT,
                               capture_output=True, text=True, timeout=600, env={
-                                  **os.environ, "PYTHONPATH": ROOT
+                                  **os.environ, "PYTHONPATH": ROOT,
+                                  **NCCL_CHECKS
                               })
         self.assertEqual(proc.returncode, 0, proc.stdout + proc.stderr)
 

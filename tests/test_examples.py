@@ -14,6 +14,8 @@ from typing import Dict, Optional, Sequence
 
 import torch
 
+from tests.harness import NCCL_CHECKS
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -44,7 +46,7 @@ def launch_status(script: str, nproc: int, *args: str, launcher: Sequence[str] =
         ]
         # A session of its own: on a timeout the whole tree (torchrun and its ranks) is killed,
         # not only the launcher, so no rank outlives the test.
-        env = {**os.environ, "PYTHONPATH": ROOT, **(env or {})}
+        env = {**os.environ, "PYTHONPATH": ROOT, **NCCL_CHECKS, **(env or {})}
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, start_new_session=True, env=env)
         try:
@@ -181,6 +183,12 @@ class ChaptersShareOneCodePath(unittest.TestCase):
             ], cwd=ROOT, capture_output=True, text=True, timeout=120)
             self.assertEqual(proc.returncode, 2, proc.stderr)
             self.assertIn(f"run examples/{other}.py", proc.stderr)
+
+    def test_mixed_precision_chapter_default_runs_in_the_nccl_checks(self):
+        # chapter 08's own collective (its bf16 sum) and its fp16 flag: on the run's device
+        # (launch runs every script with NCCL_CHECKS); no other test launches this chapter
+        out = launch("examples/08_mixed_precision.py", 2, "--steps", "2")
+        self.assertRegex(out, r"bf16 sum over 2 ranks vs fp32, 65,536 gradients: relative error")
 
     def test_fsdp2_chapter_runs_fully_shard_and_writes_a_resumable_checkpoint(self):
         with tempfile.TemporaryDirectory() as tmp:

@@ -1,18 +1,25 @@
-"""NCCL's point-to-point order on gloo (scaletorch/dist/p2p_order.py) and the zero-bubble
-runtime's posting order (scaletorch/schedule/posting.py): the simulator in both modes (no
-ranks), then every pipeline schedule trained in NCCL's order at pp 2 and pp 4, m from p to
-2p + 1, beside dp and tp, each matching the single device (two worlds, 2 and 4 ranks).
+"""What gloo forgives and NCCL does not, made to fail on the CPU: NCCL's point-to-point order
+(scaletorch/dist/p2p_order.py) and the zero-bubble runtime's posting order
+(scaletorch/schedule/posting.py), the simulator in both modes (no ranks), then every pipeline
+schedule trained in NCCL's order at pp 2 and pp 4, m from p to 2p + 1, beside dp and tp,
+each matching the single device (two worlds, 2 and 4 ranks); and host-made tensors reaching a
+collective (scaletorch/dist/device_check.py), in the world of 2.
 """
 
 import datetime
+import importlib.util
+import os
 import time
 import unittest
+from unittest import mock
 
 import torch
 import torch.distributed as dist
 
-from scaletorch.dist import comm, p2p_order
+from scaletorch.dist import comm, destroy_pg_manager, device_check, p2p_order
+from scaletorch.dist.device_check import HostTensorError, check_devices, made_on_host
 from scaletorch.models import build_model
+from scaletorch.parallel.mixed_precision import DynamicLossScaler
 from scaletorch.schedule.catalog import schedule_actions
 from scaletorch.schedule.in_order import simulate_posted
 from scaletorch.schedule.orders import action_p2p
@@ -21,7 +28,7 @@ from scaletorch.schedule.posting import posting_program
 from scaletorch.schedule.simulate import PipelineDeadlock, simulate_async
 from scaletorch.trainer import Trainer
 from tests.harness import run_distributed
-from tests.layouts import TOL, layout, make_config, train
+from tests.layouts import TOL, build, layout, make_config, pg_manager_for, train
 
 VALID = [  # (schedule, chunks per rank, p, m): m from p to 2p + 1 where the schedule runs
     (s, v, p, m) for s, v in (("afab", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1),
@@ -112,6 +119,36 @@ class TestPostingOrder(unittest.TestCase):
             simulate_posted(programs, 2)
 
 
+class TestDevices(unittest.TestCase):
+
+    def test_the_fp16_overflow_flag_is_on_the_parameters_device_without_gradients(self):
+        # a rank whose parameters got no gradient: the flag goes to NCCL, so not to the CPU
+        params = [torch.nn.Parameter(torch.zeros(2, device="meta"))]
+        seen = []
+
+        def all_reduce(tensor, group=None, op=None):
+            seen.append(tensor.device.type)
+            raise StopIteration  # the flag's .item() cannot run on meta
+
+        with mock.patch.object(comm, "all_reduce", all_reduce):
+            with self.assertRaises(StopIteration):
+                DynamicLossScaler().unscale_and_check(params)
+        self.assertEqual(seen, ["meta"])
+        with self.assertRaisesRegex(ValueError, r"parameters \(none given\)"):
+            DynamicLossScaler().unscale_and_check([])
+
+    def test_the_mode_is_off_by_default_and_marks_only_inside(self):
+        self.assertFalse(device_check.enabled())
+        self.assertFalse(made_on_host(torch.randn(2)))
+        with check_devices():
+            self.assertTrue(device_check.enabled())
+            host, dev = torch.randn(2), torch.randn(2, device="cpu")
+            self.assertEqual([made_on_host(host), made_on_host(dev)], [True, False])
+            self.assertTrue(made_on_host(host.to(torch.bfloat16)))  # a dtype is no device
+            self.assertFalse(made_on_host(host.to("cpu")))
+        self.assertFalse(device_check.enabled())
+
+
 # ---- two worlds: every schedule trained in NCCL's order --------------------------------------
 
 STEPS = 2
@@ -192,10 +229,60 @@ def mode_checks(rank: int) -> dict:
     return out
 
 
+def error_of(fn) -> str:
+    """"" if ``fn()`` ran, else the name of what it raised."""
+    try:
+        fn()
+    except HostTensorError:
+        return "HostTensorError"
+    return ""
+
+
+def chapter_08():
+    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples",
+                        "08_mixed_precision.py")
+    spec = importlib.util.spec_from_file_location("chapter_08", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def device_checks() -> dict:
+    """Collectives of tensors made on the host (refused) or on the run's device, in the mode."""
+    device = torch.device("cpu")  # the run's device, named
+    on_device = lambda: torch.ones(4, device=device)  # noqa: E731
+    calls = {
+        "randn": lambda: comm.all_reduce(torch.randn(4)),
+        "derived": lambda: comm.all_reduce(torch.ones(4) * 2),
+        "cpu()": lambda: comm.all_reduce(on_device().cpu()),
+        "gather input": lambda: comm.all_gather_into_tensor(on_device().repeat(2), torch.ones(4)),
+        "on device": lambda: comm.all_reduce(on_device()),
+        "moved": lambda: comm.all_reduce(torch.randn(4).to(device)),
+        "scalar times device": lambda: comm.all_reduce(on_device() * torch.tensor(2.0)),
+        "bf16_sum_error": lambda: chapter_08().bf16_sum_error(None, device),
+    }
+    out = {}
+    with check_devices():
+        for name, call in calls.items():
+            out[name] = error_of(call)
+        # a tensor-parallel layout trained and gathered: each gathered piece moved to the host
+        cfg = config(4, 2, 8, layout(tp=2))
+        pgm = pg_manager_for(cfg)
+        par, trainer = build(cfg, pgm)
+        trainer.train()
+        full = par.full_state_dict()
+        out["gathered on host"] = full is None or all(made_on_host(t) for t in full.values())
+        destroy_pg_manager()
+    return out
+
+
 def world(rank: int, world_size: int) -> dict:
     out = {"mode": mode_checks(rank)}
+    if world_size == 2:
+        out["devices"] = device_checks()
     p2p_order.set_in_order(True)  # every batch of every run below in NCCL's order
-    out["parity"] = {name: train(config(*spec)) for name, spec in RUNS[world_size].items()}
+    with check_devices():  # and no host-made tensor in a collective
+        out["parity"] = {name: train(config(*spec)) for name, spec in RUNS[world_size].items()}
     out["references"] = references(world_size, rank)
     return out
 
@@ -231,6 +318,23 @@ class OrderWorld:
 
 class TestNcclOrderTwoRanks(OrderWorld, unittest.TestCase):
     size = 2
+
+    def test_a_collective_refuses_tensors_made_on_the_host_and_takes_the_devices(self):
+        for rank, res in enumerate(self.results):
+            self.assertEqual(
+                res["devices"],
+                {
+                    "randn": "HostTensorError",
+                    "derived": "HostTensorError",
+                    "cpu()": "HostTensorError",
+                    "gather input": "HostTensorError",
+                    "on device": "",
+                    "moved": "",
+                    "scalar times device": "",
+                    "bf16_sum_error": "",  # chapter 08 draws on the CPU, then moves to the device
+                    "gathered on host": True,  # the full weights piece by piece in host memory
+                },
+                f"rank {rank}")
 
 
 class TestNcclOrderFourRanks(OrderWorld, unittest.TestCase):

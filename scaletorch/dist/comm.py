@@ -11,12 +11,12 @@ another role names it. Without ``name`` the ledger uses the group's own name.
 """
 
 from contextlib import nullcontext
-from typing import Any, ContextManager, List, Optional
+from typing import Any, ContextManager, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-from scaletorch.dist import p2p_order
+from scaletorch.dist import device_check, p2p_order
 from scaletorch.dist.ledger import get_ledger, group_name
 
 Group = Optional[dist.ProcessGroup]
@@ -40,9 +40,12 @@ def group_rank(group: Group = None) -> int:
 
 
 def _record(op: str, group: Group, tensor: torch.Tensor, numel: Optional[int] = None,
-            name: Optional[str] = None) -> ContextManager:
+            name: Optional[str] = None, others: Tuple[torch.Tensor, ...] = ()) -> ContextManager:
     """Write the call in the ledger; the returned context labels it in a profile ("dp_cp
-    all_reduce": torch.profiler.record_function) while a profiler runs (chapter 11)."""
+    all_reduce": torch.profiler.record_function) while a profiler runs (chapter 11). In
+    ``device_check``'s test mode, ``tensor`` and ``others`` made on the host raise."""
+    for t in (tensor, *others):
+        device_check.check(t, op)
     elements = tensor.numel() if numel is None else numel
     get_ledger().record(op, group, group_size(group), elements, tensor.element_size(), name)
     if not torch.autograd.profiler._is_profiler_enabled:
@@ -65,7 +68,7 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: Gro
     if group_size(group) == 1:
         output.copy_(input)
         return None
-    with _record("all_gather", group, output, name=name):
+    with _record("all_gather", group, output, name=name, others=(input, )):
         return torch_all_gather(output, input.contiguous(), group=group, async_op=async_op)
 
 
@@ -76,7 +79,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group: Grou
     if group_size(group) == 1:
         output.copy_(input)
         return None
-    with _record("reduce_scatter", group, input, name=name):
+    with _record("reduce_scatter", group, input, name=name, others=(output, )):
         return torch_reduce_scatter(output, input.contiguous(), op=op, group=group,
                                     async_op=async_op)
 
@@ -108,7 +111,8 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
         kept = input.shape[0] // n
     else:
         kept = input_split_sizes[rank]
-    with _record("all_to_all", group, input, numel=input.numel() - kept * row, name=name):
+    with _record("all_to_all", group, input, numel=input.numel() - kept * row, name=name,
+                 others=(output, )):
         return dist.all_to_all_single(output, input.contiguous(), output_split_sizes,
                                       input_split_sizes, group=group, async_op=async_op)
 

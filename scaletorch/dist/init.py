@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.rendezvous import rendezvous
 
+from scaletorch.dist import device_check
+
 DEFAULT_TIMEOUT_SECONDS = 300.0
 
 
@@ -106,6 +108,7 @@ def init_distributed(timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS) -> Distri
         raise ValueError(f"RANK={rank} is outside WORLD_SIZE={world_size}")
     local_world_size = _env_int("LOCAL_WORLD_SIZE", 0) or None
     device, backend = pick_device_and_backend(local_rank, local_world_size)
+    device_check.enable_from_env()  # SCALETORCH_CHECK_DEVICES=1: a test mode
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if dist.is_initialized():

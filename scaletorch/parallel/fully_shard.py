@@ -59,5 +59,5 @@ def full_state_dict(
     for name, param in model.state_dict(keep_vars=True).items():
         value = value_of(param)
         value = value.full_tensor() if isinstance(value, DTensor) else value
-        full[name] = value.detach().float().clone()
+        full[name] = value.detach().cpu().float().clone()  # host memory, piece by piece
     return full

@@ -257,9 +257,12 @@ class DynamicLossScaler:
 
         One all-reduce (MAX) of a single flag over the group: every rank gets the same answer.
         """
+        params = list(params)
+        if not params:
+            raise ValueError("unscale_and_check needs this rank's parameters (none given)")
         grads = [p.grad for p in params if p.grad is not None]
-        found = torch.zeros((), dtype=torch.float32,
-                            device=grads[0].device if grads else torch.device("cpu"))
+        # on the parameters' device even without gradients: the flag goes through NCCL
+        found = torch.zeros((), dtype=torch.float32, device=params[0].device)
         for g in grads:
             g.mul_(1.0 / self.scale)
             found = torch.maximum(found, (~torch.isfinite(g)).any().float())

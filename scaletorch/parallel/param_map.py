@@ -120,7 +120,7 @@ class ParamMap:
                     value = unit.all_gather_flat(value)  # (S,) -> (P',) over dp_cp
                 for names, shape, offset in pieces:
                     t = value if unit is None else value[offset:offset + shape.numel()].view(shape)
-                    full = self._resplit(names[0], t, gather_along_dim).float().clone()
+                    full = self._resplit(names[0], t, gather_along_dim).cpu().float().clone()
                     local.update({n: full for n in names})
             gathered: Optional[State] = local
             if self.pipe is not None:
@@ -192,7 +192,7 @@ class DTensorParamMap:
         for param, names in self.entries:
             value = value_of(param).detach()
             full = value.full_tensor() if isinstance(value, DTensor) else value
-            full_state.update({n: full.float().clone() for n in names})
+            full_state.update({n: full.cpu().float().clone() for n in names})
         quiet.setLevel(level)
         gathered: Optional[State] = full_state
         if self.pipe is not None:  # and the other stages' tensors, on pipeline rank 0

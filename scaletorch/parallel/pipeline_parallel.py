@@ -341,7 +341,8 @@ def _gather_to_first_stage(pgm: ProcessGroupManager, obj: Any) -> List[Any]:
 
 def gather_pipeline_state_dict(pipe: PipelineModel, pgm: ProcessGroupManager,
                                state: Optional[State] = None) -> Optional[State]:
-    """Every stage's tensors (fp32, full-model names) on pipeline rank 0; None elsewhere.
+    """Every stage's tensors (fp32, full-model names, in host memory) on pipeline rank 0; None
+    elsewhere.
     ``state``: this rank's stages' tensors, un-sharded (``ParamMap.gather``'s); by default the
     chunks' own, their tensor-parallel shards gathered over "tp" (by chapter 03's tags)."""
     p, rank = pgm.pipeline_model_parallel_world_size, pgm.pipeline_model_parallel_rank
@@ -353,13 +354,11 @@ def gather_pipeline_state_dict(pipe: PipelineModel, pgm: ProcessGroupManager,
     if sorted(state) != sorted(mine):
         raise ValueError(f"state keys {sorted(state)} are not this stage's {mine}")
     # one tensor under two names (a V's tied weight) stays one tensor: pickle keeps the alias
+    # on the host: pipeline rank 0's device would hold the whole model (and AdamW's moments)
     cpu: Dict[int, torch.Tensor] = {}
-    mine_cpu = {k: cpu.setdefault(id(t), t.detach().float().cpu()) for k, t in state.items()}
-    parts = _gather_to_first_stage(pgm, mine_cpu)
-    moved: Dict[int, torch.Tensor] = {}
-    device = next(pipe.parameters()).device
-    full = {k: moved.setdefault(id(t), t.to(device)) for part in parts for k, t in part.items()}
-    return full if rank == 0 else None
+    host = {k: cpu.setdefault(id(t), t.detach().cpu().float().clone()) for k, t in state.items()}
+    parts = _gather_to_first_stage(pgm, host)
+    return {k: t for part in parts for k, t in part.items()} if rank == 0 else None
 
 
 def _unshard(t: torch.Tensor, pgm: ProcessGroupManager) -> torch.Tensor:

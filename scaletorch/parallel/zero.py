@@ -249,7 +249,7 @@ class ShardedDataParallel(nn.Module):
             for unit in self.units:
                 flat = unit.all_gather_flat(value_of(unit.shard))
                 for names, shape, start in zip(unit.names, unit.shapes, unit.offsets):
-                    tensor = flat[start:start + shape.numel()].view(shape).float().clone()
+                    tensor = flat[start:start + shape.numel()].view(shape).cpu().float().clone()
                     full.update({name: tensor for name in names})  # tied: one tensor, both names
         return full
 
