@@ -72,8 +72,10 @@ class _TaggingExperts:
     def __init__(self, first: int, local: int) -> None:
         self.first, self.num_experts = first, local
 
-    def __call__(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        ids = torch.arange(self.first, self.first + self.num_experts).repeat_interleave(counts)
+    def __call__(self, x: torch.Tensor, counts: list) -> torch.Tensor:
+        """``counts``: tokens per local expert, on the host (the dispatcher's one transfer)."""
+        ids = torch.arange(self.first,
+                           self.first + self.num_experts).repeat_interleave(torch.tensor(counts))
         return x * (ids + 1).unsqueeze(-1).to(x.dtype)
 
 

@@ -27,7 +27,7 @@ intermediate size, N = routed (token, expert) assignments (T k without dropping)
 """
 
 import math
-from typing import Callable, Optional, Union
+from typing import Callable, List, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -61,12 +61,14 @@ class Experts(nn.Module):
         nn.init.normal_(self.up_proj, mean=0.0, std=std)
         nn.init.normal_(self.down_proj, mean=0.0, std=residual_std)
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """x (N, h): tokens grouped by expert, ``counts[e]`` rows for expert e -> (N, h)."""
-        if counts.numel() != self.num_experts:
-            raise ValueError(f"{counts.numel()} token counts for {self.num_experts} experts")
+    def forward(self, x: torch.Tensor, counts: Union[torch.Tensor, List[int]]) -> torch.Tensor:
+        """x (N, h): tokens grouped by expert, ``counts[e]`` rows for expert e -> (N, h).
+        ``counts`` on the host already (a list) saves the layer a wait for the device."""
+        sizes = counts.tolist() if isinstance(counts, torch.Tensor) else counts
+        if len(sizes) != self.num_experts:
+            raise ValueError(f"{len(sizes)} token counts for {self.num_experts} experts")
         outs = []
-        for e, chunk in enumerate(torch.split(x, counts.tolist())):
+        for e, chunk in enumerate(torch.split(x, sizes)):
             hidden = F.silu(F.linear(chunk, self.gate_proj[e])) * F.linear(chunk, self.up_proj[e])
             outs.append(F.linear(hidden, self.down_proj[e]))  # (n_e, h)
         return torch.cat(outs)

@@ -96,7 +96,11 @@ class AllToAllDispatcher:
         send_counts = counts.view(world, local)  # [j, l]: my tokens for expert l of rank j
         recv_counts = torch.empty_like(send_counts)  # [i, l]: rank i's tokens for my expert l
         comm.all_to_all_single(recv_counts, send_counts, group=self.group, name="ep")
-        send_splits, recv_splits = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
+        # the layer's one wait for the device: both tables to the host at once (the splits and
+        # the experts' counts are their sums)
+        send_table, recv_table = torch.stack((send_counts, recv_counts)).tolist()
+        send_splits = [sum(row) for row in send_table]
+        recv_splits = [sum(row) for row in recv_table]
         dtype = self.compute_dtype
         if dtype is not None and torch.is_autocast_enabled(routed.device.type) \
                 and routed.element_size() > dtype.itemsize:
@@ -105,9 +109,10 @@ class AllToAllDispatcher:
 
         # received is ordered (source rank, local expert); the experts want (local expert).
         expert_of_row = torch.arange(local, device=routed.device).repeat(world)
-        expert_of_row = expert_of_row.repeat_interleave(recv_counts.flatten())  # (M,)
+        expert_of_row = expert_of_row.repeat_interleave(recv_counts.flatten(),
+                                                        output_size=sum(recv_splits))  # (M,)
         by_expert = torch.sort(expert_of_row, stable=True).indices
-        out = experts(received[by_expert], recv_counts.sum(0))  # (M, h)
+        out = experts(received[by_expert], [sum(col) for col in zip(*recv_table)])  # (M, h)
         out = out[torch.argsort(by_expert)]  # back to (source rank, local expert) order
 
         combined = all_to_all(out, send_splits, recv_splits, self.group, "ep")  # (N, h)
