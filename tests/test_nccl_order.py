@@ -88,9 +88,12 @@ class TestPostingOrder(unittest.TestCase):
                 for in_order in (True, False):
                     got = simulate_posted(programs, m, v, in_order=in_order).bubble_fraction()
                     self.assertAlmostEqual(got, nominal, places=12)
-                # other costs than the order was built with: slower, never stuck
+                # other costs than the order was built with (F = B = W): never stuck, and at
+                # most 0.0125 of the step above the asynchronous bubble (interleaved, p = 4)
                 uneven = simulate_posted(programs, m, v, 1.0, 2.0, 0.5).bubble_fraction()
-                self.assertLess(uneven, 0.5)
+                self.assertLessEqual(
+                    uneven,
+                    simulate_async(schedule, p, m, v, 1.0, 2.0, 0.5).bubble_fraction() + 0.013)
 
     def test_the_first_runtime_order_hangs_in_nccl_order_and_runs_on_gloo(self):
         # rank 0 posts "receive gradient 0" before "send activation 0", which rank 1 needs to
