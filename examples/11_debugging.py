@@ -57,7 +57,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         with prof if prof is not None else nullcontext():
             trainer.train()
-        line = straggler_report(step.busy, env.world_size)  # an all-gather over the world
+        line = straggler_report(step.busy, env.world_size, env.device)  # all-gather, the world
     except Exception:
         # a collective failed or timed out: this rank's last collectives, for fr_analyze.py
         path = flight_recorder.dump(os.path.join(cfg.run_path, "flight_recorder"), env.rank,

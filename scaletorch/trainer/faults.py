@@ -130,15 +130,15 @@ class FaultyStep:
         return loss
 
 
-def straggler_report(busy: List[float], world_size: int,
+def straggler_report(busy: List[float], world_size: int, device: torch.device,
                      threshold: float = STRAGGLER) -> Optional[str]:
     """Every rank calls this at the end of the run (an all-gather over the world). Rank 0 gets
     a line naming the slowest rank when its busy time per step (median over the steps after
     the first) is more than ``threshold`` over the median of the other ranks; None otherwise."""
     mine = statistics.median(busy[1:] or busy) if busy else 0.0  # step 0 warms up
-    everyone = torch.zeros(world_size, dtype=torch.float64)
+    everyone = torch.zeros(world_size, dtype=torch.float64, device=device)  # NCCL: the GPU's
     with get_ledger().paused():  # a report, not training traffic
-        comm.all_gather_into_tensor(everyone, torch.tensor([mine], dtype=torch.float64))
+        comm.all_gather_into_tensor(everyone, everyone.new_tensor([mine]))
     times = everyone.tolist()
     slowest = max(range(world_size), key=lambda r: times[r])
     others = statistics.median(t for r, t in enumerate(times) if r != slowest)
