@@ -24,8 +24,10 @@ import torch.distributed as dist
 
 BUFFER_ENV = "TORCH_FR_BUFFER_SIZE"
 PREFIX = "rank_"
-# frames that are not ours (torch's), or only pass a call on (our collectives' wrappers)
-SKIPPED = re.compile(r"[/\\](torch|contextlib|threading)[/\\.]|scaletorch[/\\]dist[/\\]comm\.py")
+# frames that are not ours (torch's), or only pass a call on (our collectives' wrappers, the
+# device check's torch function mode)
+SKIPPED = re.compile(r"[/\\](torch|contextlib|threading)[/\\.]|"
+                     r"scaletorch[/\\]dist[/\\](comm|device_check)\.py")
 
 
 def enable(entries: int = 2000) -> None:
