@@ -62,7 +62,7 @@ OWNER = {module: chapter for chapter, modules in MODULES_OF.items() for module i
 # Chapters over the budget today, at most this many lines: issue 27 stays open until they fit.
 # 04: the runtime, its schedules as data and its timeline; 07: the composition, the layout
 # check, the full-state map, the native composition, recomputation and tied embeddings.
-OVER_BUDGET = {"04": 791, "07": 1072}
+OVER_BUDGET = {"04": 790, "07": 1072}
 
 
 def chapters() -> List[Tuple[str, str, str]]:
