@@ -141,6 +141,7 @@ def _rank_main(rank: int, world_size: int) -> dict:
         units = getattr(par.model, "units", [])  # ZeRO's, padded to a multiple of N
         out[name] = {
             "losses": result.losses,
+            "grad_norms": result.grad_norms,
             "state": par.full_state_dict(),
             "bytes_per_element": _grad_bytes_per_element(STEPS - 1),
             "numel": sum(u.padded_numel for u in units),
@@ -190,9 +191,10 @@ def _reference(cfg: Config) -> tuple:
         t = cfg.training
         optimizer = ZeroAdamW(zero, t.lr, (t.beta1, t.beta2), t.weight_decay)
         trainer = Trainer(cfg, zero, None, optimizer=optimizer, verbose=False)
-        return trainer.train().losses, _zero3_state(zero)
-    trainer = Trainer(cfg, model, None, verbose=False)
-    return trainer.train().losses, {k: v.detach() for k, v in model.state_dict().items()}
+        result = trainer.train()
+        return result.losses, result.grad_norms, _zero3_state(zero)
+    result = Trainer(cfg, model, None, verbose=False).train()
+    return result.losses, result.grad_norms, {k: v.detach() for k, v in model.state_dict().items()}
 
 
 class _WeightCasts(TorchDispatchMode):
@@ -322,14 +324,17 @@ class MixedPrecisionDataParallel(unittest.TestCase):
         # fp16 (11 significant bits) rounds finer than bf16: bf16's bound holds for it
         for name in CASES:
             with self.subTest(strategy=name):
-                got, (losses, state) = self.results[0][name], self.references[name]
+                got, (losses, norms, state) = self.results[0][name], self.references[name]
                 loss_diff = max(abs(a - b) for a, b in zip(got["losses"], losses))
+                norm_diff = max(abs(a - b) / b for a, b in zip(got["grad_norms"], norms))
                 weight_diff = max_weight_diff(got["state"], state)
                 print(f"\n{name}: {precision_of(name)}, {STEPS} steps: max |loss - reference| = "
-                      f"{loss_diff:.1e}, max |weight - reference| = {weight_diff:.1e} "
-                      f"(tolerance {TOL:.1e})")
+                      f"{loss_diff:.1e}, max |grad norm / reference - 1| = {norm_diff:.1e}, "
+                      f"max |weight - reference| = {weight_diff:.1e} (tolerance {TOL:.1e})")
                 self.assertEqual(len(got["losses"]), STEPS)
+                self.assertEqual(len(got["grad_norms"]), STEPS)
                 self.assertLessEqual(loss_diff, TOL)
+                self.assertLessEqual(norm_diff, TOL)
                 self.assertLessEqual(weight_diff, TOL)
 
     def test_our_zero3_matches_fully_shard_with_the_same_mixed_precision_policy(self):
@@ -482,7 +487,7 @@ class MixedPrecisionComposedLayouts(unittest.TestCase):
         bf16 = [name for name in COMPOSED if precision_of(name) == "bf16"]
         refs = references(composed_config(name) for name in bf16)
         # reference_key ignores the precision: fp16's single-device run (its own scaler) apart
-        cls.references = {name: refs[reference_key(composed_config(name))][::2] for name in bf16}
+        cls.references = {name: refs[reference_key(composed_config(name))] for name in bf16}
         cls.references.update(
             {name: _reference(composed_config(name))
              for name in COMPOSED if name not in bf16})
@@ -490,17 +495,21 @@ class MixedPrecisionComposedLayouts(unittest.TestCase):
     def test_composed_layouts_in_bf16_match_single_device_bf16_within_2_to_the_minus_5(self):
         # fp16 (11 significant bits) rounds finer than bf16: bf16's bound holds for it
         for name in COMPOSED:
-            losses, state = self.references[name]
+            losses, norms, state = self.references[name]
             with self.subTest(layout=name):
                 loss_diff = max(
                     abs(a - b) for rank in range(4)
                     for a, b in zip(self.results[rank][name]["losses"], losses))
+                norm_diff = max(
+                    abs(a - b) / b for rank in range(4)
+                    for a, b in zip(self.results[rank][name]["grad_norms"], norms))
                 weight_diff = max_weight_diff(self.results[0][name]["state"], state)
                 print(f"\n{name}: {precision_of(name)}, {STEPS} steps: max |loss - reference| = "
-                      f"{loss_diff:.1e}, max |weight - reference| = {weight_diff:.1e} "
-                      f"(tolerance {TOL:.1e})")
+                      f"{loss_diff:.1e}, max |grad norm / reference - 1| = {norm_diff:.1e}, "
+                      f"max |weight - reference| = {weight_diff:.1e} (tolerance {TOL:.1e})")
                 self.assertEqual(len(self.results[0][name]["losses"]), STEPS)
                 self.assertLessEqual(loss_diff, TOL)
+                self.assertLessEqual(norm_diff, TOL)
                 self.assertLessEqual(weight_diff, TOL)
 
     def test_an_overflow_in_one_pipeline_stage_skips_the_step_on_every_rank(self):
