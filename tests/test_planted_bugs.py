@@ -32,6 +32,7 @@ from scaletorch.trainer import Config
 from scaletorch.trainer.plain_loop import plain_training
 from tests.harness import run_distributed
 from tests.layouts import TOL, layout, make_config, train
+from tests.test_mixed_precision import LOSS_TOL, NORM_RTOL
 from tests.test_trainer import trainer_and_plain_loop
 
 WORLD = 2
@@ -295,6 +296,28 @@ class PlantedBugsAreCaught(unittest.TestCase):
         # the loss halves (about 4.2 -> 2.1) and so does the norm: far outside any tolerance
         self.assertGreater(max(abs(a - b) for a, b in zip(losses, ref_losses)), 1.0)
         self.assertGreater(max(abs(a - b) for a, b in zip(norms, ref_norms)), 0.3)
+
+    def test_a_skipped_update_in_bf16_fails_the_derived_loss_and_norm_bounds(self):
+        # bf16, 20 steps at lr 3e-3 (test_mixed_precision's runs), the 11th AdamW step skipped.
+        # Measured: the loss moves 3.2e-2, the grad norm 3.6e-2 relative, the weights 5.1e-3.
+        # The bounds derived in test_mixed_precision catch it 16x and 4.6x; 2^-5 on the loss
+        # (3.1e-2) would be crossed by a hair, and on the weights not at all.
+        cfg = make_config(False, 2, reduce_dtype="bf16")
+        cfg.training.steps, cfg.training.precision = 20, "bf16"
+        losses, norms, _ = plain_training(cfg)
+        adamw_step, calls = torch.optim.AdamW.step, []
+
+        def skip_11th(self, *args, **kwargs):
+            calls.append(1)
+            return None if len(calls) == 11 else adamw_step(self, *args, **kwargs)
+
+        with patched(torch.optim.AdamW, "step", skip_11th):
+            skipped, skipped_norms, _ = plain_training(cfg)
+        self.assertEqual(len(calls), 20)
+        loss = max(abs(a - b) for a, b in zip(skipped, losses))
+        norm = max(abs(a - b) / b for a, b in zip(skipped_norms, norms))
+        self.assertGreater(loss, 8 * LOSS_TOL)
+        self.assertGreater(norm, 3 * NORM_RTOL)
 
 
 if __name__ == "__main__":
