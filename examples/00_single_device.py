@@ -13,7 +13,8 @@ import sys
 from scaletorch.data import build_dataset
 from scaletorch.dist import destroy_distributed, init_distributed, init_pg_manager_from_config
 from scaletorch.models import build_model
-from scaletorch.trainer import Trainer, load_config, report_parity, run_reference
+from scaletorch.trainer import (Trainer, load_config, plain_training, report_parity,
+                                report_weight_parity)
 from scaletorch.trainer.precision import TOLERANCES, resolve_precision
 
 
@@ -22,6 +23,9 @@ def limits(cfg, world_size: int) -> None:
     if world_size > 1:
         raise ValueError(f"00_single_device runs on one process, got world size "
                          f"{world_size}; chapter 01 is the first with several")
+    if cfg.check and cfg.training.precision == "fp16":
+        raise ValueError("00_single_device --check compares with a plain PyTorch loop, which "
+                         "runs fp32 or bf16: training.precision fp16 has no plain reference")
 
 
 def main() -> int:
@@ -40,11 +44,13 @@ def main() -> int:
         print(f"final loss {result.losses[-1]:.4f} nats/token; entropy floor {floor:.4f} "
               f"(the best any model can do); start was {result.losses[0]:.4f}")
     ok = True
-    if cfg.check:  # trivial here: the reference is this very run, done again
-        reference, _ = run_reference(cfg, env.device)
+    if cfg.check:  # the reference: a plain PyTorch loop that shares only model and data
+        reference, _, plain_model = plain_training(cfg, env.device)
         precision = resolve_precision(cfg, env.device.type)  # the reference's too
-        ok = report_parity(result.losses, reference[result.start_step:], TOLERANCES[precision],
-                           precision)
+        tolerance = TOLERANCES[precision]
+        ok = report_parity(result.losses, reference[result.start_step:], tolerance, precision)
+        ok = report_weight_parity(model.state_dict(), plain_model.state_dict(), cfg.training.steps,
+                                  tolerance, precision) and ok
     destroy_distributed()
     return 0 if ok else 1
 

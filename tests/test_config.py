@@ -4,6 +4,8 @@ import os
 import tempfile
 import unittest
 
+import yaml
+
 from scaletorch.trainer.config import parse_args, save_config, validate
 
 CONFIG_00 = "examples/configs/00_single_device.yaml"
@@ -42,10 +44,27 @@ class ConfigLoadsAndOverrides(unittest.TestCase):
             again = parse_args(["--config", path])
         self.assertEqual(again, cfg)
 
-    def test_every_example_config_is_valid(self):
-        for name in sorted(os.listdir("examples/configs")):
+    def test_every_example_config_is_valid_and_loads_its_own_values(self):
+        names = sorted(n for n in os.listdir("examples/configs") if n.endswith(".yaml"))
+        scripts = sorted(n[:-3] + ".yaml" for n in os.listdir("examples") if n.endswith(".py"))
+        self.assertEqual(names, scripts)  # one per numbered script, none without one
+        self.assertGreaterEqual(len(names), 11)  # 00-08 (with 04b) and 10 at least
+        for name in names:
+            path = os.path.join("examples/configs", name)
             with self.subTest(config=name):
-                parse_args(["--config", os.path.join("examples/configs", name)])
+                cfg = parse_args(["--config", path])
+                with open(path) as f:
+                    sections = yaml.safe_load(f)
+                checked = 0
+                for section, values in sections.items():
+                    for key, value in values.items():
+                        if f"{section}.{key}" == "parallel.activation_checkpointing" and \
+                                isinstance(value, bool):  # older configs' true / false
+                            value = {True: "full", False: "none"}[value]
+                        self.assertEqual(getattr(getattr(cfg, section), key), value,
+                                         f"{section}.{key}")
+                        checked += 1
+                self.assertGreater(checked, 10)  # every file sets model, data and training
 
 
 class BadConfigsRaiseErrorsNamingTheValues(unittest.TestCase):

@@ -399,9 +399,12 @@ class PlannerTimeOnAMeasuredHost(unittest.TestCase):
         plan = PlanLayout(pp=2, num_micro_batches=8, micro_batch_size=1, seq_len=32)
         sends = [c for c in collectives(self.model, plan) if (c.group, c.op) == ("pp", "send")]
         self.assertEqual(sum(c.calls for c in sends), 8)
-        loss = [c for c in collectives(self.model, plan) if (c.group, c.op) == ("pp", "all_reduce")]
-        expected = sum(c.wire / (h100.intra_node_bandwidth * h100.comm_efficiency) +
-                       c.calls * 2 * h100.intra_node_latency for c in sends + loss)
+        # by hand: chapter 00's model (hidden 64); 8 activations of (1, 32, 64) fp32 are
+        # 8 x 2048 x 4 = 65,536 bytes; the loss all-reduce of one fp32 over 2 ranks puts
+        # 2 (n - 1) / n x 4 = 4 bytes on the wire; 9 calls x 2 log2(2) latencies
+        self.assertEqual((h100.intra_node_bandwidth, h100.comm_efficiency, h100.intra_node_latency),
+                         (450e9, 0.75, 5e-6))
+        expected = (65536 + 4) / (450e9 * 0.75) + 9 * 2 * 5e-6  # 9.0194e-5 s
         self.assertAlmostEqual(comm_seconds(self.model, plan, h100)["pp"], expected, delta=1e-15)
 
     def test_in_a_v_rank_0_pays_both_ends_and_a_middle_rank_is_considered(self):

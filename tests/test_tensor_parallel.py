@@ -22,6 +22,7 @@ from scaletorch.parallel import tensor_parallel_layers as tp_layers
 from scaletorch.parallel.data_parallel import apply_data_parallel
 from scaletorch.parallel.step import make_data_parallel_step
 from scaletorch.plan.traffic import tp_comm_elements as planned_tp_comm_elements
+from scaletorch.rules.vocab import padded_vocab_size
 from scaletorch.trainer import Config, Trainer, max_weight_diff
 from tests.harness import run_distributed, value_error
 
@@ -208,8 +209,12 @@ class TestTensorParallelConfigErrors(unittest.TestCase):
         self.check(r"num_key_value_heads \(2\) .* \(4\)", 4, num_key_value_heads=2)
 
     def test_vocabulary_not_divisible_is_padded_not_refused(self):
-        # apply_tensor_parallel pads it (model.vocab_pad_to); tests/test_vocab_padding.py
-        tp_lib.validate_tensor_parallel(LlamaConfig(vocab_size=66), 2)
+        # 66 rows over tp 4 (66 = 4 x 16 + 2): no error; apply_tensor_parallel pads them to a
+        # multiple of vocab_pad_to x tp = 128 x 4, i.e. 512 (tests/test_vocab_padding.py)
+        config = LlamaConfig(**{**MODEL.__dict__, "vocab_size": 66})
+        self.assertEqual(value_error(lambda: tp_lib.validate_tensor_parallel(config, 4)),
+                         "no error")
+        self.assertEqual(padded_vocab_size(66, 4, config.vocab_pad_to), 512)
 
     def test_intermediate_size_not_divisible_raises(self):
         self.check(r"intermediate_size \(66\) .* \(4\)", 4, intermediate_size=66)

@@ -20,10 +20,10 @@ from scaletorch.schedule.orders import peak_live_activations
 from scaletorch.schedule.placement import V_SHAPED, ZERO_BUBBLE, rank_of_stage
 from scaletorch.schedule.simulate import simulate, simulate_async
 from scaletorch.schedule.zero_bubble_orders import zero_bubble_theory
-from scaletorch.trainer import max_weight_diff
+from scaletorch.trainer import Config, max_weight_diff
 from scripts.benchmarks.timing import Delayed
 from tests.harness import run_distributed
-from tests.layouts import TOL, assert_run_matches, layout, make_config, train
+from tests.layouts import TOL, assert_run_matches, layout, make_config, reference, train
 from tests.test_pipeline_parallel import build_pipeline
 from tests.test_pipeline_parallel import make_config as pipeline_config
 
@@ -101,6 +101,7 @@ class TestZeroBubbleSchedules(unittest.TestCase):
         self.assertEqual([timeline.peak_live(r) for r in range(4)], [3, 4, 4, 4])
 
     def test_each_action_once_and_every_valid_schedule_runs_without_deadlock(self):
+        ran = Counter()
         for schedule in ZERO_BUBBLE:
             v = 1 if schedule == "zb-h1" else 2
             for p in (2, 3, 4, 8):
@@ -109,6 +110,7 @@ class TestZeroBubbleSchedules(unittest.TestCase):
                         validate_schedule(schedule, p, m, v)
                     except ValueError:
                         continue
+                    ran[schedule] += 1
                     for rank in range(p):
                         actions = schedule_actions(schedule, p, m, rank, v)
                         counts = Counter((a.kind, a.micro_batch, a.chunk) for a in actions)
@@ -116,6 +118,9 @@ class TestZeroBubbleSchedules(unittest.TestCase):
                         for kind in "FB":
                             self.assertEqual(sum(k == kind for k, _, _ in counts), m * v)
                     simulate_async(schedule, p, m, v)  # raises on a deadlock or a bad order
+        # m in [1, 4p + 1] at p = 2, 3, 4, 8: zb-h1 takes m >= p (3p + 2 each), zbv every m
+        # (4p + 1), dualpipev m >= 2p (2p + 2)
+        self.assertEqual(dict(ran), {"zb-h1": 59, "zbv": 72, "dualpipev": 42})
 
     def test_async_simulator_reproduces_the_classic_bubbles(self):
         # the rendezvous simulator of the classic runtime and the async one agree
@@ -296,19 +301,13 @@ def world(rank: int, world_size: int) -> dict:
     out = {"parity": {name: train(config(name)) for name in PARITY}}
     p2p_order.set_in_order(False)  # the bubble as gloo runs it
     out["bubble"] = {s: bubble_run(s, v, steps) for s, (v, steps) in BUBBLE_RUNS.items()}
-    # the single-device references, shared out over the ranks
-    from scaletorch.trainer import Trainer
-
-    out["references"] = {}
-    keys = sorted({reference_key(n) for n in PARITY})
-    for layers, m, tied in keys[rank::world_size]:
-        cfg = make_config(micro_batches=m)
-        cfg.model.num_layers, cfg.model.tie_word_embeddings = layers, tied
-        model = build_model(cfg.model, seed=cfg.training.model_seed)
-        result = Trainer(cfg, model, None, verbose=False).train()
-        out["references"][(layers, m, tied)] = (result.losses, model.state_dict(),
-                                                result.grad_norms)
     return out
+
+
+def reference_config(layers: int, m: int, tied: bool) -> Config:
+    cfg = make_config(micro_batches=m)
+    cfg.model.num_layers, cfg.model.tie_word_embeddings = layers, tied
+    return cfg
 
 
 class TestZeroBubbleRanks(unittest.TestCase):
@@ -318,13 +317,14 @@ class TestZeroBubbleRanks(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         cls.results = run_distributed(world, 4, timeout=240)
-        cls.references = {k: v for res in cls.results for k, v in res["references"].items()}
+        # the plain loop's losses, grad norms and weights, in this process (tests/layouts.py)
+        keys = sorted({reference_key(n) for n in PARITY})
+        cls.references = {key: reference(reference_config(*key)) for key in keys}
 
     def check_parity(self, names):
         for name in names:
             with self.subTest(run=name):
-                losses, state, _ = self.references[reference_key(name)]
-                assert_run_matches(self, self.results, name, losses, state)
+                assert_run_matches(self, self.results, name, self.references[reference_key(name)])
 
     def test_zb_h1_matches_single_device_at_2_and_4_stages_with_dp_and_tp(self):
         self.check_parity([n for n in PARITY if n.startswith("zb-h1")])
@@ -336,16 +336,11 @@ class TestZeroBubbleRanks(unittest.TestCase):
         self.check_parity([n for n in PARITY if n.startswith("zero")])
 
     def test_tied_zbv_and_dualpipev_share_one_weight_and_match_the_tied_single_device(self):
-        # rank 0's two chunks use the one parameter: losses and weights within TOL (1e-5), and
-        # the clip's grad norms too (counted once, not as an embedding group's two copies)
+        # rank 0's two chunks use the one parameter: losses, the clip's grad norms (counted
+        # once, not as an embedding group's two copies) and weights within TOL (1e-5)
         names = [n for n in PARITY if n.startswith("tied")]
         self.check_parity(names)
         for name in names:
-            norms = self.references[reference_key(name)][2]
-            for rank, res in enumerate(self.results):
-                got = res["parity"][name]["grad_norms"]
-                self.assertLessEqual(max(abs(a - b) for a, b in zip(got, norms)), TOL,
-                                     f"{name} rank {rank}")
             state = self.results[0]["parity"][name]["state"]
             self.assertIs(state["lm_head.weight"], state["embed_tokens.weight"], name)
 

@@ -2,10 +2,12 @@
 
 from scaletorch.trainer.config import Config, load_config, parse_args, validate, validate_layout
 from scaletorch.trainer.parity import (check_against_reference, max_weight_diff, report_parity,
-                                       run_reference)
+                                       report_weight_parity, run_reference)
+from scaletorch.trainer.plain_loop import plain_training
 from scaletorch.trainer.trainer import Trainer, TrainResult
 
 __all__ = [
     "Config", "load_config", "parse_args", "validate", "validate_layout", "Trainer", "TrainResult",
-    "run_reference", "report_parity", "max_weight_diff", "check_against_reference"
+    "run_reference", "report_parity", "report_weight_parity", "max_weight_diff",
+    "check_against_reference", "plain_training"
 ]

@@ -81,6 +81,18 @@ def report_parity(losses: Sequence[float], reference: Sequence[float], tolerance
     return ok
 
 
+def report_weight_parity(state: State, reference: State, steps: int, tolerance: float = TOLERANCE,
+                         precision: str = "fp32") -> bool:
+    """Print the weights' parity line (the worst parameter named) and return whether it passed."""
+    diffs = weight_diffs(state, reference)
+    worst = max(diffs, key=lambda name: diffs[name])
+    diff, limit = diffs[worst], tolerance_text(tolerance, precision)
+    print(
+        f"parity: max |weight - reference| = {diff:.1e} after {steps} steps, in {worst} "
+        f"({limit}): {'OK' if diff <= tolerance else 'FAIL'}", flush=True)
+    return diff <= tolerance
+
+
 def check_against_reference(cfg: Config, losses: Sequence[float], device: torch.device,
                             full_state: Optional[Dict[str, torch.Tensor]] = None,
                             start_step: int = 0, tolerance: Optional[float] = None) -> bool:
@@ -100,14 +112,8 @@ def check_against_reference(cfg: Config, losses: Sequence[float], device: torch.
         reference, ref_model = run_reference(cfg, device)
         passed = report_parity(losses, reference[start_step:], tolerance, precision)
         if full_state is not None:
-            diffs = weight_diffs(full_state, ref_model.state_dict())
-            worst = max(diffs, key=lambda name: diffs[name])
-            diff, limit = diffs[worst], tolerance_text(tolerance, precision)
-            print(
-                f"parity: max |weight - reference| = {diff:.1e} after "
-                f"{cfg.training.steps} steps, in {worst} ({limit}): "
-                f"{'OK' if diff <= tolerance else 'FAIL'}", flush=True)
-            passed = passed and diff <= tolerance
+            passed = report_weight_parity(full_state, ref_model.state_dict(), cfg.training.steps,
+                                          tolerance, precision) and passed
         if not passed:  # a wrong layout, or a run too sensitive to rounding for this many steps
             print(
                 f"parity: do two single-device runs agree for {cfg.training.steps} steps? "
