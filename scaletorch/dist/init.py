@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.distributed.rendezvous import rendezvous
 
 from scaletorch.dist import device_check
+from scaletorch.dist.pg_manager import startup_timeout
 
 DEFAULT_TIMEOUT_SECONDS = 300.0
 
@@ -115,13 +116,16 @@ def init_distributed(timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS) -> Distri
         backend = dist.get_backend()
     elif world_size > 1:
         timeout = datetime.timedelta(seconds=timeout_seconds)
-        store, _, _ = next(rendezvous("env://", rank, world_size, timeout=timeout))
+        startup = startup_timeout(timeout)
+        store, _, _ = next(rendezvous("env://", rank, world_size, timeout=startup))
         # torchrun keeps its key-value store across restarts (--max-restarts). The groups of a
         # restarted attempt would find the dead attempt's addresses under the same keys, so
         # every attempt gets keys of its own.
         store = dist.PrefixStore(f"scaletorch/attempt_{restart_count()}", store)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=timeout, **process_group_options(device))
+                                timeout=startup, **process_group_options(device))
+        if startup != timeout:  # the world joined: now every collective gets the asked timeout
+            dist.distributed_c10d._set_pg_timeout(timeout)
     return DistributedEnv(rank, local_rank, world_size, device, backend)
 
 

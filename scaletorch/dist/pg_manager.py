@@ -227,6 +227,17 @@ class RankGrid:
         return sum(coords[a] * self._strides[a] for a in AXES)
 
 
+# Processes start seconds apart (importing torch on a busy host): joining the world and its
+# groups may take this long even when a short collective timeout is asked for (chapter 11's
+# hangs use 3 s). A group is created with it, then given the asked timeout.
+STARTUP_TIMEOUT_SECONDS = 120.0
+
+
+def startup_timeout(timeout: datetime.timedelta) -> datetime.timedelta:
+    """How long joining a group may take: ``timeout``, or STARTUP_TIMEOUT_SECONDS if longer."""
+    return max(timeout, datetime.timedelta(seconds=STARTUP_TIMEOUT_SECONDS))
+
+
 class ProcessGroupManager:
     """Creates every torch.distributed group of a ``RankGrid`` once and names them.
 
@@ -259,9 +270,12 @@ class ProcessGroupManager:
             # in the same order, and keeps the ones it belongs to; one per distinct set of
             # ranks, serving every kind with those ranks. Its description is the ledger's
             # name, which the flight recorder's dumps and NCCL's logs show.
+            startup = None if timeout is None else startup_timeout(timeout)
             for ranks, kinds in grid.distinct_groups():
-                group = dist.new_group(ranks, timeout=timeout, group_desc=ledger_name(kinds))
+                group = dist.new_group(ranks, timeout=startup, group_desc=ledger_name(kinds))
                 if self.rank in ranks:
+                    if timeout is not None and startup != timeout:  # joined: the asked timeout
+                        dist.distributed_c10d._set_pg_timeout(timeout, group)
                     self._roles[group] = kinds
                     for kind in kinds:
                         self._groups[kind] = group
