@@ -233,12 +233,18 @@ def reference_key(cfg: Config) -> Tuple[int, int, int]:
     return cfg.model.num_experts, cfg.data.num_micro_batches, cfg.model.vocab_size
 
 
+# A grad norm sums the squares of every gradient (10^6 and more) in another order than one
+# device: rounding reached 2.5e-5 relative (vocab 50257, tp2 x dp2, step 4) while the losses
+# and weights stayed within 1e-5. A gradient scaled by 1.001 moves the norm by 1e-3 relative.
+NORM_TOL = 1e-4
+
+
 def assert_matches(test: unittest.TestCase, runs: List[dict], reference: tuple, label: str,
-                   weights: str = "state", tol: float = TOL) -> None:
+                   weights: str = "state", tol: float = TOL, norm_tol: float = NORM_TOL) -> None:
     """The one parity assertion. ``runs``: each rank's {"losses", "grad_norms", ``weights``
     (the full state dict on rank 0)}; ``reference``: (losses, grad norms, state) of one device.
 
-    Every rank's losses within ``tol`` and grad norms within ``tol`` relative (above 1), rank
+    Every rank's losses within ``tol``, grad norms within ``norm_tol`` relative (above 1), rank
     0's weights within ``tol``: a constant scale on the gradients passes the losses (AdamW
     normalizes it) but not the norms (tests/test_planted_bugs.py)."""
     losses, norms, state = reference
@@ -249,7 +255,7 @@ def assert_matches(test: unittest.TestCase, runs: List[dict], reference: tuple, 
         for step, (a, b) in enumerate(zip(run["losses"], losses)):
             test.assertLessEqual(abs(a - b), tol, f"{where} step {step}: loss {a} vs {b}")
         for step, (a, b) in enumerate(zip(run["grad_norms"], norms)):
-            test.assertLessEqual(abs(a - b), tol * max(1.0, b),
+            test.assertLessEqual(abs(a - b), norm_tol * max(1.0, b),
                                  f"{where} step {step}: grad norm {a} vs {b}")
     test.assertLessEqual(max_weight_diff(runs[0][weights], state), tol, f"{label} weights")
 
