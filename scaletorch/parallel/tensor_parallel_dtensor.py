@@ -10,14 +10,13 @@ keeps 2-D (dp, tp) DTensors and all-reduces the gradients over dp once, after th
 micro-batch. DTensor and FSDP2 issue their own collectives: our ledger does not see them.
 """
 
-from typing import Callable, Dict, Iterable, List, Optional, cast
+from typing import Callable, Dict, List, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy as FSDPMixedPrecision
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
@@ -25,6 +24,7 @@ from torch.nn import functional as F
 
 from scaletorch.dist import ProcessGroupManager
 from scaletorch.models import Llama
+from scaletorch.parallel.fully_shard import shard_blocks_then_root
 from scaletorch.parallel.grad_norm import clip_grads_, world_grad_norm
 from scaletorch.parallel.tensor_parallel import validate_tensor_parallel
 
@@ -100,23 +100,9 @@ def dtensor_loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
     return cast(DTensor, loss).to_local()  # a DTensor, as the logits were
 
 
-def apply_per_block(wrap: Callable[..., object], modules: Iterable[nn.Module], dp_mesh: DeviceMesh,
-                    mp_policy: Optional[FSDPMixedPrecision] = None) -> None:
-    """``wrap`` (FSDP2's ``replicate``, or ``fully_shard`` in chapter 02) each block, then each
-    module's root (embedding, norm, head), over ``dp_mesh``. ``modules``: a Llama, or this
-    rank's pipeline chunks (each its own root, so each stage syncs its own gradients)."""
-    mp = mp_policy or FSDPMixedPrecision()
-    for module in modules:
-        layers = module.get_submodule("layers")  # a Llama's list, or a chunk's dict
-        blocks = layers.values() if isinstance(layers, nn.ModuleDict) else layers.children()
-        for block in blocks:
-            wrap(block, mesh=dp_mesh, mp_policy=mp)
-        wrap(module, mesh=dp_mesh, mp_policy=mp)
-
-
 def replicate_over_data_parallel(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
     """Data parallel beside DTensor tensor parallel: FSDP2's ``replicate`` per block and root."""
-    apply_per_block(replicate, [model], dp_mesh)
+    shard_blocks_then_root([model], dp_mesh, replicate)  # chapter 02's units, replicated
     return model
 
 
