@@ -36,7 +36,7 @@ def limits(cfg, world_size: int) -> None:
     later = {
         "parallel.zero_stage": (p.zero_stage, 0, "02_fsdp"),
         "model.num_experts": (cfg.model.num_experts, 0, "06_expert_parallel"),
-        "parallel.activation_checkpointing": (p.activation_checkpointing, "none", "07_nd_parallel"),
+        "parallel.activation_checkpointing": (p.activation_checkpointing, "none", "10_real_model"),
         "parallel.reduce_dtype": (p.reduce_dtype, "fp32", "08_mixed_precision"),
     }
     for key, (value, default, chapter) in later.items():

@@ -40,8 +40,8 @@ def limits(cfg, world_size: int) -> None:
     later = {
         "parallel.context_parallel_size": (p.context_parallel_size, 1, "07_nd_parallel"),
         "model.num_experts": (cfg.model.num_experts, 0, "06_expert_parallel"),
-        "model.tie_word_embeddings": (cfg.model.tie_word_embeddings, False, "07_nd_parallel"),
-        "parallel.activation_checkpointing": (p.activation_checkpointing, "none", "07_nd_parallel"),
+        "model.tie_word_embeddings": (cfg.model.tie_word_embeddings, False, "10_real_model"),
+        "parallel.activation_checkpointing": (p.activation_checkpointing, "none", "10_real_model"),
         "parallel.param_dtype": (p.param_dtype, ("auto", "fp32"), "08_mixed_precision"),
         "parallel.reduce_dtype": (p.reduce_dtype, "fp32", "08_mixed_precision"),
     }

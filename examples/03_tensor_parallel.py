@@ -55,7 +55,7 @@ def limits(cfg, world_size: int) -> None:
     if any(later.values()):
         raise ValueError(f"03_tensor_parallel is tp > 1 beside plain data parallel, impl "
                          f"scaletorch or torch; {', '.join(k for k, v in later.items() if v)}: "
-                         f"run chapter 07")
+                         f"run chapter 07 (10 adds recomputation)")
 
 
 def main() -> int:

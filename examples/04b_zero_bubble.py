@@ -56,7 +56,7 @@ def limits(cfg, world_size: int) -> None:
     if any(later.values()):
         raise ValueError(f"04b_zero_bubble composes pp with dp and tp only: "
                          f"{', '.join(k for k, v in later.items() if v)} under a pipeline "
-                         f"in 07_nd_parallel")
+                         f"in 07_nd_parallel (fp16: 08; recomputation, tied: 10)")
 
 
 def main() -> int:

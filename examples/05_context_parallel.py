@@ -44,7 +44,8 @@ def limits(cfg, world_size: int) -> None:
     if any(later.values()):
         raise ValueError(f"05_context_parallel composes cp with dp and tp; "
                          f"{', '.join(k for k, v in later.items() if v)}: run "
-                         f"examples/07_nd_parallel.py, which composes every strategy")
+                         f"examples/07_nd_parallel.py, which composes every strategy (fp16: 08, "
+                         f"recomputation: 10)")
     if p.context_parallel_size < 2:
         raise ValueError(f"05_context_parallel needs context_parallel_size >= 2 (--cp), got "
                          f"{p.context_parallel_size}")

@@ -44,7 +44,8 @@ def limits(cfg, world_size: int) -> None:
     if any(later.values()):
         raise ValueError(f"06_expert_parallel composes ep with dp and tp (impl scaletorch); "
                          f"{', '.join(k for k, v in later.items() if v)}: run "
-                         f"examples/07_nd_parallel.py, which composes every strategy")
+                         f"examples/07_nd_parallel.py, which composes every strategy (fp16: 08, "
+                         f"recomputation: 10)")
     if cfg.model.num_experts < 1:
         raise ValueError(f"06_expert_parallel needs a mixture-of-experts model "
                          f"(model.num_experts >= 1), got {cfg.model.num_experts}")

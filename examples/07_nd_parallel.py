@@ -35,6 +35,7 @@ from scaletorch.parallel.pipeline_parallel import gather_timeline
 from scaletorch.trainer import Trainer, check_against_reference, load_config
 from scaletorch.trainer.consolidated import (load_consolidated, resume_consolidated,
                                              save_consolidated)
+from scaletorch.trainer.param_map import full_state_dict
 
 
 class NDTrainer(Trainer):
@@ -97,7 +98,7 @@ def main() -> int:
 
     ok = True
     if cfg.check:
-        full = par.full_state_dict()  # collective; the full weights on rank 0
+        full = full_state_dict(par)  # collective; the full weights on rank 0
         ok = check_against_reference(cfg, result.losses, env.device, full, result.start_step)
     destroy_pg_manager()
     destroy_distributed()

@@ -26,6 +26,7 @@ from scaletorch.parallel.mixed_precision import precision_hooks
 from scaletorch.parallel.parallelize import parallelize
 from scaletorch.parallel.zero_report import memory_report
 from scaletorch.trainer import Trainer, check_against_reference, load_config
+from scaletorch.trainer.param_map import full_state_dict
 
 
 def limits(cfg, world_size: int) -> None:
@@ -93,7 +94,7 @@ def main() -> int:
 
     ok = True
     if cfg.check:
-        ok = check_against_reference(cfg, result.losses, env.device, par.full_state_dict(),
+        ok = check_against_reference(cfg, result.losses, env.device, full_state_dict(par),
                                      result.start_step)
     destroy_pg_manager()
     destroy_distributed()

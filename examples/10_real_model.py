@@ -34,8 +34,10 @@ from scaletorch.dist import (destroy_distributed, destroy_pg_manager, init_distr
 from scaletorch.models import build_model
 from scaletorch.models.generate import generate
 from scaletorch.models.hf import check_hf_llama, export_hf_llama, load_hf_llama
+from scaletorch.parallel.activation_checkpointing import apply_activation_checkpointing
 from scaletorch.parallel.mixed_precision import precision_hooks
 from scaletorch.parallel.parallelize import parallelize
+from scaletorch.parallel.tied_embeddings import TiedEmbeddings
 from scaletorch.trainer import Trainer, check_against_reference, load_config
 from scaletorch.trainer.config import InputError, validate
 from scaletorch.trainer.consolidated import load_consolidated, save_consolidated
@@ -102,7 +104,10 @@ def main() -> int:
         cfg.model = model.config
     else:
         model = build_model(cfg.model, seed=cfg.training.model_seed)
-    par = parallelize(model, cfg, pgm, env.device, precision_hooks(cfg, env.device.type))
+    # what a real model needs, attached from outside: a head tied to the embedding, and
+    # recomputation to fit its activations (--activation-checkpointing)
+    par = parallelize(model, cfg, pgm, env.device, precision_hooks(cfg, env.device.type),
+                      tied=TiedEmbeddings(), recompute=apply_activation_checkpointing)
     trainer = Trainer(cfg, par.model, pgm, device=env.device, optimizer=par.optimizer,
                       forward_backward=par.forward_backward, clip_grad_norm=par.clip_grad_norm)
     result = trainer.train()

@@ -24,7 +24,7 @@ runs=(
   "05|2|"
   "06|2|"
   "07|4|--tp 2 --pp 2"
-  "07|4|--tp 2 --cp 2 --sequence-parallel --activation-checkpointing"
+  "07|4|--tp 2 --cp 2 --sequence-parallel"
   "07|4|--tp 2 --zero-stage 3"
   "07|4|--tp 2 --ep 2 --model.num_experts 4 --micro-batches 1"
 )

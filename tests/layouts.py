@@ -9,7 +9,7 @@ clipping and its full weights from the library's one rule each: ``clip_fn``, ``f
 """
 
 import unittest
-from typing import Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -17,15 +17,20 @@ from torch.distributed.tensor import DTensor
 
 from scaletorch.dist import destroy_pg_manager, init_pg_manager_from_config
 from scaletorch.models import build_model
+from scaletorch.parallel.activation_checkpointing import apply_activation_checkpointing
 from scaletorch.parallel.grad_norm import clip_grads_, replica_count, world_grad_norm
 from scaletorch.parallel.mixed_precision import precision_hooks
 from scaletorch.parallel.parallelize import Parallelized, parallelize
-from scaletorch.parallel.param_map import DTensorParamMap, ParamMap, State, tied_copies
 from scaletorch.parallel.pipeline_parallel import PipelineModel
+from scaletorch.parallel.tensor_layout import (TensorLayout, plain_entries, record_splits,
+                                               tied_copies, zero_entries)
+from scaletorch.parallel.tied_embeddings import TiedEmbeddings
 from scaletorch.parallel.zero import ShardedDataParallel
 from scaletorch.trainer import Config, Trainer
 from scaletorch.trainer.consolidated import (consolidated_state, load_consolidated,
                                              resume_consolidated, save_consolidated)
+from scaletorch.trainer.param_map import (DTensorParamMap, ParamMap, State, full_state_dict,
+                                          param_map)
 from scaletorch.trainer.parity import max_weight_diff
 from scaletorch.trainer.plain_loop import plain_training
 from tests.harness import value_error
@@ -116,13 +121,14 @@ def full_state(model: nn.Module, pgm) -> Optional[State]:
     if isinstance(model, ShardedDataParallel):  # ZeRO over dp_cp alone (chapter 02)
         names = [n for unit in model.units for names in unit.names for n in names]
         splits = dict.fromkeys(names, (None, False))
-        param_map = ParamMap(pgm, splits, ParamMap.zero_entries([model]))
+        by_hand: Union[ParamMap,
+                       DTensorParamMap] = ParamMap(TensorLayout(pgm, splits, zero_entries([model])))
     elif any(isinstance(p, DTensor) for p in model.parameters()):
-        param_map = DTensorParamMap(pgm, model)
+        by_hand = DTensorParamMap(TensorLayout(pgm, {}, [], dtensor_model=model))
     else:
-        splits = {k: v for m in modules for k, v in ParamMap.record_splits(m).items()}
-        param_map = ParamMap(pgm, splits, ParamMap.plain_entries(modules), pipe)
-    return param_map.gather(lambda p: p.detach())
+        splits = {k: v for m in modules for k, v in record_splits(m).items()}
+        by_hand = ParamMap(TensorLayout(pgm, splits, plain_entries(modules), pipe))
+    return by_hand.gather(lambda p: p.detach())
 
 
 def build(cfg: Config, pgm, state=None) -> Tuple[Parallelized, Trainer]:
@@ -130,7 +136,8 @@ def build(cfg: Config, pgm, state=None) -> Tuple[Parallelized, Trainer]:
     model = build_model(cfg.model, seed=cfg.training.model_seed)
     if state is not None:
         model.load_state_dict(state)
-    par = parallelize(model, cfg, pgm, torch.device("cpu"), precision_hooks(cfg, "cpu"))
+    par = parallelize(model, cfg, pgm, torch.device("cpu"), precision_hooks(cfg, "cpu"),
+                      tied=TiedEmbeddings(), recompute=apply_activation_checkpointing)
     return par, Trainer.from_parallelized(cfg, par, pgm, verbose=False)
 
 
@@ -160,8 +167,8 @@ def train(cfg: Config, checkpoint_dir: Optional[str] = None,
     out = {
         "losses": losses + result.losses,
         "grad_norms": norms + result.grad_norms,
-        "state": par.full_state_dict(),
-        "param_map": type(par.param_map).__name__,
+        "state": full_state_dict(par),
+        "param_map": type(param_map(par)).__name__,
     }
     if checkpoint_dir is not None:
         out["consolidated"] = consolidated_state(trainer, par)

@@ -24,6 +24,7 @@ from scaletorch.trainer import Config, Trainer
 from scaletorch.trainer import checkpoint as ckpt
 from scaletorch.trainer import max_weight_diff, run_reference
 from scaletorch.trainer.consolidated import save_consolidated
+from scaletorch.trainer.param_map import full_state_dict
 from tests.harness import run_distributed
 from tests.layouts import assert_matches, full_state, reference
 
@@ -60,7 +61,7 @@ def _run(cfg: Config, pgm, stage, prefetch: bool = True) -> dict:
         model = apply_fully_shard(model, pgm)
         trainer = Trainer(cfg, model, pgm, verbose=False)
     else:
-        if cfg.model.tie_word_embeddings:  # one weight in two units: chapter 07's subclass
+        if cfg.model.tie_word_embeddings:  # one weight in two units: chapter 10's subclass
             model = TiedShardedDataParallel(model, zero_units(model),
                                             pgm.data_parallel_group_with_context, stage, prefetch)
         else:
@@ -152,7 +153,7 @@ def world_of_two(rank: int, world_size: int, tmp: str) -> dict:
     par = parallelize(build_model(cfg.model, seed=7), cfg, pgm, torch.device("cpu"))
     path = os.path.join(tmp, "consolidated.pt")
     save_consolidated(path, Trainer.from_parallelized(cfg, par, pgm, verbose=False), par)
-    out["consolidated"] = {"path": path, "gathered": par.full_state_dict()}
+    out["consolidated"] = {"path": path, "gathered": full_state_dict(par)}
     destroy_pg_manager()
     return out
 

@@ -23,6 +23,7 @@ from scaletorch.parallel.zero import ShardedDataParallel, ZeroAdamW, llama_units
 from scaletorch.parallel.zero_report import memory_formula
 from scaletorch.trainer import Config, Trainer
 from scaletorch.trainer.config import validate
+from scaletorch.trainer.param_map import full_state_dict
 from scaletorch.trainer.parity import max_weight_diff
 from scaletorch.trainer.precision import TOLERANCES
 from tests.harness import run_distributed
@@ -150,7 +151,7 @@ def _rank_main(rank: int, world_size: int) -> dict:
         out[name] = {
             "losses": result.losses,
             "grad_norms": result.grad_norms,
-            "state": par.full_state_dict(),
+            "state": full_state_dict(par),
             "bytes_per_element": _grad_bytes_per_element(STEPS - 1),
             "numel": sum(u.padded_numel for u in units),
         }

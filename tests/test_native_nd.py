@@ -13,7 +13,7 @@ import os
 import tempfile
 import unittest
 
-from scaletorch.parallel.param_map import DTensorParamMap
+from scaletorch.trainer.param_map import DTensorParamMap
 from scaletorch.trainer.parity import max_weight_diff
 from tests.harness import run_distributed
 from tests.layouts import (STEPS, TOL, assert_parity, layout, make_config, parallelize_error,

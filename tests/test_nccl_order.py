@@ -27,6 +27,7 @@ from scaletorch.schedule.placement import V_SHAPED
 from scaletorch.schedule.posting import posting_program
 from scaletorch.schedule.simulate import PipelineDeadlock, simulate_async
 from scaletorch.trainer import Trainer
+from scaletorch.trainer.param_map import full_state_dict
 from tests.harness import run_distributed
 from tests.layouts import TOL, build, layout, make_config, pg_manager_for, train
 
@@ -273,7 +274,7 @@ def device_checks() -> dict:
         pgm = pg_manager_for(cfg)
         par, trainer = build(cfg, pgm)
         trainer.train()
-        full = par.full_state_dict()
+        full = full_state_dict(par)
         out["gathered on host"] = full is None or all(made_on_host(t) for t in full.values())
         destroy_pg_manager()
     return out

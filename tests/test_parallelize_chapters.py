@@ -11,7 +11,7 @@ import tempfile
 import unittest
 
 from scaletorch.dist import destroy_pg_manager
-from scaletorch.parallel.param_map import DTensorParamMap, ParamMap
+from scaletorch.trainer.param_map import DTensorParamMap, ParamMap
 from tests.harness import run_distributed
 from tests.layouts import (STEPS, TOL, assert_parity, build, config_of, layout, make_config,
                            parallelize_error, pg_manager_for, reference_key, references,

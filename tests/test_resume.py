@@ -237,9 +237,7 @@ FULL_KILL_LAYOUTS = {
     (8, ["--pp", "2", "--zero-stage", "3", "--schedule", "interleaved", "--virtual-stages", "2"]),
     "moe_ep2_dp4_tp2":
     (8, ["--tp", "2", "--ep", "2", "--model.num_experts", "4", "--micro-batches", "1"]),
-    "ckpt_tp2_sp_pp2_dp2":
-    (8, ["--tp", "2", "--pp", "2", "--sequence-parallel", "--activation-checkpointing"]),
-    "ckpt_zero2_cp2_dp4": (8, ["--cp", "2", "--zero-stage", "2", "--activation-checkpointing"]),
+    "sp_tp2_pp2_dp2": (8, ["--tp", "2", "--pp", "2", "--sequence-parallel"]),
 }
 if os.environ.get("SCALETORCH_FULL_RESUME") == "1":
     KILL_LAYOUTS.update(FULL_KILL_LAYOUTS)

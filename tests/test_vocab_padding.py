@@ -19,6 +19,7 @@ from scaletorch.dist import destroy_pg_manager
 from scaletorch.models import build_model
 from scaletorch.parallel.parallelize import parallelize
 from scaletorch.rules.vocab import padded_vocab_size
+from scaletorch.trainer.param_map import param_map
 from tests.harness import run_distributed
 from tests.layouts import (assert_parity, layout, make_config, pg_manager_for, reference_key,
                            references, train)
@@ -68,7 +69,7 @@ def padded_head_logits(vocab: int, parallel: dict) -> dict:
     par = parallelize(model, cfg, pgm, torch.device("cpu"))
     head = model.lm_head
     logits = head(torch.randn(1, 4, cfg.model.hidden_size))  # (1, 4, V_padded / tp)
-    local = par.param_map.scatter(build_model(cfg.model, seed=0).state_dict())
+    local = param_map(par).scatter(build_model(cfg.model, seed=0).state_dict())
     destroy_pg_manager()
     return {
         "cols": logits.size(-1),

@@ -3,9 +3,10 @@
 Without it autograd keeps every intermediate of every block (attention scores, MLP
 activations, norms) from forward until backward; with it a block keeps only its input
 (b, s, h) (and RoPE's cos/sin), and its forward runs again when backward reaches it, its
-collectives included (tp all-reduces, the cp ring, the ep all-to-alls). ``parallelize``
-applies it after the strategies that change a block and before the pipeline cuts the blocks
-(chapter 07). ``saved_activation_bytes`` measures what it saves.
+collectives included (tp all-reduces, the cp ring, the ep all-to-alls). Chapter 10 attaches it
+to chapter 07's ``parallelize`` from outside (``recompute=apply_activation_checkpointing``),
+which applies it after the strategies that change a block and before the pipeline cuts the
+blocks. ``saved_activation_bytes`` measures what it saves.
 
 Two modes (``parallel.activation_checkpointing``; true/false in older configs are full/none):
 - ``full``: checkpoint each block, as above;

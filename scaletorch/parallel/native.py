@@ -8,7 +8,7 @@ fastest, then dp, then pp); each strategy takes the sub-mesh it works over:
 
     1 context    ours (ring / Ulysses), only beside plain data parallel: PyTorch's own
                  ``context_parallel`` shards the CUDA attention kernels, it has none on CPU
-    2 checkpoint recompute each block in backward (activation_checkpointing.py)
+    2 checkpoint recompute each block in backward (chapter 10's ``recompute`` hook)
     3 tensor     ``parallelize_module`` on mesh["tp"]: weights become DTensors sharded over tp
                  (column / row parallel, torchtitan's plan; sequence parallel between blocks)
     4 pipeline   our cut into chunks (pipeline_parallel.py), one torch.distributed.pipelining
@@ -43,14 +43,13 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from scaletorch.dist import ProcessGroupManager
 from scaletorch.models import Llama, loss_fn
-from scaletorch.parallel.activation_checkpointing import apply_activation_checkpointing
 from scaletorch.parallel.context_parallel import apply_context_parallel, make_sequence_sharder
 from scaletorch.parallel.data_parallel import apply_data_parallel
 from scaletorch.parallel.fully_shard import shard_blocks_then_root
-from scaletorch.parallel.param_map import DTensorParamMap
 from scaletorch.parallel.pipeline_native import TorchPipelineSchedule
 from scaletorch.parallel.pipeline_parallel import apply_pipeline_parallel
 from scaletorch.parallel.step import ForwardBackward, make_data_parallel_step
+from scaletorch.parallel.tensor_layout import TensorLayout
 from scaletorch.parallel.tensor_parallel_dtensor import (apply_dtensor_tensor_parallel, device_mesh,
                                                          dtensor_loss_fn, native_clip_grad_norm)
 from scaletorch.schedule.placement import V_SHAPED
@@ -83,13 +82,14 @@ def _in_loss_parallel(step: ForwardBackward) -> ForwardBackward:
 
 
 def parallelize_native(
-    model: Llama, cfg: "Config", pgm: ProcessGroupManager, precision: Optional[Any] = None
+    model: Llama, cfg: "Config", pgm: ProcessGroupManager, precision: Optional[Any] = None,
+    recompute: Optional[Callable[[nn.Module, str], Any]] = None
 ) -> Tuple[nn.Module, ForwardBackward, Callable[[float], torch.Tensor],
-           Optional[torch.optim.Optimizer], DTensorParamMap]:
+           Optional[torch.optim.Optimizer], TensorLayout]:
     """impl torch: context -> checkpointing -> tensor -> pipeline -> data on ``model`` (built
     with the same seed on every rank). Returns (model for the Trainer, step, clip, None: the
-    Trainer's AdamW over the DTensors, param map), the fields of ``Parallelized``.
-    ``precision``: chapter 08's hooks (their dtypes), or None for fp32 on every wire."""
+    Trainer's AdamW over the DTensors, layout), the fields of ``Parallelized``.
+    ``precision`` (chapter 08), ``recompute`` (chapter 10): ``parallelize``'s hooks."""
     p, m = cfg.parallel, cfg.data.num_micro_batches
     tp, pp = pgm.tensor_model_parallel_world_size, pgm.pipeline_model_parallel_world_size
     zero3 = p.zero_stage == 3
@@ -99,7 +99,8 @@ def parallelize_native(
     if pgm.context_parallel_world_size > 1:  # 1
         apply_context_parallel(model, pgm, p.cp_variant)
         shard_sequence = make_sequence_sharder(pgm, cfg.data.seq_len)
-    apply_activation_checkpointing(model, p.activation_checkpointing)  # 2 (none: nothing)
+    if recompute is not None:  # 2
+        recompute(model, p.activation_checkpointing)
     if tp > 1:  # 3
         apply_dtensor_tensor_parallel(model, mesh["tp"], p.sequence_parallel,
                                       vocab_parallel_logits=pp == 1)
@@ -117,7 +118,8 @@ def parallelize_native(
     elif pgm.data_parallel_world_size_with_context > 1 and pipe is None:
         wrap = apply_data_parallel if precision is None else precision.data_parallel
         trainer_model = wrap(model, pgm, "torch", p.bucket_size_mb)
-    param_map = DTensorParamMap(pgm, model, pipe)  # FSDP2 swapped in DTensors; DDP is around model
+    # FSDP2 swapped in DTensors (their placements say the split); DDP is around model
+    layout = TensorLayout(pgm, {}, [], pipe, dtensor_model=model)
 
     if pipe is not None:
         step: ForwardBackward = TorchPipelineSchedule(pipe, pgm, p.schedule, m, loss_fn)
@@ -129,4 +131,4 @@ def parallelize_native(
         if tp > 1:
             step = _in_loss_parallel(step)
     clip = native_clip_grad_norm(list(trainer_model.parameters()), pgm)
-    return trainer_model, step, clip, None, param_map
+    return trainer_model, step, clip, None, layout

@@ -10,8 +10,8 @@ the Trainer needs. The order (as in torchtitan), and why:
                  Before context parallel: ring attention then works on this rank's heads.
     3 context    swap each attention's ``attention_fn`` for ring (or Ulysses) attention over
                  "cp"; the step shards every sequence zigzag and passes the true positions.
-    4 checkpoint recompute each block in backward (``--activation-checkpointing``,
-                 activation_checkpointing.py). After the strategies that change a block (its
+    4 checkpoint recompute each block in backward (``--activation-checkpointing``, chapter
+                 10's ``recompute`` hook). After the strategies that change a block (its
                  recompute re-runs their collectives), before the pipeline cuts the blocks.
     5 pipeline   keep this rank's stages over "pp"; the step is the pipeline schedule.
     6 data       last, because it must see exactly the parameters this rank holds (after the
@@ -24,10 +24,10 @@ experts, s/cp tokens of B/dp sequences; ZeRO also shards what is left over dp_cp
 
 Gradient clipping is one rule for every layout (``grad_norm.world_grad_norm``): every gradient
 element counted once, replicated copies divided by their number of replicas, one all-reduce
-over the world. The returned ``param_map`` (param_map.py) knows where every reference tensor lives:
-``full_state_dict()`` gathers the reference-keyed weights on global rank 0, and
-consolidated.py writes and reads full weights *and* full AdamW state through it, so a run
-saved at one layout resumes at any other.
+over the world. The returned ``layout`` (tensor_layout.py) says where every reference tensor
+lives; the trainer's param map (scaletorch/trainer/param_map.py) gathers the full weights from
+it for --check, and consolidated checkpoints write and read full weights *and* full AdamW state
+through it, so a run saved at one layout resumes at any other.
 
 ``parallel.impl`` picks whose version runs, so every native comparison of the N-D layouts
 goes through this same call (chapters 07, 08 and 10 use ``parallelize``):
@@ -39,40 +39,34 @@ goes through this same call (chapters 07, 08 and 10 use ``parallelize``):
                 FSDP2 ``fully_shard`` (ZeRO-3) or ``replicate`` over "dp"; a whole model
                 takes DistributedDataParallel over dp_cp (around our cp)
 
-Not supported (ValueError from the one layout check, validation.py, before any surgery): ZeRO
-with MoE (experts would need sharding over "edp"), sequence parallel with MoE
-(validation.py), tied embeddings with a V-shaped schedule beside dp_cp, ZeRO or MoE
-wrappers, or with impl torch and pp,
-impl torch or naive with MoE, naive with ZeRO, impl torch with ZeRO-1/2 or with cp beside tp,
-pp or ZeRO-3; doc/07_nd_parallel.md, "Limits", lists every refusal.
+What cannot compose (ZeRO with MoE, impl torch with cp beside tp, ...) is refused before any
+surgery by the one layout check (validation.py); doc/07_nd_parallel.md, "Limits", lists all.
 MoE parity with the reference is exact with one micro-batch (moe.py: the load-balancing
 statistics are per micro-batch, and a micro-batch of the parallel run holds other tokens).
 """
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 
-from scaletorch.config import autocast_dtype
+from scaletorch.config import autocast_dtype, recompute_mode
 from scaletorch.dist import ProcessGroupManager, comm, get_ledger
 from scaletorch.models import Llama, loss_fn, moe_aux_loss
-from scaletorch.parallel.activation_checkpointing import apply_activation_checkpointing
 from scaletorch.parallel.context_parallel import apply_context_parallel, make_sequence_sharder
 from scaletorch.parallel.data_parallel import apply_data_parallel
 from scaletorch.parallel.expert_parallel import ExpertParallel, shard_experts
 from scaletorch.parallel.grad_norm import clip_grads_, world_grad_norm
 from scaletorch.parallel.native import parallelize_native
-from scaletorch.parallel.param_map import DTensorParamMap, ParamMap, State
 from scaletorch.parallel.pipeline_parallel import PipelineSchedule, apply_pipeline_parallel
 from scaletorch.parallel.split_backward import ZeroBubbleSchedule
 from scaletorch.parallel.step import ForwardBackward, LossFn, LossScale, make_data_parallel_step
+from scaletorch.parallel.tensor_layout import (TensorLayout, plain_entries, record_splits,
+                                               zero_entries)
 from scaletorch.parallel.tensor_parallel import apply_tensor_parallel, tensor_parallel_loss_fn
-from scaletorch.parallel.tied_embeddings import attach_tied_embedding_sync, untie_across_stages
 from scaletorch.parallel.validation import validate_layout
-from scaletorch.parallel.zero import ShardedDataParallel, ZeroAdamW
-from scaletorch.parallel.zero_tied import TiedShardedDataParallel, zero_units
+from scaletorch.parallel.zero import ShardedDataParallel, ZeroAdamW, llama_units
 from scaletorch.schedule.placement import V_SHAPED, ZERO_BUBBLE
 
 if TYPE_CHECKING:  # the config module imports scaletorch.parallel
@@ -88,20 +82,15 @@ class Parallelized:
     model: the Trainer's model (a data-parallel wrapper, or the pipeline's PipelineModel);
     forward_backward: the step (pipeline schedule, or the data-parallel step with the
     vocab-parallel loss and the sequence sharder); clip_grad_norm: the global-norm clip;
-    optimizer: ZeRO's sharded AdamW, None for the Trainer's own; param_map: where each reference
-    tensor lives (``ParamMap`` for ours, ``DTensorParamMap`` for PyTorch's FSDP2 / DTensor);
-    full_state_dict(): collective, the reference-keyed full weights on global rank 0 (None
-    elsewhere).
+    optimizer: ZeRO's sharded AdamW, None for the Trainer's own; layout: where each reference
+    tensor lives (tensor_layout.py; ours, or PyTorch's DTensors).
     """
     model: nn.Module
     forward_backward: ForwardBackward
     clip_grad_norm: Callable[[float], torch.Tensor]
     optimizer: Optional[torch.optim.Optimizer]
-    param_map: Union[ParamMap, DTensorParamMap]
+    layout: TensorLayout
     scaler: Optional[LossScale] = None  # fp16's loss scale, agreed over the world (chapter 08)
-
-    def full_state_dict(self) -> Optional[State]:
-        return self.param_map.gather(lambda p: p.detach())
 
 
 def _check_groups_match(cfg: "Config", pgm: ProcessGroupManager, sizes: Dict[str, int]) -> None:
@@ -121,20 +110,22 @@ def _check_groups_match(cfg: "Config", pgm: ProcessGroupManager, sizes: Dict[str
 
 
 def _apply_data_parallel(
-        modules: List[nn.Module], cfg: "Config", pgm: ProcessGroupManager,
-        precision: Optional[Any]) -> Tuple[List[nn.Module], Optional[torch.optim.Optimizer]]:
+        modules: List[nn.Module], cfg: "Config", pgm: ProcessGroupManager, precision: Optional[Any],
+        tied: Optional[Any]) -> Tuple[List[nn.Module], Optional[torch.optim.Optimizer]]:
     """Step 6: wrap each of ``modules`` (the model, or this rank's pipeline chunks) for data
     parallel over "dp_cp": ZeRO-1/2/3 (with its sharded AdamW), a MoE model's ExpertParallel
     (dense gradients over "dp_cp", expert gradients over "edp"), or DDP (bucketed, or naive).
-    ``precision``: chapter 08's hooks (their dtypes), or None for fp32 on the wire.
-    Returns (wrapped modules, ZeRO's optimizer or None for the Trainer's AdamW)."""
+    ``precision``: chapter 08's hooks (their dtypes), or None for fp32 on the wire; ``tied``:
+    chapter 10's hooks (ZeRO units that share a tied weight). Returns (wrapped modules, ZeRO's
+    optimizer or None for the Trainer's AdamW)."""
     p, t = cfg.parallel, cfg.training
-    if p.zero_stage > 0:  # tied embeddings shared between units (zero_tied.py)
+    if p.zero_stage > 0:
         dtypes = {} if precision is None else dict(param_dtype=precision.policy.param_dtype,
                                                    reduce_dtype=precision.policy.reduce_dtype)
+        group = pgm.data_parallel_group_with_context
         zero: List[ShardedDataParallel] = [
-            TiedShardedDataParallel(m, zero_units(m), pgm.data_parallel_group_with_context,
-                                    p.zero_stage, **dtypes) for m in modules
+            ShardedDataParallel(m, llama_units(m), group, p.zero_stage, **dtypes)
+            if tied is None else tied.zero(m, group, p.zero_stage, **dtypes) for m in modules
         ]
         for z in zero:
             if precision is not None:
@@ -160,23 +151,51 @@ def check_fp32_without_hooks(cfg: "Config") -> None:
                          f"device.type)) from scaletorch.parallel.mixed_precision")
 
 
+def check_recompute_without_hook(cfg: "Config") -> None:
+    """Recomputation is chapter 10's, attached from outside: ValueError when asked without it."""
+    mode = recompute_mode(cfg.parallel.activation_checkpointing)
+    if mode != "none":
+        raise ValueError(f"parallel.activation_checkpointing {mode!r} needs chapter 10's hook: "
+                         f"parallelize(..., recompute=apply_activation_checkpointing) from "
+                         f"scaletorch.parallel.activation_checkpointing, as "
+                         f"examples/10_real_model.py does")
+
+
+def check_tied_without_hooks(cfg: "Config", sizes: Dict[str, int]) -> None:
+    """A tied model under our pipeline or ZeRO needs chapter 10's hooks: ValueError."""
+    p = cfg.parallel
+    if cfg.model.tie_word_embeddings and p.impl != "torch" and (sizes["pp"] > 1
+                                                                or p.zero_stage > 0):
+        raise ValueError(f"model.tie_word_embeddings true with pipeline_model_parallel_size "
+                         f"{sizes['pp']} and zero_stage {p.zero_stage} needs chapter 10's hooks: "
+                         f"parallelize(..., tied=TiedEmbeddings()) from "
+                         f"scaletorch.parallel.tied_embeddings, as examples/10_real_model.py does")
+
+
 def parallelize(model: Llama, cfg: "Config", pgm: ProcessGroupManager, device: torch.device,
-                precision: Optional[Any] = None) -> Parallelized:
+                precision: Optional[Any] = None, tied: Optional[Any] = None,
+                recompute: Optional[Callable[[nn.Module, str], Any]] = None) -> Parallelized:
     """Apply expert -> tensor -> context -> checkpointing -> pipeline -> data parallel to the
     reference ``model`` (built with the same seed on every rank), as ``cfg.parallel`` says.
 
     ``cfg``: the scaletorch Config; ``pgm``: the process-group manager of the same layout;
     ``precision``: chapter 08's ``PrecisionHooks`` (mixed_precision.py), attached from outside;
-    None keeps every wire in fp32.
+    None keeps every wire in fp32. ``tied``: chapter 10's ``TiedEmbeddings`` (tied_embeddings.py),
+    which a tied model needs under a pipeline or ZeRO. ``recompute``: chapter 10's
+    ``apply_activation_checkpointing``, which ``parallel.activation_checkpointing`` needs.
     """
     sizes = validate_layout(cfg, pgm.world_size)  # every refusal, before any surgery
     _check_groups_match(cfg, pgm, sizes)
     if precision is None:
         check_fp32_without_hooks(cfg)
+    if tied is None:
+        check_tied_without_hooks(cfg, sizes)
+    if recompute is None:
+        check_recompute_without_hook(cfg)
     p = cfg.parallel
     model = model.to(device)
     if p.impl == "torch":  # PyTorch's own strategies on one DeviceMesh (native.py)
-        return Parallelized(*parallelize_native(model, cfg, pgm, precision))
+        return Parallelized(*parallelize_native(model, cfg, pgm, precision, recompute))
     loss: LossFn = loss_fn
     shard_sequence: Optional[Callable] = None
     if cfg.model.num_experts > 0:  # 1 (also at ep 1: the routing statistics over dp_cp)
@@ -190,22 +209,22 @@ def parallelize(model: Llama, cfg: "Config", pgm: ProcessGroupManager, device: t
     if pgm.context_parallel_world_size > 1:  # 3
         apply_context_parallel(model, pgm, p.cp_variant)
         shard_sequence = make_sequence_sharder(pgm, cfg.data.seq_len)
-    apply_activation_checkpointing(model, p.activation_checkpointing)  # 4 (none: nothing)
-    splits = ParamMap.record_splits(model)
+    if recompute is not None:  # 4
+        recompute(model, p.activation_checkpointing)
+    splits = record_splits(model)
 
     pipe = None
     if pgm.pipeline_model_parallel_world_size > 1:  # 5
-        if cfg.model.tie_word_embeddings and p.schedule not in V_SHAPED:
-            untie_across_stages(model)  # a V keeps the tie: both ends are chunks of rank 0
+        if tied is not None and cfg.model.tie_word_embeddings:
+            tied.before_pipeline(model, p.schedule in V_SHAPED)
         pipe = apply_pipeline_parallel(model, pgm, p.virtual_pipeline_stages, p.layer_split,
                                        p.sequence_parallel, p.schedule in V_SHAPED)
     modules: List[nn.Module] = list(pipe.chunks) if pipe is not None else [model]
-    plain_entries = ParamMap.plain_entries(modules)
+    plain = plain_entries(modules)
 
-    wrapped, optimizer = _apply_data_parallel(modules, cfg, pgm, precision)  # 6
+    wrapped, optimizer = _apply_data_parallel(modules, cfg, pgm, precision, tied)  # 6
     zero = [w for w in wrapped if isinstance(w, ShardedDataParallel)]
-    entries = ParamMap.zero_entries(zero) if zero else plain_entries
-    param_map = ParamMap(pgm, splits, entries, pipe)
+    layout = TensorLayout(pgm, splits, zero_entries(zero) if zero else plain, pipe)
 
     if pipe is not None:
         pipe.chunks = nn.ModuleList(wrapped)
@@ -214,8 +233,8 @@ def parallelize(model: Llama, cfg: "Config", pgm: ProcessGroupManager, device: t
         schedule = cls(pipe, pgm, p.schedule, cfg.data.num_micro_batches, loss, shard_sequence,
                        scaler, wire_dtype=None if precision is None else precision.wire_dtype,
                        aux_loss=moe_aux_loss)
-        if cfg.model.tie_word_embeddings:  # sum the first and the last stage's copies
-            attach_tied_embedding_sync(schedule, pgm)
+        if tied is not None and cfg.model.tie_word_embeddings:  # sum the two copies' grads
+            tied.after_schedule(schedule, pgm)
         step: ForwardBackward = schedule
     else:
         trainer_model = wrapped[0]
@@ -224,7 +243,7 @@ def parallelize(model: Llama, cfg: "Config", pgm: ProcessGroupManager, device: t
                                        pgm.data_parallel_group_with_context, loss, shard_sequence,
                                        scaler)
 
-    replicas = param_map.replicas()
+    replicas = layout.replicas()
 
     def clip_grad_norm(max_norm: float) -> torch.Tensor:
         for w in zero:
@@ -232,7 +251,7 @@ def parallelize(model: Llama, cfg: "Config", pgm: ProcessGroupManager, device: t
         norm = world_grad_norm(replicas, device)  # one all-reduce of one number, world
         return clip_grads_([param for param, _ in replicas], max_norm, norm)
 
-    return Parallelized(trainer_model, step, clip_grad_norm, optimizer, param_map, scaler)
+    return Parallelized(trainer_model, step, clip_grad_norm, optimizer, layout, scaler)
 
 
 # ---- what chapter 07 prints: every rank's place, traffic and memory in one table -------------

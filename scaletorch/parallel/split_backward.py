@@ -41,10 +41,10 @@ from scaletorch.schedule.simulate import ZeroBubbleTimeline
 def weight_leaves(chunk: nn.Module) -> List[torch.Tensor]:
     """The leaves a chunk's W differentiates: the trainable weights its forward reads. Those
     are its parameters, but for a ZeRO wrapper (zero.py), whose parameters are this rank's
-    shards: the graph holds its units' full parameters (``graph_params``), and a W over the
-    shards would reach no weight (no gradient, no reduce-scatter)."""
-    graph_params = getattr(chunk, "graph_params", None)
-    params = chunk.parameters() if graph_params is None else graph_params()
+    shards: the graph holds its units' full parameters (views of each unit's flat vector), and
+    a W over the shards would reach no weight (no gradient, no reduce-scatter)."""
+    units = getattr(chunk, "units", None)  # a ZeRO wrapper's FlatUnits
+    params = chunk.parameters() if units is None else [t for u in units for t in u.tensors]
     return [p for p in params if p.requires_grad]
 
 

@@ -6,18 +6,21 @@ gets its own copy (``untie_across_stages``, before the cut), and after backward 
 over the embedding group (pg_manager: the pipeline's first and last rank) sums the two copies'
 gradients (``sync_tied_embedding_grads``), so both stay equal. In a V (zbv, dualpipev) both
 stages are rank 0's chunks: they share the one parameter, as on one device, and its two uses
-accumulate into its one ``.grad`` (no copy, no embedding group). ``parallelize`` (chapter 07)
-attaches this to the pipeline schedule from outside (``attach_tied_embedding_sync``).
+accumulate into its one ``.grad`` (no copy, no embedding group). Chapter 10 (real models tie
+them) attaches this to chapter 07's ``parallelize`` from outside: ``tied=TiedEmbeddings()``.
 """
 
-from typing import List, Sequence
+from typing import Any, List, Sequence
 
 import torch
 from torch import nn
 
 from scaletorch.dist import ProcessGroupManager, comm
+from scaletorch.dist.comm import Group
 from scaletorch.models import Llama
 from scaletorch.parallel.pipeline_parallel import PipelineModel, PipelineSchedule
+from scaletorch.parallel.zero import ShardedDataParallel
+from scaletorch.parallel.zero_tied import TiedShardedDataParallel, zero_units
 
 
 def untie_across_stages(model: Llama) -> None:
@@ -68,3 +71,19 @@ def check_v_shape_wrappers(pipe: PipelineModel, pgm: ProcessGroupManager) -> Non
                          f"rank 0's two chunks share the tied weight, and each chunk's wrapper "
                          f"would sync it on its own; run the V with dp_cp 1, or use afab, 1f1b, "
                          f"interleaved or zb-h1")
+
+
+class TiedEmbeddings:
+    """The hooks ``parallelize(..., tied=TiedEmbeddings())`` calls for a tied model: the copy
+    before the pipeline's cut, ZeRO units that share the weight, the sum after backward."""
+
+    def before_pipeline(self, model: Llama, v_shape: bool) -> None:
+        if not v_shape:  # a V keeps the tie: both ends are chunks of rank 0
+            untie_across_stages(model)
+
+    def zero(self, module: nn.Module, group: Group, zero_stage: int,
+             **dtypes: Any) -> ShardedDataParallel:
+        return TiedShardedDataParallel(module, zero_units(module), group, zero_stage, **dtypes)
+
+    def after_schedule(self, schedule: PipelineSchedule, pgm: ProcessGroupManager) -> None:
+        attach_tied_embedding_sync(schedule, pgm)

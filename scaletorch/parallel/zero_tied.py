@@ -1,4 +1,4 @@
-"""ZeRO in chapter 07's compositions: tied embeddings shared by two units, zero-bubble's W.
+"""ZeRO for a model with tied embeddings (chapter 10): one weight shared by two units.
 
 With ``lm_head.weight is embed_tokens.weight`` the one weight is sharded once, in the first unit
 that lists it (the embedding's); the head unit *borrows* it. Why this and not a unit of its own
@@ -10,14 +10,13 @@ with the head: the embedding matrix crosses the wire twice more per micro-batch,
 in all.
 
 Under a pipeline the embedding and the head are on different ranks: each holds a copy
-(pipeline_parallel.py, tagged ``shared_embedding``), and the last stage's copy is a unit of its
+(tied_embeddings.py, tagged ``shared_embedding``), and the last stage's copy is a unit of its
 own (``zero_units``), cut into shards exactly as the first stage's embedding unit, so that the
 embedding group can sum the two copies' gradient shards element for element.
 """
 
 from typing import Dict, List, cast
 
-import torch
 from torch import nn
 
 from scaletorch.parallel.flat_unit import FlatUnit
@@ -26,8 +25,7 @@ from scaletorch.parallel.zero import ShardedDataParallel, Units, llama_units
 
 class TiedShardedDataParallel(ShardedDataParallel):
     """``ShardedDataParallel`` whose units may share parameters: the first unit that lists a
-    parameter owns it, a later one borrows it and gathers and frees the owner with itself.
-    Also names the tensors a zero-bubble W differentiates (``graph_params``)."""
+    parameter owns it, a later one borrows it and gathers and frees the owner with itself."""
     shares_parameters = True
 
     def _build_units(self, units: Units) -> List[FlatUnit]:
@@ -62,13 +60,6 @@ class TiedShardedDataParallel(ShardedDataParallel):
 
     def _gathered_with(self, i: int) -> List[int]:
         return [i] + self.borrows[i]
-
-    def graph_params(self) -> List[torch.Tensor]:
-        """The trainable tensors the forward reads and backward accumulates ``.grad`` into:
-        every unit's full parameters, views of its flat vector. Not ``parameters()`` (this
-        rank's shards, which no graph contains): a backward restricted to some ``inputs``
-        (a zero-bubble W, split_backward.py) must name these, or it reaches no weight."""
-        return [t for unit in self.units for t in unit.tensors if t.requires_grad]
 
 
 def zero_units(model: nn.Module) -> Units:

@@ -5,7 +5,7 @@ resume only at the same layout. A consolidated file holds what one device would 
 like chapter 00's model: ``save_consolidated`` gathers it through the layout (collective) and
 writes it from global rank 0; to continue at another layout (or on one device) load its weights
 into the full model *before* ``parallelize`` shards it, then ``resume_consolidated`` gives each
-rank its part of the AdamW state (``ParamMap.scatter``), the schedule and the step.
+rank its part of the AdamW state (param_map.py: ``scatter``), the schedule and the step.
 
     {"step", "model": {name: tensor}, "optimizer": {"step", "exp_avg", "exp_avg_sq"} or None,
      "scheduler": LambdaLR state, "schedule": {steps, lr, min_lr, warmup_steps}}
@@ -20,12 +20,14 @@ from scaletorch.config import Config
 from scaletorch.dist import comm, get_ledger
 from scaletorch.parallel.parallelize import Parallelized
 from scaletorch.trainer.checkpoint import load_tensors_only
+from scaletorch.trainer.param_map import param_map
 
 if TYPE_CHECKING:  # only the type: chapter 07's script hands its Trainer in
     from scaletorch.trainer.trainer import Trainer
 
 # A layout's gather: value_of(parameter) -> chapter 00's {name: full tensor} (on global rank 0
-# at least): ``ParamMap.gather`` (chapter 07), ZeRO's or FSDP2's ``full_state_dict`` (chapter 02).
+# at least): a param map's ``gather`` (chapter 07), ZeRO's or FSDP2's ``full_state_dict``
+# (chapter 02).
 Gather = Callable[[Callable[[torch.Tensor], torch.Tensor]], Optional[Dict[str, torch.Tensor]]]
 
 
@@ -34,7 +36,7 @@ def consolidated_state(trainer: "Trainer", par: Union[Parallelized,
     """Collective. The dict of the module docstring, with full reference-keyed tensors, on
     global rank 0 (None elsewhere); "optimizer" is None before AdamW's first step. ``par``:
     what ``parallelize`` returned, or a strategy's own gather (chapter 02)."""
-    gather = par.param_map.gather if isinstance(par, Parallelized) else par
+    gather = param_map(par).gather if isinstance(par, Parallelized) else par
     opt = trainer.optimizer
     # AdamW has state once it stepped; every rank must agree before the collective gathers
     params = [p for group in opt.param_groups for p in group["params"]]
@@ -95,8 +97,9 @@ def resume_consolidated(trainer: "Trainer", par: Parallelized, state: Dict[str, 
     model first); this sets each rank's part of the AdamW state, the schedule and the step."""
     opt = trainer.optimizer
     if state["optimizer"] is not None:
-        exp_avg = par.param_map.scatter(state["optimizer"]["exp_avg"])
-        exp_avg_sq = par.param_map.scatter(state["optimizer"]["exp_avg_sq"])
+        scatter = param_map(par).scatter
+        exp_avg = scatter(state["optimizer"]["exp_avg"])
+        exp_avg_sq = scatter(state["optimizer"]["exp_avg_sq"])
         for param in exp_avg:
             opt.state[param] = {
                 "step": torch.tensor(state["optimizer"]["step"]),
@@ -108,7 +111,7 @@ def resume_consolidated(trainer: "Trainer", par: Parallelized, state: Dict[str, 
         group["lr"] = lr
     trainer.step = state["step"]
     saved, now = state.get("schedule"), _schedule(trainer.cfg)
-    if saved is not None and saved != now and par.param_map.pgm.rank == 0:
+    if saved is not None and saved != now and par.layout.pgm.rank == 0:
         differ = ", ".join(f"{k} {saved[k]} -> {now[k]}" for k in SCHEDULE if saved[k] != now[k])
         print(
             f"note: resuming a run whose schedule was {differ}: from step {trainer.step} the "

@@ -22,7 +22,8 @@ import torch
 from scaletorch.dist import get_ledger
 from scaletorch.dist.pg_manager import ProcessGroupManager, RankGrid
 from scaletorch.models import LlamaConfig, build_model
-from scaletorch.parallel.activation_checkpointing import saved_activation_bytes
+from scaletorch.parallel.activation_checkpointing import (apply_activation_checkpointing,
+                                                          saved_activation_bytes)
 from scaletorch.parallel.memory_report import measure_memory
 from scaletorch.parallel.mixed_precision import precision_hooks
 from scaletorch.parallel.parallelize import GROUPS, parallelize
@@ -58,7 +59,7 @@ def _measure(rank: int, world: int, samples: int) -> Dict[str, dict]:
         cfg = _config(tp, pp, zero)
         pgm = ProcessGroupManager(RankGrid(world, tp, pp))
         par = parallelize(build_model(cfg.model, seed=0), cfg, pgm, torch.device("cpu"),
-                          precision_hooks(cfg, "cpu"))
+                          precision_hooks(cfg, "cpu"), recompute=apply_activation_checkpointing)
         trainer = Trainer(cfg, par.model, pgm, optimizer=par.optimizer,
                           forward_backward=par.forward_backward, clip_grad_norm=par.clip_grad_norm,
                           verbose=False)

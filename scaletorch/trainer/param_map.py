@@ -1,40 +1,28 @@
-"""Where every reference tensor lives on this rank, for any layout ``parallelize`` builds.
+"""Full weights and AdamW state from any layout, and back: the map consolidated checkpoints use.
 
-A param map maps each tensor of chapter 00's state dict to the optimizer parameter that holds it
-here and how it is split: a tp dimension, an ep shard of the experts, a piece of a ZeRO
-unit's flat shard over dp_cp, a pipeline stage (``ParamMap``, for ours), or a DTensor's
-placements (``DTensorParamMap``, for PyTorch's FSDP2 and DTensor tensor parallel).
-
-Both answer the same three questions: ``params()`` (what AdamW keeps state for),
-``gather(value_of)`` (collective: the full reference-keyed tensors of the parameters, or of
-an AdamW state shaped like them, on global rank 0) and ``scatter(full)`` (this rank's part of
-full tensors, no communication): what consolidated checkpoints need to move a run from any
-layout to any other (consolidated.py).
+A param map answers three questions about a layout that ``parallelize`` built (its
+``TensorLayout``, scaletorch/parallel/tensor_layout.py): ``params()`` (what AdamW keeps state
+for), ``gather(value_of)`` (collective: the full reference-keyed tensors of the parameters, or
+of an AdamW state shaped like them, on global rank 0) and ``scatter(full)`` (this rank's part of
+full tensors, no communication). ``ParamMap`` reads our strategies' splits (a tp dimension, an
+ep shard, a piece of a ZeRO unit, a pipeline stage); ``DTensorParamMap`` PyTorch's DTensors
+(FSDP2, DTensor tensor parallel). With them --check compares full weights and a run saved at one
+layout resumes at any other (consolidated.py).
 """
 
 import logging
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import torch
-from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from scaletorch.dist import ProcessGroupManager, get_ledger
+from scaletorch.dist import get_ledger
 from scaletorch.dist.functional import gather_along_dim, split_along_dim
-from scaletorch.parallel.grad_norm import ParamReplicas, replica_count
-from scaletorch.parallel.pipeline_parallel import PipelineModel, gather_pipeline_state_dict
-from scaletorch.parallel.zero import ShardedDataParallel
+from scaletorch.parallel.parallelize import Parallelized
+from scaletorch.parallel.pipeline_parallel import gather_pipeline_state_dict
+from scaletorch.parallel.tensor_layout import TensorLayout
 
 State = Dict[str, torch.Tensor]
-# (tp partition dim, expert-parallel, (vocabulary, padded rows) of a padded vocabulary split)
-Split = Tuple[Optional[int], bool, Optional[Tuple[int, int]]]
-
-
-def tied_copies(param: torch.Tensor) -> int:
-    """2 for a tied embedding under a pipeline (a copy on the first and on the last stage,
-    equal gradients after the embedding group's all-reduce), else 1: a factor on top of
-    ``grad_norm.replica_count``. In a V one shared parameter: 1."""
-    return 2 if getattr(param, "shared_embedding", False) else 1
 
 
 class ParamMap:
@@ -46,45 +34,17 @@ class ParamMap:
     used to load a full optimizer state at any layout.
     """
 
-    def __init__(self, pgm: ProcessGroupManager, splits: Dict[str, Split], entries: List[Any],
-                 pipe: Optional[PipelineModel] = None) -> None:
-        self.pgm, self.splits, self.pipe = pgm, splits, pipe
+    def __init__(self, layout: TensorLayout) -> None:
+        self.pgm, self.splits, self.pipe = layout.pgm, layout.splits, layout.pipe
         # each entry: (optimizer parameter, [(names, shape, offset)], ZeRO unit or None)
-        self.entries = entries
+        self.entries = layout.entries
         # a tied embedding's copy under a pipeline (tied_embeddings.py), on the first stage
-        self.tied = pipe is not None and any(
-            getattr(param, "shared_embedding", False) for param, _, _ in entries)
-
-    @classmethod
-    def record_splits(cls, model: nn.Module) -> Dict[str, Split]:
-        """{reference name: (tp partition dim or None, is expert, (vocabulary, padded rows) or
-        None)}, read from the tags the strategies put on parameters, before wrappers and ZeRO
-        hide them."""
-        splits = {}
-        for name, t in model.state_dict(keep_vars=True).items():
-            tp_dim = t.partition_dim if getattr(t, "tensor_model_parallel", False) else None
-            splits[name] = (tp_dim, bool(getattr(t, "expert_parallel",
-                                                 False)), getattr(t, "vocab_padding", None))
-        return splits
+        self.tied = self.pipe is not None and any(
+            getattr(param, "shared_embedding", False) for param, _, _ in self.entries)
 
     def params(self) -> List[torch.Tensor]:
         """The optimizer's parameters, one per entry (what AdamW keeps state for)."""
         return [param for param, _, _ in self.entries]
-
-    @staticmethod
-    def plain_entries(modules: List[nn.Module]) -> List[Any]:
-        """One entry per parameter of ``modules``, with every name it has (tied weights)."""
-        by_param: Dict[int, Tuple[torch.Tensor, List[str]]] = {}
-        for module in modules:
-            for name, t in module.state_dict(keep_vars=True).items():
-                by_param.setdefault(id(t), (t, []))[1].append(name)
-        return [(t, [(names, t.shape, 0)], None) for t, names in by_param.values()]
-
-    @staticmethod
-    def zero_entries(wrappers: List[ShardedDataParallel]) -> List[Any]:
-        """One entry per ZeRO unit: its flat shard and the (names, shape, offset) of its pieces."""
-        return [(u.shard, list(zip(u.names, u.shapes, u.offsets)), u) for w in wrappers
-                for u in w.units]
 
     # ---- full <-> local, one tensor at a time ----------------------------------------------
 
@@ -144,23 +104,6 @@ class ParamMap:
             out[param] = flat[unit.rank * unit.shard_numel:][:unit.shard_numel].clone()
         return {p: t.to(p.device, p.dtype) for p, t in out.items()}
 
-    def replicas(self) -> List[ParamReplicas]:
-        """(optimizer parameter, replicas) for ``world_grad_norm``: a count per parameter, or
-        per element of a ZeRO shard (whose pieces are each tp-split or tp-replicated)."""
-        tp = self.pgm.tensor_model_parallel_world_size
-        out: List[ParamReplicas] = []
-        for param, pieces, unit in self.entries:
-            if unit is None:
-                out.append((param, replica_count(param, self.pgm) * tied_copies(param)))
-                continue
-            counts = torch.ones(unit.padded_numel, device=param.device)  # padding: zero grads
-            for names, shape, offset in pieces:
-                counts[offset:offset + shape.numel()] = 1 if self.splits[names[0]][0] is not None \
-                    else tp
-            counts *= tied_copies(param)  # a tied embedding's copy under a pipeline: x 2
-            out.append((param, counts[unit.rank * unit.shard_numel:][:unit.shard_numel]))
-        return out
-
 
 class DTensorParamMap:
     """Where every reference tensor lives under PyTorch's FSDP2 or DTensor tensor parallel:
@@ -169,11 +112,11 @@ class DTensorParamMap:
     pipeline (``pipe``) this rank's chunks hold its stages, and gathering adds the other
     stages' tensors (pipeline rank 0 receives them)."""
 
-    def __init__(self, pgm: ProcessGroupManager, model: nn.Module,
-                 pipe: Optional[PipelineModel] = None) -> None:
-        self.pgm, self.pipe = pgm, pipe
+    def __init__(self, layout: TensorLayout) -> None:
+        self.pgm, self.pipe, model = layout.pgm, layout.pipe, layout.dtensor_model
+        assert model is not None, "a layout of PyTorch's own strategies names its model"
         by_param: Dict[int, Tuple[torch.Tensor, List[str]]] = {}
-        for module in [model] if pipe is None else pipe.chunks:
+        for module in [model] if self.pipe is None else self.pipe.chunks:
             for name, t in module.state_dict(keep_vars=True).items():
                 by_param.setdefault(id(t), (t, []))[1].append(name)
         self.entries = list(by_param.values())  # (parameter, its names: tied weights)
@@ -207,3 +150,15 @@ class DTensorParamMap:
             out[param] = distribute_tensor(t, param.device_mesh, param.placements) \
                 if isinstance(param, DTensor) else t.clone()
         return out
+
+
+def param_map(par: Parallelized) -> Union[ParamMap, DTensorParamMap]:
+    """The param map of what ``parallelize`` returned: ours, or PyTorch's DTensors'."""
+    layout = par.layout
+    return ParamMap(layout) if layout.dtensor_model is None else DTensorParamMap(layout)
+
+
+def full_state_dict(par: Parallelized) -> Optional[State]:
+    """Collective over the world: chapter 00's {name: full fp32 tensor} on global rank 0, None
+    elsewhere (what --check compares with the reference)."""
+    return param_map(par).gather(lambda p: p.detach())
