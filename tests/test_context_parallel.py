@@ -77,8 +77,8 @@ def attention_errors(pgm, fn, hq: int, hkv: int, order: str = "zigzag") -> float
 # values: relative error ||local - full|| / ||full||, the largest of out, dq, dk, dv. q and k are
 # scaled by 2 (scores of std 4, a trained model's spread), where a merge in bf16 loses the
 # log-sum-exp's low bits. Measured over cp 2 and 4 and HEADS (the test below prints them): the
-# kernel path at most 0.0066 on any rank; planted at heads (4, 2), worst rank, merging in bf16
-# 0.0392 (cp 2) and 0.0469 (cp 4), one block dropped 44.5 and 8.38.
+# kernel path at most 6.6e-03 on any rank; planted at heads (4, 2), worst rank, merging in bf16
+# 3.9e-02 (cp 2) and 4.7e-02 (cp 4), one block dropped 4.5e+01 and 8.4e+00.
 BF16_RTOL = 0.012
 
 
@@ -386,8 +386,8 @@ class TestContextParallel(unittest.TestCase):
         kernel = max(c[(p, hq, hkv)] for c in cases for p in ("bf16 fused", "cuda bf16")
                      for hq, hkv in HEADS)
         print(f"\nring attention, bf16 blocks, fp32 statistics: relative error at most "
-              f"{kernel:.4f} (tolerance {BF16_RTOL}); planted, worst rank: " +
-              ", ".join(f"{bug} cp {cp} {err:.4f}" for (bug, cp), err in worst.items()))
+              f"{kernel:.1e} (tolerance {BF16_RTOL}); planted, worst rank: " +
+              ", ".join(f"{bug} cp {cp} {err:.1e}" for (bug, cp), err in worst.items()))
 
     def test_gpu_path_auto_on_cuda_calls_the_kernels_as_their_schemas_expect(self):
         # every rank computes diagonal (causal) and full blocks, forward and backward
