@@ -474,6 +474,19 @@ class TestRingKernelChoice(unittest.TestCase):
         self.assertEqual(self.pick("math", "cuda", torch.bfloat16), "math")
         self.assertEqual(self.pick("cuda_efficient", "cuda", torch.bfloat16), "cuda_efficient")
 
+    def test_an_older_torch_without_enable_gqa_still_picks(self):
+        made = []
+
+        def old_params(*args):  # SDPAParams before its enable_gqa argument
+            if len(args) == 7:
+                raise TypeError("incompatible constructor arguments")
+            made.append(args)
+            return args
+
+        with mock.patch.object(torch.backends.cuda, "SDPAParams", old_params):
+            self.assertEqual(self.pick("auto", "cuda", torch.bfloat16), "cuda_flash")
+        self.assertEqual([len(args) for args in made], [6])
+
     def test_a_kernel_lse_of_the_wrong_shape_raises(self):
         q = torch.zeros(2, 4, 8, 16)
         with self.assertRaisesRegex(ValueError, r"kernel lse of shape \(2, 4, 7\)"):

@@ -38,7 +38,10 @@ def pick(impl: str, device_type: str, q: torch.Tensor) -> str:
     if device_type == "cpu":  # auto: the readable fp32 path, the numbers the CPU tests check
         return "math" if impl == "auto" else "cpu_flash"
     if device_type == "cuda":  # torch's own checks: GPU generation, dtype, head size, toggles
-        params = torch.backends.cuda.SDPAParams(q, q, q, None, 0.0, True, False)
+        try:
+            params = torch.backends.cuda.SDPAParams(q, q, q, None, 0.0, True, False)
+        except TypeError:  # an older torch: no enable_gqa argument
+            params = torch.backends.cuda.SDPAParams(q, q, q, None, 0.0, True)  # type: ignore[call-arg]
         if q.dtype != torch.float32 and torch.backends.cuda.can_use_flash_attention(params):
             return "cuda_flash"
         if torch.backends.cuda.can_use_efficient_attention(params):

@@ -187,7 +187,7 @@ class _RingAttention(torch.autograd.Function):
             for t, blocks in enumerate(ring_schedule(rank, cp, order)):
                 if t + 1 < cp:  # post the next K/V before computing: comm overlaps compute
                     next_kv, works = _exchange(kv, group, KV_TAG)
-                kv_up = up(kv)  # upcast after the wire, on this rank
+                kv_up = up(kv)  # math: upcast after the wire, on this rank
                 ks, vs = kv_up[0].chunk(2, dim=2), kv_up[1].chunk(2, dim=2)
                 for a, b, kind in blocks:
                     if kind == "skipped":
@@ -260,6 +260,7 @@ class RingAttention:
 
     Called with q (b, s_local, hq, d), k and v (b, s_local, hkv, d); returns (b, s_local, hq, d).
     ``blocks``: the full / diagonal / skipped blocks of every forward whose backward ran.
+    ``impl``: auto, math, fused (attention_kernels.pick) or a kernel's name (forced).
     """
 
     def __init__(self, group: Group, order: str = "zigzag", impl: str = "auto") -> None:
