@@ -38,13 +38,14 @@ def pick(impl: str, device_type: str, q: torch.Tensor) -> str:
     if device_type == "cpu":  # auto: the readable fp32 path, the numbers the CPU tests check
         return "math" if impl == "auto" else "cpu_flash"
     if device_type == "cuda":  # torch's own checks: GPU generation, dtype, head size, toggles
+        sdpa = torch.backends.cuda
         try:
-            params = torch.backends.cuda.SDPAParams(q, q, q, None, 0.0, True, False)
+            params = sdpa.SDPAParams(q, q, q, None, 0.0, True, False)
         except TypeError:  # an older torch: no enable_gqa argument
-            params = torch.backends.cuda.SDPAParams(q, q, q, None, 0.0, True)  # type: ignore[call-arg]
-        if q.dtype != torch.float32 and torch.backends.cuda.can_use_flash_attention(params):
+            params = sdpa.SDPAParams(q, q, q, None, 0.0, True)  # type: ignore[call-arg]
+        if q.dtype != torch.float32 and sdpa.can_use_flash_attention(params):
             return "cuda_flash"
-        if torch.backends.cuda.can_use_efficient_attention(params):
+        if sdpa.can_use_efficient_attention(params):
             return "cuda_efficient"
     return "math"  # mps, xpu, ...: no lse-returning kernel called here; or none takes q
 
