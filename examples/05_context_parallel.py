@@ -65,7 +65,7 @@ def main() -> int:
         compute_dtype = DTYPES[resolve_precision(cfg, env.device.type)]
         apply_tensor_parallel(model, pgm, p.sequence_parallel, compute_dtype)
         loss, clip = tensor_parallel_loss_fn(pgm), tensor_parallel_clip_grad_norm(model, pgm)
-    apply_context_parallel(model, pgm, p.cp_variant)  # the new idea: attention over the ring
+    apply_context_parallel(model, pgm, p.cp_variant, impl=p.cp_attention)  # attention over the ring
     model = apply_data_parallel(model, pgm, p.impl, p.bucket_size_mb)  # over dp x cp (dp_cp)
     step = make_data_parallel_step(model, cfg.data.num_micro_batches, pgm.data_parallel_rank,
                                    pgm.data_parallel_world_size,

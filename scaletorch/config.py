@@ -49,6 +49,7 @@ class ParallelConfig:
     schedule: str = "1f1b"  # afab | 1f1b | interleaved | zb-h1 | zbv | dualpipev (chapter 04)
     virtual_pipeline_stages: int = 1
     cp_variant: str = "ring"  # ring | ulysses
+    cp_attention: str = "auto"  # ring's blocks: auto (fused on CUDA, math elsewhere) | math | fused
     # none | selective (recompute the attention core) | full (each block); true/false: full/none
     activation_checkpointing: str = "none"
     # layers per global pipeline stage (pp x virtual stages entries); None: an even split

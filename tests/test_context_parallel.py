@@ -8,12 +8,18 @@ world of 2 covers context parallel 2 with data parallel 1.
 
 import copy
 import dataclasses
+import math
 import unittest
+from functools import partial
+from typing import Any, Dict, List
+from unittest import mock
 
 import torch
 
 from scaletorch.dist import destroy_pg_manager, get_ledger, init_pg_manager
 from scaletorch.models import LlamaConfig, build_model, causal_attention, loss_fn
+from scaletorch.parallel import attention_kernels as kernels
+from scaletorch.parallel import ring_attention
 from scaletorch.parallel.context_parallel import (UlyssesAttention, apply_context_parallel,
                                                   check_ulysses_heads, make_sequence_sharder,
                                                   zigzag_positions)
@@ -22,6 +28,7 @@ from scaletorch.parallel.ring_attention import RingAttention, attention_block_co
 from scaletorch.parallel.step import make_data_parallel_step
 from scaletorch.parallel.tensor_parallel import apply_tensor_parallel, tensor_parallel_loss_fn
 from scaletorch.trainer import Config, Trainer
+from scaletorch.trainer.config import validate
 from tests.harness import run_distributed
 from tests.layouts import assert_matches, clip_fn, full_state, reference
 
@@ -65,6 +72,138 @@ def attention_errors(pgm, fn, hq: int, hkv: int, order: str = "zigzag") -> float
     return max((a - b[:, pos]).abs().max().item() for a, b in pairs)
 
 
+# ---- the GPU path (attention_kernels.py), checked on a CPU ----------------------------------
+# Blocks in bf16 (the CPU kernel) merged in fp32, against fp32 attention on the same bf16
+# values: relative error ||local - full|| / ||full||, the largest of out, dq, dk, dv. q and k are
+# scaled by 2 (scores of std 4, a trained model's spread), where a merge in bf16 loses the
+# log-sum-exp's low bits. Measured over cp 2 and 4 and HEADS (the test below prints them): the
+# kernel path at most 6.6e-03 on any rank; planted at heads (4, 2), worst rank, merging in bf16
+# 3.9e-02 (cp 2) and 4.7e-02 (cp 4), one block dropped 4.5e+01 and 8.4e+00.
+BF16_RTOL = 0.012
+
+
+def relative_error(pgm, fn, hq: int, hkv: int, dtype: torch.dtype = torch.bfloat16) -> float:
+    """Largest ||local - full|| / ||full|| over out, dq, dk, dv; inputs rounded to ``dtype``."""
+    g = torch.Generator().manual_seed(100 * hq + hkv)
+    b, s, d = 2, 32, 16
+    q, k, v = (torch.randn(b, s, h, d, generator=g).mul(2).to(dtype).float().requires_grad_()
+               for h in (hq, hkv, hkv))
+    dout = torch.randn(b, s, hq, d, generator=g).to(dtype).float()
+    full = causal_attention(q, k, v)
+    full.backward(dout)
+    pos = zigzag_positions(s, pgm.context_parallel_world_size, pgm.context_parallel_rank)
+    ql, kl, vl = (t.detach()[:, pos].to(dtype).requires_grad_() for t in (q, k, v))
+    out = fn(ql, kl, vl)
+    out.backward(dout[:, pos].to(dtype))
+    pairs = [(out, full), (ql.grad, q.grad), (kl.grad, k.grad), (vl.grad, v.grad)]
+    if {t.dtype for t, _ in pairs} != {dtype}:
+        raise AssertionError(f"ring attention returned {[t.dtype for t, _ in pairs]}")
+    return max(((a.float() - r[:, pos]).norm() / r[:, pos].norm()).item() for a, r in pairs)
+
+
+def bind(op: Any, args: tuple, kwargs: dict) -> Dict[str, Any]:
+    """A call's arguments by the op's schema names, defaults filled: fakes read them as the real
+    kernel would, so an argument in the wrong place shows."""
+    arguments = op.default._schema.arguments
+    positional = [a.name for a in arguments if not a.kwarg_only]
+    bound = {a.name: a.default_value for a in arguments if a.has_default_value()}
+    bound.update(zip(positional, args), **kwargs)
+    if len(args) > len(positional) or set(bound) != {a.name for a in arguments}:
+        raise TypeError(f"{op}: {len(args)} positional, {sorted(kwargs)} keywords")
+    return bound
+
+
+class FakeCudaKernels:
+    """CUDA's flash and efficient kernels played by the CPU one, in CUDA's layouts: flash's lse
+    (b, h, s) contiguous; efficient's padded to 32 queries with NaN (read, it would show).
+    ``problems``: each way a call differs from what the real kernel expects."""
+
+    def __init__(self) -> None:
+        self.calls: List[tuple] = []
+        self.problems: List[str] = []
+        self.ops = {
+            k: (partial(self.forward, k, fwd), partial(self.backward, k, bwd))
+            for k, (fwd, bwd) in kernels.OPS.items() if k.startswith("cuda")
+        }
+
+    def _check(self, kernel: str, op: Any, args: tuple, kwargs: dict) -> Dict[str, Any]:
+        try:  # the real op parses the arguments, then finds no CPU kernel
+            op(*args, **kwargs)
+        except NotImplementedError as e:
+            if "'CPU' backend" not in str(e):
+                self.problems.append(f"{op}: {e}")
+        a = bind(op, args, kwargs)
+        if a["dropout_p"] != 0.0 or not math.isclose(a["scale"], a["query"].size(-1)**-0.5):
+            self.problems.append(f"{op}: dropout {a['dropout_p']}, scale {a['scale']}")
+        return a
+
+    def forward(self, kernel: str, op: Any, *args: Any, **kwargs: Any) -> tuple:
+        a = self._check(kernel, op, args, kwargs)
+        q = a["query"]
+        out, lse = kernels.OPS["cpu_flash"][0](q, a["key"], a["value"], 0.0,
+                                               is_causal=a["is_causal"], scale=a["scale"])
+        lse = lse.contiguous()
+        self.calls.append((kernel, "forward", q.dtype, a["is_causal"]))
+        if kernel == "cuda_flash":
+            rng = torch.zeros(2, dtype=torch.int64)
+            return out, lse, None, None, q.size(2), a["key"].size(2), rng, rng, None
+        if a["attn_bias"] is not None or not a["compute_log_sumexp"]:
+            self.problems.append(f"{op}: bias {a['attn_bias']}, lse {a['compute_log_sumexp']}")
+        pad = lse.new_full((*lse.shape[:2], -q.size(2) % 32), float("nan"))
+        return out, torch.cat([lse, pad], 2), torch.zeros(()), torch.zeros(())
+
+    def backward(self, kernel: str, op: Any, *args: Any, **kwargs: Any) -> tuple:
+        a = self._check(kernel, op, args, kwargs)
+        q, lse, sq = a["query"], a["logsumexp"], a["query"].size(2)
+        self.calls.append((kernel, "backward", q.dtype, a["is_causal"]))
+        if kernel == "cuda_flash":
+            grad_out, want = a["grad_out"], sq
+            if (a["cum_seq_q"], a["max_q"], a["max_k"]) != (None, sq, a["key"].size(2)):
+                self.problems.append(f"{op}: {a['cum_seq_q']}, {a['max_q']}, {a['max_k']}")
+        else:
+            grad_out, want = a["grad_out_"], sq + -sq % 32
+            if list(a["grad_input_mask"]) != [True, True, True, False]:
+                self.problems.append(f"{op}: grad_input_mask {a['grad_input_mask']}")
+        if tuple(lse.shape) != (*q.shape[:2], want) or not lse.is_contiguous():
+            self.problems.append(f"{op}: lse {tuple(lse.shape)} for q {tuple(q.shape)}")
+        grads = kernels.OPS["cpu_flash"][1](grad_out, q, a["key"], a["value"], a["out"],
+                                            lse[..., :sq], 0.0, a["is_causal"], scale=a["scale"])
+        return grads if kernel == "cuda_flash" else (*grads, None)
+
+
+def gpu_path_cases(pgm) -> Dict[Any, Any]:
+    """bf16 through the CPU kernel (and two planted bugs), then "auto" on a CUDA device that is
+    faked: the device type, torch's kernel checks and the CUDA kernels (FakeCudaKernels)."""
+    group, res = pgm.context_parallel_group, {}
+    for hq, hkv in HEADS:
+        res[("bf16 fused", hq, hkv)] = relative_error(pgm, RingAttention(group, impl="fused"), hq,
+                                                      hkv)
+    merge = ring_attention.merge
+
+    def merge_in_bf16(*tensors):  # planted: the statistics rounded to bf16
+        return tuple(t.float() for t in merge(*(t.bfloat16() for t in tensors)))
+
+    merges: List[int] = []
+
+    def drop_one_block(out, lse, block_out, block_lse):  # planted: the first merge is skipped
+        merges.append(1)
+        return (out, lse) if len(merges) == 1 else merge(out, lse, block_out, block_lse)
+
+    for name, bug in (("bf16 merge", merge_in_bf16), ("dropped block", drop_one_block)):
+        with mock.patch.object(ring_attention, "merge", bug):
+            res[(name, 4, 2)] = relative_error(pgm, RingAttention(group, impl="fused"), 4, 2)
+    fake, pick = FakeCudaKernels(), kernels.pick
+    with mock.patch.object(kernels, "OPS", {**kernels.OPS, **fake.ops}), \
+            mock.patch.object(kernels, "pick", lambda impl, _, q: pick(impl, "cuda", q)), \
+            mock.patch.object(torch.backends.cuda, "can_use_flash_attention", lambda p: True), \
+            mock.patch.object(torch.backends.cuda, "can_use_efficient_attention", lambda p: True):
+        for hq, hkv in HEADS:  # auto on "cuda": flash in bf16, efficient in fp32
+            res[("cuda bf16", hq, hkv)] = relative_error(pgm, RingAttention(group), hq, hkv)
+            res[("cuda fp32", hq, hkv)] = attention_errors(pgm, RingAttention(group), hq, hkv)
+    res["cuda calls"], res["cuda problems"] = set(fake.calls), fake.problems
+    return res
+
+
 def train(cfg: Config, tp: int, cp: int, variant: str = "ring") -> dict:
     """Train like examples/05_context_parallel.py; losses, K/V sends and (rank 0) full weights."""
     pgm = init_pg_manager(tensor_model_parallel_size=tp, context_parallel_size=cp)
@@ -95,7 +234,7 @@ def train(cfg: Config, tp: int, cp: int, variant: str = "ring") -> dict:
 
 
 def world_of_four(rank: int, world_size: int, cfg: Config) -> dict:
-    res: dict = {"attention": {}, "blocks": {}}
+    res: dict = {"attention": {}, "blocks": {}, "gpu_path": {}}
     # Attention level: ring (math and fused blocks) and Ulysses vs full causal attention.
     for cp in (2, 4):
         pgm = init_pg_manager(context_parallel_size=cp)
@@ -113,6 +252,7 @@ def world_of_four(rank: int, world_size: int, cfg: Config) -> dict:
             fn = RingAttention(group, order=order)
             res["attention"][(order, cp, 4, 2)] = attention_errors(pgm, fn, 4, 2, order)
             res["blocks"][(order, cp)] = dict(fn.blocks)
+        res["gpu_path"][cp] = gpu_path_cases(pgm)
         destroy_pg_manager()
 
     # RoPE under zigzag: local logits = full logits at the local tokens' positions.
@@ -227,6 +367,40 @@ class TestContextParallel(unittest.TestCase):
             losses = {tuple(r["train"][name]["losses"]) for r in self.four}
             self.assertEqual(len(losses), 1, name)
 
+    def test_gpu_path_bf16_blocks_with_fp32_statistics_match_fp32_attention(self):
+        cases = [r["gpu_path"][cp] for r in self.four for cp in (2, 4)]
+        for c in cases:  # the CPU kernel in bf16; faked CUDA kernels in bf16 (flash), fp32
+            for hq, hkv in HEADS:
+                with self.subTest(heads=(hq, hkv)):
+                    self.assertLess(c[("bf16 fused", hq, hkv)], BF16_RTOL)
+                    self.assertLess(c[("cuda bf16", hq, hkv)], BF16_RTOL)
+                    self.assertLess(c[("cuda fp32", hq, hkv)], ATOL)
+        # The tolerance can fail: each planted bug exceeds it on some rank, at cp 2 and at cp 4.
+        worst = {
+            (bug, cp): max(r["gpu_path"][cp][(bug, 4, 2)] for r in self.four)
+            for bug in ("bf16 merge", "dropped block")
+            for cp in (2, 4)
+        }
+        for key, err in worst.items():
+            self.assertGreater(err, BF16_RTOL, key)
+        kernel = max(c[(p, hq, hkv)] for c in cases for p in ("bf16 fused", "cuda bf16")
+                     for hq, hkv in HEADS)
+        print(f"\nring attention, bf16 blocks, fp32 statistics: relative error at most "
+              f"{kernel:.1e} (tolerance {BF16_RTOL}); planted, worst rank: " +
+              ", ".join(f"{bug} cp {cp} {err:.1e}" for (bug, cp), err in worst.items()))
+
+    def test_gpu_path_auto_on_cuda_calls_the_kernels_as_their_schemas_expect(self):
+        # every rank computes diagonal (causal) and full blocks, forward and backward
+        expected = {(kernel, phase, dtype, causal)
+                    for kernel, dtype in (("cuda_flash", torch.bfloat16), ("cuda_efficient",
+                                                                           torch.float32))
+                    for phase in ("forward", "backward")
+                    for causal in (False, True)}
+        for r in self.four:
+            for cp in (2, 4):
+                self.assertEqual(r["gpu_path"][cp]["cuda problems"], [])
+                self.assertEqual(r["gpu_path"][cp]["cuda calls"], expected)
+
     def test_ring_kv_traffic_per_layer_matches_formula(self):
         # Per layer and step: forward sends K/V (cp-1) times, backward K/V (cp-1) and dK/dV
         # cp times; each message is 2 x b x s/cp x hkv x d elements (hkv not expanded).
@@ -263,6 +437,61 @@ class TestContextParallelErrors(unittest.TestCase):
             zigzag_positions(16, 2, 0, order="random")
         with self.assertRaises(ValueError):
             RingAttention(None, impl="flash")
+        cfg = tiny_config()
+        cfg.parallel.cp_attention = "flash"
+        with self.assertRaisesRegex(
+                ValueError, "parallel.cp_attention must be one of auto, math, "
+                "fused, got 'flash'"):
+            validate(cfg)
+
+
+class TestRingKernelChoice(unittest.TestCase):
+    """attention_kernels.pick: the block kernel by device, dtype and torch's own checks (faked
+    here for CUDA: no GPU needed)."""
+
+    def pick(self, impl: str, device: str, dtype: torch.dtype, flash: bool = True,
+             efficient: bool = True) -> str:
+        q = torch.zeros(1, 2, 4, 8, dtype=dtype)
+        with mock.patch.object(torch.backends.cuda, "can_use_flash_attention", lambda p: flash), \
+                mock.patch.object(torch.backends.cuda, "can_use_efficient_attention",
+                                  lambda p: efficient):
+            return kernels.pick(impl, device, q)
+
+    def test_cpu_keeps_math_by_default_and_fused_is_the_cpu_kernel(self):
+        for dtype in (torch.float32, torch.bfloat16):
+            self.assertEqual(self.pick("auto", "cpu", dtype), "math")
+            self.assertEqual(self.pick("fused", "cpu", dtype), "cpu_flash")
+            self.assertEqual(self.pick("math", "cpu", dtype), "math")
+
+    def test_cuda_takes_flash_in_half_precision_efficient_in_fp32_math_where_none_applies(self):
+        for impl in ("auto", "fused"):
+            self.assertEqual(self.pick(impl, "cuda", torch.bfloat16), "cuda_flash")
+            self.assertEqual(self.pick(impl, "cuda", torch.float16), "cuda_flash")
+            self.assertEqual(self.pick(impl, "cuda", torch.float32), "cuda_efficient")
+            self.assertEqual(self.pick(impl, "cuda", torch.bfloat16, flash=False), "cuda_efficient")
+            self.assertEqual(self.pick(impl, "cuda", torch.bfloat16, False, False), "math")
+            self.assertEqual(self.pick(impl, "mps", torch.bfloat16), "math")
+        self.assertEqual(self.pick("math", "cuda", torch.bfloat16), "math")
+        self.assertEqual(self.pick("cuda_efficient", "cuda", torch.bfloat16), "cuda_efficient")
+
+    def test_an_older_torch_without_enable_gqa_still_picks(self):
+        made = []
+
+        def old_params(*args):  # SDPAParams before its enable_gqa argument
+            if len(args) == 7:
+                raise TypeError("incompatible constructor arguments")
+            made.append(args)
+            return args
+
+        with mock.patch.object(torch.backends.cuda, "SDPAParams", old_params):
+            self.assertEqual(self.pick("auto", "cuda", torch.bfloat16), "cuda_flash")
+        self.assertEqual([len(args) for args in made], [6])
+
+    def test_a_kernel_lse_of_the_wrong_shape_raises(self):
+        q = torch.zeros(2, 4, 8, 16)
+        with self.assertRaisesRegex(ValueError, r"kernel lse of shape \(2, 4, 7\)"):
+            kernels._rows(torch.zeros(2, 4, 7), q)
+        self.assertEqual(tuple(kernels._rows(torch.zeros(2, 4, 32), q).shape), (2, 4, 8))
 
 
 class TestZigzagPositions(unittest.TestCase):

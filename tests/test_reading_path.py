@@ -51,7 +51,7 @@ MODULES_OF: Dict[str, List[str]] = {
         "split_backward", "activation_meter", "zero_bubble_orders", "simulate", "catalog",
         "posting", "in_order"
     ],
-    "05": ["context_parallel", "ring_attention", "step"],
+    "05": ["context_parallel", "ring_attention", "attention_kernels", "step"],
     "06": ["expert_parallel"],
     "07": ["parallelize", "tensor_layout", "validation", "native"],
     "08": ["mixed_precision"],

@@ -145,13 +145,13 @@ def check_ulysses_heads(num_q_heads: int, num_kv_heads: int, cp_size: int) -> No
 
 
 def apply_context_parallel(model: nn.Module, pgm: ProcessGroupManager, variant: str = "ring",
-                           order: str = "zigzag", impl: str = "math") -> nn.Module:
+                           order: str = "zigzag", impl: str = "auto") -> nn.Module:
     """Replace every attention module's ``attention_fn``; the weights are untouched.
 
     Apply after tensor parallel (heads are then the local ones) and before data parallel,
     which must average gradients over ``pgm.data_parallel_group_with_context``.
-    ``impl`` ("math" or "fused", ring only) picks the block kernel; no config field sets it
-    (the tests and scripts/benchmarks/context_parallel.py compare the two).
+    ``impl`` (ring only, ``parallel.cp_attention``): the block kernel, "math" (fp32, readable),
+    "fused" (torch's kernels for the device) or "auto" (fused on CUDA, math elsewhere).
     """
     if variant not in VARIANTS:
         raise ValueError(f"cp variant must be one of {', '.join(VARIANTS)}, got {variant!r}")

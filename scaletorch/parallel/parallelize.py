@@ -207,7 +207,7 @@ def parallelize(model: Llama, cfg: "Config", pgm: ProcessGroupManager, device: t
     # fp16 (chapter 08): the step scales the loss; every rank of the world agrees on overflows
     scaler = None if precision is None else precision.scaler
     if pgm.context_parallel_world_size > 1:  # 3
-        apply_context_parallel(model, pgm, p.cp_variant)
+        apply_context_parallel(model, pgm, p.cp_variant, impl=p.cp_attention)
         shard_sequence = make_sequence_sharder(pgm, cfg.data.seq_len)
     if recompute is not None:  # 4
         recompute(model, p.activation_checkpointing)

@@ -8,13 +8,15 @@ merges the partial results with their log-sum-exp. Forward: each rank sends its 
 (hkv heads, not expanded) N-1 times per layer. Backward: K/V go round again (N-1 sends) and
 dK/dV go round back to their owners (N sends). Mixed precision (chapter 08): K/V and dK/dV
 cross the ring in q's dtype (the compute dtype: bf16 under autocast, 2 bytes per element)
-and q, k, v and the output are saved in it; the blocks, the merges and the softmax statistics
-(log-sum-exp) are fp32, upcast on the rank that computes. context_parallel.py shards the
-sequences and installs this attention (or Ulysses).
+and q, k, v and the output are saved in it. The merges and the softmax statistics (log-sum-exp)
+are fp32; the blocks too under ``impl="math"``, in q's dtype under the fused kernels
+(attention_kernels.py: the default on CUDA). context_parallel.py shards the sequences and
+installs this attention (or Ulysses).
 """
 
 import math
-from typing import Any, Dict, List, Optional, Tuple, cast
+from functools import partial
+from typing import Any, Callable, Dict, List, Optional, Tuple, cast
 
 import torch
 import torch.distributed as dist
@@ -22,9 +24,10 @@ from torch import nn
 
 from scaletorch.dist import comm
 from scaletorch.dist.comm import Group
+from scaletorch.parallel import attention_kernels as kernels
 
 ORDERS = ("zigzag", "contiguous")
-IMPLS = ("math", "fused")
+IMPLS = ("auto", "math", "fused", *kernels.OPS)  # auto: fused on CUDA, math elsewhere
 KV_TAG, DKV_TAG = 1, 2  # distinct tags: K/V and dK/dV are in flight between the same ranks
 
 # ---- which tokens each rank holds ------------------------------------------------------------
@@ -120,33 +123,6 @@ def _math_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     return dq, dk, dv
 
 
-def _expand(kv: torch.Tensor, hq: int) -> torch.Tensor:
-    return kv.repeat_interleave(hq // kv.size(1), dim=1)
-
-
-def _fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                   scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The CPU flash kernel, which also returns the log-sum-exp (doc/cpu_and_gloo.md)."""
-    k, v = _expand(k, q.size(1)), _expand(v, q.size(1))
-    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    return flash(q.contiguous(), k, v, 0.0, is_causal=causal, scale=scale)
-
-
-def _fused_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    out: torch.Tensor, lse: torch.Tensor, causal: bool,
-                    scale: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    b, hkv, s, d = k.shape
-    hq = q.size(1)
-    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout.contiguous(), q.contiguous(), _expand(k, hq), _expand(v, hq), out.contiguous(),
-        lse.contiguous(), 0.0, causal, scale=scale)
-    # K/V were expanded locally (never on the wire): fold the gradients back to hkv heads.
-    return dq, dk.view(b, hkv, -1, s, d).sum(2), dv.view(b, hkv, -1, s, d).sum(2)
-
-
-BLOCK_FNS = {"math": (_math_forward, _math_backward), "fused": (_fused_forward, _fused_backward)}
-
-
 def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
           block_lse: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """Combine softmax attention over two disjoint key sets (doc/05_context_parallel.md).
@@ -186,6 +162,10 @@ def _wait(works: list) -> None:
         work.wait()
 
 
+def _upcast(impl: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    return (lambda t: t.float()) if impl == "math" else (lambda t: t)
+
+
 class _RingAttention(torch.autograd.Function):
     """Causal attention of local queries over the whole sequence, K/V passed around ``group``.
 
@@ -196,22 +176,24 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group,
                 order: str, impl: str, counts: Dict[str, int]) -> torch.Tensor:
         cp, rank = comm.group_size(group), comm.group_rank(group)
-        block_fwd, _ = BLOCK_FNS[impl]
+        block_fwd = _math_forward if impl == "math" else partial(kernels.forward, impl)
         scale = 1.0 / math.sqrt(q.size(-1))
         dtype = q.dtype  # the compute dtype (bf16 under autocast): what crosses the ring
-        with torch.autocast(q.device.type, enabled=False):  # blocks and merges in fp32
-            qs = q.float().chunk(2, dim=2)
+        up = _upcast(impl)  # math: blocks in fp32; kernels: in the compute dtype
+        with torch.autocast(q.device.type, enabled=False):  # merges in fp32
+            qs = up(q).chunk(2, dim=2)
             merged: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # query chunk: (out, lse)
             kv = torch.stack([k, v])  # one message, in q's dtype: (2, b, hkv, s_local, d)
             for t, blocks in enumerate(ring_schedule(rank, cp, order)):
                 if t + 1 < cp:  # post the next K/V before computing: comm overlaps compute
                     next_kv, works = _exchange(kv, group, KV_TAG)
-                kv32 = kv.float()  # upcast after the wire, on this rank
-                ks, vs = kv32[0].chunk(2, dim=2), kv32[1].chunk(2, dim=2)
+                kv_up = up(kv)  # math: upcast after the wire, on this rank
+                ks, vs = kv_up[0].chunk(2, dim=2), kv_up[1].chunk(2, dim=2)
                 for a, b, kind in blocks:
                     if kind == "skipped":
                         continue
                     o, lse = block_fwd(qs[a], ks[b], vs[b], kind == "diagonal", scale)
+                    o = o.float()  # the merged output and lse are fp32 whatever the block's
                     merged[a] = merge(*merged[a], o, lse) if a in merged else (o, lse)
                 if t + 1 < cp:
                     _wait(works)
@@ -233,11 +215,11 @@ class _RingAttention(torch.autograd.Function):
         # (to save memory) is not counted twice.
         for kind, n in block_counts(rank, cp, ctx.order).items():
             ctx.counts[kind] += n
-        _, block_bwd = BLOCK_FNS[ctx.impl]
-        dtype = q.dtype  # K/V and dK/dV cross the ring in it; the blocks add up in fp32
+        block_bwd = _math_backward if ctx.impl == "math" else partial(kernels.backward, ctx.impl)
+        dtype, up = q.dtype, _upcast(ctx.impl)  # dK/dV cross the ring in dtype; sums: fp32
         with torch.autocast(q.device.type, enabled=False):
-            qs, outs, lses = q.float().chunk(2, 2), out.float().chunk(2, 2), lse.chunk(2, 2)
-            douts = dout.float().chunk(2, 2)
+            qs, outs, lses = up(q).chunk(2, 2), up(out).chunk(2, 2), lse.chunk(2, 2)
+            douts = up(dout).chunk(2, 2)
             dq = torch.zeros_like(q, dtype=torch.float32)
             dqs = dq.chunk(2, dim=2)  # views: accumulating into them fills dq
             kv = torch.stack([k, v])
@@ -248,8 +230,8 @@ class _RingAttention(torch.autograd.Function):
                     next_kv, kv_works = _exchange(kv, group, KV_TAG)
                 # dkv: gradient w.r.t. the K/V held now, i.e. of rank (rank - t) mod cp
                 dkv = torch.zeros_like(kv, dtype=torch.float32)
-                kv32 = kv.float()
-                ks, vs = kv32[0].chunk(2, dim=2), kv32[1].chunk(2, dim=2)
+                kv_up = up(kv)
+                ks, vs = kv_up[0].chunk(2, dim=2), kv_up[1].chunk(2, dim=2)
                 dks, dvs = dkv[0].chunk(2, dim=2), dkv[1].chunk(2, dim=2)
                 for a, b, kind in blocks:
                     if kind == "skipped":
@@ -278,9 +260,10 @@ class RingAttention:
 
     Called with q (b, s_local, hq, d), k and v (b, s_local, hkv, d); returns (b, s_local, hq, d).
     ``blocks``: the full / diagonal / skipped blocks of every forward whose backward ran.
+    ``impl``: auto, math, fused (attention_kernels.pick) or a kernel's name (forced).
     """
 
-    def __init__(self, group: Group, order: str = "zigzag", impl: str = "math") -> None:
+    def __init__(self, group: Group, order: str = "zigzag", impl: str = "auto") -> None:
         if impl not in IMPLS:
             raise ValueError(f"attention impl must be one of {', '.join(IMPLS)}, got {impl!r}")
         chunk_ids(0, 1, order)  # validates order
@@ -288,12 +271,11 @@ class RingAttention:
         self.blocks = {"full": 0, "diagonal": 0, "skipped": 0}
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        if self.impl == "fused" and q.device.type != "cpu":
-            raise ValueError(f"the fused attention impl is CPU only; got device {q.device}")
         if q.size(1) % 2 != 0:
             raise ValueError(f"local sequence length {q.size(1)} must be even (two chunks)")
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (b, heads, s_local, d)
-        out = _RingAttention.apply(q, k, v, self.group, self.order, self.impl, self.blocks)
+        kernel = kernels.pick(self.impl, q.device.type, q)  # math or a fused kernel
+        out = _RingAttention.apply(q, k, v, self.group, self.order, kernel, self.blocks)
         return out.transpose(1, 2)
 
 

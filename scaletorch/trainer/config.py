@@ -376,6 +376,7 @@ CHOICES = {
     "parallel.impl": ("scaletorch", "naive", "torch"),
     "parallel.schedule": ("afab", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev"),
     "parallel.cp_variant": ("ring", "ulysses"),
+    "parallel.cp_attention": ("auto", "math", "fused"),
     "training.precision": PRECISIONS,
 }
 
