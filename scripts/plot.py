@@ -467,9 +467,11 @@ def main(argv=None) -> int:
         '"predicted_s"}')
     pv.add_argument("--tolerance", type=float, default=0.3, help="the band: 0.3 is +-30%%")
     pv.add_argument("--out", default="plan_vs_measured.png")
+    from scripts import chapter_plots  # the chapters' pictures, drawn with this module's helpers
+    chapter_plots.add_parsers(sub)
     args = parser.parse_args(argv)
     try:
-        dispatch(parser, args)
+        chapter_plots.dispatch(args) or dispatch(parser, args)
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
