@@ -93,7 +93,7 @@ def plot_loss_floor(run_dirs: List[str], out: str) -> None:
         name = label_of(os.path.join(run_dir, "metrics.jsonl"))
         steps, loss = curve["step"], curve["loss"]
         print(f"{name}: {len(steps)} steps, loss {loss[0]:.4f} -> {loss[-1]:.4f}; {what} "
-              f"{floor:.4f}; above it at the end: {loss[-1] - floor:.4f}")
+              f"{floor:.4f}; last loss minus it: {loss[-1] - floor:+.4f}")
         if ax is not None:
             color = RANK_COLORS[i % len(RANK_COLORS)]
             ax.plot(steps, loss, color=color, linewidth=1.3, label=f"{name}: loss")
@@ -467,7 +467,7 @@ def plot_experts(path: str, out: str) -> None:
     if plt is None:
         return
     layers = info["layers"]
-    fig, axes = plt.subplots(1, len(layers), figsize=(4.2 * len(layers), 3.6), squeeze=False)
+    fig, axes = plt.subplots(1, len(layers), figsize=(4.2 * len(layers), 4.4), squeeze=False)
     for i, (ax, ranks) in enumerate(zip(axes[0], layers)):
         for r in ranks:
             xs = [r["first"] + j for j in range(len(r["tokens"]))]
@@ -479,7 +479,7 @@ def plot_experts(path: str, out: str) -> None:
         ax.set_xlabel("expert")
         ax.set_ylabel("tokens routed to it")
         ax.set_title(f"MoE layer {i}", fontsize=9)
-        ax.legend(fontsize=7, loc="lower right")
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2))
     fig.suptitle(
         f"tokens per expert, top-{info['top_k']} of {e}, experts split over ep "
         f"{info['ep']} (color = the rank that holds it)", fontsize=9)
