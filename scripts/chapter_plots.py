@@ -217,7 +217,8 @@ def plot_zero_memory(paths: List[str], out: str) -> None:
         formula = sum(t["formula"][k] for k in KINDS) / 1e3
         ax.plot([x - 0.35, x + 0.35], [formula, formula], color="black", linewidth=2,
                 label="formula" if x == 0 else None)
-        ax.text(x, formula, " " + " + ".join(t["symbols"]), ha="center", va="bottom", fontsize=7)
+        ax.text(x, formula, " + ".join(t["symbols"]), ha="center", va="bottom", fontsize=7,
+                bbox=dict(fc="white", ec="none", pad=1))
     ax.set_xticks(range(len(tables)))
     ax.set_xticklabels([t["title"].replace(", N", "\nN") for t in tables], fontsize=8)
     ax.set_ylabel("kB on rank 0 (fp32)")
@@ -301,10 +302,11 @@ def plot_tp_split(path: str, out: str) -> None:
     wire = sum(r["wire_mb"] for r in ledger if r["group"] == "tp")
     calls = sum(r["calls"] for r in ledger if r["group"] == "tp")
     ax.text(
-        5.4, 0.05, f"colors: tp ranks 0-{tp - 1}.  Ledger, one step: {calls} all-reduces over "
-        f"tp, {wire:.3f} MB on the wire per rank", ha="center", fontsize=8)
+        5.4, -0.05, f"each matrix drawn (in, out), colored by tp rank 0-{tp - 1}.  Ledger, one "
+        f"step: {calls} all-reduces over tp, {wire:.3f} MB on the wire per rank", ha="center",
+        fontsize=8)
     ax.set_xlim(0, 10.9)
-    ax.set_ylim(-0.1, 3.3)
+    ax.set_ylim(-0.2, 3.3)
     ax.axis("off")
     ax.set_title("one block under tensor parallel: which rank holds which part of each matrix",
                  fontsize=10)
