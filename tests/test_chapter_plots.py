@@ -1,14 +1,15 @@
 """scripts/chapter_plots.py: each chapter picture's reader, on the text its run prints.
 
 The samples are excerpts of real runs (the command is above each one; long lines' padding and
-chart bars shortened to fit 100 columns); a
-changed table in a script breaks its reader here, not only in ``check_docs.py --all``. No
-ranks, no matplotlib needed (a drawing is asked for once, with matplotlib reported missing):
-well under a second.
+chart bars shortened to fit 100 columns): a changed table in a script breaks its reader here,
+not only in ``check_docs.py --all``. No ranks, no matplotlib needed (a drawing is asked for
+once, with matplotlib reported missing): well under a second.
 """
 
+import glob
 import json
 import os
+import re
 import tempfile
 import unittest
 from unittest import mock
@@ -207,6 +208,25 @@ class ChapterPlotReaders(unittest.TestCase):
             status, _, err = run_main(main, "zero-memory", os.path.join(run, "missing.log"))
             self.assertEqual(status, 2)
             self.assertIn("does not exist", err)
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CHAPTERS = ("00", "01", "02", "03", "04", "05", "06", "07", "08", "10")
+
+
+class EveryChapterPageHasItsPicture(unittest.TestCase):
+
+    def test_each_page_shows_a_picture_its_own_commands_draw_before_the_first_section(self):
+        for chapter in CHAPTERS:
+            (page, ) = glob.glob(os.path.join(ROOT, "doc", f"{chapter}_*.md"))
+            with open(page, encoding="utf-8") as f:
+                top = f.read().split("\n## ")[0]  # the problem and its picture, before any section
+            with self.subTest(page=os.path.basename(page)):
+                images = re.findall(r"^!\[[^]]+\]\((img/[^)]+\.png)\)", top, re.M)
+                self.assertTrue(images, "no picture before the first section")
+                self.assertIn("scripts/plot.py", top)
+                self.assertIn(f"--out doc/{images[0]}", top.replace("\\\n    ", ""))
+                self.assertTrue(os.path.isfile(os.path.join(ROOT, "doc", images[0])), images[0])
 
 
 if __name__ == "__main__":
