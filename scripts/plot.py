@@ -23,8 +23,9 @@ from files of ``scripts/plan.py --json`` output ("-": standard input) or from pl
 arguments (``--plan "ARGS"``, run here), against the cluster's HBM. ``plan-vs-measured`` draws
 the planner's step time against the measured one, log-log, from a JSON list of runs
 ``[{"script", "ranks", "arguments", "measured_s", "predicted_s"}, ...]`` (other keys ignored).
-Each prints its data as a table, then writes a PNG (``--out``). matplotlib is optional: without
-it the script says so and prints the same data as text. Bad input: one "error:" line, exit 2.
+The chapters' pictures (``loss-floor``, ``ddp-buckets``, ``zero-memory``, ``tp-split``, ...) are
+``scripts/chapter_plots.py``'s. Each prints its data as a table, then writes a PNG (``--out``).
+matplotlib is optional: without it the script says so and prints the same data as text. Bad input: one "error:" line, exit 2.
 """
 
 import argparse
