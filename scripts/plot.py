@@ -25,7 +25,8 @@ the planner's step time against the measured one, log-log, from a JSON list of r
 ``[{"script", "ranks", "arguments", "measured_s", "predicted_s"}, ...]`` (other keys ignored).
 The chapters' pictures (``loss-floor``, ``ddp-buckets``, ``zero-memory``, ``tp-split``, ...) are
 ``scripts/chapter_plots.py``'s. Each prints its data as a table, then writes a PNG (``--out``).
-matplotlib is optional: without it the script says so and prints the same data as text. Bad input: one "error:" line, exit 2.
+matplotlib is optional: without it the script says so and prints the same data as text. Bad
+input: one "error:" line, exit 2.
 """
 
 import argparse
