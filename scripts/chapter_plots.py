@@ -129,10 +129,10 @@ def parse_overlap(text: str, path: str = "log") -> List[dict]:
 
 def plot_ddp_buckets(path: str, out: str) -> None:
     rows = parse_overlap(read_log(path), path)
-    print(f"{'row':<18}{'start':>10}{'end':>10}{'MB':>8}")
+    print(f"{'row':<18}{'MB':>8}  from, to (ms since the step began)")
     for r in rows:
         mb = "" if r["mb"] is None else f"{r['mb']:.3f}"
-        print(f"{r['row']:<18}{r['start_ms']:>7.1f} ms{r['end_ms']:>7.1f} ms{mb:>8}")
+        print(f"{r['row']:<18}{mb:>8}  {r['start_ms']:.1f} ms to {r['end_ms']:.1f} ms")
     buckets = [r for r in rows if r["row"].startswith("bucket")]
     print(f"{len(buckets)} buckets, {sum(r['mb'] for r in buckets):.3f} MB all-reduced")
     plt = pyplot()
