@@ -101,7 +101,10 @@ def plot_loss_floor(run_dirs: List[str], out: str) -> None:
     if ax is not None:
         ax.set_xlabel("step")
         ax.set_ylabel("loss (nats/token)")
-        ax.set_title("training loss against the lowest loss the data allows", fontsize=10)
+        ax.set_title(
+            "training loss against " +
+            ("the lowest loss the data allows" if what == "entropy floor" else "a uniform guess"),
+            fontsize=10)
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
         _save(plt, fig, out)
