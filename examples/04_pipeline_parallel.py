@@ -18,6 +18,8 @@ the last step and its timeline: which stage computed which micro-batch when, the
 bubble next to (p-1)/(v m + p - 1), and the peak activations.
 """
 
+import json
+import os
 import sys
 
 from scaletorch.dist import (destroy_distributed, destroy_pg_manager, get_ledger, init_distributed,
@@ -101,6 +103,8 @@ def main() -> int:
                   f"A-Z: its backward, '.': idle or waiting):")
             print(timeline.chart())
             print(timeline.summary())
+            with open(os.path.join(cfg.run_path, "timeline.json"), "w") as f:  # scripts/plot.py
+                json.dump(timeline.to_json(), f)
 
     ok = True
     if cfg.check:

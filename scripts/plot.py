@@ -23,58 +23,26 @@ from files of ``scripts/plan.py --json`` output ("-": standard input) or from pl
 arguments (``--plan "ARGS"``, run here), against the cluster's HBM. ``plan-vs-measured`` draws
 the planner's step time against the measured one, log-log, from a JSON list of runs
 ``[{"script", "ranks", "arguments", "measured_s", "predicted_s"}, ...]`` (other keys ignored).
-Each prints its data as a table, then writes a PNG (``--out``). matplotlib is optional: without
-it the script says so and prints the same data as text. Bad input: one "error:" line, exit 2.
+The chapters' pictures (``loss-floor``, ``ddp-buckets``, ``zero-memory``, ``tp-split``, ...) are
+``scripts/chapter_plots.py``'s. Each prints its data as a table, then writes a PNG (``--out``).
+matplotlib is optional: without it the script says so and prints the same data as text. Bad
+input: one "error:" line, exit 2.
 """
 
 import argparse
 import json
 import os
 import sys
-from typing import Dict, List
+from typing import List
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from scaletorch.schedule import orders, placement, simulate  # noqa: E402
+from scaletorch.schedule import placement, simulate  # noqa: E402
 from scaletorch.schedule import zero_bubble_orders as zb  # noqa: E402
 from scaletorch.schedule.timeline import Timeline  # noqa: E402
 
-MISSING = ("matplotlib is not installed (it is optional): pip install matplotlib. "
-           "Printing the data as text instead.")
-
-
-def pyplot():
-    """matplotlib.pyplot with a file backend, or None (and a message) when it is missing."""
-    try:
-        import matplotlib
-    except ImportError:
-        print(MISSING, file=sys.stderr)
-        return None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    return plt
-
-
-def read_metrics(path: str, key: str) -> Dict[str, List[float]]:
-    """{"step": [...], key: [...]} from a metrics.jsonl file (a restarted run appends: the
-    last record of each step wins)."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"metrics file {path!r} does not exist")
-    by_step = {}
-    with open(path) as f:
-        for line in f:
-            if line.strip():
-                record = json.loads(line)
-                if key not in record:
-                    raise ValueError(f"{path}: no {key!r} in a record; keys: {sorted(record)}")
-                by_step[record["step"]] = record[key]
-    steps = sorted(by_step)
-    return {"step": steps, key: [by_step[s] for s in steps]}
-
-
-def label_of(path: str) -> str:
-    """The run's name: the directory holding metrics.jsonl."""
-    return os.path.basename(os.path.dirname(os.path.abspath(path))) or path
+from scripts.plot_base import draw_timeline, label_of, pyplot  # noqa: E402  # isort: skip
+from scripts.plot_base import read_metrics, read_timeline  # noqa: E402  # isort: skip
 
 
 def plot_losses(paths: List[str], key: str, out: str) -> None:
@@ -96,52 +64,6 @@ def plot_losses(paths: List[str], key: str, out: str) -> None:
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     print(f"wrote {out}")
-
-
-def read_timeline(path: str) -> Timeline:
-    """A timeline.json: {"stages", "micro_batches", "virtual_stages", "events": [[rank, kind,
-    micro_batch, chunk, start, end], ...]}."""
-    with open(path) as f:
-        data = json.load(f)
-    zero_bubble = data.get("schedule", "") in placement.ZERO_BUBBLE  # its theory: simulated
-    kind = simulate.ZeroBubbleTimeline if zero_bubble else Timeline
-    timeline = kind(data["stages"], data["micro_batches"], data["virtual_stages"],
-                    schedule=data.get("schedule", ""))
-    for rank, kind, mb, chunk, start, end in data["events"]:
-        timeline.record(rank, orders.Action(kind, mb, chunk), start, end)
-    return timeline
-
-
-def draw_timeline(ax, timeline: Timeline, title: str, unit: str, span: float) -> None:
-    """One row per pipeline rank; a box per forward (light), backward (dark) and weight
-    gradient (hatched) of each micro-batch, numbered; gaps are the bubble. DualPipeV's
-    overlapped pairs (a forward and a backward run as one unit) are framed in red."""
-    import matplotlib.pyplot as plt
-
-    if timeline.schedule == "dualpipev":
-        for rank in timeline.ranks():
-            events = {str(e.action): e for e in timeline.of(rank)}
-            for unit_ in zb.dualpipev_units(timeline.stages, timeline.micro_batches, rank):
-                if len(unit_) == 2:
-                    first, second = events[str(unit_[0])], events[str(unit_[1])]
-                    ax.barh(rank, second.end - first.start, left=first.start - timeline.span()[0],
-                            height=0.95, fill=False, edgecolor="red", linewidth=1.2)
-
-    start, _ = timeline.span()
-    cmap = plt.get_cmap("tab10")
-    for e in timeline.events:
-        kind = e.action.kind
-        ax.barh(e.rank, e.end - e.start, left=e.start - start,
-                color=cmap(e.action.micro_batch % 10), alpha={"F": 0.45}.get(kind, 0.95),
-                hatch="///" if kind == "W" else None, edgecolor="black", linewidth=0.4)
-        ax.text((e.start + e.end) / 2 - start, e.rank, str(e.action), ha="center", va="center",
-                fontsize=5)
-    ax.set_yticks(timeline.ranks())
-    ax.set_yticklabels([f"rank {r}" for r in timeline.ranks()])
-    ax.invert_yaxis()
-    ax.set_xlim(0, span)
-    ax.set_xlabel(f"time ({unit})")
-    ax.set_title(f"{title}: bubble {timeline.bubble_fraction():.3f}", fontsize=9)
 
 
 def plot_timelines(timelines: List[tuple], out: str, unit: str = "s", note: str = "") -> None:
@@ -467,9 +389,11 @@ def main(argv=None) -> int:
         '"predicted_s"}')
     pv.add_argument("--tolerance", type=float, default=0.3, help="the band: 0.3 is +-30%%")
     pv.add_argument("--out", default="plan_vs_measured.png")
+    from scripts import chapter_plots  # the chapters' pictures, drawn with this module's helpers
+    chapter_plots.add_parsers(sub)
     args = parser.parse_args(argv)
     try:
-        dispatch(parser, args)
+        chapter_plots.dispatch(args) or dispatch(parser, args)
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

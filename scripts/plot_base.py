@@ -1,0 +1,96 @@
+"""What scripts/plot.py and scripts/chapter_plots.py share: matplotlib (optional), reading a
+run's metrics.jsonl and timeline.json, and drawing a pipeline timeline."""
+
+import json
+import os
+import sys
+from typing import Dict, List
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from scaletorch.schedule import orders, placement, simulate  # noqa: E402
+from scaletorch.schedule import zero_bubble_orders as zb  # noqa: E402
+from scaletorch.schedule.timeline import Timeline  # noqa: E402
+
+MISSING = ("matplotlib is not installed (it is optional): pip install matplotlib. "
+           "Printing the data as text instead.")
+
+
+def pyplot():
+    """matplotlib.pyplot with a file backend, or None (and a message) when it is missing."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(MISSING, file=sys.stderr)
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def read_metrics(path: str, key: str) -> Dict[str, List[float]]:
+    """{"step": [...], key: [...]} from a metrics.jsonl file (a restarted run appends: the
+    last record of each step wins)."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"metrics file {path!r} does not exist")
+    by_step = {}
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                record = json.loads(line)
+                if key not in record:
+                    raise ValueError(f"{path}: no {key!r} in a record; keys: {sorted(record)}")
+                by_step[record["step"]] = record[key]
+    steps = sorted(by_step)
+    return {"step": steps, key: [by_step[s] for s in steps]}
+
+
+def label_of(path: str) -> str:
+    """The run's name: the directory holding metrics.jsonl."""
+    return os.path.basename(os.path.dirname(os.path.abspath(path))) or path
+
+
+def read_timeline(path: str) -> Timeline:
+    """A timeline.json: {"stages", "micro_batches", "virtual_stages", "events": [[rank, kind,
+    micro_batch, chunk, start, end], ...]}."""
+    with open(path) as f:
+        data = json.load(f)
+    zero_bubble = data.get("schedule", "") in placement.ZERO_BUBBLE  # its theory: simulated
+    kind = simulate.ZeroBubbleTimeline if zero_bubble else Timeline
+    timeline = kind(data["stages"], data["micro_batches"], data["virtual_stages"],
+                    schedule=data.get("schedule", ""))
+    for rank, kind, mb, chunk, start, end in data["events"]:
+        timeline.record(rank, orders.Action(kind, mb, chunk), start, end)
+    return timeline
+
+
+def draw_timeline(ax, timeline: Timeline, title: str, unit: str, span: float) -> None:
+    """One row per pipeline rank; a box per forward (light), backward (dark) and weight
+    gradient (hatched) of each micro-batch, numbered; gaps are the bubble. DualPipeV's
+    overlapped pairs (a forward and a backward run as one unit) are framed in red."""
+    import matplotlib.pyplot as plt
+
+    if timeline.schedule == "dualpipev":
+        for rank in timeline.ranks():
+            events = {str(e.action): e for e in timeline.of(rank)}
+            for unit_ in zb.dualpipev_units(timeline.stages, timeline.micro_batches, rank):
+                if len(unit_) == 2:
+                    first, second = events[str(unit_[0])], events[str(unit_[1])]
+                    ax.barh(rank, second.end - first.start, left=first.start - timeline.span()[0],
+                            height=0.95, fill=False, edgecolor="red", linewidth=1.2)
+
+    start, _ = timeline.span()
+    cmap = plt.get_cmap("tab10")
+    for e in timeline.events:
+        kind = e.action.kind
+        ax.barh(e.rank, e.end - e.start, left=e.start - start,
+                color=cmap(e.action.micro_batch % 10), alpha={"F": 0.45}.get(kind, 0.95),
+                hatch="///" if kind == "W" else None, edgecolor="black", linewidth=0.4)
+        ax.text((e.start + e.end) / 2 - start, e.rank, str(e.action), ha="center", va="center",
+                fontsize=5)
+    ax.set_yticks(timeline.ranks())
+    ax.set_yticklabels([f"rank {r}" for r in timeline.ranks()])
+    ax.invert_yaxis()
+    ax.set_xlim(0, span)
+    ax.set_xlabel(f"time ({unit})")
+    ax.set_title(f"{title}: bubble {timeline.bubble_fraction():.3f}", fontsize=9)
