@@ -10,7 +10,8 @@ Reads ``rank_<r>.json`` (torch.profiler's Chrome trace) of each rank and, for on
   ``AccumulateGrad``), the optimizer (``Optimizer.step``) or "forward & other" (the forward, the
   loss, clipping: the rest);
 - its waits: ``"<label> wait"``, the time blocked on a collective (scaletorch.dist.comm
-  labels each wait, and each call, with the ledger's name: "dp_cp all_reduce", "pp send/recv");
+  labels each wait, and each call, with the ledger's name: "dp_cp all_reduce", "pp send/recv"),
+  and the calls made outside any other event (a synchronous collective blocks in its call);
 - its collectives: each labelled call, and on a CPU where it ran: gloo runs a collective on a
   thread of its own (``gloo:all_reduce``), in the order the calls queued them, so the n-th
   gloo run is the n-th labelled collective. Point-to-point batches run in gloo's transport,
@@ -132,7 +133,9 @@ def read(events: List[dict], rank: int, step: Optional[int] = None) -> RankStep:
             out.collectives.append(Collective(name, ms(start)))
         if start >= end:  # top level: what the main thread was doing
             end = stop
-            if not name.endswith(" wait"):
+            if LABEL.match(name):  # a call of its own: a synchronous one waits in it
+                out.waits.append(Span(name, ms(start), ms(stop)))
+            elif not name.endswith(" wait"):
                 out.compute.append(Span(kind_of(name), ms(start), ms(stop)))
     out.compute = merge(out.compute, gap=0.05)
     runs = sorted((e for e in events

@@ -283,7 +283,8 @@ class Trainer:
             if metrics is not None:
                 metrics.close()
         if prof is not None:
-            self._print(f"profile: {cfg.logging.profile_steps} steps per rank in "
+            n = cfg.logging.profile_steps
+            self._print(f"profile: {n} step{'s' if n > 1 else ''} per rank in "
                         f"{os.path.join(cfg.run_path, 'profile')}/rank_<r>.json")
         if self.verbose and self.pgm is not None and step_seconds:  # chapter 09's prediction
             report = plan_report(cfg, self.world_size, self.pgm.pipeline_model_parallel_rank,
@@ -312,7 +313,8 @@ class Trainer:
             elapsed = time.perf_counter() - start
             result.step_seconds.append(elapsed)
             result.busy_seconds.append(elapsed - (comm.waited() - waited))
-            if self.step - 1 > result.start_step:  # the run's first step warms up
+            # the run's first step warms up; the profiler's steps run slower (its own work)
+            if self.step - 1 > result.start_step + (cfg.logging.profile_steps if prof else 0):
                 window.append(result.busy_seconds[-1])
             if prof is not None:
                 prof.step()
