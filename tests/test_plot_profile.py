@@ -4,7 +4,8 @@ One world of 2 ranks runs 2 steps with ``--profile 1`` (logging.profile_steps) t
 01's data parallel and chapter 04's 1F1B over 2 stages. The parent reads the traces with
 scripts/plot_profile.py: every collective of the profiled step is found under its ledger name,
 as many as the ledger recorded; the DDP buckets run while the backward still runs; the
-pipeline's point-to-point batches and the waits on them are labelled.
+pipeline's point-to-point batches and the waits on them are labelled. torch's own trace reader
+(``torch.profiler._trace_validator``) loads each file and finds it valid.
 """
 
 import os
@@ -12,6 +13,8 @@ import shutil
 import tempfile
 import unittest
 from typing import Dict, List, Tuple
+
+from torch.profiler._trace_validator import validate_trace
 
 from scaletorch.dist import destroy_pg_manager, get_ledger
 from scripts import plot_profile
@@ -117,6 +120,12 @@ class ProfileTimeline(unittest.TestCase):
         self.assertRegex(
             lines[2], rf"^  gloo ran {n} of them, busy [\d.]+ ms, [\d.]+ ms of it "
             r"under the backward$")
+
+    def test_torchs_reader_loads_every_rank_s_trace_as_valid(self):
+        for name in LAYOUTS:
+            for rank in (0, 1):
+                path = os.path.join(self.tmp, name, "profile", f"rank_{rank}.json")
+                self.assertEqual(validate_trace(path), (True, []), path)
 
     def test_a_missing_trace_or_step_is_one_clear_error(self):
         with self.assertRaisesRegex(FileNotFoundError, "run with --profile STEPS first"):
