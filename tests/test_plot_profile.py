@@ -17,6 +17,7 @@ from typing import Dict, List, Tuple
 from torch.profiler._trace_validator import validate_trace
 
 from scaletorch.dist import destroy_pg_manager, get_ledger
+from scaletorch.trainer.config import parse_args
 from scripts import plot_profile
 from tests.harness import run_distributed
 from tests.layouts import build, layout, make_config, pg_manager_for
@@ -132,6 +133,14 @@ class ProfileTimeline(unittest.TestCase):
             plot_profile.read_ranks(os.path.join(self.tmp, "nowhere"))
         with self.assertRaisesRegex(ValueError, "rank 0's trace has no ProfilerStep#7"):
             plot_profile.read_ranks(os.path.join(self.tmp, "ddp", "profile"), step=7)
+
+
+class ProfileFlag(unittest.TestCase):
+
+    def test_every_script_takes_profile_steps_and_refuses_a_negative_count(self):
+        self.assertEqual(parse_args(["--profile", "2"]).logging.profile_steps, 2)
+        with self.assertRaisesRegex(ValueError, "logging.profile_steps must be >= 0, got -1"):
+            parse_args(["--profile", "-1"])
 
 
 if __name__ == "__main__":
