@@ -65,12 +65,16 @@ class RankStep:
     waits: List[Span] = field(default_factory=list)  # "<label> wait"
     collectives: List[Collective] = field(default_factory=list)
 
+    def runs(self) -> List[Tuple[Collective, Span]]:
+        """The collectives gloo was seen running, with their runs, in issue order."""
+        return [(c, c.run) for c in self.collectives if c.run is not None]
+
     def total(self, kind: str) -> float:
         return sum(s.ms for s in self.compute if s.name == kind)
 
     def overlap(self, kind: str) -> float:
         """ms during which a collective ran while the main thread did ``kind``."""
-        runs = merge([Span("run", c.run.start, c.run.end) for c in self.collectives if c.run])
+        runs = merge([Span("run", r.start, r.end) for _, r in self.runs()])
         return sum(
             max(0.0,
                 min(a.end, b.end) - max(a.start, b.start)) for a in runs for b in self.compute
@@ -153,7 +157,7 @@ def read_ranks(directory: str, ranks: Sequence[int] = (0, 1),
     steps = [read(load(os.path.join(directory, f"rank_{r}.json")), r, step) for r in ranks]
     origin = min(s.span.start for s in steps)
     for s in steps:
-        for span in [s.span, *s.compute, *s.waits, *(c.run for c in s.collectives if c.run)]:
+        for span in [s.span, *s.compute, *s.waits, *(r for _, r in s.runs())]:
             span.start, span.end = span.start - origin, span.end - origin
         for c in s.collectives:
             c.issued -= origin
@@ -172,9 +176,9 @@ def table(steps: List[RankStep]) -> List[str]:
                      f"ms, optimizer {s.total('optimizer'):.1f} ms, waiting "
                      f"{sum(w.ms for w in s.waits):.1f} ms")
         lines.append("  collectives: " + ", ".join(f"{n} x {label}" for label, n in counts.items()))
-        ran = [c for c in s.collectives if c.run]
+        ran = s.runs()
         if ran:
-            busy = sum(r.ms for r in merge([Span("run", c.run.start, c.run.end) for c in ran]))
+            busy = sum(m.ms for m in merge([Span("run", r.start, r.end) for _, r in ran]))
             lines.append(f"  gloo ran {len(ran)} of them, busy {busy:.1f} ms, "
                          f"{s.overlap('backward'):.1f} ms of it under the backward")
     return lines
@@ -190,16 +194,16 @@ def draw(plt: Any, steps: List[RankStep], title: str, out: str) -> None:
     y, ticks = 0.0, []
     for s in reversed(steps):
         lanes: List[float] = []  # each lane's end
-        rows: List[Tuple[int, Collective]] = []
-        for c in sorted((c for c in s.collectives if c.run), key=lambda c: c.run.start):
-            lane = next((i for i, e in enumerate(lanes) if e <= c.run.start), len(lanes))
-            lanes[lane:lane + 1] = [c.run.end]
-            rows.append((lane, c))
+        rows: List[Tuple[int, Collective, Span]] = []
+        for c, r in sorted(s.runs(), key=lambda cr: cr[1].start):
+            lane = next((i for i, e in enumerate(lanes) if e <= r.start), len(lanes))
+            lanes[lane:lane + 1] = [r.end]
+            rows.append((lane, c, r))
         height = 0.8 / max(1, len(lanes))
-        for lane, c in rows:
+        for lane, c, r in rows:
             color = labels.setdefault(c.label, palette(len(labels) % 10))
-            ax.broken_barh([(c.run.start, c.run.ms)], (y + lane * height, height * 0.9),
-                           color=color, alpha=0.8)
+            ax.broken_barh([(r.start, r.ms)], (y + lane * height, height * 0.9), color=color,
+                           alpha=0.8)
         for c in s.collectives:
             if not c.run:
                 color = labels.setdefault(c.label, palette(len(labels) % 10))
