@@ -9,17 +9,16 @@
     scripts/launch.sh examples/11_debugging.py --nproc-per-node 2 -- --fault kill
     scripts/launch.sh examples/11_debugging.py --nproc-per-node 2 -- --profile 2
 
-Chapter 01's data parallel run (bucketed DDP) with three additions: the flight recorder keeps
+Chapter 01's data parallel run (bucketed DDP) with two additions: the flight recorder keeps
 each rank's last collectives, and a rank whose collective fails or times out writes them to
 ``<run dir>/flight_recorder/rank_<r>`` for scripts/fr_analyze.py; ``--fault KIND --fault-rank
-R --fault-step K`` breaks rank R at step K (scaletorch/trainer/faults.py); at the end every rank
-reports its busy time per step, and rank 0 names a straggler. ``--profile STEPS`` writes a
-torch.profiler trace per rank to ``<run dir>/profile/``, collectives labelled "dp_cp all_reduce".
+R --fault-step K`` breaks rank R at step K (scaletorch/trainer/faults.py). What finds the faults
+is in every run: the Trainer's straggler line at each log line, and ``--profile STEPS`` (a
+torch.profiler trace per rank in ``<run dir>/profile/``, collectives labelled "dp_cp all_reduce").
 """
 
 import os
 import sys
-from contextlib import nullcontext
 from functools import partial
 from typing import List, Optional
 
@@ -30,12 +29,11 @@ from scaletorch.parallel.data_parallel import apply_data_parallel
 from scaletorch.parallel.grad_norm import clip_replicated
 from scaletorch.parallel.step import make_data_parallel_step
 from scaletorch.trainer import Trainer, load_config
-from scaletorch.trainer.faults import (FaultyStep, parse_fault_args, profiler, steps_on_this_rank,
-                                       straggler_report)
+from scaletorch.trainer.faults import FaultyStep, parse_fault_args, steps_on_this_rank
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    fault, profile_steps, rest = parse_fault_args(sys.argv[1:] if argv is None else argv)
+    fault, rest = parse_fault_args(sys.argv[1:] if argv is None else argv)
     cfg = load_config("examples/configs/11_debugging.yaml", "Chapter 11: debugging",
                       lambda cfg, world: fault.check(world, cfg.training.steps), argv=rest)
     flight_recorder.enable()  # before the first process group: it records from then on
@@ -46,18 +44,15 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     model = build_model(cfg.model, seed=cfg.training.model_seed).to(env.device)
     model = apply_data_parallel(model, pgm, p.impl, p.bucket_size_mb)
-    prof = profiler(cfg.run_path, env.rank, profile_steps)
     step = FaultyStep(
         make_data_parallel_step(model, cfg.data.num_micro_batches, pgm.data_parallel_rank,
                                 pgm.data_parallel_world_size, pgm.data_parallel_group_with_context),
-        model, fault, env.rank, prof)
+        fault, env.rank)
     cfg.training.steps = steps_on_this_rank(fault, env.rank, cfg.training.steps)
     trainer = Trainer(cfg, model, pgm, device=env.device, forward_backward=step,
                       clip_grad_norm=partial(clip_replicated, list(model.parameters())))
     try:
-        with prof if prof is not None else nullcontext():
-            trainer.train()
-        line = straggler_report(step.busy, env.world_size, env.device)  # all-gather, the world
+        trainer.train()
     except Exception:
         # a collective failed or timed out: this rank's last collectives, for fr_analyze.py
         path = flight_recorder.dump(os.path.join(cfg.run_path, "flight_recorder"), env.rank,
@@ -66,11 +61,6 @@ def main(argv: Optional[List[str]] = None) -> int:
             f"rank {env.rank}: flight recorder written to {path} (read them all: python "
             f"scripts/fr_analyze.py {os.path.dirname(path)})", file=sys.stderr, flush=True)
         raise
-    if line:
-        print(line)
-    if prof is not None and env.rank == 0:
-        print(f"profile: {profile_steps} steps per rank in "
-              f"{os.path.join(cfg.run_path, 'profile')}/rank_<r>.json")
     destroy_pg_manager()
     destroy_distributed()
     return 0

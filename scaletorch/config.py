@@ -95,6 +95,9 @@ class LoggingConfig:
     # a cluster file from scripts/plan.py --calibrate: the run ends with the planner's step time
     # beside the measured one (memory and wire bytes are compared without it)
     plan_cluster: str = ""
+    # --profile STEPS: a torch.profiler trace of that many steps (after one of warm-up) per rank
+    # in runs/<name>/profile/rank_<r>.json (chapter 11; scripts/plot.py profile draws it)
+    profile_steps: int = 0
 
 
 @dataclass

@@ -21,8 +21,9 @@ The convention (doc/design.md, "Docs that reproduce"):
   inside a line matches any text. Between two ``...`` lines the doc's lines must match
   consecutive output lines, so a row that appears or disappears is drift.
 - Timing is ignored by rule: numbers followed by tok/s, ms, s or %, dates, ``runs/...`` paths
-  and the measured bubble are masked; chart lines (``|====  ##  ..|``) and torchrun's log
-  lines are skipped. Deviations printed as d.de-XX (rounding-level, they vary with the CPU's
+  and the measured bubble are masked; chart lines (``|====  ##  ..|``), torchrun's log
+  lines and the Trainer's straggler lines (a loaded machine prints one in a healthy run) are
+  skipped. Deviations printed as d.de-XX (rounding-level, they vary with the CPU's
   instruction set) match within a factor of 3, and the weight named beside one is masked.
   Blank lines are skipped. Everything else (parity verdicts and tolerances, ledger elements
   and bytes, memory tables, the rank grid, formula lines) must be equal.
@@ -70,6 +71,7 @@ MASKS: List[Tuple[re.Pattern, str]] = [
 SKIP = [
     re.compile(r"\|[=#. a-zA-Z0-9]{10,}\|"),  # 0-9: the zero-bubble schedules' W
     re.compile(r"^[WIEF]\d{4} \d{2}:\d{2}:\d{2}"),
+    re.compile(r"^straggler: rank \d+ is busy"),
 ]
 SCI = re.compile(r"\d\.\de[-+]\d\d")
 # What ScaleTorch's scripts print: a plain fence holding one of these is unlabeled output.

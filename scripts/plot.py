@@ -13,6 +13,7 @@
         --plan "--preset llama3-70b --gpus 64 --tp 8 --pp 8 --sequence-parallel \\
                 --micro-batches 2048"
     python scripts/plot.py plan-vs-measured runs/plan_vs_tour.json    # predicted vs measured
+    python scripts/plot.py profile runs/01_ddp/profile   # one step of ranks 0, 1 (--profile)
 
 ``metrics.jsonl`` is what the Trainer writes (one JSON object per step); ``timeline.json`` what
 07_nd_parallel writes when it runs a pipeline. ``schedules`` simulates every pipeline schedule
@@ -23,6 +24,8 @@ from files of ``scripts/plan.py --json`` output ("-": standard input) or from pl
 arguments (``--plan "ARGS"``, run here), against the cluster's HBM. ``plan-vs-measured`` draws
 the planner's step time against the measured one, log-log, from a JSON list of runs
 ``[{"script", "ranks", "arguments", "measured_s", "predicted_s"}, ...]`` (other keys ignored).
+``profile`` draws one step of two ranks as it ran from the traces of ``--profile STEPS``
+(scripts/plot_profile.py).
 The chapters' pictures (``loss-floor``, ``ddp-buckets``, ``zero-memory``, ``tp-split``, ...) are
 ``scripts/chapter_plots.py``'s. Each prints its data as a table, then writes a PNG (``--out``).
 matplotlib is optional: without it the script says so and prints the same data as text. Bad
@@ -40,6 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from scaletorch.schedule import placement, simulate  # noqa: E402
 from scaletorch.schedule import zero_bubble_orders as zb  # noqa: E402
 from scaletorch.schedule.timeline import Timeline  # noqa: E402
+from scripts import plot_profile  # noqa: E402
 
 from scripts.plot_base import draw_timeline, label_of, pyplot  # noqa: E402  # isort: skip
 from scripts.plot_base import read_metrics, read_timeline  # noqa: E402  # isort: skip
@@ -391,6 +395,7 @@ def main(argv=None) -> int:
     pv.add_argument("--out", default="plan_vs_measured.png")
     from scripts import chapter_plots  # the chapters' pictures, drawn with this module's helpers
     chapter_plots.add_parsers(sub)
+    plot_profile.add_parser(sub)
     args = parser.parse_args(argv)
     try:
         chapter_plots.dispatch(args) or dispatch(parser, args)
@@ -403,6 +408,8 @@ def main(argv=None) -> int:
 def dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.what == "loss":
         plot_losses(args.paths, args.key, args.out)
+    elif args.what == "profile":
+        plot_profile.run(args, pyplot)
     elif args.what == "plan-memory":
         if not args.paths and not args.plan:
             raise ValueError("plan-memory needs plan.py --json files or --plan 'ARGS'")

@@ -76,9 +76,9 @@ class InjectedFaultsEndAsDocumented(unittest.TestCase):
         self.assertEqual(call.where, "scaletorch/parallel/data_parallel.py:275 _launch")
         lines = flight_recorder.analyze(traces)
         self.assertIn("  rank 1: never issued it", lines)
-        self.assertIn(
-            "  rank 1: all_gather #1 of group 'world' [[1]] Double, issued at "
-            "scaletorch/trainer/faults.py:141 straggler_report", lines)
+        self.assertIn("  rank 1: all_gather #1 of group 'world' [[1]] Float, issued at "
+                      "scaletorch/dist/straggler.py:30 straggler_report",
+                      lines)  # the Trainer's log line
 
     def test_the_analyzer_script_and_torchfrtrace_read_the_dumps(self):
         _, _, run = self.runs["skip"]

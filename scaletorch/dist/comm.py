@@ -8,10 +8,16 @@ path without special cases. None of these are differentiable: see ``functional.p
 creates one group per distinct set of ranks, so a group can serve several roles (with cp = 1,
 "dp" and "dp_cp" are one group) and is known to the ledger by its first; a call made for
 another role names it. Without ``name`` the ledger uses the group's own name.
+
+``waited()`` is the time this process has spent blocked in collectives: inside a synchronous
+call, or in ``wait()`` on what an async call returned (the Trainer's straggler line subtracts it
+from each step's time). On a GPU neither blocks the host (NCCL queues the work on a stream), so
+there it stays near 0.
 """
 
+import time
 from contextlib import nullcontext
-from typing import Any, ContextManager, List, Optional, Tuple
+from typing import Any, Callable, ContextManager, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -20,7 +26,51 @@ from scaletorch.dist import device_check, p2p_order
 from scaletorch.dist.ledger import get_ledger, group_name
 
 Group = Optional[dist.ProcessGroup]
-Work = dist.Work  # what an async collective returns: wait() on it
+_waited = [0.0]  # seconds this process spent blocked in collectives (waited())
+
+
+def waited() -> float:
+    """Seconds this process has spent blocked in collectives so far (host clock)."""
+    return _waited[0]
+
+
+class Work:
+    """What an async collective returns: torch's work, whose ``wait()`` adds the time it blocked
+    to ``waited()`` and, while a profiler runs, shows in the profile as "<label> wait"."""
+
+    def __init__(self, work: Any, label: str) -> None:
+        self.work, self.label = work, label
+
+    def wait(self, *args: Any) -> bool:
+        start = time.perf_counter()
+        with _label(f"{self.label} wait"):
+            done = self.work.wait(*args)
+        _waited[0] += time.perf_counter() - start
+        return done
+
+    def __getattr__(self, name: str) -> Any:  # is_completed, get_future, ...: torch's own
+        return getattr(self.work, name)
+
+
+def _label(text: str) -> ContextManager:
+    """``text`` as a span of a profile while a profiler runs (record_function); else nothing."""
+    if not torch.autograd.profiler._is_profiler_enabled:
+        return nullcontext()
+    return torch.profiler.record_function(text)
+
+
+def _issue(label: str, call: Callable[..., Any], *args: Any, async_op: bool = False,
+           **kwargs: Any) -> Optional[Work]:
+    """Run torch's collective ``call`` labelled ``label``; an async one's work is wrapped in
+    ``Work``, a synchronous one's time is added to ``waited()``."""
+    start = time.perf_counter()
+    with _label(label):
+        work = call(*args, async_op=async_op, **kwargs)
+    if async_op:
+        return Work(work, label)
+    _waited[0] += time.perf_counter() - start
+    return None
+
 
 # torch 2.13 renamed the dim-0 gather/scatter collectives (*_into_tensor / *_tensor -> *_single)
 # and deprecated the old names; older torch 2.x only has the old ones. These two are torch's own
@@ -40,17 +90,15 @@ def group_rank(group: Group = None) -> int:
 
 
 def _record(op: str, group: Group, tensor: torch.Tensor, numel: Optional[int] = None,
-            name: Optional[str] = None, others: Tuple[torch.Tensor, ...] = ()) -> ContextManager:
-    """Write the call in the ledger; the returned context labels it in a profile ("dp_cp
-    all_reduce": torch.profiler.record_function) while a profiler runs (chapter 11). In
+            name: Optional[str] = None, others: Tuple[torch.Tensor, ...] = ()) -> str:
+    """Write the call in the ledger; return its label in a profile ("dp_cp all_reduce", shown
+    through torch.profiler.record_function while a profiler runs: chapter 11). In
     ``device_check``'s test mode, ``tensor`` and ``others`` made on the host raise."""
     for t in (tensor, *others):
         device_check.check(t, op)
     elements = tensor.numel() if numel is None else numel
     get_ledger().record(op, group, group_size(group), elements, tensor.element_size(), name)
-    if not torch.autograd.profiler._is_profiler_enabled:
-        return nullcontext()
-    return torch.profiler.record_function(f"{name or group_name(group)} {op}")
+    return f"{name or group_name(group)} {op}"
 
 
 def all_reduce(tensor: torch.Tensor, group: Group = None, op: Any = dist.ReduceOp.SUM,
@@ -58,8 +106,8 @@ def all_reduce(tensor: torch.Tensor, group: Group = None, op: Any = dist.ReduceO
     """In-place all-reduce of ``tensor`` over ``group``; returns a work handle if async."""
     if group_size(group) == 1:
         return None
-    with _record("all_reduce", group, tensor, name=name):
-        return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    label = _record("all_reduce", group, tensor, name=name)
+    return _issue(label, dist.all_reduce, tensor, op=op, group=group, async_op=async_op)
 
 
 def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: Group = None,
@@ -68,8 +116,9 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: Gro
     if group_size(group) == 1:
         output.copy_(input)
         return None
-    with _record("all_gather", group, output, name=name, others=(input, )):
-        return torch_all_gather(output, input.contiguous(), group=group, async_op=async_op)
+    label = _record("all_gather", group, output, name=name, others=(input, ))
+    return _issue(label, torch_all_gather, output, input.contiguous(), group=group,
+                  async_op=async_op)
 
 
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group: Group = None,
@@ -79,9 +128,9 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group: Grou
     if group_size(group) == 1:
         output.copy_(input)
         return None
-    with _record("reduce_scatter", group, input, name=name, others=(output, )):
-        return torch_reduce_scatter(output, input.contiguous(), op=op, group=group,
-                                    async_op=async_op)
+    label = _record("reduce_scatter", group, input, name=name, others=(output, ))
+    return _issue(label, torch_reduce_scatter, output, input.contiguous(), op=op, group=group,
+                  async_op=async_op)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: Group = None, async_op: bool = False,
@@ -89,8 +138,8 @@ def broadcast(tensor: torch.Tensor, src: int, group: Group = None, async_op: boo
     """Copy ``tensor`` from global rank ``src`` to every rank of ``group``."""
     if group_size(group) == 1:
         return None
-    with _record("broadcast", group, tensor, name=name):
-        return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+    label = _record("broadcast", group, tensor, name=name)
+    return _issue(label, dist.broadcast, tensor, src=src, group=group, async_op=async_op)
 
 
 def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
@@ -111,10 +160,10 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
         kept = input.shape[0] // n
     else:
         kept = input_split_sizes[rank]
-    with _record("all_to_all", group, input, numel=input.numel() - kept * row, name=name,
-                 others=(output, )):
-        return dist.all_to_all_single(output, input.contiguous(), output_split_sizes,
-                                      input_split_sizes, group=group, async_op=async_op)
+    label = _record("all_to_all", group, input, numel=input.numel() - kept * row, name=name,
+                    others=(output, ))
+    return _issue(label, dist.all_to_all_single, output, input.contiguous(), output_split_sizes,
+                  input_split_sizes, group=group, async_op=async_op)
 
 
 def batch_isend_irecv(ops: List[dist.P2POp], group: Group = None,
@@ -124,18 +173,28 @@ def batch_isend_irecv(ops: List[dist.P2POp], group: Group = None,
     Sends are recorded as "send", receives as "recv", with the element count of the tensor; a
     message's wire bytes are its sender's (a recv sends nothing), so summed over ranks each
     message counts once. With ``p2p_order.in_order()`` (a test mode) the batch runs in NCCL's
-    order: after every batch this rank posted on the group before it.
+    order: after every batch this rank posted on the group before it. In a profile the batch
+    is labelled by its ops ("pp send/recv", "pp send", "pp recv"), as are its waits.
     """
+    kinds = []
     for p2p in ops:
-        _record("send" if p2p.op is dist.isend else "recv", group, p2p.tensor, name=name)
+        kind = "send" if p2p.op is dist.isend else "recv"
+        label = _record(kind, group, p2p.tensor, name=name)
+        kinds.append(kind)
     if not ops:
         return []
-    return p2p_order.post_in_order(ops) if p2p_order.in_order() else dist.batch_isend_irecv(ops)
+    label = label.rsplit(" ", 1)[0] + " " + "/".join(k for k in ("send", "recv") if k in kinds)
+    with _label(label):
+        works: List[Any] = (p2p_order.post_in_order(ops)
+                            if p2p_order.in_order() else dist.batch_isend_irecv(ops))
+    return [Work(w, label) for w in works]
 
 
 def barrier(group: Group = None) -> None:
     if group_size(group) > 1:
+        start = time.perf_counter()
         dist.barrier(group=group)
+        _waited[0] += time.perf_counter() - start
 
 
 def average_over_group(value: torch.Tensor, group: Group) -> torch.Tensor:

@@ -63,6 +63,7 @@ ALIASES = {
     "--name": "logging.name",
     "--fail-at-step": "training.fail_at_step",
     "--fail-rank": "training.fail_rank",
+    "--profile": "logging.profile_steps",
 }
 RECOMPUTE = "parallel.activation_checkpointing"  # --activation-checkpointing [MODE]
 FLAGS = {
@@ -415,6 +416,7 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
         "training.weight_decay": cfg.training.weight_decay,
         "training.grad_clip": cfg.training.grad_clip,
         "checkpoint.every": cfg.checkpoint.every,
+        "logging.profile_steps": cfg.logging.profile_steps,
         "parallel.data_parallel_size": cfg.parallel.data_parallel_size,
     }
     for key, value in non_negative.items():

@@ -17,10 +17,12 @@ import json
 import math
 import os
 import signal
+import statistics
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterable, List, Optional, cast
+from typing import TYPE_CHECKING, Any, Callable, Iterable, List, Optional, cast
 
 import torch
 import torch.distributed as dist
@@ -29,6 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from scaletorch.data import GlobalBatchLoader, build_dataset
 from scaletorch.dist import ProcessGroupManager, comm, get_ledger, restart_count
+from scaletorch.dist.straggler import straggler_report
 from scaletorch.models import loss_fn
 from scaletorch.parallel.grad_norm import clip_replicated
 from scaletorch.parallel.mixed_precision import DynamicLossScaler
@@ -37,6 +40,7 @@ from scaletorch.trainer import checkpoint as ckpt
 from scaletorch.trainer.config import Config, save_config
 from scaletorch.trainer.plan_line import plan_report
 from scaletorch.trainer.precision import autocast, precision_note, resolve_precision
+from scaletorch.trainer.profiling import profiler
 
 if TYPE_CHECKING:
     from scaletorch.parallel.parallelize import Parallelized
@@ -48,6 +52,7 @@ class TrainResult:
     grad_norms: List[float] = field(default_factory=list)
     start_step: int = 0  # > 0 when resumed from a checkpoint
     step_seconds: List[float] = field(default_factory=list)  # this rank's wall time of each step
+    busy_seconds: List[float] = field(default_factory=list)  # the same, less collective waits
 
 
 def build_optimizer(cfg: Config, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
@@ -267,49 +272,80 @@ class Trainer:
                        dynamic_ncols=True)
         tokens_per_step = cfg.data.global_batch_size * cfg.data.seq_len
         step_seconds = result.step_seconds
+        window: List[float] = []  # busy seconds of the steps since the last log line
+        prof = profiler(cfg.run_path, comm.group_rank(), cfg.logging.profile_steps)
         try:
-            while self.step < cfg.training.steps:
-                start = time.perf_counter()
-                lr = self.scheduler.get_last_lr()[0]
-                self._maybe_inject_failure()
-                loss, grad_norm = self._train_step_with_context()
-                elapsed = time.perf_counter() - start
-                step_seconds.append(elapsed)
-                result.losses.append(loss)
-                result.grad_norms.append(grad_norm)
-                record = {
-                    "step": self.step,
-                    "loss": loss,
-                    "lr": lr,
-                    "grad_norm": grad_norm,
-                    "tokens_per_s": tokens_per_step / elapsed,
-                    # bytes this rank sent in the step's collectives (our ledger: not torch's);
-                    # none without process groups (the --check reference, after the run's steps)
-                    "wire_bytes": self._wire_bytes(self.step - 1),
-                }
-                if metrics is not None:
-                    metrics.write(json.dumps(record) + "\n")
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(loss=f"{loss:.4f}")
-                if self.step % cfg.logging.log_every == 0 or self.step == cfg.training.steps:
-                    line = (f"step {self.step:5d} | loss {loss:.4f} | lr {lr:.2e} | "
-                            f"grad norm {grad_norm:.3f} | {record['tokens_per_s']:,.0f} tok/s")
-                    if bar is not None:
-                        bar.write(line)
-                    else:
-                        self._print(line)
-                if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
-                    path = self.save()
-                    self._print(f"saved checkpoint {path}")
+            with prof if prof is not None else nullcontext():
+                self._loop(result, metrics, bar, tokens_per_step, window, prof)
         finally:
             if bar is not None:
                 bar.close()
             if metrics is not None:
                 metrics.close()
+        if prof is not None:
+            n = cfg.logging.profile_steps
+            self._print(f"profile: {n} step{'s' if n > 1 else ''} per rank in "
+                        f"{os.path.join(cfg.run_path, 'profile')}/rank_<r>.json")
         if self.verbose and self.pgm is not None and step_seconds:  # chapter 09's prediction
             report = plan_report(cfg, self.world_size, self.pgm.pipeline_model_parallel_rank,
                                  self.model, self.optimizer, self.step - 1, step_seconds)
             if report:
                 self._print(report)
         return result
+
+    def _straggler_line(self, window: List[float]) -> Optional[str]:
+        """At a log line: every rank's median busy time over the steps since the last one,
+        all-gathered over the world; rank 0's line names a rank > 10% over the others."""
+        if self.pgm is None or self.world_size < 2:
+            return None
+        busy = statistics.median(window) if window else 0.0
+        window.clear()
+        return straggler_report(busy, self.device)
+
+    def _loop(self, result: TrainResult, metrics: Any, bar: Any, tokens_per_step: int,
+              window: List[float], prof: Optional[torch.profiler.profile]) -> None:
+        cfg = self.cfg
+        while self.step < cfg.training.steps:
+            start, waited = time.perf_counter(), comm.waited()
+            lr = self.scheduler.get_last_lr()[0]
+            self._maybe_inject_failure()
+            loss, grad_norm = self._train_step_with_context()
+            elapsed = time.perf_counter() - start
+            result.step_seconds.append(elapsed)
+            result.busy_seconds.append(elapsed - (comm.waited() - waited))
+            # the run's first step warms up; the profiler's steps run slower (its own work)
+            if self.step - 1 > result.start_step + (cfg.logging.profile_steps if prof else 0):
+                window.append(result.busy_seconds[-1])
+            if prof is not None:
+                prof.step()
+            result.losses.append(loss)
+            result.grad_norms.append(grad_norm)
+            record = {
+                "step": self.step,
+                "loss": loss,
+                "lr": lr,
+                "grad_norm": grad_norm,
+                "tokens_per_s": tokens_per_step / elapsed,
+                # bytes this rank sent in the step's collectives (our ledger: not torch's);
+                # none without process groups (the --check reference, after the run's steps)
+                "wire_bytes": self._wire_bytes(self.step - 1),
+            }
+            if metrics is not None:
+                metrics.write(json.dumps(record) + "\n")
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.4f}")
+            if self.step % cfg.logging.log_every == 0 or self.step == cfg.training.steps:
+                line = (f"step {self.step:5d} | loss {loss:.4f} | lr {lr:.2e} | "
+                        f"grad norm {grad_norm:.3f} | {record['tokens_per_s']:,.0f} tok/s")
+                straggler = self._straggler_line(window)  # every rank: an all-gather
+                for text in (line, straggler):
+                    if text is None:
+                        continue
+                    if bar is not None:
+                        bar.write(text)
+                    else:
+                        self._print(text)
+            if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
+                path = self.save()
+                self._print(f"saved checkpoint {path}")
