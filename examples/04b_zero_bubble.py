@@ -45,6 +45,13 @@ def limits(cfg, world_size: int) -> None:
     if p.pipeline_model_parallel_size < 2:
         raise ValueError(f"04b_zero_bubble needs pipeline_model_parallel_size >= 2 (--pp), "
                          f"got {p.pipeline_model_parallel_size}")
+    dp = world_size // (p.pipeline_model_parallel_size * p.tensor_model_parallel_size)
+    if p.impl == "torch" and dp > 1:  # torch DDP around each chunk
+        raise ValueError(f"04b_zero_bubble --impl torch with data parallel ({dp} ranks): torch "
+                         f"DDP cannot follow a backward split in B and W (its reducer sees each "
+                         f"parameter twice and asserts in step 2; with find_unused_parameters "
+                         f"zbv at pp 2 x dp 2 trains 3.4e-2 off in 6 steps); run dp 1 "
+                         f"(--nproc-per-node = pp x tp), or --impl scaletorch")
     later = {
         "--zero-stage": p.zero_stage > 0,
         "tied embeddings": cfg.model.tie_word_embeddings,

@@ -14,8 +14,6 @@ import unittest
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import redirect_stdout
 
-from torch.distributed.flight_recorder import fr_trace
-
 from scaletorch.dist import flight_recorder
 from scaletorch.trainer.config import one_traceback
 from scripts import fr_analyze
@@ -91,6 +89,9 @@ class InjectedFaultsEndAsDocumented(unittest.TestCase):
         # torch's analyzer (torchfrtrace) reads them too: dump() fills the group table that
         # gloo leaves empty
         with self.assertLogs("Flight Recorder", "INFO") as logs:
+            # imported here: without the optional tabulate its import logs a warning, which
+            # assertLogs keeps off the suite's output
+            from torch.distributed.flight_recorder import fr_trace
             fr_trace.main([directory, "--prefix", "rank_"])
         text = "\n".join(r.getMessage() for r in logs.records)
         self.assertRegex(

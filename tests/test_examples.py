@@ -14,7 +14,7 @@ from typing import Dict, Optional, Sequence
 
 import torch
 
-from tests.harness import NCCL_CHECKS
+from tests.harness import NCCL_CHECKS, warning_lines
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -23,7 +23,8 @@ def launch(script: str, nproc: int, *args: str, launcher: Sequence[str] = (), ti
            background: bool = False):
     """Run ``scripts/launch.sh script --nproc-per-node nproc [launcher] -- args``.
 
-    Returns its output (stdout + stderr); raises AssertionError with the output if it failed.
+    Returns its output (stdout + stderr); raises AssertionError with the output if it failed
+    or printed a warning (a learner's run prints nothing they must learn to ignore).
     ``background=True`` returns a future instead (for several launchers at once).
     """
     if background:
@@ -31,6 +32,8 @@ def launch(script: str, nproc: int, *args: str, launcher: Sequence[str] = (), ti
     output, code, cmd = launch_status(script, nproc, *args, launcher=launcher, timeout=timeout)
     if code != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {code}:\n{output[-3000:]}")
+    if warning_lines(output):
+        raise AssertionError(f"{' '.join(cmd)} printed warnings: {warning_lines(output)}")
     return output
 
 

@@ -25,7 +25,7 @@ from scaletorch.schedule.placement import V_SHAPED, ZERO_BUBBLE, split_layers, t
 from scaletorch.schedule.simulate import PipelineDeadlock, simulate, simulate_plans
 from scaletorch.trainer import Config, Trainer
 from scripts.benchmarks.timing import Delayed
-from tests.harness import run_distributed, value_error
+from tests.harness import run_distributed, stderr_warnings, value_error
 from tests.layouts import assert_run_matches, clip_fn, full_state, reference
 
 CLASSIC = ("afab", "1f1b", "interleaved")  # the zero-bubble ones: tests/test_zero_bubble.py
@@ -317,8 +317,10 @@ def reference_key(name: str) -> tuple:
 def world(rank: int, world_size: int) -> dict:
     out = {"parity": {}, "deadlock": {}, "bubble": {}}
     p2p_order.set_in_order(True)  # parity and deadlock runs in NCCL's order (test_nccl_order)
-    for name in PARITY_RUNS:
-        out["parity"][name] = parity_run(name)
+    with stderr_warnings() as warnings:  # torch DDP around chunks: no find_unused_parameters
+        for name in PARITY_RUNS:
+            out["parity"][name] = parity_run(name)
+    out["warnings"] = warnings
     for pp in (2, 4):
         for schedule in CLASSIC:
             for m in ((pp, 2 * pp) if schedule == "interleaved" else (pp, 2 * pp + 1)):
@@ -358,6 +360,14 @@ class TestPipelineParallelRanks(unittest.TestCase):
 
     def test_torch_pipelining_matches_single_device(self):
         self.check_parity(["torch_pp4_afab", "torch_pp2_dp2_1f1b", "torch_pp4_interleaved"])
+
+    def test_the_parity_runs_print_no_warning_on_any_rank(self):
+        # torch DDP around each chunk (torch_pp2_dp2_1f1b) once warned on every rank that
+        # find_unused_parameters=True found no unused parameter; every parameter of a chunk
+        # is used, so the flag is off (pipeline_parallel.apply_data_parallel_to_chunks)
+        self.assertIn("torch_pp2_dp2_1f1b", PARITY_RUNS)
+        for rank, res in enumerate(self.results):
+            self.assertEqual(res["warnings"], [], f"rank {rank}")
 
     def test_recorded_order_per_stage_equals_the_schedule_definition(self):
         checked = []

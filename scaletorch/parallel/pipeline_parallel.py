@@ -126,8 +126,11 @@ def apply_data_parallel_to_chunks(pipe: PipelineModel, pgm: ProcessGroupManager,
                                   impl: str = "scaletorch",
                                   bucket_size_mb: float = 25.0) -> PipelineModel:
     """Wrap each chunk for data parallel over "dp_cp" (chapter 01); state dict keys unchanged.
-    impl "torch": torch DDP with find_unused_parameters=True, which pipelining needs in torch
-    2.13 (else the reducer's bucket rebuild asserts; static_graph=True gives wrong gradients)."""
+    impl "torch": torch DDP, which ``PipelineStage`` drives (``no_sync`` but for the last
+    backward). Every parameter of a chunk is used in its forward, so find_unused_parameters
+    stays off (on, it costs a graph traversal per step and warns on every rank). Not under a
+    schedule that splits the backward in B and W (zb-h1, zbv, dualpipev): the reducer then sees
+    each parameter twice and asserts in step 2; chapter 04b's script refuses it."""
     if pgm.data_parallel_world_size_with_context == 1:
         return pipe
     device = next(pipe.parameters()).device
@@ -137,7 +140,7 @@ def apply_data_parallel_to_chunks(pipe: PipelineModel, pgm: ProcessGroupManager,
             return apply_data_parallel(chunk, pgm, impl, bucket_size_mb)
         return TorchDataParallel(chunk, device_ids=None if device.type == "cpu" else [device.index],
                                  process_group=pgm.data_parallel_group_with_context,
-                                 bucket_cap_mb=bucket_size_mb, find_unused_parameters=True)
+                                 bucket_cap_mb=bucket_size_mb)
 
     pipe.chunks = nn.ModuleList(wrap(chunk) for chunk in pipe.chunks)
     return pipe

@@ -88,6 +88,12 @@ def apply_dtensor_tensor_parallel(model: Llama, tp_mesh: DeviceMesh,
             plan["mlp"] = PrepareModuleInput(input_layouts=Shard(1),
                                              desired_input_layouts=Replicate())
         parallelize_module(block, tp_mesh, plan)
+    if not vocab_parallel_logits:
+        # DTensor's to_local() hands the gathered logits back as a view; a pipeline's last chunk
+        # returns them, and FSDP2 (ZeRO-3 around the chunk) warns of a view output: an in-place
+        # op on it would drop FSDP2's pre-backward hook. A copy of the micro-batch's logits is
+        # returned instead (the view's base is freed with it).
+        model.lm_head.register_forward_hook(lambda module, args, out: out.clone())
     if model.config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     return model
