@@ -19,9 +19,10 @@ from scaletorch.models import LlamaConfig, build_model, loss_fn
 from scaletorch.parallel.data_parallel import (IMPLS, BucketedDataParallel, apply_data_parallel,
                                                format_timeline)
 from scaletorch.parallel.step import forward_backward
-from scaletorch.trainer import Config, Trainer, run_reference, validate
+from scaletorch.trainer import Config, Trainer, validate
 from scaletorch.trainer.trainer import build_loader
 from tests.harness import run_distributed
+from tests.layouts import assert_matches, reference
 
 TOLERANCE = 1e-5  # fp32 over 5 AdamW steps; gradient sums differ from one device in ulps only
 SMALL_BUCKET_MB = 0.01  # ~2,600 fp32 elements: the tiny model spreads over ~12 buckets
@@ -57,7 +58,8 @@ def _train_every_impl(rank: int, world: int) -> Dict[tuple, dict]:
                 get_ledger().total(op="all_reduce", group="dp_cp", step=s)
                 for s in range(cfg.training.steps)
             ]
-            out[(impl, m)] = dict(losses=result.losses, state=state, all_reduced=reduced)
+            out[(impl, m)] = dict(losses=result.losses, grad_norms=result.grad_norms, state=state,
+                                  all_reduced=reduced)
     destroy_pg_manager()
     return out
 
@@ -143,24 +145,20 @@ class _ParityMixin:
 
     @classmethod
     def references(cls) -> dict:
-        refs = {}
-        for m in MICRO_BATCHES:
-            losses, model = run_reference(_config(m))
-            refs[m] = (losses, model.state_dict())
-        return refs
+        """The plain loop's (losses, grad norms, weights) per micro-batch count, in the parent."""
+        return {m: reference(_config(m)) for m in MICRO_BATCHES}
 
     def check_parity(self, results: List[dict], refs: dict) -> None:
-        for (impl, m), run in results[0].items():
-            with self.subTest(impl=impl, micro_batches=m):
-                ref_losses, ref_state = refs[m]
-                self.assertEqual(len(run["losses"]), 5)
-                diff = max(abs(a - b) for a, b in zip(run["losses"], ref_losses))
-                self.assertLessEqual(diff, TOLERANCE)
-                self.assertEqual(set(run["state"]), set(ref_state))  # no "module." prefix
-                for rank_results in results:  # every rank ends with the reference weights
-                    state = rank_results[(impl, m)]["state"]
-                    for key, value in ref_state.items():
-                        torch.testing.assert_close(state[key], value, rtol=0, atol=TOLERANCE)
+        """layouts.assert_matches on every rank: losses and weights within TOLERANCE, grad
+        norms within NORM_TOL relative; every rank ends with the reference weights."""
+        checked = 0
+        for impl, m in results[0]:
+            for rank, res in enumerate(results):
+                run = res[(impl, m)]
+                self.assertEqual(set(run["state"]), set(refs[m][2]))  # no "module." prefix
+                assert_matches(self, [run], refs[m], f"{impl} m={m} rank {rank}", tol=TOLERANCE)
+                checked += 1
+        self.assertEqual(checked, len(IMPLS) * len(MICRO_BATCHES) * len(results))
 
 
 class DataParallel4MatchesSingleDevice(_ParityMixin, unittest.TestCase):

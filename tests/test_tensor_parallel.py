@@ -23,8 +23,9 @@ from scaletorch.parallel.data_parallel import apply_data_parallel
 from scaletorch.parallel.step import make_data_parallel_step
 from scaletorch.plan.traffic import tp_comm_elements as planned_tp_comm_elements
 from scaletorch.rules.vocab import padded_vocab_size
-from scaletorch.trainer import Config, Trainer, max_weight_diff
+from scaletorch.trainer import Config, Trainer
 from tests.harness import run_distributed, value_error
+from tests.layouts import assert_matches, reference
 
 WORLD = 4
 LAYER_TOL = 1e-6
@@ -186,11 +187,9 @@ def _world(rank: int, world_size: int) -> dict:
     return results
 
 
-def _reference(micro: int) -> dict:
-    cfg = make_cfg(micro=micro)
-    model = build_model(cfg.model, seed=cfg.training.model_seed)
-    result = Trainer(cfg, model, None, verbose=False).train()
-    return {"losses": result.losses, "grad_norms": result.grad_norms, "state": model.state_dict()}
+def _reference(micro: int) -> tuple:
+    """The plain loop's (losses, grad norms, weights) on one device (tests/layouts.reference)."""
+    return reference(make_cfg(micro=micro))
 
 
 class TestTensorParallelConfigErrors(unittest.TestCase):
@@ -263,17 +262,12 @@ class TestTensorParallel(unittest.TestCase):
     # ---- model parity ---------------------------------------------------------------------
 
     def check_parity(self, name: str) -> None:
+        # the one parity helper: every rank's losses and grad norms (within TRAIN_TOL: the
+        # clip saw the same norm), rank 0's gathered weights
         tp, sp, micro, impl = LAYOUTS[name]
-        ref = self.reference[micro]
-        for rank, res in enumerate(self.results):
-            run = res["runs"][name]
-            self.assertEqual(len(run["losses"]), 5)
-            for a, b in zip(run["losses"], ref["losses"]):
-                self.assertAlmostEqual(a, b, delta=TRAIN_TOL, msg=f"rank {rank} loss")
-            for a, b in zip(run["grad_norms"], ref["grad_norms"]):  # clipping saw the same norm
-                self.assertAlmostEqual(a, b, delta=TRAIN_TOL, msg=f"rank {rank} grad norm")
-        self.assertLess(max_weight_diff(self.results[0]["runs"][name]["full"], ref["state"]),
-                        TRAIN_TOL)
+        runs = [res["runs"][name] for res in self.results]
+        assert_matches(self, runs, self.reference[micro], name, weights="full", tol=TRAIN_TOL,
+                       norm_tol=TRAIN_TOL)
 
     def test_tp4_matches_single_device(self):
         self.check_parity("tp4")
@@ -354,7 +348,7 @@ class TestTensorParallel(unittest.TestCase):
 
     def test_data_parallel_all_reduces_only_the_local_shards(self):
         run = self.results[0]["runs"]["tp2_dp2_micro2"]
-        full = sum(t.numel() for t in self.reference[1]["state"].values())
+        full = sum(t.numel() for t in self.reference[1][2].values())
         norms = (2 * MODEL.num_layers + 1) * MODEL.hidden_size
         self.assertEqual(run["local_numel"], (full - norms) // 2 + norms)
         for step in range(5):  # the gradient shards once per step (not per micro-batch) + loss
