@@ -18,7 +18,6 @@ import torch.distributed as dist
 
 from scaletorch.dist import comm, destroy_pg_manager, device_check, p2p_order
 from scaletorch.dist.device_check import HostTensorError, check_devices, made_on_host
-from scaletorch.models import build_model
 from scaletorch.parallel.mixed_precision import DynamicLossScaler
 from scaletorch.schedule.catalog import schedule_actions
 from scaletorch.schedule.in_order import simulate_posted
@@ -26,10 +25,10 @@ from scaletorch.schedule.orders import action_p2p
 from scaletorch.schedule.placement import V_SHAPED
 from scaletorch.schedule.posting import posting_program
 from scaletorch.schedule.simulate import PipelineDeadlock, simulate_async
-from scaletorch.trainer import Trainer
 from scaletorch.trainer.param_map import full_state_dict
 from tests.harness import run_distributed
-from tests.layouts import TOL, build, layout, make_config, pg_manager_for, train
+from tests.layouts import (assert_matches, build, layout, make_config, pg_manager_for, reference,
+                           train)
 
 VALID = [  # (schedule, chunks per rank, p, m): m from p to 2p + 1 where the schedule runs
     (s, v, p, m) for s, v in (("afab", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1),
@@ -192,19 +191,6 @@ def config(layers: int, m: int, batch: int, parallel: dict):
     return cfg
 
 
-def references(size: int, rank: int) -> dict:
-    """(layers, micro-batches, batch) -> the single-device run's (losses, final weights), this
-    rank's share of them."""
-    out = {}
-    keys = sorted({spec[:3] for spec in RUNS[size].values()})
-    for layers, m, batch in keys[rank::size]:
-        cfg = config(layers, m, batch, {})
-        model = build_model(cfg.model, seed=cfg.training.model_seed)
-        result = Trainer(cfg, model, None, verbose=False).train()
-        out[(layers, m, batch)] = (result.losses, model.state_dict())
-    return out
-
-
 def two_batches(group, peer: int) -> float:
     """Receive, then send, as two batches: the order that hangs on NCCL."""
     buffer = torch.zeros(3)
@@ -287,7 +273,6 @@ def world(rank: int, world_size: int) -> dict:
     p2p_order.set_in_order(True)  # every batch of every run below in NCCL's order
     with check_devices():  # and no host-made tensor in a collective
         out["parity"] = {name: train(config(*spec)) for name, spec in RUNS[world_size].items()}
-    out["references"] = references(world_size, rank)
     return out
 
 
@@ -297,7 +282,9 @@ class OrderWorld:
     @classmethod
     def setUpClass(cls):
         cls.results = run_distributed(world, cls.size, timeout=TIMEOUT)
-        cls.references = {k: v for res in cls.results for k, v in res["references"].items()}
+        # the plain loop's (losses, grad norms, weights), once per (layers, m, batch), here
+        keys = sorted({spec[:3] for spec in RUNS[cls.size].values()})
+        cls.references = {key: reference(config(*key, {})) for key in keys}
 
     def test_receive_then_send_hangs_in_nccl_order_and_runs_on_gloo(self):
         modes = [self.results[rank]["mode"] for rank in (0, 1)]
@@ -310,14 +297,8 @@ class OrderWorld:
     def test_every_schedule_in_nccl_order_matches_the_single_device(self):
         for name, spec in RUNS[self.size].items():
             with self.subTest(run=name):
-                losses, state = self.references[spec[:3]]
-                for rank, res in enumerate(self.results):
-                    got = res["parity"][name]["losses"]
-                    self.assertEqual(len(got), STEPS)
-                    self.assertLessEqual(max(abs(a - b) for a, b in zip(got, losses)), TOL)
-                full = self.results[0]["parity"][name]["state"]
-                diff = max((full[k] - state[k]).abs().max().item() for k in state)
-                self.assertLessEqual(diff, TOL, name)
+                assert_matches(self, [res["parity"][name] for res in self.results],
+                               self.references[spec[:3]], name)
 
 
 class TestNcclOrderTwoRanks(OrderWorld, unittest.TestCase):

@@ -1,7 +1,8 @@
 """Proof that can fail: bugs a tutorial typically has, planted one at a time, each caught.
 
-Every strategy is "proven" by a parity check: losses, grad norms and full weights within
-``TOL`` (1e-5) of the single-device run (tests/layouts.assert_parity). A check that cannot fail
+Every strategy is "proven" by a parity check: losses and full weights within ``TOL`` (1e-5),
+grad norms within ``NORM_TOL`` (1e-4 relative) of the single-device run
+(tests/layouts.assert_matches). A check that cannot fail
 proves nothing, so this module plants the classic bugs, one per run, by patching the library
 inside the spawned ranks (no hook in the library), and asserts that the same check fails for
 each; an unpatched run of each layout (the control) must pass it. The reference is the plain
@@ -31,7 +32,7 @@ from scaletorch.parallel.pipeline_parallel import PipelineSchedule
 from scaletorch.trainer import Config
 from scaletorch.trainer.plain_loop import plain_training
 from tests.harness import run_distributed
-from tests.layouts import TOL, layout, make_config, train
+from tests.layouts import NORM_TOL, TOL, layout, make_config, train
 from tests.test_mixed_precision import LOSS_TOL, NORM_RTOL
 from tests.test_trainer import trainer_and_plain_loop
 
@@ -209,15 +210,16 @@ def _world(rank: int, world: int) -> dict:
 
 
 def differences(results: List[dict], run: str, reference: tuple) -> Dict[str, float]:
-    """The parity check's three numbers, each divided by its bound (> 1: the check fails):
-    every rank's losses and grad norms, rank 0's full weights, against the reference."""
+    """The parity check's three numbers, each divided by its bound in layouts.assert_matches
+    (> 1: the check fails): every rank's losses (TOL) and grad norms (NORM_TOL relative), rank
+    0's full weights (TOL), against the reference."""
     losses, norms, state = reference
     loss = max(abs(a - b) for res in results for a, b in zip(res[run]["losses"], losses))
     norm = max(
         abs(a - b) / max(1.0, b) for res in results for a, b in zip(res[run]["grad_norms"], norms))
     full = results[0][run]["state"]
     weight = max((full[k].float() - state[k].float()).abs().max().item() for k in state)
-    return {"loss": loss / TOL, "grad norm": norm / TOL, "weights": weight / TOL}
+    return {"loss": loss / TOL, "grad norm": norm / NORM_TOL, "weights": weight / TOL}
 
 
 def single_device_twice() -> dict:
@@ -239,13 +241,13 @@ def main() -> None:
     """``python -m tests.test_planted_bugs``: the table of bugs, the check that caught each."""
     results = run_distributed(_world, WORLD, timeout=300)
     print(f"{'planted bug (2 ranks, 3 steps)':50s} {'loss':>8s} {'norm':>8s} {'weights':>8s}  "
-          f"caught by (tolerance {TOL:.0e})")
+          f"caught by (tolerances {TOL:.0e}, norm {NORM_TOL:.0e} relative)")
     runs = [(f"control {n}", n) for n in LAYOUTS] + [(b, n) for b, (n, _) in BUGS.items()]
     for run, name in runs:
         losses, norms, model = plain_training(_config(name))
         worst = differences(results, run, (losses, norms, model.state_dict()))
         over = [k for k, v in worst.items() if v > 1.0]
-        print(f"{run:50s} {worst['loss'] * TOL:8.1e} {worst['grad norm'] * TOL:8.1e} "
+        print(f"{run:50s} {worst['loss'] * TOL:8.1e} {worst['grad norm'] * NORM_TOL:8.1e} "
               f"{worst['weights'] * TOL:8.1e}  {', '.join(over) or 'passes'}")
     runs = single_device_twice()
     (losses, norms, _), (ref_losses, ref_norms, _) = runs["trainer"], runs["plain"]
@@ -256,8 +258,8 @@ def main() -> None:
 
 
 class PlantedBugsAreCaught(unittest.TestCase):
-    """Each planted bug makes the parity check (loss, grad norm, weights within TOL of the plain
-    loop) fail; the same layouts without a bug pass it."""
+    """Each planted bug makes the parity check (losses and weights within TOL, grad norms within
+    NORM_TOL relative, of the plain loop) fail; the same layouts without a bug pass it."""
 
     @classmethod
     def setUpClass(cls):
@@ -288,7 +290,7 @@ class PlantedBugsAreCaught(unittest.TestCase):
         worst = differences(self.results, "ddp: gradients divided by N twice",
                             self.references["dp2"])
         self.assertLessEqual(worst["loss"], 1.0, worst)
-        self.assertGreater(worst["grad norm"], 1e4, worst)  # 0.47 against 1e-5
+        self.assertGreater(worst["grad norm"], 1e3, worst)  # 0.47 against 1e-4
 
     def test_the_loss_divided_by_micro_batches_twice_is_caught_only_by_the_plain_loop(self):
         runs = single_device_twice()
