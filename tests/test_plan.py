@@ -6,8 +6,9 @@
   72 B L s h^2 (1 + s/6h + V/12hL) and its 6 N D limit.
 - Against this repository, in one world of 4 ranks: for each layout of chapter 07's parity
   matrix (tests/layouts.py, scaled to 4 ranks) the planner's bytes per group per step equal
-  the ledger's exactly, every rank (expert parallel's all-to-all: within 10%, the routing is
-  data-dependent), and so do its calls per (op, group, phase), expert parallel's included;
+  the ledger's exactly, every rank (expert parallel's all-to-all: approximately, within 5%,
+  the routing is data-dependent), and so do its calls per (op, group, phase), expert
+  parallel's included;
   parameter, gradient and optimizer bytes equal the tensors each rank holds;
   activation bytes (no recomputation, selective, full; with and without sequence parallel)
   are within 5% of what autograd keeps (``torch.autograd.graph.saved_tensors_hooks``).
@@ -638,32 +639,67 @@ def _config(name: str):
     return cfg
 
 
-def _check_wire_calls_and_states(test: unittest.TestCase, names, results, world: int) -> None:
-    """Every rank: the planner's wire bytes per (op, group, phase) equal the ledger's (expert
-    parallel's all-to-all within 10%: tokens per expert follow the router, balanced +- 10%)
-    and so do its calls (exactly, expert parallel's too: every MoE block issues its
-    all-to-alls however the router splits the tokens); parameter, gradient and optimizer
-    bytes equal the tensors held (sums of exact binary fractions: equal, not close)."""
+def _wire(test: unittest.TestCase, name: str, results, world: int):
+    """(rank, planned wire bytes, measured wire bytes) per (op, group, phase), every rank of
+    ``name``; the planner's calls per key equal the ledger's (expert parallel's too: every MoE
+    block issues its all-to-alls however the router splits the tokens)."""
+    cfg = _config(name)
+    model, plan = model_of(cfg.model), layout_of(cfg, world)
+    for rank, res in enumerate(results):
+        predicted, calls = defaultdict(float), defaultdict(int)
+        for c in collectives(model, plan, res[name]["pp_rank"]):
+            predicted[(c.op, c.group, c.phase)] += c.wire
+            calls[(c.op, c.group, c.phase)] += c.calls
+        measured = res[name]["wire"]
+        test.assertEqual(set(predicted), set(measured), f"{name} rank {rank}")
+        test.assertEqual(dict(calls), res[name]["calls"], f"{name} rank {rank}: calls")
+        yield rank, predicted, measured
+
+
+# Expert parallel's all-to-all carries the tokens the router sends away: the planner assumes a
+# balanced router, the run's counts follow its data. Approximate, not equal: planned / measured
+# within EP_TOKENS_RTOL (tests below; every other group's bytes are exact). Measured: within
+# 0.024 of 1 (28 counts, the 4-rank world), 0.000 (chapter 06's run, 2 counts).
+EP_TOKENS_RTOL = 0.05
+
+
+def _check_wire_calls_and_states(test: unittest.TestCase, names, results, world: int) -> int:
+    """Every rank: the planner's wire bytes per (op, group, phase) equal the ledger's but for
+    the expert all-to-all's ("ep": ``_check_expert_all_to_all_approximately``), and so do its
+    calls; parameter, gradient and optimizer bytes equal the tensors held (sums of exact
+    binary fractions: equal, not close). Returns how many byte counts were compared."""
+    compared = 0
     for name in names:
+        for rank, predicted, measured in _wire(test, name, results, world):
+            for key, wire in measured.items():
+                if key[1] != "ep":
+                    test.assertEqual(predicted[key], wire, f"{name} rank {rank} {key}")
+                    compared += 1
         cfg = _config(name)
         model, plan = model_of(cfg.model), layout_of(cfg, world)
         for rank, res in enumerate(results):
-            r = res[name]["pp_rank"]
-            predicted, calls = defaultdict(float), defaultdict(int)
-            for c in collectives(model, plan, r):
-                predicted[(c.op, c.group, c.phase)] += c.wire
-                calls[(c.op, c.group, c.phase)] += c.calls
-            measured = res[name]["wire"]
-            test.assertEqual(set(predicted), set(measured), f"{name} rank {rank}")
-            test.assertEqual(dict(calls), res[name]["calls"], f"{name} rank {rank}: calls")
-            for key, wire in measured.items():
-                if key[1] == "ep":
-                    test.assertAlmostEqual(predicted[key] / wire, 1, delta=0.1, msg=name)
-                else:
-                    test.assertEqual(predicted[key], wire, f"{name} rank {rank} {key}")
-            states = state_bytes(model, plan, r)
+            states = state_bytes(model, plan, res[name]["pp_rank"])
             states.pop("buffers")
             test.assertEqual(states, res[name]["memory"], f"{name} rank {rank}")
+    test.assertGreater(compared, 0)
+    return compared
+
+
+def _check_expert_all_to_all_approximately(test: unittest.TestCase, names, results,
+                                           world: int) -> int:
+    """The "ep" keys of ``_check_wire_calls_and_states``: planned / measured within
+    EP_TOKENS_RTOL on every rank. Returns how many were compared."""
+    compared, worst = 0, 0.0
+    for name in names:
+        for rank, predicted, measured in _wire(test, name, results, world):
+            for key in [k for k in measured if k[1] == "ep"]:
+                test.assertAlmostEqual(predicted[key] / measured[key], 1, delta=EP_TOKENS_RTOL,
+                                       msg=f"{name} rank {rank} {key}")
+                worst = max(worst, abs(predicted[key] / measured[key] - 1))
+                compared += 1
+    print(f"\nexpert all-to-all, planned / measured bytes: within {worst:.3f} of 1 "
+          f"({compared} counts, bound {EP_TOKENS_RTOL})")
+    return compared
 
 
 class PlannerMatchesTheLedgers(unittest.TestCase):
@@ -684,6 +720,14 @@ class PlannerMatchesTheLedgers(unittest.TestCase):
 
     def test_chapter_07s_default_and_tour_runs_wire_bytes_calls_and_model_states_are_exact(self):
         _check_wire_calls_and_states(self, CHAPTERS_4, self.results, WORLD)
+
+    def test_expert_all_to_all_bytes_approximately_the_balanced_routers_within_5_percent(self):
+        names = [
+            n for n in list(LAYOUTS) + list(ACTIVATIONS) + list(CHAPTERS_4)
+            if _config(n).model.num_experts
+        ]
+        self.assertGreater(_check_expert_all_to_all_approximately(self, names, self.results, WORLD),
+                           0)
 
     def test_activation_bytes_within_5_percent_of_what_autograd_keeps(self):
         # the peak of the bytes saved for backward over one step, every rank: under a pipeline
@@ -716,6 +760,10 @@ class PlannerMatchesEachChaptersDefaultRun(unittest.TestCase):
 
     def test_each_chapters_wire_bytes_calls_and_model_states_equal_the_ledger(self):
         _check_wire_calls_and_states(self, CHAPTERS_2, self.results, 2)
+
+    def test_chapter_06s_expert_all_to_all_bytes_approximately_within_5_percent(self):
+        names = [n for n in CHAPTERS_2 if _config(n).model.num_experts]
+        self.assertGreater(_check_expert_all_to_all_approximately(self, names, self.results, 2), 0)
 
 
 if __name__ == "__main__":
