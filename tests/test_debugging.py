@@ -14,6 +14,8 @@ import unittest
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import redirect_stdout
 
+from torch.distributed.flight_recorder.components.fr_logger import FlightRecorderLogger
+
 from scaletorch.dist import flight_recorder
 from scaletorch.trainer.config import one_traceback
 from scripts import fr_analyze
@@ -88,9 +90,11 @@ class InjectedFaultsEndAsDocumented(unittest.TestCase):
                       out.getvalue())
         # torch's analyzer (torchfrtrace) reads them too: dump() fills the group table that
         # gloo leaves empty
+        # The analyzer logs through one logger that adds its own stderr handler when first
+        # made; made here, assertLogs then swaps that handler out, and the analyzer's report and
+        # its import's "tabulate is not installed" warning stay off the suite's output.
+        FlightRecorderLogger()
         with self.assertLogs("Flight Recorder", "INFO") as logs:
-            # imported here: without the optional tabulate its import logs a warning, which
-            # assertLogs keeps off the suite's output
             from torch.distributed.flight_recorder import fr_trace
             fr_trace.main([directory, "--prefix", "rank_"])
         text = "\n".join(r.getMessage() for r in logs.records)
