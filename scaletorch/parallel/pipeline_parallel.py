@@ -126,11 +126,8 @@ def apply_data_parallel_to_chunks(pipe: PipelineModel, pgm: ProcessGroupManager,
                                   impl: str = "scaletorch",
                                   bucket_size_mb: float = 25.0) -> PipelineModel:
     """Wrap each chunk for data parallel over "dp_cp" (chapter 01); state dict keys unchanged.
-    impl "torch": torch DDP, which ``PipelineStage`` drives (``no_sync`` but for the last
-    backward). Every parameter of a chunk is used in its forward, so find_unused_parameters
-    stays off (on, it costs a graph traversal per step and warns on every rank). Not under a
-    schedule that splits the backward in B and W (zb-h1, zbv, dualpipev): the reducer then sees
-    each parameter twice and asserts in step 2; chapter 04b's script refuses it."""
+    impl "torch": torch DDP; a chunk uses every parameter (no find_unused_parameters). Not under
+    B/W-split schedules: the reducer sees each parameter twice and asserts (04b refuses it)."""
     if pgm.data_parallel_world_size_with_context == 1:
         return pipe
     device = next(pipe.parameters()).device

@@ -7,8 +7,7 @@ stop-gap (given a dp sub-mesh it turns the DTensor weights back into plain local
 its own comment says state dicts then need care), so the placements that the clip and the
 gather read would be gone. FSDP2's ``replicate`` (the hooks of ``fully_shard``, no sharding)
 keeps 2-D (dp, tp) DTensors and all-reduces the gradients over dp once, after the last
-micro-batch. DTensor and FSDP2 issue their own collectives: our ledger does not see them.
-"""
+micro-batch. DTensor and FSDP2 issue their own collectives: our ledger does not see them."""
 
 from typing import Callable, Dict, List, cast
 
@@ -56,8 +55,7 @@ def apply_dtensor_tensor_parallel(model: Llama, tp_mesh: DeviceMesh,
 
     ``vocab_parallel_logits``: the head returns (b, s, V) logits as a DTensor sharded on the
     vocabulary (train inside ``loss_parallel()`` with ``dtensor_loss_fn``); else it gathers
-    them into a plain tensor (what a pipeline's loss function takes).
-    """
+    them into a plain tensor for a pipeline's loss, a copy (FSDP2 warns of a view output)."""
     validate_tensor_parallel(model.config, tp_mesh.size(), sequence_parallel)
     seq = Shard(1) if sequence_parallel else Replicate()  # the layout between blocks
     logits = (Shard(-1), False) if vocab_parallel_logits else (Replicate(), True)
@@ -65,7 +63,7 @@ def apply_dtensor_tensor_parallel(model: Llama, tp_mesh: DeviceMesh,
         "embed_tokens":
         RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
         "lm_head":
-        ColwiseParallel(input_layouts=seq, output_layouts=logits[0], use_local_output=logits[1]),
+        ColwiseParallel(input_layouts=seq, output_layouts=logits[0], use_local_output=logits[1])
     }
     if sequence_parallel:
         top["norm"] = SequenceParallel()
@@ -88,11 +86,7 @@ def apply_dtensor_tensor_parallel(model: Llama, tp_mesh: DeviceMesh,
             plan["mlp"] = PrepareModuleInput(input_layouts=Shard(1),
                                              desired_input_layouts=Replicate())
         parallelize_module(block, tp_mesh, plan)
-    if not vocab_parallel_logits:
-        # DTensor's to_local() hands the gathered logits back as a view; a pipeline's last chunk
-        # returns them, and FSDP2 (ZeRO-3 around the chunk) warns of a view output: an in-place
-        # op on it would drop FSDP2's pre-backward hook. A copy of the micro-batch's logits is
-        # returned instead (the view's base is freed with it).
+    if not vocab_parallel_logits:  # to_local() returns a view: FSDP2 around a chunk warns
         model.lm_head.register_forward_hook(lambda module, args, out: out.clone())
     if model.config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
