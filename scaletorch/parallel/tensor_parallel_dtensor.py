@@ -63,7 +63,7 @@ def apply_dtensor_tensor_parallel(model: Llama, tp_mesh: DeviceMesh,
         "embed_tokens":
         RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
         "lm_head":
-        ColwiseParallel(input_layouts=seq, output_layouts=logits[0], use_local_output=logits[1])
+        ColwiseParallel(input_layouts=seq, output_layouts=logits[0], use_local_output=logits[1]),
     }
     if sequence_parallel:
         top["norm"] = SequenceParallel()
