@@ -40,6 +40,7 @@ Exit status 1 and a diff (``-`` the doc, ``+`` the output) on any drift or struc
 """
 
 import argparse
+import concurrent.futures
 import difflib
 import glob
 import os
@@ -411,6 +412,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("-k", dest="pattern", default="",
                         help="only the blocks whose file or command contains this")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per block")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="blocks run at once (the ci blocks write different run dirs)")
     parser.add_argument("files", nargs="*", help="markdown files (default: doc/*.md, README.md)")
     args = parser.parse_args(argv)
 
@@ -433,16 +436,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return (args.all or "ci" in b.options) and named
 
     selected = [b for b in blocks if wanted(b)]
+    if args.jobs < 1:
+        parser.error(f"--jobs takes a number of blocks >= 1, got {args.jobs}")
     failed, start = 0, time.time()
-    for block in selected:
+
+    def timed(block: Block) -> Tuple[List[str], float]:
         t0 = time.time()
-        problems = check_block(block, args.timeout)
-        verdict = "DRIFT" if problems else "ok"
-        print(f"{verdict:5s} {block.name}  ({time.time() - t0:.0f} s)  {block.commands[-1]}",
-              flush=True)
-        for line in problems:
-            print(f"      {line}")
-        failed += bool(problems)
+        return check_block(block, args.timeout), time.time() - t0
+
+    # Most of a tiny run is process start-up and waiting, so two at once share 2 cores well.
+    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+        for block, (problems, seconds) in zip(selected, pool.map(timed, selected)):
+            verdict = "DRIFT" if problems else "ok"
+            print(f"{verdict:5s} {block.name}  ({seconds:.0f} s)  {block.commands[-1]}", flush=True)
+            for line in problems:
+                print(f"      {line}")
+            failed += bool(problems)
     print(f"{len(selected) - failed} reproduced, {failed} drifted, {len(errors)} structure "
           f"errors ({time.time() - start:.0f} s)")
     return 1 if failed or errors else 0

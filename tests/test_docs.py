@@ -189,8 +189,8 @@ class DocumentedCommandsReproduce(unittest.TestCase):
 
     def test_the_commands_marked_ci_print_what_the_docs_show(self):
         # tiny runs (2 ranks, 10 steps); `python scripts/check_docs.py --all` runs every block
-        proc = subprocess.run([sys.executable, "scripts/check_docs.py", "--ci"], cwd=ROOT,
-                              capture_output=True, text=True, timeout=600, env={
+        proc = subprocess.run([sys.executable, "scripts/check_docs.py", "--ci", "--jobs", "2"],
+                              cwd=ROOT, capture_output=True, text=True, timeout=600, env={
                                   **os.environ, "PYTHONPATH": ROOT,
                                   **NCCL_CHECKS
                               })
