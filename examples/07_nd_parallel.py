@@ -2,8 +2,7 @@
 
     scripts/launch.sh examples/07_nd_parallel.py --nproc-per-node 8 -- --tp 2 --pp 2 --check
     scripts/launch.sh examples/07_nd_parallel.py --nproc-per-node 8 -- --tp 2 --cp 2 --check
-    scripts/launch.sh examples/07_nd_parallel.py --nproc-per-node 8 -- --tp 2 --zero-stage 3 \\
-        --activation-checkpointing --check
+    scripts/launch.sh examples/07_nd_parallel.py --nproc-per-node 8 -- --tp 2 --zero-stage 3 --check
     scripts/launch.sh examples/07_nd_parallel.py --nproc-per-node 8 -- --tp 2 --ep 2 \\
         --model.num_experts 4 --micro-batches 1 --check
     # PyTorch's own on one DeviceMesh: DTensor tp x FSDP2 ZeRO-3 over dp (native.py)
@@ -16,7 +15,7 @@
         --resume runs/07_nd_parallel/checkpoints/step_0000015/consolidated.pt
 
 Chapter 00 plus one call, ``parallelize``: expert -> tensor (+ sequence) -> context ->
-activation checkpointing -> pipeline -> data parallel / ZeRO. The rest of the world after
+(chapter 10's recomputation) -> pipeline -> data parallel / ZeRO. The rest of the world after
 tp x pp x cp is data parallel (--dp checks it). It prints the rank grid, the communication of
 the last step, every rank's coordinates, traffic per group and memory. Every checkpoint (and
 the end of the run) also gets a consolidated file: full weights and full AdamW state, keyed
@@ -30,7 +29,9 @@ import sys
 from scaletorch.dist import (destroy_distributed, destroy_pg_manager, get_ledger, init_distributed,
                              init_pg_manager_from_config)
 from scaletorch.models import build_model
-from scaletorch.parallel.parallelize import ORDER, parallelize, rank_report
+from scaletorch.parallel.parallelize import (ORDER, check_fp32_without_hooks,
+                                             check_recompute_without_hook, check_tied_without_hooks,
+                                             parallelize, rank_report)
 from scaletorch.parallel.pipeline_parallel import gather_timeline
 from scaletorch.trainer import Trainer, check_against_reference, load_config
 from scaletorch.trainer.consolidated import (load_consolidated, resume_consolidated,
@@ -52,9 +53,18 @@ class NDTrainer(Trainer):
         return path
 
 
+def limits(cfg, world_size: int) -> None:
+    """What later chapters attach to ``parallelize``, refused before anything starts: 08's
+    precision hooks, 10's recomputation and tied embeddings (load_config checks it)."""
+    check_fp32_without_hooks(cfg)
+    check_recompute_without_hook(cfg)
+    check_tied_without_hooks(cfg)
+
+
 def main() -> int:
     cfg = load_config("examples/configs/07_nd_parallel.yaml",
-                      "Chapter 07: N-D parallel (tp x pp x cp x dp, ep, ZeRO)", resume_files=True)
+                      "Chapter 07: N-D parallel (tp x pp x cp x dp, ep, ZeRO)", limits,
+                      resume_files=True)
     env = init_distributed(cfg.training.timeout_seconds)
     p = cfg.parallel
     pgm = init_pg_manager_from_config(p, cfg.training.timeout_seconds)

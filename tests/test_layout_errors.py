@@ -8,7 +8,8 @@ import unittest
 
 from scaletorch.dist import destroy_pg_manager, init_pg_manager
 from scaletorch.models import build_model
-from scaletorch.parallel.parallelize import parallelize
+from scaletorch.parallel.parallelize import (check_fp32_without_hooks, check_recompute_without_hook,
+                                             check_tied_without_hooks, parallelize)
 from scaletorch.trainer import parse_args, validate_layout
 from tests.layouts import layout, make_config
 from tests.test_examples import ROOT, launch_status
@@ -26,6 +27,32 @@ def _error(cfg, world_size: int) -> str:
 
 class RefusalsNameTheSettings(unittest.TestCase):
     """Computed from the config's sizes: no process group, no model."""
+
+    def test_what_later_chapters_attach_to_parallelize_is_refused_without_their_hooks(self):
+        # chapter 07's script runs these checks before any process starts (its limits)
+        cases = [  # (a check, parallel config, tied, the start of its message)
+            (check_recompute_without_hook, dict(activation_checkpointing="selective"), False,
+             "parallel.activation_checkpointing 'selective' needs chapter 10's hook"),
+            (check_tied_without_hooks, dict(pp=2), True, "model.tie_word_embeddings true with "
+             "pipeline_model_parallel_size 2 and zero_stage 0 needs chapter 10's hooks"),
+            (check_tied_without_hooks, dict(zero_stage=3), True, "model.tie_word_embeddings true "
+             "with pipeline_model_parallel_size 1 and zero_stage 3 needs chapter 10's hooks"),
+            (check_fp32_without_hooks, dict(reduce_dtype="bf16"), False,
+             "training.precision auto, parallel.param_dtype auto, parallel.reduce_dtype bf16 "
+             "need chapter 08's hooks"),
+        ]
+        for check, parallel, tied, message in cases:
+            cfg = make_config(False, 2, **layout(**parallel))
+            cfg.model.tie_word_embeddings = tied
+            with self.assertRaises(ValueError, msg=message) as raised:
+                check(cfg)
+            self.assertTrue(str(raised.exception).startswith(message), str(raised.exception))
+        plain = make_config(False, 2, **layout(pp=2, zero_stage=1))
+        for check in (check_fp32_without_hooks, check_recompute_without_hook,
+                      check_tied_without_hooks):
+            check(plain)  # untied, fp32, no recomputation: nothing to attach
+        plain.model.tie_word_embeddings, plain.parallel.impl = True, "torch"
+        check_tied_without_hooks(plain)  # PyTorch's own keep the tie themselves
 
     def test_tied_embeddings_run_with_zero_our_pipeline_and_a_v_without_a_wrapper(self):
         cfg = make_config(False, 2, **layout(pp=2, zero_stage=2))

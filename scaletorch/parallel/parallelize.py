@@ -148,7 +148,8 @@ def check_fp32_without_hooks(cfg: "Config") -> None:
         raise ValueError(f"training.precision {t.precision}, parallel.param_dtype "
                          f"{p.param_dtype}, parallel.reduce_dtype {p.reduce_dtype} need chapter "
                          f"08's hooks: parallelize(..., precision=precision_hooks(cfg, "
-                         f"device.type)) from scaletorch.parallel.mixed_precision")
+                         f"device.type)) from scaletorch.parallel.mixed_precision, as "
+                         f"examples/08_mixed_precision.py does")
 
 
 def check_recompute_without_hook(cfg: "Config") -> None:
@@ -161,13 +162,13 @@ def check_recompute_without_hook(cfg: "Config") -> None:
                          f"examples/10_real_model.py does")
 
 
-def check_tied_without_hooks(cfg: "Config", sizes: Dict[str, int]) -> None:
+def check_tied_without_hooks(cfg: "Config") -> None:
     """A tied model under our pipeline or ZeRO needs chapter 10's hooks: ValueError."""
     p = cfg.parallel
-    if cfg.model.tie_word_embeddings and p.impl != "torch" and (sizes["pp"] > 1
-                                                                or p.zero_stage > 0):
+    pp = p.pipeline_model_parallel_size
+    if cfg.model.tie_word_embeddings and p.impl != "torch" and (pp > 1 or p.zero_stage > 0):
         raise ValueError(f"model.tie_word_embeddings true with pipeline_model_parallel_size "
-                         f"{sizes['pp']} and zero_stage {p.zero_stage} needs chapter 10's hooks: "
+                         f"{pp} and zero_stage {p.zero_stage} needs chapter 10's hooks: "
                          f"parallelize(..., tied=TiedEmbeddings()) from "
                          f"scaletorch.parallel.tied_embeddings, as examples/10_real_model.py does")
 
@@ -189,7 +190,7 @@ def parallelize(model: Llama, cfg: "Config", pgm: ProcessGroupManager, device: t
     if precision is None:
         check_fp32_without_hooks(cfg)
     if tied is None:
-        check_tied_without_hooks(cfg, sizes)
+        check_tied_without_hooks(cfg)
     if recompute is None:
         check_recompute_without_hook(cfg)
     p = cfg.parallel
