@@ -10,7 +10,9 @@ from scaletorch.dist import destroy_pg_manager, init_pg_manager
 from scaletorch.models import build_model
 from scaletorch.parallel.parallelize import (check_fp32_without_hooks, check_recompute_without_hook,
                                              check_tied_without_hooks, parallelize)
+from scaletorch.parallel.tensor_layout import TensorLayout
 from scaletorch.trainer import parse_args, validate_layout
+from scaletorch.trainer.param_map import DTensorParamMap
 from tests.layouts import layout, make_config
 from tests.test_examples import ROOT, launch_status
 
@@ -53,6 +55,12 @@ class RefusalsNameTheSettings(unittest.TestCase):
             check(plain)  # untied, fp32, no recomputation: nothing to attach
         plain.model.tie_word_embeddings, plain.parallel.impl = True, "torch"
         check_tied_without_hooks(plain)  # PyTorch's own keep the tie themselves
+
+    def test_a_dtensor_param_map_of_our_layout_is_refused_naming_the_other_map(self):
+        with self.assertRaisesRegex(
+                ValueError, "whose dtensor_model is set; this one has none: "
+                "use ParamMap"):
+            DTensorParamMap(TensorLayout(None, {}, []))  # type: ignore[arg-type]
 
     def test_tied_embeddings_run_with_zero_our_pipeline_and_a_v_without_a_wrapper(self):
         cfg = make_config(False, 2, **layout(pp=2, zero_stage=2))

@@ -11,7 +11,7 @@ layout resumes at any other (consolidated.py).
 """
 
 import logging
-from typing import Callable, Dict, List, Optional, Tuple, Union
+from typing import Callable, Dict, List, Optional, Union
 
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -20,7 +20,7 @@ from scaletorch.dist import get_ledger
 from scaletorch.dist.functional import gather_along_dim, split_along_dim
 from scaletorch.parallel.parallelize import Parallelized
 from scaletorch.parallel.pipeline_parallel import gather_pipeline_state_dict
-from scaletorch.parallel.tensor_layout import TensorLayout
+from scaletorch.parallel.tensor_layout import TensorLayout, plain_entries
 
 State = Dict[str, torch.Tensor]
 
@@ -114,12 +114,13 @@ class DTensorParamMap:
 
     def __init__(self, layout: TensorLayout) -> None:
         self.pgm, self.pipe, model = layout.pgm, layout.pipe, layout.dtensor_model
-        assert model is not None, "a layout of PyTorch's own strategies names its model"
-        by_param: Dict[int, Tuple[torch.Tensor, List[str]]] = {}
-        for module in [model] if self.pipe is None else self.pipe.chunks:
-            for name, t in module.state_dict(keep_vars=True).items():
-                by_param.setdefault(id(t), (t, []))[1].append(name)
-        self.entries = list(by_param.values())  # (parameter, its names: tied weights)
+        if model is None:
+            raise ValueError("DTensorParamMap reads a layout of PyTorch's own strategies "
+                             "(parallel.impl 'torch'), whose dtensor_model is set; this one "
+                             "has none: use ParamMap")
+        modules = [model] if self.pipe is None else list(self.pipe.chunks)
+        # (parameter, its names: a tied weight has two), as ``plain_entries`` finds them
+        self.entries = [(t, pieces[0][0]) for t, pieces, _ in plain_entries(modules)]
 
     def params(self) -> List[torch.Tensor]:
         return [param for param, _ in self.entries]
