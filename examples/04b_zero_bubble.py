@@ -18,19 +18,21 @@ simulated with F = B = W.
 
 import sys
 
+from torch import nn
+
 from scaletorch.dist import (destroy_distributed, destroy_pg_manager, get_ledger, init_distributed,
                              init_pg_manager_from_config)
 from scaletorch.models import build_model, loss_fn
+from scaletorch.parallel.data_parallel import apply_data_parallel
 from scaletorch.parallel.pipeline_native import TorchPipelineSchedule
-from scaletorch.parallel.pipeline_parallel import (apply_data_parallel_to_chunks,
-                                                   apply_pipeline_parallel,
-                                                   gather_pipeline_state_dict, gather_timeline)
+from scaletorch.parallel.pipeline_parallel import apply_pipeline_parallel, gather_timeline
 from scaletorch.parallel.split_backward import ZeroBubbleSchedule
 from scaletorch.parallel.tensor_parallel import (apply_tensor_parallel,
                                                  tensor_parallel_clip_grad_norm,
                                                  tensor_parallel_loss_fn)
 from scaletorch.schedule.placement import V_SHAPED, ZERO_BUBBLE
 from scaletorch.trainer import Trainer, check_against_reference, load_config
+from scaletorch.trainer.pipeline_state import gather_pipeline_state_dict
 
 
 def limits(cfg, world_size: int) -> None:
@@ -82,7 +84,9 @@ def main() -> int:
     # chapter 04's cut (in a V for zbv and dualpipev), chapter 01's wrapper around each chunk
     pipe = apply_pipeline_parallel(model, pgm, p.virtual_pipeline_stages, p.layer_split,
                                    p.sequence_parallel, v_shape=p.schedule in V_SHAPED)
-    apply_data_parallel_to_chunks(pipe, pgm, p.impl, p.bucket_size_mb)
+    if pgm.data_parallel_world_size_with_context > 1:
+        pipe.chunks = nn.ModuleList(
+            apply_data_parallel(chunk, pgm, p.impl, p.bucket_size_mb) for chunk in pipe.chunks)
     # the new idea: a schedule whose backward is B now, W later
     schedule = TorchPipelineSchedule(pipe, pgm, p.schedule, m) if p.impl == "torch" else \
         ZeroBubbleSchedule(pipe, pgm, p.schedule, m, loss)

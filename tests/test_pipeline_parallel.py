@@ -13,9 +13,10 @@ import torch
 
 from scaletorch.dist import destroy_pg_manager, get_ledger, init_pg_manager, p2p_order
 from scaletorch.models import LlamaConfig, build_model
+from scaletorch.parallel.data_parallel import apply_data_parallel
 from scaletorch.parallel.pipeline_native import TorchPipelineSchedule
-from scaletorch.parallel.pipeline_parallel import (PipelineSchedule, apply_data_parallel_to_chunks,
-                                                   apply_pipeline_parallel, gather_timeline)
+from scaletorch.parallel.pipeline_parallel import (PipelineSchedule, apply_pipeline_parallel,
+                                                   gather_timeline)
 from scaletorch.parallel.split_backward import ZeroBubbleSchedule
 from scaletorch.parallel.tied_embeddings import (attach_tied_embedding_sync, check_v_shape_wrappers,
                                                  tied_embedding_params, untie_across_stages)
@@ -207,7 +208,8 @@ def build_pipeline(cfg: Config, pp: int, tp: int, schedule: str, v: int, impl: s
     if cfg.model.tie_word_embeddings and not v_shape:
         untie_across_stages(model)  # a copy on the last stage (tied_embeddings.py)
     pipe = apply_pipeline_parallel(model, pgm, v, layer_split, sequence_parallel, v_shape)
-    apply_data_parallel_to_chunks(pipe, pgm, impl)
+    if pgm.data_parallel_world_size > 1:  # chapter 01's wrapper around each chunk
+        pipe.chunks = torch.nn.ModuleList(apply_data_parallel(c, pgm, impl) for c in pipe.chunks)
     cls = TorchPipelineSchedule if impl == "torch" else \
         ZeroBubbleSchedule if schedule in ZERO_BUBBLE else PipelineSchedule
     step = cls(pipe, pgm, schedule, cfg.data.num_micro_batches, **kwargs)
@@ -364,7 +366,7 @@ class TestPipelineParallelRanks(unittest.TestCase):
     def test_the_parity_runs_print_no_warning_on_any_rank(self):
         # torch DDP around each chunk (torch_pp2_dp2_1f1b) once warned on every rank that
         # find_unused_parameters=True found no unused parameter; every parameter of a chunk
-        # is used, so the flag is off (pipeline_parallel.apply_data_parallel_to_chunks)
+        # is used, so the flag is off (data_parallel.apply_data_parallel)
         self.assertIn("torch_pp2_dp2_1f1b", PARITY_RUNS)
         for rank, res in enumerate(self.results):
             self.assertEqual(res["warnings"], [], f"rank {rank}")

@@ -58,9 +58,8 @@ MODULES_OF: Dict[str, List[str]] = {
     "10": ["tied_embeddings", "zero_tied", "activation_checkpointing"],
 }
 OWNER = {module: chapter for chapter, modules in MODULES_OF.items() for module in modules}
-# Chapters over the budget today, at most this many lines: issue 27 stays open until they fit.
-# 04: the runtime, its schedules as data and its timeline.
-OVER_BUDGET = {"04": 790}
+# Chapters over the budget, at most this many lines (they may shrink, not grow); none today.
+OVER_BUDGET: Dict[str, int] = {}
 
 
 def chapters() -> List[Tuple[str, str, str]]:

@@ -6,10 +6,8 @@ import unittest
 
 import torch
 
-from scaletorch.dist.timer import Timer, seconds
+from scaletorch.dist.timer import Spans, Timer, seconds
 from scaletorch.parallel.data_parallel import BucketLaunch, SyncTimeline
-from scaletorch.parallel.pipeline_parallel import TimelineRecorder
-from scaletorch.schedule.orders import Action
 
 
 class _FakeClock:
@@ -40,16 +38,12 @@ class CpuTimerReadsTheClockAtEachMark(unittest.TestCase):
         self.assertIsInstance(mark, float)
         self.assertTrue(before <= seconds(mark) <= after)
 
-    def test_pipeline_recorder_times_each_action_with_the_timer(self):
-        recorder = TimelineRecorder(1, stages=2, micro_batches=2, clock=_FakeClock())
-        for action in (Action("F", 0), Action("F", 1), Action("B", 0)):
-            with recorder.time(action):
+    def test_spans_time_each_labelled_piece_of_work_with_the_timer(self):
+        spans = Spans(torch.device("cpu"), _FakeClock())  # what the pipeline times its actions by
+        for label in ("F0", "F1", "B0"):
+            with spans.time(label):
                 pass
-        timeline = recorder.timeline
-        self.assertEqual(timeline.order(1), ["F0", "F1", "B0"])
-        self.assertEqual([(e.start, e.end) for e in timeline.of(1)], [(1, 2), (3, 4), (5, 6)])
-        recorder.reset()
-        self.assertEqual(recorder.timeline.events, [])
+        self.assertEqual(spans.seconds(), [("F0", 1, 2), ("F1", 3, 4), ("B0", 5, 6)])
 
     def test_ddp_sync_timeline_reads_cpu_marks_unchanged(self):
         recorded = SyncTimeline(1.0, 2.0, 5.0, 6.0, [BucketLaunch(0, 8, True, 3, 2.5, 4.0)])

@@ -199,7 +199,7 @@ PARITY = {
     (4, 4, layout(pp=2, tp=2, schedule="dualpipev", virtual_pipeline_stages=2)),
     "torch zb-h1 pp4 m4": (4, 4, layout(pp=4, schedule="zb-h1", impl="torch")),
     # torch's V schedules at dp 1: torch DDP around a chunk cannot follow a backward split in B
-    # and W (pipeline_parallel.apply_data_parallel_to_chunks; chapter 04b's script refuses it)
+    # and W (data_parallel.apply_data_parallel's; chapter 04b's script refuses it)
     "torch zbv pp4 m8": (8, 8, layout(pp=4, schedule="zbv", virtual_pipeline_stages=2,
                                       impl="torch")),
     "torch dualpipev pp4 m8":

@@ -197,6 +197,18 @@ def barrier(group: Group = None) -> None:
         _waited[0] += time.perf_counter() - start
 
 
+def gather_objects(obj: Any, group: Group = None) -> List[Any]:
+    """Every rank's picklable ``obj``, in group-rank order, on the group's first rank; [] on the
+    others. For checks and reports (a timeline, full weights): not in the ledger, as not
+    training traffic. On NCCL the pickles travel through the current CUDA device."""
+    if not dist.is_initialized():
+        return [obj]
+    out: Optional[List[Any]] = [None] * group_size(group) if group_rank(group) == 0 else None
+    first = 0 if group is None else dist.get_global_rank(group, 0)
+    dist.gather_object(obj, out, dst=first, group=group)
+    return out or []
+
+
 def average_over_group(value: torch.Tensor, group: Group) -> torch.Tensor:
     """Mean of a scalar over ``group`` (for reporting the global loss; not differentiable)."""
     out = value.detach().clone()

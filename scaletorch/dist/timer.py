@@ -18,7 +18,8 @@ Other devices (e.g. "mps") use the clock, as the CPU does.
 """
 
 import time
-from typing import Callable, Union
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, List, Tuple, Union
 
 import torch
 
@@ -66,3 +67,26 @@ class Timer:
 def seconds(mark: Mark) -> float:
     """A mark's time in seconds on its timer's clock (on CUDA: waits for that event)."""
     return mark.seconds() if isinstance(mark, CudaMark) else mark
+
+
+class Spans:
+    """Labelled spans of one process's work, timed by a ``Timer`` on ``device``::
+
+        spans = Spans(device)
+        with spans.time("F0"):     # any label: the pipeline's actions, say
+            ...
+        spans.seconds()            # [("F0", start, end)]; on CUDA: read after the work
+    """
+
+    def __init__(self, device: torch.device, clock: Clock = time.perf_counter) -> None:
+        self.timer = Timer(device, clock)
+        self.marks: List[Tuple[Any, Mark, Mark]] = []
+
+    @contextmanager
+    def time(self, label: Any) -> Iterator[None]:
+        start = self.timer.mark()
+        yield
+        self.marks.append((label, start, self.timer.mark()))
+
+    def seconds(self) -> List[Tuple[Any, float, float]]:
+        return [(label, seconds(start), seconds(end)) for label, start, end in self.marks]

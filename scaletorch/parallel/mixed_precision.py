@@ -39,7 +39,7 @@ that skipped alone would leave the replicas different forever. bf16 has fp32's e
 import warnings
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Iterable, List, Optional, Tuple, cast
+from typing import Any, Callable, Iterable, List, Optional, Tuple, cast
 
 import torch
 import torch.distributed as dist
@@ -298,6 +298,33 @@ class DynamicLossScaler:
         self.skipped = state["skipped"]
 
 
+class _ScaledBackward(torch.autograd.Function):
+    """Forward: ``loss`` as it is. Backward: its gradient times ``scale``."""
+
+    @staticmethod
+    def forward(ctx: Any, loss: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[torch.Tensor, None]:
+        return grad * ctx.scale, None
+
+
+def scale_backward(loss_fn: Optional[Callable], scaler: DynamicLossScaler) -> Optional[Callable]:
+    """``loss_fn`` whose value stays the loss and whose backward runs from ``scaler.scale`` x
+    the loss: fp16's scaling attached to a pipeline schedule's losses from outside. A scale is
+    a power of two, so scale x (1 / m) is exact: the same gradients as scaling the sum."""
+    if loss_fn is None:
+        return None
+
+    def scaled(*args: Any) -> Any:
+        loss = loss_fn(*args)
+        return _ScaledBackward.apply(loss, scaler.scale) if torch.is_tensor(loss) else loss
+
+    return scaled
+
+
 @dataclass
 class PrecisionHooks:
     """Chapter 08 attached to chapter 07's ``parallelize`` from outside, as its ``precision``
@@ -307,8 +334,15 @@ class PrecisionHooks:
     policy: MixedPrecisionPolicy
     scaler: Optional[DynamicLossScaler] = None  # fp16 only
 
-    wire_dtype = staticmethod(compute_dtype)  # a pipeline message: autocast's dtype, per step
     after_zero = staticmethod(disable_autocast_cache_per_unit)  # each ZeRO wrapper, once
+
+    def attach_to_pipeline(self, schedule: Any) -> None:
+        """A pipeline schedule's messages in autocast's dtype; under fp16 its backward starts
+        from scale x loss (and scale x each chunk's own loss), the losses it reports unscaled."""
+        schedule.wire_dtype = compute_dtype
+        if self.scaler is not None:
+            schedule.loss_fn = scale_backward(schedule.loss_fn, self.scaler)
+            schedule.aux_loss = scale_backward(schedule.aux_loss, self.scaler)
 
     def data_parallel(self, model: nn.Module, pgm: ProcessGroupManager, impl: str,
                       bucket_size_mb: float) -> nn.Module:

@@ -205,8 +205,6 @@ def parallelize(model: Llama, cfg: "Config", pgm: ProcessGroupManager, device: t
     if pgm.tensor_model_parallel_world_size > 1:  # 2, activations on the wire in autocast's dtype
         apply_tensor_parallel(model, pgm, p.sequence_parallel, autocast_dtype(cfg, device.type))
         loss = tensor_parallel_loss_fn(pgm)
-    # fp16 (chapter 08): the step scales the loss; every rank of the world agrees on overflows
-    scaler = None if precision is None else precision.scaler
     if pgm.context_parallel_world_size > 1:  # 3
         apply_context_parallel(model, pgm, p.cp_variant, impl=p.cp_attention)
         shard_sequence = make_sequence_sharder(pgm, cfg.data.seq_len)
@@ -227,13 +225,15 @@ def parallelize(model: Llama, cfg: "Config", pgm: ProcessGroupManager, device: t
     zero = [w for w in wrapped if isinstance(w, ShardedDataParallel)]
     layout = TensorLayout(pgm, splits, zero_entries(zero) if zero else plain, pipe)
 
+    scaler = None if precision is None else precision.scaler  # fp16 (08): overflows agreed
     if pipe is not None:
         pipe.chunks = nn.ModuleList(wrapped)
         trainer_model: nn.Module = pipe
         cls = ZeroBubbleSchedule if p.schedule in ZERO_BUBBLE else PipelineSchedule
-        schedule = cls(pipe, pgm, p.schedule, cfg.data.num_micro_batches, loss, shard_sequence,
-                       scaler, wire_dtype=None if precision is None else precision.wire_dtype,
-                       aux_loss=moe_aux_loss)
+        schedule = cls(pipe, pgm, p.schedule, cfg.data.num_micro_batches, loss, shard_sequence)
+        schedule.aux_loss = moe_aux_loss  # a MoE chunk's load-balancing loss (chapter 06)
+        if precision is not None:  # chapter 08: messages in autocast's dtype, fp16's scaling
+            precision.attach_to_pipeline(schedule)
         if tied is not None and cfg.model.tie_word_embeddings:  # sum the two copies' grads
             tied.after_schedule(schedule, pgm)
         step: ForwardBackward = schedule

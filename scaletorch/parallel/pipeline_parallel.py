@@ -16,22 +16,20 @@ forward or backward. Micro-batch losses are divided by m; dp wrappers sync in a 
 """
 
 import time
-from contextlib import contextmanager, nullcontext
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from contextlib import nullcontext
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from scaletorch.data import local_batch, split_micro_batches
-from scaletorch.dist import ProcessGroupManager, comm, get_ledger
+from scaletorch.dist import ProcessGroupManager, comm
 from scaletorch.dist.comm import average_over_group
-from scaletorch.dist.functional import gather_along_dim
-from scaletorch.dist.timer import Clock, Mark, Timer, seconds
+from scaletorch.dist.timer import Spans
 from scaletorch.models import Llama, loss_fn
-from scaletorch.parallel.data_parallel import TorchDataParallel, apply_data_parallel
 from scaletorch.schedule.orders import P2P, Action, Step, classic_units, comm_plan
-from scaletorch.schedule.placement import rank_of_stage, split_layers, stage_index
+from scaletorch.schedule.placement import split_layers, stage_index
 from scaletorch.schedule.timeline import Timeline
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -122,77 +120,23 @@ def apply_pipeline_parallel(model: Llama, pgm: ProcessGroupManager, virtual_stag
     return PipelineModel(chunks, stages, num_stages, owner, model.config.hidden_size, v_shape)
 
 
-def apply_data_parallel_to_chunks(pipe: PipelineModel, pgm: ProcessGroupManager,
-                                  impl: str = "scaletorch",
-                                  bucket_size_mb: float = 25.0) -> PipelineModel:
-    """Wrap each chunk for data parallel over "dp_cp" (chapter 01); state dict keys unchanged.
-    impl "torch": torch DDP; a chunk uses every parameter (no find_unused_parameters). Not under
-    B/W-split schedules: the reducer sees each parameter twice and asserts (04b refuses it)."""
-    if pgm.data_parallel_world_size_with_context == 1:
-        return pipe
-    device = next(pipe.parameters()).device
-
-    def wrap(chunk: nn.Module) -> nn.Module:
-        if impl != "torch":
-            return apply_data_parallel(chunk, pgm, impl, bucket_size_mb)
-        return TorchDataParallel(chunk, device_ids=None if device.type == "cpu" else [device.index],
-                                 process_group=pgm.data_parallel_group_with_context,
-                                 bucket_cap_mb=bucket_size_mb)
-
-    pipe.chunks = nn.ModuleList(wrap(chunk) for chunk in pipe.chunks)
-    return pipe
-
-
-class TimelineRecorder:
-    """Times each action of one rank (``with recorder.time(action)``) with a ``Timer`` on the
-    stage's device: the clock on the CPU, CUDA events (when the work ran) on a GPU."""
-
-    def __init__(self, rank: int, stages: int, micro_batches: int, virtual_stages: int = 1,
-                 clock: Clock = time.time, device: Optional[torch.device] = None,
-                 schedule: str = "", timeline_type: type = Timeline) -> None:
-        # time.time: one clock for every process of a host
-        self.rank, self.shape = rank, (stages, micro_batches, virtual_stages)
-        self.schedule, self.timeline_type = schedule, timeline_type
-        self.timer = Timer(device or torch.device("cpu"), clock)
-        self.marks: List[Tuple[Action, Mark, Mark]] = []
-
-    def reset(self) -> None:
-        self.marks.clear()
-
-    @contextmanager
-    def time(self, action: Action) -> Iterator[None]:
-        start = self.timer.mark()
-        yield
-        self.marks.append((action, start, self.timer.mark()))
-
-    @property
-    def timeline(self) -> Timeline:
-        """This step's events in seconds (on CUDA: read it after the step)."""
-        timeline = self.timeline_type(*self.shape, schedule=self.schedule)
-        for action, start, end in self.marks:
-            timeline.record(self.rank, action, seconds(start), seconds(end))
-        return timeline
-
-
 class PipelineSchedule:
     """The Trainer's ``forward_backward(inputs, targets) -> loss`` for a pipeline model.
 
     inputs, targets: the global batch (B, s); this rank takes its data-parallel slice (and with
     ``shard_sequence``, context parallel, its tokens) in m micro-batches. Returns the global
     mean loss on every rank (all-reduce over "pp", mean over "dp_cp"); ``timeline``: the last
-    step's events. Attached by later chapters: ``scaler`` (backward from loss x its ``scale``),
-    ``wire_dtype(device_type)`` (the messages' dtype), ``aux_loss(chunk)`` (a chunk's own loss,
-    e.g. MoE's), ``after_backward`` (callables) and ``meter`` (``saving(key)``, ``free(key)``).
+    step's events. Later chapters attach from outside: ``aux_loss(chunk)`` (a chunk's own loss,
+    MoE's: 06), ``wire_dtype(device_type)`` (the messages' dtype: 08), ``after_backward``
+    (callables: 10) and ``meter`` (``saving(key)``, ``free(key)``: 04b).
     """
 
     def __init__(self, pipe: PipelineModel, pgm: ProcessGroupManager, schedule: str,
                  num_micro_batches: int, loss_fn: LossFn = loss_fn,
-                 shard_sequence: Optional[Callable] = None, scaler: Optional[Any] = None,
-                 wire_dtype: Optional[Callable[[str], Optional[torch.dtype]]] = None,
-                 aux_loss: Optional[Callable[[nn.Module], Any]] = None) -> None:
-        self.pipe, self.pgm, self.loss_fn = pipe, pgm, loss_fn
-        self.shard_sequence, self.scaler = shard_sequence, scaler
-        self.wire_dtype, self.aux_loss = wire_dtype, aux_loss
+                 shard_sequence: Optional[Callable] = None) -> None:
+        self.pipe, self.pgm, self.loss_fn, self.shard_sequence = pipe, pgm, loss_fn, shard_sequence
+        self.aux_loss: Optional[Callable[[nn.Module], Any]] = None
+        self.wire_dtype: Optional[Callable[[str], Optional[torch.dtype]]] = None
         self.after_backward: List[Callable[[], None]] = []
         self.meter: Optional[Any] = None
         p, rank = pgm.pipeline_model_parallel_world_size, pgm.pipeline_model_parallel_rank
@@ -205,8 +149,9 @@ class PipelineSchedule:
                 if a is not None and a.kind == "B" and a.chunk == c)
             for c in range(v)
         }
-        self.recorder = TimelineRecorder(rank, p, num_micro_batches, v,
-                                         device=next(pipe.parameters()).device)
+        # each action's start and end; time.time: one clock for every process of a host
+        self.spans = Spans(next(pipe.parameters()).device, time.time)
+        self.timeline_type, self.schedule, self.p, self.rank = Timeline, schedule, p, rank
         # the stage inputs' dtype (the parameters'); the wire's is set per step (_start)
         self.param_dtype = self.dtype = next(pipe.parameters()).dtype
 
@@ -216,7 +161,11 @@ class PipelineSchedule:
 
     @property
     def timeline(self) -> Timeline:
-        return self.recorder.timeline
+        """The last step's actions on this rank, in seconds (on CUDA: read after the step)."""
+        timeline = self.timeline_type(self.p, self.m, len(self.pipe.chunks), schedule=self.schedule)
+        for action, start, end in self.spans.seconds():
+            timeline.record(self.rank, action, start, end)
+        return timeline
 
     def _start(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
         """This rank's micro-batches of the global batch, and the step's empty bookkeeping."""
@@ -227,7 +176,7 @@ class PipelineSchedule:
         self.micro_batches = split_micro_batches(inputs, targets, self.m)
         b, s = self.micro_batches[0][0].shape
         self.shape = (b, s // self.pipe.sequence_parallel_size, self.pipe.hidden_size)
-        self.recorder.reset()  # (a meter's peaks are the same every step: no reset)
+        self.spans.marks.clear()  # (a meter's peaks are the same every step: no reset)
         wire = self.wire_dtype(inputs.device.type) if self.wire_dtype else None
         self.dtype = wire or self.param_dtype
         self.held: Dict[tuple, tuple] = {}  # (mb, chunk) -> (stage input, output or loss)
@@ -252,7 +201,7 @@ class PipelineSchedule:
         for i, (batch, action) in enumerate(self.plan):
             self._exchange(batch)
             if action is not None:
-                with self.recorder.time(action):
+                with self.spans.time(action):
                     if action.kind == "F":
                         self._forward(action)
                     else:
@@ -303,15 +252,11 @@ class PipelineSchedule:
         stage, mb = self.pipe.stages[action.chunk], action.micro_batch
         x, out, aux = self.held.pop((mb, action.chunk))
         outputs: List[torch.Tensor] = [out]
-        # d (scale x loss) / d loss = scale (fp16); the gradients that arrive are scaled already
-        scale = 1.0 if self.scaler is None else self.scaler.scale
-        grads: List[Optional[torch.Tensor]] = [
-            None if scale == 1.0 else torch.full_like(out, scale)
-        ]
+        grads: List[Optional[torch.Tensor]] = [None]  # the last stage's out is the loss
         if stage < self.pipe.num_stages - 1:
             grads = [self.inbox.pop(("grad", mb, stage)).to(out.dtype)]
-            if aux is not None:  # a stage's own extra loss: d (scale x aux) / d aux = scale
-                outputs, grads = [out, aux], grads + [torch.full_like(aux, scale)]
+            if aux is not None:  # a stage's own extra loss: d aux / d aux = 1
+                outputs, grads = [out, aux], grads + [torch.ones_like(aux)]
         return x, outputs, grads
 
     def _backward(self, action: Action, index: int) -> None:
@@ -327,55 +272,13 @@ class PipelineSchedule:
             self.outbox[("grad", mb, stage)] = x.grad.to(self.dtype)
 
 
-# ---- gathers on pipeline rank 0: the full weights (for --check) and the timeline ----------
-
-
-def _gather_to_first_stage(pgm: ProcessGroupManager, obj: Any) -> List[Any]:
-    """Every pipeline rank's ``obj`` in stage order on pipeline rank 0, [] elsewhere (checks
-    and charts: not in the ledger, as not training traffic)."""
-    rank, ranks = pgm.pipeline_model_parallel_rank, pgm.group_ranks("pp")
-    out: Optional[List[Any]] = [None] * len(ranks) if rank == 0 else None
-    dist.gather_object(obj, out, dst=ranks[0], group=pgm.pipeline_model_parallel_group)
-    return out or []
-
-
-def gather_pipeline_state_dict(pipe: PipelineModel, pgm: ProcessGroupManager,
-                               state: Optional[State] = None) -> Optional[State]:
-    """Every stage's tensors (fp32, full-model names, in host memory) on pipeline rank 0; None
-    elsewhere.
-    ``state``: this rank's stages' tensors, un-sharded (``ParamMap.gather``'s); by default the
-    chunks' own, their tensor-parallel shards gathered over "tp" (by chapter 03's tags)."""
-    p, rank = pgm.pipeline_model_parallel_world_size, pgm.pipeline_model_parallel_rank
-    mine = [k for k in pipe.owner if rank_of_stage(pipe.owner[k], p, pipe.v_shape) == rank]
-    if state is None:
-        with get_ledger().paused():
-            tensors = [c.state_dict(keep_vars=True).items() for c in pipe.chunks]  # with tags
-            state = {k: _unshard(t, pgm) for items in tensors for k, t in items}
-    if sorted(state) != sorted(mine):
-        raise ValueError(f"state keys {sorted(state)} are not this stage's {mine}")
-    # one tensor under two names (a V's tied weight) stays one tensor: pickle keeps the alias
-    # on the host: pipeline rank 0's device would hold the whole model (and AdamW's moments)
-    cpu: Dict[int, torch.Tensor] = {}
-    host = {k: cpu.setdefault(id(t), t.detach().cpu().float().clone()) for k, t in state.items()}
-    parts = _gather_to_first_stage(pgm, host)
-    return {k: t for part in parts for k, t in part.items()} if rank == 0 else None
-
-
-def _unshard(t: torch.Tensor, pgm: ProcessGroupManager) -> torch.Tensor:
-    """The full tensor of a tensor-parallel shard (collective over "tp"), without the padding
-    rows of a padded vocabulary; other tensors as they are."""
-    if getattr(t, "tensor_model_parallel", False):
-        dim = getattr(t, "partition_dim")  # noqa: B009 - set by chapter 03, not typed
-        full = gather_along_dim(t.detach(), dim, pgm.tensor_model_parallel_group)
-        padding = getattr(t, "vocab_padding", None)
-        return full if padding is None else full[:padding[0]]
-    return t
+# ---- the timeline of every stage on pipeline rank 0, for the chart ----------------------------
 
 
 def gather_timeline(timeline: Timeline, pgm: ProcessGroupManager) -> Optional[Timeline]:
     """Every stage's events of the last step on pipeline rank 0 (for the chart); None elsewhere."""
     events = [(e.action, e.start, e.end) for e in timeline.events]
-    parts = _gather_to_first_stage(pgm, events)
+    parts = comm.gather_objects(events, pgm.pipeline_model_parallel_group)
     if pgm.pipeline_model_parallel_rank != 0:
         return None
     full = type(timeline)(timeline.stages, timeline.micro_batches, timeline.virtual_stages,

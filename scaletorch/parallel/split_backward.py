@@ -57,9 +57,8 @@ class ZeroBubbleSchedule(PipelineSchedule):
     def __init__(self, pipe: PipelineModel, pgm: ProcessGroupManager, schedule: str,
                  num_micro_batches: int, *args: Any, **kwargs: Any) -> None:
         super().__init__(pipe, pgm, schedule, num_micro_batches, *args, **kwargs)
-        p, rank, v = self.recorder.shape[0], pgm.pipeline_model_parallel_rank, len(pipe.chunks)
-        self.p, self.rank, self.v = p, rank, v
-        self.recorder.schedule, self.recorder.timeline_type = schedule, ZeroBubbleTimeline
+        p, rank, v = self.p, self.rank, len(pipe.chunks)
+        self.v, self.timeline_type = v, ZeroBubbleTimeline
         self.actions = schedule_actions(schedule, p, num_micro_batches, rank, v)
         self.split = {(a.micro_batch, a.chunk) for a in self.actions if a.kind == "W"}
         # a chunk's data-parallel gradients sync in the last action that makes them
@@ -100,7 +99,7 @@ class ZeroBubbleSchedule(PipelineSchedule):
                     work.wait()
                 works.clear()  # waited (a gloo receive waited twice waits for another message)
                 self.inbox[(recv.kind, recv.micro_batch, recv.dst)] = buffer
-            with self.recorder.time(action):
+            with self.spans.time(action):
                 if action.kind == "F":
                     self._forward(action)
                 elif action.kind == "W":

@@ -19,8 +19,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from scaletorch.dist import get_ledger
 from scaletorch.dist.functional import gather_along_dim, split_along_dim
 from scaletorch.parallel.parallelize import Parallelized
-from scaletorch.parallel.pipeline_parallel import gather_pipeline_state_dict
 from scaletorch.parallel.tensor_layout import TensorLayout, plain_entries
+from scaletorch.trainer.pipeline_state import gather_pipeline_state_dict
 
 State = Dict[str, torch.Tensor]
 
