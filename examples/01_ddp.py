@@ -17,10 +17,11 @@ state on every rank, which chapter 02 shards.
 import sys
 from functools import partial
 
-from scaletorch.dist import (destroy_distributed, destroy_pg_manager, init_distributed,
+from scaletorch.dist import (comm, destroy_distributed, destroy_pg_manager, init_distributed,
                              init_pg_manager_from_config)
 from scaletorch.models import build_model
-from scaletorch.parallel.data_parallel import BucketedDataParallel, apply_data_parallel, ddp_report
+from scaletorch.parallel.data_parallel import (BucketedDataParallel, apply_data_parallel,
+                                               ddp_report, format_timeline)
 from scaletorch.parallel.grad_norm import clip_replicated
 from scaletorch.parallel.memory_report import memory_table
 from scaletorch.trainer import Trainer, check_against_reference, load_config
@@ -68,13 +69,23 @@ def main() -> int:
 
     # What this chapter is about: one all-reduce of every gradient per step, not per micro-batch;
     # and what chapter 02 removes: every rank holds the whole model state, 16 Psi bytes (fp32)
-    report = ddp_report(model, pgm, p.impl, step=cfg.training.steps - 1)
+    last = cfg.training.steps - 1
+    report = ddp_report(model, pgm, p.impl, step=last)
+    # every rank's overlap in that step: a rank launches a bucket when its own backward has
+    # filled it, so the times differ from rank to rank and the order does not
+    charts = []
+    if isinstance(model, BucketedDataParallel) and n > 1:
+        charts = comm.gather_objects(format_timeline(model.timeline),
+                                     pgm.data_parallel_group_with_context)
     fp32_adamw = {"params": 4 * psi, "grads": 4 * psi, "optimizer": 8 * psi}  # bytes per rank
     memory = memory_table(model, trainer.optimizer, pgm.data_parallel_group_with_context,
                           f"memory per rank, bytes (data parallel, N = {n}, Psi = {psi:,})",
                           fp32_adamw, ("4Psi", "4Psi", "8Psi", "16Psi"))
     if pgm.rank == 0 and report:
         print(report)
+    for rank, chart in enumerate(charts):  # [] but on rank 0
+        print(f"overlap in step {last} (rank {rank}; = compute, # a bucket's all-reduce in "
+              f"flight, . waiting):\n{chart}")
     if pgm.rank == 0:
         print(memory)
 

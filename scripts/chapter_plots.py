@@ -8,7 +8,7 @@ the picture shows exactly the numbers the page shows:
     python scripts/plot.py ddp-buckets runs/01.log --out doc/img/01_buckets.png
 
     loss-floor RUN_DIR...      00, 10: metrics.jsonl and the floor of the run's data (config.yaml)
-    ddp-buckets LOG            01: each bucket's all-reduce against backward (rank 0's last step)
+    ddp-buckets LOG            01: each bucket's all-reduce against backward (each rank's last step)
     zero-memory LOG...         01, 02: bytes per rank by kind, measured beside the formula
     tp-split LOG               03: column and row parallel layers and the bytes of each all-reduce
     pipeline-vs-sim RUN_DIR    04: the measured timeline.json beside the simulator's, same costs
@@ -116,46 +116,61 @@ OVERLAP_ROW = re.compile(r"^(forward\+backward|bucket \d+|wait)\s+\|[^|]*\|\s*("
                          r") -\s+(" + NUMBER + r") ms(?:\s+(" + NUMBER + r") MB)?")
 
 
-def parse_overlap(text: str, path: str = "log") -> List[dict]:
-    """The last overlap chart of a 01_ddp run: [{"row", "start_ms", "end_ms", "mb"}, ...]."""
-    charts = _need(text.split("overlap in step")[1:], "overlap chart ('overlap in step')", path)
-    rows = []
-    for line in charts[-1].splitlines()[1:]:
-        m = OVERLAP_ROW.match(line.strip())
-        if m is None:
-            break
-        rows.append(
-            dict(row=m.group(1), start_ms=_num(m.group(2)), end_ms=_num(m.group(3)),
-                 mb=_num(m.group(4)) if m.group(4) else None))
-    return _need(rows, "rows under 'overlap in step'", path)
+def parse_overlap(text: str, path: str = "log") -> Dict[int, List[dict]]:
+    """The last step's overlap chart of each rank of a 01_ddp run: {rank: [{"row", "start_ms",
+    "end_ms", "mb"}, ...]} (ms since that rank's step began: each rank has its own clock)."""
+    heads = list(re.finditer(r"^overlap in step (\d+) \(rank (\d+)", text, re.M))
+    heads = _need(heads, "overlap chart ('overlap in step')", path)
+    last = max(int(h.group(1)) for h in heads)
+    charts: Dict[int, List[dict]] = {}
+    for head in heads:
+        if int(head.group(1)) != last:
+            continue
+        rows = charts.setdefault(int(head.group(2)), [])
+        for line in text[head.end():].splitlines()[1:]:
+            m = OVERLAP_ROW.match(line.strip())
+            if m is None:
+                break
+            rows.append(
+                dict(row=m.group(1), start_ms=_num(m.group(2)), end_ms=_num(m.group(3)),
+                     mb=_num(m.group(4)) if m.group(4) else None))
+        _need(rows, f"rows under 'overlap in step {last} (rank {head.group(2)}'", path)
+    return charts
 
 
 def plot_ddp_buckets(path: str, out: str) -> None:
-    rows = parse_overlap(read_log(path), path)
-    print(f"{'row':<18}{'MB':>8}  from, to (ms since the step began)")
-    for r in rows:
-        mb = "" if r["mb"] is None else f"{r['mb']:.3f}"
-        print(f"{r['row']:<18}{mb:>8}  {r['start_ms']:.1f} ms to {r['end_ms']:.1f} ms")
-    buckets = [r for r in rows if r["row"].startswith("bucket")]
-    print(f"{len(buckets)} buckets, {sum(r['mb'] for r in buckets):.3f} MB all-reduced")
+    charts = parse_overlap(read_log(path), path)
+    for rank, rows in sorted(charts.items()):
+        print(f"rank {rank}: {'row':<18}{'MB':>8}  from, to (ms since the rank's step began)")
+        for r in rows:
+            mb = "" if r["mb"] is None else f"{r['mb']:.3f}"
+            print(f"rank {rank}: {r['row']:<18}{mb:>8}  {r['start_ms']:.1f} ms to "
+                  f"{r['end_ms']:.1f} ms")
+        buckets = [r for r in rows if r["row"].startswith("bucket")]
+        print(f"rank {rank}: {len(buckets)} buckets, {sum(r['mb'] for r in buckets):.3f} MB "
+              f"all-reduced, waited {rows[-1]['end_ms'] - rows[-1]['start_ms']:.1f} ms")
     plt = pyplot()
     if plt is None:
         return
-    fig, ax = plt.subplots(figsize=(8, 0.35 * len(rows) + 1.4))
-    for y, r in enumerate(rows):
-        kind = r["row"].split()[0]
-        color = {"forward+backward": "tab:gray", "wait": "tab:red"}.get(kind, "tab:blue")
-        width = max(r["end_ms"] - r["start_ms"], 0.05)
-        ax.barh(y, width, left=r["start_ms"], color=color, alpha=0.8, edgecolor="black",
-                linewidth=0.4)
-        if r["mb"] is not None:
-            ax.text(r["end_ms"], y, f" {r['mb']:.3f} MB", va="center", fontsize=7)
-    ax.set_yticks(range(len(rows)))
-    ax.set_yticklabels([r["row"] for r in rows], fontsize=8)
-    ax.invert_yaxis()
-    ax.set_xlabel("ms since the step's forward began (rank 0)")
-    ax.set_title("each bucket's all-reduce, launched while backward still runs", fontsize=10)
-    ax.grid(axis="x", alpha=0.3)
+    height = sum(0.3 * len(rows) + 0.6 for rows in charts.values()) + 0.8
+    fig, axes = plt.subplots(len(charts), 1, figsize=(8, height), sharex=True, squeeze=False)
+    for ax, (rank, rows) in zip(axes[:, 0], sorted(charts.items())):
+        for y, r in enumerate(rows):
+            kind = r["row"].split()[0]
+            color = {"forward+backward": "tab:gray", "wait": "tab:red"}.get(kind, "tab:blue")
+            width = max(r["end_ms"] - r["start_ms"], 0.05)
+            ax.barh(y, width, left=r["start_ms"], color=color, alpha=0.8, edgecolor="black",
+                    linewidth=0.4)
+            if r["mb"] is not None:
+                ax.text(r["end_ms"], y, f" {r['mb']:.3f} MB", va="center", fontsize=6)
+        ax.set_yticks(range(len(rows)))
+        ax.set_yticklabels([r["row"] for r in rows], fontsize=7)
+        ax.invert_yaxis()
+        ax.set_ylabel(f"rank {rank}", fontsize=9)
+        ax.grid(axis="x", alpha=0.3)
+    axes[-1, 0].set_xlabel("ms since the rank's step began (each rank's own clock)")
+    axes[0, 0].set_title("each bucket's all-reduce, launched while backward still runs, per rank",
+                         fontsize=10)
     _save(plt, fig, out)
 
 

@@ -22,12 +22,18 @@ from tests.harness import run_main
 
 # scripts/launch.sh examples/01_ddp.py --nproc-per-node 2 -- --steps 3
 DDP = """\
+overlap in step 1 (rank 0; = compute, # a bucket's all-reduce in flight, . waiting):
+bucket 0         |             ######           |     1.0 -    2.0 ms  0.049 MB
 overlap in step 2 (rank 0; = compute, # a bucket's all-reduce in flight, . waiting):
 forward+backward |============================================================|     0.0 -   13.5 ms
 bucket 0         |             ######           |     5.8 -    8.4 ms  0.049 MB
 bucket 1         |              #####           |     6.2 -    8.6 ms  0.033 MB
 bucket 7         |                              |    13.4 -   13.5 ms  0.049 MB
 wait             |                                                           .|    13.5 -   13.5 ms
+overlap in step 2 (rank 1; = compute, # a bucket's all-reduce in flight, . waiting):
+forward+backward |============================================================|     0.0 -    7.0 ms
+bucket 0         |             ######           |     3.1 -   15.0 ms  0.049 MB
+wait             |                                                           .|     7.0 -   15.2 ms
 memory per rank, bytes (data parallel, N = 2, Psi = 82,240)
 rank            params       grads   optimizer         total   peak gathered
 0              328,960     328,960     657,920     1,315,840               -
@@ -98,12 +104,17 @@ memory per rank, bytes (ZeRO-3, N = 2, Psi = 82,240, Psi' = 82,240 with padding 
 
 class ChapterPlotReaders(unittest.TestCase):
 
-    def test_ddp_overlap_rows_keep_each_buckets_interval_and_megabytes(self):
-        rows = cp.parse_overlap(DDP)
+    def test_ddp_overlap_rows_keep_each_ranks_buckets_of_the_last_step(self):
+        charts = cp.parse_overlap(DDP)
+        self.assertEqual(sorted(charts), [0, 1])  # step 1's chart is not the last step's
+        rows = charts[0]
         self.assertEqual([r["row"] for r in rows],
                          ["forward+backward", "bucket 0", "bucket 1", "bucket 7", "wait"])
         self.assertEqual((rows[1]["start_ms"], rows[1]["end_ms"], rows[1]["mb"]), (5.8, 8.4, 0.049))
         self.assertIsNone(rows[0]["mb"])
+        self.assertEqual([(r["row"], r["end_ms"]) for r in charts[1]], [("forward+backward", 7.0),
+                                                                        ("bucket 0", 15.0),
+                                                                        ("wait", 15.2)])
 
     def test_memory_tables_give_each_ranks_bytes_and_the_formula(self):
         ddp, zero2 = cp.parse_memory(DDP)[0], cp.parse_memory(ZERO2)[0]

@@ -345,8 +345,8 @@ def format_timeline(timeline: SyncTimeline, width: int = 60) -> str:
 
 def ddp_report(model: nn.Module, pgm: ProcessGroupManager, impl: str, step: int) -> str:
     """What chapter 01 prints after training (rank 0's view, no communication): the ledger's
-    table of ``step``, the gradients' all-reduce next to the ring formula 2 (N-1)/N x 4 Psi
-    bytes per rank, and the bucketed DDP's overlap of all-reduces with backward."""
+    table of ``step`` and the gradients' all-reduce next to the ring formula 2 (N-1)/N x 4 Psi
+    bytes per rank. (The script adds each rank's ``format_timeline``.)"""
     ledger, n = get_ledger(), pgm.data_parallel_world_size_with_context
     if n == 1:
         return ""
@@ -363,10 +363,6 @@ def ddp_report(model: nn.Module, pgm: ProcessGroupManager, impl: str, step: int)
                      f"{psi:,}); ring volume per rank 2(N-1)/N x {e} Psi = "
                      f"{2 * (n - 1) / n * e * psi / 1e6:.3f} MB (ledger: {wire / 1e6:.3f} MB, "
                      f"with the loss)")
-    if isinstance(model, BucketedDataParallel) and model.timeline.launches:
-        lines.append(f"overlap in step {step} (rank 0; = compute, # a bucket's all-reduce in "
-                     f"flight, . waiting):")
-        lines.append(format_timeline(model.timeline))
     return "\n".join(lines)
 
 
