@@ -19,8 +19,9 @@ import argparse
 import json
 import os
 import sys
+import time
 from dataclasses import replace
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -154,8 +155,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         cluster = load_cluster(args.cluster)
         check = checker(cfg)
         if args.search:
+            base = {
+                "framework": args.framework or "scaletorch",
+                "compiled": args.compile,
+                "fp8": args.fp8
+            }
+            if base["framework"] == "torchtitan" and not args.precision:
+                precision = "autocast"  # FSDP2's fp32 sharded states, bf16 compute
             best, rejected = search(model, gpus, cluster, tokens // seq, seq, precision, flash,
-                                    check, args.top)
+                                    check, args.top, base, search_progress())
             report(best, rejected, args.json)
             return 0
         cfg.data.seq_len, cfg.data.global_batch_size = seq, tokens // seq
@@ -223,6 +231,26 @@ def progress(line: str) -> None:
     """One line rewritten in place on a terminal, one line each in a log."""
     tty = sys.stderr.isatty()
     print(("\r\033[K" if tty else "") + line, end="" if tty else "\n", file=sys.stderr, flush=True)
+
+
+def search_progress() -> Optional[Callable[[int, int], None]]:
+    """On a terminal, a line every second once a search has run 10 s (a large world's search
+    tries thousands of layouts); nothing in a log or a captured run, whose output stays the
+    same from run to run."""
+    if not sys.stderr.isatty():
+        return None
+    start = time.monotonic()
+    last = [start + 9.0]
+
+    def show(done: int, total: int) -> None:
+        now = time.monotonic()
+        if now - last[0] >= 1.0:
+            last[0] = now
+            progress(f"searching: {done:,} of {total:,} layouts, {now - start:.0f} s")
+        if done == total - 1 and now - start >= 10.0:
+            print(file=sys.stderr)  # end the progress line
+
+    return show
 
 
 def report(best: list, rejected: dict, as_json: bool) -> None:

@@ -181,7 +181,7 @@ CLUSTERS: Dict[str, Cluster] = {
     # torchtitan's benchmark GPUs (benchmarks/llama3_h100_202412_torchtitan.md): H100 SXM with
     # 96 GB of HBM (95 GiB usable is their footnote's; we take 96e9 bytes) capped at 500 W
     "h100-500w":
-    _gpu("h100-500w", 989e12, 96e9, 450e9, 50e9, 3.35e12, 132, efficiency=0.6, attention=0.25),
+    _gpu("h100-500w", 989e12, 96e9, 450e9, 50e9, 2.4e12, 132, efficiency=0.6, attention=0.25),
     "b200":
     _gpu("b200", 2.25e15, 180e9, 900e9, 50e9, 8e12, 148),
 }

@@ -96,6 +96,27 @@ def _gemm_seconds(m: int, n: int, k: int, cluster: Cluster, fp8: bool, repeats: 
     return repeats * 2.0 * m * n * k / (peak * efficiency)
 
 
+def ring_bytes_per_element(cp: int, redo: float) -> float:
+    """HBM bytes torch's ring attention (torch.distributed.tensor.experimental, as torchtitan
+    ran it in December 2024) moves per element of a block's local q (T x h: torchtitan repeats
+    k and v to every head before SDPA, so k and v are as wide), on top of the flash kernels,
+    run eagerly. Per forward (1 + ``redo`` of them): k and v copied into one buffer for the
+    exchange at each of the cp - 1 steps that send (8 bytes an element); each later step's
+    output cast to fp32 and merged by its log-sum-exp in three elementwise passes (38 bytes;
+    for the half of the steps that update only the second half of the rows, 19 plus the
+    8-byte copy that rebuilds the whole tensor); the first output's cast and the last one back
+    (12). Per backward: the k, v copy again (8 per sending step); dq, dk and dv accumulated in
+    fp32 at every step (10 bytes each, 13 for a half update and its copy: 34.5 on average);
+    dk and dv copied into one fp32 buffer for their send (16 a step); the three fp32
+    accumulators zeroed and cast back at the end (30). This repository's ring
+    (scaletorch/parallel/ring_attention.py) also merges each block's output in fp32 and
+    accumulates its gradients in fp32; the planner charges it the same bytes, an
+    approximation (its k and v are narrower: not repeated to every head)."""
+    forward = 8 * (cp - 1) + (38 + 27) / 2 * (cp - 1) + 12
+    backward = 8 * (cp - 1) + (34.5 + 16) * cp + 30
+    return forward * (1 + redo) + backward
+
+
 def _recomputed(mode: str) -> float:
     """Fraction of the blocks whose forward is run again (full, and every-N's 1 / N)."""
     n = every_n(mode)
@@ -143,6 +164,8 @@ def rank_compute(model: ModelSpec, layout: PlanLayout, cluster: Cluster,
         moved += blocks * m * 6 * sum(n * k for _, _, n, k in block_gemms(model, lay))
     if last:
         moved += m * T * LOSS_BYTES * model.vocab_rows(t) / t
+    if lay.cp > 1 and lay.cp_variant == "ring":  # the ring's copies and fp32 merges
+        moved += blocks * m * T * h / t * ring_bytes_per_element(lay.cp, redo)
     bandwidth = cluster.hbm_bandwidth * cluster.hbm_efficiency
     memory = moved / bandwidth
     forward_k, backward_k = KERNELS[fused]

@@ -320,11 +320,7 @@ def activation_bytes(model: ModelSpec, layout: PlanLayout, pp_rank: int = 0) -> 
             kept = PlanLayout(**{**whole.as_dict(), "activation_checkpointing": "full"})
             rebuilt = layer_activation_bytes(model, whole) - layer_activation_bytes(model, kept)
     if layout.framework == "torchtitan" and last:
-        # the loss's backward, before any block's: the gradient of the log-softmax output and
-        # of its input, both fp32 (b s V' / t each), beside the saved log-softmax output
-        loss = 8 * layout.micro_batch_size * (layout.seq_len // layout.cp) * \
-            model.vocab_rows(layout.tp) / layout.tp
-        rebuilt = max(rebuilt, loss)
+        rebuilt = max(rebuilt, titan_loss_backward_bytes(model, layout))
     return {
         "micro_batch": micro,
         "in_flight": n,
@@ -332,6 +328,22 @@ def activation_bytes(model: ModelSpec, layout: PlanLayout, pp_rank: int = 0) -> 
         "rebuilt": rebuilt,
         "peak": saved + rebuilt
     }
+
+
+def titan_loss_backward_bytes(model: ModelSpec, layout: PlanLayout) -> float:
+    """What torchtitan's loss backward allocates beside the saved fp32 log-softmax output, per
+    micro-batch on the last stage (b s / cp tokens, V' / t vocabulary columns a tp rank holds).
+
+    Without tp, cross-entropy runs as aten's fused kernels: the nll loss's dense fp32 gradient
+    and the log-softmax's fp32 input gradient, 8 V' / t bytes a token. Under tp torchtitan turns
+    on torch's loss parallel (the head's output stays sharded over the vocabulary), whose
+    backward is written in eager elementwise ops (torch/distributed/tensor/parallel/loss.py:
+    a zeroed fp32 gradient with the targets scattered in, exp of the saved log-probabilities,
+    their sum, then its product with the incoming gradient): three fp32 tensors of b s V' / t
+    live at once beside the saved one, 12 V' / t bytes a token."""
+    per_token = 12 if layout.tp > 1 else 8
+    return per_token * layout.micro_batch_size * (layout.seq_len // layout.cp) * \
+        model.vocab_rows(layout.tp) / layout.tp
 
 
 def _held_from_f_to_w(model: ModelSpec, layout: PlanLayout, pp_rank: int, per_layer: float,

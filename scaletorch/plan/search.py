@@ -14,7 +14,7 @@ a second per layout at p = 64 and longer beyond, where a search tries thousands 
 """
 
 from dataclasses import replace
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from scaletorch.plan.cluster import Cluster
 from scaletorch.plan.layout import ZERO_BUBBLE, PlanLayout
@@ -47,7 +47,15 @@ def balanced_split(layers: int, stages: int) -> Optional[List[int]]:
 
 
 def candidates(model: ModelSpec, gpus: int, cluster: Cluster, batch_sequences: int, seq_len: int,
-               precision: str, flash: bool) -> List[PlanLayout]:
+               precision: str, flash: bool, base: Optional[Dict[str,
+                                                                Any]] = None) -> List[PlanLayout]:
+    """Every layout the module docstring lists; ``base``: fields every layout shares (a
+    framework, compiled, fp8). torchtitan's layouts shard with FSDP2 only (ZeRO-3) and
+    recompute none, per op or fully (its modes)."""
+    base = dict(base or {})
+    titan = base.get("framework") == "torchtitan"
+    zeros = (3, ) if titan else (1, 3)
+    modes = ("none", "op", "full") if titan else ("none", "selective", "full")
     out = []
     tps = [t for t in (1, 2, 4, 8) if t <= cluster.gpus_per_node]
     for tp in tps:
@@ -67,8 +75,8 @@ def candidates(model: ModelSpec, gpus: int, cluster: Cluster, batch_sequences: i
                         split = balanced_split(model.num_layers, stages)
                         if split is None and model.num_layers % stages:
                             continue
-                        for zero in (1, 3):
-                            for ac in ("none", "selective", "full"):
+                        for zero in zeros:
+                            for ac in modes:
                                 out.append(
                                     PlanLayout(tp=tp, pp=pp, cp=cp, dp=dp, zero_stage=zero,
                                                virtual_stages=v,
@@ -76,18 +84,23 @@ def candidates(model: ModelSpec, gpus: int, cluster: Cluster, batch_sequences: i
                                                num_micro_batches=m, micro_batch_size=b,
                                                seq_len=seq_len, sequence_parallel=tp > 1,
                                                activation_checkpointing=ac, precision=precision,
-                                               flash_attention=flash, layer_split=split))
+                                               flash_attention=flash, layer_split=split, **base))
     return out
 
 
-def search(model: ModelSpec, gpus: int, cluster: Cluster, batch_sequences: int, seq_len: int,
-           precision: str, flash: bool, check: Check,
-           top: int = 5) -> Tuple[List[Dict], Dict[str, str]]:
+def search(
+        model: ModelSpec, gpus: int, cluster: Cluster, batch_sequences: int, seq_len: int,
+        precision: str, flash: bool, check: Check, top: int = 5, base: Optional[Dict[str,
+                                                                                     Any]] = None,
+        progress: Optional[Callable[[int, int], None]] = None) -> Tuple[List[Dict], Dict[str, str]]:
     """(the ``top`` best layouts as ``evaluate`` dicts, {family: reason} for rejected
-    families)."""
+    families); ``base`` as for ``candidates``; ``progress(done, total)`` after each layout."""
     fits: List[Dict] = []
     reasons: Dict[Tuple[int, int, int], List[str]] = {}
-    for layout in candidates(model, gpus, cluster, batch_sequences, seq_len, precision, flash):
+    layouts = candidates(model, gpus, cluster, batch_sequences, seq_len, precision, flash, base)
+    for i, layout in enumerate(layouts):
+        if progress:
+            progress(i, len(layouts))
         family = (layout.tp, layout.cp, layout.pp)
         why = check(model, layout)
         if why is None:
