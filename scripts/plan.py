@@ -262,11 +262,12 @@ def report(best: list, rejected: dict, as_json: bool) -> None:
                 "not_searched": NOT_SEARCHED
             }, indent=1))
         return
-    print(f"{'layout':<56}{'memory GB':>10}{'step s':>9}{'tokens/s/GPU':>14}{'MFU':>7}"
+    layouts = [PlanLayout(**{k: r[k] for k in PlanLayout().as_dict()}) for r in best]
+    width = max([56] + [len(lay.describe()) + 2 for lay in layouts])
+    print(f"{'layout':<{width}}{'memory GB':>10}{'step s':>9}{'tokens/s/GPU':>14}{'MFU':>7}"
           f"{'bubble':>8}")
-    for r in best:
-        layout = PlanLayout(**{k: r[k] for k in PlanLayout().as_dict()})
-        print(f"{layout.describe():<56}{r['memory_bytes']['total'] / 1e9:>10.1f}"
+    for r, layout in zip(best, layouts):
+        print(f"{layout.describe():<{width}}{r['memory_bytes']['total'] / 1e9:>10.1f}"
               f"{r['step_time_s']:>9.2f}{r['tokens_per_s_per_gpu']:>14,.0f}"
               f"{100 * r['mfu']:>6.1f}%{r['bubble']:>8.3f}")
     if not best:

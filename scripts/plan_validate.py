@@ -8,7 +8,9 @@ Each row is a run someone measured and published, with its source: the Llama 3 p
 Table 4 (405B on 8,192 and 16,384 H100s: TFLOP/s per GPU; no memory published) and
 torchtitan's benchmark of December 2024 (benchmarks/llama3_h100_202412_torchtitan.md: Llama
 3.1 8B, 70B, 405B on H100s capped at 500 W: tokens/s per GPU and peak memory, which
-torchtitan logs as the caching allocator's peak reserved bytes). The planner is given each
+torchtitan logs as the caching allocator's peak reserved bytes), and torchao's float8 README
+(torchtitan on 8 H100s: bf16 against float8 matmuls with float8 FSDP all-gathers). The
+planner is given each
 run's layout as published and predicts it; a row passes when tokens/s is within 20% and
 memory within 15% (the goals of issue 30). A row whose run used something the planner does
 not model says so, and its verdict is not counted.
@@ -144,6 +146,16 @@ ROWS: List[Row] = [
                virtual_stages=2, activation_checkpointing="full", compiled=True, fp8="matmul"),
         "h100-500w", tokens_per_s=128, memory_gib=72.7,
         missing="AsyncTP; the stages per rank (v = 2 assumed)"),
+] + [
+    Row(
+        f"405B FSDP{8 // cp} CP{cp} TP8 PP8 s{seq // 1024}k", TITAN + ", 405B on 512 GPUs, 4-D",
+        "llama3-405b",
+        _titan(dp=8 // cp, cp=cp, tp=8, pp=8, seq_len=seq, num_micro_batches=8, micro_batch_size=1,
+               activation_checkpointing="full", compiled=True,
+               fp8="matmul"), "h100-500w", tokens_per_s=tps, memory_gib=mem, missing="AsyncTP" +
+        ("; " + RING_BEYOND_2 if cp > 2 else ""))
+    for cp, seq, tps, mem in ((1, 32768, 76, 75.3), (2, 65536, 47, 75.9), (4, 131072, 31, 77.1),
+                              (8, 262144, 16, 84.9))
 ] + [
     Row("405B 8,192 GPUs s8k", LLAMA3, "llama3-405b", _llama3(dp=64, num_micro_batches=32), "h100",
         tflops=430),

@@ -12,7 +12,9 @@ their sources, and checked against scripts/plan_validate.py's copy of them:
   1,071 / 84.0, 548 / 84.5; 70B with FSDP 32 x TP 8 on 256 GPUs, compile + float8, local batch
   16, full recomputation: 829 / 71.9 (AsyncTP: 876 / 67.6); 405B with FSDP 8 x TP 8 x PP 8
   on 512 GPUs, local batch 32, full recomputation, AsyncTP: 1F1B 100 / 82.5, interleaved
-  128 / 72.7.
+  128 / 72.7; 405B with TP 8 x PP 8 and FSDP x CP = 8 on 512 GPUs, local batch 8, full
+  recomputation, AsyncTP, 1F1B, at 32768 / 65536 / 131072 / 262144 tokens (CP 1 / 2 / 4 / 8):
+  76 / 75.3, 47 / 75.9, 31 / 77.1, 16 / 84.9.
 - torchao, torchao/float8/README.md, Training benchmarks (torchtitan on 8 H100s, local batch
   1, sequence 8192, torch.compile, FSDP2, per-op selective recomputation; median tokens/s,
   peak GB as torchtitan logs it): bf16 6,150 / 47.65; float8 tensorwise with float8
@@ -54,6 +56,10 @@ PUBLISHED = {
     "70B FSDP32 TP8 AsyncTP": (876, 67.6),
     "405B FSDP8 TP8 PP8 1F1B": (100, 82.5),
     "405B FSDP8 TP8 PP8 interleaved": (128, 72.7),
+    "405B FSDP8 CP1 TP8 PP8 s32k": (76, 75.3),
+    "405B FSDP4 CP2 TP8 PP8 s64k": (47, 75.9),
+    "405B FSDP2 CP4 TP8 PP8 s128k": (31, 77.1),
+    "405B FSDP1 CP8 TP8 PP8 s256k": (16, 84.9),
     "405B 8,192 GPUs s8k": (430, None),
     "405B 16,384 GPUs s8k": (400, None),
     "405B 16,384 GPUs s128k": (380, None),
@@ -64,7 +70,8 @@ KNOWN_MISSES: set = set()
 # rows whose run used what the planner does not model (their verdicts are not counted)
 NOT_MODELLED = {
     "8B FSDP2 CP4 s128k", "8B FSDP1 CP8 s256k", "70B FSDP32 TP8 AsyncTP", "405B FSDP8 TP8 PP8 1F1B",
-    "405B FSDP8 TP8 PP8 interleaved"
+    "405B FSDP8 TP8 PP8 interleaved", "405B FSDP8 CP1 TP8 PP8 s32k", "405B FSDP4 CP2 TP8 PP8 s64k",
+    "405B FSDP2 CP4 TP8 PP8 s128k", "405B FSDP1 CP8 TP8 PP8 s256k"
 }
 
 
