@@ -244,6 +244,27 @@ class FrameworkMechanisms(unittest.TestCase):
         self.assertEqual({lay.framework for lay in mine}, {"scaletorch"})
         self.assertIsNone(plan.search_progress())  # no terminal here: no progress line
 
+    def test_a_long_search_shows_a_progress_line_on_a_terminal(self):
+        from unittest import mock
+
+        class Tty(io.StringIO):
+
+            def isatty(self):
+                return True
+
+        clock = iter([0.0, 5.0, 10.5, 10.7, 12.0, 12.5])  # the start, then one per layout
+        err = Tty()
+        with mock.patch.object(plan.time, "monotonic", lambda: next(clock)), \
+                contextlib.redirect_stderr(err):
+            show = plan.search_progress()
+            for done in range(5):
+                show(done, 5)
+        lines = err.getvalue().replace("\r\033[K", "\n").split("\n")
+        # nothing before 10 s, then at most one line a second, ended by a newline
+        self.assertEqual([x for x in lines if x],
+                         ["searching: 1 of 5 layouts, 10 s", "searching: 3 of 5 layouts, 12 s"])
+        self.assertTrue(err.getvalue().endswith("\n"))
+
 
 class RoughEdges(unittest.TestCase):
 
