@@ -7,6 +7,8 @@ and weight difference at each requested step. A layout's ``--check`` cannot hold
 below this floor at that many steps: past it, the differences are the training's own
 sensitivity to rounding (AdamW turns rounding-level gradients of rarely used elements into
 updates of about lr; a high learning rate amplifies every difference), not a wrong layout.
+``--check`` measures the same floor at the run's own step count when a difference exceeds 1e-5
+(scaletorch/trainer/parity.py, ``measure_floor``); this script shows how it grows with steps.
 
     python scripts/parity_floor.py examples/configs/10_real_model.yaml --steps 10 40 200
     python scripts/parity_floor.py examples/configs/00_single_device.yaml --steps 50 -- --lr 1e-2
@@ -21,8 +23,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from scaletorch.models import build_model  # noqa: E402
-from scaletorch.trainer import Trainer, load_config  # noqa: E402
+from scaletorch.trainer import load_config  # noqa: E402
+from scaletorch.trainer.parity import reference_trainer  # noqa: E402
 from scaletorch.trainer.parity import TOLERANCE, max_loss_diff, max_weight_diff  # noqa: E402
 
 State = Dict[str, torch.Tensor]
@@ -31,12 +33,11 @@ State = Dict[str, torch.Tensor]
 def run(config_file: str, overrides: List[str], micro_batches: int,
         checkpoints: List[int]) -> Dict[int, tuple]:
     """{step: (losses so far, weights)} of one single-device run, at each step of checkpoints."""
-    argv = overrides + ["--micro-batches", str(micro_batches), "--steps", str(max(checkpoints))]
+    argv = overrides + ["--steps", str(max(checkpoints))]
     cfg = load_config(config_file, "parity floor", argv=argv)
     cfg.logging.progress = False
-    cfg.checkpoint.every, cfg.checkpoint.resume = 0, None
-    model = build_model(cfg.model, seed=cfg.training.model_seed)
-    trainer = Trainer(cfg, model, pgm=None, verbose=False)
+    trainer = reference_trainer(cfg, micro_batches=micro_batches)  # --check's reference
+    model = trainer.model
     losses, out = [], {}
     for step in range(1, max(checkpoints) + 1):
         losses.append(trainer.train_step()[0])
