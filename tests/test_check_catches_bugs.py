@@ -1,0 +1,151 @@
+"""``--check`` itself catches small bugs, with the tolerance it derives from a measured floor.
+
+tests/test_planted_bugs.py holds the layouts to the plain loop at a fixed 1e-5. This module
+runs the scripts' own verdict, ``check_against_reference`` (scaletorch/trainer/parity.py), on
+chapter 00's run (lr 1e-2, the tour's 10 steps). Above 1e-5 it measures the floor (the
+reference trained again at another micro-batch split) and holds each comparison to the larger
+of 1e-5 and 32 x that floor. Three small bugs are planted inside the spawned ranks, one run
+each, by the patches of test_planted_bugs (no hook in the library): one rank's gradient scaled
+by 1.001 and one bucket not averaged (data parallel, 2 ranks), and a pipeline message carrying
+another micro-batch's activation (pp 2). Each must make ``--check`` say FAIL; the same layouts
+without a bug (the controls) must say OK.
+
+    python -m tests.test_check_catches_bugs    # the table: each run's difference / tolerance
+"""
+
+import contextlib
+import io
+import re
+import unittest
+from typing import Callable, ContextManager, Dict, Optional, Tuple
+
+import torch
+
+from scaletorch.trainer import Config, check_against_reference, parse_args
+from scaletorch.trainer.parity import SAFETY_FACTOR
+from tests.harness import run_distributed
+from tests.layouts import layout, train
+from tests.test_planted_bugs import (bucket_not_averaged, pipeline_wrong_micro_batch,
+                                     rank1_gradient_scaled)
+
+WORLD = 2
+STEPS = 10  # the tour's steps
+
+
+def _config(name: str) -> Config:
+    """Chapter 00's run (examples/configs/00_single_device.yaml) at a 2-rank layout."""
+    parallel = {
+        # 0.05 MB buckets: chapter 00's model fills 9 of them, so one can be skipped
+        "dp2": layout(bucket_size_mb=0.05),
+        "pp2": layout(pp=2),  # 1F1B, one layer per stage, 2 micro-batches
+    }[name]
+    cfg = parse_args(["--config", "examples/configs/00_single_device.yaml", "--steps", str(STEPS)])
+    cfg.logging.progress = False
+    cfg.data.num_micro_batches = 2 if name == "pp2" else 1
+    for key, value in parallel.items():
+        setattr(cfg.parallel, key, value)
+    return cfg
+
+
+# run -> (layout, the patch or None for a control)
+RUNS: Dict[str, Tuple[str, Optional[Callable[[], ContextManager]]]] = {
+    "control dp2": ("dp2", None),
+    "control pp2": ("pp2", None),
+    "dp: rank 1's gradient x 1.001": ("dp2", rank1_gradient_scaled),
+    "dp: one bucket not averaged": ("dp2", bucket_not_averaged),
+    "pp: activation of the wrong micro-batch": ("pp2", pipeline_wrong_micro_batch),
+}
+
+
+def _world(rank: int, world: int) -> Dict[str, Tuple[bool, str]]:
+    """Every run's ``--check``: (verdict, what rank 0 printed)."""
+    out = {}
+    for run, (name, plant) in RUNS.items():
+        cfg = _config(name)
+        with plant() if plant is not None else contextlib.nullcontext():
+            result = train(cfg)
+            printed = io.StringIO()
+            with contextlib.redirect_stdout(printed):
+                ok = check_against_reference(cfg, result["losses"], torch.device("cpu"),
+                                             result["state"] if rank == 0 else None)
+        out[run] = (ok, printed.getvalue())
+    return out
+
+
+LINE = re.compile(r"parity: max \|(loss|weight) - reference\| = (\S+) .*\(tolerance (\S+?)[ ,)]"
+                  r".*: (OK|FAIL)")
+
+
+def margins(printed: str) -> Dict[str, Tuple[float, float, str]]:
+    """{"loss" / "weight": (difference, tolerance, verdict)} from the parity lines."""
+    return {
+        kind: (float(diff), float(tol), verdict)
+        for kind, diff, tol, verdict in LINE.findall(printed)
+    }
+
+
+def main() -> None:
+    """``python -m tests.test_check_catches_bugs``: each run's weights against the reference,
+    the floor its ``--check`` measured (- if it passed at 1e-5 without one), the tolerance."""
+    results = run_distributed(_world, WORLD, timeout=300)[0]
+    print(f"{'run (2 ranks, chapter 00, 10 steps)':40s} {'weights':>8s} {'floor':>8s} "
+          f"{'tolerance':>9s} {'ratio':>7s}  --check")
+    for run, (ok, printed) in results.items():
+        diff, tol, _ = margins(printed)["weight"]
+        floor = re.search(r"max \|weight diff\| (\S+) ", printed)
+        print(f"{run:40s} {diff:8.1e} {floor.group(1) if floor else '-':>8s} {tol:9.1e} "
+              f"{diff / tol:7.2g}  {'OK' if ok else 'FAIL'}")
+
+
+class CheckCatchesSmallBugs(unittest.TestCase):
+    """Measured (2 gloo ranks on CPU, python -m tests.test_check_catches_bugs): the controls pass
+    at 1e-5 without a floor, their losses at 0.024 and their weights at 0.063 (dp2) and 0.012
+    (pp2) of it. Each bug measures the floor (chapter 00's 10 steps: 6.3e-7 in the weights,
+    micro-batches 1 vs 2), so its weights are held to 32 x 6.3e-7 = 2.0e-5. Rank 1's gradient
+    x 1.001 moves the weights 1.1e-3, 55 x that tolerance, and the loss 3.9e-5, 3.9 x 1e-5; a
+    bf16-sized tolerance (3.1e-2) would miss both. The bucket not averaged ends 2.9e3 x over it,
+    the wrong micro-batch's activation 8.4e3 x (its loss 9.1e4 x)."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.results = run_distributed(_world, WORLD, timeout=300)[0]
+
+    def test_the_controls_pass_well_inside_the_tolerance(self):
+        for run in ("control dp2", "control pp2"):
+            ok, printed = self.results[run]
+            self.assertTrue(ok, printed)
+            for kind, (diff, tol, verdict) in margins(printed).items():
+                self.assertEqual(verdict, "OK", printed)
+                self.assertLess(diff / tol, 0.3, f"{run} {kind}:\n{printed}")  # 0.063 measured
+
+    def test_every_planted_bug_fails_the_check_at_its_floor_derived_tolerance(self):
+        for run in RUNS:
+            if run.startswith("control"):
+                continue
+            ok, printed = self.results[run]
+            self.assertFalse(ok, f"{run} passed --check:\n{printed}")
+            floor = re.search(
+                r"parity: floor = one device, micro-batches (\d+) vs (\d+): max "
+                r"\|loss diff\| (\S+), max \|weight diff\| (\S+) ", printed)
+            self.assertIsNotNone(floor, printed)
+            m, m_floor, loss_floor, weight_floor = floor.groups()
+            self.assertEqual(int(m_floor), 2 * int(m))
+            found = margins(printed)
+            for kind, measured in (("loss", loss_floor), ("weight", weight_floor)):
+                diff, tol, _ = found[kind]
+                # the line's tolerance: 1e-5, or 32 x the floor where that is larger
+                self.assertAlmostEqual(tol, max(1e-5, SAFETY_FACTOR * float(measured)),
+                                       delta=0.05 * tol)
+                self.assertIn(f"{SAFETY_FACTOR} x floor {measured}", printed)
+            self.assertEqual(found["weight"][2], "FAIL", printed)
+
+    def test_the_smallest_bug_fails_by_a_margin(self):
+        # rank 1's gradient x 1.001: weights 55 x the tolerance (measured, docstring), loss 3.9 x
+        _, printed = self.results["dp: rank 1's gradient x 1.001"]
+        found = margins(printed)
+        self.assertGreater(found["weight"][0] / found["weight"][1], 20, printed)
+        self.assertGreater(found["loss"][0] / found["loss"][1], 1.5, printed)
+
+
+if __name__ == "__main__":
+    main()
