@@ -5,7 +5,8 @@ parity check's reference both call it, so a parallel run and its reference alway
 the same precision.
 
     training.precision   without --check            with --check
-    fp32                 fp32                       fp32, tolerance 1e-5
+    fp32                 fp32                       fp32, tolerance 1e-5 (or 32 x the
+                                                    floor measured above it: parity.py)
     bf16                 bf16 autocast              bf16 autocast for both, tolerance 2^-5
     fp16                 fp16 autocast              fp16 autocast for both, tolerance 2^-5
     auto                 bf16 on a GPU with         fp32 (the check proves fp32 parity)
@@ -41,7 +42,7 @@ __all__ = ["TOLERANCES", "autocast", "parity_tolerance", "precision_note", "reso
 
 BF16_UNIT_ROUNDOFF = 2.0**-8  # 8 significant bits (7 stored + 1 implicit)
 TOLERANCES = {
-    "fp32": 1e-5,  # K >= 5 steps in fp32: reduction order only (see the module docstring)
+    "fp32": 1e-5,  # K >= 5 steps in fp32: reduction order only; above it parity.py's floor
     "bf16": 8 * BF16_UNIT_ROUNDOFF,  # 2^-5 = 3.1e-2, derived in the module docstring
     "fp16": 8 * BF16_UNIT_ROUNDOFF,  # fp16 rounds finer (2^-11): bf16's bound holds
 }
