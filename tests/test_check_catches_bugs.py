@@ -4,11 +4,11 @@ tests/test_planted_bugs.py holds the layouts to the plain loop at a fixed 1e-5. 
 runs the scripts' own verdict, ``check_against_reference`` (scaletorch/trainer/parity.py), on
 chapter 00's run (lr 1e-2, the tour's 10 steps). Above 1e-5 it measures the floor (the
 reference trained again at another micro-batch split) and holds each comparison to the larger
-of 1e-5 and 32 x that floor. Three small bugs are planted inside the spawned ranks, one run
-each, by the patches of test_planted_bugs (no hook in the library): one rank's gradient scaled
-by 1.001 and one bucket not averaged (data parallel, 2 ranks), and a pipeline message carrying
-another micro-batch's activation (pp 2). Each must make ``--check`` say FAIL; the same layouts
-without a bug (the controls) must say OK.
+of 1e-5 and 32 x that floor. Three small bugs are planted inside the spawned ranks by the
+patches of test_planted_bugs (no hook in the library), one run each. Data parallel on 2 ranks:
+one rank's gradient scaled by 1.001; one bucket not averaged, in the last step. Pipeline, pp 2:
+the message for micro-batch 1 carries micro-batch 0's activation, in the last step. Each must
+make ``--check`` say FAIL; the same layouts without a bug (the controls) must say OK.
 
     python -m tests.test_check_catches_bugs    # the table: each run's difference / tolerance
 """
@@ -21,11 +21,14 @@ from typing import Callable, ContextManager, Dict, Optional, Tuple
 
 import torch
 
+from scaletorch.dist import get_ledger
+from scaletorch.parallel.data_parallel import BucketedDataParallel
+from scaletorch.parallel.pipeline_parallel import PipelineSchedule
 from scaletorch.trainer import Config, check_against_reference, parse_args
 from scaletorch.trainer.parity import SAFETY_FACTOR
 from tests.harness import run_distributed
 from tests.layouts import layout, train
-from tests.test_planted_bugs import (bucket_not_averaged, pipeline_wrong_micro_batch,
+from tests.test_planted_bugs import (bucket_not_averaged, patched, pipeline_wrong_micro_batch,
                                      rank1_gradient_scaled)
 
 WORLD = 2
@@ -47,13 +50,33 @@ def _config(name: str) -> Config:
     return cfg
 
 
+def in_last_step(plant: Callable[[], ContextManager], owner: type,
+                 attr: str) -> Callable[[], ContextManager]:
+    """``plant``'s patch of ``owner.attr``, active in the run's last step only (the ledger's
+    step, which the Trainer sets): one wrong update among ten, the smallest version of a bug."""
+
+    def planted() -> ContextManager:
+        correct = getattr(owner, attr)
+        with plant():
+            wrong = getattr(owner, attr)
+
+        def either(self, *args, **kwargs):
+            return (wrong if get_ledger().step == STEPS - 1 else correct)(self, *args, **kwargs)
+
+        return patched(owner, attr, either)
+
+    return planted
+
+
 # run -> (layout, the patch or None for a control)
 RUNS: Dict[str, Tuple[str, Optional[Callable[[], ContextManager]]]] = {
     "control dp2": ("dp2", None),
     "control pp2": ("pp2", None),
     "dp: rank 1's gradient x 1.001": ("dp2", rank1_gradient_scaled),
-    "dp: one bucket not averaged": ("dp2", bucket_not_averaged),
-    "pp: activation of the wrong micro-batch": ("pp2", pipeline_wrong_micro_batch),
+    "dp: one bucket not averaged, last step":
+    ("dp2", in_last_step(bucket_not_averaged, BucketedDataParallel, "_launch")),
+    "pp: wrong micro-batch's activation, last step":
+    ("pp2", in_last_step(pipeline_wrong_micro_batch, PipelineSchedule, "_exchange")),
 }
 
 
@@ -85,16 +108,19 @@ def margins(printed: str) -> Dict[str, Tuple[float, float, str]]:
 
 
 def main() -> None:
-    """``python -m tests.test_check_catches_bugs``: each run's weights against the reference,
-    the floor its ``--check`` measured (- if it passed at 1e-5 without one), the tolerance."""
+    """``python -m tests.test_check_catches_bugs``: each run's loss and weights against the
+    reference, over their tolerance, and the weights' floor (- if the run passed at 1e-5 and
+    ``--check`` measured none)."""
     results = run_distributed(_world, WORLD, timeout=300)[0]
-    print(f"{'run (2 ranks, chapter 00, 10 steps)':40s} {'weights':>8s} {'floor':>8s} "
-          f"{'tolerance':>9s} {'ratio':>7s}  --check")
+    print(f"{'run (2 ranks, chapter 00, 10 steps)':45s} {'loss':>7s} {'/tol':>6s} {'weights':>8s} "
+          f"{'floor':>8s} {'tol':>8s} {'/tol':>6s}  --check")
     for run, (ok, printed) in results.items():
-        diff, tol, _ = margins(printed)["weight"]
+        found = margins(printed)
+        (loss, loss_tol, _), (diff, tol, _) = found["loss"], found["weight"]
         floor = re.search(r"max \|weight diff\| (\S+) ", printed)
-        print(f"{run:40s} {diff:8.1e} {floor.group(1) if floor else '-':>8s} {tol:9.1e} "
-              f"{diff / tol:7.2g}  {'OK' if ok else 'FAIL'}")
+        print(f"{run:45s} {loss:7.1e} {loss / loss_tol:6.2g} {diff:8.1e} "
+              f"{floor.group(1) if floor else '-':>8s} {tol:8.1e} {diff / tol:6.2g}  "
+              f"{'OK' if ok else 'FAIL'}")
 
 
 class CheckCatchesSmallBugs(unittest.TestCase):
@@ -102,9 +128,11 @@ class CheckCatchesSmallBugs(unittest.TestCase):
     at 1e-5 without a floor, their losses at 0.024 and their weights at 0.063 (dp2) and 0.012
     (pp2) of it. Each bug measures the floor (chapter 00's 10 steps: 6.3e-7 in the weights,
     micro-batches 1 vs 2), so its weights are held to 32 x 6.3e-7 = 2.0e-5. Rank 1's gradient
-    x 1.001 moves the weights 1.1e-3, 55 x that tolerance, and the loss 3.9e-5, 3.9 x 1e-5; a
-    bf16-sized tolerance (3.1e-2) would miss both. The bucket not averaged ends 2.9e3 x over it,
-    the wrong micro-batch's activation 8.4e3 x (its loss 9.1e4 x)."""
+    x 1.001 moves the weights 1.1e-3, 55 x that tolerance, and the loss 3.9e-5, 3.9 x 1e-5. One
+    bucket not averaged in the last step moves the weights 8.7e-3 (430 x) and not the loss;
+    micro-batch 0's activation sent for micro-batch 1 in the last step, the weights 1.1e-2
+    (1100 x) and that step's loss 0.77. A bf16-sized tolerance (3.1e-2) would miss every
+    weight difference, and the first two bugs altogether."""
 
     @classmethod
     def setUpClass(cls):
