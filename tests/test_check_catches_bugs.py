@@ -25,7 +25,8 @@ from scaletorch.dist import get_ledger
 from scaletorch.parallel.data_parallel import BucketedDataParallel
 from scaletorch.parallel.pipeline_parallel import PipelineSchedule
 from scaletorch.trainer import Config, check_against_reference, parse_args
-from scaletorch.trainer.parity import SAFETY_FACTOR
+from scaletorch.trainer.parity import (SAFETY_FACTOR, floor_applies, other_split, tolerance_text,
+                                       widened)
 from tests.harness import run_distributed
 from tests.layouts import layout, train
 from tests.test_planted_bugs import (bucket_not_averaged, patched, pipeline_wrong_micro_batch,
@@ -173,6 +174,36 @@ class CheckCatchesSmallBugs(unittest.TestCase):
         found = margins(printed)
         self.assertGreater(found["weight"][0] / found["weight"][1], 20, printed)
         self.assertGreater(found["loss"][0] / found["loss"][1], 1.5, printed)
+
+
+class FloorRules(unittest.TestCase):
+    """The floor's split and the parity line's tolerance text, without a world."""
+
+    def test_the_floor_splits_the_batch_twice_as_fine_or_else_half_as_fine(self):
+        cfg = _config("dp2")  # a global batch of 16 sequences
+        for m, other in ((1, 2), (8, 16), (16, 8)):
+            cfg.data.num_micro_batches = m
+            self.assertEqual(other_split(cfg), other)
+        cfg.data.global_batch_size, cfg.data.num_micro_batches = 15, 3
+        self.assertIsNone(other_split(cfg))  # neither 6 nor 1.5 micro-batches: no floor
+        self.assertFalse(floor_applies(cfg, "cpu"))
+        cfg = _config("dp2")
+        self.assertTrue(floor_applies(cfg, "cpu"))
+        cfg.model.num_experts = 4  # the aux loss's statistics are per micro-batch
+        self.assertFalse(floor_applies(cfg, "cpu"))
+        cfg = _config("dp2")
+        cfg.training.precision = "bf16"  # its tolerance is derived in precision.py
+        self.assertFalse(floor_applies(cfg, "cpu"))
+
+    def test_the_line_says_where_its_tolerance_came_from(self):
+        self.assertEqual(tolerance_text(1e-5), "tolerance 1e-05")
+        self.assertEqual(tolerance_text(1e-5, floor=3.04e-6),
+                         "tolerance 9.6e-05 = 32 x floor 3.0e-06, measured this run")
+        self.assertEqual(tolerance_text(1e-5, floor=2.4e-7),
+                         "tolerance 1e-05 > 32 x floor 2.4e-07, measured this run")
+        self.assertEqual(widened(1e-5, 3.04e-6), 32 * 3.0e-6)  # the floor as printed
+        self.assertEqual(widened(1e-5, 2e-7), 1e-5)
+        self.assertEqual(widened(1e-5, None), 1e-5)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ another number of micro-batches (the same mathematics, another summation order) 
 largest loss and weight difference of the two single-device runs. In fp32, when a difference
 exceeds 1e-5, the check measures the floor (one more reference run, only then) and that
 comparison's tolerance becomes the larger of 1e-5 and ``SAFETY_FACTOR`` x its floor, printed
-with its origin: ``(tolerance 9.8e-05 = 32 x floor 3.0e-06, measured this run)``. A run that
+with its origin: ``(tolerance 9.6e-05 = 32 x floor 3.0e-06, measured this run)``. A run that
 passes at 1e-5 never pays for the floor and its line is unchanged; one that passes only thanks
 to the floor says so.
 
@@ -141,10 +141,10 @@ def max_weight_diff(state: Dict[str, torch.Tensor], reference: Dict[str, torch.T
 
 def tolerance_text(tolerance: float, precision: str = "fp32", floor: Optional[float] = None) -> str:
     """"tolerance 1e-05" in fp32; "tolerance 3.1e-02, bf16" under a lower precision; with a
-    measured ``floor``, where the tolerance came from: "tolerance 9.8e-05 = 32 x floor 3.0e-06,
+    measured ``floor``, where the tolerance came from: "tolerance 9.6e-05 = 32 x floor 3.0e-06,
     measured this run", or "tolerance 1e-05 > 32 x floor 2.4e-07, ..." when 1e-5 is larger."""
     if floor is not None:
-        derived, origin = SAFETY_FACTOR * floor, f"{SAFETY_FACTOR} x floor {floor:.1e}"
+        derived, origin = widened(0.0, floor), f"{SAFETY_FACTOR} x floor {floor:.1e}"
         if derived >= tolerance:
             return f"tolerance {derived:.1e} = {origin}, measured this run"
         return f"tolerance {tolerance:.0e} > {origin}, measured this run"
@@ -155,8 +155,8 @@ def tolerance_text(tolerance: float, precision: str = "fp32", floor: Optional[fl
 
 def widened(tolerance: float, floor: Optional[float]) -> float:
     """The tolerance a comparison is held to: ``tolerance``, or SAFETY_FACTOR x its measured
-    floor where that is larger."""
-    return tolerance if floor is None else max(tolerance, SAFETY_FACTOR * floor)
+    floor where that is larger (the floor as printed, to 2 digits, so the line's product holds)."""
+    return tolerance if floor is None else max(tolerance, SAFETY_FACTOR * float(f"{floor:.1e}"))
 
 
 def report_parity(losses: Sequence[float], reference: Sequence[float], tolerance: float = TOLERANCE,
