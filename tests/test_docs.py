@@ -151,6 +151,16 @@ class ComparisonIgnoresTimingAndCatchesDrift(unittest.TestCase):
         self.assertEqual(check_docs.compare(doc, line.format("2.2e-04", "3.1e-02")), [])
         self.assertNotEqual(check_docs.compare(doc, line.format("3.1e-04", "4.0e-02")), [])
 
+    def test_a_tolerance_derived_from_a_measured_floor_may_move_like_a_deviation(self):
+        line = (
+            "parity: max |weight - reference| = 1.2e-05 after 50 steps, in w (tolerance {} = 32 "
+            "x floor {}, measured this run): OK")
+        doc = [line.format("9.6e-05", "3.0e-06")]
+        self.assertEqual(check_docs.compare(doc, line.format("8.0e-05", "2.5e-06")), [])
+        self.assertNotEqual(check_docs.compare(doc, line.format("9.6e-04", "3.0e-05")), [])
+        fixed = "parity: max |loss - reference| = 2.4e-07 over 10 steps (tolerance {}): OK"
+        self.assertNotEqual(check_docs.compare([fixed.format("1e-05")], fixed.format("2e-05")), [])
+
     def test_timing_columns_named_by_the_marker_are_ignored(self):
         doc = ["name  ms/step  MB", "ddp   51.7     3.41"]
         same, other = "name ms/step MB\nddp 99.0 3.41", "name ms/step MB\nddp 99.0 3.42"
