@@ -113,8 +113,8 @@ def measure_floor(cfg: Config, device: torch.device, losses: Sequence[float],
             f"{cfg.data.global_batch_size} sequences than {cfg.data.num_micro_batches} "
             f"micro-batches: neither twice nor half of it fits")
     floor_losses, floor_model = run_reference(cfg, device, m)
-    return (max_loss_diff(floor_losses, losses), max_weight_diff(floor_model.state_dict(),
-                                                                 state), m)
+    weight = max_weight_diff(floor_model.state_dict(), state)
+    return max_loss_diff(floor_losses, losses), weight, m
 
 
 def max_loss_diff(losses: Sequence[float], reference: Sequence[float]) -> float:
