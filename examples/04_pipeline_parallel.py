@@ -1,9 +1,10 @@
 """Chapter 04: pipeline parallel. The layers are cut into stages; micro-batches flow through.
 
     scripts/launch.sh examples/04_pipeline_parallel.py --nproc-per-node 2 -- --check
-    scripts/launch.sh examples/04_pipeline_parallel.py --nproc-per-node 4 -- --pp 4 --check
+    scripts/launch.sh examples/04_pipeline_parallel.py --nproc-per-node 4 -- --pp 4 \\
+        --model.num_layers 4 --check  # 4 stages: a layer each
     scripts/launch.sh examples/04_pipeline_parallel.py --nproc-per-node 2 -- \\
-        --schedule interleaved --virtual-stages 2 --check
+        --schedule interleaved --virtual-stages 2 --model.num_layers 4 --check
     scripts/launch.sh examples/04_pipeline_parallel.py --nproc-per-node 4 -- --check  # x dp 2
     scripts/launch.sh examples/04_pipeline_parallel.py --nproc-per-node 4 -- --tp 2 --check
     scripts/launch.sh examples/04_pipeline_parallel.py --nproc-per-node 2 -- --impl torch --check

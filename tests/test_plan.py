@@ -512,12 +512,12 @@ class PlanScript(unittest.TestCase):
                          "out of memory: at least 162 GB per GPU > 80")
 
     def test_a_zero_bubble_schedule_is_planned_and_search_says_it_leaves_them_out(self):
-        status, out, _ = _script("examples/configs/04_pipeline_parallel.yaml", "--schedule", "zbv",
+        status, out, _ = _script("examples/configs/04b_zero_bubble.yaml", "--schedule", "zbv",
                                  "--virtual-stages", "2", "--gpus", "2", "--json")
         self.assertEqual(status, 0)
         result = json.loads(out)["layouts"][0]
         plan = PlanLayout(**{k: result[k] for k in PlanLayout().as_dict()})
-        cfg = parse_args(["--config", "examples/configs/04_pipeline_parallel.yaml"])
+        cfg = parse_args(["--config", "examples/configs/04b_zero_bubble.yaml"])
         self.assertEqual(result["bubble"], bubble(model_of(cfg.model), plan))
         self.assertEqual(result["in_flight_micro_batches"], 2)  # 4 half-rank chunks, p 2 m 8
         status, out, err = _script("--preset", "llama3-8b", "--gpus", "8", "--search", "--top", "1")

@@ -40,7 +40,7 @@ def split_layers(num_layers: int, num_stages: int,
             base, extra = divmod(num_layers, num_stages)
             example = ",".join(str(base + (s < extra)) for s in range(num_stages))
             fix = f"set parallel.layer_split, e.g. --layer-split {example}" if base > 0 else \
-                "use fewer stages"
+                f"use fewer stages, or --model.num_layers {num_stages}"
             raise ValueError(f"model.num_layers ({num_layers}) is not divisible by the number "
                              f"of pipeline stages ({stages}): {fix}")
         layer_split = [num_layers // num_stages] * num_stages
