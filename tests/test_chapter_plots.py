@@ -222,7 +222,7 @@ class ChapterPlotReaders(unittest.TestCase):
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CHAPTERS = ("00", "01", "02", "03", "04", "05", "06", "07", "08", "10")
+CHAPTERS = ("00", "01", "02", "03", "04", "04b", "05", "06", "07", "08", "10")
 
 
 class EveryChapterPageHasItsPicture(unittest.TestCase):
