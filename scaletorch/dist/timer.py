@@ -88,5 +88,8 @@ class Spans:
         yield
         self.marks.append((label, start, self.timer.mark()))
 
+    def clear(self) -> None:
+        self.marks.clear()
+
     def seconds(self) -> List[Tuple[Any, float, float]]:
         return [(label, seconds(start), seconds(end)) for label, start, end in self.marks]

@@ -176,7 +176,7 @@ class PipelineSchedule:
         self.micro_batches = split_micro_batches(inputs, targets, self.m)
         b, s = self.micro_batches[0][0].shape
         self.shape = (b, s // self.pipe.sequence_parallel_size, self.pipe.hidden_size)
-        self.spans.marks.clear()  # (a meter's peaks are the same every step: no reset)
+        self.spans.clear()  # (a meter's peaks are the same every step: no reset)
         wire = self.wire_dtype(inputs.device.type) if self.wire_dtype else None
         self.dtype = wire or self.param_dtype
         self.held: Dict[tuple, tuple] = {}  # (mb, chunk) -> (stage input, output or loss)
