@@ -1,7 +1,8 @@
 """Chapter 11: each injected fault ends as doc/11_debugging.md shows, and the tools find it.
 
-One launch per fault (examples/11_debugging.py, 2 ranks, 5 steps, timeout 3 s), two at a time;
-the checks read their output, the flight-recorder dumps and the profiles.
+One launch per fault (examples/11_debugging.py, 2 ranks, 5 steps, timeout 3 s), two at a time,
+without launch.sh's pre-flight (tests/test_examples.py's NO_PREFLIGHT: these faults come after
+the start); the checks read their output, the flight-recorder dumps and the profiles.
 """
 
 import io
@@ -19,7 +20,7 @@ from torch.distributed.flight_recorder.components.fr_logger import FlightRecorde
 from scaletorch.dist import flight_recorder
 from scaletorch.trainer.config import one_traceback
 from scripts import fr_analyze
-from tests.test_examples import launch_status
+from tests.test_examples import NO_PREFLIGHT, launch_status
 
 SCRIPT = "examples/11_debugging.py"
 FAST = ("--steps", "5", "--training.timeout_seconds", "3", "--logging.progress", "false")
@@ -47,7 +48,10 @@ class InjectedFaultsEndAsDocumented(unittest.TestCase):
             args, env = RUNS[name]
             run_dir = os.path.join(cls.tmp, name)
             out, code, _ = launch_status(SCRIPT, 2, *FAST, *args, "--logging.run_dir", run_dir,
-                                         env=env, timeout=120)
+                                         env={
+                                             **NO_PREFLIGHT,
+                                             **env
+                                         }, timeout=120)
             return out, code, os.path.join(run_dir, "11_debugging")
 
         with ThreadPoolExecutor(max_workers=2) as pool:  # 4 ranks at a time

@@ -20,16 +20,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def launch(script: str, nproc: int, *args: str, launcher: Sequence[str] = (), timeout: float = 300,
-           background: bool = False):
+           background: bool = False, env: Optional[Dict[str, str]] = None):
     """Run ``scripts/launch.sh script --nproc-per-node nproc [launcher] -- args``.
 
     Returns its output (stdout + stderr); raises AssertionError with the output if it failed
     or printed a warning (a learner's run prints nothing they must learn to ignore).
-    ``background=True`` returns a future instead (for several launchers at once).
+    ``background=True`` returns a future instead (for several launchers at once); ``env`` adds
+    environment variables (``NO_PREFLIGHT``, say).
     """
     if background:
-        return _POOL.submit(launch, script, nproc, *args, launcher=launcher, timeout=timeout)
-    output, code, cmd = launch_status(script, nproc, *args, launcher=launcher, timeout=timeout)
+        return _POOL.submit(launch, script, nproc, *args, launcher=launcher, timeout=timeout,
+                            env=env)
+    output, code, cmd = launch_status(script, nproc, *args, launcher=launcher, timeout=timeout,
+                                      env=env)
     if code != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {code}:\n{output[-3000:]}")
     if warning_lines(output):
@@ -63,6 +66,12 @@ def launch_status(script: str, nproc: int, *args: str, launcher: Sequence[str] =
 
 
 _POOL = ThreadPoolExecutor(max_workers=4)
+
+# launch.sh's pre-flight (``SCRIPT --validate-only``: one more Python that imports torch, about
+# 3 s of a core) skipped, for the runs about what happens after the start (restarts, faults,
+# several launchers): a valid config passes it silently (test_layout_errors), and the ranks
+# check the same config themselves (test_bad_inputs). The chapters' runs here keep it.
+NO_PREFLIGHT = {"SCALETORCH_PREFLIGHT": "0"}
 
 # Chapter 00 from the launcher (final loss, entropy floor, parity 0.0e+00) is doc/00's
 # `check: ci` run, re-run by tests/test_docs.py; test_fault_tolerance checks launch.sh's echo.

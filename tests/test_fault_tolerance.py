@@ -16,7 +16,7 @@ from scaletorch.trainer import Trainer
 from scaletorch.trainer import checkpoint as ckpt
 from scaletorch.trainer import parse_args
 from tests.harness import free_port, run_distributed
-from tests.test_examples import launch
+from tests.test_examples import NO_PREFLIGHT, launch
 from tests.test_resume import KILL_LAYOUTS, RUN_FLAGS, straight_run
 
 
@@ -109,7 +109,7 @@ def _straight_ddp_run() -> str:
     """The checkpoint root of the straight 2-rank run of DDP_ARGS (launched once)."""
     root = os.path.join(_STRAIGHT.name, "straight")
     if not os.path.isdir(ckpt.step_dir(root, DDP_STEPS)):
-        launch("examples/01_ddp.py", 2, *DDP_ARGS, "--checkpoint.dir", root)
+        launch("examples/01_ddp.py", 2, *DDP_ARGS, "--checkpoint.dir", root, env=NO_PREFLIGHT)
     return root
 
 
@@ -122,7 +122,7 @@ class KilledRankIsRestartedAndResumesExactly(unittest.TestCase):
             failing = os.path.join(tmp, "failing")
             out = launch("examples/01_ddp.py", 2, *DDP_ARGS, "--checkpoint.dir", failing,
                          "--fail-at-step", "5", "--fail-rank", "1",
-                         launcher=["--max-restarts", "1"])
+                         launcher=["--max-restarts", "1"], env=NO_PREFLIGHT)
             # launch.sh echoes the command it runs
             self.assertIn("torchrun.py --nproc-per-node 2 --max-restarts 1", out)
             self.assertIn("injected failure at step 5", out)
@@ -136,7 +136,8 @@ class KilledRankIsRestartedAndResumesExactly(unittest.TestCase):
 
 def _two_nodes(script: str, per_node: int, args: list, tmp: str) -> str:
     """Train ``script`` with two launchers of per_node ranks each on 127.0.0.1 as node 0 and
-    node 1; return the checkpoint root."""
+    node 1; return the checkpoint root. Node 0's launcher runs the pre-flight for the world of
+    both (per_node x 2 ranks); node 1's would run the same check again."""
     multi = os.path.join(tmp, "multi")
     port = str(free_port())
     nodes = [
@@ -144,7 +145,7 @@ def _two_nodes(script: str, per_node: int, args: list, tmp: str) -> str:
             script, per_node, *args, "--checkpoint.dir", multi, background=True, launcher=[
                 "--nnodes", "2", "--node-rank",
                 str(node), "--master-addr", "127.0.0.1", "--master-port", port
-            ]) for node in (0, 1)
+            ], env=NO_PREFLIGHT if node else None) for node in (0, 1)
     ]
     for node in nodes:
         node.result()

@@ -30,7 +30,7 @@ from scaletorch.trainer import load_config
 from scaletorch.trainer.consolidated import consolidated_state, load_consolidated
 from tests.harness import run_distributed, value_error
 from tests.layouts import CHECKPOINT_EVERY, ND_LAYOUTS, build, config_of, layout, pg_manager_for
-from tests.test_examples import launch
+from tests.test_examples import NO_PREFLIGHT, launch
 from tests.test_nd_parallel import nd_world
 
 WORLD = 8
@@ -191,7 +191,7 @@ def _launch_run(tmp: str, name: str, nproc: int, args: list, fail: bool) -> tupl
     root = os.path.join(tmp, name)
     extra = ["--fail-at-step", "5", "--fail-rank", "1"] if fail else []
     out = launch("examples/07_nd_parallel.py", nproc, *args, *RUN_FLAGS, "--checkpoint.dir", root,
-                 *extra, launcher=["--max-restarts", "1"] if fail else [])
+                 *extra, launcher=["--max-restarts", "1"] if fail else [], env=NO_PREFLIGHT)
     return out, load_consolidated(os.path.join(ckpt.step_dir(root, 8), "consolidated.pt"))
 
 
