@@ -51,8 +51,11 @@ for value in "$nproc" "$nnodes" "$node_rank" "$max_restarts"; do
   fi
 done
 
-if ! python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
-  export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+# (Asked only when unset: a value already set is kept either way, and asking torch starts a
+# Python that imports it, 1.5 s on a 2-core machine.)
+if [[ -z "${OMP_NUM_THREADS:-}" ]] &&
+  ! python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  export OMP_NUM_THREADS=1
 fi
 # NCCL fails fast through async error handling: its watchdog thread sees a collective that
 # failed or outlived the process group's timeout, aborts the communicators and takes the

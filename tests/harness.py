@@ -1,6 +1,8 @@
 """The multi-rank test harness: ``run_distributed(fn, world_size, *args, timeout=...)``.
 
-It lives in ``scaletorch.dist.spawn`` so that the benchmarks use the same one.
+It is ``scaletorch.dist.spawn``'s, the benchmarks' too, with the ranks forked from one
+forkserver that imported torch and the library once per test run (``PRELOAD``), not started as
+new Pythons that each import them again (spawn).
 ``value_error(fn)`` collects an error message inside a rank, for the parent to assert on;
 ``run_main(main, *argv)`` runs a script's ``main`` in the test's process. ``NCCL_CHECKS``:
 the environment of the scripts the tests launch (tests/test_examples.py, the docs' ci runs).
@@ -14,19 +16,42 @@ import re
 import sys
 import tempfile
 from contextlib import contextmanager, redirect_stderr, redirect_stdout
-from typing import Callable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Tuple
 
-from scaletorch.dist.spawn import free_port, run_distributed
+import torch
+import torch.multiprocessing as mp
+
+from scaletorch.dist import spawn
+from scaletorch.dist.spawn import free_port
 
 __all__ = [
     "NCCL_CHECKS", "free_port", "run_distributed", "run_main", "stderr_warnings", "value_error",
     "warning_lines"
 ]
 
+# Imported once, in the forkserver: a rank that imports them itself (spawn) spends about 3 s of a
+# core on it (1.4 s for torch alone), 12 s of the two cores' time for a world of 8 ranks.
+PRELOAD = ["torch", "torch.distributed", "scaletorch.parallel.parallelize", "scaletorch.trainer"]
+mp.get_context("forkserver").set_forkserver_preload(PRELOAD)
+
+
+def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 120) -> List[Any]:
+    """``scaletorch.dist.spawn.run_distributed`` with the ranks forked from the forkserver."""
+    return spawn.run_distributed(fn, world_size, *args, timeout=timeout, start_method="forkserver")
+
+
 # Every script the tests launch runs in the test modes that make a GPU run's failures fail on
 # gloo: NCCL's point-to-point order (dist/p2p_order.py), no host-made tensor in a collective
 # (dist/device_check.py).
-NCCL_CHECKS = {"SCALETORCH_P2P_ORDER": "nccl", "SCALETORCH_CHECK_DEVICES": "1"}
+# Also what launch.sh sets on a machine without a GPU (OMP_NUM_THREADS=1), set here so that it
+# does not start a Python to ask torch for every launch (it asks only when the variable is unset).
+NCCL_CHECKS = {
+    "SCALETORCH_P2P_ORDER": "nccl",
+    "SCALETORCH_CHECK_DEVICES": "1",
+    **({} if torch.cuda.is_available() else {
+           "OMP_NUM_THREADS": "1"
+       })
+}
 
 
 def value_error(fn: Callable[[], object]) -> str:

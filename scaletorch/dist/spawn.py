@@ -1,6 +1,6 @@
 """Run a function on N gloo processes on this machine and bring the results back.
 
-The test suite and the benchmarks use this to start a world without torchrun: it spawns
+The test suite and the benchmarks use this to start a world without torchrun: it starts
 ``world_size`` CPU processes, initializes a gloo process group on a free localhost port in
 each, calls ``fn(rank, world_size, *args)``, and returns the list of per-rank return values.
 A test class spawns one world in ``setUpClass`` and asserts on the results in several test
@@ -27,7 +27,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, timeout: float, fn: Callable, args: tuple,
+def _worker(rank: int, world_size: int, port: int, timeout: float, fn: Callable, payload: bytes,
             queue: Any) -> None:
     os.environ.update({
         "RANK": str(rank),
@@ -42,6 +42,8 @@ def _worker(rank: int, world_size: int, port: int, timeout: float, fn: Callable,
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout))
+        # Our own bytes (run_distributed's arguments), so a full unpickle is safe here.
+        args = torch.load(io.BytesIO(payload), weights_only=False)
         result = fn(rank, world_size, *args)
         # Plain bytes, not tensors: torch would share tensor storage through file
         # descriptors, which vanish when this process exits before the parent reads them.
@@ -57,19 +59,28 @@ def _worker(rank: int, world_size: int, port: int, timeout: float, fn: Callable,
             dist.destroy_process_group()
 
 
-def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 120) -> List[Any]:
+def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 120,
+                    start_method: str = "spawn") -> List[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes.
 
     ``fn`` must be a module-level function (it is pickled for spawn) and return something
     picklable (tensors are fine). Returns the per-rank results in rank order. Raises
     RuntimeError with the rank and traceback of the first failure, or if the world does not
     finish within ``timeout`` seconds (collectives also time out after ``timeout``).
+    ``start_method``: "spawn" starts each rank as a new Python that imports torch again;
+    "forkserver" forks each from one server process that imported its preload list once
+    (``set_forkserver_preload``; the test suite's harness uses it).
     """
-    ctx = mp.get_context("spawn")
+    ctx: Any = mp.get_context(start_method)  # spawn or forkserver: both make Processes
+    # The arguments as plain bytes too: tensors among them would go to each rank as file
+    # descriptors, and a forkserver passes at most 256 of those to a new process.
+    buffer = io.BytesIO()
+    torch.save(args, buffer)
     queue = ctx.SimpleQueue()
     port = free_port()
     procs = [
-        ctx.Process(target=_worker, args=(rank, world_size, port, timeout, fn, args, queue),
+        ctx.Process(target=_worker,
+                    args=(rank, world_size, port, timeout, fn, buffer.getvalue(), queue),
                     daemon=True) for rank in range(world_size)
     ]
     for proc in procs:
