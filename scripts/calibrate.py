@@ -8,10 +8,12 @@ scripts/launch.sh runs them), in well under a minute:
 
 - compute, one process: the matmuls of the config's block at its micro-batch sizes give
   ``peak_flops``; a whole forward + backward of the model at 1, 2 and 4 dense blocks and 1 MoE
-  block, three micro-batch sizes each, fitted as time = dense blocks x layer_overhead + MoE
-  blocks x moe_layer_overhead + micro_batch_overhead + FLOPs / (peak x compute_efficiency),
-  gives the rest (a small model's step is mostly the
-  fixed cost of its many small ops, not its FLOPs); clipping + AdamW gives ``step_overhead_s``;
+  block and 2 dense blocks with half the heads, three micro-batch sizes each, fitted as time =
+  dense blocks x layer_overhead + MoE blocks x moe_layer_overhead + micro_batch_overhead +
+  attention scores x score_element + FLOPs / (peak x compute_efficiency), gives the rest (a
+  small model's step is mostly the fixed cost of its many small ops, not its FLOPs; half the
+  heads at the same width keep the FLOPs and halve the b x heads x s x s scores);
+  clipping + AdamW gives ``step_overhead_s``;
 - time-slicing, in gloo worlds of 2, 3 and 4 processes: how much longer a fixed piece of
   compute takes with every rank computing at once than alone (``slowdown``: about 1 within
   the cores, about world / cores past them, more if other programs hold cores);
@@ -23,16 +25,23 @@ scripts/launch.sh runs them), in well under a minute:
   here, where every rank has a core): the config trained with one strategy of size 2 (tp, tp
   with sequence parallel, cp, pp, ep; the rest data parallel) or data parallel alone (DDP,
   ZeRO-3), ``steps`` steps each: the seconds one of its calls adds to a step (``issued``) =
-  (the fastest step after the first - the step predicted with those calls free) / the calls
+  (the step measured - the step predicted with those calls free) / the calls
   (DDP: trained with 1 and with m micro-batches, split into a cost per step, its sync at the
   end of the backward, and one per micro-batch, its hooks; ZeRO-3: per block and
   micro-batch, each unit's gather, free and reduce-scatter). A bare call between pieces of
   compute misses what a strategy does around its calls (ring attention's block merges, the
   experts' dispatch, DDP's buckets) and the wait for its peers;
 - past the cores (4 ranks here), the slowdown of a real step: the config trained data
-  parallel over the whole world, its fastest step / the step predicted with a core per rank
+  parallel over the whole world, its step / the step predicted with a core per rank
   (``slowdown``, replacing the compute-only figure: switching between ranks and waiting for
-  a peer that is not running add to world / cores).
+  a peer that is not running add to world / cores);
+- past the cores, what is left of a call's cost: a rank that waits lends its core to another
+  rank that has work. Two composed layouts that the tour does not run (cp 2 x pp 2, cp 2 x
+  ZeRO-3) give one factor, and ``issued`` for that world is the factor x each cost within
+  the cores (data parallel's excepted: the slowdown holds them).
+
+A step measured is the 10th percentile of its steps after the first
+(scaletorch/plan/time.measured_step), as the tour reads it.
 """
 
 import copy
@@ -55,7 +64,7 @@ from scaletorch.plan.cluster import ISSUED, Cluster, save_cluster
 from scaletorch.plan.flops import model_flops
 from scaletorch.plan.layout import PlanLayout
 from scaletorch.plan.model import ModelSpec, from_config
-from scaletorch.plan.time import fastest_step, issued_counts, step_time
+from scaletorch.plan.time import issued_counts, measured_step, step_time
 from scaletorch.rules.wire import wire_bytes
 from scripts.plan_measure import checker, measure_rank, run_config
 
@@ -89,8 +98,8 @@ def _fit(rows: List[List[float]], times: List[float]) -> List[float]:
 
 def measure_compute(model_cfg: Any, seq_len: int, seed: int = 0) -> Dict[str, float]:
     """``peak_flops``, ``compute_efficiency``, ``layer_overhead_s``, ``moe_layer_overhead_s``,
-    ``micro_batch_overhead_s`` and ``step_overhead_s`` of one CPU thread for ``model_cfg``'s
-    shapes."""
+    ``micro_batch_overhead_s``, ``step_overhead_s`` and ``score_element_s`` (0 unless the
+    heads halve) of one CPU thread for ``model_cfg``'s shapes."""
     torch.set_num_threads(1)
     spec = from_config(model_cfg)
     h, batches = spec.hidden_size, (1, 4, 16)
@@ -107,33 +116,41 @@ def measure_compute(model_cfg: Any, seq_len: int, seed: int = 0) -> Dict[str, fl
     seconds = min(_seconds(lambda: [i @ w for i, w in zip(inputs, weights)], 10) for _ in range(3))
     peak = flops / seconds
     # forward + backward of the whole model: dense blocks x overhead + MoE blocks x theirs +
-    # ends + FLOPs / rate (the config's experts, or chapter 06's 4 if it has none)
+    # ends + attention scores x their cost + FLOPs / rate (the config's experts, or chapter
+    # 06's 4 if it has none; half the heads at the same width: as many FLOPs, half the scores)
     dense = replace(model_cfg, num_experts=0)
     moe = replace(
         model_cfg, num_experts=model_cfg.num_experts or 4, moe_layer_freq=1,
         moe_intermediate_size=model_cfg.moe_intermediate_size or model_cfg.intermediate_size // 2)
+    heads, kv = model_cfg.num_attention_heads, model_cfg.num_key_value_heads
+    halves = heads % 2 == 0 and kv % 2 == 0
+    half = replace(dense, num_attention_heads=heads // 2, num_key_value_heads=kv // 2)
+    shapes = [(dense, 1, 0), (dense, 2, 0), (dense, 4, 0), (moe, 0, 1)] + \
+        ([(half, 2, 0)] if halves else [])
     points = []  # (model, input ids, fit row)
-    for cfg, dense_layers, moe_layers in ((dense, 1, 0), (dense, 2, 0), (dense, 4, 0), (moe, 0, 1)):
+    for cfg, dense_layers, moe_layers in shapes:
         cfg = replace(cfg, num_layers=dense_layers + moe_layers)
         model = build_model(cfg, seed=seed)
         for b in batches:
             ids = torch.randint(0, cfg.vocab_size, (b, seq_len))
+            scores = (dense_layers + moe_layers) * b * cfg.num_attention_heads * seq_len**2
             row = [dense_layers, moe_layers, 1.0, model_flops(from_config(cfg), b, seq_len)]
-            points.append((model, ids, row))
+            points.append((model, ids, row + ([scores] if halves else [])))
 
     def step(model: torch.nn.Module, ids: torch.Tensor) -> None:
         logits = model(ids)
         F.cross_entropy(logits.flatten(0, 1), ids.flatten()).backward()
         model.zero_grad(set_to_none=True)
 
-    # 4 coefficients from 12 points: each point the fastest of 40 steps in 4 rounds over all
-    # points, so that a few seconds of load elsewhere on the host spoil a round, not a point
+    # 4 or 5 coefficients from 12 or 15 points: each point the fastest of 40 steps in 4 rounds
+    # over all points, so that a few seconds of load elsewhere on the host spoil a round, not
+    # a point
     times = [float("inf")] * len(points)
     for _ in range(4):
         for i, (model, ids, _) in enumerate(points):
             times[i] = min(times[i], _seconds(lambda: step(model, ids), 10))
     rows = [row for _, _, row in points]
-    per_layer, per_moe_layer, per_micro_batch, per_flop = _fit(rows, times)
+    per_layer, per_moe_layer, per_micro_batch, per_flop, *per_score = _fit(rows, times)
     efficiency = min(1.0, 1 / (per_flop * peak)) if per_flop > 0 else 1.0
     # clipping and AdamW over the config's model (gradients present)
     model = build_model(model_cfg, seed=seed)
@@ -152,6 +169,7 @@ def measure_compute(model_cfg: Any, seq_len: int, seed: int = 0) -> Dict[str, fl
         "moe_layer_overhead_s": max(0.0, per_moe_layer),
         "micro_batch_overhead_s": max(0.0, per_micro_batch),
         "step_overhead_s": _seconds(update, 30),
+        "score_element_s": max(0.0, per_score[0]) if per_score else 0.0,
     }
 
 
@@ -304,7 +322,7 @@ def measure_slowdown(cfg: Config, seq_len: int, world: int, cluster: Cluster,
         return None
     model, layout, run = runs["dp"]
     results = run_distributed(measure_rank, world, {"dp 1": run, "dp 2": run}, timeout=300)[0]
-    measured = min(fastest_step(results[f"dp {r}"]["step_seconds"]) for r in (1, 2))
+    measured = measured_step(*(results[f"dp {r}"]["step_seconds"] for r in (1, 2)))
     own_core = replace(cluster, slowdown={**cluster.slowdown, str(world): 1.0})
     predicted = step_time(model, layout, own_core)["step_time_s"]
     return max(world / (cluster.cores or 1), measured / predicted)
@@ -312,24 +330,24 @@ def measure_slowdown(cfg: Config, seq_len: int, world: int, cluster: Cluster,
 
 def measure_issued(cfg: Config, seq_len: int, world: int, cluster: Cluster,
                    steps: int = STRATEGY_STEPS) -> Dict[str, float]:
-    """{key of Cluster.issued: seconds} in a gloo world of ``world``: each strategy's layout
-    trained ``steps`` steps, twice (in two rounds); its excess = the faster round's fastest
-    step after the first (rank 0's, as the tour reads it) minus the step ``cluster`` predicts
-    with the strategy's calls free; per call = excess / the calls (time.issued_counts; not
-    below 0). Data parallel first, from its two runs (1 and m micro-batches: excess = per step
-    + micro-batches x per micro-batch), since the other strategies' layouts hold
-    data-parallel ranks too, whose cost is then known."""
+    """{key of Cluster.issued: seconds} in a gloo world of ``world`` within the cores: each
+    strategy's layout trained ``steps`` steps, twice (in two rounds); its excess = the step
+    measured (rank 0's, both rounds pooled, time.measured_step) minus the step ``cluster``
+    predicts with the strategy's calls free; per call = excess / the calls
+    (time.issued_counts; not below 0). Data parallel first, from its two runs (1 and m
+    micro-batches: excess = per step + micro-batches x per micro-batch), since the other
+    strategies' layouts hold data-parallel ranks too, whose cost is then known."""
 
     runs = strategy_layouts(cfg, seq_len, world, steps)
-    # two rounds, every strategy in each, the faster kept: a moment of load on a shared host
-    # (which only ever adds time) then spoils one round of a strategy, not its cost
+    # two rounds, every strategy in each, pooled: a moment of load on a shared host (which
+    # only ever adds time) then spoils a few steps of a strategy, not its cost
     configs = {f"{kind} {r}": run for r in (1, 2) for kind, (_, _, run) in runs.items()}
     results = run_distributed(measure_rank, world, configs, timeout=300)
 
     def excess(kind: str, known: Dict[str, float]) -> float:
         model, layout, _ = runs[kind]
         free = replace(cluster, issued={str(world): {**known, kind: 0.0}})
-        measured = min(fastest_step(results[0][f"{kind} {r}"]["step_seconds"]) for r in (1, 2))
+        measured = measured_step(*(results[0][f"{kind} {r}"]["step_seconds"] for r in (1, 2)))
         return measured - step_time(model, layout, free)["step_time_s"]
 
     out: Dict[str, float] = {}
@@ -343,6 +361,56 @@ def measure_issued(cfg: Config, seq_len: int, world: int, cluster: Cluster,
         calls = sum(n for (_, key), n in issued_counts(model, layout).items() if key == kind)
         out[kind] = max(0.0, excess(kind, out) / calls) if calls else 0.0
     return out
+
+
+# past the cores: two composed layouts that the tour does not run (scripts/tour.sh composes
+# tp with pp, cp, ZeRO-3 and ep), each strategy of size 2
+COMPOSED = ({"tp": 2}, {"cp": 2, "pp": 2}, {"cp": 2, "zero_stage": 3})
+
+
+def measure_call_factor(cfg: Config, seq_len: int, world: int, cluster: Cluster,
+                        steps: int = STRATEGY_STEPS) -> Optional[float]:
+    """Past the cores, the share of a call's cost (``issued``, measured within them) that a
+    step still pays: a rank that waits lends its core to another rank that has work. Measured
+    on the COMPOSED layouts on ``world`` ranks (``cluster`` holds this world's slowdown and
+    the issued costs within the cores), twice each, pooled: the sum over them of (measured
+    - predicted with every call free) / the sum of (predicted - predicted with every call
+    free). Data parallel's costs stay whole: the slowdown was measured with them. None if no
+    composed layout runs on ``world`` ranks."""
+
+    model = from_config(replace(cfg.model, num_experts=0))
+    check = checker(cfg)
+    m, batch = max(cfg.data.num_micro_batches, 2), cfg.data.global_batch_size
+    layouts = []
+    for sizes in COMPOSED:
+        dp = world // (sizes.get("tp", 1) * sizes.get("pp", 1) * sizes.get("cp", 1))
+        if dp < 1 or batch % (dp * m):
+            continue
+        try:
+            layout = PlanLayout(**sizes, dp=dp, num_micro_batches=m,
+                                micro_batch_size=batch // (dp * m), seq_len=seq_len)
+        except ValueError:
+            continue
+        if layout.world == world and check(model, layout) is None:
+            layouts.append(layout)
+    if not layouts:
+        return None
+    base = copy.deepcopy(cfg)
+    base.training.steps, base.checkpoint.every, base.check = steps, 0, False
+    base.logging.progress = False
+    configs = {f"{i} {r}": run_config(base, model, lay) for r in (1, 2)
+               for i, lay in enumerate(layouts)}
+    results = run_distributed(measure_rank, world, configs, timeout=300)[0]
+    issued = cluster.issued[min(cluster.issued, key=int)]
+    free = replace(cluster, issued={"1": {k: (v if k.startswith("dp") else 0.0)
+                                          for k, v in issued.items()}})
+    paid = charged = 0.0
+    for i, layout in enumerate(layouts):
+        measured = measured_step(*(results[f"{i} {r}"]["step_seconds"] for r in (1, 2)))
+        without = step_time(model, layout, free)["step_time_s"]
+        paid += measured - without
+        charged += step_time(model, layout, cluster)["step_time_s"] - without
+    return max(0.0, paid / charged) if charged > 0 else None
 
 
 # what an issued cost is paid per, where not per call (scaletorch/plan/time.issued_counts)
@@ -359,15 +427,19 @@ def summary(cluster: Cluster) -> str:
     lines = [
         f"{c.name}: fixed costs per block {1e3 * c.layer_overhead_s:.2f} ms (MoE "
         f"{1e3 * c.moe_layer_overhead_s:.2f} ms), per micro-batch "
-        f"{1e3 * c.micro_batch_overhead_s:.2f} ms, per step {1e3 * c.step_overhead_s:.2f} ms"
+        f"{1e3 * c.micro_batch_overhead_s:.2f} ms, per step {1e3 * c.step_overhead_s:.2f} ms, "
+        f"per million attention scores {1e9 * c.score_element_s:.1f} ms"
     ]
     bare = [
         f"{1e3 * c.links[w]['2']['all_reduce'][0]:.2f} ms on {w} ranks" for w in c.links
         if "all_reduce" in c.links[w].get("2", {})
     ]
     lines.append("a 4-byte all-reduce over 2 ranks between pieces of compute: " + ", ".join(bare))
+    within = c.issued[min(c.issued, key=int)] if c.issued else {}
     for world, kinds in c.issued.items():
-        lines.append(f"a call as issued on {world} ranks: " +
+        shares = [kinds[k] / within[k] for k in kinds if within.get(k)]
+        share = f" ({shares[0]:.2f} x within the cores)" if kinds is not within and shares else ""
+        lines.append(f"a call as issued on {world} ranks{share}: " +
                      ", ".join(f"{k} {1e3 * kinds[k]:.2f} ms" + PAID_PER.get(k, "")
                                for k in ISSUED if k in kinds))
     return "\n".join(lines)
@@ -384,7 +456,8 @@ def calibrate(cfg: Config, seq_len: int, path: str, progress: Callable[[str], No
     def say(what: str) -> None:
         progress(f"calibrate [{time.perf_counter() - start:4.0f} s] {what}")
 
-    say("compute: matmuls, forward + backward at 1, 2, 4 blocks x 3 micro-batch sizes, AdamW")
+    say("compute: matmuls; forward + backward at 1, 2, 4 blocks, 1 MoE block, half the heads, "
+        "x 3 micro-batch sizes; AdamW")
     compute = measure_compute(model_cfg, seq_len)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
         (os.cpu_count() or 1)
@@ -426,6 +499,14 @@ def calibrate(cfg: Config, seq_len: int, path: str, progress: Callable[[str], No
         if factor is not None:
             slowdown[str(world)] = factor
     cluster = replace(cluster, slowdown=slowdown)
+    for world in (w for w in worlds if w > cores and w % 2 == 0):
+        say(f"calls past the cores: tp 2 x dp 2, cp 2 x pp 2 and cp 2 x ZeRO-3 trained on "
+            f"{world} ranks")
+        factor = measure_call_factor(cfg, seq_len, world, cluster, steps)
+        if factor is not None:  # every call but data parallel's: that share of its cost
+            within = issued[min(issued, key=int)]
+            issued[str(world)] = {k: factor * v for k, v in within.items() if not k.startswith("dp")}
+    cluster = replace(cluster, issued=issued)
     save_cluster(cluster, path)
     say(f"wrote {path}")
     last = _seconds(work, 100)

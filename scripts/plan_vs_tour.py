@@ -6,9 +6,9 @@
         --json runs/plan_vs_tour.json   # for: python scripts/plot.py plan-vs-measured FILE
 
 For each run of the tour: its config (the run directory's config.yaml, flags applied) and world
-size give the planner's model and layout; the measured step time is the fastest of the run's
-steps after the first (metrics.jsonl: tokens per step / tokens_per_s; on a shared host other
-programs only add time, and --calibrate reads its timings the same way); the predicted one is
+size give the planner's model and layout; the measured step time is the 10th percentile of the
+run's steps after the first (metrics.jsonl: tokens per step / tokens_per_s; --calibrate reads
+its runs the same way, scaletorch/plan/time.measured_step says why); the predicted one is
 scaletorch/plan/time.py's on the cluster file. Exit status 1 if a ratio is outside
 [1 / (1 + tolerance), 1 + tolerance].
 """
@@ -24,19 +24,20 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from scaletorch.plan.cluster import load_cluster  # noqa: E402
 from scaletorch.plan.layout import from_config as layout_of  # noqa: E402
 from scaletorch.plan.model import from_config as model_of  # noqa: E402
-from scaletorch.plan.time import fastest_step, step_time  # noqa: E402
+from scaletorch.plan.time import measured_step, step_time  # noqa: E402
 from scaletorch.trainer.config import parse_args  # noqa: E402
 
 
 def measured_step_seconds(run_dir: str) -> float:
-    """The fastest step after the first (warm-up), seconds, from the run's metrics.jsonl."""
+    """The 10th percentile of the steps after the first (warm-up), seconds, from the run's
+    metrics.jsonl (scaletorch/plan/time.measured_step)."""
     cfg = parse_args(["--config", os.path.join(run_dir, "config.yaml")])
     tokens = cfg.data.global_batch_size * cfg.data.seq_len
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f if line.strip()]
     if len(records) < 2:
         raise ValueError(f"{run_dir}: fewer than 2 steps in metrics.jsonl")
-    return fastest_step([tokens / r["tokens_per_s"] for r in records])
+    return measured_step([tokens / r["tokens_per_s"] for r in records])
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -81,7 +82,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"{chapter:<22}{nproc:>5}  {run_args or '(config)':<62}{1e3 * measured:>9.1f}"
               f"{1e3 * t['step_time_s']:>10.1f}{ratio:>7.2f}  "
               f"{max(terms, key=lambda k: terms[k]):<12}{'ok' if ok else 'OUTSIDE'}")
-    print("measured (the fastest step after the first), predicted: ms per step; ratio = "
+    print("measured (10th percentile of the steps after the first), predicted: ms per step; ratio = "
           "predicted / measured;\nlargest: the prediction's biggest term (compute incl. "
           "time-slicing, or a group's calls)")
     if args.json:

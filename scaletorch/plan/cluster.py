@@ -14,11 +14,13 @@ bound by them (``scripts/plan.py --calibrate`` measures each; scaletorch/plan/ti
 when the whole world runs at once), ``layer_overhead_s``, ``moe_layer_overhead_s`` and
 ``micro_batch_overhead_s`` (the fixed cost of a dense block's, an MoE block's and the
 embedding + head + loss's forward and backward per micro-batch: the dispatch of their many
-small ops), ``step_overhead_s`` (clipping, optimizer step) and ``links`` (per world size and
+small ops), ``step_overhead_s`` (clipping, optimizer step), ``score_element_s`` (per
+attention score: the softmax and masks over b x heads x s x s elements) and ``links`` (per world size and
 group size, per collective: latency in seconds and bandwidth in wire bytes/s, measured with
-every group of the world busy at once) and ``issued`` (per world size within the cores, per
-strategy: the seconds one of its calls adds to a training step as the strategy issues it,
-measured by training the config with that strategy alone; see scripts/calibrate.py).
+every group of the world busy at once) and ``issued`` (per world size, per strategy: the
+seconds one of its calls adds to a training step as the strategy issues it, measured within
+the cores by training the config with that strategy alone, past them a measured share of
+that; see scripts/calibrate.py).
 """
 
 import json
@@ -46,6 +48,9 @@ class Cluster:
     moe_layer_overhead_s: float = 0.0  # an MoE block's (0: as a dense block's)
     micro_batch_overhead_s: float = 0.0
     step_overhead_s: float = 0.0
+    # seconds per attention score (b x heads x s x s of a block's forward, its backward
+    # included): the softmax and masks over them cost more than their FLOPs say
+    score_element_s: float = 0.0
     # {world: how much longer a rank's step takes in a world of that size than with a core of
     # its own (within the cores: compute with every rank computing / alone; past them: a
     # data-parallel training step, scripts/calibrate.py)}; without it world / cores
@@ -70,7 +75,7 @@ class Cluster:
 
     def __post_init__(self) -> None:
         optional = ("cores", "layer_overhead_s", "moe_layer_overhead_s", "micro_batch_overhead_s",
-                    "step_overhead_s", "hbm_bandwidth", "sms", "kernel_overhead_s", "overlap_cost",
+                    "step_overhead_s", "score_element_s", "hbm_bandwidth", "sms", "kernel_overhead_s", "overlap_cost",
                     "fp8_flops", "fp8_efficiency")
         bad = {
             f.name: getattr(self, f.name)
