@@ -398,12 +398,18 @@ def measure_call_factor(cfg: Config, seq_len: int, world: int, cluster: Cluster,
     base = copy.deepcopy(cfg)
     base.training.steps, base.checkpoint.every, base.check = steps, 0, False
     base.logging.progress = False
-    configs = {f"{i} {r}": run_config(base, model, lay) for r in (1, 2)
-               for i, lay in enumerate(layouts)}
+    configs = {
+        f"{i} {r}": run_config(base, model, lay)
+        for r in (1, 2)
+        for i, lay in enumerate(layouts)
+    }
     results = run_distributed(measure_rank, world, configs, timeout=300)[0]
     issued = cluster.issued[min(cluster.issued, key=int)]
-    free = replace(cluster, issued={"1": {k: (v if k.startswith("dp") else 0.0)
-                                          for k, v in issued.items()}})
+    free = replace(cluster,
+                   issued={"1": {
+                       k: (v if k.startswith("dp") else 0.0)
+                       for k, v in issued.items()
+                   }})
     paid = charged = 0.0
     for i, layout in enumerate(layouts):
         measured = measured_step(*(results[f"{i} {r}"]["step_seconds"] for r in (1, 2)))
@@ -415,6 +421,7 @@ def measure_call_factor(cfg: Config, seq_len: int, world: int, cluster: Cluster,
 
 # what an issued cost is paid per, where not per call (scaletorch/plan/time.issued_counts)
 PAID_PER = {
+    "pp": " per message and block",
     "dp": " per step",
     "dp_micro_batch": " per micro-batch",
     "zero3": " per block and micro-batch"
@@ -505,7 +512,10 @@ def calibrate(cfg: Config, seq_len: int, path: str, progress: Callable[[str], No
         factor = measure_call_factor(cfg, seq_len, world, cluster, steps)
         if factor is not None:  # every call but data parallel's: that share of its cost
             within = issued[min(issued, key=int)]
-            issued[str(world)] = {k: factor * v for k, v in within.items() if not k.startswith("dp")}
+            issued[str(world)] = {
+                k: factor * v
+                for k, v in within.items() if not k.startswith("dp")
+            }
     cluster = replace(cluster, issued=issued)
     save_cluster(cluster, path)
     say(f"wrote {path}")

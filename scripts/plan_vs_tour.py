@@ -82,9 +82,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"{chapter:<22}{nproc:>5}  {run_args or '(config)':<62}{1e3 * measured:>9.1f}"
               f"{1e3 * t['step_time_s']:>10.1f}{ratio:>7.2f}  "
               f"{max(terms, key=lambda k: terms[k]):<12}{'ok' if ok else 'OUTSIDE'}")
-    print("measured (10th percentile of the steps after the first), predicted: ms per step; ratio = "
-          "predicted / measured;\nlargest: the prediction's biggest term (compute incl. "
-          "time-slicing, or a group's calls)")
+    print(
+        "measured (10th percentile of the steps after the first), predicted: ms per step; ratio = "
+        "predicted / measured;\nlargest: the prediction's biggest term (compute incl. "
+        "time-slicing, or a group's calls)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(points, f, indent=1)

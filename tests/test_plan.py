@@ -20,6 +20,7 @@ import os
 import tempfile
 import unittest
 from collections import defaultdict
+from dataclasses import replace
 
 from scaletorch.plan.cluster import ISSUED, Cluster, load_cluster, save_cluster
 from scaletorch.plan.flops import (gpt_model_flops, hardware_flops, model_flops, six_nd,
@@ -337,6 +338,30 @@ class PlannerTimeOnAMeasuredHost(unittest.TestCase):
         t = step_time(m, plan, self.host)
         self.assertAlmostEqual(t["compute_s"], compute, delta=1e-12)
         self.assertAlmostEqual(t["step_time_s"], compute + comm, delta=1e-12)
+
+    def test_each_attention_score_costs_its_own_time_split_by_tp_and_cp(self):
+        # chapter 00's model (2 blocks, 4 heads, s 32): per micro-batch and block b x heads /
+        # tp x s x s / cp scores at score_element_s each; the FLOPs and fixed costs unchanged
+        m = self.model
+        scored = Cluster(**{**HOST, "score_element_s": 1e-8})
+        for tp, cp in ((1, 1), (2, 1), (1, 2)):
+            plan = PlanLayout(tp=tp, cp=cp, num_micro_batches=2, micro_batch_size=4, seq_len=32)
+            scores = 2 * 2 * 4 * (m.num_attention_heads / tp) * 32 * 32 / cp
+            self.assertAlmostEqual(
+                compute_seconds(m, plan, scored) - compute_seconds(m, plan, self.host),
+                scores * 1e-8, delta=1e-12, msg=(tp, cp))
+
+    def test_a_pipeline_message_is_paid_per_block_of_the_chunk_it_follows(self):
+        # a message waits for the slower stage, and that wait grows with a stage's work: pp 2
+        # with 1F1B, 4 micro-batches; on 2 blocks (1 per stage) and on 4 (2 per stage)
+        m = self.model
+        plan = PlanLayout(pp=2, num_micro_batches=4, micro_batch_size=2, seq_len=32)
+        one = issued_counts(m, plan)[("pp", "pp")]
+        deeper = replace(m, num_layers=4)
+        self.assertEqual(issued_counts(deeper, plan)[("pp", "pp")], 2 * one)
+        # every call over pp but a receive (its send pays): 4 sends and the loss's all-reduce
+        calls = sum(c.calls for c in collectives(m, plan) if c.group == "pp" and c.op != "recv")
+        self.assertEqual((one, calls), (5, 5))
 
     def test_a_strategys_calls_cost_what_they_add_to_a_step_as_it_issues_them(self):
         # the same data-parallel step with ``issued`` dp 5 ms per step and 1 ms per

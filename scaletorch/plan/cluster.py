@@ -15,12 +15,12 @@ when the whole world runs at once), ``layer_overhead_s``, ``moe_layer_overhead_s
 ``micro_batch_overhead_s`` (the fixed cost of a dense block's, an MoE block's and the
 embedding + head + loss's forward and backward per micro-batch: the dispatch of their many
 small ops), ``step_overhead_s`` (clipping, optimizer step), ``score_element_s`` (per
-attention score: the softmax and masks over b x heads x s x s elements) and ``links`` (per world size and
-group size, per collective: latency in seconds and bandwidth in wire bytes/s, measured with
-every group of the world busy at once) and ``issued`` (per world size, per strategy: the
-seconds one of its calls adds to a training step as the strategy issues it, measured within
-the cores by training the config with that strategy alone, past them a measured share of
-that; see scripts/calibrate.py).
+attention score: the softmax and masks over b x heads x s x s elements) and ``links`` (per
+world size and group size, per collective: latency in seconds and bandwidth in wire bytes/s,
+measured with every group of the world busy at once) and ``issued`` (per world size, per
+strategy: the seconds one of its calls adds to a training step as the strategy issues it,
+measured within the cores by training the config with that strategy alone, past them a
+measured share of that; see scripts/calibrate.py).
 """
 
 import json
@@ -75,8 +75,8 @@ class Cluster:
 
     def __post_init__(self) -> None:
         optional = ("cores", "layer_overhead_s", "moe_layer_overhead_s", "micro_batch_overhead_s",
-                    "step_overhead_s", "score_element_s", "hbm_bandwidth", "sms", "kernel_overhead_s", "overlap_cost",
-                    "fp8_flops", "fp8_efficiency")
+                    "step_overhead_s", "score_element_s", "hbm_bandwidth", "sms",
+                    "kernel_overhead_s", "overlap_cost", "fp8_flops", "fp8_efficiency")
         bad = {
             f.name: getattr(self, f.name)
             for f in fields(self)

@@ -26,7 +26,8 @@ each measured rather than assumed:
   (measured per world and group size); the latency is what one call adds to a training step
   as its strategy issues it (``issued``: measured by training the config with that strategy
   alone, where every rank has a core, so it holds the strategy's bookkeeping around the call
-  and the wait for its peers), a bare call's when not measured;
+  and the wait for its peers; past the cores a measured share of that, since a rank that
+  waits lends its core to another), a bare call's when not measured;
 - ranks beyond the ``cores`` share them: a rank's step as if it had a core of its own,
   (compute / (1 - bubble) + communication), is stretched by ``slowdown``, measured for a
   world past the cores on a real training step (data parallel over the whole world: its
@@ -103,7 +104,7 @@ def issuing_strategy(group: str, layout: PlanLayout) -> Optional[str]:
 
 
 def issued_counts(model: ModelSpec, layout: PlanLayout,
-                  pp_rank: int = 0) -> Dict[Tuple[str, str], int]:
+                  pp_rank: int = 0) -> Dict[Tuple[str, str], float]:
     """{(group, key of Cluster.issued): how many times that cost is paid per step}: a
     strategy's calls once each (a receive is its send's other end: the send pays); data
     parallel (DDP, ZeRO-1/2) once per step ("dp": the sync at the end of the backward, without
@@ -111,9 +112,12 @@ def issued_counts(model: ModelSpec, layout: PlanLayout,
     charged to the first of its groups (an MoE model's expert gradients over "edp" are synced
     by the same wrapper in the same wait as the dense ones over "dp_cp");
     ZeRO-3 once per block and micro-batch (each unit is gathered for its forward and again
-    for its backward, freed, and its gradient reduce-scattered); an MoE block's routing
-    statistics over dp_cp as an "ep" call, once per forward (it runs even at ep 1)."""
-    out: Dict[Tuple[str, str], int] = {}
+    for its backward, freed, and its gradient reduce-scattered); a pipeline message once per
+    block of the chunk it follows (it waits for the slower of two stages, and how much slower
+    one is grows with a stage's work: measured, a message after 2 blocks cost twice one after
+    1); an MoE block's routing statistics over dp_cp as an "ep" call, once per forward (it
+    runs even at ep 1)."""
+    out: Dict[Tuple[str, str], float] = {}
     blocks = rank_layers(model.num_layers, layout.pp, layout.virtual_stages, layout.layer_split,
                          layout.schedule)[pp_rank]
     moe = sum(1 for chunk in blocks for i in chunk if model.is_moe_layer(i))
@@ -138,6 +142,9 @@ def issued_counts(model: ModelSpec, layout: PlanLayout,
             if layout.cp == 1 and layout.ep == 1:
                 out[(c.group, "dp")] = 1
             out[(c.group, "dp_micro_batch")] = layout.num_micro_batches
+        elif strategy == "pp":  # per message and block of a chunk
+            per_chunk = max(1.0, sum(map(len, blocks)) / len(blocks))
+            out[(c.group, "pp")] = out.get((c.group, "pp"), 0) + c.calls * per_chunk
         else:
             out[(c.group, strategy)] = out.get((c.group, strategy), 0) + c.calls
     return out

@@ -63,8 +63,8 @@ def plan_report(cfg: "Config", world: int, pp_rank: int, model: nn.Module, optim
     if cfg.logging.plan_cluster and len(step_seconds) > 1:
         cluster = load_cluster(cfg.logging.plan_cluster)
         seconds = step_time(plan_model, layout, cluster)["step_time_s"]
-        measured = measured_step(step_seconds)
-        lines.append(f"plan step time {1e3 * seconds:.1f} ms vs measured {1e3 * measured:.1f} ms "
+        step_s = measured_step(step_seconds)
+        lines.append(f"plan step time {1e3 * seconds:.1f} ms vs measured {1e3 * step_s:.1f} ms "
                      f"(10th percentile of the steps after the first; "
                      f"{cfg.logging.plan_cluster})")
     return "\n".join(lines)
