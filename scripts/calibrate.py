@@ -4,7 +4,7 @@
     python scripts/plan.py examples/configs/07_nd_parallel.yaml --cluster runs/host.json
 
 What a spec sheet gives for a GPU, measured here for CPU ranks (one thread each, as
-scripts/launch.sh runs them), in well under a minute:
+scripts/launch.sh runs them), in about two minutes:
 
 - compute, one process: the matmuls of the config's block at its micro-batch sizes give
   ``peak_flops``; a whole forward + backward of the model at 1, 2 and 4 dense blocks and 1 MoE
@@ -28,7 +28,8 @@ scripts/launch.sh runs them), in well under a minute:
   (the step measured - the step predicted with those calls free) / the calls
   (DDP: trained with 1 and with m micro-batches, split into a cost per step, its sync at the
   end of the backward, and one per micro-batch, its hooks; ZeRO-3: per block and
-  micro-batch, each unit's gather, free and reduce-scatter). A bare call between pieces of
+  micro-batch, each unit's gather, free and reduce-scatter; pp: per message and block of the
+  chunk it follows, the wait for the slower stage). A bare call between pieces of
   compute misses what a strategy does around its calls (ring attention's block merges, the
   experts' dispatch, DDP's buckets) and the wait for its peers;
 - past the cores (4 ranks here), the slowdown of a real step: the config trained data
@@ -36,9 +37,9 @@ scripts/launch.sh runs them), in well under a minute:
   (``slowdown``, replacing the compute-only figure: switching between ranks and waiting for
   a peer that is not running add to world / cores);
 - past the cores, what is left of a call's cost: a rank that waits lends its core to another
-  rank that has work. Two composed layouts that the tour does not run (cp 2 x pp 2, cp 2 x
-  ZeRO-3) give one factor, and ``issued`` for that world is the factor x each cost within
-  the cores (data parallel's excepted: the slowdown holds them).
+  rank that has work. Three layouts that the tour does not run (tp 2 x dp 2, cp 2 x pp 2,
+  cp 2 x ZeRO-3) give one factor, and ``issued`` for that world is the factor x each cost
+  within the cores (data parallel's excepted: the slowdown holds them).
 
 A step measured is the 10th percentile of its steps after the first
 (scaletorch/plan/time.measured_step), as the tour reads it.
@@ -363,8 +364,9 @@ def measure_issued(cfg: Config, seq_len: int, world: int, cluster: Cluster,
     return out
 
 
-# past the cores: two composed layouts that the tour does not run (scripts/tour.sh composes
-# tp with pp, cp, ZeRO-3 and ep), each strategy of size 2
+# past the cores: three layouts that the tour does not run (scripts/tour.sh composes tp with
+# pp, cp, ZeRO-3 and ep), each strategy of size 2: pairs that wait only for each other (tp x
+# dp: one pair's wait is the other's time to run) and pairs that wait for other pairs too
 COMPOSED = ({"tp": 2}, {"cp": 2, "pp": 2}, {"cp": 2, "zero_stage": 3})
 
 

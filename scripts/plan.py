@@ -92,7 +92,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument(
         "--calibrate", metavar="FILE.json",
         help="measure this host (matmul FLOP/s and per-op cost at the config's model sizes, "
-        "gloo latency and bandwidth in worlds of 2-4; about a minute) into a cluster file")
+        "gloo latency and bandwidth in worlds of 2-4; about two minutes) into a cluster file")
     parser.add_argument("--seq-len", type=int, help="tokens per sequence (default: the config's)")
     parser.add_argument("--global-batch-tokens", type=int,
                         help="tokens per step (default: the config's batch; presets 16M)")
