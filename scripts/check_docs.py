@@ -259,26 +259,49 @@ def normalize(line: str) -> Optional[str]:
     return line
 
 
+def _column_of(span: Tuple[int, int], header: List[Tuple[str, int, int]]) -> str:
+    """The header field a row's token at ``span`` (characters) sits under: a field's column
+    runs from its start to the next field's start, and the token's middle decides (a text
+    column is left-aligned, a number under a longer header right-aligned)."""
+    middle = (span[0] + span[1] - 1) / 2
+    column = header[0][0]
+    for name, start, _ in header:
+        if start <= middle:
+            column = name
+    return column
+
+
 def _mask_columns(lines: List[str], names: Sequence[str]) -> List[str]:
     """Replace the named columns' values by <t> in the rows under the header that names them.
 
-    Whitespace-separated fields, counted from the header's nearer end: a column in its right
-    half is counted from the right, so that a column with spaces (a list of arguments, a
-    two-word header) on its other side does not shift it.
+    In an aligned table (the header and the row hold a run of two spaces), a token belongs to
+    the header field above it, so a column with spaces (a benchmark's name, a list of
+    arguments, a target such as "<= 1.2") shifts nothing. Otherwise whitespace-separated
+    fields, counted from the header's nearer end: a column in its right half is counted from
+    the right, so that a column with spaces on its other side does not shift it.
     """
     if not names:
         return lines
     out, positions = [], None
+    header: List[Tuple[str, int, int]] = []
     for line in lines:
         fields = line.split()
         if all(n in fields for n in names):
             width = len(fields)
             positions = [i if i < width / 2 else i - width for i in map(fields.index, names)]
+            header = [(m.group(), m.start(), m.end()) for m in re.finditer(r"\S+", line)]
+            header = header if "  " in line.strip() else []
             out.append(" ".join(fields))
         elif positions is not None and len(fields) > 1:
-            for i in positions:
-                if -len(fields) <= i < len(fields):
-                    fields[i] = "<t>"
+            if header and "  " in line.strip():
+                fields = [
+                    "<t>" if _column_of(m.span(), header) in names else m.group()
+                    for m in re.finditer(r"\S+", line)
+                ]
+            else:
+                for i in positions:
+                    if -len(fields) <= i < len(fields):
+                        fields[i] = "<t>"
             out.append(" ".join(fields))
         else:
             out.append(line)
@@ -286,8 +309,9 @@ def _mask_columns(lines: List[str], names: Sequence[str]) -> List[str]:
 
 
 def prepare(lines: Sequence[str], timing_columns: Sequence[str] = ()) -> List[str]:
-    out = [n for n in (normalize(line) for line in lines) if n is not None]
-    return _mask_columns(out, timing_columns)
+    # the columns first, while the table is still aligned
+    masked = _mask_columns([line.rstrip() for line in lines], timing_columns)
+    return [n for n in (normalize(line) for line in masked) if n is not None]
 
 
 def _line_pattern(doc: str) -> Tuple[re.Pattern, List[str]]:

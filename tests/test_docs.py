@@ -167,11 +167,25 @@ class ComparisonIgnoresTimingAndCatchesDrift(unittest.TestCase):
         self.assertEqual(check_docs.compare(doc, same, ["ms/step"]), [])
         self.assertNotEqual(check_docs.compare(doc, other, ["ms/step"]), [])
         # a column in the header's right half counts from the right: arguments may hold spaces
-        tour = ["script  arguments  MB/step  seconds  result", "07  --tp 2 --pp 2  1.311  11.6  ok"]
+        tour = [
+            "script  arguments      MB/step  seconds  result",
+            "07      --tp 2 --pp 2  1.311    11.6     ok"
+        ]
         slower = "script arguments MB/step seconds result\n07 --tp 2 --pp 2 1.311 19.0 ok"
         self.assertEqual(check_docs.compare(tour, slower, ["seconds"]), [])
         self.assertNotEqual(check_docs.compare(tour, slower.replace("1.311", "1.312"), ["seconds"]),
                             [])
+        # in an aligned table a value belongs to the header above it, whatever the spaces in
+        # the columns before it (a benchmark's name) or after it (a target such as "<= 1.2")
+        bench = [
+            "name                       ours_ms  native_ms  ratio  target  ranks",
+            "ZeRO-3 (ours) step, bf16   167      209        0.808  <= 1.2  2"
+        ]
+        faster = "\n".join(bench).replace("167      209        0.808", "86       120        0.709")
+        self.assertEqual(check_docs.compare(bench, faster, ["ours_ms", "native_ms", "ratio"]), [])
+        for drift in (faster.replace("<= 1.2", "<= 1.3"), faster.replace("bf16 ", "fp16 ")):
+            self.assertNotEqual(check_docs.compare(bench, drift, ["ours_ms", "native_ms", "ratio"]),
+                                [])
 
     def test_the_weight_of_a_rounding_level_deviation_and_blank_lines_are_not_drift(self):
         line = "parity: max |weight - reference| = {} after 50 steps, in {} (tolerance 1e-05): OK"
