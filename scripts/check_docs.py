@@ -298,9 +298,10 @@ def _mask_columns(lines: List[str], names: Sequence[str]) -> List[str]:
                     "<t>" if _column_of(m.span(), header) in names else m.group()
                     for m in re.finditer(r"\S+", line)
                 ]
-            else:
+            else:  # timing units masked first (a "(76 s)" line is not a row)
+                fields = (normalize(line) or "").split()
                 for i in positions:
-                    if -len(fields) <= i < len(fields):
+                    if len(fields) > 1 and -len(fields) <= i < len(fields):
                         fields[i] = "<t>"
             out.append(" ".join(fields))
         else:
