@@ -57,9 +57,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         # a collective failed or timed out: this rank's last collectives, for fr_analyze.py
         path = flight_recorder.dump(os.path.join(cfg.run_path, "flight_recorder"), env.rank,
                                     pgm.group_names.items())
-        print(
-            f"rank {env.rank}: flight recorder written to {path} (read them all: python "
-            f"scripts/fr_analyze.py {os.path.dirname(path)})", file=sys.stderr, flush=True)
+        # one write, newline included: both ranks print at once, and print() would write the
+        # text and its newline apart, so that two ranks' lines could run together
+        sys.stderr.write(f"rank {env.rank}: flight recorder written to {path} (read them all: "
+                         f"python scripts/fr_analyze.py {os.path.dirname(path)})\n")
+        sys.stderr.flush()
         raise
     destroy_pg_manager()
     destroy_distributed()
