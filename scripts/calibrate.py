@@ -406,12 +406,13 @@ def measure_call_factor(cfg: Config, seq_len: int, world: int, cluster: Cluster,
         for i, lay in enumerate(layouts)
     }
     results = run_distributed(measure_rank, world, configs, timeout=300)[0]
-    issued = cluster.issued[min(cluster.issued, key=int)]
-    free = replace(cluster,
-                   issued={"1": {
-                       k: (v if k.startswith("dp") else 0.0)
-                       for k, v in issued.items()
-                   }})
+    within = cluster.issued[min(cluster.issued, key=int)]  # per call, within the cores
+    free = replace(
+        cluster,
+        issued={str(world): {
+                    k: (v if k.startswith("dp") else 0.0)
+                    for k, v in within.items()
+                }})
     paid = charged = 0.0
     for i, layout in enumerate(layouts):
         measured = measured_step(*(results[f"{i} {r}"]["step_seconds"] for r in (1, 2)))
