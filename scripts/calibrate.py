@@ -370,16 +370,9 @@ def measure_issued(cfg: Config, seq_len: int, world: int, cluster: Cluster,
 COMPOSED = ({"tp": 2}, {"cp": 2, "pp": 2}, {"cp": 2, "zero_stage": 3})
 
 
-def measure_call_factor(cfg: Config, seq_len: int, world: int, cluster: Cluster,
-                        steps: int = STRATEGY_STEPS) -> Optional[float]:
-    """Past the cores, the share of a call's cost (``issued``, measured within them) that a
-    step still pays: a rank that waits lends its core to another rank that has work. Measured
-    on the COMPOSED layouts on ``world`` ranks (``cluster`` holds this world's slowdown and
-    the issued costs within the cores), twice each, pooled: the sum over them of (measured
-    - predicted with every call free) / the sum of (predicted - predicted with every call
-    free). Data parallel's costs stay whole: the slowdown was measured with them. None if no
-    composed layout runs on ``world`` ranks."""
-
+def composed_layouts(cfg: Config, seq_len: int, world: int) -> Tuple[ModelSpec, List[PlanLayout]]:
+    """The plan's model of ``cfg`` (dense) and the COMPOSED layouts that fill ``world`` ranks,
+    with at least 2 micro-batches, that the model and the global batch admit."""
     model = from_config(replace(cfg.model, num_experts=0))
     check = checker(cfg)
     m, batch = max(cfg.data.num_micro_batches, 2), cfg.data.global_batch_size
@@ -395,6 +388,20 @@ def measure_call_factor(cfg: Config, seq_len: int, world: int, cluster: Cluster,
             continue
         if layout.world == world and check(model, layout) is None:
             layouts.append(layout)
+    return model, layouts
+
+
+def measure_call_factor(cfg: Config, seq_len: int, world: int, cluster: Cluster,
+                        steps: int = STRATEGY_STEPS) -> Optional[float]:
+    """Past the cores, the share of a call's cost (``issued``, measured within them) that a
+    step still pays: a rank that waits lends its core to another rank that has work. Measured
+    on the composed layouts on ``world`` ranks (``cluster`` holds this world's slowdown and
+    the issued costs within the cores), twice each, pooled: the sum over them of (measured
+    - predicted with every call free) / the sum of (predicted - predicted with every call
+    free). Data parallel's costs stay whole: the slowdown was measured with them. None if no
+    composed layout runs on ``world`` ranks."""
+
+    model, layouts = composed_layouts(cfg, seq_len, world)
     if not layouts:
         return None
     base = copy.deepcopy(cfg)

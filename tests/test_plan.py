@@ -473,6 +473,51 @@ class PlannerTimeOnAMeasuredHost(unittest.TestCase):
 
 class Calibrate(unittest.TestCase):
 
+    def test_the_share_past_the_cores_is_read_back_from_step_times_that_pay_it(self):
+        # scripts/calibrate.measure_call_factor, its ranks replaced by step times made from a
+        # known share: each composed layout's step = without its calls + 0.6 x what they cost
+        # within the cores. Data parallel's calls stay whole on both sides; a share that
+        # zeroed them too, or took one run's step only, would read back another number.
+        from unittest import mock
+
+        import scripts.calibrate as calibrate_script
+        within = {k: 2e-3 for k in ISSUED}
+        host = Cluster(**{**HOST, "slowdown": {"4": 2.5}, "issued": {"2": within}})
+        cfg = make_config()
+        model, layouts = calibrate_script.composed_layouts(cfg, 16, 4)
+        self.assertEqual(
+            [lay.describe() for lay in layouts],
+            ["tp2 cp1 pp1 dp2 m2 b2", "tp1 cp2 pp2 dp1 m2 b4", "tp1 cp2 pp1 dp2 zero3 m2 b2"])
+        free = replace(
+            host, issued={"4": {
+                k: (v if k.startswith("dp") else 0.0)
+                for k, v in within.items()
+            }})
+
+        def steps(layout, share):
+            without = step_time(model, layout, free)["step_time_s"]
+            return without + share * (step_time(model, layout, host)["step_time_s"] - without)
+
+        def ranks(_fn, world, configs, timeout):
+            self.assertEqual(world, 4)
+            # round 1 pays the share on every step; round 2's steps are slower by a load that
+            # the 10th percentile of the pooled steps leaves out
+            return [{
+                key: {
+                    "step_seconds":
+                    [steps(layouts[int(key.split()[0])], 0.6) *
+                     (1 if key.endswith(" 1") else 1.5)] * 6
+                }
+                for key in configs
+            }]
+
+        with mock.patch.object(calibrate_script, "run_distributed", ranks):
+            share = calibrate_script.measure_call_factor(cfg, 16, 4, host, steps=6)
+        self.assertAlmostEqual(share, 0.6, places=9)
+        # the charged part is real: the three layouts' calls cost time within the cores
+        self.assertTrue(all(steps(lay, 1) > steps(lay, 0) for lay in layouts))
+        self.assertIsNone(calibrate_script.measure_call_factor(cfg, 16, 3, host))
+
     def test_calibrate_writes_a_cluster_file_that_plan_py_reads(self):
         # one world of 2 (the script measures 2, 3 and 4): the format, not the figures
         cfg = make_config()
