@@ -38,14 +38,14 @@ TITAN = "torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
 LLAMA3 = "The Llama 3 Herd of Models (2024), Table 4"
 TORCHAO = "torchao torchao/float8/README.md, Training benchmarks (8 H100s)"
 
-# The four FSDP + CP rows hold every local sequence at 32768 tokens, so each ring step does the
-# same work: the step grows by one ring step's cost per rank of cp. Measured, that cost is
-# 4.5 s from cp 1 to 2, but 8.9 s a step from cp 2 to 4 and 7.3 s from 4 to 8; the planner's
-# ring (its FLOPs, fp32 merges and copies, hidden traffic) costs 5.4 s a step at every cp.
-# What makes torch's ring of December 2024 slower beyond two ranks is not in its code's
-# FLOPs, bytes or messages as we read them, so the planner lacks it:
-RING_BEYOND_2 = ("torch's ring attention beyond 2 ranks (Dec. 2024): measured 7.3-8.9 s a "
-                 "ring step at cp 4 and 8, 4.5 s at cp 2")
+# The FSDP + CP rows of a series hold every local sequence at 32768 tokens, so each ring step
+# does the same work, and a rank runs cp of them (ring_steps prints what each added step costs).
+# For 8B a ring step costs 4.5 s from cp 1 to 2, then 8.8 s and 7.3 s; the planner's ring (its
+# FLOPs, fp32 merges and copies, hidden traffic) costs 5.4-5.7 s at every cp. What makes torch's
+# ring of December 2024 slower beyond two ranks is not in its code's FLOPs, bytes or messages
+# as we read them, so the planner lacks it:
+RING_BEYOND_2 = ("torch's ring attention beyond 2 ranks (Dec. 2024): its steps cost more than "
+                 "planned (below)")
 
 
 @dataclass
@@ -181,6 +181,8 @@ def predict(row: Row) -> Dict[str, Any]:
         "predicted_tokens_per_s": result["tokens_per_s_per_gpu"],
         "predicted_tflops": tflops,
         "predicted_memory_gib": result["memory_reserved_bytes"] / GIB,
+        "tokens_per_gpu_step": layout.tokens_per_step / layout.world,
+        "cp": layout.cp,
     }
     if row.tokens_per_s:
         out["published_speed"] = row.tokens_per_s
@@ -223,6 +225,29 @@ def table(results: List[Dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def ring_steps(results: List[Dict[str, Any]]) -> str:
+    """What each added ring step costs, published and planned, in each series of torchtitan's
+    FSDP + CP rows. Within a series every local sequence has the same length, so a ring step
+    has the same work at every cp, and a rank runs cp of them: from cp a to cp b a step gains
+    (b - a) ring steps. Step seconds = a GPU's tokens per step / its tokens per second."""
+    series: Dict[str, List[Dict[str, Any]]] = {}
+    for r in results:
+        if r["source"].endswith("FSDP + CP") or r["source"].endswith("4-D"):
+            series.setdefault(r["source"].split(", ", 1)[1], []).append(r)
+    lines = ["seconds an added ring step costs (every local sequence the same length):"]
+    for name, rows in series.items():
+        rows = sorted(rows, key=lambda r: r["cp"])
+        pairs = list(zip(rows, rows[1:]))
+        steps = "".join(f"{'cp %d->%d' % (a['cp'], b['cp']):>10}" for a, b in pairs)
+        lines.append(f"  {name:<30}{steps}")
+        for label, speed in (("published", "published_speed"), ("planned",
+                                                                "predicted_tokens_per_s")):
+            cost = [(b["tokens_per_gpu_step"] / b[speed] - a["tokens_per_gpu_step"] / a[speed]) /
+                    (b["cp"] - a["cp"]) for a, b in pairs]
+            lines.append(f"    {label:<28}" + "".join(f"{c:>10.1f}" for c in cost))
+    return "\n".join(lines)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="the rows as one JSON object")
@@ -232,7 +257,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         "the optional plot extra: pip install -e .[plot])")
     args = parser.parse_args(argv)
     results = [predict(r) for r in ROWS]
-    print(json.dumps({"rows": results}, indent=1) if args.json else table(results))
+    print(
+        json.dumps({"rows": results}, indent=1) if args.json else table(results) + "\n" +
+        ring_steps(results))
     if args.plot:
         try:
             plot(results, args.plot)
