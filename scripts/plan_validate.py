@@ -1,6 +1,6 @@
 """Chapter 09: the planner against published GPU runs: tokens/s per GPU and peak memory.
 
-    python scripts/plan_validate.py            # the table: predicted, published, error, verdict
+    python scripts/plan_validate.py            # the table, then what each ring step costs
     python scripts/plan_validate.py --json     # the same rows as JSON
     python scripts/plan_validate.py --plot doc/img/09_validation.png   # predicted vs published
 
