@@ -14,11 +14,13 @@ import tempfile
 import unittest
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import redirect_stdout
+from unittest import mock
 
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from torch.distributed.flight_recorder.components.fr_logger import FlightRecorderLogger
 
 from scaletorch.dist import flight_recorder
-from scaletorch.trainer.config import one_traceback
+from scaletorch.trainer.config import one_traceback, write_error_file
 from scripts import fr_analyze
 from tests.test_examples import NO_PREFLIGHT, launch_status
 
@@ -166,6 +168,40 @@ class OneTraceback(unittest.TestCase):
         self.assertRegex(
             text, r"in inner\n\s+raise KeyError\(\"a bug\"\)\nKeyError: 'a bug'\n"
             r"\(raised again as RuntimeError: step 3 failed\)\n$")
+
+
+class ErrorFile(unittest.TestCase):
+    """The error file a failing rank writes for torchrun (scaletorch/trainer/config.py)."""
+
+    def test_torchrun_reads_it_and_a_rank_stopped_while_writing_leaves_none(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "error.json")
+            try:
+                raise RuntimeError("step 3 failed")
+            except RuntimeError as err:
+                failed = err
+            with mock.patch.dict(os.environ, {"RANK": "1"}):
+                write_error_file(path, failed, failed.__traceback__)
+            # torchrun's own reader: the message, the traceback, and which rank at what time
+            failure = ProcessFailure(local_rank=1, pid=1, exitcode=1, error_file=path)
+            self.assertEqual(failure.message["message"], "RuntimeError: step 3 failed")
+            self.assertIn(TRACEBACK, failure.message["extraInfo"]["py_callstack"])
+            self.assertEqual(failure.error_file_data["scaletorch"]["rank"], 1)
+            os.remove(path)
+
+            # a rank stopped half-way through writing (torchrun's SIGTERM, once a peer has
+            # failed): torchrun reads every stopped rank's file, and half a file would make
+            # it fail with a JSONDecodeError instead of restarting the ranks
+            def half(data, f):
+                f.write(json.dumps(data)[:20])
+                raise KeyboardInterrupt  # where the process would die
+
+            with mock.patch("scaletorch.trainer.config.json.dump", half):
+                with self.assertRaises(KeyboardInterrupt):
+                    write_error_file(path, failed, failed.__traceback__)
+            self.assertFalse(os.path.exists(path))
+            failure = ProcessFailure(local_rank=1, pid=1, exitcode=-15, error_file=path)
+            self.assertEqual(failure.signal_name(), "SIGTERM")
 
 
 if __name__ == "__main__":

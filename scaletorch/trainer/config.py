@@ -337,8 +337,13 @@ def write_error_file(path: str, err: BaseException, tb: Optional[TracebackType])
             "time": now
         },
     }
-    with open(path, "w") as f:
+    # atomically: once one rank fails, torchrun stops the others (SIGTERM) and reads every
+    # stopped rank's file at once; half a file, from a rank stopped while writing, would make
+    # torchrun fail on it (a JSONDecodeError) instead of restarting the ranks
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
         json.dump(data, f)
+    os.replace(tmp, path)
 
 
 def check_inputs(cfg: Config, world_size: int, resume_files: bool = False) -> None:
