@@ -21,6 +21,7 @@ import tempfile
 import unittest
 from collections import defaultdict
 from dataclasses import replace
+from unittest import mock
 
 from scaletorch.plan.cluster import ISSUED, Cluster, load_cluster, save_cluster
 from scaletorch.plan.flops import (gpt_model_flops, hardware_flops, model_flops, six_nd,
@@ -38,7 +39,7 @@ from scaletorch.rules.vocab import padded_vocab_size
 from scaletorch.schedule.simulate import simulate_async
 from scaletorch.schedule.zero_bubble_orders import zero_bubble_theory
 from scaletorch.trainer.config import parse_args
-from scripts.calibrate import calibrate
+from scripts.calibrate import calibrate, composed_layouts, measure_call_factor
 from scripts.plan import main
 from scripts.plan_measure import measure_rank
 from tests.harness import run_distributed, run_main
@@ -478,13 +479,10 @@ class Calibrate(unittest.TestCase):
         # known share: each composed layout's step = without its calls + 0.6 x what they cost
         # within the cores. Data parallel's calls stay whole on both sides; a share that
         # zeroed them too, or took one run's step only, would read back another number.
-        from unittest import mock
-
-        import scripts.calibrate as calibrate_script
         within = {k: 2e-3 for k in ISSUED}
         host = Cluster(**{**HOST, "slowdown": {"4": 2.5}, "issued": {"2": within}})
         cfg = make_config()
-        model, layouts = calibrate_script.composed_layouts(cfg, 16, 4)
+        model, layouts = composed_layouts(cfg, 16, 4)
         self.assertEqual(
             [lay.describe() for lay in layouts],
             ["tp2 cp1 pp1 dp2 m2 b2", "tp1 cp2 pp2 dp1 m2 b4", "tp1 cp2 pp1 dp2 zero3 m2 b2"])
@@ -511,12 +509,12 @@ class Calibrate(unittest.TestCase):
                 for key in configs
             }]
 
-        with mock.patch.object(calibrate_script, "run_distributed", ranks):
-            share = calibrate_script.measure_call_factor(cfg, 16, 4, host, steps=6)
+        with mock.patch("scripts.calibrate.run_distributed", ranks):
+            share = measure_call_factor(cfg, 16, 4, host, steps=6)
         self.assertAlmostEqual(share, 0.6, places=9)
         # the charged part is real: the three layouts' calls cost time within the cores
         self.assertTrue(all(steps(lay, 1) > steps(lay, 0) for lay in layouts))
-        self.assertIsNone(calibrate_script.measure_call_factor(cfg, 16, 3, host))
+        self.assertIsNone(measure_call_factor(cfg, 16, 3, host))
 
     def test_calibrate_writes_a_cluster_file_that_plan_py_reads(self):
         # one world of 2 (the script measures 2, 3 and 4): the format, not the figures
