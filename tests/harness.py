@@ -8,6 +8,14 @@ new Pythons that each import them again (spawn).
 the environment of the scripts the tests launch (tests/test_examples.py, the docs' ci runs).
 ``warning_lines(text)`` and ``stderr_warnings()``: what a run printed that a learner would
 have to learn to ignore (the suite and the scripts print none).
+
+Threads. Floats added in another order round differently, and a CPU kernel may split its sums
+by thread, so the suite fixes the thread counts instead of taking the machine's core count:
+the test process runs ``PROCESS_THREADS`` intra-op threads, each spawned rank and each
+launched script ``RANK_THREADS`` (ranks share the cores). ``python run_tests.py --threads N``
+sets both to N (through ``SCALETORCH_TEST_THREADS``). ``@bit_exact`` marks a test that compares
+results bit for bit; ``python run_tests.py --bit-exact`` runs only those, and CI runs them at 1
+and at 2 threads, so a comparison that holds by luck of the summation order shows up.
 """
 
 import io
@@ -25,9 +33,36 @@ from scaletorch.dist import spawn
 from scaletorch.dist.spawn import free_port
 
 __all__ = [
-    "NCCL_CHECKS", "free_port", "run_distributed", "run_main", "stderr_warnings", "value_error",
-    "warning_lines"
+    "NCCL_CHECKS", "PROCESS_THREADS", "RANK_THREADS", "bit_exact", "free_port", "run_distributed",
+    "run_main", "stderr_warnings", "value_error", "warning_lines"
 ]
+
+THREADS_VARIABLE = "SCALETORCH_TEST_THREADS"
+
+
+def _threads() -> Tuple[int, int]:
+    """(threads of the test process, threads of each rank): 2 and 1, or N and N when
+    SCALETORCH_TEST_THREADS=N."""
+    value = os.environ.get(THREADS_VARIABLE, "")
+    if not value:
+        return 2, 1
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{THREADS_VARIABLE}={value!r}: expected a whole number of threads >= 1")
+    return int(value), int(value)
+
+
+PROCESS_THREADS, RANK_THREADS = _threads()
+torch.set_num_threads(PROCESS_THREADS)
+
+
+def bit_exact(test: Callable) -> Callable:
+    """Mark a test that compares two results bit for bit. Such a comparison is sound only when
+    both sides run the same operations in the same order on the same machine (a resumed run
+    against the uninterrupted one, a save and a load, replicas of one update), so CI runs these
+    tests at two thread counts too (``run_tests.py --bit-exact --threads N``)."""
+    test.bit_exact = True  # type: ignore[attr-defined]
+    return test
+
 
 # Imported once, in the forkserver: a rank that imports them itself (spawn) spends about 3 s of a
 # core on it (1.4 s for torch alone), 12 s of the two cores' time for a world of 8 ranks.
@@ -35,21 +70,29 @@ PRELOAD = ["torch", "torch.distributed", "scaletorch.parallel.parallelize", "sca
 mp.get_context("forkserver").set_forkserver_preload(PRELOAD)
 
 
+def _with_threads(rank: int, world_size: int, threads: int, fn: Callable, *args: Any) -> Any:
+    torch.set_num_threads(threads)
+    return fn(rank, world_size, *args)
+
+
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 120) -> List[Any]:
-    """``scaletorch.dist.spawn.run_distributed`` with the ranks forked from the forkserver."""
-    return spawn.run_distributed(fn, world_size, *args, timeout=timeout, start_method="forkserver")
+    """``scaletorch.dist.spawn.run_distributed`` with the ranks forked from the forkserver, each
+    running ``RANK_THREADS`` intra-op threads."""
+    return spawn.run_distributed(_with_threads, world_size, RANK_THREADS, fn, *args,
+                                 timeout=timeout, start_method="forkserver")
 
 
 # Every script the tests launch runs in the test modes that make a GPU run's failures fail on
 # gloo: NCCL's point-to-point order (dist/p2p_order.py), no host-made tensor in a collective
 # (dist/device_check.py).
-# Also what launch.sh sets on a machine without a GPU (OMP_NUM_THREADS=1), set here so that it
-# does not start a Python to ask torch for every launch (it asks only when the variable is unset).
+# Also the threads of a launched script: launch.sh sets OMP_NUM_THREADS=1 on a machine without a
+# GPU; set here (RANK_THREADS) so that it does not start a Python to ask torch for every launch
+# (it asks only when the variable is unset).
 NCCL_CHECKS = {
     "SCALETORCH_P2P_ORDER": "nccl",
     "SCALETORCH_CHECK_DEVICES": "1",
     **({} if torch.cuda.is_available() else {
-           "OMP_NUM_THREADS": "1"
+           "OMP_NUM_THREADS": str(RANK_THREADS)
        })
 }
 

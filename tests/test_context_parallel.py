@@ -509,8 +509,10 @@ class TestZigzagPositions(unittest.TestCase):
         for r in range(4):
             pos = zigzag_positions(16, 4, r)
             cos_l, sin_l = model.rope(pos, 4, torch.device("cpu"))
-            torch.testing.assert_close(cos_l, cos[pos], rtol=0, atol=0)
-            torch.testing.assert_close(sin_l, sin[pos], rtol=0, atol=0)
+            # a smaller tensor of the same angles: the last bit may round differently (a CPU
+            # kernel's vector body against its scalar tail); a wrong position is 0.01 off
+            torch.testing.assert_close(cos_l, cos[pos], rtol=0, atol=1e-6)
+            torch.testing.assert_close(sin_l, sin[pos], rtol=0, atol=1e-6)
 
 
 if __name__ == "__main__":

@@ -222,13 +222,15 @@ class DataParallel2Mechanics(unittest.TestCase):
                     # Two micro-batches and two ranks summed in another order: ulps.
                     torch.testing.assert_close(grad, toy["expected"][name], rtol=1e-5, atol=1e-6,
                                                msg=f"{impl} {name}")
-                self.assertEqual(toy["grads"]["unused"].abs().max().item(), 0.0)
+                self.assertEqual(toy["grads"]["unused"].abs().max().item(), 0.0)  # sums of zeros
             if impl == "scaletorch":
                 self.assertGreaterEqual(self.results[0]["toy"][impl]["buckets"], 3)
 
     def test_backward_alone_syncs_without_finish_grad_sync(self):
         a, b = (r["plain_loop_grads"] for r in self.results)
         for name in a:
+            # exactly: an all-reduce leaves the same bytes on every rank (one rank adds each
+            # piece, the others receive the sum)
             torch.testing.assert_close(a[name], b[name], rtol=0, atol=0)
 
 

@@ -15,7 +15,7 @@ from scaletorch.models import build_model
 from scaletorch.trainer import Trainer
 from scaletorch.trainer import checkpoint as ckpt
 from scaletorch.trainer import parse_args
-from tests.harness import free_port, run_distributed
+from tests.harness import bit_exact, free_port, run_distributed
 from tests.test_examples import NO_PREFLIGHT, launch
 from tests.test_resume import KILL_LAYOUTS, RUN_FLAGS, straight_run
 
@@ -117,6 +117,7 @@ class KilledRankIsRestartedAndResumesExactly(unittest.TestCase):
     """torchrun --max-restarts 1: rank 1 is killed at step 5, every rank restarts, resumes at
     the step-4 checkpoint, and ends with the weights of the run that never failed."""
 
+    @bit_exact  # the restarted ranks resume the same steps of the same code
     def test_kill_restart_resume_is_bit_identical(self):
         with tempfile.TemporaryDirectory() as tmp:
             failing = os.path.join(tmp, "failing")
@@ -159,6 +160,8 @@ class TwoLaunchersAsTwoNodesEqualOneLauncher(unittest.TestCase):
         for name in expected:
             self.assertTrue(torch.equal(expected[name], actual[name]), name)
 
+    # Bit for bit: two launchers on one host run the same world, ranks and collectives as one.
+    @bit_exact
     def test_ddp_two_node_run_matches_single_node(self):
         # the one-launcher run is the kill test's straight run
         with tempfile.TemporaryDirectory() as tmp:
@@ -167,6 +170,7 @@ class TwoLaunchersAsTwoNodesEqualOneLauncher(unittest.TestCase):
                                  _final_weights(multi, DDP_STEPS, 2)):
                 self.assertStatesEqual(want, got)
 
+    @bit_exact
     def test_nd_parallel_two_node_run_matches_single_node(self):
         # pp 2 x ZeRO-1 dp 2, 4 ranks: ZeRO's dp group inside each "node", the pipeline's two
         # stages across the two (as Megatron places them; the DDP test above all-reduces across

@@ -25,7 +25,7 @@ from scaletorch.trainer import checkpoint as ckpt
 from scaletorch.trainer import max_weight_diff, run_reference
 from scaletorch.trainer.consolidated import save_consolidated
 from scaletorch.trainer.param_map import full_state_dict
-from tests.harness import run_distributed
+from tests.harness import bit_exact, run_distributed
 from tests.layouts import assert_matches, full_state, reference
 
 # fp32, 5 steps. Each rank averages its own tokens and the ranks' means are averaged, where the
@@ -302,6 +302,7 @@ class ZeroAndFullyShardOnTwoRanks(_Worlds):
         self.assertEqual(sum(r["torch"]["memory"]["optimizer"] for r in self.results),
                          2 * memory_formula(3, numel, 2)["optimizer"])
 
+    @bit_exact  # a resumed run is the uninterrupted run: the same code, the same steps
     def test_sharded_checkpoint_holds_shards_and_resumes_exactly(self):
         for stage in (1, 3):
             for result in self.results:
@@ -315,6 +316,7 @@ class ZeroAndFullyShardOnTwoRanks(_Worlds):
             for key, value in run["first"]["full"].items():
                 self.assertTrue(torch.equal(value, run["second"]["full"][key]), key)
 
+    @bit_exact  # a save and a load copy bytes
     def test_consolidated_checkpoint_loads_into_the_single_device_model(self):
         consolidated = self.results[0]["consolidated"]
         model = build_model(tiny_config(1).model, seed=0)  # other weights, replaced by the load
@@ -337,16 +339,22 @@ class ZeroOnOneRank(unittest.TestCase):
     def tearDown(self):
         destroy_pg_manager()
 
-    def test_one_rank_every_stage_equals_torch_adamw_bit_for_bit_tied_or_not(self):
+    def test_one_rank_every_stage_equals_torch_adamw_tied_or_not(self):
         # Clipping off: ours sums the squares of flat shards, the reference per parameter.
+        # The same torch AdamW runs on one flat shard instead of one tensor per parameter:
+        # measured bit for bit on two CPUs, but an element's position decides whether a CPU
+        # kernel takes it in its vector body or its scalar tail, which may round the last bit
+        # differently. So bounds: the weights within 1e-7 (one ulp of a weight near 0.02 is
+        # 2e-9; a step moves each by up to its lr, 1e-2), the losses within 1e-6 relative.
         for tied in (False, True):
             cfg = tiny_config(2, tied=tied, grad_clip=0.0)
             losses, reference = run_reference(cfg)
             for stage in (1, 2, 3):
                 with self.subTest(tied=tied, stage=stage):
                     run = _run(cfg, self.pgm, stage)
-                    self.assertEqual(run["losses"], losses)
-                    self.assertEqual(max_weight_diff(run["full"], reference.state_dict()), 0.0)
+                    for a, b in zip(run["losses"], losses, strict=True):
+                        self.assertLessEqual(abs(a - b), 1e-6 * b, (a, b))
+                    self.assertLessEqual(max_weight_diff(run["full"], reference.state_dict()), 1e-7)
                     if tied:  # one tensor under both names, as on one device
                         self.assertIs(run["full"]["lm_head.weight"],
                                       run["full"]["embed_tokens.weight"])

@@ -12,6 +12,8 @@ import unittest
 
 import torch
 
+from tests.harness import bit_exact
+
 HAVE_HF = all(importlib.util.find_spec(m) for m in ("safetensors", "transformers"))
 SKIP_REASON = 'needs the hf extra: pip install -e ".[hf]" (safetensors, transformers)'
 if not HAVE_HF:
@@ -61,6 +63,7 @@ def read_safetensors(path: str) -> dict:
 @unittest.skipUnless(HAVE_HF, SKIP_REASON)
 class TestHuggingFaceLlamaRoundTrip(unittest.TestCase):
 
+    @bit_exact  # the export's tensors are the import's, copied
     def test_transformers_llama_loads_with_equal_logits_and_exports_back(self):
         import transformers
 
@@ -105,6 +108,7 @@ class TestHuggingFaceLlamaRoundTrip(unittest.TestCase):
             with torch.no_grad():
                 torch.testing.assert_close(back(tokens).logits, expected, atol=ATOL, rtol=0)
 
+    @bit_exact
     def test_bfloat16_export_round_trips_bit_for_bit(self):
         from scaletorch.models.hf import export_hf_llama, load_hf_llama
         with tempfile.TemporaryDirectory() as tmp:

@@ -158,6 +158,7 @@ def _overflow_on_one_rank() -> dict:
         "stepped": stepped,
         "scales": scales,
         "skipped": scaler.skipped,
+        # replicas of one update: the same ops on the same reduced gradients, bit for bit
         "replicas_equal": bool(torch.equal(replicas[0], replicas[1])),
         "finite": bool(torch.isfinite(full).all())
     }
@@ -511,6 +512,7 @@ def _overflow_in_one_stage() -> dict:
         "stepped": stepped,
         "scales": scales,
         "skipped": trainer.scaler.skipped,
+        # replicas of one update: the same ops on the same reduced gradients, bit for bit
         "replicas_equal": bool(torch.equal(replicas[0], replicas[1])),
         "finite": bool(torch.isfinite(mine).all())
     }

@@ -33,14 +33,15 @@ class ScaleBackward(unittest.TestCase):
         scaled = scale_backward(loss_fn, self.scaler)
         torch.testing.assert_close(scaled(self.w), loss_fn(self.w), rtol=0, atol=0)
         plain = self.grad(loss_fn)
-        self.assertTrue(torch.equal(self.grad(scaled), plain * self.scaler.scale))  # exact
+        # exact: the scale is a power of two, and multiplying by one rounds nothing
+        self.assertTrue(torch.equal(self.grad(scaled), plain * self.scaler.scale))
 
     def test_a_middle_stage_seed_of_ones_gives_what_a_seed_of_scale_gave(self):
         # the schedule before: backward([out, aux], [dout, full(scale)]); now [dout, ones]
         aux_fn = lambda w: (w.sin() * w).mean()  # noqa: E731
         before = self.grad(aux_fn, torch.full((), self.scaler.scale))
         after = self.grad(scale_backward(aux_fn, self.scaler), torch.ones(()))
-        self.assertTrue(torch.equal(before, after))
+        self.assertTrue(torch.equal(before, after))  # a power-of-two scale, moved: exact
 
     def test_the_scale_is_the_one_at_forward_time_and_non_tensors_pass_through(self):
         scaled = scale_backward(lambda w: w.sum(), self.scaler)

@@ -28,7 +28,7 @@ from scaletorch.dist import destroy_pg_manager
 from scaletorch.trainer import checkpoint as ckpt
 from scaletorch.trainer import load_config
 from scaletorch.trainer.consolidated import consolidated_state, load_consolidated
-from tests.harness import run_distributed, value_error
+from tests.harness import bit_exact, run_distributed, value_error
 from tests.layouts import CHECKPOINT_EVERY, ND_LAYOUTS, build, config_of, layout, pg_manager_for
 from tests.test_examples import NO_PREFLIGHT, launch
 from tests.test_nd_parallel import nd_world
@@ -155,6 +155,7 @@ class InWorldResume(unittest.TestCase):
     def tearDownClass(cls):
         cls.tmp.cleanup()
 
+    @bit_exact  # a resumed run is the uninterrupted run: the same code, the same steps
     def test_every_layout_resumes_bit_identical_weights_adam_state_and_losses(self):
         for name in LAYOUTS:
             for rank, res in enumerate(self.results):
@@ -247,6 +248,7 @@ class KilledRankResumes(unittest.TestCase):
     """torchrun restarts every rank after one is killed; the run ends where an uninterrupted
     one ends: consolidated weights and AdamW state bit-identical, the same last logged loss."""
 
+    @bit_exact
     def test_kill_and_restart_is_bit_identical_to_the_uninterrupted_run(self):
         with tempfile.TemporaryDirectory() as tmp:
             for name, (nproc, args) in KILL_LAYOUTS.items():

@@ -75,7 +75,7 @@ def padded_head_logits(vocab: int, parallel: dict) -> dict:
         "cols": logits.size(-1),
         "start": head.vocab_start,
         "inf": torch.isinf(logits).all(dim=(0, 1)).tolist(),
-        "scatter_exact": all(torch.equal(p.detach(), t) for p, t in local.items())
+        "scatter_exact": all(torch.equal(p.detach(), t) for p, t in local.items())  # copies
     }
 
 
