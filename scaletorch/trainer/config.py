@@ -23,18 +23,19 @@ import time
 import traceback
 import typing
 from types import TracebackType
-from typing import Any, Callable, Dict, List, Optional, Sequence, Type
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Type
 
 import torch
 import yaml
 
-from scaletorch.config import (PRECISIONS, CheckpointConfig, Config, DataConfig, LoggingConfig,
-                               ParallelConfig, TrainingConfig, recompute_mode)
+from scaletorch.config import (CheckpointConfig, Config, DataConfig, LoggingConfig, ParallelConfig,
+                               TrainingConfig, recompute_mode)
 from scaletorch.data.datasets import check_data_file, check_synthetic_vocab
 from scaletorch.parallel.mixed_precision import policy_for as precision_policy
 # the one layout check (also run by parallelize): re-exported for the scripts
 from scaletorch.parallel.validation import validate_layout
 from scaletorch.rules.errors import InputError, MissingInputError
+from scaletorch.rules.schema import Rule, check_applies, check_value, ignored_by, rules_of
 from scaletorch.trainer.checkpoint import check_resume
 
 __all__ = [
@@ -136,14 +137,17 @@ def apply_dict(cfg: Config, values: Dict[str, Any], source: str = "config") -> N
     if not isinstance(values, dict):
         raise InputError(f"{source} must be a mapping of sections, got {type(values).__name__}")
     try:
+        given = {}
         for section, body in values.items():
             if section in SECTIONS:
                 if not isinstance(body, dict):
                     raise ValueError(f"section {section!r} must be a mapping")
                 for name, value in body.items():
                     set_value(cfg, f"{section}.{name}", value)
+                    given[f"{section}.{name}"] = value
             else:
                 set_value(cfg, section, body)
+        check_schema(cfg, given)  # the file's own values, and that it reads each one
         # LlamaConfig validates itself on construction; re-run its checks after edits.
         cfg.model.__post_init__()
     except ValueError as err:  # a value of the file: say which file holds it
@@ -225,12 +229,15 @@ def parse_args(argv: Optional[Sequence[str]] = None, default_config: Optional[st
         value = getattr(args, key)
         if value is not None:
             overrides.append((key, value))
+    given = {}
     for key, value in overrides:
         if isinstance(value, str):
             value = yaml.safe_load(value) if value != "" else value  # "1e-3" -> 0.001
         set_value(cfg, key, value)
+        given[key] = value
     if args.resume is not None:
         cfg.checkpoint.resume = args.resume
+    check_schema(cfg, given)
     cfg.model.__post_init__()
     validate(cfg)
     return cfg
@@ -377,14 +384,34 @@ def check_writable(key: str, path: str) -> None:
                          f"directory you can write with --{key}") from None
 
 
-CHOICES = {
-    "data.dataset": ("synthetic", "text", "bin"),
-    "parallel.impl": ("scaletorch", "naive", "torch"),
-    "parallel.schedule": ("afab", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev"),
-    "parallel.cp_variant": ("ring", "ulysses"),
-    "parallel.cp_attention": ("auto", "math", "fused"),
-    "training.precision": PRECISIONS,
-}
+def schema(cfg: Config) -> Iterator[Tuple[str, Any, Any, Rule, Any]]:
+    """(key, value, annotation, rule, default) of every field of ``cfg``, section by section,
+    as the dataclasses in scaletorch/config.py declare them."""
+    for section in ("", *SECTIONS):
+        obj = getattr(cfg, section) if section else cfg
+        prefix = f"{section}." if section else ""
+        for name, annotation, rule, default in rules_of(type(obj)):
+            yield prefix + name, getattr(obj, name), annotation, rule, default
+
+
+def setting(cfg: Config, key: str) -> Any:
+    """The value of ``section.name`` (or a top-level name) in ``cfg``."""
+    section, _, name = key.rpartition(".")
+    return getattr(getattr(cfg, section) if section else cfg, name)
+
+
+def check_schema(cfg: Config, given: Optional[Dict[str, Any]] = None) -> None:
+    """Every value of ``cfg`` against its field's rule (type, range, choices), then every key
+    the user ``given`` (a default is not given: a saved config.yaml lists them all) against
+    the settings that make the run read it. InputError naming the key, the value and what is
+    allowed. (Paths are checked on disk by ``validate`` and ``check_inputs``.)"""
+    rules, defaults = {}, {}
+    for key, value, annotation, rule, default in schema(cfg):
+        check_value(key, value, annotation, rule)
+        rules[key], defaults[key] = rule, default
+    for key, value in (given or {}).items():
+        if key in rules and value != defaults[key]:
+            check_applies(key, value, rules[key], lambda other: setting(cfg, other))
 
 
 def validate(cfg: Config, world_size: Optional[int] = None) -> None:
@@ -392,48 +419,10 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
 
     Without ``world_size`` only the checks that do not depend on it run.
     """
-    for key, choices in CHOICES.items():
-        section, name = key.split(".")
-        value = getattr(getattr(cfg, section), name)
-        if value not in choices:
-            raise ValueError(f"{key} must be one of {', '.join(choices)}, got {value!r}")
-    positive = {
-        "data.seq_len": cfg.data.seq_len,
-        "data.global_batch_size": cfg.data.global_batch_size,
-        "data.num_micro_batches": cfg.data.num_micro_batches,
-        "training.steps": cfg.training.steps,
-        "training.timeout_seconds": cfg.training.timeout_seconds,
-        "logging.log_every": cfg.logging.log_every,
-        "parallel.tensor_model_parallel_size": cfg.parallel.tensor_model_parallel_size,
-        "parallel.pipeline_model_parallel_size": cfg.parallel.pipeline_model_parallel_size,
-        "parallel.context_parallel_size": cfg.parallel.context_parallel_size,
-        "parallel.expert_model_parallel_size": cfg.parallel.expert_model_parallel_size,
-        "parallel.virtual_pipeline_stages": cfg.parallel.virtual_pipeline_stages,
-        "parallel.bucket_size_mb": cfg.parallel.bucket_size_mb,
-    }
-    for key, value in positive.items():
-        if value <= 0:
-            raise ValueError(f"{key} must be positive, got {value}")
-    non_negative = {
-        "training.lr": cfg.training.lr,
-        "training.min_lr": cfg.training.min_lr,
-        "training.warmup_steps": cfg.training.warmup_steps,
-        "training.weight_decay": cfg.training.weight_decay,
-        "training.grad_clip": cfg.training.grad_clip,
-        "checkpoint.every": cfg.checkpoint.every,
-        "logging.profile_steps": cfg.logging.profile_steps,
-        "parallel.data_parallel_size": cfg.parallel.data_parallel_size,
-    }
-    for key, value in non_negative.items():
-        if value < 0:
-            raise ValueError(f"{key} must be >= 0, got {value}")
-    if cfg.training.fail_rank < 0:
-        raise ValueError(f"training.fail_rank must be >= 0, got {cfg.training.fail_rank}")
+    check_schema(cfg)  # every field's type and range, as scaletorch/config.py declares them
     if world_size is not None and cfg.training.fail_rank >= world_size:
         raise ValueError(f"training.fail_rank ({cfg.training.fail_rank}) is not a rank of a "
                          f"world of {world_size}")
-    if cfg.checkpoint.keep_last < 1:
-        raise ValueError(f"checkpoint.keep_last must be >= 1, got {cfg.checkpoint.keep_last}")
     recompute_mode(cfg.parallel.activation_checkpointing)  # none | selective | full
     precision_policy(cfg, "cuda" if torch.cuda.is_available() else "cpu")  # dtype names
     p = cfg.parallel
@@ -442,8 +431,6 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
         # and pipelining schedules are not given our scaler
         raise ValueError(f"training.precision fp16 scales the loss in our steps only: not with "
                          f"impl {p.impl!r}; use bf16 or impl scaletorch")
-    if cfg.parallel.zero_stage not in (0, 1, 2, 3):
-        raise ValueError(f"parallel.zero_stage must be 0, 1, 2 or 3, got {cfg.parallel.zero_stage}")
     if cfg.data.seq_len > cfg.model.max_seq_len:
         raise ValueError(f"data.seq_len ({cfg.data.seq_len}) exceeds model.max_seq_len "
                          f"({cfg.model.max_seq_len})")
@@ -465,6 +452,11 @@ def save_config(cfg: Config, path: str) -> None:
     """Write the resolved config as YAML (atomically: a reader never sees half a file)."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     tmp = f"{path}.tmp"
+    values = cfg.to_dict()
+    for key, _, _, rule, default in schema(cfg):  # what the run ignored is saved as a default,
+        if ignored_by(key, rule, lambda other: setting(cfg, other)):  # so the file loads again
+            section, _, name = key.rpartition(".")
+            (values[section] if section else values)[name] = default
     with open(tmp, "w") as f:
-        yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
+        yaml.safe_dump(values, f, sort_keys=False)
     os.replace(tmp, path)
