@@ -127,7 +127,7 @@ def set_value(cfg: Config, key: str, value: Any) -> None:
     types = _field_types(target)
     if name not in types or name not in allowed:
         raise ValueError(f"unknown config key {key!r}; valid keys there: {', '.join(allowed)}")
-    if key == RECOMPUTE:  # older configs say true / false
+    if key == RECOMPUTE and str(value).lower() in ("true", "false"):  # older configs' form
         value = recompute_mode(value)
     setattr(target, name, _convert(value, types[name], key))
 
@@ -423,7 +423,6 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
     if world_size is not None and cfg.training.fail_rank >= world_size:
         raise ValueError(f"training.fail_rank ({cfg.training.fail_rank}) is not a rank of a "
                          f"world of {world_size}")
-    recompute_mode(cfg.parallel.activation_checkpointing)  # none | selective | full
     precision_policy(cfg, "cuda" if torch.cuda.is_available() else "cpu")  # dtype names
     p = cfg.parallel
     if cfg.training.precision == "fp16" and p.impl == "torch":
@@ -436,11 +435,11 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
                          f"({cfg.model.max_seq_len})")
     if cfg.data.dataset == "synthetic":
         check_synthetic_vocab(cfg.model.vocab_size)
+    if cfg.data.dataset in ("text", "bin"):  # kind, format, length, vocabulary
+        check_data_file(cfg.data.dataset, cfg.data.path, cfg.model.vocab_size, cfg.data.seq_len)
     if cfg.data.dataset == "text" and cfg.model.vocab_size < 256:
         raise ValueError(f"the byte-level text dataset needs model.vocab_size >= 256, "
                          f"got {cfg.model.vocab_size}")
-    if cfg.data.dataset in ("text", "bin"):  # kind, format, length, vocabulary
-        check_data_file(cfg.data.dataset, cfg.data.path, cfg.model.vocab_size, cfg.data.seq_len)
     if cfg.logging.plan_cluster and not os.path.isfile(cfg.logging.plan_cluster):
         raise MissingInputError(f"logging.plan_cluster {cfg.logging.plan_cluster!r} is not a "
                                 f"file: give a cluster file from scripts/plan.py --calibrate")
