@@ -7,6 +7,7 @@ the path scripts/launch.sh takes first (``--validate-only``). Each must be one l
 ``error: ...`` naming the key, exit status 2, and no traceback.
 """
 
+import json
 import math
 import os
 import tempfile
@@ -14,10 +15,14 @@ import typing
 import unittest
 from typing import Any, List, Tuple
 
+import torch
 import yaml
 
 from scaletorch.config import Config
-from scaletorch.rules.schema import Rule
+from scaletorch.models import LlamaConfig
+from scaletorch.models.hf import HFLlamaFields, config_to_hf, load_hf_config
+from scaletorch.rules.errors import InputError
+from scaletorch.rules.schema import Rule, rules_of
 from scaletorch.trainer.config import ALIASES, schema
 from tests.test_bad_inputs import C00, run_in_process
 
@@ -38,7 +43,7 @@ def wrong_type(annotation: Any) -> str:
     return {bool: "maybe", int: "ten", float: "fast", str: "[1, 2]"}[kind]
 
 
-def out_of_range(annotation: Any, rule: Rule, d: str) -> List[str]:
+def out_of_range(annotation: Any, rule: Rule, d: str) -> List[Any]:
     """Values of the right type that the rule refuses: past each bound, outside the choices,
     not finite, empty, a path that does not exist or cannot be created."""
     kind = _kind(annotation)
@@ -60,8 +65,8 @@ def out_of_range(annotation: Any, rule: Rule, d: str) -> List[str]:
     if rule.path == "dir":
         values.append(os.path.join(d, "a_file", "below"))
     if typing.get_origin(kind) is list:
-        values = [[1, v] for v in values]
-    return [_yaml(v) for v in values]
+        values = [[v] for v in values]
+    return values
 
 
 def _yaml(value: Any) -> str:
@@ -100,7 +105,7 @@ def cases(d: str) -> List[Tuple[str, str, List[str]]]:
     for key, _, annotation, rule, default in schema(Config()):
         out.append((key, "wrong type", ["--set", f"{key}={wrong_type(annotation)}"]))
         context = read_when(rule, key)
-        for i, value in enumerate(out_of_range(annotation, rule, d)):
+        for i, value in enumerate(_yaml(v) for v in out_of_range(annotation, rule, d)):
             out.append((key, f"out of range {value!r}", [*context, "--set", f"{key}={value}"]))
             section, _, name = key.rpartition(".")
             body = {name: yaml.safe_load(value) if value else value}
@@ -175,6 +180,65 @@ class EveryFieldRefusesWrongTypesAndRanges(unittest.TestCase):
         ])
         self.assertEqual((code, out), (0, ""))
         self.assertFalse(os.path.exists(os.path.join(self.d, "runs")))
+
+
+def wrong_json_type(annotation: Any) -> Any:
+    """A JSON value that is not of the field's type as it stands: a number as a string, a
+    boolean as a string, null where no default stands in, a string where a list belongs."""
+    kind = _kind(annotation)
+    if typing.get_origin(kind) is list:
+        return "LlamaForCausalLM"
+    return {bool: "true", int: "2048", float: None, str: 1}[kind]
+
+
+class EveryHuggingFaceFieldIsChecked(unittest.TestCase):
+    """config.json: for every field we read (``HFLlamaFields``), a wrong JSON type, each
+    out-of-range value, and a missing required field raise InputError naming the file and the
+    field. The file is 4.x style (a top-level rope_theta); 5.x's rope_parameters is one more."""
+
+    def _refused(self, d: str, changes: dict, drop: str = "") -> str:
+        hf = config_to_hf(LlamaConfig(), torch.float32)
+        hf.pop("rope_parameters")
+        hf.update(changes)
+        hf.pop(drop, None)
+        with open(os.path.join(d, "config.json"), "w") as f:
+            json.dump(hf, f)  # inf and nan as JSON's Infinity and NaN, as Python writes them
+        with self.assertRaises(InputError) as ctx:
+            load_hf_config(d)
+        return str(ctx.exception)
+
+    def test_each_field_refuses_a_wrong_type_and_out_of_range_values(self):
+        checked = 0
+        with tempfile.TemporaryDirectory() as d:
+            for name, annotation, rule, default in rules_of(HFLlamaFields):
+                values = [wrong_json_type(annotation), *out_of_range(annotation, rule, d)]
+                for value in values:
+                    with self.subTest(field=name, value=value):
+                        message = self._refused(d, {name: value})
+                        self.assertTrue(message.startswith(os.path.join(d, "config.json")))
+                        self.assertIn(name, message)
+                        checked += 1
+                if default is None and typing.get_origin(annotation) is not typing.Union:
+                    with self.subTest(field=name, value="missing"):
+                        self.assertIn(name, self._refused(d, {}, drop=name))
+                        checked += 1
+            self.assertIn(
+                "rope_theta must be positive and finite, got -1",
+                self._refused(d, {"rope_parameters": {
+                    "rope_type": "default",
+                    "rope_theta": -1
+                }}))
+        self.assertGreater(checked, 2 * len(list(rules_of(HFLlamaFields))))
+
+    def test_the_issue_cases_name_the_file_field_and_value(self):
+        with tempfile.TemporaryDirectory() as d:
+            file = os.path.join(d, "config.json")
+            self.assertEqual(self._refused(d, {"max_position_embeddings": "2048"}),
+                             f"{file}: max_position_embeddings must be int, got '2048'")
+            self.assertEqual(self._refused(d, {"rms_norm_eps": None}),
+                             f"{file}: rms_norm_eps must be positive and finite, got null")
+            self.assertEqual(self._refused(d, {"tie_word_embeddings": "false"}),
+                             f"{file}: tie_word_embeddings must be true or false, got 'false'")
 
 
 if __name__ == "__main__":

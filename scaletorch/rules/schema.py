@@ -46,7 +46,7 @@ class Rule:
     non_empty: bool = False
     ignored_when: Optional[Tuple[str, Tuple[Any, ...]]] = None
 
-    def allowed(self, kind: type = float) -> str:
+    def allowed(self, kind: Any = float) -> str:
         """What the rule allows, in words: "positive", ">= 0 and finite", "one of a, b or c"."""
         if self.choices:
             names = [str(c) for c in self.choices]
@@ -64,7 +64,7 @@ class Rule:
             words.append("a non-empty string")
         if kind is float:
             words.append("finite")
-        return " and ".join(words) or kind.__name__
+        return " and ".join(words) or _type_name(kind)
 
     def admits(self, value: Any) -> bool:
         """Whether ``value`` (already of the field's type) is in the rule's range or set."""
@@ -168,7 +168,8 @@ def check_type(key: str, value: Any, annotation: Any) -> None:
 
 def _type_name(kind: Any) -> str:
     if typing.get_origin(kind) is list:
-        return f"a list of {_type_name(typing.get_args(kind)[0])}"
+        item = typing.get_args(kind)[0]
+        return "a list of " + {bool: "booleans", int: "ints", float: "floats", str: "strings"}[item]
     return {bool: "true or false", int: "int", float: "float", str: "a string"}[kind]
 
 
