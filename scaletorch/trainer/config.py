@@ -31,12 +31,14 @@ import yaml
 from scaletorch.config import (CheckpointConfig, Config, DataConfig, LoggingConfig, ParallelConfig,
                                TrainingConfig, recompute_mode)
 from scaletorch.data.datasets import check_data_file, check_synthetic_vocab
+from scaletorch.dist import restart_count
 from scaletorch.parallel.mixed_precision import policy_for as precision_policy
 # the one layout check (also run by parallelize): re-exported for the scripts
 from scaletorch.parallel.validation import validate_layout
 from scaletorch.rules.errors import InputError, MissingInputError
 from scaletorch.rules.schema import Rule, check_applies, check_value, ignored_by, rules_of
-from scaletorch.trainer.checkpoint import check_resume
+from scaletorch.trainer.checkpoint import (check_resume, latest_checkpoint, load_tensors_only,
+                                           read_manifest)
 
 __all__ = [
     "CheckpointConfig", "Config", "DataConfig", "InputError", "LoggingConfig", "ParallelConfig",
@@ -265,8 +267,11 @@ def load_config(default_config: str, description: str, limits: Optional[Limits] 
     pre.add_argument("--validate-only", action="store_true")
     pre.add_argument("--world-size", type=int, default=None)
     known, rest = pre.parse_known_args(argv)
-    world_size = known.world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    world_size = known.world_size if known.world_size is not None else int(
+        os.environ.get("WORLD_SIZE", "1"))
     try:
+        if world_size < 1:  # scripts/launch.sh refuses it first; a direct call may not
+            raise InputError(f"--world-size must be at least 1, got {world_size}")
         cfg = parse_args(rest, default_config, description)
         validate(cfg, world_size)
         if limits is not None:
@@ -358,11 +363,32 @@ def check_inputs(cfg: Config, world_size: int, resume_files: bool = False) -> No
     this run (``check_resume``), and the run directory (and checkpoint.dir when checkpoints
     are saved) can be created and written. InputError naming the path."""
     check_resume(cfg, world_size, resume_files)
+    check_resume_step(cfg)
     outputs = {"logging.run_dir": cfg.run_path}
     if cfg.checkpoint.every > 0:
         outputs["checkpoint.dir"] = cfg.checkpoint_path
     for key, path in outputs.items():
         check_writable(key, path)
+
+
+def check_resume_step(cfg: Config) -> None:
+    """InputError when the checkpoint that ``--resume`` names (or the latest) is at or past
+    ``training.steps``: nothing is left to train, and the run would end on a report of no
+    steps. Both numbers are named. A torchrun restart resumes whatever it finds, unchecked."""
+    resume = cfg.checkpoint.resume
+    if resume is None or restart_count() > 0:
+        return
+    path = latest_checkpoint(cfg.checkpoint_path) if resume == "latest" else resume
+    if path is None:
+        return
+    if os.path.isfile(path):  # a consolidated file (check_resume read it already)
+        step = load_tensors_only(path, f"--resume {path}", mmap=True).get("step")
+    else:
+        step = read_manifest(path).get("step")
+    if isinstance(step, int) and step >= cfg.training.steps:
+        raise InputError(f"--resume {path} is at step {step}, and training.steps is "
+                         f"{cfg.training.steps}: nothing is left to train; give --steps above "
+                         f"{step} to continue it, or start a new run without --resume")
 
 
 def check_writable(key: str, path: str) -> None:
