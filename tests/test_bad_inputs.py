@@ -46,6 +46,7 @@ class Row(NamedTuple):
     says: str  # a fragment of the error line (with D); it names the file or value
     launched: bool = False  # through scripts/launch.sh, not in this process
     hf: bool = False  # needs the hf extra (safetensors, tokenizers)
+    launcher: Tuple[str, ...] = ()  # scripts/launch.sh's own options (a launched row)
 
 
 ROWS = [
@@ -178,6 +179,14 @@ ROWS = [
     Row("--logging.plan_cluster of a file that does not exist", C00,
         ("--logging.plan_cluster", "D/nope.json"), "logging.plan_cluster 'D/nope.json' is not a "
         "file"),
+    # the launcher's own options (scripts/launch.sh), refused before any Python starts
+    Row("--nproc-per-node 0", C00, ("--steps", "5"), "--nproc-per-node must be at least 1, got 0",
+        launched=True, launcher=("--nproc-per-node", "0")),
+    Row("a launcher option without its value", C00, ("--steps", "5"), "--master-port needs a value",
+        launched=True, launcher=("--master-port", )),
+    Row("a master port out of range", C00, ("--steps", "5"),
+        "--master-port must be in 1..65535, got 65536", launched=True,
+        launcher=("--master-port", "65536")),
     # preparing a .bin (scripts/prepare_text.py)
     Row("--tokenizer of a tokenizer.json that is not one", PREPARE,
         ("D/long.txt", "--tokenizer", "D/not_tokenizer.json", "--out", "D/out/x.bin"),
@@ -347,7 +356,8 @@ def run_table(d: str, rows: List[Row]) -> Dict[str, Tuple[int, str, List[str]]]:
             results[row.what] = (code, out, argv)
     with ThreadPoolExecutor(max_workers=2) as pool:
         futures = {
-            row.what: (pool.submit(launch_status, row.script, 1, *argv, timeout=180), argv)
+            row.what: (pool.submit(launch_status, row.script, 1, *argv, timeout=180,
+                                   launcher=row.launcher), argv)
             for row, argv in launched
         }
         for what, (future, argv) in futures.items():
@@ -461,7 +471,10 @@ def print_table() -> None:
             line = out.strip().replace(d, "/tmp/bad_inputs")
             args = " ".join(row.args).replace("D/", "/tmp/bad_inputs/").replace(
                 "READONLY", "/sys/scaletorch")
-            print(f"| {row.what} | `{row.script} {args}` | `{line}` (exit {code}) |")
+            command = f"{row.script} {args}"
+            if row.launcher:
+                command = f"scripts/launch.sh {row.script} {' '.join(row.launcher)} -- {args}"
+            print(f"| {row.what} | `{command}` | `{line}` (exit {code}) |")
 
 
 if __name__ == "__main__":
