@@ -2,7 +2,7 @@
 
     lr: float = checked(3e-3, at_least(0))  # a finite float >= 0
     beta1: float = checked(0.9, fraction())  # a finite float in [0, 1)
-    path: Optional[str] = checked(None, unless(existing_file(), "data.dataset", "synthetic"))
+    path: Optional[str] = checked(None, unless(existing_file(), "dataset", "synthetic"))
 
 ``checked`` is a ``dataclasses.field`` whose metadata holds a ``Rule``. The field's type is
 its annotation; the rule adds what a type cannot say: a range, a set of choices, a path on
@@ -34,7 +34,8 @@ RULE = "rule"  # the key of a field's metadata that holds its Rule
 class Rule:
     """What a field allows beyond its type. ``low``/``high`` bound a number (``*_open``: the
     bound itself is out); ``choices`` is the whole set of values; ``path`` is "file" (must
-    exist) or "dir" (must be creatable), checked on disk with the run's other inputs;
+    exist), "dir" (must be creatable) or "checkpoint" (one to resume), checked on disk with
+    the run's other inputs; ``non_empty``: a string with something in it;
     ``ignored_when`` is (key, values): the run does not read the field while that key holds one
     of the values, so giving it then is a mistake."""
     low: Optional[float] = None
@@ -85,10 +86,9 @@ def _number(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else str(x)
 
 
-def checked(default: Any, rule: Rule = Rule(), factory: Any = None) -> Any:
-    """A dataclass field with ``default`` (or ``factory``) and its ``rule`` in the metadata."""
-    if factory is not None:
-        return dataclasses.field(default_factory=factory, metadata={RULE: rule})
+def checked(default: Any, rule: Rule = Rule()) -> Any:
+    """A dataclass field with ``default`` and its ``rule`` in the metadata (``Rule()``: the
+    type alone, as for a boolean)."""
     return dataclasses.field(default=default, metadata={RULE: rule})
 
 
@@ -193,10 +193,11 @@ def rules_of(cls: Any) -> Iterator[Tuple[str, Any, Rule, Any]]:
             yield f.name, hints[f.name], f.metadata[RULE], default
 
 
-def check_fields(obj: Any, prefix: str = "") -> None:
-    """Check every field of dataclass ``obj`` that has a rule; keys are ``prefix + name``."""
+def check_fields(obj: Any) -> None:
+    """Check every field of dataclass ``obj`` that has a rule (keys: the field names; the
+    run's config names them by section in scaletorch/trainer/config.py)."""
     for name, annotation, rule, _ in rules_of(type(obj)):
-        check_value(prefix + name, getattr(obj, name), annotation, rule)
+        check_value(name, getattr(obj, name), annotation, rule)
 
 
 def ignored_by(key: str, rule: Rule, setting: Callable[[str], Any]) -> Optional[str]:
