@@ -27,7 +27,9 @@ __all__ = [
 ]
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")  # training.precision
-DTYPES = ("fp32", "bf16", "fp16")  # parallel.param_dtype (or auto), parallel.reduce_dtype
+# parallel.param_dtype (or auto), parallel.reduce_dtype; fp64 is a name only, which the
+# precision policy refuses saying why (wider than the fp32 master weights)
+DTYPES = ("fp32", "bf16", "fp16", "fp64")
 SCHEDULES = ("afab", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev")  # parallel.schedule
 
 

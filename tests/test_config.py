@@ -88,7 +88,7 @@ class BadConfigsRaiseErrorsNamingTheValues(unittest.TestCase):
         (["--fail-rank", "-1"], None, ValueError, "fail_rank must be >= 0, got -1"),
         # choices
         (["--zero-stage",
-          "4"], None, ValueError, "parallel.zero_stage must be one of 0, 1, 2 or 3, got 4"),
+          "4"], None, ValueError, "parallel.zero_stage must be one of 0, 1, 2, 3, got 4"),
         (["--schedule", "zigzag"], None, ValueError, "'zigzag'"),
         (["--impl", "fast"], None, ValueError, "'fast'"),
         # model and data

@@ -48,11 +48,9 @@ class Rule:
     ignored_when: Optional[Tuple[str, Tuple[Any, ...]]] = None
 
     def allowed(self, kind: Any = float) -> str:
-        """What the rule allows, in words: "positive", ">= 0 and finite", "one of a, b or c"."""
+        """What the rule allows, in words: "positive", ">= 0 and finite", "one of a, b, c"."""
         if self.choices:
-            names = [str(c) for c in self.choices]
-            listed = ", ".join(names[:-1]) + " or " + names[-1] if names[:-1] else names[0]
-            return f"one of {listed}"
+            return "one of " + ", ".join(str(c) for c in self.choices)
         words = []
         if self.low == 0 and self.low_open and self.high is None:
             words.append("positive")
