@@ -32,7 +32,7 @@ from scaletorch.data import ByteTokenizer
 from scaletorch.dist import (destroy_distributed, destroy_pg_manager, init_distributed,
                              init_pg_manager)
 from scaletorch.models import build_model
-from scaletorch.models.generate import generate
+from scaletorch.models.generate import check_length, check_sampling, generate
 from scaletorch.models.hf import check_hf_llama, export_hf_llama, load_hf_llama
 from scaletorch.parallel.activation_checkpointing import apply_activation_checkpointing
 from scaletorch.parallel.mixed_precision import precision_hooks
@@ -57,9 +57,11 @@ def chapter_args() -> tuple:
     return parser.parse_known_args()
 
 
-def limits(init_from: str):
-    """--init-from's checks, made by load_config before any process starts: the directory is a
-    Hugging Face Llama (config.json, every tensor's shape) and the layout fits its model."""
+def limits(args):
+    """This chapter's checks, made by load_config before any process starts: --init-from's
+    directory is a Hugging Face Llama (config.json, every tensor's shape) and the layout fits
+    its model; the sample's options fit the model, so no run trains and then cannot sample."""
+    init_from = args.init_from
 
     def check(cfg, world_size: int) -> None:
         if init_from and cfg.check:
@@ -71,6 +73,17 @@ def limits(init_from: str):
             except ValueError as err:
                 raise InputError(f"--init-from {init_from} (its config.json sets model.*): "
                                  f"{err}") from None
+        prompt = len(ByteTokenizer().encode(args.prompt))
+        try:
+            check_length(prompt, args.max_new_tokens, cfg.model.max_seq_len)
+        except ValueError as err:
+            raise InputError(f"--max-new-tokens {args.max_new_tokens}: {err}; ask for at most "
+                             f"{max(cfg.model.max_seq_len - prompt, 0)} new tokens after this "
+                             f"--prompt") from None
+        try:
+            check_sampling(args.temperature, args.top_k, args.top_p)
+        except ValueError as err:
+            raise InputError(f"--temperature, --top-k, --top-p: {err}") from None
 
     return check
 
@@ -92,7 +105,7 @@ def shipped_text(path: str) -> str:
 def main() -> int:
     args, rest = chapter_args()
     cfg = load_config("examples/configs/10_real_model.yaml", "Chapter 10: a real model",
-                      limits(args.init_from), argv=rest)
+                      limits(args), argv=rest)
     env = init_distributed(cfg.training.timeout_seconds)
     if cfg.data.dataset == "text" and cfg.data.path == DOCS:
         cfg.data.path = shipped_text(os.path.join(cfg.run_path, "text.txt"))

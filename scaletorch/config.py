@@ -1,8 +1,10 @@
 """The run's configuration as dataclasses: every knob, in sections that match the YAML files
 in ``examples/configs``. Strategy code reads it from here without importing the trainer.
 
-Loading (YAML, command line) and validation live in scaletorch/trainer/config.py; this module
-holds the fields, their defaults and two rules that read them: the compute precision
+Each field declares its rule beside it (``checked(default, rule)``, scaletorch/rules/schema.py):
+its range, its choices, a path, the settings under which it is read. Loading (YAML, command
+line) and the checks live in scaletorch/trainer/config.py; this module holds the fields, their
+defaults, their rules and two functions that read them: the compute precision
 (``resolve_precision``) and the recomputation mode (``recompute_mode``).
 """
 
@@ -15,6 +17,8 @@ import torch
 
 from scaletorch.models import LlamaConfig
 from scaletorch.rules.recompute import RECOMPUTE, recompute_mode
+from scaletorch.rules.schema import (Rule, at_least, checked, creatable_dir, existing_file,
+                                     fraction, one_of, positive, text, unless)
 
 __all__ = [
     "CheckpointConfig", "Config", "DataConfig", "LoggingConfig", "ParallelConfig", "PRECISIONS",
@@ -23,81 +27,94 @@ __all__ = [
 ]
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")  # training.precision
+# parallel.param_dtype (or auto), parallel.reduce_dtype; fp64 is a name only, which the
+# precision policy refuses saying why (wider than the fp32 master weights)
+DTYPES = ("fp32", "bf16", "fp16", "fp64")
+SCHEDULES = ("afab", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev")  # parallel.schedule
 
 
 @dataclass
 class DataConfig:
-    dataset: str = "synthetic"  # synthetic | text | bin
-    path: Optional[str] = None  # the file for text and bin
-    seq_len: int = 32
-    global_batch_size: int = 8  # sequences per optimizer step, over all data-parallel ranks
-    num_micro_batches: int = 1  # gradient accumulation steps (micro-batches per rank per step)
-    seed: int = 1234  # the data seed: batch t is a function of (seed, t) only
+    dataset: str = checked("synthetic", one_of("synthetic", "text", "bin"))
+    # the file for text and bin; given with the synthetic dataset, it would be ignored
+    path: Optional[str] = checked(None, unless(existing_file(), "dataset", "synthetic"))
+    seq_len: int = checked(32, positive())
+    # sequences per optimizer step, over all data-parallel ranks
+    global_batch_size: int = checked(8, positive())
+    # gradient accumulation steps (micro-batches per rank per step)
+    num_micro_batches: int = checked(1, positive())
+    seed: int = checked(1234, at_least(0))  # the data seed: batch t is a function of (seed, t)
 
 
 @dataclass
 class ParallelConfig:
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-    context_parallel_size: int = 1
-    expert_model_parallel_size: int = 1
-    data_parallel_size: int = 0  # 0: whatever the world size leaves; else must match it
-    impl: str = "scaletorch"  # scaletorch (ours, by hand) | naive (01 only) | torch (native)
-    bucket_size_mb: float = 25.0  # DDP gradient bucket size
-    zero_stage: int = 0  # 0: plain data parallel; 1, 2, 3: ZeRO stages
-    sequence_parallel: bool = False
-    schedule: str = "1f1b"  # afab | 1f1b | interleaved | zb-h1 | zbv | dualpipev (chapter 04)
-    virtual_pipeline_stages: int = 1
-    cp_variant: str = "ring"  # ring | ulysses
-    cp_attention: str = "auto"  # ring's blocks: auto (fused on CUDA, math elsewhere) | math | fused
+    tensor_model_parallel_size: int = checked(1, positive())
+    pipeline_model_parallel_size: int = checked(1, positive())
+    context_parallel_size: int = checked(1, positive())
+    expert_model_parallel_size: int = checked(1, positive())
+    # 0: whatever the world size leaves; else must match it
+    data_parallel_size: int = checked(0, at_least(0))
+    # ours, by hand | plain data parallel (01 only) | torch's native strategies
+    impl: str = checked("scaletorch", one_of("scaletorch", "naive", "torch"))
+    bucket_size_mb: float = checked(25.0, positive())  # DDP gradient bucket size
+    zero_stage: int = checked(0, one_of(0, 1, 2, 3))  # 0: plain data parallel; 1-3: ZeRO
+    sequence_parallel: bool = checked(False)
+    schedule: str = checked("1f1b", one_of(*SCHEDULES))  # chapter 04
+    virtual_pipeline_stages: int = checked(1, positive())
+    cp_variant: str = checked("ring", one_of("ring", "ulysses"))
+    # ring's blocks: auto (fused on CUDA, math elsewhere) | math | fused
+    cp_attention: str = checked("auto", one_of("auto", "math", "fused"))
     # none | selective (recompute the attention core) | full (each block); true/false: full/none
-    activation_checkpointing: str = "none"
+    activation_checkpointing: str = checked("none", one_of(*RECOMPUTE))
     # layers per global pipeline stage (pp x virtual stages entries); None: an even split
-    layer_split: Optional[List[int]] = None
+    layer_split: Optional[List[int]] = checked(None, positive())
     # mixed precision (chapter 08): ZeRO-3's parameter all-gather dtype, gradients' wire dtype
     # auto (the compute dtype: what ZeRO-3 should gather, mixed_precision.py) | fp32 | bf16 | fp16
-    param_dtype: str = "auto"
-    reduce_dtype: str = "fp32"  # fp32 | bf16 | fp16
+    param_dtype: str = checked("auto", one_of("auto", *DTYPES))
+    reduce_dtype: str = checked("fp32", one_of(*DTYPES))
 
 
 @dataclass
 class TrainingConfig:
-    steps: int = 100
-    lr: float = 3e-3
-    min_lr: float = 3e-4  # the cosine decays to this
-    warmup_steps: int = 10
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0  # global-norm clipping; 0 disables it
+    steps: int = checked(100, positive())
+    lr: float = checked(3e-3, at_least(0))
+    min_lr: float = checked(3e-4, at_least(0))  # the cosine decays to this
+    warmup_steps: int = checked(10, at_least(0))
+    weight_decay: float = checked(0.1, at_least(0))
+    beta1: float = checked(0.9, fraction())  # AdamW's betas, in [0, 1)
+    beta2: float = checked(0.95, fraction())
+    grad_clip: float = checked(1.0, at_least(0))  # global-norm clipping; 0 disables it
     # auto (bf16 on GPU, fp32 on CPU and under --check) | fp32 | bf16 | fp16
-    precision: str = "auto"
-    model_seed: int = 42  # one seed builds the same full model on every rank
-    timeout_seconds: float = 300.0  # every collective fails after this instead of hanging
-    fail_at_step: int = -1  # fault injection: kill rank ``fail_rank`` at this step (first try only)
-    fail_rank: int = 0
+    precision: str = checked("auto", one_of(*PRECISIONS))
+    model_seed: int = checked(42, at_least(0))  # one seed builds the same full model everywhere
+    # every collective fails after this instead of hanging
+    timeout_seconds: float = checked(300.0, positive())
+    # fault injection: kill rank ``fail_rank`` at this step (first try only); -1: never
+    fail_at_step: int = checked(-1, at_least(-1))
+    fail_rank: int = checked(0, at_least(0))
 
 
 @dataclass
 class CheckpointConfig:
-    every: int = 0  # save every N steps; 0: never
-    dir: Optional[str] = None  # default: <run dir>/checkpoints
-    resume: Optional[str] = None  # "latest" or a checkpoint directory
-    keep_last: int = 2  # older checkpoints are deleted
+    every: int = checked(0, at_least(0))  # save every N steps; 0: never
+    dir: Optional[str] = checked(None, creatable_dir())  # default: <run dir>/checkpoints
+    # "latest" or a checkpoint that exists (check_resume reads it before the run starts)
+    resume: Optional[str] = checked(None, Rule(path="checkpoint"))
+    keep_last: int = checked(2, at_least(1))  # older checkpoints are deleted
 
 
 @dataclass
 class LoggingConfig:
-    run_dir: str = "runs"
-    name: str = "run"
-    log_every: int = 10
-    progress: bool = True  # tqdm bar on rank 0
+    run_dir: str = checked("runs", creatable_dir())
+    name: str = checked("run", text())
+    log_every: int = checked(10, positive())
+    progress: bool = checked(True)  # tqdm bar on rank 0
     # a cluster file from scripts/plan.py --calibrate: the run ends with the planner's step time
-    # beside the measured one (memory and wire bytes are compared without it)
-    plan_cluster: str = ""
+    # beside the measured one (memory and wire bytes are compared without it); "": none
+    plan_cluster: str = checked("", existing_file())
     # --profile STEPS: a torch.profiler trace of that many steps (after one of warm-up) per rank
     # in runs/<name>/profile/rank_<r>.json (chapter 11; scripts/plot.py profile draws it)
-    profile_steps: int = 0
+    profile_steps: int = checked(0, at_least(0))
 
 
 @dataclass
@@ -108,7 +125,7 @@ class Config:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
-    check: bool = False  # also run the single-device reference and compare
+    check: bool = checked(False)  # also run the single-device reference and compare
 
     @property
     def run_path(self) -> str:

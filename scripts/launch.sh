@@ -25,14 +25,19 @@ if [[ $# -eq 0 || "$1" == "-h" || "$1" == "--help" ]]; then
 fi
 script="$1"
 shift
+fail() { echo "error: $*" >&2; exit 2; }  # a mistake in the arguments: one line, status 2
 if [[ ! -f "$script" ]]; then
-  echo "launch.sh: script '$script' not found" >&2
-  exit 2
+  fail "script '$script' not found: give the path of a script, e.g. examples/00_single_device.py"
 fi
 
+# Every option is checked here, before torchrun (or even Python) starts: one line each.
 nproc=1 nnodes=1 node_rank=0 master_addr=127.0.0.1 master_port="" max_restarts=0
 while [[ $# -gt 0 ]]; do
   case "$1" in
+    --nproc-per-node|--nnodes|--node-rank|--master-addr|--master-port|--max-restarts)
+      if [[ $# -lt 2 || "$2" == --* ]]; then
+        fail "$1 needs a value (see scripts/launch.sh --help)"
+      fi ;;&
     --nproc-per-node) nproc="$2"; shift 2 ;;
     --nnodes) nnodes="$2"; shift 2 ;;
     --node-rank) node_rank="$2"; shift 2 ;;
@@ -41,15 +46,50 @@ while [[ $# -gt 0 ]]; do
     --max-restarts) max_restarts="$2"; shift 2 ;;
     -h|--help) usage; exit 0 ;;
     --) shift; break ;;
-    *) echo "launch.sh: unknown option '$1' (script arguments go after --)" >&2; exit 2 ;;
+    *) fail "unknown option '$1' (script arguments go after --)" ;;
   esac
 done
-for value in "$nproc" "$nnodes" "$node_rank" "$max_restarts"; do
-  if ! [[ "$value" =~ ^[0-9]+$ ]]; then
-    echo "launch.sh: '$value' is not a non-negative integer" >&2
-    exit 2
+for option in nproc-per-node:"$nproc" nnodes:"$nnodes" node-rank:"$node_rank" \
+  max-restarts:"$max_restarts" master-port:"$master_port"; do
+  name="${option%%:*}" value="${option#*:}"
+  if [[ -n "$value" || "$name" != master-port ]] && ! [[ "$value" =~ ^[0-9]+$ ]]; then
+    fail "--$name '$value' is not a non-negative integer"
   fi
 done
+# 10# reads a number with leading zeros in base 10 (bash would take 010 as octal)
+if (( 10#$nproc < 1 )); then
+  fail "--nproc-per-node must be at least 1, got $nproc: it is the number of ranks on this node"
+fi
+if (( 10#$nnodes < 1 )); then
+  fail "--nnodes must be at least 1, got $nnodes"
+fi
+if (( 10#$node_rank >= 10#$nnodes )); then
+  fail "--node-rank $node_rank is not a node of --nnodes $nnodes (ranks 0 to $((10#$nnodes - 1)))"
+fi
+if [[ -n "$master_port" ]] && (( 10#$master_port < 1 || 10#$master_port > 65535 )); then
+  fail "--master-port must be in 1..65535, got $master_port"
+fi
+# The node that serves the rendezvous (node rank 0) binds the master port: when that is this
+# host, a port already in use would end in torchrun's EADDRINUSE traceback. Checked by binding
+# it (as torch's TCPStore does, address reuse on) and letting it go at once.
+if [[ -n "$master_port" && "$node_rank" -eq 0 ]] &&
+  [[ "$master_addr" =~ ^(127\.|localhost$|::1$|0\.0\.0\.0$) || "$master_addr" == "${HOSTNAME:-}" ]]; then
+  if ! python - "$master_addr" "$((10#$master_port))" <<'PY'
+import socket, sys
+addr, port = sys.argv[1], int(sys.argv[2])
+family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+with socket.socket(family, socket.SOCK_STREAM) as s:
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        s.bind((addr, port))
+    except OSError:
+        sys.exit(1)
+PY
+  then
+    fail "--master-port $master_port is in use on this host ($master_addr): give a free port," \
+      "or leave --master-port out on one node (torchrun then picks one)"
+  fi
+fi
 
 # (Asked only when unset: a value already set is kept either way, and asking torch starts a
 # Python that imports it, 1.5 s on a 2-core machine.)
@@ -74,7 +114,7 @@ for arg in "$@"; do
   [[ "$arg" == "-h" || "$arg" == "--help" ]] && preflight=0
 done
 if [[ "$preflight" != 0 ]] && grep -q "load_config" "$script"; then
-  python "$script" --validate-only --world-size "$((nproc * nnodes))" "$@" || exit $?
+  python "$script" --validate-only --world-size "$((10#$nproc * 10#$nnodes))" "$@" || exit $?
 fi
 
 # torchrun (scripts/torchrun.py: the same, minus torchrun's traceback after a refused config)

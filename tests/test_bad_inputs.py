@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from scaletorch.models import LlamaConfig, build_model
+from scaletorch.models.hf import config_to_hf
 from scaletorch.trainer import checkpoint as ckpt
 from scaletorch.trainer.config import parse_args
 from tests.test_examples import ROOT, launch_status
@@ -45,6 +46,7 @@ class Row(NamedTuple):
     says: str  # a fragment of the error line (with D); it names the file or value
     launched: bool = False  # through scripts/launch.sh, not in this process
     hf: bool = False  # needs the hf extra (safetensors, tokenizers)
+    launcher: Tuple[str, ...] = ()  # scripts/launch.sh's own options (a launched row)
 
 
 ROWS = [
@@ -67,6 +69,25 @@ ROWS = [
         "D/unknown_key.yaml: unknown config key 'training.stepz'"),
     Row("a YAML list where sections belong", C00, ("--config", "D/list.yaml"),
         "D/list.yaml must be a mapping of sections, got list"),
+    # values, checked by one schema (scaletorch/rules/schema.py)
+    Row("a value that is not finite", C00, ("--set", "training.lr=inf"),
+        "training.lr must be >= 0 and finite, got inf", launched=True),
+    Row("a NaN inside YAML", C00, ("--config", "D/nan.yaml"),
+        "D/nan.yaml: training.lr must be >= 0 and finite, got nan"),
+    Row("a beta outside [0, 1)", C00, ("--training.beta1", "1.5"),
+        "training.beta1 must be in [0, 1) and finite, got 1.5"),
+    Row("--data.path given with the synthetic dataset, which ignores it", C00,
+        ("--data.path", "D/long.txt"),
+        "data.path 'D/long.txt' is given, but data.dataset 'synthetic' ignores it"),
+    Row("--init-from a config.json with a number written as a string", C10,
+        ("--init-from", "D/hf_string"),
+        "D/hf_string/config.json: max_position_embeddings must be int, got '2048'"),
+    Row("--init-from a config.json with a null rms_norm_eps", C10, ("--init-from", "D/hf_null"),
+        "D/hf_null/config.json: rms_norm_eps must be positive and finite, got null"),
+    Row(
+        "--max-new-tokens beyond the model's positions (chapter 10)", C10,
+        ("--max-new-tokens", "200"), "--max-new-tokens 200: prompt (16) + max_new_tokens (200) "
+        "= 216 exceeds max_seq_len (128)", launched=True),
     # the data
     Row("--data.path of a text too short for one sequence (3 bytes, 129 needed)", C10,
         ("--data.path", "D/short.txt"),
@@ -128,6 +149,12 @@ ROWS = [
     Row("--resume of a checkpoint of another model size", C00, ("--resume", "D/ckpts/step_0000005"),
         "checkpoint 'D/ckpts/step_0000005' holds another "
         "model (hidden_size 128 there, 64 here"),
+    Row("--resume of a checkpoint at or past --steps", C00,
+        ("--resume", "D/done/step_0000005", "--steps", "3"),
+        "--resume D/done/step_0000005 is at step 5, and training.steps is 3", launched=True),
+    Row("--resume of a consolidated file at --steps (chapter 07)", C07,
+        ("--resume", "D/done.pt", "--steps", "4"),
+        "--resume D/done.pt is at step 4, and training.steps is 4"),
     Row("--resume of a checkpoint with a damaged file", C00, ("--resume", "D/damaged/step_0000005"),
         "rank_00000.pt does not match its sha256 in the manifest"),
     Row(
@@ -152,6 +179,14 @@ ROWS = [
     Row("--logging.plan_cluster of a file that does not exist", C00,
         ("--logging.plan_cluster", "D/nope.json"), "logging.plan_cluster 'D/nope.json' is not a "
         "file"),
+    # the launcher's own options (scripts/launch.sh), refused before any Python starts
+    Row("--nproc-per-node 0", C00, ("--steps", "5"), "--nproc-per-node must be at least 1, got 0",
+        launched=True, launcher=("--nproc-per-node", "0")),
+    Row("a launcher option without its value", C00, ("--steps", "5"), "--master-port needs a value",
+        launched=True, launcher=("--master-port", )),
+    Row("a master port out of range", C00, ("--steps", "5"),
+        "--master-port must be in 1..65535, got 65536", launched=True,
+        launcher=("--master-port", "65536")),
     # preparing a .bin (scripts/prepare_text.py)
     Row("--tokenizer of a tokenizer.json that is not one", PREPARE,
         ("D/long.txt", "--tokenizer", "D/not_tokenizer.json", "--out", "D/out/x.bin"),
@@ -229,6 +264,22 @@ def make_bad_inputs(d: str) -> None:
         with open(config_file) as f:
             config = json.load(f)
         _write(config_file, json.dumps(dict(config, intermediate_size=128)))
+    _write(os.path.join(d, "nan.yaml"), "training:\n  lr: .nan\n")
+    for name, change in (("hf_string", {
+            "max_position_embeddings": "2048"
+    }), ("hf_null", {
+            "rms_norm_eps": None
+    })):
+        os.makedirs(os.path.join(d, name))
+        config = config_to_hf(LlamaConfig(vocab_size=256, max_seq_len=2048), torch.float32)
+        _write(os.path.join(d, name, "config.json"), json.dumps(dict(config, **change)))
+    _fake_checkpoint(os.path.join(d, "done"), [])
+    nd = parse_args(["--config", "examples/configs/07_nd_parallel.yaml"]).model
+    torch.save({
+        "step": 4,
+        "model": build_model(nd, seed=0).state_dict(),
+        "optimizer": None
+    }, os.path.join(d, "done.pt"))
     _fake_checkpoint(os.path.join(d, "ckpts"), ["--model.hidden_size", "128"])
     _fake_checkpoint(os.path.join(d, "damaged"), [], damaged=True)
     other = LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=128, num_layers=4,
@@ -239,6 +290,17 @@ def make_bad_inputs(d: str) -> None:
         "optimizer": None
     }, os.path.join(d, "other_size.pt"))
     torch.save({"step": 3, "model": argparse.Namespace(weights=1)}, os.path.join(d, "pickle.pt"))
+
+
+def tree_digest(d: str) -> Dict[str, str]:
+    """{path: sha256 of its bytes} of every file under ``d`` (the read-only directory aside)."""
+    out = {}
+    for root, dirs, files in os.walk(d):
+        dirs[:] = [x for x in dirs if x != "read_only"]
+        for name in files:
+            with open(os.path.join(root, name), "rb") as f:
+                out[os.path.join(root, name)] = hashlib.sha256(f.read()).hexdigest()
+    return out
 
 
 def read_only_dir(d: str) -> str:
@@ -294,7 +356,8 @@ def run_table(d: str, rows: List[Row]) -> Dict[str, Tuple[int, str, List[str]]]:
             results[row.what] = (code, out, argv)
     with ThreadPoolExecutor(max_workers=2) as pool:
         futures = {
-            row.what: (pool.submit(launch_status, row.script, 1, *argv, timeout=180), argv)
+            row.what: (pool.submit(launch_status, row.script, 1, *argv, timeout=180,
+                                   launcher=row.launcher), argv)
             for row, argv in launched
         }
         for what, (future, argv) in futures.items():
@@ -312,6 +375,7 @@ class EveryBadInputIsOneLine(unittest.TestCase):
         cls.d = os.path.join(cls.tmp.name, "bad_inputs")
         os.makedirs(cls.d)
         make_bad_inputs(cls.d)
+        cls.before = tree_digest(cls.d)
         cls.rows = [r for r in ROWS if HAVE_HF or not r.hf]
         cls.results = run_table(cls.d, cls.rows)
 
@@ -343,6 +407,7 @@ class EveryBadInputIsOneLine(unittest.TestCase):
 
     def test_nothing_is_written_where_the_run_would_write(self):
         self.assertFalse(os.path.exists(os.path.join(self.d, "runs")))
+        self.assertEqual(tree_digest(self.d), self.before)  # no bad input was changed either
         self.assertFalse(os.path.exists(os.path.join(self.d, "out")))
         leftovers = [n for n in os.listdir(self.d) if n.startswith(".scaletorch-probe")]
         self.assertEqual(leftovers, [])
@@ -406,7 +471,10 @@ def print_table() -> None:
             line = out.strip().replace(d, "/tmp/bad_inputs")
             args = " ".join(row.args).replace("D/", "/tmp/bad_inputs/").replace(
                 "READONLY", "/sys/scaletorch")
-            print(f"| {row.what} | `{row.script} {args}` | `{line}` (exit {code}) |")
+            command = f"{row.script} {args}"
+            if row.launcher:
+                command = f"scripts/launch.sh {row.script} {' '.join(row.launcher)} -- {args}"
+            print(f"| {row.what} | `{command}` | `{line}` (exit {code}) |")
 
 
 if __name__ == "__main__":

@@ -83,10 +83,12 @@ class BadConfigsRaiseErrorsNamingTheValues(unittest.TestCase):
         # negative or zero sizes
         (["--steps", "0"], None, ValueError, "training.steps must be positive, got 0"),
         (["--tp", "-2"], None, ValueError, "tensor_model_parallel_size must be positive, got -2"),
-        (["--training.lr", "-1"], None, ValueError, "training.lr must be >= 0, got -1"),
+        (["--training.lr",
+          "-1"], None, ValueError, "training.lr must be >= 0 and finite, got -1.0"),
         (["--fail-rank", "-1"], None, ValueError, "fail_rank must be >= 0, got -1"),
         # choices
-        (["--zero-stage", "4"], None, ValueError, "zero_stage must be 0, 1, 2 or 3, got 4"),
+        (["--zero-stage",
+          "4"], None, ValueError, "parallel.zero_stage must be one of 0, 1, 2, 3, got 4"),
         (["--schedule", "zigzag"], None, ValueError, "'zigzag'"),
         (["--impl", "fast"], None, ValueError, "'fast'"),
         # model and data

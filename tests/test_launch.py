@@ -1,7 +1,10 @@
-"""scripts/launch.sh gives every rank NCCL's fail-fast environment, and keeps the user's values."""
+"""scripts/launch.sh gives every rank NCCL's fail-fast environment, and keeps the user's values;
+it checks its own arguments before torchrun (or any Python) starts, one error line each."""
 
 import os
+import socket
 import subprocess
+import sys
 import tempfile
 import unittest
 
@@ -41,6 +44,83 @@ class LauncherSetsNcclErrorHandling(unittest.TestCase):
                                       TORCH_NCCL_ASYNC_ERROR_HANDLING="3")
         self.assertEqual(ranks, ["rank env 1 3"])
         self.assertIn("TORCH_NCCL_BLOCKING_WAIT=1 TORCH_NCCL_ASYNC_ERROR_HANDLING=3", command)
+
+
+# (launcher arguments, the option the error line names, a fragment of it)
+BAD_ARGUMENTS = [
+    (["--nproc-per-node", "0"], "--nproc-per-node", "must be at least 1, got 0"),
+    (["--nproc-per-node"], "--nproc-per-node", "needs a value"),
+    (["--nproc-per-node", "--nnodes", "2"], "--nproc-per-node", "needs a value"),
+    (["--nproc-per-node", "1", "--master-port"], "--master-port", "needs a value"),
+    (["--nproc-per-node", "two"], "--nproc-per-node", "'two' is not a non-negative integer"),
+    (["--nnodes", "0"], "--nnodes", "must be at least 1, got 0"),
+    (["--nnodes", "2", "--node-rank", "2"], "--node-rank", "is not a node of --nnodes 2"),
+    (["--max-restarts", "-1"], "--max-restarts", "'-1' is not a non-negative integer"),
+    (["--master-port", "0"], "--master-port", "must be in 1..65535, got 0"),
+    (["--master-port", "65536"], "--master-port", "must be in 1..65535, got 65536"),
+    (["--master-port", "x"], "--master-port", "'x' is not a non-negative integer"),
+]
+
+
+class LauncherChecksItsArguments(unittest.TestCase):
+    """Each mistake in the launcher's own options is one line ``error: ...`` naming the option,
+    exit status 2, before torchrun starts: no command printed, nothing written."""
+
+    def _run(self, *args: str) -> tuple:
+        with tempfile.TemporaryDirectory() as tmp:
+            runs = os.path.join(tmp, "runs")
+            proc = subprocess.run([
+                "bash", "scripts/launch.sh", "examples/00_single_device.py", *args, "--",
+                "--logging.run_dir", runs
+            ], cwd=ROOT, capture_output=True, text=True, timeout=120, env={
+                **os.environ, "PYTHONPATH": ROOT
+            })
+            written = os.path.exists(runs)
+        return proc.returncode, proc.stdout, proc.stderr, written
+
+    def _assert_refused(self, args: list, option: str, fragment: str) -> None:
+        code, out, err, written = self._run(*args)
+        self.assertEqual(code, 2, out + err)
+        self.assertEqual(out, "")  # no "+ torchrun ..." line: nothing was started
+        self.assertEqual(len(err.splitlines()), 1, err)
+        self.assertTrue(err.startswith(f"error: {option}"), err)
+        self.assertIn(fragment, err)
+        self.assertFalse(written)
+
+    def test_each_bad_option_is_one_line_naming_it_before_torchrun(self):
+        for args, option, fragment in BAD_ARGUMENTS:
+            with self.subTest(args=args):
+                self._assert_refused(args, option, fragment)
+
+    def test_a_master_port_in_use_here_is_refused_and_a_free_one_launches(self):
+        with socket.socket() as busy:
+            busy.bind(("127.0.0.1", 0))
+            busy.listen()
+            port = str(busy.getsockname()[1])
+            self._assert_refused(["--master-port", port], "--master-port",
+                                 f"--master-port {port} is in use on this host (127.0.0.1)")
+        with tempfile.TemporaryDirectory() as tmp:
+            script = os.path.join(tmp, "ok.py")
+            with open(script, "w") as f:
+                f.write("print('rank ran')\n")
+            with socket.socket() as probe:  # a port free a moment ago (released at once)
+                probe.bind(("127.0.0.1", 0))
+                port = str(probe.getsockname()[1])
+            proc = subprocess.run(["bash", "scripts/launch.sh", script, "--master-port", port],
+                                  cwd=ROOT, capture_output=True, text=True, timeout=120)
+        self.assertEqual(proc.returncode, 0, proc.stdout + proc.stderr)
+        self.assertIn("rank ran", proc.stdout)
+        self.assertIn(f"--master-port {port}", proc.stdout)
+
+    def test_the_pre_flight_refuses_a_world_of_no_ranks(self):
+        # launch.sh never asks for it now; a script called directly may be
+        proc = subprocess.run([
+            sys.executable, "examples/00_single_device.py", "--validate-only", "--world-size", "0"
+        ], cwd=ROOT, capture_output=True, text=True, timeout=120, env={
+            **os.environ, "PYTHONPATH": ROOT
+        })
+        self.assertEqual((proc.returncode, proc.stdout, proc.stderr),
+                         (2, "", "error: --world-size must be at least 1, got 0\n"))
 
 
 if __name__ == "__main__":

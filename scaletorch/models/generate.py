@@ -78,6 +78,25 @@ def forward_with_cache(model: Llama, input_ids: torch.Tensor,
     return model.head(x), new_cache
 
 
+def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
+    """ValueError unless temperature >= 0 (0: greedy), top_k >= 0 (0: all) and top_p in
+    (0, 1], each finite."""
+    if not (math.isfinite(temperature) and temperature >= 0) or top_k < 0 or not 0 < top_p <= 1:
+        raise ValueError(f"need temperature >= 0 ({temperature}), top_k >= 0 ({top_k}) and "
+                         f"0 < top_p <= 1 ({top_p})")
+
+
+def check_length(prompt_len: int, max_new_tokens: int, max_seq_len: int) -> None:
+    """ValueError unless max_new_tokens >= 0 and the prompt plus the new tokens fit the
+    model's ``max_seq_len`` positions (RoPE was trained on those, the cache holds no more)."""
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    total = prompt_len + max_new_tokens
+    if total > max_seq_len:
+        raise ValueError(f"prompt ({prompt_len}) + max_new_tokens ({max_new_tokens}) = "
+                         f"{total} exceeds max_seq_len ({max_seq_len})")
+
+
 def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                 generator: Optional[torch.Generator] = None) -> torch.Tensor:
     """Next tokens (b,) from last-position logits (b, V).
@@ -86,9 +105,7 @@ def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, 
     most likely tokens (0: all) and to the smallest set whose probability reaches top_p
     (nucleus sampling; 1.0: all), renormalised.
     """
-    if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
-        raise ValueError(f"need temperature >= 0 ({temperature}), top_k >= 0 ({top_k}) and "
-                         f"0 < top_p <= 1 ({top_p})")
+    check_sampling(temperature, top_k, top_p)
     if temperature == 0:
         return logits.argmax(dim=-1)
     logits = logits.float() / temperature
@@ -116,12 +133,7 @@ def generate(model: Llama, input_ids: torch.Tensor, max_new_tokens: int, tempera
     cache is tested against). vocab_size: sample only ids below it (a padded vocabulary's
     extra rows are never produced); default the model's vocabulary.
     """
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    total = input_ids.size(1) + max_new_tokens
-    if total > model.config.max_seq_len:
-        raise ValueError(f"prompt ({input_ids.size(1)}) + max_new_tokens ({max_new_tokens}) = "
-                         f"{total} exceeds max_seq_len ({model.config.max_seq_len})")
+    check_length(input_ids.size(1), max_new_tokens, model.config.max_seq_len)
     vocab_size = vocab_size or model.config.vocab_size
     was_training = model.training
     model.eval()

@@ -25,12 +25,15 @@ Needs the optional ``hf`` extra (``pip install -e ".[hf]"``) for ``safetensors``
 
 import json
 import os
+import typing
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
 import torch
 
 from scaletorch.models.llama import Llama, LlamaConfig
 from scaletorch.rules.errors import InputError, MissingInputError
+from scaletorch.rules.schema import check_value, checked, positive, rules_of, text
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -60,7 +63,49 @@ def from_hf_name(name: str) -> str:
     return name[len(HF_PREFIX):] if name.startswith(HF_PREFIX) else name
 
 
-def _rope_theta(hf: Dict[str, Any], path: str) -> float:
+@dataclass
+class HFLlamaFields:
+    """The fields of a Llama config.json that we read, each with its type and rule, as the
+    value stands in the file: "2048" is no int, null no float, "true" no boolean. A field
+    left out takes the default; those without one (None, not Optional) must be there."""
+    model_type: str = checked(None, text())
+    architectures: List[str] = checked(None, text())
+    vocab_size: int = checked(None, positive())
+    hidden_size: int = checked(None, positive())
+    intermediate_size: int = checked(None, positive())
+    num_hidden_layers: int = checked(None, positive())
+    num_attention_heads: int = checked(None, positive())
+    num_key_value_heads: Optional[int] = checked(None, positive())  # absent or null: the heads
+    head_dim: Optional[int] = checked(None, positive())  # absent or null: hidden / heads
+    max_position_embeddings: int = checked(2048, positive())
+    rms_norm_eps: float = checked(1e-6, positive())
+    rope_theta: float = checked(10000.0, positive())  # or rope_parameters.rope_theta (5.x)
+    tie_word_embeddings: bool = checked(False)
+    hidden_act: str = checked("silu", text())
+    attention_bias: bool = checked(False)
+    mlp_bias: bool = checked(False)
+
+
+def read_fields(hf: Dict[str, Any], path: str) -> Dict[str, Any]:
+    """Every field of ``HFLlamaFields`` from config dict ``hf`` (a default where it is left
+    out), checked against its type and rule: InputError naming ``path``, the field and value."""
+    values = {}
+    for name, annotation, rule, default in rules_of(HFLlamaFields):
+        value = _rope_theta(hf, path) if name == "rope_theta" else hf.get(name, default)
+        if value is None and typing.get_origin(annotation) is not typing.Union:
+            if name not in hf:
+                raise InputError(f"{path}: {name} is missing; a Llama config.json sets it "
+                                 f"({rule.allowed(annotation)})")
+            raise InputError(f"{path}: {name} must be {rule.allowed(annotation)}, got null")
+        try:
+            check_value(name, value, annotation, rule)
+        except InputError as err:
+            raise InputError(f"{path}: {err}") from None
+        values[name] = value
+    return values
+
+
+def _rope_theta(hf: Dict[str, Any], path: str) -> Any:
     """RoPE theta from either config style, refusing scaled RoPE we do not implement.
 
     transformers >= 5 writes ``rope_parameters: {rope_type, rope_theta}``; 4.x wrote a top-level
@@ -68,43 +113,44 @@ def _rope_theta(hf: Dict[str, Any], path: str) -> float:
     """
     params = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling") or {}
+    for name, value in (("rope_parameters", params), ("rope_scaling", scaling)):
+        if not isinstance(value, dict):
+            raise InputError(f"{path}: {name} must be an object or null, got {value!r}")
     rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type")
     if rope_type not in (None, "default"):
         raise InputError(
             f"{path}: rope type {rope_type!r} is not supported: our Llama implements plain RoPE "
             f"(rope_type 'default') with a theta; Llama 3.1+ style 'llama3', 'linear', 'dynamic' "
             f"and 'yarn' scaling change the frequencies and would give different logits")
-    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    return params.get("rope_theta", hf.get("rope_theta", 10000.0))
 
 
 def config_from_hf(hf: Dict[str, Any], path: str = CONFIG_FILE) -> LlamaConfig:
-    """A Hugging Face Llama config dict -> our LlamaConfig (ValueError for what we lack)."""
+    """A Hugging Face Llama config dict -> our LlamaConfig (InputError naming ``path`` for a
+    value of the wrong type or range, and for what we lack)."""
     architectures = hf.get("architectures") or []
     if hf.get("model_type") != "llama" or ARCHITECTURE not in architectures:
         raise InputError(f"{path}: model_type {hf.get('model_type')!r} / architectures "
                          f"{architectures} is not a Llama ({ARCHITECTURE}, model_type 'llama'): "
                          f"only Hugging Face Llama directories load here")
+    f = read_fields(hf, path)
     for key, wanted in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
-        if hf.get(key, wanted) != wanted:
-            raise InputError(f"{path}: {key} = {hf[key]!r} is not supported (ours: {wanted!r})")
-    needed = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-              "num_attention_heads")
-    absent = [key for key in needed if not isinstance(hf.get(key), int) or hf[key] <= 0]
-    if absent:
-        raise InputError(f"{path}: {', '.join(absent)} missing or not a positive integer; a "
-                         f"Llama config.json sets {', '.join(needed)}")
-    heads = hf["num_attention_heads"]
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
-    if head_dim * heads != hf["hidden_size"]:
+        if f[key] != wanted:
+            raise InputError(f"{path}: {key} = {f[key]!r} is not supported (ours: {wanted!r})")
+    heads = f["num_attention_heads"]
+    head_dim = f["head_dim"] or f["hidden_size"] // heads
+    if head_dim * heads != f["hidden_size"]:
         raise InputError(f"{path}: head_dim {head_dim} x num_attention_heads {heads} != "
-                         f"hidden_size {hf['hidden_size']}; ours needs head_dim = hidden / heads")
-    return LlamaConfig(vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
-                       intermediate_size=hf["intermediate_size"],
-                       num_layers=hf["num_hidden_layers"], num_attention_heads=heads,
-                       num_key_value_heads=hf.get("num_key_value_heads") or heads,
-                       max_seq_len=hf.get("max_position_embeddings", 2048),
-                       rope_theta=_rope_theta(hf, path), norm_eps=hf.get("rms_norm_eps", 1e-6),
-                       tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)))
+                         f"hidden_size {f['hidden_size']}; ours needs head_dim = hidden / heads")
+    try:
+        return LlamaConfig(vocab_size=f["vocab_size"], hidden_size=f["hidden_size"],
+                           intermediate_size=f["intermediate_size"],
+                           num_layers=f["num_hidden_layers"], num_attention_heads=heads,
+                           num_key_value_heads=f["num_key_value_heads"] or heads,
+                           max_seq_len=f["max_position_embeddings"], rope_theta=f["rope_theta"],
+                           norm_eps=f["rms_norm_eps"], tie_word_embeddings=f["tie_word_embeddings"])
+    except ValueError as err:  # e.g. heads that do not divide: still this file's values
+        raise InputError(f"{path}: {err}") from None
 
 
 def config_to_hf(config: LlamaConfig, dtype: torch.dtype) -> Dict[str, Any]:

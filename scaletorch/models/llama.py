@@ -27,40 +27,40 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from scaletorch.models.moe import Experts, MoE
+from scaletorch.rules.schema import at_least, check_fields, checked, positive, unless
 
 
 @dataclass
 class LlamaConfig:
-    vocab_size: int = 256
-    hidden_size: int = 64
-    intermediate_size: int = 128
-    num_layers: int = 2
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    max_seq_len: int = 64
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    tie_word_embeddings: bool = False
-    init_std: float = 0.02
+    vocab_size: int = checked(256, positive())
+    hidden_size: int = checked(64, positive())
+    intermediate_size: int = checked(128, positive())
+    num_layers: int = checked(2, positive())
+    num_attention_heads: int = checked(4, positive())
+    num_key_value_heads: int = checked(2, positive())
+    max_seq_len: int = checked(64, positive())
+    rope_theta: float = checked(10000.0, positive())
+    norm_eps: float = checked(1e-5, positive())
+    tie_word_embeddings: bool = checked(False)
+    init_std: float = checked(0.02, positive())
     # Tensor parallel splits embedding and head by vocabulary rows; a vocabulary tp does not
     # divide is padded there to a multiple of vocab_pad_to x tp (Megatron's
     # make-vocab-size-divisible-by), with the padded logits masked. This model is never padded.
-    vocab_pad_to: int = 128
-    # Mixture of experts (moe.py); num_experts 0 = a dense model.
-    num_experts: int = 0
-    moe_top_k: int = 2  # experts per token
-    moe_layer_freq: int = 1  # block i is MoE when i % moe_layer_freq == 0 (1: every block)
-    moe_intermediate_size: int = 0  # each expert's SwiGLU width; 0: intermediate_size
-    moe_aux_loss_coeff: float = 0.01  # weight of the load-balancing loss in the training loss
-    moe_capacity_factor: float = 0.0  # > 0: drop assignments beyond capacity; 0: never drop
+    vocab_pad_to: int = checked(128, positive())
+    # Mixture of experts (moe.py); num_experts 0 = a dense model, which reads no moe_* field.
+    num_experts: int = checked(0, at_least(0))
+    moe_top_k: int = checked(2, unless(positive(), "num_experts", 0))  # experts per token
+    # block i is MoE when i % moe_layer_freq == 0 (1: every block)
+    moe_layer_freq: int = checked(1, unless(positive(), "num_experts", 0))
+    # each expert's SwiGLU width; 0: intermediate_size
+    moe_intermediate_size: int = checked(0, unless(at_least(0), "num_experts", 0))
+    # weight of the load-balancing loss in the training loss
+    moe_aux_loss_coeff: float = checked(0.01, unless(at_least(0), "num_experts", 0))
+    # > 0: drop assignments beyond capacity; 0: never drop
+    moe_capacity_factor: float = checked(0.0, unless(at_least(0), "num_experts", 0))
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
-                     "num_attention_heads", "num_key_value_heads", "max_seq_len", "rope_theta",
-                     "norm_eps", "init_std", "vocab_pad_to"):
-            value = getattr(self, name)
-            if value <= 0:
-                raise ValueError(f"{name} must be positive, got {value}")
+        check_fields(self)  # every field's type and range (the rules above)
         if self.hidden_size % self.num_attention_heads != 0:
             raise ValueError(f"hidden_size ({self.hidden_size}) is not divisible by "
                              f"num_attention_heads ({self.num_attention_heads})")
@@ -71,15 +71,6 @@ class LlamaConfig:
         if self.head_dim % 2 != 0:
             # RoPE rotates pairs of channels.
             raise ValueError(f"head_dim ({self.head_dim}) must be even for rotary embeddings")
-        self._check_moe()
-
-    def _check_moe(self) -> None:
-        for name in ("num_experts", "moe_intermediate_size", "moe_aux_loss_coeff",
-                     "moe_capacity_factor"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.moe_layer_freq < 1:
-            raise ValueError(f"moe_layer_freq must be >= 1, got {self.moe_layer_freq}")
         if self.num_experts > 0 and not 1 <= self.moe_top_k <= self.num_experts:
             raise ValueError(f"moe_top_k ({self.moe_top_k}) must be between 1 and num_experts "
                              f"({self.num_experts})")

@@ -23,19 +23,22 @@ import time
 import traceback
 import typing
 from types import TracebackType
-from typing import Any, Callable, Dict, List, Optional, Sequence, Type
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Type
 
 import torch
 import yaml
 
-from scaletorch.config import (PRECISIONS, CheckpointConfig, Config, DataConfig, LoggingConfig,
-                               ParallelConfig, TrainingConfig, recompute_mode)
+from scaletorch.config import (CheckpointConfig, Config, DataConfig, LoggingConfig, ParallelConfig,
+                               TrainingConfig, recompute_mode)
 from scaletorch.data.datasets import check_data_file, check_synthetic_vocab
+from scaletorch.dist import restart_count
 from scaletorch.parallel.mixed_precision import policy_for as precision_policy
 # the one layout check (also run by parallelize): re-exported for the scripts
 from scaletorch.parallel.validation import validate_layout
 from scaletorch.rules.errors import InputError, MissingInputError
-from scaletorch.trainer.checkpoint import check_resume
+from scaletorch.rules.schema import Rule, check_applies, check_value, ignored_by, rules_of
+from scaletorch.trainer.checkpoint import (check_resume, latest_checkpoint, load_tensors_only,
+                                           read_manifest)
 
 __all__ = [
     "CheckpointConfig", "Config", "DataConfig", "InputError", "LoggingConfig", "ParallelConfig",
@@ -126,7 +129,7 @@ def set_value(cfg: Config, key: str, value: Any) -> None:
     types = _field_types(target)
     if name not in types or name not in allowed:
         raise ValueError(f"unknown config key {key!r}; valid keys there: {', '.join(allowed)}")
-    if key == RECOMPUTE:  # older configs say true / false
+    if key == RECOMPUTE and str(value).lower() in ("true", "false"):  # older configs' form
         value = recompute_mode(value)
     setattr(target, name, _convert(value, types[name], key))
 
@@ -136,14 +139,17 @@ def apply_dict(cfg: Config, values: Dict[str, Any], source: str = "config") -> N
     if not isinstance(values, dict):
         raise InputError(f"{source} must be a mapping of sections, got {type(values).__name__}")
     try:
+        given = {}
         for section, body in values.items():
             if section in SECTIONS:
                 if not isinstance(body, dict):
                     raise ValueError(f"section {section!r} must be a mapping")
                 for name, value in body.items():
                     set_value(cfg, f"{section}.{name}", value)
+                    given[f"{section}.{name}"] = value
             else:
                 set_value(cfg, section, body)
+        check_schema(cfg, given)  # the file's own values, and that it reads each one
         # LlamaConfig validates itself on construction; re-run its checks after edits.
         cfg.model.__post_init__()
     except ValueError as err:  # a value of the file: say which file holds it
@@ -225,12 +231,15 @@ def parse_args(argv: Optional[Sequence[str]] = None, default_config: Optional[st
         value = getattr(args, key)
         if value is not None:
             overrides.append((key, value))
+    given = {}
     for key, value in overrides:
         if isinstance(value, str):
             value = yaml.safe_load(value) if value != "" else value  # "1e-3" -> 0.001
         set_value(cfg, key, value)
+        given[key] = value
     if args.resume is not None:
         cfg.checkpoint.resume = args.resume
+    check_schema(cfg, given)
     cfg.model.__post_init__()
     validate(cfg)
     return cfg
@@ -258,8 +267,11 @@ def load_config(default_config: str, description: str, limits: Optional[Limits] 
     pre.add_argument("--validate-only", action="store_true")
     pre.add_argument("--world-size", type=int, default=None)
     known, rest = pre.parse_known_args(argv)
-    world_size = known.world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    world_size = known.world_size if known.world_size is not None else int(
+        os.environ.get("WORLD_SIZE", "1"))
     try:
+        if world_size < 1:  # scripts/launch.sh refuses it first; a direct call may not
+            raise InputError(f"--world-size must be at least 1, got {world_size}")
         cfg = parse_args(rest, default_config, description)
         validate(cfg, world_size)
         if limits is not None:
@@ -351,11 +363,32 @@ def check_inputs(cfg: Config, world_size: int, resume_files: bool = False) -> No
     this run (``check_resume``), and the run directory (and checkpoint.dir when checkpoints
     are saved) can be created and written. InputError naming the path."""
     check_resume(cfg, world_size, resume_files)
+    check_resume_step(cfg)
     outputs = {"logging.run_dir": cfg.run_path}
     if cfg.checkpoint.every > 0:
         outputs["checkpoint.dir"] = cfg.checkpoint_path
     for key, path in outputs.items():
         check_writable(key, path)
+
+
+def check_resume_step(cfg: Config) -> None:
+    """InputError when the checkpoint that ``--resume`` names (or the latest) is at or past
+    ``training.steps``: nothing is left to train, and the run would end on a report of no
+    steps. Both numbers are named. A torchrun restart resumes whatever it finds, unchecked."""
+    resume = cfg.checkpoint.resume
+    if resume is None or restart_count() > 0:
+        return
+    path = latest_checkpoint(cfg.checkpoint_path) if resume == "latest" else resume
+    if path is None:
+        return
+    if os.path.isfile(path):  # a consolidated file (check_resume read it already)
+        step = load_tensors_only(path, f"--resume {path}", mmap=True).get("step")
+    else:
+        step = read_manifest(path).get("step")
+    if isinstance(step, int) and step >= cfg.training.steps:
+        raise InputError(f"--resume {path} is at step {step}, and training.steps is "
+                         f"{cfg.training.steps}: nothing is left to train; give --steps above "
+                         f"{step} to continue it, or start a new run without --resume")
 
 
 def check_writable(key: str, path: str) -> None:
@@ -377,14 +410,34 @@ def check_writable(key: str, path: str) -> None:
                          f"directory you can write with --{key}") from None
 
 
-CHOICES = {
-    "data.dataset": ("synthetic", "text", "bin"),
-    "parallel.impl": ("scaletorch", "naive", "torch"),
-    "parallel.schedule": ("afab", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev"),
-    "parallel.cp_variant": ("ring", "ulysses"),
-    "parallel.cp_attention": ("auto", "math", "fused"),
-    "training.precision": PRECISIONS,
-}
+def schema(cfg: Config) -> Iterator[Tuple[str, Any, Any, Rule, Any]]:
+    """(key, value, annotation, rule, default) of every field of ``cfg``, section by section,
+    as the dataclasses in scaletorch/config.py declare them."""
+    for section in ("", *SECTIONS):
+        obj = getattr(cfg, section) if section else cfg
+        prefix = f"{section}." if section else ""
+        for name, annotation, rule, default in rules_of(type(obj)):
+            yield prefix + name, getattr(obj, name), annotation, rule, default
+
+
+def setting(cfg: Config, key: str) -> Any:
+    """The value of ``section.name`` (or a top-level name) in ``cfg``."""
+    section, _, name = key.rpartition(".")
+    return getattr(getattr(cfg, section) if section else cfg, name)
+
+
+def check_schema(cfg: Config, given: Optional[Dict[str, Any]] = None) -> None:
+    """Every value of ``cfg`` against its field's rule (type, range, choices), then every key
+    the user ``given`` (a default is not given: a saved config.yaml lists them all) against
+    the settings that make the run read it. InputError naming the key, the value and what is
+    allowed. (Paths are checked on disk by ``validate`` and ``check_inputs``.)"""
+    rules, defaults = {}, {}
+    for key, value, annotation, rule, default in schema(cfg):
+        check_value(key, value, annotation, rule)
+        rules[key], defaults[key] = rule, default
+    for key, value in (given or {}).items():
+        if key in rules and value != defaults[key]:
+            check_applies(key, value, rules[key], lambda other: setting(cfg, other))
 
 
 def validate(cfg: Config, world_size: Optional[int] = None) -> None:
@@ -392,49 +445,10 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
 
     Without ``world_size`` only the checks that do not depend on it run.
     """
-    for key, choices in CHOICES.items():
-        section, name = key.split(".")
-        value = getattr(getattr(cfg, section), name)
-        if value not in choices:
-            raise ValueError(f"{key} must be one of {', '.join(choices)}, got {value!r}")
-    positive = {
-        "data.seq_len": cfg.data.seq_len,
-        "data.global_batch_size": cfg.data.global_batch_size,
-        "data.num_micro_batches": cfg.data.num_micro_batches,
-        "training.steps": cfg.training.steps,
-        "training.timeout_seconds": cfg.training.timeout_seconds,
-        "logging.log_every": cfg.logging.log_every,
-        "parallel.tensor_model_parallel_size": cfg.parallel.tensor_model_parallel_size,
-        "parallel.pipeline_model_parallel_size": cfg.parallel.pipeline_model_parallel_size,
-        "parallel.context_parallel_size": cfg.parallel.context_parallel_size,
-        "parallel.expert_model_parallel_size": cfg.parallel.expert_model_parallel_size,
-        "parallel.virtual_pipeline_stages": cfg.parallel.virtual_pipeline_stages,
-        "parallel.bucket_size_mb": cfg.parallel.bucket_size_mb,
-    }
-    for key, value in positive.items():
-        if value <= 0:
-            raise ValueError(f"{key} must be positive, got {value}")
-    non_negative = {
-        "training.lr": cfg.training.lr,
-        "training.min_lr": cfg.training.min_lr,
-        "training.warmup_steps": cfg.training.warmup_steps,
-        "training.weight_decay": cfg.training.weight_decay,
-        "training.grad_clip": cfg.training.grad_clip,
-        "checkpoint.every": cfg.checkpoint.every,
-        "logging.profile_steps": cfg.logging.profile_steps,
-        "parallel.data_parallel_size": cfg.parallel.data_parallel_size,
-    }
-    for key, value in non_negative.items():
-        if value < 0:
-            raise ValueError(f"{key} must be >= 0, got {value}")
-    if cfg.training.fail_rank < 0:
-        raise ValueError(f"training.fail_rank must be >= 0, got {cfg.training.fail_rank}")
+    check_schema(cfg)  # every field's type and range, as scaletorch/config.py declares them
     if world_size is not None and cfg.training.fail_rank >= world_size:
         raise ValueError(f"training.fail_rank ({cfg.training.fail_rank}) is not a rank of a "
                          f"world of {world_size}")
-    if cfg.checkpoint.keep_last < 1:
-        raise ValueError(f"checkpoint.keep_last must be >= 1, got {cfg.checkpoint.keep_last}")
-    recompute_mode(cfg.parallel.activation_checkpointing)  # none | selective | full
     precision_policy(cfg, "cuda" if torch.cuda.is_available() else "cpu")  # dtype names
     p = cfg.parallel
     if cfg.training.precision == "fp16" and p.impl == "torch":
@@ -442,18 +456,16 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
         # and pipelining schedules are not given our scaler
         raise ValueError(f"training.precision fp16 scales the loss in our steps only: not with "
                          f"impl {p.impl!r}; use bf16 or impl scaletorch")
-    if cfg.parallel.zero_stage not in (0, 1, 2, 3):
-        raise ValueError(f"parallel.zero_stage must be 0, 1, 2 or 3, got {cfg.parallel.zero_stage}")
     if cfg.data.seq_len > cfg.model.max_seq_len:
         raise ValueError(f"data.seq_len ({cfg.data.seq_len}) exceeds model.max_seq_len "
                          f"({cfg.model.max_seq_len})")
     if cfg.data.dataset == "synthetic":
         check_synthetic_vocab(cfg.model.vocab_size)
+    if cfg.data.dataset in ("text", "bin"):  # kind, format, length, vocabulary
+        check_data_file(cfg.data.dataset, cfg.data.path, cfg.model.vocab_size, cfg.data.seq_len)
     if cfg.data.dataset == "text" and cfg.model.vocab_size < 256:
         raise ValueError(f"the byte-level text dataset needs model.vocab_size >= 256, "
                          f"got {cfg.model.vocab_size}")
-    if cfg.data.dataset in ("text", "bin"):  # kind, format, length, vocabulary
-        check_data_file(cfg.data.dataset, cfg.data.path, cfg.model.vocab_size, cfg.data.seq_len)
     if cfg.logging.plan_cluster and not os.path.isfile(cfg.logging.plan_cluster):
         raise MissingInputError(f"logging.plan_cluster {cfg.logging.plan_cluster!r} is not a "
                                 f"file: give a cluster file from scripts/plan.py --calibrate")
@@ -465,6 +477,11 @@ def save_config(cfg: Config, path: str) -> None:
     """Write the resolved config as YAML (atomically: a reader never sees half a file)."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     tmp = f"{path}.tmp"
+    values = cfg.to_dict()
+    for key, _, _, rule, default in schema(cfg):  # what the run ignored is saved as a default,
+        if ignored_by(key, rule, lambda other: setting(cfg, other)):  # so the file loads again
+            section, _, name = key.rpartition(".")
+            (values[section] if section else values)[name] = default
     with open(tmp, "w") as f:
-        yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
+        yaml.safe_dump(values, f, sort_keys=False)
     os.replace(tmp, path)

@@ -1,0 +1,245 @@
+"""Every config value is checked by one schema (scaletorch/rules/schema.py), before any rank.
+
+The cases are generated from the schema, not listed by hand: for every field of ``Config``
+(and of the model's ``LlamaConfig``), a value of the wrong type and values out of its rule's
+range go to chapter 00 as a user gives them, on the command line and in a YAML file, through
+the path scripts/launch.sh takes first (``--validate-only``). Each must be one line
+``error: ...`` naming the key, exit status 2, and no traceback.
+"""
+
+import json
+import math
+import os
+import tempfile
+import typing
+import unittest
+from typing import Any, List, Tuple
+
+import torch
+import yaml
+
+from scaletorch.config import Config
+from scaletorch.models import LlamaConfig
+from scaletorch.models.hf import HFLlamaFields, config_to_hf, load_hf_config
+from scaletorch.rules.errors import InputError
+from scaletorch.rules.schema import Rule, rules_of
+from scaletorch.trainer.config import ALIASES, schema
+from tests.test_bad_inputs import C00, run_in_process
+
+FLAGS = {"checkpoint.resume": ["--resume"]}  # a key's own flag, named by check_resume
+
+
+def _kind(annotation: Any) -> Any:
+    if typing.get_origin(annotation) is typing.Union:
+        return next(a for a in typing.get_args(annotation) if a is not type(None))
+    return annotation
+
+
+def wrong_type(annotation: Any) -> str:
+    """A command-line value (YAML syntax, as --set reads it) that is not of the field's type."""
+    kind = _kind(annotation)
+    if typing.get_origin(kind) is list:
+        return "[a, b]"
+    return {bool: "maybe", int: "ten", float: "fast", str: "[1, 2]"}[kind]
+
+
+def out_of_range(annotation: Any, rule: Rule, d: str) -> List[Any]:
+    """Values of the right type that the rule refuses: past each bound, outside the choices,
+    not finite, empty, a path that does not exist or cannot be created."""
+    kind = _kind(annotation)
+    item = typing.get_args(kind)[0] if typing.get_origin(kind) is list else kind
+    values: List[Any] = []
+    if rule.choices:
+        values.append(max(rule.choices) + 1 if item is int else "nope")
+    step = 1 if item is int else 0.5
+    if rule.low is not None:
+        values.append(rule.low if rule.low_open else rule.low - step)
+    if rule.high is not None:
+        values.append(rule.high if rule.high_open else rule.high + step)
+    if item is float:
+        values += [math.inf, -math.inf, math.nan]
+    if rule.non_empty:
+        values.append("")
+    if rule.path in ("file", "checkpoint"):
+        values.append(os.path.join(d, "nope"))
+    if rule.path == "dir":
+        values.append(os.path.join(d, "a_file", "below"))
+    if typing.get_origin(kind) is list:
+        values = [[v] for v in values]
+    return values
+
+
+def _yaml(value: Any) -> str:
+    """``value`` as the command line gives it (YAML: .inf, .nan, a list, an empty string)."""
+    if isinstance(value, list):
+        return "[" + ", ".join(_yaml(v) for v in value) + "]"
+    if isinstance(value, float) and not math.isfinite(value):
+        return ".nan" if math.isnan(value) else ("-.inf" if value < 0 else ".inf")
+    return str(value)
+
+
+def read_when(rule: Rule, key: str) -> List[str]:
+    """Arguments under which the run reads ``key``: the setting its rule is ignored under,
+    set to another value its own rule allows (for checkpoint.dir: checkpoints saved)."""
+    args = ["--checkpoint.every", "1"] if rule.path == "dir" else []
+    if rule.ignored_when is not None:
+        other, ignored = rule.ignored_when
+        other = other if "." in other else f"{key.rsplit('.', 1)[0]}.{other}"
+        other_rule = next(r for k, _, _, r, _ in schema(Config()) if k == other)
+        choices = other_rule.choices or tuple(range(int(other_rule.low or 0), 100))
+        args += [f"--{other}", str(next(c for c in choices if c not in ignored))]
+    return args
+
+
+def given_but_ignored(rule: Rule, key: str, default: Any) -> Tuple[List[str], str]:
+    """Arguments that give ``key`` a valid value while its rule's setting makes the run ignore
+    it (the defaults do), and that value."""
+    value = "README.md" if rule.path else str(default + 1)
+    return [f"--{key}", value], value
+
+
+def cases(d: str) -> List[Tuple[str, str, List[str]]]:
+    """(key, what, arguments) for every field: a wrong type, each out-of-range value (on the
+    command line, and in a YAML file) and, where the rule says so, a value given but ignored."""
+    out = []
+    for key, _, annotation, rule, default in schema(Config()):
+        out.append((key, "wrong type", ["--set", f"{key}={wrong_type(annotation)}"]))
+        context = read_when(rule, key)
+        for i, value in enumerate(_yaml(v) for v in out_of_range(annotation, rule, d)):
+            out.append((key, f"out of range {value!r}", [*context, "--set", f"{key}={value}"]))
+            section, _, name = key.rpartition(".")
+            body = {name: yaml.safe_load(value) if value else value}
+            path = os.path.join(d, f"{key}.{i}.yaml")
+            with open(path, "w") as f:
+                yaml.safe_dump({section: body} if section else body, f)
+            out.append((key, f"out of range {value!r} in YAML", [*context, "--config", path]))
+        if rule.ignored_when is not None:
+            args, value = given_but_ignored(rule, key, default)
+            out.append((key, f"given {value} but ignored", args))
+    return out
+
+
+class EveryFieldRefusesWrongTypesAndRanges(unittest.TestCase):
+
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.TemporaryDirectory()
+        cls.d = cls.tmp.name
+        with open(os.path.join(cls.d, "a_file"), "w") as f:
+            f.write("not a directory")
+        cls.cases = cases(cls.d)
+        runs = ["--logging.run_dir", os.path.join(cls.d, "runs")]
+        cls.results = {
+            (key, what): run_in_process(C00, [*runs, *args] if key != runs[0][2:] else args)
+            for key, what, args in cls.cases
+        }
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.tmp.cleanup()
+
+    def test_every_field_has_a_rule_and_cases(self):
+        keys = [key for key, *_ in schema(Config())]
+        fields = sum(
+            len(typing.get_type_hints(type(getattr(Config(), s))))
+            for s in ("model", "data", "parallel", "training", "checkpoint", "logging")) + 1
+        self.assertEqual(len(keys), fields)  # every field of every section, and check
+        self.assertEqual({key for key, *_ in self.cases}, set(keys))
+        self.assertGreater(len(self.cases), 3 * len(keys))
+
+    def test_each_case_is_one_line_naming_the_key_exit_2(self):
+        for key, what, args in self.cases:
+            with self.subTest(key=key, what=what, args=args):
+                code, out = self.results[key, what]
+                self.assertEqual(code, 2, out[-2000:])
+                self.assertNotIn("Traceback", out)
+                self.assertEqual(len(out.strip().splitlines()), 1, out[-2000:])
+                self.assertTrue(out.startswith("error: "), out)
+                names = [key, *FLAGS.get(key, []), *[f for f, k in ALIASES.items() if k == key]]
+                self.assertTrue(any(name in out for name in names), out)
+
+    def test_the_issue_cases_say_what_is_allowed(self):
+        by_args = {" ".join(args): self.results[key, what] for key, what, args in self.cases}
+        self.assertEqual(by_args["--set training.lr=.inf"],
+                         (2, "error: training.lr must be >= 0 and finite, got inf\n"))
+        self.assertEqual(by_args["--set training.beta1=1"],
+                         (2, "error: training.beta1 must be in [0, 1) and finite, got 1.0\n"))
+        code, out = run_in_process(C00, ["--training.beta1", "1.5"])
+        self.assertEqual((code, out),
+                         (2, "error: training.beta1 must be in [0, 1) and finite, got 1.5\n"))
+        code, out = run_in_process(C00, ["--data.path", "README.md"])
+        self.assertEqual(code, 2)
+        self.assertIn("data.path 'README.md' is given, but data.dataset 'synthetic' ignores it",
+                      out)
+
+    def test_valid_values_and_a_saved_config_still_load(self):
+        code, out = run_in_process(C00, [
+            "--logging.run_dir",
+            os.path.join(self.d, "runs"), "--training.beta1", "0", "--model.num_experts", "2",
+            "--model.moe_top_k", "1"
+        ])
+        self.assertEqual((code, out), (0, ""))
+        self.assertFalse(os.path.exists(os.path.join(self.d, "runs")))
+
+
+def wrong_json_type(annotation: Any) -> Any:
+    """A JSON value that is not of the field's type as it stands: a number as a string, a
+    boolean as a string, null where no default stands in, a string where a list belongs."""
+    kind = _kind(annotation)
+    if typing.get_origin(kind) is list:
+        return "LlamaForCausalLM"
+    return {bool: "true", int: "2048", float: None, str: 1}[kind]
+
+
+class EveryHuggingFaceFieldIsChecked(unittest.TestCase):
+    """config.json: for every field we read (``HFLlamaFields``), a wrong JSON type, each
+    out-of-range value, and a missing required field raise InputError naming the file and the
+    field. The file is 4.x style (a top-level rope_theta); 5.x's rope_parameters is one more."""
+
+    def _refused(self, d: str, changes: dict, drop: str = "") -> str:
+        hf = config_to_hf(LlamaConfig(), torch.float32)
+        hf.pop("rope_parameters")
+        hf.update(changes)
+        hf.pop(drop, None)
+        with open(os.path.join(d, "config.json"), "w") as f:
+            json.dump(hf, f)  # inf and nan as JSON's Infinity and NaN, as Python writes them
+        with self.assertRaises(InputError) as ctx:
+            load_hf_config(d)
+        return str(ctx.exception)
+
+    def test_each_field_refuses_a_wrong_type_and_out_of_range_values(self):
+        checked = 0
+        with tempfile.TemporaryDirectory() as d:
+            for name, annotation, rule, default in rules_of(HFLlamaFields):
+                values = [wrong_json_type(annotation), *out_of_range(annotation, rule, d)]
+                for value in values:
+                    with self.subTest(field=name, value=value):
+                        message = self._refused(d, {name: value})
+                        self.assertTrue(message.startswith(os.path.join(d, "config.json")))
+                        self.assertIn(name, message)
+                        checked += 1
+                if default is None and typing.get_origin(annotation) is not typing.Union:
+                    with self.subTest(field=name, value="missing"):
+                        self.assertIn(name, self._refused(d, {}, drop=name))
+                        checked += 1
+            self.assertIn(
+                "rope_theta must be positive and finite, got -1",
+                self._refused(d, {"rope_parameters": {
+                    "rope_type": "default",
+                    "rope_theta": -1
+                }}))
+        self.assertGreater(checked, 2 * len(list(rules_of(HFLlamaFields))))
+
+    def test_the_issue_cases_name_the_file_field_and_value(self):
+        with tempfile.TemporaryDirectory() as d:
+            file = os.path.join(d, "config.json")
+            self.assertEqual(self._refused(d, {"max_position_embeddings": "2048"}),
+                             f"{file}: max_position_embeddings must be int, got '2048'")
+            self.assertEqual(self._refused(d, {"rms_norm_eps": None}),
+                             f"{file}: rms_norm_eps must be positive and finite, got null")
+            self.assertEqual(self._refused(d, {"tie_word_embeddings": "false"}),
+                             f"{file}: tie_word_embeddings must be true or false, got 'false'")
+
+
+if __name__ == "__main__":
+    unittest.main()
