@@ -59,7 +59,8 @@ from scaletorch.parallel.data_parallel import apply_data_parallel
 from scaletorch.parallel.expert_parallel import ExpertParallel, shard_experts
 from scaletorch.parallel.grad_norm import clip_grads_, world_grad_norm
 from scaletorch.parallel.native import parallelize_native
-from scaletorch.parallel.pipeline_parallel import PipelineSchedule, apply_pipeline_parallel
+from scaletorch.parallel.pipeline_parallel import apply_pipeline_parallel
+from scaletorch.parallel.pipeline_runtime import PipelineSchedule
 from scaletorch.parallel.split_backward import ZeroBubbleSchedule
 from scaletorch.parallel.step import ForwardBackward, LossFn, LossScale, make_data_parallel_step
 from scaletorch.parallel.tensor_layout import (TensorLayout, plain_entries, record_splits,

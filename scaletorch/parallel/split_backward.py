@@ -30,7 +30,8 @@ import torch.distributed as dist
 from torch import nn
 
 from scaletorch.dist import ProcessGroupManager, comm
-from scaletorch.parallel.pipeline_parallel import PipelineChunk, PipelineModel, PipelineSchedule
+from scaletorch.parallel.pipeline_parallel import PipelineChunk, PipelineModel
+from scaletorch.parallel.pipeline_runtime import PipelineSchedule
 from scaletorch.schedule.catalog import schedule_actions, schedule_plan
 from scaletorch.schedule.orders import P2P, Action, Step
 from scaletorch.schedule.placement import rank_of_stage

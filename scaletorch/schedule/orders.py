@@ -168,3 +168,9 @@ def comm_plan(units: Sequence[Sequence[Action]], rank: int, stages: int, virtual
         pending = [send for _, send in ops if send]
     steps.append((tuple(pending), None))
     return steps
+
+
+def message(micro_batch: int, peer: int, outgoing: bool) -> str:
+    """A point-to-point message as ``--show-schedule`` prints it: "mb 0 -> rank 1" (sent to
+    pipeline rank 1) or "mb 0 <- rank 0" (received from pipeline rank 0)."""
+    return f"mb {micro_batch} {'->' if outgoing else '<-'} rank {peer}"

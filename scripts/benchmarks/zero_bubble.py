@@ -18,8 +18,8 @@ import torch
 from scaletorch.dist import destroy_pg_manager, init_pg_manager
 from scaletorch.models import LlamaConfig, build_model
 from scaletorch.parallel.pipeline_native import TorchPipelineSchedule
-from scaletorch.parallel.pipeline_parallel import (PipelineSchedule, apply_pipeline_parallel,
-                                                   gather_timeline)
+from scaletorch.parallel.pipeline_parallel import apply_pipeline_parallel, gather_timeline
+from scaletorch.parallel.pipeline_runtime import PipelineSchedule
 from scaletorch.parallel.split_backward import ZeroBubbleSchedule
 from scaletorch.schedule.placement import V_SHAPED, ZERO_BUBBLE
 from scaletorch.schedule.simulate import simulate_async
