@@ -483,7 +483,7 @@ class TestPipelineParallelRanks(unittest.TestCase):
 
     def test_every_schedule_finishes_under_a_timeout(self):
         # p in {2, 4}; m in {p, 2p + 1} (interleaved: {p, 2p}, it needs m divisible by p).
-        # A deadlock would also fail the world after its 240 s collective timeout.
+        # A deadlock would also fail the world after its 300 s timeout.
         for key, seconds in self.results[0]["deadlock"].items():
             self.assertLess(seconds, 30.0, key)
         self.assertEqual(len(self.results[0]["deadlock"]), 12 + 8)  # + chapter 04's loops
