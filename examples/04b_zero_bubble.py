@@ -35,8 +35,7 @@ from scaletorch.models import build_model, loss_fn
 from scaletorch.parallel.data_parallel import apply_data_parallel
 from scaletorch.parallel.pipeline_native import TorchPipelineSchedule
 from scaletorch.parallel.pipeline_parallel import apply_pipeline_parallel, gather_timeline
-from scaletorch.parallel.pipeline_runtime import PipelineSchedule
-from scaletorch.parallel.split_backward import ZeroBubbleSchedule
+from scaletorch.parallel.split_backward import runtime_class
 from scaletorch.parallel.tensor_parallel import (apply_tensor_parallel,
                                                  tensor_parallel_clip_grad_norm,
                                                  tensor_parallel_loss_fn)
@@ -103,9 +102,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         pipe.chunks = nn.ModuleList(
             apply_data_parallel(chunk, pgm, p.impl, p.bucket_size_mb) for chunk in pipe.chunks)
     # the new idea: any schedule as data; the zero-bubble ones run B now, W later
-    runtime = ZeroBubbleSchedule if p.schedule in ZERO_BUBBLE else PipelineSchedule
     schedule = TorchPipelineSchedule(pipe, pgm, p.schedule, m) if p.impl == "torch" else \
-        runtime(pipe, pgm, p.schedule, m, loss)
+        runtime_class(p.schedule)(pipe, pgm, p.schedule, m, loss)
     # chapter 03's clip, one rule: each element once over the world; the stages' squares add up
     clip = tensor_parallel_clip_grad_norm(pipe, pgm)
     result = Trainer(cfg, pipe, pgm, device=env.device, forward_backward=schedule,

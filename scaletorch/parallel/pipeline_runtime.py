@@ -22,7 +22,8 @@ from scaletorch.dist.comm import average_over_group
 from scaletorch.dist.timer import Spans
 from scaletorch.models import loss_fn
 from scaletorch.parallel.pipeline_parallel import LossFn, PipelineModel
-from scaletorch.schedule.orders import P2P, Action, Step, classic_units, comm_plan
+from scaletorch.schedule.orders import Action
+from scaletorch.schedule.plans import P2P, Step, classic_units, comm_plan
 from scaletorch.schedule.timeline import Timeline
 
 

@@ -79,9 +79,10 @@ SCHEDULES = {"afab": afab, "1f1b": one_f_one_b}
 class Stage:
     """Pipeline rank ``rank`` of p for one step: its chunk, its micro-batches, its messages.
 
-    Messages are (b, s/sp, h) tensors of the parameters' dtype, over the "pp" group; the
-    first stage receives no activation, the last sends none and receives no gradient (its
-    output is the loss). ``forward`` and ``backward`` time each action for the timeline.
+    Messages are (b, s, h) tensors ((b, s/tp, h) under sequence parallel) of the parameters'
+    dtype, over the "pp" group; the first stage receives no activation, the last sends none
+    and receives no gradient (its output is the loss). ``forward`` and ``backward`` time each
+    action for the timeline.
     """
 
     def __init__(self, pipe: PipelineModel, pgm: ProcessGroupManager, micro_batches: MicroBatches,

@@ -4,8 +4,9 @@ simulators and the zero-bubble runtime look schedules up in."""
 
 from typing import List
 
-from scaletorch.schedule.orders import Action, Step, action_p2p, classic_units, comm_plan, message
+from scaletorch.schedule.orders import Action, message
 from scaletorch.schedule.placement import CLASSIC, SCHEDULES, V_SHAPED, ZERO_BUBBLE
+from scaletorch.schedule.plans import Step, action_p2p, classic_units, comm_plan
 from scaletorch.schedule.zero_bubble_orders import validate_zero_bubble, zero_bubble_units
 
 
