@@ -55,7 +55,8 @@ def one_f_one_b(stage: "Stage", m: int) -> None:
     # warm-up: forwards only, until the last stage can answer with a backward
     for mb in range(warmup):
         x = stage.recv_forward(mb)
-        stage.send_forward(mb, stage.forward(mb, x))
+        y = stage.forward(mb, x)
+        stage.send_forward(mb, y)
     x = stage.recv_forward(warmup) if warmup < m else None
     # steady state: forward micro-batch warmup + i, then backward micro-batch i
     for i in range(m - warmup):
@@ -69,7 +70,8 @@ def one_f_one_b(stage: "Stage", m: int) -> None:
     # cool-down: the backwards of the warm-up forwards
     for mb in range(m - warmup, m):
         dy = stage.recv_backward(mb)
-        stage.send_backward(mb, stage.backward(mb, dy))
+        dx = stage.backward(mb, dy)
+        stage.send_backward(mb, dx)
 
 
 # [end: schedules]
