@@ -19,6 +19,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+from jaxtyping import Float, Int
 
 from scaletorch.data import local_batch, split_micro_batches
 from scaletorch.dist import ProcessGroupManager, comm
@@ -29,8 +30,14 @@ from scaletorch.parallel.pipeline_parallel import LossFn, PipelineModel
 from scaletorch.schedule.orders import Action, message
 from scaletorch.schedule.timeline import Timeline
 
-Tensor = Optional[torch.Tensor]  # None where a stage has no such message (first, last)
-MicroBatches = List[Tuple[torch.Tensor, torch.Tensor]]  # m (inputs, targets) of (b, s) each
+# What one pipeline rank holds (jaxtyping; tests/test_pipeline_shapes.py checks it at run time):
+# b sequences of a micro-batch, s tokens (s/tp under sequence parallel), h hidden.
+Hidden = Float[torch.Tensor, "b s h"]
+Message = Optional[Hidden]  # a message; None where a stage has none (first, last)
+TokenIds = Int[torch.Tensor, "b s"]
+MicroBatches = List[Tuple[TokenIds, TokenIds]]  # m (inputs, targets)
+GlobalBatch = Int[torch.Tensor, "B s"]  # B = b m dp
+Scalar = Float[torch.Tensor, ""]
 
 # [core: schedules]
 
@@ -105,34 +112,34 @@ class Stage:
 
     # ---- the named point-to-point operations: one batch_isend_irecv each ------------------
 
-    def recv_forward(self, mb: int) -> Tensor:
+    def recv_forward(self, mb: int) -> Message:
         """The activation (b, s, h) of micro-batch ``mb`` from the previous rank."""
         return self._batch("recv_forward", [], [(mb, self.prev)])
 
-    def send_forward(self, mb: int, y: Tensor) -> None:
+    def send_forward(self, mb: int, y: Message) -> None:
         """This stage's output (b, s, h) of micro-batch ``mb`` to the next rank."""
         self._batch("send_forward", [(mb, self.next, y)], [])
 
-    def recv_backward(self, mb: int) -> Tensor:
+    def recv_backward(self, mb: int) -> Message:
         """The gradient (b, s, h) of this stage's output of ``mb`` from the next rank."""
         return self._batch("recv_backward", [], [(mb, self.next)])
 
-    def send_backward(self, mb: int, dx: Tensor) -> None:
+    def send_backward(self, mb: int, dx: Message) -> None:
         """The gradient (b, s, h) of this stage's input of ``mb`` to the previous rank."""
         self._batch("send_backward", [(mb, self.prev, dx)], [])
 
-    def send_forward_recv_backward(self, mb: int, y: Tensor, grad_mb: int) -> Tensor:
+    def send_forward_recv_backward(self, mb: int, y: Message, grad_mb: int) -> Message:
         """``send_forward(mb, y)`` and ``recv_backward(grad_mb)`` in one batch (next rank)."""
         return self._batch("send_forward_recv_backward", [(mb, self.next, y)],
                            [(grad_mb, self.next)])
 
-    def send_backward_recv_forward(self, mb: int, dx: Tensor, act_mb: int) -> Tensor:
+    def send_backward_recv_forward(self, mb: int, dx: Message, act_mb: int) -> Message:
         """``send_backward(mb, dx)`` and ``recv_forward(act_mb)`` in one batch (previous rank)."""
         return self._batch("send_backward_recv_forward", [(mb, self.prev, dx)],
                            [(act_mb, self.prev)])
 
-    def _batch(self, name: str, sends: List[Tuple[int, Optional[int], Tensor]],
-               recvs: List[Tuple[int, Optional[int]]]) -> Tensor:
+    def _batch(self, name: str, sends: List[Tuple[int, Optional[int], Message]],
+               recvs: List[Tuple[int, Optional[int]]]) -> Message:
         """Post the sends and the receive (none to or from a missing neighbour) as one batch
         over "pp" and wait for them; the received tensor, or None. ``name``: for the trace."""
         ops, received = [], None
@@ -149,7 +156,7 @@ class Stage:
 
     # ---- the computation ------------------------------------------------------------------
 
-    def forward(self, mb: int, x: Tensor) -> Tensor:
+    def forward(self, mb: int, x: Message) -> Message:
         """Micro-batch ``mb`` through the chunk: token ids (b, s) on the first stage, else the
         received (b, s, h); returns the output (b, s, h), or None on the last stage (the loss
         is kept, divided by m)."""
@@ -163,7 +170,7 @@ class Stage:
             self.held[mb] = (x, out)
         return None if self.last else out.detach().to(self.dtype)  # autocast may make it bf16
 
-    def backward(self, mb: int, dy: Tensor) -> Tensor:
+    def backward(self, mb: int, dy: Message) -> Message:
         """Backpropagate ``mb`` from the gradient of its output (None on the last stage: the
         loss); the gradient of its input (b, s, h), None on the first stage. Data-parallel
         gradients sync in the step's last backward only."""
@@ -196,7 +203,7 @@ class PipelineLoop:
         self.loss_fn = loss_fn
         self.spans = Spans(next(pipe.parameters()).device, time.time)  # one clock per host
 
-    def __call__(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def __call__(self, inputs: GlobalBatch, targets: GlobalBatch) -> Scalar:
         pgm = self.pgm
         inputs, targets, _ = local_batch(inputs, targets, pgm.data_parallel_rank,
                                          pgm.data_parallel_world_size)
@@ -232,16 +239,16 @@ class ScheduleTrace(Stage):
         self.next = None if self.last else rank + 1
         self.lines: List[str] = []
 
-    def forward(self, mb: int, x: Tensor) -> Tensor:
+    def forward(self, mb: int, x: Message) -> Message:
         self.lines.append(f"rank {self.rank}: F{mb}")
         return None
 
-    def backward(self, mb: int, dy: Tensor) -> Tensor:
+    def backward(self, mb: int, dy: Message) -> Message:
         self.lines.append(f"rank {self.rank}: B{mb}")
         return None
 
-    def _batch(self, name: str, sends: List[Tuple[int, Optional[int], Tensor]],
-               recvs: List[Tuple[int, Optional[int]]]) -> Tensor:
+    def _batch(self, name: str, sends: List[Tuple[int, Optional[int], Message]],
+               recvs: List[Tuple[int, Optional[int]]]) -> Message:
         messages = [message(mb, peer, True) for mb, peer, _ in sends if peer is not None]
         messages += [message(mb, peer, False) for mb, peer in recvs if peer is not None]
         if messages:
