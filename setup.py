@@ -11,10 +11,11 @@ setup(
     python_requires=">=3.10",
     install_requires=requirements,
     extras_require={
-        # types-*: stubs of the runtime requirements (pyyaml, tqdm) that mypy checks against
+        # types-*: stubs of the runtime requirements (pyyaml, tqdm) that mypy checks against;
+        # beartype: the run-time checker of the jaxtyping shapes in the tests
         "dev": [
             "pytest", "flake8", "flake8-quotes", "yapf", "isort", "mypy", "pre-commit",
-            "pre-commit-hooks", "types-PyYAML", "types-tqdm"
+            "pre-commit-hooks", "types-PyYAML", "types-tqdm", "beartype"
         ],
         "plot": ["matplotlib"],
         # Hugging Face checkpoints (safetensors), tokenizer.json files (tokenizers); transformers

@@ -3,25 +3,26 @@
     scripts/launch.sh examples/04_pipeline_parallel.py --nproc-per-node 2 -- --check
     scripts/launch.sh examples/04_pipeline_parallel.py --nproc-per-node 4 -- --pp 4 \\
         --model.num_layers 4 --check  # 4 stages: a layer each
-    scripts/launch.sh examples/04_pipeline_parallel.py --nproc-per-node 2 -- \\
-        --schedule interleaved --virtual-stages 2 --model.num_layers 4 --check
     scripts/launch.sh examples/04_pipeline_parallel.py --nproc-per-node 4 -- --check  # x dp 2
     scripts/launch.sh examples/04_pipeline_parallel.py --nproc-per-node 4 -- --tp 2 --check
-    scripts/launch.sh examples/04_pipeline_parallel.py --nproc-per-node 2 -- --impl torch --check
+    python examples/04_pipeline_parallel.py --show-schedule --world-size 2 --micro-batches 4
 
-The zero-bubble schedules (zb-h1, zbv, dualpipev) have their own script, 04b_zero_bubble.py.
+The interleaved and zero-bubble schedules and torch's pipelining run in 04b_zero_bubble.py.
 
 Chapter 03's tensor parallel (with --tp) on the whole model first, then the new idea: this rank
-keeps only its stages (``apply_pipeline_parallel``), and chapter 01's data-parallel wrapper
-goes around each of its chunks (dp > 1). The Trainer gets the schedule as its forward_backward
-and a grad norm summed over the stages. Then the script prints the point-to-point traffic of
-the last step and its timeline: which stage computed which micro-batch when, the measured
-bubble next to (p-1)/(v m + p - 1), and the peak activations.
+keeps only its stage (``apply_pipeline_parallel``), and chapter 01's data-parallel wrapper goes
+around it (dp > 1). The Trainer gets the schedule, AFAB or 1F1B written as a loop of named
+sends and receives (``pipeline_schedules.py``), as its forward_backward, and a grad norm summed
+over the stages. Then the script prints the point-to-point traffic of the last step and its
+timeline: which stage computed which micro-batch when, the measured bubble next to
+(p-1)/(m + p - 1), and the peak activations. ``--show-schedule`` prints each rank's calls of
+the loop, with the messages they send and receive, and exits without training.
 """
 
 import json
 import os
 import sys
+from typing import List, Optional
 
 from torch import nn
 
@@ -29,13 +30,11 @@ from scaletorch.dist import (destroy_distributed, destroy_pg_manager, get_ledger
                              init_pg_manager_from_config)
 from scaletorch.models import build_model, loss_fn
 from scaletorch.parallel.data_parallel import apply_data_parallel
-from scaletorch.parallel.pipeline_native import TorchPipelineSchedule
-from scaletorch.parallel.pipeline_parallel import (PipelineSchedule, apply_pipeline_parallel,
-                                                   gather_timeline)
+from scaletorch.parallel.pipeline_parallel import apply_pipeline_parallel, gather_timeline
+from scaletorch.parallel.pipeline_schedules import SCHEDULES, PipelineLoop, show_schedule
 from scaletorch.parallel.tensor_parallel import (apply_tensor_parallel,
                                                  tensor_parallel_clip_grad_norm,
                                                  tensor_parallel_loss_fn)
-from scaletorch.schedule.placement import ZERO_BUBBLE
 from scaletorch.trainer import Trainer, check_against_reference, load_config
 from scaletorch.trainer.pipeline_state import gather_pipeline_state_dict
 
@@ -43,12 +42,13 @@ from scaletorch.trainer.pipeline_state import gather_pipeline_state_dict
 def limits(cfg, world_size: int) -> None:
     """This chapter's scope (load_config checks it with the layout, before anything starts)."""
     p, t = cfg.parallel, cfg.training
-    if p.schedule in ZERO_BUBBLE:
-        raise ValueError(f"04_pipeline_parallel runs afab, 1f1b and interleaved; {p.schedule} "
-                         f"splits the backward: run examples/04b_zero_bubble.py")
+    if p.schedule not in SCHEDULES or p.impl == "torch":
+        raise ValueError(f"04_pipeline_parallel runs afab and 1f1b as plain loops; "
+                         f"{p.schedule} with impl {p.impl} runs in the general runtime: run "
+                         f"examples/04b_zero_bubble.py")
     if p.context_parallel_size > 1 or p.expert_model_parallel_size > 1 or p.impl == "naive":
-        raise ValueError("04_pipeline_parallel composes pp with dp and tp (impl scaletorch or "
-                         "torch); context and expert parallel join in 07_nd_parallel")
+        raise ValueError("04_pipeline_parallel composes pp with dp and tp (impl scaletorch); "
+                         "context and expert parallel join in 07_nd_parallel")
     if p.pipeline_model_parallel_size < 2:
         raise ValueError(f"04_pipeline_parallel needs pipeline_model_parallel_size >= 2 (--pp), "
                          f"got {p.pipeline_model_parallel_size}")
@@ -57,8 +57,7 @@ def limits(cfg, world_size: int) -> None:
         "tied embeddings": cfg.model.tie_word_embeddings,
         "MoE": cfg.model.num_experts > 0,
         "fp16": t.precision == "fp16",
-        "--activation-checkpointing": p.activation_checkpointing != "none",
-        "--impl torch with --tp": p.impl == "torch" and p.tensor_model_parallel_size > 1
+        "--activation-checkpointing": p.activation_checkpointing != "none"
     }
     if any(later.values()):
         raise ValueError(f"04_pipeline_parallel composes pp with dp and tp only: "
@@ -66,11 +65,16 @@ def limits(cfg, world_size: int) -> None:
                          f"in 07_nd_parallel (fp16: 08; recomputation, tied: 10)")
 
 
-def main() -> int:
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     cfg = load_config("examples/configs/04_pipeline_parallel.yaml", "Chapter 04: pipeline parallel",
-                      limits)
-    env = init_distributed(cfg.training.timeout_seconds)
+                      limits, [a for a in argv if a != "--show-schedule"])
     p, m = cfg.parallel, cfg.data.num_micro_batches
+    if "--show-schedule" in argv:  # every rank's calls of the loop, traced; no training
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(show_schedule(p.schedule, p.pipeline_model_parallel_size, m))
+        return 0
+    env = init_distributed(cfg.training.timeout_seconds)
     pgm = init_pg_manager_from_config(p, cfg.training.timeout_seconds)
     pgm.log_topology()
 
@@ -79,14 +83,12 @@ def main() -> int:
     if pgm.tensor_model_parallel_world_size > 1:  # chapter 03 first, on the whole model
         apply_tensor_parallel(model, pgm, p.sequence_parallel)
         loss = tensor_parallel_loss_fn(pgm)
-    # the new idea: keep this rank's stages; then chapter 01's wrapper around each chunk
-    pipe = apply_pipeline_parallel(model, pgm, p.virtual_pipeline_stages, p.layer_split,
-                                   p.sequence_parallel)
+    # the new idea: keep this rank's stage; then chapter 01's wrapper around it
+    pipe = apply_pipeline_parallel(model, pgm, 1, p.layer_split, p.sequence_parallel)
     if pgm.data_parallel_world_size_with_context > 1:
         pipe.chunks = nn.ModuleList(
             apply_data_parallel(chunk, pgm, p.impl, p.bucket_size_mb) for chunk in pipe.chunks)
-    schedule = TorchPipelineSchedule(pipe, pgm, p.schedule, m) if p.impl == "torch" else \
-        PipelineSchedule(pipe, pgm, p.schedule, m, loss)
+    schedule = PipelineLoop(pipe, pgm, p.schedule, m, loss)  # afab or one_f_one_b
     # chapter 03's clip, one rule: each element once over the world; the stages' squares add up
     clip = tensor_parallel_clip_grad_norm(pipe, pgm)
     result = Trainer(cfg, pipe, pgm, device=env.device, forward_backward=schedule,
@@ -94,7 +96,7 @@ def main() -> int:
 
     # What this chapter is about: activations and gradients passed between stages, the bubble.
     ledger, last = get_ledger(), cfg.training.steps - 1
-    timeline = None if p.impl == "torch" else gather_timeline(schedule.timeline, pgm)
+    timeline = gather_timeline(schedule.timeline, pgm)
     if pgm.rank == 0:
         print(ledger.table(step=last))
         b = cfg.data.global_batch_size // (pgm.data_parallel_world_size * m)
@@ -102,8 +104,7 @@ def main() -> int:
         sends = m * sum((s < pipe.num_stages - 1) + (s > 0) for s in pipe.stages)
         print(f"p2p sends of rank 0 per step: m x (stages not last + stages not first) = "
               f"{sends} messages of b x s x h = {numel:,} elements; ledger: "
-              f"{ledger.total(op='send', group='pp', step=last):,.0f} elements" +
-              (" (torch's pipelining bypasses our ledger)" if p.impl == "torch" else ""))
+              f"{ledger.total(op='send', group='pp', step=last):,.0f} elements")
         if timeline is not None:
             print(f"timeline of step {last} ({p.schedule}; a-z: forward of micro-batch 0-25, "
                   f"A-Z: its backward, '.': idle or waiting):")

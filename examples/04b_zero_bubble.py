@@ -8,15 +8,24 @@ gradients fill the bubble.
     scripts/launch.sh examples/04b_zero_bubble.py --nproc-per-node 4 -- --tp 2 --check
     scripts/launch.sh examples/04b_zero_bubble.py --nproc-per-node 2 -- --schedule dualpipev \\
         --virtual-stages 2 --impl torch --check
+    scripts/launch.sh examples/04b_zero_bubble.py --nproc-per-node 2 -- \\
+        --schedule interleaved --virtual-stages 2 --check
+    python examples/04b_zero_bubble.py --show-schedule --world-size 2 --schedule zbv \\
+        --virtual-stages 2 --micro-batches 4
 
-Chapter 04's script with the split backward: the schedule is a ``ZeroBubbleSchedule``
-(split_backward.py), which runs B (the input gradient) at once and W (the weight gradient)
-later, with asynchronous sends; zbv and dualpipev place two chunks per rank in a V (stages r
-and 2p - 1 - r). The timeline shows each W as a digit, and its theory is the schedule
-simulated with F = B = W.
+Chapter 04's script with the general runtime: a schedule is data, each rank's list of actions
+and messages (pipeline_runtime.py), so one executor runs afab, 1f1b and interleaved (v chunks
+per rank), bit for bit as 04's loops where both run. The zero-bubble schedules run in a
+``ZeroBubbleSchedule`` (split_backward.py): B (the input gradient) at once and W (the weight
+gradient) later, with asynchronous sends; zbv and dualpipev place two chunks per rank in a V
+(stages r and 2p - 1 - r). The timeline shows each W as a digit, and its theory is the
+schedule simulated with F = B = W. ``--show-schedule`` prints each rank's actions with the
+messages they wait for and send, and exits without training.
 """
 
+import os
 import sys
+from typing import List, Optional
 
 from torch import nn
 
@@ -26,10 +35,11 @@ from scaletorch.models import build_model, loss_fn
 from scaletorch.parallel.data_parallel import apply_data_parallel
 from scaletorch.parallel.pipeline_native import TorchPipelineSchedule
 from scaletorch.parallel.pipeline_parallel import apply_pipeline_parallel, gather_timeline
-from scaletorch.parallel.split_backward import ZeroBubbleSchedule
+from scaletorch.parallel.split_backward import runtime_class
 from scaletorch.parallel.tensor_parallel import (apply_tensor_parallel,
                                                  tensor_parallel_clip_grad_norm,
                                                  tensor_parallel_loss_fn)
+from scaletorch.schedule.catalog import show_plan
 from scaletorch.schedule.placement import V_SHAPED, ZERO_BUBBLE
 from scaletorch.trainer import Trainer, check_against_reference, load_config
 from scaletorch.trainer.pipeline_state import gather_pipeline_state_dict
@@ -38,9 +48,6 @@ from scaletorch.trainer.pipeline_state import gather_pipeline_state_dict
 def limits(cfg, world_size: int) -> None:
     """This chapter's scope (load_config checks it with the layout, before anything starts)."""
     p, t = cfg.parallel, cfg.training
-    if p.schedule not in ZERO_BUBBLE:
-        raise ValueError(f"04b_zero_bubble runs zb-h1, zbv and dualpipev; {p.schedule} is "
-                         f"chapter 04's: run examples/04_pipeline_parallel.py")
     if p.context_parallel_size > 1 or p.expert_model_parallel_size > 1 or p.impl == "naive":
         raise ValueError("04b_zero_bubble composes pp with dp and tp (impl scaletorch or "
                          "torch); context and expert parallel join in 07_nd_parallel")
@@ -48,7 +55,7 @@ def limits(cfg, world_size: int) -> None:
         raise ValueError(f"04b_zero_bubble needs pipeline_model_parallel_size >= 2 (--pp), "
                          f"got {p.pipeline_model_parallel_size}")
     dp = world_size // (p.pipeline_model_parallel_size * p.tensor_model_parallel_size)
-    if p.impl == "torch" and dp > 1:  # torch DDP around each chunk
+    if p.impl == "torch" and dp > 1 and p.schedule in ZERO_BUBBLE:  # torch DDP, each chunk
         raise ValueError(f"04b_zero_bubble --impl torch with data parallel ({dp} ranks): torch "
                          f"DDP cannot follow a backward split in B and W (its reducer sees each "
                          f"parameter twice and asserts in step 2; with find_unused_parameters "
@@ -68,11 +75,18 @@ def limits(cfg, world_size: int) -> None:
                          f"in 07_nd_parallel (fp16: 08; recomputation, tied: 10)")
 
 
-def main() -> int:
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     cfg = load_config("examples/configs/04b_zero_bubble.yaml",
-                      "Chapter 04b: zero-bubble pipeline schedules", limits)
-    env = init_distributed(cfg.training.timeout_seconds)
+                      "Chapter 04b: zero-bubble pipeline schedules", limits,
+                      [a for a in argv if a != "--show-schedule"])
     p, m = cfg.parallel, cfg.data.num_micro_batches
+    if "--show-schedule" in argv:  # every rank's actions and messages, from the data; no training
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(
+                show_plan(p.schedule, p.pipeline_model_parallel_size, m, p.virtual_pipeline_stages))
+        return 0
+    env = init_distributed(cfg.training.timeout_seconds)
     pgm = init_pg_manager_from_config(p, cfg.training.timeout_seconds)
     pgm.log_topology()
 
@@ -87,9 +101,9 @@ def main() -> int:
     if pgm.data_parallel_world_size_with_context > 1:
         pipe.chunks = nn.ModuleList(
             apply_data_parallel(chunk, pgm, p.impl, p.bucket_size_mb) for chunk in pipe.chunks)
-    # the new idea: a schedule whose backward is B now, W later
+    # the new idea: any schedule as data; the zero-bubble ones run B now, W later
     schedule = TorchPipelineSchedule(pipe, pgm, p.schedule, m) if p.impl == "torch" else \
-        ZeroBubbleSchedule(pipe, pgm, p.schedule, m, loss)
+        runtime_class(p.schedule)(pipe, pgm, p.schedule, m, loss)
     # chapter 03's clip, one rule: each element once over the world; the stages' squares add up
     clip = tensor_parallel_clip_grad_norm(pipe, pgm)
     result = Trainer(cfg, pipe, pgm, device=env.device, forward_backward=schedule,

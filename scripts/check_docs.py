@@ -29,6 +29,9 @@ The convention (doc/design.md, "Docs that reproduce"):
   32 x floor 3.0e-06``) is a deviation too. Everything else (parity verdicts and tolerances,
   ledger elements and bytes, memory tables, the rank grid, formula lines) must be equal.
 - A ``scripts/launch.sh`` command in a checked block must pass ``--steps``.
+- A source excerpt is a ```python fence right after ``<!-- excerpt: FILE NAME -->``: its lines
+  must equal FILE's lines between ``# [core: NAME]`` and ``# [end: NAME]`` (markers left out),
+  so code shown on a page cannot drift from the code that runs.
 - A plain ``` fence that looks like program output (a parity line, a ledger header...) is an
   error: label it ```text and put its command before it.
 - A prose sentence has at most 40 words (MAX_WORDS): a learner reads prose, so --lint counts
@@ -88,6 +91,7 @@ NOT_PROSE = ("    ", "\t", "#", "<!--", "![")  # and a table's row, indented or 
 LIST_MARKER = re.compile(r"^\s*([-*]|\d+\.)\s+")
 SENTENCE_END = re.compile(r"(?<=[.!?:;])\s+(?=[A-Z(`*])")
 MARKER = re.compile(r"^<!--\s*check:(.*?)-->\s*$")
+EXCERPT = re.compile(r"^<!--\s*excerpt:\s*(\S+)\s+(\S+)\s*-->\s*$")
 
 
 @dataclass
@@ -130,6 +134,46 @@ def _fences(text: str) -> List[Fence]:
         fences.append(Fence(m.group(1), i, lines[i + 1:j], marker and marker.group(1)))
         i = j + 1
     return fences
+
+
+def source_excerpt(path: str, name: str) -> Optional[List[str]]:
+    """The lines of ``path`` (from the repository root) between ``# [core: name]`` and
+    ``# [end: name]``, without the markers and the blank lines next to them; None if the file
+    or a marker is missing."""
+    full = os.path.join(ROOT, path)
+    if not os.path.isfile(full):
+        return None
+    with open(full, encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    marks = [
+        i for i, line in enumerate(lines)
+        if line.strip() in (f"# [core: {name}]", f"# [end: {name}]")
+    ]
+    if len(marks) != 2:
+        return None
+    return "\n".join(lines[marks[0] + 1:marks[1]]).strip("\n").splitlines()  # no blank ends
+
+
+def excerpt_errors(rel: str, lines: List[str], fences: List[Fence]) -> List[str]:
+    """A page's source excerpts that differ from their source (or name none)."""
+    errors = []
+    for fence in fences:
+        k = fence.start - 1
+        while k >= 0 and not lines[k].strip():
+            k -= 1
+        match = EXCERPT.match(lines[k].strip()) if k >= 0 else None
+        if match is None:
+            continue
+        where = f"{rel}:{fence.start + 1}"
+        source = source_excerpt(match.group(1), match.group(2))
+        if source is None:
+            errors.append(f"{where}: excerpt of {match.group(1)} '{match.group(2)}': no such "
+                          f"file, or not one '# [core: {match.group(2)}]' ... '# [end: ...]' pair")
+        elif [line.rstrip() for line in fence.lines] != [line.rstrip() for line in source]:
+            diff = difflib.unified_diff(fence.lines, source, "page", match.group(1), lineterm="")
+            errors.append(f"{where}: excerpt differs from {match.group(1)} (update the page):\n" +
+                          "\n".join(list(diff)[2:]))
+    return errors
 
 
 def _adjacent(lines: List[str], a: Fence, b: Fence) -> bool:
@@ -200,7 +244,7 @@ def parse(path: str, text: Optional[str] = None) -> Tuple[List[Block], List[str]
                     errors.append(f"{where}: looks like program output ('{line.strip()[:40]}'): "
                                   f"label it ```text and put its command before it")
                     break
-    return blocks, errors
+    return blocks, errors + excerpt_errors(rel, lines, fences)
 
 
 def long_sentences(path: str, text: Optional[str] = None, limit: int = MAX_WORDS) -> List[str]:

@@ -23,7 +23,7 @@ import torch
 
 from scaletorch.dist import get_ledger
 from scaletorch.parallel.data_parallel import BucketedDataParallel
-from scaletorch.parallel.pipeline_parallel import PipelineSchedule
+from scaletorch.parallel.pipeline_runtime import PipelineSchedule
 from scaletorch.trainer import Config, check_against_reference, parse_args
 from scaletorch.trainer.parity import (SAFETY_FACTOR, floor_applies, other_split, tolerance_text,
                                        widened)

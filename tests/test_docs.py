@@ -200,6 +200,36 @@ class ComparisonIgnoresTimingAndCatchesDrift(unittest.TestCase):
         self.assertEqual(check_docs.compare(doc, out), [])
 
 
+class SourceExcerptsEqualTheSource(unittest.TestCase):
+    """A ```python fence after ``<!-- excerpt: FILE NAME -->`` is FILE between its markers."""
+
+    SOURCE = "scaletorch/parallel/pipeline_schedules.py"
+
+    def page(self, code: str, name: str = "schedules") -> str:
+        marker = f"<!-- excerpt: {self.SOURCE} {name} -->"
+        return f"# A page\n\n{marker}\n{FENCE}python\n{code}\n{FENCE}\n"
+
+    def errors(self, text: str) -> list:
+        return check_docs.parse(os.path.join(ROOT, "doc", "page.md"), text)[1]
+
+    def test_the_current_source_passes_and_a_changed_line_or_a_missing_marker_fails(self):
+        code = "\n".join(check_docs.source_excerpt(self.SOURCE, "schedules"))
+        self.assertIn("def one_f_one_b(", code)
+        self.assertEqual(self.errors(self.page(code)), [])
+        drifted = code.replace("send_forward_recv_backward", "send_forward_then_recv_backward")
+        errors = self.errors(self.page(drifted))
+        self.assertEqual(len(errors), 1)
+        self.assertIn("doc/page.md:4: excerpt differs from " + self.SOURCE, errors[0])
+        self.assertIn("-        dy = stage.send_forward_then_recv_backward(", errors[0])
+        self.assertIn("no such file", self.errors(self.page(code, "no-such-marker"))[0])
+
+    def test_chapter_04_shows_its_loops_from_the_source(self):
+        with open(os.path.join(ROOT, "doc", "04_pipeline_parallel.md")) as f:
+            text = f.read()
+        self.assertIn(f"<!-- excerpt: {self.SOURCE} schedules -->", text)
+        self.assertEqual(self.errors(text), [])
+
+
 class DocumentedCommandsReproduce(unittest.TestCase):
 
     def test_the_docs_have_no_output_without_its_command(self):

@@ -21,8 +21,8 @@ from scaletorch.dist.device_check import HostTensorError, check_devices, made_on
 from scaletorch.parallel.mixed_precision import DynamicLossScaler
 from scaletorch.schedule.catalog import schedule_actions
 from scaletorch.schedule.in_order import simulate_posted
-from scaletorch.schedule.orders import action_p2p
 from scaletorch.schedule.placement import V_SHAPED
+from scaletorch.schedule.plans import action_p2p
 from scaletorch.schedule.posting import posting_program
 from scaletorch.schedule.simulate import PipelineDeadlock, simulate_async
 from scaletorch.trainer.param_map import full_state_dict

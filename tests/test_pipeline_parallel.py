@@ -1,11 +1,14 @@
-"""Pipeline parallel: schedules as data (no ranks), then one world of 4 ranks for the rest.
+"""Pipeline parallel: schedules as data and chapter 04's loops traced (no ranks), then one
+world of 4 ranks for the rest.
 
 The world rebuilds the pg_manager for pp 4, pp 2 x dp 2 and pp 2 x tp 2, runs every schedule
-(ours and torch.distributed.pipelining) for 5 steps against the single-device reference, runs
-each schedule once more for p in {2, 4} and m in {p, 2p + 1} under a timeout, and times the
-schedules with an artificial, equal delay per layer to measure the bubble.
+(chapter 04's loops, 04b's runtime and torch.distributed.pipelining) for 5 steps against the
+single-device reference, runs each schedule once more for p in {2, 4} and m in {p, 2p + 1}
+under a timeout, and times the schedules with an artificial, equal delay per layer to measure
+the bubble. Chapter 04's loops and 04b's runtime give bit-identical runs on the same layout.
 """
 
+import re
 import time
 import unittest
 
@@ -15,14 +18,15 @@ from scaletorch.dist import destroy_pg_manager, get_ledger, init_pg_manager, p2p
 from scaletorch.models import LlamaConfig, build_model
 from scaletorch.parallel.data_parallel import apply_data_parallel
 from scaletorch.parallel.pipeline_native import TorchPipelineSchedule
-from scaletorch.parallel.pipeline_parallel import (PipelineSchedule, apply_pipeline_parallel,
-                                                   gather_timeline)
-from scaletorch.parallel.split_backward import ZeroBubbleSchedule
+from scaletorch.parallel.pipeline_parallel import apply_pipeline_parallel, gather_timeline
+from scaletorch.parallel.pipeline_schedules import SCHEDULES, PipelineLoop, ScheduleTrace
+from scaletorch.parallel.split_backward import runtime_class
 from scaletorch.parallel.tied_embeddings import (attach_tied_embedding_sync, check_v_shape_wrappers,
                                                  tied_embedding_params, untie_across_stages)
 from scaletorch.schedule.catalog import schedule_actions, validate_schedule
-from scaletorch.schedule.orders import comm_plan, peak_live_activations
-from scaletorch.schedule.placement import V_SHAPED, ZERO_BUBBLE, split_layers, theoretical_bubble
+from scaletorch.schedule.orders import afab_actions, one_f_one_b_actions, peak_live_activations
+from scaletorch.schedule.placement import V_SHAPED, split_layers, theoretical_bubble
+from scaletorch.schedule.plans import comm_plan
 from scaletorch.schedule.simulate import PipelineDeadlock, simulate, simulate_plans
 from scaletorch.trainer import Config, Trainer
 from scripts.benchmarks.timing import Delayed
@@ -101,6 +105,39 @@ class TestScheduleDefinitions(unittest.TestCase):
         # (m = p, 2p) at each other p: 13; v = 2, 3 the same but none at p = 1: 10 each.
         self.assertEqual((simulated, refused), (52 + 35 + 13 + 10 + 10, 5 * 52 - 120))
 
+    def test_chapter_04_loops_call_the_schedule_definitions_order(self):
+        # afab and one_f_one_b run on a trace: their F and B order is the data's, every rank
+        definitions = {"afab": afab_actions, "1f1b": one_f_one_b_actions}
+        checked = 0
+        for name, loop in SCHEDULES.items():
+            for p in (1, 2, 3, 4, 8):
+                for m in range(p, 2 * p + 2):
+                    for rank in range(p):
+                        trace = ScheduleTrace(p, rank)
+                        loop(trace, m)
+                        actions = [line.split(": ")[1].split(" ")[0] for line in trace.lines]
+                        actions = [a for a in actions if a[0] in "FB"]
+                        expected = [str(a) for a in definitions[name](p, m, rank)]
+                        self.assertEqual(actions, expected, f"{name} p={p} m={m} rank={rank}")
+                        checked += 1
+        self.assertEqual(checked, 2 * sum(p * (p + 2) for p in (1, 2, 3, 4, 8)))
+
+    def test_chapter_04_loops_pair_every_send_with_one_receive(self):
+        # every message a rank's loop sends, its peer's loop receives, once
+        for name, loop in SCHEDULES.items():
+            for p, m in ((2, 2), (3, 5), (4, 4), (4, 9)):
+                sent, received = [], []
+                for rank in range(p):
+                    trace = ScheduleTrace(p, rank)
+                    loop(trace, m)
+                    text = " ".join(trace.lines)
+                    for mb, to in re.findall(r"mb (\d+) -> rank (\d+)", text):
+                        sent.append((rank, int(to), int(mb)))
+                    for mb, frm in re.findall(r"mb (\d+) <- rank (\d+)", text):
+                        received.append((int(frm), rank, int(mb)))
+                self.assertEqual(sorted(sent), sorted(received), f"{name} p={p} m={m}")
+                self.assertEqual(len(sent), 2 * m * (p - 1), f"{name} p={p} m={m}")
+
     def test_interleaved_without_paired_steady_state_deadlocks(self):
         # Posting one action's p2p at a time deadlocks the interleaved ring (all ranks wait
         # for their predecessor): why comm_plan pairs each steady-state F with its B.
@@ -160,8 +197,14 @@ def make_config(layers: int, micro_batches: int, global_batch: int, steps: int =
     return cfg
 
 
-# name: (pp, tp, schedule, v, m, global batch, impl, extra)
+# name: (pp, tp, schedule, v, m, global batch, impl, extra); impl "loop": chapter 04's loops
 PARITY_RUNS = {
+    "loop_pp4_afab": (4, 1, "afab", 1, 9, 18, "loop", {}),
+    "loop_pp4_1f1b": (4, 1, "1f1b", 1, 4, 16, "loop", {}),
+    "loop_pp2_dp2_afab_uneven": (2, 1, "afab", 1, 2, 16, "loop", {
+        "layer_split": [1, 3]
+    }),
+    "loop_pp2_dp2_1f1b": (2, 1, "1f1b", 1, 5, 20, "loop", {}),
     "pp4_afab": (4, 1, "afab", 1, 9, 18, "scaletorch", {}),
     "pp4_1f1b": (4, 1, "1f1b", 1, 4, 16, "scaletorch", {}),
     "pp4_interleaved": (4, 1, "interleaved", 2, 8, 16, "scaletorch", {}),
@@ -209,9 +252,10 @@ def build_pipeline(cfg: Config, pp: int, tp: int, schedule: str, v: int, impl: s
         untie_across_stages(model)  # a copy on the last stage (tied_embeddings.py)
     pipe = apply_pipeline_parallel(model, pgm, v, layer_split, sequence_parallel, v_shape)
     if pgm.data_parallel_world_size > 1:  # chapter 01's wrapper around each chunk
-        pipe.chunks = torch.nn.ModuleList(apply_data_parallel(c, pgm, impl) for c in pipe.chunks)
-    cls = TorchPipelineSchedule if impl == "torch" else \
-        ZeroBubbleSchedule if schedule in ZERO_BUBBLE else PipelineSchedule
+        wrapper = "scaletorch" if impl == "loop" else impl
+        pipe.chunks = torch.nn.ModuleList(apply_data_parallel(c, pgm, wrapper) for c in pipe.chunks)
+    cls = TorchPipelineSchedule if impl == "torch" else PipelineLoop if impl == "loop" else \
+        runtime_class(schedule)
     step = cls(pipe, pgm, schedule, cfg.data.num_micro_batches, **kwargs)
     if cfg.model.tie_word_embeddings and impl != "torch":
         attach_tied_embedding_sync(step, pgm)
@@ -259,11 +303,11 @@ def parity_run(name: str) -> dict:
     return out
 
 
-def deadlock_run(pp: int, schedule: str, m: int) -> float:
+def deadlock_run(pp: int, schedule: str, m: int, impl: str = "scaletorch") -> float:
     """One step of ``schedule``; returns its wall time (a deadlock would hit the timeout)."""
     v = 2 if schedule == "interleaved" else 1
     cfg = make_config(4 * v, m, 2 * m * (4 // pp))
-    pgm, pipe, step = build_pipeline(cfg, pp, 1, schedule, v, "scaletorch")
+    pgm, pipe, step = build_pipeline(cfg, pp, 1, schedule, v, impl)
     inputs = torch.randint(0, cfg.model.vocab_size, (cfg.data.global_batch_size, 16))
     start = time.perf_counter()
     step(inputs, inputs)
@@ -327,6 +371,9 @@ def world(rank: int, world_size: int) -> dict:
         for schedule in CLASSIC:
             for m in ((pp, 2 * pp) if schedule == "interleaved" else (pp, 2 * pp + 1)):
                 out["deadlock"][(pp, schedule, m)] = deadlock_run(pp, schedule, m)
+                if schedule in SCHEDULES:  # chapter 04's loops
+                    out["deadlock"][(pp, "loop " + schedule,
+                                     m)] = deadlock_run(pp, schedule, m, "loop")
     p2p_order.set_in_order(False)  # the bubble as gloo runs it
     for schedule, v in (("afab", 1), ("1f1b", 1), ("interleaved", 2)):
         out["bubble"][schedule] = bubble_run(schedule, v, 4)
@@ -339,7 +386,7 @@ class TestPipelineParallelRanks(unittest.TestCase):
 
     @classmethod
     def setUpClass(cls):
-        cls.results = run_distributed(world, 4, timeout=240)
+        cls.results = run_distributed(world, 4, timeout=300)
         # the plain loop's losses, grad norms and weights, in this process (tests/layouts.py)
         keys = sorted({reference_key(name) for name in PARITY_RUNS})
         cls.references = {key: reference(make_config(*key)) for key in keys}
@@ -349,6 +396,32 @@ class TestPipelineParallelRanks(unittest.TestCase):
             with self.subTest(run=name):
                 assert_run_matches(self, self.results, name, self.references[reference_key(name)],
                                    weights="full")
+
+    def test_chapter_04_loops_match_single_device_at_pp_4_and_pp_2_x_dp_2(self):
+        self.check_parity(
+            ["loop_pp4_afab", "loop_pp4_1f1b", "loop_pp2_dp2_afab_uneven", "loop_pp2_dp2_1f1b"])
+
+    def test_chapter_04_loops_and_the_04b_runtime_are_bit_identical_on_the_same_layout(self):
+        # same layout, same micro-batches, same order of forwards and backwards: the same
+        # floating-point operations, so no tolerance at all (losses, grad norms, weights)
+        pairs = [("loop_pp4_afab", "pp4_afab"), ("loop_pp4_1f1b", "pp4_1f1b"),
+                 ("loop_pp2_dp2_afab_uneven", "pp2_dp2_afab_uneven"),
+                 ("loop_pp2_dp2_1f1b", "pp2_dp2_1f1b")]
+        for loop, runtime in pairs:
+            self.assertEqual(PARITY_RUNS[loop][:6] + PARITY_RUNS[loop][7:],
+                             PARITY_RUNS[runtime][:6] + PARITY_RUNS[runtime][7:])
+            for rank, res in enumerate(self.results):
+                a, b = res["parity"][loop], res["parity"][runtime]
+                with self.subTest(run=loop, rank=rank):
+                    self.assertEqual(a["losses"], b["losses"])
+                    self.assertEqual(a["grad_norms"], b["grad_norms"])
+                    self.assertEqual(a["sent"], b["sent"])
+                    if rank == 0:
+                        self.assertEqual(sorted(a["full"]), sorted(b["full"]))
+                        for key, value in a["full"].items():
+                            self.assertTrue(torch.equal(value, b["full"][key]), key)
+                    else:
+                        self.assertIsNone(a["full"])
 
     def test_pipeline_4_matches_single_device_for_each_schedule(self):
         self.check_parity(["pp4_afab", "pp4_1f1b", "pp4_interleaved"])
@@ -382,17 +455,19 @@ class TestPipelineParallelRanks(unittest.TestCase):
                 self.assertEqual(run["order"], expected, name)
             checked.append(name)
         self.assertEqual(len(checked), len(PARITY_RUNS) - 3)  # all but the 3 torch runs
+        self.assertIn("loop_pp4_1f1b", checked)
 
     def test_1f1b_holds_at_most_p_minus_rank_activations_and_afab_holds_m(self):
-        one_f_one_b = self.results[0]["parity"]["pp4_1f1b"]["timeline"]
-        self.assertEqual([one_f_one_b.peak_live(r) for r in range(4)], [4, 3, 2, 1])
-        afab = self.results[0]["parity"]["pp4_afab"]["timeline"]
-        self.assertEqual([afab.peak_live(r) for r in range(4)], [9] * 4)
+        for prefix in ("", "loop_"):  # 04b's runtime, 04's loops
+            one_f_one_b = self.results[0]["parity"][prefix + "pp4_1f1b"]["timeline"]
+            self.assertEqual([one_f_one_b.peak_live(r) for r in range(4)], [4, 3, 2, 1])
+            afab = self.results[0]["parity"][prefix + "pp4_afab"]["timeline"]
+            self.assertEqual([afab.peak_live(r) for r in range(4)], [9] * 4)
 
     def test_ledger_counts_one_activation_and_one_gradient_per_micro_batch_and_stage(self):
         # pp 4, 1F1B, m = 4, micro-batch (4, 16) x hidden 32 per message
         for res in self.results:
-            run = res["parity"]["pp4_1f1b"]
+            run = res["parity"]["loop_pp4_1f1b"]
             r = run["pp_rank"]
             calls = 4 * ((r < 3) + (r > 0))  # activations forward, gradients backward
             self.assertEqual(run["send_calls"], calls)
@@ -401,16 +476,16 @@ class TestPipelineParallelRanks(unittest.TestCase):
     def test_data_parallel_syncs_each_chunk_once_per_step_not_per_micro_batch(self):
         # one gradient bucket per chunk (25 MB buckets) + the reported loss; syncing every
         # micro-batch would be m v + 1 all-reduces
-        for name, v in (("pp2_dp2_1f1b", 1), ("pp2_dp2_interleaved", 2)):
+        for name, v in (("loop_pp2_dp2_1f1b", 1), ("pp2_dp2_1f1b", 1), ("pp2_dp2_interleaved", 2)):
             for res in self.results:
                 self.assertEqual(res["parity"][name]["dp_calls"], v + 1, name)
 
     def test_every_schedule_finishes_under_a_timeout(self):
         # p in {2, 4}; m in {p, 2p + 1} (interleaved: {p, 2p}, it needs m divisible by p).
-        # A deadlock would also fail the world after its 240 s collective timeout.
+        # A deadlock would also fail the world after its 300 s timeout.
         for key, seconds in self.results[0]["deadlock"].items():
             self.assertLess(seconds, 30.0, key)
-        self.assertEqual(len(self.results[0]["deadlock"]), 12)
+        self.assertEqual(len(self.results[0]["deadlock"]), 12 + 8)  # + chapter 04's loops
 
     def test_measured_bubble_with_equal_delays_is_near_theory(self):
         # Each layer sleeps 80 ms forward, 160 ms backward; compute, messages and Python add a

@@ -28,7 +28,7 @@ import scaletorch.parallel.tied_embeddings as tied_module
 from scaletorch.dist import comm
 from scaletorch.dist.functional import _AllToAll
 from scaletorch.parallel.data_parallel import BucketedDataParallel
-from scaletorch.parallel.pipeline_parallel import PipelineSchedule
+from scaletorch.parallel.pipeline_runtime import PipelineSchedule
 from scaletorch.trainer import Config
 from scaletorch.trainer.plain_loop import plain_training
 from tests.harness import run_distributed

@@ -46,10 +46,10 @@ MODULES_OF: Dict[str, List[str]] = {
     "01": ["data_parallel", "grad_norm", "memory_report", "wrapper"],
     "02": ["zero", "flat_unit", "zero_report", "fully_shard"],
     "03": ["tensor_parallel", "tensor_parallel_layers", "tensor_parallel_dtensor"],
-    "04": ["pipeline_parallel", "pipeline_native", "orders", "timeline", "placement"],
+    "04": ["pipeline_parallel", "pipeline_schedules", "orders", "timeline", "placement"],
     "04b": [
-        "split_backward", "activation_meter", "zero_bubble_orders", "simulate", "catalog",
-        "posting", "in_order"
+        "pipeline_runtime", "plans", "pipeline_native", "split_backward", "activation_meter",
+        "zero_bubble_orders", "simulate", "catalog", "posting", "in_order"
     ],
     "05": ["context_parallel", "ring_attention", "attention_kernels", "step"],
     "06": ["expert_parallel"],
@@ -58,8 +58,10 @@ MODULES_OF: Dict[str, List[str]] = {
     "10": ["tied_embeddings", "zero_tied", "activation_checkpointing"],
 }
 OWNER = {module: chapter for chapter, modules in MODULES_OF.items() for module in modules}
-# Chapters over the budget, at most this many lines (they may shrink, not grow); none today.
-OVER_BUDGET: Dict[str, int] = {}
+# Chapters over the budget, at most this many lines (they may shrink, not grow). 04b: the
+# general pipeline runtime (schedules as plans, interleaved, torch's pipelining) moved there
+# from chapter 04, whose schedules became plain loops (issue 41).
+OVER_BUDGET: Dict[str, int] = {"04b": 1080}
 
 
 def chapters() -> List[Tuple[str, str, str]]:

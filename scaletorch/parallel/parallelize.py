@@ -59,15 +59,15 @@ from scaletorch.parallel.data_parallel import apply_data_parallel
 from scaletorch.parallel.expert_parallel import ExpertParallel, shard_experts
 from scaletorch.parallel.grad_norm import clip_grads_, world_grad_norm
 from scaletorch.parallel.native import parallelize_native
-from scaletorch.parallel.pipeline_parallel import PipelineSchedule, apply_pipeline_parallel
-from scaletorch.parallel.split_backward import ZeroBubbleSchedule
+from scaletorch.parallel.pipeline_parallel import apply_pipeline_parallel
+from scaletorch.parallel.split_backward import runtime_class
 from scaletorch.parallel.step import ForwardBackward, LossFn, LossScale, make_data_parallel_step
 from scaletorch.parallel.tensor_layout import (TensorLayout, plain_entries, record_splits,
                                                zero_entries)
 from scaletorch.parallel.tensor_parallel import apply_tensor_parallel, tensor_parallel_loss_fn
 from scaletorch.parallel.validation import validate_layout
 from scaletorch.parallel.zero import ShardedDataParallel, ZeroAdamW, llama_units
-from scaletorch.schedule.placement import V_SHAPED, ZERO_BUBBLE
+from scaletorch.schedule.placement import V_SHAPED
 
 if TYPE_CHECKING:  # the config module imports scaletorch.parallel
     from scaletorch.config import Config
@@ -229,8 +229,8 @@ def parallelize(model: Llama, cfg: "Config", pgm: ProcessGroupManager, device: t
     if pipe is not None:
         pipe.chunks = nn.ModuleList(wrapped)
         trainer_model: nn.Module = pipe
-        cls = ZeroBubbleSchedule if p.schedule in ZERO_BUBBLE else PipelineSchedule
-        schedule = cls(pipe, pgm, p.schedule, cfg.data.num_micro_batches, loss, shard_sequence)
+        schedule = runtime_class(p.schedule)(pipe, pgm, p.schedule, cfg.data.num_micro_batches,
+                                             loss, shard_sequence)
         schedule.aux_loss = moe_aux_loss  # a MoE chunk's load-balancing loss (chapter 06)
         if precision is not None:  # chapter 08: messages in autocast's dtype, fp16's scaling
             precision.attach_to_pipeline(schedule)

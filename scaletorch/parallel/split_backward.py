@@ -23,17 +23,19 @@ an order that cannot hang on NCCL (doc/04b_zero_bubble.md, "Posting order on NCC
 """
 
 from contextlib import nullcontext
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Type
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from scaletorch.dist import ProcessGroupManager, comm
-from scaletorch.parallel.pipeline_parallel import PipelineChunk, PipelineModel, PipelineSchedule
+from scaletorch.parallel.pipeline_parallel import PipelineChunk, PipelineModel
+from scaletorch.parallel.pipeline_runtime import PipelineSchedule
 from scaletorch.schedule.catalog import schedule_actions, schedule_plan
-from scaletorch.schedule.orders import P2P, Action, Step
-from scaletorch.schedule.placement import rank_of_stage
+from scaletorch.schedule.orders import Action
+from scaletorch.schedule.placement import ZERO_BUBBLE, rank_of_stage
+from scaletorch.schedule.plans import P2P, Step
 from scaletorch.schedule.posting import Batch, posting_program
 from scaletorch.schedule.simulate import ZeroBubbleTimeline
 
@@ -161,3 +163,9 @@ class ZeroBubbleSchedule(PipelineSchedule):
             torch.autograd.backward(outputs, grads, inputs=self.params[action.chunk])
         if self.meter is not None:
             self.meter.free(key)
+
+
+def runtime_class(schedule: str) -> Type[PipelineSchedule]:
+    """The runtime of ``schedule``: ``ZeroBubbleSchedule`` for zb-h1, zbv and dualpipev (B and
+    W apart), ``PipelineSchedule`` for afab, 1f1b and interleaved."""
+    return ZeroBubbleSchedule if schedule in ZERO_BUBBLE else PipelineSchedule

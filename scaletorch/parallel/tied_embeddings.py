@@ -18,7 +18,7 @@ from torch import nn
 from scaletorch.dist import ProcessGroupManager, comm
 from scaletorch.dist.comm import Group
 from scaletorch.models import Llama
-from scaletorch.parallel.pipeline_parallel import PipelineModel, PipelineSchedule
+from scaletorch.parallel.pipeline_runtime import PipelineModel, PipelineSchedule
 from scaletorch.parallel.zero import ShardedDataParallel
 from scaletorch.parallel.zero_tied import TiedShardedDataParallel, zero_units
 

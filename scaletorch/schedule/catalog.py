@@ -4,8 +4,9 @@ simulators and the zero-bubble runtime look schedules up in."""
 
 from typing import List
 
-from scaletorch.schedule.orders import Action, Step, classic_units, comm_plan
+from scaletorch.schedule.orders import Action, message
 from scaletorch.schedule.placement import CLASSIC, SCHEDULES, V_SHAPED, ZERO_BUBBLE
+from scaletorch.schedule.plans import Step, action_p2p, classic_units, comm_plan
 from scaletorch.schedule.zero_bubble_orders import validate_zero_bubble, zero_bubble_units
 
 
@@ -77,3 +78,23 @@ def schedule_plan(schedule: str, stages: int, micro_batches: int, rank: int,
     """``comm_plan`` of ``schedule_units``: what a rendezvous executor of rank ``rank`` runs."""
     units = schedule_units(schedule, stages, micro_batches, rank, virtual_stages)
     return comm_plan(units, rank, stages, virtual_stages, schedule in V_SHAPED)
+
+
+def show_plan(schedule: str, stages: int, micro_batches: int, virtual_stages: int = 1) -> str:
+    """Every pipeline rank's actions in order, each between the message it waits for and the
+    one it sends (``--show-schedule`` of 04b): "rank 1: recv_forward(mb 0 <- rank 0) F0
+    send_forward(mb 0 -> rank 2)". A W, or a V's turn on one rank, has no message."""
+    names = {"act": ("recv_forward", "send_forward"), "grad": ("recv_backward", "send_backward")}
+    lines = []
+    for rank in range(stages):
+        for action in schedule_actions(schedule, stages, micro_batches, rank, virtual_stages):
+            recv, send = action_p2p(action, rank, stages, virtual_stages, schedule in V_SHAPED)
+            words = [f"rank {rank}:"]
+            if recv is not None:
+                words.append(
+                    f"{names[recv.kind][0]}({message(recv.micro_batch, recv.peer, False)})")
+            words.append(str(action))
+            if send is not None:
+                words.append(f"{names[send.kind][1]}({message(send.micro_batch, send.peer, True)})")
+            lines.append(" ".join(words))
+    return "\n".join(lines)

@@ -8,7 +8,7 @@ posting. A program that finishes in NCCL's order cannot hang on either backend.
 
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from scaletorch.schedule.orders import P2P
+from scaletorch.schedule.plans import P2P
 from scaletorch.schedule.posting import PostStep
 from scaletorch.schedule.simulate import PipelineDeadlock, ZeroBubbleTimeline
 

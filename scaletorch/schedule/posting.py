@@ -6,8 +6,9 @@ order allows; a batch ends at a receive, so waiting for it waits for nothing lat
 from typing import List, Optional, Tuple
 
 from scaletorch.schedule.catalog import schedule_actions
-from scaletorch.schedule.orders import P2P, Action, action_p2p
+from scaletorch.schedule.orders import Action
 from scaletorch.schedule.placement import V_SHAPED
+from scaletorch.schedule.plans import P2P, action_p2p
 from scaletorch.schedule.simulate import simulate_async
 
 Batch = Tuple[P2P, ...]  # one batch_isend_irecv

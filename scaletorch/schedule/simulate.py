@@ -9,8 +9,9 @@ schedule as the zero-bubble runtime does, with sends that never block. Both retu
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from scaletorch.schedule.catalog import schedule_actions, schedule_plan
-from scaletorch.schedule.orders import P2P, Action, Step
+from scaletorch.schedule.orders import Action
 from scaletorch.schedule.placement import V_SHAPED, ZERO_BUBBLE, rank_of_stage, stage_index
+from scaletorch.schedule.plans import P2P, Step
 from scaletorch.schedule.timeline import Timeline
 
 

@@ -1,8 +1,9 @@
 """Chapter 04 row: step time of our 1F1B vs torch.distributed.pipelining's Schedule1F1B.
 
 One world of ``args.world_size`` gloo ranks (2 by default) is one pipeline (pp = world size).
-Two copies of the same 3.7M-parameter Llama are split into the same stages, one driven by our
-PipelineSchedule, one by torch's Schedule1F1B, both with m = 8 micro-batches of the same batch.
+Two copies of the same 3.7M-parameter Llama are split into the same stages, one driven by
+chapter 04's 1F1B loop (PipelineLoop), one by torch's Schedule1F1B, both with m = 8
+micro-batches of the same batch.
 Steps alternate between the two (the order flips every step), so background load hits both
 alike; a step's time is the slowest rank's, and the row reports the median over rounds of the
 ratio. Further rows: the p2p bytes of our step against the formula, and the bubble.
@@ -17,8 +18,8 @@ import torch
 from scaletorch.dist import comm, destroy_pg_manager, get_ledger, init_pg_manager
 from scaletorch.models import LlamaConfig, build_model
 from scaletorch.parallel.pipeline_native import TorchPipelineSchedule
-from scaletorch.parallel.pipeline_parallel import (PipelineSchedule, apply_pipeline_parallel,
-                                                   gather_timeline)
+from scaletorch.parallel.pipeline_parallel import apply_pipeline_parallel, gather_timeline
+from scaletorch.parallel.pipeline_schedules import PipelineLoop
 from scripts.benchmarks import timing
 
 MODEL = LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=768, num_layers=4,
@@ -32,7 +33,7 @@ def _measure(rank: int, world: int, samples: int) -> Dict[str, object]:
     pgm = init_pg_manager(pipeline_model_parallel_size=world)
     pipes = {impl: apply_pipeline_parallel(build_model(MODEL, seed=0), pgm) for impl in IMPLS}
     schedules = {
-        "scaletorch": PipelineSchedule(pipes["scaletorch"], pgm, "1f1b", MICRO_BATCHES),
+        "scaletorch": PipelineLoop(pipes["scaletorch"], pgm, "1f1b", MICRO_BATCHES),
         "torch": TorchPipelineSchedule(pipes["torch"], pgm, "1f1b", MICRO_BATCHES),
     }
     optimizers = {impl: torch.optim.AdamW(p.parameters(), lr=1e-4) for impl, p in pipes.items()}

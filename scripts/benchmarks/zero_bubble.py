@@ -18,10 +18,9 @@ import torch
 from scaletorch.dist import destroy_pg_manager, init_pg_manager
 from scaletorch.models import LlamaConfig, build_model
 from scaletorch.parallel.pipeline_native import TorchPipelineSchedule
-from scaletorch.parallel.pipeline_parallel import (PipelineSchedule, apply_pipeline_parallel,
-                                                   gather_timeline)
-from scaletorch.parallel.split_backward import ZeroBubbleSchedule
-from scaletorch.schedule.placement import V_SHAPED, ZERO_BUBBLE
+from scaletorch.parallel.pipeline_parallel import apply_pipeline_parallel, gather_timeline
+from scaletorch.parallel.split_backward import runtime_class
+from scaletorch.schedule.placement import V_SHAPED
 from scaletorch.schedule.simulate import simulate_async
 from scripts.benchmarks import timing
 from scripts.benchmarks.timing import Delayed
@@ -42,8 +41,7 @@ def _pipeline(pgm, schedule: str, v: int, impl: str):
     for i, layer in enumerate(model.layers):
         model.layers[i] = Delayed(layer, share, share, share)
     pipe = apply_pipeline_parallel(model, pgm, v, v_shape=schedule in V_SHAPED)
-    cls = TorchPipelineSchedule if impl == "torch" else \
-        ZeroBubbleSchedule if schedule in ZERO_BUBBLE else PipelineSchedule
+    cls = TorchPipelineSchedule if impl == "torch" else runtime_class(schedule)
     return pipe, cls(pipe, pgm, schedule, MICRO_BATCHES)
 
 
