@@ -30,7 +30,7 @@ from scaletorch.schedule.plans import comm_plan
 from scaletorch.schedule.simulate import PipelineDeadlock, simulate, simulate_plans
 from scaletorch.trainer import Config, Trainer
 from scripts.benchmarks.timing import Delayed
-from tests.harness import run_distributed, stderr_warnings, value_error
+from tests.harness import bit_exact, run_distributed, stderr_warnings, value_error
 from tests.layouts import assert_run_matches, clip_fn, full_state, reference
 
 CLASSIC = ("afab", "1f1b", "interleaved")  # the zero-bubble ones: tests/test_zero_bubble.py
@@ -401,6 +401,7 @@ class TestPipelineParallelRanks(unittest.TestCase):
         self.check_parity(
             ["loop_pp4_afab", "loop_pp4_1f1b", "loop_pp2_dp2_afab_uneven", "loop_pp2_dp2_1f1b"])
 
+    @bit_exact
     def test_chapter_04_loops_and_the_04b_runtime_are_bit_identical_on_the_same_layout(self):
         # same layout, same micro-batches, same order of forwards and backwards: the same
         # floating-point operations, so no tolerance at all (losses, grad norms, weights)
