@@ -18,7 +18,7 @@ the pixels of a position are the same at any number of ranks, and after a resume
 """
 
 import os
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -101,7 +101,7 @@ class ImageFolder:
         if len(used) < 2:
             raise InputError(f"image folder {root!r} holds images of one class only "
                              f"({used[0]!r}): a classifier needs at least 2")
-        sizes = {}
+        sizes: Dict[Tuple[int, int], str] = {}  # size -> the first file of that size
         for path, _ in files:
             sizes.setdefault(cls._size(path), path)
         if len(sizes) > 1 and resize is None:

@@ -28,7 +28,7 @@ data). Statistics in fp32 always: under autocast the input is cast up, the outpu
 (batch_norm_stats, ...) exist for GPUs only, so on CPU it raises; ours runs on any device.
 """
 
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple, cast
 
 import torch
 import torch.distributed as dist
@@ -102,7 +102,7 @@ class SyncBatchNorm(nn.BatchNorm2d):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or comm.group_size(self.group) == 1:
             return super().forward(x)
-        self.num_batches_tracked.add_(1)
+        cast(torch.Tensor, self.num_batches_tracked).add_(1)  # a buffer: tracked stats
         return _SyncBatchNormFunction.apply(x, self.weight, self.bias, self.running_mean,
                                             self.running_var, self.eps, self.momentum, self.group)
 
@@ -141,7 +141,8 @@ def average_running_stats(model: nn.Module, group: Group) -> None:
     for module in model.modules():
         mean, var = getattr(module, "running_mean", None), getattr(module, "running_var", None)
         if isinstance(module, nn.modules.batchnorm._BatchNorm) and mean is not None:
-            both = torch.cat([module.running_mean, module.running_var])
+            var = cast(torch.Tensor, var)  # torch keeps both or neither (track_running_stats)
+            both = torch.cat([mean, var])
             comm.all_reduce(both, group, name="bn")
             both.div_(n)
             c = module.num_features
