@@ -45,6 +45,7 @@ class VisionSettings:
     precision: str = "fp32"  # fp32 | bf16 (autocast; BatchNorm statistics stay fp32)
     checkpoint_dir: Optional[str] = None  # per-rank checkpoints here, and resume from here
     checkpoint_every: int = 0  # 0: none
+    resume: bool = False  # start from the newest valid checkpoint in checkpoint_dir
     metrics_path: Optional[str] = None  # rank 0 appends one JSON line per step
 
 
@@ -61,9 +62,10 @@ def single_device(model: nn.Module, lr: float) -> ParallelResNet:
     params = list(model.parameters())
     return ParallelResNet(
         model, torch.optim.AdamW(params, lr=lr, weight_decay=0.0),
-        lambda max_norm: clip_replicated(params, max_norm),
-        lambda: {k: v.detach().cpu().clone()
-                 for k, v in model.state_dict().items()}, lambda: None)
+        lambda max_norm: clip_replicated(params, max_norm), lambda: {
+            k: v.detach().cpu().clone()
+            for k, v in model.state_dict().items()
+        }, lambda: None)
 
 
 def _state(run: ParallelResNet, step: int) -> Dict[str, Any]:
@@ -77,7 +79,7 @@ def _state(run: ParallelResNet, step: int) -> Dict[str, Any]:
 def resume(run: ParallelResNet, settings: VisionSettings, rank: int, world_size: int,
            layout: Dict[str, Any]) -> int:
     """Load the newest valid checkpoint in ``settings.checkpoint_dir``; the step to start at."""
-    if not settings.checkpoint_dir:
+    if not (settings.resume and settings.checkpoint_dir):
         return 0
     path, _ = ckpt.latest_valid_checkpoint(settings.checkpoint_dir)
     if path is None:
@@ -89,13 +91,14 @@ def resume(run: ParallelResNet, settings: VisionSettings, rank: int, world_size:
 
 def train_resnet(run: ParallelResNet, loader: ImageBatchLoader, settings: VisionSettings,
                  pgm: Optional[ProcessGroupManager], device: torch.device,
-                 layout: Optional[Dict[str, Any]] = None,
-                 stop_at: Optional[int] = None) -> VisionResult:
+                 layout: Optional[Dict[str,
+                                       Any]] = None, stop_at: Optional[int] = None) -> VisionResult:
     """Train ``settings.steps`` steps (from the last checkpoint, if any); ``pgm`` None: one
     device. ``stop_at``: return before that step as a killed run would (tests)."""
+    # pgm None: one device, even inside a distributed run (--check's reference on rank 0)
     group = pgm.data_parallel_group_with_context if pgm is not None else None
-    dp_rank, dp = comm.group_rank(group), comm.group_size(group)
-    rank, world = comm.group_rank() if pgm else 0, comm.group_size() if pgm else 1
+    dp_rank, dp = (comm.group_rank(group), comm.group_size(group)) if pgm else (0, 1)
+    rank, world = (comm.group_rank(), comm.group_size()) if pgm else (0, 1)
     result = VisionResult()
     result.start_step = resume(run, settings, rank, world, layout or {})
     dtype = PRECISIONS[settings.precision]
@@ -120,8 +123,9 @@ def train_resnet(run: ParallelResNet, loader: ImageBatchLoader, settings: Vision
         run.optimizer.zero_grad(set_to_none=True)
         run.after_step()
         mean = loss.detach().float().reshape(1)
-        with get_ledger().paused():  # the loss for the log, not training traffic
-            comm.all_reduce(mean, group)
+        if pgm is not None:
+            with get_ledger().paused():  # the loss for the log, not training traffic
+                comm.all_reduce(mean, group)
         result.losses.append(mean.item() / dp)
         result.grad_norms.append(float(norm))
         result.step_seconds.append(time.perf_counter() - start)
@@ -132,8 +136,10 @@ def train_resnet(run: ParallelResNet, loader: ImageBatchLoader, settings: Vision
         if settings.metrics_path and rank == 0:
             wire = get_ledger().total(step=step, field="wire_bytes") if pgm else 0.0
             with open(settings.metrics_path, "a") as f:
-                f.write(json.dumps(dict(step=step, loss=result.losses[-1],
-                                        grad_norm=result.grad_norms[-1], wire_bytes=wire)) + "\n")
+                f.write(
+                    json.dumps(
+                        dict(step=step, loss=result.losses[-1], grad_norm=result.grad_norms[-1],
+                             wire_bytes=wire)) + "\n")
     return result
 
 
