@@ -51,7 +51,7 @@ def parse(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--resize", type=int, default=None, help="resize folder images to S x S")
     p.add_argument("--global-batch-size", type=int, default=16)
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--precision", choices=tuple(PRECISIONS), default="fp32")
     p.add_argument("--checkpoint-every", type=int, default=0, help="runs/<name>/checkpoints")
     p.add_argument("--resume", action="store_true", help="from the newest valid checkpoint")
@@ -135,7 +135,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     # What this chapter is about: the statistics' traffic, against its formula
     last = args.steps - 1
     if env.rank == 0 and result.losses:
-        for step in range(result.start_step, args.steps, max(1, args.steps // 5)):
+        shown = list(range(result.start_step, args.steps, max(1, args.steps // 5)))
+        for step in shown + ([last] if shown[-1] != last else []):
             print(f"step {step:>4}  loss {result.losses[step - result.start_step]:.4f}")
         elements = get_ledger().total(group="bn", step=last)
         wire = get_ledger().total(group="bn", step=last, field="wire_bytes")

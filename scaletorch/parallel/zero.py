@@ -304,11 +304,10 @@ def llama_units(model: nn.Module) -> Units:
 
 def apply_zero(model: nn.Module, pgm: ProcessGroupManager, zero_stage: int, prefetch: bool = True,
                units: Optional[Units] = None) -> ShardedDataParallel:
-    """Shard a Llama over ``pgm.data_parallel_group_with_context`` (ZeRO ``zero_stage``), or
-    another model cut into ``units`` (chapter 12's ResNet).
+    """Shard a Llama (or ``units`` of another model) over ``pgm.data_parallel_group_with_context``.
 
-    Every rank must pass the same weights (build_model with one seed). Pair the result with
-    ``ZeroAdamW(model, ...)`` and give the Trainer ``model.clip_grad_norm``.
+    ZeRO ``zero_stage``; every rank must pass the same weights (build_model with one seed).
+    Pair the result with ``ZeroAdamW(model, ...)``; the Trainer with ``model.clip_grad_norm``.
     """
     check_zero_layout(zero_stage, pgm.tensor_model_parallel_world_size,
                       pgm.pipeline_model_parallel_world_size, pgm.expert_model_parallel_world_size)
