@@ -121,12 +121,13 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     model = build(args, num_classes, image_size).to(env.device)
     channels = [m.num_features for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
+    psi = sum(p.numel() for p in model.parameters())  # before sharding takes them
     # the new line: BatchNorm mode, then chapter 01's DDP or chapter 02's ZeRO / FSDP2
     run = parallelize_resnet(model, pgm, args.impl, args.zero_stage, args.batchnorm, args.lr)
     n = pgm.data_parallel_world_size_with_context
     layout = dict(impl=args.impl, zero_stage=args.zero_stage, batchnorm=args.batchnorm)
     if env.rank == 0:
-        print(f"ResNet ({args.model}): {sum(p.numel() for p in model.parameters()):,} "
+        print(f"ResNet ({args.model}): {psi:,} "
               f"parameters, {len(channels)} BatchNorm layers, images {image_size}x{image_size}, "
               f"{num_classes} classes; {n} data-parallel ranks, impl {args.impl}, zero stage "
               f"{args.zero_stage}, batchnorm {args.batchnorm}")
