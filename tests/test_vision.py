@@ -251,6 +251,41 @@ class FourRanksTest(_World, unittest.TestCase):
         cls.out = run_distributed(_four_ranks, 4, timeout=240)
 
 
+class ResNetAndImagesTest(unittest.TestCase):
+    """One process: the model's layouts, and images that do not depend on the rank count."""
+
+    def test_resnet18_layout_and_channels_last(self) -> None:
+        from scaletorch.models import ResNetConfig
+        model = build_resnet(ResNetConfig(), 0)
+        self.assertEqual(model.num_parameters(), 11_689_512)  # torchvision's resnet18 count
+        bns = [m.num_features for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+        self.assertEqual((len(bns), sum(bns)), (20, 4800))  # the page's cost example
+        x = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+        plain = build_resnet(tiny_resnet_config(), 0)
+        last_cfg = tiny_resnet_config()
+        last_cfg.channels_last = True
+        last = build_resnet(last_cfg, 0)
+        a, b = plain(x), last(x)
+        a.sum().backward()
+        b.sum().backward()
+        # the same arithmetic in another memory order: convolutions may sum in another order
+        self.assertLess((a - b).abs().max().item(), 1e-5)
+        for (name, p), q in zip(plain.named_parameters(), last.parameters()):
+            self.assertLess((p.grad - q.grad).abs().max().item(), 1e-4, name)  # type: ignore
+
+    def test_a_rank_sees_its_slice_of_the_same_pixels_at_any_world(self) -> None:
+        loader = _loader()
+        images, labels = loader.local_batch(3)
+        for world in (2, 4):
+            for rank in range(world):
+                part, part_labels = loader.local_batch(3, rank, world)
+                chunk = BATCH // world
+                self.assertTrue(torch.equal(part, images[rank * chunk:(rank + 1) * chunk]))
+                self.assertTrue(torch.equal(part_labels, labels[rank * chunk:(rank + 1) * chunk]))
+        self.assertFalse(torch.equal(images, loader.local_batch(4)[0]))  # another step
+        self.assertEqual(tuple(SyntheticImages(1000, 224, 0).load(7)[0].shape), (3, 224, 224))
+
+
 def _example() -> Any:
     spec = importlib.util.spec_from_file_location("vision12",
                                                   os.path.join(ROOT, "examples", "12_vision.py"))
