@@ -58,6 +58,8 @@ def parse(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--name", default="12_vision", help="runs/<name>: metrics, checkpoints")
     p.add_argument("--check", action="store_true", help="compare with a single-device run")
     p.add_argument("--seed", type=int, default=1234, help="data and augmentation")
+    p.add_argument("--validate-only", action="store_true", help="check the inputs, then exit")
+    p.add_argument("--world-size", type=int, default=None, help="with --validate-only")
     return p.parse_args(argv)
 
 
@@ -94,7 +96,7 @@ def build(args: argparse.Namespace, num_classes: int, image_size: int) -> nn.Mod
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse(argv)
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    world_size = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
     try:
         check_args(args, world_size)
         data = dataset(args)
@@ -104,6 +106,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         else:  # let rank 0 print the line first
             time.sleep(5)
         return 2
+    if args.validate_only:  # scripts/launch.sh's pre-flight, before torchrun starts a rank
+        return 0
     sys.excepthook = report_input_errors  # a file's fault found later: the same one line
     env = init_distributed()
     pgm = init_pg_manager()

@@ -316,6 +316,11 @@ class BadImageFolderTest(unittest.TestCase):
                 self.assertEqual(len(err.splitlines()), 1, err)
                 self.assertTrue(err.startswith("error: ") and words in err, err)
                 self.assertEqual(out, "")
+            # launch.sh's pre-flight: the world it is about to start, before any rank
+            status, out, err = run_main(main, "--validate-only", "--world-size", "3")
+            self.assertEqual((status, err), (2, "error: --global-batch-size 16 is not divisible "
+                                             "by the 3 data-parallel ranks\n"))
+            self.assertEqual(run_main(main, "--validate-only", "--world-size", "4")[0], 0)
             # resizing makes mixed sizes one size: it is no longer refused (checked only)
             self.assertEqual(ImageFolder(mixed, resize=16).image_size, 16)
 
