@@ -55,6 +55,7 @@ def parse(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--precision", choices=tuple(PRECISIONS), default="fp32")
     p.add_argument("--checkpoint-every", type=int, default=0, help="runs/<name>/checkpoints")
     p.add_argument("--resume", action="store_true", help="from the newest valid checkpoint")
+    p.add_argument("--kill-at-step", type=int, default=-1, help="SIGKILL rank 0 there, once")
     p.add_argument("--name", default="12_vision", help="runs/<name>: metrics, checkpoints")
     p.add_argument("--check", action="store_true", help="compare with a single-device run")
     p.add_argument("--seed", type=int, default=1234, help="data and augmentation")
@@ -117,6 +118,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     settings = VisionSettings(steps=args.steps, lr=args.lr, precision=args.precision,
                               checkpoint_dir=os.path.join(run_dir, "checkpoints"),
                               checkpoint_every=args.checkpoint_every, resume=args.resume,
+                              kill_at_step=args.kill_at_step,
                               metrics_path=os.path.join(run_dir, "metrics.jsonl"))
     if env.rank == 0 and not args.resume and os.path.exists(settings.metrics_path or ""):
         os.remove(settings.metrics_path or "")

@@ -19,6 +19,7 @@ the step is the one of the mean over all B, as on one device.
 import json
 import math
 import os
+import signal
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ import torch
 from torch import nn
 
 from scaletorch.data.images import ImageBatchLoader
-from scaletorch.dist import ProcessGroupManager, comm, get_ledger
+from scaletorch.dist import ProcessGroupManager, comm, get_ledger, restart_count
 from scaletorch.models import classification_loss
 from scaletorch.parallel.grad_norm import clip_replicated
 from scaletorch.parallel.vision_parallel import ParallelResNet
@@ -46,6 +47,7 @@ class VisionSettings:
     checkpoint_dir: Optional[str] = None  # per-rank checkpoints here, and resume from here
     checkpoint_every: int = 0  # 0: none
     resume: bool = False  # start from the newest valid checkpoint in checkpoint_dir
+    kill_at_step: int = -1  # fault injection: SIGKILL rank 0 at this step, on the first try only
     metrics_path: Optional[str] = None  # rank 0 appends one JSON line per step
 
 
@@ -106,6 +108,8 @@ def train_resnet(run: ParallelResNet, loader: ImageBatchLoader, settings: Vision
     for step in range(result.start_step, settings.steps):
         if stop_at is not None and step == stop_at:
             break
+        if step == settings.kill_at_step and rank == 0 and restart_count() == 0:
+            os.kill(os.getpid(), signal.SIGKILL)  # as a lost machine: no exit, no last save
         get_ledger().set_step(step)
         start = time.perf_counter()
         images, labels = loader.local_batch(step, dp_rank, dp)
