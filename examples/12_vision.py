@@ -32,10 +32,9 @@ from scaletorch.parallel.sync_batchnorm import BN_MODES, sync_bn_elements
 from scaletorch.parallel.vision_parallel import parallelize_resnet
 from scaletorch.rules.errors import InputError
 from scaletorch.trainer.config import report_input_errors
+from scaletorch.trainer.precision import TOLERANCES
 from scaletorch.trainer.vision_loop import (PRECISIONS, VisionSettings, largest_deviation,
                                             single_device, train_resnet)
-
-TOLERANCE = 1e-5  # fp32: the sums are added in another order than on one device (ulps a step)
 
 
 def parse(argv: Optional[List[str]]) -> argparse.Namespace:
@@ -167,11 +166,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         losses = expected.losses[result.start_step:]
         dloss = max(abs(a - b) for a, b in zip(result.losses, losses))
         dev = largest_deviation(full, ref.full_state())
+        # fp32: the sums in another order, ulps a step; bf16: its rounding (precision.py)
+        tolerance = TOLERANCES[args.precision]
+        said = f"{tolerance:.1e}".replace(".0e", "e")  # 1e-05, 3.1e-02
+        said += "" if args.precision == "fp32" else f", {args.precision}"
         for kind, value in (("loss", dloss), ("weight", dev["weight"]), ("buffer", dev["buffer"])):
-            verdict = "ok" if value <= TOLERANCE else "FAIL"
-            print(f"parity: max |{kind} - reference| = {value:.1e} (tolerance {TOLERANCE:.0e}) "
-                  f"{verdict}")
-            ok = ok and value <= TOLERANCE
+            verdict = "ok" if value <= tolerance else "FAIL"
+            print(f"parity: max |{kind} - reference| = {value:.1e} (tolerance {said}) {verdict}")
+            ok = ok and value <= tolerance
     destroy_pg_manager()
     destroy_distributed()
     return 0 if ok else 1

@@ -34,8 +34,9 @@ from scaletorch.models import classification_loss
 from scaletorch.parallel.grad_norm import clip_replicated
 from scaletorch.parallel.vision_parallel import ParallelResNet
 from scaletorch.trainer import checkpoint as ckpt
+from scaletorch.trainer.precision import DTYPES
 
-PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
+PRECISIONS = {k: DTYPES[k] for k in ("fp32", "bf16")}  # the autocast dtype (None: none)
 
 
 @dataclass
