@@ -325,6 +325,10 @@ class BadImageFolderTest(unittest.TestCase):
                 self.assertEqual(len(err.splitlines()), 1, err)
                 self.assertTrue(err.startswith("error: ") and words in err, err)
                 self.assertEqual(out, "")
+            if not torch.cuda.is_available():  # torch.nn.SyncBatchNorm has no CPU kernels
+                status, _, err = run_main(main, "--batchnorm", "torch", "--steps", "1")
+                self.assertEqual(status, 2)
+                self.assertIn("runs on GPUs only", err)
             # launch.sh's pre-flight: the world it is about to start, before any rank
             status, out, err = run_main(main, "--validate-only", "--world-size", "3")
             self.assertEqual((status, err), (2, "error: --global-batch-size 16 is not divisible "
