@@ -295,6 +295,19 @@ class ResNetAndImagesTest(unittest.TestCase):
         self.assertEqual(tuple(SyntheticImages(1000, 224, 0).load(7)[0].shape), (3, 224, 224))
 
 
+class ThePageShowsTheCode(unittest.TestCase):
+
+    def test_every_line_of_the_pages_core_is_in_the_source(self) -> None:
+        with open(os.path.join(ROOT, "doc", "12_vision.md"), encoding="utf-8") as f:
+            page = f.read()
+        core = page.split("```python\n", 1)[1].split("```", 1)[0].splitlines()
+        with open(os.path.join(ROOT, "scaletorch", "parallel", "sync_batchnorm.py")) as f:
+            source = {line.strip() for line in f}
+        shown = [line for line in core if line not in ("...", "# backward")]
+        self.assertGreater(len(shown), 10)
+        self.assertEqual([line for line in shown if line.strip() not in source], [])
+
+
 def _example() -> Any:
     spec = importlib.util.spec_from_file_location("vision12",
                                                   os.path.join(ROOT, "examples", "12_vision.py"))
