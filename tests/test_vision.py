@@ -66,8 +66,10 @@ def _reference(steps: int = STEPS, folder: str = "") -> Run:
 
 
 def _train(pgm: Any, impl: str, zero_stage: int, bn: str, settings: VisionSettings,
-           folder: str = "", stop_at: Any = None) -> Run:
-    model = build_resnet(tiny_resnet_config(_classes(folder)), 0)
+           folder: str = "", stop_at: Any = None, channels_last: bool = False) -> Run:
+    config = tiny_resnet_config(_classes(folder))
+    config.channels_last = channels_last
+    model = build_resnet(config, 0)
     run = parallelize_resnet(model, pgm, impl, zero_stage, bn, LR)
     result = train_resnet(run, _loader(folder), settings, pgm, CPU, stop_at=stop_at)
     return result.losses, result.grad_norms, run.full_state()
@@ -131,6 +133,10 @@ def _two_ranks(rank: int, world: int, tmp: str, folder: str) -> Dict[str, Any]:
         resumed = _train(pgm, impl, z, "sync", kept)
         out[f"resume {impl} {z}"] = (whole_run, resumed)
     out["folder"] = _train(pgm, "scaletorch", 0, "sync", VisionSettings(steps=STEPS, lr=LR), folder)
+    for impl, z in (("scaletorch", 3), ("torch", 3)):  # activations (b, H, W, C) in memory
+        settings = VisionSettings(steps=STEPS, lr=LR)
+        out[f"channels_last {impl} {z}"] = _train(pgm, impl, z, "sync", settings,
+                                                  channels_last=True)
     destroy_pg_manager()
     return out
 
@@ -243,6 +249,10 @@ class TwoRanksTest(_World, unittest.TestCase):
             self.assertEqual(resumed[0], whole[0][4:], key)  # restarted at step 4: exact
             dev = largest_deviation(resumed[2], whole[2])
             self.assertEqual(dev, {"weight": 0.0, "buffer": 0.0}, key)
+
+    def test_channels_last_matches_single_device(self) -> None:
+        for key in ("channels_last scaletorch 3", "channels_last torch 3"):
+            _assert_parity(self, self.out[0][key], self.ref, key)
 
     def test_an_image_folder_trains_and_matches_single_device(self) -> None:
         got = self.out[0]["folder"]

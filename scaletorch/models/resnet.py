@@ -13,7 +13,9 @@ tensor never sees a value that was overwritten. The blocks sit in one ``nn.Modul
 
 ``ResNetConfig()`` is ResNet-18's layout at 224 x 224; ``tiny_resnet_config()`` is the one the
 tests and the CPU tour train. ``channels_last`` stores activations as (b, H, W, C) in memory,
-the layout GPU convolution kernels prefer; the numbers are the same.
+the layout GPU convolution kernels prefer; the numbers are the same. Only the input is
+converted: a convolution follows its input's layout, and the weights stay contiguous, which
+FSDP2 (it refuses strided parameters) and ZeRO's flat units need.
 """
 
 from dataclasses import dataclass, field
@@ -103,8 +105,6 @@ class ResNet(nn.Module):
         for m in self.modules():
             if isinstance(m, nn.Conv2d):
                 nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
-        if config.channels_last:
-            self.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         if self.config.channels_last:
