@@ -21,5 +21,7 @@ setup(
         # Hugging Face checkpoints (safetensors), tokenizer.json files (tokenizers); transformers
         # only for the comparison tests and doc/10's cross-check.
         "hf": ["safetensors", "tokenizers", "transformers"],
+        # chapter 12's image folders (JPEG, PNG, PPM, ...); synthetic images need nothing
+        "vision": ["pillow"],
     },
 )

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The tour: every chapter's script, 00 to 07, on the CPU at its smallest world size, each
+# The tour: every chapter's script, 00 to 07 and 12, on the CPU at its smallest world size, each
 # checking itself against the single-device reference (--check). About 3 minutes on 2 idle
 # cores (10 steps each).
 #
@@ -27,6 +27,7 @@ runs=(
   "07|4|--tp 2 --cp 2 --sequence-parallel"
   "07|4|--tp 2 --zero-stage 3"
   "07|4|--tp 2 --ep 2 --model.num_experts 4 --micro-batches 1"
+  "12|2|"
 )
 selected=("$@")
 

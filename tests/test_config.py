@@ -46,8 +46,14 @@ class ConfigLoadsAndOverrides(unittest.TestCase):
 
     def test_every_example_config_is_valid_and_loads_its_own_values(self):
         names = sorted(n for n in os.listdir("examples/configs") if n.endswith(".yaml"))
-        scripts = sorted(n[:-3] + ".yaml" for n in os.listdir("examples") if n.endswith(".py"))
-        self.assertEqual(names, scripts)  # one per numbered script, none without one
+        # one per numbered script built on load_config, none without one (12_vision, an image
+        # classifier, takes its own flags: a Llama config does not describe it)
+        scripts = []
+        for n in sorted(os.listdir("examples")):
+            if n.endswith(".py"):
+                with open(os.path.join("examples", n)) as f:
+                    scripts += [n[:-3] + ".yaml"] if "load_config(" in f.read() else []
+        self.assertEqual(names, scripts)
         self.assertGreaterEqual(len(names), 11)  # 00-08 (with 04b) and 10 at least
         for name in names:
             path = os.path.join("examples/configs", name)

@@ -39,6 +39,7 @@ CHAPTERS: List[Tuple[str, str, str]] = [
     ("07", "examples/07_nd_parallel.py", "doc/07_nd_parallel.md"),
     ("08", "examples/08_mixed_precision.py", "doc/08_mixed_precision.md"),
     ("10", "examples/10_real_model.py", "doc/10_real_model.md"),
+    ("12", "examples/12_vision.py", "doc/12_vision.md"),
 ]
 # The chapter that introduces each strategy module: its page lists it, no earlier chapter's
 # path reaches it. (Chapter 09's planner, scaletorch/plan, is reached by no earlier script.)
@@ -56,6 +57,7 @@ MODULES_OF: Dict[str, List[str]] = {
     "07": ["parallelize", "tensor_layout", "validation", "native"],
     "08": ["mixed_precision"],
     "10": ["tied_embeddings", "zero_tied", "activation_checkpointing"],
+    "12": ["sync_batchnorm", "vision_parallel"],
 }
 OWNER = {module: chapter for chapter, modules in MODULES_OF.items() for module in modules}
 # Chapters over the budget, at most this many lines (they may shrink, not grow). 04b: the

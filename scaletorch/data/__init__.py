@@ -1,7 +1,8 @@
-"""Data: token sources and the deterministic global-batch loader."""
+"""Data: token sources, images (chapter 12) and the deterministic global-batch loaders."""
 
 from scaletorch.data.datasets import (DATASET_NAMES, BinDataset, ByteTextDataset, SyntheticMarkov,
                                       build_dataset)
+from scaletorch.data.images import ImageBatchLoader, ImageFolder, SyntheticImages
 from scaletorch.data.loader import (GlobalBatchLoader, SequenceShard, ShardedBatch, local_batch,
                                     shard_batch, split_micro_batches)
 from scaletorch.data.tokenizer import ByteTokenizer, HFTokenizer, bin_dtype, load_tokenizer
@@ -13,7 +14,10 @@ __all__ = [
     "ByteTextDataset",
     "GlobalBatchLoader",
     "HFTokenizer",
+    "ImageBatchLoader",
+    "ImageFolder",
     "SequenceShard",
+    "SyntheticImages",
     "ShardedBatch",
     "SyntheticMarkov",
     "bin_dtype",

@@ -1,9 +1,11 @@
-"""Models: a small Llama that knows nothing about parallelism."""
+"""Models: a small Llama and a ResNet (chapter 12), both knowing nothing about parallelism."""
 
 from scaletorch.models.llama import (MLP, Attention, Llama, LlamaConfig, RMSNorm, TransformerBlock,
                                      apply_rope, build_model, causal_attention, loss_fn,
                                      rope_cos_sin)
 from scaletorch.models.moe import Experts, MoE, moe_aux_loss
+from scaletorch.models.resnet import (BasicBlock, ResNet, ResNetConfig, build_resnet,
+                                      classification_loss, tiny_resnet_config)
 
 __all__ = [
     "Attention",
@@ -20,4 +22,10 @@ __all__ = [
     "moe_aux_loss",
     "loss_fn",
     "rope_cos_sin",
+    "BasicBlock",
+    "ResNet",
+    "ResNetConfig",
+    "build_resnet",
+    "classification_loss",
+    "tiny_resnet_config",
 ]

@@ -6,5 +6,6 @@ tensor_parallel_dtensor), 04 pipeline_parallel (+ pipeline_native), 04b split_ba
 (+ activation_meter), 05 context_parallel (+ ring_attention, attention_kernels, step),
 06 expert_parallel; chapter 07's parallelize (+ tensor_layout, validation, native) composes
 them all; 08 mixed_precision and 10 tied_embeddings, zero_tied, activation_checkpointing attach
-to it. tests/test_reading_path.py checks this map; doc/design.md explains it.
+to it. Chapter 12's sync_batchnorm and vision_parallel put a ResNet under 01's and 02's
+wrappers. tests/test_reading_path.py checks this map; doc/design.md explains it.
 """

@@ -302,17 +302,17 @@ def llama_units(model: nn.Module) -> Units:
     return units
 
 
-def apply_zero(model: nn.Module, pgm: ProcessGroupManager, zero_stage: int,
-               prefetch: bool = True) -> ShardedDataParallel:
-    """Shard a Llama over ``pgm.data_parallel_group_with_context`` (ZeRO ``zero_stage``).
+def apply_zero(model: nn.Module, pgm: ProcessGroupManager, zero_stage: int, prefetch: bool = True,
+               units: Optional[Units] = None) -> ShardedDataParallel:
+    """Shard a Llama (or ``units`` of another model) over ``pgm.data_parallel_group_with_context``.
 
-    Every rank must pass the same weights (build_model with one seed). Pair the result with
-    ``ZeroAdamW(model, ...)`` and give the Trainer ``model.clip_grad_norm``.
+    ZeRO ``zero_stage``; every rank must pass the same weights (build_model with one seed).
+    Pair the result with ``ZeroAdamW(model, ...)``; the Trainer with ``model.clip_grad_norm``.
     """
     check_zero_layout(zero_stage, pgm.tensor_model_parallel_world_size,
                       pgm.pipeline_model_parallel_world_size, pgm.expert_model_parallel_world_size)
-    return ShardedDataParallel(model, llama_units(model), pgm.data_parallel_group_with_context,
-                               zero_stage, prefetch)
+    return ShardedDataParallel(model, units or llama_units(model),
+                               pgm.data_parallel_group_with_context, zero_stage, prefetch)
 
 
 class ZeroAdamW(torch.optim.AdamW):
