@@ -53,9 +53,8 @@ def memory_table(model: nn.Module, optimizer: torch.optim.Optimizer,
                  symbols: Sequence[str], note: str = "") -> str:
     """Collective over ``group``: each rank's ``measure_memory`` (gathered) and, under them, the
     ``formula`` bytes and its ``symbols`` (params, grads, optimizer, total). The same table on
-    every rank. "peak gathered": the most bytes of full parameters a ZeRO-3 wrapper held at
-    once (0 in stages 1, 2, which keep them all; "-" on a rank where nothing tracks it), a
-    column only when some rank's wrapper tracks it (chapter 02 on)."""
+    every rank. "peak gathered", a column when a rank's ZeRO wrapper tracks it (chapter 02 on):
+    the most bytes of full parameters it held at once (0 in stages 1, 2, which keep them all)."""
     mine = measure_memory(model, optimizer)
     mine["peak_gathered"] = getattr(model, "peak_gathered_bytes", -1)  # -1: not tracked
     row = torch.tensor([[mine[k] for k in KINDS]], dtype=torch.float64,
