@@ -280,7 +280,7 @@ class Trainer:
 
     def _train(self) -> TrainResult:
         cfg = self.cfg
-        if cfg.check:  # rank 0, once; a detail when fp32 parity is checked as it always is
+        if cfg.check:  # rank 0, once; on screen when a precision is asked for or is not fp32
             asked = cfg.training.precision != "auto"
             fp32 = resolve_precision(cfg, self.device.type) == "fp32"
             self._print(precision_note(cfg, self.device.type), detail=fp32 and not asked)
