@@ -22,7 +22,7 @@ import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterable, List, Optional, TextIO, cast
+from typing import TYPE_CHECKING, Any, Callable, Iterable, List, Optional, cast
 
 import torch
 import torch.distributed as dist
@@ -124,7 +124,7 @@ class Trainer:
         self.forward_backward = forward_backward
         self.clip_grad_norm = clip_grad_norm or self._clip_replicated
         self.step = 0
-        self._log: Optional[TextIO] = None  # rank 0's log.txt in the run directory, in train()
+        self._log: Optional[str] = None  # rank 0's log.txt in the run directory, from train()
 
     @classmethod
     def from_parallelized(cls, cfg: Config, par: "Parallelized", pgm: ProcessGroupManager, *,
@@ -212,8 +212,8 @@ class Trainer:
         if not self.verbose:
             return
         if self._log is not None:
-            self._log.write(message + "\n")
-            self._log.flush()
+            with open(self._log, "a") as f:  # a line at a time: nothing to close on a failure
+                f.write(message + "\n")
         if detail and not self.cfg.logging.verbose:
             return
         if bar is not None:
@@ -270,16 +270,7 @@ class Trainer:
         cfg = self.cfg
         if self.verbose:
             os.makedirs(cfg.run_path, exist_ok=True)
-            self._log = open(os.path.join(cfg.run_path, "log.txt"), "a")
-        try:
-            return self._train()
-        finally:
-            if self._log is not None:
-                self._log.close()
-                self._log = None
-
-    def _train(self) -> TrainResult:
-        cfg = self.cfg
+            self._log = os.path.join(cfg.run_path, "log.txt")
         if cfg.check:  # rank 0, once; on screen when a precision is asked for or is not fp32
             asked = cfg.training.precision != "auto"
             fp32 = resolve_precision(cfg, self.device.type) == "fp32"
