@@ -9,9 +9,9 @@ Chapter 00 plus one call, ``apply_data_parallel``: it wraps the model so that ba
 averages the gradients over the data-parallel ranks (``--impl naive``: one all-reduce per
 parameter; ``scaletorch``: our bucketed DDP; ``torch``: PyTorch's DistributedDataParallel).
 Then it prints the gradient traffic of the last step (a ring all-reduce of Psi fp32 elements
-moves 2 (N-1)/N x 4 Psi bytes per rank), for the bucketed DDP when each bucket's all-reduce
-ran while backward was still computing, and the bytes each rank holds: 16 Psi, the whole model
-state on every rank, which chapter 02 shards.
+moves 2 (N-1)/N x 4 Psi bytes per rank), for the bucketed DDP how many all-reduces each rank
+had in flight while backward was still computing (``--verbose``: every bucket's), and the
+bytes each rank holds: 16 Psi, the whole model state on every rank, which chapter 02 shards.
 """
 
 import sys
@@ -20,10 +20,10 @@ from functools import partial
 from scaletorch.dist import (comm, destroy_distributed, destroy_pg_manager, init_distributed,
                              init_pg_manager_from_config)
 from scaletorch.models import build_model
-from scaletorch.parallel.data_parallel import (BucketedDataParallel, apply_data_parallel,
-                                               ddp_report, format_timeline)
+from scaletorch.parallel.data_parallel import BucketedDataParallel, apply_data_parallel, ddp_report
 from scaletorch.parallel.grad_norm import clip_replicated
 from scaletorch.parallel.memory_report import memory_table
+from scaletorch.parallel.overlap_chart import format_overlap, format_timeline
 from scaletorch.trainer import Trainer, check_against_reference, load_config
 
 
@@ -73,19 +73,21 @@ def main() -> int:
     report = ddp_report(model, pgm, p.impl, step=last)
     # every rank's overlap in that step: a rank launches a bucket when its own backward has
     # filled it, so the times differ from rank to rank and the order does not
-    charts = []
+    timelines = []
     if isinstance(model, BucketedDataParallel) and n > 1:
-        charts = comm.gather_objects(format_timeline(model.timeline),
-                                     pgm.data_parallel_group_with_context)
+        timelines = comm.gather_objects(model.timeline, pgm.data_parallel_group_with_context)
     fp32_adamw = {"params": 4 * psi, "grads": 4 * psi, "optimizer": 8 * psi}  # bytes per rank
     memory = memory_table(model, trainer.optimizer, pgm.data_parallel_group_with_context,
                           f"memory per rank, bytes (data parallel, N = {n}, Psi = {psi:,})",
                           fp32_adamw, ("4Psi", "4Psi", "8Psi", "16Psi"))
     if pgm.rank == 0 and report:
         print(report)
-    for rank, chart in enumerate(charts):  # [] but on rank 0
+    if timelines:  # [] but on rank 0
+        print(f"overlap in step {last}, ms from each rank's forward (= compute, . waiting; "
+              f"1-9: all-reduces in flight):\n{format_overlap(timelines)}")
+    for rank, timeline in enumerate(timelines if cfg.logging.verbose else []):  # every bucket
         print(f"overlap in step {last} (rank {rank}; = compute, # a bucket's all-reduce in "
-              f"flight, . waiting):\n{chart}")
+              f"flight, . waiting):\n{format_timeline(timeline)}")
     if pgm.rank == 0:
         print(memory)
 

@@ -56,7 +56,7 @@ def main() -> int:
                       "Chapter 06: expert parallel (mixture of experts)", limits)
     env = init_distributed(cfg.training.timeout_seconds)
     pgm = init_pg_manager_from_config(cfg.parallel, cfg.training.timeout_seconds)
-    pgm.log_topology()
+    pgm.log_topology(experts=True)
 
     compute_dtype = DTYPES[resolve_precision(cfg, env.device.type)]  # what crosses the wire
 

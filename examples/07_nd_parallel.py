@@ -68,7 +68,7 @@ def main() -> int:
     env = init_distributed(cfg.training.timeout_seconds)
     p = cfg.parallel
     pgm = init_pg_manager_from_config(p, cfg.training.timeout_seconds)
-    pgm.log_topology()
+    pgm.log_topology(experts=cfg.model.num_experts > 0)
 
     model = build_model(cfg.model, seed=cfg.training.model_seed)
     resume = cfg.checkpoint.resume

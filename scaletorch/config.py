@@ -115,6 +115,9 @@ class LoggingConfig:
     # --profile STEPS: a torch.profiler trace of that many steps (after one of warm-up) per rank
     # in runs/<name>/profile/rank_<r>.json (chapter 11; scripts/plot.py profile draws it)
     profile_steps: int = checked(0, at_least(0))
+    # --verbose: also print the details every run writes to runs/<name>/log.txt (the planner's
+    # prediction beside the measurement, the straggler line, the fp32 precision note)
+    verbose: bool = checked(False)
 
 
 @dataclass

@@ -4,7 +4,7 @@
 the ledger, the overlap chart, the routing table) are read from its saved standard output, so
 the picture shows exactly the numbers the page shows:
 
-    scripts/launch.sh examples/01_ddp.py --nproc-per-node 2 -- --steps 10 > runs/01.log
+    scripts/launch.sh examples/01_ddp.py --nproc-per-node 2 -- --steps 10 --verbose > runs/01.log
     python scripts/plot.py ddp-buckets runs/01.log --out doc/img/01_buckets.png
 
     loss-floor RUN_DIR...      00, 10: metrics.jsonl and the floor of the run's data (config.yaml)
@@ -120,7 +120,7 @@ def parse_overlap(text: str, path: str = "log") -> Dict[int, List[dict]]:
     """The last step's overlap chart of each rank of a 01_ddp run: {rank: [{"row", "start_ms",
     "end_ms", "mb"}, ...]} (ms since that rank's step began: each rank has its own clock)."""
     heads = list(re.finditer(r"^overlap in step (\d+) \(rank (\d+)", text, re.M))
-    heads = _need(heads, "overlap chart ('overlap in step')", path)
+    heads = _need(heads, "per-bucket overlap chart (01_ddp.py prints it under --verbose)", path)
     last = max(int(h.group(1)) for h in heads)
     charts: Dict[int, List[dict]] = {}
     for head in heads:
@@ -631,7 +631,7 @@ def plot_dtype_bytes(paths: List[str], out: str) -> None:
 
 COMMANDS = {
     "loss-floor": ("runs", "+", "run directories (metrics.jsonl, config.yaml)", plot_loss_floor),
-    "ddp-buckets": ("path", None, "saved output of examples/01_ddp.py", plot_ddp_buckets),
+    "ddp-buckets": ("path", None, "saved output of examples/01_ddp.py --verbose", plot_ddp_buckets),
     "zero-memory":
     ("paths", "+", "saved outputs of examples/01_ddp.py, 02_fsdp.py", plot_zero_memory),
     "tp-split": ("path", None, "saved output of examples/03_tensor_parallel.py", plot_tp_split),

@@ -20,7 +20,7 @@ from scripts import chapter_plots as cp
 from scripts.plot import main
 from tests.harness import run_main
 
-# scripts/launch.sh examples/01_ddp.py --nproc-per-node 2 -- --steps 3
+# scripts/launch.sh examples/01_ddp.py --nproc-per-node 2 -- --steps 3 --verbose
 DDP = """\
 overlap in step 1 (rank 0; = compute, # a bucket's all-reduce in flight, . waiting):
 bucket 0         |             ######           |     1.0 -    2.0 ms  0.049 MB
@@ -35,9 +35,9 @@ forward+backward |============================================================| 
 bucket 0         |             ######           |     3.1 -   15.0 ms  0.049 MB
 wait             |                                                           .|     7.0 -   15.2 ms
 memory per rank, bytes (data parallel, N = 2, Psi = 82,240)
-rank            params       grads   optimizer         total   peak gathered
-0              328,960     328,960     657,920     1,315,840               -
-1              328,960     328,960     657,920     1,315,840               -
+rank            params       grads   optimizer         total
+0              328,960     328,960     657,920     1,315,840
+1              328,960     328,960     657,920     1,315,840
 formula        328,960     328,960     657,920     1,315,840
                   4Psi        4Psi        8Psi         16Psi
 """

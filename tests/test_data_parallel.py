@@ -16,8 +16,9 @@ from torch import nn
 
 from scaletorch.dist import destroy_pg_manager, get_ledger, init_pg_manager
 from scaletorch.models import LlamaConfig, build_model, loss_fn
-from scaletorch.parallel.data_parallel import (IMPLS, BucketedDataParallel, apply_data_parallel,
-                                               format_timeline)
+from scaletorch.parallel.data_parallel import (IMPLS, BucketedDataParallel, BucketLaunch,
+                                               SyncTimeline, apply_data_parallel)
+from scaletorch.parallel.overlap_chart import format_overlap, format_timeline
 from scaletorch.parallel.step import forward_backward
 from scaletorch.trainer import Config, Trainer, validate
 from scaletorch.trainer.trainer import build_loader
@@ -256,6 +257,35 @@ class DataParallelRejectsBadConfig(unittest.TestCase):
         self.assertEqual(list(wrapped.state_dict()), list(model.state_dict()))
         wrapped.load_state_dict(build_model(_config().model, seed=1).state_dict())
         self.assertEqual(wrapped.num_parameters(), model.num_parameters())
+
+
+def _timeline(backward_end: float, wait_end: float, *buckets: tuple) -> SyncTimeline:
+    """A recorded step in seconds: forward at 0, each bucket's (launch, done)."""
+    launches = [BucketLaunch(i, 100, True, 1, a, b) for i, (a, b) in enumerate(buckets)]
+    return SyncTimeline(0.0, 0.001, backward_end, wait_end, launches)
+
+
+class OverlapChartDrawsEveryRankOnOneAxis(unittest.TestCase):
+    """format_overlap, chapter 01's chart: exact rows for a made-up step of two ranks (no
+    ranks spawned). 12 columns over 12 ms: a column is 1 ms, read at its middle."""
+
+    def test_compute_wait_and_all_reduces_in_flight_per_rank(self):
+        fast = _timeline(0.004, 0.012, (0.001, 0.012), (0.003, 0.012))  # waits for the other
+        slow = _timeline(0.010, 0.012, (0.002, 0.006), (0.008, 0.012))
+        self.assertEqual(
+            format_overlap([slow, fast], width=12).splitlines(), [
+                "rank 0 compute   |==========..| backward 10.0 ms, waited 2.0 ms",
+                "rank 0 in flight |  1111  1111| 2 buckets, 1 done before backward ended",
+                "rank 1 compute   |====........| backward 4.0 ms, waited 8.0 ms",
+                "rank 1 in flight | 11222222222| 2 buckets, 0 done before backward ended",
+            ])
+
+    def test_ten_and_more_all_reduces_in_flight_are_letters(self):
+        many = _timeline(0.001, 0.002, *[(0.0, 0.002)] * 12)
+        self.assertEqual(
+            format_overlap([many], width=2).splitlines()[1][:21], "rank 0 in flight |cc|")
+        self.assertEqual(
+            format_timeline(many, width=2).splitlines()[1][:21], "bucket 0         |##|")
 
 
 if __name__ == "__main__":

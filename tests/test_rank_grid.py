@@ -270,12 +270,28 @@ class TestRankGridGoldenLayouts(unittest.TestCase, RankGridInvariants):
     def test_describe_shows_each_stage_as_dp_by_cp_by_tp(self):
         grid = RankGrid(16, tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
                         context_parallel_size=2, expert_model_parallel_size=2)
-        self.assertEqual(grid.describe().splitlines(), [
+        lines = grid.describe(experts=True).splitlines()
+        self.assertEqual(lines, [
             "rank grid: world 16 = tp 2 x cp 2 x dp 2 x pp 2, order tp-cp-dp-pp (fastest first)",
             "experts: ep 2 x edp 2; [..] = one tp group, cp ranks side by side",
             "pp 0 | dp 0: [ 0  1] [ 2  3] | dp 1: [ 4  5] [ 6  7]",
             "pp 1 | dp 0: [ 8  9] [10 11] | dp 1: [12 13] [14 15]",
         ])
+
+    def test_describe_shows_experts_and_the_brackets_key_only_where_they_apply(self):
+        # a dense model (chapters 01-05) has no expert split; without tp or cp every bracket
+        # holds one rank and needs no key
+        self.assertEqual(
+            RankGrid(2).describe().splitlines(), [
+                "rank grid: world 2 = tp 1 x cp 1 x dp 2 x pp 1, order tp-cp-dp-pp (fastest first)",
+                "pp 0 | dp 0: [0] | dp 1: [1]",
+            ])
+        self.assertEqual(
+            RankGrid(2, expert_model_parallel_size=2).describe(experts=True).splitlines()[1],
+            "experts: ep 2 x edp 1")
+        self.assertEqual(
+            RankGrid(2, tensor_model_parallel_size=2).describe().splitlines()[1],
+            "[..] = one tp group, cp ranks side by side")
 
 
 class TestOneGroupPerDistinctSetOfRanks(unittest.TestCase):

@@ -4,7 +4,8 @@ A chapter's reading path is what its script reaches by imports inside the strate
 import statement (top level, in a function, under TYPE_CHECKING), followed through
 scaletorch/parallel, scaletorch/schedule, scaletorch/rules and scaletorch/plan. The shared
 infrastructure of chapter 00 (dist, models, data, config, trainer) is not followed: a learner
-met it before the first strategy.
+met it before the first strategy. Two of its modules hold a chapter's own idea and are followed
+too (``TAUGHT``): the autograd-aware collectives (f, g, the all-to-all) and the MoE layer.
 
 The rules (doc/design.md):
 - a chapter's path holds no module that a later chapter introduces (``OWNER``), and the modules
@@ -23,7 +24,11 @@ import unittest
 from typing import Dict, List, Set, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FOLLOWED = ("scaletorch.parallel", "scaletorch.schedule", "scaletorch.rules", "scaletorch.plan")
+# Modules of chapter 00's packages that a chapter's strategy code imports for its idea, and the
+# chapter that introduces them: its page lists them like its strategy modules.
+TAUGHT = {"scaletorch.dist.functional": "03", "scaletorch.models.moe": "06"}
+FOLLOWED = ("scaletorch.parallel", "scaletorch.schedule", "scaletorch.rules", "scaletorch.plan",
+            *TAUGHT)
 BUDGET = 700  # lines a chapter may add to the ones before it
 MODULE_LIMIT = 400  # lines of one strategy module
 
@@ -44,7 +49,7 @@ CHAPTERS: List[Tuple[str, str, str]] = [
 # The chapter that introduces each strategy module: its page lists it, no earlier chapter's
 # path reaches it. (Chapter 09's planner, scaletorch/plan, is reached by no earlier script.)
 MODULES_OF: Dict[str, List[str]] = {
-    "01": ["data_parallel", "grad_norm", "memory_report", "wrapper"],
+    "01": ["data_parallel", "overlap_chart", "grad_norm", "memory_report", "wrapper"],
     "02": ["zero", "flat_unit", "zero_report", "fully_shard"],
     "03": ["tensor_parallel", "tensor_parallel_layers", "tensor_parallel_dtensor"],
     "04": ["pipeline_parallel", "pipeline_schedules", "orders", "timeline", "placement"],
@@ -60,10 +65,11 @@ MODULES_OF: Dict[str, List[str]] = {
     "12": ["sync_batchnorm", "vision_parallel"],
 }
 OWNER = {module: chapter for chapter, modules in MODULES_OF.items() for module in modules}
-# Chapters over the budget, at most this many lines (they may shrink, not grow). 04b: the
+# Chapters over the budget, at most this many lines (they may shrink, not grow). 03 went over
+# when dist/functional.py (214 lines, where f and g live) was counted in its path. 04b: the
 # general pipeline runtime (schedules as plans, interleaved, torch's pipelining) moved there
 # from chapter 04, whose schedules became plain loops (issue 41).
-OVER_BUDGET: Dict[str, int] = {"04b": 1080}
+OVER_BUDGET: Dict[str, int] = {"03": 886, "04b": 1080}
 
 
 def chapters() -> List[Tuple[str, str, str]]:
@@ -131,6 +137,9 @@ def page_table(page: str) -> Tuple[List[Tuple[str, int]], int]:
 def owner(path: str) -> str:
     """The chapter that introduces ``path`` (a strategy module), "" for other modules."""
     folder, name = os.path.split(path)
+    module = path[:-3].replace("/", ".")
+    if module in TAUGHT:
+        return TAUGHT[module]
     if folder in ("scaletorch/parallel", "scaletorch/schedule") and name != "__init__.py":
         return OWNER.get(name[:-3], "?")
     return "09" if folder == "scaletorch/plan" else ""

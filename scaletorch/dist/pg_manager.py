@@ -198,19 +198,24 @@ class RankGrid:
         """``rank``'s position in every kind of group: tp, cp, dp, pp, dp_cp, ep, edp."""
         return {kind: self.group_of(kind, rank).index(rank) for kind in KINDS}
 
-    def describe(self) -> str:
+    def describe(self, experts: bool = False) -> str:
         """A short table of the grid for logging: one line per pipeline stage.
 
         Each ``[..]`` is one tensor-parallel group; the brackets after ``dp d:`` are the
-        context-parallel ranks 0, 1, ... of data-parallel rank d.
+        context-parallel ranks 0, 1, ... of data-parallel rank d. The expert split (ep x edp)
+        is shown when the model has ``experts``, the key to the brackets when tp or cp > 1.
         """
         width = len(str(self.world_size - 1))
         s = self._sizes
         lines = [
             f"rank grid: world {self.world_size} = tp {s['tp']} x cp {s['cp']} x dp {s['dp']} "
-            f"x pp {s['pp']}, order {self.order} (fastest first)",
-            f"experts: ep {s['ep']} x edp {s['edp']}; [..] = one tp group, cp ranks side by side",
+            f"x pp {s['pp']}, order {self.order} (fastest first)"
         ]
+        notes = [f"experts: ep {s['ep']} x edp {s['edp']}"] if experts else []
+        if s["tp"] > 1 or s["cp"] > 1:
+            notes.append("[..] = one tp group, cp ranks side by side")
+        if notes:
+            lines.append("; ".join(notes))
         for p in range(s["pp"]):
             cells = []
             for d in range(s["dp"]):
@@ -318,10 +323,11 @@ class ProcessGroupManager:
             raise ValueError(f"group {group!r} was not created by this ProcessGroupManager")
         return name
 
-    def log_topology(self) -> None:
-        """Print the grid once, from rank 0."""
+    def log_topology(self, experts: bool = False) -> None:
+        """Print the grid once, from rank 0 (with the expert split if the model has
+        ``experts``)."""
         if self.rank == 0:
-            print(self.grid.describe(), flush=True)
+            print(self.grid.describe(experts), flush=True)
 
     def destroy(self) -> None:
         """Destroy every subgroup this rank holds, each once (the default group stays), and

@@ -28,10 +28,9 @@ All three accept ``no_sync()`` (gradient accumulation: only the last micro-batch
 prefix, so checkpoints and parity checks compare keys one to one.
 
 Read the naive and the bucketed wrapper side by side: the bucketed one is the naive one plus
-buckets, hooks and overlap, and the timeline at the end shows the overlap.
+buckets, hooks and overlap; overlap_chart.py draws the recorded timeline.
 """
 
-import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, Dict, Iterator, List, Optional
@@ -315,38 +314,10 @@ class TorchDataParallel(ModuleWrapper, DistributedDataParallel):
         pass
 
 
-def format_timeline(timeline: SyncTimeline, width: int = 60) -> str:
-    """ASCII picture of one synced step: compute (=), each bucket's all-reduce (#), wait (.).
-
-    Times are ms from the forward of the micro-batch that synced; a bucket's bar runs from
-    its launch to the completion of its all-reduce.
-    """
-    # as floats (``BucketedDataParallel.timeline`` already read them: seconds() passes them on)
-    forward, first_grad = seconds(timeline.t_forward), seconds(timeline.t_first_grad)
-    backward_end, wait_end = seconds(timeline.t_backward_end), seconds(timeline.t_wait_end)
-    launches = [(x, seconds(x.t_launch), seconds(x.t_done)) for x in timeline.launches]
-    t0 = first_grad if math.isnan(forward) else forward
-    dones = [done for _, _, done in launches if not math.isnan(done)]
-    scale = width / max(max([wait_end] + dones) - t0, 1e-9)
-
-    def row(label: str, start: float, end: float, char: str, note: str = "") -> str:
-        a = min(width - 1, int((start - t0) * scale))
-        b = max(a + 1, min(width, round((end - t0) * scale)))
-        bar = " " * a + char * (b - a) + " " * (width - b)
-        return f"{label:<17}|{bar}| {(start - t0) * 1e3:7.1f} -{(end - t0) * 1e3:7.1f} ms{note}"
-
-    lines = [row("forward+backward", t0, backward_end, "=")]
-    for x, launch, done in launches:
-        done = wait_end if math.isnan(done) else done
-        lines.append(row(f"bucket {x.index}", launch, done, "#", f"  {x.numel * 4 / 1e6:.3f} MB"))
-    lines.append(row("wait", backward_end, wait_end, "."))
-    return "\n".join(lines)
-
-
 def ddp_report(model: nn.Module, pgm: ProcessGroupManager, impl: str, step: int) -> str:
     """What chapter 01 prints after training (rank 0's view, no communication): the ledger's
     table of ``step`` and the gradients' all-reduce next to the ring formula 2 (N-1)/N x 4 Psi
-    bytes per rank. (The script adds each rank's ``format_timeline``.)"""
+    bytes per rank. (The script adds the overlap chart, overlap_chart.py.)"""
     ledger, n = get_ledger(), pgm.data_parallel_world_size_with_context
     if n == 1:
         return ""

@@ -53,8 +53,8 @@ def memory_table(model: nn.Module, optimizer: torch.optim.Optimizer,
                  symbols: Sequence[str], note: str = "") -> str:
     """Collective over ``group``: each rank's ``measure_memory`` (gathered) and, under them, the
     ``formula`` bytes and its ``symbols`` (params, grads, optimizer, total). The same table on
-    every rank. "peak gathered": the most bytes of full parameters a ZeRO-3 wrapper held at
-    once (0 in stages 1, 2, which keep them all; "-" where nothing tracks it)."""
+    every rank. "peak gathered", a column when a rank's ZeRO wrapper tracks it (chapter 02 on):
+    the most bytes of full parameters it held at once (0 in stages 1, 2, which keep them all)."""
     mine = measure_memory(model, optimizer)
     mine["peak_gathered"] = getattr(model, "peak_gathered_bytes", -1)  # -1: not tracked
     row = torch.tensor([[mine[k] for k in KINDS]], dtype=torch.float64,
@@ -62,14 +62,15 @@ def memory_table(model: nn.Module, optimizer: torch.optim.Optimizer,
     rows = row.new_empty(comm.group_size(group), len(KINDS))
     with get_ledger().paused():  # bookkeeping, not the strategy's traffic
         comm.all_gather_into_tensor(rows, row, group)
+    tracked = bool((rows[:, 3] >= 0).any())
     lines = [
-        title, f"{'rank':<10}{'params':>12}{'grads':>12}{'optimizer':>12}{'total':>14}"
-        f"{'peak gathered':>16}"
+        title, f"{'rank':<10}{'params':>12}{'grads':>12}{'optimizer':>12}{'total':>14}" +
+        (f"{'peak gathered':>16}" if tracked else "")
     ]
     for r, values in enumerate(rows.tolist()):
         peak = f"{int(values[3]):,}" if values[3] >= 0 else "-"
         lines.append(f"{r:<10}" + "".join(f"{int(v):>12,}" for v in values[:3]) +
-                     f"{int(sum(values[:3])):>14,}{peak:>16}")
+                     f"{int(sum(values[:3])):>14,}" + (f"{peak:>16}" if tracked else ""))
     total = sum(formula[k] for k in KINDS[:3])
     lines.append(f"{'formula':<10}" + "".join(f"{int(formula[k]):>12,}"
                                               for k in KINDS[:3]) + f"{int(total):>14,}")

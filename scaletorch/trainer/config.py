@@ -72,6 +72,7 @@ RECOMPUTE = "parallel.activation_checkpointing"  # --activation-checkpointing [M
 FLAGS = {
     "--sequence-parallel": "parallel.sequence_parallel",
     "--check": "check",
+    "--verbose": "logging.verbose",
 }
 
 

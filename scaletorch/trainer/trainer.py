@@ -80,8 +80,10 @@ class Trainer:
 
     ``pgm`` is the process-group manager; ``None`` means a plain single-device run that
     touches no process group (the reference of every parity check). Only global rank 0
-    prints, shows the progress bar and writes ``runs/<name>/{config.yaml,metrics.jsonl}``;
-    ``verbose=False`` silences it entirely.
+    prints, shows the progress bar and writes ``runs/<name>/{config.yaml,metrics.jsonl,log.txt}``
+    (log.txt: every line it prints, and the details a run without ``--verbose`` keeps off
+    stdout: the fp32 precision note, the plan and straggler lines); ``verbose=False``
+    silences it entirely.
     """
 
     def __init__(self, cfg: Config, model: nn.Module, pgm: Optional[ProcessGroupManager] = None, *,
@@ -122,6 +124,7 @@ class Trainer:
         self.forward_backward = forward_backward
         self.clip_grad_norm = clip_grad_norm or self._clip_replicated
         self.step = 0
+        self._log: Optional[str] = None  # rank 0's log.txt in the run directory, from train()
 
     @classmethod
     def from_parallelized(cls, cfg: Config, par: "Parallelized", pgm: ProcessGroupManager, *,
@@ -202,8 +205,20 @@ class Trainer:
 
     # ---- the loop ----------------------------------------------------------------------
 
-    def _print(self, message: str) -> None:
-        if self.verbose:
+    def _print(self, message: str, detail: bool = False, bar: Any = None) -> None:
+        """Rank 0's line: always into the run directory's log.txt; on stdout (above the progress
+        ``bar``, if any) unless it is a ``detail`` (the precision, plan and straggler lines)
+        and the run is not ``--verbose``."""
+        if not self.verbose:
+            return
+        if self._log is not None:
+            with open(self._log, "a") as f:  # a line at a time: nothing to close on a failure
+                f.write(message + "\n")
+        if detail and not self.cfg.logging.verbose:
+            return
+        if bar is not None:
+            bar.write(message)
+        else:
             print(message, flush=True)
 
     def train_step(self) -> tuple[float, float]:
@@ -253,13 +268,17 @@ class Trainer:
 
     def train(self) -> TrainResult:
         cfg = self.cfg
-        if cfg.check:
-            self._print(precision_note(cfg, self.device.type))  # rank 0, once
+        if self.verbose:
+            os.makedirs(cfg.run_path, exist_ok=True)
+            self._log = os.path.join(cfg.run_path, "log.txt")
+        if cfg.check:  # rank 0, once; on screen when a precision is asked for or is not fp32
+            asked = cfg.training.precision != "auto"
+            fp32 = resolve_precision(cfg, self.device.type) == "fp32"
+            self._print(precision_note(cfg, self.device.type), detail=fp32 and not asked)
         self.maybe_resume()
         result = TrainResult(start_step=self.step)
         metrics = None
         if self.verbose:
-            os.makedirs(cfg.run_path, exist_ok=True)
             save_config(cfg, os.path.join(cfg.run_path, "config.yaml"))
             metrics = open(os.path.join(cfg.run_path, "metrics.jsonl"),
                            "a" if self.step > 0 else "w")
@@ -289,8 +308,8 @@ class Trainer:
         if self.verbose and self.pgm is not None and step_seconds:  # chapter 09's prediction
             report = plan_report(cfg, self.world_size, self.pgm.pipeline_model_parallel_rank,
                                  self.model, self.optimizer, self.step - 1, step_seconds)
-            if report:
-                self._print(report)
+            if report:  # asked for by a cluster file, else a detail
+                self._print(report, detail=not cfg.logging.plan_cluster)
         return result
 
     def _straggler_line(self, window: List[float]) -> Optional[str]:
@@ -338,14 +357,10 @@ class Trainer:
             if self.step % cfg.logging.log_every == 0 or self.step == cfg.training.steps:
                 line = (f"step {self.step:5d} | loss {loss:.4f} | lr {lr:.2e} | "
                         f"grad norm {grad_norm:.3f} | {record['tokens_per_s']:,.0f} tok/s")
+                self._print(line, bar=bar)
                 straggler = self._straggler_line(window)  # every rank: an all-gather
-                for text in (line, straggler):
-                    if text is None:
-                        continue
-                    if bar is not None:
-                        bar.write(text)
-                    else:
-                        self._print(text)
+                if straggler is not None:
+                    self._print(straggler, detail=True, bar=bar)
             if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
                 path = self.save()
                 self._print(f"saved checkpoint {path}")
