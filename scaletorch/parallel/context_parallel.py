@@ -53,6 +53,7 @@ def check_sequence_length(seq_len: int, cp_size: int) -> None:
                          f"chunks: set data.seq_len to a multiple of {2 * cp_size}")
 
 
+# [core: zigzag-positions]
 def zigzag_positions(seq_len: int, cp_size: int, cp_rank: int, order: str = "zigzag",
                      device: Optional[torch.device] = None) -> torch.Tensor:
     """(seq_len / cp_size,) int64: the true positions of the tokens ``cp_rank`` holds.
@@ -65,6 +66,9 @@ def zigzag_positions(seq_len: int, cp_size: int, cp_rank: int, order: str = "zig
         torch.arange(c * chunk, (c + 1) * chunk, device=device)
         for c in chunk_ids(cp_rank, cp_size, order)
     ])
+
+
+# [end: zigzag-positions]
 
 
 def make_sequence_sharder(pgm: ProcessGroupManager, seq_len: int,
