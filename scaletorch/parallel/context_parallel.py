@@ -69,8 +69,6 @@ def zigzag_positions(seq_len: int, cp_size: int, cp_rank: int, order: str = "zig
 
 
 # [end: zigzag-positions]
-
-
 def make_sequence_sharder(pgm: ProcessGroupManager, seq_len: int,
                           order: str = "zigzag") -> Callable:
     """fn(inputs, targets) (b, s) -> (inputs, targets) (b, s/cp) and position_ids (s/cp,).

@@ -118,7 +118,6 @@ class FlatUnit:
         self.flat.untyped_storage().resize_(0)
 
     # [end: gather-free]
-
     def reduce_grads(self) -> Tuple[Optional[Work], Callable[[], None]]:
         """Start the reduce-scatter of this unit's gradients over the group: (P',) -> (S,).
 

@@ -44,7 +44,6 @@ def chunk_ids(cp_rank: int, cp_size: int, order: str = "zigzag") -> Tuple[int, i
 
 
 # [end: zigzag]
-
 # ---- which (query chunk, key chunk) blocks are computed --------------------------------------
 
 
@@ -141,7 +140,6 @@ def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
 
 
 # [end: merge]
-
 # ---- ring attention ------------------------------------------------------------------------
 
 

@@ -100,9 +100,8 @@ class ColumnParallelLinear(nn.Module):
             x = _enter_region(x, self.group, self.sequence_parallel, self.compute_dtype)
         return F.linear(x, self.weight)  # (b, s, out/N)
 
-    # [end: column-forward]
 
-
+# [end: column-forward]
 class RowParallelLinear(nn.Module):
     """y = sum_i x_i A_i^T: this rank holds columns [i in/N, (i+1) in/N) of A (no bias).
 
@@ -135,9 +134,8 @@ class RowParallelLinear(nn.Module):
         partial = F.linear(x, self.weight)  # (b, s, out), this rank's share of the sum
         return _exit_region(partial, self.group, self.sequence_parallel)
 
-    # [end: row-forward]
 
-
+# [end: row-forward]
 class VocabParallelEmbedding(nn.Module):
     """Rows [i V/N, (i+1) V/N) of the embedding table on rank i.
 

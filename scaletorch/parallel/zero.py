@@ -164,7 +164,6 @@ class ShardedDataParallel(nn.Module):
             self._gather(i - 1, async_op=True)  # backward runs the units in reverse
 
     # [end: zero3-hooks]
-
     # ---- gradients: one reduce-scatter per unit, once per accumulation --------------------
 
     def _on_grad(self, i: int, tensor: torch.Tensor) -> None:
