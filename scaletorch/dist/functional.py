@@ -65,6 +65,7 @@ def all_reduce_sum(x: torch.Tensor, group: Group) -> torch.Tensor:
     return out
 
 
+# [core: f-and-g]
 class _CopyToParallelRegion(torch.autograd.Function):
     """f: forward identity, backward all-reduce (a replicated input used by every shard)."""
 
@@ -90,6 +91,7 @@ class _ReduceFromParallelRegion(torch.autograd.Function):
         return grad, None
 
 
+# [end: f-and-g]
 class _ScatterToParallelRegion(torch.autograd.Function):
     """Forward: keep this rank's chunk along ``dim``; backward: all-gather the gradient."""
 

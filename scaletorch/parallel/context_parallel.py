@@ -53,6 +53,7 @@ def check_sequence_length(seq_len: int, cp_size: int) -> None:
                          f"chunks: set data.seq_len to a multiple of {2 * cp_size}")
 
 
+# [core: zigzag-positions]
 def zigzag_positions(seq_len: int, cp_size: int, cp_rank: int, order: str = "zigzag",
                      device: Optional[torch.device] = None) -> torch.Tensor:
     """(seq_len / cp_size,) int64: the true positions of the tokens ``cp_rank`` holds.
@@ -67,6 +68,7 @@ def zigzag_positions(seq_len: int, cp_size: int, cp_rank: int, order: str = "zig
     ])
 
 
+# [end: zigzag-positions]
 def make_sequence_sharder(pgm: ProcessGroupManager, seq_len: int,
                           order: str = "zigzag") -> Callable:
     """fn(inputs, targets) (b, s) -> (inputs, targets) (b, s/cp) and position_ids (s/cp,).

@@ -101,6 +101,7 @@ class FlatUnit:
         """Bytes of full parameters this unit holds right now (0 when freed)."""
         return self.flat.untyped_storage().nbytes()
 
+    # [core: gather-free]
     def gather(self, async_op: bool = False) -> Optional[Work]:
         """All-gather every rank's shard into ``flat`` over the group: (S,) -> (P',)."""
         if self.gathered_bytes == 0:
@@ -116,6 +117,7 @@ class FlatUnit:
         """Drop the full parameters (stage 3); every tensor on flat's storage goes with it."""
         self.flat.untyped_storage().resize_(0)
 
+    # [end: gather-free]
     def reduce_grads(self) -> Tuple[Optional[Work], Callable[[], None]]:
         """Start the reduce-scatter of this unit's gradients over the group: (P',) -> (S,).
 

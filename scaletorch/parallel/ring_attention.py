@@ -33,6 +33,7 @@ KV_TAG, DKV_TAG = 1, 2  # distinct tags: K/V and dK/dV are in flight between the
 # ---- which tokens each rank holds ------------------------------------------------------------
 
 
+# [core: zigzag]
 def chunk_ids(cp_rank: int, cp_size: int, order: str = "zigzag") -> Tuple[int, int]:
     """The two of the 2 x cp_size sequence chunks that ``cp_rank`` holds, in sequence order."""
     if order not in ORDERS:
@@ -42,6 +43,7 @@ def chunk_ids(cp_rank: int, cp_size: int, order: str = "zigzag") -> Tuple[int, i
     return 2 * cp_rank, 2 * cp_rank + 1
 
 
+# [end: zigzag]
 # ---- which (query chunk, key chunk) blocks are computed --------------------------------------
 
 
@@ -123,6 +125,7 @@ def _math_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     return dq, dk, dv
 
 
+# [core: merge]
 def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
           block_lse: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """Combine softmax attention over two disjoint key sets (doc/05_context_parallel.md).
@@ -136,6 +139,7 @@ def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
     return out, new_lse
 
 
+# [end: merge]
 # ---- ring attention ------------------------------------------------------------------------
 
 
@@ -183,6 +187,7 @@ class _RingAttention(torch.autograd.Function):
         with torch.autocast(q.device.type, enabled=False):  # merges in fp32
             qs = up(q).chunk(2, dim=2)
             merged: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # query chunk: (out, lse)
+            # [core: ring-step]
             kv = torch.stack([k, v])  # one message, in q's dtype: (2, b, hkv, s_local, d)
             for t, blocks in enumerate(ring_schedule(rank, cp, order)):
                 if t + 1 < cp:  # post the next K/V before computing: comm overlaps compute
@@ -198,6 +203,7 @@ class _RingAttention(torch.autograd.Function):
                 if t + 1 < cp:
                     _wait(works)
                     kv = next_kv
+            # [end: ring-step]
             out = torch.cat([merged[0][0], merged[1][0]], dim=2).to(dtype)
             lse = torch.cat([merged[0][1], merged[1][1]], dim=2)  # softmax statistics: fp32
         ctx.save_for_backward(q, k, v, out, lse)  # q, k, v, out in the compute dtype

@@ -41,6 +41,7 @@ def _to_compute(x: torch.Tensor, compute_dtype: Optional[torch.dtype]) -> torch.
     return x.to(compute_dtype)
 
 
+# [core: regions]
 def _enter_region(x: torch.Tensor, group: Group, sequence_parallel: bool,
                   compute_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """Hand a replicated activation to column-parallel matmuls.
@@ -62,6 +63,7 @@ def _exit_region(x: torch.Tensor, group: Group, sequence_parallel: bool) -> torc
     return reduce_from_parallel_region(x, group)
 
 
+# [end: regions]
 class ColumnParallelLinear(nn.Module):
     """y_i = x A_i^T: this rank holds rows [i out/N, (i+1) out/N) of A (no bias).
 
@@ -92,12 +94,14 @@ class ColumnParallelLinear(nn.Module):
             layer.weight.copy_(linear.weight[comm.group_rank(group) * rows:][:rows])
         return layer
 
+    # [core: column-forward]
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.enter_region:
             x = _enter_region(x, self.group, self.sequence_parallel, self.compute_dtype)
         return F.linear(x, self.weight)  # (b, s, out/N)
 
 
+# [end: column-forward]
 class RowParallelLinear(nn.Module):
     """y = sum_i x_i A_i^T: this rank holds columns [i in/N, (i+1) in/N) of A (no bias).
 
@@ -125,11 +129,13 @@ class RowParallelLinear(nn.Module):
             layer.weight.copy_(linear.weight[:, comm.group_rank(group) * cols:][:, :cols])
         return layer
 
+    # [core: row-forward]
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         partial = F.linear(x, self.weight)  # (b, s, out), this rank's share of the sum
         return _exit_region(partial, self.group, self.sequence_parallel)
 
 
+# [end: row-forward]
 class VocabParallelEmbedding(nn.Module):
     """Rows [i V/N, (i+1) V/N) of the embedding table on rank i.
 

@@ -122,6 +122,7 @@ class ShardedDataParallel(nn.Module):
 
     # ---- stage 3: gather before use, free after -----------------------------------------
 
+    # [core: zero3-hooks]
     def _gather(self, i: int, async_op: bool = False) -> None:
         """Make unit i's full parameters available (with ``async_op``: start to)."""
         if i in self._gathering:
@@ -162,6 +163,7 @@ class ShardedDataParallel(nn.Module):
         if self.prefetch and i > 0:
             self._gather(i - 1, async_op=True)  # backward runs the units in reverse
 
+    # [end: zero3-hooks]
     # ---- gradients: one reduce-scatter per unit, once per accumulation --------------------
 
     def _on_grad(self, i: int, tensor: torch.Tensor) -> None:
