@@ -90,6 +90,9 @@ class CheckpointConfig:
 class LoggingConfig:
     run_dir: str = "runs"
     name: str = "run"
+    # --overwrite: a run directory (or checkpoint.dir) that already holds a run is moved aside
+    # to <path>.old-<time>, never deleted; without it such a directory is refused
+    overwrite: bool = False
     log_every: int = 10
     progress: bool = True  # tqdm bar on rank 0
     # a cluster file from scripts/plan.py --calibrate: the run ends with the planner's step time

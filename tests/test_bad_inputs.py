@@ -29,6 +29,7 @@ import torch
 from scaletorch.models import LlamaConfig, build_model
 from scaletorch.trainer import checkpoint as ckpt
 from scaletorch.trainer.config import parse_args
+from scaletorch.trainer.safe_files import checksum_line, checksum_path, write_checksummed
 from tests.test_examples import ROOT, launch_status
 
 C00, C07, C10 = "examples/00_single_device.py", "examples/07_nd_parallel.py", \
@@ -174,7 +175,8 @@ def _fake_checkpoint(root: str, model_args: List[str], damaged: bool = False) ->
     path = ckpt.step_dir(root, 5)
     os.makedirs(path)
     data = b"rank 0's state"
-    _write(ckpt.rank_file(path, 0), data + (b"!" if damaged else b""))
+    _write(ckpt.rank_file(path, 0), data + (b"!" if damaged else b""))  # damaged after the save
+    _write(checksum_path(ckpt.rank_file(path, 0)), checksum_line("rank_00000.pt", data))
     manifest = {
         "format_version": ckpt.FORMAT_VERSION,
         "step": 5,
@@ -184,7 +186,14 @@ def _fake_checkpoint(root: str, model_args: List[str], damaged: bool = False) ->
             "rank_00000.pt": hashlib.sha256(data).hexdigest()
         }
     }
-    _write(os.path.join(path, ckpt.MANIFEST), json.dumps(manifest))
+    write_checksummed(os.path.join(path, ckpt.MANIFEST), json.dumps(manifest).encode())
+
+
+def _torch_file(path: str, state: dict) -> None:
+    """``state`` saved as chapter 07 saves a consolidated file: with its checksum beside it."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    write_checksummed(path, buffer.getvalue())
 
 
 def make_bad_inputs(d: str) -> None:
@@ -233,12 +242,12 @@ def make_bad_inputs(d: str) -> None:
     _fake_checkpoint(os.path.join(d, "damaged"), [], damaged=True)
     other = LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=128, num_layers=4,
                         num_attention_heads=8, num_key_value_heads=4, max_seq_len=64)
-    torch.save({
+    _torch_file(os.path.join(d, "other_size.pt"), {
         "step": 3,
         "model": build_model(other, seed=0).state_dict(),
         "optimizer": None
-    }, os.path.join(d, "other_size.pt"))
-    torch.save({"step": 3, "model": argparse.Namespace(weights=1)}, os.path.join(d, "pickle.pt"))
+    })
+    _torch_file(os.path.join(d, "pickle.pt"), {"step": 3, "model": argparse.Namespace(weights=1)})
 
 
 def read_only_dir(d: str) -> str:

@@ -34,8 +34,9 @@ from scaletorch.data.datasets import check_data_file, check_synthetic_vocab
 from scaletorch.parallel.mixed_precision import policy_for as precision_policy
 # the one layout check (also run by parallelize): re-exported for the scripts
 from scaletorch.parallel.validation import validate_layout
-from scaletorch.rules.errors import InputError, MissingInputError
+from scaletorch.rules.errors import INTERRUPTED, InputError, MissingInputError, RunStopped
 from scaletorch.trainer.checkpoint import check_resume
+from scaletorch.trainer.run_dir import check_run_dir, move_aside
 
 __all__ = [
     "CheckpointConfig", "Config", "DataConfig", "InputError", "LoggingConfig", "ParallelConfig",
@@ -69,6 +70,7 @@ RECOMPUTE = "parallel.activation_checkpointing"  # --activation-checkpointing [M
 FLAGS = {
     "--sequence-parallel": "parallel.sequence_parallel",
     "--check": "check",
+    "--overwrite": "logging.overwrite",
 }
 
 
@@ -273,6 +275,9 @@ def load_config(default_config: str, description: str, limits: Optional[Limits] 
         sys.exit(2)
     if known.validate_only:
         sys.exit(0)
+    if int(os.environ.get("RANK", "0")) == 0:
+        for line in move_aside(cfg):  # --overwrite: the old run is kept, renamed
+            print(line, flush=True)
     sys.excepthook = report_input_errors
     return cfg
 
@@ -280,13 +285,25 @@ def load_config(default_config: str, description: str, limits: Optional[Limits] 
 def report_input_errors(kind: Type[BaseException], err: BaseException,
                         tb: Optional[TracebackType]) -> None:
     """sys.excepthook of a script past load_config: an InputError that escapes it is printed
-    as ``error: ...`` by one rank and the process exits with status 2; anything else is a bug
+    as ``error: ...`` by one rank and the process exits with status 2; a RunStopped (Ctrl-C,
+    a non-finite loss) is its one line and its exit status; anything else is a bug
     and gets Python's traceback. Rank 0 prints at once; another rank waits, so that when rank 0
     has the same error torchrun stops this rank before it repeats the line.
 
     Under torchrun with several ranks, a bug's traceback goes to torchrun's error file instead
     (``write_error_file``): scripts/torchrun.py then prints the traceback of the rank that
     failed first, once, and one line for every other rank."""
+    if isinstance(err, KeyboardInterrupt):  # Ctrl-C outside the training loop
+        err = RunStopped("interrupted (Ctrl-C)", INTERRUPTED)
+    if isinstance(err, RunStopped):  # Ctrl-C, a non-finite loss: one line, its own status
+        rank = int(os.environ.get("RANK", "0"))
+        if rank != 0 and err.exit_code == INTERRUPTED:
+            os._exit(err.exit_code)  # every rank got the SIGINT: rank 0 says it
+        if rank != 0:
+            time.sleep(5)
+        sys.stdout.flush()
+        print(err, file=sys.stderr, flush=True)
+        os._exit(err.exit_code)
     if not isinstance(err, InputError):
         error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
         if error_file and int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -348,9 +365,11 @@ def write_error_file(path: str, err: BaseException, tb: Optional[TracebackType])
 
 def check_inputs(cfg: Config, world_size: int, resume_files: bool = False) -> None:
     """What ``validate`` cannot see without touching the disk: the checkpoint to resume fits
-    this run (``check_resume``), and the run directory (and checkpoint.dir when checkpoints
-    are saved) can be created and written. InputError naming the path."""
+    this run (``check_resume``), the run directory holds no other run (``check_run_dir``),
+    and it (and checkpoint.dir when checkpoints are saved) can be created and written.
+    InputError naming the path."""
     check_resume(cfg, world_size, resume_files)
+    check_run_dir(cfg)
     outputs = {"logging.run_dir": cfg.run_path}
     if cfg.checkpoint.every > 0:
         outputs["checkpoint.dir"] = cfg.checkpoint_path
