@@ -61,10 +61,11 @@ class AFlippedByteInEveryCheckpointFileIsRefusedNamingIt(unittest.TestCase):
         return parse_args([*CONFIG, "--logging.run_dir", self.run_dir, *args])
 
     def test_the_list_holds_every_kind_a_save_writes(self):
-        self.assertEqual({kind(f) for f in self.files}, {
-            "rank_.pt", "rank_.pt.sha256", "manifest.json", "manifest.json.sha256",
-            "consolidated.pt", "consolidated.pt.sha256"
-        })
+        self.assertEqual({kind(f)
+                          for f in self.files}, {
+                              "rank_.pt", "rank_.pt.sha256", "manifest.json",
+                              "manifest.json.sha256", "consolidated.pt", "consolidated.pt.sha256"
+                          })
         self.assertEqual(len(self.files), 2 * 6 + 2)  # steps 2 and 4, and the run's own file
 
     def test_every_file_flipped_is_refused_naming_it_and_latest_falls_back(self):
@@ -113,14 +114,13 @@ class AFlippedByteInEveryCheckpointFileIsRefusedNamingIt(unittest.TestCase):
     def test_the_pre_flight_compares_keys_both_ways_and_shapes(self):
         final = os.path.join(self.run_path, "consolidated.pt")
         layers = self.config().model.num_layers
-        for args, message in (
-            # a block holds 9 tensors: 2 norms, q k v o, gate up down
-            (["--model.num_layers", str(layers - 1)], r"holds another model: 9 tensor\(s\) that "
-             rf"this config's model.\* does not have, e.g. layers.{layers - 1}."),
-            (["--model.num_layers", str(layers + 1)],
-             rf"holds another model: layers.{layers}.\S+ is missing there"),
-            (["--model.intermediate_size", "96"], r"is shape \(\d+, \d+\) there, shape"),
-        ):
+        # a block holds 9 tensors: 2 norms, q k v o, gate up down
+        fewer = (["--model.num_layers", str(layers - 1)], "holds another model: 9 tensor\\(s\\) "
+                 f"that this config's model.\\* does not have, e.g. layers.{layers - 1}.")
+        more = (["--model.num_layers",
+                 str(layers + 1)], f"holds another model: layers.{layers}.\\S+ is missing there")
+        wider = (["--model.intermediate_size", "96"], "is shape \\(\\d+, \\d+\\) there, shape")
+        for args, message in (fewer, more, wider):
             with self.subTest(args=args):
                 with self.assertRaisesRegex(InputError, message):
                     ckpt.check_resume(self.config(*args, "--resume", final), 1, files=True)

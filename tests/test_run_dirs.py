@@ -93,8 +93,9 @@ class ARunDirectoryThatHoldsARunIsNeverWrittenOver(unittest.TestCase):
         self.assertEqual(code, 2, out + err)
         self.assertEqual(out, "")
         self.assertEqual(len(err.splitlines()), 1, err)
-        self.assertRegex(err, r"^error: logging.run_dir: '.*00_single_device' already holds a "
-                         r"run \(checkpoints, config.yaml, metrics.jsonl\); nothing was written")
+        self.assertRegex(
+            err, r"^error: logging.run_dir: '.*00_single_device' already holds a "
+            r"run \(checkpoints, config.yaml, metrics.jsonl\); nothing was written")
         for way in ("--resume", "--name", "--overwrite"):
             self.assertIn(way, err)
         self.assertEqual(snapshot(os.path.join(run_dir, "00_single_device")), self.before)
@@ -107,8 +108,9 @@ class ARunDirectoryThatHoldsARunIsNeverWrittenOver(unittest.TestCase):
         self.assertEqual(code, 0, out + err)
         moved = glob.glob(os.path.join(run_dir, "00_single_device.old-*"))
         self.assertEqual(len(moved), 1, os.listdir(run_dir))
-        self.assertIn(f"--overwrite: moved logging.run_dir {run_dir}/00_single_device aside to "
-                      f"{moved[0]}", out)
+        self.assertIn(
+            f"--overwrite: moved logging.run_dir {run_dir}/00_single_device aside to "
+            f"{moved[0]}", out)
         self.assertEqual(snapshot(moved[0]), self.before)  # kept whole, not deleted
         fresh = os.path.join(run_dir, "00_single_device")
         self.assertEqual([m["step"] for m in metrics_lines(fresh)], [1, 2])  # a new run
@@ -117,8 +119,10 @@ class ARunDirectoryThatHoldsARunIsNeverWrittenOver(unittest.TestCase):
     def test_resume_appends_to_metrics_and_keeps_every_line_before(self):
         run_dir = self.copy("resume")
         run = os.path.join(run_dir, "00_single_device")
-        cfg = parse_args(["--config", "examples/configs/00_single_device.yaml", "--logging.run_dir",
-                          run_dir, "--logging.progress", "false", "--steps", "6", "--resume"])
+        cfg = parse_args([
+            "--config", "examples/configs/00_single_device.yaml", "--logging.run_dir", run_dir,
+            "--logging.progress", "false", "--steps", "6", "--resume"
+        ])
         check_run_dir(cfg)  # continuing is allowed
         with contextlib.redirect_stdout(io.StringIO()):  # verbose: rank 0 writes metrics
             result = Trainer(cfg, build_model(cfg.model, 42), verbose=True).train()
@@ -133,15 +137,20 @@ class ARunDirectoryThatHoldsARunIsNeverWrittenOver(unittest.TestCase):
         run_dir = self.copy("refusals")
         base = ["--config", "examples/configs/00_single_device.yaml", "--logging.run_dir"]
         both = parse_args([*base, run_dir, "--overwrite", "--resume"])
-        with self.assertRaisesRegex(InputError, "--overwrite moves the run in .* aside and "
-                                    "--resume latest continues it: give one of the two"):
+        with self.assertRaisesRegex(
+                InputError, "--overwrite moves the run in .* aside and "
+                "--resume latest continues it: give one of the two"):
             check_run_dir(both)
         # a fresh run directory, but checkpoints into the finished run's
         checkpoints = os.path.join(run_dir, "00_single_device", "checkpoints")
-        other = parse_args([*base, os.path.join(run_dir, "fresh"), "--checkpoint.every", "2",
-                            "--checkpoint.dir", checkpoints])
-        with self.assertRaisesRegex(InputError, f"checkpoint.dir: '{checkpoints}' already holds "
-                                    r"a run \(step_0000002, step_0000004\)"):
+        other = parse_args([
+            *base,
+            os.path.join(run_dir, "fresh"), "--checkpoint.every", "2", "--checkpoint.dir",
+            checkpoints
+        ])
+        with self.assertRaisesRegex(
+                InputError, f"checkpoint.dir: '{checkpoints}' already holds "
+                r"a run \(step_0000002, step_0000004\)"):
             check_run_dir(other)
 
 
