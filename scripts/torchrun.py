@@ -87,10 +87,12 @@ def report(failures: Dict[int, ProcessFailure]) -> str:
 
 
 class _NoSigintNotes(logging.Filter):
-    """Drops torchrun's warnings about passing Ctrl-C on to the ranks: the rank's line says it."""
+    """Drops torchrun's warnings about passing Ctrl-C on to the ranks: rank 0's line says it."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return "SIGINT" not in record.getMessage()
+        text = record.getMessage()
+        return not (f"Received {int(signal.SIGINT)} death signal" in text
+                    or "closing signal SIGINT" in text)
 
 
 if __name__ == "__main__":

@@ -302,7 +302,7 @@ def report_input_errors(kind: Type[BaseException], err: BaseException,
         if rank != 0:
             time.sleep(5)
         sys.stdout.flush()
-        print(err, file=sys.stderr, flush=True)
+        print(err, file=sys.__stderr__, flush=True)
         os._exit(err.exit_code)
     if not isinstance(err, InputError):
         error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
@@ -314,7 +314,9 @@ def report_input_errors(kind: Type[BaseException], err: BaseException,
     if int(os.environ.get("RANK", "0")) != 0:
         time.sleep(5)
     sys.stdout.flush()
-    print(f"error: {err}", file=sys.stderr, flush=True)
+    # sys.__stderr__: torch's init_process_group wraps this hook, with sys.stderr a buffer it
+    # prints (prefixed "[rank0]:") when the hook returns, and this one exits first
+    print(f"error: {err}", file=sys.__stderr__, flush=True)
     os._exit(2)  # the exit status of load_config's refusals (scripts/torchrun.py keeps it quiet)
 
 

@@ -264,7 +264,7 @@ class Trainer:
         metrics = None
         if self.verbose:
             os.makedirs(cfg.run_path, exist_ok=True)
-            save_config(cfg, os.path.join(cfg.run_path, "config.yaml"))
+            save_config(cfg, self._config_file())
             # append-only, a line at a time: what a run logged survives a later failure (a
             # fresh run never finds one, since load_config refuses to reuse a run directory)
             metrics = open(os.path.join(cfg.run_path, "metrics.jsonl"), "a", buffering=1)
@@ -298,6 +298,14 @@ class Trainer:
             if report:
                 self._print(report)
         return result
+
+    def _config_file(self) -> str:
+        """Where this run's config goes: config.yaml, or beside it when resuming a run that
+        has one, config.resume_<step>.yaml (what a run left is never written over)."""
+        first = os.path.join(self.cfg.run_path, "config.yaml")
+        if not os.path.exists(first):
+            return first
+        return os.path.join(self.cfg.run_path, f"config.resume_{self.step:07d}.yaml")
 
     def _straggler_line(self, window: List[float]) -> Optional[str]:
         """At a log line: every rank's median busy time over the steps since the last one,
