@@ -37,6 +37,7 @@ from scaletorch.parallel.validation import validate_layout
 from scaletorch.rules.errors import INTERRUPTED, InputError, MissingInputError, RunStopped
 from scaletorch.trainer.checkpoint import check_resume
 from scaletorch.trainer.run_dir import check_run_dir, move_aside
+from scaletorch.trainer.safe_files import write_atomic
 
 __all__ = [
     "CheckpointConfig", "Config", "DataConfig", "InputError", "LoggingConfig", "ParallelConfig",
@@ -483,9 +484,7 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
 
 
 def save_config(cfg: Config, path: str) -> None:
-    """Write the resolved config as YAML (atomically: a reader never sees half a file)."""
+    """Write the resolved config as YAML (atomically: a reader never sees half a file; a full
+    disk is a WriteError naming it)."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
-    os.replace(tmp, path)
+    write_atomic(path, yaml.safe_dump(cfg.to_dict(), sort_keys=False).encode())

@@ -41,6 +41,7 @@ from scaletorch.trainer.config import Config, save_config
 from scaletorch.trainer.plan_line import plan_report
 from scaletorch.trainer.precision import autocast, precision_note, resolve_precision
 from scaletorch.trainer.profiling import profiler
+from scaletorch.trainer.safe_files import WriteError
 from scaletorch.trainer.stops import check_finite, interruptible
 
 if TYPE_CHECKING:
@@ -347,7 +348,11 @@ class Trainer:
                 "wire_bytes": self._wire_bytes(self.step - 1),
             }
             if metrics is not None:
-                metrics.write(json.dumps(record) + "\n")
+                try:
+                    metrics.write(json.dumps(record) + "\n")
+                except OSError as err:  # a full disk: one line, not a traceback
+                    raise WriteError(f"could not write {metrics.name!r}: {err.strerror}; the "
+                                     f"lines before this step's are kept") from None
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss:.4f}")
