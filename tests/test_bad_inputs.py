@@ -10,6 +10,7 @@ whole road. ``python -m tests.test_bad_inputs --table`` prints the doc's table.
 
 import argparse
 import contextlib
+import dataclasses
 import hashlib
 import io
 import json
@@ -139,6 +140,17 @@ ROWS = [
         "--resume D/pickle.pt needs more than tensors"),
     Row("--resume of a file that is not a torch file (chapter 07)", C07,
         ("--resume", "D/short.txt"), "--resume D/short.txt is not a consolidated checkpoint"),
+    Row("--resume of a consolidated file with a damaged byte", C07, ("--resume", "D/damaged.pt"),
+        "'D/damaged.pt' does not match its checksum in damaged.pt.sha256"),
+    Row(
+        "--resume of a consolidated file of a deeper model (one layer more)", C07,
+        ("--resume", "D/deeper.pt"), "--resume D/deeper.pt holds another model: 9 tensor(s) that "
+        "this config's model.* does not have, e.g. layers.4."),
+    # a run directory that holds a run
+    Row(
+        "a run name whose directory holds a run, without --resume", C00,
+        ("--logging.run_dir", "D/finished"), "logging.run_dir: 'D/finished/00_single_device' "
+        "already holds a run (config.yaml, metrics.jsonl); nothing was written"),
     # where the run writes
     Row(
         "--logging.run_dir that cannot be created", C00, ("--logging.run_dir", "D/short.txt/runs"),
@@ -248,6 +260,22 @@ def make_bad_inputs(d: str) -> None:
         "optimizer": None
     })
     _torch_file(os.path.join(d, "pickle.pt"), {"step": 3, "model": argparse.Namespace(weights=1)})
+    c07 = parse_args(["--config", "examples/configs/07_nd_parallel.yaml"]).model
+    deeper = dataclasses.replace(c07, num_layers=c07.num_layers + 1)  # layers.4 is one too many
+    _torch_file(os.path.join(d, "deeper.pt"), {
+        "step": 3,
+        "model": build_model(deeper, 0).state_dict()
+    })
+    _torch_file(os.path.join(d, "damaged.pt"), {
+        "step": 3,
+        "model": build_model(c07, 0).state_dict()
+    })
+    with open(os.path.join(d, "damaged.pt"), "r+b") as f:  # one byte damaged after the save
+        f.seek(1000)
+        f.write(b"\xff")
+    os.makedirs(os.path.join(d, "finished", "00_single_device"))
+    for name in ("config.yaml", "metrics.jsonl"):  # a run's files, as the Trainer leaves them
+        _write(os.path.join(d, "finished", "00_single_device", name), "")
 
 
 def read_only_dir(d: str) -> str:
