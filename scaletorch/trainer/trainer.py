@@ -223,14 +223,16 @@ class Trainer:
             self.model.parameters())
         max_norm = self.cfg.training.grad_clip or math.inf  # 0 disables clipping
         grad_norm = self.clip_grad_norm(max_norm)
+        # the step's two host syncs (for the log too), before the optimizer can take a bad step
+        loss_value, norm = float(loss), float(grad_norm)
         if not overflow:  # fp16's own skip aside, a non-finite value stops the run here
-            check_finite(self.cfg, self.step + 1, self.rank, float(loss), float(grad_norm))
+            check_finite(self.cfg, self.step + 1, self.rank, loss_value, norm)
             self.optimizer.step()
         if self.scaler is not None:
             self.scaler.update(overflow)
         self.scheduler.step()
         self.step += 1
-        return float(loss), float(grad_norm)
+        return loss_value, norm
 
     def _wire_bytes(self, step: int) -> float:
         return get_ledger().total(step=step, field="wire_bytes") if self.pgm is not None else 0.0
