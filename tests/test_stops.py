@@ -17,7 +17,7 @@ from scaletorch.trainer import Trainer
 from scaletorch.trainer import checkpoint as ckpt
 from scaletorch.trainer import parse_args
 from tests.harness import NCCL_CHECKS
-from tests.test_examples import ROOT
+from tests.test_examples import ROOT, launch_status
 from tests.test_run_dirs import BASE, C00, base_run, metrics_lines, run_script, snapshot
 
 CTRL_C = re.compile(r"^interrupted \(Ctrl-C\) at step (\d+) of \d+: last complete checkpoint "
@@ -145,6 +145,8 @@ class ANonFiniteLossStopsTheRun(unittest.TestCase):
 
     NAN_AT_STEP_6 = """
 import math
+import runpy
+import sys
 import scaletorch.models as models
 from scaletorch.dist import get_ledger
 real = models.loss_fn
@@ -175,6 +177,32 @@ models.loss_fn = loss_fn
             self.assertEqual(sorted(after), sorted([*before, "config.resume_0000004.yaml"]))
             self.assertTrue(after["metrics.jsonl"].startswith(before["metrics.jsonl"]))
             self.assertEqual([m["step"] for m in metrics_lines(run)], [1, 2, 3, 4, 5])
+
+    def test_through_torchrun_every_rank_stops_at_the_same_step(self):
+        # 01 at 2 ranks, a NaN in step 4's loss on every rank: the global gradient norm is NaN
+        with tempfile.TemporaryDirectory() as tmp:
+            wrapper = os.path.join(tmp, "nan_01_ddp.py")
+            with open(wrapper, "w") as f:
+                f.write(
+                    self.NAN_AT_STEP_6.replace("== 5", "== 3") +
+                    "sys.argv = ['examples/01_ddp.py', *sys.argv[1:]]\n"
+                    "runpy.run_path('examples/01_ddp.py', run_name='__main__')\n")
+            out, code, _ = launch_status(wrapper, 2, "--steps", "6", "--checkpoint.every", "2",
+                                         "--logging.progress", "false", "--logging.run_dir", tmp,
+                                         "--logging.log_every", "1")
+            self.assertEqual(code, 3, out[-3000:])
+            self.assertNotIn("Traceback", out)
+            stops = [line for line in out.splitlines() if line.startswith("error:")]
+            step2 = ckpt.step_dir(os.path.join(tmp, "01_ddp", "checkpoints"), 2)
+            self.assertEqual(stops, [
+                f"error: step 4 on rank 0: the loss is nan and the gradient norm nan; stopped "
+                f"before the optimizer step (last good checkpoint {step2}); lower --training.lr "
+                f"or check the data, then resume or start again"
+            ])
+            ckpt.verify_checkpoint(step2)
+            run = os.path.join(tmp, "01_ddp")
+            self.assertEqual([m["step"] for m in metrics_lines(run)], [1, 2, 3])
+            self.assertEqual(sorted(os.listdir(os.path.join(run, "checkpoints"))), ["step_0000002"])
 
 
 if __name__ == "__main__":
