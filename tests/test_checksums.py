@@ -5,6 +5,7 @@ The files are those chapter 07 wrote in one process (per-rank files, manifests, 
 files, and the checksum file beside each), listed from the disk, not by hand.
 """
 
+import copy
 import os
 import re
 import shutil
@@ -12,7 +13,9 @@ import tempfile
 import unittest
 from typing import List
 
+from scaletorch.models import build_model
 from scaletorch.rules.errors import InputError
+from scaletorch.trainer import Trainer
 from scaletorch.trainer import checkpoint as ckpt
 from scaletorch.trainer import parse_args
 from scaletorch.trainer.consolidated import load_consolidated
@@ -125,6 +128,31 @@ class AFlippedByteInEveryCheckpointFileIsRefusedNamingIt(unittest.TestCase):
                 with self.assertRaisesRegex(InputError, message):
                     ckpt.check_resume(self.config(*args, "--resume", final), 1, files=True)
         ckpt.check_resume(self.config("--resume", final), 1, files=True)  # its own model passes
+
+
+class APerRankFileOfAnotherModelIsRefusedBeforeItLoads(unittest.TestCase):
+
+    def test_missing_unexpected_and_reshaped_keys_name_the_file(self):
+        cfg = parse_args(["--config", "examples/configs/00_single_device.yaml"])
+        state = Trainer(cfg, build_model(cfg.model, 42), verbose=False).state_dict()
+        deeper = copy.deepcopy(cfg)
+        deeper.model.num_layers += 1
+        wider = copy.deepcopy(cfg)
+        wider.model.intermediate_size += 32
+        for other, message in ((deeper, "layers.2.\\S+ is missing there"),
+                               (wider, "\\S+ is shape \\(\\d+, \\d+\\) there")):
+            with self.subTest(model=other.model):
+                trainer = Trainer(other, build_model(other.model, 42), verbose=False)
+                with self.assertRaisesRegex(InputError, f"'rank_00000.pt' holds another model: "
+                                            f"{message}"):
+                    trainer.load_state_dict(state, "'rank_00000.pt'")
+        fewer = copy.deepcopy(cfg)
+        fewer.model.num_layers -= 1
+        trainer = Trainer(fewer, build_model(fewer.model, 42), verbose=False)
+        with self.assertRaisesRegex(
+                InputError, "9 tensor\\(s\\) that this rank's model does "
+                "not have, e.g. layers.1."):
+            trainer.load_state_dict(state, "'rank_00000.pt'")
 
 
 if __name__ == "__main__":
