@@ -107,6 +107,9 @@ class CheckpointConfig:
 class LoggingConfig:
     run_dir: str = checked("runs", creatable_dir())
     name: str = checked("run", text())
+    # --overwrite: a run directory (or checkpoint.dir) that already holds a run is moved aside
+    # to <path>.old-<time>, never deleted; without it such a directory is refused
+    overwrite: bool = checked(False)
     log_every: int = checked(10, positive())
     progress: bool = checked(True)  # tqdm bar on rank 0
     # a cluster file from scripts/plan.py --calibrate: the run ends with the planner's step time

@@ -14,16 +14,24 @@ A rank killed by a signal other than torchrun's SIGTERM (a lost machine, an abor
 first; otherwise the first is the earliest time in the ranks' error files, which the scripts
 write (``scaletorch.trainer.config.write_error_file``) instead of printing their traceback.
 A script that refused its configuration printed ``error: ...`` once and every rank exited
-with status 2: that case exits 2 quietly.
+with status 2: that case exits 2 quietly. So does a run that stopped itself with its one line
+(a non-finite loss: 3). Ctrl-C reaches torchrun and every rank: rank 0 prints the step, the
+last checkpoint and the command to resume, and this exits 130 without torchrun's traceback.
 """
 
+import logging
+import signal
 import sys
 from typing import Dict, Tuple
 
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.run import main
 
+from scaletorch.rules.errors import INTERRUPTED, NON_FINITE
+
 CONFIG_ERROR = 2  # load_config's exit status
+QUIET = (CONFIG_ERROR, NON_FINITE, INTERRUPTED)  # a rank printed its one line already
 STOPPED = ("SIGTERM", "SIGINT")  # how torchrun ends the other ranks when one fails
 
 
@@ -78,13 +86,27 @@ def report(failures: Dict[int, ProcessFailure]) -> str:
     return "\n".join(lines)
 
 
+class _NoSigintNotes(logging.Filter):
+    """Drops torchrun's warnings about passing Ctrl-C on to the ranks: rank 0's line says it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        return not (f"Received {int(signal.SIGINT)} death signal" in text
+                    or "closing signal SIGINT" in text)
+
+
 if __name__ == "__main__":
+    for name in ("torch.distributed.elastic.agent.server.api",
+                 "torch.distributed.elastic.multiprocessing.api"):
+        logging.getLogger(name).addFilter(_NoSigintNotes())
     try:
         main()
+    except SignalException as err:  # Ctrl-C (or a SIGTERM from a scheduler) reached torchrun
+        sys.exit(INTERRUPTED if err.sigval == signal.SIGINT else 128 + int(err.sigval))
     except ChildFailedError as err:
         _, first = err.get_first_failure()
-        if first.exitcode == CONFIG_ERROR:
-            sys.exit(CONFIG_ERROR)
+        if first.exitcode in QUIET:
+            sys.exit(first.exitcode)
         print(report(err.failures), file=sys.stderr, flush=True)
         code = first_failure(err.failures)[1].exitcode
         sys.exit(code if code > 0 else 1)

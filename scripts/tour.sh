@@ -45,13 +45,16 @@ for run in "${runs[@]}"; do
     continue
   fi
   name="tour_${chapter}$(echo "$args" | tr -cd '[:alnum:] ' | tr ' ' '_')"
-  mkdir -p "runs/$name"
   echo "=== $script on $nproc process(es): $args"
   start_ns=$(date +%s%N)
+  # --overwrite: a tour run again moves the last tour's run aside (runs/NAME.old-<time>); the
+  # log goes beside the run directory while it runs, so that move cannot take it along
   # shellcheck disable=SC2086  # $args is a list of flags
   scripts/launch.sh "$script" --nproc-per-node "$nproc" -- --steps "$steps" --check \
-      --name "$name" $args 2>&1 | tee "runs/$name/tour.log"
+      --name "$name" --overwrite $args 2>&1 | tee "runs/$name.tour.log"
   code=${PIPESTATUS[0]}
+  mkdir -p "runs/$name"
+  mv "runs/$name.tour.log" "runs/$name/tour.log"
   ms=$(( ($(date +%s%N) - start_ns) / 1000000 ))
   seconds=$(printf '%d.%03d' $((ms / 1000)) $((ms % 1000)))
   printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$(basename "$script" .py)" "$nproc" "$args" \

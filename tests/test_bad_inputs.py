@@ -10,6 +10,7 @@ whole road. ``python -m tests.test_bad_inputs --table`` prints the doc's table.
 
 import argparse
 import contextlib
+import dataclasses
 import hashlib
 import io
 import json
@@ -30,6 +31,7 @@ from scaletorch.models import LlamaConfig, build_model
 from scaletorch.models.hf import config_to_hf
 from scaletorch.trainer import checkpoint as ckpt
 from scaletorch.trainer.config import parse_args
+from scaletorch.trainer.safe_files import checksum_line, checksum_path, write_checksummed
 from tests.test_examples import ROOT, launch_status
 
 C00, C07, C10 = "examples/00_single_device.py", "examples/07_nd_parallel.py", \
@@ -165,6 +167,17 @@ ROWS = [
         "--resume D/pickle.pt needs more than tensors"),
     Row("--resume of a file that is not a torch file (chapter 07)", C07,
         ("--resume", "D/short.txt"), "--resume D/short.txt is not a consolidated checkpoint"),
+    Row("--resume of a consolidated file with a damaged byte", C07, ("--resume", "D/damaged.pt"),
+        "'D/damaged.pt' does not match its checksum in damaged.pt.sha256"),
+    Row(
+        "--resume of a consolidated file of a deeper model (one layer more)", C07,
+        ("--resume", "D/deeper.pt"), "--resume D/deeper.pt holds another model: 9 tensor(s) that "
+        "this config's model.* does not have, e.g. layers.4."),
+    # a run directory that holds a run
+    Row(
+        "a run name whose directory holds a run, without --resume", C00,
+        ("--logging.run_dir", "D/finished"), "logging.run_dir: 'D/finished/00_single_device' "
+        "already holds a run (config.yaml, metrics.jsonl); nothing was written"),
     # where the run writes
     Row(
         "--logging.run_dir that cannot be created", C00, ("--logging.run_dir", "D/short.txt/runs"),
@@ -209,7 +222,8 @@ def _fake_checkpoint(root: str, model_args: List[str], damaged: bool = False) ->
     path = ckpt.step_dir(root, 5)
     os.makedirs(path)
     data = b"rank 0's state"
-    _write(ckpt.rank_file(path, 0), data + (b"!" if damaged else b""))
+    _write(ckpt.rank_file(path, 0), data + (b"!" if damaged else b""))  # damaged after the save
+    _write(checksum_path(ckpt.rank_file(path, 0)), checksum_line("rank_00000.pt", data))
     manifest = {
         "format_version": ckpt.FORMAT_VERSION,
         "step": 5,
@@ -219,7 +233,14 @@ def _fake_checkpoint(root: str, model_args: List[str], damaged: bool = False) ->
             "rank_00000.pt": hashlib.sha256(data).hexdigest()
         }
     }
-    _write(os.path.join(path, ckpt.MANIFEST), json.dumps(manifest))
+    write_checksummed(os.path.join(path, ckpt.MANIFEST), json.dumps(manifest).encode())
+
+
+def _torch_file(path: str, state: dict) -> None:
+    """``state`` saved as chapter 07 saves a consolidated file: with its checksum beside it."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    write_checksummed(path, buffer.getvalue())
 
 
 def make_bad_inputs(d: str) -> None:
@@ -284,12 +305,28 @@ def make_bad_inputs(d: str) -> None:
     _fake_checkpoint(os.path.join(d, "damaged"), [], damaged=True)
     other = LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=128, num_layers=4,
                         num_attention_heads=8, num_key_value_heads=4, max_seq_len=64)
-    torch.save({
+    _torch_file(os.path.join(d, "other_size.pt"), {
         "step": 3,
         "model": build_model(other, seed=0).state_dict(),
         "optimizer": None
-    }, os.path.join(d, "other_size.pt"))
-    torch.save({"step": 3, "model": argparse.Namespace(weights=1)}, os.path.join(d, "pickle.pt"))
+    })
+    _torch_file(os.path.join(d, "pickle.pt"), {"step": 3, "model": argparse.Namespace(weights=1)})
+    c07 = parse_args(["--config", "examples/configs/07_nd_parallel.yaml"]).model
+    deeper = dataclasses.replace(c07, num_layers=c07.num_layers + 1)  # layers.4 is one too many
+    _torch_file(os.path.join(d, "deeper.pt"), {
+        "step": 3,
+        "model": build_model(deeper, 0).state_dict()
+    })
+    _torch_file(os.path.join(d, "damaged.pt"), {
+        "step": 3,
+        "model": build_model(c07, 0).state_dict()
+    })
+    with open(os.path.join(d, "damaged.pt"), "r+b") as f:  # one byte damaged after the save
+        f.seek(1000)
+        f.write(b"\xff")
+    os.makedirs(os.path.join(d, "finished", "00_single_device"))
+    for name in ("config.yaml", "metrics.jsonl"):  # a run's files, as the Trainer leaves them
+        _write(os.path.join(d, "finished", "00_single_device", name), "")
 
 
 def tree_digest(d: str) -> Dict[str, str]:

@@ -15,6 +15,7 @@ from scaletorch.trainer import Trainer
 from scaletorch.trainer import checkpoint as ckpt
 from scaletorch.trainer import parse_args
 from scaletorch.trainer.consolidated import load_consolidated
+from scaletorch.trainer.safe_files import sha256, write_checksummed
 
 
 class _RunsCode:
@@ -50,8 +51,7 @@ class CraftedPickleIsRefusedWithoutRunningCode(unittest.TestCase):
 
     def test_consolidated_loader_refuses_it_and_the_code_does_not_run(self):
         path = os.path.join(self.tmp.name, "consolidated.pt")
-        with open(path, "wb") as f:
-            f.write(self.data)
+        write_checksummed(path, self.data)  # its checksum passes: unpickling must refuse it
         with self.assertRaisesRegex(ValueError, "not a ScaleTorch checkpoint") as caught:
             load_consolidated(path)
         self.assertIn(path, str(caught.exception))
@@ -64,18 +64,16 @@ class CraftedPickleIsRefusedWithoutRunningCode(unittest.TestCase):
         path = ckpt.step_dir(self.tmp.name, 3)
         os.makedirs(path)
         name = os.path.basename(ckpt.rank_file(path, 0))
-        with open(os.path.join(path, name), "wb") as f:
-            f.write(self.data)
+        write_checksummed(os.path.join(path, name), self.data)
         manifest = {
             "format_version": ckpt.FORMAT_VERSION,
             "step": 3,
             "world_size": 1,
             "sha256": {
-                name: ckpt._sha256(self.data)
+                name: sha256(self.data)
             }
         }
-        with open(os.path.join(path, ckpt.MANIFEST), "w") as f:
-            json.dump(manifest, f)
+        write_checksummed(os.path.join(path, ckpt.MANIFEST), json.dumps(manifest).encode())
         ckpt.verify_checkpoint(path)  # passes: the file is what the manifest says
         with self.assertRaisesRegex(ValueError, "not a ScaleTorch checkpoint") as caught:
             ckpt.load_checkpoint(path, 0, 1)

@@ -6,7 +6,7 @@ exit with status 2, without a traceback; any other exception is a bug and keeps 
 It is a ValueError, so code that catches a bad value catches it too.
 """
 
-__all__ = ["InputError", "MissingInputError"]
+__all__ = ["INTERRUPTED", "InputError", "MissingInputError", "NON_FINITE", "RunStopped"]
 
 
 class InputError(ValueError):
@@ -15,3 +15,17 @@ class InputError(ValueError):
 
 class MissingInputError(InputError, FileNotFoundError):
     """An input file or directory that does not exist (also a FileNotFoundError)."""
+
+
+INTERRUPTED = 130  # the shell's status for a process ended by SIGINT (128 + 2)
+NON_FINITE = 3  # a run stopped by a non-finite loss or gradient norm
+
+
+class RunStopped(Exception):
+    """A run that stops on purpose, with one line and ``exit_code``: Ctrl-C (INTERRUPTED), a
+    non-finite loss (NON_FINITE). The line says the step, the last complete checkpoint and
+    what to run next; scripts print it once and exit with the code, without a traceback."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code

@@ -18,7 +18,6 @@ before. Resuming needs the same world size and model (loading at another layout 
 a tensor; a checkpoint that cannot resume raises an ``InputError`` naming it.
 """
 
-import hashlib
 import io
 import json
 import os
@@ -27,7 +26,8 @@ import random
 import re
 import shutil
 import zipfile
-from typing import Any, Dict, List, Optional, Tuple, Union
+from contextlib import contextmanager
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -40,27 +40,12 @@ from scaletorch.dist import comm, restart_count
 from scaletorch.models import Llama
 from scaletorch.rules.errors import InputError, MissingInputError
 from scaletorch.schedule.placement import V_SHAPED
+from scaletorch.trainer.safe_files import (CorruptFileError, checksum_line, checksum_path,
+                                           read_checksum, read_checksummed, sha256, write_atomic,
+                                           write_checksummed)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: every file has its checksum beside it (<name>.sha256), the manifest too
 MANIFEST = "manifest.json"
-
-
-def _atomic_write(path: str, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that a reader sees the old file or the new one, never half."""
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def _checksum_file(path: str) -> str:
-    return os.path.join(os.path.dirname(path), os.path.basename(path) + ".sha256")
 
 
 def step_dir(root: str, step: int) -> str:
@@ -133,15 +118,39 @@ def save_checkpoint(root: str, step: int, state: Dict[str, Any], rank: int, worl
     os.makedirs(path, exist_ok=True)
     buffer = io.BytesIO()
     torch.save(state, buffer)
-    data = buffer.getvalue()
-    _atomic_write(rank_file(path, rank), data)
-    _atomic_write(_checksum_file(rank_file(path, rank)), _sha256(data).encode())
+    mine = [rank_file(path, rank)] + ([os.path.join(path, MANIFEST)] if rank == 0 else [])
+    with removed_unless_complete(path, mine):
+        _save_files(root, path, step, buffer.getvalue(), rank, world_size, keep_last, group, layout)
+    return path
+
+
+@contextmanager
+def removed_unless_complete(path: str, files: List[str]) -> Iterator[None]:
+    """If the block fails (a full disk: WriteError, or Ctrl-C) before checkpoint ``path`` has
+    its manifest, remove ``files`` and their checksum files, and the directory if that empties
+    it: no partial checkpoint stays. A checkpoint with its manifest is whole: it stays."""
+    try:
+        yield
+    except BaseException:
+        if not os.path.exists(os.path.join(path, MANIFEST)):
+            for file in files + [checksum_path(f) for f in files]:
+                if os.path.exists(file):
+                    os.remove(file)
+            if os.path.isdir(path) and not os.listdir(path):
+                os.rmdir(path)
+        raise
+
+
+def _save_files(root: str, path: str, step: int, data: bytes, rank: int, world_size: int,
+                keep_last: int, group: Optional[dist.ProcessGroup],
+                layout: Optional[Dict[str, Any]]) -> None:
+    write_checksummed(rank_file(path, rank), data)
     comm.barrier(group)  # the manifest must only exist once every rank's file does
     if rank == 0:
-        files = {}
-        for r in range(world_size):
-            with open(_checksum_file(rank_file(path, r))) as f:
-                files[os.path.basename(rank_file(path, r))] = f.read().strip()
+        files = {
+            os.path.basename(rank_file(path, r)): read_checksum(rank_file(path, r))
+            for r in range(world_size)
+        }
         manifest = {
             "format_version": FORMAT_VERSION,
             "step": step,
@@ -149,15 +158,17 @@ def save_checkpoint(root: str, step: int, state: Dict[str, Any], rank: int, worl
             "layout": layout or {},
             "sha256": files
         }
-        _atomic_write(os.path.join(path, MANIFEST), json.dumps(manifest, indent=1).encode())
+        data = json.dumps(manifest, indent=1).encode()
+        # its checksum first: the manifest marks the checkpoint complete, so it comes last
+        write_atomic(checksum_path(os.path.join(path, MANIFEST)), checksum_line(MANIFEST, data))
+        write_atomic(os.path.join(path, MANIFEST), data)
         for old in list_checkpoints(root)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
     comm.barrier(group)
-    return path
 
 
-class CorruptCheckpointError(InputError):
-    """A checkpoint whose manifest is unreadable or whose files do not match their checksums."""
+# A checkpoint whose manifest is unreadable or whose files do not match their checksums.
+CorruptCheckpointError = CorruptFileError
 
 
 class NotACheckpointError(InputError, FileNotFoundError):
@@ -173,8 +184,7 @@ def read_manifest(path: str) -> Dict[str, Any]:
                 f"for the latest one in checkpoint.dir")
         raise NotACheckpointError(f"{path!r} is not a complete checkpoint (no {MANIFEST}); {hint}")
     try:
-        with open(manifest_path) as f:
-            manifest = json.load(f)
+        manifest = json.loads(read_checksummed(manifest_path))  # verified before it is parsed
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as err:
         raise CorruptCheckpointError(f"{manifest_path!r} is unreadable: {err}") from err
     if not isinstance(manifest, dict) or not isinstance(manifest.get("sha256"), dict):
@@ -193,15 +203,19 @@ def _read_verified(path: str, name: str, manifest: Dict[str, Any]) -> bytes:
     with open(file_path, "rb") as f:
         data = f.read()
     expected = manifest["sha256"].get(name)
-    if _sha256(data) != expected:
+    if sha256(data) != expected:
         raise CorruptCheckpointError(
             f"checkpoint {path!r}: {name} does not match its sha256 in the manifest "
             f"({len(data)} bytes; truncated or damaged)")
+    if read_checksum(file_path) != expected:  # the file beside it, damaged after the save
+        raise CorruptCheckpointError(f"checkpoint {path!r}: {name}.sha256 does not match the "
+                                     f"manifest (damaged)")
     return data
 
 
 def verify_checkpoint(path: str) -> None:
-    """Raise CorruptCheckpointError unless every rank's file matches the manifest."""
+    """Raise CorruptCheckpointError unless the manifest matches its checksum file and every
+    rank's file matches the manifest and its own checksum file."""
     manifest = read_manifest(path)
     for name in manifest["sha256"]:
         _read_verified(path, name, manifest)
@@ -274,10 +288,13 @@ def as_dtensor_like(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
 
 
 def load_model_and_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer,
-                             state: Dict[str, Any]) -> None:
+                             state: Dict[str, Any], name: str = "the checkpoint") -> None:
     """Load what ``local_tensors`` saved: pieces of DTensor parameters (and of their AdamW
-    moments) become DTensors on the current mesh again; plain tensors load as they are."""
+    moments) become DTensors on the current mesh again; plain tensors load as they are.
+    Keys missing or unexpected, or another shape, are an InputError naming ``name``."""
     params = model.state_dict(keep_vars=True)
+    check_state_keys(name, state["model"], local_tensors(params), "this rank's model",
+                     "resume it with the config that wrote it")
     model.load_state_dict({k: as_dtensor_like(v, params[k]) for k, v in state["model"].items()})
     optimizer.load_state_dict(state["optimizer"])
     for param, values in optimizer.state.items():
@@ -331,8 +348,8 @@ def check_resume(cfg: Config, world_size: int, files: bool = False) -> None:
     if resume is None:
         return
     if resume == "latest":
-        path = latest_checkpoint(cfg.checkpoint_path)  # a corrupt newest one is skipped later
-        if path is None:
+        path, _ = latest_valid_checkpoint(cfg.checkpoint_path)  # a damaged one is skipped (the
+        if path is None:  # trainer says which, when it resumes)
             return
     else:
         path = resume
@@ -364,6 +381,7 @@ def check_consolidated(path: str, cfg: Config) -> None:
         raise InputError(f"{name} is not a consolidated checkpoint (a torch.save file): give "
                          f"a consolidated.pt written by chapter 02, 07 or 10, or a checkpoint "
                          f"directory")
+    read_checksummed(path)  # before anything is unpickled
     state = load_tensors_only(path, name, mmap=True)
     model = state.get("model") if isinstance(state, dict) else None
     if not isinstance(model, dict) or "step" not in state:
@@ -371,13 +389,26 @@ def check_consolidated(path: str, cfg: Config) -> None:
                          f"and 'step'): give a consolidated.pt written by chapter 02, 07 or 10")
     with torch.device("meta"):
         expected = Llama(cfg.model).state_dict()
+    check_state_keys(name, model, expected, "this config's model.*",
+                     "resume it with the model config that wrote it")
+
+
+def check_state_keys(name: str, saved: Dict[str, Any], expected: Dict[str, Any], what: str,
+                     todo: str) -> None:
+    """InputError unless ``saved`` has exactly the keys of ``expected`` (missing and
+    unexpected both refused) with the same shapes; ``what`` names ``expected``, ``todo`` says
+    what to do instead."""
     for key, tensor in expected.items():
-        saved = model.get(key)
-        if saved is None or tuple(saved.shape) != tuple(tensor.shape):
-            there = "missing" if saved is None else f"shape {tuple(saved.shape)}"
-            raise InputError(f"{name} holds another model: {key} is {there} there, shape "
-                             f"{tuple(tensor.shape)} for this config's model.*; resume it with "
-                             f"the model config that wrote it")
+        there = saved.get(key)
+        shape = tuple(getattr(tensor, "shape", ()))  # () for a module's non-tensor extra state
+        if there is None or tuple(getattr(there, "shape", ())) != shape:
+            found = "missing" if there is None else f"shape {tuple(there.shape)}"
+            raise InputError(f"{name} holds another model: {key} is {found} there, shape "
+                             f"{shape} for {what}; {todo}")
+    unexpected = [key for key in saved if key not in expected]
+    if unexpected:
+        raise InputError(f"{name} holds another model: {len(unexpected)} tensor(s) that "
+                         f"{what} does not have, e.g. {unexpected[0]}; {todo}")
 
 
 def load_checkpoint(path: str, rank: int, world_size: int,

@@ -35,10 +35,12 @@ from scaletorch.dist import restart_count
 from scaletorch.parallel.mixed_precision import policy_for as precision_policy
 # the one layout check (also run by parallelize): re-exported for the scripts
 from scaletorch.parallel.validation import validate_layout
-from scaletorch.rules.errors import InputError, MissingInputError
+from scaletorch.rules.errors import INTERRUPTED, InputError, MissingInputError, RunStopped
 from scaletorch.rules.schema import Rule, check_applies, check_value, ignored_by, rules_of
-from scaletorch.trainer.checkpoint import (check_resume, latest_checkpoint, load_tensors_only,
-                                           read_manifest)
+from scaletorch.trainer.checkpoint import (check_resume, latest_valid_checkpoint,
+                                           load_tensors_only, read_manifest)
+from scaletorch.trainer.run_dir import check_run_dir, move_aside
+from scaletorch.trainer.safe_files import write_atomic
 
 __all__ = [
     "CheckpointConfig", "Config", "DataConfig", "InputError", "LoggingConfig", "ParallelConfig",
@@ -73,6 +75,7 @@ FLAGS = {
     "--sequence-parallel": "parallel.sequence_parallel",
     "--check": "check",
     "--verbose": "logging.verbose",
+    "--overwrite": "logging.overwrite",
 }
 
 
@@ -286,6 +289,9 @@ def load_config(default_config: str, description: str, limits: Optional[Limits] 
         sys.exit(2)
     if known.validate_only:
         sys.exit(0)
+    if int(os.environ.get("RANK", "0")) == 0:
+        for line in move_aside(cfg):  # --overwrite: the old run is kept, renamed
+            print(line, flush=True)
     sys.excepthook = report_input_errors
     return cfg
 
@@ -293,13 +299,25 @@ def load_config(default_config: str, description: str, limits: Optional[Limits] 
 def report_input_errors(kind: Type[BaseException], err: BaseException,
                         tb: Optional[TracebackType]) -> None:
     """sys.excepthook of a script past load_config: an InputError that escapes it is printed
-    as ``error: ...`` by one rank and the process exits with status 2; anything else is a bug
+    as ``error: ...`` by one rank and the process exits with status 2; a RunStopped (Ctrl-C,
+    a non-finite loss) is its one line and its exit status; anything else is a bug
     and gets Python's traceback. Rank 0 prints at once; another rank waits, so that when rank 0
     has the same error torchrun stops this rank before it repeats the line.
 
     Under torchrun with several ranks, a bug's traceback goes to torchrun's error file instead
     (``write_error_file``): scripts/torchrun.py then prints the traceback of the rank that
     failed first, once, and one line for every other rank."""
+    if isinstance(err, KeyboardInterrupt):  # Ctrl-C outside the training loop
+        err = RunStopped("interrupted (Ctrl-C)", INTERRUPTED)
+    if isinstance(err, RunStopped):  # Ctrl-C, a non-finite loss: one line, its own status
+        rank = int(os.environ.get("RANK", "0"))
+        if rank != 0 and err.exit_code == INTERRUPTED:
+            os._exit(err.exit_code)  # every rank got the SIGINT: rank 0 says it
+        if rank != 0:
+            time.sleep(5)
+        sys.stdout.flush()
+        print(err, file=sys.__stderr__, flush=True)
+        os._exit(err.exit_code)
     if not isinstance(err, InputError):
         error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
         if error_file and int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -310,7 +328,9 @@ def report_input_errors(kind: Type[BaseException], err: BaseException,
     if int(os.environ.get("RANK", "0")) != 0:
         time.sleep(5)
     sys.stdout.flush()
-    print(f"error: {err}", file=sys.stderr, flush=True)
+    # sys.__stderr__: torch's init_process_group wraps this hook, with sys.stderr a buffer it
+    # prints (prefixed "[rank0]:") when the hook returns, and this one exits first
+    print(f"error: {err}", file=sys.__stderr__, flush=True)
     os._exit(2)  # the exit status of load_config's refusals (scripts/torchrun.py keeps it quiet)
 
 
@@ -361,10 +381,12 @@ def write_error_file(path: str, err: BaseException, tb: Optional[TracebackType])
 
 def check_inputs(cfg: Config, world_size: int, resume_files: bool = False) -> None:
     """What ``validate`` cannot see without touching the disk: the checkpoint to resume fits
-    this run (``check_resume``), and the run directory (and checkpoint.dir when checkpoints
-    are saved) can be created and written. InputError naming the path."""
+    this run (``check_resume``), the run directory holds no other run (``check_run_dir``),
+    and it (and checkpoint.dir when checkpoints are saved) can be created and written.
+    InputError naming the path."""
     check_resume(cfg, world_size, resume_files)
     check_resume_step(cfg)
+    check_run_dir(cfg)
     outputs = {"logging.run_dir": cfg.run_path}
     if cfg.checkpoint.every > 0:
         outputs["checkpoint.dir"] = cfg.checkpoint_path
@@ -379,7 +401,8 @@ def check_resume_step(cfg: Config) -> None:
     resume = cfg.checkpoint.resume
     if resume is None or restart_count() > 0:
         return
-    path = latest_checkpoint(cfg.checkpoint_path) if resume == "latest" else resume
+    # "latest" is the checkpoint a resume would load: the newest that verifies
+    path = latest_valid_checkpoint(cfg.checkpoint_path)[0] if resume == "latest" else resume
     if path is None:
         return
     if os.path.isfile(path):  # a consolidated file (check_resume read it already)
@@ -475,14 +498,12 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
 
 
 def save_config(cfg: Config, path: str) -> None:
-    """Write the resolved config as YAML (atomically: a reader never sees half a file)."""
+    """Write the resolved config as YAML (atomically: a reader never sees half a file; a full
+    disk is a WriteError naming it)."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = f"{path}.tmp"
     values = cfg.to_dict()
     for key, _, _, rule, default in schema(cfg):  # what the run ignored is saved as a default,
         if ignored_by(key, rule, lambda other: setting(cfg, other)):  # so the file loads again
             section, _, name = key.rpartition(".")
             (values[section] if section else values)[name] = default
-    with open(tmp, "w") as f:
-        yaml.safe_dump(values, f, sort_keys=False)
-    os.replace(tmp, path)
+    write_atomic(path, yaml.safe_dump(values, sort_keys=False).encode())

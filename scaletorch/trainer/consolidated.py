@@ -11,6 +11,7 @@ rank its part of the AdamW state (param_map.py: ``scatter``), the schedule and t
      "scheduler": LambdaLR state, "schedule": {steps, lr, min_lr, warmup_steps}}
 """
 
+import io
 import os
 from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Union
 
@@ -21,6 +22,7 @@ from scaletorch.dist import comm, get_ledger
 from scaletorch.parallel.parallelize import Parallelized
 from scaletorch.trainer.checkpoint import load_tensors_only
 from scaletorch.trainer.param_map import param_map
+from scaletorch.trainer.safe_files import read_checksummed, write_checksummed
 
 if TYPE_CHECKING:  # only the type: chapter 07's script hands its Trainer in
     from scaletorch.trainer.trainer import Trainer
@@ -72,23 +74,25 @@ def _schedule(cfg: Config) -> Dict[str, float]:
 
 def save_consolidated(path: str, trainer: "Trainer", par: Union[Parallelized,
                                                                 Gather]) -> Optional[str]:
-    """Gather (collective) and write one file from global rank 0, atomically."""
+    """Gather (collective) and write one file from global rank 0, atomically, with its checksum
+    beside it (``<path>.sha256``, verified before every load)."""
     state = consolidated_state(trainer, par)
     if state is not None:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        tmp = f"{path}.tmp.{os.getpid()}"
-        torch.save(state, tmp)
-        os.replace(tmp, path)
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        write_checksummed(path, buffer.getvalue())
     comm.barrier()
     return path
 
 
 def load_consolidated(path: str) -> Dict[str, Any]:
-    """Read a consolidated checkpoint (every rank reads the whole file, on CPU); a file that
+    """Read a consolidated checkpoint (every rank reads the whole file, on CPU). Its bytes must
+    match its checksum file before they are unpickled (CorruptFileError naming it); a file that
     holds anything but tensors and plain values is refused (``load_tensors_only``)."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"consolidated checkpoint {path!r} does not exist")
-    return load_tensors_only(path, f"consolidated checkpoint {path!r}")
+    return load_tensors_only(read_checksummed(path), f"consolidated checkpoint {path!r}")
 
 
 def resume_consolidated(trainer: "Trainer", par: Parallelized, state: Dict[str, Any]) -> None:

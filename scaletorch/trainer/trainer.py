@@ -41,6 +41,8 @@ from scaletorch.trainer.config import Config, save_config
 from scaletorch.trainer.plan_line import plan_report
 from scaletorch.trainer.precision import autocast, precision_note, resolve_precision
 from scaletorch.trainer.profiling import profiler
+from scaletorch.trainer.safe_files import WriteError
+from scaletorch.trainer.stops import check_finite, interruptible
 
 if TYPE_CHECKING:
     from scaletorch.parallel.parallelize import Parallelized
@@ -162,8 +164,9 @@ class Trainer:
             state["scaler"] = self.scaler.state_dict()
         return state
 
-    def load_state_dict(self, state: dict) -> None:
-        ckpt.load_model_and_optimizer(self.model, self.optimizer, state)
+    def load_state_dict(self, state: dict, name: str = "the checkpoint") -> None:
+        """Load what ``state_dict`` returned (``name``: where it came from, for an error)."""
+        ckpt.load_model_and_optimizer(self.model, self.optimizer, state, name)
         self.scheduler.load_state_dict(state["scheduler"])
         ckpt.set_rng_state(state["rng"])
         if self.scaler is not None and "scaler" in state:
@@ -191,7 +194,8 @@ class Trainer:
         if path is None:
             self._print(f"no checkpoint in {self.cfg.checkpoint_path}: starting from step 0")
             return
-        self.load_state_dict(ckpt.load_checkpoint(path, self.rank, self.world_size, self.layout()))
+        self.load_state_dict(ckpt.load_checkpoint(path, self.rank, self.world_size, self.layout()),
+                             f"checkpoint file {ckpt.rank_file(path, self.rank)!r}")
         self._print(f"resumed from {path} at step {self.step}")
 
     def layout(self) -> dict:
@@ -234,13 +238,16 @@ class Trainer:
             self.model.parameters())
         max_norm = self.cfg.training.grad_clip or math.inf  # 0 disables clipping
         grad_norm = self.clip_grad_norm(max_norm)
-        if not overflow:
+        # the step's two host syncs (for the log too), before the optimizer can take a bad step
+        loss_value, norm = float(loss), float(grad_norm)
+        if not overflow:  # fp16's own skip aside, a non-finite value stops the run here
+            check_finite(self.cfg, self.step + 1, self.rank, loss_value, norm)
             self.optimizer.step()
         if self.scaler is not None:
             self.scaler.update(overflow)
         self.scheduler.step()
         self.step += 1
-        return float(loss), float(grad_norm)
+        return loss_value, norm
 
     def _wire_bytes(self, step: int) -> float:
         return get_ledger().total(step=step, field="wire_bytes") if self.pgm is not None else 0.0
@@ -279,9 +286,11 @@ class Trainer:
         result = TrainResult(start_step=self.step)
         metrics = None
         if self.verbose:
-            save_config(cfg, os.path.join(cfg.run_path, "config.yaml"))
-            metrics = open(os.path.join(cfg.run_path, "metrics.jsonl"),
-                           "a" if self.step > 0 else "w")
+            os.makedirs(cfg.run_path, exist_ok=True)
+            save_config(cfg, self._config_file())
+            # append-only, a line at a time: what a run logged survives a later failure (a
+            # fresh run never finds one, since load_config refuses to reuse a run directory)
+            metrics = open(os.path.join(cfg.run_path, "metrics.jsonl"), "a", buffering=1)
         bar = None
         # A bar only on a terminal: in a log file its redraws are noise; the log lines remain.
         if (self.verbose and cfg.logging.progress and self.step < cfg.training.steps
@@ -293,9 +302,10 @@ class Trainer:
         step_seconds = result.step_seconds
         window: List[float] = []  # busy seconds of the steps since the last log line
         prof = profiler(cfg.run_path, comm.group_rank(), cfg.logging.profile_steps)
+        step = [self.step]  # the step reached, for the line Ctrl-C prints
         try:
-            with prof if prof is not None else nullcontext():
-                self._loop(result, metrics, bar, tokens_per_step, window, prof)
+            with interruptible(cfg, step), prof if prof is not None else nullcontext():
+                self._loop(result, metrics, bar, tokens_per_step, window, prof, step)
         finally:
             if bar is not None:
                 bar.close()
@@ -312,6 +322,14 @@ class Trainer:
                 self._print(report, detail=not cfg.logging.plan_cluster)
         return result
 
+    def _config_file(self) -> str:
+        """Where this run's config goes: config.yaml, or beside it when resuming a run that
+        has one, config.resume_<step>.yaml (what a run left is never written over)."""
+        first = os.path.join(self.cfg.run_path, "config.yaml")
+        if not os.path.exists(first):
+            return first
+        return os.path.join(self.cfg.run_path, f"config.resume_{self.step:07d}.yaml")
+
     def _straggler_line(self, window: List[float]) -> Optional[str]:
         """At a log line: every rank's median busy time over the steps since the last one,
         all-gathered over the world; rank 0's line names a rank > 10% over the others."""
@@ -322,9 +340,11 @@ class Trainer:
         return straggler_report(busy, self.device)
 
     def _loop(self, result: TrainResult, metrics: Any, bar: Any, tokens_per_step: int,
-              window: List[float], prof: Optional[torch.profiler.profile]) -> None:
+              window: List[float], prof: Optional[torch.profiler.profile],
+              reached: List[int]) -> None:
         cfg = self.cfg
         while self.step < cfg.training.steps:
+            reached[0] = self.step
             start, waited = time.perf_counter(), comm.waited()
             lr = self.scheduler.get_last_lr()[0]
             self._maybe_inject_failure()
@@ -350,7 +370,11 @@ class Trainer:
                 "wire_bytes": self._wire_bytes(self.step - 1),
             }
             if metrics is not None:
-                metrics.write(json.dumps(record) + "\n")
+                try:
+                    metrics.write(json.dumps(record) + "\n")
+                except OSError as err:  # a full disk: one line, not a traceback
+                    raise WriteError(f"could not write {metrics.name!r}: {err.strerror}; the "
+                                     f"lines before this step's are kept") from None
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss:.4f}")

@@ -1,0 +1,110 @@
+"""How a run writes and reads the files it keeps: whole or absent, checksummed, named on failure.
+
+    write_atomic(path, data)       temporary name, fsync, rename: old or new, never half
+    write_checksummed(path, data)  the same, then ``<path>.sha256`` ("<hex>  <name>")
+    read_checksummed(path)         the bytes, once they match ``<path>.sha256``
+
+A write that fails (a full disk, an I/O error, Ctrl-C) removes its temporary file and raises
+``WriteError`` naming the file, so the directory holds only whole files. ``write_all`` is the
+one place bytes reach a file: a test replaces it to simulate a full disk.
+"""
+
+import errno
+import hashlib
+import os
+from typing import BinaryIO
+
+from scaletorch.rules.errors import InputError
+
+__all__ = [
+    "CorruptFileError", "WriteError", "checksum_line", "checksum_path", "read_checksum",
+    "read_checksummed", "sha256", "write_all", "write_atomic", "write_checksummed"
+]
+
+SUFFIX = ".sha256"
+
+
+class CorruptFileError(InputError):
+    """A checkpoint file whose bytes do not match its checksum, or that cannot be read."""
+
+
+class WriteError(InputError):
+    """A file the run could not write (disk full, I/O error): the message names it."""
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def checksum_path(path: str) -> str:
+    """Where the checksum of ``path`` is kept: beside it, ``<name>.sha256``."""
+    return path + SUFFIX
+
+
+def write_all(f: BinaryIO, data: bytes) -> None:
+    """Write ``data`` to the open file ``f`` (the seam a test patches to fill the disk)."""
+    f.write(data)
+
+
+def write_atomic(path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that a reader sees the old file or the new one, never half.
+
+    On any failure the temporary file is removed; an OSError becomes a WriteError naming
+    ``path`` (ENOSPC: "no space left on device")."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            write_all(f, data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as err:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        if isinstance(err, OSError):
+            reason = os.strerror(err.errno) if err.errno else str(err)
+            hint = " (free space there)" if err.errno == errno.ENOSPC else ""
+            raise WriteError(f"could not write {path!r}: {reason}{hint}; its partial files were "
+                             f"removed, and what the run wrote before (the previous checkpoint, "
+                             f"metrics.jsonl) is kept") from None
+        raise
+
+
+def checksum_line(name: str, data: bytes) -> bytes:
+    """The content of a checksum file: ``<hex>  <name>\n``, which ``sha256sum -c`` reads."""
+    return f"{sha256(data)}  {name}\n".encode()
+
+
+def write_checksummed(path: str, data: bytes) -> None:
+    """``write_atomic`` the file, then its checksum file (a file without one is not trusted)."""
+    write_atomic(path, data)
+    write_atomic(checksum_path(path), checksum_line(os.path.basename(path), data))
+
+
+def read_checksum(path: str) -> str:
+    """The hex digest recorded for ``path`` in ``<path>.sha256``; CorruptFileError naming the
+    file when there is none or it is damaged (every byte of it is checked, the name too)."""
+    side = checksum_path(path)
+    if not os.path.isfile(side):
+        raise CorruptFileError(f"{path!r} has no checksum file {os.path.basename(side)}: it was "
+                               f"not written whole by this ScaleTorch; it is not trusted")
+    with open(side, "rb") as f:
+        line = f.read()
+    digest = line[:64].decode(errors="replace")
+    tail = checksum_line(os.path.basename(path), b"")[64:]  # "  <name>\n"
+    if line[64:] != tail or any(c not in "0123456789abcdef" for c in digest):
+        raise CorruptFileError(f"{side!r} is damaged: it is not the sha256 line of "
+                               f"{os.path.basename(path)}")
+    return digest
+
+
+def read_checksummed(path: str) -> bytes:
+    """The bytes of ``path`` once they match ``<path>.sha256``; CorruptFileError naming both."""
+    expected = read_checksum(path)
+    with open(path, "rb") as f:
+        data = f.read()
+    if sha256(data) != expected:
+        raise CorruptFileError(f"{path!r} does not match its checksum in "
+                               f"{os.path.basename(checksum_path(path))} ({len(data)} bytes; "
+                               f"truncated or damaged)")
+    return data

@@ -1,0 +1,159 @@
+"""Every checkpoint file has a checksum, checked before it is unpickled: a flipped byte in any
+file a save writes is refused naming that file, and ``--resume`` (latest) skips its checkpoint.
+
+The files are those chapter 07 wrote in one process (per-rank files, manifests, consolidated
+files, and the checksum file beside each), listed from the disk, not by hand.
+"""
+
+import copy
+import os
+import re
+import shutil
+import tempfile
+import unittest
+from typing import List
+
+from scaletorch.models import build_model
+from scaletorch.rules.errors import InputError
+from scaletorch.trainer import Trainer
+from scaletorch.trainer import checkpoint as ckpt
+from scaletorch.trainer import parse_args
+from scaletorch.trainer.consolidated import load_consolidated
+from scaletorch.trainer.safe_files import CorruptFileError
+from tests.test_run_dirs import run_script, snapshot
+
+C07 = "examples/07_nd_parallel.py"
+CONFIG = ["--config", "examples/configs/07_nd_parallel.yaml", "--logging.progress", "false"]
+
+
+def flip_byte(path: str) -> None:
+    """Invert the bits of the byte in the middle of ``path`` (calling it again restores it)."""
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def kind(path: str) -> str:
+    """The kind of a checkpoint file: its name without the rank (rank_.pt, manifest.json...)."""
+    return re.sub(r"_\d+", "_", os.path.basename(path))
+
+
+class AFlippedByteInEveryCheckpointFileIsRefusedNamingIt(unittest.TestCase):
+
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.TemporaryDirectory()
+        cls.run_dir = os.path.join(cls.tmp.name, "runs")
+        code, out, err = run_script(C07, *CONFIG[2:], "--steps", "4", "--checkpoint.every", "2",
+                                    "--logging.run_dir", cls.run_dir)
+        assert code == 0, out + err
+        cls.run_path = os.path.join(cls.run_dir, "07_nd_parallel")
+        cls.checkpoints = os.path.join(cls.run_path, "checkpoints")
+        # what the saves wrote: everything under checkpoints/, and the final consolidated file
+        cls.files: List[str] = sorted(
+            os.path.join(cls.run_path, name) for name in snapshot(cls.run_path)
+            if name.startswith("checkpoints") or name.startswith("consolidated.pt"))
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.tmp.cleanup()
+
+    def config(self, *args: str):
+        return parse_args([*CONFIG, "--logging.run_dir", self.run_dir, *args])
+
+    def test_the_list_holds_every_kind_a_save_writes(self):
+        self.assertEqual({kind(f)
+                          for f in self.files}, {
+                              "rank_.pt", "rank_.pt.sha256", "manifest.json",
+                              "manifest.json.sha256", "consolidated.pt", "consolidated.pt.sha256"
+                          })
+        self.assertEqual(len(self.files), 2 * 6 + 2)  # steps 2 and 4, and the run's own file
+
+    def test_every_file_flipped_is_refused_naming_it_and_latest_falls_back(self):
+        latest = ckpt.step_dir(self.checkpoints, 4)
+        for path in self.files:
+            with self.subTest(file=os.path.relpath(path, self.run_path)):
+                name = os.path.basename(path)
+                consolidated = name.startswith("consolidated.pt")
+                # --resume of what the file belongs to: the consolidated file, or the checkpoint
+                target = path[:-len(".sha256")] if name.endswith(".sha256") else path
+                target = target if consolidated else os.path.dirname(path)
+                flip_byte(path)
+                try:
+                    with self.assertRaises(InputError) as refused:
+                        ckpt.check_resume(self.config("--resume", target), 1, files=True)
+                    self.assertIn(name, str(refused.exception))
+                    if consolidated:  # the loader verifies before it unpickles
+                        with self.assertRaisesRegex(CorruptFileError, re.escape(name)):
+                            load_consolidated(target)
+                    elif os.path.dirname(path) == latest:
+                        found, skipped = ckpt.latest_valid_checkpoint(self.checkpoints)
+                        self.assertEqual(found, ckpt.step_dir(self.checkpoints, 2))
+                        self.assertEqual(len(skipped), 1)
+                        self.assertIn(name, skipped[0])
+                        ckpt.check_resume(self.config("--resume"), 1)  # latest: step 2 passes
+                finally:
+                    flip_byte(path)
+        ckpt.verify_checkpoint(latest)  # every file restored
+
+    def test_a_damaged_checkpoint_resumed_by_path_is_one_line_exit_2_nothing_written(self):
+        copy = os.path.join(self.tmp.name, "copy")
+        shutil.copytree(self.run_dir, copy)
+        manifest = os.path.join(copy, "07_nd_parallel", "checkpoints", "step_0000004",
+                                ckpt.MANIFEST)
+        flip_byte(manifest)
+        before = snapshot(copy)
+        code, out, err = run_script(C07, *CONFIG[2:], "--steps", "6", "--logging.run_dir", copy,
+                                    "--resume", os.path.dirname(manifest))
+        self.assertEqual(code, 2, out + err)
+        self.assertEqual(out, "")
+        self.assertEqual(len(err.splitlines()), 1, err)
+        self.assertIn(f"error: '{manifest}' does not match its checksum in manifest.json.sha256",
+                      err)
+        self.assertEqual(snapshot(copy), before)
+
+    def test_the_pre_flight_compares_keys_both_ways_and_shapes(self):
+        final = os.path.join(self.run_path, "consolidated.pt")
+        layers = self.config().model.num_layers
+        # a block holds 9 tensors: 2 norms, q k v o, gate up down
+        fewer = (["--model.num_layers", str(layers - 1)], "holds another model: 9 tensor\\(s\\) "
+                 f"that this config's model.\\* does not have, e.g. layers.{layers - 1}.")
+        more = (["--model.num_layers",
+                 str(layers + 1)], f"holds another model: layers.{layers}.\\S+ is missing there")
+        wider = (["--model.intermediate_size", "96"], "is shape \\(\\d+, \\d+\\) there, shape")
+        for args, message in (fewer, more, wider):
+            with self.subTest(args=args):
+                with self.assertRaisesRegex(InputError, message):
+                    ckpt.check_resume(self.config(*args, "--resume", final), 1, files=True)
+        ckpt.check_resume(self.config("--resume", final), 1, files=True)  # its own model passes
+
+
+class APerRankFileOfAnotherModelIsRefusedBeforeItLoads(unittest.TestCase):
+
+    def test_missing_unexpected_and_reshaped_keys_name_the_file(self):
+        cfg = parse_args(["--config", "examples/configs/00_single_device.yaml"])
+        state = Trainer(cfg, build_model(cfg.model, 42), verbose=False).state_dict()
+        deeper = copy.deepcopy(cfg)
+        deeper.model.num_layers += 1
+        wider = copy.deepcopy(cfg)
+        wider.model.intermediate_size += 32
+        for other, message in ((deeper, "layers.2.\\S+ is missing there"),
+                               (wider, "\\S+ is shape \\(\\d+, \\d+\\) there")):
+            with self.subTest(model=other.model):
+                trainer = Trainer(other, build_model(other.model, 42), verbose=False)
+                with self.assertRaisesRegex(InputError, f"'rank_00000.pt' holds another model: "
+                                            f"{message}"):
+                    trainer.load_state_dict(state, "'rank_00000.pt'")
+        fewer = copy.deepcopy(cfg)
+        fewer.model.num_layers -= 1
+        trainer = Trainer(fewer, build_model(fewer.model, 42), verbose=False)
+        with self.assertRaisesRegex(
+                InputError, "9 tensor\\(s\\) that this rank's model does "
+                "not have, e.g. layers.1."):
+            trainer.load_state_dict(state, "'rank_00000.pt'")
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,158 @@
+"""A run never writes over another: a run directory that holds a run is refused, or moved aside.
+
+``run_script`` and ``snapshot`` are shared with tests/test_checksums.py and tests/test_stops.py.
+"""
+
+import contextlib
+import glob
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import unittest
+from typing import Dict, List, Optional, Tuple
+
+from scaletorch.models import build_model
+from scaletorch.rules.errors import InputError
+from scaletorch.trainer import Trainer, parse_args
+from scaletorch.trainer.run_dir import check_run_dir
+from tests.harness import NCCL_CHECKS
+from tests.test_examples import ROOT
+
+C00 = "examples/00_single_device.py"
+# chapter 00, 4 steps, a checkpoint every 2: config.yaml, metrics.jsonl, step 2 and step 4
+BASE = ["--steps", "4", "--checkpoint.every", "2", "--logging.progress", "false"]
+
+
+def run_script(script: str, *argv: str, code: Optional[str] = None,
+               timeout: float = 300) -> Tuple[int, str, str]:
+    """``python script ARGV`` from the repository root, one process (no torchrun): (exit
+    status, stdout, stderr). ``code``: Python run first in that process (e.g. a patch that
+    simulates a full disk), then the script as ``__main__``."""
+    if code is None:
+        cmd = [sys.executable, script, *argv]
+    else:
+        runner = f"import runpy, sys\n{code}\nsys.argv = {[script, *argv]!r}\n" \
+                 f"runpy.run_path({script!r}, run_name='__main__')\n"
+        cmd = [sys.executable, "-c", runner]
+    env = {**os.environ, "PYTHONPATH": ROOT, **NCCL_CHECKS}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT"):
+        env.pop(name, None)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def snapshot(root: str) -> Dict[str, bytes]:
+    """Every file under ``root``, by path relative to it: its bytes."""
+    files = {}
+    for folder, _, names in os.walk(root):
+        for name in names:
+            path = os.path.join(folder, name)
+            with open(path, "rb") as f:
+                files[os.path.relpath(path, root)] = f.read()
+    return files
+
+
+def base_run(tmp: str) -> str:
+    """Chapter 00's BASE run with run directory ``tmp``/00_single_device; returns that."""
+    code, out, err = run_script(C00, *BASE, "--logging.run_dir", tmp)
+    assert code == 0, out + err
+    return os.path.join(tmp, "00_single_device")
+
+
+def metrics_lines(run: str) -> List[dict]:
+    with open(os.path.join(run, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+class ARunDirectoryThatHoldsARunIsNeverWrittenOver(unittest.TestCase):
+    """One finished run (BASE), copied for each check."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.TemporaryDirectory()
+        cls.finished = base_run(os.path.join(cls.tmp.name, "base"))
+        cls.before = snapshot(cls.finished)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.tmp.cleanup()
+
+    def copy(self, name: str) -> str:
+        """A copy of the finished run at run_dir ``name``; returns the run_dir."""
+        run_dir = os.path.join(self.tmp.name, name)
+        shutil.copytree(self.finished, os.path.join(run_dir, "00_single_device"))
+        return run_dir
+
+    def test_rerun_without_resume_is_one_line_exit_2_and_the_old_run_byte_identical(self):
+        run_dir = self.copy("rerun")
+        code, out, err = run_script(C00, *BASE, "--logging.run_dir", run_dir)
+        self.assertEqual(code, 2, out + err)
+        self.assertEqual(out, "")
+        self.assertEqual(len(err.splitlines()), 1, err)
+        self.assertRegex(
+            err, r"^error: logging.run_dir: '.*00_single_device' already holds a "
+            r"run \(checkpoints, config.yaml, metrics.jsonl\); nothing was written")
+        for way in ("--resume", "--name", "--overwrite"):
+            self.assertIn(way, err)
+        self.assertEqual(snapshot(os.path.join(run_dir, "00_single_device")), self.before)
+        self.assertEqual(os.listdir(run_dir), ["00_single_device"])
+
+    def test_overwrite_moves_the_old_run_aside_byte_identical_and_starts_afresh(self):
+        run_dir = self.copy("overwrite")
+        code, out, err = run_script(C00, "--steps", "2", "--logging.progress", "false",
+                                    "--logging.run_dir", run_dir, "--overwrite")
+        self.assertEqual(code, 0, out + err)
+        moved = glob.glob(os.path.join(run_dir, "00_single_device.old-*"))
+        self.assertEqual(len(moved), 1, os.listdir(run_dir))
+        self.assertIn(
+            f"--overwrite: moved logging.run_dir {run_dir}/00_single_device aside to "
+            f"{moved[0]}", out)
+        self.assertEqual(snapshot(moved[0]), self.before)  # kept whole, not deleted
+        fresh = os.path.join(run_dir, "00_single_device")
+        self.assertEqual([m["step"] for m in metrics_lines(fresh)], [1, 2])  # a new run
+        self.assertFalse(os.path.exists(os.path.join(fresh, "checkpoints")))
+
+    def test_resume_appends_to_metrics_and_keeps_every_line_before(self):
+        run_dir = self.copy("resume")
+        run = os.path.join(run_dir, "00_single_device")
+        cfg = parse_args([
+            "--config", "examples/configs/00_single_device.yaml", "--logging.run_dir", run_dir,
+            "--logging.progress", "false", "--steps", "6", "--resume"
+        ])
+        check_run_dir(cfg)  # continuing is allowed
+        with contextlib.redirect_stdout(io.StringIO()):  # verbose: rank 0 writes metrics
+            result = Trainer(cfg, build_model(cfg.model, 42), verbose=True).train()
+        self.assertEqual(result.start_step, 4)
+        with open(os.path.join(run, "metrics.jsonl"), "rb") as f:
+            data = f.read()
+        old = self.before["metrics.jsonl"]
+        self.assertEqual(data[:len(old)], old)  # append-only
+        self.assertEqual([m["step"] for m in metrics_lines(run)], [1, 2, 3, 4, 5, 6])
+
+    def test_overwrite_with_resume_and_a_checkpoint_dir_of_another_run_are_refused(self):
+        run_dir = self.copy("refusals")
+        base = ["--config", "examples/configs/00_single_device.yaml", "--logging.run_dir"]
+        both = parse_args([*base, run_dir, "--overwrite", "--resume"])
+        with self.assertRaisesRegex(
+                InputError, "--overwrite moves the run in .* aside and "
+                "--resume latest continues it: give one of the two"):
+            check_run_dir(both)
+        # a fresh run directory, but checkpoints into the finished run's
+        checkpoints = os.path.join(run_dir, "00_single_device", "checkpoints")
+        other = parse_args([
+            *base,
+            os.path.join(run_dir, "fresh"), "--checkpoint.every", "2", "--checkpoint.dir",
+            checkpoints
+        ])
+        with self.assertRaisesRegex(
+                InputError, f"checkpoint.dir: '{checkpoints}' already holds "
+                r"a run \(step_0000002, step_0000004\)"):
+            check_run_dir(other)
+
+
+if __name__ == "__main__":
+    unittest.main()

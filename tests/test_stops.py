@@ -1,0 +1,209 @@
+"""A run that must stop says so in one line and keeps what it had: Ctrl-C (exit 130), a full
+disk during a save (exit 2), a non-finite loss (exit 3)."""
+
+import contextlib
+import io
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import unittest
+from typing import List, Tuple
+
+from scaletorch.models import build_model
+from scaletorch.trainer import Trainer
+from scaletorch.trainer import checkpoint as ckpt
+from scaletorch.trainer import parse_args
+from tests.harness import NCCL_CHECKS
+from tests.test_examples import ROOT, launch_status
+from tests.test_run_dirs import BASE, C00, base_run, metrics_lines, run_script, snapshot
+
+CTRL_C = re.compile(r"^interrupted \(Ctrl-C\) at step (\d+) of \d+: last complete checkpoint "
+                    r"(\S+); resume with: (.+ --resume)$")
+
+
+def interrupt_after_checkpoints(cmd: List[str], checkpoints: int) -> Tuple[int, str, str]:
+    """Start ``cmd`` in a session of its own, and once it printed ``checkpoints`` "saved
+    checkpoint" lines send SIGINT to the session, as a terminal's Ctrl-C does to its foreground
+    processes (here: launch.sh's torchrun and every rank). (exit status, stdout, stderr)."""
+    env = {**os.environ, "PYTHONPATH": ROOT, **NCCL_CHECKS}
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True, env=env)
+    lines, saved = [], 0
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            saved += line.startswith("saved checkpoint")
+            if saved == checkpoints:
+                os.killpg(proc.pid, signal.SIGINT)
+                break
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return proc.returncode, "".join(lines) + stdout, stderr
+
+
+class CtrlCEndsWithOneLineAndTheLastCheckpointResumes(unittest.TestCase):
+
+    def check_stop(self, code: int, out: str, err: str) -> Tuple[int, str, str]:
+        """The exit status, no traceback, exactly one line about the stop, naming a whole
+        checkpoint; returns (step reached, checkpoint, resume command)."""
+        self.assertEqual(code, 130, out + err)
+        self.assertNotIn("Traceback", out + err)
+        stops = [line for line in (out + err).splitlines() if "interrupted" in line.lower()]
+        self.assertEqual(len(stops), 1, out + err)
+        self.assertEqual(err.splitlines()[-1], stops[0])  # the last thing printed
+        match = CTRL_C.match(stops[0])
+        self.assertIsNotNone(match, stops[0])
+        step, path, command = int(match[1]), match[2], match[3]
+        ckpt.verify_checkpoint(path)  # whole
+        return step, path, command
+
+    def test_one_process(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            code, out, err = interrupt_after_checkpoints([
+                sys.executable, C00, "--steps", "100000", "--checkpoint.every", "2",
+                "--logging.progress", "false", "--logging.run_dir", tmp
+            ], 2)
+            step, path, command = self.check_stop(code, out, err)
+            self.assertTrue(command.startswith(f"python {C00} --steps 100000"), command)
+            run = os.path.join(tmp, "00_single_device")
+            # metrics.jsonl holds every step that finished
+            self.assertEqual([m["step"] for m in metrics_lines(run)], list(range(1, step + 1)))
+            # the checkpoint resumes: the same run, continued one step past it
+            done = int(path[-7:])
+            cfg = parse_args([
+                "--config", "examples/configs/00_single_device.yaml", "--logging.run_dir", tmp,
+                "--logging.progress", "false", "--steps",
+                str(done + 1), "--resume", path
+            ])
+            with contextlib.redirect_stdout(io.StringIO()):
+                result = Trainer(cfg, build_model(cfg.model, 42), verbose=False).train()
+            self.assertEqual((result.start_step, len(result.losses)), (done, 1))
+
+    def test_through_torchrun(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            code, out, err = interrupt_after_checkpoints([
+                "bash", "scripts/launch.sh", "examples/01_ddp.py", "--nproc-per-node", "2", "--",
+                "--steps", "100000", "--checkpoint.every", "2", "--logging.progress", "false",
+                "--logging.run_dir", tmp
+            ], 2)
+            _, _, command = self.check_stop(code, out, err)
+            self.assertTrue(
+                command.startswith("scripts/launch.sh examples/01_ddp.py --nproc-per-node 2 -- "
+                                   "--steps 100000"), command)
+
+
+class AFullDiskDuringASaveKeepsThePreviousCheckpointAndTheMetrics(unittest.TestCase):
+    """The BASE run (checkpoints at steps 2 and 4) resumed to step 8, with the disk full when
+    step 6's file is half written (``write_all`` patched, as a full disk fails a write)."""
+
+    FULL_DISK = """
+import errno
+from scaletorch.trainer import safe_files
+def write_all(f, data):
+    if "step_0000006" in f.name:
+        f.write(data[:len(data) // 2])
+        raise OSError(errno.ENOSPC, "No space left on device")
+    f.write(data)
+safe_files.write_all = write_all
+"""
+
+    def test_one_line_naming_the_file_no_partial_files_and_nothing_before_changed(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            run = base_run(tmp)
+            before = snapshot(run)
+            code, out, err = run_script(C00, *BASE[2:], "--steps", "8", "--logging.run_dir", tmp,
+                                        "--resume", code=self.FULL_DISK)
+            self.assertEqual(code, 2, out + err)
+            self.assertNotIn("Traceback", out + err)
+            self.assertEqual(len(err.splitlines()), 1, err)
+            step6 = ckpt.step_dir(os.path.join(run, "checkpoints"), 6)
+            self.assertIn(
+                f"error: could not write '{ckpt.rank_file(step6, 0)}': No space left on "
+                f"device (free space there); its partial files were removed", err)
+            after = snapshot(run)
+            self.assertFalse(os.path.exists(step6))  # no partial file, no empty directory
+            for name, data in before.items():  # both checkpoints and config.yaml unchanged
+                if name != "metrics.jsonl":
+                    self.assertEqual(after[name], data, name)
+            self.assertTrue(after["metrics.jsonl"].startswith(before["metrics.jsonl"]))
+            self.assertEqual([m["step"] for m in metrics_lines(run)], [1, 2, 3, 4, 5, 6])
+            self.assertEqual(
+                ckpt.latest_valid_checkpoint(os.path.join(run, "checkpoints"))[0],
+                ckpt.step_dir(os.path.join(run, "checkpoints"), 4))
+
+
+class ANonFiniteLossStopsTheRun(unittest.TestCase):
+    """The BASE run resumed to step 8 with a NaN planted in step 6's loss (the loss function
+    patched before the trainer binds it)."""
+
+    NAN_AT_STEP_6 = """
+import math
+import runpy
+import sys
+import scaletorch.models as models
+from scaletorch.dist import get_ledger
+real = models.loss_fn
+def loss_fn(*args, **kwargs):
+    loss = real(*args, **kwargs)
+    return loss * math.nan if get_ledger().step == 5 else loss  # the trainer counts from 0
+models.loss_fn = loss_fn
+"""
+
+    def test_one_line_with_step_rank_and_checkpoint_exit_3_and_nothing_before_changed(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            run = base_run(tmp)
+            before = snapshot(run)
+            code, out, err = run_script(C00, *BASE[2:], "--steps", "8", "--logging.run_dir", tmp,
+                                        "--resume", code=self.NAN_AT_STEP_6)
+            self.assertEqual(code, 3, out + err)
+            self.assertNotIn("Traceback", out + err)
+            self.assertEqual(len(err.splitlines()), 1, err)
+            step4 = ckpt.step_dir(os.path.join(run, "checkpoints"), 4)
+            self.assertRegex(
+                err, rf"^error: step 6 on rank 0: the loss is nan and the gradient norm nan; "
+                rf"stopped before the optimizer step \(last good checkpoint {re.escape(step4)}\)")
+            after = snapshot(run)
+            for name, data in before.items():  # both checkpoints and config.yaml unchanged
+                if name != "metrics.jsonl":
+                    self.assertEqual(after[name], data, name)
+            # no checkpoint of the bad step; the resumed run's config beside the first one
+            self.assertEqual(sorted(after), sorted([*before, "config.resume_0000004.yaml"]))
+            self.assertTrue(after["metrics.jsonl"].startswith(before["metrics.jsonl"]))
+            self.assertEqual([m["step"] for m in metrics_lines(run)], [1, 2, 3, 4, 5])
+
+    def test_through_torchrun_every_rank_stops_at_the_same_step(self):
+        # 01 at 2 ranks, a NaN in step 4's loss on every rank: the global gradient norm is NaN
+        with tempfile.TemporaryDirectory() as tmp:
+            wrapper = os.path.join(tmp, "nan_01_ddp.py")
+            with open(wrapper, "w") as f:
+                f.write(
+                    self.NAN_AT_STEP_6.replace("== 5", "== 3") +
+                    "sys.argv = ['examples/01_ddp.py', *sys.argv[1:]]\n"
+                    "runpy.run_path('examples/01_ddp.py', run_name='__main__')\n")
+            out, code, _ = launch_status(wrapper, 2, "--steps", "6", "--checkpoint.every", "2",
+                                         "--logging.progress", "false", "--logging.run_dir", tmp,
+                                         "--logging.log_every", "1")
+            self.assertEqual(code, 3, out[-3000:])
+            self.assertNotIn("Traceback", out)
+            stops = [line for line in out.splitlines() if line.startswith("error:")]
+            step2 = ckpt.step_dir(os.path.join(tmp, "01_ddp", "checkpoints"), 2)
+            self.assertEqual(stops, [
+                f"error: step 4 on rank 0: the loss is nan and the gradient norm nan; stopped "
+                f"before the optimizer step (last good checkpoint {step2}); lower --training.lr "
+                f"or check the data, then resume or start again"
+            ])
+            ckpt.verify_checkpoint(step2)
+            run = os.path.join(tmp, "01_ddp")
+            self.assertEqual([m["step"] for m in metrics_lines(run)], [1, 2, 3])
+            self.assertEqual(sorted(os.listdir(os.path.join(run, "checkpoints"))), ["step_0000002"])
+
+
+if __name__ == "__main__":
+    unittest.main()
