@@ -1,6 +1,7 @@
 """The strategies, one core per chapter, each converting the reference model in place.
 
-Chapter 01 data_parallel (+ grad_norm, memory_report, wrapper), 02 zero (+ flat_unit,
+Chapter 01 data_parallel (+ gradient_sync, grad_norm, memory_report,
+wrapper), 02 zero (+ flat_unit,
 zero_report, fully_shard), 03 tensor_parallel (+ tensor_parallel_layers,
 tensor_parallel_dtensor), 04 pipeline_parallel (+ pipeline_native), 04b split_backward
 (+ activation_meter), 05 context_parallel (+ ring_attention, attention_kernels, step),
