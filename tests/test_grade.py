@@ -1,0 +1,82 @@
+"""The grader (scripts/grade.py) says what is wrong, in the learner's terms, and passes the library.
+
+One world per chapter grades, in one go: the library's own functions (the reference solutions,
+each must pass), every planted variant of tests/exercise_variants.py (each must get its own
+diagnosis, the words its catalogue entry names, not a generic failure) and the unwritten stubs
+of examples/exercises/ (each says "write <function> next"). Without a world: each stub has the
+signature and the docstring of the library function it stands for, so they cannot drift.
+"""
+
+import contextlib
+import inspect
+import io
+import os
+import unittest
+
+from scripts import grade
+from scripts.grading import ddp
+from scripts.grading.runner import load
+from tests.exercise_variants import CATALOGUE
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VARIANTS = "tests.exercise_variants"
+
+
+class GradeChapter01(unittest.TestCase):
+    """Chapter 01 on 2 gloo ranks, 3 steps a job: 3 solutions, 10 variants, 3 stubs."""
+
+    @classmethod
+    def setUpClass(cls):
+        _, path = grade.CHAPTERS["01"]
+        cls.planted = [(exercise, variant) for (chapter, exercise, variant) in CATALOGUE
+                       if chapter == "01"]
+        jobs = ddp.solution_jobs() + [{e: (VARIANTS, v)} for e, v in cls.planted] + \
+            ddp.exercise_jobs(os.path.join(ROOT, path))
+        cls.verdicts = ddp.grade(jobs)
+        n = len(ddp.EXERCISES)
+        cls.solutions, cls.stubs = cls.verdicts[:n], cls.verdicts[-n:]
+        cls.variants = dict(zip(cls.planted, cls.verdicts[n:-n]))
+
+    def test_the_library_passes_every_exercise(self):
+        for verdict in self.solutions:
+            self.assertEqual((verdict.passed, verdict.text), (True, "passed"), verdict.exercise)
+
+    def test_every_planted_variant_gets_its_own_diagnosis(self):
+        texts = set()
+        for (exercise, variant), verdict in self.variants.items():
+            self.assertEqual(verdict.exercise, exercise)
+            self.assertFalse(verdict.passed, f"{variant}: {verdict.text}")
+            self.assertIn(CATALOGUE[("01", exercise, variant)], verdict.text, variant)
+            texts.add(verdict.text)
+        self.assertEqual(len(texts), len(self.variants))  # no two share a diagnosis
+        for exercise in ddp.EXERCISES:  # at least three mistakes per exercise
+            self.assertGreaterEqual(sum(e == exercise for e, _ in self.planted), 3, exercise)
+
+    def test_an_unwritten_stub_says_which_function_to_write_next(self):
+        for exercise, verdict in zip(ddp.EXERCISES, self.stubs):
+            self.assertEqual((verdict.passed, verdict.text), (False, f"write {exercise} next"))
+
+
+class StubsMatchTheLibrary(unittest.TestCase):
+
+    def test_each_stub_has_its_library_function_signature_and_docstring(self):
+        for chapter, (module, path) in grade.CHAPTERS.items():
+            for exercise in module.EXERCISES:
+                stub = load((os.path.join(ROOT, path), exercise))
+                library = load((module.LIBRARY, exercise))
+                self.assertEqual(inspect.signature(stub), inspect.signature(library), exercise)
+                self.assertEqual(stub.__doc__, library.__doc__, exercise)
+                with self.assertRaises(NotImplementedError):
+                    stub(*[None] * len(inspect.signature(stub).parameters))
+
+    def test_a_chapter_without_exercises_is_a_user_error(self):
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            self.assertEqual(grade.main(["99"]), 2)
+        self.assertEqual(
+            err.getvalue(), "error: chapter '99' has no exercises; chapters with "
+            "exercises: 01 (or all)\n")
+
+
+if __name__ == "__main__":
+    unittest.main()
