@@ -42,6 +42,15 @@ def average_first_only(grads: Sequence[torch.Tensor], group: Optional[dist.Proce
         return  # a return inside the loop: only the first gradient is averaged
 
 
+def average_on_rank_0_only(grads: Sequence[torch.Tensor],
+                           group: Optional[dist.ProcessGroup]) -> None:
+    if comm.group_rank(group) != 0:
+        return  # rank 1 skips the all-reduces that rank 0 waits in
+    for grad in grads:
+        comm.all_reduce(grad, group)
+        grad.div_(comm.group_size(group))
+
+
 # ---- chapter 01: launch_full_buckets -------------------------------------------------------
 
 
@@ -109,4 +118,11 @@ CATALOGUE: Dict[Tuple[str, str, str], str] = {
     "rank 1 waited for no bucket, the others for all",
     ("01", "wait_for_buckets", "wait_all_but_the_last"):
     "was never waited for (rank 0): wait for every bucket, the last one launched too",
+}
+# Variants that stop the world (gloo aborts a rank on mismatched collectives): one world each,
+# after the catalogue's; the diagnosis names the collective, its group and the line issuing it.
+STOPPING: Dict[Tuple[str, str, str], str] = {
+    ("01", "average_gradients", "average_on_rank_0_only"):
+    "rank 0: all_reduce #1 of group 'dp_cp' [[64, 64]] Float, issued at "
+    "tests/exercise_variants.py",
 }

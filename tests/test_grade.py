@@ -16,7 +16,7 @@ import unittest
 from scripts import grade
 from scripts.grading import ddp
 from scripts.grading.runner import load
-from tests.exercise_variants import CATALOGUE
+from tests.exercise_variants import CATALOGUE, STOPPING
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VARIANTS = "tests.exercise_variants"
@@ -55,6 +55,19 @@ class GradeChapter01(unittest.TestCase):
     def test_an_unwritten_stub_says_which_function_to_write_next(self):
         for exercise, verdict in zip(ddp.EXERCISES, self.stubs):
             self.assertEqual((verdict.passed, verdict.text), (False, f"write {exercise} next"))
+
+
+class GradeAStoppedWorld(unittest.TestCase):
+    """A variant whose ranks issue different collectives: gloo aborts one; the grader names
+    where the other stopped, from its flight recorder (2 ranks, one job)."""
+
+    def test_a_mismatched_collective_is_named_with_its_group_and_line(self):
+        for (_, exercise, variant), words in STOPPING.items():
+            verdict, = ddp.grade([{exercise: (VARIANTS, variant)}])
+            self.assertFalse(verdict.passed)
+            self.assertIn("the ranks stopped in a collective", verdict.text)
+            self.assertIn(words, verdict.text)
+            self.assertIn(variant, verdict.text)  # the function that issued it
 
 
 class StubsMatchTheLibrary(unittest.TestCase):

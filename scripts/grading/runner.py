@@ -11,6 +11,7 @@ times out dumps its recorder, and the grader names the ranks, the collectives an
 import importlib
 import importlib.util
 import os
+import re
 import tempfile
 import traceback
 from contextlib import ExitStack, contextmanager
@@ -79,7 +80,7 @@ def is_unwritten(err: BaseException) -> bool:
 def is_hang(err: BaseException) -> bool:
     """A collective that timed out, or whose peer left: the world cannot go on."""
     return not is_unwritten(err) and any(
-        isinstance(e, dist.DistError) or "imed out" in str(e) or "closed by peer" in str(e)
+        isinstance(e, dist.DistError) or re.search(r"imed out|peer|gloo", str(e)) is not None
         for e in _chain(err))
 
 
@@ -112,16 +113,26 @@ def run_world(fn: Callable, world: int, *args: Any) -> Tuple[List[Any], List[str
     rank's result, the recorder's analysis when a rank hung, else [])."""
     os.environ.setdefault(flight_recorder.BUFFER_ENV, "2000")  # the spawned ranks inherit it
     with tempfile.TemporaryDirectory() as directory:
-        results = spawn.run_distributed(_rank, world, fn, directory, *args, timeout=WORLD_TIMEOUT)
-        hung = [r for r in results if isinstance(r, dict) and "hang" in r]
+        try:
+            results = spawn.run_distributed(_rank, world, fn, directory, *args,
+                                            timeout=WORLD_TIMEOUT)
+        except RuntimeError as err:  # a rank died: gloo aborts on collectives that mismatch
+            results = [{
+                "hang":
+                f"{str(err).splitlines()[0]}; gloo aborts a rank whose "
+                f"collective's size differs from its peer's"
+            }]
+        hung = [r["hang"] for r in results if isinstance(r, dict) and "hang" in r]
         if not hung:
             return results, []
-        return results, flight_recorder.analyze(flight_recorder.load(directory))
+        dumps = os.listdir(directory)
+        lines = flight_recorder.analyze(flight_recorder.load(directory)) if dumps else []
+        return results, lines + [f"({hung[0]})"]
 
 
 def hang_text(exercise: str, lines: List[str]) -> str:
     """A hang as a diagnosis: the ranks, the collectives and the peers, from the recorder."""
-    return f"hang in {exercise}: no rank finished; the flight recorder says\n    " + \
+    return f"{exercise}: the ranks stopped in a collective; the flight recorder says\n    " + \
         "\n    ".join(lines)
 
 
