@@ -1,7 +1,7 @@
 """The grader (scripts/grade.py) says what is wrong, in the learner's terms, and passes the library.
 
 One world per chapter grades, in one go: the library's own functions (the reference solutions,
-each must pass), every planted variant of tests/exercise_variants.py (each must get its own
+each must pass), every planted variant of scripts/grading/variants.py (each must get its own
 diagnosis, the words its catalogue entry names, not a generic failure) and the unwritten stubs
 of examples/exercises/ (each says "write <function> next"). Without a world: each stub has the
 signature and the docstring of the library function it stands for, so they cannot drift.
@@ -16,10 +16,10 @@ import unittest
 from scripts import grade
 from scripts.grading import ddp
 from scripts.grading.runner import load
-from tests.exercise_variants import CATALOGUE, STOPPING
+from scripts.grading.variants import CATALOGUE, STOPPING
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-VARIANTS = "tests.exercise_variants"
+VARIANTS = "scripts.grading.variants"
 
 
 class GradeChapter01(unittest.TestCase):
