@@ -25,9 +25,12 @@ from typing import List, Optional
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from scripts.grading import ddp, variants  # noqa: E402
+from scripts.grading import ddp, loss_scale, variants  # noqa: E402
 
-CHAPTERS = {ddp.CHAPTER: (ddp, "examples/exercises/01_ddp.py")}
+CHAPTERS = {
+    ddp.CHAPTER: (ddp, "examples/exercises/01_ddp.py"),
+    loss_scale.CHAPTER: (loss_scale, "examples/exercises/08_mixed_precision.py"),
+}
 
 
 def grade_chapter(chapter: str, solution: bool, variant: Optional[str] = None) -> bool:
@@ -40,7 +43,7 @@ def grade_chapter(chapter: str, solution: bool, variant: Optional[str] = None) -
     start = time.perf_counter()
     print(
         f"chapter {chapter}: {what}, {module.WORLD} ranks (CPU, gloo), {module.STEPS} steps "
-        f"against one device", flush=True)
+        f"against {module.AGAINST}", flush=True)
     passed = True
     for verdict in module.grade(jobs):
         print(f"  {verdict.line()}")

@@ -14,7 +14,6 @@ import os
 import unittest
 
 from scripts import grade
-from scripts.grading import ddp
 from scripts.grading.runner import load
 from scripts.grading.variants import CATALOGUE, STOPPING
 
@@ -22,18 +21,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VARIANTS = "scripts.grading.variants"
 
 
-class GradeChapter01(unittest.TestCase):
-    """Chapter 01 on 2 gloo ranks, 3 steps a job: 3 solutions, 10 variants, 3 stubs."""
+class _GradeChapter:
+    """One chapter's world: its solutions, every planted variant, its stubs, in one go."""
+    chapter = ""
 
     @classmethod
     def setUpClass(cls):
-        _, path = grade.CHAPTERS["01"]
+        module, path = grade.CHAPTERS[cls.chapter]
+        cls.exercises = module.EXERCISES
         cls.planted = [(exercise, variant) for (chapter, exercise, variant) in CATALOGUE
-                       if chapter == "01"]
-        jobs = ddp.solution_jobs() + [{e: (VARIANTS, v)} for e, v in cls.planted] + \
-            ddp.exercise_jobs(os.path.join(ROOT, path))
-        cls.verdicts = ddp.grade(jobs)
-        n = len(ddp.EXERCISES)
+                       if chapter == cls.chapter]
+        jobs = module.solution_jobs() + [{e: (VARIANTS, v)} for e, v in cls.planted] + \
+            module.exercise_jobs(os.path.join(ROOT, path))
+        cls.verdicts = module.grade(jobs)
+        n = len(module.EXERCISES)
         cls.solutions, cls.stubs = cls.verdicts[:n], cls.verdicts[-n:]
         cls.variants = dict(zip(cls.planted, cls.verdicts[n:-n]))
 
@@ -46,15 +47,26 @@ class GradeChapter01(unittest.TestCase):
         for (exercise, variant), verdict in self.variants.items():
             self.assertEqual(verdict.exercise, exercise)
             self.assertFalse(verdict.passed, f"{variant}: {verdict.text}")
-            self.assertIn(CATALOGUE[("01", exercise, variant)], verdict.text, variant)
+            self.assertIn(CATALOGUE[(self.chapter, exercise, variant)], verdict.text, variant)
             texts.add(verdict.text)
         self.assertEqual(len(texts), len(self.variants))  # no two share a diagnosis
-        for exercise in ddp.EXERCISES:  # at least three mistakes per exercise
+        for exercise in self.exercises:  # at least three mistakes per exercise
             self.assertGreaterEqual(sum(e == exercise for e, _ in self.planted), 3, exercise)
 
     def test_an_unwritten_stub_says_which_function_to_write_next(self):
-        for exercise, verdict in zip(ddp.EXERCISES, self.stubs):
+        for exercise, verdict in zip(self.exercises, self.stubs):
             self.assertEqual((verdict.passed, verdict.text), (False, f"write {exercise} next"))
+
+
+class GradeChapter01(_GradeChapter, unittest.TestCase):
+    """Data parallel, 2 ranks, 3 steps a job: 3 solutions, 10 variants, 3 stubs."""
+    chapter = "01"
+
+
+class GradeChapter08(_GradeChapter, unittest.TestCase):
+    """The loss scale, 2 ranks, 8 steps a job: the library's run, 2 solutions, 6 variants,
+    2 stubs."""
+    chapter = "08"
 
 
 class GradeAStoppedWorld(unittest.TestCase):
@@ -62,8 +74,9 @@ class GradeAStoppedWorld(unittest.TestCase):
     where the other stopped, from its flight recorder (2 ranks, one job)."""
 
     def test_a_mismatched_collective_is_named_with_its_group_and_line(self):
-        for (_, exercise, variant), words in STOPPING.items():
-            verdict, = ddp.grade([{exercise: (VARIANTS, variant)}])
+        for (chapter, exercise, variant), words in STOPPING.items():
+            module, _ = grade.CHAPTERS[chapter]
+            verdict, = module.grade([{exercise: (VARIANTS, variant)}])
             self.assertFalse(verdict.passed)
             self.assertIn("the ranks stopped in a collective", verdict.text)
             self.assertIn(words, verdict.text)
@@ -88,7 +101,7 @@ class StubsMatchTheLibrary(unittest.TestCase):
             self.assertEqual(grade.main(["99"]), 2)
         self.assertEqual(
             err.getvalue(), "error: chapter '99' has no exercises; chapters with "
-            "exercises: 01 (or all)\n")
+            "exercises: 01, 08 (or all)\n")
 
 
 if __name__ == "__main__":

@@ -54,7 +54,7 @@ MODULES_OF: Dict[str, List[str]] = {
     "05": ["context_parallel", "ring_attention", "attention_kernels", "step"],
     "06": ["expert_parallel"],
     "07": ["parallelize", "tensor_layout", "validation", "native"],
-    "08": ["mixed_precision"],
+    "08": ["mixed_precision", "loss_scale"],
     "10": ["tied_embeddings", "zero_tied", "activation_checkpointing"],
 }
 OWNER = {module: chapter for chapter, modules in MODULES_OF.items() for module in modules}

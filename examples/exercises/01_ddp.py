@@ -5,7 +5,9 @@ Each is scaletorch/parallel/gradient_sync.py's function with its body removed. W
     python scripts/grade.py 01
 
 runs chapter 01 on 2 gloo ranks with your functions in place of the library's, compares it with
-one device and says "passed" or what is wrong; it names the function to write next.
+one device and says "passed" or what is wrong; it names the function to write next. The
+collectives are scaletorch.dist.comm's: ``comm.all_reduce(tensor, group)`` sums in place,
+``comm.all_reduce(tensor, group, async_op=True)`` returns a work to ``wait()`` for.
 """
 
 from typing import Callable, Optional, Sequence

@@ -27,6 +27,7 @@ CHAPTER = "01"
 EXERCISES = ("average_gradients", "launch_full_buckets", "wait_for_buckets")
 LIBRARY = "scaletorch.parallel.gradient_sync"
 WORLD = 2
+AGAINST = "one device"  # what the jobs are compared with
 STEPS = 3
 # Step 0's gradients, relative to the largest reference element: the same sums in another
 # order differ by about 1e-7 (fp32); a gradient off by 0.1% is 1e-3 off.
