@@ -20,7 +20,7 @@ from scaletorch.parallel.grad_norm import clip_replicated
 from scaletorch.trainer import Config, Trainer, parse_args
 from scaletorch.trainer.parity import max_norm_diff, reference_trainer
 from scaletorch.trainer.precision import NORM_TOLERANCES, TOLERANCES
-from scripts.grading.runner import (COLLECTIVE_TIMEOUT, UNWRITTEN, Source, Verdict, failure,
+from scripts.grading.runner import (COLLECTIVE_TIMEOUT, Source, Verdict, error_verdict, failure,
                                     hang_text, is_hang, is_unwritten, load, patched, run_world)
 
 CHAPTER = "01"
@@ -246,11 +246,9 @@ def wait_diagnosis(runs: List[Dict[str, Any]]) -> Optional[str]:
 
 def diagnose(exercise: str, runs: List[Dict[str, Any]], ref: Dict[str, Any]) -> Verdict:
     """The verdict of one exercise from every rank's measurements of its job."""
-    errors = [run["error"] for run in runs if "error" in run]
-    if UNWRITTEN in errors:
-        return Verdict(exercise, False, f"write {exercise} next")
-    if errors:
-        return Verdict(exercise, False, f"{exercise} raised {errors[0]}")
+    failed = error_verdict(exercise, runs)
+    if failed is not None:
+        return failed
     special = {"launch_full_buckets": launch_diagnosis, "wait_for_buckets": wait_diagnosis}
     text = special[exercise](runs) if exercise in special else None
     text = text or gradient_diagnosis(runs, ref) or parity_diagnosis(runs, ref)

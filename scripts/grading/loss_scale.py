@@ -22,7 +22,7 @@ from scaletorch.parallel.grad_norm import clip_replicated
 from scaletorch.parallel.mixed_precision import DynamicLossScaler
 from scaletorch.parallel.step import make_data_parallel_step
 from scaletorch.trainer import Config, Trainer, parse_args
-from scripts.grading.runner import (COLLECTIVE_TIMEOUT, UNWRITTEN, Source, Verdict, failure,
+from scripts.grading.runner import (COLLECTIVE_TIMEOUT, Source, Verdict, error_verdict, failure,
                                     hang_text, is_hang, is_unwritten, load, patched, run_world)
 
 CHAPTER = "08"
@@ -144,11 +144,9 @@ def update_diagnosis(runs: List[Dict[str, Any]], ref: Dict[str, Any]) -> Optiona
 
 
 def diagnose(exercise: str, runs: List[Dict[str, Any]], ref: Dict[str, Any]) -> Verdict:
-    errors = [run["error"] for run in runs if "error" in run]
-    if UNWRITTEN in errors:
-        return Verdict(exercise, False, f"write {exercise} next")
-    if errors:
-        return Verdict(exercise, False, f"{exercise} raised {errors[0]}")
+    failed = error_verdict(exercise, runs)
+    if failed is not None:
+        return failed
     special = {"unscale_and_check": unscale_diagnosis, "update_scale": update_diagnosis}
     text = special[exercise](runs, ref)
     if text is None:

@@ -16,7 +16,7 @@ import tempfile
 import traceback
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, List, Sequence, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
@@ -138,3 +138,14 @@ def hang_text(exercise: str, lines: List[str]) -> str:
 
 def relative(a: float, b: float) -> float:
     return abs(a - b) / abs(b) if b else abs(a)
+
+
+def error_verdict(exercise: str, runs: List[dict]) -> Optional[Verdict]:
+    """The verdict of a job that raised on some rank: "write <function> next" for a stub, else
+    the error and where; None if every rank finished it."""
+    errors = [run["error"] for run in runs if "error" in run]
+    if UNWRITTEN in errors:
+        return Verdict(exercise, False, f"write {exercise} next")
+    if errors:
+        return Verdict(exercise, False, f"{exercise} raised {errors[0]}")
+    return None
