@@ -13,9 +13,9 @@ import sys
 from scaletorch.data import build_dataset
 from scaletorch.dist import destroy_distributed, init_distributed, init_pg_manager_from_config
 from scaletorch.models import build_model
-from scaletorch.trainer import (Trainer, load_config, plain_training, report_parity,
-                                report_weight_parity)
-from scaletorch.trainer.precision import TOLERANCES, resolve_precision
+from scaletorch.trainer import (Trainer, load_config, plain_training, report_norm_parity,
+                                report_parity, report_weight_parity)
+from scaletorch.trainer.precision import NORM_TOLERANCES, TOLERANCES, resolve_precision
 
 
 def limits(cfg, world_size: int) -> None:
@@ -45,12 +45,14 @@ def main() -> int:
               f"(the best any model can do); start was {result.losses[0]:.4f}")
     ok = True
     if cfg.check:  # the reference: a plain PyTorch loop that shares only model and data
-        reference, _, plain_model = plain_training(cfg, env.device)
+        reference, ref_norms, plain_model = plain_training(cfg, env.device)
         precision = resolve_precision(cfg, env.device.type)  # the reference's too
         tolerance = TOLERANCES[precision]
         ok = report_parity(result.losses, reference[result.start_step:], tolerance, precision)
         ok = report_weight_parity(model.state_dict(), plain_model.state_dict(), cfg.training.steps,
                                   tolerance, precision) and ok
+        ok = report_norm_parity(result.grad_norms, ref_norms[result.start_step:],
+                                NORM_TOLERANCES[precision], precision) and ok
     destroy_distributed()
     return 0 if ok else 1
 

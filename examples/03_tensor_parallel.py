@@ -91,7 +91,8 @@ def main() -> int:
     ok = True
     if cfg.check:
         full = gather_tensor_parallel_state_dict(tp_model, pgm)  # collective over tp, on rank 0
-        ok = check_against_reference(cfg, result.losses, env.device, full, result.start_step)
+        ok = check_against_reference(cfg, result.losses, env.device, full, result.start_step,
+                                     grad_norms=result.grad_norms)
     destroy_pg_manager()
     destroy_distributed()
     return 0 if ok else 1

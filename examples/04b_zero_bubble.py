@@ -124,7 +124,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ok = True
     if cfg.check:
         full = gather_pipeline_state_dict(pipe, pgm)  # every stage, gathered over tp, on rank 0
-        ok = check_against_reference(cfg, result.losses, env.device, full, result.start_step)
+        ok = check_against_reference(cfg, result.losses, env.device, full, result.start_step,
+                                     grad_norms=result.grad_norms)
     destroy_pg_manager()
     destroy_distributed()
     return 0 if ok else 1

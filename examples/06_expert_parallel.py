@@ -81,7 +81,8 @@ def main() -> int:
     ok = True
     if cfg.check:
         full = gather_expert_parallel_state_dict(model, pgm)  # experts over ep, dense over tp
-        ok = check_against_reference(cfg, result.losses, env.device, full, result.start_step)
+        ok = check_against_reference(cfg, result.losses, env.device, full, result.start_step,
+                                     grad_norms=result.grad_norms)
     destroy_pg_manager()
     destroy_distributed()
     return 0 if ok else 1

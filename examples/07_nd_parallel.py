@@ -109,7 +109,8 @@ def main() -> int:
     ok = True
     if cfg.check:
         full = full_state_dict(par)  # collective; the full weights on rank 0
-        ok = check_against_reference(cfg, result.losses, env.device, full, result.start_step)
+        ok = check_against_reference(cfg, result.losses, env.device, full, result.start_step,
+                                     grad_norms=result.grad_norms)
     destroy_pg_manager()
     destroy_distributed()
     return 0 if ok else 1

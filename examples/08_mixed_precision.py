@@ -95,7 +95,7 @@ def main() -> int:
     ok = True
     if cfg.check:
         ok = check_against_reference(cfg, result.losses, env.device, full_state_dict(par),
-                                     result.start_step)
+                                     result.start_step, grad_norms=result.grad_norms)
     destroy_pg_manager()
     destroy_distributed()
     return 0 if ok else 1

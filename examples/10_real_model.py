@@ -147,7 +147,8 @@ def main() -> int:
         print(tokenizer.decode(out[0].tolist()))
     ok = True
     if cfg.check:
-        ok = check_against_reference(cfg, result.losses, env.device, full, result.start_step)
+        ok = check_against_reference(cfg, result.losses, env.device, full, result.start_step,
+                                     grad_norms=result.grad_norms)
     destroy_pg_manager()
     destroy_distributed()
     return 0 if ok else 1

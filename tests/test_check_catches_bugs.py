@@ -10,6 +10,10 @@ one rank's gradient scaled by 1.001; one bucket not averaged, in the last step. 
 the message for micro-batch 1 carries micro-batch 0's activation, in the last step. Each must
 make ``--check`` say FAIL; the same layouts without a bug (the controls) must say OK.
 
+One more on chapter 04's own run (examples/configs/04_pipeline_parallel.yaml, 2 ranks, 5 steps):
+every gradient message rank 1 sends back scaled by 1.001. AdamW normalizes the update, so the
+losses and weights pass; only the grad norm line, relative to the reference's, fails.
+
     python -m tests.test_check_catches_bugs    # the table: each run's difference / tolerance
 """
 
@@ -21,12 +25,13 @@ from typing import Callable, ContextManager, Dict, Optional, Tuple
 
 import torch
 
-from scaletorch.dist import get_ledger
+from scaletorch.dist import comm, get_ledger
 from scaletorch.parallel.data_parallel import BucketedDataParallel
 from scaletorch.parallel.pipeline_runtime import PipelineSchedule
 from scaletorch.trainer import Config, check_against_reference, parse_args
 from scaletorch.trainer.parity import (SAFETY_FACTOR, floor_applies, other_split, tolerance_text,
                                        widened)
+from scaletorch.trainer.precision import NORM_TOLERANCES
 from tests.harness import run_distributed
 from tests.layouts import layout, train
 from tests.test_planted_bugs import (bucket_not_averaged, patched, pipeline_wrong_micro_batch,
@@ -34,10 +39,19 @@ from tests.test_planted_bugs import (bucket_not_averaged, patched, pipeline_wron
 
 WORLD = 2
 STEPS = 10  # the tour's steps
+CHAPTER_04_STEPS = 5
 
 
 def _config(name: str) -> Config:
-    """Chapter 00's run (examples/configs/00_single_device.yaml) at a 2-rank layout."""
+    """Chapter 00's run (examples/configs/00_single_device.yaml) at a 2-rank layout; "04":
+    chapter 04's run (pp 2, 1F1B, 8 micro-batches) for CHAPTER_04_STEPS steps."""
+    if name == "04":
+        cfg = parse_args([
+            "--config", "examples/configs/04_pipeline_parallel.yaml", "--steps",
+            str(CHAPTER_04_STEPS)
+        ])
+        cfg.logging.progress = False
+        return cfg
     parallel = {
         # 0.05 MB buckets: chapter 00's model fills 9 of them, so one can be skipped
         "dp2": layout(bucket_size_mb=0.05),
@@ -69,6 +83,22 @@ def in_last_step(plant: Callable[[], ContextManager], owner: type,
     return planted
 
 
+def pipeline_gradients_scaled() -> ContextManager:
+    """Pipeline: every gradient message rank 1 sends back (to stage 0) is 1.001 times too
+    large, in every step."""
+    exchange = PipelineSchedule._exchange
+
+    def scaled(self, batch):
+        if comm.group_rank() == 1:
+            for op in batch:
+                if op.op == "send" and op.kind == "grad":
+                    self.outbox[(op.kind, op.micro_batch, op.src)].mul_(1.001)
+        return exchange(self, batch)
+
+    return patched(PipelineSchedule, "_exchange", scaled)
+
+
+GRAD_NORM_BUG = "04: rank 1's gradient messages x 1.001"
 # run -> (layout, the patch or None for a control)
 RUNS: Dict[str, Tuple[str, Optional[Callable[[], ContextManager]]]] = {
     "control dp2": ("dp2", None),
@@ -78,6 +108,8 @@ RUNS: Dict[str, Tuple[str, Optional[Callable[[], ContextManager]]]] = {
     ("dp2", in_last_step(bucket_not_averaged, BucketedDataParallel, "_launch")),
     "pp: wrong micro-batch's activation, last step":
     ("pp2", in_last_step(pipeline_wrong_micro_batch, PipelineSchedule, "_exchange")),
+    "control 04": ("04", None),
+    GRAD_NORM_BUG: ("04", pipeline_gradients_scaled),
 }
 
 
@@ -91,17 +123,19 @@ def _world(rank: int, world: int) -> Dict[str, Tuple[bool, str]]:
             printed = io.StringIO()
             with contextlib.redirect_stdout(printed):
                 ok = check_against_reference(cfg, result["losses"], torch.device("cpu"),
-                                             result["state"] if rank == 0 else None)
+                                             result["state"] if rank == 0 else None,
+                                             grad_norms=result["grad_norms"])
         out[run] = (ok, printed.getvalue())
     return out
 
 
-LINE = re.compile(r"parity: max \|(loss|weight) - reference\| = (\S+) .*\(tolerance (\S+?)[ ,)]"
-                  r".*: (OK|FAIL)")
+LINE = re.compile(r"parity: max \|(loss|weight|grad norm) (?:-|/) reference(?: - 1)?\| = (\S+) "
+                  r".*\(tolerance (\S+?)[ ,)].*: (OK|FAIL)")
 
 
 def margins(printed: str) -> Dict[str, Tuple[float, float, str]]:
-    """{"loss" / "weight": (difference, tolerance, verdict)} from the parity lines."""
+    """{"loss" / "weight" / "grad norm": (difference, tolerance, verdict)} from the parity
+    lines."""
     return {
         kind: (float(diff), float(tol), verdict)
         for kind, diff, tol, verdict in LINE.findall(printed)
@@ -113,15 +147,17 @@ def main() -> None:
     reference, over their tolerance, and the weights' floor (- if the run passed at 1e-5 and
     ``--check`` measured none)."""
     results = run_distributed(_world, WORLD, timeout=300)[0]
-    print(f"{'run (2 ranks, chapter 00, 10 steps)':45s} {'loss':>7s} {'/tol':>6s} {'weights':>8s} "
-          f"{'floor':>8s} {'tol':>8s} {'/tol':>6s}  --check")
+    print(f"{'run (2 ranks, chapter 00 10 steps; 04: 5)':45s} {'loss':>7s} {'/tol':>6s} "
+          f"{'weights':>8s} {'floor':>8s} {'tol':>8s} {'/tol':>6s} {'norm':>8s} {'/tol':>6s}  "
+          f"--check")
     for run, (ok, printed) in results.items():
         found = margins(printed)
         (loss, loss_tol, _), (diff, tol, _) = found["loss"], found["weight"]
+        norm, norm_tol, _ = found["grad norm"]
         floor = re.search(r"max \|weight diff\| (\S+) ", printed)
         print(f"{run:45s} {loss:7.1e} {loss / loss_tol:6.2g} {diff:8.1e} "
-              f"{floor.group(1) if floor else '-':>8s} {tol:8.1e} {diff / tol:6.2g}  "
-              f"{'OK' if ok else 'FAIL'}")
+              f"{floor.group(1) if floor else '-':>8s} {tol:8.1e} {diff / tol:6.2g} {norm:8.1e} "
+              f"{norm / norm_tol:6.2g}  {'OK' if ok else 'FAIL'}")
 
 
 class CheckCatchesSmallBugs(unittest.TestCase):
@@ -140,7 +176,7 @@ class CheckCatchesSmallBugs(unittest.TestCase):
         cls.results = run_distributed(_world, WORLD, timeout=300)[0]
 
     def test_the_controls_pass_well_inside_the_tolerance(self):
-        for run in ("control dp2", "control pp2"):
+        for run in ("control dp2", "control pp2", "control 04"):
             ok, printed = self.results[run]
             self.assertTrue(ok, printed)
             for kind, (diff, tol, verdict) in margins(printed).items():
@@ -149,7 +185,7 @@ class CheckCatchesSmallBugs(unittest.TestCase):
 
     def test_every_planted_bug_fails_the_check_at_its_floor_derived_tolerance(self):
         for run in RUNS:
-            if run.startswith("control"):
+            if run.startswith("control") or run == GRAD_NORM_BUG:
                 continue
             ok, printed = self.results[run]
             self.assertFalse(ok, f"{run} passed --check:\n{printed}")
@@ -174,6 +210,20 @@ class CheckCatchesSmallBugs(unittest.TestCase):
         found = margins(printed)
         self.assertGreater(found["weight"][0] / found["weight"][1], 20, printed)
         self.assertGreater(found["loss"][0] / found["loss"][1], 1.5, printed)
+
+    def test_a_pipeline_gradient_scaled_by_1001_fails_on_the_grad_norm_alone(self):
+        # Measured: the loss 2.4e-7 and the weights 2.8e-6 off, both pass (the norm's excess
+        # measured the floor: weights held to 32 x 1.1e-6); the grad norm 5.0e-4 relative
+        # against 1e-4. Stage 0's gradients, 1.001 x, hold about half the squared norm.
+        ok, printed = self.results[GRAD_NORM_BUG]
+        self.assertFalse(ok, printed)
+        found = margins(printed)
+        self.assertEqual((found["loss"][2], found["weight"][2]), ("OK", "OK"), printed)
+        diff, tol, verdict = found["grad norm"]
+        self.assertEqual((verdict, tol), ("FAIL", NORM_TOLERANCES["fp32"]), printed)
+        self.assertGreater(diff / tol, 2.5, printed)  # 5.0 measured
+        _, control = self.results["control 04"]
+        self.assertLess(margins(control)["grad norm"][0], 0.01 * tol, control)  # 0 measured
 
 
 class FloorRules(unittest.TestCase):

@@ -348,7 +348,7 @@ class ZeroOnOneRank(unittest.TestCase):
         # 2e-9; a step moves each by up to its lr, 1e-2), the losses within 1e-6 relative.
         for tied in (False, True):
             cfg = tiny_config(2, tied=tied, grad_clip=0.0)
-            losses, reference = run_reference(cfg)
+            losses, _, reference = run_reference(cfg)
             for stage in (1, 2, 3):
                 with self.subTest(tied=tied, stage=stage):
                     run = _run(cfg, self.pgm, stage)

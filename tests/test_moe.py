@@ -191,8 +191,8 @@ class TestAuxLossReachesTheTrainingLoss(unittest.TestCase):
         torch.testing.assert_close(loss, (loss_fn(logits, y) + aux).detach(), rtol=0, atol=1e-6)
 
     def test_reference_run_trains_the_moe_model_with_the_aux_loss(self):
-        with_aux, _ = run_reference(_tiny_config())
-        without, _ = run_reference(_tiny_config(moe_aux_loss_coeff=0.0))
+        with_aux, _, _ = run_reference(_tiny_config())
+        without, _, _ = run_reference(_tiny_config(moe_aux_loss_coeff=0.0))
         # Step 0 (same weights) differs by the aux loss: at init the router is near uniform,
         # so each of the 2 MoE layers adds about coeff (0.1).
         self.assertAlmostEqual(with_aux[0] - without[0], 0.2, delta=0.01)

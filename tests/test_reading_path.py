@@ -52,7 +52,8 @@ CHAPTERS: List[Tuple[str, str, str]] = [
 # The chapter that introduces each strategy module: its page lists it, no earlier chapter's
 # path reaches it. (Chapter 09's planner, scaletorch/plan, is reached by no earlier script.)
 MODULES_OF: Dict[str, List[str]] = {
-    "01": ["data_parallel", "overlap_chart", "grad_norm", "memory_report", "wrapper"],
+    "01": ["data_parallel", "gradient_sync", "overlap_chart", "grad_norm", "memory_report",
+           "wrapper"],
     "02": ["zero", "flat_unit", "zero_report", "fully_shard"],
     "03": ["tensor_parallel", "tensor_parallel_layers", "tensor_parallel_dtensor"],
     "04": ["pipeline_parallel", "pipeline_schedules", "orders", "timeline", "placement"],
@@ -63,7 +64,7 @@ MODULES_OF: Dict[str, List[str]] = {
     "05": ["context_parallel", "ring_attention", "attention_kernels", "step"],
     "06": ["expert_parallel"],
     "07": ["parallelize", "tensor_layout", "validation", "native"],
-    "08": ["mixed_precision"],
+    "08": ["mixed_precision", "loss_scale"],
     "10": ["tied_embeddings", "zero_tied", "activation_checkpointing"],
     "12": ["sync_batchnorm", "vision_parallel"],
 }
@@ -72,7 +73,9 @@ OWNER = {module: chapter for chapter, modules in MODULES_OF.items() for module i
 # when dist/functional.py (214 lines, where f and g live) was counted in its path. 04b: the
 # general pipeline runtime (schedules as plans, interleaved, torch's pipelining) moved there
 # from chapter 04, whose schedules became plain loops (issue 41).
-OVER_BUDGET: Dict[str, int] = {"03": 886, "04b": 1080}
+# 01: its core became three functions of their own (gradient_sync.py, 37 lines), the
+# exercises' reference solutions.
+OVER_BUDGET: Dict[str, int] = {"01": 737, "03": 886, "04b": 1080}
 
 
 def chapters() -> List[Tuple[str, str, str]]:

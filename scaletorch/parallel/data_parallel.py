@@ -44,6 +44,8 @@ from torch.nn.parallel import DistributedDataParallel
 from scaletorch.dist import ProcessGroupManager, comm, get_ledger
 from scaletorch.dist.comm import Work
 from scaletorch.dist.timer import Mark, Timer, seconds
+from scaletorch.parallel.gradient_sync import (average_gradients, launch_full_buckets,
+                                               wait_for_buckets)
 from scaletorch.parallel.wrapper import ModuleWrapper
 from scaletorch.rules.buckets import ddp_buckets
 
@@ -118,15 +120,15 @@ class NaiveDataParallel(_DataParallel):
     """After backward, all-reduce each gradient (blocking) and divide by N."""
 
     def _sync(self) -> None:
-        for p in self.params:
-            if p.grad is None:  # unused here, maybe used elsewhere: every rank must reduce
-                p.grad = torch.zeros_like(p)
-            wire = self._wire(p.grad)
-            comm.all_reduce(wire, self.group)  # SUM over the dp_cp group
-            if self.world > 1:
-                wire.div_(self.world)
-            if wire is not p.grad:
-                p.grad.copy_(wire)  # the average back into the fp32 gradient
+        # a parameter unused here may be used elsewhere: every rank must reduce it (zeros)
+        grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in self.params]
+        for p, grad in zip(self.params, grads):
+            p.grad = grad
+        wires = [self._wire(grad) for grad in grads]
+        average_gradients(wires, self.group)  # gradient_sync.py: all-reduce each over dp_cp, / N
+        for grad, wire in zip(grads, wires):
+            if wire is not grad:
+                grad.copy_(wire)  # the average back into the fp32 gradient
         self._needs_sync = False
 
 
@@ -257,11 +259,10 @@ class BucketedDataParallel(_DataParallel):
             self._recording.t_first_grad = self._timer.mark()
         self._grads_ready += 1
         self.buckets[self._bucket_of[i]].ready += 1
-        while self._next_bucket < len(self.buckets):
-            bucket = self.buckets[self._next_bucket]
-            if bucket.ready < len(bucket.param_ids):
-                break  # strictly in index order: every rank issues the same sequence
-            self._launch(bucket, in_backward=True)
+        # every full bucket, strictly in index order: every rank issues the same sequence
+        self._next_bucket = launch_full_buckets(
+            [b.ready for b in self.buckets], [len(b.param_ids) for b in self.buckets],
+            self._next_bucket, lambda k: self._launch(self.buckets[k], in_backward=True))
 
     def _launch(self, bucket: Bucket, in_backward: bool) -> None:
         """Start the async all-reduce (SUM of grad / N over the dp_cp group) of one bucket."""
@@ -285,16 +286,15 @@ class BucketedDataParallel(_DataParallel):
             # would be the launch time, and work.wait() does not block the host on NCCL.)
             bucket.work.get_future().then(lambda _: setattr(launch, "t_done", self._timer.mark()))
         self._recording.launches.append(launch)
-        self._next_bucket += 1
 
     def _sync(self) -> None:
         """Launch what backward did not (unused parameters), wait once, hand out the grads."""
         self._recording.t_backward_end = self._timer.mark()
         while self._next_bucket < len(self.buckets):
             self._launch(self.buckets[self._next_bucket], in_backward=False)
+            self._next_bucket += 1
+        wait_for_buckets([bucket.work for bucket in self.buckets])
         for bucket in self.buckets:
-            if bucket.work is not None:
-                bucket.work.wait()
             if bucket.wire is not None and bucket.wire is not bucket.buffer:
                 bucket.buffer.copy_(bucket.wire)  # accumulated in fp32, averaged in reduce_dtype
             bucket.work, bucket.wire, bucket.ready = None, None, 0

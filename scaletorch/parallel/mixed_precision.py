@@ -50,6 +50,7 @@ from torch.nn.parallel import DistributedDataParallel
 from scaletorch.config import Config, resolve_precision
 from scaletorch.dist import ProcessGroupManager, comm
 from scaletorch.parallel.data_parallel import apply_data_parallel
+from scaletorch.parallel.loss_scale import unscale_and_check, update_scale
 
 # fp64 is named only to be refused (wider than the master)
 DTYPES = {
@@ -251,36 +252,22 @@ class DynamicLossScaler:
         self.clean_steps = 0  # steps since the last overflow
         self.skipped = 0  # steps skipped so far
 
-    @torch.no_grad()
     def unscale_and_check(self, params: Iterable[torch.Tensor]) -> bool:
-        """Divide this rank's gradients by the scale; True if any rank's hold inf or NaN.
-
-        One all-reduce (MAX) of a single flag over the group: every rank gets the same answer.
-        """
+        """Divide this rank's gradients by the scale; True if any rank's hold inf or NaN: one
+        all-reduce (MAX) of a single flag over the group (loss_scale.py)."""
         params = list(params)
         if not params:
             raise ValueError("unscale_and_check needs this rank's parameters (none given)")
         grads = [p.grad for p in params if p.grad is not None]
-        # on the parameters' device even without gradients: the flag goes through NCCL
-        found = torch.zeros((), dtype=torch.float32, device=params[0].device)
-        for g in grads:
-            g.mul_(1.0 / self.scale)
-            found = torch.maximum(found, (~torch.isfinite(g)).any().float())
-        if self.agree:
-            comm.all_reduce(found, self.group, op=dist.ReduceOp.MAX)
-        return bool(found.item())
+        if not grads:  # the flag on the parameters' device all the same: it goes through NCCL
+            grads = [torch.zeros((), device=params[0].device)]
+        return unscale_and_check(grads, self.scale, self.group, self.agree)
 
     def update(self, found_inf: bool) -> None:
         """Halve the scale after an overflow; double it after ``growth_interval`` clean steps."""
-        if found_inf:
-            self.scale /= 2.0
-            self.clean_steps = 0
-            self.skipped += 1
-            return
-        self.clean_steps += 1
-        if self.clean_steps == self.growth_interval:
-            self.scale *= 2.0
-            self.clean_steps = 0
+        self.skipped += int(found_inf)
+        self.scale, self.clean_steps = update_scale(self.scale, self.clean_steps, found_inf,
+                                                    self.growth_interval)
 
     def step(self, optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor]) -> bool:
         """Unscale, then step unless some rank overflowed; returns whether the step ran."""

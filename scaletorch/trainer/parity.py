@@ -2,7 +2,13 @@
 
 Every numbered script's ``--check`` ends with ``check_against_reference``, which prints
 ``parity: max |loss - reference| = 3.1e-07 over 10 steps (tolerance 1e-05): OK`` and the same
-for the weights, when the strategy can gather them. The reference computes in the run's
+for the weights, when the strategy can gather them, and each step's global gradient norm
+before clipping, relative to the reference's (``max |grad norm / reference - 1|``, tolerance
+1e-4 in fp32, precision.py says why). The norm catches what the weights hide: AdamW divides
+each update by its own running scale, so with every pipeline gradient message from rank 1
+scaled by 1.001 (chapter 04, 2 ranks, 5 steps) the weights end 2.8e-6 from the reference and
+pass, while the norm is 5.0e-4 off, 5 times its tolerance (tests/test_check_catches_bugs.py).
+The reference computes in the run's
 precision (precision.py decides it for both) and the tolerance is that precision's: 1e-5 in
 fp32, 2^-5 under bf16 autocast (``(tolerance 3.1e-02, bf16)`` on the line).
 
@@ -43,7 +49,8 @@ from torch import nn
 from scaletorch.config import Config
 from scaletorch.dist import comm, get_ledger
 from scaletorch.models import build_model
-from scaletorch.trainer.precision import TOLERANCES, parity_tolerance, resolve_precision
+from scaletorch.trainer.precision import (NORM_TOLERANCES, TOLERANCES, parity_tolerance,
+                                          resolve_precision)
 
 if TYPE_CHECKING:
     from scaletorch.trainer.trainer import Trainer
@@ -73,13 +80,15 @@ def run_reference(
     cfg: Config,
     device: torch.device = torch.device("cpu"),
     micro_batches: Optional[int] = None,
-) -> Tuple[List[float], nn.Module]:
+) -> Tuple[List[float], List[float], nn.Module]:
     """Train the unsharded model on one device for ``cfg.training.steps`` steps.
 
-    Touches no process group, writes no file, loads no checkpoint. Returns (losses, model).
+    Touches no process group, writes no file, loads no checkpoint. Returns (losses, grad norms
+    before clipping, model), as plain_loop.plain_training does.
     """
     trainer = reference_trainer(cfg, device, micro_batches)
-    return trainer.train().losses, trainer.model
+    result = trainer.train()
+    return result.losses, result.grad_norms, trainer.model
 
 
 def other_split(cfg: Config) -> Optional[int]:
@@ -101,26 +110,34 @@ def floor_applies(cfg: Config, device_type: str) -> bool:
 
 
 def measure_floor(cfg: Config, device: torch.device, losses: Sequence[float],
-                  state: State) -> Tuple[float, float, int]:
-    """The noise floor of a parity check: (loss, weight, micro-batches).
+                  norms: Sequence[float], state: State) -> Tuple[float, float, float, int]:
+    """The noise floor of a parity check: (loss, weight, relative grad norm, micro-batches).
 
     Trains the reference again with ``other_split(cfg)`` micro-batches and returns its largest
-    loss and weight differences from the reference run's ``losses`` and ``state``."""
+    loss, weight and relative grad-norm differences from the reference run's ``losses``,
+    ``state`` and ``norms``."""
     m = other_split(cfg)
     if m is None:
         raise ValueError(
             f"the parity floor needs another split of the global batch of "
             f"{cfg.data.global_batch_size} sequences than {cfg.data.num_micro_batches} "
             f"micro-batches: neither twice nor half of it fits")
-    floor_losses, floor_model = run_reference(cfg, device, m)
+    floor_losses, floor_norms, floor_model = run_reference(cfg, device, m)
     weight = max_weight_diff(floor_model.state_dict(), state)
-    return max_loss_diff(floor_losses, losses), weight, m
+    return max_loss_diff(floor_losses, losses), weight, max_norm_diff(floor_norms, norms), m
 
 
 def max_loss_diff(losses: Sequence[float], reference: Sequence[float]) -> float:
     if len(losses) != len(reference):
         raise ValueError(f"{len(losses)} losses vs {len(reference)} reference losses")
     return max(abs(a - b) for a, b in zip(losses, reference))
+
+
+def max_norm_diff(norms: Sequence[float], reference: Sequence[float]) -> float:
+    """Largest |norm / reference - 1| over the steps: each step's grad norm, relative."""
+    if len(norms) != len(reference):
+        raise ValueError(f"{len(norms)} grad norms vs {len(reference)} reference grad norms")
+    return max(abs(a - b) / b if b > 0 else abs(a) for a, b in zip(norms, reference))
 
 
 def weight_diffs(state: State, reference: State) -> Dict[str, float]:
@@ -183,40 +200,64 @@ def report_weight_parity(state: State, reference: State, steps: int, tolerance: 
     return ok
 
 
+def report_norm_parity(norms: Sequence[float], reference: Sequence[float],
+                       tolerance: float = NORM_TOLERANCES["fp32"], precision: str = "fp32",
+                       floor: Optional[float] = None) -> bool:
+    """Print the grad norms' parity line (each step's norm before clipping, relative to the
+    reference's) and return whether it passed."""
+    diff = max_norm_diff(norms, reference)
+    ok = diff <= widened(tolerance, floor)
+    print(
+        f"parity: max |grad norm / reference - 1| = {diff:.1e} over {len(norms)} steps "
+        f"({tolerance_text(tolerance, precision, floor)}): {'OK' if ok else 'FAIL'}", flush=True)
+    return ok
+
+
 def check_against_reference(cfg: Config, losses: Sequence[float], device: torch.device,
                             full_state: Optional[Dict[str, torch.Tensor]] = None,
-                            start_step: int = 0, tolerance: Optional[float] = None) -> bool:
+                            start_step: int = 0, tolerance: Optional[float] = None,
+                            grad_norms: Optional[Sequence[float]] = None) -> bool:
     """``--check`` for every script: rank 0 runs the reference and prints the verdict.
 
-    ``losses`` are the parallel run's per-step losses from ``start_step``; ``full_state`` is
-    its gathered, unsharded state dict (on rank 0; None to skip the weight comparison). The
-    reference runs in the same precision (``resolve_precision``); ``tolerance`` defaults to
-    that precision's. In fp32 (``floor_applies``), if a difference exceeds it, the floor is
-    measured (``measure_floor``, one more reference run) and each comparison is held to the
-    larger of the tolerance and SAFETY_FACTOR x its floor (the module docstring). The verdict
+    ``losses`` and ``grad_norms`` (before clipping; None to skip them) are the parallel run's
+    per-step values from ``start_step``; ``full_state`` is its gathered, unsharded state dict
+    (on rank 0; None to skip the weight comparison). The reference runs in the same precision
+    (``resolve_precision``); ``tolerance`` (losses and weights) defaults to that precision's,
+    the grad norms' is its NORM_TOLERANCES (relative). In fp32 (``floor_applies``), if a
+    difference exceeds its tolerance, the floor is measured (``measure_floor``, one more
+    reference run) and each comparison is held to the larger of its tolerance and
+    SAFETY_FACTOR x its floor (the module docstring). The verdict
     is broadcast so that every rank returns the same answer (and exit code).
     """
     precision = resolve_precision(cfg, device.type)
+    norm_tolerance = NORM_TOLERANCES[precision]
     may_widen = tolerance is None and floor_applies(cfg, device.type)
     if tolerance is None:
         tolerance = parity_tolerance(cfg, device.type)
     ok = torch.ones(1, device=device)
     if comm.group_rank() == 0:
-        reference, ref_model = run_reference(cfg, device)
+        reference, ref_norms, ref_model = run_reference(cfg, device)
         ref_state = ref_model.state_dict()
         over = max_loss_diff(losses, reference[start_step:]) > tolerance or (
             full_state is not None and max_weight_diff(full_state, ref_state) > tolerance)
-        loss_floor = weight_floor = None
-        if may_widen and over:
-            loss_floor, weight_floor, m = measure_floor(cfg, device, reference, ref_state)
+        norm_over = grad_norms is not None and max_norm_diff(
+            grad_norms, ref_norms[start_step:]) > norm_tolerance
+        loss_floor = weight_floor = norm_floor = None
+        if may_widen and (over or norm_over):  # the norm's floor: on its line's tolerance
+            loss_floor, weight_floor, norm_floor, m = measure_floor(cfg, device, reference,
+                                                                    ref_norms, ref_state)
+            exceeded = f"{tolerance:.0e}" if over else f"{norm_tolerance:.0e} (the grad norm)"
             print(
                 f"parity: floor = one device, micro-batches {cfg.data.num_micro_batches} vs {m}: "
                 f"max |loss diff| {loss_floor:.1e}, max |weight diff| {weight_floor:.1e} "
-                f"(measured since a difference exceeds {tolerance:.0e})", flush=True)
+                f"(measured since a difference exceeds {exceeded})", flush=True)
         passed = report_parity(losses, reference[start_step:], tolerance, precision, loss_floor)
         if full_state is not None:
             passed = report_weight_parity(full_state, ref_state, cfg.training.steps, tolerance,
                                           precision, weight_floor) and passed
+        if grad_norms is not None:
+            passed = report_norm_parity(grad_norms, ref_norms[start_step:], norm_tolerance,
+                                        precision, norm_floor) and passed
         if not passed and loss_floor is None:  # a wrong layout, or a run too sensitive to rounding
             print(
                 f"parity: do two single-device runs agree for {cfg.training.steps} steps? "

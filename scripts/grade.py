@@ -1,0 +1,82 @@
+"""Grade a chapter's exercises: run the chapter with the learner's functions, say what is wrong.
+
+    python scripts/grade.py 01               # examples/exercises/01_ddp.py
+    python scripts/grade.py 01 --solution    # the library's own functions (they pass)
+    python scripts/grade.py all --solution
+    python scripts/grade.py 01 --variant average_sum_not_mean   # a planted mistake's diagnosis
+
+Each exercise is a core function of the chapter with its body removed. The grader runs the
+chapter on gloo ranks of this CPU with the learner's function in place of the library's,
+compares with one device and prints, per exercise, "passed" or the diagnosis measured: the
+gradients' ratio to the reference, the ranks that disagree, a bucket launched early, a work
+never waited for, and for a hang the flight recorder's account of which rank waits on which.
+``--variant NAME`` grades one of scripts/grading/variants.py's planted mistakes instead (the
+grader's own test suite), to see what a diagnosis looks like.
+Exit status 0 when every exercise passed, 1 otherwise (an unwritten one: "write <function>
+next"), 2 for a chapter without exercises.
+"""
+
+import argparse
+import os
+import sys
+import time
+from typing import List, Optional
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from scripts.grading import ddp, loss_scale, variants  # noqa: E402
+
+CHAPTERS = {
+    ddp.CHAPTER: (ddp, "examples/exercises/01_ddp.py"),
+    loss_scale.CHAPTER: (loss_scale, "examples/exercises/08_mixed_precision.py"),
+}
+
+
+def grade_chapter(chapter: str, solution: bool, variant: Optional[str] = None) -> bool:
+    module, path = CHAPTERS[chapter]
+    jobs = module.solution_jobs() if solution else module.exercise_jobs(os.path.join(ROOT, path))
+    what = "the library" if solution else path
+    if variant is not None:
+        exercise = next(e for c, e, v in variants.PLANTED if (c, v) == (chapter, variant))
+        jobs, what = [{exercise: (variants.__name__, variant)}], f"variant {variant}"
+    start = time.perf_counter()
+    print(
+        f"chapter {chapter}: {what}, {module.WORLD} ranks (CPU, gloo), {module.STEPS} steps "
+        f"against {module.AGAINST}", flush=True)
+    passed = True
+    for verdict in module.grade(jobs):
+        print(f"  {verdict.line()}")
+        passed = passed and verdict.passed
+        if not verdict.passed and verdict.text.startswith("write "):
+            break  # the next function to write: the later ones wait for it
+    print(f"chapter {chapter}: {'passed' if passed else 'not yet'} "
+          f"({time.perf_counter() - start:.0f} s)")
+    return passed
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("chapter", help=f"{', '.join(CHAPTERS)} or all")
+    parser.add_argument("--solution", action="store_true",
+                        help="grade the library's own functions (the reference solutions)")
+    parser.add_argument("--variant", help="grade one planted mistake (scripts/grading/variants.py)")
+    args = parser.parse_args(argv)
+    if args.chapter != "all" and args.chapter not in CHAPTERS:
+        print(
+            f"error: chapter {args.chapter!r} has no exercises; chapters with exercises: "
+            f"{', '.join(CHAPTERS)} (or all)", file=sys.stderr)
+        return 2
+    names = [v for c, _, v in variants.PLANTED if c == args.chapter]
+    if args.variant is not None and args.variant not in names:
+        print(
+            f"error: chapter {args.chapter} has no variant {args.variant!r}; its variants: "
+            f"{', '.join(names) or 'none'}", file=sys.stderr)
+        return 2
+    chapters = list(CHAPTERS) if args.chapter == "all" else [args.chapter]
+    results = [grade_chapter(chapter, args.solution, args.variant) for chapter in chapters]
+    return 0 if all(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

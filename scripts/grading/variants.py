@@ -1,0 +1,207 @@
+"""The grader's catalogue of planted bugs: the reference solutions, each with one learner's mistake.
+
+Each variant stands in for an exercise (examples/exercises/) and must get its own diagnosis from
+scripts/grade.py, not a generic failure: ``CATALOGUE`` maps (chapter, exercise, variant) to
+the words its diagnosis must contain. tests/test_grade.py runs them all, one world per chapter;
+this module is importable by the spawned ranks (``Source`` = (this module, the variant's name)).
+"""
+
+from typing import Callable, Dict, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from scaletorch.dist import comm
+
+# ---- chapter 01: average_gradients ---------------------------------------------------------
+
+
+def average_sum_not_mean(grads: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup]) -> None:
+    for grad in grads:
+        comm.all_reduce(grad, group)  # the sum: never divided by N
+
+
+def average_divided_twice(grads: Sequence[torch.Tensor],
+                          group: Optional[dist.ProcessGroup]) -> None:
+    for grad in grads:
+        grad.div_(comm.group_size(group))  # divided before the sum...
+        comm.all_reduce(grad, group)
+        grad.div_(comm.group_size(group))  # ...and after it
+
+
+def average_without_all_reduce(grads: Sequence[torch.Tensor],
+                               group: Optional[dist.ProcessGroup]) -> None:
+    for grad in grads:
+        grad.div_(1)  # each rank keeps its own gradient
+
+
+def average_first_only(grads: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup]) -> None:
+    for grad in grads:
+        comm.all_reduce(grad, group)
+        grad.div_(comm.group_size(group))
+        return  # a return inside the loop: only the first gradient is averaged
+
+
+def average_on_rank_0_only(grads: Sequence[torch.Tensor],
+                           group: Optional[dist.ProcessGroup]) -> None:
+    if comm.group_rank(group) != 0:
+        return  # rank 1 skips the all-reduces that rank 0 waits in
+    for grad in grads:
+        comm.all_reduce(grad, group)
+        grad.div_(comm.group_size(group))
+
+
+# ---- chapter 01: launch_full_buckets -------------------------------------------------------
+
+
+def launch_before_full(ready: Sequence[int], sizes: Sequence[int], next_bucket: int,
+                       launch: Callable[[int], None]) -> int:
+    while next_bucket < len(sizes) and ready[next_bucket] > 0:  # one gradient is not all
+        launch(next_bucket)
+        next_bucket += 1
+    return next_bucket
+
+
+def launch_without_advancing(ready: Sequence[int], sizes: Sequence[int], next_bucket: int,
+                             launch: Callable[[int], None]) -> int:
+    k = next_bucket
+    while k < len(sizes) and ready[k] == sizes[k]:
+        launch(k)
+        k += 1
+    return next_bucket  # the caller starts again from the buckets already launched
+
+
+def launch_never(ready: Sequence[int], sizes: Sequence[int], next_bucket: int,
+                 launch: Callable[[int], None]) -> int:
+    return next_bucket  # every bucket waits for the end of backward
+
+
+# ---- chapter 01: wait_for_buckets ----------------------------------------------------------
+
+
+def wait_never(works: Sequence[Optional[comm.Work]]) -> None:
+    pass  # the step reads the buckets while their all-reduces are in flight
+
+
+def wait_on_rank_0_only(works: Sequence[Optional[comm.Work]]) -> None:
+    if comm.group_rank() == 0:
+        for work in works:
+            if work is not None:
+                work.wait()
+
+
+def wait_all_but_the_last(works: Sequence[Optional[comm.Work]]) -> None:
+    for work in works[:-1]:  # off by one: the last bucket launched is the likeliest in flight
+        if work is not None:
+            work.wait()
+
+
+# ---- chapter 08: unscale_and_check ---------------------------------------------------------
+
+
+@torch.no_grad()
+def unscale_never_divides(grads: Sequence[torch.Tensor], scale: float,
+                          group: Optional[dist.ProcessGroup], agree: bool = True) -> bool:
+    found = torch.zeros(())
+    for g in grads:  # checked, but never divided by the scale
+        found = torch.maximum(found, (~torch.isfinite(g)).any().float())
+    if agree:
+        comm.all_reduce(found, group, op=dist.ReduceOp.MAX)
+    return bool(found.item())
+
+
+@torch.no_grad()
+def unscale_without_agreement(grads: Sequence[torch.Tensor], scale: float,
+                              group: Optional[dist.ProcessGroup], agree: bool = True) -> bool:
+    found = torch.zeros(())
+    for g in grads:
+        g.mul_(1.0 / scale)
+        found = torch.maximum(found, (~torch.isfinite(g)).any().float())
+    return bool(found.item())  # this rank's flag only
+
+
+@torch.no_grad()
+def unscale_misses_nan(grads: Sequence[torch.Tensor], scale: float,
+                       group: Optional[dist.ProcessGroup], agree: bool = True) -> bool:
+    found = torch.zeros(())
+    for g in grads:
+        g.mul_(1.0 / scale)
+        found = torch.maximum(found, torch.isinf(g).any().float())  # NaN is not inf
+    if agree:
+        comm.all_reduce(found, group, op=dist.ReduceOp.MAX)
+    return bool(found.item())
+
+
+# ---- chapter 08: update_scale --------------------------------------------------------------
+
+
+def update_never_halves(scale: float, clean_steps: int, found_inf: bool,
+                        growth_interval: int) -> Tuple[float, int]:
+    if found_inf:
+        return scale, 0  # skipped, but the next step overflows again
+    clean_steps += 1
+    if clean_steps == growth_interval:
+        return scale * 2.0, 0
+    return scale, clean_steps
+
+
+def update_never_grows(scale: float, clean_steps: int, found_inf: bool,
+                       growth_interval: int) -> Tuple[float, int]:
+    if found_inf:
+        return scale / 2.0, 0
+    return scale, clean_steps + 1  # a scale that only shrinks flushes small gradients to 0
+
+
+def update_halves_without_reset(scale: float, clean_steps: int, found_inf: bool,
+                                growth_interval: int) -> Tuple[float, int]:
+    if found_inf:
+        return scale / 2.0, clean_steps  # the count goes on across the overflow
+    clean_steps += 1
+    if clean_steps == growth_interval:
+        return scale * 2.0, 0
+    return scale, clean_steps
+
+
+# (chapter, exercise, variant) -> words its diagnosis must contain
+CATALOGUE: Dict[Tuple[str, str, str], str] = {
+    ("01", "average_gradients", "average_sum_not_mean"):
+    "gradients are 2.00x the reference on every rank: did you average over the data-parallel",
+    ("01", "average_gradients", "average_divided_twice"):
+    "gradients are 0.50x the reference on every rank: divided by N = 2 twice",
+    ("01", "average_gradients", "average_without_all_reduce"):
+    "gradients differ in all 21 parameters after the sync: each rank kept its own",
+    ("01", "average_gradients", "average_first_only"):
+    "20 of 21 gradients differ between the ranks",
+    ("01", "launch_full_buckets", "launch_before_full"):
+    "all-reduce started with 1 of its",
+    ("01", "launch_full_buckets", "launch_without_advancing"):
+    "times in step 0: return the index of the next bucket",
+    ("01", "launch_full_buckets", "launch_never"):
+    "started its all-reduce during backward",
+    ("01", "wait_for_buckets", "wait_never"):
+    "no rank waited for any bucket's all-reduce",
+    ("01", "wait_for_buckets", "wait_on_rank_0_only"):
+    "rank 1 waited for no bucket, the others for all",
+    ("01", "wait_for_buckets", "wait_all_but_the_last"):
+    "was never waited for (rank 0): wait for every bucket, the last one launched too",
+    ("08", "unscale_and_check", "unscale_never_divides"):
+    "gradients are 1024x the reference after unscale_and_check",
+    ("08", "unscale_and_check", "unscale_without_agreement"):
+    "in step 3 rank 1 found an overflow and rank 0 did not, so rank 0 stepped alone",
+    ("08", "unscale_and_check", "unscale_misses_nan"):
+    "step 5's gradients held a NaN on rank 0, and unscale_and_check returned False",
+    ("08", "update_scale", "update_never_halves"):
+    "the scale stayed 2048 after the overflow in step 3: halve it",
+    ("08", "update_scale", "update_never_grows"):
+    "the scale did not double after 2 clean steps (step 1)",
+    ("08", "update_scale", "update_halves_without_reset"):
+    "after the overflow in step 3 the clean-step count is 1, not 0: count the clean steps from 0",
+}
+# Variants that stop the world (gloo aborts a rank on mismatched collectives): one world each,
+# after the catalogue's; the diagnosis names the collective, its group and the line issuing it.
+STOPPING: Dict[Tuple[str, str, str], str] = {
+    ("01", "average_gradients", "average_on_rank_0_only"):
+    "rank 0: all_reduce #1 of group 'dp_cp' [[64, 64]] Float, issued at "
+    "scripts/grading/variants.py",
+}
+PLANTED = [*CATALOGUE, *STOPPING]  # (chapter, exercise, variant) of every variant
