@@ -296,11 +296,11 @@ def make_bad_inputs(d: str) -> None:
         _write(os.path.join(d, name, "config.json"), json.dumps(dict(config, **change)))
     _fake_checkpoint(os.path.join(d, "done"), [])
     nd = parse_args(["--config", "examples/configs/07_nd_parallel.yaml"]).model
-    torch.save({
+    _torch_file(os.path.join(d, "done.pt"), {
         "step": 4,
         "model": build_model(nd, seed=0).state_dict(),
         "optimizer": None
-    }, os.path.join(d, "done.pt"))
+    })
     _fake_checkpoint(os.path.join(d, "ckpts"), ["--model.hidden_size", "128"])
     _fake_checkpoint(os.path.join(d, "damaged"), [], damaged=True)
     other = LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=128, num_layers=4,

@@ -95,7 +95,7 @@ class ARunDirectoryThatHoldsARunIsNeverWrittenOver(unittest.TestCase):
         self.assertEqual(len(err.splitlines()), 1, err)
         self.assertRegex(
             err, r"^error: logging.run_dir: '.*00_single_device' already holds a "
-            r"run \(checkpoints, config.yaml, metrics.jsonl\); nothing was written")
+            r"run \(checkpoints, config.yaml, log.txt, ...\); nothing was written")
         for way in ("--resume", "--name", "--overwrite"):
             self.assertIn(way, err)
         self.assertEqual(snapshot(os.path.join(run_dir, "00_single_device")), self.before)

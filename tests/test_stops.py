@@ -20,6 +20,8 @@ from tests.harness import NCCL_CHECKS
 from tests.test_examples import ROOT, launch_status
 from tests.test_run_dirs import BASE, C00, base_run, metrics_lines, run_script, snapshot
 
+# The run's logs: a later run may add lines, never change or remove one.
+APPEND_ONLY = ("metrics.jsonl", "log.txt")
 CTRL_C = re.compile(r"^interrupted \(Ctrl-C\) at step (\d+) of \d+: last complete checkpoint "
                     r"(\S+); resume with: (.+ --resume)$")
 
@@ -130,9 +132,10 @@ safe_files.write_all = write_all
             after = snapshot(run)
             self.assertFalse(os.path.exists(step6))  # no partial file, no empty directory
             for name, data in before.items():  # both checkpoints and config.yaml unchanged
-                if name != "metrics.jsonl":
+                if name not in APPEND_ONLY:
                     self.assertEqual(after[name], data, name)
-            self.assertTrue(after["metrics.jsonl"].startswith(before["metrics.jsonl"]))
+            for name in APPEND_ONLY:  # only appended to
+                self.assertTrue(after[name].startswith(before[name]), name)
             self.assertEqual([m["step"] for m in metrics_lines(run)], [1, 2, 3, 4, 5, 6])
             self.assertEqual(
                 ckpt.latest_valid_checkpoint(os.path.join(run, "checkpoints"))[0],
@@ -171,11 +174,12 @@ models.loss_fn = loss_fn
                 rf"stopped before the optimizer step \(last good checkpoint {re.escape(step4)}\)")
             after = snapshot(run)
             for name, data in before.items():  # both checkpoints and config.yaml unchanged
-                if name != "metrics.jsonl":
+                if name not in APPEND_ONLY:
                     self.assertEqual(after[name], data, name)
             # no checkpoint of the bad step; the resumed run's config beside the first one
             self.assertEqual(sorted(after), sorted([*before, "config.resume_0000004.yaml"]))
-            self.assertTrue(after["metrics.jsonl"].startswith(before["metrics.jsonl"]))
+            for name in APPEND_ONLY:  # only appended to
+                self.assertTrue(after[name].startswith(before[name]), name)
             self.assertEqual([m["step"] for m in metrics_lines(run)], [1, 2, 3, 4, 5])
 
     def test_through_torchrun_every_rank_stops_at_the_same_step(self):
