@@ -14,18 +14,13 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from scaletorch.dist import destroy_pg_manager, get_ledger, init_pg_manager  # noqa: E402
-from scaletorch.models import build_model  # noqa: E402
-from scaletorch.parallel.activation_checkpointing import (  # noqa: E402
-    apply_activation_checkpointing, saved_activation_bytes)
+from scaletorch.parallel.activation_checkpointing import saved_activation_bytes  # noqa: E402
 from scaletorch.parallel.memory_report import measure_memory  # noqa: E402
-from scaletorch.parallel.mixed_precision import precision_hooks  # noqa: E402
-from scaletorch.parallel.parallelize import parallelize  # noqa: E402
-from scaletorch.parallel.tied_embeddings import TiedEmbeddings  # noqa: E402
 from scaletorch.parallel.validation import validate_layout  # noqa: E402
 from scaletorch.plan.layout import PlanLayout  # noqa: E402
 from scaletorch.plan.model import ModelSpec  # noqa: E402
-from scaletorch.trainer import Trainer  # noqa: E402
 from scaletorch.trainer.config import Config  # noqa: E402
+from scaletorch.trainer.dry_run import build_run  # noqa: E402
 from scaletorch.trainer.plan_line import plan_report  # noqa: E402
 
 
@@ -74,10 +69,7 @@ def measure_rank(rank: int, world: int, configs: Dict[str, Config]) -> Dict[str,
         p = cfg.parallel
         pgm = init_pg_manager(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                               p.context_parallel_size, p.expert_model_parallel_size)
-        model = build_model(cfg.model, seed=cfg.training.model_seed)
-        par = parallelize(model, cfg, pgm, torch.device("cpu"), precision_hooks(cfg, "cpu"),
-                          tied=TiedEmbeddings(), recompute=apply_activation_checkpointing)
-        trainer = Trainer.from_parallelized(cfg, par, pgm, verbose=False)
+        par, trainer = build_run(cfg, pgm, torch.device("cpu"))
         ledger.clear()
         result = trainer.train()
         wire: Dict[tuple, float] = {}

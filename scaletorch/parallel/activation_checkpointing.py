@@ -27,6 +27,7 @@ from scaletorch.config import recompute_mode
 from scaletorch.dist import get_ledger
 from scaletorch.models import Llama
 from scaletorch.models.llama import Attention
+from scaletorch.parallel.memory_report import storage_key
 
 
 class _Checkpointed:
@@ -88,7 +89,7 @@ def saved_activation_bytes(model: nn.Module, fn: Callable[[], Any]) -> Tuple[int
     saves. For a forward alone that is everything it saved; for a whole step (forward and
     backward of several micro-batches, or a pipeline schedule) the peak, since backward frees
     what it used."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    params = {storage_key(p) for p in model.parameters()}
     live: Dict[int, List[int]] = {}  # storage address -> [bytes, saved tensors using it]
     current, peak = 0, 0
 
@@ -101,7 +102,7 @@ def saved_activation_bytes(model: nn.Module, fn: Callable[[], Any]) -> Tuple[int
     def pack(t: torch.Tensor) -> Any:
         nonlocal current, peak
         storage = t.untyped_storage()
-        ptr = storage.data_ptr()
+        ptr = storage_key(t)  # a fake tensor's data pointer is 0: the storage object's address
         if ptr in params:
             return t
         entry = live.setdefault(ptr, [storage.nbytes(), 0])

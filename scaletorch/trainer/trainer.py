@@ -30,6 +30,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from scaletorch.data import GlobalBatchLoader, build_dataset
+from scaletorch.data.loader import BatchSource
 from scaletorch.dist import ProcessGroupManager, comm, get_ledger, restart_count
 from scaletorch.dist.straggler import straggler_report
 from scaletorch.models import loss_fn
@@ -89,7 +90,8 @@ class Trainer:
                  optimizer: Optional[torch.optim.Optimizer] = None,
                  forward_backward: Optional[ForwardBackward] = None, loss_fn: LossFn = loss_fn,
                  clip_grad_norm: Optional[Callable[[float], torch.Tensor]] = None,
-                 scaler: Optional[DynamicLossScaler] = None, verbose: bool = True) -> None:
+                 scaler: Optional[DynamicLossScaler] = None, verbose: bool = True,
+                 loader: Optional[BatchSource] = None) -> None:
         self.cfg = cfg
         self.model = model
         self.pgm = pgm
@@ -97,7 +99,7 @@ class Trainer:
         self.rank = comm.group_rank() if pgm is not None else 0
         self.world_size = comm.group_size() if pgm is not None else 1
         self.verbose = verbose and self.rank == 0
-        self.loader = build_loader(cfg)
+        self.loader: BatchSource = loader or build_loader(cfg)  # a dry run's: shapes only
         self.optimizer = optimizer or build_optimizer(cfg, model.parameters())
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: lr_at(cfg, step) / cfg.training.lr
@@ -125,12 +127,14 @@ class Trainer:
 
     @classmethod
     def from_parallelized(cls, cfg: Config, par: "Parallelized", pgm: ProcessGroupManager, *,
-                          device: Optional[torch.device] = None, verbose: bool = True) -> "Trainer":
+                          device: Optional[torch.device] = None, verbose: bool = True,
+                          loader: Optional[BatchSource] = None) -> "Trainer":
         """The Trainer of what ``scaletorch.parallel.parallelize`` returned: its model, its
         step (data parallel or pipeline), its global-norm clipping and (ZeRO) optimizer."""
         return cls(cfg, par.model, pgm, device=device, optimizer=par.optimizer,
                    forward_backward=par.forward_backward, clip_grad_norm=par.clip_grad_norm,
-                   scaler=cast(Optional[DynamicLossScaler], par.scaler), verbose=verbose)
+                   scaler=cast(Optional[DynamicLossScaler],
+                               par.scaler), verbose=verbose, loader=loader)
 
     def _clip_replicated(self, max_norm: float) -> torch.Tensor:
         """Global norm when every rank holds whole, already-synchronized gradients.
@@ -208,6 +212,12 @@ class Trainer:
 
     def train_step(self) -> tuple[float, float]:
         """One optimizer step on global batch ``self.step``; returns (loss, grad norm)."""
+        loss, grad_norm = self.step_tensors()
+        return float(loss), float(grad_norm)  # the step's host syncs: the log needs numbers
+
+    def step_tensors(self) -> tuple[Any, torch.Tensor]:
+        """``train_step`` without its host syncs: (loss, grad norm) as the step left them (a
+        dry run's fake tensors have no values to read, scaletorch/trainer/dry_run.py)."""
         get_ledger().set_step(self.step)
         inputs, targets = self.loader.get_batch(self.step)
         inputs, targets = inputs.to(self.device), targets.to(self.device)
@@ -225,7 +235,7 @@ class Trainer:
             self.scaler.update(overflow)
         self.scheduler.step()
         self.step += 1
-        return float(loss), float(grad_norm)
+        return loss, grad_norm
 
     def _wire_bytes(self, step: int) -> float:
         return get_ledger().total(step=step, field="wire_bytes") if self.pgm is not None else 0.0
