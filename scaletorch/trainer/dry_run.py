@@ -22,6 +22,9 @@ batch's shape instead), the log's straggler all-gather and the checkpoint writer
 autocast has no meta device.
 """
 
+import argparse
+import copy
+import sys
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -44,12 +47,12 @@ from scaletorch.parallel.parallelize import Parallelized, parallelize
 from scaletorch.parallel.tied_embeddings import TiedEmbeddings
 from scaletorch.plan.layout import PlanLayout
 from scaletorch.plan.layout import from_config as layout_of
-from scaletorch.plan.memory import activation_bytes, rank_memory, state_bytes
+from scaletorch.plan.memory import activation_bytes, state_bytes
 from scaletorch.plan.model import ModelSpec
 from scaletorch.plan.model import from_config as model_of
-from scaletorch.plan.report import human
+from scaletorch.plan.report import human, most_loaded
 from scaletorch.plan.traffic import collectives
-from scaletorch.trainer.config import Config
+from scaletorch.trainer.config import Config, parse_args
 from scaletorch.trainer.trainer import Trainer
 
 KINDS = ("params", "grads", "optimizer", "buffers")
@@ -80,7 +83,7 @@ def fake_world(rank: int, world: int) -> Iterator[None]:
     if dist.is_initialized():
         raise RuntimeError("a dry run needs this process without a process group; one exists")
     # the meta device too: the dry run's tensors live there (batch_isend_irecv asks per device)
-    dist.init_process_group("cpu:fake,meta:fake", store=FakeStore(), rank=rank, world_size=world)
+    dist.init_process_group("meta:fake,cpu:fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         yield
     finally:
@@ -102,6 +105,33 @@ def build_run(cfg: Config, pgm: ProcessGroupManager, device: torch.device,
                           recompute=RECOMPUTE)
     trainer = Trainer.from_parallelized(cfg, par, pgm, device=device, verbose=False, loader=loader)
     return par, trainer
+
+
+def with_model(base: Config, model: ModelSpec) -> Config:
+    """A copy of ``base`` with ``model``'s shapes (a planner's preset, say)."""
+    cfg = copy.deepcopy(base)
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                 "num_attention_heads", "num_key_value_heads", "tie_word_embeddings", "num_experts",
+                 "moe_top_k", "moe_layer_freq", "moe_intermediate_size"):
+        setattr(cfg.model, name, getattr(model, name))
+    cfg.model.max_seq_len = max(cfg.model.max_seq_len, cfg.data.seq_len)
+    return cfg
+
+
+def run_config(base: Config, model: ModelSpec, layout: PlanLayout) -> Config:
+    """``base`` with ``model``'s shapes and ``layout``'s sizes: what the trainer would check."""
+    cfg = with_model(base, model)
+    p, d = cfg.parallel, cfg.data
+    cfg.model.max_seq_len = max(cfg.model.max_seq_len, layout.seq_len)
+    p.tensor_model_parallel_size, p.pipeline_model_parallel_size = layout.tp, layout.pp
+    p.context_parallel_size, p.expert_model_parallel_size = layout.cp, layout.ep
+    p.data_parallel_size, p.zero_stage = layout.dp, layout.zero_stage
+    p.virtual_pipeline_stages, p.schedule = layout.virtual_stages, layout.schedule
+    p.sequence_parallel, p.layer_split = layout.sequence_parallel, layout.layer_split
+    p.activation_checkpointing = layout.activation_checkpointing
+    d.seq_len, d.num_micro_batches = layout.seq_len, layout.num_micro_batches
+    d.global_batch_size = layout.global_batch
+    return cfg
 
 
 @dataclass
@@ -176,12 +206,6 @@ def planned(cfg: Config, world: int) -> Tuple[ModelSpec, PlanLayout]:
     return model_of(cfg.model), layout_of(cfg, world, precision)
 
 
-def heaviest_stage(model: ModelSpec, layout: PlanLayout) -> int:
-    """The pipeline rank the planner says holds the most bytes (every stage compared: an
-    uneven ``layer_split`` can make a middle one the heaviest)."""
-    return max(range(layout.pp), key=lambda r: rank_memory(model, layout, r)["total"])
-
-
 def _ratio(predicted: float, measured: float) -> str:
     if predicted == measured:
         return "="
@@ -236,3 +260,75 @@ def model_line(model: ModelSpec) -> str:
 def _row(what: str, predicted: float, measured: float) -> str:
     return (f"{what:<38}{human(predicted):>16}{human(measured):>16}  "
             f"{_ratio(predicted, measured)}")
+
+
+# ---- the command: examples/07_nd_parallel.py --dry-run and scripts/plan.py --dry-run ---------
+
+STAGES_HELP = ("the pipeline ranks to run: heaviest (the planner's most-loaded, the default), "
+               "all, or a list such as 0,15")
+
+
+def stages(cfg: Config, world: int, which: str) -> List[int]:
+    """The pipeline ranks ``which`` names: "heaviest", "all" or "0,15" (ValueError else)."""
+    pp = cfg.parallel.pipeline_model_parallel_size
+    if which == "heaviest":
+        return [most_loaded(*planned(cfg, world))]
+    if which == "all":
+        return list(range(pp))
+    try:
+        ranks = [int(r) for r in which.split(",")]
+    except ValueError:
+        raise ValueError(f"--dry-run {which!r}: {STAGES_HELP}") from None
+    bad = [r for r in ranks if not 0 <= r < pp]
+    if bad:
+        raise ValueError(f"--dry-run {which}: pipeline rank {bad[0]} is not in 0..{pp - 1} "
+                         f"(pipeline_model_parallel_size {pp})")
+    return ranks
+
+
+def check_dry_run(cfg: Config) -> None:
+    """What the dry run cannot run, refused before it starts (ValueError naming the value)."""
+    if cfg.training.precision not in ("auto", "fp32"):
+        raise ValueError(f"training.precision {cfg.training.precision}: the dry run runs fp32 "
+                         f"only (autocast has no meta device)")
+    if cfg.parallel.impl == "torch":
+        raise ValueError("parallel.impl torch: the dry run runs this repository's strategies "
+                         "(PyTorch's own collectives bypass the ledger)")
+
+
+def dry_run_text(cfg: Config, world: int, which: str = "heaviest", steps: int = 2) -> str:
+    """The dry run of ``cfg`` on ``world`` ranks, the pipeline ranks ``which`` names, as text:
+    ``dry_run_report`` and the wall time."""
+    check_dry_run(cfg)
+    planned(cfg, world)  # the layout's sizes divide the world (ValueError naming them)
+    start = time.perf_counter()
+    runs = [dry_run(cfg, world, r, steps) for r in stages(cfg, world, which)]
+    return (dry_run_report(cfg, world, runs) +
+            f"\ndry run: {len(runs)} rank(s), {steps} steps each, "
+            f"{time.perf_counter() - start:.0f} s on this CPU")
+
+
+def main(argv: List[str], default_config: str, description: str) -> int:
+    """``--dry-run [STAGES] --world-size N [--preset NAME]`` and a script's config flags: the
+    dry run's report on stdout; a mistake is one "error:" line and exit status 2."""
+    from scaletorch.plan.model import preset
+
+    parser = argparse.ArgumentParser(description=description, allow_abbrev=False)
+    parser.add_argument("--dry-run", nargs="?", const="heaviest", required=True, help=STAGES_HELP)
+    parser.add_argument("--world-size", type=int, required=True, help="ranks of the world")
+    parser.add_argument("--preset", help="the planner's model instead of the config's")
+    parser.add_argument("--dry-run-steps", type=int, default=2, help="steps per rank")
+    args, rest = parser.parse_known_args(argv)
+    try:
+        cfg = parse_args(rest, default_config, description)
+        if args.preset is not None:
+            cfg = with_model(cfg, preset(args.preset))
+        if args.world_size < 1 or args.dry_run_steps < 1:
+            raise ValueError(f"--world-size ({args.world_size}) and --dry-run-steps "
+                             f"({args.dry_run_steps}) must be positive")
+        text = dry_run_text(cfg, args.world_size, args.dry_run, args.dry_run_steps)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(text)
+    return 0
