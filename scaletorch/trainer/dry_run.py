@@ -39,8 +39,10 @@ from scaletorch.dist import (ProcessGroupManager, destroy_pg_manager, get_ledger
                              init_pg_manager_from_config)
 from scaletorch.dist.pg_manager import RankGrid
 from scaletorch.models import build_model
+from scaletorch.models.moe import MoE
 from scaletorch.parallel.activation_checkpointing import (apply_activation_checkpointing,
                                                           saved_activation_bytes)
+from scaletorch.parallel.expert_parallel import AllToAllDispatcher
 from scaletorch.parallel.memory_report import memory_by_dtype
 from scaletorch.parallel.mixed_precision import precision_hooks
 from scaletorch.parallel.parallelize import Parallelized, parallelize
@@ -72,6 +74,33 @@ class ShapeLoader:
         """inputs, targets: int64 (global_batch_size, seq_len) on the meta device."""
         inputs = torch.empty(self.shape, dtype=torch.int64, device=META)
         return inputs, torch.empty_like(inputs)
+
+
+def balanced(rows: int, parts: int) -> List[int]:
+    """``rows`` split into ``parts`` as evenly as integers allow (the first ones get the rest)."""
+    return [rows // parts + (i < rows % parts) for i in range(parts)]
+
+
+def balance_routing(model: nn.Module) -> int:
+    """Every MoE layer of ``model`` routes as a balanced router would: each expert gets
+    k T / E of the k T assignments, and every ep rank receives as many as it sends. The real
+    counts are values (a sync with the device, then data-dependent shapes); a dry run has none.
+    Returns the number of MoE layers."""
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    for layer in layers:
+        dispatch = layer.dispatch_fn
+        if isinstance(dispatch, AllToAllDispatcher):
+
+            def tables(send: torch.Tensor, recv: torch.Tensor, rows: int) -> List[List[List[int]]]:
+                world, local = send.shape  # [rank][its expert]: rows sent = rows received
+                table = [balanced(n, local) for n in balanced(rows, world)]
+                return [table, table]
+
+            dispatch.host_tables = tables
+        else:
+            layer.dispatch_fn = lambda experts, routed, counts: experts(
+                routed, balanced(routed.size(0), experts.num_experts))
+    return len(layers)
 
 
 @contextmanager
@@ -162,7 +191,7 @@ def stage_rank(cfg: Config, world: int, pp_rank: int) -> int:
 
 
 def dry_run(cfg: Config, world: int, pp_rank: int = 0, steps: int = 2) -> DryRun:
-    """Run ``steps`` training steps (and one more, for saved activations) as the rank of
+    """Run ``steps`` training steps (the last under saved-tensor hooks) as the rank of
     pipeline stage ``pp_rank`` (tp, cp, dp coordinates 0) of a world of ``world`` ranks, with
     fake collectives and fake tensors. ``cfg`` is the run's config, as a script loads it."""
     start = time.perf_counter()
@@ -173,9 +202,12 @@ def dry_run(cfg: Config, world: int, pp_rank: int = 0, steps: int = 2) -> DryRun
         try:
             loader = ShapeLoader(cfg.data.global_batch_size, cfg.data.seq_len)
             par, trainer = build_run(cfg, pgm, META, loader)
+            balance_routing(par.model)
             ledger.clear()
-            for _ in range(steps):
+            for _ in range(steps - 1):
                 trainer.step_tensors()
+            # the last step under the saved-tensor hooks: its peak is the schedule's
+            saved, _ = saved_activation_bytes(par.model, trainer.step_tensors)
             last = trainer.step - 1
             wire: Dict[Tuple[str, str, str], float] = {}
             calls: Dict[Tuple[str, str, str], int] = {}
@@ -184,11 +216,8 @@ def dry_run(cfg: Config, world: int, pp_rank: int = 0, steps: int = 2) -> DryRun
                 wire[key] = wire.get(key, 0.0) + r.wire_bytes
                 calls[key] = calls.get(key, 0) + 1
             memory = memory_by_dtype(trainer.model, trainer.optimizer)
-            gathered = sum(getattr(m, "peak_gathered_bytes", 0) for m in trainer.model.modules())
-            inputs, targets = loader.get_batch(0)
-            with ledger.paused():  # not the step's traffic
-                saved, _ = saved_activation_bytes(par.model,
-                                                  lambda: par.forward_backward(inputs, targets))
+            # ZeRO-3's most full units at once, in any one wrapper (each chunk has its own)
+            gathered = max(getattr(m, "peak_gathered_bytes", 0) for m in trainer.model.modules())
             stage = pgm.pipeline_model_parallel_rank
         finally:
             destroy_pg_manager()
@@ -254,7 +283,7 @@ def dry_run_report(cfg: Config, world: int, runs: List[DryRun]) -> str:
 
 
 def model_line(model: ModelSpec) -> str:
-    return f"a {model.num_parameters() / 1e9:.1f}B-parameter model ({model.num_layers} layers)"
+    return f"a model of {model.num_parameters():,} parameters ({model.num_layers} layers)"
 
 
 def _row(what: str, predicted: float, measured: float) -> str:
