@@ -320,6 +320,10 @@ def check_dry_run(cfg: Config) -> None:
     if cfg.training.precision not in ("auto", "fp32"):
         raise ValueError(f"training.precision {cfg.training.precision}: the dry run runs fp32 "
                          f"only (autocast has no meta device)")
+    if cfg.model.num_experts and cfg.model.moe_capacity_factor > 0:
+        raise ValueError(f"model.moe_capacity_factor {cfg.model.moe_capacity_factor}: which "
+                         f"assignments a capacity drops depends on the router's values, which "
+                         f"a dry run has not; set 0 (a balanced router drops none)")
     if cfg.parallel.impl == "torch":
         raise ValueError("parallel.impl torch: the dry run runs this repository's strategies "
                          "(PyTorch's own collectives bypass the ledger)")
