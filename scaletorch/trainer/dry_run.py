@@ -254,6 +254,7 @@ def dry_run_report(cfg: Config, world: int, runs: List[DryRun]) -> str:
         f"dry run of {model_line(model)} on {world:,} ranks: {layout.describe()} "
         f"s{layout.seq_len}"
     ]
+    lines.append(f"the planner's most-loaded pipeline rank: {most_loaded(model, layout)}")
     head = f"{'what':<38}{'planner':>16}{'dry run':>16}  ratio"
     for run in runs:
         plan_states = state_bytes(model, layout, run.pp_rank)
@@ -264,7 +265,7 @@ def dry_run_report(cfg: Config, world: int, runs: List[DryRun]) -> str:
         lines.append(_row("zero-3 gathered units (peak)", plan_states["buffers"], run.gathered))
         buffers = run.memory.get("buffers", {})
         lines.append(f"{'buffers (' + _dtypes(buffers) + ')':<38}{'-':>16}"
-                     f"{human(run.total('buffers')):>16}  (RoPE tables: not planned)")
+                     f"{human(run.total('buffers')):>16}  (registered: the planner has none)")
         saved = activation_bytes(model, layout, run.pp_rank)["saved"]
         lines.append(_row("activations saved (peak, schedule)", saved, run.saved))
         plan_wire: Dict[Tuple[str, str, str], float] = {}
@@ -273,7 +274,7 @@ def dry_run_report(cfg: Config, world: int, runs: List[DryRun]) -> str:
             key = (c.op, c.group, c.phase)
             plan_wire[key] = plan_wire.get(key, 0.0) + c.wire
             plan_calls[key] = plan_calls.get(key, 0) + c.calls
-        for key in sorted(set(plan_wire) | set(run.wire)):
+        for key in sorted(set(plan_wire) | set(run.wire), key=lambda k: (k[1], k[2], k[0])):
             op, group, phase = key
             what = f"wire {group} {op}" + ("" if phase == "compute" else f" ({phase})")
             lines.append(
