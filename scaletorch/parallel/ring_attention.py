@@ -15,14 +15,12 @@ installs this attention (or Ulysses).
 """
 
 import math
-from contextlib import nullcontext
 from functools import partial
-from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple, cast
+from typing import Any, Callable, Dict, List, Optional, Tuple, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.amp.autocast_mode import is_autocast_available
 
 from scaletorch.dist import comm
 from scaletorch.dist.comm import Group
@@ -168,13 +166,6 @@ def _upcast(impl: str) -> Callable[[torch.Tensor], torch.Tensor]:
     return (lambda t: t.float()) if impl == "math" else (lambda t: t)
 
 
-def _autocast_off(device_type: str) -> ContextManager:
-    """Autocast off; nothing to turn off where there is none (a dry run's meta device)."""
-    if is_autocast_available(device_type):
-        return torch.autocast(device_type, enabled=False)
-    return nullcontext()
-
-
 class _RingAttention(torch.autograd.Function):
     """Causal attention of local queries over the whole sequence, K/V passed around ``group``.
 
@@ -189,7 +180,8 @@ class _RingAttention(torch.autograd.Function):
         scale = 1.0 / math.sqrt(q.size(-1))
         dtype = q.dtype  # the compute dtype (bf16 under autocast): what crosses the ring
         up = _upcast(impl)  # math: blocks in fp32; kernels: in the compute dtype
-        with _autocast_off(q.device.type):  # merges in fp32
+        # merges in fp32 (a dry run's meta tensors have no autocast of their own: the CPU's)
+        with torch.autocast("cpu" if q.is_meta else q.device.type, enabled=False):
             qs = up(q).chunk(2, dim=2)
             merged: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # query chunk: (out, lse)
             kv = torch.stack([k, v])  # one message, in q's dtype: (2, b, hkv, s_local, d)
@@ -226,7 +218,7 @@ class _RingAttention(torch.autograd.Function):
             ctx.counts[kind] += n
         block_bwd = _math_backward if ctx.impl == "math" else partial(kernels.backward, ctx.impl)
         dtype, up = q.dtype, _upcast(ctx.impl)  # dK/dV cross the ring in dtype; sums: fp32
-        with _autocast_off(q.device.type):
+        with torch.autocast("cpu" if q.is_meta else q.device.type, enabled=False):
             qs, outs, lses = up(q).chunk(2, 2), up(out).chunk(2, 2), lse.chunk(2, 2)
             douts = up(dout).chunk(2, 2)
             dq = torch.zeros_like(q, dtype=torch.float32)
