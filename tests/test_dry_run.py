@@ -8,6 +8,9 @@ tensors: RMSNorm's and RoPE's few per token, the loss's scalars). Every pipeline
 even and an uneven layer split matches, and the planner names the heaviest one.
 """
 
+import os
+import subprocess
+import sys
 import unittest
 from dataclasses import replace
 from typing import Dict
@@ -23,6 +26,7 @@ from scaletorch.plan.traffic import collectives
 from scaletorch.trainer.config import Config
 from scaletorch.trainer.dry_run import DryRun, dry_run, dry_run_text, planned, run_config
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the activations' tolerance: what the formulas leave out is under 0.1% at these sizes; 5% is
 # the planner's promise for activations (doc/09)
 ACTIVATIONS = 0.05
@@ -148,6 +152,13 @@ class DryRunCommand(unittest.TestCase):
             dry_run_text(cfg, 1024)
         with self.assertRaisesRegex(ValueError, "pipeline rank 4 is not in 0..3"):
             dry_run_text(config_of("8b even"), STAGES.world, "4")
+
+    def test_chapter_07s_dry_run_refuses_a_missing_world_in_one_line_with_status_2(self):
+        run = subprocess.run([sys.executable, "examples/07_nd_parallel.py", "--dry-run"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=120)
+        self.assertEqual(run.returncode, 2, run.stderr)
+        self.assertEqual(run.stderr.strip().splitlines(),
+                         ["error: --dry-run needs --world-size N: the world whose rank runs here"])
 
 
 if __name__ == "__main__":

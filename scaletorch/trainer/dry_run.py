@@ -347,21 +347,24 @@ def main(argv: List[str], default_config: str, description: str) -> int:
     dry run's report on stdout; a mistake is one "error:" line and exit status 2."""
     from scaletorch.plan.model import preset
 
-    parser = argparse.ArgumentParser(description=description, allow_abbrev=False)
-    parser.add_argument("--dry-run", nargs="?", const="heaviest", required=True, help=STAGES_HELP)
-    parser.add_argument("--world-size", type=int, required=True, help="ranks of the world")
+    parser = argparse.ArgumentParser(description=description, allow_abbrev=False,
+                                     exit_on_error=False)
+    parser.add_argument("--dry-run", nargs="?", const="heaviest", help=STAGES_HELP)
+    parser.add_argument("--world-size", type=int, help="ranks of the world (required)")
     parser.add_argument("--preset", help="the planner's model instead of the config's")
     parser.add_argument("--dry-run-steps", type=int, default=2, help="steps per rank")
-    args, rest = parser.parse_known_args(argv)
     try:
+        args, rest = parser.parse_known_args(argv)
+        if args.world_size is None:
+            raise ValueError("--dry-run needs --world-size N: the world whose rank runs here")
         cfg = parse_args(rest, default_config, description)
         if args.preset is not None:
             cfg = with_model(cfg, preset(args.preset))
         if args.world_size < 1 or args.dry_run_steps < 1:
             raise ValueError(f"--world-size ({args.world_size}) and --dry-run-steps "
                              f"({args.dry_run_steps}) must be positive")
-        text = dry_run_text(cfg, args.world_size, args.dry_run, args.dry_run_steps)
-    except (ValueError, FileNotFoundError) as err:
+        text = dry_run_text(cfg, args.world_size, args.dry_run or "heaviest", args.dry_run_steps)
+    except (ValueError, FileNotFoundError, argparse.ArgumentError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(text)
