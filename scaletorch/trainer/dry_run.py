@@ -111,8 +111,13 @@ def fake_world(rank: int, world: int) -> Iterator[None]:
 
     if dist.is_initialized():
         raise RuntimeError("a dry run needs this process without a process group; one exists")
-    # the meta device too: the dry run's tensors live there (batch_isend_irecv asks per device)
-    dist.init_process_group("meta:fake,cpu:fake", store=FakeStore(), rank=rank, world_size=world)
+    # the meta device too: the dry run's tensors live there (batch_isend_irecv asks a group's
+    # backend per device). Registered as a device of "fake": a "meta:fake,cpu:fake" string
+    # works too, but its groups warn at teardown (hasHooks, torch 2.13), once per group.
+    devices = dist.Backend.backend_capability["fake"]
+    if "meta" not in devices:
+        devices.append("meta")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         yield
     finally:
