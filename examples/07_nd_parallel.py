@@ -13,6 +13,10 @@
         --checkpoint.every 15
     scripts/launch.sh examples/07_nd_parallel.py --nproc-per-node 4 -- --check \\
         --resume runs/07_nd_parallel/checkpoints/step_0000015/consolidated.pt
+    # a dry run: one rank of 8,192 runs this code at 405B on a CPU, nothing computed (doc/09)
+    python examples/07_nd_parallel.py --dry-run --world-size 8192 --preset llama3-405b \\
+        --tp 8 --pp 16 --layer-split 8,8,8,8,8,8,8,8,8,8,8,8,8,8,7,7 --micro-batches 16 \\
+        --data.seq_len 8192 --model.max_seq_len 8192 --data.global_batch_size 2048
 
 Chapter 00 plus one call, ``parallelize``: expert -> tensor (+ sequence) -> context ->
 (chapter 10's recomputation) -> pipeline -> data parallel / ZeRO. The rest of the world after
@@ -36,7 +40,11 @@ from scaletorch.parallel.pipeline_parallel import gather_timeline
 from scaletorch.trainer import Trainer, check_against_reference, load_config
 from scaletorch.trainer.consolidated import (load_consolidated, resume_consolidated,
                                              save_consolidated)
+from scaletorch.trainer.dry_run import main as dry_run_main
 from scaletorch.trainer.param_map import full_state_dict
+
+CONFIG = "examples/configs/07_nd_parallel.yaml"
+DESCRIPTION = "Chapter 07: N-D parallel (tp x pp x cp x dp, ep, ZeRO)"
 
 
 class NDTrainer(Trainer):
@@ -62,9 +70,9 @@ def limits(cfg, world_size: int) -> None:
 
 
 def main() -> int:
-    cfg = load_config("examples/configs/07_nd_parallel.yaml",
-                      "Chapter 07: N-D parallel (tp x pp x cp x dp, ep, ZeRO)", limits,
-                      resume_files=True)
+    if "--dry-run" in sys.argv:  # one rank of any world, fake collectives, meta tensors
+        return dry_run_main(sys.argv[1:], CONFIG, DESCRIPTION)
+    cfg = load_config(CONFIG, DESCRIPTION, limits, resume_files=True)
     env = init_distributed(cfg.training.timeout_seconds)
     p = cfg.parallel
     pgm = init_pg_manager_from_config(p, cfg.training.timeout_seconds)

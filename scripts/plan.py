@@ -33,6 +33,7 @@ from scaletorch.plan.model import PRESETS, ModelSpec, from_config, from_params, 
 from scaletorch.plan.report import evaluate, format_breakdown  # noqa: E402
 from scaletorch.plan.search import NOT_SEARCHED, search, with_split  # noqa: E402
 from scaletorch.trainer.config import Config, parse_args  # noqa: E402
+from scaletorch.trainer.dry_run import dry_run_text  # noqa: E402
 from scripts.plan_measure import checker, measure_rank, run_config  # noqa: E402, F401
 
 
@@ -107,6 +108,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         "--measure", action="store_true",
         help="also run the layout here (CPU, gloo, --gpus ranks, --steps steps) "
         "and print each rank's measurement beside the prediction")
+    parser.add_argument(
+        "--dry-run", nargs="?", const="heaviest", metavar="STAGES",
+        help="also run the layout's real code as one rank of the world, here on the CPU (fake "
+        "collectives, meta tensors; fp32, eager attention) and print it beside the plan; "
+        "STAGES: heaviest (default), all, or pipeline ranks such as 0,15")
     argv = list(sys.argv[1:] if argv is None else argv)
     config = argv.pop(0) if argv and not argv[0].startswith("-") else None  # a run's YAML
     args, rest = parser.parse_known_args(argv)
@@ -150,8 +156,13 @@ def main(argv: Optional[List[str]] = None) -> int:
                 print(file=sys.stderr)  # end the progress line
             print(summary(host))
             return 0
-        precision = args.precision or ("bf16-fp32-grads" if production else "fp32")
-        flash = (args.attention or ("flash" if production else "eager")) == "flash"
+        dry = args.dry_run is not None  # the trainer's fp32 and eager attention
+        precision = args.precision or ("bf16-fp32-grads" if production and not dry else "fp32")
+        flash = (args.attention or ("flash" if production and not dry else "eager")) == "flash"
+        if dry and (precision != "fp32" or flash or args.framework not in (None, "scaletorch")
+                    or args.search):
+            raise ValueError("--dry-run runs this repository's trainer on one layout: fp32, "
+                             "eager attention, no --search, --framework scaletorch")
         cluster = load_cluster(args.cluster)
         check = checker(cfg)
         if args.search:
@@ -201,6 +212,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(json.dumps({"layouts": [result]}, indent=1) if args.json else format_breakdown(result))
     if args.measure:
         print(measured_report(cfg, gpus, model, layout))
+    if dry:
+        try:
+            print(dry_run_text(run_config(cfg, model, layout), gpus, args.dry_run))
+        except ValueError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
     return 0
 
 

@@ -4,7 +4,6 @@ rank's measurements of training it (``measure_rank``: ledger bytes and calls, me
 activations, step times).
 """
 
-import copy
 import os
 import sys
 from typing import Dict, Optional
@@ -14,39 +13,14 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from scaletorch.dist import destroy_pg_manager, get_ledger, init_pg_manager  # noqa: E402
-from scaletorch.models import build_model  # noqa: E402
-from scaletorch.parallel.activation_checkpointing import (  # noqa: E402
-    apply_activation_checkpointing, saved_activation_bytes)
+from scaletorch.parallel.activation_checkpointing import saved_activation_bytes  # noqa: E402
 from scaletorch.parallel.memory_report import measure_memory  # noqa: E402
-from scaletorch.parallel.mixed_precision import precision_hooks  # noqa: E402
-from scaletorch.parallel.parallelize import parallelize  # noqa: E402
-from scaletorch.parallel.tied_embeddings import TiedEmbeddings  # noqa: E402
 from scaletorch.parallel.validation import validate_layout  # noqa: E402
 from scaletorch.plan.layout import PlanLayout  # noqa: E402
 from scaletorch.plan.model import ModelSpec  # noqa: E402
-from scaletorch.trainer import Trainer  # noqa: E402
 from scaletorch.trainer.config import Config  # noqa: E402
+from scaletorch.trainer.dry_run import build_run, run_config  # noqa: E402, F401
 from scaletorch.trainer.plan_line import plan_report  # noqa: E402
-
-
-def run_config(base: Config, model: ModelSpec, layout: PlanLayout) -> Config:
-    """``base`` with ``model``'s shapes and ``layout``'s sizes: what the trainer would check."""
-    cfg = copy.deepcopy(base)
-    m, p, d = cfg.model, cfg.parallel, cfg.data
-    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
-                 "num_attention_heads", "num_key_value_heads", "tie_word_embeddings", "num_experts",
-                 "moe_top_k", "moe_layer_freq", "moe_intermediate_size"):
-        setattr(m, name, getattr(model, name))
-    m.max_seq_len = max(m.max_seq_len, layout.seq_len)
-    p.tensor_model_parallel_size, p.pipeline_model_parallel_size = layout.tp, layout.pp
-    p.context_parallel_size, p.expert_model_parallel_size = layout.cp, layout.ep
-    p.data_parallel_size, p.zero_stage = layout.dp, layout.zero_stage
-    p.virtual_pipeline_stages, p.schedule = layout.virtual_stages, layout.schedule
-    p.sequence_parallel, p.layer_split = layout.sequence_parallel, layout.layer_split
-    p.activation_checkpointing = layout.activation_checkpointing
-    d.seq_len, d.num_micro_batches = layout.seq_len, layout.num_micro_batches
-    d.global_batch_size = layout.global_batch
-    return cfg
 
 
 def checker(base: Config):
@@ -74,10 +48,7 @@ def measure_rank(rank: int, world: int, configs: Dict[str, Config]) -> Dict[str,
         p = cfg.parallel
         pgm = init_pg_manager(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                               p.context_parallel_size, p.expert_model_parallel_size)
-        model = build_model(cfg.model, seed=cfg.training.model_seed)
-        par = parallelize(model, cfg, pgm, torch.device("cpu"), precision_hooks(cfg, "cpu"),
-                          tied=TiedEmbeddings(), recompute=apply_activation_checkpointing)
-        trainer = Trainer.from_parallelized(cfg, par, pgm, verbose=False)
+        par, trainer = build_run(cfg, pgm, torch.device("cpu"))
         ledger.clear()
         result = trainer.train()
         wire: Dict[tuple, float] = {}

@@ -8,7 +8,7 @@ is what lets every parallel run be compared token for token with the single-devi
                         --split_micro_batches--> m x (B/dp/m, s)
 """
 
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, Optional, Protocol, Tuple
 
 import numpy as np
 import torch
@@ -18,6 +18,14 @@ from scaletorch.data.datasets import Dataset
 # inputs, targets, position_ids (None without context parallel)
 ShardedBatch = Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]
 SequenceShard = Callable[[torch.Tensor, torch.Tensor], ShardedBatch]
+
+
+class BatchSource(Protocol):
+    """Where the Trainer reads each step's global batch: a ``GlobalBatchLoader``, or a dry
+    run's batches of shapes only (scaletorch/trainer/dry_run.py)."""
+
+    def get_batch(self, step: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        ...
 
 
 class GlobalBatchLoader:

@@ -122,7 +122,11 @@ class MoE(nn.Module):
         weights, chosen = probs.topk(k, dim=-1)  # (T, k) each
 
         # Load-balancing loss on the statistics of every token of the (global) batch.
-        counts = torch.bincount(chosen.flatten(), minlength=num_experts)  # (E,) this rank
+        # (E,) this rank; a scatter-add, not bincount: the same integers, and it runs on the
+        # meta device too (a dry run, scaletorch/trainer/dry_run.py), where bincount does not
+        flat = chosen.flatten()
+        counts = torch.zeros(num_experts, dtype=torch.int64,
+                             device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
         stats = torch.cat([counts.float(), probs.new_tensor([num_tokens])])
         stats = self.global_stats_fn(stats)  # (E + 1,): summed over ranks with other tokens
         self.tokens_per_expert = stats[:num_experts].detach()

@@ -17,7 +17,7 @@ Two modes (``parallel.activation_checkpointing``; true/false in older configs ar
 """
 
 import weakref
-from typing import Any, Callable, Dict, List, Tuple, Union, cast
+from typing import Any, Callable, Dict, List, Set, Tuple, Union, cast
 
 import torch
 from torch import nn
@@ -27,6 +27,7 @@ from scaletorch.config import recompute_mode
 from scaletorch.dist import get_ledger
 from scaletorch.models import Llama
 from scaletorch.models.llama import Attention
+from scaletorch.parallel.memory_report import storage_key
 
 
 class _Checkpointed:
@@ -82,13 +83,25 @@ class _Saved:
         self.tensor = tensor.detach()
 
 
+def weight_storages(model: nn.Module) -> Set[int]:
+    """``storage_key`` of every weight: the parameters, and the plain tensors that ZeRO-3 puts
+    in their place (views of its gathered units, flat_unit.py). Autograd saves them as a
+    matmul's input, but they are model states, not activations."""
+    keys = {storage_key(p) for p in model.parameters()}
+    for module in model.modules():
+        keys.update(
+            storage_key(v) for v in vars(module).values()
+            if torch.is_tensor(v) and v.requires_grad and not isinstance(v, nn.Parameter))
+    return keys
+
+
 def saved_activation_bytes(model: nn.Module, fn: Callable[[], Any]) -> Tuple[int, Any]:
     """The most bytes of tensors autograd kept for backward at one time while ``fn()`` ran
     (distinct storages, parameters excluded), and fn's result: what activation checkpointing
     saves. For a forward alone that is everything it saved; for a whole step (forward and
     backward of several micro-batches, or a pipeline schedule) the peak, since backward frees
     what it used."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    params = weight_storages(model)
     live: Dict[int, List[int]] = {}  # storage address -> [bytes, saved tensors using it]
     current, peak = 0, 0
 
@@ -101,7 +114,7 @@ def saved_activation_bytes(model: nn.Module, fn: Callable[[], Any]) -> Tuple[int
     def pack(t: torch.Tensor) -> Any:
         nonlocal current, peak
         storage = t.untyped_storage()
-        ptr = storage.data_ptr()
+        ptr = storage_key(t)  # a fake tensor's data pointer is 0: the storage object's address
         if ptr in params:
             return t
         entry = live.setdefault(ptr, [storage.nbytes(), 0])

@@ -85,6 +85,11 @@ class AllToAllDispatcher:
         self.sent: Optional[torch.Tensor] = None
         self.received: Optional[torch.Tensor] = None
         self.row_elements = self.element_size = 0
+        # (send, recv, routed rows) -> the count tables on the host: the layer's one wait for
+        # the device (a dry run, with no values, splits the rows as a balanced router would:
+        # scaletorch/trainer/dry_run.py)
+        self.host_tables: Callable[[torch.Tensor, torch.Tensor, int], List[List[List[int]]]] = \
+            lambda send, recv, rows: torch.stack((send, recv)).tolist()
 
     def __call__(self, experts: Experts, routed: torch.Tensor,
                  counts: torch.Tensor) -> torch.Tensor:
@@ -96,14 +101,14 @@ class AllToAllDispatcher:
         send_counts = counts.view(world, local)  # [j, l]: my tokens for expert l of rank j
         recv_counts = torch.empty_like(send_counts)  # [i, l]: rank i's tokens for my expert l
         comm.all_to_all_single(recv_counts, send_counts, group=self.group, name="ep")
-        # the layer's one wait for the device: both tables to the host at once (the splits and
-        # the experts' counts are their sums)
-        send_table, recv_table = torch.stack((send_counts, recv_counts)).tolist()
+        # both tables to the host at once (the splits and the experts' counts are their sums)
+        send_table, recv_table = self.host_tables(send_counts, recv_counts, routed.size(0))
         send_splits = [sum(row) for row in send_table]
         recv_splits = [sum(row) for row in recv_table]
         dtype = self.compute_dtype
-        if dtype is not None and torch.is_autocast_enabled(routed.device.type) \
-                and routed.element_size() > dtype.itemsize:
+        # the width first: fp32 asks no autocast state (a dry run's meta device has none)
+        if dtype is not None and routed.element_size() > dtype.itemsize \
+                and torch.is_autocast_enabled(routed.device.type):
             routed = routed.to(dtype)  # the same numbers the matmul would cast, fewer bytes
         received = all_to_all(routed, recv_splits, send_splits, self.group, "ep")  # (M, h)
 

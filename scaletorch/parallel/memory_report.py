@@ -19,30 +19,49 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
-def measure_memory(model: nn.Module, optimizer: torch.optim.Optimizer) -> Dict[str, int]:
-    """Bytes this rank holds now for parameters, gradients and optimizer state.
+def storage_key(tensor: torch.Tensor) -> int:
+    """One number per storage, shared by its views: the storage object's address, not its
+    data's (a fake tensor's storage has none: every data pointer is 0 in a dry run)."""
+    return _local(tensor).untyped_storage()._cdata
+
+
+def memory_by_dtype(model: nn.Module,
+                    optimizer: torch.optim.Optimizer) -> Dict[str, Dict[torch.dtype, int]]:
+    """Bytes this rank holds now, by kind (params, grads, optimizer, buffers) and dtype.
 
     Counts each storage once, whole (so padding and the full buffer behind a shard view are
     included); DTensors (FSDP2) count their local shard; scalar state (Adam's step) is left out.
+    Buffers (RoPE's tables, say) whose storage a parameter shares count with the parameters.
     """
+    seen: Dict[int, str] = {}
+    out: Dict[str, Dict[torch.dtype, int]] = {}
 
-    def total(tensors: Iterable[torch.Tensor]) -> int:
-        seen: Dict[int, int] = {}
+    def add(kind: str, tensors: Iterable[torch.Tensor]) -> None:
+        mine = out.setdefault(kind, {})
         for t in tensors:
+            key = storage_key(t)
+            if key in seen:
+                continue
+            seen[key] = kind
             storage = _local(t).untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes()
-        return sum(seen.values())
+            mine[t.dtype] = mine.get(t.dtype, 0) + storage.nbytes()
 
     params = list(model.parameters())
-    state = [
-        v for s in optimizer.state.values() for v in s.values()
-        if torch.is_tensor(v) and v.dim() > 0
-    ]
-    return {
-        "params": total(params),
-        "grads": total(p.grad for p in params if p.grad is not None),
-        "optimizer": total(state),
-    }
+    add("params", params)
+    add("grads", [p.grad for p in params if p.grad is not None])
+    add("optimizer", [
+        v for s in optimizer.state.values()
+        for v in s.values() if torch.is_tensor(v) and v.dim() > 0
+    ])
+    add("buffers", model.buffers())
+    return out
+
+
+def measure_memory(model: nn.Module, optimizer: torch.optim.Optimizer) -> Dict[str, int]:
+    """Bytes this rank holds now for parameters, gradients and optimizer state (all dtypes;
+    ``memory_by_dtype`` says how they count)."""
+    held = memory_by_dtype(model, optimizer)
+    return {k: sum(held[k].values()) for k in ("params", "grads", "optimizer")}
 
 
 KINDS = ("params", "grads", "optimizer", "peak_gathered")

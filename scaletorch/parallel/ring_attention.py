@@ -184,7 +184,8 @@ class _RingAttention(torch.autograd.Function):
         scale = 1.0 / math.sqrt(q.size(-1))
         dtype = q.dtype  # the compute dtype (bf16 under autocast): what crosses the ring
         up = _upcast(impl)  # math: blocks in fp32; kernels: in the compute dtype
-        with torch.autocast(q.device.type, enabled=False):  # merges in fp32
+        # merges in fp32 (a dry run's meta tensors have no autocast of their own: the CPU's)
+        with torch.autocast("cpu" if q.is_meta else q.device.type, enabled=False):
             qs = up(q).chunk(2, dim=2)
             merged: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # query chunk: (out, lse)
             # [core: ring-step]
@@ -223,7 +224,7 @@ class _RingAttention(torch.autograd.Function):
             ctx.counts[kind] += n
         block_bwd = _math_backward if ctx.impl == "math" else partial(kernels.backward, ctx.impl)
         dtype, up = q.dtype, _upcast(ctx.impl)  # dK/dV cross the ring in dtype; sums: fp32
-        with torch.autocast(q.device.type, enabled=False):
+        with torch.autocast("cpu" if q.is_meta else q.device.type, enabled=False):
             qs, outs, lses = up(q).chunk(2, 2), up(out).chunk(2, 2), lse.chunk(2, 2)
             douts = up(dout).chunk(2, 2)
             dq = torch.zeros_like(q, dtype=torch.float32)

@@ -35,8 +35,9 @@ def _mark_sharded(param: nn.Parameter, dim: int) -> nn.Parameter:
 def _to_compute(x: torch.Tensor, compute_dtype: Optional[torch.dtype]) -> torch.Tensor:
     """``x`` in ``compute_dtype`` under autocast when it is wider: the same numbers the matmul
     would cast, in fewer bytes; the cast's backward sends the gradient in that dtype too."""
-    if compute_dtype is None or not torch.is_autocast_enabled(x.device.type) \
-            or x.element_size() <= compute_dtype.itemsize:
+    # the width first: fp32 asks no autocast state (a dry run's meta device has none)
+    if compute_dtype is None or x.element_size() <= compute_dtype.itemsize \
+            or not torch.is_autocast_enabled(x.device.type):
         return x
     return x.to(compute_dtype)
 

@@ -133,10 +133,10 @@ def state_bytes(model: ModelSpec, layout: PlanLayout, pp_rank: int = 0) -> Dict[
 
     ZeRO shards each dense unit over dp x cp, padded to a multiple of it; expert units over the
     expert-data-parallel ranks (dp x cp / ep). Stage 3 also holds gathered units in flight
-    (``buffers``: the unit computing and the one prefetched, at most two of the largest)."""
+    (``buffers``: the unit computing and the next, prefetched: the largest such pair)."""
     p, g, o = PRECISION_BYTES[layout.precision]
     z, out = layout.zero_stage, {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
-    largest = 0
+    gathered: Dict[int, List[int]] = {}  # chunk -> its units' full (padded) sizes, in order
     for unit in rank_units(model, layout, pp_rank):
         for numel, n in ((unit.dense, layout.dp_cp), (unit.expert, layout.dp_cp // layout.ep)):
             if numel == 0:
@@ -146,8 +146,13 @@ def state_bytes(model: ModelSpec, layout: PlanLayout, pp_rank: int = 0) -> Dict[
             out["params"] += p * (shard if z == 3 else full)
             out["grads"] += g * (shard if z >= 2 else full)
             out["optimizer"] += o * (shard if z >= 1 else full)
-            largest = max(largest, full)
-    out["buffers"] = 2 * p * largest if z == 3 else 0
+        dense = _padded(unit.dense, layout.dp_cp) if unit.dense else 0
+        expert = _padded(unit.expert, layout.dp_cp // layout.ep) if unit.expert else 0
+        gathered.setdefault(unit.chunk, []).append(dense + expert)
+    # stage 3: a chunk's unit computing and the next one, prefetched (zero.py), at most
+    out["buffers"] = p * max(
+        max([a + b for a, b in zip(units, units[1:])] + units)
+        for units in gathered.values()) if z == 3 else 0
     if layout.framework == "torchtitan" and z == 3:
         out["buffers"] = _titan_gathered(model, layout, pp_rank)
     return out

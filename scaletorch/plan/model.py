@@ -151,16 +151,28 @@ def _gpt(name: str, layers: int, hidden: int, heads: int) -> ModelSpec:
                      intermediate_size=4 * hidden, kind="gpt", name=name)
 
 
-# Llama 3 (public configs: vocabulary 128256, 8 key-value heads); GPT: Korthikanti et al. 2022,
-# Table 3 (vocabulary 51200).
+# Llama 3 (public configs: vocabulary 128256, 8 key-value heads); Mixtral; GPT: Korthikanti et
+# al. 2022, Table 3 (vocabulary 51200).
 PRESETS: Dict[str, ModelSpec] = {
-    "llama3-8b": _llama3("llama3-8b", 32, 4096, 32, 14336),
-    "llama3-70b": _llama3("llama3-70b", 80, 8192, 64, 28672),
-    "llama3-405b": _llama3("llama3-405b", 126, 16384, 128, 53248),
-    "gpt-22b": _gpt("gpt-22b", 48, 6144, 64),
-    "gpt-175b": _gpt("gpt-175b", 96, 12288, 96),
-    "gpt-530b": _gpt("gpt-530b", 105, 20480, 128),
-    "gpt-1t": _gpt("gpt-1t", 128, 25600, 160),
+    "llama3-8b":
+    _llama3("llama3-8b", 32, 4096, 32, 14336),
+    "llama3-70b":
+    _llama3("llama3-70b", 80, 8192, 64, 28672),
+    "llama3-405b":
+    _llama3("llama3-405b", 126, 16384, 128, 53248),
+    # Mixtral 8x7B's public config: 8 SwiGLU experts of width 14336 in every block, top 2
+    "mixtral-8x7b":
+    ModelSpec(vocab_size=32000, hidden_size=4096, num_layers=32, num_attention_heads=32,
+              num_key_value_heads=8, intermediate_size=14336, name="mixtral-8x7b", num_experts=8,
+              moe_top_k=2),
+    "gpt-22b":
+    _gpt("gpt-22b", 48, 6144, 64),
+    "gpt-175b":
+    _gpt("gpt-175b", 96, 12288, 96),
+    "gpt-530b":
+    _gpt("gpt-530b", 105, 20480, 128),
+    "gpt-1t":
+    _gpt("gpt-1t", 128, 25600, 160),
 }
 
 

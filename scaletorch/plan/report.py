@@ -16,10 +16,9 @@ KINDS = ("params", "grads", "optimizer", "buffers", "activations", "total")
 def evaluate(model: ModelSpec, layout: PlanLayout,
              cluster: Optional[Cluster] = None) -> Dict[str, Any]:
     """The layout's fields; ``memory_bytes`` and ``wire_bytes_per_step`` of the most-loaded
-    pipeline rank (the first or the last stage); the time figures if a cluster is given."""
-    ranks = sorted({0, layout.pp - 1})
-    memory = {r: rank_memory(model, layout, r) for r in ranks}
-    worst = max(ranks, key=lambda r: memory[r]["total"])
+    pipeline rank (``most_loaded``); the time figures if a cluster is given."""
+    worst = most_loaded(model, layout)
+    memory = {worst: rank_memory(model, layout, worst)}
     out: Dict[str, Any] = dict(layout.as_dict())
     out.update({
         "model": model.name,
@@ -42,6 +41,13 @@ def evaluate(model: ModelSpec, layout: PlanLayout,
         out["compute_s"] = t["compute_s"]
         out["fits"] = memory[worst]["total"] <= cluster.hbm_bytes
     return out
+
+
+def most_loaded(model: ModelSpec, layout: PlanLayout) -> int:
+    """The pipeline rank that holds the most bytes. Every stage is compared, not the ends
+    alone: an uneven ``layer_split`` can load a middle stage most (and an average of the
+    stages hides it)."""
+    return max(range(layout.pp), key=lambda r: rank_memory(model, layout, r)["total"])
 
 
 def human(x: float) -> str:

@@ -30,6 +30,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from scaletorch.data import GlobalBatchLoader, build_dataset
+from scaletorch.data.loader import BatchSource
 from scaletorch.dist import ProcessGroupManager, comm, get_ledger, restart_count
 from scaletorch.dist.straggler import straggler_report
 from scaletorch.models import loss_fn
@@ -93,7 +94,8 @@ class Trainer:
                  optimizer: Optional[torch.optim.Optimizer] = None,
                  forward_backward: Optional[ForwardBackward] = None, loss_fn: LossFn = loss_fn,
                  clip_grad_norm: Optional[Callable[[float], torch.Tensor]] = None,
-                 scaler: Optional[DynamicLossScaler] = None, verbose: bool = True) -> None:
+                 scaler: Optional[DynamicLossScaler] = None, verbose: bool = True,
+                 loader: Optional[BatchSource] = None) -> None:
         self.cfg = cfg
         self.model = model
         self.pgm = pgm
@@ -101,7 +103,7 @@ class Trainer:
         self.rank = comm.group_rank() if pgm is not None else 0
         self.world_size = comm.group_size() if pgm is not None else 1
         self.verbose = verbose and self.rank == 0
-        self.loader = build_loader(cfg)
+        self.loader: BatchSource = loader or build_loader(cfg)  # a dry run's: shapes only
         self.optimizer = optimizer or build_optimizer(cfg, model.parameters())
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: lr_at(cfg, step) / cfg.training.lr
@@ -130,12 +132,14 @@ class Trainer:
 
     @classmethod
     def from_parallelized(cls, cfg: Config, par: "Parallelized", pgm: ProcessGroupManager, *,
-                          device: Optional[torch.device] = None, verbose: bool = True) -> "Trainer":
+                          device: Optional[torch.device] = None, verbose: bool = True,
+                          loader: Optional[BatchSource] = None) -> "Trainer":
         """The Trainer of what ``scaletorch.parallel.parallelize`` returned: its model, its
         step (data parallel or pipeline), its global-norm clipping and (ZeRO) optimizer."""
         return cls(cfg, par.model, pgm, device=device, optimizer=par.optimizer,
                    forward_backward=par.forward_backward, clip_grad_norm=par.clip_grad_norm,
-                   scaler=cast(Optional[DynamicLossScaler], par.scaler), verbose=verbose)
+                   scaler=cast(Optional[DynamicLossScaler],
+                               par.scaler), verbose=verbose, loader=loader)
 
     def _clip_replicated(self, max_norm: float) -> torch.Tensor:
         """Global norm when every rank holds whole, already-synchronized gradients.
@@ -226,7 +230,27 @@ class Trainer:
             print(message, flush=True)
 
     def train_step(self) -> tuple[float, float]:
-        """One optimizer step on global batch ``self.step``; returns (loss, grad norm)."""
+        """One optimizer step on global batch ``self.step``; returns (loss, grad norm).
+
+        Its two host syncs read them before the optimizer can take a bad step (the log needs
+        the numbers too): a non-finite value stops the run there, fp16's own skip aside."""
+        values: List[float] = []
+
+        def read_and_check(loss: Any, grad_norm: torch.Tensor, overflow: bool) -> None:
+            values.extend((float(loss), float(grad_norm)))
+            if not overflow:
+                check_finite(self.cfg, self.step + 1, self.rank, values[0], values[1])
+
+        self.step_tensors(before_update=read_and_check)
+        return values[0], values[1]
+
+    def step_tensors(
+            self,
+            before_update: Optional[Callable[[Any, torch.Tensor, bool], None]] = None
+    ) -> tuple[Any, torch.Tensor]:
+        """The step with no host sync of its own: (loss, grad norm) as the step left them (a
+        dry run's fake tensors have no values to read, scaletorch/trainer/dry_run.py).
+        ``before_update(loss, grad norm, overflow)`` runs after clipping, before the update."""
         get_ledger().set_step(self.step)
         inputs, targets = self.loader.get_batch(self.step)
         inputs, targets = inputs.to(self.device), targets.to(self.device)
@@ -238,16 +262,15 @@ class Trainer:
             self.model.parameters())
         max_norm = self.cfg.training.grad_clip or math.inf  # 0 disables clipping
         grad_norm = self.clip_grad_norm(max_norm)
-        # the step's two host syncs (for the log too), before the optimizer can take a bad step
-        loss_value, norm = float(loss), float(grad_norm)
-        if not overflow:  # fp16's own skip aside, a non-finite value stops the run here
-            check_finite(self.cfg, self.step + 1, self.rank, loss_value, norm)
+        if before_update is not None:
+            before_update(loss, grad_norm, overflow)
+        if not overflow:
             self.optimizer.step()
         if self.scaler is not None:
             self.scaler.update(overflow)
         self.scheduler.step()
         self.step += 1
-        return loss_value, norm
+        return loss, grad_norm
 
     def _wire_bytes(self, step: int) -> float:
         return get_ledger().total(step=step, field="wire_bytes") if self.pgm is not None else 0.0
