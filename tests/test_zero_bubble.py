@@ -48,13 +48,13 @@ class TestSplitBackward(unittest.TestCase):
         layer.zero_grad(set_to_none=True)
 
         meter = ActivationMeter(list(layer.parameters()), enabled=True)
-        with meter.saving((0, 0)):
+        with meter.forward((0, 0)):
             out = layer(x, cos, sin)
         saved = meter.bytes()
         dx, = torch.autograd.grad([out], [x], [dout], retain_graph=True)  # B
         self.assertTrue(all(p.grad is None for p in layer.parameters()))  # B made no dW
         torch.autograd.backward([out], [dout], inputs=list(layer.parameters()))  # W
-        meter.free((0, 0))
+        meter.release((0, 0))
         self.assertEqual(meter.bytes(), 0)
         self.assertEqual(meter.peak_bytes, saved)
         # at least the block's input and its MLP's hidden (b s i) are saved, in fp32
@@ -246,7 +246,8 @@ def bubble_run(schedule: str, v: int, steps: int) -> dict:
     cfg = pipeline_config(8, 8, 16)
     pgm, pipe, step = build_pipeline(cfg, 4, 1, schedule, v, "scaletorch", delay=(0.0, 0.0))
     # attached from outside (chapter 09's meter); its hooks hide saved tensors from outer ones
-    step.meter = ActivationMeter(list(pipe.parameters()), enabled=True)
+    meter = ActivationMeter(list(pipe.parameters()), enabled=True)
+    step.hooks.append(meter)
     inputs = torch.randint(0, cfg.model.vocab_size, (cfg.data.global_batch_size, 16))
     step(inputs, inputs)
     share = DELAY / 2  # 2 layers per stage (v = 1), or 1 per chunk of half a stage (v = 2)
@@ -259,8 +260,8 @@ def bubble_run(schedule: str, v: int, steps: int) -> dict:
         timelines.append(gather_timeline(step.timeline, pgm))
     out = {
         "timelines": timelines,
-        "peak_count": step.meter.peak_count,
-        "peak_bytes": step.meter.peak_bytes,
+        "peak_count": meter.peak_count,
+        "peak_bytes": meter.peak_bytes,
         "rank": pgm.pipeline_model_parallel_rank,
     }
     destroy_pg_manager()

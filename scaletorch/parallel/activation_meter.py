@@ -1,23 +1,23 @@
 """The activations a pipeline schedule holds, measured: bytes autograd saved per micro-batch.
 
 Chapter 09's meter (its planner predicts these bytes), attached to a pipeline schedule from
-outside: ``schedule.meter = ActivationMeter(list(pipe.parameters()), enabled=True)``; the
-schedule wraps each forward in ``meter.saving(key)`` and calls ``meter.free(key)`` at the
-micro-batch's last backward (W, or a full B).
+outside: ``schedule.hooks.append(ActivationMeter(list(pipe.parameters()), enabled=True))``.
 """
 
 from contextlib import contextmanager
-from typing import Dict, Iterator, Sequence
+from typing import Dict, Iterator, Sequence, Tuple
 
 import torch
 
+from scaletorch.parallel.pipeline_runtime import StageHooks
 
-class ActivationMeter:
+
+class ActivationMeter(StageHooks):
     """Bytes autograd saved in each (micro-batch, chunk)'s forward, alive until its last
     backward (W, or a full B) frees them: the activation memory a schedule holds, measured.
 
-    ``with meter.saving(key): out = chunk(x)`` counts every saved tensor's storage once
-    (parameters excluded: they are not activations); ``meter.free(key)`` when its graph goes.
+    ``with meter.forward(key): out = chunk(x)`` counts every saved tensor's storage once
+    (parameters excluded: they are not activations); ``meter.release(key)`` when its graph goes.
     Off unless ``enabled``: its hooks would hide the saved tensors from any outer
     ``saved_tensors_hooks`` (autograd uses the innermost pair only), e.g. the benchmark's
     ``saved_activation_bytes``, and cost a little on every step.
@@ -34,7 +34,7 @@ class ActivationMeter:
         self.peak_bytes = self.peak_count = 0
 
     @contextmanager
-    def saving(self, key: tuple) -> Iterator[None]:
+    def forward(self, key: Tuple[int, int]) -> Iterator[None]:
         if not self.enabled:
             yield
             return
@@ -51,7 +51,7 @@ class ActivationMeter:
         self.peak_count = max(self.peak_count, len(self.live))
         self.peak_bytes = max(self.peak_bytes, self.bytes())
 
-    def free(self, key: tuple) -> None:
+    def release(self, key: Tuple[int, int]) -> None:
         self.live.pop(key, None)
 
     def bytes(self) -> int:

@@ -47,8 +47,9 @@ from torch import nn
 from scaletorch.dist import ProcessGroupManager, comm, get_ledger
 from scaletorch.dist.comm import Group
 from scaletorch.dist.functional import all_reduce_sum, all_to_all, gather_along_dim
-from scaletorch.models.moe import Experts, MoE
+from scaletorch.models.moe import Experts, MoE, moe_aux_loss
 from scaletorch.parallel.grad_norm import clip_grads_, replica_count, world_grad_norm
+from scaletorch.parallel.pipeline_runtime import PipelineSchedule, StageHooks
 from scaletorch.parallel.tensor_parallel import gather_tensor_parallel_state_dict
 from scaletorch.parallel.wrapper import ModuleWrapper
 
@@ -341,3 +342,40 @@ def ep_report(model: nn.Module, pgm: ProcessGroupManager, step: int) -> str:
         f"(sent + received) summed over layers {formula:,} "
         f"({'OK' if moved == formula else 'MISMATCH'})"
     ])
+
+
+# ---- the load-balancing loss under a pipeline: carried by each chunk's output ----------------
+
+
+class _CarryLoss(torch.autograd.Function):
+    """Forward: ``out`` as it is. Backward: ``out``'s gradient, and 1 for ``loss``, so a chunk's
+    own loss backpropagates with its output on any stage (Megatron's aux-loss auto-scaler)."""
+
+    @staticmethod
+    def forward(ctx: Any, out: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        ctx.loss_shape = loss.shape
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        return grad, torch.ones(ctx.loss_shape, dtype=grad.dtype, device=grad.device)
+
+
+class MoELossInPipeline(StageHooks):
+    """Chapter 06's loss attached to a pipeline schedule (``schedule.hooks.append(...)``): each
+    chunk's MoE layers' load-balancing loss / m joins the reported loss (summed over "pp") and
+    backpropagates with the chunk's output. ``loss_of(chunk)``: a 0-dim tensor, or 0.0 for a
+    dense chunk (fp16 wraps it to scale its backward: mixed_precision.py)."""
+
+    def __init__(self, num_micro_batches: int) -> None:
+        self.m = num_micro_batches
+        self.loss_of: Callable[[nn.Module], Any] = moe_aux_loss
+
+    def output(self, schedule: PipelineSchedule, chunk: nn.Module,
+               out: torch.Tensor) -> torch.Tensor:
+        loss = self.loss_of(chunk)
+        if not torch.is_tensor(loss):  # a dense chunk's extra loss is 0.0
+            return out
+        loss = loss / self.m
+        schedule.loss += loss.detach()
+        return _CarryLoss.apply(out, loss)

@@ -50,7 +50,9 @@ from torch.nn.parallel import DistributedDataParallel
 from scaletorch.config import Config, resolve_precision
 from scaletorch.dist import ProcessGroupManager, comm
 from scaletorch.parallel.data_parallel import apply_data_parallel
+from scaletorch.parallel.expert_parallel import MoELossInPipeline
 from scaletorch.parallel.loss_scale import unscale_and_check, update_scale
+from scaletorch.parallel.pipeline_runtime import LossFn, PipelineSchedule, StageHooks
 
 # fp64 is named only to be refused (wider than the master)
 DTYPES = {
@@ -312,6 +314,14 @@ def scale_backward(loss_fn: Optional[Callable], scaler: DynamicLossScaler) -> Op
     return scaled
 
 
+class MessagesInComputeDtype(StageHooks):
+    """A pipeline schedule's messages (activations and their gradients) in the dtype autocast
+    computes in this step, when it is on: half the bytes of fp32 between stages."""
+
+    def begin_step(self, schedule: PipelineSchedule, inputs: torch.Tensor) -> None:
+        schedule.dtype = compute_dtype(inputs.device.type) or schedule.param_dtype
+
+
 @dataclass
 class PrecisionHooks:
     """Chapter 08 attached to chapter 07's ``parallelize`` from outside, as its ``precision``
@@ -323,13 +333,15 @@ class PrecisionHooks:
 
     after_zero = staticmethod(disable_autocast_cache_per_unit)  # each ZeRO wrapper, once
 
-    def attach_to_pipeline(self, schedule: Any) -> None:
+    def attach_to_pipeline(self, schedule: PipelineSchedule) -> None:
         """A pipeline schedule's messages in autocast's dtype; under fp16 its backward starts
         from scale x loss (and scale x each chunk's own loss), the losses it reports unscaled."""
-        schedule.wire_dtype = compute_dtype
+        schedule.hooks.append(MessagesInComputeDtype())
         if self.scaler is not None:
-            schedule.loss_fn = scale_backward(schedule.loss_fn, self.scaler)
-            schedule.aux_loss = scale_backward(schedule.aux_loss, self.scaler)
+            schedule.loss_fn = cast(LossFn, scale_backward(schedule.loss_fn, self.scaler))
+            for hooks in schedule.hooks:
+                if isinstance(hooks, MoELossInPipeline):
+                    hooks.loss_of = cast(Callable, scale_backward(hooks.loss_of, self.scaler))
 
     def data_parallel(self, model: nn.Module, pgm: ProcessGroupManager, impl: str,
                       bucket_size_mb: float) -> nn.Module:

@@ -53,10 +53,10 @@ from torch import nn
 
 from scaletorch.config import autocast_dtype, recompute_mode
 from scaletorch.dist import ProcessGroupManager, comm, get_ledger
-from scaletorch.models import Llama, loss_fn, moe_aux_loss
+from scaletorch.models import Llama, loss_fn
 from scaletorch.parallel.context_parallel import apply_context_parallel, make_sequence_sharder
 from scaletorch.parallel.data_parallel import apply_data_parallel
-from scaletorch.parallel.expert_parallel import ExpertParallel, shard_experts
+from scaletorch.parallel.expert_parallel import ExpertParallel, MoELossInPipeline, shard_experts
 from scaletorch.parallel.grad_norm import clip_grads_, world_grad_norm
 from scaletorch.parallel.native import parallelize_native
 from scaletorch.parallel.pipeline_parallel import apply_pipeline_parallel
@@ -231,7 +231,7 @@ def parallelize(model: Llama, cfg: "Config", pgm: ProcessGroupManager, device: t
         trainer_model: nn.Module = pipe
         schedule = runtime_class(p.schedule)(pipe, pgm, p.schedule, cfg.data.num_micro_batches,
                                              loss, shard_sequence)
-        schedule.aux_loss = moe_aux_loss  # a MoE chunk's load-balancing loss (chapter 06)
+        schedule.hooks.append(MoELossInPipeline(cfg.data.num_micro_batches))  # MoE's loss (06)
         if precision is not None:  # chapter 08: messages in autocast's dtype, fp16's scaling
             precision.attach_to_pipeline(schedule)
         if tied is not None and cfg.model.tie_word_embeddings:  # sum the two copies' grads

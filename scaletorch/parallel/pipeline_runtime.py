@@ -1,7 +1,7 @@
 """Chapter 04b's pipeline runtime: any schedule given as data, the generalisation of 04's loops.
 
-Chapter 04 writes AFAB and 1F1B as loops that call named sends and receives
-(pipeline_schedules.py). Here a schedule is data instead: each rank's plan is a list of steps,
+Chapter 04 writes AFAB and 1F1B as loops of named sends and receives (pipeline_schedules.py).
+Here a schedule is data instead: each rank's plan is a list of steps,
 each a batch of point-to-point messages (``schedule/orders.py``'s ``comm_plan``) and one action.
 The same executor then runs afab, 1f1b, interleaved (v chunks per rank) and, in a subclass,
 the zero-bubble schedules (split_backward.py). On the same layout it gives 04's loops'
@@ -9,12 +9,12 @@ losses, gradients and weights bit for bit (tests/test_pipeline_parallel.py).
 """
 
 import time
-from contextlib import nullcontext
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from contextlib import ExitStack, nullcontext
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 
 from scaletorch.data import local_batch, split_micro_batches
 from scaletorch.dist import ProcessGroupManager, comm
@@ -27,40 +27,51 @@ from scaletorch.schedule.plans import P2P, Step, classic_units, comm_plan
 from scaletorch.schedule.timeline import Timeline
 
 
+class StageHooks:
+    """A later chapter's additions to each step, from its own module: ``schedule.hooks.append``.
+    Here each does nothing. ``key``: (micro-batch, chunk)."""
+
+    def begin_step(self, schedule: "PipelineSchedule", inputs: Tensor) -> None:
+        """Before the step's first message (e.g. set ``schedule.dtype``, the messages')."""
+
+    def forward(self, key: Tuple[int, int]) -> ContextManager[Any]:
+        return nullcontext()  # around a chunk's forward of one micro-batch
+
+    def output(self, schedule: "PipelineSchedule", chunk: nn.Module, out: Tensor) -> Tensor:
+        return out  # a chunk's output (logits on the last stage), before it is sent or scored
+
+    def release(self, key: Tuple[int, int]) -> None:
+        """After a micro-batch's last backward through a chunk: its graph is gone."""
+
+    def end_step(self, schedule: "PipelineSchedule") -> None:
+        """After the chunks' data-parallel syncs, before the loss is reported."""
+
+
 class PipelineSchedule:
     """The Trainer's ``forward_backward(inputs, targets) -> loss`` for a pipeline model.
 
     inputs, targets: the global batch (B, s); this rank takes its data-parallel slice (and with
     ``shard_sequence``, context parallel, its tokens) in m micro-batches. Returns the global
     mean loss on every rank (all-reduce over "pp", mean over "dp_cp"); ``timeline``: the last
-    step's events. Later chapters attach from outside: ``aux_loss(chunk)`` (a chunk's own loss,
-    MoE's: 06), ``wire_dtype(device_type)`` (the messages' dtype: 08), ``after_backward``
-    (callables: 10) and ``meter`` (``saving(key)``, ``free(key)``: 04b).
+    step's events. Later chapters attach ``StageHooks`` to ``hooks``, from their own modules.
     """
 
     def __init__(self, pipe: PipelineModel, pgm: ProcessGroupManager, schedule: str,
                  num_micro_batches: int, loss_fn: LossFn = loss_fn,
                  shard_sequence: Optional[Callable] = None) -> None:
         self.pipe, self.pgm, self.loss_fn, self.shard_sequence = pipe, pgm, loss_fn, shard_sequence
-        self.aux_loss: Optional[Callable[[nn.Module], Any]] = None
-        self.wire_dtype: Optional[Callable[[str], Optional[torch.dtype]]] = None
-        self.after_backward: List[Callable[[], None]] = []
-        self.meter: Optional[Any] = None
+        self.hooks: List[StageHooks] = []
         p, rank = pgm.pipeline_model_parallel_world_size, pgm.pipeline_model_parallel_rank
         v, self.m = len(pipe.chunks), num_micro_batches
         self.group, self.ranks = pgm.pipeline_model_parallel_group, pgm.group_ranks("pp")
         self.plan = self.make_plan(schedule, p, rank, v)
-        # a chunk's data-parallel gradients sync in its last backward only
-        self.syncs = {
-            max(i for i, (_, a) in enumerate(self.plan)
-                if a is not None and a.kind == "B" and a.chunk == c)
-            for c in range(v)
-        }
+        # a chunk's data-parallel gradients sync in its last backward only (the last B wins)
+        last_b = {a.chunk: i for i, (_, a) in enumerate(self.plan) if a and a.kind == "B"}
+        self.syncs = set(last_b.values())
         # each action's start and end; time.time: one clock for every process of a host
         self.spans = Spans(next(pipe.parameters()).device, time.time)
         self.timeline_type, self.schedule, self.p, self.rank = Timeline, schedule, p, rank
-        # the stage inputs' dtype (the parameters'); the wire's is set per step (_start)
-        self.param_dtype = self.dtype = next(pipe.parameters()).dtype
+        self.param_dtype = self.dtype = next(pipe.parameters()).dtype  # a hook may set .dtype
 
     def make_plan(self, schedule: str, p: int, rank: int, v: int) -> List[Step]:
         """This rank's steps: afab, 1f1b or interleaved (a subclass runs other orders)."""
@@ -83,22 +94,20 @@ class PipelineSchedule:
         self.micro_batches = split_micro_batches(inputs, targets, self.m)
         b, s = self.micro_batches[0][0].shape
         self.shape = (b, s // self.pipe.sequence_parallel_size, self.pipe.hidden_size)
-        self.spans.clear()  # (a meter's peaks are the same every step: no reset)
-        wire = self.wire_dtype(inputs.device.type) if self.wire_dtype else None
-        self.dtype = wire or self.param_dtype
+        self.spans.clear()
         self.held: Dict[tuple, tuple] = {}  # (mb, chunk) -> (stage input, output or loss)
         self.inbox: Dict[tuple, torch.Tensor] = {}  # (kind, mb, dst stage) -> received
         self.outbox: Dict[tuple, torch.Tensor] = {}  # (kind, mb, src stage) -> to send
         self.loss = torch.zeros((), device=inputs.device)
+        for hooks in self.hooks:
+            hooks.begin_step(self, inputs)
 
     def _finish(self) -> torch.Tensor:
         """End the chunks' data-parallel syncs; the global mean loss, the same on every rank."""
-        for chunk in self.pipe.chunks:
-            finish = getattr(chunk, "finish_grad_sync", None)
-            if finish is not None:
-                finish()
-        for hook in self.after_backward:
-            hook()
+        for chunk in self.pipe.chunks:  # a data-parallel wrapper's last reduction, if any
+            getattr(chunk, "finish_grad_sync", lambda: None)()
+        for hooks in self.hooks:
+            hooks.end_step(self)
         loss = self.loss.detach().clone()  # nonzero on the last stage only
         comm.all_reduce(loss, self.group)  # every stage gets it
         return average_over_group(loss, self.pgm.data_parallel_group_with_context)
@@ -137,43 +146,34 @@ class PipelineSchedule:
         else:  # (b, s, h), in the parameters' dtype, as the residual stream on one device
             x = self.inbox.pop(("act", mb, stage)).to(self.param_dtype).requires_grad_()
         chunk = self.pipe.chunks[action.chunk]
-        with nullcontext() if self.meter is None else self.meter.saving((mb, action.chunk)):
-            out = chunk(x) if self.position_ids is None else \
-                chunk(x, position_ids=self.position_ids)
-        aux = self.aux_loss(chunk) / self.m if self.aux_loss is not None else None
-        aux = aux if torch.is_tensor(aux) else None  # a dense chunk's extra loss is 0.0
+        kwargs = {} if self.position_ids is None else {"position_ids": self.position_ids}
+        with ExitStack() as stack:
+            for hooks in self.hooks:
+                stack.enter_context(hooks.forward((mb, action.chunk)))
+            out = chunk(x, **kwargs)
+        for hooks in self.hooks:
+            out = hooks.output(self, chunk, out)
         if stage == self.pipe.num_stages - 1:
             out = self.loss_fn(out, self.micro_batches[mb][1]) / self.m  # out: the loss
-            out = out if aux is None else out + aux
             self.loss += out.detach()
-            aux = None
         else:
             self.outbox[("act", mb, stage)] = out.detach().to(self.dtype)
-            if aux is not None:
-                self.loss += aux.detach()
-        # a middle stage backpropagates its own extra loss with its output
-        self.held[(mb, action.chunk)] = (x, out, aux)
+        self.held[(mb, action.chunk)] = (x, out)
 
     def _outputs_and_grads(self, action: Action) -> tuple:
         """(stage input, outputs, their gradients) of a micro-batch's forward through a chunk."""
         stage, mb = self.pipe.stages[action.chunk], action.micro_batch
-        x, out, aux = self.held.pop((mb, action.chunk))
-        outputs: List[torch.Tensor] = [out]
-        grads: List[Optional[torch.Tensor]] = [None]  # the last stage's out is the loss
-        if stage < self.pipe.num_stages - 1:
-            grads = [self.inbox.pop(("grad", mb, stage)).to(out.dtype)]
-            if aux is not None:  # a stage's own extra loss: d aux / d aux = 1
-                outputs, grads = [out, aux], grads + [torch.ones_like(aux)]
-        return x, outputs, grads
+        x, out = self.held.pop((mb, action.chunk))
+        last = stage == self.pipe.num_stages - 1  # then out is the loss: its gradient is None (1)
+        return x, [out], [None if last else self.inbox.pop(("grad", mb, stage)).to(out.dtype)]
 
     def _backward(self, action: Action, index: int) -> None:
         stage, mb = self.pipe.stages[action.chunk], action.micro_batch
-        chunk = self.pipe.chunks[action.chunk]
         x, outputs, grads = self._outputs_and_grads(action)
-        no_sync = getattr(chunk, "no_sync", None)
+        no_sync = getattr(self.pipe.chunks[action.chunk], "no_sync", None)
         with nullcontext() if index in self.syncs or no_sync is None else no_sync():
             torch.autograd.backward(outputs, grads)
-        if self.meter is not None:
-            self.meter.free((mb, action.chunk))
+        for hooks in self.hooks:
+            hooks.release((mb, action.chunk))
         if stage > 0:
             self.outbox[("grad", mb, stage)] = x.grad.to(self.dtype)

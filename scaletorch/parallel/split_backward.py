@@ -53,8 +53,8 @@ def weight_leaves(chunk: nn.Module) -> List[torch.Tensor]:
 class ZeroBubbleSchedule(PipelineSchedule):
     """``PipelineSchedule``'s contract for zb-h1, zbv and dualpipev: F, B (input gradient
     only, when a W of the same micro-batch and chunk follows; else the full backward) and W.
-    A micro-batch's activations (``meter``) are freed at its W. The classic schedules run too
-    (through the same asynchronous runtime)."""
+    A micro-batch's activations are freed at its W (``StageHooks.release``). The classic
+    schedules run too (through the same asynchronous runtime)."""
 
     def __init__(self, pipe: PipelineModel, pgm: ProcessGroupManager, schedule: str,
                  num_micro_batches: int, *args: Any, **kwargs: Any) -> None:
@@ -141,8 +141,8 @@ class ZeroBubbleSchedule(PipelineSchedule):
     def _forward(self, action: Action) -> None:
         super()._forward(action)
         if self.pipe.stages[action.chunk] == 0:  # B's input: the embedding's output
-            x, out, aux = self.held[(action.micro_batch, action.chunk)]
-            self.held[(action.micro_batch, action.chunk)] = (self.embedded, out, aux)
+            x, out = self.held[(action.micro_batch, action.chunk)]
+            self.held[(action.micro_batch, action.chunk)] = (self.embedded, out)
 
     def _backward_input(self, action: Action) -> None:
         """B: the gradient of the chunk's input, sent at once; the graph stays for W."""
@@ -161,8 +161,8 @@ class ZeroBubbleSchedule(PipelineSchedule):
         no_sync = getattr(chunk, "no_sync", None)
         with nullcontext() if index in self.syncs or no_sync is None else no_sync():
             torch.autograd.backward(outputs, grads, inputs=self.params[action.chunk])
-        if self.meter is not None:
-            self.meter.free(key)
+        for hooks in self.hooks:
+            hooks.release(key)
 
 
 def runtime_class(schedule: str) -> Type[PipelineSchedule]:

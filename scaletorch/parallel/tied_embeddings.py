@@ -18,7 +18,7 @@ from torch import nn
 from scaletorch.dist import ProcessGroupManager, comm
 from scaletorch.dist.comm import Group
 from scaletorch.models import Llama
-from scaletorch.parallel.pipeline_runtime import PipelineModel, PipelineSchedule
+from scaletorch.parallel.pipeline_runtime import PipelineModel, PipelineSchedule, StageHooks
 from scaletorch.parallel.zero import ShardedDataParallel
 from scaletorch.parallel.zero_tied import TiedShardedDataParallel, zero_units
 
@@ -55,10 +55,19 @@ def sync_tied_embedding_grads(params: Sequence[torch.Tensor], pgm: ProcessGroupM
         comm.all_reduce(param.grad, pgm.embedding_group, name="embd")
 
 
-def attach_tied_embedding_sync(schedule: PipelineSchedule, pgm: ProcessGroupManager) -> None:
+class TiedEmbeddingSync(StageHooks):
     """After each step's backward (and data-parallel syncs), sum this rank's copies' gradients."""
-    params = tied_embedding_params(schedule.pipe)
-    schedule.after_backward.append(lambda: sync_tied_embedding_grads(params, pgm))
+
+    def __init__(self, params: Sequence[torch.Tensor], pgm: ProcessGroupManager) -> None:
+        self.params, self.pgm = params, pgm
+
+    def end_step(self, schedule: PipelineSchedule) -> None:
+        sync_tied_embedding_grads(self.params, self.pgm)
+
+
+def attach_tied_embedding_sync(schedule: PipelineSchedule, pgm: ProcessGroupManager) -> None:
+    """Register ``TiedEmbeddingSync`` on ``schedule`` for this rank's copies."""
+    schedule.hooks.append(TiedEmbeddingSync(tied_embedding_params(schedule.pipe), pgm))
 
 
 def check_v_shape_wrappers(pipe: PipelineModel, pgm: ProcessGroupManager) -> None:

@@ -1,0 +1,76 @@
+"""A core module names no later chapter's concern: later chapters attach from outside.
+
+Each core module of chapters 01-05 lists the names it must not contain as identifiers (a
+variable, attribute, argument, function or class name: comments and strings are not read).
+A name matches whole words of an identifier: "meter" matches ``self.meter`` and
+``ActivationMeter``, not ``parameters``. The pipeline runtime learns of MoE losses, activation
+meters, message dtypes and tied embeddings through ``StageHooks`` that those chapters register
+(expert_parallel.py, activation_meter.py, mixed_precision.py, tied_embeddings.py).
+"""
+
+import io
+import os
+import re
+import tokenize
+import unittest
+from typing import Dict, List, Tuple
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# later chapters' concerns that a pipeline module (04, 04b) must not name
+_PIPELINE = [
+    "aux_loss", "moe", "expert", "meter", "wire", "wire_dtype", "compute_dtype", "autocast",
+    "scaler", "scale_backward", "after_backward", "tied", "shared_embedding", "embedding_group",
+    "precision", "recompute", "checkpointing"
+]
+FORBIDDEN: Dict[str, List[str]] = {
+    "scaletorch/parallel/pipeline_schedules.py": _PIPELINE,
+    "scaletorch/parallel/pipeline_runtime.py": _PIPELINE,
+    "scaletorch/parallel/pipeline_parallel.py": _PIPELINE,
+}
+
+
+def words(identifier: str) -> List[str]:
+    """``identifier``'s words, lower case: snake_case and CamelCase split alike."""
+    spaced = re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", identifier)
+    return [w.lower() for w in spaced.split("_") if w]
+
+
+def contains(identifier: str, name: str) -> bool:
+    """Whether ``name``'s words occur in a row among ``identifier``'s words."""
+    have, want = words(identifier), words(name)
+    return any(have[i:i + len(want)] == want for i in range(len(have) - len(want) + 1))
+
+
+def offending(source: str, names: List[str]) -> List[Tuple[str, str, int]]:
+    """(identifier, forbidden name, line) for every identifier of ``source`` that names one."""
+    found = []
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.NAME:
+            found += [(token.string, name, token.start[0]) for name in names
+                      if contains(token.string, name)]
+    return found
+
+
+class CoreModulesNameNoLaterChapter(unittest.TestCase):
+
+    def test_the_matcher_reads_identifiers_by_whole_words_and_skips_comments_and_strings(self):
+        source = ("x = self.meter  # meter\nparameters = 'tied'\n"
+                  "class ActivationMeter: pass\ny = moe_aux_loss\n")
+        self.assertEqual(offending(source, ["meter", "tied", "aux_loss"]),
+                         [("meter", "meter", 1), ("ActivationMeter", "meter", 3),
+                          ("moe_aux_loss", "aux_loss", 4)])
+
+    def test_no_core_module_names_a_later_chapters_concern(self):
+        for path, names in FORBIDDEN.items():
+            with self.subTest(module=path):
+                with open(os.path.join(ROOT, path)) as f:
+                    found = offending(f.read(), names)
+                self.assertEqual([], [
+                    f"{path}:{line}: identifier {identifier!r} names {name!r}"
+                    for identifier, name, line in found
+                ])
+
+
+if __name__ == "__main__":
+    unittest.main()
