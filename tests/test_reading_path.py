@@ -72,7 +72,7 @@ OWNER = {module: chapter for chapter, modules in MODULES_OF.items() for module i
 # when dist/functional.py (214 lines, where f and g live) was counted in its path. 04b: the
 # general pipeline runtime (schedules as plans, interleaved, torch's pipelining) moved there
 # from chapter 04, whose schedules became plain loops (issue 41).
-OVER_BUDGET: Dict[str, int] = {"03": 886, "04b": 1080}
+OVER_BUDGET: Dict[str, int] = {"03": 874, "04b": 1080}
 
 
 def chapters() -> List[Tuple[str, str, str]]:
