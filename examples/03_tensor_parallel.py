@@ -35,7 +35,6 @@ from scaletorch.parallel.tensor_parallel_dtensor import (apply_dtensor_tensor_pa
                                                          dtensor_loss_fn, native_clip_grad_norm,
                                                          replicate_over_data_parallel)
 from scaletorch.trainer import Trainer, check_against_reference, load_config
-from scaletorch.trainer.precision import DTYPES
 
 
 def limits(cfg, world_size: int) -> None:
@@ -74,8 +73,8 @@ def main() -> int:
         tp_model = apply_dtensor_tensor_parallel(model, mesh["tp"], p.sequence_parallel)
         model = replicate_over_data_parallel(tp_model, mesh["dp"]) if dp > 1 else tp_model
         loss_fn, clip = dtensor_loss_fn, native_clip_grad_norm(list(model.parameters()), pgm)
-    else:  # the new idea: tp shards every block, the activations cross in the compute dtype
-        tp_model = apply_tensor_parallel(model, pgm, p.sequence_parallel, DTYPES[precision])
+    else:  # the new idea: tp shards every block
+        tp_model = apply_tensor_parallel(model, pgm, p.sequence_parallel)
         if dp > 1:  # chapter 01 around it
             model = apply_data_parallel(tp_model, pgm, p.impl, p.bucket_size_mb)
         loss_fn, clip = tensor_parallel_loss_fn(pgm), tensor_parallel_clip_grad_norm(tp_model, pgm)

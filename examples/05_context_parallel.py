@@ -14,7 +14,7 @@ over different tokens. With ``--tp`` chapter 03 splits the matrices first.
 
 import sys
 
-from scaletorch.config import recompute_mode, resolve_precision
+from scaletorch.config import recompute_mode
 from scaletorch.dist import (destroy_distributed, destroy_pg_manager, init_distributed,
                              init_pg_manager_from_config)
 from scaletorch.models import build_model, loss_fn
@@ -27,7 +27,6 @@ from scaletorch.parallel.tensor_parallel import (apply_tensor_parallel,
                                                  tensor_parallel_clip_grad_norm,
                                                  tensor_parallel_loss_fn)
 from scaletorch.trainer import Trainer, check_against_reference, load_config
-from scaletorch.trainer.precision import DTYPES
 
 
 def limits(cfg, world_size: int) -> None:
@@ -62,8 +61,7 @@ def main() -> int:
     model = build_model(cfg.model, seed=cfg.training.model_seed).to(env.device)
     loss, clip = loss_fn, None
     if pgm.tensor_model_parallel_world_size > 1:  # chapter 03 first: ring attention on its heads
-        compute_dtype = DTYPES[resolve_precision(cfg, env.device.type)]
-        apply_tensor_parallel(model, pgm, p.sequence_parallel, compute_dtype)
+        apply_tensor_parallel(model, pgm, p.sequence_parallel)
         loss, clip = tensor_parallel_loss_fn(pgm), tensor_parallel_clip_grad_norm(model, pgm)
     apply_context_parallel(model, pgm, p.cp_variant, impl=p.cp_attention)  # attention over the ring
     model = apply_data_parallel(model, pgm, p.impl, p.bucket_size_mb)  # over dp x cp (dp_cp)

@@ -64,7 +64,7 @@ def main() -> int:
     shard_experts(model, pgm, compute_dtype)  # the new idea: E/ep experts here, tokens go to them
     loss = loss_fn
     if pgm.tensor_model_parallel_world_size > 1:  # chapter 03: attention split, MoE whole
-        apply_tensor_parallel(model, pgm, compute_dtype=compute_dtype)
+        apply_tensor_parallel(model, pgm)
         loss = tensor_parallel_loss_fn(pgm)
     model = ExpertParallel(model, pgm)  # in place of DDP: dense over dp_cp, experts over edp
     step = make_data_parallel_step(model, cfg.data.num_micro_batches, pgm.data_parallel_rank,

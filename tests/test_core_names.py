@@ -5,7 +5,9 @@ variable, attribute, argument, function or class name: comments and strings are 
 A name matches whole words of an identifier: "meter" matches ``self.meter`` and
 ``ActivationMeter``, not ``parameters``. The pipeline runtime learns of MoE losses, activation
 meters, message dtypes and tied embeddings through ``StageHooks`` that those chapters register
-(expert_parallel.py, activation_meter.py, mixed_precision.py, tied_embeddings.py).
+(expert_parallel.py, activation_meter.py, mixed_precision.py, tied_embeddings.py). Tensor
+parallel learns of chapter 08's compute dtype the same way: mixed_precision.py swaps in
+subclasses of its norm and embedding (``tensor_parallel_wire_in_compute``).
 """
 
 import io
@@ -23,10 +25,17 @@ _PIPELINE = [
     "scaler", "scale_backward", "after_backward", "tied", "shared_embedding", "embedding_group",
     "precision", "recompute", "checkpointing"
 ]
+# chapter 08's compute dtype, which tensor parallel (03) must not name
+_COMPUTE_DTYPE = [
+    "compute_dtype", "to_compute", "autocast", "autocast_dtype", "wire_dtype", "bfloat16",
+    "float16", "mixed_precision"
+]
 FORBIDDEN: Dict[str, List[str]] = {
     "scaletorch/parallel/pipeline_schedules.py": _PIPELINE,
     "scaletorch/parallel/pipeline_runtime.py": _PIPELINE,
     "scaletorch/parallel/pipeline_parallel.py": _PIPELINE,
+    "scaletorch/parallel/tensor_parallel.py": _COMPUTE_DTYPE,
+    "scaletorch/parallel/tensor_parallel_layers.py": _COMPUTE_DTYPE,
 }
 
 

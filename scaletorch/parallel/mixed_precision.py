@@ -53,6 +53,7 @@ from scaletorch.parallel.data_parallel import apply_data_parallel
 from scaletorch.parallel.expert_parallel import MoELossInPipeline
 from scaletorch.parallel.loss_scale import unscale_and_check, update_scale
 from scaletorch.parallel.pipeline_runtime import LossFn, PipelineSchedule, StageHooks
+from scaletorch.parallel.tensor_parallel_layers import ParallelRMSNorm, VocabParallelEmbedding
 
 # fp64 is named only to be refused (wider than the master)
 DTYPES = {
@@ -161,6 +162,37 @@ def to_compute(x: torch.Tensor) -> torch.Tensor:
     if dtype is None or not x.is_floating_point() or x.element_size() <= dtype.itemsize:
         return x
     return x.to(dtype)
+
+
+class _NormEntersInCompute(ParallelRMSNorm):
+    """Chapter 03's norm whose output enters the tp region in autocast's dtype: f's backward
+    all-reduce (or sequence parallel's all-gather and reduce-scatter) carries 2 bytes in bf16."""
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        return to_compute(super().normalize(x))
+
+
+class _EmbeddingLeavesInCompute(VocabParallelEmbedding):
+    """Chapter 03's embedding whose shares are summed over tp in autocast's dtype; the residual
+    stream it returns is in the weight's dtype again, as the reference's embedding gives it."""
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        return to_compute(super().lookup(ids))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(ids).to(self.weight.dtype)
+
+
+def tensor_parallel_wire_in_compute(model: nn.Module) -> None:
+    """Tensor parallel's activations cross the wire in autocast's dtype (``to_compute``): each
+    of chapter 03's norms and embeddings becomes its subclass here, in place (the class swap
+    FSDP2's ``fully_shard`` does); its parameters, state and hooks stay. Without autocast, or
+    in fp32, nothing is cast."""
+    for module in model.modules():
+        if type(module) is ParallelRMSNorm:
+            module.__class__ = _NormEntersInCompute
+        elif type(module) is VocabParallelEmbedding:
+            module.__class__ = _EmbeddingLeavesInCompute
 
 
 def reduce_in(policy: Optional[MixedPrecisionPolicy], grad: torch.Tensor) -> torch.Tensor:
@@ -326,12 +358,14 @@ class MessagesInComputeDtype(StageHooks):
 class PrecisionHooks:
     """Chapter 08 attached to chapter 07's ``parallelize`` from outside, as its ``precision``
     argument (``precision_hooks(cfg, device_type)``): the policy's dtypes for DDP, ZeRO and
-    FSDP2, the pipeline's messages in autocast's dtype, and fp16's loss scaler. Without it
+    FSDP2, the pipeline's and tensor parallel's messages in autocast's dtype, and fp16's loss
+    scaler. Without it
     ``parallelize`` keeps every wire in fp32 and refuses fp16 and non-default dtypes."""
     policy: MixedPrecisionPolicy
     scaler: Optional[DynamicLossScaler] = None  # fp16 only
 
     after_zero = staticmethod(disable_autocast_cache_per_unit)  # each ZeRO wrapper, once
+    after_tensor_parallel = staticmethod(tensor_parallel_wire_in_compute)  # the model, once
 
     def attach_to_pipeline(self, schedule: PipelineSchedule) -> None:
         """A pipeline schedule's messages in autocast's dtype; under fp16 its backward starts

@@ -94,8 +94,7 @@ class Parallelized:
 
 
 def _check_groups_match(cfg: "Config", pgm: ProcessGroupManager, sizes: Dict[str, int]) -> None:
-    """``pgm`` must be the process groups of ``cfg``'s layout (the one layout check read the
-    config's sizes)."""
+    """``pgm`` must be the process groups of ``cfg``'s layout, whose sizes validate_layout read."""
     have = {
         "tp": pgm.tensor_model_parallel_world_size,
         "pp": pgm.pipeline_model_parallel_world_size,
@@ -181,9 +180,8 @@ def parallelize(model: Llama, cfg: "Config", pgm: ProcessGroupManager, device: t
 
     ``cfg``: the scaletorch Config; ``pgm``: the process-group manager of the same layout;
     ``precision``: chapter 08's ``PrecisionHooks`` (mixed_precision.py), attached from outside;
-    None keeps every wire in fp32. ``tied``: chapter 10's ``TiedEmbeddings`` (tied_embeddings.py),
-    which a tied model needs under a pipeline or ZeRO. ``recompute``: chapter 10's
-    ``apply_activation_checkpointing``, which ``parallel.activation_checkpointing`` needs.
+    None keeps every wire in fp32. ``tied``: chapter 10's ``TiedEmbeddings``, which a tied model
+    needs under a pipeline or ZeRO; ``recompute``: 10's ``apply_activation_checkpointing``.
     """
     sizes = validate_layout(cfg, pgm.world_size)  # every refusal, before any surgery
     _check_groups_match(cfg, pgm, sizes)
@@ -202,8 +200,10 @@ def parallelize(model: Llama, cfg: "Config", pgm: ProcessGroupManager, device: t
     if cfg.model.num_experts > 0:  # 1 (also at ep 1: the routing statistics over dp_cp)
         # the routed tokens cross the wire in autocast's dtype (chapter 08)
         shard_experts(model, pgm, autocast_dtype(cfg, device.type))
-    if pgm.tensor_model_parallel_world_size > 1:  # 2, activations on the wire in autocast's dtype
-        apply_tensor_parallel(model, pgm, p.sequence_parallel, autocast_dtype(cfg, device.type))
+    if pgm.tensor_model_parallel_world_size > 1:  # 2
+        apply_tensor_parallel(model, pgm, p.sequence_parallel)
+        if precision is not None:  # activations on the wire in autocast's dtype (chapter 08)
+            precision.after_tensor_parallel(model)
         loss = tensor_parallel_loss_fn(pgm)
     if pgm.context_parallel_world_size > 1:  # 3
         apply_context_parallel(model, pgm, p.cp_variant, impl=p.cp_attention)

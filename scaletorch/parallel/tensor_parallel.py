@@ -78,24 +78,22 @@ def validate_tensor_parallel(config: LlamaConfig, tensor_model_parallel_size: in
                          f"data.seq_len or --tp")
 
 
-def apply_tensor_parallel(model: Llama, pgm: ProcessGroupManager, sequence_parallel: bool = False,
-                          compute_dtype: Optional[torch.dtype] = None) -> Llama:
+def apply_tensor_parallel(model: Llama, pgm: ProcessGroupManager,
+                          sequence_parallel: bool = False) -> Llama:
     """Convert the reference Llama in place; every shard is copied from the full weights.
 
     q/k/v, gate/up: column parallel (heads and kv heads split contiguously, so a rank's query
     heads use its own kv heads); o, down: row parallel; embedding and head: vocabulary
     parallel; norms: replicated. The model's forward then returns logits (b, s, V/N): use
-    ``tensor_parallel_loss_fn(pgm)`` as the trainer's loss. ``compute_dtype``: see
-    tensor_parallel_layers.py (chapter 08's autocast dtype; None in fp32).
+    ``tensor_parallel_loss_fn(pgm)`` as the trainer's loss.
     """
     group, tp = pgm.tensor_model_parallel_group, pgm.tensor_model_parallel_world_size
     cfg = model.config
     validate_tensor_parallel(cfg, tp, sequence_parallel)
-    kwargs: Dict[str, Any] = dict(sequence_parallel=sequence_parallel, compute_dtype=compute_dtype)
+    kwargs: Dict[str, Any] = dict(sequence_parallel=sequence_parallel)
 
     def norm(old: RMSNorm) -> ParallelRMSNorm:
-        new = ParallelRMSNorm(old.weight.numel(), old.eps, group, sequence_parallel,
-                              compute_dtype).to(old.weight)
+        new = ParallelRMSNorm(old.weight.numel(), old.eps, group, sequence_parallel).to(old.weight)
         with torch.no_grad():
             new.weight.copy_(old.weight)
         return new

@@ -1,10 +1,10 @@
 """Megatron's tensor-parallel layers over one "tp" group: the f / g operators (tensor_parallel.py
 draws them), the column, row and vocabulary-parallel layers, and the loss that never gathers
-the logits. ``compute_dtype`` (None: no cast; chapter 08 passes autocast's dtype): activations
-cross the wire in it, as the matmul after the collective would cast them anyway.
+the logits. ``ParallelRMSNorm.normalize`` and ``VocabParallelEmbedding.lookup`` give what
+enters and leaves a region, so a later chapter can extend them in a subclass of its own.
 """
 
-from typing import Any, Optional, Tuple, cast
+from typing import Any, Tuple, cast
 
 import torch
 import torch.distributed as dist
@@ -32,25 +32,13 @@ def _mark_sharded(param: nn.Parameter, dim: int) -> nn.Parameter:
     return param
 
 
-def _to_compute(x: torch.Tensor, compute_dtype: Optional[torch.dtype]) -> torch.Tensor:
-    """``x`` in ``compute_dtype`` under autocast when it is wider: the same numbers the matmul
-    would cast, in fewer bytes; the cast's backward sends the gradient in that dtype too."""
-    # the width first: fp32 asks no autocast state (a dry run's meta device has none)
-    if compute_dtype is None or x.element_size() <= compute_dtype.itemsize \
-            or not torch.is_autocast_enabled(x.device.type):
-        return x
-    return x.to(compute_dtype)
-
-
 # [core: regions]
-def _enter_region(x: torch.Tensor, group: Group, sequence_parallel: bool,
-                  compute_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+def _enter_region(x: torch.Tensor, group: Group, sequence_parallel: bool) -> torch.Tensor:
     """Hand a replicated activation to column-parallel matmuls.
 
     Without sequence parallel: f (forward identity, backward all-reduce over ``group``).
     With it: (b, s/N, h) -> (b, s, h) all-gather (backward reduce-scatter over ``group``).
     """
-    x = _to_compute(x, compute_dtype)
     if sequence_parallel:
         return gather_from_sequence_parallel_region(x, group, dim=1)
     return copy_to_parallel_region(x, group)
@@ -74,15 +62,14 @@ class ColumnParallelLinear(nn.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, group: Group, *,
-                 sequence_parallel: bool = False, enter_region: bool = True,
-                 compute_dtype: Optional[torch.dtype] = None) -> None:
+                 sequence_parallel: bool = False, enter_region: bool = True) -> None:
         super().__init__()
         n = comm.group_size(group)
         if out_features % n != 0:
             raise ValueError(f"column-parallel output size {out_features} is not divisible by "
                              f"the tensor-parallel size {n}")
         self.group, self.sequence_parallel = group, sequence_parallel
-        self.enter_region, self.compute_dtype = enter_region, compute_dtype
+        self.enter_region = enter_region
         self.weight = _mark_sharded(nn.Parameter(torch.empty(out_features // n, in_features)), 0)
 
     @classmethod
@@ -98,7 +85,7 @@ class ColumnParallelLinear(nn.Module):
     # [core: column-forward]
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.enter_region:
-            x = _enter_region(x, self.group, self.sequence_parallel, self.compute_dtype)
+            x = _enter_region(x, self.group, self.sequence_parallel)
         return F.linear(x, self.weight)  # (b, s, out/N)
 
 
@@ -146,15 +133,13 @@ class VocabParallelEmbedding(nn.Module):
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, group: Group, *,
-                 sequence_parallel: bool = False,
-                 compute_dtype: Optional[torch.dtype] = None) -> None:
+                 sequence_parallel: bool = False) -> None:
         super().__init__()
         n = comm.group_size(group)
         if num_embeddings % n != 0:
             raise ValueError(f"vocabulary size {num_embeddings} is not divisible by the "
                              f"tensor-parallel size {n}")
-        self.group, self.sequence_parallel, self.compute_dtype = group, sequence_parallel, \
-            compute_dtype
+        self.group, self.sequence_parallel = group, sequence_parallel
         self.vocab_start = comm.group_rank(group) * (num_embeddings // n)
         self.weight = _mark_sharded(nn.Parameter(torch.empty(num_embeddings // n, embedding_dim)),
                                     0)
@@ -173,18 +158,20 @@ class VocabParallelEmbedding(nn.Module):
             setattr(layer.weight, "vocab_padding", (num_embeddings, padded_size))
         return layer
 
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids (b, s) -> this rank's share of the embeddings (b, s, h): zeros for other rows."""
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)  # (b, s, h)
+        return out.masked_fill(outside.unsqueeze(-1), 0.0)  # rows held by other ranks
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         n = comm.group_size(self.group)
         if self.sequence_parallel and ids.size(1) % n != 0:
             raise ValueError(f"sequence parallel splits the sequence over the tensor-parallel "
                              f"group: sequence length {ids.size(1)} is not divisible by "
                              f"tensor_model_parallel_size {n}")
-        local = ids - self.vocab_start
-        outside = (local < 0) | (local >= self.weight.shape[0])
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)  # (b, s, h)
-        out = out.masked_fill(outside.unsqueeze(-1), 0.0)  # rows held by other ranks
-        wire = _to_compute(out, self.compute_dtype)  # the residual stream: fp32 again, below
-        return _exit_region(wire, self.group, self.sequence_parallel).to(out.dtype)
+        return _exit_region(self.lookup(ids), self.group, self.sequence_parallel)
 
 
 class VocabParallelHead(ColumnParallelLinear):
@@ -227,20 +214,22 @@ class ParallelRMSNorm(RMSNorm):
     all-reduced over ``group`` in backward and stays identical on every rank.
     """
 
-    def __init__(self, dim: int, eps: float, group: Group, sequence_parallel: bool,
-                 compute_dtype: Optional[torch.dtype] = None) -> None:
+    def __init__(self, dim: int, eps: float, group: Group, sequence_parallel: bool) -> None:
         super().__init__(dim, eps)
-        self.group, self.sequence_parallel, self.compute_dtype = group, sequence_parallel, \
-            compute_dtype
+        self.group, self.sequence_parallel = group, sequence_parallel
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        """RMSNorm of x (..., h) in fp32, returned in x's dtype; under sequence parallel the
+        weight goes through f (its gradient all-reduced over ``group``)."""
         weight: torch.Tensor = self.weight
         if self.sequence_parallel:
             weight = copy_to_parallel_region(weight, self.group)
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        y = (normed * weight.float()).to(x.dtype)
-        return _enter_region(y, self.group, self.sequence_parallel, self.compute_dtype)
+        return (normed * weight.float()).to(x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _enter_region(self.normalize(x), self.group, self.sequence_parallel)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
