@@ -64,8 +64,8 @@ PUBLISHED = {
     "405B 16,384 GPUs s8k": (400, None),
     "405B 16,384 GPUs s128k": (380, None),
 }
-# the modelled rows the planner misses today (doc/09_planning.md says why): each must stay a
-# miss until fixed, and then leave this set, so that the test shows the change
+# the modelled rows the planner misses today (doc/09_appendix_validation.md says why): each
+# must stay a miss until fixed, and then leave this set, so that the test shows the change
 KNOWN_MISSES: set = set()
 # rows whose run used what the planner does not model (their verdicts are not counted)
 NOT_MODELLED = {
@@ -202,7 +202,8 @@ class GpuModel(unittest.TestCase):
 
 
 class FrameworkMechanisms(unittest.TestCase):
-    """What doc/09_planning.md's "Against measured GPU runs" adds for torchtitan's runs."""
+    """What doc/09_appendix_validation.md's "Against measured GPU runs" adds for torchtitan's
+    runs."""
 
     def test_the_500w_gpus_stream_at_their_published_hbm_bandwidth(self):
         # torchtitan's benchmark file: "96GB HBM2e with 2.4 TB/sec peak memory bandwidth"

@@ -140,8 +140,8 @@ ISSUED = ("tp", "sp", "cp", "pp", "ep", "dp", "dp_micro_batch", "zero3")
 
 # Where the GPU presets' values come from. The peaks, HBM sizes and bandwidths, NVLink and NIC
 # rates, SM counts: the vendors' datasheets (dense, per GPU). The rest are this chapter's
-# assumptions, stated here and in doc/09_planning.md, and checked there against published runs
-# (scripts/plan_validate.py), not measured on these GPUs by us.
+# assumptions, stated here and in doc/09_planning.md, and checked against published runs in
+# doc/09_appendix_validation.md (scripts/plan_validate.py), not measured on these GPUs by us.
 GPU_SOURCES = {
     "peak_flops":
     "vendor datasheet, dense bf16",

@@ -27,8 +27,8 @@ Per pipeline rank and step (T = b s / cp tokens of a micro-batch, t = tp):
   ``overlap_cost`` of its duration in compute.
 
 step = (compute + exposed tp, cp, ep, pp) / (1 - bubble) + exposed dp + the optimizer step.
-Each constant is an assumption stated here and in doc/09_planning.md; scripts/plan_validate.py
-prints what it gives against published runs.
+Each constant is an assumption stated here and in doc/09_appendix_validation.md;
+scripts/plan_validate.py prints what it gives against published runs.
 """
 
 import math
