@@ -73,6 +73,11 @@ def _chain(err: BaseException) -> List[BaseException]:
     return out
 
 
+def caused_by(err: BaseException, kind: type) -> Optional[BaseException]:
+    """The first error of type ``kind`` in ``err``'s chain, or None."""
+    return next((e for e in _chain(err) if isinstance(e, kind)), None)
+
+
 def is_unwritten(err: BaseException) -> bool:
     return any(isinstance(e, NotImplementedError) for e in _chain(err))
 

@@ -6,12 +6,15 @@ the words its diagnosis must contain. tests/test_grade.py runs them all, one wor
 this module is importable by the spawned ranks (``Source`` = (this module, the variant's name)).
 """
 
-from typing import Callable, Dict, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from scaletorch.dist import comm
+from scaletorch.dist.comm import Group
+from scaletorch.dist.functional import all_to_all
+from scaletorch.parallel.expert_parallel import by_local_expert
 
 # ---- chapter 01: average_gradients ---------------------------------------------------------
 
@@ -162,6 +165,52 @@ def update_halves_without_reset(scale: float, clean_steps: int, found_inf: bool,
     return scale, clean_steps
 
 
+# ---- chapter 06: dispatch_tokens -----------------------------------------------------------
+
+
+def dispatch_not_regrouped(routed: torch.Tensor, send_table: List[List[int]],
+                           recv_table: List[List[int]], group: Group) -> torch.Tensor:
+    send_splits, recv_splits = [sum(r) for r in send_table], [sum(r) for r in recv_table]
+    return all_to_all(routed, recv_splits, send_splits, group, "ep")  # still by source rank
+
+
+def dispatch_not_differentiable(routed: torch.Tensor, send_table: List[List[int]],
+                                recv_table: List[List[int]], group: Group) -> torch.Tensor:
+    send_splits, recv_splits = [sum(r) for r in send_table], [sum(r) for r in recv_table]
+    received = routed.new_empty((sum(recv_splits), routed.shape[1]))
+    comm.all_to_all_single(received, routed.detach(), recv_splits, send_splits, group,
+                           name="ep")  # torch.distributed's: autograd does not see it
+    return received[by_local_expert(recv_table, routed.device)]
+
+
+def dispatch_without_exchange(routed: torch.Tensor, send_table: List[List[int]],
+                              recv_table: List[List[int]], group: Group) -> torch.Tensor:
+    return routed  # every token stays on its rank, whoever holds its expert
+
+
+# ---- chapter 06: combine_tokens ------------------------------------------------------------
+
+
+def combine_not_put_back(out: torch.Tensor, send_table: List[List[int]],
+                         recv_table: List[List[int]], group: Group) -> torch.Tensor:
+    send_splits, recv_splits = [sum(r) for r in send_table], [sum(r) for r in recv_table]
+    return all_to_all(out, send_splits, recv_splits, group, "ep")  # rows still by expert
+
+
+def combine_not_differentiable(out: torch.Tensor, send_table: List[List[int]],
+                               recv_table: List[List[int]], group: Group) -> torch.Tensor:
+    send_splits, recv_splits = [sum(r) for r in send_table], [sum(r) for r in recv_table]
+    by_rank = out[torch.argsort(by_local_expert(recv_table, out.device))].detach()
+    combined = out.new_empty((sum(send_splits), out.shape[1]))
+    comm.all_to_all_single(combined, by_rank, send_splits, recv_splits, group, name="ep")
+    return combined
+
+
+def combine_without_exchange(out: torch.Tensor, send_table: List[List[int]],
+                             recv_table: List[List[int]], group: Group) -> torch.Tensor:
+    return out[torch.argsort(by_local_expert(recv_table, out.device))]  # never sent home
+
+
 # (chapter, exercise, variant) -> words its diagnosis must contain
 CATALOGUE: Dict[Tuple[str, str, str], str] = {
     ("01", "average_gradients", "average_sum_not_mean"):
@@ -196,6 +245,18 @@ CATALOGUE: Dict[Tuple[str, str, str], str] = {
     "the scale did not double after 2 clean steps (step 1)",
     ("08", "update_scale", "update_halves_without_reset"):
     "after the overflow in step 3 the clean-step count is 1, not 0: count the clean steps from 0",
+    ("06", "dispatch_tokens", "dispatch_not_regrouped"):
+    "rank 0's experts got the right 450 tokens in step 0, but not grouped by local expert",
+    ("06", "dispatch_tokens", "dispatch_not_differentiable"):
+    "the dispatched tokens carry no gradient back",
+    ("06", "dispatch_tokens", "dispatch_without_exchange"):
+    "rank 0's experts got 512 rows in step 0, the ranks routed 450 to them",
+    ("06", "combine_tokens", "combine_not_put_back"):
+    "got back outputs of other tokens in step 0: undo the regrouping by local expert",
+    ("06", "combine_tokens", "combine_not_differentiable"):
+    "the combined outputs carry no gradient back to the experts",
+    ("06", "combine_tokens", "combine_without_exchange"):
+    "returned 450 rows on rank 0 in step 0, for its 512 routed rows: send each output back",
 }
 # Variants that stop the world (gloo aborts a rank on mismatched collectives): one world each,
 # after the catalogue's; the diagnosis names the collective, its group and the line issuing it.
