@@ -10,6 +10,7 @@ whose every call matched is then compared with the library's run in the same wor
 losses, grad norms and final weights.
 """
 
+import traceback
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -22,8 +23,8 @@ from scaletorch.parallel.expert_parallel import (ExpertParallel, expert_parallel
 from scaletorch.parallel.step import make_data_parallel_step
 from scaletorch.trainer import Config, Trainer, parse_args
 from scripts.grading.runner import (COLLECTIVE_TIMEOUT, Source, Verdict, caused_by, error_verdict,
-                                    failure, hang_text, is_hang, is_unwritten, load, patched,
-                                    run_world)
+                                    failure, hang_text, innermost, is_hang, is_unwritten, load,
+                                    patched, run_world)
 
 CHAPTER = "06"
 EXERCISES = ("dispatch_tokens", "combine_tokens")
@@ -85,6 +86,18 @@ def _text(exercise: str, code: int, rank: int, got: int, want: int, step: int) -
         f"local expert before the all-to-all back, so each rank's rows go home",
     }
     return texts[(exercise, code)]
+
+
+def _backward_splits(err: BaseException) -> Optional[str]:
+    """The diagnosis of an all-to-all whose split sizes do not fit, raised in a backward (on
+    every rank: each rank's rows received and sent differ in number), else None."""
+    first = innermost(err)
+    frames = traceback.extract_tb(first.__traceback__)
+    if "Split sizes" not in str(first) or not any(f.name == "backward" for f in frames):
+        return None
+    return (f"the backward's all-to-all raised \"{str(first).splitlines()[0]}\" in step "
+            f"{get_ledger().step}: the gradients of the rows received from rank i go back to "
+            f"rank i, so swap the split sizes in the backward")
 
 
 def _checked(exercise: str, fn: Callable, library: Callable) -> Callable:
@@ -153,8 +166,9 @@ def rank_jobs(rank: int, world: int, jobs: List[Dict[str, Source]]) -> List[Dict
                     out.append({"exercise": exercise, **_train(cfg, pgm)})
             except Exception as err:  # noqa: B902 - the learner's error is a diagnosis
                 wrong = caused_by(err, WrongRows)
-                if wrong is not None:  # every rank raised it at the same call
-                    out.append({"exercise": exercise, "wrong": str(wrong)})
+                text = str(wrong) if wrong is not None else _backward_splits(err)
+                if text is not None:  # every rank raised it at the same call
+                    out.append({"exercise": exercise, "wrong": text})
                     continue
                 if is_hang(err):
                     raise

@@ -73,6 +73,11 @@ def _chain(err: BaseException) -> List[BaseException]:
     return out
 
 
+def innermost(err: BaseException) -> BaseException:
+    """The first error of ``err``'s chain: the one raised where it went wrong."""
+    return _chain(err)[-1]
+
+
 def caused_by(err: BaseException, kind: type) -> Optional[BaseException]:
     """The first error of type ``kind`` in ``err``'s chain, or None."""
     return next((e for e in _chain(err) if isinstance(e, kind)), None)

@@ -6,7 +6,7 @@ the words its diagnosis must contain. tests/test_grade.py runs them all, one wor
 this module is importable by the spawned ranks (``Source`` = (this module, the variant's name)).
 """
 
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -188,6 +188,33 @@ def dispatch_without_exchange(routed: torch.Tensor, send_table: List[List[int]],
     return routed  # every token stays on its rank, whoever holds its expert
 
 
+class _AllToAllSplitsKept(torch.autograd.Function):
+    """An all-to-all whose backward sends the gradients with the forward's splits."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, output_splits: List[int], input_splits: List[int],
+                group: Group) -> torch.Tensor:
+        ctx.splits, ctx.group = (output_splits, input_splits), group
+        out = x.new_empty((sum(output_splits), x.shape[1]))
+        comm.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group, name="ep")
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[torch.Tensor, None, None, None]:
+        output_splits, input_splits = ctx.splits
+        out = grad.new_empty((sum(output_splits), grad.shape[1]))
+        comm.all_to_all_single(out, grad.contiguous(), output_splits, input_splits, ctx.group,
+                               name="ep")  # the splits not swapped
+        return out, None, None, None
+
+
+def dispatch_backward_not_swapped(routed: torch.Tensor, send_table: List[List[int]],
+                                  recv_table: List[List[int]], group: Group) -> torch.Tensor:
+    send_splits, recv_splits = [sum(r) for r in send_table], [sum(r) for r in recv_table]
+    received = _AllToAllSplitsKept.apply(routed, recv_splits, send_splits, group)
+    return received[by_local_expert(recv_table, routed.device)]
+
+
 # ---- chapter 06: combine_tokens ------------------------------------------------------------
 
 
@@ -249,6 +276,9 @@ CATALOGUE: Dict[Tuple[str, str, str], str] = {
     "rank 0's experts got the right 450 tokens in step 0, but not grouped by local expert",
     ("06", "dispatch_tokens", "dispatch_not_differentiable"):
     "the dispatched tokens carry no gradient back",
+    ("06", "dispatch_tokens", "dispatch_backward_not_swapped"):
+    "the backward's all-to-all raised \"Split sizes doesn't match total dim 0 size\" in step 0: "
+    "the gradients of the rows received from rank i go back to rank i",
     ("06", "dispatch_tokens", "dispatch_without_exchange"):
     "rank 0's experts got 512 rows in step 0, the ranks routed 450 to them",
     ("06", "combine_tokens", "combine_not_put_back"):
