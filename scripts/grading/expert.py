@@ -182,18 +182,24 @@ def rank_jobs(rank: int, world: int, jobs: List[Dict[str, Source]]) -> List[Dict
 
 def parity_diagnosis(exercise: str, runs: List[Dict[str, Any]],
                      refs: List[Dict[str, Any]]) -> Optional[str]:
-    """Every call matched the library's: the run must too (losses, grad norms, weights)."""
+    """Every call matched the library's: the run must too. Each step's grad norm (before
+    clipping) first, where a wrong backward shows before the weights move, then losses and
+    weights; None if all match."""
     for rank, (run, ref) in enumerate(zip(runs, refs)):
+        for step, (norm, want) in enumerate(zip(run["grad_norms"], ref["grad_norms"])):
+            if not abs(norm - want) <= TOL * want:
+                return (f"{exercise} returns the library's rows, but step {step}'s gradient "
+                        f"norm is {norm / want:.4g}x the reference's on rank {rank}: its "
+                        f"backward must be the reverse all-to-all and nothing more")
         pairs: List[Tuple[str, float]] = [
             ("loss", max(abs(a - b) for a, b in zip(run["losses"], ref["losses"]))),
-            ("grad norm", max(abs(a - b) for a, b in zip(run["grad_norms"], ref["grad_norms"]))),
             ("weights",
              max(float((run["state"][k] - v).abs().max()) for k, v in ref["state"].items())),
         ]
         for what, off in pairs:
             if not off <= TOL:
                 return (f"{exercise} returns the library's rows, but rank {rank}'s {what} ends "
-                        f"{off:.1e} off the reference after {STEPS} steps: check its backward")
+                        f"{off:.1e} off the reference after {STEPS} steps")
     return None
 
 

@@ -238,6 +238,30 @@ def combine_without_exchange(out: torch.Tensor, send_table: List[List[int]],
     return out[torch.argsort(by_local_expert(recv_table, out.device))]  # never sent home
 
 
+class _AllToAllAveragedBack(torch.autograd.Function):
+    """An all-to-all whose backward sends the gradients back, then averages them over the group
+    as if they were data-parallel gradients."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, output_splits: List[int], input_splits: List[int],
+                group: Group) -> torch.Tensor:
+        ctx.splits, ctx.group = (output_splits, input_splits), group
+        return all_to_all(x, output_splits, input_splits, group, "ep").detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[torch.Tensor, None, None, None]:
+        output_splits, input_splits = ctx.splits
+        back = all_to_all(grad, input_splits, output_splits, ctx.group, "ep")
+        return back / comm.group_size(ctx.group), None, None, None  # not a mean: a route
+
+
+def combine_backward_averaged(out: torch.Tensor, send_table: List[List[int]],
+                              recv_table: List[List[int]], group: Group) -> torch.Tensor:
+    send_splits, recv_splits = [sum(r) for r in send_table], [sum(r) for r in recv_table]
+    by_rank = out[torch.argsort(by_local_expert(recv_table, out.device))]
+    return _AllToAllAveragedBack.apply(by_rank, send_splits, recv_splits, group)
+
+
 # (chapter, exercise, variant) -> words its diagnosis must contain
 CATALOGUE: Dict[Tuple[str, str, str], str] = {
     ("01", "average_gradients", "average_sum_not_mean"):
@@ -285,6 +309,8 @@ CATALOGUE: Dict[Tuple[str, str, str], str] = {
     "got back outputs of other tokens in step 0: undo the regrouping by local expert",
     ("06", "combine_tokens", "combine_not_differentiable"):
     "the combined outputs carry no gradient back to the experts",
+    ("06", "combine_tokens", "combine_backward_averaged"):
+    "returns the library's rows, but step 0's gradient norm is 0.999",
     ("06", "combine_tokens", "combine_without_exchange"):
     "returned 450 rows on rank 0 in step 0, for its 512 routed rows: send each output back",
 }
