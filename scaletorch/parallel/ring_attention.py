@@ -35,7 +35,8 @@ KV_TAG, DKV_TAG = 1, 2  # distinct tags: K/V and dK/dV are in flight between the
 
 # [core: zigzag]
 def chunk_ids(cp_rank: int, cp_size: int, order: str = "zigzag") -> Tuple[int, int]:
-    """The two of the 2 x cp_size sequence chunks that ``cp_rank`` holds, in sequence order."""
+    """The two of the 2 x cp_size sequence chunks that ``cp_rank`` holds, in sequence order;
+    zigzag balances the causal work over the cp group, contiguous gives two neighbours."""
     if order not in ORDERS:
         raise ValueError(f"order must be one of {', '.join(ORDERS)}, got {order!r}")
     if order == "zigzag":
@@ -128,7 +129,8 @@ def _math_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
 # [core: merge]
 def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
           block_lse: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Combine softmax attention over two disjoint key sets (doc/05_context_parallel.md).
+    """Combine softmax attention over two disjoint key sets (doc/05_context_parallel.md):
+    out, block_out (b, h, s, d) and lse, block_lse (b, h, s), fp32; no communication.
 
     out_i = sum_j exp(s_ij - lse) v_j over keys j; with lse = log(e^lse_a + e^lse_b),
     out = e^(lse_a - lse) out_a + e^(lse_b - lse) out_b. Every exponent is <= 0: stable.

@@ -165,6 +165,48 @@ def update_halves_without_reset(scale: float, clean_steps: int, found_inf: bool,
     return scale, clean_steps
 
 
+# ---- chapter 05: chunk_ids -----------------------------------------------------------------
+
+
+def chunk_ids_contiguous(cp_rank: int, cp_size: int, order: str = "zigzag") -> Tuple[int, int]:
+    return 2 * cp_rank, 2 * cp_rank + 1  # the last rank gets every query's full causal work
+
+
+def chunk_ids_past_the_end(cp_rank: int, cp_size: int, order: str = "zigzag") -> Tuple[int, int]:
+    if order == "zigzag":
+        return cp_rank, 2 * cp_size - cp_rank  # the mirror off by one
+    return 2 * cp_rank, 2 * cp_rank + 1
+
+
+def chunk_ids_unsorted(cp_rank: int, cp_size: int, order: str = "zigzag") -> Tuple[int, int]:
+    if order == "zigzag":
+        return 2 * cp_size - 1 - cp_rank, cp_rank  # the late chunk first
+    return 2 * cp_rank, 2 * cp_rank + 1
+
+
+# ---- chapter 05: merge ---------------------------------------------------------------------
+
+
+def merge_without_max_shift(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
+                            block_lse: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    a, b = torch.exp(lse), torch.exp(block_lse)  # e^lse overflows for large scores
+    merged = (a.unsqueeze(-1) * out + b.unsqueeze(-1) * block_out) / (a + b).unsqueeze(-1)
+    return merged, torch.log(a + b)
+
+
+def merge_lse_kept(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
+                   block_lse: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    new_lse = torch.logaddexp(lse, block_lse)
+    merged = torch.exp(lse - new_lse).unsqueeze(-1) * out + \
+        torch.exp(block_lse - new_lse).unsqueeze(-1) * block_out
+    return merged, lse  # the next block merges with the first block's statistics
+
+
+def merge_plain_average(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
+                        block_lse: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    return (out + block_out) / 2, torch.logaddexp(lse, block_lse)  # blocks weigh the same
+
+
 # ---- chapter 06: dispatch_tokens -----------------------------------------------------------
 
 
@@ -296,6 +338,18 @@ CATALOGUE: Dict[Tuple[str, str, str], str] = {
     "the scale did not double after 2 clean steps (step 1)",
     ("08", "update_scale", "update_halves_without_reset"):
     "after the overflow in step 3 the clean-step count is 1, not 0: count the clean steps from 0",
+    ("05", "chunk_ids", "chunk_ids_contiguous"):
+    "chunk_ids(0, 2) returned (0, 1), the contiguous split: zigzag pairs",
+    ("05", "chunk_ids", "chunk_ids_past_the_end"):
+    "returned (0, 2): there are 2 x 1 = 2 chunks, numbered 0 to 1",
+    ("05", "chunk_ids", "chunk_ids_unsorted"):
+    "returned (1, 0): give the two chunks in sequence order, (0, 1)",
+    ("05", "merge", "merge_without_max_shift"):
+    "merging blocks with lse 100 and 90 gave nan",
+    ("05", "merge", "merge_lse_kept"):
+    "merge's output matches, its lse does not: return the merged",
+    ("05", "merge", "merge_plain_average"):
+    "merge averaged the two blocks' outputs: weight each",
     ("06", "dispatch_tokens", "dispatch_not_regrouped"):
     "rank 0's experts got the right 450 tokens in step 0, but not grouped by local expert",
     ("06", "dispatch_tokens", "dispatch_not_differentiable"):
