@@ -21,8 +21,8 @@ from scaletorch.parallel.context_parallel import apply_context_parallel, make_se
 from scaletorch.parallel.data_parallel import apply_data_parallel
 from scaletorch.parallel.step import make_data_parallel_step
 from scaletorch.trainer import Config, Trainer, parse_args
-from scripts.grading.runner import (COLLECTIVE_TIMEOUT, Source, Verdict, error_verdict, failure,
-                                    hang_text, is_hang, is_unwritten, load, patched, run_world)
+from scripts.grading.runner import (COLLECTIVE_TIMEOUT, Source, Verdict, error_verdict, hang_text,
+                                    load, patched, run_jobs, run_world)
 
 CHAPTER = "05"
 EXERCISES = ("chunk_ids", "merge")
@@ -126,31 +126,23 @@ def rank_jobs(rank: int, world: int, jobs: List[Dict[str, Source]]) -> List[Dict
     """Inside a rank: each job, its calls checked one by one."""
     cfg = config()
     pgm = init_pg_manager_from_config(cfg.parallel, COLLECTIVE_TIMEOUT)
-    out: List[Dict[str, Any]] = []
+
+    def measure(exercise: str, source: Source) -> Dict[str, Any]:
+        found: List[str] = []
+        fn = load(source)
+        if exercise == "merge":
+            probed = probe_merge(fn)
+            found.extend([probed] if probed is not None else [])
+        checked = _checked(exercise, fn, getattr(ring_attention, exercise), found)
+        owners = [ring_attention] + ([context_parallel] if exercise == "chunk_ids" else [])
+        with patched([(owner, exercise, checked) for owner in owners]):
+            _train(cfg, pgm)
+        return {"found": found}
+
     try:
-        for job in jobs:
-            (exercise, source), = job.items()
-            found: List[str] = []
-            try:
-                fn = load(source)
-                if exercise == "merge":
-                    probed = probe_merge(fn)
-                    found.extend([probed] if probed is not None else [])
-                checked = _checked(exercise, fn, getattr(ring_attention, exercise), found)
-                owners = [ring_attention] + ([context_parallel] if exercise == "chunk_ids" else [])
-                with patched([(owner, exercise, checked) for owner in owners]):
-                    _train(cfg, pgm)
-            except Exception as err:  # noqa: B902 - the learner's error is a diagnosis
-                if is_hang(err):
-                    raise
-                out.append({"exercise": exercise, "error": failure(err)})
-                if not is_unwritten(err):
-                    break  # the ranks may now disagree on the collectives to come
-                continue
-            out.append({"exercise": exercise, "found": found})
+        return run_jobs(jobs, measure)
     finally:
         destroy_pg_manager()
-    return out
 
 
 def grade(jobs: List[Dict[str, Source]]) -> List[Verdict]:

@@ -23,8 +23,7 @@ from scaletorch.parallel.expert_parallel import (ExpertParallel, expert_parallel
 from scaletorch.parallel.step import make_data_parallel_step
 from scaletorch.trainer import Config, Trainer, parse_args
 from scripts.grading.runner import (COLLECTIVE_TIMEOUT, Source, Verdict, caused_by, error_verdict,
-                                    failure, hang_text, innermost, is_hang, is_unwritten, load,
-                                    patched, run_world)
+                                    hang_text, innermost, load, patched, run_jobs, run_world)
 
 CHAPTER = "06"
 EXERCISES = ("dispatch_tokens", "combine_tokens")
@@ -152,32 +151,23 @@ def rank_jobs(rank: int, world: int, jobs: List[Dict[str, Source]]) -> List[Dict
     """Inside a rank: the library's run (the reference), then each job, checked call by call."""
     cfg = config()
     pgm = init_pg_manager_from_config(cfg.parallel, COLLECTIVE_TIMEOUT)
-    out: List[Dict[str, Any]] = []
+
+    def measure(exercise: str, source: Source) -> Dict[str, Any]:
+        checked = _checked(exercise, load(source), getattr(expert_parallel, exercise))
+        try:
+            with patched([(expert_parallel, exercise, checked)]):
+                return _train(cfg, pgm)
+        except Exception as err:  # noqa: B902 - run_jobs reports what this cannot name
+            wrong = caused_by(err, WrongRows)
+            text = str(wrong) if wrong is not None else _backward_splits(err)
+            if text is None:
+                raise
+            return {"wrong": text}  # every rank raised it at the same call
+
     try:
-        for job in [{}] + jobs:
-            if not job:
-                out.append({"exercise": "the library", **_train(cfg, pgm)})
-                continue
-            (exercise, source), = job.items()
-            try:
-                library = getattr(expert_parallel, exercise)
-                with patched([(expert_parallel, exercise, _checked(exercise, load(source),
-                                                                   library))]):
-                    out.append({"exercise": exercise, **_train(cfg, pgm)})
-            except Exception as err:  # noqa: B902 - the learner's error is a diagnosis
-                wrong = caused_by(err, WrongRows)
-                text = str(wrong) if wrong is not None else _backward_splits(err)
-                if text is not None:  # every rank raised it at the same call
-                    out.append({"exercise": exercise, "wrong": text})
-                    continue
-                if is_hang(err):
-                    raise
-                out.append({"exercise": exercise, "error": failure(err)})
-                if not is_unwritten(err):
-                    break  # the ranks may now disagree on the collectives to come
+        return [{"exercise": "the library", **_train(cfg, pgm)}] + run_jobs(jobs, measure)
     finally:
         destroy_pg_manager()
-    return out
 
 
 def parity_diagnosis(exercise: str, runs: List[Dict[str, Any]],
