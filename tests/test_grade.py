@@ -63,6 +63,18 @@ class GradeChapter01(_GradeChapter, unittest.TestCase):
     chapter = "01"
 
 
+class GradeChapter05(_GradeChapter, unittest.TestCase):
+    """Context parallel, 2 ranks, 2 steps a job, every call checked on its rank: 2 solutions,
+    6 variants, 2 stubs."""
+    chapter = "05"
+
+
+class GradeChapter06(_GradeChapter, unittest.TestCase):
+    """Expert parallel, 2 ranks, 3 steps a job (stopped at the first wrong call): the library's
+    run, 2 solutions, 8 variants, 2 stubs."""
+    chapter = "06"
+
+
 class GradeChapter08(_GradeChapter, unittest.TestCase):
     """The loss scale, 2 ranks, 8 steps a job: the library's run, 2 solutions, 6 variants,
     2 stubs."""
@@ -101,7 +113,7 @@ class StubsMatchTheLibrary(unittest.TestCase):
             self.assertEqual(grade.main(["99"]), 2)
         self.assertEqual(
             err.getvalue(), "error: chapter '99' has no exercises; chapters with "
-            "exercises: 01, 08 (or all)\n")
+            "exercises: 01, 05, 06, 08 (or all)\n")
 
 
 if __name__ == "__main__":

@@ -13,8 +13,8 @@ import unittest
 
 import torch
 
-from scaletorch.parallel.expert_parallel import MoELossInPipeline
 from scaletorch.parallel.mixed_precision import DynamicLossScaler, scale_backward
+from scaletorch.parallel.moe_pipeline import MoELossInPipeline
 
 
 class ScaleBackward(unittest.TestCase):

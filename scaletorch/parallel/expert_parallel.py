@@ -47,9 +47,8 @@ from torch import nn
 from scaletorch.dist import ProcessGroupManager, comm, get_ledger
 from scaletorch.dist.comm import Group
 from scaletorch.dist.functional import all_reduce_sum, all_to_all, gather_along_dim
-from scaletorch.models.moe import Experts, MoE, moe_aux_loss
+from scaletorch.models.moe import Experts, MoE
 from scaletorch.parallel.grad_norm import clip_grads_, replica_count, world_grad_norm
-from scaletorch.parallel.pipeline_runtime import PipelineSchedule, StageHooks
 from scaletorch.parallel.tensor_parallel import gather_tensor_parallel_state_dict
 from scaletorch.parallel.wrapper import ModuleWrapper
 
@@ -70,6 +69,51 @@ def validate_expert_parallel(num_experts: int, expert_model_parallel_size: int,
         raise ValueError(f"expert_model_parallel_size ({ep}) does not divide data_parallel_size "
                          f"x context_parallel_size ({dp_cp}): ep is carved out of those ranks; "
                          f"choose an ep that divides {dp_cp}")
+
+
+def by_local_expert(recv_table: List[List[int]], device: torch.device) -> torch.Tensor:
+    """The order that groups received rows by local expert: rows arrive by (source rank i,
+    local expert e), recv_table[i][e] of each; returns (M,) indices, expert 0's rows first,
+    each expert's rows in source-rank order (no communication)."""
+    starts, rows = [], 0  # starts[i][e]: the first row from rank i for expert e
+    for counts in recv_table:
+        starts.append([rows + sum(counts[:e]) for e in range(len(counts))])
+        rows += sum(counts)
+    local = len(recv_table[0]) if recv_table else 0
+    order = [
+        starts[i][e] + k for e in range(local) for i in range(len(recv_table))
+        for k in range(recv_table[i][e])
+    ]
+    return torch.tensor(order, dtype=torch.long, device=device)
+
+
+# [core: dispatch-and-combine]
+def dispatch_tokens(routed: torch.Tensor, send_table: List[List[int]], recv_table: List[List[int]],
+                    group: Group) -> torch.Tensor:
+    """Send each routed token to the ep rank of its expert: routed (N, h), grouped by global
+    expert, so send_table[j][l] rows (j, l in order) are for expert l of ep rank j;
+    recv_table[i][l]: rows ep rank i sends to my local expert l. One differentiable all-to-all
+    over ``group`` ("ep", P ranks; backward: the reverse), then the received rows regrouped
+    by local expert: returns (M, h), M = sum of recv_table, expert 0's rows first."""
+    send_splits = [sum(row) for row in send_table]  # rows for each ep rank
+    recv_splits = [sum(row) for row in recv_table]  # rows from each ep rank
+    received = all_to_all(routed, recv_splits, send_splits, group, "ep")  # (M, h)
+    return received[by_local_expert(recv_table, routed.device)]  # by (source rank) -> by expert
+
+
+def combine_tokens(out: torch.Tensor, send_table: List[List[int]], recv_table: List[List[int]],
+                   group: Group) -> torch.Tensor:
+    """Bring each expert output back to its token's rank: out (M, h), grouped by local expert
+    as ``dispatch_tokens`` returned the tokens; the regrouping undone (rows by source rank
+    again), then the reverse all-to-all over ``group`` ("ep", differentiable): returns (N, h),
+    row n the output for routed row n of this rank."""
+    by_rank = torch.argsort(by_local_expert(recv_table, out.device))  # undo the regrouping
+    send_splits = [sum(row) for row in send_table]
+    recv_splits = [sum(row) for row in recv_table]
+    return all_to_all(out[by_rank], send_splits, recv_splits, group, "ep")  # (N, h)
+
+
+# [end: dispatch-and-combine]
 
 
 class AllToAllDispatcher:
@@ -104,24 +148,14 @@ class AllToAllDispatcher:
         comm.all_to_all_single(recv_counts, send_counts, group=self.group, name="ep")
         # both tables to the host at once (the splits and the experts' counts are their sums)
         send_table, recv_table = self.host_tables(send_counts, recv_counts, routed.size(0))
-        send_splits = [sum(row) for row in send_table]
-        recv_splits = [sum(row) for row in recv_table]
         dtype = self.compute_dtype
         # the width first: fp32 asks no autocast state (a dry run's meta device has none)
         if dtype is not None and routed.element_size() > dtype.itemsize \
                 and torch.is_autocast_enabled(routed.device.type):
             routed = routed.to(dtype)  # the same numbers the matmul would cast, fewer bytes
-        received = all_to_all(routed, recv_splits, send_splits, self.group, "ep")  # (M, h)
-
-        # received is ordered (source rank, local expert); the experts want (local expert).
-        expert_of_row = torch.arange(local, device=routed.device).repeat(world)
-        expert_of_row = expert_of_row.repeat_interleave(recv_counts.flatten(),
-                                                        output_size=sum(recv_splits))  # (M,)
-        by_expert = torch.sort(expert_of_row, stable=True).indices
-        out = experts(received[by_expert], [sum(col) for col in zip(*recv_table)])  # (M, h)
-        out = out[torch.argsort(by_expert)]  # back to (source rank, local expert) order
-
-        combined = all_to_all(out, send_splits, recv_splits, self.group, "ep")  # (N, h)
+        received = dispatch_tokens(routed, send_table, recv_table, self.group)  # (M, h)
+        out = experts(received, [sum(col) for col in zip(*recv_table)])  # (M, h)
+        combined = combine_tokens(out, send_table, recv_table, self.group)  # (N, h)
         self.sent, self.received = send_counts.sum(1).detach(), recv_counts.detach()
         self.row_elements, self.element_size = routed.shape[1], routed.element_size()
         return combined
@@ -342,40 +376,3 @@ def ep_report(model: nn.Module, pgm: ProcessGroupManager, step: int) -> str:
         f"(sent + received) summed over layers {formula:,} "
         f"({'OK' if moved == formula else 'MISMATCH'})"
     ])
-
-
-# ---- the load-balancing loss under a pipeline: carried by each chunk's output ----------------
-
-
-class _CarryLoss(torch.autograd.Function):
-    """Forward: ``out`` as it is. Backward: ``out``'s gradient, and 1 for ``loss``, so a chunk's
-    own loss backpropagates with its output on any stage (Megatron's aux-loss auto-scaler)."""
-
-    @staticmethod
-    def forward(ctx: Any, out: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
-        ctx.loss_shape = loss.shape
-        return out.view_as(out)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        return grad, torch.ones(ctx.loss_shape, dtype=grad.dtype, device=grad.device)
-
-
-class MoELossInPipeline(StageHooks):
-    """Chapter 06's loss attached to a pipeline schedule (``schedule.hooks.append(...)``): each
-    chunk's MoE layers' load-balancing loss / m joins the reported loss (summed over "pp") and
-    backpropagates with the chunk's output. ``loss_of(chunk)``: a 0-dim tensor, or 0.0 for a
-    dense chunk (fp16 wraps it to scale its backward: mixed_precision.py)."""
-
-    def __init__(self, num_micro_batches: int) -> None:
-        self.m = num_micro_batches
-        self.loss_of: Callable[[nn.Module], Any] = moe_aux_loss
-
-    def output(self, schedule: PipelineSchedule, chunk: nn.Module,
-               out: torch.Tensor) -> torch.Tensor:
-        loss = self.loss_of(chunk)
-        if not torch.is_tensor(loss):  # a dense chunk's extra loss is 0.0
-            return out
-        loss = loss / self.m
-        schedule.loss += loss.detach()
-        return _CarryLoss.apply(out, loss)

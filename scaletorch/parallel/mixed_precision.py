@@ -50,8 +50,8 @@ from torch.nn.parallel import DistributedDataParallel
 from scaletorch.config import Config, resolve_precision
 from scaletorch.dist import ProcessGroupManager, comm
 from scaletorch.parallel.data_parallel import apply_data_parallel
-from scaletorch.parallel.expert_parallel import MoELossInPipeline
 from scaletorch.parallel.loss_scale import unscale_and_check, update_scale
+from scaletorch.parallel.moe_pipeline import MoELossInPipeline
 from scaletorch.parallel.pipeline_runtime import LossFn, PipelineSchedule, StageHooks
 from scaletorch.parallel.tensor_parallel_layers import ParallelRMSNorm, VocabParallelEmbedding
 

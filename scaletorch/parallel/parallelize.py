@@ -56,8 +56,9 @@ from scaletorch.dist import ProcessGroupManager, comm, get_ledger
 from scaletorch.models import Llama, loss_fn
 from scaletorch.parallel.context_parallel import apply_context_parallel, make_sequence_sharder
 from scaletorch.parallel.data_parallel import apply_data_parallel
-from scaletorch.parallel.expert_parallel import ExpertParallel, MoELossInPipeline, shard_experts
+from scaletorch.parallel.expert_parallel import ExpertParallel, shard_experts
 from scaletorch.parallel.grad_norm import clip_grads_, world_grad_norm
+from scaletorch.parallel.moe_pipeline import MoELossInPipeline
 from scaletorch.parallel.native import parallelize_native
 from scaletorch.parallel.pipeline_parallel import apply_pipeline_parallel
 from scaletorch.parallel.split_backward import runtime_class

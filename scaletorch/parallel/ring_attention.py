@@ -6,12 +6,10 @@ at step t a rank holds the K/V of rank (r - t) mod N, attends its queries to the
 block (a block is full, diagonal or skipped under the causal mask: ``ring_schedule``) and
 merges the partial results with their log-sum-exp. Forward: each rank sends its K and V
 (hkv heads, not expanded) N-1 times per layer. Backward: K/V go round again (N-1 sends) and
-dK/dV go round back to their owners (N sends). Mixed precision (chapter 08): K/V and dK/dV
-cross the ring in q's dtype (the compute dtype: bf16 under autocast, 2 bytes per element)
-and q, k, v and the output are saved in it. The merges and the softmax statistics (log-sum-exp)
-are fp32; the blocks too under ``impl="math"``, in q's dtype under the fused kernels
-(attention_kernels.py: the default on CUDA). context_parallel.py shards the sequences and
-installs this attention (or Ulysses).
+dK/dV go round back to their owners (N sends). K/V and dK/dV cross the ring in q's dtype; the
+merges and the softmax statistics (log-sum-exp) are fp32, the blocks too under ``impl="math"``
+(attention_kernels.py: the fused blocks, the default on CUDA). context_parallel.py shards the
+sequences and installs this attention (or Ulysses).
 """
 
 import math
@@ -35,7 +33,8 @@ KV_TAG, DKV_TAG = 1, 2  # distinct tags: K/V and dK/dV are in flight between the
 
 # [core: zigzag]
 def chunk_ids(cp_rank: int, cp_size: int, order: str = "zigzag") -> Tuple[int, int]:
-    """The two of the 2 x cp_size sequence chunks that ``cp_rank`` holds, in sequence order."""
+    """The two of the 2 x cp_size sequence chunks that ``cp_rank`` holds, in sequence order;
+    zigzag balances the causal work over the cp group, contiguous gives two neighbours."""
     if order not in ORDERS:
         raise ValueError(f"order must be one of {', '.join(ORDERS)}, got {order!r}")
     if order == "zigzag":
@@ -128,7 +127,8 @@ def _math_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
 # [core: merge]
 def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
           block_lse: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Combine softmax attention over two disjoint key sets (doc/05_context_parallel.md).
+    """Combine softmax attention over two disjoint key sets (doc/05_context_parallel.md):
+    out, block_out (b, h, s, d) and lse, block_lse (b, h, s), fp32; no communication.
 
     out_i = sum_j exp(s_ij - lse) v_j over keys j; with lse = log(e^lse_a + e^lse_b),
     out = e^(lse_a - lse) out_a + e^(lse_b - lse) out_b. Every exponent is <= 0: stable.

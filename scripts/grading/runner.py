@@ -16,7 +16,7 @@ import tempfile
 import traceback
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
@@ -71,6 +71,16 @@ def _chain(err: BaseException) -> List[BaseException]:
         out.append(err)
         err = err.__cause__ or err.__context__  # type: ignore[assignment]
     return out
+
+
+def innermost(err: BaseException) -> BaseException:
+    """The first error of ``err``'s chain: the one raised where it went wrong."""
+    return _chain(err)[-1]
+
+
+def caused_by(err: BaseException, kind: type) -> Optional[BaseException]:
+    """The first error of type ``kind`` in ``err``'s chain, or None."""
+    return next((e for e in _chain(err) if isinstance(e, kind)), None)
 
 
 def is_unwritten(err: BaseException) -> bool:
@@ -128,6 +138,26 @@ def run_world(fn: Callable, world: int, *args: Any) -> Tuple[List[Any], List[str
         dumps = os.listdir(directory)
         lines = flight_recorder.analyze(flight_recorder.load(directory)) if dumps else []
         return results, lines + [f"({hung[0]})"]
+
+
+def run_jobs(jobs: Sequence[Dict[str, Source]],
+             measure: Callable[[str, Source], Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Inside a rank: ``measure(exercise, source)`` of each job in turn, as {"exercise": ...,
+    **measured}; a learner's error becomes {"exercise", "error": failure(err)}, and any error
+    but an unwritten stub ends the jobs (the ranks may now disagree on the collectives to
+    come). A hang is raised: the world cannot go on (``run_world`` reports it)."""
+    out: List[Dict[str, Any]] = []
+    for job in jobs:
+        (exercise, source), = job.items()
+        try:
+            out.append({"exercise": exercise, **measure(exercise, source)})
+        except Exception as err:  # noqa: B902 - the learner's error is a diagnosis
+            if is_hang(err):
+                raise
+            out.append({"exercise": exercise, "error": failure(err)})
+            if not is_unwritten(err):
+                break
+    return out
 
 
 def hang_text(exercise: str, lines: List[str]) -> str:

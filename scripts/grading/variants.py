@@ -6,12 +6,15 @@ the words its diagnosis must contain. tests/test_grade.py runs them all, one wor
 this module is importable by the spawned ranks (``Source`` = (this module, the variant's name)).
 """
 
-from typing import Callable, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from scaletorch.dist import comm
+from scaletorch.dist.comm import Group
+from scaletorch.dist.functional import all_to_all
+from scaletorch.parallel.expert_parallel import by_local_expert
 
 # ---- chapter 01: average_gradients ---------------------------------------------------------
 
@@ -162,6 +165,145 @@ def update_halves_without_reset(scale: float, clean_steps: int, found_inf: bool,
     return scale, clean_steps
 
 
+# ---- chapter 05: chunk_ids -----------------------------------------------------------------
+
+
+def chunk_ids_contiguous(cp_rank: int, cp_size: int, order: str = "zigzag") -> Tuple[int, int]:
+    return 2 * cp_rank, 2 * cp_rank + 1  # the last rank gets every query's full causal work
+
+
+def chunk_ids_past_the_end(cp_rank: int, cp_size: int, order: str = "zigzag") -> Tuple[int, int]:
+    if order == "zigzag":
+        return cp_rank, 2 * cp_size - cp_rank  # the mirror off by one
+    return 2 * cp_rank, 2 * cp_rank + 1
+
+
+def chunk_ids_unsorted(cp_rank: int, cp_size: int, order: str = "zigzag") -> Tuple[int, int]:
+    if order == "zigzag":
+        return 2 * cp_size - 1 - cp_rank, cp_rank  # the late chunk first
+    return 2 * cp_rank, 2 * cp_rank + 1
+
+
+# ---- chapter 05: merge ---------------------------------------------------------------------
+
+
+def merge_without_max_shift(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
+                            block_lse: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    a, b = torch.exp(lse), torch.exp(block_lse)  # e^lse overflows for large scores
+    merged = (a.unsqueeze(-1) * out + b.unsqueeze(-1) * block_out) / (a + b).unsqueeze(-1)
+    return merged, torch.log(a + b)
+
+
+def merge_lse_kept(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
+                   block_lse: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    new_lse = torch.logaddexp(lse, block_lse)
+    merged = torch.exp(lse - new_lse).unsqueeze(-1) * out + \
+        torch.exp(block_lse - new_lse).unsqueeze(-1) * block_out
+    return merged, lse  # the next block merges with the first block's statistics
+
+
+def merge_plain_average(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
+                        block_lse: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    return (out + block_out) / 2, torch.logaddexp(lse, block_lse)  # blocks weigh the same
+
+
+# ---- chapter 06: dispatch_tokens -----------------------------------------------------------
+
+
+def dispatch_not_regrouped(routed: torch.Tensor, send_table: List[List[int]],
+                           recv_table: List[List[int]], group: Group) -> torch.Tensor:
+    send_splits, recv_splits = [sum(r) for r in send_table], [sum(r) for r in recv_table]
+    return all_to_all(routed, recv_splits, send_splits, group, "ep")  # still by source rank
+
+
+def dispatch_not_differentiable(routed: torch.Tensor, send_table: List[List[int]],
+                                recv_table: List[List[int]], group: Group) -> torch.Tensor:
+    send_splits, recv_splits = [sum(r) for r in send_table], [sum(r) for r in recv_table]
+    received = routed.new_empty((sum(recv_splits), routed.shape[1]))
+    comm.all_to_all_single(received, routed.detach(), recv_splits, send_splits, group,
+                           name="ep")  # torch.distributed's: autograd does not see it
+    return received[by_local_expert(recv_table, routed.device)]
+
+
+def dispatch_without_exchange(routed: torch.Tensor, send_table: List[List[int]],
+                              recv_table: List[List[int]], group: Group) -> torch.Tensor:
+    return routed  # every token stays on its rank, whoever holds its expert
+
+
+class _AllToAllSplitsKept(torch.autograd.Function):
+    """An all-to-all whose backward sends the gradients with the forward's splits."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, output_splits: List[int], input_splits: List[int],
+                group: Group) -> torch.Tensor:
+        ctx.splits, ctx.group = (output_splits, input_splits), group
+        out = x.new_empty((sum(output_splits), x.shape[1]))
+        comm.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group, name="ep")
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[torch.Tensor, None, None, None]:
+        output_splits, input_splits = ctx.splits
+        out = grad.new_empty((sum(output_splits), grad.shape[1]))
+        comm.all_to_all_single(out, grad.contiguous(), output_splits, input_splits, ctx.group,
+                               name="ep")  # the splits not swapped
+        return out, None, None, None
+
+
+def dispatch_backward_not_swapped(routed: torch.Tensor, send_table: List[List[int]],
+                                  recv_table: List[List[int]], group: Group) -> torch.Tensor:
+    send_splits, recv_splits = [sum(r) for r in send_table], [sum(r) for r in recv_table]
+    received = _AllToAllSplitsKept.apply(routed, recv_splits, send_splits, group)
+    return received[by_local_expert(recv_table, routed.device)]
+
+
+# ---- chapter 06: combine_tokens ------------------------------------------------------------
+
+
+def combine_not_put_back(out: torch.Tensor, send_table: List[List[int]],
+                         recv_table: List[List[int]], group: Group) -> torch.Tensor:
+    send_splits, recv_splits = [sum(r) for r in send_table], [sum(r) for r in recv_table]
+    return all_to_all(out, send_splits, recv_splits, group, "ep")  # rows still by expert
+
+
+def combine_not_differentiable(out: torch.Tensor, send_table: List[List[int]],
+                               recv_table: List[List[int]], group: Group) -> torch.Tensor:
+    send_splits, recv_splits = [sum(r) for r in send_table], [sum(r) for r in recv_table]
+    by_rank = out[torch.argsort(by_local_expert(recv_table, out.device))].detach()
+    combined = out.new_empty((sum(send_splits), out.shape[1]))
+    comm.all_to_all_single(combined, by_rank, send_splits, recv_splits, group, name="ep")
+    return combined
+
+
+def combine_without_exchange(out: torch.Tensor, send_table: List[List[int]],
+                             recv_table: List[List[int]], group: Group) -> torch.Tensor:
+    return out[torch.argsort(by_local_expert(recv_table, out.device))]  # never sent home
+
+
+class _AllToAllAveragedBack(torch.autograd.Function):
+    """An all-to-all whose backward sends the gradients back, then averages them over the group
+    as if they were data-parallel gradients."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, output_splits: List[int], input_splits: List[int],
+                group: Group) -> torch.Tensor:
+        ctx.splits, ctx.group = (output_splits, input_splits), group
+        return all_to_all(x, output_splits, input_splits, group, "ep").detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[torch.Tensor, None, None, None]:
+        output_splits, input_splits = ctx.splits
+        back = all_to_all(grad, input_splits, output_splits, ctx.group, "ep")
+        return back / comm.group_size(ctx.group), None, None, None  # not a mean: a route
+
+
+def combine_backward_averaged(out: torch.Tensor, send_table: List[List[int]],
+                              recv_table: List[List[int]], group: Group) -> torch.Tensor:
+    send_splits, recv_splits = [sum(r) for r in send_table], [sum(r) for r in recv_table]
+    by_rank = out[torch.argsort(by_local_expert(recv_table, out.device))]
+    return _AllToAllAveragedBack.apply(by_rank, send_splits, recv_splits, group)
+
+
 # (chapter, exercise, variant) -> words its diagnosis must contain
 CATALOGUE: Dict[Tuple[str, str, str], str] = {
     ("01", "average_gradients", "average_sum_not_mean"):
@@ -196,6 +338,35 @@ CATALOGUE: Dict[Tuple[str, str, str], str] = {
     "the scale did not double after 2 clean steps (step 1)",
     ("08", "update_scale", "update_halves_without_reset"):
     "after the overflow in step 3 the clean-step count is 1, not 0: count the clean steps from 0",
+    ("05", "chunk_ids", "chunk_ids_contiguous"):
+    "chunk_ids(0, 2) returned (0, 1), the contiguous split: zigzag pairs",
+    ("05", "chunk_ids", "chunk_ids_past_the_end"):
+    "returned (0, 2): there are 2 x 1 = 2 chunks, numbered 0 to 1",
+    ("05", "chunk_ids", "chunk_ids_unsorted"):
+    "returned (1, 0): give the two chunks in sequence order, (0, 1)",
+    ("05", "merge", "merge_without_max_shift"):
+    "merging blocks with lse 100 and 90 gave nan",
+    ("05", "merge", "merge_lse_kept"):
+    "merge's output matches, its lse does not: return the merged",
+    ("05", "merge", "merge_plain_average"):
+    "merge averaged the two blocks' outputs: weight each",
+    ("06", "dispatch_tokens", "dispatch_not_regrouped"):
+    "rank 0's experts got the right 450 tokens in step 0, but not grouped by local expert",
+    ("06", "dispatch_tokens", "dispatch_not_differentiable"):
+    "the dispatched tokens carry no gradient back",
+    ("06", "dispatch_tokens", "dispatch_backward_not_swapped"):
+    "the backward's all-to-all raised \"Split sizes doesn't match total dim 0 size\" in step 0: "
+    "the gradients of the rows received from rank i go back to rank i",
+    ("06", "dispatch_tokens", "dispatch_without_exchange"):
+    "rank 0's experts got 512 rows in step 0, the ranks routed 450 to them",
+    ("06", "combine_tokens", "combine_not_put_back"):
+    "got back outputs of other tokens in step 0: undo the regrouping by local expert",
+    ("06", "combine_tokens", "combine_not_differentiable"):
+    "the combined outputs carry no gradient back to the experts",
+    ("06", "combine_tokens", "combine_backward_averaged"):
+    "returns the library's rows, but step 0's gradient norm is 0.999",
+    ("06", "combine_tokens", "combine_without_exchange"):
+    "returned 450 rows on rank 0 in step 0, for its 512 routed rows: send each output back",
 }
 # Variants that stop the world (gloo aborts a rank on mismatched collectives): one world each,
 # after the catalogue's; the diagnosis names the collective, its group and the line issuing it.

@@ -1,0 +1,174 @@
+"""Grading chapter 05's exercises (examples/exercises/05_context_parallel.py) on 2 gloo ranks.
+
+Each job trains chapter 05's run (examples/configs/05_context_parallel.yaml: ring attention,
+cp 2, zigzag) for ``STEPS`` steps with the learner's function called in place of
+scaletorch/parallel/ring_attention.py's. Both exercises compute without communicating, so
+each call is compared on its rank with the library's on the same inputs, and the run goes on
+with the library's answer: every rank stays in step whatever the learner returned, and the
+first call that differs is the diagnosis. ``merge`` is also given one probe before the run:
+two blocks whose log-sum-exps (100 and 90) overflow fp32 once exponentiated.
+"""
+
+import math
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from scaletorch.dist import destroy_pg_manager, get_ledger, init_pg_manager_from_config
+from scaletorch.models import build_model, loss_fn
+from scaletorch.parallel import context_parallel, ring_attention
+from scaletorch.parallel.context_parallel import apply_context_parallel, make_sequence_sharder
+from scaletorch.parallel.data_parallel import apply_data_parallel
+from scaletorch.parallel.step import make_data_parallel_step
+from scaletorch.trainer import Config, Trainer, parse_args
+from scripts.grading.runner import (COLLECTIVE_TIMEOUT, Source, Verdict, error_verdict, hang_text,
+                                    load, patched, run_jobs, run_world)
+
+CHAPTER = "05"
+EXERCISES = ("chunk_ids", "merge")
+LIBRARY = "scaletorch.parallel.ring_attention"
+WORLD = 2
+AGAINST = "the library's calls"  # what the jobs are compared with
+STEPS = 2
+# merge in fp32: the library's logaddexp and a learner's max-shifted exps differ by a few
+# roundings of values of order 1 (eps 1.2e-7 each); a wrong weight is off by far more.
+RTOL, ATOL = 1e-5, 1e-6
+PROBE_LSE = (100.0, 90.0)  # e^100 > 3.4e38, fp32's largest: only a shifted merge survives
+
+
+def chunk_ids_diagnosis(args: Tuple, got: Any, want: Tuple[int, int]) -> Optional[str]:
+    """What is wrong with one chunk_ids call's answer, None if right."""
+    rank, size = args[0], args[1]
+    if tuple(got) == want:
+        return None
+    call = f"chunk_ids({rank}, {size})"
+    if any(not 0 <= c < 2 * size for c in got):
+        return (f"{call} returned {tuple(got)}: there are 2 x {size} = {2 * size} chunks, "
+                f"numbered 0 to {2 * size - 1}")
+    if sorted(got) == list(want):
+        return (f"{call} returned {tuple(got)}: give the two chunks in sequence order, {want} "
+                f"(the rank's tokens are concatenated in that order)")
+    if tuple(got) == (2 * rank, 2 * rank + 1):
+        return (f"{call} returned {tuple(got)}, the contiguous split: zigzag pairs chunk r with "
+                f"chunk 2P-1-r, {want}, so every rank does the same causal work")
+    return f"{call} returned {tuple(got)}, the library {want}"
+
+
+def merge_diagnosis(args: Tuple, got: Any, want: Tuple[torch.Tensor, torch.Tensor],
+                    step: int) -> Optional[str]:
+    """What is wrong with one merge call's answer, None if right."""
+    out, lse = got
+    close = lambda a, b: torch.allclose(a.float(), b, rtol=RTOL, atol=ATOL)  # noqa: E731
+    if close(out, want[0]) and close(lse, want[1]):
+        return None
+    if close(out, want[0]):
+        return ("merge's output matches, its lse does not: return the merged log-sum-exp, "
+                "log(e^lse + e^block_lse) (torch.logaddexp), which the next block merges with")
+    if close(out, (args[0] + args[2]) / 2):
+        return ("merge averaged the two blocks' outputs: weight each by its share of the "
+                "softmax mass, exp(its lse - the merged lse)")
+    off = float((out.float() - want[0]).abs().max())
+    return f"merge's output is {off:.1e} off the library's in step {step}"
+
+
+def probe_merge(fn: Callable) -> Optional[str]:
+    """Two blocks of one query whose lse overflow fp32 when exponentiated: the diagnosis if
+    the merge is not finite (a wrong finite answer is left to the run's calls)."""
+    lse, block_lse = (torch.full((1, 1, 1), v) for v in PROBE_LSE)
+    out, block_out = torch.ones(1, 1, 1, 2), torch.zeros(1, 1, 1, 2)
+    got, new_lse = fn(out, lse, block_out, block_lse)
+    if bool(torch.isfinite(got).all()) and bool(torch.isfinite(new_lse).all()):
+        return None
+    want = 1 / (1 + math.exp(PROBE_LSE[1] - PROBE_LSE[0]))
+    return (f"merging blocks with lse {PROBE_LSE[0]:.0f} and {PROBE_LSE[1]:.0f} gave "
+            f"{float(got[0, 0, 0, 0])}, not {want:.6f}: e^100 overflows fp32; weight by "
+            f"exp(lse - the merged lse), every exponent <= 0")
+
+
+def _checked(exercise: str, fn: Callable, library: Callable, found: List[str]) -> Callable:
+    """``fn`` called in the library's place; its first wrong answer's diagnosis goes to
+    ``found``; the library's answer is returned, so the ranks stay in step."""
+
+    def call(*args: Any) -> Any:
+        got, want = fn(*args), library(*args)
+        if not found:
+            text = chunk_ids_diagnosis(args, got, want) if exercise == "chunk_ids" else \
+                merge_diagnosis(args, got, want, get_ledger().step)
+            if text is not None:
+                found.append(text)
+        return want
+
+    return call
+
+
+def config() -> Config:
+    cfg = parse_args(
+        ["--config", "examples/configs/05_context_parallel.yaml", "--steps",
+         str(STEPS)])
+    cfg.logging.progress = False
+    return cfg
+
+
+def _train(cfg: Config, pgm: Any) -> None:
+    p = cfg.parallel
+    model = build_model(cfg.model, seed=cfg.training.model_seed)
+    apply_context_parallel(model, pgm, p.cp_variant, impl=p.cp_attention)
+    wrapped = apply_data_parallel(model, pgm, p.impl, p.bucket_size_mb)
+    step = make_data_parallel_step(wrapped, cfg.data.num_micro_batches, pgm.data_parallel_rank,
+                                   pgm.data_parallel_world_size,
+                                   pgm.data_parallel_group_with_context, loss_fn,
+                                   shard_sequence=make_sequence_sharder(pgm, cfg.data.seq_len))
+    Trainer(cfg, wrapped, pgm, device=torch.device("cpu"), forward_backward=step,
+            verbose=False).train()
+
+
+def rank_jobs(rank: int, world: int, jobs: List[Dict[str, Source]]) -> List[Dict[str, Any]]:
+    """Inside a rank: each job, its calls checked one by one."""
+    cfg = config()
+    pgm = init_pg_manager_from_config(cfg.parallel, COLLECTIVE_TIMEOUT)
+
+    def measure(exercise: str, source: Source) -> Dict[str, Any]:
+        found: List[str] = []
+        fn = load(source)
+        if exercise == "merge":
+            probed = probe_merge(fn)
+            found.extend([probed] if probed is not None else [])
+        checked = _checked(exercise, fn, getattr(ring_attention, exercise), found)
+        owners = [ring_attention] + ([context_parallel] if exercise == "chunk_ids" else [])
+        with patched([(owner, exercise, checked) for owner in owners]):
+            _train(cfg, pgm)
+        return {"found": found}
+
+    try:
+        return run_jobs(jobs, measure)
+    finally:
+        destroy_pg_manager()
+
+
+def grade(jobs: List[Dict[str, Source]]) -> List[Verdict]:
+    """Every job graded in one world of WORLD ranks, each call against the library's."""
+    results, hang = run_world(rank_jobs, WORLD, jobs)
+    ranks = [r for r in results if isinstance(r, list)]
+    verdicts = []
+    for i, job in enumerate(jobs):
+        (exercise, _), = job.items()
+        runs = [r[i] for r in ranks if i < len(r)]
+        if len(runs) < WORLD:
+            text = hang_text(exercise, hang) if hang else "no result from every rank"
+            verdicts.append(Verdict(exercise, False, text))
+            continue
+        failed = error_verdict(exercise, runs)
+        if failed is not None:
+            verdicts.append(failed)
+            continue
+        texts = [t for run in runs for t in run["found"]]
+        verdicts.append(Verdict(exercise, not texts, texts[0] if texts else "passed"))
+    return verdicts
+
+
+def solution_jobs() -> List[Dict[str, Source]]:
+    return [{name: (LIBRARY, name)} for name in EXERCISES]
+
+
+def exercise_jobs(path: str) -> List[Dict[str, Source]]:
+    return [{name: (path, name)} for name in EXERCISES]

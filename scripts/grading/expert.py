@@ -1,0 +1,226 @@
+"""Grading chapter 06's exercises (examples/exercises/06_expert_parallel.py) on 2 gloo ranks.
+
+Each job trains chapter 06's run (examples/configs/06_expert_parallel.yaml: 4 experts, top-2,
+ep 2, so 2 local experts per rank) for ``STEPS`` steps with the learner's function in place of
+scaletorch/parallel/expert_parallel.py's. Every call of it is checked at once against the
+library's function on the same inputs (ledger paused): the rows it returns (how many, which,
+in which order) and whether they carry a gradient. The ranks agree on the verdict by one
+all-reduce over the world, so all stop the job together and the next job starts in step. A job
+whose every call matched is then compared with the library's run in the same world (job 0):
+losses, grad norms and final weights.
+"""
+
+import traceback
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from scaletorch.dist import comm, destroy_pg_manager, get_ledger, init_pg_manager_from_config
+from scaletorch.models import build_model, loss_fn
+from scaletorch.parallel import expert_parallel
+from scaletorch.parallel.expert_parallel import (ExpertParallel, expert_parallel_clip_grad_norm,
+                                                 shard_experts)
+from scaletorch.parallel.step import make_data_parallel_step
+from scaletorch.trainer import Config, Trainer, parse_args
+from scripts.grading.runner import (COLLECTIVE_TIMEOUT, Source, Verdict, caused_by, error_verdict,
+                                    hang_text, innermost, load, patched, run_jobs, run_world)
+
+CHAPTER = "06"
+EXERCISES = ("dispatch_tokens", "combine_tokens")
+LIBRARY = "scaletorch.parallel.expert_parallel"
+WORLD = 2
+AGAINST = "the library's run"  # what the jobs are compared with
+STEPS = 3
+# A learner's dispatch and combine only move rows: the same numbers as the library's, so the
+# runs are equal; 1e-6 leaves room for another summation order in a learner's regrouping.
+TOL = 1e-6
+RIGHT, ROWS, NO_GRAD, ORDER, FOREIGN = range(5)  # what a call returned, in order of priority
+
+
+class WrongRows(Exception):
+    """Raised on every rank when a call's rows differ from the library's on some rank."""
+
+
+def _compare(got: torch.Tensor, want: torch.Tensor, needs_grad: bool) -> int:
+    """RIGHT, or what differs: the row count, the gradient, the order only, the rows."""
+    if got.shape != want.shape:
+        return ROWS
+    rows, want = got.detach().float(), want.float()
+    if not torch.equal(rows, want):
+        # the same rows, each as often (a token routed to two local experts comes twice)?
+        mine, theirs = (torch.unique(t, dim=0, return_counts=True) for t in (rows, want))
+        same = all(torch.equal(a, b) for a, b in zip(mine, theirs))
+        return ORDER if same else FOREIGN
+    return NO_GRAD if needs_grad and got.grad_fn is None else RIGHT
+
+
+def _text(exercise: str, code: int, rank: int, got: int, want: int, step: int) -> str:
+    """The diagnosis of a call that returned ``code`` on ``rank`` (in the learner's terms)."""
+    texts = {
+        ("dispatch_tokens", ROWS):
+        f"rank {rank}'s experts got {got} rows in step {step}, the ranks routed {want} to "
+        f"them: exchange the tokens with one all-to-all over ep, sending send_table's row sums "
+        f"and receiving recv_table's",
+        ("dispatch_tokens", NO_GRAD):
+        "the dispatched tokens carry no gradient back to the router and attention: "
+        "torch.distributed's all-to-all is invisible to autograd; use functional.all_to_all "
+        "(its backward is the reverse all-to-all)",
+        ("dispatch_tokens", ORDER):
+        f"rank {rank}'s experts got the right {want} tokens in step {step}, but not grouped by "
+        f"local expert: they arrive by source rank; regroup them, expert 0's rows first",
+        ("dispatch_tokens", FOREIGN):
+        f"rank {rank}'s experts got tokens in step {step} that no rank routed to them",
+        ("combine_tokens", ROWS):
+        f"combine_tokens returned {got} rows on rank {rank} in step {step}, for its {want} "
+        f"routed rows: send each output back to its token's rank (the all-to-all with the "
+        f"dispatch's splits swapped)",
+        ("combine_tokens", NO_GRAD):
+        "the combined outputs carry no gradient back to the experts: torch.distributed's "
+        "all-to-all is invisible to autograd; use functional.all_to_all",
+        ("combine_tokens", ORDER):
+        f"rank {rank} got its tokens' outputs back in step {step}, in the wrong order: row n "
+        f"must be routed row n's output",
+        ("combine_tokens", FOREIGN):
+        f"rank {rank} got back outputs of other tokens in step {step}: undo the regrouping by "
+        f"local expert before the all-to-all back, so each rank's rows go home",
+    }
+    return texts[(exercise, code)]
+
+
+def _backward_splits(err: BaseException) -> Optional[str]:
+    """The diagnosis of an all-to-all whose split sizes do not fit, raised in a backward (on
+    every rank: each rank's rows received and sent differ in number), else None."""
+    first = innermost(err)
+    frames = traceback.extract_tb(first.__traceback__)
+    if "Split sizes" not in str(first) or not any(f.name == "backward" for f in frames):
+        return None
+    return (f"the backward's all-to-all raised \"{str(first).splitlines()[0]}\" in step "
+            f"{get_ledger().step}: the gradients of the rows received from rank i go back to "
+            f"rank i, so swap the split sizes in the backward")
+
+
+def _checked(exercise: str, fn: Callable, library: Callable) -> Callable:
+    """``fn`` in the library's place, each call compared with ``library`` on the same inputs;
+    the ranks agree on the worst (one all-reduce over the world) and all raise WrongRows."""
+
+    def call(x: torch.Tensor, send_table: List[List[int]], recv_table: List[List[int]],
+             group: Any) -> torch.Tensor:
+        got = fn(x, send_table, recv_table, group)
+        with torch.no_grad(), get_ledger().paused():  # a check, not training traffic
+            want = library(x.detach(), send_table, recv_table, group)
+            mine = torch.zeros(WORLD, 3)  # (rank, [code, rows returned, rows expected])
+            rank = comm.group_rank(None)
+            mine[rank] = torch.tensor(
+                [_compare(got, want, x.requires_grad), got.shape[0], want.shape[0]],
+                dtype=torch.float)
+            comm.all_reduce(mine, None)
+        codes = [int(c) for c in mine[:, 0].tolist()]
+        if any(codes):
+            worst = min(c for c in codes if c)
+            r = codes.index(worst)
+            raise WrongRows(
+                _text(exercise, worst, r, int(mine[r, 1]), int(mine[r, 2]),
+                      get_ledger().step))
+        return got
+
+    return call
+
+
+def config() -> Config:
+    cfg = parse_args(
+        ["--config", "examples/configs/06_expert_parallel.yaml", "--steps",
+         str(STEPS)])
+    cfg.logging.progress = False
+    return cfg
+
+
+def _train(cfg: Config, pgm: Any) -> Dict[str, Any]:
+    model = ExpertParallel(shard_experts(build_model(cfg.model, seed=cfg.training.model_seed), pgm),
+                           pgm)
+    step = make_data_parallel_step(model, cfg.data.num_micro_batches, pgm.data_parallel_rank,
+                                   pgm.data_parallel_world_size,
+                                   pgm.data_parallel_group_with_context, loss_fn)
+    result = Trainer(cfg, model, pgm, device=torch.device("cpu"), forward_backward=step,
+                     clip_grad_norm=expert_parallel_clip_grad_norm(model,
+                                                                   pgm), verbose=False).train()
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {"losses": result.losses, "grad_norms": result.grad_norms, "state": state}
+
+
+def rank_jobs(rank: int, world: int, jobs: List[Dict[str, Source]]) -> List[Dict[str, Any]]:
+    """Inside a rank: the library's run (the reference), then each job, checked call by call."""
+    cfg = config()
+    pgm = init_pg_manager_from_config(cfg.parallel, COLLECTIVE_TIMEOUT)
+
+    def measure(exercise: str, source: Source) -> Dict[str, Any]:
+        checked = _checked(exercise, load(source), getattr(expert_parallel, exercise))
+        try:
+            with patched([(expert_parallel, exercise, checked)]):
+                return _train(cfg, pgm)
+        except Exception as err:  # noqa: B902 - run_jobs reports what this cannot name
+            wrong = caused_by(err, WrongRows)
+            text = str(wrong) if wrong is not None else _backward_splits(err)
+            if text is None:
+                raise
+            return {"wrong": text}  # every rank raised it at the same call
+
+    try:
+        return [{"exercise": "the library", **_train(cfg, pgm)}] + run_jobs(jobs, measure)
+    finally:
+        destroy_pg_manager()
+
+
+def parity_diagnosis(exercise: str, runs: List[Dict[str, Any]],
+                     refs: List[Dict[str, Any]]) -> Optional[str]:
+    """Every call matched the library's: the run must too. Each step's grad norm (before
+    clipping) first, where a wrong backward shows before the weights move, then losses and
+    weights; None if all match."""
+    for rank, (run, ref) in enumerate(zip(runs, refs)):
+        for step, (norm, want) in enumerate(zip(run["grad_norms"], ref["grad_norms"])):
+            if not abs(norm - want) <= TOL * want:
+                return (f"{exercise} returns the library's rows, but step {step}'s gradient "
+                        f"norm is {norm / want:.4g}x the reference's on rank {rank}: its "
+                        f"backward must be the reverse all-to-all and nothing more")
+        pairs: List[Tuple[str, float]] = [
+            ("loss", max(abs(a - b) for a, b in zip(run["losses"], ref["losses"]))),
+            ("weights",
+             max(float((run["state"][k] - v).abs().max()) for k, v in ref["state"].items())),
+        ]
+        for what, off in pairs:
+            if not off <= TOL:
+                return (f"{exercise} returns the library's rows, but rank {rank}'s {what} ends "
+                        f"{off:.1e} off the reference after {STEPS} steps")
+    return None
+
+
+def grade(jobs: List[Dict[str, Source]]) -> List[Verdict]:
+    """Every job graded in one world of WORLD ranks, against the library's run (job 0)."""
+    results, hang = run_world(rank_jobs, WORLD, jobs)
+    ranks = [r for r in results if isinstance(r, list)]
+    if len(ranks) < WORLD or not ranks[0] or "losses" not in ranks[0][0]:
+        text = hang_text("the reference run", hang) if hang else "the reference run failed"
+        return [Verdict(next(iter(job)), False, text) for job in jobs]
+    refs = [r[0] for r in ranks]
+    verdicts = []
+    for i, job in enumerate(jobs, start=1):
+        (exercise, _), = job.items()
+        runs = [r[i] for r in ranks if i < len(r)]
+        if len(runs) < WORLD:
+            text = hang_text(exercise, hang) if hang else "no result from every rank"
+            verdicts.append(Verdict(exercise, False, text))
+            continue
+        failed = error_verdict(exercise, runs)
+        if failed is not None:
+            verdicts.append(failed)
+            continue
+        text = runs[0]["wrong"] if "wrong" in runs[0] else parity_diagnosis(exercise, runs, refs)
+        verdicts.append(Verdict(exercise, text is None, text or "passed"))
+    return verdicts
+
+
+def solution_jobs() -> List[Dict[str, Source]]:
+    return [{name: (LIBRARY, name)} for name in EXERCISES]
+
+
+def exercise_jobs(path: str) -> List[Dict[str, Source]]:
+    return [{name: (path, name)} for name in EXERCISES]
