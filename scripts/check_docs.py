@@ -34,8 +34,9 @@ The convention (doc/design.md, "Docs that reproduce"):
   so code shown on a page cannot drift from the code that runs.
 - A plain ``` fence that looks like program output (a parity line, a ledger header...) is an
   error: label it ```text and put its command before it.
-- A prose sentence has at most 40 words (MAX_WORDS): a learner reads prose, so --lint counts
-  it. Fences, indented blocks, tables (a list item's too), headings, HTML comments and images
+- A prose sentence has at most 30 words in a chapter page (doc/NN_*.md) and the README
+  (CHAPTER_WORDS), 40 elsewhere (MAX_WORDS): a learner reads prose, so --lint counts it.
+  Fences, indented blocks, tables (a list item's too), headings, HTML comments and images
   are not prose. A sentence ends at ``. ! ? : ;`` followed by a space and a capital, a
   backtick, ``(`` or ``*``; a blank line or a list item's marker starts a new one. A word is a
   run of non-spaces with a letter in it, so numbers and symbols do not count.
@@ -87,6 +88,8 @@ OUTPUT_SIGNS = re.compile(r"^(parity: max|communication per rank|op\s+group\s+N\
                           r"routing of the last|RuntimeError: rank)")
 FENCE = re.compile(r"^```\s*(\S*)\s*$")
 MAX_WORDS = 40
+CHAPTER_WORDS = 30  # a chapter page (doc/NN_*.md) and the README: what a learner reads first
+CHAPTER_PAGE = re.compile(r"^(\d\d[a-z]?_.*|README)\.md$")
 NOT_PROSE = ("    ", "\t", "#", "<!--", "![")  # and a table's row, indented or not
 LIST_MARKER = re.compile(r"^\s*([-*]|\d+\.)\s+")
 SENTENCE_END = re.compile(r"(?<=[.!?:;])\s+(?=[A-Z(`*])")
@@ -247,9 +250,15 @@ def parse(path: str, text: Optional[str] = None) -> Tuple[List[Block], List[str]
     return blocks, errors + excerpt_errors(rel, lines, fences)
 
 
-def long_sentences(path: str, text: Optional[str] = None, limit: int = MAX_WORDS) -> List[str]:
-    """One error per prose sentence of more than ``limit`` words, with the line where its
-    paragraph starts and its first words."""
+def word_limit(path: str) -> int:
+    """How many words a prose sentence of ``path`` may have."""
+    return CHAPTER_WORDS if CHAPTER_PAGE.match(os.path.basename(path)) else MAX_WORDS
+
+
+def long_sentences(path: str, text: Optional[str] = None, limit: Optional[int] = None) -> List[str]:
+    """One error per prose sentence of more than ``limit`` words (by default ``word_limit``),
+    with the line where its paragraph starts and its first words."""
+    limit = word_limit(path) if limit is None else limit
     if text is None:
         with open(path, encoding="utf-8") as f:
             text = f.read()
@@ -512,7 +521,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"STRUCTURE {error}")
     if args.lint:
         print(f"{len(blocks)} command blocks with output, {len(errors)} structure errors "
-              f"(sentences of more than {MAX_WORDS} words included)")
+              f"(sentences of more than {CHAPTER_WORDS} words in a chapter page or the README, "
+              f"{MAX_WORDS} elsewhere, included)")
         return 1 if errors else 0
 
     def wanted(b: Block) -> bool:

@@ -115,6 +115,12 @@ class LintCountsTheWordsOfProseSentences(unittest.TestCase):
         errors = [e for path in check_docs.doc_files([]) for e in check_docs.long_sentences(path)]
         self.assertEqual(errors, [])
 
+    def test_a_chapter_page_and_the_readme_hold_sentences_to_30_words_other_pages_to_40(self):
+        text = " ".join(["word"] * 31) + ".\n"
+        for page in ("doc/05_context_parallel.md", "doc/04b_zero_bubble.md", "README.md"):
+            self.assertEqual(len(check_docs.long_sentences(page, text)), 1, page)
+        self.assertEqual(check_docs.long_sentences("doc/glossary.md", text), [])
+
 
 class ComparisonIgnoresTimingAndCatchesDrift(unittest.TestCase):
 
