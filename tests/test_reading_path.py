@@ -52,8 +52,8 @@ CHAPTERS: List[Tuple[str, str, str]] = [
 # The chapter that introduces each strategy module: its page lists it, no earlier chapter's
 # path reaches it. (Chapter 09's planner, scaletorch/plan, is reached by no earlier script.)
 MODULES_OF: Dict[str, List[str]] = {
-    "01": ["data_parallel", "gradient_sync", "overlap_chart", "grad_norm", "memory_report",
-           "wrapper"],
+    "01":
+    ["data_parallel", "gradient_sync", "overlap_chart", "grad_norm", "memory_report", "wrapper"],
     "02": ["zero", "flat_unit", "zero_report", "fully_shard"],
     "03": ["tensor_parallel", "tensor_parallel_layers", "tensor_parallel_dtensor"],
     "04": ["pipeline_parallel", "pipeline_schedules", "orders", "timeline", "placement"],

@@ -37,8 +37,8 @@ from scaletorch.parallel.mixed_precision import policy_for as precision_policy
 from scaletorch.parallel.validation import validate_layout
 from scaletorch.rules.errors import INTERRUPTED, InputError, MissingInputError, RunStopped
 from scaletorch.rules.schema import Rule, check_applies, check_value, ignored_by, rules_of
-from scaletorch.trainer.checkpoint import (check_resume, latest_valid_checkpoint,
-                                           load_tensors_only, read_manifest)
+from scaletorch.trainer.checkpoint import (check_resume, latest_valid_checkpoint, load_tensors_only,
+                                           read_manifest)
 from scaletorch.trainer.run_dir import check_run_dir, move_aside
 from scaletorch.trainer.safe_files import write_atomic
 

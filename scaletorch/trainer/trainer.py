@@ -245,8 +245,7 @@ class Trainer:
         return values[0], values[1]
 
     def step_tensors(
-            self,
-            before_update: Optional[Callable[[Any, torch.Tensor, bool], None]] = None
+        self, before_update: Optional[Callable[[Any, torch.Tensor, bool], None]] = None
     ) -> tuple[Any, torch.Tensor]:
         """The step with no host sync of its own: (loss, grad norm) as the step left them (a
         dry run's fake tensors have no values to read, scaletorch/trainer/dry_run.py).
