@@ -9,6 +9,8 @@ tensors: RMSNorm's and RoPE's few per token, the loss's scalars). Every pipeline
 even and an uneven layer split matches, and the planner names the heaviest one.
 """
 
+import contextlib
+import io
 import os
 import subprocess
 import sys
@@ -182,10 +184,26 @@ class DryRunCommand(unittest.TestCase):
     def test_what_the_dry_run_cannot_run_is_refused_with_the_value(self):
         cfg = config_of("8b zero1 dp1024")
         cfg.training.precision = "bf16"
-        with self.assertRaisesRegex(ValueError, "training.precision bf16: the dry run runs fp32"):
+        with self.assertRaisesRegex(ValueError, r"training.precision bf16: the dry run runs fp32 "
+                                    r"only \(autocast has no meta device\)"):
+            dry_run_text(cfg, 1024)
+        cfg = config_of("8b zero1 dp1024")
+        cfg.parallel.impl = "torch"
+        with self.assertRaisesRegex(ValueError, "parallel.impl torch: .* bypass the ledger"):
             dry_run_text(cfg, 1024)
         with self.assertRaisesRegex(ValueError, "pipeline rank 4 is not in 0..3"):
             dry_run_text(config_of("8b even"), STAGES.world, "4")
+
+    def test_the_planners_dry_run_refuses_bf16_in_one_line_naming_why(self):
+        from scripts.plan import main
+
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            status = main(["--preset", "llama3-8b", "--gpus", "1024", "--precision", "bf16",
+                           "--dry-run"])
+        self.assertEqual(status, 2)
+        self.assertRegex(err.getvalue(), r"^error: --dry-run .*: fp32 \(autocast has no meta "
+                         r"device\), .*\n$")
 
     def test_chapter_07s_dry_run_refuses_a_missing_world_in_one_line_with_status_2(self):
         run = subprocess.run([sys.executable, "examples/07_nd_parallel.py", "--dry-run"], cwd=ROOT,

@@ -3,12 +3,14 @@
 PyTorch's fake process group (``init_process_group("fake", ...)``) returns from every
 collective at once, and tensors on the meta device carry shapes, dtypes and storage sizes but
 no data. Under both, the real path runs unchanged as one chosen rank: the layout check, the
-process-group manager, ``parallelize``, the Trainer's steps and the optimizer's. Every tensor
-is allocated (as a size) and every collective is issued with its real shape, so the ledger and
-the memory ledger read what the rank would hold and send on a real cluster.
+process-group manager, ``parallelize``, the Trainer's steps and the optimizer's, and its
+checkpoint save when the run saves (``checkpoint.every``). Every tensor is allocated (as a
+size) and every collective is issued with its real shape, so the ledger and the memory ledger
+read what the rank would hold and send on a real cluster.
 
-    dry_run(cfg, world, pp_rank)       -> DryRun: memory by kind and dtype, saved activations,
-                                          the ledger of the last step, seconds it took
+    dry_run(cfg, world, pp_rank)       -> DryRun: memory by kind and dtype, saved activations
+                                          (one micro-batch's peak, the schedule's), the ledger
+                                          of the last step, checkpoint bytes, seconds it took
     dry_run_report(cfg, world, runs)   -> each figure beside the planner's, with the ratio
 
 Why the meta device and not ``FakeTensorMode``: on torch 2.13 ``Module.to`` of a fake
@@ -18,8 +20,11 @@ parameter has), and the tensor parallel layers move their new weights with ``.to
 What needs values is kept out, each a host sync or a scaling limit on a real cluster: the
 Trainer's ``float(loss)`` and ``float(grad_norm)`` (``Trainer.step_tensors`` stops before them),
 the synthetic dataset's V x V transition matrix (``ShapeLoader`` hands out token ids of the
-batch's shape instead), the log's straggler all-gather and the checkpoint writer. fp32 only:
-autocast has no meta device.
+batch's shape instead), the log's straggler all-gather, the checkpoint's files (the Trainer's
+save counts each file's bytes in a ``SizeCounter`` instead, no torch.save of meta tensors),
+its manifest (rank 0 reads every rank's file) and the consolidated file's gather (a flag read
+with ``.item()``; its bytes come from the reference's shapes). fp32 only: autocast has no meta
+device.
 """
 
 import argparse
