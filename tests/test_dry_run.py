@@ -184,8 +184,9 @@ class DryRunCommand(unittest.TestCase):
     def test_what_the_dry_run_cannot_run_is_refused_with_the_value(self):
         cfg = config_of("8b zero1 dp1024")
         cfg.training.precision = "bf16"
-        with self.assertRaisesRegex(ValueError, r"training.precision bf16: the dry run runs fp32 "
-                                    r"only \(autocast has no meta device\)"):
+        with self.assertRaisesRegex(
+                ValueError, r"training.precision bf16: the dry run runs fp32 "
+                r"only \(autocast has no meta device\)"):
             dry_run_text(cfg, 1024)
         cfg = config_of("8b zero1 dp1024")
         cfg.parallel.impl = "torch"
@@ -199,8 +200,8 @@ class DryRunCommand(unittest.TestCase):
 
         err = io.StringIO()
         with contextlib.redirect_stderr(err):
-            status = main(["--preset", "llama3-8b", "--gpus", "1024", "--precision", "bf16",
-                           "--dry-run"])
+            status = main(
+                ["--preset", "llama3-8b", "--gpus", "1024", "--precision", "bf16", "--dry-run"])
         self.assertEqual(status, 2)
         self.assertRegex(err.getvalue(), r"^error: --dry-run .*: fp32 \(autocast has no meta "
                          r"device\), .*\n$")
