@@ -16,9 +16,11 @@ import subprocess
 import sys
 import tempfile
 import unittest
+import zipfile
 from dataclasses import replace
 from typing import Dict
 
+import torch
 import torch.distributed as dist
 
 from scaletorch.plan.layout import PlanLayout
@@ -27,6 +29,7 @@ from scaletorch.plan.model import preset
 from scaletorch.plan.report import most_loaded
 from scaletorch.plan.search import with_split
 from scaletorch.plan.traffic import collectives
+from scaletorch.trainer.checkpoint import rng_state, tensor_bytes
 from scaletorch.trainer.config import Config
 from scaletorch.trainer.dry_run import DryRun, dry_run, dry_run_text, planned, run_config
 
@@ -169,6 +172,31 @@ class DryRunEqualsThePlannerAtScale(unittest.TestCase):
                 self.assertAlmostEqual(total / held[r], 1, delta=ACTIVATIONS, msg=f"{name} {r}")
         # the uneven split loads a middle stage most: an estimate from the ends would miss it
         self.assertNotIn(most_loaded(*planned(config_of("8b uneven"), STAGES.world)), (0, 3))
+
+
+class CountedBytesAreWhatTorchSaveWrites(unittest.TestCase):
+
+    def test_tensor_bytes_equal_the_storages_in_a_torch_save_file(self):
+        # a Trainer-like state on the CPU: weights, AdamW's state after a step, the RNG states,
+        # two views of one storage (saved whole, once) and a plain int; torch.save writes each
+        # storage's bytes as one archive/data/N entry, which the count must equal exactly
+        layer = torch.nn.Linear(8, 6)
+        optimizer = torch.optim.AdamW(layer.parameters())
+        layer(torch.randn(2, 8)).sum().backward()
+        optimizer.step()
+        flat = torch.zeros(100)
+        state = {
+            "model": layer.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "rng": rng_state(),
+            "views": [flat[:10], flat[50:]],
+            "step": 3
+        }
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        archive = zipfile.ZipFile(io.BytesIO(buffer.getvalue()))
+        written = sum(i.file_size for i in archive.infolist() if "/data/" in i.filename)
+        self.assertEqual(tensor_bytes(state), written)
 
 
 class DryRunCommand(unittest.TestCase):
