@@ -161,8 +161,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         flash = (args.attention or ("flash" if production and not dry else "eager")) == "flash"
         if dry and (precision != "fp32" or flash or args.framework not in (None, "scaletorch")
                     or args.search):
-            raise ValueError("--dry-run runs this repository's trainer on one layout: fp32, "
-                             "eager attention, no --search, --framework scaletorch")
+            raise ValueError("--dry-run runs this repository's trainer on one layout: fp32 "
+                             "(autocast has no meta device), eager attention (the trainer's), "
+                             "no --search, --framework scaletorch")
         cluster = load_cluster(args.cluster)
         check = checker(cfg)
         if args.search:

@@ -1,28 +1,35 @@
 """The dry run (scaletorch/trainer/dry_run.py) equals the planner at full scale.
 
 One rank of worlds of 1,024 to 16,384 runs the real code (parallelize, the Trainer's step, the
-optimizer's) over the fake process group with meta tensors, one step each. Model states,
-ZeRO-3's gathered units and every (op, group, phase)'s wire bytes and calls equal the
-planner's exactly; saved activations are within 5% (the planner's formulas leave out small
+optimizer's, the Trainer's checkpoint save) over the fake process group with meta tensors, one
+step each. Model states, ZeRO-3's gathered units, the checkpoint files' bytes and every (op,
+group, phase)'s wire bytes and calls equal the planner's exactly; saved activations, one
+micro-batch's and the schedule's, are within 5% (the planner's formulas leave out small
 tensors: RMSNorm's and RoPE's few per token, the loss's scalars). Every pipeline stage of an
 even and an uneven layer split matches, and the planner names the heaviest one.
 """
 
+import contextlib
+import io
 import os
 import subprocess
 import sys
+import tempfile
 import unittest
+import zipfile
 from dataclasses import replace
 from typing import Dict
 
+import torch
 import torch.distributed as dist
 
 from scaletorch.plan.layout import PlanLayout
-from scaletorch.plan.memory import activation_bytes, rank_memory, state_bytes
+from scaletorch.plan.memory import activation_bytes, checkpoint_bytes, rank_memory, state_bytes
 from scaletorch.plan.model import preset
 from scaletorch.plan.report import most_loaded
 from scaletorch.plan.search import with_split
 from scaletorch.plan.traffic import collectives
+from scaletorch.trainer.checkpoint import rng_state, tensor_bytes
 from scaletorch.trainer.config import Config
 from scaletorch.trainer.dry_run import DryRun, dry_run, dry_run_text, planned, run_config
 
@@ -88,11 +95,14 @@ class DryRunEqualsThePlannerAtScale(unittest.TestCase):
         if dist.is_initialized():  # the dry run is this process's world
             raise unittest.SkipTest("a process group exists in this process")
         cls.runs: Dict[str, Dict[int, DryRun]] = {}
+        cls.checkpoints = os.path.join(tempfile.mkdtemp(), "checkpoints")  # never created
         for name, (_, layout, ranks) in LAYOUTS.items():
             cfg = config_of(name)
+            cfg.checkpoint.every, cfg.checkpoint.dir = 1, cls.checkpoints  # asked to save
             model, plan = planned(cfg, layout.world)
             ranks = ranks if ranks is not None else [most_loaded(model, plan)]
             cls.runs[name] = {r: dry_run(cfg, layout.world, r, steps=1) for r in ranks}
+        os.rmdir(os.path.dirname(cls.checkpoints))  # empty: nothing was written
 
     def test_model_states_and_zero3_gathered_units_equal_the_planners(self):
         for name, runs in self.runs.items():
@@ -117,6 +127,35 @@ class DryRunEqualsThePlannerAtScale(unittest.TestCase):
                 saved = activation_bytes(model, layout, r)["saved"]
                 self.assertAlmostEqual(saved / run.saved, 1, delta=ACTIVATIONS, msg=f"{name} {r}")
 
+    def test_one_micro_batchs_activations_within_5_percent_and_1f1b_holds_p_minus_r_of_them(self):
+        for name, runs in self.runs.items():
+            model, layout = planned(config_of(name), LAYOUTS[name][1].world)
+            for r, run in runs.items():
+                micro = activation_bytes(model, layout, r)["micro_batch"]
+                self.assertAlmostEqual(micro / run.micro_batch, 1, delta=ACTIVATIONS,
+                                       msg=f"{name} {r}")
+        # 1F1B keeps p - r micro-batches in flight on stage r, each as its forward left it
+        # (the last stage, one: its backward follows each forward): exactly, in bytes
+        for name in ("405b 1f1b", "8b even", "8b uneven"):
+            pp = LAYOUTS[name][1].pp
+            for r, run in self.runs[name].items():
+                self.assertEqual(run.saved, (pp - r) * run.micro_batch, f"{name} pp {r}")
+
+    def test_checkpoint_files_hold_the_planners_model_state_bytes_and_nothing_is_written(self):
+        for name, runs in self.runs.items():
+            model, layout = planned(config_of(name), LAYOUTS[name][1].world)
+            for r, run in runs.items():
+                files = checkpoint_bytes(model, layout, r)
+                self.assertEqual(run.checkpoint["model"], files["model"], f"{name} pp {r}")
+                # AdamW's step counters are fp32 scalars, one per parameter tensor, beside m, v
+                self.assertEqual(run.checkpoint["optimizer"] - run.step_counters,
+                                 files["optimizer"], f"{name} pp {r}")
+                self.assertEqual(run.consolidated, files["consolidated"], f"{name} pp {r}")
+        # 405B: the consolidated file holds 12 bytes (weight, m, v) for each parameter
+        (run, ) = self.runs["405b 1f1b"].values()
+        self.assertEqual(run.consolidated, 12 * 405_853_388_800)
+        self.assertFalse(os.path.exists(self.checkpoints))
+
     def test_the_planner_names_the_heaviest_stage_of_an_even_and_an_uneven_split(self):
         for name in ("8b even", "8b uneven"):
             model, layout = planned(config_of(name), STAGES.world)
@@ -135,6 +174,31 @@ class DryRunEqualsThePlannerAtScale(unittest.TestCase):
         self.assertNotIn(most_loaded(*planned(config_of("8b uneven"), STAGES.world)), (0, 3))
 
 
+class CountedBytesAreWhatTorchSaveWrites(unittest.TestCase):
+
+    def test_tensor_bytes_equal_the_storages_in_a_torch_save_file(self):
+        # a Trainer-like state on the CPU: weights, AdamW's state after a step, the RNG states,
+        # two views of one storage (saved whole, once) and a plain int; torch.save writes each
+        # storage's bytes as one archive/data/N entry, which the count must equal exactly
+        layer = torch.nn.Linear(8, 6)
+        optimizer = torch.optim.AdamW(layer.parameters())
+        layer(torch.randn(2, 8)).sum().backward()
+        optimizer.step()
+        flat = torch.zeros(100)
+        state = {
+            "model": layer.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "rng": rng_state(),
+            "views": [flat[:10], flat[50:]],
+            "step": 3
+        }
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        archive = zipfile.ZipFile(io.BytesIO(buffer.getvalue()))
+        written = sum(i.file_size for i in archive.infolist() if "/data/" in i.filename)
+        self.assertEqual(tensor_bytes(state), written)
+
+
 class DryRunCommand(unittest.TestCase):
 
     def test_the_report_shows_each_figure_beside_the_planners_with_the_ratio(self):
@@ -148,10 +212,27 @@ class DryRunCommand(unittest.TestCase):
     def test_what_the_dry_run_cannot_run_is_refused_with_the_value(self):
         cfg = config_of("8b zero1 dp1024")
         cfg.training.precision = "bf16"
-        with self.assertRaisesRegex(ValueError, "training.precision bf16: the dry run runs fp32"):
+        with self.assertRaisesRegex(
+                ValueError, r"training.precision bf16: the dry run runs fp32 "
+                r"only \(autocast has no meta device\)"):
+            dry_run_text(cfg, 1024)
+        cfg = config_of("8b zero1 dp1024")
+        cfg.parallel.impl = "torch"
+        with self.assertRaisesRegex(ValueError, "parallel.impl torch: .* bypass the ledger"):
             dry_run_text(cfg, 1024)
         with self.assertRaisesRegex(ValueError, "pipeline rank 4 is not in 0..3"):
             dry_run_text(config_of("8b even"), STAGES.world, "4")
+
+    def test_the_planners_dry_run_refuses_bf16_in_one_line_naming_why(self):
+        from scripts.plan import main
+
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            status = main(
+                ["--preset", "llama3-8b", "--gpus", "1024", "--precision", "bf16", "--dry-run"])
+        self.assertEqual(status, 2)
+        self.assertRegex(err.getvalue(), r"^error: --dry-run .*: fp32 \(autocast has no meta "
+                         r"device\), .*\n$")
 
     def test_chapter_07s_dry_run_refuses_a_missing_world_in_one_line_with_status_2(self):
         run = subprocess.run([sys.executable, "examples/07_nd_parallel.py", "--dry-run"], cwd=ROOT,

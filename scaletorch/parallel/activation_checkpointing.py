@@ -17,7 +17,7 @@ Two modes (``parallel.activation_checkpointing``; true/false in older configs ar
 """
 
 import weakref
-from typing import Any, Callable, Dict, List, Set, Tuple, Union, cast
+from typing import Any, Callable, Dict, Hashable, List, Set, Tuple, Union, cast
 
 import torch
 from torch import nn
@@ -101,15 +101,28 @@ def saved_activation_bytes(model: nn.Module, fn: Callable[[], Any]) -> Tuple[int
     saves. For a forward alone that is everything it saved; for a whole step (forward and
     backward of several micro-batches, or a pipeline schedule) the peak, since backward frees
     what it used."""
+    peak, _, out = saved_activation_peaks(model, fn, lambda: None)
+    return peak, out
+
+
+def saved_activation_peaks(model: nn.Module, fn: Callable[[], Any],
+                           tag: Callable[[], Hashable]) -> Tuple[int, Dict[Hashable, int], Any]:
+    """``saved_activation_bytes``, and the most bytes each tag's tensors held at one time:
+    ``tag()`` names, when autograd saves a tensor, what it belongs to (a micro-batch, say:
+    ``activation_meter.micro_batch_of``). Returns (peak, {tag: its peak}, fn's result)."""
     params = weight_storages(model)
-    live: Dict[int, List[int]] = {}  # storage address -> [bytes, saved tensors using it]
+    live: Dict[int, List[Any]] = {}  # storage address -> [bytes, saved tensors using it, tag]
     current, peak = 0, 0
+    by_tag: Dict[Hashable, int] = {}
+    peaks: Dict[Hashable, int] = {}
 
     def release(ptr: int) -> None:
         nonlocal current
         live[ptr][1] -= 1
         if live[ptr][1] == 0:
-            current -= live.pop(ptr)[0]
+            size, _, owner = live.pop(ptr)
+            current -= size
+            by_tag[owner] -= size
 
     def pack(t: torch.Tensor) -> Any:
         nonlocal current, peak
@@ -117,10 +130,13 @@ def saved_activation_bytes(model: nn.Module, fn: Callable[[], Any]) -> Tuple[int
         ptr = storage_key(t)  # a fake tensor's data pointer is 0: the storage object's address
         if ptr in params:
             return t
-        entry = live.setdefault(ptr, [storage.nbytes(), 0])
+        entry = live.setdefault(ptr, [storage.nbytes(), 0, tag()])
         if entry[1] == 0:  # a storage counts once, however many saved views share it
             current += entry[0]
             peak = max(peak, current)
+            owner = entry[2]
+            by_tag[owner] = by_tag.get(owner, 0) + entry[0]
+            peaks[owner] = max(peaks.get(owner, 0), by_tag[owner])
         entry[1] += 1
         saved = _Saved(t)
         weakref.finalize(saved, release, ptr)
@@ -131,4 +147,4 @@ def saved_activation_bytes(model: nn.Module, fn: Callable[[], Any]) -> Tuple[int
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         out = fn()
-    return peak, out
+    return peak, peaks, out

@@ -2,14 +2,17 @@
 
 Chapter 09's meter (its planner predicts these bytes), attached to a pipeline schedule from
 outside: ``schedule.hooks.append(ActivationMeter(list(pipe.parameters()), enabled=True))``.
+``micro_batch_of`` tells an outer ``saved_activation_peaks`` (activation_checkpointing.py)
+which micro-batch each saved tensor belongs to, for any step, pipeline or not.
 """
 
-from contextlib import contextmanager
-from typing import Dict, Iterator, Sequence, Tuple
+from contextlib import contextmanager, nullcontext
+from typing import Any, Callable, ContextManager, Dict, Iterator, Sequence, Tuple
 
 import torch
+from torch import nn
 
-from scaletorch.parallel.pipeline_runtime import StageHooks
+from scaletorch.parallel.pipeline_runtime import PipelineSchedule, StageHooks
 
 
 class ActivationMeter(StageHooks):
@@ -56,3 +59,41 @@ class ActivationMeter(StageHooks):
 
     def bytes(self) -> int:
         return sum(sum(storages.values()) for storages in self.live.values())
+
+
+class MicroBatchTag(StageHooks):
+    """The micro-batch whose forward began last on this rank (-1 before the first): what a
+    tensor saved now belongs to, the loss after a last stage's forward included."""
+
+    def __init__(self) -> None:
+        self.current = -1
+
+    def forward(self, key: Tuple[int, int]) -> ContextManager[Any]:
+        self.current = key[0]
+        return nullcontext()
+
+
+@contextmanager
+def micro_batch_of(step: Any, model: nn.Module) -> Iterator[Callable[[], int]]:
+    """Within: a function that names the micro-batch this rank is running, for the Trainer's
+    ``step`` (``forward_backward``) on ``model``. A pipeline schedule says which (a hook, each
+    micro-batch's forward of each chunk); any other step runs one forward of ``model`` per
+    micro-batch in turn, so each call of ``model`` begins the next one."""
+    if isinstance(step, PipelineSchedule):
+        tag = MicroBatchTag()
+        step.hooks.append(tag)
+        try:
+            yield lambda: tag.current
+        finally:
+            step.hooks.remove(tag)
+        return
+    count = [-1]
+
+    def begin(module: nn.Module, args: Any) -> None:
+        count[0] += 1
+
+    handle = model.register_forward_pre_hook(begin)
+    try:
+        yield lambda: count[0]
+    finally:
+        handle.remove()

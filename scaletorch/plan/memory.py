@@ -158,6 +158,21 @@ def state_bytes(model: ModelSpec, layout: PlanLayout, pp_rank: int = 0) -> Dict[
     return out
 
 
+def checkpoint_bytes(model: ModelSpec, layout: PlanLayout, pp_rank: int = 0) -> Dict[str, float]:
+    """What pipeline rank ``pp_rank`` saves of its model states. Its per-rank file: ``model``,
+    the weights it keeps (under ZeRO of any stage only its shard, P'/N: the full weights are
+    the same on every dp rank), and ``optimizer``, its AdamW m and v; gradients are not saved.
+    ``consolidated``: the one file that gathers the full weights, m and v (fp32) on global
+    rank 0. AdamW's step counters, the schedule and the RNG states add a few kB."""
+    sharded = PlanLayout(**{**layout.as_dict(), "zero_stage": 3}) if layout.zero_stage else layout
+    weight, _, moments = PRECISION_BYTES["fp32"]
+    return {
+        "model": state_bytes(model, sharded, pp_rank)["params"],
+        "optimizer": state_bytes(model, layout, pp_rank)["optimizer"],
+        "consolidated": (weight + moments) * model.num_parameters(),
+    }
+
+
 def _titan_gathered(model: ModelSpec, layout: PlanLayout, pp_rank: int) -> float:
     """FSDP2's gathered parameters under torchtitan: in bf16 (1 byte under fp8's all-gather
     of the blocks), the block computing and the one prefetched, plus the stage's root unit

@@ -27,7 +27,7 @@ import re
 import shutil
 import zipfile
 from contextlib import contextmanager
-from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Any, Dict, Iterator, List, Optional, Set, Tuple, Union
 
 import numpy as np
 import torch
@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor
 from scaletorch.config import Config
 from scaletorch.dist import comm, restart_count
 from scaletorch.models import Llama
+from scaletorch.parallel.memory_report import storage_key
 from scaletorch.rules.errors import InputError, MissingInputError
 from scaletorch.schedule.placement import V_SHAPED
 from scaletorch.trainer.safe_files import (CorruptFileError, checksum_line, checksum_path,
@@ -105,16 +106,56 @@ def latest_checkpoint(root: str) -> Optional[str]:
     return found[-1] if found else None
 
 
+class SizeCounter:
+    """Where a dry run's checkpoints go instead of the disk (scaletorch/trainer/dry_run.py):
+    ``files`` {path: {section: bytes}}, the bytes of the tensors each file would hold under
+    each key of its state ("model", "optimizer", ...), every storage once and whole, as
+    ``torch.save`` writes it. Nothing is serialized: a meta tensor has no bytes to write, and
+    a 405B rank's file would be tens of GB."""
+
+    def __init__(self) -> None:
+        self.files: Dict[str, Dict[str, int]] = {}
+
+    def add(self, path: str, state: Dict[str, Any]) -> None:
+        seen: Set[int] = set()
+        self.files[path] = {key: tensor_bytes(value, seen) for key, value in state.items()}
+
+
+def tensor_bytes(value: Any, seen: Optional[Set[int]] = None) -> int:
+    """Bytes of the storages of the tensors in ``value`` (nested dicts, lists, tuples), each
+    storage once (``seen``: those already counted), whole: what ``torch.save`` writes of them."""
+    seen = set() if seen is None else seen
+    if torch.is_tensor(value):
+        key = storage_key(value)  # the storage object's: a meta tensor's data is at 0
+        if key in seen:
+            return 0
+        seen.add(key)
+        return value.untyped_storage().nbytes()
+    if isinstance(value, dict):
+        return sum(tensor_bytes(v, seen) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(tensor_bytes(v, seen) for v in value)
+    return 0
+
+
 def save_checkpoint(root: str, step: int, state: Dict[str, Any], rank: int, world_size: int,
                     keep_last: int = 2, group: Optional[dist.ProcessGroup] = None,
-                    layout: Optional[Dict[str, Any]] = None) -> str:
+                    layout: Optional[Dict[str, Any]] = None,
+                    counter: Optional[SizeCounter] = None) -> str:
     """Every rank writes its ``state``; rank 0 writes the manifest once all have finished.
 
     Collective over ``group`` (the default: every rank). ``layout`` (e.g. the parallel sizes
     and ZeRO stage) goes into the manifest: the files are shards of that layout, and
-    ``load_checkpoint`` refuses another. Returns the checkpoint directory.
+    ``load_checkpoint`` refuses another. Returns the checkpoint directory. ``counter`` (a dry
+    run's): each rank's file is counted there, not written, and no directory is touched; the
+    barriers run as in a real save.
     """
     path = step_dir(root, step)
+    if counter is not None:
+        counter.add(rank_file(path, rank), state)
+        comm.barrier(group)  # the two of _save_files: every file written, then the manifest
+        comm.barrier(group)
+        return path
     os.makedirs(path, exist_ok=True)
     buffer = io.BytesIO()
     torch.save(state, buffer)

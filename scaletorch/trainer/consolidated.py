@@ -19,8 +19,9 @@ import torch
 
 from scaletorch.config import Config
 from scaletorch.dist import comm, get_ledger
+from scaletorch.models import Llama
 from scaletorch.parallel.parallelize import Parallelized
-from scaletorch.trainer.checkpoint import load_tensors_only
+from scaletorch.trainer.checkpoint import load_tensors_only, tensor_bytes
 from scaletorch.trainer.param_map import param_map
 from scaletorch.trainer.safe_files import read_checksummed, write_checksummed
 
@@ -84,6 +85,16 @@ def save_consolidated(path: str, trainer: "Trainer", par: Union[Parallelized,
         write_checksummed(path, buffer.getvalue())
     comm.barrier()
     return path
+
+
+def consolidated_bytes(model_cfg: Any) -> int:
+    """The tensor bytes of the file ``save_consolidated`` writes for a model of ``model_cfg``
+    (once AdamW has stepped): its weights, exp_avg and exp_avg_sq, full and fp32, keyed like
+    chapter 00's model. Counted on the meta device from the reference's parameters: nothing is
+    gathered (a dry run's: ``consolidated_state`` reads a value, every rank's AdamW state)."""
+    with torch.device("meta"):
+        params = list(Llama(model_cfg).parameters())  # a tied weight once, as in the file
+    return 3 * tensor_bytes(params)
 
 
 def load_consolidated(path: str) -> Dict[str, Any]:

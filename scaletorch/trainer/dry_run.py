@@ -3,12 +3,14 @@
 PyTorch's fake process group (``init_process_group("fake", ...)``) returns from every
 collective at once, and tensors on the meta device carry shapes, dtypes and storage sizes but
 no data. Under both, the real path runs unchanged as one chosen rank: the layout check, the
-process-group manager, ``parallelize``, the Trainer's steps and the optimizer's. Every tensor
-is allocated (as a size) and every collective is issued with its real shape, so the ledger and
-the memory ledger read what the rank would hold and send on a real cluster.
+process-group manager, ``parallelize``, the Trainer's steps and the optimizer's, and its
+checkpoint save when the run saves (``checkpoint.every``). Every tensor is allocated (as a
+size) and every collective is issued with its real shape, so the ledger and the memory ledger
+read what the rank would hold and send on a real cluster.
 
-    dry_run(cfg, world, pp_rank)       -> DryRun: memory by kind and dtype, saved activations,
-                                          the ledger of the last step, seconds it took
+    dry_run(cfg, world, pp_rank)       -> DryRun: memory by kind and dtype, saved activations
+                                          (one micro-batch's peak, the schedule's), the ledger
+                                          of the last step, checkpoint bytes, seconds it took
     dry_run_report(cfg, world, runs)   -> each figure beside the planner's, with the ratio
 
 Why the meta device and not ``FakeTensorMode``: on torch 2.13 ``Module.to`` of a fake
@@ -18,8 +20,11 @@ parameter has), and the tensor parallel layers move their new weights with ``.to
 What needs values is kept out, each a host sync or a scaling limit on a real cluster: the
 Trainer's ``float(loss)`` and ``float(grad_norm)`` (``Trainer.step_tensors`` stops before them),
 the synthetic dataset's V x V transition matrix (``ShapeLoader`` hands out token ids of the
-batch's shape instead), the log's straggler all-gather and the checkpoint writer. fp32 only:
-autocast has no meta device.
+batch's shape instead), the log's straggler all-gather, the checkpoint's files (the Trainer's
+save counts each file's bytes in a ``SizeCounter`` instead, no torch.save of meta tensors),
+its manifest (rank 0 reads every rank's file) and the consolidated file's gather (a flag read
+with ``.item()``; its bytes come from the reference's shapes). fp32 only: autocast has no meta
+device.
 """
 
 import argparse
@@ -41,7 +46,8 @@ from scaletorch.dist.pg_manager import RankGrid
 from scaletorch.models import build_model
 from scaletorch.models.moe import MoE
 from scaletorch.parallel.activation_checkpointing import (apply_activation_checkpointing,
-                                                          saved_activation_bytes)
+                                                          saved_activation_peaks)
+from scaletorch.parallel.activation_meter import micro_batch_of
 from scaletorch.parallel.expert_parallel import AllToAllDispatcher
 from scaletorch.parallel.memory_report import memory_by_dtype
 from scaletorch.parallel.mixed_precision import precision_hooks
@@ -49,12 +55,14 @@ from scaletorch.parallel.parallelize import Parallelized, parallelize
 from scaletorch.parallel.tied_embeddings import TiedEmbeddings
 from scaletorch.plan.layout import PlanLayout
 from scaletorch.plan.layout import from_config as layout_of
-from scaletorch.plan.memory import activation_bytes, state_bytes
+from scaletorch.plan.memory import activation_bytes, checkpoint_bytes, state_bytes
 from scaletorch.plan.model import ModelSpec
 from scaletorch.plan.model import from_config as model_of
 from scaletorch.plan.report import human, most_loaded
 from scaletorch.plan.traffic import collectives
+from scaletorch.trainer.checkpoint import SizeCounter, tensor_bytes
 from scaletorch.trainer.config import Config, parse_args
+from scaletorch.trainer.consolidated import consolidated_bytes
 from scaletorch.trainer.trainer import Trainer
 
 KINDS = ("params", "grads", "optimizer", "buffers")
@@ -172,16 +180,24 @@ def run_config(base: Config, model: ModelSpec, layout: PlanLayout) -> Config:
 class DryRun:
     """One rank's figures. ``memory``: {kind: {dtype: bytes}} after the last step (kinds:
     params, grads, optimizer, buffers); ``gathered``: ZeRO-3's most bytes of full units held at
-    once; ``saved``: the most bytes autograd kept for backward during one more step;
+    once; ``saved``: the most bytes autograd kept for backward during one more step (the
+    schedule's peak); ``micro_batch``: the most that one micro-batch's tensors held in it;
     ``wire`` and ``calls``: {(op, group, phase): wire bytes, calls} of the last step."""
     rank: int
     pp_rank: int
     memory: Dict[str, Dict[torch.dtype, int]]
     gathered: int
     saved: int
+    micro_batch: int
     wire: Dict[Tuple[str, str, str], float] = field(default_factory=dict)
     calls: Dict[Tuple[str, str, str], int] = field(default_factory=dict)
     seconds: float = 0.0
+    # asked to save (checkpoint.every > 0): this rank's file, {section: bytes} ("model",
+    # "optimizer", "other": step, schedule, RNG), counted by the Trainer's own save; AdamW's
+    # step counters (one fp32 scalar per parameter tensor) and the consolidated file's bytes
+    checkpoint: Dict[str, int] = field(default_factory=dict)
+    step_counters: int = 0
+    consolidated: int = 0
 
     def total(self, kind: str) -> int:
         return sum(self.memory.get(kind, {}).values())
@@ -211,8 +227,10 @@ def dry_run(cfg: Config, world: int, pp_rank: int = 0, steps: int = 2) -> DryRun
             ledger.clear()
             for _ in range(steps - 1):
                 trainer.step_tensors()
-            # the last step under the saved-tensor hooks: its peak is the schedule's
-            saved, _ = saved_activation_bytes(par.model, trainer.step_tensors)
+            # the last step under the saved-tensor hooks: its peak is the schedule's, and each
+            # micro-batch's own peak is what one forward left (through all the rank's chunks)
+            with micro_batch_of(par.forward_backward, par.model) as tag:
+                saved, peaks, _ = saved_activation_peaks(par.model, trainer.step_tensors, tag)
             last = trainer.step - 1
             wire: Dict[Tuple[str, str, str], float] = {}
             calls: Dict[Tuple[str, str, str], int] = {}
@@ -224,10 +242,27 @@ def dry_run(cfg: Config, world: int, pp_rank: int = 0, steps: int = 2) -> DryRun
             # ZeRO-3's most full units at once, in any one wrapper (each chunk has its own)
             gathered = max(getattr(m, "peak_gathered_bytes", 0) for m in trainer.model.modules())
             stage = pgm.pipeline_model_parallel_rank
+            files = saved_files(cfg, trainer)
         finally:
             destroy_pg_manager()
             ledger.clear()
-    return DryRun(rank, stage, memory, gathered, saved, wire, calls, time.perf_counter() - start)
+    return DryRun(rank, stage, memory, gathered, saved, max(peaks.values(), default=0), wire, calls,
+                  time.perf_counter() - start, *files)
+
+
+def saved_files(cfg: Config, trainer: Trainer) -> Tuple[Dict[str, int], int, int]:
+    """When the run saves checkpoints: the Trainer's own save (its state dict, its barriers)
+    with this rank's file counted, not written: ({section: bytes}, AdamW's step counters'
+    bytes, the consolidated file's bytes on global rank 0). Else ({}, 0, 0)."""
+    if not cfg.checkpoint.every:
+        return {}, 0, 0
+    trainer.checkpoint_sizes = SizeCounter()
+    trainer.save()
+    (sections, ) = trainer.checkpoint_sizes.files.values()
+    model, optimizer = sections.pop("model"), sections.pop("optimizer")
+    counters = tensor_bytes([s["step"] for s in trainer.optimizer.state.values() if "step" in s])
+    return {"model": model, "optimizer": optimizer, "other": sum(sections.values())}, \
+        counters, consolidated_bytes(cfg.model)
 
 
 # ---- beside the planner ---------------------------------------------------------------------
@@ -271,8 +306,20 @@ def dry_run_report(cfg: Config, world: int, runs: List[DryRun]) -> str:
         buffers = run.memory.get("buffers", {})
         lines.append(f"{'buffers (' + _dtypes(buffers) + ')':<38}{'-':>16}"
                      f"{human(run.total('buffers')):>16}  (registered: the planner has none)")
-        saved = activation_bytes(model, layout, run.pp_rank)["saved"]
-        lines.append(_row("activations saved (peak, schedule)", saved, run.saved))
+        acts = activation_bytes(model, layout, run.pp_rank)
+        lines.append(
+            _row("activations saved (peak, micro-batch)", acts["micro_batch"], run.micro_batch))
+        lines.append(_row("activations saved (peak, schedule)", acts["saved"], run.saved))
+        if run.checkpoint:  # the weights (a ZeRO rank's shard) and AdamW's m and v
+            files = checkpoint_bytes(model, layout, run.pp_rank)
+            lines.append(_row("checkpoint file: model", files["model"], run.checkpoint["model"]))
+            lines.append(
+                _row("checkpoint file: optimizer (m, v)", files["optimizer"],
+                     run.checkpoint["optimizer"] - run.step_counters))
+            lines.append(f"{'checkpoint file: steps, schedule, RNG':<38}{'-':>16}"
+                         f"{human(run.checkpoint['other'] + run.step_counters):>16}")
+            lines.append(
+                _row("consolidated file (global rank 0)", files["consolidated"], run.consolidated))
         plan_wire: Dict[Tuple[str, str, str], float] = {}
         plan_calls: Dict[Tuple[str, str, str], int] = {}
         for c in collectives(model, layout, run.pp_rank):

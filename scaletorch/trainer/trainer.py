@@ -128,6 +128,8 @@ class Trainer:
         self.forward_backward = forward_backward
         self.clip_grad_norm = clip_grad_norm or self._clip_replicated
         self.step = 0
+        # a dry run's: checkpoints counted there (bytes per file), not written
+        self.checkpoint_sizes: Optional[ckpt.SizeCounter] = None
         self._log: Optional[str] = None  # rank 0's log.txt in the run directory, from train()
 
     @classmethod
@@ -209,7 +211,7 @@ class Trainer:
     def save(self) -> str:
         return ckpt.save_checkpoint(self.cfg.checkpoint_path, self.step, self.state_dict(),
                                     self.rank, self.world_size, self.cfg.checkpoint.keep_last,
-                                    layout=self.layout())
+                                    layout=self.layout(), counter=self.checkpoint_sizes)
 
     # ---- the loop ----------------------------------------------------------------------
 
