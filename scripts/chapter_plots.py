@@ -308,8 +308,8 @@ def plot_tp_split(path: str, out: str) -> None:
             ax.add_patch(box)
         ax.add_patch(Rectangle((x, 0.5), 1.2, 1.6, fill=False, edgecolor="black"))
         ax.text(x + 0.6, 2.25, f"{name}\n{kind} parallel", ha="center", fontsize=8)
-    marks = [(0.45, "f", "backward"), (4.95, "g", "forward"), (5.85, "f", "backward"),
-             (10.35, "g", "forward")]
+    marks = [(0.45, "f", "backward"), (4.95, "f-bar", "forward"), (5.85, "f", "backward"),
+             (10.35, "f-bar", "forward")]
     for x, op, when in marks:
         ax.annotate(f"{op}: all-reduce\nin {when}\n{kb:.1f} kB", (x, 1.3), ha="center", va="center",
                     fontsize=7, bbox=dict(boxstyle="round", fc="lightyellow"))

@@ -7,18 +7,19 @@ A linear layer y = x A^T (A: out x in) can be split two ways over N ranks:
 
 A column-parallel layer followed by a row-parallel one needs no communication in between:
 attention (q/k/v column, heads split; o row) and the MLP (gate/up column; down row) each cost
-one all-reduce of (b, s, h) in forward (g, after the row-parallel matmul) and one in backward
-(f, on the input of the column-parallel matmuls): 2 + 2 per transformer block.
+one all-reduce of (b, s, h) in forward (f-bar, after the row-parallel matmul) and one in
+backward (f, on the input of the column-parallel matmuls): 2 + 2 per transformer block.
 
-    x (b,s,h) --f--> q,k,v | gate,up (column) --> (b,s,out/N) --> o | down (row) --g--> (b,s,h)
+    x (b,s,h) --f--> q,k,v | gate,up (column) --> (b,s,out/N) --> o | down (row) --f-bar--> (b,s,h)
                  fwd: identity, bwd: all-reduce             fwd: all-reduce, bwd: identity
 
-Sequence parallel (Korthikanti et al. 2022) shards the activations *between* those regions
-(norms, residual adds) on the sequence: (b, s/N, h). f becomes an all-gather of the sequence
-(backward: reduce-scatter) and g a reduce-scatter (backward: all-gather): the same bytes on
-the wire as the all-reduce (= reduce-scatter + all-gather), but the norms and the residual
-stream now hold s/N tokens per rank. The RMSNorm weights stay whole on every rank; each rank
-sees only its tokens, so their gradients are summed over "tp" (the f operator on the weight).
+Sequence parallel (Korthikanti et al. 2022, whose names these are) shards the activations
+*between* those regions (norms, residual adds) on the sequence: (b, s/N, h). f becomes g, an
+all-gather of the sequence (backward: reduce-scatter), and f-bar becomes g-bar, a
+reduce-scatter (backward: all-gather): the same bytes on the wire as the all-reduce (=
+reduce-scatter + all-gather), but the norms and the residual stream now hold s/N tokens per
+rank. The RMSNorm weights stay whole on every rank; each rank sees only its tokens, so their
+gradients are summed over "tp" (the f operator on the weight).
 
 Embedding and head are split over the vocabulary; the loss never gathers the logits: each
 rank has (b, s, V/N) and only the max and the sum of exponentials are all-reduced. A vocabulary
@@ -176,9 +177,9 @@ def format_block_comm(config: LlamaConfig, tokens: int, tp: int, sequence_parall
     activations cross the wire in the compute ``precision`` (chapter 08: 2 bytes in bf16)."""
     e = 4 if precision == "fp32" else 2
     n = tokens * config.hidden_size
-    enter, leave = (("g-bar", "all_gather", "reduce_scatter"), ("f-bar", "reduce_scatter",
-                                                                "all_gather")) \
-        if sequence_parallel else (("f", "-", "all_reduce"), ("g", "all_reduce", "-"))
+    enter, leave = (("g", "all_gather", "reduce_scatter"), ("g-bar", "reduce_scatter",
+                                                              "all_gather")) \
+        if sequence_parallel else (("f", "-", "all_reduce"), ("f-bar", "all_reduce", "-"))
     sites = [(f"{where} ({op[0]})", op[1], op[2])
              for where, op in (("attention input", enter), ("o_proj output", leave),
                                ("MLP input", enter), ("down_proj output", leave))]
