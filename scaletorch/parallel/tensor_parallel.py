@@ -177,9 +177,11 @@ def format_block_comm(config: LlamaConfig, tokens: int, tp: int, sequence_parall
     activations cross the wire in the compute ``precision`` (chapter 08: 2 bytes in bf16)."""
     e = 4 if precision == "fp32" else 2
     n = tokens * config.hidden_size
-    enter, leave = (("g", "all_gather", "reduce_scatter"), ("g-bar", "reduce_scatter",
-                                                              "all_gather")) \
-        if sequence_parallel else (("f", "-", "all_reduce"), ("f-bar", "all_reduce", "-"))
+    if sequence_parallel:  # Korthikanti et al.'s names: g enters a region, g-bar leaves it
+        enter, leave = ("g", "all_gather", "reduce_scatter"), ("g-bar", "reduce_scatter",
+                                                               "all_gather")
+    else:
+        enter, leave = ("f", "-", "all_reduce"), ("f-bar", "all_reduce", "-")
     sites = [(f"{where} ({op[0]})", op[1], op[2])
              for where, op in (("attention input", enter), ("o_proj output", leave),
                                ("MLP input", enter), ("down_proj output", leave))]

@@ -29,6 +29,8 @@ SequenceShard = Float[torch.Tensor, "b s_sp h"]  # the region's input or output
 ColumnShard = Float[torch.Tensor, "b s h_tp"]  # a column-parallel output, a row-parallel input
 Logits = Float[torch.Tensor, "b s v_tp"]
 TokenIds = Int[torch.Tensor, "b s"]
+TokenLogits = Float[torch.Tensor, "n v_tp"]
+TokenTargets = Int[torch.Tensor, "n"]
 Scalar = Float[torch.Tensor, ""]
 
 
@@ -266,8 +268,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, logits: Float[torch.Tensor, "n v_tp"], targets: Int[torch.Tensor, "n"],
-                group: Group) -> Scalar:
+    def forward(ctx: Any, logits: TokenLogits, targets: TokenTargets, group: Group) -> Scalar:
         logits32 = logits.float()
         row_max = logits32.max(dim=-1).values  # (n,)
         comm.all_reduce(row_max, group, op=dist.ReduceOp.MAX)
@@ -287,7 +288,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return (sum_exp.log() - target_logit).mean()
 
     @staticmethod
-    def backward(ctx: Any, grad: Scalar) -> Tuple[Float[torch.Tensor, "n v_tp"], None, None]:
+    def backward(ctx: Any, grad: Scalar) -> Tuple[TokenLogits, None, None]:
         softmax, local, mine = ctx.saved_tensors  # softmax: (n, V/N) of the full distribution
         grad_logits = softmax.clone()
         rows = torch.arange(grad_logits.size(0), device=grad_logits.device)
