@@ -273,7 +273,7 @@ def parse_tp_sites(text: str, path: str = "log") -> dict:
         re.search(
             r"b x s x h = (\d+) x (\d+) = (" + NUMBER + r") elements per collective, "
             r"tp (\d+)", text), "'b x s x h = ...' line", path)
-    sites = re.findall(r"^(\S.*?\(([fg])\))\s+(\S+)\s+(\S+)\s*$", text, re.M)
+    sites = re.findall(r"^(\S.*?\(([fg](?:-bar)?)\))\s+(\S+)\s+(\S+)\s*$", text, re.M)
     return dict(tokens=int(m.group(1)), hidden=int(m.group(2)), elements=int(_num(m.group(3))),
                 tp=int(m.group(4)), sites=[(s[0], s[2], s[3]) for s in sites])
 

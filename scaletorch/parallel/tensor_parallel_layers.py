@@ -5,7 +5,7 @@ that never gathers the logits. ``ParallelRMSNorm.normalize`` and
 extend them in a subclass of its own.
 """
 
-from typing import Any, Tuple, cast
+from typing import Any, Tuple
 
 import torch
 import torch.distributed as dist
@@ -32,11 +32,6 @@ TokenIds = Int[torch.Tensor, "b s"]
 TokenLogits = Float[torch.Tensor, "n v_tp"]
 TokenTargets = Int[torch.Tensor, "n"]
 Scalar = Float[torch.Tensor, ""]
-
-
-def _pad_rows(weight: torch.Tensor, rows: int) -> torch.Tensor:
-    """weight (V, h) with zero rows appended up to (rows, h): rows no token id reaches."""
-    return torch.cat((weight, weight.new_zeros(rows - weight.size(0), weight.size(1))))
 
 
 def _mark_sharded(param: nn.Parameter, dim: int) -> nn.Parameter:
@@ -165,24 +160,21 @@ class VocabParallelEmbedding(nn.Module):
         n = comm.group_size(group)
         if num_embeddings % n != 0:
             raise ValueError(f"vocabulary size {num_embeddings} is not divisible by the "
-                             f"tensor-parallel size {n}")
+                             f"tensor-parallel size {n} (examples/10_real_model.py pads it)")
         self.group, self.sequence_parallel = group, sequence_parallel
         self.vocab_start = comm.group_rank(group) * (num_embeddings // n)
         self.weight = _mark_sharded(nn.Parameter(torch.empty(num_embeddings // n, embedding_dim)),
                                     0)
 
     @classmethod
-    def from_embedding(cls, embedding: nn.Embedding, group: Group, padded_size: int = 0,
+    def from_embedding(cls, embedding: nn.Embedding, group: Group,
                        **kwargs: Any) -> "VocabParallelEmbedding":
-        """This rank's rows of ``embedding``, padded with zero rows to ``padded_size`` if larger."""
+        """This rank's rows of ``embedding`` (copied)."""
         num_embeddings, embedding_dim = embedding.weight.shape
-        padded_size = max(padded_size, num_embeddings)
-        layer = cls(padded_size, embedding_dim, group, **kwargs).to(embedding.weight)
+        layer = cls(num_embeddings, embedding_dim, group, **kwargs).to(embedding.weight)
         rows = layer.weight.shape[0]
         with torch.no_grad():
-            layer.weight.copy_(_pad_rows(embedding.weight, padded_size)[layer.vocab_start:][:rows])
-        if padded_size > num_embeddings:
-            setattr(layer.weight, "vocab_padding", (num_embeddings, padded_size))
+            layer.weight.copy_(embedding.weight[layer.vocab_start:][:rows])
         return layer
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
@@ -199,37 +191,6 @@ class VocabParallelEmbedding(nn.Module):
                              f"group: sequence length {ids.size(1)} is not divisible by "
                              f"tensor_model_parallel_size {n}")
         return exit_region(self.lookup(ids), self.group, self.sequence_parallel)
-
-
-class VocabParallelHead(ColumnParallelLinear):
-    """The output layer split by vocabulary rows, padded like the embedding; the logits of the
-    padding rows are -inf, so the loss and sampling never see them (exp(-inf) = 0: no
-    probability, no gradient). x: (b, s, h) -> logits (b, s, V_padded/N)."""
-
-    vocab_size: int = 0  # the real vocabulary
-    vocab_start: int = 0  # this rank's first row
-
-    @classmethod
-    def from_head(cls, head: nn.Linear, group: Group, padded_size: int,
-                  **kwargs: Any) -> "VocabParallelHead":
-        vocab_size, hidden = head.weight.shape
-        full = nn.Linear(hidden, max(padded_size, vocab_size), bias=False).to(head.weight)
-        with torch.no_grad():
-            full.weight.copy_(_pad_rows(head.weight, full.weight.size(0)))
-        layer = cast(VocabParallelHead, cls.from_linear(full, group, **kwargs))
-        layer.vocab_size = vocab_size
-        layer.vocab_start = comm.group_rank(group) * layer.weight.shape[0]
-        if full.weight.size(0) > vocab_size:
-            setattr(layer.weight, "vocab_padding", (vocab_size, full.weight.size(0)))
-        return layer
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = super().forward(x)  # (b, s, V_padded/N)
-        first_pad = self.vocab_size - self.vocab_start  # local columns from here are padding
-        if first_pad < logits.size(-1):
-            pad = torch.arange(logits.size(-1), device=logits.device) >= first_pad
-            logits = logits.masked_fill(pad, float("-inf"))
-        return logits
 
 
 class ParallelRMSNorm(RMSNorm):
