@@ -311,7 +311,7 @@ def plot_tp_split(path: str, out: str) -> None:
     marks = [(0.45, "f", "backward"), (4.95, "f-bar", "forward"), (5.85, "f", "backward"),
              (10.35, "f-bar", "forward")]
     for x, op, when in marks:
-        ax.annotate(f"{op}: all-reduce\nin {when}\n{kb:.1f} kB", (x, 1.3), ha="center", va="center",
+        ax.annotate(f"{op}\nall-reduce\nin {when}\n{kb:.1f} kB", (x, 1.3), ha="center", va="center",
                     fontsize=7, bbox=dict(boxstyle="round", fc="lightyellow"))
     for x0, x1 in ((2.2, 3.2), (7.6, 8.6)):
         ax.annotate("", (x1, 1.3), (x0, 1.3), arrowprops=dict(arrowstyle="->"))
