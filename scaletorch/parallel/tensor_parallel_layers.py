@@ -238,7 +238,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         local = targets - comm.group_rank(group) * vocab_local
         mine = (local >= 0) & (local < vocab_local)  # this rank holds the target's logit
         local = local.masked_fill(~mine, 0)
-        # where, not a product: a rank holding only padding has -inf there (-inf * 0 = nan)
+        # where, not a product: a masked column's logit is -inf there (-inf * 0 = nan)
         target_logit = torch.where(mine, shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1), 0.0)
         exp = shifted.exp()
         stats = torch.stack((exp.sum(dim=-1), target_logit))  # (2, n)
