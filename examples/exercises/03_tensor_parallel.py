@@ -23,11 +23,11 @@ from scaletorch.dist.functional import all_reduce_sum  # noqa: F401 - and the th
 from scaletorch.dist.functional import gather_along_dim  # noqa: F401
 from scaletorch.dist.functional import reduce_scatter_along_dim  # noqa: F401
 from scaletorch.dist.functional import split_along_dim  # noqa: F401
-from scaletorch.parallel.tensor_parallel_layers import (Logits, Replicated, Scalar, SequenceShard,
+from scaletorch.parallel.tensor_parallel_layers import (FullSequence, Logits, Scalar, SequenceShard,
                                                         TokenIds)
 
 
-def enter_region(x: SequenceShard, group: Group, sequence_parallel: bool) -> Replicated:
+def enter_region(x: SequenceShard, group: Group, sequence_parallel: bool) -> FullSequence:
     """Hand x (b, s_sp, h), fp32 or the compute dtype, to column-parallel matmuls over ``group``.
 
     Without sequence parallel, f: forward identity, backward all-reduce of the gradient.
@@ -37,7 +37,7 @@ def enter_region(x: SequenceShard, group: Group, sequence_parallel: bool) -> Rep
     raise NotImplementedError
 
 
-def exit_region(x: Replicated, group: Group, sequence_parallel: bool) -> SequenceShard:
+def exit_region(x: FullSequence, group: Group, sequence_parallel: bool) -> SequenceShard:
     """Sum the partial outputs x (b, s, h) of row-parallel shards over ``group``.
 
     Without sequence parallel, f-bar: forward all-reduce, backward identity.

@@ -24,7 +24,7 @@ from scaletorch.models import RMSNorm
 # What one tp rank holds (jaxtyping; tests/test_tensor_parallel_shapes.py checks it at run time):
 # b sequences of s tokens; s_sp = s / tp under sequence parallel, s without it; h features
 # (h_tp = h / tp of them on this rank); v_tp = V / tp vocabulary rows; n = b s tokens.
-Replicated = Float[torch.Tensor, "b s h"]  # the same on every rank of "tp"
+FullSequence = Float[torch.Tensor, "b s h"]  # every token: after f or g, or a partial sum
 SequenceShard = Float[torch.Tensor, "b s_sp h"]  # the region's input or output
 ColumnShard = Float[torch.Tensor, "b s h_tp"]  # a column-parallel output, a row-parallel input
 Logits = Float[torch.Tensor, "b s v_tp"]
@@ -42,7 +42,7 @@ def _mark_sharded(param: nn.Parameter, dim: int) -> nn.Parameter:
 
 
 # [core: regions]
-def enter_region(x: SequenceShard, group: Group, sequence_parallel: bool) -> Replicated:
+def enter_region(x: SequenceShard, group: Group, sequence_parallel: bool) -> FullSequence:
     """Hand x (b, s_sp, h), fp32 or the compute dtype, to column-parallel matmuls over ``group``.
 
     Without sequence parallel, f: forward identity, backward all-reduce of the gradient.
@@ -54,7 +54,7 @@ def enter_region(x: SequenceShard, group: Group, sequence_parallel: bool) -> Rep
     return copy_to_parallel_region(x, group)
 
 
-def exit_region(x: Replicated, group: Group, sequence_parallel: bool) -> SequenceShard:
+def exit_region(x: FullSequence, group: Group, sequence_parallel: bool) -> SequenceShard:
     """Sum the partial outputs x (b, s, h) of row-parallel shards over ``group``.
 
     Without sequence parallel, f-bar: forward all-reduce, backward identity.

@@ -20,7 +20,7 @@ from torch import nn
 from scaletorch.dist import ProcessGroupManager, comm
 from scaletorch.models import Llama
 from scaletorch.parallel.tensor_parallel import apply_tensor_parallel
-from scaletorch.parallel.tensor_parallel_layers import ColumnParallelLinear, Logits, Replicated
+from scaletorch.parallel.tensor_parallel_layers import ColumnParallelLinear, FullSequence, Logits
 from scaletorch.rules.vocab import padded_vocab_size
 
 
@@ -39,7 +39,7 @@ class PaddedVocabHead(ColumnParallelLinear):
     vocab_size: int = 0  # the real vocabulary
     vocab_start: int = 0  # this rank's first row
 
-    def forward(self, x: Replicated) -> Logits:
+    def forward(self, x: FullSequence) -> Logits:
         logits = super().forward(x)  # (b, s, V_padded/tp)
         first = self.vocab_size - self.vocab_start  # local columns from here are padding
         if first < logits.size(-1):
