@@ -55,6 +55,11 @@ def limits(cfg, world_size: int) -> None:
         raise ValueError(f"03_tensor_parallel is tp > 1 beside plain data parallel, impl "
                          f"scaletorch or torch; {', '.join(k for k, v in later.items() if v)}: "
                          f"run chapter 07 (10 adds recomputation)")
+    vocab, tp = cfg.model.vocab_size, p.tensor_model_parallel_size
+    if vocab % tp != 0:  # the vocabulary splits evenly here; chapter 10 pads one that does not
+        raise ValueError(f"model.vocab_size ({vocab}) is not divisible by "
+                         f"tensor_model_parallel_size ({tp}): chapter 03 splits the vocabulary "
+                         f"evenly; examples/10_real_model.py pads it")
 
 
 def main() -> int:

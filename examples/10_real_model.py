@@ -38,6 +38,7 @@ from scaletorch.parallel.activation_checkpointing import apply_activation_checkp
 from scaletorch.parallel.mixed_precision import precision_hooks
 from scaletorch.parallel.parallelize import parallelize
 from scaletorch.parallel.tied_embeddings import TiedEmbeddings
+from scaletorch.parallel.vocab_padding import apply_tensor_parallel_padded
 from scaletorch.trainer import Trainer, check_against_reference, load_config
 from scaletorch.trainer.config import InputError, validate
 from scaletorch.trainer.consolidated import load_consolidated, save_consolidated
@@ -117,10 +118,12 @@ def main() -> int:
         cfg.model = model.config
     else:
         model = build_model(cfg.model, seed=cfg.training.model_seed)
-    # what a real model needs, attached from outside: a head tied to the embedding, and
-    # recomputation to fit its activations (--activation-checkpointing)
+    # what a real model needs, attached from outside: a head tied to the embedding,
+    # recomputation to fit its activations (--activation-checkpointing), and a vocabulary
+    # padded to a multiple of tp
     par = parallelize(model, cfg, pgm, env.device, precision_hooks(cfg, env.device.type),
-                      tied=TiedEmbeddings(), recompute=apply_activation_checkpointing)
+                      tied=TiedEmbeddings(), recompute=apply_activation_checkpointing,
+                      tensor_parallel=apply_tensor_parallel_padded)
     trainer = Trainer(cfg, par.model, pgm, device=env.device, optimizer=par.optimizer,
                       forward_backward=par.forward_backward, clip_grad_norm=par.clip_grad_norm)
     result = trainer.train()

@@ -273,7 +273,7 @@ def parse_tp_sites(text: str, path: str = "log") -> dict:
         re.search(
             r"b x s x h = (\d+) x (\d+) = (" + NUMBER + r") elements per collective, "
             r"tp (\d+)", text), "'b x s x h = ...' line", path)
-    sites = re.findall(r"^(\S.*?\(([fg])\))\s+(\S+)\s+(\S+)\s*$", text, re.M)
+    sites = re.findall(r"^(\S.*?\(([fg](?:-bar)?)\))\s+(\S+)\s+(\S+)\s*$", text, re.M)
     return dict(tokens=int(m.group(1)), hidden=int(m.group(2)), elements=int(_num(m.group(3))),
                 tp=int(m.group(4)), sites=[(s[0], s[2], s[3]) for s in sites])
 
@@ -308,10 +308,10 @@ def plot_tp_split(path: str, out: str) -> None:
             ax.add_patch(box)
         ax.add_patch(Rectangle((x, 0.5), 1.2, 1.6, fill=False, edgecolor="black"))
         ax.text(x + 0.6, 2.25, f"{name}\n{kind} parallel", ha="center", fontsize=8)
-    marks = [(0.45, "f", "backward"), (4.95, "g", "forward"), (5.85, "f", "backward"),
-             (10.35, "g", "forward")]
+    marks = [(0.45, "f", "backward"), (4.95, "f-bar", "forward"), (5.85, "f", "backward"),
+             (10.35, "f-bar", "forward")]
     for x, op, when in marks:
-        ax.annotate(f"{op}: all-reduce\nin {when}\n{kb:.1f} kB", (x, 1.3), ha="center", va="center",
+        ax.annotate(f"{op}\nall-reduce\nin {when}\n{kb:.1f} kB", (x, 1.3), ha="center", va="center",
                     fontsize=7, bbox=dict(boxstyle="round", fc="lightyellow"))
     for x0, x1 in ((2.2, 3.2), (7.6, 8.6)):
         ax.annotate("", (x1, 1.3), (x0, 1.3), arrowprops=dict(arrowstyle="->"))

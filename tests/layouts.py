@@ -26,6 +26,7 @@ from scaletorch.parallel.pipeline_parallel import PipelineModel
 from scaletorch.parallel.tensor_layout import (TensorLayout, plain_entries, record_splits,
                                                tied_copies, zero_entries)
 from scaletorch.parallel.tied_embeddings import TiedEmbeddings
+from scaletorch.parallel.vocab_padding import apply_tensor_parallel_padded
 from scaletorch.parallel.zero import ShardedDataParallel
 from scaletorch.trainer import Config, Trainer
 from scaletorch.trainer.consolidated import (consolidated_state, load_consolidated,
@@ -138,7 +139,8 @@ def build(cfg: Config, pgm, state=None) -> Tuple[Parallelized, Trainer]:
     if state is not None:
         model.load_state_dict(state)
     par = parallelize(model, cfg, pgm, torch.device("cpu"), precision_hooks(cfg, "cpu"),
-                      tied=TiedEmbeddings(), recompute=apply_activation_checkpointing)
+                      tied=TiedEmbeddings(), recompute=apply_activation_checkpointing,
+                      tensor_parallel=apply_tensor_parallel_padded)
     return par, Trainer.from_parallelized(cfg, par, pgm, verbose=False)
 
 

@@ -55,9 +55,9 @@ TP = """\
 one transformer block, one micro-batch: b x s x h = 512 x 64 = 32,768 elements per collective, tp 2
 site                      forward         backward
 attention input (f)       -               all_reduce
-o_proj output (g)         all_reduce      -
+o_proj output (f-bar)     all_reduce      -
 MLP input (f)             -               all_reduce
-down_proj output (g)      all_reduce      -
+down_proj output (f-bar)  all_reduce      -
 communication per rank (step 2)
 op              group      N   calls      elements        MB   wire MB
 all_reduce      tp         2      12       329,216     1.317     1.317
@@ -132,7 +132,7 @@ class ChapterPlotReaders(unittest.TestCase):
         info = cp.parse_tp_sites(TP)
         self.assertEqual((info["tokens"], info["hidden"], info["elements"], info["tp"]),
                          (512, 64, 32_768, 2))
-        self.assertEqual(info["sites"][1], ("o_proj output (g)", "all_reduce", "-"))
+        self.assertEqual(info["sites"][1], ("o_proj output (f-bar)", "all_reduce", "-"))
         self.assertEqual(len(info["sites"]), 4)
         ledger = cp.parse_ledger(TP)
         self.assertEqual([(r["op"], r["group"], r["calls"]) for r in ledger],

@@ -7,7 +7,9 @@ A name matches whole words of an identifier: "meter" matches ``self.meter`` and
 meters, message dtypes and tied embeddings through ``StageHooks`` that those chapters register
 (expert_parallel.py, activation_meter.py, mixed_precision.py, tied_embeddings.py). Tensor
 parallel learns of chapter 08's compute dtype the same way: mixed_precision.py swaps in
-subclasses of its norm and embedding (``tensor_parallel_wire_in_compute``).
+subclasses of its norm and embedding (``tensor_parallel_wire_in_compute``); of chapter 10's
+vocabulary padding through ``parallelize(..., tensor_parallel=apply_tensor_parallel_padded)``
+(vocab_padding.py pads the reference's tables, then swaps in a head that masks the padding).
 """
 
 import io
@@ -30,12 +32,14 @@ _COMPUTE_DTYPE = [
     "compute_dtype", "to_compute", "autocast", "autocast_dtype", "wire_dtype", "bfloat16",
     "float16", "mixed_precision"
 ]
+# chapter 10's vocabulary padding (vocab_padding.py), which tensor parallel must not name either
+_TENSOR = _COMPUTE_DTYPE + ["pad", "vocab_pad", "padded", "padding"]
 FORBIDDEN: Dict[str, List[str]] = {
     "scaletorch/parallel/pipeline_schedules.py": _PIPELINE,
     "scaletorch/parallel/pipeline_runtime.py": _PIPELINE,
     "scaletorch/parallel/pipeline_parallel.py": _PIPELINE,
-    "scaletorch/parallel/tensor_parallel.py": _COMPUTE_DTYPE,
-    "scaletorch/parallel/tensor_parallel_layers.py": _COMPUTE_DTYPE,
+    "scaletorch/parallel/tensor_parallel.py": _TENSOR,
+    "scaletorch/parallel/tensor_parallel_layers.py": _TENSOR,
 }
 
 

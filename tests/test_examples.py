@@ -237,7 +237,7 @@ class ChaptersShareOneCodePath(unittest.TestCase):
 LINE_BUDGETS = {
     "01_ddp": 25,  # 23: grid 2, model 2, log 1, ledger 4, overlap chart 5, memory 6, parity 2
     "02_fsdp": 23,  # 21: ledger 6, memory 6 (with ZeRO-3's peak gathered), its checkpoint 1
-    "03_tensor_parallel": 21,  # 19: the key to the grid's brackets, the f/g site table 6
+    "03_tensor_parallel": 21,  # 19: the key to the grid's brackets, the f/f-bar site table 6
     "04_pipeline_parallel": 20,  # 18: a stage per grid line, the timeline 3, the bubble 1
     "04b_zero_bubble": 19,  # 17: as 04, without the p2p formula line
     "05_context_parallel": 16,  # 14: ring K/V traffic and the zigzag's attention blocks

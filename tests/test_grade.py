@@ -63,6 +63,13 @@ class GradeChapter01(_GradeChapter, unittest.TestCase):
     chapter = "01"
 
 
+class GradeChapter03(_GradeChapter, unittest.TestCase):
+    """Tensor parallel, 2 ranks, 2 steps without and 2 with sequence parallel a job (stopped at
+    the first wrong call), every call's forward and backward checked on its rank: 3 solutions,
+    12 variants, 3 stubs."""
+    chapter = "03"
+
+
 class GradeChapter05(_GradeChapter, unittest.TestCase):
     """Context parallel, 2 ranks, 2 steps a job, every call checked on its rank: 2 solutions,
     6 variants, 2 stubs."""
@@ -113,7 +120,7 @@ class StubsMatchTheLibrary(unittest.TestCase):
             self.assertEqual(grade.main(["99"]), 2)
         self.assertEqual(
             err.getvalue(), "error: chapter '99' has no exercises; chapters with "
-            "exercises: 01, 05, 06, 08 (or all)\n")
+            "exercises: 01, 03, 05, 06, 08 (or all)\n")
 
 
 if __name__ == "__main__":

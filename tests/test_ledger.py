@@ -110,7 +110,7 @@ class LedgerCountsWhatCrossesTheNetwork(unittest.TestCase):
 
     def test_tensor_parallel_recompute_repeats_the_forward_up_to_the_last_saved_tensor(self):
         """torch.utils.checkpoint stops recomputing once backward has every tensor it saved,
-        so each block's last collective (down_proj's g, or f-bar under sp) is not re-issued:
+        so each block's last collective (down_proj's f-bar, or g-bar under sp) is not re-issued:
         the recompute is the forward's 2 collectives per block minus 1 (tp), the forward's
         2 all-gathers + 2 reduce-scatters minus 1 reduce-scatter (sp), of b s h each."""
         for name, sp in (("tp2_ckpt", False), ("tp2_sp_ckpt", True)):

@@ -5,7 +5,7 @@ import statement (top level, in a function, under TYPE_CHECKING), followed throu
 scaletorch/parallel, scaletorch/schedule, scaletorch/rules and scaletorch/plan. The shared
 infrastructure of chapter 00 (dist, models, data, config, trainer) is not followed: a learner
 met it before the first strategy. Two of its modules hold a chapter's own idea and are followed
-too (``TAUGHT``): the autograd-aware collectives (f, g, the all-to-all) and the MoE layer.
+too (``TAUGHT``): the autograd-aware collectives (f, f-bar, the all-to-all) and the MoE layer.
 
 The rules (doc/design.md):
 - a chapter's path holds no module that a later chapter introduces (``OWNER``), and the modules
@@ -65,18 +65,18 @@ MODULES_OF: Dict[str, List[str]] = {
     "06": ["expert_parallel"],
     "07": ["parallelize", "tensor_layout", "validation", "native", "moe_pipeline"],
     "08": ["mixed_precision", "loss_scale"],
-    "10": ["tied_embeddings", "zero_tied", "activation_checkpointing"],
+    "10": ["tied_embeddings", "zero_tied", "activation_checkpointing", "vocab_padding"],
     "12": ["sync_batchnorm", "vision_parallel"],
 }
 OWNER = {module: chapter for chapter, modules in MODULES_OF.items() for module in modules}
 # Chapters over the budget, at most this many lines (they may shrink, not grow). 03 went over
-# when dist/functional.py (214 lines, where f and g live) was counted in its path. 04b: the
+# when dist/functional.py (220 lines, where f and f-bar live) was counted in its path. 04b: the
 # general pipeline runtime (schedules as plans, interleaved, torch's pipelining) moved there
 # from chapter 04, whose schedules became plain loops (issue 41).
 # 01: its core became three functions of their own (gradient_sync.py, 37 lines), the
 # exercises' reference solutions; memory_report.py counts bytes by dtype for the dry run too.
 # 07: the MoE loss under a pipeline (moe_pipeline.py) is composition, so it is 07's.
-OVER_BUDGET: Dict[str, int] = {"01": 756, "03": 874, "04b": 1080, "07": 750}
+OVER_BUDGET: Dict[str, int] = {"01": 756, "03": 856, "04b": 1080, "07": 750}
 
 
 def chapters() -> List[Tuple[str, str, str]]:

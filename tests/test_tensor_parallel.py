@@ -208,8 +208,9 @@ class TestTensorParallelConfigErrors(unittest.TestCase):
         self.check(r"num_key_value_heads \(2\) .* \(4\)", 4, num_key_value_heads=2)
 
     def test_vocabulary_not_divisible_is_padded_not_refused(self):
-        # 66 rows over tp 4 (66 = 4 x 16 + 2): no error; apply_tensor_parallel pads them to a
-        # multiple of vocab_pad_to x tp = 128 x 4, i.e. 512 (tests/test_vocab_padding.py)
+        # 66 rows over tp 4 (66 = 4 x 16 + 2): no error; chapter 10's apply_tensor_parallel_padded
+        # pads them to a multiple of vocab_pad_to x tp = 128 x 4, i.e. 512
+        # (tests/test_vocab_padding.py)
         config = LlamaConfig(**{**MODEL.__dict__, "vocab_size": 66})
         self.assertEqual(value_error(lambda: tp_lib.validate_tensor_parallel(config, 4)),
                          "no error")

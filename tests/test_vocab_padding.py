@@ -1,5 +1,6 @@
 """A vocabulary that tensor parallel does not divide is padded (Megatron's make-vocab-size-
-divisible-by, ``model.vocab_pad_to``), and the run still equals the unpadded single-device one.
+divisible-by, ``model.vocab_pad_to``) by chapter 10's ``apply_tensor_parallel_padded``
+(vocab_padding.py), and the run still equals the unpadded single-device one.
 
 World 3: vocabulary 1000 at tp 3 (1000 % 3 = 1, padded to 1152). World 4: vocabulary 1001
 (odd) at tp 2 x pp 2 and tp 2 x dp 2 with ZeRO-3, padded to 1024, and GPT-2's 50257 at tp 2 x
@@ -18,6 +19,7 @@ import torch
 from scaletorch.dist import destroy_pg_manager
 from scaletorch.models import build_model
 from scaletorch.parallel.parallelize import parallelize
+from scaletorch.parallel.vocab_padding import apply_tensor_parallel_padded
 from scaletorch.rules.vocab import padded_vocab_size
 from scaletorch.trainer.param_map import param_map
 from tests.harness import run_distributed
@@ -66,7 +68,8 @@ def padded_head_logits(vocab: int, parallel: dict) -> dict:
     cfg = config(vocab, parallel)
     pgm = pg_manager_for(cfg)
     model = build_model(cfg.model, seed=0)
-    par = parallelize(model, cfg, pgm, torch.device("cpu"))
+    par = parallelize(model, cfg, pgm, torch.device("cpu"),
+                      tensor_parallel=apply_tensor_parallel_padded)
     head = model.lm_head
     logits = head(torch.randn(1, 4, cfg.model.hidden_size))  # (1, 4, V_padded / tp)
     local = param_map(par).scatter(build_model(cfg.model, seed=0).state_dict())

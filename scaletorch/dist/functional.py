@@ -1,4 +1,4 @@
-"""Differentiable collectives: the Megatron f/g operators and their relatives.
+"""Differentiable collectives: the f, f-bar, g and g-bar operators and their relatives.
 
 ``torch.distributed`` collectives are invisible to autograd. Each parallel strategy needs a
 collective in forward *and its conjugate in backward*, so each pair is one small
@@ -7,12 +7,16 @@ tensor parallel ("tp"), sequence parallel, context parallel and expert parallel.
 
     operator                              forward          backward
     copy_to_parallel_region      (f)      identity         all-reduce
-    reduce_from_parallel_region  (g)      all-reduce       identity
+    reduce_from_parallel_region  (f-bar)  all-reduce       identity
+    gather_from_sequence_parallel_region  all-gather dim   reduce-scatter dim   (g)
+    reduce_scatter_to_sequence_parallel   reduce-scatter   all-gather dim       (g-bar)
     scatter_to_parallel_region            split dim        all-gather dim
     gather_from_parallel_region           all-gather dim   split dim
-    gather_from_sequence_parallel_region  all-gather dim   reduce-scatter dim   (g-bar)
-    reduce_scatter_to_sequence_parallel   reduce-scatter   all-gather dim       (f-bar)
     all_to_all                            all-to-all       all-to-all, splits swapped
+
+The names are Korthikanti et al. 2022's: f and g enter a tensor-parallel region, f-bar and
+g-bar leave it; g and g-bar are f and f-bar under sequence parallel. (Shoeybi et al. 2019,
+without sequence parallel, call f-bar "g".)
 """
 
 from typing import Any, List, Optional, Tuple
@@ -65,7 +69,7 @@ def all_reduce_sum(x: torch.Tensor, group: Group) -> torch.Tensor:
     return out
 
 
-# [core: f-and-g]
+# [core: f-and-f-bar]
 class _CopyToParallelRegion(torch.autograd.Function):
     """f: forward identity, backward all-reduce (a replicated input used by every shard)."""
 
@@ -80,7 +84,7 @@ class _CopyToParallelRegion(torch.autograd.Function):
 
 
 class _ReduceFromParallelRegion(torch.autograd.Function):
-    """g: forward all-reduce (sum the partial results of the shards), backward identity."""
+    """f-bar: forward all-reduce (sum the partial results of the shards), backward identity."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
@@ -91,7 +95,7 @@ class _ReduceFromParallelRegion(torch.autograd.Function):
         return grad, None
 
 
-# [end: f-and-g]
+# [end: f-and-f-bar]
 class _ScatterToParallelRegion(torch.autograd.Function):
     """Forward: keep this rank's chunk along ``dim``; backward: all-gather the gradient."""
 
@@ -119,7 +123,7 @@ class _GatherFromParallelRegion(torch.autograd.Function):
 
 
 class _GatherFromSequenceParallelRegion(torch.autograd.Function):
-    """g-bar: forward all-gather along ``dim``, backward reduce-scatter along ``dim``.
+    """g: forward all-gather along ``dim``, backward reduce-scatter along ``dim``.
 
     Used before a column-parallel matmul under sequence parallel: every rank needs the whole
     sequence, and each rank's gradient w.r.t. it is partial, so the backward sums and splits.
@@ -136,7 +140,7 @@ class _GatherFromSequenceParallelRegion(torch.autograd.Function):
 
 
 class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
-    """f-bar: forward reduce-scatter along ``dim``, backward all-gather along ``dim``.
+    """g-bar: forward reduce-scatter along ``dim``, backward all-gather along ``dim``.
 
     Used after a row-parallel matmul under sequence parallel: sum the partial outputs and keep
     this rank's piece of the sequence.

@@ -44,8 +44,9 @@ class LlamaConfig:
     tie_word_embeddings: bool = checked(False)
     init_std: float = checked(0.02, positive())
     # Tensor parallel splits embedding and head by vocabulary rows; a vocabulary tp does not
-    # divide is padded there to a multiple of vocab_pad_to x tp (Megatron's
-    # make-vocab-size-divisible-by), with the padded logits masked. This model is never padded.
+    # divide is padded by chapter 10 (parallel/vocab_padding.py) to a multiple of vocab_pad_to
+    # x tp (Megatron's make-vocab-size-divisible-by), with the padded logits masked. This model
+    # is never padded.
     vocab_pad_to: int = checked(128, positive())
     # Mixture of experts (moe.py); num_experts 0 = a dense model, which reads no moe_* field.
     num_experts: int = checked(0, at_least(0))

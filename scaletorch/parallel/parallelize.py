@@ -175,14 +175,15 @@ def check_tied_without_hooks(cfg: "Config") -> None:
 
 def parallelize(model: Llama, cfg: "Config", pgm: ProcessGroupManager, device: torch.device,
                 precision: Optional[Any] = None, tied: Optional[Any] = None,
-                recompute: Optional[Callable[[nn.Module, str], Any]] = None) -> Parallelized:
+                recompute: Optional[Callable[[nn.Module, str], Any]] = None,
+                tensor_parallel: Callable[..., Llama] = apply_tensor_parallel) -> Parallelized:
     """Apply expert -> tensor -> context -> checkpointing -> pipeline -> data parallel to the
     reference ``model`` (built with the same seed on every rank), as ``cfg.parallel`` says.
 
-    ``cfg``: the scaletorch Config; ``pgm``: the process-group manager of the same layout;
-    ``precision``: chapter 08's ``PrecisionHooks`` (mixed_precision.py), attached from outside;
-    None keeps every wire in fp32. ``tied``: chapter 10's ``TiedEmbeddings``, which a tied model
-    needs under a pipeline or ZeRO; ``recompute``: 10's ``apply_activation_checkpointing``.
+    ``cfg``: the Config; ``pgm``: the process groups of its layout; ``precision``: chapter 08's
+    ``PrecisionHooks`` (mixed_precision.py), None for fp32 wires; ``tied``: chapter 10's
+    ``TiedEmbeddings``, which a tied model needs under a pipeline or ZeRO; ``recompute``: 10's
+    ``apply_activation_checkpointing``; ``tensor_parallel``: 03's surgery, or 10's padded one.
     """
     sizes = validate_layout(cfg, pgm.world_size)  # every refusal, before any surgery
     _check_groups_match(cfg, pgm, sizes)
@@ -202,7 +203,7 @@ def parallelize(model: Llama, cfg: "Config", pgm: ProcessGroupManager, device: t
         # the routed tokens cross the wire in autocast's dtype (chapter 08)
         shard_experts(model, pgm, autocast_dtype(cfg, device.type))
     if pgm.tensor_model_parallel_world_size > 1:  # 2
-        apply_tensor_parallel(model, pgm, p.sequence_parallel)
+        tensor_parallel(model, pgm, p.sequence_parallel)
         if precision is not None:  # activations on the wire in autocast's dtype (chapter 08)
             precision.after_tensor_parallel(model)
         loss = tensor_parallel_loss_fn(pgm)
@@ -220,11 +221,10 @@ def parallelize(model: Llama, cfg: "Config", pgm: ProcessGroupManager, device: t
         pipe = apply_pipeline_parallel(model, pgm, p.virtual_pipeline_stages, p.layer_split,
                                        p.sequence_parallel, p.schedule in V_SHAPED)
     modules: List[nn.Module] = list(pipe.chunks) if pipe is not None else [model]
-    plain = plain_entries(modules)
 
     wrapped, optimizer = _apply_data_parallel(modules, cfg, pgm, precision, tied)  # 6
     zero = [w for w in wrapped if isinstance(w, ShardedDataParallel)]
-    layout = TensorLayout(pgm, splits, zero_entries(zero) if zero else plain, pipe)
+    layout = TensorLayout(pgm, splits, zero_entries(zero) if zero else plain_entries(modules), pipe)
 
     scaler = None if precision is None else precision.scaler  # fp16 (08): overflows agreed
     if pipe is not None:

@@ -7,24 +7,23 @@ A linear layer y = x A^T (A: out x in) can be split two ways over N ranks:
 
 A column-parallel layer followed by a row-parallel one needs no communication in between:
 attention (q/k/v column, heads split; o row) and the MLP (gate/up column; down row) each cost
-one all-reduce of (b, s, h) in forward (g, after the row-parallel matmul) and one in backward
-(f, on the input of the column-parallel matmuls): 2 + 2 per transformer block.
+one all-reduce of (b, s, h) in forward (f-bar, after the row-parallel matmul) and one in
+backward (f, on the input of the column-parallel matmuls): 2 + 2 per transformer block.
 
-    x (b,s,h) --f--> q,k,v | gate,up (column) --> (b,s,out/N) --> o | down (row) --g--> (b,s,h)
+    x (b,s,h) --f--> q,k,v | gate,up (column) --> (b,s,out/N) --> o | down (row) --f-bar--> (b,s,h)
                  fwd: identity, bwd: all-reduce             fwd: all-reduce, bwd: identity
 
-Sequence parallel (Korthikanti et al. 2022) shards the activations *between* those regions
-(norms, residual adds) on the sequence: (b, s/N, h). f becomes an all-gather of the sequence
-(backward: reduce-scatter) and g a reduce-scatter (backward: all-gather): the same bytes on
-the wire as the all-reduce (= reduce-scatter + all-gather), but the norms and the residual
-stream now hold s/N tokens per rank. The RMSNorm weights stay whole on every rank; each rank
-sees only its tokens, so their gradients are summed over "tp" (the f operator on the weight).
+Sequence parallel (Korthikanti et al. 2022, whose names these are) shards the activations
+*between* those regions (norms, residual adds) on the sequence: (b, s/N, h). f becomes g, an
+all-gather of the sequence (backward: reduce-scatter), and f-bar becomes g-bar, a
+reduce-scatter (backward: all-gather): the same bytes on the wire as the all-reduce (=
+reduce-scatter + all-gather), but the norms and the residual stream now hold s/N tokens per
+rank. The RMSNorm weights stay whole on every rank; each rank sees only its tokens, so their
+gradients are summed over "tp" (the f operator on the weight).
 
 Embedding and head are split over the vocabulary; the loss never gathers the logits: each
-rank has (b, s, V/N) and only the max and the sum of exponentials are all-reduced. A vocabulary
-that N does not divide (32000 at tp 3, 50257 at tp 2) is padded with zero rows to a multiple of
-``vocab_pad_to`` x N, as Megatron does; the head gives the padding rows -inf logits, so loss,
-gradients and sampling are those of the unpadded model, and a gathered state has no padding.
+rank has (b, s, V/N) and only the max and the sum of exponentials are all-reduced. N must
+divide the vocabulary here; chapter 10 pads one it does not divide (vocab_padding.py).
 
 Here: the model surgery, the chapter's clip, gather and formula; the layers are in
 tensor_parallel_layers.py, PyTorch's DTensor version in tensor_parallel_dtensor.py.
@@ -44,9 +43,7 @@ from scaletorch.models import MLP, Llama, LlamaConfig, RMSNorm
 from scaletorch.parallel.grad_norm import clip_grads_, replica_count, world_grad_norm
 from scaletorch.parallel.tensor_parallel_layers import (ColumnParallelLinear, ParallelRMSNorm,
                                                         RowParallelLinear, VocabParallelEmbedding,
-                                                        VocabParallelHead,
                                                         vocab_parallel_cross_entropy)
-from scaletorch.rules.vocab import padded_vocab_size
 
 State = Dict[str, torch.Tensor]
 
@@ -64,7 +61,7 @@ def validate_tensor_parallel(config: LlamaConfig, tensor_model_parallel_size: in
         "num_attention_heads": config.num_attention_heads,
         "num_key_value_heads": config.num_key_value_heads,
         "intermediate_size": config.intermediate_size,
-    }  # the vocabulary need not divide: apply_tensor_parallel pads it (vocab_pad_to)
+    }  # the vocabulary is checked by the embedding: chapter 10 pads it first when tp does not
     for name, value in sizes.items():
         if value % tp != 0:
             divides = math.gcd(*sizes.values())
@@ -118,12 +115,9 @@ def apply_tensor_parallel(model: Llama, pgm: ProcessGroupManager,
         block.post_attention_layernorm = norm(block.post_attention_layernorm)
         mlp.gate_proj, mlp.up_proj = column(mlp.gate_proj), column(mlp.up_proj)
         mlp.down_proj = row(mlp.down_proj)
-    padded = padded_vocab_size(cfg.vocab_size, tp, cfg.vocab_pad_to)
-    ref.embed_tokens = VocabParallelEmbedding.from_embedding(ref.embed_tokens, group, padded,
-                                                             **kwargs)
+    ref.embed_tokens = VocabParallelEmbedding.from_embedding(ref.embed_tokens, group, **kwargs)
     ref.norm = norm(ref.norm)
-    ref.lm_head = VocabParallelHead.from_head(ref.lm_head, group, padded, enter_region=False,
-                                              **kwargs)
+    ref.lm_head = column(ref.lm_head)  # the vocabulary-parallel head: logits (b, s, V/N)
     if cfg.tie_word_embeddings:  # both are split by vocabulary rows: the same shard
         ref.lm_head.weight = ref.embed_tokens.weight
     return model
@@ -154,8 +148,9 @@ def gather_tensor_parallel_state_dict(model: nn.Module,
                                       pgm: ProcessGroupManager) -> Optional[State]:
     """Collective over "tp": the reference-keyed full weights on global rank 0, None elsewhere.
 
-    Each tp shard is all-gathered along its partition dim and loses its vocabulary padding rows;
-    a DTensor (``--impl torch``) gathers itself; a replicated norm weight is taken as it is.
+    Each tp shard is all-gathered along its partition dim (and cut to the real vocabulary if
+    chapter 10 padded it, vocab_padding.py); a DTensor (``--impl torch``) gathers itself; a
+    replicated norm weight is taken as it is.
     """
     full: State = {}
     with get_ledger().paused():  # a check, not training traffic
@@ -176,9 +171,11 @@ def format_block_comm(config: LlamaConfig, tokens: int, tp: int, sequence_parall
     activations cross the wire in the compute ``precision`` (chapter 08: 2 bytes in bf16)."""
     e = 4 if precision == "fp32" else 2
     n = tokens * config.hidden_size
-    enter, leave = (("g-bar", "all_gather", "reduce_scatter"), ("f-bar", "reduce_scatter",
-                                                                "all_gather")) \
-        if sequence_parallel else (("f", "-", "all_reduce"), ("g", "all_reduce", "-"))
+    if sequence_parallel:  # Korthikanti et al.'s names: g enters a region, g-bar leaves it
+        enter, leave = ("g", "all_gather", "reduce_scatter"), ("g-bar", "reduce_scatter",
+                                                               "all_gather")
+    else:
+        enter, leave = ("f", "-", "all_reduce"), ("f-bar", "all_reduce", "-")
     sites = [(f"{where} ({op[0]})", op[1], op[2])
              for where, op in (("attention input", enter), ("o_proj output", leave),
                                ("MLP input", enter), ("down_proj output", leave))]

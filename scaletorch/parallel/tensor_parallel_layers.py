@@ -1,14 +1,16 @@
-"""Megatron's tensor-parallel layers over one "tp" group: the f / g operators (tensor_parallel.py
-draws them), the column, row and vocabulary-parallel layers, and the loss that never gathers
-the logits. ``ParallelRMSNorm.normalize`` and ``VocabParallelEmbedding.lookup`` give what
-enters and leaves a region, so a later chapter can extend them in a subclass of its own.
+"""Megatron's tensor-parallel layers over one "tp" group: where f, f-bar, g and g-bar sit
+(tensor_parallel.py draws them), the column, row and vocabulary-parallel layers, and the loss
+that never gathers the logits. ``ParallelRMSNorm.normalize`` and
+``VocabParallelEmbedding.lookup`` give what enters and leaves a region, so a later chapter can
+extend them in a subclass of its own.
 """
 
-from typing import Any, Tuple, cast
+from typing import Any, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from jaxtyping import Float, Int
 from torch import nn
 
 from scaletorch.dist import comm
@@ -19,10 +21,17 @@ from scaletorch.dist.functional import (copy_to_parallel_region,
                                         reduce_scatter_to_sequence_parallel_region)
 from scaletorch.models import RMSNorm
 
-
-def _pad_rows(weight: torch.Tensor, rows: int) -> torch.Tensor:
-    """weight (V, h) with zero rows appended up to (rows, h): rows no token id reaches."""
-    return torch.cat((weight, weight.new_zeros(rows - weight.size(0), weight.size(1))))
+# What one tp rank holds (jaxtyping; tests/test_tensor_parallel_shapes.py checks it at run time):
+# b sequences of s tokens; s_sp = s / tp under sequence parallel, s without it; h features
+# (h_tp = h / tp of them on this rank); v_tp = V / tp vocabulary rows; n = b s tokens.
+FullSequence = Float[torch.Tensor, "b s h"]  # every token: after f or g, or a partial sum
+SequenceShard = Float[torch.Tensor, "b s_sp h"]  # the region's input or output
+ColumnShard = Float[torch.Tensor, "b s h_tp"]  # a column-parallel output, a row-parallel input
+Logits = Float[torch.Tensor, "b s v_tp"]
+TokenIds = Int[torch.Tensor, "b s"]
+TokenLogits = Float[torch.Tensor, "n v_tp"]
+TokenTargets = Int[torch.Tensor, "n"]
+Scalar = Float[torch.Tensor, ""]
 
 
 def _mark_sharded(param: nn.Parameter, dim: int) -> nn.Parameter:
@@ -33,20 +42,25 @@ def _mark_sharded(param: nn.Parameter, dim: int) -> nn.Parameter:
 
 
 # [core: regions]
-def _enter_region(x: torch.Tensor, group: Group, sequence_parallel: bool) -> torch.Tensor:
-    """Hand a replicated activation to column-parallel matmuls.
+def enter_region(x: SequenceShard, group: Group, sequence_parallel: bool) -> FullSequence:
+    """Hand x (b, s_sp, h), fp32 or the compute dtype, to column-parallel matmuls over ``group``.
 
-    Without sequence parallel: f (forward identity, backward all-reduce over ``group``).
-    With it: (b, s/N, h) -> (b, s, h) all-gather (backward reduce-scatter over ``group``).
+    Without sequence parallel, f: forward identity, backward all-reduce of the gradient.
+    With it, g: forward all-gather of the sequence (b, s/tp, h) -> (b, s, h) along dim 1,
+    backward reduce-scatter of the gradient along dim 1.
     """
     if sequence_parallel:
         return gather_from_sequence_parallel_region(x, group, dim=1)
     return copy_to_parallel_region(x, group)
 
 
-def _exit_region(x: torch.Tensor, group: Group, sequence_parallel: bool) -> torch.Tensor:
-    """Sum the partial outputs of row-parallel shards: all-reduce (g), or reduce-scatter of
-    the sequence under sequence parallel: (b, s, h) -> (b, s/N, h)."""
+def exit_region(x: FullSequence, group: Group, sequence_parallel: bool) -> SequenceShard:
+    """Sum the partial outputs x (b, s, h) of row-parallel shards over ``group``.
+
+    Without sequence parallel, f-bar: forward all-reduce, backward identity.
+    With it, g-bar: forward reduce-scatter along dim 1, (b, s, h) -> (b, s/tp, h), backward
+    all-gather of the gradient along dim 1.
+    """
     if sequence_parallel:
         return reduce_scatter_to_sequence_parallel_region(x, group, dim=1)
     return reduce_from_parallel_region(x, group)
@@ -57,8 +71,8 @@ class ColumnParallelLinear(nn.Module):
     """y_i = x A_i^T: this rank holds rows [i out/N, (i+1) out/N) of A (no bias).
 
     x: (b, s, in) replicated, or (b, s/N, in) under sequence parallel; y: (b, s, out/N).
-    ``enter_region=False`` when the caller already applied f / the all-gather once for several
-    layers reading the same input (q/k/v, gate/up): one collective instead of three.
+    ``enter_region=False`` when the caller already applied f (or g) once for several layers
+    reading the same input (q/k/v, gate/up): one collective instead of three.
     """
 
     def __init__(self, in_features: int, out_features: int, group: Group, *,
@@ -83,10 +97,16 @@ class ColumnParallelLinear(nn.Module):
         return layer
 
     # [core: column-forward]
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: SequenceShard) -> ColumnShard:
+        """x (b, s_sp, in) -> this rank's output features (b, s, out/tp), after the entry.
+
+        The entry (f, or g under sequence parallel) runs here unless ``enter_region`` is
+        False, as for q/k/v and gate/up: ParallelRMSNorm.forward enters once for the three,
+        and autograd sums their input gradients before one all-reduce instead of three.
+        """
         if self.enter_region:
-            x = _enter_region(x, self.group, self.sequence_parallel)
-        return F.linear(x, self.weight)  # (b, s, out/N)
+            x = enter_region(x, self.group, self.sequence_parallel)
+        return F.linear(x, self.weight)  # (b, s, out/tp)
 
 
 # [end: column-forward]
@@ -118,9 +138,11 @@ class RowParallelLinear(nn.Module):
         return layer
 
     # [core: row-forward]
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: ColumnShard) -> SequenceShard:
+        """x (b, s, in/tp) -> (b, s_sp, out): this rank's partial sum, then the exit (f-bar, or
+        g-bar under sequence parallel)."""
         partial = F.linear(x, self.weight)  # (b, s, out), this rank's share of the sum
-        return _exit_region(partial, self.group, self.sequence_parallel)
+        return exit_region(partial, self.group, self.sequence_parallel)
 
 
 # [end: row-forward]
@@ -138,24 +160,21 @@ class VocabParallelEmbedding(nn.Module):
         n = comm.group_size(group)
         if num_embeddings % n != 0:
             raise ValueError(f"vocabulary size {num_embeddings} is not divisible by the "
-                             f"tensor-parallel size {n}")
+                             f"tensor-parallel size {n} (examples/10_real_model.py pads it)")
         self.group, self.sequence_parallel = group, sequence_parallel
         self.vocab_start = comm.group_rank(group) * (num_embeddings // n)
         self.weight = _mark_sharded(nn.Parameter(torch.empty(num_embeddings // n, embedding_dim)),
                                     0)
 
     @classmethod
-    def from_embedding(cls, embedding: nn.Embedding, group: Group, padded_size: int = 0,
+    def from_embedding(cls, embedding: nn.Embedding, group: Group,
                        **kwargs: Any) -> "VocabParallelEmbedding":
-        """This rank's rows of ``embedding``, padded with zero rows to ``padded_size`` if larger."""
+        """This rank's rows of ``embedding`` (copied)."""
         num_embeddings, embedding_dim = embedding.weight.shape
-        padded_size = max(padded_size, num_embeddings)
-        layer = cls(padded_size, embedding_dim, group, **kwargs).to(embedding.weight)
+        layer = cls(num_embeddings, embedding_dim, group, **kwargs).to(embedding.weight)
         rows = layer.weight.shape[0]
         with torch.no_grad():
-            layer.weight.copy_(_pad_rows(embedding.weight, padded_size)[layer.vocab_start:][:rows])
-        if padded_size > num_embeddings:
-            setattr(layer.weight, "vocab_padding", (num_embeddings, padded_size))
+            layer.weight.copy_(embedding.weight[layer.vocab_start:][:rows])
         return layer
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
@@ -171,42 +190,11 @@ class VocabParallelEmbedding(nn.Module):
             raise ValueError(f"sequence parallel splits the sequence over the tensor-parallel "
                              f"group: sequence length {ids.size(1)} is not divisible by "
                              f"tensor_model_parallel_size {n}")
-        return _exit_region(self.lookup(ids), self.group, self.sequence_parallel)
-
-
-class VocabParallelHead(ColumnParallelLinear):
-    """The output layer split by vocabulary rows, padded like the embedding; the logits of the
-    padding rows are -inf, so the loss and sampling never see them (exp(-inf) = 0: no
-    probability, no gradient). x: (b, s, h) -> logits (b, s, V_padded/N)."""
-
-    vocab_size: int = 0  # the real vocabulary
-    vocab_start: int = 0  # this rank's first row
-
-    @classmethod
-    def from_head(cls, head: nn.Linear, group: Group, padded_size: int,
-                  **kwargs: Any) -> "VocabParallelHead":
-        vocab_size, hidden = head.weight.shape
-        full = nn.Linear(hidden, max(padded_size, vocab_size), bias=False).to(head.weight)
-        with torch.no_grad():
-            full.weight.copy_(_pad_rows(head.weight, full.weight.size(0)))
-        layer = cast(VocabParallelHead, cls.from_linear(full, group, **kwargs))
-        layer.vocab_size = vocab_size
-        layer.vocab_start = comm.group_rank(group) * layer.weight.shape[0]
-        if full.weight.size(0) > vocab_size:
-            setattr(layer.weight, "vocab_padding", (vocab_size, full.weight.size(0)))
-        return layer
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = super().forward(x)  # (b, s, V_padded/N)
-        first_pad = self.vocab_size - self.vocab_start  # local columns from here are padding
-        if first_pad < logits.size(-1):
-            pad = torch.arange(logits.size(-1), device=logits.device) >= first_pad
-            logits = logits.masked_fill(pad, float("-inf"))
-        return logits
+        return exit_region(self.lookup(ids), self.group, self.sequence_parallel)
 
 
 class ParallelRMSNorm(RMSNorm):
-    """RMSNorm whose output feeds column-parallel matmuls: norm, then f or the all-gather.
+    """RMSNorm whose output feeds column-parallel matmuls: norm, then f (or g, the all-gather).
 
     Doing the entry here, once, serves q/k/v (or gate/up, or the head) with one collective.
     x: (b, s, h) or (b, s/N, h) under sequence parallel -> (b, s, h). Under sequence parallel
@@ -229,9 +217,10 @@ class ParallelRMSNorm(RMSNorm):
         return (normed * weight.float()).to(x.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _enter_region(self.normalize(x), self.group, self.sequence_parallel)
+        return enter_region(self.normalize(x), self.group, self.sequence_parallel)
 
 
+# [core: cross-entropy]
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Mean cross-entropy of vocab-sharded logits (n, V/N); targets (n,) global ids.
 
@@ -240,8 +229,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor,
-                group: Group) -> torch.Tensor:
+    def forward(ctx: Any, logits: TokenLogits, targets: TokenTargets, group: Group) -> Scalar:
         logits32 = logits.float()
         row_max = logits32.max(dim=-1).values  # (n,)
         comm.all_reduce(row_max, group, op=dist.ReduceOp.MAX)
@@ -250,7 +238,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         local = targets - comm.group_rank(group) * vocab_local
         mine = (local >= 0) & (local < vocab_local)  # this rank holds the target's logit
         local = local.masked_fill(~mine, 0)
-        # where, not a product: a rank holding only padding has -inf there (-inf * 0 = nan)
+        # where, not a product: a masked column's logit is -inf there (-inf * 0 = nan)
         target_logit = torch.where(mine, shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1), 0.0)
         exp = shifted.exp()
         stats = torch.stack((exp.sum(dim=-1), target_logit))  # (2, n)
@@ -261,7 +249,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return (sum_exp.log() - target_logit).mean()
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[torch.Tensor, None, None]:
+    def backward(ctx: Any, grad: Scalar) -> Tuple[TokenLogits, None, None]:
         softmax, local, mine = ctx.saved_tensors  # softmax: (n, V/N) of the full distribution
         grad_logits = softmax.clone()
         rows = torch.arange(grad_logits.size(0), device=grad_logits.device)
@@ -270,9 +258,14 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad_logits.to(ctx.input_dtype), None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
-                                 group: Group) -> torch.Tensor:
-    """Mean cross-entropy of logits (b, s, V/N) sharded over ``group`` by vocabulary and
-    targets (b, s); equals ``models.loss_fn`` on the gathered logits, never gathering them."""
+# [end: cross-entropy]
+def vocab_parallel_cross_entropy(logits: Logits, targets: TokenIds, group: Group) -> Scalar:
+    """Mean cross-entropy of logits (b, s, V/tp), any float dtype, sharded over ``group`` by
+    vocabulary (rank r holds columns [r V/tp, (r+1) V/tp)) and targets (b, s), int64 global ids.
+
+    Equals ``models.loss_fn`` on the gathered logits, never gathering them: an all-reduce MAX
+    of each token's max, then one all-reduce SUM of [sum of exp, target logit] over ``group``;
+    the backward, (softmax - one_hot) / (b s), needs no communication. Returns the fp32 mean.
+    """
     return _VocabParallelCrossEntropy.apply(logits.reshape(-1, logits.size(-1)),
                                             targets.reshape(-1), group)

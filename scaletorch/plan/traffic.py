@@ -112,7 +112,7 @@ def tp_comm_calls(config: Any, sequence_parallel: bool, num_micro_batches: int =
                   layers: Optional[Sequence[int]] = None, first: bool = True,
                   last: bool = True) -> Dict[str, int]:
     """Calls over "tp" per optimizer step, by op, that carry ``tp_comm_elements``: per
-    micro-batch one per activation term (a block's f and g: 4 per dense block, 2 per MoE
+    micro-batch one per activation term (a block's f and f-bar: 4 per dense block, 2 per MoE
     block; the embedding's; the head input's), two for the loss (the max; [sum exp, target
     logit]) and under sequence parallel one per norm weight (its all-reduce in backward)."""
     sites, norms, loss = _tp_sites(config, layers, first, last)

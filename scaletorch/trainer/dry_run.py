@@ -53,6 +53,7 @@ from scaletorch.parallel.memory_report import memory_by_dtype
 from scaletorch.parallel.mixed_precision import precision_hooks
 from scaletorch.parallel.parallelize import Parallelized, parallelize
 from scaletorch.parallel.tied_embeddings import TiedEmbeddings
+from scaletorch.parallel.vocab_padding import apply_tensor_parallel_padded
 from scaletorch.plan.layout import PlanLayout
 from scaletorch.plan.layout import from_config as layout_of
 from scaletorch.plan.memory import activation_bytes, checkpoint_bytes, state_bytes
@@ -135,16 +136,17 @@ def fake_world(rank: int, world: int) -> Iterator[None]:
 def build_run(cfg: Config, pgm: ProcessGroupManager, device: torch.device,
               loader: Optional[BatchSource] = None) -> Tuple[Parallelized, Trainer]:
     """The reference model, parallelized with every later chapter's hooks (precision, tied
-    embeddings, recomputation) over ``pgm``, and its silent Trainer: the run that the planner's
-    ``--measure`` and the dry run both measure. On the meta device fp32 runs without chapter
-    08's hooks (autocast has no meta device to ask) and the model and its shards are made
-    there (sizes only); elsewhere the model is built on the CPU, as every script builds it."""
+    embeddings, recomputation, vocabulary padding) over ``pgm``, and its silent Trainer: the
+    run that the planner's ``--measure`` and the dry run both measure. On the meta device fp32
+    runs without chapter 08's hooks (autocast has no meta device to ask) and the model and its
+    shards are made there (sizes only); elsewhere the model is built on the CPU, as every
+    script builds it."""
     meta = device == META
     hooks = None if meta else precision_hooks(cfg, device.type)
     with device if meta else nullcontext():
         model = build_model(cfg.model, seed=cfg.training.model_seed)
         par = parallelize(model, cfg, pgm, device, hooks, tied=TiedEmbeddings(),
-                          recompute=RECOMPUTE)
+                          recompute=RECOMPUTE, tensor_parallel=apply_tensor_parallel_padded)
     trainer = Trainer.from_parallelized(cfg, par, pgm, device=device, verbose=False, loader=loader)
     return par, trainer
 

@@ -21,8 +21,8 @@ from scaletorch.parallel.context_parallel import apply_context_parallel, make_se
 from scaletorch.parallel.data_parallel import apply_data_parallel
 from scaletorch.parallel.step import make_data_parallel_step
 from scaletorch.trainer import Config, Trainer, parse_args
-from scripts.grading.runner import (COLLECTIVE_TIMEOUT, Source, Verdict, error_verdict, hang_text,
-                                    load, patched, run_jobs, run_world)
+from scripts.grading.runner import (COLLECTIVE_TIMEOUT, Source, Verdict, grade_found, load, patched,
+                                    run_jobs)
 
 CHAPTER = "05"
 EXERCISES = ("chunk_ids", "merge")
@@ -147,23 +147,7 @@ def rank_jobs(rank: int, world: int, jobs: List[Dict[str, Source]]) -> List[Dict
 
 def grade(jobs: List[Dict[str, Source]]) -> List[Verdict]:
     """Every job graded in one world of WORLD ranks, each call against the library's."""
-    results, hang = run_world(rank_jobs, WORLD, jobs)
-    ranks = [r for r in results if isinstance(r, list)]
-    verdicts = []
-    for i, job in enumerate(jobs):
-        (exercise, _), = job.items()
-        runs = [r[i] for r in ranks if i < len(r)]
-        if len(runs) < WORLD:
-            text = hang_text(exercise, hang) if hang else "no result from every rank"
-            verdicts.append(Verdict(exercise, False, text))
-            continue
-        failed = error_verdict(exercise, runs)
-        if failed is not None:
-            verdicts.append(failed)
-            continue
-        texts = [t for run in runs for t in run["found"]]
-        verdicts.append(Verdict(exercise, not texts, texts[0] if texts else "passed"))
-    return verdicts
+    return grade_found(rank_jobs, WORLD, jobs)
 
 
 def solution_jobs() -> List[Dict[str, Source]]:

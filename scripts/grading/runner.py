@@ -179,3 +179,26 @@ def error_verdict(exercise: str, runs: List[dict]) -> Optional[Verdict]:
     if errors:
         return Verdict(exercise, False, f"{exercise} raised {errors[0]}")
     return None
+
+
+def grade_found(rank_jobs: Callable, world: int, jobs: List[Dict[str, Source]]) -> List[Verdict]:
+    """Every job graded in one world of ``world`` ranks, by ``rank_jobs`` whose measure returns
+    {"found": the diagnoses of the calls that differed from the library's}: "passed" if no rank
+    found one, else the first (05 and 03 grade so)."""
+    results, hang = run_world(rank_jobs, world, jobs)
+    ranks = [r for r in results if isinstance(r, list)]
+    verdicts = []
+    for i, job in enumerate(jobs):
+        (exercise, _), = job.items()
+        runs = [r[i] for r in ranks if i < len(r)]
+        if len(runs) < world:
+            text = hang_text(exercise, hang) if hang else "no result from every rank"
+            verdicts.append(Verdict(exercise, False, text))
+            continue
+        failed = error_verdict(exercise, runs)
+        if failed is not None:
+            verdicts.append(failed)
+            continue
+        texts = [t for run in runs for t in run["found"]]
+        verdicts.append(Verdict(exercise, not texts, texts[0] if texts else "passed"))
+    return verdicts

@@ -1,0 +1,267 @@
+"""Grading chapter 03's exercises (examples/exercises/03_tensor_parallel.py) on 2 gloo ranks.
+
+Each job trains chapter 03's run (examples/configs/03_tensor_parallel.yaml, tp 2) for ``STEPS``
+steps, without and then with sequence parallel, with the learner's function called beside the
+library's: ``enter_region`` (f, or g under sequence parallel) and ``exit_region`` (f-bar, or
+g-bar) get the same input in forward and the same output gradient in backward, so the forward
+and the backward are each compared; ``vocab_parallel_cross_entropy`` gets the same logits,
+and its loss and gradient are compared. The run goes on with the library's answer, so the ranks
+stay in step whatever the learner returned; the first difference is the diagnosis. The ranks
+agree by one all-reduce over the world whether to go on to sequence parallel. The
+cross-entropy is first given probes: logits near 100 (exp overflows fp32), targets in one
+rank's shard at a time, and shards whose largest logits differ.
+"""
+
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from scaletorch.dist import comm, destroy_pg_manager, init_pg_manager_from_config
+from scaletorch.dist.functional import split_along_dim
+from scaletorch.models import build_model, loss_fn
+from scaletorch.parallel import tensor_parallel, tensor_parallel_layers
+from scaletorch.parallel.tensor_parallel import (apply_tensor_parallel,
+                                                 tensor_parallel_clip_grad_norm,
+                                                 tensor_parallel_loss_fn)
+from scaletorch.trainer import Config, Trainer, parse_args
+from scripts.grading.runner import (COLLECTIVE_TIMEOUT, Source, Verdict, grade_found, load, patched,
+                                    run_jobs)
+
+CHAPTER = "03"
+EXERCISES = ("enter_region", "exit_region", "vocab_parallel_cross_entropy")
+LIBRARY = "scaletorch.parallel.tensor_parallel_layers"
+WORLD = 2
+AGAINST = "the library's calls"  # what the jobs are compared with
+STEPS = 2
+# fp32: a learner's all-reduce or loss may add the same numbers in another order, a few ulps of
+# values below 10 (ulp at 8: 9.5e-7); a wrong operator is off by a factor or a shape.
+RTOL, ATOL = 1e-5, 1e-5
+LIBRARY_FNS = {e: getattr(tensor_parallel_layers, e) for e in EXERCISES}  # before any patch
+NAMES = {
+    ("enter_region", False): "f",
+    ("enter_region", True): "g",
+    ("exit_region", False): "f-bar",
+    ("exit_region", True): "g-bar"
+}
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.allclose(a.float(), b.float(), rtol=RTOL, atol=ATOL)
+
+
+def _ratio(got: torch.Tensor, want: torch.Tensor) -> Optional[float]:
+    """r if got = r x want (a factor the learner's mistake multiplied by), else None."""
+    if got.shape != want.shape or float(want.abs().max()) == 0.0:
+        return None
+    r = float((got * want).sum() / (want * want).sum())
+    return r if _close(got, r * want) else None
+
+
+def forward_text(exercise: str, sp: bool, x: torch.Tensor, got: torch.Tensor, want: torch.Tensor,
+                 group: Any) -> Optional[str]:
+    """What is wrong with one call's forward, None if right."""
+    op = NAMES[(exercise, sp)]
+    if _close(got, want):
+        return None
+    if got.shape != want.shape:
+        what = "all-gather" if exercise == "enter_region" else "reduce-scatter"
+        return (f"{op} returned {tuple(got.shape)} for an input {tuple(x.shape)}, the library "
+                f"{tuple(want.shape)}: {what} the sequence, dim 1 of (b, s, h)")
+    if exercise == "exit_region" and _close(got, split_along_dim(x, 1, group) if sp else x):
+        return (f"{op} returned this rank's own partial output: sum the row-parallel shards' "
+                f"outputs over tp ({'reduce-scatter' if sp else 'all-reduce'})")
+    r = _ratio(got, want)
+    if r is not None and exercise == "enter_region":
+        return (f"{op}'s forward returned {r:.2f}x its input: f is the identity in forward; "
+                f"its all-reduce belongs to the backward")
+    if r is not None:
+        return (f"{op}'s forward is {r:.2f}x the library's: sum the partial outputs over tp, "
+                f"do not average them")
+    return f"{op}'s forward is {float((got - want).abs().max()):.1e} off the library's"
+
+
+def backward_text(exercise: str, sp: bool, dy: torch.Tensor, got: Optional[torch.Tensor],
+                  want: torch.Tensor, group: Any) -> Optional[str]:
+    """What is wrong with one call's backward (its forward was right), None if right."""
+    op = NAMES[(exercise, sp)]
+    if got is None:
+        return (f"{op}'s output carries no gradient back: torch.distributed's collectives are "
+                f"invisible to autograd, so write a torch.autograd.Function")
+    if _close(got, want):
+        return None
+    if exercise == "enter_region" and _close(got, split_along_dim(dy, 1, group) if sp else dy):
+        if sp:
+            return ("g's backward kept this rank's chunk of the gradient without summing it: "
+                    "reduce-scatter it over tp (sum the ranks' partial gradients, then split)")
+        return ("loss matches, gradients do not: f's backward must all-reduce, not copy (every "
+                "rank's shard used x, so dx is the sum of their partial gradients)")
+    r = _ratio(got, want)
+    if r is not None and exercise == "exit_region":
+        return (f"{op}'s forward matches, its backward returned {r:.2f}x the gradient: every "
+                f"rank already holds the whole output gradient, so {op}'s backward "
+                f"{'all-gathers it' if sp else 'is the identity'}")
+    if r is not None:
+        return (f"{op}'s backward gradient is {r:.2f}x the library's: sum the ranks' partial "
+                f"gradients over tp, do not average them")
+    return f"{op}'s backward is {float((got - want).abs().max()):.1e} off the library's"
+
+
+class _Compared(torch.autograd.Function):
+    """The library's region operator in the run, the learner's beside it on the same input
+    and, in backward, on the same output gradient; the first difference goes to ``found``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, fn: Callable, exercise: str, group: Any, sp: bool,
+                found: List[str]) -> torch.Tensor:
+        library = LIBRARY_FNS[exercise]
+        with torch.enable_grad():
+            mine, theirs = x.detach().requires_grad_(), x.detach().requires_grad_()
+            got, want = fn(mine, group, sp), library(theirs, group, sp)
+        if not found:
+            found += [t for t in [forward_text(exercise, sp, x, got.detach(), want, group)] if t]
+        ctx.graphs, ctx.how = (mine, got, theirs, want), (exercise, group, sp, found)
+        return want.detach().clone()
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
+        (mine, got, theirs, want), (exercise, group, sp, found) = ctx.graphs, ctx.how
+        dx_want, = torch.autograd.grad(want, theirs, dy)
+        dx_got = None  # the same decision on every rank: the learner's backward may communicate
+        if got.shape == want.shape and got.requires_grad:
+            dx_got, = torch.autograd.grad(got, mine, dy, allow_unused=True)
+        if not found:
+            found += [t for t in [backward_text(exercise, sp, dy, dx_got, dx_want, group)] if t]
+        return dx_want, None, None, None, None, None
+
+
+def _probe(fn: Callable, logits: torch.Tensor, targets: torch.Tensor,
+           group: Any) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """(learner's loss, its gradient of this rank's shard, the reference loss and gradient) of
+    full logits (b, s, V) computed on one device, this rank holding its vocabulary shard."""
+    rank, n = comm.group_rank(group), comm.group_size(group)
+    full = logits.clone().requires_grad_()
+    want = loss_fn(full, targets)
+    want_grad, = torch.autograd.grad(want, full)
+    mine = logits.chunk(n, dim=-1)[rank].clone().requires_grad_()
+    got = fn(mine, targets, group)
+    grad = torch.autograd.grad(got, mine)[0] if got.requires_grad else None
+    return got.detach(), grad, want.detach(), want_grad.chunk(n, dim=-1)[rank]
+
+
+def probe_cross_entropy(fn: Callable, group: Any, vocab: int) -> Optional[str]:
+    """The diagnosis of the first probe the learner's cross-entropy fails, None if none."""
+    n, gen = comm.group_size(group), torch.Generator().manual_seed(0)
+    shard = vocab // n
+    logits = torch.randn(2, 4, vocab, generator=gen)
+    for r in range(n):  # every shard's largest logit 10: this rank's max is the global max
+        logits[..., r * shard] = 10.0
+    got, _, want, _ = _probe(fn, 100.0 + logits, torch.zeros(2, 4, dtype=torch.long), group)
+    if not _close(got, want):
+        return (f"the loss of logits near 100 is {float(got):.4g}, not {float(want):.4f}: "
+                f"exp(100) overflows fp32; subtract the max over all tp ranks first")
+    wrong = []
+    for r in range(n):  # every target in rank r's shard
+        targets = torch.randint(r * shard, (r + 1) * shard, (2, 4), generator=gen)
+        got, _, want, _ = _probe(fn, logits, targets, group)
+        if not _close(got, want):
+            wrong.append(f"rank {r}'s (ids {r * shard}-{(r + 1) * shard - 1})")
+    if wrong:
+        return (f"the loss is wrong when the targets are in {' and '.join(wrong)} shard: rank r "
+                f"holds the logits of ids [r V/tp, (r+1) V/tp); subtract r V/tp from a target "
+                f"id, and add 0 on the ranks that do not hold it")
+    targets = torch.randint(0, vocab, (2, 4), generator=gen)
+    skewed = logits + 4.0 * torch.arange(vocab).div(shard, rounding_mode="floor")  # max 10 + 4r
+    got, _, want, _ = _probe(fn, skewed, targets, group)
+    if not _close(got, want):
+        return (f"the loss is right when every rank's largest logit is the same, and "
+                f"{float(got):.4f}, not {float(want):.4f}, when they differ: shift by the max "
+                f"over all tp ranks (all-reduce MAX), not by this rank's")
+    got, grad, want, want_grad = _probe(fn, logits, targets, group)
+    if grad is None:
+        return "the loss carries no gradient back to the logits: write a torch.autograd.Function"
+    r = _ratio(grad, want_grad)
+    if r is not None and abs(r - 1.0) > 1e-3:
+        return (f"the loss matches, its gradient is {r:.2f}x the library's: the loss is the mean "
+                f"over the {targets.numel()} tokens, so its gradient is (softmax - one_hot) / "
+                f"{targets.numel()}")
+    if not _close(grad, want_grad):
+        return f"the loss matches, its gradient is {float((grad - want_grad).abs().max()):.1e} off"
+    return None
+
+
+def _cross_entropy_checked(fn: Callable, found: List[str]) -> Callable:
+    """The learner's cross-entropy beside the library's on the run's logits; the library's is
+    returned, so the ranks stay in step."""
+    library = LIBRARY_FNS["vocab_parallel_cross_entropy"]
+
+    def call(logits: torch.Tensor, targets: torch.Tensor, group: Any) -> torch.Tensor:
+        mine = logits.detach().requires_grad_()
+        got = fn(mine, targets, group)
+        grad = torch.autograd.grad(got, mine)[0] if got.requires_grad else None
+        theirs = logits.detach().requires_grad_()
+        want = library(theirs, targets, group)
+        want_grad, = torch.autograd.grad(want, theirs)
+        if not found and not (_close(got, want) and grad is not None and _close(grad, want_grad)):
+            found.append(f"the loss {float(got):.6f} (the library {float(want):.6f}) or its "
+                         f"gradient differs in the run")
+        return library(logits, targets, group)
+
+    return call
+
+
+def config(sp: bool) -> Config:
+    args = ["--config", "examples/configs/03_tensor_parallel.yaml", "--steps", str(STEPS)]
+    cfg = parse_args(args + (["--sequence-parallel"] if sp else []))
+    cfg.logging.progress = False
+    return cfg
+
+
+def _train(cfg: Config, pgm: Any) -> None:
+    model = apply_tensor_parallel(build_model(cfg.model, seed=cfg.training.model_seed), pgm,
+                                  cfg.parallel.sequence_parallel)
+    Trainer(cfg, model, pgm, device=torch.device("cpu"), loss_fn=tensor_parallel_loss_fn(pgm),
+            clip_grad_norm=tensor_parallel_clip_grad_norm(model, pgm), verbose=False).train()
+
+
+def rank_jobs(rank: int, world: int, jobs: List[Dict[str, Source]]) -> List[Dict[str, Any]]:
+    """Inside a rank: each job, its calls checked one by one, without then with sp."""
+    pgm = init_pg_manager_from_config(config(False).parallel, COLLECTIVE_TIMEOUT)
+    group = pgm.tensor_model_parallel_group
+
+    def measure(exercise: str, source: Source) -> Dict[str, Any]:
+        found: List[str] = []
+        fn = load(source)
+        if exercise == "vocab_parallel_cross_entropy":
+            probed = probe_cross_entropy(fn, group, config(False).model.vocab_size)
+            found += [probed] if probed is not None else []
+            with patched([(tensor_parallel, exercise, _cross_entropy_checked(fn, found))]):
+                _train(config(False), pgm)
+            return {"found": found}
+        checked = lambda x, g, sp: _Compared.apply(x, fn, exercise, g, sp, found)  # noqa: E731
+        for sp in (False, True):
+            agreed = torch.tensor(float(bool(found)))
+            comm.all_reduce(agreed, op=dist.ReduceOp.MAX)  # every rank goes on, or none
+            if agreed.item():
+                break
+            with patched([(tensor_parallel_layers, exercise, checked)]):
+                _train(config(sp), pgm)
+        return {"found": found}
+
+    try:
+        return run_jobs(jobs, measure)
+    finally:
+        destroy_pg_manager()
+
+
+def grade(jobs: List[Dict[str, Source]]) -> List[Verdict]:
+    """Every job graded in one world of WORLD ranks, each call against the library's."""
+    return grade_found(rank_jobs, WORLD, jobs)
+
+
+def solution_jobs() -> List[Dict[str, Source]]:
+    return [{name: (LIBRARY, name)} for name in EXERCISES]
+
+
+def exercise_jobs(path: str) -> List[Dict[str, Source]]:
+    return [{name: (path, name)} for name in EXERCISES]
