@@ -67,6 +67,10 @@ def limits(cfg, world_size: int) -> None:
     check_fp32_without_hooks(cfg)
     check_recompute_without_hook(cfg)
     check_tied_without_hooks(cfg)
+    vocab, tp = cfg.model.vocab_size, cfg.parallel.tensor_model_parallel_size
+    if vocab % tp != 0:  # 07 splits the vocabulary evenly, as 03 does; 10 pads it first
+        raise ValueError(f"model.vocab_size ({vocab}) is not divisible by tensor_model_parallel"
+                         f"_size ({tp}): examples/10_real_model.py pads the vocabulary")
 
 
 def main() -> int:

@@ -178,8 +178,8 @@ def _check_combinations(cfg: "Config", sizes: Dict[str, int]) -> None:
     if p.impl == "torch" and tp > 1 and m.vocab_size % tp != 0:
         raise ValueError(f"parallel.impl 'torch' splits the embedding and head with DTensor, "
                          f"which does not pad the vocabulary: vocab_size {m.vocab_size} is not "
-                         f"divisible by tensor_model_parallel_size {tp}; use impl 'scaletorch' "
-                         f"(it pads to a multiple of model.vocab_pad_to x tp)")
+                         f"divisible by tensor_model_parallel_size {tp}; chapter 10 pads it "
+                         f"(examples/10_real_model.py, impl 'scaletorch')")
     others = {"tp": tp, "pp": pp, "zero_stage": p.zero_stage}
     if p.impl == "torch" and cp > 1 and (tp > 1 or pp > 1 or p.zero_stage == 3):
         got = ", ".join(f"{k} {v}" for k, v in others.items())
