@@ -138,8 +138,10 @@ def set_value(cfg: Config, key: str, value: Any) -> None:
     setattr(target, name, _convert(value, types[name], key))
 
 
-def apply_dict(cfg: Config, values: Dict[str, Any], source: str = "config") -> None:
-    """Apply a nested dict (as read from YAML) onto ``cfg``."""
+def apply_dict(cfg: Config, values: Dict[str, Any], source: str = "config") -> Dict[str, Any]:
+    """Apply a nested dict (as read from YAML) onto ``cfg``, each value checked against its
+    rule; the keys it gave, with their values (whether the run reads them depends on the
+    command line too: ``parse_args`` checks that once every value is in)."""
     if not isinstance(values, dict):
         raise InputError(f"{source} must be a mapping of sections, got {type(values).__name__}")
     try:
@@ -153,11 +155,12 @@ def apply_dict(cfg: Config, values: Dict[str, Any], source: str = "config") -> N
                     given[f"{section}.{name}"] = value
             else:
                 set_value(cfg, section, body)
-        check_schema(cfg, given)  # the file's own values, and that it reads each one
+        check_schema(cfg)  # the file's own values
         # LlamaConfig validates itself on construction; re-run its checks after edits.
         cfg.model.__post_init__()
     except ValueError as err:  # a value of the file: say which file holds it
         raise InputError(f"{source}: {err}") from None
+    return given
 
 
 def load_yaml(path: str) -> Dict[str, Any]:
@@ -210,8 +213,9 @@ def parse_args(argv: Optional[Sequence[str]] = None, default_config: Optional[st
     args, rest = parser.parse_known_args(argv)
 
     cfg = Config()
+    in_file: Dict[str, Any] = {}
     if args.config:
-        apply_dict(cfg, load_yaml(args.config), source=args.config)
+        in_file = apply_dict(cfg, load_yaml(args.config), source=args.config)
     overrides: List[tuple] = []
     i = 0
     while i < len(rest):  # --section.name VALUE or --section.name=VALUE
@@ -244,6 +248,11 @@ def parse_args(argv: Optional[Sequence[str]] = None, default_config: Optional[st
     if args.resume is not None:
         cfg.checkpoint.resume = args.resume
     check_schema(cfg, given)
+    if args.config and args.config != default_config:  # the user's file (a script's own may
+        try:  # set what a layout given on the command line then ignores, e.g. a schedule)
+            check_given(cfg, {k: v for k, v in in_file.items() if k not in given})
+        except ValueError as err:
+            raise InputError(f"{args.config}: {err}") from None
     cfg.model.__post_init__()
     validate(cfg)
     return cfg
@@ -455,13 +464,20 @@ def check_schema(cfg: Config, given: Optional[Dict[str, Any]] = None) -> None:
     the user ``given`` (a default is not given: a saved config.yaml lists them all) against
     the settings that make the run read it. InputError naming the key, the value and what is
     allowed. (Paths are checked on disk by ``validate`` and ``check_inputs``.)"""
-    rules, defaults = {}, {}
-    for key, value, annotation, rule, default in schema(cfg):
+    for key, value, annotation, rule, _ in schema(cfg):
         check_value(key, value, annotation, rule)
-        rules[key], defaults[key] = rule, default
-    for key, value in (given or {}).items():
-        if key in rules and value != defaults[key]:
-            check_applies(key, value, rules[key], lambda other: setting(cfg, other))
+    check_given(cfg, given or {})
+
+
+def check_given(cfg: Config, given: Dict[str, Any]) -> None:
+    """InputError for a key the user ``given`` with a value other than its default that ``cfg``
+    does not read: its rule's ``unless`` settings hold (``parallel.schedule`` at pp 1,
+    ``training.fail_rank`` without ``training.fail_at_step``, ...). A default is not given: a
+    saved config.yaml lists every key."""
+    rules = {key: (rule, default) for key, _, _, rule, default in schema(cfg)}
+    for key, value in given.items():
+        if key in rules and value != rules[key][1]:
+            check_applies(key, setting(cfg, key), rules[key][0], lambda other: setting(cfg, other))
 
 
 def validate(cfg: Config, world_size: Optional[int] = None) -> None:
