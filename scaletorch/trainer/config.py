@@ -36,11 +36,11 @@ from scaletorch.parallel.mixed_precision import policy_for as precision_policy
 # the one layout check (also run by parallelize): re-exported for the scripts
 from scaletorch.parallel.validation import validate_layout
 from scaletorch.rules.errors import INTERRUPTED, InputError, MissingInputError, RunStopped
+from scaletorch.rules.safe_files import write_atomic
 from scaletorch.rules.schema import Rule, check_applies, check_value, ignored_by, rules_of
 from scaletorch.trainer.checkpoint import (check_resume, latest_valid_checkpoint, load_tensors_only,
                                            read_manifest)
 from scaletorch.trainer.run_dir import check_run_dir, move_aside
-from scaletorch.trainer.safe_files import write_atomic
 
 __all__ = [
     "CheckpointConfig", "Config", "DataConfig", "InputError", "LoggingConfig", "ParallelConfig",

@@ -20,9 +20,9 @@ import torch
 from scaletorch.config import Config
 from scaletorch.dist import comm, get_ledger
 from scaletorch.parallel.parallelize import Parallelized
+from scaletorch.rules.safe_files import read_checksummed, write_checksummed
 from scaletorch.trainer.checkpoint import load_tensors_only
 from scaletorch.trainer.param_map import param_map
-from scaletorch.trainer.safe_files import read_checksummed, write_checksummed
 
 if TYPE_CHECKING:  # only the type: chapter 07's script hands its Trainer in
     from scaletorch.trainer.trainer import Trainer
