@@ -110,9 +110,7 @@ def resume_consolidated(trainer: "Trainer", par: Parallelized, state: Dict[str, 
                 "exp_avg": exp_avg[param],
                 "exp_avg_sq": exp_avg_sq[param],
             }
-    trainer.scheduler.load_state_dict(state["scheduler"])
-    for group, lr in zip(opt.param_groups, trainer.scheduler.get_last_lr()):
-        group["lr"] = lr
+    trainer.load_schedule(state["scheduler"])  # at this run's lr (the note below says so)
     trainer.step = state["step"]
     saved, now = state.get("schedule"), _schedule(trainer.cfg)
     if saved is not None and saved != now and par.layout.pgm.rank == 0:
