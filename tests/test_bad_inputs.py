@@ -82,6 +82,13 @@ ROWS = [
     Row("--data.path given with the synthetic dataset, which ignores it", C00,
         ("--data.path", "D/long.txt"),
         "data.path 'D/long.txt' is given, but data.dataset 'synthetic' ignores it"),
+    Row("a strategy option given to chapter 00, which runs none", C00, ("--zero-stage", "1"),
+        "parallel.zero_stage 1 is given, but this script does not read parallel"),
+    Row(
+        "a pipeline schedule without a pipeline (pp 1), which ignores it", C00,
+        ("--schedule", "afab"),
+        "parallel.schedule 'afab' is given, but parallel.pipeline_model_parallel_size 1 "
+        "ignores it"),
     Row("--init-from a config.json with a number written as a string", C10,
         ("--init-from", "D/hf_string"),
         "D/hf_string/config.json: max_position_embeddings must be int, got '2048'"),

@@ -238,6 +238,23 @@ class EveryFieldRefusesWrongTypesAndRanges(unittest.TestCase):
                     self.assertEqual(proc.stderr, self.results[key, what][1])
                     self.assertNotIn("torchrun", proc.stdout)  # it never started
 
+    def test_chapter_00_refuses_every_strategy_option_it_never_reads(self):
+        # load_config(..., unread={"parallel.": ...}): one device, no strategy
+        keys = [(k, a, r, d) for k, _, a, r, d in schema(Config()) if k.startswith("parallel.")]
+        self.assertGreater(len(keys), 15)
+        for key, annotation, rule, default in keys:
+            value = given_value(annotation, rule, default)
+            with self.subTest(key=key, value=value):
+                code, out = run_in_process(C00, [f"--{key}", value])
+                self.assertEqual(code, 2, out)
+                self.assertEqual(len(out.splitlines()), 1, out)
+                self.assertRegex(out, rf"^error: {key} .* is given, but ")
+        code, out = run_in_process(C00, ["--zero-stage", "1"])
+        self.assertEqual(
+            out, "error: parallel.zero_stage 1 is given, but this script does not "
+            "read parallel: one device, no strategy (chapters 01 on); remove "
+            "parallel.zero_stage\n")
+
     def test_only_what_the_user_gave_counts(self):
         # chapter 04b's own file sets schedule zb-h1 at pp 2: a --pp 1 given on the command
         # line leaves it unread, and the script's file is not the user's mistake

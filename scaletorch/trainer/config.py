@@ -193,8 +193,11 @@ def load_yaml(path: str) -> Dict[str, Any]:
 
 
 def parse_args(argv: Optional[Sequence[str]] = None, default_config: Optional[str] = None,
-               description: str = "") -> Config:
-    """Build a Config from dataclass defaults, ``--config`` YAML and command-line overrides."""
+               description: str = "", unread: Optional[Dict[str, str]] = None) -> Config:
+    """Build a Config from dataclass defaults, ``--config`` YAML and command-line overrides.
+
+    ``unread``: {key or section prefix ("parallel."): why} of what the script never reads;
+    such a key given (not its default) is refused like a value the layout ignores."""
     parser = argparse.ArgumentParser(
         description=description,
         epilog="Any field can be overridden as --section.name VALUE or --set section.name=VALUE. "
@@ -248,9 +251,12 @@ def parse_args(argv: Optional[Sequence[str]] = None, default_config: Optional[st
     if args.resume is not None:
         cfg.checkpoint.resume = args.resume
     check_schema(cfg, given)
+    check_read(cfg, given, unread or {})
     if args.config and args.config != default_config:  # the user's file (a script's own may
         try:  # set what a layout given on the command line then ignores, e.g. a schedule)
-            check_given(cfg, {k: v for k, v in in_file.items() if k not in given})
+            mine = {k: v for k, v in in_file.items() if k not in given}
+            check_given(cfg, mine)
+            check_read(cfg, mine, unread or {})
         except ValueError as err:
             raise InputError(f"{args.config}: {err}") from None
     cfg.model.__post_init__()
@@ -262,7 +268,8 @@ Limits = Callable[[Config, int], None]  # a script's own refusals: limits(cfg, w
 
 
 def load_config(default_config: str, description: str, limits: Optional[Limits] = None,
-                argv: Optional[Sequence[str]] = None, resume_files: bool = False) -> Config:
+                argv: Optional[Sequence[str]] = None, resume_files: bool = False,
+                unread: Optional[Dict[str, str]] = None) -> Config:
     """A script's config, checked for the world it is launched into before anything starts.
 
     ``parse_args``, then ``validate(cfg, world_size)`` (the one layout check), the script's
@@ -285,7 +292,7 @@ def load_config(default_config: str, description: str, limits: Optional[Limits] 
     try:
         if world_size < 1:  # scripts/launch.sh refuses it first; a direct call may not
             raise InputError(f"--world-size must be at least 1, got {world_size}")
-        cfg = parse_args(rest, default_config, description)
+        cfg = parse_args(rest, default_config, description, unread)
         validate(cfg, world_size)
         if limits is not None:
             limits(cfg, world_size)
@@ -467,6 +474,17 @@ def check_schema(cfg: Config, given: Optional[Dict[str, Any]] = None) -> None:
     for key, value, annotation, rule, _ in schema(cfg):
         check_value(key, value, annotation, rule)
     check_given(cfg, given or {})
+
+
+def check_read(cfg: Config, given: Dict[str, Any], unread: Dict[str, str]) -> None:
+    """InputError for a key the user ``given`` (not its default) that the script never reads:
+    ``unread`` maps keys or section prefixes to why (``load_config``'s argument)."""
+    defaults = {key: default for key, _, _, _, default in schema(cfg)}
+    for key, value in given.items():
+        for prefix, why in unread.items():
+            if key.startswith(prefix) and key in defaults and value != defaults[key]:
+                raise InputError(f"{key} {setting(cfg, key)!r} is given, but this script does "
+                                 f"not read {prefix.rstrip('.')}: {why}; remove {key}")
 
 
 def check_given(cfg: Config, given: Dict[str, Any]) -> None:
