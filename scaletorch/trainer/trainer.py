@@ -22,7 +22,7 @@ import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterable, List, Optional, cast
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Tuple, cast
 
 import torch
 import torch.distributed as dist
@@ -172,6 +172,7 @@ class Trainer:
         """Load what ``state_dict`` returned (``name``: where it came from, for an error)."""
         ckpt.load_model_and_optimizer(self.model, self.optimizer, state, name)
         saved_lr = self.load_schedule(state["scheduler"])
+        changed = self._apply_adamw_settings()
         ckpt.set_rng_state(state["rng"])
         if self.scaler is not None and "scaler" in state:
             self.scaler.load_state_dict(state["scaler"])
@@ -180,6 +181,23 @@ class Trainer:
             self._print(f"training.lr changed from {saved_lr:g} to {self.cfg.training.lr:g} at "
                         f"resume: from step {self.step} the learning rate follows "
                         f"{self.cfg.training.lr:g}'s schedule")
+        for key, (before, now) in changed.items():
+            self._print(f"training.{key} changed from {before:g} to {now:g} at resume")
+
+    def _apply_adamw_settings(self) -> Dict[str, Tuple[float, float]]:
+        """Set this run's betas and weight decay on the optimizer, whose loaded state brought
+        the checkpoint's; returns {key: (checkpoint's, this run's)} of those that differ."""
+        t, changed = self.cfg.training, {}
+        for group in self.optimizer.param_groups:
+            now = {"beta1": t.beta1, "beta2": t.beta2, "weight_decay": t.weight_decay}
+            before = {
+                "beta1": group["betas"][0],
+                "beta2": group["betas"][1],
+                "weight_decay": group["weight_decay"]
+            }
+            changed.update({k: (float(before[k]), now[k]) for k in now if before[k] != now[k]})
+            group["betas"], group["weight_decay"] = (t.beta1, t.beta2), t.weight_decay
+        return changed
 
     def load_schedule(self, state: dict) -> float:
         """Load the LambdaLR ``state`` of a checkpoint at this run's ``training.lr``; returns
