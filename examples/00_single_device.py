@@ -30,7 +30,8 @@ def limits(cfg, world_size: int) -> None:
 
 def main() -> int:
     cfg = load_config("examples/configs/00_single_device.yaml",
-                      "Chapter 00: single-device training", limits)
+                      "Chapter 00: single-device training", limits,
+                      unread={"parallel.": "one device, no strategy (chapters 01 on)"})
     env = init_distributed(cfg.training.timeout_seconds)
     pgm = init_pg_manager_from_config(cfg.parallel, cfg.training.timeout_seconds)
 

@@ -51,26 +51,37 @@ class ParallelConfig:
     tensor_model_parallel_size: int = checked(1, positive())
     pipeline_model_parallel_size: int = checked(1, positive())
     context_parallel_size: int = checked(1, positive())
-    expert_model_parallel_size: int = checked(1, positive())
+    # experts split over ep ranks: a dense model (num_experts 0) has none
+    expert_model_parallel_size: int = checked(1, unless(positive(), "model.num_experts", 0))
     # 0: whatever the world size leaves; else must match it
     data_parallel_size: int = checked(0, at_least(0))
     # ours, by hand | plain data parallel (01 only) | torch's native strategies
     impl: str = checked("scaletorch", one_of("scaletorch", "naive", "torch"))
-    bucket_size_mb: float = checked(25.0, positive())  # DDP gradient bucket size
+    # DDP's gradient bucket size: naive data parallel has no buckets, ZeRO its own flat units
+    bucket_size_mb: float = checked(
+        25.0, unless(unless(positive(), "impl", "naive"), "zero_stage", 1, 2, 3))
     zero_stage: int = checked(0, one_of(0, 1, 2, 3))  # 0: plain data parallel; 1-3: ZeRO
-    sequence_parallel: bool = checked(False)
-    schedule: str = checked("1f1b", one_of(*SCHEDULES))  # chapter 04
-    virtual_pipeline_stages: int = checked(1, positive())
-    cp_variant: str = checked("ring", one_of("ring", "ulysses"))
-    # ring's blocks: auto (fused on CUDA, math elsewhere) | math | fused
-    cp_attention: str = checked("auto", one_of("auto", "math", "fused"))
+    # splits the activations over the tensor-parallel group: nothing to split at tp 1
+    sequence_parallel: bool = checked(False, unless(Rule(), "tensor_model_parallel_size", 1))
+    # chapter 04's options, read by a pipeline only (pp > 1)
+    schedule: str = checked("1f1b", unless(one_of(*SCHEDULES), "pipeline_model_parallel_size", 1))
+    virtual_pipeline_stages: int = checked(1, unless(positive(), "pipeline_model_parallel_size", 1))
+    # chapter 05's options, read by context parallel only (cp > 1)
+    cp_variant: str = checked("ring", unless(one_of("ring", "ulysses"), "context_parallel_size", 1))
+    # ring's blocks: auto (fused on CUDA, math elsewhere) | math | fused; Ulysses has no blocks
+    cp_attention: str = checked(
+        "auto",
+        unless(unless(one_of("auto", "math", "fused"), "cp_variant", "ulysses"),
+               "context_parallel_size", 1))
     # none | selective (recompute the attention core) | full (each block); true/false: full/none
     activation_checkpointing: str = checked("none", one_of(*RECOMPUTE))
     # layers per global pipeline stage (pp x virtual stages entries); None: an even split
-    layer_split: Optional[List[int]] = checked(None, positive())
+    layer_split: Optional[List[int]] = checked(
+        None, unless(positive(), "pipeline_model_parallel_size", 1))
     # mixed precision (chapter 08): ZeRO-3's parameter all-gather dtype, gradients' wire dtype
-    # auto (the compute dtype: what ZeRO-3 should gather, mixed_precision.py) | fp32 | bf16 | fp16
-    param_dtype: str = checked("auto", one_of("auto", *DTYPES))
+    # auto (the compute dtype: what ZeRO-3 should gather, mixed_precision.py) | fp32 | bf16 | fp16;
+    # ZeRO-3 alone gathers parameters (stages 0-2 keep the fp32 master whole)
+    param_dtype: str = checked("auto", unless(one_of("auto", *DTYPES), "zero_stage", 0, 1, 2))
     reduce_dtype: str = checked("fp32", one_of(*DTYPES))
 
 
@@ -91,7 +102,7 @@ class TrainingConfig:
     timeout_seconds: float = checked(300.0, positive())
     # fault injection: kill rank ``fail_rank`` at this step (first try only); -1: never
     fail_at_step: int = checked(-1, at_least(-1))
-    fail_rank: int = checked(0, at_least(0))
+    fail_rank: int = checked(0, unless(at_least(0), "fail_at_step", -1))
 
 
 @dataclass
@@ -100,7 +111,8 @@ class CheckpointConfig:
     dir: Optional[str] = checked(None, creatable_dir())  # default: <run dir>/checkpoints
     # "latest" or a checkpoint that exists (check_resume reads it before the run starts)
     resume: Optional[str] = checked(None, Rule(path="checkpoint"))
-    keep_last: int = checked(2, at_least(1))  # older checkpoints are deleted
+    # older checkpoints are deleted; without checkpoints (every 0) there is nothing to keep
+    keep_last: int = checked(2, unless(at_least(1), "every", 0))
 
 
 @dataclass

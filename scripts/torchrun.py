@@ -86,19 +86,24 @@ def report(failures: Dict[int, ProcessFailure]) -> str:
     return "\n".join(lines)
 
 
-class _NoSigintNotes(logging.Filter):
-    """Drops torchrun's warnings about passing Ctrl-C on to the ranks: rank 0's line says it."""
+class _NoRepeatedNotes(logging.Filter):
+    """Drops torchrun's notes that would repeat a rank's one line: passing Ctrl-C on to the
+    ranks, stopping the other ranks (``report`` names each stopped rank, and after a quiet
+    failure there is nothing to add), and the failure of a rank that printed its line already
+    (an exit status in QUIET: a refused config, a full disk, a non-finite loss)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         text = record.getMessage()
+        quiet = isinstance(record.msg, str) and record.msg.startswith("failed (exitcode: %s)") \
+            and isinstance(record.args, tuple) and record.args[0] in QUIET
         return not (f"Received {int(signal.SIGINT)} death signal" in text
-                    or "closing signal SIGINT" in text)
+                    or "closing signal SIG" in text or quiet)
 
 
 if __name__ == "__main__":
     for name in ("torch.distributed.elastic.agent.server.api",
                  "torch.distributed.elastic.multiprocessing.api"):
-        logging.getLogger(name).addFilter(_NoSigintNotes())
+        logging.getLogger(name).addFilter(_NoRepeatedNotes())
     try:
         main()
     except SignalException as err:  # Ctrl-C (or a SIGTERM from a scheduler) reached torchrun

@@ -11,6 +11,7 @@ whole road. ``python -m tests.test_bad_inputs --table`` prints the doc's table.
 import argparse
 import contextlib
 import dataclasses
+import glob
 import hashlib
 import io
 import json
@@ -29,9 +30,9 @@ import torch
 
 from scaletorch.models import LlamaConfig, build_model
 from scaletorch.models.hf import config_to_hf
+from scaletorch.rules.safe_files import checksum_line, checksum_path, write_checksummed
 from scaletorch.trainer import checkpoint as ckpt
 from scaletorch.trainer.config import parse_args
-from scaletorch.trainer.safe_files import checksum_line, checksum_path, write_checksummed
 from tests.test_examples import ROOT, launch_status
 
 C00, C07, C10 = "examples/00_single_device.py", "examples/07_nd_parallel.py", \
@@ -81,6 +82,13 @@ ROWS = [
     Row("--data.path given with the synthetic dataset, which ignores it", C00,
         ("--data.path", "D/long.txt"),
         "data.path 'D/long.txt' is given, but data.dataset 'synthetic' ignores it"),
+    Row("a strategy option given to chapter 00, which runs none", C00, ("--zero-stage", "1"),
+        "parallel.zero_stage 1 is given, but this script does not read parallel"),
+    Row(
+        "a pipeline schedule without a pipeline (pp 1), which ignores it", C00,
+        ("--schedule", "afab"),
+        "parallel.schedule 'afab' is given, but parallel.pipeline_model_parallel_size 1 "
+        "ignores it"),
     Row("--init-from a config.json with a number written as a string", C10,
         ("--init-from", "D/hf_string"),
         "D/hf_string/config.json: max_position_embeddings must be int, got '2048'"),
@@ -282,6 +290,8 @@ def make_bad_inputs(d: str) -> None:
         weights = os.path.join(d, "truncated", "model.safetensors")
         os.truncate(weights, os.path.getsize(weights) // 2)
         config_file = os.path.join(d, "resized", "config.json")
+        for name in glob.glob(os.path.join(d, "resized", "*.sha256")):  # a config.json edited
+            os.remove(name)  # in a directory from the Hub, which has no checksums
         with open(config_file) as f:
             config = json.load(f)
         _write(config_file, json.dumps(dict(config, intermediate_size=128)))

@@ -15,11 +15,11 @@ from typing import List
 
 from scaletorch.models import build_model
 from scaletorch.rules.errors import InputError
+from scaletorch.rules.safe_files import CorruptFileError
 from scaletorch.trainer import Trainer
 from scaletorch.trainer import checkpoint as ckpt
 from scaletorch.trainer import parse_args
 from scaletorch.trainer.consolidated import load_consolidated
-from scaletorch.trainer.safe_files import CorruptFileError
 from tests.test_run_dirs import run_script, snapshot
 
 C07 = "examples/07_nd_parallel.py"

@@ -113,7 +113,8 @@ class BadConfigsRaiseErrorsNamingTheValues(unittest.TestCase):
         (["--data.global_batch_size", "8", "--micro-batches",
           "3"], 2, ValueError, "global_batch_size (8) is not divisible by data_parallel_size (2) x "
          "data.num_micro_batches (3)"),
-        (["--fail-rank", "4"], 4, ValueError, "fail_rank (4) is not a rank of a world of 4"),
+        (["--fail-at-step", "2", "--fail-rank",
+          "4"], 4, ValueError, "fail_rank (4) is not a rank of a world of 4"),
         # pipeline schedule limits
         (["--pp", "4", "--micro-batches", "2"], 4, ValueError,
          "1F1B needs num_micro_batches (2) >= pipeline_model_parallel_size (4)"),
@@ -121,8 +122,8 @@ class BadConfigsRaiseErrorsNamingTheValues(unittest.TestCase):
             "--pp", "2", "--schedule", "interleaved", "--virtual-stages", "2", "--micro-batches",
             "3", "--data.global_batch_size", "12"
         ], 2, ValueError, "num_micro_batches (3) divisible by pipeline_model_parallel_size (2)"),
-        (["--virtual-stages", "2", "--schedule",
-          "interleaved"], 2, ValueError, "virtual_pipeline_stages (2) needs a pipeline"),
+        (["--virtual-stages", "2", "--schedule", "interleaved"], 2, ValueError,
+         "is given, but parallel.pipeline_model_parallel_size 1 ignores it"),
         # a synthetic chain over GPT-2's vocabulary would need 37.6 GiB: refused before any work
         (["--model.vocab_size", "50257"], 1, ValueError, "synthetic dataset over vocab_size 50257"),
     ]

@@ -125,6 +125,51 @@ class TestHuggingFaceLlamaRoundTrip(unittest.TestCase):
 
 
 @unittest.skipUnless(HAVE_HF, SKIP_REASON)
+class AnExportHasAChecksumPerFileAndAFlippedByteIsRefusedNamingIt(unittest.TestCase):
+    """export_hf_llama writes each file with its sha256, as every checkpoint file; loading an
+    export of ours verifies each file before it parses it."""
+
+    def assert_same_weights(self, model, reference) -> None:
+        mine, theirs = model.state_dict(), reference.state_dict()
+        self.assertEqual(list(mine), list(theirs))
+        for name in mine:  # a file written and read back: the same bits
+            self.assertTrue(torch.equal(mine[name], theirs[name]), name)
+
+    @bit_exact
+    def test_every_file_kind_flipped_is_refused_naming_it_and_restored_loads(self):
+        from scaletorch.models import LlamaConfig, build_model
+        from scaletorch.models.hf import export_hf_llama, load_hf_llama
+        from scaletorch.rules.safe_files import CorruptFileError, read_checksum, sha256
+        from tests.test_checksums import flip_byte
+        model = build_model(LlamaConfig(vocab_size=50, hidden_size=32, num_layers=2), seed=0)
+        with tempfile.TemporaryDirectory() as tmp:
+            for shard_bytes in (None, 30_000):  # one file; shards with an index
+                d = os.path.join(tmp, str(shard_bytes))
+                files = export_hf_llama(model, d, max_shard_bytes=shard_bytes)
+                names = [os.path.basename(f) for f in files]
+                self.assertEqual(sorted(os.listdir(d)),
+                                 sorted(names + [n + ".sha256" for n in names]))
+                for file in files:
+                    with open(file, "rb") as f:
+                        self.assertEqual(read_checksum(file), sha256(f.read()))
+                for file in files:
+                    with self.subTest(shards=shard_bytes, file=os.path.basename(file)):
+                        flip_byte(file)
+                        with self.assertRaises(CorruptFileError) as ctx:
+                            load_hf_llama(d)
+                        self.assertEqual(
+                            str(ctx.exception), f"{file!r} does not match its checksum in "
+                            f"{os.path.basename(file)}.sha256 ({os.path.getsize(file)} bytes; "
+                            f"truncated or damaged)")
+                        flip_byte(file)  # restored: it loads, the same weights bit for bit
+                self.assert_same_weights(load_hf_llama(d), model)
+                # a directory without checksums (the Hub's) is read as it is
+                for file in files:
+                    os.remove(file + ".sha256")
+                self.assert_same_weights(load_hf_llama(d), model)
+
+
+@unittest.skipUnless(HAVE_HF, SKIP_REASON)
 class TestHuggingFaceBadInput(unittest.TestCase):
     """Each broken directory raises one ValueError naming the file (and tensor)."""
 
@@ -136,6 +181,9 @@ class TestHuggingFaceBadInput(unittest.TestCase):
         self.dir = os.path.join(self.tmp.name, "model")
         model = build_model(LlamaConfig(vocab_size=50, hidden_size=32, num_layers=2), seed=0)
         export_hf_llama(model, self.dir, max_shard_bytes=30_000)  # several shards + index
+        for name in os.listdir(self.dir):  # as the Hub gives it, without our checksums: each
+            if name.endswith(".sha256"):  # edit below reaches the check it is about
+                os.remove(os.path.join(self.dir, name))
         self.config_file = os.path.join(self.dir, "config.json")
 
     def assert_load_fails(self, *words):

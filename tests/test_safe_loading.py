@@ -11,11 +11,11 @@ import numpy as np
 import torch
 
 from scaletorch.models import build_model
+from scaletorch.rules.safe_files import sha256, write_checksummed
 from scaletorch.trainer import Trainer
 from scaletorch.trainer import checkpoint as ckpt
 from scaletorch.trainer import parse_args
 from scaletorch.trainer.consolidated import load_consolidated
-from scaletorch.trainer.safe_files import sha256, write_checksummed
 
 
 class _RunsCode:

@@ -10,6 +10,8 @@ the path scripts/launch.sh takes first (``--validate-only``). Each must be one l
 import json
 import math
 import os
+import shutil
+import subprocess
 import tempfile
 import typing
 import unittest
@@ -22,11 +24,20 @@ from scaletorch.config import Config
 from scaletorch.models import LlamaConfig
 from scaletorch.models.hf import HFLlamaFields, config_to_hf, load_hf_config
 from scaletorch.rules.errors import InputError
-from scaletorch.rules.schema import Rule, rules_of
-from scaletorch.trainer.config import ALIASES, schema
-from tests.test_bad_inputs import C00, run_in_process
+from scaletorch.rules.schema import Rule, conditions, rules_of
+from scaletorch.trainer.config import ALIASES, parse_args, schema, setting
+from tests.test_bad_inputs import C00, ROOT, run_in_process
 
 FLAGS = {"checkpoint.resume": ["--resume"]}  # a key's own flag, named by check_resume
+# the fields a run reads under some settings only (found by reading what reads each field)
+IGNORED_UNLESS = {
+    "data.path", "model.vocab_pad_to", "model.moe_top_k", "model.moe_layer_freq",
+    "model.moe_intermediate_size", "model.moe_aux_loss_coeff", "model.moe_capacity_factor",
+    "parallel.expert_model_parallel_size", "parallel.bucket_size_mb", "parallel.sequence_parallel",
+    "parallel.schedule", "parallel.virtual_pipeline_stages", "parallel.cp_variant",
+    "parallel.cp_attention", "parallel.layer_split", "parallel.param_dtype", "training.fail_rank",
+    "checkpoint.keep_last"
+}
 
 
 def _kind(annotation: Any) -> Any:
@@ -78,24 +89,55 @@ def _yaml(value: Any) -> str:
     return str(value)
 
 
-def read_when(rule: Rule, key: str) -> List[str]:
-    """Arguments under which the run reads ``key``: the setting its rule is ignored under,
-    set to another value its own rule allows (for checkpoint.dir: checkpoints saved)."""
+def _rule(key: str) -> Rule:
+    return next(r for k, _, _, r, _ in schema(Config()) if k == key)
+
+
+def reading(key: str, ignored: Tuple[Any, ...]) -> str:
+    """A value of ``key`` its own rule allows and that is not one of ``ignored``."""
+    rule = _rule(key)
+    low = int(rule.low or 0) + (1 if rule.low_open else 0)
+    return str(next(c for c in (rule.choices or range(low, 100)) if c not in ignored))
+
+
+def read_when(rule: Rule, key: str, skip: str = "") -> List[str]:
+    """Arguments under which the run reads ``key``: each setting its rule is ignored under
+    (but ``skip``) set to another value its own rule allows (for checkpoint.dir: checkpoints
+    saved)."""
     args = ["--checkpoint.every", "1"] if rule.path == "dir" else []
-    if rule.ignored_when is not None:
-        other, ignored = rule.ignored_when
-        other = other if "." in other else f"{key.rsplit('.', 1)[0]}.{other}"
-        other_rule = next(r for k, _, _, r, _ in schema(Config()) if k == other)
-        choices = other_rule.choices or tuple(range(int(other_rule.low or 0), 100))
-        args += [f"--{other}", str(next(c for c in choices if c not in ignored))]
+    for other, ignored in conditions(key, rule):
+        if other != skip:
+            args += [f"--{other}", reading(other, ignored)]
     return args
 
 
-def given_but_ignored(rule: Rule, key: str, default: Any) -> Tuple[List[str], str]:
-    """Arguments that give ``key`` a valid value while its rule's setting makes the run ignore
-    it (the defaults do), and that value."""
-    value = "README.md" if rule.path else str(default + 1)
-    return [f"--{key}", value], value
+def given_value(annotation: Any, rule: Rule, default: Any) -> str:
+    """A value of the field's type, other than its default, that its rule allows (as the
+    command line gives it)."""
+    kind = _kind(annotation)
+    if rule.path:
+        return "README.md"
+    if rule.choices:
+        return str(next(c for c in rule.choices if c != default))
+    if typing.get_origin(kind) is list:
+        return "[1, 1]"
+    if kind is bool:
+        return str(not default).lower()
+    return str(default + 1)
+
+
+def given_but_ignored(key: str, annotation: Any, rule: Rule,
+                      default: Any) -> List[Tuple[str, List[str]]]:
+    """(the setting that ignores ``key``, arguments): for each setting of the rule, ``key``
+    given a valid value while that setting makes the run ignore it and every other one reads
+    it."""
+    out = []
+    for other, ignored in conditions(key, rule):
+        args = read_when(rule, key, skip=other)
+        if setting(Config(), other) not in ignored:
+            args += [f"--{other}", str(ignored[0])]
+        out.append((other, [*args, f"--{key}", given_value(annotation, rule, default)]))
+    return out
 
 
 def cases(d: str) -> List[Tuple[str, str, List[str]]]:
@@ -113,9 +155,8 @@ def cases(d: str) -> List[Tuple[str, str, List[str]]]:
             with open(path, "w") as f:
                 yaml.safe_dump({section: body} if section else body, f)
             out.append((key, f"out of range {value!r} in YAML", [*context, "--config", path]))
-        if rule.ignored_when is not None:
-            args, value = given_but_ignored(rule, key, default)
-            out.append((key, f"given {value} but ignored", args))
+        for other, args in given_but_ignored(key, annotation, rule, default):
+            out.append((key, f"given but ignored by {other}", args))
     return out
 
 
@@ -171,6 +212,69 @@ class EveryFieldRefusesWrongTypesAndRanges(unittest.TestCase):
         self.assertEqual(code, 2)
         self.assertIn("data.path 'README.md' is given, but data.dataset 'synthetic' ignores it",
                       out)
+
+    def test_each_given_but_ignored_value_names_the_setting_that_ignores_it(self):
+        ignored = [(key, what, args) for key, what, args in self.cases if "ignored" in what]
+        # the fields that only some layouts read, each declared beside its field (unless)
+        self.assertEqual({key for key, *_ in ignored}, IGNORED_UNLESS)
+        for key, what, args in ignored:
+            other = what.rsplit(" ", 1)[1]
+            with self.subTest(key=key, args=args):
+                code, out = self.results[key, what]
+                self.assertEqual(code, 2, out)
+                self.assertRegex(
+                    out, rf"^error: {key} .* is given, but {other} .* ignores it: "
+                    rf"remove {key}, or set {other} to a value that reads it\n$")
+
+    def test_a_sample_is_refused_by_the_launcher_before_torchrun(self):
+        # the in-process cases above are launch.sh's pre-flight; three go through launch.sh
+        sample = {"parallel.schedule", "training.fail_rank", "parallel.cp_attention"}
+        for key, what, args in self.cases:
+            if key in sample and "ignored" in what:
+                with self.subTest(key=key, args=args):
+                    proc = subprocess.run(["bash", "scripts/launch.sh", C00, "--", *args], cwd=ROOT,
+                                          capture_output=True, text=True, timeout=120)
+                    self.assertEqual(proc.returncode, 2, proc.stderr)
+                    self.assertEqual(proc.stderr, self.results[key, what][1])
+                    self.assertNotIn("torchrun", proc.stdout)  # it never started
+
+    def test_chapter_00_refuses_every_strategy_option_it_never_reads(self):
+        # load_config(..., unread={"parallel.": ...}): one device, no strategy
+        keys = [(k, a, r, d) for k, _, a, r, d in schema(Config()) if k.startswith("parallel.")]
+        self.assertGreater(len(keys), 15)
+        for key, annotation, rule, default in keys:
+            value = given_value(annotation, rule, default)
+            with self.subTest(key=key, value=value):
+                code, out = run_in_process(C00, [f"--{key}", value])
+                self.assertEqual(code, 2, out)
+                self.assertEqual(len(out.splitlines()), 1, out)
+                self.assertRegex(out, rf"^error: {key} .* is given, but ")
+        code, out = run_in_process(C00, ["--zero-stage", "1"])
+        self.assertEqual(
+            out, "error: parallel.zero_stage 1 is given, but this script does not "
+            "read parallel: one device, no strategy (chapters 01 on); remove "
+            "parallel.zero_stage\n")
+
+    def test_only_what_the_user_gave_counts(self):
+        # chapter 04b's own file sets schedule zb-h1 at pp 2: a --pp 1 given on the command
+        # line leaves it unread, and the script's file is not the user's mistake
+        own = "examples/configs/04b_zero_bubble.yaml"
+        self.assertEqual(parse_args(["--pp", "1"], own).parallel.schedule, "zb-h1")
+        # the same file given by the user with --config: its schedule is given, and ignored
+        mine = os.path.join(self.d, "mine.yaml")
+        shutil.copy(os.path.join(ROOT, own), mine)
+        with self.assertRaisesRegex(
+                InputError, rf"^{mine}: parallel.schedule 'zb-h1' is given, "
+                r"but parallel.pipeline_model_parallel_size 1 ignores it"):
+            parse_args(["--config", mine, "--pp", "1"], own)
+        # a setting given on the command line makes the file's value read: checked once, at
+        # the end, not the file against itself
+        with open(mine, "w") as f:
+            yaml.safe_dump({"parallel": {"schedule": "afab"}}, f)
+        self.assertEqual(parse_args(["--config", mine, "--pp", "2"]).parallel.schedule, "afab")
+        code, out = run_in_process(C00, ["--config", mine])
+        self.assertEqual(code, 2)
+        self.assertTrue(out.startswith(f"error: {mine}: parallel.schedule 'afab' is given"), out)
 
     def test_valid_values_and_a_saved_config_still_load(self):
         code, out = run_in_process(C00, [

@@ -17,11 +17,12 @@ from scaletorch.trainer import Trainer
 from scaletorch.trainer import checkpoint as ckpt
 from scaletorch.trainer import parse_args
 from tests.harness import NCCL_CHECKS
-from tests.test_examples import ROOT, launch_status
+from tests.test_examples import NO_PREFLIGHT, ROOT, launch_status
 from tests.test_run_dirs import BASE, C00, base_run, metrics_lines, run_script, snapshot
 
 # The run's logs: a later run may add lines, never change or remove one.
 APPEND_ONLY = ("metrics.jsonl", "log.txt")
+C01 = "examples/01_ddp.py"
 CTRL_C = re.compile(r"^interrupted \(Ctrl-C\) at step (\d+) of \d+: last complete checkpoint "
                     r"(\S+); resume with: (.+ --resume)$")
 
@@ -107,7 +108,7 @@ class AFullDiskDuringASaveKeepsThePreviousCheckpointAndTheMetrics(unittest.TestC
 
     FULL_DISK = """
 import errno
-from scaletorch.trainer import safe_files
+from scaletorch.rules import safe_files
 def write_all(f, data):
     if "step_0000006" in f.name:
         f.write(data[:len(data) // 2])
@@ -131,6 +132,47 @@ safe_files.write_all = write_all
                 f"device (free space there); its partial files were removed", err)
             after = snapshot(run)
             self.assertFalse(os.path.exists(step6))  # no partial file, no empty directory
+            for name, data in before.items():  # both checkpoints and config.yaml unchanged
+                if name not in APPEND_ONLY:
+                    self.assertEqual(after[name], data, name)
+            for name in APPEND_ONLY:  # only appended to
+                self.assertTrue(after[name].startswith(before[name]), name)
+            self.assertEqual([m["step"] for m in metrics_lines(run)], [1, 2, 3, 4, 5, 6])
+            self.assertEqual(
+                ckpt.latest_valid_checkpoint(os.path.join(run, "checkpoints"))[0],
+                ckpt.step_dir(os.path.join(run, "checkpoints"), 4))
+
+    def test_through_torchrun_one_line_and_every_rank_keeps_what_it_had(self):
+        # 01 at 2 ranks, as users launch it (scripts/launch.sh): steps 2 and 4 saved, then the
+        # resumed run finds the disk full while each rank writes its step 6 file (one disk,
+        # one node: every rank's write fails)
+        with tempfile.TemporaryDirectory() as tmp:
+            wrapper = os.path.join(tmp, "full_disk_01_ddp.py")
+            with open(wrapper, "w") as f:
+                f.write("import runpy, sys\n" + self.FULL_DISK +
+                        "sys.argv = ['examples/01_ddp.py', *sys.argv[1:]]\n"
+                        "runpy.run_path('examples/01_ddp.py', run_name='__main__')\n")
+            args = [*BASE, "--logging.run_dir", tmp]
+            out, code, _ = launch_status(C01, 2, *args, env=NO_PREFLIGHT)
+            self.assertEqual(code, 0, out[-3000:])
+            run = os.path.join(tmp, "01_ddp")
+            before = snapshot(run)
+            out, code, _ = launch_status(wrapper, 2, *args, "--steps", "8", "--resume",
+                                         env=NO_PREFLIGHT)
+            self.assertEqual(code, 2, out[-3000:])
+            self.assertNotIn("Traceback", out)
+            errors = [line for line in out.splitlines() if line.lower().startswith("error")]
+            step6 = ckpt.step_dir(os.path.join(run, "checkpoints"), 6)
+            self.assertEqual(len(errors), 1, out[-3000:])  # one rank says it, once
+            for note in ("SIGTERM", "exitcode"):  # torchrun's notes would repeat it
+                self.assertNotIn(note, out)
+            self.assertIn(  # rank 0's line (another rank waits before it would say it)
+                f"error: could not write '{ckpt.rank_file(step6, 0)}': No space left on device "
+                f"(free space there); its partial files were removed", errors[0])
+            self.assertEqual(out.splitlines()[-1], errors[0])  # the last thing printed
+            after = snapshot(run)
+            self.assertFalse(os.path.exists(step6))  # no rank left a partial file
+            self.assertFalse([name for name in after if ".tmp." in name], sorted(after))
             for name, data in before.items():  # both checkpoints and config.yaml unchanged
                 if name not in APPEND_ONLY:
                     self.assertEqual(after[name], data, name)

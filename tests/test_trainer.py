@@ -1,6 +1,8 @@
 """Chapter 00 learns, the Trainer equals a plain PyTorch loop (the independent reference), and a
 resumed run is the uninterrupted run, bit for bit."""
 
+import contextlib
+import io
 import json
 import os
 import tempfile
@@ -159,6 +161,50 @@ class ResumeIsExact(unittest.TestCase):
         for (name, a), b in zip(straight_model.state_dict().items(),
                                 resumed_model.state_dict().values()):
             self.assertTrue(torch.equal(a, b), name)
+
+    def test_a_resume_with_another_lr_or_adamw_setting_trains_at_it_and_says_so_once(self):
+        # The bug: LambdaLR's state holds the base lr, so the checkpoint's lr came back
+        with tempfile.TemporaryDirectory() as tmp:
+            cfg = _config(tmp, "--steps", "4", "--checkpoint.every", "2")
+            _train(cfg)
+            old = cfg.training.lr
+            lines, metrics = {}, {}
+            for lr in (old, old / 4):  # the same lr: no line; a quarter of it: one
+                new = _config(tmp, "--steps", "4", "--checkpoint.every", "0", "--training.lr",
+                              repr(lr), "--checkpoint.resume",
+                              ckpt.step_dir(cfg.checkpoint_path, 2))
+                out = io.StringIO()
+                with contextlib.redirect_stdout(out):
+                    trainer = Trainer(new, build_model(new.model, seed=new.training.model_seed))
+                    trainer.train()
+                lines[lr] = [line for line in out.getvalue().splitlines() if "training.lr" in line]
+                with open(os.path.join(new.run_path, "metrics.jsonl")) as f:
+                    metrics[lr] = [json.loads(line) for line in f][-2:]  # this run's steps 3, 4
+                # each step at the new lr's schedule, computed as a fresh run's LambdaLR does
+                # (lr x lr_at / lr: the same float operations, so exactly equal)
+                self.assertEqual([m["lr"] for m in metrics[lr]],
+                                 [lr * (lr_at(new, s) / lr) for s in (2, 3)])
+                self.assertEqual(trainer.optimizer.param_groups[0]["lr"], lr * (lr_at(new, 4) / lr))
+            self.assertEqual(lines[old], [])
+            self.assertEqual(lines[old / 4], [
+                f"training.lr changed from {old:g} to {old / 4:g} at resume: from step 2 the "
+                f"learning rate follows {old / 4:g}'s schedule"
+            ])
+            # AdamW's other settings came back from the optimizer's state the same way
+            new = _config(tmp, "--steps", "3", "--checkpoint.every", "0", "--training.beta2",
+                          "0.99", "--training.weight_decay", "0.05", "--checkpoint.resume",
+                          ckpt.step_dir(cfg.checkpoint_path, 2))
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out):
+                trainer = Trainer(new, build_model(new.model, seed=new.training.model_seed))
+                trainer.train()
+            group = trainer.optimizer.param_groups[0]
+            self.assertEqual((group["betas"], group["weight_decay"]), ((0.9, 0.99), 0.05))
+            self.assertEqual([line for line in out.getvalue().splitlines() if "changed" in line], [
+                f"training.beta2 changed from {cfg.training.beta2:g} to 0.99 at resume",
+                f"training.weight_decay changed from {cfg.training.weight_decay:g} to 0.05 at "
+                f"resume"
+            ])
 
     def test_checkpoint_layout_manifest_and_retention(self):
         with tempfile.TemporaryDirectory() as tmp:

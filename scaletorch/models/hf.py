@@ -20,6 +20,11 @@ so every HF directory is already in the rotate-half layout.)
 Loading reads and checks every tensor before it builds the model, so a bad directory raises
 one InputError (a ValueError) naming the file and the tensor and nothing is half-loaded;
 ``check_hf_llama`` makes the same checks from the safetensors headers alone, before a run starts.
+
+An export of ours writes every file whole with its sha256 beside it (``<file>.sha256``, as every
+checkpoint file of a run: scaletorch/rules/safe_files.py). Loading an export of ours (its
+config.json has one) verifies each file before it is parsed, and a damaged byte is an error
+naming the file; a directory from the Hub carries no checksums and is read as it is.
 Needs the optional ``hf`` extra (``pip install -e ".[hf]"``) for ``safetensors``.
 """
 
@@ -33,6 +38,7 @@ import torch
 
 from scaletorch.models.llama import Llama, LlamaConfig
 from scaletorch.rules.errors import InputError, MissingInputError
+from scaletorch.rules.safe_files import checksum_path, verify_checksum, write_checksummed
 from scaletorch.rules.schema import check_value, checked, positive, rules_of, text
 
 CONFIG_FILE = "config.json"
@@ -196,6 +202,7 @@ def load_hf_config(path: str) -> LlamaConfig:
     if not os.path.isfile(file):
         raise InputError(f"{path} is not a Hugging Face model directory: {CONFIG_FILE} is missing; "
                          f"give the directory that holds it and the safetensors files")
+    _verify(file)
     try:
         with open(file, encoding="utf-8") as f:
             hf = json.load(f)
@@ -211,6 +218,7 @@ def _weight_files(path: str) -> Dict[str, List[str]]:
     """{safetensors file: [HF tensor names it should hold]} (names empty: read them all)."""
     index = os.path.join(path, INDEX_FILE)
     if os.path.isfile(index):
+        _verify(index)
         try:
             with open(index, encoding="utf-8") as f:
                 weight_map = json.load(f)["weight_map"]
@@ -235,6 +243,7 @@ def _read_file(file: str, names: List[str]) -> Dict[str, torch.Tensor]:
     """Every tensor of one safetensors file (those of ``names`` at least), checked readable."""
     safetensors = require_hf("safetensors")
     from safetensors.torch import safe_open
+    _verify(file)  # every byte, before the header is parsed
     out: Dict[str, torch.Tensor] = {}
     current = "the header"
     try:
@@ -363,29 +372,41 @@ def export_hf_llama(model: Llama, path: str, dtype: Optional[torch.dtype] = None
 
     dtype: the stored dtype (default: the model's). max_shard_bytes: split the weights into
     shards of at most this size with an index, as ``save_pretrained`` does for large models.
+    Every file is written whole with its ``.sha256`` beside it (``write_checksummed``; a full
+    disk is a WriteError naming the file); config.json comes last, and its checksum marks the
+    directory as an export of ours, which loading verifies.
     """
     require_hf("safetensors")
-    from safetensors.torch import save_file
+    from safetensors.torch import save
     state = hf_state_dict(model, dtype)
     stored = next(iter(state.values())).dtype
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, CONFIG_FILE), "w") as f:
-        json.dump(config_to_hf(model.config, stored), f, indent=2)
     shards = _split(state, max_shard_bytes)
-    if len(shards) == 1:
-        files = [os.path.join(path, SINGLE_FILE)]
-        save_file(state, files[0], metadata={"format": "pt"})
-        return [os.path.join(path, CONFIG_FILE)] + files
     files, weight_map = [], {}
     for i, shard in enumerate(shards):
-        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, os.path.join(path, name), metadata={"format": "pt"})
+        name = SINGLE_FILE if len(shards) == 1 else \
+            f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         files.append(os.path.join(path, name))
+        write_checksummed(files[-1], save(shard, metadata={"format": "pt"}))
         weight_map.update({tensor: name for tensor in shard})
-    total = sum(t.numel() * t.element_size() for t in state.values())
-    with open(os.path.join(path, INDEX_FILE), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-    return [os.path.join(path, CONFIG_FILE), os.path.join(path, INDEX_FILE)] + files
+    if len(shards) > 1:
+        total = sum(t.numel() * t.element_size() for t in state.values())
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        files.insert(0, os.path.join(path, INDEX_FILE))
+        write_checksummed(files[0], _json(index))
+    files.insert(0, os.path.join(path, CONFIG_FILE))
+    write_checksummed(files[0], _json(config_to_hf(model.config, stored)))
+    return files
+
+
+def _json(value: Any) -> bytes:
+    return json.dumps(value, indent=2).encode()
+
+
+def _verify(file: str) -> None:
+    """CorruptFileError naming ``file`` unless it matches its ``.sha256``, in an export of ours
+    (its config.json has a checksum: then every file must); a Hub directory has none."""
+    if os.path.isfile(checksum_path(os.path.join(os.path.dirname(file), CONFIG_FILE))):
+        verify_checksum(file)
 
 
 def _split(state: Dict[str, torch.Tensor],

@@ -46,8 +46,8 @@ class LlamaConfig:
     # Tensor parallel splits embedding and head by vocabulary rows; a vocabulary tp does not
     # divide is padded by chapter 10 (parallel/vocab_padding.py) to a multiple of vocab_pad_to
     # x tp (Megatron's make-vocab-size-divisible-by), with the padded logits masked. This model
-    # is never padded.
-    vocab_pad_to: int = checked(128, positive())
+    # is never padded; without tensor parallel (tp 1, the run's key below) nothing reads it.
+    vocab_pad_to: int = checked(128, unless(positive(), "parallel.tensor_model_parallel_size", 1))
     # Mixture of experts (moe.py); num_experts 0 = a dense model, which reads no moe_* field.
     num_experts: int = checked(0, at_least(0))
     moe_top_k: int = checked(2, unless(positive(), "num_experts", 0))  # experts per token

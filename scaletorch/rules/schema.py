@@ -17,14 +17,14 @@ import dataclasses
 import math
 import typing
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 from scaletorch.rules.errors import InputError
 
 __all__ = [
     "Rule", "at_least", "check_applies", "check_fields", "check_type", "check_value", "checked",
-    "creatable_dir", "existing_file", "fraction", "ignored_by", "one_of", "positive", "rules_of",
-    "text", "unless"
+    "conditions", "creatable_dir", "existing_file", "fraction", "ignored_by", "one_of", "positive",
+    "rules_of", "text", "unless"
 ]
 
 RULE = "rule"  # the key of a field's metadata that holds its Rule
@@ -36,8 +36,8 @@ class Rule:
     bound itself is out); ``choices`` is the whole set of values; ``path`` is "file" (must
     exist), "dir" (must be creatable) or "checkpoint" (one to resume), checked on disk with
     the run's other inputs; ``non_empty``: a string with something in it;
-    ``ignored_when`` is (key, values): the run does not read the field while that key holds one
-    of the values, so giving it then is a mistake."""
+    ``ignored_when`` holds (key, values) pairs: the run does not read the field while any of
+    those keys holds one of its values, so giving it then is a mistake."""
     low: Optional[float] = None
     high: Optional[float] = None
     low_open: bool = False
@@ -45,7 +45,7 @@ class Rule:
     choices: Tuple[Any, ...] = ()
     path: str = ""
     non_empty: bool = False
-    ignored_when: Optional[Tuple[str, Tuple[Any, ...]]] = None
+    ignored_when: Tuple[Tuple[str, Tuple[Any, ...]], ...] = ()
 
     def allowed(self, kind: Any = float) -> str:
         """What the rule allows, in words: "positive", ">= 0 and finite", "one of a, b, c"."""
@@ -128,8 +128,10 @@ def creatable_dir() -> Rule:
 
 def unless(rule: Rule, key: str, *values: Any) -> Rule:
     """``rule``, for a field the run ignores while ``key`` holds one of ``values``: given
-    then, it is refused rather than silently ignored."""
-    return dataclasses.replace(rule, ignored_when=(key, values))
+    then, it is refused rather than silently ignored. ``key`` without a section is in the
+    field's own section. Nested, each ``unless`` adds a setting that makes the run ignore it:
+    ``unless(unless(r, "cp_variant", "ulysses"), "context_parallel_size", 1)``."""
+    return dataclasses.replace(rule, ignored_when=(*rule.ignored_when, (key, values)))
 
 
 def _kind(annotation: Any) -> Tuple[Any, bool]:
@@ -198,16 +200,21 @@ def check_fields(obj: Any) -> None:
         check_value(name, getattr(obj, name), annotation, rule)
 
 
+def conditions(key: str, rule: Rule) -> List[Tuple[str, Tuple[Any, ...]]]:
+    """``rule.ignored_when`` of field ``key``, each other key named in full (a name without a
+    section is in ``key``'s section)."""
+    section = key.rsplit(".", 1)[0] + "." if "." in key else ""
+    return [(other if "." in other else section + other, values)
+            for other, values in rule.ignored_when]
+
+
 def ignored_by(key: str, rule: Rule, setting: Callable[[str], Any]) -> Optional[str]:
-    """The key whose value makes the run ignore ``key`` (``rule.ignored_when``), or None when
-    the run reads it. ``setting(other)`` reads another key of the run; a name without a
-    section is in ``key``'s section."""
-    if rule.ignored_when is None:
-        return None
-    other, values = rule.ignored_when
-    if "." not in other and "." in key:
-        other = f"{key.rsplit('.', 1)[0]}.{other}"
-    return other if setting(other) in values else None
+    """The first key whose value makes the run ignore ``key`` (``rule.ignored_when``), or None
+    when the run reads it. ``setting(other)`` reads another key of the run."""
+    for other, values in conditions(key, rule):
+        if setting(other) in values:
+            return other
+    return None
 
 
 def check_applies(key: str, value: Any, rule: Rule, setting: Callable[[str], Any]) -> None:

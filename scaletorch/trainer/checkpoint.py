@@ -26,7 +26,7 @@ import random
 import re
 import shutil
 import zipfile
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any, Dict, Iterator, List, Optional, Set, Tuple, Union
 
 import numpy as np
@@ -40,10 +40,10 @@ from scaletorch.dist import comm, restart_count
 from scaletorch.models import Llama
 from scaletorch.parallel.memory_report import storage_key
 from scaletorch.rules.errors import InputError, MissingInputError
+from scaletorch.rules.safe_files import (CorruptFileError, checksum_line, checksum_path,
+                                         read_checksum, read_checksummed, sha256, write_atomic,
+                                         write_checksummed)
 from scaletorch.schedule.placement import V_SHAPED
-from scaletorch.trainer.safe_files import (CorruptFileError, checksum_line, checksum_path,
-                                           read_checksum, read_checksummed, sha256, write_atomic,
-                                           write_checksummed)
 
 FORMAT_VERSION = 2  # 2: every file has its checksum beside it (<name>.sha256), the manifest too
 MANIFEST = "manifest.json"
@@ -169,7 +169,9 @@ def save_checkpoint(root: str, step: int, state: Dict[str, Any], rank: int, worl
 def removed_unless_complete(path: str, files: List[str]) -> Iterator[None]:
     """If the block fails (a full disk: WriteError, or Ctrl-C) before checkpoint ``path`` has
     its manifest, remove ``files`` and their checksum files, and the directory if that empties
-    it: no partial checkpoint stays. A checkpoint with its manifest is whole: it stays."""
+    it: no partial checkpoint stays. A checkpoint with its manifest is whole: it stays. Each
+    rank removes its own files; the last to do so removes the directory (another rank's files
+    may still be there, or be written after this rank looked)."""
     try:
         yield
     except BaseException:
@@ -177,7 +179,7 @@ def removed_unless_complete(path: str, files: List[str]) -> Iterator[None]:
             for file in files + [checksum_path(f) for f in files]:
                 if os.path.exists(file):
                     os.remove(file)
-            if os.path.isdir(path) and not os.listdir(path):
+            with suppress(OSError):  # not empty: another rank's files, which it removes
                 os.rmdir(path)
         raise
 

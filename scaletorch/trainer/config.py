@@ -36,11 +36,11 @@ from scaletorch.parallel.mixed_precision import policy_for as precision_policy
 # the one layout check (also run by parallelize): re-exported for the scripts
 from scaletorch.parallel.validation import validate_layout
 from scaletorch.rules.errors import INTERRUPTED, InputError, MissingInputError, RunStopped
+from scaletorch.rules.safe_files import write_atomic
 from scaletorch.rules.schema import Rule, check_applies, check_value, ignored_by, rules_of
 from scaletorch.trainer.checkpoint import (check_resume, latest_valid_checkpoint, load_tensors_only,
                                            read_manifest)
 from scaletorch.trainer.run_dir import check_run_dir, move_aside
-from scaletorch.trainer.safe_files import write_atomic
 
 __all__ = [
     "CheckpointConfig", "Config", "DataConfig", "InputError", "LoggingConfig", "ParallelConfig",
@@ -138,8 +138,10 @@ def set_value(cfg: Config, key: str, value: Any) -> None:
     setattr(target, name, _convert(value, types[name], key))
 
 
-def apply_dict(cfg: Config, values: Dict[str, Any], source: str = "config") -> None:
-    """Apply a nested dict (as read from YAML) onto ``cfg``."""
+def apply_dict(cfg: Config, values: Dict[str, Any], source: str = "config") -> Dict[str, Any]:
+    """Apply a nested dict (as read from YAML) onto ``cfg``, each value checked against its
+    rule; the keys it gave, with their values (whether the run reads them depends on the
+    command line too: ``parse_args`` checks that once every value is in)."""
     if not isinstance(values, dict):
         raise InputError(f"{source} must be a mapping of sections, got {type(values).__name__}")
     try:
@@ -153,11 +155,12 @@ def apply_dict(cfg: Config, values: Dict[str, Any], source: str = "config") -> N
                     given[f"{section}.{name}"] = value
             else:
                 set_value(cfg, section, body)
-        check_schema(cfg, given)  # the file's own values, and that it reads each one
+        check_schema(cfg)  # the file's own values
         # LlamaConfig validates itself on construction; re-run its checks after edits.
         cfg.model.__post_init__()
     except ValueError as err:  # a value of the file: say which file holds it
         raise InputError(f"{source}: {err}") from None
+    return given
 
 
 def load_yaml(path: str) -> Dict[str, Any]:
@@ -190,8 +193,11 @@ def load_yaml(path: str) -> Dict[str, Any]:
 
 
 def parse_args(argv: Optional[Sequence[str]] = None, default_config: Optional[str] = None,
-               description: str = "") -> Config:
-    """Build a Config from dataclass defaults, ``--config`` YAML and command-line overrides."""
+               description: str = "", unread: Optional[Dict[str, str]] = None) -> Config:
+    """Build a Config from dataclass defaults, ``--config`` YAML and command-line overrides.
+
+    ``unread``: {key or section prefix ("parallel."): why} of what the script never reads;
+    such a key given (not its default) is refused like a value the layout ignores."""
     parser = argparse.ArgumentParser(
         description=description,
         epilog="Any field can be overridden as --section.name VALUE or --set section.name=VALUE. "
@@ -210,8 +216,9 @@ def parse_args(argv: Optional[Sequence[str]] = None, default_config: Optional[st
     args, rest = parser.parse_known_args(argv)
 
     cfg = Config()
+    in_file: Dict[str, Any] = {}
     if args.config:
-        apply_dict(cfg, load_yaml(args.config), source=args.config)
+        in_file = apply_dict(cfg, load_yaml(args.config), source=args.config)
     overrides: List[tuple] = []
     i = 0
     while i < len(rest):  # --section.name VALUE or --section.name=VALUE
@@ -244,6 +251,14 @@ def parse_args(argv: Optional[Sequence[str]] = None, default_config: Optional[st
     if args.resume is not None:
         cfg.checkpoint.resume = args.resume
     check_schema(cfg, given)
+    check_read(cfg, given, unread or {})
+    if args.config and args.config != default_config:  # the user's file (a script's own may
+        try:  # set what a layout given on the command line then ignores, e.g. a schedule)
+            mine = {k: v for k, v in in_file.items() if k not in given}
+            check_given(cfg, mine)
+            check_read(cfg, mine, unread or {})
+        except ValueError as err:
+            raise InputError(f"{args.config}: {err}") from None
     cfg.model.__post_init__()
     validate(cfg)
     return cfg
@@ -253,7 +268,8 @@ Limits = Callable[[Config, int], None]  # a script's own refusals: limits(cfg, w
 
 
 def load_config(default_config: str, description: str, limits: Optional[Limits] = None,
-                argv: Optional[Sequence[str]] = None, resume_files: bool = False) -> Config:
+                argv: Optional[Sequence[str]] = None, resume_files: bool = False,
+                unread: Optional[Dict[str, str]] = None) -> Config:
     """A script's config, checked for the world it is launched into before anything starts.
 
     ``parse_args``, then ``validate(cfg, world_size)`` (the one layout check), the script's
@@ -276,7 +292,7 @@ def load_config(default_config: str, description: str, limits: Optional[Limits] 
     try:
         if world_size < 1:  # scripts/launch.sh refuses it first; a direct call may not
             raise InputError(f"--world-size must be at least 1, got {world_size}")
-        cfg = parse_args(rest, default_config, description)
+        cfg = parse_args(rest, default_config, description, unread)
         validate(cfg, world_size)
         if limits is not None:
             limits(cfg, world_size)
@@ -455,13 +471,31 @@ def check_schema(cfg: Config, given: Optional[Dict[str, Any]] = None) -> None:
     the user ``given`` (a default is not given: a saved config.yaml lists them all) against
     the settings that make the run read it. InputError naming the key, the value and what is
     allowed. (Paths are checked on disk by ``validate`` and ``check_inputs``.)"""
-    rules, defaults = {}, {}
-    for key, value, annotation, rule, default in schema(cfg):
+    for key, value, annotation, rule, _ in schema(cfg):
         check_value(key, value, annotation, rule)
-        rules[key], defaults[key] = rule, default
-    for key, value in (given or {}).items():
-        if key in rules and value != defaults[key]:
-            check_applies(key, value, rules[key], lambda other: setting(cfg, other))
+    check_given(cfg, given or {})
+
+
+def check_read(cfg: Config, given: Dict[str, Any], unread: Dict[str, str]) -> None:
+    """InputError for a key the user ``given`` (not its default) that the script never reads:
+    ``unread`` maps keys or section prefixes to why (``load_config``'s argument)."""
+    defaults = {key: default for key, _, _, _, default in schema(cfg)}
+    for key, value in given.items():
+        for prefix, why in unread.items():
+            if key.startswith(prefix) and key in defaults and value != defaults[key]:
+                raise InputError(f"{key} {setting(cfg, key)!r} is given, but this script does "
+                                 f"not read {prefix.rstrip('.')}: {why}; remove {key}")
+
+
+def check_given(cfg: Config, given: Dict[str, Any]) -> None:
+    """InputError for a key the user ``given`` with a value other than its default that ``cfg``
+    does not read: its rule's ``unless`` settings hold (``parallel.schedule`` at pp 1,
+    ``training.fail_rank`` without ``training.fail_at_step``, ...). A default is not given: a
+    saved config.yaml lists every key."""
+    rules = {key: (rule, default) for key, _, _, rule, default in schema(cfg)}
+    for key, value in given.items():
+        if key in rules and value != rules[key][1]:
+            check_applies(key, setting(cfg, key), rules[key][0], lambda other: setting(cfg, other))
 
 
 def validate(cfg: Config, world_size: Optional[int] = None) -> None:

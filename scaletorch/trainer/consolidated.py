@@ -21,9 +21,9 @@ from scaletorch.config import Config
 from scaletorch.dist import comm, get_ledger
 from scaletorch.models import Llama
 from scaletorch.parallel.parallelize import Parallelized
+from scaletorch.rules.safe_files import read_checksummed, write_checksummed
 from scaletorch.trainer.checkpoint import load_tensors_only, tensor_bytes
 from scaletorch.trainer.param_map import param_map
-from scaletorch.trainer.safe_files import read_checksummed, write_checksummed
 
 if TYPE_CHECKING:  # only the type: chapter 07's script hands its Trainer in
     from scaletorch.trainer.trainer import Trainer
@@ -121,9 +121,7 @@ def resume_consolidated(trainer: "Trainer", par: Parallelized, state: Dict[str, 
                 "exp_avg": exp_avg[param],
                 "exp_avg_sq": exp_avg_sq[param],
             }
-    trainer.scheduler.load_state_dict(state["scheduler"])
-    for group, lr in zip(opt.param_groups, trainer.scheduler.get_last_lr()):
-        group["lr"] = lr
+    trainer.load_schedule(state["scheduler"])  # at this run's lr (the note below says so)
     trainer.step = state["step"]
     saved, now = state.get("schedule"), _schedule(trainer.cfg)
     if saved is not None and saved != now and par.layout.pgm.rank == 0:

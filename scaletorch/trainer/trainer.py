@@ -22,7 +22,7 @@ import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterable, List, Optional, cast
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Tuple, cast
 
 import torch
 import torch.distributed as dist
@@ -37,12 +37,12 @@ from scaletorch.models import loss_fn
 from scaletorch.parallel.grad_norm import clip_replicated
 from scaletorch.parallel.mixed_precision import DynamicLossScaler
 from scaletorch.parallel.step import ForwardBackward, LossFn, make_data_parallel_step
+from scaletorch.rules.safe_files import WriteError
 from scaletorch.trainer import checkpoint as ckpt
 from scaletorch.trainer.config import Config, save_config
 from scaletorch.trainer.plan_line import plan_report
 from scaletorch.trainer.precision import autocast, precision_note, resolve_precision
 from scaletorch.trainer.profiling import profiler
-from scaletorch.trainer.safe_files import WriteError
 from scaletorch.trainer.stops import check_finite, interruptible
 
 if TYPE_CHECKING:
@@ -173,11 +173,47 @@ class Trainer:
     def load_state_dict(self, state: dict, name: str = "the checkpoint") -> None:
         """Load what ``state_dict`` returned (``name``: where it came from, for an error)."""
         ckpt.load_model_and_optimizer(self.model, self.optimizer, state, name)
-        self.scheduler.load_state_dict(state["scheduler"])
+        saved_lr = self.load_schedule(state["scheduler"])
+        changed = self._apply_adamw_settings()
         ckpt.set_rng_state(state["rng"])
         if self.scaler is not None and "scaler" in state:
             self.scaler.load_state_dict(state["scaler"])
         self.step = state["step"]
+        if saved_lr != self.cfg.training.lr:
+            self._print(f"training.lr changed from {saved_lr:g} to {self.cfg.training.lr:g} at "
+                        f"resume: from step {self.step} the learning rate follows "
+                        f"{self.cfg.training.lr:g}'s schedule")
+        for key, (before, now) in changed.items():
+            self._print(f"training.{key} changed from {before:g} to {now:g} at resume")
+
+    def _apply_adamw_settings(self) -> Dict[str, Tuple[float, float]]:
+        """Set this run's betas and weight decay on the optimizer, whose loaded state brought
+        the checkpoint's; returns {key: (checkpoint's, this run's)} of those that differ."""
+        t, changed = self.cfg.training, {}
+        for group in self.optimizer.param_groups:
+            now = {"beta1": t.beta1, "beta2": t.beta2, "weight_decay": t.weight_decay}
+            before = {
+                "beta1": group["betas"][0],
+                "beta2": group["betas"][1],
+                "weight_decay": group["weight_decay"]
+            }
+            changed.update({k: (float(before[k]), now[k]) for k in now if before[k] != now[k]})
+            group["betas"], group["weight_decay"] = (t.beta1, t.beta2), t.weight_decay
+        return changed
+
+    def load_schedule(self, state: dict) -> float:
+        """Load the LambdaLR ``state`` of a checkpoint at this run's ``training.lr``; returns
+        the lr the checkpoint's run had. LambdaLR's state holds its base lr, and the optimizer's
+        holds the lr of the step it saved: both are set anew, so a resume with another
+        ``--training.lr`` (or min_lr, warmup, steps) trains at the value the user asked for."""
+        self.scheduler.load_state_dict(state)
+        saved = float(self.scheduler.base_lrs[0])
+        step, lr = self.scheduler.last_epoch, self.cfg.training.lr
+        self.scheduler.base_lrs = [lr for _ in self.optimizer.param_groups]
+        for group, rate in zip(self.optimizer.param_groups, self.scheduler.lr_lambdas):
+            group["initial_lr"], group["lr"] = lr, lr * rate(step)
+        self.scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+        return saved
 
     def maybe_resume(self) -> None:
         """Load ``checkpoint.resume`` ("latest" or a directory), if set.

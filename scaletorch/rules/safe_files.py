@@ -3,6 +3,7 @@
     write_atomic(path, data)       temporary name, fsync, rename: old or new, never half
     write_checksummed(path, data)  the same, then ``<path>.sha256`` ("<hex>  <name>")
     read_checksummed(path)         the bytes, once they match ``<path>.sha256``
+    verify_checksum(path)          the same check, reading the file in chunks
 
 A write that fails (a full disk, an I/O error, Ctrl-C) removes its temporary file and raises
 ``WriteError`` naming the file, so the directory holds only whole files. ``write_all`` is the
@@ -18,7 +19,8 @@ from scaletorch.rules.errors import InputError
 
 __all__ = [
     "CorruptFileError", "WriteError", "checksum_line", "checksum_path", "read_checksum",
-    "read_checksummed", "sha256", "write_all", "write_atomic", "write_checksummed"
+    "read_checksummed", "sha256", "verify_checksum", "write_all", "write_atomic",
+    "write_checksummed"
 ]
 
 SUFFIX = ".sha256"
@@ -50,9 +52,12 @@ def write_atomic(path: str, data: bytes) -> None:
     """Write ``data`` to ``path`` so that a reader sees the old file or the new one, never half.
 
     On any failure the temporary file is removed; an OSError becomes a WriteError naming
-    ``path`` (ENOSPC: "no space left on device")."""
+    ``path`` (ENOSPC: "no space left on device"). The directory is created if it is missing:
+    another rank whose own write failed may have removed a checkpoint directory it found
+    empty, and this rank's error must be its own (the full disk), not a missing directory."""
     tmp = f"{path}.tmp.{os.getpid()}"
     try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         with open(tmp, "wb") as f:
             write_all(f, data)
             f.flush()
@@ -104,7 +109,24 @@ def read_checksummed(path: str) -> bytes:
     with open(path, "rb") as f:
         data = f.read()
     if sha256(data) != expected:
-        raise CorruptFileError(f"{path!r} does not match its checksum in "
-                               f"{os.path.basename(checksum_path(path))} ({len(data)} bytes; "
-                               f"truncated or damaged)")
+        raise _mismatch(path, len(data))
     return data
+
+
+def verify_checksum(path: str) -> None:
+    """CorruptFileError naming ``path`` unless its bytes match ``<path>.sha256``; read in
+    chunks, for a file too large to hold (a Hugging Face model's weights)."""
+    expected = read_checksum(path)
+    digest, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            digest.update(chunk)
+            size += len(chunk)
+    if digest.hexdigest() != expected:
+        raise _mismatch(path, size)
+
+
+def _mismatch(path: str, size: int) -> CorruptFileError:
+    return CorruptFileError(f"{path!r} does not match its checksum in "
+                            f"{os.path.basename(checksum_path(path))} ({size} bytes; truncated "
+                            f"or damaged)")
