@@ -165,6 +165,68 @@ def update_halves_without_reset(scale: float, clean_steps: int, found_inf: bool,
     return scale, clean_steps
 
 
+# ---- chapter 04: one_f_one_b --------------------------------------------------------------
+
+
+def one_f_one_b_sends_first(stage: Any, m: int) -> None:
+    warmup = min(stage.p - stage.rank - 1, m)
+    for mb in range(warmup):
+        stage.send_forward(mb, stage.forward(mb, stage.recv_forward(mb)))
+    x = stage.recv_forward(warmup) if warmup < m else None
+    for i in range(m - warmup):
+        y = stage.forward(warmup + i, x)
+        stage.send_forward(warmup + i, y)  # a send alone: the next rank is sending too
+        dx = stage.backward(i, stage.recv_backward(i))
+        stage.send_backward(i, dx)  # ...its gradient, before receiving the activation
+        x = stage.recv_forward(warmup + i + 1) if warmup + i + 1 < m else None
+    for mb in range(m - warmup, m):
+        stage.send_backward(mb, stage.backward(mb, stage.recv_backward(mb)))
+
+
+def _one_f_one_b(stage: Any, m: int, warmup: int, cool_down_receives: bool = True) -> None:
+    """The library's loop with the given warm-up (and cool-down without its receives)."""
+    for mb in range(warmup):
+        stage.send_forward(mb, stage.forward(mb, stage.recv_forward(mb)))
+    x = stage.recv_forward(warmup) if warmup < m else None
+    for i in range(m - warmup):
+        y = stage.forward(warmup + i, x)
+        dx = stage.backward(i, stage.send_forward_recv_backward(warmup + i, y, i))
+        if warmup + i + 1 < m:
+            x = stage.send_backward_recv_forward(i, dx, warmup + i + 1)
+        else:
+            stage.send_backward(i, dx)
+    for mb in range(m - warmup, m):
+        dy = stage.recv_backward(mb) if cool_down_receives else None
+        stage.send_backward(mb, stage.backward(mb, dy))
+
+
+def one_f_one_b_warmup_too_long(stage: Any, m: int) -> None:
+    _one_f_one_b(stage, m, min(stage.p - stage.rank, m))  # p - r: one forward too many
+
+
+def one_f_one_b_warmup_too_short(stage: Any, m: int) -> None:
+    _one_f_one_b(stage, m, max(stage.p - stage.rank - 2, 0))  # p - r - 2: one too few
+
+
+def one_f_one_b_cool_down_without_recv(stage: Any, m: int) -> None:
+    _one_f_one_b(stage, m, min(stage.p - stage.rank - 1, m), cool_down_receives=False)
+
+
+# ---- chapter 04: micro_batch_loss ----------------------------------------------------------
+
+
+def micro_batch_loss_not_divided(loss: torch.Tensor, m: int) -> torch.Tensor:
+    return loss  # m micro-batch means add up to m x the batch's mean
+
+
+def micro_batch_loss_divided_twice(loss: torch.Tensor, m: int) -> torch.Tensor:
+    return loss / m / m
+
+
+def micro_batch_loss_by_ranks(loss: torch.Tensor, m: int) -> torch.Tensor:
+    return loss / 2  # the number of pipeline ranks (p = 2 here), not of micro-batches
+
+
 # ---- chapter 05: chunk_ids -----------------------------------------------------------------
 
 
@@ -338,6 +400,21 @@ CATALOGUE: Dict[Tuple[str, str, str], str] = {
     "the scale did not double after 2 clean steps (step 1)",
     ("08", "update_scale", "update_halves_without_reset"):
     "after the overflow in step 3 the clean-step count is 1, not 0: count the clean steps from 0",
+    ("04", "one_f_one_b", "one_f_one_b_warmup_too_long"):
+    "rank 0's warm-up ran 2 forwards before the steady state (F0 F1 F2 B0 F3 ...): 1F1B warms "
+    "up with p - r - 1 = 1; one more holds 3 activations at once, not p - r = 2",
+    ("04", "one_f_one_b", "one_f_one_b_warmup_too_short"):
+    "rank 0's warm-up ran 0 forwards before the steady state (F0 B0 F1 ...): 1F1B warms up with "
+    "p - r - 1 = 1; one fewer and the ranks take turns",
+    ("04", "one_f_one_b", "one_f_one_b_cool_down_without_recv"):
+    "rank 0 ran the backward of micro-batch 7 in step 0 without its gradient: in the cool-down, "
+    "recv_backward(7) from rank 1 first",
+    ("04", "micro_batch_loss", "micro_batch_loss_not_divided"):
+    "gradients are 8x the reference in step 0 (its grad norm): each micro-batch's loss is a mean",
+    ("04", "micro_batch_loss", "micro_batch_loss_divided_twice"):
+    "gradients are 0.125x the reference in step 0 (its grad norm) = 1/m: divided by m = 8 twice",
+    ("04", "micro_batch_loss", "micro_batch_loss_by_ranks"):
+    "gradients are 4x the reference in step 0 (its grad norm): divided by p = 2, the pipeline",
     ("05", "chunk_ids", "chunk_ids_contiguous"):
     "chunk_ids(0, 2) returned (0, 1), the contiguous split: zigzag pairs",
     ("05", "chunk_ids", "chunk_ids_past_the_end"):
@@ -375,4 +452,11 @@ STOPPING: Dict[Tuple[str, str, str], str] = {
     "rank 0: all_reduce #1 of group 'dp_cp' [[64, 64]] Float, issued at "
     "scripts/grading/variants.py",
 }
-PLANTED = [*CATALOGUE, *STOPPING]  # (chapter, exercise, variant) of every variant
+# Variants that deadlock: one world each; the phrases their diagnosis must contain (the ranks,
+# the operations they wait in, their peers, why).
+HANGS: Dict[Tuple[str, str, str], Tuple[str, ...]] = {
+    ("04", "one_f_one_b", "one_f_one_b_sends_first"):
+    ("hang in step 0: rank 0 waits in send_forward(mb 1 -> rank 1) at variants.py:",
+     "rank 1 waits in send_backward(mb 0 -> rank 0) at variants.py:", "(both send first)"),
+}
+PLANTED = [*CATALOGUE, *STOPPING, *HANGS]  # (chapter, exercise, variant) of every variant
