@@ -70,8 +70,8 @@ class GradeChapter04(_GradeChapter, unittest.TestCase):
 
 
 class GradeChapter05(_GradeChapter, unittest.TestCase):
-    """Context parallel, 2 ranks, 2 steps a job, every call checked on its rank: 2 solutions,
-    6 variants, 2 stubs."""
+    """Context parallel, 2 ranks, 2 steps a job, every call checked on its rank: 3 solutions,
+    10 variants, 3 stubs."""
     chapter = "05"
 
 

@@ -18,6 +18,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, cast
 
 import torch
 import torch.distributed as dist
+from jaxtyping import Float
 from torch import nn
 
 from scaletorch.dist import comm
@@ -170,6 +171,51 @@ def _upcast(impl: str) -> Callable[[torch.Tensor], torch.Tensor]:
     return (lambda t: t.float()) if impl == "math" else (lambda t: t)
 
 
+# What one cp rank holds (jaxtyping; tests/test_context_parallel.py checks it at run time):
+# s = s_local, its two sequence slices; hq query heads, hkv key-value heads, d per head.
+Queries = Float[torch.Tensor, "b hq s d"]
+KeysValues = Float[torch.Tensor, "2 b hkv s d"]  # K and V stacked: one message
+Attended = Float[torch.Tensor, "b hq s d"]
+LogSumExp = Float[torch.Tensor, "b hq s"]
+Block = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], Tuple[torch.Tensor,
+                                                                         torch.Tensor]]
+
+
+# [core: ring-step]
+def ring_forward(q: Queries, kv: KeysValues, group: Group, order: str,
+                 block: Block) -> Tuple[Attended, LogSumExp]:
+    """Causal attention of this rank's queries over the whole sequence, K and V passed around
+    the ring of ``group`` (cp, N ranks): N steps, N - 1 messages.
+
+    q (b, hq, s, d) and kv (2, b, hkv, s, d): this rank's two slices, in q's dtype. At step t
+    the rank holds the K/V of rank (r - t) mod N and posts its send to rank r + 1 and its receive
+    from rank r - 1 (``_exchange``) before computing. ``block(q_half, k_half, v_half, causal)``:
+    one tile's out (b, hq, s/2, d) and lse (b, hq, s/2), merged into each query half's running
+    (out, lse) with ``merge``. Returns out (b, hq, s, d) and lse (b, hq, s), fp32.
+    """
+    cp, rank = comm.group_size(group), comm.group_rank(group)
+    qs = q.chunk(2, dim=2)
+    merged: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # query half: (out, lse)
+    for t, tiles in enumerate(ring_schedule(rank, cp, order)):
+        if t + 1 < cp:  # post the next K/V before computing: comm overlaps compute
+            next_kv, works = _exchange(kv, group, KV_TAG)
+        ks, vs = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
+        for a, b, kind in tiles:
+            if kind == "skipped":
+                continue
+            o, lse = block(qs[a], ks[b], vs[b], kind == "diagonal")
+            o = o.float()  # the merged output and lse are fp32 whatever the tile's
+            merged[a] = merge(*merged[a], o, lse) if a in merged else (o, lse)
+        if t + 1 < cp:
+            _wait(works)
+            kv = next_kv
+    out = torch.cat([merged[0][0], merged[1][0]], dim=2)
+    return out, torch.cat([merged[0][1], merged[1][1]], dim=2)
+
+
+# [end: ring-step]
+
+
 class _RingAttention(torch.autograd.Function):
     """Causal attention of local queries over the whole sequence, K/V passed around ``group``.
 
@@ -179,34 +225,19 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group,
                 order: str, impl: str, counts: Dict[str, int]) -> torch.Tensor:
-        cp, rank = comm.group_size(group), comm.group_rank(group)
         block_fwd = _math_forward if impl == "math" else partial(kernels.forward, impl)
         scale = 1.0 / math.sqrt(q.size(-1))
         dtype = q.dtype  # the compute dtype (bf16 under autocast): what crosses the ring
         up = _upcast(impl)  # math: blocks in fp32; kernels: in the compute dtype
         # merges in fp32 (a dry run's meta tensors have no autocast of their own: the CPU's)
         with torch.autocast("cpu" if q.is_meta else q.device.type, enabled=False):
-            qs = up(q).chunk(2, dim=2)
-            merged: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # query chunk: (out, lse)
-            # [core: ring-step]
-            kv = torch.stack([k, v])  # one message, in q's dtype: (2, b, hkv, s_local, d)
-            for t, blocks in enumerate(ring_schedule(rank, cp, order)):
-                if t + 1 < cp:  # post the next K/V before computing: comm overlaps compute
-                    next_kv, works = _exchange(kv, group, KV_TAG)
-                kv_up = up(kv)  # math: upcast after the wire, on this rank
-                ks, vs = kv_up[0].chunk(2, dim=2), kv_up[1].chunk(2, dim=2)
-                for a, b, kind in blocks:
-                    if kind == "skipped":
-                        continue
-                    o, lse = block_fwd(qs[a], ks[b], vs[b], kind == "diagonal", scale)
-                    o = o.float()  # the merged output and lse are fp32 whatever the block's
-                    merged[a] = merge(*merged[a], o, lse) if a in merged else (o, lse)
-                if t + 1 < cp:
-                    _wait(works)
-                    kv = next_kv
-            # [end: ring-step]
-            out = torch.cat([merged[0][0], merged[1][0]], dim=2).to(dtype)
-            lse = torch.cat([merged[0][1], merged[1][1]], dim=2)  # softmax statistics: fp32
+
+            def block(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor,
+                      causal: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+                return block_fwd(up(qh), up(kh), up(vh), causal, scale)  # math: fp32
+
+            out, lse = ring_forward(q, torch.stack([k, v]), group, order, block)
+            out = out.to(dtype)  # the softmax statistics stay fp32
         ctx.save_for_backward(q, k, v, out, lse)  # q, k, v, out in the compute dtype
         ctx.group, ctx.order, ctx.impl, ctx.scale, ctx.counts = group, order, impl, scale, counts
         return out

@@ -2,11 +2,12 @@
 
 Each job trains chapter 05's run (examples/configs/05_context_parallel.yaml: ring attention,
 cp 2, zigzag) for ``STEPS`` steps with the learner's function called in place of
-scaletorch/parallel/ring_attention.py's. Both exercises compute without communicating, so
-each call is compared on its rank with the library's on the same inputs, and the run goes on
-with the library's answer: every rank stays in step whatever the learner returned, and the
-first call that differs is the diagnosis. ``merge`` is also given one probe before the run:
-two blocks whose log-sum-exps (100 and 90) overflow fp32 once exponentiated.
+scaletorch/parallel/ring_attention.py's. Each call is compared on its rank with the library's
+on the same inputs, and the run goes on with the library's answer: every rank stays in step
+whatever the learner returned, and the first call that differs is the diagnosis.
+``ring_forward`` communicates: every rank runs the learner's call, then the library's, and the
+K/V messages the learner's sent are counted (the ledger). ``merge`` is also given one probe
+before the run: two tiles whose log-sum-exps (100 and 90) overflow fp32 once exponentiated.
 """
 
 import math
@@ -14,7 +15,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from scaletorch.dist import destroy_pg_manager, get_ledger, init_pg_manager_from_config
+from scaletorch.dist import comm, destroy_pg_manager, get_ledger, init_pg_manager_from_config
 from scaletorch.models import build_model, loss_fn
 from scaletorch.parallel import context_parallel, ring_attention
 from scaletorch.parallel.context_parallel import apply_context_parallel, make_sequence_sharder
@@ -25,7 +26,7 @@ from scripts.grading.runner import (COLLECTIVE_TIMEOUT, Source, Verdict, error_v
                                     load, patched, run_jobs, run_world)
 
 CHAPTER = "05"
-EXERCISES = ("chunk_ids", "merge")
+EXERCISES = ("chunk_ids", "merge", "ring_forward")
 LIBRARY = "scaletorch.parallel.ring_attention"
 WORLD = 2
 AGAINST = "the library's calls"  # what the jobs are compared with
@@ -71,6 +72,35 @@ def merge_diagnosis(args: Tuple, got: Any, want: Tuple[torch.Tensor, torch.Tenso
     return f"merge's output is {off:.1e} off the library's in step {step}"
 
 
+def ring_forward_diagnosis(args: Tuple, got: Any, want: Tuple[torch.Tensor, torch.Tensor],
+                           sent: int, step: int) -> Optional[str]:
+    """What is wrong with one ring_forward call (``sent``: its K/V messages), None if right."""
+    group = args[2]
+    cp, rank = comm.group_size(group), comm.group_rank(group)
+    where = f"on rank {rank} in step {step}"
+    if sent == 0:
+        return (f"ring_forward sent no K/V message {where}: at each of the first N - 1 = {cp - 1} "
+                f"steps post the send to rank r + 1 and the receive from r - 1 (_exchange)")
+    if sent != cp - 1:
+        return (f"ring_forward sent {sent} K/V messages {where}, the ring needs N - 1 = {cp - 1}: "
+                f"the K/V received at the last step is never used")
+    out, lse = got
+    close = lambda a, b: torch.allclose(a.float(), b, rtol=RTOL, atol=ATOL)  # noqa: E731
+    if close(out, want[0]) and close(lse, want[1]):
+        return None
+    gap = lse.float() - want[1]  # more keys, a larger log-sum-exp
+    if float(gap.max()) <= ATOL:
+        return (f"ring_forward's log-sum-exp is below the library's {where}, by up to "
+                f"{-float(gap.min()):.2f}: its queries saw fewer keys than their causal past; "
+                f"merge every tile into the running (out, lse)")
+    if float(gap.min()) >= -ATOL:
+        return (f"ring_forward's log-sum-exp is above the library's {where}, by up to "
+                f"{float(gap.max()):.2f}: its queries saw keys after them; skip the tiles "
+                f'ring_schedule marks "skipped"')
+    off = float((out.float() - want[0]).abs().max())
+    return f"ring_forward's output is {off:.1e} off the library's {where}"
+
+
 def probe_merge(fn: Callable) -> Optional[str]:
     """Two blocks of one query whose lse overflow fp32 when exponentiated: the diagnosis if
     the merge is not finite (a wrong finite answer is left to the run's calls)."""
@@ -90,10 +120,18 @@ def _checked(exercise: str, fn: Callable, library: Callable, found: List[str]) -
     ``found``; the library's answer is returned, so the ranks stay in step."""
 
     def call(*args: Any) -> Any:
-        got, want = fn(*args), library(*args)
+        ledger = get_ledger()
+        before = ledger.total(op="send", group="cp", step=ledger.step, field="calls")
+        got = fn(*args)  # every rank: the learner's call, then the library's
+        sent = int(ledger.total(op="send", group="cp", step=ledger.step, field="calls") - before)
+        want = library(*args)
         if not found:
-            text = chunk_ids_diagnosis(args, got, want) if exercise == "chunk_ids" else \
-                merge_diagnosis(args, got, want, get_ledger().step)
+            if exercise == "chunk_ids":
+                text = chunk_ids_diagnosis(args, got, want)
+            elif exercise == "merge":
+                text = merge_diagnosis(args, got, want, ledger.step)
+            else:
+                text = ring_forward_diagnosis(args, got, want, sent, ledger.step)
             if text is not None:
                 found.append(text)
         return want

@@ -15,6 +15,7 @@ from scaletorch.dist import comm
 from scaletorch.dist.comm import Group
 from scaletorch.dist.functional import all_to_all
 from scaletorch.parallel.expert_parallel import by_local_expert
+from scaletorch.parallel.ring_attention import KV_TAG, _exchange, _wait, merge, ring_schedule
 
 # ---- chapter 01: average_gradients ---------------------------------------------------------
 
@@ -269,6 +270,53 @@ def merge_plain_average(out: torch.Tensor, lse: torch.Tensor, block_out: torch.T
     return (out + block_out) / 2, torch.logaddexp(lse, block_lse)  # blocks weigh the same
 
 
+# ---- chapter 05: ring_forward --------------------------------------------------------------
+
+
+def _ring(q: torch.Tensor, kv: torch.Tensor, group: Group, order: str, block: Callable,
+          messages: Callable[[int, int], bool], keep_last: bool = False,
+          skip: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The library's ring with a mistake: ``messages(t, cp)`` says whether step t exchanges,
+    ``keep_last`` keeps the last tile instead of merging, ``skip=False`` computes every tile."""
+    cp, rank = comm.group_size(group), comm.group_rank(group)
+    qs, merged = q.chunk(2, dim=2), {}
+    for t, tiles in enumerate(ring_schedule(rank, cp, order)):
+        if messages(t, cp):
+            next_kv, works = _exchange(kv, group, KV_TAG)
+        ks, vs = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
+        for a, b, kind in tiles:
+            if kind == "skipped" and skip:
+                continue
+            o, lse = block(qs[a], ks[b], vs[b], kind == "diagonal")
+            o = o.float()
+            merged[a] = merge(*merged[a], o, lse) if a in merged and not keep_last else (o, lse)
+        if messages(t, cp):
+            _wait(works)
+            kv = next_kv
+    out = torch.cat([merged[0][0], merged[1][0]], dim=2)
+    return out, torch.cat([merged[0][1], merged[1][1]], dim=2)
+
+
+def ring_never_exchanges(q: torch.Tensor, kv: torch.Tensor, group: Group, order: str,
+                         block: Callable) -> Tuple[torch.Tensor, torch.Tensor]:
+    return _ring(q, kv, group, order, block, lambda t, cp: False)  # its own K/V at every step
+
+
+def ring_exchanges_every_step(q: torch.Tensor, kv: torch.Tensor, group: Group, order: str,
+                              block: Callable) -> Tuple[torch.Tensor, torch.Tensor]:
+    return _ring(q, kv, group, order, block, lambda t, cp: True)  # the last K/V goes unused
+
+
+def ring_keeps_last_tile(q: torch.Tensor, kv: torch.Tensor, group: Group, order: str,
+                         block: Callable) -> Tuple[torch.Tensor, torch.Tensor]:
+    return _ring(q, kv, group, order, block, lambda t, cp: t + 1 < cp, keep_last=True)
+
+
+def ring_attends_skipped_tiles(q: torch.Tensor, kv: torch.Tensor, group: Group, order: str,
+                               block: Callable) -> Tuple[torch.Tensor, torch.Tensor]:
+    return _ring(q, kv, group, order, block, lambda t, cp: t + 1 < cp, skip=False)
+
+
 # ---- chapter 06: dispatch_tokens -----------------------------------------------------------
 
 
@@ -427,6 +475,14 @@ CATALOGUE: Dict[Tuple[str, str, str], str] = {
     "merge's output matches, its lse does not: return the merged",
     ("05", "merge", "merge_plain_average"):
     "merge averaged the two blocks' outputs: weight each",
+    ("05", "ring_forward", "ring_never_exchanges"):
+    "ring_forward sent no K/V message on rank 0 in step 0",
+    ("05", "ring_forward", "ring_exchanges_every_step"):
+    "ring_forward sent 2 K/V messages on rank 0 in step 0, the ring needs N - 1 = 1",
+    ("05", "ring_forward", "ring_keeps_last_tile"):
+    "below the library's",
+    ("05", "ring_forward", "ring_attends_skipped_tiles"):
+    "above the library's",
     ("06", "dispatch_tokens", "dispatch_not_regrouped"):
     "rank 0's experts got the right 450 tokens in step 0, but not grouped by local expert",
     ("06", "dispatch_tokens", "dispatch_not_differentiable"):
