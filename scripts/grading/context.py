@@ -26,7 +26,7 @@ from scripts.grading.runner import (COLLECTIVE_TIMEOUT, Source, Verdict, error_v
                                     load, patched, run_jobs, run_world)
 
 CHAPTER = "05"
-EXERCISES = ("chunk_ids", "merge", "ring_forward")
+EXERCISES = ("slice_ids", "merge", "ring_forward")
 LIBRARY = "scaletorch.parallel.ring_attention"
 WORLD = 2
 AGAINST = "the library's calls"  # what the jobs are compared with
@@ -37,21 +37,21 @@ RTOL, ATOL = 1e-5, 1e-6
 PROBE_LSE = (100.0, 90.0)  # e^100 > 3.4e38, fp32's largest: only a shifted merge survives
 
 
-def chunk_ids_diagnosis(args: Tuple, got: Any, want: Tuple[int, int]) -> Optional[str]:
-    """What is wrong with one chunk_ids call's answer, None if right."""
+def slice_ids_diagnosis(args: Tuple, got: Any, want: Tuple[int, int]) -> Optional[str]:
+    """What is wrong with one slice_ids call's answer, None if right."""
     rank, size = args[0], args[1]
     if tuple(got) == want:
         return None
-    call = f"chunk_ids({rank}, {size})"
+    call = f"slice_ids({rank}, {size})"
     if any(not 0 <= c < 2 * size for c in got):
-        return (f"{call} returned {tuple(got)}: there are 2 x {size} = {2 * size} chunks, "
+        return (f"{call} returned {tuple(got)}: there are 2 x {size} = {2 * size} slices, "
                 f"numbered 0 to {2 * size - 1}")
     if sorted(got) == list(want):
-        return (f"{call} returned {tuple(got)}: give the two chunks in sequence order, {want} "
+        return (f"{call} returned {tuple(got)}: give the two slices in sequence order, {want} "
                 f"(the rank's tokens are concatenated in that order)")
     if tuple(got) == (2 * rank, 2 * rank + 1):
-        return (f"{call} returned {tuple(got)}, the contiguous split: zigzag pairs chunk r with "
-                f"chunk 2P-1-r, {want}, so every rank does the same causal work")
+        return (f"{call} returned {tuple(got)}, the contiguous split: zigzag pairs slice r with "
+                f"slice 2P-1-r, {want}, so every rank does the same causal work")
     return f"{call} returned {tuple(got)}, the library {want}"
 
 
@@ -64,9 +64,9 @@ def merge_diagnosis(args: Tuple, got: Any, want: Tuple[torch.Tensor, torch.Tenso
         return None
     if close(out, want[0]):
         return ("merge's output matches, its lse does not: return the merged log-sum-exp, "
-                "log(e^lse + e^block_lse) (torch.logaddexp), which the next block merges with")
+                "log(e^lse + e^tile_lse) (torch.logaddexp), which the next tile merges with")
     if close(out, (args[0] + args[2]) / 2):
-        return ("merge averaged the two blocks' outputs: weight each by its share of the "
+        return ("merge averaged the two tiles' outputs: weight each by its share of the "
                 "softmax mass, exp(its lse - the merged lse)")
     off = float((out.float() - want[0]).abs().max())
     return f"merge's output is {off:.1e} off the library's in step {step}"
@@ -102,15 +102,15 @@ def ring_forward_diagnosis(args: Tuple, got: Any, want: Tuple[torch.Tensor, torc
 
 
 def probe_merge(fn: Callable) -> Optional[str]:
-    """Two blocks of one query whose lse overflow fp32 when exponentiated: the diagnosis if
+    """Two tiles of one query whose lse overflow fp32 when exponentiated: the diagnosis if
     the merge is not finite (a wrong finite answer is left to the run's calls)."""
-    lse, block_lse = (torch.full((1, 1, 1), v) for v in PROBE_LSE)
-    out, block_out = torch.ones(1, 1, 1, 2), torch.zeros(1, 1, 1, 2)
-    got, new_lse = fn(out, lse, block_out, block_lse)
+    lse, tile_lse = (torch.full((1, 1, 1), v) for v in PROBE_LSE)
+    out, tile_out = torch.ones(1, 1, 1, 2), torch.zeros(1, 1, 1, 2)
+    got, new_lse = fn(out, lse, tile_out, tile_lse)
     if bool(torch.isfinite(got).all()) and bool(torch.isfinite(new_lse).all()):
         return None
     want = 1 / (1 + math.exp(PROBE_LSE[1] - PROBE_LSE[0]))
-    return (f"merging blocks with lse {PROBE_LSE[0]:.0f} and {PROBE_LSE[1]:.0f} gave "
+    return (f"merging tiles with lse {PROBE_LSE[0]:.0f} and {PROBE_LSE[1]:.0f} gave "
             f"{float(got[0, 0, 0, 0])}, not {want:.6f}: e^100 overflows fp32; weight by "
             f"exp(lse - the merged lse), every exponent <= 0")
 
@@ -126,8 +126,8 @@ def _checked(exercise: str, fn: Callable, library: Callable, found: List[str]) -
         sent = int(ledger.total(op="send", group="cp", step=ledger.step, field="calls") - before)
         want = library(*args)
         if not found:
-            if exercise == "chunk_ids":
-                text = chunk_ids_diagnosis(args, got, want)
+            if exercise == "slice_ids":
+                text = slice_ids_diagnosis(args, got, want)
             elif exercise == "merge":
                 text = merge_diagnosis(args, got, want, ledger.step)
             else:
@@ -172,7 +172,7 @@ def rank_jobs(rank: int, world: int, jobs: List[Dict[str, Source]]) -> List[Dict
             probed = probe_merge(fn)
             found.extend([probed] if probed is not None else [])
         checked = _checked(exercise, fn, getattr(ring_attention, exercise), found)
-        owners = [ring_attention] + ([context_parallel] if exercise == "chunk_ids" else [])
+        owners = [ring_attention] + ([context_parallel] if exercise == "slice_ids" else [])
         with patched([(owner, exercise, checked) for owner in owners]):
             _train(cfg, pgm)
         return {"found": found}

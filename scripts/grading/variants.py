@@ -228,52 +228,52 @@ def micro_batch_loss_by_ranks(loss: torch.Tensor, m: int) -> torch.Tensor:
     return loss / 2  # the number of pipeline ranks (p = 2 here), not of micro-batches
 
 
-# ---- chapter 05: chunk_ids -----------------------------------------------------------------
+# ---- chapter 05: slice_ids -----------------------------------------------------------------
 
 
-def chunk_ids_contiguous(cp_rank: int, cp_size: int, order: str = "zigzag") -> Tuple[int, int]:
+def slice_ids_contiguous(cp_rank: int, cp_size: int, order: str = "zigzag") -> Tuple[int, int]:
     return 2 * cp_rank, 2 * cp_rank + 1  # the last rank gets every query's full causal work
 
 
-def chunk_ids_past_the_end(cp_rank: int, cp_size: int, order: str = "zigzag") -> Tuple[int, int]:
+def slice_ids_past_the_end(cp_rank: int, cp_size: int, order: str = "zigzag") -> Tuple[int, int]:
     if order == "zigzag":
         return cp_rank, 2 * cp_size - cp_rank  # the mirror off by one
     return 2 * cp_rank, 2 * cp_rank + 1
 
 
-def chunk_ids_unsorted(cp_rank: int, cp_size: int, order: str = "zigzag") -> Tuple[int, int]:
+def slice_ids_unsorted(cp_rank: int, cp_size: int, order: str = "zigzag") -> Tuple[int, int]:
     if order == "zigzag":
-        return 2 * cp_size - 1 - cp_rank, cp_rank  # the late chunk first
+        return 2 * cp_size - 1 - cp_rank, cp_rank  # the late slice first
     return 2 * cp_rank, 2 * cp_rank + 1
 
 
 # ---- chapter 05: merge ---------------------------------------------------------------------
 
 
-def merge_without_max_shift(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
-                            block_lse: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    a, b = torch.exp(lse), torch.exp(block_lse)  # e^lse overflows for large scores
-    merged = (a.unsqueeze(-1) * out + b.unsqueeze(-1) * block_out) / (a + b).unsqueeze(-1)
+def merge_without_max_shift(out: torch.Tensor, lse: torch.Tensor, tile_out: torch.Tensor,
+                            tile_lse: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    a, b = torch.exp(lse), torch.exp(tile_lse)  # e^lse overflows for large scores
+    merged = (a.unsqueeze(-1) * out + b.unsqueeze(-1) * tile_out) / (a + b).unsqueeze(-1)
     return merged, torch.log(a + b)
 
 
-def merge_lse_kept(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
-                   block_lse: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    new_lse = torch.logaddexp(lse, block_lse)
+def merge_lse_kept(out: torch.Tensor, lse: torch.Tensor, tile_out: torch.Tensor,
+                   tile_lse: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    new_lse = torch.logaddexp(lse, tile_lse)
     merged = torch.exp(lse - new_lse).unsqueeze(-1) * out + \
-        torch.exp(block_lse - new_lse).unsqueeze(-1) * block_out
-    return merged, lse  # the next block merges with the first block's statistics
+        torch.exp(tile_lse - new_lse).unsqueeze(-1) * tile_out
+    return merged, lse  # the next tile merges with the first tile's statistics
 
 
-def merge_plain_average(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
-                        block_lse: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    return (out + block_out) / 2, torch.logaddexp(lse, block_lse)  # blocks weigh the same
+def merge_plain_average(out: torch.Tensor, lse: torch.Tensor, tile_out: torch.Tensor,
+                        tile_lse: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    return (out + tile_out) / 2, torch.logaddexp(lse, tile_lse)  # blocks weigh the same
 
 
 # ---- chapter 05: ring_forward --------------------------------------------------------------
 
 
-def _ring(q: torch.Tensor, kv: torch.Tensor, group: Group, order: str, block: Callable,
+def _ring(q: torch.Tensor, kv: torch.Tensor, group: Group, order: str, tile: Callable,
           messages: Callable[[int, int], bool], keep_last: bool = False,
           skip: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
     """The library's ring with a mistake: ``messages(t, cp)`` says whether step t exchanges,
@@ -287,7 +287,7 @@ def _ring(q: torch.Tensor, kv: torch.Tensor, group: Group, order: str, block: Ca
         for a, b, kind in tiles:
             if kind == "skipped" and skip:
                 continue
-            o, lse = block(qs[a], ks[b], vs[b], kind == "diagonal")
+            o, lse = tile(qs[a], ks[b], vs[b], kind == "diagonal")
             o = o.float()
             merged[a] = merge(*merged[a], o, lse) if a in merged and not keep_last else (o, lse)
         if messages(t, cp):
@@ -298,23 +298,23 @@ def _ring(q: torch.Tensor, kv: torch.Tensor, group: Group, order: str, block: Ca
 
 
 def ring_never_exchanges(q: torch.Tensor, kv: torch.Tensor, group: Group, order: str,
-                         block: Callable) -> Tuple[torch.Tensor, torch.Tensor]:
-    return _ring(q, kv, group, order, block, lambda t, cp: False)  # its own K/V at every step
+                         tile: Callable) -> Tuple[torch.Tensor, torch.Tensor]:
+    return _ring(q, kv, group, order, tile, lambda t, cp: False)  # its own K/V at every step
 
 
 def ring_exchanges_every_step(q: torch.Tensor, kv: torch.Tensor, group: Group, order: str,
-                              block: Callable) -> Tuple[torch.Tensor, torch.Tensor]:
-    return _ring(q, kv, group, order, block, lambda t, cp: True)  # the last K/V goes unused
+                              tile: Callable) -> Tuple[torch.Tensor, torch.Tensor]:
+    return _ring(q, kv, group, order, tile, lambda t, cp: True)  # the last K/V goes unused
 
 
 def ring_keeps_last_tile(q: torch.Tensor, kv: torch.Tensor, group: Group, order: str,
-                         block: Callable) -> Tuple[torch.Tensor, torch.Tensor]:
-    return _ring(q, kv, group, order, block, lambda t, cp: t + 1 < cp, keep_last=True)
+                         tile: Callable) -> Tuple[torch.Tensor, torch.Tensor]:
+    return _ring(q, kv, group, order, tile, lambda t, cp: t + 1 < cp, keep_last=True)
 
 
 def ring_attends_skipped_tiles(q: torch.Tensor, kv: torch.Tensor, group: Group, order: str,
-                               block: Callable) -> Tuple[torch.Tensor, torch.Tensor]:
-    return _ring(q, kv, group, order, block, lambda t, cp: t + 1 < cp, skip=False)
+                               tile: Callable) -> Tuple[torch.Tensor, torch.Tensor]:
+    return _ring(q, kv, group, order, tile, lambda t, cp: t + 1 < cp, skip=False)
 
 
 # ---- chapter 06: dispatch_tokens -----------------------------------------------------------
@@ -463,18 +463,18 @@ CATALOGUE: Dict[Tuple[str, str, str], str] = {
     "gradients are 0.125x the reference in step 0 (its grad norm) = 1/m: divided by m = 8 twice",
     ("04", "micro_batch_loss", "micro_batch_loss_by_ranks"):
     "gradients are 4x the reference in step 0 (its grad norm): divided by p = 2, the pipeline",
-    ("05", "chunk_ids", "chunk_ids_contiguous"):
-    "chunk_ids(0, 2) returned (0, 1), the contiguous split: zigzag pairs",
-    ("05", "chunk_ids", "chunk_ids_past_the_end"):
-    "returned (0, 2): there are 2 x 1 = 2 chunks, numbered 0 to 1",
-    ("05", "chunk_ids", "chunk_ids_unsorted"):
-    "returned (1, 0): give the two chunks in sequence order, (0, 1)",
+    ("05", "slice_ids", "slice_ids_contiguous"):
+    "slice_ids(0, 2) returned (0, 1), the contiguous split: zigzag pairs",
+    ("05", "slice_ids", "slice_ids_past_the_end"):
+    "returned (0, 2): there are 2 x 1 = 2 slices, numbered 0 to 1",
+    ("05", "slice_ids", "slice_ids_unsorted"):
+    "returned (1, 0): give the two slices in sequence order, (0, 1)",
     ("05", "merge", "merge_without_max_shift"):
-    "merging blocks with lse 100 and 90 gave nan",
+    "merging tiles with lse 100 and 90 gave nan",
     ("05", "merge", "merge_lse_kept"):
     "merge's output matches, its lse does not: return the merged",
     ("05", "merge", "merge_plain_average"):
-    "merge averaged the two blocks' outputs: weight each",
+    "merge averaged the two tiles' outputs: weight each",
     ("05", "ring_forward", "ring_never_exchanges"):
     "ring_forward sent no K/V message on rank 0 in step 0",
     ("05", "ring_forward", "ring_exchanges_every_step"):
