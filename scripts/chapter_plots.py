@@ -353,7 +353,7 @@ def plot_pipeline_vs_sim(run_dir: str, out: str) -> None:
     schedule = schedule or read_config(run_dir)["parallel"]["schedule"]
     measured = read_timeline(path)
     costs = mean_costs(measured)
-    p, m, v = measured.stages, measured.micro_batches, measured.virtual_stages
+    p, m, v = measured.pp, measured.micro_batches, measured.virtual_stages
     sim = simulate.simulate(schedule, p, m, v, costs["F"], costs["B"], costs.get("W"))
     span = max(t.span()[1] - t.span()[0] for t in (measured, sim))
     print(f"{schedule}, p = {p}, m = {m}, v = {v}; measured mean F {costs['F'] * 1e3:.2f} ms, "

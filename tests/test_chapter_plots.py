@@ -195,9 +195,8 @@ class ChapterPlotReaders(unittest.TestCase):
                   [0, "B", 0, 0, 5.0, 7.0], [0, "B", 1, 0, 7.0, 9.0]]
         with tempfile.TemporaryDirectory() as run:
             with open(os.path.join(run, "timeline.json"), "w") as f:
-                json.dump(
-                    dict(stages=2, micro_batches=2, virtual_stages=1, schedule="", events=events),
-                    f)  # "": not V-shaped; the config names it
+                json.dump(dict(pp=2, micro_batches=2, virtual_stages=1, schedule="", events=events),
+                          f)  # "": not V-shaped; the config names it
             with open(os.path.join(run, "config.yaml"), "w") as f:
                 yaml.safe_dump(dict(parallel=dict(schedule="afab")), f)
             with mock.patch("scripts.chapter_plots.pyplot", return_value=None):

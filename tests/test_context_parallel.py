@@ -496,7 +496,7 @@ class TestRingKernelChoice(unittest.TestCase):
 
 class TestZigzagPositions(unittest.TestCase):
 
-    def test_ranks_hold_chunks_r_and_2cp_minus_1_minus_r_covering_the_sequence(self):
+    def test_ranks_hold_slices_r_and_2cp_minus_1_minus_r_covering_the_sequence(self):
         self.assertEqual(zigzag_positions(8, 2, 0).tolist(), [0, 1, 6, 7])
         self.assertEqual(zigzag_positions(8, 2, 1).tolist(), [2, 3, 4, 5])
         for cp in (1, 2, 4):
