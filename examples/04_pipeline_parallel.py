@@ -14,7 +14,7 @@ keeps only its stage (``apply_pipeline_parallel``), and chapter 01's data-parall
 around it (dp > 1). The Trainer gets the schedule, AFAB or 1F1B written as a loop of named
 sends and receives (``pipeline_schedules.py``), as its forward_backward, and a grad norm summed
 over the stages. Then the script prints the point-to-point traffic of the last step and its
-timeline: which stage computed which micro-batch when, the measured bubble next to
+timeline: which rank computed which micro-batch when, the measured bubble next to
 (p-1)/(m + p - 1), and the peak activations. ``--show-schedule`` prints each rank's calls of
 the loop, with the messages they send and receive, and exits without training.
 """

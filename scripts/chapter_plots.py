@@ -12,7 +12,7 @@ the picture shows exactly the numbers the page shows:
     zero-memory LOG...         01, 02: bytes per rank by kind, measured beside the formula
     tp-split LOG               03: column and row parallel layers and the bytes of each all-reduce
     pipeline-vs-sim RUN_DIR    04: the measured timeline.json beside the simulator's, same costs
-    zigzag LOG                 05: which rank holds which chunk, attention work per rank
+    zigzag LOG                 05: which rank holds which slice, attention work per rank
     experts LOG                06: tokens per expert per rank, and what each rank sends
     rank-grid LOG              07: the ranks of the layout and each one's traffic per group
     dtype-bytes LOG...         08: bytes on the wire per collective, one bar per run's precision
@@ -353,7 +353,7 @@ def plot_pipeline_vs_sim(run_dir: str, out: str) -> None:
     schedule = schedule or read_config(run_dir)["parallel"]["schedule"]
     measured = read_timeline(path)
     costs = mean_costs(measured)
-    p, m, v = measured.stages, measured.micro_batches, measured.virtual_stages
+    p, m, v = measured.pp, measured.micro_batches, measured.virtual_stages
     sim = simulate.simulate(schedule, p, m, v, costs["F"], costs["B"], costs.get("W"))
     span = max(t.span()[1] - t.span()[0] for t in (measured, sim))
     print(f"{schedule}, p = {p}, m = {m}, v = {v}; measured mean F {costs['F'] * 1e3:.2f} ms, "
@@ -380,47 +380,47 @@ def plot_pipeline_vs_sim(run_dir: str, out: str) -> None:
 # --- 05: zigzag -----------------------------------------------------------------------------------
 
 
-def parse_cp_blocks(text: str, path: str = "log") -> List[Tuple[int, int]]:
-    """Per cp rank (full, diagonal) attention blocks per layer per forward, from 05's report."""
+def parse_cp_tiles(text: str, path: str = "log") -> List[Tuple[int, int]]:
+    """Per cp rank (full, diagonal) attention tiles per layer per forward, from 05's report."""
     line = _need(re.search(r"by cp rank \(full \+ diagonal\): (.*)$", text, re.M),
-                 "'attention blocks ... by cp rank' line", path).group(1)
+                 "'attention tiles ... by cp rank' line", path).group(1)
     return [(int(f), int(d)) for f, d in re.findall(r"rank \d+: (\d+) \+ (\d+)", line)]
 
 
-def expected_blocks(cp: int, order: str) -> List[Tuple[int, int]]:
-    """(full, diagonal) blocks per rank when each rank holds chunk_ids(rank, cp, order)."""
-    from scaletorch.parallel.ring_attention import block_kind, chunk_ids
+def expected_tiles(cp: int, order: str) -> List[Tuple[int, int]]:
+    """(full, diagonal) tiles per rank when each rank holds slice_ids(rank, cp, order)."""
+    from scaletorch.parallel.ring_attention import slice_ids, tile_kind
     counts = []
     for r in range(cp):
-        kinds = [block_kind(q, k) for q in chunk_ids(r, cp, order) for k in range(2 * cp)]
+        kinds = [tile_kind(q, k) for q in slice_ids(r, cp, order) for k in range(2 * cp)]
         counts.append((kinds.count("full"), kinds.count("diagonal")))
     return counts
 
 
 def plot_zigzag(path: str, out: str) -> None:
-    from scaletorch.parallel.ring_attention import block_kind, chunk_ids
-    measured = parse_cp_blocks(read_log(path), path)
+    from scaletorch.parallel.ring_attention import slice_ids, tile_kind
+    measured = parse_cp_tiles(read_log(path), path)
     cp = len(measured)
-    contiguous = expected_blocks(cp, "contiguous")
-    print(f"cp {cp}: the sequence in {2 * cp} chunks; rank r holds chunks r and {2 * cp - 1} - r "
+    contiguous = expected_tiles(cp, "contiguous")
+    print(f"cp {cp}: the sequence in {2 * cp} slices; rank r holds slices r and {2 * cp - 1} - r "
           f"(zigzag)")
-    print(f"{'rank':<6}{'chunks':>10}{'measured full + diag':>22}{'work':>7}"
-          f"{'contiguous chunks':>19}{'its work':>9}")
+    print(f"{'rank':<6}{'slices':>10}{'measured full + diag':>22}{'work':>7}"
+          f"{'contiguous slices':>19}{'its work':>9}")
     for r, (f, d) in enumerate(measured):
         cf, cd = contiguous[r]
-        print(f"{r:<6}{str(chunk_ids(r, cp)):>10}{f'{f} + {d}':>22}{f + d / 2:>7g}"
-              f"{str(chunk_ids(r, cp, 'contiguous')):>19}{cf + cd / 2:>9g}")
-    print("work: full blocks + half of each diagonal block (its causal triangle)")
+        print(f"{r:<6}{str(slice_ids(r, cp)):>10}{f'{f} + {d}':>22}{f + d / 2:>7g}"
+              f"{str(slice_ids(r, cp, 'contiguous')):>19}{cf + cd / 2:>9g}")
+    print("work: full tiles + half of each diagonal tile (its causal triangle)")
     plt = pyplot()
     if plt is None:
         return
     fig, (grid, bars) = plt.subplots(1, 2, figsize=(10, 4.2),
                                      gridspec_kw={"width_ratios": [1, 1.2]})
-    owner = {c: r for r in range(cp) for c in chunk_ids(r, cp)}
+    owner = {c: r for r in range(cp) for c in slice_ids(r, cp)}
     n = 2 * cp
     for q in range(n):
         for k in range(n):
-            kind = block_kind(q, k)
+            kind = tile_kind(q, k)
             if kind == "skipped":
                 continue
             color = RANK_COLORS[owner[q] % len(RANK_COLORS)]
@@ -433,18 +433,18 @@ def plot_zigzag(path: str, out: str) -> None:
     grid.set_xticklabels(range(n))
     grid.set_yticks([i + 0.5 for i in range(n)])
     grid.set_yticklabels([f"{i} (rank {owner[i]})" for i in range(n)], fontsize=8)
-    grid.set_xlabel("key chunk")
-    grid.set_ylabel("query chunk (its rank)")
-    grid.set_title("causal attention by chunk, zigzag (hatched: diagonal)", fontsize=9)
+    grid.set_xlabel("key slice")
+    grid.set_ylabel("query slice (its rank)")
+    grid.set_title("causal attention by slice, zigzag (hatched: diagonal)", fontsize=9)
     x = range(cp)
     work = [f + d / 2 for f, d in measured]
     bars.bar([i - 0.2 for i in x], work, width=0.4, color=[RANK_COLORS[i] for i in x],
              label="zigzag (measured in the run)")
     bars.bar([i + 0.2 for i in x], [f + d / 2 for f, d in contiguous], width=0.4, color="none",
-             edgecolor="black", hatch="..", label="contiguous chunks (same rule)")
+             edgecolor="black", hatch="..", label="contiguous slices (same rule)")
     bars.set_xticks(list(x))
     bars.set_xticklabels([f"rank {i}" for i in x])
-    bars.set_ylabel("attention blocks per layer (diagonal = 1/2)")
+    bars.set_ylabel("attention tiles per layer (diagonal = 1/2)")
     bars.set_title("work per cp rank", fontsize=9)
     bars.legend(fontsize=8)
     _save(plt, fig, out)

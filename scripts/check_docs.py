@@ -84,7 +84,7 @@ SCI = re.compile(r"\d\.\de[-+]\d\d")
 OUTPUT_SIGNS = re.compile(r"^(parity: max|communication per rank|op\s+group\s+N\s+calls|"
                           r"rank grid: world|step\s+\d+ \| loss|bubble: measured|final loss|"
                           r"(all_reduce|all_gather|reduce_scatter|all_to_all|send|recv)\s+\w+"
-                          r"\s+\d+\s+\d+|(bucket \d+|forward\+backward|stage \d+)\s+\||"
+                          r"\s+\d+\s+\d+|(bucket \d+|forward\+backward|stage \d+|rank \d+)\s+\||"
                           r"routing of the last|RuntimeError: rank)")
 FENCE = re.compile(r"^```\s*(\S*)\s*$")
 MAX_WORDS = 40

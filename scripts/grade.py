@@ -25,11 +25,19 @@ from typing import List, Optional
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from scripts.grading import context, ddp, expert, loss_scale, tensor, variants  # noqa: E402
+from scripts.grading import (
+    context,
+    ddp,
+    expert,
+    loss_scale,
+    pipeline,
+    tensor,  # noqa: E402
+    variants)
 
 CHAPTERS = {
     ddp.CHAPTER: (ddp, "examples/exercises/01_ddp.py"),
     tensor.CHAPTER: (tensor, "examples/exercises/03_tensor_parallel.py"),
+    pipeline.CHAPTER: (pipeline, "examples/exercises/04_pipeline_parallel.py"),
     context.CHAPTER: (context, "examples/exercises/05_context_parallel.py"),
     expert.CHAPTER: (expert, "examples/exercises/06_expert_parallel.py"),
     loss_scale.CHAPTER: (loss_scale, "examples/exercises/08_mixed_precision.py"),

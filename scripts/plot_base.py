@@ -51,13 +51,13 @@ def label_of(path: str) -> str:
 
 
 def read_timeline(path: str) -> Timeline:
-    """A timeline.json: {"stages", "micro_batches", "virtual_stages", "events": [[rank, kind,
+    """A timeline.json: {"pp", "micro_batches", "virtual_stages", "events": [[rank, kind,
     micro_batch, chunk, start, end], ...]}."""
     with open(path) as f:
         data = json.load(f)
     zero_bubble = data.get("schedule", "") in placement.ZERO_BUBBLE  # its theory: simulated
     kind = simulate.ZeroBubbleTimeline if zero_bubble else Timeline
-    timeline = kind(data["stages"], data["micro_batches"], data["virtual_stages"],
+    timeline = kind(data["pp"], data["micro_batches"], data["virtual_stages"],
                     schedule=data.get("schedule", ""))
     for rank, kind, mb, chunk, start, end in data["events"]:
         timeline.record(rank, orders.Action(kind, mb, chunk), start, end)
@@ -67,15 +67,15 @@ def read_timeline(path: str) -> Timeline:
 def draw_timeline(ax, timeline: Timeline, title: str, unit: str, span: float) -> None:
     """One row per pipeline rank; a box per forward (light), backward (dark) and weight
     gradient (hatched) of each micro-batch, numbered; gaps are the bubble. DualPipeV's
-    overlapped pairs (a forward and a backward run as one unit) are framed in red."""
+    overlapped pairs (a forward and a backward run as one bundle) are framed in red."""
     import matplotlib.pyplot as plt
 
     if timeline.schedule == "dualpipev":
         for rank in timeline.ranks():
             events = {str(e.action): e for e in timeline.of(rank)}
-            for unit_ in zb.dualpipev_units(timeline.stages, timeline.micro_batches, rank):
-                if len(unit_) == 2:
-                    first, second = events[str(unit_[0])], events[str(unit_[1])]
+            for bundle in zb.dualpipev_bundles(timeline.pp, timeline.micro_batches, rank):
+                if len(bundle) == 2:
+                    first, second = events[str(bundle[0])], events[str(bundle[1])]
                     ax.barh(rank, second.end - first.start, left=first.start - timeline.span()[0],
                             height=0.95, fill=False, edgecolor="red", linewidth=1.2)
 

@@ -65,7 +65,7 @@ all_reduce      world      2       1             1     0.000     0.000
 all_reduce over tp in step 2: ledger 329,216 elements, formula 329,216 (OK)
 """
 # scripts/launch.sh examples/05_context_parallel.py --nproc-per-node 2 -- --steps 3
-CP = ("attention blocks per layer per forward, by cp rank (full + diagonal): rank 0: 3 + 2, "
+CP = ("attention tiles per layer per forward, by cp rank (full + diagonal): rank 0: 3 + 2, "
       "rank 1: 3 + 2\n")
 # scripts/launch.sh examples/06_expert_parallel.py --nproc-per-node 2 -- --steps 3
 MOE = """\
@@ -140,12 +140,12 @@ class ChapterPlotReaders(unittest.TestCase):
         self.assertEqual(ledger[0]["elements"], 329_216)
 
     def test_zigzag_blocks_measured_equal_the_rule_and_contiguous_is_unequal(self):
-        self.assertEqual(cp.parse_cp_blocks(CP), [(3, 2), (3, 2)])
-        self.assertEqual(cp.expected_blocks(2, "zigzag"), [(3, 2), (3, 2)])
-        self.assertEqual(cp.expected_blocks(2, "contiguous"), [(1, 2), (5, 2)])
-        # cp 4: zigzag keeps 2 cp - 1 full blocks per rank, contiguous grows with the rank
-        self.assertEqual(cp.expected_blocks(4, "zigzag"), [(7, 2)] * 4)
-        self.assertEqual([f for f, _ in cp.expected_blocks(4, "contiguous")], [1, 5, 9, 13])
+        self.assertEqual(cp.parse_cp_tiles(CP), [(3, 2), (3, 2)])
+        self.assertEqual(cp.expected_tiles(2, "zigzag"), [(3, 2), (3, 2)])
+        self.assertEqual(cp.expected_tiles(2, "contiguous"), [(1, 2), (5, 2)])
+        # cp 4: zigzag keeps 2 cp - 1 full tiles per rank, contiguous grows with the rank
+        self.assertEqual(cp.expected_tiles(4, "zigzag"), [(7, 2)] * 4)
+        self.assertEqual([f for f, _ in cp.expected_tiles(4, "contiguous")], [1, 5, 9, 13])
 
     def test_routing_gives_tokens_per_local_expert_and_traffic(self):
         info = cp.parse_routing(MOE)
@@ -195,9 +195,8 @@ class ChapterPlotReaders(unittest.TestCase):
                   [0, "B", 0, 0, 5.0, 7.0], [0, "B", 1, 0, 7.0, 9.0]]
         with tempfile.TemporaryDirectory() as run:
             with open(os.path.join(run, "timeline.json"), "w") as f:
-                json.dump(
-                    dict(stages=2, micro_batches=2, virtual_stages=1, schedule="", events=events),
-                    f)  # "": not V-shaped; the config names it
+                json.dump(dict(pp=2, micro_batches=2, virtual_stages=1, schedule="", events=events),
+                          f)  # "": not V-shaped; the config names it
             with open(os.path.join(run, "config.yaml"), "w") as f:
                 yaml.safe_dump(dict(parallel=dict(schedule="afab")), f)
             with mock.patch("scripts.chapter_plots.pyplot", return_value=None):

@@ -24,7 +24,7 @@ from scaletorch.parallel.context_parallel import (UlyssesAttention, apply_contex
                                                   check_ulysses_heads, make_sequence_sharder,
                                                   zigzag_positions)
 from scaletorch.parallel.data_parallel import apply_data_parallel
-from scaletorch.parallel.ring_attention import RingAttention, attention_block_counts, block_counts
+from scaletorch.parallel.ring_attention import RingAttention, attention_tile_counts, tile_counts
 from scaletorch.parallel.step import make_data_parallel_step
 from scaletorch.parallel.tensor_parallel import apply_tensor_parallel, tensor_parallel_loss_fn
 from scaletorch.trainer import Config, Trainer
@@ -32,8 +32,8 @@ from scaletorch.trainer.config import validate
 from tests.harness import run_distributed
 from tests.layouts import assert_matches, clip_fn, full_state, reference
 
-# fp32: ring attention sums the same terms as full attention in another order (block by
-# block, merged by log-sum-exp), so outputs and gradients agree to ~1e-6, losses to ~5e-7.
+# fp32: ring attention sums the same terms as full attention in another order (tile by
+# tile, merged by log-sum-exp), so outputs and gradients agree to ~1e-6, losses to ~5e-7.
 ATOL = 1e-5
 HEADS = ((4, 4), (4, 2), (3, 1))  # (query heads, key/value heads): MHA, GQA, odd counts
 STEPS = 5
@@ -78,7 +78,7 @@ def attention_errors(pgm, fn, hq: int, hkv: int, order: str = "zigzag") -> float
 # scaled by 2 (scores of std 4, a trained model's spread), where a merge in bf16 loses the
 # log-sum-exp's low bits. Measured over cp 2 and 4 and HEADS (the test below prints them): the
 # kernel path at most 6.6e-03 on any rank; planted at heads (4, 2), worst rank, merging in bf16
-# 3.9e-02 (cp 2) and 4.7e-02 (cp 4), one block dropped 4.5e+01 and 8.4e+00.
+# 3.9e-02 (cp 2) and 4.7e-02 (cp 4), one tile dropped 4.5e+01 and 8.4e+00.
 BF16_RTOL = 0.012
 
 
@@ -185,11 +185,11 @@ def gpu_path_cases(pgm) -> Dict[Any, Any]:
 
     merges: List[int] = []
 
-    def drop_one_block(out, lse, block_out, block_lse):  # planted: the first merge is skipped
+    def drop_one_tile(out, lse, tile_out, tile_lse):  # planted: the first merge is skipped
         merges.append(1)
-        return (out, lse) if len(merges) == 1 else merge(out, lse, block_out, block_lse)
+        return (out, lse) if len(merges) == 1 else merge(out, lse, tile_out, tile_lse)
 
-    for name, bug in (("bf16 merge", merge_in_bf16), ("dropped block", drop_one_block)):
+    for name, bug in (("bf16 merge", merge_in_bf16), ("dropped tile", drop_one_tile)):
         with mock.patch.object(ring_attention, "merge", bug):
             res[(name, 4, 2)] = relative_error(pgm, RingAttention(group, impl="fused"), 4, 2)
     fake, pick = FakeCudaKernels(), kernels.pick
@@ -226,7 +226,7 @@ def train(cfg: Config, tp: int, cp: int, variant: str = "ring") -> dict:
         "losses": result.losses,
         "grad_norms": result.grad_norms,
         "sends_per_layer": sends,
-        "blocks": attention_block_counts(model),
+        "tiles": attention_tile_counts(model),
         "state": state
     }
     destroy_pg_manager()
@@ -234,8 +234,8 @@ def train(cfg: Config, tp: int, cp: int, variant: str = "ring") -> dict:
 
 
 def world_of_four(rank: int, world_size: int, cfg: Config) -> dict:
-    res: dict = {"attention": {}, "blocks": {}, "gpu_path": {}}
-    # Attention level: ring (math and fused blocks) and Ulysses vs full causal attention.
+    res: dict = {"attention": {}, "tiles": {}, "gpu_path": {}}
+    # Attention level: ring (math and fused tiles) and Ulysses vs full causal attention.
     for cp in (2, 4):
         pgm = init_pg_manager(context_parallel_size=cp)
         group = pgm.context_parallel_group
@@ -251,7 +251,7 @@ def world_of_four(rank: int, world_size: int, cfg: Config) -> dict:
         for order in ("zigzag", "contiguous"):  # contiguous: correct, but unbalanced
             fn = RingAttention(group, order=order)
             res["attention"][(order, cp, 4, 2)] = attention_errors(pgm, fn, 4, 2, order)
-            res["blocks"][(order, cp)] = dict(fn.blocks)
+            res["tiles"][(order, cp)] = dict(fn.tiles)
         res["gpu_path"][cp] = gpu_path_cases(pgm)
         destroy_pg_manager()
 
@@ -310,7 +310,7 @@ class TestContextParallel(unittest.TestCase):
                 with self.subTest(rank=self.four.index(rank_result), case=key):
                     self.assertLess(err, ATOL)
         cases = set(self.four[0]["attention"])
-        for cp in (2, 4):  # every head layout and both block kernels were checked
+        for cp in (2, 4):  # every head layout and both tile kernels were checked
             for hq, hkv in HEADS:
                 self.assertIn(("ring", cp, hq, hkv), cases)
                 self.assertIn(("fused", cp, hq, hkv), cases)
@@ -318,18 +318,18 @@ class TestContextParallel(unittest.TestCase):
 
     def test_zigzag_balances_attention_blocks_and_contiguous_does_not(self):
         for cp in (2, 4):
-            zigzag = [r["blocks"][("zigzag", cp)] for r in self.four]
-            contiguous = [r["blocks"][("contiguous", cp)] for r in self.four]
-            # Every rank: 2 cp - 1 full blocks and 2 diagonal ones, per layer forward.
+            zigzag = [r["tiles"][("zigzag", cp)] for r in self.four]
+            contiguous = [r["tiles"][("contiguous", cp)] for r in self.four]
+            # Every rank: 2 cp - 1 full tiles and 2 diagonal ones, per layer forward.
             self.assertEqual({(b["full"], b["diagonal"]) for b in zigzag}, {(2 * cp - 1, 2)})
             self.assertGreater(len({b["full"] for b in contiguous}), 1)
             for r in range(cp):  # the counters agree with the schedule
-                self.assertEqual(block_counts(r, cp), zigzag[r])
+                self.assertEqual(tile_counts(r, cp), zigzag[r])
         # In training (cp 4): per layer, per step, per micro-batch (2), the same on every rank.
         forwards = self.cfg.model.num_layers * STEPS * 2
         for r in self.four:
-            blocks = r["train"]["cp4"]["blocks"]
-            self.assertEqual((blocks["full"], blocks["diagonal"]), (7 * forwards, 2 * forwards))
+            tiles = r["train"]["cp4"]["tiles"]
+            self.assertEqual((tiles["full"], tiles["diagonal"]), (7 * forwards, 2 * forwards))
 
     def test_rope_positions_under_zigzag_are_the_unsharded_positions(self):
         for r in self.four:
@@ -378,19 +378,19 @@ class TestContextParallel(unittest.TestCase):
         # The tolerance can fail: each planted bug exceeds it on some rank, at cp 2 and at cp 4.
         worst = {
             (bug, cp): max(r["gpu_path"][cp][(bug, 4, 2)] for r in self.four)
-            for bug in ("bf16 merge", "dropped block")
+            for bug in ("bf16 merge", "dropped tile")
             for cp in (2, 4)
         }
         for key, err in worst.items():
             self.assertGreater(err, BF16_RTOL, key)
         kernel = max(c[(p, hq, hkv)] for c in cases for p in ("bf16 fused", "cuda bf16")
                      for hq, hkv in HEADS)
-        print(f"\nring attention, bf16 blocks, fp32 statistics: relative error at most "
+        print(f"\nring attention, bf16 tiles, fp32 statistics: relative error at most "
               f"{kernel:.1e} (tolerance {BF16_RTOL}); planted, worst rank: " +
               ", ".join(f"{bug} cp {cp} {err:.1e}" for (bug, cp), err in worst.items()))
 
     def test_gpu_path_auto_on_cuda_calls_the_kernels_as_their_schemas_expect(self):
-        # every rank computes diagonal (causal) and full blocks, forward and backward
+        # every rank computes diagonal (causal) and full tiles, forward and backward
         expected = {(kernel, phase, dtype, causal)
                     for kernel, dtype in (("cuda_flash", torch.bfloat16), ("cuda_efficient",
                                                                            torch.float32))
@@ -446,7 +446,7 @@ class TestContextParallelErrors(unittest.TestCase):
 
 
 class TestRingKernelChoice(unittest.TestCase):
-    """attention_kernels.pick: the block kernel by device, dtype and torch's own checks (faked
+    """attention_kernels.pick: the tile kernel by device, dtype and torch's own checks (faked
     here for CUDA: no GPU needed)."""
 
     def pick(self, impl: str, device: str, dtype: torch.dtype, flash: bool = True,
@@ -496,7 +496,7 @@ class TestRingKernelChoice(unittest.TestCase):
 
 class TestZigzagPositions(unittest.TestCase):
 
-    def test_ranks_hold_chunks_r_and_2cp_minus_1_minus_r_covering_the_sequence(self):
+    def test_ranks_hold_slices_r_and_2cp_minus_1_minus_r_covering_the_sequence(self):
         self.assertEqual(zigzag_positions(8, 2, 0).tolist(), [0, 1, 6, 7])
         self.assertEqual(zigzag_positions(8, 2, 1).tolist(), [2, 3, 4, 5])
         for cp in (1, 2, 4):

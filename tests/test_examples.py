@@ -240,7 +240,7 @@ LINE_BUDGETS = {
     "03_tensor_parallel": 21,  # 19: the key to the grid's brackets, the f/f-bar site table 6
     "04_pipeline_parallel": 20,  # 18: a stage per grid line, the timeline 3, the bubble 1
     "04b_zero_bubble": 19,  # 17: as 04, without the p2p formula line
-    "05_context_parallel": 16,  # 14: ring K/V traffic and the zigzag's attention blocks
+    "05_context_parallel": 16,  # 14: ring K/V traffic and the zigzag's attention tiles
     "06_expert_parallel": 24,  # 22: the expert split, the routing table 9
 }
 # Lines of a later chapter's feature, which chapters 01-06 print only when it is on (the

@@ -11,11 +11,12 @@ import contextlib
 import inspect
 import io
 import os
+import re
 import unittest
 
 from scripts import grade
 from scripts.grading.runner import load
-from scripts.grading.variants import CATALOGUE, STOPPING
+from scripts.grading.variants import CATALOGUE, HANGS, STOPPING
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VARIANTS = "scripts.grading.variants"
@@ -70,9 +71,14 @@ class GradeChapter03(_GradeChapter, unittest.TestCase):
     chapter = "03"
 
 
+class GradeChapter04(_GradeChapter, unittest.TestCase):
+    """Pipeline parallel, pp 2, 3 steps a job: 2 solutions, 6 variants, 2 stubs."""
+    chapter = "04"
+
+
 class GradeChapter05(_GradeChapter, unittest.TestCase):
-    """Context parallel, 2 ranks, 2 steps a job, every call checked on its rank: 2 solutions,
-    6 variants, 2 stubs."""
+    """Context parallel, 2 ranks, 2 steps a job, every call checked on its rank: 3 solutions,
+    10 variants, 3 stubs."""
     chapter = "05"
 
 
@@ -102,6 +108,23 @@ class GradeAStoppedWorld(unittest.TestCase):
             self.assertIn(variant, verdict.text)  # the function that issued it
 
 
+class GradeAHang(unittest.TestCase):
+    """A variant that deadlocks (both pipeline ranks send first): the grader's short timeout
+    ends it, and the diagnosis names each rank's operation, its peer and why (2 ranks, one job)."""
+
+    def test_a_deadlock_is_named_with_the_operations_and_peers(self):
+        for (chapter, exercise, variant), phrases in HANGS.items():
+            module, _ = grade.CHAPTERS[chapter]
+            verdict, = module.grade([{exercise: (VARIANTS, variant)}])
+            self.assertFalse(verdict.passed)
+            for phrase in phrases:
+                self.assertIn(phrase, verdict.text)
+            # the ranks gave up after the grader's timeout for one message, not the world's
+            waited = float(re.search(r"gave up after (\d+) s", verdict.text).group(1))
+            self.assertGreaterEqual(waited, module.HANG_TIMEOUT - 1, verdict.text)
+            self.assertLessEqual(waited, module.HANG_TIMEOUT + 2, verdict.text)
+
+
 class StubsMatchTheLibrary(unittest.TestCase):
 
     def test_each_stub_has_its_library_function_signature_and_docstring(self):
@@ -120,7 +143,7 @@ class StubsMatchTheLibrary(unittest.TestCase):
             self.assertEqual(grade.main(["99"]), 2)
         self.assertEqual(
             err.getvalue(), "error: chapter '99' has no exercises; chapters with "
-            "exercises: 01, 03, 05, 06, 08 (or all)\n")
+            "exercises: 01, 03, 04, 05, 06, 08 (or all)\n")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@
   ring volume, from the formulas.
 - Activation checkpointing's recomputation is booked under the phase "recompute": the step's
   own ("compute") traffic stays what the formulas say, and the recompute line has its own
-  formula (cp ring, tp, tp + sequence parallel); the ring's block counts are not doubled.
+  formula (cp ring, tp, tp + sequence parallel); the ring's tile counts are not doubled.
 - Over 20,000 synthetic steps the ledger keeps a bounded number of records and its per-step
   bookkeeping time does not grow; ``paused()`` records nothing and always restores the state.
 """
@@ -17,7 +17,7 @@ from scaletorch.dist import destroy_pg_manager, get_ledger
 from scaletorch.dist.ledger import CommLedger
 from scaletorch.models import build_model
 from scaletorch.parallel import tensor_parallel as tp_lib
-from scaletorch.parallel.ring_attention import attention_block_counts, block_counts
+from scaletorch.parallel.ring_attention import attention_tile_counts, tile_counts
 from tests.harness import run_distributed
 from tests.layouts import build, layout, make_config, pg_manager_for
 
@@ -56,7 +56,7 @@ def _world(rank: int, world: int) -> dict:
             "sent": ledger.total(op="send", step=last, field="bytes"),
             "received": ledger.total(op="recv", step=last, field="bytes"),
             "recv_wire": ledger.total(op="recv", step=last, field="wire_bytes"),
-            "blocks": attention_block_counts(par.model),
+            "tiles": attention_tile_counts(par.model),
             "cp_rank": pgm.context_parallel_rank,
         }
         destroy_pg_manager()
@@ -104,9 +104,9 @@ class LedgerCountsWhatCrossesTheNetwork(unittest.TestCase):
             self.assertEqual(got[("send", "cp", "compute")], (3 * cp - 2) * kv * layers)
             self.assertEqual(got[("send", "cp", "recompute")], (cp - 1) * kv * layers)  # = fwd
             self.assertEqual(got[("recv", "cp", "recompute")], (cp - 1) * kv * layers)
-            # blocks per forward as without checkpointing: the recomputation is not counted
-            per_forward = {k: v // (layers * STEPS) for k, v in res["cp2_ckpt"]["blocks"].items()}
-            self.assertEqual(per_forward, block_counts(res["cp2_ckpt"]["cp_rank"], cp))
+            # tiles per forward as without checkpointing: the recomputation is not counted
+            per_forward = {k: v // (layers * STEPS) for k, v in res["cp2_ckpt"]["tiles"].items()}
+            self.assertEqual(per_forward, tile_counts(res["cp2_ckpt"]["cp_rank"], cp))
 
     def test_tensor_parallel_recompute_repeats_the_forward_up_to_the_last_saved_tensor(self):
         """torch.utils.checkpoint stops recomputing once backward has every tensor it saved,

@@ -56,7 +56,7 @@ def _checkpoint_runs(path: str) -> dict:
 
 
 def _invalid_combinations() -> dict:
-    cp_seq = make_config(False, 1, **layout(cp=4))  # s/cp = 3 tokens: not 2 zigzag chunks
+    cp_seq = make_config(False, 1, **layout(cp=4))  # s/cp = 3 tokens: not 2 zigzag slices
     cp_seq.data.seq_len = 12
     configs = {
         "zero_moe": make_config(True, 1, **layout(tp=2, zero_stage=1)),

@@ -75,8 +75,10 @@ OWNER = {module: chapter for chapter, modules in MODULES_OF.items() for module i
 # from chapter 04, whose schedules became plain loops (issue 41).
 # 01: its core became three functions of their own (gradient_sync.py, 37 lines), the
 # exercises' reference solutions; memory_report.py counts bytes by dtype for the dry run too.
+# 05: the ring's exchange loop became a function of its own (ring_forward, 30 lines), the
+# exercise's reference solution, with its shapes as jaxtyping annotations.
 # 07: the MoE loss under a pipeline (moe_pipeline.py) is composition, so it is 07's.
-OVER_BUDGET: Dict[str, int] = {"01": 756, "03": 856, "04b": 1080, "07": 750}
+OVER_BUDGET: Dict[str, int] = {"01": 756, "03": 856, "04b": 1080, "05": 730, "07": 750}
 
 
 def chapters() -> List[Tuple[str, str, str]]:

@@ -271,7 +271,7 @@ def bubble_run(schedule: str, v: int, steps: int) -> dict:
 def message_cost(timeline) -> float:
     """The median time from the end of an action on one rank to the start of the action on
     another rank that waited for its output (the message, and the receiver waking up)."""
-    p, v = timeline.stages, timeline.virtual_stages
+    p, v = timeline.pp, timeline.virtual_stages
     last, v_shape = p * v - 1, timeline.schedule in V_SHAPED
     ended = {(e.action.kind, e.action.micro_batch, e.stage): e.end for e in timeline.events}
     waits = []
@@ -296,9 +296,8 @@ def predicted(timeline) -> float:
     say), not the schedule's."""
     durations = {(e.rank, str(e.action)): e.end - e.start for e in timeline.events}
     schedule = timeline.schedule or "1f1b"
-    return simulate_async(schedule, timeline.stages, timeline.micro_batches,
-                          timeline.virtual_stages, comm=message_cost(timeline),
-                          durations=durations).bubble_fraction()
+    return simulate_async(schedule, timeline.pp, timeline.micro_batches, timeline.virtual_stages,
+                          comm=message_cost(timeline), durations=durations).bubble_fraction()
 
 
 def world(rank: int, world_size: int) -> dict:

@@ -1,6 +1,6 @@
-"""Ring attention's fused block kernels (chapter 05): which one runs where, and their lse.
+"""Ring attention's fused tile kernels (chapter 05): which one runs where, and their lse.
 
-A block kernel returns (out, lse) of its queries over its keys; its backward takes the *merged*
+A tile kernel returns (out, lse) of its queries over its keys; its backward takes the *merged*
 out and lse of the whole row. ``math`` (ring_attention.py) upcasts to fp32 and forms the s^2
 scores. The kernels here run in q's dtype (bf16 or fp16 under autocast, else fp32) and return
 the log-sum-exp in fp32; the ring merges and sums gradients in fp32 (doc/05_context_parallel.md):
@@ -32,13 +32,13 @@ LSE_ALIGN = {"cpu_flash": 1, "cuda_flash": 1, "cuda_efficient": 1 if torch.versi
 
 
 def pick(impl: str, device_type: str, q: torch.Tensor) -> str:
-    """The block kernel for ``impl`` and q on ``device_type``: "math" or a key of OPS."""
+    """The tile kernel for ``impl`` and q on ``device_type``: "math" or a key of OPS."""
     if impl == "math" or impl in OPS:  # named: forced (tests, benchmarks)
         return impl
     if device_type == "cpu":  # auto: the readable fp32 path, the numbers the CPU tests check
         return "math" if impl == "auto" else "cpu_flash"
     if device_type == "meta":  # a dry run: a fused kernel, as on a GPU (the same messages and
-        return "cpu_flash"  # saved tensors as math; one op per block, not the scores' many)
+        return "cpu_flash"  # saved tensors as math; one op per tile, not the scores' many)
     if device_type == "cuda":  # torch's own checks: GPU generation, dtype, head size, toggles
         sdpa = torch.backends.cuda
         try:

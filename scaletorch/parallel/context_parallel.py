@@ -3,8 +3,8 @@
 Each of the N ranks of a context-parallel group holds s/N tokens of every sequence (and their
 activations). Everything except attention is per token, so only attention talks:
 
-ring (default)  K/V chunks travel around the ring; each rank attends its queries to every
-                chunk as it passes and merges the partial results with their log-sum-exp.
+ring (default)  K/V slices travel around the ring; each rank attends its queries to every
+                slice as it passes and merges the partial results with their log-sum-exp.
                 Forward: each rank sends its K and V (hkv heads, not expanded) N-1 times per
                 layer: (N-1) x 2 x b x s/N x hkv x d elements. Backward: K/V go round again
                 (N-1 sends) and dK/dV go round back to their owners (N sends).
@@ -12,11 +12,11 @@ ulysses         all-to-all: scatter heads, gather the sequence, run ordinary cau
                 on h/N heads, all-to-all back. 4 all-to-alls per layer (q, k, v, out), each
                 sending (N-1)/N of its tensor; needs heads divisible by N.
 
-Zigzag sharding balances the causal work: the sequence is cut into 2N chunks and rank r keeps
-chunks r and 2N-1-r, so every rank computes 2N-1 full blocks and 2 diagonal blocks.
-Picture for N = 2 (rows: query chunks, columns: key chunks; F full, D diagonal, . skipped):
+Zigzag sharding balances the causal work: the sequence is cut into 2N slices and rank r keeps
+slices r and 2N-1-r, so every rank computes 2N-1 full tiles and 2 diagonal tiles.
+Picture for N = 2 (rows: query slices, columns: key slices; F full, D diagonal, . skipped):
 
-    rank 0 holds chunks 0, 3      rank 1 holds chunks 1, 2
+    rank 0 holds slices 0, 3      rank 1 holds slices 1, 2
     q0 | D . . .                  q1 | F D . .
     q3 | F F F D                  q2 | F F D .
 
@@ -34,7 +34,7 @@ from scaletorch.dist import ProcessGroupManager, comm, get_ledger
 from scaletorch.dist.comm import Group
 from scaletorch.dist.functional import all_to_all, gather_along_dim
 from scaletorch.models.llama import Attention, causal_attention
-from scaletorch.parallel.ring_attention import RingAttention, attention_block_counts, chunk_ids
+from scaletorch.parallel.ring_attention import RingAttention, attention_tile_counts, slice_ids
 from scaletorch.parallel.tensor_parallel import gather_tensor_parallel_state_dict
 
 if TYPE_CHECKING:
@@ -46,11 +46,11 @@ VARIANTS = ("ring", "ulysses")
 
 
 def check_sequence_length(seq_len: int, cp_size: int) -> None:
-    """Zigzag cuts each sequence into 2 x cp chunks: ``seq_len`` must be divisible by it."""
+    """Zigzag cuts each sequence into 2 x cp slices: ``seq_len`` must be divisible by it."""
     if seq_len % (2 * cp_size) != 0:
         raise ValueError(f"sequence length {seq_len} (data.seq_len) is not divisible by 2 x "
                          f"context_parallel_size ({cp_size}) = {2 * cp_size}, the zigzag "
-                         f"chunks: set data.seq_len to a multiple of {2 * cp_size}")
+                         f"slices: set data.seq_len to a multiple of {2 * cp_size}")
 
 
 # [core: zigzag-positions]
@@ -61,10 +61,10 @@ def zigzag_positions(seq_len: int, cp_size: int, cp_rank: int, order: str = "zig
     They are the RoPE ``position_ids`` of the local tokens and the indices that shard them.
     """
     check_sequence_length(seq_len, cp_size)
-    chunk = seq_len // (2 * cp_size)
+    width = seq_len // (2 * cp_size)  # tokens per slice
     return torch.cat([
-        torch.arange(c * chunk, (c + 1) * chunk, device=device)
-        for c in chunk_ids(cp_rank, cp_size, order)
+        torch.arange(c * width, (c + 1) * width, device=device)
+        for c in slice_ids(cp_rank, cp_size, order)
     ])
 
 
@@ -96,7 +96,7 @@ def _heads_to_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
     """(b, s_local, h, d) -> (b, cp x s_local, h / cp, d): all-to-all over ``group``."""
     cp = comm.group_size(group)
     b, s, h, d = x.shape
-    x = x.reshape(b, s, cp, h // cp, d).permute(2, 0, 1, 3, 4).contiguous()  # head chunk first
+    x = x.reshape(b, s, cp, h // cp, d).permute(2, 0, 1, 3, 4).contiguous()  # head slice first
     x = all_to_all(x.view(cp * b, s, h // cp, d), None, None, group, "cp")  # source rank first
     return x.view(cp, b, s, h // cp, d).transpose(0, 1).reshape(b, cp * s, h // cp, d)
 
@@ -106,8 +106,8 @@ def _sequence_to_heads(x: torch.Tensor, group: Group) -> torch.Tensor:
     cp = comm.group_size(group)
     b, s_all, hl, d = x.shape
     s = s_all // cp
-    x = x.view(b, cp, s, hl, d).transpose(0, 1).contiguous()  # sequence chunk first
-    x = all_to_all(x.view(cp * b, s, hl, d), None, None, group, "cp")  # head chunk first
+    x = x.view(b, cp, s, hl, d).transpose(0, 1).contiguous()  # sequence slice first
+    x = all_to_all(x.view(cp * b, s, hl, d), None, None, group, "cp")  # head slice first
     return x.view(cp, b, s, hl, d).permute(1, 2, 0, 3, 4).reshape(b, s, cp * hl, d)
 
 
@@ -120,7 +120,7 @@ class UlyssesAttention:
     """
 
     def __init__(self, group: Group, order: str = "zigzag") -> None:
-        chunk_ids(0, 1, order)
+        slice_ids(0, 1, order)
         self.group, self.order = group, order
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -152,7 +152,7 @@ def apply_context_parallel(model: nn.Module, pgm: ProcessGroupManager, variant: 
 
     Apply after tensor parallel (heads are then the local ones) and before data parallel,
     which must average gradients over ``pgm.data_parallel_group_with_context``.
-    ``impl`` (ring only, ``parallel.cp_attention``): the block kernel, "math" (fp32, readable),
+    ``impl`` (ring only, ``parallel.cp_attention``): the tile kernel, "math" (fp32, readable),
     "fused" (torch's kernels for the device) or "auto" (fused on CUDA, math elsewhere).
     """
     if variant not in VARIANTS:
@@ -186,10 +186,10 @@ def gather_context_parallel_state_dict(
 def cp_report(cfg: "Config", model: nn.Module, pgm: ProcessGroupManager, steps_run: int,
               step: int) -> str:
     """What chapter 05 prints after training. Collective over "cp" (every rank's attention
-    blocks are gathered); the text on global rank 0, "" elsewhere: the ledger's table of
+    tiles are gathered); the text on global rank 0, "" elsewhere: the ledger's table of
     ``step``, the K/V (ring) or q/k/v/out (Ulysses) traffic per layer next to its formula, and
     the causal work per cp rank. ``steps_run``: the optimizer steps this process ran (the
-    blocks are counted since it started)."""
+    tiles are counted since it started)."""
     p, d, ledger = cfg.parallel, cfg.data, get_ledger()
     cp, m, layers = pgm.context_parallel_world_size, d.num_micro_batches, cfg.model.num_layers
     b, s_local, hd = d.global_batch_size // pgm.data_parallel_world_size, d.seq_len // cp, \
@@ -204,12 +204,12 @@ def cp_report(cfg: "Config", model: nn.Module, pgm: ProcessGroupManager, steps_r
     # the bytes of what was sent: 2 per element under bf16 (chapter 08), 4 in fp32
     measured_mb = ledger.total(op=op, group="cp", step=step, phase="compute",
                                field="bytes") / layers / 1e6
-    blocks = attention_block_counts(model)
+    tiles = attention_tile_counts(model)
     device = next(model.parameters()).device
-    per_forward = torch.tensor([blocks["full"], blocks["diagonal"]], device=device) \
+    per_forward = torch.tensor([tiles["full"], tiles["diagonal"]], device=device) \
         // (layers * m * steps_run)
     with ledger.paused():  # the report's own gather is not training traffic
-        all_blocks = gather_along_dim(per_forward, 0, pgm.context_parallel_group)
+        all_tiles = gather_along_dim(per_forward, 0, pgm.context_parallel_group)
     if pgm.rank != 0:
         return ""
     what = "K/V" if p.cp_variant == "ring" else "q/k/v/out"
@@ -219,7 +219,7 @@ def cp_report(cfg: "Config", model: nn.Module, pgm: ProcessGroupManager, steps_r
         f"{measured:,.0f} elements = {measured_mb:.3f} MB; formula {formula:,}"
     ]
     if p.cp_variant == "ring":
-        pairs = all_blocks.view(cp, 2).tolist()
-        lines.append("attention blocks per layer per forward, by cp rank (full + diagonal): " +
+        pairs = all_tiles.view(cp, 2).tolist()
+        lines.append("attention tiles per layer per forward, by cp rank (full + diagonal): " +
                      ", ".join(f"rank {r}: {f} + {g}" for r, (f, g) in enumerate(pairs)))
     return "\n".join(lines)

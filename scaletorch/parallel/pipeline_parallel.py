@@ -121,7 +121,7 @@ def gather_timeline(timeline: Timeline, pgm: ProcessGroupManager) -> Optional[Ti
     parts = comm.gather_objects(events, pgm.pipeline_model_parallel_group)
     if pgm.pipeline_model_parallel_rank != 0:
         return None
-    full = type(timeline)(timeline.stages, timeline.micro_batches, timeline.virtual_stages,
+    full = type(timeline)(timeline.pp, timeline.micro_batches, timeline.virtual_stages,
                           schedule=timeline.schedule)
     for rank, part in enumerate(parts):
         for action, start, end in part:

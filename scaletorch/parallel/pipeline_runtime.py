@@ -23,7 +23,7 @@ from scaletorch.dist.timer import Spans
 from scaletorch.models import loss_fn
 from scaletorch.parallel.pipeline_parallel import LossFn, PipelineModel
 from scaletorch.schedule.orders import Action
-from scaletorch.schedule.plans import P2P, Step, classic_units, comm_plan
+from scaletorch.schedule.plans import P2P, Step, classic_bundles, comm_plan
 from scaletorch.schedule.timeline import Timeline
 
 
@@ -75,7 +75,7 @@ class PipelineSchedule:
 
     def make_plan(self, schedule: str, p: int, rank: int, v: int) -> List[Step]:
         """This rank's steps: afab, 1f1b or interleaved (a subclass runs other orders)."""
-        return comm_plan(classic_units(schedule, p, self.m, rank, v), rank, p, v)
+        return comm_plan(classic_bundles(schedule, p, self.m, rank, v), rank, p, v)
 
     @property
     def timeline(self) -> Timeline:

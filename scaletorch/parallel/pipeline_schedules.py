@@ -57,7 +57,12 @@ def afab(stage: "Stage", m: int) -> None:
 
 
 def one_f_one_b(stage: "Stage", m: int) -> None:
-    """1F1B: rank r holds at most p - r activations (m >= p)."""
+    """1F1B: rank r of p holds at most p - r activations (m >= p).
+
+    Warm-up: p - r - 1 forwards. Steady state: one forward, one backward, each send posted
+    with the receive that answers it. Cool-down: the last backwards. Messages are (b, s, h),
+    the parameters' dtype, over "pp": activations to rank r + 1, gradients to rank r - 1.
+    """
     warmup = min(stage.p - stage.rank - 1, m)
     # warm-up: forwards only, until the last stage can answer with a backward
     for mb in range(warmup):
@@ -79,6 +84,13 @@ def one_f_one_b(stage: "Stage", m: int) -> None:
         dy = stage.recv_backward(mb)
         dx = stage.backward(mb, dy)
         stage.send_backward(mb, dx)
+
+
+def micro_batch_loss(loss: Scalar, m: int) -> Scalar:
+    """The last stage's loss of one micro-batch (fp32, the mean over its b x s tokens) as its
+    share of the step's loss, / m: the m backwards add up to the gradient of the mean over
+    the whole batch. No communication."""
+    return loss / m
 
 
 # [end: schedules]
@@ -165,7 +177,7 @@ class Stage:
             x = inputs if x is None else x.requires_grad_()
             out = self.chunk(x)
             if self.last:
-                out = self.loss_fn(out, targets) / len(self.micro_batches)
+                out = micro_batch_loss(self.loss_fn(out, targets), len(self.micro_batches))
                 self.loss += out.detach()
             self.held[mb] = (x, out)
         return None if self.last else out.detach().to(self.dtype)  # autocast may make it bf16

@@ -1,14 +1,14 @@
 """Ring attention: context parallel's default attention (chapter 05), by hand.
 
-The N ranks of a "cp" group each hold two of the 2N chunks of every sequence (``chunk_ids``:
-zigzag, rank r keeps chunks r and 2N-1-r, or contiguous). K/V chunks travel around the ring;
-at step t a rank holds the K/V of rank (r - t) mod N, attends its queries to them block by
-block (a block is full, diagonal or skipped under the causal mask: ``ring_schedule``) and
+The N ranks of a "cp" group each hold two of the 2N slices of every sequence (``slice_ids``:
+zigzag, rank r keeps slices r and 2N-1-r, or contiguous). K/V slices travel around the ring;
+at step t a rank holds the K/V of rank (r - t) mod N, attends its queries to them tile by
+tile (a tile is full, diagonal or skipped under the causal mask: ``ring_schedule``) and
 merges the partial results with their log-sum-exp. Forward: each rank sends its K and V
 (hkv heads, not expanded) N-1 times per layer. Backward: K/V go round again (N-1 sends) and
 dK/dV go round back to their owners (N sends). K/V and dK/dV cross the ring in q's dtype; the
-merges and the softmax statistics (log-sum-exp) are fp32, the blocks too under ``impl="math"``
-(attention_kernels.py: the fused blocks, the default on CUDA). context_parallel.py shards the
+merges and the softmax statistics (log-sum-exp) are fp32, the tiles too under ``impl="math"``
+(attention_kernels.py: the fused tiles, the default on CUDA). context_parallel.py shards the
 sequences and installs this attention (or Ulysses).
 """
 
@@ -18,6 +18,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, cast
 
 import torch
 import torch.distributed as dist
+from jaxtyping import Float
 from torch import nn
 
 from scaletorch.dist import comm
@@ -32,8 +33,8 @@ KV_TAG, DKV_TAG = 1, 2  # distinct tags: K/V and dK/dV are in flight between the
 
 
 # [core: zigzag]
-def chunk_ids(cp_rank: int, cp_size: int, order: str = "zigzag") -> Tuple[int, int]:
-    """The two of the 2 x cp_size sequence chunks that ``cp_rank`` holds, in sequence order;
+def slice_ids(cp_rank: int, cp_size: int, order: str = "zigzag") -> Tuple[int, int]:
+    """The two of the 2 x cp_size sequence slices that ``cp_rank`` holds, in sequence order;
     zigzag balances the causal work over the cp group, contiguous gives two neighbours."""
     if order not in ORDERS:
         raise ValueError(f"order must be one of {', '.join(ORDERS)}, got {order!r}")
@@ -43,33 +44,33 @@ def chunk_ids(cp_rank: int, cp_size: int, order: str = "zigzag") -> Tuple[int, i
 
 
 # [end: zigzag]
-# ---- which (query chunk, key chunk) blocks are computed --------------------------------------
+# ---- which (query slice, key slice) tiles are computed --------------------------------------
 
 
-def block_kind(q_chunk: int, kv_chunk: int) -> str:
-    """Causal mask of one chunk pair: "full" (keys all earlier), "diagonal", or "skipped"."""
-    if kv_chunk < q_chunk:
+def tile_kind(q_slice: int, kv_slice: int) -> str:
+    """Causal mask of one slice pair: "full" (keys all earlier), "diagonal", or "skipped"."""
+    if kv_slice < q_slice:
         return "full"
-    return "diagonal" if kv_chunk == q_chunk else "skipped"
+    return "diagonal" if kv_slice == q_slice else "skipped"
 
 
 def ring_schedule(cp_rank: int, cp_size: int,
                   order: str = "zigzag") -> List[List[Tuple[int, int, str]]]:
-    """Per ring step, (local q half, kv half, kind) of the blocks ``cp_rank`` computes.
+    """Per ring step, (local q half, kv half, kind) of the tiles ``cp_rank`` computes.
 
     At step t the rank holds the K/V of rank (cp_rank - t) mod cp_size.
     """
-    q_chunks = chunk_ids(cp_rank, cp_size, order)
+    q_slices = slice_ids(cp_rank, cp_size, order)
     steps = []
     for t in range(cp_size):
-        kv_chunks = chunk_ids((cp_rank - t) % cp_size, cp_size, order)
-        steps.append([(a, b, block_kind(qc, kc)) for a, qc in enumerate(q_chunks)
-                      for b, kc in enumerate(kv_chunks)])
+        kv_slices = slice_ids((cp_rank - t) % cp_size, cp_size, order)
+        steps.append([(a, b, tile_kind(qc, kc)) for a, qc in enumerate(q_slices)
+                      for b, kc in enumerate(kv_slices)])
     return steps
 
 
-def block_counts(cp_rank: int, cp_size: int, order: str = "zigzag") -> Dict[str, int]:
-    """How many full / diagonal / skipped blocks ``cp_rank`` meets in one attention forward."""
+def tile_counts(cp_rank: int, cp_size: int, order: str = "zigzag") -> Dict[str, int]:
+    """How many full / diagonal / skipped tiles ``cp_rank`` meets in one attention forward."""
     counts = {"full": 0, "diagonal": 0, "skipped": 0}
     for step in ring_schedule(cp_rank, cp_size, order):
         for _, _, kind in step:
@@ -77,7 +78,7 @@ def block_counts(cp_rank: int, cp_size: int, order: str = "zigzag") -> Dict[str,
     return counts
 
 
-# ---- attention on one block, with its log-sum-exp --------------------------------------------
+# ---- attention on one tile, with its log-sum-exp --------------------------------------------
 # q (b, hq, sq, d); k, v (b, hkv, sk, d); query head j uses kv head j // (hq / hkv).
 
 
@@ -88,7 +89,7 @@ def _grouped(q: torch.Tensor, hkv: int) -> torch.Tensor:
 
 def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
     scores = _grouped(q, k.size(1)) @ k.unsqueeze(2).transpose(-2, -1) * scale
-    if causal:  # the diagonal block: query i sees keys 0..i of the same chunk
+    if causal:  # the diagonal tile: query i sees keys 0..i of the same slice
         sq, sk = scores.shape[-2:]
         future = torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu(1)
         scores = scores.masked_fill(future, float("-inf"))
@@ -107,9 +108,9 @@ def _math_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
 def _math_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    out: torch.Tensor, lse: torch.Tensor, causal: bool,
                    scale: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk, dv of one block, given the *merged* out and lse of the whole row.
+    """dq, dk, dv of one tile, given the *merged* out and lse of the whole row.
 
-    p = exp(s - lse) is this block's share of the final softmax, so the block's gradients
+    p = exp(s - lse) is this tile's share of the final softmax, so the tile's gradients
     are those of ordinary attention with delta = rowsum(dout * out) (FlashAttention-2).
     """
     hkv = k.size(1)
@@ -125,17 +126,17 @@ def _math_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
 
 
 # [core: merge]
-def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
-          block_lse: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def merge(out: torch.Tensor, lse: torch.Tensor, tile_out: torch.Tensor,
+          tile_lse: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """Combine softmax attention over two disjoint key sets (doc/05_context_parallel.md):
-    out, block_out (b, h, s, d) and lse, block_lse (b, h, s), fp32; no communication.
+    out, tile_out (b, h, s, d) and lse, tile_lse (b, h, s), fp32; no communication.
 
     out_i = sum_j exp(s_ij - lse) v_j over keys j; with lse = log(e^lse_a + e^lse_b),
     out = e^(lse_a - lse) out_a + e^(lse_b - lse) out_b. Every exponent is <= 0: stable.
     """
-    new_lse = torch.logaddexp(lse, block_lse)
+    new_lse = torch.logaddexp(lse, tile_lse)
     out = torch.exp(lse - new_lse).unsqueeze(-1) * out + \
-        torch.exp(block_lse - new_lse).unsqueeze(-1) * block_out
+        torch.exp(tile_lse - new_lse).unsqueeze(-1) * tile_out
     return out, new_lse
 
 
@@ -170,43 +171,72 @@ def _upcast(impl: str) -> Callable[[torch.Tensor], torch.Tensor]:
     return (lambda t: t.float()) if impl == "math" else (lambda t: t)
 
 
+# What one cp rank holds (jaxtyping; tests/test_context_parallel.py checks it at run time):
+# s = s_local, its two sequence slices; hq query heads, hkv key-value heads, d per head.
+Queries = Float[torch.Tensor, "b hq s d"]
+KeysValues = Float[torch.Tensor, "2 b hkv s d"]  # K and V stacked: one message
+Attended = Float[torch.Tensor, "b hq s d"]
+LogSumExp = Float[torch.Tensor, "b hq s"]
+Tile = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], Tuple[torch.Tensor, torch.Tensor]]
+
+
+# [core: ring-step]
+def ring_forward(q: Queries, kv: KeysValues, group: Group, order: str,
+                 tile: Tile) -> Tuple[Attended, LogSumExp]:
+    """Causal attention of this rank's queries over the whole sequence, K and V passed around
+    the ring of ``group`` (cp, N ranks): N steps, N - 1 messages.
+
+    q (b, hq, s, d) and kv (2, b, hkv, s, d): this rank's two slices, in q's dtype. At step t
+    the rank holds the K/V of rank (r - t) mod N and posts its send to rank r + 1 and its receive
+    from rank r - 1 (``_exchange``) before computing. ``tile(q_half, k_half, v_half, causal)``:
+    one tile's out (b, hq, s/2, d) and lse (b, hq, s/2), merged into each query half's running
+    (out, lse) with ``merge``. Returns out (b, hq, s, d) and lse (b, hq, s), fp32.
+    """
+    cp, rank = comm.group_size(group), comm.group_rank(group)
+    qs = q.chunk(2, dim=2)
+    merged: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # query half: (out, lse)
+    for t, tiles in enumerate(ring_schedule(rank, cp, order)):
+        if t + 1 < cp:  # post the next K/V before computing: comm overlaps compute
+            next_kv, works = _exchange(kv, group, KV_TAG)
+        ks, vs = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
+        for a, b, kind in tiles:
+            if kind == "skipped":
+                continue
+            o, lse = tile(qs[a], ks[b], vs[b], kind == "diagonal")
+            o = o.float()  # the merged output and lse are fp32 whatever the tile's
+            merged[a] = merge(*merged[a], o, lse) if a in merged else (o, lse)
+        if t + 1 < cp:
+            _wait(works)
+            kv = next_kv
+    out = torch.cat([merged[0][0], merged[1][0]], dim=2)
+    return out, torch.cat([merged[0][1], merged[1][1]], dim=2)
+
+
+# [end: ring-step]
+
+
 class _RingAttention(torch.autograd.Function):
     """Causal attention of local queries over the whole sequence, K/V passed around ``group``.
 
-    q (b, hq, s_local, d), k and v (b, hkv, s_local, d): this rank's two chunks, concatenated.
+    q (b, hq, s_local, d), k and v (b, hkv, s_local, d): this rank's two slices, concatenated.
     """
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group,
                 order: str, impl: str, counts: Dict[str, int]) -> torch.Tensor:
-        cp, rank = comm.group_size(group), comm.group_rank(group)
-        block_fwd = _math_forward if impl == "math" else partial(kernels.forward, impl)
+        tile_fwd = _math_forward if impl == "math" else partial(kernels.forward, impl)
         scale = 1.0 / math.sqrt(q.size(-1))
         dtype = q.dtype  # the compute dtype (bf16 under autocast): what crosses the ring
-        up = _upcast(impl)  # math: blocks in fp32; kernels: in the compute dtype
+        up = _upcast(impl)  # math: tiles in fp32; kernels: in the compute dtype
         # merges in fp32 (a dry run's meta tensors have no autocast of their own: the CPU's)
         with torch.autocast("cpu" if q.is_meta else q.device.type, enabled=False):
-            qs = up(q).chunk(2, dim=2)
-            merged: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # query chunk: (out, lse)
-            # [core: ring-step]
-            kv = torch.stack([k, v])  # one message, in q's dtype: (2, b, hkv, s_local, d)
-            for t, blocks in enumerate(ring_schedule(rank, cp, order)):
-                if t + 1 < cp:  # post the next K/V before computing: comm overlaps compute
-                    next_kv, works = _exchange(kv, group, KV_TAG)
-                kv_up = up(kv)  # math: upcast after the wire, on this rank
-                ks, vs = kv_up[0].chunk(2, dim=2), kv_up[1].chunk(2, dim=2)
-                for a, b, kind in blocks:
-                    if kind == "skipped":
-                        continue
-                    o, lse = block_fwd(qs[a], ks[b], vs[b], kind == "diagonal", scale)
-                    o = o.float()  # the merged output and lse are fp32 whatever the block's
-                    merged[a] = merge(*merged[a], o, lse) if a in merged else (o, lse)
-                if t + 1 < cp:
-                    _wait(works)
-                    kv = next_kv
-            # [end: ring-step]
-            out = torch.cat([merged[0][0], merged[1][0]], dim=2).to(dtype)
-            lse = torch.cat([merged[0][1], merged[1][1]], dim=2)  # softmax statistics: fp32
+
+            def tile(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor,
+                     causal: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+                return tile_fwd(up(qh), up(kh), up(vh), causal, scale)  # math: fp32
+
+            out, lse = ring_forward(q, torch.stack([k, v]), group, order, tile)
+            out = out.to(dtype)  # the softmax statistics stay fp32
         ctx.save_for_backward(q, k, v, out, lse)  # q, k, v, out in the compute dtype
         ctx.group, ctx.order, ctx.impl, ctx.scale, ctx.counts = group, order, impl, scale, counts
         return out
@@ -220,9 +250,9 @@ class _RingAttention(torch.autograd.Function):
         cp, rank = comm.group_size(group), comm.group_rank(group)
         # Counted here, once per forward-and-backward: a forward run again before its backward
         # (to save memory) is not counted twice.
-        for kind, n in block_counts(rank, cp, ctx.order).items():
+        for kind, n in tile_counts(rank, cp, ctx.order).items():
             ctx.counts[kind] += n
-        block_bwd = _math_backward if ctx.impl == "math" else partial(kernels.backward, ctx.impl)
+        tile_bwd = _math_backward if ctx.impl == "math" else partial(kernels.backward, ctx.impl)
         dtype, up = q.dtype, _upcast(ctx.impl)  # dK/dV cross the ring in dtype; sums: fp32
         with torch.autocast("cpu" if q.is_meta else q.device.type, enabled=False):
             qs, outs, lses = up(q).chunk(2, 2), up(out).chunk(2, 2), lse.chunk(2, 2)
@@ -232,7 +262,7 @@ class _RingAttention(torch.autograd.Function):
             kv = torch.stack([k, v])
             dkv_in: Optional[torch.Tensor] = None
             dkv_works: List[Any] = []
-            for t, blocks in enumerate(ring_schedule(rank, cp, ctx.order)):
+            for t, tiles in enumerate(ring_schedule(rank, cp, ctx.order)):
                 if t + 1 < cp:
                     next_kv, kv_works = _exchange(kv, group, KV_TAG)
                 # dkv: gradient w.r.t. the K/V held now, i.e. of rank (rank - t) mod cp
@@ -240,11 +270,11 @@ class _RingAttention(torch.autograd.Function):
                 kv_up = up(kv)
                 ks, vs = kv_up[0].chunk(2, dim=2), kv_up[1].chunk(2, dim=2)
                 dks, dvs = dkv[0].chunk(2, dim=2), dkv[1].chunk(2, dim=2)
-                for a, b, kind in blocks:
+                for a, b, kind in tiles:
                     if kind == "skipped":
                         continue
-                    dq_a, dk_b, dv_b = block_bwd(douts[a], qs[a], ks[b], vs[b], outs[a], lses[a],
-                                                 kind == "diagonal", scale)
+                    dq_a, dk_b, dv_b = tile_bwd(douts[a], qs[a], ks[b], vs[b], outs[a], lses[a],
+                                                kind == "diagonal", scale)
                     dqs[a].add_(dq_a)
                     dks[b].add_(dk_b)
                     dvs[b].add_(dv_b)
@@ -263,35 +293,35 @@ class _RingAttention(torch.autograd.Function):
 
 
 class RingAttention:
-    """``Attention.attention_fn`` for ring attention over ``group``; counts blocks computed.
+    """``Attention.attention_fn`` for ring attention over ``group``; counts tiles computed.
 
     Called with q (b, s_local, hq, d), k and v (b, s_local, hkv, d); returns (b, s_local, hq, d).
-    ``blocks``: the full / diagonal / skipped blocks of every forward whose backward ran.
+    ``tiles``: the full / diagonal / skipped tiles of every forward whose backward ran.
     ``impl``: auto, math, fused (attention_kernels.pick) or a kernel's name (forced).
     """
 
     def __init__(self, group: Group, order: str = "zigzag", impl: str = "auto") -> None:
         if impl not in IMPLS:
             raise ValueError(f"attention impl must be one of {', '.join(IMPLS)}, got {impl!r}")
-        chunk_ids(0, 1, order)  # validates order
+        slice_ids(0, 1, order)  # validates order
         self.group, self.order, self.impl = group, order, impl
-        self.blocks = {"full": 0, "diagonal": 0, "skipped": 0}
+        self.tiles = {"full": 0, "diagonal": 0, "skipped": 0}
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if q.size(1) % 2 != 0:
-            raise ValueError(f"local sequence length {q.size(1)} must be even (two chunks)")
+            raise ValueError(f"local sequence length {q.size(1)} must be even (two slices)")
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (b, heads, s_local, d)
         kernel = kernels.pick(self.impl, q.device.type, q)  # math or a fused kernel
-        out = _RingAttention.apply(q, k, v, self.group, self.order, kernel, self.blocks)
+        out = _RingAttention.apply(q, k, v, self.group, self.order, kernel, self.tiles)
         return out.transpose(1, 2)
 
 
-def attention_block_counts(model: nn.Module) -> Dict[str, int]:
-    """Full / diagonal / skipped blocks this rank's ring attention computed, over all layers."""
+def attention_tile_counts(model: nn.Module) -> Dict[str, int]:
+    """Full / diagonal / skipped tiles this rank's ring attention computed, over all layers."""
     total = {"full": 0, "diagonal": 0, "skipped": 0}
     for module in model.modules():
         fn = getattr(module, "attention_fn", None)
         if isinstance(fn, RingAttention):
-            for kind, n in fn.blocks.items():
+            for kind, n in fn.tiles.items():
                 total[kind] += n
     return total

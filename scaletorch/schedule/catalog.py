@@ -1,45 +1,43 @@
 """Every pipeline schedule by name (chapter 04's classic ones and 04b's zero-bubble ones):
-validation, per-rank units and actions, the point-to-point plan. What the planner, the
+validation, per-rank bundles and actions, the point-to-point plan. What the planner, the
 simulators and the zero-bubble runtime look schedules up in."""
 
 from typing import List
 
 from scaletorch.schedule.orders import Action, message
 from scaletorch.schedule.placement import CLASSIC, SCHEDULES, V_SHAPED, ZERO_BUBBLE
-from scaletorch.schedule.plans import Step, action_p2p, classic_units, comm_plan
-from scaletorch.schedule.zero_bubble_orders import validate_zero_bubble, zero_bubble_units
+from scaletorch.schedule.plans import Step, action_p2p, classic_bundles, comm_plan
+from scaletorch.schedule.zero_bubble_orders import validate_zero_bubble, zero_bubble_bundles
 
 
-def validate_schedule(schedule: str, stages: int, micro_batches: int,
-                      virtual_stages: int = 1) -> None:
+def validate_schedule(schedule: str, pp: int, micro_batches: int, virtual_stages: int = 1) -> None:
     """Raise ValueError for a schedule that cannot run with these numbers."""
     if schedule not in SCHEDULES:
         raise ValueError(f"pipeline schedule must be one of {', '.join(SCHEDULES)}, "
                          f"got {schedule!r}")
-    check_sizes(stages, micro_batches, virtual_stages)
+    check_sizes(pp, micro_batches, virtual_stages)
     if schedule in ZERO_BUBBLE:
-        validate_zero_bubble(schedule, stages, micro_batches, virtual_stages)
+        validate_zero_bubble(schedule, pp, micro_batches, virtual_stages)
     else:
-        validate_classic(schedule, stages, micro_batches, virtual_stages)
+        validate_classic(schedule, pp, micro_batches, virtual_stages)
 
 
-def check_sizes(stages: int, micro_batches: int, virtual_stages: int) -> None:
+def check_sizes(pp: int, micro_batches: int, virtual_stages: int) -> None:
     """Raise ValueError for a size below 1, or chunks per rank without a pipeline."""
     sizes = {
-        "pipeline_model_parallel_size": stages,
+        "pipeline_model_parallel_size": pp,
         "num_micro_batches": micro_batches,
         "virtual_pipeline_stages": virtual_stages
     }
     for name, value in sizes.items():
         if value < 1:
             raise ValueError(f"{name} must be positive, got {value}")
-    if virtual_stages > 1 and stages == 1:
+    if virtual_stages > 1 and pp == 1:
         raise ValueError(f"virtual_pipeline_stages ({virtual_stages}) needs a pipeline: "
                          f"pipeline_model_parallel_size is 1 (set --pp)")
 
 
-def validate_classic(schedule: str, stages: int, micro_batches: int,
-                     virtual_stages: int = 1) -> None:
+def validate_classic(schedule: str, pp: int, micro_batches: int, virtual_stages: int = 1) -> None:
     """Raise ValueError for afab, 1f1b or interleaved when it cannot run with these numbers."""
     if schedule not in CLASSIC:
         raise ValueError(f"pipeline schedule must be one of {', '.join(CLASSIC)}, "
@@ -47,48 +45,48 @@ def validate_classic(schedule: str, stages: int, micro_batches: int,
     if virtual_stages > 1 and schedule != "interleaved":
         raise ValueError(f"virtual_pipeline_stages ({virtual_stages}) > 1 needs the "
                          f"interleaved schedule, got {schedule!r} (set --schedule interleaved)")
-    if schedule == "1f1b" and micro_batches < stages:
+    if schedule == "1f1b" and micro_batches < pp:
         raise ValueError(f"1F1B needs num_micro_batches ({micro_batches}) >= "
-                         f"pipeline_model_parallel_size ({stages}) to fill the pipeline: set "
-                         f"--micro-batches {stages} or more, or --schedule afab")
-    if schedule == "interleaved" and micro_batches % stages != 0:
+                         f"pipeline_model_parallel_size ({pp}) to fill the pipeline: set "
+                         f"--micro-batches {pp} or more, or --schedule afab")
+    if schedule == "interleaved" and micro_batches % pp != 0:
         raise ValueError(f"interleaved 1F1B needs num_micro_batches ({micro_batches}) "
-                         f"divisible by pipeline_model_parallel_size ({stages}): set "
-                         f"--micro-batches to a multiple of {stages}")
+                         f"divisible by pipeline_model_parallel_size ({pp}): set "
+                         f"--micro-batches to a multiple of {pp}")
 
 
-def schedule_units(schedule: str, stages: int, micro_batches: int, rank: int,
-                   virtual_stages: int = 1) -> List[List[Action]]:
-    """The work of pipeline rank ``rank`` for one step, in units whose p2p is batched."""
-    validate_schedule(schedule, stages, micro_batches, virtual_stages)
+def schedule_bundles(schedule: str, pp: int, micro_batches: int, rank: int,
+                     virtual_stages: int = 1) -> List[List[Action]]:
+    """The work of pipeline rank ``rank`` for one step, in bundles whose p2p is batched."""
+    validate_schedule(schedule, pp, micro_batches, virtual_stages)
     if schedule in ZERO_BUBBLE:
-        return zero_bubble_units(schedule, stages, micro_batches, rank)
-    return classic_units(schedule, stages, micro_batches, rank, virtual_stages)
+        return zero_bubble_bundles(schedule, pp, micro_batches, rank)
+    return classic_bundles(schedule, pp, micro_batches, rank, virtual_stages)
 
 
-def schedule_actions(schedule: str, stages: int, micro_batches: int, rank: int,
+def schedule_actions(schedule: str, pp: int, micro_batches: int, rank: int,
                      virtual_stages: int = 1) -> List[Action]:
     """The ordered work of pipeline rank ``rank`` for one optimizer step."""
-    units = schedule_units(schedule, stages, micro_batches, rank, virtual_stages)
-    return [action for unit in units for action in unit]
+    bundles = schedule_bundles(schedule, pp, micro_batches, rank, virtual_stages)
+    return [action for bundle in bundles for action in bundle]
 
 
-def schedule_plan(schedule: str, stages: int, micro_batches: int, rank: int,
+def schedule_plan(schedule: str, pp: int, micro_batches: int, rank: int,
                   virtual_stages: int = 1) -> List[Step]:
-    """``comm_plan`` of ``schedule_units``: what a rendezvous executor of rank ``rank`` runs."""
-    units = schedule_units(schedule, stages, micro_batches, rank, virtual_stages)
-    return comm_plan(units, rank, stages, virtual_stages, schedule in V_SHAPED)
+    """``comm_plan`` of ``schedule_bundles``: what a rendezvous executor of rank ``rank`` runs."""
+    bundles = schedule_bundles(schedule, pp, micro_batches, rank, virtual_stages)
+    return comm_plan(bundles, rank, pp, virtual_stages, schedule in V_SHAPED)
 
 
-def show_plan(schedule: str, stages: int, micro_batches: int, virtual_stages: int = 1) -> str:
+def show_plan(schedule: str, pp: int, micro_batches: int, virtual_stages: int = 1) -> str:
     """Every pipeline rank's actions in order, each between the message it waits for and the
     one it sends (``--show-schedule`` of 04b): "rank 1: recv_forward(mb 0 <- rank 0) F0
     send_forward(mb 0 -> rank 2)". A W, or a V's turn on one rank, has no message."""
     names = {"act": ("recv_forward", "send_forward"), "grad": ("recv_backward", "send_backward")}
     lines = []
-    for rank in range(stages):
-        for action in schedule_actions(schedule, stages, micro_batches, rank, virtual_stages):
-            recv, send = action_p2p(action, rank, stages, virtual_stages, schedule in V_SHAPED)
+    for rank in range(pp):
+        for action in schedule_actions(schedule, pp, micro_batches, rank, virtual_stages):
+            recv, send = action_p2p(action, rank, pp, virtual_stages, schedule in V_SHAPED)
             words = [f"rank {rank}:"]
             if recv is not None:
                 words.append(

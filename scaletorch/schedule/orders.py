@@ -25,7 +25,7 @@ from typing import List, Optional, Sequence
 
 @dataclass(frozen=True)
 class Action:
-    """One unit of work on one rank: the forward ("F") or backward ("B") of a micro-batch
+    """One action of one rank: the forward ("F") or backward ("B") of a micro-batch
     through the rank's model chunk ``chunk`` (0 unless interleaved or V-shaped). In the
     zero-bubble schedules B is the input gradient only and "W" the weight gradient."""
     kind: str
@@ -36,15 +36,15 @@ class Action:
         return f"{self.kind}{self.micro_batch}" + (f".{self.chunk}" if self.chunk else "")
 
 
-def afab_actions(stages: int, micro_batches: int, rank: int) -> List[Action]:
+def afab_actions(pp: int, micro_batches: int, rank: int) -> List[Action]:
     """GPipe: all forwards, then all backwards (in the same micro-batch order)."""
     forwards = [Action("F", i) for i in range(micro_batches)]
     return forwards + [Action("B", i) for i in range(micro_batches)]
 
 
-def one_f_one_b_actions(stages: int, micro_batches: int, rank: int) -> List[Action]:
+def one_f_one_b_actions(pp: int, micro_batches: int, rank: int) -> List[Action]:
     """1F1B: p - rank - 1 warm-up forwards, then alternate F and B, then the last Bs."""
-    warmup = min(stages - rank - 1, micro_batches)
+    warmup = min(pp - rank - 1, micro_batches)
     actions = [Action("F", i) for i in range(warmup)]
     for i in range(micro_batches - warmup):
         actions += [Action("F", warmup + i), Action("B", i)]

@@ -15,19 +15,19 @@ V_SHAPED = ("zbv", "dualpipev")  # two chunks per rank: stages r and 2p - 1 - r
 SCHEDULES = CLASSIC + ZERO_BUBBLE
 
 
-def stage_index(rank: int, chunk: int, stages: int, v_shape: bool = False) -> int:
+def stage_index(rank: int, chunk: int, pp: int, v_shape: bool = False) -> int:
     """Global (virtual) stage of ``chunk`` on pipeline rank ``rank``: chunk * p + rank, or in a
     V rank on the way down and 2p - 1 - rank back up."""
     if v_shape and chunk == 1:
-        return 2 * stages - 1 - rank
-    return chunk * stages + rank
+        return 2 * pp - 1 - rank
+    return chunk * pp + rank
 
 
-def rank_of_stage(stage: int, stages: int, v_shape: bool = False) -> int:
+def rank_of_stage(stage: int, pp: int, v_shape: bool = False) -> int:
     """The pipeline rank holding global stage ``stage`` (the inverse of ``stage_index``)."""
-    if v_shape and stage >= stages:
-        return 2 * stages - 1 - stage
-    return stage % stages
+    if v_shape and stage >= pp:
+        return 2 * pp - 1 - stage
+    return stage % pp
 
 
 def split_layers(num_layers: int, num_stages: int,
@@ -53,6 +53,6 @@ def split_layers(num_layers: int, num_stages: int,
     return [list(range(bounds[s], bounds[s + 1])) for s in range(num_stages)]
 
 
-def theoretical_bubble(stages: int, micro_batches: int, virtual_stages: int = 1) -> float:
+def theoretical_bubble(pp: int, micro_batches: int, virtual_stages: int = 1) -> float:
     """Idle fraction of a step with equal-cost stages: (p-1)/(v m + p - 1)."""
-    return (stages - 1) / (virtual_stages * micro_batches + stages - 1)
+    return (pp - 1) / (virtual_stages * micro_batches + pp - 1)

@@ -1,4 +1,4 @@
-"""Schedules as plans (chapter 04b's runtime): each rank's units of actions and the
+"""Schedules as plans (chapter 04b's runtime): each rank's bundles of actions and the
 point-to-point messages that go with them, as data.
 
 Chapter 04's loops name their messages in code (send_forward_recv_backward, ...). Here they
@@ -15,36 +15,36 @@ from scaletorch.schedule.orders import Action, afab_actions, one_f_one_b_actions
 from scaletorch.schedule.placement import rank_of_stage, stage_index
 
 
-def interleaved_units(stages: int, micro_batches: int, rank: int,
-                      virtual_stages: int) -> List[List[Action]]:
+def interleaved_bundles(pp: int, micro_batches: int, rank: int,
+                        virtual_stages: int) -> List[List[Action]]:
     """Interleaved 1F1B (Megatron): the k-th forward runs micro-batch group k // (p v) in
     chunk (k // p) % v, p micro-batches per chunk before moving on; backwards visit the
     chunks in reverse. Warm-up is 2 (p - rank - 1) + (v - 1) p forwards; in the steady state
-    each unit is a forward and a backward (their p2p goes out together, see comm_plan)."""
-    p, v = stages, virtual_stages
+    each bundle is a forward and a backward (their p2p goes out together, see comm_plan)."""
+    p, v = pp, virtual_stages
     total = micro_batches * v
 
-    def unit(k: int, forward: bool) -> Action:
+    def action(k: int, forward: bool) -> Action:
         group, j = divmod(k, p * v)
         chunk = j // p
         return Action("F" if forward else "B", group * p + j % p,
                       chunk if forward else v - 1 - chunk)
 
     warmup = min(2 * (p - rank - 1) + (v - 1) * p, total)
-    units = [[unit(k, True)] for k in range(warmup)]
-    units += [[unit(warmup + k, True), unit(k, False)] for k in range(total - warmup)]
-    return units + [[unit(k, False)] for k in range(total - warmup, total)]
+    bundles = [[action(k, True)] for k in range(warmup)]
+    bundles += [[action(warmup + k, True), action(k, False)] for k in range(total - warmup)]
+    return bundles + [[action(k, False)] for k in range(total - warmup, total)]
 
 
-def classic_units(schedule: str, stages: int, micro_batches: int, rank: int,
-                  virtual_stages: int = 1) -> List[List[Action]]:
-    """The work of pipeline rank ``rank`` for one step, in units whose p2p is batched (for
+def classic_bundles(schedule: str, pp: int, micro_batches: int, rank: int,
+                    virtual_stages: int = 1) -> List[List[Action]]:
+    """The work of pipeline rank ``rank`` for one step, in bundles whose p2p is batched (for
     numbers that ``catalog.validate_schedule`` accepts)."""
     if schedule == "afab":
-        return [[a] for a in afab_actions(stages, micro_batches, rank)]
+        return [[a] for a in afab_actions(pp, micro_batches, rank)]
     if schedule == "1f1b":
-        return [[a] for a in one_f_one_b_actions(stages, micro_batches, rank)]
-    return interleaved_units(stages, micro_batches, rank, virtual_stages)
+        return [[a] for a in one_f_one_b_actions(pp, micro_batches, rank)]
+    return interleaved_bundles(pp, micro_batches, rank, virtual_stages)
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ class P2P:
 Step = Tuple[Tuple[P2P, ...], Optional[Action]]
 
 
-def action_p2p(action: Action, rank: int, stages: int, virtual_stages: int,
+def action_p2p(action: Action, rank: int, pp: int, virtual_stages: int,
                v_shape: bool = False) -> Tuple[Optional[P2P], Optional[P2P]]:
     """(the recv the action needs before it runs, the send it makes after), or None.
 
@@ -70,7 +70,7 @@ def action_p2p(action: Action, rank: int, stages: int, virtual_stages: int,
     and sends its input's; W talks to nobody; a neighbour stage on this rank (the turn of a V)
     is no message.
     """
-    p = stages
+    p = pp
     s = stage_index(rank, action.chunk, p, v_shape)
     last = p * virtual_stages - 1
     mb = action.micro_batch
@@ -89,23 +89,23 @@ def action_p2p(action: Action, rank: int, stages: int, virtual_stages: int,
     return recv, send
 
 
-def comm_plan(units: Sequence[Sequence[Action]], rank: int, stages: int, virtual_stages: int = 1,
+def comm_plan(bundles: Sequence[Sequence[Action]], rank: int, pp: int, virtual_stages: int = 1,
               v_shape: bool = False) -> List[Step]:
     """Steps of (p2p batch, action): post the batch, wait for it, then run the action.
 
-    The batch before a unit pairs the sends of the previous unit with the recvs the unit
+    The batch before a bundle pairs the sends of the previous bundle with the recvs the bundle
     needs: the 1F1B steady state sends an activation and receives a gradient together,
     meeting the neighbour's opposite pair. Interleaving makes the p2p a ring, so its
-    steady-state units are a forward and a backward, up to four ops a batch (Megatron's
+    steady-state bundles are a forward and a backward, up to four ops a batch (Megatron's
     send_forward_backward_recv_forward_backward). ``simulate.simulate`` proves each plan
     deadlock-free.
     """
     steps: List[Step] = []
     pending: List[P2P] = []
-    for unit in units:
-        ops = [action_p2p(a, rank, stages, virtual_stages, v_shape) for a in unit]
-        steps.append((tuple(pending + [recv for recv, _ in ops if recv]), unit[0]))
-        steps += [((), a) for a in unit[1:]]
+    for bundle in bundles:
+        ops = [action_p2p(a, rank, pp, virtual_stages, v_shape) for a in bundle]
+        steps.append((tuple(pending + [recv for recv, _ in ops if recv]), bundle[0]))
+        steps += [((), a) for a in bundle[1:]]
         pending = [send for _, send in ops if send]
     steps.append((tuple(pending), None))
     return steps

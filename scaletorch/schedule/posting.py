@@ -16,10 +16,10 @@ Batch = Tuple[P2P, ...]  # one batch_isend_irecv
 PostStep = Tuple[Tuple[Batch, ...], Optional[Action], Optional[P2P]]
 
 
-def posting_program(schedule: str, stages: int, micro_batches: int, rank: int,
+def posting_program(schedule: str, pp: int, micro_batches: int, rank: int,
                     virtual_stages: int = 1) -> List[PostStep]:
     """Rank ``rank``'s steps; the last one posts what is left and runs no action."""
-    p, v = stages, virtual_stages
+    p, v = pp, virtual_stages
     order = {}  # message -> its place: (simulated end of the action that makes it, src, dst, ...)
     for e in simulate_async(schedule, p, micro_batches, v).events:
         send = action_p2p(e.action, e.rank, p, v, schedule in V_SHAPED)[1]

@@ -19,18 +19,18 @@ class ZeroBubbleTimeline(Timeline):
     """A zero-bubble schedule's timeline: its theory is its own simulation with F = B = W."""
 
     def theory(self) -> float:
-        return simulate_async(self.schedule, self.stages, self.micro_batches, self.virtual_stages,
-                              1.0, 1.0, 1.0).bubble_fraction()
+        return simulate_async(self.schedule, self.pp, self.micro_batches, self.virtual_stages, 1.0,
+                              1.0, 1.0).bubble_fraction()
 
     def formula(self) -> str:
-        return f"{self.schedule} simulated with F = B = W, p={self.stages}, m={self.micro_batches}"
+        return f"{self.schedule} simulated with F = B = W, p={self.pp}, m={self.micro_batches}"
 
 
 class PipelineDeadlock(RuntimeError):
     """Ranks wait for each other in a cycle: the plan cannot finish."""
 
 
-def simulate(schedule: str, stages: int, micro_batches: int, virtual_stages: int = 1,
+def simulate(schedule: str, pp: int, micro_batches: int, virtual_stages: int = 1,
              forward_cost: float = 1.0, backward_cost: float = 2.0,
              weight_cost: Optional[float] = None) -> Timeline:
     """The slot timeline of ``schedule`` with equal-cost stages (see ``simulate_plans``). The
@@ -38,11 +38,9 @@ def simulate(schedule: str, stages: int, micro_batches: int, virtual_stages: int
     ``weight_cost``, default as much as B)."""
     if schedule in ZERO_BUBBLE:
         weight = backward_cost if weight_cost is None else weight_cost
-        return simulate_async(schedule, stages, micro_batches, virtual_stages, forward_cost,
+        return simulate_async(schedule, pp, micro_batches, virtual_stages, forward_cost,
                               backward_cost, weight)
-    plans = [
-        schedule_plan(schedule, stages, micro_batches, r, virtual_stages) for r in range(stages)
-    ]
+    plans = [schedule_plan(schedule, pp, micro_batches, r, virtual_stages) for r in range(pp)]
     return simulate_plans(plans, micro_batches, virtual_stages, forward_cost, backward_cost)
 
 
@@ -113,8 +111,8 @@ def simulate_plans(plans: Sequence[List[Step]], micro_batches: int, virtual_stag
 
 
 def simulate_async(
-        schedule: str, stages: int, micro_batches: int, virtual_stages: int = 1,
-        forward: float = 1.0, backward: float = 1.0, weight: float = 1.0, comm: float = 0.0,
+        schedule: str, pp: int, micro_batches: int, virtual_stages: int = 1, forward: float = 1.0,
+        backward: float = 1.0, weight: float = 1.0, comm: float = 0.0,
         durations: Optional[Dict[Tuple[int, str], float]] = None,
         stage_costs: Optional[Sequence[Tuple[float, float, float]]] = None) -> "ZeroBubbleTimeline":
     """The timeline of any schedule when sends never block (``split_backward``'s runtime).
@@ -128,7 +126,7 @@ def simulate_async(
     Raises PipelineDeadlock when no rank can go on, ValueError for an input a rank has not
     made yet on itself (an order that cannot run).
     """
-    p, m, v = stages, micro_batches, virtual_stages
+    p, m, v = pp, micro_batches, virtual_stages
     v_shape, last = schedule in V_SHAPED, p * v - 1
     plans = [schedule_actions(schedule, p, m, r, v) for r in range(p)]
     split = [{(a.micro_batch, a.chunk) for a in plan if a.kind == "W"} for plan in plans]

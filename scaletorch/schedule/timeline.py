@@ -25,14 +25,14 @@ class Event:
 @dataclass
 class Timeline:
     """Events of one step, per pipeline rank; the chart and the bubble are computed from them."""
-    stages: int
+    pp: int
     micro_batches: int
     virtual_stages: int = 1
     events: List[Event] = field(default_factory=list)
     schedule: str = ""  # set for the V-shaped schedules: their placement
 
     def record(self, rank: int, action: Action, start: float, end: float) -> None:
-        stage = stage_index(rank, action.chunk, self.stages, self.schedule in V_SHAPED)
+        stage = stage_index(rank, action.chunk, self.pp, self.schedule in V_SHAPED)
         self.events.append(Event(rank, action, stage, start, end))
 
     def to_json(self) -> dict:
@@ -40,7 +40,7 @@ class Timeline:
         [rank, kind, micro_batch, chunk, start, end]."""
         events = [[e.rank, e.action.kind, e.action.micro_batch, e.action.chunk, e.start, e.end]
                   for e in self.events]
-        return dict(stages=self.stages, micro_batches=self.micro_batches,
+        return dict(pp=self.pp, micro_batches=self.micro_batches,
                     virtual_stages=self.virtual_stages, schedule=self.schedule, events=events)
 
     def ranks(self) -> List[int]:
@@ -70,10 +70,10 @@ class Timeline:
 
     def theory(self) -> float:
         """(p-1)/(v m + p - 1), the bubble with equal-cost stages."""
-        return theoretical_bubble(self.stages, self.micro_batches, self.virtual_stages)
+        return theoretical_bubble(self.pp, self.micro_batches, self.virtual_stages)
 
     def formula(self) -> str:
-        p, m, v = self.stages, self.micro_batches, self.virtual_stages
+        p, m, v = self.pp, self.micro_batches, self.virtual_stages
         return f"(p-1)/(v m+p-1) with p={p}, v={v}, m={m}" if v > 1 else \
             f"(p-1)/(m+p-1) with p={p}, m={m}"
 
@@ -102,7 +102,7 @@ class Timeline:
                     overlap = min(hi, e.end) - max(lo, e.start)
                     if overlap > cover[c]:
                         row[c], cover[c] = letter, overlap
-            lines.append(f"stage {rank} |{''.join(row)}| busy {self.busy_fraction(rank):4.0%}, "
+            lines.append(f"rank {rank} |{''.join(row)}| busy {self.busy_fraction(rank):4.0%}, "
                          f"peak live {self.peak_live(rank)}")
         return "\n".join(lines)
 

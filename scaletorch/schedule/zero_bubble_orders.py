@@ -19,9 +19,9 @@ Schedules (per-rank lists of actions, like the classic ones in ``orders.py``):
   stage p-1 to p and the loss stay on one rank); the ZB-V schedule of Qi et al. 2024: with
   F = B = W the bubble nearly vanishes, at 1F1B's activation memory.
 - ``dualpipev``: DeepSeek's DualPipe folded into a V (single direction): in the steady state a
-  rank runs the forward of one micro-batch and the backward of another as one unit, so that
+  rank runs the forward of one micro-batch and the backward of another as one bundle, so that
   on a GPU the compute of one hides the all-to-all/p2p of the other. gloo on a CPU cannot
-  overlap them; we run the pair back to back and draw them as one unit.
+  overlap them; we run the pair back to back and draw them as one bundle.
 
 The runtime (scaletorch/parallel/split_backward.py) sends asynchronously: a B's gradient
 goes out at once and the rank moves on to a W while the neighbour is still busy; a rendezvous
@@ -34,10 +34,9 @@ from typing import List, Optional, Tuple
 from scaletorch.schedule.orders import Action
 
 
-def validate_zero_bubble(schedule: str, stages: int, micro_batches: int,
-                         virtual_stages: int) -> None:
+def validate_zero_bubble(schedule: str, pp: int, micro_batches: int, virtual_stages: int) -> None:
     """Raise ValueError, naming the numbers, when ``schedule`` cannot run with them."""
-    p, m, v = stages, micro_batches, virtual_stages
+    p, m, v = pp, micro_batches, virtual_stages
     if schedule == "zb-h1":
         if v != 1:
             raise ValueError(f"zb-h1 runs one chunk per rank: virtual_pipeline_stages must be 1, "
@@ -61,7 +60,7 @@ def validate_zero_bubble(schedule: str, stages: int, micro_batches: int,
                          f"number)")
 
 
-def zb_h1_actions(stages: int, micro_batches: int, rank: int) -> List[Action]:
+def zb_h1_actions(pp: int, micro_batches: int, rank: int) -> List[Action]:
     """ZB-H1: 1F1B with each backward split in B then W, and W's held back on later stages.
 
     Warm-up: p - rank - 1 forwards (as 1F1B). Then every B is followed by the oldest waiting
@@ -69,7 +68,7 @@ def zb_h1_actions(stages: int, micro_batches: int, rank: int) -> List[Action]:
     cool-down, where the rank would otherwise wait for gradients. Live activations (F done,
     W not) peak at (p - r) + r = p on every rank: 1F1B's peak on rank 0.
     """
-    p, m = stages, micro_batches
+    p, m = pp, micro_batches
     warmup = min(p - rank - 1, m)
     actions = [Action("F", i) for i in range(warmup)]
     for b in range(m):
@@ -81,7 +80,7 @@ def zb_h1_actions(stages: int, micro_batches: int, rank: int) -> List[Action]:
     return actions + [Action("W", i) for i in range(max(m - rank, 0), m)]
 
 
-def zbv_actions(stages: int, micro_batches: int, rank: int) -> List[Action]:
+def zbv_actions(pp: int, micro_batches: int, rank: int) -> List[Action]:
     """ZB-V (Qi et al.): chunk 0 is stage ``rank`` (going down), chunk 1 is stage 2p-1-rank
     (coming back up); the same order as torch's ScheduleZBVZeroBubble.
 
@@ -96,10 +95,10 @@ def zbv_actions(stages: int, micro_batches: int, rank: int) -> List[Action]:
     does): every dependency is within one micro-batch, so what remains still runs; the V is
     then not full (bubble 0.46 at p = 4, m = 2 against 0.059 at m = 8).
     """
-    if micro_batches < 2 * stages - 1:
-        full = zbv_actions(stages, 2 * stages - 1, rank)
+    if micro_batches < 2 * pp - 1:
+        full = zbv_actions(pp, 2 * pp - 1, rank)
         return [a for a in full if a.micro_batch < micro_batches]
-    p, m = stages, micro_batches
+    p, m = pp, micro_batches
     count = {(kind, c): 0 for kind in "FBW" for c in (0, 1)}
     actions: List[Action] = []
 
@@ -136,18 +135,18 @@ def zbv_actions(stages: int, micro_batches: int, rank: int) -> List[Action]:
     return actions
 
 
-def dualpipev_units(stages: int, micro_batches: int, rank: int) -> List[List[Action]]:
+def dualpipev_bundles(pp: int, micro_batches: int, rank: int) -> List[List[Action]]:
     """DualPipeV (DeepSeek-V3's DualPipe in a V), as torch's ScheduleDualPipeV orders it.
 
-    A unit of two actions [F of one chunk, B of the other] is DualPipe's overlapped pair: its
+    A bundle of two actions [F of one chunk, B of the other] is DualPipe's overlapped pair: its
     messages go out together and, on a GPU, the two computations hide each other's
     communication. A B with no W later in the list is a full backward (B + W at once); the
     B's of the last phases are split, and their W's fill the final bubble.
     """
-    p, m = stages, micro_batches
+    p, m = pp, micro_batches
     count = {(kind, c): 0 for kind in "FBW" for c in (0, 1)}
     pending_w: List[Tuple[int, int]] = []  # (chunk, micro-batch) whose W is owed
-    units: List[List[Action]] = []
+    bundles: List[List[Action]] = []
 
     def act(kind: str, chunk: int, split: bool = False) -> Action:
         action = Action(kind, count[(kind, chunk)], chunk)
@@ -159,60 +158,60 @@ def dualpipev_units(stages: int, micro_batches: int, rank: int) -> List[List[Act
     def weight() -> None:
         if pending_w:
             chunk, mb = pending_w.pop(0)
-            units.append([Action("W", mb, chunk)])
+            bundles.append([Action("W", mb, chunk)])
 
     for _ in range(2 * (p - rank - 1)):  # 1: forwards of chunk 0
-        units.append([act("F", 0)])
+        bundles.append([act("F", 0)])
     for _ in range(rank + 1):  # 2: F0 F1
-        units.append([act("F", 0)])
-        units.append([act("F", 1)])
+        bundles.append([act("F", 0)])
+        bundles.append([act("F", 1)])
     for _ in range(p - rank - 1):  # 3: B1 W F1 (zero bubble)
-        units.append([act("B", 1, split=True)])
+        bundles.append([act("B", 1, split=True)])
         weight()
-        units.append([act("F", 1)])
+        bundles.append([act("F", 1)])
     for i in range(m - 2 * p + rank + 1):  # 4: main: (F0, B1) and (F1, B0), overlapped
         if i == 0 and rank == p - 1:  # not overlapped: the turn of the V is on this rank
-            units.append([act("F", 0)])
-            units.append([act("B", 1)])
+            bundles.append([act("F", 0)])
+            bundles.append([act("B", 1)])
         else:
-            units.append([act("F", 0), act("B", 1)])
-        units.append([act("F", 1), act("B", 0)])
+            bundles.append([act("F", 0), act("B", 1)])
+        bundles.append([act("F", 1), act("B", 0)])
     for _ in range(p - rank - 1):  # 5: B1, (F1, B0)
-        units.append([act("B", 1)])
-        units.append([act("F", 1), act("B", 0)])
+        bundles.append([act("B", 1)])
+        bundles.append([act("F", 1), act("B", 0)])
     split = False
     for i in range(rank + 1):  # 6: B1 B0; the second half split (zero bubble)
         if i == (rank + 1) // 2 and rank % 2 == 1:
             split = True
-        units.append([act("B", 1, split)])
+        bundles.append([act("B", 1, split)])
         if i == (rank + 1) // 2 and rank % 2 == 0:
             split = True
-        units.append([act("B", 0, split)])
+        bundles.append([act("B", 0, split)])
     for _ in range(p - rank - 1):  # 7: W B0
         weight()
-        units.append([act("B", 0, split)])
+        bundles.append([act("B", 0, split)])
     while pending_w:  # 8: the W's still owed
         weight()
-    return units
+    return bundles
 
 
-def zero_bubble_units(schedule: str, stages: int, micro_batches: int,
-                      rank: int) -> List[List[Action]]:
-    """The work of pipeline rank ``rank``, in units whose p2p is batched (see comm_plan)."""
+def zero_bubble_bundles(schedule: str, pp: int, micro_batches: int,
+                        rank: int) -> List[List[Action]]:
+    """The work of pipeline rank ``rank``, in bundles whose p2p is batched (see comm_plan)."""
     if schedule == "zb-h1":
-        return [[a] for a in zb_h1_actions(stages, micro_batches, rank)]
+        return [[a] for a in zb_h1_actions(pp, micro_batches, rank)]
     if schedule == "zbv":
-        return [[a] for a in zbv_actions(stages, micro_batches, rank)]
-    return dualpipev_units(stages, micro_batches, rank)
+        return [[a] for a in zbv_actions(pp, micro_batches, rank)]
+    return dualpipev_bundles(pp, micro_batches, rank)
 
 
-def zero_bubble_theory(schedule: str, stages: int, micro_batches: int, forward: float = 1.0,
+def zero_bubble_theory(schedule: str, pp: int, micro_batches: int, forward: float = 1.0,
                        backward: float = 1.0, weight: float = 1.0) -> Optional[float]:
     """Idle fraction of ZB-H1 with per-stage costs F, B, W (W <= F + B): each rank idles
     (p-1)(F+B-W) of a step that works m (F+B+W). None for the V schedules (the simulator
     gives theirs)."""
     if schedule != "zb-h1":
         return None
-    p, m = stages, micro_batches
+    p, m = pp, micro_batches
     idle = (p - 1) * max(forward + backward - weight, 0.0)
     return idle / (m * (forward + backward + weight) + idle)

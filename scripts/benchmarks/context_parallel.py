@@ -6,7 +6,7 @@ of ``args.world_size`` ranks (cp = world size) on a long sequence where attentio
 
 - zigzag / contiguous: the same ring, with balanced vs unbalanced causal work (slowest rank);
 - ring / Ulysses: point-to-point K/V rotation vs all-to-all of heads;
-- fused / math: the CPU flash kernel vs the readable matmul + logsumexp blocks.
+- fused / math: the CPU flash kernel vs the readable matmul + logsumexp tiles.
 
 Each step is forward + backward of the model on this rank's tokens; a step's time is the
 slowest rank's; a row reports the median over rounds of the ratio. zigzag / contiguous only
@@ -29,7 +29,7 @@ from scripts.benchmarks import timing
 MODEL = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=2,
                     num_attention_heads=8, num_key_value_heads=4, max_seq_len=1024)
 BATCH, SEQ_LEN, WARMUP = 2, 1024, 1
-# name: (variant, sequence order, block kernel)
+# name: (variant, sequence order, tile kernel)
 VARIANTS = {
     "zigzag": ("ring", "zigzag", "math"),
     "contiguous": ("ring", "contiguous", "math"),
@@ -82,7 +82,7 @@ def run(args) -> List[dict]:
     rows = []
     for name, a, b, target in (("cp zigzag / contiguous (slowest rank)", "zigzag", "contiguous",
                                 "< 1"), ("cp ring / ulysses", "zigzag", "ulysses", "~ 1"),
-                               ("cp ring fused / math blocks", "fused", "zigzag", "< 1")):
+                               ("cp ring fused / math tiles", "fused", "zigzag", "< 1")):
         rows.append(timing.versus(name, times[a], times[b], target, **common))
     rows.append({
         "name": "cp ring K/V elements per layer / (3cp-2) 2 b s/cp hkv d",

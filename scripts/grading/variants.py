@@ -20,6 +20,7 @@ from scaletorch.dist.functional import (all_to_all, copy_to_parallel_region,
                                         reduce_scatter_to_sequence_parallel_region,
                                         scatter_to_parallel_region)
 from scaletorch.parallel.expert_parallel import by_local_expert
+from scaletorch.parallel.ring_attention import KV_TAG, _exchange, _wait, merge, ring_schedule
 
 # ---- chapter 01: average_gradients ---------------------------------------------------------
 
@@ -170,46 +171,155 @@ def update_halves_without_reset(scale: float, clean_steps: int, found_inf: bool,
     return scale, clean_steps
 
 
-# ---- chapter 05: chunk_ids -----------------------------------------------------------------
+# ---- chapter 04: one_f_one_b --------------------------------------------------------------
 
 
-def chunk_ids_contiguous(cp_rank: int, cp_size: int, order: str = "zigzag") -> Tuple[int, int]:
+def one_f_one_b_sends_first(stage: Any, m: int) -> None:
+    warmup = min(stage.p - stage.rank - 1, m)
+    for mb in range(warmup):
+        stage.send_forward(mb, stage.forward(mb, stage.recv_forward(mb)))
+    x = stage.recv_forward(warmup) if warmup < m else None
+    for i in range(m - warmup):
+        y = stage.forward(warmup + i, x)
+        stage.send_forward(warmup + i, y)  # a send alone: the next rank is sending too
+        dx = stage.backward(i, stage.recv_backward(i))
+        stage.send_backward(i, dx)  # ...its gradient, before receiving the activation
+        x = stage.recv_forward(warmup + i + 1) if warmup + i + 1 < m else None
+    for mb in range(m - warmup, m):
+        stage.send_backward(mb, stage.backward(mb, stage.recv_backward(mb)))
+
+
+def _one_f_one_b(stage: Any, m: int, warmup: int, cool_down_receives: bool = True) -> None:
+    """The library's loop with the given warm-up (and cool-down without its receives)."""
+    for mb in range(warmup):
+        stage.send_forward(mb, stage.forward(mb, stage.recv_forward(mb)))
+    x = stage.recv_forward(warmup) if warmup < m else None
+    for i in range(m - warmup):
+        y = stage.forward(warmup + i, x)
+        dx = stage.backward(i, stage.send_forward_recv_backward(warmup + i, y, i))
+        if warmup + i + 1 < m:
+            x = stage.send_backward_recv_forward(i, dx, warmup + i + 1)
+        else:
+            stage.send_backward(i, dx)
+    for mb in range(m - warmup, m):
+        dy = stage.recv_backward(mb) if cool_down_receives else None
+        stage.send_backward(mb, stage.backward(mb, dy))
+
+
+def one_f_one_b_warmup_too_long(stage: Any, m: int) -> None:
+    _one_f_one_b(stage, m, min(stage.p - stage.rank, m))  # p - r: one forward too many
+
+
+def one_f_one_b_warmup_too_short(stage: Any, m: int) -> None:
+    _one_f_one_b(stage, m, max(stage.p - stage.rank - 2, 0))  # p - r - 2: one too few
+
+
+def one_f_one_b_cool_down_without_recv(stage: Any, m: int) -> None:
+    _one_f_one_b(stage, m, min(stage.p - stage.rank - 1, m), cool_down_receives=False)
+
+
+# ---- chapter 04: micro_batch_loss ----------------------------------------------------------
+
+
+def micro_batch_loss_not_divided(loss: torch.Tensor, m: int) -> torch.Tensor:
+    return loss  # m micro-batch means add up to m x the batch's mean
+
+
+def micro_batch_loss_divided_twice(loss: torch.Tensor, m: int) -> torch.Tensor:
+    return loss / m / m
+
+
+def micro_batch_loss_by_ranks(loss: torch.Tensor, m: int) -> torch.Tensor:
+    return loss / 2  # the number of pipeline ranks (p = 2 here), not of micro-batches
+
+
+# ---- chapter 05: slice_ids -----------------------------------------------------------------
+
+
+def slice_ids_contiguous(cp_rank: int, cp_size: int, order: str = "zigzag") -> Tuple[int, int]:
     return 2 * cp_rank, 2 * cp_rank + 1  # the last rank gets every query's full causal work
 
 
-def chunk_ids_past_the_end(cp_rank: int, cp_size: int, order: str = "zigzag") -> Tuple[int, int]:
+def slice_ids_past_the_end(cp_rank: int, cp_size: int, order: str = "zigzag") -> Tuple[int, int]:
     if order == "zigzag":
         return cp_rank, 2 * cp_size - cp_rank  # the mirror off by one
     return 2 * cp_rank, 2 * cp_rank + 1
 
 
-def chunk_ids_unsorted(cp_rank: int, cp_size: int, order: str = "zigzag") -> Tuple[int, int]:
+def slice_ids_unsorted(cp_rank: int, cp_size: int, order: str = "zigzag") -> Tuple[int, int]:
     if order == "zigzag":
-        return 2 * cp_size - 1 - cp_rank, cp_rank  # the late chunk first
+        return 2 * cp_size - 1 - cp_rank, cp_rank  # the late slice first
     return 2 * cp_rank, 2 * cp_rank + 1
 
 
 # ---- chapter 05: merge ---------------------------------------------------------------------
 
 
-def merge_without_max_shift(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
-                            block_lse: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    a, b = torch.exp(lse), torch.exp(block_lse)  # e^lse overflows for large scores
-    merged = (a.unsqueeze(-1) * out + b.unsqueeze(-1) * block_out) / (a + b).unsqueeze(-1)
+def merge_without_max_shift(out: torch.Tensor, lse: torch.Tensor, tile_out: torch.Tensor,
+                            tile_lse: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    a, b = torch.exp(lse), torch.exp(tile_lse)  # e^lse overflows for large scores
+    merged = (a.unsqueeze(-1) * out + b.unsqueeze(-1) * tile_out) / (a + b).unsqueeze(-1)
     return merged, torch.log(a + b)
 
 
-def merge_lse_kept(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
-                   block_lse: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    new_lse = torch.logaddexp(lse, block_lse)
+def merge_lse_kept(out: torch.Tensor, lse: torch.Tensor, tile_out: torch.Tensor,
+                   tile_lse: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    new_lse = torch.logaddexp(lse, tile_lse)
     merged = torch.exp(lse - new_lse).unsqueeze(-1) * out + \
-        torch.exp(block_lse - new_lse).unsqueeze(-1) * block_out
-    return merged, lse  # the next block merges with the first block's statistics
+        torch.exp(tile_lse - new_lse).unsqueeze(-1) * tile_out
+    return merged, lse  # the next tile merges with the first tile's statistics
 
 
-def merge_plain_average(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
-                        block_lse: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    return (out + block_out) / 2, torch.logaddexp(lse, block_lse)  # blocks weigh the same
+def merge_plain_average(out: torch.Tensor, lse: torch.Tensor, tile_out: torch.Tensor,
+                        tile_lse: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    return (out + tile_out) / 2, torch.logaddexp(lse, tile_lse)  # blocks weigh the same
+
+
+# ---- chapter 05: ring_forward --------------------------------------------------------------
+
+
+def _ring(q: torch.Tensor, kv: torch.Tensor, group: Group, order: str, tile: Callable,
+          messages: Callable[[int, int], bool], keep_last: bool = False,
+          skip: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The library's ring with a mistake: ``messages(t, cp)`` says whether step t exchanges,
+    ``keep_last`` keeps the last tile instead of merging, ``skip=False`` computes every tile."""
+    cp, rank = comm.group_size(group), comm.group_rank(group)
+    qs, merged = q.chunk(2, dim=2), {}
+    for t, tiles in enumerate(ring_schedule(rank, cp, order)):
+        if messages(t, cp):
+            next_kv, works = _exchange(kv, group, KV_TAG)
+        ks, vs = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
+        for a, b, kind in tiles:
+            if kind == "skipped" and skip:
+                continue
+            o, lse = tile(qs[a], ks[b], vs[b], kind == "diagonal")
+            o = o.float()
+            merged[a] = merge(*merged[a], o, lse) if a in merged and not keep_last else (o, lse)
+        if messages(t, cp):
+            _wait(works)
+            kv = next_kv
+    out = torch.cat([merged[0][0], merged[1][0]], dim=2)
+    return out, torch.cat([merged[0][1], merged[1][1]], dim=2)
+
+
+def ring_never_exchanges(q: torch.Tensor, kv: torch.Tensor, group: Group, order: str,
+                         tile: Callable) -> Tuple[torch.Tensor, torch.Tensor]:
+    return _ring(q, kv, group, order, tile, lambda t, cp: False)  # its own K/V at every step
+
+
+def ring_exchanges_every_step(q: torch.Tensor, kv: torch.Tensor, group: Group, order: str,
+                              tile: Callable) -> Tuple[torch.Tensor, torch.Tensor]:
+    return _ring(q, kv, group, order, tile, lambda t, cp: True)  # the last K/V goes unused
+
+
+def ring_keeps_last_tile(q: torch.Tensor, kv: torch.Tensor, group: Group, order: str,
+                         tile: Callable) -> Tuple[torch.Tensor, torch.Tensor]:
+    return _ring(q, kv, group, order, tile, lambda t, cp: t + 1 < cp, keep_last=True)
+
+
+def ring_attends_skipped_tiles(q: torch.Tensor, kv: torch.Tensor, group: Group, order: str,
+                               tile: Callable) -> Tuple[torch.Tensor, torch.Tensor]:
+    return _ring(q, kv, group, order, tile, lambda t, cp: t + 1 < cp, skip=False)
 
 
 # ---- chapter 06: dispatch_tokens -----------------------------------------------------------
@@ -449,18 +559,41 @@ CATALOGUE: Dict[Tuple[str, str, str], str] = {
     "the scale did not double after 2 clean steps (step 1)",
     ("08", "update_scale", "update_halves_without_reset"):
     "after the overflow in step 3 the clean-step count is 1, not 0: count the clean steps from 0",
-    ("05", "chunk_ids", "chunk_ids_contiguous"):
-    "chunk_ids(0, 2) returned (0, 1), the contiguous split: zigzag pairs",
-    ("05", "chunk_ids", "chunk_ids_past_the_end"):
-    "returned (0, 2): there are 2 x 1 = 2 chunks, numbered 0 to 1",
-    ("05", "chunk_ids", "chunk_ids_unsorted"):
-    "returned (1, 0): give the two chunks in sequence order, (0, 1)",
+    ("04", "one_f_one_b", "one_f_one_b_warmup_too_long"):
+    "rank 0's warm-up ran 2 forwards before the steady state (F0 F1 F2 B0 F3 ...): 1F1B warms "
+    "up with p - r - 1 = 1; one more holds 3 activations at once, not p - r = 2",
+    ("04", "one_f_one_b", "one_f_one_b_warmup_too_short"):
+    "rank 0's warm-up ran 0 forwards before the steady state (F0 B0 F1 ...): 1F1B warms up with "
+    "p - r - 1 = 1; one fewer and the ranks take turns",
+    ("04", "one_f_one_b", "one_f_one_b_cool_down_without_recv"):
+    "rank 0 ran the backward of micro-batch 7 in step 0 without its gradient: in the cool-down, "
+    "recv_backward(7) from rank 1 first",
+    ("04", "micro_batch_loss", "micro_batch_loss_not_divided"):
+    "gradients are 8x the reference in step 0 (its grad norm): each micro-batch's loss is a mean",
+    ("04", "micro_batch_loss", "micro_batch_loss_divided_twice"):
+    "gradients are 0.125x the reference in step 0 (its grad norm) = 1/m: divided by m = 8 twice",
+    ("04", "micro_batch_loss", "micro_batch_loss_by_ranks"):
+    "gradients are 4x the reference in step 0 (its grad norm): divided by p = 2, the pipeline",
+    ("05", "slice_ids", "slice_ids_contiguous"):
+    "slice_ids(0, 2) returned (0, 1), the contiguous split: zigzag pairs",
+    ("05", "slice_ids", "slice_ids_past_the_end"):
+    "returned (0, 2): there are 2 x 1 = 2 slices, numbered 0 to 1",
+    ("05", "slice_ids", "slice_ids_unsorted"):
+    "returned (1, 0): give the two slices in sequence order, (0, 1)",
     ("05", "merge", "merge_without_max_shift"):
-    "merging blocks with lse 100 and 90 gave nan",
+    "merging tiles with lse 100 and 90 gave nan",
     ("05", "merge", "merge_lse_kept"):
     "merge's output matches, its lse does not: return the merged",
     ("05", "merge", "merge_plain_average"):
-    "merge averaged the two blocks' outputs: weight each",
+    "merge averaged the two tiles' outputs: weight each",
+    ("05", "ring_forward", "ring_never_exchanges"):
+    "ring_forward sent no K/V message on rank 0 in step 0",
+    ("05", "ring_forward", "ring_exchanges_every_step"):
+    "ring_forward sent 2 K/V messages on rank 0 in step 0, the ring needs N - 1 = 1",
+    ("05", "ring_forward", "ring_keeps_last_tile"):
+    "below the library's",
+    ("05", "ring_forward", "ring_attends_skipped_tiles"):
+    "above the library's",
     ("06", "dispatch_tokens", "dispatch_not_regrouped"):
     "rank 0's experts got the right 450 tokens in step 0, but not grouped by local expert",
     ("06", "dispatch_tokens", "dispatch_not_differentiable"):
@@ -512,4 +645,11 @@ STOPPING: Dict[Tuple[str, str, str], str] = {
     "rank 0: all_reduce #1 of group 'dp_cp' [[64, 64]] Float, issued at "
     "scripts/grading/variants.py",
 }
-PLANTED = [*CATALOGUE, *STOPPING]  # (chapter, exercise, variant) of every variant
+# Variants that deadlock: one world each; the phrases their diagnosis must contain (the ranks,
+# the operations they wait in, their peers, why).
+HANGS: Dict[Tuple[str, str, str], Tuple[str, ...]] = {
+    ("04", "one_f_one_b", "one_f_one_b_sends_first"):
+    ("hang in step 0: rank 0 waits in send_forward(mb 1 -> rank 1) at variants.py:",
+     "rank 1 waits in send_backward(mb 0 -> rank 0) at variants.py:", "(both send first)"),
+}
+PLANTED = [*CATALOGUE, *STOPPING, *HANGS]  # (chapter, exercise, variant) of every variant
