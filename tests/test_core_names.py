@@ -7,7 +7,9 @@ A name matches whole words of an identifier: "meter" matches ``self.meter`` and
 meters, message dtypes and tied embeddings through ``StageHooks`` that those chapters register
 (expert_parallel.py, activation_meter.py, mixed_precision.py, tied_embeddings.py). Tensor
 parallel learns of chapter 08's compute dtype the same way: mixed_precision.py swaps in
-subclasses of its norm and embedding (``tensor_parallel_wire_in_compute``).
+subclasses of its norm and embedding (``tensor_parallel_wire_in_compute``), and data parallel
+of its reduce dtype by subclasses of the DDP wrappers (``apply_data_parallel_in``); chapter
+01's overlap chart records through ``record_overlap`` (overlap_chart.py).
 """
 
 import io
@@ -30,7 +32,14 @@ _COMPUTE_DTYPE = [
     "compute_dtype", "to_compute", "autocast", "autocast_dtype", "wire_dtype", "bfloat16",
     "float16", "mixed_precision"
 ]
+# chapter 08's reduce dtype and chapter 01's overlap chart, which data parallel must not name
+_DATA_PARALLEL = [
+    "reduce_dtype", "wire", "precision", "bfloat16", "float16", "autocast", "timeline", "timer",
+    "mark", "recording", "launches", "overlap"
+]
 FORBIDDEN: Dict[str, List[str]] = {
+    "scaletorch/parallel/data_parallel.py": _DATA_PARALLEL,
+    "scaletorch/parallel/gradient_sync.py": _DATA_PARALLEL,
     "scaletorch/parallel/pipeline_schedules.py": _PIPELINE,
     "scaletorch/parallel/pipeline_runtime.py": _PIPELINE,
     "scaletorch/parallel/pipeline_parallel.py": _PIPELINE,
