@@ -56,7 +56,7 @@ def main() -> int:
     model = build_model(cfg.model, seed=cfg.training.model_seed).to(env.device)
     # the new line: backward now averages the gradients over the data-parallel ranks
     model = apply_data_parallel(model, pgm, p.impl, p.bucket_size_mb)
-    psi, n = model.num_parameters(), pgm.data_parallel_world_size_with_context
+    psi, n = model.num_parameters(), pgm.gradient_sync_world_size
     if pgm.rank == 0:
         print(f"model: {psi:,} parameters; data parallel over {n} ranks, impl {p.impl}")
         if isinstance(model, BucketedDataParallel):
@@ -78,9 +78,9 @@ def main() -> int:
     # filled it, so the times differ from rank to rank and the order does not
     timelines = []
     if isinstance(model, OverlapRecorder) and n > 1:
-        timelines = comm.gather_objects(model.timeline, pgm.data_parallel_group_with_context)
+        timelines = comm.gather_objects(model.timeline, pgm.gradient_sync_group)
     fp32_adamw = {"params": 4 * psi, "grads": 4 * psi, "optimizer": 8 * psi}  # bytes per rank
-    memory = memory_table(model, trainer.optimizer, pgm.data_parallel_group_with_context,
+    memory = memory_table(model, trainer.optimizer, pgm.gradient_sync_group,
                           f"memory per rank, bytes (data parallel, N = {n}, Psi = {psi:,})",
                           fp32_adamw, ("4Psi", "4Psi", "8Psi", "16Psi"))
     if pgm.rank == 0 and report:

@@ -32,10 +32,11 @@ _COMPUTE_DTYPE = [
     "compute_dtype", "to_compute", "autocast", "autocast_dtype", "wire_dtype", "bfloat16",
     "float16", "mixed_precision"
 ]
-# chapter 08's reduce dtype and chapter 01's overlap chart, which data parallel must not name
+# chapter 08's reduce dtype, chapter 01's overlap chart and chapter 05's dp x cp group (chapter
+# 01 asks pg_manager for ``gradient_sync_group``), which data parallel must not name
 _DATA_PARALLEL = [
     "reduce_dtype", "wire", "precision", "bfloat16", "float16", "autocast", "timeline", "timer",
-    "mark", "recording", "launches", "overlap"
+    "mark", "recording", "launches", "overlap", "with_context", "dp_cp"
 ]
 FORBIDDEN: Dict[str, List[str]] = {
     "scaletorch/parallel/data_parallel.py": _DATA_PARALLEL,

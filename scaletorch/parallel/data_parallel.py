@@ -1,7 +1,7 @@
 """Data parallel: every rank holds the whole model, sees 1/N of the batch, averages gradients.
 
-Over the data-parallel group (N ranks, ``pgm.data_parallel_group_with_context``), after
-backward every rank holds
+Over the data-parallel group "dp" (N ranks, ``pgm.gradient_sync_group``), after backward every
+rank holds
 
     grad = (1/N) sum_r grad_r        = the gradient of the global mean loss,
 
@@ -246,17 +246,18 @@ def ddp_report(model: nn.Module, pgm: ProcessGroupManager, impl: str, step: int)
     """What chapter 01 prints after training (rank 0's view, no communication): the ledger's
     table of ``step`` and the gradients' all-reduce next to the ring formula 2 (N-1)/N x 4 Psi
     bytes per rank. (The script adds the overlap chart, overlap_chart.py.)"""
-    ledger, n = get_ledger(), pgm.data_parallel_world_size_with_context
+    ledger, n = get_ledger(), pgm.gradient_sync_world_size
     if n == 1:
         return ""
+    group = pgm.name_of(pgm.gradient_sync_group)  # the ledger's name of the group
     psi = sum(p.numel() for p in model.parameters())
     lines = [ledger.table(step=step)]
     if impl == "torch":
         lines.append("note: torch DDP all-reduces inside its C++ reducer, which our ledger cannot "
                      "see: the table shows only the loss the trainer averages for its log")
     else:
-        grads = ledger.total(op="all_reduce", group="dp_cp", step=step) - 1  # - the loss
-        sent = ledger.total(op="all_reduce", group="dp_cp", step=step, field="wire_bytes")
+        grads = ledger.total(op="all_reduce", group=group, step=step) - 1  # - the loss
+        sent = ledger.total(op="all_reduce", group=group, step=step, field="wire_bytes")
         lines.append(f"gradients all-reduced in step {step}: {grads:,.0f} elements (Psi = "
                      f"{psi:,}); ring volume per rank 2(N-1)/N x 4 Psi = "
                      f"{2 * (n - 1) / n * 4 * psi / 1e6:.3f} MB (ledger: {sent / 1e6:.3f} MB, "
@@ -266,8 +267,8 @@ def ddp_report(model: nn.Module, pgm: ProcessGroupManager, impl: str, step: int)
 
 def apply_data_parallel(model: nn.Module, pgm: Optional[ProcessGroupManager],
                         impl: str = "scaletorch", bucket_size_mb: float = 25.0) -> nn.Module:
-    """Wrap ``model`` for data parallel over the group gradients are averaged over
-    (``pgm.data_parallel_group_with_context``: dp; dp x cp once chapter 05 adds cp).
+    """Wrap ``model`` for data parallel over ``pgm.gradient_sync_group`` (the data-parallel
+    ranks; chapter 05 adds its context-parallel ranks to it).
 
     impl: "naive" (all-reduce per parameter after backward), "scaletorch" (bucketed, overlapped)
     or "torch" (torch.nn.parallel.DistributedDataParallel). Returns the wrapper, which reduces
@@ -277,7 +278,7 @@ def apply_data_parallel(model: nn.Module, pgm: Optional[ProcessGroupManager],
         raise ValueError(f"impl must be one of {', '.join(IMPLS)}, got {impl!r}")
     if not bucket_size_mb > 0:
         raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb}")
-    group = None if pgm is None else pgm.data_parallel_group_with_context
+    group = None if pgm is None else pgm.gradient_sync_group
     if impl == "torch" and not dist.is_initialized():
         raise ValueError("impl 'torch' (DistributedDataParallel) needs a process group: "
                          "launch with torchrun, or use impl 'scaletorch' on one process")
