@@ -10,24 +10,30 @@ break the annotations show the checker is on: they raise before anything is sent
 
 import unittest
 from contextlib import ExitStack
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict
 
 import torch
 from beartype import beartype
 from jaxtyping import jaxtyped
 
 from scaletorch.dist import destroy_pg_manager, init_pg_manager
-from scaletorch.models import LlamaConfig, MoE, build_model, loss_fn, moe_aux_loss
+from scaletorch.models import LlamaConfig, build_model, loss_fn
 from scaletorch.parallel import data_parallel, expert_parallel, gradient_sync
 from scaletorch.parallel.data_parallel import apply_data_parallel
 from scaletorch.parallel.expert_parallel import apply_expert_parallel
 from tests.harness import run_distributed
+from tests.test_expert_parallel import TOKENS, E, H
+from tests.test_expert_parallel import _layer as moe_layer
+from tests.test_expert_parallel import _layer_data as moe_data
+from tests.test_expert_parallel import _layer_loss as moe_loss
+from tests.test_pipeline_shapes import refused
 from tests.test_planted_bugs import patched
 
 CONFIG = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, max_seq_len=32)
 BATCH, SEQ = 8, 16  # the global batch: 4 sequences a rank
-H, FFN, E, K, TOKENS = 32, 64, 4, 2, 16  # the MoE layer: 2 experts a rank, 8 tokens a rank
+# the MoE layer: test_expert_parallel's (E = 4 experts, top-2, TOKENS = 32): at ep 2, 2 experts
+# and 16 tokens a rank
 SMALL_BUCKET_MB = 0.01  # ~2,600 fp32 elements a bucket: many launches in one backward
 
 
@@ -42,36 +48,9 @@ def checked(module: Any, name: str, calls: Dict[str, int]) -> Callable:
     return counted
 
 
-def refused(fn: Callable[[], Any]) -> str:
-    """The name of the error ``fn()`` raises and its first line, or "no error"."""
-    try:
-        fn()
-    except TypeError as err:  # jaxtyping.TypeCheckError is a TypeError
-        return f"{type(err).__name__}: {str(err).splitlines()[0]}"
-    return "no error"
-
-
 def batch() -> torch.Tensor:
     return torch.randint(0, CONFIG.vocab_size, (BATCH, SEQ),
                          generator=torch.Generator().manual_seed(0))
-
-
-def moe_layer() -> MoE:
-    torch.manual_seed(0)
-    layer = MoE(H, FFN, E, top_k=K, aux_loss_coeff=0.1)
-    layer.experts.init_weights(0.1, 0.1)
-    layer.router.weight.data.normal_(0, 0.3)
-    return layer
-
-
-def moe_data() -> List[torch.Tensor]:
-    g = torch.Generator().manual_seed(7)
-    return [torch.randn(TOKENS, H, generator=g), torch.randn(TOKENS, H, generator=g)]
-
-
-def moe_loss(layer: torch.nn.Module, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """Mean over tokens of <y_t, g_t> plus the aux loss: shaped like the training loss."""
-    return (layer(x) * g).sum() / x.size(0) + moe_aux_loss(layer)
 
 
 def world(rank: int, world_size: int) -> dict:
@@ -167,7 +146,7 @@ class DataAndExpertParallelCoreShapes(unittest.TestCase):
                                                    msg=name)
 
     def test_expert_parallel_through_the_checked_core_matches_one_device(self):
-        # fp32 sums of 16 products in another order: ~1e-8 apart, 1e-6 holds them
+        # fp32 sums of 32 products in another order: ~1e-8 apart, 1e-6 holds them
         for rank, res in enumerate(self.results):
             moe = res["moe"]
             experts = slice(rank * E // 2, (rank + 1) * E // 2)  # ep rank = rank here
