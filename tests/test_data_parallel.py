@@ -253,6 +253,18 @@ class DataParallelRejectsBadConfig(unittest.TestCase):
         with self.assertRaisesRegex(ValueError, "parallel.bucket_size_mb must be positive"):
             validate(cfg)
 
+    def test_the_overlap_recorder_attaches_to_the_bucketed_wrapper_only(self):
+        model = build_model(_config().model, seed=0)
+        with self.assertRaisesRegex(ValueError, "takes a BucketedDataParallel, got "
+                                    "NaiveDataParallel"):
+            record_overlap(apply_data_parallel(model, None, "naive"))
+        bucketed = apply_data_parallel(model, None, "scaletorch", SMALL_BUCKET_MB)
+        buckets = list(bucketed.buckets)
+        recorder = record_overlap(bucketed)  # in place: the same buckets, nothing recorded yet
+        self.assertIs(recorder, bucketed)
+        self.assertEqual(recorder.buckets, buckets)
+        self.assertEqual(recorder.timeline.launches, [])
+
     def test_wrapper_state_dict_is_the_model_state_dict(self):
         model = build_model(_config().model, seed=0)
         wrapped = apply_data_parallel(model, None, "scaletorch")
