@@ -23,7 +23,8 @@ from scaletorch.models import build_model
 from scaletorch.parallel.data_parallel import BucketedDataParallel, apply_data_parallel, ddp_report
 from scaletorch.parallel.grad_norm import clip_replicated
 from scaletorch.parallel.memory_report import memory_table
-from scaletorch.parallel.overlap_chart import format_overlap, format_timeline
+from scaletorch.parallel.overlap_chart import (OverlapRecorder, format_overlap, format_timeline,
+                                               record_overlap)
 from scaletorch.trainer import Trainer, check_against_reference, load_config
 
 
@@ -55,13 +56,15 @@ def main() -> int:
     model = build_model(cfg.model, seed=cfg.training.model_seed).to(env.device)
     # the new line: backward now averages the gradients over the data-parallel ranks
     model = apply_data_parallel(model, pgm, p.impl, p.bucket_size_mb)
-    psi, n = model.num_parameters(), pgm.data_parallel_world_size_with_context
+    psi, n = model.num_parameters(), pgm.gradient_sync_world_size
     if pgm.rank == 0:
         print(f"model: {psi:,} parameters; data parallel over {n} ranks, impl {p.impl}")
         if isinstance(model, BucketedDataParallel):
             sizes = ", ".join(f"{b.buffer.numel():,}" for b in model.buckets)
             print(f"{len(model.buckets)} buckets of <= {p.bucket_size_mb} MB, in reverse "
                   f"parameter order (elements): {sizes}")
+    if isinstance(model, BucketedDataParallel):  # marks when each bucket goes out, for the chart
+        model = record_overlap(model)
     # every rank holds every averaged gradient: the local norm is the global one, no all-reduce
     clip = partial(clip_replicated, list(model.parameters()))
     trainer = Trainer(cfg, model, pgm, device=env.device, clip_grad_norm=clip)
@@ -74,10 +77,10 @@ def main() -> int:
     # every rank's overlap in that step: a rank launches a bucket when its own backward has
     # filled it, so the times differ from rank to rank and the order does not
     timelines = []
-    if isinstance(model, BucketedDataParallel) and n > 1:
-        timelines = comm.gather_objects(model.timeline, pgm.data_parallel_group_with_context)
+    if isinstance(model, OverlapRecorder) and n > 1:
+        timelines = comm.gather_objects(model.timeline, pgm.gradient_sync_group)
     fp32_adamw = {"params": 4 * psi, "grads": 4 * psi, "optimizer": 8 * psi}  # bytes per rank
-    memory = memory_table(model, trainer.optimizer, pgm.data_parallel_group_with_context,
+    memory = memory_table(model, trainer.optimizer, pgm.gradient_sync_group,
                           f"memory per rank, bytes (data parallel, N = {n}, Psi = {psi:,})",
                           fp32_adamw, ("4Psi", "4Psi", "8Psi", "16Psi"))
     if pgm.rank == 0 and report:

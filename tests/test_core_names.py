@@ -10,6 +10,9 @@ parallel learns of chapter 08's compute dtype the same way: mixed_precision.py s
 subclasses of its norm and embedding (``tensor_parallel_wire_in_compute``); of chapter 10's
 vocabulary padding through ``parallelize(..., tensor_parallel=apply_tensor_parallel_padded)``
 (vocab_padding.py pads the reference's tables, then swaps in a head that masks the padding).
+Data parallel learns of chapter 08's reduce dtype by subclasses of the DDP wrappers
+(``apply_data_parallel_in``); chapter 01's overlap chart records through ``record_overlap``
+(overlap_chart.py).
 """
 
 import io
@@ -34,7 +37,15 @@ _COMPUTE_DTYPE = [
 ]
 # chapter 10's vocabulary padding (vocab_padding.py), which tensor parallel must not name either
 _TENSOR = _COMPUTE_DTYPE + ["pad", "vocab_pad", "padded", "padding"]
+# chapter 08's reduce dtype, chapter 01's overlap chart and chapter 05's dp x cp group (chapter
+# 01 asks pg_manager for ``gradient_sync_group``), which data parallel must not name
+_DATA_PARALLEL = [
+    "reduce_dtype", "wire", "precision", "bfloat16", "float16", "autocast", "timeline", "timer",
+    "mark", "recording", "launches", "overlap", "with_context", "dp_cp"
+]
 FORBIDDEN: Dict[str, List[str]] = {
+    "scaletorch/parallel/data_parallel.py": _DATA_PARALLEL,
+    "scaletorch/parallel/gradient_sync.py": _DATA_PARALLEL,
     "scaletorch/parallel/pipeline_schedules.py": _PIPELINE,
     "scaletorch/parallel/pipeline_runtime.py": _PIPELINE,
     "scaletorch/parallel/pipeline_parallel.py": _PIPELINE,

@@ -16,9 +16,9 @@ from torch import nn
 
 from scaletorch.dist import destroy_pg_manager, get_ledger, init_pg_manager
 from scaletorch.models import LlamaConfig, build_model, loss_fn
-from scaletorch.parallel.data_parallel import (IMPLS, BucketedDataParallel, BucketLaunch,
-                                               SyncTimeline, apply_data_parallel)
-from scaletorch.parallel.overlap_chart import format_overlap, format_timeline
+from scaletorch.parallel.data_parallel import IMPLS, BucketedDataParallel, apply_data_parallel
+from scaletorch.parallel.overlap_chart import (BucketLaunch, SyncTimeline, format_overlap,
+                                               format_timeline, record_overlap)
 from scaletorch.parallel.step import forward_backward
 from scaletorch.trainer import Config, Trainer, validate
 from scaletorch.trainer.trainer import build_loader
@@ -119,6 +119,8 @@ def _mechanics(rank: int, world: int) -> dict:
     shard = slice(rank * 4, rank * 4 + 4)
     for impl in ("naive", "scaletorch"):
         model = apply_data_parallel(build_model(cfg.model, seed=1), pgm, impl, SMALL_BUCKET_MB)
+        if impl == "scaletorch":
+            model = record_overlap(model)  # chapter 01's chart, attached from outside
         get_ledger().clear()
         forward_backward(model, inputs[shard], targets[shard], num_micro_batches=2)
         records = get_ledger().select(op="all_reduce")
@@ -250,6 +252,18 @@ class DataParallelRejectsBadConfig(unittest.TestCase):
         cfg.parallel.bucket_size_mb = 0
         with self.assertRaisesRegex(ValueError, "parallel.bucket_size_mb must be positive"):
             validate(cfg)
+
+    def test_the_overlap_recorder_attaches_to_the_bucketed_wrapper_only(self):
+        model = build_model(_config().model, seed=0)
+        with self.assertRaisesRegex(ValueError, "takes a BucketedDataParallel, got "
+                                    "NaiveDataParallel"):
+            record_overlap(apply_data_parallel(model, None, "naive"))
+        bucketed = apply_data_parallel(model, None, "scaletorch", SMALL_BUCKET_MB)
+        buckets = list(bucketed.buckets)
+        recorder = record_overlap(bucketed)  # in place: the same buckets, nothing recorded yet
+        self.assertIs(recorder, bucketed)
+        self.assertEqual(recorder.buckets, buckets)
+        self.assertEqual(recorder.timeline.launches, [])
 
     def test_wrapper_state_dict_is_the_model_state_dict(self):
         model = build_model(_config().model, seed=0)

@@ -86,6 +86,9 @@ def _measure_groups(rank: int, world_size: int, layouts: List[Dict[str, int]]) -
             kind: [k for k in KINDS if pgm.get_group(k) is pgm.get_group(kind)]
             for kind in KINDS
         }
+        # the group gradients are averaged over: dp, or dp x cp once cp > 1
+        same["gradient_sync"] = [k for k in KINDS if pgm.get_group(k) is pgm.gradient_sync_group]
+        attributes["gradient_sync_world_size"] = pgm.gradient_sync_world_size
         ledger = get_ledger()
         ledger.clear()
         comm.all_reduce(torch.ones(1), pgm.data_parallel_group_with_context)
@@ -210,6 +213,9 @@ class TestProcessGroupManagerOnEightRanks(unittest.TestCase):
                 for kinds in expected[i]:
                     for kind in kinds:
                         self.assertEqual(measured["same"][kind], kinds, (i, rank, kind))
+                # gradients are averaged over dp (= dp_cp at cp 1), then over dp x cp
+                self.assertEqual(measured["same"]["gradient_sync"], expected[i][2 + i], (i, rank))
+                self.assertEqual(measured["attributes"]["gradient_sync_world_size"], 2 * (i + 1))
                 # tp2 pp2: tp, the cp/ep singleton, dp/dp_cp/edp, pp (= embd); tp2 cp2 dp2
                 # ep2: tp, cp/ep, dp/edp, dp_cp and the pp singleton
                 self.assertEqual(measured["distinct"], 4 if i == 0 else 5, (i, rank))

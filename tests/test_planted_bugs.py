@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import scaletorch.dist.comm as comm_module
-import scaletorch.parallel.mixed_precision as precision_module
+import scaletorch.parallel.ddp_reduce_dtype as ddp_reduce_dtype
 import scaletorch.parallel.parallelize as parallelize_module
 import scaletorch.parallel.step as step_module
 import scaletorch.parallel.tied_embeddings as tied_module
@@ -117,11 +117,12 @@ def gradient_divided_by_n_twice() -> ContextManager:
 def averaged_over_dp_not_dp_cp() -> ContextManager:
     """Context parallel: gradients averaged over "dp" (1 rank here) instead of "dp_cp"."""
 
-    def wrap(model, pgm, impl="scaletorch", bucket_size_mb=25.0, reduce_dtype=None):
-        return BucketedDataParallel(model, pgm.data_parallel_group, bucket_size_mb, reduce_dtype)
+    def wrap(model, pgm, impl="scaletorch", bucket_size_mb=25.0):
+        return BucketedDataParallel(model, pgm.data_parallel_group, bucket_size_mb)
 
-    # parallelize wraps through chapter 08's precision hooks when given (tests/layouts.build)
-    return patched(precision_module, "apply_data_parallel", wrap)
+    # parallelize wraps through chapter 08's precision hooks when given (tests/layouts.build),
+    # whose DDP is ddp_reduce_dtype.apply_data_parallel_in
+    return patched(ddp_reduce_dtype, "apply_data_parallel", wrap)
 
 
 def rope_positions_not_offset() -> ContextManager:

@@ -64,7 +64,7 @@ MODULES_OF: Dict[str, List[str]] = {
     "05": ["context_parallel", "ring_attention", "attention_kernels", "step"],
     "06": ["expert_parallel"],
     "07": ["parallelize", "tensor_layout", "validation", "native", "moe_pipeline"],
-    "08": ["mixed_precision", "loss_scale"],
+    "08": ["mixed_precision", "ddp_reduce_dtype", "loss_scale"],
     "10": ["tied_embeddings", "zero_tied", "activation_checkpointing", "vocab_padding"],
     "12": ["sync_batchnorm", "vision_parallel"],
 }
@@ -75,10 +75,12 @@ OWNER = {module: chapter for chapter, modules in MODULES_OF.items() for module i
 # from chapter 04, whose schedules became plain loops (issue 41).
 # 01: its core became three functions of their own (gradient_sync.py, 37 lines), the
 # exercises' reference solutions; memory_report.py counts bytes by dtype for the dry run too.
+# Then the overlap chart's recording left data_parallel.py for a subclass in overlap_chart.py
+# (+17 lines) and gradient_sync.py gained its jaxtyping shapes and excerpt markers (+12).
 # 05: the ring's exchange loop became a function of its own (ring_forward, 30 lines), the
 # exercise's reference solution, with its shapes as jaxtyping annotations.
 # 07: the MoE loss under a pipeline (moe_pipeline.py) is composition, so it is 07's.
-OVER_BUDGET: Dict[str, int] = {"01": 756, "03": 856, "04b": 1080, "05": 730, "07": 750}
+OVER_BUDGET: Dict[str, int] = {"01": 785, "03": 856, "04b": 1080, "05": 730, "07": 750}
 
 
 def chapters() -> List[Tuple[str, str, str]]:

@@ -7,7 +7,7 @@ import unittest
 import torch
 
 from scaletorch.dist.timer import Spans, Timer, seconds
-from scaletorch.parallel.data_parallel import BucketLaunch, SyncTimeline
+from scaletorch.parallel.overlap_chart import BucketLaunch, SyncTimeline
 
 
 class _FakeClock:

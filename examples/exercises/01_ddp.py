@@ -12,29 +12,30 @@ collectives are scaletorch.dist.comm's: ``comm.all_reduce(tensor, group)`` sums 
 
 from typing import Callable, Optional, Sequence
 
-import torch
 import torch.distributed as dist
 
 from scaletorch.dist import comm
+from scaletorch.parallel.gradient_sync import Gradient  # a gradient's shape (jaxtyping)
 
 
-def average_gradients(grads: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup]) -> None:
-    """Naive data parallel: each gradient (any shape, fp32 or the wire's dtype, the same order
-    on every rank) becomes in place the mean over ``group`` (dp_cp, N ranks) of its values: one
-    blocking all-reduce (SUM) over ``group`` per gradient, then / N."""
+def average_gradients(grads: Sequence[Gradient], group: Optional[dist.ProcessGroup]) -> None:
+    """Naive data parallel: each gradient (its parameter's shape, fp32 or the dtype it is
+    reduced in, the same order on every rank) becomes in place its mean over ``group`` (the
+    data-parallel group "dp", N ranks): one blocking all-reduce (SUM) over ``group`` per
+    gradient, then / N."""
     raise NotImplementedError
 
 
 def launch_full_buckets(ready: Sequence[int], sizes: Sequence[int], next_bucket: int,
                         launch: Callable[[int], None]) -> int:
     """Bucketed data parallel, from each gradient hook: ``launch(k)`` (bucket k's async
-    all-reduce over dp_cp) for every full bucket (ready[k] gradients of sizes[k] arrived) from
+    all-reduce over "dp") for every full bucket (ready[k] gradients of sizes[k] arrived) from
     ``next_bucket`` on, strictly in index order, stopping at the first that is not full (every
     rank must issue the same sequence). Returns the first bucket not launched yet."""
     raise NotImplementedError
 
 
 def wait_for_buckets(works: Sequence[Optional[comm.Work]]) -> None:
-    """Before the optimizer step, wait for every bucket's all-reduce over dp_cp: ``works`` in
+    """Before the optimizer step, wait for every bucket's all-reduce over "dp": ``works`` in
     launch order (None on a group of one rank, where nothing is in flight)."""
     raise NotImplementedError

@@ -14,15 +14,14 @@ scaletorch.dist.functional's ``all_to_all(x, output_split_sizes, input_split_siz
 
 from typing import List
 
-import torch
-
 from scaletorch.dist.comm import Group
 from scaletorch.dist.functional import all_to_all  # noqa: F401 - the collective to call
 from scaletorch.parallel.expert_parallel import by_local_expert  # noqa: F401 - the order
+from scaletorch.parallel.expert_parallel import ForMyExperts, Routed  # the shapes (jaxtyping)
 
 
-def dispatch_tokens(routed: torch.Tensor, send_table: List[List[int]], recv_table: List[List[int]],
-                    group: Group) -> torch.Tensor:
+def dispatch_tokens(routed: Routed, send_table: List[List[int]], recv_table: List[List[int]],
+                    group: Group) -> ForMyExperts:
     """Send each routed token to the ep rank of its expert: routed (N, h), grouped by global
     expert, so send_table[j][l] rows (j, l in order) are for expert l of ep rank j;
     recv_table[i][l]: rows ep rank i sends to my local expert l. One differentiable all-to-all
@@ -31,8 +30,8 @@ def dispatch_tokens(routed: torch.Tensor, send_table: List[List[int]], recv_tabl
     raise NotImplementedError
 
 
-def combine_tokens(out: torch.Tensor, send_table: List[List[int]], recv_table: List[List[int]],
-                   group: Group) -> torch.Tensor:
+def combine_tokens(out: ForMyExperts, send_table: List[List[int]], recv_table: List[List[int]],
+                   group: Group) -> Routed:
     """Bring each expert output back to its token's rank: out (M, h), grouped by local expert
     as ``dispatch_tokens`` returned the tokens; the regrouping undone (rows by source rank
     again), then the reverse all-to-all over ``group`` ("ep", differentiable): returns (N, h),

@@ -435,6 +435,17 @@ class ProcessGroupManager:
         return self.grid.data_parallel_size
 
     @property
+    def gradient_sync_group(self) -> Optional[dist.ProcessGroup]:
+        """The group gradients are averaged over: the data-parallel ranks (dp), and once chapter
+        05 splits sequences, dp x cp (every rank that sees different tokens)."""
+        return self._groups["dp_cp"]
+
+    @property
+    def gradient_sync_world_size(self) -> int:
+        """The size of ``gradient_sync_group``: dp, or dp x cp under context parallel."""
+        return self.data_parallel_world_size_with_context
+
+    @property
     def data_parallel_group_with_context(self) -> Optional[dist.ProcessGroup]:
         """The gradient-averaging group: every rank that sees different tokens."""
         return self._groups["dp_cp"]

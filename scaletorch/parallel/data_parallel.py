@@ -1,13 +1,12 @@
 """Data parallel: every rank holds the whole model, sees 1/N of the batch, averages gradients.
 
-Over ``pgm.data_parallel_group_with_context`` (N ranks; context-parallel ranks are in it
-because they also see different tokens), after backward every rank holds
+Over the data-parallel group "dp" (N ranks, ``pgm.gradient_sync_group``), after backward every
+rank holds
 
     grad = (1/N) sum_r grad_r        = the gradient of the global mean loss,
 
 so the optimizer steps are identical everywhere. Cost per step: an all-reduce of Psi gradient
-elements, which a ring moves as 2 (N-1)/N x 4 Psi bytes per rank (x 2 Psi with a bf16
-``reduce_dtype``, chapter 08: the gradients are cast for the wire, the average back to fp32).
+elements, which a ring moves as 2 (N-1)/N x 4 Psi bytes per rank.
 
 - ``NaiveDataParallel``: when backward has finished, one blocking all-reduce per parameter.
   The network idles during backward and backward idles during the network.
@@ -28,11 +27,12 @@ All three accept ``no_sync()`` (gradient accumulation: only the last micro-batch
 prefix, so checkpoints and parity checks compare keys one to one.
 
 Read the naive and the bucketed wrapper side by side: the bucketed one is the naive one plus
-buckets, hooks and overlap; overlap_chart.py draws the recorded timeline.
+buckets, hooks and overlap. Later chapters attach from their own modules: overlap_chart.py
+records when each bucket went out (chapter 01's chart), ddp_reduce_dtype.py reduces in bf16.
 """
 
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional
 
 import torch
@@ -43,7 +43,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 from scaletorch.dist import ProcessGroupManager, comm, get_ledger
 from scaletorch.dist.comm import Work
-from scaletorch.dist.timer import Mark, Timer, seconds
 from scaletorch.parallel.gradient_sync import (average_gradients, launch_full_buckets,
                                                wait_for_buckets)
 from scaletorch.parallel.wrapper import ModuleWrapper
@@ -60,12 +59,10 @@ class _DataParallel(ModuleWrapper, nn.Module):
     in ``finish_grad_sync()`` if a forward ran since the last sync and none happened.
     """
 
-    def __init__(self, module: nn.Module, group: Optional[dist.ProcessGroup],
-                 reduce_dtype: Optional[torch.dtype] = None) -> None:
+    def __init__(self, module: nn.Module, group: Optional[dist.ProcessGroup]) -> None:
         super().__init__()
         self.module = module
         self.group = group
-        self.reduce_dtype = reduce_dtype or torch.float32  # what gradients cross the wire in
         self.world = comm.group_size(group)
         self.params = [p for p in module.parameters() if p.requires_grad]
         self._sync_enabled = True
@@ -107,10 +104,13 @@ class _DataParallel(ModuleWrapper, nn.Module):
         if self._sync_enabled:
             self._sync()
 
-    def _wire(self, grad: torch.Tensor) -> torch.Tensor:
-        """``grad`` on the wire: a copy in ``reduce_dtype`` (itself if so already, or alone)."""
-        return grad if self.world == 1 or grad.dtype == self.reduce_dtype \
-            else grad.to(self.reduce_dtype)
+    def _average(self, grads: List[torch.Tensor]) -> None:
+        """Each of ``grads`` becomes in place its mean over the group (gradient_sync.py)."""
+        average_gradients(grads, self.group)
+
+    def _all_reduce(self, buffer: torch.Tensor) -> Optional[Work]:
+        """Start the async all-reduce (SUM) of ``buffer`` over the group; None on one rank."""
+        return comm.all_reduce(buffer, self.group, async_op=True)
 
     def _sync(self) -> None:
         raise NotImplementedError
@@ -124,11 +124,7 @@ class NaiveDataParallel(_DataParallel):
         grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in self.params]
         for p, grad in zip(self.params, grads):
             p.grad = grad
-        wires = [self._wire(grad) for grad in grads]
-        average_gradients(wires, self.group)  # gradient_sync.py: all-reduce each over dp_cp, / N
-        for grad, wire in zip(grads, wires):
-            if wire is not grad:
-                grad.copy_(wire)  # the average back into the fp32 gradient
+        self._average(grads)  # all-reduce each over the data-parallel group, then / N
         self._needs_sync = False
 
 
@@ -140,38 +136,6 @@ class Bucket:
     buffer: torch.Tensor  # (numel,) fp32
     ready: int = 0  # parameters whose gradient arrived in this sync's backward
     work: Optional[Work] = None  # the async all-reduce handle, once launched
-    wire: Optional[torch.Tensor] = None  # the buffer cast to reduce_dtype, while in flight
-
-
-@dataclass
-class BucketLaunch:
-    """One bucket's all-reduce in the recorded timeline (times: ``Timer`` marks, seconds once
-    read through ``BucketedDataParallel.timeline``)."""
-    index: int
-    numel: int
-    in_backward: bool  # launched by a gradient hook, i.e. while backward was still running
-    grads_pending: int  # parameters whose gradient backward had not yet produced
-    t_launch: Mark
-    t_done: Mark = float("nan")  # when the all-reduce completed
-
-
-@dataclass
-class SyncTimeline:
-    """The last synced backward: when it ran, when each bucket went out and came back."""
-    t_forward: Mark = float("nan")  # forward start of the micro-batch that synced
-    t_first_grad: Mark = float("nan")
-    t_backward_end: Mark = float("nan")  # all gradients produced; the wait starts
-    t_wait_end: Mark = float("nan")
-    launches: List[BucketLaunch] = field(default_factory=list)
-
-    def in_seconds(self) -> "SyncTimeline":
-        """A copy with every mark read in seconds (on CUDA: waits for those events)."""
-        launches = [
-            replace(x, t_launch=seconds(x.t_launch), t_done=seconds(x.t_done))
-            for x in self.launches
-        ]
-        return SyncTimeline(seconds(self.t_forward), seconds(self.t_first_grad),
-                            seconds(self.t_backward_end), seconds(self.t_wait_end), launches)
 
 
 class BucketedDataParallel(_DataParallel):
@@ -186,13 +150,13 @@ class BucketedDataParallel(_DataParallel):
     """
 
     def __init__(self, module: nn.Module, group: Optional[dist.ProcessGroup],
-                 bucket_size_mb: float = 25.0, reduce_dtype: Optional[torch.dtype] = None) -> None:
+                 bucket_size_mb: float = 25.0) -> None:
         if not bucket_size_mb > 0:
             raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb}")
         devices = {p.device for p in module.parameters()}
         if len(devices) > 1:
             raise ValueError(f"data parallel wraps a model on one device, got {devices}")
-        super().__init__(module, group, reduce_dtype)
+        super().__init__(module, group)
         self.bucket_size_mb = bucket_size_mb
         self.buckets: List[Bucket] = []
         self._bucket_of: Dict[int, int] = {}
@@ -206,16 +170,6 @@ class BucketedDataParallel(_DataParallel):
         self._stale = set(range(len(self.params)))  # slots still holding the last sync's grad
         self._next_bucket = 0  # buckets launch in index order, the same on every rank
         self._grads_ready = 0
-        # CPU: perf_counter at each mark; CUDA: events in the stream (see scaletorch.dist.timer)
-        self._timer = Timer(next(iter(devices), torch.device("cpu")))
-        self._synced = SyncTimeline()  # the last sync's marks
-        self._recording = SyncTimeline()
-
-    @property
-    def timeline(self) -> SyncTimeline:
-        """The last synced backward, in seconds (on CUDA reading it waits for the events, so
-        read it after the step, not inside it)."""
-        return self._synced.in_seconds()
 
     def _add_bucket(self, ids: List[int]) -> None:
         device = self.params[ids[0]].device
@@ -228,11 +182,6 @@ class BucketedDataParallel(_DataParallel):
             self._bucket_of[j] = len(self.buckets)
             offset += n
         self.buckets.append(Bucket(len(self.buckets), list(ids), buffer))
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self._sync_enabled and torch.is_grad_enabled():
-            self._recording.t_forward = self._timer.mark()
-        return super().forward(*args, **kwargs)
 
     def _take_grad(self, i: int) -> None:
         """Move parameter i's fresh ``p.grad`` into its bucket slot (fp32), if not there yet."""
@@ -255,8 +204,6 @@ class BucketedDataParallel(_DataParallel):
         self._take_grad(i)
         if not self._sync_enabled:
             return
-        if self._grads_ready == 0:
-            self._recording.t_first_grad = self._timer.mark()
         self._grads_ready += 1
         self.buckets[self._bucket_of[i]].ready += 1
         # every full bucket, strictly in index order: every rank issues the same sequence
@@ -265,46 +212,27 @@ class BucketedDataParallel(_DataParallel):
             self._next_bucket, lambda k: self._launch(self.buckets[k], in_backward=True))
 
     def _launch(self, bucket: Bucket, in_backward: bool) -> None:
-        """Start the async all-reduce (SUM of grad / N over the dp_cp group) of one bucket."""
+        """Start the async all-reduce (SUM of grad / N over the group) of one bucket."""
         for i in bucket.param_ids:
             if i in self._stale:  # no gradient arrived for it on this rank
                 self._take_grad(i)
         if self.world > 1:
             bucket.buffer.div_(self.world)  # before the sum, as torch DDP does
-        bucket.wire = self._wire(bucket.buffer)
-        bucket.work = comm.all_reduce(bucket.wire, self.group, async_op=True)
-        launch = BucketLaunch(bucket.index, bucket.buffer.numel(), in_backward,
-                              len(self.params) - self._grads_ready, self._timer.mark())
-        if bucket.work is None:  # a group of one rank: nothing to wait for
-            launch.t_done = launch.t_launch
-        else:
-            # The completion mark, taken in the future's callback. gloo (CPU) runs it when the
-            # all-reduce has finished: the clock then is the completion time. NCCL runs it as
-            # soon as the all-reduce is queued, but with a current stream that waits for the
-            # all-reduce's kernel (torch.futures.Future.then), so the CUDA event recorded
-            # there fires when the all-reduce has finished on the GPU. (A clock reading there
-            # would be the launch time, and work.wait() does not block the host on NCCL.)
-            bucket.work.get_future().then(lambda _: setattr(launch, "t_done", self._timer.mark()))
-        self._recording.launches.append(launch)
+        bucket.work = self._all_reduce(bucket.buffer)
 
     def _sync(self) -> None:
         """Launch what backward did not (unused parameters), wait once, hand out the grads."""
-        self._recording.t_backward_end = self._timer.mark()
         while self._next_bucket < len(self.buckets):
             self._launch(self.buckets[self._next_bucket], in_backward=False)
             self._next_bucket += 1
         wait_for_buckets([bucket.work for bucket in self.buckets])
         for bucket in self.buckets:
-            if bucket.wire is not None and bucket.wire is not bucket.buffer:
-                bucket.buffer.copy_(bucket.wire)  # accumulated in fp32, averaged in reduce_dtype
-            bucket.work, bucket.wire, bucket.ready = None, None, 0
-        self._recording.t_wait_end = self._timer.mark()  # CUDA: the wait()s joined the stream
+            bucket.work, bucket.ready = None, 0
         for p, view in zip(self.params, self._views):
             p.grad = view if p.dtype == view.dtype else view.to(p.dtype)
         self._stale = set(range(len(self.params)))
         self._next_bucket = self._grads_ready = 0
         self._needs_sync = False
-        self._synced, self._recording = self._recording, SyncTimeline()
 
 
 class TorchDataParallel(ModuleWrapper, DistributedDataParallel):
@@ -318,49 +246,46 @@ def ddp_report(model: nn.Module, pgm: ProcessGroupManager, impl: str, step: int)
     """What chapter 01 prints after training (rank 0's view, no communication): the ledger's
     table of ``step`` and the gradients' all-reduce next to the ring formula 2 (N-1)/N x 4 Psi
     bytes per rank. (The script adds the overlap chart, overlap_chart.py.)"""
-    ledger, n = get_ledger(), pgm.data_parallel_world_size_with_context
+    ledger, n = get_ledger(), pgm.gradient_sync_world_size
     if n == 1:
         return ""
+    group = pgm.name_of(pgm.gradient_sync_group)  # the ledger's name of the group
     psi = sum(p.numel() for p in model.parameters())
     lines = [ledger.table(step=step)]
     if impl == "torch":
         lines.append("note: torch DDP all-reduces inside its C++ reducer, which our ledger cannot "
                      "see: the table shows only the loss the trainer averages for its log")
     else:
-        grads = ledger.total(op="all_reduce", group="dp_cp", step=step) - 1  # - the loss
-        wire = ledger.total(op="all_reduce", group="dp_cp", step=step, field="wire_bytes")
-        e = getattr(model, "reduce_dtype", torch.float32).itemsize  # bytes on the wire
+        grads = ledger.total(op="all_reduce", group=group, step=step) - 1  # - the loss
+        sent = ledger.total(op="all_reduce", group=group, step=step, field="wire_bytes")
         lines.append(f"gradients all-reduced in step {step}: {grads:,.0f} elements (Psi = "
-                     f"{psi:,}); ring volume per rank 2(N-1)/N x {e} Psi = "
-                     f"{2 * (n - 1) / n * e * psi / 1e6:.3f} MB (ledger: {wire / 1e6:.3f} MB, "
+                     f"{psi:,}); ring volume per rank 2(N-1)/N x 4 Psi = "
+                     f"{2 * (n - 1) / n * 4 * psi / 1e6:.3f} MB (ledger: {sent / 1e6:.3f} MB, "
                      f"with the loss)")
     return "\n".join(lines)
 
 
 def apply_data_parallel(model: nn.Module, pgm: Optional[ProcessGroupManager],
-                        impl: str = "scaletorch", bucket_size_mb: float = 25.0,
-                        reduce_dtype: Optional[torch.dtype] = None) -> nn.Module:
-    """Wrap ``model`` for data parallel over ``pgm.data_parallel_group_with_context``.
+                        impl: str = "scaletorch", bucket_size_mb: float = 25.0) -> nn.Module:
+    """Wrap ``model`` for data parallel over ``pgm.gradient_sync_group`` (the data-parallel
+    ranks; chapter 05 adds its context-parallel ranks to it).
 
     impl: "naive" (all-reduce per parameter after backward), "scaletorch" (bucketed, overlapped)
-    or "torch" (torch.nn.parallel.DistributedDataParallel). ``reduce_dtype``: what our wrappers
-    reduce gradients in (None: fp32; torch's DDP takes chapter 08's comm hook for it,
-    mixed_precision.py). Returns the wrapper.
+    or "torch" (torch.nn.parallel.DistributedDataParallel). Returns the wrapper, which reduces
+    in fp32 (chapter 08 changes that from mixed_precision.py).
     """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {', '.join(IMPLS)}, got {impl!r}")
     if not bucket_size_mb > 0:
         raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb}")
-    group = None if pgm is None else pgm.data_parallel_group_with_context
+    group = None if pgm is None else pgm.gradient_sync_group
     if impl == "torch" and not dist.is_initialized():
         raise ValueError("impl 'torch' (DistributedDataParallel) needs a process group: "
                          "launch with torchrun, or use impl 'scaletorch' on one process")
     if impl == "naive":
-        return NaiveDataParallel(model, group, reduce_dtype)
+        return NaiveDataParallel(model, group)
     if impl == "scaletorch":
-        return BucketedDataParallel(model, group, bucket_size_mb, reduce_dtype)
-    if reduce_dtype not in (None, torch.float32):  # chapter 08 registers a comm hook for it
-        raise ValueError(f"impl 'torch' reduces in fp32 here, got reduce_dtype {reduce_dtype}")
+        return BucketedDataParallel(model, group, bucket_size_mb)
     device = next(model.parameters()).device
     return TorchDataParallel(model, device_ids=None if device.type == "cpu" else [device.index],
                              process_group=group, bucket_cap_mb=bucket_size_mb)

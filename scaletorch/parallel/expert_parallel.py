@@ -42,6 +42,7 @@ from functools import partial
 from typing import Any, Callable, Dict, List, Optional, Tuple, cast
 
 import torch
+from jaxtyping import Float
 from torch import nn
 
 from scaletorch.dist import ProcessGroupManager, comm, get_ledger
@@ -87,9 +88,14 @@ def by_local_expert(recv_table: List[List[int]], device: torch.device) -> torch.
     return torch.tensor(order, dtype=torch.long, device=device)
 
 
+# What one ep rank holds (jaxtyping; tests/test_ddp_and_expert_shapes.py checks it at run time):
+Routed = Float[torch.Tensor, "N h"]  # N rows: each token of this rank once per expert it chose
+ForMyExperts = Float[torch.Tensor, "M h"]  # M rows for this rank's experts, from every ep rank
+
+
 # [core: dispatch-and-combine]
-def dispatch_tokens(routed: torch.Tensor, send_table: List[List[int]], recv_table: List[List[int]],
-                    group: Group) -> torch.Tensor:
+def dispatch_tokens(routed: Routed, send_table: List[List[int]], recv_table: List[List[int]],
+                    group: Group) -> ForMyExperts:
     """Send each routed token to the ep rank of its expert: routed (N, h), grouped by global
     expert, so send_table[j][l] rows (j, l in order) are for expert l of ep rank j;
     recv_table[i][l]: rows ep rank i sends to my local expert l. One differentiable all-to-all
@@ -101,8 +107,8 @@ def dispatch_tokens(routed: torch.Tensor, send_table: List[List[int]], recv_tabl
     return received[by_local_expert(recv_table, routed.device)]  # by (source rank) -> by expert
 
 
-def combine_tokens(out: torch.Tensor, send_table: List[List[int]], recv_table: List[List[int]],
-                   group: Group) -> torch.Tensor:
+def combine_tokens(out: ForMyExperts, send_table: List[List[int]], recv_table: List[List[int]],
+                   group: Group) -> Routed:
     """Bring each expert output back to its token's rank: out (M, h), grouped by local expert
     as ``dispatch_tokens`` returned the tokens; the regrouping undone (rows by source rank
     again), then the reverse all-to-all over ``group`` ("ep", differentiable): returns (N, h),

@@ -21,10 +21,10 @@ lost); the forward and backward compute in the autocast dtype (``training.precis
 Gradients are accumulated in fp32 (DDP's buckets, ZeRO-1's flat buffer, every shard's .grad):
 micro-batches add up there, and the optimizer reads fp32. Only the wire is low precision.
 
-The policy attaches from here to chapters 01 and 02, which take plain dtypes: DDP's
-``reduce_dtype`` (``apply_data_parallel_in``: torch's DDP gets ``reduce_dtype_hook``), ZeRO's
-``param_dtype`` and ``reduce_dtype`` arguments with ``disable_autocast_cache_per_unit``, and
-FSDP2's ``mp_policy`` (``fsdp_mp_policy``).
+The policy attaches from here to chapters 01 and 02: DDP reduces in ``reduce_dtype`` through
+its subclasses (``apply_data_parallel_in``, ddp_reduce_dtype.py; torch's DDP: a comm hook),
+ZeRO takes ``param_dtype`` and ``reduce_dtype`` arguments with
+``disable_autocast_cache_per_unit``, and FSDP2 its ``mp_policy`` (``fsdp_mp_policy``).
 
 fp16 (5 exponent bits, largest finite 65504, smallest normal 6e-5) needs a loss scale: the
 gradients of a loss of ~4 are often below 6e-5 and would flush to zero. ``DynamicLossScaler``
@@ -45,11 +45,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy as FSDPMixedPrecision
-from torch.nn.parallel import DistributedDataParallel
 
 from scaletorch.config import Config, resolve_precision
-from scaletorch.dist import ProcessGroupManager, comm
-from scaletorch.parallel.data_parallel import apply_data_parallel
+from scaletorch.dist import ProcessGroupManager
+from scaletorch.parallel.ddp_reduce_dtype import apply_data_parallel_in
 from scaletorch.parallel.loss_scale import unscale_and_check, update_scale
 from scaletorch.parallel.moe_pipeline import MoELossInPipeline
 from scaletorch.parallel.pipeline_runtime import LossFn, PipelineSchedule, StageHooks
@@ -193,45 +192,6 @@ def tensor_parallel_wire_in_compute(model: nn.Module) -> None:
             module.__class__ = _NormEntersInCompute
         elif type(module) is VocabParallelEmbedding:
             module.__class__ = _EmbeddingLeavesInCompute
-
-
-def reduce_in(policy: Optional[MixedPrecisionPolicy], grad: torch.Tensor) -> torch.Tensor:
-    """``grad`` as it crosses the wire: itself if already in ``reduce_dtype``, else a copy."""
-    dtype = (policy or FP32).reduce_dtype
-    return grad if grad.dtype == dtype else grad.to(dtype)
-
-
-def reduce_dtype_hook(state: Tuple[Optional[dist.ProcessGroup], torch.dtype],
-                      bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """torch DDP's comm hook for ``reduce_dtype`` (``state`` = (group, dtype)): torch's
-    ``bf16_compress_hook``, on any backend (torch's needs NCCL). The fp32 bucket is cast to the
-    dtype and divided by N, all-reduced (in our ledger), and the average cast back into it."""
-    group, dtype = state
-    grad = bucket.buffer()
-    wire = grad.to(dtype).div_(comm.group_size(group))
-    work = comm.all_reduce(wire, group, async_op=True)
-
-    def back(fut: torch.futures.Future) -> torch.Tensor:
-        return grad.copy_(wire)
-
-    if work is None:  # one rank: nothing to wait for
-        done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-        done.set_result(grad.copy_(wire))
-        return done
-    return work.get_future().then(back)
-
-
-def apply_data_parallel_in(reduce_dtype: torch.dtype, model: nn.Module, pgm: ProcessGroupManager,
-                           impl: str, bucket_size_mb: float) -> nn.Module:
-    """Chapter 01's ``apply_data_parallel`` reducing gradients in ``reduce_dtype``: our wrappers
-    take the dtype, torch's DDP takes ``reduce_dtype_hook`` as its comm hook."""
-    if impl != "torch":
-        return apply_data_parallel(model, pgm, impl, bucket_size_mb, reduce_dtype)
-    ddp = cast(DistributedDataParallel, apply_data_parallel(model, pgm, impl, bucket_size_mb))
-    if reduce_dtype != torch.float32:
-        ddp.register_comm_hook((pgm.data_parallel_group_with_context, reduce_dtype),
-                               reduce_dtype_hook)
-    return ddp
 
 
 def fsdp_mp_policy(policy: Optional[MixedPrecisionPolicy]) -> FSDPMixedPrecision:

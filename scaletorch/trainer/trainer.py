@@ -119,8 +119,8 @@ class Trainer:
                 forward_backward = make_data_parallel_step(model, cfg.data.num_micro_batches,
                                                            pgm.data_parallel_rank,
                                                            pgm.data_parallel_world_size,
-                                                           pgm.data_parallel_group_with_context,
-                                                           loss_fn, scaler=scaler)
+                                                           pgm.gradient_sync_group, loss_fn,
+                                                           scaler=scaler)
         if fp16 and scaler is None:
             raise ValueError("training.precision fp16: this step does not scale the loss (pass "
                              "the DynamicLossScaler its forward_backward uses)")
