@@ -25,8 +25,7 @@ from typing import List, Optional
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from scripts.grading import tensor  # noqa: E402
-from scripts.grading import context, ddp, expert, loss_scale, pipeline, variants
+from scripts.grading import context, ddp, expert, loss_scale, pipeline, tensor, variants
 
 CHAPTERS = {
     ddp.CHAPTER: (ddp, "examples/exercises/01_ddp.py"),
