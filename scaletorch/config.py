@@ -55,7 +55,7 @@ class ParallelConfig:
     # 0: whatever the world size leaves; else must match it
     data_parallel_size: int = checked(0, at_least(0))
     # ours, by hand | plain data parallel (01 only) | torch's native strategies
-    impl: str = checked("scaletorch", one_of("scaletorch", "naive", "torch"))
+    impl: str = checked("ours", one_of("ours", "naive", "torch"))
     bucket_size_mb: float = checked(25.0, positive())  # DDP gradient bucket size
     zero_stage: int = checked(0, one_of(0, 1, 2, 3))  # 0: plain data parallel; 1-3: ZeRO
     sequence_parallel: bool = checked(False)

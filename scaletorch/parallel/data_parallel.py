@@ -49,7 +49,7 @@ from scaletorch.parallel.gradient_sync import (average_gradients, launch_full_bu
 from scaletorch.parallel.wrapper import ModuleWrapper
 from scaletorch.rules.buckets import ddp_buckets
 
-IMPLS = ("naive", "scaletorch", "torch")
+IMPLS = ("naive", "ours", "torch")
 
 
 class _DataParallel(ModuleWrapper, nn.Module):
@@ -337,12 +337,12 @@ def ddp_report(model: nn.Module, pgm: ProcessGroupManager, impl: str, step: int)
     return "\n".join(lines)
 
 
-def apply_data_parallel(model: nn.Module, pgm: Optional[ProcessGroupManager],
-                        impl: str = "scaletorch", bucket_size_mb: float = 25.0,
+def apply_data_parallel(model: nn.Module, pgm: Optional[ProcessGroupManager], impl: str = "ours",
+                        bucket_size_mb: float = 25.0,
                         reduce_dtype: Optional[torch.dtype] = None) -> nn.Module:
     """Wrap ``model`` for data parallel over ``pgm.data_parallel_group_with_context``.
 
-    impl: "naive" (all-reduce per parameter after backward), "scaletorch" (bucketed, overlapped)
+    impl: "naive" (all-reduce per parameter after backward), "ours" (bucketed, overlapped)
     or "torch" (torch.nn.parallel.DistributedDataParallel). ``reduce_dtype``: what our wrappers
     reduce gradients in (None: fp32; torch's DDP takes chapter 08's comm hook for it,
     mixed_precision.py). Returns the wrapper.
@@ -354,10 +354,10 @@ def apply_data_parallel(model: nn.Module, pgm: Optional[ProcessGroupManager],
     group = None if pgm is None else pgm.data_parallel_group_with_context
     if impl == "torch" and not dist.is_initialized():
         raise ValueError("impl 'torch' (DistributedDataParallel) needs a process group: "
-                         "launch with torchrun, or use impl 'scaletorch' on one process")
+                         "launch with torchrun, or use impl 'ours' on one process")
     if impl == "naive":
         return NaiveDataParallel(model, group, reduce_dtype)
-    if impl == "scaletorch":
+    if impl == "ours":
         return BucketedDataParallel(model, group, bucket_size_mb, reduce_dtype)
     if reduce_dtype not in (None, torch.float32):  # chapter 08 registers a comm hook for it
         raise ValueError(f"impl 'torch' reduces in fp32 here, got reduce_dtype {reduce_dtype}")

@@ -32,7 +32,7 @@ through it, so a run saved at one layout resumes at any other.
 ``parallel.impl`` picks whose version runs, so every native comparison of the N-D layouts
 goes through this same call (chapters 07, 08 and 10 use ``parallelize``):
 
-    scaletorch  ours, by hand, every combination above
+    ours        this repository's, by hand, every combination above
     naive       data parallel as one all-reduce per parameter after backward (chapter 01)
     torch       PyTorch's own, composed on one DeviceMesh (native.py): DTensor
                 ``parallelize_module`` over "tp", torch.distributed.pipelining over "pp",
