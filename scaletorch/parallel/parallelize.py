@@ -196,6 +196,7 @@ def parallelize(model: Llama, cfg: "Config", pgm: ProcessGroupManager, device: t
     model = model.to(device)
     if p.impl == "torch":  # PyTorch's own strategies on one DeviceMesh (native.py)
         return Parallelized(*parallelize_native(model, cfg, pgm, precision, recompute))
+    # [core: order]
     loss: LossFn = loss_fn
     shard_sequence: Optional[Callable] = None
     if cfg.model.num_experts > 0:  # 1 (also at ep 1: the routing statistics over dp_cp)
@@ -223,6 +224,7 @@ def parallelize(model: Llama, cfg: "Config", pgm: ProcessGroupManager, device: t
     plain = plain_entries(modules)
 
     wrapped, optimizer = _apply_data_parallel(modules, cfg, pgm, precision, tied)  # 6
+    # [end: order]
     zero = [w for w in wrapped if isinstance(w, ShardedDataParallel)]
     layout = TensorLayout(pgm, splits, zero_entries(zero) if zero else plain, pipe)
 
