@@ -6,8 +6,9 @@
     scripts/launch.sh examples/01_ddp.py --nproc-per-node 2 -- --impl torch --check
 
 Chapter 00 plus one call, ``apply_data_parallel``: it wraps the model so that backward
-averages the gradients over the data-parallel ranks (``--impl naive``: one all-reduce per
-parameter; ``scaletorch``: our bucketed DDP; ``torch``: PyTorch's DistributedDataParallel).
+averages the gradients over the data-parallel ranks (``--impl naive``: per-parameter
+all-reduce after backward; ``ours``: bucketed, overlapped with backward; ``torch``: PyTorch's
+DistributedDataParallel).
 Then it prints the gradient traffic of the last step (a ring all-reduce of Psi fp32 elements
 moves 2 (N-1)/N x 4 Psi bytes per rank), for the bucketed DDP how many all-reduces each rank
 had in flight while backward was still computing (``--verbose``: every bucket's), and the
@@ -26,6 +27,9 @@ from scaletorch.parallel.memory_report import memory_table
 from scaletorch.parallel.overlap_chart import (OverlapRecorder, format_overlap, format_timeline,
                                                record_overlap)
 from scaletorch.trainer import Trainer, check_against_reference, load_config
+
+HELP = ("Chapter 01: data parallel (DDP). --impl naive: per-parameter all-reduce after backward; "
+        "ours: bucketed, overlapped with backward; torch: DistributedDataParallel")
 
 
 def limits(cfg, world_size: int) -> None:
@@ -47,7 +51,7 @@ def limits(cfg, world_size: int) -> None:
 
 
 def main() -> int:
-    cfg = load_config("examples/configs/01_ddp.yaml", "Chapter 01: data parallel (DDP)", limits)
+    cfg = load_config("examples/configs/01_ddp.yaml", HELP, limits)
     env = init_distributed(cfg.training.timeout_seconds)
     p = cfg.parallel
     pgm = init_pg_manager_from_config(p, cfg.training.timeout_seconds)

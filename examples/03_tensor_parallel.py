@@ -48,12 +48,12 @@ def limits(cfg, world_size: int) -> None:
         "num_experts": cfg.model.num_experts > 0,
         "activation_checkpointing": p.activation_checkpointing != "none",
         "reduce_dtype": p.reduce_dtype != "fp32",
-        "impl": p.impl not in ("scaletorch", "torch"),
+        "impl": p.impl not in ("ours", "torch"),
         "tp 1": p.tensor_model_parallel_size == 1
     }
     if any(later.values()):
         raise ValueError(f"03_tensor_parallel is tp > 1 beside plain data parallel, impl "
-                         f"scaletorch or torch; {', '.join(k for k, v in later.items() if v)}: "
+                         f"ours or torch; {', '.join(k for k, v in later.items() if v)}: "
                          f"run chapter 07 (10 adds recomputation)")
     vocab, tp = cfg.model.vocab_size, p.tensor_model_parallel_size
     if vocab % tp != 0:  # the vocabulary splits evenly here; chapter 10 pads one that does not

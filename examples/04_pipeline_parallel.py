@@ -47,7 +47,7 @@ def limits(cfg, world_size: int) -> None:
                          f"{p.schedule} with impl {p.impl} runs in the general runtime: run "
                          f"examples/04b_zero_bubble.py")
     if p.context_parallel_size > 1 or p.expert_model_parallel_size > 1 or p.impl == "naive":
-        raise ValueError("04_pipeline_parallel composes pp with dp and tp (impl scaletorch); "
+        raise ValueError("04_pipeline_parallel composes pp with dp and tp (impl ours); "
                          "context and expert parallel join in 07_nd_parallel")
     if p.pipeline_model_parallel_size < 2:
         raise ValueError(f"04_pipeline_parallel needs pipeline_model_parallel_size >= 2 (--pp), "

@@ -49,7 +49,7 @@ def limits(cfg, world_size: int) -> None:
     """This chapter's scope (load_config checks it with the layout, before anything starts)."""
     p, t = cfg.parallel, cfg.training
     if p.context_parallel_size > 1 or p.expert_model_parallel_size > 1 or p.impl == "naive":
-        raise ValueError("04b_zero_bubble composes pp with dp and tp (impl scaletorch or "
+        raise ValueError("04b_zero_bubble composes pp with dp and tp (impl ours or "
                          "torch); context and expert parallel join in 07_nd_parallel")
     if p.pipeline_model_parallel_size < 2:
         raise ValueError(f"04b_zero_bubble needs pipeline_model_parallel_size >= 2 (--pp), "
@@ -60,7 +60,7 @@ def limits(cfg, world_size: int) -> None:
                          f"DDP cannot follow a backward split in B and W (its reducer sees each "
                          f"parameter twice and asserts in step 2; with find_unused_parameters "
                          f"zbv at pp 2 x dp 2 trains 3.4e-2 off in 6 steps); run dp 1 "
-                         f"(--nproc-per-node = pp x tp), or --impl scaletorch")
+                         f"(--nproc-per-node = pp x tp), or --impl ours")
     later = {
         "--zero-stage": p.zero_stage > 0,
         "tied embeddings": cfg.model.tie_word_embeddings,

@@ -37,12 +37,12 @@ def limits(cfg, world_size: int) -> None:
         "--pp": p.pipeline_model_parallel_size > 1,
         "--cp": p.context_parallel_size > 1,
         "--sequence-parallel": p.sequence_parallel,
-        f"--impl {p.impl}": p.impl != "scaletorch",
+        f"--impl {p.impl}": p.impl != "ours",
         "--activation-checkpointing": recompute_mode(p.activation_checkpointing) != "none",
         "--training.precision fp16": cfg.training.precision == "fp16",
     }
     if any(later.values()):
-        raise ValueError(f"06_expert_parallel composes ep with dp and tp (impl scaletorch); "
+        raise ValueError(f"06_expert_parallel composes ep with dp and tp (impl ours); "
                          f"{', '.join(k for k, v in later.items() if v)}: run "
                          f"examples/07_nd_parallel.py, which composes every strategy (fp16: 08, "
                          f"recomputation: 10)")

@@ -34,7 +34,7 @@ def limits(cfg, world_size: int) -> None:
     p = cfg.parallel
     if max(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size,
            p.expert_model_parallel_size) > 1 or p.impl == "torch":
-        raise ValueError("08_mixed_precision runs our data parallel and ZeRO (impl scaletorch or "
+        raise ValueError("08_mixed_precision runs our data parallel and ZeRO (impl ours or "
                          "naive, tp = pp = cp = ep = 1): those reduce in parallel.reduce_dtype")
 
 

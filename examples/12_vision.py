@@ -39,7 +39,7 @@ from scaletorch.trainer.vision_loop import (PRECISIONS, VisionSettings, largest_
 
 def parse(argv: Optional[List[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--impl", choices=("scaletorch", "torch"), default="scaletorch")
+    p.add_argument("--impl", choices=("ours", "torch"), default="ours")
     p.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=0)
     p.add_argument("--batchnorm", choices=BN_MODES, default="sync")
     p.add_argument("--model", choices=("tiny", "resnet18"), default="tiny")

@@ -56,7 +56,7 @@ class ParallelConfig:
     # 0: whatever the world size leaves; else must match it
     data_parallel_size: int = checked(0, at_least(0))
     # ours, by hand | plain data parallel (01 only) | torch's native strategies
-    impl: str = checked("scaletorch", one_of("scaletorch", "naive", "torch"))
+    impl: str = checked("ours", one_of("ours", "naive", "torch"))
     # DDP's gradient bucket size: naive data parallel has no buckets, ZeRO its own flat units
     bucket_size_mb: float = checked(
         25.0, unless(unless(positive(), "impl", "naive"), "zero_stage", 1, 2, 3))

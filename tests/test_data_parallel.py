@@ -117,16 +117,16 @@ def _mechanics(rank: int, world: int) -> dict:
     loader = build_loader(cfg)
     inputs, targets = loader.get_batch(0)
     shard = slice(rank * 4, rank * 4 + 4)
-    for impl in ("naive", "scaletorch"):
+    for impl in ("naive", "ours"):
         model = apply_data_parallel(build_model(cfg.model, seed=1), pgm, impl, SMALL_BUCKET_MB)
-        if impl == "scaletorch":
+        if impl == "ours":
             model = record_overlap(model)  # chapter 01's chart, attached from outside
         get_ledger().clear()
         forward_backward(model, inputs[shard], targets[shard], num_micro_batches=2)
         records = get_ledger().select(op="all_reduce")
         elements = sum(r.elements for r in records)
         out[f"ledger_{impl}"] = (elements, len(records), model.num_parameters())
-        if impl == "scaletorch":
+        if impl == "ours":
             out["launches"] = [(x.index, x.in_backward, x.grads_pending, x.t_launch
                                 < model.timeline.t_backward_end) for x in model.timeline.launches]
             out["bucket_params"] = [b.param_ids for b in model.buckets]
@@ -134,10 +134,10 @@ def _mechanics(rank: int, world: int) -> dict:
             out["num_params"] = len(model.params)
             out["timeline"] = format_timeline(model.timeline)
     # A plain loop (no finish_grad_sync): the end-of-backward callback syncs.
-    model = apply_data_parallel(build_model(cfg.model, seed=1), pgm, "scaletorch", 25.0)
+    model = apply_data_parallel(build_model(cfg.model, seed=1), pgm, "ours", 25.0)
     loss_fn(model(inputs[shard]), targets[shard]).backward()
     out["plain_loop_grads"] = {n: p.grad.clone() for n, p in model.module.named_parameters()}
-    out["toy"] = {impl: _toy_grads(rank, world, impl) for impl in ("naive", "scaletorch")}
+    out["toy"] = {impl: _toy_grads(rank, world, impl) for impl in ("naive", "ours")}
     destroy_pg_manager()
     return out
 
@@ -191,7 +191,7 @@ class DataParallel2Mechanics(unittest.TestCase):
 
     def test_accumulation_all_reduces_each_gradient_once_not_per_micro_batch(self):
         res = self.results[0]
-        elements, calls, psi = res["ledger_scaletorch"]
+        elements, calls, psi = res["ledger_ours"]
         self.assertEqual(elements, psi)
         self.assertEqual(calls, len(res["bucket_params"]))  # one all-reduce per bucket
         elements, calls, psi = res["ledger_naive"]
@@ -218,7 +218,7 @@ class DataParallel2Mechanics(unittest.TestCase):
             self.assertIn("bucket 0", res["timeline"])
 
     def test_unused_and_odd_sized_parameters_are_reduced_and_ranks_agree(self):
-        for impl in ("naive", "scaletorch"):
+        for impl in ("naive", "ours"):
             for res in self.results:
                 toy = res["toy"][impl]
                 for name, grad in toy["grads"].items():
@@ -226,7 +226,7 @@ class DataParallel2Mechanics(unittest.TestCase):
                     torch.testing.assert_close(grad, toy["expected"][name], rtol=1e-5, atol=1e-6,
                                                msg=f"{impl} {name}")
                 self.assertEqual(toy["grads"]["unused"].abs().max().item(), 0.0)  # sums of zeros
-            if impl == "scaletorch":
+            if impl == "ours":
                 self.assertGreaterEqual(self.results[0]["toy"][impl]["buckets"], 3)
 
     def test_backward_alone_syncs_without_finish_grad_sync(self):
@@ -243,7 +243,7 @@ class DataParallelRejectsBadConfig(unittest.TestCase):
         model = build_model(_config().model, seed=0)
         for size in (0, -1.0, float("nan")):
             with self.assertRaisesRegex(ValueError, "bucket_size_mb must be positive"):
-                apply_data_parallel(model, None, "scaletorch", size)
+                apply_data_parallel(model, None, "ours", size)
             with self.assertRaisesRegex(ValueError, "bucket_size_mb must be positive"):
                 BucketedDataParallel(model, None, size)
         with self.assertRaisesRegex(ValueError, "impl must be one of"):
@@ -258,7 +258,7 @@ class DataParallelRejectsBadConfig(unittest.TestCase):
         with self.assertRaisesRegex(ValueError, "takes a BucketedDataParallel, got "
                                     "NaiveDataParallel"):
             record_overlap(apply_data_parallel(model, None, "naive"))
-        bucketed = apply_data_parallel(model, None, "scaletorch", SMALL_BUCKET_MB)
+        bucketed = apply_data_parallel(model, None, "ours", SMALL_BUCKET_MB)
         buckets = list(bucketed.buckets)
         recorder = record_overlap(bucketed)  # in place: the same buckets, nothing recorded yet
         self.assertIs(recorder, bucketed)
@@ -267,7 +267,7 @@ class DataParallelRejectsBadConfig(unittest.TestCase):
 
     def test_wrapper_state_dict_is_the_model_state_dict(self):
         model = build_model(_config().model, seed=0)
-        wrapped = apply_data_parallel(model, None, "scaletorch")
+        wrapped = apply_data_parallel(model, None, "ours")
         self.assertEqual(list(wrapped.state_dict()), list(model.state_dict()))
         wrapped.load_state_dict(build_model(_config().model, seed=1).state_dict())
         self.assertEqual(wrapped.num_parameters(), model.num_parameters())

@@ -65,7 +65,7 @@ def world(rank: int, world_size: int) -> dict:
     with ExitStack() as stack:
         for name, fn in core.items():  # where data_parallel.py calls them
             stack.enter_context(patched(data_parallel, name, fn))
-        for impl in ("naive", "scaletorch"):
+        for impl in ("naive", "ours"):
             model = apply_data_parallel(build_model(CONFIG, seed=0), pgm, impl, SMALL_BUCKET_MB)
             loss_fn(model(tokens[rows]), tokens[rows]).backward()
             model.finish_grad_sync()
@@ -137,7 +137,7 @@ class DataAndExpertParallelCoreShapes(unittest.TestCase):
         # fp32: the mean over 8 sequences against the mean of two means over 4, summed by the
         # all-reduce: only the order of the additions differs, a few ulps of gradients below 10
         # (fp32 ulp at 4: 4.8e-7), so 1e-6 absolute holds them
-        for impl in ("naive", "scaletorch"):
+        for impl in ("naive", "ours"):
             for rank, res in enumerate(self.results):
                 with self.subTest(impl=impl, rank=rank):
                     self.assertEqual(set(res[impl]), set(self.grads))

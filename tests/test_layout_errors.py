@@ -87,7 +87,7 @@ class RefusalsNameTheSettings(unittest.TestCase):
             "model.tie_word_embeddings true with parallel.impl 'torch' and "
             "pipeline_model_parallel_size 2", message)
         self.assertIn("stages do not share parameters across ranks", message)
-        self.assertIn("use impl 'scaletorch'", message)
+        self.assertIn("use impl 'ours'", message)
         cfg.parallel.pipeline_model_parallel_size = 1  # FSDP2 / DTensor tie without a pipeline
         validate_layout(cfg, 4)
 
@@ -96,7 +96,7 @@ class RefusalsNameTheSettings(unittest.TestCase):
         cfg.model.vocab_size = 63
         message = _error(cfg, 2)
         self.assertIn("vocab_size 63 is not divisible by tensor_model_parallel_size 2", message)
-        cfg.parallel.impl = "scaletorch"  # pads the embedding and the head to 128 x tp rows
+        cfg.parallel.impl = "ours"  # pads the embedding and the head to 128 x tp rows
         validate_layout(cfg, 2)
 
     def test_ulysses_under_tp_counts_heads_from_the_configured_numbers(self):

@@ -70,7 +70,7 @@ def reference_spread() -> dict:
 
 CASES = {  # name -> parallel config (2 ranks)
     "naive": dict(impl="naive"),
-    "bucketed": dict(impl="scaletorch", bucket_size_mb=0.01),  # several buckets
+    "bucketed": dict(impl="ours", bucket_size_mb=0.01),  # several buckets
     "zero1": dict(zero_stage=1),
     "zero2": dict(zero_stage=2),
     "zero3": dict(zero_stage=3, param_dtype="bf16"),

@@ -22,7 +22,7 @@ from tests.layouts import (STEPS, TOL, assert_parity, layout, make_config, paral
 WORLD = 8
 SAVE_AT = 3
 
-# name -> parallel config of the native run; the same sizes with impl scaletorch are "ours"
+# name -> parallel config of the native run; the same sizes with impl ours are named "ours NAME"
 NATIVE = {
     "tp2_dp4_zero3": layout(tp=2, zero_stage=3),
     "tp2_dp4": layout(tp=2),
@@ -42,10 +42,10 @@ def _checkpoints(tmp: str) -> dict:
     parity runs wrote the consolidated files). Each returns the losses of steps 3 and 4."""
     plan = {
         "torch": {
-            "ours tp2_dp4": _config("tp2_dp4", "scaletorch"),
+            "ours tp2_dp4": _config("tp2_dp4", "ours"),
             "native tp2_dp4": _config("tp2_dp4"),
         },
-        "scaletorch": {
+        "ours": {
             "native pp2_dp4_zero3": _config("pp2_dp4_zero3"),
         },
     }
@@ -73,7 +73,7 @@ def _refusals() -> dict:
 def _world(rank: int, world: int, tmp: str) -> dict:
     out = {}
     with stderr_warnings() as warnings:  # FSDP2 around pipeline chunks: no view returned
-        for impl, prefix in (("torch", ""), ("scaletorch", "ours ")):
+        for impl, prefix in (("torch", ""), ("ours", "ours ")):
             for name in NATIVE:
                 save = _saved(tmp, impl) if name == SAVED else None
                 out[prefix + name] = train(_config(name, impl), consolidated_at=save)

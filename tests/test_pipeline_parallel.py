@@ -205,26 +205,26 @@ PARITY_RUNS = {
         "layer_split": [1, 3]
     }),
     "loop_pp2_dp2_1f1b": (2, 1, "1f1b", 1, 5, 20, "loop", {}),
-    "pp4_afab": (4, 1, "afab", 1, 9, 18, "scaletorch", {}),
-    "pp4_1f1b": (4, 1, "1f1b", 1, 4, 16, "scaletorch", {}),
-    "pp4_interleaved": (4, 1, "interleaved", 2, 8, 16, "scaletorch", {}),
-    "pp2_dp2_afab_uneven": (2, 1, "afab", 1, 2, 16, "scaletorch", {
+    "pp4_afab": (4, 1, "afab", 1, 9, 18, "ours", {}),
+    "pp4_1f1b": (4, 1, "1f1b", 1, 4, 16, "ours", {}),
+    "pp4_interleaved": (4, 1, "interleaved", 2, 8, 16, "ours", {}),
+    "pp2_dp2_afab_uneven": (2, 1, "afab", 1, 2, 16, "ours", {
         "layer_split": [1, 3]
     }),
-    "pp2_dp2_1f1b": (2, 1, "1f1b", 1, 5, 20, "scaletorch", {}),
-    "pp2_dp2_interleaved": (2, 1, "interleaved", 2, 4, 16, "scaletorch", {}),
-    "pp2_tp2_1f1b": (2, 2, "1f1b", 1, 4, 16, "scaletorch", {}),
-    "pp2_tp2_sp_interleaved": (2, 2, "interleaved", 2, 2, 16, "scaletorch", {
+    "pp2_dp2_1f1b": (2, 1, "1f1b", 1, 5, 20, "ours", {}),
+    "pp2_dp2_interleaved": (2, 1, "interleaved", 2, 4, 16, "ours", {}),
+    "pp2_tp2_1f1b": (2, 2, "1f1b", 1, 4, 16, "ours", {}),
+    "pp2_tp2_sp_interleaved": (2, 2, "interleaved", 2, 2, 16, "ours", {
         "sequence_parallel": True
     }),
     # tied embeddings: a copy on the first and on the last stage, summed over the embedding group
-    "tied_pp2_dp2_1f1b": (2, 1, "1f1b", 1, 2, 8, "scaletorch", {
+    "tied_pp2_dp2_1f1b": (2, 1, "1f1b", 1, 2, 8, "ours", {
         "tied": True
     }),
-    "tied_pp2_dp2_afab": (2, 1, "afab", 1, 2, 8, "scaletorch", {
+    "tied_pp2_dp2_afab": (2, 1, "afab", 1, 2, 8, "ours", {
         "tied": True
     }),
-    "tied_pp4_interleaved": (4, 1, "interleaved", 2, 4, 8, "scaletorch", {
+    "tied_pp4_interleaved": (4, 1, "interleaved", 2, 4, 8, "ours", {
         "tied": True
     }),
     "torch_pp4_afab": (4, 1, "afab", 1, 4, 16, "torch", {}),
@@ -252,7 +252,7 @@ def build_pipeline(cfg: Config, pp: int, tp: int, schedule: str, v: int, impl: s
         untie_across_stages(model)  # a copy on the last stage (tied_embeddings.py)
     pipe = apply_pipeline_parallel(model, pgm, v, layer_split, sequence_parallel, v_shape)
     if pgm.data_parallel_world_size > 1:  # chapter 01's wrapper around each chunk
-        wrapper = "scaletorch" if impl == "loop" else impl
+        wrapper = "ours" if impl == "loop" else impl
         pipe.chunks = torch.nn.ModuleList(apply_data_parallel(c, pgm, wrapper) for c in pipe.chunks)
     cls = TorchPipelineSchedule if impl == "torch" else PipelineLoop if impl == "loop" else \
         runtime_class(schedule)
@@ -303,7 +303,7 @@ def parity_run(name: str) -> dict:
     return out
 
 
-def deadlock_run(pp: int, schedule: str, m: int, impl: str = "scaletorch") -> float:
+def deadlock_run(pp: int, schedule: str, m: int, impl: str = "ours") -> float:
     """One step of ``schedule``; returns its wall time (a deadlock would hit the timeout)."""
     v = 2 if schedule == "interleaved" else 1
     cfg = make_config(4 * v, m, 2 * m * (4 // pp))
@@ -320,7 +320,7 @@ def bubble_run(schedule: str, v: int, m: int, delay=(0.08, 0.16)):
     """pp 4 with one delayed layer per chunk: a warm-up step without the delays, then one
     timed step; returns its timeline."""
     cfg = make_config(4 * v, m, 2 * m)
-    pgm, pipe, step = build_pipeline(cfg, 4, 1, schedule, v, "scaletorch", delay=(0.0, 0.0))
+    pgm, pipe, step = build_pipeline(cfg, 4, 1, schedule, v, "ours", delay=(0.0, 0.0))
     inputs = torch.randint(0, cfg.model.vocab_size, (cfg.data.global_batch_size, 16))
     step(inputs, inputs)
     for module in pipe.modules():
@@ -519,7 +519,7 @@ class TestPipelineParallelRanks(unittest.TestCase):
             "tie_word_embeddings with a V-shaped schedule (zbv, dualpipev) and data "
             "parallel over dp_cp (2)", v_shape)
         self.assertIn("stages do not share parameters across ranks", torch_pipelining)
-        self.assertIn("use impl scaletorch", torch_pipelining)
+        self.assertIn("use impl ours", torch_pipelining)
 
 
 if __name__ == "__main__":

@@ -117,7 +117,7 @@ def gradient_divided_by_n_twice() -> ContextManager:
 def averaged_over_dp_not_dp_cp() -> ContextManager:
     """Context parallel: gradients averaged over "dp" (1 rank here) instead of "dp_cp"."""
 
-    def wrap(model, pgm, impl="scaletorch", bucket_size_mb=25.0):
+    def wrap(model, pgm, impl="ours", bucket_size_mb=25.0):
         return BucketedDataParallel(model, pgm.data_parallel_group, bucket_size_mb)
 
     # parallelize wraps through chapter 08's precision hooks when given (tests/layouts.build),

@@ -37,7 +37,7 @@ def _train_each(rank: int, world: int, run_dir: str) -> Dict[str, List]:
         cfg.logging.run_dir, cfg.logging.log_every = run_dir, 5
         cfg.logging.name, cfg.logging.verbose = name.replace(" ", "_"), name == "equal"
         model = build_model(cfg.model, seed=cfg.training.model_seed)
-        model = apply_data_parallel(model, pgm, "scaletorch", cfg.parallel.bucket_size_mb)
+        model = apply_data_parallel(model, pgm, "ours", cfg.parallel.bucket_size_mb)
         ddp = make_data_parallel_step(model, 1, pgm.data_parallel_rank,
                                       pgm.data_parallel_world_size,
                                       pgm.data_parallel_group_with_context)

@@ -35,10 +35,10 @@ MODEL = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_lay
                     num_attention_heads=8, num_key_value_heads=4, max_seq_len=32)
 # name: (tensor_model_parallel_size, sequence_parallel, num_micro_batches, impl)
 LAYOUTS = {
-    "tp4": (4, False, 1, "scaletorch"),
-    "tp4_sp": (4, True, 1, "scaletorch"),
-    "tp2_dp2_micro2": (2, False, 2, "scaletorch"),
-    "tp2_dp2_sp": (2, True, 1, "scaletorch"),
+    "tp4": (4, False, 1, "ours"),
+    "tp4_sp": (4, True, 1, "ours"),
+    "tp2_dp2_micro2": (2, False, 2, "ours"),
+    "tp2_dp2_sp": (2, True, 1, "ours"),
     "dtensor_tp4": (4, False, 1, "torch"),
     "dtensor_tp4_sp": (4, True, 1, "torch"),
 }
@@ -155,7 +155,7 @@ def _train(rank: int, cfg: Config, impl: str) -> dict:
             tp_model, pgm)
         model = tp_model
         if pgm.data_parallel_world_size > 1:
-            model = apply_data_parallel(tp_model, pgm, "scaletorch")
+            model = apply_data_parallel(tp_model, pgm, "ours")
     local_numel = sum(p.numel() for p in model.parameters())
     step = make_data_parallel_step(model, cfg.data.num_micro_batches, pgm.data_parallel_rank,
                                    pgm.data_parallel_world_size,

@@ -36,9 +36,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # contract's tolerance. Per-rank statistics moved them by 6e-2 (measured), 6000x above it.
 TOLERANCE = 1e-5
 STEPS, BATCH, LR = 4, 8, 1e-2  # 8 images: 2 per rank at 4 ranks, per-rank statistics differ
-SYNC_CASES = [("scaletorch", 0), ("scaletorch", 1), ("scaletorch", 2), ("scaletorch", 3),
-              ("torch", 0), ("torch", 3)]
-CASES = [(impl, z, "sync") for impl, z in SYNC_CASES] + [("scaletorch", 0, "per-rank"),
+SYNC_CASES = [("ours", 0), ("ours", 1), ("ours", 2), ("ours", 3), ("torch", 0), ("torch", 3)]
+CASES = [(impl, z, "sync") for impl, z in SYNC_CASES] + [("ours", 0, "per-rank"),
                                                          ("torch", 3, "per-rank")]
 CPU = torch.device("cpu")
 Run = Tuple[List[float], List[float], Dict[str, torch.Tensor]]
@@ -101,7 +100,7 @@ def _two_ranks(rank: int, world: int, tmp: str, folder: str) -> Dict[str, Any]:
     # layer's output is fp32 BatchNorm of the whole batch, rounded once to bf16
     get_ledger().clear()
     model = build_resnet(tiny_resnet_config(), 0)
-    run = parallelize_resnet(model, pgm, "scaletorch", 0, "sync", LR)
+    run = parallelize_resnet(model, pgm, "ours", 0, "sync", LR)
     train_resnet(run, _loader(), VisionSettings(steps=2, lr=LR, precision="bf16"), pgm, CPU)
     records = get_ledger().select(group="bn")
     out["bn_wire_itemsize"] = sorted({r.bytes // r.elements for r in records})
@@ -118,7 +117,7 @@ def _two_ranks(rank: int, world: int, tmp: str, folder: str) -> Dict[str, Any]:
                          (mine.float() - whole.chunk(world)[rank].float()).abs().max().item(),
                          whole.float().abs().max().item())
     # resume: checkpoints every 2 steps, killed in step 5, restarted: equal to 6 steps straight
-    for impl, z in (("scaletorch", 3), ("torch", 3), ("scaletorch", 0)):
+    for impl, z in (("ours", 3), ("torch", 3), ("ours", 0)):
         whole_run = _train(pgm, impl, z, "sync", VisionSettings(steps=6, lr=LR))
         ckpt = os.path.join(tmp, f"{impl}{z}")
         kept = VisionSettings(steps=6, lr=LR, checkpoint_dir=ckpt, checkpoint_every=2)
@@ -126,8 +125,8 @@ def _two_ranks(rank: int, world: int, tmp: str, folder: str) -> Dict[str, Any]:
         kept.resume = True
         resumed = _train(pgm, impl, z, "sync", kept)
         out[f"resume {impl} {z}"] = (whole_run, resumed)
-    out["folder"] = _train(pgm, "scaletorch", 0, "sync", VisionSettings(steps=STEPS, lr=LR), folder)
-    for impl, z in (("scaletorch", 3), ("torch", 3)):  # activations (b, H, W, C) in memory
+    out["folder"] = _train(pgm, "ours", 0, "sync", VisionSettings(steps=STEPS, lr=LR), folder)
+    for impl, z in (("ours", 3), ("torch", 3)):  # activations (b, H, W, C) in memory
         settings = VisionSettings(steps=STEPS, lr=LR)
         out[f"channels_last {impl} {z}"] = _train(pgm, impl, z, "sync", settings,
                                                   channels_last=True)
@@ -176,7 +175,7 @@ class _World:
                            f"{impl} zero {z} at {self.world} ranks")  # type: ignore[arg-type]
 
     def test_per_rank_statistics_exceed_the_tolerance(self) -> None:
-        for key in ("scaletorch 0 per-rank", "torch 3 per-rank"):
+        for key in ("ours 0 per-rank", "torch 3 per-rank"):
             got = self.out[0][key][0]
             dev = largest_deviation(got[2], self.ref[2])
             dloss = max(abs(a - b) for a, b in zip(got[0], self.ref[0]))
@@ -196,7 +195,7 @@ class _World:
             self.assertAlmostEqual(  # type: ignore[attr-defined]
                 ledger["wire_bytes"], 2 * (n - 1) / n * 4 * elements, places=6)
         # per-rank statistics, our wrapper: the buffers' average, 2C per layer, once a step
-        ledger = self.out[0]["scaletorch 0 per-rank"][1]
+        ledger = self.out[0]["ours 0 per-rank"][1]
         self.assertEqual(ledger["elements"], 2 * sum(channels))  # type: ignore[attr-defined]
 
     @bit_exact
@@ -238,14 +237,14 @@ class TwoRanksTest(_World, unittest.TestCase):
 
     @bit_exact
     def test_resume_after_a_kill_equals_the_uninterrupted_run(self) -> None:
-        for key in ("resume scaletorch 3", "resume torch 3", "resume scaletorch 0"):
+        for key in ("resume ours 3", "resume torch 3", "resume ours 0"):
             whole, resumed = self.out[0][key]
             self.assertEqual(resumed[0], whole[0][4:], key)  # restarted at step 4: exact
             dev = largest_deviation(resumed[2], whole[2])
             self.assertEqual(dev, {"weight": 0.0, "buffer": 0.0}, key)
 
     def test_channels_last_matches_single_device(self) -> None:
-        for key in ("channels_last scaletorch 3", "channels_last torch 3"):
+        for key in ("channels_last ours 3", "channels_last torch 3"):
             _assert_parity(self, self.out[0][key], self.ref, key)
 
     def test_an_image_folder_trains_and_matches_single_device(self) -> None:

@@ -244,7 +244,7 @@ def bubble_run(schedule: str, v: int, steps: int) -> dict:
     """p = 4, m = 8, 8 layers: every stage's F, B and W sleep DELAY in all (each layer of a
     chunk its share). One step without delays (warm-up), then ``steps`` timed steps."""
     cfg = pipeline_config(8, 8, 16)
-    pgm, pipe, step = build_pipeline(cfg, 4, 1, schedule, v, "scaletorch", delay=(0.0, 0.0))
+    pgm, pipe, step = build_pipeline(cfg, 4, 1, schedule, v, "ours", delay=(0.0, 0.0))
     # attached from outside (chapter 09's meter); its hooks hide saved tensors from outer ones
     meter = ActivationMeter(list(pipe.parameters()), enabled=True)
     step.hooks.append(meter)

@@ -127,6 +127,7 @@ def _members(traces: Dict[int, dict]) -> Dict[str, List[int]]:
     return members
 
 
+# [core: first-disagreement]
 def disagreements(traces: Dict[int, dict]) -> List[Tuple[Call, Dict[int, Call], List[int]]]:
     """Per group, the first collective that some rank of the group did not issue as its call of
     the same number (another op, other sizes, or none): (call, {rank: its call}, group ranks).
@@ -160,6 +161,7 @@ def disagreements(traces: Dict[int, dict]) -> List[Tuple[Call, Dict[int, Call], 
     return sorted(first.values(), key=lambda f: (-f[0].seq, f[0].time_ns))
 
 
+# [end: first-disagreement]
 def analyze(traces: Dict[int, dict]) -> List[str]:
     """Lines naming the first collective the ranks disagree on, and where each rank stopped."""
     lines = []

@@ -48,7 +48,7 @@ from scaletorch.parallel.gradient_sync import (average_gradients, launch_full_bu
 from scaletorch.parallel.wrapper import ModuleWrapper
 from scaletorch.rules.buckets import ddp_buckets
 
-IMPLS = ("naive", "scaletorch", "torch")
+IMPLS = ("naive", "ours", "torch")
 
 
 class _DataParallel(ModuleWrapper, nn.Module):
@@ -265,12 +265,12 @@ def ddp_report(model: nn.Module, pgm: ProcessGroupManager, impl: str, step: int)
     return "\n".join(lines)
 
 
-def apply_data_parallel(model: nn.Module, pgm: Optional[ProcessGroupManager],
-                        impl: str = "scaletorch", bucket_size_mb: float = 25.0) -> nn.Module:
+def apply_data_parallel(model: nn.Module, pgm: Optional[ProcessGroupManager], impl: str = "ours",
+                        bucket_size_mb: float = 25.0) -> nn.Module:
     """Wrap ``model`` for data parallel over ``pgm.gradient_sync_group`` (the data-parallel
     ranks; chapter 05 adds its context-parallel ranks to it).
 
-    impl: "naive" (all-reduce per parameter after backward), "scaletorch" (bucketed, overlapped)
+    impl: "naive" (all-reduce per parameter after backward), "ours" (bucketed, overlapped)
     or "torch" (torch.nn.parallel.DistributedDataParallel). Returns the wrapper, which reduces
     in fp32 (chapter 08 changes that from mixed_precision.py).
     """
@@ -281,10 +281,10 @@ def apply_data_parallel(model: nn.Module, pgm: Optional[ProcessGroupManager],
     group = None if pgm is None else pgm.gradient_sync_group
     if impl == "torch" and not dist.is_initialized():
         raise ValueError("impl 'torch' (DistributedDataParallel) needs a process group: "
-                         "launch with torchrun, or use impl 'scaletorch' on one process")
+                         "launch with torchrun, or use impl 'ours' on one process")
     if impl == "naive":
         return NaiveDataParallel(model, group)
-    if impl == "scaletorch":
+    if impl == "ours":
         return BucketedDataParallel(model, group, bucket_size_mb)
     device = next(model.parameters()).device
     return TorchDataParallel(model, device_ids=None if device.type == "cpu" else [device.index],

@@ -67,6 +67,7 @@ class BucketedReducedIn(BucketedDataParallel):
         return None if work is None else cast(Work, _CastBackOnWait(work, buffer, sent))
 
 
+# [core: wire-cast]
 def reduce_dtype_hook(state: Tuple[Optional[dist.ProcessGroup], torch.dtype],
                       bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """torch DDP's comm hook for ``reduce_dtype`` (``state`` = (group, dtype)): torch's
@@ -87,6 +88,7 @@ def reduce_dtype_hook(state: Tuple[Optional[dist.ProcessGroup], torch.dtype],
     return work.get_future().then(back)
 
 
+# [end: wire-cast]
 def apply_data_parallel_in(reduce_dtype: torch.dtype, model: nn.Module, pgm: ProcessGroupManager,
                            impl: str, bucket_size_mb: float) -> nn.Module:
     """Chapter 01's ``apply_data_parallel`` reducing gradients in ``reduce_dtype``: our wrappers

@@ -32,7 +32,7 @@ through it, so a run saved at one layout resumes at any other.
 ``parallel.impl`` picks whose version runs, so every native comparison of the N-D layouts
 goes through this same call (chapters 07, 08 and 10 use ``parallelize``):
 
-    scaletorch  ours, by hand, every combination above
+    ours        this repository's, by hand, every combination above
     naive       data parallel as one all-reduce per parameter after backward (chapter 01)
     torch       PyTorch's own, composed on one DeviceMesh (native.py): DTensor
                 ``parallelize_module`` over "tp", torch.distributed.pipelining over "pp",
@@ -197,6 +197,7 @@ def parallelize(model: Llama, cfg: "Config", pgm: ProcessGroupManager, device: t
     model = model.to(device)
     if p.impl == "torch":  # PyTorch's own strategies on one DeviceMesh (native.py)
         return Parallelized(*parallelize_native(model, cfg, pgm, precision, recompute))
+    # [core: order]
     loss: LossFn = loss_fn
     shard_sequence: Optional[Callable] = None
     if cfg.model.num_experts > 0:  # 1 (also at ep 1: the routing statistics over dp_cp)
@@ -223,6 +224,7 @@ def parallelize(model: Llama, cfg: "Config", pgm: ProcessGroupManager, device: t
     modules: List[nn.Module] = list(pipe.chunks) if pipe is not None else [model]
 
     wrapped, optimizer = _apply_data_parallel(modules, cfg, pgm, precision, tied)  # 6
+    # [end: order]
     zero = [w for w in wrapped if isinstance(w, ShardedDataParallel)]
     layout = TensorLayout(pgm, splits, zero_entries(zero) if zero else plain_entries(modules), pipe)
 

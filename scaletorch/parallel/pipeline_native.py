@@ -28,11 +28,11 @@ class TorchPipelineSchedule:
                  num_micro_batches: int, loss_fn: LossFn = loss_fn) -> None:
         if any(isinstance(m, MoE) for m in pipe.modules()):
             raise ValueError("torch.distributed.pipelining runs dense models only here (it "
-                             "would drop the MoE load-balancing losses); use impl scaletorch")
+                             "would drop the MoE load-balancing losses); use impl ours")
         if any(getattr(p, "shared_embedding", False) for p in pipe.parameters()):
             raise ValueError("tie_word_embeddings true with torch.distributed.pipelining: its "
                              "stages do not share parameters across ranks (no embedding group "
-                             "sums the first and the last stage's copies); use impl scaletorch")
+                             "sums the first and the last stage's copies); use impl ours")
         self.pipe, self.pgm, self.m = pipe, pgm, num_micro_batches
         device = next(pipe.parameters()).device
         stages = [

@@ -23,6 +23,7 @@ from scaletorch.parallel.zero import ShardedDataParallel
 from scaletorch.parallel.zero_tied import TiedShardedDataParallel, zero_units
 
 
+# [core: tied-copy]
 def untie_across_stages(model: Llama) -> None:
     """Give the output layer its own copy of the tied weight (before the cut into stages).
 
@@ -55,6 +56,7 @@ def sync_tied_embedding_grads(params: Sequence[torch.Tensor], pgm: ProcessGroupM
         comm.all_reduce(param.grad, pgm.embedding_group, name="embd")
 
 
+# [end: tied-copy]
 class TiedEmbeddingSync(StageHooks):
     """After each step's backward (and data-parallel syncs), sum this rank's copies' gradients."""
 

@@ -120,7 +120,7 @@ def _check_pipeline(cfg: "Config", sizes: Dict[str, int]) -> None:
         raise ValueError(f"parallel.impl 'torch' runs zb-h1 as ScheduleInterleavedZeroBubble, "
                          f"which needs num_micro_batches ({m}) divisible by max(1, "
                          f"num_micro_batches // pipeline_model_parallel_size ({pp})) = {rounds}: "
-                         f"use a multiple of {pp}, or impl 'scaletorch'")
+                         f"use a multiple of {pp}, or impl 'ours'")
     if p.layer_split is not None and sizes["pp"] == 1:
         raise ValueError(f"parallel.layer_split {list(p.layer_split)} needs a pipeline: "
                          f"pipeline_model_parallel_size is 1 (set --pp, or drop layer_split)")
@@ -149,7 +149,7 @@ def _check_tied_embeddings(cfg: "Config", sizes: Dict[str, int]) -> None:
                          f"pipeline_model_parallel_size {sizes['pp']}: torch.distributed."
                          f"pipelining stages do not share parameters across ranks (no embedding "
                          f"group sums the first and the last stage's copies); use impl "
-                         f"'scaletorch', or model.tie_word_embeddings false")
+                         f"'ours', or model.tie_word_embeddings false")
 
 
 def _check_combinations(cfg: "Config", sizes: Dict[str, int]) -> None:
@@ -166,24 +166,24 @@ def _check_combinations(cfg: "Config", sizes: Dict[str, int]) -> None:
                          f"(num_experts = {m.num_experts}): the MoE runs whole on every "
                          f"tensor-parallel rank and needs the full sequence; drop "
                          f"--sequence-parallel")
-    if m.num_experts > 0 and p.impl != "scaletorch":
+    if m.num_experts > 0 and p.impl != "ours":
         raise ValueError(f"parallel.impl {p.impl!r} has no mixture-of-experts (num_experts "
-                         f"{m.num_experts}): expert parallel is ours only, impl 'scaletorch'")
+                         f"{m.num_experts}): expert parallel is ours only, impl 'ours'")
     if p.zero_stage > 0 and p.impl == "naive":
         raise ValueError(f"parallel.impl 'naive' is plain data parallel, not ZeRO (zero_stage "
-                         f"{p.zero_stage}): use impl 'scaletorch' or 'torch'")
+                         f"{p.zero_stage}): use impl 'ours' or 'torch'")
     if p.impl == "torch" and p.zero_stage in (1, 2):
         raise ValueError(f"parallel.impl 'torch' runs ZeRO as FSDP2 fully_shard, which is ZeRO-3; "
-                         f"got zero_stage {p.zero_stage}: use zero_stage 3, or impl 'scaletorch'")
+                         f"got zero_stage {p.zero_stage}: use zero_stage 3, or impl 'ours'")
     if p.impl == "torch" and tp > 1 and m.vocab_size % tp != 0:
         raise ValueError(f"parallel.impl 'torch' splits the embedding and head with DTensor, "
                          f"which does not pad the vocabulary: vocab_size {m.vocab_size} is not "
                          f"divisible by tensor_model_parallel_size {tp}; chapter 10 pads it "
-                         f"(examples/10_real_model.py, impl 'scaletorch')")
+                         f"(examples/10_real_model.py, impl 'ours')")
     others = {"tp": tp, "pp": pp, "zero_stage": p.zero_stage}
     if p.impl == "torch" and cp > 1 and (tp > 1 or pp > 1 or p.zero_stage == 3):
         got = ", ".join(f"{k} {v}" for k, v in others.items())
         raise ValueError(f"parallel.impl 'torch' with context_parallel_size {cp} runs our ring "
                          f"or Ulysses attention beside DistributedDataParallel only (PyTorch's "
                          f"context_parallel shards CUDA attention kernels, none on CPU); got "
-                         f"{got}: use impl 'scaletorch'")
+                         f"{got}: use impl 'ours'")

@@ -3,10 +3,10 @@
     parallelize_resnet(model, pgm, impl, zero_stage, batchnorm, lr)
       1. convert_batchnorm     per-rank | sync (ours, sync_batchnorm.py) | torch (GPU only)
       2. the data-parallel strategy over pgm.data_parallel_group_with_context:
-           impl scaletorch, zero_stage 0     our bucketed DDP              (chapter 01)
-           impl scaletorch, zero_stage 1-3   our ZeRO, units below         (chapter 02)
-           impl torch,      zero_stage 0     torch's DistributedDataParallel
-           impl torch,      zero_stage 3     torch's FSDP2 fully_shard, block by block
+           impl ours,  zero_stage 0     our bucketed DDP              (chapter 01)
+           impl ours,  zero_stage 1-3   our ZeRO, units below         (chapter 02)
+           impl torch, zero_stage 0     torch's DistributedDataParallel
+           impl torch, zero_stage 3     torch's FSDP2 fully_shard, block by block
 
 BatchNorm first: ZeRO and FSDP2 take the parameters into flat units or DTensors, after which
 swapping a module would lose them. ZeRO's units are the stem, each residual block and the head,
@@ -62,7 +62,7 @@ def parallelize_resnet(model: nn.Module, pgm: ProcessGroupManager, impl: str, ze
     ``pgm.data_parallel_group_with_context``, its BatchNorm layers in mode ``batchnorm``."""
     if impl == "torch" and zero_stage not in (0, 3):
         raise ValueError(f"impl torch has DDP (zero_stage 0) and fully_shard (3), got "
-                         f"zero_stage {zero_stage}: our ZeRO-1/2 is impl scaletorch")
+                         f"zero_stage {zero_stage}: our ZeRO-1/2 is impl ours")
     group = pgm.data_parallel_group_with_context
     model = convert_batchnorm(model, batchnorm, group)
     adamw = partial(torch.optim.AdamW, lr=lr, weight_decay=0.0)

@@ -513,7 +513,7 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
         # our steps (step.py, the pipeline's schedules) scale the loss; torch's DDP, fully_shard
         # and pipelining schedules are not given our scaler
         raise ValueError(f"training.precision fp16 scales the loss in our steps only: not with "
-                         f"impl {p.impl!r}; use bf16 or impl scaletorch")
+                         f"impl {p.impl!r}; use bf16 or impl ours")
     if cfg.data.seq_len > cfg.model.max_seq_len:
         raise ValueError(f"data.seq_len ({cfg.data.seq_len}) exceeds model.max_seq_len "
                          f"({cfg.model.max_seq_len})")

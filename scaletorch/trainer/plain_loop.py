@@ -79,6 +79,7 @@ def plain_training(cfg: Config, device: torch.device = torch.device("cpu"),
     max_norm = t.grad_clip if t.grad_clip > 0 else math.inf  # 0 disables clipping
     losses: List[float] = []
     norms: List[float] = []
+    # [core: reference-loop]
     for step in range(t.steps):
         inputs, targets = loader.get_batch(step)
         inputs, targets = inputs.to(device), targets.to(device)
@@ -99,4 +100,5 @@ def plain_training(cfg: Config, device: torch.device = torch.device("cpu"),
         optimizer.step()
         losses.append(step_loss.item())
         norms.append(norm.item())
+    # [end: reference-loop]
     return losses, norms, model

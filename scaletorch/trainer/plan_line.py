@@ -41,7 +41,7 @@ def plan_report(cfg: "Config", world: int, pp_rank: int, model: nn.Module, optim
     fp32."""
     from scaletorch.parallel.memory_report import measure_memory
 
-    if cfg.parallel.impl != "scaletorch" or cfg.training.precision not in ("auto", "fp32"):
+    if cfg.parallel.impl != "ours" or cfg.training.precision not in ("auto", "fp32"):
         return ""
     try:
         plan_model, layout = model_of(cfg.model), layout_of(cfg, world)

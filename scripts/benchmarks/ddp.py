@@ -45,7 +45,7 @@ def _measure(rank: int, world: int, samples: int) -> Dict[str, object]:
     times, wire = timing.alternate(
         IMPLS, samples, WARMUP, step,
         lambda impl: get_ledger().total(op="all_reduce", field="wire_bytes"))
-    psi = models["scaletorch"].num_parameters()
+    psi = models["ours"].num_parameters()
     times = timing.max_over_ranks(times)
     destroy_pg_manager()
     return {"times": times, "wire": wire, "psi": psi}
@@ -63,14 +63,14 @@ def run(args) -> List[dict]:
     formula = 2 * (n - 1) / n * 4 * psi
     common = {"ranks": n, "params": psi, "steps": samples}
     return [
-        timing.versus("ddp bucketed / torch DDP", times["scaletorch"], times["torch"], "<= 1.05",
+        timing.versus("ddp bucketed / torch DDP", times["ours"], times["torch"], "<= 1.05",
                       **common),
-        timing.versus("ddp naive / bucketed", times["naive"], times["scaletorch"], "> 1", **common),
+        timing.versus("ddp naive / bucketed", times["naive"], times["ours"], "> 1", **common),
         {
             "name": "ddp wire bytes/step / 2(N-1)/N x 4 Psi",
             "ours_ms": "",
             "native_ms": "",
-            "ratio": result["wire"]["scaletorch"] / formula,
+            "ratio": result["wire"]["ours"] / formula,
             "target": "== 1 (bucketed)",
             **common
         },

@@ -25,7 +25,7 @@ from scripts.benchmarks import timing
 MODEL = LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=768, num_layers=4,
                     num_attention_heads=8, num_key_value_heads=4, max_seq_len=64)
 BATCH, SEQ_LEN, MICRO_BATCHES, WARMUP = 16, 64, 8, 2
-IMPLS = ("scaletorch", "torch")
+IMPLS = ("ours", "torch")
 
 
 def _measure(rank: int, world: int, samples: int) -> Dict[str, object]:
@@ -33,7 +33,7 @@ def _measure(rank: int, world: int, samples: int) -> Dict[str, object]:
     pgm = init_pg_manager(pipeline_model_parallel_size=world)
     pipes = {impl: apply_pipeline_parallel(build_model(MODEL, seed=0), pgm) for impl in IMPLS}
     schedules = {
-        "scaletorch": PipelineLoop(pipes["scaletorch"], pgm, "1f1b", MICRO_BATCHES),
+        "ours": PipelineLoop(pipes["ours"], pgm, "1f1b", MICRO_BATCHES),
         "torch": TorchPipelineSchedule(pipes["torch"], pgm, "1f1b", MICRO_BATCHES),
     }
     optimizers = {impl: torch.optim.AdamW(p.parameters(), lr=1e-4) for impl, p in pipes.items()}
@@ -51,9 +51,9 @@ def _measure(rank: int, world: int, samples: int) -> Dict[str, object]:
         lambda impl: get_ledger().total(op="send", group="pp", field="bytes"))
     times = timing.max_over_ranks(times)
     with timing.untracked():
-        sent_all = torch.tensor([sent["scaletorch"]], dtype=torch.float64)
+        sent_all = torch.tensor([sent["ours"]], dtype=torch.float64)
         comm.all_reduce(sent_all)
-        timeline = gather_timeline(schedules["scaletorch"].timeline, pgm)
+        timeline = gather_timeline(schedules["ours"].timeline, pgm)
     destroy_pg_manager()
     return {"times": times, "sent": sent_all.item(), "timeline": timeline}
 
@@ -72,8 +72,8 @@ def run(args) -> List[dict]:
     timeline = result["timeline"]
     common = {"ranks": world, "m": MICRO_BATCHES, "steps": samples}
     return [
-        timing.versus("pp 1f1b ours / torch Schedule1F1B", times["scaletorch"], times["torch"],
-                      "<= 1.05", **common),
+        timing.versus("pp 1f1b ours / torch Schedule1F1B", times["ours"], times["torch"], "<= 1.05",
+                      **common),
         {
             "name": "pp p2p bytes/step (all ranks) / 2 (p-1) m b s h x 4",
             "ours_ms": "",

@@ -29,8 +29,8 @@ MODEL = LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=768, num
 BATCH, SEQ_LEN, WARMUP = 4, 64, 2
 # name: (impl, sequence_parallel)
 IMPLS = {
-    "ours": ("scaletorch", False),
-    "ours_sp": ("scaletorch", True),
+    "ours": ("ours", False),
+    "ours_sp": ("ours", True),
     "dtensor": ("torch", False),
     "dtensor_sp": ("torch", True),
 }

@@ -34,7 +34,7 @@ def _device() -> torch.device:
 
 def _trainer(pgm, mode: str, device: torch.device):
     """One step of our DDP on the ResNet with BatchNorm ``mode``, on this rank's images."""
-    run = parallelize_resnet(build_resnet(MODEL, 0).to(device), pgm, "scaletorch", 0, mode, 1e-3)
+    run = parallelize_resnet(build_resnet(MODEL, 0).to(device), pgm, "ours", 0, mode, 1e-3)
     n, rank = pgm.data_parallel_world_size, pgm.data_parallel_rank
     loader = ImageBatchLoader(SyntheticImages(MODEL.num_classes, MODEL.image_size, 1),
                               IMAGES_PER_RANK * n, 1)

@@ -29,7 +29,7 @@ MODEL = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_l
                     num_attention_heads=4, num_key_value_heads=2, max_seq_len=32)
 BATCH, SEQ_LEN, MICRO_BATCHES, STAGES, DELAY = 16, 32, 8, 4, 0.05
 SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zbv", 2))
-IMPLS = ("scaletorch", "torch")
+IMPLS = ("ours", "torch")
 WORLD_SIZE = STAGES  # scripts/benchmark.py runs this family at pp = 4 ranks only
 
 
@@ -65,10 +65,7 @@ def _measure(rank: int, world: int, rounds: int) -> Dict[str, object]:
     times, _ = timing.alternate(list(names), rounds, 1, step, lambda name: None)
     times = timing.max_over_ranks(times)
     with timing.untracked():
-        timelines = {
-            s: gather_timeline(runs[(s, "scaletorch")][1].timeline, pgm)
-            for s, _ in SCHEDULES
-        }
+        timelines = {s: gather_timeline(runs[(s, "ours")][1].timeline, pgm) for s, _ in SCHEDULES}
     destroy_pg_manager()
     return {"times": times, "timelines": timelines}
 
@@ -93,13 +90,13 @@ def run(args) -> List[dict]:
     span = {s: t.span()[1] - t.span()[0] for s, t in simulated.items()}
     rows = []
     for s, _ in SCHEDULES:
-        ours, torch_ = times[f"{s} scaletorch"], times[f"{s} torch"]
+        ours, torch_ = times[f"{s} ours"], times[f"{s} torch"]
         rows.append({
             "schedule": s,
             "ours_ms": timing.median_ms(ours),
             "torch_ms": timing.median_ms(torch_),
             "ours/torch": timing.paired_ratio(ours, torch_),
-            "step/1f1b": timing.paired_ratio(ours, times["1f1b scaletorch"]),
+            "step/1f1b": timing.paired_ratio(ours, times["1f1b ours"]),
             "simulated": span[s] / span["1f1b"],
             "bubble": timelines[s].bubble_fraction(),
             "simulated_bubble": simulated[s].bubble_fraction(),

@@ -45,7 +45,7 @@ def config() -> Config:
 
 def _train(cfg: Config, pgm: Any, exercise: str, fn: Any) -> Dict[str, Any]:
     model = build_model(cfg.model, seed=cfg.training.model_seed)
-    wrapped = apply_data_parallel(model, pgm, "scaletorch", cfg.parallel.bucket_size_mb)
+    wrapped = apply_data_parallel(model, pgm, "ours", cfg.parallel.bucket_size_mb)
     scaler = DynamicLossScaler(INIT_SCALE, GROWTH_INTERVAL)  # over the world
     step = make_data_parallel_step(wrapped, cfg.data.num_micro_batches, pgm.data_parallel_rank,
                                    pgm.data_parallel_world_size,
