@@ -7,7 +7,9 @@ A name matches whole words of an identifier: "meter" matches ``self.meter`` and
 meters, message dtypes and tied embeddings through ``StageHooks`` that those chapters register
 (expert_parallel.py, activation_meter.py, mixed_precision.py, tied_embeddings.py). Tensor
 parallel learns of chapter 08's compute dtype the same way: mixed_precision.py swaps in
-subclasses of its norm and embedding (``tensor_parallel_wire_in_compute``).
+subclasses of its norm and embedding (``tensor_parallel_wire_in_compute``). ZeRO (02) learns of
+chapter 08's dtypes through its ``unit`` argument, a ``FlatUnit`` subclass that mixed_precision.py
+defines, and of chapter 10's tied weights through zero_tied.py's subclass of its wrapper.
 """
 
 import io
@@ -30,12 +32,21 @@ _COMPUTE_DTYPE = [
     "compute_dtype", "to_compute", "autocast", "autocast_dtype", "wire_dtype", "bfloat16",
     "float16", "mixed_precision"
 ]
+# later chapters' concerns that ZeRO's unit and wrapper (02) must not name: chapter 10's tied
+# weights (zero_tied.py points borrowers at a unit's tensors) and chapter 08's dtypes
+# (mixed_precision.py's FlatUnit subclass)
+_ZERO = [
+    "users", "tied", "shared_embedding", "borrowers", "borrows", "param_dtype", "reduce_dtype",
+    "wire", "policy", "precision", "autocast", "compute_dtype", "bfloat16", "float16"
+]
 FORBIDDEN: Dict[str, List[str]] = {
     "scaletorch/parallel/pipeline_schedules.py": _PIPELINE,
     "scaletorch/parallel/pipeline_runtime.py": _PIPELINE,
     "scaletorch/parallel/pipeline_parallel.py": _PIPELINE,
     "scaletorch/parallel/tensor_parallel.py": _COMPUTE_DTYPE,
     "scaletorch/parallel/tensor_parallel_layers.py": _COMPUTE_DTYPE,
+    "scaletorch/parallel/flat_unit.py": _ZERO,
+    "scaletorch/parallel/zero.py": _ZERO,
 }
 
 

@@ -8,19 +8,50 @@ shards of S = P' / N elements over the N ranks of the unit's group:
              rank 0    rank 1          rank N-1               the Adam state for it, updates it
 
 A unit all-gathers its shards into ``flat`` (every parameter is a view of it) and frees it
-again, and reduce-scatters its gradients so that each rank ends with its shard's sum. Chapter
-08 passes ``param_dtype`` (what stage 3 gathers in) and ``reduce_dtype`` (the wire's).
+again, and reduce-scatters its gradients so that each rank ends with its shard's mean. Later
+chapters attach from outside: a subclass chooses the buffer the parameters live on
+(``full_buffer``) and the copy of the gradients that is reduced (``reduced_copy``), chapter 08's
+dtypes (mixed_precision.py); a weight shared with modules outside the unit is pointed at the
+unit's tensor with ``put_tensor`` (chapter 10's tied embeddings, zero_tied.py).
+
+Shapes (jaxtyping; tests/test_zero_shapes.py checks them at run time): a unit's flat vector holds
+P' = N S elements (named "P" below), this rank's shard S; P' is a multiple of N, which an
+annotation cannot say.
 """
 
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
+from jaxtyping import Float
 from torch import nn
 
 from scaletorch.dist import comm
 from scaletorch.dist.comm import Group, Work
 
 NamedModules = Sequence[Tuple[str, nn.Module]]  # (name inside the model, module)
+Holders = List[Tuple[nn.Module, str, str]]  # (module, attribute, full name) holding a parameter
+Flat = Float[torch.Tensor, "P"]  # a unit's full flat vector (parameters or gradients), P' elements
+Shard = Float[torch.Tensor, "S"]  # this rank's shard of it: S = P' / N elements
+
+
+def holders_of(modules: NamedModules) -> Dict[int, Tuple[nn.Parameter, Holders]]:
+    """Every distinct parameter of ``modules`` once, in order, keyed by id, with every
+    (module, attribute, full name) that holds it."""
+    found: Dict[int, Tuple[nn.Parameter, Holders]] = {}
+    for prefix, module in modules:
+        for sub_name, sub in module.named_modules(prefix=prefix):
+            for attr, param in sub._parameters.items():
+                if param is not None:
+                    found.setdefault(id(param), (param, []))[1].append(
+                        (sub, attr, f"{sub_name}.{attr}"))
+    return found
+
+
+def put_tensor(module: nn.Module, attr: str, tensor: torch.Tensor) -> None:
+    """``module.attr`` becomes ``tensor``, a plain tensor on a unit's flat storage, in place of
+    its Parameter."""
+    del module._parameters[attr]
+    setattr(module, attr, tensor)
 
 
 class FlatUnit:
@@ -35,27 +66,15 @@ class FlatUnit:
     the parameters' ``.grad`` are views of, so backward accumulates into it in place.
     """
 
-    def __init__(self, name: str, modules: NamedModules, group: Group, zero_stage: int,
-                 param_dtype: Optional[torch.dtype] = None,
-                 reduce_dtype: Optional[torch.dtype] = None, users: NamedModules = ()) -> None:
+    def __init__(self, name: str, modules: NamedModules, group: Group, zero_stage: int) -> None:
         self.name, self.group, self.zero_stage = name, group, zero_stage
-        self.reduce_dtype = reduce_dtype
         self.modules = [module for _, module in modules]
         self.world, self.rank = comm.group_size(group), comm.group_rank(group)
-        # Every distinct parameter once, with every (module, attribute, name) that holds it:
-        # in ``modules``, and in ``users`` (modules outside the unit that hold some of these
-        # parameters: tied weights, zero_tied.py) for those parameters only.
-        found: Dict[int, Tuple[nn.Parameter, List[Tuple[nn.Module, str, str]]]] = {}
-        for only_found, named in ((False, modules), (True, users)):
-            for prefix, module in named:
-                for sub_name, sub in module.named_modules(prefix=prefix):
-                    for attr, param in sub._parameters.items():
-                        if param is not None and (id(param) in found or not only_found):
-                            found.setdefault(id(param), (param, []))[1].append(
-                                (sub, attr, f"{sub_name}.{attr}"))
+        found = holders_of(modules)
         if not found:
             raise ValueError(f"unit {name!r} has no parameters")
         params = [param for param, _ in found.values()]
+        self.index = {key: k for k, key in enumerate(found)}  # id(parameter) -> its position
         self.names = [[fqn for _, _, fqn in holders] for _, holders in found.values()]
         self.shapes = [p.shape for p in params]
         self.offsets = [0]
@@ -68,9 +87,7 @@ class FlatUnit:
         master = torch.zeros(self.padded_numel, dtype=first.dtype, device=first.device)
         for param, start in zip(params, self.offsets):
             master[start:start + param.numel()].copy_(param.detach().reshape(-1))
-        # stage 3 gathers (and computes with) param_dtype; stages 1, 2 keep the full master
-        low = zero_stage == 3 and param_dtype is not None and param_dtype != first.dtype
-        self.flat = master.to(param_dtype) if low else master
+        self.flat = self.full_buffer(master)
         self.tensors: List[torch.Tensor] = []
         storage = self.flat.untyped_storage()
         for param, (_, holders), start in zip(params, found.values(), self.offsets):
@@ -81,8 +98,7 @@ class FlatUnit:
             tensor.set_(storage, start, param.shape)  # type: ignore[call-overload]
             tensor.requires_grad_(param.requires_grad)
             for sub, attr, _ in holders:
-                del sub._parameters[attr]  # the module keeps a plain tensor, not a Parameter
-                setattr(sub, attr, tensor)
+                put_tensor(sub, attr, tensor)
             self.tensors.append(tensor)
         self.trainable = sum(t.requires_grad for t in self.tensors)
         own = master[self.rank * self.shard_numel:(self.rank + 1) * self.shard_numel]
@@ -96,6 +112,16 @@ class FlatUnit:
         if zero_stage == 3:
             self.free()
 
+    def full_buffer(self, master: Flat) -> Flat:
+        """The (P',) vector the parameters live on and gathers write: ``master`` itself (a
+        subclass may return a copy in another dtype under stage 3; the shard stays fp32)."""
+        return master
+
+    def reduced_copy(self, full: Flat) -> Flat:
+        """What the reduce-scatter reads of the (P',) averaged gradients: ``full`` itself (a
+        subclass may return a copy in another dtype)."""
+        return full
+
     @property
     def gathered_bytes(self) -> int:
         """Bytes of full parameters this unit holds right now (0 when freed)."""
@@ -108,7 +134,7 @@ class FlatUnit:
             self.flat.untyped_storage().resize_(self.padded_numel * self.flat.element_size())
         source = self.shard.detach()
         if source.dtype != self.flat.dtype:
-            source = source.to(self.flat.dtype)  # param_dtype: the copy that crosses the wire
+            source = source.to(self.flat.dtype)  # full_buffer's dtype: the copy that is sent
         elif self.zero_stage < 3:
             source = source.clone()  # the shard is a slice of flat: do not alias in and out
         return comm.all_gather_into_tensor(self.flat, source, self.group, async_op=async_op)
@@ -137,14 +163,12 @@ class FlatUnit:
             for tensor in self.tensors:
                 tensor.grad = None
         full.div_(self.world)
-        # reduce_dtype on the wire (one rank: nothing crosses it, nothing to round)
-        low = self.reduce_dtype not in (None, full.dtype) and self.world > 1
-        wire = full.to(self.reduce_dtype) if low else full
-        out = wire.new_empty(self.shard_numel)
-        work = comm.reduce_scatter_tensor(out, wire, self.group, async_op=True)
+        sent = self.reduced_copy(full)
+        out = sent.new_empty(self.shard_numel)
+        work = comm.reduce_scatter_tensor(out, sent, self.group, async_op=True)
 
-        # the default binds full: it stays alive until the work is done
-        def finish(full: torch.Tensor = wire, out: torch.Tensor = out) -> None:
+        # the default binds what is sent: it stays alive until the work is done
+        def finish(sent: torch.Tensor = sent, out: torch.Tensor = out) -> None:
             out = out.to(self.shard.dtype)  # gradients accumulate in fp32 (the master's)
             if self.flat_grad is not None:
                 own = self.flat_grad[self.rank * self.shard_numel:(self.rank + 1) *
@@ -166,7 +190,7 @@ class FlatUnit:
             for tensor in self.tensors:
                 tensor.grad = None
 
-    def all_gather_flat(self, shard: torch.Tensor) -> torch.Tensor:
+    def all_gather_flat(self, shard: Shard) -> Flat:
         """A new (P',) vector of every rank's (S,) ``shard`` (the parameters' shard, or an AdamW
         state shaped like it), all-gathered over the group: how ``ParamMap`` un-shards a unit."""
         flat = shard.new_empty(self.padded_numel)

@@ -28,8 +28,9 @@ parameters' post-accumulate-grad hooks reduce-scatter once the unit's last gradi
 free. With ``prefetch`` the next unit's all-gather travels while this one computes (two units
 full at a time). Stages 1 and 2 reduce-scatter in the same hooks, and ``ZeroAdamW.step``
 all-gathers the updated shards. Inside ``no_sync()`` nothing is reduced: gradients accumulate
-full size and the last micro-batch reduces once. Chapter 07 shares tied weights between units
-(zero_tied.py); chapter 08 passes ``param_dtype`` and ``reduce_dtype``.
+full size and the last micro-batch reduces once. Later chapters attach from outside: chapter 10
+shares a tied weight between units (zero_tied.py's subclass), chapter 08 passes ``make_unit``, a
+``FlatUnit`` subclass that gathers and reduces in its dtypes (mixed_precision.py).
 """
 
 from contextlib import contextmanager
@@ -42,10 +43,11 @@ from torch import nn
 
 from scaletorch.dist import ProcessGroupManager, get_ledger
 from scaletorch.dist.comm import Work
-from scaletorch.parallel.flat_unit import FlatUnit, NamedModules
+from scaletorch.parallel.flat_unit import FlatUnit, Group, NamedModules
 from scaletorch.parallel.grad_norm import clip_grads_, world_grad_norm
 
 Units = List[Tuple[str, NamedModules]]  # (unit name, [(module name, module), ...])
+MakeUnit = Callable[[str, NamedModules, Group, int], FlatUnit]  # (name, modules, group, stage)
 State = Dict[str, torch.Tensor]
 
 
@@ -56,13 +58,13 @@ class ShardedDataParallel(nn.Module):
     every parameter must be in exactly one unit. The wrapper's parameters (``self.shards``, one
     flat (S,) shard per unit) are all that the optimizer and ``state_dict`` see: this rank's
     shards. ``full_state_dict`` gathers the full tensors under the original names;
-    ``clip_grad_norm`` counts each shard element once.
+    ``clip_grad_norm`` counts each shard element once. ``make_unit`` builds each unit (``FlatUnit``,
+    or a later chapter's subclass).
     """
-    shares_parameters = False  # chapter 07's subclass shares a tied weight (zero_tied.py)
+    shares_parameters = False  # chapter 10's subclass shares a weight (zero_tied.py)
 
     def __init__(self, module: nn.Module, units: Units, group: Optional[dist.ProcessGroup],
-                 zero_stage: int, prefetch: bool = True, param_dtype: Optional[torch.dtype] = None,
-                 reduce_dtype: Optional[torch.dtype] = None) -> None:
+                 zero_stage: int, prefetch: bool = True, make_unit: MakeUnit = FlatUnit) -> None:
         super().__init__()
         if zero_stage not in (1, 2, 3):
             raise ValueError(f"zero_stage must be 1, 2 or 3, got {zero_stage}")
@@ -77,8 +79,7 @@ class ShardedDataParallel(nn.Module):
         self.group = group
         self.zero_stage = zero_stage
         self.prefetch = prefetch
-        # chapter 08: stage 3 gathers in param_dtype, all reduce in reduce_dtype (None: fp32)
-        self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
+        self.make_unit = make_unit
         self.units = self._build_units(units)
         # Parameter names may not contain dots: "layers.0" -> "layers_0".
         self.shards = nn.ParameterDict({u.name.replace(".", "_"): u.shard for u in self.units})
@@ -101,10 +102,9 @@ class ShardedDataParallel(nn.Module):
                 unit.modules[-1].register_forward_hook(partial(self._post_forward, i))
 
     def _build_units(self, units: Units) -> List[FlatUnit]:
-        """One FlatUnit per unit (chapter 07's subclass lets units share a parameter)."""
+        """One FlatUnit per unit (chapter 10's subclass lets units share a parameter)."""
         return [
-            FlatUnit(name, modules, self.group, self.zero_stage, self.param_dtype,
-                     self.reduce_dtype) for name, modules in units
+            self.make_unit(name, modules, self.group, self.zero_stage) for name, modules in units
         ]
 
     def _gathered_with(self, i: int) -> List[int]:
