@@ -23,7 +23,7 @@ micro-batches add up there, and the optimizer reads fp32. Only the wire is low p
 
 The policy attaches from here to chapters 01 and 02, which take plain dtypes: DDP's
 ``reduce_dtype`` (``apply_data_parallel_in``: torch's DDP gets ``reduce_dtype_hook``), ZeRO's
-units (``zero_unit_in``: a ``FlatUnit`` subclass) with ``disable_autocast_cache_per_unit``, and
+units (zero_mixed_precision.py) with ``disable_autocast_cache_per_unit``, and
 FSDP2's ``mp_policy`` (``fsdp_mp_policy``).
 
 fp16 (5 exponent bits, largest finite 65504, smallest normal 6e-5) needs a loss scale: the
@@ -50,11 +50,12 @@ from torch.nn.parallel import DistributedDataParallel
 from scaletorch.config import Config, resolve_precision
 from scaletorch.dist import ProcessGroupManager, comm
 from scaletorch.parallel.data_parallel import apply_data_parallel
-from scaletorch.parallel.flat_unit import FlatUnit, Group, NamedModules
+from scaletorch.parallel.flat_unit import FlatUnit
 from scaletorch.parallel.loss_scale import unscale_and_check, update_scale
 from scaletorch.parallel.moe_pipeline import MoELossInPipeline
 from scaletorch.parallel.pipeline_runtime import LossFn, PipelineSchedule, StageHooks
 from scaletorch.parallel.tensor_parallel_layers import ParallelRMSNorm, VocabParallelEmbedding
+from scaletorch.parallel.zero_mixed_precision import zero_unit_in
 
 # fp64 is named only to be refused (wider than the master)
 DTYPES = {
@@ -389,39 +390,11 @@ class PrecisionHooks:
             reduce_dtype=self.policy.reduce_dtype)
         return fsdp_mp_policy(policy)
 
-    def zero_unit(self) -> Callable[..., FlatUnit]:
-        """ZeRO's units in the policy's dtypes (``zero_unit_in``, at the end of this file)."""
-        return zero_unit_in(self.policy)
+    def zero_unit(self) -> Callable[..., FlatUnit]:  # ZeRO's units in the policy's dtypes
+        return zero_unit_in(self.policy.param_dtype, self.policy.reduce_dtype)
 
 
 def precision_hooks(cfg: Config, device_type: str) -> PrecisionHooks:
     """The hooks of ``cfg``'s precision on ``device_type`` (ValueError naming bad dtypes)."""
     fp16 = resolve_precision(cfg, device_type) == "fp16"
     return PrecisionHooks(policy_for(cfg, device_type), DynamicLossScaler() if fp16 else None)
-
-
-class FlatUnitInDtypes(FlatUnit):
-    """Chapter 02's ZeRO unit with chapter 08's dtypes: stage 3 gathers and computes with its
-    parameters in ``param_dtype`` (a copy of the fp32 shard cast to it crosses the wire), and
-    the averaged gradients are reduce-scattered in ``reduce_dtype``, then accumulated in fp32."""
-
-    def __init__(self, name: str, modules: NamedModules, group: Group, zero_stage: int,
-                 policy: MixedPrecisionPolicy) -> None:
-        self.policy = policy  # read by the two methods below while the unit is built
-        super().__init__(name, modules, group, zero_stage)
-
-    def full_buffer(self, master: torch.Tensor) -> torch.Tensor:
-        """Stage 3: the gathered parameters in ``param_dtype``; stages 1, 2 keep the master."""
-        dtype = self.policy.param_dtype
-        return master.to(dtype) if self.zero_stage == 3 and dtype != master.dtype else master
-
-    def reduced_copy(self, full: torch.Tensor) -> torch.Tensor:
-        """The gradients in ``reduce_dtype`` (one rank: nothing is sent, nothing to round)."""
-        dtype = self.policy.reduce_dtype
-        return full.to(dtype) if dtype != full.dtype and self.world > 1 else full
-
-
-def zero_unit_in(policy: Optional[MixedPrecisionPolicy]) -> Callable[..., FlatUnit]:
-    """ZeRO's ``make_unit`` argument, ``ShardedDataParallel(..., make_unit=zero_unit_in(policy))``:
-    units that gather in the policy's ``param_dtype`` and reduce in its ``reduce_dtype``."""
-    return partial(FlatUnitInDtypes, policy=policy or FP32)

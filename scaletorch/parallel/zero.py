@@ -11,26 +11,16 @@ owns shard r. What else a rank keeps is the stage (fp32, 4 bytes per element, Ps
     2         full         shard          shard          4Psi + (4Psi + 8Psi)/N
     3         shard        shard          shard          16 Psi/N  (+ gathered units in flight)
 
-Communication per step (elements of the flat vectors; a ring puts (N-1)/N of each on the wire):
-stages 1, 2 reduce-scatter the gradients and all-gather the updated parameters: 2 Psi, as DDP's
-all-reduce. Stage 3 all-gathers each unit before its forward and again before its backward, and
-reduce-scatters its gradients: 3 Psi (2 m Psi gathered with m micro-batches). zero_report.py
-prints the formulas beside the ledgers; fully_shard.py holds PyTorch's ZeRO-3, FSDP2.
-
-Stage 3 on a model cut into units U0 (embedding), U1..UL (blocks), UL+1 (head = norm + lm_head):
+Stage 3, units U0 (embedding), U1..UL (blocks), UL+1 (head = norm + lm_head), by hooks:
 
     forward    gather U0, run U0, free U0 | gather U1, run U1, free U1 | ...
     backward   ... | gather U1, grads of U1, reduce-scatter + free U1 | gather U0, ...
 
-Hooks do it: a forward pre-hook on a unit's first module gathers; a forward hook on its last
-module frees and hooks the output's gradient (the unit's backward starts: gather again); the
-parameters' post-accumulate-grad hooks reduce-scatter once the unit's last gradient is in, then
-free. With ``prefetch`` the next unit's all-gather travels while this one computes (two units
-full at a time). Stages 1 and 2 reduce-scatter in the same hooks, and ``ZeroAdamW.step``
-all-gathers the updated shards. Inside ``no_sync()`` nothing is reduced: gradients accumulate
-full size and the last micro-batch reduces once. Later chapters attach from outside: chapter 10
-shares a tied weight between units (zero_tied.py's subclass), chapter 08 passes ``make_unit``, a
-``FlatUnit`` subclass that gathers and reduces in its dtypes (mixed_precision.py).
+Every stage reduce-scatters a unit's gradients once its last one is in (post-accumulate-grad
+hooks; inside ``no_sync()`` nothing is reduced). ``ZeroAdamW.step`` updates the shards, then
+stages 1 and 2 all-gather them. Stages 1, 2 move 2 Psi per step as DDP, stage 3 3 Psi
+(zero_report.py). Chapter 10's tied weights (zero_tied.py) and chapter 08's dtypes
+(``make_unit``, zero_mixed_precision.py) attach from outside.
 """
 
 from contextlib import contextmanager
@@ -103,9 +93,7 @@ class ShardedDataParallel(nn.Module):
 
     def _build_units(self, units: Units) -> List[FlatUnit]:
         """One FlatUnit per unit (chapter 10's subclass lets units share a parameter)."""
-        return [
-            self.make_unit(name, modules, self.group, self.zero_stage) for name, modules in units
-        ]
+        return [self.make_unit(n, mods, self.group, self.zero_stage) for n, mods in units]
 
     def _gathered_with(self, i: int) -> List[int]:
         """The units that must be full while unit i runs (a subclass adds borrowed ones)."""
