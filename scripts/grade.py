@@ -25,10 +25,11 @@ from typing import List, Optional
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from scripts.grading import context, ddp, expert, loss_scale, variants  # noqa: E402
+from scripts.grading import context, ddp, expert, loss_scale, variants, zero  # noqa: E402
 
 CHAPTERS = {
     ddp.CHAPTER: (ddp, "examples/exercises/01_ddp.py"),
+    zero.CHAPTER: (zero, "examples/exercises/02_fsdp.py"),
     context.CHAPTER: (context, "examples/exercises/05_context_parallel.py"),
     expert.CHAPTER: (expert, "examples/exercises/06_expert_parallel.py"),
     loss_scale.CHAPTER: (loss_scale, "examples/exercises/08_mixed_precision.py"),

@@ -7,8 +7,8 @@ shards of S = P' / N elements over the N ranks of the unit's group:
     flat   | shard 0 | shard 1 | ... | shard N-1 |pad|        rank r owns shard r: it keeps
              rank 0    rank 1          rank N-1               the Adam state for it, updates it
 
-The three collectives of ZeRO come first (``gather_unit``, ``release_unit``,
-``reduce_scatter_mean``: examples/exercises/02_fsdp.py has them for the learner), then the unit.
+The three collectives of ZeRO come first (``reduce_scatter_mean``, ``gather_unit``,
+``release_unit``: examples/exercises/02_fsdp.py has them for the learner), then the unit.
 Later chapters attach from outside: a subclass picks the dtypes (``full_buffer``,
 ``sent_dtype``: zero_mixed_precision.py); zero_tied.py points a tied weight at a unit's tensor.
 Shapes (jaxtyping, checked in tests/test_zero_shapes.py): "P" is P' = N S, "S" a shard.
@@ -31,6 +31,16 @@ Shard = Float[torch.Tensor, "S"]  # this rank's shard of it: S = P' / N elements
 # [core: zero-collectives]
 
 
+def reduce_scatter_mean(full: Flat, out: Shard, group: Group) -> Optional[Work]:
+    """After a unit's backward: start averaging its (P',) gradients ``full`` over ``group``
+    (dp_cp, N ranks), async. Rank r's (S,) ``out`` receives the mean over the ranks of
+    full[r S:(r + 1) S]: its shard's gradient. ``full`` (fp32) may be overwritten; in out's
+    dtype if that differs. Returns the work (None on one rank: out is full)."""
+    full.div_(comm.group_size(group))  # the mean: the gradient of the global mean loss
+    sent = full if full.dtype == out.dtype else full.to(out.dtype)
+    return comm.reduce_scatter_tensor(out, sent, group, async_op=True)
+
+
 def gather_unit(flat: Flat, shard: Shard, group: Group, async_op: bool = False) -> Optional[Work]:
     """Before a unit computes (ZeRO-3: its forward and its backward; ZeRO-1/2: after the step):
     ``flat`` (P',) becomes every rank's (S,) ``shard`` end to end, rank r's at r S, by one
@@ -45,16 +55,6 @@ def release_unit(flat: Flat) -> None:
     """After a unit computes (ZeRO-3): free its full parameters. Each is a tensor on ``flat``'s
     storage, so a storage of 0 bytes frees them all, the copies autograd saved included."""
     flat.untyped_storage().resize_(0)
-
-
-def reduce_scatter_mean(full: Flat, out: Shard, group: Group) -> Optional[Work]:
-    """After a unit's backward: start averaging its (P',) gradients ``full`` over ``group``
-    (dp_cp, N ranks), async. Rank r's (S,) ``out`` receives the mean over the ranks of
-    full[r S:(r + 1) S]: its shard's gradient. ``full`` (fp32) may be overwritten; in out's
-    dtype if that differs. Returns the work (None on one rank: out is full)."""
-    full.div_(comm.group_size(group))  # the mean: the gradient of the global mean loss
-    sent = full if full.dtype == out.dtype else full.to(out.dtype)
-    return comm.reduce_scatter_tensor(out, sent, group, async_op=True)
 
 
 # [end: zero-collectives]
