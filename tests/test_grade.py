@@ -63,6 +63,12 @@ class GradeChapter01(_GradeChapter, unittest.TestCase):
     chapter = "01"
 
 
+class GradeChapter02(_GradeChapter, unittest.TestCase):
+    """ZeRO, 2 ranks, 3 steps a job (ZeRO-1 for reduce_scatter_mean, ZeRO-3 for gather_unit and
+    release_unit): 3 solutions, 10 variants, 3 stubs."""
+    chapter = "02"
+
+
 class GradeChapter05(_GradeChapter, unittest.TestCase):
     """Context parallel, 2 ranks, 2 steps a job, every call checked on its rank: 2 solutions,
     6 variants, 2 stubs."""
@@ -113,7 +119,7 @@ class StubsMatchTheLibrary(unittest.TestCase):
             self.assertEqual(grade.main(["99"]), 2)
         self.assertEqual(
             err.getvalue(), "error: chapter '99' has no exercises; chapters with "
-            "exercises: 01, 05, 06, 08 (or all)\n")
+            "exercises: 01, 02, 05, 06, 08 (or all)\n")
 
 
 if __name__ == "__main__":
