@@ -320,16 +320,18 @@ class ZeroAdamW(torch.optim.AdamW):
         super().__init__([p for w in self.wrappers for p in w.parameters()], lr=lr, betas=betas,
                          eps=eps, weight_decay=weight_decay)
 
-    # torch's stub overloads step on closure (None -> None, callable -> float); this covers both
+    # [core: zero-step]
     @torch.no_grad()
-    def step(  # type: ignore[override]
+    def step(  # type: ignore[override]  # torch's stub: overloads on closure, both here
             self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
-        for w in self.wrappers:
+        for w in self.wrappers:  # each unit's reduce_scatter_mean, started in backward: done
             w.finish_grad_sync()
-        loss = super().step(closure)
-        for w in self.wrappers:
+        loss = super().step(closure)  # AdamW on this rank's (S,) shards only
+        for w in self.wrappers:  # stages 1, 2: gather_unit of every unit, (S,) -> (P',)
             w.gather_params()
         return loss
+
+    # [end: zero-step]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
