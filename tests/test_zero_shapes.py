@@ -20,6 +20,7 @@ from scaletorch.models import LlamaConfig, build_model, loss_fn
 from scaletorch.parallel.flat_unit import FlatUnit
 from scaletorch.parallel.zero import ShardedDataParallel, ZeroAdamW, llama_units
 from tests.harness import bit_exact, run_distributed
+from tests.test_pipeline_shapes import refused  # the name of the error a call raises
 
 MODULE = "scaletorch.parallel.flat_unit"
 # hidden 30: units of 1,920 + 2 x 7,950 + 1,950 elements, even, so no padding over 2 ranks
@@ -37,15 +38,6 @@ def checked_module():
             return importlib.import_module(MODULE)
     finally:
         sys.modules[MODULE] = saved  # the rest of the library keeps the module it imported
-
-
-def refused(fn) -> str:
-    """The name of the error ``fn()`` raises and its first line, or "no error"."""
-    try:
-        fn()
-    except TypeError as err:  # jaxtyping.TypeCheckError is a TypeError
-        return f"{type(err).__name__}: {str(err).splitlines()[0]}"
-    return "no error"
 
 
 def train(stage: int, make_unit, group, rank: int) -> dict:

@@ -179,3 +179,21 @@ def error_verdict(exercise: str, runs: List[dict]) -> Optional[Verdict]:
     if errors:
         return Verdict(exercise, False, f"{exercise} raised {errors[0]}")
     return None
+
+
+def per_job(jobs: Sequence[Dict[str, Source]], results: List[Any], hang: List[str],
+            verdict: Callable[[str, List[Dict[str, Any]]], Verdict]) -> List[Verdict]:
+    """Each job's verdict from every rank's result of it (``run_world``'s ``results`` of
+    ``run_jobs``): ``verdict(exercise, runs)``, or the hang (or a missing result) for a job that
+    some rank did not finish."""
+    ranks = [r for r in results if isinstance(r, list)]
+    verdicts = []
+    for i, job in enumerate(jobs):
+        (exercise, _), = job.items()
+        runs = [r[i] for r in ranks if i < len(r)]
+        if len(runs) < len(results):
+            text = hang_text(exercise, hang) if hang else "no result from every rank"
+            verdicts.append(Verdict(exercise, False, text))
+        else:
+            verdicts.append(verdict(exercise, runs))
+    return verdicts

@@ -21,7 +21,7 @@ from scaletorch.parallel.zero import ZeroAdamW, apply_zero
 from scaletorch.trainer import Config, Trainer, parse_args
 from scripts.grading.ddp import GRAD_TOL, parity_diagnosis, reference
 from scripts.grading.runner import (COLLECTIVE_TIMEOUT, Source, Verdict, caused_by, error_verdict,
-                                    hang_text, load, patched, run_jobs, run_world)
+                                    load, patched, per_job, run_jobs, run_world)
 
 CHAPTER = "02"
 EXERCISES = ("reduce_scatter_mean", "gather_unit", "release_unit")
@@ -250,16 +250,7 @@ def grade(jobs: List[Dict[str, Source]]) -> List[Verdict]:
     """Every job (one exercise each, in order) graded in one world of WORLD ranks."""
     ref = reference(config())
     results, hang = run_world(rank_jobs, WORLD, jobs)
-    verdicts = []
-    for i, job in enumerate(jobs):
-        (exercise, _), = job.items()
-        runs = [r[i] for r in results if isinstance(r, list) and i < len(r)]
-        if len(runs) < WORLD:
-            text = hang_text(exercise, hang) if hang else "no result from every rank"
-            verdicts.append(Verdict(exercise, False, text))
-            continue
-        verdicts.append(diagnose(exercise, runs, ref))
-    return verdicts
+    return per_job(jobs, results, hang, lambda exercise, runs: diagnose(exercise, runs, ref))
 
 
 def solution_jobs() -> List[Dict[str, Source]]:
