@@ -25,10 +25,11 @@ from typing import List, Optional
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from scripts.grading import context, ddp, expert, loss_scale, pipeline, tensor, variants
+from scripts.grading import context, ddp, expert, loss_scale, pipeline, tensor, variants, zero
 
 CHAPTERS = {
     ddp.CHAPTER: (ddp, "examples/exercises/01_ddp.py"),
+    zero.CHAPTER: (zero, "examples/exercises/02_fsdp.py"),
     tensor.CHAPTER: (tensor, "examples/exercises/03_tensor_parallel.py"),
     pipeline.CHAPTER: (pipeline, "examples/exercises/04_pipeline_parallel.py"),
     context.CHAPTER: (context, "examples/exercises/05_context_parallel.py"),

@@ -13,6 +13,9 @@ vocabulary padding through ``parallelize(..., tensor_parallel=apply_tensor_paral
 Data parallel learns of chapter 08's reduce dtype by subclasses of the DDP wrappers
 (``apply_data_parallel_in``); chapter 01's overlap chart records through ``record_overlap``
 (overlap_chart.py).
+ZeRO (02) learns of chapter 08's dtypes through its ``make_unit`` argument, a ``FlatUnit``
+subclass that zero_mixed_precision.py defines, and of chapter 10's tied weights through
+zero_tied.py, which points borrowers at a unit's tensors.
 """
 
 import io
@@ -43,6 +46,13 @@ _DATA_PARALLEL = [
     "reduce_dtype", "wire", "precision", "bfloat16", "float16", "autocast", "timeline", "timer",
     "mark", "recording", "launches", "overlap", "with_context", "dp_cp"
 ]
+# later chapters' concerns that ZeRO's unit and wrapper (02) must not name: chapter 10's tied
+# weights (zero_tied.py points borrowers at a unit's tensors) and chapter 08's dtypes
+# (zero_mixed_precision.py's FlatUnit subclass)
+_ZERO = [
+    "users", "tied", "shared_embedding", "borrowers", "borrows", "param_dtype", "reduce_dtype",
+    "wire", "policy", "precision", "autocast", "compute_dtype", "bfloat16", "float16"
+]
 FORBIDDEN: Dict[str, List[str]] = {
     "scaletorch/parallel/data_parallel.py": _DATA_PARALLEL,
     "scaletorch/parallel/gradient_sync.py": _DATA_PARALLEL,
@@ -51,6 +61,8 @@ FORBIDDEN: Dict[str, List[str]] = {
     "scaletorch/parallel/pipeline_parallel.py": _PIPELINE,
     "scaletorch/parallel/tensor_parallel.py": _TENSOR,
     "scaletorch/parallel/tensor_parallel_layers.py": _TENSOR,
+    "scaletorch/parallel/flat_unit.py": _ZERO,
+    "scaletorch/parallel/zero.py": _ZERO,
 }
 
 

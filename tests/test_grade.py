@@ -64,6 +64,12 @@ class GradeChapter01(_GradeChapter, unittest.TestCase):
     chapter = "01"
 
 
+class GradeChapter02(_GradeChapter, unittest.TestCase):
+    """ZeRO, 2 ranks, 3 steps a job (ZeRO-1 for reduce_scatter_mean, ZeRO-3 for gather_unit and
+    release_unit): 3 solutions, 10 variants, 3 stubs."""
+    chapter = "02"
+
+
 class GradeChapter03(_GradeChapter, unittest.TestCase):
     """Tensor parallel, 2 ranks, 2 steps without and 2 with sequence parallel a job (stopped at
     the first wrong call), every call's forward and backward checked on its rank: 3 solutions,
@@ -143,7 +149,7 @@ class StubsMatchTheLibrary(unittest.TestCase):
             self.assertEqual(grade.main(["99"]), 2)
         self.assertEqual(
             err.getvalue(), "error: chapter '99' has no exercises; chapters with "
-            "exercises: 01, 03, 04, 05, 06, 08 (or all)\n")
+            "exercises: 01, 02, 03, 04, 05, 06, 08 (or all)\n")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from scaletorch.parallel.mixed_precision import (DynamicLossScaler, MixedPrecisi
 from scaletorch.parallel.mixed_precision import policy_for as policy
 from scaletorch.parallel.mixed_precision import supports_fp16
 from scaletorch.parallel.zero import ShardedDataParallel, ZeroAdamW, llama_units
+from scaletorch.parallel.zero_mixed_precision import zero_unit_in
 from scaletorch.parallel.zero_report import memory_formula
 from scaletorch.trainer import Config, Trainer
 from scaletorch.trainer.config import validate
@@ -220,7 +221,7 @@ def _reference(cfg: Config) -> tuple:
     if p.zero_stage == 3:
         policy = MixedPrecisionPolicy.of(p.param_dtype, p.reduce_dtype)
         zero = ShardedDataParallel(model, llama_units(model), None, 3,
-                                   param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype)
+                                   make_unit=zero_unit_in(policy.param_dtype, policy.reduce_dtype))
         disable_autocast_cache_per_unit(zero)  # as parallelize does
         t = cfg.training
         optimizer = ZeroAdamW(zero, t.lr, (t.beta1, t.beta2), t.weight_decay)
@@ -261,8 +262,8 @@ def _zero3_weight_copies_held(param_dtype: str) -> dict:
     cfg = make_config()
     model = build_model(cfg.model, seed=0)
     policy = MixedPrecisionPolicy.of(param_dtype, "fp32", "bf16")
-    zero = ShardedDataParallel(model, llama_units(model), None, 3, param_dtype=policy.param_dtype,
-                               reduce_dtype=policy.reduce_dtype)
+    zero = ShardedDataParallel(model, llama_units(model), None, 3,
+                               make_unit=zero_unit_in(policy.param_dtype, policy.reduce_dtype))
     disable_autocast_cache_per_unit(zero)  # as parallelize does
     x = torch.randint(0, cfg.model.vocab_size, (4, 16))
     casts = _WeightCasts()

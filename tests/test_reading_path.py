@@ -64,7 +64,7 @@ MODULES_OF: Dict[str, List[str]] = {
     "05": ["context_parallel", "ring_attention", "attention_kernels", "step"],
     "06": ["expert_parallel"],
     "07": ["parallelize", "tensor_layout", "validation", "native", "moe_pipeline"],
-    "08": ["mixed_precision", "ddp_reduce_dtype", "loss_scale"],
+    "08": ["mixed_precision", "ddp_reduce_dtype", "zero_mixed_precision", "loss_scale"],
     "10": ["tied_embeddings", "zero_tied", "activation_checkpointing", "vocab_padding"],
     "12": ["sync_batchnorm", "vision_parallel"],
 }

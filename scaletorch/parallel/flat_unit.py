@@ -7,55 +7,96 @@ shards of S = P' / N elements over the N ranks of the unit's group:
     flat   | shard 0 | shard 1 | ... | shard N-1 |pad|        rank r owns shard r: it keeps
              rank 0    rank 1          rank N-1               the Adam state for it, updates it
 
-A unit all-gathers its shards into ``flat`` (every parameter is a view of it) and frees it
-again, and reduce-scatters its gradients so that each rank ends with its shard's sum. Chapter
-08 passes ``param_dtype`` (what stage 3 gathers in) and ``reduce_dtype`` (the wire's).
+The three collectives of ZeRO come first (``reduce_scatter_mean``, ``gather_unit``,
+``release_unit``: examples/exercises/02_fsdp.py has them for the learner), then the unit.
+Later chapters attach from outside: a subclass picks the dtypes (``full_buffer``,
+``sent_dtype``: zero_mixed_precision.py); zero_tied.py points a tied weight at a unit's tensor.
+Shapes (jaxtyping, checked in tests/test_zero_shapes.py): "P" is P' = N S, "S" a shard.
 """
 
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
+from jaxtyping import Float
 from torch import nn
 
 from scaletorch.dist import comm
 from scaletorch.dist.comm import Group, Work
 
 NamedModules = Sequence[Tuple[str, nn.Module]]  # (name inside the model, module)
+Holders = List[Tuple[nn.Module, str, str]]  # (module, attribute, full name) holding a parameter
+Flat = Float[torch.Tensor, "P"]  # a unit's full flat vector (parameters or gradients), P' elements
+Shard = Float[torch.Tensor, "S"]  # this rank's shard of it: S = P' / N elements
+
+# [core: zero-collectives]
+
+
+def reduce_scatter_mean(full: Flat, out: Shard, group: Group) -> Optional[Work]:
+    """After a unit's backward: start averaging its (P',) gradients ``full`` over ``group``
+    (dp_cp, N ranks), async. Rank r's (S,) ``out`` receives the mean over the ranks of
+    full[r S:(r + 1) S]: its shard's gradient. ``full`` (fp32) may be overwritten; in out's
+    dtype if that differs. Returns the work (None on one rank: out is full)."""
+    full.div_(comm.group_size(group))  # the mean: the gradient of the global mean loss
+    sent = full if full.dtype == out.dtype else full.to(out.dtype)
+    return comm.reduce_scatter_tensor(out, sent, group, async_op=True)
+
+
+def gather_unit(flat: Flat, shard: Shard, group: Group, async_op: bool = False) -> Optional[Work]:
+    """Before a unit computes (ZeRO-3: its forward and its backward; ZeRO-1/2: after the step):
+    ``flat`` (P',) becomes every rank's (S,) ``shard`` end to end, rank r's at r S, by one
+    all-gather over ``group`` (dp_cp, N ranks). A released ``flat`` gets its P' elements back
+    first. ``shard`` is in flat's dtype, not a view of it. Returns the work if ``async_op``."""
+    if flat.untyped_storage().nbytes() == 0:  # released: the parameters on it come back
+        flat.untyped_storage().resize_(flat.numel() * flat.element_size())
+    return comm.all_gather_into_tensor(flat, shard, group, async_op=async_op)
+
+
+def release_unit(flat: Flat) -> None:
+    """After a unit computes (ZeRO-3): free its full parameters. Each is a tensor on ``flat``'s
+    storage, so a storage of 0 bytes frees them all, the copies autograd saved included."""
+    flat.untyped_storage().resize_(0)
+
+
+# [end: zero-collectives]
+
+
+def holders_of(modules: NamedModules) -> Dict[int, Tuple[nn.Parameter, Holders]]:
+    """Every distinct parameter of ``modules`` once, in order, keyed by id, with every
+    (module, attribute, full name) that holds it."""
+    found: Dict[int, Tuple[nn.Parameter, Holders]] = {}
+    for prefix, module in modules:
+        for sub_name, sub in module.named_modules(prefix=prefix):
+            for attr, param in sub._parameters.items():
+                if param is not None:
+                    found.setdefault(id(param), (param, []))[1].append(
+                        (sub, attr, f"{sub_name}.{attr}"))
+    return found
+
+
+def put_tensor(module: nn.Module, attr: str, tensor: torch.Tensor) -> None:
+    """``module.attr`` becomes ``tensor`` (on a unit's flat storage) in place of its Parameter."""
+    del module._parameters[attr]
+    setattr(module, attr, tensor)
 
 
 class FlatUnit:
     """Some modules' parameters as one flat vector of P' elements, and this rank's shard.
 
-    Each parameter is replaced in its module by a plain leaf tensor that lives on the storage
-    of ``self.flat`` (same shape, requires grad), so writing ``flat`` (an all-gather) sets every
-    parameter, and resizing its storage to 0 frees them all (stage 3) even while autograd still
-    holds views of them (``weight.t()`` saved by a matmul). ``shard`` (S elements, a Parameter)
-    is what the optimizer updates: a view of ``flat`` when the full parameters stay (stages 1,
-    2), its own tensor otherwise (stage 3). Stage 1 also keeps a full flat gradient buffer that
-    the parameters' ``.grad`` are views of, so backward accumulates into it in place.
+    Each parameter becomes a plain leaf tensor on the storage of ``self.flat``: writing ``flat``
+    sets every parameter, a storage of 0 bytes frees them all, even the views autograd saved.
+    ``shard`` (S, a Parameter) is what the optimizer updates: a view of ``flat`` in stages 1, 2,
+    its own tensor in stage 3. Stage 1 keeps a flat gradient buffer that the ``.grad`` view.
     """
 
-    def __init__(self, name: str, modules: NamedModules, group: Group, zero_stage: int,
-                 param_dtype: Optional[torch.dtype] = None,
-                 reduce_dtype: Optional[torch.dtype] = None, users: NamedModules = ()) -> None:
+    def __init__(self, name: str, modules: NamedModules, group: Group, zero_stage: int) -> None:
         self.name, self.group, self.zero_stage = name, group, zero_stage
-        self.reduce_dtype = reduce_dtype
         self.modules = [module for _, module in modules]
         self.world, self.rank = comm.group_size(group), comm.group_rank(group)
-        # Every distinct parameter once, with every (module, attribute, name) that holds it:
-        # in ``modules``, and in ``users`` (modules outside the unit that hold some of these
-        # parameters: tied weights, zero_tied.py) for those parameters only.
-        found: Dict[int, Tuple[nn.Parameter, List[Tuple[nn.Module, str, str]]]] = {}
-        for only_found, named in ((False, modules), (True, users)):
-            for prefix, module in named:
-                for sub_name, sub in module.named_modules(prefix=prefix):
-                    for attr, param in sub._parameters.items():
-                        if param is not None and (id(param) in found or not only_found):
-                            found.setdefault(id(param), (param, []))[1].append(
-                                (sub, attr, f"{sub_name}.{attr}"))
+        found = holders_of(modules)
         if not found:
             raise ValueError(f"unit {name!r} has no parameters")
         params = [param for param, _ in found.values()]
+        self.index = {key: k for k, key in enumerate(found)}  # id(parameter) -> its position
         self.names = [[fqn for _, _, fqn in holders] for _, holders in found.values()]
         self.shapes = [p.shape for p in params]
         self.offsets = [0]
@@ -68,9 +109,7 @@ class FlatUnit:
         master = torch.zeros(self.padded_numel, dtype=first.dtype, device=first.device)
         for param, start in zip(params, self.offsets):
             master[start:start + param.numel()].copy_(param.detach().reshape(-1))
-        # stage 3 gathers (and computes with) param_dtype; stages 1, 2 keep the full master
-        low = zero_stage == 3 and param_dtype is not None and param_dtype != first.dtype
-        self.flat = master.to(param_dtype) if low else master
+        self.flat = self.full_buffer(master)
         self.tensors: List[torch.Tensor] = []
         storage = self.flat.untyped_storage()
         for param, (_, holders), start in zip(params, found.values(), self.offsets):
@@ -81,8 +120,7 @@ class FlatUnit:
             tensor.set_(storage, start, param.shape)  # type: ignore[call-overload]
             tensor.requires_grad_(param.requires_grad)
             for sub, attr, _ in holders:
-                del sub._parameters[attr]  # the module keeps a plain tensor, not a Parameter
-                setattr(sub, attr, tensor)
+                put_tensor(sub, attr, tensor)
             self.tensors.append(tensor)
         self.trainable = sum(t.requires_grad for t in self.tensors)
         own = master[self.rank * self.shard_numel:(self.rank + 1) * self.shard_numel]
@@ -96,35 +134,37 @@ class FlatUnit:
         if zero_stage == 3:
             self.free()
 
+    def full_buffer(self, master: Flat) -> Flat:
+        """The (P',) vector the parameters live on and gathers write: ``master`` itself (a
+        subclass may return a copy in another dtype under stage 3; the shard stays fp32)."""
+        return master
+
+    def sent_dtype(self, full: Flat) -> torch.dtype:
+        """The dtype the gradients are reduce-scattered in: full's (a subclass may differ)."""
+        return full.dtype
+
     @property
     def gathered_bytes(self) -> int:
         """Bytes of full parameters this unit holds right now (0 when freed)."""
         return self.flat.untyped_storage().nbytes()
 
-    # [core: gather-free]
     def gather(self, async_op: bool = False) -> Optional[Work]:
-        """All-gather every rank's shard into ``flat`` over the group: (S,) -> (P',)."""
-        if self.gathered_bytes == 0:
-            self.flat.untyped_storage().resize_(self.padded_numel * self.flat.element_size())
+        """``gather_unit`` of this unit over its group: (S,) -> (P',)."""
         source = self.shard.detach()
         if source.dtype != self.flat.dtype:
-            source = source.to(self.flat.dtype)  # param_dtype: the copy that crosses the wire
+            source = source.to(self.flat.dtype)  # full_buffer's dtype: the copy that is sent
         elif self.zero_stage < 3:
             source = source.clone()  # the shard is a slice of flat: do not alias in and out
-        return comm.all_gather_into_tensor(self.flat, source, self.group, async_op=async_op)
+        return gather_unit(self.flat, source, self.group, async_op)
 
     def free(self) -> None:
-        """Drop the full parameters (stage 3); every tensor on flat's storage goes with it."""
-        self.flat.untyped_storage().resize_(0)
+        """``release_unit``: drop the full parameters (stage 3)."""
+        release_unit(self.flat)
 
-    # [end: gather-free]
     def reduce_grads(self) -> Tuple[Optional[Work], Callable[[], None]]:
-        """Start the reduce-scatter of this unit's gradients over the group: (P',) -> (S,).
-
-        Gradients are averaged (divided by N), so the shard's gradient is that of the global
-        mean loss. Returns (work, finish); call ``finish()`` after ``work.wait()``. Stages 2, 3
-        free the full gradients here; stage 1 keeps them (its flat gradient buffer).
-        """
+        """Start ``reduce_scatter_mean`` of this unit's gradients: (P',) -> (S,). Returns (work,
+        finish); call ``finish()`` after ``work.wait()``. Stages 2, 3 free the full gradients
+        here; stage 1 keeps them (its flat gradient buffer)."""
         if self.flat_grad is not None:
             full = self.flat_grad
         else:
@@ -136,15 +176,11 @@ class FlatUnit:
             full = torch.cat(pieces)  # (P',)
             for tensor in self.tensors:
                 tensor.grad = None
-        full.div_(self.world)
-        # reduce_dtype on the wire (one rank: nothing crosses it, nothing to round)
-        low = self.reduce_dtype not in (None, full.dtype) and self.world > 1
-        wire = full.to(self.reduce_dtype) if low else full
-        out = wire.new_empty(self.shard_numel)
-        work = comm.reduce_scatter_tensor(out, wire, self.group, async_op=True)
+        out = full.new_empty(self.shard_numel, dtype=self.sent_dtype(full))
+        work = reduce_scatter_mean(full, out, self.group)
 
         # the default binds full: it stays alive until the work is done
-        def finish(full: torch.Tensor = wire, out: torch.Tensor = out) -> None:
+        def finish(full: torch.Tensor = full, out: torch.Tensor = out) -> None:
             out = out.to(self.shard.dtype)  # gradients accumulate in fp32 (the master's)
             if self.flat_grad is not None:
                 own = self.flat_grad[self.rank * self.shard_numel:(self.rank + 1) *
@@ -166,7 +202,7 @@ class FlatUnit:
             for tensor in self.tensors:
                 tensor.grad = None
 
-    def all_gather_flat(self, shard: torch.Tensor) -> torch.Tensor:
+    def all_gather_flat(self, shard: Shard) -> Flat:
         """A new (P',) vector of every rank's (S,) ``shard`` (the parameters' shard, or an AdamW
         state shaped like it), all-gathered over the group: how ``ParamMap`` un-shards a unit."""
         flat = shard.new_empty(self.padded_numel)

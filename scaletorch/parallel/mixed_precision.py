@@ -23,8 +23,8 @@ micro-batches add up there, and the optimizer reads fp32. Only the wire is low p
 
 The policy attaches from here to chapters 01 and 02: DDP reduces in ``reduce_dtype`` through
 its subclasses (``apply_data_parallel_in``, ddp_reduce_dtype.py; torch's DDP: a comm hook),
-ZeRO takes ``param_dtype`` and ``reduce_dtype`` arguments with
-``disable_autocast_cache_per_unit``, and FSDP2 its ``mp_policy`` (``fsdp_mp_policy``).
+ZeRO through its units (zero_mixed_precision.py) with ``disable_autocast_cache_per_unit``, and
+FSDP2 its ``mp_policy`` (``fsdp_mp_policy``).
 
 fp16 (5 exponent bits, largest finite 65504, smallest normal 6e-5) needs a loss scale: the
 gradients of a loss of ~4 are often below 6e-5 and would flush to zero. ``DynamicLossScaler``
@@ -49,10 +49,12 @@ from torch.distributed.fsdp import MixedPrecisionPolicy as FSDPMixedPrecision
 from scaletorch.config import Config, resolve_precision
 from scaletorch.dist import ProcessGroupManager
 from scaletorch.parallel.ddp_reduce_dtype import apply_data_parallel_in
+from scaletorch.parallel.flat_unit import FlatUnit
 from scaletorch.parallel.loss_scale import unscale_and_check, update_scale
 from scaletorch.parallel.moe_pipeline import MoELossInPipeline
 from scaletorch.parallel.pipeline_runtime import LossFn, PipelineSchedule, StageHooks
 from scaletorch.parallel.tensor_parallel_layers import ParallelRMSNorm, VocabParallelEmbedding
+from scaletorch.parallel.zero_mixed_precision import zero_unit_in
 
 # fp64 is named only to be refused (wider than the master)
 DTYPES = {
@@ -347,6 +349,9 @@ class PrecisionHooks:
         policy = self.policy if gather else MixedPrecisionPolicy(
             reduce_dtype=self.policy.reduce_dtype)
         return fsdp_mp_policy(policy)
+
+    def zero_unit(self) -> Callable[..., FlatUnit]:  # ZeRO's units in the policy's dtypes
+        return zero_unit_in(self.policy.param_dtype, self.policy.reduce_dtype)
 
 
 def precision_hooks(cfg: Config, device_type: str) -> PrecisionHooks:

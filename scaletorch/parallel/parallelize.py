@@ -120,12 +120,12 @@ def _apply_data_parallel(
     optimizer or None for the Trainer's AdamW)."""
     p, t = cfg.parallel, cfg.training
     if p.zero_stage > 0:
-        dtypes = {} if precision is None else dict(param_dtype=precision.policy.param_dtype,
-                                                   reduce_dtype=precision.policy.reduce_dtype)
+        # chapter 08's units gather and reduce in the policy's dtypes (mixed_precision.py)
+        unit = {} if precision is None else dict(make_unit=precision.zero_unit())
         group = pgm.data_parallel_group_with_context
         zero: List[ShardedDataParallel] = [
-            ShardedDataParallel(m, llama_units(m), group, p.zero_stage, **dtypes)
-            if tied is None else tied.zero(m, group, p.zero_stage, **dtypes) for m in modules
+            ShardedDataParallel(m, llama_units(m), group, p.zero_stage, **unit)
+            if tied is None else tied.zero(m, group, p.zero_stage, **unit) for m in modules
         ]
         for z in zero:
             if precision is not None:

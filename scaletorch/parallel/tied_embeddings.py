@@ -93,8 +93,9 @@ class TiedEmbeddings:
             untie_across_stages(model)
 
     def zero(self, module: nn.Module, group: Group, zero_stage: int,
-             **dtypes: Any) -> ShardedDataParallel:
-        return TiedShardedDataParallel(module, zero_units(module), group, zero_stage, **dtypes)
+             **make_unit: Any) -> ShardedDataParallel:
+        """``make_unit``: chapter 08's units in its dtypes (``ShardedDataParallel``'s argument)."""
+        return TiedShardedDataParallel(module, zero_units(module), group, zero_stage, **make_unit)
 
     def after_schedule(self, schedule: PipelineSchedule, pgm: ProcessGroupManager) -> None:
         attach_tied_embedding_sync(schedule, pgm)

@@ -11,25 +11,16 @@ owns shard r. What else a rank keeps is the stage (fp32, 4 bytes per element, Ps
     2         full         shard          shard          4Psi + (4Psi + 8Psi)/N
     3         shard        shard          shard          16 Psi/N  (+ gathered units in flight)
 
-Communication per step (elements of the flat vectors; a ring puts (N-1)/N of each on the wire):
-stages 1, 2 reduce-scatter the gradients and all-gather the updated parameters: 2 Psi, as DDP's
-all-reduce. Stage 3 all-gathers each unit before its forward and again before its backward, and
-reduce-scatters its gradients: 3 Psi (2 m Psi gathered with m micro-batches). zero_report.py
-prints the formulas beside the ledgers; fully_shard.py holds PyTorch's ZeRO-3, FSDP2.
-
-Stage 3 on a model cut into units U0 (embedding), U1..UL (blocks), UL+1 (head = norm + lm_head):
+Stage 3, units U0 (embedding), U1..UL (blocks), UL+1 (head = norm + lm_head), by hooks:
 
     forward    gather U0, run U0, free U0 | gather U1, run U1, free U1 | ...
     backward   ... | gather U1, grads of U1, reduce-scatter + free U1 | gather U0, ...
 
-Hooks do it: a forward pre-hook on a unit's first module gathers; a forward hook on its last
-module frees and hooks the output's gradient (the unit's backward starts: gather again); the
-parameters' post-accumulate-grad hooks reduce-scatter once the unit's last gradient is in, then
-free. With ``prefetch`` the next unit's all-gather travels while this one computes (two units
-full at a time). Stages 1 and 2 reduce-scatter in the same hooks, and ``ZeroAdamW.step``
-all-gathers the updated shards. Inside ``no_sync()`` nothing is reduced: gradients accumulate
-full size and the last micro-batch reduces once. Chapter 07 shares tied weights between units
-(zero_tied.py); chapter 08 passes ``param_dtype`` and ``reduce_dtype``.
+Every stage reduce-scatters a unit's gradients once its last one is in (post-accumulate-grad
+hooks; inside ``no_sync()`` nothing is reduced). ``ZeroAdamW.step`` updates the shards, then
+stages 1 and 2 all-gather them. Stages 1, 2 move 2 Psi per step as DDP, stage 3 3 Psi
+(zero_report.py). Chapter 10's tied weights (zero_tied.py) and chapter 08's dtypes
+(``make_unit``, zero_mixed_precision.py) attach from outside.
 """
 
 from contextlib import contextmanager
@@ -42,10 +33,11 @@ from torch import nn
 
 from scaletorch.dist import ProcessGroupManager, get_ledger
 from scaletorch.dist.comm import Work
-from scaletorch.parallel.flat_unit import FlatUnit, NamedModules
+from scaletorch.parallel.flat_unit import FlatUnit, Group, NamedModules
 from scaletorch.parallel.grad_norm import clip_grads_, world_grad_norm
 
 Units = List[Tuple[str, NamedModules]]  # (unit name, [(module name, module), ...])
+MakeUnit = Callable[[str, NamedModules, Group, int], FlatUnit]  # (name, modules, group, stage)
 State = Dict[str, torch.Tensor]
 
 
@@ -56,13 +48,13 @@ class ShardedDataParallel(nn.Module):
     every parameter must be in exactly one unit. The wrapper's parameters (``self.shards``, one
     flat (S,) shard per unit) are all that the optimizer and ``state_dict`` see: this rank's
     shards. ``full_state_dict`` gathers the full tensors under the original names;
-    ``clip_grad_norm`` counts each shard element once.
+    ``clip_grad_norm`` counts each shard element once. ``make_unit`` builds each unit (``FlatUnit``,
+    or a later chapter's subclass).
     """
-    shares_parameters = False  # chapter 07's subclass shares a tied weight (zero_tied.py)
+    shares_parameters = False  # chapter 10's subclass shares a weight (zero_tied.py)
 
     def __init__(self, module: nn.Module, units: Units, group: Optional[dist.ProcessGroup],
-                 zero_stage: int, prefetch: bool = True, param_dtype: Optional[torch.dtype] = None,
-                 reduce_dtype: Optional[torch.dtype] = None) -> None:
+                 zero_stage: int, prefetch: bool = True, make_unit: MakeUnit = FlatUnit) -> None:
         super().__init__()
         if zero_stage not in (1, 2, 3):
             raise ValueError(f"zero_stage must be 1, 2 or 3, got {zero_stage}")
@@ -77,8 +69,7 @@ class ShardedDataParallel(nn.Module):
         self.group = group
         self.zero_stage = zero_stage
         self.prefetch = prefetch
-        # chapter 08: stage 3 gathers in param_dtype, all reduce in reduce_dtype (None: fp32)
-        self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
+        self.make_unit = make_unit
         self.units = self._build_units(units)
         # Parameter names may not contain dots: "layers.0" -> "layers_0".
         self.shards = nn.ParameterDict({u.name.replace(".", "_"): u.shard for u in self.units})
@@ -101,11 +92,8 @@ class ShardedDataParallel(nn.Module):
                 unit.modules[-1].register_forward_hook(partial(self._post_forward, i))
 
     def _build_units(self, units: Units) -> List[FlatUnit]:
-        """One FlatUnit per unit (chapter 07's subclass lets units share a parameter)."""
-        return [
-            FlatUnit(name, modules, self.group, self.zero_stage, self.param_dtype,
-                     self.reduce_dtype) for name, modules in units
-        ]
+        """One FlatUnit per unit (chapter 10's subclass lets units share a parameter)."""
+        return [self.make_unit(n, mods, self.group, self.zero_stage) for n, mods in units]
 
     def _gathered_with(self, i: int) -> List[int]:
         """The units that must be full while unit i runs (a subclass adds borrowed ones)."""
@@ -332,16 +320,18 @@ class ZeroAdamW(torch.optim.AdamW):
         super().__init__([p for w in self.wrappers for p in w.parameters()], lr=lr, betas=betas,
                          eps=eps, weight_decay=weight_decay)
 
-    # torch's stub overloads step on closure (None -> None, callable -> float); this covers both
+    # [core: zero-step]
     @torch.no_grad()
-    def step(  # type: ignore[override]
+    def step(  # type: ignore[override]  # torch's stub: overloads on closure, both here
             self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
-        for w in self.wrappers:
+        for w in self.wrappers:  # each unit's reduce_scatter_mean, started in backward: done
             w.finish_grad_sync()
-        loss = super().step(closure)
-        for w in self.wrappers:
+        loss = super().step(closure)  # AdamW on this rank's (S,) shards only
+        for w in self.wrappers:  # stages 1, 2: gather_unit of every unit, (S,) -> (P',)
             w.gather_params()
         return loss
+
+    # [end: zero-step]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)

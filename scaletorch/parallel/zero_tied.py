@@ -19,7 +19,7 @@ from typing import Dict, List, cast
 
 from torch import nn
 
-from scaletorch.parallel.flat_unit import FlatUnit
+from scaletorch.parallel.flat_unit import FlatUnit, holders_of, put_tensor
 from scaletorch.parallel.zero import ShardedDataParallel, Units, llama_units
 
 
@@ -51,8 +51,15 @@ class TiedShardedDataParallel(ShardedDataParallel):
             borrowers = [
                 m for j, (_, mods) in enumerate(units) if i in self.borrows[j] for m in mods
             ]
-            unit = FlatUnit(name, modules, self.group, self.zero_stage, self.param_dtype,
-                            self.reduce_dtype, borrowers)
+            held = holders_of(borrowers)  # read before the unit replaces its own parameters
+            unit = self.make_unit(name, modules, self.group, self.zero_stage)
+            # the borrowers' holders of the unit's parameters hold the unit's tensors instead
+            for key, (_, holders) in held.items():
+                if key in unit.index:
+                    k = unit.index[key]
+                    for sub, attr, fqn in holders:
+                        put_tensor(sub, attr, unit.tensors[k])
+                        unit.names[k].append(fqn)
             if copies[i]:
                 unit.shard.shared_embedding = True  # type: ignore[attr-defined]
             built.append(unit)

@@ -23,6 +23,7 @@ from scaletorch.parallel.mixed_precision import (MixedPrecisionPolicy,
                                                  disable_autocast_cache_per_unit, fsdp_mp_policy)
 from scaletorch.parallel.step import forward_backward
 from scaletorch.parallel.zero import ShardedDataParallel, ZeroAdamW, llama_units
+from scaletorch.parallel.zero_mixed_precision import zero_unit_in
 from scripts.benchmarks import timing
 from scripts.benchmarks.fsdp import BATCH_PER_RANK, MODEL, SEQ_LEN, WARMUP
 
@@ -41,7 +42,7 @@ def _build(impl: str, pgm) -> tuple:
         model = apply_fully_shard(model, pgm, fsdp_mp_policy(policy))
         return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
     model = ShardedDataParallel(model, llama_units(model), pgm.data_parallel_group_with_context, 3,
-                                param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype)
+                                make_unit=zero_unit_in(policy.param_dtype, policy.reduce_dtype))
     disable_autocast_cache_per_unit(model)  # as parallelize does
     return model, ZeroAdamW(model, 1e-4, (0.9, 0.95), 0.1)
 

@@ -123,9 +123,10 @@ def rank_jobs(rank: int, world: int, jobs: List[Dict[str, Source]]) -> List[Dict
     return out
 
 
-def reference() -> Dict[str, Any]:
-    """One device, the same run: losses, grad norms, weights, step 0's gradients."""
-    trainer = reference_trainer(config())
+def reference(cfg: Optional[Config] = None) -> Dict[str, Any]:
+    """One device, the same run (or ``cfg``'s): losses, grad norms, weights, step 0's
+    gradients."""
+    trainer = reference_trainer(cfg or config())
     named = list(trainer.model.named_parameters())
     grads: Dict[str, torch.Tensor] = {}
     clip = trainer.clip_grad_norm

@@ -181,24 +181,35 @@ def error_verdict(exercise: str, runs: List[dict]) -> Optional[Verdict]:
     return None
 
 
-def grade_found(rank_jobs: Callable, world: int, jobs: List[Dict[str, Source]]) -> List[Verdict]:
-    """Every job graded in one world of ``world`` ranks, by ``rank_jobs`` whose measure returns
-    {"found": the diagnoses of the calls that differed from the library's}: "passed" if no rank
-    found one, else the first (05 and 03 grade so)."""
-    results, hang = run_world(rank_jobs, world, jobs)
+def per_job(jobs: Sequence[Dict[str, Source]], results: List[Any], hang: List[str],
+            verdict: Callable[[str, List[Dict[str, Any]]], Verdict]) -> List[Verdict]:
+    """Each job's verdict from every rank's result of it (``run_world``'s ``results`` of
+    ``run_jobs``): ``verdict(exercise, runs)``, or the hang (or a missing result) for a job that
+    some rank did not finish."""
     ranks = [r for r in results if isinstance(r, list)]
     verdicts = []
     for i, job in enumerate(jobs):
         (exercise, _), = job.items()
         runs = [r[i] for r in ranks if i < len(r)]
-        if len(runs) < world:
+        if len(runs) < len(results):
             text = hang_text(exercise, hang) if hang else "no result from every rank"
             verdicts.append(Verdict(exercise, False, text))
-            continue
-        failed = error_verdict(exercise, runs)
-        if failed is not None:
-            verdicts.append(failed)
-            continue
-        texts = [t for run in runs for t in run["found"]]
-        verdicts.append(Verdict(exercise, not texts, texts[0] if texts else "passed"))
+        else:
+            verdicts.append(verdict(exercise, runs))
     return verdicts
+
+
+def found_verdict(exercise: str, runs: List[Dict[str, Any]]) -> Verdict:
+    """"passed" if no rank found a call that differed from the library's, else the first."""
+    failed = error_verdict(exercise, runs)
+    if failed is not None:
+        return failed
+    texts = [t for run in runs for t in run["found"]]
+    return Verdict(exercise, not texts, texts[0] if texts else "passed")
+
+
+def grade_found(rank_jobs: Callable, world: int, jobs: List[Dict[str, Source]]) -> List[Verdict]:
+    """Every job graded in one world of ``world`` ranks, by ``rank_jobs`` whose measure returns
+    {"found": the diagnoses of the calls that differed from the library's} (05 and 03 grade so)."""
+    results, hang = run_world(rank_jobs, world, jobs)
+    return per_job(jobs, results, hang, found_verdict)
