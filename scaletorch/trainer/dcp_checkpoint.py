@@ -1,0 +1,310 @@
+"""Sharded checkpoints with torch.distributed.checkpoint (DCP): each rank writes its pieces of
+the full tensors, and a run at another layout reads just the pieces it will hold. No gather.
+
+Every rank describes what it holds as rectangles of chapter 00's full tensors, under their
+reference names (``Pieces``): a tp split is one rectangle at ``tp_rank x its size``, less the
+padding rows of a padded vocabulary; an expert shard one at ``ep_rank x its size``; a pipeline
+stage offers whole tensors of its layers; a ZeRO flat shard covers a range of each tensor
+flattened, which ``flat_range_boxes`` cuts into a few rectangles (a partial first row, whole
+rows, a partial last row)::
+
+    tensor (4, 6) flattened, shard range [9, 21)     rows 1..3 of the tensor:
+        row 1: . . . # # #     -> box (1, 3) size (1, 3)
+        row 2: # # # # # #     -> box (2, 0) size (1, 6)
+        row 3: # # # . . .     -> box (3, 0) size (1, 3)
+
+DCP's save planner gathers every rank's list of pieces on the coordinator, drops replicas (a
+dp or tp replica offers the same rectangle: one rank writes it), and writes ``.metadata``
+(global shape and rectangles of every tensor) after each rank wrote its ``__<rank>_0.distcp``.
+Loading, each rank offers the rectangles it will hold; DCP's load planner intersects them with
+the saved ones and reads only those bytes, straight into the parameters and AdamW's moments.
+
+Keys: ``model.<name>``, ``optim.exp_avg.<name>``, ``optim.exp_avg_sq.<name>`` (rectangles),
+``optim.step``, ``trainer`` (step, scheduler, schedule, loss scale) and ``rng.<rank>`` (plain
+values, one writer each; read with ``load_tensors_only``, never a full unpickle).
+"""
+
+import io
+import math
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
+                                                   TensorProperties, TensorStorageMetadata)
+from torch.distributed.checkpoint.planner import (ReadItem, TensorWriteData, WriteItem,
+                                                  WriteItemType)
+
+from scaletorch.dist import ProcessGroupManager
+from scaletorch.parallel.parallelize import Parallelized
+from scaletorch.parallel.tensor_layout import Split
+from scaletorch.rules.errors import InputError
+from scaletorch.trainer.checkpoint import load_tensors_only, rng_state, set_rng_state
+from scaletorch.trainer.consolidated import _schedule
+
+Box = Tuple[Tuple[int, ...], Tuple[int, ...]]  # (offsets, sizes) of a rectangle of a tensor
+
+
+def flat_range_boxes(shape: Sequence[int], start: int, stop: int) -> List[Box]:
+    """The rectangles that elements [start, stop) of a row-major tensor of ``shape`` make, in
+    order; each is contiguous in the flattened tensor. At most 2 x ndim - 1 of them."""
+    if start >= stop:
+        return []
+    if len(shape) <= 1:
+        return [((start, ), (stop - start, ))]
+    row = math.prod(shape[1:])
+    first, last = start // row, stop // row
+
+    def within(i: int, a: int, b: int) -> List[Box]:  # part of row i: recurse one dim down
+        return [((i, ) + o, (1, ) + s) for o, s in flat_range_boxes(shape[1:], a, b)]
+
+    if first == last:
+        return within(first, start - first * row, stop - first * row)
+    boxes: List[Box] = []
+    if start % row:
+        boxes += within(first, start % row, row)
+        first += 1
+    if last > first:
+        boxes.append(((first, ) + (0, ) * (len(shape) - 1), (last - first, ) + tuple(shape[1:])))
+    if stop % row:
+        boxes += within(last, 0, stop % row)
+    return boxes
+
+
+def flat_start(shape: Sequence[int], offsets: Sequence[int]) -> int:
+    """Index in the flattened row-major tensor of the element at ``offsets``."""
+    strides = [math.prod(shape[i + 1:]) for i in range(len(shape))]
+    return sum(o * s for o, s in zip(offsets, strides))
+
+
+class Pieces:
+    """Rectangles of one full tensor of shape ``size`` that this rank holds: (global offsets,
+    local tensor) each. DCP reads its protocol (``__create_write_items__``, the chunk list, the
+    shard of an offset), as it reads a DTensor's; a load copies into the local tensors in place."""
+
+    def __init__(self, size: Sequence[int], pieces: List[Tuple[Tuple[int, ...],
+                                                              torch.Tensor]]) -> None:
+        self._size, self.pieces = torch.Size(size), pieces
+
+    def size(self) -> torch.Size:
+        return self._size
+
+    def __create_chunk_list__(self) -> List[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(torch.Size(o), t.size()) for o, t in self.pieces]
+
+    def __create_write_items__(self, fqn: str, obj: Any) -> List[WriteItem]:
+        return [
+            WriteItem(index=MetadataIndex(fqn, chunk.offsets), type=WriteItemType.SHARD,
+                      tensor_data=TensorWriteData(chunk=chunk,
+                                                  properties=TensorProperties.create_from_tensor(t),
+                                                  size=self._size))
+            for chunk, (_, t) in zip(self.__create_chunk_list__(), self.pieces)
+        ]
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        for offsets, t in self.pieces:
+            if torch.Size(offsets) == index.offset:
+                return t
+        raise ValueError(f"{index.fqn}: this rank holds no piece at {tuple(index.offset or ())}")
+
+
+class _SavePlanner(DefaultSavePlanner):
+    """DCP's default save planner (deduplication, metadata, validation) on a flat dict whose
+    values are ``Pieces`` or plain values."""
+
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        obj = self.state_dict[index.fqn]
+        return obj.__get_tensor_shard__(index) if isinstance(obj, Pieces) else obj
+
+
+class _LoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner (intersect the wanted rectangles with the saved ones) on
+    ``Pieces``; plain values are unpickled with ``load_tensors_only`` (tensors and plain Python
+    values only, as every ScaleTorch checkpoint)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.name = name
+
+    def set_up_planner(self, state_dict: Dict[str, Any], metadata: Optional[Metadata] = None,
+                       is_coordinator: bool = False) -> None:
+        # not the default's: it would replace every value it does not know (Pieces) by None
+        self.original_state_dict = self.state_dict = state_dict
+        self.metadata, self.is_coordinator = metadata, is_coordinator
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        self.state_dict[fqn] = load_tensors_only(value.getvalue(), f"{self.name} ({fqn})")
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        return self.state_dict[index.fqn].__get_tensor_shard__(index)
+
+
+def global_shape(local: Sequence[int], split: Split, pgm: ProcessGroupManager) -> Tuple[
+        List[int], List[int]]:
+    """(full shape, this rank's offset) of a tensor whose local piece has shape ``local``:
+    experts concatenated over "ep" on dim 0, then the tp split over "tp" on its dim (the order
+    ``ParamMap`` gathers in), then a padded vocabulary cut to its real rows."""
+    tp_dim, expert = split[0], split[1]
+    padding = split[2] if len(split) > 2 else None
+    shape, shift = list(local), [0] * len(local)
+    if expert:
+        shift[0] += pgm.expert_model_parallel_rank * shape[0]
+        shape[0] *= pgm.expert_model_parallel_world_size
+    if tp_dim is not None:
+        shift[tp_dim] += pgm.tensor_model_parallel_rank * shape[tp_dim]
+        shape[tp_dim] *= pgm.tensor_model_parallel_world_size
+    if padding is not None:
+        shape[0] = padding[0]  # the reference's vocabulary: padding rows are not saved
+    return shape, shift
+
+
+def _placed(boxes: List[Tuple[Box, torch.Tensor]], shape: List[int],
+            shift: List[int]) -> List[Tuple[Tuple[int, ...], torch.Tensor]]:
+    """Local rectangles moved to their global offsets, cut at the full tensor's rows (a padded
+    vocabulary's extra rows drop out)."""
+    out = []
+    for (offsets, sizes), t in boxes:
+        at = tuple(o + s for o, s in zip(offsets, shift))
+        if at and sizes:
+            rows = min(sizes[0], shape[0] - at[0])
+            if rows <= 0:
+                continue
+            t = t.narrow(0, 0, rows)
+        out.append((at, t))
+    return out
+
+
+def local_pieces(par: Parallelized,
+                 value_of: Callable[[torch.Tensor], torch.Tensor]) -> Dict[str, Pieces]:
+    """{reference name: this rank's rectangles of it}, of the parameters (``value_of = detach``)
+    or of an AdamW state shaped like them. The tensors are views: a load writes through them."""
+    layout = par.layout
+    if layout.dtensor_model is not None:
+        raise InputError("--checkpoint-format dcp supports parallel.impl scaletorch for now "
+                         "(not impl torch's DTensors)")
+    out: Dict[str, Pieces] = {}
+    for param, entry_pieces, unit in layout.entries:
+        value = value_of(param)
+        for names, shape, offset in entry_pieces:
+            full, shift = global_shape(shape, layout.splits[names[0]], layout.pgm)
+            if unit is None:
+                boxes = [((0, ) * len(shape), tuple(shape))]
+                data = [value]
+            else:  # this rank's range of the unit's flat vector, within this tensor
+                begin = unit.rank * unit.shard_numel
+                a = max(offset, begin)
+                b = min(offset + shape.numel(), begin + unit.shard_numel)
+                boxes = flat_range_boxes(shape, a - offset, b - offset)
+                data = [
+                    value[offset + flat_start(shape, o) - begin:][:math.prod(s)].view(s)
+                    for o, s in boxes
+                ]
+            placed = _placed(list(zip(boxes, data)), full, shift)
+            if placed:
+                out[names[0]] = Pieces(full, placed)  # a tied weight: under its first name
+    return out
+
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def _params(par: Parallelized) -> List[torch.Tensor]:
+    return [param for param, _, _ in par.layout.entries]
+
+
+def sharded_state(trainer: Any, par: Parallelized) -> Dict[str, Any]:
+    """What ``save_sharded`` writes from this rank: its rectangles of the weights and of AdamW's
+    moments (once AdamW has stepped), and the plain values (trainer state, this rank's RNG)."""
+    state: Dict[str, Any] = {
+        f"model.{k}": v
+        for k, v in local_pieces(par, torch.Tensor.detach).items()
+    }
+    opt = trainer.optimizer
+    params = _params(par)
+    if all(p in opt.state for p in params):
+        for key in MOMENTS:
+            pieces = local_pieces(par, lambda p: opt.state[p][key])  # called at once: this key
+            state.update({f"optim.{key}.{k}": v for k, v in pieces.items()})
+        state["optim.step"] = float(opt.state[params[0]]["step"])
+    extra = {
+        "step": trainer.step,
+        "scheduler": trainer.scheduler.state_dict(),
+        "schedule": _schedule(trainer.cfg),
+    }
+    if trainer.scaler is not None:  # fp16: the loss scale resumes where it was
+        extra["scaler"] = trainer.scaler.state_dict()
+    state["trainer"] = extra
+    state[f"rng.{par.layout.pgm.rank}"] = rng_state()
+    return state
+
+
+def save_sharded(path: str, trainer: Any, par: Parallelized) -> str:
+    """Collective over the world: every rank writes its pieces to directory ``path`` (DCP's
+    ``__<rank>_0.distcp`` files), the coordinator the ``.metadata`` last. Returns ``path``."""
+    dcp.save(sharded_state(trainer, par), storage_writer=dcp.FileSystemWriter(path),
+             planner=_SavePlanner())
+    return path
+
+
+def _check_shapes(path: str, metadata: Metadata, state: Dict[str, Any]) -> None:
+    """InputError naming ``path`` unless every tensor this rank asks for is in the checkpoint
+    with the same full shape (a checkpoint of another model)."""
+    saved = metadata.state_dict_metadata
+    for key, value in state.items():
+        if not isinstance(value, Pieces):
+            continue
+        there = saved.get(key)
+        if not isinstance(there, TensorStorageMetadata) or there.size != value.size():
+            found = "missing" if there is None else f"shape {tuple(getattr(there, 'size', ()))}"
+            raise InputError(f"checkpoint {path!r} holds another model: {key} is {found} there, "
+                             f"shape {tuple(value.size())} here; resume it with the model "
+                             f"config that wrote it")
+
+
+def load_sharded(path: str, trainer: Any, par: Parallelized) -> None:
+    """Collective over the world: read this rank's pieces of the weights and AdamW state from
+    the DCP checkpoint ``path`` (written at any layout), and the trainer state. ZeRO-1/2 then
+    all-gather their loaded shards into the full parameters (over dp_cp)."""
+    reader = dcp.FileSystemReader(path)
+    metadata = reader.read_metadata()
+    opt = trainer.optimizer
+    params = _params(par)
+    state: Dict[str, Any] = {
+        f"model.{k}": v
+        for k, v in local_pieces(par, torch.Tensor.detach).items()
+    }
+    with_optim = "optim.step" in metadata.state_dict_metadata
+    if with_optim:
+        for p in params:
+            opt.state[p] = {key: torch.zeros_like(p.detach()) for key in MOMENTS}
+        for key in MOMENTS:
+            pieces = local_pieces(par, lambda p: opt.state[p][key])
+            state.update({f"optim.{key}.{k}": v for k, v in pieces.items()})
+        state["optim.step"] = None
+    _check_shapes(path, metadata, state)
+    state["trainer"] = None
+    rng_key = f"rng.{par.layout.pgm.rank}"
+    if rng_key in metadata.state_dict_metadata:
+        state[rng_key] = None
+    dcp.load(state, storage_reader=reader, planner=_LoadPlanner(f"checkpoint {path!r}"))
+    if with_optim:
+        for p in params:
+            opt.state[p]["step"] = torch.tensor(state["optim.step"])
+    units = {id(unit): unit for _, _, unit in par.layout.entries if unit is not None}
+    for unit in units.values():
+        if unit.zero_stage < 3:  # the full parameters are views of the flat vector: refill it
+            unit.gather()
+    extra = state["trainer"]
+    trainer.scheduler.load_state_dict(extra["scheduler"])
+    for group, lr in zip(opt.param_groups, trainer.scheduler.get_last_lr()):
+        group["lr"] = lr
+    if trainer.scaler is not None and "scaler" in extra:
+        trainer.scaler.load_state_dict(extra["scaler"])
+    trainer.step = extra["step"]
+    if state.get(rng_key) is not None:  # another world size: the ranks' generators start anew
+        set_rng_state(state[rng_key])

@@ -1,0 +1,156 @@
+"""Sharded checkpoints (scaletorch/trainer/dcp_checkpoint.py): saved at one layout, resumed at
+the same one bit-identically, and at others equal to the single-device run.
+
+One world of 4 ranks. Run A trains tp2 x dp2 ZeRO-1 with a padded vocabulary (63 rows at tp 2,
+padded to 256: tp rank 1 holds padding only) and saves at step 2. It is resumed at the same
+layout (bit-identical to A's uninterrupted steps 3-5: weights, AdamW moments, losses), at dp4
+ZeRO-3 (flat shards cut across rows) and at pp2 x dp2 DDP (stages). Run B saves at pp2 x tp2
+and resumes at dp4 ZeRO-2. Each resumed run's losses and final weights are compared with the
+single-device run at 1e-5 (fp32, reduction order only, as tests/layouts.py's parity runs).
+"""
+
+import math
+import os
+import tempfile
+import unittest
+
+import torch
+
+from scaletorch.dist import destroy_pg_manager
+from scaletorch.trainer.consolidated import consolidated_state
+from scaletorch.trainer.dcp_checkpoint import flat_range_boxes, load_sharded, save_sharded
+from scaletorch.trainer.param_map import full_state_dict
+from scaletorch.trainer.parity import max_weight_diff
+from tests.harness import bit_exact, run_distributed
+from tests.layouts import TOL, build, layout, make_config, pg_manager_for, reference
+from tests.test_resume import _differences
+
+WORLD = 4
+SAVE_AT = 2  # of make_config's 5 steps: AdamW's moments and step are in use after the resume
+VOCAB = 63  # odd: tp 2 pads it to 256 rows (rules/vocab.py), rank 1's rows are all padding
+
+
+def config(**parallel):
+    cfg = make_config(**parallel)
+    cfg.model.vocab_size = VOCAB
+    return cfg
+
+
+SAVED = {"A": layout(tp=2, zero_stage=1), "B": layout(tp=2, pp=2)}
+# resumed layout -> the run whose checkpoint it loads
+RESUMED = {
+    "A_same": ("A", layout(tp=2, zero_stage=1)),
+    "A_zero3_dp4": ("A", layout(zero_stage=3)),
+    "A_pp2_dp2": ("A", layout(pp=2)),
+    "B_zero2_dp4": ("B", layout(zero_stage=2)),
+}
+
+
+def _straight(name: str, path: str) -> dict:
+    """Train SAVED[name], saving the sharded checkpoint at SAVE_AT; its remaining losses and
+    final consolidated state (rank 0)."""
+    cfg = config(**SAVED[name])
+    pgm = pg_manager_for(cfg)
+    par, trainer = build(cfg, pgm)
+    for _ in range(SAVE_AT):
+        trainer.train_step()
+    save_sharded(path, trainer, par)
+    losses = trainer.train().losses
+    out = {"losses": losses, "consolidated": consolidated_state(trainer, par)}
+    destroy_pg_manager()
+    return out
+
+
+def _resumed(parallel: dict, path: str) -> dict:
+    cfg = config(**parallel)
+    pgm = pg_manager_for(cfg)
+    par, trainer = build(cfg, pgm)
+    load_sharded(path, trainer, par)
+    start = trainer.step
+    losses = trainer.train().losses
+    out = {
+        "start": start,
+        "losses": losses,
+        "state": full_state_dict(par),
+        "consolidated": consolidated_state(trainer, par),
+    }
+    destroy_pg_manager()
+    return out
+
+
+def _world(rank: int, world: int, root: str) -> dict:
+    out = {}
+    for name in SAVED:
+        out[name] = _straight(name, os.path.join(root, name))
+    for name, (saved, parallel) in RESUMED.items():
+        out[name] = _resumed(parallel, os.path.join(root, saved))
+    return out
+
+
+class ShardedCheckpointResumesAtAnyLayout(unittest.TestCase):
+
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.TemporaryDirectory()
+        cls.results = run_distributed(_world, WORLD, cls.tmp.name, timeout=600)
+        cls.reference = reference(config())
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.tmp.cleanup()
+
+    @bit_exact  # the same layout: the same code and steps as the uninterrupted run
+    def test_same_layout_resumes_bit_identical_weights_adam_state_and_losses(self):
+        for rank, res in enumerate(self.results):
+            self.assertEqual(res["A_same"]["start"], SAVE_AT)
+            self.assertEqual(res["A_same"]["losses"], res["A"]["losses"], f"rank {rank}")
+        self.assertEqual(_differences(self.results[0]["A"]["consolidated"],
+                                      self.results[0]["A_same"]["consolidated"]), [])
+
+    def test_another_layout_continues_as_the_single_device_run(self):
+        losses, _, state = self.reference
+        for name in RESUMED:
+            for rank, res in enumerate(self.results):
+                run = res[name]
+                self.assertEqual(run["start"], SAVE_AT, name)
+                self.assertEqual(len(run["losses"]), len(losses) - SAVE_AT, name)
+                for step, (a, b) in enumerate(zip(run["losses"], losses[SAVE_AT:])):
+                    self.assertLessEqual(abs(a - b), TOL, f"{name} rank {rank} step {step}")
+            # fp32, 5 AdamW steps: only the order of the reductions differs (tests/layouts.py)
+            self.assertLessEqual(max_weight_diff(self.results[0][name]["state"], state), TOL,
+                                 name)
+
+    def test_adam_moments_resumed_at_another_layout_are_the_saved_ones(self):
+        # the moments of step 5 follow from those of step 2: compare them with the saved
+        # layout's uninterrupted run (the same math in another order: 1e-5 as the weights)
+        for name, (saved, _) in RESUMED.items():
+            want = self.results[0][saved]["consolidated"]["optimizer"]
+            got = self.results[0][name]["consolidated"]["optimizer"]
+            self.assertEqual(got["step"], want["step"], name)
+            for key in ("exp_avg", "exp_avg_sq"):
+                self.assertLessEqual(max_weight_diff(got[key], want[key]), TOL, f"{name} {key}")
+
+
+class FlatRangeBoxes(unittest.TestCase):
+
+    def test_every_range_of_every_shape_is_covered_once_by_at_most_2n_minus_1_boxes(self):
+        for shape in [(4, 6), (2, 3, 4), (5, ), (3, 1, 2)]:
+            n = math.prod(shape)
+            for a in range(n + 1):
+                for b in range(a, n + 1):
+                    cover = torch.zeros(shape, dtype=torch.int)
+                    boxes = flat_range_boxes(shape, a, b)
+                    self.assertLessEqual(len(boxes), 2 * len(shape) - 1)
+                    for offsets, sizes in boxes:
+                        cover[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))] += 1
+                    want = torch.zeros(n, dtype=torch.int)
+                    want[a:b] = 1
+                    self.assertTrue(cover.flatten().equal(want), (shape, a, b))
+
+    def test_the_picture_of_the_module_docstring(self):
+        self.assertEqual(flat_range_boxes((4, 6), 9, 21), [((1, 3), (1, 3)), ((2, 0), (1, 6)),
+                                                           ((3, 0), (1, 3))])
+
+
+if __name__ == "__main__":
+    unittest.main()
