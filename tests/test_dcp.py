@@ -11,18 +11,20 @@ single-device run at 1e-5 (fp32, reduction order only, as tests/layouts.py's par
 
 import math
 import os
+import shutil
 import tempfile
 import unittest
 
 import torch
 
-from scaletorch.dist import destroy_pg_manager
+from scaletorch.dist import comm, destroy_pg_manager
 from scaletorch.trainer.consolidated import consolidated_state
 from scaletorch.trainer.dcp_checkpoint import flat_range_boxes, load_sharded, save_sharded
 from scaletorch.trainer.param_map import full_state_dict
 from scaletorch.trainer.parity import max_weight_diff
-from tests.harness import bit_exact, run_distributed
+from tests.harness import bit_exact, run_distributed, value_error
 from tests.layouts import TOL, build, layout, make_config, pg_manager_for, reference
+from tests.test_checksums import flip_byte
 from tests.test_resume import _differences
 
 WORLD = 4
@@ -78,12 +80,54 @@ def _resumed(parallel: dict, path: str) -> dict:
     return out
 
 
+def _truncate_the_metadata(path: str) -> None:
+    file = os.path.join(path, ".metadata")
+    os.truncate(file, os.path.getsize(file) // 2)
+
+
+# name -> what is done to a copy of run A's checkpoint
+DAMAGE = {
+    "flipped_byte": lambda path: flip_byte(os.path.join(path, "__1_0.distcp")),
+    "missing_shard": lambda path: os.remove(os.path.join(path, "__2_0.distcp")),
+    "truncated_metadata": _truncate_the_metadata,
+    "save_stopped_before_the_end": lambda path: os.remove(os.path.join(path, ".metadata.sha256")),
+}
+
+
+def _bad_inputs(rank: int, root: str) -> dict:
+    """Each damaged copy of A's checkpoint, and A's at another model shape, loaded at dp4
+    ZeRO-3: the error message, and whether any weight changed (nothing may load half)."""
+    out = {}
+    for name, damage in DAMAGE.items():
+        path = os.path.join(root, f"damaged_{name}")
+        if rank == 0:
+            shutil.copytree(os.path.join(root, "A"), path)
+            damage(path)
+        comm.barrier()
+        out[name] = _load_error(config(**layout(zero_stage=3)), path)
+    other = config(**layout(zero_stage=3))
+    other.model.intermediate_size = 96
+    out["another_model"] = _load_error(other, os.path.join(root, "A"))
+    return out
+
+
+def _load_error(cfg, path: str) -> tuple:
+    pgm = pg_manager_for(cfg)
+    par, trainer = build(cfg, pgm)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    message = value_error(lambda: load_sharded(path, trainer, par))
+    unchanged = all(a.equal(b.detach()) for a, b in zip(before, trainer.model.parameters()))
+    destroy_pg_manager()
+    return message, unchanged
+
+
 def _world(rank: int, world: int, root: str) -> dict:
     out = {}
     for name in SAVED:
         out[name] = _straight(name, os.path.join(root, name))
     for name, (saved, parallel) in RESUMED.items():
         out[name] = _resumed(parallel, os.path.join(root, saved))
+    out["bad"] = _bad_inputs(rank, root)
     return out
 
 
@@ -104,8 +148,9 @@ class ShardedCheckpointResumesAtAnyLayout(unittest.TestCase):
         for rank, res in enumerate(self.results):
             self.assertEqual(res["A_same"]["start"], SAVE_AT)
             self.assertEqual(res["A_same"]["losses"], res["A"]["losses"], f"rank {rank}")
-        self.assertEqual(_differences(self.results[0]["A"]["consolidated"],
-                                      self.results[0]["A_same"]["consolidated"]), [])
+        self.assertEqual(
+            _differences(self.results[0]["A"]["consolidated"],
+                         self.results[0]["A_same"]["consolidated"]), [])
 
     def test_another_layout_continues_as_the_single_device_run(self):
         losses, _, state = self.reference
@@ -117,8 +162,7 @@ class ShardedCheckpointResumesAtAnyLayout(unittest.TestCase):
                 for step, (a, b) in enumerate(zip(run["losses"], losses[SAVE_AT:])):
                     self.assertLessEqual(abs(a - b), TOL, f"{name} rank {rank} step {step}")
             # fp32, 5 AdamW steps: only the order of the reductions differs (tests/layouts.py)
-            self.assertLessEqual(max_weight_diff(self.results[0][name]["state"], state), TOL,
-                                 name)
+            self.assertLessEqual(max_weight_diff(self.results[0][name]["state"], state), TOL, name)
 
     def test_adam_moments_resumed_at_another_layout_are_the_saved_ones(self):
         # the moments of step 5 follow from those of step 2: compare them with the saved
@@ -129,6 +173,27 @@ class ShardedCheckpointResumesAtAnyLayout(unittest.TestCase):
             self.assertEqual(got["step"], want["step"], name)
             for key in ("exp_avg", "exp_avg_sq"):
                 self.assertLessEqual(max_weight_diff(got[key], want[key]), TOL, f"{name} {key}")
+
+    def test_a_damaged_or_partial_checkpoint_is_refused_naming_the_file_before_any_load(self):
+        want = {
+            "flipped_byte":
+            r"__1_0\.distcp' does not match its checksum",
+            "missing_shard":
+            r"is missing __2_0\.distcp",
+            "truncated_metadata":
+            r"\.metadata' does not match its checksum",
+            "save_stopped_before_the_end":
+            r"\.metadata' has no checksum file",
+            "another_model":
+            r"holds another model: layers\.0\.\S+ is shape \(\d+, \d+\) there, shape "
+            r"\(\d+, \d+\) for this config's model",
+        }
+        for rank, res in enumerate(self.results):
+            for name, pattern in want.items():
+                message, unchanged = res["bad"][name]
+                self.assertRegex(message, pattern, f"{name} rank {rank}")
+                self.assertNotIn("\n", message, name)  # one line
+                self.assertTrue(unchanged, f"{name} rank {rank}: weights changed")
 
 
 class FlatRangeBoxes(unittest.TestCase):

@@ -26,6 +26,7 @@ values, one writer each; read with ``load_tensors_only``, never a full unpickle)
 
 import io
 import math
+import os
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -33,15 +34,18 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
                                                    TensorProperties, TensorStorageMetadata)
-from torch.distributed.checkpoint.planner import (ReadItem, TensorWriteData, WriteItem,
-                                                  WriteItemType)
+from torch.distributed.checkpoint.planner import ReadItem, TensorWriteData, WriteItem, WriteItemType
 
-from scaletorch.dist import ProcessGroupManager
+from scaletorch.dist import ProcessGroupManager, comm
+from scaletorch.models import Llama
 from scaletorch.parallel.parallelize import Parallelized
 from scaletorch.parallel.tensor_layout import Split
 from scaletorch.rules.errors import InputError
-from scaletorch.trainer.checkpoint import load_tensors_only, rng_state, set_rng_state
+from scaletorch.trainer.checkpoint import (check_state_keys, load_tensors_only, rng_state,
+                                           set_rng_state)
 from scaletorch.trainer.consolidated import _schedule
+from scaletorch.trainer.safe_files import (CorruptFileError, checksum_line, checksum_path,
+                                           read_checksummed, write_atomic)
 
 Box = Tuple[Tuple[int, ...], Tuple[int, ...]]  # (offsets, sizes) of a rectangle of a tensor
 
@@ -84,7 +88,7 @@ class Pieces:
     shard of an offset), as it reads a DTensor's; a load copies into the local tensors in place."""
 
     def __init__(self, size: Sequence[int], pieces: List[Tuple[Tuple[int, ...],
-                                                              torch.Tensor]]) -> None:
+                                                               torch.Tensor]]) -> None:
         self._size, self.pieces = torch.Size(size), pieces
 
     def size(self) -> torch.Size:
@@ -95,10 +99,11 @@ class Pieces:
 
     def __create_write_items__(self, fqn: str, obj: Any) -> List[WriteItem]:
         return [
-            WriteItem(index=MetadataIndex(fqn, chunk.offsets), type=WriteItemType.SHARD,
-                      tensor_data=TensorWriteData(chunk=chunk,
-                                                  properties=TensorProperties.create_from_tensor(t),
-                                                  size=self._size))
+            WriteItem(
+                index=MetadataIndex(fqn, chunk.offsets), type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(chunk=chunk,
+                                            properties=TensorProperties.create_from_tensor(t),
+                                            size=self._size))
             for chunk, (_, t) in zip(self.__create_chunk_list__(), self.pieces)
         ]
 
@@ -144,8 +149,8 @@ class _LoadPlanner(DefaultLoadPlanner):
         return self.state_dict[index.fqn].__get_tensor_shard__(index)
 
 
-def global_shape(local: Sequence[int], split: Split, pgm: ProcessGroupManager) -> Tuple[
-        List[int], List[int]]:
+def global_shape(local: Sequence[int], split: Split,
+                 pgm: ProcessGroupManager) -> Tuple[List[int], List[int]]:
     """(full shape, this rank's offset) of a tensor whose local piece has shape ``local``:
     experts concatenated over "ep" on dim 0, then the tp split over "tp" on its dim (the order
     ``ParamMap`` gathers in), then a padded vocabulary cut to its real rows."""
@@ -179,8 +184,8 @@ def _placed(boxes: List[Tuple[Box, torch.Tensor]], shape: List[int],
     return out
 
 
-def local_pieces(par: Parallelized,
-                 value_of: Callable[[torch.Tensor], torch.Tensor]) -> Dict[str, Pieces]:
+def local_pieces(par: Parallelized, value_of: Callable[[torch.Tensor],
+                                                       torch.Tensor]) -> Dict[str, Pieces]:
     """{reference name: this rank's rectangles of it}, of the parameters (``value_of = detach``)
     or of an AdamW state shaped like them. The tensors are views: a load writes through them."""
     layout = par.layout
@@ -243,35 +248,87 @@ def sharded_state(trainer: Any, par: Parallelized) -> Dict[str, Any]:
     return state
 
 
+METADATA = ".metadata"  # DCP's: global shapes, every rank's rectangles, where their bytes are
+
+
+def data_files(metadata: Metadata) -> List[str]:
+    """The data files a checkpoint's metadata points into (``__<rank>_<n>.distcp``), sorted."""
+    storage = metadata.storage_data or {}
+    return sorted({info.relative_path for info in storage.values()})
+
+
 def save_sharded(path: str, trainer: Any, par: Parallelized) -> str:
     """Collective over the world: every rank writes its pieces to directory ``path`` (DCP's
-    ``__<rank>_0.distcp`` files), the coordinator the ``.metadata`` last. Returns ``path``."""
-    dcp.save(sharded_state(trainer, par), storage_writer=dcp.FileSystemWriter(path),
-             planner=_SavePlanner())
+    ``__<rank>_0.distcp`` files), the coordinator ``.metadata``; then each file gets its
+    checksum beside it (the ranks share the hashing), ``.metadata.sha256`` last: a checkpoint
+    without it is incomplete. Returns ``path``."""
+    metadata = dcp.save(sharded_state(trainer, par), storage_writer=dcp.FileSystemWriter(path),
+                        planner=_SavePlanner())
+    rank, world = comm.group_rank(), comm.group_size()
+    for name in data_files(metadata)[rank::world]:
+        _write_checksum(os.path.join(path, name))
+    comm.barrier()  # every data file has its checksum before the metadata's marks it complete
+    if rank == 0:
+        _write_checksum(os.path.join(path, METADATA))
+    comm.barrier()
     return path
 
 
-def _check_shapes(path: str, metadata: Metadata, state: Dict[str, Any]) -> None:
-    """InputError naming ``path`` unless every tensor this rank asks for is in the checkpoint
-    with the same full shape (a checkpoint of another model)."""
-    saved = metadata.state_dict_metadata
-    for key, value in state.items():
-        if not isinstance(value, Pieces):
+def _write_checksum(file: str) -> None:
+    with open(file, "rb") as f:
+        data = f.read()
+    write_atomic(checksum_path(file), checksum_line(os.path.basename(file), data))
+
+
+def verify_sharded(path: str) -> Metadata:
+    """Collective over the world: the checkpoint's metadata once it and every data file match
+    their checksums (the ranks share the reading); else every rank raises the same
+    CorruptFileError naming the first bad file, before anything is loaded."""
+    meta = os.path.join(path, METADATA)
+    if not os.path.isfile(meta):
+        raise InputError(f"{path!r} is not a sharded checkpoint: it has no {METADATA} (written "
+                         f"last: a save that stopped before it left an incomplete one)")
+    read_checksummed(meta)  # every rank: a truncated or damaged metadata file is never unpickled
+    metadata = dcp.FileSystemReader(path).read_metadata()
+    errors = []
+    for name in data_files(metadata)[comm.group_rank()::comm.group_size()]:
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            errors.append(f"checkpoint {path!r} is missing {name} (one of its shards)")
             continue
-        there = saved.get(key)
-        if not isinstance(there, TensorStorageMetadata) or there.size != value.size():
-            found = "missing" if there is None else f"shape {tuple(getattr(there, 'size', ()))}"
-            raise InputError(f"checkpoint {path!r} holds another model: {key} is {found} there, "
-                             f"shape {tuple(value.size())} here; resume it with the model "
-                             f"config that wrote it")
+        try:
+            read_checksummed(file)
+        except CorruptFileError as err:
+            errors.append(str(err))
+    found = [e for errors_of_rank in comm.all_gather_objects(errors) for e in errors_of_rank]
+    if found:
+        raise CorruptFileError(found[0])
+    return metadata
+
+
+def check_model(path: str, metadata: Metadata, model: Dict[str, torch.Tensor]) -> None:
+    """InputError naming ``path`` unless it holds exactly the tensors of ``model`` (chapter
+    00's state dict, shapes only: on the meta device) with their shapes. A tied weight is saved
+    once, under its first name. The same answer on every rank: no rank loads half."""
+    first: Dict[int, str] = {}
+    expected = {first.setdefault(id(t), k): t for k, t in model.items() if id(t) not in first}
+    saved = {
+        k[len("model."):]: torch.empty(md.size, device="meta")
+        for k, md in metadata.state_dict_metadata.items()
+        if k.startswith("model.") and isinstance(md, TensorStorageMetadata)
+    }
+    check_state_keys(f"checkpoint {path!r}", saved, expected, "this config's model.*",
+                     "resume it with the model config that wrote it")
 
 
 def load_sharded(path: str, trainer: Any, par: Parallelized) -> None:
     """Collective over the world: read this rank's pieces of the weights and AdamW state from
-    the DCP checkpoint ``path`` (written at any layout), and the trainer state. ZeRO-1/2 then
-    all-gather their loaded shards into the full parameters (over dp_cp)."""
-    reader = dcp.FileSystemReader(path)
-    metadata = reader.read_metadata()
+    the DCP checkpoint ``path`` (written at any layout), and the trainer state, once every file
+    matches its checksum (``verify_sharded``) and every tensor its shape here (InputError
+    naming the checkpoint). ZeRO-1/2 then all-gather the loaded shards (over dp_cp)."""
+    metadata = verify_sharded(path)
+    with torch.device("meta"):
+        check_model(path, metadata, Llama(trainer.cfg.model).state_dict())
     opt = trainer.optimizer
     params = _params(par)
     state: Dict[str, Any] = {
@@ -286,12 +343,12 @@ def load_sharded(path: str, trainer: Any, par: Parallelized) -> None:
             pieces = local_pieces(par, lambda p: opt.state[p][key])
             state.update({f"optim.{key}.{k}": v for k, v in pieces.items()})
         state["optim.step"] = None
-    _check_shapes(path, metadata, state)
     state["trainer"] = None
     rng_key = f"rng.{par.layout.pgm.rank}"
     if rng_key in metadata.state_dict_metadata:
         state[rng_key] = None
-    dcp.load(state, storage_reader=reader, planner=_LoadPlanner(f"checkpoint {path!r}"))
+    dcp.load(state, storage_reader=dcp.FileSystemReader(path),
+             planner=_LoadPlanner(f"checkpoint {path!r}"))
     if with_optim:
         for p in params:
             opt.state[p]["step"] = torch.tensor(state["optim.step"])
