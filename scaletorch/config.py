@@ -101,6 +101,9 @@ class CheckpointConfig:
     # "latest" or a checkpoint that exists (check_resume reads it before the run starts)
     resume: Optional[str] = checked(None, Rule(path="checkpoint"))
     keep_last: int = checked(2, at_least(1))  # older checkpoints are deleted
+    # per-rank: each rank's own state, resumes at the same layout only (bit-identical);
+    # dcp: torch.distributed.checkpoint's pieces of the full tensors, resumes at any layout
+    format: str = checked("per-rank", one_of("per-rank", "dcp"))
 
 
 @dataclass

@@ -18,8 +18,11 @@ import unittest
 import torch
 
 from scaletorch.dist import comm, destroy_pg_manager
-from scaletorch.trainer.consolidated import consolidated_state
-from scaletorch.trainer.dcp_checkpoint import flat_range_boxes, load_sharded, save_sharded
+from scaletorch.rules.errors import InputError
+from scaletorch.trainer import checkpoint as ckpt
+from scaletorch.trainer.consolidated import consolidated_state, load_consolidated
+from scaletorch.trainer.dcp_checkpoint import (flat_range_boxes, load_sharded, save_sharded,
+                                               to_consolidated)
 from scaletorch.trainer.param_map import full_state_dict
 from scaletorch.trainer.parity import max_weight_diff
 from tests.harness import bit_exact, run_distributed, value_error
@@ -57,8 +60,9 @@ def _straight(name: str, path: str) -> dict:
     for _ in range(SAVE_AT):
         trainer.train_step()
     save_sharded(path, trainer, par)
+    at_save = consolidated_state(trainer, par)  # what to_consolidated must rebuild from path
     losses = trainer.train().losses
-    out = {"losses": losses, "consolidated": consolidated_state(trainer, par)}
+    out = {"losses": losses, "consolidated": consolidated_state(trainer, par), "at_save": at_save}
     destroy_pg_manager()
     return out
 
@@ -121,8 +125,29 @@ def _load_error(cfg, path: str) -> tuple:
     return message, unchanged
 
 
+def _through_the_trainer(root: str) -> dict:
+    """--checkpoint.format dcp in Trainer.train: saved every 2 steps at tp2 x dp2 ZeRO-1, the
+    latest (step 4) resumed at pp2 x dp2 by ``--resume`` alone."""
+    saved = config(**SAVED["A"])
+    saved.checkpoint.format, saved.checkpoint.every = "dcp", 2
+    saved.checkpoint.dir = os.path.join(root, "trainer")
+    pgm = pg_manager_for(saved)
+    _, trainer = build(saved, pgm)
+    trainer.train()
+    destroy_pg_manager()
+    resumed = config(**layout(pp=2))
+    resumed.checkpoint.format, resumed.checkpoint.dir = "dcp", saved.checkpoint.dir
+    resumed.checkpoint.resume = "latest"
+    pgm = pg_manager_for(resumed)
+    par, trainer = build(resumed, pgm)
+    result = trainer.train()
+    out = {"start": result.start_step, "losses": result.losses, "state": full_state_dict(par)}
+    destroy_pg_manager()
+    return out
+
+
 def _world(rank: int, world: int, root: str) -> dict:
-    out = {}
+    out = {"trainer": _through_the_trainer(root)}
     for name in SAVED:
         out[name] = _straight(name, os.path.join(root, name))
     for name, (saved, parallel) in RESUMED.items():
@@ -194,6 +219,44 @@ class ShardedCheckpointResumesAtAnyLayout(unittest.TestCase):
                 self.assertRegex(message, pattern, f"{name} rank {rank}")
                 self.assertNotIn("\n", message, name)  # one line
                 self.assertTrue(unchanged, f"{name} rank {rank}: weights changed")
+
+    def test_the_trainer_saves_dcp_and_resumes_the_latest_at_another_layout(self):
+        losses, _, state = self.reference
+        for rank, res in enumerate(self.results):
+            run = res["trainer"]
+            self.assertEqual(run["start"], 4)
+            self.assertEqual(len(run["losses"]), 1)
+            self.assertLessEqual(abs(run["losses"][0] - losses[4]), TOL, f"rank {rank}")
+        self.assertLessEqual(max_weight_diff(self.results[0]["trainer"]["state"], state), TOL)
+        root = os.path.join(self.tmp.name, "trainer")
+        self.assertEqual([os.path.basename(p) for p in ckpt.list_checkpoints(root)],
+                         ["step_0000002", "step_0000004"])
+        latest = ckpt.step_dir(root, 4)
+        self.assertEqual(ckpt.read_manifest(latest)["format"], "dcp")
+        ckpt.verify_checkpoint(latest)  # the manifest holds every file's sha256
+
+    def test_before_any_process_a_dcp_checkpoint_fits_any_layout_of_its_model_only(self):
+        latest = ckpt.step_dir(os.path.join(self.tmp.name, "trainer"), 4)
+        other = config(**layout(tp=2, pp=2))
+        other.checkpoint.resume = latest
+        ckpt.check_resume(other, world_size=8)  # another layout and world size: fits
+        other.model.intermediate_size = 96
+        with self.assertRaisesRegex(
+                InputError, r"holds another model \(intermediate_size 64 "
+                r"there, 96 here\)"):
+            ckpt.check_resume(other, world_size=8)
+
+    @bit_exact  # the same values, gathered by the converter instead of by the layout
+    def test_the_converter_writes_the_consolidated_file_of_the_step_saved(self):
+        want = self.results[0]["A"]["at_save"]
+        out = os.path.join(self.tmp.name, "A_consolidated.pt")
+        to_consolidated(os.path.join(self.tmp.name, "A"), out)
+        got = load_consolidated(out)  # its checksum verified, tensors and plain values only
+        self.assertEqual(got["step"], SAVE_AT)
+        self.assertEqual(got["optimizer"]["step"], want["optimizer"]["step"])
+        self.assertEqual(sorted(got["model"]), sorted(want["model"]))
+        self.assertEqual(_differences(want, got), [])
+        ckpt.check_consolidated(out, config())  # any layout of this model resumes it
 
 
 class FlatRangeBoxes(unittest.TestCase):

@@ -27,7 +27,8 @@ values, one writer each; read with ``load_tensors_only``, never a full unpickle)
 import io
 import math
 import os
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+import warnings
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -38,14 +39,16 @@ from torch.distributed.checkpoint.planner import ReadItem, TensorWriteData, Writ
 
 from scaletorch.dist import ProcessGroupManager, comm
 from scaletorch.models import Llama
-from scaletorch.parallel.parallelize import Parallelized
-from scaletorch.parallel.tensor_layout import Split
 from scaletorch.rules.errors import InputError
 from scaletorch.trainer.checkpoint import (check_state_keys, load_tensors_only, rng_state,
-                                           set_rng_state)
-from scaletorch.trainer.consolidated import _schedule
+                                           set_rng_state, step_dir, write_manifest)
 from scaletorch.trainer.safe_files import (CorruptFileError, checksum_line, checksum_path,
-                                           read_checksummed, write_atomic)
+                                           read_checksummed, sha256, write_atomic,
+                                           write_checksummed)
+
+if TYPE_CHECKING:  # types only: the Trainer (chapter 00) must not import chapter 07's parallelize
+    from scaletorch.parallel.parallelize import Parallelized
+    from scaletorch.parallel.tensor_layout import Split
 
 Box = Tuple[Tuple[int, ...], Tuple[int, ...]]  # (offsets, sizes) of a rectangle of a tensor
 
@@ -149,7 +152,7 @@ class _LoadPlanner(DefaultLoadPlanner):
         return self.state_dict[index.fqn].__get_tensor_shard__(index)
 
 
-def global_shape(local: Sequence[int], split: Split,
+def global_shape(local: Sequence[int], split: "Split",
                  pgm: ProcessGroupManager) -> Tuple[List[int], List[int]]:
     """(full shape, this rank's offset) of a tensor whose local piece has shape ``local``:
     experts concatenated over "ep" on dim 0, then the tp split over "tp" on its dim (the order
@@ -184,8 +187,8 @@ def _placed(boxes: List[Tuple[Box, torch.Tensor]], shape: List[int],
     return out
 
 
-def local_pieces(par: Parallelized, value_of: Callable[[torch.Tensor],
-                                                       torch.Tensor]) -> Dict[str, Pieces]:
+def local_pieces(par: "Parallelized", value_of: Callable[[torch.Tensor],
+                                                         torch.Tensor]) -> Dict[str, Pieces]:
     """{reference name: this rank's rectangles of it}, of the parameters (``value_of = detach``)
     or of an AdamW state shaped like them. The tensors are views: a load writes through them."""
     layout = par.layout
@@ -218,11 +221,11 @@ def local_pieces(par: Parallelized, value_of: Callable[[torch.Tensor],
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def _params(par: Parallelized) -> List[torch.Tensor]:
+def _params(par: "Parallelized") -> List[torch.Tensor]:
     return [param for param, _, _ in par.layout.entries]
 
 
-def sharded_state(trainer: Any, par: Parallelized) -> Dict[str, Any]:
+def sharded_state(trainer: Any, par: "Parallelized") -> Dict[str, Any]:
     """What ``save_sharded`` writes from this rank: its rectangles of the weights and of AdamW's
     moments (once AdamW has stepped), and the plain values (trainer state, this rank's RNG)."""
     state: Dict[str, Any] = {
@@ -239,7 +242,7 @@ def sharded_state(trainer: Any, par: Parallelized) -> Dict[str, Any]:
     extra = {
         "step": trainer.step,
         "scheduler": trainer.scheduler.state_dict(),
-        "schedule": _schedule(trainer.cfg),
+        "aliases": aliases(par),
     }
     if trainer.scaler is not None:  # fp16: the loss scale resumes where it was
         extra["scaler"] = trainer.scaler.state_dict()
@@ -257,27 +260,56 @@ def data_files(metadata: Metadata) -> List[str]:
     return sorted({info.relative_path for info in storage.values()})
 
 
-def save_sharded(path: str, trainer: Any, par: Parallelized) -> str:
+def save_sharded(path: str, trainer: Any, par: "Parallelized") -> Dict[str, str]:
     """Collective over the world: every rank writes its pieces to directory ``path`` (DCP's
     ``__<rank>_0.distcp`` files), the coordinator ``.metadata``; then each file gets its
     checksum beside it (the ranks share the hashing), ``.metadata.sha256`` last: a checkpoint
-    without it is incomplete. Returns ``path``."""
+    without it is incomplete. Returns {file name: sha256} on global rank 0 ({} elsewhere)."""
     metadata = dcp.save(sharded_state(trainer, par), storage_writer=dcp.FileSystemWriter(path),
                         planner=_SavePlanner())
     rank, world = comm.group_rank(), comm.group_size()
-    for name in data_files(metadata)[rank::world]:
-        _write_checksum(os.path.join(path, name))
-    comm.barrier()  # every data file has its checksum before the metadata's marks it complete
+    mine = {
+        name: _write_checksum(os.path.join(path, name))
+        for name in data_files(metadata)[rank::world]
+    }
+    # every data file has its checksum before the metadata's marks the checkpoint complete
+    digests = {k: v for part in comm.gather_objects(mine) for k, v in part.items()}
     if rank == 0:
-        _write_checksum(os.path.join(path, METADATA))
+        digests[METADATA] = _write_checksum(os.path.join(path, METADATA))
+    comm.barrier()
+    return digests
+
+
+def save_sharded_checkpoint(root: str, step: int, trainer: Any, par: "Parallelized", keep_last: int,
+                            layout: Dict[str, Any]) -> str:
+    """Collective: ``save_sharded`` into ``step_<step>`` under ``root``, then rank 0 writes the
+    manifest of checkpoint.py (format "dcp"), so the latest complete checkpoint is found,
+    verified and rotated as a per-rank one is. Returns the checkpoint directory."""
+    path = step_dir(root, step)
+    digests = save_sharded(path, trainer, par)
+    if comm.group_rank() == 0:
+        write_manifest(root, path, step, comm.group_size(), layout, digests, keep_last,
+                       checkpoint_format="dcp")
     comm.barrier()
     return path
 
 
-def _write_checksum(file: str) -> None:
+def aliases(par: "Parallelized") -> Dict[str, str]:
+    """{second name: first name} of the tensors saved once under two names (tied weights)."""
+    return {
+        name: names[0]
+        for _, pieces, _ in par.layout.entries
+        for names, _, _ in pieces
+        for name in names[1:]
+    }
+
+
+def _write_checksum(file: str) -> str:
+    """Write ``<file>.sha256`` beside ``file``; returns the digest."""
     with open(file, "rb") as f:
         data = f.read()
     write_atomic(checksum_path(file), checksum_line(os.path.basename(file), data))
+    return sha256(data)
 
 
 def verify_sharded(path: str) -> Metadata:
@@ -321,7 +353,7 @@ def check_model(path: str, metadata: Metadata, model: Dict[str, torch.Tensor]) -
                      "resume it with the model config that wrote it")
 
 
-def load_sharded(path: str, trainer: Any, par: Parallelized) -> None:
+def load_sharded(path: str, trainer: Any, par: "Parallelized") -> None:
     """Collective over the world: read this rank's pieces of the weights and AdamW state from
     the DCP checkpoint ``path`` (written at any layout), and the trainer state, once every file
     matches its checksum (``verify_sharded``) and every tensor its shape here (InputError
@@ -365,3 +397,45 @@ def load_sharded(path: str, trainer: Any, par: Parallelized) -> None:
     trainer.step = extra["step"]
     if state.get(rng_key) is not None:  # another world size: the ranks' generators start anew
         set_rng_state(state[rng_key])
+
+
+def to_consolidated(path: str, out: str) -> Dict[str, Any]:
+    """Offline, on one process: the DCP checkpoint ``path`` (verified) as one consolidated file
+    ``out`` (consolidated.py's format: full reference-keyed weights and AdamW state, any layout
+    resumes it), written with its checksum beside it. Holds the whole model in host memory: for
+    people who want one file, not for resuming. Returns the state written."""
+    metadata = verify_sharded(path)
+    state: Dict[str, Any] = {}
+    for key, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            full = torch.empty(md.size, dtype=md.properties.dtype)
+            state[key] = Pieces(md.size, [((0, ) * len(md.size), full)])
+        elif not key.startswith("rng."):
+            state[key] = None
+    with warnings.catch_warnings():  # DCP warns that no_dist loads in one process: we ask it to
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, storage_reader=dcp.FileSystemReader(path),
+                 planner=_LoadPlanner(f"checkpoint {path!r}"), no_dist=True)
+
+    def named(prefix: str) -> Dict[str, torch.Tensor]:
+        tensors = {
+            k[len(prefix):]: v.pieces[0][1]
+            for k, v in state.items() if k.startswith(prefix) and isinstance(v, Pieces)
+        }
+        tensors.update({alias: tensors[first] for alias, first in extra["aliases"].items()})
+        return tensors
+
+    extra = state["trainer"]
+    optimizer = None
+    if "optim.step" in state:
+        optimizer = {"step": state["optim.step"], **{k: named(f"optim.{k}.") for k in MOMENTS}}
+    consolidated = {
+        "step": extra["step"],
+        "model": named("model."),
+        "optimizer": optimizer,
+        "scheduler": extra["scheduler"],
+    }
+    buffer = io.BytesIO()
+    torch.save(consolidated, buffer)
+    write_checksummed(out, buffer.getvalue())
+    return consolidated
