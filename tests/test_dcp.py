@@ -5,8 +5,11 @@ One world of 4 ranks. Run A trains tp2 x dp2 ZeRO-1 with a padded vocabulary (63
 padded to 256: tp rank 1 holds padding only) and saves at step 2. It is resumed at the same
 layout (bit-identical to A's uninterrupted steps 3-5: weights, AdamW moments, losses), at dp4
 ZeRO-3 (flat shards cut across rows) and at pp2 x dp2 DDP (stages). Run B saves at pp2 x tp2
-and resumes at dp4 ZeRO-2. Each resumed run's losses and final weights are compared with the
-single-device run at 1e-5 (fp32, reduction order only, as tests/layouts.py's parity runs).
+and resumes at dp4 ZeRO-2; run C, a MoE, saves at ep2 and resumes at ep4. Each resumed run's
+losses and final weights are compared with the single-device run at 1e-5 (fp32, reduction
+order only, as tests/layouts.py's parity runs). The Trainer's own path (--checkpoint.format
+dcp, --resume latest at another layout), the converter to a consolidated file, and the damaged
+checkpoints each refused with one line naming the file are checked in the same world.
 """
 
 import math
@@ -35,26 +38,34 @@ SAVE_AT = 2  # of make_config's 5 steps: AdamW's moments and step are in use aft
 VOCAB = 63  # odd: tp 2 pads it to 256 rows (rules/vocab.py), rank 1's rows are all padding
 
 
-def config(**parallel):
-    cfg = make_config(**parallel)
+def config(moe: bool = False, **parallel):
+    """tests/layouts.py's model and training with VOCAB; MoE with one micro-batch (its exact
+    parity, parallelize.py)."""
+    cfg = make_config(moe, 1 if moe else 2, **parallel)
     cfg.model.vocab_size = VOCAB
     return cfg
 
 
-SAVED = {"A": layout(tp=2, zero_stage=1), "B": layout(tp=2, pp=2)}
-# resumed layout -> the run whose checkpoint it loads
+# saved run -> (MoE, layout)
+SAVED = {
+    "A": (False, layout(tp=2, zero_stage=1)),
+    "B": (False, layout(tp=2, pp=2)),
+    "C": (True, layout(ep=2))
+}
+# resumed run -> (the saved run whose checkpoint it loads, layout)
 RESUMED = {
     "A_same": ("A", layout(tp=2, zero_stage=1)),
     "A_zero3_dp4": ("A", layout(zero_stage=3)),
     "A_pp2_dp2": ("A", layout(pp=2)),
     "B_zero2_dp4": ("B", layout(zero_stage=2)),
+    "C_ep4": ("C", layout(ep=4)),  # 4 experts: 2 per rank there, 1 here
 }
 
 
 def _straight(name: str, path: str) -> dict:
     """Train SAVED[name], saving the sharded checkpoint at SAVE_AT; its remaining losses and
     final consolidated state (rank 0)."""
-    cfg = config(**SAVED[name])
+    cfg = config(SAVED[name][0], **SAVED[name][1])
     pgm = pg_manager_for(cfg)
     par, trainer = build(cfg, pgm)
     for _ in range(SAVE_AT):
@@ -67,8 +78,8 @@ def _straight(name: str, path: str) -> dict:
     return out
 
 
-def _resumed(parallel: dict, path: str) -> dict:
-    cfg = config(**parallel)
+def _resumed(moe: bool, parallel: dict, path: str) -> dict:
+    cfg = config(moe, **parallel)
     pgm = pg_manager_for(cfg)
     par, trainer = build(cfg, pgm)
     load_sharded(path, trainer, par)
@@ -128,7 +139,7 @@ def _load_error(cfg, path: str) -> tuple:
 def _through_the_trainer(root: str) -> dict:
     """--checkpoint.format dcp in Trainer.train: saved every 2 steps at tp2 x dp2 ZeRO-1, the
     latest (step 4) resumed at pp2 x dp2 by ``--resume`` alone."""
-    saved = config(**SAVED["A"])
+    saved = config(**SAVED["A"][1])
     saved.checkpoint.format, saved.checkpoint.every = "dcp", 2
     saved.checkpoint.dir = os.path.join(root, "trainer")
     pgm = pg_manager_for(saved)
@@ -151,7 +162,7 @@ def _world(rank: int, world: int, root: str) -> dict:
     for name in SAVED:
         out[name] = _straight(name, os.path.join(root, name))
     for name, (saved, parallel) in RESUMED.items():
-        out[name] = _resumed(parallel, os.path.join(root, saved))
+        out[name] = _resumed(SAVED[saved][0], parallel, os.path.join(root, saved))
     out["bad"] = _bad_inputs(rank, root)
     return out
 
@@ -162,7 +173,8 @@ class ShardedCheckpointResumesAtAnyLayout(unittest.TestCase):
     def setUpClass(cls):
         cls.tmp = tempfile.TemporaryDirectory()
         cls.results = run_distributed(_world, WORLD, cls.tmp.name, timeout=600)
-        cls.reference = reference(config())
+        cls.references = {moe: reference(config(moe)) for moe in (False, True)}
+        cls.reference = cls.references[False]
 
     @classmethod
     def tearDownClass(cls):
@@ -178,8 +190,8 @@ class ShardedCheckpointResumesAtAnyLayout(unittest.TestCase):
                          self.results[0]["A_same"]["consolidated"]), [])
 
     def test_another_layout_continues_as_the_single_device_run(self):
-        losses, _, state = self.reference
-        for name in RESUMED:
+        for name, (saved, _) in RESUMED.items():
+            losses, _, state = self.references[SAVED[saved][0]]
             for rank, res in enumerate(self.results):
                 run = res[name]
                 self.assertEqual(run["start"], SAVE_AT, name)
