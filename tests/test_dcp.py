@@ -63,9 +63,12 @@ RESUMED = {
 
 
 def _straight(name: str, path: str) -> dict:
-    """Train SAVED[name], saving the sharded checkpoint at SAVE_AT; its remaining losses and
-    final consolidated state (rank 0)."""
-    cfg = config(SAVED[name][0], **SAVED[name][1])
+    return _straight_run(config(SAVED[name][0], **SAVED[name][1]), path)
+
+
+def _straight_run(cfg, path: str) -> dict:
+    """Train ``cfg``, saving the sharded checkpoint at SAVE_AT to ``path``; its remaining
+    losses, its consolidated state then and at the end (rank 0)."""
     pgm = pg_manager_for(cfg)
     par, trainer = build(cfg, pgm)
     for _ in range(SAVE_AT):
@@ -269,6 +272,33 @@ class ShardedCheckpointResumesAtAnyLayout(unittest.TestCase):
         self.assertEqual(sorted(got["model"]), sorted(want["model"]))
         self.assertEqual(_differences(want, got), [])
         ckpt.check_consolidated(out, config())  # any layout of this model resumes it
+
+
+def _save_at_eight(rank: int, world: int, path: str) -> dict:
+    return _straight_run(config(**layout(tp=2, pp=2, zero_stage=1)), path)
+
+
+def _resume_at_four(rank: int, world: int, path: str) -> dict:
+    return _resumed(False, layout(zero_stage=3), path)
+
+
+class EightRanksResumeAtFour(unittest.TestCase):
+    """The issue's case: saved by 8 ranks at tp2 x pp2 x dp2 ZeRO-1 (vocabulary padded, stages,
+    flat shards of tp shards), resumed by 4 at dp4 ZeRO-3: equal to the single-device run."""
+
+    def test_tp2_pp2_dp2_zero1_resumes_at_dp4_zero3_as_the_single_device_run(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "tp2_pp2_dp2_zero1")
+            run_distributed(_save_at_eight, 8, path, timeout=600)
+            results = run_distributed(_resume_at_four, 4, path, timeout=600)
+        losses, _, state = reference(config())
+        for rank, run in enumerate(results):
+            self.assertEqual(run["start"], SAVE_AT)
+            self.assertEqual(len(run["losses"]), len(losses) - SAVE_AT)
+            for step, (a, b) in enumerate(zip(run["losses"], losses[SAVE_AT:])):
+                self.assertLessEqual(abs(a - b), TOL, f"rank {rank} step {step}")
+        # fp32, 5 AdamW steps: only the order of the reductions differs (tests/layouts.py)
+        self.assertLessEqual(max_weight_diff(results[0]["state"], state), TOL)
 
 
 class FlatRangeBoxes(unittest.TestCase):
