@@ -5,7 +5,8 @@ One world of 4 ranks. Run A trains tp2 x dp2 ZeRO-1 with a padded vocabulary (63
 padded to 256: tp rank 1 holds padding only) and saves at step 2. It is resumed at the same
 layout (bit-identical to A's uninterrupted steps 3-5: weights, AdamW moments, losses), at dp4
 ZeRO-3 (flat shards cut across rows) and at pp2 x dp2 DDP (stages). Run B saves at pp2 x tp2
-and resumes at dp4 ZeRO-2; run C, a MoE, saves at ep2 and resumes at ep4. Each resumed run's
+and resumes at dp4 ZeRO-2; run C, a MoE, saves at ep2 and resumes at ep4; run D, PyTorch's
+FSDP2 (impl torch: DTensors), resumes at our tp2 x dp2 ZeRO-1, and A at FSDP2. Each resumed run's
 losses and final weights are compared with the single-device run at 1e-5 (fp32, reduction
 order only, as tests/layouts.py's parity runs). The Trainer's own path (--checkpoint.format
 dcp, --resume latest at another layout), the converter to a consolidated file, and the damaged
@@ -50,7 +51,8 @@ def config(moe: bool = False, **parallel):
 SAVED = {
     "A": (False, layout(tp=2, zero_stage=1)),
     "B": (False, layout(tp=2, pp=2)),
-    "C": (True, layout(ep=2))
+    "C": (True, layout(ep=2)),
+    "D": (False, layout(zero_stage=3, impl="torch")),
 }
 # resumed run -> (the saved run whose checkpoint it loads, layout)
 RESUMED = {
@@ -59,6 +61,9 @@ RESUMED = {
     "A_pp2_dp2": ("A", layout(pp=2)),
     "B_zero2_dp4": ("B", layout(zero_stage=2)),
     "C_ep4": ("C", layout(ep=4)),  # 4 experts: 2 per rank there, 1 here
+    # PyTorch's own FSDP2 (DTensor shards: DCP reads their placements itself), both ways
+    "A_torch_fsdp2_dp4": ("A", layout(zero_stage=3, impl="torch")),
+    "D_tp2_zero1_dp2": ("D", layout(tp=2, zero_stage=1)),
 }
 
 

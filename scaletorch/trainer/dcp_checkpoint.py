@@ -36,9 +36,11 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
                                                    TensorProperties, TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import ReadItem, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.tensor import DTensor
 
 from scaletorch.dist import ProcessGroupManager, comm
 from scaletorch.models import Llama
+from scaletorch.parallel.tensor_layout import plain_entries
 from scaletorch.rules.errors import InputError
 from scaletorch.trainer.checkpoint import (check_state_keys, load_tensors_only, rng_state,
                                            set_rng_state, step_dir, write_manifest)
@@ -126,7 +128,8 @@ class _SavePlanner(DefaultSavePlanner):
 
     def lookup_object(self, index: MetadataIndex) -> Any:
         obj = self.state_dict[index.fqn]
-        return obj.__get_tensor_shard__(index) if isinstance(obj, Pieces) else obj
+        return obj.__get_tensor_shard__(index) if isinstance(obj, Pieces) else \
+            super().lookup_object(index)
 
 
 class _LoadPlanner(DefaultLoadPlanner):
@@ -187,19 +190,31 @@ def _placed(boxes: List[Tuple[Box, torch.Tensor]], shape: List[int],
     return out
 
 
-def local_pieces(par: "Parallelized", value_of: Callable[[torch.Tensor],
-                                                         torch.Tensor]) -> Dict[str, Pieces]:
-    """{reference name: this rank's rectangles of it}, of the parameters (``value_of = detach``)
-    or of an AdamW state shaped like them. The tensors are views: a load writes through them."""
+def entries(par: "Parallelized") -> List[Any]:
+    """(optimizer parameter, [(names, shape, offset)], ZeRO unit or None) of every tensor this
+    rank holds: the layout's, or under impl torch its DTensor modules' (as DTensorParamMap)."""
     layout = par.layout
-    if layout.dtensor_model is not None:
-        raise InputError("--checkpoint-format dcp supports parallel.impl scaletorch for now "
-                         "(not impl torch's DTensors)")
-    out: Dict[str, Pieces] = {}
-    for param, entry_pieces, unit in layout.entries:
+    if layout.dtensor_model is None:
+        return layout.entries
+    modules = [layout.dtensor_model] if layout.pipe is None else list(layout.pipe.chunks)
+    return plain_entries(modules)
+
+
+def local_pieces(par: "Parallelized", value_of: Callable[[torch.Tensor],
+                                                         torch.Tensor]) -> Dict[str, Any]:
+    """{reference name: this rank's rectangles of it}, of the parameters (``value_of = detach``)
+    or of an AdamW state shaped like them: ``Pieces``, or a DTensor as it is (impl torch). The
+    tensors are views: a load writes through them."""
+    layout = par.layout
+    out: Dict[str, Any] = {}
+    for param, entry_pieces, unit in entries(par):
         value = value_of(param)
+        if isinstance(value, DTensor):  # PyTorch's own (impl torch): DCP reads its placements
+            out[entry_pieces[0][0][0]] = value
+            continue
         for names, shape, offset in entry_pieces:
-            full, shift = global_shape(shape, layout.splits[names[0]], layout.pgm)
+            split = layout.splits.get(names[0], (None, False, None))  # impl torch: replicated
+            full, shift = global_shape(shape, split, layout.pgm)
             if unit is None:
                 boxes = [((0, ) * len(shape), tuple(shape))]
                 data = [value]
@@ -222,7 +237,7 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def _params(par: "Parallelized") -> List[torch.Tensor]:
-    return [param for param, _, _ in par.layout.entries]
+    return [param for param, _, _ in entries(par)]
 
 
 def sharded_state(trainer: Any, par: "Parallelized") -> Dict[str, Any]:
@@ -298,7 +313,7 @@ def aliases(par: "Parallelized") -> Dict[str, str]:
     """{second name: first name} of the tensors saved once under two names (tied weights)."""
     return {
         name: names[0]
-        for _, pieces, _ in par.layout.entries
+        for _, pieces, _ in entries(par)
         for names, _, _ in pieces
         for name in names[1:]
     }
@@ -384,7 +399,7 @@ def load_sharded(path: str, trainer: Any, par: "Parallelized") -> None:
     if with_optim:
         for p in params:
             opt.state[p]["step"] = torch.tensor(state["optim.step"])
-    units = {id(unit): unit for _, _, unit in par.layout.entries if unit is not None}
+    units = {id(unit): unit for _, _, unit in entries(par) if unit is not None}
     for unit in units.values():
         if unit.zero_stage < 3:  # the full parameters are views of the flat vector: refill it
             unit.gather()
