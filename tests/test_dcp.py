@@ -30,7 +30,8 @@ from scaletorch.trainer.dcp_checkpoint import (flat_range_boxes, load_sharded, s
                                                to_consolidated)
 from scaletorch.trainer.param_map import full_state_dict
 from scaletorch.trainer.parity import max_weight_diff
-from tests.harness import bit_exact, run_distributed, value_error
+from scripts import dcp_to_consolidated
+from tests.harness import bit_exact, run_distributed, run_main, value_error
 from tests.layouts import TOL, build, layout, make_config, pg_manager_for, reference
 from tests.test_checksums import flip_byte
 from tests.test_resume import _differences
@@ -278,6 +279,20 @@ class ShardedCheckpointResumesAtAnyLayout(unittest.TestCase):
         self.assertEqual(sorted(got["model"]), sorted(want["model"]))
         self.assertEqual(_differences(want, got), [])
         ckpt.check_consolidated(out, config())  # any layout of this model resumes it
+
+    def test_the_converter_script_refuses_a_damaged_checkpoint_in_one_line(self):
+        out = os.path.join(self.tmp.name, "refused.pt")
+        damaged = os.path.join(self.tmp.name, "damaged_flipped_byte")
+        status, _, err = run_main(dcp_to_consolidated.main, damaged, "--out", out)
+        self.assertEqual(status, 2)
+        self.assertRegex(err, r"^error: .*__1_0\.distcp' does not match its checksum")
+        self.assertEqual(len(err.splitlines()), 1)
+        self.assertFalse(os.path.exists(out))
+        status, stdout, _ = run_main(dcp_to_consolidated.main, os.path.join(self.tmp.name, "A"),
+                                     "--out", out)
+        self.assertEqual(status, 0)
+        self.assertIn("step 2, ", stdout)
+        self.assertEqual(load_consolidated(out)["step"], SAVE_AT)
 
 
 def _save_at_eight(rank: int, world: int, path: str) -> dict:
