@@ -41,20 +41,24 @@ SAVE_AT = 2  # of make_config's 5 steps: AdamW's moments and step are in use aft
 VOCAB = 63  # odd: tp 2 pads it to 256 rows (rules/vocab.py), rank 1's rows are all padding
 
 
-def config(moe: bool = False, **parallel):
-    """tests/layouts.py's model and training with VOCAB; MoE with one micro-batch (its exact
-    parity, parallelize.py)."""
+def config(model: str = "dense", **parallel):
+    """tests/layouts.py's model and training with VOCAB; "moe" with one micro-batch (its exact
+    parity, parallelize.py), "tied": embedding and head one weight."""
+    moe = model == "moe"
     cfg = make_config(moe, 1 if moe else 2, **parallel)
     cfg.model.vocab_size = VOCAB
+    cfg.model.tie_word_embeddings = model == "tied"
     return cfg
 
 
 # saved run -> (MoE, layout)
 SAVED = {
-    "A": (False, layout(tp=2, zero_stage=1)),
-    "B": (False, layout(tp=2, pp=2)),
-    "C": (True, layout(ep=2)),
-    "D": (False, layout(zero_stage=3, impl="torch")),
+    "A": ("dense", layout(tp=2, zero_stage=1)),
+    "B": ("dense", layout(tp=2, pp=2)),
+    "C": ("moe", layout(ep=2)),
+    "D": ("dense", layout(zero_stage=3, impl="torch")),
+    "E": ("tied", layout(pp=2, zero_stage=3)),
+    "F": ("tied", layout(tp=2)),
 }
 # resumed run -> (the saved run whose checkpoint it loads, layout)
 RESUMED = {
@@ -66,6 +70,9 @@ RESUMED = {
     # PyTorch's own FSDP2 (DTensor shards: DCP reads their placements itself), both ways
     "A_torch_fsdp2_dp4": ("A", layout(zero_stage=3, impl="torch")),
     "D_tp2_zero1_dp2": ("D", layout(tp=2, zero_stage=1)),
+    # a tied embedding: one parameter, or under a pipeline a copy on the last stage (saved once)
+    "E_zero1_dp4": ("E", layout(zero_stage=1)),
+    "F_pp2_zero1_dp2": ("F", layout(pp=2, zero_stage=1)),
 }
 
 
@@ -88,8 +95,8 @@ def _straight_run(cfg, path: str) -> dict:
     return out
 
 
-def _resumed(moe: bool, parallel: dict, path: str) -> dict:
-    cfg = config(moe, **parallel)
+def _resumed(model: str, parallel: dict, path: str) -> dict:
+    cfg = config(model, **parallel)
     pgm = pg_manager_for(cfg)
     par, trainer = build(cfg, pgm)
     load_sharded(path, trainer, par)
@@ -183,8 +190,8 @@ class ShardedCheckpointResumesAtAnyLayout(unittest.TestCase):
     def setUpClass(cls):
         cls.tmp = tempfile.TemporaryDirectory()
         cls.results = run_distributed(_world, WORLD, cls.tmp.name, timeout=600)
-        cls.references = {moe: reference(config(moe)) for moe in (False, True)}
-        cls.reference = cls.references[False]
+        cls.references = {model: reference(config(model)) for model in ("dense", "moe", "tied")}
+        cls.reference = cls.references["dense"]
 
     @classmethod
     def tearDownClass(cls):
@@ -300,7 +307,7 @@ def _save_at_eight(rank: int, world: int, path: str) -> dict:
 
 
 def _resume_at_four(rank: int, world: int, path: str) -> dict:
-    return _resumed(False, layout(zero_stage=3), path)
+    return _resumed("dense", layout(zero_stage=3), path)
 
 
 class EightRanksResumeAtFour(unittest.TestCase):

@@ -113,6 +113,9 @@ class Pieces:
         ]
 
     def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        i = index.index  # a load's: the position in __create_chunk_list__ (two equal copies)
+        if i is not None and i < len(self.pieces) and torch.Size(self.pieces[i][0]) == index.offset:
+            return self.pieces[i][1]
         for offsets, t in self.pieces:
             if torch.Size(offsets) == index.offset:
                 return t
@@ -200,11 +203,17 @@ def entries(par: "Parallelized") -> List[Any]:
     return plain_entries(modules)
 
 
-def local_pieces(par: "Parallelized", value_of: Callable[[torch.Tensor],
-                                                         torch.Tensor]) -> Dict[str, Any]:
+# A tied embedding under a pipeline: the last stage's copy of it (tied_embeddings.py), equal to
+# the first stage's after every step. Saved once (the first stage's); a load fills both.
+TIED_COPY, TIED = "lm_head.weight", "embed_tokens.weight"
+
+
+def local_pieces(par: "Parallelized", value_of: Callable[[torch.Tensor], torch.Tensor],
+                 load: bool = False) -> Dict[str, Any]:
     """{reference name: this rank's rectangles of it}, of the parameters (``value_of = detach``)
     or of an AdamW state shaped like them: ``Pieces``, or a DTensor as it is (impl torch). The
-    tensors are views: a load writes through them."""
+    tensors are views: a load writes through them. A tied embedding's pipeline copy is left
+    out, or with ``load`` asks for the embedding's pieces."""
     layout = par.layout
     out: Dict[str, Any] = {}
     for param, entry_pieces, unit in entries(par):
@@ -213,6 +222,11 @@ def local_pieces(par: "Parallelized", value_of: Callable[[torch.Tensor],
             out[entry_pieces[0][0][0]] = value
             continue
         for names, shape, offset in entry_pieces:
+            name = names[0]  # a tied weight of one parameter: under its first name
+            if name == TIED_COPY and getattr(param, "shared_embedding", False):
+                if not load:
+                    continue
+                name = TIED
             split = layout.splits.get(names[0], (None, False, None))  # impl torch: replicated
             full, shift = global_shape(shape, split, layout.pgm)
             if unit is None:
@@ -228,8 +242,10 @@ def local_pieces(par: "Parallelized", value_of: Callable[[torch.Tensor],
                     for o, s in boxes
                 ]
             placed = _placed(list(zip(boxes, data)), full, shift)
-            if placed:
-                out[names[0]] = Pieces(full, placed)  # a tied weight: under its first name
+            if placed and name in out:  # both copies on this rank: each reads its pieces
+                out[name].pieces += placed
+            elif placed:
+                out[name] = Pieces(full, placed)
     return out
 
 
@@ -257,7 +273,9 @@ def sharded_state(trainer: Any, par: "Parallelized") -> Dict[str, Any]:
     extra = {
         "step": trainer.step,
         "scheduler": trainer.scheduler.state_dict(),
-        "aliases": aliases(par),
+        "aliases": {
+            TIED_COPY: TIED
+        } if trainer.cfg.model.tie_word_embeddings else {},
     }
     if trainer.scaler is not None:  # fp16: the loss scale resumes where it was
         extra["scaler"] = trainer.scaler.state_dict()
@@ -309,16 +327,6 @@ def save_sharded_checkpoint(root: str, step: int, trainer: Any, par: "Paralleliz
     return path
 
 
-def aliases(par: "Parallelized") -> Dict[str, str]:
-    """{second name: first name} of the tensors saved once under two names (tied weights)."""
-    return {
-        name: names[0]
-        for _, pieces, _ in entries(par)
-        for names, _, _ in pieces
-        for name in names[1:]
-    }
-
-
 def _write_checksum(file: str) -> str:
     """Write ``<file>.sha256`` beside ``file``; returns the digest."""
     with open(file, "rb") as f:
@@ -355,8 +363,8 @@ def verify_sharded(path: str) -> Metadata:
 
 def check_model(path: str, metadata: Metadata, model: Dict[str, torch.Tensor]) -> None:
     """InputError naming ``path`` unless it holds exactly the tensors of ``model`` (chapter
-    00's state dict, shapes only: on the meta device) with their shapes. A tied weight is saved
-    once, under its first name. The same answer on every rank: no rank loads half."""
+    00's state dict with ``keep_vars``, on the meta device: shapes only) with their shapes. A
+    tied weight (one object under two names) is saved once, under its first name. The same answer on every rank: no rank loads half."""
     first: Dict[int, str] = {}
     expected = {first.setdefault(id(t), k): t for k, t in model.items() if id(t) not in first}
     saved = {
@@ -375,19 +383,19 @@ def load_sharded(path: str, trainer: Any, par: "Parallelized") -> None:
     naming the checkpoint). ZeRO-1/2 then all-gather the loaded shards (over dp_cp)."""
     metadata = verify_sharded(path)
     with torch.device("meta"):
-        check_model(path, metadata, Llama(trainer.cfg.model).state_dict())
+        check_model(path, metadata, Llama(trainer.cfg.model).state_dict(keep_vars=True))
     opt = trainer.optimizer
     params = _params(par)
     state: Dict[str, Any] = {
         f"model.{k}": v
-        for k, v in local_pieces(par, torch.Tensor.detach).items()
+        for k, v in local_pieces(par, torch.Tensor.detach, load=True).items()
     }
     with_optim = "optim.step" in metadata.state_dict_metadata
     if with_optim:
         for p in params:
             opt.state[p] = {key: torch.zeros_like(p.detach()) for key in MOMENTS}
         for key in MOMENTS:
-            pieces = local_pieces(par, lambda p: opt.state[p][key])
+            pieces = local_pieces(par, lambda p: opt.state[p][key], load=True)
             state.update({f"optim.{key}.{k}": v for k, v in pieces.items()})
         state["optim.step"] = None
     state["trainer"] = None
