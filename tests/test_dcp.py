@@ -6,7 +6,9 @@ padded to 256: tp rank 1 holds padding only) and saves at step 2. It is resumed 
 layout (bit-identical to A's uninterrupted steps 3-5: weights, AdamW moments, losses), at dp4
 ZeRO-3 (flat shards cut across rows) and at pp2 x dp2 DDP (stages). Run B saves at pp2 x tp2
 and resumes at dp4 ZeRO-2; run C, a MoE, saves at ep2 and resumes at ep4; run D, PyTorch's
-FSDP2 (impl torch: DTensors), resumes at our tp2 x dp2 ZeRO-1, and A at FSDP2. Each resumed
+FSDP2 (impl torch: DTensors), resumes at our tp2 x dp2 ZeRO-1, and A at FSDP2; tied
+embeddings: E (pp2 x dp2 ZeRO-3, a copy on the last stage) resumes at dp4 ZeRO-1 (one
+parameter), F (tp2, one parameter) at pp2 x dp2 ZeRO-1. Each resumed
 run's losses and final weights are compared with the single-device run at 1e-5 (fp32,
 reduction order only, as tests/layouts.py's parity runs). The Trainer's own path
 (--checkpoint.format dcp, --resume latest at another layout), the converter to a consolidated
