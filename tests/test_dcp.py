@@ -18,6 +18,7 @@ same world.
 
 import math
 import os
+import pickle
 import shutil
 import tempfile
 import unittest
@@ -32,6 +33,7 @@ from scaletorch.trainer.dcp_checkpoint import (flat_range_boxes, load_sharded, s
                                                to_consolidated)
 from scaletorch.trainer.param_map import full_state_dict
 from scaletorch.trainer.parity import max_weight_diff
+from scaletorch.trainer.safe_files import write_checksummed
 from scripts import dcp_to_consolidated
 from tests.harness import bit_exact, run_distributed, run_main, value_error
 from tests.layouts import TOL, build, layout, make_config, pg_manager_for, reference
@@ -119,11 +121,25 @@ def _truncate_the_metadata(path: str) -> None:
     os.truncate(file, os.path.getsize(file) // 2)
 
 
+class _RunsCode:
+    """Pickled, it names ``print``: unpickling it would call it (any function, in an attack)."""
+
+    def __reduce__(self):
+        return print, ("this ran", )
+
+
+def _code_in_the_metadata(path: str) -> None:
+    """A .metadata that runs code when unpickled, with a checksum that matches (as anyone who
+    shares a checkpoint can write)."""
+    write_checksummed(os.path.join(path, ".metadata"), pickle.dumps(_RunsCode()))
+
+
 # name -> what is done to a copy of run A's checkpoint
 DAMAGE = {
     "flipped_byte": lambda path: flip_byte(os.path.join(path, "__1_0.distcp")),
     "missing_shard": lambda path: os.remove(os.path.join(path, "__2_0.distcp")),
     "truncated_metadata": _truncate_the_metadata,
+    "code_in_the_metadata": _code_in_the_metadata,
     "save_stopped_before_the_end": lambda path: os.remove(os.path.join(path, ".metadata.sha256")),
 }
 
@@ -240,6 +256,8 @@ class ShardedCheckpointResumesAtAnyLayout(unittest.TestCase):
             r"\.metadata' does not match its checksum",
             "save_stopped_before_the_end":
             r"\.metadata' has no checksum file",
+            "code_in_the_metadata":
+            r"\.metadata' needs builtins\.print to load: .* not unpickled",
             "another_model":
             r"holds another model: layers\.0\.\S+ is shape \(\d+, \d+\) there, shape "
             r"\(\d+, \d+\) for this config's model",

@@ -20,13 +20,15 @@ Loading, each rank offers the rectangles it will hold; DCP's load planner inters
 the saved ones and reads only those bytes, straight into the parameters and AdamW's moments.
 
 Keys: ``model.<name>``, ``optim.exp_avg.<name>``, ``optim.exp_avg_sq.<name>`` (rectangles),
-``optim.step``, ``trainer`` (step, scheduler, schedule, loss scale) and ``rng.<rank>`` (plain
-values, one writer each; read with ``load_tensors_only``, never a full unpickle).
+``optim.step``, ``trainer`` (step, scheduler, loss scale) and ``rng.<rank>`` (plain values,
+one writer each; read with ``load_tensors_only``, never a full unpickle; the ``.metadata``
+pickle with an allow-list of DCP's own classes).
 """
 
 import io
 import math
 import os
+import pickle
 import warnings
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -34,7 +36,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
-                                                   TensorProperties, TensorStorageMetadata)
+                                                   StorageMeta, TensorProperties,
+                                                   TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import ReadItem, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
 
@@ -285,6 +288,46 @@ def sharded_state(trainer: Any, par: "Parallelized") -> Dict[str, Any]:
 
 
 METADATA = ".metadata"  # DCP's: global shapes, every rank's rectangles, where their bytes are
+# What DCP's metadata pickle may name (torch 2.13): its dataclasses, torch.Size, dtypes, a
+# layout by name, the checkpoint's path. Nothing else is unpickled: a shared checkpoint whose
+# checksums match may still have been written to run code.
+METADATA_CLASSES = {
+    ("torch.distributed.checkpoint.metadata", name)
+    for name in ("Metadata", "TensorStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING",
+                 "ChunkStorageMetadata", "BytesStorageMetadata", "MetadataIndex", "StorageMeta")
+} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+     ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's ``.metadata`` with only METADATA_CLASSES and torch dtypes."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if (module, name) not in METADATA_CLASSES and not dtype:
+            raise InputError(f"{self.file_name!r} needs {module}.{name} to load: it is not the "
+                             f"metadata of a checkpoint, and was not unpickled, since that could "
+                             f"run code")
+        return super().find_class(module, name)
+
+    def __init__(self, data: bytes, file_name: str) -> None:
+        super().__init__(io.BytesIO(data))
+        self.file_name = file_name
+
+
+class _Reader(dcp.FileSystemReader):
+    """DCP's file reader, whose metadata is read by ``_MetadataUnpickler`` (DCP's own calls
+    ``pickle.load``, which runs whatever the file names)."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        file = os.path.join(str(self.path), METADATA)
+        with open(file, "rb") as f:
+            metadata = _MetadataUnpickler(f.read(), file).load()
+        if not isinstance(metadata, Metadata):
+            raise InputError(f"{file!r} is not the metadata of a checkpoint")
+        metadata.storage_meta = metadata.storage_meta or StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
 
 
 def data_files(metadata: Metadata) -> List[str]:
@@ -344,7 +387,7 @@ def verify_sharded(path: str) -> Metadata:
         raise InputError(f"{path!r} is not a sharded checkpoint: it has no {METADATA} (written "
                          f"last: a save that stopped before it left an incomplete one)")
     read_checksummed(meta)  # every rank: a truncated or damaged metadata file is never unpickled
-    metadata = dcp.FileSystemReader(path).read_metadata()
+    metadata = _Reader(path).read_metadata()
     errors = []
     for name in data_files(metadata)[comm.group_rank()::comm.group_size()]:
         file = os.path.join(path, name)
@@ -364,7 +407,8 @@ def verify_sharded(path: str) -> Metadata:
 def check_model(path: str, metadata: Metadata, model: Dict[str, torch.Tensor]) -> None:
     """InputError naming ``path`` unless it holds exactly the tensors of ``model`` (chapter
     00's state dict with ``keep_vars``, on the meta device: shapes only) with their shapes. A
-    tied weight (one object under two names) is saved once, under its first name. The same answer on every rank: no rank loads half."""
+    tied weight (one object under two names) is saved once, under its first name. The same
+    answer on every rank: no rank loads half."""
     first: Dict[int, str] = {}
     expected = {first.setdefault(id(t), k): t for k, t in model.items() if id(t) not in first}
     saved = {
@@ -402,8 +446,7 @@ def load_sharded(path: str, trainer: Any, par: "Parallelized") -> None:
     rng_key = f"rng.{par.layout.pgm.rank}"
     if rng_key in metadata.state_dict_metadata:
         state[rng_key] = None
-    dcp.load(state, storage_reader=dcp.FileSystemReader(path),
-             planner=_LoadPlanner(f"checkpoint {path!r}"))
+    dcp.load(state, storage_reader=_Reader(path), planner=_LoadPlanner(f"checkpoint {path!r}"))
     if with_optim:
         for p in params:
             opt.state[p]["step"] = torch.tensor(state["optim.step"])
@@ -437,8 +480,8 @@ def to_consolidated(path: str, out: str) -> Dict[str, Any]:
             state[key] = None
     with warnings.catch_warnings():  # DCP warns that no_dist loads in one process: we ask it to
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, storage_reader=dcp.FileSystemReader(path),
-                 planner=_LoadPlanner(f"checkpoint {path!r}"), no_dist=True)
+        dcp.load(state, storage_reader=_Reader(path), planner=_LoadPlanner(f"checkpoint {path!r}"),
+                 no_dist=True)
 
     def named(prefix: str) -> Dict[str, torch.Tensor]:
         tensors = {
