@@ -38,7 +38,8 @@ from scripts import dcp_to_consolidated
 from tests.harness import bit_exact, run_distributed, run_main, value_error
 from tests.layouts import TOL, build, layout, make_config, pg_manager_for, reference
 from tests.test_checksums import flip_byte
-from tests.test_resume import _differences
+from tests.test_examples import NO_PREFLIGHT, launch
+from tests.test_resume import RUN_FLAGS, _differences, _last_logged_loss
 
 WORLD = 4
 SAVE_AT = 2  # of make_config's 5 steps: AdamW's moments and step are in use after the resume
@@ -347,6 +348,37 @@ class EightRanksResumeAtFour(unittest.TestCase):
                 self.assertLessEqual(abs(a - b), TOL, f"rank {rank} step {step}")
         # fp32, 5 AdamW steps: only the order of the reductions differs (tests/layouts.py)
         self.assertLessEqual(max_weight_diff(results[0]["state"], state), TOL)
+
+
+RUN = ["--pp", "2", "--zero-stage", "1", "--checkpoint.format", "dcp"]  # 4 ranks: dp 2
+
+
+def _launch(root: str, name: str, fail: bool) -> tuple:
+    """07 under torchrun with RUN and test_resume's RUN_FLAGS (8 steps, a checkpoint every 2);
+    with ``fail`` rank 1 is killed at step 5 and torchrun restarts every rank once. Returns
+    (output, step 8's checkpoint converted to a consolidated file)."""
+    path = os.path.join(root, name)
+    extra = ["--fail-at-step", "5", "--fail-rank", "1"] if fail else []
+    out = launch("examples/07_nd_parallel.py", 4, *RUN, *RUN_FLAGS, "--checkpoint.dir", path,
+                 *extra, launcher=["--max-restarts", "1"] if fail else [], env=NO_PREFLIGHT)
+    state = to_consolidated(ckpt.step_dir(path, 8), os.path.join(root, f"{name}.pt"))
+    return out, state
+
+
+class KilledRankResumesFromDcp(unittest.TestCase):
+    """--checkpoint.format dcp through chapter 07's script under torchrun: a rank killed at
+    step 5, every rank restarted from the latest (step 4) sharded checkpoint, ends where the
+    uninterrupted run ends, bit for bit (the guarantee per-rank checkpoints give)."""
+
+    @bit_exact
+    def test_kill_and_restart_is_bit_identical_to_the_uninterrupted_run(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            out_a, want = _launch(tmp, "straight", fail=False)
+            out_b, got = _launch(tmp, "killed", fail=True)
+        self.assertIn("injected failure at step 5", out_b)
+        self.assertRegex(out_b, r"resumed from \S+step_0000004 at step 4")
+        self.assertEqual(_differences(want, got), [])
+        self.assertEqual(_last_logged_loss(out_a), _last_logged_loss(out_b))
 
 
 class FlatRangeBoxes(unittest.TestCase):
