@@ -8,7 +8,8 @@ ZeRO-3 (flat shards cut across rows) and at pp2 x dp2 DDP (stages). Run B saves 
 and resumes at dp4 ZeRO-2; run C, a MoE, saves at ep2 and resumes at ep4; run D, PyTorch's
 FSDP2 (impl torch: DTensors), resumes at our tp2 x dp2 ZeRO-1, and A at FSDP2; tied
 embeddings: E (pp2 x dp2 ZeRO-3, a copy on the last stage) resumes at dp4 ZeRO-1 (one
-parameter), F (tp2, one parameter) at pp2 x dp2 ZeRO-1. Each resumed
+parameter), F (tp2, one parameter) at pp2 x dp2 ZeRO-1; G, under bf16 autocast, at dp4
+ZeRO-3 gathering bf16 (against the bf16 reference at precision.py's 2^-5). Each resumed
 run's losses and final weights are compared with the single-device run at 1e-5 (fp32,
 reduction order only, as tests/layouts.py's parity runs). The Trainer's own path
 (--checkpoint.format dcp, --resume latest at another layout), the converter to a consolidated
@@ -33,6 +34,7 @@ from scaletorch.trainer.dcp_checkpoint import (flat_range_boxes, load_sharded, s
                                                to_consolidated)
 from scaletorch.trainer.param_map import full_state_dict
 from scaletorch.trainer.parity import max_weight_diff
+from scaletorch.trainer.precision import TOLERANCES
 from scaletorch.trainer.safe_files import write_checksummed
 from scripts import dcp_to_consolidated
 from tests.harness import bit_exact, run_distributed, run_main, value_error
@@ -48,11 +50,13 @@ VOCAB = 63  # odd: tp 2 pads it to 256 rows (rules/vocab.py), rank 1's rows are 
 
 def config(model: str = "dense", **parallel):
     """tests/layouts.py's model and training with VOCAB; "moe" with one micro-batch (its exact
-    parity, parallelize.py), "tied": embedding and head one weight."""
+    parity, parallelize.py), "tied": embedding and head one weight, "bf16": the dense model
+    under bf16 autocast (fp32 master weights and AdamW state, which the checkpoint holds)."""
     moe = model == "moe"
     cfg = make_config(moe, 1 if moe else 2, **parallel)
     cfg.model.vocab_size = VOCAB
     cfg.model.tie_word_embeddings = model == "tied"
+    cfg.training.precision = "bf16" if model == "bf16" else "fp32"
     return cfg
 
 
@@ -64,6 +68,7 @@ SAVED = {
     "D": ("dense", layout(zero_stage=3, impl="torch")),
     "E": ("tied", layout(pp=2, zero_stage=3)),
     "F": ("tied", layout(tp=2)),
+    "G": ("bf16", layout(tp=2, zero_stage=1)),
 }
 # resumed run -> (the saved run whose checkpoint it loads, layout)
 RESUMED = {
@@ -78,6 +83,8 @@ RESUMED = {
     # a tied embedding: one parameter, or under a pipeline a copy on the last stage (saved once)
     "E_zero1_dp4": ("E", layout(zero_stage=1)),
     "F_pp2_zero1_dp2": ("F", layout(pp=2, zero_stage=1)),
+    # bf16: ZeRO-3 gathers bf16 copies of the fp32 shards it loaded
+    "G_zero3_bf16_dp4": ("G", layout(zero_stage=3, param_dtype="bf16")),
 }
 
 
@@ -209,7 +216,10 @@ class ShardedCheckpointResumesAtAnyLayout(unittest.TestCase):
     def setUpClass(cls):
         cls.tmp = tempfile.TemporaryDirectory()
         cls.results = run_distributed(_world, WORLD, cls.tmp.name, timeout=600)
-        cls.references = {model: reference(config(model)) for model in ("dense", "moe", "tied")}
+        cls.references = {
+            model: reference(config(model))
+            for model in ("dense", "moe", "tied", "bf16")
+        }
         cls.reference = cls.references["dense"]
 
     @classmethod
@@ -227,20 +237,25 @@ class ShardedCheckpointResumesAtAnyLayout(unittest.TestCase):
 
     def test_another_layout_continues_as_the_single_device_run(self):
         for name, (saved, _) in RESUMED.items():
-            losses, _, state = self.references[SAVED[saved][0]]
+            model = SAVED[saved][0]
+            losses, _, state = self.references[model]
+            # fp32, 5 AdamW steps: only the order of the reductions differs (tests/layouts.py);
+            # bf16: against the bf16 reference, precision.py's 2^-5 (derived there)
+            tol = TOLERANCES["bf16"] if model == "bf16" else TOL
             for rank, res in enumerate(self.results):
                 run = res[name]
                 self.assertEqual(run["start"], SAVE_AT, name)
                 self.assertEqual(len(run["losses"]), len(losses) - SAVE_AT, name)
                 for step, (a, b) in enumerate(zip(run["losses"], losses[SAVE_AT:])):
-                    self.assertLessEqual(abs(a - b), TOL, f"{name} rank {rank} step {step}")
-            # fp32, 5 AdamW steps: only the order of the reductions differs (tests/layouts.py)
-            self.assertLessEqual(max_weight_diff(self.results[0][name]["state"], state), TOL, name)
+                    self.assertLessEqual(abs(a - b), tol, f"{name} rank {rank} step {step}")
+            self.assertLessEqual(max_weight_diff(self.results[0][name]["state"], state), tol, name)
 
     def test_adam_moments_resumed_at_another_layout_are_the_saved_ones(self):
         # the moments of step 5 follow from those of step 2: compare them with the saved
         # layout's uninterrupted run (the same math in another order: 1e-5 as the weights)
         for name, (saved, _) in RESUMED.items():
+            if SAVED[saved][0] == "bf16":
+                continue  # no derived bound for bf16 moments: its weights' parity covers it
             want = self.results[0][saved]["consolidated"]["optimizer"]
             got = self.results[0][name]["consolidated"]["optimizer"]
             self.assertEqual(got["step"], want["step"], name)
