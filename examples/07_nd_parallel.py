@@ -53,11 +53,12 @@ class NDTrainer(Trainer):
     def __init__(self, cfg, par, pgm, device) -> None:
         super().__init__(cfg, par.model, pgm, device=device, optimizer=par.optimizer,
                          forward_backward=par.forward_backward, clip_grad_norm=par.clip_grad_norm)
-        self.par = par
+        self.par = self.parallelized = par  # where each tensor lives: --checkpoint.format dcp
 
     def save(self) -> str:
         path = super().save()  # per-rank files: resume at the same layout, fault tolerance
-        save_consolidated(os.path.join(path, "consolidated.pt"), self, self.par)
+        if self.cfg.checkpoint.format != "dcp":  # dcp resumes at any layout without a gather
+            save_consolidated(os.path.join(path, "consolidated.pt"), self, self.par)
         return path
 
 

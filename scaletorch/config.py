@@ -113,6 +113,9 @@ class CheckpointConfig:
     resume: Optional[str] = checked(None, Rule(path="checkpoint"))
     # older checkpoints are deleted; without checkpoints (every 0) there is nothing to keep
     keep_last: int = checked(2, unless(at_least(1), "every", 0))
+    # per-rank: each rank's own state, resumes at the same layout only (bit-identical);
+    # dcp: torch.distributed.checkpoint's pieces of the full tensors, resumes at any layout
+    format: str = checked("per-rank", one_of("per-rank", "dcp"))
 
 
 @dataclass

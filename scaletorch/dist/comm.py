@@ -209,6 +209,17 @@ def gather_objects(obj: Any, group: Group = None) -> List[Any]:
     return out or []
 
 
+def all_gather_objects(obj: Any, group: Group = None) -> List[Any]:
+    """Every rank's picklable ``obj``, in group-rank order, on every rank of the group (for
+    checks that every rank must agree on, such as a checkpoint's checksums): not in the
+    ledger, as not training traffic."""
+    if not dist.is_initialized():
+        return [obj]
+    out: List[Any] = [None] * group_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
 def average_over_group(value: torch.Tensor, group: Group) -> torch.Tensor:
     """Mean of a scalar over ``group`` (for reporting the global loss; not differentiable)."""
     out = value.detach().clone()

@@ -194,20 +194,32 @@ def _save_files(root: str, path: str, step: int, data: bytes, rank: int, world_s
             os.path.basename(rank_file(path, r)): read_checksum(rank_file(path, r))
             for r in range(world_size)
         }
-        manifest = {
-            "format_version": FORMAT_VERSION,
-            "step": step,
-            "world_size": world_size,
-            "layout": layout or {},
-            "sha256": files
-        }
-        data = json.dumps(manifest, indent=1).encode()
-        # its checksum first: the manifest marks the checkpoint complete, so it comes last
-        write_atomic(checksum_path(os.path.join(path, MANIFEST)), checksum_line(MANIFEST, data))
-        write_atomic(os.path.join(path, MANIFEST), data)
-        for old in list_checkpoints(root)[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+        write_manifest(root, path, step, world_size, layout, files, keep_last)
     comm.barrier(group)
+
+
+def write_manifest(root: str, path: str, step: int, world_size: int,
+                   layout: Optional[Dict[str, Any]], files: Dict[str, str], keep_last: int,
+                   checkpoint_format: Optional[str] = None) -> None:
+    """Rank 0, once every file of checkpoint ``path`` is whole: the manifest (``files``: the
+    sha256 of each, by name), which marks it complete; then delete all but the ``keep_last``
+    newest under ``root``. ``checkpoint_format`` "dcp": a sharded checkpoint (dcp_checkpoint.py)
+    that resumes at any layout."""
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "step": step,
+        "world_size": world_size,
+        "layout": layout or {},
+        "sha256": files
+    }
+    if checkpoint_format is not None:
+        manifest["format"] = checkpoint_format
+    data = json.dumps(manifest, indent=1).encode()
+    # its checksum first: the manifest marks the checkpoint complete, so it comes last
+    write_atomic(checksum_path(os.path.join(path, MANIFEST)), checksum_line(MANIFEST, data))
+    write_atomic(os.path.join(path, MANIFEST), data)
+    for old in list_checkpoints(root)[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 # A checkpoint whose manifest is unreadable or whose files do not match their checksums.
@@ -285,12 +297,15 @@ def check_layout(path: str, manifest: Dict[str, Any], world_size: int,
 
     Per-rank files are shards of one layout: rank r of another layout holds other pieces, so
     loading them would fail or, worse, train on misplaced weights. The message points to the
-    consolidated file (full tensors, any layout) instead.
+    consolidated file (full tensors, any layout) instead. A sharded (dcp) checkpoint fits any
+    layout of its model.
     """
     saved = dict(manifest.get("layout") or {}, world_size=manifest.get("world_size"))
     now = dict(layout or {}, world_size=world_size)
     there, here = saved.pop("model", None), now.pop("model", None)
     differ = [k for k in saved if k in now and saved[k] != now[k]]
+    if manifest.get("format") == "dcp":  # pieces of the full tensors: any layout reads them
+        differ = []
     if not differ:
         if there is not None and here is not None and there != here:  # the layout first
             raise InputError(f"checkpoint {path!r} holds another model (" +

@@ -37,8 +37,10 @@ from scaletorch.models import loss_fn
 from scaletorch.parallel.grad_norm import clip_replicated
 from scaletorch.parallel.mixed_precision import DynamicLossScaler
 from scaletorch.parallel.step import ForwardBackward, LossFn, make_data_parallel_step
+from scaletorch.rules.errors import InputError
 from scaletorch.rules.safe_files import WriteError
 from scaletorch.trainer import checkpoint as ckpt
+from scaletorch.trainer import dcp_checkpoint
 from scaletorch.trainer.config import Config, save_config
 from scaletorch.trainer.plan_line import plan_report
 from scaletorch.trainer.precision import autocast, precision_note, resolve_precision
@@ -130,6 +132,8 @@ class Trainer:
         self.step = 0
         # a dry run's: checkpoints counted there (bytes per file), not written
         self.checkpoint_sizes: Optional[ckpt.SizeCounter] = None
+        # what parallelize built (from_parallelized): where each tensor lives, for dcp checkpoints
+        self.parallelized: Optional["Parallelized"] = None
         self._log: Optional[str] = None  # rank 0's log.txt in the run directory, from train()
 
     @classmethod
@@ -138,10 +142,12 @@ class Trainer:
                           loader: Optional[BatchSource] = None) -> "Trainer":
         """The Trainer of what ``scaletorch.parallel.parallelize`` returned: its model, its
         step (data parallel or pipeline), its global-norm clipping and (ZeRO) optimizer."""
-        return cls(cfg, par.model, pgm, device=device, optimizer=par.optimizer,
-                   forward_backward=par.forward_backward, clip_grad_norm=par.clip_grad_norm,
-                   scaler=cast(Optional[DynamicLossScaler],
-                               par.scaler), verbose=verbose, loader=loader)
+        trainer = cls(cfg, par.model, pgm, device=device, optimizer=par.optimizer,
+                      forward_backward=par.forward_backward, clip_grad_norm=par.clip_grad_norm,
+                      scaler=cast(Optional[DynamicLossScaler],
+                                  par.scaler), verbose=verbose, loader=loader)
+        trainer.parallelized = par
+        return trainer
 
     def _clip_replicated(self, max_norm: float) -> torch.Tensor:
         """Global norm when every rank holds whole, already-synchronized gradients.
@@ -236,15 +242,31 @@ class Trainer:
         if path is None:
             self._print(f"no checkpoint in {self.cfg.checkpoint_path}: starting from step 0")
             return
-        self.load_state_dict(ckpt.load_checkpoint(path, self.rank, self.world_size, self.layout()),
-                             f"checkpoint file {ckpt.rank_file(path, self.rank)!r}")
+        if ckpt.read_manifest(path).get("format") == "dcp":  # pieces: any layout reads them
+            dcp_checkpoint.load_sharded(path, self, self._sharded(f"resuming {path}"))
+        else:
+            self.load_state_dict(
+                ckpt.load_checkpoint(path, self.rank, self.world_size, self.layout()),
+                f"checkpoint file {ckpt.rank_file(path, self.rank)!r}")
         self._print(f"resumed from {path} at step {self.step}")
 
     def layout(self) -> dict:
         """The sizes that decide which shard each rank holds (``checkpoint.run_layout``)."""
         return ckpt.run_layout(self.cfg, self.world_size)
 
+    def _sharded(self, what: str) -> "Parallelized":
+        """What parallelize built, which a dcp checkpoint needs (InputError naming ``what``)."""
+        if self.parallelized is None:
+            raise InputError(f"{what} needs a model built by parallelize (chapter 07's script and "
+                             f"later): this script writes --checkpoint.format per-rank")
+        return self.parallelized
+
     def save(self) -> str:
+        if self.cfg.checkpoint.format == "dcp":
+            return dcp_checkpoint.save_sharded_checkpoint(self.cfg.checkpoint_path, self.step, self,
+                                                          self._sharded("--checkpoint.format dcp"),
+                                                          self.cfg.checkpoint.keep_last,
+                                                          self.layout())
         return ckpt.save_checkpoint(self.cfg.checkpoint_path, self.step, self.state_dict(),
                                     self.rank, self.world_size, self.cfg.checkpoint.keep_last,
                                     layout=self.layout(), counter=self.checkpoint_sizes)
@@ -342,6 +364,8 @@ class Trainer:
             asked = cfg.training.precision != "auto"
             fp32 = resolve_precision(cfg, self.device.type) == "fp32"
             self._print(precision_note(cfg, self.device.type), detail=fp32 and not asked)
+        if cfg.checkpoint.format == "dcp" and cfg.checkpoint.every:
+            self._sharded("--checkpoint.format dcp")  # refused before the first step
         self.maybe_resume()
         result = TrainResult(start_step=self.step)
         metrics = None

@@ -1,0 +1,421 @@
+"""Sharded checkpoints (scaletorch/trainer/dcp_checkpoint.py): saved at one layout, resumed at
+the same one bit-identically, and at others equal to the single-device run.
+
+One world of 4 ranks. Run A trains tp2 x dp2 ZeRO-1 with a padded vocabulary (63 rows at tp 2,
+padded to 256: tp rank 1 holds padding only) and saves at step 2. It is resumed at the same
+layout (bit-identical to A's uninterrupted steps 3-5: weights, AdamW moments, losses), at dp4
+ZeRO-3 (flat shards cut across rows) and at pp2 x dp2 DDP (stages). Run B saves at pp2 x tp2
+and resumes at dp4 ZeRO-2; run C, a MoE, saves at ep2 and resumes at ep4; run D, PyTorch's
+FSDP2 (impl torch: DTensors), resumes at our tp2 x dp2 ZeRO-1, and A at FSDP2; tied
+embeddings: E (pp2 x dp2 ZeRO-3, a copy on the last stage) resumes at dp4 ZeRO-1 (one
+parameter), F (tp2, one parameter) at pp2 x dp2 ZeRO-1; G, under bf16 autocast, at dp4
+ZeRO-3 gathering bf16 (against the bf16 reference at precision.py's 2^-5). Each resumed
+run's losses and final weights are compared with the single-device run at 1e-5 (fp32,
+reduction order only, as tests/layouts.py's parity runs). The Trainer's own path
+(--checkpoint.format dcp, --resume latest at another layout), the converter to a consolidated
+file, and the damaged checkpoints each refused with one line naming the file are checked in the
+same world.
+"""
+
+import math
+import os
+import pickle
+import shutil
+import tempfile
+import unittest
+
+import torch
+
+from scaletorch.dist import comm, destroy_pg_manager
+from scaletorch.rules.errors import InputError
+from scaletorch.rules.safe_files import write_checksummed
+from scaletorch.trainer import checkpoint as ckpt
+from scaletorch.trainer.consolidated import consolidated_state, load_consolidated
+from scaletorch.trainer.dcp_checkpoint import (flat_range_boxes, load_sharded, save_sharded,
+                                               to_consolidated)
+from scaletorch.trainer.param_map import full_state_dict
+from scaletorch.trainer.parity import max_weight_diff
+from scaletorch.trainer.precision import TOLERANCES
+from scripts import dcp_to_consolidated
+from tests.harness import bit_exact, run_distributed, run_main, value_error
+from tests.layouts import TOL, build, layout, make_config, pg_manager_for, reference
+from tests.test_checksums import flip_byte
+from tests.test_examples import NO_PREFLIGHT, launch
+from tests.test_resume import RUN_FLAGS, _differences, _last_logged_loss
+
+WORLD = 4
+SAVE_AT = 2  # of make_config's 5 steps: AdamW's moments and step are in use after the resume
+VOCAB = 63  # odd: tp 2 pads it to 256 rows (rules/vocab.py), rank 1's rows are all padding
+
+
+def config(model: str = "dense", **parallel):
+    """tests/layouts.py's model and training with VOCAB; "moe" with one micro-batch (its exact
+    parity, parallelize.py), "tied": embedding and head one weight, "bf16": the dense model
+    under bf16 autocast (fp32 master weights and AdamW state, which the checkpoint holds)."""
+    moe = model == "moe"
+    cfg = make_config(moe, 1 if moe else 2, **parallel)
+    cfg.model.vocab_size = VOCAB
+    cfg.model.tie_word_embeddings = model == "tied"
+    cfg.training.precision = "bf16" if model == "bf16" else "fp32"
+    return cfg
+
+
+# saved run -> (MoE, layout)
+SAVED = {
+    "A": ("dense", layout(tp=2, zero_stage=1)),
+    "B": ("dense", layout(tp=2, pp=2)),
+    "C": ("moe", layout(ep=2)),
+    "D": ("dense", layout(zero_stage=3, impl="torch")),
+    "E": ("tied", layout(pp=2, zero_stage=3)),
+    "F": ("tied", layout(tp=2)),
+    "G": ("bf16", layout(tp=2, zero_stage=1)),
+}
+# resumed run -> (the saved run whose checkpoint it loads, layout)
+RESUMED = {
+    "A_same": ("A", layout(tp=2, zero_stage=1)),
+    "A_zero3_dp4": ("A", layout(zero_stage=3)),
+    "A_pp2_dp2": ("A", layout(pp=2)),
+    "B_zero2_dp4": ("B", layout(zero_stage=2)),
+    "C_ep4": ("C", layout(ep=4)),  # 4 experts: 2 per rank there, 1 here
+    # PyTorch's own FSDP2 (DTensor shards: DCP reads their placements itself), both ways
+    "A_torch_fsdp2_dp4": ("A", layout(zero_stage=3, impl="torch")),
+    "D_tp2_zero1_dp2": ("D", layout(tp=2, zero_stage=1)),
+    # a tied embedding: one parameter, or under a pipeline a copy on the last stage (saved once)
+    "E_zero1_dp4": ("E", layout(zero_stage=1)),
+    "F_pp2_zero1_dp2": ("F", layout(pp=2, zero_stage=1)),
+    # bf16: ZeRO-3 gathers bf16 copies of the fp32 shards it loaded
+    "G_zero3_bf16_dp4": ("G", layout(zero_stage=3, param_dtype="bf16")),
+}
+
+
+def _straight(name: str, path: str) -> dict:
+    return _straight_run(config(SAVED[name][0], **SAVED[name][1]), path)
+
+
+def _straight_run(cfg, path: str) -> dict:
+    """Train ``cfg``, saving the sharded checkpoint at SAVE_AT to ``path``; its remaining
+    losses, its consolidated state then and at the end (rank 0)."""
+    pgm = pg_manager_for(cfg)
+    par, trainer = build(cfg, pgm)
+    for _ in range(SAVE_AT):
+        trainer.train_step()
+    save_sharded(path, trainer, par)
+    at_save = consolidated_state(trainer, par)  # what to_consolidated must rebuild from path
+    losses = trainer.train().losses
+    out = {"losses": losses, "consolidated": consolidated_state(trainer, par), "at_save": at_save}
+    destroy_pg_manager()
+    return out
+
+
+def _resumed(model: str, parallel: dict, path: str) -> dict:
+    cfg = config(model, **parallel)
+    pgm = pg_manager_for(cfg)
+    par, trainer = build(cfg, pgm)
+    load_sharded(path, trainer, par)
+    start = trainer.step
+    losses = trainer.train().losses
+    out = {
+        "start": start,
+        "losses": losses,
+        "state": full_state_dict(par),
+        "consolidated": consolidated_state(trainer, par),
+    }
+    destroy_pg_manager()
+    return out
+
+
+def _truncate_the_metadata(path: str) -> None:
+    file = os.path.join(path, ".metadata")
+    os.truncate(file, os.path.getsize(file) // 2)
+
+
+class _RunsCode:
+    """Pickled, it names ``print``: unpickling it would call it (any function, in an attack)."""
+
+    def __reduce__(self):
+        return print, ("this ran", )
+
+
+def _code_in_the_metadata(path: str) -> None:
+    """A .metadata that runs code when unpickled, with a checksum that matches (as anyone who
+    shares a checkpoint can write)."""
+    write_checksummed(os.path.join(path, ".metadata"), pickle.dumps(_RunsCode()))
+
+
+# name -> what is done to a copy of run A's checkpoint
+DAMAGE = {
+    "flipped_byte": lambda path: flip_byte(os.path.join(path, "__1_0.distcp")),
+    "missing_shard": lambda path: os.remove(os.path.join(path, "__2_0.distcp")),
+    "truncated_metadata": _truncate_the_metadata,
+    "code_in_the_metadata": _code_in_the_metadata,
+    "save_stopped_before_the_end": lambda path: os.remove(os.path.join(path, ".metadata.sha256")),
+}
+
+
+def _bad_inputs(rank: int, root: str) -> dict:
+    """Each damaged copy of A's checkpoint, and A's at another model shape, loaded at dp4
+    ZeRO-3: the error message, and whether any weight changed (nothing may load half)."""
+    out = {}
+    for name, damage in DAMAGE.items():
+        path = os.path.join(root, f"damaged_{name}")
+        if rank == 0:
+            shutil.copytree(os.path.join(root, "A"), path)
+            damage(path)
+        comm.barrier()
+        out[name] = _load_error(config(**layout(zero_stage=3)), path)
+    other = config(**layout(zero_stage=3))
+    other.model.intermediate_size = 96
+    out["another_model"] = _load_error(other, os.path.join(root, "A"))
+    return out
+
+
+def _load_error(cfg, path: str) -> tuple:
+    pgm = pg_manager_for(cfg)
+    par, trainer = build(cfg, pgm)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    message = value_error(lambda: load_sharded(path, trainer, par))
+    unchanged = all(a.equal(b.detach()) for a, b in zip(before, trainer.model.parameters()))
+    destroy_pg_manager()
+    return message, unchanged
+
+
+def _through_the_trainer(root: str) -> dict:
+    """--checkpoint.format dcp in Trainer.train: saved every 2 steps at tp2 x dp2 ZeRO-1, the
+    latest (step 4) resumed at pp2 x dp2 by ``--resume`` alone."""
+    saved = config(**SAVED["A"][1])
+    saved.checkpoint.format, saved.checkpoint.every = "dcp", 2
+    saved.checkpoint.dir = os.path.join(root, "trainer")
+    pgm = pg_manager_for(saved)
+    _, trainer = build(saved, pgm)
+    trainer.train()
+    destroy_pg_manager()
+    resumed = config(**layout(pp=2))
+    resumed.checkpoint.format, resumed.checkpoint.dir = "dcp", saved.checkpoint.dir
+    resumed.checkpoint.resume = "latest"
+    pgm = pg_manager_for(resumed)
+    par, trainer = build(resumed, pgm)
+    result = trainer.train()
+    out = {"start": result.start_step, "losses": result.losses, "state": full_state_dict(par)}
+    destroy_pg_manager()
+    return out
+
+
+def _world(rank: int, world: int, root: str) -> dict:
+    out = {"trainer": _through_the_trainer(root)}
+    for name in SAVED:
+        out[name] = _straight(name, os.path.join(root, name))
+    for name, (saved, parallel) in RESUMED.items():
+        out[name] = _resumed(SAVED[saved][0], parallel, os.path.join(root, saved))
+    out["bad"] = _bad_inputs(rank, root)
+    return out
+
+
+class ShardedCheckpointResumesAtAnyLayout(unittest.TestCase):
+
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.TemporaryDirectory()
+        cls.results = run_distributed(_world, WORLD, cls.tmp.name, timeout=600)
+        cls.references = {
+            model: reference(config(model))
+            for model in ("dense", "moe", "tied", "bf16")
+        }
+        cls.reference = cls.references["dense"]
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.tmp.cleanup()
+
+    @bit_exact  # the same layout: the same code and steps as the uninterrupted run
+    def test_same_layout_resumes_bit_identical_weights_adam_state_and_losses(self):
+        for rank, res in enumerate(self.results):
+            self.assertEqual(res["A_same"]["start"], SAVE_AT)
+            self.assertEqual(res["A_same"]["losses"], res["A"]["losses"], f"rank {rank}")
+        self.assertEqual(
+            _differences(self.results[0]["A"]["consolidated"],
+                         self.results[0]["A_same"]["consolidated"]), [])
+
+    def test_another_layout_continues_as_the_single_device_run(self):
+        for name, (saved, _) in RESUMED.items():
+            model = SAVED[saved][0]
+            losses, _, state = self.references[model]
+            # fp32, 5 AdamW steps: only the order of the reductions differs (tests/layouts.py);
+            # bf16: against the bf16 reference, precision.py's 2^-5 (derived there)
+            tol = TOLERANCES["bf16"] if model == "bf16" else TOL
+            for rank, res in enumerate(self.results):
+                run = res[name]
+                self.assertEqual(run["start"], SAVE_AT, name)
+                self.assertEqual(len(run["losses"]), len(losses) - SAVE_AT, name)
+                for step, (a, b) in enumerate(zip(run["losses"], losses[SAVE_AT:])):
+                    self.assertLessEqual(abs(a - b), tol, f"{name} rank {rank} step {step}")
+            self.assertLessEqual(max_weight_diff(self.results[0][name]["state"], state), tol, name)
+
+    def test_adam_moments_resumed_at_another_layout_are_the_saved_ones(self):
+        # the moments of step 5 follow from those of step 2: compare them with the saved
+        # layout's uninterrupted run (the same math in another order: 1e-5 as the weights)
+        for name, (saved, _) in RESUMED.items():
+            if SAVED[saved][0] == "bf16":
+                continue  # no derived bound for bf16 moments: its weights' parity covers it
+            want = self.results[0][saved]["consolidated"]["optimizer"]
+            got = self.results[0][name]["consolidated"]["optimizer"]
+            self.assertEqual(got["step"], want["step"], name)
+            for key in ("exp_avg", "exp_avg_sq"):
+                self.assertLessEqual(max_weight_diff(got[key], want[key]), TOL, f"{name} {key}")
+
+    def test_a_damaged_or_partial_checkpoint_is_refused_naming_the_file_before_any_load(self):
+        want = {
+            "flipped_byte":
+            r"__1_0\.distcp' does not match its checksum",
+            "missing_shard":
+            r"is missing __2_0\.distcp",
+            "truncated_metadata":
+            r"\.metadata' does not match its checksum",
+            "save_stopped_before_the_end":
+            r"\.metadata' has no checksum file",
+            "code_in_the_metadata":
+            r"\.metadata' needs builtins\.print to load: .* not unpickled",
+            "another_model":
+            r"holds another model: layers\.0\.\S+ is shape \(\d+, \d+\) there, shape "
+            r"\(\d+, \d+\) for this config's model",
+        }
+        for rank, res in enumerate(self.results):
+            for name, pattern in want.items():
+                message, unchanged = res["bad"][name]
+                self.assertRegex(message, pattern, f"{name} rank {rank}")
+                self.assertNotIn("\n", message, name)  # one line
+                self.assertTrue(unchanged, f"{name} rank {rank}: weights changed")
+
+    def test_the_trainer_saves_dcp_and_resumes_the_latest_at_another_layout(self):
+        losses, _, state = self.reference
+        for rank, res in enumerate(self.results):
+            run = res["trainer"]
+            self.assertEqual(run["start"], 4)
+            self.assertEqual(len(run["losses"]), 1)
+            self.assertLessEqual(abs(run["losses"][0] - losses[4]), TOL, f"rank {rank}")
+        self.assertLessEqual(max_weight_diff(self.results[0]["trainer"]["state"], state), TOL)
+        root = os.path.join(self.tmp.name, "trainer")
+        self.assertEqual([os.path.basename(p) for p in ckpt.list_checkpoints(root)],
+                         ["step_0000002", "step_0000004"])
+        latest = ckpt.step_dir(root, 4)
+        self.assertEqual(ckpt.read_manifest(latest)["format"], "dcp")
+        ckpt.verify_checkpoint(latest)  # the manifest holds every file's sha256
+
+    def test_before_any_process_a_dcp_checkpoint_fits_any_layout_of_its_model_only(self):
+        latest = ckpt.step_dir(os.path.join(self.tmp.name, "trainer"), 4)
+        other = config(**layout(tp=2, pp=2))
+        other.checkpoint.resume = latest
+        ckpt.check_resume(other, world_size=8)  # another layout and world size: fits
+        other.model.intermediate_size = 96
+        with self.assertRaisesRegex(
+                InputError, r"holds another model \(intermediate_size 64 "
+                r"there, 96 here\)"):
+            ckpt.check_resume(other, world_size=8)
+
+    @bit_exact  # the same values, gathered by the converter instead of by the layout
+    def test_the_converter_writes_the_consolidated_file_of_the_step_saved(self):
+        want = self.results[0]["A"]["at_save"]
+        out = os.path.join(self.tmp.name, "A_consolidated.pt")
+        to_consolidated(os.path.join(self.tmp.name, "A"), out)
+        got = load_consolidated(out)  # its checksum verified, tensors and plain values only
+        self.assertEqual(got["step"], SAVE_AT)
+        self.assertEqual(got["optimizer"]["step"], want["optimizer"]["step"])
+        self.assertEqual(sorted(got["model"]), sorted(want["model"]))
+        self.assertEqual(_differences(want, got), [])
+        ckpt.check_consolidated(out, config())  # any layout of this model resumes it
+
+    def test_the_converter_script_refuses_a_damaged_checkpoint_in_one_line(self):
+        out = os.path.join(self.tmp.name, "refused.pt")
+        damaged = os.path.join(self.tmp.name, "damaged_flipped_byte")
+        status, _, err = run_main(dcp_to_consolidated.main, damaged, "--out", out)
+        self.assertEqual(status, 2)
+        self.assertRegex(err, r"^error: .*__1_0\.distcp' does not match its checksum")
+        self.assertEqual(len(err.splitlines()), 1)
+        self.assertFalse(os.path.exists(out))
+        status, stdout, _ = run_main(dcp_to_consolidated.main, os.path.join(self.tmp.name, "A"),
+                                     "--out", out)
+        self.assertEqual(status, 0)
+        self.assertIn("step 2, ", stdout)
+        self.assertEqual(load_consolidated(out)["step"], SAVE_AT)
+
+
+def _save_at_eight(rank: int, world: int, path: str) -> dict:
+    return _straight_run(config(**layout(tp=2, pp=2, zero_stage=1)), path)
+
+
+def _resume_at_four(rank: int, world: int, path: str) -> dict:
+    return _resumed("dense", layout(zero_stage=3), path)
+
+
+class EightRanksResumeAtFour(unittest.TestCase):
+    """The issue's case: saved by 8 ranks at tp2 x pp2 x dp2 ZeRO-1 (vocabulary padded, stages,
+    flat shards of tp shards), resumed by 4 at dp4 ZeRO-3: equal to the single-device run."""
+
+    def test_tp2_pp2_dp2_zero1_resumes_at_dp4_zero3_as_the_single_device_run(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "tp2_pp2_dp2_zero1")
+            run_distributed(_save_at_eight, 8, path, timeout=600)
+            results = run_distributed(_resume_at_four, 4, path, timeout=600)
+        losses, _, state = reference(config())
+        for rank, run in enumerate(results):
+            self.assertEqual(run["start"], SAVE_AT)
+            self.assertEqual(len(run["losses"]), len(losses) - SAVE_AT)
+            for step, (a, b) in enumerate(zip(run["losses"], losses[SAVE_AT:])):
+                self.assertLessEqual(abs(a - b), TOL, f"rank {rank} step {step}")
+        # fp32, 5 AdamW steps: only the order of the reductions differs (tests/layouts.py)
+        self.assertLessEqual(max_weight_diff(results[0]["state"], state), TOL)
+
+
+RUN = ["--pp", "2", "--zero-stage", "1", "--checkpoint.format", "dcp"]  # 4 ranks: dp 2
+
+
+def _launch(root: str, name: str, fail: bool) -> tuple:
+    """07 under torchrun with RUN and test_resume's RUN_FLAGS (8 steps, a checkpoint every 2);
+    with ``fail`` rank 1 is killed at step 5 and torchrun restarts every rank once. Returns
+    (output, step 8's checkpoint converted to a consolidated file)."""
+    path = os.path.join(root, name)
+    extra = ["--fail-at-step", "5", "--fail-rank", "1"] if fail else []
+    out = launch("examples/07_nd_parallel.py", 4, *RUN, *RUN_FLAGS, "--checkpoint.dir", path,
+                 *extra, launcher=["--max-restarts", "1"] if fail else [], env=NO_PREFLIGHT)
+    state = to_consolidated(ckpt.step_dir(path, 8), os.path.join(root, f"{name}.pt"))
+    return out, state
+
+
+class KilledRankResumesFromDcp(unittest.TestCase):
+    """--checkpoint.format dcp through chapter 07's script under torchrun: a rank killed at
+    step 5, every rank restarted from the latest (step 4) sharded checkpoint, ends where the
+    uninterrupted run ends, bit for bit (the guarantee per-rank checkpoints give)."""
+
+    @bit_exact
+    def test_kill_and_restart_is_bit_identical_to_the_uninterrupted_run(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            out_a, want = _launch(tmp, "straight", fail=False)
+            out_b, got = _launch(tmp, "killed", fail=True)
+        self.assertIn("injected failure at step 5", out_b)
+        self.assertRegex(out_b, r"resumed from \S+step_0000004 at step 4")
+        self.assertEqual(_differences(want, got), [])
+        self.assertEqual(_last_logged_loss(out_a), _last_logged_loss(out_b))
+
+
+class FlatRangeBoxes(unittest.TestCase):
+
+    def test_every_range_of_every_shape_is_covered_once_by_at_most_2n_minus_1_boxes(self):
+        for shape in [(4, 6), (2, 3, 4), (5, ), (3, 1, 2)]:
+            n = math.prod(shape)
+            for a in range(n + 1):
+                for b in range(a, n + 1):
+                    cover = torch.zeros(shape, dtype=torch.int)
+                    boxes = flat_range_boxes(shape, a, b)
+                    self.assertLessEqual(len(boxes), 2 * len(shape) - 1)
+                    for offsets, sizes in boxes:
+                        cover[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))] += 1
+                    want = torch.zeros(n, dtype=torch.int)
+                    want[a:b] = 1
+                    self.assertTrue(cover.flatten().equal(want), (shape, a, b))
+
+    def test_the_picture_of_the_module_docstring(self):
+        self.assertEqual(flat_range_boxes((4, 6), 9, 21), [((1, 3), (1, 3)), ((2, 0), (1, 6)),
+                                                           ((3, 0), (1, 3))])
+
+
+if __name__ == "__main__":
+    unittest.main()
