@@ -1,0 +1,115 @@
+"""A sharded run seeded from a Hugging Face directory with no gather
+(scaletorch/trainer/hf_seed.py): each rank reads only its rectangles from the safetensors.
+
+One world of 4 ranks. A tiny transformers Llama (vocabulary 97: padded at tp 2, untied, saved
+in 3 safetensors shards with an index) seeds two layouts, tp2 x dp2 ZeRO-1 and pp2 x tp2,
+each both ways: the existing one (the whole model loaded on every rank, then parallelized) and
+the sliced one. The weights after seeding and the losses of 3 steps are bit-identical; each
+rank's bytes read equal the bytes of the rectangles it holds, below the full model's.
+Needs the hf extra; about 40 s on an idle 2-core machine.
+"""
+
+import os
+import tempfile
+import unittest
+
+import torch
+
+from scaletorch.dist import destroy_pg_manager
+from scaletorch.models.hf import check_hf_llama, load_hf_llama
+from scaletorch.trainer.hf_seed import held_bytes, seed_from_hf
+from scaletorch.trainer.param_map import full_state_dict
+from tests.harness import bit_exact, run_distributed
+from tests.layouts import build, layout, make_config, pg_manager_for
+from tests.test_hf import HAVE_HF, SKIP_REASON, read_safetensors, save_transformers_llama
+
+WORLD = 4
+STEPS = 3
+SEEDED = {"tp2_dp2_zero1": layout(tp=2, zero_stage=1), "pp2_tp2": layout(tp=2, pp=2)}
+
+
+def config(hf_dir: str, **parallel):
+    """tests/layouts.py's data and training, the model of ``hf_dir``'s config.json."""
+    cfg = make_config(False, 2, **parallel)
+    cfg.model = check_hf_llama(hf_dir)
+    cfg.training.steps = STEPS
+    return cfg
+
+
+def _run(cfg, hf_dir: str, sliced: bool) -> dict:
+    """Seed ``cfg``'s layout from ``hf_dir`` (sliced: hf_seed.py; else the whole model loaded
+    first, as chapter 10's --init-from does), then train; the weights then, losses, bytes."""
+    pgm = pg_manager_for(cfg)
+    if sliced:
+        par, trainer = build(cfg, pgm)
+        read = seed_from_hf(hf_dir, par)
+    else:
+        par, trainer = build(cfg, pgm, load_hf_llama(hf_dir).state_dict())
+        read = None
+    out = {
+        "seeded": full_state_dict(par),
+        "read": read,
+        "held": held_bytes(par, torch.float32),
+        "losses": trainer.train().losses,
+    }
+    destroy_pg_manager()
+    return out
+
+
+def _world(rank: int, world: int, hf_dir: str) -> dict:
+    out = {}
+    for name, parallel in SEEDED.items():
+        cfg = config(hf_dir, **parallel)
+        out[name] = {"whole": _run(cfg, hf_dir, False), "sliced": _run(cfg, hf_dir, True)}
+    return out
+
+
+@unittest.skipUnless(HAVE_HF, SKIP_REASON)
+class SeedFromHuggingFaceReadsOnlyEachRanksPieces(unittest.TestCase):
+
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.TemporaryDirectory()
+        cls.hf_dir = os.path.join(cls.tmp.name, "hf")
+        save_transformers_llama(cls.hf_dir, seed=0, vocab_size=97, num_attention_heads=4,
+                                num_key_value_heads=2, tie_word_embeddings=False,
+                                max_shard_size="20KB")
+        cls.full_bytes = sum(t.numel() * t.element_size()
+                             for t in read_safetensors(cls.hf_dir).values())
+        cls.results = run_distributed(_world, WORLD, cls.hf_dir, timeout=600)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.tmp.cleanup()
+
+    def test_the_directory_is_sharded_with_an_index(self):
+        files = os.listdir(self.hf_dir)
+        self.assertIn("model.safetensors.index.json", files)
+        self.assertGreaterEqual(len([f for f in files if f.endswith(".safetensors")]), 2)
+
+    @bit_exact  # the same values copied into the same shards; then the same steps
+    def test_sliced_seed_equals_the_whole_model_seed_in_weights_and_losses(self):
+        for name in SEEDED:
+            whole, sliced = self.results[0][name]["whole"], self.results[0][name]["sliced"]
+            self.assertEqual(sorted(sliced["seeded"]), sorted(whole["seeded"]), name)
+            for key, want in whole["seeded"].items():
+                self.assertTrue(torch.equal(sliced["seeded"][key], want), f"{name} {key}")
+            for rank, res in enumerate(self.results):
+                self.assertEqual(len(res[name]["sliced"]["losses"]), STEPS)
+                self.assertEqual(res[name]["sliced"]["losses"], res[name]["whole"]["losses"],
+                                 f"{name} rank {rank}")
+
+    def test_each_rank_reads_exactly_its_rectangles_never_the_whole_model(self):
+        for name in SEEDED:
+            for rank, res in enumerate(self.results):
+                run = res[name]["sliced"]
+                # the file is fp32 like the parameters: bytes read = bytes held, exactly
+                self.assertEqual(run["read"], run["held"], f"{name} rank {rank}")
+                # 4 ranks, each tensor split 2 or 4 ways, norms whole: well under half
+                self.assertLess(run["read"], self.full_bytes / 2, f"{name} rank {rank}")
+            total = sum(res[name]["sliced"]["read"] for res in self.results)
+            self.assertGreaterEqual(total, self.full_bytes, name)  # every byte read somewhere
+
+
+if __name__ == "__main__":
+    unittest.main()
