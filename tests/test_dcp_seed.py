@@ -9,23 +9,32 @@ rank's bytes read equal the bytes of the rectangles it holds, below the full mod
 Needs the hf extra; about 40 s on an idle 2-core machine.
 """
 
+import json
 import os
 import tempfile
 import unittest
+from typing import Optional
 
 import torch
 
 from scaletorch.dist import destroy_pg_manager
-from scaletorch.models.hf import check_hf_llama, load_hf_llama
+from scaletorch.models import build_model
+from scaletorch.models.hf import check_hf_llama, export_hf_llama, load_hf_llama
+from scaletorch.trainer.config import save_config
+from scaletorch.trainer.consolidated import consolidated_state, load_consolidated
+from scaletorch.trainer.dcp_checkpoint import save_sharded
 from scaletorch.trainer.hf_seed import held_bytes, seed_from_hf
 from scaletorch.trainer.param_map import full_state_dict
-from tests.harness import bit_exact, run_distributed
+from scaletorch.trainer.safe_files import read_checksummed
+from scripts import convert_dcp
+from tests.harness import bit_exact, run_distributed, run_main
 from tests.layouts import build, layout, make_config, pg_manager_for
 from tests.test_hf import HAVE_HF, SKIP_REASON, read_safetensors, save_transformers_llama
 
 WORLD = 4
 STEPS = 3
 SEEDED = {"tp2_dp2_zero1": layout(tp=2, zero_stage=1), "pp2_tp2": layout(tp=2, pp=2)}
+SAVED = "tp2_dp2_zero1"  # its sliced run saves a DCP checkpoint after its steps
 
 
 def config(hf_dir: str, **parallel):
@@ -36,9 +45,11 @@ def config(hf_dir: str, **parallel):
     return cfg
 
 
-def _run(cfg, hf_dir: str, sliced: bool) -> dict:
+def _run(cfg, hf_dir: str, sliced: bool, save_to: Optional[str] = None) -> dict:
     """Seed ``cfg``'s layout from ``hf_dir`` (sliced: hf_seed.py; else the whole model loaded
-    first, as chapter 10's --init-from does), then train; the weights then, losses, bytes."""
+    first, as chapter 10's --init-from does), then train; the weights then, losses, bytes.
+    ``save_to``: then a DCP checkpoint there, and the final weights the trainer would export
+    (consolidated, rank 0)."""
     pgm = pg_manager_for(cfg)
     if sliced:
         par, trainer = build(cfg, pgm)
@@ -52,15 +63,20 @@ def _run(cfg, hf_dir: str, sliced: bool) -> dict:
         "held": held_bytes(par, torch.float32),
         "losses": trainer.train().losses,
     }
+    if save_to is not None:
+        save_sharded(save_to, trainer, par)
+        final = consolidated_state(trainer, par)  # rank 0's; None elsewhere
+        out["final"] = final and final["model"]
     destroy_pg_manager()
     return out
 
 
-def _world(rank: int, world: int, hf_dir: str) -> dict:
+def _world(rank: int, world: int, hf_dir: str, root: str) -> dict:
     out = {}
     for name, parallel in SEEDED.items():
         cfg = config(hf_dir, **parallel)
-        out[name] = {"whole": _run(cfg, hf_dir, False), "sliced": _run(cfg, hf_dir, True)}
+        save_to = os.path.join(root, name) if name == SAVED else None
+        out[name] = {"whole": _run(cfg, hf_dir, False), "sliced": _run(cfg, hf_dir, True, save_to)}
     return out
 
 
@@ -76,7 +92,7 @@ class SeedFromHuggingFaceReadsOnlyEachRanksPieces(unittest.TestCase):
                                 max_shard_size="20KB")
         cls.full_bytes = sum(t.numel() * t.element_size()
                              for t in read_safetensors(cls.hf_dir).values())
-        cls.results = run_distributed(_world, WORLD, cls.hf_dir, timeout=600)
+        cls.results = run_distributed(_world, WORLD, cls.hf_dir, cls.tmp.name, timeout=600)
 
     @classmethod
     def tearDownClass(cls):
@@ -109,6 +125,54 @@ class SeedFromHuggingFaceReadsOnlyEachRanksPieces(unittest.TestCase):
                 self.assertLess(run["read"], self.full_bytes / 2, f"{name} rank {rank}")
             total = sum(res[name]["sliced"]["read"] for res in self.results)
             self.assertGreaterEqual(total, self.full_bytes, name)  # every byte read somewhere
+
+    @bit_exact  # the same fp32 values, gathered by the converter instead of by the layout
+    def test_hf_to_sharded_run_to_dcp_to_hf_equals_the_trainers_export(self):
+        path = os.path.join(self.tmp.name, SAVED)
+        cfg = config(self.hf_dir, **SEEDED[SAVED])
+        run_config = os.path.join(self.tmp.name, "config.yaml")
+        save_config(cfg, run_config)
+        ours, theirs = os.path.join(self.tmp.name, "dcp_hf"), os.path.join(self.tmp.name, "hf_10")
+        single = os.path.join(self.tmp.name, "consolidated.pt")
+        status, out, err = run_main(convert_dcp.main, path, "--config", run_config, "--hf", ours,
+                                    "--consolidated", single)
+        self.assertEqual((status, err), (0, ""), out)
+        final = self.results[0][SAVED]["sliced"]["final"]
+        trained = build_model(cfg.model, seed=0)  # chapter 10's export of the final weights
+        trained.load_state_dict(final)
+        export_hf_llama(trained, theirs)
+        got, want = read_safetensors(ours), read_safetensors(theirs)
+        self.assertEqual(sorted(got), sorted(want))
+        for name, tensor in want.items():
+            self.assertTrue(torch.equal(got[name], tensor), name)
+        with open(os.path.join(ours, "config.json")) as a, open(os.path.join(theirs,
+                                                                             "config.json")) as b:
+            self.assertEqual(json.load(a), json.load(b))
+        for file in os.listdir(ours):
+            if not file.endswith(".sha256"):
+                read_checksummed(os.path.join(ours, file))  # each file has its checksum
+        reloaded = load_hf_llama(ours).state_dict()  # and loads back as a Hugging Face Llama
+        for name, tensor in final.items():
+            self.assertTrue(torch.equal(reloaded[name], tensor), name)
+        consolidated = load_consolidated(single)
+        self.assertEqual(consolidated["step"], STEPS)
+        for name, tensor in final.items():
+            self.assertTrue(torch.equal(consolidated["model"][name], tensor), name)
+
+    def test_the_converter_refuses_bad_arguments_in_one_line(self):
+        out = os.path.join(self.tmp.name, "never_written")
+        cases = {
+            "is not a sharded checkpoint: it has no .metadata":
+            [self.hf_dir, "--consolidated", out],
+            "--hf needs --config": [os.path.join(self.tmp.name, SAVED), "--hf", out],
+            "nothing to write": [self.hf_dir],
+        }
+        for message, argv in cases.items():
+            status, _, err = run_main(convert_dcp.main, *argv)
+            self.assertEqual(status, 2, argv)
+            self.assertRegex(err, r"^error: [^\n]+\n$", argv)  # one line, no traceback
+            self.assertIn(message, err)
+        self.assertFalse(os.path.exists(out))
 
 
 if __name__ == "__main__":
