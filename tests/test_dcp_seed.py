@@ -26,7 +26,7 @@ from scaletorch.trainer.dcp_checkpoint import save_sharded
 from scaletorch.trainer.hf_seed import held_bytes, seed_from_hf
 from scaletorch.trainer.param_map import full_state_dict
 from scaletorch.trainer.safe_files import read_checksummed
-from scripts import convert_dcp
+from scripts import convert_dcp, dcp_memory
 from tests.harness import bit_exact, run_distributed, run_main
 from tests.layouts import build, layout, make_config, pg_manager_for
 from tests.test_hf import HAVE_HF, SKIP_REASON, read_safetensors, save_transformers_llama
@@ -35,6 +35,9 @@ WORLD = 4
 STEPS = 3
 SEEDED = {"tp2_dp2_zero1": layout(tp=2, zero_stage=1), "pp2_tp2": layout(tp=2, pp=2)}
 SAVED = "tp2_dp2_zero1"  # its sliced run saves a DCP checkpoint after its steps
+# Resident memory that is neither tensors nor file bytes: DCP's plans and metadata objects,
+# the allocator's page rounding: a fixed cost, not per parameter (a tenth of a shard here).
+SLACK = 1_000_000
 
 
 def config(hf_dir: str, **parallel):
@@ -173,6 +176,34 @@ class SeedFromHuggingFaceReadsOnlyEachRanksPieces(unittest.TestCase):
             self.assertRegex(err, r"^error: [^\n]+\n$", argv)  # one line, no traceback
             self.assertIn(message, err)
         self.assertFalse(os.path.exists(out))
+
+
+class DcpSaveAndLoadPeakMemoryPerRank(unittest.TestCase):
+    """scripts/dcp_memory.py's world: a 3.2M-parameter Llama saved at tp2 x dp2 ZeRO-1 and
+    loaded at dp4 ZeRO-3, DCP and consolidated, each call's peak resident memory per rank."""
+
+    @classmethod
+    def setUpClass(cls):
+        with tempfile.TemporaryDirectory() as root:
+            cls.results = run_distributed(dcp_memory.measure, dcp_memory.WORLD, root, timeout=600)
+
+    def test_every_rank_stays_below_the_full_models_bytes_while_saving_and_loading_dcp(self):
+        for rank, r in enumerate(self.results):
+            full, largest = r["full"], r["largest"]
+            # load: the moments of its shard, then one saved chunk at a time, held twice (its
+            # file bytes and the tensor unpickled from them) before the copy into place
+            self.assertLessEqual(r["dcp_load"], r["load_shard"] + 2 * largest + SLACK, rank)
+            # save, torch 2.13: the writer keeps a copy of every piece that is a view (a ZeRO
+            # range) until its file closes, and the checksum reads the file back: 2 x shard
+            self.assertLessEqual(r["dcp_save"], 2 * r["save_shard"] + largest + SLACK, rank)
+            for held in (r["save_shard"] + r["dcp_save"], r["load_shard"] + r["dcp_load"]):
+                self.assertLess(held, full, f"rank {rank}")
+
+    def test_the_consolidated_path_holds_the_whole_model_on_one_rank_and_loads_it_on_all(self):
+        full = self.results[0]["full"]
+        self.assertGreaterEqual(self.results[0]["consolidated_save"], full)  # gathered, pickled
+        for rank, r in enumerate(self.results):
+            self.assertGreaterEqual(r["consolidated_load"], full, rank)  # every rank reads it all
 
 
 if __name__ == "__main__":
