@@ -1,12 +1,15 @@
-"""A sharded run seeded from a Hugging Face directory with no gather
-(scaletorch/trainer/hf_seed.py): each rank reads only its rectangles from the safetensors.
+"""Sharded checkpoints beyond save and resume: seeding from Hugging Face with no gather
+(scaletorch/trainer/hf_seed.py), converting offline (scripts/convert_dcp.py), each rank's peak
+memory (scripts/dcp_memory.py) and the data position at another data-parallel size.
 
-One world of 4 ranks. A tiny transformers Llama (vocabulary 97: padded at tp 2, untied, saved
-in 3 safetensors shards with an index) seeds two layouts, tp2 x dp2 ZeRO-1 and pp2 x tp2,
-each both ways: the existing one (the whole model loaded on every rank, then parallelized) and
-the sliced one. The weights after seeding and the losses of 3 steps are bit-identical; each
-rank's bytes read equal the bytes of the rectangles it holds, below the full model's.
-Needs the hf extra; about 40 s on an idle 2-core machine.
+Three worlds of 4 ranks, one per class. Seed: a tiny transformers Llama (vocabulary 97: padded
+at tp 2, untied, 3 safetensors shards with an index) seeds tp2 x dp2 ZeRO-1 and pp2 x tp2
+both ways, the whole model loaded first or each rank's rectangles sliced: weights and 3 steps'
+losses bit-identical, bytes read = bytes held; the tp2 x dp2 run's DCP checkpoint converts to
+the HF directory chapter 10 exports. Memory: every rank's DCP save and load below the full
+model's bytes. Data: saved at dp 2, resumed at dp 4, the next global batch exactly.
+About 100 s on an idle 2-core machine (three spawns, 25-40 s each); the seed class needs the
+hf extra.
 """
 
 import json
