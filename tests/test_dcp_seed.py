@@ -3,13 +3,13 @@
 memory (scripts/dcp_memory.py) and the data position at another data-parallel size.
 
 Three worlds of 4 ranks, one per class. Seed: a tiny transformers Llama (vocabulary 97: padded
-at tp 2, untied, 3 safetensors shards with an index) seeds tp2 x dp2 ZeRO-1 and pp2 x tp2
-both ways, the whole model loaded first or each rank's rectangles sliced: weights and 3 steps'
-losses bit-identical, bytes read = bytes held; the tp2 x dp2 run's DCP checkpoint converts to
-the HF directory chapter 10 exports. Memory: every rank's DCP save and load below the full
-model's bytes. Data: saved at dp 2, resumed at dp 4, the next global batch exactly.
-About 100 s on an idle 2-core machine (three spawns, 25-40 s each); the seed class needs the
-hf extra.
+at tp 2, 3 safetensors shards with an index) seeds tp2 x dp2 ZeRO-1 and pp2 x tp2 untied,
+pp2 x tp2 tied, each both ways, the whole model loaded first or each rank's rectangles
+sliced: weights and 3 steps' losses bit-identical, bytes read = bytes held; the tp2 x dp2
+run's DCP checkpoint converts to the HF directory chapter 10 exports. Memory: every rank's DCP
+save and load below the full model's bytes. Data: saved at dp 2, resumed at dp 4, the next
+global batch exactly. About 45 s of tests (three spawns) and 65 s in all on a 2-core machine
+shared with other runs; the seed class needs the hf extra.
 """
 
 import json
@@ -36,7 +36,13 @@ from tests.test_hf import HAVE_HF, SKIP_REASON, read_safetensors, save_transform
 
 WORLD = 4
 STEPS = 3
-SEEDED = {"tp2_dp2_zero1": layout(tp=2, zero_stage=1), "pp2_tp2": layout(tp=2, pp=2)}
+HF_DIRS = {"hf": False, "hf_tied": True}  # directory -> tie_word_embeddings
+# seeded layout -> (the directory it starts from, its parallel config)
+SEEDED = {
+    "tp2_dp2_zero1": ("hf", layout(tp=2, zero_stage=1)),
+    "pp2_tp2": ("hf", layout(tp=2, pp=2)),
+    "tied_pp2_tp2": ("hf_tied", layout(tp=2, pp=2)),  # lm_head on the last stage, read as
+}  # the embedding: a tied HF directory has no lm_head.weight
 SAVED = "tp2_dp2_zero1"  # its sliced run saves a DCP checkpoint after its steps
 # Resident memory that is neither tensors nor file bytes: DCP's plans and metadata objects,
 # the allocator's page rounding: a fixed cost, not per parameter (a tenth of a shard here).
@@ -78,9 +84,10 @@ def _run(cfg, hf_dir: str, sliced: bool, save_to: Optional[str] = None) -> dict:
     return out
 
 
-def _world(rank: int, world: int, hf_dir: str, root: str) -> dict:
+def _world(rank: int, world: int, root: str) -> dict:
     out = {}
-    for name, parallel in SEEDED.items():
+    for name, (directory, parallel) in SEEDED.items():
+        hf_dir = os.path.join(root, directory)
         cfg = config(hf_dir, **parallel)
         save_to = os.path.join(root, name) if name == SAVED else None
         out[name] = {"whole": _run(cfg, hf_dir, False), "sliced": _run(cfg, hf_dir, True, save_to)}
@@ -93,13 +100,16 @@ class SeedFromHuggingFaceReadsOnlyEachRanksPieces(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         cls.tmp = tempfile.TemporaryDirectory()
+        cls.full_bytes = {}
+        for directory, tied in HF_DIRS.items():
+            path = os.path.join(cls.tmp.name, directory)
+            save_transformers_llama(path, seed=0, vocab_size=97, num_attention_heads=4,
+                                    num_key_value_heads=2, tie_word_embeddings=tied,
+                                    max_shard_size="20KB")
+            cls.full_bytes[directory] = sum(t.numel() * t.element_size()
+                                            for t in read_safetensors(path).values())
         cls.hf_dir = os.path.join(cls.tmp.name, "hf")
-        save_transformers_llama(cls.hf_dir, seed=0, vocab_size=97, num_attention_heads=4,
-                                num_key_value_heads=2, tie_word_embeddings=False,
-                                max_shard_size="20KB")
-        cls.full_bytes = sum(t.numel() * t.element_size()
-                             for t in read_safetensors(cls.hf_dir).values())
-        cls.results = run_distributed(_world, WORLD, cls.hf_dir, cls.tmp.name, timeout=600)
+        cls.results = run_distributed(_world, WORLD, cls.tmp.name, timeout=600)
 
     @classmethod
     def tearDownClass(cls):
@@ -123,20 +133,21 @@ class SeedFromHuggingFaceReadsOnlyEachRanksPieces(unittest.TestCase):
                                  f"{name} rank {rank}")
 
     def test_each_rank_reads_exactly_its_rectangles_never_the_whole_model(self):
-        for name in SEEDED:
+        for name, (directory, _) in SEEDED.items():
+            full = self.full_bytes[directory]
             for rank, res in enumerate(self.results):
                 run = res[name]["sliced"]
                 # the file is fp32 like the parameters: bytes read = bytes held, exactly
                 self.assertEqual(run["read"], run["held"], f"{name} rank {rank}")
                 # 4 ranks, each tensor split 2 or 4 ways, norms whole: well under half
-                self.assertLess(run["read"], self.full_bytes / 2, f"{name} rank {rank}")
+                self.assertLess(run["read"], full / 2, f"{name} rank {rank}")
             total = sum(res[name]["sliced"]["read"] for res in self.results)
-            self.assertGreaterEqual(total, self.full_bytes, name)  # every byte read somewhere
+            self.assertGreaterEqual(total, full, name)  # every byte read somewhere
 
     @bit_exact  # the same fp32 values, gathered by the converter instead of by the layout
     def test_hf_to_sharded_run_to_dcp_to_hf_equals_the_trainers_export(self):
         path = os.path.join(self.tmp.name, SAVED)
-        cfg = config(self.hf_dir, **SEEDED[SAVED])
+        cfg = config(self.hf_dir, **SEEDED[SAVED][1])
         run_config = os.path.join(self.tmp.name, "config.yaml")
         save_config(cfg, run_config)
         ours, theirs = os.path.join(self.tmp.name, "dcp_hf"), os.path.join(self.tmp.name, "hf_10")

@@ -20,9 +20,11 @@ from typing import TYPE_CHECKING, Dict, List, Tuple
 
 import torch
 
-from scaletorch.models.hf import from_hf_name, require_hf, tensor_files, to_hf_name
+from scaletorch.models.hf import from_hf_name, load_hf_config, require_hf, tensor_files, to_hf_name
 from scaletorch.rules.errors import InputError
 from scaletorch.trainer.dcp_checkpoint import Pieces, aliases, local_pieces
+
+LM_HEAD, EMBEDDING = "lm_head.weight", "embed_tokens.weight"  # one tensor when tied
 
 if TYPE_CHECKING:  # types only: the trainer package does not import chapter 07 at load
     from scaletorch.parallel.parallelize import Parallelized
@@ -32,11 +34,14 @@ def _sources(path: str, pieces: Dict[str, Pieces],
              par: "Parallelized") -> Dict[str, List[Tuple[str, Pieces]]]:
     """{safetensors file: [(HF name, this rank's pieces of it)]}, every shape checked against
     the model's (InputError naming the file). A tied weight is read under any of its names
-    the directory holds (a tied HF export has no lm_head.weight)."""
+    the directory holds (a tied HF export has no lm_head.weight; a pipeline's last stage holds
+the tied copy as lm_head.weight alone)."""
     files = tensor_files(path)
     names_of: Dict[str, List[str]] = {name: [name] for name in pieces}
     for alias, first in aliases(par).items():
         names_of[first].append(alias)
+    if load_hf_config(path).tie_word_embeddings and LM_HEAD in names_of:  # a last stage's copy
+        names_of[LM_HEAD].append(EMBEDDING)
     out: Dict[str, List[Tuple[str, Pieces]]] = {}
     for name, piece in pieces.items():
         found = [to_hf_name(n) for n in names_of[name] if to_hf_name(n) in files]
