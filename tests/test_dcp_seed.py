@@ -5,11 +5,11 @@ memory (scripts/dcp_memory.py) and the data position at another data-parallel si
 Three worlds of 4 ranks, one per class. Seed: a tiny transformers Llama (vocabulary 97: padded
 at tp 2, 3 safetensors shards with an index) seeds tp2 x dp2 ZeRO-1 and pp2 x tp2 untied,
 pp2 x tp2 tied, each both ways, the whole model loaded first or each rank's rectangles
-sliced: weights and 3 steps' losses bit-identical, bytes read = bytes held; the tp2 x dp2
-run's DCP checkpoint converts to the HF directory chapter 10 exports. Memory: every rank's DCP
-save and load below the full model's bytes. Data: saved at dp 2, resumed at dp 4, the next
-global batch exactly. About 45 s of tests (three spawns) and 65 s in all on a 2-core machine
-shared with other runs; the seed class needs the hf extra.
+sliced: weights and 3 steps' losses bit-identical, bytes read = bytes held. The DCP
+checkpoints of the tp2 x dp2 and tied runs convert to the HF directories chapter 10 exports.
+Memory: every rank's DCP save and load below the full model's bytes. Data: saved at dp 2,
+resumed at dp 4, the next global batch exactly. About 50 s of tests (three spawns), 70 s in
+all, on a 2-core machine shared with other runs; the seed class needs the hf extra.
 """
 
 import json
@@ -43,7 +43,7 @@ SEEDED = {
     "pp2_tp2": ("hf", layout(tp=2, pp=2)),
     "tied_pp2_tp2": ("hf_tied", layout(tp=2, pp=2)),  # lm_head on the last stage, read as
 }  # the embedding: a tied HF directory has no lm_head.weight
-SAVED = "tp2_dp2_zero1"  # its sliced run saves a DCP checkpoint after its steps
+SAVED = ("tp2_dp2_zero1", "tied_pp2_tp2")  # their sliced runs save DCP after their steps
 # Resident memory that is neither tensors nor file bytes: DCP's plans and metadata objects,
 # the allocator's page rounding: a fixed cost, not per parameter (a tenth of a shard here).
 SLACK = 1_000_000
@@ -89,7 +89,7 @@ def _world(rank: int, world: int, root: str) -> dict:
     for name, (directory, parallel) in SEEDED.items():
         hf_dir = os.path.join(root, directory)
         cfg = config(hf_dir, **parallel)
-        save_to = os.path.join(root, name) if name == SAVED else None
+        save_to = os.path.join(root, name) if name in SAVED else None
         out[name] = {"whole": _run(cfg, hf_dir, False), "sliced": _run(cfg, hf_dir, True, save_to)}
     return out
 
@@ -146,16 +146,22 @@ class SeedFromHuggingFaceReadsOnlyEachRanksPieces(unittest.TestCase):
 
     @bit_exact  # the same fp32 values, gathered by the converter instead of by the layout
     def test_hf_to_sharded_run_to_dcp_to_hf_equals_the_trainers_export(self):
-        path = os.path.join(self.tmp.name, SAVED)
-        cfg = config(self.hf_dir, **SEEDED[SAVED][1])
-        run_config = os.path.join(self.tmp.name, "config.yaml")
+        for name in SAVED:
+            with self.subTest(name):
+                self._round_trip(name)
+
+    def _round_trip(self, name: str) -> None:
+        path, out_dir = os.path.join(self.tmp.name,
+                                     name), os.path.join(self.tmp.name, "out_" + name)
+        cfg = config(os.path.join(self.tmp.name, SEEDED[name][0]), **SEEDED[name][1])
+        run_config = os.path.join(out_dir, "config.yaml")
         save_config(cfg, run_config)
-        ours, theirs = os.path.join(self.tmp.name, "dcp_hf"), os.path.join(self.tmp.name, "hf_10")
-        single = os.path.join(self.tmp.name, "consolidated.pt")
+        ours, theirs = os.path.join(out_dir, "dcp_hf"), os.path.join(out_dir, "hf_10")
+        single = os.path.join(out_dir, "consolidated.pt")
         status, out, err = run_main(convert_dcp.main, path, "--config", run_config, "--hf", ours,
                                     "--consolidated", single)
         self.assertEqual((status, err), (0, ""), out)
-        final = self.results[0][SAVED]["sliced"]["final"]
+        final = self.results[0][name]["sliced"]["final"]
         trained = build_model(cfg.model, seed=0)  # chapter 10's export of the final weights
         trained.load_state_dict(final)
         export_hf_llama(trained, theirs)
@@ -182,7 +188,7 @@ class SeedFromHuggingFaceReadsOnlyEachRanksPieces(unittest.TestCase):
         cases = {
             "is not a sharded checkpoint: it has no .metadata":
             [self.hf_dir, "--consolidated", out],
-            "--hf needs --config": [os.path.join(self.tmp.name, SAVED), "--hf", out],
+            "--hf needs --config": [os.path.join(self.tmp.name, SAVED[0]), "--hf", out],
             "nothing to write": [self.hf_dir],
         }
         for message, argv in cases.items():
