@@ -32,7 +32,7 @@ import json
 import os
 import typing
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -293,6 +293,16 @@ def _our_name(file: str, hf_name: str, shape: tuple, expected: Dict[str, tuple],
         raise InputError(f"{file}: tensor {hf_name} has shape {shape}, but "
                          f"{CONFIG_FILE} implies {expected[name]}")
     return name
+
+
+def tensor_files(path: str) -> Dict[str, Tuple[str, tuple]]:
+    """{HF tensor name: (safetensors file, shape)} of Hugging Face directory ``path``, from the
+    index and the safetensors headers: no weights are read."""
+    out: Dict[str, Tuple[str, tuple]] = {}
+    for file, names in _weight_files(path).items():
+        for hf_name, shape in _read_shapes(file, names).items():
+            out[hf_name] = (file, shape)
+    return out
 
 
 def check_hf_llama(path: str) -> LlamaConfig:
