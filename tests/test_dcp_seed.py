@@ -23,12 +23,12 @@ import torch
 from scaletorch.dist import destroy_pg_manager
 from scaletorch.models import build_model
 from scaletorch.models.hf import check_hf_llama, export_hf_llama, load_hf_llama
+from scaletorch.rules.safe_files import read_checksummed
 from scaletorch.trainer.config import save_config
 from scaletorch.trainer.consolidated import consolidated_state, load_consolidated
 from scaletorch.trainer.dcp_checkpoint import load_sharded, save_sharded
 from scaletorch.trainer.hf_seed import held_bytes, seed_from_hf
 from scaletorch.trainer.param_map import full_state_dict
-from scaletorch.trainer.safe_files import read_checksummed
 from scripts import convert_dcp, dcp_memory
 from tests.harness import bit_exact, run_distributed, run_main
 from tests.layouts import build, layout, make_config, pg_manager_for

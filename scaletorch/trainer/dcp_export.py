@@ -16,8 +16,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from scaletorch.models import Llama, LlamaConfig
 from scaletorch.models.hf import export_hf_llama
-from scaletorch.trainer.dcp_checkpoint import (Pieces, _LoadPlanner, _write_checksum, check_model,
-                                               verify_sharded)
+from scaletorch.trainer.dcp_checkpoint import (Pieces, _LoadPlanner, _Reader, _write_checksum,
+                                               check_model, verify_sharded)
 
 MODEL = "model."
 
@@ -29,7 +29,7 @@ def read_weights(path: str, config: LlamaConfig) -> Dict[str, torch.Tensor]:
     (InputError naming the checkpoint)."""
     metadata = verify_sharded(path)
     with torch.device("meta"):
-        check_model(path, metadata, Llama(config).state_dict())
+        check_model(path, metadata, Llama(config).state_dict(keep_vars=True))
     state: Dict[str, object] = {"trainer": None}  # its aliases: the tied weights' other names
     for key, md in metadata.state_dict_metadata.items():
         if key.startswith(MODEL) and isinstance(md, TensorStorageMetadata):
@@ -37,8 +37,8 @@ def read_weights(path: str, config: LlamaConfig) -> Dict[str, torch.Tensor]:
             state[key] = Pieces(md.size, [((0, ) * len(md.size), full)])
     with warnings.catch_warnings():  # DCP warns that no_dist loads in one process: we ask it to
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, storage_reader=dcp.FileSystemReader(path),
-                 planner=_LoadPlanner(f"checkpoint {path!r}"), no_dist=True)
+        dcp.load(state, storage_reader=_Reader(path), planner=_LoadPlanner(f"checkpoint {path!r}"),
+                 no_dist=True)
     weights = {k[len(MODEL):]: v.pieces[0][1] for k, v in state.items() if isinstance(v, Pieces)}
     aliases = state["trainer"]["aliases"]  # type: ignore[index]
     weights.update({alias: weights[first] for alias, first in aliases.items()})

@@ -22,7 +22,7 @@ import torch
 
 from scaletorch.models.hf import from_hf_name, load_hf_config, require_hf, tensor_files, to_hf_name
 from scaletorch.rules.errors import InputError
-from scaletorch.trainer.dcp_checkpoint import Pieces, aliases, local_pieces
+from scaletorch.trainer.dcp_checkpoint import Pieces, local_pieces
 
 LM_HEAD, EMBEDDING = "lm_head.weight", "embed_tokens.weight"  # one tensor when tied
 
@@ -38,8 +38,6 @@ def _sources(path: str, pieces: Dict[str, Pieces],
 the tied copy as lm_head.weight alone)."""
     files = tensor_files(path)
     names_of: Dict[str, List[str]] = {name: [name] for name in pieces}
-    for alias, first in aliases(par).items():
-        names_of[first].append(alias)
     if load_hf_config(path).tie_word_embeddings and LM_HEAD in names_of:  # a last stage's copy
         names_of[LM_HEAD].append(EMBEDDING)
     out: Dict[str, List[Tuple[str, Pieces]]] = {}
@@ -63,7 +61,7 @@ def seed_from_hf(path: str, par: "Parallelized") -> int:
     not hold."""
     require_hf("safetensors")
     from safetensors import safe_open
-    pieces = local_pieces(par, torch.Tensor.detach)
+    pieces = local_pieces(par, torch.Tensor.detach, load=True)  # a tied copy as the embedding
     read = 0
     with torch.no_grad():
         for file, wanted in _sources(path, pieces, par).items():
@@ -86,5 +84,6 @@ def held_bytes(par: "Parallelized", dtype: torch.dtype) -> int:
     """Bytes of this rank's rectangles of every weight at ``dtype``: what ``seed_from_hf``
     must read from files stored at that dtype."""
     size = torch.empty(0, dtype=dtype).element_size()
-    return sum(t.numel() * size for piece in local_pieces(par, torch.Tensor.detach).values()
+    return sum(t.numel() * size
+               for piece in local_pieces(par, torch.Tensor.detach, load=True).values()
                for _, t in piece.pieces)
