@@ -80,8 +80,8 @@ class InjectedFaultsEndAsDocumented(unittest.TestCase):
                          ("dp_cp", "all_reduce", 19, [0, 1]))
         self.assertEqual(sorted(there), [0])
         with open(os.path.join(ROOT, "scaletorch", "parallel", "data_parallel.py")) as f:
-            line = next(i for i, text in enumerate(f, 1) if "comm.all_reduce(bucket.wire" in text)
-        self.assertEqual(call.where, f"scaletorch/parallel/data_parallel.py:{line} _launch")
+            line = next(i for i, text in enumerate(f, 1) if "comm.all_reduce(buffer" in text)
+        self.assertEqual(call.where, f"scaletorch/parallel/data_parallel.py:{line} _all_reduce")
         lines = flight_recorder.analyze(traces)
         self.assertIn("  rank 1: never issued it", lines)
         self.assertIn("  rank 1: all_gather #1 of group 'world' [[1]] Float, issued at "
