@@ -1,5 +1,5 @@
-"""Sharded checkpoints (scaletorch/trainer/dcp_checkpoint.py): saved at one layout, resumed at
-the same one bit-identically, and at others equal to the single-device run.
+"""Sharded checkpoints (scaletorch/trainer/dcp_checkpoint.py and dcp_pieces.py): saved at one
+layout, resumed at the same one bit-identically, and at others equal to the single-device run.
 
 One world of 4 ranks. Run A trains tp2 x dp2 ZeRO-1 with a padded vocabulary (63 rows at tp 2,
 padded to 256: tp rank 1 holds padding only) and saves at step 2. It is resumed at the same
@@ -31,8 +31,8 @@ from scaletorch.rules.errors import InputError
 from scaletorch.rules.safe_files import write_checksummed
 from scaletorch.trainer import checkpoint as ckpt
 from scaletorch.trainer.consolidated import consolidated_state, load_consolidated
-from scaletorch.trainer.dcp_checkpoint import (flat_range_boxes, load_sharded, save_sharded,
-                                               to_consolidated)
+from scaletorch.trainer.dcp_checkpoint import load_sharded, save_sharded, to_consolidated
+from scaletorch.trainer.dcp_pieces import flat_range_boxes
 from scaletorch.trainer.param_map import full_state_dict
 from scaletorch.trainer.parity import max_weight_diff
 from scaletorch.trainer.precision import TOLERANCES

@@ -16,8 +16,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from scaletorch.models import Llama, LlamaConfig
 from scaletorch.models.hf import export_hf_llama
-from scaletorch.trainer.dcp_checkpoint import (Pieces, _LoadPlanner, _Reader, _write_checksum,
-                                               check_model, verify_sharded)
+from scaletorch.trainer.dcp_checkpoint import _write_checksum, check_model, verify_sharded
+from scaletorch.trainer.dcp_pieces import Pieces, _LoadPlanner, _Reader
 
 MODEL = "model."
 
