@@ -1,0 +1,87 @@
+"""Sharded checkpoints across the layouts tests/test_dcp.py leaves out: a zero-bubble V
+schedule and context parallel, saved at one and resumed at another.
+
+One world of 4 ranks. Run Z trains zbv pp2 x tp2 (two chunks per rank, the V placement: rank
+0 holds the first and last layers) and saves at step 2; it is resumed at 1F1B pp4 (one layer
+per stage: the issue's case) and at interleaved pp2 x dp2 (two chunks per rank, the loop
+placement). Run K trains cp2 x dp2 ZeRO-1 (every cp rank a replica of the weights) and saves;
+it is resumed at dp4 ZeRO-3 and at cp2 x tp2. Each resumed run's losses and final weights
+equal the single-device run's at 1e-5 (fp32, only the order of the reductions differs, as
+tests/layouts.py's parity runs; at pp4 also the micro-batches, 4 instead of 2).
+"""
+
+import os
+import tempfile
+import unittest
+
+from scaletorch.trainer.parity import max_weight_diff
+from tests.harness import run_distributed
+from tests.layouts import TOL, layout, reference
+from tests.test_dcp import SAVE_AT, _resumed_run, _straight_run, assert_continues_as, config
+
+WORLD = 4
+# saved run -> layout
+SAVED = {
+    "Z": layout(tp=2, pp=2, schedule="zbv", virtual_pipeline_stages=2),
+    "K": layout(cp=2, zero_stage=1),
+}
+# resumed run -> (the saved run whose checkpoint it loads, micro-batches, layout); 1F1B at pp 4
+# needs 4 micro-batches to fill its pipeline: the same global batch, split finer
+RESUMED = {
+    "Z_1f1b_pp4": ("Z", 4, layout(pp=4)),
+    "Z_interleaved_pp2_dp2": ("Z", 2, layout(pp=2, schedule="interleaved",
+                                             virtual_pipeline_stages=2)),
+    "K_zero3_dp4": ("K", 2, layout(zero_stage=3)),
+    "K_cp2_tp2": ("K", 2, layout(cp=2, tp=2)),
+}
+
+
+def _resumed(saved: str, micro_batches: int, parallel: dict, root: str) -> dict:
+    cfg = config(**parallel)
+    cfg.data.num_micro_batches = micro_batches
+    return _resumed_run(cfg, os.path.join(root, saved))
+
+
+def _world(rank: int, world: int, root: str) -> dict:
+    out = {}
+    for name, parallel in SAVED.items():
+        out[name] = _straight_run(config(**parallel), os.path.join(root, name))
+    for name, resumed in RESUMED.items():
+        out[name] = _resumed(*resumed, root)
+    return out
+
+
+class ZeroBubbleAndContextParallelResumeAtOtherLayouts(unittest.TestCase):
+
+    @classmethod
+    def setUpClass(cls):
+        with tempfile.TemporaryDirectory() as tmp:
+            cls.results = run_distributed(_world, WORLD, tmp, timeout=600)
+        cls.reference = reference(config())
+
+    def test_each_resumed_layout_continues_as_the_single_device_run(self):
+        for name in RESUMED:
+            # fp32, 5 AdamW steps: only the order of the reductions differs
+            assert_continues_as(self, [res[name] for res in self.results], name, self.reference,
+                                TOL)
+
+    def test_the_saved_runs_themselves_match_the_single_device_run(self):
+        # the checkpoint is taken from a run that is itself right: its own remaining losses
+        losses, _, _ = self.reference
+        for name in SAVED:
+            for rank, res in enumerate(self.results):
+                for step, (a, b) in enumerate(zip(res[name]["losses"], losses[SAVE_AT:])):
+                    self.assertLessEqual(abs(a - b), TOL, f"{name} rank {rank} step {step}")
+
+    def test_adam_moments_resumed_at_another_layout_are_the_saved_runs(self):
+        # the moments of step 5 follow from those of step 2: the same math in another order
+        for name, (saved, _, _) in RESUMED.items():
+            want = self.results[0][saved]["consolidated"]["optimizer"]
+            got = self.results[0][name]["consolidated"]["optimizer"]
+            self.assertEqual(got["step"], want["step"], name)
+            for key in ("exp_avg", "exp_avg_sq"):
+                self.assertLessEqual(max_weight_diff(got[key], want[key]), TOL, f"{name} {key}")
+
+
+if __name__ == "__main__":
+    unittest.main()
