@@ -23,8 +23,8 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from scaletorch.dist import comm
 from scaletorch.models import Llama
 from scaletorch.rules.errors import InputError
-from scaletorch.rules.safe_files import (CorruptFileError, checksum_line, checksum_path,
-                                         read_checksummed, sha256, write_atomic, write_checksummed)
+from scaletorch.rules.safe_files import (CorruptFileError, read_checksummed, verify_checksum,
+                                         write_checksum, write_checksummed)
 from scaletorch.trainer.checkpoint import (check_state_keys, rng_state, set_rng_state, step_dir,
                                            write_manifest)
 from scaletorch.trainer.dcp_pieces import (METADATA, TIED, TIED_COPY, Pieces, _LoadPlanner, _Reader,
@@ -77,13 +77,13 @@ def save_sharded(path: str, trainer: Any, par: "Parallelized") -> Dict[str, str]
                         planner=_SavePlanner())
     rank, world = comm.group_rank(), comm.group_size()
     mine = {
-        name: _write_checksum(os.path.join(path, name))
+        name: write_checksum(os.path.join(path, name))
         for name in data_files(metadata)[rank::world]
     }
     # every data file has its checksum before the metadata's marks the checkpoint complete
     digests = {k: v for part in comm.gather_objects(mine) for k, v in part.items()}
     if rank == 0:
-        digests[METADATA] = _write_checksum(os.path.join(path, METADATA))
+        digests[METADATA] = write_checksum(os.path.join(path, METADATA))
     comm.barrier()
     return digests
 
@@ -100,14 +100,6 @@ def save_sharded_checkpoint(root: str, step: int, trainer: Any, par: "Paralleliz
                        checkpoint_format="dcp")
     comm.barrier()
     return path
-
-
-def _write_checksum(file: str) -> str:
-    """Write ``<file>.sha256`` beside ``file``; returns the digest."""
-    with open(file, "rb") as f:
-        data = f.read()
-    write_atomic(checksum_path(file), checksum_line(os.path.basename(file), data))
-    return sha256(data)
 
 
 def verify_sharded(path: str) -> Metadata:
@@ -127,7 +119,7 @@ def verify_sharded(path: str) -> Metadata:
             errors.append(f"checkpoint {path!r} is missing {name} (one of its shards)")
             continue
         try:
-            read_checksummed(file)
+            verify_checksum(file)  # in blocks: a shard's bytes are never all in memory at once
         except CorruptFileError as err:
             errors.append(str(err))
     found = [e for errors_of_rank in comm.all_gather_objects(errors) for e in errors_of_rank]

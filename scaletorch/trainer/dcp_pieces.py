@@ -114,16 +114,29 @@ class Pieces:
         raise ValueError(f"{index.fqn}: this rank holds no piece at {tuple(index.offset or ())}")
 
 
+def own_storage(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with a storage of just its own bytes, sharing them (no copy), when it is a
+    contiguous CPU view into a larger storage (a ZeRO range of a flat vector). DCP's file writer
+    clones such a view and keeps the clone until the rank's file closes (torch 2.13): a second
+    copy of the shard. On a GPU the writer's copy to the host is compact already."""
+    t = t.detach()
+    if t.device.type != "cpu" or not t.is_contiguous() or t.numel() == 0 or \
+            t.untyped_storage().nbytes() == t.nbytes:
+        return t
+    raw = t.reshape(-1).view(torch.uint8).numpy()  # the same bytes, any dtype (bf16 too)
+    return torch.frombuffer(raw, dtype=t.dtype).view(t.shape)
+
+
 class _SavePlanner(DefaultSavePlanner):
     """DCP's default save planner (deduplication, metadata, validation) on a flat dict whose
-    values are ``Pieces`` or plain values."""
+    values are ``Pieces`` or plain values; a piece goes to the writer as ``own_storage``."""
 
     def __init__(self) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
 
     def lookup_object(self, index: MetadataIndex) -> Any:
         obj = self.state_dict[index.fqn]
-        return obj.__get_tensor_shard__(index) if isinstance(obj, Pieces) else \
+        return own_storage(obj.__get_tensor_shard__(index)) if isinstance(obj, Pieces) else \
             super().lookup_object(index)
 
 
