@@ -7,16 +7,23 @@ per stage: the issue's case) and at interleaved pp2 x dp2 (two chunks per rank, 
 placement). Run K trains cp2 x dp2 ZeRO-1 (every cp rank a replica of the weights) and saves;
 it is resumed at dp4 ZeRO-3 and at cp2 x tp2. Each resumed run's losses and final weights
 equal the single-device run's at 1e-5 (fp32, only the order of the reductions differs, as
-tests/layouts.py's parity runs; at pp4 also the micro-batches, 4 instead of 2).
+tests/layouts.py's parity runs; at pp4 also the micro-batches, 4 instead of 2). In the same
+world, a save through the Trainer's path that finds the disk full leaves no partial file.
 """
 
+import errno
 import os
+import re
 import tempfile
 import unittest
 
+from scaletorch.dist import comm, destroy_pg_manager
+from scaletorch.rules import safe_files
+from scaletorch.trainer.checkpoint import step_dir
+from scaletorch.trainer.dcp_checkpoint import save_sharded_checkpoint
 from scaletorch.trainer.parity import max_weight_diff
-from tests.harness import run_distributed
-from tests.layouts import TOL, layout, reference
+from tests.harness import run_distributed, value_error
+from tests.layouts import TOL, build, layout, pg_manager_for, reference
 from tests.test_dcp import SAVE_AT, _resumed_run, _straight_run, assert_continues_as, config
 
 WORLD = 4
@@ -42,8 +49,35 @@ def _resumed(saved: str, micro_batches: int, parallel: dict, root: str) -> dict:
     return _resumed_run(cfg, os.path.join(root, saved))
 
 
+def _full_disk(f, data: bytes) -> None:
+    """safe_files.write_all on a full disk for every checksum of a DCP data file (one disk:
+    every rank's fails), after DCP wrote the data files themselves."""
+    if ".distcp" in f.name:
+        raise OSError(errno.ENOSPC, "No space left on device")
+    f.write(data)
+
+
+def _failed_save(root: str) -> dict:
+    """Run K's layout, one step, then the Trainer's DCP save with the disk full: the error and
+    what is left of the step directory (None: removed)."""
+    cfg = config(**SAVED["K"])
+    pgm = pg_manager_for(cfg)
+    par, trainer = build(cfg, pgm)
+    trainer.train_step()
+    real, safe_files.write_all = safe_files.write_all, _full_disk
+    try:
+        message = value_error(lambda: save_sharded_checkpoint(root, 1, trainer, par, 2, {}))
+    finally:
+        safe_files.write_all = real
+    comm.barrier()  # every rank has removed its files
+    path = step_dir(root, 1)
+    left = sorted(os.listdir(path)) if os.path.isdir(path) else None
+    destroy_pg_manager()
+    return {"message": message, "left": left, "path": path}
+
+
 def _world(rank: int, world: int, root: str) -> dict:
-    out = {}
+    out = {"failed_save": _failed_save(os.path.join(root, "full_disk"))}
     for name, parallel in SAVED.items():
         out[name] = _straight_run(config(**parallel), os.path.join(root, name))
     for name, resumed in RESUMED.items():
@@ -81,6 +115,17 @@ class ZeroBubbleAndContextParallelResumeAtOtherLayouts(unittest.TestCase):
             self.assertEqual(got["step"], want["step"], name)
             for key in ("exp_avg", "exp_avg_sq"):
                 self.assertLessEqual(max_weight_diff(got[key], want[key]), TOL, f"{name} {key}")
+
+    def test_a_failed_save_leaves_no_partial_file_on_any_rank(self):
+        # as a per-rank save: each rank removes its own files, the last the directory
+        for rank, res in enumerate(self.results):
+            run = res["failed_save"]
+            file = os.path.join(run["path"], f"__{rank}_0.distcp.sha256")
+            self.assertRegex(
+                run["message"],
+                f"^could not write {re.escape(repr(file))}: No space left on device "
+                r"\(free space there\); its partial files were removed")
+            self.assertIsNone(run["left"], f"rank {rank}: {run['left']}")
 
 
 if __name__ == "__main__":

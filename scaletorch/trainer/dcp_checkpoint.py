@@ -25,8 +25,8 @@ from scaletorch.models import Llama
 from scaletorch.rules.errors import InputError
 from scaletorch.rules.safe_files import (CorruptFileError, read_checksummed, verify_checksum,
                                          write_checksum, write_checksummed)
-from scaletorch.trainer.checkpoint import (check_state_keys, rng_state, set_rng_state, step_dir,
-                                           write_manifest)
+from scaletorch.trainer.checkpoint import (MANIFEST, check_state_keys, removed_unless_complete,
+                                           rng_state, set_rng_state, step_dir, write_manifest)
 from scaletorch.trainer.dcp_pieces import (METADATA, TIED, TIED_COPY, Pieces, _LoadPlanner, _Reader,
                                            _SavePlanner, data_files, entries, local_pieces)
 
@@ -92,14 +92,28 @@ def save_sharded_checkpoint(root: str, step: int, trainer: Any, par: "Paralleliz
                             layout: Dict[str, Any]) -> str:
     """Collective: ``save_sharded`` into ``step_<step>`` under ``root``, then rank 0 writes the
     manifest of checkpoint.py (format "dcp"), so the latest complete checkpoint is found,
-    verified and rotated as a per-rank one is. Returns the checkpoint directory."""
+    verified and rotated as a per-rank one is. A save that fails before the manifest (a full
+    disk) leaves no partial file: each rank removes its own, as a per-rank save does. Returns
+    the checkpoint directory."""
     path = step_dir(root, step)
-    digests = save_sharded(path, trainer, par)
-    if comm.group_rank() == 0:
-        write_manifest(root, path, step, comm.group_size(), layout, digests, keep_last,
-                       checkpoint_format="dcp")
-    comm.barrier()
+    rank = comm.group_rank()
+    with removed_unless_complete(path, _written_by(path, rank)):
+        digests = save_sharded(path, trainer, par)
+        if rank == 0:
+            write_manifest(root, path, step, comm.group_size(), layout, digests, keep_last,
+                           checkpoint_format="dcp")
+        comm.barrier()
     return path
+
+
+def _written_by(path: str, rank: int) -> List[str]:
+    """The files rank ``rank`` writes into checkpoint ``path`` (their checksums beside them):
+    its DCP data file, and on rank 0 ``.metadata`` (and DCP's temporary name for it) and the
+    manifest. A save that fails before the manifest removes them (``removed_unless_complete``)."""
+    mine = [os.path.join(path, f"__{rank}_0.distcp")]  # one file per rank: DCP's default
+    if rank == 0:
+        mine += [os.path.join(path, n) for n in (METADATA, METADATA + ".tmp", MANIFEST)]
+    return mine
 
 
 def verify_sharded(path: str) -> Metadata:
