@@ -8,7 +8,8 @@ placement). Run K trains cp2 x dp2 ZeRO-1 (every cp rank a replica of the weight
 it is resumed at dp4 ZeRO-3 and at cp2 x tp2. Each resumed run's losses and final weights
 equal the single-device run's at 1e-5 (fp32, only the order of the reductions differs, as
 tests/layouts.py's parity runs; at pp4 also the micro-batches, 4 instead of 2). In the same
-world, a save through the Trainer's path that finds the disk full leaves no partial file.
+world, a save through the Trainer's path that finds the disk full leaves no partial file, and
+a resume with another lr, beta1 and weight decay says so in the per-rank path's lines.
 """
 
 import errno
@@ -20,7 +21,7 @@ import unittest
 from scaletorch.dist import comm, destroy_pg_manager
 from scaletorch.rules import safe_files
 from scaletorch.trainer.checkpoint import step_dir
-from scaletorch.trainer.dcp_checkpoint import save_sharded_checkpoint
+from scaletorch.trainer.dcp_checkpoint import load_sharded, save_sharded_checkpoint
 from scaletorch.trainer.parity import max_weight_diff
 from tests.harness import run_distributed, value_error
 from tests.layouts import TOL, build, layout, pg_manager_for, reference
@@ -76,12 +77,37 @@ def _failed_save(root: str) -> dict:
     return {"message": message, "left": left, "path": path}
 
 
+CHANGED = {"lr": 2e-3, "beta1": 0.8, "weight_decay": 0.05}  # make_config's: 3e-3, 0.9, 0.1
+
+
+def _changed_settings(path: str) -> dict:
+    """K's checkpoint resumed at dp4 ZeRO-3 with CHANGED: the lines rank 0's trainer printed,
+    the lr, betas and weight decay its AdamW then steps with, and the lr it should."""
+    cfg = config(**layout(zero_stage=3))
+    for key, value in CHANGED.items():
+        setattr(cfg.training, key, value)
+    pgm = pg_manager_for(cfg)
+    par, trainer = build(cfg, pgm)
+    lines: list = []
+    trainer._print = lambda message, **_: lines.append(message)  # every line it would print
+    load_sharded(path, trainer, par)
+    group = trainer.optimizer.param_groups[0]
+    out = {
+        "lines": lines if pgm.rank == 0 else [],
+        "group": (group["lr"], group["betas"][0], group["weight_decay"]),
+        "want_lr": CHANGED["lr"] * trainer.scheduler.lr_lambdas[0](SAVE_AT),
+    }
+    destroy_pg_manager()
+    return out
+
+
 def _world(rank: int, world: int, root: str) -> dict:
     out = {"failed_save": _failed_save(os.path.join(root, "full_disk"))}
     for name, parallel in SAVED.items():
         out[name] = _straight_run(config(**parallel), os.path.join(root, name))
     for name, resumed in RESUMED.items():
         out[name] = _resumed(*resumed, root)
+    out["changed"] = _changed_settings(os.path.join(root, "K"))
     return out
 
 
@@ -126,6 +152,17 @@ class ZeroBubbleAndContextParallelResumeAtOtherLayouts(unittest.TestCase):
                 f"^could not write {re.escape(repr(file))}: No space left on device "
                 r"\(free space there\); its partial files were removed")
             self.assertIsNone(run["left"], f"rank {rank}: {run['left']}")
+
+    def test_a_resume_with_another_lr_betas_and_weight_decay_says_so_and_applies_them(self):
+        self.assertEqual(self.results[0]["changed"]["lines"], [
+            "training.lr changed from 0.003 to 0.002 at resume: from step 2 the learning rate "
+            "follows 0.002's schedule",
+            "training.beta1 changed from 0.9 to 0.8 at resume",
+            "training.weight_decay changed from 0.1 to 0.05 at resume",
+        ])  # the per-rank path's lines (Trainer.note_changed_settings)
+        for rank, res in enumerate(self.results):
+            run = res["changed"]
+            self.assertEqual(run["group"], (run["want_lr"], 0.8, 0.05), f"rank {rank}")
 
 
 if __name__ == "__main__":

@@ -25,8 +25,9 @@ from scaletorch.models import Llama
 from scaletorch.rules.errors import InputError
 from scaletorch.rules.safe_files import (CorruptFileError, read_checksummed, verify_checksum,
                                          write_checksum, write_checksummed)
-from scaletorch.trainer.checkpoint import (MANIFEST, check_state_keys, removed_unless_complete,
-                                           rng_state, set_rng_state, step_dir, write_manifest)
+from scaletorch.trainer.checkpoint import (MANIFEST, adamw_settings, check_state_keys,
+                                           removed_unless_complete, rng_state, set_rng_state,
+                                           step_dir, write_manifest)
 from scaletorch.trainer.dcp_pieces import (METADATA, TIED, TIED_COPY, Pieces, _LoadPlanner, _Reader,
                                            _SavePlanner, data_files, entries, local_pieces)
 
@@ -60,6 +61,7 @@ def sharded_state(trainer: Any, par: "Parallelized") -> Dict[str, Any]:
         "aliases": {
             TIED_COPY: TIED
         } if trainer.cfg.model.tie_word_embeddings else {},
+        "adamw": adamw_settings(opt.param_groups[0]),  # a resume says which of them changed
     }
     if trainer.scaler is not None:  # fp16: the loss scale resumes where it was
         extra["scaler"] = trainer.scaler.state_dict()
@@ -162,7 +164,8 @@ def load_sharded(path: str, trainer: Any, par: "Parallelized") -> None:
     """Collective over the world: read this rank's pieces of the weights and AdamW state from
     the DCP checkpoint ``path`` (written at any layout), and the trainer state, once every file
     matches its checksum (``verify_sharded``) and every tensor its shape here (InputError
-    naming the checkpoint). ZeRO-1/2 then all-gather the loaded shards (over dp_cp)."""
+    naming the checkpoint). ZeRO-1/2 then all-gather the loaded shards (over dp_cp). This
+    run's lr, betas and weight decay apply from here, each change said in one line (rank 0)."""
     metadata = verify_sharded(path)
     with torch.device("meta"):
         check_model(path, metadata, Llama(trainer.cfg.model).state_dict(keep_vars=True))
@@ -193,14 +196,15 @@ def load_sharded(path: str, trainer: Any, par: "Parallelized") -> None:
         if unit.zero_stage < 3:  # the full parameters are views of the flat vector: refill it
             unit.gather()
     extra = state["trainer"]
-    trainer.scheduler.load_state_dict(extra["scheduler"])
-    for group, lr in zip(opt.param_groups, trainer.scheduler.get_last_lr()):
-        group["lr"] = lr
+    saved_lr = trainer.load_schedule(extra["scheduler"])  # this run's lr, as a per-rank resume
     if trainer.scaler is not None and "scaler" in extra:
         trainer.scaler.load_state_dict(extra["scaler"])
     trainer.step = extra["step"]
     if state.get(rng_key) is not None:  # another world size: the ranks' generators start anew
         set_rng_state(state[rng_key])
+    now = adamw_settings(opt.param_groups[0])  # the optimizer was built with this run's
+    changed = {k: (v, now[k]) for k, v in extra.get("adamw", {}).items() if v != now[k]}
+    trainer.note_changed_settings(saved_lr, changed)
 
 
 def to_consolidated(path: str, out: str) -> Dict[str, Any]:
