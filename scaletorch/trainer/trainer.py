@@ -185,6 +185,13 @@ class Trainer:
         if self.scaler is not None and "scaler" in state:
             self.scaler.load_state_dict(state["scaler"])
         self.step = state["step"]
+        self.note_changed_settings(saved_lr, changed)
+
+    def note_changed_settings(self, saved_lr: float, changed: Dict[str, Tuple[float,
+                                                                              float]]) -> None:
+        """One line per setting a resume changed: the lr the checkpoint's run had, and
+        {key: (checkpoint's, this run's)} of AdamW's betas and weight decay. Call after
+        ``self.step`` is the resumed step (a per-rank or a sharded checkpoint)."""
         if saved_lr != self.cfg.training.lr:
             self._print(f"training.lr changed from {saved_lr:g} to {self.cfg.training.lr:g} at "
                         f"resume: from step {self.step} the learning rate follows "
@@ -198,12 +205,8 @@ class Trainer:
         t, changed = self.cfg.training, {}
         for group in self.optimizer.param_groups:
             now = {"beta1": t.beta1, "beta2": t.beta2, "weight_decay": t.weight_decay}
-            before = {
-                "beta1": group["betas"][0],
-                "beta2": group["betas"][1],
-                "weight_decay": group["weight_decay"]
-            }
-            changed.update({k: (float(before[k]), now[k]) for k in now if before[k] != now[k]})
+            before = ckpt.adamw_settings(group)
+            changed.update({k: (before[k], now[k]) for k in now if before[k] != now[k]})
             group["betas"], group["weight_decay"] = (t.beta1, t.beta2), t.weight_decay
         return changed
 
