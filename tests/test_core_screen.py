@@ -11,7 +11,10 @@ with the calls that reach it from the script. The test holds that:
   class, and the module of that call defines it; the last call is defined in the excerpt, or
   is the class the excerpt's methods belong to;
 - a core is at most two modules from its script (script -> the strategy's module -> the core);
-  the communication wrapper it calls (``ROLE`` "wrapper") one more.
+  the communication wrapper it calls (role "wrapper") one more.
+
+``PageOrderTest`` holds the pages to issue 41's order: the idea with a drawn diagram first, the
+core's excerpt before any output, evidence, then one Limits section, the Exercises last.
 
     python -m tests.test_core_screen --table   # the table: chapter, core, lines, steps, path
 """
@@ -256,6 +259,56 @@ class CoreOnOneScreenTest(unittest.TestCase):
         span = region(P + "flat_unit.py", "zero-collectives")
         self.assertFalse(in_region(P + "flat_unit.py", "FlatUnit", span))
         self.assertTrue(in_region(P + "flat_unit.py", "gather_unit", span))
+
+
+def sections(page: str) -> List[Tuple[str, int]]:
+    """The page's "## " headings outside fences, with their line numbers."""
+    out, fenced = [], False
+    for i, line in enumerate(read(page).splitlines()):
+        fenced = fenced != line.startswith("```")
+        if not fenced and line.startswith("## "):
+            out.append((line[3:], i))
+    return out
+
+
+def first_line(page: str, prefix: str) -> int:
+    """The first line of ``page`` that starts with ``prefix`` (-1: none)."""
+    return next((i for i, line in enumerate(read(page).splitlines()) if line.startswith(prefix)),
+                -1)
+
+
+# Pages whose sections between the idea and the core still name a source file (issue 41, item 5:
+# 06's single-device layer). Remove a chapter once its page is in order.
+CODE_BEFORE_CORE = {"06"}
+
+
+class PageOrderTest(unittest.TestCase):
+    """Issue 41's order: the problem, the idea (a drawn diagram), the core from the source, run
+    it, what it prints, evidence, limits; a chapter's exercises last."""
+
+    def test_each_page_explains_before_it_measures_and_ends_with_limits_then_exercises(
+            self) -> None:
+        for chapter, page in PAGE.items():
+            heads = sections(page)
+            names = [name for name, _ in heads]
+            excerpt = first_line(page, "<!-- excerpt:")
+            limits = [k for k, name in enumerate(names) if "imits" in name]
+            evidence = [k for k, name in enumerate(names) if name.startswith("Evidence")]
+            with self.subTest(page=page):
+                self.assertGreater(excerpt, heads[0][1], f"{page}: no core excerpt after the idea")
+                core = max(k for k, (_, line) in enumerate(heads) if line < excerpt)
+                self.assertTrue(names[0].startswith("The idea"), names[0])
+                self.assertTrue(
+                    read(page).split("## ", 2)[1].count("```\n") >= 2,
+                    f"{page}: the idea has no drawn diagram (a plain fence)")
+                self.assertLess(excerpt, first_line(page, "```text"), "output before the core")
+                self.assertEqual(len(limits), 1, f"{page}: one Limits section")
+                self.assertTrue(evidence and max(evidence) < limits[0], "evidence, then limits")
+                self.assertEqual(names[limits[0] + 1:], ["Exercises"][:len(names) - limits[0] - 1])
+                self.assertEqual(names[-1] if "Exercises" in names else "Exercises", "Exercises")
+                if chapter not in CODE_BEFORE_CORE:
+                    self.assertEqual([n for n in names[1:core] if ".py" in n], [],
+                                     f"{page}: code before the core")
 
 
 if __name__ == "__main__":
