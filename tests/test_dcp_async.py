@@ -30,9 +30,8 @@ from scaletorch.trainer.consolidated import consolidated_state
 from scaletorch.trainer.dcp_checkpoint import to_consolidated
 from tests.harness import bit_exact, run_distributed
 from tests.layouts import build, layout, pg_manager_for
-from tests.test_dcp import config
-from tests.test_examples import NO_PREFLIGHT, launch
-from tests.test_resume import RUN_FLAGS, _differences, _last_logged_loss
+from tests.test_dcp import RUN, _launch, config
+from tests.test_resume import _differences, _last_logged_loss
 
 WORLD = 4
 
@@ -165,22 +164,9 @@ class AsyncSaveNeedsDcp(unittest.TestCase):
         self.assertTrue(cfg.checkpoint.async_save)
 
 
-RUN = [
-    "--pp", "2", "--zero-stage", "1", "--checkpoint.format", "dcp", "--checkpoint.async_save",
-    "true"
-]  # 4 ranks: dp 2
-
-
-def _launch(root: str, name: str, fail: bool) -> tuple:
-    """07 under torchrun with RUN and RUN_FLAGS (8 steps, an async checkpoint every 2); with
-    ``fail`` rank 1 is killed at step 5, before step 4's checkpoint is committed (at step 6's
-    save), and torchrun restarts every rank once. Returns (output, step 8's checkpoint as a
-    consolidated file)."""
-    path = os.path.join(root, name)
-    extra = ["--fail-at-step", "5", "--fail-rank", "1"] if fail else []
-    out = launch("examples/07_nd_parallel.py", 4, *RUN, *RUN_FLAGS, "--checkpoint.dir", path,
-                 *extra, launcher=["--max-restarts", "1"] if fail else [], env=NO_PREFLIGHT)
-    return out, to_consolidated(ckpt.step_dir(path, 8), os.path.join(root, f"{name}.pt"))
+# test_dcp's kill test, its checkpoints async: rank 1 is killed at step 5, before step 4's
+# checkpoint is committed (at step 6's save), and torchrun restarts every rank once
+ASYNC_RUN = (*RUN, "--checkpoint.async_save", "true")
 
 
 class KilledDuringAsyncWriteResumesThePrevious(unittest.TestCase):
@@ -188,8 +174,8 @@ class KilledDuringAsyncWriteResumesThePrevious(unittest.TestCase):
     @bit_exact
     def test_kill_before_the_commit_resumes_step_2_and_ends_as_the_uninterrupted_run(self):
         with tempfile.TemporaryDirectory() as tmp:
-            out_a, want = _launch(tmp, "straight", fail=False)
-            out_b, got = _launch(tmp, "killed", fail=True)
+            out_a, want = _launch(tmp, "straight", False, ASYNC_RUN)
+            out_b, got = _launch(tmp, "killed", True, ASYNC_RUN)
         self.assertIn("injected failure at step 5", out_b)
         self.assertRegex(out_b, r"resumed from \S+step_0000002 at step 2")
         self.assertEqual(_differences(want, got), [])
