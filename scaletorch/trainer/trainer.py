@@ -264,11 +264,12 @@ class Trainer:
         return self.parallelized
 
     def save(self) -> str:
-        if self.cfg.checkpoint.async_save:  # written while training goes on (dcp_async.py)
+        dcp = self.cfg.checkpoint.format == "dcp"
+        if dcp and self.cfg.checkpoint.async_save:  # written while training goes on (dcp_async.py)
             return self.async_saver.start(self.cfg.checkpoint_path, self.step, self,
                                           self._sharded("--checkpoint.format dcp"),
                                           self.cfg.checkpoint.keep_last, self.layout())
-        if self.cfg.checkpoint.format == "dcp":
+        if dcp:
             return dcp_checkpoint.save_sharded_checkpoint(self.cfg.checkpoint_path, self.step, self,
                                                           self._sharded("--checkpoint.format dcp"),
                                                           self.cfg.checkpoint.keep_last,
