@@ -10,8 +10,8 @@ finds step 2. Released, step 4 counts, and holds the weights and AdamW state of 
 for bit (the copy was taken before the updates). ``Trainer.train`` with async saves waits for
 its last one: step 4 is complete when it returns, equal to the held run's. Under torchrun,
 a rank killed at step 5 while step 4's checkpoint is uncommitted restarts from step 2 and ends
-bit-identical to the uninterrupted async run. About 40 s idle on 2 cores (the torchrun pair
-most of it).
+bit-identical to the uninterrupted async run. 64 s on the shared 2-core machine, the torchrun
+pair 50 s of it.
 """
 
 import os
