@@ -380,13 +380,13 @@ class EightRanksResumeAtFour(unittest.TestCase):
 RUN = ["--pp", "2", "--zero-stage", "1", "--checkpoint.format", "dcp"]  # 4 ranks: dp 2
 
 
-def _launch(root: str, name: str, fail: bool) -> tuple:
-    """07 under torchrun with RUN and test_resume's RUN_FLAGS (8 steps, a checkpoint every 2);
-    with ``fail`` rank 1 is killed at step 5 and torchrun restarts every rank once. Returns
+def _launch(root: str, name: str, fail: bool, run: tuple = tuple(RUN)) -> tuple:
+    """07 under torchrun with ``run`` and test_resume's RUN_FLAGS (8 steps, a checkpoint every
+    2); with ``fail`` rank 1 is killed at step 5 and torchrun restarts every rank once. Returns
     (output, step 8's checkpoint converted to a consolidated file)."""
     path = os.path.join(root, name)
     extra = ["--fail-at-step", "5", "--fail-rank", "1"] if fail else []
-    out = launch("examples/07_nd_parallel.py", 4, *RUN, *RUN_FLAGS, "--checkpoint.dir", path,
+    out = launch("examples/07_nd_parallel.py", 4, *run, *RUN_FLAGS, "--checkpoint.dir", path,
                  *extra, launcher=["--max-restarts", "1"] if fail else [], env=NO_PREFLIGHT)
     state = to_consolidated(ckpt.step_dir(path, 8), os.path.join(root, f"{name}.pt"))
     return out, state

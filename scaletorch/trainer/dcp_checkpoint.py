@@ -77,6 +77,13 @@ def save_sharded(path: str, trainer: Any, par: "Parallelized") -> Dict[str, str]
     without it is incomplete. Returns {file name: sha256} on global rank 0 ({} elsewhere)."""
     metadata = dcp.save(sharded_state(trainer, par), storage_writer=dcp.FileSystemWriter(path),
                         planner=_SavePlanner())
+    return checksum_sharded(path, metadata)
+
+
+def checksum_sharded(path: str, metadata: Metadata) -> Dict[str, str]:
+    """Collective over the world, once DCP wrote ``path`` (``metadata``, what its save
+    returned): each file's checksum beside it, ``.metadata.sha256`` last. Returns {file name:
+    sha256} on global rank 0 ({} elsewhere)."""
     rank, world = comm.group_rank(), comm.group_size()
     mine = {
         name: write_checksum(os.path.join(path, name))
@@ -100,12 +107,18 @@ def save_sharded_checkpoint(root: str, step: int, trainer: Any, par: "Paralleliz
     path = step_dir(root, step)
     rank = comm.group_rank()
     with removed_unless_complete(path, _written_by(path, rank)):
-        digests = save_sharded(path, trainer, par)
-        if rank == 0:
-            write_manifest(root, path, step, comm.group_size(), layout, digests, keep_last,
-                           checkpoint_format="dcp")
-        comm.barrier()
+        commit_sharded(root, path, step, save_sharded(path, trainer, par), keep_last, layout)
     return path
+
+
+def commit_sharded(root: str, path: str, step: int, digests: Dict[str, str], keep_last: int,
+                   layout: Dict[str, Any]) -> None:
+    """Collective: rank 0 writes the manifest of the checksummed checkpoint ``path`` (the last
+    write: from now on ``--resume latest`` finds it, and older ones rotate out)."""
+    if comm.group_rank() == 0:
+        write_manifest(root, path, step, comm.group_size(), layout, digests, keep_last,
+                       checkpoint_format="dcp")
+    comm.barrier()
 
 
 def _written_by(path: str, rank: int) -> List[str]:
