@@ -116,6 +116,8 @@ class CheckpointConfig:
     # per-rank: each rank's own state, resumes at the same layout only (bit-identical);
     # dcp: torch.distributed.checkpoint's pieces of the full tensors, resumes at any layout
     format: str = checked("per-rank", one_of("per-rank", "dcp"))
+    # dcp: write each checkpoint in a thread while training goes on (at most one in flight)
+    async_save: bool = checked(False, unless(Rule(), "format", "per-rank"))
 
 
 @dataclass

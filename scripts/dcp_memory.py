@@ -29,7 +29,8 @@ from scaletorch.models import build_model  # noqa: E402
 from scaletorch.parallel.mixed_precision import precision_hooks  # noqa: E402
 from scaletorch.parallel.parallelize import parallelize  # noqa: E402
 from scaletorch.trainer import Config, Trainer  # noqa: E402
-from scaletorch.trainer.dcp_checkpoint import load_sharded, local_pieces, save_sharded  # noqa: E402
+from scaletorch.trainer.dcp_checkpoint import load_sharded, save_sharded  # noqa: E402
+from scaletorch.trainer.dcp_pieces import local_pieces  # noqa: E402
 from scaletorch.trainer.peak_memory import PeakHostMemory  # noqa: E402
 
 WORLD = 4

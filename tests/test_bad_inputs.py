@@ -28,11 +28,15 @@ from typing import Dict, List, NamedTuple, Optional, Tuple
 import numpy as np
 import torch
 
+from scaletorch.dist import destroy_pg_manager
 from scaletorch.models import LlamaConfig, build_model
 from scaletorch.models.hf import config_to_hf
 from scaletorch.rules.safe_files import checksum_line, checksum_path, write_checksummed
 from scaletorch.trainer import checkpoint as ckpt
 from scaletorch.trainer.config import parse_args
+from tests.harness import run_distributed
+from tests.layouts import build, pg_manager_for
+from tests.test_checksums import flip_byte
 from tests.test_examples import ROOT, launch_status
 
 C00, C07, C10 = "examples/00_single_device.py", "examples/07_nd_parallel.py", \
@@ -171,6 +175,28 @@ ROWS = [
         "--resume of a consolidated file of another model size", C07,
         ("--resume", "D/other_size.pt"), "--resume D/other_size.pt holds another model: "
         "embed_tokens.weight is shape (64, 128) there, shape (64, 64)"),
+    # a sharded (DCP) checkpoint of chapter 07: every file checksummed in its manifest
+    Row(
+        "--resume of a DCP checkpoint with a flipped byte in a shard", C07,
+        ("--resume", "D/dcp_flipped/step_0000002"),
+        "checkpoint 'D/dcp_flipped/step_0000002': __1_0.distcp does not match its sha256 in the "
+        "manifest"),
+    Row("--resume of a DCP checkpoint missing a shard", C07,
+        ("--resume", "D/dcp_missing/step_0000002"),
+        "checkpoint 'D/dcp_missing/step_0000002' is missing __1_0.distcp"),
+    Row(
+        "--resume of a DCP checkpoint with a truncated .metadata", C07,
+        ("--resume", "D/dcp_truncated/step_0000002"),
+        "checkpoint 'D/dcp_truncated/step_0000002': .metadata does not match its sha256 in the "
+        "manifest (100 bytes; truncated or damaged)"),
+    Row(
+        "--resume of a DCP checkpoint of another model size", C07,
+        ("--resume", "D/dcp/step_0000002", "--model.intermediate_size", "96"),
+        "checkpoint 'D/dcp/step_0000002' holds another model (intermediate_size 128 there, 96 "
+        "here)"),
+    Row("--resume of a DCP save killed before its manifest", C07,
+        ("--resume", "D/dcp_partial/step_0000002"),
+        "'D/dcp_partial/step_0000002' is not a complete checkpoint (no manifest.json)"),
     Row("--resume of a torch file that needs more than tensors", C07, ("--resume", "D/pickle.pt"),
         "--resume D/pickle.pt needs more than tensors"),
     Row("--resume of a file that is not a torch file (chapter 07)", C07,
@@ -244,6 +270,40 @@ def _fake_checkpoint(root: str, model_args: List[str], damaged: bool = False) ->
     write_checksummed(os.path.join(path, ckpt.MANIFEST), json.dumps(manifest).encode())
 
 
+def _dcp_checkpoint(rank: int, world: int, root: str) -> None:
+    """Inside a world of 2: chapter 07's model at dp 2 ZeRO-1, 2 steps, then the Trainer's DCP
+    save of step 2 under ``root`` (``__0_0.distcp``, ``__1_0.distcp``, ``.metadata``, manifest)."""
+    cfg = parse_args(["--config", "examples/configs/07_nd_parallel.yaml", "--zero-stage", "1"])
+    cfg.training.steps, cfg.logging.progress = 2, False
+    cfg.checkpoint.format, cfg.checkpoint.dir = "dcp", root
+    pgm = pg_manager_for(cfg)
+    _, trainer = build(cfg, pgm)
+    for _ in range(2):
+        trainer.train_step()
+    trainer.save()
+    destroy_pg_manager()
+
+
+def _dcp_checkpoints(d: str) -> None:
+    """A DCP checkpoint of chapter 07 (D/dcp/step_0000002) and its damaged copies."""
+    run_distributed(_dcp_checkpoint, 2, os.path.join(d, "dcp"), timeout=300)
+    damage = {
+        "dcp_flipped":
+        lambda path: flip_byte(os.path.join(path, "__1_0.distcp")),
+        "dcp_missing":
+        lambda path: os.remove(os.path.join(path, "__1_0.distcp")),
+        "dcp_truncated":
+        lambda path: os.truncate(os.path.join(path, ".metadata"), 100),
+        # killed before its manifest: the files a save writes first, without the manifest
+        "dcp_partial":
+        lambda path:
+        [os.remove(os.path.join(path, ckpt.MANIFEST + end)) for end in ("", ".sha256")],
+    }
+    for name, change in damage.items():
+        shutil.copytree(os.path.join(d, "dcp"), os.path.join(d, name))
+        change(ckpt.step_dir(os.path.join(d, name), 2))
+
+
 def _torch_file(path: str, state: dict) -> None:
     """``state`` saved as chapter 07 saves a consolidated file: with its checksum beside it."""
     buffer = io.BytesIO()
@@ -305,6 +365,7 @@ def make_bad_inputs(d: str) -> None:
         config = config_to_hf(LlamaConfig(vocab_size=256, max_seq_len=2048), torch.float32)
         _write(os.path.join(d, name, "config.json"), json.dumps(dict(config, **change)))
     _fake_checkpoint(os.path.join(d, "done"), [])
+    _dcp_checkpoints(d)
     nd = parse_args(["--config", "examples/configs/07_nd_parallel.yaml"]).model
     _torch_file(os.path.join(d, "done.pt"), {
         "step": 4,

@@ -1,5 +1,5 @@
-"""Sharded checkpoints (scaletorch/trainer/dcp_checkpoint.py): saved at one layout, resumed at
-the same one bit-identically, and at others equal to the single-device run.
+"""Sharded checkpoints (scaletorch/trainer/dcp_checkpoint.py and dcp_pieces.py): saved at one
+layout, resumed at the same one bit-identically, and at others equal to the single-device run.
 
 One world of 4 ranks. Run A trains tp2 x dp2 ZeRO-1 with a padded vocabulary (63 rows at tp 2,
 padded to 256: tp rank 1 holds padding only) and saves at step 2. It is resumed at the same
@@ -31,8 +31,8 @@ from scaletorch.rules.errors import InputError
 from scaletorch.rules.safe_files import write_checksummed
 from scaletorch.trainer import checkpoint as ckpt
 from scaletorch.trainer.consolidated import consolidated_state, load_consolidated
-from scaletorch.trainer.dcp_checkpoint import (flat_range_boxes, load_sharded, save_sharded,
-                                               to_consolidated)
+from scaletorch.trainer.dcp_checkpoint import load_sharded, save_sharded, to_consolidated
+from scaletorch.trainer.dcp_pieces import flat_range_boxes
 from scaletorch.trainer.param_map import full_state_dict
 from scaletorch.trainer.parity import max_weight_diff
 from scaletorch.trainer.precision import TOLERANCES
@@ -108,7 +108,12 @@ def _straight_run(cfg, path: str) -> dict:
 
 
 def _resumed(model: str, parallel: dict, path: str) -> dict:
-    cfg = config(model, **parallel)
+    return _resumed_run(config(model, **parallel), path)
+
+
+def _resumed_run(cfg, path: str) -> dict:
+    """Load the sharded checkpoint at ``path`` into ``cfg``'s layout and train to the end: the
+    step it started at, its losses, its full weights and consolidated state (rank 0)."""
     pgm = pg_manager_for(cfg)
     par, trainer = build(cfg, pgm)
     load_sharded(path, trainer, par)
@@ -210,6 +215,19 @@ def _world(rank: int, world: int, root: str) -> dict:
     return out
 
 
+def assert_continues_as(case: unittest.TestCase, runs: list, name: str, reference: tuple,
+                        tol: float) -> None:
+    """Each rank's resumed run (``runs``, in rank order) started at SAVE_AT, and its losses and
+    (rank 0's) final weights are the single-device ``reference``'s within ``tol``."""
+    losses, _, state = reference
+    for rank, run in enumerate(runs):
+        case.assertEqual(run["start"], SAVE_AT, name)
+        case.assertEqual(len(run["losses"]), len(losses) - SAVE_AT, name)
+        for step, (a, b) in enumerate(zip(run["losses"], losses[SAVE_AT:])):
+            case.assertLessEqual(abs(a - b), tol, f"{name} rank {rank} step {step}")
+    case.assertLessEqual(max_weight_diff(runs[0]["state"], state), tol, name)
+
+
 class ShardedCheckpointResumesAtAnyLayout(unittest.TestCase):
 
     @classmethod
@@ -238,17 +256,11 @@ class ShardedCheckpointResumesAtAnyLayout(unittest.TestCase):
     def test_another_layout_continues_as_the_single_device_run(self):
         for name, (saved, _) in RESUMED.items():
             model = SAVED[saved][0]
-            losses, _, state = self.references[model]
             # fp32, 5 AdamW steps: only the order of the reductions differs (tests/layouts.py);
             # bf16: against the bf16 reference, precision.py's 2^-5 (derived there)
             tol = TOLERANCES["bf16"] if model == "bf16" else TOL
-            for rank, res in enumerate(self.results):
-                run = res[name]
-                self.assertEqual(run["start"], SAVE_AT, name)
-                self.assertEqual(len(run["losses"]), len(losses) - SAVE_AT, name)
-                for step, (a, b) in enumerate(zip(run["losses"], losses[SAVE_AT:])):
-                    self.assertLessEqual(abs(a - b), tol, f"{name} rank {rank} step {step}")
-            self.assertLessEqual(max_weight_diff(self.results[0][name]["state"], state), tol, name)
+            assert_continues_as(self, [res[name] for res in self.results], name,
+                                self.references[model], tol)
 
     def test_adam_moments_resumed_at_another_layout_are_the_saved_ones(self):
         # the moments of step 5 follow from those of step 2: compare them with the saved
@@ -368,13 +380,13 @@ class EightRanksResumeAtFour(unittest.TestCase):
 RUN = ["--pp", "2", "--zero-stage", "1", "--checkpoint.format", "dcp"]  # 4 ranks: dp 2
 
 
-def _launch(root: str, name: str, fail: bool) -> tuple:
-    """07 under torchrun with RUN and test_resume's RUN_FLAGS (8 steps, a checkpoint every 2);
-    with ``fail`` rank 1 is killed at step 5 and torchrun restarts every rank once. Returns
+def _launch(root: str, name: str, fail: bool, run: tuple = tuple(RUN)) -> tuple:
+    """07 under torchrun with ``run`` and test_resume's RUN_FLAGS (8 steps, a checkpoint every
+    2); with ``fail`` rank 1 is killed at step 5 and torchrun restarts every rank once. Returns
     (output, step 8's checkpoint converted to a consolidated file)."""
     path = os.path.join(root, name)
     extra = ["--fail-at-step", "5", "--fail-rank", "1"] if fail else []
-    out = launch("examples/07_nd_parallel.py", 4, *RUN, *RUN_FLAGS, "--checkpoint.dir", path,
+    out = launch("examples/07_nd_parallel.py", 4, *run, *RUN_FLAGS, "--checkpoint.dir", path,
                  *extra, launcher=["--max-restarts", "1"] if fail else [], env=NO_PREFLIGHT)
     state = to_consolidated(ckpt.step_dir(path, 8), os.path.join(root, f"{name}.pt"))
     return out, state

@@ -7,7 +7,8 @@ at tp 2, 3 safetensors shards with an index) seeds tp2 x dp2 ZeRO-1 and pp2 x tp
 pp2 x tp2 tied, each both ways, the whole model loaded first or each rank's rectangles
 sliced: weights and 3 steps' losses bit-identical, bytes read = bytes held. The DCP
 checkpoints of the tp2 x dp2 and tied runs convert to the HF directories chapter 10 exports.
-Memory: every rank's DCP save and load below the full model's bytes. Data: saved at dp 2,
+Memory: every rank's DCP save adds at most about one tensor to its shard, and its save and
+load stay below the full model's bytes. Data: saved at dp 2,
 resumed at dp 4, the next global batch exactly. About 50 s of tests (three spawns), 70 s in
 all, on a 2-core machine shared with other runs; the seed class needs the hf extra.
 """
@@ -214,9 +215,11 @@ class DcpSaveAndLoadPeakMemoryPerRank(unittest.TestCase):
             # load: the moments of its shard, then one saved chunk at a time, held twice (its
             # file bytes and the tensor unpickled from them) before the copy into place
             self.assertLessEqual(r["dcp_load"], r["load_shard"] + 2 * largest + SLACK, rank)
-            # save, torch 2.13: the writer keeps a copy of every piece that is a view (a ZeRO
-            # range) until its file closes, and the checksum reads the file back: 2 x shard
-            self.assertLessEqual(r["dcp_save"], 2 * r["save_shard"] + largest + SLACK, rank)
+            # save: nothing beyond the shard it holds but about one tensor. Each piece goes to
+            # DCP's writer with a storage of its own bytes (dcp_pieces.own_storage: a view
+            # would be cloned, and kept until the file closes), and the checksum hashes the file
+            # in 256 KiB blocks; what is left is one piece's serialization and DCP's plans
+            self.assertLessEqual(r["dcp_save"], largest + SLACK, rank)
             for held in (r["save_shard"] + r["dcp_save"], r["load_shard"] + r["dcp_load"]):
                 self.assertLess(held, full, f"rank {rank}")
 

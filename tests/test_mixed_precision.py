@@ -14,6 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from scaletorch.dist import destroy_pg_manager, get_ledger
 from scaletorch.models import build_model, loss_fn
+from scaletorch.parallel.flat_unit import release_unit
 from scaletorch.parallel.memory_report import measure_memory
 from scaletorch.parallel.mixed_precision import (DynamicLossScaler, MixedPrecisionPolicy,
                                                  disable_autocast_cache_per_unit)
@@ -189,7 +190,7 @@ def _rank_main(rank: int, world_size: int) -> dict:
             units[1].gather()
             out[name]["gathered"] = (units[1].gathered_bytes, units[1].padded_numel,
                                      units[1].flat.dtype)
-            units[1].free()
+            release_unit(units[1].flat)
         destroy_pg_manager()
     for name, group in WIRE.items():  # the same strategies in fp32, for their bytes
         pgm = pg_manager_for(low_config(name, "fp32", 2))

@@ -36,7 +36,7 @@ IGNORED_UNLESS = {
     "parallel.expert_model_parallel_size", "parallel.bucket_size_mb", "parallel.sequence_parallel",
     "parallel.schedule", "parallel.virtual_pipeline_stages", "parallel.cp_variant",
     "parallel.cp_attention", "parallel.layer_split", "parallel.param_dtype", "training.fail_rank",
-    "checkpoint.keep_last"
+    "checkpoint.keep_last", "checkpoint.async_save"
 }
 
 

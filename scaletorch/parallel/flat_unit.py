@@ -8,13 +8,15 @@ shards of S = P' / N elements over the N ranks of the unit's group:
              rank 0    rank 1          rank N-1               the Adam state for it, updates it
 
 The three collectives of ZeRO come first (``reduce_scatter_mean``, ``gather_unit``,
-``release_unit``: examples/exercises/02_fsdp.py has them for the learner), then the unit.
+``release_unit``: examples/exercises/02_fsdp.py has them for the learner); zero.py's hooks and
+step call them. Then the unit: bookkeeping only (offsets, the shard, what to send, where a
+reduced gradient goes).
 Later chapters attach from outside: a subclass picks the dtypes (``full_buffer``,
 ``sent_dtype``: zero_mixed_precision.py); zero_tied.py points a tied weight at a unit's tensor.
 Shapes (jaxtyping, checked in tests/test_zero_shapes.py): "P" is P' = N S, "S" a shard.
 """
 
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from jaxtyping import Float
@@ -132,7 +134,7 @@ class FlatUnit:
                 if tensor.requires_grad:
                     tensor.grad = self.flat_grad[start:start + tensor.numel()].view(tensor.shape)
         if zero_stage == 3:
-            self.free()
+            release_unit(self.flat)  # stage 3 keeps the shard only until a unit is gathered
 
     def full_buffer(self, master: Flat) -> Flat:
         """The (P',) vector the parameters live on and gathers write: ``master`` itself (a
@@ -148,23 +150,23 @@ class FlatUnit:
         """Bytes of full parameters this unit holds right now (0 when freed)."""
         return self.flat.untyped_storage().nbytes()
 
-    def gather(self, async_op: bool = False) -> Optional[Work]:
-        """``gather_unit`` of this unit over its group: (S,) -> (P',)."""
+    def gather_source(self) -> Shard:
+        """What ``gather_unit`` sends for this rank: the (S,) shard in flat's dtype, not a view
+        of flat (stages 1, 2 keep the shard on flat: a copy, so in and out do not alias)."""
         source = self.shard.detach()
         if source.dtype != self.flat.dtype:
-            source = source.to(self.flat.dtype)  # full_buffer's dtype: the copy that is sent
-        elif self.zero_stage < 3:
-            source = source.clone()  # the shard is a slice of flat: do not alias in and out
-        return gather_unit(self.flat, source, self.group, async_op)
+            return source.to(self.flat.dtype)  # full_buffer's dtype: the copy that is sent
+        return source.clone() if self.zero_stage < 3 else source
 
-    def free(self) -> None:
-        """``release_unit``: drop the full parameters (stage 3)."""
-        release_unit(self.flat)
+    def gather(self, async_op: bool = False) -> Optional[Work]:
+        """``gather_unit`` of this unit, (S,) -> (P',), for code outside training (checkpoint
+        loaders); ZeRO's hooks and step call ``gather_unit`` themselves (zero.py)."""
+        return gather_unit(self.flat, self.gather_source(), self.group, async_op)
 
-    def reduce_grads(self) -> Tuple[Optional[Work], Callable[[], None]]:
-        """Start ``reduce_scatter_mean`` of this unit's gradients: (P',) -> (S,). Returns (work,
-        finish); call ``finish()`` after ``work.wait()``. Stages 2, 3 free the full gradients
-        here; stage 1 keeps them (its flat gradient buffer)."""
+    def grads_to_reduce(self) -> Tuple[Flat, Shard]:
+        """(full, out) for ``reduce_scatter_mean``: this unit's (P',) gradients and an empty
+        (S,) for this rank's mean, in ``sent_dtype``. Stages 2, 3 free the parameters' full
+        gradients here (they are copied into ``full``); stage 1 keeps its flat buffer."""
         if self.flat_grad is not None:
             full = self.flat_grad
         else:
@@ -176,23 +178,20 @@ class FlatUnit:
             full = torch.cat(pieces)  # (P',)
             for tensor in self.tensors:
                 tensor.grad = None
-        out = full.new_empty(self.shard_numel, dtype=self.sent_dtype(full))
-        work = reduce_scatter_mean(full, out, self.group)
+        return full, full.new_empty(self.shard_numel, dtype=self.sent_dtype(full))
 
-        # the default binds full: it stays alive until the work is done
-        def finish(full: torch.Tensor = full, out: torch.Tensor = out) -> None:
-            out = out.to(self.shard.dtype)  # gradients accumulate in fp32 (the master's)
-            if self.flat_grad is not None:
-                own = self.flat_grad[self.rank * self.shard_numel:(self.rank + 1) *
-                                     self.shard_numel]
-                own.copy_(out)
-                self.shard.grad = own  # still one full gradient buffer (4 Psi), as stage 1 says
-            elif self.shard.grad is None:
-                self.shard.grad = out
-            else:
-                self.shard.grad += out
-
-        return work, finish
+    def take_grad(self, out: Shard) -> None:
+        """After ``reduce_scatter_mean`` into ``out`` is done: add it to the shard's gradient
+        (fp32, the master's dtype; stage 1 writes it into its flat buffer)."""
+        out = out.to(self.shard.dtype)
+        if self.flat_grad is not None:
+            own = self.flat_grad[self.rank * self.shard_numel:(self.rank + 1) * self.shard_numel]
+            own.copy_(out)
+            self.shard.grad = own  # still one full gradient buffer (4 Psi), as stage 1 says
+        elif self.shard.grad is None:
+            self.shard.grad = out
+        else:
+            self.shard.grad += out
 
     def zero_grad(self) -> None:
         """Stage 1: zero the flat gradient buffer in place (the parameters' grads view it)."""

@@ -112,7 +112,9 @@ class PipelineSchedule:
         comm.all_reduce(loss, self.group)  # every stage gets it
         return average_over_group(loss, self.pgm.data_parallel_group_with_context)
 
+    # [core: plan-executor]
     def __call__(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """One training step: each step of the plan posts its messages, then runs its action."""
         self._start(inputs, targets)
         for i, (batch, action) in enumerate(self.plan):
             self._exchange(batch)
@@ -138,6 +140,8 @@ class PipelineSchedule:
                 ops.append(dist.P2POp(dist.irecv, tensor, peer, self.group))
         for work in comm.batch_isend_irecv(ops, self.group):
             work.wait()
+
+    # [end: plan-executor]
 
     def _forward(self, action: Action) -> None:
         stage, mb = self.pipe.stages[action.chunk], action.micro_batch

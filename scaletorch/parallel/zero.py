@@ -33,7 +33,8 @@ from torch import nn
 
 from scaletorch.dist import ProcessGroupManager, get_ledger
 from scaletorch.dist.comm import Work
-from scaletorch.parallel.flat_unit import FlatUnit, Group, NamedModules
+from scaletorch.parallel.flat_unit import (FlatUnit, Group, NamedModules, gather_unit,
+                                           reduce_scatter_mean, release_unit)
 from scaletorch.parallel.grad_norm import clip_grads_, world_grad_norm
 
 Units = List[Tuple[str, NamedModules]]  # (unit name, [(module name, module), ...])
@@ -76,8 +77,8 @@ class ShardedDataParallel(nn.Module):
         self._sync = True
         self._ready = [0] * len(self.units)  # gradients received in this backward, per unit
         self._dirty = [False] * len(self.units)  # unit holds gradients not yet reduced
-        # (work, finish) of the reduce-scatter in flight
-        self._pending: Optional[Tuple[Optional[Work], Callable[[], None]]] = None
+        # (work, its full input, finish) of the reduce-scatter in flight
+        self._pending: Optional[Tuple[Optional[Work], torch.Tensor, Callable[[], None]]] = None
         self._gathering: Dict[int, Work] = {}  # unit -> work of an async all-gather (prefetch)
         self.peak_gathered_units = 0  # stage 3: most units full at the same time
         self.peak_gathered_bytes = 0
@@ -120,7 +121,7 @@ class ShardedDataParallel(nn.Module):
         unit = self.units[i]
         if unit.gathered_bytes:
             return
-        work = unit.gather(async_op)
+        work = gather_unit(unit.flat, unit.gather_source(), unit.group, async_op)  # (S,) -> (P',)
         if async_op and work is not None:
             self._gathering[i] = work
         held = [u.gathered_bytes for u in self.units if u.gathered_bytes]
@@ -130,7 +131,7 @@ class ShardedDataParallel(nn.Module):
     def _free(self, i: int) -> None:
         if i in self._gathering:  # never free a buffer that a transfer is writing
             self._gathering.pop(i).wait()
-        self.units[i].free()
+        release_unit(self.units[i].flat)
 
     def _pre_forward(self, i: int, module: nn.Module, args: Tuple[Any, ...]) -> None:
         for k in self._gathered_with(i):
@@ -170,12 +171,15 @@ class ShardedDataParallel(nn.Module):
     def _reduce(self, i: int) -> None:
         # One reduce-scatter in flight at a time: its full-size input is freed sooner.
         self._wait_reduce()
-        self._pending = self.units[i].reduce_grads()
+        unit = self.units[i]
+        full, out = unit.grads_to_reduce()  # (P',) gradients, an empty (S,) for the mean
+        work = reduce_scatter_mean(full, out, unit.group)
+        self._pending = (work, full, partial(unit.take_grad, out))  # full lives until done
         self._dirty[i] = False
 
     def _wait_reduce(self) -> None:
         if self._pending is not None:
-            work, finish = self._pending
+            work, _, finish = self._pending
             if work is not None:
                 work.wait()
             finish()
@@ -202,16 +206,6 @@ class ShardedDataParallel(nn.Module):
                 self._free(i)
 
     # ---- what ZeroAdamW calls -------------------------------------------------------------
-
-    @torch.no_grad()
-    def gather_params(self) -> None:
-        """Stages 1, 2: all-gather every rank's updated shard into the full parameters."""
-        if self.zero_stage == 3:
-            return  # stage 3 gathers each unit just before it is used
-        works = [unit.gather(async_op=True) for unit in self.units]
-        for work in works:
-            if work is not None:
-                work.wait()
 
     def zero_grad_buffers(self) -> None:
         """Clear the full-size gradients (stage 1 zeroes its flat buffers in place)."""
@@ -258,7 +252,10 @@ class ShardedDataParallel(nn.Module):
     @staticmethod
     def _gather_after_load(module: "ShardedDataParallel", incompatible_keys: Any) -> None:
         """load_state_dict post-hook: stages 1, 2 all-gather the loaded shards (every rank)."""
-        module.gather_params()
+        if module.zero_stage < 3:  # stage 3 gathers each unit just before it is used
+            with torch.no_grad():
+                for unit in module.units:
+                    unit.gather()
 
 
 def check_zero_layout(zero_stage: int, tensor_model_parallel_size: int = 1,
@@ -327,8 +324,12 @@ class ZeroAdamW(torch.optim.AdamW):
         for w in self.wrappers:  # each unit's reduce_scatter_mean, started in backward: done
             w.finish_grad_sync()
         loss = super().step(closure)  # AdamW on this rank's (S,) shards only
-        for w in self.wrappers:  # stages 1, 2: gather_unit of every unit, (S,) -> (P',)
-            w.gather_params()
+        units = [u for w in self.wrappers if w.zero_stage < 3 for u in w.units]
+        # stages 1, 2: gather_unit of every unit, (S,) -> (P',); stage 3 gathers before use
+        works = [gather_unit(u.flat, u.gather_source(), u.group, async_op=True) for u in units]
+        for work in works:
+            if work is not None:
+                work.wait()
         return loss
 
     # [end: zero-step]

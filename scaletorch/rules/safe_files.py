@@ -3,7 +3,8 @@
     write_atomic(path, data)       temporary name, fsync, rename: old or new, never half
     write_checksummed(path, data)  the same, then ``<path>.sha256`` ("<hex>  <name>")
     read_checksummed(path)         the bytes, once they match ``<path>.sha256``
-    verify_checksum(path)          the same check, reading the file in chunks
+    verify_checksum(path)          the same check, reading the file in blocks
+    write_checksum(path)           ``<path>.sha256`` of a file already written, read in blocks
 
 A write that fails (a full disk, an I/O error, Ctrl-C) removes its temporary file and raises
 ``WriteError`` naming the file, so the directory holds only whole files. ``write_all`` is the
@@ -13,17 +14,20 @@ one place bytes reach a file: a test replaces it to simulate a full disk.
 import errno
 import hashlib
 import os
-from typing import BinaryIO
+from typing import BinaryIO, Tuple
 
 from scaletorch.rules.errors import InputError
 
 __all__ = [
-    "CorruptFileError", "WriteError", "checksum_line", "checksum_path", "read_checksum",
-    "read_checksummed", "sha256", "verify_checksum", "write_all", "write_atomic",
-    "write_checksummed"
+    "CorruptFileError", "WriteError", "checksum_line", "checksum_path", "file_sha256",
+    "read_checksum", "read_checksummed", "sha256", "verify_checksum", "write_all", "write_atomic",
+    "write_checksum", "write_checksummed"
 ]
 
 SUFFIX = ".sha256"
+# What hashing a file holds at once: 256 KiB, less than one tensor of a model worth sharding,
+# so checksumming a checkpoint shard adds no copy of the shard to a rank's memory
+BLOCK = 1 << 18
 
 
 class CorruptFileError(InputError):
@@ -77,7 +81,29 @@ def write_atomic(path: str, data: bytes) -> None:
 
 def checksum_line(name: str, data: bytes) -> bytes:
     """The content of a checksum file: ``<hex>  <name>\n``, which ``sha256sum -c`` reads."""
-    return f"{sha256(data)}  {name}\n".encode()
+    return _digest_line(name, sha256(data))
+
+
+def _digest_line(name: str, digest: str) -> bytes:
+    return f"{digest}  {name}\n".encode()
+
+
+def file_sha256(path: str) -> Tuple[str, int]:
+    """(sha256 hex digest, size in bytes) of the file at ``path``, read BLOCK bytes at a time."""
+    digest, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(BLOCK), b""):
+            digest.update(block)
+            size += len(block)
+    return digest.hexdigest(), size
+
+
+def write_checksum(path: str) -> str:
+    """Write ``<path>.sha256`` for the file ``path`` that something else wrote (DCP's storage
+    layer), hashing it in blocks; returns the digest."""
+    digest, _ = file_sha256(path)
+    write_atomic(checksum_path(path), _digest_line(os.path.basename(path), digest))
+    return digest
 
 
 def write_checksummed(path: str, data: bytes) -> None:
@@ -115,14 +141,10 @@ def read_checksummed(path: str) -> bytes:
 
 def verify_checksum(path: str) -> None:
     """CorruptFileError naming ``path`` unless its bytes match ``<path>.sha256``; read in
-    chunks, for a file too large to hold (a Hugging Face model's weights)."""
+    blocks, for a file too large to hold (a Hugging Face model's weights, a checkpoint shard)."""
     expected = read_checksum(path)
-    digest, size = hashlib.sha256(), 0
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 24), b""):
-            digest.update(chunk)
-            size += len(chunk)
-    if digest.hexdigest() != expected:
+    digest, size = file_sha256(path)
+    if digest != expected:
         raise _mismatch(path, size)
 
 

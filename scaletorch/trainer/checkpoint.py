@@ -138,6 +138,16 @@ def tensor_bytes(value: Any, seen: Optional[Set[int]] = None) -> int:
     return 0
 
 
+def adamw_settings(group: Dict[str, Any]) -> Dict[str, float]:
+    """beta1, beta2 and weight_decay of an AdamW parameter group: what a resume compares with
+    its own config, to say which changed."""
+    return {
+        "beta1": float(group["betas"][0]),
+        "beta2": float(group["betas"][1]),
+        "weight_decay": float(group["weight_decay"])
+    }
+
+
 def save_checkpoint(root: str, step: int, state: Dict[str, Any], rank: int, world_size: int,
                     keep_last: int = 2, group: Optional[dist.ProcessGroup] = None,
                     layout: Optional[Dict[str, Any]] = None,

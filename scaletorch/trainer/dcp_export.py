@@ -16,8 +16,9 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from scaletorch.models import Llama, LlamaConfig
 from scaletorch.models.hf import export_hf_llama
-from scaletorch.trainer.dcp_checkpoint import (Pieces, _LoadPlanner, _Reader, _write_checksum,
-                                               check_model, verify_sharded)
+from scaletorch.rules.safe_files import write_checksum
+from scaletorch.trainer.dcp_checkpoint import check_model, verify_sharded
+from scaletorch.trainer.dcp_pieces import Pieces, _LoadPlanner, _Reader
 
 MODEL = "model."
 
@@ -59,5 +60,5 @@ def to_hf(path: str, out: str, config: LlamaConfig,
     model.load_state_dict(weights)
     files = export_hf_llama(model, out, dtype)
     for file in files:
-        _write_checksum(file)
+        write_checksum(file)
     return files

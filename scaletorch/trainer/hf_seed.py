@@ -1,7 +1,7 @@
 """Seed a sharded run from a Hugging Face directory with no gather: each rank reads only its
 own rectangles of each tensor from the safetensors files, straight into its shards.
 
-The rectangles are those a DCP checkpoint saves (``dcp_checkpoint.local_pieces``): a tp split
+The rectangles are those a DCP checkpoint saves (``dcp_pieces.local_pieces``): a tp split
 at ``tp_rank x its size`` less the vocabulary padding, an expert shard, a stage's whole
 tensors, a ZeRO flat range cut into row boxes. safetensors' ``get_slice`` reads one rectangle
 of a tensor from the memory-mapped file, never the whole tensor::
@@ -22,7 +22,7 @@ import torch
 
 from scaletorch.models.hf import from_hf_name, load_hf_config, require_hf, tensor_files, to_hf_name
 from scaletorch.rules.errors import InputError
-from scaletorch.trainer.dcp_checkpoint import Pieces, local_pieces
+from scaletorch.trainer.dcp_pieces import Pieces, local_pieces
 
 LM_HEAD, EMBEDDING = "lm_head.weight", "embed_tokens.weight"  # one tensor when tied
 

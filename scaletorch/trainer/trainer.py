@@ -42,6 +42,7 @@ from scaletorch.rules.safe_files import WriteError
 from scaletorch.trainer import checkpoint as ckpt
 from scaletorch.trainer import dcp_checkpoint
 from scaletorch.trainer.config import Config, save_config
+from scaletorch.trainer.dcp_async import AsyncSaver
 from scaletorch.trainer.plan_line import plan_report
 from scaletorch.trainer.precision import autocast, precision_note, resolve_precision
 from scaletorch.trainer.profiling import profiler
@@ -134,6 +135,7 @@ class Trainer:
         self.checkpoint_sizes: Optional[ckpt.SizeCounter] = None
         # what parallelize built (from_parallelized): where each tensor lives, for dcp checkpoints
         self.parallelized: Optional["Parallelized"] = None
+        self.async_saver = AsyncSaver()  # --checkpoint.async_save: the write in flight
         self._log: Optional[str] = None  # rank 0's log.txt in the run directory, from train()
 
     @classmethod
@@ -185,6 +187,13 @@ class Trainer:
         if self.scaler is not None and "scaler" in state:
             self.scaler.load_state_dict(state["scaler"])
         self.step = state["step"]
+        self.note_changed_settings(saved_lr, changed)
+
+    def note_changed_settings(self, saved_lr: float, changed: Dict[str, Tuple[float,
+                                                                              float]]) -> None:
+        """One line per setting a resume changed: the lr the checkpoint's run had, and
+        {key: (checkpoint's, this run's)} of AdamW's betas and weight decay. Call after
+        ``self.step`` is the resumed step (a per-rank or a sharded checkpoint)."""
         if saved_lr != self.cfg.training.lr:
             self._print(f"training.lr changed from {saved_lr:g} to {self.cfg.training.lr:g} at "
                         f"resume: from step {self.step} the learning rate follows "
@@ -198,12 +207,8 @@ class Trainer:
         t, changed = self.cfg.training, {}
         for group in self.optimizer.param_groups:
             now = {"beta1": t.beta1, "beta2": t.beta2, "weight_decay": t.weight_decay}
-            before = {
-                "beta1": group["betas"][0],
-                "beta2": group["betas"][1],
-                "weight_decay": group["weight_decay"]
-            }
-            changed.update({k: (float(before[k]), now[k]) for k in now if before[k] != now[k]})
+            before = ckpt.adamw_settings(group)
+            changed.update({k: (before[k], now[k]) for k in now if before[k] != now[k]})
             group["betas"], group["weight_decay"] = (t.beta1, t.beta2), t.weight_decay
         return changed
 
@@ -262,7 +267,12 @@ class Trainer:
         return self.parallelized
 
     def save(self) -> str:
-        if self.cfg.checkpoint.format == "dcp":
+        dcp = self.cfg.checkpoint.format == "dcp"
+        if dcp and self.cfg.checkpoint.async_save:  # written while training goes on (dcp_async.py)
+            return self.async_saver.start(self.cfg.checkpoint_path, self.step, self,
+                                          self._sharded("--checkpoint.format dcp"),
+                                          self.cfg.checkpoint.keep_last, self.layout())
+        if dcp:
             return dcp_checkpoint.save_sharded_checkpoint(self.cfg.checkpoint_path, self.step, self,
                                                           self._sharded("--checkpoint.format dcp"),
                                                           self.cfg.checkpoint.keep_last,
@@ -390,6 +400,9 @@ class Trainer:
         try:
             with interruptible(cfg, step), prof if prof is not None else nullcontext():
                 self._loop(result, metrics, bar, tokens_per_step, window, prof, step)
+            finished = self.async_saver.finish()  # the last async checkpoint counts once whole
+            if finished is not None:
+                self._print(f"saved checkpoint {finished}")
         finally:
             if bar is not None:
                 bar.close()
@@ -471,4 +484,5 @@ class Trainer:
                     self._print(straggler, detail=True, bar=bar)
             if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
                 path = self.save()
-                self._print(f"saved checkpoint {path}")
+                self._print(f"{'writing' if cfg.checkpoint.async_save else 'saved'} checkpoint "
+                            f"{path}")

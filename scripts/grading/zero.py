@@ -16,6 +16,7 @@ import torch
 from scaletorch.dist import comm, destroy_pg_manager, get_ledger, init_pg_manager_from_config
 from scaletorch.models import build_model
 from scaletorch.parallel import flat_unit
+from scaletorch.parallel import zero as zero_module
 from scaletorch.parallel.flat_unit import release_unit
 from scaletorch.parallel.zero import ZeroAdamW, apply_zero
 from scaletorch.trainer import Config, Trainer, parse_args
@@ -115,9 +116,11 @@ def _train(cfg: Config, pgm: Any, exercise: str, fn: Callable) -> Dict[str, Any]
         return zero.clip_grad_norm(max_norm)
 
     value = release if exercise == "release_unit" else fn
-    patches = [(flat_unit, exercise, value), (comm, "all_gather_into_tensor", checked_gather)]
+    # the library's home of the function and zero.py, whose hooks and step call it by name
+    patches = [(owner, exercise, value) for owner in (flat_unit, zero_module)]
+    patches.append((comm, "all_gather_into_tensor", checked_gather))
     if exercise == "gather_unit":  # a slice the learner never wrote is NaN, not old weights
-        patches.append((flat_unit, "release_unit", poisoned_release))
+        patches += [(owner, "release_unit", poisoned_release) for owner in (flat_unit, zero_module)]
     try:
         with patched(patches):
             result = Trainer(cfg, zero, pgm, device=torch.device("cpu"), optimizer=optimizer,
