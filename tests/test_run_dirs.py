@@ -156,3 +156,38 @@ class ARunDirectoryThatHoldsARunIsNeverWrittenOver(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class TheWritableProbeSurvivesAMoveAside(unittest.TestCase):
+    """Under torchrun, rank 0's ``--overwrite`` renames the run directory while another rank
+    probes it for writing (load_config's check_writable): a probe that loses its directory
+    probes again, instead of failing that rank with exit status 2 and no line (seen once in
+    the docs test, chapter 03 at 2 ranks)."""
+
+    def test_a_probe_whose_directory_moves_away_probes_again(self):
+        from unittest import mock
+
+        from scaletorch.trainer import config as config_module
+        real = tempfile.mkdtemp
+        with tempfile.TemporaryDirectory() as root:
+            run = os.path.join(root, "run")
+            os.makedirs(run)
+            calls: List[str] = []
+
+            def moved_once(prefix: str, dir: str) -> str:  # noqa: A002 (mkdtemp's own name)
+                calls.append(dir)
+                if len(calls) == 1:  # rank 0 renames the directory under this probe
+                    os.rename(run, run + ".old")
+                    raise FileNotFoundError(2, "No such file or directory")
+                return real(prefix=prefix, dir=dir)
+
+            with mock.patch.object(config_module.tempfile, "mkdtemp", moved_once):
+                config_module.check_writable("logging.run_dir", run)
+            self.assertEqual(calls, [run, root])  # probed again, at the parent that remains
+
+            def always_gone(prefix: str, dir: str) -> str:  # noqa: A002
+                raise FileNotFoundError(2, "No such file or directory")
+
+            with mock.patch.object(config_module.tempfile, "mkdtemp", always_gone):
+                with self.assertRaisesRegex(InputError, "renamed or removed while it was probed"):
+                    config_module.check_writable("logging.run_dir", run)

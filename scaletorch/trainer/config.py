@@ -437,17 +437,23 @@ def check_writable(key: str, path: str) -> None:
     Writes nothing that stays: the nearest existing ancestor is probed with an empty directory
     that is removed at once (permission bits do not tell: root writes through them, no one
     writes to a read-only filesystem)."""
-    existing = os.path.abspath(path)
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        raise InputError(f"{key}: cannot create {path!r}, since {existing!r} is a file; give a "
-                         f"directory path with --{key}")
-    try:
-        os.rmdir(tempfile.mkdtemp(prefix=".scaletorch-probe-", dir=existing))
-    except OSError as err:
-        raise InputError(f"{key}: cannot write {path!r} ({existing!r}: {err.strerror}); give a "
-                         f"directory you can write with --{key}") from None
+    for attempt in range(3):  # rank 0's --overwrite may rename the directory meanwhile: again
+        existing = os.path.abspath(path)
+        while not os.path.exists(existing):
+            existing = os.path.dirname(existing)
+        if not os.path.isdir(existing):
+            raise InputError(f"{key}: cannot create {path!r}, since {existing!r} is a file; "
+                             f"give a directory path with --{key}")
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".scaletorch-probe-", dir=existing))
+            return
+        except FileNotFoundError:
+            continue
+        except OSError as err:
+            raise InputError(f"{key}: cannot write {path!r} ({existing!r}: {err.strerror}); "
+                             f"give a directory you can write with --{key}") from None
+    raise InputError(f"{key}: {path!r} was renamed or removed while it was probed, 3 times: "
+                     f"is another run moving it?")
 
 
 def schema(cfg: Config) -> Iterator[Tuple[str, Any, Any, Rule, Any]]:
