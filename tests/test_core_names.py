@@ -53,7 +53,14 @@ _ZERO = [
     "users", "tied", "shared_embedding", "borrowers", "borrows", "param_dtype", "reduce_dtype",
     "wire", "policy", "precision", "autocast", "compute_dtype", "bfloat16", "float16"
 ]
+# later chapters' concerns that context parallel (05) must not name. It may name autocast: the
+# ring turns it off around its merge, which keeps the log-sum-exp statistics in fp32 whatever
+# the caller's dtype (the ring's own numerics, as flash attention's are).
+_CONTEXT = sorted({n for n in _PIPELINE + _COMPUTE_DTYPE if n != "autocast"})
 FORBIDDEN: Dict[str, List[str]] = {
+    "scaletorch/parallel/context_parallel.py": _CONTEXT,
+    "scaletorch/parallel/ring_attention.py": _CONTEXT,
+    "scaletorch/parallel/attention_kernels.py": _CONTEXT,
     "scaletorch/parallel/data_parallel.py": _DATA_PARALLEL,
     "scaletorch/parallel/gradient_sync.py": _DATA_PARALLEL,
     "scaletorch/parallel/pipeline_schedules.py": _PIPELINE,
