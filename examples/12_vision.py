@@ -26,13 +26,14 @@ from torch import nn
 
 from scaletorch.data.images import ImageBatchLoader, ImageFolder, SyntheticImages
 from scaletorch.dist import (destroy_distributed, destroy_pg_manager, get_ledger, init_distributed,
-                             init_pg_manager)
+                             init_pg_manager, restart_count)
 from scaletorch.models import ResNetConfig, build_resnet, tiny_resnet_config
 from scaletorch.parallel.sync_batchnorm import BN_MODES, sync_bn_elements
 from scaletorch.parallel.vision_parallel import parallelize_resnet
 from scaletorch.rules.errors import InputError
 from scaletorch.trainer.config import report_input_errors
 from scaletorch.trainer.precision import TOLERANCES
+from scaletorch.trainer.run_dir import check_free, moved_aside
 from scaletorch.trainer.vision_loop import (PRECISIONS, VisionSettings, largest_deviation,
                                             single_device, train_resnet)
 
@@ -54,6 +55,7 @@ def parse(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--precision", choices=tuple(PRECISIONS), default="fp32")
     p.add_argument("--checkpoint-every", type=int, default=0, help="runs/<name>/checkpoints")
     p.add_argument("--resume", action="store_true", help="from the newest valid checkpoint")
+    p.add_argument("--overwrite", action="store_true", help="move runs/<name> aside, kept")
     p.add_argument("--kill-at-step", type=int, default=-1, help="SIGKILL rank 0 there, once")
     p.add_argument("--name", default="12_vision", help="runs/<name>: metrics, checkpoints")
     p.add_argument("--check", action="store_true", help="compare with a single-device run")
@@ -100,6 +102,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         check_args(args, world_size)
         data = dataset(args)
+        check_free("--name", os.path.join("runs", args.name), args.resume, args.overwrite)
     except (InputError, ValueError) as err:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {err}", file=sys.stderr, flush=True)
@@ -108,19 +111,20 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     if args.validate_only:  # scripts/launch.sh's pre-flight, before torchrun starts a rank
         return 0
+    run_dir = os.path.join("runs", args.name)
+    if args.overwrite and restart_count() == 0 and os.path.isdir(run_dir) and \
+            int(os.environ.get("RANK", "0")) == 0:  # the old run is kept, renamed
+        print(f"--overwrite: moved {run_dir} aside to {moved_aside(run_dir)}", flush=True)
     sys.excepthook = report_input_errors  # a file's fault found later: the same one line
     env = init_distributed()
     pgm = init_pg_manager()
     pgm.log_topology()
-    run_dir = os.path.join("runs", args.name)
     os.makedirs(run_dir, exist_ok=True)
     settings = VisionSettings(steps=args.steps, lr=args.lr, precision=args.precision,
                               checkpoint_dir=os.path.join(run_dir, "checkpoints"),
                               checkpoint_every=args.checkpoint_every, resume=args.resume,
                               kill_at_step=args.kill_at_step,
                               metrics_path=os.path.join(run_dir, "metrics.jsonl"))
-    if env.rank == 0 and not args.resume and os.path.exists(settings.metrics_path or ""):
-        os.remove(settings.metrics_path or "")
     num_classes, image_size = data.num_classes, data.image_size  # type: ignore[attr-defined]
     loader = ImageBatchLoader(data, args.global_batch_size, args.seed)
 

@@ -367,5 +367,38 @@ class BadImageFolderTest(unittest.TestCase):
         ])
 
 
+class ARunIsNeverWrittenOver(unittest.TestCase):
+    """Chapter 12 keeps issue 42's rule with its own options: a --name that holds a run is
+    refused in one line, before anything is written; --overwrite moves it aside, kept."""
+
+    def test_a_second_run_of_a_name_is_refused_and_overwrite_keeps_the_first(self) -> None:
+        script = os.path.join(ROOT, "examples", "12_vision.py")
+
+        def run(*args: str) -> "subprocess.CompletedProcess[str]":
+            return subprocess.run([sys.executable, script, "--steps", "1", *args], cwd=tmp,
+                                  capture_output=True, text=True, timeout=120,
+                                  env=dict(os.environ, PYTHONPATH=ROOT))
+
+        with tempfile.TemporaryDirectory() as tmp:
+            self.assertEqual(run().returncode, 0)
+            metrics = os.path.join(tmp, "runs", "12_vision", "metrics.jsonl")
+            with open(metrics) as f:
+                first = f.read()
+            again = run()
+            self.assertEqual(again.returncode, 2)
+            self.assertEqual(again.stderr.splitlines(), [
+                "error: --name: 'runs/12_vision' already holds a run (metrics.jsonl); nothing "
+                "was written: continue it with --resume, give a new --name, or --overwrite to "
+                "move it aside to runs/12_vision.old-<time> (kept, not deleted)"
+            ])
+            with open(metrics) as f:
+                self.assertEqual(f.read(), first)  # byte for byte
+            self.assertEqual(run("--overwrite").returncode, 0)
+            old = [d for d in os.listdir(os.path.join(tmp, "runs")) if ".old-" in d]
+            self.assertEqual(len(old), 1)
+            with open(os.path.join(tmp, "runs", old[0], "metrics.jsonl")) as f:
+                self.assertEqual(f.read(), first)
+
+
 if __name__ == "__main__":
     unittest.main()

@@ -49,10 +49,27 @@ def check_run_dir(cfg: Config) -> None:
     if continues(cfg) or cfg.logging.overwrite:
         return
     for key, path, entries in occupied(cfg)[:1]:
-        shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
-        raise InputError(f"{key}: {path!r} already holds a run ({shown}); nothing was written: "
-                         f"continue it with --resume, give a new --name, or "
-                         f"--overwrite to move it aside to {path}.old-<time> (kept, not deleted)")
+        raise held(key, path, entries)
+
+
+def check_free(key: str, path: str, resume: bool, overwrite: bool) -> None:
+    """InputError unless directory ``path`` (the option ``key``) may be written: it holds
+    nothing, or this run continues it (``resume``, a torchrun restart), or ``overwrite`` moves
+    it aside. Chapter 12, whose options are its own, calls it for runs/<name>."""
+    if overwrite and resume:
+        raise InputError(f"--overwrite moves the run in {path!r} aside and --resume continues "
+                         f"it: give one of the two")
+    if resume or overwrite or restart_count() > 0 or not _entries(path):
+        return
+    raise held(key, path, _entries(path))
+
+
+def held(key: str, path: str, entries: List[str]) -> InputError:
+    """The one line for a directory that already holds a run: the three ways on."""
+    shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
+    return InputError(f"{key}: {path!r} already holds a run ({shown}); nothing was written: "
+                      f"continue it with --resume, give a new --name, or "
+                      f"--overwrite to move it aside to {path}.old-<time> (kept, not deleted)")
 
 
 def move_aside(cfg: Config) -> List[str]:
@@ -61,13 +78,18 @@ def move_aside(cfg: Config) -> List[str]:
     rank 0), before the run writes. Returns a line per move."""
     if not cfg.logging.overwrite or continues(cfg):
         return []
-    lines = []
-    for key, path, _ in occupied(cfg):
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        target, n = f"{path}.old-{stamp}", 1
-        while os.path.exists(target):
-            n += 1
-            target = f"{path}.old-{stamp}-{n}"
-        os.rename(path, target)
-        lines.append(f"--overwrite: moved {key} {path} aside to {target}")
-    return lines
+    return [
+        f"--overwrite: moved {key} {path} aside to {moved_aside(path)}"
+        for key, path, _ in occupied(cfg)
+    ]
+
+
+def moved_aside(path: str) -> str:
+    """Rename directory ``path`` to ``<path>.old-<YYYYmmdd-HHMMSS>`` (-2, -3... if taken)."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    target, n = f"{path}.old-{stamp}", 1
+    while os.path.exists(target):
+        n += 1
+        target = f"{path}.old-{stamp}-{n}"
+    os.rename(path, target)
+    return target
