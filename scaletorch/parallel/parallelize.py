@@ -210,7 +210,7 @@ def parallelize(model: Llama, cfg: "Config", pgm: ProcessGroupManager, device: t
             precision.after_tensor_parallel(model)
         loss = tensor_parallel_loss_fn(pgm)
     if pgm.context_parallel_world_size > 1:  # 3
-        apply_context_parallel(model, pgm, p.cp_variant, impl=p.cp_attention)
+        apply_context_parallel(model, pgm, p.cp_variant, kernel=p.cp_attention)
         shard_sequence = make_sequence_sharder(pgm, cfg.data.seq_len)
     if recompute is not None:  # 4
         recompute(model, p.activation_checkpointing)
