@@ -63,7 +63,7 @@ def main() -> int:
     if pgm.tensor_model_parallel_world_size > 1:  # chapter 03 first: ring attention on its heads
         apply_tensor_parallel(model, pgm, p.sequence_parallel)
         loss, clip = tensor_parallel_loss_fn(pgm), tensor_parallel_clip_grad_norm(model, pgm)
-    apply_context_parallel(model, pgm, p.cp_variant, impl=p.cp_attention)  # attention over the ring
+    apply_context_parallel(model, pgm, p.cp_variant, kernel=p.cp_attention)  # the ring
     model = apply_data_parallel(model, pgm, p.impl, p.bucket_size_mb)  # over dp x cp (dp_cp)
     step = make_data_parallel_step(model, cfg.data.num_micro_batches, pgm.data_parallel_rank,
                                    pgm.data_parallel_world_size,

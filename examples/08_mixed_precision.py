@@ -25,6 +25,7 @@ from scaletorch.models import build_model
 from scaletorch.parallel.mixed_precision import precision_hooks
 from scaletorch.parallel.parallelize import parallelize
 from scaletorch.parallel.zero_report import memory_report
+from scaletorch.rules.group_names import gradient_group_name
 from scaletorch.trainer import Trainer, check_against_reference, load_config
 from scaletorch.trainer.param_map import full_state_dict
 
@@ -78,12 +79,13 @@ def main() -> int:
 
     # What this chapter is about: the bytes per element that crossed the wire, by collective.
     step, ledger, group = cfg.training.steps - 1, get_ledger(), pgm.data_parallel_group_with_context
-    lines = [f"traffic in step {step} (rank 0, over dp_cp):"]
+    name = gradient_group_name(p.context_parallel_size)  # the ledger's: "dp" at cp 1
+    lines = [f"traffic in step {step} (rank 0, over {name}):"]
     for op in ("all_reduce", "reduce_scatter", "all_gather"):
-        elements = ledger.total(op=op, group="dp_cp", step=step)
+        elements = ledger.total(op=op, group=name, step=step)
         if elements:
-            nbytes = ledger.total(op=op, group="dp_cp", step=step, field="bytes")
-            wire = ledger.total(op=op, group="dp_cp", step=step, field="wire_bytes")
+            nbytes = ledger.total(op=op, group=name, step=step, field="bytes")
+            wire = ledger.total(op=op, group=name, step=step, field="wire_bytes")
             lines.append(f"  {op:<15}{int(elements):>10,} elements x {nbytes / elements:.2f} "
                          f"B = {int(nbytes):>9,} B, on the wire {int(wire):>9,} B")
     padded = sum(u.padded_numel for u in getattr(par.model, "units", [])) or numel

@@ -14,7 +14,7 @@ each rank's last collectives, and a rank whose collective fails or times out wri
 ``<run dir>/flight_recorder/rank_<r>`` for scripts/fr_analyze.py; ``--fault KIND --fault-rank
 R --fault-step K`` breaks rank R at step K (scaletorch/trainer/faults.py). What finds the faults
 is in every run: the Trainer's straggler line at each log line, and ``--profile STEPS`` (a
-torch.profiler trace per rank in ``<run dir>/profile/``, collectives labelled "dp_cp all_reduce").
+torch.profiler trace per rank in ``<run dir>/profile/``, collectives labelled "dp all_reduce").
 """
 
 import os

@@ -68,7 +68,8 @@ class ParallelConfig:
     virtual_pipeline_stages: int = checked(1, unless(positive(), "pipeline_model_parallel_size", 1))
     # chapter 05's options, read by context parallel only (cp > 1)
     cp_variant: str = checked("ring", unless(one_of("ring", "ulysses"), "context_parallel_size", 1))
-    # ring's blocks: auto (fused on CUDA, math elsewhere) | math | fused; Ulysses has no blocks
+    # the ring's attention-tile kernel: auto (fused on CUDA, math elsewhere) | math | fused;
+    # Ulysses has no tiles
     cp_attention: str = checked(
         "auto",
         unless(unless(one_of("auto", "math", "fused"), "cp_variant", "ulysses"),

@@ -4,7 +4,7 @@
 
 Each rank of a run that failed in a collective wrote ``rank_<r>`` there (examples/11_debugging.py,
 ``scaletorch.dist.flight_recorder.dump``). The answer: the group (by the ledger's name: "tp",
-"dp_cp", ...), the collective's number in it, each rank's op and tensor sizes or "never issued
+"dp", ...), the collective's number in it, each rank's op and tensor sizes or "never issued
 it", the line of our code that issued it, and where each rank stopped. torch's own analyzer
 reads the same files: ``torchfrtrace DIR --prefix rank_``.
 """

@@ -10,7 +10,7 @@ Reads ``rank_<r>.json`` (torch.profiler's Chrome trace) of each rank and, for on
   ``AccumulateGrad``), the optimizer (``Optimizer.step``) or "forward & other" (the forward, the
   loss, clipping: the rest);
 - its waits: ``"<label> wait"``, the time blocked on a collective (scaletorch.dist.comm
-  labels each wait, and each call, with the ledger's name: "dp_cp all_reduce", "pp send/recv"),
+  labels each wait, and each call, with the ledger's name: "dp all_reduce", "pp send/recv"),
   and the calls made outside any other event (a synchronous collective blocks in its call);
 - its collectives: each labelled call, and on a CPU where it ran: gloo runs a collective on a
   thread of its own (``gloo:all_reduce``), in the order the calls queued them, so the n-th
@@ -51,7 +51,7 @@ class Span:
 
 @dataclass
 class Collective:
-    label: str  # the ledger's: "dp_cp all_reduce"
+    label: str  # the ledger's: "dp all_reduce"
     issued: float  # when the call started (ms)
     run: Optional[Span] = None  # when gloo ran it (None: point-to-point, or not seen)
 

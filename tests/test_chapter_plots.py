@@ -84,7 +84,7 @@ communication per rank (step 2)
 GRID = """\
 rank grid: world 4 = tp 2 x cp 1 x dp 1 x pp 2, order tp-cp-dp-pp (fastest first)
 per rank, step 1: coordinates | wire MB per group | memory MB
-rank tp cp dp pp ep |  tp  cp dp_cp  pp  ep  edp world |  params  grads  adam  total
+rank tp cp dp pp ep |  tp  cp    dp  pp  ep  edp world |  params  grads  adam  total
  0 0 0 0 0 0 | 1.180 0.000 0.000 0.131 0.000 0.000 0.000 |  0.157  0.157  0.313  0.627
  1 1 0 0 0 0 | 1.180 0.000 0.000 0.131 0.000 0.000 0.000 |  0.157  0.157  0.313  0.627
  2 0 0 0 1 0 | 1.186 0.000 0.000 0.131 0.000 0.000 0.000 |  0.157  0.157  0.314  0.628
@@ -94,7 +94,7 @@ pipeline timeline of step 1 (1f1b), rank 0's pipeline:
 # scripts/launch.sh examples/08_mixed_precision.py --nproc-per-node 2 -- --steps 3
 BF16 = """\
 82,240 parameters, ZeRO stage 3, compute bf16, param_dtype bf16, reduce_dtype bf16
-traffic in step 2 (rank 0, over dp_cp):
+traffic in step 2 (rank 0, over dp):
   all_reduce              1 elements x 4.00 B =         4 B, on the wire         4 B
   reduce_scatter     82,240 elements x 2.00 B =   164,480 B, on the wire    82,240 B
   all_gather        164,480 elements x 2.00 B =   328,960 B, on the wire   164,480 B
@@ -160,7 +160,7 @@ class ChapterPlotReaders(unittest.TestCase):
     def test_rank_table_gives_coordinates_and_wire_per_group(self):
         info = cp.parse_rank_table(GRID)
         self.assertEqual(info["sizes"], dict(world=4, tp=2, cp=1, dp=1, pp=2))
-        self.assertEqual(info["groups"], ["tp", "cp", "dp_cp", "pp", "ep", "edp", "world"])
+        self.assertEqual(info["groups"], ["tp", "cp", "dp", "pp", "ep", "edp", "world"])
         self.assertEqual([(r["rank"], r["tp"], r["pp"]) for r in info["ranks"]], [(0, 0, 0),
                                                                                   (1, 1, 0),
                                                                                   (2, 0, 1),
@@ -169,7 +169,7 @@ class ChapterPlotReaders(unittest.TestCase):
 
     def test_dtype_traffic_reads_bytes_per_element(self):
         run = cp.parse_dtype_traffic(BF16)
-        self.assertEqual(run["group"], "dp_cp")
+        self.assertEqual(run["group"], "dp")
         self.assertEqual(run["label"], "compute bf16, params bf16, reduce bf16")
         self.assertEqual([(r["op"], r["element_bytes"], r["wire"]) for r in run["rows"]],
                          [("all_reduce", 4.0, 4.0), ("reduce_scatter", 2.0, 82_240.0),

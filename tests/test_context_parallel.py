@@ -176,7 +176,7 @@ def gpu_path_cases(pgm) -> Dict[Any, Any]:
     faked: the device type, torch's kernel checks and the CUDA kernels (FakeCudaKernels)."""
     group, res = pgm.context_parallel_group, {}
     for hq, hkv in HEADS:
-        res[("bf16 fused", hq, hkv)] = relative_error(pgm, RingAttention(group, impl="fused"), hq,
+        res[("bf16 fused", hq, hkv)] = relative_error(pgm, RingAttention(group, kernel="fused"), hq,
                                                       hkv)
     merge = ring_attention.merge
 
@@ -191,10 +191,10 @@ def gpu_path_cases(pgm) -> Dict[Any, Any]:
 
     for name, bug in (("bf16 merge", merge_in_bf16), ("dropped tile", drop_one_tile)):
         with mock.patch.object(ring_attention, "merge", bug):
-            res[(name, 4, 2)] = relative_error(pgm, RingAttention(group, impl="fused"), 4, 2)
+            res[(name, 4, 2)] = relative_error(pgm, RingAttention(group, kernel="fused"), 4, 2)
     fake, pick = FakeCudaKernels(), kernels.pick
     with mock.patch.object(kernels, "OPS", {**kernels.OPS, **fake.ops}), \
-            mock.patch.object(kernels, "pick", lambda impl, _, q: pick(impl, "cuda", q)), \
+            mock.patch.object(kernels, "pick", lambda kernel, _, q: pick(kernel, "cuda", q)), \
             mock.patch.object(torch.backends.cuda, "can_use_flash_attention", lambda p: True), \
             mock.patch.object(torch.backends.cuda, "can_use_efficient_attention", lambda p: True):
         for hq, hkv in HEADS:  # auto on "cuda": flash in bf16, efficient in fp32
@@ -243,8 +243,8 @@ def world_of_four(rank: int, world_size: int, cfg: Config) -> dict:
             res["attention"][("ring", cp, hq,
                               hkv)] = attention_errors(pgm, RingAttention(group), hq, hkv)
             res["attention"][("fused", cp, hq,
-                              hkv)] = attention_errors(pgm, RingAttention(group, impl="fused"), hq,
-                                                       hkv)
+                              hkv)] = attention_errors(pgm, RingAttention(group, kernel="fused"),
+                                                       hq, hkv)
             if hq % cp == 0 and hkv % cp == 0:
                 res["attention"][("ulysses", cp, hq,
                                   hkv)] = attention_errors(pgm, UlyssesAttention(group), hq, hkv)
@@ -435,8 +435,10 @@ class TestContextParallelErrors(unittest.TestCase):
             apply_context_parallel(build_model(tiny_config().model, 0), None, "striped")
         with self.assertRaises(ValueError):
             zigzag_positions(16, 2, 0, order="random")
-        with self.assertRaises(ValueError):
-            RingAttention(None, impl="flash")
+        with self.assertRaisesRegex(
+                ValueError, "attention kernel must be one of auto, math, fused, "
+                "cpu_flash, cuda_flash, cuda_efficient, got 'flash'"):
+            RingAttention(None, kernel="flash")
         cfg = tiny_config()
         cfg.parallel.cp_attention = "flash"
         with self.assertRaisesRegex(
@@ -449,13 +451,13 @@ class TestRingKernelChoice(unittest.TestCase):
     """attention_kernels.pick: the tile kernel by device, dtype and torch's own checks (faked
     here for CUDA: no GPU needed)."""
 
-    def pick(self, impl: str, device: str, dtype: torch.dtype, flash: bool = True,
+    def pick(self, kernel: str, device: str, dtype: torch.dtype, flash: bool = True,
              efficient: bool = True) -> str:
         q = torch.zeros(1, 2, 4, 8, dtype=dtype)
         with mock.patch.object(torch.backends.cuda, "can_use_flash_attention", lambda p: flash), \
                 mock.patch.object(torch.backends.cuda, "can_use_efficient_attention",
                                   lambda p: efficient):
-            return kernels.pick(impl, device, q)
+            return kernels.pick(kernel, device, q)
 
     def test_cpu_keeps_math_by_default_and_fused_is_the_cpu_kernel(self):
         for dtype in (torch.float32, torch.bfloat16):
@@ -464,13 +466,14 @@ class TestRingKernelChoice(unittest.TestCase):
             self.assertEqual(self.pick("math", "cpu", dtype), "math")
 
     def test_cuda_takes_flash_in_half_precision_efficient_in_fp32_math_where_none_applies(self):
-        for impl in ("auto", "fused"):
-            self.assertEqual(self.pick(impl, "cuda", torch.bfloat16), "cuda_flash")
-            self.assertEqual(self.pick(impl, "cuda", torch.float16), "cuda_flash")
-            self.assertEqual(self.pick(impl, "cuda", torch.float32), "cuda_efficient")
-            self.assertEqual(self.pick(impl, "cuda", torch.bfloat16, flash=False), "cuda_efficient")
-            self.assertEqual(self.pick(impl, "cuda", torch.bfloat16, False, False), "math")
-            self.assertEqual(self.pick(impl, "mps", torch.bfloat16), "math")
+        for kernel in ("auto", "fused"):
+            self.assertEqual(self.pick(kernel, "cuda", torch.bfloat16), "cuda_flash")
+            self.assertEqual(self.pick(kernel, "cuda", torch.float16), "cuda_flash")
+            self.assertEqual(self.pick(kernel, "cuda", torch.float32), "cuda_efficient")
+            self.assertEqual(self.pick(kernel, "cuda", torch.bfloat16, flash=False),
+                             "cuda_efficient")
+            self.assertEqual(self.pick(kernel, "cuda", torch.bfloat16, False, False), "math")
+            self.assertEqual(self.pick(kernel, "mps", torch.bfloat16), "math")
         self.assertEqual(self.pick("math", "cuda", torch.bfloat16), "math")
         self.assertEqual(self.pick("cuda_efficient", "cuda", torch.bfloat16), "cuda_efficient")
 

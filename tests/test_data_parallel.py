@@ -56,7 +56,7 @@ def _train_every_impl(rank: int, world: int) -> Dict[tuple, dict]:
             result = Trainer(cfg, model, pgm, device=torch.device("cpu"), verbose=False).train()
             state = {k: v.clone() for k, v in model.state_dict().items()}
             reduced = [
-                get_ledger().total(op="all_reduce", group="dp_cp", step=s)
+                get_ledger().total(op="all_reduce", group="dp", step=s)
                 for s in range(cfg.training.steps)
             ]
             out[(impl, m)] = dict(losses=result.losses, grad_norms=result.grad_norms, state=state,

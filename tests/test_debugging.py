@@ -74,10 +74,9 @@ class InjectedFaultsEndAsDocumented(unittest.TestCase):
         first = flight_recorder.disagreements(traces)[0]
         call, there, ranks = first
         # rank 1 stopped after step 1: rank 0's first gradient all-reduce of step 2 over the
-        # dp_cp group has no partner. 8 buckets (chapter 01's 0.05 MB) + 1 loss all-reduce per
-        # step: step 2's first bucket is dp_cp's collective 2 * 9 + 1 = 19.
-        self.assertEqual((call.group, call.op, call.seq, ranks),
-                         ("dp_cp", "all_reduce", 19, [0, 1]))
+        # dp group has no partner. 8 buckets (chapter 01's 0.05 MB) + 1 loss all-reduce per
+        # step: step 2's first bucket is dp's collective 2 * 9 + 1 = 19.
+        self.assertEqual((call.group, call.op, call.seq, ranks), ("dp", "all_reduce", 19, [0, 1]))
         self.assertEqual(sorted(there), [0])
         with open(os.path.join(ROOT, "scaletorch", "parallel", "data_parallel.py")) as f:
             line = next(i for i, text in enumerate(f, 1) if "comm.all_reduce(buffer" in text)
@@ -94,7 +93,7 @@ class InjectedFaultsEndAsDocumented(unittest.TestCase):
         out = io.StringIO()
         with redirect_stdout(out):
             self.assertEqual(fr_analyze.main([directory]), 0)
-        self.assertIn("first disagreement: collective #19 of group 'dp_cp' (ranks [0, 1])",
+        self.assertIn("first disagreement: collective #19 of group 'dp' (ranks [0, 1])",
                       out.getvalue())
         # torch's analyzer (torchfrtrace) reads them too: dump() fills the group table that
         # gloo leaves empty
@@ -107,7 +106,7 @@ class InjectedFaultsEndAsDocumented(unittest.TestCase):
             fr_trace.main([directory, "--prefix", "rank_"])
         text = "\n".join(r.getMessage() for r in logs.records)
         self.assertRegex(
-            text, r"group info: \d+:dp_cp\ncollective: gloo:all_reduce\n"
+            text, r"group info: \d+:dp\ncollective: gloo:all_reduce\n"
             r"missing ranks: \{1\}")
 
     def test_a_raising_rank_gives_one_traceback_and_one_line_per_other_rank(self):
@@ -147,8 +146,8 @@ class InjectedFaultsEndAsDocumented(unittest.TestCase):
             with open(os.path.join(run, "profile", f"rank_{rank}.json")) as f:
                 events = json.load(f)["traceEvents"]
             names = [e.get("name", "") for e in events]
-            # 2 profiled steps x (8 buckets + 1 loss) all-reduces over dp_cp, each labelled
-            self.assertEqual(names.count("dp_cp all_reduce"), 18)
+            # 2 profiled steps x (8 buckets + 1 loss) all-reduces over dp, each labelled
+            self.assertEqual(names.count("dp all_reduce"), 18)
             self.assertIn("ProfilerStep#1", names)
 
 

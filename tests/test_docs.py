@@ -29,7 +29,7 @@ scripts/launch.sh examples/01_ddp.py --nproc-per-node 2 -- \\
 {FENCE}text
 step    10 | loss 2.5955 | lr 1.00e-02 | grad norm 0.970 | 34,342 tok/s
 communication per rank (step 9)
-all_reduce      dp_cp      2       9        82,241     0.329     0.329
+all_reduce      dp         2       9        82,241     0.329     0.329
 ...
 parity: max |loss - reference| = 2.4e-07 over 10 steps (tolerance 1e-05): OK
 {FENCE}
@@ -46,7 +46,7 @@ ddp   51.7     3.41
 OUTPUT = """+ OMP_NUM_THREADS=1 python -m torch.distributed.run ...
 step    10 | loss 2.5955 | lr 1.00e-02 | grad norm 0.970 | 12,001 tok/s
 communication per rank (step 9)
-all_reduce      dp_cp      2       9        82,241     0.329     0.329
+all_reduce      dp         2       9        82,241     0.329     0.329
 gradients all-reduced in step 9: 82,240 elements
 overlap in step 9 (rank 0; = compute, # a bucket's all-reduce in flight, . waiting):
 bucket 0         |                 ######                        |     3.6 -    7.2 ms  0.049 MB
@@ -133,9 +133,9 @@ class ComparisonIgnoresTimingAndCatchesDrift(unittest.TestCase):
 
     def test_a_changed_ledger_number_is_drift_with_a_diff(self):
         diff = check_docs.compare(self.block.expected, OUTPUT.replace("82,241", "82,242"))
-        self.assertIn("-all_reduce      dp_cp      2       9        82,241     0.329     0.329",
+        self.assertIn("-all_reduce      dp         2       9        82,241     0.329     0.329",
                       diff)
-        self.assertIn("+all_reduce      dp_cp      2       9        82,242     0.329     0.329",
+        self.assertIn("+all_reduce      dp         2       9        82,242     0.329     0.329",
                       diff)
 
     def test_a_new_row_inside_a_shown_table_is_drift(self):

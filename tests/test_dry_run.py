@@ -206,7 +206,7 @@ class DryRunCommand(unittest.TestCase):
             self.skipTest("a process group exists in this process")
         text = dry_run_text(config_of("8b zero3 dp1024"), 1024, "0", steps=1)
         self.assertRegex(text, r"params \(float32\) +31\.4 MB +31\.4 MB  =")
-        self.assertRegex(text, r"wire dp_cp all_gather +64\.2 GB +64\.2 GB  =  calls 68 / 68")
+        self.assertRegex(text, r"wire dp all_gather +64\.2 GB +64\.2 GB  =  calls 68 / 68")
         self.assertIn("dry run: 1 rank(s), 1 steps each", text)
 
     def test_what_the_dry_run_cannot_run_is_refused_with_the_value(self):

@@ -89,7 +89,7 @@ class PeerThatNeverArrivesFailsFast(unittest.TestCase):
         message = results[0]["message"]
         self.assertIsNotNone(message, "rank 0 trained although its peer was gone")
         self.assertIn("rank 0: step 0 failed", message)
-        self.assertIn("all_reduce over group 'dp_cp' (2 ranks)", message)
+        self.assertIn("all_reduce over group 'dp' (2 ranks)", message)
         self.assertLess(results[0]["seconds"], TIMEOUT + 5)
 
 

@@ -23,6 +23,7 @@ from scaletorch.parallel.mixed_precision import supports_fp16
 from scaletorch.parallel.zero import ShardedDataParallel, ZeroAdamW, llama_units
 from scaletorch.parallel.zero_mixed_precision import zero_unit_in
 from scaletorch.parallel.zero_report import memory_formula
+from scaletorch.rules.group_names import gradient_group_name
 from scaletorch.trainer import Config, Trainer
 from scaletorch.trainer.config import validate
 from scaletorch.trainer.param_map import full_state_dict
@@ -117,13 +118,14 @@ def _wire(group: str, step: int) -> dict:
     return out
 
 
-def _grad_bytes_per_element(step: int) -> dict:
+def _grad_bytes_per_element(step: int, group: str) -> dict:
+    """Bytes per element of each op over ``group`` (the ledger's name: "dp" at cp 1)."""
     ledger = get_ledger()
     out = {}
     for op in ("all_reduce", "reduce_scatter", "all_gather"):
-        elements = ledger.total(op=op, group="dp_cp", step=step)
+        elements = ledger.total(op=op, group=group, step=step)
         if elements:
-            out[op] = ledger.total(op=op, group="dp_cp", step=step, field="bytes") / elements
+            out[op] = ledger.total(op=op, group=group, step=step, field="bytes") / elements
     return out
 
 
@@ -175,11 +177,12 @@ def _rank_main(rank: int, world_size: int) -> dict:
         par, trainer = build(cfg, pgm)
         result = trainer.train()
         units = getattr(par.model, "units", [])  # ZeRO's, padded to a multiple of N
+        gradients = gradient_group_name(cfg.parallel.context_parallel_size)  # "dp" at cp 1
         out[name] = {
             "losses": result.losses,
             "grad_norms": result.grad_norms,
             "state": full_state_dict(par),
-            "bytes_per_element": _grad_bytes_per_element(STEPS - 1),
+            "bytes_per_element": _grad_bytes_per_element(STEPS - 1, gradients),
             "numel": sum(u.padded_numel for u in units),
         }
         if name in DATA_PARALLEL:

@@ -178,15 +178,16 @@ class TestProcessGroupManagerOnEightRanks(unittest.TestCase):
         self.assertEqual(members[3]["edp"], [3, 7])
 
     def test_name_of_labels_every_group_for_the_ledger(self):
-        # a group that serves several kinds has one name: dp_cp's when dp_cp is one of them
+        # a group that serves several kinds has one name: "dp" for dp_cp at cp 1 (chapter 01
+        # has no context parallel), "dp_cp" only once cp > 1 makes it a group of its own
         names = [{
             "tp": "tp",
             "cp": "cp",
-            "dp": "dp_cp",
-            "dp_cp": "dp_cp",
+            "dp": "dp",
+            "dp_cp": "dp",
             "pp": "pp",
             "ep": "cp",
-            "edp": "dp_cp"
+            "edp": "dp"
         }, {
             "tp": "tp",
             "cp": "cp",
@@ -221,10 +222,10 @@ class TestProcessGroupManagerOnEightRanks(unittest.TestCase):
                 self.assertEqual(measured["distinct"], 4 if i == 0 else 5, (i, rank))
 
     def test_the_ledger_names_the_kind_a_call_was_made_for(self):
-        # one group for dp_cp and edp (tp2 pp2), yet each call is written down under its kind;
-        # a call on a group of one rank is not a collective and is not written down
+        # one group for dp, dp_cp and edp (tp2 pp2), yet each call is written down under its
+        # kind ("dp" for dp_cp at cp 1); a call on a group of one rank is not written down
         for rank in range(WORLD_SIZE):
-            self.assertEqual(self.results[rank][0]["ledger"], {1: "dp_cp", 2: "edp"})
+            self.assertEqual(self.results[rank][0]["ledger"], {1: "dp", 2: "edp"})
             self.assertEqual(self.results[rank][1]["ledger"], {1: "dp_cp", 2: "edp", 3: "cp"})
 
     def test_rebuilding_the_manager_leaves_no_threads_behind(self):

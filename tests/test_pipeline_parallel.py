@@ -297,7 +297,7 @@ def parity_run(name: str) -> dict:
         last = cfg.training.steps - 1
         out["sent"] = get_ledger().total(op="send", group="pp", step=last)
         out["send_calls"] = len(get_ledger().select(op="send", group="pp", step=last))
-        out["dp_calls"] = len(get_ledger().select(op="all_reduce", group="dp_cp", step=last))
+        out["dp_calls"] = len(get_ledger().select(op="all_reduce", group="dp", step=last))
         out["timeline"] = gather_timeline(step.timeline, pgm)
     destroy_pg_manager()
     return out

@@ -385,8 +385,8 @@ class PlannerTimeOnAMeasuredHost(unittest.TestCase):
                                delta=1e-12)
         four = PlanLayout(dp=2, num_micro_batches=4, micro_batch_size=2, seq_len=32)
         self.assertAlmostEqual(
-            step_time(m, four, issued)["exposed_s"]["dp_cp"] -
-            step_time(m, four, self.host)["exposed_s"]["dp_cp"], 5e-3 + 4 * 1e-3 - 2 * 1e-4,
+            step_time(m, four, issued)["exposed_s"]["dp"] -
+            step_time(m, four, self.host)["exposed_s"]["dp"], 5e-3 + 4 * 1e-3 - 2 * 1e-4,
             delta=1e-12)
         # the nearest measured world not above (else the smallest); ZeRO-3 is its own entry
         self.assertEqual([issued.issued_latency("dp", w) for w in (2, 8)], [5e-3, 5e-3])
@@ -395,23 +395,23 @@ class PlannerTimeOnAMeasuredHost(unittest.TestCase):
         self.assertEqual(step_time(m, zero3, issued), step_time(m, zero3, self.host))
         # ZeRO-3's is paid per block and micro-batch (a unit gathered, freed, reduced)
         zero3 = PlanLayout(dp=2, zero_stage=3, num_micro_batches=4, micro_batch_size=2, seq_len=32)
-        self.assertEqual(issued_counts(m, zero3), {("dp_cp", "zero3"): m.num_layers * 4})
+        self.assertEqual(issued_counts(m, zero3), {("dp", "zero3"): m.num_layers * 4})
         # an MoE model (chapter 06's, 2 blocks): per MoE block and micro-batch the dispatch's
         # 5 calls over ep (counts, there and back in forward and backward) and the routing
-        # statistics' all-reduce over dp_cp, all "ep" calls; data parallel's sync once, not
-        # once for the dense (dp_cp) and again for the expert (edp) gradients
+        # statistics' all-reduce over dp (the dp_cp group at cp 1), all "ep" calls; data
+        # parallel's sync once, not once for the dense (dp) and again for the expert (edp) ones
         moe = model_of(parse_args(["--config", "examples/configs/06_expert_parallel.yaml"]).model)
         ep2 = PlanLayout(ep=2, dp=2, num_micro_batches=1, micro_batch_size=8, seq_len=32)
         self.assertEqual(issued_counts(moe, ep2), {
             ("ep", "ep"): 5 * 2,
-            ("dp_cp", "ep"): 2,
-            ("dp_cp", "dp_micro_batch"): 1
+            ("dp", "ep"): 2,
+            ("dp", "dp_micro_batch"): 1
         })
         ep1 = PlanLayout(dp=2, num_micro_batches=2, micro_batch_size=4, seq_len=32)
         self.assertEqual(issued_counts(moe, ep1), {
-            ("dp_cp", "ep"): 2 * 2,
-            ("dp_cp", "dp"): 1,
-            ("dp_cp", "dp_micro_batch"): 2
+            ("dp", "ep"): 2 * 2,
+            ("dp", "dp"): 1,
+            ("dp", "dp_micro_batch"): 2
         })
         with tempfile.TemporaryDirectory() as tmp:
             with self.assertRaisesRegex(
@@ -561,7 +561,7 @@ class PlanScript(unittest.TestCase):
             self.assertIn(key, result)
         self.assertEqual(set(result["memory_bytes"]),
                          {"params", "grads", "optimizer", "buffers", "activations", "total"})
-        self.assertEqual(set(result["wire_bytes_per_step"]), {"dp_cp", "tp", "pp", "world"})
+        self.assertEqual(set(result["wire_bytes_per_step"]), {"dp", "tp", "pp", "world"})
 
     def test_search_ranks_layouts_that_fit_and_says_why_families_were_rejected(self):
         status, out, _ = _script("--preset", "llama3-70b", "--gpus", "32", "--search", "--top", "3",

@@ -239,9 +239,9 @@ class FrameworkMechanisms(unittest.TestCase):
             lay = PlanLayout(framework="torchtitan", precision="autocast", dp=8, zero_stage=3,
                              seq_len=8192, flash_attention=True, compiled=True, fp8=fp8)
             wire[fp8] = {(c.group, c.op): c.wire for c in collectives(model, lay)}
-        gather = ("dp_cp", "all_gather")
+        gather = ("dp", "all_gather")
         self.assertEqual(wire["matmul+all-gather"][gather] * 2, wire["matmul"][gather])
-        scatter = ("dp_cp", "reduce_scatter")  # gradients stay fp32
+        scatter = ("dp", "reduce_scatter")  # gradients stay fp32
         self.assertEqual(wire["matmul+all-gather"][scatter], wire["matmul"][scatter])
 
     def test_the_search_plans_torchtitan_with_its_sharding_and_recomputation(self):

@@ -72,7 +72,7 @@ class ProfileTimeline(unittest.TestCase):
             self.assertEqual(s.step, 1)
             labels = [c.label for c in s.collectives]
             ledger = self.labels_in_ledger("ddp", s.rank)
-            self.assertEqual({"dp_cp all_reduce": len(labels)}, ledger)
+            self.assertEqual({"dp all_reduce": len(labels)}, ledger)
             self.assertGreater(len(labels), 2)  # buckets and the loss
             for c in s.collectives:  # gloo ran each after it was issued, within the step
                 self.assertIsNotNone(c.run, c.label)
@@ -117,7 +117,7 @@ class ProfileTimeline(unittest.TestCase):
             lines[0], r"^rank 0, step 1: [\d.]+ ms to [\d.]+ ms; forward & other "
             r"[\d.]+ ms, backward [\d.]+ ms, optimizer [\d.]+ ms, waiting [\d.]+ ms$")
         n = len(self.steps["ddp"][0].collectives)
-        self.assertEqual(lines[1], f"  collectives: {n} x dp_cp all_reduce")
+        self.assertEqual(lines[1], f"  collectives: {n} x dp all_reduce")
         self.assertRegex(
             lines[2], rf"^  gloo ran {n} of them, busy [\d.]+ ms, [\d.]+ ms of it "
             r"under the backward$")

@@ -10,6 +10,7 @@ import unittest
 from typing import Dict, List
 
 from scaletorch.dist.pg_manager import KINDS, RankGrid, ledger_name
+from scaletorch.rules.group_names import gradient_group_name
 
 
 def singletons(world_size: int) -> List[List[int]]:
@@ -337,12 +338,25 @@ class TestOneGroupPerDistinctSetOfRanks(unittest.TestCase):
         self.assertEqual(kinds[(0, 2, 4, 6)], ["dp_cp"])
 
     def test_the_ledger_names_a_shared_group_by_the_kind_whose_calls_name_none(self):
-        self.assertEqual(ledger_name(["dp", "dp_cp", "edp"]), "dp_cp")
-        self.assertEqual(ledger_name(["dp", "dp_cp", "ep"]), "dp_cp")
+        self.assertEqual(ledger_name(["dp", "dp_cp", "edp"]), "dp")
+        self.assertEqual(ledger_name(["dp", "dp_cp", "ep"]), "dp")
+        self.assertEqual(ledger_name(["cp", "dp_cp"]), "dp_cp")
         self.assertEqual(ledger_name(["pp", "embd"]), "pp")
         self.assertEqual(ledger_name(["cp", "ep"]), "cp")
         self.assertEqual(ledger_name(["tp", "cp", "pp", "edp"]), "tp")
         self.assertEqual(ledger_name(["edp"]), "edp")
+
+    def test_the_gradient_group_is_dp_until_context_parallel_makes_it_dp_cp(self):
+        # chapter 01 has no context parallel: its gradients' group is "dp" in the ledger; from
+        # chapter 05 on (cp > 1) the dp_cp group differs from dp and is "dp_cp"
+        for sizes in [(2, 1, 1, 1, 1), (8, 2, 2, 1, 1), (8, 2, 1, 1, 2), (8, 1, 1, 2, 1),
+                      (8, 2, 1, 2, 2), (4, 1, 1, 4, 1), (16, 2, 2, 2, 2)]:
+            world, tp, pp, cp, ep = sizes
+            grid = RankGrid(world, tp, pp, context_parallel_size=cp, expert_model_parallel_size=ep)
+            ranks = grid.group_of("dp_cp", 0)
+            kinds = dict((tuple(r), k) for r, k in grid.distinct_groups())[tuple(ranks)]
+            self.assertEqual(ledger_name(kinds), "dp" if cp == 1 else "dp_cp", sizes)
+            self.assertEqual(gradient_group_name(cp), ledger_name(kinds), sizes)
 
 
 class TestRankGridRejectsInvalidLayouts(unittest.TestCase):

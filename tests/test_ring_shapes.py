@@ -35,9 +35,9 @@ def world(rank: int, world_size: int) -> dict:
     pgm = init_pg_manager(context_parallel_size=2)
     group = pgm.context_parallel_group
     out = {"hooked": ring.ring_forward.__qualname__}
-    for impl in ("math", "fused"):
-        fn = ring.RingAttention(group, "zigzag", impl)
-        out[impl] = attention_errors(pgm, fn, 4, 2)  # GQA: 2 query heads per kv head
+    for kernel in ("math", "fused"):
+        fn = ring.RingAttention(group, "zigzag", kernel)
+        out[kernel] = attention_errors(pgm, fn, 4, 2)  # GQA: 2 query heads per kv head
     q, kv = torch.zeros(1, 4, 8, 8), torch.zeros(2, 1, 2, 6, 8)  # kv: 6 tokens, q: 8
     try:
         ring.ring_forward(q, kv, group, "zigzag", None)
@@ -58,9 +58,9 @@ class RingShapes(unittest.TestCase):
         # ATOL (1e-5): the fp32 tolerance of the ring's own parity test, for the same sums
         # taken tile by tile and merged by log-sum-exp
         for rank, res in enumerate(self.results):
-            for impl in ("math", "fused"):
-                with self.subTest(rank=rank, impl=impl):
-                    self.assertLess(res[impl], ATOL)
+            for kernel in ("math", "fused"):
+                with self.subTest(rank=rank, kernel=kernel):
+                    self.assertLess(res[kernel], ATOL)
 
     def test_a_call_that_breaks_an_annotation_raises_before_sending(self):
         for res in self.results:

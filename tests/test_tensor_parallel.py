@@ -354,7 +354,7 @@ class TestTensorParallel(unittest.TestCase):
         self.assertEqual(run["local_numel"], (full - norms) // 2 + norms)
         for step in range(5):  # the gradient shards once per step (not per micro-batch) + loss
             comm = self.step_comm("tp2_dp2_micro2", 0, step)
-            self.assertEqual(comm[("all_reduce", "dp_cp")], run["local_numel"] + 1)
+            self.assertEqual(comm[("all_reduce", "dp")], run["local_numel"] + 1)
 
     # ---- errors that need ranks -----------------------------------------------------------
 

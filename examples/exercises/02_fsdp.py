@@ -23,7 +23,7 @@ from scaletorch.parallel.flat_unit import Flat, Shard
 
 def reduce_scatter_mean(full: Flat, out: Shard, group: comm.Group) -> Optional[comm.Work]:
     """After a unit's backward: start averaging its (P',) gradients ``full`` over ``group``
-    (dp_cp, N ranks), async. Rank r's (S,) ``out`` receives the mean over the ranks of
+    (dp, N ranks), async. Rank r's (S,) ``out`` receives the mean over the ranks of
     full[r S:(r + 1) S]: its shard's gradient. ``full`` (fp32) may be overwritten; in out's
     dtype if that differs. Returns the work (None on one rank: out is full)."""
     raise NotImplementedError
@@ -33,7 +33,7 @@ def gather_unit(flat: Flat, shard: Shard, group: comm.Group,
                 async_op: bool = False) -> Optional[comm.Work]:
     """Before a unit computes (ZeRO-3: its forward and its backward; ZeRO-1/2: after the step):
     ``flat`` (P',) becomes every rank's (S,) ``shard`` end to end, rank r's at r S, by one
-    all-gather over ``group`` (dp_cp, N ranks). A released ``flat`` gets its P' elements back
+    all-gather over ``group`` (dp, N ranks). A released ``flat`` gets its P' elements back
     first. ``shard`` is in flat's dtype, not a view of it. Returns the work if ``async_op``."""
     raise NotImplementedError
 

@@ -91,7 +91,7 @@ def group_rank(group: Group = None) -> int:
 
 def _record(op: str, group: Group, tensor: torch.Tensor, numel: Optional[int] = None,
             name: Optional[str] = None, others: Tuple[torch.Tensor, ...] = ()) -> str:
-    """Write the call in the ledger; return its label in a profile ("dp_cp all_reduce", shown
+    """Write the call in the ledger; return its label in a profile ("dp all_reduce", shown
     through torch.profiler.record_function while a profiler runs: chapter 11). In
     ``device_check``'s test mode, ``tensor`` and ``others`` made on the host raise."""
     for t in (tensor, *others):

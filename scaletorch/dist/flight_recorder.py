@@ -10,7 +10,7 @@ gloo has no watchdog, so the rank that catches the timeout calls ``dump``.
 gloo leaves the dump's group table (``pg_config``) empty, which stops torch's own analyzer
 (``torchfrtrace``, a KeyError). ``dump`` fills it from the groups this rank knows, so
 ``torchfrtrace DIR --prefix rank_`` works on these files too. The groups' descriptions are the
-ledger's names ("tp", "dp_cp", ...): pg_manager creates each group with that ``group_desc``.
+ledger's names ("tp", "dp", ...): pg_manager creates each group with that ``group_desc``.
 """
 
 import os
@@ -82,7 +82,7 @@ class Call:
     """One collective as one rank issued it."""
     rank: int
     group_id: str  # torch's name of the group ("1"): the same on every rank
-    group: str  # the ledger's name ("dp_cp"), or torch's description ("default_pg")
+    group: str  # the ledger's name ("dp"), or torch's description ("default_pg")
     seq: int  # its number among the group's collectives on this rank (1, 2, ...)
     op: str  # "all_reduce", ...
     sizes: str  # "[[82240]] Float"

@@ -46,7 +46,7 @@ FIELDS = ("calls", "elements", "bytes", "wire_bytes")
 
 
 def name_group(group: dist.ProcessGroup, name: str) -> None:
-    """Give a process group the short name that ledger tables show ("tp", "dp_cp", ...)."""
+    """Give a process group the short name that ledger tables show ("tp", "dp", ...)."""
     _GROUP_NAMES[group] = name
 
 

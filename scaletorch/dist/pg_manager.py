@@ -29,29 +29,22 @@ an "edp" group is too, with pp = 2 the embedding group is the pipeline group, an
 size 1 is the rank alone. Each distinct set of ranks gets one torch.distributed group, which
 serves every kind with those ranks (``RankGrid.distinct_groups``): on GPUs one NCCL
 communicator, with its buffers, instead of one per kind. The communication ledger knows a
-shared group by one name (``ledger_name``); a collective issued for another of its kinds
-names it at the call (comm.py's ``name``).
+shared group by one name (``ledger_name``: "dp" for the dp and dp_cp kinds at cp = 1); a
+collective issued for another of its kinds names it at the call (comm.py's ``name``).
 """
 
 import datetime
 import numbers
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch.distributed as dist
 
 from scaletorch.dist.ledger import forget_group, name_group
+from scaletorch.rules.group_names import ledger_name
 
 AXES = ("tp", "cp", "dp", "pp")
 KINDS = ("tp", "cp", "dp", "dp_cp", "pp", "ep", "edp")
 DEFAULT_ORDER = "tp-cp-dp-pp"
-# A shared group's name in the ledger: the first of its kinds in this order. The kinds whose
-# collectives name no kind at the call come first (tp, pp, and dp_cp: DDP, ZeRO, the loss).
-LEDGER_NAME_ORDER = ("tp", "pp", "dp_cp", "dp", "cp", "ep", "edp", "embd")
-
-
-def ledger_name(kinds: Sequence[str]) -> str:
-    """The ledger's name for a group that serves ``kinds`` (see LEDGER_NAME_ORDER)."""
-    return min(kinds, key=LEDGER_NAME_ORDER.index)
 
 
 def _check_positive(name: str, value: int) -> None:
@@ -301,7 +294,7 @@ class ProcessGroupManager:
 
     @property
     def group_names(self) -> Dict[dist.ProcessGroup, str]:
-        """{group: short name} for this rank's groups ("tp", "cp", "dp_cp", ...): a group that
+        """{group: short name} for this rank's groups ("tp", "cp", "dp", ...): a group that
         serves several kinds has the ledger's name for them (``ledger_name``)."""
         return {g: ledger_name(kinds) for g, kinds in self._roles.items()}
 
@@ -311,7 +304,7 @@ class ProcessGroupManager:
         return list(self._roles.get(group, []))
 
     def name_of(self, group: Optional[dist.ProcessGroup]) -> str:
-        """Short label of a group for the communication ledger: "tp", "dp_cp", ..., "world".
+        """Short label of a group for the communication ledger: "tp", "dp", ..., "world".
 
         None and the default group are "world"; a group this manager did not create is a
         ValueError (a collective on an unexpected group is a bug worth seeing).

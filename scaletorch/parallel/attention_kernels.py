@@ -31,12 +31,13 @@ OPS = {  # kernel: (forward, backward); tests swap in fakes to run the CUDA wrap
 LSE_ALIGN = {"cpu_flash": 1, "cuda_flash": 1, "cuda_efficient": 1 if torch.version.hip else 32}
 
 
-def pick(impl: str, device_type: str, q: torch.Tensor) -> str:
-    """The tile kernel for ``impl`` and q on ``device_type``: "math" or a key of OPS."""
-    if impl == "math" or impl in OPS:  # named: forced (tests, benchmarks)
-        return impl
+def pick(kernel: str, device_type: str, q: torch.Tensor) -> str:
+    """The tile kernel that runs for the asked ``kernel`` (auto, math, fused or a key of OPS)
+    and q on ``device_type``: "math" or a key of OPS."""
+    if kernel == "math" or kernel in OPS:  # named: forced (tests, benchmarks)
+        return kernel
     if device_type == "cpu":  # auto: the readable fp32 path, the numbers the CPU tests check
-        return "math" if impl == "auto" else "cpu_flash"
+        return "math" if kernel == "auto" else "cpu_flash"
     if device_type == "meta":  # a dry run: a fused kernel, as on a GPU (the same messages and
         return "cpu_flash"  # saved tensors as math; one op per tile, not the scores' many)
     if device_type == "cuda":  # torch's own checks: GPU generation, dtype, head size, toggles

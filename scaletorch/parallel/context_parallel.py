@@ -147,13 +147,14 @@ def check_ulysses_heads(num_q_heads: int, num_kv_heads: int, cp_size: int) -> No
 
 
 def apply_context_parallel(model: nn.Module, pgm: ProcessGroupManager, variant: str = "ring",
-                           order: str = "zigzag", impl: str = "auto") -> nn.Module:
+                           order: str = "zigzag", kernel: str = "auto") -> nn.Module:
     """Replace every attention module's ``attention_fn``; the weights are untouched.
 
     Apply after tensor parallel (heads are then the local ones) and before data parallel,
     which must average gradients over ``pgm.data_parallel_group_with_context``.
-    ``impl`` (ring only, ``parallel.cp_attention``): the tile kernel, "math" (fp32, readable),
-    "fused" (torch's kernels for the device) or "auto" (fused on CUDA, math elsewhere).
+    ``kernel`` (ring only, ``parallel.cp_attention``): the attention tiles' kernel, "math"
+    (fp32, readable), "fused" (torch's kernels for the device) or "auto" (fused on CUDA, math
+    elsewhere).
     """
     if variant not in VARIANTS:
         raise ValueError(f"cp variant must be one of {', '.join(VARIANTS)}, got {variant!r}")
@@ -163,7 +164,7 @@ def apply_context_parallel(model: nn.Module, pgm: ProcessGroupManager, variant: 
         raise ValueError("the model has no module with an attention_fn to replace")
     for module in attentions:
         if variant == "ring":
-            module.attention_fn = RingAttention(group, order, impl)
+            module.attention_fn = RingAttention(group, order, kernel)
         else:
             head_dim = module.head_dim
             check_ulysses_heads(

@@ -35,7 +35,7 @@ Shard = Float[torch.Tensor, "S"]  # this rank's shard of it: S = P' / N elements
 
 def reduce_scatter_mean(full: Flat, out: Shard, group: Group) -> Optional[Work]:
     """After a unit's backward: start averaging its (P',) gradients ``full`` over ``group``
-    (dp_cp, N ranks), async. Rank r's (S,) ``out`` receives the mean over the ranks of
+    (dp, N ranks), async. Rank r's (S,) ``out`` receives the mean over the ranks of
     full[r S:(r + 1) S]: its shard's gradient. ``full`` (fp32) may be overwritten; in out's
     dtype if that differs. Returns the work (None on one rank: out is full)."""
     full.div_(comm.group_size(group))  # the mean: the gradient of the global mean loss
@@ -46,7 +46,7 @@ def reduce_scatter_mean(full: Flat, out: Shard, group: Group) -> Optional[Work]:
 def gather_unit(flat: Flat, shard: Shard, group: Group, async_op: bool = False) -> Optional[Work]:
     """Before a unit computes (ZeRO-3: its forward and its backward; ZeRO-1/2: after the step):
     ``flat`` (P',) becomes every rank's (S,) ``shard`` end to end, rank r's at r S, by one
-    all-gather over ``group`` (dp_cp, N ranks). A released ``flat`` gets its P' elements back
+    all-gather over ``group`` (dp, N ranks). A released ``flat`` gets its P' elements back
     first. ``shard`` is in flat's dtype, not a view of it. Returns the work if ``async_op``."""
     if flat.untyped_storage().nbytes() == 0:  # released: the parameters on it come back
         flat.untyped_storage().resize_(flat.numel() * flat.element_size())

@@ -97,7 +97,7 @@ def parallelize_native(
         if pgm.context_parallel_world_size == 1 else {}  # cp: DDP only (validation.py)
     shard_sequence = None
     if pgm.context_parallel_world_size > 1:  # 1
-        apply_context_parallel(model, pgm, p.cp_variant, impl=p.cp_attention)
+        apply_context_parallel(model, pgm, p.cp_variant, kernel=p.cp_attention)
         shard_sequence = make_sequence_sharder(pgm, cfg.data.seq_len)
     if recompute is not None:  # 2
         recompute(model, p.activation_checkpointing)

@@ -68,6 +68,7 @@ from scaletorch.parallel.tensor_layout import (TensorLayout, plain_entries, reco
 from scaletorch.parallel.tensor_parallel import apply_tensor_parallel, tensor_parallel_loss_fn
 from scaletorch.parallel.validation import validate_layout
 from scaletorch.parallel.zero import ShardedDataParallel, ZeroAdamW, llama_units
+from scaletorch.rules.group_names import gradient_group_name
 from scaletorch.schedule.placement import V_SHAPED
 
 if TYPE_CHECKING:  # the config module imports scaletorch.parallel
@@ -209,7 +210,7 @@ def parallelize(model: Llama, cfg: "Config", pgm: ProcessGroupManager, device: t
             precision.after_tensor_parallel(model)
         loss = tensor_parallel_loss_fn(pgm)
     if pgm.context_parallel_world_size > 1:  # 3
-        apply_context_parallel(model, pgm, p.cp_variant, impl=p.cp_attention)
+        apply_context_parallel(model, pgm, p.cp_variant, kernel=p.cp_attention)
         shard_sequence = make_sequence_sharder(pgm, cfg.data.seq_len)
     if recompute is not None:  # 4
         recompute(model, p.activation_checkpointing)
@@ -264,6 +265,12 @@ GROUPS = ("tp", "cp", "dp_cp", "pp", "ep", "edp", "world")
 COORDS = ("tp", "cp", "dp", "pp", "ep")
 
 
+def report_groups(context_parallel_size: int) -> Tuple[str, ...]:
+    """GROUPS as the ledger names them: the dp_cp group is "dp" at cp 1, where it is dp."""
+    name = gradient_group_name(context_parallel_size)
+    return tuple(name if g == "dp_cp" else g for g in GROUPS)
+
+
 def rank_report(pgm: ProcessGroupManager, model: nn.Module, optimizer: torch.optim.Optimizer,
                 step: int) -> str:
     """Collective over the world: one row per rank with its coordinates, the bytes it put on
@@ -274,15 +281,16 @@ def rank_report(pgm: ProcessGroupManager, model: nn.Module, optimizer: torch.opt
     ledger = get_ledger()
     coords = pgm.grid.coordinates(pgm.rank)
     memory = measure_memory(model, optimizer)
+    groups = report_groups(pgm.context_parallel_world_size)
     row: List[float] = [coords[c] for c in COORDS]
-    row += [ledger.total(group=g, step=step, field="wire_bytes") / 1e6 for g in GROUPS]
+    row += [ledger.total(group=g, step=step, field="wire_bytes") / 1e6 for g in groups]
     row += [memory[k] / 1e6 for k in ("params", "grads", "optimizer")]
     mine = torch.tensor([row], dtype=torch.float64, device=next(model.parameters()).device)
     rows = mine.new_empty(pgm.world_size, len(row))
     with ledger.paused():  # the report is not training traffic
         comm.all_gather_into_tensor(rows, mine)
     head = (f"{'rank':>4} " + "".join(f"{c:>3}" for c in COORDS) + " |" + "".join(f"{g:>7}"
-                                                                                  for g in GROUPS) +
+                                                                                  for g in groups) +
             " | " + "".join(f"{k:>9}" for k in ("params", "grads", "adam", "total")))
     lines = [f"per rank, step {step}: coordinates | wire MB per group | memory MB", head]
     for r, values in enumerate(rows.tolist()):

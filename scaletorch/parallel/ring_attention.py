@@ -7,7 +7,7 @@ tile (a tile is full, diagonal or skipped under the causal mask: ``ring_schedule
 merges the partial results with their log-sum-exp. Forward: each rank sends its K and V
 (hkv heads, not expanded) N-1 times per layer. Backward: K/V go round again (N-1 sends) and
 dK/dV go round back to their owners (N sends). K/V and dK/dV cross the ring in q's dtype; the
-merges and the softmax statistics (log-sum-exp) are fp32, the tiles too under ``impl="math"``
+merges and the softmax statistics (log-sum-exp) are fp32, the tiles too under ``kernel="math"``
 (attention_kernels.py: the fused tiles, the default on CUDA). context_parallel.py shards the
 sequences and installs this attention (or Ulysses).
 """
@@ -26,7 +26,7 @@ from scaletorch.dist.comm import Group
 from scaletorch.parallel import attention_kernels as kernels
 
 ORDERS = ("zigzag", "contiguous")
-IMPLS = ("auto", "math", "fused", *kernels.OPS)  # auto: fused on CUDA, math elsewhere
+KERNELS = ("auto", "math", "fused", *kernels.OPS)  # auto: fused on CUDA, math elsewhere
 KV_TAG, DKV_TAG = 1, 2  # distinct tags: K/V and dK/dV are in flight between the same ranks
 
 # ---- which tokens each rank holds ------------------------------------------------------------
@@ -167,8 +167,8 @@ def _wait(works: list) -> None:
         work.wait()
 
 
-def _upcast(impl: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    return (lambda t: t.float()) if impl == "math" else (lambda t: t)
+def _upcast(kernel: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    return (lambda t: t.float()) if kernel == "math" else (lambda t: t)
 
 
 # What one cp rank holds (jaxtyping; tests/test_context_parallel.py checks it at run time):
@@ -223,11 +223,11 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group,
-                order: str, impl: str, counts: Dict[str, int]) -> torch.Tensor:
-        tile_fwd = _math_forward if impl == "math" else partial(kernels.forward, impl)
+                order: str, kernel: str, counts: Dict[str, int]) -> torch.Tensor:
+        tile_fwd = _math_forward if kernel == "math" else partial(kernels.forward, kernel)
         scale = 1.0 / math.sqrt(q.size(-1))
         dtype = q.dtype  # the compute dtype (bf16 under autocast): what crosses the ring
-        up = _upcast(impl)  # math: tiles in fp32; kernels: in the compute dtype
+        up = _upcast(kernel)  # math: tiles in fp32; kernels: in the compute dtype
         # merges in fp32 (a dry run's meta tensors have no autocast of their own: the CPU's)
         with torch.autocast("cpu" if q.is_meta else q.device.type, enabled=False):
 
@@ -238,7 +238,8 @@ class _RingAttention(torch.autograd.Function):
             out, lse = ring_forward(q, torch.stack([k, v]), group, order, tile)
             out = out.to(dtype)  # the softmax statistics stay fp32
         ctx.save_for_backward(q, k, v, out, lse)  # q, k, v, out in the compute dtype
-        ctx.group, ctx.order, ctx.impl, ctx.scale, ctx.counts = group, order, impl, scale, counts
+        ctx.group, ctx.order, ctx.scale, ctx.counts = group, order, scale, counts
+        ctx.kernel = kernel
         return out
 
     @staticmethod
@@ -252,8 +253,8 @@ class _RingAttention(torch.autograd.Function):
         # (to save memory) is not counted twice.
         for kind, n in tile_counts(rank, cp, ctx.order).items():
             ctx.counts[kind] += n
-        tile_bwd = _math_backward if ctx.impl == "math" else partial(kernels.backward, ctx.impl)
-        dtype, up = q.dtype, _upcast(ctx.impl)  # dK/dV cross the ring in dtype; sums: fp32
+        tile_bwd = _math_backward if ctx.kernel == "math" else partial(kernels.backward, ctx.kernel)
+        dtype, up = q.dtype, _upcast(ctx.kernel)  # dK/dV cross the ring in dtype; sums: fp32
         with torch.autocast("cpu" if q.is_meta else q.device.type, enabled=False):
             qs, outs, lses = up(q).chunk(2, 2), up(out).chunk(2, 2), lse.chunk(2, 2)
             douts = up(dout).chunk(2, 2)
@@ -297,22 +298,24 @@ class RingAttention:
 
     Called with q (b, s_local, hq, d), k and v (b, s_local, hkv, d); returns (b, s_local, hq, d).
     ``tiles``: the full / diagonal / skipped tiles of every forward whose backward ran.
-    ``impl``: auto, math, fused (attention_kernels.pick) or a kernel's name (forced).
+    ``kernel``: the tiles' kernel, auto, math, fused (attention_kernels.pick) or a fused
+    kernel's name (forced).
     """
 
-    def __init__(self, group: Group, order: str = "zigzag", impl: str = "auto") -> None:
-        if impl not in IMPLS:
-            raise ValueError(f"attention impl must be one of {', '.join(IMPLS)}, got {impl!r}")
+    def __init__(self, group: Group, order: str = "zigzag", kernel: str = "auto") -> None:
+        if kernel not in KERNELS:
+            raise ValueError(
+                f"attention kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
         slice_ids(0, 1, order)  # validates order
-        self.group, self.order, self.impl = group, order, impl
+        self.group, self.order, self.kernel = group, order, kernel
         self.tiles = {"full": 0, "diagonal": 0, "skipped": 0}
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if q.size(1) % 2 != 0:
             raise ValueError(f"local sequence length {q.size(1)} must be even (two slices)")
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (b, heads, s_local, d)
-        kernel = kernels.pick(self.impl, q.device.type, q)  # math or a fused kernel
-        out = _RingAttention.apply(q, k, v, self.group, self.order, kernel, self.tiles)
+        tile_kernel = kernels.pick(self.kernel, q.device.type, q)  # math or a fused kernel
+        out = _RingAttention.apply(q, k, v, self.group, self.order, tile_kernel, self.tiles)
         return out.transpose(1, 2)
 
 

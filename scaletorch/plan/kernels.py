@@ -204,10 +204,10 @@ def gpu_step(model: ModelSpec, layout: PlanLayout, cluster: Cluster, ranks: List
     for group, seconds in comm.items():
         if group == "cp":
             exposed[group] = max(0.0, seconds - worst["attention"])
-        elif group in ("dp_cp", "edp") and lay.zero_stage == 3:
+        elif group in ("dp", "dp_cp", "edp") and lay.zero_stage == 3:
             edges = seconds * 2 / (3 * lay.num_micro_batches * units)
             exposed[group] = max(0.0, seconds - compute) + edges
-        elif group in ("dp_cp", "edp"):
+        elif group in ("dp", "dp_cp", "edp"):
             exposed[group] = max(0.0, seconds - last_backward)
         else:
             exposed[group] = seconds
@@ -215,7 +215,7 @@ def gpu_step(model: ModelSpec, layout: PlanLayout, cluster: Cluster, ranks: List
     compute += cluster.overlap_cost * hidden
     busy = compute + sum(v for g, v in exposed.items() if g in ("tp", "cp", "ep", "pp"))
     after = worst["optimizer"] + sum(
-        v for g, v in exposed.items() if g in ("dp_cp", "edp", "world", "embd"))
+        v for g, v in exposed.items() if g in ("dp", "dp_cp", "edp", "world", "embd"))
     return {
         "compute_s": compute,
         "exposed_s": exposed,

@@ -11,6 +11,7 @@ with the data-parallel size explicit and the batch given per micro-batch:
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+from scaletorch.rules.group_names import gradient_group_name
 from scaletorch.rules.recompute import RECOMPUTE, recompute_mode
 # the schedules' names: ZERO_BUBBLE split B and W (chapter 04b), V_SHAPED hold stages r and
 # 2p - 1 - r (the planner's modules import them from here)
@@ -124,6 +125,11 @@ class PlanLayout:
     @property
     def dp_cp(self) -> int:
         return self.dp * self.cp
+
+    @property
+    def gradient_group(self) -> str:
+        """The ledger's name of the dp_cp group: "dp" at cp 1, "dp_cp" when cp > 1."""
+        return gradient_group_name(self.cp)
 
     @property
     def global_batch(self) -> int:

@@ -69,6 +69,7 @@ def group_span(layout: PlanLayout, group: str) -> int:
     return {
         "tp": lay.tp,
         "cp": lay.tp * lay.cp,
+        "dp": lay.tp * lay.dp,  # dp_cp at cp 1
         "dp_cp": lay.tp * lay.cp * lay.dp,
         "ep": lay.tp * lay.ep,
         "edp": lay.tp * lay.cp * lay.dp,
@@ -96,7 +97,7 @@ def comm_seconds(model: ModelSpec, layout: PlanLayout, cluster: Cluster,
 def issuing_strategy(group: str, layout: PlanLayout) -> Optional[str]:
     """The strategy whose calls go over ``group`` (a key of Cluster.issued), or None for the
     world's few scalars (the loss, the grad norm) and the tied embedding's all-reduce."""
-    if group in ("dp_cp", "edp"):
+    if group in ("dp", "dp_cp", "edp"):
         return "zero3" if layout.zero_stage == 3 else "dp"
     if group == "tp" and layout.sequence_parallel:
         return "sp"
@@ -126,7 +127,7 @@ def issued_counts(model: ModelSpec, layout: PlanLayout,
         # every rank waits for, as for the dispatch: an MoE call (its bytes go with dp_cp's)
         # (full recomputation runs each MoE forward, and so this call, twice)
         redo = 2 if layout.activation_checkpointing == "full" else 1
-        out[("dp_cp", "ep")] = redo * moe * layout.num_micro_batches
+        out[(layout.gradient_group, "ep")] = redo * moe * layout.num_micro_batches
     for c in collectives(model, layout, pp_rank):
         strategy = issuing_strategy(c.group, layout)
         if c.op == "recv" or strategy is None:
@@ -264,15 +265,15 @@ def step_time(model: ModelSpec, layout: PlanLayout, cluster: Cluster) -> Dict[st
     for group, seconds in comm.items():
         if group == "cp":
             exposed[group] = max(0.0, seconds - core_s)
-        elif group in ("dp_cp", "edp", "world"):
+        elif group in ("dp", "dp_cp", "edp", "world"):
             window = compute if lay.zero_stage == 3 else last_micro_backward
             exposed[group] = max(0.0, seconds - window) if group != "world" else seconds
         else:
             exposed[group] = seconds
     bubble = pipeline_bubble(model, lay)  # each schedule's (the zero-bubble ones simulated)
     busy = compute + sum(v for g, v in exposed.items() if g in ("tp", "cp", "ep", "pp"))
-    step = busy / (1 - bubble) + sum(v
-                                     for g, v in exposed.items() if g in ("dp_cp", "edp", "world"))
+    step = busy / (1 - bubble) + sum(
+        v for g, v in exposed.items() if g in ("dp", "dp_cp", "edp", "world"))
     return {
         "compute_s": compute,
         "exposed_s": exposed,

@@ -20,6 +20,7 @@ one ledger record each):
            all-gather 2 m P' (each unit for its forward and its backward), reduce-scatter P'
            (a call per unit). The reported loss: 1 call; MoE: E + 1 routing statistics per
            MoE block and micro-batch (a call each)
+           (the ledger calls this group "dp" at cp = 1, where it is the dp group)
     edp    all-reduce of the expert gradients (expert parallel), a call per chunk with experts
     tp     4 all-reduces of T h per dense block per micro-batch (2 for an MoE block), the
            embedding's and the head input's T h, 3 T for the vocab-parallel loss (2 calls: the
@@ -209,6 +210,7 @@ def collectives(model: ModelSpec, layout: PlanLayout, pp_rank: int = 0) -> List[
     units = rank_units(model, lay, pp_rank)
     dense, expert = sum(u.dense for u in units), sum(u.expert for u in units)
     n, edp, v = lay.dp_cp, lay.dp_cp // lay.ep, len(chunks[pp_rank])
+    grads = lay.gradient_group  # the dp_cp group's name: "dp" at cp 1, "dp_cp" once cp > 1
 
     def add(group: str, size: int, op: str, elements: int, esize: int, phase: str = "compute",
             calls: int = 1) -> None:
@@ -218,24 +220,24 @@ def collectives(model: ModelSpec, layout: PlanLayout, pp_rank: int = 0) -> List[
     # data parallel (over dp x cp), each pipeline chunk wrapped on its own: the gradients,
     # the reported loss, MoE statistics
     if lay.zero_stage == 0 and model.num_experts:  # ExpertParallel: one flat all-reduce each
-        add("dp_cp", n, "all_reduce", dense, grad, calls=v)
+        add(grads, n, "all_reduce", dense, grad, calls=v)
     elif lay.zero_stage == 0:  # DDP: one all-reduce per bucket
         params = [[p for u in units if u.chunk == c for p in unit_params(model, t, u)]
                   for c in range(v)]
         # DDP's own bucket rule (chapter 01's data_parallel.py; imported here, where it is
         # needed, so that the planner imports without torch)
-        add("dp_cp", n, "all_reduce", dense, grad,
+        add(grads, n, "all_reduce", dense, grad,
             calls=sum(len(ddp_buckets(chunk, lay.bucket_size_mb)) for chunk in params))
     else:
         padded = sum(-(-u.dense // n) * n for u in units)
         ops = zero_comm_elements(lay.zero_stage, padded, m)
         gathers = len(units) * (2 * m if lay.zero_stage == 3 else 1)
-        add("dp_cp", n, "all_gather", ops["all_gather"], param, calls=gathers)
-        add("dp_cp", n, "reduce_scatter", ops["reduce_scatter"], grad, calls=len(units))
-    add("dp_cp", n, "all_reduce", 1 + moe * (model.num_experts + 1) * m, 4, calls=1 + moe * m)
+        add(grads, n, "all_gather", ops["all_gather"], param, calls=gathers)
+        add(grads, n, "reduce_scatter", ops["reduce_scatter"], grad, calls=len(units))
+    add(grads, n, "all_reduce", 1 + moe * (model.num_experts + 1) * m, 4, calls=1 + moe * m)
     full = lay.activation_checkpointing == "full"
     if full:  # each MoE forward again: its routing statistics again
-        add("dp_cp", n, "all_reduce",
+        add(grads, n, "all_reduce",
             moe * (model.num_experts + 1) * m, 4, "recompute", calls=moe * m)
     add("edp", edp, "all_reduce", expert, grad, calls=len({u.chunk for u in units if u.expert}))
     # tensor parallel

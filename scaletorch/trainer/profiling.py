@@ -3,8 +3,8 @@
 The Trainer records ``STEPS`` steps after one of warm-up and writes
 ``<run_path>/profile/rank_<r>.json`` (open it in Perfetto or chrome://tracing;
 ``scripts/plot.py profile`` draws one step of two ranks). Every collective that
-``scaletorch.dist.comm`` issues carries its ledger name there ("dp_cp all_reduce", "pp
-send/recv"), and so does each wait on one ("dp_cp all_reduce wait").
+``scaletorch.dist.comm`` issues carries its ledger name there ("dp all_reduce", "pp
+send/recv"), and so does each wait on one ("dp all_reduce wait").
 """
 
 import os

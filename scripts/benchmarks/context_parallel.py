@@ -43,8 +43,8 @@ def _measure(rank: int, world: int, samples: int) -> Dict[str, object]:
     cp, cp_rank = pgm.context_parallel_world_size, pgm.context_parallel_rank
     names = list(VARIANTS)
     models = {
-        name: apply_context_parallel(build_model(MODEL, seed=0), pgm, variant, order, impl)
-        for name, (variant, order, impl) in VARIANTS.items()
+        name: apply_context_parallel(build_model(MODEL, seed=0), pgm, variant, order, kernel)
+        for name, (variant, order, kernel) in VARIANTS.items()
     }
     gen = torch.Generator().manual_seed(0)  # the same sequences on every rank
     x = torch.randint(0, MODEL.vocab_size, (BATCH, SEQ_LEN), generator=gen)

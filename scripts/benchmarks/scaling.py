@@ -9,7 +9,7 @@ once during one step (``saved_activation_bytes``; ZeRO-3 rows include the gather
 the matmuls keep, which vary a little with the prefetch timing) and the most bytes any rank
 puts on the wire per step, by group.
 Expected: tp and pp divide the memory by about tp x pp, ZeRO-3 by dp, plain dp not at all;
-tp pays activations on "tp", pp a few messages on "pp", dp the gradients on "dp_cp";
+tp pays activations on "tp", pp a few messages on "pp", dp the gradients on "dp";
 activation checkpointing keeps only each block's input.
 
     python scripts/benchmark.py --scaling --steps 5 --repeats 1
@@ -26,7 +26,7 @@ from scaletorch.parallel.activation_checkpointing import (apply_activation_check
                                                           saved_activation_bytes)
 from scaletorch.parallel.memory_report import measure_memory
 from scaletorch.parallel.mixed_precision import precision_hooks
-from scaletorch.parallel.parallelize import GROUPS, parallelize
+from scaletorch.parallel.parallelize import parallelize, report_groups
 from scaletorch.trainer import Config, Trainer
 from scripts.benchmarks import timing
 
@@ -39,6 +39,7 @@ LAYOUTS = {
         ("tp2_pp2_ckpt", 2, 2, -1)],
 }
 WARMUP = 2
+GROUPS = report_groups(1)  # every layout here has cp 1: the gradients' group is "dp"
 
 
 def _config(tp: int, pp: int, zero: int) -> Config:

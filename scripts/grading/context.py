@@ -150,7 +150,7 @@ def config() -> Config:
 def _train(cfg: Config, pgm: Any) -> None:
     p = cfg.parallel
     model = build_model(cfg.model, seed=cfg.training.model_seed)
-    apply_context_parallel(model, pgm, p.cp_variant, impl=p.cp_attention)
+    apply_context_parallel(model, pgm, p.cp_variant, kernel=p.cp_attention)
     wrapped = apply_data_parallel(model, pgm, p.impl, p.bucket_size_mb)
     step = make_data_parallel_step(wrapped, cfg.data.num_micro_batches, pgm.data_parallel_rank,
                                    pgm.data_parallel_world_size,

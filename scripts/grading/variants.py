@@ -630,7 +630,7 @@ CATALOGUE: Dict[Tuple[str, str, str], str] = {
     ("02", "reduce_scatter_mean", "reduce_scatter_by_all_reduce"):
     "crossed as an all-reduce of its P' elements",
     ("02", "reduce_scatter_mean", "reduce_scatter_own_only"):
-    "step 0 held 0 reduce-scatters over dp_cp for 4 units",
+    "step 0 held 0 reduce-scatters over dp for 4 units",
     ("02", "gather_unit", "gather_without_storage"):
     "gather_unit all-gathered into a released flat (0 of its",
     ("02", "gather_unit", "gather_own_shard_only"):
@@ -738,7 +738,7 @@ CATALOGUE: Dict[Tuple[str, str, str], str] = {
 # after the catalogue's; the diagnosis names the collective, its group and the line issuing it.
 STOPPING: Dict[Tuple[str, str, str], str] = {
     ("01", "average_gradients", "average_on_rank_0_only"):
-    "rank 0: all_reduce #1 of group 'dp_cp' [[64, 64]] Float, issued at "
+    "rank 0: all_reduce #1 of group 'dp' [[64, 64]] Float, issued at "
     "scripts/grading/variants.py",
 }
 # Variants that deadlock: one world each; the phrases their diagnosis must contain (the ranks,

@@ -19,6 +19,7 @@ from scaletorch.parallel import flat_unit
 from scaletorch.parallel import zero as zero_module
 from scaletorch.parallel.flat_unit import release_unit
 from scaletorch.parallel.zero import ZeroAdamW, apply_zero
+from scaletorch.rules.group_names import gradient_group_name
 from scaletorch.trainer import Config, Trainer, parse_args
 from scripts.grading.ddp import GRAD_TOL, parity_diagnosis, reference
 from scripts.grading.runner import (COLLECTIVE_TIMEOUT, Source, Verdict, caused_by, error_verdict,
@@ -132,7 +133,8 @@ def _train(cfg: Config, pgm: Any, exercise: str, fn: Callable) -> Dict[str, Any]
             raise
         return {"diagnosed": str(seen)}
     ops: Dict[str, List[int]] = {}
-    for r in get_ledger().select(step=0, group="dp_cp"):
+    gradients = gradient_group_name(pgm.context_parallel_world_size)  # "dp": cp is 1 here
+    for r in get_ledger().select(step=0, group=gradients):
         ops.setdefault(r.op, []).append(r.elements)
     full_bytes = sum(u.padded_numel * u.flat.element_size() for u in zero.units)
     return {
@@ -171,7 +173,7 @@ def traffic_diagnosis(runs: List[Dict[str, Any]]) -> Optional[str]:
                 f"to {sizes[-1]:,}): every rank received all {WORLD} shards, {WORLD}x what it "
                 f"keeps; reduce-scatter, so that rank r receives shard r only")
     if sorted(ops.get("reduce_scatter", [])) != sizes:
-        return (f"step 0 held {len(ops.get('reduce_scatter', []))} reduce-scatters over dp_cp "
+        return (f"step 0 held {len(ops.get('reduce_scatter', []))} reduce-scatters over dp "
                 f"for {len(units)} units: reduce-scatter each unit's gradients once")
     return None
 
