@@ -98,7 +98,9 @@ class AsyncSaver:
         future = dcp.async_save(host_copy(sharded_state(trainer, par)),
                                 storage_writer=self.writer(path), planner=_SavePlanner(),
                                 process_group=self.group, async_stager=_Copied())
-        assert isinstance(future, Future)  # a stager that does not stage: DCP's plain Future
+        if not isinstance(future, Future):  # a stager that does not stage: DCP's plain Future
+            raise TypeError(f"dcp.async_save returned {type(future).__name__}, not a Future: "
+                            f"this torch's async_save stages differently")
         self.pending = (future, root, path, step, keep_last, layout)
         return path
 
