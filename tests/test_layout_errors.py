@@ -71,10 +71,10 @@ class RefusalsNameTheSettings(unittest.TestCase):
         message = _error(cfg, 4)  # a V's two chunks share the weight: one wrapper each refuses
         self.assertIn(
             "model.tie_word_embeddings true with parallel.schedule 'zbv' "
-            "(pipeline_model_parallel_size 2), dp_cp 2, zero_stage 2, num_experts 0", message)
+            "(pipeline_model_parallel_size 2), dp 2, zero_stage 2, num_experts 0", message)
         self.assertIn("or model.tie_word_embeddings false", message)
         cfg.parallel.zero_stage = 0
-        self.assertIn("dp_cp 2, zero_stage 0", _error(cfg, 4))
+        self.assertIn("dp 2, zero_stage 0", _error(cfg, 4))
         cfg.parallel.schedule = "dualpipev"
         validate_layout(cfg, 2)  # pp 2 alone: rank 0's chunks hold the one parameter
         cfg.parallel.tensor_model_parallel_size = 2

@@ -517,7 +517,7 @@ class TestPipelineParallelRanks(unittest.TestCase):
         v_shape, torch_pipelining = self.results[0]["tied"]
         self.assertIn(
             "tie_word_embeddings with a V-shaped schedule (zbv, dualpipev) and data "
-            "parallel over dp_cp (2)", v_shape)
+            "parallel over dp (2)", v_shape)
         self.assertIn("stages do not share parameters across ranks", torch_pipelining)
         self.assertIn("use impl ours", torch_pipelining)
 

@@ -21,6 +21,7 @@ from scaletorch.models import Llama
 from scaletorch.parallel.pipeline_runtime import PipelineModel, PipelineSchedule, StageHooks
 from scaletorch.parallel.zero import ShardedDataParallel
 from scaletorch.parallel.zero_tied import TiedShardedDataParallel, zero_units
+from scaletorch.rules.group_names import gradient_group_name
 
 
 # [core: tied-copy]
@@ -77,10 +78,11 @@ def check_v_shape_wrappers(pipe: PipelineModel, pgm: ProcessGroupManager) -> Non
     (validation.py refuses the layout first for ``parallelize``)."""
     if pipe.v_shape and pgm.data_parallel_world_size_with_context > 1 and \
             any(p is q for p in pipe.chunks[0].parameters() for q in pipe.chunks[1].parameters()):
+        dp = gradient_group_name(pgm.context_parallel_world_size)  # "dp" at cp 1
         raise ValueError(f"tie_word_embeddings with a V-shaped schedule (zbv, dualpipev) and data "
-                         f"parallel over dp_cp ({pgm.data_parallel_world_size_with_context}): "
+                         f"parallel over {dp} ({pgm.data_parallel_world_size_with_context}): "
                          f"rank 0's two chunks share the tied weight, and each chunk's wrapper "
-                         f"would sync it on its own; run the V with dp_cp 1, or use afab, 1f1b, "
+                         f"would sync it on its own; run the V with {dp} 1, or use afab, 1f1b, "
                          f"interleaved or zb-h1")
 
 

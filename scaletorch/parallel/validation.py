@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Dict
 from scaletorch.parallel.context_parallel import check_sequence_length
 from scaletorch.parallel.expert_parallel import validate_expert_parallel
 from scaletorch.parallel.tensor_parallel import validate_tensor_parallel
+from scaletorch.rules.group_names import gradient_group_name
 from scaletorch.schedule.catalog import validate_schedule
 from scaletorch.schedule.placement import V_SHAPED, split_layers
 
@@ -136,13 +137,14 @@ def _check_tied_embeddings(cfg: "Config", sizes: Dict[str, int]) -> None:
     if not cfg.model.tie_word_embeddings or sizes["pp"] == 1:
         return
     wrapped = sizes["dp_cp"] > 1 or p.zero_stage > 0 or cfg.model.num_experts > 0
+    dp = gradient_group_name(sizes["cp"])  # "dp" at cp 1, "dp_cp" when context parallel runs
     if p.schedule in V_SHAPED and p.impl != "torch" and wrapped:
         raise ValueError(f"model.tie_word_embeddings true with parallel.schedule {p.schedule!r} "
-                         f"(pipeline_model_parallel_size {sizes['pp']}), dp_cp {sizes['dp_cp']}, "
+                         f"(pipeline_model_parallel_size {sizes['pp']}), {dp} {sizes['dp_cp']}, "
                          f"zero_stage {p.zero_stage}, num_experts {cfg.model.num_experts}: a "
                          f"V-shaped schedule's two chunks on rank 0 share the tied weight, and "
                          f"each chunk's data-parallel, ZeRO or expert wrapper would sync it on "
-                         f"its own; run the V with dp_cp 1, zero_stage 0 and no experts, use "
+                         f"its own; run the V with {dp} 1, zero_stage 0 and no experts, use "
                          f"afab, 1f1b, interleaved or zb-h1, or model.tie_word_embeddings false")
     if p.impl == "torch":
         raise ValueError(f"model.tie_word_embeddings true with parallel.impl 'torch' and "
@@ -159,7 +161,8 @@ def _check_combinations(cfg: "Config", sizes: Dict[str, int]) -> None:
     if m.num_experts > 0 and p.zero_stage > 0:
         raise ValueError(f"zero_stage ({p.zero_stage}) with mixture-of-experts "
                          f"(num_experts = {m.num_experts}) is not supported: ZeRO shards over "
-                         f"dp_cp ({sizes['dp_cp']}) but experts are replicated over edp "
+                         f"{gradient_group_name(cp)} ({sizes['dp_cp']}) but experts are "
+                         f"replicated over edp "
                          f"({sizes['dp_cp'] // sizes['ep']}); set parallel.zero_stage 0")
     if m.num_experts > 0 and p.sequence_parallel:
         raise ValueError(f"sequence parallel with mixture-of-experts layers is not supported "
