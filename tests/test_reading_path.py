@@ -81,8 +81,9 @@ OWNER = {module: chapter for chapter, modules in MODULES_OF.items() for module i
 # exercise's reference solution, with its shapes as jaxtyping annotations.
 # 07: the MoE loss under a pipeline (moe_pipeline.py) is composition, so it is 07's. Then the
 # gradients' group got its name by one rule shared with the planner (rules/group_names.py, 24
-# lines: "dp" until cp makes it "dp_cp"), and 05's ring its kernel names (05 +5).
-OVER_BUDGET: Dict[str, int] = {"01": 785, "03": 856, "04b": 1080, "05": 735, "07": 782}
+# lines: "dp" until cp makes it "dp_cp"), and 05's ring its kernel names (05 +5). The layout
+# errors name that group by the same rule (07 +3).
+OVER_BUDGET: Dict[str, int] = {"01": 785, "03": 856, "04b": 1080, "05": 735, "07": 785}
 
 
 def chapters() -> List[Tuple[str, str, str]]:

@@ -162,8 +162,8 @@ def _check_combinations(cfg: "Config", sizes: Dict[str, int]) -> None:
         raise ValueError(f"zero_stage ({p.zero_stage}) with mixture-of-experts "
                          f"(num_experts = {m.num_experts}) is not supported: ZeRO shards over "
                          f"{gradient_group_name(cp)} ({sizes['dp_cp']}) but experts are "
-                         f"replicated over edp "
-                         f"({sizes['dp_cp'] // sizes['ep']}); set parallel.zero_stage 0")
+                         f"replicated over edp ({sizes['dp_cp'] // sizes['ep']}); set "
+                         f"parallel.zero_stage 0")
     if m.num_experts > 0 and p.sequence_parallel:
         raise ValueError(f"sequence parallel with mixture-of-experts layers is not supported "
                          f"(num_experts = {m.num_experts}): the MoE runs whole on every "
