@@ -11,8 +11,9 @@ Chapter 07 with real data and a way out. The text is the repository's own docume
 (README.md and doc/*.md joined into runs/10_real_model/text.txt) read as bytes: vocabulary
 256, no tokenizer, no download (``--data.path FILE`` trains on yours;
 ``scripts/prepare_text.py`` makes a ``.bin`` for a tokenizer.json). Any layout goes through
-``parallelize`` as in 07. After training, rank 0 reads the consolidated checkpoint, exports it
-as a Hugging Face Llama directory (config.json + model.safetensors, which ``transformers``
+``parallelize`` as in 07, and checkpoints are sharded (DCP) as in 07. After training, the
+full weights are gathered on rank 0 (``full_state_dict``), which exports them as a Hugging
+Face Llama directory (config.json + model.safetensors, which ``transformers``
 loads), reloads that directory into a fresh model and samples from it with the KV cache.
 
 Chapter flags (the rest are the usual config overrides): --init-from DIR (start from a Hugging
@@ -41,7 +42,7 @@ from scaletorch.parallel.tied_embeddings import TiedEmbeddings
 from scaletorch.parallel.vocab_padding import apply_tensor_parallel_padded
 from scaletorch.trainer import Trainer, check_against_reference, load_config
 from scaletorch.trainer.config import InputError, validate
-from scaletorch.trainer.consolidated import load_consolidated, save_consolidated
+from scaletorch.trainer.param_map import full_state_dict
 
 DOCS = "README.md"  # the config's data.path: stands for README.md + doc/*.md, joined
 
@@ -124,14 +125,11 @@ def main() -> int:
     par = parallelize(model, cfg, pgm, env.device, precision_hooks(cfg, env.device.type),
                       tied=TiedEmbeddings(), recompute=apply_activation_checkpointing,
                       tensor_parallel=apply_tensor_parallel_padded)
-    trainer = Trainer(cfg, par.model, pgm, device=env.device, optimizer=par.optimizer,
-                      forward_backward=par.forward_backward, clip_grad_norm=par.clip_grad_norm)
+    trainer = Trainer.from_parallelized(cfg, par, pgm, device=env.device)
     result = trainer.train()
-    path = save_consolidated(os.path.join(cfg.run_path, "consolidated.pt"), trainer, par)
 
-    full = None
-    if env.rank == 0:  # one device from here: consolidated -> HF directory -> reload -> sample
-        full = load_consolidated(path)["model"]
+    full = full_state_dict(par)  # collective: chapter 00's full weights on rank 0, None elsewhere
+    if env.rank == 0:  # one device from here: full weights -> HF directory -> reload -> sample
         trained = build_model(cfg.model, seed=0)
         trained.load_state_dict(full)
         hf_dir = os.path.join(cfg.run_path, "hf")

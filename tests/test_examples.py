@@ -14,6 +14,7 @@ from typing import Dict, Optional, Sequence
 
 import torch
 
+from scaletorch.trainer.dcp_checkpoint import to_consolidated
 from tests.harness import NCCL_CHECKS, warning_lines
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -117,11 +118,13 @@ class Chapter10TrainsExportsAndSamples(unittest.TestCase):
                 f.write(TEXT)
             out = launch("examples/10_real_model.py", 2, "--tp", "2", "--steps", "10",
                          "--training.warmup_steps", "10", "--max-new-tokens", "20", "--check",
-                         "--data.path", text, "--logging.run_dir", tmp)
+                         "--data.path", text, "--logging.run_dir", tmp, "--checkpoint.every", "10")
             run = os.path.join(tmp, "10_real_model")
-            # scripts/generate.py samples the same greedy text from both things the run left
-            consolidated = generate_script(os.path.join(run, "consolidated.pt"), "--config",
-                                           os.path.join(run, "config.yaml"))
+            # scripts/generate.py samples the same greedy text from both things the run left:
+            # its sharded checkpoint of step 10 (as one consolidated file) and its export
+            single = os.path.join(tmp, "consolidated.pt")
+            to_consolidated(os.path.join(run, "checkpoints", "step_0000010"), single)
+            consolidated = generate_script(single, "--config", os.path.join(run, "config.yaml"))
             exported = generate_script(os.path.join(run, "hf"))
         self.assertGreater(len(consolidated), len("Tensor parallel "))
         self.assertEqual(consolidated, exported)
