@@ -443,14 +443,15 @@ def check_consolidated(path: str, cfg: Config) -> None:
     name = f"--resume {path}"
     if not zipfile.is_zipfile(path):
         raise InputError(f"{name} is not a consolidated checkpoint (a torch.save file): give "
-                         f"a consolidated.pt written by chapter 02, 07 or 10, or a checkpoint "
-                         f"directory")
+                         f"a consolidated.pt written by chapter 02 or scripts/convert_dcp.py, or a "
+                         f"checkpoint directory")
     read_checksummed(path)  # before anything is unpickled
     state = load_tensors_only(path, name, mmap=True)
     model = state.get("model") if isinstance(state, dict) else None
     if not isinstance(model, dict) or "step" not in state:
         raise InputError(f"{name} is a torch file but not a consolidated checkpoint (no 'model' "
-                         f"and 'step'): give a consolidated.pt written by chapter 02, 07 or 10")
+                         f"and 'step'): give a consolidated.pt written by chapter 02 or "
+                         f"scripts/convert_dcp.py")
     with torch.device("meta"):
         expected = Llama(cfg.model).state_dict()
     check_state_keys(name, model, expected, "this config's model.*",
