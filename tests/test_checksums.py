@@ -16,6 +16,7 @@ import unittest
 from typing import List
 
 from scaletorch.models import build_model
+from scaletorch.models.hf import export_hf_llama
 from scaletorch.rules.errors import InputError
 from scaletorch.rules.safe_files import CorruptFileError
 from scaletorch.trainer import Trainer
@@ -23,6 +24,7 @@ from scaletorch.trainer import checkpoint as ckpt
 from scaletorch.trainer import parse_args
 from scaletorch.trainer.consolidated import load_consolidated
 from scaletorch.trainer.dcp_checkpoint import to_consolidated
+from tests.test_hf import HAVE_HF, SKIP_REASON
 from tests.test_run_dirs import run_script, snapshot
 
 C07 = "examples/07_nd_parallel.py"
@@ -161,6 +163,26 @@ class APerRankFileOfAnotherModelIsRefusedBeforeItLoads(unittest.TestCase):
                 InputError, "9 tensor\\(s\\) that this rank's model does "
                 "not have, e.g. layers.1."):
             trainer.load_state_dict(state, "'rank_00000.pt'")
+
+
+@unittest.skipUnless(HAVE_HF, SKIP_REASON)
+class ADamagedHuggingFaceExportIsRefusedBeforeAnyPieceIsRead(unittest.TestCase):
+
+    def test_init_from_it_is_one_line_naming_the_file_exit_2(self):
+        cfg = parse_args(["--config", "examples/configs/10_real_model.yaml"])
+        with tempfile.TemporaryDirectory() as tmp:
+            hf_dir = os.path.join(tmp, "hf")
+            export_hf_llama(build_model(cfg.model, 42), hf_dir)  # with a .sha256 beside each
+            weights = os.path.join(hf_dir, "model.safetensors")
+            flip_byte(weights)  # in the tensors' bytes: the headers (the pre-flight) still read
+            code, out, err = run_script("examples/10_real_model.py", "--init-from", hf_dir,
+                                        "--steps", "1", "--logging.run_dir", tmp,
+                                        "--logging.progress", "false")
+            size = os.path.getsize(weights)
+        self.assertEqual(code, 2, out + err)
+        self.assertEqual(
+            err.strip(), f"error: '{weights}' does not match its checksum in "
+            f"model.safetensors.sha256 ({size} bytes; truncated or damaged)")
 
 
 if __name__ == "__main__":
