@@ -24,7 +24,7 @@ tp x pp x cp is data parallel (--dp checks it). It prints the rank grid, the com
 the last step, every rank's coordinates, traffic per group and memory. Its checkpoints are
 sharded (``checkpoint.format: dcp``): each rank writes its pieces of the full tensors, and any
 other layout resumes them with --resume DIR. A consolidated file (full weights and AdamW state,
-from ``scripts/convert_dcp.py`` or chapter 00) resumes with --resume FILE.
+from ``scripts/convert_dcp.py`` or chapter 02) resumes with --resume FILE.
 """
 
 import json
