@@ -8,11 +8,11 @@
     # PyTorch's own on one DeviceMesh: DTensor tp x FSDP2 ZeRO-3 over dp (native.py)
     scripts/launch.sh examples/07_nd_parallel.py --nproc-per-node 4 -- --impl torch --tp 2 \\
         --zero-stage 3 --check
-    # save at tp 2 x pp 2 x dp 2, resume at dp 4: a consolidated checkpoint fits any layout
+    # save at tp 2 x pp 2 x dp 2, resume at dp 4: each rank reads its pieces of step 15 (DCP)
     scripts/launch.sh examples/07_nd_parallel.py --nproc-per-node 8 -- --tp 2 --pp 2 \\
         --checkpoint.every 15
     scripts/launch.sh examples/07_nd_parallel.py --nproc-per-node 4 -- --check \\
-        --resume runs/07_nd_parallel/checkpoints/step_0000015/consolidated.pt
+        --resume runs/07_nd_parallel/checkpoints/step_0000015
     # a dry run: one rank of 8,192 runs this code at 405B on a CPU, nothing computed (doc/09)
     python examples/07_nd_parallel.py --dry-run --world-size 8192 --preset llama3-405b \\
         --tp 8 --pp 16 --layer-split 8,8,8,8,8,8,8,8,8,8,8,8,8,8,7,7 --micro-batches 16 \\
@@ -21,9 +21,10 @@
 Chapter 00 plus one call, ``parallelize``: expert -> tensor (+ sequence) -> context ->
 (chapter 10's recomputation) -> pipeline -> data parallel / ZeRO. The rest of the world after
 tp x pp x cp is data parallel (--dp checks it). It prints the rank grid, the communication of
-the last step, every rank's coordinates, traffic per group and memory. Every checkpoint (and
-the end of the run) also gets a consolidated file: full weights and full AdamW state, keyed
-like chapter 00's model, which any other layout (or one device) resumes with --resume FILE.
+the last step, every rank's coordinates, traffic per group and memory. Its checkpoints are
+sharded (``checkpoint.format: dcp``): each rank writes its pieces of the full tensors, and any
+other layout resumes them with --resume DIR. A consolidated file (full weights and AdamW state,
+from ``scripts/convert_dcp.py`` or chapter 02) resumes with --resume FILE.
 """
 
 import json
@@ -38,28 +39,12 @@ from scaletorch.parallel.parallelize import (ORDER, check_fp32_without_hooks,
                                              parallelize, rank_report)
 from scaletorch.parallel.pipeline_parallel import gather_timeline
 from scaletorch.trainer import Trainer, check_against_reference, load_config
-from scaletorch.trainer.consolidated import (load_consolidated, resume_consolidated,
-                                             save_consolidated)
+from scaletorch.trainer.consolidated import load_consolidated, resume_consolidated
 from scaletorch.trainer.dry_run import main as dry_run_main
 from scaletorch.trainer.param_map import full_state_dict
 
 CONFIG = "examples/configs/07_nd_parallel.yaml"
 DESCRIPTION = "Chapter 07: N-D parallel (tp x pp x cp x dp, ep, ZeRO)"
-
-
-class NDTrainer(Trainer):
-    """The Trainer, whose checkpoints also hold a consolidated copy (collective)."""
-
-    def __init__(self, cfg, par, pgm, device) -> None:
-        super().__init__(cfg, par.model, pgm, device=device, optimizer=par.optimizer,
-                         forward_backward=par.forward_backward, clip_grad_norm=par.clip_grad_norm)
-        self.par = self.parallelized = par  # where each tensor lives: --checkpoint.format dcp
-
-    def save(self) -> str:
-        path = super().save()  # per-rank files: resume at the same layout, fault tolerance
-        if self.cfg.checkpoint.format != "dcp":  # dcp resumes at any layout without a gather
-            save_consolidated(os.path.join(path, "consolidated.pt"), self, self.par)
-        return path
 
 
 def limits(cfg, world_size: int) -> None:
@@ -93,7 +78,7 @@ def main() -> int:
     par = parallelize(model, cfg, pgm, env.device)  # the new idea: one call, fixed order
     if env.rank == 0:
         print("applied: " + " -> ".join(ORDER))
-    trainer = NDTrainer(cfg, par, pgm, env.device)
+    trainer = Trainer.from_parallelized(cfg, par, pgm, device=env.device)
     if state is not None:
         resume_consolidated(trainer, par, state)
     result = trainer.train()
@@ -104,7 +89,6 @@ def main() -> int:
     timeline = getattr(par.forward_backward, "timeline", None)
     if timeline is not None:
         timeline = gather_timeline(timeline, pgm)
-    path = save_consolidated(os.path.join(cfg.run_path, "consolidated.pt"), trainer, par)
     if env.rank == 0:
         print(get_ledger().table(step=last))
         print(report)
@@ -114,7 +98,6 @@ def main() -> int:
             print(timeline.summary())
             with open(os.path.join(cfg.run_path, "timeline.json"), "w") as f:  # scripts/plot.py
                 json.dump(timeline.to_json(), f)
-        print(f"consolidated checkpoint (full weights and AdamW state, any layout): {path}")
         if cfg.model.num_experts > 0 and cfg.data.num_micro_batches > 1:
             print("note: MoE matches the reference exactly with 1 micro-batch only (the "
                   "load-balancing statistics are per micro-batch)")

@@ -11,13 +11,16 @@ Chapter 07 with real data and a way out. The text is the repository's own docume
 (README.md and doc/*.md joined into runs/10_real_model/text.txt) read as bytes: vocabulary
 256, no tokenizer, no download (``--data.path FILE`` trains on yours;
 ``scripts/prepare_text.py`` makes a ``.bin`` for a tokenizer.json). Any layout goes through
-``parallelize`` as in 07. After training, rank 0 reads the consolidated checkpoint, exports it
-as a Hugging Face Llama directory (config.json + model.safetensors, which ``transformers``
-loads), reloads that directory into a fresh model and samples from it with the KV cache.
+``parallelize`` as in 07, and checkpoints are sharded (DCP) as in 07. After training, the
+full weights are gathered on rank 0 (``full_state_dict``), which exports them as a Hugging
+Face Llama directory (config.json + model.safetensors, which ``transformers`` loads),
+reloads that directory into a fresh model and samples from it with the KV cache.
 
 Chapter flags (the rest are the usual config overrides): --init-from DIR (start from a Hugging
-Face Llama instead of the seed; its config replaces model.*), --prompt, --max-new-tokens,
---temperature, --top-k, --top-p. The hf extra is needed (safetensors): pip install -e ".[hf]".
+Face Llama instead of the seed; its config replaces model.*, and once ``parallelize`` has
+sharded the model each rank reads only its own pieces of the weights: hf_seed.py), --prompt,
+--max-new-tokens, --temperature, --top-k, --top-p. The hf extra is needed (safetensors):
+pip install -e ".[hf]".
 """
 
 import argparse
@@ -29,7 +32,7 @@ import sys
 import torch
 
 from scaletorch.data import ByteTokenizer
-from scaletorch.dist import (destroy_distributed, destroy_pg_manager, init_distributed,
+from scaletorch.dist import (comm, destroy_distributed, destroy_pg_manager, init_distributed,
                              init_pg_manager)
 from scaletorch.models import build_model
 from scaletorch.models.generate import check_length, check_sampling, generate
@@ -41,7 +44,8 @@ from scaletorch.parallel.tied_embeddings import TiedEmbeddings
 from scaletorch.parallel.vocab_padding import apply_tensor_parallel_padded
 from scaletorch.trainer import Trainer, check_against_reference, load_config
 from scaletorch.trainer.config import InputError, validate
-from scaletorch.trainer.consolidated import load_consolidated, save_consolidated
+from scaletorch.trainer.hf_seed import seed_from_hf, stored_bytes
+from scaletorch.trainer.param_map import full_state_dict
 
 DOCS = "README.md"  # the config's data.path: stands for README.md + doc/*.md, joined
 
@@ -113,25 +117,26 @@ def main() -> int:
     p = cfg.parallel
     pgm = init_pg_manager(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                           p.context_parallel_size, p.expert_model_parallel_size)
-    if args.init_from:  # a real checkpoint: its config and weights, then any layout
-        model = load_hf_llama(args.init_from)
-        cfg.model = model.config
-    else:
-        model = build_model(cfg.model, seed=cfg.training.model_seed)
+    # --init-from: the seed's model at the directory's config (limits set model.* from it)
+    model = build_model(cfg.model, seed=cfg.training.model_seed)
     # what a real model needs, attached from outside: a head tied to the embedding,
     # recomputation to fit its activations (--activation-checkpointing), and a vocabulary
     # padded to a multiple of tp
     par = parallelize(model, cfg, pgm, env.device, precision_hooks(cfg, env.device.type),
                       tied=TiedEmbeddings(), recompute=apply_activation_checkpointing,
                       tensor_parallel=apply_tensor_parallel_padded)
-    trainer = Trainer(cfg, par.model, pgm, device=env.device, optimizer=par.optimizer,
-                      forward_backward=par.forward_backward, clip_grad_norm=par.clip_grad_norm)
+    if args.init_from:  # a real checkpoint: each rank reads only its own pieces of its weights
+        read = comm.gather_objects(seed_from_hf(args.init_from, par))
+        if env.rank == 0:
+            total = stored_bytes(args.init_from) / 1e6
+            for rank, nbytes in enumerate(read):
+                print(f"seeded from {args.init_from}: rank {rank} read {nbytes / 1e6:.3f} of "
+                      f"{total:.3f} MB")
+    trainer = Trainer.from_parallelized(cfg, par, pgm, device=env.device)
     result = trainer.train()
-    path = save_consolidated(os.path.join(cfg.run_path, "consolidated.pt"), trainer, par)
 
-    full = None
-    if env.rank == 0:  # one device from here: consolidated -> HF directory -> reload -> sample
-        full = load_consolidated(path)["model"]
+    full = full_state_dict(par)  # collective: chapter 00's full weights on rank 0, None elsewhere
+    if env.rank == 0:  # one device from here: full weights -> HF directory -> reload -> sample
         trained = build_model(cfg.model, seed=0)
         trained.load_state_dict(full)
         hf_dir = os.path.join(cfg.run_path, "hf")

@@ -2,6 +2,8 @@
 checkpoint; optionally compare it with ``transformers`` on the same weights.
 
     python scripts/generate.py runs/10_real_model/hf --prompt "Tensor parallel "
+    python scripts/convert_dcp.py runs/10_real_model/checkpoints/step_0000200 \\
+        --consolidated runs/10_real_model/consolidated.pt   # a run with --checkpoint.every
     python scripts/generate.py runs/10_real_model/consolidated.pt \\
         --config runs/10_real_model/config.yaml --temperature 0
     python scripts/generate.py runs/10_real_model/hf --compare-transformers

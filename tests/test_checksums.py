@@ -1,8 +1,10 @@
 """Every checkpoint file has a checksum, checked before it is unpickled: a flipped byte in any
 file a save writes is refused naming that file, and ``--resume`` (latest) skips its checkpoint.
 
-The files are those chapter 07 wrote in one process (per-rank files, manifests, consolidated
-files, and the checksum file beside each), listed from the disk, not by hand.
+The files are those chapter 07 wrote in one process (its sharded checkpoints: DCP's data
+files and ``.metadata``, the manifests), a consolidated file converted from its last
+checkpoint, and the checksum file beside each, listed from the disk, not by hand. (Chapter
+00's per-rank files: tests/test_resume.py and tests/test_bad_inputs.py.)
 """
 
 import copy
@@ -14,12 +16,15 @@ import unittest
 from typing import List
 
 from scaletorch.models import build_model
+from scaletorch.models.hf import export_hf_llama
 from scaletorch.rules.errors import InputError
 from scaletorch.rules.safe_files import CorruptFileError
 from scaletorch.trainer import Trainer
 from scaletorch.trainer import checkpoint as ckpt
 from scaletorch.trainer import parse_args
 from scaletorch.trainer.consolidated import load_consolidated
+from scaletorch.trainer.dcp_checkpoint import to_consolidated
+from tests.test_hf import HAVE_HF, SKIP_REASON
 from tests.test_run_dirs import run_script, snapshot
 
 C07 = "examples/07_nd_parallel.py"
@@ -51,7 +56,10 @@ class AFlippedByteInEveryCheckpointFileIsRefusedNamingIt(unittest.TestCase):
         assert code == 0, out + err
         cls.run_path = os.path.join(cls.run_dir, "07_nd_parallel")
         cls.checkpoints = os.path.join(cls.run_path, "checkpoints")
-        # what the saves wrote: everything under checkpoints/, and the final consolidated file
+        # the last checkpoint as one consolidated file, as scripts/convert_dcp.py writes it
+        to_consolidated(ckpt.step_dir(cls.checkpoints, 4),
+                        os.path.join(cls.run_path, "consolidated.pt"))
+        # what the saves wrote: everything under checkpoints/, and the consolidated file
         cls.files: List[str] = sorted(
             os.path.join(cls.run_path, name) for name in snapshot(cls.run_path)
             if name.startswith("checkpoints") or name.startswith("consolidated.pt"))
@@ -64,12 +72,14 @@ class AFlippedByteInEveryCheckpointFileIsRefusedNamingIt(unittest.TestCase):
         return parse_args([*CONFIG, "--logging.run_dir", self.run_dir, *args])
 
     def test_the_list_holds_every_kind_a_save_writes(self):
-        self.assertEqual({kind(f)
-                          for f in self.files}, {
-                              "rank_.pt", "rank_.pt.sha256", "manifest.json",
-                              "manifest.json.sha256", "consolidated.pt", "consolidated.pt.sha256"
-                          })
-        self.assertEqual(len(self.files), 2 * 6 + 2)  # steps 2 and 4, and the run's own file
+        self.assertEqual(
+            {kind(f)
+             for f in self.files},
+            {
+                "___.distcp", "___.distcp.sha256", ".metadata", ".metadata.sha256", "manifest.json",
+                "manifest.json.sha256", "consolidated.pt", "consolidated.pt.sha256"
+            })
+        self.assertEqual(len(self.files), 2 * 6 + 2)  # steps 2 and 4, and the converted file
 
     def test_every_file_flipped_is_refused_naming_it_and_latest_falls_back(self):
         latest = ckpt.step_dir(self.checkpoints, 4)
@@ -153,6 +163,26 @@ class APerRankFileOfAnotherModelIsRefusedBeforeItLoads(unittest.TestCase):
                 InputError, "9 tensor\\(s\\) that this rank's model does "
                 "not have, e.g. layers.1."):
             trainer.load_state_dict(state, "'rank_00000.pt'")
+
+
+@unittest.skipUnless(HAVE_HF, SKIP_REASON)
+class ADamagedHuggingFaceExportIsRefusedBeforeAnyPieceIsRead(unittest.TestCase):
+
+    def test_init_from_it_is_one_line_naming_the_file_exit_2(self):
+        cfg = parse_args(["--config", "examples/configs/10_real_model.yaml"])
+        with tempfile.TemporaryDirectory() as tmp:
+            hf_dir = os.path.join(tmp, "hf")
+            export_hf_llama(build_model(cfg.model, 42), hf_dir)  # with a .sha256 beside each
+            weights = os.path.join(hf_dir, "model.safetensors")
+            flip_byte(weights)  # in the tensors' bytes: the headers (the pre-flight) still read
+            code, out, err = run_script("examples/10_real_model.py", "--init-from", hf_dir,
+                                        "--steps", "1", "--logging.run_dir", tmp,
+                                        "--logging.progress", "false")
+            size = os.path.getsize(weights)
+        self.assertEqual(code, 2, out + err)
+        self.assertEqual(
+            err.strip(), f"error: '{weights}' does not match its checksum in "
+            f"model.safetensors.sha256 ({size} bytes; truncated or damaged)")
 
 
 if __name__ == "__main__":

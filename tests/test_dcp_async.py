@@ -10,8 +10,7 @@ finds step 2. Released, step 4 counts, and holds the weights and AdamW state of 
 for bit (the copy was taken before the updates). ``Trainer.train`` with async saves waits for
 its last one: step 4 is complete when it returns, equal to the held run's. Under torchrun,
 a rank killed at step 5 while step 4's checkpoint is uncommitted restarts from step 2 and ends
-bit-identical to the uninterrupted async run. 64 s on the shared 2-core machine, the torchrun
-pair 50 s of it.
+bit-identical to the uninterrupted run (test_resume's, shared: one launch here, not two).
 """
 
 import os
@@ -30,8 +29,9 @@ from scaletorch.trainer.consolidated import consolidated_state
 from scaletorch.trainer.dcp_checkpoint import to_consolidated
 from tests.harness import bit_exact, run_distributed
 from tests.layouts import build, layout, pg_manager_for
-from tests.test_dcp import RUN, _launch, config
-from tests.test_resume import _differences, _last_logged_loss
+from tests.test_dcp import config
+from tests.test_resume import (KILL_LAYOUTS, _differences, _last_logged_loss, _launch_run,
+                               straight_run)
 
 WORLD = 4
 
@@ -164,18 +164,22 @@ class AsyncSaveNeedsDcp(unittest.TestCase):
         self.assertTrue(cfg.checkpoint.async_save)
 
 
-# test_dcp's kill test, its checkpoints async: rank 1 is killed at step 5, before step 4's
-# checkpoint is committed (at step 6's save), and torchrun restarts every rank once
-ASYNC_RUN = (*RUN, "--checkpoint.async_save", "true")
+# test_resume's kill test of chapter 07 (DCP checkpoints), its checkpoints async: rank 1 is
+# killed at step 5, before step 4's checkpoint is committed (at step 6's save), and torchrun
+# restarts every rank once. The uninterrupted run is test_resume's (blocking saves), shared:
+# a save, async or not, changes no weight.
+LAYOUT = "zero1_pp2_dp2"
 
 
 class KilledDuringAsyncWriteResumesThePrevious(unittest.TestCase):
 
     @bit_exact
     def test_kill_before_the_commit_resumes_step_2_and_ends_as_the_uninterrupted_run(self):
+        out_a, want = straight_run(LAYOUT)
+        nproc, args = KILL_LAYOUTS[LAYOUT]
         with tempfile.TemporaryDirectory() as tmp:
-            out_a, want = _launch(tmp, "straight", False, ASYNC_RUN)
-            out_b, got = _launch(tmp, "killed", True, ASYNC_RUN)
+            out_b, got = _launch_run(tmp, "killed", nproc,
+                                     [*args, "--checkpoint.async_save", "true"], fail=True)
         self.assertIn("injected failure at step 5", out_b)
         self.assertRegex(out_b, r"resumed from \S+step_0000002 at step 2")
         self.assertEqual(_differences(want, got), [])

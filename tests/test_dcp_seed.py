@@ -60,10 +60,10 @@ def config(hf_dir: str, **parallel):
 
 
 def _run(cfg, hf_dir: str, sliced: bool, save_to: Optional[str] = None) -> dict:
-    """Seed ``cfg``'s layout from ``hf_dir`` (sliced: hf_seed.py; else the whole model loaded
-    first, as chapter 10's --init-from does), then train; the weights then, losses, bytes.
-    ``save_to``: then a DCP checkpoint there, and the final weights the trainer would export
-    (consolidated, rank 0)."""
+    """Seed ``cfg``'s layout from ``hf_dir`` (sliced: hf_seed.py, as chapter 10's --init-from
+    does; else the whole model loaded first, the path before it), then train; the weights
+    then, losses, bytes. ``save_to``: then a DCP checkpoint there, and the final weights the
+    trainer would export (consolidated, rank 0)."""
     pgm = pg_manager_for(cfg)
     if sliced:
         par, trainer = build(cfg, pgm)

@@ -14,6 +14,10 @@ from typing import Dict, Optional, Sequence
 
 import torch
 
+from scaletorch.models import build_model
+from scaletorch.models.hf import export_hf_llama
+from scaletorch.trainer import parse_args
+from scaletorch.trainer.dcp_checkpoint import to_consolidated
 from tests.harness import NCCL_CHECKS, warning_lines
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -100,31 +104,55 @@ SENTENCES = [
 TEXT = "\n".join(f"{i}. {s}" for i, s in enumerate(SENTENCES * 20))
 
 
+@unittest.skipUnless(importlib.util.find_spec("safetensors"),
+                     'needs the hf extra: pip install -e ".[hf]"')
 class Chapter10TrainsExportsAndSamples(unittest.TestCase):
+    """Two launches at tp 2: 10 steps from the seed (parity, export, sample, a DCP checkpoint),
+    then one step ``--init-from`` a Hugging Face directory that holds the seed's weights."""
 
-    @unittest.skipUnless(importlib.util.find_spec("safetensors"),
-                         'needs the hf extra: pip install -e ".[hf]"')
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.TemporaryDirectory()
+        tmp = cls.tmp.name
+        # A fixed text, not the docs (the chapter's default): AdamW's first steps move a
+        # weight whose gradient is near its eps (1e-8) by about lr x g / (|g| + eps), so
+        # tensor parallel's other summation order (g differing by ~1e-9) can move one
+        # weight by ~1e-5 within 10 steps, and on the docs whether one does changed with
+        # every edit of them (1.1e-05 at warmup 3, then 1.3e-05 at warmup 10). Warmup 10
+        # keeps lr at 3e-4 in step 1.
+        text = os.path.join(tmp, "text.txt")
+        with open(text, "w") as f:
+            f.write(TEXT)
+        flags = ["--tp", "2", "--training.warmup_steps", "10", "--data.path", text]
+        cls.out = launch("examples/10_real_model.py", 2, *flags, "--steps", "10",
+                         "--max-new-tokens", "20", "--check", "--logging.run_dir", tmp,
+                         "--checkpoint.every", "10")
+        run = os.path.join(tmp, "10_real_model")
+        # scripts/generate.py samples the same greedy text from both things the run left:
+        # its sharded checkpoint of step 10 (as one consolidated file) and its export
+        single = os.path.join(tmp, "consolidated.pt")
+        to_consolidated(os.path.join(run, "checkpoints", "step_0000010"), single)
+        cls.consolidated = generate_script(single, "--config", os.path.join(run, "config.yaml"))
+        cls.exported = generate_script(os.path.join(run, "hf"))
+        cls.first_loss = _first_loss(run)
+        # The seed's weights as a Hugging Face directory: loading it whole and sharding it
+        # (the path before hf_seed.py) starts from the seed run's bits, as each rank's slices do
+        cfg = parse_args(["--config", "examples/configs/10_real_model.yaml"])
+        cls.seed_dir = os.path.join(tmp, "seed_hf")
+        export_hf_llama(build_model(cfg.model, seed=cfg.training.model_seed), cls.seed_dir)
+        cls.seeded_out = launch("examples/10_real_model.py", 2, *flags, "--steps", "1",
+                                "--max-new-tokens", "1", "--init-from", cls.seed_dir,
+                                "--logging.run_dir", os.path.join(tmp, "seeded"))
+        cls.seeded_first_loss = _first_loss(os.path.join(tmp, "seeded", "10_real_model"))
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.tmp.cleanup()
+
     def test_real_text_loss_falls_below_uniform_at_tp2_with_parity_and_a_sample(self):
-        with tempfile.TemporaryDirectory() as tmp:
-            # A fixed text, not the docs (the chapter's default): AdamW's first steps move a
-            # weight whose gradient is near its eps (1e-8) by about lr x g / (|g| + eps), so
-            # tensor parallel's other summation order (g differing by ~1e-9) can move one
-            # weight by ~1e-5 within 10 steps, and on the docs whether one does changed with
-            # every edit of them (1.1e-05 at warmup 3, then 1.3e-05 at warmup 10). Warmup 10
-            # keeps lr at 3e-4 in step 1.
-            text = os.path.join(tmp, "text.txt")
-            with open(text, "w") as f:
-                f.write(TEXT)
-            out = launch("examples/10_real_model.py", 2, "--tp", "2", "--steps", "10",
-                         "--training.warmup_steps", "10", "--max-new-tokens", "20", "--check",
-                         "--data.path", text, "--logging.run_dir", tmp)
-            run = os.path.join(tmp, "10_real_model")
-            # scripts/generate.py samples the same greedy text from both things the run left
-            consolidated = generate_script(os.path.join(run, "consolidated.pt"), "--config",
-                                           os.path.join(run, "config.yaml"))
-            exported = generate_script(os.path.join(run, "hf"))
-        self.assertGreater(len(consolidated), len("Tensor parallel "))
-        self.assertEqual(consolidated, exported)
+        out = self.out
+        self.assertGreater(len(self.consolidated), len("Tensor parallel "))
+        self.assertEqual(self.consolidated, self.exported)
         first, last = map(float, re.search(r"byte-level loss (\S+) -> (\S+) nats", out).groups())
         self.assertGreater(first, 5.0)  # starts near uniform, log 256 = 5.545
         self.assertLess(last, 4.5)  # English bytes are far from uniform: > 1 nat in 10 steps
@@ -133,6 +161,22 @@ class Chapter10TrainsExportsAndSamples(unittest.TestCase):
         self.assertRegex(
             out, r"parity: max \|loss - reference\| = \S+ over 10 steps "
             r"\(tolerance 1e-05\): OK")
+
+    def test_init_from_reads_each_ranks_pieces_and_starts_at_the_seeds_first_loss(self):
+        # the same bits in the same shards, then the same operations: the same first loss
+        self.assertEqual(self.seeded_first_loss, self.first_loss)
+        read = re.findall(r"seeded from \S+: rank (\d) read (\S+) of (\S+) MB", self.seeded_out)
+        self.assertEqual([int(rank) for rank, _, _ in read], [0, 1])
+        for rank, mine, total in read:
+            # tp 2 holds half of every matrix, and the norms whole (under 1% of the bytes)
+            self.assertLess(float(mine), 0.51 * float(total), f"rank {rank}")
+            self.assertGreater(float(mine), 0.49 * float(total), f"rank {rank}")
+
+
+def _first_loss(run: str) -> float:
+    """Step 1's loss in run directory ``run``'s metrics.jsonl, as the run computed it."""
+    with open(os.path.join(run, "metrics.jsonl")) as f:
+        return json.loads(f.readline())["loss"]
 
 
 class ParityFloorScript(unittest.TestCase):

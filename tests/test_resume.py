@@ -13,9 +13,11 @@ process does) and resumed from the middle checkpoint. Two worlds of 8 ranks. The
 straight runs are test_nd_parallel's parity runs (5 steps, checkpoints every 2: ``nd_world``),
 so this file only resumes them.
 
-``KilledRankResumes``: the real thing under ``torchrun --max-restarts 1``: a rank is killed
-mid-run and every rank restarts from the latest checkpoint. Run here for the pipeline layouts
-that once resumed wrongly or crashed; set SCALETORCH_FULL_RESUME=1 to run it for every layout.
+``KilledRankResumes``: the real thing under ``torchrun --max-restarts 1``: a rank of chapter
+07 is killed mid-run and every rank restarts from the latest checkpoint (07's format: DCP,
+compared through step 8's checkpoint converted to one consolidated file). Run here for the
+pipeline layouts that once resumed wrongly or crashed; set SCALETORCH_FULL_RESUME=1 to run it
+for every layout.
 """
 
 import contextlib
@@ -27,7 +29,8 @@ import unittest
 from scaletorch.dist import destroy_pg_manager
 from scaletorch.trainer import checkpoint as ckpt
 from scaletorch.trainer import load_config
-from scaletorch.trainer.consolidated import consolidated_state, load_consolidated
+from scaletorch.trainer.consolidated import consolidated_state
+from scaletorch.trainer.dcp_checkpoint import to_consolidated
 from tests.harness import bit_exact, run_distributed, value_error
 from tests.layouts import CHECKPOINT_EVERY, ND_LAYOUTS, build, config_of, layout, pg_manager_for
 from tests.test_examples import NO_PREFLIGHT, launch
@@ -187,13 +190,13 @@ RUN_FLAGS = ["--steps", "8", "--checkpoint.every", "2", "--logging.log_every", "
 
 def _launch_run(tmp: str, name: str, nproc: int, args: list, fail: bool) -> tuple:
     """07 under torchrun, RUN_FLAGS (8 steps, checkpoints every 2); with ``fail`` rank 1 is
-    killed at step 5 and torchrun restarts every rank once. Returns (output, consolidated file
-    of step 8)."""
+    killed at step 5 and torchrun restarts every rank once. Returns (output, step 8's sharded
+    checkpoint as a consolidated state, converted offline)."""
     root = os.path.join(tmp, name)
     extra = ["--fail-at-step", "5", "--fail-rank", "1"] if fail else []
     out = launch("examples/07_nd_parallel.py", nproc, *args, *RUN_FLAGS, "--checkpoint.dir", root,
                  *extra, launcher=["--max-restarts", "1"] if fail else [], env=NO_PREFLIGHT)
-    return out, load_consolidated(os.path.join(ckpt.step_dir(root, 8), "consolidated.pt"))
+    return out, to_consolidated(ckpt.step_dir(root, 8), os.path.join(root, "step_8.pt"))
 
 
 _STRAIGHT = tempfile.TemporaryDirectory()  # removed when the process exits
@@ -256,7 +259,7 @@ class KilledRankResumes(unittest.TestCase):
                     out_a, want = straight_run(name)
                     out_b, got = _launch_run(tmp, f"{name}_killed", nproc, args, fail=True)
                     self.assertIn("injected failure at step 5", out_b)
-                    self.assertIn("resumed from", out_b)
+                    self.assertRegex(out_b, r"resumed from \S+step_0000004 at step 4")
                     self.assertEqual(_differences(want, got), [])
                     self.assertEqual(_last_logged_loss(out_a), _last_logged_loss(out_b))
 

@@ -202,7 +202,7 @@ def load_hf_config(path: str) -> LlamaConfig:
     if not os.path.isfile(file):
         raise InputError(f"{path} is not a Hugging Face model directory: {CONFIG_FILE} is missing; "
                          f"give the directory that holds it and the safetensors files")
-    _verify(file)
+    verify_export_file(file)
     try:
         with open(file, encoding="utf-8") as f:
             hf = json.load(f)
@@ -218,7 +218,7 @@ def _weight_files(path: str) -> Dict[str, List[str]]:
     """{safetensors file: [HF tensor names it should hold]} (names empty: read them all)."""
     index = os.path.join(path, INDEX_FILE)
     if os.path.isfile(index):
-        _verify(index)
+        verify_export_file(index)
         try:
             with open(index, encoding="utf-8") as f:
                 weight_map = json.load(f)["weight_map"]
@@ -243,7 +243,7 @@ def _read_file(file: str, names: List[str]) -> Dict[str, torch.Tensor]:
     """Every tensor of one safetensors file (those of ``names`` at least), checked readable."""
     safetensors = require_hf("safetensors")
     from safetensors.torch import safe_open
-    _verify(file)  # every byte, before the header is parsed
+    verify_export_file(file)  # every byte, before the header is parsed
     out: Dict[str, torch.Tensor] = {}
     current = "the header"
     try:
@@ -412,7 +412,7 @@ def _json(value: Any) -> bytes:
     return json.dumps(value, indent=2).encode()
 
 
-def _verify(file: str) -> None:
+def verify_export_file(file: str) -> None:
     """CorruptFileError naming ``file`` unless it matches its ``.sha256``, in an export of ours
     (its config.json has a checksum: then every file must); a Hub directory has none."""
     if os.path.isfile(checksum_path(os.path.join(os.path.dirname(file), CONFIG_FILE))):

@@ -307,8 +307,7 @@ def check_layout(path: str, manifest: Dict[str, Any], world_size: int,
 
     Per-rank files are shards of one layout: rank r of another layout holds other pieces, so
     loading them would fail or, worse, train on misplaced weights. The message points to the
-    consolidated file (full tensors, any layout) instead. A sharded (dcp) checkpoint fits any
-    layout of its model.
+    sharded (dcp) format and the consolidated file instead: both fit any layout of their model.
     """
     saved = dict(manifest.get("layout") or {}, world_size=manifest.get("world_size"))
     now = dict(layout or {}, world_size=world_size)
@@ -324,14 +323,11 @@ def check_layout(path: str, manifest: Dict[str, Any], world_size: int,
                              "): resume it with the config that wrote it (config.yaml in its "
                              "run directory), or start a new run with another --name")
         return
-    consolidated = os.path.join(path, "consolidated.pt")
-    hint = (f"resume the consolidated file instead: --resume {consolidated}"
-            if os.path.isfile(consolidated) else
-            "to change layouts, resume a consolidated file (full weights and AdamW state, any "
-            "layout): examples/07_nd_parallel.py writes consolidated.pt beside each checkpoint")
     raise InputError(f"checkpoint {path!r} holds per-rank shards of another layout (" +
                      ", ".join(f"{k} {saved[k]} there, {now[k]} here" for k in differ) +
-                     "); per-rank checkpoints resume only at the layout that wrote them; " + hint)
+                     "); per-rank checkpoints resume only at the layout that wrote them; to "
+                     "change layouts, save with --checkpoint.format dcp (chapters 07, 08 and 10 "
+                     "do), or resume a consolidated file with examples/07_nd_parallel.py")
 
 
 def local_tensors(state: Any) -> Any:
@@ -447,14 +443,15 @@ def check_consolidated(path: str, cfg: Config) -> None:
     name = f"--resume {path}"
     if not zipfile.is_zipfile(path):
         raise InputError(f"{name} is not a consolidated checkpoint (a torch.save file): give "
-                         f"a consolidated.pt written by chapter 02, 07 or 10, or a checkpoint "
-                         f"directory")
+                         f"a consolidated.pt written by chapter 02 or scripts/convert_dcp.py, or a "
+                         f"checkpoint directory")
     read_checksummed(path)  # before anything is unpickled
     state = load_tensors_only(path, name, mmap=True)
     model = state.get("model") if isinstance(state, dict) else None
     if not isinstance(model, dict) or "step" not in state:
         raise InputError(f"{name} is a torch file but not a consolidated checkpoint (no 'model' "
-                         f"and 'step'): give a consolidated.pt written by chapter 02, 07 or 10")
+                         f"and 'step'): give a consolidated.pt written by chapter 02 or "
+                         f"scripts/convert_dcp.py")
     with torch.device("meta"):
         expected = Llama(cfg.model).state_dict()
     check_state_keys(name, model, expected, "this config's model.*",

@@ -16,8 +16,6 @@ on NCCL the pieces stay on the host.
 """
 
 import copy
-import os
-import shutil
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Tuple
 
@@ -28,9 +26,9 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter
 from torch.distributed.tensor import DTensor
 
-from scaletorch.dist import comm
 from scaletorch.trainer.checkpoint import step_dir
-from scaletorch.trainer.dcp_checkpoint import checksum_sharded, commit_sharded, sharded_state
+from scaletorch.trainer.dcp_checkpoint import (checksum_sharded, clear_step_dir, commit_sharded,
+                                               sharded_state)
 from scaletorch.trainer.dcp_pieces import Pieces, _SavePlanner
 
 if TYPE_CHECKING:
@@ -92,9 +90,7 @@ class AsyncSaver:
         if self.group is None and dist.is_initialized():  # all ranks, at their first save
             self.group = dist.new_group(backend="gloo")
         path = step_dir(root, step)
-        if comm.group_rank() == 0 and os.path.isdir(path):  # a write a killed run left unsealed
-            shutil.rmtree(path)
-        comm.barrier()  # DCP would write over it, mixing two runs' files
+        clear_step_dir(path)  # a write a killed run left unsealed, say
         future = dcp.async_save(host_copy(sharded_state(trainer, par)),
                                 storage_writer=self.writer(path), planner=_SavePlanner(),
                                 process_group=self.group, async_stager=_Copied())

@@ -13,6 +13,7 @@ pickle with an allow-list of DCP's own classes).
 
 import io
 import os
+import shutil
 import warnings
 from typing import TYPE_CHECKING, Any, Dict, List
 
@@ -106,9 +107,19 @@ def save_sharded_checkpoint(root: str, step: int, trainer: Any, par: "Paralleliz
     the checkpoint directory."""
     path = step_dir(root, step)
     rank = comm.group_rank()
+    clear_step_dir(path)
     with removed_unless_complete(path, _written_by(path, rank)):
         commit_sharded(root, path, step, save_sharded(path, trainer, par), keep_last, layout)
     return path
+
+
+def clear_step_dir(path: str) -> None:
+    """Collective over the world, before a save writes checkpoint directory ``path``: rank 0
+    removes what is there, such as the files of a save killed before its manifest (an earlier
+    run's, at another world size). DCP would write over them, mixing two runs' files."""
+    if comm.group_rank() == 0 and os.path.isdir(path):
+        shutil.rmtree(path)
+    comm.barrier()  # no rank writes before it is gone
 
 
 def commit_sharded(root: str, path: str, step: int, digests: Dict[str, str], keep_last: int,

@@ -13,15 +13,20 @@ of a tensor from the memory-mapped file, never the whole tensor::
 So a rank reads the bytes it will hold, not the model's: at 405B and 64 ranks a rank reads
 1/64 of the weights instead of all of them. The model is first built from the seed at the
 HF config (chapter 00's rule), then every piece is overwritten; ZeRO-1/2 then all-gather
-their flat shards (over dp_cp) to refill the full parameters, as a DCP load does.
+their flat shards (over dp_cp) to refill the full parameters, as a DCP load does. An export of
+ours has a ``.sha256`` beside each file: the ranks share the hashing before any piece is read.
 """
 
+import json
 from typing import TYPE_CHECKING, Dict, List, Tuple
 
 import torch
 
-from scaletorch.models.hf import from_hf_name, load_hf_config, require_hf, tensor_files, to_hf_name
+from scaletorch.dist import comm
+from scaletorch.models.hf import (from_hf_name, load_hf_config, require_hf, tensor_files,
+                                  to_hf_name, verify_export_file)
 from scaletorch.rules.errors import InputError
+from scaletorch.rules.safe_files import CorruptFileError
 from scaletorch.trainer.dcp_pieces import Pieces, local_pieces
 
 LM_HEAD, EMBEDDING = "lm_head.weight", "embed_tokens.weight"  # one tensor when tied
@@ -53,18 +58,37 @@ the tied copy as lm_head.weight alone)."""
     return out
 
 
+def verify_files(files: List[str]) -> None:
+    """Collective over the world: each safetensors file of ``files`` matches the ``.sha256``
+    beside it, when the directory is an export of ours (a Hub directory has none). The ranks
+    share the hashing, a file each in turn; else every rank raises the same CorruptFileError
+    naming the first bad file, before any weight is read."""
+    errors = []
+    for file in sorted(files)[comm.group_rank()::comm.group_size()]:
+        try:
+            verify_export_file(file)  # in blocks: a file's bytes are never all in memory
+        except CorruptFileError as err:
+            errors.append(str(err))
+    found = [e for errors_of_rank in comm.all_gather_objects(errors) for e in errors_of_rank]
+    if found:
+        raise CorruptFileError(found[0])
+
+
 def seed_from_hf(path: str, par: "Parallelized") -> int:
-    """Collective over dp_cp when ZeRO-1/2 (the refill); reads only local files otherwise.
-    Overwrite this rank's pieces of every weight of ``par`` with those of Hugging Face
+    """Collective over the world (``verify_files``), and over dp_cp when ZeRO-1/2 (the
+    refill). Overwrite this rank's pieces of every weight of ``par`` with those of Hugging Face
     directory ``path`` (cast to the parameters' dtype). Returns the bytes this rank read from
     the safetensors files: its rectangles, at the files' dtype, never a whole tensor it does
     not hold."""
     require_hf("safetensors")
     from safetensors import safe_open
     pieces = local_pieces(par, torch.Tensor.detach, load=True)  # a tied copy as the embedding
+    sources = _sources(path, pieces, par)
+    # every file, the same list on every rank: a damaged byte is never read into a weight
+    verify_files(sorted({file for file, _ in tensor_files(path).values()}))
     read = 0
     with torch.no_grad():
-        for file, wanted in _sources(path, pieces, par).items():
+        for file, wanted in sources.items():
             with safe_open(file, framework="pt") as f:
                 for hf_name, piece in wanted:
                     source = f.get_slice(hf_name)
@@ -87,3 +111,15 @@ def held_bytes(par: "Parallelized", dtype: torch.dtype) -> int:
     return sum(t.numel() * size
                for piece in local_pieces(par, torch.Tensor.detach, load=True).values()
                for _, t in piece.pieces)
+
+
+def stored_bytes(path: str) -> int:
+    """Bytes of every tensor of Hugging Face directory ``path`` as its safetensors files store
+    them (what loading the whole model reads), from the files' headers: no weights are read."""
+    total = 0
+    for file in sorted({file for file, _ in tensor_files(path).values()}):
+        with open(file, "rb") as f:  # safetensors: an 8-byte little-endian length, a JSON header
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        total += sum(entry["data_offsets"][1] - entry["data_offsets"][0]
+                     for name, entry in header.items() if name != "__metadata__")
+    return total

@@ -267,7 +267,9 @@ class Trainer:
         return self.parallelized
 
     def save(self) -> str:
-        dcp = self.cfg.checkpoint.format == "dcp"
+        # a dry run's save counts this rank's state as a per-rank file (meta tensors are not
+        # written): a dcp file holds the same pieces, less the replicas another rank writes
+        dcp = self.cfg.checkpoint.format == "dcp" and self.checkpoint_sizes is None
         if dcp and self.cfg.checkpoint.async_save:  # written while training goes on (dcp_async.py)
             return self.async_saver.start(self.cfg.checkpoint_path, self.step, self,
                                           self._sharded("--checkpoint.format dcp"),
