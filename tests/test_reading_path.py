@@ -82,8 +82,9 @@ OWNER = {module: chapter for chapter, modules in MODULES_OF.items() for module i
 # 07: the MoE loss under a pipeline (moe_pipeline.py) is composition, so it is 07's. Then the
 # gradients' group got its name by one rule shared with the planner (rules/group_names.py, 24
 # lines: "dp" until cp makes it "dp_cp"), and 05's ring its kernel names (05 +5). The layout
-# errors name that group by the same rule (07 +3).
-OVER_BUDGET: Dict[str, int] = {"01": 785, "03": 856, "04b": 1080, "05": 735, "07": 785}
+# errors name that group by the same rule (07 +3). grad_norm.py's is_dtensor (01 +10) keeps
+# torch.distributed.tensor's import, half a second of a core, out of the runs that make no DTensor.
+OVER_BUDGET: Dict[str, int] = {"01": 795, "03": 856, "04b": 1080, "05": 735, "07": 785}
 
 
 def chapters() -> List[Tuple[str, str, str]]:

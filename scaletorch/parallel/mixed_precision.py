@@ -39,12 +39,11 @@ that skipped alone would leave the replicas different forever. bf16 has fp32's e
 import warnings
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, Iterable, List, Optional, Tuple, cast
+from typing import TYPE_CHECKING, Any, Callable, Iterable, List, Optional, Tuple, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy as FSDPMixedPrecision
 
 from scaletorch.config import Config, resolve_precision
 from scaletorch.dist import ProcessGroupManager
@@ -55,6 +54,9 @@ from scaletorch.parallel.moe_pipeline import MoELossInPipeline
 from scaletorch.parallel.pipeline_runtime import LossFn, PipelineSchedule, StageHooks
 from scaletorch.parallel.tensor_parallel_layers import ParallelRMSNorm, VocabParallelEmbedding
 from scaletorch.parallel.zero_mixed_precision import zero_unit_in
+
+if TYPE_CHECKING:  # imported where FSDP2 runs: every process imports this module's config half
+    from torch.distributed.fsdp import MixedPrecisionPolicy as FSDPMixedPrecision
 
 # fp64 is named only to be refused (wider than the master)
 DTYPES = {
@@ -196,9 +198,10 @@ def tensor_parallel_wire_in_compute(model: nn.Module) -> None:
             module.__class__ = _EmbeddingLeavesInCompute
 
 
-def fsdp_mp_policy(policy: Optional[MixedPrecisionPolicy]) -> FSDPMixedPrecision:
+def fsdp_mp_policy(policy: Optional[MixedPrecisionPolicy]) -> "FSDPMixedPrecision":
     """FSDP2's ``mp_policy`` of ours: fp32 means no cast (None)."""
     p = policy or FP32
+    from torch.distributed.fsdp import MixedPrecisionPolicy as FSDPMixedPrecision
     return FSDPMixedPrecision(
         param_dtype=None if p.param_dtype == torch.float32 else p.param_dtype,
         reduce_dtype=None if p.reduce_dtype == torch.float32 else p.reduce_dtype)
@@ -344,7 +347,7 @@ class PrecisionHooks:
         """Chapter 01's data parallel reducing in the policy's ``reduce_dtype``."""
         return apply_data_parallel_in(self.policy.reduce_dtype, model, pgm, impl, bucket_size_mb)
 
-    def fsdp_policy(self, gather: bool = True) -> FSDPMixedPrecision:
+    def fsdp_policy(self, gather: bool = True) -> "FSDPMixedPrecision":
         """FSDP2's ``mp_policy``; ``gather`` False (``replicate``): reduce_dtype only."""
         policy = self.policy if gather else MixedPrecisionPolicy(
             reduce_dtype=self.policy.reduce_dtype)

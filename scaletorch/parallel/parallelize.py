@@ -59,7 +59,6 @@ from scaletorch.parallel.data_parallel import apply_data_parallel
 from scaletorch.parallel.expert_parallel import ExpertParallel, shard_experts
 from scaletorch.parallel.grad_norm import clip_grads_, world_grad_norm
 from scaletorch.parallel.moe_pipeline import MoELossInPipeline
-from scaletorch.parallel.native import parallelize_native
 from scaletorch.parallel.pipeline_parallel import apply_pipeline_parallel
 from scaletorch.parallel.split_backward import runtime_class
 from scaletorch.parallel.step import ForwardBackward, LossFn, LossScale, make_data_parallel_step
@@ -197,6 +196,7 @@ def parallelize(model: Llama, cfg: "Config", pgm: ProcessGroupManager, device: t
     p = cfg.parallel
     model = model.to(device)
     if p.impl == "torch":  # PyTorch's own strategies on one DeviceMesh (native.py)
+        from scaletorch.parallel.native import parallelize_native  # its imports: ~1 s of a core
         return Parallelized(*parallelize_native(model, cfg, pgm, precision, recompute))
     # [core: order]
     loss: LossFn = loss_fn

@@ -34,13 +34,12 @@ from typing import Any, Callable, Dict, Optional
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from scaletorch.config import Config
 from scaletorch.dist import ProcessGroupManager, get_ledger
 from scaletorch.dist.functional import gather_along_dim
 from scaletorch.models import MLP, Llama, LlamaConfig, RMSNorm
-from scaletorch.parallel.grad_norm import clip_grads_, replica_count, world_grad_norm
+from scaletorch.parallel.grad_norm import clip_grads_, is_dtensor, replica_count, world_grad_norm
 from scaletorch.parallel.tensor_parallel_layers import (ColumnParallelLinear, ParallelRMSNorm,
                                                         RowParallelLinear, VocabParallelEmbedding,
                                                         vocab_parallel_cross_entropy)
@@ -156,7 +155,7 @@ def gather_tensor_parallel_state_dict(model: nn.Module,
     with get_ledger().paused():  # a check, not training traffic
         for name, t in model.state_dict(keep_vars=True).items():
             value = t.detach()
-            if isinstance(value, DTensor):
+            if is_dtensor(value):
                 value = value.full_tensor()
             elif getattr(t, "tensor_model_parallel", False):
                 value = gather_along_dim(value, t.partition_dim, pgm.tensor_model_parallel_group)

@@ -33,11 +33,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from scaletorch.config import Config
 from scaletorch.dist import comm, restart_count
 from scaletorch.models import Llama
+from scaletorch.parallel.grad_norm import is_dtensor
 from scaletorch.parallel.memory_report import storage_key
 from scaletorch.rules.errors import InputError, MissingInputError
 from scaletorch.rules.safe_files import (CorruptFileError, checksum_line, checksum_path,
@@ -333,7 +333,7 @@ def check_layout(path: str, manifest: Dict[str, Any], world_size: int,
 def local_tensors(state: Any) -> Any:
     """``state`` with every DTensor (PyTorch's FSDP2 / tensor parallel) replaced by this rank's
     local piece: a per-rank file holds the rank's shards, not the device mesh they were on."""
-    if isinstance(state, DTensor):
+    if is_dtensor(state):
         return state.to_local()
     if isinstance(state, dict):
         return type(state)((k, local_tensors(v)) for k, v in state.items())
@@ -345,8 +345,9 @@ def local_tensors(state: Any) -> Any:
 def as_dtensor_like(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     """A local piece loaded from a per-rank file, placed as ``param`` is (on this run's mesh),
     when ``param`` is a DTensor; unchanged otherwise."""
-    if not isinstance(param, DTensor) or isinstance(local, DTensor) or local.dim() == 0:
+    if not is_dtensor(param) or is_dtensor(local) or local.dim() == 0:
         return local
+    from torch.distributed.tensor import DTensor  # imported already: param is one
     return DTensor.from_local(local.to(param.device), param.device_mesh, param.placements,
                               shape=param.shape, stride=param.stride())
 

@@ -14,10 +14,10 @@ import logging
 from typing import Callable, Dict, List, Optional, Union
 
 import torch
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from scaletorch.dist import get_ledger
 from scaletorch.dist.functional import gather_along_dim, split_along_dim
+from scaletorch.parallel.grad_norm import is_dtensor
 from scaletorch.parallel.parallelize import Parallelized
 from scaletorch.parallel.tensor_layout import TensorLayout, plain_entries
 from scaletorch.trainer.pipeline_state import gather_pipeline_state_dict
@@ -135,7 +135,7 @@ class DTensorParamMap:
         quiet.setLevel(logging.ERROR)
         for param, names in self.entries:
             value = value_of(param).detach()
-            full = value.full_tensor() if isinstance(value, DTensor) else value
+            full = value.full_tensor() if is_dtensor(value) else value
             full_state.update({n: full.cpu().float().clone() for n in names})
         quiet.setLevel(level)
         gathered: Optional[State] = full_state
@@ -145,11 +145,12 @@ class DTensorParamMap:
 
     def scatter(self, full: State) -> Dict[torch.Tensor, torch.Tensor]:
         """{parameter: this rank's part of ``full``}, as DTensors placed like the parameter."""
+        from torch.distributed.tensor import distribute_tensor  # DTensors exist: imported
         out = {}
         for param, names in self.entries:
             t = full[names[0]].to(param.device, param.dtype)
             out[param] = distribute_tensor(t, param.device_mesh, param.placements) \
-                if isinstance(param, DTensor) else t.clone()
+                if is_dtensor(param) else t.clone()
         return out
 
 

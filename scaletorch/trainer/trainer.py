@@ -27,22 +27,19 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional,
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from scaletorch.data import GlobalBatchLoader, build_dataset
 from scaletorch.data.loader import BatchSource
 from scaletorch.dist import ProcessGroupManager, comm, get_ledger, restart_count
 from scaletorch.dist.straggler import straggler_report
 from scaletorch.models import loss_fn
-from scaletorch.parallel.grad_norm import clip_replicated
+from scaletorch.parallel.grad_norm import clip_replicated, is_dtensor
 from scaletorch.parallel.mixed_precision import DynamicLossScaler
 from scaletorch.parallel.step import ForwardBackward, LossFn, make_data_parallel_step
 from scaletorch.rules.errors import InputError
 from scaletorch.rules.safe_files import WriteError
 from scaletorch.trainer import checkpoint as ckpt
-from scaletorch.trainer import dcp_checkpoint
 from scaletorch.trainer.config import Config, save_config
-from scaletorch.trainer.dcp_async import AsyncSaver
 from scaletorch.trainer.plan_line import plan_report
 from scaletorch.trainer.precision import autocast, precision_note, resolve_precision
 from scaletorch.trainer.profiling import profiler
@@ -50,6 +47,7 @@ from scaletorch.trainer.stops import check_finite, interruptible
 
 if TYPE_CHECKING:
     from scaletorch.parallel.parallelize import Parallelized
+    from scaletorch.trainer.dcp_async import AsyncSaver
 
 
 @dataclass
@@ -135,7 +133,10 @@ class Trainer:
         self.checkpoint_sizes: Optional[ckpt.SizeCounter] = None
         # what parallelize built (from_parallelized): where each tensor lives, for dcp checkpoints
         self.parallelized: Optional["Parallelized"] = None
-        self.async_saver = AsyncSaver()  # --checkpoint.async_save: the write in flight
+        self.async_saver: Optional["AsyncSaver"] = None  # --checkpoint.async_save's write
+        if cfg.checkpoint.async_save:  # DCP's modules are imported only by the runs that use them
+            from scaletorch.trainer import dcp_async
+            self.async_saver = dcp_async.AsyncSaver()
         self._log: Optional[str] = None  # rank 0's log.txt in the run directory, from train()
 
     @classmethod
@@ -160,7 +161,7 @@ class Trainer:
         and through the clipping factor that alone broke 1e-5 parity with the sharded runs.
         """
         params = [p for p in self.model.parameters() if p.grad is not None]
-        if any(isinstance(p, DTensor) for p in params):  # FSDP2 alone (chapter 02): shards
+        if any(is_dtensor(p) for p in params):  # FSDP2 alone (chapter 02): shards
             return torch.nn.utils.clip_grad_norm_(params, max_norm)  # DTensor's global norm
         return clip_replicated(params, max_norm)  # every rank holds every gradient
 
@@ -248,6 +249,7 @@ class Trainer:
             self._print(f"no checkpoint in {self.cfg.checkpoint_path}: starting from step 0")
             return
         if ckpt.read_manifest(path).get("format") == "dcp":  # pieces: any layout reads them
+            from scaletorch.trainer import dcp_checkpoint
             dcp_checkpoint.load_sharded(path, self, self._sharded(f"resuming {path}"))
         else:
             self.load_state_dict(
@@ -270,11 +272,12 @@ class Trainer:
         # a dry run's save counts this rank's state as a per-rank file (meta tensors are not
         # written): a dcp file holds the same pieces, less the replicas another rank writes
         dcp = self.cfg.checkpoint.format == "dcp" and self.checkpoint_sizes is None
-        if dcp and self.cfg.checkpoint.async_save:  # written while training goes on (dcp_async.py)
+        if dcp and self.async_saver is not None:  # written while training goes on (dcp_async.py)
             return self.async_saver.start(self.cfg.checkpoint_path, self.step, self,
                                           self._sharded("--checkpoint.format dcp"),
                                           self.cfg.checkpoint.keep_last, self.layout())
         if dcp:
+            from scaletorch.trainer import dcp_checkpoint
             return dcp_checkpoint.save_sharded_checkpoint(self.cfg.checkpoint_path, self.step, self,
                                                           self._sharded("--checkpoint.format dcp"),
                                                           self.cfg.checkpoint.keep_last,
@@ -402,7 +405,8 @@ class Trainer:
         try:
             with interruptible(cfg, step), prof if prof is not None else nullcontext():
                 self._loop(result, metrics, bar, tokens_per_step, window, prof, step)
-            finished = self.async_saver.finish()  # the last async checkpoint counts once whole
+            # the last async checkpoint counts once whole
+            finished = self.async_saver.finish() if self.async_saver is not None else None
             if finished is not None:
                 self._print(f"saved checkpoint {finished}")
         finally:
