@@ -41,6 +41,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         if args.hf is None and args.consolidated is None:
             raise ValueError("nothing to write: give --hf DIR, --consolidated FILE or both")
+        if args.consolidated is not None and os.path.exists(args.consolidated):
+            raise FileExistsError(f"--consolidated {args.consolidated} exists: give a new path "
+                                  f"(a file a run or a user left is never overwritten)")
         if args.hf is not None:
             if args.config is None:
                 raise ValueError("--hf needs --config (the run's config.yaml): the RoPE theta "

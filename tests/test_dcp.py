@@ -37,7 +37,7 @@ from scaletorch.trainer.dcp_pieces import flat_range_boxes
 from scaletorch.trainer.param_map import full_state_dict
 from scaletorch.trainer.parity import max_weight_diff
 from scaletorch.trainer.precision import TOLERANCES
-from scripts import dcp_to_consolidated
+from scripts import convert_dcp
 from tests.harness import bit_exact, run_distributed, run_main, value_error
 from tests.layouts import TOL, build, layout, make_config, pg_manager_for, reference
 from tests.test_checksums import flip_byte
@@ -350,15 +350,19 @@ class ShardedCheckpointResumesAtAnyLayout(unittest.TestCase):
     def test_the_converter_script_refuses_a_damaged_checkpoint_in_one_line(self):
         out = os.path.join(self.tmp.name, "refused.pt")
         damaged = os.path.join(self.tmp.name, "damaged_flipped_byte")
-        status, _, err = run_main(dcp_to_consolidated.main, damaged, "--out", out)
+        status, _, err = run_main(convert_dcp.main, damaged, "--consolidated", out)
         self.assertEqual(status, 2)
         self.assertRegex(err, r"^error: .*__1_0\.distcp' does not match its checksum")
         self.assertEqual(len(err.splitlines()), 1)
         self.assertFalse(os.path.exists(out))
-        status, stdout, _ = run_main(dcp_to_consolidated.main, os.path.join(self.tmp.name, "A"),
-                                     "--out", out)
+        status, stdout, _ = run_main(convert_dcp.main, os.path.join(self.tmp.name, "A"),
+                                     "--consolidated", out)
         self.assertEqual(status, 0)
-        self.assertIn("step 2, ", stdout)
+        self.assertIn(f"wrote {out} (and its .sha256), step 2", stdout)
+        status, _, err = run_main(convert_dcp.main, os.path.join(self.tmp.name, "A"),
+                                  "--consolidated", out)  # never over a file that exists
+        self.assertEqual(status, 2)
+        self.assertRegex(err, r"^error: --consolidated .* exists: give a new path")
         self.assertEqual(load_consolidated(out)["step"], SAVE_AT)
 
 
