@@ -149,6 +149,8 @@ class InjectedFaultsEndAsDocumented(unittest.TestCase):
             # 2 profiled steps x (8 buckets + 1 loss) all-reduces over dp, each labelled
             self.assertEqual(names.count("dp all_reduce"), 18)
             self.assertIn("ProfilerStep#1", names)
+        # the line doc/11_debugging.md's profiled run shows (its block is not re-run in CI)
+        self.assertIn("profile: 2 steps per rank in ", out)
 
 
 class OneTraceback(unittest.TestCase):

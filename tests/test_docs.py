@@ -248,7 +248,10 @@ class DocumentedCommandsReproduce(unittest.TestCase):
         self.assertGreater(len(blocks), 0)
 
     def test_the_commands_marked_ci_print_what_the_docs_show(self):
-        # tiny runs (2 ranks, 10 steps); `python scripts/check_docs.py --all` runs every block
+        # the blocks marked ci: chapters 00's and 01's 50-step --check runs, 04's and 04b's
+        # printed schedules and 07's refusal. Chapters 03, 05 and 06 run with --check in
+        # test_examples, 11's profile in test_debugging (doc/design.md says so);
+        # `scripts/check_docs.py --all` runs every block
         proc = subprocess.run([sys.executable, "scripts/check_docs.py", "--ci", "--jobs", "2"],
                               cwd=ROOT, capture_output=True, text=True, timeout=600, env={
                                   **os.environ, "PYTHONPATH": ROOT,

@@ -337,6 +337,20 @@ class ChaptersPrintTheirOwnLessonWithinALineBudget(unittest.TestCase):
             if name in OWN_LINES:
                 self.assertIn(OWN_LINES[name], out)
 
+    def test_chapters_03_05_and_06_check_their_ledger_against_the_formula(self):
+        # the lines doc/03, doc/05 and doc/06 show under their runs (which CI does not re-run),
+        # from these runs: the same layout, so the same elements per step
+        out = self.outputs
+        self.assertIn("all_reduce over tp in step 2: ledger 329,216 elements, formula 329,216 (OK)",
+                      out["03_tensor_parallel"])
+        self.assertIn(
+            "ring K/V traffic per layer per step per rank (send over cp): 65,536 elements = "
+            "0.262 MB; formula 65,536", out["05_context_parallel"])
+        # the routed tokens differ from step to step; the ledger equals the formula in each
+        self.assertRegex(
+            out["06_expert_parallel"], r"rank 0, step 2: all-to-all token elements over ep "
+            r"(\S+) = 2 directions x h x \(sent \+ received\) summed over layers \1 \(OK\)")
+
     def test_the_held_back_lines_are_in_the_run_directorys_log(self):
         # the planner's line is printed at every fp32 run of our impl (the straggler line
         # only when a rank is slow): the runs of chapters 01 and 03
