@@ -17,6 +17,7 @@ whether greedy generation gives the same tokens.
 import argparse
 import os
 import sys
+from typing import List, Optional
 
 import torch
 
@@ -61,7 +62,9 @@ def compare_with_transformers(path: str, model: Llama, prompt: torch.Tensor, new
     return same and diff <= 1e-4
 
 
-def main() -> int:
+def main(argv: Optional[List[str]] = None) -> int:
+    """The command line above (``argv``: its arguments, sys.argv's by default); 0, or 2 on
+    a bad source."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("source", help="a Hugging Face Llama directory or a consolidated .pt")
     parser.add_argument("--config", default="examples/configs/10_real_model.yaml",
@@ -74,7 +77,7 @@ def main() -> int:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--compare-transformers", action="store_true")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     try:
         model = load_model(args.source, args.config)
         spec = args.tokenizer

@@ -18,7 +18,8 @@ from scaletorch.models import build_model
 from scaletorch.models.hf import export_hf_llama
 from scaletorch.trainer import parse_args
 from scaletorch.trainer.dcp_checkpoint import to_consolidated
-from tests.harness import NCCL_CHECKS, warning_lines
+from scripts import generate
+from tests.harness import NCCL_CHECKS, run_main, warning_lines
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -82,15 +83,12 @@ NO_PREFLIGHT = {"SCALETORCH_PREFLIGHT": "0"}
 
 
 def generate_script(source: str, *args: str) -> str:
-    """scripts/generate.py's greedy sample (20 tokens) from ``source``; fails on an error."""
-    cmd = [
-        sys.executable,
-        os.path.join(ROOT, "scripts", "generate.py"), source, "--max-new-tokens", "20", *args
-    ]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
-    if proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stderr[-2000:]}")
-    return proc.stdout
+    """scripts/generate.py's greedy sample (20 tokens) from ``source``, its ``main`` in this
+    process (it reads the file the run left, on one device); fails on an error."""
+    status, out, err = run_main(generate.main, source, "--max-new-tokens", "20", *args)
+    if status != 0:
+        raise AssertionError(f"scripts/generate.py {source} exited {status}:\n{err[-2000:]}")
+    return out
 
 
 # chapter 10's training text in the test: English sentences about this repository, fixed
