@@ -17,7 +17,7 @@ updates of about lr; a high learning rate amplifies every difference), not a wro
 import argparse
 import os
 import sys
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -49,14 +49,15 @@ def run(config_file: str, overrides: List[str], micro_batches: int,
     return out
 
 
-def main() -> None:
+def main(argv: Optional[List[str]] = None) -> None:
+    """The command line above (``argv``: its arguments, sys.argv's by default)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("config", help="a chapter's YAML config")
     parser.add_argument("--steps", type=int, nargs="+", default=[10, 40],
                         help="report the drift after each of these step counts")
     parser.add_argument("--micro-batches", type=int, nargs=2, default=[2, 4], metavar=("A", "B"),
                         help="the two splittings of every global batch to compare")
-    argv = sys.argv[1:]
+    argv = sys.argv[1:] if argv is None else argv
     split = argv.index("--") if "--" in argv else len(argv)
     args = parser.parse_args(argv[:split])
     args.overrides = argv[split + 1:]  # config overrides after --, as the examples take them

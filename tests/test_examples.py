@@ -1,6 +1,8 @@
 """The numbered scripts run as a user runs them: through scripts/launch.sh (torchrun)."""
 
+import contextlib
 import importlib.util
+import io
 import json
 import os
 import re
@@ -18,7 +20,7 @@ from scaletorch.models import build_model
 from scaletorch.models.hf import export_hf_llama
 from scaletorch.trainer import parse_args
 from scaletorch.trainer.dcp_checkpoint import to_consolidated
-from scripts import generate
+from scripts import generate, parity_floor
 from tests.harness import NCCL_CHECKS, run_main, warning_lines
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -199,9 +201,12 @@ class ParityFloorScript(unittest.TestCase):
         self.assertTrue(all(float(diff) <= 1e-5 for _, diff, _ in lines))
 
     def test_a_step_count_below_one_is_refused(self):
-        proc = self.run_floor("--steps", "0")
-        self.assertEqual(proc.returncode, 2)
-        self.assertIn("--steps must be positive, got [0]", proc.stderr)
+        # the script's main in this process: the refusal comes before any model is built
+        err = io.StringIO()
+        with self.assertRaises(SystemExit) as stop, contextlib.redirect_stderr(err):
+            parity_floor.main(["examples/configs/10_real_model.yaml", "--steps", "0"])
+        self.assertEqual(stop.exception.code, 2)
+        self.assertIn("--steps must be positive, got [0]", err.getvalue())
 
 
 # Chapters whose script applies its own strategy with its own module's calls (issue 27): 01-06,
