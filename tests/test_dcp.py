@@ -92,6 +92,18 @@ def _straight(name: str, path: str) -> dict:
     return _straight_run(config(SAVED[name][0], **SAVED[name][1]), path)
 
 
+def _save_only(cfg, path: str) -> dict:
+    """Train ``cfg`` SAVE_AT steps and save the sharded checkpoint to ``path``: what a resumed
+    run loads, when only the single-device run is compared with it."""
+    pgm = pg_manager_for(cfg)
+    par, trainer = build(cfg, pgm)
+    for _ in range(SAVE_AT):
+        trainer.train_step()
+    save_sharded(path, trainer, par)
+    destroy_pg_manager()
+    return {}
+
+
 def _straight_run(cfg, path: str) -> dict:
     """Train ``cfg``, saving the sharded checkpoint at SAVE_AT to ``path``; its remaining
     losses, its consolidated state then and at the end (rank 0)."""
@@ -367,7 +379,7 @@ class ShardedCheckpointResumesAtAnyLayout(unittest.TestCase):
 
 
 def _save_at_eight(rank: int, world: int, path: str) -> dict:
-    return _straight_run(config(**layout(tp=2, pp=2, zero_stage=1)), path)
+    return _save_only(config(**layout(tp=2, pp=2, zero_stage=1)), path)
 
 
 def _resume_at_four(rank: int, world: int, path: str) -> dict:
