@@ -18,7 +18,7 @@ from scaletorch.trainer import parse_args
 from scaletorch.trainer.dcp_checkpoint import to_consolidated
 from tests.harness import bit_exact, free_port, run_distributed
 from tests.test_examples import NO_PREFLIGHT, launch
-from tests.test_resume import KILL_LAYOUTS, RUN_FLAGS, straight_run
+from tests.test_resume import KILL_LAYOUTS, RUN_FLAGS, RUN_STEPS, straight_run
 
 
 def _config(tmp: str, *overrides: str):
@@ -181,8 +181,8 @@ class TwoLaunchersAsTwoNodesEqualOneLauncher(unittest.TestCase):
         _, want = straight_run("zero1_pp2_dp2")
         with tempfile.TemporaryDirectory() as tmp:
             multi = _two_nodes("examples/07_nd_parallel.py", nproc // 2, [*args, *RUN_FLAGS], tmp)
-            # 07's step 8 checkpoint (sharded) as one consolidated state, converted offline
-            got = to_consolidated(ckpt.step_dir(multi, 8), os.path.join(tmp, "step_8.pt"))
+            # 07's last checkpoint (sharded) as one consolidated state, converted offline
+            got = to_consolidated(ckpt.step_dir(multi, RUN_STEPS), os.path.join(tmp, "last.pt"))
         self.assertStatesEqual(want["model"], got["model"])
 
 

@@ -15,7 +15,7 @@ so this file only resumes them.
 
 ``KilledRankResumes``: the real thing under ``torchrun --max-restarts 1``: a rank of chapter
 07 is killed mid-run and every rank restarts from the latest checkpoint (07's format: DCP,
-compared through step 8's checkpoint converted to one consolidated file). Run here for the
+compared through the last step's checkpoint converted to one consolidated file). Run here for the
 pipeline layouts that once resumed wrongly or crashed; set SCALETORCH_FULL_RESUME=1 to run it
 for every layout.
 """
@@ -185,18 +185,22 @@ class InWorldResume(unittest.TestCase):
         self.assertRegex(stderr.getvalue(), r"^error: checkpoint .*zero_stage 1 there, 0 here")
 
 
-RUN_FLAGS = ["--steps", "8", "--checkpoint.every", "2", "--logging.log_every", "1"]
+# Checkpoints at 2 and 4, rank 1 killed at step 5: resumed from step 4, two steps after it
+# (AdamW's moments and step count in use); test_dcp_async's kill resumes from step 2.
+RUN_STEPS = 6
+RUN_FLAGS = ["--steps", str(RUN_STEPS), "--checkpoint.every", "2", "--logging.log_every", "1"]
 
 
 def _launch_run(tmp: str, name: str, nproc: int, args: list, fail: bool) -> tuple:
-    """07 under torchrun, RUN_FLAGS (8 steps, checkpoints every 2); with ``fail`` rank 1 is
-    killed at step 5 and torchrun restarts every rank once. Returns (output, step 8's sharded
-    checkpoint as a consolidated state, converted offline)."""
+    """07 under torchrun, RUN_FLAGS (6 steps, checkpoints every 2); with ``fail`` rank 1 is
+    killed at step 5 and torchrun restarts every rank once. Returns (output, the last step's
+    sharded checkpoint as a consolidated state, converted offline)."""
     root = os.path.join(tmp, name)
     extra = ["--fail-at-step", "5", "--fail-rank", "1"] if fail else []
     out = launch("examples/07_nd_parallel.py", nproc, *args, *RUN_FLAGS, "--checkpoint.dir", root,
                  *extra, launcher=["--max-restarts", "1"] if fail else [], env=NO_PREFLIGHT)
-    return out, to_consolidated(ckpt.step_dir(root, 8), os.path.join(root, "step_8.pt"))
+    last = os.path.join(root, f"step_{RUN_STEPS}.pt")
+    return out, to_consolidated(ckpt.step_dir(root, RUN_STEPS), last)
 
 
 _STRAIGHT = tempfile.TemporaryDirectory()  # removed when the process exits
@@ -205,7 +209,7 @@ _STRAIGHT_RUNS: dict = {}
 
 def straight_run(name: str) -> tuple:
     """The uninterrupted run of KILL_LAYOUTS[name], launched once per process (test_fault_
-    tolerance's two-node test compares with zero1_pp2_dp2's): (output, consolidated step 8)."""
+    tolerance's two-node test compares with zero1_pp2_dp2's): (output, consolidated last step)."""
     if name not in _STRAIGHT_RUNS:
         nproc, args = KILL_LAYOUTS[name]
         _STRAIGHT_RUNS[name] = _launch_run(_STRAIGHT.name, name, nproc, args, fail=False)
@@ -214,7 +218,7 @@ def straight_run(name: str) -> tuple:
 
 def _last_logged_loss(output: str) -> str:
     return [line for line in output.splitlines()
-            if line.startswith("step     8 |")][-1].split("|")[1]
+            if line.startswith(f"step {RUN_STEPS:5d} |")][-1].split("|")[1]
 
 
 # name -> (ranks, 07 flags). CI kills a rank in one pipeline layout with ZeRO chunks (~20 s a
