@@ -18,7 +18,7 @@ from scaletorch.trainer import parse_args
 from scaletorch.trainer.dcp_checkpoint import to_consolidated
 from tests.harness import bit_exact, free_port, run_distributed
 from tests.test_examples import NO_PREFLIGHT, launch
-from tests.test_resume import KILL_LAYOUTS, RUN_FLAGS, straight_run
+from tests.test_resume import KILL_LAYOUTS, RUN_FLAGS, RUN_STEPS, straight_run
 
 
 def _config(tmp: str, *overrides: str):
@@ -100,9 +100,10 @@ def _final_weights(checkpoint_root: str, step: int, world: int) -> list:
 
 
 # One straight chapter-01 run at 2 ranks, shared: the kill test's uninterrupted run and the
-# two-node test's one-launcher run (6 steps, a checkpoint every 2).
-DDP_ARGS = ["--steps", "6", "--checkpoint.every", "2", "--logging.log_every", "100"]
-DDP_STEPS = 6
+# two-node test's one-launcher run (4 steps, a checkpoint every 2: the kill at step 3 resumes
+# from step 2, two steps before the end, AdamW's moments and step count in use).
+DDP_STEPS = 4
+DDP_ARGS = ["--steps", str(DDP_STEPS), "--checkpoint.every", "2", "--logging.log_every", "100"]
 _STRAIGHT = tempfile.TemporaryDirectory()
 
 
@@ -115,20 +116,20 @@ def _straight_ddp_run() -> str:
 
 
 class KilledRankIsRestartedAndResumesExactly(unittest.TestCase):
-    """torchrun --max-restarts 1: rank 1 is killed at step 5, every rank restarts, resumes at
-    the step-4 checkpoint, and ends with the weights of the run that never failed."""
+    """torchrun --max-restarts 1: rank 1 is killed at step 3, every rank restarts, resumes at
+    the step-2 checkpoint, and ends with the weights of the run that never failed."""
 
     @bit_exact  # the restarted ranks resume the same steps of the same code
     def test_kill_restart_resume_is_bit_identical(self):
         with tempfile.TemporaryDirectory() as tmp:
             failing = os.path.join(tmp, "failing")
             out = launch("examples/01_ddp.py", 2, *DDP_ARGS, "--checkpoint.dir", failing,
-                         "--fail-at-step", "5", "--fail-rank", "1",
+                         "--fail-at-step", "3", "--fail-rank", "1",
                          launcher=["--max-restarts", "1"], env=NO_PREFLIGHT)
             # launch.sh echoes the command it runs
             self.assertIn("torchrun.py --nproc-per-node 2 --max-restarts 1", out)
-            self.assertIn("injected failure at step 5", out)
-            self.assertIn("resumed from", out)
+            self.assertIn("injected failure at step 3", out)
+            self.assertRegex(out, r"resumed from \S+step_0000002 at step 2")
             expected = _final_weights(_straight_ddp_run(), DDP_STEPS, 2)
             actual = _final_weights(failing, DDP_STEPS, 2)
         for want, got in zip(expected, actual):
@@ -180,8 +181,8 @@ class TwoLaunchersAsTwoNodesEqualOneLauncher(unittest.TestCase):
         _, want = straight_run("zero1_pp2_dp2")
         with tempfile.TemporaryDirectory() as tmp:
             multi = _two_nodes("examples/07_nd_parallel.py", nproc // 2, [*args, *RUN_FLAGS], tmp)
-            # 07's step 8 checkpoint (sharded) as one consolidated state, converted offline
-            got = to_consolidated(ckpt.step_dir(multi, 8), os.path.join(tmp, "step_8.pt"))
+            # 07's last checkpoint (sharded) as one consolidated state, converted offline
+            got = to_consolidated(ckpt.step_dir(multi, RUN_STEPS), os.path.join(tmp, "last.pt"))
         self.assertStatesEqual(want["model"], got["model"])
 
 

@@ -5,9 +5,9 @@ Per-rank checkpoints hold each rank's shards: the pipeline's chunks and whatever
 at the same layout, the run must continue exactly as if it had never stopped: final weights
 and AdamW state bit-identical to the uninterrupted run, and the same losses.
 
-``InWorldResume``: every layout of chapter 07's parity matrix (dualpipev as zbv: see
-SAME_STATE_AS_ANOTHER) and the pipeline combinations (pp x ZeRO-1/2, pp x DDP ours
-and torch's, pp x MoE, interleaved pp x dp, tied embeddings under pp x ZeRO-3), each trained
+``InWorldResume``: every layout of chapter 07's parity matrix (dualpipev as zbv, zb-h1 as
+1F1B: see SAME_STATE_AS_ANOTHER) and the pipeline combinations (pp x ZeRO-1, pp x torch's DDP
+and FSDP2, tied embeddings under pp x ZeRO-3; the others the matrix covers), each trained
 straight, then rebuilt from scratch (a new model, a new ``parallelize``: what a restarted
 process does) and resumed from the middle checkpoint. Two worlds of 8 ranks. The matrix's
 straight runs are test_nd_parallel's parity runs (5 steps, checkpoints every 2: ``nd_world``),
@@ -15,7 +15,7 @@ so this file only resumes them.
 
 ``KilledRankResumes``: the real thing under ``torchrun --max-restarts 1``: a rank of chapter
 07 is killed mid-run and every rank restarts from the latest checkpoint (07's format: DCP,
-compared through step 8's checkpoint converted to one consolidated file). Run here for the
+compared through the last step's checkpoint converted to one consolidated file). Run here for the
 pipeline layouts that once resumed wrongly or crashed; set SCALETORCH_FULL_RESUME=1 to run it
 for every layout.
 """
@@ -42,21 +42,23 @@ ND_SAVE_AT = CHECKPOINT_EVERY  # the matrix: 5 steps (test_nd_parallel), resumed
 
 # The pipeline combinations whose per-rank checkpoints once lost or could not load state, and
 # PyTorch's own (DTensor parameters: the files hold local pieces, placed on the new mesh).
+# Those another layout covers are not repeated: ZeRO-2 saves what ZeRO-1 saves (flat shards
+# and their moments; gradients are not saved), so zero1_pp2_dp4 and the matrix's
+# ckpt_zero2_cp2_dp4 cover pp x ZeRO-2; the matrix's tp2_pp2_dp2 covers pp x our DDP; its
+# zero3_pp2_interleaved_dp4 and zbv_tp2_pp2_dp2 cover interleaved pp (two chunks per rank).
 PIPELINE_LAYOUTS = {
     "zero1_pp2_dp4": (False, 2, layout(pp=2, zero_stage=1)),
-    "zero2_pp2_dp4": (False, 2, layout(pp=2, zero_stage=2)),
-    "ddp_pp2_dp4": (False, 2, layout(pp=2)),
     "torch_pp2_dp4": (False, 2, layout(pp=2, impl="torch")),
     "torch_tp2_pp2_zero3_dp2": (False, 2, layout(tp=2, pp=2, zero_stage=3, impl="torch")),
     "torch_tp2_dp4_zero3": (False, 2, layout(tp=2, zero_stage=3, impl="torch")),
-    "interleaved_pp2_dp4": (False, 2, layout(pp=2, schedule="interleaved",
-                                             virtual_pipeline_stages=2)),
     # tied embeddings: the last stage's copy in a ZeRO-3 unit of its own, and its AdamW state
     "tied_zero3_pp2_dp4": (False, 2, layout(pp=2, zero_stage=3)),
 }
-# Chapter 07's matrix, less dualpipev: its state is laid out as zbv's (two chunks per rank,
-# the V); KilledRankResumes resumes it under torchrun with SCALETORCH_FULL_RESUME=1.
-SAME_STATE_AS_ANOTHER = ("dualpipev_tp2_pp2_dp2", )
+# Chapter 07's matrix, less two schedules whose state is another layout's: dualpipev's is
+# zbv's (two chunks per rank, the V), zb-h1's is tp2_pp2_dp2's (one chunk per rank; its split
+# backward holds nothing between steps). KilledRankResumes resumes dualpipev under torchrun
+# with SCALETORCH_FULL_RESUME=1.
+SAME_STATE_AS_ANOTHER = ("dualpipev_tp2_pp2_dp2", "zb_h1_tp2_pp2_dp2")
 ND_RESUMED = {k: v for k, v in ND_LAYOUTS.items() if k not in SAME_STATE_AS_ANOTHER}
 LAYOUTS = {**ND_RESUMED, **PIPELINE_LAYOUTS}
 
@@ -91,7 +93,7 @@ def _resume_every_layout(rank: int, world: int, root: str, names: list) -> dict:
         cfg.checkpoint.every = SAVE_AT
         cfg.checkpoint.dir = os.path.join(root, name)
         straight, want = _run(cfg)
-        # a restarted process: a new model and strategy, then the checkpoint of step 3
+        # a restarted process: a new model and strategy, then the checkpoint of SAVE_AT
         resumed, got = _run(cfg, resume=ckpt.step_dir(cfg.checkpoint.dir, SAVE_AT))
         out[name] = {
             "losses": (straight.losses[SAVE_AT:], resumed.losses),
@@ -102,7 +104,7 @@ def _resume_every_layout(rank: int, world: int, root: str, names: list) -> dict:
     if "zero1_pp2_dp4" not in names:
         return out
     # The same files at another layout: refused, pointing to the consolidated file.
-    other = config_of(LAYOUTS, "ddp_pp2_dp4")  # pp 2 instead of zero1_pp2_dp4's ZeRO-1
+    other = config_of({"ddp_pp2_dp4": (False, 2, layout(pp=2))}, "ddp_pp2_dp4")  # no ZeRO-1
     other.checkpoint.dir = os.path.join(root, "zero1_pp2_dp4")
 
     def resume_elsewhere() -> None:
@@ -140,7 +142,8 @@ class InWorldResume(unittest.TestCase):
     def setUpClass(cls):
         cls.tmp = tempfile.TemporaryDirectory()
         # Two worlds, not one: one world of 20 layouts took 303 s on 2 cores, two of 11 and 8
-        # took 85 s. The matrix's straight runs (and their checkpoints) are test_nd_parallel's.
+        # took 85 s (now 10 and 5). The matrix's straight runs (and their checkpoints) are
+        # test_nd_parallel's.
         results, _, root = nd_world()
         straight = [{
             name: {
@@ -185,18 +188,22 @@ class InWorldResume(unittest.TestCase):
         self.assertRegex(stderr.getvalue(), r"^error: checkpoint .*zero_stage 1 there, 0 here")
 
 
-RUN_FLAGS = ["--steps", "8", "--checkpoint.every", "2", "--logging.log_every", "1"]
+# Checkpoints at 2 and 4, rank 1 killed at step 5: resumed from step 4, two steps after it
+# (AdamW's moments and step count in use); test_dcp_async's kill resumes from step 2.
+RUN_STEPS = 6
+RUN_FLAGS = ["--steps", str(RUN_STEPS), "--checkpoint.every", "2", "--logging.log_every", "1"]
 
 
 def _launch_run(tmp: str, name: str, nproc: int, args: list, fail: bool) -> tuple:
-    """07 under torchrun, RUN_FLAGS (8 steps, checkpoints every 2); with ``fail`` rank 1 is
-    killed at step 5 and torchrun restarts every rank once. Returns (output, step 8's sharded
-    checkpoint as a consolidated state, converted offline)."""
+    """07 under torchrun, RUN_FLAGS (6 steps, checkpoints every 2); with ``fail`` rank 1 is
+    killed at step 5 and torchrun restarts every rank once. Returns (output, the last step's
+    sharded checkpoint as a consolidated state, converted offline)."""
     root = os.path.join(tmp, name)
     extra = ["--fail-at-step", "5", "--fail-rank", "1"] if fail else []
     out = launch("examples/07_nd_parallel.py", nproc, *args, *RUN_FLAGS, "--checkpoint.dir", root,
                  *extra, launcher=["--max-restarts", "1"] if fail else [], env=NO_PREFLIGHT)
-    return out, to_consolidated(ckpt.step_dir(root, 8), os.path.join(root, "step_8.pt"))
+    last = os.path.join(root, f"step_{RUN_STEPS}.pt")
+    return out, to_consolidated(ckpt.step_dir(root, RUN_STEPS), last)
 
 
 _STRAIGHT = tempfile.TemporaryDirectory()  # removed when the process exits
@@ -205,7 +212,7 @@ _STRAIGHT_RUNS: dict = {}
 
 def straight_run(name: str) -> tuple:
     """The uninterrupted run of KILL_LAYOUTS[name], launched once per process (test_fault_
-    tolerance's two-node test compares with zero1_pp2_dp2's): (output, consolidated step 8)."""
+    tolerance's two-node test compares with zero1_pp2_dp2's): (output, consolidated last step)."""
     if name not in _STRAIGHT_RUNS:
         nproc, args = KILL_LAYOUTS[name]
         _STRAIGHT_RUNS[name] = _launch_run(_STRAIGHT.name, name, nproc, args, fail=False)
@@ -214,7 +221,7 @@ def straight_run(name: str) -> tuple:
 
 def _last_logged_loss(output: str) -> str:
     return [line for line in output.splitlines()
-            if line.startswith("step     8 |")][-1].split("|")[1]
+            if line.startswith(f"step {RUN_STEPS:5d} |")][-1].split("|")[1]
 
 
 # name -> (ranks, 07 flags). CI kills a rank in one pipeline layout with ZeRO chunks (~20 s a

@@ -1,6 +1,7 @@
 """A run never writes over another: a run directory that holds a run is refused, or moved aside.
 
-``run_script`` and ``snapshot`` are shared with tests/test_checksums.py and tests/test_stops.py.
+``run_script`` and ``snapshot`` are shared with tests/test_checksums.py and tests/test_stops.py,
+and so is the BASE run (``copy_of_base_run``), run once per process.
 """
 
 import contextlib
@@ -63,6 +64,26 @@ def base_run(tmp: str) -> str:
     return os.path.join(tmp, "00_single_device")
 
 
+_BASE = tempfile.TemporaryDirectory()  # removed when the process exits
+
+
+def finished_base_run() -> str:
+    """The BASE run, run once per process: this file's checks and tests/test_stops.py's each
+    work on a copy of it (``copy_of_base_run``). Returns its run directory."""
+    run = os.path.join(_BASE.name, "00_single_device")
+    if not os.path.isdir(run):
+        base_run(_BASE.name)
+    return run
+
+
+def copy_of_base_run(run_dir: str) -> str:
+    """A copy of the finished BASE run under ``run_dir`` (a run of its own: its checkpoints
+    and logs under its own directory); returns ``run_dir``/00_single_device."""
+    run = os.path.join(run_dir, "00_single_device")
+    shutil.copytree(finished_base_run(), run)
+    return run
+
+
 def metrics_lines(run: str) -> List[dict]:
     with open(os.path.join(run, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
@@ -74,7 +95,7 @@ class ARunDirectoryThatHoldsARunIsNeverWrittenOver(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         cls.tmp = tempfile.TemporaryDirectory()
-        cls.finished = base_run(os.path.join(cls.tmp.name, "base"))
+        cls.finished = finished_base_run()
         cls.before = snapshot(cls.finished)
 
     @classmethod
@@ -84,7 +105,7 @@ class ARunDirectoryThatHoldsARunIsNeverWrittenOver(unittest.TestCase):
     def copy(self, name: str) -> str:
         """A copy of the finished run at run_dir ``name``; returns the run_dir."""
         run_dir = os.path.join(self.tmp.name, name)
-        shutil.copytree(self.finished, os.path.join(run_dir, "00_single_device"))
+        copy_of_base_run(run_dir)
         return run_dir
 
     def test_rerun_without_resume_is_one_line_exit_2_and_the_old_run_byte_identical(self):

@@ -18,7 +18,7 @@ from scaletorch.trainer import checkpoint as ckpt
 from scaletorch.trainer import parse_args
 from tests.harness import NCCL_CHECKS
 from tests.test_examples import NO_PREFLIGHT, ROOT, launch_status
-from tests.test_run_dirs import BASE, C00, base_run, metrics_lines, run_script, snapshot
+from tests.test_run_dirs import BASE, C00, copy_of_base_run, metrics_lines, run_script, snapshot
 
 # The run's logs: a later run may add lines, never change or remove one.
 APPEND_ONLY = ("metrics.jsonl", "log.txt")
@@ -119,7 +119,7 @@ safe_files.write_all = write_all
 
     def test_one_line_naming_the_file_no_partial_files_and_nothing_before_changed(self):
         with tempfile.TemporaryDirectory() as tmp:
-            run = base_run(tmp)
+            run = copy_of_base_run(tmp)  # the BASE run, run once per process
             before = snapshot(run)
             code, out, err = run_script(C00, *BASE[2:], "--steps", "8", "--logging.run_dir", tmp,
                                         "--resume", code=self.FULL_DISK)
@@ -203,7 +203,7 @@ models.loss_fn = loss_fn
 
     def test_one_line_with_step_rank_and_checkpoint_exit_3_and_nothing_before_changed(self):
         with tempfile.TemporaryDirectory() as tmp:
-            run = base_run(tmp)
+            run = copy_of_base_run(tmp)  # the BASE run, run once per process
             before = snapshot(run)
             code, out, err = run_script(C00, *BASE[2:], "--steps", "8", "--logging.run_dir", tmp,
                                         "--resume", code=self.NAN_AT_STEP_6)
