@@ -175,10 +175,6 @@ class ARunDirectoryThatHoldsARunIsNeverWrittenOver(unittest.TestCase):
             check_run_dir(other)
 
 
-if __name__ == "__main__":
-    unittest.main()
-
-
 class TheWritableProbeSurvivesAMoveAside(unittest.TestCase):
     """Under torchrun, rank 0's ``--overwrite`` renames the run directory while another rank
     probes it for writing (load_config's check_writable): a probe that loses its directory
@@ -212,3 +208,7 @@ class TheWritableProbeSurvivesAMoveAside(unittest.TestCase):
             with mock.patch.object(config_module.tempfile, "mkdtemp", always_gone):
                 with self.assertRaisesRegex(InputError, "renamed or removed while it was probed"):
                     config_module.check_writable("logging.run_dir", run)
+
+
+if __name__ == "__main__":
+    unittest.main()
