@@ -6,6 +6,7 @@ and compares each with a single-device bf16 run of the same policy; it also read
 bytes per element and skips an fp16 overflow that only one rank saw.
 """
 
+import dataclasses
 import unittest
 import weakref
 
@@ -236,6 +237,22 @@ def _reference(cfg: Config) -> tuple:
     return result.losses, result.grad_norms, {k: v.detach() for k, v in model.state_dict().items()}
 
 
+_REFERENCES: dict = {}  # what _reference reads of a config -> its run, shared by both classes
+
+
+def shared_reference(cfg: Config) -> tuple:
+    """``_reference(cfg)``, run once per distinct single-device run: it reads every section but
+    ``parallel``, and of that only a ZeRO-3's param_dtype and reduce_dtype. So the data-parallel
+    strategies, tp, pp and cp share one bf16 run, ZeRO-3 and fully_shard one, both fp16 cases
+    one (with chapter 07's fp16 pp 2 x dp 2): each is the same computation, bit for bit."""
+    p = cfg.parallel
+    policy = (p.param_dtype, p.reduce_dtype) if p.zero_stage == 3 else None
+    key = repr(dataclasses.replace(cfg, parallel=Config().parallel)), policy
+    if key not in _REFERENCES:
+        _REFERENCES[key] = _reference(cfg)
+    return _REFERENCES[key]
+
+
 class _WeightCasts(TorchDispatchMode):
     """Sees every op: keeps a weak reference to each bf16 copy of a 2-D fp32 tensor (a weight;
     activations are 3-D), so ``held()`` is the bytes of such copies still alive."""
@@ -357,7 +374,7 @@ class MixedPrecisionDataParallel(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         cls.results = run_distributed(_rank_main, 2, timeout=400)
-        cls.references = {name: _reference(low_config(name)) for name in CASES}
+        cls.references = {name: shared_reference(low_config(name)) for name in CASES}
 
     def test_low_precision_matches_single_device_of_the_same_policy_within_derived_bounds(self):
         # fp16 (11 significant bits) rounds finer than bf16: bf16's bounds hold for it. The one
@@ -540,9 +557,10 @@ class MixedPrecisionComposedLayouts(unittest.TestCase):
         refs = references(composed_config(name) for name in bf16)
         # reference_key ignores the precision: fp16's single-device run (its own scaler) apart
         cls.references = {name: refs[reference_key(composed_config(name))] for name in bf16}
-        cls.references.update(
-            {name: _reference(composed_config(name))
-             for name in COMPOSED if name not in bf16})
+        cls.references.update({
+            name: shared_reference(composed_config(name))
+            for name in COMPOSED if name not in bf16
+        })
 
     def test_composed_layouts_in_bf16_match_single_device_bf16_within_the_derived_bounds(self):
         # fp16 (11 significant bits) rounds finer than bf16: bf16's bound holds for it
