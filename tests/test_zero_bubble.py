@@ -190,9 +190,10 @@ PARITY = {
     "zbv pp4 m8": (8, 8, layout(pp=4, schedule="zbv", virtual_pipeline_stages=2)),
     "zbv pp2 dp2 m4": (4, 4, layout(pp=2, schedule="zbv", virtual_pipeline_stages=2)),
     "dualpipev pp4 m8": (8, 8, layout(pp=4, schedule="dualpipev", virtual_pipeline_stages=2)),
+    "dualpipev pp2 tp2 m4":
+    (4, 4, layout(pp=2, tp=2, schedule="dualpipev", virtual_pipeline_stages=2)),
     # tied embeddings in a V: rank 0's two chunks share the one parameter (dp_cp 1, see
-    # validation.py's refusal of a V with a data-parallel wrapper). DualPipeV at pp 2 x tp 2
-    # runs tied only: its untied V is "dualpipev pp4 m8"'s, and the tied run has tp 2 too.
+    # validation.py's refusal of a V with a data-parallel wrapper)
     "tied zbv pp2 tp2 m4": (4, 4, layout(pp=2, tp=2, schedule="zbv", virtual_pipeline_stages=2)),
     "tied dualpipev pp2 tp2 m4":
     (4, 4, layout(pp=2, tp=2, schedule="dualpipev", virtual_pipeline_stages=2)),
@@ -204,15 +205,13 @@ PARITY = {
     "torch dualpipev pp4 m8":
     (8, 8, layout(pp=4, schedule="dualpipev", virtual_pipeline_stages=2, impl="torch")),
 }
-# ZeRO 1, 2, 3 at pp 2 x dp 2: W must reach the ZeRO units' full parameters, not the wrapper's
-# shards (split_backward.weight_leaves). Every stage under zb-h1 (one chunk a rank) and zbv (a
-# V of two); DualPipeV, the same V placement in another order, with ZeRO-3 only: it gathers
-# the parameters W reads and reduce-scatters what W makes, which ZeRO 1 and 2 do a part of.
-ZERO_RUNS = [(s, z) for s in ("zb-h1", "zbv") for z in (1, 2, 3)] + [("dualpipev", 3)]
+# ZeRO 1, 2, 3 under each schedule at pp 2 x dp 2: W must reach the ZeRO units' full
+# parameters, not the wrapper's shards (split_backward.weight_leaves)
 PARITY.update({
     f"zero{z} {s} pp2 dp2 m4":
     (4, 4, layout(pp=2, schedule=s, zero_stage=z, virtual_pipeline_stages=1 if s == "zb-h1" else 2))
-    for s, z in ZERO_RUNS
+    for s in ZERO_BUBBLE
+    for z in (1, 2, 3)
 })
 TORCH_VS_OURS = {
     "torch zb-h1 pp4 m4": "zb-h1 pp4 m4",
