@@ -39,11 +39,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ACTIVATIONS = 0.05
 
 # name: (preset, layout, the pipeline ranks to run). Llama 3's sequence 8192, 16M tokens/step.
+# 405B's plain 1F1B (tp 8, pp 16, dp 64) proves nothing these do not: "405b interleaved" runs
+# the same model, tp, sp and selective recomputation at pp 16 (virtual stages on top), and "8b
+# even" / "8b uneven" check 1F1B's p - r micro-batches in flight exactly, at every stage.
 LAYOUTS = {
-    "405b 1f1b":
-    ("llama3-405b",
-     PlanLayout(tp=8, pp=16, dp=64, num_micro_batches=16, micro_batch_size=2, seq_len=8192,
-                sequence_parallel=True, activation_checkpointing="selective"), None),
     "405b interleaved":
     ("llama3-405b",
      PlanLayout(tp=8, pp=16, dp=64, virtual_stages=2, schedule="interleaved", num_micro_batches=16,
@@ -136,7 +135,7 @@ class DryRunEqualsThePlannerAtScale(unittest.TestCase):
                                        msg=f"{name} {r}")
         # 1F1B keeps p - r micro-batches in flight on stage r, each as its forward left it
         # (the last stage, one: its backward follows each forward): exactly, in bytes
-        for name in ("405b 1f1b", "8b even", "8b uneven"):
+        for name in ("8b even", "8b uneven"):
             pp = LAYOUTS[name][1].pp
             for r, run in self.runs[name].items():
                 self.assertEqual(run.saved, (pp - r) * run.micro_batch, f"{name} pp {r}")
@@ -151,8 +150,9 @@ class DryRunEqualsThePlannerAtScale(unittest.TestCase):
                 self.assertEqual(run.checkpoint["optimizer"] - run.step_counters,
                                  files["optimizer"], f"{name} pp {r}")
                 self.assertEqual(run.consolidated, files["consolidated"], f"{name} pp {r}")
-        # 405B: the consolidated file holds 12 bytes (weight, m, v) for each parameter
-        (run, ) = self.runs["405b 1f1b"].values()
+        # 405B: the consolidated file holds 12 bytes (weight, m, v) for each parameter, whatever
+        # the layout that wrote it
+        (run, ) = self.runs["405b interleaved"].values()
         self.assertEqual(run.consolidated, 12 * 405_853_388_800)
         self.assertFalse(os.path.exists(self.checkpoints))
 
