@@ -65,8 +65,15 @@ def bit_exact(test: Callable) -> Callable:
 
 
 # Imported once, in the forkserver: a rank that imports them itself (spawn) spends about 3 s of a
-# core on it (1.4 s for torch alone), 12 s of the two cores' time for a world of 8 ranks.
-PRELOAD = ["torch", "torch.distributed", "scaletorch.parallel.parallelize", "scaletorch.trainer"]
+# core on it (1.4 s for torch alone), 12 s of the two cores' time for a world of 8 ranks. The
+# library imports PyTorch's DTensor, FSDP2, pipelining and DCP only where a run uses them, and
+# torch's optimizers import torch._dynamo (0.8 s) when the first one is built: all named here.
+PRELOAD = [
+    "torch", "torch.distributed", "torch._dynamo", "torch.distributed.tensor",
+    "torch.distributed.fsdp", "torch.distributed.pipelining", "torch.distributed.checkpoint",
+    "scaletorch.parallel.parallelize", "scaletorch.parallel.native", "scaletorch.trainer",
+    "scaletorch.trainer.dcp_async"
+]
 mp.get_context("forkserver").set_forkserver_preload(PRELOAD)
 
 

@@ -15,8 +15,14 @@ import re
 import unittest
 
 from scripts import grade
+from scripts.grading import runner
 from scripts.grading.runner import load
 from scripts.grading.variants import CATALOGUE, HANGS, STOPPING
+from tests import harness  # noqa: F401 - sets the forkserver's preload list
+
+# The graded worlds fork from the test run's forkserver, which imported torch and the library
+# once, instead of starting Pythons that import them again (the grader's way for a learner)
+runner.START_METHOD = "forkserver"
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VARIANTS = "scripts.grading.variants"

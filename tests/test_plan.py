@@ -522,7 +522,9 @@ class Calibrate(unittest.TestCase):
         lines = []
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "host.json")
-            calibrate(cfg, 16, path, lines.append, worlds=(2, ), steps=3)
+            # its worlds forked from the test run's forkserver (tests/harness.py), not spawned
+            with mock.patch("scripts.calibrate.run_distributed", run_distributed):
+                calibrate(cfg, 16, path, lines.append, worlds=(2, ), steps=3)
             host = load_cluster(path)
             self.assertGreaterEqual(host.cores, 1)
             self.assertLessEqual(host.compute_efficiency, 1)

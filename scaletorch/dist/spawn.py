@@ -13,7 +13,7 @@ import io
 import os
 import socket
 import traceback
-from typing import Any, Callable, List
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -28,8 +28,9 @@ def free_port() -> int:
 
 
 def _worker(rank: int, world_size: int, port: int, timeout: float, fn: Callable, payload: bytes,
-            queue: Any) -> None:
+            queue: Any, env: Dict[str, str]) -> None:
     os.environ.update({
+        **env,
         "RANK": str(rank),
         "LOCAL_RANK": str(rank),
         "WORLD_SIZE": str(world_size),
@@ -60,7 +61,7 @@ def _worker(rank: int, world_size: int, port: int, timeout: float, fn: Callable,
 
 
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 120,
-                    start_method: str = "spawn") -> List[Any]:
+                    start_method: str = "spawn", env: Optional[Dict[str, str]] = None) -> List[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes.
 
     ``fn`` must be a module-level function (it is pickled for spawn) and return something
@@ -69,7 +70,9 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     finish within ``timeout`` seconds (collectives also time out after ``timeout``).
     ``start_method``: "spawn" starts each rank as a new Python that imports torch again;
     "forkserver" forks each from one server process that imported its preload list once
-    (``set_forkserver_preload``; the test suite's harness uses it).
+    (``set_forkserver_preload``; the test suite's harness uses it). ``env``: environment
+    variables set in each rank before its process group starts (a forkserver's ranks inherit
+    the server's environment, not the caller's).
     """
     ctx: Any = mp.get_context(start_method)  # spawn or forkserver: both make Processes
     # The arguments as plain bytes too: tensors among them would go to each rank as file
@@ -78,9 +81,10 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     torch.save(args, buffer)
     queue = ctx.SimpleQueue()
     port = free_port()
+    rank_env = env or {}
     procs = [
         ctx.Process(target=_worker,
-                    args=(rank, world_size, port, timeout, fn, buffer.getvalue(), queue),
+                    args=(rank, world_size, port, timeout, fn, buffer.getvalue(), queue, rank_env),
                     daemon=True) for rank in range(world_size)
     ]
     for proc in procs:

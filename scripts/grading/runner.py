@@ -25,6 +25,9 @@ from scaletorch.dist import flight_recorder, spawn
 Source = Tuple[str, str]  # (a .py file or a module name, the function's name in it)
 COLLECTIVE_TIMEOUT = 30.0  # seconds: a world of 2 tiny ranks never waits this long unless hung
 WORLD_TIMEOUT = 600.0  # seconds for every job of a world (the jobs' groups: COLLECTIVE_TIMEOUT)
+# How the ranks start: new Pythons (spawn); the test suite forks them from its forkserver, which
+# imported torch and the library once (tests/harness.py)
+START_METHOD = "spawn"
 UNWRITTEN = "NotImplementedError"
 
 
@@ -121,10 +124,11 @@ def _rank(rank: int, world: int, fn: Callable, directory: str, *args: Any) -> An
 def run_world(fn: Callable, world: int, *args: Any) -> Tuple[List[Any], List[str]]:
     """``fn(rank, world, *args)`` on ``world`` gloo ranks with the flight recorder on: (each
     rank's result, the recorder's analysis when a rank hung, else [])."""
-    os.environ.setdefault(flight_recorder.BUFFER_ENV, "2000")  # the spawned ranks inherit it
+    recorder = {flight_recorder.BUFFER_ENV: os.environ.get(flight_recorder.BUFFER_ENV, "2000")}
     with tempfile.TemporaryDirectory() as directory:
         try:
             results = spawn.run_distributed(_rank, world, fn, directory, *args,
+                                            start_method=START_METHOD, env=recorder,
                                             timeout=WORLD_TIMEOUT)
         except RuntimeError as err:  # a rank died: gloo aborts on collectives that mismatch
             results = [{
