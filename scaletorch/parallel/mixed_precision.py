@@ -55,7 +55,7 @@ from scaletorch.parallel.pipeline_runtime import LossFn, PipelineSchedule, Stage
 from scaletorch.parallel.tensor_parallel_layers import ParallelRMSNorm, VocabParallelEmbedding
 from scaletorch.parallel.zero_mixed_precision import zero_unit_in
 
-if TYPE_CHECKING:  # imported where FSDP2 runs: every process imports this module's config half
+if TYPE_CHECKING:  # FSDP2's own class, imported only where FSDP2 runs (its import costs ~0.4 s)
     from torch.distributed.fsdp import MixedPrecisionPolicy as FSDPMixedPrecision
 
 # fp64 is named only to be refused (wider than the master)
