@@ -12,10 +12,11 @@ setup(
     install_requires=requirements,
     extras_require={
         # types-*: stubs of the runtime requirements (pyyaml, tqdm) that mypy checks against;
-        # beartype: the run-time checker of the jaxtyping shapes in the tests
+        # beartype: the run-time checker of the jaxtyping shapes in the tests; hypothesis: the
+        # property-based tests that generate bad inputs, models and solutions
         "dev": [
             "pytest", "flake8", "flake8-quotes", "yapf", "isort", "mypy", "pre-commit",
-            "pre-commit-hooks", "types-PyYAML", "types-tqdm", "beartype"
+            "pre-commit-hooks", "types-PyYAML", "types-tqdm", "beartype", "hypothesis"
         ],
         "plot": ["matplotlib"],
         # Hugging Face checkpoints (safetensors), tokenizer.json files (tokenizers); transformers
