@@ -5,8 +5,8 @@
 Each rank of a run that failed in a collective wrote ``rank_<r>`` there (examples/11_debugging.py,
 ``scaletorch.dist.flight_recorder.dump``). The answer: the group (by the ledger's name: "tp",
 "dp", ...), the collective's number in it, each rank's op and tensor sizes or "never issued
-it", the line of our code that issued it, and where each rank stopped. torch's own analyzer
-reads the same files: ``torchfrtrace DIR --prefix rank_``.
+it", the line of our code that issued it, and where each rank stopped. The dumps are JSON,
+each with its ``.sha256``; a pickle dump is refused unread, since unpickling can run code.
 """
 
 import argparse
@@ -14,15 +14,21 @@ import sys
 from typing import List, Optional
 
 from scaletorch.dist import flight_recorder
+from scaletorch.rules import boundary
+from scaletorch.rules.errors import InputError
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("directory", help="the run's flight_recorder directory")
+    parser.add_argument("--trust-unchecked", action="append", default=[], metavar="PATH",
+                        help="read PATH without its .sha256 (RISK: a damaged or altered dump "
+                        "is not detected; it is still read as JSON data only)")
     args = parser.parse_args(argv)
+    boundary.trust_unchecked(args.trust_unchecked)
     try:
         traces = flight_recorder.load(args.directory)
-    except (FileNotFoundError, NotADirectoryError) as err:
+    except InputError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(f"{len(traces)} dumps: ranks {sorted(traces)}")

@@ -8,6 +8,7 @@ the start); the checks read their output, the flight-recorder dumps and the prof
 import io
 import json
 import os
+import pickle
 import re
 import shutil
 import tempfile
@@ -101,9 +102,16 @@ class InjectedFaultsEndAsDocumented(unittest.TestCase):
         # made; made here, assertLogs then swaps that handler out, and the analyzer's report and
         # its import's "tabulate is not installed" warning stay off the suite's output.
         FlightRecorderLogger()
+        # torchfrtrace reads pickles only: the test pickles our JSON dumps' content itself (our
+        # own values, in a temporary directory), since fr_analyze.py never reads a pickle
+        pickled = os.path.join(self.tmp, "fr_pickled")
+        os.makedirs(pickled, exist_ok=True)
+        for rank, trace in flight_recorder.load(directory).items():
+            with open(os.path.join(pickled, f"rank_{rank}"), "wb") as f:
+                pickle.dump(trace, f)
         with self.assertLogs("Flight Recorder", "INFO") as logs:
             from torch.distributed.flight_recorder import fr_trace
-            fr_trace.main([directory, "--prefix", "rank_"])
+            fr_trace.main([pickled, "--prefix", "rank_"])
         text = "\n".join(r.getMessage() for r in logs.records)
         self.assertRegex(
             text, r"group info: \d+:dp\ncollective: gloo:all_reduce\n"

@@ -3,16 +3,17 @@
 With ``TORCH_FR_BUFFER_SIZE=N`` set before the first process group exists, torch keeps the
 last N collectives each rank issued (gloo and NCCL alike): op, process group, sequence number
 in that group, tensor sizes and the Python stack that issued it. ``dump`` writes them to
-``<dir>/rank_<r>``; ``analyze`` reads every rank's file and names the first collective the
-ranks disagree on. On NCCL the watchdog can dump by itself (``TORCH_NCCL_DUMP_ON_TIMEOUT=1``);
+``<dir>/rank_<r>`` as JSON with its ``.sha256`` beside it (data only: torch's own dumps are
+pickles, which can run code when read, so these are not); ``load`` reads them through the trust
+boundary and refuses a pickle; ``analyze`` names the first collective the ranks disagree on.
 gloo has no watchdog, so the rank that catches the timeout calls ``dump``.
 
-gloo leaves the dump's group table (``pg_config``) empty, which stops torch's own analyzer
-(``torchfrtrace``, a KeyError). ``dump`` fills it from the groups this rank knows, so
-``torchfrtrace DIR --prefix rank_`` works on these files too. The groups' descriptions are the
+gloo leaves the dump's group table (``pg_config``) empty; ``dump`` fills it from the groups
+this rank knows (torch's analyzer, ``torchfrtrace``, needs it). The groups' descriptions are the
 ledger's names ("tp", "dp", ...): pg_manager creates each group with that ``group_desc``.
 """
 
+import json
 import os
 import pickle
 import re
@@ -21,6 +22,10 @@ from typing import Any, Dict, Iterable, List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+
+from scaletorch.rules import boundary
+from scaletorch.rules.errors import InputError, clip
+from scaletorch.rules.safe_files import write_checksummed
 
 BUFFER_ENV = "TORCH_FR_BUFFER_SIZE"
 PREFIX = "rank_"
@@ -44,7 +49,8 @@ def dump(directory: str, rank: int, groups: Iterable[Tuple[Any, str]] = ()) -> s
     ``groups``: (process group, name) pairs whose ranks go in the dump's group table, besides
     the default group (gloo leaves the table empty).
     """
-    # torch's stubs do not declare it (torch 2.13)
+    # Bytes torch's C++ made in this process, not a file: its JSON dump leaves out the stacks.
+    # torch's stubs do not declare it (torch 2.13).
     trace = pickle.loads(torch._C._distributed_c10d._dump_fr_trace())  # type: ignore[attr-defined]
     table = {}
     for group, name in [(dist.group.WORLD, "world"), *groups]:
@@ -56,25 +62,52 @@ def dump(directory: str, rank: int, groups: Iterable[Tuple[Any, str]] = ()) -> s
             "ranks": str(dist.get_process_group_ranks(group)),
         }
     trace["pg_config"] = table
-    os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, f"{PREFIX}{rank}")
-    with open(f"{path}.tmp", "wb") as f:
-        pickle.dump(trace, f)
-    os.replace(f"{path}.tmp", path)  # a reader never sees half a file
+    # whole or absent, with its digest; default=str: a value JSON has no form for, as text
+    write_checksummed(path, json.dumps(trace, default=str).encode())
     return path
 
 
+# what calls() reads of each entry, and the type it must have
+ENTRY_FIELDS = {"process_group": list, "collective_seq_id": int, "profiling_name": str,
+                "input_sizes": list, "input_dtypes": list, "time_created_ns": int}
+
+
 def load(directory: str) -> Dict[int, dict]:
-    """{rank: trace} of every ``rank_<r>`` file in ``directory``."""
+    """{rank: trace} of every ``rank_<r>`` file in ``directory``, each read through the trust
+    boundary (a regular file, its digest, JSON of the fields ``calls`` reads); InputError
+    naming the file otherwise. A pickle (an older dump, or torch's own) is refused unread."""
+    if not os.path.isdir(directory):
+        raise InputError(f"{clip(directory)} is not a directory of flight-recorder dumps")
     traces = {}
     for name in sorted(os.listdir(directory)):
         match = re.fullmatch(rf"{PREFIX}(\d+)", name)
         if match:
-            with open(os.path.join(directory, name), "rb") as f:
-                traces[int(match.group(1))] = pickle.load(f)
+            traces[int(match.group(1))] = _load_dump(os.path.join(directory, name))
     if not traces:
-        raise FileNotFoundError(f"no flight-recorder dumps ({PREFIX}<rank>) in {directory!r}")
+        raise InputError(f"no flight-recorder dumps ({PREFIX}<rank>) in {clip(directory)}")
     return traces
+
+
+def _load_dump(path: str) -> dict:
+    what = "flight-recorder dump"
+    boundary.regular_file(path, what, boundary.JSON_BYTES)
+    with open(path, "rb") as f:
+        if f.read(1) == b"\x80":  # pickle's protocol mark
+            raise InputError(f"{what} {clip(path)} is a pickle (torch's own format, or an older "
+                             f"ScaleTorch's): it was not read, since unpickling can run code; "
+                             f"dump again with this version")
+    trace = boundary.load_json(path, what)
+    entries = trace.get("entries") if isinstance(trace, dict) else None
+    bad = not isinstance(entries, list) or not isinstance(trace.get("pg_config", {}), dict)
+    for e in entries if not bad else []:
+        bad = bad or not isinstance(e, dict) or any(
+            not isinstance(e.get(k), t) for k, t in ENTRY_FIELDS.items()) or len(
+                e["process_group"]) != 2 or not isinstance(e.get("frames", []), list)
+    if bad:
+        raise InputError(f"{what} {clip(path)} is JSON but not a flight-recorder dump (a "
+                         f"mapping whose entries hold {', '.join(ENTRY_FIELDS)})")
+    return trace
 
 
 @dataclass(frozen=True)

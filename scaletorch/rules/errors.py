@@ -6,11 +6,25 @@ exit with status 2, without a traceback; any other exception is a bug and keeps 
 It is a ValueError, so code that catches a bad value catches it too.
 """
 
-__all__ = ["INTERRUPTED", "InputError", "MissingInputError", "NON_FINITE", "RunStopped"]
+from typing import Any
+
+__all__ = ["CLIP", "INTERRUPTED", "InputError", "MissingInputError", "NON_FINITE", "RunStopped", "clip"]
+
+CLIP = 200  # characters of a value that an error message quotes
 
 
 class InputError(ValueError):
     """A file, directory or value the user gave that the run cannot use."""
+
+
+def clip(value: Any, limit: int = CLIP) -> str:
+    """``repr(value)`` cut to ``limit`` characters, saying how long it was: an error message
+    quotes the value the user gave, never megabytes of it. Every message built from a user's
+    value quotes it through here."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text)} characters)"
 
 
 class MissingInputError(InputError, FileNotFoundError):

@@ -120,7 +120,7 @@ def read_checksum(path: str) -> str:
         raise CorruptFileError(f"{path!r} has no checksum file {os.path.basename(side)}: it was "
                                f"not written whole by this ScaleTorch; it is not trusted")
     with open(side, "rb") as f:
-        line = f.read()
+        line = f.read(4096)  # a digest line is under 4 KB; never read a huge file whole
     digest = line[:64].decode(errors="replace")
     tail = checksum_line(os.path.basename(path), b"")[64:]  # "  <name>\n"
     if line[64:] != tail or any(c not in "0123456789abcdef" for c in digest):

@@ -19,7 +19,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, List, Optional, Tuple
 
-from scaletorch.rules.errors import InputError
+from scaletorch.rules.errors import InputError, clip
 
 __all__ = [
     "Rule", "at_least", "check_applies", "check_fields", "check_type", "check_value", "checked",
@@ -152,7 +152,7 @@ def check_type(key: str, value: Any, annotation: Any) -> None:
         return
     if typing.get_origin(kind) is list:
         if not isinstance(value, list):
-            raise InputError(f"{key} must be {_type_name(kind)}, got {value!r}")
+            raise InputError(f"{key} must be {_type_name(kind)}, got {clip(value)}")
         for item in value:
             check_type(key, item, typing.get_args(kind)[0])
         return
@@ -163,7 +163,7 @@ def check_type(key: str, value: Any, annotation: Any) -> None:
         str: lambda v: isinstance(v, str),
     }[kind](value)
     if not ok:
-        raise InputError(f"{key} must be {_type_name(kind)}, got {value!r}")
+        raise InputError(f"{key} must be {_type_name(kind)}, got {clip(value)}")
 
 
 def _type_name(kind: Any) -> str:
@@ -181,7 +181,7 @@ def check_value(key: str, value: Any, annotation: Any, rule: Rule) -> None:
     for item in (value if isinstance(value, list) else [value]):
         if not rule.admits(item):
             item_kind = typing.get_args(kind)[0] if typing.get_origin(kind) is list else kind
-            raise InputError(f"{key} must be {rule.allowed(item_kind)}, got {item!r}")
+            raise InputError(f"{key} must be {rule.allowed(item_kind)}, got {clip(item)}")
 
 
 def rules_of(cls: Any) -> Iterator[Tuple[str, Any, Rule, Any]]:
@@ -222,5 +222,5 @@ def check_applies(key: str, value: Any, rule: Rule, setting: Callable[[str], Any
     settings: a value that would change nothing is a mistake, not a choice."""
     other = ignored_by(key, rule, setting)
     if other is not None and value is not None:
-        raise InputError(f"{key} {value!r} is given, but {other} {setting(other)!r} ignores it: "
+        raise InputError(f"{key} {clip(value)} is given, but {other} {setting(other)!r} ignores it: "
                          f"remove {key}, or set {other} to a value that reads it")

@@ -35,7 +35,8 @@ from scaletorch.dist import restart_count
 from scaletorch.parallel.mixed_precision import policy_for as precision_policy
 # the one layout check (also run by parallelize): re-exported for the scripts
 from scaletorch.parallel.validation import validate_layout
-from scaletorch.rules.errors import INTERRUPTED, InputError, MissingInputError, RunStopped
+from scaletorch.rules import boundary
+from scaletorch.rules.errors import INTERRUPTED, InputError, MissingInputError, RunStopped, clip
 from scaletorch.rules.safe_files import write_atomic
 from scaletorch.rules.schema import Rule, check_applies, check_value, ignored_by, rules_of
 from scaletorch.trainer.checkpoint import (check_resume, latest_valid_checkpoint, load_tensors_only,
@@ -90,26 +91,26 @@ def _convert(value: Any, annotation: Any, key: str) -> Any:
             return value
         if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
             return value.lower() in ("true", "1")
-        raise ValueError(f"{key} must be true or false, got {value!r}")
+        raise ValueError(f"{key} must be true or false, got {clip(value)}")
     if annotation in (int, float):
         if isinstance(value, bool):
-            raise ValueError(f"{key} must be {annotation.__name__}, got {value!r}")
+            raise ValueError(f"{key} must be {annotation.__name__}, got {clip(value)}")
         try:
             converted = annotation(value)
         except (TypeError, ValueError):
-            raise ValueError(f"{key} must be {annotation.__name__}, got {value!r}") from None
+            raise ValueError(f"{key} must be {annotation.__name__}, got {clip(value)}") from None
         if annotation is int and isinstance(value, float) and value != converted:
-            raise ValueError(f"{key} must be int, got {value!r}")
+            raise ValueError(f"{key} must be int, got {clip(value)}")
         return converted
     if annotation is str:
         if not isinstance(value, (str, int, float)):
-            raise ValueError(f"{key} must be a string, got {value!r}")
+            raise ValueError(f"{key} must be a string, got {clip(value)}")
         return str(value)
     if typing.get_origin(annotation) is list:  # a YAML list, or "1,3" / "[1,3]" on the CLI
         if isinstance(value, (int, str)) and not isinstance(value, bool):
             value = [v for v in str(value).strip("[] ").split(",") if v.strip()]
         if not isinstance(value, (list, tuple)) or not value:
-            raise ValueError(f"{key} must be a non-empty list, e.g. [1, 3], got {value!r}")
+            raise ValueError(f"{key} must be a non-empty list, e.g. [1, 3], got {clip(value)}")
         item = typing.get_args(annotation)[0]
         return [_convert(v.strip() if isinstance(v, str) else v, item, key) for v in value]
     return value
@@ -129,10 +130,10 @@ def set_value(cfg: Config, key: str, value: Any) -> None:
         target, name = getattr(cfg, parts[0]), parts[1]
         allowed = list(_field_types(target))
     else:
-        raise ValueError(f"unknown config key {key!r}; sections are {', '.join(SECTIONS)}")
+        raise ValueError(f"unknown config key {clip(key)}; sections are {', '.join(SECTIONS)}")
     types = _field_types(target)
     if name not in types or name not in allowed:
-        raise ValueError(f"unknown config key {key!r}; valid keys there: {', '.join(allowed)}")
+        raise ValueError(f"unknown config key {clip(key)}; valid keys there: {', '.join(allowed)}")
     if key == RECOMPUTE and str(value).lower() in ("true", "false"):  # older configs' form
         value = recompute_mode(value)
     setattr(target, name, _convert(value, types[name], key))
@@ -164,30 +165,35 @@ def apply_dict(cfg: Config, values: Dict[str, Any], source: str = "config") -> D
 
 
 def load_yaml(path: str) -> Dict[str, Any]:
-    """The settings of a YAML config file; InputError naming it when it cannot be one."""
-    if not os.path.exists(path):
-        raise MissingInputError(f"config file {path!r} does not exist; each script's defaults "
-                                f"are in examples/configs/")
-    if not os.path.isfile(path):
-        raise InputError(f"config file {path!r} is not a file: give a YAML file such as "
+    """The settings of a YAML config file, read through the trust boundary (at most
+    ``boundary.CONFIG_BYTES``, aliases expanded to at most ``boundary.YAML_NODES`` values);
+    InputError naming it when it cannot be one. A config is the user's own text: no digest."""
+    if not os.path.lexists(path):
+        raise MissingInputError(f"config file {clip(path)} does not exist; each script's "
+                                f"defaults are in examples/configs/")
+    if os.path.isdir(path):
+        raise InputError(f"config file {clip(path)} is not a file: give a YAML file such as "
                          f"examples/configs/00_single_device.yaml")
+    boundary.regular_file(path, "config file", boundary.CONFIG_BYTES)
     try:
-        with open(path, encoding="utf-8") as f:
-            values = yaml.safe_load(f)
+        with open(path, "rb") as f:
+            data = f.read(boundary.CONFIG_BYTES)
+        values = boundary.load_yaml(data.decode("utf-8"), f"config file {clip(path)}")
     except UnicodeDecodeError as err:
-        raise InputError(f"config file {path!r} is not text (byte 0x{err.object[err.start]:02x} "
-                         f"at offset {err.start} is not UTF-8): give a YAML file") from None
+        raise InputError(f"config file {clip(path)} is not text (byte "
+                         f"0x{err.object[err.start]:02x} at offset {err.start} is not UTF-8): "
+                         f"give a YAML file") from None
     except OSError as err:  # e.g. no permission to read it
-        raise InputError(f"config file {path!r} cannot be read ({err.strerror}): give a file "
+        raise InputError(f"config file {clip(path)} cannot be read ({err.strerror}): give a file "
                          f"you can read") from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-        raise InputError(f"config file {path!r} is not valid YAML{where}: {problem}; fix the "
-                         f"syntax there") from None
+        raise InputError(f"config file {clip(path)} is not valid YAML{where}: {clip(problem)}; "
+                         f"fix the syntax there") from None
     if values is None:
-        raise InputError(f"config file {path!r} holds no settings: give a YAML file of "
+        raise InputError(f"config file {clip(path)} holds no settings: give a YAML file of "
                          f"sections, as in examples/configs/")
     return values
 
@@ -207,6 +213,12 @@ def parse_args(argv: Optional[Sequence[str]] = None, default_config: Optional[st
                         help="override one field, e.g. --set training.lr=1e-3")
     parser.add_argument("--resume", nargs="?", const="latest", default=None,
                         help="resume from the latest checkpoint (or the directory given)")
+    parser.add_argument("--trust-unchecked", action="append", default=[], metavar="PATH",
+                        help="read PATH (a file, or every file under a directory) without the "
+                        ".sha256 that ScaleTorch writes beside its files: for files made "
+                        "elsewhere (a Hugging Face directory, another tool's .bin). RISK: a "
+                        "damaged or altered file is then not detected; it is still parsed "
+                        "only as data. Repeatable.")
     for flag, key in ALIASES.items():
         parser.add_argument(flag, dest=key, default=None, help=f"= {key}")
     for flag, key in FLAGS.items():
@@ -214,6 +226,7 @@ def parse_args(argv: Optional[Sequence[str]] = None, default_config: Optional[st
     parser.add_argument("--activation-checkpointing", dest=RECOMPUTE, nargs="?", const="full",
                         default=None, help=f"= {RECOMPUTE}: none | selective | full (alone: full)")
     args, rest = parser.parse_known_args(argv)
+    boundary.trust_unchecked(args.trust_unchecked)
 
     cfg = Config()
     in_file: Dict[str, Any] = {}
@@ -224,19 +237,19 @@ def parse_args(argv: Optional[Sequence[str]] = None, default_config: Optional[st
     while i < len(rest):  # --section.name VALUE or --section.name=VALUE
         token = rest[i]
         if not token.startswith("--") or "." not in token:
-            raise ValueError(f"unrecognized argument {token!r} (see --help)")
+            raise ValueError(f"unrecognized argument {clip(token)} (see --help)")
         if "=" in token:
             key, value = token[2:].split("=", 1)
             i += 1
         else:
             if i + 1 >= len(rest):
-                raise ValueError(f"{token} needs a value")
+                raise ValueError(f"{clip(token)} needs a value")
             key, value = token[2:], rest[i + 1]
             i += 2
         overrides.append((key, value))
     for item in args.set:
         if "=" not in item:
-            raise ValueError(f"--set takes KEY=VALUE, got {item!r}")
+            raise ValueError(f"--set takes KEY=VALUE, got {clip(item)}")
         overrides.append(tuple(item.split("=", 1)))
     for key in list(ALIASES.values()) + list(FLAGS.values()) + [RECOMPUTE]:
         value = getattr(args, key)
@@ -245,7 +258,8 @@ def parse_args(argv: Optional[Sequence[str]] = None, default_config: Optional[st
     given = {}
     for key, value in overrides:
         if isinstance(value, str):
-            value = yaml.safe_load(value) if value != "" else value  # "1e-3" -> 0.001
+            # "1e-3" -> 0.001, through the same limits as a file's values
+            value = boundary.load_yaml(value, f"--{clip(key)}") if value != "" else value
         set_value(cfg, key, value)
         given[key] = value
     if args.resume is not None:

@@ -1,0 +1,177 @@
+"""The trust boundary: every file that comes from outside the process is read through here.
+
+    regular_file(path, what, max_bytes)   exists, a regular file (not a directory, a FIFO, a
+                                          device), at most max_bytes: its size, before a read
+    verified(path, what)                  its ``<path>.sha256`` matches, or the user trusted it
+    read_bytes / read_text / load_json    the three, then the bytes (text, JSON values)
+    load_yaml(text, source)               YAML's safe loader, with a size and an expansion limit
+
+The readers execute no code from a file: YAML's safe loader builds plain values only, JSON is
+data, and the formats with code in them (pickle) are read nowhere but in torch's
+``weights_only`` unpickler (``load_tensors_only`` in ``scaletorch/trainer/checkpoint.py``) and
+the allow-list unpickler of DCP's ``.metadata`` (``scaletorch/trainer/dcp_pieces.py``).
+``tests/test_trust_boundary.py`` scans the code for any other reader that could run code.
+
+Digests are required: a file kind that ScaleTorch writes is read only once its ``.sha256``
+matches. A missing, unreadable or wrong digest is an ``InputError``, one line. A file made
+elsewhere (a Hugging Face directory from the Hub, a token file of another tool) has none; the
+user names it with ``--trust-unchecked PATH`` (a directory trusts the files under it), and
+``trust_unchecked`` records that for this process.
+"""
+
+import json
+import os
+import stat
+from typing import Any, Iterable, Set
+
+import yaml
+
+from scaletorch.rules.errors import InputError, MissingInputError, clip
+from scaletorch.rules.safe_files import CorruptFileError, checksum_path, verify_checksum
+
+__all__ = [
+    "CONFIG_BYTES", "JSON_BYTES", "TEXT_BYTES", "YAML_NODES", "is_trusted_unchecked",
+    "load_json", "load_yaml", "read_bytes", "read_text", "regular_file", "trust_unchecked",
+    "verified"
+]
+
+CONFIG_BYTES = 1 << 20  # a config YAML: ours are under 2 KB
+JSON_BYTES = 64 << 20  # a config.json, an index, a manifest, a flight-recorder dump, a profile
+TEXT_BYTES = 1 << 30  # a text to tokenize, a tokenizer.json: read whole into memory
+# Nodes a YAML document may hold once its aliases are expanded: an alias is a reference, cheap
+# to parse, but whatever walks the value (the schema, an error message) meets every copy
+YAML_NODES = 100_000
+_trusted: Set[str] = set()
+
+
+def trust_unchecked(paths: Iterable[str]) -> None:
+    """The files (or directories) this process reads without a digest (``--trust-unchecked``);
+    replaces what an earlier call recorded."""
+    _trusted.clear()
+    _trusted.update(os.path.realpath(p) for p in paths)
+
+
+def is_trusted_unchecked(path: str) -> bool:
+    """Whether the user named ``path`` or a directory above it with ``--trust-unchecked``."""
+    real = os.path.realpath(path)
+    return any(real == t or real.startswith(t.rstrip(os.sep) + os.sep) for t in _trusted)
+
+
+def regular_file(path: str, what: str, max_bytes: int) -> int:
+    """The size of ``path`` once it is a regular file of at most ``max_bytes`` (a symlink is
+    followed); InputError naming ``what`` and the path otherwise. Nothing is read."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise MissingInputError(f"{what} {clip(path)} does not exist") from None
+    except OSError as err:  # a symlink loop, a path through a file, no permission
+        raise InputError(f"{what} {clip(path)} cannot be opened ({err.strerror})") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise InputError(f"{what} {clip(path)} is a directory, not a file")
+    if not stat.S_ISREG(st.st_mode):
+        kind = "a FIFO" if stat.S_ISFIFO(st.st_mode) else "a device or socket"
+        raise InputError(f"{what} {clip(path)} is {kind}, not a regular file: give the file "
+                         f"itself")
+    if st.st_size > max_bytes:
+        raise InputError(f"{what} {clip(path)} has {st.st_size} bytes, over the limit of "
+                         f"{max_bytes} for it: it is not the file meant")
+    return st.st_size
+
+
+def verified(path: str, what: str) -> None:
+    """InputError (a CorruptFileError) unless ``path`` matches ``<path>.sha256``, or the user
+    trusted it with ``--trust-unchecked``. A missing digest is an error: removing it must not
+    switch the check off."""
+    if is_trusted_unchecked(path):
+        return
+    side = checksum_path(path)
+    if not os.path.lexists(side):
+        raise CorruptFileError(
+            f"{what} {clip(path)} has no checksum file {os.path.basename(side)}: ScaleTorch "
+            f"writes one beside every file it makes. If the file was made elsewhere and you "
+            f"trust it, add --trust-unchecked {clip(path)}")
+    regular_file(side, "checksum file", 4096)
+    verify_checksum(path)
+
+
+def read_bytes(path: str, what: str, max_bytes: int, digest: bool = True) -> bytes:
+    """The bytes of ``path``: a regular file within ``max_bytes``, verified when ``digest``."""
+    regular_file(path, what, max_bytes)
+    if digest:
+        verified(path, what)
+    try:
+        with open(path, "rb") as f:
+            return f.read(max_bytes + 1)[:max_bytes]
+    except OSError as err:
+        raise InputError(f"{what} {clip(path)} cannot be read ({err.strerror})") from None
+
+
+def read_text(path: str, what: str, max_bytes: int, digest: bool = False) -> str:
+    """The UTF-8 text of ``path`` (``read_bytes``), InputError naming the first bad byte."""
+    data = read_bytes(path, what, max_bytes, digest)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise InputError(f"{what} {clip(path)} is not text (byte 0x{data[err.start]:02x} at "
+                         f"offset {err.start} is not UTF-8)") from None
+
+
+def load_json(path: str, what: str, max_bytes: int = JSON_BYTES, digest: bool = True) -> Any:
+    """The JSON value of ``path`` (``read_text``); InputError naming the file when it is not."""
+    text = read_text(path, what, max_bytes, digest)
+    try:
+        return json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as err:
+        raise InputError(f"{what} {clip(path)} is not valid JSON ({clip(str(err))})") from None
+
+
+class _LimitedLoader(yaml.SafeLoader):
+    """YAML's safe loader (plain values only: no Python object is ever built)."""
+
+
+def _expanded_nodes(node: yaml.Node, seen: dict, depth: int = 0) -> int:
+    """How many nodes ``node`` stands for once every alias is copied out (memoized by node,
+    so a 1 KB "billion laughs" costs a few thousand steps to measure, not 10^9)."""
+    key = id(node)
+    if key in seen:
+        if seen[key] is None:  # met again while its own children are being counted
+            raise InputError("that holds itself (a recursive alias)")
+        return seen[key]
+    if depth > 100:
+        raise InputError("nested more than 100 levels deep")
+    seen[key] = None
+    children: list = []
+    if isinstance(node, yaml.SequenceNode):
+        children = node.value
+    elif isinstance(node, yaml.MappingNode):
+        children = [n for pair in node.value for n in pair]
+    total = 1
+    for child in children:
+        total += _expanded_nodes(child, seen, depth + 1)
+        if total > YAML_NODES:
+            break
+    seen[key] = total
+    return total
+
+
+def load_yaml(text: str, source: str) -> Any:
+    """The value of YAML ``text`` (``source`` names it in errors): the safe loader, refused
+    before construction when aliases expand it past YAML_NODES nodes or it holds itself."""
+    if len(text) > CONFIG_BYTES:
+        raise InputError(f"{source}: {len(text)} characters of YAML, over the limit of "
+                         f"{CONFIG_BYTES}")
+    loader = _LimitedLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        try:  # measure what the aliases expand to before building anything
+            nodes = _expanded_nodes(node, {})
+        except InputError as err:
+            raise InputError(f"{source}: YAML {err}: it is not a config") from None
+        if nodes > YAML_NODES:
+            raise InputError(f"{source}: YAML whose aliases expand to over {YAML_NODES} "
+                             f"values: it is not a config (an alias bomb?)")
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
