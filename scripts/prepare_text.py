@@ -19,6 +19,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from scaletorch.data.tokenizer import bin_dtype, load_tokenizer, read_text  # noqa: E402
+from scaletorch.rules.safe_files import write_checksummed  # noqa: E402
 
 
 def prepare(paths: List[str], tokenizer_spec: str, out: str) -> np.ndarray:
@@ -29,8 +30,7 @@ def prepare(paths: List[str], tokenizer_spec: str, out: str) -> np.ndarray:
     if ids.size and ids.max() >= tokenizer.vocab_size:  # a tokenizer.json with stray ids
         raise ValueError(f"token {ids.max()} >= the tokenizer's vocabulary {tokenizer.vocab_size}")
     tokens = ids.astype(bin_dtype(tokenizer.vocab_size))
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    tokens.tofile(out)
+    write_checksummed(out, tokens.tobytes())  # whole or absent, with the .sha256 a run checks
     return tokens
 
 

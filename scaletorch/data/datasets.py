@@ -18,6 +18,7 @@ from typing import Optional, Union
 import numpy as np
 
 from scaletorch.data.tokenizer import bin_dtype, check_utf8
+from scaletorch.rules import boundary
 from scaletorch.rules.errors import InputError, MissingInputError
 
 # The chain keeps two V x V float64 matrices (transition and its cumulative sum): 256 MiB at
@@ -123,7 +124,13 @@ def check_data_file(dataset: str, path: Optional[str], vocab_size: int, seq_len:
         raise InputError(
             f"data.path {path!r} is not a file: give one file (scripts/prepare_text.py "
             f"joins several into one .bin)")
-    size = os.path.getsize(path)
+    # through the trust boundary: a regular file (not a FIFO); a text is read whole into
+    # memory, so it has a size limit; a .bin is ours (scripts/prepare_text.py writes its
+    # .sha256) or named with --trust-unchecked
+    size = boundary.regular_file(path, "data.path", boundary.TEXT_BYTES if dataset == "text"
+                                 else boundary.UNLIMITED)
+    if dataset == "bin":
+        boundary.verified(path, "data.path (a token file)")
     length = seq_len + 1
     if dataset == "text":
         if size == 0:
@@ -177,8 +184,8 @@ class ByteTextDataset:
         _check_exists(path)
         self.path = path
         self.vocab_size = 256
-        with open(path, "rb") as f:
-            self.tokens = np.frombuffer(f.read(), dtype=np.uint8)
+        data = boundary.read_bytes(path, "text file", boundary.TEXT_BYTES, digest=False)
+        self.tokens = np.frombuffer(data, dtype=np.uint8)
 
     def sample(self, num_sequences: int, length: int, rng: np.random.Generator) -> np.ndarray:
         """(num_sequences, length) int64 random windows of the file."""

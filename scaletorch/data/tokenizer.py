@@ -12,6 +12,7 @@ from typing import List, Union
 
 import numpy as np
 
+from scaletorch.rules import boundary
 from scaletorch.rules.errors import InputError, MissingInputError
 
 
@@ -36,8 +37,7 @@ def read_text(path: str) -> str:
         raise MissingInputError(f"text file {path!r} does not exist")
     if not os.path.isfile(path):
         raise InputError(f"text file {path!r} is not a file: give the text files themselves")
-    with open(path, "rb") as f:
-        data = f.read()
+    data = boundary.read_bytes(path, "text file", boundary.TEXT_BYTES, digest=False)
     check_utf8(data, path, "text file")
     return data.decode("utf-8")
 
@@ -68,6 +68,9 @@ class HFTokenizer:
             raise ImportError("a tokenizer.json needs the tokenizers library: pip install -e "
                               "'.[hf]' (or pip install tokenizers); 'byte' needs nothing") from err
         self.path = path
+        # a user's file (a model directory's tokenizer.json, no digest), parsed as data by the
+        # tokenizers library; its size is checked first
+        boundary.regular_file(path, "tokenizer file", boundary.TEXT_BYTES)
         try:
             self.tokenizer = Tokenizer.from_file(path)
         except Exception as err:  # tokenizers raises a bare Exception for a file it cannot parse

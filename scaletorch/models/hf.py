@@ -37,8 +37,9 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from scaletorch.models.llama import Llama, LlamaConfig
-from scaletorch.rules.errors import InputError, MissingInputError
-from scaletorch.rules.safe_files import checksum_path, verify_checksum, write_checksummed
+from scaletorch.rules.errors import InputError, MissingInputError, clip
+from scaletorch.rules import boundary
+from scaletorch.rules.safe_files import write_checksummed
 from scaletorch.rules.schema import check_value, checked, positive, rules_of, text
 
 CONFIG_FILE = "config.json"
@@ -48,6 +49,9 @@ ARCHITECTURE = "LlamaForCausalLM"
 HF_PREFIX = "model."
 # Buffers some older exports saved; recomputed from the config, so skipped on load.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", )
+# A file of a Hugging Face directory larger than this is not one (weights are memory-mapped
+# and read by rectangles, so the limit is the disk's, not the host's memory)
+MAX_FILE_BYTES = 1 << 40
 
 
 def require_hf(module: str) -> Any:
@@ -204,11 +208,11 @@ def load_hf_config(path: str) -> LlamaConfig:
                          f"give the directory that holds it and the safetensors files")
     verify_export_file(file)
     try:
-        with open(file, encoding="utf-8") as f:
-            hf = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise InputError(f"{file} is not valid JSON ({err}): restore the file the model "
-                         f"came with") from None
+        hf = json.loads(boundary.read_bytes(file, "Hugging Face config", boundary.JSON_BYTES,
+                                            digest=False))  # verified just above
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
+        raise InputError(f"{file} is not valid JSON ({clip(str(err))}): restore the file the "
+                         f"model came with") from None
     if not isinstance(hf, dict):
         raise InputError(f"{file} holds a {type(hf).__name__}, not a config object")
     return config_from_hf(hf, file)
@@ -220,11 +224,18 @@ def _weight_files(path: str) -> Dict[str, List[str]]:
     if os.path.isfile(index):
         verify_export_file(index)
         try:
-            with open(index, encoding="utf-8") as f:
-                weight_map = json.load(f)["weight_map"]
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as err:
+            weight_map = json.loads(
+                boundary.read_bytes(index, "safetensors index", boundary.JSON_BYTES,
+                                    digest=False))["weight_map"]  # verified just above
+            files_named = [os.path.join(path, file) for file in weight_map.values()]
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError,
+                RecursionError) as err:
             raise InputError(f"{index} is not a safetensors index (a JSON object with a "
-                             f"weight_map): {err}") from None
+                             f"weight_map): {clip(str(err))}") from None
+        outside = [f for f in files_named if os.path.dirname(os.path.normpath(f)) !=
+                   os.path.normpath(path)]
+        if outside:
+            raise InputError(f"{index} names a shard outside its directory: {clip(outside[0])}")
         files: Dict[str, List[str]] = {}
         for name, file in weight_map.items():
             files.setdefault(os.path.join(path, file), []).append(name)
@@ -265,6 +276,7 @@ def _read_shapes(file: str, names: List[str]) -> Dict[str, tuple]:
     """Every tensor's shape in one safetensors file, from its header (no weights are read)."""
     safetensors = require_hf("safetensors")
     from safetensors.torch import safe_open
+    boundary.verified(file, "Hugging Face file", content=False)  # hashed when weights load
     try:
         # safe_open checks that the header's offsets cover the file: a truncated one fails here
         with safe_open(file, framework="pt") as f:
@@ -413,10 +425,11 @@ def _json(value: Any) -> bytes:
 
 
 def verify_export_file(file: str) -> None:
-    """CorruptFileError naming ``file`` unless it matches its ``.sha256``, in an export of ours
-    (its config.json has a checksum: then every file must); a Hub directory has none."""
-    if os.path.isfile(checksum_path(os.path.join(os.path.dirname(file), CONFIG_FILE))):
-        verify_checksum(file)
+    """CorruptFileError naming ``file`` unless it matches its ``.sha256`` (every export of ours
+    writes one), or the user named it or its directory with ``--trust-unchecked`` (a Hub
+    directory has none). A missing digest is an error, so removing one checks nothing less."""
+    boundary.regular_file(file, "Hugging Face file", MAX_FILE_BYTES)
+    boundary.verified(file, "Hugging Face file")
 
 
 def _split(state: Dict[str, torch.Tensor],

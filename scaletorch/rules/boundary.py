@@ -27,10 +27,11 @@ from typing import Any, Iterable, Set
 import yaml
 
 from scaletorch.rules.errors import InputError, MissingInputError, clip
-from scaletorch.rules.safe_files import CorruptFileError, checksum_path, verify_checksum
+from scaletorch.rules.safe_files import (CorruptFileError, checksum_path, read_checksum,
+                                         verify_checksum)
 
 __all__ = [
-    "CONFIG_BYTES", "JSON_BYTES", "TEXT_BYTES", "YAML_NODES", "is_trusted_unchecked",
+    "CONFIG_BYTES", "JSON_BYTES", "TEXT_BYTES", "UNLIMITED", "YAML_NODES", "is_trusted_unchecked",
     "load_json", "load_yaml", "read_bytes", "read_text", "regular_file", "trust_unchecked",
     "verified"
 ]
@@ -38,6 +39,7 @@ __all__ = [
 CONFIG_BYTES = 1 << 20  # a config YAML: ours are under 2 KB
 JSON_BYTES = 64 << 20  # a config.json, an index, a manifest, a flight-recorder dump, a profile
 TEXT_BYTES = 1 << 30  # a text to tokenize, a tokenizer.json: read whole into memory
+UNLIMITED = 1 << 60  # memory-mapped files (a .bin, safetensors): only what is sampled is read
 # Nodes a YAML document may hold once its aliases are expanded: an alias is a reference, cheap
 # to parse, but whatever walks the value (the schema, an error message) meets every copy
 YAML_NODES = 100_000
@@ -78,10 +80,11 @@ def regular_file(path: str, what: str, max_bytes: int) -> int:
     return st.st_size
 
 
-def verified(path: str, what: str) -> None:
+def verified(path: str, what: str, content: bool = True) -> None:
     """InputError (a CorruptFileError) unless ``path`` matches ``<path>.sha256``, or the user
     trusted it with ``--trust-unchecked``. A missing digest is an error: removing it must not
-    switch the check off."""
+    switch the check off. ``content=False``: the digest file only, for a pre-flight that
+    must not hash gigabytes (the load that reads the bytes hashes them)."""
     if is_trusted_unchecked(path):
         return
     side = checksum_path(path)
@@ -91,7 +94,10 @@ def verified(path: str, what: str) -> None:
             f"writes one beside every file it makes. If the file was made elsewhere and you "
             f"trust it, add --trust-unchecked {clip(path)}")
     regular_file(side, "checksum file", 4096)
-    verify_checksum(path)
+    if content:
+        verify_checksum(path)
+    else:
+        read_checksum(path)
 
 
 def read_bytes(path: str, what: str, max_bytes: int, digest: bool = True) -> bytes:
