@@ -94,9 +94,10 @@ ROWS = [
         "parallel.schedule 'afab' is given, but parallel.pipeline_model_parallel_size 1 "
         "ignores it"),
     Row("--init-from a config.json with a number written as a string", C10,
-        ("--init-from", "D/hf_string"),
+        ("--init-from", "D/hf_string", "--trust-unchecked", "D/hf_string"),
         "D/hf_string/config.json: max_position_embeddings must be int, got '2048'"),
-    Row("--init-from a config.json with a null rms_norm_eps", C10, ("--init-from", "D/hf_null"),
+    Row("--init-from a config.json with a null rms_norm_eps", C10,
+        ("--init-from", "D/hf_null", "--trust-unchecked", "D/hf_null"),
         "D/hf_null/config.json: rms_norm_eps must be positive and finite, got null"),
     Row(
         "--max-new-tokens beyond the model's positions (chapter 10)", C10,
@@ -117,18 +118,28 @@ ROWS = [
     Row("--data.path of a file that does not exist", C10, ("--data.path", "D/nope.txt"),
         "data.path 'D/nope.txt' does not exist"),
     Row("a .bin too short for one sequence", C10,
-        ("--data.dataset", "bin", "--data.path", "D/tokens3.bin"),
+        ("--data.dataset", "bin", "--data.path", "D/tokens3.bin", "--trust-unchecked",
+         "D/tokens3.bin"),
         "data.path 'D/tokens3.bin' has 3 tokens, fewer than the 129 one sequence needs"),
     Row("a .bin with tokens outside the vocabulary", C10,
-        ("--data.dataset", "bin", "--data.path", "D/vocab300.bin"),
+        ("--data.dataset", "bin", "--data.path", "D/vocab300.bin", "--trust-unchecked",
+         "D/vocab300.bin"),
         "data.path 'D/vocab300.bin' holds token 300 (at index 0), outside model.vocab_size 256"),
     Row("a .bin whose dtype does not fit the vocabulary (uint16 read as uint32)", C10,
-        ("--data.dataset", "bin", "--data.path", "D/odd.bin", "--model.vocab_size", "100000"),
+        ("--data.dataset", "bin", "--data.path", "D/odd.bin", "--model.vocab_size", "100000",
+         "--trust-unchecked", "D/odd.bin"),
         "data.path 'D/odd.bin' has 602 bytes, not a whole number of uint32 tokens"),
+    Row("a .bin without its .sha256 (made by another tool)", C10,
+        ("--data.dataset", "bin", "--data.path", "D/vocab300.bin"),
+        "data.path (a token file) 'D/vocab300.bin' has no checksum file vocab300.bin.sha256"),
     # a Hugging Face directory to start from
+    Row("--init-from a directory without checksums (as the Hub gives)", C10,
+        ("--init-from", "D/hf_string"),
+        "Hugging Face file 'D/hf_string/config.json' has no checksum file config.json.sha256"),
     Row(
         "--init-from a Hugging Face directory of another architecture (GPT2LMHeadModel)", C10,
-        ("--init-from", "D/gpt2"), "D/gpt2/config.json: model_type 'gpt2' / architectures "
+        ("--init-from", "D/gpt2", "--trust-unchecked", "D/gpt2"),
+        "D/gpt2/config.json: model_type 'gpt2' / architectures "
         "['GPT2LMHeadModel'] is not a Llama", launched=True),
     Row("--init-from a directory that does not exist", C10, ("--init-from", "D/nope"),
         "Hugging Face directory D/nope does not exist"),
@@ -136,13 +147,15 @@ ROWS = [
         "D/short.txt is a file, not a Hugging Face model directory"),
     Row("--init-from a directory without config.json", C10, ("--init-from", "D/folder"),
         "D/folder is not a Hugging Face model directory: config.json is missing"),
-    Row("--init-from a config.json that is not JSON", C10, ("--init-from", "D/bad_json"),
+    Row("--init-from a config.json that is not JSON", C10,
+        ("--init-from", "D/bad_json", "--trust-unchecked", "D/bad_json"),
         "D/bad_json/config.json is not valid JSON"),
     Row("--init-from a truncated safetensors file", C10, ("--init-from", "D/truncated"),
         "D/truncated/model.safetensors is not a readable safetensors file", hf=True),
     Row(
         "--init-from weights of another size than its config.json", C10,
-        ("--init-from", "D/resized"), "D/resized/model.safetensors: tensor "
+        ("--init-from", "D/resized", "--trust-unchecked", "D/resized"),
+        "D/resized/model.safetensors: tensor "
         "model.layers.0.mlp.down_proj.weight has shape (32, 64), but config.json implies "
         "(32, 128)", hf=True),
     Row(

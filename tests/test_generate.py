@@ -9,6 +9,7 @@ import torch
 
 from scaletorch.models import LlamaConfig, build_model
 from scaletorch.models.generate import forward_with_cache, generate, sample_next
+from scaletorch.rules import boundary
 from tests.test_hf import HAVE_HF, SKIP_REASON, save_transformers_llama
 
 # fp32: the cached path runs the same ops on fewer rows; logits agree to rounding (~1e-7).
@@ -79,6 +80,13 @@ class TestGenerate(unittest.TestCase):
 
 @unittest.skipUnless(HAVE_HF, SKIP_REASON)
 class TestGenerateAgainstTransformers(unittest.TestCase):
+
+    def setUp(self):
+        # a directory made elsewhere (transformers' save_pretrained, or with our checksums
+        # removed), as --trust-unchecked names it
+        trust = boundary.trusting([tempfile.gettempdir()])
+        trust.__enter__()
+        self.addCleanup(trust.__exit__, None, None, None)
 
     def test_greedy_tokens_equal_transformers_generate(self):
         from scaletorch.models.hf import load_hf_llama

@@ -12,6 +12,7 @@ import unittest
 
 import torch
 
+from scaletorch.rules import boundary
 from tests.harness import bit_exact
 
 HAVE_HF = all(importlib.util.find_spec(m) for m in ("safetensors", "transformers"))
@@ -62,6 +63,13 @@ def read_safetensors(path: str) -> dict:
 
 @unittest.skipUnless(HAVE_HF, SKIP_REASON)
 class TestHuggingFaceLlamaRoundTrip(unittest.TestCase):
+
+    def setUp(self):
+        # a directory made elsewhere (transformers' save_pretrained, or with our checksums
+        # removed), as --trust-unchecked names it
+        trust = boundary.trusting([tempfile.gettempdir()])
+        trust.__enter__()
+        self.addCleanup(trust.__exit__, None, None, None)
 
     @bit_exact  # the export's tensors are the import's, copied
     def test_transformers_llama_loads_with_equal_logits_and_exports_back(self):
@@ -185,6 +193,9 @@ class TestHuggingFaceBadInput(unittest.TestCase):
             if name.endswith(".sha256"):  # edit below reaches the check it is about
                 os.remove(os.path.join(self.dir, name))
         self.config_file = os.path.join(self.dir, "config.json")
+        trust = boundary.trusting([self.dir])  # as --trust-unchecked names a Hub directory
+        trust.__enter__()
+        self.addCleanup(trust.__exit__, None, None, None)
 
     def assert_load_fails(self, *words):
         from scaletorch.models.hf import load_hf_llama

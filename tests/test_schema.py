@@ -23,6 +23,7 @@ import yaml
 from scaletorch.config import Config
 from scaletorch.models import LlamaConfig
 from scaletorch.models.hf import HFLlamaFields, config_to_hf, load_hf_config
+from scaletorch.rules import boundary
 from scaletorch.rules.errors import InputError
 from scaletorch.rules.schema import Rule, conditions, rules_of
 from scaletorch.trainer.config import ALIASES, parse_args, schema, setting
@@ -302,6 +303,13 @@ class EveryHuggingFaceFieldIsChecked(unittest.TestCase):
     """config.json: for every field we read (``HFLlamaFields``), a wrong JSON type, each
     out-of-range value, and a missing required field raise InputError naming the file and the
     field. The file is 4.x style (a top-level rope_theta); 5.x's rope_parameters is one more."""
+
+    def setUp(self):
+        # a directory made elsewhere (transformers' save_pretrained, or with our checksums
+        # removed), as --trust-unchecked names it
+        trust = boundary.trusting([tempfile.gettempdir()])
+        trust.__enter__()
+        self.addCleanup(trust.__exit__, None, None, None)
 
     def _refused(self, d: str, changes: dict, drop: str = "") -> str:
         hf = config_to_hf(LlamaConfig(), torch.float32)

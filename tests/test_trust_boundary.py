@@ -29,11 +29,11 @@ ALLOWED = {
 CODE_READERS = {
     "pickle.load", "pickle.loads", "pickle.Unpickler", "_pickle.load", "_pickle.loads",
     "cPickle.load", "cPickle.loads", "dill.load", "dill.loads", "cloudpickle.load",
-    "cloudpickle.loads", "joblib.load", "marshal.load", "marshal.loads", "shelve.open",
-    "yaml.load", "yaml.load_all", "yaml.unsafe_load", "yaml.unsafe_load_all", "yaml.full_load",
-    "yaml.full_load_all", "yaml.Loader", "yaml.UnsafeLoader", "yaml.FullLoader",
-    "yaml.CLoader", "yaml.UnsafeLoader", "eval", "exec", "compile", "pandas.read_pickle",
-    "pd.read_pickle", "torch.serialization.load", "np.lib.format.read_array"
+    "cloudpickle.loads", "joblib.load", "marshal.load", "marshal.loads", "shelve.open", "yaml.load",
+    "yaml.load_all", "yaml.unsafe_load", "yaml.unsafe_load_all", "yaml.full_load",
+    "yaml.full_load_all", "yaml.Loader", "yaml.UnsafeLoader", "yaml.FullLoader", "yaml.CLoader",
+    "yaml.UnsafeLoader", "eval", "exec", "compile", "pandas.read_pickle", "pd.read_pickle",
+    "torch.serialization.load", "np.lib.format.read_array"
 }
 
 
@@ -79,9 +79,8 @@ def code_readers(source: str, path: str) -> List[Tuple[int, str]]:
             head, _, rest = name.partition(".")
             name = aliases.get(head, head) + (f".{rest}" if rest else "")
             if name == "torch.load" and not keyword_is(node, "weights_only", True):
-                found.append((node.lineno, "torch.load(weights_only=False)"
-                              if keyword_is(node, "weights_only", False) else
-                              "torch.load without weights_only=True"))
+                found.append((node.lineno, "torch.load(weights_only=False)" if keyword_is(
+                    node, "weights_only", False) else "torch.load without weights_only=True"))
             if name in ("np.load", "numpy.load") and not keyword_is(node, "allow_pickle", False) \
                     and any(k.arg == "allow_pickle" for k in node.keywords):
                 found.append((node.lineno, "np.load(allow_pickle=True)"))

@@ -20,6 +20,7 @@ from scaletorch.dist import destroy_pg_manager
 from scaletorch.models import build_model
 from scaletorch.parallel.parallelize import parallelize
 from scaletorch.parallel.vocab_padding import apply_tensor_parallel_padded
+from scaletorch.rules.safe_files import checksum_path, write_checksum
 from scaletorch.rules.vocab import padded_vocab_size
 from scaletorch.trainer.param_map import param_map
 from tests.harness import run_distributed
@@ -43,6 +44,8 @@ def gpt2_sized_tokens() -> str:
         partial = f"{path}.{os.getpid()}"
         tokens.tofile(partial)
         os.replace(partial, path)
+    if not os.path.isfile(checksum_path(path)):  # as scripts/prepare_text.py writes it
+        write_checksum(path)
     return path
 
 

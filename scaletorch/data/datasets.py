@@ -127,8 +127,8 @@ def check_data_file(dataset: str, path: Optional[str], vocab_size: int, seq_len:
     # through the trust boundary: a regular file (not a FIFO); a text is read whole into
     # memory, so it has a size limit; a .bin is ours (scripts/prepare_text.py writes its
     # .sha256) or named with --trust-unchecked
-    size = boundary.regular_file(path, "data.path", boundary.TEXT_BYTES if dataset == "text"
-                                 else boundary.UNLIMITED)
+    size = boundary.regular_file(path, "data.path",
+                                 boundary.TEXT_BYTES if dataset == "text" else boundary.UNLIMITED)
     if dataset == "bin":
         boundary.verified(path, "data.path (a token file)")
     length = seq_len + 1

@@ -69,8 +69,14 @@ def dump(directory: str, rank: int, groups: Iterable[Tuple[Any, str]] = ()) -> s
 
 
 # what calls() reads of each entry, and the type it must have
-ENTRY_FIELDS = {"process_group": list, "collective_seq_id": int, "profiling_name": str,
-                "input_sizes": list, "input_dtypes": list, "time_created_ns": int}
+ENTRY_FIELDS = {
+    "process_group": list,
+    "collective_seq_id": int,
+    "profiling_name": str,
+    "input_sizes": list,
+    "input_dtypes": list,
+    "time_created_ns": int
+}
 
 
 def load(directory: str) -> Dict[int, dict]:
@@ -98,15 +104,16 @@ def _load_dump(path: str) -> dict:
                              f"ScaleTorch's): it was not read, since unpickling can run code; "
                              f"dump again with this version")
     trace = boundary.load_json(path, what)
-    entries = trace.get("entries") if isinstance(trace, dict) else None
-    bad = not isinstance(entries, list) or not isinstance(trace.get("pg_config", {}), dict)
-    for e in entries if not bad else []:
-        bad = bad or not isinstance(e, dict) or any(
-            not isinstance(e.get(k), t) for k, t in ENTRY_FIELDS.items()) or len(
-                e["process_group"]) != 2 or not isinstance(e.get("frames", []), list)
-    if bad:
+    try:  # the fields analyze reads, with their types: what calls() and _members() read
+        if not isinstance(trace, dict) or any(
+                not isinstance(e, dict) or not isinstance(e.get(k), t)
+                for e in trace["entries"] for k, t in ENTRY_FIELDS.items()):
+            raise TypeError
+        calls(0, trace)
+        _members({0: trace})
+    except (KeyError, TypeError, AttributeError, ValueError):
         raise InputError(f"{what} {clip(path)} is JSON but not a flight-recorder dump (a "
-                         f"mapping whose entries hold {', '.join(ENTRY_FIELDS)})")
+                         f"mapping whose entries hold {', '.join(ENTRY_FIELDS)})") from None
     return trace
 
 

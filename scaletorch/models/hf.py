@@ -37,8 +37,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from scaletorch.models.llama import Llama, LlamaConfig
-from scaletorch.rules.errors import InputError, MissingInputError, clip
 from scaletorch.rules import boundary
+from scaletorch.rules.errors import InputError, MissingInputError, clip
 from scaletorch.rules.safe_files import write_checksummed
 from scaletorch.rules.schema import check_value, checked, positive, rules_of, text
 
@@ -208,8 +208,9 @@ def load_hf_config(path: str) -> LlamaConfig:
                          f"give the directory that holds it and the safetensors files")
     verify_export_file(file)
     try:
-        hf = json.loads(boundary.read_bytes(file, "Hugging Face config", boundary.JSON_BYTES,
-                                            digest=False))  # verified just above
+        hf = json.loads(
+            boundary.read_bytes(file, "Hugging Face config", boundary.JSON_BYTES,
+                                digest=False))  # verified just above
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
         raise InputError(f"{file} is not valid JSON ({clip(str(err))}): restore the file the "
                          f"model came with") from None
@@ -232,8 +233,9 @@ def _weight_files(path: str) -> Dict[str, List[str]]:
                 RecursionError) as err:
             raise InputError(f"{index} is not a safetensors index (a JSON object with a "
                              f"weight_map): {clip(str(err))}") from None
-        outside = [f for f in files_named if os.path.dirname(os.path.normpath(f)) !=
-                   os.path.normpath(path)]
+        outside = [
+            f for f in files_named if os.path.dirname(os.path.normpath(f)) != os.path.normpath(path)
+        ]
         if outside:
             raise InputError(f"{index} names a shard outside its directory: {clip(outside[0])}")
         files: Dict[str, List[str]] = {}

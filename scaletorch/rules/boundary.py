@@ -19,10 +19,11 @@ user names it with ``--trust-unchecked PATH`` (a directory trusts the files unde
 ``trust_unchecked`` records that for this process.
 """
 
+import contextlib
 import json
 import os
 import stat
-from typing import Any, Iterable, Set
+from typing import Any, Iterable, Iterator, Set
 
 import yaml
 
@@ -33,7 +34,7 @@ from scaletorch.rules.safe_files import (CorruptFileError, checksum_path, read_c
 __all__ = [
     "CONFIG_BYTES", "JSON_BYTES", "TEXT_BYTES", "UNLIMITED", "YAML_NODES", "is_trusted_unchecked",
     "load_json", "load_yaml", "read_bytes", "read_text", "regular_file", "trust_unchecked",
-    "verified"
+    "trusting", "verified"
 ]
 
 CONFIG_BYTES = 1 << 20  # a config YAML: ours are under 2 KB
@@ -51,6 +52,18 @@ def trust_unchecked(paths: Iterable[str]) -> None:
     replaces what an earlier call recorded."""
     _trusted.clear()
     _trusted.update(os.path.realpath(p) for p in paths)
+
+
+@contextlib.contextmanager
+def trusting(paths: Iterable[str]) -> Iterator[None]:
+    """``--trust-unchecked`` for ``paths`` inside the block only, added to what is trusted (for
+    code that loads a file made elsewhere without parsing a command line, e.g. a test)."""
+    added = {os.path.realpath(p) for p in paths} - _trusted
+    _trusted.update(added)
+    try:
+        yield
+    finally:
+        _trusted.difference_update(added)
 
 
 def is_trusted_unchecked(path: str) -> bool:

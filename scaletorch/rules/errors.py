@@ -8,7 +8,9 @@ It is a ValueError, so code that catches a bad value catches it too.
 
 from typing import Any
 
-__all__ = ["CLIP", "INTERRUPTED", "InputError", "MissingInputError", "NON_FINITE", "RunStopped", "clip"]
+__all__ = [
+    "CLIP", "INTERRUPTED", "InputError", "MissingInputError", "NON_FINITE", "RunStopped", "clip"
+]
 
 CLIP = 200  # characters of a value that an error message quotes
 

@@ -222,5 +222,6 @@ def check_applies(key: str, value: Any, rule: Rule, setting: Callable[[str], Any
     settings: a value that would change nothing is a mistake, not a choice."""
     other = ignored_by(key, rule, setting)
     if other is not None and value is not None:
-        raise InputError(f"{key} {clip(value)} is given, but {other} {setting(other)!r} ignores it: "
-                         f"remove {key}, or set {other} to a value that reads it")
+        raise InputError(
+            f"{key} {clip(value)} is given, but {other} {setting(other)!r} ignores it: "
+            f"remove {key}, or set {other} to a value that reads it")
