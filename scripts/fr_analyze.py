@@ -21,10 +21,7 @@ from scaletorch.rules.errors import InputError
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("directory", help="the run's flight_recorder directory")
-    parser.add_argument(
-        "--trust-unchecked", action="append", default=[], metavar="PATH",
-        help="read PATH without its .sha256 (RISK: a damaged or altered dump "
-        "is not detected; it is still read as JSON data only)")
+    boundary.add_trust_flag(parser)
     args = parser.parse_args(argv)
     boundary.trust_unchecked(args.trust_unchecked)
     try:

@@ -27,6 +27,7 @@ from scaletorch.data import load_tokenizer  # noqa: E402
 from scaletorch.models import Llama, build_model  # noqa: E402
 from scaletorch.models.generate import generate  # noqa: E402
 from scaletorch.models.hf import load_hf_llama  # noqa: E402
+from scaletorch.rules import boundary  # noqa: E402
 
 
 def load_model(source: str, config_file: str) -> Llama:
@@ -76,8 +77,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
+    boundary.add_trust_flag(parser)
     parser.add_argument("--compare-transformers", action="store_true")
     args = parser.parse_args(argv)
+    boundary.trust_unchecked(args.trust_unchecked)
     try:
         model = load_model(args.source, args.config)
         spec = args.tokenizer

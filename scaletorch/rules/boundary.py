@@ -32,9 +32,9 @@ from scaletorch.rules.safe_files import (CorruptFileError, checksum_path, read_c
                                          verify_checksum)
 
 __all__ = [
-    "CONFIG_BYTES", "JSON_BYTES", "TEXT_BYTES", "UNLIMITED", "YAML_NODES", "is_trusted_unchecked",
-    "load_json", "load_yaml", "read_bytes", "read_text", "regular_file", "trust_unchecked",
-    "trusting", "verified"
+    "CONFIG_BYTES", "JSON_BYTES", "TRUST_HELP", "add_trust_flag", "TEXT_BYTES", "UNLIMITED",
+    "YAML_NODES", "is_trusted_unchecked", "load_json", "load_yaml", "read_bytes", "read_text",
+    "regular_file", "trust_unchecked", "trusting", "verified"
 ]
 
 CONFIG_BYTES = 1 << 20  # a config YAML: ours are under 2 KB
@@ -45,6 +45,19 @@ UNLIMITED = 1 << 60  # memory-mapped files (a .bin, safetensors): only what is s
 # to parse, but whatever walks the value (the schema, an error message) meets every copy
 YAML_NODES = 100_000
 _trusted: Set[str] = set()
+
+TRUST_HELP = ("read PATH (a file, or every file under a directory) without the .sha256 that "
+              "ScaleTorch writes beside its files: for files made elsewhere (a Hugging Face "
+              "directory from the Hub, another tool's .bin or torch file). RISK: a damaged or "
+              "altered file is then not detected; it is still parsed only as data (no code "
+              "runs). Repeatable.")
+
+
+def add_trust_flag(parser: Any) -> None:
+    """``--trust-unchecked PATH`` (repeatable) on an argparse parser, with its risk in the help;
+    the script passes the values to ``trust_unchecked``."""
+    parser.add_argument("--trust-unchecked", action="append", default=[], metavar="PATH",
+                        help=TRUST_HELP)
 
 
 def trust_unchecked(paths: Iterable[str]) -> None:
@@ -115,12 +128,12 @@ def verified(path: str, what: str, content: bool = True) -> None:
 
 def read_bytes(path: str, what: str, max_bytes: int, digest: bool = True) -> bytes:
     """The bytes of ``path``: a regular file within ``max_bytes``, verified when ``digest``."""
-    regular_file(path, what, max_bytes)
+    size = regular_file(path, what, max_bytes)
     if digest:
         verified(path, what)
     try:
         with open(path, "rb") as f:
-            return f.read(max_bytes + 1)[:max_bytes]
+            return f.read(size)  # what the size check saw, even if the file grew since
     except OSError as err:
         raise InputError(f"{what} {clip(path)} cannot be read ({err.strerror})") from None
 

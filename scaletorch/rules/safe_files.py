@@ -129,9 +129,16 @@ def read_checksum(path: str) -> str:
     return digest
 
 
+def _regular(path: str) -> None:
+    """CorruptFileError unless ``path`` is a regular file (a FIFO would block the read)."""
+    if not os.path.isfile(path):
+        raise CorruptFileError(f"{path!r} is not a regular file: it cannot be the file written")
+
+
 def read_checksummed(path: str) -> bytes:
     """The bytes of ``path`` once they match ``<path>.sha256``; CorruptFileError naming both."""
     expected = read_checksum(path)
+    _regular(path)
     with open(path, "rb") as f:
         data = f.read()
     if sha256(data) != expected:
@@ -143,6 +150,7 @@ def verify_checksum(path: str) -> None:
     """CorruptFileError naming ``path`` unless its bytes match ``<path>.sha256``; read in
     blocks, for a file too large to hold (a Hugging Face model's weights, a checkpoint shard)."""
     expected = read_checksum(path)
+    _regular(path)
     digest, size = file_sha256(path)
     if digest != expected:
         raise _mismatch(path, size)

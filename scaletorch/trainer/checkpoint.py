@@ -39,7 +39,8 @@ from scaletorch.dist import comm, restart_count
 from scaletorch.models import Llama
 from scaletorch.parallel.grad_norm import is_dtensor
 from scaletorch.parallel.memory_report import storage_key
-from scaletorch.rules.errors import InputError, MissingInputError
+from scaletorch.rules import boundary
+from scaletorch.rules.errors import InputError, MissingInputError, clip
 from scaletorch.rules.safe_files import (CorruptFileError, checksum_line, checksum_path,
                                          read_checksum, read_checksummed, sha256, write_atomic,
                                          write_checksummed)
@@ -446,7 +447,7 @@ def check_consolidated(path: str, cfg: Config) -> None:
         raise InputError(f"{name} is not a consolidated checkpoint (a torch.save file): give "
                          f"a consolidated.pt written by chapter 02 or scripts/convert_dcp.py, or a "
                          f"checkpoint directory")
-    read_checksummed(path)  # before anything is unpickled
+    boundary.verified(path, name)  # before anything is unpickled (or --trust-unchecked)
     state = load_tensors_only(path, name, mmap=True)
     model = state.get("model") if isinstance(state, dict) else None
     if not isinstance(model, dict) or "step" not in state:
@@ -468,13 +469,29 @@ def check_state_keys(name: str, saved: Dict[str, Any], expected: Dict[str, Any],
         there = saved.get(key)
         shape = tuple(getattr(tensor, "shape", ()))  # () for a module's non-tensor extra state
         if there is None or tuple(getattr(there, "shape", ())) != shape:
-            found = "missing" if there is None else f"shape {tuple(there.shape)}"
+            found = "missing" if there is None else f"shape {tuple(getattr(there, 'shape', ()))}"
             raise InputError(f"{name} holds another model: {key} is {found} there, shape "
                              f"{shape} for {what}; {todo}")
+        check_tensor(name, key, there, tensor)
     unexpected = [key for key in saved if key not in expected]
     if unexpected:
         raise InputError(f"{name} holds another model: {len(unexpected)} tensor(s) that "
                          f"{what} does not have, e.g. {unexpected[0]}; {todo}")
+
+
+def check_tensor(name: str, key: str, saved: Any, expected: Any) -> None:
+    """InputError unless tensor ``saved`` has the dtype class of ``expected`` (floating weights
+    stay floating) and holds only finite values: a weight of inf or nan trains nothing."""
+    if not isinstance(expected, torch.Tensor):
+        return
+    if not isinstance(saved, torch.Tensor) or saved.is_floating_point() != \
+            expected.is_floating_point():
+        found = saved.dtype if isinstance(saved, torch.Tensor) else type(saved).__name__
+        raise InputError(f"{name}: {key} is {found}, not a {expected.dtype} tensor as the model "
+                         f"holds")
+    if saved.is_floating_point() and not bool(torch.isfinite(saved).all()):
+        raise InputError(f"{name}: {key} holds inf or nan: the checkpoint was saved from a "
+                         f"diverged run or is damaged; resume an earlier one")
 
 
 def load_checkpoint(path: str, rank: int, world_size: int,
@@ -509,3 +526,5 @@ def load_tensors_only(source: Union[str, bytes], name: str, mmap: bool = False) 
             f"a ScaleTorch checkpoint, or it was written by an older ScaleTorch or another "
             f"program. It was not unpickled, since that could run code; re-save it with this "
             f"version from a source you trust.") from None
+    except (RuntimeError, EOFError, ValueError, OSError) as err:  # a damaged zip or pickle
+        raise InputError(f"{name} is not a readable torch file ({clip(str(err))})") from None

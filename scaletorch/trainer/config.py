@@ -213,13 +213,7 @@ def parse_args(argv: Optional[Sequence[str]] = None, default_config: Optional[st
                         help="override one field, e.g. --set training.lr=1e-3")
     parser.add_argument("--resume", nargs="?", const="latest", default=None,
                         help="resume from the latest checkpoint (or the directory given)")
-    parser.add_argument(
-        "--trust-unchecked", action="append", default=[], metavar="PATH",
-        help="read PATH (a file, or every file under a directory) without the "
-        ".sha256 that ScaleTorch writes beside its files: for files made "
-        "elsewhere (a Hugging Face directory, another tool's .bin). RISK: a "
-        "damaged or altered file is then not detected; it is still parsed "
-        "only as data. Repeatable.")
+    boundary.add_trust_flag(parser)
     for flag, key in ALIASES.items():
         parser.add_argument(flag, dest=key, default=None, help=f"= {key}")
     for flag, key in FLAGS.items():

@@ -21,7 +21,8 @@ from scaletorch.config import Config
 from scaletorch.dist import comm, get_ledger
 from scaletorch.models import Llama
 from scaletorch.parallel.parallelize import Parallelized
-from scaletorch.rules.safe_files import read_checksummed, write_checksummed
+from scaletorch.rules import boundary
+from scaletorch.rules.safe_files import write_checksummed
 from scaletorch.trainer.checkpoint import load_tensors_only, tensor_bytes
 from scaletorch.trainer.param_map import param_map
 
@@ -101,9 +102,9 @@ def load_consolidated(path: str) -> Dict[str, Any]:
     """Read a consolidated checkpoint (every rank reads the whole file, on CPU). Its bytes must
     match its checksum file before they are unpickled (CorruptFileError naming it); a file that
     holds anything but tensors and plain values is refused (``load_tensors_only``)."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"consolidated checkpoint {path!r} does not exist")
-    return load_tensors_only(read_checksummed(path), f"consolidated checkpoint {path!r}")
+    what = "consolidated checkpoint"
+    return load_tensors_only(boundary.read_bytes(path, what, boundary.UNLIMITED),
+                             f"{what} {path!r}")
 
 
 def resume_consolidated(trainer: "Trainer", par: Parallelized, state: Dict[str, Any]) -> None:

@@ -1,0 +1,261 @@
+"""Every file kind, damaged every way, is refused by the trust boundary before work starts.
+
+Hypothesis draws a file kind (a config YAML, a text, a .bin, a per-rank checkpoint, a
+consolidated checkpoint, a Hugging Face directory, a flight-recorder dump), one of its files,
+a damage (truncated, extended, one bit flipped, replaced by a directory, a FIFO, a symlink to
+a device or a symlink loop) and whether the digests stay. Each case runs the check that the
+run's pre-flight (or the script) makes, in this process: the point is the reader, not the
+process (``tests/test_bad_inputs.py`` shows that an InputError is one ``error:`` line, exit 2).
+
+The claim: a kind that ScaleTorch writes (digest required) is refused, as an InputError of one
+line, whenever a byte changed or a digest is gone. A kind the user writes (config, text: no
+digest) is refused, or read as the data it still is (doc/bad_inputs.md). No case raises any
+other exception, and none blocks: a FIFO is never opened.
+
+The suite runs 60 examples; SCALETORCH_LONG_TESTS=1 runs 2000 (CI's long phase).
+"""
+
+import io
+import json
+import os
+import shutil
+import signal
+import tempfile
+import unittest
+
+import numpy as np
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from scaletorch.data.datasets import check_data_file
+from scaletorch.dist import flight_recorder
+from scaletorch.models import LlamaConfig, build_model
+from scaletorch.rules import boundary
+from scaletorch.rules.errors import InputError
+from scaletorch.rules.safe_files import write_checksummed
+from scaletorch.trainer import checkpoint as ckpt
+from scaletorch.trainer.config import load_yaml
+from scaletorch.trainer.consolidated import load_consolidated
+
+LONG = os.environ.get("SCALETORCH_LONG_TESTS") == "1"
+EXAMPLES = 2000 if LONG else 60
+DAMAGES = ("truncate", "extend", "flip", "directory", "fifo", "device", "loop")
+SMALL = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=1,
+                    num_attention_heads=2, num_key_value_heads=1, max_seq_len=32)
+
+
+def _hf(path: str) -> None:
+    from scaletorch.models.hf import check_hf_llama, verify_export_file
+    check_hf_llama(path)  # the pre-flight: config.json, headers, digests present
+    for name in sorted(os.listdir(path)):  # the load: every byte, before a weight is used
+        if not name.endswith(".sha256"):
+            verify_export_file(os.path.join(path, name))
+
+
+# kind: (make it in a directory -> the path the check takes, the check, digest required)
+def _make_config(d: str) -> str:
+    path = os.path.join(d, "run.yaml")
+    with open(path, "w") as f:
+        f.write("training:\n  steps: 5\n  lr: 0.001\nmodel:\n  hidden_size: 64\n")
+    return path
+
+
+def _make_text(d: str) -> str:
+    path = os.path.join(d, "corpus.txt")
+    with open(path, "w") as f:
+        f.write("Tensor parallel splits every matrix. " * 4)
+    return path
+
+
+def _make_bin(d: str) -> str:
+    path = os.path.join(d, "tokens.bin")
+    write_checksummed(path, (np.arange(200) % 64).astype(np.uint16).tobytes())
+    return path
+
+
+def _make_per_rank(d: str) -> str:
+    state = {"model": build_model(SMALL, seed=0).state_dict(), "step": 3}
+    ckpt.save_checkpoint(d, 3, state, 0, 1, keep_last=0)
+    return ckpt.step_dir(d, 3)
+
+
+def _make_consolidated(d: str) -> str:
+    path = os.path.join(d, "consolidated.pt")
+    buffer = io.BytesIO()
+    torch.save({"step": 3, "model": build_model(SMALL, seed=0).state_dict()}, buffer)
+    write_checksummed(path, buffer.getvalue())
+    return path
+
+
+def _make_hf(d: str) -> str:
+    from scaletorch.models.hf import export_hf_llama
+    path = os.path.join(d, "hf")
+    export_hf_llama(build_model(SMALL, seed=0), path, max_shard_bytes=20_000)
+    return path
+
+
+def _make_dump(d: str) -> str:
+    path = os.path.join(d, "flight_recorder")
+    entry = {
+        "process_group": ["0", "default_pg"],
+        "collective_seq_id": 1,
+        "profiling_name": "gloo:all_reduce",
+        "input_sizes": [[3]],
+        "input_dtypes": ["Float"],
+        "time_created_ns": 1,
+        "frames": [{
+            "filename": "x.py",
+            "line": 1,
+            "name": "f"
+        }]
+    }
+    for rank in (0, 1):
+        write_checksummed(os.path.join(path, f"rank_{rank}"),
+                          json.dumps({
+                              "entries": [entry],
+                              "pg_config": {}
+                          }).encode())
+    return path
+
+
+KINDS = {
+    "config": (_make_config, load_yaml, False),
+    "text": (_make_text, lambda p: check_data_file("text", p, 256, 16), False),
+    "bin": (_make_bin, lambda p: check_data_file("bin", p, 64, 16), True),
+    "per_rank": (_make_per_rank, ckpt.verify_checkpoint, True),
+    "consolidated": (_make_consolidated, load_consolidated, True),
+    "hf": (_make_hf, _hf, True),
+    "dump": (_make_dump, flight_recorder.load, True),
+}
+
+
+def files_of(path: str) -> list:
+    """The files of a kind: the file itself and its digest, or every file of its directory."""
+    if os.path.isdir(path):
+        return sorted(os.path.join(path, n) for n in os.listdir(path))
+    return [p for p in (path, path + ".sha256") if os.path.lexists(p)]
+
+
+def damage(file: str, how: str, at: int, bit: int, tail: bytes) -> bool:
+    """Damage ``file`` in place; False when the damage changes nothing (truncate to its size)."""
+    size = os.path.getsize(file)
+    if how == "truncate":
+        if size == 0:
+            return False
+        os.truncate(file, at % size)
+    elif how == "extend":
+        with open(file, "ab") as f:
+            f.write(tail)
+    elif how == "flip":
+        if size == 0:
+            return False
+        with open(file, "r+b") as f:
+            f.seek(at % size)
+            byte = f.read(1)[0]
+            f.seek(at % size)
+            f.write(bytes([byte ^ (1 << bit)]))
+    else:
+        os.remove(file)
+        if how == "directory":
+            os.mkdir(file)
+        elif how == "fifo":
+            os.mkfifo(file)
+        elif how == "device":
+            os.symlink("/dev/zero", file)
+        else:  # a symlink to itself
+            os.symlink(os.path.basename(file), file)
+    return True
+
+
+class _Timeout(Exception):
+    pass
+
+
+def _alarm(signum, frame):
+    raise _Timeout("the check blocked (a FIFO opened?)")
+
+
+@unittest.skipUnless(hasattr(os, "mkfifo"), "FIFOs need a POSIX system")
+class EveryFileKindDamagedIsOneInputError(unittest.TestCase):
+
+    @classmethod
+    def setUpClass(cls):
+        import torch._dynamo  # noqa: F401  (torch.load imports it, slowly: not under the alarm)
+        cls.tmp = tempfile.mkdtemp(prefix="file_kinds_")
+        cls.pristine = {}
+        for kind, (make, _, _) in KINDS.items():
+            d = os.path.join(cls.tmp, "pristine", kind)
+            os.makedirs(d)
+            cls.pristine[kind] = make(d)
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.tmp, ignore_errors=True)
+
+    def check(self, kind: str, path: str) -> str:
+        """'' when the check passes, else its one-line message; any other error fails."""
+        old = signal.signal(signal.SIGALRM, _alarm)
+        signal.alarm(60)
+        try:
+            KINDS[kind][1](path)
+            return ""
+        except InputError as err:
+            return str(err)
+        finally:
+            signal.alarm(0)
+            signal.signal(signal.SIGALRM, old)
+
+    def copy(self, kind: str) -> str:
+        source = self.pristine[kind]
+        d = tempfile.mkdtemp(dir=self.tmp)
+        root = os.path.dirname(source)
+        shutil.copytree(root, d, dirs_exist_ok=True, symlinks=True)
+        return os.path.join(d, os.path.relpath(source, root))
+
+    def test_every_kind_undamaged_with_its_digests_passes(self):
+        for kind in KINDS:
+            with self.subTest(kind=kind):
+                self.assertEqual(self.check(kind, self.copy(kind)), "")
+
+    def test_a_kind_we_write_without_its_digest_is_refused_unless_trusted(self):
+        for kind, (_, _, required) in KINDS.items():
+            if not required or kind == "per_rank":  # its manifest holds the digests too
+                continue
+            with self.subTest(kind=kind):
+                path = self.copy(kind)
+                for file in files_of(path):
+                    if file.endswith(".sha256"):
+                        os.remove(file)
+                message = self.check(kind, path)
+                self.assertIn("has no checksum file", message)
+                self.assertIn("--trust-unchecked", message)
+                with boundary.trusting([path]):
+                    self.assertEqual(self.check(kind, path), "")
+
+    @settings(max_examples=EXAMPLES, deadline=None, derandomize=not LONG,
+              suppress_health_check=[HealthCheck.too_slow])
+    @given(kind=st.sampled_from(sorted(KINDS)), which=st.integers(0, 50),
+           how=st.sampled_from(DAMAGES), at=st.integers(0, 1 << 20), bit=st.integers(0, 7),
+           tail=st.binary(min_size=1, max_size=64), keep_digests=st.booleans())
+    def test_a_damaged_file_is_one_input_error_or_read_as_documented(self, kind, which, how, at,
+                                                                     bit, tail, keep_digests):
+        path = self.copy(kind)
+        files = files_of(path)
+        changed = damage(files[which % len(files)], how, at, bit, tail)
+        if not keep_digests:
+            for file in files_of(
+                    path) if os.path.isdir(path) or not os.path.isdir(path + ".sha256") else []:
+                if file.endswith(".sha256") and os.path.isfile(file):
+                    os.remove(file)
+        message = self.check(kind, path)
+        self.assertNotIn("\n", message)
+        self.assertLess(len(message), 1500)
+        if KINDS[kind][2] and (changed or not keep_digests):
+            self.assertNotEqual(
+                message, "", f"{kind}: {how} of {files[which % len(files)]} "
+                f"(digests kept: {keep_digests}) was not refused")
+
+
+if __name__ == "__main__":
+    unittest.main()
