@@ -7,11 +7,36 @@ reads it with an allow-list. Every other file is read through scaletorch/rules/b
 """
 
 import ast
+import json
 import os
+import pickle
+import tempfile
+import time
 import unittest
 from typing import List, Tuple
 
+from scaletorch.dist import flight_recorder
+from scaletorch.rules import boundary
+from scaletorch.rules.errors import InputError, clip
+from scaletorch.rules.safe_files import write_checksummed
+from scaletorch.trainer.config import load_yaml, parse_args
 from tests.test_layering import ROOT, python_files
+
+# 1 KB of YAML that stands for 9^10 (3.5 billion) values: each line 9 aliases of the one before
+ALIAS_BOMB = "a: &a [x,x,x,x,x,x,x,x,x]\n" + "".join(
+    f"{chr(98 + i)}: &{chr(98 + i)} [" + ",".join([f"*{chr(97 + i)}"] * 9) + "]\n"
+    for i in range(9))
+
+
+class _RunsCode:
+    """A pickle that would create a file when unpickled."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
 
 # (file, call): why it may stay. Nothing else may call a reader that could run code.
 ALLOWED = {
@@ -147,6 +172,78 @@ class U(pickle.Unpickler): pass
                 "np.load(allow_pickle=True)", "marshal.loads", "shelve.open", "eval",
                 "pickle.Unpickler"
             ]))
+
+
+class TheBoundaryRefusesBeforeItReads(unittest.TestCase):
+    """The mechanisms one at a time, each with the input of the issue: refused in one line,
+    in well under a second (a bound that a hang or a full read of 61 MB would exceed)."""
+
+    def setUp(self):
+        self.tmp = tempfile.TemporaryDirectory()
+        self.addCleanup(self.tmp.cleanup)
+        self.d = self.tmp.name
+
+    def refused(self, fn, *words) -> str:
+        start = time.perf_counter()
+        with self.assertRaises(InputError) as ctx:
+            fn()
+        self.assertLess(time.perf_counter() - start, 2.0)  # seconds, on a loaded machine
+        message = str(ctx.exception)
+        self.assertNotIn("\n", message)
+        for word in words:
+            self.assertIn(word, message)
+        return message
+
+    def test_a_kilobyte_of_yaml_aliases_is_refused_fast(self):
+        self.assertLess(len(ALIAS_BOMB), 1024)
+        path = os.path.join(self.d, "bomb.yaml")
+        with open(path, "w") as f:
+            f.write(ALIAS_BOMB)
+        self.refused(lambda: load_yaml(path), "aliases expand to over 100000")
+        self.refused(lambda: boundary.load_yaml("a: &a [1, *a]", "x"), "holds itself")
+        self.refused(lambda: parse_args(["--set", "logging.name=" + "[" * 200 + "]" * 200]),
+                     "100 levels")
+        # a config that uses an anchor or two as configs do still loads
+        self.assertEqual(boundary.load_yaml("a: &lr 0.1\nb: *lr\n", "x"), {"a": 0.1, "b": 0.1})
+
+    def test_a_61_mb_yaml_is_refused_by_its_size_before_it_is_read(self):
+        path = os.path.join(self.d, "big.yaml")
+        with open(path, "wb") as f:
+            f.truncate(61 << 20)  # sparse: 61 MB that take no disk
+        self.refused(lambda: load_yaml(path), "63963136 bytes, over the limit of 1048576")
+
+    def test_a_fifo_is_refused_without_being_opened(self):
+        path = os.path.join(self.d, "fifo.yaml")
+        os.mkfifo(path)  # opening it would block until a writer comes: none does
+        self.refused(lambda: load_yaml(path), "is a FIFO")
+
+    def test_an_error_quotes_at_most_a_few_hundred_characters_of_a_value(self):
+        with self.assertRaises(ValueError) as ctx:
+            parse_args(["--training.steps", "x" * 100_000])
+        self.assertLess(len(str(ctx.exception)), 400)
+        self.assertIn("(100002 characters)", str(ctx.exception))
+        self.assertEqual(clip("abc"), "'abc'")
+
+    def test_a_pickle_dump_is_refused_and_never_unpickled(self):
+        marker = os.path.join(self.d, "ran")
+        dumps = os.path.join(self.d, "fr")
+        for protocol in (0, 2):  # protocol 0 has no 0x80 mark: it then fails as JSON
+            write_checksummed(os.path.join(dumps, "rank_0"),
+                              pickle.dumps(_RunsCode(marker), protocol=protocol))
+            self.refused(lambda: flight_recorder.load(dumps), "rank_0")
+        self.assertFalse(os.path.exists(marker))
+        pickle.loads(pickle.dumps(_RunsCode(marker))).close()  # the planted pickle runs code
+        self.assertTrue(os.path.exists(marker))
+
+    def test_a_digest_that_is_missing_or_not_a_file_is_refused_unless_trusted(self):
+        path = os.path.join(self.d, "dump.json")
+        write_checksummed(path, json.dumps({"entries": []}).encode())
+        os.remove(path + ".sha256")
+        self.refused(lambda: boundary.load_json(path, "x"), "no checksum file", "--trust-unchecked")
+        with boundary.trusting([self.d]):
+            self.assertEqual(boundary.load_json(path, "x"), {"entries": []})
+        os.mkdir(path + ".sha256")
+        self.refused(lambda: boundary.load_json(path, "x"), "is a directory")
 
 
 if __name__ == "__main__":

@@ -59,7 +59,7 @@ class HFTokenizer:
     """A local ``tokenizer.json`` (BPE, SentencePiece-converted, ...) via ``tokenizers``."""
 
     def __init__(self, path: str) -> None:
-        if not os.path.isfile(path):
+        if not os.path.lexists(path):
             raise MissingInputError(f"tokenizer file {path!r} not found: give a tokenizer.json (or "
                                     f"the model directory that holds one), or 'byte'")
         try:
