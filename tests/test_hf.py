@@ -171,10 +171,15 @@ class AnExportHasAChecksumPerFileAndAFlippedByteIsRefusedNamingIt(unittest.TestC
                             f"truncated or damaged)")
                         flip_byte(file)  # restored: it loads, the same weights bit for bit
                 self.assert_same_weights(load_hf_llama(d), model)
-                # a directory without checksums (the Hub's) is read as it is
+                # without its checksums (as the Hub gives a directory) it is refused, until
+                # the user trusts it by name (--trust-unchecked): then it is read as it is
                 for file in files:
                     os.remove(file + ".sha256")
-                self.assert_same_weights(load_hf_llama(d), model)
+                with self.assertRaisesRegex(CorruptFileError, "has no checksum file.*"
+                                            "--trust-unchecked"):
+                    load_hf_llama(d)
+                with boundary.trusting([d]):
+                    self.assert_same_weights(load_hf_llama(d), model)
 
 
 @unittest.skipUnless(HAVE_HF, SKIP_REASON)
