@@ -21,14 +21,12 @@ Each prints the data it draws as a table, then writes the PNG (``--out``); witho
 it prints the table only. The parsers need no matplotlib (tests/test_chapter_plots.py).
 """
 
-import json
 import math
 import os
 import re
 from typing import Dict, List, Tuple
 
-import yaml
-
+from scaletorch.rules import boundary
 from scripts.plot_base import draw_timeline, label_of, pyplot, read_metrics, read_timeline
 
 NUMBER = r"[\d,]+(?:\.\d+)?"
@@ -69,8 +67,7 @@ def read_config(run_dir: str) -> dict:
     path = os.path.join(run_dir, "config.yaml")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} does not exist (the Trainer writes it with metrics.jsonl)")
-    with open(path) as f:
-        return yaml.safe_load(f)
+    return boundary.load_yaml(boundary.read_text(path, "run config", boundary.CONFIG_BYTES), path)
 
 
 def loss_floor(run_dir: str) -> Tuple[str, float]:
@@ -348,8 +345,7 @@ def plot_pipeline_vs_sim(run_dir: str, out: str) -> None:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} does not exist (examples/04_pipeline_parallel.py "
                                 f"writes it)")
-    with open(path) as f:
-        schedule = json.load(f).get("schedule")  # set for the V-shaped ones only
+    schedule = boundary.load_json(path, "timeline", digest=False).get("schedule")  # V-shaped
     schedule = schedule or read_config(run_dir)["parallel"]["schedule"]
     measured = read_timeline(path)
     costs = mean_costs(measured)

@@ -40,6 +40,7 @@ from typing import List
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from scaletorch.rules import boundary  # noqa: E402
 from scaletorch.schedule import placement, simulate  # noqa: E402
 from scaletorch.schedule import zero_bubble_orders as zb  # noqa: E402
 from scaletorch.schedule.timeline import Timeline  # noqa: E402
@@ -277,11 +278,7 @@ def read_runs(path: str) -> List[dict]:
     (seconds per step; other keys are ignored), as scripts/plan_vs_tour.py writes it."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"runs file {path!r} does not exist")
-    with open(path) as f:
-        try:
-            runs = json.load(f)
-        except ValueError as err:
-            raise ValueError(f"{path}: not JSON ({err})") from None
+    runs = boundary.load_json(path, "runs file", digest=False)
     want = f"a JSON list of {{{', '.join(json.dumps(k) for k in RUN_KEYS)}}}"
     if not isinstance(runs, list) or not runs:
         raise ValueError(f"{path}: no runs (want {want})")

@@ -6,6 +6,8 @@ import os
 import sys
 from typing import Dict, List
 
+from scaletorch.rules import boundary
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from scaletorch.schedule import orders, placement, simulate  # noqa: E402
@@ -53,8 +55,7 @@ def label_of(path: str) -> str:
 def read_timeline(path: str) -> Timeline:
     """A timeline.json: {"pp", "micro_batches", "virtual_stages", "events": [[rank, kind,
     micro_batch, chunk, start, end], ...]}."""
-    with open(path) as f:
-        data = json.load(f)
+    data = boundary.load_json(path, "timeline", digest=False)
     zero_bubble = data.get("schedule", "") in placement.ZERO_BUBBLE  # its theory: simulated
     kind = simulate.ZeroBubbleTimeline if zero_bubble else Timeline
     timeline = kind(data["pp"], data["micro_batches"], data["virtual_stages"],
