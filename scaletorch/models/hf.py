@@ -338,7 +338,8 @@ def check_hf_llama(path: str) -> LlamaConfig:
 def load_hf_state_dict(path: str, config: LlamaConfig) -> Dict[str, torch.Tensor]:
     """All weights of an HF directory, renamed to ours and checked against ``config``.
 
-    Raises ValueError naming the file and tensor for a missing, unexpected or misshapen tensor.
+    Raises ValueError naming the file and tensor for a missing, unexpected or misshapen tensor,
+    one that is not floating point, or one that holds inf or nan.
     """
     expected = {name: tuple(p.shape) for name, p in _shapes(config).items()}
     state: Dict[str, torch.Tensor] = {}
@@ -346,6 +347,12 @@ def load_hf_state_dict(path: str, config: LlamaConfig) -> Dict[str, torch.Tensor
     for file, names in _weight_files(path).items():
         for hf_name, tensor in _read_file(file, names).items():
             name = _our_name(file, hf_name, tuple(tensor.shape), expected, path)
+            if name is not None and not tensor.is_floating_point():
+                raise InputError(f"{file}: tensor {hf_name} is {tensor.dtype}, not a floating "
+                                 f"point weight")
+            if name is not None and not bool(torch.isfinite(tensor).all()):
+                raise InputError(f"{file}: tensor {hf_name} holds inf or nan: the weights are "
+                                 f"damaged or from a diverged run")
             if name is not None:
                 state[name], origin[name] = tensor, file
     if config.tie_word_embeddings and "lm_head.weight" in state:
