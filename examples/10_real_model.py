@@ -5,7 +5,7 @@
         --steps 10                                         # parity holds ~10 steps on text
     python examples/10_real_model.py --data.path my.txt --prompt "Once upon a time"
     python examples/10_real_model.py --init-from path/to/hf_llama --data.dataset bin \\
-        --data.path my.bin                                 # continue a real checkpoint
+        --data.path my.bin --trust-unchecked path/to/hf_llama  # a Hub directory: no .sha256
 
 Chapter 07 with real data and a way out. The text is the repository's own documentation
 (README.md and doc/*.md joined into runs/10_real_model/text.txt) read as bytes: vocabulary
