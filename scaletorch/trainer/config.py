@@ -190,7 +190,7 @@ def load_yaml(path: str) -> Dict[str, Any]:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-        raise InputError(f"config file {clip(path)} is not valid YAML{where}: {clip(problem)}; "
+        raise InputError(f"config file {clip(path)} is not valid YAML{where}: {problem}; "
                          f"fix the syntax there") from None
     if values is None:
         raise InputError(f"config file {clip(path)} holds no settings: give a YAML file of "
