@@ -16,7 +16,9 @@ Digests are required: a file kind that ScaleTorch writes is read only once its `
 matches. A missing, unreadable or wrong digest is an ``InputError``, one line. A file made
 elsewhere (a Hugging Face directory from the Hub, a token file of another tool) has none; the
 user names it with ``--trust-unchecked PATH`` (a directory trusts the files under it), and
-``trust_unchecked`` records that for this process.
+``trust_unchecked`` records that for this process. It is process state on purpose: the user's
+statement holds for every reader of the run, however deep, and is set once, from the command
+line (``trusting`` scopes it to a block, for code that parses no command line).
 """
 
 import contextlib
@@ -44,7 +46,7 @@ UNLIMITED = 1 << 60  # memory-mapped files (a .bin, safetensors): only what is s
 # Nodes a YAML document may hold once its aliases are expanded: an alias is a reference, cheap
 # to parse, but whatever walks the value (the schema, an error message) meets every copy
 YAML_NODES = 100_000
-_trusted: Set[str] = set()
+_trusted: Set[str] = set()  # real paths named with --trust-unchecked
 
 TRUST_HELP = ("read PATH (a file, or every file under a directory) without the .sha256 that "
               "ScaleTorch writes beside its files: for files made elsewhere (a Hugging Face "
