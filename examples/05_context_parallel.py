@@ -66,8 +66,7 @@ def main() -> int:
     apply_context_parallel(model, pgm, p.cp_variant, kernel=p.cp_attention)  # the ring
     model = apply_data_parallel(model, pgm, p.impl, p.bucket_size_mb)  # over dp x cp (dp_cp)
     step = make_data_parallel_step(model, cfg.data.num_micro_batches, pgm.data_parallel_rank,
-                                   pgm.data_parallel_world_size,
-                                   pgm.data_parallel_group_with_context, loss,
+                                   pgm.data_parallel_world_size, pgm.gradient_sync_group, loss,
                                    shard_sequence=make_sequence_sharder(pgm, cfg.data.seq_len))
     result = Trainer(cfg, model, pgm, device=env.device, forward_backward=step,
                      clip_grad_norm=clip).train()

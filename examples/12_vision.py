@@ -133,7 +133,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     psi = sum(p.numel() for p in model.parameters())  # before sharding takes them
     # the new line: BatchNorm mode, then chapter 01's DDP or chapter 02's ZeRO / FSDP2
     run = parallelize_resnet(model, pgm, args.impl, args.zero_stage, args.batchnorm, args.lr)
-    n = pgm.data_parallel_world_size_with_context
+    n = pgm.gradient_sync_world_size
     layout = dict(impl=args.impl, zero_stage=args.zero_stage, batchnorm=args.batchnorm)
     if env.rank == 0:
         print(f"ResNet ({args.model}): {psi:,} "

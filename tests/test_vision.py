@@ -109,7 +109,7 @@ def _two_ranks(rank: int, world: int, tmp: str, folder: str) -> Dict[str, Any]:
                               | {str(p.dtype)
                                  for n, p in model.named_parameters() if "bn" in n})
     x = torch.randn(8, 3, 4, 4, generator=torch.Generator().manual_seed(0))  # the global batch
-    layer = SyncBatchNorm(3, pgm.data_parallel_group_with_context)
+    layer = SyncBatchNorm(3, pgm.gradient_sync_group)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         mine = layer(x.chunk(world)[rank].bfloat16())
     whole = F.batch_norm(x.bfloat16().float(), None, None, training=True).bfloat16()

@@ -227,7 +227,7 @@ class PipelineLoop:
         if finish is not None:
             finish()
         comm.all_reduce(stage.loss, stage.group)  # nonzero on the last stage only
-        return average_over_group(stage.loss, pgm.data_parallel_group_with_context)
+        return average_over_group(stage.loss, pgm.gradient_sync_group)
 
     @property
     def timeline(self) -> Timeline:

@@ -99,7 +99,7 @@ def train_resnet(run: ParallelResNet, loader: ImageBatchLoader, settings: Vision
     """Train ``settings.steps`` steps (from the last checkpoint, if any); ``pgm`` None: one
     device. ``stop_at``: return before that step as a killed run would (tests)."""
     # pgm None: one device, even inside a distributed run (--check's reference on rank 0)
-    group = pgm.data_parallel_group_with_context if pgm is not None else None
+    group = pgm.gradient_sync_group if pgm is not None else None
     dp_rank, dp = (comm.group_rank(group), comm.group_size(group)) if pgm else (0, 1)
     rank, world = (comm.group_rank(), comm.group_size()) if pgm else (0, 1)
     result = VisionResult()
