@@ -7,9 +7,9 @@ then
 
 runs chapter 04 on 2 gloo ranks (pp 2, 8 micro-batches) with your functions in place of the
 library's, compares it with one device and says "passed" or what is wrong; it names the function
-to write next. ``stage`` (a ``pipeline_schedules.PipelineRank``) holds this rank's part: ``stage.p``,
-``stage.rank``, ``stage.forward(mb, x)``, ``stage.backward(mb, dy)`` and the named operations
-``recv_forward``, ``send_forward``, ``recv_backward``, ``send_backward``,
+to write next. ``stage`` (a ``pipeline_schedules.PipelineRank``) holds this rank's part:
+``stage.p``, ``stage.rank``, ``stage.forward(mb, x)``, ``stage.backward(mb, dy)`` and the named
+operations ``recv_forward``, ``send_forward``, ``recv_backward``, ``send_backward``,
 ``send_forward_recv_backward`` and ``send_backward_recv_forward``.
 """
 

@@ -240,7 +240,7 @@ class PipelineLoop:
 
 
 class ScheduleTrace(PipelineRank):
-    """A ``PipelineRank`` of pipeline rank ``rank`` of ``p`` that computes and sends nothing: it writes
+    """A ``PipelineRank`` (rank ``rank`` of ``p``) that computes and sends nothing: it writes
     down each action and each named operation with its messages, in the order of the calls.
     ``lines``: one per action, followed by the operations it calls before the next action."""
 
