@@ -2,11 +2,12 @@
 the documented commands marked ``ci`` re-run and compared with what doc/*.md shows."""
 
 import os
+import re
 import subprocess
 import sys
 import unittest
 
-from scripts import check_docs
+from scripts import check_docs, doc_names
 from tests.harness import NCCL_CHECKS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -262,3 +263,125 @@ class DocumentedCommandsReproduce(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class PagesNameWhatExists(unittest.TestCase):
+    """--lint's names check (scripts/doc_names.py): paths, names, flags and "above"/"below"."""
+
+    def errors(self, text: str) -> list:
+        return doc_names.page_errors(os.path.join(ROOT, "doc", "page.md"), text)
+
+    def test_every_page_names_what_exists_and_points_the_right_way(self):
+        errors = [e for path in check_docs.doc_files([]) for e in doc_names.page_errors(path)]
+        self.assertEqual(errors, [])
+
+    def test_a_missing_path_module_name_class_attribute_or_flag_is_an_error(self):
+        good = ("See `scaletorch/parallel/zero.py`, [chapter 01](01_ddp.md), `gradient_sync.py`, "
+                "`pipeline_schedules.PipelineRank`, `pgm.gradient_sync_group`, "
+                "`parallel.impl`, `apply_zero(...)` and `--zero-stage`.\n")
+        self.assertEqual(self.errors(good), [])
+        for old, new in (("parallel/zero.py", "parallel/zeros.py"), ("01_ddp.md", "01_dp.md"),
+                         ("gradient_sync.py", "grad_sync.py"), ("PipelineRank", "Stage"),
+                         ("gradient_sync_group", "data_parallel_group_with_context"),
+                         ("parallel.impl", "parallel.implementation"),
+                         ("apply_zero(", "apply_zero3("), ("--zero-stage", "--zero-level")):
+            with self.subTest(new=new):
+                self.assertEqual(len(self.errors(good.replace(old, new))), 1, new)
+
+    def test_a_flag_in_a_command_is_one_its_script_accepts(self):
+        page = (
+            f"{FENCE}bash\nscripts/launch.sh examples/01_ddp.py --nproc-per-node 2 -- "
+            f"--steps 5 --training.lr 1e-3 --check\npython scripts/benchmark.py --list\n{FENCE}\n")
+        self.assertEqual(self.errors(page), [])
+        for old, new in (("--nproc-per-node", "--nprocs"), ("--training.lr", "--training.rate"),
+                         ("--check", "--verify"), ("--list", "--lst")):
+            with self.subTest(new=new):
+                self.assertEqual(len(self.errors(page.replace(old, new, 1))), 1, new)
+
+    def test_the_picture_above_must_be_above_in_its_section(self):
+        picture = "![a chart](img/01_buckets.png)\n"
+        above = f"## A\n\n{picture}\nIn the picture above, rank 1 waits.\n"
+        self.assertEqual(self.errors(above), [])
+        below = f"## A\n\nIn the picture above, rank 1 waits.\n\n{picture}"
+        self.assertIn("'picture above' but no picture above it", self.errors(below)[0])
+        self.assertEqual(self.errors(below.replace("picture above", "picture below")), [])
+        other_section = f"## A\n\n{picture}\n## B\n\nIn the picture above, rank 1 waits.\n"
+        self.assertEqual(len(self.errors(other_section)), 1)
+
+
+class OutputBlocksShowTheLastLines(unittest.TestCase):
+    """A block that does not end with '...' ends where the command's output ends."""
+
+    def test_a_hidden_last_line_is_drift(self):
+        output = "step 1\nparity: loss OK\nparity: weight OK\nparity: grad norm OK\n"
+        self.assertEqual(check_docs.compare(["...", "parity: grad norm OK"], output), [])
+        self.assertEqual(check_docs.compare(["parity: loss OK", "..."], output), [])
+        # the README's claim: "--check ends with" two lines, where the run prints three
+        self.assertNotEqual(
+            check_docs.compare(["...", "parity: loss OK", "parity: weight OK"], output), [])
+
+    def test_stdout_may_end_before_stderr(self):
+        doc = ["...", "parity: weight OK"]
+        self.assertEqual(
+            check_docs.compare(doc, "parity: weight OK\n\nW1128 a warning", (),
+                               "parity: weight OK\n"), [])
+
+    def test_output_blocks_that_still_end_with_an_ellipsis(self):
+        # Not done yet: these blocks hide their last lines and need a re-run to show them
+        # (issue 53, item 5). The list may only shrink.
+        elided = {
+            e.split(":")[0] + ":" + e.split(":")[1]
+            for path in check_docs.doc_files([])
+            for e in check_docs.elided_ends(path)
+        }
+        self.assertLessEqual(elided, ELIDED_ENDS_TO_FIX)
+
+
+ELIDED_ENDS_TO_FIX = {
+    "doc/05_context_parallel.md:370", "doc/08_mixed_precision.md:258",
+    "doc/08_mixed_precision.md:297", "doc/08_mixed_precision.md:343",
+    "doc/09_appendix_validation.md:131", "doc/09_appendix_validation.md:313",
+    "doc/09_appendix_validation.md:335", "doc/09_appendix_validation.md:422",
+    "doc/11_debugging.md:260", "doc/11_debugging.md:276", "doc/11_debugging.md:299",
+    "doc/12_vision.md:119", "doc/12_vision.md:228", "doc/12_vision.md:276"
+}
+
+
+class ReadmeArchitectureListsThePackage(unittest.TestCase):
+    """The README's architecture section, tested against scaletorch/ (claim of issue 53)."""
+
+    def section(self) -> list:
+        with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+            text = f.read()
+        body = text.split("## Architecture", 1)[1].split(FENCE)[1]
+        return body.splitlines()
+
+    def test_every_parallel_module_is_listed_with_what_it_holds(self):
+        listed = {}
+        for line in self.section():
+            m = re.match(r"^  (\w+\.py)\s+(?:\d\d[a-z]?\s+)?(\S.*)$", line)
+            if m:
+                listed[m.group(1)] = m.group(2)
+        modules = {
+            f
+            for f in os.listdir(os.path.join(ROOT, "scaletorch", "parallel"))
+            if f.endswith(".py") and f != "__init__.py"
+        }
+        self.assertEqual(sorted(modules - set(listed)), [], "modules the README does not list")
+        self.assertEqual(sorted(set(listed) - modules), [], "listed modules that do not exist")
+        self.assertTrue(all(len(what.split()) >= 3 for what in listed.values()), listed)
+
+    def test_every_package_of_scaletorch_is_listed_and_exists(self):
+        named = {
+            m.group(1)
+            for line in self.section()
+            for m in [re.match(r"^scaletorch/(\w+(?:\.py)?)\s", line)] if m
+        }
+        packages = {
+            d
+            for d in os.listdir(os.path.join(ROOT, "scaletorch"))
+            if os.path.isfile(os.path.join(ROOT, "scaletorch", d, "__init__.py"))
+        }
+        self.assertEqual(sorted(packages - named), [])
+        for name in named:
+            self.assertTrue(os.path.exists(os.path.join(ROOT, "scaletorch", name)), name)
