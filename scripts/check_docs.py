@@ -61,7 +61,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from scripts.doc_names import page_errors
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from scripts.doc_names import page_errors  # noqa: E402  # isort: skip
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ELLIPSIS = "..."

@@ -378,6 +378,26 @@ def all_flags() -> Set[str]:
     return flags
 
 
+@lru_cache(maxsize=1)
+def impl_table() -> Dict[str, Set[str]]:
+    """{script: the ``--impl`` values it accepts}, from doc/glossary.md's table (the one list;
+    tests/test_impl_table.py holds each script to it)."""
+    with open(os.path.join(ROOT, "doc", "glossary.md"), encoding="utf-8") as f:
+        text = f.read()
+    rows = re.finditer(r"^\| `(\d\d[a-z]?_\w+)` \| ([a-z, ]+) \|", text, re.MULTILINE)
+    return {m.group(1): {v.strip() for v in m.group(2).split(",")} for m in rows}
+
+
+def impl_error(script: str, words: List[str]) -> Optional[str]:
+    """Why ``--impl V`` among a script's ``words`` is a value the script refuses, or None."""
+    name = os.path.basename(script)[:-3]
+    accepted = impl_table().get(name)
+    for flag, value in zip(words, words[1:]):
+        if flag == "--impl" and accepted is not None and value not in accepted:
+            return f"--impl {value}: {name} accepts {', '.join(sorted(accepted))} (glossary)"
+    return None
+
+
 def flag_error(flag: str, accepted: Optional[Set[str]], given_to: str) -> Optional[str]:
     """Why ``flag`` is not accepted (by ``given_to``'s flags ``accepted``), or None."""
     if "." in flag:
@@ -406,6 +426,8 @@ def command_errors(command: str) -> List[str]:
                     error = flag_error(w.split("=")[0], index().launcher_flags, "scripts/launch.sh")
                     errors += [error] if error else []
             flags = script_flags(script)
+            error = impl_error(script, rest[cut + 1:])
+            errors += [error] if error else []
             for w in rest[cut + 1:]:
                 if w.startswith("--") and len(w) > 2:
                     error = flag_error(w.split("=")[0], flags, script)
