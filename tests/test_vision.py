@@ -349,7 +349,9 @@ class BadImageFolderTest(unittest.TestCase):
             status, out, err = run_main(main, "--validate-only", "--world-size", "3")
             self.assertEqual((status, err), (2, "error: --global-batch-size 16 is not divisible "
                                              "by the 3 data-parallel ranks\n"))
-            self.assertEqual(run_main(main, "--validate-only", "--world-size", "4")[0], 0)
+            self.assertEqual(
+                run_main(main, "--validate-only", "--world-size", "4", "--logging.run_dir", tmp)[0],
+                0)  # not the cwd's runs/
             # resizing makes mixed sizes one size: it is no longer refused (checked only)
             self.assertEqual(ImageFolder(mixed, resize=16).image_size, 16)
 
