@@ -93,6 +93,8 @@ OUTPUT_SIGNS = re.compile(r"^(parity: max|communication per rank|op\s+group\s+N\
                           r"(all_reduce|all_gather|reduce_scatter|all_to_all|send|recv)\s+\w+"
                           r"\s+\d+\s+\d+|(bucket \d+|forward\+backward|stage \d+|rank \d+)\s+\||"
                           r"routing of the last|RuntimeError: rank)")
+# A --check run of a language-model chapter: its last line is the gradient norms' parity.
+LANGUAGE_CHECK = re.compile(r"examples/(0\d|10|11)\w*\.py .*--check")
 FENCE = re.compile(r"^```\s*(\S*)\s*$")
 MAX_WORDS = 40
 CHAPTER_WORDS = 30  # a chapter page (doc/NN_*.md) and the README: what a learner reads first
@@ -266,6 +268,10 @@ def elided_ends(path: str) -> List[str]:
         if shown and shown[-1].strip() == ELLIPSIS:
             errors.append(f"{block.name}: the output ends with '...': show the command's last "
                           f"lines")
+        elif shown and shown[-1].startswith("parity: max |weight") and "fails" not in \
+                block.options and LANGUAGE_CHECK.search(block.commands[-1]):
+            errors.append(f"{block.name}: a --check run ends with the gradient norms' parity "
+                          f"line, after the weights' (trainer/parity.py)")
     return errors
 
 

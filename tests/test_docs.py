@@ -1,6 +1,7 @@
 """The docs reproduce: scripts/check_docs.py's parser and comparison on a synthetic page, then
 the documented commands marked ``ci`` re-run and compared with what doc/*.md shows."""
 
+import collections
 import os
 import re
 import subprocess
@@ -329,23 +330,29 @@ class OutputBlocksShowTheLastLines(unittest.TestCase):
             check_docs.compare(doc, "parity: weight OK\n\nW1128 a warning", (),
                                "parity: weight OK\n"), [])
 
-    def test_output_blocks_that_still_end_with_an_ellipsis(self):
-        # Not done yet: these blocks hide their last lines and need a re-run to show them
-        # (issue 53, item 5). The list may only shrink.
-        elided = {
-            e.split(":")[0] + ":" + e.split(":")[1]
-            for path in check_docs.doc_files([])
-            for e in check_docs.elided_ends(path)
-        }
-        self.assertLessEqual(elided, ELIDED_ENDS_TO_FIX)
+    def test_output_blocks_that_still_hide_their_last_lines_only_get_fewer(self):
+        # Not done yet (issue 53, item 5): these blocks end with '...' or before the gradient
+        # norms' parity line, and need a re-run to show their end. Per page, the count may only
+        # shrink; a new block must show its last lines.
+        hidden = collections.Counter(
+            e.split(":")[0] for path in check_docs.doc_files([])
+            for e in check_docs.elided_ends(path))
+        for page, count in hidden.items():
+            self.assertLessEqual(count, HIDDEN_ENDS_TO_FIX.get(page, 0), page)
 
 
-ELIDED_ENDS_TO_FIX = {
-    "doc/05_context_parallel.md:370", "doc/08_mixed_precision.md:258",
-    "doc/08_mixed_precision.md:297", "doc/08_mixed_precision.md:343",
-    "doc/09_appendix_validation.md:313", "doc/09_appendix_validation.md:335",
-    "doc/09_appendix_validation.md:422", "doc/11_debugging.md:260", "doc/11_debugging.md:276",
-    "doc/11_debugging.md:299", "doc/12_vision.md:119", "doc/12_vision.md:276"
+HIDDEN_ENDS_TO_FIX = {
+    "doc/02_fsdp.md": 1,
+    "doc/03_tensor_parallel.md": 1,
+    "doc/04_pipeline_parallel.md": 1,
+    "doc/04b_zero_bubble.md": 2,
+    "doc/05_context_parallel.md": 1,
+    "doc/07_nd_parallel.md": 4,
+    "doc/08_mixed_precision.md": 3,
+    "doc/09_appendix_validation.md": 3,
+    "doc/10_real_model.md": 1,
+    "doc/11_debugging.md": 3,
+    "doc/12_vision.md": 2
 }
 
 
