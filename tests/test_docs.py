@@ -347,7 +347,7 @@ HIDDEN_ENDS_TO_FIX = {  # yapf: disable
     "doc/04_pipeline_parallel.md": 1,
     "doc/04b_zero_bubble.md": 2,
     "doc/05_context_parallel.md": 1,
-    "doc/07_nd_parallel.md": 4,
+    "doc/07_nd_parallel.md": 3,
     "doc/08_mixed_precision.md": 3,
     "doc/09_appendix_validation.md": 3,
     "doc/11_debugging.md": 3,
