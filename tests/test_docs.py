@@ -345,7 +345,7 @@ HIDDEN_ENDS_TO_FIX = {  # yapf: disable
     "doc/02_fsdp.md": 1,
     "doc/03_tensor_parallel.md": 1,
     "doc/04_pipeline_parallel.md": 1,
-    "doc/04b_zero_bubble.md": 2,
+    "doc/04b_zero_bubble.md": 1,
     "doc/05_context_parallel.md": 1,
     "doc/07_nd_parallel.md": 3,
     "doc/08_mixed_precision.md": 3,
