@@ -76,7 +76,7 @@ def main() -> int:
         gather = model.full_state_dict
     name = "FSDP2 fully_shard" if p.impl == "torch" else f"ZeRO-{p.zero_stage}"
     if env.rank == 0:
-        print(f"{name}: {numel:,} parameters over {pgm.data_parallel_world_size_with_context} "
+        print(f"{name}: {numel:,} parameters over {pgm.gradient_sync_world_size} "
               f"data-parallel ranks")
     result = trainer.train()
 

@@ -85,7 +85,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         loss = tensor_parallel_loss_fn(pgm)
     # the new idea: keep this rank's stage; then chapter 01's wrapper around it
     pipe = apply_pipeline_parallel(model, pgm, 1, p.layer_split, p.sequence_parallel)
-    if pgm.data_parallel_world_size_with_context > 1:
+    if pgm.gradient_sync_world_size > 1:
         pipe.chunks = nn.ModuleList(
             apply_data_parallel(chunk, pgm, p.impl, p.bucket_size_mb) for chunk in pipe.chunks)
     schedule = PipelineLoop(pipe, pgm, p.schedule, m, loss)  # afab or one_f_one_b

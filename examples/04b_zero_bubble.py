@@ -98,7 +98,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     # chapter 04's cut (in a V for zbv and dualpipev), chapter 01's wrapper around each chunk
     pipe = apply_pipeline_parallel(model, pgm, p.virtual_pipeline_stages, p.layer_split,
                                    p.sequence_parallel, v_shape=p.schedule in V_SHAPED)
-    if pgm.data_parallel_world_size_with_context > 1:
+    if pgm.gradient_sync_world_size > 1:
         pipe.chunks = nn.ModuleList(
             apply_data_parallel(chunk, pgm, p.impl, p.bucket_size_mb) for chunk in pipe.chunks)
     # the new idea: any schedule as data; the zero-bubble ones run B now, W later

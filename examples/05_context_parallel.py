@@ -3,11 +3,10 @@
     scripts/launch.sh examples/05_context_parallel.py --nproc-per-node 2 -- --check
     scripts/launch.sh examples/05_context_parallel.py --nproc-per-node 4 -- --cp 2 --tp 2 --check
     scripts/launch.sh examples/05_context_parallel.py --nproc-per-node 4 -- --cp-variant ulysses
-    scripts/launch.sh examples/05_context_parallel.py --nproc-per-node 2 -- --impl torch --check
 
 Chapter 01 plus two calls: ``apply_context_parallel`` swaps every attention for ring (or
 Ulysses) attention, and the step's sequence sharder keeps this rank's tokens of each sequence
-(zigzag) and passes their true positions to RoPE. Data parallel (chapter 01, ``--impl``)
+(zigzag) and passes their true positions to RoPE. Chapter 01's bucketed data parallel
 averages gradients over the data x context ranks, also when dp = 1: each cp rank's loss is
 over different tokens. With ``--tp`` chapter 03 splits the matrices first.
 """
@@ -36,12 +35,13 @@ def limits(cfg, world_size: int) -> None:
         "--pp": p.pipeline_model_parallel_size > 1,
         "--ep": p.expert_model_parallel_size > 1,
         "--zero-stage": p.zero_stage > 0,
+        f"--impl {p.impl}": p.impl != "ours",  # our ring; its data parallel is ours too
         "--activation-checkpointing": recompute_mode(p.activation_checkpointing) != "none",
         "--training.precision fp16": cfg.training.precision == "fp16",
         "--parallel.reduce_dtype": p.reduce_dtype != "fp32",
     }
     if any(later.values()):
-        raise ValueError(f"05_context_parallel composes cp with dp and tp; "
+        raise ValueError(f"05_context_parallel composes cp with dp and tp (impl ours); "
                          f"{', '.join(k for k, v in later.items() if v)}: run "
                          f"examples/07_nd_parallel.py, which composes every strategy (fp16: 08, "
                          f"recomputation: 10)")
@@ -66,8 +66,7 @@ def main() -> int:
     apply_context_parallel(model, pgm, p.cp_variant, kernel=p.cp_attention)  # the ring
     model = apply_data_parallel(model, pgm, p.impl, p.bucket_size_mb)  # over dp x cp (dp_cp)
     step = make_data_parallel_step(model, cfg.data.num_micro_batches, pgm.data_parallel_rank,
-                                   pgm.data_parallel_world_size,
-                                   pgm.data_parallel_group_with_context, loss,
+                                   pgm.data_parallel_world_size, pgm.gradient_sync_group, loss,
                                    shard_sequence=make_sequence_sharder(pgm, cfg.data.seq_len))
     result = Trainer(cfg, model, pgm, device=env.device, forward_backward=step,
                      clip_grad_norm=clip).train()

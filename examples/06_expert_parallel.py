@@ -68,8 +68,7 @@ def main() -> int:
         loss = tensor_parallel_loss_fn(pgm)
     model = ExpertParallel(model, pgm)  # in place of DDP: dense over dp_cp, experts over edp
     step = make_data_parallel_step(model, cfg.data.num_micro_batches, pgm.data_parallel_rank,
-                                   pgm.data_parallel_world_size,
-                                   pgm.data_parallel_group_with_context, loss)
+                                   pgm.data_parallel_world_size, pgm.gradient_sync_group, loss)
     result = Trainer(cfg, model, pgm, device=env.device, forward_backward=step,
                      clip_grad_norm=expert_parallel_clip_grad_norm(model, pgm)).train()
 

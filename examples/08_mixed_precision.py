@@ -78,7 +78,7 @@ def main() -> int:
     result = trainer.train()
 
     # What this chapter is about: the bytes per element that crossed the wire, by collective.
-    step, ledger, group = cfg.training.steps - 1, get_ledger(), pgm.data_parallel_group_with_context
+    step, ledger, group = cfg.training.steps - 1, get_ledger(), pgm.gradient_sync_group
     name = gradient_group_name(p.context_parallel_size)  # the ledger's: "dp" at cp 1
     lines = [f"traffic in step {step} (rank 0, over {name}):"]
     for op in ("all_reduce", "reduce_scatter", "all_gather"):

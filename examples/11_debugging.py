@@ -46,8 +46,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     model = apply_data_parallel(model, pgm, p.impl, p.bucket_size_mb)
     step = FaultyStep(
         make_data_parallel_step(model, cfg.data.num_micro_batches, pgm.data_parallel_rank,
-                                pgm.data_parallel_world_size, pgm.data_parallel_group_with_context),
-        fault, env.rank)
+                                pgm.data_parallel_world_size, pgm.gradient_sync_group), fault,
+        env.rank)
     cfg.training.steps = steps_on_this_rank(fault, env.rank, cfg.training.steps)
     trainer = Trainer(cfg, model, pgm, device=env.device, forward_backward=step,
                       clip_grad_norm=partial(clip_replicated, list(model.parameters())))

@@ -32,10 +32,11 @@ from scaletorch.parallel.sync_batchnorm import BN_MODES, sync_bn_elements
 from scaletorch.parallel.vision_parallel import parallelize_resnet
 from scaletorch.rules.errors import InputError
 from scaletorch.trainer.config import report_input_errors
+from scaletorch.trainer.parity import report_parity, report_weight_parity
 from scaletorch.trainer.precision import TOLERANCES
 from scaletorch.trainer.run_dir import check_free, moved_aside
-from scaletorch.trainer.vision_loop import (PRECISIONS, VisionSettings, largest_deviation,
-                                            single_device, train_resnet)
+from scaletorch.trainer.vision_loop import (PRECISIONS, VisionSettings, is_buffer, single_device,
+                                            train_resnet)
 
 
 def parse(argv: Optional[List[str]]) -> argparse.Namespace:
@@ -57,7 +58,10 @@ def parse(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--resume", action="store_true", help="from the newest valid checkpoint")
     p.add_argument("--overwrite", action="store_true", help="move runs/<name> aside, kept")
     p.add_argument("--kill-at-step", type=int, default=-1, help="SIGKILL rank 0 there, once")
-    p.add_argument("--name", default="12_vision", help="runs/<name>: metrics, checkpoints")
+    p.add_argument("--name", "--logging.name", dest="name", default="12_vision",
+                   help="RUN_DIR/<name>: metrics, checkpoints")
+    p.add_argument("--logging.run_dir", dest="run_dir", default="runs",
+                   help="where runs go, as in every chapter")
     p.add_argument("--check", action="store_true", help="compare with a single-device run")
     p.add_argument("--seed", type=int, default=1234, help="data and augmentation")
     p.add_argument("--validate-only", action="store_true", help="check the inputs, then exit")
@@ -102,7 +106,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         check_args(args, world_size)
         data = dataset(args)
-        check_free("--name", os.path.join("runs", args.name), args.resume, args.overwrite)
+        check_free("--name", os.path.join(args.run_dir, args.name), args.resume, args.overwrite)
     except (InputError, ValueError) as err:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {err}", file=sys.stderr, flush=True)
@@ -111,7 +115,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     if args.validate_only:  # scripts/launch.sh's pre-flight, before torchrun starts a rank
         return 0
-    run_dir = os.path.join("runs", args.name)
+    run_dir = os.path.join(args.run_dir, args.name)
     if args.overwrite and restart_count() == 0 and os.path.isdir(run_dir) and \
             int(os.environ.get("RANK", "0")) == 0:  # the old run is kept, renamed
         print(f"--overwrite: moved {run_dir} aside to {moved_aside(run_dir)}", flush=True)
@@ -133,7 +137,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     psi = sum(p.numel() for p in model.parameters())  # before sharding takes them
     # the new line: BatchNorm mode, then chapter 01's DDP or chapter 02's ZeRO / FSDP2
     run = parallelize_resnet(model, pgm, args.impl, args.zero_stage, args.batchnorm, args.lr)
-    n = pgm.data_parallel_world_size_with_context
+    n = pgm.gradient_sync_world_size
     layout = dict(impl=args.impl, zero_stage=args.zero_stage, batchnorm=args.batchnorm)
     if env.rank == 0:
         print(f"ResNet ({args.model}): {psi:,} "
@@ -167,17 +171,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         ref = single_device(build(args, num_classes, image_size).to(env.device), args.lr)
         plain = VisionSettings(steps=args.steps, lr=args.lr, precision=args.precision)
         expected = train_resnet(ref, loader, plain, None, env.device)
-        losses = expected.losses[result.start_step:]
-        dloss = max(abs(a - b) for a, b in zip(result.losses, losses))
-        dev = largest_deviation(full, ref.full_state())
+        # the parity lines of every chapter, and the running buffers' as a third
         # fp32: the sums in another order, ulps a step; bf16: its rounding (precision.py)
-        tolerance = TOLERANCES[args.precision]
-        said = f"{tolerance:.1e}".replace(".0e", "e")  # 1e-05, 3.1e-02
-        said += "" if args.precision == "fp32" else f", {args.precision}"
-        for kind, value in (("loss", dloss), ("weight", dev["weight"]), ("buffer", dev["buffer"])):
-            verdict = "ok" if value <= tolerance else "FAIL"
-            print(f"parity: max |{kind} - reference| = {value:.1e} (tolerance {said}) {verdict}")
-            ok = ok and value <= tolerance
+        tolerance, precision = TOLERANCES[args.precision], args.precision
+        ok = report_parity(result.losses, expected.losses[result.start_step:], tolerance, precision)
+        reference = ref.full_state()
+        for kind in ("weight", "buffer"):
+            mine = {k: v for k, v in full.items() if is_buffer(k) == (kind == "buffer")}
+            theirs = {k: reference[k] for k in mine}
+            ok = report_weight_parity(mine, theirs, args.steps, tolerance, precision, kind=kind) \
+                and ok
     destroy_pg_manager()
     destroy_distributed()
     return 0 if ok else 1

@@ -2,7 +2,7 @@
 
 The docs are doc/*.md and README.md.
 
-    python scripts/check_docs.py --lint          # structure and sentence length, no runs
+    python scripts/check_docs.py --lint          # structure, names, sentence length, no runs
     python scripts/check_docs.py --ci            # the blocks marked ci (tiny runs; CI runs these)
     python scripts/check_docs.py --all           # every documented command (about 15 minutes)
     python scripts/check_docs.py --all -k 04_    # the blocks whose file or command contains 04_
@@ -29,6 +29,10 @@ The convention (doc/design.md, "Docs that reproduce"):
   32 x floor 3.0e-06``) is a deviation too. Everything else (parity verdicts and tolerances,
   ledger elements and bytes, memory tables, the rank grid, formula lines) must be equal.
 - A ``scripts/launch.sh`` command in a checked block must pass ``--steps``.
+- An output block shows the command's last lines: it may not end with ``...``, and its last
+  lines must be the output's last lines (of stdout, or of stdout and stderr together).
+- --lint also checks the names a page gives (scripts/doc_names.py): every path, module,
+  function, class and flag exists, and "the picture above" (or below) is where it says.
 - A source excerpt is a ```python fence right after ``<!-- excerpt: FILE NAME -->``: its lines
   must equal FILE's lines between ``# [core: NAME]`` and ``# [end: NAME]`` (markers left out),
   so code shown on a page cannot drift from the code that runs.
@@ -56,6 +60,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from scripts.doc_names import page_errors  # noqa: E402  # isort: skip
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ELLIPSIS = "..."
@@ -86,6 +93,8 @@ OUTPUT_SIGNS = re.compile(r"^(parity: max|communication per rank|op\s+group\s+N\
                           r"(all_reduce|all_gather|reduce_scatter|all_to_all|send|recv)\s+\w+"
                           r"\s+\d+\s+\d+|(bucket \d+|forward\+backward|stage \d+|rank \d+)\s+\||"
                           r"routing of the last|RuntimeError: rank)")
+# A --check run of a language-model chapter: its last line is the gradient norms' parity.
+LANGUAGE_CHECK = re.compile(r"examples/(0\d|10|11)\w*\.py .*--check")
 FENCE = re.compile(r"^```\s*(\S*)\s*$")
 MAX_WORDS = 40
 CHAPTER_WORDS = 30  # a chapter page (doc/NN_*.md) and the README: what a learner reads first
@@ -248,6 +257,22 @@ def parse(path: str, text: Optional[str] = None) -> Tuple[List[Block], List[str]
                                   f"label it ```text and put its command before it")
                     break
     return blocks, errors + excerpt_errors(rel, lines, fences)
+
+
+def elided_ends(path: str) -> List[str]:
+    """One error per output block that ends with '...': a block shows the command's last
+    lines (a verdict or an error there is part of the claim)."""
+    errors = []
+    for block in parse(path)[0]:
+        shown = [line for line in block.expected if line.strip()]
+        if shown and shown[-1].strip() == ELLIPSIS:
+            errors.append(f"{block.name}: the output ends with '...': show the command's last "
+                          f"lines")
+        elif shown and shown[-1].startswith("parity: max |weight") and "fails" not in \
+                block.options and LANGUAGE_CHECK.search(block.commands[-1]):
+            errors.append(f"{block.name}: a --check run ends with the gradient norms' parity "
+                          f"line, after the weights' (trainer/parity.py)")
+    return errors
 
 
 def word_limit(path: str) -> int:
@@ -416,11 +441,31 @@ def _segments(doc: List[str]) -> List[List[str]]:
     return segments
 
 
-def compare(doc_lines: Sequence[str], output: str, timing_columns: Sequence[str] = ()) -> List[str]:
+def compare(doc_lines: Sequence[str], output: str, timing_columns: Sequence[str] = (),
+            stdout: Optional[str] = None) -> List[str]:
     """Diff lines ('-' doc, '+' output) for the parts of the doc block the output lacks; [] if
-    the output reproduces the block."""
+    the output reproduces the block. Unless the block ends with '...', its last lines must be
+    the last lines of ``output`` (or of ``stdout``, the part of it before stderr)."""
     doc = prepare(doc_lines, timing_columns)
     out = prepare(output.splitlines(), timing_columns)
+    diff = _diff_segments(doc, out)
+    if diff or not doc or doc[-1].strip() == ELLIPSIS:
+        return diff
+    # the block's last lines are the output's last lines: of all of it, or of its stdout
+    last = _segments(doc)[-1]
+    ends = [out[-len(last):]]
+    if stdout is not None:
+        ends.append(prepare(stdout.splitlines(), timing_columns)[-len(last):])
+    if any(
+            len(end) == len(last) and all(line_matches(d, o) for d, o in zip(last, end))
+            for end in ends):
+        return []
+    return list(
+        difflib.unified_diff(last, ends[0], "doc (its last lines)", "output (its last lines)",
+                             lineterm="", n=len(last)))
+
+
+def _diff_segments(doc: List[str], out: List[str]) -> List[str]:
     pos, diff = 0, []
     for seg in _segments(doc):
         found = None
@@ -486,7 +531,7 @@ def check_block(block: Block, timeout: float) -> List[str]:
             *lines[-10:]
         ]
     columns = [c for c in block.options.get("timing-columns", "").split(",") if c]
-    return compare(block.expected, stdout + "\n" + stderr, columns)
+    return compare(block.expected, stdout + "\n" + stderr, columns, stdout)
 
 
 def doc_files(names: Sequence[str]) -> List[str]:
@@ -516,7 +561,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         blocks += found
         errors += problems
         if args.lint:
-            errors += long_sentences(path)
+            errors += long_sentences(path) + page_errors(path) + elided_ends(path)
     for error in errors:
         print(f"STRUCTURE {error}")
     if args.lint:

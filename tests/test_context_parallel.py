@@ -214,8 +214,7 @@ def train(cfg: Config, tp: int, cp: int, variant: str = "ring") -> dict:
         loss, clip = tensor_parallel_loss_fn(pgm), clip_fn(model, pgm)
     model = apply_data_parallel(apply_context_parallel(model, pgm, variant), pgm)
     step = make_data_parallel_step(model, cfg.data.num_micro_batches, pgm.data_parallel_rank,
-                                   pgm.data_parallel_world_size,
-                                   pgm.data_parallel_group_with_context, loss,
+                                   pgm.data_parallel_world_size, pgm.gradient_sync_group, loss,
                                    make_sequence_sharder(pgm, cfg.data.seq_len))
     get_ledger().clear()
     result = Trainer(cfg, model, pgm, forward_backward=step, clip_grad_norm=clip,

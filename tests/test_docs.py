@@ -1,12 +1,14 @@
 """The docs reproduce: scripts/check_docs.py's parser and comparison on a synthetic page, then
 the documented commands marked ``ci`` re-run and compared with what doc/*.md shows."""
 
+import collections
 import os
+import re
 import subprocess
 import sys
 import unittest
 
-from scripts import check_docs
+from scripts import check_docs, doc_names
 from tests.harness import NCCL_CHECKS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -262,3 +264,132 @@ class DocumentedCommandsReproduce(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class PagesNameWhatExists(unittest.TestCase):
+    """--lint's names check (scripts/doc_names.py): paths, names, flags and "above"/"below"."""
+
+    def errors(self, text: str) -> list:
+        return doc_names.page_errors(os.path.join(ROOT, "doc", "page.md"), text)
+
+    def test_every_page_names_what_exists_and_points_the_right_way(self):
+        errors = [e for path in check_docs.doc_files([]) for e in doc_names.page_errors(path)]
+        self.assertEqual(errors, [])
+
+    def test_a_missing_path_module_name_class_attribute_or_flag_is_an_error(self):
+        good = ("See `scaletorch/parallel/zero.py`, [chapter 01](01_ddp.md), `gradient_sync.py`, "
+                "`pipeline_schedules.PipelineRank`, `pgm.gradient_sync_group`, "
+                "`parallel.impl`, `apply_zero(...)` and `--zero-stage`.\n")
+        self.assertEqual(self.errors(good), [])
+        for old, new in (("parallel/zero.py", "parallel/zeros.py"), ("01_ddp.md", "01_dp.md"),
+                         ("gradient_sync.py", "grad_sync.py"), ("PipelineRank", "Stage"),
+                         ("gradient_sync_group", "data_parallel_group_with_context"),
+                         ("parallel.impl", "parallel.implementation"),
+                         ("apply_zero(", "apply_zero3("), ("--zero-stage", "--zero-level")):
+            with self.subTest(new=new):
+                self.assertEqual(len(self.errors(good.replace(old, new))), 1, new)
+
+    def test_a_flag_in_a_command_is_one_its_script_accepts(self):
+        page = (f"{FENCE}bash\nscripts/launch.sh examples/01_ddp.py --nproc-per-node 2 -- "
+                f"--steps 5 --training.lr 1e-3 --impl naive --check\npython scripts/benchmark.py "
+                f"--list\n{FENCE}\n")
+        self.assertEqual(self.errors(page), [])
+        # the last: one name, one meaning, 05 has no naive version (the glossary's table)
+        mistakes = [("--nproc-per-node", "--nprocs"), ("--training.lr", "--training.rate"),
+                    ("--check", "--verify"), ("--list", "--lst"), ("--impl naive", "--impl fast"),
+                    ("01_ddp.py", "05_context_parallel.py")]
+        for old, new in mistakes:
+            with self.subTest(new=new):
+                self.assertEqual(len(self.errors(page.replace(old, new, 1))), 1, new)
+
+    def test_the_picture_above_must_be_above_in_its_section(self):
+        picture = "![a chart](img/01_buckets.png)\n"
+        above = f"## A\n\n{picture}\nIn the picture above, rank 1 waits.\n"
+        self.assertEqual(self.errors(above), [])
+        below = f"## A\n\nIn the picture above, rank 1 waits.\n\n{picture}"
+        self.assertIn("'picture above' but no picture above it", self.errors(below)[0])
+        self.assertEqual(self.errors(below.replace("picture above", "picture below")), [])
+        other_section = f"## A\n\n{picture}\n## B\n\nIn the picture above, rank 1 waits.\n"
+        self.assertEqual(len(self.errors(other_section)), 1)
+
+
+class OutputBlocksShowTheLastLines(unittest.TestCase):
+    """A block that does not end with '...' ends where the command's output ends."""
+
+    def test_a_hidden_last_line_is_drift(self):
+        output = "step 1\nparity: loss OK\nparity: weight OK\nparity: grad norm OK\n"
+        self.assertEqual(check_docs.compare(["...", "parity: grad norm OK"], output), [])
+        self.assertEqual(check_docs.compare(["parity: loss OK", "..."], output), [])
+        # the README's claim: "--check ends with" two lines, where the run prints three
+        self.assertNotEqual(
+            check_docs.compare(["...", "parity: loss OK", "parity: weight OK"], output), [])
+
+    def test_stdout_may_end_before_stderr(self):
+        doc = ["...", "parity: weight OK"]
+        self.assertEqual(
+            check_docs.compare(doc, "parity: weight OK\n\nW1128 a warning", (),
+                               "parity: weight OK\n"), [])
+
+    def test_output_blocks_that_still_hide_their_last_lines_only_get_fewer(self):
+        # Not done yet (issue 53, item 5): these blocks end with '...' or before the gradient
+        # norms' parity line, and need a re-run to show their end. Per page, the count may only
+        # shrink; a new block must show its last lines.
+        hidden = collections.Counter(
+            e.split(":")[0] for path in check_docs.doc_files([])
+            for e in check_docs.elided_ends(path))
+        for page, count in hidden.items():
+            self.assertLessEqual(count, HIDDEN_ENDS_TO_FIX.get(page, 0), page)
+
+
+HIDDEN_ENDS_TO_FIX = {  # yapf: disable
+    "doc/02_fsdp.md": 1,
+    "doc/03_tensor_parallel.md": 1,
+    "doc/04_pipeline_parallel.md": 1,
+    "doc/04b_zero_bubble.md": 1,
+    "doc/05_context_parallel.md": 1,
+    "doc/07_nd_parallel.md": 3,
+    "doc/08_mixed_precision.md": 3,
+    "doc/09_appendix_validation.md": 3,
+    "doc/11_debugging.md": 3,
+    "doc/12_vision.md": 1,
+}
+
+
+class ReadmeArchitectureListsThePackage(unittest.TestCase):
+    """The README's architecture section, tested against scaletorch/ (claim of issue 53)."""
+
+    def section(self) -> list:
+        with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+            text = f.read()
+        body = text.split("## Architecture", 1)[1].split(FENCE)[1]
+        return body.splitlines()
+
+    def test_every_parallel_module_is_listed_with_what_it_holds(self):
+        listed = {}
+        for line in self.section():
+            m = re.match(r"^  (\w+\.py)\s+(?:\d\d[a-z]?\s+)?(\S.*)$", line)
+            if m:
+                listed[m.group(1)] = m.group(2)
+        modules = {
+            f
+            for f in os.listdir(os.path.join(ROOT, "scaletorch", "parallel"))
+            if f.endswith(".py") and f != "__init__.py"
+        }
+        self.assertEqual(sorted(modules - set(listed)), [], "modules the README does not list")
+        self.assertEqual(sorted(set(listed) - modules), [], "listed modules that do not exist")
+        self.assertTrue(all(len(what.split()) >= 3 for what in listed.values()), listed)
+
+    def test_every_package_of_scaletorch_is_listed_and_exists(self):
+        named = {
+            m.group(1)
+            for line in self.section()
+            for m in [re.match(r"^scaletorch/(\w+(?:\.py)?)\s", line)] if m
+        }
+        packages = {
+            d
+            for d in os.listdir(os.path.join(ROOT, "scaletorch"))
+            if os.path.isfile(os.path.join(ROOT, "scaletorch", d, "__init__.py"))
+        }
+        self.assertEqual(sorted(packages - named), [])
+        for name in named:
+            self.assertTrue(os.path.exists(os.path.join(ROOT, "scaletorch", name)), name)

@@ -107,7 +107,7 @@ def _check_layer(pgm) -> dict:
     layer = _layer()
     model = apply_expert_parallel(layer, pgm)
     x, g = _layer_data()
-    r, n = pgm.data_parallel_rank_with_context, pgm.data_parallel_world_size_with_context
+    r, n = pgm.gradient_sync_rank, pgm.gradient_sync_world_size
     rows = slice(r * TOKENS // n, (r + 1) * TOKENS // n)
     loss = _layer_loss(model, x[rows], g[rows])
     loss.backward()
@@ -131,8 +131,7 @@ def _train(cfg: Config, pgm, tensor_parallel: bool = False) -> dict:
     step = None
     if tensor_parallel:  # the vocab-parallel loss; the step drives the wrapper's grad sync
         step = make_data_parallel_step(model, 1, pgm.data_parallel_rank,
-                                       pgm.data_parallel_world_size,
-                                       pgm.data_parallel_group_with_context,
+                                       pgm.data_parallel_world_size, pgm.gradient_sync_group,
                                        loss_fn=tensor_parallel_loss_fn(pgm))
     get_ledger().clear()
     result = Trainer(cfg, model, pgm, verbose=False, forward_backward=step,

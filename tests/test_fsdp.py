@@ -62,8 +62,8 @@ def _run(cfg: Config, pgm, stage, prefetch: bool = True) -> dict:
         trainer = Trainer(cfg, model, pgm, verbose=False)
     else:
         if cfg.model.tie_word_embeddings:  # one weight in two units: chapter 10's subclass
-            model = TiedShardedDataParallel(model, zero_units(model),
-                                            pgm.data_parallel_group_with_context, stage, prefetch)
+            model = TiedShardedDataParallel(model, zero_units(model), pgm.gradient_sync_group,
+                                            stage, prefetch)
         else:
             model = apply_zero(model, pgm, stage, prefetch=prefetch)
         t = cfg.training

@@ -137,7 +137,7 @@ def _overflow_on_one_rank() -> dict:
     cfg.training.precision = "fp32"
     pgm = pg_manager_for(cfg)
     model = build_model(cfg.model, seed=cfg.training.model_seed)
-    zero = ShardedDataParallel(model, llama_units(model), pgm.data_parallel_group_with_context, 2)
+    zero = ShardedDataParallel(model, llama_units(model), pgm.gradient_sync_group, 2)
     optimizer = ZeroAdamW(zero, 1e-3, (0.9, 0.95), 0.0)
     scaler = DynamicLossScaler(init_scale=2.0**10, growth_interval=100, group=None)  # the world
     trainer = Trainer(cfg, zero, pgm, optimizer=optimizer, verbose=False)
@@ -528,7 +528,7 @@ def _overflow_in_one_stage() -> dict:
         scales.append(trainer.scaler.scale)
     mine = torch.cat([p.detach().flatten() for p in par.model.parameters()])
     replicas = [torch.empty_like(mine) for _ in range(2)]
-    torch.distributed.all_gather(replicas, mine, group=pgm.data_parallel_group_with_context)
+    torch.distributed.all_gather(replicas, mine, group=pgm.gradient_sync_group)
     destroy_pg_manager()
     return {
         "stepped": stepped,

@@ -67,8 +67,7 @@ def _measure_groups(rank: int, world_size: int, layouts: List[Dict[str, int]]) -
             "pp": (pgm.pipeline_model_parallel_rank, pgm.pipeline_model_parallel_world_size),
             "cp": (pgm.context_parallel_rank, pgm.context_parallel_world_size),
             "dp": (pgm.data_parallel_rank, pgm.data_parallel_world_size),
-            "dp_cp":
-            (pgm.data_parallel_rank_with_context, pgm.data_parallel_world_size_with_context),
+            "dp_cp": (pgm.gradient_sync_rank, pgm.gradient_sync_world_size),
             "ep": (pgm.expert_model_parallel_rank, pgm.expert_model_parallel_world_size),
             "edp": (pgm.expert_data_parallel_rank, pgm.expert_data_parallel_world_size),
             "pipeline":
@@ -91,7 +90,7 @@ def _measure_groups(rank: int, world_size: int, layouts: List[Dict[str, int]]) -
         attributes["gradient_sync_world_size"] = pgm.gradient_sync_world_size
         ledger = get_ledger()
         ledger.clear()
-        comm.all_reduce(torch.ones(1), pgm.data_parallel_group_with_context)
+        comm.all_reduce(torch.ones(1), pgm.gradient_sync_group)
         comm.all_reduce(torch.ones(2), pgm.expert_data_parallel_group, name="edp")
         comm.all_reduce(torch.ones(3), pgm.context_parallel_group, name="cp")
         ledger_groups = {r.elements: r.group for r in ledger.records}
@@ -256,9 +255,9 @@ class TestProcessGroupManagerWithoutProcessGroup(unittest.TestCase):
             self.assertEqual(pgm.group_ranks(kind), [0])
         self.assertEqual((pgm.rank, pgm.world_size), (0, 1))
         self.assertIsNone(pgm.tensor_model_parallel_group)
-        self.assertIsNone(pgm.data_parallel_group_with_context)
+        self.assertIsNone(pgm.gradient_sync_group)
         self.assertEqual(pgm.tensor_model_parallel_world_size, 1)
-        self.assertEqual(pgm.data_parallel_rank_with_context, 0)
+        self.assertEqual(pgm.gradient_sync_rank, 0)
         self.assertEqual(pgm.expert_data_parallel_world_size, 1)
         self.assertTrue(pgm.is_pipeline_first_stage and pgm.is_pipeline_last_stage)
         self.assertIsNone(pgm.pipeline_next_rank)

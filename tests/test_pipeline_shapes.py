@@ -58,7 +58,7 @@ def world(rank: int, world_size: int) -> dict:
     step = loops.PipelineLoop(pipe, pgm, "1f1b", M)
     out["float tokens"] = refused(lambda: step(batch.float(), batch))
     micro = [(batch[:2], batch[:2])] * M
-    stage = loops.Stage(pipe, pgm, micro, loss_fn, Spans(torch.device("cpu")))
+    stage = loops.PipelineRank(pipe, pgm, micro, loss_fn, Spans(torch.device("cpu")))
     out["2-d message"] = refused(lambda: stage.send_forward(0, torch.zeros(2, SEQ)))
     destroy_pg_manager()
     return out

@@ -39,8 +39,7 @@ def _train_each(rank: int, world: int, run_dir: str) -> Dict[str, List]:
         model = build_model(cfg.model, seed=cfg.training.model_seed)
         model = apply_data_parallel(model, pgm, "ours", cfg.parallel.bucket_size_mb)
         ddp = make_data_parallel_step(model, 1, pgm.data_parallel_rank,
-                                      pgm.data_parallel_world_size,
-                                      pgm.data_parallel_group_with_context)
+                                      pgm.data_parallel_world_size, pgm.gradient_sync_group)
 
         def step(inputs: torch.Tensor, targets: torch.Tensor, sleep: float = sleeps[rank]):
             time.sleep(sleep)  # before the all-reduces: the other rank waits in them

@@ -158,8 +158,7 @@ def _train(rank: int, cfg: Config, impl: str) -> dict:
             model = apply_data_parallel(tp_model, pgm, "ours")
     local_numel = sum(p.numel() for p in model.parameters())
     step = make_data_parallel_step(model, cfg.data.num_micro_batches, pgm.data_parallel_rank,
-                                   pgm.data_parallel_world_size,
-                                   pgm.data_parallel_group_with_context, loss)
+                                   pgm.data_parallel_world_size, pgm.gradient_sync_group, loss)
     get_ledger().clear()
     with loss_parallel() if impl == "torch" else nullcontext():
         result = Trainer(cfg, model, pgm, forward_backward=step, clip_grad_norm=clip,

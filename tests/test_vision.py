@@ -109,7 +109,7 @@ def _two_ranks(rank: int, world: int, tmp: str, folder: str) -> Dict[str, Any]:
                               | {str(p.dtype)
                                  for n, p in model.named_parameters() if "bn" in n})
     x = torch.randn(8, 3, 4, 4, generator=torch.Generator().manual_seed(0))  # the global batch
-    layer = SyncBatchNorm(3, pgm.data_parallel_group_with_context)
+    layer = SyncBatchNorm(3, pgm.gradient_sync_group)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         mine = layer(x.chunk(world)[rank].bfloat16())
     whole = F.batch_norm(x.bfloat16().float(), None, None, training=True).bfloat16()
@@ -349,7 +349,9 @@ class BadImageFolderTest(unittest.TestCase):
             status, out, err = run_main(main, "--validate-only", "--world-size", "3")
             self.assertEqual((status, err), (2, "error: --global-batch-size 16 is not divisible "
                                              "by the 3 data-parallel ranks\n"))
-            self.assertEqual(run_main(main, "--validate-only", "--world-size", "4")[0], 0)
+            self.assertEqual(
+                run_main(main, "--validate-only", "--world-size", "4", "--logging.run_dir", tmp)[0],
+                0)  # not the cwd's runs/
             # resizing makes mixed sizes one size: it is no longer refused (checked only)
             self.assertEqual(ImageFolder(mixed, resize=16).image_size, 16)
 
@@ -402,3 +404,30 @@ class ARunIsNeverWrittenOver(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class ChapterTwelveTakesEveryChaptersInterface(unittest.TestCase):
+    """--logging.run_dir, --logging.name and --check's parity lines as every other chapter
+    prints them ("OK", steps, the worst tensor named), plus the running buffers' line."""
+
+    def test_the_run_goes_to_logging_run_dir_and_check_prints_the_common_parity_lines(self):
+        script = os.path.join(ROOT, "examples", "12_vision.py")
+        with tempfile.TemporaryDirectory() as tmp:
+            proc = subprocess.run([
+                sys.executable, script, "--steps", "2", "--check", "--logging.run_dir",
+                os.path.join(tmp, "elsewhere"), "--logging.name", "mine"
+            ], cwd=tmp, capture_output=True, text=True, timeout=300,
+                                  env=dict(os.environ, PYTHONPATH=ROOT))
+            self.assertEqual(proc.returncode, 0, proc.stdout + proc.stderr)
+            self.assertTrue(os.path.isfile(os.path.join(tmp, "elsewhere", "mine", "metrics.jsonl")))
+            self.assertFalse(os.path.exists(os.path.join(tmp, "runs")))
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("parity:")]
+        self.assertEqual(len(lines), 3, proc.stdout)
+        # the trainer's report_parity / report_weight_parity lines (scaletorch/trainer/parity.py)
+        self.assertRegex(
+            lines[0], r"^parity: max \|loss - reference\| = \d\.\de[-+]\d\d over 2 "
+            r"steps \(tolerance 1e-05\): OK$")
+        for line, kind in zip(lines[1:], ("weight", "buffer")):
+            self.assertRegex(
+                line, rf"^parity: max \|{kind} - reference\| = \d\.\de[-+]\d\d after 2 "
+                r"steps, in \S+ \(tolerance 1e-05\): OK$")

@@ -62,7 +62,7 @@ def train(stage: int, make_unit, group, rank: int) -> dict:
 def world(rank: int, world_size: int) -> dict:
     checked = checked_module()
     pgm = init_pg_manager()
-    group = pgm.data_parallel_group_with_context
+    group = pgm.gradient_sync_group
     out = {"hooked": checked.gather_unit.__qualname__, "checked": checked.FlatUnit is not FlatUnit}
     for stage in (1, 3):
         out[f"checked {stage}"] = train(stage, checked.FlatUnit, group, rank)

@@ -13,7 +13,7 @@ context parallel every rank of it holds a different slice of the global batch.
 Expert parallel is not a fifth multiplicative axis ("MoE parallel folding", as in Megatron
 and torchtitan): the expert layers see the same world as tp x ep x edp x pp, with
 ep * edp = dp * cp. Within one pipeline stage and tensor rank, take the dp_cp group (its
-ranks in increasing order; position = data_parallel_rank_with_context) and cut it into
+ranks in increasing order; position = gradient_sync_rank) and cut it into
 consecutive blocks of ep ranks: each block is an "ep" group, and the ranks at the same
 position of every block form an "edp" group (strided). Example, world 8, tp 2, dp 4, ep 2:
 
@@ -429,26 +429,19 @@ class ProcessGroupManager:
 
     @property
     def gradient_sync_group(self) -> Optional[dist.ProcessGroup]:
-        """The group gradients are averaged over: the data-parallel ranks (dp), and once chapter
-        05 splits sequences, dp x cp (every rank that sees different tokens)."""
+        """The group gradients are averaged over, "dp_cp" in the ledger: the data-parallel ranks
+        (dp), and once chapter 05 splits sequences, dp x cp (every rank that sees different
+        tokens). Megatron's ``get_data_parallel_group(with_context_parallel=True)``."""
         return self._groups["dp_cp"]
+
+    @property
+    def gradient_sync_rank(self) -> int:
+        """This rank's place in ``gradient_sync_group``."""
+        return self._rank_in("dp_cp")
 
     @property
     def gradient_sync_world_size(self) -> int:
         """The size of ``gradient_sync_group``: dp, or dp x cp under context parallel."""
-        return self.data_parallel_world_size_with_context
-
-    @property
-    def data_parallel_group_with_context(self) -> Optional[dist.ProcessGroup]:
-        """The gradient-averaging group: every rank that sees different tokens."""
-        return self._groups["dp_cp"]
-
-    @property
-    def data_parallel_rank_with_context(self) -> int:
-        return self._rank_in("dp_cp")
-
-    @property
-    def data_parallel_world_size_with_context(self) -> int:
         return self.grid.data_parallel_size * self.grid.context_parallel_size
 
     # -- expert parallel (folded into dp x cp) ----------------------------------------------

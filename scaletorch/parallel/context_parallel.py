@@ -151,7 +151,7 @@ def apply_context_parallel(model: nn.Module, pgm: ProcessGroupManager, variant: 
     """Replace every attention module's ``attention_fn``; the weights are untouched.
 
     Apply after tensor parallel (heads are then the local ones) and before data parallel,
-    which must average gradients over ``pgm.data_parallel_group_with_context``.
+    which must average gradients over ``pgm.gradient_sync_group``.
     ``kernel`` (ring only, ``parallel.cp_attention``): the attention tiles' kernel, "math"
     (fp32, readable), "fused" (torch's kernels for the device) or "auto" (fused on CUDA, math
     elsewhere).

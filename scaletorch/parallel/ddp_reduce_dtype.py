@@ -99,7 +99,7 @@ def apply_data_parallel_in(reduce_dtype: torch.dtype, model: nn.Module, pgm: Pro
         return wrapped
     if impl == "torch":
         cast(DistributedDataParallel, wrapped).register_comm_hook(
-            (pgm.data_parallel_group_with_context, reduce_dtype), reduce_dtype_hook)
+            (pgm.gradient_sync_group, reduce_dtype), reduce_dtype_hook)
         return wrapped
     subclass = {NaiveDataParallel: NaiveReducedIn, BucketedDataParallel: BucketedReducedIn}
     wrapped.__class__ = subclass[type(wrapped)]

@@ -221,14 +221,14 @@ class ExpertParallel(ModuleWrapper, nn.Module):
         params = list(module.parameters())
         self.expert_params = [p for p in params if _is_expert(p)]
         self.dense_params = [p for p in params if not _is_expert(p)]
-        self.num_token_shards = pgm.data_parallel_world_size_with_context  # R
+        self.num_token_shards = pgm.gradient_sync_world_size  # R
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
 
     def finish_grad_sync(self) -> None:
         pgm, r = self.pgm, self.num_token_shards
-        _all_reduce_mean(self.dense_params, pgm.data_parallel_group_with_context, r)
+        _all_reduce_mean(self.dense_params, pgm.gradient_sync_group, r)
         _all_reduce_mean(self.expert_params, pgm.expert_data_parallel_group, r, "edp")
 
 
@@ -250,9 +250,9 @@ def shard_experts(model: nn.Module, pgm: ProcessGroupManager,
     layers = moe_layers(model)
     ep = pgm.expert_model_parallel_world_size
     validate_expert_parallel(layers[0].num_experts if layers else 0, ep,
-                             pgm.data_parallel_world_size_with_context)
+                             pgm.gradient_sync_world_size)
     rank, group = pgm.expert_model_parallel_rank, pgm.expert_model_parallel_group
-    stats_fn: Callable = partial(all_reduce_sum, group=pgm.data_parallel_group_with_context)
+    stats_fn: Callable = partial(all_reduce_sum, group=pgm.gradient_sync_group)
     for moe in layers:
         local = moe.num_experts // ep
         for name in ("gate_proj", "up_proj", "down_proj"):

@@ -34,13 +34,13 @@ def shard_blocks_then_root(modules: Iterable[nn.Module], mesh: DeviceMesh,
 
 def apply_fully_shard(model: nn.Module, pgm: ProcessGroupManager,
                       mp_policy: Optional[MixedPrecisionPolicy] = None) -> nn.Module:
-    """FSDP2 over ``pgm.data_parallel_group_with_context``: ``fully_shard`` each block, then
+    """FSDP2 over ``pgm.gradient_sync_group``: ``fully_shard`` each block, then
     the root, on a 1-D device mesh made of that group."""
     check_zero_layout(3, pgm.tensor_model_parallel_world_size,
                       pgm.pipeline_model_parallel_world_size, pgm.expert_model_parallel_world_size)
     if not dist.is_initialized():
         raise ValueError("fully_shard needs torch.distributed: launch with torchrun")
-    group = cast(dist.ProcessGroup, pgm.data_parallel_group_with_context)  # initialized: exists
+    group = cast(dist.ProcessGroup, pgm.gradient_sync_group)  # initialized: exists
     # named after the group: a mesh over a rebuilt pg_manager is another mesh (native.py)
     mesh = DeviceMesh.from_group(group,
                                  next(model.parameters()).device.type,

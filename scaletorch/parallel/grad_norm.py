@@ -93,7 +93,7 @@ def replica_count(param: torch.Tensor, pgm: ProcessGroupManager) -> int:
         else pgm.tensor_model_parallel_world_size
     if getattr(param, "expert_parallel", False):
         return tp * pgm.expert_data_parallel_world_size
-    return tp * pgm.data_parallel_world_size_with_context
+    return tp * pgm.gradient_sync_world_size
 
 
 ParamReplicas = Tuple[torch.Tensor, Union[int, float, torch.Tensor]]

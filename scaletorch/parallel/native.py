@@ -115,7 +115,7 @@ def parallelize_native(
         # chapter 08: ZeRO-3 gathers in param_dtype; replicate gathers nothing, only reduces
         mp = None if precision is None else precision.fsdp_policy(gather=zero3)
         apply_native_data_parallel(modules, mesh["dp"], zero3, mp)
-    elif pgm.data_parallel_world_size_with_context > 1 and pipe is None:
+    elif pgm.gradient_sync_world_size > 1 and pipe is None:
         wrap = apply_data_parallel if precision is None else precision.data_parallel
         trainer_model = wrap(model, pgm, "torch", p.bucket_size_mb)
     # FSDP2 swapped in DTensors (their placements say the split); DDP is around model
@@ -125,8 +125,7 @@ def parallelize_native(
         step: ForwardBackward = TorchPipelineSchedule(pipe, pgm, p.schedule, m, loss_fn)
     else:
         step = make_data_parallel_step(trainer_model, m, pgm.data_parallel_rank,
-                                       pgm.data_parallel_world_size,
-                                       pgm.data_parallel_group_with_context,
+                                       pgm.data_parallel_world_size, pgm.gradient_sync_group,
                                        dtensor_loss_fn if tp > 1 else loss_fn, shard_sequence)
         if tp > 1:
             step = _in_loss_parallel(step)

@@ -122,7 +122,7 @@ def _apply_data_parallel(
     if p.zero_stage > 0:
         # chapter 08's units gather and reduce in the policy's dtypes (mixed_precision.py)
         unit = {} if precision is None else dict(make_unit=precision.zero_unit())
-        group = pgm.data_parallel_group_with_context
+        group = pgm.gradient_sync_group
         zero: List[ShardedDataParallel] = [
             ShardedDataParallel(m, llama_units(m), group, p.zero_stage, **unit)
             if tied is None else tied.zero(m, group, p.zero_stage, **unit) for m in modules
@@ -134,7 +134,7 @@ def _apply_data_parallel(
         return list(zero), optimizer
     if cfg.model.num_experts > 0:
         return [ExpertParallel(m, pgm) for m in modules], None
-    if pgm.data_parallel_world_size_with_context == 1:
+    if pgm.gradient_sync_world_size == 1:
         return modules, None
     wrap = apply_data_parallel if precision is None else precision.data_parallel
     return [wrap(m, pgm, p.impl, p.bucket_size_mb) for m in modules], None
@@ -245,8 +245,7 @@ def parallelize(model: Llama, cfg: "Config", pgm: ProcessGroupManager, device: t
         trainer_model = wrapped[0]
         step = make_data_parallel_step(trainer_model, cfg.data.num_micro_batches,
                                        pgm.data_parallel_rank, pgm.data_parallel_world_size,
-                                       pgm.data_parallel_group_with_context, loss, shard_sequence,
-                                       scaler)
+                                       pgm.gradient_sync_group, loss, shard_sequence, scaler)
 
     replicas = layout.replicas()
 

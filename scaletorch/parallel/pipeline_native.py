@@ -61,4 +61,4 @@ class TorchPipelineSchedule:
         zero = torch.zeros((), device=inputs.device)
         loss = torch.stack(losses).mean().detach() if last else zero
         comm.all_reduce(loss, pgm.pipeline_model_parallel_group)
-        return average_over_group(loss, pgm.data_parallel_group_with_context)
+        return average_over_group(loss, pgm.gradient_sync_group)

@@ -110,7 +110,7 @@ class PipelineSchedule:
             hooks.end_step(self)
         loss = self.loss.detach().clone()  # nonzero on the last stage only
         comm.all_reduce(loss, self.group)  # every stage gets it
-        return average_over_group(loss, self.pgm.data_parallel_group_with_context)
+        return average_over_group(loss, self.pgm.gradient_sync_group)
 
     # [core: plan-executor]
     def __call__(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

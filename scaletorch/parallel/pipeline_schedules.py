@@ -42,7 +42,7 @@ Scalar = Float[torch.Tensor, ""]
 # [core: schedules]
 
 
-def afab(stage: "Stage", m: int) -> None:
+def afab(stage: "PipelineRank", m: int) -> None:
     """All forwards, then all backwards (GPipe): every rank holds m activations at the peak."""
     # forward: receive the previous stage's activation, run this stage, pass its output on
     for mb in range(m):
@@ -56,7 +56,7 @@ def afab(stage: "Stage", m: int) -> None:
         stage.send_backward(mb, dx)
 
 
-def one_f_one_b(stage: "Stage", m: int) -> None:
+def one_f_one_b(stage: "PipelineRank", m: int) -> None:
     """1F1B: rank r of p holds at most p - r activations (m >= p).
 
     Warm-up: p - r - 1 forwards. Steady state: one forward, one backward, each send posted
@@ -97,7 +97,7 @@ def micro_batch_loss(loss: Scalar, m: int) -> Scalar:
 SCHEDULES = {"afab": afab, "1f1b": one_f_one_b}
 
 
-class Stage:
+class PipelineRank:
     """Pipeline rank ``rank`` of p for one step: its chunk, its micro-batches, its messages.
 
     Messages are (b, s, h) tensors ((b, s/tp, h) under sequence parallel) of the parameters'
@@ -220,14 +220,14 @@ class PipelineLoop:
         inputs, targets, _ = local_batch(inputs, targets, pgm.data_parallel_rank,
                                          pgm.data_parallel_world_size)
         self.spans.clear()
-        stage = Stage(self.pipe, pgm, split_micro_batches(inputs, targets, self.m), self.loss_fn,
-                      self.spans)
+        stage = PipelineRank(self.pipe, pgm, split_micro_batches(inputs, targets, self.m),
+                             self.loss_fn, self.spans)
         SCHEDULES[self.schedule](stage, self.m)
         finish = getattr(stage.chunk, "finish_grad_sync", None)  # data parallel: end the sync
         if finish is not None:
             finish()
         comm.all_reduce(stage.loss, stage.group)  # nonzero on the last stage only
-        return average_over_group(stage.loss, pgm.data_parallel_group_with_context)
+        return average_over_group(stage.loss, pgm.gradient_sync_group)
 
     @property
     def timeline(self) -> Timeline:
@@ -239,8 +239,8 @@ class PipelineLoop:
         return timeline
 
 
-class ScheduleTrace(Stage):
-    """A ``Stage`` of pipeline rank ``rank`` of ``p`` that computes and sends nothing: it writes
+class ScheduleTrace(PipelineRank):
+    """A ``PipelineRank`` (rank ``rank`` of ``p``) that computes and sends nothing: it writes
     down each action and each named operation with its messages, in the order of the calls.
     ``lines``: one per action, followed by the operations it calls before the next action."""
 

@@ -3,7 +3,7 @@
 BatchNorm normalises each channel by the mean and variance of the batch it sees. Under data
 parallel a rank sees B/N images, so plain BatchNorm uses its shard's statistics, and the run is
 no longer the single-device run. Synchronised BatchNorm sums over the N ranks of
-``pgm.data_parallel_group_with_context`` instead:
+``pgm.gradient_sync_group`` instead:
 
     rank 0  x0 (B/N, C, H, W) --sum, sum of squares, count--+
     rank 1  x1 (B/N, C, H, W) --sum, sum of squares, count--+--all-reduce--> mean, var of all B

@@ -76,11 +76,11 @@ def attach_tied_embedding_sync(schedule: PipelineSchedule, pgm: ProcessGroupMana
 def check_v_shape_wrappers(pipe: PipelineModel, pgm: ProcessGroupManager) -> None:
     """Refuse to wrap a V's chunks one by one for data parallel when they share the tied weight
     (validation.py refuses the layout first for ``parallelize``)."""
-    if pipe.v_shape and pgm.data_parallel_world_size_with_context > 1 and \
+    if pipe.v_shape and pgm.gradient_sync_world_size > 1 and \
             any(p is q for p in pipe.chunks[0].parameters() for q in pipe.chunks[1].parameters()):
         dp = gradient_group_name(pgm.context_parallel_world_size)  # "dp" at cp 1
         raise ValueError(f"tie_word_embeddings with a V-shaped schedule (zbv, dualpipev) and data "
-                         f"parallel over {dp} ({pgm.data_parallel_world_size_with_context}): "
+                         f"parallel over {dp} ({pgm.gradient_sync_world_size}): "
                          f"rank 0's two chunks share the tied weight, and each chunk's wrapper "
                          f"would sync it on its own; run the V with {dp} 1, or use afab, 1f1b, "
                          f"interleaved or zb-h1")

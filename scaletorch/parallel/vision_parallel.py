@@ -2,7 +2,7 @@
 
     parallelize_resnet(model, pgm, impl, zero_stage, batchnorm, lr)
       1. convert_batchnorm     per-rank | sync (ours, sync_batchnorm.py) | torch (GPU only)
-      2. the data-parallel strategy over pgm.data_parallel_group_with_context:
+      2. the data-parallel strategy over pgm.gradient_sync_group:
            impl ours,  zero_stage 0     our bucketed DDP              (chapter 01)
            impl ours,  zero_stage 1-3   our ZeRO, units below         (chapter 02)
            impl torch, zero_stage 0     torch's DistributedDataParallel
@@ -59,11 +59,11 @@ def _zero_full_state(model: ShardedDataParallel) -> State:
 def parallelize_resnet(model: nn.Module, pgm: ProcessGroupManager, impl: str, zero_stage: int,
                        batchnorm: str, lr: float, bucket_size_mb: float = 25.0) -> ParallelResNet:
     """``model`` (every rank the same weights) made data parallel over
-    ``pgm.data_parallel_group_with_context``, its BatchNorm layers in mode ``batchnorm``."""
+    ``pgm.gradient_sync_group``, its BatchNorm layers in mode ``batchnorm``."""
     if impl == "torch" and zero_stage not in (0, 3):
         raise ValueError(f"impl torch has DDP (zero_stage 0) and fully_shard (3), got "
                          f"zero_stage {zero_stage}: our ZeRO-1/2 is impl ours")
-    group = pgm.data_parallel_group_with_context
+    group = pgm.gradient_sync_group
     model = convert_batchnorm(model, batchnorm, group)
     adamw = partial(torch.optim.AdamW, lr=lr, weight_decay=0.0)
     # torch's DDP broadcasts rank 0's buffers before each forward itself; the others average

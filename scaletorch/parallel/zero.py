@@ -1,7 +1,7 @@
 """ZeRO stages 1, 2 and 3 by hand: the sharded data-parallel wrapper and its AdamW.
 
 ZeRO (Rajbhandari et al., 2020) removes the redundancy of data parallel over the N ranks of
-``pgm.data_parallel_group_with_context`` (same global batch as chapter 01: each rank takes 1/N
+``pgm.gradient_sync_group`` (same global batch as chapter 01: each rank takes 1/N
 of it). Each unit's parameters are one flat vector cut into N shards (flat_unit.py); rank r
 owns shard r. What else a rank keeps is the stage (fp32, 4 bytes per element, Psi parameters):
 
@@ -291,15 +291,15 @@ def llama_units(model: nn.Module) -> Units:
 
 def apply_zero(model: nn.Module, pgm: ProcessGroupManager, zero_stage: int, prefetch: bool = True,
                units: Optional[Units] = None) -> ShardedDataParallel:
-    """Shard a Llama (or ``units`` of another model) over ``pgm.data_parallel_group_with_context``.
+    """Shard a Llama (or ``units`` of another model) over ``pgm.gradient_sync_group``.
 
     ZeRO ``zero_stage``; every rank must pass the same weights (build_model with one seed).
     Pair the result with ``ZeroAdamW(model, ...)``; the Trainer with ``model.clip_grad_norm``.
     """
     check_zero_layout(zero_stage, pgm.tensor_model_parallel_world_size,
                       pgm.pipeline_model_parallel_world_size, pgm.expert_model_parallel_world_size)
-    return ShardedDataParallel(model, units or llama_units(model),
-                               pgm.data_parallel_group_with_context, zero_stage, prefetch)
+    return ShardedDataParallel(model, units or llama_units(model), pgm.gradient_sync_group,
+                               zero_stage, prefetch)
 
 
 class ZeroAdamW(torch.optim.AdamW):

@@ -78,7 +78,7 @@ def zero_report(model: nn.Module, optimizer: torch.optim.Optimizer, pgm: Process
     table of ``step``, the all-gather and reduce-scatter volume next to the formula, and every
     rank's memory next to the formula. ``numel``: Psi of the unsharded model; ``impl``
     "torch": FSDP2, whose collectives the ledger does not see."""
-    group = pgm.data_parallel_group_with_context
+    group = pgm.gradient_sync_group
     padded = getattr(model, "padded_numel", numel)  # FSDP2 does not pad
     label = "FSDP2 fully_shard" if impl == "torch" else ""  # its formula is ZeRO-3's
     memory = memory_report(model, optimizer, zero_stage, numel, padded, group, label)

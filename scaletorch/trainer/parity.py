@@ -188,14 +188,16 @@ def report_parity(losses: Sequence[float], reference: Sequence[float], tolerance
 
 
 def report_weight_parity(state: State, reference: State, steps: int, tolerance: float = TOLERANCE,
-                         precision: str = "fp32", floor: Optional[float] = None) -> bool:
-    """Print the weights' parity line (the worst parameter named) and return whether it passed."""
+                         precision: str = "fp32", floor: Optional[float] = None,
+                         kind: str = "weight") -> bool:
+    """Print the weights' parity line (the worst parameter named) and return whether it passed.
+    ``kind``: what the line calls the tensors (chapter 12 prints its running buffers too)."""
     diffs = weight_diffs(state, reference)
     worst = max(diffs, key=lambda name: diffs[name])
     diff, limit = diffs[worst], tolerance_text(tolerance, precision, floor)
     ok = diff <= widened(tolerance, floor)
     print(
-        f"parity: max |weight - reference| = {diff:.1e} after {steps} steps, in {worst} "
+        f"parity: max |{kind} - reference| = {diff:.1e} after {steps} steps, in {worst} "
         f"({limit}): {'OK' if ok else 'FAIL'}", flush=True)
     return ok
 

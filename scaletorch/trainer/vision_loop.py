@@ -99,7 +99,7 @@ def train_resnet(run: ParallelResNet, loader: ImageBatchLoader, settings: Vision
     """Train ``settings.steps`` steps (from the last checkpoint, if any); ``pgm`` None: one
     device. ``stop_at``: return before that step as a killed run would (tests)."""
     # pgm None: one device, even inside a distributed run (--check's reference on rank 0)
-    group = pgm.data_parallel_group_with_context if pgm is not None else None
+    group = pgm.gradient_sync_group if pgm is not None else None
     dp_rank, dp = (comm.group_rank(group), comm.group_size(group)) if pgm else (0, 1)
     rank, world = (comm.group_rank(), comm.group_size()) if pgm else (0, 1)
     result = VisionResult()
@@ -148,6 +148,11 @@ def train_resnet(run: ParallelResNet, loader: ImageBatchLoader, settings: Vision
     return result
 
 
+def is_buffer(key: str) -> bool:
+    """A BatchNorm running statistic or its step count, not a parameter."""
+    return "running_" in key or "num_batches" in key
+
+
 def largest_deviation(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> Dict[str, float]:
     """{"weight", "buffer"}: the largest |a - b| over parameters and over running buffers
     (num_batches_tracked, a count, must be equal: any difference counts as inf)."""
@@ -155,7 +160,7 @@ def largest_deviation(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) ->
         raise ValueError(f"the states hold different keys: {sorted(set(a) ^ set(b))}")
     out = {"weight": 0.0, "buffer": 0.0}
     for key in a:
-        kind = "buffer" if "running_" in key or "num_batches" in key else "weight"
+        kind = "buffer" if is_buffer(key) else "weight"
         diff = (a[key].double() - b[key].double()).abs().max().item()
         if "num_batches" in key and diff != 0:
             diff = math.inf

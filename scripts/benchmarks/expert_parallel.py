@@ -32,7 +32,7 @@ IMPLS = ("ep", "ddp")
 def _measure(rank: int, world: int, samples: int) -> Dict[str, object]:
     pgm = init_pg_manager()  # ep 1: the DDP baseline's data-parallel group
     ep_pgm = ProcessGroupManager(RankGrid(world, expert_model_parallel_size=world))
-    ddp_group = pgm.data_parallel_group_with_context
+    ddp_group = pgm.gradient_sync_group
     models = {
         "ep": apply_expert_parallel(build_model(MODEL, seed=0), ep_pgm),
         "ddp": DistributedDataParallel(build_model(MODEL, seed=0), process_group=ddp_group),

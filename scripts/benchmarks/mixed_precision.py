@@ -41,7 +41,7 @@ def _build(impl: str, pgm) -> tuple:
     if impl.startswith("fully_shard"):
         model = apply_fully_shard(model, pgm, fsdp_mp_policy(policy))
         return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
-    model = ShardedDataParallel(model, llama_units(model), pgm.data_parallel_group_with_context, 3,
+    model = ShardedDataParallel(model, llama_units(model), pgm.gradient_sync_group, 3,
                                 make_unit=zero_unit_in(policy.param_dtype, policy.reduce_dtype))
     disable_autocast_cache_per_unit(model)  # as parallelize does
     return model, ZeroAdamW(model, 1e-4, (0.9, 0.95), 0.1)

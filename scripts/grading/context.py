@@ -153,8 +153,7 @@ def _train(cfg: Config, pgm: Any) -> None:
     apply_context_parallel(model, pgm, p.cp_variant, kernel=p.cp_attention)
     wrapped = apply_data_parallel(model, pgm, p.impl, p.bucket_size_mb)
     step = make_data_parallel_step(wrapped, cfg.data.num_micro_batches, pgm.data_parallel_rank,
-                                   pgm.data_parallel_world_size,
-                                   pgm.data_parallel_group_with_context, loss_fn,
+                                   pgm.data_parallel_world_size, pgm.gradient_sync_group, loss_fn,
                                    shard_sequence=make_sequence_sharder(pgm, cfg.data.seq_len))
     Trainer(cfg, wrapped, pgm, device=torch.device("cpu"), forward_backward=step,
             verbose=False).train()

@@ -138,8 +138,7 @@ def _train(cfg: Config, pgm: Any) -> Dict[str, Any]:
     model = ExpertParallel(shard_experts(build_model(cfg.model, seed=cfg.training.model_seed), pgm),
                            pgm)
     step = make_data_parallel_step(model, cfg.data.num_micro_batches, pgm.data_parallel_rank,
-                                   pgm.data_parallel_world_size,
-                                   pgm.data_parallel_group_with_context, loss_fn)
+                                   pgm.data_parallel_world_size, pgm.gradient_sync_group, loss_fn)
     result = Trainer(cfg, model, pgm, device=torch.device("cpu"), forward_backward=step,
                      clip_grad_norm=expert_parallel_clip_grad_norm(model,
                                                                    pgm), verbose=False).train()

@@ -48,8 +48,8 @@ def _train(cfg: Config, pgm: Any, exercise: str, fn: Any) -> Dict[str, Any]:
     wrapped = apply_data_parallel(model, pgm, "ours", cfg.parallel.bucket_size_mb)
     scaler = DynamicLossScaler(INIT_SCALE, GROWTH_INTERVAL)  # over the world
     step = make_data_parallel_step(wrapped, cfg.data.num_micro_batches, pgm.data_parallel_rank,
-                                   pgm.data_parallel_world_size,
-                                   pgm.data_parallel_group_with_context, loss_fn, scaler=scaler)
+                                   pgm.data_parallel_world_size, pgm.gradient_sync_group, loss_fn,
+                                   scaler=scaler)
     found: List[bool] = []
     scales: List[tuple] = []
     grads: List[torch.Tensor] = []

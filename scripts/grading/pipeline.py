@@ -26,7 +26,7 @@ from scaletorch.dist import comm, destroy_pg_manager, get_ledger, init_pg_manage
 from scaletorch.models import build_model
 from scaletorch.parallel import pipeline_schedules
 from scaletorch.parallel.pipeline_parallel import apply_pipeline_parallel
-from scaletorch.parallel.pipeline_schedules import PipelineLoop, Stage
+from scaletorch.parallel.pipeline_schedules import PipelineLoop, PipelineRank
 from scaletorch.parallel.tensor_parallel import tensor_parallel_clip_grad_norm
 from scaletorch.schedule.orders import message, one_f_one_b_actions
 from scaletorch.trainer import Config, Trainer, parse_args
@@ -60,17 +60,17 @@ def config() -> Config:
 
 def _instrumented(exercise: str, fn: Any, record: Dict[str, Any]) -> List[tuple]:
     """The patches that put ``fn`` in the library's place and record what the stage did."""
-    forward, backward, batch = Stage.forward, Stage.backward, Stage._batch
-    recv_backward, wait = Stage.recv_backward, comm.Work.wait
+    forward, backward, batch = PipelineRank.forward, PipelineRank.backward, PipelineRank._batch
+    recv_backward, wait = PipelineRank.recv_backward, comm.Work.wait
 
-    def recorded_forward(self: Stage, mb: int, x: Any) -> Any:
+    def recorded_forward(self: PipelineRank, mb: int, x: Any) -> Any:
         out = forward(self, mb, x)
         if get_ledger().step == 0:
             record["actions"].append(f"F{mb}")
             record["peak"] = max(record["peak"], len(self.held))
         return out
 
-    def recorded_backward(self: Stage, mb: int, dy: Any) -> Any:
+    def recorded_backward(self: PipelineRank, mb: int, dy: Any) -> Any:
         if dy is None and not self.last:  # no gradient: receive it for the learner, go on
             record["no_grad"].append((get_ledger().step, mb))
             dy = recv_backward(self, mb)
@@ -78,7 +78,7 @@ def _instrumented(exercise: str, fn: Any, record: Dict[str, Any]) -> List[tuple]
             record["actions"].append(f"B{mb}")
         return backward(self, mb, dy)
 
-    def recorded_batch(self: Stage, name: str, sends: list, recvs: list) -> Any:
+    def recorded_batch(self: PipelineRank, name: str, sends: list, recvs: list) -> Any:
         caller = sys._getframe(2)  # the learner's line that called the named operation
         messages = [message(mb, peer, True) for mb, peer, y in sends if peer is not None]
         messages += [message(mb, peer, False) for mb, peer in recvs if peer is not None]
@@ -102,8 +102,9 @@ def _instrumented(exercise: str, fn: Any, record: Dict[str, Any]) -> List[tuple]
         schedules["1f1b"] = fn
     loss = fn if exercise == "micro_batch_loss" else pipeline_schedules.micro_batch_loss
     return [(pipeline_schedules, "SCHEDULES", schedules),
-            (pipeline_schedules, "micro_batch_loss", loss), (Stage, "forward", recorded_forward),
-            (Stage, "backward", recorded_backward), (Stage, "_batch", recorded_batch),
+            (pipeline_schedules, "micro_batch_loss", loss),
+            (PipelineRank, "forward", recorded_forward),
+            (PipelineRank, "backward", recorded_backward), (PipelineRank, "_batch", recorded_batch),
             (comm.Work, "wait", bounded_wait)]
 
 
