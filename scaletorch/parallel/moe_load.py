@@ -75,7 +75,8 @@ COLUMNS = ["computed", "expert_s", "wait_s", "sent_bytes", "received_bytes", "dr
 
 class LoadMeter:
     """Times every MoE layer of ``model`` (already ``shard_experts``-ed) on this rank;
-    ``after_step()`` after each step's backward keeps the step's row per layer."""
+    ``after_step()`` after each step's backward keeps the step's row per layer. Build it just
+    before training: it clears the ledger, whose records of an earlier run would mix in."""
 
     def __init__(self, model: nn.Module, pgm: ProcessGroupManager) -> None:
         self.pgm, self.layers = pgm, moe_layers(model)
@@ -89,6 +90,8 @@ class LoadMeter:
         for i, layer in enumerate(self.layers):
             layer.register_forward_hook(self._count(i))
         self.rows: List[List[List[float]]] = []  # [step][layer] -> E + len(COLUMNS) numbers
+        # the ledger files records by step number, which restarts with each run of a process
+        get_ledger().clear()
 
     def _count(self, i: int) -> Callable:
 
@@ -101,20 +104,20 @@ class LoadMeter:
         return hook
 
     def after_step(self) -> None:
-        """Keep this step's numbers. The ledger's token all-to-alls over "ep" of the step come
-        per micro-batch in a fixed order: forward (layer i: dispatch, combine), then backward."""
-        records = [
-            r for r in get_ledger().select("all_to_all", "ep",
-                                           get_ledger().step)
-            if r.bytes != 8 * r.elements  # the int64 count exchange is not token rows
-        ]
+        """Keep this step's numbers. The step's all-to-alls over "ep" come per micro-batch in a
+        fixed order: forward, per layer i (counts, dispatch, combine), then backward (two per
+        layer); the bytes of the forward's dispatch and combine are what this rank sent."""
+        records = get_ledger().select("all_to_all", "ep", get_ledger().step)
         n = len(self.layers)
+        if len(records) % (5 * n):
+            raise RuntimeError(f"{len(records)} all-to-alls over ep this step: expected 5 per "
+                               f"MoE layer ({n}) per micro-batch")
+        forwards = [records[j:j + 3 * n] for j in range(0, len(records), 5 * n)]
         step = []
         for i, d in enumerate(self.dispatchers):
-            forward = [records[j:j + 2 * n] for j in range(0, len(records), 4 * n)]
-            sent = sum(f[2 * i].bytes for f in forward if len(f) == 2 * n)
-            received = sum(f[2 * i + 1].bytes for f in forward if len(f) == 2 * n)
-            step.append(self.tokens[i].tolist() + d.take()[:3] + [
+            sent = sum(f[3 * i + 1].bytes for f in forwards)
+            received = sum(f[3 * i + 2].bytes for f in forwards)
+            step.append(self.tokens[i].tolist() + d.take() + [
                 float(sent),
                 float(received),
                 float(self.dropped[i]),
@@ -150,22 +153,25 @@ def imbalance(computed: torch.Tensor) -> torch.Tensor:
     return computed.max(-1).values / computed.mean(-1).clamp(min=1e-9)
 
 
-def format_load(every: torch.Tensor, num_experts: int, steps: List[int]) -> str:
-    """The meter's table for ``steps``: per layer, the global tokens per expert, then per rank
-    the rows computed, the imbalance, the dispatch bytes sent/received (ledger) and the
-    expert and combine-wait milliseconds (``every``: ``LoadMeter.gather``'s)."""
-    e = num_experts
+def format_load(every: torch.Tensor, num_experts: int) -> str:
+    """The meter's table (``every``: ``LoadMeter.gather``'s). Per layer: the global tokens per
+    expert at the first and last step; per rank, medians over the steps after the first (it
+    warms up): rows its experts computed, dispatch KB sent and received (the ledger), expert
+    and combine-wait milliseconds; the imbalance is max over mean of the median rows."""
+    e, steps = num_experts, every.shape[1]
+    later = every[:, 1:] if steps > 1 else every
     lines = []
-    for s in steps:
-        for layer in range(every.shape[2]):
-            row = every[:, s, layer]  # (world, E + columns)
-            tokens = " ".join(str(int(t)) for t in row[0, :e].tolist())
-            lines.append(f"step {s} layer {layer}: tokens per expert [{tokens}], imbalance "
-                         f"(max/mean rows per rank) {float(imbalance(row[:, e])):.2f}")
-            lines.append(f"  {'rank':>4} {'ep':>3} {'rows':>6} {'sent KB':>8} {'recv KB':>8} "
-                         f"{'experts ms':>10} {'wait ms':>8}")
-            for r in range(row.shape[0]):
-                computed, expert, wait, sent, received, _, ep_rank = row[r, e:].tolist()
-                lines.append(f"  {r:>4} {int(ep_rank):>3} {int(computed):>6} {sent / 1e3:>8.1f} "
-                             f"{received / 1e3:>8.1f} {expert * 1e3:>10.2f} {wait * 1e3:>8.2f}")
+    for layer in range(every.shape[2]):
+        first, last = (" ".join(str(int(t)) for t in every[0, s, layer, :e].tolist())
+                       for s in (0, steps - 1))
+        median = later[:, :, layer, e:].median(1).values  # (world, columns)
+        lines.append(f"MoE layer {layer}: tokens per expert, step 0 [{first}], step "
+                     f"{steps - 1} [{last}]; imbalance (max/mean rows per rank) "
+                     f"{float(imbalance(median[:, 0])):.2f}")
+        lines.append(f"  {'rank':>4} {'ep':>3} {'rows':>6} {'sent_KB':>8} {'recv_KB':>8} "
+                     f"{'expert_ms':>9} {'wait_ms':>8}   (medians over steps 1-{steps - 1})")
+        for r in range(median.shape[0]):
+            computed, expert, wait, sent, received, _, ep_rank = median[r].tolist()
+            lines.append(f"  {r:>4} {int(ep_rank):>3} {int(computed):>6} {sent / 1e3:>8.1f} "
+                         f"{received / 1e3:>8.1f} {expert * 1e3:>9.2f} {wait * 1e3:>8.2f}")
     return "\n".join(lines)
