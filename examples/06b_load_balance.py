@@ -103,8 +103,10 @@ def held_out_loss(cfg, model, pgm, device) -> float:
     return float(loss) / n
 
 
-def draw(every: torch.Tensor, num_experts: int, path: str, title: str) -> None:
-    """Tokens per expert over steps (layer 0), and each rank's expert and wait time."""
+def draw(every: torch.Tensor, balanced: torch.Tensor, num_experts: int, path: str,
+         title: str) -> None:
+    """Tokens per expert over steps (layer 0) without a remedy (solid) and with the bias
+    (``balanced``, dashed), and each rank's expert and wait time without a remedy."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -114,8 +116,10 @@ def draw(every: torch.Tensor, num_experts: int, path: str, title: str) -> None:
         return
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
     for e in range(num_experts):
-        left.plot(every[0, :, 0, e].tolist(), label=f"expert {e}")
-    left.set(xlabel="step", ylabel="tokens (layer 0, global batch)", title=title)
+        line, = left.plot(every[0, :, 0, e].tolist(), label=f"expert {e}")
+        left.plot(balanced[0, :, 0, e].tolist(), "--", color=line.get_color())
+    left.set(xlabel="step", ylabel="tokens (layer 0, global batch)",
+             title=f"{title}: none (solid), bias (dashed)")
     left.legend()
     e = num_experts
     ranks = range(every.shape[0])
@@ -123,7 +127,8 @@ def draw(every: torch.Tensor, num_experts: int, path: str, title: str) -> None:
     wait = every[:, 1:, :, e + 2].sum(-1).median(-1).values * 1e3
     right.bar(ranks, compute.tolist(), label="experts")
     right.bar(ranks, wait.tolist(), bottom=compute.tolist(), label="wait at the combine")
-    right.set(xlabel="rank", ylabel="ms per step (median, all layers)", title="time per rank")
+    right.set(xlabel="rank", ylabel="ms per step (median, all layers)",
+              title="time per rank, no remedy", xticks=list(ranks))
     right.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -138,7 +143,7 @@ def main() -> int:
     pgm = init_pg_manager_from_config(cfg.parallel, cfg.training.timeout_seconds)
     pgm.log_topology(experts=True)
     e = cfg.model.num_experts
-    rows, ok = [], True
+    rows, ok, measured = [], True, {}
     for remedy in args.remedies.split(","):
         run_cfg = copy.deepcopy(cfg)
         model, step, meter = build(run_cfg, remedy, env.device, args.hot_offset, pgm)
@@ -152,8 +157,7 @@ def main() -> int:
             continue
         if remedy == "none":  # the problem, measured
             print(format_load(every, e))
-        if args.plot and remedy == "none":
-            draw(every, e, args.plot, f"ep {pgm.expert_model_parallel_world_size}, no remedy")
+        measured[remedy] = every
         tail = every[:, -10:]  # the last 10 steps
         share = imbalance(tail[..., e].permute(1, 2, 0))  # (steps, layers): max/mean over ranks
         dropped = tail[..., e + 5].sum((0, 1)) / tail[0, :, :, :e].sum((0, 2))  # (layers,)
@@ -171,6 +175,9 @@ def main() -> int:
                                 forward_backward=ref_step, verbose=False).train()
             ok &= report_parity(result.losses, reference.losses)
             ok &= report_weight_parity(full, ref_model.state_dict(), cfg.training.steps)
+    if pgm.rank == 0 and args.plot and {"none", "bias"} <= set(measured):
+        draw(measured["none"], measured["bias"], e, args.plot,
+             f"ep {pgm.expert_model_parallel_world_size}")
     if pgm.rank == 0:
         print(f"\nremedies on one run: ep {pgm.expert_model_parallel_world_size}, {e} experts, "
               f"top-{cfg.model.moe_top_k}, router offset {args.hot_offset:g} on experts 0 1, "

@@ -18,6 +18,7 @@ from scaletorch.parallel.moe_balance import (BiasBalancer, BiasedTopK, GlobalCap
                                              apply_global_capacity, biases, skew_router)
 from scaletorch.parallel.moe_load import LoadMeter, imbalance, measured_step
 from scaletorch.parallel.step import make_data_parallel_step
+from scaletorch.plan.imbalance import hot_rank_received_rows, hot_rank_rows, imbalance_extra_seconds
 from scaletorch.trainer import Trainer
 from scaletorch.trainer.parity import max_weight_diff
 from tests.harness import run_distributed
@@ -156,6 +157,19 @@ class LoadBalanceMatchesSingleDevice(unittest.TestCase):
             self.assertTrue(torch.all(received <= every[..., E] * H * 4))
             self.assertTrue(torch.all(received[~hot, 0] < 0.1 * received[hot, 0].min()))
 
+    def test_planner_hot_rank_receive_matches_the_ledger_within_its_band(self):
+        """scaletorch/plan/imbalance.py from the measured imbalance: the hot rank's dispatch
+        receive, against the ledger's bytes, within the planner's 10% band for ep traffic."""
+        tokens_per_rank = 8 * 16 // WORLD  # global batch x sequence over dp_cp
+        for ep in (2, 4):
+            every = self.results[0][f"bias_ep{ep}"]["load"]
+            for layer in range(2):
+                rows, received = every[:, 0, layer, E], every[:, 0, layer, E + 4]
+                rho = float(imbalance(rows))
+                predicted = hot_rank_received_rows(tokens_per_rank, K, ep, rho) * H * 4
+                measured = float(received[int(rows.argmax())])
+                self.assertLess(abs(predicted / measured - 1), 0.10, f"ep {ep} layer {layer}")
+
     def test_bias_balancing_matches_single_device_at_ep2_and_ep4(self):
         ref = self.reference["bias"]
         for ep in (2, 4):
@@ -235,3 +249,10 @@ class LoadBalanceRules(unittest.TestCase):
         # expert 0's queue: token 0 (1st), token 2 (1st), token 1 (2nd); expert 1's: token 1
         # (1st), token 0 (2nd); expert 2's: token 2 (2nd)
         self.assertEqual(queue_positions(chosen, 3).tolist(), [[0, 1], [0, 2], [1, 0]])
+
+    def test_planner_imbalance_term_is_zero_when_even_and_linear_in_the_excess(self):
+        self.assertEqual(imbalance_extra_seconds(0.2, 0.1, 1.0, 4), 0.0)
+        self.assertAlmostEqual(imbalance_extra_seconds(0.2, 0.1, 2.0, 4), 0.3)
+        self.assertEqual(hot_rank_received_rows(32, 2, 2, 2.0), 64.0)  # all of rank 1's rows
+        with self.assertRaises(ValueError):
+            hot_rank_rows(32, 2, 2, 3.0)  # over ep: more than everything on one rank
