@@ -17,9 +17,11 @@ from scaletorch.parallel.expert_parallel import (ExpertParallel, expert_parallel
 from scaletorch.parallel.moe_balance import (BiasBalancer, BiasedTopK, GlobalCapacity,
                                              apply_global_capacity, biases, skew_router)
 from scaletorch.parallel.moe_load import LoadMeter, imbalance, measured_step
+from scaletorch.parallel.parallelize import parallelize
 from scaletorch.parallel.step import make_data_parallel_step
 from scaletorch.plan.imbalance import hot_rank_received_rows, hot_rank_rows, imbalance_extra_seconds
 from scaletorch.trainer import Trainer
+from scaletorch.trainer.param_map import full_state_dict
 from scaletorch.trainer.parity import max_weight_diff
 from tests.harness import run_distributed
 
@@ -31,6 +33,9 @@ TOLERANCE = 1e-5  # the chapters' fp32 parity: 5 steps of a tiny model, one micr
 # which AdamW turns into updates near lr (parity.py's floor). At 1e-2 even no remedy ends
 # 9.9e-6 from the reference after 5 steps (ep 2, experts' gate_proj); at 3e-3 about 3 times less.
 LR = 3e-3
+# tp 2 x ep 2 through chapter 07's parallelize: 3 steps (at 5 the bias run ends 8.5e-6 from the
+# reference, too near 1e-5 for a test run at 1 and 2 threads)
+COMPOSED_STEPS = 3
 
 
 def _config(steps: int = 5) -> Config:
@@ -111,6 +116,29 @@ def _layer_capacity(pgm) -> dict:
     return out
 
 
+def _run_composed(remedy: str, pgm) -> dict:
+    """Chapter 07's ``parallelize`` at tp 2 x ep 2 (dp 2), the remedy attached around it: the
+    bias before (parallelize replaces the dispatch, not the choice), the step wrapped after."""
+    cfg = _config(steps=COMPOSED_STEPS)
+    cfg.parallel.tensor_model_parallel_size, cfg.parallel.expert_model_parallel_size = 2, 2
+    if remedy == "capacity":
+        cfg.model.moe_capacity_factor = FACTOR
+    model = skew_router(build_model(cfg.model, seed=cfg.training.model_seed), HOT)
+    balancer = BiasBalancer(model, RATE) if remedy == "bias" else None
+    par = parallelize(model, cfg, pgm, torch.device("cpu"))
+    if remedy == "capacity":
+        apply_global_capacity(par.model, pgm)
+    trainer = Trainer.from_parallelized(cfg, par, pgm, verbose=False)
+    if balancer is not None:
+        trainer.forward_backward = measured_step(trainer.forward_backward, balancer.update)
+    losses = trainer.train().losses
+    return {
+        "losses": losses,
+        "state": full_state_dict(par),
+        "biases": [b.clone() for b in biases(par.model)]
+    }
+
+
 def _world(rank: int, world: int) -> dict:
     out = {}
     for ep in (2, 4):
@@ -122,17 +150,27 @@ def _world(rank: int, world: int) -> dict:
         if ep == 2:
             out["resume"] = _resume(pgm)
         destroy_pg_manager()
+    pgm = init_pg_manager(tensor_model_parallel_size=2, expert_model_parallel_size=2)
+    for remedy in ("bias", "capacity"):
+        out[f"{remedy}_tp2_ep2"] = _run_composed(remedy, pgm)
+    destroy_pg_manager()
     return out
 
 
 class LoadBalanceMatchesSingleDevice(unittest.TestCase):
-    """One world of 4 ranks: ep 2 (x edp 2) and ep 4, 5 steps each."""
+    """One world of 4 ranks: ep 2 (x edp 2) and ep 4, 5 steps each; tp 2 x ep 2, 3 steps."""
 
     @classmethod
     def setUpClass(cls):
         cls.results = run_distributed(_world, WORLD, timeout=300)
         cls.reference = {}
         for remedy in ("bias", "capacity"):
+            trainer, model, _ = _trainer(_config(steps=COMPOSED_STEPS), remedy)
+            trainer.train()
+            cls.reference[f"{remedy}_short"] = {
+                "state": model.state_dict(),
+                "biases": biases(model)
+            }
             trainer, model, _ = _trainer(_config(), remedy)
             losses = trainer.train().losses
             cls.reference[remedy] = {
@@ -219,6 +257,16 @@ class LoadBalanceMatchesSingleDevice(unittest.TestCase):
         global_ = torch.cat([r["layer_capacity"]["global"] for r in self.results])
         self.assertLess(float((global_ - full).abs().max()), 1e-6)
         self.assertGreater(float((per_rank - full).abs().max()), 1e-3)  # chapter 06's limit
+
+    def test_bias_and_capacity_compose_with_tp_and_dp_through_parallelize(self):
+        for remedy in ("bias", "capacity"):
+            run, ref = self.results[0][f"{remedy}_tp2_ep2"], self.reference[f"{remedy}_short"]
+            losses = self.reference[remedy]["losses"][:COMPOSED_STEPS]
+            self.assertLess(max(abs(a - b) for a, b in zip(run["losses"], losses)), TOLERANCE)
+            self.assertLess(max_weight_diff(run["state"], ref["state"]), TOLERANCE, remedy)
+            for rank in self.results:  # every rank, tp peers included: the reference's bits
+                for mine, theirs in zip(rank[f"{remedy}_tp2_ep2"]["biases"], ref["biases"]):
+                    self.assertTrue(torch.equal(mine, theirs), remedy)
 
     def test_bias_resumes_bit_for_bit(self):
         whole, halves = self.results[0]["bias_ep2"], self.results[0]["resume"]
