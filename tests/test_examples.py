@@ -221,8 +221,9 @@ class ChaptersShareOneCodePath(unittest.TestCase):
     def test_every_parallel_chapter_calls_parallelize_or_its_own_apply_function(self):
         scripts = sorted(f for f in os.listdir(os.path.join(ROOT, "examples"))
                          if f[:2].isdigit() and f.endswith(".py") and f[:2] != "00")
-        self.assertEqual([f[:2] for f in scripts],
-                         ["01", "02", "03", "04", "04", "05", "06", "07", "08", "10", "11", "12"])
+        self.assertEqual(
+            [f[:2] for f in scripts],
+            ["01", "02", "03", "04", "04", "05", "06", "06", "07", "08", "10", "11", "12"])
         for name in scripts:
             with open(os.path.join(ROOT, "examples", name)) as f:
                 source = f.read()

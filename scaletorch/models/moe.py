@@ -17,6 +17,10 @@ count (no gradient), P_e carries the gradient. Capacity (off by default, ``capac
 first choices are served before second choices, then in token order; a dropped assignment
 contributes nothing (the block's residual carries the token on).
 
+Two more hooks let chapter 06b attach load balancing from outside: ``select_fn`` (probs,
+k) -> (weights, chosen), the top-k choice, and ``capacity_fn`` (chosen, E, capacity_factor)
+-> keep (T, k), which assignments fit (``queue_positions`` is the queue both rules use).
+
 The layer knows nothing of parallelism. Expert parallel replaces two hooks per layer:
 ``global_stats_fn`` (sum the routing statistics over the ranks that see different tokens, so
 f_e is the global fraction) and ``dispatch_fn`` (send each token to the rank holding its
@@ -27,7 +31,7 @@ intermediate size, N = routed (token, expert) assignments (T k without dropping)
 """
 
 import math
-from typing import Callable, List, Optional, Union
+from typing import Callable, List, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -84,6 +88,32 @@ def local_stats(stats: torch.Tensor) -> torch.Tensor:
     return stats
 
 
+def top_k_by_probability(probs: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The default ``select_fn``: probs (T, E) -> (weights, chosen), (T, k) each."""
+    weights, chosen = probs.topk(k, dim=-1)
+    return weights, chosen
+
+
+def queue_positions(chosen: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """chosen (T, k) -> (T, k): each assignment's place in its expert's queue, which serves
+    every first choice (in token order), then every second choice, and so on."""
+    one_hot = F.one_hot(chosen.t(), num_experts)  # (k, T, E), choice-major
+    before = one_hot.flatten(0, 1).cumsum(0).view_as(one_hot) - one_hot  # earlier, same expert
+    return (before * one_hot).sum(-1).t()  # (T, k)
+
+
+def capacity(capacity_factor: float, num_tokens: int, k: int, num_experts: int) -> int:
+    """C = ceil(capacity_factor * T k / E): the assignments each expert takes per forward."""
+    return math.ceil(capacity_factor * num_tokens * k / num_experts)
+
+
+def within_capacity(chosen: torch.Tensor, num_experts: int, capacity_factor: float) -> torch.Tensor:
+    """The default ``capacity_fn``: chosen (T, k) -> (T, k), True where the assignment's queue
+    place is below C of this call's T tokens (under ep: each rank's own, see 06b)."""
+    c = capacity(capacity_factor, chosen.size(0), chosen.size(1), num_experts)
+    return queue_positions(chosen, num_experts) < c
+
+
 class MoE(nn.Module):
     """Router + experts, a drop-in replacement for the dense MLP: (b, s, h) -> (b, s, h).
 
@@ -110,6 +140,10 @@ class MoE(nn.Module):
         self.dispatch_fn: Callable[[Experts, torch.Tensor, torch.Tensor],
                                    torch.Tensor] = run_local_experts
         self.global_stats_fn: Callable[[torch.Tensor], torch.Tensor] = local_stats
+        # Hooks of load balancing (chapter 06b: scaletorch/parallel/moe_balance.py).
+        self.select_fn: Callable[[torch.Tensor, int], Tuple[torch.Tensor,
+                                                            torch.Tensor]] = top_k_by_probability
+        self.capacity_fn: Callable[[torch.Tensor, int, float], torch.Tensor] = within_capacity
         self.aux_loss: Optional[torch.Tensor] = None
         self.tokens_per_expert: Optional[torch.Tensor] = None
         self.dropped = 0
@@ -119,7 +153,7 @@ class MoE(nn.Module):
         tokens = x.reshape(-1, shape[-1])  # (T, h)
         num_tokens, num_experts, k = tokens.size(0), self.num_experts, self.top_k
         probs = self.router(tokens).float().softmax(dim=-1)  # (T, E)
-        weights, chosen = probs.topk(k, dim=-1)  # (T, k) each
+        weights, chosen = self.select_fn(probs, k)  # (T, k) each
 
         # Load-balancing loss on the statistics of every token of the (global) batch.
         # (E,) this rank; a scatter-add, not bincount: the same integers, and it runs on the
@@ -140,12 +174,12 @@ class MoE(nn.Module):
         flat_weight = weights.t().reshape(-1)
         order = torch.sort(flat_expert, stable=True).indices  # (k T,)
         if self.capacity_factor > 0:
-            capacity = math.ceil(self.capacity_factor * num_tokens * k / num_experts)
-            first = torch.cumsum(counts, 0) - counts  # where each expert's group starts
-            position = torch.arange(order.numel(), device=x.device) - first[flat_expert[order]]
-            keep = position < capacity
+            keep = self.capacity_fn(chosen, num_experts, self.capacity_factor)  # (T, k)
+            keep = keep.t().reshape(-1)[order]  # choice-major, then by expert, like order
             self.dropped = int((~keep).sum())
-            order, counts = order[keep], counts.clamp(max=capacity)
+            order = order[keep]
+            counts = torch.zeros_like(counts).scatter_add_(0, flat_expert[order],
+                                                           torch.ones_like(order))
         token_index = flat_token[order]  # (N,)
         routed = tokens[token_index]  # (N, h), grouped by expert
         out = self.dispatch_fn(self.experts, routed, counts)  # (N, h), same order

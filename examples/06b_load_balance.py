@@ -1,0 +1,197 @@
+"""Chapter 06b: load balance. A router that sends most tokens to two experts, what it costs
+under expert parallel, and three remedies measured on the same run.
+
+    scripts/launch.sh examples/06b_load_balance.py --nproc-per-node 2 -- --check
+    scripts/launch.sh examples/06b_load_balance.py --nproc-per-node 4 -- --ep 4 --check
+
+Chapter 06's model and step, with a router that starts collapsed (``skew_router``: experts 0
+and 1 get a logit offset) and a ``LoadMeter`` that times each rank's experts and its wait at
+the combine. Then the same run once per remedy: none, the auxiliary loss (two coefficients),
+the bias of DeepSeek-V3 (``BiasBalancer``) and capacity with dropping on global statistics
+(``apply_global_capacity``). One table compares them. ``--check``: each run against the
+single device built the same way (the bias and dropping too).
+"""
+
+import argparse
+import copy
+import statistics
+import sys
+
+import torch
+
+from scaletorch.dist import (comm, destroy_distributed, destroy_pg_manager, get_ledger,
+                             init_distributed, init_pg_manager_from_config)
+from scaletorch.models import build_model, loss_fn, moe_aux_loss
+from scaletorch.parallel.expert_parallel import (ExpertParallel, expert_parallel_clip_grad_norm,
+                                                 gather_expert_parallel_state_dict, shard_experts)
+from scaletorch.parallel.moe_balance import BiasBalancer, apply_global_capacity, skew_router
+from scaletorch.parallel.moe_load import LoadMeter, format_load, imbalance, measured_step
+from scaletorch.parallel.step import make_data_parallel_step
+from scaletorch.trainer import Trainer, load_config
+from scaletorch.trainer.parity import report_parity, report_weight_parity
+from scaletorch.trainer.trainer import build_loader
+
+# name -> (aux loss coefficient, bias update rate, capacity factor)
+REMEDIES = {
+    "none": (0.0, 0.0, 0.0),
+    "aux 0.01": (0.01, 0.0, 0.0),
+    "aux 0.1": (0.1, 0.0, 0.0),
+    "bias": (0.0, 0.02, 0.0),
+    "capacity 1.0": (0.0, 0.0, 1.0),
+}
+
+
+def chapter_args() -> tuple:
+    """This chapter's own flags; the rest go to load_config."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--hot-offset", type=float, default=3.0,
+                        help="router logit offset of experts 0 and 1 at init")
+    parser.add_argument("--remedies", default=",".join(REMEDIES),
+                        help=f"comma-separated, of: {', '.join(REMEDIES)}")
+    parser.add_argument("--plot", default=None, help="PNG: tokens per expert, time per rank")
+    return parser.parse_known_args()
+
+
+def limits(args):
+
+    def check(cfg, world_size: int) -> None:
+        p = cfg.parallel
+        if p.tensor_model_parallel_size > 1 or p.pipeline_model_parallel_size > 1 or \
+                p.context_parallel_size > 1 or p.impl != "ours":
+            raise ValueError("06b_load_balance runs ep with data parallel (impl ours); compose "
+                             "with tp in examples/07_nd_parallel.py")
+        unknown = [r for r in args.remedies.split(",") if r not in REMEDIES]
+        if unknown:
+            raise ValueError(f"--remedies {args.remedies}: unknown {unknown}; choose from "
+                             f"{', '.join(REMEDIES)}")
+
+    return check
+
+
+def build(cfg, remedy: str, device, hot_offset: float, pgm=None):
+    """The model and its step for ``remedy``: on ep (``pgm``) or on one device (None, the
+    reference). Returns (model, step, meter or None)."""
+    aux, rate, factor = REMEDIES[remedy]
+    cfg.model.moe_aux_loss_coeff, cfg.model.moe_capacity_factor = aux, factor
+    model = build_model(cfg.model, seed=cfg.training.model_seed).to(device)
+    skew_router(model, {0: hot_offset, 1: hot_offset})  # the collapse, same on every rank
+    after = []
+    if rate:
+        after.append(BiasBalancer(model, rate).update)  # the bias, updated after each step
+    if pgm is None:
+        return model, measured_step(make_data_parallel_step(model, 1, 0, 1, None), *after), None
+    shard_experts(model, pgm)
+    if factor:
+        apply_global_capacity(model, pgm)  # drop what the single device drops
+    meter = LoadMeter(model, pgm)
+    model = ExpertParallel(model, pgm)
+    step = make_data_parallel_step(model, cfg.data.num_micro_batches, pgm.data_parallel_rank,
+                                   pgm.data_parallel_world_size,
+                                   pgm.data_parallel_group_with_context)
+    return model, measured_step(step, meter.after_step, *after), meter
+
+
+def held_out_loss(cfg, model, pgm, device) -> float:
+    """The language-model loss (no aux term) on a batch no run trains on, averaged over dp."""
+    inputs, targets = build_loader(cfg).get_batch(10**6)
+    n, r = pgm.data_parallel_world_size, pgm.data_parallel_rank
+    rows = slice(r * len(inputs) // n, (r + 1) * len(inputs) // n)
+    with torch.no_grad(), get_ledger().paused():
+        loss = loss_fn(model(inputs[rows].to(device)), targets[rows].to(device))
+        moe_aux_loss(model)  # discard this forward's aux term
+        comm.all_reduce(loss, pgm.data_parallel_group_with_context)
+    return float(loss) / n
+
+
+def draw(every: torch.Tensor, balanced: torch.Tensor, num_experts: int, path: str,
+         title: str) -> None:
+    """Tokens per expert over steps (layer 0) without a remedy (solid) and with the bias
+    (``balanced``, dashed), and each rank's expert and wait time without a remedy."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("--plot needs matplotlib: pip install -e '.[plot]'")
+        return
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
+    for e in range(num_experts):
+        line, = left.plot(every[0, :, 0, e].tolist(), label=f"expert {e}")
+        left.plot(balanced[0, :, 0, e].tolist(), "--", color=line.get_color())
+    left.set(xlabel="step", ylabel="tokens (layer 0, global batch)",
+             title=f"{title}: none (solid), bias (dashed)")
+    left.legend()
+    e = num_experts
+    ranks = range(every.shape[0])
+    compute = every[:, 1:, :, e + 1].sum(-1).median(-1).values * 1e3  # (ranks,) ms per step
+    wait = every[:, 1:, :, e + 2].sum(-1).median(-1).values * 1e3
+    right.bar(ranks, compute.tolist(), label="experts")
+    right.bar(ranks, wait.tolist(), bottom=compute.tolist(), label="wait at the combine")
+    right.set(xlabel="rank", ylabel="ms per step (median, all layers)",
+              title="time per rank, no remedy", xticks=list(ranks))
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def main() -> int:
+    args, rest = chapter_args()
+    cfg = load_config("examples/configs/06b_load_balance.yaml",
+                      "Chapter 06b: load balance in a mixture of experts", limits(args), argv=rest)
+    env = init_distributed(cfg.training.timeout_seconds)
+    pgm = init_pg_manager_from_config(cfg.parallel, cfg.training.timeout_seconds)
+    pgm.log_topology(experts=True)
+    e = cfg.model.num_experts
+    rows, ok, measured = [], True, {}
+    for remedy in args.remedies.split(","):
+        run_cfg = copy.deepcopy(cfg)
+        model, step, meter = build(run_cfg, remedy, env.device, args.hot_offset, pgm)
+        result = Trainer(run_cfg, model, pgm, device=env.device, forward_backward=step,
+                         clip_grad_norm=expert_parallel_clip_grad_norm(model,
+                                                                       pgm), verbose=False).train()
+        every = meter.gather()  # (world, steps, layers, E + columns) on rank 0
+        loss = held_out_loss(run_cfg, model, pgm, env.device)
+        full = gather_expert_parallel_state_dict(model, pgm) if cfg.check else None
+        if pgm.rank != 0:
+            continue
+        if remedy == "none":  # the problem, measured
+            print(format_load(every, e))
+        measured[remedy] = every
+        tail = every[:, -10:]  # the last 10 steps
+        share = imbalance(tail[..., e].permute(1, 2, 0))  # (steps, layers): max/mean over ranks
+        dropped = tail[..., e + 5].sum((0, 1)) / tail[0, :, :, :e].sum((0, 2))  # (layers,)
+        wait = statistics.median(tail[..., e + 2].sum(-1).max(0).values.tolist()) * 1e3
+        hot_rows = float(tail[..., e].max(0).values.mean())  # the busiest rank's, per layer
+        rows.append(
+            (remedy, float(imbalance(every[:, 0, :, e].t()).max()), float(share.mean()), hot_rows,
+             dropped.tolist(), loss, statistics.median(result.step_seconds[1:]) * 1e3, wait))
+        if cfg.check:
+            print(f"{remedy}: ", end="")
+            ref_model, ref_step, _ = build(copy.deepcopy(cfg), remedy, env.device, args.hot_offset)
+            ref_cfg = copy.deepcopy(run_cfg)
+            ref_cfg.checkpoint.every, ref_cfg.checkpoint.resume = 0, None
+            reference = Trainer(ref_cfg, ref_model, None, device=env.device,
+                                forward_backward=ref_step, verbose=False).train()
+            ok &= report_parity(result.losses, reference.losses)
+            ok &= report_weight_parity(full, ref_model.state_dict(), cfg.training.steps)
+    if pgm.rank == 0 and args.plot and {"none", "bias"} <= set(measured):
+        draw(measured["none"], measured["bias"], e, args.plot,
+             f"ep {pgm.expert_model_parallel_world_size}")
+    if pgm.rank == 0:
+        print(f"\nremedies on one run: ep {pgm.expert_model_parallel_world_size}, {e} experts, "
+              f"top-{cfg.model.moe_top_k}, router offset {args.hot_offset:g} on experts 0 1, "
+              f"{cfg.training.steps} steps")
+        print(f"{'remedy':<13} {'imbalance':>9} {'last10':>6} {'hot_rows':>8} "
+              f"{'dropped%':>9} {'heldout_loss':>12} {'step_ms':>7} {'wait_ms':>7}")
+        for name, first, tail_mean, hot_rows, dropped, loss, ms, wait in rows:
+            drops = "/".join(f"{100 * d:.1f}" for d in dropped)  # per layer
+            print(f"{name:<13} {first:>9.2f} {tail_mean:>6.2f} {hot_rows:>8.0f} {drops:>9} "
+                  f"{loss:>12.4f} {ms:>7.1f} {wait:>7.1f}")
+    destroy_pg_manager()
+    destroy_distributed()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
