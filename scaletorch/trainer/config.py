@@ -40,7 +40,7 @@ from scaletorch.rules.safe_files import write_atomic
 from scaletorch.rules.schema import Rule, check_applies, check_value, ignored_by, rules_of
 from scaletorch.trainer.checkpoint import (check_resume, latest_valid_checkpoint, load_tensors_only,
                                            read_manifest)
-from scaletorch.trainer.run_dir import check_run_dir, move_aside
+from scaletorch.trainer.run_dir import check_run_dir, move_aside, take_ownership
 
 __all__ = [
     "CheckpointConfig", "Config", "DataConfig", "InputError", "LoggingConfig", "ParallelConfig",
@@ -297,17 +297,19 @@ def load_config(default_config: str, description: str, limits: Optional[Limits] 
         if limits is not None:
             limits(cfg, world_size)
         check_inputs(cfg, world_size, resume_files)
+        if known.validate_only:
+            sys.exit(0)
+        # --overwrite: the old run is kept, renamed (rank 0, before any rank writes)
+        moved = move_aside(cfg) if int(os.environ.get("RANK", "0")) == 0 else []
+        take_ownership(cfg)  # this run's lock on its directories, for its whole life
     except (ValueError, FileNotFoundError) as err:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {err}", file=sys.stderr, flush=True)
         else:  # torchrun stops every rank when one exits: let rank 0 print its line first
             time.sleep(5)
         sys.exit(2)
-    if known.validate_only:
-        sys.exit(0)
-    if int(os.environ.get("RANK", "0")) == 0:
-        for line in move_aside(cfg):  # --overwrite: the old run is kept, renamed
-            print(line, flush=True)
+    for line in moved:
+        print(line, flush=True)
     sys.excepthook = report_input_errors
     return cfg
 
