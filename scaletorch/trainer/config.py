@@ -35,12 +35,14 @@ from scaletorch.dist import restart_count
 from scaletorch.parallel.mixed_precision import policy_for as precision_policy
 # the one layout check (also run by parallelize): re-exported for the scripts
 from scaletorch.parallel.validation import validate_layout
-from scaletorch.rules.errors import INTERRUPTED, InputError, MissingInputError, RunStopped
+from scaletorch.rules.errors import (INTERRUPTED, TERMINATED, InputError, MissingInputError,
+                                     RunStopped)
 from scaletorch.rules.safe_files import write_atomic
 from scaletorch.rules.schema import Rule, check_applies, check_value, ignored_by, rules_of
 from scaletorch.trainer.checkpoint import (check_resume, latest_valid_checkpoint, load_tensors_only,
                                            read_manifest)
 from scaletorch.trainer.run_dir import check_run_dir, move_aside, take_ownership
+from scaletorch.trainer.stops import catch_stop_signals, stopped
 
 __all__ = [
     "CheckpointConfig", "Config", "DataConfig", "InputError", "LoggingConfig", "ParallelConfig",
@@ -310,6 +312,7 @@ def load_config(default_config: str, description: str, limits: Optional[Limits] 
         sys.exit(2)
     for line in moved:
         print(line, flush=True)
+    catch_stop_signals()  # SIGTERM ends in one line, as Ctrl-C does
     sys.excepthook = report_input_errors
     return cfg
 
@@ -325,12 +328,12 @@ def report_input_errors(kind: Type[BaseException], err: BaseException,
     Under torchrun with several ranks, a bug's traceback goes to torchrun's error file instead
     (``write_error_file``): scripts/torchrun.py then prints the traceback of the rank that
     failed first, once, and one line for every other rank."""
-    if isinstance(err, KeyboardInterrupt):  # Ctrl-C outside the training loop
-        err = RunStopped("interrupted (Ctrl-C)", INTERRUPTED)
-    if isinstance(err, RunStopped):  # Ctrl-C, a non-finite loss: one line, its own status
+    if isinstance(err, KeyboardInterrupt):  # Ctrl-C or SIGTERM outside the training loop
+        err = stopped(err)
+    if isinstance(err, RunStopped):  # a signal, a non-finite loss: one line, its own status
         rank = int(os.environ.get("RANK", "0"))
-        if rank != 0 and err.exit_code == INTERRUPTED:
-            os._exit(err.exit_code)  # every rank got the SIGINT: rank 0 says it
+        if rank != 0 and err.exit_code in (INTERRUPTED, TERMINATED):
+            os._exit(err.exit_code)  # every rank got the signal: rank 0 says it
         if rank != 0:
             time.sleep(5)
         sys.stdout.flush()

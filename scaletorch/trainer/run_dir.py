@@ -27,6 +27,7 @@ from typing import Dict, List, Optional, Tuple
 from scaletorch.config import Config
 from scaletorch.dist import restart_count
 from scaletorch.rules.errors import InputError
+from scaletorch.rules.safe_files import write_atomic
 
 PROBE = ".scaletorch-probe-"  # check_writable's empty directory, made and removed at once
 MARKER = ".scaletorch-run"  # a run made this directory; its lock; who holds it (JSON)
@@ -238,3 +239,37 @@ def moved_aside(path: str) -> str:
         target = f"{path}.old-{stamp}-{n}"
     os.rename(path, target)
     return target
+
+
+METRICS = "metrics.jsonl"
+
+
+def keep_metrics_to(run_path: str, step: int) -> Optional[str]:
+    """On a resume at ``step``: ``metrics.jsonl`` keeps the lines of steps up to ``step``, and
+    the later ones (steps the resumed run trains again, or half a line a kill left) move to
+    ``metrics.after-step-<step>.jsonl`` (-2, -3... if taken), so every step appears once. The
+    side file is written before the log is replaced (atomically): no line is ever lost. Returns
+    the line that says so, or None when nothing moved. Rank 0 calls it, before the first step."""
+    path = os.path.join(run_path, METRICS)
+    if not os.path.isfile(path):
+        return None
+    with open(path, "rb") as f:
+        lines = f.read().splitlines(keepends=True)
+    kept, later = [], []
+    for line in lines:
+        try:
+            record = json.loads(line)
+            whole = line.endswith(b"\n") and int(record["step"]) <= step
+        except (ValueError, KeyError, TypeError):
+            whole = False
+        (kept if whole else later).append(line)
+    if not later:
+        return None
+    side, n = os.path.join(run_path, f"metrics.after-step-{step}.jsonl"), 1
+    while os.path.exists(side):
+        n += 1
+        side = os.path.join(run_path, f"metrics.after-step-{step}-{n}.jsonl")
+    write_atomic(side, b"".join(later))
+    write_atomic(path, b"".join(kept))
+    return (f"resumed at step {step}: {len(later)} line(s) of {METRICS} after it moved to "
+            f"{side}")

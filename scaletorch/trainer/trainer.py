@@ -43,6 +43,7 @@ from scaletorch.trainer.config import Config, save_config
 from scaletorch.trainer.plan_line import plan_report
 from scaletorch.trainer.precision import autocast, precision_note, resolve_precision
 from scaletorch.trainer.profiling import profiler
+from scaletorch.trainer.run_dir import continues, keep_metrics_to
 from scaletorch.trainer.stops import check_finite, interruptible
 
 if TYPE_CHECKING:
@@ -386,6 +387,10 @@ class Trainer:
         metrics = None
         if self.verbose:
             os.makedirs(cfg.run_path, exist_ok=True)
+            if continues(cfg):  # the steps after the checkpoint leave metrics.jsonl
+                moved = keep_metrics_to(cfg.run_path, self.step)
+                if moved is not None:
+                    self._print(moved)
             save_config(cfg, self._config_file())
             # append-only, a line at a time: what a run logged survives a later failure (a
             # fresh run never finds one, since load_config refuses to reuse a run directory)
