@@ -41,6 +41,7 @@ from scaletorch.rules.safe_files import write_atomic
 from scaletorch.rules.schema import Rule, check_applies, check_value, ignored_by, rules_of
 from scaletorch.trainer.checkpoint import (check_resume, latest_valid_checkpoint, load_tensors_only,
                                            read_manifest)
+from scaletorch.trainer.resume_check import check_resumed
 from scaletorch.trainer.run_dir import check_run_dir, move_aside, take_ownership
 from scaletorch.trainer.stops import catch_stop_signals, stopped
 
@@ -302,7 +303,9 @@ def load_config(default_config: str, description: str, limits: Optional[Limits] 
         if known.validate_only:
             sys.exit(0)
         # --overwrite: the old run is kept, renamed (rank 0, before any rank writes)
-        moved = move_aside(cfg) if int(os.environ.get("RANK", "0")) == 0 else []
+        lines = move_aside(cfg) if int(os.environ.get("RANK", "0")) == 0 else []
+        note = resume_note(cfg)  # the settings this resume changes (checked above)
+        lines += [note] if note and int(os.environ.get("RANK", "0")) == 0 else []
         take_ownership(cfg)  # this run's lock on its directories, for its whole life
     except (ValueError, FileNotFoundError) as err:
         if int(os.environ.get("RANK", "0")) == 0:
@@ -310,7 +313,7 @@ def load_config(default_config: str, description: str, limits: Optional[Limits] 
         else:  # torchrun stops every rank when one exits: let rank 0 print its line first
             time.sleep(5)
         sys.exit(2)
-    for line in moved:
+    for line in lines:
         print(line, flush=True)
     catch_stop_signals()  # SIGTERM ends in one line, as Ctrl-C does
     sys.excepthook = report_input_errors
@@ -407,6 +410,7 @@ def check_inputs(cfg: Config, world_size: int, resume_files: bool = False) -> No
     InputError naming the path."""
     check_resume(cfg, world_size, resume_files)
     check_resume_step(cfg)
+    resume_note(cfg)  # the checkpoint's run against this one, field by field
     check_run_dir(cfg)
     outputs = {"logging.run_dir": cfg.run_path}
     if cfg.checkpoint.every > 0:
@@ -415,15 +419,30 @@ def check_inputs(cfg: Config, world_size: int, resume_files: bool = False) -> No
         check_writable(key, path)
 
 
+def resumed_checkpoint(cfg: Config) -> Optional[str]:
+    """The checkpoint ``--resume`` names ("latest": the newest that verifies), or None: no
+    resume, none found, or a torchrun restart (which resumes whatever it finds, unchecked)."""
+    resume = cfg.checkpoint.resume
+    if resume is None or restart_count() > 0:
+        return None
+    return latest_valid_checkpoint(cfg.checkpoint_path)[0] if resume == "latest" else resume
+
+
+def resume_note(cfg: Config) -> Optional[str]:
+    """InputError when the resumed checkpoint's run differs from ``cfg`` in a field a resume
+    may not change; else the line naming the changes it may make (None: none), which
+    ``load_config`` prints (resume_check.py)."""
+    path = resumed_checkpoint(cfg)
+    if path is None or os.path.isfile(path):  # a consolidated file holds no config
+        return None
+    return check_resumed(path, read_manifest(path), cfg)
+
+
 def check_resume_step(cfg: Config) -> None:
     """InputError when the checkpoint that ``--resume`` names (or the latest) is at or past
     ``training.steps``: nothing is left to train, and the run would end on a report of no
     steps. Both numbers are named. A torchrun restart resumes whatever it finds, unchecked."""
-    resume = cfg.checkpoint.resume
-    if resume is None or restart_count() > 0:
-        return
-    # "latest" is the checkpoint a resume would load: the newest that verifies
-    path = latest_valid_checkpoint(cfg.checkpoint_path)[0] if resume == "latest" else resume
+    path = resumed_checkpoint(cfg)
     if path is None:
         return
     if os.path.isfile(path):  # a consolidated file (check_resume read it already)

@@ -43,6 +43,7 @@ from scaletorch.trainer.config import Config, save_config
 from scaletorch.trainer.plan_line import plan_report
 from scaletorch.trainer.precision import autocast, precision_note, resolve_precision
 from scaletorch.trainer.profiling import profiler
+from scaletorch.trainer.resume_check import record
 from scaletorch.trainer.run_dir import continues, keep_metrics_to
 from scaletorch.trainer.stops import check_finite, interruptible
 
@@ -259,8 +260,9 @@ class Trainer:
         self._print(f"resumed from {path} at step {self.step}")
 
     def layout(self) -> dict:
-        """The sizes that decide which shard each rank holds (``checkpoint.run_layout``)."""
-        return ckpt.run_layout(self.cfg, self.world_size)
+        """The sizes that decide which shard each rank holds (``checkpoint.run_layout``), and
+        the run's config, which a resume compares with its own (resume_check.py)."""
+        return {**ckpt.run_layout(self.cfg, self.world_size), "config": record(self.cfg)}
 
     def _sharded(self, what: str) -> "Parallelized":
         """What parallelize built, which a dcp checkpoint needs (InputError naming ``what``)."""
