@@ -41,6 +41,7 @@ from scaletorch.rules.safe_files import write_atomic
 from scaletorch.rules.schema import Rule, check_applies, check_value, ignored_by, rules_of
 from scaletorch.trainer.checkpoint import (check_resume, latest_valid_checkpoint, load_tensors_only,
                                            read_manifest)
+from scaletorch.trainer.memory_limit import check_memory
 from scaletorch.trainer.resume_check import check_resumed
 from scaletorch.trainer.run_dir import check_run_dir, move_aside, take_ownership
 from scaletorch.trainer.stops import catch_stop_signals, stopped
@@ -299,6 +300,7 @@ def load_config(default_config: str, description: str, limits: Optional[Limits] 
         validate(cfg, world_size)
         if limits is not None:
             limits(cfg, world_size)
+        check_memory(cfg, world_size)  # the planner's estimate against the device, unallocated
         check_inputs(cfg, world_size, resume_files)
         if known.validate_only:
             sys.exit(0)
