@@ -196,6 +196,22 @@ def load_yaml(path: str) -> Dict[str, Any]:
     return values
 
 
+def _cli_value(cfg: Config, key: str, text: str) -> Any:
+    """A command-line value: as given for a field of strings (a --name is the name typed, not
+    YAML's reading of it: "null", "[a]"); else as YAML reads it ("1e-3" -> 0.001), or as given
+    when it is no YAML at all ("[")."""
+    section, _, name = key.rpartition(".")
+    owner = getattr(cfg, section, None) if section else cfg
+    kind = _field_types(owner).get(name) if owner is not None and section in ("", *SECTIONS) \
+        else None
+    if text == "" or kind in (str, Optional[str]):
+        return text
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
 def parse_args(argv: Optional[Sequence[str]] = None, default_config: Optional[str] = None,
                description: str = "", unread: Optional[Dict[str, str]] = None) -> Config:
     """Build a Config from dataclass defaults, ``--config`` YAML and command-line overrides.
@@ -249,7 +265,7 @@ def parse_args(argv: Optional[Sequence[str]] = None, default_config: Optional[st
     given = {}
     for key, value in overrides:
         if isinstance(value, str):
-            value = yaml.safe_load(value) if value != "" else value  # "1e-3" -> 0.001
+            value = _cli_value(cfg, key, value)
         set_value(cfg, key, value)
         given[key] = value
     if args.resume is not None:
