@@ -9,7 +9,6 @@ the metrics lines after its step aside.
 import fcntl
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -50,7 +49,8 @@ class ALiveRunsDirectoryIsRefusedNamingItsHolder(unittest.TestCase):
             for extra in ([], ["--resume"], ["--overwrite"]):
                 with self.subTest(extra=extra):
                     code, out = run_in_process(C00, ["--logging.run_dir", tmp, *extra])
-                    self.assertEqual((code, out), (2, f"error: logging.run_dir: {run!r} {IN_USE}\n"))
+                    self.assertEqual((code, out),
+                                     (2, f"error: logging.run_dir: {run!r} {IN_USE}\n"))
             os.close(fd)  # the run ended: its lock went with it, the marker stays
             self.assertEqual(run_in_process(C00, ["--logging.run_dir", tmp]), (0, ""))
 
