@@ -100,7 +100,7 @@ def _convert(value: Any, annotation: Any, key: str) -> Any:
             raise ValueError(f"{key} must be {annotation.__name__}, got {value!r}")
         try:
             converted = annotation(value)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):  # OverflowError: int(inf)
             raise ValueError(f"{key} must be {annotation.__name__}, got {value!r}") from None
         if annotation is int and isinstance(value, float) and value != converted:
             raise ValueError(f"{key} must be int, got {value!r}")
@@ -196,15 +196,11 @@ def load_yaml(path: str) -> Dict[str, Any]:
     return values
 
 
-def _cli_value(cfg: Config, key: str, text: str) -> Any:
-    """A command-line value: as given for a field of strings (a --name is the name typed, not
-    YAML's reading of it: "null", "[a]"); else as YAML reads it ("1e-3" -> 0.001), or as given
-    when it is no YAML at all ("[")."""
-    section, _, name = key.rpartition(".")
-    owner = getattr(cfg, section, None) if section else cfg
-    kind = _field_types(owner).get(name) if owner is not None and section in ("", *SECTIONS) \
-        else None
-    if text == "" or kind in (str, Optional[str]):
+def _cli_value(text: str) -> Any:
+    """A command-line value as YAML reads it ("1e-3" -> 0.001, "[1, 3]" -> a list), or the
+    string as given when it is no YAML at all ("[", "a: b: c"): the field's rule then judges it,
+    in one line, instead of a YAML traceback."""
+    if text == "":
         return text
     try:
         return yaml.safe_load(text)
@@ -265,7 +261,7 @@ def parse_args(argv: Optional[Sequence[str]] = None, default_config: Optional[st
     given = {}
     for key, value in overrides:
         if isinstance(value, str):
-            value = _cli_value(cfg, key, value)
+            value = _cli_value(value)
         set_value(cfg, key, value)
         given[key] = value
     if args.resume is not None:
