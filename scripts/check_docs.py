@@ -52,8 +52,8 @@ import os
 import re
 import signal
 import subprocess
-import tempfile
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple

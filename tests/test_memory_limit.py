@@ -24,9 +24,10 @@ from tests.test_examples import ROOT
 from tests.test_run_dirs import C00
 
 # hidden 16384, 200 layers: 0.6 T parameters, ~10 TB of fp32 states; no machine here has it
-HUGE = ["--model.hidden_size", "16384", "--model.intermediate_size", "65536",
-        "--model.num_layers", "200", "--model.num_attention_heads", "128",
-        "--model.num_key_value_heads", "8"]
+HUGE = [
+    "--model.hidden_size", "16384", "--model.intermediate_size", "65536", "--model.num_layers",
+    "200", "--model.num_attention_heads", "128", "--model.num_key_value_heads", "8"
+]
 LINE = re.compile(r"^error: the run needs (\S+ \S+) of memory \((\S+ \S+) per rank: the planner's "
                   r"estimate of parameters, gradients, optimizer state and activations for this "
                   r"layout\), and there are (\S+ \S+) of RAM available on this host: give a "
@@ -69,8 +70,10 @@ class AModelTooLargeIsRefusedBeforeItIsBuilt(unittest.TestCase):
             layers *= 2
             cfg.model.num_layers = layers
             cfg.model.hidden_size = cfg.model.intermediate_size = 2048
-        args = ["--model.num_layers", str(layers), "--model.hidden_size", "2048",
-                "--model.intermediate_size", "2048"]
+        args = [
+            "--model.num_layers",
+            str(layers), "--model.hidden_size", "2048", "--model.intermediate_size", "2048"
+        ]
         self.assertEqual(run_in_process(C00, args)[0], 0)
         with mock.patch.dict(os.environ, {"LOCAL_WORLD_SIZE": "8"}):
             code, out = run_in_process(C00, args)

@@ -78,8 +78,8 @@ class EveryFieldDeclaresWhatAResumeDoesWithIt(unittest.TestCase):
         for top in dataclasses.fields(cfg):
             obj = getattr(cfg, top.name)
             for f in dataclasses.fields(obj) if dataclasses.is_dataclass(obj) else [top]:
-                declared[f"{top.name}.{f.name}" if obj is not None and
-                         dataclasses.is_dataclass(obj) else f.name] = f.metadata.get(RESUME)
+                declared[f"{top.name}.{f.name}" if obj is not None and dataclasses.
+                         is_dataclass(obj) else f.name] = f.metadata.get(RESUME)
         self.assertGreater(len(declared), 60)
         self.assertEqual({k: v for k, v in declared.items() if v not in RESUME_POLICIES}, {})
 
@@ -89,8 +89,10 @@ class EveryFieldDeclaresWhatAResumeDoesWithIt(unittest.TestCase):
         for top in dataclasses.fields(base):
             obj = getattr(base, top.name)
             if dataclasses.is_dataclass(obj):
-                hints.update({f"{top.name}.{k}": v
-                              for k, v in typing.get_type_hints(type(obj)).items()})
+                hints.update({
+                    f"{top.name}.{k}": v
+                    for k, v in typing.get_type_hints(type(obj)).items()
+                })
         hints["check"] = bool
         seen = {policy: 0 for policy in RESUME_POLICIES}
         for key, value, policy, _, rule in fields(base):
@@ -123,8 +125,10 @@ class AResumeOfAnotherRunIsOneLine(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         cls.tmp = tempfile.TemporaryDirectory()
-        cfg = parse_args(["--config", CONFIG_00, "--steps", "2", "--checkpoint.every", "2",
-                          "--logging.run_dir", cls.tmp.name, "--logging.progress", "false"])
+        cfg = parse_args([
+            "--config", CONFIG_00, "--steps", "2", "--checkpoint.every", "2", "--logging.run_dir",
+            cls.tmp.name, "--logging.progress", "false"
+        ])
         with contextlib.redirect_stdout(io.StringIO()):
             Trainer(cfg, build_model(cfg.model, 42), verbose=True).train()
         cls.argv = ["--logging.run_dir", cls.tmp.name, "--resume", "--steps", "4"]
@@ -134,9 +138,10 @@ class AResumeOfAnotherRunIsOneLine(unittest.TestCase):
         cls.tmp.cleanup()
 
     def test_every_refused_change_in_one_line_old_and_new(self):
-        code, out = run_in_process(C00, [*self.argv, "--data.seed", "7", "--data.seq_len", "16",
-                                         "--model.rope_theta", "500", "--set",
-                                         "data.global_batch_size=4"])
+        code, out = run_in_process(C00, [
+            *self.argv, "--data.seed", "7", "--data.seq_len", "16", "--model.rope_theta", "500",
+            "--set", "data.global_batch_size=4"
+        ])
         self.assertEqual(code, 2, out)
         self.assertEqual(len(out.splitlines()), 1, out)
         self.assertRegex(

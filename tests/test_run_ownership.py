@@ -59,12 +59,13 @@ class ALiveRunsDirectoryIsRefusedNamingItsHolder(unittest.TestCase):
             mine = os.path.join(tmp, "mine")
             os.makedirs(mine)
             open(os.path.join(mine, "notes.txt"), "w").close()
-            code, out = run_in_process(C00, ["--logging.run_dir", tmp, "--name", "mine",
-                                             "--overwrite"])
+            code, out = run_in_process(C00,
+                                       ["--logging.run_dir", tmp, "--name", "mine", "--overwrite"])
             self.assertEqual(code, 2, out)
-            self.assertEqual(out, f"error: logging.run_dir: {mine!r} was not made by a run (it "
-                             f"has no {MARKER}): --overwrite moves aside only a run's directory; "
-                             f"give another --name, or move it yourself\n")
+            self.assertEqual(
+                out, f"error: logging.run_dir: {mine!r} was not made by a run (it "
+                f"has no {MARKER}): --overwrite moves aside only a run's directory; "
+                f"give another --name, or move it yourself\n")
             self.assertEqual(os.listdir(mine), ["notes.txt"])  # untouched
 
 
@@ -72,11 +73,15 @@ class TwoRunsStartedAtOnceWriteEveryStepOnce(unittest.TestCase):
 
     def test_one_runs_the_other_is_refused_in_one_line(self):
         with tempfile.TemporaryDirectory() as tmp:
-            cmd = [sys.executable, C00, "--steps", "6", "--logging.progress", "false",
-                   "--logging.run_dir", tmp]
+            cmd = [
+                sys.executable, C00, "--steps", "6", "--logging.progress", "false",
+                "--logging.run_dir", tmp
+            ]
             env = {**os.environ, "PYTHONPATH": ROOT}
-            procs = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True) for _ in range(2)]
+            procs = [
+                subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True) for _ in range(2)
+            ]
             done = [(p.wait(timeout=300), *p.communicate()) for p in procs]
             codes = sorted(code for code, _, _ in done)
             self.assertEqual(codes, [0, 2], done)
@@ -94,9 +99,11 @@ class TwoRunsStartedAtOnceWriteEveryStepOnce(unittest.TestCase):
 # every kind of path string: separators, dots, absolute paths, control characters, unicode,
 # long ones, YAML-looking text
 PATHLIKE = st.one_of(
-    st.sampled_from([".", "..", "/", "/abs", "../x", "a/../b", "./a", "a/", "~", "~root", "a\\b",
-                     "C:\\x", "\x00", "a\nb", "-x", "[", "null", "..a", "a..", " ", "x" * 100,
-                     "x" * 101, "é" * 50, "*x", "a: b"]),
+    st.sampled_from([
+        ".", "..", "/", "/abs", "../x", "a/../b", "./a", "a/", "~", "~root", "a\\b", "C:\\x",
+        "\x00", "a\nb", "-x", "[", "null", "..a", "a..", " ", "x" * 100, "x" * 101, "é" * 50, "*x",
+        "a: b"
+    ]),
     st.text(alphabet=st.sampled_from("./\\~-_ aZ0\x00\n\t\x7fé:*"), min_size=0, max_size=8),
     st.text(min_size=0, max_size=130),
 )
@@ -106,8 +113,7 @@ class RunNamesAreOnePathComponent(unittest.TestCase):
     """Any --name: one line ``error:`` and exit 2, or accepted as a directory directly under
     logging.run_dir (never outside it, never run_dir itself)."""
 
-    @settings(max_examples=EXAMPLES, deadline=None,
-              suppress_health_check=[HealthCheck.too_slow])
+    @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
     @given(name=PATHLIKE)
     def test_a_name_is_refused_in_one_line_or_a_child_of_run_dir(self, name):
         with tempfile.TemporaryDirectory() as tmp:
@@ -134,8 +140,9 @@ class AResumeKeepsEachStepOnceInTheMetrics(unittest.TestCase):
                 f.write("".join(lines) + '{"step": 7, "lo')  # half a line, from a kill
             said = keep_metrics_to(run, 4)
             side = os.path.join(run, "metrics.after-step-4.jsonl")
-            self.assertEqual(said, f"resumed at step 4: 3 line(s) of metrics.jsonl after it "
-                             f"moved to {side}")
+            self.assertEqual(
+                said, f"resumed at step 4: 3 line(s) of metrics.jsonl after it "
+                f"moved to {side}")
             with open(os.path.join(run, "metrics.jsonl")) as f:
                 self.assertEqual(f.read(), "".join(lines[:4]))
             with open(side) as f:

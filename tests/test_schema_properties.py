@@ -48,9 +48,12 @@ def wrong_values(annotation: Any, rule: Rule) -> st.SearchStrategy:
     if not optional:
         other_types.append(st.none())
     if kind is bool:
-        other_types += [st.integers().filter(lambda i: i not in (0, 1)), st.floats(),
-                        LETTERS.filter(lambda s: s.lower() not in ("true", "false")),
-                        st.lists(st.booleans(), min_size=1)]
+        other_types += [
+            st.integers().filter(lambda i: i not in (0, 1)),
+            st.floats(),
+            LETTERS.filter(lambda s: s.lower() not in ("true", "false")),
+            st.lists(st.booleans(), min_size=1)
+        ]
     elif kind in (int, float):
         other_types += [st.booleans(), LETTERS, st.lists(st.integers(), min_size=1)]
         if kind is int:  # a float that is no integer, and the non-finite ones
@@ -60,17 +63,20 @@ def wrong_values(annotation: Any, rule: Rule) -> st.SearchStrategy:
         number = st.integers if kind is int else st.floats
         if rule.low is not None:  # below the range (or at an open bound)
             below = number(max_value=rule.low if rule.low_open else rule.low - (kind is int),
-                           **({} if kind is int else {"allow_nan": False}))
+                           **({} if kind is int else {
+                               "allow_nan": False
+                           }))
             other_types.append(below.filter(lambda x: not rule.admits(x)))
         if rule.high is not None:
-            other_types.append(number(min_value=rule.high, **({} if kind is int else {
-                "allow_nan": False
-            })).filter(lambda x: not rule.admits(x)))
+            other_types.append(
+                number(min_value=rule.high, **({} if kind is int else {
+                    "allow_nan": False
+                })).filter(lambda x: not rule.admits(x)))
     elif kind is str:
         other_types += [st.lists(LETTERS, min_size=1)]
         if rule.max_len:  # longer than allowed
-            other_types.append(st.text(alphabet="ab", min_size=rule.max_len + 1,
-                                       max_size=rule.max_len + 40))
+            other_types.append(
+                st.text(alphabet="ab", min_size=rule.max_len + 1, max_size=rule.max_len + 40))
         if rule.component:
             other_types.append(st.sampled_from([".", "..", "a/b", "/abs", "a\\b", "a\nb"]))
     elif typing.get_origin(kind) is list:

@@ -40,8 +40,7 @@ def fields(cfg: Config) -> Iterator[Tuple[str, Any, Optional[str], Any, Rule]]:
         for name, _, rule, default in rules_of(type(section)):
             if section is cfg and name != top.name:
                 continue  # a top-level field, once: at its own turn
-            yield (prefix + name, getattr(section, name), declared[name].get(RESUME), default,
-                   rule)
+            yield (prefix + name, getattr(section, name), declared[name].get(RESUME), default, rule)
 
 
 def setting(cfg: Config, key: str) -> Any:
@@ -98,8 +97,8 @@ def check_resumed(path: str, manifest: Dict[str, Any], cfg: Config) -> Optional[
     fmt = manifest.get("format", "per-rank")
     refused, printed = changes(saved, cfg, fmt)
     if refused:
-        why = ("a per-rank checkpoint resumes only at the layout that wrote it; "
-               if any(policies(cfg)[s.split(" ", 1)[0]] == RESHARD for s in refused) else "")
+        why = ("a per-rank checkpoint resumes only at the layout that wrote it; " if any(
+            policies(cfg)[s.split(" ", 1)[0]] == RESHARD for s in refused) else "")
         raise InputError(f"--resume {path} was written by another run: {', '.join(refused)} "
                          f"(checkpoint -> this run); {why}a resume continues the same run: give "
                          f"its values (config.yaml in its run directory), or start a new run "

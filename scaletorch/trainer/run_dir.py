@@ -255,7 +255,8 @@ def keep_metrics_to(run_path: str, step: int) -> Optional[str]:
         return None
     with open(path, "rb") as f:
         lines = f.read().splitlines(keepends=True)
-    kept, later = [], []
+    kept: List[bytes] = []
+    later: List[bytes] = []
     for line in lines:
         try:
             record = json.loads(line)

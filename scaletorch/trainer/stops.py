@@ -123,8 +123,8 @@ def interruptible(cfg: Config, steps_done: List[int]) -> Iterator[None]:
             raise
         for signum in STOP_SIGNALS:
             signal.signal(signum, signal.SIG_IGN)
-        which = signal.Signals(seen[0]) if seen else (
-            signal.SIGTERM if isinstance(err, Terminated) else signal.SIGINT)
+        which = signal.Signals(
+            seen[0]) if seen else (signal.SIGTERM if isinstance(err, Terminated) else signal.SIGINT)
         _, how, code = STOP_SIGNALS[which]
         raise RunStopped(
             f"{how} at step {steps_done[0]} of {cfg.training.steps}: {where_to_resume(cfg)}",
