@@ -198,14 +198,16 @@ def load_yaml(path: str) -> Dict[str, Any]:
 
 def _cli_value(text: str) -> Any:
     """A command-line value as YAML reads it ("1e-3" -> 0.001, "[1, 3]" -> a list), or the
-    string as given when it is no YAML at all ("[", "a: b: c"): the field's rule then judges it,
-    in one line, instead of a YAML traceback."""
+    string as given when it is no YAML at all ("[", "a: b: c") or YAML's null (" ", "~"): the
+    field's rule then judges it, in one line, instead of a YAML traceback."""
     if text == "":
         return text
     try:
-        return yaml.safe_load(text)
+        value = yaml.safe_load(text)
     except yaml.YAMLError:
         return text
+    # YAML reads " " and "~" as null: the text stays (an Optional field's "null" is None still)
+    return text if value is None else value
 
 
 def parse_args(argv: Optional[Sequence[str]] = None, default_config: Optional[str] = None,
