@@ -8,7 +8,9 @@ that compare results bit for bit. CI runs those at 1 and at 2 threads as well.
 included: a class that spawns one world for all its tests pays it there).
 
 Discovers every ``tests/test_*.py`` with unittest and closes with one line
-``N passed, N failed`` (plus ``, N skipped`` when any were skipped). Exits 1 on failure.
+``N passed, N failed`` (plus ``, N skipped`` when any were skipped). Exits 1 on failure, and
+when the tests left a ``runs/`` directory in the checkout that was not there before (a test
+must write its runs under a temporary directory: the README's first command needs the name).
 """
 
 import argparse
@@ -80,8 +82,15 @@ def main() -> int:
     runner = unittest.TextTestRunner(verbosity=2 if args.verbose else 1, failfast=args.failfast,
                                      resultclass=TimedResult)
     start = time.time()
+    runs = os.path.join(os.path.dirname(os.path.abspath(__file__)), "runs")
+    had_runs = os.path.exists(runs)
     result = runner.run(suite)
     failed = len(result.failures) + len(result.errors) + len(result.unexpectedSuccesses)
+    if not had_runs and os.path.exists(runs):  # tests write under temporary directories only
+        left = ", ".join(sorted(os.listdir(runs)))
+        print(f"error: the tests left {runs} in the checkout ({left}): a test ran a script "
+              f"without --logging.run_dir in a temporary directory")
+        failed += 1
     skipped = len(result.skipped)
     passed = result.testsRun - failed - skipped
     line = f"{passed} passed, {failed} failed"

@@ -31,10 +31,11 @@ from scaletorch.models import ResNetConfig, build_resnet, tiny_resnet_config
 from scaletorch.parallel.sync_batchnorm import BN_MODES, sync_bn_elements
 from scaletorch.parallel.vision_parallel import parallelize_resnet
 from scaletorch.rules.errors import InputError
+from scaletorch.rules.schema import check_value, path_component
 from scaletorch.trainer.config import report_input_errors
 from scaletorch.trainer.parity import report_parity, report_weight_parity
 from scaletorch.trainer.precision import TOLERANCES
-from scaletorch.trainer.run_dir import check_free, moved_aside
+from scaletorch.trainer.run_dir import check_free, hold, moved_aside
 from scaletorch.trainer.vision_loop import (PRECISIONS, VisionSettings, is_buffer, single_device,
                                             train_resnet)
 
@@ -71,6 +72,7 @@ def parse(argv: Optional[List[str]]) -> argparse.Namespace:
 
 def check_args(args: argparse.Namespace, world_size: int) -> None:
     """Every refusal before a process group exists: an InputError names the value."""
+    check_value("--name", args.name, str, path_component())  # one directory under runs/
     if args.steps < 1 or args.global_batch_size < 1 or args.lr <= 0:
         raise InputError(f"--steps ({args.steps}), --global-batch-size "
                          f"({args.global_batch_size}) and --lr ({args.lr}) must be positive")
@@ -119,6 +121,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.overwrite and restart_count() == 0 and os.path.isdir(run_dir) and \
             int(os.environ.get("RANK", "0")) == 0:  # the old run is kept, renamed
         print(f"--overwrite: moved {run_dir} aside to {moved_aside(run_dir)}", flush=True)
+    try:
+        hold("--name", run_dir)  # this run's lock on runs/<name>, for its whole life
+    except InputError as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return 2
     sys.excepthook = report_input_errors  # a file's fault found later: the same one line
     env = init_distributed()
     pgm = init_pg_manager()

@@ -57,6 +57,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -500,22 +501,40 @@ def overwriting(command: str) -> str:
     return command.replace(" -- ", " -- --overwrite ", 1)
 
 
+def in_run_dir(command: str, runs: str) -> str:
+    """``command`` writing its runs under directory ``runs`` instead of the checkout's runs/: a
+    launched script that reads the config (load_config) gets ``--logging.run_dir runs``, and
+    any other command's ``runs/`` path points there too."""
+    script = command.split()[1] if command.startswith("scripts/launch.sh ") else ""
+    if script and os.path.isfile(os.path.join(ROOT, script)):
+        with open(os.path.join(ROOT, script)) as f:
+            if "load_config" in f.read():
+                command = command.replace(" -- ", f" -- --logging.run_dir {runs} ", 1) \
+                    if " -- " in command else f"{command} -- --logging.run_dir {runs}"
+    return re.sub(r"(?<![\w/.])runs/", runs + "/", command)
+
+
 def run_block(block: Block, timeout: float) -> Tuple[int, str, str]:
-    """Run the block's commands from the repository root; (exit status, stdout, stderr). The
-    last command of a block that must fail runs as written: it may show that refusal."""
+    """Run the block's commands from the repository root, their runs in a temporary directory
+    (the checkout keeps no run: the README's first command must find its name free);
+    (exit status, stdout, stderr), with that directory shown as runs/. The last command of a
+    block that must fail runs as written (but for the directory): it may show that refusal."""
     commands = [overwriting(c) for c in block.commands]
     if "fails" in block.options:
         commands[-1] = block.commands[-1]
-    script = "set -e\n" + "\n".join(commands) + "\n"
-    proc = subprocess.Popen(["bash", "-c", script], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every rank it started
-        stdout, stderr = proc.communicate()
-        return -1, stdout, stderr + f"\ncheck_docs: timed out after {timeout:.0f} s"
-    return proc.returncode, stdout, stderr
+    with tempfile.TemporaryDirectory() as tmp:
+        runs = os.path.join(tmp, "runs")
+        script = "set -e\n" + "\n".join(in_run_dir(c, runs) for c in commands) + "\n"
+        proc = subprocess.Popen(["bash", "-c", script], cwd=ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every rank it started
+            stdout, stderr = proc.communicate()
+            stderr += f"\ncheck_docs: timed out after {timeout:.0f} s"
+            return -1, stdout.replace(runs, "runs"), stderr.replace(runs, "runs")
+    return proc.returncode, stdout.replace(runs, "runs"), stderr.replace(runs, "runs")
 
 
 def check_block(block: Block, timeout: float) -> List[str]:

@@ -115,7 +115,9 @@ for arg in "$@"; do
   [[ "$arg" == "-h" || "$arg" == "--help" ]] && preflight=0
 done
 if [[ "$preflight" != 0 ]] && grep -q "load_config\|--validate-only" "$script"; then
-  python "$script" --validate-only --world-size "$((10#$nproc * 10#$nnodes))" "$@" || exit $?
+  # LOCAL_WORLD_SIZE: the ranks that will share this host's memory (its memory check)
+  LOCAL_WORLD_SIZE="$((10#$nproc))" \
+    python "$script" --validate-only --world-size "$((10#$nproc * 10#$nnodes))" "$@" || exit $?
 fi
 
 # torchrun (scripts/torchrun.py: the same, minus torchrun's traceback after a refused config)

@@ -28,10 +28,10 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.run import main
 
-from scaletorch.rules.errors import INTERRUPTED, NON_FINITE
+from scaletorch.rules.errors import INTERRUPTED, NON_FINITE, TERMINATED
 
 CONFIG_ERROR = 2  # load_config's exit status
-QUIET = (CONFIG_ERROR, NON_FINITE, INTERRUPTED)  # a rank printed its one line already
+QUIET = (CONFIG_ERROR, NON_FINITE, INTERRUPTED, TERMINATED)  # a rank printed its one line already
 STOPPED = ("SIGTERM", "SIGINT")  # how torchrun ends the other ranks when one fails
 
 
@@ -97,6 +97,7 @@ class _NoRepeatedNotes(logging.Filter):
         quiet = isinstance(record.msg, str) and record.msg.startswith("failed (exitcode: %s)") \
             and isinstance(record.args, tuple) and record.args[0] in QUIET
         return not (f"Received {int(signal.SIGINT)} death signal" in text
+                    or f"Received {int(signal.SIGTERM)} death signal" in text
                     or "closing signal SIG" in text or quiet)
 
 

@@ -3,6 +3,7 @@ disk during a save (exit 2), a non-finite loss (exit 3)."""
 
 import contextlib
 import io
+import json
 import os
 import re
 import signal
@@ -27,10 +28,13 @@ CTRL_C = re.compile(r"^interrupted \(Ctrl-C\) at step (\d+) of \d+: last complet
                     r"(\S+); resume with: (.+ --resume)$")
 
 
-def interrupt_after_checkpoints(cmd: List[str], checkpoints: int) -> Tuple[int, str, str]:
+def interrupt_after_checkpoints(cmd: List[str], checkpoints: int,
+                                sigterm: bool = False) -> Tuple[int, str, str]:
     """Start ``cmd`` in a session of its own, and once it printed ``checkpoints`` "saved
     checkpoint" lines send SIGINT to the session, as a terminal's Ctrl-C does to its foreground
-    processes (here: launch.sh's torchrun and every rank). (exit status, stdout, stderr)."""
+    processes (here: launch.sh's torchrun and every rank); with ``sigterm``, SIGTERM to the
+    command's process alone, as a scheduler stops a job (torchrun passes it on to the ranks).
+    (exit status, stdout, stderr)."""
     env = {**os.environ, "PYTHONPATH": ROOT, **NCCL_CHECKS}
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True, env=env)
@@ -41,7 +45,10 @@ def interrupt_after_checkpoints(cmd: List[str], checkpoints: int) -> Tuple[int, 
             lines.append(line)
             saved += line.startswith("saved checkpoint")
             if saved == checkpoints:
-                os.killpg(proc.pid, signal.SIGINT)
+                if sigterm:
+                    os.kill(proc.pid, signal.SIGTERM)
+                else:
+                    os.killpg(proc.pid, signal.SIGINT)
                 break
         stdout, stderr = proc.communicate(timeout=120)
     finally:
@@ -78,16 +85,23 @@ class CtrlCEndsWithOneLineAndTheLastCheckpointResumes(unittest.TestCase):
             run = os.path.join(tmp, "00_single_device")
             # metrics.jsonl holds every step that finished
             self.assertEqual([m["step"] for m in metrics_lines(run)], list(range(1, step + 1)))
-            # the checkpoint resumes: the same run, continued one step past it
-            done = int(path[-7:])
+            # the first checkpoint resumes: the same run, continued one step past it; the
+            # steps after it leave metrics.jsonl for a side file, so each step is there once
+            first = ckpt.list_checkpoints(os.path.join(run, "checkpoints"))[0]
+            done = int(first[-7:])
+            self.assertLess(done, step)
             cfg = parse_args([
                 "--config", "examples/configs/00_single_device.yaml", "--logging.run_dir", tmp,
                 "--logging.progress", "false", "--steps",
-                str(done + 1), "--resume", path
+                str(done + 1), "--resume", first
             ])
             with contextlib.redirect_stdout(io.StringIO()):
-                result = Trainer(cfg, build_model(cfg.model, 42), verbose=False).train()
+                result = Trainer(cfg, build_model(cfg.model, 42), verbose=True).train()
             self.assertEqual((result.start_step, len(result.losses)), (done, 1))
+            self.assertEqual([m["step"] for m in metrics_lines(run)], list(range(1, done + 2)))
+            with open(os.path.join(run, f"metrics.after-step-{done}.jsonl")) as f:
+                self.assertEqual([json.loads(line)["step"] for line in f],
+                                 list(range(done + 1, step + 1)))
 
     def test_through_torchrun(self):
         with tempfile.TemporaryDirectory() as tmp:
@@ -100,6 +114,35 @@ class CtrlCEndsWithOneLineAndTheLastCheckpointResumes(unittest.TestCase):
             self.assertTrue(
                 command.startswith("scripts/launch.sh examples/01_ddp.py --nproc-per-node 2 -- "
                                    "--steps 100000"), command)
+
+
+SIGTERM = re.compile(r"^terminated \(SIGTERM\) at step (\d+) of \d+: last complete checkpoint "
+                     r"(\S+); resume with: (.+ --resume)$")
+
+
+class SigtermTakesCtrlCsPath(unittest.TestCase):
+
+    def test_through_torchrun_one_line_exit_143_and_only_whole_checkpoints(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            code, out, err = interrupt_after_checkpoints([
+                "bash", "scripts/launch.sh", C01, "--nproc-per-node", "2", "--", "--steps",
+                "100000", "--checkpoint.every", "2", "--logging.progress", "false",
+                "--logging.run_dir", tmp, "--logging.log_every", "1"
+            ], 2, sigterm=True)
+            self.assertEqual(code, 143, out + err)
+            self.assertNotIn("Traceback", out + err)
+            stops = [line for line in (out + err).splitlines() if "SIGTERM" in line]
+            self.assertEqual(len(stops), 1, out + err)  # rank 0's line; torchrun's are quiet
+            self.assertEqual(err.splitlines()[-1], stops[0])
+            match = SIGTERM.match(stops[0])
+            self.assertIsNotNone(match, stops[0])
+            step, path = int(match[1]), match[2]
+            ckpt.verify_checkpoint(path)  # whole; and no partial one beside it
+            run = os.path.join(tmp, "01_ddp")
+            checkpoints = ckpt.list_checkpoints(os.path.join(run, "checkpoints"))
+            self.assertEqual(sorted(os.listdir(os.path.join(run, "checkpoints"))),
+                             [os.path.basename(c) for c in checkpoints])
+            self.assertEqual([m["step"] for m in metrics_lines(run)], list(range(1, step + 1)))
 
 
 class AFullDiskDuringASaveKeepsThePreviousCheckpointAndTheMetrics(unittest.TestCase):

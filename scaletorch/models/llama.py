@@ -27,38 +27,41 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from scaletorch.models.moe import Experts, MoE
-from scaletorch.rules.schema import at_least, check_fields, checked, positive, unless
+from scaletorch.rules.schema import (PRINTED, REFUSED, at_least, check_fields, checked, positive,
+                                     unless)
 
 
 @dataclass
 class LlamaConfig:
-    vocab_size: int = checked(256, positive())
-    hidden_size: int = checked(64, positive())
-    intermediate_size: int = checked(128, positive())
-    num_layers: int = checked(2, positive())
-    num_attention_heads: int = checked(4, positive())
-    num_key_value_heads: int = checked(2, positive())
-    max_seq_len: int = checked(64, positive())
-    rope_theta: float = checked(10000.0, positive())
-    norm_eps: float = checked(1e-5, positive())
-    tie_word_embeddings: bool = checked(False)
-    init_std: float = checked(0.02, positive())
+    vocab_size: int = checked(256, positive(), resume=REFUSED)
+    hidden_size: int = checked(64, positive(), resume=REFUSED)
+    intermediate_size: int = checked(128, positive(), resume=REFUSED)
+    num_layers: int = checked(2, positive(), resume=REFUSED)
+    num_attention_heads: int = checked(4, positive(), resume=REFUSED)
+    num_key_value_heads: int = checked(2, positive(), resume=REFUSED)
+    max_seq_len: int = checked(64, positive(), resume=REFUSED)
+    rope_theta: float = checked(10000.0, positive(), resume=REFUSED)
+    norm_eps: float = checked(1e-5, positive(), resume=REFUSED)
+    tie_word_embeddings: bool = checked(False, resume=REFUSED)
+    init_std: float = checked(0.02, positive(), resume=PRINTED)
     # Tensor parallel splits embedding and head by vocabulary rows; a vocabulary tp does not
     # divide is padded by chapter 10 (parallel/vocab_padding.py) to a multiple of vocab_pad_to
     # x tp (Megatron's make-vocab-size-divisible-by), with the padded logits masked. This model
     # is never padded; without tensor parallel (tp 1, the run's key below) nothing reads it.
-    vocab_pad_to: int = checked(128, unless(positive(), "parallel.tensor_model_parallel_size", 1))
+    vocab_pad_to: int = checked(128, unless(positive(), "parallel.tensor_model_parallel_size", 1),
+                                resume=REFUSED)
     # Mixture of experts (moe.py); num_experts 0 = a dense model, which reads no moe_* field.
-    num_experts: int = checked(0, at_least(0))
-    moe_top_k: int = checked(2, unless(positive(), "num_experts", 0))  # experts per token
+    num_experts: int = checked(0, at_least(0), resume=REFUSED)
+    # experts per token
+    moe_top_k: int = checked(2, unless(positive(), "num_experts", 0), resume=REFUSED)
     # block i is MoE when i % moe_layer_freq == 0 (1: every block)
-    moe_layer_freq: int = checked(1, unless(positive(), "num_experts", 0))
+    moe_layer_freq: int = checked(1, unless(positive(), "num_experts", 0), resume=REFUSED)
     # each expert's SwiGLU width; 0: intermediate_size
-    moe_intermediate_size: int = checked(0, unless(at_least(0), "num_experts", 0))
+    moe_intermediate_size: int = checked(0, unless(at_least(0), "num_experts", 0), resume=REFUSED)
     # weight of the load-balancing loss in the training loss
-    moe_aux_loss_coeff: float = checked(0.01, unless(at_least(0), "num_experts", 0))
+    moe_aux_loss_coeff: float = checked(0.01, unless(at_least(0), "num_experts", 0), resume=PRINTED)
     # > 0: drop assignments beyond capacity; 0: never drop
-    moe_capacity_factor: float = checked(0.0, unless(at_least(0), "num_experts", 0))
+    moe_capacity_factor: float = checked(0.0, unless(at_least(0), "num_experts", 0), resume=PRINTED)
 
     def __post_init__(self) -> None:
         check_fields(self)  # every field's type and range (the rules above)

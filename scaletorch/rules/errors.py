@@ -9,7 +9,8 @@ It is a ValueError, so code that catches a bad value catches it too.
 from typing import Any
 
 __all__ = [
-    "CLIP", "INTERRUPTED", "InputError", "MissingInputError", "NON_FINITE", "RunStopped", "clip"
+    "CLIP", "INTERRUPTED", "InputError", "MissingInputError", "NON_FINITE", "RunStopped",
+    "TERMINATED", "Terminated", "clip"
 ]
 
 CLIP = 200  # characters of a value that an error message quotes
@@ -34,13 +35,20 @@ class MissingInputError(InputError, FileNotFoundError):
 
 
 INTERRUPTED = 130  # the shell's status for a process ended by SIGINT (128 + 2)
+TERMINATED = 143  # ... by SIGTERM (128 + 15): torchrun's and a scheduler's way to stop a job
 NON_FINITE = 3  # a run stopped by a non-finite loss or gradient norm
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where it arrives as Ctrl-C's KeyboardInterrupt is: a subclass, so that
+    every path Ctrl-C takes (a partial checkpoint removed, the one line) SIGTERM takes too."""
+
+
 class RunStopped(Exception):
-    """A run that stops on purpose, with one line and ``exit_code``: Ctrl-C (INTERRUPTED), a
-    non-finite loss (NON_FINITE). The line says the step, the last complete checkpoint and
-    what to run next; scripts print it once and exit with the code, without a traceback."""
+    """A run that stops on purpose, with one line and ``exit_code``: Ctrl-C (INTERRUPTED),
+    SIGTERM (TERMINATED), a non-finite loss (NON_FINITE). The line says the step, the last
+    complete checkpoint and what to run next; scripts print it once and exit with the code,
+    without a traceback."""
 
     def __init__(self, message: str, exit_code: int) -> None:
         super().__init__(message)

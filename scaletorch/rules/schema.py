@@ -4,7 +4,10 @@
     beta1: float = checked(0.9, fraction())  # a finite float in [0, 1)
     path: Optional[str] = checked(None, unless(existing_file(), "dataset", "synthetic"))
 
-``checked`` is a ``dataclasses.field`` whose metadata holds a ``Rule``. The field's type is
+``checked`` is a ``dataclasses.field`` whose metadata holds a ``Rule`` and the field's resume
+policy (``resume=``: what a change of it at ``--resume`` does, REFUSED, PRINTED or SILENT;
+scaletorch/trainer/resume_check.py compares a checkpoint's config with the resumed one by it).
+The field's type is
 its annotation; the rule adds what a type cannot say: a range, a set of choices, a path on
 disk, or the settings under which the field is read at all. ``check_fields`` walks a
 dataclass and raises InputError naming the key, the value and what is allowed. A float is
@@ -22,12 +25,21 @@ from typing import Any, Callable, Iterator, List, Optional, Tuple
 from scaletorch.rules.errors import InputError, clip
 
 __all__ = [
-    "Rule", "at_least", "check_applies", "check_fields", "check_type", "check_value", "checked",
-    "conditions", "creatable_dir", "existing_file", "fraction", "ignored_by", "one_of", "positive",
-    "rules_of", "text", "unless"
+    "PRINTED", "REFUSED", "RESHARD", "RESUME", "RESUME_POLICIES", "Rule", "SILENT", "at_least",
+    "check_applies", "check_fields", "check_type", "check_value", "checked", "conditions",
+    "creatable_dir", "existing_file", "fraction", "ignored_by", "one_of", "positive",
+    "path_component", "resume_policy", "rules_of", "text", "unless"
 ]
 
 RULE = "rule"  # the key of a field's metadata that holds its Rule
+RESUME = "resume"  # the key that holds its resume policy, one of RESUME_POLICIES:
+REFUSED = "refused"  # a resume that changes it is refused: another run (shapes, data, seed)
+RESHARD = "reshard"  # the layout: refused for per-rank checkpoints, printed for dcp ones
+PRINTED = "printed"  # allowed, and a line says old -> new (lr, steps, logging)
+SILENT = "silent"  # allowed without a word: paths, the resume itself
+RESUME_POLICIES = (REFUSED, RESHARD, PRINTED, SILENT)
+# characters a run name may not hold: path separators, NUL and control characters (one line)
+NOT_IN_NAMES = "/\\" + "".join(chr(c) for c in range(32)) + "\x7f"
 
 
 @dataclass(frozen=True)
@@ -37,7 +49,9 @@ class Rule:
     exist), "dir" (must be creatable) or "checkpoint" (one to resume), checked on disk with
     the run's other inputs; ``non_empty``: a string with something in it;
     ``ignored_when`` holds (key, values) pairs: the run does not read the field while any of
-    those keys holds one of its values, so giving it then is a mistake."""
+    those keys holds one of its values, so giving it then is a mistake; ``component``: a
+    string that is one path component (no separator, not "." or "..", no control character)
+    of at most ``max_len`` characters."""
     low: Optional[float] = None
     high: Optional[float] = None
     low_open: bool = False
@@ -46,6 +60,8 @@ class Rule:
     path: str = ""
     non_empty: bool = False
     ignored_when: Tuple[Tuple[str, Tuple[Any, ...]], ...] = ()
+    component: bool = False
+    max_len: int = 0
 
     def allowed(self, kind: Any = float) -> str:
         """What the rule allows, in words: "positive", ">= 0 and finite", "one of a, b, c"."""
@@ -61,6 +77,10 @@ class Rule:
                          f"{_number(self.high)}{')' if self.high_open else ']'}")
         if self.non_empty:
             words.append("a non-empty string")
+        if self.component:
+            words.append("one path component (no / or \\, not . or .., no control character)")
+        if self.max_len:
+            words.append(f"at most {self.max_len} characters")
         if kind is float:
             words.append("finite")
         return " and ".join(words) or _type_name(kind)
@@ -77,6 +97,10 @@ class Rule:
             return False
         if self.high is not None and (value > self.high or (self.high_open and value == self.high)):
             return False
+        if self.max_len and isinstance(value, str) and len(value) > self.max_len:
+            return False
+        if self.component and (value in (".", "..") or any(c in NOT_IN_NAMES for c in value)):
+            return False
         return not (self.non_empty and value == "")
 
 
@@ -84,10 +108,18 @@ def _number(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else str(x)
 
 
-def checked(default: Any, rule: Rule = Rule()) -> Any:
-    """A dataclass field with ``default`` and its ``rule`` in the metadata (``Rule()``: the
-    type alone, as for a boolean)."""
-    return dataclasses.field(default=default, metadata={RULE: rule})
+def checked(default: Any, rule: Rule = Rule(), resume: Optional[str] = None) -> Any:
+    """A dataclass field with ``default``, its ``rule`` (``Rule()``: the type alone, as for a
+    boolean) and its ``resume`` policy (one of RESUME_POLICIES) in the metadata. Every field of
+    the run's config declares one (tests/test_resume_policy.py checks it)."""
+    if resume is not None and resume not in RESUME_POLICIES:
+        raise ValueError(f"resume must be one of {', '.join(RESUME_POLICIES)}, got {resume!r}")
+    return dataclasses.field(default=default, metadata={RULE: rule, RESUME: resume})
+
+
+def resume_policy(cls: Any, name: str) -> Optional[str]:
+    """The resume policy field ``name`` of dataclass ``cls`` declares (None: none declared)."""
+    return next(f.metadata.get(RESUME) for f in dataclasses.fields(cls) if f.name == name)
 
 
 def positive() -> Rule:
@@ -113,6 +145,12 @@ def one_of(*choices: Any) -> Rule:
 def text() -> Rule:
     """A non-empty string."""
     return Rule(non_empty=True)
+
+
+def path_component(max_len: int = 100) -> Rule:
+    """A non-empty string that is one path component of at most ``max_len`` characters: a
+    name under a directory that cannot point anywhere else (no separator, ".", "..")."""
+    return Rule(non_empty=True, component=True, max_len=max_len)
 
 
 def existing_file() -> Rule:

@@ -313,6 +313,8 @@ def check_layout(path: str, manifest: Dict[str, Any], world_size: int,
     saved = dict(manifest.get("layout") or {}, world_size=manifest.get("world_size"))
     now = dict(layout or {}, world_size=world_size)
     there, here = saved.pop("model", None), now.pop("model", None)
+    saved.pop("config", None)  # the whole run's config: resume_check.py compares it
+    now.pop("config", None)
     differ = [k for k in saved if k in now and saved[k] != now[k]]
     if manifest.get("format") == "dcp":  # pieces of the full tensors: any layout reads them
         differ = []

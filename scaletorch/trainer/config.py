@@ -36,12 +36,16 @@ from scaletorch.parallel.mixed_precision import policy_for as precision_policy
 # the one layout check (also run by parallelize): re-exported for the scripts
 from scaletorch.parallel.validation import validate_layout
 from scaletorch.rules import boundary
-from scaletorch.rules.errors import INTERRUPTED, InputError, MissingInputError, RunStopped, clip
+from scaletorch.rules.errors import (INTERRUPTED, TERMINATED, InputError, MissingInputError,
+                                     RunStopped, clip)
 from scaletorch.rules.safe_files import write_atomic
 from scaletorch.rules.schema import Rule, check_applies, check_value, ignored_by, rules_of
 from scaletorch.trainer.checkpoint import (check_resume, latest_valid_checkpoint, load_tensors_only,
                                            read_manifest)
-from scaletorch.trainer.run_dir import check_run_dir, move_aside
+from scaletorch.trainer.memory_limit import check_memory
+from scaletorch.trainer.resume_check import check_resumed
+from scaletorch.trainer.run_dir import check_run_dir, move_aside, take_ownership
+from scaletorch.trainer.stops import catch_stop_signals, stopped
 
 __all__ = [
     "CheckpointConfig", "Config", "DataConfig", "InputError", "LoggingConfig", "ParallelConfig",
@@ -97,7 +101,7 @@ def _convert(value: Any, annotation: Any, key: str) -> Any:
             raise ValueError(f"{key} must be {annotation.__name__}, got {clip(value)}")
         try:
             converted = annotation(value)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):  # OverflowError: int(inf)
             raise ValueError(f"{key} must be {annotation.__name__}, got {clip(value)}") from None
         if annotation is int and isinstance(value, float) and value != converted:
             raise ValueError(f"{key} must be int, got {clip(value)}")
@@ -198,6 +202,21 @@ def load_yaml(path: str) -> Dict[str, Any]:
     return values
 
 
+def _cli_value(text: str, source: str) -> Any:
+    """A command-line value as YAML reads it ("1e-3" -> 0.001, "[1, 3]" -> a list), through the
+    same limits as a file's values, or the string as given when it is no YAML at all ("[",
+    "a: b: c") or YAML's null (" ", "~"): the field's rule then judges it, in one line, instead
+    of a YAML traceback."""
+    if text == "":
+        return text
+    try:
+        value = boundary.load_yaml(text, source)
+    except yaml.YAMLError:
+        return text
+    # YAML reads " " and "~" as null: the text stays (an Optional field's "null" is None still)
+    return text if value is None else value
+
+
 def parse_args(argv: Optional[Sequence[str]] = None, default_config: Optional[str] = None,
                description: str = "", unread: Optional[Dict[str, str]] = None) -> Config:
     """Build a Config from dataclass defaults, ``--config`` YAML and command-line overrides.
@@ -253,8 +272,7 @@ def parse_args(argv: Optional[Sequence[str]] = None, default_config: Optional[st
     given = {}
     for key, value in overrides:
         if isinstance(value, str):
-            # "1e-3" -> 0.001, through the same limits as a file's values
-            value = boundary.load_yaml(value, f"--{clip(key)}") if value != "" else value
+            value = _cli_value(value, f"--{clip(key)}")
         set_value(cfg, key, value)
         given[key] = value
     if args.resume is not None:
@@ -305,18 +323,24 @@ def load_config(default_config: str, description: str, limits: Optional[Limits] 
         validate(cfg, world_size)
         if limits is not None:
             limits(cfg, world_size)
+        check_memory(cfg, world_size)  # the planner's estimate against the device, unallocated
         check_inputs(cfg, world_size, resume_files)
+        if known.validate_only:
+            sys.exit(0)
+        # --overwrite: the old run is kept, renamed (rank 0, before any rank writes)
+        lines = move_aside(cfg) if int(os.environ.get("RANK", "0")) == 0 else []
+        note = resume_note(cfg)  # the settings this resume changes (checked above)
+        lines += [note] if note and int(os.environ.get("RANK", "0")) == 0 else []
+        take_ownership(cfg)  # this run's lock on its directories, for its whole life
     except (ValueError, FileNotFoundError) as err:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {err}", file=sys.stderr, flush=True)
         else:  # torchrun stops every rank when one exits: let rank 0 print its line first
             time.sleep(5)
         sys.exit(2)
-    if known.validate_only:
-        sys.exit(0)
-    if int(os.environ.get("RANK", "0")) == 0:
-        for line in move_aside(cfg):  # --overwrite: the old run is kept, renamed
-            print(line, flush=True)
+    for line in lines:
+        print(line, flush=True)
+    catch_stop_signals()  # SIGTERM ends in one line, as Ctrl-C does
     sys.excepthook = report_input_errors
     return cfg
 
@@ -332,12 +356,12 @@ def report_input_errors(kind: Type[BaseException], err: BaseException,
     Under torchrun with several ranks, a bug's traceback goes to torchrun's error file instead
     (``write_error_file``): scripts/torchrun.py then prints the traceback of the rank that
     failed first, once, and one line for every other rank."""
-    if isinstance(err, KeyboardInterrupt):  # Ctrl-C outside the training loop
-        err = RunStopped("interrupted (Ctrl-C)", INTERRUPTED)
-    if isinstance(err, RunStopped):  # Ctrl-C, a non-finite loss: one line, its own status
+    if isinstance(err, KeyboardInterrupt):  # Ctrl-C or SIGTERM outside the training loop
+        err = stopped(err)
+    if isinstance(err, RunStopped):  # a signal, a non-finite loss: one line, its own status
         rank = int(os.environ.get("RANK", "0"))
-        if rank != 0 and err.exit_code == INTERRUPTED:
-            os._exit(err.exit_code)  # every rank got the SIGINT: rank 0 says it
+        if rank != 0 and err.exit_code in (INTERRUPTED, TERMINATED):
+            os._exit(err.exit_code)  # every rank got the signal: rank 0 says it
         if rank != 0:
             time.sleep(5)
         sys.stdout.flush()
@@ -411,6 +435,7 @@ def check_inputs(cfg: Config, world_size: int, resume_files: bool = False) -> No
     InputError naming the path."""
     check_resume(cfg, world_size, resume_files)
     check_resume_step(cfg)
+    resume_note(cfg)  # the checkpoint's run against this one, field by field
     check_run_dir(cfg)
     outputs = {"logging.run_dir": cfg.run_path}
     if cfg.checkpoint.every > 0:
@@ -419,15 +444,30 @@ def check_inputs(cfg: Config, world_size: int, resume_files: bool = False) -> No
         check_writable(key, path)
 
 
+def resumed_checkpoint(cfg: Config) -> Optional[str]:
+    """The checkpoint ``--resume`` names ("latest": the newest that verifies), or None: no
+    resume, none found, or a torchrun restart (which resumes whatever it finds, unchecked)."""
+    resume = cfg.checkpoint.resume
+    if resume is None or restart_count() > 0:
+        return None
+    return latest_valid_checkpoint(cfg.checkpoint_path)[0] if resume == "latest" else resume
+
+
+def resume_note(cfg: Config) -> Optional[str]:
+    """InputError when the resumed checkpoint's run differs from ``cfg`` in a field a resume
+    may not change; else the line naming the changes it may make (None: none), which
+    ``load_config`` prints (resume_check.py)."""
+    path = resumed_checkpoint(cfg)
+    if path is None or os.path.isfile(path):  # a consolidated file holds no config
+        return None
+    return check_resumed(path, read_manifest(path), cfg)
+
+
 def check_resume_step(cfg: Config) -> None:
     """InputError when the checkpoint that ``--resume`` names (or the latest) is at or past
     ``training.steps``: nothing is left to train, and the run would end on a report of no
     steps. Both numbers are named. A torchrun restart resumes whatever it finds, unchecked."""
-    resume = cfg.checkpoint.resume
-    if resume is None or restart_count() > 0:
-        return
-    # "latest" is the checkpoint a resume would load: the newest that verifies
-    path = latest_valid_checkpoint(cfg.checkpoint_path)[0] if resume == "latest" else resume
+    path = resumed_checkpoint(cfg)
     if path is None:
         return
     if os.path.isfile(path):  # a consolidated file (check_resume read it already)

@@ -1,39 +1,166 @@
-"""A run never writes over another: a run directory that already holds a run is refused or moved.
+"""A run directory belongs to one run: it is never written over, and never by two runs at once.
 
 Before anything is written (``load_config``), ``check_run_dir`` refuses ``logging.run_dir /
 logging.name`` when it already holds files, and ``checkpoint.dir`` when it holds checkpoints,
 unless the run continues them (``--resume``, or a torchrun restart). The line says the three
 ways on: ``--resume``, a new ``--name``, or ``--overwrite``, which ``move_aside`` carries out
 by renaming the old directory to ``<path>.old-<time>``; nothing is ever deleted.
+
+Ownership. A run marks each directory it writes with a MARKER file and holds an exclusive
+``fcntl.flock`` on it for its whole life (``take_ownership``): global rank 0, and the first
+rank of every other node, on a marker of its own (``MARKER.node<k>``), since its ranks write
+their checkpoint files there too. The kernel drops the lock when the process ends, however it
+ends, so a lock is never stale. A second run of the same directory finds the lock held and is
+refused with one line naming the holder's pid, host and start time (``check_not_held``);
+the check is made again once the lock is held, so two runs started at the same moment cannot
+both pass it. ``--overwrite`` moves aside only a directory that carries the marker: one that
+a run made, not any directory a path happens to name.
 """
 
+import fcntl
+import json
 import os
+import socket
 import time
-from typing import List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from scaletorch.config import Config
 from scaletorch.dist import restart_count
 from scaletorch.rules.errors import InputError
+from scaletorch.rules.safe_files import write_atomic
 
 PROBE = ".scaletorch-probe-"  # check_writable's empty directory, made and removed at once
+MARKER = ".scaletorch-run"  # a run made this directory; its lock; who holds it (JSON)
+_held: Dict[str, int] = {}  # this process's locks: directory (real path) -> open descriptor
 
 
 def _entries(path: str) -> List[str]:
+    """What ``path`` holds, less the probe and the markers (a directory a run has only
+    claimed is empty)."""
     if not os.path.isdir(path):
         return []
-    return sorted(e for e in os.listdir(path) if not e.startswith(PROBE))
+    return sorted(e for e in os.listdir(path) if not e.startswith((PROBE, MARKER)))
+
+
+def _marker() -> str:
+    """This process's marker: MARKER for global rank 0 (and one process); MARKER.node<k> for
+    the first rank of node k > 0 under torchrun; "" for any other rank (its node's first rank
+    holds the lock for it)."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        return MARKER
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        return f"{MARKER}.node{os.environ.get('GROUP_RANK', '0')}"
+    return ""
+
+
+def holder(path: str, name: str = MARKER) -> Optional[str]:
+    """"pid P on host H, started T" of the live run that holds marker ``name`` of directory
+    ``path``, or None when none does (a marker whose lock is free is a finished run's)."""
+    marker = os.path.join(path, name)
+    try:
+        fd = os.open(marker, os.O_RDONLY)
+    except OSError:  # no marker: no run made it
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)  # free: no run holds it
+        return None
+    except BlockingIOError:
+        return _who(marker)
+    finally:
+        os.close(fd)
+
+
+def _who(marker: str) -> str:
+    try:
+        with open(marker) as f:
+            info = json.loads(f.read(4096))
+        return f"pid {info['pid']} on host {info['host']}, started {info['started']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "a process that has not yet said who it is"
+
+
+def check_not_held(key: str, path: str) -> None:
+    """InputError when a live run holds the lock on directory ``path`` (the option ``key``)
+    that this process would take. Not for a process that takes none (its node's first rank
+    checks), nor for a lock this process holds already."""
+    name = _marker()
+    if not name or os.path.realpath(path) in _held:
+        return
+    who = holder(path, name)
+    if who is not None:
+        raise InputError(f"{key}: {path!r} is in use by another run ({who}); nothing was "
+                         f"written: wait for it to end, or give another --name")
+
+
+def is_run_dir(path: str) -> bool:
+    """Whether a run made directory ``path``: it carries the MARKER."""
+    return os.path.isfile(os.path.join(path, MARKER))
+
+
+def hold(key: str, path: str) -> bool:
+    """Create directory ``path`` if need be and take this process's lock on it for the rest
+    of its life, recording who holds it; InputError naming the holder when another run does.
+    Returns False for a rank that takes no lock (``_marker``)."""
+    name = _marker()
+    if not name:
+        return False
+    if os.path.realpath(path) in _held:  # taken already (load_config twice in one process)
+        return True
+    os.makedirs(path, exist_ok=True)
+    fd = os.open(os.path.join(path, name), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        check_not_held(key, path)  # names the holder
+        raise InputError(f"{key}: {path!r} is in use by another run") from None
+    info = {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    }
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(info).encode(), 0)
+    _held[os.path.realpath(path)] = fd
+    return True
+
+
+def release() -> None:
+    """Drop every lock this process holds (the process's end drops them too; tests call it
+    between runs made in one process)."""
+    while _held:
+        os.close(_held.popitem()[1])
+
+
+def owned_dirs(cfg: Config) -> List[Tuple[str, str]]:
+    """(config key, directory) of each directory this run writes: the run directory, and
+    checkpoint.dir when checkpoints are saved outside it."""
+    dirs = [("logging.run_dir", cfg.run_path)]
+    if cfg.checkpoint.every > 0 and not _inside(cfg):
+        dirs.append(("checkpoint.dir", cfg.checkpoint_path))
+    return dirs
+
+
+def _inside(cfg: Config) -> bool:
+    return os.path.abspath(cfg.checkpoint_path).startswith(os.path.abspath(cfg.run_path) + os.sep)
+
+
+def take_ownership(cfg: Config) -> None:
+    """Lock every directory this run writes (``hold``), then check again, under the lock,
+    that none holds another run (``check_run_dir``): a run that finished between the first
+    check and the lock is refused too. Call once per process, after ``move_aside``."""
+    if not _marker():
+        return
+    for key, path in owned_dirs(cfg):
+        hold(key, path)
+    check_run_dir(cfg)
 
 
 def occupied(cfg: Config) -> List[Tuple[str, str, List[str]]]:
     """(config key, directory, its entries) of each directory this run writes that already
     holds something: the run directory, and checkpoint.dir when it lies outside it."""
-    found = []
-    if _entries(cfg.run_path):
-        found.append(("logging.run_dir", cfg.run_path, _entries(cfg.run_path)))
-    inside = os.path.abspath(cfg.checkpoint_path).startswith(os.path.abspath(cfg.run_path) + os.sep)
-    if cfg.checkpoint.every > 0 and not inside and _entries(cfg.checkpoint_path):
-        found.append(("checkpoint.dir", cfg.checkpoint_path, _entries(cfg.checkpoint_path)))
-    return found
+    return [(key, path, _entries(path)) for key, path in owned_dirs(cfg) if _entries(path)]
 
 
 def continues(cfg: Config) -> bool:
@@ -42,14 +169,30 @@ def continues(cfg: Config) -> bool:
 
 
 def check_run_dir(cfg: Config) -> None:
-    """InputError unless this run may write its directories (see the module docstring)."""
+    """InputError unless this run may write its directories (see the module docstring): no
+    live run holds them, and they hold no other run, unless this one continues it or moves a
+    run's directory aside (``--overwrite``)."""
     if cfg.logging.overwrite and cfg.checkpoint.resume:
         raise InputError(f"--overwrite moves the run in {cfg.run_path!r} aside and --resume "
                          f"{cfg.checkpoint.resume} continues it: give one of the two")
-    if continues(cfg) or cfg.logging.overwrite:
+    for key, path in owned_dirs(cfg):
+        check_not_held(key, path)
+    if continues(cfg):
+        return
+    if cfg.logging.overwrite:
+        for key, path, entries in occupied(cfg):
+            check_made_by_a_run(key, path)
         return
     for key, path, entries in occupied(cfg)[:1]:
         raise held(key, path, entries)
+
+
+def check_made_by_a_run(key: str, path: str) -> None:
+    """InputError unless ``path`` carries a run's MARKER: --overwrite moves only those."""
+    if not is_run_dir(path):
+        raise InputError(f"{key}: {path!r} was not made by a run (it has no {MARKER}): "
+                         f"--overwrite moves aside only a run's directory; give another "
+                         f"--name, or move it yourself")
 
 
 def check_free(key: str, path: str, resume: bool, overwrite: bool) -> None:
@@ -59,8 +202,11 @@ def check_free(key: str, path: str, resume: bool, overwrite: bool) -> None:
     if overwrite and resume:
         raise InputError(f"--overwrite moves the run in {path!r} aside and --resume continues "
                          f"it: give one of the two")
-    if resume or overwrite or restart_count() > 0 or not _entries(path):
+    check_not_held(key, path)
+    if resume or restart_count() > 0 or not _entries(path):
         return
+    if overwrite:
+        return check_made_by_a_run(key, path)
     raise held(key, path, _entries(path))
 
 
@@ -93,3 +239,38 @@ def moved_aside(path: str) -> str:
         target = f"{path}.old-{stamp}-{n}"
     os.rename(path, target)
     return target
+
+
+METRICS = "metrics.jsonl"
+
+
+def keep_metrics_to(run_path: str, step: int) -> Optional[str]:
+    """On a resume at ``step``: ``metrics.jsonl`` keeps the lines of steps up to ``step``, and
+    the later ones (steps the resumed run trains again, or half a line a kill left) move to
+    ``metrics.after-step-<step>.jsonl`` (-2, -3... if taken), so every step appears once. The
+    side file is written before the log is replaced (atomically): no line is ever lost. Returns
+    the line that says so, or None when nothing moved. Rank 0 calls it, before the first step."""
+    path = os.path.join(run_path, METRICS)
+    if not os.path.isfile(path):
+        return None
+    with open(path, "rb") as f:
+        lines = f.read().splitlines(keepends=True)
+    kept: List[bytes] = []
+    later: List[bytes] = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+            whole = line.endswith(b"\n") and int(record["step"]) <= step
+        except (ValueError, KeyError, TypeError):
+            whole = False
+        (kept if whole else later).append(line)
+    if not later:
+        return None
+    side, n = os.path.join(run_path, f"metrics.after-step-{step}.jsonl"), 1
+    while os.path.exists(side):
+        n += 1
+        side = os.path.join(run_path, f"metrics.after-step-{step}-{n}.jsonl")
+    write_atomic(side, b"".join(later))
+    write_atomic(path, b"".join(kept))
+    return (f"resumed at step {step}: {len(later)} line(s) of {METRICS} after it moved to "
+            f"{side}")

@@ -1,8 +1,11 @@
-"""How a training run stops on purpose: Ctrl-C, and a loss or gradient norm that is not finite.
+"""How a training run stops on purpose: Ctrl-C, SIGTERM, and a non-finite loss or gradient norm.
 
-Either way the run ends with one line (the step, the last complete checkpoint, what to run
-next) and an exit status of its own (``RunStopped``): 130 for Ctrl-C, 3 for a non-finite value.
-The optimizer step of the bad batch is not taken, so the last checkpoint holds finite weights.
+Each way the run ends with one line (the step, the last complete checkpoint, what to run
+next) and an exit status of its own (``RunStopped``): 130 for Ctrl-C, 143 for SIGTERM (what
+torchrun and schedulers send), 3 for a non-finite value. Ctrl-C and SIGTERM take one path: the
+signal raises a KeyboardInterrupt (``Terminated`` for SIGTERM) where the run is, so a checkpoint
+being written is removed unless whole (checkpoint.removed_unless_complete). The optimizer step
+of a bad batch is not taken, so the last checkpoint holds finite weights.
 """
 
 import math
@@ -15,7 +18,7 @@ from contextlib import contextmanager
 from typing import Iterator, List, Optional
 
 from scaletorch.config import Config
-from scaletorch.rules.errors import INTERRUPTED, NON_FINITE, RunStopped
+from scaletorch.rules.errors import INTERRUPTED, NON_FINITE, TERMINATED, RunStopped, Terminated
 from scaletorch.trainer.checkpoint import latest_checkpoint
 
 
@@ -65,33 +68,67 @@ def check_finite(cfg: Config, step: int, rank: int, loss: float, grad_norm: floa
         f"check the data, then resume or start again", NON_FINITE)
 
 
+# the signals that stop a run cleanly: (exception raised, how the line names it, exit status)
+STOP_SIGNALS = {
+    signal.SIGINT: (KeyboardInterrupt, "interrupted (Ctrl-C)", INTERRUPTED),
+    signal.SIGTERM: (Terminated, "terminated (SIGTERM)", TERMINATED),
+}
+
+
+def on_stop_signal(signum: int, frame: object) -> None:
+    """The handler of SIGINT and SIGTERM: the first one raises its exception where the run
+    is; later ones are ignored (torchrun forwards the terminal's Ctrl-C to every rank, then
+    may send SIGTERM: a second signal must not turn the clean stop into a traceback)."""
+    for other in STOP_SIGNALS:
+        signal.signal(other, signal.SIG_IGN)
+    raise STOP_SIGNALS[signal.Signals(signum)][0]
+
+
+def catch_stop_signals() -> None:
+    """Make SIGTERM, like Ctrl-C, raise in the main thread (``on_stop_signal``): a script calls
+    it once its config is loaded, so a SIGTERM before the training loop ends in one line too
+    (``report_input_errors``) instead of a silent death."""
+    if threading.current_thread() is threading.main_thread():
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, on_stop_signal)
+
+
+def stopped(err: BaseException) -> RunStopped:
+    """The RunStopped of a KeyboardInterrupt (Ctrl-C) or Terminated (SIGTERM) outside the loop."""
+    _, how, code = STOP_SIGNALS[signal.SIGTERM if isinstance(err, Terminated) else signal.SIGINT]
+    return RunStopped(how, code)
+
+
 @contextmanager
 def interruptible(cfg: Config, steps_done: List[int]) -> Iterator[None]:
-    """Inside the block Ctrl-C (SIGINT) raises RunStopped (exit 130) naming the step reached
-    (``steps_done[0]``, kept current by the caller). After the first SIGINT later ones are
-    ignored: torchrun forwards the terminal's to every rank, and a second one must not turn
-    the clean stop into a traceback. Any error raised once SIGINT arrived (a collective whose
-    peer has already stopped) is the same stop."""
+    """Inside the block Ctrl-C (SIGINT) and SIGTERM raise RunStopped (exit 130, 143) naming
+    the step reached (``steps_done[0]``, kept current by the caller) and the checkpoint a
+    resume starts from. After the first signal later ones are ignored (``on_stop_signal``).
+    Any error raised once a signal arrived (a collective whose peer has already stopped) is
+    the same stop."""
     if threading.current_thread() is not threading.main_thread():
         yield  # signal handlers belong to the main thread
         return
-    seen: List[bool] = []
+    seen: List[int] = []
 
-    def on_sigint(signum: int, frame: object) -> None:
-        if not seen:
-            seen.append(True)
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-            raise KeyboardInterrupt
+    def on_signal(signum: int, frame: object) -> None:
+        seen.append(signum)
+        on_stop_signal(signum, frame)
 
-    previous = signal.signal(signal.SIGINT, on_sigint)
+    previous = {signum: signal.signal(signum, on_signal) for signum in STOP_SIGNALS}
     try:
         yield
     except BaseException as err:
         if not seen and not isinstance(err, KeyboardInterrupt):
             raise
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, signal.SIG_IGN)
+        which = signal.Signals(
+            seen[0]) if seen else (signal.SIGTERM if isinstance(err, Terminated) else signal.SIGINT)
+        _, how, code = STOP_SIGNALS[which]
         raise RunStopped(
-            f"interrupted (Ctrl-C) at step {steps_done[0]} of "
-            f"{cfg.training.steps}: {where_to_resume(cfg)}", INTERRUPTED) from None
+            f"{how} at step {steps_done[0]} of {cfg.training.steps}: {where_to_resume(cfg)}",
+            code) from None
     if not seen:
-        signal.signal(signal.SIGINT, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)

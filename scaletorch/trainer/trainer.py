@@ -43,6 +43,8 @@ from scaletorch.trainer.config import Config, save_config
 from scaletorch.trainer.plan_line import plan_report
 from scaletorch.trainer.precision import autocast, precision_note, resolve_precision
 from scaletorch.trainer.profiling import profiler
+from scaletorch.trainer.resume_check import record
+from scaletorch.trainer.run_dir import continues, keep_metrics_to
 from scaletorch.trainer.stops import check_finite, interruptible
 
 if TYPE_CHECKING:
@@ -258,8 +260,9 @@ class Trainer:
         self._print(f"resumed from {path} at step {self.step}")
 
     def layout(self) -> dict:
-        """The sizes that decide which shard each rank holds (``checkpoint.run_layout``)."""
-        return ckpt.run_layout(self.cfg, self.world_size)
+        """The sizes that decide which shard each rank holds (``checkpoint.run_layout``), and
+        the run's config, which a resume compares with its own (resume_check.py)."""
+        return {**ckpt.run_layout(self.cfg, self.world_size), "config": record(self.cfg)}
 
     def _sharded(self, what: str) -> "Parallelized":
         """What parallelize built, which a dcp checkpoint needs (InputError naming ``what``)."""
@@ -386,6 +389,10 @@ class Trainer:
         metrics = None
         if self.verbose:
             os.makedirs(cfg.run_path, exist_ok=True)
+            if continues(cfg):  # the steps after the checkpoint leave metrics.jsonl
+                moved = keep_metrics_to(cfg.run_path, self.step)
+                if moved is not None:
+                    self._print(moved)
             save_config(cfg, self._config_file())
             # append-only, a line at a time: what a run logged survives a later failure (a
             # fresh run never finds one, since load_config refuses to reuse a run directory)

@@ -1,0 +1,171 @@
+"""A resume compares the whole run, by the policy each field declares (resume_check.py).
+
+The checks are generated from the declarations: every field has a policy; each field is
+changed alone to another valid value, and the comparison must refuse it (REFUSED; RESHARD for
+a per-rank checkpoint), print it (PRINTED; RESHARD for a dcp one) or say nothing (SILENT).
+One real checkpoint shows the road a user takes: the one refusal line, then the printed one.
+"""
+
+import contextlib
+import copy
+import dataclasses
+import io
+import os
+import signal
+import sys
+import tempfile
+import typing
+import unittest
+from typing import Any
+
+from scaletorch.config import Config
+from scaletorch.models import build_model
+from scaletorch.rules.schema import (PRINTED, REFUSED, RESHARD, RESUME, RESUME_POLICIES, SILENT,
+                                     Rule, conditions)
+from scaletorch.trainer import Trainer, parse_args
+from scaletorch.trainer.config import load_config
+from scaletorch.trainer.resume_check import SAID_BY_THE_TRAINER, changes, fields, record, setting
+from scaletorch.trainer.run_dir import release
+from tests.test_bad_inputs import run_in_process
+from tests.test_run_dirs import C00
+
+CONFIG_00 = "examples/configs/00_single_device.yaml"
+
+
+def another(value: Any, annotation: Any, rule: Rule, avoid: tuple = ()) -> Any:
+    """A value of the field's type, other than ``value`` (and than ``avoid``), that its rule
+    admits."""
+    kind = annotation
+    if typing.get_origin(kind) is typing.Union:
+        kind = next(a for a in typing.get_args(kind) if a is not type(None))
+    if rule.choices:
+        return next(c for c in rule.choices if c != value and c not in avoid)
+    if kind is bool:
+        return not value
+    if kind is str or kind is type(None):
+        return "other" if value != "other" else "another"
+    if typing.get_origin(kind) is list:
+        return [1] if value != [1] else [2]
+    base = value if isinstance(value, (int, float)) and not isinstance(value, bool) else 0
+    for candidate in (base + 1, base * 2, base / 2, (rule.low or 0) + 1):
+        candidate = int(candidate) if kind is int else float(candidate)
+        if candidate != value and candidate not in avoid and rule.admits(candidate):
+            return candidate
+    raise AssertionError(f"no other value for {value!r} under {rule}")
+
+
+def set_key(cfg: Config, key: str, value: Any) -> None:
+    section, _, name = key.rpartition(".")
+    setattr(getattr(cfg, section) if section else cfg, name, value)
+
+
+def read_by_the_run(cfg: Config, key: str, rule: Rule) -> None:
+    """Set the keys that would make the run ignore ``key`` (its rule's ``unless``) to values
+    that read it."""
+    annotations = {k: (v, r) for k, v, _, _, r in fields(cfg)}
+    for other, values in conditions(key, rule):
+        if setting(cfg, other) in values:
+            annotation = typing.get_type_hints(type(getattr(cfg, other.rpartition(".")[0])))
+            ann = annotation[other.rpartition(".")[2]]
+            set_key(cfg, other, another(setting(cfg, other), ann, annotations[other][1], values))
+
+
+class EveryFieldDeclaresWhatAResumeDoesWithIt(unittest.TestCase):
+
+    def test_every_field_of_every_section_has_a_policy(self):
+        cfg = Config()
+        declared = {}
+        for top in dataclasses.fields(cfg):
+            obj = getattr(cfg, top.name)
+            for f in dataclasses.fields(obj) if dataclasses.is_dataclass(obj) else [top]:
+                declared[f"{top.name}.{f.name}" if obj is not None and dataclasses.
+                         is_dataclass(obj) else f.name] = f.metadata.get(RESUME)
+        self.assertGreater(len(declared), 60)
+        self.assertEqual({k: v for k, v in declared.items() if v not in RESUME_POLICIES}, {})
+
+    def test_each_field_changed_alone_is_refused_printed_or_silent_as_declared(self):
+        base = Config()
+        hints = {}
+        for top in dataclasses.fields(base):
+            obj = getattr(base, top.name)
+            if dataclasses.is_dataclass(obj):
+                hints.update({
+                    f"{top.name}.{k}": v
+                    for k, v in typing.get_type_hints(type(obj)).items()
+                })
+        hints["check"] = bool
+        seen = {policy: 0 for policy in RESUME_POLICIES}
+        for key, value, policy, _, rule in fields(base):
+            with self.subTest(key=key, policy=policy):
+                saved_cfg = copy.deepcopy(base)
+                read_by_the_run(saved_cfg, key, rule)
+                now = copy.deepcopy(saved_cfg)
+                old = setting(saved_cfg, key)
+                new = another(old, hints[key], rule)
+                set_key(now, key, new)
+                said = f"{key} {old!r} -> {new!r}"
+                saved = record(saved_cfg)
+                for fmt in ("per-rank", "dcp"):
+                    refused, printed = changes(saved, now, fmt)
+                    if policy == REFUSED or (policy == RESHARD and fmt == "per-rank"):
+                        self.assertEqual((refused, printed), ([said], []))
+                    elif policy == SILENT or key in SAID_BY_THE_TRAINER:
+                        self.assertEqual((refused, printed), ([], []))
+                        self.assertEqual(policy == SILENT, key not in saved)
+                    else:
+                        self.assertIn(policy, (PRINTED, RESHARD))
+                        self.assertEqual((refused, printed), ([], [said]))
+                seen[policy] += 1
+        self.assertTrue(all(seen.values()), seen)  # every policy is in use
+
+
+class AResumeOfAnotherRunIsOneLine(unittest.TestCase):
+    """A real checkpoint of chapter 00 (2 steps), resumed as a user would."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.TemporaryDirectory()
+        cfg = parse_args([
+            "--config", CONFIG_00, "--steps", "2", "--checkpoint.every", "2", "--logging.run_dir",
+            cls.tmp.name, "--logging.progress", "false"
+        ])
+        with contextlib.redirect_stdout(io.StringIO()):
+            Trainer(cfg, build_model(cfg.model, 42), verbose=True).train()
+        cls.argv = ["--logging.run_dir", cls.tmp.name, "--resume", "--steps", "4"]
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.tmp.cleanup()
+
+    def test_every_refused_change_in_one_line_old_and_new(self):
+        code, out = run_in_process(C00, [
+            *self.argv, "--data.seed", "7", "--data.seq_len", "16", "--model.rope_theta", "500",
+            "--set", "data.global_batch_size=4"
+        ])
+        self.assertEqual(code, 2, out)
+        self.assertEqual(len(out.splitlines()), 1, out)
+        self.assertRegex(
+            out, r"^error: --resume \S+step_0000002 was written by another run: "
+            r"model.rope_theta 10000.0 -> 500.0, data.seq_len 32 -> 16, data.global_batch_size "
+            r"16 -> 4, data.seed 1234 -> 7 \(checkpoint -> this run\)")
+
+    def test_the_printed_changes_in_one_line_before_the_run(self):
+        out = io.StringIO()
+        saved = sys.excepthook, {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            with contextlib.redirect_stdout(out):
+                load_config(CONFIG_00, "00", argv=[*self.argv, "--logging.log_every", "1"])
+        finally:
+            release()
+            sys.excepthook = saved[0]
+            for signum, handler in saved[1].items():
+                signal.signal(signum, handler)
+        path = os.path.join(self.tmp.name, "00_single_device", "checkpoints", "step_0000002")
+        self.assertEqual(out.getvalue().splitlines(), [
+            f"resuming {path} with changed settings: training.steps 2 -> 4, checkpoint.every "
+            f"2 -> 0, logging.log_every 25 -> 1"
+        ])
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,158 @@
+"""A run directory belongs to one run (scaletorch/trainer/run_dir.py, doc/bad_inputs.md).
+
+A live run's lock refuses a second run of its name, naming the holder; two runs started at
+once leave every step once; --overwrite moves only a run's directory; --name is one path
+component under logging.run_dir, for every kind of path string (hypothesis); a resume moves
+the metrics lines after its step aside.
+"""
+
+import fcntl
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import unittest
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from scaletorch.trainer.run_dir import MARKER, keep_metrics_to
+from tests.test_bad_inputs import run_in_process
+from tests.test_examples import ROOT
+from tests.test_run_dirs import C00, metrics_lines
+
+LONG = os.environ.get("SCALETORCH_LONG_TESTS") == "1"
+EXAMPLES = 2000 if LONG else 25
+HOLDER = {"pid": 4242, "host": "elsewhere", "started": "2026-01-02 03:04:05 UTC"}
+IN_USE = ("is in use by another run (pid 4242 on host elsewhere, started 2026-01-02 03:04:05 "
+          "UTC); nothing was written: wait for it to end, or give another --name")
+
+
+def held_by_another_run(run: str) -> int:
+    """Make ``run`` a directory a live run holds: its marker, locked on a descriptor of its
+    own (flock locks one open file, so this process's own checks see it held). Returns it."""
+    os.makedirs(run, exist_ok=True)
+    fd = os.open(os.path.join(run, MARKER), os.O_RDWR | os.O_CREAT)
+    os.write(fd, json.dumps(HOLDER).encode())
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return fd
+
+
+class ALiveRunsDirectoryIsRefusedNamingItsHolder(unittest.TestCase):
+    """In this process, through the pre-flight's road (``--validate-only``)."""
+
+    def test_held_refused_with_resume_and_overwrite_too_then_free_once_it_ends(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            run = os.path.join(tmp, "00_single_device")
+            fd = held_by_another_run(run)
+            for extra in ([], ["--resume"], ["--overwrite"]):
+                with self.subTest(extra=extra):
+                    code, out = run_in_process(C00, ["--logging.run_dir", tmp, *extra])
+                    self.assertEqual((code, out),
+                                     (2, f"error: logging.run_dir: {run!r} {IN_USE}\n"))
+            os.close(fd)  # the run ended: its lock went with it, the marker stays
+            self.assertEqual(run_in_process(C00, ["--logging.run_dir", tmp]), (0, ""))
+
+    def test_overwrite_moves_only_a_directory_a_run_made(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            mine = os.path.join(tmp, "mine")
+            os.makedirs(mine)
+            open(os.path.join(mine, "notes.txt"), "w").close()
+            code, out = run_in_process(C00,
+                                       ["--logging.run_dir", tmp, "--name", "mine", "--overwrite"])
+            self.assertEqual(code, 2, out)
+            self.assertEqual(
+                out, f"error: logging.run_dir: {mine!r} was not made by a run (it "
+                f"has no {MARKER}): --overwrite moves aside only a run's directory; "
+                f"give another --name, or move it yourself\n")
+            self.assertEqual(os.listdir(mine), ["notes.txt"])  # untouched
+
+
+class TwoRunsStartedAtOnceWriteEveryStepOnce(unittest.TestCase):
+
+    def test_one_runs_the_other_is_refused_in_one_line(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            cmd = [
+                sys.executable, C00, "--steps", "6", "--logging.progress", "false",
+                "--logging.run_dir", tmp
+            ]
+            env = {**os.environ, "PYTHONPATH": ROOT}
+            procs = [
+                subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True) for _ in range(2)
+            ]
+            done = [(p.wait(timeout=300), *p.communicate()) for p in procs]
+            codes = sorted(code for code, _, _ in done)
+            self.assertEqual(codes, [0, 2], done)
+            refused = next(err for code, _, err in done if code == 2)
+            self.assertEqual(len(refused.splitlines()), 1, refused)
+            # started at once, the second meets the first's lock (or, had the first already
+            # ended, its finished run): never both writing
+            self.assertRegex(
+                refused, r"^error: logging.run_dir: '.*' (is in use by another run \(pid \d+ on "
+                r"host .+, started \d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC\)|already holds a run)")
+            steps = [m["step"] for m in metrics_lines(os.path.join(tmp, "00_single_device"))]
+            self.assertEqual(steps, [1, 2, 3, 4, 5, 6])
+
+
+# every kind of path string: separators, dots, absolute paths, control characters, unicode,
+# long ones, YAML-looking text
+PATHLIKE = st.one_of(
+    st.sampled_from([
+        ".", "..", "/", "/abs", "../x", "a/../b", "./a", "a/", "~", "~root", "a\\b", "C:\\x",
+        "\x00", "a\nb", "-x", "[", "null", "..a", "a..", " ", "x" * 100, "x" * 101, "é" * 50, "*x",
+        "a: b"
+    ]),
+    st.text(alphabet=st.sampled_from("./\\~-_ aZ0\x00\n\t\x7fé:*"), min_size=0, max_size=8),
+    st.text(min_size=0, max_size=130),
+)
+
+
+class RunNamesAreOnePathComponent(unittest.TestCase):
+    """Any --name: one line ``error:`` and exit 2, or accepted as a directory directly under
+    logging.run_dir (never outside it, never run_dir itself)."""
+
+    @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(name=PATHLIKE)
+    def test_a_name_is_refused_in_one_line_or_a_child_of_run_dir(self, name):
+        with tempfile.TemporaryDirectory() as tmp:
+            code, out = run_in_process(C00, ["--logging.run_dir", tmp, f"--name={name}"])
+            if code == 0:
+                self.assertEqual(out, "")
+                where = os.path.normpath(os.path.join(tmp, name))
+                self.assertEqual(os.path.dirname(where), tmp, name)
+                self.assertNotIn(name, ("", ".", ".."))
+                self.assertLessEqual(len(name), 100)
+            else:
+                self.assertEqual(code, 2, out)
+                self.assertEqual(len(out.splitlines()), 1, out)
+                self.assertTrue(out.startswith("error: "), out)
+            self.assertEqual(os.listdir(tmp), [])  # the pre-flight writes nothing
+
+
+class AResumeKeepsEachStepOnceInTheMetrics(unittest.TestCase):
+
+    def test_lines_after_the_resumed_step_move_to_a_side_file(self):
+        with tempfile.TemporaryDirectory() as run:
+            lines = [json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in range(1, 7)]
+            with open(os.path.join(run, "metrics.jsonl"), "w") as f:
+                f.write("".join(lines) + '{"step": 7, "lo')  # half a line, from a kill
+            said = keep_metrics_to(run, 4)
+            side = os.path.join(run, "metrics.after-step-4.jsonl")
+            self.assertEqual(
+                said, f"resumed at step 4: 3 line(s) of metrics.jsonl after it "
+                f"moved to {side}")
+            with open(os.path.join(run, "metrics.jsonl")) as f:
+                self.assertEqual(f.read(), "".join(lines[:4]))
+            with open(side) as f:
+                self.assertEqual(f.read(), "".join(lines[4:]) + '{"step": 7, "lo')
+            self.assertIsNone(keep_metrics_to(run, 4))  # nothing after it now: nothing moves
+            with open(os.path.join(run, "metrics.jsonl"), "a") as f:
+                f.write(lines[4])
+            keep_metrics_to(run, 4)  # a second resume at 4: a side file of its own
+            self.assertTrue(os.path.exists(os.path.join(run, "metrics.after-step-4-2.jsonl")))
+
+
+if __name__ == "__main__":
+    unittest.main()

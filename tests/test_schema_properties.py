@@ -1,0 +1,151 @@
+"""Every schema field, tried with generated values (hypothesis), as the schema declares it.
+
+The strategies come from each field's declaration (scaletorch/config.py: its type and its
+``Rule``), not from a hand list: values of every other type, values outside its range or
+choices, non-finite floats, names longer than their limit. Each such value is refused by the
+loader with one line naming the key; any value at all is either refused so or lands in the
+field as its rule allows (no value is silently taken outside it); and, through the script as a
+user runs it, a wrong value in a config file is one ``error:`` line and exit 2 before anything
+starts. SCALETORCH_LONG_TESTS=1 runs many more examples (CI's long phase).
+"""
+
+import os
+import tempfile
+import typing
+import unittest
+from typing import Any, List, Tuple
+
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from scaletorch.config import Config
+from scaletorch.rules.errors import InputError
+from scaletorch.rules.schema import Rule, check_value
+from scaletorch.trainer.config import apply_dict, schema
+from tests.test_bad_inputs import run_in_process
+from tests.test_run_dirs import C00
+
+LONG = os.environ.get("SCALETORCH_LONG_TESTS") == "1"
+FIELDS: List[Tuple[str, Any, Rule]] = [(k, a, r) for k, _, a, r, _ in schema(Config())]
+LETTERS = st.text(alphabet="abcxyz", min_size=1, max_size=12)
+ANY = st.one_of(st.none(), st.booleans(), st.integers(min_value=-10**40, max_value=10**40),
+                st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=150),
+                st.lists(st.integers(-5, 5), max_size=4),
+                st.dictionaries(LETTERS, st.integers(), max_size=2))
+
+
+def _kind(annotation: Any) -> Tuple[Any, bool]:
+    if typing.get_origin(annotation) is typing.Union:
+        return next(a for a in typing.get_args(annotation) if a is not type(None)), True
+    return annotation, False
+
+
+def wrong_values(annotation: Any, rule: Rule) -> st.SearchStrategy:
+    """Values a field of ``annotation`` under ``rule`` must refuse, from its declaration."""
+    kind, optional = _kind(annotation)
+    other_types = [st.dictionaries(LETTERS, st.integers(), min_size=1, max_size=2)]
+    if not optional:
+        other_types.append(st.none())
+    if kind is bool:
+        other_types += [
+            st.integers().filter(lambda i: i not in (0, 1)),
+            st.floats(),
+            LETTERS.filter(lambda s: s.lower() not in ("true", "false")),
+            st.lists(st.booleans(), min_size=1)
+        ]
+    elif kind in (int, float):
+        other_types += [st.booleans(), LETTERS, st.lists(st.integers(), min_size=1)]
+        if kind is int:  # a float that is no integer, and the non-finite ones
+            other_types.append(st.floats().filter(lambda x: not float(x).is_integer()))
+        else:
+            other_types.append(st.sampled_from([float("nan"), float("inf"), float("-inf")]))
+        number = st.integers if kind is int else st.floats
+        if rule.low is not None:  # below the range (or at an open bound)
+            below = number(max_value=rule.low if rule.low_open else rule.low - (kind is int),
+                           **({} if kind is int else {
+                               "allow_nan": False
+                           }))
+            other_types.append(below.filter(lambda x: not rule.admits(x)))
+        if rule.high is not None:
+            other_types.append(
+                number(min_value=rule.high, **({} if kind is int else {
+                    "allow_nan": False
+                })).filter(lambda x: not rule.admits(x)))
+    elif kind is str:
+        other_types += [st.lists(LETTERS, min_size=1)]
+        if rule.max_len:  # longer than allowed
+            other_types.append(
+                st.text(alphabet="ab", min_size=rule.max_len + 1, max_size=rule.max_len + 40))
+        if rule.component:
+            other_types.append(st.sampled_from([".", "..", "a/b", "/abs", "a\\b", "a\nb"]))
+    elif typing.get_origin(kind) is list:
+        other_types += [st.just([]), st.dictionaries(LETTERS, st.integers(), min_size=1)]
+    if rule.choices:
+        other_types.append(LETTERS.filter(lambda s: s not in rule.choices))
+    return st.one_of(other_types)
+
+
+def as_yaml(key: str, value: Any) -> dict:
+    section, _, name = key.rpartition(".")
+    return {section: {name: value}} if section else {name: value}
+
+
+FIELD = st.sampled_from(FIELDS)
+
+
+@st.composite
+def field_and_wrong_value(draw: Any) -> Tuple[str, Any]:
+    key, annotation, rule = draw(FIELD)
+    return key, draw(wrong_values(annotation, rule))
+
+
+class EveryFieldRefusesWhatItsDeclarationExcludes(unittest.TestCase):
+
+    @settings(max_examples=2000 if LONG else 150, deadline=None)
+    @given(case=field_and_wrong_value())
+    def test_a_wrong_value_is_one_line_naming_the_key(self, case):
+        key, value = case
+        with self.assertRaises(InputError) as refused:
+            apply_dict(Config(), as_yaml(key, value))
+        message = str(refused.exception)
+        self.assertIn(key, message)
+        self.assertNotIn("\n", message)
+
+    @settings(max_examples=2000 if LONG else 150, deadline=None)
+    @given(field=FIELD, value=ANY)
+    def test_any_value_is_refused_in_one_line_or_lands_as_its_rule_allows(self, field, value):
+        key, annotation, rule = field
+        cfg = Config()
+        try:
+            apply_dict(cfg, as_yaml(key, value))
+        except InputError as err:
+            self.assertNotIn("\n", str(err))
+            return
+        section, _, name = key.rpartition(".")
+        landed = getattr(getattr(cfg, section) if section else cfg, name)
+        check_value(key, landed, annotation, rule)  # raises if it does not fit
+
+
+class AWrongValueInAConfigFileStopsTheScriptInOneLine(unittest.TestCase):
+    """Through chapter 00's script, as scripts/launch.sh's pre-flight runs it."""
+
+    @settings(max_examples=500 if LONG else 20, deadline=None,
+              suppress_health_check=[HealthCheck.too_slow])
+    @given(case=field_and_wrong_value())
+    def test_exit_2_one_error_line_nothing_written(self, case):
+        key, value = case
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "bad.yaml")
+            with open(path, "w") as f:
+                yaml.safe_dump(as_yaml(key, value), f)
+            runs = os.path.join(tmp, "runs")
+            code, out = run_in_process(C00, ["--config", path, "--logging.run_dir", runs])
+            self.assertEqual(code, 2, out)
+            self.assertEqual(len(out.splitlines()), 1, out)
+            self.assertTrue(out.startswith(f"error: {path}: {key}"), out)
+            self.assertFalse(os.path.exists(runs))
+
+
+if __name__ == "__main__":
+    unittest.main()
