@@ -86,8 +86,7 @@ def build(cfg, remedy: str, device, hot_offset: float, pgm=None):
     meter = LoadMeter(model, pgm)
     model = ExpertParallel(model, pgm)
     step = make_data_parallel_step(model, cfg.data.num_micro_batches, pgm.data_parallel_rank,
-                                   pgm.data_parallel_world_size,
-                                   pgm.data_parallel_group_with_context)
+                                   pgm.data_parallel_world_size, pgm.gradient_sync_group)
     return model, measured_step(step, meter.after_step, *after), meter
 
 
@@ -99,7 +98,7 @@ def held_out_loss(cfg, model, pgm, device) -> float:
     with torch.no_grad(), get_ledger().paused():
         loss = loss_fn(model(inputs[rows].to(device)), targets[rows].to(device))
         moe_aux_loss(model)  # discard this forward's aux term
-        comm.all_reduce(loss, pgm.data_parallel_group_with_context)
+        comm.all_reduce(loss, pgm.gradient_sync_group)
     return float(loss) / n
 
 

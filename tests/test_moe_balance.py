@@ -65,7 +65,7 @@ def _trainer(cfg: Config, remedy: str, pgm=None):
     meter = LoadMeter(model, pgm)
     wrapped = ExpertParallel(model, pgm)
     step = make_data_parallel_step(wrapped, 1, pgm.data_parallel_rank, pgm.data_parallel_world_size,
-                                   pgm.data_parallel_group_with_context)
+                                   pgm.gradient_sync_group)
     trainer = Trainer(cfg, wrapped, pgm, verbose=False,
                       forward_backward=measured_step(step, meter.after_step, *after),
                       clip_grad_norm=expert_parallel_clip_grad_norm(wrapped, pgm))
@@ -110,8 +110,7 @@ def _layer_capacity(pgm) -> dict:
         layer.experts.init_weights(0.1, 0.1)
         layer.router.weight.data[:2] += 1.0  # uneven: experts 0, 1 overflow
         if rule == "global":
-            layer.capacity_fn = GlobalCapacity(pgm.data_parallel_group_with_context,
-                                               pgm.data_parallel_rank)
+            layer.capacity_fn = GlobalCapacity(pgm.gradient_sync_group, pgm.data_parallel_rank)
         out[rule] = layer(x[rows]).detach()
     return out
 

@@ -106,8 +106,8 @@ def _load_dump(path: str) -> dict:
     trace = boundary.load_json(path, what)
     try:  # the fields analyze reads, with their types: what calls() and _members() read
         if not isinstance(trace, dict) or any(
-                not isinstance(e, dict) or not isinstance(e.get(k), t)
-                for e in trace["entries"] for k, t in ENTRY_FIELDS.items()):
+                not isinstance(e, dict) or not isinstance(e.get(k), t) for e in trace["entries"]
+                for k, t in ENTRY_FIELDS.items()):
             raise TypeError
         calls(0, trace)
         _members({0: trace})

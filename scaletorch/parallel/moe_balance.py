@@ -136,7 +136,7 @@ def apply_global_capacity(model: nn.Module, pgm: ProcessGroupManager) -> nn.Modu
     if pgm.context_parallel_world_size > 1:
         raise ValueError(f"global capacity needs context_parallel_size 1, got "
                          f"{pgm.context_parallel_world_size}: each rank must hold whole rows")
-    rule = GlobalCapacity(pgm.data_parallel_group_with_context, pgm.data_parallel_rank)
+    rule = GlobalCapacity(pgm.gradient_sync_group, pgm.data_parallel_rank)
     for layer in moe_layers(model):
         layer.capacity_fn = rule
     return model
