@@ -96,8 +96,8 @@ def main() -> int:
             torch.manual_seed(rank)  # every rank builds its own model: rank 0's is the one
             model, optimizer, weights = apply(strategy, MLP())
             train(model, optimizer, steps, rank, world)
-            row.append(max((w.detach().cpu() - want[k]).abs().max().item()
-                           for k, w in weights().items()))
+            row.append(
+                max((w.detach().cpu() - want[k]).abs().max().item() for k, w in weights().items()))
         rows.append((strategy, *row))
     if rank == 0:
         print(f"{world} ranks, {steps} AdamW steps; largest |weight - one device's|:")

@@ -6,9 +6,10 @@ between two modules; a tiny transformer (torch's encoder layers in a ``ModuleLis
 parent's forward loops over); a conv net with BatchNorm and a frozen first conv. Every rank
 builds its model with its own seed: the strategy must make the replicas equal (rank 0's).
 
-Each strategy trains each model for ``STEPS`` steps at 2 and at 4 ranks (one world each, every
-case inside it), against the same model on one device that sees the global batch as the N
-ranks' slices (so BatchNorm normalises each slice, as on the ranks): naive and bucketed DDP,
+Each strategy trains each model for ``STEPS`` steps at 2 ranks, and one case per strategy and
+model feature at 4 (the whole matrix with SCALETORCH_LONG_TESTS=1); one world each, every case
+inside it. Each is compared against the same model on one device that sees the global batch as
+the N ranks' slices (so BatchNorm normalises each slice, as on the ranks): naive and bucketed DDP,
 torch's DDP, the sharded optimizer (ZeRO-1 behind our DDP, ZeRO-2 alone), torch's
 ZeroRedundancyOptimizer, ZeRO-3 (``apply_zero`` with its default units), with AdamW, Adam and
 SGD with momentum. Compared: each step's loss, the gradients before each step, the final
@@ -28,8 +29,8 @@ would decay it by lr x wd x |w|, up to 3.5e-4 per step here); a sum not divided 
 by a factor of N.
 """
 
-import copy
 import math
+import os
 import time
 import unittest
 from typing import Any, Callable, Dict, List, Tuple
@@ -107,8 +108,7 @@ class TinyTransformer(nn.Module):
         self.blocks = nn.ModuleList([
             # no biases: the key bias's gradient is 0 up to rounding, which Adam would amplify
             nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True, norm_first=True,
-                                       bias=False)
-            for _ in range(2)
+                                       bias=False) for _ in range(2)
         ])
         self.head = nn.Linear(16, 3)
 
@@ -180,8 +180,10 @@ def reference(name: str, opt: str, world: int) -> Dict[str, Any]:
         loss = sum(F.mse_loss(model(xs), ys) for xs, ys in zip(x.chunk(world), y.chunk(world)))
         (loss / world).backward()
         losses.append(loss.item() / world)
-        grads.append({n: None if p.grad is None else p.grad.clone()
-                      for n, p in model.named_parameters()})
+        grads.append({
+            n: None if p.grad is None else p.grad.clone()
+            for n, p in model.named_parameters()
+        })
         optimizer.step()
     return dict(losses=losses, grads=grads, state=state_of(model))
 
@@ -194,9 +196,14 @@ def _wrap(strategy: str, model: nn.Module, opt: str) -> Tuple[nn.Module, Any]:
     """(the model to call, its optimizer) for ``strategy``, our way or torch's."""
     cls, kwargs = OPTIMIZERS[opt]
     if strategy in ("naive", "bucketed", "torch_ddp", "zero1", "torch_zero1"):
-        impl = {"naive": "naive", "torch_ddp": "torch", "torch_zero1": "torch"}.get(strategy, "ours")
+        impl = {
+            "naive": "naive",
+            "torch_ddp": "torch",
+            "torch_zero1": "torch"
+        }.get(strategy, "ours")
+        # only Frozen leaves a parameter unused (torch's DDP warns when none is)
         ddp = apply_data_parallel(model, None, impl, bucket_size_mb=1e-3,
-                                  find_unused_parameters=True)
+                                  find_unused_parameters=isinstance(model, Frozen))
         params = [p for p in ddp.parameters() if p.requires_grad]
         if strategy == "zero1":
             return ddp, ShardedOptimizer(params, cls, zero_stage=1, **kwargs)
@@ -216,7 +223,10 @@ def _grads(strategy: str, model: nn.Module, optimizer: Any) -> Dict[str, Any]:
     if strategy == "zero3":
         model.finish_grad_sync()
         frozen = {n: None for n, _ in model.module.named_parameters()}  # in no unit: no grad
-        return {**frozen, **model.full_state_dict(lambda s: s * math.nan if s.grad is None else s.grad)}
+        return {
+            **frozen,
+            **model.full_state_dict(lambda s: s * math.nan if s.grad is None else s.grad)
+        }
     inner = getattr(model, "module", model)
     return {n: None if p.grad is None else p.grad.clone() for n, p in inner.named_parameters()}
 
@@ -234,8 +244,10 @@ def train(strategy: str, name: str, opt: str, rank: int, world: int) -> Dict[str
         loss.backward()
         if strategy == "zero2":  # the sharded optimizer reduces in its step: look after it
             optimizer.step()
-            grads.append({n: p.grad.clone() for n, p in inner.named_parameters()
-                          if p.grad is not None})
+            grads.append({
+                n: p.grad.clone()
+                for n, p in inner.named_parameters() if p.grad is not None
+            })
         else:
             grads.append(_grads(strategy, model, optimizer))
             optimizer.step()
@@ -255,10 +267,23 @@ CASES: List[Tuple[str, str, str]] = [
     *[(s, "transformer", "adam") for s in ("zero1", "torch_zero1", "zero2")],
 ]
 
+# 4 ranks: one case per strategy and model feature (the whole matrix with
+# SCALETORCH_LONG_TESTS=1, CI's long phase): the suite's time is short.
+FOUR_RANK_CASES = CASES if os.environ.get("SCALETORCH_LONG_TESTS") == "1" else [
+    ("naive", "mlp", "adamw"), ("bucketed", "frozen", "adamw"), ("bucketed", "convbn", "adamw"),
+    ("torch_ddp", "convbn", "adamw"), ("zero1", "frozen", "sgd"), ("zero2", "frozen", "adamw"),
+    ("zero2", "transformer", "adam"), ("torch_zero1", "transformer", "adam"),
+    ("zero3", "transformer", "adamw"), ("zero3", "frozen", "sgd"), ("zero3", "convbn", "adamw")
+]
+
+
+def cases_of(world: int) -> List[Tuple[str, str, str]]:
+    return CASES if world == 2 else FOUR_RANK_CASES
+
 
 def _world(rank: int, world: int) -> Dict[str, Any]:
     out: Dict[str, Any] = {}
-    for case in CASES:
+    for case in cases_of(world):
         start = time.perf_counter()
         out[case] = train(*case, rank=rank, world=world)
         out[case]["seconds"] = time.perf_counter() - start
@@ -268,17 +293,14 @@ def _world(rank: int, world: int) -> Dict[str, Any]:
 class _OwnModelMixin:
     world = 2
     results: List[Dict[str, Any]] = []
-    seconds = 0.0
 
     @classmethod
     def setUpClass(cls) -> None:
-        start = time.perf_counter()
         cls.results = run_distributed(_world, cls.world, timeout=300)
-        cls.refs = {(m, o): reference(m, o, cls.world) for _, m, o in CASES}
-        cls.seconds = time.perf_counter() - start
+        cls.refs = {(m, o): reference(m, o, cls.world) for _, m, o in cases_of(cls.world)}
 
     def _each(self) -> Any:
-        for case in CASES:
+        for case in cases_of(self.world):
             strategy, name, opt = case
             yield case, self.refs[(name, opt)], [r[case] for r in self.results]
 
@@ -302,7 +324,8 @@ class _OwnModelMixin:
                             self.assertTrue(g is None or g.isnan().all(), msg)
                             continue
                         self.assertIsNotNone(g, msg)
-                        torch.testing.assert_close(g, want[n], rtol=0, atol=GRAD_TOL, msg=lambda m, msg=msg: f"{msg}: {m}")
+                        torch.testing.assert_close(g, want[n], rtol=0, atol=GRAD_TOL,
+                                                   msg=lambda m, msg=msg: f"{msg}: {m}")
                     if strategy != "zero2":  # zero2: each rank keeps its own only
                         self.assertLessEqual(set(want), set(mine), f"{case} step {step}")
 
@@ -317,8 +340,9 @@ class _OwnModelMixin:
                     torch.testing.assert_close(got["state"][n], want, rtol=0,
                                                atol=WEIGHT_TOL[case[2]],
                                                msg=lambda m, msg=msg: f"{msg}: {m}")
-                frozen = {"embed.weight", "embed.bias", "body.bias", "scale", "stem.weight",
-                          "stem.bias"} & set(ref["state"])
+                frozen = {
+                    "embed.weight", "embed.bias", "body.bias", "scale", "stem.weight", "stem.bias"
+                } & set(ref["state"])
                 for n in frozen:
                     self.assertTrue(torch.equal(got["state"][n], ref["state"][n]), f"{case} {n}")
 
@@ -332,9 +356,6 @@ class _OwnModelMixin:
                     torch.testing.assert_close(ours["state"][n], torch_ddp["state"][n], rtol=0,
                                                atol=WEIGHT_TOL["adamw"],
                                                msg=f"{strategy} {rank} {n}")
-
-    def test_report_seconds(self) -> None:
-        print(f"\n{type(self).__name__}: {len(CASES)} cases, {self.seconds:.1f} s")
 
 
 class OwnModels2Ranks(_OwnModelMixin, unittest.TestCase):

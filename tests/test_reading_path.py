@@ -88,9 +88,7 @@ OWNER = {module: chapter for chapter, modules in MODULES_OF.items() for module i
 # buffers and unused gradients by torch's flags (01 +17); ZeRO takes a unit rule for any module
 # (child_units, as_units), a group and chapter 08's unit, and gathers before any module of a
 # unit (02 +55). sharded_optimizer.py is 02's but outside its script's path.
-OVER_BUDGET: Dict[str, int] = {
-    "01": 812, "02": 755, "03": 856, "04b": 1080, "05": 735, "07": 785
-}
+OVER_BUDGET: Dict[str, int] = {"01": 812, "02": 755, "03": 856, "04b": 1080, "05": 735, "07": 785}
 
 
 def chapters() -> List[Tuple[str, str, str]]:

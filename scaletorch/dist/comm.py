@@ -227,7 +227,6 @@ def average_over_group(value: torch.Tensor, group: Group) -> torch.Tensor:
     return out / group_size(group)
 
 
-
 def reduce(tensor: torch.Tensor, dst: int, group: Group = None) -> None:
     """In-place sum of ``tensor`` over ``group`` onto global rank ``dst`` (the others' copies
     are left undefined, as torch's)."""

@@ -164,13 +164,14 @@ class BucketedDataParallel(_DataParallel):
     """
 
     def __init__(self, module: nn.Module, group: Optional[dist.ProcessGroup],
-                 bucket_size_mb: float = 25.0, **flags: bool) -> None:
+                 bucket_size_mb: float = 25.0, broadcast_buffers: bool = True,
+                 find_unused_parameters: bool = False) -> None:
         if not bucket_size_mb > 0:
             raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb}")
         devices = {p.device for p in module.parameters()}
         if len(devices) > 1:
             raise ValueError(f"data parallel wraps a model on one device, got {devices}")
-        super().__init__(module, group, **flags)
+        super().__init__(module, group, broadcast_buffers, find_unused_parameters)
         self.bucket_size_mb = bucket_size_mb
         self.buckets: List[Bucket] = []
         self._bucket_of: Dict[int, int] = {}
@@ -304,5 +305,7 @@ def apply_data_parallel(model: nn.Module, pgm: Optional[ProcessGroupManager], im
     if impl == "ours":
         return BucketedDataParallel(model, group, bucket_size_mb, **flags)
     device = next(model.parameters()).device
+    keep = {} if broadcast_buffers else dict(broadcast_buffers=False)  # torch's default: True
     return TorchDataParallel(model, device_ids=None if device.type == "cpu" else [device.index],
-                             process_group=group, bucket_cap_mb=bucket_size_mb, **flags)
+                             process_group=group, bucket_cap_mb=bucket_size_mb,
+                             find_unused_parameters=find_unused_parameters, **keep)

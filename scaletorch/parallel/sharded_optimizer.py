@@ -59,8 +59,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         owners = partition([p.numel() for p in self.trainable], self.world)
         self.owner = {id(p): r for p, r in zip(self.trainable, owners)}
         local = [{
-            **{k: v for k, v in g.items() if k != "params"}, "params":
-            [p for p in g["params"] if self.owner.get(id(p)) == self.rank]
+            **{
+                k: v
+                for k, v in g.items() if k != "params"
+            }, "params": [p for p in g["params"] if self.owner.get(id(p)) == self.rank]
         } for g in self.param_groups]
         self.local = optimizer_class(local, **defaults)
         # the replicas start equal, as under DDP: the group's first rank's values (one broadcast)
@@ -80,14 +82,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
         with_grad = [p for p, n in zip(self.trainable, has.tolist()) if n > 0]
         for p in with_grad:
             p.grad = torch.zeros_like(p) if p.grad is None else p.grad
+        dtypes = sorted({p.dtype for p in with_grad}, key=str)  # the same order everywhere
         for rank in range(self.world):
-            mine = self._owned_by(rank, with_grad)
-            if not mine:
-                continue
-            flat = torch.cat([p.grad.reshape(-1) for p in mine])  # type: ignore[union-attr]
-            comm.reduce(flat, self._src(rank), self.group)  # SUM on the owner
-            for p, piece in zip(mine, flat.div_(self.world).split([p.numel() for p in mine])):
-                p.grad = piece.view_as(p) if rank == self.rank else None
+            for mine in [[p for p in self._owned_by(rank, with_grad) if p.dtype == d]
+                         for d in dtypes]:
+                if not mine:
+                    continue
+                flat = torch.cat([p.grad.reshape(-1) for p in mine])  # type: ignore[union-attr]
+                comm.reduce(flat, self._src(rank), self.group)  # SUM on the owner
+                for p, piece in zip(mine, flat.div_(self.world).split([p.numel() for p in mine])):
+                    p.grad = piece.view_as(p) if rank == self.rank else None
         for p in self.trainable:
             if self.owner[id(p)] != self.rank:
                 p.grad = None  # not this rank's to step

@@ -62,11 +62,14 @@ class ShardedDataParallel(nn.Module):
         if zero_stage not in (1, 2, 3):
             raise ValueError(f"zero_stage must be 1, 2 or 3, got {zero_stage}")
         # frozen parameters stay whole on every rank, in no unit (no gradient, no update)
-        per_unit = [{p for _, m in mods for p in m.parameters() if p.requires_grad}
-                    for _, mods in units]
+        per_unit = [{p
+                     for _, m in mods
+                     for p in m.parameters() if p.requires_grad} for _, mods in units]
         units = [unit for unit, params in zip(units, per_unit) if params]
         listed = [id(p) for params in per_unit for p in params]  # twice: a tied weight
-        missing = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in listed]
+        missing = [
+            n for n, p in module.named_parameters() if p.requires_grad and id(p) not in listed
+        ]
         shared = 0 if self.shares_parameters else len(listed) - len(set(listed))
         if missing or shared:
             raise ValueError(f"each parameter must be in one unit; parameters in no unit: "
@@ -232,8 +235,8 @@ class ShardedDataParallel(nn.Module):
 
     # ---- checkpoints ------------------------------------------------------------------------
 
-    def full_state_dict(self,
-                        value_of: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> State:
+    def full_state_dict(self, value_of: Optional[Callable[[torch.Tensor],
+                                                          torch.Tensor]] = None) -> State:
         """Collective over the group: chapter 00's {name: full tensor} of the shards, or of
         anything shaped like them (``value_of(shard)``: an AdamW state). Each unit's (S,) pieces
         are all-gathered into its (P',) vector and cut at the parameters' offsets. The weights
