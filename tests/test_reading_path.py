@@ -85,10 +85,10 @@ OWNER = {module: chapter for chapter, modules in MODULES_OF.items() for module i
 # errors name that group by the same rule (07 +3). grad_norm.py's is_dtensor (01 +10) keeps
 # torch.distributed.tensor's import, half a second of a core, out of the runs that make no DTensor.
 # 01, 02 (issue 52, strategies on any nn.Module as PyTorch's): DDP broadcasts at wrap, keeps
-# buffers and unused gradients by torch's flags (01 +17); ZeRO takes a unit rule for any module
+# buffers and unused gradients by torch's flags (01 +20); ZeRO takes a unit rule for any module
 # (child_units, as_units), a group and chapter 08's unit, and gathers before any module of a
-# unit (02 +55). sharded_optimizer.py is 02's but outside its script's path.
-OVER_BUDGET: Dict[str, int] = {"01": 812, "02": 755, "03": 856, "04b": 1080, "05": 735, "07": 785}
+# unit (02 +58). sharded_optimizer.py is 02's but outside its script's path.
+OVER_BUDGET: Dict[str, int] = {"01": 815, "02": 758, "03": 856, "04b": 1080, "05": 735, "07": 785}
 
 
 def chapters() -> List[Tuple[str, str, str]]:
