@@ -55,7 +55,7 @@ CHAPTERS: List[Tuple[str, str, str]] = [
 MODULES_OF: Dict[str, List[str]] = {
     "01":
     ["data_parallel", "gradient_sync", "overlap_chart", "grad_norm", "memory_report", "wrapper"],
-    "02": ["zero", "flat_unit", "zero_report", "fully_shard"],
+    "02": ["zero", "flat_unit", "zero_report", "fully_shard", "sharded_optimizer"],
     "03": ["tensor_parallel", "tensor_parallel_layers", "tensor_parallel_dtensor"],
     "04": ["pipeline_parallel", "pipeline_schedules", "orders", "timeline", "placement"],
     "04b": [
@@ -86,7 +86,11 @@ OWNER = {module: chapter for chapter, modules in MODULES_OF.items() for module i
 # lines: "dp" until cp makes it "dp_cp"), and 05's ring its kernel names (05 +5). The layout
 # errors name that group by the same rule (07 +3). grad_norm.py's is_dtensor (01 +10) keeps
 # torch.distributed.tensor's import, half a second of a core, out of the runs that make no DTensor.
-OVER_BUDGET: Dict[str, int] = {"01": 795, "03": 856, "04b": 1080, "05": 735, "07": 785}
+# 01, 02 (issue 52, strategies on any nn.Module as PyTorch's): DDP broadcasts at wrap, keeps
+# buffers and unused gradients by torch's flags (01 +20); ZeRO takes a unit rule for any module
+# (child_units, as_units), a group and chapter 08's unit, and gathers before any module of a
+# unit (02 +58). sharded_optimizer.py is 02's but outside its script's path.
+OVER_BUDGET: Dict[str, int] = {"01": 815, "02": 758, "03": 856, "04b": 1080, "05": 735, "07": 785}
 
 
 def chapters() -> List[Tuple[str, str, str]]:

@@ -225,3 +225,33 @@ def average_over_group(value: torch.Tensor, group: Group) -> torch.Tensor:
     out = value.detach().clone()
     all_reduce(out, group)
     return out / group_size(group)
+
+
+def reduce(tensor: torch.Tensor, dst: int, group: Group = None) -> None:
+    """In-place sum of ``tensor`` over ``group`` onto global rank ``dst`` (the others' copies
+    are left undefined, as torch's)."""
+    if group_size(group) == 1:
+        return
+    label = _record("reduce", group, tensor)
+    _issue(label, dist.reduce, tensor, dst=dst, group=group)
+
+
+def broadcast_tensors(tensors: List[torch.Tensor], src: int, group: Group = None) -> None:
+    """Every rank's ``tensors`` become in place global rank ``src``'s: one broadcast over
+    ``group`` per dtype, of their concatenation."""
+    if group_size(group) == 1 or not tensors:
+        return
+    with torch.no_grad():
+        for dtype in sorted({t.dtype for t in tensors}, key=str):  # the same order everywhere
+            same = [t for t in tensors if t.dtype == dtype]
+            flat = torch.cat([t.detach().reshape(-1) for t in same])
+            broadcast(flat, src, group)
+            for t, piece in zip(same, flat.split([t.numel() for t in same])):
+                t.copy_(piece.view_as(t))
+
+
+def broadcast_from_first(tensors: List[torch.Tensor], group: Group = None) -> None:
+    """``broadcast_tensors`` from the group's first rank: how torch's DDP makes the replicas'
+    parameters and buffers equal at wrap."""
+    if group_size(group) > 1:
+        broadcast_tensors(tensors, 0 if group is None else dist.get_global_rank(group, 0), group)

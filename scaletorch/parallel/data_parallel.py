@@ -33,7 +33,7 @@ records when each bucket went out (chapter 01's chart), ddp_reduce_dtype.py redu
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Set
 
 import torch
 import torch.distributed as dist
@@ -59,23 +59,24 @@ class _DataParallel(ModuleWrapper, nn.Module):
     in ``finish_grad_sync()`` if a forward ran since the last sync and none happened.
     """
 
-    def __init__(self, module: nn.Module, group: Optional[dist.ProcessGroup]) -> None:
+    def __init__(self, module: nn.Module, group: Optional[dist.ProcessGroup],
+                 broadcast_buffers: bool = True, find_unused_parameters: bool = False) -> None:
         super().__init__()
-        self.module = module
-        self.group = group
-        self.world = comm.group_size(group)
-        self.params = [p for p in module.parameters() if p.requires_grad]
-        self._sync_enabled = True
-        self._needs_sync = False
-        self._callback_queued = False
-        # No broadcast of rank 0's weights (torch DDP does one): one seed already built the
-        # same model on every rank (doc/design.md), and the ledger then shows only gradients.
+        self.module, self.group, self.world = module, group, comm.group_size(group)
+        self.params = [p for p in module.parameters() if p.requires_grad]  # frozen: left out
+        self.broadcast_buffers, self.find_unused = broadcast_buffers, find_unused_parameters
+        self._used: Set[int] = set()  # parameters that got a gradient since the last sync
+        self._sync_enabled, self._needs_sync, self._callback_queued = True, False, False
+        # torch DDP's rule: the replicas start as the first rank's, however each was built
+        comm.broadcast_from_first([*module.parameters(), *module.buffers()], group)
         for i, p in enumerate(self.params):
             p.register_post_accumulate_grad_hook(lambda p, i=i: self._grad_ready(i))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if torch.is_grad_enabled():
             self._needs_sync = True
+        if self.broadcast_buffers:  # torch DDP's rule: every forward sees the first rank's
+            comm.broadcast_from_first(list(self.module.buffers()), self.group)
         return self.module(*args, **kwargs)
 
     @contextmanager
@@ -95,6 +96,7 @@ class _DataParallel(ModuleWrapper, nn.Module):
     def _grad_ready(self, i: int) -> None:
         """Post-accumulate-grad hook of parameter i: runs inside backward."""
         self._needs_sync = True
+        self._used.add(i)
         if self._sync_enabled and not self._callback_queued:
             self._callback_queued = True
             Variable._execution_engine.queue_callback(self._end_of_backward)
@@ -115,6 +117,18 @@ class _DataParallel(ModuleWrapper, nn.Module):
     def _sync(self) -> None:
         raise NotImplementedError
 
+    def _drop_unused(self) -> None:
+        """After a sync, with find_unused_parameters (torch DDP's flag): a parameter that no
+        rank's backward reached gets ``grad = None``, as on one device (one all-reduce over the
+        group of a 0/1 flag per parameter). Without it such a gradient is zeros."""
+        if self.find_unused and self.params:
+            used = torch.tensor([float(i in self._used) for i in range(len(self.params))],
+                                device=self.params[0].device)
+            comm.all_reduce(used, self.group)  # how many ranks used each parameter
+            for p, n in zip(self.params, used.tolist()):
+                p.grad = None if n == 0 else p.grad
+        self._used.clear()
+
 
 class NaiveDataParallel(_DataParallel):
     """After backward, all-reduce each gradient (blocking) and divide by N."""
@@ -125,6 +139,7 @@ class NaiveDataParallel(_DataParallel):
         for p, grad in zip(self.params, grads):
             p.grad = grad
         self._average(grads)  # all-reduce each over the data-parallel group, then / N
+        self._drop_unused()
         self._needs_sync = False
 
 
@@ -145,18 +160,18 @@ class BucketedDataParallel(_DataParallel):
     fp32 bucket buffer (of a copy, for non-fp32 parameters), so later micro-batches accumulate
     in place. ``optimizer.zero_grad()`` works as usual: with set_to_none the next gradient
     overwrites the stale bucket slot instead of adding to it. A parameter that gets no
-    gradient is reduced as zeros (ranks must agree on every bucket), so after a sync it has a
-    zero gradient, not None.
+    gradient is reduced as zeros (ranks must agree on every bucket); ``_drop_unused`` decides.
     """
 
     def __init__(self, module: nn.Module, group: Optional[dist.ProcessGroup],
-                 bucket_size_mb: float = 25.0) -> None:
+                 bucket_size_mb: float = 25.0, broadcast_buffers: bool = True,
+                 find_unused_parameters: bool = False) -> None:
         if not bucket_size_mb > 0:
             raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb}")
         devices = {p.device for p in module.parameters()}
         if len(devices) > 1:
             raise ValueError(f"data parallel wraps a model on one device, got {devices}")
-        super().__init__(module, group)
+        super().__init__(module, group, broadcast_buffers, find_unused_parameters)
         self.bucket_size_mb = bucket_size_mb
         self.buckets: List[Bucket] = []
         self._bucket_of: Dict[int, int] = {}
@@ -230,6 +245,7 @@ class BucketedDataParallel(_DataParallel):
             bucket.work, bucket.ready = None, 0
         for p, view in zip(self.params, self._views):
             p.grad = view if p.dtype == view.dtype else view.to(p.dtype)
+        self._drop_unused()
         self._stale = set(range(len(self.params)))
         self._next_bucket = self._grads_ready = 0
         self._needs_sync = False
@@ -266,13 +282,14 @@ def ddp_report(model: nn.Module, pgm: ProcessGroupManager, impl: str, step: int)
 
 
 def apply_data_parallel(model: nn.Module, pgm: Optional[ProcessGroupManager], impl: str = "ours",
-                        bucket_size_mb: float = 25.0) -> nn.Module:
+                        bucket_size_mb: float = 25.0, broadcast_buffers: bool = True,
+                        find_unused_parameters: bool = False) -> nn.Module:
     """Wrap ``model`` for data parallel over ``pgm.gradient_sync_group`` (the data-parallel
     ranks; chapter 05 adds its context-parallel ranks to it).
 
     impl: "naive" (all-reduce per parameter after backward), "ours" (bucketed, overlapped)
     or "torch" (torch.nn.parallel.DistributedDataParallel). Returns the wrapper, which reduces
-    in fp32 (chapter 08 changes that from mixed_precision.py).
+    in fp32 (chapter 08 changes that from mixed_precision.py). The flags are torch DDP's.
     """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {', '.join(IMPLS)}, got {impl!r}")
@@ -282,10 +299,13 @@ def apply_data_parallel(model: nn.Module, pgm: Optional[ProcessGroupManager], im
     if impl == "torch" and not dist.is_initialized():
         raise ValueError("impl 'torch' (DistributedDataParallel) needs a process group: "
                          "launch with torchrun, or use impl 'ours' on one process")
+    flags = dict(broadcast_buffers=broadcast_buffers, find_unused_parameters=find_unused_parameters)
     if impl == "naive":
-        return NaiveDataParallel(model, group)
+        return NaiveDataParallel(model, group, **flags)
     if impl == "ours":
-        return BucketedDataParallel(model, group, bucket_size_mb)
+        return BucketedDataParallel(model, group, bucket_size_mb, **flags)
     device = next(model.parameters()).device
+    keep = {} if broadcast_buffers else dict(broadcast_buffers=False)  # torch's default: True
     return TorchDataParallel(model, device_ids=None if device.type == "cpu" else [device.index],
-                             process_group=group, bucket_cap_mb=bucket_size_mb)
+                             process_group=group, bucket_cap_mb=bucket_size_mb,
+                             find_unused_parameters=find_unused_parameters, **keep)

@@ -63,15 +63,15 @@ def release_unit(flat: Flat) -> None:
 
 
 def holders_of(modules: NamedModules) -> Dict[int, Tuple[nn.Parameter, Holders]]:
-    """Every distinct parameter of ``modules`` once, in order, keyed by id, with every
-    (module, attribute, full name) that holds it."""
+    """Every distinct trainable parameter of ``modules`` once, in order, keyed by id, with every
+    (module, attribute, full name) that holds it. Frozen ones stay where they are, whole."""
     found: Dict[int, Tuple[nn.Parameter, Holders]] = {}
     for prefix, module in modules:
         for sub_name, sub in module.named_modules(prefix=prefix):
             for attr, param in sub._parameters.items():
-                if param is not None:
+                if param is not None and param.requires_grad:
                     found.setdefault(id(param), (param, []))[1].append(
-                        (sub, attr, f"{sub_name}.{attr}"))
+                        (sub, attr, f"{sub_name}.{attr}" if sub_name else attr))
     return found
 
 
@@ -96,7 +96,9 @@ class FlatUnit:
         self.world, self.rank = comm.group_size(group), comm.group_rank(group)
         found = holders_of(modules)
         if not found:
-            raise ValueError(f"unit {name!r} has no parameters")
+            raise ValueError(f"unit {name!r} has no trainable parameters")
+        # every module holding one: stage 3 gathers the unit before whichever of them runs first
+        self.holders = list({id(m): m for _, hs in found.values() for m, _, _ in hs}.values())
         params = [param for param, _ in found.values()]
         self.index = {key: k for k, key in enumerate(found)}  # id(parameter) -> its position
         self.names = [[fqn for _, _, fqn in holders] for _, holders in found.values()]

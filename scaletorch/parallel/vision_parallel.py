@@ -70,7 +70,9 @@ def parallelize_resnet(model: nn.Module, pgm: ProcessGroupManager, impl: str, ze
     average = batchnorm == "per-rank" and not (impl == "torch" and zero_stage == 0)
     after_step = partial(average_running_stats, model, group) if average else (lambda: None)
     if zero_stage == 0:
-        wrapped = apply_data_parallel(model, pgm, impl, bucket_size_mb)
+        # ours leaves the buffers to ``batchnorm``'s rule; torch's broadcasts rank 0's
+        wrapped = apply_data_parallel(model, pgm, impl, bucket_size_mb,
+                                      broadcast_buffers=impl == "torch")
         params = list(wrapped.parameters())
         return ParallelResNet(
             wrapped, adamw(params), partial(clip_replicated, params), lambda: {

@@ -30,9 +30,11 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
-from scaletorch.dist import ProcessGroupManager, get_ledger
+from scaletorch.dist import ProcessGroupManager, comm, get_ledger
 from scaletorch.dist.comm import Work
+from scaletorch.models.llama import Llama
 from scaletorch.parallel.flat_unit import (FlatUnit, Group, NamedModules, gather_unit,
                                            reduce_scatter_mean, release_unit)
 from scaletorch.parallel.grad_norm import clip_grads_, world_grad_norm
@@ -59,9 +61,15 @@ class ShardedDataParallel(nn.Module):
         super().__init__()
         if zero_stage not in (1, 2, 3):
             raise ValueError(f"zero_stage must be 1, 2 or 3, got {zero_stage}")
-        per_unit = [{p for _, m in mods for p in m.parameters()} for _, mods in units]
+        # frozen parameters stay whole on every rank, in no unit (no gradient, no update)
+        per_unit = [{p
+                     for _, m in mods
+                     for p in m.parameters() if p.requires_grad} for _, mods in units]
+        units = [unit for unit, params in zip(units, per_unit) if params]
         listed = [id(p) for params in per_unit for p in params]  # twice: a tied weight
-        missing = [name for name, p in module.named_parameters() if id(p) not in listed]
+        missing = [
+            n for n, p in module.named_parameters() if p.requires_grad and id(p) not in listed
+        ]
         shared = 0 if self.shares_parameters else len(listed) - len(set(listed))
         if missing or shared:
             raise ValueError(f"each parameter must be in one unit; parameters in no unit: "
@@ -71,6 +79,8 @@ class ShardedDataParallel(nn.Module):
         self.zero_stage = zero_stage
         self.prefetch = prefetch
         self.make_unit = make_unit
+        # torch DDP's rule, as in data_parallel.py: every rank starts from the first rank's model
+        comm.broadcast_from_first([*module.parameters(), *module.buffers()], group)
         self.units = self._build_units(units)
         # Parameter names may not contain dots: "layers.0" -> "layers_0".
         self.shards = nn.ParameterDict({u.name.replace(".", "_"): u.shard for u in self.units})
@@ -88,8 +98,9 @@ class ShardedDataParallel(nn.Module):
             for tensor in unit.tensors:
                 if tensor.requires_grad:
                     tensor.register_post_accumulate_grad_hook(partial(self._on_grad, i))
-            if zero_stage == 3:
-                unit.modules[0].register_forward_pre_hook(partial(self._pre_forward, i))
+            if zero_stage == 3:  # gathered before whichever of its modules runs first
+                for holder in {id(m): m for m in [unit.modules[0], *unit.holders]}.values():
+                    holder.register_forward_pre_hook(partial(self._pre_forward, i))
                 unit.modules[-1].register_forward_hook(partial(self._post_forward, i))
 
     def _build_units(self, units: Units) -> List[FlatUnit]:
@@ -142,9 +153,10 @@ class ShardedDataParallel(nn.Module):
     def _post_forward(self, i: int, module: nn.Module, args: Tuple[Any, ...], output: Any) -> None:
         for k in self._gathered_with(i):
             self._free(k)
-        if torch.is_tensor(output) and output.requires_grad:
-            # Fires when the gradient of the unit's output is ready: its backward starts.
-            output.register_hook(partial(self._pre_backward, i))
+        for tensor in tree_leaves(output):  # a tensor, or a tuple or dict of them
+            if torch.is_tensor(tensor) and tensor.requires_grad:
+                # Fires when the gradient of the unit's output is ready: its backward starts.
+                tensor.register_hook(partial(self._pre_backward, i))
 
     def _pre_backward(self, i: int, grad: torch.Tensor) -> None:
         for k in self._gathered_with(i):
@@ -223,19 +235,22 @@ class ShardedDataParallel(nn.Module):
 
     # ---- checkpoints ------------------------------------------------------------------------
 
-    def full_state_dict(
-            self, value_of: Callable[[torch.Tensor], torch.Tensor] = torch.Tensor.detach) -> State:
+    def full_state_dict(self, value_of: Optional[Callable[[torch.Tensor],
+                                                          torch.Tensor]] = None) -> State:
         """Collective over the group: chapter 00's {name: full tensor} of the shards, or of
         anything shaped like them (``value_of(shard)``: an AdamW state). Each unit's (S,) pieces
-        are all-gathered into its (P',) vector and cut at the parameters' offsets."""
+        are all-gathered into its (P',) vector and cut at the parameters' offsets. The weights
+        (no ``value_of``) include what no unit holds: frozen parameters, buffers."""
         full: State = {}
+        rest = [] if value_of else [*self.module.named_parameters(), *self.module.named_buffers()]
+        value_of = value_of or torch.Tensor.detach
         with get_ledger().paused():  # a check, not training traffic
             for unit in self.units:
                 flat = unit.all_gather_flat(value_of(unit.shard))
                 for names, shape, start in zip(unit.names, unit.shapes, unit.offsets):
                     tensor = flat[start:start + shape.numel()].view(shape).cpu().float().clone()
                     full.update({name: tensor for name in names})  # tied: one tensor, both names
-        return full
+        return {**full, **{name: t.detach().cpu().clone() for name, t in rest}}  # whole here
 
     # The state dict is this rank's shards {"shards.<unit>": (S,)}, resumed by the same rank of
     # the same N. Hooks, not overrides: they also run inside a container (a pipeline's chunks).
@@ -289,17 +304,58 @@ def llama_units(model: nn.Module) -> Units:
     return units
 
 
-def apply_zero(model: nn.Module, pgm: ProcessGroupManager, zero_stage: int, prefetch: bool = True,
-               units: Optional[Units] = None) -> ShardedDataParallel:
-    """Shard a Llama (or ``units`` of another model) over ``pgm.gradient_sync_group``.
+def child_units(model: nn.Module) -> Units:
+    """The unit rule for any module: one unit per direct child holding trainable parameters
+    (per item of a ModuleList or ModuleDict), in registration order. Parameters of the model
+    itself make the whole model one unit (correct, but no memory saved in forward)."""
+    if any(p.requires_grad for p in model.parameters(recurse=False)):
+        return [("model", [("", model)])]
+    units: Units = []
+    for name, child in model.named_children():
+        listed = isinstance(child, (nn.ModuleList, nn.ModuleDict))
+        for sub, module in child.named_children() if listed else [("", child)]:
+            full = f"{name}.{sub}" if sub else name
+            units += [(full, [(full, module)])] if any(p.requires_grad
+                                                       for p in module.parameters()) else []
+    return units
 
-    ZeRO ``zero_stage``; every rank must pass the same weights (build_model with one seed).
+
+UnitRule = Union[Units, Sequence[nn.Module], Callable[[nn.Module], Units]]
+
+
+def as_units(model: nn.Module, rule: Optional[UnitRule]) -> Units:
+    """ZeRO's units from ``rule``: None (a Llama: ``llama_units``, the chapters' choice; any
+    other model: ``child_units``), a policy ``model -> Units``, submodules (one unit each, in
+    forward order) or Units."""
+    if rule is None:
+        return llama_units(model) if isinstance(model, Llama) else child_units(model)
+    if callable(rule):
+        return rule(model)
+    if all(isinstance(m, nn.Module) for m in rule):
+        names = {id(m): n for n, m in model.named_modules()}
+        unknown = [type(m).__name__ for m in rule if id(m) not in names]
+        if unknown:
+            raise ValueError(f"ZeRO units must be submodules of the model; not in it: {unknown}")
+        return [(names[id(m)] or "model", [(names[id(m)], m)]) for m in cast(List[nn.Module], rule)]
+    return cast(Units, rule)
+
+
+def apply_zero(model: nn.Module, pgm: Optional[ProcessGroupManager] = None, zero_stage: int = 3,
+               prefetch: bool = True, units: Optional[UnitRule] = None,
+               group: Optional[dist.ProcessGroup] = None,
+               make_unit: MakeUnit = FlatUnit) -> ShardedDataParallel:
+    """Shard ``model`` over ``pgm.gradient_sync_group`` (or ``group``; the world
+    when both are None), in ``units`` (``as_units``), ZeRO ``zero_stage``. The first rank's
+    weights are broadcast. ``make_unit``: chapter 08's dtypes (zero_mixed_precision.py).
     Pair the result with ``ZeroAdamW(model, ...)``; the Trainer with ``model.clip_grad_norm``.
     """
-    check_zero_layout(zero_stage, pgm.tensor_model_parallel_world_size,
-                      pgm.pipeline_model_parallel_world_size, pgm.expert_model_parallel_world_size)
-    return ShardedDataParallel(model, units or llama_units(model), pgm.gradient_sync_group,
-                               zero_stage, prefetch)
+    if pgm is not None:
+        check_zero_layout(zero_stage, pgm.tensor_model_parallel_world_size,
+                          pgm.pipeline_model_parallel_world_size,
+                          pgm.expert_model_parallel_world_size)
+        group = pgm.gradient_sync_group
+    return ShardedDataParallel(model, as_units(model, units), group, zero_stage, prefetch,
+                               make_unit)
 
 
 class ZeroAdamW(torch.optim.AdamW):

@@ -1,0 +1,118 @@
+"""A sharded optimizer over any parameters and any optimizer class: ZeRO-1 and ZeRO-2.
+
+Shaped like torch's ``ZeroRedundancyOptimizer(params, optimizer_class, **defaults)``: the
+trainable parameters are split whole over the N ranks of ``group`` (largest first, each to the
+rank with the fewest elements so far, so each owns about Psi/N); rank r's ``optimizer_class``
+holds the state of its own parameters only (1/N of it). ``step()``:
+
+    ZeRO-1   the gradients are already the group's mean (our DDP or torch's): each owner
+             steps its parameters, then broadcasts them (one broadcast per owner).
+    ZeRO-2   the gradients are each rank's own: each owner receives the sum of its
+             parameters' gradients (one reduce per owner) and divides by N; the other ranks
+             drop theirs (grad None); the owner steps; the owners broadcast.
+
+Frozen parameters (``requires_grad=False``) are in no shard and never move. A parameter whose
+gradient is None is skipped as the optimizer skips it on one device; ZeRO-2 first all-reduces
+one 0/1 flag per parameter so that every rank agrees which ones (ZeRO-1 relies on the data
+parallel wrapper's ``find_unused_parameters`` for that). Any optimizer class works, elementwise
+or not, since each parameter is stepped whole by its owner. ZeRO-2 here drops the full
+gradients at the step; zero.py's wrapper drops each unit's during backward.
+"""
+
+from typing import Any, Callable, Dict, Iterable, List, Optional, Type, Union
+
+import torch
+import torch.distributed as dist
+
+from scaletorch.dist import comm
+from scaletorch.dist.comm import Group
+
+Params = Union[Iterable[torch.Tensor], Iterable[Dict[str, Any]]]
+
+
+def partition(numels: List[int], world: int) -> List[int]:
+    """The owner of each parameter: largest first, each to the least loaded rank (ties: the
+    lower rank). The same on every rank, since it depends on the sizes only."""
+    load, owner = [0] * world, [0] * len(numels)
+    for i in sorted(range(len(numels)), key=lambda i: -numels[i]):
+        owner[i] = min(range(world), key=lambda r: load[r])
+        load[owner[i]] += numels[i]
+    return owner
+
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """ZeRO-1 or ZeRO-2 over ``group`` (the world when None) of ``optimizer_class``.
+
+    ``param_groups`` are the full groups (an LR scheduler edits them; ``step`` copies their
+    hyperparameters to this rank's optimizer, ``self.local``); ``state_dict`` is this rank's.
+    """
+
+    def __init__(self, params: Params, optimizer_class: Type[torch.optim.Optimizer],
+                 group: Group = None, zero_stage: int = 1, **defaults: Any) -> None:
+        if zero_stage not in (1, 2):
+            raise ValueError(f"zero_stage must be 1 or 2 (ZeRO-3 shards the model: zero.py's "
+                             f"apply_zero), got {zero_stage}")
+        super().__init__(params, defaults)
+        self.group, self.zero_stage = group, zero_stage
+        self.world, self.rank = comm.group_size(group), comm.group_rank(group)
+        self.trainable = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+        owners = partition([p.numel() for p in self.trainable], self.world)
+        self.owner = {id(p): r for p, r in zip(self.trainable, owners)}
+        local = [{
+            **{
+                k: v
+                for k, v in g.items() if k != "params"
+            }, "params": [p for p in g["params"] if self.owner.get(id(p)) == self.rank]
+        } for g in self.param_groups]
+        self.local = optimizer_class(local, **defaults)
+        # the replicas start equal, as under DDP: the group's first rank's values (one broadcast)
+        comm.broadcast_from_first([p for g in self.param_groups for p in g["params"]], group)
+
+    def _owned_by(self, rank: int, params: List[torch.Tensor]) -> List[torch.Tensor]:
+        return [p for p in params if self.owner[id(p)] == rank]
+
+    def _src(self, rank: int) -> int:
+        return rank if self.group is None else dist.get_global_rank(self.group, rank)
+
+    def _reduce_to_owners(self) -> None:
+        """ZeRO-2: agree on the parameters with a gradient, reduce each owner's to it (/ N)."""
+        has = torch.tensor([float(p.grad is not None) for p in self.trainable],
+                           device=self.trainable[0].device)
+        comm.all_reduce(has, self.group)  # how many ranks have each gradient
+        with_grad = [p for p, n in zip(self.trainable, has.tolist()) if n > 0]
+        for p in with_grad:
+            p.grad = torch.zeros_like(p) if p.grad is None else p.grad
+        dtypes = sorted({p.dtype for p in with_grad}, key=str)  # the same order everywhere
+        for rank in range(self.world):
+            for mine in [[p for p in self._owned_by(rank, with_grad) if p.dtype == d]
+                         for d in dtypes]:
+                if not mine:
+                    continue
+                flat = torch.cat([p.grad.reshape(-1) for p in mine])  # type: ignore[union-attr]
+                comm.reduce(flat, self._src(rank), self.group)  # SUM on the owner
+                for p, piece in zip(mine, flat.div_(self.world).split([p.numel() for p in mine])):
+                    p.grad = piece.view_as(p) if rank == self.rank else None
+        for p in self.trainable:
+            if self.owner[id(p)] != self.rank:
+                p.grad = None  # not this rank's to step
+
+    @torch.no_grad()
+    def step(  # type: ignore[override]  # torch's stub: overloads on closure
+            self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
+        loss = closure() if closure is not None else None
+        for full, local in zip(self.param_groups, self.local.param_groups):
+            local.update({k: v for k, v in full.items() if k != "params"})  # the scheduler's lr
+        if self.zero_stage == 2 and self.trainable and self.world > 1:
+            self._reduce_to_owners()
+        self.local.step()  # this rank's parameters only
+        for rank in range(self.world):  # each owner's parameters, to every rank
+            comm.broadcast_tensors(self._owned_by(rank, self.trainable), self._src(rank),
+                                   self.group)
+        return loss
+
+    def state_dict(self) -> Dict[str, Any]:
+        """This rank's optimizer state (resumed by the same rank of the same N)."""
+        return self.local.state_dict()
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        self.local.load_state_dict(state_dict)
