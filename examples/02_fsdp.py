@@ -34,8 +34,8 @@ from scaletorch.parallel.wrapper import finish_grad_sync, no_sync
 from scaletorch.parallel.zero import ZeroAdamW, apply_zero, check_zero_layout
 from scaletorch.parallel.zero_report import zero_report
 from scaletorch.trainer import build_optimizer, check_against_reference, load_config, start_run
-from scaletorch.trainer.precision import autocast
 from scaletorch.trainer.consolidated import save_consolidated
+from scaletorch.trainer.precision import autocast
 
 
 def limits(cfg, world_size: int) -> None:
@@ -106,8 +106,8 @@ def main() -> int:
     result = run.result
 
     # What this chapter is about: 1/N of the model state per rank (stage 3: for 1.5x the traffic).
-    report = zero_report(model, optimizer, pgm, p.zero_stage, p.impl,
-                         cfg.data.num_micro_batches, numel, step=t.steps - 1)
+    report = zero_report(model, optimizer, pgm, p.zero_stage, p.impl, cfg.data.num_micro_batches,
+                         numel, step=t.steps - 1)
     path = os.path.join(cfg.run_path, "consolidated.pt")
     save_consolidated(path, run.trainer, gather)
     if env.rank == 0:

@@ -141,17 +141,13 @@ class Run:
             self._prof.step()
         result.losses.append(loss)
         result.grad_norms.append(grad_norm)
-        record = {
-            "step": trainer.step,
-            "loss": loss,
-            "lr": lr,
-            "grad_norm": grad_norm,
-            "tokens_per_s": cfg.data.global_batch_size * cfg.data.seq_len / elapsed,
-            # bytes this rank sent in the step's collectives (our ledger: not torch's); none
-            # without process groups (the --check reference, after the run's steps)
-            "wire_bytes": (get_ledger().total(step=trainer.step - 1, field="wire_bytes")
-                           if trainer.pgm is not None else 0.0),
-        }
+        # bytes this rank sent in the step's collectives (our ledger: not torch's); none
+        # without process groups (the --check reference, after the run's steps)
+        wire = get_ledger().total(step=trainer.step -
+                                  1, field="wire_bytes") if trainer.pgm is not None else 0.0
+        tokens_per_s = cfg.data.global_batch_size * cfg.data.seq_len / elapsed
+        record = dict(step=trainer.step, loss=loss, lr=lr, grad_norm=grad_norm,
+                      tokens_per_s=tokens_per_s, wire_bytes=wire)
         if self._metrics is not None:
             try:
                 self._metrics.write(json.dumps(record) + "\n")
@@ -162,9 +158,9 @@ class Run:
             self._bar.update(1)
             self._bar.set_postfix(loss=f"{loss:.4f}")
         if trainer.step % cfg.logging.log_every == 0 or trainer.step == cfg.training.steps:
-            trainer._print(f"step {trainer.step:5d} | loss {loss:.4f} | lr {lr:.2e} | "
-                           f"grad norm {grad_norm:.3f} | {record['tokens_per_s']:,.0f} tok/s",
-                           bar=self._bar)
+            trainer._print(
+                f"step {trainer.step:5d} | loss {loss:.4f} | lr {lr:.2e} | "
+                f"grad norm {grad_norm:.3f} | {tokens_per_s:,.0f} tok/s", bar=self._bar)
             straggler = self._straggler_line()  # every rank: an all-gather
             if straggler is not None:
                 trainer._print(straggler, detail=True, bar=self._bar)
@@ -191,7 +187,7 @@ class Run:
         return os.path.join(self.cfg.run_path, f"config.resume_{self.trainer.step:07d}.yaml")
 
     def __exit__(self, kind: Optional[Type[BaseException]], err: Optional[BaseException],
-                 tb: Optional[TracebackType]) -> bool:
+                 tb: Optional[TracebackType]) -> None:
         trainer, raised = self.trainer, err
         if err is None and trainer.async_saver is not None:
             try:  # the last async checkpoint counts once whole
@@ -214,7 +210,6 @@ class Run:
             self._finish()
         elif err is not raised:
             raise err
-        return False
 
     def _finish(self) -> None:
         trainer, cfg, result = self.trainer, self.cfg, self.result

@@ -1,4 +1,4 @@
-"""The training loop that every numbered script shares.
+"""The shared training step of chapters 07 on, and the state every run keeps.
 
     for step in range(start, steps):
         inputs, targets = loader.get_batch(step)        # the same global batch on every rank
@@ -7,10 +7,12 @@
         optimizer.step(); scheduler.step()
         log, checkpoint
 
-A strategy changes the model (wrapping or sharding it) and, where it must, passes its own
-``loss_fn`` (tensor parallel's vocab-parallel loss, for the default step), ``forward_backward``
-(pipeline schedules), ``clip_grad_norm`` (sharded parameters) or ``optimizer`` (ZeRO).
-Everything else stays the same, which is what makes the runs comparable.
+Chapters 00-06 write that loop in their script, inside ``start_run`` (run.py: the run
+directory, resume, metrics, checkpoints and stops); ``Trainer.train`` runs the same ``Run``
+around this shared step. A strategy changes the model (wrapping or sharding it) and, where it
+must, passes its own ``loss_fn`` (tensor parallel's vocab-parallel loss, for the default step),
+``forward_backward`` (pipeline schedules), ``clip_grad_norm`` (sharded parameters) or
+``optimizer`` (ZeRO). Everything else stays the same, which is what makes the runs comparable.
 """
 
 import math
