@@ -21,6 +21,7 @@ chapter 07 resumes it with ``--resume``).
 import math
 import os
 import sys
+from contextlib import nullcontext
 from functools import partial
 
 import torch
@@ -30,7 +31,6 @@ from scaletorch.dist import (comm, destroy_distributed, destroy_pg_manager, init
                              init_pg_manager_from_config)
 from scaletorch.models import build_model, loss_fn
 from scaletorch.parallel.fully_shard import apply_fully_shard, full_state_dict
-from scaletorch.parallel.wrapper import finish_grad_sync, no_sync
 from scaletorch.parallel.zero import ZeroAdamW, apply_zero, check_zero_layout
 from scaletorch.parallel.zero_report import zero_report
 from scaletorch.trainer import build_optimizer, check_against_reference, load_config, start_run
@@ -74,6 +74,8 @@ def main() -> int:
         optimizer = build_optimizer(cfg, model.parameters())
         clip = partial(torch.nn.utils.clip_grad_norm_, list(model.parameters()))
         gather = partial(full_state_dict, model)
+        # FSDP2 reduce-scatters in every backward: nothing to hold back, nothing to finish
+        model.no_sync, model.finish_grad_sync = nullcontext, lambda: None
     else:
         # the new idea: shard, and let each rank's AdamW update its shard only
         model = apply_zero(model, pgm, p.zero_stage)
@@ -93,11 +95,11 @@ def main() -> int:
             loss = torch.zeros((), device=env.device)
             with autocast(cfg, env.device):  # fp32, or bf16 (the reference's precision too)
                 for i, (x, y) in enumerate(split_micro_batches(inputs, targets, m)):
-                    with no_sync(model, i < m - 1):  # reduce-scatter after the last only
+                    with nullcontext() if i == m - 1 else model.no_sync():  # the last reduces
                         micro_loss = loss_fn(model(x), y) / m  # stage 3: gathers each unit
                         micro_loss.backward()  # stage 2-3: each unit's gradients scattered
                     loss += micro_loss.detach()
-            finish_grad_sync(model)  # wait for the last reduce-scatters
+            model.finish_grad_sync()  # wait for the last reduce-scatters
             loss = comm.average_over_group(loss, pgm.gradient_sync_group)  # the global mean
             grad_norm = clip(max_norm)
             run.record(loss, grad_norm)  # logged; a NaN or inf stops the run here

@@ -37,7 +37,6 @@ from scaletorch.parallel.tensor_parallel import (apply_tensor_parallel,
 from scaletorch.parallel.tensor_parallel_dtensor import (apply_dtensor_tensor_parallel, device_mesh,
                                                          dtensor_loss_fn, native_clip_grad_norm,
                                                          replicate_over_data_parallel)
-from scaletorch.parallel.wrapper import finish_grad_sync, no_sync
 from scaletorch.trainer import build_optimizer, check_against_reference, load_config, start_run
 from scaletorch.trainer.precision import autocast
 
@@ -88,6 +87,8 @@ def main() -> int:
         if dp > 1:  # chapter 01 around it
             model = apply_data_parallel(tp_model, pgm, p.impl, p.bucket_size_mb)
         loss_fn, clip = tensor_parallel_loss_fn(pgm), tensor_parallel_clip_grad_norm(tp_model, pgm)
+    if not hasattr(model, "finish_grad_sync"):  # dp 1, or DTensor's replicate: syncs in backward
+        model.no_sync, model.finish_grad_sync = nullcontext, lambda: None
     optimizer = build_optimizer(cfg, model.parameters())  # AdamW, on this rank's shards
     m, max_norm = cfg.data.num_micro_batches, cfg.training.grad_clip or math.inf  # 0: no clip
 
@@ -101,12 +102,12 @@ def main() -> int:
             with autocast(cfg, env.device), \
                     loss_parallel() if p.impl == "torch" else nullcontext():  # DTensor's loss
                 for i, (x, y) in enumerate(split_micro_batches(inputs, targets, m)):
-                    with no_sync(model, i < m - 1):  # dp > 1: chapter 01's sync, the last only
+                    with nullcontext() if i == m - 1 else model.no_sync():  # chapter 01's sync
                         # the new line: the vocab-parallel loss of this rank's logits (b, s, V/tp)
                         micro_loss = loss_fn(model(x), y) / m  # f and g all-reduce over tp
                         micro_loss.backward()
                     loss += micro_loss.detach()
-            finish_grad_sync(model)
+            model.finish_grad_sync()
             loss = comm.average_over_group(loss, pgm.gradient_sync_group)  # the global mean
             grad_norm = clip(max_norm)  # every shard's squares once, summed over tp
             run.record(loss, grad_norm)  # logged; a NaN or inf stops the run here

@@ -224,7 +224,8 @@ class CoreOnOneScreenTest(unittest.TestCase):
         listed = {(chapter, name) for chapter, name, _, _ in CORES}
         for chapter, page in PAGE.items():
             # the script's own loop (examples/..., issue 53) is the script, not a core below it
-            shown = {(chapter, name) for path, name in EXCERPT.findall(read(page))
+            shown = {(chapter, name)
+                     for path, name in EXCERPT.findall(read(page))
                      if not path.startswith("examples/")}
             with self.subTest(page=page):
                 self.assertTrue(shown, f"{page} shows no core excerpt")

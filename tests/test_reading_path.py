@@ -61,9 +61,9 @@ MODULES_OF: Dict[str, List[str]] = {
         "pipeline_runtime", "plans", "pipeline_native", "split_backward", "activation_meter",
         "zero_bubble_orders", "simulate", "catalog", "posting", "in_order"
     ],
-    "05": ["context_parallel", "ring_attention", "attention_kernels", "step"],
+    "05": ["context_parallel", "ring_attention", "attention_kernels"],
     "06": ["expert_parallel"],
-    "07": ["parallelize", "tensor_layout", "validation", "native", "moe_pipeline"],
+    "07": ["parallelize", "tensor_layout", "validation", "native", "moe_pipeline", "step"],
     "08": ["mixed_precision", "ddp_reduce_dtype", "zero_mixed_precision", "loss_scale"],
     "10": ["tied_embeddings", "zero_tied", "activation_checkpointing", "vocab_padding"],
     "12": ["sync_batchnorm", "vision_parallel"],
@@ -84,7 +84,10 @@ OWNER = {module: chapter for chapter, modules in MODULES_OF.items() for module i
 # lines: "dp" until cp makes it "dp_cp"), and 05's ring its kernel names (05 +5). The layout
 # errors name that group by the same rule (07 +3). grad_norm.py's is_dtensor (01 +10) keeps
 # torch.distributed.tensor's import, half a second of a core, out of the runs that make no DTensor.
-OVER_BUDGET: Dict[str, int] = {"01": 795, "03": 856, "04b": 1080, "05": 735, "07": 785}
+# Issue 53: chapters 00-06 write their step in the script, so the shared step (step.py, 91
+# lines) is first read in chapter 07, whose parallelize builds it: 05 is back within budget
+# (644) and 07 carries step.py (+91).
+OVER_BUDGET: Dict[str, int] = {"01": 795, "03": 856, "04b": 1080, "07": 876}
 
 
 def chapters() -> List[Tuple[str, str, str]]:

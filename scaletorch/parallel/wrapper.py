@@ -6,8 +6,7 @@ checkpoint or a parity check compares names one to one, at any nesting (a pipeli
 hold wrappers).
 """
 
-from contextlib import nullcontext
-from typing import Any, ContextManager, Dict
+from typing import Any, Dict
 
 from torch import nn
 
@@ -51,19 +50,3 @@ class ModuleWrapper:
             if name == "module":
                 raise
             return getattr(self.module, name)  # e.g. model.num_parameters(), model.config
-
-
-def no_sync(model: nn.Module, skip: bool) -> ContextManager[None]:
-    """``model.no_sync()`` if ``skip`` (a micro-batch before the last) and the model has one
-    (our data-parallel and ZeRO wrappers, torch's DDP); else nothing: backward syncs as usual
-    (FSDP2, DTensor's replicate, a model with no data parallel around it)."""
-    sync_off = getattr(model, "no_sync", None)
-    return sync_off() if skip and sync_off is not None else nullcontext()
-
-
-def finish_grad_sync(model: nn.Module) -> None:
-    """After the last backward: ``model.finish_grad_sync()`` (wait for the reductions in
-    flight, or issue them now) if the model has one."""
-    finish = getattr(model, "finish_grad_sync", None)
-    if finish is not None:
-        finish()
