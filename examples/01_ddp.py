@@ -15,18 +15,23 @@ had in flight while backward was still computing (``--verbose``: every bucket's)
 bytes each rank holds: 16 Psi, the whole model state on every rank, which chapter 02 shards.
 """
 
+import math
 import sys
-from functools import partial
+from contextlib import nullcontext
 
+import torch
+
+from scaletorch.data import local_batch, split_micro_batches
 from scaletorch.dist import (comm, destroy_distributed, destroy_pg_manager, init_distributed,
                              init_pg_manager_from_config)
-from scaletorch.models import build_model
+from scaletorch.models import build_model, loss_fn
 from scaletorch.parallel.data_parallel import BucketedDataParallel, apply_data_parallel, ddp_report
 from scaletorch.parallel.grad_norm import clip_replicated
 from scaletorch.parallel.memory_report import memory_table
 from scaletorch.parallel.overlap_chart import (OverlapRecorder, format_overlap, format_timeline,
                                                record_overlap)
-from scaletorch.trainer import Trainer, check_against_reference, load_config
+from scaletorch.trainer import build_optimizer, check_against_reference, load_config, start_run
+from scaletorch.trainer.precision import autocast
 
 HELP = ("Chapter 01: data parallel (DDP). --impl naive: per-parameter all-reduce after backward; "
         "ours: bucketed, overlapped with backward; torch: DistributedDataParallel")
@@ -69,10 +74,31 @@ def main() -> int:
                   f"parameter order (elements): {sizes}")
     if isinstance(model, BucketedDataParallel):  # marks when each bucket goes out, for the chart
         model = record_overlap(model)
-    # every rank holds every averaged gradient: the local norm is the global one, no all-reduce
-    clip = partial(clip_replicated, list(model.parameters()))
-    trainer = Trainer(cfg, model, pgm, device=env.device, clip_grad_norm=clip)
-    result = trainer.train()
+    optimizer = build_optimizer(cfg, model.parameters())  # AdamW
+    params, m = list(model.parameters()), cfg.data.num_micro_batches
+    max_norm = cfg.training.grad_clip or math.inf  # 0: no clipping
+
+    # [core: step]
+    with start_run(cfg, model, optimizer, pgm) as run:  # run directory, resume, checkpoints
+        for inputs, targets in run.batches():  # this step's batch (b, s): inputs and next tokens
+            optimizer.zero_grad(set_to_none=True)
+            # the new lines: this rank's b/N sequences; gradients synchronized once, at the end
+            inputs, targets, _ = local_batch(inputs, targets, pgm.data_parallel_rank, n)
+            loss = torch.zeros((), device=env.device)
+            with autocast(cfg, env.device):  # fp32, or bf16 (the reference's precision too)
+                for i, (x, y) in enumerate(split_micro_batches(inputs, targets, m)):
+                    with nullcontext() if i == m - 1 else model.no_sync():  # sync the last only
+                        micro_loss = loss_fn(model(x), y) / m
+                        micro_loss.backward()  # the last: buckets all-reduce while it runs
+                    loss += micro_loss.detach()
+            model.finish_grad_sync()  # wait for the last buckets (naive: all-reduce them now)
+            loss = comm.average_over_group(loss, pgm.gradient_sync_group)  # the global mean
+            # every rank holds every averaged gradient: its local norm is the global one
+            grad_norm = clip_replicated(params, max_norm)
+            run.record(loss, grad_norm)  # logged; a NaN or inf stops the run here
+            optimizer.step()
+    # [end: step]
+    result = run.result
 
     # What this chapter is about: one all-reduce of every gradient per step, not per micro-batch;
     # and what chapter 02 removes: every rank holds the whole model state, 16 Psi bytes (fp32)
@@ -84,7 +110,7 @@ def main() -> int:
     if isinstance(model, OverlapRecorder) and n > 1:
         timelines = comm.gather_objects(model.timeline, pgm.gradient_sync_group)
     fp32_adamw = {"params": 4 * psi, "grads": 4 * psi, "optimizer": 8 * psi}  # bytes per rank
-    memory = memory_table(model, trainer.optimizer, pgm.gradient_sync_group,
+    memory = memory_table(model, optimizer, pgm.gradient_sync_group,
                           f"memory per rank, bytes (data parallel, N = {n}, Psi = {psi:,})",
                           fp32_adamw, ("4Psi", "4Psi", "8Psi", "16Psi"))
     if pgm.rank == 0 and report:

@@ -18,18 +18,24 @@ and writes runs/<name>/consolidated.pt: full weights and full AdamW state, keyed
 chapter 07 resumes it with ``--resume``).
 """
 
+import math
 import os
 import sys
+from contextlib import nullcontext
 from functools import partial
 
-from scaletorch.dist import (destroy_distributed, destroy_pg_manager, init_distributed,
+import torch
+
+from scaletorch.data import local_batch, split_micro_batches
+from scaletorch.dist import (comm, destroy_distributed, destroy_pg_manager, init_distributed,
                              init_pg_manager_from_config)
-from scaletorch.models import build_model
+from scaletorch.models import build_model, loss_fn
 from scaletorch.parallel.fully_shard import apply_fully_shard, full_state_dict
 from scaletorch.parallel.zero import ZeroAdamW, apply_zero, check_zero_layout
 from scaletorch.parallel.zero_report import zero_report
-from scaletorch.trainer import Trainer, check_against_reference, load_config
+from scaletorch.trainer import build_optimizer, check_against_reference, load_config, start_run
 from scaletorch.trainer.consolidated import save_consolidated
+from scaletorch.trainer.precision import autocast
 
 
 def limits(cfg, world_size: int) -> None:
@@ -63,28 +69,49 @@ def main() -> int:
     model = build_model(cfg.model, seed=cfg.training.model_seed).to(env.device)
     numel = model.num_parameters()
     t = cfg.training
-    if p.impl == "torch":  # PyTorch's ZeRO-3: the Trainer's AdamW and clip work on its DTensors
+    if p.impl == "torch":  # PyTorch's ZeRO-3: AdamW and the clip work on its DTensors
         model = apply_fully_shard(model, pgm)
-        trainer = Trainer(cfg, model, pgm, device=env.device)
+        optimizer = build_optimizer(cfg, model.parameters())
+        clip = partial(torch.nn.utils.clip_grad_norm_, list(model.parameters()))
         gather = partial(full_state_dict, model)
+        # FSDP2 reduce-scatters in every backward: nothing to hold back, nothing to finish
+        model.no_sync, model.finish_grad_sync = nullcontext, lambda: None
     else:
         # the new idea: shard, and let each rank's AdamW update its shard only
         model = apply_zero(model, pgm, p.zero_stage)
         optimizer = ZeroAdamW(model, t.lr, (t.beta1, t.beta2), t.weight_decay)
-        trainer = Trainer(cfg, model, pgm, device=env.device, optimizer=optimizer,
-                          clip_grad_norm=model.clip_grad_norm)
-        gather = model.full_state_dict
+        clip, gather = model.clip_grad_norm, model.full_state_dict  # each shard counted once
     name = "FSDP2 fully_shard" if p.impl == "torch" else f"ZeRO-{p.zero_stage}"
+    n = pgm.gradient_sync_world_size
     if env.rank == 0:
-        print(f"{name}: {numel:,} parameters over {pgm.gradient_sync_world_size} "
-              f"data-parallel ranks")
-    result = trainer.train()
+        print(f"{name}: {numel:,} parameters over {n} data-parallel ranks")
+    m, max_norm = cfg.data.num_micro_batches, t.grad_clip or math.inf  # 0: no clipping
+
+    # [core: step]
+    with start_run(cfg, model, optimizer, pgm) as run:  # run directory, resume, checkpoints
+        for inputs, targets in run.batches():  # this step's batch (b, s): inputs and next tokens
+            optimizer.zero_grad(set_to_none=True)
+            inputs, targets, _ = local_batch(inputs, targets, pgm.data_parallel_rank, n)
+            loss = torch.zeros((), device=env.device)
+            with autocast(cfg, env.device):  # fp32, or bf16 (the reference's precision too)
+                for i, (x, y) in enumerate(split_micro_batches(inputs, targets, m)):
+                    with nullcontext() if i == m - 1 else model.no_sync():  # the last reduces
+                        micro_loss = loss_fn(model(x), y) / m  # stage 3: gathers each unit
+                        micro_loss.backward()  # stage 2-3: each unit's gradients scattered
+                    loss += micro_loss.detach()
+            model.finish_grad_sync()  # wait for the last reduce-scatters
+            loss = comm.average_over_group(loss, pgm.gradient_sync_group)  # the global mean
+            grad_norm = clip(max_norm)
+            run.record(loss, grad_norm)  # logged; a NaN or inf stops the run here
+            optimizer.step()  # ZeRO: each rank updates its shard only
+    # [end: step]
+    result = run.result
 
     # What this chapter is about: 1/N of the model state per rank (stage 3: for 1.5x the traffic).
-    report = zero_report(model, trainer.optimizer, pgm, p.zero_stage, p.impl,
-                         cfg.data.num_micro_batches, numel, step=t.steps - 1)
+    report = zero_report(model, optimizer, pgm, p.zero_stage, p.impl, cfg.data.num_micro_batches,
+                         numel, step=t.steps - 1)
     path = os.path.join(cfg.run_path, "consolidated.pt")
-    save_consolidated(path, trainer, gather)
+    save_consolidated(path, run.trainer, gather)
     if env.rank == 0:
         print(report)
         print(f"consolidated checkpoint (full weights and AdamW state, chapter 00's keys): "

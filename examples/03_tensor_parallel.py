@@ -17,13 +17,16 @@ torch`` runs torch's DTensor tensor parallel (``parallelize_module``) on the sam
 instead, with FSDP2's ``replicate`` over dp.
 """
 
+import math
 import sys
 from contextlib import nullcontext
 
+import torch
 from torch.distributed.tensor.parallel import loss_parallel
 
 from scaletorch.config import resolve_precision
-from scaletorch.dist import (destroy_distributed, destroy_pg_manager, init_distributed,
+from scaletorch.data import local_batch, split_micro_batches
+from scaletorch.dist import (comm, destroy_distributed, destroy_pg_manager, init_distributed,
                              init_pg_manager_from_config)
 from scaletorch.models import build_model
 from scaletorch.parallel.data_parallel import apply_data_parallel
@@ -34,7 +37,8 @@ from scaletorch.parallel.tensor_parallel import (apply_tensor_parallel,
 from scaletorch.parallel.tensor_parallel_dtensor import (apply_dtensor_tensor_parallel, device_mesh,
                                                          dtensor_loss_fn, native_clip_grad_norm,
                                                          replicate_over_data_parallel)
-from scaletorch.trainer import Trainer, check_against_reference, load_config
+from scaletorch.trainer import build_optimizer, check_against_reference, load_config, start_run
+from scaletorch.trainer.precision import autocast
 
 
 def limits(cfg, world_size: int) -> None:
@@ -83,9 +87,33 @@ def main() -> int:
         if dp > 1:  # chapter 01 around it
             model = apply_data_parallel(tp_model, pgm, p.impl, p.bucket_size_mb)
         loss_fn, clip = tensor_parallel_loss_fn(pgm), tensor_parallel_clip_grad_norm(tp_model, pgm)
-    trainer = Trainer(cfg, model, pgm, device=env.device, loss_fn=loss_fn, clip_grad_norm=clip)
-    with loss_parallel() if p.impl == "torch" else nullcontext():  # DTensor's vocab-sharded loss
-        result = trainer.train()
+    if not hasattr(model, "finish_grad_sync"):  # dp 1, or DTensor's replicate: syncs in backward
+        model.no_sync, model.finish_grad_sync = nullcontext, lambda: None
+    optimizer = build_optimizer(cfg, model.parameters())  # AdamW, on this rank's shards
+    m, max_norm = cfg.data.num_micro_batches, cfg.training.grad_clip or math.inf  # 0: no clip
+
+    # [core: step]
+    with start_run(cfg, model, optimizer, pgm) as run:  # run directory, resume, checkpoints
+        for inputs, targets in run.batches():  # this step's batch (b, s): inputs and next tokens
+            optimizer.zero_grad(set_to_none=True)
+            # the tp ranks of a dp rank take the same sequences: each computes its own shards
+            inputs, targets, _ = local_batch(inputs, targets, pgm.data_parallel_rank, dp)
+            loss = torch.zeros((), device=env.device)
+            with autocast(cfg, env.device), \
+                    loss_parallel() if p.impl == "torch" else nullcontext():  # DTensor's loss
+                for i, (x, y) in enumerate(split_micro_batches(inputs, targets, m)):
+                    with nullcontext() if i == m - 1 else model.no_sync():  # chapter 01's sync
+                        # the new line: the vocab-parallel loss of this rank's logits (b, s, V/tp)
+                        micro_loss = loss_fn(model(x), y) / m  # f and g all-reduce over tp
+                        micro_loss.backward()
+                    loss += micro_loss.detach()
+            model.finish_grad_sync()
+            loss = comm.average_over_group(loss, pgm.gradient_sync_group)  # the global mean
+            grad_norm = clip(max_norm)  # every shard's squares once, summed over tp
+            run.record(loss, grad_norm)  # logged; a NaN or inf stops the run here
+            optimizer.step()
+    # [end: step]
+    result = run.result
 
     # What this chapter is about: 2 + 2 collectives of b x s x h per block, nothing bigger.
     report = tp_report(cfg, pgm, cfg.training.steps - 1, precision)

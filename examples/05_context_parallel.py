@@ -11,21 +11,28 @@ averages gradients over the data x context ranks, also when dp = 1: each cp rank
 over different tokens. With ``--tp`` chapter 03 splits the matrices first.
 """
 
+import math
 import sys
+from contextlib import nullcontext
+from functools import partial
+
+import torch
 
 from scaletorch.config import recompute_mode
-from scaletorch.dist import (destroy_distributed, destroy_pg_manager, init_distributed,
+from scaletorch.data import local_batch, split_micro_batches
+from scaletorch.dist import (comm, destroy_distributed, destroy_pg_manager, init_distributed,
                              init_pg_manager_from_config)
 from scaletorch.models import build_model, loss_fn
 from scaletorch.parallel.context_parallel import (apply_context_parallel, cp_report,
                                                   gather_context_parallel_state_dict,
                                                   make_sequence_sharder)
 from scaletorch.parallel.data_parallel import apply_data_parallel
-from scaletorch.parallel.step import make_data_parallel_step
+from scaletorch.parallel.grad_norm import clip_replicated
 from scaletorch.parallel.tensor_parallel import (apply_tensor_parallel,
                                                  tensor_parallel_clip_grad_norm,
                                                  tensor_parallel_loss_fn)
-from scaletorch.trainer import Trainer, check_against_reference, load_config
+from scaletorch.trainer import build_optimizer, check_against_reference, load_config, start_run
+from scaletorch.trainer.precision import autocast
 
 
 def limits(cfg, world_size: int) -> None:
@@ -59,17 +66,40 @@ def main() -> int:
     pgm.log_topology()
 
     model = build_model(cfg.model, seed=cfg.training.model_seed).to(env.device)
-    loss, clip = loss_fn, None
+    loss_of, clip = loss_fn, partial(clip_replicated, list(model.parameters()))
     if pgm.tensor_model_parallel_world_size > 1:  # chapter 03 first: ring attention on its heads
         apply_tensor_parallel(model, pgm, p.sequence_parallel)
-        loss, clip = tensor_parallel_loss_fn(pgm), tensor_parallel_clip_grad_norm(model, pgm)
+        loss_of, clip = tensor_parallel_loss_fn(pgm), tensor_parallel_clip_grad_norm(model, pgm)
     apply_context_parallel(model, pgm, p.cp_variant, kernel=p.cp_attention)  # the ring
     model = apply_data_parallel(model, pgm, p.impl, p.bucket_size_mb)  # over dp x cp (dp_cp)
-    step = make_data_parallel_step(model, cfg.data.num_micro_batches, pgm.data_parallel_rank,
-                                   pgm.data_parallel_world_size, pgm.gradient_sync_group, loss,
-                                   shard_sequence=make_sequence_sharder(pgm, cfg.data.seq_len))
-    result = Trainer(cfg, model, pgm, device=env.device, forward_backward=step,
-                     clip_grad_norm=clip).train()
+    optimizer = build_optimizer(cfg, model.parameters())  # AdamW
+    shard_sequence = make_sequence_sharder(pgm, cfg.data.seq_len)  # zigzag: this rank's tokens
+    m, max_norm = cfg.data.num_micro_batches, cfg.training.grad_clip or math.inf  # 0: no clip
+
+    # [core: step]
+    with start_run(cfg, model, optimizer, pgm) as run:  # run directory, resume, checkpoints
+        for inputs, targets in run.batches():  # this step's batch (b, s): inputs and next tokens
+            optimizer.zero_grad(set_to_none=True)
+            # the new line: (b/dp, s) -> this cp rank's 2 chunks of each sequence (b/dp, s/cp),
+            # and their positions in the whole sequence, for RoPE
+            inputs, targets, positions = local_batch(inputs, targets, pgm.data_parallel_rank,
+                                                     pgm.data_parallel_world_size, shard_sequence)
+            loss = torch.zeros((), device=env.device)
+            with autocast(cfg, env.device):  # fp32, or bf16 (the reference's precision too)
+                for i, (x, y) in enumerate(split_micro_batches(inputs, targets, m)):
+                    with nullcontext() if i == m - 1 else model.no_sync():  # chapter 01's
+                        # attention passes K and V around the cp ring (ring_attention.py)
+                        micro_loss = loss_of(model(x, position_ids=positions), y) / m
+                        micro_loss.backward()
+                    loss += micro_loss.detach()
+            model.finish_grad_sync()  # gradients averaged over dp x cp (dp_cp)
+            # each cp rank's loss is over its own tokens: the mean over dp_cp is the global one
+            loss = comm.average_over_group(loss, pgm.gradient_sync_group)
+            grad_norm = clip(max_norm)
+            run.record(loss, grad_norm)  # logged; a NaN or inf stops the run here
+            optimizer.step()
+    # [end: step]
+    result = run.result
 
     # What this chapter is about: K/V traffic per layer and the causal work per rank.
     steps_run = cfg.training.steps - result.start_step

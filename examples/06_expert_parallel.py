@@ -15,19 +15,22 @@ layer; ``ExpertParallel`` reduces expert gradients over "edp", dense ones over "
 ``--tp`` the attention is tensor parallel (chapter 03) and the MoE runs whole on every tp rank.
 """
 
+import math
 import sys
 
+import torch
+
 from scaletorch.config import recompute_mode, resolve_precision
-from scaletorch.dist import (destroy_distributed, destroy_pg_manager, init_distributed,
+from scaletorch.data import local_batch, split_micro_batches
+from scaletorch.dist import (comm, destroy_distributed, destroy_pg_manager, init_distributed,
                              init_pg_manager_from_config)
-from scaletorch.models import build_model, loss_fn
+from scaletorch.models import build_model, loss_fn, moe_aux_loss
 from scaletorch.parallel.expert_parallel import (ExpertParallel, ep_report,
                                                  expert_parallel_clip_grad_norm,
                                                  gather_expert_parallel_state_dict, shard_experts)
-from scaletorch.parallel.step import make_data_parallel_step
 from scaletorch.parallel.tensor_parallel import apply_tensor_parallel, tensor_parallel_loss_fn
-from scaletorch.trainer import Trainer, check_against_reference, load_config
-from scaletorch.trainer.precision import DTYPES
+from scaletorch.trainer import build_optimizer, check_against_reference, load_config, start_run
+from scaletorch.trainer.precision import DTYPES, autocast
 
 
 def limits(cfg, world_size: int) -> None:
@@ -62,15 +65,37 @@ def main() -> int:
 
     model = build_model(cfg.model, seed=cfg.training.model_seed).to(env.device)
     shard_experts(model, pgm, compute_dtype)  # the new idea: E/ep experts here, tokens go to them
-    loss = loss_fn
+    loss_of = loss_fn
     if pgm.tensor_model_parallel_world_size > 1:  # chapter 03: attention split, MoE whole
         apply_tensor_parallel(model, pgm)
-        loss = tensor_parallel_loss_fn(pgm)
+        loss_of = tensor_parallel_loss_fn(pgm)
     model = ExpertParallel(model, pgm)  # in place of DDP: dense over dp_cp, experts over edp
-    step = make_data_parallel_step(model, cfg.data.num_micro_batches, pgm.data_parallel_rank,
-                                   pgm.data_parallel_world_size, pgm.gradient_sync_group, loss)
-    result = Trainer(cfg, model, pgm, device=env.device, forward_backward=step,
-                     clip_grad_norm=expert_parallel_clip_grad_norm(model, pgm)).train()
+    optimizer = build_optimizer(cfg, model.parameters())  # AdamW, on this rank's experts
+    clip = expert_parallel_clip_grad_norm(model, pgm)  # an expert's squares once per copy
+    m, max_norm = cfg.data.num_micro_batches, cfg.training.grad_clip or math.inf  # 0: no clip
+
+    # [core: step]
+    with start_run(cfg, model, optimizer, pgm) as run:  # run directory, resume, checkpoints
+        for inputs, targets in run.batches():  # this step's batch (b, s): inputs and next tokens
+            optimizer.zero_grad(set_to_none=True)
+            inputs, targets, _ = local_batch(inputs, targets, pgm.data_parallel_rank,
+                                             pgm.data_parallel_world_size)
+            loss = torch.zeros((), device=env.device)
+            with autocast(cfg, env.device):  # fp32, or bf16 (the reference's precision too)
+                for x, y in split_micro_batches(inputs, targets, m):
+                    # each MoE layer: all-to-all its tokens to their experts' ranks and back
+                    logits = model(x)
+                    # + each MoE layer's load-balancing loss of this forward
+                    micro_loss = (loss_of(logits, y) + moe_aux_loss(model)) / m
+                    micro_loss.backward()
+                    loss += micro_loss.detach()
+            model.finish_grad_sync()  # dense over dp_cp, experts over edp
+            loss = comm.average_over_group(loss, pgm.gradient_sync_group)
+            grad_norm = clip(max_norm)
+            run.record(loss, grad_norm)  # logged; a NaN or inf stops the run here
+            optimizer.step()
+    # [end: step]
+    result = run.result
 
     # What this chapter is about: where the tokens went, and what moving them cost.
     report = ep_report(model, pgm, step=cfg.training.steps - 1)

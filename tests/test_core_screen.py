@@ -223,7 +223,10 @@ class CoreOnOneScreenTest(unittest.TestCase):
     def test_the_table_lists_every_excerpt_of_the_pages_and_each_page_shows_one(self) -> None:
         listed = {(chapter, name) for chapter, name, _, _ in CORES}
         for chapter, page in PAGE.items():
-            shown = {(chapter, name) for _, name in EXCERPT.findall(read(page))}
+            # the script's own loop (examples/..., issue 53) is the script, not a core below it
+            shown = {(chapter, name)
+                     for path, name in EXCERPT.findall(read(page))
+                     if not path.startswith("examples/")}
             with self.subTest(page=page):
                 self.assertTrue(shown, f"{page} shows no core excerpt")
                 self.assertEqual(shown - listed, set(), f"{page}: excerpts not in CORES")

@@ -62,9 +62,10 @@ MODULES_OF: Dict[str, List[str]] = {
         "pipeline_runtime", "plans", "pipeline_native", "split_backward", "activation_meter",
         "zero_bubble_orders", "simulate", "catalog", "posting", "in_order"
     ],
-    "05": ["context_parallel", "ring_attention", "attention_kernels", "step"],
+    "05": ["context_parallel", "ring_attention", "attention_kernels"],
     "06": ["expert_parallel"],
-    "06b": ["moe_balance", "moe_load"],
+    # 06b runs chapter 06's model through the shared step (step.py), with its meter around it
+    "06b": ["moe_balance", "moe_load", "step"],
     "07": ["parallelize", "tensor_layout", "validation", "native", "moe_pipeline"],
     "08": ["mixed_precision", "ddp_reduce_dtype", "zero_mixed_precision", "loss_scale"],
     "10": ["tied_embeddings", "zero_tied", "activation_checkpointing", "vocab_padding"],
@@ -90,7 +91,9 @@ OWNER = {module: chapter for chapter, modules in MODULES_OF.items() for module i
 # buffers and unused gradients by torch's flags (01 +20); ZeRO takes a unit rule for any module
 # (child_units, as_units), a group and chapter 08's unit, and gathers before any module of a
 # unit (02 +58). sharded_optimizer.py is 02's but outside its script's path.
-OVER_BUDGET: Dict[str, int] = {"01": 815, "02": 758, "03": 856, "04b": 1080, "05": 735, "07": 785}
+# Issue 53: chapters 00-06 write their step in the script, so the shared step (step.py, 91
+# lines) is first read in chapter 06b, which wraps it in its load meter: 05 is back within budget.
+OVER_BUDGET: Dict[str, int] = {"01": 815, "02": 758, "03": 856, "04b": 1080, "07": 785}
 
 
 def chapters() -> List[Tuple[str, str, str]]:

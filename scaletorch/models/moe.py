@@ -155,17 +155,12 @@ class MoE(nn.Module):
         probs = self.router(tokens).float().softmax(dim=-1)  # (T, E)
         weights, chosen = self.select_fn(probs, k)  # (T, k) each
 
-        # Load-balancing loss on the statistics of every token of the (global) batch.
-        # (E,) this rank; a scatter-add, not bincount: the same integers, and it runs on the
-        # meta device too (a dry run, scaletorch/trainer/dry_run.py), where bincount does not
+        # (E,) this rank's assignments per expert; a scatter-add, not bincount: the same
+        # integers, and it runs on the meta device too (a dry run, trainer/dry_run.py)
         flat = chosen.flatten()
         counts = torch.zeros(num_experts, dtype=torch.int64,
                              device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
-        stats = torch.cat([counts.float(), probs.new_tensor([num_tokens])])
-        stats = self.global_stats_fn(stats)  # (E + 1,): summed over ranks with other tokens
-        self.tokens_per_expert = stats[:num_experts].detach()
-        fraction = self.tokens_per_expert / (stats[num_experts] * k)  # f_e, no gradient
-        self.aux_loss = self.aux_loss_coeff * num_experts * (fraction * probs.mean(0)).sum()
+        stats = torch.cat([counts.float(), probs.new_tensor([num_tokens])])  # before capacity
 
         # Assignments choice-major (every first choice, then every second choice, ...), then
         # grouped by expert; the stable sort keeps that priority inside each expert's group.
@@ -183,6 +178,14 @@ class MoE(nn.Module):
         token_index = flat_token[order]  # (N,)
         routed = tokens[token_index]  # (N, h), grouped by expert
         out = self.dispatch_fn(self.experts, routed, counts)  # (N, h), same order
+
+        # Load-balancing loss on the statistics of every token of the (global) batch; after
+        # the dispatch, so that expert parallel's first collective is its all-to-all
+        stats = self.global_stats_fn(stats)  # (E + 1,): summed over ranks with other tokens
+        self.tokens_per_expert = stats[:num_experts].detach()
+        fraction = self.tokens_per_expert / (stats[num_experts] * k)  # f_e, no gradient
+        self.aux_loss = self.aux_loss_coeff * num_experts * (fraction * probs.mean(0)).sum()
+
         out = out * flat_weight[order].unsqueeze(-1).to(out.dtype)
         y = torch.zeros_like(tokens).index_add(0, token_index, out.to(tokens.dtype))
         return y.view(shape)

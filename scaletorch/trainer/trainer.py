@@ -1,4 +1,4 @@
-"""The training loop that every numbered script shares.
+"""The shared training step of chapters 07 on, and the state every run keeps.
 
     for step in range(start, steps):
         inputs, targets = loader.get_batch(step)        # the same global batch on every rank
@@ -7,45 +7,37 @@
         optimizer.step(); scheduler.step()
         log, checkpoint
 
-A strategy changes the model (wrapping or sharding it) and, where it must, passes its own
-``loss_fn`` (tensor parallel's vocab-parallel loss, for the default step), ``forward_backward``
-(pipeline schedules), ``clip_grad_norm`` (sharded parameters) or ``optimizer`` (ZeRO).
-Everything else stays the same, which is what makes the runs comparable.
+Chapters 00-06 write that loop in their script, inside ``start_run`` (run.py: the run
+directory, resume, metrics, checkpoints and stops); ``Trainer.train`` runs the same ``Run``
+around this shared step. A strategy changes the model (wrapping or sharding it) and, where it
+must, passes its own ``loss_fn`` (tensor parallel's vocab-parallel loss, for the default step),
+``forward_backward`` (pipeline schedules), ``clip_grad_norm`` (sharded parameters) or
+``optimizer`` (ZeRO). Everything else stays the same, which is what makes the runs comparable.
 """
 
-import json
 import math
 import os
 import signal
-import statistics
-import sys
-import time
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Tuple, cast
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from scaletorch.data import GlobalBatchLoader, build_dataset
 from scaletorch.data.loader import BatchSource
 from scaletorch.dist import ProcessGroupManager, comm, get_ledger, restart_count
-from scaletorch.dist.straggler import straggler_report
 from scaletorch.models import loss_fn
 from scaletorch.parallel.grad_norm import clip_replicated, is_dtensor
 from scaletorch.parallel.mixed_precision import DynamicLossScaler
 from scaletorch.parallel.step import ForwardBackward, LossFn, make_data_parallel_step
 from scaletorch.rules.errors import InputError
-from scaletorch.rules.safe_files import WriteError
 from scaletorch.trainer import checkpoint as ckpt
-from scaletorch.trainer.config import Config, save_config
-from scaletorch.trainer.plan_line import plan_report
-from scaletorch.trainer.precision import autocast, precision_note, resolve_precision
-from scaletorch.trainer.profiling import profiler
+from scaletorch.trainer.config import Config
+from scaletorch.trainer.precision import autocast, resolve_precision
 from scaletorch.trainer.resume_check import record
-from scaletorch.trainer.run_dir import continues, keep_metrics_to
-from scaletorch.trainer.stops import check_finite, interruptible
+from scaletorch.trainer.run import Run
+from scaletorch.trainer.stops import check_finite
 
 if TYPE_CHECKING:
     from scaletorch.parallel.parallelize import Parallelized
@@ -73,6 +65,24 @@ def lr_at(cfg: Config, step: int) -> float:
         return t.lr * (step + 1) / t.warmup_steps
     progress = (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps)
     return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def _the_scripts_step(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    raise RuntimeError("a run from start_run trains with the script's own loop, not the "
+                       "Trainer's step")
+
+
+def start_run(cfg: Config, model: nn.Module, optimizer: torch.optim.Optimizer,
+              pgm: Optional[ProcessGroupManager] = None) -> Run:
+    """The run around a script's own training loop (chapters 00-06; run.py shows the loop):
+    the run directory, resume, the lr schedule, metrics, log lines, checkpoints and stops.
+    ``model`` and ``optimizer`` are what the script trains and steps; their state is what a
+    checkpoint saves and a resume loads. Use it as ``with start_run(...) as run:``."""
+    if resolve_precision(cfg, next(model.parameters()).device.type) == "fp16":
+        raise InputError("training.precision fp16 needs a loss scale, which this chapter's "
+                         "loop does not have: run examples/08_mixed_precision.py")
+    trainer = Trainer(cfg, model, pgm, optimizer=optimizer, forward_backward=_the_scripts_step)
+    return Run(trainer, TrainResult())
 
 
 def build_loader(cfg: Config) -> GlobalBatchLoader:
@@ -328,9 +338,21 @@ class Trainer:
         """The step with no host sync of its own: (loss, grad norm) as the step left them (a
         dry run's fake tensors have no values to read, scaletorch/trainer/dry_run.py).
         ``before_update(loss, grad norm, overflow)`` runs after clipping, before the update."""
+        loss, grad_norm = self.update(*self.batch(), before_update)
+        self.end_step()
+        return loss, grad_norm
+
+    def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Step ``self.step``'s global batch (inputs, targets), each (b, s), on the device."""
         get_ledger().set_step(self.step)
         inputs, targets = self.loader.get_batch(self.step)
-        inputs, targets = inputs.to(self.device), targets.to(self.device)
+        return inputs.to(self.device), targets.to(self.device)
+
+    def update(
+        self, inputs: torch.Tensor, targets: torch.Tensor,
+        before_update: Optional[Callable[[Any, torch.Tensor, bool], None]] = None
+    ) -> tuple[Any, torch.Tensor]:
+        """The shared step on one global batch: forward and backward, clip, optimizer step."""
         self.optimizer.zero_grad(set_to_none=True)
         with autocast(self.cfg, self.device):  # the precision the reference uses too
             loss = self.forward_backward(inputs, targets)
@@ -345,12 +367,12 @@ class Trainer:
             self.optimizer.step()
         if self.scaler is not None:
             self.scaler.update(overflow)
-        self.scheduler.step()
-        self.step += 1
         return loss, grad_norm
 
-    def _wire_bytes(self, step: int) -> float:
-        return get_ledger().total(step=step, field="wire_bytes") if self.pgm is not None else 0.0
+    def end_step(self) -> None:
+        """After the optimizer step: the learning rate of the next one, the step count."""
+        self.scheduler.step()
+        self.step += 1
 
     def _maybe_inject_failure(self) -> None:
         """``--fail-at-step K --fail-rank R``: rank R dies abruptly at step K, on the first try.
@@ -363,139 +385,11 @@ class Trainer:
             print(f"rank {self.rank}: injected failure at step {self.step}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
 
-    def _train_step_with_context(self) -> tuple[float, float]:
-        """``train_step``, and if a collective fails (a peer died or timed out), say where."""
-        try:
-            return self.train_step()
-        except (RuntimeError, dist.DistError) as err:
-            r = get_ledger().last
-            last = (f"; the last collective issued was {r.op} over group '{r.group}' "
-                    f"({r.group_size} ranks)") if r is not None else ""
-            raise RuntimeError(f"rank {self.rank}: step {self.step} failed{last}: {err}") from err
-
     def train(self) -> TrainResult:
-        cfg = self.cfg
-        if self.verbose:
-            os.makedirs(cfg.run_path, exist_ok=True)
-            self._log = os.path.join(cfg.run_path, "log.txt")
-        if cfg.check:  # rank 0, once; on screen when a precision is asked for or is not fp32
-            asked = cfg.training.precision != "auto"
-            fp32 = resolve_precision(cfg, self.device.type) == "fp32"
-            self._print(precision_note(cfg, self.device.type), detail=fp32 and not asked)
-        if cfg.checkpoint.format == "dcp" and cfg.checkpoint.every:
-            self._sharded("--checkpoint.format dcp")  # refused before the first step
-        self.maybe_resume()
-        result = TrainResult(start_step=self.step)
-        metrics = None
-        if self.verbose:
-            os.makedirs(cfg.run_path, exist_ok=True)
-            if continues(cfg):  # the steps after the checkpoint leave metrics.jsonl
-                moved = keep_metrics_to(cfg.run_path, self.step)
-                if moved is not None:
-                    self._print(moved)
-            save_config(cfg, self._config_file())
-            # append-only, a line at a time: what a run logged survives a later failure (a
-            # fresh run never finds one, since load_config refuses to reuse a run directory)
-            metrics = open(os.path.join(cfg.run_path, "metrics.jsonl"), "a", buffering=1)
-        bar = None
-        # A bar only on a terminal: in a log file its redraws are noise; the log lines remain.
-        if (self.verbose and cfg.logging.progress and self.step < cfg.training.steps
-                and sys.stderr.isatty()):
-            from tqdm import tqdm
-            bar = tqdm(total=cfg.training.steps, initial=self.step, desc="train", unit="step",
-                       dynamic_ncols=True)
-        tokens_per_step = cfg.data.global_batch_size * cfg.data.seq_len
-        step_seconds = result.step_seconds
-        window: List[float] = []  # busy seconds of the steps since the last log line
-        prof = profiler(cfg.run_path, comm.group_rank(), cfg.logging.profile_steps)
-        step = [self.step]  # the step reached, for the line Ctrl-C prints
-        try:
-            with interruptible(cfg, step), prof if prof is not None else nullcontext():
-                self._loop(result, metrics, bar, tokens_per_step, window, prof, step)
-            # the last async checkpoint counts once whole
-            finished = self.async_saver.finish() if self.async_saver is not None else None
-            if finished is not None:
-                self._print(f"saved checkpoint {finished}")
-        finally:
-            if bar is not None:
-                bar.close()
-            if metrics is not None:
-                metrics.close()
-        if prof is not None:
-            n = cfg.logging.profile_steps
-            self._print(f"profile: {n} step{'s' if n > 1 else ''} per rank in "
-                        f"{os.path.join(cfg.run_path, 'profile')}/rank_<r>.json")
-        if self.verbose and self.pgm is not None and step_seconds:  # chapter 09's prediction
-            report = plan_report(cfg, self.world_size, self.pgm.pipeline_model_parallel_rank,
-                                 self.model, self.optimizer, self.step - 1, step_seconds)
-            if report:  # asked for by a cluster file, else a detail
-                self._print(report, detail=not cfg.logging.plan_cluster)
+        """Run the steps left (after a resume) with the shared step, in a ``Run`` (run.py):
+        the run directory, metrics, log lines, checkpoints and stops."""
+        result = TrainResult()
+        with Run(self, result) as run:
+            for inputs, targets in run.batches():
+                self.update(inputs, targets, run.record)
         return result
-
-    def _config_file(self) -> str:
-        """Where this run's config goes: config.yaml, or beside it when resuming a run that
-        has one, config.resume_<step>.yaml (what a run left is never written over)."""
-        first = os.path.join(self.cfg.run_path, "config.yaml")
-        if not os.path.exists(first):
-            return first
-        return os.path.join(self.cfg.run_path, f"config.resume_{self.step:07d}.yaml")
-
-    def _straggler_line(self, window: List[float]) -> Optional[str]:
-        """At a log line: every rank's median busy time over the steps since the last one,
-        all-gathered over the world; rank 0's line names a rank > 10% over the others."""
-        if self.pgm is None or self.world_size < 2:
-            return None
-        busy = statistics.median(window) if window else 0.0
-        window.clear()
-        return straggler_report(busy, self.device)
-
-    def _loop(self, result: TrainResult, metrics: Any, bar: Any, tokens_per_step: int,
-              window: List[float], prof: Optional[torch.profiler.profile],
-              reached: List[int]) -> None:
-        cfg = self.cfg
-        while self.step < cfg.training.steps:
-            reached[0] = self.step
-            start, waited = time.perf_counter(), comm.waited()
-            lr = self.scheduler.get_last_lr()[0]
-            self._maybe_inject_failure()
-            loss, grad_norm = self._train_step_with_context()
-            elapsed = time.perf_counter() - start
-            result.step_seconds.append(elapsed)
-            result.busy_seconds.append(elapsed - (comm.waited() - waited))
-            # the run's first step warms up; the profiler's steps run slower (its own work)
-            if self.step - 1 > result.start_step + (cfg.logging.profile_steps if prof else 0):
-                window.append(result.busy_seconds[-1])
-            if prof is not None:
-                prof.step()
-            result.losses.append(loss)
-            result.grad_norms.append(grad_norm)
-            record = {
-                "step": self.step,
-                "loss": loss,
-                "lr": lr,
-                "grad_norm": grad_norm,
-                "tokens_per_s": tokens_per_step / elapsed,
-                # bytes this rank sent in the step's collectives (our ledger: not torch's);
-                # none without process groups (the --check reference, after the run's steps)
-                "wire_bytes": self._wire_bytes(self.step - 1),
-            }
-            if metrics is not None:
-                try:
-                    metrics.write(json.dumps(record) + "\n")
-                except OSError as err:  # a full disk: one line, not a traceback
-                    raise WriteError(f"could not write {metrics.name!r}: {err.strerror}; the "
-                                     f"lines before this step's are kept") from None
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(loss=f"{loss:.4f}")
-            if self.step % cfg.logging.log_every == 0 or self.step == cfg.training.steps:
-                line = (f"step {self.step:5d} | loss {loss:.4f} | lr {lr:.2e} | "
-                        f"grad norm {grad_norm:.3f} | {record['tokens_per_s']:,.0f} tok/s")
-                self._print(line, bar=bar)
-                straggler = self._straggler_line(window)  # every rank: an all-gather
-                if straggler is not None:
-                    self._print(straggler, detail=True, bar=bar)
-            if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
-                path = self.save()
-                self._print(f"{'writing' if cfg.checkpoint.async_save else 'saved'} checkpoint "
-                            f"{path}")
