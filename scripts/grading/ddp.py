@@ -21,7 +21,8 @@ from scaletorch.trainer import Config, Trainer, parse_args
 from scaletorch.trainer.parity import max_norm_diff, reference_trainer
 from scaletorch.trainer.precision import NORM_TOLERANCES, TOLERANCES
 from scripts.grading.runner import (COLLECTIVE_TIMEOUT, Source, Verdict, error_verdict, failure,
-                                    hang_text, is_hang, is_unwritten, load, patched, run_world)
+                                    is_hang, is_unwritten, load, patched, per_job, run_world,
+                                    streamed)
 
 CHAPTER = "01"
 EXERCISES = ("average_gradients", "launch_full_buckets", "wait_for_buckets")
@@ -102,7 +103,7 @@ def rank_jobs(rank: int, world: int, jobs: List[Dict[str, Source]]) -> List[Dict
     """Inside a rank: each job ({exercise: source}, one exercise each) trained and measured."""
     cfg = config()
     pgm = init_pg_manager_from_config(cfg.parallel, COLLECTIVE_TIMEOUT)  # the jobs' groups
-    out: List[Dict[str, Any]] = []
+    out = streamed()
     try:
         for job in jobs:
             (exercise, source), = job.items()
@@ -255,17 +256,8 @@ def diagnose(exercise: str, runs: List[Dict[str, Any]], ref: Dict[str, Any]) -> 
 def grade(jobs: List[Dict[str, Source]]) -> List[Verdict]:
     """Every job (one exercise each, in order) graded in one world of WORLD ranks."""
     ref = reference()
-    results, hang = run_world(rank_jobs, WORLD, jobs)
-    verdicts = []
-    for i, job in enumerate(jobs):
-        (exercise, _), = job.items()
-        runs = [r[i] for r in results if isinstance(r, list) and i < len(r)]
-        if len(runs) < WORLD:
-            text = hang_text(exercise, hang) if hang else "no result from every rank"
-            verdicts.append(Verdict(exercise, False, text))
-            continue
-        verdicts.append(diagnose(exercise, runs, ref))
-    return verdicts
+    return per_job(jobs, run_world(rank_jobs, WORLD, jobs),
+                   lambda exercise, runs: diagnose(exercise, runs, ref))
 
 
 def solution_jobs() -> List[Dict[str, Source]]:

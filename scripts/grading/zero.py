@@ -254,8 +254,8 @@ def diagnose(exercise: str, runs: List[Dict[str, Any]], ref: Dict[str, Any]) -> 
 def grade(jobs: List[Dict[str, Source]]) -> List[Verdict]:
     """Every job (one exercise each, in order) graded in one world of WORLD ranks."""
     ref = reference(config())
-    results, hang = run_world(rank_jobs, WORLD, jobs)
-    return per_job(jobs, results, hang, lambda exercise, runs: diagnose(exercise, runs, ref))
+    return per_job(jobs, run_world(rank_jobs, WORLD, jobs),
+                   lambda exercise, runs: diagnose(exercise, runs, ref))
 
 
 def solution_jobs() -> List[Dict[str, Source]]:
