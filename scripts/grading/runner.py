@@ -157,8 +157,12 @@ def _worker(rank: int, world: int, port: int, fn: Callable, jobs: Sequence[Dict[
     global _STREAM
     os.environ.update({
         flight_recorder.BUFFER_ENV: os.environ.get(flight_recorder.BUFFER_ENV, "2000"),
-        "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-        "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(world),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port)
     })
     torch.set_num_threads(1)  # the ranks share the cores
     stack = open(os.path.join(directory, f"stack_{rank}"), "w")  # noqa: SIM115 - to exit
@@ -248,6 +252,8 @@ def _one_world(fn: Callable, world: int, jobs: Sequence[Dict[str, Source]], lead
         fresh = [_count(directory, r) for r in range(world)]
         if fresh != counts:
             counts, progress = fresh, now
+        if min(counts) >= total:
+            break  # every job done: a rank may still be tearing its groups down
         early = [
             r for r, p in enumerate(procs)
             if (not p.is_alive() and counts[r] < total) or _read(directory, f"stopped_{r}")
@@ -262,13 +268,17 @@ def _one_world(fn: Callable, world: int, jobs: Sequence[Dict[str, Source]], lead
             time.sleep(0.5)
             break
         time.sleep(0.05)
+    deadline = time.monotonic() + 5  # seconds for the ranks to leave by themselves
     for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()) if min(counts) >= total else 0)
         if proc.is_alive():
             proc.kill()
         proc.join(5)
     counts = [_count(directory, r) for r in range(world)]
-    results = [[torch.load(os.path.join(directory, f"result_{r}_{i}"), weights_only=False)
-                for i in range(counts[r])] for r in range(world)]
+    results = [[
+        torch.load(os.path.join(directory, f"result_{r}_{i}"), weights_only=False)
+        for i in range(counts[r])
+    ] for r in range(world)]
     first = min(counts)
     if first >= total:
         return results, {}
@@ -334,17 +344,21 @@ def run_world(fn: Callable, world: int, jobs: Sequence[Dict[str, Source]],
             out[r].extend(results[r][skip:first])
         if not stopped:
             break
-        text = "; ".join(stopped[r] for r in sorted(stopped,
-                                                    key=lambda r: _rank_order(stopped[r], r)))
+        text = "; ".join(stopped[r]
+                         for r in sorted(stopped, key=lambda r: _rank_order(stopped[r], r)))
         if first < lead:  # the reference run itself: nothing can be graded
             for r in range(world):
-                out[r].extend({"exercise": "the reference run", "lost": text}
-                              for _ in range(lead - first + len(jobs) - start))
+                out[r].extend({
+                    "exercise": "the reference run",
+                    "lost": text
+                } for _ in range(lead - first + len(jobs) - start))
             break
         exercise = next(iter(jobs[start + first - lead]))
         for r in range(world):
-            out[r].append(results[r][first] if len(results[r]) > first else
-                          {"exercise": exercise, "lost": text})
+            out[r].append(results[r][first] if len(results[r]) > first else {
+                "exercise": exercise,
+                "lost": text
+            })
         start += first - lead + 1
     return out
 
@@ -367,6 +381,13 @@ def run_jobs(jobs: Sequence[Dict[str, Source]],
             if not is_unwritten(err):
                 break
     return out
+
+
+def cloned(args: Sequence[Any]) -> Tuple[Any, ...]:
+    """``args`` with each tensor cloned (in the autograd graph still, gradients flow back to
+    the original): the function under test gets inputs of its own, so in-place work on them,
+    wherever the contract allows it, cannot change what the library's call reads."""
+    return tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
 
 
 def relative(a: float, b: float) -> float:

@@ -685,7 +685,7 @@ CATALOGUE: Dict[Tuple[str, str, str], str] = {
     ("05", "ring_forward", "ring_never_exchanges"):
     "ring_forward sent no K/V message on rank 0 in step 0",
     ("05", "ring_forward", "ring_exchanges_every_step"):
-    "ring_forward sent 2 K/V messages on rank 0 in step 0, the ring needs N - 1 = 1",
+    "ring_forward sent 2 blocks of K/V on rank 0 in step 0",
     ("05", "ring_forward", "ring_keeps_last_tile"):
     "below the library's",
     ("05", "ring_forward", "ring_attends_skipped_tiles"):
