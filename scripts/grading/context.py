@@ -124,13 +124,12 @@ def _checked(exercise: str, fn: Callable, library: Callable, found: List[str]) -
     def call(*args: Any) -> Any:
         ledger = get_ledger()
         # every rank: the learner's call on inputs of its own, then the library's; the K/V
-        # messages sent are counted where they reach the cp group, whatever API sent them
+        # messages sent are counted where they reach a process group, whatever API sent them
         with observed() as traffic:
             got = fn(*cloned(args))
         with observed() as reference:
             want = library(*args)
-        sent, needed = (sum(c.elements for c in t.select("send", "cp"))
-                        for t in (traffic, reference))
+        sent, needed = (sum(c.elements for c in t.select("send")) for t in (traffic, reference))
         if not found:
             if exercise == "slice_ids":
                 text = slice_ids_diagnosis(args, got, want)
