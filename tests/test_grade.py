@@ -199,7 +199,9 @@ class GradeEachExerciseOnItsOwn(unittest.TestCase):
         recv = _line(grading_solutions.hang_on_rank_1, "dist.recv")
         reduce = _line(grading_solutions.hang_on_rank_1, "comm.all_reduce")
         self.assertIn(f"rank 1 stopped in hang_on_rank_1 (grading_solutions.py:{recv})", text)
+        self.assertIn("no peer answered its recv within 20 s", text)  # not gloo's 120 s
         self.assertIn(f"rank 0 stopped in hang_on_rank_1 (grading_solutions.py:{reduce})", text)
+        self.assertNotIn("gloo", text)  # the learner's terms, not the backend's
 
     def test_the_other_exercises_keep_their_verdicts(self):
         self.assertEqual([(v.exercise, v.text) for v in (self.verdicts[1], self.verdicts[4])],

@@ -3,9 +3,14 @@
 A function to grade is named by its ``Source``, (file or module, attribute), so that each spawned
 rank loads it itself: ``examples/exercises/01_ddp.py`` is a file (its name starts with a digit,
 no import reaches it), a planted variant is a module of the tests. ``run_world`` starts the
-ranks with a short collective timeout and torch's flight recorder; a rank whose collective
-times out dumps its recorder, and the grader names the ranks, the collectives and the peers
-(scaletorch/dist/flight_recorder.py) instead of waiting for a timeout to say nothing.
+ranks with a short collective timeout (``COLLECTIVE_TIMEOUT``) and torch's flight recorder, and
+grades every job on its own: each rank writes each job's result as it finishes it
+(``streamed``), so a rank that hangs (no result for ``STALL_LIMIT`` s, whatever timeout the
+backend would wait out), dies (a segfault: faulthandler writes its Python stack) or raises
+costs only the job it was in. That job's verdict names the rank, what stopped it and the
+learner's frame it was in (and, for a collective that timed out, the flight recorder's account
+of the ranks and their collectives, scaletorch/dist/flight_recorder.py); a new world grades
+the jobs after it.
 """
 
 import datetime
@@ -217,6 +222,19 @@ def where_stopped(stack: str, files: Sequence[str], exercise: str,
     return f"{pick['name']} ({os.path.basename(pick['file'])}:{pick['line']})"
 
 
+def plain(message: str) -> str:
+    """A backend's error in the learner's terms: gloo's source locations dropped, its "Connection
+    closed by peer" a peer that left, its "Timed out waiting Nms" a wait of N / 1000 s."""
+    message = re.sub(r"\[[^\]]*gloo[^\]]*\]\s*", "", message)
+    message = re.sub(r"Connection closed by peer.*", "a peer rank had left (its connection closed)",
+                     message)
+    message = re.sub(
+        r"Timed out waiting (\d+)ms for (\w+) operation to complete",
+        lambda m: f"no peer answered its {m.group(2)} within "
+        f"{int(m.group(1)) / 1000:.0f} s", message)
+    return message if len(message) < 240 else message[:240] + "..."
+
+
 def _count(directory: str, rank: int) -> int:
     n = 0
     while os.path.exists(os.path.join(directory, f"result_{rank}_{n}")):
@@ -295,8 +313,7 @@ def _one_world(fn: Callable, world: int, jobs: Sequence[Dict[str, Source]], lead
         code = proc.exitcode if proc.exitcode is not None else 0
         if said:
             where = where_stopped(said, files, exercise, recent_first=False)
-            message = said.splitlines()[0].split(": ", 1)[-1]
-            message = message if len(message) < 160 else message[:160] + "..."
+            message = plain(said.splitlines()[0].split(": ", 1)[-1])
         if said.startswith("hang: "):
             text = f"rank {r} stopped in {where}, in a collective: {message}"
         elif said:
