@@ -363,3 +363,20 @@ ALTERNATIVES = [
     ("08", "unscale_and_check", "unscale_and_check_direct"),
     ("08", "update_scale", "update_scale_early_return"),
 ]
+
+# ---- mistakes that nobody planted: each must fail with a diagnosis that says what was measured
+
+
+def average_divided_on_rank_0_only(grads, group):
+    """Only rank 0 divides the sum by N."""
+    for g in grads:
+        comm.all_reduce(g, group)
+        if dist.get_rank(group) == 0:
+            g /= comm.group_size(group)
+
+
+# (chapter, exercise, function in this module, words its diagnosis must hold)
+MISTAKES = [
+    ("01", "average_gradients", "average_divided_on_rank_0_only",
+     "multiples of the reference (rank 0's 1.00x, rank 1's 2.00x)"),
+]

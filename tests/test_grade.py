@@ -21,7 +21,7 @@ from scripts.grading.runner import load
 from scripts.grading.variants import CATALOGUE, HANGS, STOPPING
 from tests import harness  # noqa: F401 - sets the forkserver's preload list
 from tests import grading_solutions
-from tests.grading_solutions import ALTERNATIVES
+from tests.grading_solutions import ALTERNATIVES, MISTAKES
 
 # The graded worlds fork from the test run's forkserver, which imported torch and the library
 # once, instead of starting Pythons that import them again (the grader's way for a learner)
@@ -43,14 +43,17 @@ class _GradeChapter:
         cls.planted = [(exercise, variant) for (chapter, exercise, variant) in CATALOGUE
                        if chapter == cls.chapter]
         cls.others = [(e, f) for c, e, f in ALTERNATIVES if c == cls.chapter]
+        cls.mistakes = [(e, f, words) for c, e, f, words in MISTAKES if c == cls.chapter]
         jobs = module.solution_jobs() + [{e: (SOLUTIONS, f)} for e, f in cls.others] + \
+            [{e: (SOLUTIONS, f)} for e, f, _ in cls.mistakes] + \
             [{e: (VARIANTS, v)} for e, v in cls.planted] + \
             module.exercise_jobs(os.path.join(ROOT, path))
         cls.verdicts = module.grade(jobs)
-        n, k = len(module.EXERCISES), len(cls.others)
+        n, k, m = len(module.EXERCISES), len(cls.others), len(cls.mistakes)
         cls.solutions, cls.stubs = cls.verdicts[:n], cls.verdicts[-n:]
         cls.written_otherwise = dict(zip(cls.others, cls.verdicts[n:n + k]))
-        cls.variants = dict(zip(cls.planted, cls.verdicts[n + k:-n]))
+        cls.unplanted = list(zip(cls.mistakes, cls.verdicts[n + k:n + k + m]))
+        cls.variants = dict(zip(cls.planted, cls.verdicts[n + k + m:-n]))
 
     def test_the_library_passes_every_exercise(self):
         for verdict in self.solutions:
@@ -63,6 +66,12 @@ class _GradeChapter:
         for (exercise, function), verdict in self.written_otherwise.items():
             self.assertEqual((verdict.exercise, verdict.passed, verdict.text),
                              (exercise, True, "passed"), function)
+
+    def test_a_mistake_nobody_planted_gets_what_was_measured(self):
+        for (exercise, function, words), verdict in self.unplanted:
+            self.assertEqual(verdict.exercise, exercise)
+            self.assertFalse(verdict.passed, function)
+            self.assertIn(words, verdict.text, function)
 
     def test_every_planted_variant_gets_its_own_diagnosis(self):
         texts = set()

@@ -161,15 +161,36 @@ def _off(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor], scale: float) -
     return [n for n in b if float((a[n] - b[n]).abs().max()) > GRAD_TOL * scale]
 
 
+def apart_diagnosis(runs: List[Dict[str, Any]], ref: Dict[str, Any], top: float) -> str:
+    """The ranks' gradients differ in every parameter after the sync: what was measured, and
+    the cause only where the measurement determines it."""
+    names = list(ref["grads"])
+    mean = {n: sum(run["grads"][n] for run in runs) / len(runs) for n in names}
+    if not _off(mean, ref["grads"], top):  # the local gradients' mean is the reference
+        return (f"rank 0's and rank 1's gradients differ in all {len(names)} parameters after "
+                f"the sync, and their mean is the reference: each rank kept its own; "
+                f"all-reduce every gradient over the data-parallel group")
+    scales = [_scale(run["grads"], ref["grads"]) for run in runs]
+    scaled = [{n: s * g for n, g in ref["grads"].items()} for s in scales]
+    if all(not _off(run["grads"], want, top * max(1.0, s))
+           for run, want, s in zip(runs, scaled, scales)):
+        told = ", ".join(f"rank {r}'s {s:.2f}x" for r, s in enumerate(scales))
+        return (f"the ranks' gradients are multiples of the reference ({told}): every rank "
+                f"summed the same gradients, but they scaled the sum differently; each rank "
+                f"divides by N = {WORLD}")
+    told = ", ".join(f"rank {r} {s:.2f}x" for r, s in enumerate(scales))
+    return (f"the ranks' gradients differ in all {len(names)} parameters after the sync "
+            f"(least-squares factors {told} of the reference), and neither their mean nor a "
+            f"multiple of the reference matches: look at what each rank sends and divides")
+
+
 def gradient_diagnosis(runs: List[Dict[str, Any]], ref: Dict[str, Any]) -> Optional[str]:
     """What is wrong with every rank's step-0 gradients, or None if they are right."""
     top = max(float(g.abs().max()) for g in ref["grads"].values())
     names = list(ref["grads"])
     apart = _off(runs[1]["grads"], runs[0]["grads"], top)
     if len(apart) == len(names):
-        return (f"rank 0's and rank 1's gradients differ in all {len(names)} parameters after "
-                f"the sync: each rank kept its own; all-reduce every gradient over the "
-                f"data-parallel group")
+        return apart_diagnosis(runs, ref, top)
     if apart:
         return (f"{len(apart)} of {len(names)} gradients differ between the ranks, first "
                 f"{apart[0]}: every gradient must go through the all-reduce")
