@@ -38,10 +38,14 @@ from scaletorch.dist.spawn import free_port
 Source = Tuple[str, str]  # (a .py file or a module name, the function's name in it)
 # seconds a collective waits (every group of the world): a world of tiny ranks never waits this
 # long unless hung; below STALL_LIMIT, so that a hung rank dumps its flight recorder first
-COLLECTIVE_TIMEOUT = 20.0
-# seconds the parent waits for any rank to finish a job before it stops the world (whatever
-# timeout the backend would wait out: gloo's receives wait for their group's 120 s)
+COLLECTIVE_TIMEOUT = 25.0
+# seconds the parent waits while no rank finishes a job and the ranks together use less than
+# CPU_PROGRESS s of CPU (they wait, not work: a loaded machine only slows them) before it stops
+# the world, whatever timeout the backend would wait out (gloo's receives wait 120 s)
 STALL_LIMIT = 30.0
+CPU_PROGRESS = 1.0
+JOB_LIMIT = 300.0  # seconds of a job however busy its ranks (a learner's endless loop)
+STARTUP_LIMIT = 600.0  # seconds for the ranks to start (import torch, meet) on a loaded machine
 GRACE = 3.0  # seconds the other ranks get to finish a job once one rank has left early
 SOURCE_FILES: Set[str] = set()  # inside a rank: the files of the functions graded
 # How the ranks start: new Pythons (spawn); the test suite forks them from its forkserver, which
@@ -178,6 +182,7 @@ def _worker(rank: int, world: int, port: int, fn: Callable, jobs: Sequence[Dict[
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT))
+        open(os.path.join(directory, f"ready_{rank}"), "w").close()  # the stall clock starts
         fn(rank, world, jobs)
     except Exception as err:  # noqa: B902 - a hang, or the grader's own error: for the parent
         if is_hang(err):
@@ -235,6 +240,17 @@ def plain(message: str) -> str:
     return message if len(message) < 240 else message[:240] + "..."
 
 
+def _cpu_seconds(pid: Optional[int]) -> float:
+    """The CPU time process ``pid`` has used (Linux /proc; 0 elsewhere): a rank that waits in a
+    collective uses none, a rank slowed by a loaded machine still adds some."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
 def _count(directory: str, rank: int) -> int:
     n = 0
     while os.path.exists(os.path.join(directory, f"result_{rank}_{n}")):
@@ -265,11 +281,20 @@ def _one_world(fn: Callable, world: int, jobs: Sequence[Dict[str, Source]], lead
         proc.start()
     total = lead + len(jobs)
     counts, progress, left, signalled = [0] * world, time.monotonic(), None, False
+    started, spent = time.monotonic(), 0.0
+    finished = started  # when a rank last finished a job
     while any(p.is_alive() for p in procs):
         now = time.monotonic()
+        ready = [os.path.exists(os.path.join(directory, f"ready_{r}")) for r in range(world)]
+        if not all(ready) and now - started < STARTUP_LIMIT:
+            progress = finished = now  # a rank still importing torch (a new Python) is not stalled
         fresh = [_count(directory, r) for r in range(world)]
+        cpu = sum(_cpu_seconds(p.pid) for p in procs if p.is_alive())
+        spent = min(spent, cpu)  # a rank that left takes its CPU time with it
         if fresh != counts:
-            counts, progress = fresh, now
+            counts, progress, finished = fresh, now, now
+        elif cpu > spent + CPU_PROGRESS:
+            progress, spent = now, cpu
         if min(counts) >= total:
             break  # every job done: a rank may still be tearing its groups down
         early = [
@@ -278,10 +303,11 @@ def _one_world(fn: Callable, world: int, jobs: Sequence[Dict[str, Source]], lead
         ]
         if early and left is None:
             left = now
-        if (left is not None and now - left > GRACE) or now - progress > STALL_LIMIT:
-            signalled = now - progress > STALL_LIMIT
-            for proc in procs:  # where each is: faulthandler writes its stack
-                if proc.is_alive() and proc.pid is not None:
+        stalled = now - progress > STALL_LIMIT or now - finished > JOB_LIMIT
+        if (left is not None and now - left > GRACE) or stalled:
+            signalled = stalled
+            for r, proc in enumerate(procs):  # where each is: faulthandler writes its stack
+                if ready[r] and proc.is_alive() and proc.pid is not None:
                     os.kill(proc.pid, signal.SIGUSR1)
             time.sleep(0.5)
             break
@@ -318,11 +344,11 @@ def _one_world(fn: Callable, world: int, jobs: Sequence[Dict[str, Source]], lead
             text = f"rank {r} stopped in {where}, in a collective: {message}"
         elif said:
             text = f"rank {r} failed in {where}: {message}"
-        elif code < 0 and -code != signal.SIGKILL:
+        elif code < 0 and -code not in (signal.SIGKILL, signal.SIGUSR1):
             text = f"rank {r} died of {signal.Signals(-code).name} in {where}"
         elif signalled:
-            text = (f"rank {r} made no progress for {STALL_LIMIT:.0f} s (the grader's limit), "
-                    f"stopped in {where}")
+            text = (f"rank {r} made no progress (the grader's limit: {STALL_LIMIT:.0f} s waiting, "
+                    f"{JOB_LIMIT:.0f} s a job), stopped in {where}")
         elif code == -signal.SIGKILL:
             text = f"rank {r} was stopped in {where}, after another rank had left"
         else:
