@@ -12,6 +12,7 @@ import inspect
 import io
 import os
 import re
+import time
 import unittest
 
 from scripts import grade
@@ -19,6 +20,8 @@ from scripts.grading import runner
 from scripts.grading.runner import load
 from scripts.grading.variants import CATALOGUE, HANGS, STOPPING
 from tests import harness  # noqa: F401 - sets the forkserver's preload list
+from tests import grading_solutions
+from tests.grading_solutions import ALTERNATIVES, MISTAKES
 
 # The graded worlds fork from the test run's forkserver, which imported torch and the library
 # once, instead of starting Pythons that import them again (the grader's way for a learner)
@@ -26,6 +29,7 @@ runner.START_METHOD = "forkserver"
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VARIANTS = "scripts.grading.variants"
+SOLUTIONS = "tests.grading_solutions"
 
 
 class _GradeChapter:
@@ -38,16 +42,36 @@ class _GradeChapter:
         cls.exercises = module.EXERCISES
         cls.planted = [(exercise, variant) for (chapter, exercise, variant) in CATALOGUE
                        if chapter == cls.chapter]
-        jobs = module.solution_jobs() + [{e: (VARIANTS, v)} for e, v in cls.planted] + \
+        cls.others = [(e, f) for c, e, f in ALTERNATIVES if c == cls.chapter]
+        cls.mistakes = [(e, f, words) for c, e, f, words in MISTAKES if c == cls.chapter]
+        jobs = module.solution_jobs() + [{e: (SOLUTIONS, f)} for e, f in cls.others] + \
+            [{e: (SOLUTIONS, f)} for e, f, _ in cls.mistakes] + \
+            [{e: (VARIANTS, v)} for e, v in cls.planted] + \
             module.exercise_jobs(os.path.join(ROOT, path))
         cls.verdicts = module.grade(jobs)
-        n = len(module.EXERCISES)
+        n, k, m = len(module.EXERCISES), len(cls.others), len(cls.mistakes)
         cls.solutions, cls.stubs = cls.verdicts[:n], cls.verdicts[-n:]
-        cls.variants = dict(zip(cls.planted, cls.verdicts[n:-n]))
+        cls.written_otherwise = dict(zip(cls.others, cls.verdicts[n:n + k]))
+        cls.unplanted = list(zip(cls.mistakes, cls.verdicts[n + k:n + k + m]))
+        cls.variants = dict(zip(cls.planted, cls.verdicts[n + k + m:-n]))
 
     def test_the_library_passes_every_exercise(self):
         for verdict in self.solutions:
             self.assertEqual((verdict.passed, verdict.text), (True, "passed"), verdict.exercise)
+
+    def test_correct_solutions_written_another_way_pass(self):
+        # torch.distributed directly, in place, another order, another API, batched p2p
+        for exercise in self.exercises:
+            self.assertIn(exercise, [e for e, _ in self.written_otherwise])
+        for (exercise, function), verdict in self.written_otherwise.items():
+            self.assertEqual((verdict.exercise, verdict.passed, verdict.text),
+                             (exercise, True, "passed"), function)
+
+    def test_a_mistake_nobody_planted_gets_what_was_measured(self):
+        for (exercise, function, words), verdict in self.unplanted:
+            self.assertEqual(verdict.exercise, exercise)
+            self.assertFalse(verdict.passed, function)
+            self.assertIn(words, verdict.text, function)
 
     def test_every_planted_variant_gets_its_own_diagnosis(self):
         texts = set()
@@ -115,7 +139,7 @@ class GradeAStoppedWorld(unittest.TestCase):
             module, _ = grade.CHAPTERS[chapter]
             verdict, = module.grade([{exercise: (VARIANTS, variant)}])
             self.assertFalse(verdict.passed)
-            self.assertIn("the ranks stopped in a collective", verdict.text)
+            self.assertIn("in a collective", verdict.text)
             self.assertIn(words, verdict.text)
             self.assertIn(variant, verdict.text)  # the function that issued it
 
@@ -135,6 +159,63 @@ class GradeAHang(unittest.TestCase):
             waited = float(re.search(r"gave up after (\d+) s", verdict.text).group(1))
             self.assertGreaterEqual(waited, module.HANG_TIMEOUT - 1, verdict.text)
             self.assertLessEqual(waited, module.HANG_TIMEOUT + 2, verdict.text)
+
+
+def _line(function, text):
+    """The line of tests/grading_solutions.py where ``text`` first appears in ``function``."""
+    lines, first = inspect.getsourcelines(function)
+    return first + next(i for i, line in enumerate(lines) if text in line)
+
+
+def _text(line):
+    return inspect.getsource(grading_solutions).splitlines()[line - 1].strip()
+
+
+class GradeEachExerciseOnItsOwn(unittest.TestCase):
+    """Chapter 01's jobs: a segfault on rank 1, the library, an error raised on rank 1, a hang
+    (rank 1 receives a message never sent), the library: each failure is its job's alone, with
+    its rank and the learner's line, and the library's jobs after it pass (4 worlds of 2)."""
+
+    @classmethod
+    def setUpClass(cls):
+        module, _ = grade.CHAPTERS["01"]
+        library = (module.LIBRARY, "average_gradients")
+        jobs = [{"average_gradients": (SOLUTIONS, f)} for f in ("segfault_on_rank_1", )]
+        jobs += [{"average_gradients": library}]
+        jobs += [{
+            "average_gradients": (SOLUTIONS, f)
+        } for f in ("raise_on_rank_1", "hang_on_rank_1")]
+        jobs += [{"wait_for_buckets": (module.LIBRARY, "wait_for_buckets")}]
+        start = time.perf_counter()
+        cls.verdicts = module.grade(jobs)
+        cls.seconds = time.perf_counter() - start
+
+    def test_a_segfault_names_its_rank_and_function(self):
+        verdict = self.verdicts[0]
+        self.assertFalse(verdict.passed)
+        self.assertIn("rank 1 died of SIGSEGV in segfault_on_rank_1 (grading_solutions.py:",
+                      verdict.text)
+
+    def test_a_learners_error_shows_the_learners_line(self):
+        line = _line(grading_solutions.raise_on_rank_1, "raise ValueError")
+        self.assertEqual(
+            self.verdicts[2].text, "average_gradients raised on rank 1: ValueError: the learner's "
+            f"own error (at grading_solutions.py:{line}: {_text(line)})")
+
+    def test_a_hang_names_where_each_rank_waited(self):
+        text = self.verdicts[3].text
+        self.assertFalse(self.verdicts[3].passed)
+        recv = _line(grading_solutions.hang_on_rank_1, "dist.recv")
+        reduce = _line(grading_solutions.hang_on_rank_1, "comm.all_reduce")
+        self.assertIn(f"rank 1 stopped in hang_on_rank_1 (grading_solutions.py:{recv})", text)
+        # the grader's timeout, not gloo's 120 s
+        self.assertIn(f"no peer answered its recv within {runner.COLLECTIVE_TIMEOUT:.0f} s", text)
+        self.assertIn(f"rank 0 stopped in hang_on_rank_1 (grading_solutions.py:{reduce})", text)
+        self.assertNotIn("gloo", text)  # the learner's terms, not the backend's
+
+    def test_the_other_exercises_keep_their_verdicts(self):
+        self.assertEqual([(v.exercise, v.text) for v in (self.verdicts[1], self.verdicts[4])],
+                         [("average_gradients", "passed"), ("wait_for_buckets", "passed")])
 
 
 class StubsMatchTheLibrary(unittest.TestCase):

@@ -21,7 +21,8 @@ from scaletorch.trainer import Config, Trainer, parse_args
 from scaletorch.trainer.parity import max_norm_diff, reference_trainer
 from scaletorch.trainer.precision import NORM_TOLERANCES, TOLERANCES
 from scripts.grading.runner import (COLLECTIVE_TIMEOUT, Source, Verdict, error_verdict, failure,
-                                    hang_text, is_hang, is_unwritten, load, patched, run_world)
+                                    is_hang, is_unwritten, load, patched, per_job, run_world,
+                                    streamed)
 
 CHAPTER = "01"
 EXERCISES = ("average_gradients", "launch_full_buckets", "wait_for_buckets")
@@ -102,7 +103,7 @@ def rank_jobs(rank: int, world: int, jobs: List[Dict[str, Source]]) -> List[Dict
     """Inside a rank: each job ({exercise: source}, one exercise each) trained and measured."""
     cfg = config()
     pgm = init_pg_manager_from_config(cfg.parallel, COLLECTIVE_TIMEOUT)  # the jobs' groups
-    out: List[Dict[str, Any]] = []
+    out = streamed()
     try:
         for job in jobs:
             (exercise, source), = job.items()
@@ -160,15 +161,36 @@ def _off(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor], scale: float) -
     return [n for n in b if float((a[n] - b[n]).abs().max()) > GRAD_TOL * scale]
 
 
+def apart_diagnosis(runs: List[Dict[str, Any]], ref: Dict[str, Any], top: float) -> str:
+    """The ranks' gradients differ in every parameter after the sync: what was measured, and
+    the cause only where the measurement determines it."""
+    names = list(ref["grads"])
+    mean = {n: sum(run["grads"][n] for run in runs) / len(runs) for n in names}
+    if not _off(mean, ref["grads"], top):  # the local gradients' mean is the reference
+        return (f"rank 0's and rank 1's gradients differ in all {len(names)} parameters after "
+                f"the sync, and their mean is the reference: each rank kept its own; "
+                f"all-reduce every gradient over the data-parallel group")
+    scales = [_scale(run["grads"], ref["grads"]) for run in runs]
+    scaled = [{n: s * g for n, g in ref["grads"].items()} for s in scales]
+    if all(not _off(run["grads"], want, top * max(1.0, s))
+           for run, want, s in zip(runs, scaled, scales)):
+        told = ", ".join(f"rank {r}'s {s:.2f}x" for r, s in enumerate(scales))
+        return (f"the ranks' gradients are multiples of the reference ({told}): every rank "
+                f"summed the same gradients, but they scaled the sum differently; each rank "
+                f"divides by N = {WORLD}")
+    told = ", ".join(f"rank {r} {s:.2f}x" for r, s in enumerate(scales))
+    return (f"the ranks' gradients differ in all {len(names)} parameters after the sync "
+            f"(least-squares factors {told} of the reference), and neither their mean nor a "
+            f"multiple of the reference matches: look at what each rank sends and divides")
+
+
 def gradient_diagnosis(runs: List[Dict[str, Any]], ref: Dict[str, Any]) -> Optional[str]:
     """What is wrong with every rank's step-0 gradients, or None if they are right."""
     top = max(float(g.abs().max()) for g in ref["grads"].values())
     names = list(ref["grads"])
     apart = _off(runs[1]["grads"], runs[0]["grads"], top)
     if len(apart) == len(names):
-        return (f"rank 0's and rank 1's gradients differ in all {len(names)} parameters after "
-                f"the sync: each rank kept its own; all-reduce every gradient over the "
-                f"data-parallel group")
+        return apart_diagnosis(runs, ref, top)
     if apart:
         return (f"{len(apart)} of {len(names)} gradients differ between the ranks, first "
                 f"{apart[0]}: every gradient must go through the all-reduce")
@@ -255,17 +277,8 @@ def diagnose(exercise: str, runs: List[Dict[str, Any]], ref: Dict[str, Any]) -> 
 def grade(jobs: List[Dict[str, Source]]) -> List[Verdict]:
     """Every job (one exercise each, in order) graded in one world of WORLD ranks."""
     ref = reference()
-    results, hang = run_world(rank_jobs, WORLD, jobs)
-    verdicts = []
-    for i, job in enumerate(jobs):
-        (exercise, _), = job.items()
-        runs = [r[i] for r in results if isinstance(r, list) and i < len(r)]
-        if len(runs) < WORLD:
-            text = hang_text(exercise, hang) if hang else "no result from every rank"
-            verdicts.append(Verdict(exercise, False, text))
-            continue
-        verdicts.append(diagnose(exercise, runs, ref))
-    return verdicts
+    return per_job(jobs, run_world(rank_jobs, WORLD, jobs),
+                   lambda exercise, runs: diagnose(exercise, runs, ref))
 
 
 def solution_jobs() -> List[Dict[str, Source]]:

@@ -24,7 +24,7 @@ from scaletorch.parallel.step import make_data_parallel_step
 from scaletorch.trainer import Config, Trainer, parse_args
 from scaletorch.trainer import trainer as trainer_module
 from scripts.grading.runner import (COLLECTIVE_TIMEOUT, Source, Verdict, error_verdict, failure,
-                                    hang_text, is_hang, is_unwritten, load, patched, run_world)
+                                    is_hang, is_unwritten, load, patched, run_world, streamed)
 
 CHAPTER = "08"
 EXERCISES = ("unscale_and_check", "update_scale")
@@ -86,7 +86,7 @@ def rank_jobs(rank: int, world: int, jobs: List[Dict[str, Source]]) -> List[Dict
     """Inside a rank: the library's run (the reference), then each job, measured."""
     cfg = config()
     pgm = init_pg_manager_from_config(cfg.parallel, COLLECTIVE_TIMEOUT)
-    out: List[Dict[str, Any]] = []
+    out = streamed()
     try:
         for job in [{EXERCISES[0]: (LIBRARY, EXERCISES[0])}] + jobs:
             (exercise, source), = job.items()
@@ -164,20 +164,16 @@ def diagnose(exercise: str, runs: List[Dict[str, Any]], ref: Dict[str, Any]) -> 
 
 def grade(jobs: List[Dict[str, Source]]) -> List[Verdict]:
     """Every job graded in one world of WORLD ranks, against the library's run (job 0)."""
-    results, hang = run_world(rank_jobs, WORLD, jobs)
-    ranks = [r for r in results if isinstance(r, list)]
-    if len(ranks) < WORLD or not ranks[0] or "error" in ranks[0][0]:
-        text = hang_text("the reference run", hang) if hang else "the reference run failed"
+    ranks = run_world(rank_jobs, WORLD, jobs, lead=1)
+    if any("state" not in r[0] for r in ranks):
+        lost = next(r[0] for r in ranks if "state" not in r[0])
+        text = f"the library's run failed: {lost.get('lost') or lost.get('error')}"
         return [Verdict(next(iter(job)), False, text) for job in jobs]
     refs = [r[0] for r in ranks]
     verdicts = []
     for i, job in enumerate(jobs, start=1):
         (exercise, _), = job.items()
-        runs = [r[i] for r in ranks if i < len(r)]
-        if len(runs) < WORLD:
-            text = hang_text(exercise, hang) if hang else "no result from every rank"
-            verdicts.append(Verdict(exercise, False, text))
-            continue
+        runs = [r[i] for r in ranks]
         verdicts.append(diagnose(exercise, runs, refs[0]))
     return verdicts
 

@@ -34,7 +34,7 @@ from scaletorch.trainer.parity import max_norm_diff, reference_trainer
 from scaletorch.trainer.pipeline_state import gather_pipeline_state_dict
 from scaletorch.trainer.precision import NORM_TOLERANCES, TOLERANCES
 from scripts.grading.runner import (Source, Verdict, error_verdict, failure, is_hang, is_unwritten,
-                                    load, patched, run_world)
+                                    load, patched, run_world, streamed)
 
 CHAPTER = "04"
 EXERCISES = ("one_f_one_b", "micro_batch_loss")
@@ -127,7 +127,7 @@ def rank_jobs(rank: int, world: int, jobs: List[Dict[str, Source]]) -> List[Dict
     waited in."""
     cfg = config()
     pgm = init_pg_manager_from_config(cfg.parallel, HANG_TIMEOUT)
-    out: List[Dict[str, Any]] = []
+    out = streamed()
     try:
         for job in jobs:
             (exercise, source), = job.items()
@@ -247,11 +247,11 @@ def parity_diagnosis(runs: List[Dict[str, Any]], ref: Dict[str, Any]) -> Optiona
 
 def diagnose(exercise: str, runs: List[Dict[str, Any]], ref: Dict[str, Any]) -> Verdict:
     """The verdict of one exercise from every rank's measurements of its job."""
+    if any("stuck" in run for run in runs):
+        return Verdict(exercise, False, hang_diagnosis(runs))
     failed = error_verdict(exercise, runs)
     if failed is not None:
         return failed
-    if any("stuck" in run for run in runs):
-        return Verdict(exercise, False, hang_diagnosis(runs))
     m = config().data.num_micro_batches
     for rank, run in enumerate(runs):
         if run["no_grad"]:
@@ -268,17 +268,8 @@ def diagnose(exercise: str, runs: List[Dict[str, Any]], ref: Dict[str, Any]) -> 
 def grade(jobs: List[Dict[str, Source]]) -> List[Verdict]:
     """Every job (one exercise each, in order) graded in one world of WORLD ranks."""
     ref = reference()
-    results, _ = run_world(rank_jobs, WORLD, jobs)
-    ranks = [r for r in results if isinstance(r, list)]
-    verdicts = []
-    for i, job in enumerate(jobs):
-        (exercise, _), = job.items()
-        runs = [r[i] for r in ranks if i < len(r)]
-        if len(runs) < WORLD:
-            verdicts.append(Verdict(exercise, False, "not graded: the ranks stopped before it"))
-            continue
-        verdicts.append(diagnose(exercise, runs, ref))
-    return verdicts
+    results = run_world(rank_jobs, WORLD, jobs)
+    return [diagnose(next(iter(job)), [r[i] for r in results], ref) for i, job in enumerate(jobs)]
 
 
 def solution_jobs() -> List[Dict[str, Source]]:

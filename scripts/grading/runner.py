@@ -3,28 +3,51 @@
 A function to grade is named by its ``Source``, (file or module, attribute), so that each spawned
 rank loads it itself: ``examples/exercises/01_ddp.py`` is a file (its name starts with a digit,
 no import reaches it), a planted variant is a module of the tests. ``run_world`` starts the
-ranks with a short collective timeout and torch's flight recorder; a rank whose collective
-times out dumps its recorder, and the grader names the ranks, the collectives and the peers
-(scaletorch/dist/flight_recorder.py) instead of waiting for a timeout to say nothing.
+ranks with a short collective timeout (``COLLECTIVE_TIMEOUT``) and torch's flight recorder, and
+grades every job on its own: each rank writes each job's result as it finishes it
+(``streamed``), so a rank that hangs (no result for ``STALL_LIMIT`` s, whatever timeout the
+backend would wait out), dies (a segfault: faulthandler writes its Python stack) or raises
+costs only the job it was in. That job's verdict names the rank, what stopped it and the
+learner's frame it was in (and, for a collective that timed out, the flight recorder's account
+of the ranks and their collectives, scaletorch/dist/flight_recorder.py); a new world grades
+the jobs after it.
 """
 
+import datetime
+import faulthandler
+import gc
 import importlib
 import importlib.util
 import os
 import re
+import signal
 import tempfile
+import time
 import traceback
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
+import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
-from scaletorch.dist import flight_recorder, spawn
+from scaletorch.dist import flight_recorder
+from scaletorch.dist.spawn import free_port
 
 Source = Tuple[str, str]  # (a .py file or a module name, the function's name in it)
-COLLECTIVE_TIMEOUT = 30.0  # seconds: a world of 2 tiny ranks never waits this long unless hung
-WORLD_TIMEOUT = 600.0  # seconds for every job of a world (the jobs' groups: COLLECTIVE_TIMEOUT)
+# seconds a collective waits (every group of the world): a world of tiny ranks never waits this
+# long unless hung; below STALL_LIMIT, so that a hung rank dumps its flight recorder first
+COLLECTIVE_TIMEOUT = 25.0
+# seconds the parent waits while no rank finishes a job and the ranks together use less than
+# CPU_PROGRESS s of CPU (they wait, not work: a loaded machine only slows them) before it stops
+# the world, whatever timeout the backend would wait out (gloo's receives wait 120 s)
+STALL_LIMIT = 30.0
+CPU_PROGRESS = 1.0
+JOB_LIMIT = 300.0  # seconds of a job however busy its ranks (a learner's endless loop)
+STARTUP_LIMIT = 600.0  # seconds for the ranks to start (import torch, meet) on a loaded machine
+GRACE = 3.0  # seconds the other ranks get to finish a job once one rank has left early
+SOURCE_FILES: Set[str] = set()  # inside a rank: the files of the functions graded
 # How the ranks start: new Pythons (spawn); the test suite forks them from its forkserver, which
 # imported torch and the library once (tests/harness.py)
 START_METHOD = "spawn"
@@ -104,44 +127,283 @@ def failure(err: BaseException) -> str:
         return UNWRITTEN
     first = _chain(err)[-1]
     frames = traceback.extract_tb(first.__traceback__)
-    where = next((f for f in reversed(frames) if "exercise" in f.filename), frames[-1])
+    mine = [f for f in frames if os.path.abspath(f.filename) in SOURCE_FILES]
+    where = (mine or frames)[-1]
+    line = f": {where.line}" if where.line else ""
     return f"{type(first).__name__}: {first} (at {os.path.basename(where.filename)}:" \
-        f"{where.lineno})"
+        f"{where.lineno}{line})"
 
 
-def _rank(rank: int, world: int, fn: Callable, directory: str, *args: Any) -> Any:
-    """One rank: ``fn(rank, world, *args)``; a collective that times out dumps this rank's
-    flight recorder to ``directory`` and returns {"hang": message}."""
+class Streamed(list):
+    """A rank's results, each written to the world's directory as it is appended, so that the
+    parent keeps every job a rank finished even if the rank dies or hangs in the next one."""
+
+    def __init__(self, directory: str, rank: int) -> None:
+        super().__init__()
+        self.directory, self.rank = directory, rank
+
+    def append(self, item: Any) -> None:
+        super().append(item)
+        path = os.path.join(self.directory, f"result_{self.rank}_{len(self) - 1}")
+        torch.save(item, path + ".tmp")
+        os.replace(path + ".tmp", path)  # the parent never reads half a file
+
+
+_STREAM: Optional[Streamed] = None
+
+
+def streamed() -> List[Any]:
+    """Inside a rank: the list each chapter's ``rank_jobs`` appends its results to (one per
+    job, in order); outside ``run_world`` a plain list."""
+    return _STREAM if _STREAM is not None else []
+
+
+def _worker(rank: int, world: int, port: int, fn: Callable, jobs: Sequence[Dict[str, Source]],
+            directory: str) -> None:
+    """One rank: gloo with the grader's timeout, faulthandler writing the Python stack on a
+    crash (SIGSEGV, SIGABRT) and on SIGUSR1 (the parent's "where are you?" before it stops a
+    hung rank), then ``fn(rank, world, jobs)`` streaming its results."""
+    global _STREAM
+    os.environ.update({
+        flight_recorder.BUFFER_ENV: os.environ.get(flight_recorder.BUFFER_ENV, "2000"),
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(world),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port)
+    })
+    torch.set_num_threads(1)  # the ranks share the cores
+    stack = open(os.path.join(directory, f"stack_{rank}"), "w")  # noqa: SIM115 - to exit
+    faulthandler.enable(stack)
+    faulthandler.register(signal.SIGUSR1, stack, all_threads=False)
+    SOURCE_FILES.update(source_file(s) for job in jobs for s in job.values())
+    _STREAM = Streamed(directory, rank)
     try:
-        return fn(rank, world, *args)
-    except Exception as err:  # noqa: B902 - fn lets only a hang through (is_hang)
-        if not is_hang(err):
-            raise
-        flight_recorder.dump(directory, rank)
-        return {"hang": str(err).splitlines()[0] if str(err) else type(err).__name__}
+        dist.init_process_group("gloo", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT))
+        open(os.path.join(directory, f"ready_{rank}"), "w").close()  # the stall clock starts
+        fn(rank, world, jobs)
+    except Exception as err:  # noqa: B902 - a hang, or the grader's own error: for the parent
+        if is_hang(err):
+            flight_recorder.dump(directory, rank)
+        text = str(err).splitlines()[0] if str(err) else type(err).__name__
+        with open(os.path.join(directory, f"stopped_{rank}"), "w") as f:
+            f.write(("hang: " if is_hang(err) else "error: ") + text + "\n" +
+                    traceback.format_exc())
+    finally:
+        gc.collect()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
-def run_world(fn: Callable, world: int, *args: Any) -> Tuple[List[Any], List[str]]:
-    """``fn(rank, world, *args)`` on ``world`` gloo ranks with the flight recorder on: (each
-    rank's result, the recorder's analysis when a rank hung, else [])."""
-    recorder = {flight_recorder.BUFFER_ENV: os.environ.get(flight_recorder.BUFFER_ENV, "2000")}
-    with tempfile.TemporaryDirectory() as directory:
-        try:
-            results = spawn.run_distributed(_rank, world, fn, directory, *args,
-                                            start_method=START_METHOD, env=recorder,
-                                            timeout=WORLD_TIMEOUT)
-        except RuntimeError as err:  # a rank died: gloo aborts on collectives that mismatch
-            results = [{
-                "hang":
-                f"{str(err).splitlines()[0]}; gloo aborts a rank whose "
-                f"collective's size differs from its peer's"
-            }]
-        hung = [r["hang"] for r in results if isinstance(r, dict) and "hang" in r]
-        if not hung:
-            return results, []
-        dumps = os.listdir(directory)
-        lines = flight_recorder.analyze(flight_recorder.load(directory)) if dumps else []
-        return results, lines + [f"({hung[0]})"]
+def source_file(source: Source) -> str:
+    """The file that holds ``source``'s function: a learner's .py, or a module's file."""
+    where = source[0]
+    if where.endswith(".py"):
+        return os.path.abspath(where)
+    spec = importlib.util.find_spec(where)
+    return os.path.abspath(spec.origin) if spec is not None and spec.origin else where
+
+
+# a frame of faulthandler's dump ('File "x.py", line 12 in name', most recent first) or of a
+# traceback ('File "x.py", line 12, in name', most recent last)
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+),? in (?P<name>\S+)')
+
+
+def where_stopped(stack: str, files: Sequence[str], exercise: str,
+                  recent_first: bool = True) -> str:
+    """The frame a rank's stack (faulthandler's dump, or a traceback) says it was in, in the
+    learner's terms: the most recent frame in the graded function's file, else the exercise's
+    function, else ours."""
+    block = stack.split("Current thread")[-1] if "Current thread" in stack else stack
+    frames = [m.groupdict() for m in _FRAME.finditer(block)]
+    frames = frames if recent_first else frames[::-1]
+    pick = next((f for f in frames if os.path.abspath(f["file"]) in files), None) or \
+        next((f for f in frames if f["name"] == exercise), None) or \
+        next((f for f in frames if re.search(r"scaletorch|scripts", f["file"])), None)
+    if pick is None:
+        return "no Python frame"
+    return f"{pick['name']} ({os.path.basename(pick['file'])}:{pick['line']})"
+
+
+def plain(message: str) -> str:
+    """A backend's error in the learner's terms: gloo's source locations dropped, its "Connection
+    closed by peer" a peer that left, its "Timed out waiting Nms" a wait of N / 1000 s."""
+    message = re.sub(r"\[[^\]]*gloo[^\]]*\]\s*", "", message)
+    message = re.sub(r"Connection closed by peer.*", "a peer rank had left (its connection closed)",
+                     message)
+    message = re.sub(
+        r"Timed out waiting (\d+)ms for (\w+) operation to complete",
+        lambda m: f"no peer answered its {m.group(2)} within "
+        f"{int(m.group(1)) / 1000:.0f} s", message)
+    return message if len(message) < 240 else message[:240] + "..."
+
+
+def _cpu_seconds(pid: Optional[int]) -> float:
+    """The CPU time process ``pid`` has used (Linux /proc; 0 elsewhere): a rank that waits in a
+    collective uses none, a rank slowed by a loaded machine still adds some."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def _count(directory: str, rank: int) -> int:
+    n = 0
+    while os.path.exists(os.path.join(directory, f"result_{rank}_{n}")):
+        n += 1
+    return n
+
+
+def _read(directory: str, name: str) -> str:
+    path = os.path.join(directory, name)
+    if not os.path.exists(path):
+        return ""
+    with open(path) as f:
+        return f.read()
+
+
+def _one_world(fn: Callable, world: int, jobs: Sequence[Dict[str, Source]], lead: int,
+               directory: str) -> Tuple[List[List[Any]], Dict[int, str]]:
+    """One world over ``jobs``: (each rank's results, the ranks that did not finish the first
+    unfinished job: rank -> what stopped it). The parent waits at most ``STALL_LIMIT`` s for a
+    rank to add a result, and ``GRACE`` s for the others once one rank has left early."""
+    ctx: Any = mp.get_context(START_METHOD)
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(r, world, port, fn, list(jobs), directory), daemon=True)
+        for r in range(world)
+    ]
+    for proc in procs:
+        proc.start()
+    total = lead + len(jobs)
+    counts, progress, left, signalled = [0] * world, time.monotonic(), None, False
+    started, spent = time.monotonic(), 0.0
+    finished = started  # when a rank last finished a job
+    while any(p.is_alive() for p in procs):
+        now = time.monotonic()
+        ready = [os.path.exists(os.path.join(directory, f"ready_{r}")) for r in range(world)]
+        if not all(ready) and now - started < STARTUP_LIMIT:
+            progress = finished = now  # a rank still importing torch (a new Python) is not stalled
+        fresh = [_count(directory, r) for r in range(world)]
+        cpu = sum(_cpu_seconds(p.pid) for p in procs if p.is_alive())
+        spent = min(spent, cpu)  # a rank that left takes its CPU time with it
+        if fresh != counts:
+            counts, progress, finished = fresh, now, now
+        elif cpu > spent + CPU_PROGRESS:
+            progress, spent = now, cpu
+        if min(counts) >= total:
+            break  # every job done: a rank may still be tearing its groups down
+        early = [
+            r for r, p in enumerate(procs)
+            if (not p.is_alive() and counts[r] < total) or _read(directory, f"stopped_{r}")
+        ]
+        if early and left is None:
+            left = now
+        stalled = now - progress > STALL_LIMIT or now - finished > JOB_LIMIT
+        if (left is not None and now - left > GRACE) or stalled:
+            signalled = stalled
+            for r, proc in enumerate(procs):  # where each is: faulthandler writes its stack
+                if ready[r] and proc.is_alive() and proc.pid is not None:
+                    os.kill(proc.pid, signal.SIGUSR1)
+            time.sleep(0.5)
+            break
+        time.sleep(0.05)
+    deadline = time.monotonic() + 5  # seconds for the ranks to leave by themselves
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()) if min(counts) >= total else 0)
+        if proc.is_alive():
+            proc.kill()
+        proc.join(5)
+    counts = [_count(directory, r) for r in range(world)]
+    results = [[
+        torch.load(os.path.join(directory, f"result_{r}_{i}"), weights_only=False)
+        for i in range(counts[r])
+    ] for r in range(world)]
+    first = min(counts)
+    if first >= total:
+        return results, {}
+    files = [source_file(s) for job in jobs for s in job.values()]
+    exercise = next(iter(jobs[first - lead])) if first >= lead else "the reference run"
+    dumps = [d for d in os.listdir(directory) if d.startswith(flight_recorder.PREFIX)]
+    recorder = flight_recorder.analyze(flight_recorder.load(directory)) if dumps else []
+    stopped: Dict[int, str] = {}
+    for r, proc in enumerate(procs):
+        if counts[r] > first:
+            continue
+        where = where_stopped(_read(directory, f"stack_{r}"), files, exercise)
+        said = _read(directory, f"stopped_{r}")
+        code = proc.exitcode if proc.exitcode is not None else 0
+        if said:
+            where = where_stopped(said, files, exercise, recent_first=False)
+            message = plain(said.splitlines()[0].split(": ", 1)[-1])
+        if said.startswith("hang: "):
+            text = f"rank {r} stopped in {where}, in a collective: {message}"
+        elif said:
+            text = f"rank {r} failed in {where}: {message}"
+        elif code < 0 and -code not in (signal.SIGKILL, signal.SIGUSR1):
+            text = f"rank {r} died of {signal.Signals(-code).name} in {where}"
+        elif signalled:
+            text = (f"rank {r} made no progress (the grader's limit: {STALL_LIMIT:.0f} s waiting, "
+                    f"{JOB_LIMIT:.0f} s a job), stopped in {where}")
+        elif code == -signal.SIGKILL:
+            text = f"rank {r} was stopped in {where}, after another rank had left"
+        else:
+            text = f"rank {r} ended without a result"
+        stopped[r] = text
+    if recorder and stopped:  # once, after the first rank's line
+        first_rank = min(stopped, key=lambda r: _rank_order(stopped[r], r))
+        stopped[first_rank] += "; the flight recorder says\n    " + "\n    ".join(recorder)
+    return results, stopped
+
+
+def _rank_order(text: str, rank: int) -> Tuple[int, int]:
+    """Which rank's account comes first: one that died or failed, then one that hung, then the
+    ranks stopped because of it."""
+    causes = ("died of", "failed in", "made no progress", "in a collective")
+    return next((k for k, c in enumerate(causes) if c in text), len(causes)), rank
+
+
+def run_world(fn: Callable, world: int, jobs: Sequence[Dict[str, Source]],
+              lead: int = 0) -> List[List[Any]]:
+    """``fn(rank, world, jobs)`` on ``world`` gloo ranks, each appending its results (``lead``
+    of its own, then one per job) to ``streamed()``: every rank's ``lead + len(jobs)`` results.
+
+    Each job is graded on its own: when a rank hangs (no new result for ``STALL_LIMIT`` s, or a
+    collective timed out), dies (a segfault) or leaves early (an error), the job it was in gets
+    {"exercise", "lost": what stopped which rank, where} on the ranks without a result, and a
+    new world grades the jobs after it."""
+    out: List[List[Any]] = [[] for _ in range(world)]
+    start = 0
+    while start < len(jobs):
+        with tempfile.TemporaryDirectory() as directory:
+            results, stopped = _one_world(fn, world, jobs[start:], lead, directory)
+        skip = 0 if start == 0 else lead  # a restarted world's own reference is dropped
+        first = min(len(r) for r in results)
+        for r in range(world):
+            out[r].extend(results[r][skip:first])
+        if not stopped:
+            break
+        text = "; ".join(stopped[r]
+                         for r in sorted(stopped, key=lambda r: _rank_order(stopped[r], r)))
+        if first < lead:  # the reference run itself: nothing can be graded
+            for r in range(world):
+                out[r].extend({
+                    "exercise": "the reference run",
+                    "lost": text
+                } for _ in range(lead - first + len(jobs) - start))
+            break
+        exercise = next(iter(jobs[start + first - lead]))
+        for r in range(world):
+            out[r].append(results[r][first] if len(results[r]) > first else {
+                "exercise": exercise,
+                "lost": text
+            })
+        start += first - lead + 1
+    return out
 
 
 def run_jobs(jobs: Sequence[Dict[str, Source]],
@@ -150,7 +412,7 @@ def run_jobs(jobs: Sequence[Dict[str, Source]],
     **measured}; a learner's error becomes {"exercise", "error": failure(err)}, and any error
     but an unwritten stub ends the jobs (the ranks may now disagree on the collectives to
     come). A hang is raised: the world cannot go on (``run_world`` reports it)."""
-    out: List[Dict[str, Any]] = []
+    out = streamed()
     for job in jobs:
         (exercise, source), = job.items()
         try:
@@ -164,10 +426,11 @@ def run_jobs(jobs: Sequence[Dict[str, Source]],
     return out
 
 
-def hang_text(exercise: str, lines: List[str]) -> str:
-    """A hang as a diagnosis: the ranks, the collectives and the peers, from the recorder."""
-    return f"{exercise}: the ranks stopped in a collective; the flight recorder says\n    " + \
-        "\n    ".join(lines)
+def cloned(args: Sequence[Any]) -> Tuple[Any, ...]:
+    """``args`` with each tensor cloned (in the autograd graph still, gradients flow back to
+    the original): the function under test gets inputs of its own, so in-place work on them,
+    wherever the contract allows it, cannot change what the library's call reads."""
+    return tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
 
 
 def relative(a: float, b: float) -> float:
@@ -177,29 +440,27 @@ def relative(a: float, b: float) -> float:
 def error_verdict(exercise: str, runs: List[dict]) -> Optional[Verdict]:
     """The verdict of a job that raised on some rank: "write <function> next" for a stub, else
     the error and where; None if every rank finished it."""
-    errors = [run["error"] for run in runs if "error" in run]
-    if UNWRITTEN in errors:
+    errors = [(r, run["error"]) for r, run in enumerate(runs) if "error" in run]
+    if any(e == UNWRITTEN for _, e in errors):
         return Verdict(exercise, False, f"write {exercise} next")
     if errors:
-        return Verdict(exercise, False, f"{exercise} raised {errors[0]}")
+        rank, error = errors[0]
+        return Verdict(exercise, False, f"{exercise} raised on rank {rank}: {error}")
+    lost = [run["lost"] for run in runs if "lost" in run]
+    if lost:
+        return Verdict(exercise, False, f"{exercise}: {lost[0]}")
     return None
 
 
-def per_job(jobs: Sequence[Dict[str, Source]], results: List[Any], hang: List[str],
+def per_job(jobs: Sequence[Dict[str, Source]], results: List[List[Any]],
             verdict: Callable[[str, List[Dict[str, Any]]], Verdict]) -> List[Verdict]:
-    """Each job's verdict from every rank's result of it (``run_world``'s ``results`` of
-    ``run_jobs``): ``verdict(exercise, runs)``, or the hang (or a missing result) for a job that
-    some rank did not finish."""
-    ranks = [r for r in results if isinstance(r, list)]
+    """Each job's verdict from every rank's result of it (``run_world``'s): its error or what
+    stopped it, else ``verdict(exercise, runs)``."""
     verdicts = []
     for i, job in enumerate(jobs):
         (exercise, _), = job.items()
-        runs = [r[i] for r in ranks if i < len(r)]
-        if len(runs) < len(results):
-            text = hang_text(exercise, hang) if hang else "no result from every rank"
-            verdicts.append(Verdict(exercise, False, text))
-        else:
-            verdicts.append(verdict(exercise, runs))
+        runs = [r[i] for r in results]
+        verdicts.append(error_verdict(exercise, runs) or verdict(exercise, runs))
     return verdicts
 
 
@@ -215,5 +476,4 @@ def found_verdict(exercise: str, runs: List[Dict[str, Any]]) -> Verdict:
 def grade_found(rank_jobs: Callable, world: int, jobs: List[Dict[str, Source]]) -> List[Verdict]:
     """Every job graded in one world of ``world`` ranks, by ``rank_jobs`` whose measure returns
     {"found": the diagnoses of the calls that differed from the library's} (05 and 03 grade so)."""
-    results, hang = run_world(rank_jobs, world, jobs)
-    return per_job(jobs, results, hang, found_verdict)
+    return per_job(jobs, run_world(rank_jobs, world, jobs), found_verdict)

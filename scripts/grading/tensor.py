@@ -116,7 +116,8 @@ class _Compared(torch.autograd.Function):
                 found: List[str]) -> torch.Tensor:
         library = LIBRARY_FNS[exercise]
         with torch.enable_grad():
-            mine, theirs = x.detach().requires_grad_(), x.detach().requires_grad_()
+            # each its own copy: an in-place f-bar (Megatron's all_reduce(x); return x) is right
+            mine, theirs = x.detach().clone().requires_grad_(), x.detach().requires_grad_()
             got, want = fn(mine, group, sp), library(theirs, group, sp)
         if not found:
             found += [t for t in [forward_text(exercise, sp, x, got.detach(), want, group)] if t]
@@ -129,7 +130,7 @@ class _Compared(torch.autograd.Function):
         dx_want, = torch.autograd.grad(want, theirs, dy)
         dx_got = None  # the same decision on every rank: the learner's backward may communicate
         if got.shape == want.shape and got.requires_grad:
-            dx_got, = torch.autograd.grad(got, mine, dy, allow_unused=True)
+            dx_got, = torch.autograd.grad(got, mine, dy.clone(), allow_unused=True)
         if not found:
             found += [t for t in [backward_text(exercise, sp, dy, dx_got, dx_want, group)] if t]
         return dx_want, None, None, None, None, None
@@ -144,7 +145,7 @@ def _probe(fn: Callable, logits: torch.Tensor, targets: torch.Tensor,
     want = loss_fn(full, targets)
     want_grad, = torch.autograd.grad(want, full)
     mine = logits.chunk(n, dim=-1)[rank].clone().requires_grad_()
-    got = fn(mine, targets, group)
+    got = fn(mine, targets.clone(), group)
     grad = torch.autograd.grad(got, mine)[0] if got.requires_grad else None
     return got.detach(), grad, want.detach(), want_grad.chunk(n, dim=-1)[rank]
 
@@ -196,8 +197,8 @@ def _cross_entropy_checked(fn: Callable, found: List[str]) -> Callable:
     library = LIBRARY_FNS["vocab_parallel_cross_entropy"]
 
     def call(logits: torch.Tensor, targets: torch.Tensor, group: Any) -> torch.Tensor:
-        mine = logits.detach().requires_grad_()
-        got = fn(mine, targets, group)
+        mine = logits.detach().clone().requires_grad_()  # its own: it may work in place
+        got = fn(mine, targets.clone(), group)
         grad = torch.autograd.grad(got, mine)[0] if got.requires_grad else None
         theirs = logits.detach().requires_grad_()
         want = library(theirs, targets, group)

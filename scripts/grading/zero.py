@@ -24,6 +24,7 @@ from scaletorch.trainer import Config, Trainer, parse_args
 from scripts.grading.ddp import GRAD_TOL, parity_diagnosis, reference
 from scripts.grading.runner import (COLLECTIVE_TIMEOUT, Source, Verdict, caused_by, error_verdict,
                                     load, patched, per_job, run_jobs, run_world)
+from scripts.grading.traffic import observed
 
 CHAPTER = "02"
 EXERCISES = ("reduce_scatter_mean", "gather_unit", "release_unit")
@@ -123,7 +124,7 @@ def _train(cfg: Config, pgm: Any, exercise: str, fn: Callable) -> Dict[str, Any]
     if exercise == "gather_unit":  # a slice the learner never wrote is NaN, not old weights
         patches += [(owner, "release_unit", poisoned_release) for owner in (flat_unit, zero_module)]
     try:
-        with patched(patches):
+        with patched(patches), observed(lambda: get_ledger().step) as traffic:
             result = Trainer(cfg, zero, pgm, device=torch.device("cpu"), optimizer=optimizer,
                              clip_grad_norm=clip, verbose=False).train()
             state = zero.full_state_dict()
@@ -132,10 +133,10 @@ def _train(cfg: Config, pgm: Any, exercise: str, fn: Callable) -> Dict[str, Any]
         if seen is None:
             raise
         return {"diagnosed": str(seen)}
-    ops: Dict[str, List[int]] = {}
+    ops: Dict[str, List[int]] = {}  # what reached the dp group in step 0, whatever the API
     gradients = gradient_group_name(pgm.context_parallel_world_size)  # "dp": cp is 1 here
-    for r in get_ledger().select(step=0, group=gradients):
-        ops.setdefault(r.op, []).append(r.elements)
+    for op in ("all_reduce", "reduce_scatter"):
+        ops[op] = [c.elements for c in traffic.select(op, gradients, step=0)]
     full_bytes = sum(u.padded_numel * u.flat.element_size() for u in zero.units)
     return {
         "losses": result.losses,
@@ -254,8 +255,8 @@ def diagnose(exercise: str, runs: List[Dict[str, Any]], ref: Dict[str, Any]) -> 
 def grade(jobs: List[Dict[str, Source]]) -> List[Verdict]:
     """Every job (one exercise each, in order) graded in one world of WORLD ranks."""
     ref = reference(config())
-    results, hang = run_world(rank_jobs, WORLD, jobs)
-    return per_job(jobs, results, hang, lambda exercise, runs: diagnose(exercise, runs, ref))
+    return per_job(jobs, run_world(rank_jobs, WORLD, jobs),
+                   lambda exercise, runs: diagnose(exercise, runs, ref))
 
 
 def solution_jobs() -> List[Dict[str, Source]]:
