@@ -35,6 +35,7 @@ from scaletorch.dist import restart_count
 from scaletorch.parallel.mixed_precision import policy_for as precision_policy
 # the one layout check (also run by parallelize): re-exported for the scripts
 from scaletorch.parallel.validation import validate_layout
+from scaletorch.plan.cluster import load_cluster
 from scaletorch.rules import boundary
 from scaletorch.rules.errors import (INTERRUPTED, TERMINATED, InputError, MissingInputError,
                                      RunStopped, clip)
@@ -190,12 +191,6 @@ def load_yaml(path: str) -> Dict[str, Any]:
     except OSError as err:  # e.g. no permission to read it
         raise InputError(f"config file {clip(path)} cannot be read ({err.strerror}): give a file "
                          f"you can read") from None
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-        raise InputError(f"config file {clip(path)} is not valid YAML{where}: {problem}; "
-                         f"fix the syntax there") from None
     if values is None:
         raise InputError(f"config file {clip(path)} holds no settings: give a YAML file of "
                          f"sections, as in examples/configs/")
@@ -206,12 +201,13 @@ def _cli_value(text: str, source: str) -> Any:
     """A command-line value as YAML reads it ("1e-3" -> 0.001, "[1, 3]" -> a list), through the
     same limits as a file's values, or the string as given when it is no YAML at all ("[",
     "a: b: c") or YAML's null (" ", "~"): the field's rule then judges it, in one line, instead
-    of a YAML traceback."""
+    of a YAML traceback. A tag the safe loader refuses (``!!python/...``) is an InputError
+    naming the flag: it is YAML, asking for an object."""
     if text == "":
         return text
     try:
         value = boundary.load_yaml(text, source)
-    except yaml.YAMLError:
+    except boundary.YamlSyntaxError:
         return text
     # YAML reads " " and "~" as null: the text stays (an Optional field's "null" is None still)
     return text if value is None else value
@@ -582,6 +578,11 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
     if cfg.logging.plan_cluster and not os.path.isfile(cfg.logging.plan_cluster):
         raise MissingInputError(f"logging.plan_cluster {cfg.logging.plan_cluster!r} is not a "
                                 f"file: give a cluster file from scripts/plan.py --calibrate")
+    if cfg.logging.plan_cluster:  # read now, through the boundary: not after the training
+        try:
+            load_cluster(cfg.logging.plan_cluster)
+        except ValueError as err:
+            raise InputError(f"logging.plan_cluster: {err}") from None
     if world_size is not None:
         validate_layout(cfg, world_size)
 

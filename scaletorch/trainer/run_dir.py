@@ -26,6 +26,7 @@ from typing import Dict, List, Optional, Tuple
 
 from scaletorch.config import Config
 from scaletorch.dist import restart_count
+from scaletorch.rules import boundary
 from scaletorch.rules.errors import InputError
 from scaletorch.rules.safe_files import write_atomic
 
@@ -73,8 +74,8 @@ def holder(path: str, name: str = MARKER) -> Optional[str]:
 
 def _who(marker: str) -> str:
     try:
-        with open(marker) as f:
-            info = json.loads(f.read(4096))
+        with open(marker) as f:  # parse_json: JSON within its limits, else an InputError
+            info = boundary.parse_json(f.read(4096), "run marker")
         return f"pid {info['pid']} on host {info['host']}, started {info['started']}"
     except (OSError, ValueError, KeyError, TypeError):
         return "a process that has not yet said who it is"
@@ -259,7 +260,7 @@ def keep_metrics_to(run_path: str, step: int) -> Optional[str]:
     later: List[bytes] = []
     for line in lines:
         try:
-            record = json.loads(line)
+            record = boundary.parse_json(line.decode("utf-8"), "a metrics line")
             whole = line.endswith(b"\n") and int(record["step"]) <= step
         except (ValueError, KeyError, TypeError):
             whole = False
