@@ -203,7 +203,7 @@ def load_hf_config(path: str) -> LlamaConfig:
         raise InputError(f"{path} is a file, not a Hugging Face model directory: give the "
                          f"directory that holds {CONFIG_FILE} and the safetensors files")
     file = os.path.join(path, CONFIG_FILE)
-    if not os.path.isfile(file):
+    if not os.path.lexists(file):
         raise InputError(f"{path} is not a Hugging Face model directory: {CONFIG_FILE} is missing; "
                          f"give the directory that holds it and the safetensors files")
     verify_export_file(file)

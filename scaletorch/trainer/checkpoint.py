@@ -309,6 +309,13 @@ def check_manifest(manifest: Any, where: str) -> Dict[str, Any]:
     return manifest
 
 
+def _digest_is_a_file(path: str) -> None:
+    """InputError naming what ``<path>.sha256`` is when it is there but no regular file (a
+    directory, a FIFO): not reported as missing, and a FIFO is never opened."""
+    if os.path.lexists(checksum_path(path)):
+        boundary.regular_file(checksum_path(path), "checksum file", 4096)
+
+
 def read_manifest(path: str) -> Dict[str, Any]:
     manifest_path = os.path.join(path, MANIFEST)
     if not os.path.lexists(manifest_path):
@@ -318,6 +325,7 @@ def read_manifest(path: str) -> Dict[str, Any]:
                 f"for the latest one in checkpoint.dir")
         raise NotACheckpointError(f"{path!r} is not a complete checkpoint (no {MANIFEST}); {hint}")
     boundary.regular_file(manifest_path, "checkpoint manifest", boundary.JSON_BYTES)
+    _digest_is_a_file(manifest_path)
     try:
         text = read_checksummed(manifest_path).decode("utf-8")  # verified before it is parsed
     except (OSError, UnicodeDecodeError) as err:
@@ -331,6 +339,7 @@ def _read_verified(path: str, name: str, manifest: Dict[str, Any]) -> bytes:
     if not os.path.lexists(file_path):
         raise CorruptCheckpointError(f"checkpoint {path!r} is missing {name}")
     boundary.regular_file(file_path, f"checkpoint {path!r}: {name}", boundary.UNLIMITED)
+    _digest_is_a_file(file_path)
     with open(file_path, "rb") as f:
         data = f.read()
     expected = manifest["sha256"].get(name)
@@ -504,7 +513,6 @@ def check_resume(cfg: Config, world_size: int, files: bool = False) -> None:
             raise CorruptCheckpointError(f"{err}: resume an earlier checkpoint, or --resume alone "
                                          f"(the latest that verifies)") from None
     check_layout(path, read_manifest(path), world_size, run_layout(cfg, world_size))
-    check_rank_files(path)  # their values, before a run directory or a model exists
 
 
 def check_consolidated(path: str, cfg: Config) -> None:
@@ -575,8 +583,9 @@ def check_every_tensor(name: str, state: Any, path: str = "") -> None:
         elif isinstance(value, (list, tuple)):
             stack.extend((f"{where}[{i}]", v) for i, v in enumerate(value))
         elif isinstance(value, torch.Tensor):
-            if where.startswith("model.") and not value.is_floating_point():
-                raise InputError(f"{name}: {where} is {value.dtype}, not a floating point weight")
+            if where.startswith(("model.", "optimizer.")) and not value.is_floating_point():
+                raise InputError(f"{name}: {where} is {value.dtype}, not floating point as a "
+                                 f"weight, a moment or AdamW's step counter is")
             if value.is_complex() or value.dtype not in _SAVED_DTYPES:
                 raise InputError(f"{name}: {where} is {value.dtype}, a dtype no ScaleTorch "
                                  f"checkpoint holds")
@@ -596,15 +605,15 @@ _SAVED_DTYPES = {
 
 
 def check_rank_files(path: str) -> None:
-    """Before any process starts: every rank file of per-rank checkpoint ``path`` (verified),
-    its tensors memory-mapped and checked (``check_every_tensor``): a damaged value is refused
+    """Before any process starts: every rank file of per-rank checkpoint ``path`` verified,
+    loaded (one at a time) and checked (``check_every_tensor``): a damaged value is refused
     before a run directory exists, not after the model is built."""
     manifest = read_manifest(path)
     if manifest.get("format") == "dcp":
         return
     for file in sorted(manifest["sha256"]):
         name = f"checkpoint file {os.path.join(path, file)!r}"
-        check_every_tensor(name, load_tensors_only(os.path.join(path, file), name, mmap=True))
+        check_every_tensor(name, load_tensors_only(_read_verified(path, file, manifest), name))
 
 
 def load_checkpoint(path: str, rank: int, world_size: int,

@@ -41,11 +41,11 @@ from scaletorch.rules.errors import (INTERRUPTED, TERMINATED, InputError, Missin
                                      RunStopped, clip)
 from scaletorch.rules.safe_files import write_atomic
 from scaletorch.rules.schema import Rule, check_applies, check_value, ignored_by, rules_of
-from scaletorch.trainer.checkpoint import (check_resume, latest_valid_checkpoint, load_tensors_only,
-                                           read_manifest)
+from scaletorch.trainer.checkpoint import (check_rank_files, check_resume, latest_valid_checkpoint,
+                                           load_tensors_only, read_manifest)
 from scaletorch.trainer.memory_limit import check_memory
 from scaletorch.trainer.resume_check import check_resumed
-from scaletorch.trainer.run_dir import check_run_dir, move_aside, take_ownership
+from scaletorch.trainer.run_dir import check_run_dir, move_aside, remove_unused, take_ownership
 from scaletorch.trainer.stops import catch_stop_signals, stopped
 
 __all__ = [
@@ -268,7 +268,7 @@ def parse_args(argv: Optional[Sequence[str]] = None, default_config: Optional[st
     given = {}
     for key, value in overrides:
         if isinstance(value, str):
-            value = _cli_value(value, f"--{clip(key)}")
+            value = _cli_value(value, f"--{key}" if len(key) <= 100 else clip(f"--{key}"))
         set_value(cfg, key, value)
         given[key] = value
     if args.resume is not None:
@@ -370,6 +370,7 @@ def report_input_errors(kind: Type[BaseException], err: BaseException,
             return  # the process exits with status 1
         sys.__excepthook__(kind, err, tb)
         return
+    remove_unused()  # a run directory this run made and never wrote to: nothing is left
     if int(os.environ.get("RANK", "0")) != 0:
         time.sleep(5)
     sys.stdout.flush()
@@ -432,6 +433,9 @@ def check_inputs(cfg: Config, world_size: int, resume_files: bool = False) -> No
     check_resume(cfg, world_size, resume_files)
     check_resume_step(cfg)
     resume_note(cfg)  # the checkpoint's run against this one, field by field
+    resumed = resumed_checkpoint(cfg)
+    if resumed is not None and os.path.isdir(resumed):  # its values, before a directory is made
+        check_rank_files(resumed)
     check_run_dir(cfg)
     outputs = {"logging.run_dir": cfg.run_path}
     if cfg.checkpoint.every > 0:

@@ -17,6 +17,7 @@ both pass it. ``--overwrite`` moves aside only a directory that carries the mark
 a run made, not any directory a path happens to name.
 """
 
+import contextlib
 import fcntl
 import json
 import os
@@ -33,6 +34,7 @@ from scaletorch.rules.safe_files import write_atomic
 PROBE = ".scaletorch-probe-"  # check_writable's empty directory, made and removed at once
 MARKER = ".scaletorch-run"  # a run made this directory; its lock; who holds it (JSON)
 _held: Dict[str, int] = {}  # this process's locks: directory (real path) -> open descriptor
+_made: List[str] = []  # the directories ``hold`` created (they did not exist before this run)
 
 
 def _entries(path: str) -> List[str]:
@@ -108,6 +110,8 @@ def hold(key: str, path: str) -> bool:
         return False
     if os.path.realpath(path) in _held:  # taken already (load_config twice in one process)
         return True
+    if not os.path.lexists(path):
+        _made.append(path)
     os.makedirs(path, exist_ok=True)
     fd = os.open(os.path.join(path, name), os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -132,6 +136,23 @@ def release() -> None:
     between runs made in one process)."""
     while _held:
         os.close(_held.popitem()[1])
+
+
+def remove_unused() -> None:
+    """Remove each directory this process created (``hold``) that still holds nothing but its
+    markers, and drop the locks: an input refused after the lock was taken (a checkpoint whose
+    shapes fit no model of this layout) leaves nothing behind. A directory with any file stays."""
+    name = _marker()
+    for path in reversed(_made):
+        if _entries(path):
+            continue
+        fd = _held.pop(os.path.realpath(path), None)
+        if fd is not None:
+            os.close(fd)
+        with contextlib.suppress(OSError):  # another node's marker: that node removes it
+            os.remove(os.path.join(path, name))
+            os.rmdir(path)
+    _made.clear()
 
 
 def owned_dirs(cfg: Config) -> List[Tuple[str, str]]:
