@@ -179,7 +179,7 @@ def parse_json(text: str, what: str, kind: Optional[type] = dict) -> Any:
         raise InputError(f"{what} nests lists or objects more than {NESTING} levels deep: it "
                          f"is not the file meant") from None
     except json.JSONDecodeError as err:
-        raise InputError(f"{what} is not valid JSON ({clip(str(err))})") from None
+        raise InputError(f"{what} is not valid JSON ({str(err)[:200]})") from None
     if _depth(value, NESTING) > NESTING:
         raise InputError(f"{what} nests lists or objects more than {NESTING} levels deep: it "
                          f"is not the file meant")
