@@ -308,7 +308,7 @@ class ValuesAreCheckedOnceTheDigestsMatch(unittest.TestCase):
     counters, scheduler, RNG), every manifest field, every weight of a Hugging Face
     directory. Each is one InputError naming the entry, from the check the pre-flight makes
     (``check_rank_files``, ``read_manifest``, ``check_hf_llama(values=True)``). The suite runs
-    30 examples each; SCALETORCH_LONG_TESTS=1 runs 300."""
+    20 examples each; SCALETORCH_LONG_TESTS=1 runs 300."""
 
     @classmethod
     def setUpClass(cls):
@@ -330,7 +330,7 @@ class ValuesAreCheckedOnceTheDigestsMatch(unittest.TestCase):
         for section in ("model.", "optimizer.state.", "optimizer.param_groups", "scheduler."):
             self.assertTrue(any(e.startswith(section) for e in self.entries), section)
 
-    @settings(max_examples=300 if LONG else 30, deadline=None, derandomize=not LONG,
+    @settings(max_examples=300 if LONG else 20, deadline=None, derandomize=not LONG,
               suppress_health_check=[HealthCheck.too_slow])
     @given(which=st.integers(0, 10**6), bad=BAD_VALUES, at=st.integers(0, 10**6),
            dtype=st.sampled_from([None, torch.int64, torch.complex64]))
@@ -353,7 +353,7 @@ class ValuesAreCheckedOnceTheDigestsMatch(unittest.TestCase):
         self.assertIn(where, str(ctx.exception))
         self.assertNotIn("\n", str(ctx.exception))
 
-    @settings(max_examples=300 if LONG else 30, deadline=None, derandomize=not LONG)
+    @settings(max_examples=300 if LONG else 20, deadline=None, derandomize=not LONG)
     @given(field=st.sampled_from(sorted({
         **ckpt.MANIFEST_FIELDS,
         **ckpt.LAYOUT_FIELDS
@@ -388,7 +388,7 @@ class ValuesAreCheckedOnceTheDigestsMatch(unittest.TestCase):
             if not isinstance(value, kind) and field not in ("format_version", "sha256"):
                 self.assertIn(type(value).__name__, message)
 
-    @settings(max_examples=300 if LONG else 30, deadline=None, derandomize=not LONG,
+    @settings(max_examples=300 if LONG else 20, deadline=None, derandomize=not LONG,
               suppress_health_check=[HealthCheck.too_slow])
     @given(which=st.integers(0, 10**6), bad=BAD_VALUES, at=st.integers(0, 10**6))
     def test_a_non_finite_weight_of_an_init_from_directory_is_refused_before_the_run(
