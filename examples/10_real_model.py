@@ -64,15 +64,16 @@ def chapter_args() -> tuple:
 
 def limits(args):
     """This chapter's checks, made by load_config before any process starts: --init-from's
-    directory is a Hugging Face Llama (config.json, every tensor's shape) and the layout fits
-    its model; the sample's options fit the model, so no run trains and then cannot sample."""
+    directory is a Hugging Face Llama (config.json, every tensor's shape, floating and finite
+    weights) and the layout fits its model; the sample's options fit the model, so no run
+    trains and then cannot sample."""
     init_from = args.init_from
 
     def check(cfg, world_size: int) -> None:
         if init_from and cfg.check:
             raise InputError("--check compares with a run from the seed; not with --init-from")
         if init_from:
-            cfg.model = check_hf_llama(init_from)  # its config replaces model.*
+            cfg.model = check_hf_llama(init_from, values=True)  # its config replaces model.*
             try:
                 validate(cfg, world_size)
             except ValueError as err:

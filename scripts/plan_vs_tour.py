@@ -25,6 +25,7 @@ from scaletorch.plan.cluster import load_cluster  # noqa: E402
 from scaletorch.plan.layout import from_config as layout_of  # noqa: E402
 from scaletorch.plan.model import from_config as model_of  # noqa: E402
 from scaletorch.plan.time import measured_step, step_time  # noqa: E402
+from scaletorch.rules import boundary  # noqa: E402
 from scaletorch.trainer.config import parse_args  # noqa: E402
 
 
@@ -33,8 +34,7 @@ def measured_step_seconds(run_dir: str) -> float:
     metrics.jsonl (scaletorch/plan/time.measured_step)."""
     cfg = parse_args(["--config", os.path.join(run_dir, "config.yaml")])
     tokens = cfg.data.global_batch_size * cfg.data.seq_len
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        records = [json.loads(line) for line in f if line.strip()]
+    records = boundary.load_jsonl(os.path.join(run_dir, "metrics.jsonl"), "metrics file")
     if len(records) < 2:
         raise ValueError(f"{run_dir}: fewer than 2 steps in metrics.jsonl")
     return measured_step([tokens / r["tokens_per_s"] for r in records])

@@ -1,7 +1,6 @@
 """What scripts/plot.py and scripts/chapter_plots.py share: matplotlib (optional), reading a
 run's metrics.jsonl and timeline.json, and drawing a pipeline timeline."""
 
-import json
 import os
 import sys
 from typing import Dict, List
@@ -36,13 +35,10 @@ def read_metrics(path: str, key: str) -> Dict[str, List[float]]:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"metrics file {path!r} does not exist")
     by_step = {}
-    with open(path) as f:
-        for line in f:
-            if line.strip():
-                record = json.loads(line)
-                if key not in record:
-                    raise ValueError(f"{path}: no {key!r} in a record; keys: {sorted(record)}")
-                by_step[record["step"]] = record[key]
+    for record in boundary.load_jsonl(path, "metrics file"):
+        if key not in record:
+            raise ValueError(f"{path}: no {key!r} in a record; keys: {sorted(record)}")
+        by_step[record["step"]] = record[key]
     steps = sorted(by_step)
     return {"step": steps, key: [by_step[s] for s in steps]}
 

@@ -23,11 +23,12 @@ extra) draws it. This module parses without matplotlib (tests/test_plot_profile.
 """
 
 import argparse
-import json
 import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from scaletorch.rules import boundary
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send", "recv",
        "send/recv")
@@ -96,8 +97,7 @@ def load(path: str) -> List[dict]:
     """The complete events ("X") of a Chrome trace file."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no profile {path} (run with --profile STEPS first)")
-    with open(path) as f:
-        events = json.load(f).get("traceEvents", [])
+    events = boundary.load_json(path, "profile", digest=False).get("traceEvents", [])
     return [e for e in events if e.get("ph") == "X" and "dur" in e]
 
 

@@ -9,11 +9,14 @@ and tour.log (the ``--check`` verdicts: the largest loss and weight deviations f
 single-device run).
 """
 
-import json
 import os
 import re
 import sys
 from typing import Dict, List, Optional
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from scaletorch.rules import boundary  # noqa: E402
 
 CHECK = re.compile(r"parity: max \|(loss|weight) - reference\| = (\S+) ")
 
@@ -24,8 +27,7 @@ def read_run(run_dir: str) -> Dict[str, Optional[float]]:
     records: List[dict] = []
     metrics = os.path.join(run_dir, "metrics.jsonl")
     if os.path.isfile(metrics):
-        with open(metrics) as f:
-            records = [json.loads(line) for line in f if line.strip()]
+        records = boundary.load_jsonl(metrics, "metrics file")
     if records:
         out["loss"] = records[-1]["loss"]
         wire = [r["wire_bytes"] for r in records if "wire_bytes" in r]

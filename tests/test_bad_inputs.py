@@ -149,7 +149,7 @@ ROWS = [
         "D/folder is not a Hugging Face model directory: config.json is missing"),
     Row("--init-from a config.json that is not JSON", C10,
         ("--init-from", "D/bad_json", "--trust-unchecked", "D/bad_json"),
-        "D/bad_json/config.json is not valid JSON"),
+        "D/bad_json/config.json' is not valid JSON"),
     Row("--init-from a truncated safetensors file", C10, ("--init-from", "D/truncated"),
         "D/truncated/model.safetensors is not a readable safetensors file", hf=True),
     Row(

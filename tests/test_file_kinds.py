@@ -255,6 +255,157 @@ class EveryFileKindDamagedIsOneInputError(unittest.TestCase):
             self.assertNotEqual(
                 message, "", f"{kind}: {how} of {files[which % len(files)]} "
                 f"(digests kept: {keep_digests}) was not refused")
+        if how in ("directory", "fifo") and keep_digests:  # named as what it is, not "missing"
+            self.assertRegex(message, r"is a (directory|FIFO)|is not a file", message)
+
+
+def _trained_state() -> dict:
+    """What Trainer.state_dict saves after one AdamW step: the model, the optimizer's moments
+    and step counters, the scheduler, RNG states."""
+    model = build_model(SMALL, seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    model(torch.zeros(1, 4, dtype=torch.long)).float().sum().backward()
+    optimizer.step()
+    scheduler.step()
+    return {
+        "step": 1,
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "rng": ckpt.rng_state()
+    }
+
+
+def _float_entries(value, where=""):
+    """(path, container, key) of every floating tensor and float in a state, as
+    check_every_tensor names them."""
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, list):
+        items = enumerate(value)
+    else:
+        return []
+    out = []
+    for key, item in items:
+        here = f"{where}.{key}" if where and isinstance(value, dict) else (
+            f"{where}[{key}]" if where else str(key))
+        if (isinstance(item, torch.Tensor) and item.is_floating_point()) or isinstance(item, float):
+            out.append((here, value, key))
+        out.extend(_float_entries(item, here))
+    return out
+
+
+BAD_VALUES = st.sampled_from([float("nan"), float("inf"), float("-inf")])
+WRONG = st.one_of(st.none(), st.booleans(), st.text(max_size=20), st.floats(allow_nan=True),
+                  st.integers(-10**40, 10**40), st.lists(st.integers(0, 3), max_size=3),
+                  st.dictionaries(st.text("abc", max_size=3), st.integers(), max_size=2))
+
+
+class ValuesAreCheckedOnceTheDigestsMatch(unittest.TestCase):
+    """Files whose digests were re-written over wrong values (the bytes are those written,
+    the values are not sane): every tensor of a per-rank file (model, AdamW moments and step
+    counters, scheduler, RNG), every manifest field, every weight of a Hugging Face
+    directory. Each is one InputError naming the entry, from the check the pre-flight makes
+    (``check_rank_files``, ``read_manifest``, ``check_hf_llama(values=True)``). The suite runs
+    20 examples each; SCALETORCH_LONG_TESTS=1 runs 300."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.mkdtemp(prefix="values_")
+        cls.state = _trained_state()
+        cls.entries = [e[0] for e in _float_entries(cls.state)]
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.tmp, ignore_errors=True)
+
+    def saved(self, state) -> str:
+        d = tempfile.mkdtemp(dir=self.tmp)
+        ckpt.save_checkpoint(d, 1, state, 0, 1, keep_last=0)  # digests of what is written
+        return ckpt.step_dir(d, 1)
+
+    def test_a_sane_state_passes_and_every_section_is_walked(self):
+        ckpt.check_rank_files(self.saved(self.state))
+        for section in ("model.", "optimizer.state.", "optimizer.param_groups", "scheduler."):
+            self.assertTrue(any(e.startswith(section) for e in self.entries), section)
+
+    @settings(max_examples=300 if LONG else 20, deadline=None, derandomize=not LONG,
+              suppress_health_check=[HealthCheck.too_slow])
+    @given(which=st.integers(0, 10**6), bad=BAD_VALUES, at=st.integers(0, 10**6),
+           dtype=st.sampled_from([None, torch.int64, torch.complex64]))
+    def test_a_bad_value_or_dtype_anywhere_in_a_rank_file_is_refused(self, which, bad, at, dtype):
+        import copy
+        state = copy.deepcopy(self.state)
+        where, container, key = _float_entries(state)[which % len(self.entries)]
+        item = container[key]
+        if isinstance(item, float):
+            container[key] = bad
+        elif dtype is not None:
+            container[key] = item.to(dtype)
+        else:
+            flat = item.reshape(-1)
+            flat[at % flat.numel()] = bad
+        if isinstance(item, float) and dtype is not None:
+            return  # a float has no dtype to change
+        with self.assertRaises(InputError) as ctx:
+            ckpt.check_rank_files(self.saved(state))
+        self.assertIn(where, str(ctx.exception))
+        self.assertNotIn("\n", str(ctx.exception))
+
+    @settings(max_examples=300 if LONG else 20, deadline=None, derandomize=not LONG)
+    @given(field=st.sampled_from(sorted({
+        **ckpt.MANIFEST_FIELDS,
+        **ckpt.LAYOUT_FIELDS
+    })), value=WRONG)
+    def test_a_manifest_field_of_the_wrong_type_or_range_is_refused_naming_it(self, field, value):
+        d = tempfile.mkdtemp(dir=self.tmp)
+        manifest = {
+            "format_version": ckpt.FORMAT_VERSION,
+            "step": 3,
+            "world_size": 1,
+            "layout": {
+                "zero_stage": 0,
+                "model": {}
+            },
+            "sha256": {}
+        }
+        (manifest if field in ckpt.MANIFEST_FIELDS else manifest["layout"])[field] = value
+        write_checksummed(os.path.join(d, ckpt.MANIFEST), json.dumps(manifest).encode())
+        kind, low, high = {**ckpt.MANIFEST_FIELDS, **ckpt.LAYOUT_FIELDS}[field]
+        fits = (isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+                and (low is None or value >= low) and (high is None or value <= high))
+        if field == "format_version":
+            fits = value == ckpt.FORMAT_VERSION and not isinstance(value, bool)
+        try:
+            ckpt.read_manifest(d)
+            message = ""
+        except InputError as err:
+            message = str(err)
+        self.assertEqual(message == "", fits, message)
+        if not fits:
+            self.assertIn(field if field != "format_version" else "format version", message)
+            if not isinstance(value, kind) and field not in ("format_version", "sha256"):
+                self.assertIn(type(value).__name__, message)
+
+    @settings(max_examples=300 if LONG else 20, deadline=None, derandomize=not LONG,
+              suppress_health_check=[HealthCheck.too_slow])
+    @given(which=st.integers(0, 10**6), bad=BAD_VALUES, at=st.integers(0, 10**6))
+    def test_a_non_finite_weight_of_an_init_from_directory_is_refused_before_the_run(
+            self, which, bad, at):
+        from scaletorch.models.hf import check_hf_llama, export_hf_llama, to_hf_name
+        model = build_model(SMALL, seed=0)
+        names = sorted(n for n, _ in model.named_parameters())
+        name = names[which % len(names)]
+        with torch.no_grad():
+            flat = dict(model.named_parameters())[name].view(-1)
+            flat[at % flat.numel()] = bad
+        path = os.path.join(tempfile.mkdtemp(dir=self.tmp), "hf")
+        export_hf_llama(model, path)  # its digests: of the planted values
+        check_hf_llama(path)  # the headers alone see nothing wrong
+        with self.assertRaises(InputError) as ctx:
+            check_hf_llama(path, values=True)
+        self.assertIn(f"tensor {to_hf_name(name)} holds inf or nan", str(ctx.exception))
 
 
 if __name__ == "__main__":

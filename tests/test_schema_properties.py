@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from scaletorch.config import Config
 from scaletorch.rules.errors import InputError
 from scaletorch.rules.schema import Rule, check_value
-from scaletorch.trainer.config import apply_dict, schema
+from scaletorch.trainer.config import apply_dict, parse_args, schema
 from tests.test_bad_inputs import run_in_process
 from tests.test_run_dirs import C00
 
@@ -145,6 +145,65 @@ class AWrongValueInAConfigFileStopsTheScriptInOneLine(unittest.TestCase):
             self.assertEqual(len(out.splitlines()), 1, out)
             self.assertTrue(out.startswith(f"error: {path}: {key}"), out)
             self.assertFalse(os.path.exists(runs))
+
+
+# A cluster file's text: tags, nesting, a list, broken syntax, a mapping with wrong keys
+CLUSTER_TEXTS = st.one_of(
+    st.builds(
+        lambda tag, arg: f"name: {tag}{arg}\n",
+        st.sampled_from([
+            "!!python/object/apply:os.system", "!!python/name:os.system", "!!python/object:x.Y",
+            "!foo"
+        ]), st.sampled_from(["", ' ["true"]', " {}"])),
+    st.integers(101, 5000).map(lambda d: "[" * d),
+    st.sampled_from(["- a\n- b\n", "a: [1, 2\n", "", "peak_flops: x\n", "name: a\n"]),
+    st.dictionaries(LETTERS, st.integers(), max_size=3).map(yaml.safe_dump))
+
+
+class AClusterFileIsReadInThePreflight(unittest.TestCase):
+    """``--logging.plan_cluster FILE`` is read through the boundary by ``parse_args`` (the
+    pre-flight), not after training: any text that is no cluster (generated: tags, nesting,
+    lists, syntax, wrong keys) is one line naming the option. In-process, 30 examples (300
+    under SCALETORCH_LONG_TESTS=1)."""
+
+    @settings(max_examples=300 if LONG else 30, deadline=None,
+              suppress_health_check=[HealthCheck.too_slow])
+    @given(text=CLUSTER_TEXTS, suffix=st.sampled_from([".yaml", ".json"]))
+    def test_a_cluster_file_that_is_no_cluster_is_one_line(self, text, suffix):
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "cluster" + suffix)
+            with open(path, "w") as f:
+                f.write(text)
+            with self.assertRaises(ValueError) as ctx:  # load_config prints it as one line
+                parse_args([
+                    "--config", "examples/configs/00_single_device.yaml", "--logging.plan_cluster",
+                    path
+                ])
+            message = str(ctx.exception)
+            self.assertTrue(message.startswith("logging.plan_cluster: "), message)
+            self.assertNotIn("\n", message)
+
+
+class ARunDirectoryMadeForARefusedRunIsRemoved(unittest.TestCase):
+    """An input refused after the lock was taken (a per-rank file whose shapes fit no model
+    of this layout, found once the model is built) leaves nothing: ``remove_unused`` (which
+    report_input_errors calls) removes the directory the run made, and only an empty one."""
+
+    def test_an_empty_run_directory_goes_and_one_with_a_file_stays(self):
+        from scaletorch.trainer.run_dir import MARKER, release, remove_unused, take_ownership
+        with tempfile.TemporaryDirectory() as tmp:
+            for leave_a_file in (False, True):
+                cfg = parse_args([
+                    "--config", "examples/configs/00_single_device.yaml", "--logging.run_dir", tmp,
+                    "--name", f"run{leave_a_file}"
+                ])
+                take_ownership(cfg)
+                self.assertTrue(os.path.isfile(os.path.join(cfg.run_path, MARKER)))
+                if leave_a_file:
+                    open(os.path.join(cfg.run_path, "log.txt"), "w").close()
+                remove_unused()
+                release()
+                self.assertEqual(os.path.isdir(cfg.run_path), leave_a_file)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ reads it with an allow-list. Every other file is read through scaletorch/rules/b
 """
 
 import ast
+import hashlib
 import json
 import os
 import pickle
@@ -15,12 +16,28 @@ import time
 import unittest
 from typing import List, Tuple
 
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from scaletorch.dist import flight_recorder
 from scaletorch.rules import boundary
 from scaletorch.rules.errors import InputError, clip
 from scaletorch.rules.safe_files import write_checksummed
+from scaletorch.trainer.checkpoint import MANIFEST, read_manifest
 from scaletorch.trainer.config import load_yaml, parse_args
 from tests.test_layering import ROOT, python_files
+
+LONG = os.environ.get("SCALETORCH_LONG_TESTS") == "1"
+# depths around the limit (100) and far past Python's recursion limit (1000)
+DEPTHS = st.one_of(st.integers(1, 130), st.integers(900, 1100), st.integers(5000, 200_000))
+OPENERS = st.sampled_from(["[", '{"a": '])
+PYTHON_TAGS = st.builds(
+    lambda kind, name, args: f"!!python/{kind}{name}{args}",
+    st.sampled_from(["object/apply:", "object/new:", "object:", "name:", "module:"]),
+    st.sampled_from(["os.system", "subprocess.call", "builtins.eval", "x"]),
+    st.sampled_from(["", ' ["true"]', " {}", " [1]"]))
+TAGS = st.one_of(PYTHON_TAGS, st.sampled_from(["!foo 1", "!<tag:x.org,2002:y> 1", "!!set {}"]))
+FLAG_FORMS = st.sampled_from(["space", "equals", "set"])
 
 # 1 KB of YAML that stands for 9^10 (3.5 billion) values: each line 9 aliases of the one before
 ALIAS_BOMB = "a: &a [x,x,x,x,x,x,x,x,x]\n" + "".join(
@@ -244,6 +261,94 @@ class TheBoundaryRefusesBeforeItReads(unittest.TestCase):
             self.assertEqual(boundary.load_json(path, "x"), {"entries": []})
         os.mkdir(path + ".sha256")
         self.refused(lambda: boundary.load_json(path, "x"), "is a directory")
+
+
+def _argv(form: str, value: str) -> List[str]:
+    """training.lr set to ``value`` the three ways a command line can set a field."""
+    return {
+        "space": ["--training.lr", value],
+        "equals": [f"--training.lr={value}"],
+        "set": ["--set", f"training.lr={value}"]
+    }[form]
+
+
+class NestingAndTagsAreOneInputError(unittest.TestCase):
+    """Generated: JSON nested to every depth (a manifest with its digest re-written, and any
+    JSON file), YAML nested so on the command line, and every kind of tag the safe loader
+    refuses. Each ends in one InputError line in under 2 s, never a RecursionError or a YAML
+    traceback; past 100 levels it names the depth. The suite runs 40 examples each; the long
+    profile (SCALETORCH_LONG_TESTS=1) 400."""
+
+    @classmethod
+    def setUpClass(cls):
+        parse_args([])  # its first call imports what a config needs: not under the 2 s bound
+
+    def setUp(self):
+        self.tmp = tempfile.TemporaryDirectory()
+        self.addCleanup(self.tmp.cleanup)
+        self.d = self.tmp.name
+
+    def outcome(self, fn) -> str:
+        """'' when ``fn`` passes, else its one-line InputError (a ValueError from parse_args,
+        which load_config prints as one line); any other exception fails."""
+        start = time.perf_counter()
+        try:
+            fn()
+            message = ""
+        except ValueError as err:
+            message = str(err)
+        self.assertLess(time.perf_counter() - start, 2.0)  # seconds, on a loaded machine
+        self.assertNotIn("\n", message)
+        self.assertLess(len(message), 1500)
+        return message
+
+    @settings(max_examples=400 if LONG else 40, deadline=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+    @given(depth=DEPTHS, opener=OPENERS, closed=st.booleans(), as_manifest=st.booleans())
+    def test_json_nested_to_any_depth_is_read_or_one_line(self, depth, opener, closed, as_manifest):
+        closer = "]" if opener == "[" else "}"
+        text = opener * depth + ("1" + closer * depth if closed else "")
+        path = os.path.join(self.d, MANIFEST if as_manifest else "file.json")
+        with open(path, "w") as f:
+            f.write(text)
+        if as_manifest:  # its digest re-written: the values, not the bytes, are wrong
+            with open(path + ".sha256", "w") as f:
+                f.write(f"{hashlib.sha256(text.encode()).hexdigest()}  {MANIFEST}\n")
+            message = self.outcome(lambda: read_manifest(self.d))
+        else:
+            message = self.outcome(lambda: boundary.load_json(path, "a file", digest=False))
+        an_object = opener != "[" and closed and depth <= boundary.NESTING
+        self.assertEqual(message == "", an_object and not as_manifest, message)  # no manifest
+        if depth > boundary.NESTING and closed:
+            self.assertIn(f"more than {boundary.NESTING} levels deep", message)
+
+    @settings(max_examples=400 if LONG else 40, deadline=None)
+    @given(depth=DEPTHS, opener=st.sampled_from(["[", "{a: ", "- "]), closed=st.booleans(),
+           form=FLAG_FORMS)
+    def test_yaml_nested_on_the_command_line_is_one_line_fast(self, depth, opener, closed, form):
+        # the flag's text stays small: a block list's indent grows with its depth
+        depth = min(depth, 20_000 if opener != "- " else 300)
+        closer = {"[": "]", "{a: ": "}", "- ": ""}[opener]
+        text = (opener * depth + ("1" + closer * depth if closed else "") if opener != "- " else
+                "".join(" " * (2 * i) + "-\n" for i in range(depth)) + " " * 2 * depth + "1")
+        message = self.outcome(lambda: parse_args(_argv(form, text)))
+        self.assertIn("training.lr", message)  # a list is no learning rate either
+        if depth > boundary.NESTING:
+            self.assertIn(f"more than {boundary.NESTING} levels deep", message)
+
+    @settings(max_examples=400 if LONG else 40, deadline=None)
+    @given(tag=TAGS, form=FLAG_FORMS)
+    def test_a_tag_on_the_command_line_is_one_line_naming_the_flag(self, tag, form):
+        message = self.outcome(lambda: parse_args(_argv(form, tag)))
+        self.assertIn("training.lr", message)  # the flag, or the field a safe tag's value misses
+        if tag.startswith("!!python") or not tag.startswith("!!"):
+            self.assertIn("--training.lr: YAML", message)
+            self.assertIn("could not determine a constructor for the tag", message)
+
+    def test_text_that_is_no_yaml_stays_the_string_given(self):
+        from scaletorch.trainer.config import _cli_value
+        for text in ("[", "a: b: c", "{"):
+            self.assertEqual(_cli_value(text, "--logging.name"), text)
 
 
 if __name__ == "__main__":

@@ -203,19 +203,11 @@ def load_hf_config(path: str) -> LlamaConfig:
         raise InputError(f"{path} is a file, not a Hugging Face model directory: give the "
                          f"directory that holds {CONFIG_FILE} and the safetensors files")
     file = os.path.join(path, CONFIG_FILE)
-    if not os.path.isfile(file):
+    if not os.path.lexists(file):
         raise InputError(f"{path} is not a Hugging Face model directory: {CONFIG_FILE} is missing; "
                          f"give the directory that holds it and the safetensors files")
     verify_export_file(file)
-    try:
-        hf = json.loads(
-            boundary.read_bytes(file, "Hugging Face config", boundary.JSON_BYTES,
-                                digest=False))  # verified just above
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
-        raise InputError(f"{file} is not valid JSON ({clip(str(err))}): restore the file the "
-                         f"model came with") from None
-    if not isinstance(hf, dict):
-        raise InputError(f"{file} holds a {type(hf).__name__}, not a config object")
+    hf = boundary.load_json(file, "Hugging Face config", digest=False)  # verified just above
     return config_from_hf(hf, file)
 
 
@@ -224,13 +216,11 @@ def _weight_files(path: str) -> Dict[str, List[str]]:
     index = os.path.join(path, INDEX_FILE)
     if os.path.isfile(index):
         verify_export_file(index)
+        values = boundary.load_json(index, "safetensors index", digest=False)  # verified above
         try:
-            weight_map = json.loads(
-                boundary.read_bytes(index, "safetensors index", boundary.JSON_BYTES,
-                                    digest=False))["weight_map"]  # verified just above
+            weight_map = values["weight_map"]
             files_named = [os.path.join(path, file) for file in weight_map.values()]
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError,
-                RecursionError) as err:
+        except (KeyError, TypeError, AttributeError) as err:
             raise InputError(f"{index} is not a safetensors index (a JSON object with a "
                              f"weight_map): {clip(str(err))}") from None
         outside = [
@@ -242,13 +232,17 @@ def _weight_files(path: str) -> Dict[str, List[str]]:
         for name, file in weight_map.items():
             files.setdefault(os.path.join(path, file), []).append(name)
         for file, names in files.items():
-            if not os.path.isfile(file):
+            if not os.path.lexists(file):
                 raise InputError(f"shard {file} listed in {index} is missing (it holds "
                                  f"{names[0]} and {len(names) - 1} more tensors)")
+            boundary.regular_file(file, f"shard listed in {index}", MAX_FILE_BYTES)
         return files
     single = os.path.join(path, SINGLE_FILE)
-    if not os.path.isfile(single):
+    if os.path.lexists(index):  # there, but not a file: say what it is
+        boundary.regular_file(index, "safetensors index", boundary.JSON_BYTES)
+    if not os.path.lexists(single):
         raise InputError(f"{path} has neither {SINGLE_FILE} nor {INDEX_FILE}")
+    boundary.regular_file(single, "Hugging Face weights", MAX_FILE_BYTES)
     return {single: []}
 
 
@@ -319,10 +313,12 @@ def tensor_files(path: str) -> Dict[str, Tuple[str, tuple]]:
     return out
 
 
-def check_hf_llama(path: str) -> LlamaConfig:
+def check_hf_llama(path: str, values: bool = False) -> LlamaConfig:
     """The LlamaConfig of Hugging Face directory ``path``, once its config.json and every
-    tensor's name and shape (from the safetensors headers, no weights read) are checked:
-    InputError naming the file otherwise. A run calls it before any process starts."""
+    tensor's name and shape (from the safetensors headers) are checked: InputError naming the
+    file otherwise. A run calls it before any process starts. ``values`` (``--init-from``):
+    every weight is also read, one at a time, and checked floating and finite
+    (``check_weight``), as ``load_hf_state_dict`` checks them."""
     config = load_hf_config(path)
     expected = {name: tuple(p.shape) for name, p in _shapes(config).items()}
     found: set = set()
@@ -332,7 +328,35 @@ def check_hf_llama(path: str) -> LlamaConfig:
     missing = [to_hf_name(n) for n in expected if n not in found]
     if missing:
         raise InputError(f"{path}: {len(missing)} tensors missing, e.g. {missing[0]}")
+    if values:
+        for file in _weight_files(path):
+            _check_values(file)
     return config
+
+
+def check_weight(file: str, hf_name: str, tensor: torch.Tensor) -> None:
+    """InputError naming ``file`` and the tensor unless it is floating point and finite."""
+    if not tensor.is_floating_point():
+        raise InputError(f"{file}: tensor {hf_name} is {tensor.dtype}, not a floating point "
+                         f"weight")
+    if not bool(torch.isfinite(tensor).all()):
+        raise InputError(f"{file}: tensor {hf_name} holds inf or nan: the weights are damaged "
+                         f"or from a diverged run")
+
+
+def _check_values(file: str) -> None:
+    """``check_weight`` on every weight of one safetensors file, one tensor in memory at a
+    time, after its bytes match their digest (or the user trusted them)."""
+    safetensors = require_hf("safetensors")
+    from safetensors.torch import safe_open
+    verify_export_file(file)
+    try:
+        with safe_open(file, framework="pt") as f:
+            for hf_name in f.keys():
+                if not hf_name.endswith(IGNORED_SUFFIXES):
+                    check_weight(file, hf_name, f.get_tensor(hf_name))
+    except safetensors.SafetensorError as err:
+        raise InputError(f"{file} is not a readable safetensors file ({err})") from None
 
 
 def load_hf_state_dict(path: str, config: LlamaConfig) -> Dict[str, torch.Tensor]:
@@ -347,13 +371,8 @@ def load_hf_state_dict(path: str, config: LlamaConfig) -> Dict[str, torch.Tensor
     for file, names in _weight_files(path).items():
         for hf_name, tensor in _read_file(file, names).items():
             name = _our_name(file, hf_name, tuple(tensor.shape), expected, path)
-            if name is not None and not tensor.is_floating_point():
-                raise InputError(f"{file}: tensor {hf_name} is {tensor.dtype}, not a floating "
-                                 f"point weight")
-            if name is not None and not bool(torch.isfinite(tensor).all()):
-                raise InputError(f"{file}: tensor {hf_name} holds inf or nan: the weights are "
-                                 f"damaged or from a diverged run")
             if name is not None:
+                check_weight(file, hf_name, tensor)
                 state[name], origin[name] = tensor, file
     if config.tie_word_embeddings and "lm_head.weight" in state:
         # Some tied exports save both; they must be the same tensor for the tie to hold.

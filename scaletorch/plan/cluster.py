@@ -205,13 +205,11 @@ def load_cluster(name_or_path: str) -> Cluster:
     # a file the user may write by hand, as a config: read through the trust boundary (a
     # regular file within the config limit; YAML's limited safe loader), without a digest
     what = "cluster file"
-    try:  # JSON apart: YAML 1.1 reads 5e-05 as a string
-        values: Any = (boundary.load_json(name_or_path, what, boundary.CONFIG_BYTES, digest=False)
-                       if name_or_path.endswith(".json") else boundary.load_yaml(
-                           boundary.read_text(name_or_path, what, boundary.CONFIG_BYTES),
-                           f"{what} {clip(name_or_path)}")) or {}
-    except yaml.YAMLError as err:
-        raise ValueError(f"{what} {clip(name_or_path)}: {clip(str(err))}") from None
+    # JSON apart: YAML 1.1 reads 5e-05 as a string. Either fails as one InputError
+    values: Any = (boundary.load_json(name_or_path, what, boundary.CONFIG_BYTES, digest=False,
+                                      kind=None) if name_or_path.endswith(".json") else
+                   boundary.load_yaml(boundary.read_text(name_or_path, what, boundary.CONFIG_BYTES),
+                                      f"{what} {clip(name_or_path)}")) or {}
     if not isinstance(values, dict):
         raise ValueError(f"cluster file {name_or_path!r} must be a mapping of keys")
     keys = [f.name for f in fields(Cluster)]

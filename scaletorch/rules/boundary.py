@@ -4,7 +4,12 @@
                                           device), at most max_bytes: its size, before a read
     verified(path, what)                  its ``<path>.sha256`` matches, or the user trusted it
     read_bytes / read_text / load_json    the three, then the bytes (text, JSON values)
-    load_yaml(text, source)               YAML's safe loader, with a size and an expansion limit
+    parse_json(text, what, kind)          JSON text (a line of a .jsonl) at most NESTING deep
+    load_jsonl(path, what)                a JSON-lines file: its objects, each by parse_json
+    load_yaml(text, source)               YAML's safe loader, with size, depth and expansion limits
+
+Nesting is limited (NESTING levels) because both parsers recurse: a file of 200,000 ``[``
+would otherwise end in a RecursionError traceback. Any failure to parse is one InputError.
 
 The readers execute no code from a file: YAML's safe loader builds plain values only, JSON is
 data, and the formats with code in them (pickle) are read nowhere but in torch's
@@ -25,7 +30,7 @@ import contextlib
 import json
 import os
 import stat
-from typing import Any, Iterable, Iterator, Set
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Set
 
 import yaml
 
@@ -34,9 +39,10 @@ from scaletorch.rules.safe_files import (CorruptFileError, checksum_path, read_c
                                          verify_checksum)
 
 __all__ = [
-    "CONFIG_BYTES", "JSON_BYTES", "TRUST_HELP", "add_trust_flag", "TEXT_BYTES", "UNLIMITED",
-    "YAML_NODES", "is_trusted_unchecked", "load_json", "load_yaml", "read_bytes", "read_text",
-    "regular_file", "trust_unchecked", "trusting", "verified"
+    "CONFIG_BYTES", "JSON_BYTES", "NESTING", "TRUST_HELP", "YamlSyntaxError", "add_trust_flag",
+    "TEXT_BYTES", "UNLIMITED", "YAML_NODES", "is_trusted_unchecked", "load_json", "load_jsonl",
+    "load_yaml", "parse_json", "read_bytes", "read_text", "regular_file", "trust_unchecked",
+    "trusting", "verified"
 ]
 
 CONFIG_BYTES = 1 << 20  # a config YAML: ours are under 2 KB
@@ -46,6 +52,7 @@ UNLIMITED = 1 << 60  # memory-mapped files (a .bin, safetensors): only what is s
 # Nodes a YAML document may hold once its aliases are expanded: an alias is a reference, cheap
 # to parse, but whatever walks the value (the schema, an error message) meets every copy
 YAML_NODES = 100_000
+NESTING = 100  # levels of lists and mappings in a JSON or YAML value: ours use under 10
 _trusted: Set[str] = set()  # real paths named with --trust-unchecked
 
 TRUST_HELP = ("read PATH (a file, or every file under a directory) without the .sha256 that "
@@ -150,17 +157,99 @@ def read_text(path: str, what: str, max_bytes: int, digest: bool = False) -> str
                          f"offset {err.start} is not UTF-8)") from None
 
 
-def load_json(path: str, what: str, max_bytes: int = JSON_BYTES, digest: bool = True) -> Any:
-    """The JSON value of ``path`` (``read_text``); InputError naming the file when it is not."""
-    text = read_text(path, what, max_bytes, digest)
+def _depth(value: Any, limit: int) -> int:
+    """How deeply lists and mappings nest in ``value`` (walked with a stack, no recursion),
+    counting no further than ``limit + 1``."""
+    deepest, stack = 0, [(value, 1)]
+    while stack and deepest <= limit:
+        item, level = stack.pop()
+        if isinstance(item, (list, dict)):
+            deepest = max(deepest, level)
+            stack.extend(
+                (v, level + 1) for v in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
+def parse_json(text: str, what: str, kind: Optional[type] = dict) -> Any:
+    """The JSON value of ``text`` (``what`` names it in errors): InputError, one line, when it
+    is not JSON, nests more than NESTING levels, or is not a ``kind`` (None: any value)."""
     try:
-        return json.loads(text)
-    except (json.JSONDecodeError, RecursionError) as err:
-        raise InputError(f"{what} {clip(path)} is not valid JSON ({clip(str(err))})") from None
+        value = json.loads(text)
+    except RecursionError:  # the C parser recurses per level: far past NESTING
+        raise InputError(f"{what} nests lists or objects more than {NESTING} levels deep: it "
+                         f"is not the file meant") from None
+    except json.JSONDecodeError as err:
+        raise InputError(f"{what} is not valid JSON ({str(err)[:200]})") from None
+    if _depth(value, NESTING) > NESTING:
+        raise InputError(f"{what} nests lists or objects more than {NESTING} levels deep: it "
+                         f"is not the file meant")
+    if kind is not None and not isinstance(value, kind):
+        wanted = "an object" if kind is dict else f"a {kind.__name__}"
+        raise InputError(f"{what} holds a {type(value).__name__}, not {wanted}")
+    return value
+
+
+def load_json(path: str, what: str, max_bytes: int = JSON_BYTES, digest: bool = True,
+              kind: Optional[type] = dict) -> Any:
+    """The JSON value of ``path`` (``read_text``, then ``parse_json``): every JSON file is read
+    here; InputError naming the file when it is not a ``kind`` within the limits."""
+    return parse_json(read_text(path, what, max_bytes, digest), f"{what} {clip(path)}", kind)
+
+
+def load_jsonl(path: str, what: str, max_bytes: int = JSON_BYTES) -> List[Dict[str, Any]]:
+    """The objects of a JSON-lines file (a metrics.jsonl: ours, but appended to line by line,
+    so without a digest), each through ``parse_json``; InputError naming the line number."""
+    text = read_text(path, what, max_bytes)
+    return [
+        parse_json(line, f"{what} {clip(path)} line {n}")
+        for n, line in enumerate(text.splitlines(), 1) if line.strip()
+    ]
+
+
+class YamlSyntaxError(InputError):
+    """Text that is no YAML at all (a scanner or parser error): a command-line value keeps such
+    text as the string it is; a tag the safe loader refuses is a plain InputError."""
 
 
 class _LimitedLoader(yaml.SafeLoader):
-    """YAML's safe loader (plain values only: no Python object is ever built)."""
+    """YAML's safe loader (plain values only: no Python object is ever built), refusing
+    nesting past NESTING levels as it composes: the composer recurses per level, and the
+    scanner slows with every open level, so it stops at the first one too deep."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        self.levels = getattr(self, "levels", 0) + 1
+        if self.levels > NESTING:
+            raise InputError(f"nested more than {NESTING} levels deep")
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self.levels -= 1
+
+
+def _too_deep(text: str) -> bool:
+    """Whether YAML ``text`` nests past NESTING levels, from libyaml's event parser (C, no
+    recursion, a millisecond for 20,000 levels; events only, nothing is built). Its syntax
+    errors are left to the safe loader, which names them; without libyaml the composer's own
+    limit (``_LimitedLoader``) stops it, slower."""
+    if not yaml.__with_libyaml__:
+        return False
+    from yaml.cyaml import CParser  # type: ignore[attr-defined]
+    parser, depth = CParser(text), 0
+    try:
+        while True:
+            event = parser.get_event()
+            if event is None or isinstance(event, yaml.StreamEndEvent):
+                return False
+            if isinstance(event, (yaml.SequenceStartEvent, yaml.MappingStartEvent)):
+                depth += 1
+                if depth > NESTING:
+                    return True
+            elif isinstance(event, (yaml.SequenceEndEvent, yaml.MappingEndEvent)):
+                depth -= 1
+    except yaml.YAMLError:
+        return False
+    finally:
+        parser.dispose()
 
 
 def _expanded_nodes(node: yaml.Node, seen: dict, depth: int = 0) -> int:
@@ -171,8 +260,8 @@ def _expanded_nodes(node: yaml.Node, seen: dict, depth: int = 0) -> int:
         if seen[key] is None:  # met again while its own children are being counted
             raise InputError("that holds itself (a recursive alias)")
         return seen[key]
-    if depth > 100:
-        raise InputError("nested more than 100 levels deep")
+    if depth > NESTING:
+        raise InputError(f"nested more than {NESTING} levels deep (aliases expanded)")
     seen[key] = None
     children: list = []
     if isinstance(node, yaml.SequenceNode):
@@ -188,15 +277,35 @@ def _expanded_nodes(node: yaml.Node, seen: dict, depth: int = 0) -> int:
     return total
 
 
+def _yaml_error(err: yaml.YAMLError, source: str) -> InputError:
+    """One line for a YAML error: where, and what (a syntax error, or a tag refused)."""
+    mark = getattr(err, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+    problem = (getattr(err, "problem", None) or str(err).splitlines()[0])[:300]
+    if isinstance(err, yaml.constructor.ConstructorError):
+        return InputError(f"{source}: YAML{where} {problem}: only plain values (numbers, "
+                          f"strings, lists, mappings) are read, no tag builds an object")
+    return YamlSyntaxError(f"{source} is not valid YAML{where}: {problem}; fix the syntax "
+                           f"there")
+
+
 def load_yaml(text: str, source: str) -> Any:
     """The value of YAML ``text`` (``source`` names it in errors): the safe loader, refused
-    before construction when aliases expand it past YAML_NODES nodes or it holds itself."""
+    while composing past NESTING levels, before construction when aliases expand it past
+    YAML_NODES nodes or it holds itself. Every failure is an InputError (a YamlSyntaxError
+    when the text is no YAML)."""
     if len(text) > CONFIG_BYTES:
         raise InputError(f"{source}: {len(text)} characters of YAML, over the limit of "
                          f"{CONFIG_BYTES}")
+    if _too_deep(text):
+        raise InputError(f"{source}: YAML nested more than {NESTING} levels deep: it is not a "
+                         f"config")
     loader = _LimitedLoader(text)
     try:
-        node = loader.get_single_node()
+        try:
+            node = loader.get_single_node()
+        except InputError as err:  # nested too deep
+            raise InputError(f"{source}: YAML {err}: it is not a config") from None
         if node is None:
             return None
         try:  # measure what the aliases expand to before building anything
@@ -207,5 +316,9 @@ def load_yaml(text: str, source: str) -> Any:
             raise InputError(f"{source}: YAML whose aliases expand to over {YAML_NODES} "
                              f"values: it is not a config (an alias bomb?)")
         return loader.construct_document(node)
+    except yaml.YAMLError as err:
+        raise _yaml_error(err, source) from None
+    except RecursionError:  # a last guard: the limits above stop nesting long before
+        raise InputError(f"{source}: YAML nested too deep: it is not a config") from None
     finally:
         loader.dispose()

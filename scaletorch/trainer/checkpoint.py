@@ -241,31 +241,105 @@ class NotACheckpointError(InputError, FileNotFoundError):
     """A path given as a checkpoint directory that holds no manifest."""
 
 
+# The manifest's fields, as write_manifest writes them: {name: (type, lowest, highest)}. A
+# digest that matches says the bytes are those written, not that a writer wrote sane values
+MAX_STEP = 10**12
+MAX_RANKS = 1 << 20
+MANIFEST_FIELDS: Dict[str, Tuple[type, Optional[int], Optional[int]]] = {
+    "format_version": (int, None, None),
+    "step": (int, 0, MAX_STEP),
+    "world_size": (int, 1, MAX_RANKS),
+    "layout": (dict, None, None),
+    "sha256": (dict, None, None),
+}
+MANIFEST_OPTIONAL = {"format": (str, None, None)}
+_SIZES = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+          "expert_model_parallel_size", "data_parallel_size", "virtual_pipeline_stages")
+# the sizes of run_layout; the others (names, lists, the config) are compared as they are
+LAYOUT_FIELDS: Dict[str, Tuple[type, Optional[int], Optional[int]]] = {
+    **{
+        name: (int, 1, MAX_RANKS)
+        for name in _SIZES
+    },
+    "zero_stage": (int, 0, 3),
+    "model": (dict, None, None),
+}
+
+
+def _check_fields(where: str, values: Dict[str, Any], schema: Dict[str, Any],
+                  required: bool) -> None:
+    """InputError naming the field, its type and value unless each of ``schema`` in ``values``
+    has its type (a bool is no int) and range."""
+    for name, (kind, low, high) in schema.items():
+        if name not in values:
+            if required:
+                raise CorruptCheckpointError(f"{where} has no field {name!r}: it is not a "
+                                             f"ScaleTorch manifest")
+            continue
+        value = values[name]
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise CorruptCheckpointError(f"{where}: {name} is {type(value).__name__} "
+                                         f"{clip(value)}, not {kind.__name__}")
+        if (low is not None and value < low) or (high is not None and value > high):
+            raise CorruptCheckpointError(f"{where}: {name} {clip(value)} is outside "
+                                         f"[{low}, {high}]")
+
+
+def check_manifest(manifest: Any, where: str) -> Dict[str, Any]:
+    """``manifest`` once its fields have the declared types and ranges (MANIFEST_FIELDS,
+    LAYOUT_FIELDS) and its file names are plain names with sha256 digests; InputError naming
+    ``where`` and the field otherwise."""
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("sha256"), dict):
+        raise CorruptCheckpointError(f"{where} is not a ScaleTorch manifest (no sha256 of the "
+                                     f"rank files)")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise InputError(f"{where} has format version {clip(manifest.get('format_version'))}, "
+                         f"this code reads {FORMAT_VERSION}")
+    _check_fields(where, manifest, MANIFEST_FIELDS, required=True)
+    _check_fields(where, manifest, MANIFEST_OPTIONAL, required=False)
+    _check_fields(f"{where} layout", manifest["layout"], LAYOUT_FIELDS, required=False)
+    for name, digest in manifest["sha256"].items():
+        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,255}", name) or name in (".", ".."):
+            raise CorruptCheckpointError(f"{where} names {clip(name)}, not a file of its "
+                                         f"directory")
+        if not isinstance(digest, str) or not re.fullmatch(r"[0-9a-f]{64}", digest):
+            raise CorruptCheckpointError(f"{where}: the sha256 of {name} is "
+                                         f"{type(digest).__name__} {clip(digest)}, not 64 hex "
+                                         f"digits")
+    return manifest
+
+
+def _digest_is_a_file(path: str) -> None:
+    """InputError naming what ``<path>.sha256`` is when it is there but no regular file (a
+    directory, a FIFO): not reported as missing, and a FIFO is never opened."""
+    if os.path.lexists(checksum_path(path)):
+        boundary.regular_file(checksum_path(path), "checksum file", 4096)
+
+
 def read_manifest(path: str) -> Dict[str, Any]:
     manifest_path = os.path.join(path, MANIFEST)
-    if not os.path.isfile(manifest_path):
+    if not os.path.lexists(manifest_path):
         steps = list_checkpoints(path) if os.path.isdir(path) else []
         hint = (f"it holds checkpoints: resume one, e.g. --resume {steps[-1]}" if steps else
                 f"resume a step_NNNNNNN directory that holds a {MANIFEST}, or --resume alone "
                 f"for the latest one in checkpoint.dir")
         raise NotACheckpointError(f"{path!r} is not a complete checkpoint (no {MANIFEST}); {hint}")
+    boundary.regular_file(manifest_path, "checkpoint manifest", boundary.JSON_BYTES)
+    _digest_is_a_file(manifest_path)
     try:
-        manifest = json.loads(read_checksummed(manifest_path))  # verified before it is parsed
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as err:
+        text = read_checksummed(manifest_path).decode("utf-8")  # verified before it is parsed
+    except (OSError, UnicodeDecodeError) as err:
         raise CorruptCheckpointError(f"{manifest_path!r} is unreadable: {err}") from err
-    if not isinstance(manifest, dict) or not isinstance(manifest.get("sha256"), dict):
-        raise CorruptCheckpointError(f"{manifest_path!r} is not a ScaleTorch manifest (no sha256 "
-                                     f"of the rank files)")
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise InputError(f"checkpoint {path!r} has format version "
-                         f"{manifest.get('format_version')}, this code reads {FORMAT_VERSION}")
-    return manifest
+    manifest = boundary.parse_json(text, f"checkpoint manifest {manifest_path!r}", kind=None)
+    return check_manifest(manifest, f"checkpoint {path!r}")
 
 
 def _read_verified(path: str, name: str, manifest: Dict[str, Any]) -> bytes:
     file_path = os.path.join(path, name)
-    if not os.path.isfile(file_path):
+    if not os.path.lexists(file_path):
         raise CorruptCheckpointError(f"checkpoint {path!r} is missing {name}")
+    boundary.regular_file(file_path, f"checkpoint {path!r}: {name}", boundary.UNLIMITED)
+    _digest_is_a_file(file_path)
     with open(file_path, "rb") as f:
         data = f.read()
     expected = manifest["sha256"].get(name)
@@ -496,14 +570,64 @@ def check_tensor(name: str, key: str, saved: Any, expected: Any) -> None:
                          f"diverged run or is damaged; resume an earlier one")
 
 
+def check_every_tensor(name: str, state: Any, path: str = "") -> None:
+    """InputError naming ``name`` and the entry unless every tensor of ``state`` (the model,
+    the optimizer's moments and step counters, the scheduler, the loss scale) has a dtype a
+    checkpoint of ours holds and, when floating, only finite values; the model's are floating.
+    Walked with a stack: a file nests a few levels, but it is read from outside."""
+    stack = [(path, state)]
+    while stack:
+        where, value = stack.pop()
+        if isinstance(value, dict):
+            stack.extend((f"{where}.{k}" if where else str(k), v) for k, v in value.items())
+        elif isinstance(value, (list, tuple)):
+            stack.extend((f"{where}[{i}]", v) for i, v in enumerate(value))
+        elif isinstance(value, torch.Tensor):
+            if where.startswith(("model.", "optimizer.")) and not value.is_floating_point():
+                raise InputError(f"{name}: {where} is {value.dtype}, not floating point as a "
+                                 f"weight, a moment or AdamW's step counter is")
+            if value.is_complex() or value.dtype not in _SAVED_DTYPES:
+                raise InputError(f"{name}: {where} is {value.dtype}, a dtype no ScaleTorch "
+                                 f"checkpoint holds")
+            if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+                raise InputError(f"{name}: {where} holds inf or nan: the checkpoint was saved "
+                                 f"from a diverged run or is damaged; resume an earlier one")
+        elif isinstance(value, float) and not np.isfinite(value):
+            raise InputError(f"{name}: {where} is {value}: the checkpoint is damaged; resume "
+                             f"an earlier one")
+
+
+# weights and moments at any float dtype; step counters, RNG states and token counts as ints
+_SAVED_DTYPES = {
+    torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
+    torch.uint8, torch.bool
+}
+
+
+def check_rank_files(path: str) -> None:
+    """Before any process starts: every rank file of per-rank checkpoint ``path`` verified,
+    loaded (one at a time) and checked (``check_every_tensor``): a damaged value is refused
+    before a run directory exists, not after the model is built."""
+    manifest = read_manifest(path)
+    if manifest.get("format") == "dcp":
+        return
+    for file in sorted(manifest["sha256"]):
+        name = f"checkpoint file {os.path.join(path, file)!r}"
+        check_every_tensor(name, load_tensors_only(_read_verified(path, file, manifest), name))
+
+
 def load_checkpoint(path: str, rank: int, world_size: int,
                     layout: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """Read this rank's state from checkpoint directory ``path`` (checked against its manifest,
-    and against this run's world size and ``layout``: see ``check_layout``)."""
+    and against this run's world size and ``layout``: see ``check_layout``), every tensor
+    checked (``check_every_tensor``)."""
     manifest = read_manifest(path)
     check_layout(path, manifest, world_size, layout)
     data = _read_verified(path, os.path.basename(rank_file(path, rank)), manifest)
-    return load_tensors_only(data, f"checkpoint file {rank_file(path, rank)!r}")
+    name = f"checkpoint file {rank_file(path, rank)!r}"
+    state = load_tensors_only(data, name)
+    check_every_tensor(name, state)
+    return state
 
 
 def load_tensors_only(source: Union[str, bytes], name: str, mmap: bool = False) -> Any:

@@ -35,16 +35,17 @@ from scaletorch.dist import restart_count
 from scaletorch.parallel.mixed_precision import policy_for as precision_policy
 # the one layout check (also run by parallelize): re-exported for the scripts
 from scaletorch.parallel.validation import validate_layout
+from scaletorch.plan.cluster import load_cluster
 from scaletorch.rules import boundary
 from scaletorch.rules.errors import (INTERRUPTED, TERMINATED, InputError, MissingInputError,
                                      RunStopped, clip)
 from scaletorch.rules.safe_files import write_atomic
 from scaletorch.rules.schema import Rule, check_applies, check_value, ignored_by, rules_of
-from scaletorch.trainer.checkpoint import (check_resume, latest_valid_checkpoint, load_tensors_only,
-                                           read_manifest)
+from scaletorch.trainer.checkpoint import (check_rank_files, check_resume, latest_valid_checkpoint,
+                                           load_tensors_only, read_manifest)
 from scaletorch.trainer.memory_limit import check_memory
 from scaletorch.trainer.resume_check import check_resumed
-from scaletorch.trainer.run_dir import check_run_dir, move_aside, take_ownership
+from scaletorch.trainer.run_dir import check_run_dir, move_aside, remove_unused, take_ownership
 from scaletorch.trainer.stops import catch_stop_signals, stopped
 
 __all__ = [
@@ -190,12 +191,6 @@ def load_yaml(path: str) -> Dict[str, Any]:
     except OSError as err:  # e.g. no permission to read it
         raise InputError(f"config file {clip(path)} cannot be read ({err.strerror}): give a file "
                          f"you can read") from None
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-        raise InputError(f"config file {clip(path)} is not valid YAML{where}: {problem}; "
-                         f"fix the syntax there") from None
     if values is None:
         raise InputError(f"config file {clip(path)} holds no settings: give a YAML file of "
                          f"sections, as in examples/configs/")
@@ -206,12 +201,13 @@ def _cli_value(text: str, source: str) -> Any:
     """A command-line value as YAML reads it ("1e-3" -> 0.001, "[1, 3]" -> a list), through the
     same limits as a file's values, or the string as given when it is no YAML at all ("[",
     "a: b: c") or YAML's null (" ", "~"): the field's rule then judges it, in one line, instead
-    of a YAML traceback."""
+    of a YAML traceback. A tag the safe loader refuses (``!!python/...``) is an InputError
+    naming the flag: it is YAML, asking for an object."""
     if text == "":
         return text
     try:
         value = boundary.load_yaml(text, source)
-    except yaml.YAMLError:
+    except boundary.YamlSyntaxError:
         return text
     # YAML reads " " and "~" as null: the text stays (an Optional field's "null" is None still)
     return text if value is None else value
@@ -272,7 +268,7 @@ def parse_args(argv: Optional[Sequence[str]] = None, default_config: Optional[st
     given = {}
     for key, value in overrides:
         if isinstance(value, str):
-            value = _cli_value(value, f"--{clip(key)}")
+            value = _cli_value(value, f"--{key}" if len(key) <= 100 else clip(f"--{key}"))
         set_value(cfg, key, value)
         given[key] = value
     if args.resume is not None:
@@ -374,6 +370,7 @@ def report_input_errors(kind: Type[BaseException], err: BaseException,
             return  # the process exits with status 1
         sys.__excepthook__(kind, err, tb)
         return
+    remove_unused()  # a run directory this run made and never wrote to: nothing is left
     if int(os.environ.get("RANK", "0")) != 0:
         time.sleep(5)
     sys.stdout.flush()
@@ -436,6 +433,9 @@ def check_inputs(cfg: Config, world_size: int, resume_files: bool = False) -> No
     check_resume(cfg, world_size, resume_files)
     check_resume_step(cfg)
     resume_note(cfg)  # the checkpoint's run against this one, field by field
+    resumed = resumed_checkpoint(cfg)
+    if resumed is not None and os.path.isdir(resumed):  # its values, before a directory is made
+        check_rank_files(resumed)
     check_run_dir(cfg)
     outputs = {"logging.run_dir": cfg.run_path}
     if cfg.checkpoint.every > 0:
@@ -582,6 +582,11 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
     if cfg.logging.plan_cluster and not os.path.isfile(cfg.logging.plan_cluster):
         raise MissingInputError(f"logging.plan_cluster {cfg.logging.plan_cluster!r} is not a "
                                 f"file: give a cluster file from scripts/plan.py --calibrate")
+    if cfg.logging.plan_cluster:  # read now, through the boundary: not after the training
+        try:
+            load_cluster(cfg.logging.plan_cluster)
+        except ValueError as err:
+            raise InputError(f"logging.plan_cluster: {err}") from None
     if world_size is not None:
         validate_layout(cfg, world_size)
 

@@ -17,7 +17,6 @@ their flat shards (over dp_cp) to refill the full parameters, as a DCP load does
 ours has a ``.sha256`` beside each file: the ranks share the hashing before any piece is read.
 """
 
-import json
 from typing import TYPE_CHECKING, Dict, List, Tuple
 
 import torch
@@ -25,6 +24,7 @@ import torch
 from scaletorch.dist import comm
 from scaletorch.models.hf import (from_hf_name, load_hf_config, require_hf, tensor_files,
                                   to_hf_name, verify_export_file)
+from scaletorch.rules import boundary
 from scaletorch.rules.errors import InputError
 from scaletorch.rules.safe_files import CorruptFileError
 from scaletorch.trainer.dcp_pieces import Pieces, local_pieces
@@ -119,7 +119,9 @@ def stored_bytes(path: str) -> int:
     total = 0
     for file in sorted({file for file, _ in tensor_files(path).values()}):
         with open(file, "rb") as f:  # safetensors: an 8-byte little-endian length, a JSON header
-            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+            size = int.from_bytes(f.read(8), "little")  # safe_open (tensor_files) checked it
+            header = boundary.parse_json(
+                f.read(size).decode("utf-8", "replace"), f"safetensors header of {file}")
         total += sum(entry["data_offsets"][1] - entry["data_offsets"][0]
                      for name, entry in header.items() if name != "__metadata__")
     return total

@@ -17,6 +17,7 @@ both pass it. ``--overwrite`` moves aside only a directory that carries the mark
 a run made, not any directory a path happens to name.
 """
 
+import contextlib
 import fcntl
 import json
 import os
@@ -26,12 +27,14 @@ from typing import Dict, List, Optional, Tuple
 
 from scaletorch.config import Config
 from scaletorch.dist import restart_count
+from scaletorch.rules import boundary
 from scaletorch.rules.errors import InputError
 from scaletorch.rules.safe_files import write_atomic
 
 PROBE = ".scaletorch-probe-"  # check_writable's empty directory, made and removed at once
 MARKER = ".scaletorch-run"  # a run made this directory; its lock; who holds it (JSON)
 _held: Dict[str, int] = {}  # this process's locks: directory (real path) -> open descriptor
+_made: List[str] = []  # the directories ``hold`` created (they did not exist before this run)
 
 
 def _entries(path: str) -> List[str]:
@@ -73,8 +76,8 @@ def holder(path: str, name: str = MARKER) -> Optional[str]:
 
 def _who(marker: str) -> str:
     try:
-        with open(marker) as f:
-            info = json.loads(f.read(4096))
+        with open(marker) as f:  # parse_json: JSON within its limits, else an InputError
+            info = boundary.parse_json(f.read(4096), "run marker")
         return f"pid {info['pid']} on host {info['host']}, started {info['started']}"
     except (OSError, ValueError, KeyError, TypeError):
         return "a process that has not yet said who it is"
@@ -107,6 +110,8 @@ def hold(key: str, path: str) -> bool:
         return False
     if os.path.realpath(path) in _held:  # taken already (load_config twice in one process)
         return True
+    if not os.path.lexists(path):
+        _made.append(path)
     os.makedirs(path, exist_ok=True)
     fd = os.open(os.path.join(path, name), os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -131,6 +136,23 @@ def release() -> None:
     between runs made in one process)."""
     while _held:
         os.close(_held.popitem()[1])
+
+
+def remove_unused() -> None:
+    """Remove each directory this process created (``hold``) that still holds nothing but its
+    markers, and drop the locks: an input refused after the lock was taken (a checkpoint whose
+    shapes fit no model of this layout) leaves nothing behind. A directory with any file stays."""
+    name = _marker()
+    for path in reversed(_made):
+        if _entries(path):
+            continue
+        fd = _held.pop(os.path.realpath(path), None)
+        if fd is not None:
+            os.close(fd)
+        with contextlib.suppress(OSError):  # another node's marker: that node removes it
+            os.remove(os.path.join(path, name))
+            os.rmdir(path)
+    _made.clear()
 
 
 def owned_dirs(cfg: Config) -> List[Tuple[str, str]]:
@@ -259,7 +281,7 @@ def keep_metrics_to(run_path: str, step: int) -> Optional[str]:
     later: List[bytes] = []
     for line in lines:
         try:
-            record = json.loads(line)
+            record = boundary.parse_json(line.decode("utf-8"), "a metrics line")
             whole = line.endswith(b"\n") and int(record["step"]) <= step
         except (ValueError, KeyError, TypeError):
             whole = False
