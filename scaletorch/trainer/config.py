@@ -15,6 +15,7 @@ a mistake there is an InputError naming the file and what to do.
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -106,10 +107,10 @@ def _convert(value: Any, annotation: Any, key: str) -> Any:
         if annotation is int and isinstance(value, float) and value != converted:
             raise ValueError(f"{key} must be int, got {clip(value)}")
         return converted
-    if annotation is str:
-        if not isinstance(value, (str, int, float)):
+    if annotation is str:  # a file's 123 or true is no name: a value counts as it stands
+        if not isinstance(value, str):  # (the command line keeps a string field's text)
             raise ValueError(f"{key} must be a string, got {clip(value)}")
-        return str(value)
+        return value
     if typing.get_origin(annotation) is list:  # a YAML list, or "1,3" / "[1,3]" on the CLI
         if isinstance(value, (int, str)) and not isinstance(value, bool):
             value = [v for v in str(value).strip("[] ").split(",") if v.strip()]
@@ -122,6 +123,19 @@ def _convert(value: Any, annotation: Any, key: str) -> Any:
 
 def _field_types(obj: Any) -> Dict[str, Any]:
     return typing.get_type_hints(type(obj))
+
+
+def is_text_field(cfg: Config, key: str) -> bool:
+    """Whether ``key`` names a field of type str (or Optional[str]): its command-line value
+    stays the text typed ("--name 123" is "123", "--name -" is "-"), not what YAML reads."""
+    section, _, name = key.rpartition(".")
+    target = getattr(cfg, section, None) if section else cfg
+    if target is None or not dataclasses.is_dataclass(target):
+        return False
+    kind = _field_types(target).get(name)
+    if typing.get_origin(kind) is typing.Union:
+        kind = next(a for a in typing.get_args(kind) if a is not type(None))
+    return kind is str
 
 
 def set_value(cfg: Config, key: str, value: Any) -> None:
@@ -271,7 +285,7 @@ def parse_args(argv: Optional[Sequence[str]] = None, default_config: Optional[st
             overrides.append((key, value))
     given = {}
     for key, value in overrides:
-        if isinstance(value, str):
+        if isinstance(value, str) and not is_text_field(cfg, key):
             value = _cli_value(value, f"--{clip(key)}")
         set_value(cfg, key, value)
         given[key] = value
