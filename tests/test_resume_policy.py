@@ -18,6 +18,9 @@ import typing
 import unittest
 from typing import Any
 
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from scaletorch.config import Config
 from scaletorch.models import build_model
 from scaletorch.rules.schema import (PRINTED, REFUSED, RESHARD, RESUME, RESUME_POLICIES, SILENT,
@@ -30,6 +33,15 @@ from tests.test_bad_inputs import run_in_process
 from tests.test_run_dirs import C00
 
 CONFIG_00 = "examples/configs/00_single_device.yaml"
+LONG = os.environ.get("SCALETORCH_LONG_TESTS") == "1"
+# (option, value, what the refusal says) of chapter 00's run: model shapes and its data
+REFUSED_CHANGES = [("--model.num_layers", "3", "model.num_layers 2 -> 3"),
+                   ("--model.intermediate_size", "96", "model.intermediate_size 128 -> 96"),
+                   ("--model.num_key_value_heads", "4", "model.num_key_value_heads 2 -> 4"),
+                   ("--model.vocab_size", "72", "model.vocab_size 64 -> 72"),
+                   ("--data.seq_len", "16", "data.seq_len 32 -> 16"),
+                   ("--data.seed", "7", "data.seed 1234 -> 7"),
+                   ("--model.rope_theta", "500", "model.rope_theta 10000.0 -> 500.0")]
 
 
 def another(value: Any, annotation: Any, rule: Rule, avoid: tuple = ()) -> Any:
@@ -148,6 +160,20 @@ class AResumeOfAnotherRunIsOneLine(unittest.TestCase):
             out, r"^error: --resume \S+step_0000002 was written by another run: "
             r"model.rope_theta 10000.0 -> 500.0, data.seq_len 32 -> 16, data.global_batch_size "
             r"16 -> 4, data.seed 1234 -> 7 \(checkpoint -> this run\)")
+
+    @settings(max_examples=100 if LONG else 8, deadline=None,
+              suppress_health_check=[HealthCheck.too_slow])
+    @given(picked=st.lists(st.sampled_from(REFUSED_CHANGES), min_size=1, unique=True))
+    def test_model_shapes_and_data_together_are_all_named(self, picked):
+        """A model's shape and its data changed at once: one line names every one (the model's
+        own check, which names only its shapes, comes after the field-by-field comparison)."""
+        argv = [a for option, value, _ in picked for a in (option, value)]
+        code, out = run_in_process(C00, [*self.argv, *argv])
+        self.assertEqual(code, 2, out)
+        self.assertEqual(len(out.splitlines()), 1, out)
+        self.assertIn("was written by another run: ", out)
+        for _, _, said in picked:
+            self.assertIn(said, out)
 
     def test_the_printed_changes_in_one_line_before_the_run(self):
         out = io.StringIO()

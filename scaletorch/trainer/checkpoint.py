@@ -45,6 +45,7 @@ from scaletorch.rules.safe_files import (CorruptFileError, checksum_line, checks
                                          read_checksum, read_checksummed, sha256, write_atomic,
                                          write_checksummed)
 from scaletorch.schedule.placement import V_SHAPED
+from scaletorch.trainer.resume_check import check_resumed
 
 FORMAT_VERSION = 2  # 2: every file has its checksum beside it (<name>.sha256), the manifest too
 MANIFEST = "manifest.json"
@@ -438,7 +439,10 @@ def check_resume(cfg: Config, world_size: int, files: bool = False) -> None:
         except CorruptCheckpointError as err:
             raise CorruptCheckpointError(f"{err}: resume an earlier checkpoint, or --resume alone "
                                          f"(the latest that verifies)") from None
-    check_layout(path, read_manifest(path), world_size, run_layout(cfg, world_size))
+    manifest = read_manifest(path)
+    if restart_count() == 0:  # every refused field in one line, before the model's own check
+        check_resumed(path, manifest, cfg)
+    check_layout(path, manifest, world_size, run_layout(cfg, world_size))
 
 
 def check_consolidated(path: str, cfg: Config) -> None:
