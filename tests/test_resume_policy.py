@@ -26,6 +26,7 @@ from scaletorch.models import build_model
 from scaletorch.rules.schema import (PRINTED, REFUSED, RESHARD, RESUME, RESUME_POLICIES, SILENT,
                                      Rule, conditions)
 from scaletorch.trainer import Trainer, parse_args
+from scaletorch.trainer.checkpoint import check_resume
 from scaletorch.trainer.config import load_config
 from scaletorch.trainer.resume_check import SAID_BY_THE_TRAINER, changes, fields, record, setting
 from scaletorch.trainer.run_dir import release
@@ -191,6 +192,39 @@ class AResumeOfAnotherRunIsOneLine(unittest.TestCase):
             f"resuming {path} with changed settings: training.steps 2 -> 4, checkpoint.every "
             f"2 -> 0, logging.log_every 25 -> 1"
         ])
+
+
+class ABareResumeThatFindsNothingIsRefused(unittest.TestCase):
+    """``--resume`` alone with no checkpoint where this config points (another --name, a
+    --config that replaced the defaults, only a save killed before its manifest): one line
+    naming the directory, exit 2, nothing written. A torchrun restart starts from step 0."""
+
+    @settings(max_examples=100 if LONG else 10, deadline=None,
+              suppress_health_check=[HealthCheck.too_slow])
+    @given(name=st.text(alphabet="abz_-0", min_size=1, max_size=12), partial=st.booleans())
+    def test_one_line_naming_where_it_looked(self, name, partial):
+        with tempfile.TemporaryDirectory() as tmp:
+            checkpoints = os.path.join(tmp, name, "checkpoints")
+            if partial:  # a save killed before its manifest: no checkpoint either
+                os.makedirs(os.path.join(checkpoints, "step_0000002"))
+            before = sorted(os.walk(tmp))
+            code, out = run_in_process(C00,
+                                       ["--logging.run_dir", tmp, f"--name={name}", "--resume"])
+            self.assertEqual(code, 2, out)
+            self.assertEqual(
+                out, f"error: --resume found no checkpoint to resume in {checkpoints!r}: give "
+                f"the --config and --name of the run to continue, a checkpoint directory, or "
+                f"start a new run without --resume\n")
+            self.assertEqual(sorted(os.walk(tmp)), before)
+
+    def test_a_torchrun_restart_before_any_checkpoint_starts_from_step_0(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            cfg = parse_args(["--config", CONFIG_00, "--logging.run_dir", tmp])
+            os.environ["TORCHELASTIC_RESTART_COUNT"] = "1"
+            try:
+                check_resume(cfg, 1)  # no refusal: the restarted run trains from step 0
+            finally:
+                del os.environ["TORCHELASTIC_RESTART_COUNT"]
 
 
 if __name__ == "__main__":

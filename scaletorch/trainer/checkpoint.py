@@ -417,8 +417,10 @@ def check_resume(cfg: Config, world_size: int, files: bool = False) -> None:
     if resume is None:
         return
     if resume == "latest":
-        path, _ = latest_valid_checkpoint(cfg.checkpoint_path)  # a damaged one is skipped (the
-        if path is None:  # trainer says which, when it resumes)
+        path, skipped = latest_valid_checkpoint(cfg.checkpoint_path)  # a damaged one is skipped
+        if path is None and restart_count() == 0:  # (the trainer says which, when it resumes)
+            raise nothing_to_resume(cfg.checkpoint_path, skipped)
+        if path is None:  # a torchrun restart before the first checkpoint: from step 0
             return
     else:
         path = resume
@@ -443,6 +445,17 @@ def check_resume(cfg: Config, world_size: int, files: bool = False) -> None:
     if restart_count() == 0:  # every refused field in one line, before the model's own check
         check_resumed(path, manifest, cfg)
     check_layout(path, manifest, world_size, run_layout(cfg, world_size))
+
+
+def nothing_to_resume(directory: str, skipped: List[str]) -> InputError:
+    """The refusal of a ``--resume`` alone that finds no checkpoint in ``directory`` (the
+    damaged ones ``skipped``): a fresh start there would be a silent new run, not a resume.
+    A torchrun restart instead starts from step 0 (nothing was saved before it failed)."""
+    damaged = f" ({len(skipped)} damaged: {skipped[0]})" if skipped else ""
+    return MissingInputError(
+        f"--resume found no checkpoint to resume in {clip(directory)}{damaged}: give the "
+        f"--config and --name of the run to continue, a checkpoint directory, or start a new "
+        f"run without --resume")
 
 
 def check_consolidated(path: str, cfg: Config) -> None:
