@@ -168,11 +168,11 @@ def save_checkpoint(root: str, step: int, state: Dict[str, Any], rank: int, worl
         comm.barrier(group)  # the two of _save_files: every file written, then the manifest
         comm.barrier(group)
         return path
-    os.makedirs(path, exist_ok=True)
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
     mine = [rank_file(path, rank)] + ([os.path.join(path, MANIFEST)] if rank == 0 else [])
-    with removed_unless_complete(path, mine):
+    with removed_unless_complete(path, mine):  # a stop even before the first file: no dir left
+        os.makedirs(path, exist_ok=True)
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
         _save_files(root, path, step, buffer.getvalue(), rank, world_size, keep_last, group, layout)
     return path
 
@@ -181,7 +181,7 @@ def save_checkpoint(root: str, step: int, state: Dict[str, Any], rank: int, worl
 def removed_unless_complete(path: str, files: List[str]) -> Iterator[None]:
     """If the block fails (a full disk: WriteError, or Ctrl-C) before checkpoint ``path`` has
     its manifest, remove ``files`` and their checksum files, and the directory if that empties
-    it: no partial checkpoint stays. A checkpoint with its manifest is whole: it stays. Each
+    it (or it holds nothing yet): no partial checkpoint, no empty step directory stays. A checkpoint with its manifest is whole: it stays. Each
     rank removes its own files; the last to do so removes the directory (another rank's files
     may still be there, or be written after this rank looked)."""
     try:
