@@ -181,9 +181,10 @@ def save_checkpoint(root: str, step: int, state: Dict[str, Any], rank: int, worl
 def removed_unless_complete(path: str, files: List[str]) -> Iterator[None]:
     """If the block fails (a full disk: WriteError, or Ctrl-C) before checkpoint ``path`` has
     its manifest, remove ``files`` and their checksum files, and the directory if that empties
-    it (or it holds nothing yet): no partial checkpoint, no empty step directory stays. A checkpoint with its manifest is whole: it stays. Each
-    rank removes its own files; the last to do so removes the directory (another rank's files
-    may still be there, or be written after this rank looked)."""
+    it (or it holds nothing yet): no partial checkpoint, no empty step directory stays. A
+    checkpoint with its manifest is whole: it stays. Each rank removes its own files; the last
+    to do so removes the directory (another rank's files may still be there, or be written
+    after this rank looked)."""
     try:
         yield
     except BaseException:
