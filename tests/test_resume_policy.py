@@ -30,6 +30,7 @@ from scaletorch.trainer.checkpoint import check_resume
 from scaletorch.trainer.config import load_config
 from scaletorch.trainer.resume_check import SAID_BY_THE_TRAINER, changes, fields, record, setting
 from scaletorch.trainer.run_dir import release
+from scaletorch.trainer.stops import release_stop_signals
 from tests.test_bad_inputs import run_in_process
 from tests.test_run_dirs import C00
 
@@ -184,6 +185,7 @@ class AResumeOfAnotherRunIsOneLine(unittest.TestCase):
                 load_config(CONFIG_00, "00", argv=[*self.argv, "--logging.log_every", "1"])
         finally:
             release()
+            release_stop_signals()
             sys.excepthook = saved[0]
             for signum, handler in saved[1].items():
                 signal.signal(signum, handler)

@@ -19,10 +19,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from scaletorch.models import build_model
-from scaletorch.rules.errors import RunStopped
+from scaletorch.rules.errors import RunStopped, Terminated
 from scaletorch.trainer import Trainer
 from scaletorch.trainer import checkpoint as ckpt
 from scaletorch.trainer import parse_args
+from scaletorch.trainer.stops import catch_stop_signals, release_stop_signals, stopped, watch
 from tests.harness import NCCL_CHECKS
 from tests.test_examples import NO_PREFLIGHT, ROOT, launch_status
 from tests.test_run_dirs import BASE, C00, copy_of_base_run, metrics_lines, run_script, snapshot
@@ -188,6 +189,51 @@ class AStopDuringASaveNamesTheStepTrainedAndLeavesNoPartOfIt(unittest.TestCase):
             run = cfg.run_path
             self.assertEqual([m["step"] for m in metrics_lines(run)],
                              list(range(1, every * save + 1)))
+
+
+class ASignalDuringSetupIsOneLineEvenWhenARankIsBlocked(unittest.TestCase):
+    """In this process: a stop before the loop (process groups, model build) names the step
+    the run would have started at and its checkpoint; a rank blocked in C++ (which never runs
+    a Python handler) is ended by the watchdog with the same line and status."""
+
+    def setUp(self):
+        self.tmp = tempfile.TemporaryDirectory()
+        self.cfg = parse_args([
+            "--config", "examples/configs/00_single_device.yaml", "--logging.run_dir",
+            self.tmp.name, "--checkpoint.every", "2"
+        ])
+        self.saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        catch_stop_signals(self.cfg)
+
+    def tearDown(self):
+        release_stop_signals()
+        for signum, handler in self.saved.items():
+            signal.signal(signum, handler)
+        self.tmp.cleanup()
+
+    def test_before_step_1_no_checkpoint(self):
+        for err, how, code in ((Terminated(), "terminated (SIGTERM)", 143),
+                               (KeyboardInterrupt(), "interrupted (Ctrl-C)", 130)):
+            stop = stopped(err)
+            self.assertEqual((str(stop), stop.exit_code),
+                             (f"{how} before step 1 of 200: no checkpoint was saved "
+                              f"(checkpoint.every 2); start again with --overwrite or a new "
+                              f"--name", code))
+
+    def test_the_watchdog_ends_a_blocked_rank_with_the_line_and_status(self):
+        read, write = os.pipe()
+        os.write(write, bytes([signal.SIGCHLD, signal.SIGTERM]))  # the first is no stop
+        ends: List[int] = []
+        err = io.StringIO()
+        with mock.patch.object(sys, "__stderr__", err):
+            watch(read, 0.01, ends.append)
+        os.close(read)
+        os.close(write)
+        self.assertEqual(ends, [143])
+        self.assertEqual(
+            err.getvalue(), "terminated (SIGTERM) before step 1 of 200: no checkpoint was "
+            "saved (checkpoint.every 2); start again with --overwrite or a new --name (still "
+            "blocked after 0.01 s: ended there)\n")
 
 
 class SigtermTakesCtrlCsPath(unittest.TestCase):

@@ -341,6 +341,8 @@ def load_config(default_config: str, description: str, limits: Optional[Limits] 
         check_inputs(cfg, world_size, resume_files)
         if known.validate_only:
             sys.exit(0)
+        catch_stop_signals(cfg)  # before any blocking setup: SIGTERM ends in one line, as
+        sys.excepthook = report_input_errors  # Ctrl-C does, in every rank (stops.py)
         # --overwrite: the old run is kept, renamed (rank 0, before any rank writes)
         lines = move_aside(cfg) if int(os.environ.get("RANK", "0")) == 0 else []
         note = resume_note(cfg)  # the settings this resume changes (checked above)
@@ -354,8 +356,6 @@ def load_config(default_config: str, description: str, limits: Optional[Limits] 
         sys.exit(2)
     for line in lines:
         print(line, flush=True)
-    catch_stop_signals()  # SIGTERM ends in one line, as Ctrl-C does
-    sys.excepthook = report_input_errors
     return cfg
 
 
