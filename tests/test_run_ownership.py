@@ -127,7 +127,7 @@ PATHLIKE = st.one_of(
         ".", "..", "/", "/abs", "../x", "a/../b", "./a", "a/", "~", "~root", "a\\b", "C:\\x",
         "\x00", "a\nb", "-x", "[", "null", "..a", "a..", " ", "x" * 100, "x" * 101, "é" * 50, "*x",
         "a: b", "日" * 85, "日" * 86, "é" * 100, "a\x85b", "\u200b", "a\u2028", "\u2029", "\ud800",
-        "\ufeffa", "-", "123", "true", "a\x1fb"
+        "\ufeffa", "-", "--", "123", "true", "a\x1fb"
     ]),
     st.text(alphabet=st.sampled_from("./\\~-_ aZ0\x00\n\t\x7fé:*\x85\u2028\u200b日"), min_size=0,
             max_size=8),

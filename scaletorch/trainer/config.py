@@ -281,6 +281,8 @@ def parse_args(argv: Optional[Sequence[str]] = None, default_config: Optional[st
         overrides.append(tuple(item.split("=", 1)))
     for key in list(ALIASES.values()) + list(FLAGS.values()) + [RECOMPUTE]:
         value = getattr(args, key)
+        if value == []:  # argparse drops the value "--" of "--name=--", leaving []
+            value = "--"
         if value is not None:
             overrides.append((key, value))
     given = {}
@@ -447,10 +449,10 @@ def check_inputs(cfg: Config, world_size: int, resume_files: bool = False) -> No
     this run (``check_resume``), the run directory holds no other run (``check_run_dir``),
     and it (and checkpoint.dir when checkpoints are saved) can be created and written.
     InputError naming the path."""
+    check_run_dir(cfg)  # a live run's lock first: its line says why nothing else is checked
     check_resume(cfg, world_size, resume_files)
     check_resume_step(cfg)
     resume_note(cfg)  # the checkpoint's run against this one, field by field
-    check_run_dir(cfg)
     outputs = {"logging.run_dir": cfg.run_path}
     if cfg.checkpoint.every > 0:
         outputs["checkpoint.dir"] = cfg.checkpoint_path
