@@ -15,10 +15,11 @@ import tempfile
 import unicodedata
 import unittest
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from scaletorch.rules.errors import InputError
+from scaletorch.rules.schema import path_component
 from scaletorch.trainer.config import parse_args
 from scaletorch.trainer.run_dir import MARKER, hold, keep_metrics_to, release
 from tests.test_bad_inputs import run_in_process
@@ -98,26 +99,6 @@ class TwoRunsStartedAtOnceWriteEveryStepOnce(unittest.TestCase):
             steps = [m["step"] for m in metrics_lines(os.path.join(tmp, "00_single_device"))]
             self.assertEqual(steps, [1, 2, 3, 4, 5, 6])
 
-    @settings(max_examples=EXAMPLES, deadline=None)
-    @given(name=st.text(min_size=1, max_size=40))
-    def test_a_name_on_the_command_line_is_the_text_typed(self, name):
-        """"--name 123" is the name "123", "--name -" the name "-": never what YAML reads."""
-        try:
-            cfg = parse_args(["--name", name])
-        except ValueError as err:  # InputError too: refused, in one line
-            self.assertNotIn("\n", str(err))
-            return
-        self.assertEqual(cfg.logging.name, name)
-
-    def test_a_directory_that_cannot_be_made_is_one_line(self):
-        """``hold`` turns the OS's refusal (here ENAMETOOLONG) into an InputError."""
-        with tempfile.TemporaryDirectory() as tmp:
-            with self.assertRaises(InputError) as refused:
-                hold("logging.run_dir", os.path.join(tmp, "x" * 300))
-            self.assertIn("File name too long", str(refused.exception))
-            self.assertEqual(os.listdir(tmp), [])
-        release()
-
 
 BREAKING = ("Cc", "Cf", "Cs", "Zl", "Zp")  # control, format, surrogate, line/paragraph breaks
 # every kind of path string: separators, dots, absolute paths, control characters, unicode,
@@ -157,6 +138,33 @@ class RunNamesAreOnePathComponent(unittest.TestCase):
                 self.assertEqual(len(out.splitlines()), 1, out)
                 self.assertTrue(out.startswith("error: "), out)
             self.assertEqual(os.listdir(tmp), [])  # the pre-flight writes nothing
+
+    @settings(max_examples=EXAMPLES, deadline=None)
+    @given(name=st.text(min_size=1, max_size=40))
+    @example(name="123")
+    @example(name="-")
+    @example(name="--")
+    @example(name="true")
+    @example(name="[1, 2]")
+    @example(name="null")
+    def test_a_name_on_the_command_line_is_the_text_typed(self, name):
+        """"--name 123" is the name "123", "--name -" the name "-": never what YAML reads. A
+        name the rule admits lands as typed; any other is refused in one line."""
+        if not path_component().admits(name):
+            with self.assertRaises(ValueError) as refused:  # InputError is one
+                parse_args([f"--name={name}"])
+            self.assertNotIn("\n", str(refused.exception))
+            return
+        self.assertEqual(parse_args([f"--name={name}"]).logging.name, name)
+
+    def test_a_directory_that_cannot_be_made_is_one_line(self):
+        """``hold`` turns the OS's refusal (here ENAMETOOLONG) into an InputError."""
+        with tempfile.TemporaryDirectory() as tmp:
+            with self.assertRaises(InputError) as refused:
+                hold("logging.run_dir", os.path.join(tmp, "x" * 300))
+            self.assertIn("File name too long", str(refused.exception))
+            self.assertEqual(os.listdir(tmp), [])
+        release()
 
 
 class AResumeKeepsEachStepOnceInTheMetrics(unittest.TestCase):
