@@ -18,18 +18,32 @@ import typing
 import unittest
 from typing import Any
 
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from scaletorch.config import Config
 from scaletorch.models import build_model
 from scaletorch.rules.schema import (PRINTED, REFUSED, RESHARD, RESUME, RESUME_POLICIES, SILENT,
                                      Rule, conditions)
 from scaletorch.trainer import Trainer, parse_args
+from scaletorch.trainer.checkpoint import check_resume
 from scaletorch.trainer.config import load_config
 from scaletorch.trainer.resume_check import SAID_BY_THE_TRAINER, changes, fields, record, setting
 from scaletorch.trainer.run_dir import release
+from scaletorch.trainer.stops import release_stop_signals
 from tests.test_bad_inputs import run_in_process
 from tests.test_run_dirs import C00
 
 CONFIG_00 = "examples/configs/00_single_device.yaml"
+LONG = os.environ.get("SCALETORCH_LONG_TESTS") == "1"
+# (option, value, what the refusal says) of chapter 00's run: model shapes and its data
+REFUSED_CHANGES = [("--model.num_layers", "3", "model.num_layers 2 -> 3"),
+                   ("--model.intermediate_size", "96", "model.intermediate_size 128 -> 96"),
+                   ("--model.num_key_value_heads", "4", "model.num_key_value_heads 2 -> 4"),
+                   ("--model.vocab_size", "72", "model.vocab_size 64 -> 72"),
+                   ("--data.seq_len", "16", "data.seq_len 32 -> 16"),
+                   ("--data.seed", "7", "data.seed 1234 -> 7"),
+                   ("--model.rope_theta", "500", "model.rope_theta 10000.0 -> 500.0")]
 
 
 def another(value: Any, annotation: Any, rule: Rule, avoid: tuple = ()) -> Any:
@@ -149,6 +163,20 @@ class AResumeOfAnotherRunIsOneLine(unittest.TestCase):
             r"model.rope_theta 10000.0 -> 500.0, data.seq_len 32 -> 16, data.global_batch_size "
             r"16 -> 4, data.seed 1234 -> 7 \(checkpoint -> this run\)")
 
+    @settings(max_examples=100 if LONG else 8, deadline=None,
+              suppress_health_check=[HealthCheck.too_slow])
+    @given(picked=st.lists(st.sampled_from(REFUSED_CHANGES), min_size=1, unique=True))
+    def test_model_shapes_and_data_together_are_all_named(self, picked):
+        """A model's shape and its data changed at once: one line names every one (the model's
+        own check, which names only its shapes, comes after the field-by-field comparison)."""
+        argv = [a for option, value, _ in picked for a in (option, value)]
+        code, out = run_in_process(C00, [*self.argv, *argv])
+        self.assertEqual(code, 2, out)
+        self.assertEqual(len(out.splitlines()), 1, out)
+        self.assertIn("was written by another run: ", out)
+        for _, _, said in picked:
+            self.assertIn(said, out)
+
     def test_the_printed_changes_in_one_line_before_the_run(self):
         out = io.StringIO()
         saved = sys.excepthook, {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -157,6 +185,7 @@ class AResumeOfAnotherRunIsOneLine(unittest.TestCase):
                 load_config(CONFIG_00, "00", argv=[*self.argv, "--logging.log_every", "1"])
         finally:
             release()
+            release_stop_signals()
             sys.excepthook = saved[0]
             for signum, handler in saved[1].items():
                 signal.signal(signum, handler)
@@ -165,6 +194,39 @@ class AResumeOfAnotherRunIsOneLine(unittest.TestCase):
             f"resuming {path} with changed settings: training.steps 2 -> 4, checkpoint.every "
             f"2 -> 0, logging.log_every 25 -> 1"
         ])
+
+
+class ABareResumeThatFindsNothingIsRefused(unittest.TestCase):
+    """``--resume`` alone with no checkpoint where this config points (another --name, a
+    --config that replaced the defaults, only a save killed before its manifest): one line
+    naming the directory, exit 2, nothing written. A torchrun restart starts from step 0."""
+
+    @settings(max_examples=100 if LONG else 10, deadline=None,
+              suppress_health_check=[HealthCheck.too_slow])
+    @given(name=st.text(alphabet="abz_-0", min_size=1, max_size=12), partial=st.booleans())
+    def test_one_line_naming_where_it_looked(self, name, partial):
+        with tempfile.TemporaryDirectory() as tmp:
+            checkpoints = os.path.join(tmp, name, "checkpoints")
+            if partial:  # a save killed before its manifest: no checkpoint either
+                os.makedirs(os.path.join(checkpoints, "step_0000002"))
+            before = sorted(os.walk(tmp))
+            code, out = run_in_process(C00,
+                                       ["--logging.run_dir", tmp, f"--name={name}", "--resume"])
+            self.assertEqual(code, 2, out)
+            self.assertEqual(
+                out, f"error: --resume found no checkpoint to resume in {checkpoints!r}: give "
+                f"the --config and --name of the run to continue, a checkpoint directory, or "
+                f"start a new run without --resume\n")
+            self.assertEqual(sorted(os.walk(tmp)), before)
+
+    def test_a_torchrun_restart_before_any_checkpoint_starts_from_step_0(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            cfg = parse_args(["--config", CONFIG_00, "--logging.run_dir", tmp])
+            os.environ["TORCHELASTIC_RESTART_COUNT"] = "1"
+            try:
+                check_resume(cfg, 1)  # no refusal: the restarted run trains from step 0
+            finally:
+                del os.environ["TORCHELASTIC_RESTART_COUNT"]
 
 
 if __name__ == "__main__":

@@ -12,12 +12,16 @@ import os
 import subprocess
 import sys
 import tempfile
+import unicodedata
 import unittest
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from scaletorch.trainer.run_dir import MARKER, keep_metrics_to
+from scaletorch.rules.errors import InputError
+from scaletorch.rules.schema import path_component
+from scaletorch.trainer.config import parse_args
+from scaletorch.trainer.run_dir import MARKER, hold, keep_metrics_to, release
 from tests.test_bad_inputs import run_in_process
 from tests.test_examples import ROOT
 from tests.test_run_dirs import C00, metrics_lines
@@ -96,15 +100,18 @@ class TwoRunsStartedAtOnceWriteEveryStepOnce(unittest.TestCase):
             self.assertEqual(steps, [1, 2, 3, 4, 5, 6])
 
 
+BREAKING = ("Cc", "Cf", "Cs", "Zl", "Zp")  # control, format, surrogate, line/paragraph breaks
 # every kind of path string: separators, dots, absolute paths, control characters, unicode,
 # long ones, YAML-looking text
 PATHLIKE = st.one_of(
     st.sampled_from([
         ".", "..", "/", "/abs", "../x", "a/../b", "./a", "a/", "~", "~root", "a\\b", "C:\\x",
         "\x00", "a\nb", "-x", "[", "null", "..a", "a..", " ", "x" * 100, "x" * 101, "é" * 50, "*x",
-        "a: b"
+        "a: b", "日" * 85, "日" * 86, "é" * 100, "a\x85b", "\u200b", "a\u2028", "\u2029", "\ud800",
+        "\ufeffa", "-", "--", "123", "true", "a\x1fb"
     ]),
-    st.text(alphabet=st.sampled_from("./\\~-_ aZ0\x00\n\t\x7fé:*"), min_size=0, max_size=8),
+    st.text(alphabet=st.sampled_from("./\\~-_ aZ0\x00\n\t\x7fé:*\x85\u2028\u200b日"), min_size=0,
+            max_size=8),
     st.text(min_size=0, max_size=130),
 )
 
@@ -124,11 +131,40 @@ class RunNamesAreOnePathComponent(unittest.TestCase):
                 self.assertEqual(os.path.dirname(where), tmp, name)
                 self.assertNotIn(name, ("", ".", ".."))
                 self.assertLessEqual(len(name), 100)
+                self.assertLessEqual(len(name.encode("utf-8")), 255)  # a file name's bytes
+                self.assertFalse([c for c in name if unicodedata.category(c) in BREAKING], name)
             else:
                 self.assertEqual(code, 2, out)
                 self.assertEqual(len(out.splitlines()), 1, out)
                 self.assertTrue(out.startswith("error: "), out)
             self.assertEqual(os.listdir(tmp), [])  # the pre-flight writes nothing
+
+    @settings(max_examples=EXAMPLES, deadline=None)
+    @given(name=st.text(min_size=1, max_size=40))
+    @example(name="123")
+    @example(name="-")
+    @example(name="--")
+    @example(name="true")
+    @example(name="[1, 2]")
+    @example(name="null")
+    def test_a_name_on_the_command_line_is_the_text_typed(self, name):
+        """"--name 123" is the name "123", "--name -" the name "-": never what YAML reads. A
+        name the rule admits lands as typed; any other is refused in one line."""
+        if not path_component().admits(name):
+            with self.assertRaises(ValueError) as refused:  # InputError is one
+                parse_args([f"--name={name}"])
+            self.assertNotIn("\n", str(refused.exception))
+            return
+        self.assertEqual(parse_args([f"--name={name}"]).logging.name, name)
+
+    def test_a_directory_that_cannot_be_made_is_one_line(self):
+        """``hold`` turns the OS's refusal (here ENAMETOOLONG) into an InputError."""
+        with tempfile.TemporaryDirectory() as tmp:
+            with self.assertRaises(InputError) as refused:
+                hold("logging.run_dir", os.path.join(tmp, "x" * 300))
+            self.assertIn("File name too long", str(refused.exception))
+            self.assertEqual(os.listdir(tmp), [])
+        release()
 
 
 class AResumeKeepsEachStepOnceInTheMetrics(unittest.TestCase):

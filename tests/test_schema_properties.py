@@ -72,13 +72,17 @@ def wrong_values(annotation: Any, rule: Rule) -> st.SearchStrategy:
                 number(min_value=rule.high, **({} if kind is int else {
                     "allow_nan": False
                 })).filter(lambda x: not rule.admits(x)))
-    elif kind is str:
-        other_types += [st.lists(LETTERS, min_size=1)]
+    elif kind is str:  # in a file, a number or a boolean is not text (no str(123) name)
+        other_types += [st.lists(LETTERS, min_size=1), st.integers(), st.booleans(), st.floats()]
         if rule.max_len:  # longer than allowed
             other_types.append(
                 st.text(alphabet="ab", min_size=rule.max_len + 1, max_size=rule.max_len + 40))
         if rule.component:
-            other_types.append(st.sampled_from([".", "..", "a/b", "/abs", "a\\b", "a\nb"]))
+            other_types.append(
+                st.sampled_from([
+                    ".", "..", "a/b", "/abs", "a\\b", "a\nb", "a\x85", "\u200b", "a\u2028b",
+                    "\u2029", "日" * 86
+                ]))
     elif typing.get_origin(kind) is list:
         other_types += [st.just([]), st.dictionaries(LETTERS, st.integers(), min_size=1)]
     if rule.choices:

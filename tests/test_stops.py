@@ -12,11 +12,18 @@ import sys
 import tempfile
 import unittest
 from typing import List, Tuple
+from unittest import mock
+
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from scaletorch.models import build_model
+from scaletorch.rules.errors import RunStopped, Terminated
 from scaletorch.trainer import Trainer
 from scaletorch.trainer import checkpoint as ckpt
 from scaletorch.trainer import parse_args
+from scaletorch.trainer.stops import catch_stop_signals, release_stop_signals, stopped, watch
 from tests.harness import NCCL_CHECKS
 from tests.test_examples import NO_PREFLIGHT, ROOT, launch_status
 from tests.test_run_dirs import BASE, C00, copy_of_base_run, metrics_lines, run_script, snapshot
@@ -24,6 +31,7 @@ from tests.test_run_dirs import BASE, C00, copy_of_base_run, metrics_lines, run_
 # The run's logs: a later run may add lines, never change or remove one.
 APPEND_ONLY = ("metrics.jsonl", "log.txt")
 C01 = "examples/01_ddp.py"
+LONG = os.environ.get("SCALETORCH_LONG_TESTS") == "1"
 CTRL_C = re.compile(r"^interrupted \(Ctrl-C\) at step (\d+) of \d+: last complete checkpoint "
                     r"(\S+); resume with: (.+ --resume)$")
 
@@ -118,6 +126,114 @@ class CtrlCEndsWithOneLineAndTheLastCheckpointResumes(unittest.TestCase):
 
 SIGTERM = re.compile(r"^terminated \(SIGTERM\) at step (\d+) of \d+: last complete checkpoint "
                      r"(\S+); resume with: (.+ --resume)$")
+
+
+class AStopDuringASaveNamesTheStepTrainedAndLeavesNoPartOfIt(unittest.TestCase):
+    """In this process: SIGINT or SIGTERM (raised for real, through the run's handler) at a
+    generated point of a generated checkpoint's save. The line names the step trained and the
+    last complete checkpoint apart; the step being saved leaves no directory, empty or not."""
+
+    # where in the save the signal comes: serializing (no file yet), the rank's file written,
+    # the manifest about to be written
+    POINTS = ("serialize", "rank_file", "manifest")
+
+    @settings(max_examples=60 if LONG else 4, deadline=None,
+              suppress_health_check=[HealthCheck.too_slow])
+    @given(save=st.integers(1, 2), point=st.sampled_from(POINTS),
+           signum=st.sampled_from([signal.SIGINT, signal.SIGTERM]))
+    def test_line_and_no_partial_checkpoint(self, save, point, signum):
+        every, steps = 1, save + 1
+        with tempfile.TemporaryDirectory() as tmp:
+            cfg = parse_args([
+                "--config", "examples/configs/00_single_device.yaml", "--logging.run_dir", tmp,
+                "--logging.progress", "false", "--steps",
+                str(steps), "--checkpoint.every",
+                str(every)
+            ])
+            target = ckpt.step_dir(cfg.checkpoint_path, every * save)
+            real = {
+                "serialize": torch.save,
+                "rank_file": ckpt.write_checksummed,
+                "manifest": ckpt.write_manifest
+            }[point]
+
+            def stop_there(*args, **kwargs):
+                saving = {
+                    "serialize": os.path.isdir(target),  # makedirs(target) came first
+                    "rank_file": os.path.dirname(str(args[0])) == target,
+                    "manifest": len(args) > 1 and args[1] == target
+                }[point]
+                result = real(*args, **kwargs) if point == "rank_file" or not saving else None
+                if saving:
+                    signal.raise_signal(signum)
+                return result
+
+            where = {
+                "serialize": (torch, "save"),
+                "rank_file": (ckpt, "write_checksummed"),
+                "manifest": (ckpt, "write_manifest")
+            }[point]
+            with mock.patch.object(*where, stop_there), \
+                    contextlib.redirect_stdout(io.StringIO()):
+                with self.assertRaises(RunStopped) as stopped:
+                    Trainer(cfg, build_model(cfg.model, 42), verbose=True).train()
+            how = "interrupted (Ctrl-C)" if signum == signal.SIGINT else "terminated (SIGTERM)"
+            last = (
+                f"last complete checkpoint {ckpt.step_dir(cfg.checkpoint_path, every * (save - 1))}"
+                if save > 1 else "no checkpoint was saved")
+            message = str(stopped.exception)
+            self.assertTrue(message.startswith(f"{how} at step {every * save} of {steps}: {last}"),
+                            message)
+            self.assertEqual(stopped.exception.exit_code, 130 if signum == signal.SIGINT else 143)
+            self.assertFalse(os.path.exists(target), os.listdir(cfg.checkpoint_path))
+            run = cfg.run_path
+            self.assertEqual([m["step"] for m in metrics_lines(run)],
+                             list(range(1, every * save + 1)))
+
+
+class ASignalDuringSetupIsOneLineEvenWhenARankIsBlocked(unittest.TestCase):
+    """In this process: a stop before the loop (process groups, model build) names the step
+    the run would have started at and its checkpoint; a rank blocked in C++ (which never runs
+    a Python handler) is ended by the watchdog with the same line and status."""
+
+    def setUp(self):
+        self.tmp = tempfile.TemporaryDirectory()
+        self.cfg = parse_args([
+            "--config", "examples/configs/00_single_device.yaml", "--logging.run_dir",
+            self.tmp.name, "--checkpoint.every", "2"
+        ])
+        self.saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        catch_stop_signals(self.cfg)
+
+    def tearDown(self):
+        release_stop_signals()
+        for signum, handler in self.saved.items():
+            signal.signal(signum, handler)
+        self.tmp.cleanup()
+
+    def test_before_step_1_no_checkpoint(self):
+        for err, how, code in ((Terminated(), "terminated (SIGTERM)", 143),
+                               (KeyboardInterrupt(), "interrupted (Ctrl-C)", 130)):
+            stop = stopped(err)
+            self.assertEqual((str(stop), stop.exit_code),
+                             (f"{how} before step 1 of 200: no checkpoint was saved "
+                              f"(checkpoint.every 2); start again with --overwrite or a new "
+                              f"--name", code))
+
+    def test_the_watchdog_ends_a_blocked_rank_with_the_line_and_status(self):
+        read, write = os.pipe()
+        os.write(write, bytes([signal.SIGCHLD, signal.SIGTERM]))  # the first is no stop
+        ends: List[int] = []
+        err = io.StringIO()
+        with mock.patch.object(sys, "__stderr__", err):
+            watch(read, 0.01, ends.append)
+        os.close(read)
+        os.close(write)
+        self.assertEqual(ends, [143])
+        self.assertEqual(
+            err.getvalue(), "terminated (SIGTERM) before step 1 of 200: no checkpoint was "
+            "saved (checkpoint.every 2); start again with --overwrite or a new --name (still "
+            "blocked after 0.01 s: ended there)\n")
 
 
 class SigtermTakesCtrlCsPath(unittest.TestCase):

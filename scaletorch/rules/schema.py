@@ -19,6 +19,7 @@ Pure Python: the model, the run's config and the Hugging Face reader share these
 import dataclasses
 import math
 import typing
+import unicodedata
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, List, Optional, Tuple
 
@@ -38,8 +39,11 @@ RESHARD = "reshard"  # the layout: refused for per-rank checkpoints, printed for
 PRINTED = "printed"  # allowed, and a line says old -> new (lr, steps, logging)
 SILENT = "silent"  # allowed without a word: paths, the resume itself
 RESUME_POLICIES = (REFUSED, RESHARD, PRINTED, SILENT)
-# characters a run name may not hold: path separators, NUL and control characters (one line)
-NOT_IN_NAMES = "/\\" + "".join(chr(c) for c in range(32)) + "\x7f"
+# characters a run name may not hold: path separators, and (by Unicode category) control,
+# format, surrogate and line or paragraph separator characters ("\n", "\x85", "\u200b", "\u2028")
+NOT_IN_NAMES = "/\\"
+NOT_IN_NAMES_CATEGORIES = ("Cc", "Cf", "Cs", "Zl", "Zp")
+NAME_BYTES = 255  # a file name's limit on Linux and macOS, in bytes (UTF-8), not characters
 
 
 @dataclass(frozen=True)
@@ -80,7 +84,8 @@ class Rule:
         if self.component:
             words.append("one path component (no / or \\, not . or .., no control character)")
         if self.max_len:
-            words.append(f"at most {self.max_len} characters")
+            bytes_too = f" and {NAME_BYTES} bytes in UTF-8" if self.component else ""
+            words.append(f"at most {self.max_len} characters{bytes_too}")
         if kind is float:
             words.append("finite")
         return " and ".join(words) or _type_name(kind)
@@ -99,9 +104,19 @@ class Rule:
             return False
         if self.max_len and isinstance(value, str) and len(value) > self.max_len:
             return False
-        if self.component and (value in (".", "..") or any(c in NOT_IN_NAMES for c in value)):
+        if self.component and not is_one_component(value):
             return False
         return not (self.non_empty and value == "")
+
+
+def is_one_component(name: str) -> bool:
+    """Whether ``name`` is one file name as every OS writes it: not "." or "..", no separator,
+    no character of NOT_IN_NAMES_CATEGORIES anywhere in it, at most NAME_BYTES in UTF-8."""
+    if name in (".", "..") or any(c in NOT_IN_NAMES for c in name):
+        return False
+    if any(unicodedata.category(c) in NOT_IN_NAMES_CATEGORIES for c in name):
+        return False  # also every surrogate, so the encoding below cannot fail
+    return len(name.encode("utf-8")) <= NAME_BYTES
 
 
 def _number(x: float) -> str:
@@ -148,8 +163,9 @@ def text() -> Rule:
 
 
 def path_component(max_len: int = 100) -> Rule:
-    """A non-empty string that is one path component of at most ``max_len`` characters: a
-    name under a directory that cannot point anywhere else (no separator, ".", "..")."""
+    """A non-empty string that is one path component of at most ``max_len`` characters and
+    NAME_BYTES bytes: a name under a directory that cannot point anywhere else (no separator,
+    ".", ".."), nor break a line (``is_one_component``)."""
     return Rule(non_empty=True, component=True, max_len=max_len)
 
 

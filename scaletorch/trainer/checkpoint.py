@@ -45,6 +45,7 @@ from scaletorch.rules.safe_files import (CorruptFileError, checksum_line, checks
                                          read_checksum, read_checksummed, sha256, write_atomic,
                                          write_checksummed)
 from scaletorch.schedule.placement import V_SHAPED
+from scaletorch.trainer.resume_check import check_resumed
 
 FORMAT_VERSION = 2  # 2: every file has its checksum beside it (<name>.sha256), the manifest too
 MANIFEST = "manifest.json"
@@ -167,11 +168,11 @@ def save_checkpoint(root: str, step: int, state: Dict[str, Any], rank: int, worl
         comm.barrier(group)  # the two of _save_files: every file written, then the manifest
         comm.barrier(group)
         return path
-    os.makedirs(path, exist_ok=True)
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
     mine = [rank_file(path, rank)] + ([os.path.join(path, MANIFEST)] if rank == 0 else [])
-    with removed_unless_complete(path, mine):
+    with removed_unless_complete(path, mine):  # a stop even before the first file: no dir left
+        os.makedirs(path, exist_ok=True)
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
         _save_files(root, path, step, buffer.getvalue(), rank, world_size, keep_last, group, layout)
     return path
 
@@ -180,9 +181,10 @@ def save_checkpoint(root: str, step: int, state: Dict[str, Any], rank: int, worl
 def removed_unless_complete(path: str, files: List[str]) -> Iterator[None]:
     """If the block fails (a full disk: WriteError, or Ctrl-C) before checkpoint ``path`` has
     its manifest, remove ``files`` and their checksum files, and the directory if that empties
-    it: no partial checkpoint stays. A checkpoint with its manifest is whole: it stays. Each
-    rank removes its own files; the last to do so removes the directory (another rank's files
-    may still be there, or be written after this rank looked)."""
+    it (or it holds nothing yet): no partial checkpoint, no empty step directory stays. A
+    checkpoint with its manifest is whole: it stays. Each rank removes its own files; the last
+    to do so removes the directory (another rank's files may still be there, or be written
+    after this rank looked)."""
     try:
         yield
     except BaseException:
@@ -490,8 +492,10 @@ def check_resume(cfg: Config, world_size: int, files: bool = False) -> None:
     if resume is None:
         return
     if resume == "latest":
-        path, _ = latest_valid_checkpoint(cfg.checkpoint_path)  # a damaged one is skipped (the
-        if path is None:  # trainer says which, when it resumes)
+        path, skipped = latest_valid_checkpoint(cfg.checkpoint_path)  # a damaged one is skipped
+        if path is None and restart_count() == 0:  # (the trainer says which, when it resumes)
+            raise nothing_to_resume(cfg.checkpoint_path, skipped)
+        if path is None:  # a torchrun restart before the first checkpoint: from step 0
             return
     else:
         path = resume
@@ -512,7 +516,21 @@ def check_resume(cfg: Config, world_size: int, files: bool = False) -> None:
         except CorruptCheckpointError as err:
             raise CorruptCheckpointError(f"{err}: resume an earlier checkpoint, or --resume alone "
                                          f"(the latest that verifies)") from None
-    check_layout(path, read_manifest(path), world_size, run_layout(cfg, world_size))
+    manifest = read_manifest(path)
+    if restart_count() == 0:  # every refused field in one line, before the model's own check
+        check_resumed(path, manifest, cfg)
+    check_layout(path, manifest, world_size, run_layout(cfg, world_size))
+
+
+def nothing_to_resume(directory: str, skipped: List[str]) -> InputError:
+    """The refusal of a ``--resume`` alone that finds no checkpoint in ``directory`` (the
+    damaged ones ``skipped``): a fresh start there would be a silent new run, not a resume.
+    A torchrun restart instead starts from step 0 (nothing was saved before it failed)."""
+    damaged = f" ({len(skipped)} damaged: {skipped[0]})" if skipped else ""
+    return MissingInputError(
+        f"--resume found no checkpoint to resume in {clip(directory)}{damaged}: give the "
+        f"--config and --name of the run to continue, a checkpoint directory, or start a new "
+        f"run without --resume")
 
 
 def check_consolidated(path: str, cfg: Config) -> None:

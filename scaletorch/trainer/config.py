@@ -15,6 +15,7 @@ a mistake there is an InputError naming the file and what to do.
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -107,10 +108,10 @@ def _convert(value: Any, annotation: Any, key: str) -> Any:
         if annotation is int and isinstance(value, float) and value != converted:
             raise ValueError(f"{key} must be int, got {clip(value)}")
         return converted
-    if annotation is str:
-        if not isinstance(value, (str, int, float)):
+    if annotation is str:  # a file's 123 or true is no name: a value counts as it stands
+        if not isinstance(value, str):  # (the command line keeps a string field's text)
             raise ValueError(f"{key} must be a string, got {clip(value)}")
-        return str(value)
+        return value
     if typing.get_origin(annotation) is list:  # a YAML list, or "1,3" / "[1,3]" on the CLI
         if isinstance(value, (int, str)) and not isinstance(value, bool):
             value = [v for v in str(value).strip("[] ").split(",") if v.strip()]
@@ -123,6 +124,19 @@ def _convert(value: Any, annotation: Any, key: str) -> Any:
 
 def _field_types(obj: Any) -> Dict[str, Any]:
     return typing.get_type_hints(type(obj))
+
+
+def is_text_field(cfg: Config, key: str) -> bool:
+    """Whether ``key`` names a field of type str (or Optional[str]): its command-line value
+    stays the text typed ("--name 123" is "123", "--name -" is "-"), not what YAML reads."""
+    section, _, name = key.rpartition(".")
+    target = getattr(cfg, section, None) if section else cfg
+    if target is None or not dataclasses.is_dataclass(target):
+        return False
+    kind = _field_types(target).get(name)
+    if typing.get_origin(kind) is typing.Union:
+        kind = next(a for a in typing.get_args(kind) if a is not type(None))
+    return kind is str
 
 
 def set_value(cfg: Config, key: str, value: Any) -> None:
@@ -263,11 +277,13 @@ def parse_args(argv: Optional[Sequence[str]] = None, default_config: Optional[st
         overrides.append(tuple(item.split("=", 1)))
     for key in list(ALIASES.values()) + list(FLAGS.values()) + [RECOMPUTE]:
         value = getattr(args, key)
+        if value == []:  # argparse drops the value "--" of "--name=--", leaving []
+            value = "--"
         if value is not None:
             overrides.append((key, value))
     given = {}
     for key, value in overrides:
-        if isinstance(value, str):
+        if isinstance(value, str) and not is_text_field(cfg, key):
             value = _cli_value(value, f"--{key}" if len(key) <= 100 else clip(f"--{key}"))
         set_value(cfg, key, value)
         given[key] = value
@@ -323,6 +339,8 @@ def load_config(default_config: str, description: str, limits: Optional[Limits] 
         check_inputs(cfg, world_size, resume_files)
         if known.validate_only:
             sys.exit(0)
+        catch_stop_signals(cfg)  # before any blocking setup: SIGTERM ends in one line, as
+        sys.excepthook = report_input_errors  # Ctrl-C does, in every rank (stops.py)
         # --overwrite: the old run is kept, renamed (rank 0, before any rank writes)
         lines = move_aside(cfg) if int(os.environ.get("RANK", "0")) == 0 else []
         note = resume_note(cfg)  # the settings this resume changes (checked above)
@@ -336,8 +354,6 @@ def load_config(default_config: str, description: str, limits: Optional[Limits] 
         sys.exit(2)
     for line in lines:
         print(line, flush=True)
-    catch_stop_signals()  # SIGTERM ends in one line, as Ctrl-C does
-    sys.excepthook = report_input_errors
     return cfg
 
 
@@ -430,13 +446,13 @@ def check_inputs(cfg: Config, world_size: int, resume_files: bool = False) -> No
     this run (``check_resume``), the run directory holds no other run (``check_run_dir``),
     and it (and checkpoint.dir when checkpoints are saved) can be created and written.
     InputError naming the path."""
+    check_run_dir(cfg)  # a live run's lock first: its line says why nothing else is checked
     check_resume(cfg, world_size, resume_files)
     check_resume_step(cfg)
     resume_note(cfg)  # the checkpoint's run against this one, field by field
     resumed = resumed_checkpoint(cfg)
     if resumed is not None and os.path.isdir(resumed):  # its values, before a directory is made
         check_rank_files(resumed)
-    check_run_dir(cfg)
     outputs = {"logging.run_dir": cfg.run_path}
     if cfg.checkpoint.every > 0:
         outputs["checkpoint.dir"] = cfg.checkpoint_path

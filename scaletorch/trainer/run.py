@@ -123,6 +123,7 @@ class Run:
                 raise RuntimeError("the step's loop did not call run.record(loss, grad_norm) "
                                    "before the optimizer step")
             trainer.end_step()  # the lr schedule's next step
+            self._reached[0] = trainer.step  # trained: a stop in its log or save names it
             self._log_step(lr, time.perf_counter() - start, comm.waited() - waited)
 
     def record(self, loss: Any, grad_norm: Any, overflow: bool = False) -> None:

@@ -28,7 +28,7 @@ from typing import Dict, List, Optional, Tuple
 from scaletorch.config import Config
 from scaletorch.dist import restart_count
 from scaletorch.rules import boundary
-from scaletorch.rules.errors import InputError
+from scaletorch.rules.errors import InputError, clip
 from scaletorch.rules.safe_files import write_atomic
 
 PROBE = ".scaletorch-probe-"  # check_writable's empty directory, made and removed at once
@@ -112,8 +112,12 @@ def hold(key: str, path: str) -> bool:
         return True
     if not os.path.lexists(path):
         _made.append(path)
-    os.makedirs(path, exist_ok=True)
-    fd = os.open(os.path.join(path, name), os.O_RDWR | os.O_CREAT, 0o644)
+    try:  # a name the schema let through may still fail here (a full disk, a path too long)
+        os.makedirs(path, exist_ok=True)
+        fd = os.open(os.path.join(path, name), os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as err:
+        raise InputError(f"{key}: cannot create {clip(path)} ({err.strerror}); nothing was "
+                         f"written: give a shorter --name or a directory you can write") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -14,8 +14,9 @@ import shlex
 import signal
 import sys
 import threading
+import time
 from contextlib import contextmanager
-from typing import Iterator, List, Optional
+from typing import Any, Callable, Iterator, List, Optional
 
 from scaletorch.config import Config
 from scaletorch.rules.errors import INTERRUPTED, NON_FINITE, TERMINATED, RunStopped, Terminated
@@ -84,19 +85,82 @@ def on_stop_signal(signum: int, frame: object) -> None:
     raise STOP_SIGNALS[signal.Signals(signum)][0]
 
 
-def catch_stop_signals() -> None:
+GRACE_SECONDS = 10.0  # after a stop signal, the longest a rank waits for its clean stop
+_setup: List[Config] = []  # the run's config, once catch_stop_signals is called
+_wakeup: List[int] = []  # the write end of the watchdog's pipe, while it is armed
+
+
+def catch_stop_signals(cfg: Optional[Config] = None) -> None:
     """Make SIGTERM, like Ctrl-C, raise in the main thread (``on_stop_signal``): a script calls
-    it once its config is loaded, so a SIGTERM before the training loop ends in one line too
-    (``report_input_errors``) instead of a silent death."""
-    if threading.current_thread() is threading.main_thread():
-        for signum in STOP_SIGNALS:
-            signal.signal(signum, on_stop_signal)
+    it once its config is loaded, before any blocking setup (process groups, model build), so a
+    SIGTERM then ends in one line too (``stopped``, through ``report_input_errors``).
+
+    A Python handler runs only between bytecodes: a rank blocked in C++ (the rendezvous of
+    init_process_group, a collective whose peer has stopped) would never run it, and torchrun
+    would kill it with SIGKILL. So the signal also wakes a watchdog thread (signal's wakeup fd),
+    which ends the process with the stop's line and status after GRACE_SECONDS."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if cfg is not None:
+        _setup[:] = [cfg]
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, on_stop_signal)
+    if _wakeup:  # armed already (load_config twice in one process)
+        return
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    _wakeup.append(write)
+    threading.Thread(target=watch, args=(read, GRACE_SECONDS, os._exit), daemon=True,
+                     name="stop-watchdog").start()
+
+
+def release_stop_signals() -> None:
+    """Undo ``catch_stop_signals`` (for a test that loads a config in its own process): the
+    default handlers, no wakeup fd, the watchdog ended (its pipe closed)."""
+    for signum in STOP_SIGNALS:
+        signal.signal(signum,
+                      signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
+    _setup.clear()
+    if _wakeup:
+        signal.set_wakeup_fd(-1)
+        os.close(_wakeup.pop())
+
+
+def watch(read: int, grace: float, end: Callable[[int], Any]) -> None:
+    """The watchdog: wait for a stop signal's byte on ``read`` (the wakeup fd), then give the
+    main thread ``grace`` seconds to stop cleanly; still running, rank 0 prints the stop's
+    line and ``end(status)`` ends the process (no cleanup can run in a blocked thread)."""
+    while True:
+        data = os.read(read, 64)
+        if not data:
+            return
+        signums = [s for s in data if s in STOP_SIGNALS]
+        if signums:
+            break
+    time.sleep(grace)
+    if not _wakeup:  # released meanwhile (a test's own process)
+        return
+    stop = stopped(Terminated() if signums[0] == signal.SIGTERM else KeyboardInterrupt())
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"{stop} (still blocked after {grace:g} s: ended there)", file=sys.__stderr__,
+              flush=True)
+    end(stop.exit_code)
 
 
 def stopped(err: BaseException) -> RunStopped:
-    """The RunStopped of a KeyboardInterrupt (Ctrl-C) or Terminated (SIGTERM) outside the loop."""
+    """The RunStopped of a KeyboardInterrupt (Ctrl-C) or Terminated (SIGTERM) outside the loop:
+    in the setup of a run (``catch_stop_signals`` had its config), the step it would have
+    started at and the checkpoint a resume starts from."""
     _, how, code = STOP_SIGNALS[signal.SIGTERM if isinstance(err, Terminated) else signal.SIGINT]
-    return RunStopped(how, code)
+    if not _setup:
+        return RunStopped(how, code)
+    cfg = _setup[0]
+    path = latest_checkpoint(cfg.checkpoint_path)
+    first = int(os.path.basename(path).rsplit("_", 1)[-1]) + 1 if path else 1
+    return RunStopped(
+        f"{how} before step {first} of {cfg.training.steps}: "
+        f"{where_to_resume(cfg)}", code)
 
 
 @contextmanager
@@ -116,6 +180,7 @@ def interruptible(cfg: Config, steps_done: List[int]) -> Iterator[None]:
         on_stop_signal(signum, frame)
 
     previous = {signum: signal.signal(signum, on_signal) for signum in STOP_SIGNALS}
+    _setup.clear()  # past the setup: the loop's own line (below) names the step reached
     try:
         yield
     except BaseException as err:

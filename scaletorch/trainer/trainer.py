@@ -257,6 +257,8 @@ class Trainer:
             path, skipped = ckpt.latest_valid_checkpoint(self.cfg.checkpoint_path)
             for message in skipped:
                 self._print(message)
+        if path is None and restart_count() == 0:  # asked for, and there is none (load_config
+            raise ckpt.nothing_to_resume(self.cfg.checkpoint_path, skipped)  # refused it first)
         if path is None:
             self._print(f"no checkpoint in {self.cfg.checkpoint_path}: starting from step 0")
             return
