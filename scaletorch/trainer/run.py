@@ -29,8 +29,9 @@ import statistics
 import sys
 import time
 from contextlib import ExitStack
+from dataclasses import dataclass, field
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Iterator, List, Optional, Tuple, Type
+from typing import Any, Iterator, List, Optional, Tuple, Type
 
 import torch
 import torch.distributed as dist
@@ -45,14 +46,22 @@ from scaletorch.trainer.profiling import profiler
 from scaletorch.trainer.run_dir import continues, keep_metrics_to
 from scaletorch.trainer.stops import check_finite, interruptible
 
-if TYPE_CHECKING:
-    from scaletorch.trainer.trainer import Trainer, TrainResult
+
+@dataclass
+class TrainResult:
+    """What a run measured: per step its loss, grad norm and times."""
+    losses: List[float] = field(default_factory=list)  # global mean loss of each step run
+    grad_norms: List[float] = field(default_factory=list)
+    start_step: int = 0  # > 0 when resumed from a checkpoint
+    step_seconds: List[float] = field(default_factory=list)  # this rank's wall time of each step
+    busy_seconds: List[float] = field(default_factory=list)  # the same, less collective waits
 
 
 class Run:
     """The bookkeeping around one run of ``trainer``'s model and optimizer (see the module)."""
 
-    def __init__(self, trainer: "Trainer", result: "TrainResult") -> None:
+    def __init__(self, trainer: Any, result: TrainResult) -> None:
+        # trainer: a Trainer (trainer.py), which imports this module; Any keeps one direction
         self.trainer = trainer
         self.cfg = trainer.cfg
         self.result = result

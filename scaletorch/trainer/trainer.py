@@ -18,7 +18,6 @@ must, passes its own ``loss_fn`` (tensor parallel's vocab-parallel loss, for the
 import math
 import os
 import signal
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Tuple, cast
 
 import torch
@@ -36,21 +35,12 @@ from scaletorch.trainer import checkpoint as ckpt
 from scaletorch.trainer.config import Config
 from scaletorch.trainer.precision import autocast, resolve_precision
 from scaletorch.trainer.resume_check import record
-from scaletorch.trainer.run import Run
+from scaletorch.trainer.run import Run, TrainResult
 from scaletorch.trainer.stops import check_finite
 
 if TYPE_CHECKING:
     from scaletorch.parallel.parallelize import Parallelized
     from scaletorch.trainer.dcp_async import AsyncSaver
-
-
-@dataclass
-class TrainResult:
-    losses: List[float] = field(default_factory=list)  # global mean loss of each step run
-    grad_norms: List[float] = field(default_factory=list)
-    start_step: int = 0  # > 0 when resumed from a checkpoint
-    step_seconds: List[float] = field(default_factory=list)  # this rank's wall time of each step
-    busy_seconds: List[float] = field(default_factory=list)  # the same, less collective waits
 
 
 def build_optimizer(cfg: Config, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
