@@ -290,8 +290,8 @@ class EveryFieldRefusesWrongTypesAndRanges(unittest.TestCase):
     def test_valid_values_and_a_saved_config_still_load(self):
         code, out = run_in_process(C00, [
             "--logging.run_dir",
-            os.path.join(self.d, "runs"), "--training.beta1", "0", "--model.num_experts", "2",
-            "--model.moe_top_k", "1"
+            os.path.join(self.d, "runs"), "--training.beta1", "0", "--model.num_layers", "3",
+            "--training.weight_decay", "0"
         ])
         self.assertEqual((code, out), (0, ""))
         self.assertFalse(os.path.exists(os.path.join(self.d, "runs")))
