@@ -145,7 +145,9 @@ class Run:
 
     def _log_step(self, lr: float, elapsed: float, waited: float) -> None:
         trainer, cfg, result = self.trainer, self.cfg, self.result
-        assert self._recorded is not None  # batches() checked it
+        if self._recorded is None:  # batches() checks it first; a script's loop may not
+            raise RuntimeError(f"step {trainer.step + 1}: run.record(loss, grad_norm) was not "
+                               f"called before the next batch")
         loss, grad_norm = self._recorded
         result.step_seconds.append(elapsed)
         result.busy_seconds.append(elapsed - waited)
