@@ -24,6 +24,7 @@ import torch
 from scaletorch.dist import destroy_pg_manager
 from scaletorch.models import build_model
 from scaletorch.models.hf import check_hf_llama, export_hf_llama, load_hf_llama
+from scaletorch.rules import boundary
 from scaletorch.rules.safe_files import read_checksummed
 from scaletorch.trainer.config import save_config
 from scaletorch.trainer.consolidated import consolidated_state, load_consolidated
@@ -87,11 +88,14 @@ def _run(cfg, hf_dir: str, sliced: bool, save_to: Optional[str] = None) -> dict:
 
 def _world(rank: int, world: int, root: str) -> dict:
     out = {}
-    for name, (directory, parallel) in SEEDED.items():
-        hf_dir = os.path.join(root, directory)
-        cfg = config(hf_dir, **parallel)
-        save_to = os.path.join(root, name) if name in SAVED else None
-        out[name] = {"whole": _run(cfg, hf_dir, False), "sliced": _run(cfg, hf_dir, True, save_to)}
+    # transformers wrote the directories (no .sha256): trusted by name, as --trust-unchecked does
+    with boundary.trusting([os.path.join(root, d) for d in HF_DIRS]):
+        for name, (directory, parallel) in SEEDED.items():
+            hf_dir = os.path.join(root, directory)
+            cfg = config(hf_dir, **parallel)
+            save_to = os.path.join(root, name) if name in SAVED else None
+            out[name] = {"whole": _run(cfg, hf_dir, False),
+                         "sliced": _run(cfg, hf_dir, True, save_to)}
     return out
 
 
@@ -110,6 +114,9 @@ class SeedFromHuggingFaceReadsOnlyEachRanksPieces(unittest.TestCase):
             cls.full_bytes[directory] = sum(t.numel() * t.element_size()
                                             for t in read_safetensors(path).values())
         cls.hf_dir = os.path.join(cls.tmp.name, "hf")
+        cls.trust = boundary.trusting([os.path.join(cls.tmp.name, d) for d in HF_DIRS])
+        cls.trust.__enter__()
+        cls.addClassCleanup(cls.trust.__exit__, None, None, None)
         cls.results = run_distributed(_world, WORLD, cls.tmp.name, timeout=600)
 
     @classmethod
