@@ -137,6 +137,17 @@ class ConvBN(nn.Module):
         return self.fc(h.mean(dim=(2, 3)))
 
 
+class DirectRead(nn.Module):
+    """A parent that calls its first layer but reads the second one's weight itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.layers[0](x), self.layers[1].weight)
+
+
 MODELS: Dict[str, Tuple[Callable[[], nn.Module], Tuple[int, ...]]] = {
     "mlp": (MLP, (6, )),
     "frozen": (Frozen, (6, )),
@@ -281,8 +292,22 @@ def cases_of(world: int) -> List[Tuple[str, str, str]]:
     return CASES if world == 2 else FOUR_RANK_CASES
 
 
+def direct_read_errors() -> List[str]:
+    """ZeRO-3 on ``DirectRead``, prefetch off and on: what the forward raised (one line each)."""
+    said = []
+    for prefetch in (False, True):
+        zero = apply_zero(DirectRead(), None, 3, prefetch=prefetch)
+        try:
+            zero(torch.ones(2, 4)).sum().backward()
+            said.append("no error")
+        except (RuntimeError, ValueError) as error:
+            said.append(str(error))
+        zero.finish_grad_sync()  # the prefetch in flight: waited, freed
+    return said
+
+
 def _world(rank: int, world: int) -> Dict[str, Any]:
-    out: Dict[str, Any] = {}
+    out: Dict[str, Any] = {"direct_read": direct_read_errors()}
     for case in cases_of(world):
         start = time.perf_counter()
         out[case] = train(*case, rank=rank, world=world)
@@ -356,6 +381,14 @@ class _OwnModelMixin:
                     torch.testing.assert_close(ours["state"][n], torch_ddp["state"][n], rtol=0,
                                                atol=WEIGHT_TOL["adamw"],
                                                msg=f"{strategy} {rank} {n}")
+
+    def test_zero3_unit_read_without_its_hook_stops_with_one_line_naming_it(self) -> None:
+        """Prefetch off would read freed storage; prefetch on, storage still in transfer."""
+        for rank, r in enumerate(self.results):
+            for said in r["direct_read"]:
+                self.assertIn("ZeRO-3 unit 'layers.1' (Linear) is released", said, f"rank {rank}")
+                self.assertIn("layers.1.weight was used", said)
+                self.assertNotIn("\n", said)
 
 
 class OwnModels2Ranks(_OwnModelMixin, unittest.TestCase):

@@ -125,24 +125,27 @@ class ShardedDataParallel(nn.Module):
     # [core: zero3-hooks]
     def _gather(self, i: int, async_op: bool = False) -> None:
         """Make unit i's full parameters available (with ``async_op``: start to)."""
-        if i in self._gathering:
-            if not async_op:
-                self._gathering.pop(i).wait()
-            return
         unit = self.units[i]
-        if unit.gathered_bytes:
-            return
-        work = gather_unit(unit.flat, unit.gather_source(), unit.group, async_op)  # (S,) -> (P',)
-        if async_op and work is not None:
-            self._gathering[i] = work
-        held = [u.gathered_bytes for u in self.units if u.gathered_bytes]
-        self.peak_gathered_units = max(self.peak_gathered_units, len(held))
-        self.peak_gathered_bytes = max(self.peak_gathered_bytes, sum(held))
+        if i in self._gathering:
+            if async_op:
+                return
+            self._gathering.pop(i).wait()
+        elif not unit.gathered_bytes:
+            # (S,) -> (P',)
+            work = gather_unit(unit.flat, unit.gather_source(), unit.group, async_op)
+            if async_op and work is not None:
+                self._gathering[i] = work
+            held = [u.gathered_bytes for u in self.units if u.gathered_bytes]
+            self.peak_gathered_units = max(self.peak_gathered_units, len(held))
+            self.peak_gathered_bytes = max(self.peak_gathered_bytes, sum(held))
+        if i not in self._gathering:  # complete: its modules hold the full tensors again
+            unit.hold(True)
 
     def _free(self, i: int) -> None:
         if i in self._gathering:  # never free a buffer that a transfer is writing
             self._gathering.pop(i).wait()
         release_unit(self.units[i].flat)
+        self.units[i].hold(False)  # a use outside the hooks now raises, naming the unit
 
     def _pre_forward(self, i: int, module: nn.Module, args: Tuple[Any, ...]) -> None:
         for k in self._gathered_with(i):
