@@ -265,8 +265,13 @@ def train(strategy: str, name: str, opt: str, rank: int, world: int) -> Dict[str
         total = loss.detach().clone()
         torch.distributed.all_reduce(total)
         losses.append(total.item() / world)
-    state = model.full_state_dict() if strategy == "zero3" else state_of(inner)
-    return dict(losses=losses, grads=grads, state=state)
+    if strategy != "zero3":
+        return dict(losses=losses, grads=grads, state=state_of(inner))
+    named = {  # this rank's piece of each parameter under its own name, and of its gradient
+        n: (p.detach().clone(), None if p.grad is None else p.grad.clone())
+        for n, p in model.named_parameters()
+    }
+    return dict(losses=losses, grads=grads, state=model.full_state_dict(), named=named)
 
 
 CASES: List[Tuple[str, str, str]] = [
@@ -381,6 +386,27 @@ class _OwnModelMixin:
                     torch.testing.assert_close(ours["state"][n], torch_ddp["state"][n], rtol=0,
                                                atol=WEIGHT_TOL["adamw"],
                                                msg=f"{strategy} {rank} {n}")
+
+    def test_zero3_named_parameters_are_each_ranks_piece_under_the_original_names(self) -> None:
+        """The ranks' pieces, end to end in rank order, are the full weight and its last
+        gradient exactly (frozen ones: whole on every rank, no gradient)."""
+        for case, ref, ranks in self._each():
+            if case[0] != "zero3":
+                continue
+            names = list(ref["grads"][0])  # torch's named_parameters: a tied weight once
+            self.assertEqual(sorted(ranks[0]["named"]), sorted(names), str(case))
+            for n in names:
+                pieces = [r["named"][n] for r in ranks]
+                if ref["grads"][0][n] is None:  # frozen: whole on every rank, no gradient
+                    self.assertTrue(all(torch.equal(p, ranks[0]["state"][n]) for p, _ in pieces))
+                    self.assertTrue(all(g is None for _, g in pieces), f"{case} {n}")
+                    continue
+                values = torch.cat([p for p, _ in pieces])
+                whole = ranks[0]["state"][n].reshape(-1)
+                self.assertTrue(torch.equal(values, whole), f"{case} {n}")
+                grads = torch.cat([g for _, g in pieces])
+                last = ranks[0]["grads"][-1][n]
+                self.assertTrue(torch.equal(grads, last.reshape(-1)), f"{case} {n}")
 
     def test_zero3_unit_read_without_its_hook_stops_with_one_line_naming_it(self) -> None:
         """Prefetch off would read freed storage; prefetch on, storage still in transfer."""

@@ -220,6 +220,33 @@ class ShardedDataParallel(nn.Module):
             for i in range(len(self.units)):
                 self._free(i)
 
+    # ---- the model's parameters under their own names -------------------------------------
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        """What an optimizer steps: this rank's (S,) shards (and frozen parameters, whole)."""
+        for _, param in super().named_parameters(recurse=recurse):
+            yield param
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[Tuple[str, nn.Parameter]]:
+        """Every parameter of the model under its own name (``layers.0.weight``), as a view:
+        this rank's piece of it, a 1-D view of its unit's shard (0 elements when the
+        parameter lies in other ranks' shards), ``.grad`` the same piece of the shard's
+        gradient once reduced; frozen ones whole. Pieces of all ranks make the parameter
+        (``full_state_dict`` gathers them); ``parameters()`` stays the shards."""
+        lead = prefix + "." if prefix else ""
+        for unit in self.units:
+            lo, hi = unit.rank * unit.shard_numel, (unit.rank + 1) * unit.shard_numel
+            for names, begin, end in zip(unit.names, unit.offsets, unit.offsets[1:]):
+                a, b = min(max(begin, lo), hi) - lo, min(max(end, lo), hi) - lo
+                piece = nn.Parameter(unit.shard.detach()[a:b])
+                if unit.shard.grad is not None:
+                    piece.grad = unit.shard.grad[a:b]
+                for name in names[:1] if remove_duplicate else names:
+                    yield lead + name, piece
+        for name, param in self.module.named_parameters(remove_duplicate=remove_duplicate):
+            yield lead + name, param  # frozen: in no unit, whole on every rank
+
     # ---- what ZeroAdamW calls -------------------------------------------------------------
 
     def zero_grad_buffers(self) -> None:
