@@ -48,6 +48,7 @@ from tests.harness import run_distributed
 STEPS = 3
 BATCH = 8  # global batch: 4 per rank at N = 2, 2 at N = 4
 LOSS_TOL, GRAD_TOL = 1e-6, 1e-6
+FLAT = {"zero3": 3, "flat_zero2": 2}  # apply_zero's stage: chapter 02's wrapper of flat shards
 WEIGHT_TOL = {"sgd": 1e-6, "adam": 1e-4, "adamw": 1e-4}  # see the module docstring
 
 
@@ -223,15 +224,16 @@ def _wrap(strategy: str, model: nn.Module, opt: str) -> Tuple[nn.Module, Any]:
         return ddp, cls(params, **kwargs)
     if strategy == "zero2":
         return model, ShardedOptimizer(model.parameters(), cls, zero_stage=2, **kwargs)
-    zero = apply_zero(model, None, 3)  # the default units: one per child (per block)
-    if opt == "adamw":
+    # flat shards: ZeRO-3, or the ZeRO-2 wrapper of chapter 02; the default units (per child)
+    zero = apply_zero(model, None, FLAT[strategy])
+    if opt == "adamw":  # chapter 02's optimizer: ShardedOptimizer over the shards with AdamW
         return zero, ZeroAdamW(zero, kwargs["lr"], (0.9, 0.999), kwargs["weight_decay"])
-    return zero, cls(zero.parameters(), **kwargs)  # any optimizer over the shards
+    return zero, ShardedOptimizer(zero, cls, **kwargs)  # the same path, another class
 
 
 def _grads(strategy: str, model: nn.Module, optimizer: Any) -> Dict[str, Any]:
     """Every gradient the step will use, full size, on this rank (None: no rank had one)."""
-    if strategy == "zero3":
+    if strategy in FLAT:
         model.finish_grad_sync()
         frozen = {n: None for n, _ in model.module.named_parameters()}  # in no unit: no grad
         return {
@@ -265,7 +267,7 @@ def train(strategy: str, name: str, opt: str, rank: int, world: int) -> Dict[str
         total = loss.detach().clone()
         torch.distributed.all_reduce(total)
         losses.append(total.item() / world)
-    if strategy != "zero3":
+    if strategy not in FLAT:
         return dict(losses=losses, grads=grads, state=state_of(inner))
     named = {  # this rank's piece of each parameter under its own name, and of its gradient
         n: (p.detach().clone(), None if p.grad is None else p.grad.clone())
@@ -279,7 +281,7 @@ CASES: List[Tuple[str, str, str]] = [
     *[("naive", m, "adamw") for m in ("mlp", "frozen")],  # its per-parameter all-reduces
     *[("torch_ddp", m, "adamw") for m in ("frozen", "convbn")],  # convbn: buffers as torch's
     *[("zero1", m, "adamw") for m in ("mlp", "frozen")],
-    *[(s, "frozen", "sgd") for s in ("bucketed", "zero1", "zero2", "zero3")],
+    *[(s, "frozen", "sgd") for s in ("bucketed", "zero1", "zero2", "zero3", "flat_zero2")],
     *[(s, "transformer", "adam") for s in ("zero1", "torch_zero1", "zero2")],
 ]
 
@@ -391,7 +393,7 @@ class _OwnModelMixin:
         """The ranks' pieces, end to end in rank order, are the full weight and its last
         gradient exactly (frozen ones: whole on every rank, no gradient)."""
         for case, ref, ranks in self._each():
-            if case[0] != "zero3":
+            if case[0] not in FLAT:
                 continue
             names = list(ref["grads"][0])  # torch's named_parameters: a tied weight once
             self.assertEqual(sorted(ranks[0]["named"]), sorted(names), str(case))

@@ -38,6 +38,7 @@ from scaletorch.models.llama import Llama
 from scaletorch.parallel.flat_unit import (FlatUnit, Group, NamedModules, gather_unit,
                                            reduce_scatter_mean, release_unit)
 from scaletorch.parallel.grad_norm import clip_grads_, world_grad_norm
+from scaletorch.parallel.sharded_optimizer import ShardedOptimizer
 
 Units = List[Tuple[str, NamedModules]]  # (unit name, [(module name, module), ...])
 MakeUnit = Callable[[str, NamedModules, Group, int], FlatUnit]  # (name, modules, group, stage)
@@ -388,39 +389,16 @@ def apply_zero(model: nn.Module, pgm: Optional[ProcessGroupManager] = None, zero
                                make_unit)
 
 
-class ZeroAdamW(torch.optim.AdamW):
+class ZeroAdamW(ShardedOptimizer):
     """torch.optim.AdamW over this rank's shards: the same arithmetic, 1/N of the state.
 
-    ``model`` is the ZeRO wrapper (or a list of them: a pipeline rank's chunks, chapter 07).
-    ``step()`` first finishes any gradient sync still in flight, updates the shards, then
-    (stages 1, 2) all-gathers them into every rank's full parameters. ``zero_grad()`` also
-    clears the wrappers' full gradients.
+    ``ShardedOptimizer`` (sharded_optimizer.py) over ``model``, the ZeRO wrapper (or a list of
+    them: a pipeline rank's chunks, chapter 07), with AdamW. ``step()`` first finishes any
+    gradient sync still in flight, updates the shards, then (stages 1, 2) all-gathers them into
+    every rank's full parameters. ``zero_grad()`` also clears the wrappers' full gradients.
     """
 
     def __init__(self, model: Union[ShardedDataParallel, Sequence[ShardedDataParallel]], lr: float,
                  betas: Tuple[float, float], weight_decay: float, eps: float = 1e-8) -> None:
-        self.wrappers = [model] if isinstance(model, ShardedDataParallel) else list(model)
-        super().__init__([p for w in self.wrappers for p in w.parameters()], lr=lr, betas=betas,
-                         eps=eps, weight_decay=weight_decay)
-
-    # [core: zero-step]
-    @torch.no_grad()
-    def step(  # type: ignore[override]  # torch's stub: overloads on closure, both here
-            self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
-        for w in self.wrappers:  # each unit's reduce_scatter_mean, started in backward: done
-            w.finish_grad_sync()
-        loss = super().step(closure)  # AdamW on this rank's (S,) shards only
-        units = [u for w in self.wrappers if w.zero_stage < 3 for u in w.units]
-        # stages 1, 2: gather_unit of every unit, (S,) -> (P',); stage 3 gathers before use
-        works = [gather_unit(u.flat, u.gather_source(), u.group, async_op=True) for u in units]
-        for work in works:
-            if work is not None:
-                work.wait()
-        return loss
-
-    # [end: zero-step]
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        super().zero_grad(set_to_none)
-        for w in self.wrappers:
-            w.zero_grad_buffers()
+        super().__init__(model, torch.optim.AdamW, lr=lr, betas=betas, eps=eps,
+                         weight_decay=weight_decay)
