@@ -49,9 +49,12 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int, rank: 
 
 def ours(strategy: str, model: nn.Module):
     """(the model to call, its optimizer, a function returning the full weights): ours."""
+    # [core: ours-ddp]
     if strategy == "DDP":
         model = apply_data_parallel(model, None)  # bucketed; broadcasts rank 0's weights
         return model, torch.optim.AdamW(model.parameters(), **ADAMW), model.state_dict
+    # [end: ours-ddp]
+    # [core: ours-zero]
     if strategy == "ZeRO-1":
         model = apply_data_parallel(model, None)
         opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, **ADAMW)
@@ -59,13 +62,17 @@ def ours(strategy: str, model: nn.Module):
     model = apply_zero(model)  # ZeRO-3, one unit per child, over the world
     return model, ZeroAdamW(model, ADAMW["lr"], (0.9, 0.999), ADAMW["weight_decay"]), \
         model.full_state_dict
+    # [end: ours-zero]
 
 
 def theirs(strategy: str, model: nn.Module):
     """The same three with PyTorch's DDP, ZeroRedundancyOptimizer and FSDP2."""
+    # [core: torch-ddp]
     if strategy == "DDP":
         model = DistributedDataParallel(model)
         return model, torch.optim.AdamW(model.parameters(), **ADAMW), model.module.state_dict
+    # [end: torch-ddp]
+    # [core: torch-zero]
     if strategy == "ZeRO-1":
         model = DistributedDataParallel(model)
         opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, **ADAMW)
@@ -77,6 +84,7 @@ def theirs(strategy: str, model: nn.Module):
     fully_shard(model)
     return model, torch.optim.AdamW(model.parameters(), **ADAMW), \
         lambda: {k: v.full_tensor() for k, v in model.state_dict().items()}
+    # [end: torch-zero]
 
 
 def main() -> int:

@@ -48,6 +48,7 @@ from tests.harness import run_distributed
 STEPS = 3
 BATCH = 8  # global batch: 4 per rank at N = 2, 2 at N = 4
 LOSS_TOL, GRAD_TOL = 1e-6, 1e-6
+FLAT = {"zero3": 3, "flat_zero2": 2}  # apply_zero's stage: chapter 02's wrapper of flat shards
 WEIGHT_TOL = {"sgd": 1e-6, "adam": 1e-4, "adamw": 1e-4}  # see the module docstring
 
 
@@ -137,6 +138,17 @@ class ConvBN(nn.Module):
         return self.fc(h.mean(dim=(2, 3)))
 
 
+class DirectRead(nn.Module):
+    """A parent that calls its first layer but reads the second one's weight itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.layers[0](x), self.layers[1].weight)
+
+
 MODELS: Dict[str, Tuple[Callable[[], nn.Module], Tuple[int, ...]]] = {
     "mlp": (MLP, (6, )),
     "frozen": (Frozen, (6, )),
@@ -212,15 +224,16 @@ def _wrap(strategy: str, model: nn.Module, opt: str) -> Tuple[nn.Module, Any]:
         return ddp, cls(params, **kwargs)
     if strategy == "zero2":
         return model, ShardedOptimizer(model.parameters(), cls, zero_stage=2, **kwargs)
-    zero = apply_zero(model, None, 3)  # the default units: one per child (per block)
-    if opt == "adamw":
+    # flat shards: ZeRO-3, or the ZeRO-2 wrapper of chapter 02; the default units (per child)
+    zero = apply_zero(model, None, FLAT[strategy])
+    if opt == "adamw":  # chapter 02's optimizer: ShardedOptimizer over the shards with AdamW
         return zero, ZeroAdamW(zero, kwargs["lr"], (0.9, 0.999), kwargs["weight_decay"])
-    return zero, cls(zero.parameters(), **kwargs)  # any optimizer over the shards
+    return zero, ShardedOptimizer(zero, cls, **kwargs)  # the same path, another class
 
 
 def _grads(strategy: str, model: nn.Module, optimizer: Any) -> Dict[str, Any]:
     """Every gradient the step will use, full size, on this rank (None: no rank had one)."""
-    if strategy == "zero3":
+    if strategy in FLAT:
         model.finish_grad_sync()
         frozen = {n: None for n, _ in model.module.named_parameters()}  # in no unit: no grad
         return {
@@ -254,8 +267,13 @@ def train(strategy: str, name: str, opt: str, rank: int, world: int) -> Dict[str
         total = loss.detach().clone()
         torch.distributed.all_reduce(total)
         losses.append(total.item() / world)
-    state = model.full_state_dict() if strategy == "zero3" else state_of(inner)
-    return dict(losses=losses, grads=grads, state=state)
+    if strategy not in FLAT:
+        return dict(losses=losses, grads=grads, state=state_of(inner))
+    named = {  # this rank's piece of each parameter under its own name, and of its gradient
+        n: (p.detach().clone(), None if p.grad is None else p.grad.clone())
+        for n, p in model.named_parameters()
+    }
+    return dict(losses=losses, grads=grads, state=model.full_state_dict(), named=named)
 
 
 CASES: List[Tuple[str, str, str]] = [
@@ -263,7 +281,7 @@ CASES: List[Tuple[str, str, str]] = [
     *[("naive", m, "adamw") for m in ("mlp", "frozen")],  # its per-parameter all-reduces
     *[("torch_ddp", m, "adamw") for m in ("frozen", "convbn")],  # convbn: buffers as torch's
     *[("zero1", m, "adamw") for m in ("mlp", "frozen")],
-    *[(s, "frozen", "sgd") for s in ("bucketed", "zero1", "zero2", "zero3")],
+    *[(s, "frozen", "sgd") for s in ("bucketed", "zero1", "zero2", "zero3", "flat_zero2")],
     *[(s, "transformer", "adam") for s in ("zero1", "torch_zero1", "zero2")],
 ]
 
@@ -281,8 +299,22 @@ def cases_of(world: int) -> List[Tuple[str, str, str]]:
     return CASES if world == 2 else FOUR_RANK_CASES
 
 
+def direct_read_errors() -> List[str]:
+    """ZeRO-3 on ``DirectRead``, prefetch off and on: what the forward raised (one line each)."""
+    said = []
+    for prefetch in (False, True):
+        zero = apply_zero(DirectRead(), None, 3, prefetch=prefetch)
+        try:
+            zero(torch.ones(2, 4)).sum().backward()
+            said.append("no error")
+        except (RuntimeError, ValueError) as error:
+            said.append(str(error))
+        zero.finish_grad_sync()  # the prefetch in flight: waited, freed
+    return said
+
+
 def _world(rank: int, world: int) -> Dict[str, Any]:
-    out: Dict[str, Any] = {}
+    out: Dict[str, Any] = {"direct_read": direct_read_errors()}
     for case in cases_of(world):
         start = time.perf_counter()
         out[case] = train(*case, rank=rank, world=world)
@@ -356,6 +388,35 @@ class _OwnModelMixin:
                     torch.testing.assert_close(ours["state"][n], torch_ddp["state"][n], rtol=0,
                                                atol=WEIGHT_TOL["adamw"],
                                                msg=f"{strategy} {rank} {n}")
+
+    def test_zero3_named_parameters_are_each_ranks_piece_under_the_original_names(self) -> None:
+        """The ranks' pieces, end to end in rank order, are the full weight and its last
+        gradient exactly (frozen ones: whole on every rank, no gradient)."""
+        for case, ref, ranks in self._each():
+            if case[0] not in FLAT:
+                continue
+            names = list(ref["grads"][0])  # torch's named_parameters: a tied weight once
+            self.assertEqual(sorted(ranks[0]["named"]), sorted(names), str(case))
+            for n in names:
+                pieces = [r["named"][n] for r in ranks]
+                if ref["grads"][0][n] is None:  # frozen: whole on every rank, no gradient
+                    self.assertTrue(all(torch.equal(p, ranks[0]["state"][n]) for p, _ in pieces))
+                    self.assertTrue(all(g is None for _, g in pieces), f"{case} {n}")
+                    continue
+                values = torch.cat([p for p, _ in pieces])
+                whole = ranks[0]["state"][n].reshape(-1)
+                self.assertTrue(torch.equal(values, whole), f"{case} {n}")
+                grads = torch.cat([g for _, g in pieces])
+                last = ranks[0]["grads"][-1][n]
+                self.assertTrue(torch.equal(grads, last.reshape(-1)), f"{case} {n}")
+
+    def test_zero3_unit_read_without_its_hook_stops_with_one_line_naming_it(self) -> None:
+        """Prefetch off would read freed storage; prefetch on, storage still in transfer."""
+        for rank, r in enumerate(self.results):
+            for said in r["direct_read"]:
+                self.assertIn("ZeRO-3 unit 'layers.1' (Linear) is released", said, f"rank {rank}")
+                self.assertIn("layers.1.weight was used", said)
+                self.assertNotIn("\n", said)
 
 
 class OwnModels2Ranks(_OwnModelMixin, unittest.TestCase):

@@ -17,6 +17,10 @@ one 0/1 flag per parameter so that every rank agrees which ones (ZeRO-1 relies o
 parallel wrapper's ``find_unused_parameters`` for that). Any optimizer class works, elementwise
 or not, since each parameter is stepped whole by its owner. ZeRO-2 here drops the full
 gradients at the step; zero.py's wrapper drops each unit's during backward.
+
+Given chapter 02's ZeRO wrapper instead of parameters (zero.py: any stage, flat shards that
+are already each rank's), the same class steps the wrapper's shards with ``optimizer_class``
+and all-gathers them back (stages 1, 2); ``ZeroAdamW`` is this with AdamW.
 """
 
 from typing import Any, Callable, Dict, Iterable, List, Optional, Type, Union
@@ -26,6 +30,7 @@ import torch.distributed as dist
 
 from scaletorch.dist import comm
 from scaletorch.dist.comm import Group
+from scaletorch.parallel.flat_unit import gather_unit
 
 Params = Union[Iterable[torch.Tensor], Iterable[Dict[str, Any]]]
 
@@ -40,15 +45,47 @@ def partition(numels: List[int], world: int) -> List[int]:
     return owner
 
 
-class ShardedOptimizer(torch.optim.Optimizer):
-    """ZeRO-1 or ZeRO-2 over ``group`` (the world when None) of ``optimizer_class``.
+def zero_wrappers(params: Any) -> List[Any]:
+    """Chapter 02's ZeRO wrappers in ``params`` (one, or a list: a pipeline rank's chunks), or
+    [] when ``params`` are parameters. A wrapper is a module with flat units (zero.py)."""
+    if isinstance(params, torch.nn.Module):
+        if not hasattr(params, "units"):
+            raise ValueError(f"ShardedOptimizer takes parameters or a ZeRO wrapper (apply_zero), "
+                             f"got a {type(params).__name__}: pass its .parameters()")
+        return [params]
+    if isinstance(params,
+                  (list, tuple)) and params and all(isinstance(p, torch.nn.Module) for p in params):
+        return [w for p in params for w in zero_wrappers(p)]
+    return []
 
-    ``param_groups`` are the full groups (an LR scheduler edits them; ``step`` copies their
-    hyperparameters to this rank's optimizer, ``self.local``); ``state_dict`` is this rank's.
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """ZeRO over ``group`` (the world when None) of ``optimizer_class``: one class, two inputs.
+
+    Parameters: ZeRO-1 or 2 as above; ``param_groups`` are the full groups (an LR scheduler
+    edits them; ``step`` copies their hyperparameters to this rank's optimizer, ``self.local``).
+    A ZeRO wrapper (zero.py, its stage): its flat (S,) shards are already this rank's, so
+    ``self.local`` steps them all and its groups and state are this optimizer's; then stages 1,
+    2 all-gather every unit back (``gather_unit``): with the backward's reduce-scatter, the
+    volume of one all-reduce. ``state_dict`` is this rank's either way.
     """
 
-    def __init__(self, params: Params, optimizer_class: Type[torch.optim.Optimizer],
-                 group: Group = None, zero_stage: int = 1, **defaults: Any) -> None:
+    def __init__(self, params: Any, optimizer_class: Type[torch.optim.Optimizer],
+                 group: Group = None, zero_stage: Optional[int] = None, **defaults: Any) -> None:
+        self.wrappers = zero_wrappers(params)
+        if self.wrappers:
+            stages = {w.zero_stage for w in self.wrappers}
+            if zero_stage is not None and stages != {zero_stage}:
+                raise ValueError(f"zero_stage {zero_stage} for wrappers of stage {stages}: "
+                                 f"the wrapper's stage is the optimizer's, leave it out")
+            shards = [p for w in self.wrappers for p in w.parameters()]
+            self.local = optimizer_class(shards, **defaults)
+            super().__init__(shards, defaults)
+            # one set of groups and state: a scheduler's lr and a checkpoint's state are local's
+            self.param_groups, self.state = self.local.param_groups, self.local.state
+            self.defaults = self.local.defaults
+            return
+        zero_stage = 1 if zero_stage is None else zero_stage
         if zero_stage not in (1, 2):
             raise ValueError(f"zero_stage must be 1 or 2 (ZeRO-3 shards the model: zero.py's "
                              f"apply_zero), got {zero_stage}")
@@ -99,6 +136,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(  # type: ignore[override]  # torch's stub: overloads on closure
             self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
+        if self.wrappers:
+            return self._step_flat_shards(closure)
         loss = closure() if closure is not None else None
         for full, local in zip(self.param_groups, self.local.param_groups):
             local.update({k: v for k, v in full.items() if k != "params"})  # the scheduler's lr
@@ -110,9 +149,31 @@ class ShardedOptimizer(torch.optim.Optimizer):
                                    self.group)
         return loss
 
+    # [core: zero-step]
+    def _step_flat_shards(self, closure: Optional[Callable[[], float]]) -> Optional[float]:
+        for w in self.wrappers:  # each unit's reduce_scatter_mean, started in backward: done
+            w.finish_grad_sync()
+        loss = self.local.step(closure)  # e.g. AdamW on this rank's (S,) shards only
+        units = [u for w in self.wrappers if w.zero_stage < 3 for u in w.units]
+        # stages 1, 2: gather_unit of every unit, (S,) -> (P',); stage 3 gathers before use
+        works = [gather_unit(u.flat, u.gather_source(), u.group, async_op=True) for u in units]
+        for work in works:
+            if work is not None:
+                work.wait()
+        return loss
+
+    # [end: zero-step]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)  # every group's parameters (under DDP: all of them)
+        for w in self.wrappers:  # and the wrappers' full gradients (stage 1's flat buffers)
+            w.zero_grad_buffers()
+
     def state_dict(self) -> Dict[str, Any]:
         """This rank's optimizer state (resumed by the same rank of the same N)."""
         return self.local.state_dict()
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        self.local.load_state_dict(state_dict)
+        self.local.load_state_dict(state_dict)  # torch's: new groups and state on self.local
+        if self.wrappers:  # which are this optimizer's again (a scheduler edits param_groups)
+            self.param_groups, self.state = self.local.param_groups, self.local.state

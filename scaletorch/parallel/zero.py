@@ -38,6 +38,7 @@ from scaletorch.models.llama import Llama
 from scaletorch.parallel.flat_unit import (FlatUnit, Group, NamedModules, gather_unit,
                                            reduce_scatter_mean, release_unit)
 from scaletorch.parallel.grad_norm import clip_grads_, world_grad_norm
+from scaletorch.parallel.sharded_optimizer import ShardedOptimizer
 
 Units = List[Tuple[str, NamedModules]]  # (unit name, [(module name, module), ...])
 MakeUnit = Callable[[str, NamedModules, Group, int], FlatUnit]  # (name, modules, group, stage)
@@ -125,24 +126,27 @@ class ShardedDataParallel(nn.Module):
     # [core: zero3-hooks]
     def _gather(self, i: int, async_op: bool = False) -> None:
         """Make unit i's full parameters available (with ``async_op``: start to)."""
-        if i in self._gathering:
-            if not async_op:
-                self._gathering.pop(i).wait()
-            return
         unit = self.units[i]
-        if unit.gathered_bytes:
-            return
-        work = gather_unit(unit.flat, unit.gather_source(), unit.group, async_op)  # (S,) -> (P',)
-        if async_op and work is not None:
-            self._gathering[i] = work
-        held = [u.gathered_bytes for u in self.units if u.gathered_bytes]
-        self.peak_gathered_units = max(self.peak_gathered_units, len(held))
-        self.peak_gathered_bytes = max(self.peak_gathered_bytes, sum(held))
+        if i in self._gathering:
+            if async_op:
+                return
+            self._gathering.pop(i).wait()
+        elif not unit.gathered_bytes:
+            # (S,) -> (P',)
+            work = gather_unit(unit.flat, unit.gather_source(), unit.group, async_op)
+            if async_op and work is not None:
+                self._gathering[i] = work
+            held = [u.gathered_bytes for u in self.units if u.gathered_bytes]
+            self.peak_gathered_units = max(self.peak_gathered_units, len(held))
+            self.peak_gathered_bytes = max(self.peak_gathered_bytes, sum(held))
+        if i not in self._gathering:  # complete: its modules hold the full tensors again
+            unit.hold(True)
 
     def _free(self, i: int) -> None:
         if i in self._gathering:  # never free a buffer that a transfer is writing
             self._gathering.pop(i).wait()
         release_unit(self.units[i].flat)
+        self.units[i].hold(False)  # a use outside the hooks now raises, naming the unit
 
     def _pre_forward(self, i: int, module: nn.Module, args: Tuple[Any, ...]) -> None:
         for k in self._gathered_with(i):
@@ -216,6 +220,33 @@ class ShardedDataParallel(nn.Module):
         if self.zero_stage == 3:
             for i in range(len(self.units)):
                 self._free(i)
+
+    # ---- the model's parameters under their own names -------------------------------------
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        """What an optimizer steps: this rank's (S,) shards (and frozen parameters, whole)."""
+        for _, param in super().named_parameters(recurse=recurse):
+            yield param
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[Tuple[str, nn.Parameter]]:
+        """Every parameter of the model under its own name (``layers.0.weight``), as a view:
+        this rank's piece of it, a 1-D view of its unit's shard (0 elements when the
+        parameter lies in other ranks' shards), ``.grad`` the same piece of the shard's
+        gradient once reduced; frozen ones whole. Pieces of all ranks make the parameter
+        (``full_state_dict`` gathers them); ``parameters()`` stays the shards."""
+        lead = prefix + "." if prefix else ""
+        for unit in self.units:
+            lo, hi = unit.rank * unit.shard_numel, (unit.rank + 1) * unit.shard_numel
+            for names, begin, end in zip(unit.names, unit.offsets, unit.offsets[1:]):
+                a, b = min(max(begin, lo), hi) - lo, min(max(end, lo), hi) - lo
+                piece = nn.Parameter(unit.shard.detach()[a:b])
+                if unit.shard.grad is not None:
+                    piece.grad = unit.shard.grad[a:b]
+                for name in names[:1] if remove_duplicate else names:
+                    yield lead + name, piece
+        for name, param in self.module.named_parameters(remove_duplicate=remove_duplicate):
+            yield lead + name, param  # frozen: in no unit, whole on every rank
 
     # ---- what ZeroAdamW calls -------------------------------------------------------------
 
@@ -358,39 +389,16 @@ def apply_zero(model: nn.Module, pgm: Optional[ProcessGroupManager] = None, zero
                                make_unit)
 
 
-class ZeroAdamW(torch.optim.AdamW):
+class ZeroAdamW(ShardedOptimizer):
     """torch.optim.AdamW over this rank's shards: the same arithmetic, 1/N of the state.
 
-    ``model`` is the ZeRO wrapper (or a list of them: a pipeline rank's chunks, chapter 07).
-    ``step()`` first finishes any gradient sync still in flight, updates the shards, then
-    (stages 1, 2) all-gathers them into every rank's full parameters. ``zero_grad()`` also
-    clears the wrappers' full gradients.
+    ``ShardedOptimizer`` (sharded_optimizer.py) over ``model``, the ZeRO wrapper (or a list of
+    them: a pipeline rank's chunks, chapter 07), with AdamW. ``step()`` first finishes any
+    gradient sync still in flight, updates the shards, then (stages 1, 2) all-gathers them into
+    every rank's full parameters. ``zero_grad()`` also clears the wrappers' full gradients.
     """
 
     def __init__(self, model: Union[ShardedDataParallel, Sequence[ShardedDataParallel]], lr: float,
                  betas: Tuple[float, float], weight_decay: float, eps: float = 1e-8) -> None:
-        self.wrappers = [model] if isinstance(model, ShardedDataParallel) else list(model)
-        super().__init__([p for w in self.wrappers for p in w.parameters()], lr=lr, betas=betas,
-                         eps=eps, weight_decay=weight_decay)
-
-    # [core: zero-step]
-    @torch.no_grad()
-    def step(  # type: ignore[override]  # torch's stub: overloads on closure, both here
-            self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
-        for w in self.wrappers:  # each unit's reduce_scatter_mean, started in backward: done
-            w.finish_grad_sync()
-        loss = super().step(closure)  # AdamW on this rank's (S,) shards only
-        units = [u for w in self.wrappers if w.zero_stage < 3 for u in w.units]
-        # stages 1, 2: gather_unit of every unit, (S,) -> (P',); stage 3 gathers before use
-        works = [gather_unit(u.flat, u.gather_source(), u.group, async_op=True) for u in units]
-        for work in works:
-            if work is not None:
-                work.wait()
-        return loss
-
-    # [end: zero-step]
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        super().zero_grad(set_to_none)
-        for w in self.wrappers:
-            w.zero_grad_buffers()
+        super().__init__(model, torch.optim.AdamW, lr=lr, betas=betas, eps=eps,
+                         weight_decay=weight_decay)
