@@ -278,7 +278,7 @@ def read_runs(path: str) -> List[dict]:
     (seconds per step; other keys are ignored), as scripts/plan_vs_tour.py writes it."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"runs file {path!r} does not exist")
-    runs = boundary.load_json(path, "runs file", digest=False)
+    runs = boundary.load_json(path, "runs file", digest=False, kind=None)
     want = f"a JSON list of {{{', '.join(json.dumps(k) for k in RUN_KEYS)}}}"
     if not isinstance(runs, list) or not runs:
         raise ValueError(f"{path}: no runs (want {want})")

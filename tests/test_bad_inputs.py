@@ -205,8 +205,8 @@ ROWS = [
     Row(
         "--resume of a DCP checkpoint of another model size", C07,
         ("--resume", "D/dcp/step_0000002", "--model.intermediate_size", "96"),
-        "checkpoint 'D/dcp/step_0000002' holds another model (intermediate_size 128 there, 96 "
-        "here)"),
+        "--resume D/dcp/step_0000002 was written by another run: model.intermediate_size 128 -> "
+        "96 (checkpoint -> this run)"),
     Row("--resume of a DCP save killed before its manifest", C07,
         ("--resume", "D/dcp_partial/step_0000002"),
         "'D/dcp_partial/step_0000002' is not a complete checkpoint (no manifest.json)"),

@@ -349,8 +349,8 @@ class ShardedCheckpointResumesAtAnyLayout(unittest.TestCase):
         ckpt.check_resume(other, world_size=8)  # another layout and world size: fits
         other.model.intermediate_size = 96
         with self.assertRaisesRegex(
-                InputError, r"holds another model \(intermediate_size 64 "
-                r"there, 96 here\)"):
+                InputError, r"was written by another run: model.intermediate_size 64 -> 96 "
+                r"\(checkpoint -> this run\)"):
             ckpt.check_resume(other, world_size=8)
 
     @bit_exact  # the same values, gathered by the converter instead of by the layout

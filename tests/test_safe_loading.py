@@ -69,6 +69,7 @@ class CraftedPickleIsRefusedWithoutRunningCode(unittest.TestCase):
             "format_version": ckpt.FORMAT_VERSION,
             "step": 3,
             "world_size": 1,
+            "layout": {},
             "sha256": {
                 name: sha256(self.data)
             }

@@ -22,7 +22,7 @@ from scaletorch.models import build_model
 from scaletorch.rules.errors import RunStopped, Terminated
 from scaletorch.trainer import Trainer
 from scaletorch.trainer import checkpoint as ckpt
-from scaletorch.trainer import parse_args
+from scaletorch.trainer import parse_args, run_dir
 from scaletorch.trainer.stops import catch_stop_signals, release_stop_signals, stopped, watch
 from tests.harness import NCCL_CHECKS
 from tests.test_examples import NO_PREFLIGHT, ROOT, launch_status
@@ -30,6 +30,9 @@ from tests.test_run_dirs import BASE, C00, copy_of_base_run, metrics_lines, run_
 
 # The run's logs: a later run may add lines, never change or remove one.
 APPEND_ONLY = ("metrics.jsonl", "log.txt")
+# the run directory's owner marker: each run that takes the directory (a resume too) writes
+# its own pid and start time there (scaletorch/trainer/run_dir.py)
+OWNER = run_dir.MARKER
 C01 = "examples/01_ddp.py"
 LONG = os.environ.get("SCALETORCH_LONG_TESTS") == "1"
 CTRL_C = re.compile(r"^interrupted \(Ctrl-C\) at step (\d+) of \d+: last complete checkpoint "
@@ -292,7 +295,7 @@ safe_files.write_all = write_all
             after = snapshot(run)
             self.assertFalse(os.path.exists(step6))  # no partial file, no empty directory
             for name, data in before.items():  # both checkpoints and config.yaml unchanged
-                if name not in APPEND_ONLY:
+                if name not in APPEND_ONLY + (OWNER, ):
                     self.assertEqual(after[name], data, name)
             for name in APPEND_ONLY:  # only appended to
                 self.assertTrue(after[name].startswith(before[name]), name)
@@ -333,7 +336,7 @@ safe_files.write_all = write_all
             self.assertFalse(os.path.exists(step6))  # no rank left a partial file
             self.assertFalse([name for name in after if ".tmp." in name], sorted(after))
             for name, data in before.items():  # both checkpoints and config.yaml unchanged
-                if name not in APPEND_ONLY:
+                if name not in APPEND_ONLY + (OWNER, ):
                     self.assertEqual(after[name], data, name)
             for name in APPEND_ONLY:  # only appended to
                 self.assertTrue(after[name].startswith(before[name]), name)
@@ -375,7 +378,7 @@ models.loss_fn = loss_fn
                 rf"stopped before the optimizer step \(last good checkpoint {re.escape(step4)}\)")
             after = snapshot(run)
             for name, data in before.items():  # both checkpoints and config.yaml unchanged
-                if name not in APPEND_ONLY:
+                if name not in APPEND_ONLY + (OWNER, ):
                     self.assertEqual(after[name], data, name)
             # no checkpoint of the bad step; the resumed run's config beside the first one
             self.assertEqual(sorted(after), sorted([*before, "config.resume_0000004.yaml"]))

@@ -592,9 +592,9 @@ def check_tensor(name: str, key: str, saved: Any, expected: Any) -> None:
 def check_every_tensor(name: str, state: Any, path: str = "") -> None:
     """InputError naming ``name`` and the entry unless every tensor of ``state`` (the model,
     the optimizer's moments and step counters, the scheduler, the loss scale) has a dtype a
-    checkpoint of ours holds and, when floating, only finite values. Integer tensors are
-    allowed anywhere (a BatchNorm's num_batches_tracked, an optimizer's integer counter): the
-    dtype of each model entry is compared with the model's own by ``check_tensor``. Walked with a stack: a file nests a few levels, but it is read from outside."""
+    checkpoint of ours holds and, when floating, only finite values; the optimizer's are
+    floating. A model may hold integer tensors (a BatchNorm's num_batches_tracked): each model
+    entry's dtype is compared with the model's own when it is loaded (``check_tensor``). Walked with a stack: a file nests a few levels, but it is read from outside."""
     stack = [(path, state)]
     while stack:
         where, value = stack.pop()
@@ -603,6 +603,9 @@ def check_every_tensor(name: str, state: Any, path: str = "") -> None:
         elif isinstance(value, (list, tuple)):
             stack.extend((f"{where}[{i}]", v) for i, v in enumerate(value))
         elif isinstance(value, torch.Tensor):
+            if where.startswith("optimizer.") and not value.is_floating_point():
+                raise InputError(f"{name}: {where} is {value.dtype}, not floating point as a "
+                                 f"moment or AdamW's step counter is")
             if value.is_complex() or value.dtype not in _SAVED_DTYPES:
                 raise InputError(f"{name}: {where} is {value.dtype}, a dtype no ScaleTorch "
                                  f"checkpoint holds")

@@ -18,8 +18,10 @@ import argparse
 import dataclasses
 import json
 import os
+import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import typing
@@ -357,6 +359,15 @@ def load_config(default_config: str, description: str, limits: Optional[Limits] 
     return cfg
 
 
+def quiet_on_stop_signals() -> None:
+    """While the error is reported, SIGTERM or SIGINT ends this process at once, with no more
+    output: torchrun stops the other ranks once one rank has exited with its error, and the
+    run's stop handler would raise a second exception inside this hook (a traceback)."""
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, signal.SIG_DFL)
+
+
 def report_input_errors(kind: Type[BaseException], err: BaseException,
                         tb: Optional[TracebackType]) -> None:
     """sys.excepthook of a script past load_config: an InputError that escapes it is printed
@@ -370,6 +381,7 @@ def report_input_errors(kind: Type[BaseException], err: BaseException,
     failed first, once, and one line for every other rank."""
     if isinstance(err, KeyboardInterrupt):  # Ctrl-C or SIGTERM outside the training loop
         err = stopped(err)
+    quiet_on_stop_signals()
     if isinstance(err, RunStopped):  # a signal, a non-finite loss: one line, its own status
         rank = int(os.environ.get("RANK", "0"))
         if rank != 0 and err.exit_code in (INTERRUPTED, TERMINATED):
