@@ -140,7 +140,7 @@ class GradeAStoppedWorld(unittest.TestCase):
             verdict, = module.grade([{exercise: (VARIANTS, variant)}])
             self.assertFalse(verdict.passed)
             self.assertIn("in a collective", verdict.text)
-            self.assertIn(words, verdict.text)
+            self.assertRegex(verdict.text, words)
             self.assertIn(variant, verdict.text)  # the function that issued it
 
 

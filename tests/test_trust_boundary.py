@@ -218,7 +218,7 @@ class TheBoundaryRefusesBeforeItReads(unittest.TestCase):
             f.write(ALIAS_BOMB)
         self.refused(lambda: load_yaml(path), "aliases expand to over 100000")
         self.refused(lambda: boundary.load_yaml("a: &a [1, *a]", "x"), "holds itself")
-        self.refused(lambda: parse_args(["--set", "logging.name=" + "[" * 200 + "]" * 200]),
+        self.refused(lambda: parse_args(["--set", "training.lr=" + "[" * 200 + "]" * 200]),
                      "100 levels")
         # a config that uses an anchor or two as configs do still loads
         self.assertEqual(boundary.load_yaml("a: &lr 0.1\nb: *lr\n", "x"), {"a": 0.1, "b": 0.1})

@@ -22,6 +22,7 @@ from scaletorch.parallel.grad_norm import clip_replicated
 from scaletorch.parallel.mixed_precision import DynamicLossScaler
 from scaletorch.parallel.step import make_data_parallel_step
 from scaletorch.trainer import Config, Trainer, parse_args
+from scaletorch.trainer import run as run_module
 from scaletorch.trainer import trainer as trainer_module
 from scripts.grading.runner import (COLLECTIVE_TIMEOUT, Source, Verdict, error_verdict, failure,
                                     is_hang, is_unwritten, load, patched, run_world, streamed)
@@ -74,7 +75,8 @@ def _train(cfg: Config, pgm: Any, exercise: str, fn: Any) -> Dict[str, Any]:
     # own non-finite stop would end one rank and leave the other waiting in a collective.
     with patched([(mixed_precision, "unscale_and_check", planted_unscale),
                   (mixed_precision, "update_scale", recorded_update),
-                  (trainer_module, "check_finite", lambda *args: None)]):
+                  (trainer_module, "check_finite", lambda *args: None),
+                  (run_module, "check_finite", lambda *args: None)]):
         Trainer(cfg, wrapped, pgm, device=torch.device("cpu"), forward_backward=step,
                 clip_grad_norm=lambda max_norm: clip_replicated(list(model.parameters()), max_norm),
                 scaler=scaler, verbose=False).train()

@@ -320,7 +320,7 @@ def _one_world(fn: Callable, world: int, jobs: Sequence[Dict[str, Source]], lead
         proc.join(5)
     counts = [_count(directory, r) for r in range(world)]
     results = [[
-        torch.load(os.path.join(directory, f"result_{r}_{i}"), weights_only=False)
+        torch.load(os.path.join(directory, f"result_{r}_{i}"), weights_only=True)
         for i in range(counts[r])
     ] for r in range(world)]
     first = min(counts)

@@ -736,11 +736,12 @@ CATALOGUE: Dict[Tuple[str, str, str], str] = {
     "the loss matches, its gradient is 8.00x the library's: the loss is the mean over the 8",
 }
 # Variants that stop the world (gloo aborts a rank on mismatched collectives): one world each,
-# after the catalogue's; the diagnosis names the collective, its group and the line issuing it.
+# after the catalogue's; the diagnosis names the collective, its group and the line issuing it
+# (a pattern: the collective's number counts what the world ran before the variant).
 STOPPING: Dict[Tuple[str, str, str], str] = {
     ("01", "average_gradients", "average_on_rank_0_only"):
-    "rank 0: all_reduce #1 of group 'dp' [[64, 64]] Float, issued at "
-    "scripts/grading/variants.py",
+    r"rank 0: all_reduce #\d+ of group 'dp' \[\[64, 64\]\] Float, issued at "
+    r"scripts/grading/variants\.py",
 }
 # Variants that deadlock: one world each; the phrases their diagnosis must contain (the ranks,
 # the operations they wait in, their peers, why).
