@@ -17,6 +17,7 @@ both pass it. ``--overwrite`` moves aside only a directory that carries the mark
 a run made, not any directory a path happens to name.
 """
 
+import atexit
 import contextlib
 import fcntl
 import json
@@ -178,6 +179,10 @@ def take_ownership(cfg: Config) -> None:
     check and the lock is refused too. Call once per process, after ``move_aside``."""
     if not _marker():
         return
+    # a script that ends before it writes (--show-schedule, a refusal a test catches) leaves
+    # no directory holding only the marker: the name stays free for the next run
+    atexit.unregister(remove_unused)  # once, however many runs this process starts
+    atexit.register(remove_unused)
     for key, path in owned_dirs(cfg):
         hold(key, path)
     check_run_dir(cfg)
