@@ -81,8 +81,8 @@ class ShardedOptimizer(ZeroOptimizer):
             return
         zero_stage = 1 if zero_stage is None else zero_stage
         if zero_stage not in (1, 2):
-            raise ValueError(f"zero_stage must be 1 or 2 (ZeRO-3 shards the model: zero.py's "
-                             f"apply_zero), got {zero_stage}")
+            raise ValueError(f"zero_stage must be 1 or 2 (ZeRO-3 shards the model: apply_zero, "
+                             f"or apply_zero_any for any module), got {zero_stage}")
         torch.optim.Optimizer.__init__(self, params, defaults)  # the full groups
         self.group, self.zero_stage = group, zero_stage
         self.world, self.rank = comm.group_size(group), comm.group_rank(group)
