@@ -22,7 +22,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from scaletorch.parallel.data_parallel import apply_data_parallel
 from scaletorch.parallel.sharded_optimizer import ShardedOptimizer
-from scaletorch.parallel.zero import ZeroAdamW, apply_zero
+from scaletorch.parallel.zero import ZeroAdamW
+from scaletorch.parallel.zero_any_module import apply_zero_any
 
 ADAMW = dict(lr=1e-2, weight_decay=0.1)
 
@@ -59,7 +60,7 @@ def ours(strategy: str, model: nn.Module):
         model = apply_data_parallel(model, None)
         opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, **ADAMW)
         return model, opt, model.state_dict
-    model = apply_zero(model)  # ZeRO-3, one unit per child, over the world
+    model = apply_zero_any(model)  # ZeRO-3, one unit per child, over the world
     return model, ZeroAdamW(model, ADAMW["lr"], (0.9, 0.999), ADAMW["weight_decay"]), \
         model.full_state_dict
     # [end: ours-zero]

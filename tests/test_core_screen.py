@@ -60,8 +60,7 @@ CORES: List[Tuple[str, str, str, List[Tuple[str, str]]]] = [
                                         (P + "zero.py", "ShardedDataParallel"),
                                         (P + "flat_unit.py", "reduce_scatter_mean gather_unit "
                                          "release_unit")]),
-    ("02", "zero-step", "core", [(P + "zero.py", "ZeroAdamW"),
-                                 (P + "sharded_optimizer.py", "ShardedOptimizer")]),
+    ("02", "zero-step", "core", [(P + "zero.py", "ZeroAdamW"), (P + "zero.py", "ZeroOptimizer")]),
     ("03", "regions", "core", [(P + "tensor_parallel.py", "apply_tensor_parallel"),
                                (P + "tensor_parallel_layers.py", "ColumnParallelLinear "
                                 "RowParallelLinear"),

@@ -11,8 +11,8 @@ model feature at 4 (the whole matrix with SCALETORCH_LONG_TESTS=1); one world ea
 inside it. Each is compared against the same model on one device that sees the global batch as
 the N ranks' slices (so BatchNorm normalises each slice, as on the ranks): naive and bucketed DDP,
 torch's DDP, the sharded optimizer (ZeRO-1 behind our DDP, ZeRO-2 alone), torch's
-ZeroRedundancyOptimizer, ZeRO-3 (``apply_zero`` with its default units), with AdamW, Adam and
-SGD with momentum. Compared: each step's loss, the gradients before each step, the final
+ZeroRedundancyOptimizer, ZeRO-3 (``apply_zero_any`` with its default units), with AdamW, Adam
+and SGD with momentum. Compared: each step's loss, the gradients before each step, the final
 weights; frozen parameters bit for bit; a parameter no rank used has ``grad None``.
 
 Tolerances (fp32, eps = 6e-8). A gradient here is a sum of N slices' gradients added in
@@ -42,13 +42,14 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from scaletorch.parallel.data_parallel import apply_data_parallel
 from scaletorch.parallel.sharded_optimizer import ShardedOptimizer
-from scaletorch.parallel.zero import ZeroAdamW, apply_zero
+from scaletorch.parallel.zero import ZeroAdamW
+from scaletorch.parallel.zero_any_module import apply_zero_any
 from tests.harness import run_distributed
 
 STEPS = 3
 BATCH = 8  # global batch: 4 per rank at N = 2, 2 at N = 4
 LOSS_TOL, GRAD_TOL = 1e-6, 1e-6
-FLAT = {"zero3": 3, "flat_zero2": 2}  # apply_zero's stage: chapter 02's wrapper of flat shards
+FLAT = {"zero3": 3, "flat_zero2": 2}  # apply_zero_any's stage: flat shards
 WEIGHT_TOL = {"sgd": 1e-6, "adam": 1e-4, "adamw": 1e-4}  # see the module docstring
 
 
@@ -225,7 +226,7 @@ def _wrap(strategy: str, model: nn.Module, opt: str) -> Tuple[nn.Module, Any]:
     if strategy == "zero2":
         return model, ShardedOptimizer(model.parameters(), cls, zero_stage=2, **kwargs)
     # flat shards: ZeRO-3, or the ZeRO-2 wrapper of chapter 02; the default units (per child)
-    zero = apply_zero(model, None, FLAT[strategy])
+    zero = apply_zero_any(model, None, FLAT[strategy])
     if opt == "adamw":  # chapter 02's optimizer: ShardedOptimizer over the shards with AdamW
         return zero, ZeroAdamW(zero, kwargs["lr"], (0.9, 0.999), kwargs["weight_decay"])
     return zero, ShardedOptimizer(zero, cls, **kwargs)  # the same path, another class
@@ -303,7 +304,7 @@ def direct_read_errors() -> List[str]:
     """ZeRO-3 on ``DirectRead``, prefetch off and on: what the forward raised (one line each)."""
     said = []
     for prefetch in (False, True):
-        zero = apply_zero(DirectRead(), None, 3, prefetch=prefetch)
+        zero = apply_zero_any(DirectRead(), None, 3, prefetch=prefetch)
         try:
             zero(torch.ones(2, 4)).sum().backward()
             said.append("no error")

@@ -16,12 +16,11 @@ Later chapters attach from outside: a subclass picks the dtypes (``full_buffer``
 Shapes (jaxtyping, checked in tests/test_zero_shapes.py): "P" is P' = N S, "S" a shard.
 """
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from jaxtyping import Float
 from torch import nn
-from torch.utils._pytree import tree_leaves
 
 from scaletorch.dist import comm
 from scaletorch.dist.comm import Group, Work
@@ -82,31 +81,13 @@ def put_tensor(module: nn.Module, attr: str, tensor: torch.Tensor) -> None:
     setattr(module, attr, tensor)
 
 
-class ReleasedParameter(torch.Tensor):
-    """What a released ZeRO-3 unit's modules hold in place of each parameter: any use of it
-    raises one line naming the unit and the parameter, instead of reading freed memory. The
-    unit's tensors return when it is gathered (``FlatUnit.hold``); autograd keeps its own."""
-    message = ""
-
-    @staticmethod
-    def saying(message: str) -> "ReleasedParameter":
-        released = torch.Tensor._make_subclass(ReleasedParameter, torch.empty(0))
-        released.message = message
-        return released
-
-    @classmethod
-    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        found = [a for a in tree_leaves((args, kwargs)) if isinstance(a, ReleasedParameter)]
-        raise RuntimeError(found[0].message if found else "a released ZeRO-3 parameter was used")
-
-
 class FlatUnit:
     """Some modules' parameters as one flat vector of P' elements, and this rank's shard.
 
     Each parameter becomes a plain leaf tensor on the storage of ``self.flat``: writing ``flat``
     sets every parameter, a storage of 0 bytes frees them all, even the views autograd saved.
     ``shard`` (S, a Parameter) is what the optimizer updates: a view of ``flat`` in stages 1, 2,
-    its own tensor in stage 3. Stage 1 keeps a flat gradient buffer that the ``.grad`` view.
+    its own tensor in stage 3. Stage 1 keeps a flat gradient buffer that the ``.grad``s view.
     """
 
     def __init__(self, name: str, modules: NamedModules, group: Group, zero_stage: int) -> None:
@@ -116,8 +97,6 @@ class FlatUnit:
         found = holders_of(modules)
         if not found:
             raise ValueError(f"unit {name!r} has no trainable parameters")
-        # every module holding one: stage 3 gathers the unit before whichever of them runs first
-        self.holders = list({id(m): m for _, hs in found.values() for m, _, _ in hs}.values())
         params = [param for param, _ in found.values()]
         self.index = {key: k for k, key in enumerate(found)}  # id(parameter) -> its position
         self.names = [[fqn for _, _, fqn in holders] for _, holders in found.values()]
@@ -157,24 +136,6 @@ class FlatUnit:
                     tensor.grad = self.flat_grad[start:start + tensor.numel()].view(tensor.shape)
         if zero_stage == 3:
             release_unit(self.flat)  # stage 3 keeps the shard only until a unit is gathered
-            self.hold(False)
-
-    def hold(self, gathered: bool) -> None:
-        """Stage 3: the modules hold the unit's full tensors (``gathered``) or, released, a
-        ``ReleasedParameter`` each, so that a use the hooks did not foresee (the parent reads
-        ``self.block.weight``) stops with one line instead of reading freed storage."""
-        where = ", ".join(sorted({type(m).__name__ for m in self.modules}))
-        for tensor, slots in zip(self.tensors, self.slots):
-            for sub, attr, fqn in slots:
-                if gathered:
-                    put_tensor(sub, attr, tensor)
-                    continue
-                put_tensor(
-                    sub, attr,
-                    ReleasedParameter.saying(
-                        f"ZeRO-3 unit {self.name!r} ({where}) is released, but {fqn} was used: "
-                        f"a unit is gathered only when one of its modules is called; call the "
-                        f"module, or give the code that reads {fqn} a unit holding it (units=)"))
 
     def full_buffer(self, master: Flat) -> Flat:
         """The (P',) vector the parameters live on and gathers write: ``master`` itself (a

@@ -19,8 +19,9 @@ or not, since each parameter is stepped whole by its owner. ZeRO-2 here drops th
 gradients at the step; zero.py's wrapper drops each unit's during backward.
 
 Given chapter 02's ZeRO wrapper instead of parameters (zero.py: any stage, flat shards that
-are already each rank's), the same class steps the wrapper's shards with ``optimizer_class``
-and all-gathers them back (stages 1, 2); ``ZeroAdamW`` is this with AdamW.
+are already each rank's), it is zero.py's ``ZeroOptimizer``, whose step it inherits: the
+wrapper's shards stepped with ``optimizer_class``, then all-gathered back (stages 1, 2).
+``ZeroAdamW`` is that with AdamW.
 """
 
 from typing import Any, Callable, Dict, Iterable, List, Optional, Type, Union
@@ -30,7 +31,7 @@ import torch.distributed as dist
 
 from scaletorch.dist import comm
 from scaletorch.dist.comm import Group
-from scaletorch.parallel.flat_unit import gather_unit
+from scaletorch.parallel.zero import ShardedDataParallel, ZeroOptimizer
 
 Params = Union[Iterable[torch.Tensor], Iterable[Dict[str, Any]]]
 
@@ -47,9 +48,9 @@ def partition(numels: List[int], world: int) -> List[int]:
 
 def zero_wrappers(params: Any) -> List[Any]:
     """Chapter 02's ZeRO wrappers in ``params`` (one, or a list: a pipeline rank's chunks), or
-    [] when ``params`` are parameters. A wrapper is a module with flat units (zero.py)."""
+    [] when ``params`` are parameters."""
     if isinstance(params, torch.nn.Module):
-        if not hasattr(params, "units"):
+        if not isinstance(params, ShardedDataParallel):
             raise ValueError(f"ShardedOptimizer takes parameters or a ZeRO wrapper (apply_zero), "
                              f"got a {type(params).__name__}: pass its .parameters()")
         return [params]
@@ -59,15 +60,13 @@ def zero_wrappers(params: Any) -> List[Any]:
     return []
 
 
-class ShardedOptimizer(torch.optim.Optimizer):
+class ShardedOptimizer(ZeroOptimizer):
     """ZeRO over ``group`` (the world when None) of ``optimizer_class``: one class, two inputs.
 
     Parameters: ZeRO-1 or 2 as above; ``param_groups`` are the full groups (an LR scheduler
     edits them; ``step`` copies their hyperparameters to this rank's optimizer, ``self.local``).
-    A ZeRO wrapper (zero.py, its stage): its flat (S,) shards are already this rank's, so
-    ``self.local`` steps them all and its groups and state are this optimizer's; then stages 1,
-    2 all-gather every unit back (``gather_unit``): with the backward's reduce-scatter, the
-    volume of one all-reduce. ``state_dict`` is this rank's either way.
+    A ZeRO wrapper (zero.py, its stage): ``ZeroOptimizer`` over it. ``state_dict`` is this
+    rank's either way.
     """
 
     def __init__(self, params: Any, optimizer_class: Type[torch.optim.Optimizer],
@@ -78,18 +77,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if zero_stage is not None and stages != {zero_stage}:
                 raise ValueError(f"zero_stage {zero_stage} for wrappers of stage {stages}: "
                                  f"the wrapper's stage is the optimizer's, leave it out")
-            shards = [p for w in self.wrappers for p in w.parameters()]
-            self.local = optimizer_class(shards, **defaults)
-            super().__init__(shards, defaults)
-            # one set of groups and state: a scheduler's lr and a checkpoint's state are local's
-            self.param_groups, self.state = self.local.param_groups, self.local.state
-            self.defaults = self.local.defaults
+            super().__init__(self.wrappers, optimizer_class, **defaults)
             return
         zero_stage = 1 if zero_stage is None else zero_stage
         if zero_stage not in (1, 2):
-            raise ValueError(f"zero_stage must be 1 or 2 (ZeRO-3 shards the model: zero.py's "
-                             f"apply_zero), got {zero_stage}")
-        super().__init__(params, defaults)
+            raise ValueError(f"zero_stage must be 1 or 2 (ZeRO-3 shards the model: apply_zero, "
+                             f"or apply_zero_any for any module), got {zero_stage}")
+        torch.optim.Optimizer.__init__(self, params, defaults)  # the full groups
         self.group, self.zero_stage = group, zero_stage
         self.world, self.rank = comm.group_size(group), comm.group_rank(group)
         self.trainable = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
@@ -137,7 +131,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def step(  # type: ignore[override]  # torch's stub: overloads on closure
             self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
         if self.wrappers:
-            return self._step_flat_shards(closure)
+            return super().step(closure)  # zero.py's: the wrappers' shards
         loss = closure() if closure is not None else None
         for full, local in zip(self.param_groups, self.local.param_groups):
             local.update({k: v for k, v in full.items() if k != "params"})  # the scheduler's lr
@@ -149,31 +143,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                                    self.group)
         return loss
 
-    # [core: zero-step]
-    def _step_flat_shards(self, closure: Optional[Callable[[], float]]) -> Optional[float]:
-        for w in self.wrappers:  # each unit's reduce_scatter_mean, started in backward: done
-            w.finish_grad_sync()
-        loss = self.local.step(closure)  # e.g. AdamW on this rank's (S,) shards only
-        units = [u for w in self.wrappers if w.zero_stage < 3 for u in w.units]
-        # stages 1, 2: gather_unit of every unit, (S,) -> (P',); stage 3 gathers before use
-        works = [gather_unit(u.flat, u.gather_source(), u.group, async_op=True) for u in units]
-        for work in works:
-            if work is not None:
-                work.wait()
-        return loss
-
-    # [end: zero-step]
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        super().zero_grad(set_to_none)  # every group's parameters (under DDP: all of them)
-        for w in self.wrappers:  # and the wrappers' full gradients (stage 1's flat buffers)
-            w.zero_grad_buffers()
-
-    def state_dict(self) -> Dict[str, Any]:
-        """This rank's optimizer state (resumed by the same rank of the same N)."""
-        return self.local.state_dict()
-
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        self.local.load_state_dict(state_dict)  # torch's: new groups and state on self.local
-        if self.wrappers:  # which are this optimizer's again (a scheduler edits param_groups)
-            self.param_groups, self.state = self.local.param_groups, self.local.state
+        if self.wrappers:
+            return super().load_state_dict(state_dict)
+        self.local.load_state_dict(state_dict)  # the full groups stay this optimizer's

@@ -25,7 +25,7 @@ stages 1 and 2 all-gather them. Stages 1, 2 move 2 Psi per step as DDP, stage 3 
 
 from contextlib import contextmanager
 from functools import partial
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union, cast
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Type, Union, cast
 
 import torch
 import torch.distributed as dist
@@ -34,15 +34,14 @@ from torch.utils._pytree import tree_leaves
 
 from scaletorch.dist import ProcessGroupManager, comm, get_ledger
 from scaletorch.dist.comm import Work
-from scaletorch.models.llama import Llama
 from scaletorch.parallel.flat_unit import (FlatUnit, Group, NamedModules, gather_unit,
                                            reduce_scatter_mean, release_unit)
 from scaletorch.parallel.grad_norm import clip_grads_, world_grad_norm
-from scaletorch.parallel.sharded_optimizer import ShardedOptimizer
 
 Units = List[Tuple[str, NamedModules]]  # (unit name, [(module name, module), ...])
 MakeUnit = Callable[[str, NamedModules, Group, int], FlatUnit]  # (name, modules, group, stage)
 State = Dict[str, torch.Tensor]
+Wrappers = Union["ShardedDataParallel", Sequence["ShardedDataParallel"]]
 
 
 class ShardedDataParallel(nn.Module):
@@ -75,11 +74,8 @@ class ShardedDataParallel(nn.Module):
         if missing or shared:
             raise ValueError(f"each parameter must be in one unit; parameters in no unit: "
                              f"{missing}, in two: {shared} (tied weights: zero_tied.py)")
-        self.module = module
-        self.group = group
-        self.zero_stage = zero_stage
-        self.prefetch = prefetch
-        self.make_unit = make_unit
+        self.module, self.group, self.zero_stage = module, group, zero_stage
+        self.prefetch, self.make_unit = prefetch, make_unit
         # torch DDP's rule, as in data_parallel.py: every rank starts from the first rank's model
         comm.broadcast_from_first([*module.parameters(), *module.buffers()], group)
         self.units = self._build_units(units)
@@ -99,9 +95,8 @@ class ShardedDataParallel(nn.Module):
             for tensor in unit.tensors:
                 if tensor.requires_grad:
                     tensor.register_post_accumulate_grad_hook(partial(self._on_grad, i))
-            if zero_stage == 3:  # gathered before whichever of its modules runs first
-                for holder in {id(m): m for m in [unit.modules[0], *unit.holders]}.values():
-                    holder.register_forward_pre_hook(partial(self._pre_forward, i))
+            if zero_stage == 3:
+                unit.modules[0].register_forward_pre_hook(partial(self._pre_forward, i))
                 unit.modules[-1].register_forward_hook(partial(self._post_forward, i))
 
     def _build_units(self, units: Units) -> List[FlatUnit]:
@@ -126,27 +121,24 @@ class ShardedDataParallel(nn.Module):
     # [core: zero3-hooks]
     def _gather(self, i: int, async_op: bool = False) -> None:
         """Make unit i's full parameters available (with ``async_op``: start to)."""
-        unit = self.units[i]
         if i in self._gathering:
-            if async_op:
-                return
-            self._gathering.pop(i).wait()
-        elif not unit.gathered_bytes:
-            # (S,) -> (P',)
-            work = gather_unit(unit.flat, unit.gather_source(), unit.group, async_op)
-            if async_op and work is not None:
-                self._gathering[i] = work
-            held = [u.gathered_bytes for u in self.units if u.gathered_bytes]
-            self.peak_gathered_units = max(self.peak_gathered_units, len(held))
-            self.peak_gathered_bytes = max(self.peak_gathered_bytes, sum(held))
-        if i not in self._gathering:  # complete: its modules hold the full tensors again
-            unit.hold(True)
+            if not async_op:
+                self._gathering.pop(i).wait()
+            return
+        unit = self.units[i]
+        if unit.gathered_bytes:
+            return
+        work = gather_unit(unit.flat, unit.gather_source(), unit.group, async_op)  # (S,) -> (P',)
+        if async_op and work is not None:
+            self._gathering[i] = work
+        held = [u.gathered_bytes for u in self.units if u.gathered_bytes]
+        self.peak_gathered_units = max(self.peak_gathered_units, len(held))
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, sum(held))
 
     def _free(self, i: int) -> None:
         if i in self._gathering:  # never free a buffer that a transfer is writing
             self._gathering.pop(i).wait()
         release_unit(self.units[i].flat)
-        self.units[i].hold(False)  # a use outside the hooks now raises, naming the unit
 
     def _pre_forward(self, i: int, module: nn.Module, args: Tuple[Any, ...]) -> None:
         for k in self._gathered_with(i):
@@ -220,33 +212,6 @@ class ShardedDataParallel(nn.Module):
         if self.zero_stage == 3:
             for i in range(len(self.units)):
                 self._free(i)
-
-    # ---- the model's parameters under their own names -------------------------------------
-
-    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
-        """What an optimizer steps: this rank's (S,) shards (and frozen parameters, whole)."""
-        for _, param in super().named_parameters(recurse=recurse):
-            yield param
-
-    def named_parameters(self, prefix: str = "", recurse: bool = True,
-                         remove_duplicate: bool = True) -> Iterator[Tuple[str, nn.Parameter]]:
-        """Every parameter of the model under its own name (``layers.0.weight``), as a view:
-        this rank's piece of it, a 1-D view of its unit's shard (0 elements when the
-        parameter lies in other ranks' shards), ``.grad`` the same piece of the shard's
-        gradient once reduced; frozen ones whole. Pieces of all ranks make the parameter
-        (``full_state_dict`` gathers them); ``parameters()`` stays the shards."""
-        lead = prefix + "." if prefix else ""
-        for unit in self.units:
-            lo, hi = unit.rank * unit.shard_numel, (unit.rank + 1) * unit.shard_numel
-            for names, begin, end in zip(unit.names, unit.offsets, unit.offsets[1:]):
-                a, b = min(max(begin, lo), hi) - lo, min(max(end, lo), hi) - lo
-                piece = nn.Parameter(unit.shard.detach()[a:b])
-                if unit.shard.grad is not None:
-                    piece.grad = unit.shard.grad[a:b]
-                for name in names[:1] if remove_duplicate else names:
-                    yield lead + name, piece
-        for name, param in self.module.named_parameters(remove_duplicate=remove_duplicate):
-            yield lead + name, param  # frozen: in no unit, whole on every rank
 
     # ---- what ZeroAdamW calls -------------------------------------------------------------
 
@@ -335,70 +300,71 @@ def llama_units(model: nn.Module) -> Units:
     return units
 
 
-def child_units(model: nn.Module) -> Units:
-    """The unit rule for any module: one unit per direct child holding trainable parameters
-    (per item of a ModuleList or ModuleDict), in registration order. Parameters of the model
-    itself make the whole model one unit (correct, but no memory saved in forward)."""
-    if any(p.requires_grad for p in model.parameters(recurse=False)):
-        return [("model", [("", model)])]
-    units: Units = []
-    for name, child in model.named_children():
-        listed = isinstance(child, (nn.ModuleList, nn.ModuleDict))
-        for sub, module in child.named_children() if listed else [("", child)]:
-            full = f"{name}.{sub}" if sub else name
-            units += [(full, [(full, module)])] if any(p.requires_grad
-                                                       for p in module.parameters()) else []
-    return units
-
-
-UnitRule = Union[Units, Sequence[nn.Module], Callable[[nn.Module], Units]]
-
-
-def as_units(model: nn.Module, rule: Optional[UnitRule]) -> Units:
-    """ZeRO's units from ``rule``: None (a Llama: ``llama_units``, the chapters' choice; any
-    other model: ``child_units``), a policy ``model -> Units``, submodules (one unit each, in
-    forward order) or Units."""
-    if rule is None:
-        return llama_units(model) if isinstance(model, Llama) else child_units(model)
-    if callable(rule):
-        return rule(model)
-    if all(isinstance(m, nn.Module) for m in rule):
-        names = {id(m): n for n, m in model.named_modules()}
-        unknown = [type(m).__name__ for m in rule if id(m) not in names]
-        if unknown:
-            raise ValueError(f"ZeRO units must be submodules of the model; not in it: {unknown}")
-        return [(names[id(m)] or "model", [(names[id(m)], m)]) for m in cast(List[nn.Module], rule)]
-    return cast(Units, rule)
-
-
-def apply_zero(model: nn.Module, pgm: Optional[ProcessGroupManager] = None, zero_stage: int = 3,
-               prefetch: bool = True, units: Optional[UnitRule] = None,
-               group: Optional[dist.ProcessGroup] = None,
+def apply_zero(model: nn.Module, pgm: ProcessGroupManager, zero_stage: int = 3,
+               prefetch: bool = True, units: Optional[Units] = None,
                make_unit: MakeUnit = FlatUnit) -> ShardedDataParallel:
-    """Shard ``model`` over ``pgm.gradient_sync_group`` (or ``group``; the world
-    when both are None), in ``units`` (``as_units``), ZeRO ``zero_stage``. The first rank's
-    weights are broadcast. ``make_unit``: chapter 08's dtypes (zero_mixed_precision.py).
-    Pair the result with ``ZeroAdamW(model, ...)``; the Trainer with ``model.clip_grad_norm``.
-    """
-    if pgm is not None:
-        check_zero_layout(zero_stage, pgm.tensor_model_parallel_world_size,
-                          pgm.pipeline_model_parallel_world_size,
-                          pgm.expert_model_parallel_world_size)
-        group = pgm.gradient_sync_group
-    return ShardedDataParallel(model, as_units(model, units), group, zero_stage, prefetch,
-                               make_unit)
+    """Shard ``model`` over ``pgm.gradient_sync_group`` in ``units`` (a Llama's by default),
+    ZeRO ``zero_stage``; the first rank's weights are broadcast. ``make_unit``: chapter 08's
+    dtypes. Pair it with ``ZeroAdamW``; the Trainer with ``model.clip_grad_norm``. Any other
+    ``nn.Module``: zero_any_module.py."""
+    check_zero_layout(zero_stage, pgm.tensor_model_parallel_world_size,
+                      pgm.pipeline_model_parallel_world_size, pgm.expert_model_parallel_world_size)
+    return ShardedDataParallel(model, units or llama_units(model), pgm.gradient_sync_group,
+                               zero_stage, prefetch, make_unit)
 
 
-class ZeroAdamW(ShardedOptimizer):
-    """torch.optim.AdamW over this rank's shards: the same arithmetic, 1/N of the state.
+class ZeroOptimizer(torch.optim.Optimizer):
+    """``optimizer_class`` over this rank's (S,) shards of ``model``, the ZeRO wrapper (or a
+    list of them: a pipeline rank's chunks, chapter 07): the same arithmetic, 1/N of the state.
 
-    ``ShardedOptimizer`` (sharded_optimizer.py) over ``model``, the ZeRO wrapper (or a list of
-    them: a pipeline rank's chunks, chapter 07), with AdamW. ``step()`` first finishes any
-    gradient sync still in flight, updates the shards, then (stages 1, 2) all-gathers them into
-    every rank's full parameters. ``zero_grad()`` also clears the wrappers' full gradients.
+    ``self.local`` steps the shards; its groups and state are this optimizer's (a scheduler's
+    lr, a checkpoint). ``zero_grad()`` also clears the wrappers' full gradients.
     """
 
-    def __init__(self, model: Union[ShardedDataParallel, Sequence[ShardedDataParallel]], lr: float,
-                 betas: Tuple[float, float], weight_decay: float, eps: float = 1e-8) -> None:
+    def __init__(self, model: Wrappers, optimizer_class: Type[torch.optim.Optimizer],
+                 **defaults: Any) -> None:
+        self.wrappers = [model] if isinstance(model, ShardedDataParallel) else list(model)
+        shards = [p for w in self.wrappers for p in w.parameters()]
+        self.local = optimizer_class(shards, **defaults)
+        super().__init__(shards, defaults)
+        self.param_groups, self.state = self.local.param_groups, self.local.state
+        self.defaults = self.local.defaults
+
+    # [core: zero-step]
+    @torch.no_grad()
+    def step(  # type: ignore[override]  # torch's stub: overloads on closure
+            self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
+        for w in self.wrappers:  # each unit's reduce_scatter_mean, started in backward: done
+            w.finish_grad_sync()
+        loss = self.local.step(closure)  # e.g. AdamW on this rank's (S,) shards only
+        units = [u for w in self.wrappers if w.zero_stage < 3 for u in w.units]
+        # stages 1, 2: gather_unit of every unit, (S,) -> (P',); stage 3 gathers before use
+        works = [gather_unit(u.flat, u.gather_source(), u.group, async_op=True) for u in units]
+        for work in works:
+            if work is not None:
+                work.wait()
+        return loss
+
+    # [end: zero-step]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)  # every group's parameters
+        for w in self.wrappers:  # and the wrappers' full gradients (stage 1's flat buffers)
+            w.zero_grad_buffers()
+
+    def state_dict(self) -> Dict[str, Any]:
+        """This rank's optimizer state (resumed by the same rank of the same N)."""
+        return self.local.state_dict()
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        self.local.load_state_dict(state_dict)  # torch's: new groups and state on self.local
+        self.param_groups, self.state = self.local.param_groups, self.local.state
+
+
+class ZeroAdamW(ZeroOptimizer):
+    """``ZeroOptimizer`` with torch.optim.AdamW."""
+
+    def __init__(self, model: Wrappers, lr: float, betas: Tuple[float, float], weight_decay: float,
+                 eps: float = 1e-8) -> None:
         super().__init__(model, torch.optim.AdamW, lr=lr, betas=betas, eps=eps,
                          weight_decay=weight_decay)

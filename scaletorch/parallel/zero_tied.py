@@ -61,8 +61,6 @@ class TiedShardedDataParallel(ShardedDataParallel):
                         put_tensor(sub, attr, unit.tensors[k])
                         unit.names[k].append(fqn)
                         unit.slots[k].append((sub, attr, fqn))
-            if unit.zero_stage == 3:
-                unit.hold(False)  # released: the borrowers' slots too
             if copies[i]:
                 unit.shard.shared_embedding = True  # type: ignore[attr-defined]
             built.append(unit)
