@@ -302,7 +302,7 @@ def held(key: str, path: str, entries: List[str]) -> InputError:
                           f"has no {MARKER}); nothing was written: give another {_other(key)}, "
                           f"or move it yourself")
     return InputError(f"{key}: {path!r} already holds a run ({shown}); nothing was written: "
-                      f"continue it with --resume, give another {_other(key)}, or "
+                      f"continue it with --resume, give a new {_other(key)}, or "
                       f"--overwrite to move it aside to {path}.old-<time> (kept, not deleted)")
 
 
