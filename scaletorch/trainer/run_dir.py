@@ -94,6 +94,8 @@ def holder(path: str, name: str = MARKER) -> Optional[str]:
     ``path``, or None when none does (a marker whose lock is free is a finished run's).
     InputError when the marker is not a regular file (``_open_marker``)."""
     marker = os.path.join(path, name)
+    if not os.path.isdir(path):  # not made yet, or a path through a file (check_writable's)
+        return None
     try:
         fd = _open_marker(marker, os.O_RDONLY)
     except FileNotFoundError:  # no marker: no run made it
