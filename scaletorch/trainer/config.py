@@ -229,25 +229,14 @@ def _cli_value(text: str, source: str) -> Any:
     return text if value is None else value
 
 
-class _Once(argparse.Action):
-    """argparse's store, refusing a flag given twice (``--steps 2 --steps 3``): argparse would
-    keep the last value silently; ``check_given_once`` names the other pairs of spellings."""
-
-    def __call__(self, parser: Any, namespace: Any, values: Any, option: Any = None) -> None:
-        before = getattr(namespace, self.dest)
-        if before is not None:
-            raise InputError(f"{self.dest} is given twice on the command line ({option} "
-                             f"{clip(before)} and {option} {clip(values)}): give it once")
-        setattr(namespace, self.dest, values)
-
-
 def check_given_once(overrides: List[Tuple[str, Any, str]]) -> None:
-    """InputError when the command line gives one key twice ((key, value, how) each: the
-    flag that gave it): ``--set training.steps=3 --steps 2`` is ambiguous, whichever comes
-    last, so neither is taken. A config file's value may be overridden once, by design."""
+    """InputError when the command line gives one key in two spellings ((key, value, how)
+    each: the flag that gave it): ``--set training.steps=3 --steps 2`` is ambiguous, so
+    neither is taken. One flag repeated keeps its last value, the shell's convention that
+    wrappers rely on to override; a config file's value may be overridden, by design."""
     first: Dict[str, Tuple[Any, str]] = {}
     for key, value, how in overrides:
-        if key in first:
+        if key in first and first[key][1].rstrip("= ") != how.rstrip("= "):
             value0, how0 = first[key]
             raise InputError(f"{key} is given twice on the command line ({how0}{clip(value0)} "
                              f"and {how}{'' if how.endswith('=') else ' '}{clip(value)}): "
@@ -272,12 +261,11 @@ def parse_args(argv: Optional[Sequence[str]] = None, default_config: Optional[st
                         help="resume from the latest checkpoint (or the directory given)")
     boundary.add_trust_flag(parser)
     for flag, key in ALIASES.items():
-        parser.add_argument(flag, dest=key, default=None, action=_Once, help=f"= {key}")
+        parser.add_argument(flag, dest=key, default=None, help=f"= {key}")
     for flag, key in FLAGS.items():
         parser.add_argument(flag, dest=key, action="store_true", default=None, help=f"= {key}")
     parser.add_argument("--activation-checkpointing", dest=RECOMPUTE, nargs="?", const="full",
-                        default=None, action=_Once,
-                        help=f"= {RECOMPUTE}: none | selective | full (alone: full)")
+                        default=None, help=f"= {RECOMPUTE}: none | selective | full (alone: full)")
     args, rest = parser.parse_known_args(argv)
     boundary.trust_unchecked(args.trust_unchecked)
 
