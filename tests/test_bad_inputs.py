@@ -413,6 +413,7 @@ def make_bad_inputs(d: str) -> None:
     os.makedirs(os.path.join(d, "finished", "00_single_device"))
     for name in ("config.yaml", "metrics.jsonl"):  # a run's files, as the Trainer leaves them
         _write(os.path.join(d, "finished", "00_single_device", name), "")
+    _write(os.path.join(d, "finished", "00_single_device", ".scaletorch-run"), "{}")  # its marker
 
 
 def tree_digest(d: str) -> Dict[str, str]:
