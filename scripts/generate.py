@@ -17,7 +17,7 @@ whether greedy generation gives the same tokens.
 import argparse
 import os
 import sys
-from typing import List, Optional
+from typing import Any, List, Optional, Tuple
 
 import torch
 
@@ -25,21 +25,28 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from scaletorch.data import load_tokenizer  # noqa: E402
 from scaletorch.models import Llama, build_model  # noqa: E402
-from scaletorch.models.generate import generate  # noqa: E402
+from scaletorch.models.generate import check_length, check_sampling, generate  # noqa: E402
 from scaletorch.models.hf import load_hf_llama  # noqa: E402
 from scaletorch.rules import boundary  # noqa: E402
+from scaletorch.rules.errors import InputError  # noqa: E402
 
 
 def load_model(source: str, config_file: str) -> Llama:
     """Our Llama from an HF directory, or from a consolidated .pt plus the run's config.yaml."""
     if os.path.isdir(source):
         return load_hf_llama(source)
-    from scaletorch.trainer.config import Config, apply_dict, load_yaml
+    from scaletorch.trainer.checkpoint import check_consolidated_state
+    from scaletorch.trainer.config import Config, apply_dict, check_schema, load_yaml
     from scaletorch.trainer.consolidated import load_consolidated
     cfg = Config()
     apply_dict(cfg, load_yaml(config_file), source=config_file)
+    check_schema(cfg)
+    state = load_consolidated(source)  # verified against its digest, tensors only
+    check_consolidated_state(f"consolidated checkpoint {source!r}", state, cfg.model,
+                             f"--config {config_file}'s model",
+                             "give the config.yaml of the run that wrote it with --config")
     model = build_model(cfg.model, seed=0)
-    model.load_state_dict(load_consolidated(source)["model"])
+    model.load_state_dict(state["model"])
     return model
 
 
@@ -63,6 +70,36 @@ def compare_with_transformers(path: str, model: Llama, prompt: torch.Tensor, new
     return same and diff <= 1e-4
 
 
+def checked_inputs(args: argparse.Namespace) -> Tuple[torch.Tensor, Llama, Any]:
+    """(prompt ids (1, s0), model, tokenizer) once every input is checked, before any token is
+    generated: the sampling arguments first (nothing loaded), then the model (its names and
+    shapes against the config), the tokenizer against the model's vocabulary, and the prompt
+    plus the new tokens against its positions. ValueError (an InputError) naming the values."""
+    boundary.trust_unchecked(args.trust_unchecked)
+    try:
+        check_sampling(args.temperature, args.top_k, args.top_p)
+        check_length(0, args.max_new_tokens, sys.maxsize)  # >= 0; the positions once loaded
+    except ValueError as err:
+        raise InputError(f"{err}: give --temperature, --top-k, --top-p and --max-new-tokens "
+                         f"in those ranges") from None
+    model = load_model(args.source, args.config)
+    spec = args.tokenizer
+    if spec is None:
+        has_file = os.path.isfile(os.path.join(args.source, "tokenizer.json"))
+        spec = args.source if has_file else "byte"
+    tokenizer = load_tokenizer(spec)
+    vocab = model.config.vocab_size
+    if tokenizer.vocab_size > vocab:  # the prompt's ids would index past the embedding
+        raise InputError(f"the tokenizer ({spec}) has {tokenizer.vocab_size} tokens, the model "
+                         f"{vocab}: give the tokenizer the model was trained with (--tokenizer)")
+    ids = tokenizer.encode(args.prompt)
+    try:
+        check_length(len(ids), args.max_new_tokens, model.config.max_seq_len)
+    except ValueError as err:
+        raise InputError(f"{err}: give a shorter --prompt or fewer --max-new-tokens") from None
+    return torch.tensor([ids]), model, tokenizer
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """The command line above (``argv``: its arguments, sys.argv's by default); 0, or 2 on
     a bad source."""
@@ -80,18 +117,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     boundary.add_trust_flag(parser)
     parser.add_argument("--compare-transformers", action="store_true")
     args = parser.parse_args(argv)
-    boundary.trust_unchecked(args.trust_unchecked)
     try:
-        model = load_model(args.source, args.config)
-        spec = args.tokenizer
-        if spec is None:
-            has_file = os.path.isfile(os.path.join(args.source, "tokenizer.json"))
-            spec = args.source if has_file else "byte"
-        tokenizer = load_tokenizer(spec)
-    except (OSError, ValueError, ImportError) as err:
+        prompt, model, tokenizer = checked_inputs(args)
+    except (OSError, ValueError, ImportError) as err:  # InputError is a ValueError
         print(f"error: {err}", file=sys.stderr)
         return 2
-    prompt = torch.tensor([tokenizer.encode(args.prompt)])
     if args.compare_transformers:
         return 0 if compare_with_transformers(args.source, model, prompt,
                                               args.max_new_tokens) else 1

@@ -19,17 +19,44 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from scaletorch.data.tokenizer import bin_dtype, load_tokenizer, read_text  # noqa: E402
+from scaletorch.rules.errors import InputError, clip  # noqa: E402
 from scaletorch.rules.safe_files import write_checksummed  # noqa: E402
+from scaletorch.rules.safe_files import checksum_path, verify_checksum  # noqa: E402
+
+
+def check_out(paths: List[str], out: str) -> None:
+    """InputError unless ``out`` may be written: it is none of the input files (by real path,
+    so a symlink or ``./`` is seen through), and, when it exists, it is a token file this
+    script wrote (its .sha256 matches), not a file of the user's that would be lost."""
+    if not out:
+        raise InputError("--out '' names no file: give the .bin file to write")
+    for path in paths:
+        if os.path.realpath(path) == os.path.realpath(out):
+            raise InputError(f"--out {clip(out)} is the input file {clip(path)}: it would be "
+                             f"overwritten with its tokens; give another --out")
+    if not os.path.lexists(out):
+        return
+    if not os.path.isfile(out) or os.path.islink(out):
+        raise InputError(f"--out {clip(out)} exists and is not a regular file: give the path "
+                         f"of a new .bin file")
+    try:
+        verify_checksum(out)
+    except InputError:
+        raise InputError(f"--out {clip(out)} exists and is not a token file this script wrote "
+                         f"(no matching {os.path.basename(checksum_path(out))}): it is not "
+                         f"written over; give a new path, or move the file away") from None
 
 
 def prepare(paths: List[str], tokenizer_spec: str, out: str) -> np.ndarray:
-    """Tokenize the concatenated files and write them to ``out``; returns the token array."""
+    """Tokenize the concatenated files and write them to ``out`` (``check_out`` first);
+    returns the token array."""
+    check_out(paths, out)
     tokenizer = load_tokenizer(tokenizer_spec)
     texts = [read_text(path) for path in paths]  # InputError naming a file that is not text
     ids = np.asarray(tokenizer.encode("\n\n".join(texts)), dtype=np.int64)
     if ids.size and ids.max() >= tokenizer.vocab_size:  # a tokenizer.json with stray ids
         raise ValueError(f"token {ids.max()} >= the tokenizer's vocabulary {tokenizer.vocab_size}")
-    tokens = ids.astype(bin_dtype(tokenizer.vocab_size))
+    tokens: np.ndarray = ids.astype(bin_dtype(tokenizer.vocab_size))
     write_checksummed(out, tokens.tobytes())  # whole or absent, with the .sha256 a run checks
     return tokens
 
@@ -41,12 +68,13 @@ def main() -> int:
                         help='"byte" (default) or a tokenizer.json / model directory holding one')
     parser.add_argument("--out", required=True, help="the .bin file to write")
     args = parser.parse_args()
+    tokens: np.ndarray
     try:
         tokens = prepare(args.files, args.tokenizer, args.out)
+        vocab = load_tokenizer(args.tokenizer).vocab_size
     except (OSError, ValueError, ImportError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    vocab = load_tokenizer(args.tokenizer).vocab_size
     print(f"{len(args.files)} files -> {tokens.size} tokens ({tokens.dtype}, vocabulary {vocab}) "
           f"in {args.out}")
     print(f"train on it with: --data.dataset bin --data.path {args.out} "

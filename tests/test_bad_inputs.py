@@ -27,6 +27,8 @@ from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from scaletorch.dist import destroy_pg_manager
 from scaletorch.models import LlamaConfig, build_model
@@ -411,6 +413,7 @@ def make_bad_inputs(d: str) -> None:
     os.makedirs(os.path.join(d, "finished", "00_single_device"))
     for name in ("config.yaml", "metrics.jsonl"):  # a run's files, as the Trainer leaves them
         _write(os.path.join(d, "finished", "00_single_device", name), "")
+    _write(os.path.join(d, "finished", "00_single_device", ".scaletorch-run"), "{}")  # its marker
 
 
 def tree_digest(d: str) -> Dict[str, str]:
@@ -603,3 +606,49 @@ if __name__ == "__main__":
         print_table()
     else:
         unittest.main()
+
+
+class PrepareTextNeverWritesOverAFileItDidNotMake(unittest.TestCase):
+    """scripts/prepare_text.py with --out spelled as one of its inputs in any way (the same
+    name, ./, a longer path through .., a symlink) or naming an existing file of the user's:
+    exit 2, one ``error:`` line, every file as it was. Its own earlier output (a matching
+    .sha256) may be written again. In this process; 20 examples, 200 long."""
+
+    @settings(max_examples=200 if os.environ.get("SCALETORCH_LONG_TESTS") == "1" else 20,
+              deadline=None)
+    @given(
+        spelling=st.sampled_from(["same", "dot", "dotdot", "absolute", "symlink", "user", "ours"]),
+        which=st.integers(0, 2), text=st.text(alphabet="abc \n", min_size=1, max_size=40))
+    def test_out_is_never_an_input_nor_a_users_file(self, spelling, which, text):
+        with tempfile.TemporaryDirectory() as d:
+            inputs = []
+            for i in range(3):
+                inputs.append(os.path.join(d, f"in{i}.txt"))
+                with open(inputs[-1], "w") as f:
+                    f.write(text + str(i))
+            target = inputs[which]
+            out = {
+                "same": target,
+                "dot": os.path.join(os.path.dirname(target), ".", os.path.basename(target)),
+                "dotdot": os.path.join(d, "..", os.path.basename(d), os.path.basename(target)),
+                "absolute": os.path.abspath(target),
+                "symlink": os.path.join(d, "link.bin"),
+                "user": os.path.join(d, "mine.bin"),
+                "ours": os.path.join(d, "ours.bin"),
+            }[spelling]
+            if spelling == "symlink":
+                os.symlink(target, out)
+            if spelling == "user":
+                with open(out, "w") as f:
+                    f.write("my notes")
+            if spelling == "ours":
+                self.assertEqual(run_in_process(PREPARE, [*inputs, "--out", out])[0], 0)
+            before = tree_digest(d)
+            code, output = run_in_process(PREPARE, [*inputs, "--out", out])
+            if spelling == "ours":
+                self.assertEqual(code, 0, output)
+                return
+            self.assertEqual(code, 2, output)
+            self.assertEqual(len(output.splitlines()), 1, output)
+            self.assertTrue(output.startswith("error: --out"), output)
+            self.assertEqual(tree_digest(d), before)

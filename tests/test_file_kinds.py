@@ -419,3 +419,100 @@ class ValuesAreCheckedOnceTheDigestsMatch(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+TOP_KEYS = tuple(ckpt.TRAINER_STATE)  # step, model, optimizer, scheduler, rng
+
+
+class RankFilesOfAnotherStructureAreRefused(unittest.TestCase):
+    """A rank file whose digests and manifest were re-written over another structure (a
+    ``torch.save({})``, an entry missing, an entry of another type, an optimizer or RNG state
+    without its parts): the pre-flight (``check_rank_files``) and the load each refuse it with
+    one InputError naming the entry, never a KeyError later. 20 examples; 300 long."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.mkdtemp(prefix="structure_")
+        cls.state = _trained_state()
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.tmp, ignore_errors=True)
+
+    def saved(self, state) -> str:
+        d = tempfile.mkdtemp(dir=self.tmp)
+        ckpt.save_checkpoint(d, 1, state, 0, 1, keep_last=0)  # digests of what is written
+        return ckpt.step_dir(d, 1)
+
+    @settings(max_examples=300 if LONG else 20, deadline=None, derandomize=not LONG,
+              suppress_health_check=[HealthCheck.too_slow])
+    @given(how=st.sampled_from(["drop", "retype", "drop_part", "not_a_dict"]),
+           key=st.sampled_from(TOP_KEYS), part=st.sampled_from(["optimizer", "rng"]),
+           wrong=WRONG, index=st.integers(0, 10))
+    def test_another_structure_is_one_input_error(self, how, key, part, wrong, index):
+        state = dict(self.state)
+        if how == "drop":
+            del state[key]
+        elif how == "retype":
+            kind = ckpt.TRAINER_STATE[key]
+            if isinstance(wrong, kind) and not isinstance(wrong, bool):
+                wrong = None  # the same type is no other structure
+            state[key] = wrong
+        elif how == "drop_part":
+            parts = sorted(state[part])
+            state[part] = {k: v for k, v in state[part].items() if k != parts[index % len(parts)]}
+        else:
+            state = wrong if not isinstance(wrong, dict) else [wrong]
+        path = self.saved(state)
+        with self.assertRaises(InputError) as refused:
+            ckpt.check_rank_files(path)
+        self.assertNotIn("\n", str(refused.exception))
+        if how in ("drop", "retype"):
+            self.assertIn(repr(key), str(refused.exception))
+        if how != "not_a_dict" and key in ckpt.RANK_STATE:  # what every loop's load checks
+            with self.assertRaises(InputError):
+                ckpt.load_checkpoint(path, 0, 1)
+
+    def test_the_trainers_own_state_passes(self):
+        ckpt.check_rank_files(self.saved(self.state))
+        self.assertEqual(ckpt.load_checkpoint(self.saved(self.state), 0, 1)["step"], 1)
+
+
+class ChecksumLinesInEitherSha256sumForm(unittest.TestCase):
+    """A .sha256 line in either form ``sha256sum -c`` reads ("<hex>  <name>" or the binary
+    mode's "<hex> *<name>", with or without its newline) is read; any other line is refused
+    as a line of another format, naming the file; a wrong digest is a mismatch. Generated
+    contents and names; 30 examples, 300 long."""
+
+    @settings(max_examples=300 if LONG else 30, deadline=None)
+    @given(data=st.binary(max_size=64), name=st.text("abcxyz_.0", min_size=1, max_size=12)
+           .filter(lambda n: n not in (".", "..")), binary=st.booleans(), newline=st.booleans(),
+           damage=st.sampled_from(["none", "upper", "one_space", "tab", "other_name", "digest"]))
+    def test_both_forms_read_any_other_line_refused(self, data, name, binary, newline, damage):
+        from scaletorch.rules.safe_files import CorruptFileError, sha256, verify_checksum
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, name)
+            with open(path, "wb") as f:
+                f.write(data)
+            digest, sep, shown = sha256(data), " *" if binary else "  ", name
+            if damage == "upper":
+                digest = digest.upper()
+            elif damage == "one_space":
+                sep = " "
+            elif damage == "tab":
+                sep = "\t"
+            elif damage == "other_name":
+                shown = name + "x"
+            elif damage == "digest":
+                digest = sha256(data + b"!")
+            with open(path + ".sha256", "w") as f:
+                f.write(f"{digest}{sep}{shown}" + ("\n" if newline else ""))
+            if damage == "none":
+                verify_checksum(path)
+                return
+            with self.assertRaises(CorruptFileError) as refused:
+                verify_checksum(path)
+            message = str(refused.exception)
+            self.assertNotIn("\n", message)
+            self.assertIn("does not match" if damage == "digest" else "not a sha256 line",
+                          message)

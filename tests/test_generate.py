@@ -1,11 +1,14 @@
 """Generation (scaletorch/models/generate.py): the KV cache changes nothing, sampling filters
 do what they say, and greedy tokens equal transformers' for the same checkpoint."""
 
+import math
 import os
 import tempfile
 import unittest
 
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from scaletorch.models import LlamaConfig, build_model
 from scaletorch.models.generate import forward_with_cache, generate, sample_next
@@ -100,3 +103,105 @@ class TestGenerateAgainstTransformers(unittest.TestCase):
         expected = theirs.generate(prompt, max_new_tokens=40, do_sample=False, pad_token_id=0)
         # tokens: equal unless two logits tie within the two models' rounding (see above)
         self.assertTrue(torch.equal(generate(ours, prompt, 40), expected))
+
+
+def _consolidated(d: str, vocab: int, **model) -> tuple:
+    """(a consolidated.pt of a tiny model with its digest, its config.yaml)."""
+    import io
+    import json
+
+    from scaletorch.rules.safe_files import write_checksummed
+    shape = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_seq_len=64)
+    buffer = io.BytesIO()
+    torch.save({"step": 1, "model": tiny(**shape).state_dict()}, buffer)
+    path = os.path.join(d, "consolidated.pt")
+    write_checksummed(path, buffer.getvalue())
+    config = os.path.join(d, "config.yaml")
+    with open(config, "w") as f:
+        json.dump({"model": {**shape, **model}}, f)  # JSON is YAML
+    return path, config
+
+
+class GenerateChecksEveryInputBeforeWork(unittest.TestCase):
+    """scripts/generate.py with generated bad arguments (sampling settings out of range or
+    not finite, a negative token count, a prompt past the model's positions) and with a
+    checkpoint of another shape or a tokenizer larger than the model's vocabulary: exit 2 and
+    one ``error:`` line, before any token is generated. In this process; 25 examples."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.TemporaryDirectory()
+        cls.source, cls.config = _consolidated(cls.tmp.name, 256)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.tmp.cleanup()
+
+    def run_generate(self, *args: str) -> tuple:
+        import contextlib
+        import io
+
+        from scripts import generate as script
+        err, out = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+            code = script.main([self.source, "--config", self.config, "--tokenizer", "byte", *args])
+        return code, err.getvalue(), out.getvalue()
+
+    def assert_refused(self, *args: str) -> str:
+        code, err, out = self.run_generate(*args)
+        self.assertEqual(code, 2, (args, err))
+        self.assertEqual(len(err.splitlines()), 1, err)
+        self.assertTrue(err.startswith("error: "), err)
+        self.assertEqual(out, "")  # nothing generated
+        return err
+
+    def test_good_arguments_generate(self):
+        code, err, out = self.run_generate("--prompt", "ab", "--max-new-tokens", "3")
+        self.assertEqual((code, err), (0, ""))
+
+    @settings(max_examples=300 if os.environ.get("SCALETORCH_LONG_TESTS") == "1" else 25,
+              deadline=None)
+    @given(
+        flag=st.sampled_from(
+            ["--temperature", "--top-p", "--top-k", "--max-new-tokens",
+             "--prompt"]), number=st.one_of(st.floats(allow_nan=True, allow_infinity=True),
+                                            st.integers(-10**6, 10**6)), long=st.integers(60, 5000))
+    def test_a_bad_argument_is_one_line(self, flag, number, long):
+        from scaletorch.models.generate import check_sampling
+        if flag == "--prompt":  # with the 60 new tokens by default: past 64 positions
+            err = self.assert_refused("--prompt", "x" * long)
+            self.assertIn("--prompt", err)
+            return
+        if flag in ("--top-k", "--max-new-tokens"):
+            number = int(number) if math.isfinite(number) else -1
+            if number >= 0:
+                number = -1 - number
+        value = {
+            "--temperature": (number, 0, 1.0),
+            "--top-p": (0.0, 0, number),
+            "--top-k": (0.0, number, 1.0),
+            "--max-new-tokens": (0.0, 0, 1.0)
+        }[flag]
+        try:
+            check_sampling(*value)
+            if flag != "--max-new-tokens":
+                return  # a value in range: not a bad argument
+        except ValueError:
+            pass
+        self.assert_refused(f"{flag}={number}")
+
+    def test_another_shape_and_a_larger_tokenizer_are_one_line(self):
+        with tempfile.TemporaryDirectory() as d:
+            _, other = _consolidated(d, 256, hidden_size=64)  # the config of another model
+            self.config, saved = other, self.config
+            try:
+                self.assertIn("holds another model", self.assert_refused())
+            finally:
+                self.config = saved
+            self.source, saved = _consolidated(d, 64)[0], self.source  # vocabulary 64 < 256
+            self.config, saved_config = os.path.join(d, "config.yaml"), self.config
+            try:
+                self.assertIn("has 256 tokens, the model 64", self.assert_refused())
+            finally:
+                self.source, self.config = saved, saved_config

@@ -9,6 +9,7 @@ the metrics lines after its step aside.
 import fcntl
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -192,3 +193,82 @@ class AResumeKeepsEachStepOnceInTheMetrics(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+FILE_KINDS = ("directory", "fifo", "symlink")
+RUN_FILES = ("metrics.jsonl", "log.txt", "config.yaml", MARKER)
+
+
+def _plant(path: str, kind: str) -> None:
+    """Put something that is not a regular file at ``path``: a directory, a FIFO (whose plain
+    open would block for ever) or a symlink to a file elsewhere."""
+    if kind == "directory":
+        os.makedirs(path)
+    elif kind == "fifo":
+        os.mkfifo(path)
+    else:
+        target = path + ".elsewhere"
+        open(target, "w").close()
+        os.symlink(target, path)
+
+
+class FilesInARunDirectoryMustBeRegularFiles(unittest.TestCase):
+    """Every file a run opens in its directory (metrics.jsonl, log.txt, config.yaml, the
+    marker), replaced by a directory, a FIFO or a symlink, new run or --resume: one line naming
+    that file, exit 2, no hang (an alarm would fire), nothing written. Generated pairs."""
+
+    @settings(max_examples=24 if not LONG else 200, deadline=None)
+    @given(name=st.sampled_from(RUN_FILES), kind=st.sampled_from(FILE_KINDS), resume=st.booleans())
+    def test_each_file_of_each_kind_is_one_line_naming_it(self, name, kind, resume):
+        with tempfile.TemporaryDirectory() as tmp:
+            run = os.path.join(tmp, "r")
+            os.makedirs(run)
+            _plant(os.path.join(run, name), kind)
+            before = sorted(os.listdir(run))
+            signal.alarm(20)  # a FIFO opened without O_NONBLOCK would hang here
+            try:
+                code, out = run_in_process(C00, ["--logging.run_dir", tmp, "--name", "r"] +
+                                           (["--resume"] if resume else []))
+            finally:
+                signal.alarm(0)
+            self.assertEqual(code, 2, out)
+            self.assertEqual(len(out.splitlines()), 1, out)
+            self.assertTrue(out.startswith("error: "), out)
+            self.assertIn(os.path.join(run, name), out)
+            self.assertIn("not a regular file", out)
+            self.assertEqual(sorted(os.listdir(run)), before)
+
+
+class AdviceIsBuiltFromWhatWasFound(unittest.TestCase):
+    """The refusal of an occupied or held directory offers only ways on that work there:
+    --overwrite only for a directory a run made (its marker), and the option that names
+    another directory of that kind (--name for a run directory, --checkpoint.dir for a shared
+    checkpoint directory). Generated: marker or not, which directory, held or not."""
+
+    @settings(max_examples=20 if not LONG else 200, deadline=None)
+    @given(marked=st.booleans(), shared=st.booleans(), live=st.booleans(), overwrite=st.booleans())
+    def test_the_advice_holds_for_the_directory_found(self, marked, shared, live, overwrite):
+        with tempfile.TemporaryDirectory() as tmp:
+            target = os.path.join(tmp, "ckpt" if shared else "r")
+            os.makedirs(target)
+            open(os.path.join(target, "step_0000001" if shared else "notes.txt"), "w").close()
+            fd = held_by_another_run(target) if live and marked else None
+            if marked and fd is None:
+                with open(os.path.join(target, MARKER), "w") as f:
+                    json.dump(HOLDER, f)
+            argv = ["--logging.run_dir", tmp, "--name", "r"]
+            if shared:
+                argv += ["--checkpoint.dir", target, "--checkpoint.every", "1"]
+            code, out = run_in_process(C00, argv + (["--overwrite"] if overwrite else []))
+            if fd is not None:
+                os.close(fd)
+            if overwrite and marked and fd is None:  # a finished run's: moved aside
+                self.assertEqual((code, out), (0, ""))
+                return
+            self.assertEqual(code, 2, out)
+            self.assertEqual(len(out.splitlines()), 1, out)
+            other = "--checkpoint.dir" if shared else "--name"
+            self.assertRegex(out, f"give (a new|another) {other}")
+            self.assertNotIn("give another --name" if shared else "--checkpoint.dir", out)
+            if not marked:
+                self.assertNotIn("--overwrite to move", out)
+            self.assertEqual(os.listdir(target) != [], True)

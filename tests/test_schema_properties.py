@@ -212,3 +212,98 @@ class ARunDirectoryMadeForARefusedRunIsRemoved(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+KEYS = st.text(alphabet="abcxyz_", min_size=1, max_size=8)
+SCALARS = st.one_of(st.integers(-99, 99), st.booleans(), LETTERS)
+
+
+class AmbiguousInputIsRefusedNotResolved(unittest.TestCase):
+    """Input that says two things about one key is refused in one line naming it, whichever
+    comes last: a key given twice in one YAML mapping (at any depth; a merge's keys may be
+    overridden), and a key given on the command line in two spellings (--set, --section.name,
+    its alias; one flag repeated keeps its last value). Generated; 25 examples, 300 long."""
+
+    @settings(max_examples=300 if LONG else 25, deadline=None)
+    @given(path=st.lists(KEYS, max_size=3), keys=st.lists(KEYS, min_size=1, max_size=4,
+                                                          unique=True), which=st.integers(0, 3),
+           values=st.tuples(SCALARS, SCALARS))
+    def test_a_key_twice_in_one_yaml_mapping_is_one_line_naming_it(self, path, keys, which, values):
+        from scaletorch.rules import boundary
+        key = keys[which % len(keys)]
+        indent = "  " * len(path)
+        lines = [f"{'  ' * i}{p}:" for i, p in enumerate(path)]
+        lines += [f"{indent}{k}: {yaml.safe_dump(values[0]).splitlines()[0]}" for k in keys]
+        lines.append(f"{indent}{key}: {yaml.safe_dump(values[1]).splitlines()[0]}")
+        with self.assertRaises(InputError) as refused:
+            boundary.load_yaml("\n".join(lines) + "\n", "f.yaml")
+        message = str(refused.exception)
+        self.assertNotIn("\n", message)
+        self.assertIn(f"key {key!r} is given twice", message)
+        self.assertIn(f"line {len(lines)}", message)  # the second one's line
+
+    def test_a_merge_may_be_overridden_once(self):
+        from scaletorch.rules import boundary
+        text = "base: &b {steps: 3, lr: 1}\nrun:\n  <<: *b\n  steps: 5\n"
+        self.assertEqual(boundary.load_yaml(text, "f")["run"], {"steps": 5, "lr": 1})
+
+    @settings(max_examples=300 if LONG else 25, deadline=None)
+    @given(first=st.sampled_from(["set", "dotted", "dotted=", "alias"]),
+           second=st.sampled_from(["set", "dotted", "dotted=", "alias"]),
+           values=st.tuples(st.integers(1, 9), st.integers(1, 9)))
+    def test_a_key_in_two_spellings_is_one_line_naming_both(self, first, second, values):
+
+        def spelled(how: str, value: int) -> List[str]:
+            return {
+                "set": ["--set", f"training.steps={value}"],
+                "dotted": ["--training.steps", str(value)],
+                "dotted=": [f"--training.steps={value}"],
+                "alias": ["--steps", str(value)]
+            }[how]
+
+        argv = spelled(first, values[0]) + spelled(second, values[1])
+        if first.rstrip("=") == second.rstrip("="):  # one flag repeated: the last, as a shell's
+            self.assertEqual(parse_args(argv).training.steps, values[1])
+            return
+        with self.assertRaises(InputError) as refused:
+            parse_args(argv)
+        message = str(refused.exception)
+        self.assertNotIn("\n", message)
+        self.assertIn("training.steps is given twice on the command line", message)
+        self.assertIn(repr(str(values[0])), message)
+        self.assertIn(repr(str(values[1])), message)
+
+
+class PathValuesAreNeverEmptyOrMissing(unittest.TestCase):
+    """A directory path field (every one the schema declares with ``creatable_dir``) refuses
+    the empty string, which would be the current directory; ``--trust-unchecked`` refuses an
+    empty path (every file under the current directory) and one that does not exist (a typo
+    that trusts nothing). Generated path strings; 25 examples, 300 long."""
+
+    DIRS = [key for key, _, _, rule, _ in schema(Config()) if rule.path == "dir"]
+
+    def test_every_directory_field_refuses_the_empty_string(self):
+        self.assertIn("logging.run_dir", self.DIRS)
+        for key in self.DIRS:
+            with self.subTest(key=key), self.assertRaisesRegex(InputError, "non-empty"):
+                parse_args([f"--{key}="])
+
+    @settings(max_examples=300 if LONG else 25, deadline=None)
+    @given(name=st.text(alphabet="abc/._- ", max_size=12), exists=st.booleans())
+    def test_a_trust_path_is_refused_unless_it_exists(self, name, exists):
+        from scaletorch.rules import boundary
+        with tempfile.TemporaryDirectory() as tmp:
+            path = f"{tmp}/given/{name}" if name else ""  # "" alone: the current directory
+            if exists and path:
+                os.makedirs(os.path.normpath(path), exist_ok=True)
+            try:
+                if path and os.path.lexists(path):
+                    boundary.trust_unchecked([path])
+                    self.assertTrue(boundary.is_trusted_unchecked(path))
+                    self.assertFalse(boundary.is_trusted_unchecked(os.getcwd()))
+                else:
+                    with self.assertRaises(InputError) as refused:
+                        boundary.trust_unchecked([path])
+                    self.assertNotIn("\n", str(refused.exception))
+                    self.assertFalse(boundary.is_trusted_unchecked(os.getcwd()))
+            finally:
+                boundary.trust_unchecked([])

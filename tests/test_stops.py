@@ -415,3 +415,45 @@ models.loss_fn = loss_fn
 
 if __name__ == "__main__":
     unittest.main()
+
+CLOSED_OUTPUT = """
+import sys
+from scaletorch.config import Config
+from scaletorch.trainer.config import report_input_errors
+from scaletorch.trainer.stops import interruptible
+sys.excepthook = report_input_errors
+cfg = Config()
+cfg.logging.run_dir = sys.argv[1]
+steps = [0]
+with interruptible(cfg, steps):
+    while True:  # a run printing a line per step, as Trainer._print does
+        steps[0] += 1
+        print(f"step {steps[0]}", flush=True)
+"""
+
+
+class AClosedOutputIsACleanStop(unittest.TestCase):
+    """A run whose stdout is a pipe closed by its reader (``| head -N``, generated N) stops
+    as a signal does: one line on stderr naming the step reached and what a resume starts
+    from, SIGPIPE's status 141, no traceback. One small process per example (no model, but
+    torch's import: seconds): 1 in the suite, 20 long."""
+
+    @settings(max_examples=20 if os.environ.get("SCALETORCH_LONG_TESTS") == "1" else 1,
+              deadline=None)
+    @given(lines=st.integers(0, 50))
+    def test_head_ends_the_run_with_one_line_and_status_141(self, lines):
+        with tempfile.TemporaryDirectory() as tmp:
+            proc = subprocess.Popen([sys.executable, "-c", CLOSED_OUTPUT, tmp],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, env={
+                                        **os.environ, "PYTHONPATH": ROOT
+                                    })
+            for _ in range(lines):
+                proc.stdout.readline()
+            proc.stdout.close()
+            err = proc.stderr.read().decode()
+            proc.stderr.close()
+            self.assertEqual(proc.wait(timeout=60), 141, err)
+            self.assertEqual(len(err.splitlines()), 1, err)
+            self.assertRegex(
+                err, r"^stopped: the output was closed .* at step \d+ of \d+: "
+                r"no checkpoint was saved")

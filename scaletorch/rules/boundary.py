@@ -6,7 +6,8 @@
     read_bytes / read_text / load_json    the three, then the bytes (text, JSON values)
     parse_json(text, what, kind)          JSON text (a line of a .jsonl) at most NESTING deep
     load_jsonl(path, what)                a JSON-lines file: its objects, each by parse_json
-    load_yaml(text, source)               YAML's safe loader, with size, depth and expansion limits
+    load_yaml(text, source)               YAML's safe loader, with size, depth and expansion limits;
+                                          a key given twice in one mapping is refused
 
 Nesting is limited (NESTING levels) because both parsers recurse: a file of 200,000 ``[``
 would otherwise end in a RecursionError traceback. Any failure to parse is one InputError.
@@ -71,7 +72,17 @@ def add_trust_flag(parser: Any) -> None:
 
 def trust_unchecked(paths: Iterable[str]) -> None:
     """The files (or directories) this process reads without a digest (``--trust-unchecked``);
-    replaces what an earlier call recorded."""
+    replaces what an earlier call recorded. InputError for an empty path (``realpath("")`` is
+    the current directory: it would trust every file under it) or one that does not exist (a
+    typo would trust nothing, silently)."""
+    paths = list(paths)
+    for path in paths:
+        if not path:
+            raise InputError("--trust-unchecked '' names no file: give the file or directory "
+                             "made elsewhere that you trust")
+        if not os.path.lexists(path):
+            raise MissingInputError(f"--trust-unchecked {clip(path)} does not exist: give the "
+                                    f"file or directory made elsewhere that you trust")
     _trusted.clear()
     _trusted.update(os.path.realpath(p) for p in paths)
 
@@ -211,10 +222,30 @@ class YamlSyntaxError(InputError):
     text as the string it is; a tag the safe loader refuses is a plain InputError."""
 
 
+MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
 class _LimitedLoader(yaml.SafeLoader):
     """YAML's safe loader (plain values only: no Python object is ever built), refusing
     nesting past NESTING levels as it composes: the composer recurses per level, and the
     scanner slows with every open level, so it stops at the first one too deep."""
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        """The safe loader's mapping, refusing a key given twice in it (YAML would keep the
+        last silently): ``steps: 3`` then ``steps: 5`` is ambiguous, not a choice. A key that a
+        merge (``<<: *base``) brings in may be given again: that is what a merge is for."""
+        if isinstance(node, yaml.MappingNode):
+            first: Dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == MERGE_TAG:
+                    continue
+                key = self.construct_object(key_node)
+                line = key_node.start_mark.line + 1
+                if isinstance(key, (str, int, float, bool)) and key in first:
+                    raise InputError(f"key {clip(key)} is given twice in one mapping (line "
+                                     f"{first[key]} and line {line}): keep one")
+                first.setdefault(key, line)
+        return super().construct_mapping(node, deep)
 
     def compose_node(self, parent: Any, index: Any) -> Any:
         self.levels = getattr(self, "levels", 0) + 1
@@ -315,7 +346,10 @@ def load_yaml(text: str, source: str) -> Any:
         if nodes > YAML_NODES:
             raise InputError(f"{source}: YAML whose aliases expand to over {YAML_NODES} "
                              f"values: it is not a config (an alias bomb?)")
-        return loader.construct_document(node)
+        try:
+            return loader.construct_document(node)
+        except InputError as err:  # a key given twice
+            raise InputError(f"{source}: YAML {err}") from None
     except yaml.YAMLError as err:
         raise _yaml_error(err, source) from None
     except RecursionError:  # a last guard: the limits above stop nesting long before

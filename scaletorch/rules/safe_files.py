@@ -1,7 +1,8 @@
 """How a run writes and reads the files it keeps: whole or absent, checksummed, named on failure.
 
     write_atomic(path, data)       temporary name, fsync, rename: old or new, never half
-    write_checksummed(path, data)  the same, then ``<path>.sha256`` ("<hex>  <name>")
+    write_checksummed(path, data)  the same, then ``<path>.sha256`` ("<hex>  <name>"; read
+                                   also in ``sha256sum -b``'s "<hex> *<name>")
     read_checksummed(path)         the bytes, once they match ``<path>.sha256``
     verify_checksum(path)          the same check, reading the file in blocks
     write_checksum(path)           ``<path>.sha256`` of a file already written, read in blocks
@@ -122,10 +123,14 @@ def read_checksum(path: str) -> str:
     with open(side, "rb") as f:
         line = f.read(4096)  # a digest line is under 4 KB; never read a huge file whole
     digest = line[:64].decode(errors="replace")
-    tail = checksum_line(os.path.basename(path), b"")[64:]  # "  <name>\n"
-    if line[64:] != tail or any(c not in "0123456789abcdef" for c in digest):
-        raise CorruptFileError(f"{side!r} is damaged: it is not the sha256 line of "
-                               f"{os.path.basename(path)}")
+    name = os.path.basename(path).encode()
+    # "<hex>  <name>" as we write it, or "<hex> *<name>" (``sha256sum -b``): both what
+    # ``sha256sum -c`` reads; the newline may be missing (an editor's save)
+    tails = [sep + name + end for sep in (b"  ", b" *") for end in (b"\n", b"")]
+    if line[64:] not in tails or any(c not in "0123456789abcdef" for c in digest):
+        raise CorruptFileError(f"{side!r} is not a sha256 line of {os.path.basename(path)} "
+                               f"(64 lowercase hex digits, two spaces or ' *', the name): "
+                               f"damaged, or written by another tool in another format")
     return digest
 
 

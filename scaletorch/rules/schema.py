@@ -176,8 +176,9 @@ def existing_file() -> Rule:
 
 def creatable_dir() -> Rule:
     """The path of a directory that must exist or be creatable, and writable (checked on disk
-    with the run's other inputs)."""
-    return Rule(path="dir")
+    with the run's other inputs); never empty: "" would be the current directory (the
+    checkout), which no one means to write a run into."""
+    return Rule(path="dir", non_empty=True)
 
 
 def unless(rule: Rule, key: str, *values: Any) -> Rule:

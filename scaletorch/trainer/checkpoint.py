@@ -542,16 +542,24 @@ def check_consolidated(path: str, cfg: Config) -> None:
                          f"a consolidated.pt written by chapter 02 or scripts/convert_dcp.py, or a "
                          f"checkpoint directory")
     boundary.verified(path, name)  # before anything is unpickled (or --trust-unchecked)
-    state = load_tensors_only(path, name, mmap=True)
+    check_consolidated_state(name, load_tensors_only(path, name, mmap=True), cfg.model,
+                             "this config's model.*", "resume it with the model config that "
+                             "wrote it")
+
+
+def check_consolidated_state(name: str, state: Any, model_cfg: Any, what: str, todo: str) -> None:
+    """InputError naming ``name`` unless ``state`` (a loaded consolidated checkpoint) holds a
+    'step' and a 'model' whose names, shapes, dtypes and values fit a Llama of ``model_cfg``
+    (built on the meta device: nothing is allocated); ``what`` names that model, ``todo`` says
+    what to do instead. The resume pre-flight and scripts/generate.py both check with it."""
     model = state.get("model") if isinstance(state, dict) else None
     if not isinstance(model, dict) or "step" not in state:
         raise InputError(f"{name} is a torch file but not a consolidated checkpoint (no 'model' "
                          f"and 'step'): give a consolidated.pt written by chapter 02 or "
                          f"scripts/convert_dcp.py")
     with torch.device("meta"):
-        expected = Llama(cfg.model).state_dict()
-    check_state_keys(name, model, expected, "this config's model.*",
-                     "resume it with the model config that wrote it")
+        expected = Llama(model_cfg).state_dict()
+    check_state_keys(name, model, expected, what, todo)
 
 
 def check_state_keys(name: str, saved: Dict[str, Any], expected: Dict[str, Any], what: str,
@@ -594,7 +602,8 @@ def check_every_tensor(name: str, state: Any, path: str = "") -> None:
     the optimizer's moments and step counters, the scheduler, the loss scale) has a dtype a
     checkpoint of ours holds and, when floating, only finite values; the optimizer's are
     floating. A model may hold integer tensors (a BatchNorm's num_batches_tracked): each model
-    entry's dtype is compared with the model's own when it is loaded (``check_tensor``). Walked with a stack: a file nests a few levels, but it is read from outside."""
+    entry's dtype is compared with the model's own when it is loaded (``check_tensor``).
+    Walked with a stack: a file nests a few levels, but it is read from outside."""
     stack = [(path, state)]
     while stack:
         where, value = stack.pop()
@@ -623,17 +632,56 @@ _SAVED_DTYPES = {
     torch.uint8, torch.bool
 }
 
+# What a rank file holds at its top level, and the type of each entry: every loop's
+# (RANK_STATE), and the trainer's (TRAINER_STATE: its schedule and generator states too)
+RANK_STATE: Dict[str, Any] = {"step": int, "model": dict, "optimizer": dict}
+TRAINER_STATE: Dict[str, Any] = {**RANK_STATE, "scheduler": dict, "rng": dict}
+_OPTIONAL_STATE: Dict[str, Any] = {"scaler": dict, "scheduler": dict, "rng": dict}
+_RNG_STATE: Dict[str, Any] = {"python": (tuple, list), "numpy": dict, "torch": torch.Tensor}
+
+
+def check_rank_state(name: str, state: Any, required: Dict[str, Any] = RANK_STATE) -> None:
+    """InputError naming ``name`` unless ``state`` has the structure of a rank file: a dict
+    with each ``required`` entry of its type (a step is an int >= 0, not a bool), an optimizer
+    state of "state" and "param_groups", and any optional entry of its type. Digests prove a
+    file whole, not that it is a checkpoint: a ``torch.save({})`` with fresh digests is not."""
+    if not isinstance(state, dict):
+        raise InputError(f"{name} holds a {type(state).__name__}, not a checkpoint's dict of "
+                         f"{', '.join(required)}: it is not a ScaleTorch checkpoint")
+    missing = [key for key in required if key not in state]
+    if missing:
+        raise InputError(f"{name} has no {', '.join(repr(k) for k in missing)}: it is not a "
+                         f"ScaleTorch checkpoint of this loop (it needs {', '.join(required)})")
+    for key, kind in {**_OPTIONAL_STATE, **required}.items():
+        if key in state and (not isinstance(state[key], kind) or isinstance(state[key], bool)):
+            raise InputError(f"{name}: {key!r} is a {type(state[key]).__name__}, not a "
+                             f"{kind.__name__}: the checkpoint is damaged or not ours")
+    if state["step"] < 0:
+        raise InputError(f"{name}: 'step' is {state['step']}: the checkpoint is damaged")
+    optimizer = state["optimizer"]
+    if not isinstance(optimizer.get("state"), dict) or \
+            not isinstance(optimizer.get("param_groups"), list):
+        raise InputError(f"{name}: 'optimizer' has no 'state' dict and 'param_groups' list: "
+                         f"the checkpoint is damaged or not ours")
+    for key, kinds in _RNG_STATE.items() if "rng" in state else ():
+        if not isinstance(state["rng"].get(key), kinds):
+            raise InputError(f"{name}: 'rng' has no {key!r} generator state of its type: the "
+                             f"checkpoint is damaged or not ours")
+
 
 def check_rank_files(path: str) -> None:
     """Before any process starts: every rank file of per-rank checkpoint ``path`` verified,
-    loaded (one at a time) and checked (``check_every_tensor``): a damaged value is refused
-    before a run directory exists, not after the model is built."""
+    loaded (one at a time) and checked (``check_rank_state`` for the trainer's structure,
+    ``check_every_tensor`` for its values): a damaged value is refused before a run directory
+    exists, not after the model is built."""
     manifest = read_manifest(path)
     if manifest.get("format") == "dcp":
         return
     for file in sorted(manifest["sha256"]):
         name = f"checkpoint file {os.path.join(path, file)!r}"
-        check_every_tensor(name, load_tensors_only(_read_verified(path, file, manifest), name))
+        state = load_tensors_only(_read_verified(path, file, manifest), name)
+        check_rank_state(name, state, TRAINER_STATE)
+        check_every_tensor(name, state)
 
 
 def load_checkpoint(path: str, rank: int, world_size: int,
@@ -646,6 +694,7 @@ def load_checkpoint(path: str, rank: int, world_size: int,
     data = _read_verified(path, os.path.basename(rank_file(path, rank)), manifest)
     name = f"checkpoint file {rank_file(path, rank)!r}"
     state = load_tensors_only(data, name)
+    check_rank_state(name, state)
     check_every_tensor(name, state)
     return state
 

@@ -229,6 +229,21 @@ def _cli_value(text: str, source: str) -> Any:
     return text if value is None else value
 
 
+def check_given_once(overrides: List[Tuple[str, Any, str]]) -> None:
+    """InputError when the command line gives one key in two spellings ((key, value, how)
+    each: the flag that gave it): ``--set training.steps=3 --steps 2`` is ambiguous, so
+    neither is taken. One flag repeated keeps its last value, the shell's convention that
+    wrappers rely on to override; a config file's value may be overridden, by design."""
+    first: Dict[str, Tuple[Any, str]] = {}
+    for key, value, how in overrides:
+        if key in first and first[key][1].rstrip("= ") != how.rstrip("= "):
+            value0, how0 = first[key]
+            raise InputError(f"{key} is given twice on the command line ({how0}{clip(value0)} "
+                             f"and {how}{'' if how.endswith('=') else ' '}{clip(value)}): "
+                             f"give it once")
+        first[key] = (value, how if how.endswith("=") else how + " ")
+
+
 def parse_args(argv: Optional[Sequence[str]] = None, default_config: Optional[str] = None,
                description: str = "", unread: Optional[Dict[str, str]] = None) -> Config:
     """Build a Config from dataclass defaults, ``--config`` YAML and command-line overrides.
@@ -272,19 +287,23 @@ def parse_args(argv: Optional[Sequence[str]] = None, default_config: Optional[st
                 raise ValueError(f"{clip(token)} needs a value")
             key, value = token[2:], rest[i + 1]
             i += 2
-        overrides.append((key, value))
+        overrides.append((key, value, f"--{key}"))
     for item in args.set:
         if "=" not in item:
             raise ValueError(f"--set takes KEY=VALUE, got {clip(item)}")
-        overrides.append(tuple(item.split("=", 1)))
+        key, value = item.split("=", 1)
+        overrides.append((key, value, f"--set {key}="))
+    named = {key: flag for flag, key in [*ALIASES.items(), *FLAGS.items()]}
+    named[RECOMPUTE] = "--activation-checkpointing"
     for key in list(ALIASES.values()) + list(FLAGS.values()) + [RECOMPUTE]:
         value = getattr(args, key)
         if value == []:  # argparse drops the value "--" of "--name=--", leaving []
             value = "--"
         if value is not None:
-            overrides.append((key, value))
+            overrides.append((key, value, named[key]))
+    check_given_once(overrides)
     given = {}
-    for key, value in overrides:
+    for key, value, _ in overrides:
         if isinstance(value, str) and not is_text_field(cfg, key):
             value = _cli_value(value, f"--{key}" if len(key) <= 100 else clip(f"--{key}"))
         set_value(cfg, key, value)

@@ -23,6 +23,7 @@ import fcntl
 import json
 import os
 import socket
+import stat
 import time
 from typing import Dict, List, Optional, Tuple
 
@@ -57,13 +58,48 @@ def _marker() -> str:
     return ""
 
 
+def _open_marker(marker: str, flags: int) -> int:
+    """A descriptor of ``marker`` once it is a regular file: opened without following a
+    symlink and without blocking (a FIFO would block a plain open for ever), then checked.
+    FileNotFoundError when there is none; InputError naming it when it is anything else."""
+    try:
+        fd = os.open(marker, flags | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    except FileNotFoundError:
+        raise
+    except OSError as err:  # a directory opened to write, a symlink (ELOOP), no permission
+        kind = _kind(os.lstat(marker).st_mode) if os.path.lexists(marker) else None
+        raise _not_a_marker(marker, kind or err.strerror or str(err)) from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise _not_a_marker(marker, _kind(mode) or "not a file")
+    return fd
+
+
+def _kind(mode: int) -> Optional[str]:
+    """What a file that is not a regular one is, in words (None: a regular file)."""
+    if stat.S_ISREG(mode):
+        return None
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    return "a symlink" if stat.S_ISLNK(mode) else "a FIFO, device or socket"
+
+
+def _not_a_marker(marker: str, found: str) -> InputError:
+    return InputError(f"{clip(marker)} is not a regular file ({found}): it is where a run keeps "
+                      f"its marker and lock; nothing was written: remove or rename it")
+
+
 def holder(path: str, name: str = MARKER) -> Optional[str]:
     """"pid P on host H, started T" of the live run that holds marker ``name`` of directory
-    ``path``, or None when none does (a marker whose lock is free is a finished run's)."""
+    ``path``, or None when none does (a marker whose lock is free is a finished run's).
+    InputError when the marker is not a regular file (``_open_marker``)."""
     marker = os.path.join(path, name)
+    if not os.path.isdir(path):  # not made yet, or a path through a file (check_writable's)
+        return None
     try:
-        fd = os.open(marker, os.O_RDONLY)
-    except OSError:  # no marker: no run made it
+        fd = _open_marker(marker, os.O_RDONLY)
+    except FileNotFoundError:  # no marker: no run made it
         return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -94,12 +130,19 @@ def check_not_held(key: str, path: str) -> None:
     who = holder(path, name)
     if who is not None:
         raise InputError(f"{key}: {path!r} is in use by another run ({who}); nothing was "
-                         f"written: wait for it to end, or give another --name")
+                         f"written: wait for it to end, or give another {_other(key)}")
+
+
+def _other(key: str) -> str:
+    """The option that names another directory for ``key``: a run directory is
+    logging.run_dir/<--name>; checkpoint.dir is given whole."""
+    return "--name" if key == "logging.run_dir" else f"--{key}"
 
 
 def is_run_dir(path: str) -> bool:
-    """Whether a run made directory ``path``: it carries the MARKER."""
-    return os.path.isfile(os.path.join(path, MARKER))
+    """Whether a run made directory ``path``: it carries the MARKER (a regular file)."""
+    marker = os.path.join(path, MARKER)
+    return os.path.lexists(marker) and stat.S_ISREG(os.lstat(marker).st_mode)
 
 
 def hold(key: str, path: str) -> bool:
@@ -115,7 +158,7 @@ def hold(key: str, path: str) -> bool:
         _made.append(path)
     try:  # a name the schema let through may still fail here (a full disk, a path too long)
         os.makedirs(path, exist_ok=True)
-        fd = os.open(os.path.join(path, name), os.O_RDWR | os.O_CREAT, 0o644)
+        fd = _open_marker(os.path.join(path, name), os.O_RDWR | os.O_CREAT)
     except OSError as err:
         raise InputError(f"{key}: cannot create {clip(path)} ({err.strerror}); nothing was "
                          f"written: give a shorter --name or a directory you can write") from None
@@ -208,6 +251,7 @@ def check_run_dir(cfg: Config) -> None:
                          f"{cfg.checkpoint.resume} continues it: give one of the two")
     for key, path in owned_dirs(cfg):
         check_not_held(key, path)
+    check_run_files(cfg.run_path)
     if continues(cfg):
         return
     if cfg.logging.overwrite:
@@ -218,12 +262,27 @@ def check_run_dir(cfg: Config) -> None:
         raise held(key, path, entries)
 
 
+APPENDED = ("metrics.jsonl", "log.txt", "config.yaml")  # files a run opens in its directory
+
+
+def check_run_files(run_path: str) -> None:
+    """InputError unless each file a run opens in its directory (APPENDED, the marker) is a
+    regular file or absent: a directory, FIFO or symlink there would fail or block the run
+    after it has written its first lines, or send them elsewhere. Nothing is opened."""
+    for name in (*APPENDED, MARKER):
+        file = os.path.join(run_path, name)
+        kind = _kind(os.lstat(file).st_mode) if os.path.lexists(file) else None
+        if kind is not None:
+            raise InputError(f"{clip(file)} is {kind}, not a regular file: the run writes its "
+                             f"{name} there; nothing was written: remove or rename it")
+
+
 def check_made_by_a_run(key: str, path: str) -> None:
     """InputError unless ``path`` carries a run's MARKER: --overwrite moves only those."""
     if not is_run_dir(path):
         raise InputError(f"{key}: {path!r} was not made by a run (it has no {MARKER}): "
                          f"--overwrite moves aside only a run's directory; give another "
-                         f"--name, or move it yourself")
+                         f"{_other(key)}, or move it yourself")
 
 
 def check_free(key: str, path: str, resume: bool, overwrite: bool) -> None:
@@ -242,10 +301,15 @@ def check_free(key: str, path: str, resume: bool, overwrite: bool) -> None:
 
 
 def held(key: str, path: str, entries: List[str]) -> InputError:
-    """The one line for a directory that already holds a run: the three ways on."""
+    """The one line for a directory that already holds files, with the ways on that are true
+    of it: a run's (the MARKER) may be continued or moved aside; any other is not a run's."""
     shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
+    if not is_run_dir(path):
+        return InputError(f"{key}: {path!r} already holds files ({shown}) that no run made (it "
+                          f"has no {MARKER}); nothing was written: give another {_other(key)}, "
+                          f"or move it yourself")
     return InputError(f"{key}: {path!r} already holds a run ({shown}); nothing was written: "
-                      f"continue it with --resume, give a new --name, or "
+                      f"continue it with --resume, give a new {_other(key)}, or "
                       f"--overwrite to move it aside to {path}.old-<time> (kept, not deleted)")
 
 

@@ -5,9 +5,11 @@ next) and an exit status of its own (``RunStopped``): 130 for Ctrl-C, 143 for SI
 torchrun and schedulers send), 3 for a non-finite value. Ctrl-C and SIGTERM take one path: the
 signal raises a KeyboardInterrupt (``Terminated`` for SIGTERM) where the run is, so a checkpoint
 being written is removed unless whole (checkpoint.removed_unless_complete). The optimizer step
-of a bad batch is not taken, so the last checkpoint holds finite weights.
+of a bad batch is not taken, so the last checkpoint holds finite weights. A closed stdout
+(``| head`` ended) is a stop too: its line goes to stderr, with SIGPIPE's status, 141.
 """
 
+import contextlib
 import math
 import os
 import shlex
@@ -19,7 +21,8 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator, List, Optional
 
 from scaletorch.config import Config
-from scaletorch.rules.errors import INTERRUPTED, NON_FINITE, TERMINATED, RunStopped, Terminated
+from scaletorch.rules.errors import (INTERRUPTED, NON_FINITE, PIPE_CLOSED, TERMINATED, RunStopped,
+                                     Terminated)
 from scaletorch.trainer.checkpoint import latest_checkpoint
 
 
@@ -163,6 +166,20 @@ def stopped(err: BaseException) -> RunStopped:
         f"{where_to_resume(cfg)}", code)
 
 
+def output_closed(cfg: Config, step: int) -> RunStopped:
+    """The stop of a run whose stdout was closed (``| head``: the reader ended, a write met a
+    broken pipe): a stop like SIGTERM's, with the status of SIGPIPE. Stdout is pointed at
+    /dev/null first, so that nothing written later (the buffer flushed at exit) raises again;
+    the line goes to stderr."""
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    return RunStopped(
+        f"stopped: the output was closed (a broken pipe, e.g. | head) at step {step} of "
+        f"{cfg.training.steps}: {where_to_resume(cfg)}", PIPE_CLOSED)
+
+
 @contextmanager
 def interruptible(cfg: Config, steps_done: List[int]) -> Iterator[None]:
     """Inside the block Ctrl-C (SIGINT) and SIGTERM raise RunStopped (exit 130, 143) naming
@@ -183,6 +200,10 @@ def interruptible(cfg: Config, steps_done: List[int]) -> Iterator[None]:
     _setup.clear()  # past the setup: the loop's own line (below) names the step reached
     try:
         yield
+    except BrokenPipeError:
+        if seen:  # a signal came first: its stop, below, is the one to report
+            raise
+        raise output_closed(cfg, steps_done[0]) from None
     except BaseException as err:
         if not seen and not isinstance(err, KeyboardInterrupt):
             raise
