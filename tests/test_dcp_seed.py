@@ -94,8 +94,10 @@ def _world(rank: int, world: int, root: str) -> dict:
             hf_dir = os.path.join(root, directory)
             cfg = config(hf_dir, **parallel)
             save_to = os.path.join(root, name) if name in SAVED else None
-            out[name] = {"whole": _run(cfg, hf_dir, False),
-                         "sliced": _run(cfg, hf_dir, True, save_to)}
+            out[name] = {
+                "whole": _run(cfg, hf_dir, False),
+                "sliced": _run(cfg, hf_dir, True, save_to)
+            }
     return out
 
 

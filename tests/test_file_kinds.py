@@ -420,7 +420,6 @@ class ValuesAreCheckedOnceTheDigestsMatch(unittest.TestCase):
 if __name__ == "__main__":
     unittest.main()
 
-
 TOP_KEYS = tuple(ckpt.TRAINER_STATE)  # step, model, optimizer, scheduler, rng
 
 
@@ -446,9 +445,9 @@ class RankFilesOfAnotherStructureAreRefused(unittest.TestCase):
 
     @settings(max_examples=300 if LONG else 20, deadline=None, derandomize=not LONG,
               suppress_health_check=[HealthCheck.too_slow])
-    @given(how=st.sampled_from(["drop", "retype", "drop_part", "not_a_dict"]),
-           key=st.sampled_from(TOP_KEYS), part=st.sampled_from(["optimizer", "rng"]),
-           wrong=WRONG, index=st.integers(0, 10))
+    @given(how=st.sampled_from(["drop", "retype", "drop_part",
+                                "not_a_dict"]), key=st.sampled_from(TOP_KEYS),
+           part=st.sampled_from(["optimizer", "rng"]), wrong=WRONG, index=st.integers(0, 10))
     def test_another_structure_is_one_input_error(self, how, key, part, wrong, index):
         state = dict(self.state)
         if how == "drop":
@@ -485,9 +484,11 @@ class ChecksumLinesInEitherSha256sumForm(unittest.TestCase):
     contents and names; 30 examples, 300 long."""
 
     @settings(max_examples=300 if LONG else 30, deadline=None)
-    @given(data=st.binary(max_size=64), name=st.text("abcxyz_.0", min_size=1, max_size=12)
-           .filter(lambda n: n not in (".", "..")), binary=st.booleans(), newline=st.booleans(),
-           damage=st.sampled_from(["none", "upper", "one_space", "tab", "other_name", "digest"]))
+    @given(
+        data=st.binary(max_size=64),
+        name=st.text("abcxyz_.0", min_size=1, max_size=12).filter(lambda n: n not in (".", "..")),
+        binary=st.booleans(), newline=st.booleans(),
+        damage=st.sampled_from(["none", "upper", "one_space", "tab", "other_name", "digest"]))
     def test_both_forms_read_any_other_line_refused(self, data, name, binary, newline, damage):
         from scaletorch.rules.safe_files import CorruptFileError, sha256, verify_checksum
         with tempfile.TemporaryDirectory() as tmp:
@@ -514,5 +515,4 @@ class ChecksumLinesInEitherSha256sumForm(unittest.TestCase):
                 verify_checksum(path)
             message = str(refused.exception)
             self.assertNotIn("\n", message)
-            self.assertIn("does not match" if damage == "digest" else "not a sha256 line",
-                          message)
+            self.assertIn("does not match" if damage == "digest" else "not a sha256 line", message)

@@ -171,7 +171,7 @@ class ARunDirectoryThatHoldsARunIsNeverWrittenOver(unittest.TestCase):
         ])
         with self.assertRaisesRegex(
                 InputError, f"checkpoint.dir: '{checkpoints}' already holds "
-                r"a run \(step_0000002, step_0000004\)"):
+                r"a run's files \(step_0000002, step_0000004\), of the run in "):
             check_run_dir(other)
 
 

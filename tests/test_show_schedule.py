@@ -8,6 +8,7 @@ between the message it waits for and the one it sends. Both scripts print and ex
 import importlib.util
 import os
 import re
+import tempfile
 import unittest
 
 from tests.harness import run_main
@@ -65,7 +66,9 @@ def script_main(name: str):
 
 
 def show(name: str, *args: str) -> str:
-    status, out, err = run_main(script_main(name), "--show-schedule", "--world-size", "2", *args)
+    with tempfile.TemporaryDirectory() as run_dir:  # the tests write no runs/ in the checkout
+        status, out, err = run_main(script_main(name), "--show-schedule", "--world-size", "2",
+                                    "--logging.run_dir", run_dir, *args)
     if status != 0 or err:
         raise AssertionError(f"{name} {args}: exit {status}\n{err}")
     return out

@@ -145,6 +145,27 @@ def is_run_dir(path: str) -> bool:
     return os.path.lexists(marker) and stat.S_ISREG(os.lstat(marker).st_mode)
 
 
+def _run_above(path: str) -> Optional[str]:
+    """The nearest directory above ``path`` that a run made (it carries the MARKER), or None."""
+    path = os.path.abspath(path)
+    while os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+        if is_run_dir(path):
+            return path
+    return None
+
+
+def _missing(path: str) -> List[str]:
+    """The directories ``os.makedirs(path)`` would create, outermost first (``runs`` too when
+    the first run of a checkout makes ``runs/NAME``)."""
+    missing: List[str] = []
+    while path and not os.path.lexists(path):
+        missing.insert(0, path)
+        parent = os.path.dirname(path)
+        path = "" if parent == path else parent
+    return missing
+
+
 def hold(key: str, path: str) -> bool:
     """Create directory ``path`` if need be and take this process's lock on it for the rest
     of its life, recording who holds it; InputError naming the holder when another run does.
@@ -154,8 +175,7 @@ def hold(key: str, path: str) -> bool:
         return False
     if os.path.realpath(path) in _held:  # taken already (load_config twice in one process)
         return True
-    if not os.path.lexists(path):
-        _made.append(path)
+    _made.extend(_missing(path))  # what this run creates, to remove if it writes nothing
     try:  # a name the schema let through may still fail here (a full disk, a path too long)
         os.makedirs(path, exist_ok=True)
         fd = _open_marker(os.path.join(path, name), os.O_RDWR | os.O_CREAT)
@@ -199,6 +219,7 @@ def remove_unused() -> None:
             os.close(fd)
         with contextlib.suppress(OSError):  # another node's marker: that node removes it
             os.remove(os.path.join(path, name))
+        with contextlib.suppress(OSError):  # a parent this run made holds no marker
             os.rmdir(path)
     _made.clear()
 
@@ -304,6 +325,10 @@ def held(key: str, path: str, entries: List[str]) -> InputError:
     """The one line for a directory that already holds files, with the ways on that are true
     of it: a run's (the MARKER) may be continued or moved aside; any other is not a run's."""
     shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
+    above = _run_above(path)
+    if not is_run_dir(path) and above is not None:  # a run's checkpoints/, in its directory
+        return InputError(f"{key}: {path!r} already holds a run's files ({shown}), of the run "
+                          f"in {above!r}; nothing was written: give another {_other(key)}")
     if not is_run_dir(path):
         return InputError(f"{key}: {path!r} already holds files ({shown}) that no run made (it "
                           f"has no {MARKER}); nothing was written: give another {_other(key)}, "
