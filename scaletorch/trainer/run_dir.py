@@ -136,7 +136,9 @@ def check_not_held(key: str, path: str) -> None:
 def _other(key: str) -> str:
     """The option that names another directory for ``key``: a run directory is
     logging.run_dir/<--name>; checkpoint.dir is given whole."""
-    return "--name" if key == "logging.run_dir" else f"--{key}"
+    if key == "logging.run_dir":
+        return "--name"
+    return key if key.startswith("--") else f"--{key}"  # chapter 12 names its own flags
 
 
 def is_run_dir(path: str) -> bool:
