@@ -302,7 +302,21 @@ WRONG = st.one_of(st.none(), st.booleans(), st.text(max_size=20), st.floats(allo
                   st.dictionaries(st.text("abc", max_size=3), st.integers(), max_size=2))
 
 
-class ValuesAreCheckedOnceTheDigestsMatch(unittest.TestCase):
+class _SavedStates(unittest.TestCase):
+    """A temporary directory (``cls.tmp``, made by the subclass's setUpClass) where ``saved``
+    writes a state as a one-rank checkpoint, with the digests of what it writes."""
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.tmp, ignore_errors=True)
+
+    def saved(self, state) -> str:
+        d = tempfile.mkdtemp(dir=self.tmp)
+        ckpt.save_checkpoint(d, 1, state, 0, 1, keep_last=0)  # digests of what is written
+        return ckpt.step_dir(d, 1)
+
+
+class ValuesAreCheckedOnceTheDigestsMatch(_SavedStates):
     """Files whose digests were re-written over wrong values (the bytes are those written,
     the values are not sane): every tensor of a per-rank file (model, AdamW moments and step
     counters, scheduler, RNG), every manifest field, every weight of a Hugging Face
@@ -315,15 +329,6 @@ class ValuesAreCheckedOnceTheDigestsMatch(unittest.TestCase):
         cls.tmp = tempfile.mkdtemp(prefix="values_")
         cls.state = _trained_state()
         cls.entries = [e[0] for e in _float_entries(cls.state)]
-
-    @classmethod
-    def tearDownClass(cls):
-        shutil.rmtree(cls.tmp, ignore_errors=True)
-
-    def saved(self, state) -> str:
-        d = tempfile.mkdtemp(dir=self.tmp)
-        ckpt.save_checkpoint(d, 1, state, 0, 1, keep_last=0)  # digests of what is written
-        return ckpt.step_dir(d, 1)
 
     def test_a_sane_state_passes_and_every_section_is_walked(self):
         ckpt.check_rank_files(self.saved(self.state))
@@ -423,7 +428,7 @@ if __name__ == "__main__":
 TOP_KEYS = tuple(ckpt.TRAINER_STATE)  # step, model, optimizer, scheduler, rng
 
 
-class RankFilesOfAnotherStructureAreRefused(unittest.TestCase):
+class RankFilesOfAnotherStructureAreRefused(_SavedStates):
     """A rank file whose digests and manifest were re-written over another structure (a
     ``torch.save({})``, an entry missing, an entry of another type, an optimizer or RNG state
     without its parts): the pre-flight (``check_rank_files``) and the load each refuse it with
@@ -433,15 +438,6 @@ class RankFilesOfAnotherStructureAreRefused(unittest.TestCase):
     def setUpClass(cls):
         cls.tmp = tempfile.mkdtemp(prefix="structure_")
         cls.state = _trained_state()
-
-    @classmethod
-    def tearDownClass(cls):
-        shutil.rmtree(cls.tmp, ignore_errors=True)
-
-    def saved(self, state) -> str:
-        d = tempfile.mkdtemp(dir=self.tmp)
-        ckpt.save_checkpoint(d, 1, state, 0, 1, keep_last=0)  # digests of what is written
-        return ckpt.step_dir(d, 1)
 
     @settings(max_examples=300 if LONG else 20, deadline=None, derandomize=not LONG,
               suppress_health_check=[HealthCheck.too_slow])
