@@ -150,6 +150,14 @@ class DirectRead(nn.Module):
         return F.linear(self.layers[0](x), self.layers[1].weight)
 
 
+class Spare(MLP):
+    """An MLP with a layer its forward never calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.spare = nn.Linear(2, 2)
+
+
 MODELS: Dict[str, Tuple[Callable[[], nn.Module], Tuple[int, ...]]] = {
     "mlp": (MLP, (6, )),
     "frozen": (Frozen, (6, )),
@@ -314,8 +322,43 @@ def direct_read_errors() -> List[str]:
     return said
 
 
+def _raised(fn: Callable[[], Any]) -> str:
+    """What ``fn()`` raised (every rank makes the same mistake, so every rank raises), or
+    "no error"."""
+    try:
+        fn()
+    except (RuntimeError, ValueError) as error:
+        return str(error).splitlines()[0]
+    return "no error"
+
+
+def _step(model: nn.Module, rank: int, world: int, dtype: torch.dtype = torch.float32) -> None:
+    x, y = batches("mlp")[0]
+    F.mse_loss(model(x.chunk(world)[rank].to(dtype)), y.chunk(world)[rank].to(dtype)).backward()
+
+
+def fp64_grads(impl: str, rank: int, world: int) -> Dict[str, torch.Tensor]:
+    """Our DDP on a float64 MLP (each rank its own seed): the gradients after one backward."""
+    model = apply_data_parallel(build("mlp", 100 + rank).double(), None, impl, 1e-3)
+    _step(model, rank, world, torch.float64)
+    return {n: p.grad.clone() for n, p in model.module.named_parameters()}
+
+
+def ddp_misuses(rank: int, world: int) -> Dict[str, Any]:
+    """Each DDP mistake that used to hand out zeros as gradients, tried by every rank."""
+    out: Dict[str, Any] = {}
+    for impl in ("naive", "ours"):
+        ddp = apply_data_parallel(Spare(), None, impl, 1e-3)
+        out[impl, "unused"] = _raised(lambda: _step(ddp, rank, world))
+        ddp = apply_data_parallel(build("mlp", 1), None, impl, 1e-3)
+        ddp.module.net[2].weight.requires_grad_(False)  # frozen after the wrap
+        out[impl, "frozen_after"] = _raised(lambda: _step(ddp, rank, world))
+        out[impl, "fp64"] = fp64_grads(impl, rank, world)
+    return out
+
+
 def _world(rank: int, world: int) -> Dict[str, Any]:
-    out: Dict[str, Any] = {"direct_read": direct_read_errors()}
+    out: Dict[str, Any] = {"direct_read": direct_read_errors(), **ddp_misuses(rank, world)}
     for case in cases_of(world):
         start = time.perf_counter()
         out[case] = train(*case, rank=rank, world=world)
@@ -418,6 +461,28 @@ class _OwnModelMixin:
                 self.assertIn("ZeRO-3 unit 'layers.1' (Linear) is released", said, f"rank {rank}")
                 self.assertIn("layers.1.weight was used", said)
                 self.assertNotIn("\n", said)
+
+    def test_ddp_refuses_a_gradient_it_would_make_up(self) -> None:
+        """No rank used a parameter (torch DDP raises), or requires_grad changed after the
+        wrap: a zero gradient handed out would let AdamW decay the weight (1.2e-2 off)."""
+        for rank, r in enumerate(self.results):
+            for impl in ("naive", "ours"):
+                said = r[impl, "unused"]
+                self.assertIn("['spare.weight', 'spare.bias'] got no gradient", said, impl)
+                self.assertIn("find_unused_parameters=True", said)
+                said = r[impl, "frozen_after"]
+                self.assertIn("requires_grad changed since the wrap for ['net.2.weight']", said)
+
+    def test_ddp_reduces_float64_gradients_in_float64(self) -> None:
+        """atol 1e-12: fp64's eps is 1.1e-16 on gradients of order 1, summed over N ranks;
+        a reduction in fp32 (the bug) is off by ~1e-8, four orders above."""
+        model = build("mlp", 100).double()
+        _step(model, 0, 1, torch.float64)  # the whole batch: the mean of the N slices' means
+        for rank, r in enumerate(self.results):
+            for impl in ("naive", "ours"):
+                for n, p in model.named_parameters():
+                    torch.testing.assert_close(r[impl, "fp64"][n], p.grad, rtol=0, atol=1e-12,
+                                               msg=f"{impl} rank {rank} {n}")
 
 
 class OwnModels2Ranks(_OwnModelMixin, unittest.TestCase):
