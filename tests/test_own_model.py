@@ -357,8 +357,57 @@ def ddp_misuses(rank: int, world: int) -> Dict[str, Any]:
     return out
 
 
+class Shared(nn.Module):
+    """One Linear registered under two names (``self.mid2 = self.mid``) and called twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.mid, self.out = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+        self.mid2 = self.mid
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.mid2(torch.tanh(self.mid(self.inp(x)))))
+
+
+def zero_misuses(rank: int, world: int) -> Dict[str, Any]:
+    """The sharded optimizer's and ZeRO-3's mistakes that trained the wrong model silently."""
+    out: Dict[str, Any] = {}
+    mixed = build("mlp", 1)
+    mixed.net[2].double()  # a unit of float64 beside float32 ones: fine; one unit mixing: not
+    out["mixed_unit"] = _raised(lambda: apply_zero_any(mixed, None, 3, units=[mixed.net]))
+    zero = apply_zero_any(build("mlp", 1), None, 3)
+    out["adafactor"] = _raised(lambda: ShardedOptimizer(zero, torch.optim.Adafactor, lr=1e-2))
+    out["lbfgs"] = _raised(
+        lambda: ShardedOptimizer(build("mlp", 1).parameters(), torch.optim.LBFGS))
+    views = [p for _, p in zero.named_parameters()]
+    out["views"] = _raised(lambda: ShardedOptimizer([{"params": views}], torch.optim.AdamW))
+    out["view_requires_grad"] = _raised(lambda: views[0].requires_grad_(False))
+    out["order"] = [n for n, _ in apply_zero_any(build("frozen", 1), None, 3).named_parameters()]
+    shared = apply_zero_any(Shared(), None, 3)
+    out["shared_state"] = shared.full_state_dict()
+    for stage in (1, 2):  # step(closure), as torch's optimizers take it: ZeRO-1 behind DDP
+        model = build("mlp", 100 + rank)
+        ddp = apply_data_parallel(model, None) if stage == 1 else model
+        opt = ShardedOptimizer(model.parameters(), torch.optim.SGD, zero_stage=stage, lr=0.1)
+
+        def closure() -> torch.Tensor:
+            opt.zero_grad()
+            x, y = batches("mlp")[0]
+            loss = F.mse_loss(ddp(x.chunk(world)[rank]), y.chunk(world)[rank])
+            loss.backward()
+            return loss
+
+        opt.step(closure)
+        out["closure", stage] = state_of(model)
+    return out
+
+
 def _world(rank: int, world: int) -> Dict[str, Any]:
-    out: Dict[str, Any] = {"direct_read": direct_read_errors(), **ddp_misuses(rank, world)}
+    out: Dict[str, Any] = {
+        "direct_read": direct_read_errors(),
+        **ddp_misuses(rank, world),
+        **zero_misuses(rank, world)
+    }
     for case in cases_of(world):
         start = time.perf_counter()
         out[case] = train(*case, rank=rank, world=world)
@@ -483,6 +532,50 @@ class _OwnModelMixin:
                 for n, p in model.named_parameters():
                     torch.testing.assert_close(r[impl, "fp64"][n], p.grad, rtol=0, atol=1e-12,
                                                msg=f"{impl} rank {rank} {n}")
+
+    def test_sharded_optimizer_and_zero3_refuse_what_they_would_get_wrong(self) -> None:
+        """Each used to train silently off one device: Adafactor on flat shards 7.1e-3, views
+        as parameters aborted gloo, a frozen view drifted 1.9e-2, a mixed unit cast fp64."""
+        for rank, r in enumerate(self.results):
+            said = r["mixed_unit"]
+            self.assertIn("ZeRO unit 'net' mixes dtypes", said, rank)
+            self.assertIn("'torch.float64': ['net.2.weight', 'net.2.bias']", said)
+            self.assertIn("needs an elementwise optimizer, got Adafactor", r["adafactor"])
+            self.assertIn("cannot shard LBFGS", r["lbfgs"])
+            self.assertIn("views of a ZeRO wrapper's shards", r["views"])
+            self.assertIn("ShardedOptimizer(model, AdamW, ...)", r["views"])
+            self.assertIn("freeze the parameter before apply_zero_any", r["view_requires_grad"])
+            for said in [v for k, v in r.items() if k in ZERO_ERRORS]:
+                self.assertNotIn("\n", said)
+
+    def test_zero3_names_follow_the_model_and_keep_every_state_dict_key(self) -> None:
+        """named_parameters() in the model's order (frozen ones in place); full_state_dict() has
+        a shared module's second name, so a strict load into the model works."""
+        frozen, shared = build("frozen", 1), Shared()
+        for r in self.results:
+            self.assertEqual(r["order"], [n for n, _ in frozen.named_parameters()])
+            self.assertEqual(sorted(r["shared_state"]), sorted(shared.state_dict()))
+            shared.load_state_dict(r["shared_state"], strict=True)  # every key, no extra
+            self.assertIs(shared.mid2.weight, shared.mid.weight)
+
+    def test_sharded_optimizer_step_takes_a_closure(self) -> None:
+        """step(closure) as torch's: one SGD step of lr 0.1 equals one device's within 1e-6
+        (fp32 sums in another order, 4 x N eps x lr); a closure run without grad would raise,
+        a closure's gradients left unreduced would be off by the ranks' difference (~1e-2)."""
+        model = build("mlp", 100)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x, y = batches("mlp")[0]
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        for rank, r in enumerate(self.results):
+            for stage in (1, 2):
+                for n, want in state_of(model).items():
+                    torch.testing.assert_close(r["closure", stage][n], want, rtol=0, atol=1e-6,
+                                               msg=f"stage {stage} rank {rank} {n}")
+
+
+ZERO_ERRORS = ("mixed_unit", "adafactor", "lbfgs", "views", "view_requires_grad")
 
 
 class OwnModels2Ranks(_OwnModelMixin, unittest.TestCase):
