@@ -13,7 +13,7 @@ added by a subclass of zero.py's ``ShardedDataParallel``:
 - ``full_state_dict()`` with every key ``module.state_dict()`` has (a shared module's too);
 - a unit holds one dtype (one flat vector): a unit mixing dtypes is refused at the wrap.
 
-The optimizer is zero.py's (``ZeroAdamW``, or sharded_optimizer.py's with any class).
+The optimizer is zero.py's (``ZeroAdamW``), or sharded_optimizer.py's with an elementwise class.
 """
 
 from functools import partial
