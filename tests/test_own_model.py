@@ -349,6 +349,65 @@ def fp64_grads(impl: str, rank: int, world: int) -> Dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in model.module.named_parameters()}
 
 
+class Gated(nn.Module):
+    """Four layers; ``skip`` names the ones this step's forward leaves out (unused)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(6, 6) for _ in range(3)] + [nn.Linear(6, 3)])
+        self.skip: List[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = x if i in self.skip else torch.tanh(layer(x)) if i < 3 else layer(x)
+        return x
+
+
+def generated_ddp_cases() -> List[Dict[str, Any]]:
+    """Every impl x optimizer pair; drawn from a fixed seed (the same on every rank and in the
+    test): the dtype, which parameters are frozen, which layers each of 2 steps leaves unused."""
+    g = torch.Generator().manual_seed(52)
+    n = 40 if os.environ.get("SCALETORCH_LONG_TESTS") == "1" else 6
+
+    def pick(options: List[Any]) -> Any:
+        return options[int(torch.randint(len(options), (1, ), generator=g))]
+
+    names = [f"layers.{i}.{k}" for i in range(4) for k in ("weight", "bias")]
+    return [
+        dict(impl=["naive", "ours"][k % 2], opt=list(OPTIMIZERS)[k % 3],
+             dtype=pick([torch.float32, torch.float64]),
+             frozen=[m for m in names
+                     if pick([0, 0, 0, 1])], skip=[[i for i in range(3) if pick([0, 0, 1])]
+                                                   for _ in range(2)]) for k in range(n)
+    ]
+
+
+def train_gated(case: Dict[str, Any], rank: int, world: int,
+                one_device: bool = False) -> Dict[str, torch.Tensor]:
+    """``case`` trained 2 steps by our DDP at ``world`` ranks (rank ``rank``), or on one device
+    (rank 0's model, the mean of the ``world`` slices' losses)."""
+    torch.manual_seed(100 + rank)
+    model = Gated().to(case["dtype"])
+    for name in case["frozen"]:
+        model.get_parameter(name).requires_grad_(False)
+    inner = model
+    if not one_device:
+        model = apply_data_parallel(model, None, case["impl"], 1e-4, find_unused_parameters=True)
+    cls, kwargs = OPTIMIZERS[case["opt"]]
+    opt = cls([p for p in model.parameters() if p.requires_grad], **kwargs)
+    x, y = (t.to(case["dtype"]) for t in batches("mlp")[0])
+    slices = list(zip(x.chunk(world), y.chunk(world)))
+    for skip in case["skip"]:
+        inner.skip = skip
+        opt.zero_grad(set_to_none=True)
+        if one_device:
+            (sum(F.mse_loss(model(xs), ys) for xs, ys in slices) / world).backward()
+        else:
+            F.mse_loss(model(slices[rank][0]), slices[rank][1]).backward()
+        opt.step()
+    return state_of(inner)
+
+
 def ddp_misuses(rank: int, world: int) -> Dict[str, Any]:
     """Each DDP mistake that used to hand out zeros as gradients, tried by every rank."""
     out: Dict[str, Any] = {}
@@ -359,6 +418,7 @@ def ddp_misuses(rank: int, world: int) -> Dict[str, Any]:
         ddp.module.net[2].weight.requires_grad_(False)  # frozen after the wrap
         out[impl, "frozen_after"] = _raised(lambda: _step(ddp, rank, world))
         out[impl, "fp64"] = fp64_grads(impl, rank, world)
+    out["generated"] = [train_gated(case, rank, world) for case in generated_ddp_cases()]
     return out
 
 
@@ -541,6 +601,21 @@ class _OwnModelMixin:
                 for n, p in model.named_parameters():
                     torch.testing.assert_close(r[impl, "fp64"][n], p.grad, rtol=0, atol=1e-12,
                                                msg=f"{impl} rank {rank} {n}")
+
+    def test_ddp_on_generated_frozen_and_unused_sets_matches_one_device(self) -> None:
+        """Tolerance: fp32 as WEIGHT_TOL (Adam 1e-4, SGD 1e-6, the module docstring), fp64
+        1e-10. An unused parameter decayed by AdamW moves lr x wd x |w| ~ 3e-4 per step, and a
+        frozen one is compared bit for bit."""
+        self._misuse_world()
+        for case, *ranks in zip(generated_ddp_cases(), *(r["generated"] for r in self.results)):
+            want = train_gated(case, 0, self.world, one_device=True)
+            tol = 1e-10 if case["dtype"] == torch.float64 else WEIGHT_TOL[case["opt"]]
+            for rank, got in enumerate(ranks):
+                for n, w in want.items():
+                    msg = f"{case} rank {rank} {n}"
+                    if n in case["frozen"]:
+                        self.assertTrue(torch.equal(got[n], w), msg)
+                    torch.testing.assert_close(got[n], w, rtol=0, atol=tol, msg=msg)
 
     def test_sharded_optimizer_and_zero3_refuse_what_they_would_get_wrong(self) -> None:
         """Each used to train silently off one device: Adafactor on flat shards 7.1e-3, views
