@@ -27,6 +27,12 @@ the tests catch is far larger: a replica never broadcast differs by O(0.1) (anot
 frozen weights are compared bit for bit; an unused parameter must have ``grad None`` (AdamW
 would decay it by lr x wd x |w|, up to 3.5e-4 per step here); a sum not divided by N is off
 by a factor of N.
+
+In the 2-rank world (both in the long phase) the mistakes that used to train the wrong model
+silently must now stop with one line: a parameter no backward reached, ``requires_grad``
+changed after the wrap, a ZeRO unit mixing dtypes, a non-elementwise class or views given to
+the sharded optimizer, LBFGS. Also there: float64 reduced in float64, generated DDP cases
+(frozen and unused sets drawn), ``step(closure)``, and ZeRO-3's names and state-dict keys.
 """
 
 import math
