@@ -453,6 +453,9 @@ def zero_misuses(rank: int, world: int) -> Dict[str, Any]:
     views = [p for _, p in zero.named_parameters()]
     out["views"] = _raised(lambda: ShardedOptimizer([{"params": views}], torch.optim.AdamW))
     out["view_requires_grad"] = _raised(lambda: views[0].requires_grad_(False))
+    unfrozen = apply_zero_any(build("frozen", 1), None, 3)
+    unfrozen.module.scale.requires_grad_(True)  # whole on every rank, in no unit
+    out["unfrozen"] = _raised(lambda: (_step(unfrozen, rank, world), unfrozen.finish_grad_sync()))
     out["order"] = [n for n, _ in apply_zero_any(build("frozen", 1), None, 3).named_parameters()]
     shared = apply_zero_any(Shared(), None, 3)
     out["shared_state"] = shared.full_state_dict()
@@ -636,6 +639,7 @@ class _OwnModelMixin:
             self.assertIn("views of a ZeRO wrapper's shards", r["views"])
             self.assertIn("ShardedOptimizer(model, AdamW, ...)", r["views"])
             self.assertIn("freeze the parameter before apply_zero_any", r["view_requires_grad"])
+            self.assertIn("['scale'] were frozen at the wrap and are in no unit", r["unfrozen"])
             for said in [v for k, v in r.items() if k in ZERO_ERRORS]:
                 self.assertNotIn("\n", said)
 
@@ -668,7 +672,7 @@ class _OwnModelMixin:
                                                msg=f"stage {stage} rank {rank} {n}")
 
 
-ZERO_ERRORS = ("mixed_unit", "adafactor", "lbfgs", "views", "view_requires_grad")
+ZERO_ERRORS = ("mixed_unit", "adafactor", "lbfgs", "views", "view_requires_grad", "unfrozen")
 
 
 def flat_vs_whole(cls: type, sizes: List[int], seed: int) -> float:

@@ -144,6 +144,15 @@ class AnyShardedDataParallel(ShardedDataParallel):
         super()._free(i)
         self._hold(self.units[i], False)  # a use outside the hooks now raises, naming the unit
 
+    def finish_grad_sync(self) -> None:
+        """zero.py's, after checking that no parameter left whole (frozen at the wrap) was
+        unfrozen since: its gradient would be each rank's own, never reduced."""
+        unfrozen = [n for n, p in self.module.named_parameters() if p.requires_grad]
+        if unfrozen:
+            raise RuntimeError(f"ZeRO: {unfrozen} were frozen at the wrap and are in no unit; "
+                               f"unfreeze before apply_zero_any")
+        super().finish_grad_sync()
+
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
         """What an optimizer steps: this rank's (S,) shards (and frozen parameters, whole)."""
         for _, param in super().named_parameters(recurse=recurse):
