@@ -27,6 +27,12 @@ the tests catch is far larger: a replica never broadcast differs by O(0.1) (anot
 frozen weights are compared bit for bit; an unused parameter must have ``grad None`` (AdamW
 would decay it by lr x wd x |w|, up to 3.5e-4 per step here); a sum not divided by N is off
 by a factor of N.
+
+In the 2-rank world (both in the long phase) the mistakes that used to train the wrong model
+silently must now stop with one line: a parameter no backward reached, ``requires_grad``
+changed after the wrap, a ZeRO unit mixing dtypes, a non-elementwise class or views given to
+the sharded optimizer, LBFGS. Also there: float64 reduced in float64, generated DDP cases
+(frozen and unused sets drawn), ``step(closure)``, and ZeRO-3's names and state-dict keys.
 """
 
 import math
@@ -37,11 +43,13 @@ from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from scaletorch.parallel.data_parallel import apply_data_parallel
-from scaletorch.parallel.sharded_optimizer import ShardedOptimizer
+from scaletorch.parallel.sharded_optimizer import ELEMENTWISE, ShardedOptimizer
 from scaletorch.parallel.zero import ZeroAdamW
 from scaletorch.parallel.zero_any_module import apply_zero_any
 from tests.harness import run_distributed
@@ -148,6 +156,14 @@ class DirectRead(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(self.layers[0](x), self.layers[1].weight)
+
+
+class Spare(MLP):
+    """An MLP with a layer its forward never calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.spare = nn.Linear(2, 2)
 
 
 MODELS: Dict[str, Tuple[Callable[[], nn.Module], Tuple[int, ...]]] = {
@@ -295,6 +311,9 @@ FOUR_RANK_CASES = CASES if os.environ.get("SCALETORCH_LONG_TESTS") == "1" else [
     ("zero3", "transformer", "adamw"), ("zero3", "frozen", "sgd"), ("zero3", "convbn", "adamw")
 ]
 
+# the misuse checks do not depend on N: at 2 ranks (5 s more at 4; both in the long phase)
+MISUSE_WORLDS = (2, 4) if os.environ.get("SCALETORCH_LONG_TESTS") == "1" else (2, )
+
 
 def cases_of(world: int) -> List[Tuple[str, str, str]]:
     return CASES if world == 2 else FOUR_RANK_CASES
@@ -314,8 +333,153 @@ def direct_read_errors() -> List[str]:
     return said
 
 
+def _raised(fn: Callable[[], Any]) -> str:
+    """What ``fn()`` raised (every rank makes the same mistake, so every rank raises), or
+    "no error"."""
+    try:
+        fn()
+    except (RuntimeError, ValueError) as error:
+        return str(error).splitlines()[0]
+    return "no error"
+
+
+def _step(model: nn.Module, rank: int, world: int, dtype: torch.dtype = torch.float32) -> None:
+    x, y = batches("mlp")[0]
+    F.mse_loss(model(x.chunk(world)[rank].to(dtype)), y.chunk(world)[rank].to(dtype)).backward()
+
+
+def fp64_grads(impl: str, rank: int, world: int) -> Dict[str, torch.Tensor]:
+    """Our DDP on a float64 MLP (each rank its own seed): the gradients after one backward."""
+    model = apply_data_parallel(build("mlp", 100 + rank).double(), None, impl, 1e-3)
+    _step(model, rank, world, torch.float64)
+    return {n: p.grad.clone() for n, p in model.module.named_parameters()}
+
+
+class Gated(nn.Module):
+    """Four layers; ``skip`` names the ones this step's forward leaves out (unused)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(6, 6) for _ in range(3)] + [nn.Linear(6, 3)])
+        self.skip: List[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = x if i in self.skip else torch.tanh(layer(x)) if i < 3 else layer(x)
+        return x
+
+
+def generated_ddp_cases() -> List[Dict[str, Any]]:
+    """Every impl x optimizer pair; drawn from a fixed seed (the same on every rank and in the
+    test): the dtype, which parameters are frozen, which layers each of 2 steps leaves unused."""
+    g = torch.Generator().manual_seed(52)
+    n = 40 if os.environ.get("SCALETORCH_LONG_TESTS") == "1" else 6
+
+    def pick(options: List[Any]) -> Any:
+        return options[int(torch.randint(len(options), (1, ), generator=g))]
+
+    names = [f"layers.{i}.{k}" for i in range(4) for k in ("weight", "bias")]
+    return [
+        dict(impl=["naive", "ours"][k % 2], opt=list(OPTIMIZERS)[k % 3],
+             dtype=pick([torch.float32, torch.float64]),
+             frozen=[m for m in names
+                     if pick([0, 0, 0, 1])], skip=[[i for i in range(3) if pick([0, 0, 1])]
+                                                   for _ in range(2)]) for k in range(n)
+    ]
+
+
+def train_gated(case: Dict[str, Any], rank: int, world: int,
+                one_device: bool = False) -> Dict[str, torch.Tensor]:
+    """``case`` trained 2 steps by our DDP at ``world`` ranks (rank ``rank``), or on one device
+    (rank 0's model, the mean of the ``world`` slices' losses)."""
+    torch.manual_seed(100 + rank)
+    model = Gated().to(case["dtype"])
+    for name in case["frozen"]:
+        model.get_parameter(name).requires_grad_(False)
+    inner = model
+    if not one_device:
+        model = apply_data_parallel(model, None, case["impl"], 1e-4, find_unused_parameters=True)
+    cls, kwargs = OPTIMIZERS[case["opt"]]
+    opt = cls([p for p in model.parameters() if p.requires_grad], **kwargs)
+    x, y = (t.to(case["dtype"]) for t in batches("mlp")[0])
+    slices = list(zip(x.chunk(world), y.chunk(world)))
+    for skip in case["skip"]:
+        inner.skip = skip
+        opt.zero_grad(set_to_none=True)
+        if one_device:
+            (sum(F.mse_loss(model(xs), ys) for xs, ys in slices) / world).backward()
+        else:
+            F.mse_loss(model(slices[rank][0]), slices[rank][1]).backward()
+        opt.step()
+    return state_of(inner)
+
+
+def ddp_misuses(rank: int, world: int) -> Dict[str, Any]:
+    """Each DDP mistake that used to hand out zeros as gradients, tried by every rank."""
+    out: Dict[str, Any] = {}
+    for impl in ("naive", "ours"):
+        ddp = apply_data_parallel(Spare(), None, impl, 1e-3)
+        out[impl, "unused"] = _raised(lambda: _step(ddp, rank, world))
+        ddp = apply_data_parallel(build("mlp", 1), None, impl, 1e-3)
+        ddp.module.net[2].weight.requires_grad_(False)  # frozen after the wrap
+        out[impl, "frozen_after"] = _raised(lambda: _step(ddp, rank, world))
+        out[impl, "fp64"] = fp64_grads(impl, rank, world)
+    out["generated"] = [train_gated(case, rank, world) for case in generated_ddp_cases()]
+    return out
+
+
+class Shared(nn.Module):
+    """One Linear registered under two names (``self.mid2 = self.mid``) and called twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.mid, self.out = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+        self.mid2 = self.mid
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.mid2(torch.tanh(self.mid(self.inp(x)))))
+
+
+def zero_misuses(rank: int, world: int) -> Dict[str, Any]:
+    """The sharded optimizer's and ZeRO-3's mistakes that trained the wrong model silently."""
+    out: Dict[str, Any] = {}
+    mixed = build("mlp", 1)
+    mixed.net[2].double()  # a unit of float64 beside float32 ones: fine; one unit mixing: not
+    out["mixed_unit"] = _raised(lambda: apply_zero_any(mixed, None, 3, units=[mixed.net]))
+    zero = apply_zero_any(build("mlp", 1), None, 3)
+    out["adafactor"] = _raised(lambda: ShardedOptimizer(zero, torch.optim.Adafactor, lr=1e-2))
+    out["lbfgs"] = _raised(
+        lambda: ShardedOptimizer(build("mlp", 1).parameters(), torch.optim.LBFGS))
+    views = [p for _, p in zero.named_parameters()]
+    out["views"] = _raised(lambda: ShardedOptimizer([{"params": views}], torch.optim.AdamW))
+    out["view_requires_grad"] = _raised(lambda: views[0].requires_grad_(False))
+    unfrozen = apply_zero_any(build("frozen", 1), None, 3)
+    unfrozen.module.scale.requires_grad_(True)  # whole on every rank, in no unit
+    out["unfrozen"] = _raised(lambda: (_step(unfrozen, rank, world), unfrozen.finish_grad_sync()))
+    out["order"] = [n for n, _ in apply_zero_any(build("frozen", 1), None, 3).named_parameters()]
+    shared = apply_zero_any(Shared(), None, 3)
+    out["shared_state"] = shared.full_state_dict()
+    for stage in (1, 2):  # step(closure), as torch's optimizers take it: ZeRO-1 behind DDP
+        model = build("mlp", 100 + rank)
+        ddp = apply_data_parallel(model, None) if stage == 1 else model
+        opt = ShardedOptimizer(model.parameters(), torch.optim.SGD, zero_stage=stage, lr=0.1)
+
+        def closure() -> torch.Tensor:
+            opt.zero_grad()
+            x, y = batches("mlp")[0]
+            loss = F.mse_loss(ddp(x.chunk(world)[rank]), y.chunk(world)[rank])
+            loss.backward()
+            return loss
+
+        opt.step(closure)
+        out["closure", stage] = state_of(model)
+    return out
+
+
 def _world(rank: int, world: int) -> Dict[str, Any]:
     out: Dict[str, Any] = {"direct_read": direct_read_errors()}
+    if world in MISUSE_WORLDS:
+        out.update({**ddp_misuses(rank, world), **zero_misuses(rank, world)})
     for case in cases_of(world):
         start = time.perf_counter()
         out[case] = train(*case, rank=rank, world=world)
@@ -336,6 +500,10 @@ class _OwnModelMixin:
         for case in cases_of(self.world):
             strategy, name, opt = case
             yield case, self.refs[(name, opt)], [r[case] for r in self.results]
+
+    def _misuse_world(self) -> None:
+        if self.world not in MISUSE_WORLDS:
+            self.skipTest(f"misuse checks run at {MISUSE_WORLDS} ranks")
 
     def test_losses_match_one_device_for_every_strategy_and_model(self) -> None:
         for case, ref, ranks in self._each():
@@ -418,6 +586,127 @@ class _OwnModelMixin:
                 self.assertIn("ZeRO-3 unit 'layers.1' (Linear) is released", said, f"rank {rank}")
                 self.assertIn("layers.1.weight was used", said)
                 self.assertNotIn("\n", said)
+
+    def test_ddp_refuses_a_gradient_it_would_make_up(self) -> None:
+        """No rank used a parameter (torch DDP raises), or requires_grad changed after the
+        wrap: a zero gradient handed out would let AdamW decay the weight (1.2e-2 off)."""
+        self._misuse_world()
+        for rank, r in enumerate(self.results):
+            for impl in ("naive", "ours"):
+                said = r[impl, "unused"]
+                self.assertIn("['spare.weight', 'spare.bias'] got no gradient", said, impl)
+                self.assertIn("find_unused_parameters=True", said)
+                said = r[impl, "frozen_after"]
+                self.assertIn("requires_grad changed since the wrap for ['net.2.weight']", said)
+
+    def test_ddp_reduces_float64_gradients_in_float64(self) -> None:
+        """atol 1e-12: fp64's eps is 1.1e-16 on gradients of order 1, summed over N ranks;
+        a reduction in fp32 (the bug) is off by ~1e-8, four orders above."""
+        self._misuse_world()
+        model = build("mlp", 100).double()
+        _step(model, 0, 1, torch.float64)  # the whole batch: the mean of the N slices' means
+        for rank, r in enumerate(self.results):
+            for impl in ("naive", "ours"):
+                for n, p in model.named_parameters():
+                    torch.testing.assert_close(r[impl, "fp64"][n], p.grad, rtol=0, atol=1e-12,
+                                               msg=f"{impl} rank {rank} {n}")
+
+    def test_ddp_on_generated_frozen_and_unused_sets_matches_one_device(self) -> None:
+        """Tolerance: fp32 as WEIGHT_TOL (Adam 1e-4, SGD 1e-6, the module docstring), fp64
+        1e-10. An unused parameter decayed by AdamW moves lr x wd x |w| ~ 3e-4 per step, and a
+        frozen one is compared bit for bit."""
+        self._misuse_world()
+        for case, *ranks in zip(generated_ddp_cases(), *(r["generated"] for r in self.results)):
+            want = train_gated(case, 0, self.world, one_device=True)
+            tol = 1e-10 if case["dtype"] == torch.float64 else WEIGHT_TOL[case["opt"]]
+            for rank, got in enumerate(ranks):
+                for n, w in want.items():
+                    msg = f"{case} rank {rank} {n}"
+                    if n in case["frozen"]:
+                        self.assertTrue(torch.equal(got[n], w), msg)
+                    torch.testing.assert_close(got[n], w, rtol=0, atol=tol, msg=msg)
+
+    def test_sharded_optimizer_and_zero3_refuse_what_they_would_get_wrong(self) -> None:
+        """Each used to train silently off one device: Adafactor on flat shards 7.1e-3, views
+        as parameters aborted gloo, a frozen view drifted 1.9e-2, a mixed unit cast fp64."""
+        self._misuse_world()
+        for rank, r in enumerate(self.results):
+            said = r["mixed_unit"]
+            self.assertIn("ZeRO unit 'net' mixes dtypes", said, rank)
+            self.assertIn("'torch.float64': ['net.2.weight', 'net.2.bias']", said)
+            self.assertIn("needs an elementwise optimizer, got Adafactor", r["adafactor"])
+            self.assertIn("cannot shard LBFGS", r["lbfgs"])
+            self.assertIn("views of a ZeRO wrapper's shards", r["views"])
+            self.assertIn("ShardedOptimizer(model, AdamW, ...)", r["views"])
+            self.assertIn("freeze the parameter before apply_zero_any", r["view_requires_grad"])
+            self.assertIn("['scale'] were frozen at the wrap and are in no unit", r["unfrozen"])
+            for said in [v for k, v in r.items() if k in ZERO_ERRORS]:
+                self.assertNotIn("\n", said)
+
+    def test_zero3_names_follow_the_model_and_keep_every_state_dict_key(self) -> None:
+        """named_parameters() in the model's order (frozen ones in place); full_state_dict() has
+        a shared module's second name, so a strict load into the model works."""
+        self._misuse_world()
+        frozen, shared = build("frozen", 1), Shared()
+        for r in self.results:
+            self.assertEqual(r["order"], [n for n, _ in frozen.named_parameters()])
+            self.assertEqual(sorted(r["shared_state"]), sorted(shared.state_dict()))
+            shared.load_state_dict(r["shared_state"], strict=True)  # every key, no extra
+            self.assertIs(shared.mid2.weight, shared.mid.weight)
+
+    def test_sharded_optimizer_step_takes_a_closure(self) -> None:
+        """step(closure) as torch's: one SGD step of lr 0.1 equals one device's within 1e-6
+        (fp32 sums in another order, 4 x N eps x lr); a closure run without grad would raise,
+        a closure's gradients left unreduced would be off by the ranks' difference (~1e-2)."""
+        self._misuse_world()
+        model = build("mlp", 100)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x, y = batches("mlp")[0]
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        for rank, r in enumerate(self.results):
+            for stage in (1, 2):
+                for n, want in state_of(model).items():
+                    torch.testing.assert_close(r["closure", stage][n], want, rtol=0, atol=1e-6,
+                                               msg=f"stage {stage} rank {rank} {n}")
+
+
+ZERO_ERRORS = ("mixed_unit", "adafactor", "lbfgs", "views", "view_requires_grad", "unfrozen")
+
+
+def flat_vs_whole(cls: type, sizes: List[int], seed: int) -> float:
+    """Largest |difference| after 3 steps of ``cls`` on parameters of ``sizes``, stepped as
+    they are and as one flat vector (what a ZeRO shard is), with the same gradients."""
+    g = torch.Generator().manual_seed(seed)
+    whole = [nn.Parameter(torch.randn(n, 2, generator=g)) for n in sizes]
+    flat = nn.Parameter(torch.cat([p.detach().reshape(-1) for p in whole]))
+    opts = [cls(whole, lr=1e-2), cls([flat], lr=1e-2)]
+    for _ in range(3):
+        grads = [torch.randn(n, 2, generator=g) for n in sizes]
+        for p, grad in zip(whole, grads):
+            p.grad = grad
+        flat.grad = torch.cat([grad.reshape(-1) for grad in grads])
+        for opt in opts:
+            opt.step()
+    return (flat - torch.cat([p.detach().reshape(-1) for p in whole])).abs().max().item()
+
+
+class ElementwiseOptimizers(unittest.TestCase):
+    """Every class the sharded optimizer takes over flat shards steps a flat vector as it
+    steps the parameters in it. atol 1e-6: the same elementwise arithmetic, lr 1e-2 x 3 steps;
+    Adafactor (refused) is off by ~1e-3 (factored moments see other rows)."""
+
+    @settings(max_examples=200 if os.environ.get("SCALETORCH_LONG_TESTS") == "1" else 25,
+              deadline=None)
+    @given(st.sampled_from(ELEMENTWISE), st.lists(st.integers(1, 5), min_size=1, max_size=3),
+           st.integers(0, 2**16))
+    def test_each_elementwise_class_steps_a_flat_shard_as_its_parameters(
+            self, cls: type, sizes: List[int], seed: int) -> None:
+        self.assertLessEqual(flat_vs_whole(cls, sizes, seed), 1e-6, cls.__name__)
+
+    def test_the_check_catches_a_class_that_is_not_elementwise(self) -> None:
+        self.assertGreater(flat_vs_whole(torch.optim.Adafactor, [3, 4], 0), 1e-4)
 
 
 class OwnModels2Ranks(_OwnModelMixin, unittest.TestCase):

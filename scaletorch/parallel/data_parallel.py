@@ -33,6 +33,7 @@ records when each bucket went out (chapter 01's chart), ddp_reduce_dtype.py redu
 
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import reduce
 from typing import Any, Dict, Iterator, List, Optional, Set
 
 import torch
@@ -63,7 +64,8 @@ class _DataParallel(ModuleWrapper, nn.Module):
                  broadcast_buffers: bool = True, find_unused_parameters: bool = False) -> None:
         super().__init__()
         self.module, self.group, self.world = module, group, comm.group_size(group)
-        self.params = [p for p in module.parameters() if p.requires_grad]  # frozen: left out
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]  # frozen: out
+        self.names, self.params = [n for n, _ in named], [p for _, p in named]
         self.broadcast_buffers, self.find_unused = broadcast_buffers, find_unused_parameters
         self._used: Set[int] = set()  # parameters that got a gradient since the last sync
         self._sync_enabled, self._needs_sync, self._callback_queued = True, False, False
@@ -118,9 +120,17 @@ class _DataParallel(ModuleWrapper, nn.Module):
         raise NotImplementedError
 
     def _drop_unused(self) -> None:
-        """After a sync, with find_unused_parameters (torch DDP's flag): a parameter that no
-        rank's backward reached gets ``grad = None``, as on one device (one all-reduce over the
-        group of a 0/1 flag per parameter). Without it such a gradient is zeros."""
+        """After a sync. With torch DDP's find_unused_parameters a parameter no rank's backward
+        reached gets ``grad = None`` (an all-reduce of a 0/1 flag each); without it, it raises."""
+        self._needs_sync = False
+        now = [n for n, p in self.module.named_parameters() if p.requires_grad]
+        unused = [n for i, n in enumerate(self.names) if i not in self._used]
+        if now != self.names:  # the buckets were laid out at the wrap (torch DDP raises too)
+            raise RuntimeError(f"data parallel: requires_grad changed since the wrap for "
+                               f"{sorted(set(now) ^ set(self.names))}: wrap the model again")
+        if unused and not self.find_unused:  # a zero gradient is not one: AdamW would decay
+            raise RuntimeError(f"data parallel: {unused} got no gradient on this rank: pass "
+                               f"find_unused_parameters=True (grad None where no rank used one)")
         if self.find_unused and self.params:
             used = torch.tensor([float(i in self._used) for i in range(len(self.params))],
                                 device=self.params[0].device)
@@ -134,21 +144,18 @@ class NaiveDataParallel(_DataParallel):
     """After backward, all-reduce each gradient (blocking) and divide by N."""
 
     def _sync(self) -> None:
-        # a parameter unused here may be used elsewhere: every rank must reduce it (zeros)
-        grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in self.params]
-        for p, grad in zip(self.params, grads):
-            p.grad = grad
-        self._average(grads)  # all-reduce each over the data-parallel group, then / N
+        for p in self.params:  # unused here, maybe used elsewhere: every rank reduces (zeros)
+            p.grad = torch.zeros_like(p) if p.grad is None else p.grad
+        self._average([p.grad for p in self.params if p.grad is not None])  # over dp, / N
         self._drop_unused()
-        self._needs_sync = False
 
 
 @dataclass
 class Bucket:
-    """A flat fp32 gradient buffer for a run of parameters (in reverse registration order)."""
+    """A flat gradient buffer (fp32, or fp64 for fp64 parameters) for a run of parameters."""
     index: int
     param_ids: List[int]
-    buffer: torch.Tensor  # (numel,) fp32
+    buffer: torch.Tensor  # (numel,)
     ready: int = 0  # parameters whose gradient arrived in this sync's backward
     work: Optional[Work] = None  # the async all-reduce handle, once launched
 
@@ -172,24 +179,18 @@ class BucketedDataParallel(_DataParallel):
         if len(devices) > 1:
             raise ValueError(f"data parallel wraps a model on one device, got {devices}")
         super().__init__(module, group, broadcast_buffers, find_unused_parameters)
-        self.bucket_size_mb = bucket_size_mb
         self.buckets: List[Bucket] = []
         self._bucket_of: Dict[int, int] = {}
-        # every slot is set by _add_bucket below
         self._views: List[torch.Tensor] = [None] * len(self.params)  # type: ignore[list-item]
-        # fp32 elements per bucket, filled in reverse (backward meets the last layers first);
-        # like torch DDP, the first bucket holds at most 1 MB, so the first all-reduce starts
-        # early in backward
         for ids in ddp_buckets([p.numel() for p in self.params], bucket_size_mb):
             self._add_bucket(ids)
         self._stale = set(range(len(self.params)))  # slots still holding the last sync's grad
-        self._next_bucket = 0  # buckets launch in index order, the same on every rank
-        self._grads_ready = 0
+        self._next_bucket = self._grads_ready = 0  # buckets launch in index order everywhere
 
     def _add_bucket(self, ids: List[int]) -> None:
         device = self.params[ids[0]].device
-        buffer = torch.zeros(sum(self.params[j].numel() for j in ids), dtype=torch.float32,
-                             device=device)
+        dtype = reduce(torch.promote_types, [self.params[j].dtype for j in ids], torch.float32)
+        buffer = torch.zeros(sum(self.params[j].numel() for j in ids), dtype=dtype, device=device)
         offset = 0
         for j in ids:
             n = self.params[j].numel()
@@ -248,7 +249,6 @@ class BucketedDataParallel(_DataParallel):
         self._drop_unused()
         self._stale = set(range(len(self.params)))
         self._next_bucket = self._grads_ready = 0
-        self._needs_sync = False
 
 
 class TorchDataParallel(ModuleWrapper, DistributedDataParallel):

@@ -14,14 +14,17 @@ holds the state of its own parameters only (1/N of it). ``step()``:
 Frozen parameters (``requires_grad=False``) are in no shard and never move. A parameter whose
 gradient is None is skipped as the optimizer skips it on one device; ZeRO-2 first all-reduces
 one 0/1 flag per parameter so that every rank agrees which ones (ZeRO-1 relies on the data
-parallel wrapper's ``find_unused_parameters`` for that). Any optimizer class works, elementwise
-or not, since each parameter is stepped whole by its owner. ZeRO-2 here drops the full
-gradients at the step; zero.py's wrapper drops each unit's during backward.
+parallel wrapper's ``find_unused_parameters`` for that). Any optimizer class that steps each
+parameter alone works (Adafactor too: each is stepped whole by its owner); LBFGS, which couples
+them all, is refused. ZeRO-2 here drops the full gradients at the step; zero.py's wrapper drops
+each unit's during backward. ``step(closure)`` runs the closure with gradients on, as torch's.
 
 Given chapter 02's ZeRO wrapper instead of parameters (zero.py: any stage, flat shards that
 are already each rank's), it is zero.py's ``ZeroOptimizer``, whose step it inherits: the
 wrapper's shards stepped with ``optimizer_class``, then all-gathered back (stages 1, 2).
-``ZeroAdamW`` is that with AdamW.
+``ZeroAdamW`` is that with AdamW. A flat shard mixes pieces of many parameters, so only an
+elementwise class (``ELEMENTWISE``) is right on it: Adafactor's factored moments are refused.
+Views of a wrapper (``named_parameters()``: ``ShardView``) are refused as parameters.
 """
 
 from typing import Any, Callable, Dict, Iterable, List, Optional, Type, Union
@@ -32,8 +35,13 @@ import torch.distributed as dist
 from scaletorch.dist import comm
 from scaletorch.dist.comm import Group
 from scaletorch.parallel.zero import ShardedDataParallel, ZeroOptimizer
+from scaletorch.parallel.zero_any_module import ShardView
 
 Params = Union[Iterable[torch.Tensor], Iterable[Dict[str, Any]]]
+# each element of a parameter updated from that element's gradient and state alone
+ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop,
+               torch.optim.Adagrad, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
+               torch.optim.ASGD, torch.optim.Rprop, torch.optim.Adadelta)
 
 
 def partition(numels: List[int], world: int) -> List[int]:
@@ -71,8 +79,15 @@ class ShardedOptimizer(ZeroOptimizer):
 
     def __init__(self, params: Any, optimizer_class: Type[torch.optim.Optimizer],
                  group: Group = None, zero_stage: Optional[int] = None, **defaults: Any) -> None:
+        if issubclass(optimizer_class, torch.optim.LBFGS):
+            raise ValueError("ShardedOptimizer cannot shard LBFGS: its step couples every "
+                             "parameter (a line search over all of them); use it unsharded")
         self.wrappers = zero_wrappers(params)
         if self.wrappers:
+            if not issubclass(optimizer_class, ELEMENTWISE):
+                raise ValueError(f"ShardedOptimizer over a ZeRO wrapper's flat shards needs an "
+                                 f"elementwise optimizer, got {optimizer_class.__name__} (it sees "
+                                 f"pieces of parameters as 1-D vectors); use one of ELEMENTWISE")
             stages = {w.zero_stage for w in self.wrappers}
             if zero_stage is not None and stages != {zero_stage}:
                 raise ValueError(f"zero_stage {zero_stage} for wrappers of stage {stages}: "
@@ -84,6 +99,11 @@ class ShardedOptimizer(ZeroOptimizer):
             raise ValueError(f"zero_stage must be 1 or 2 (ZeRO-3 shards the model: apply_zero, "
                              f"or apply_zero_any for any module), got {zero_stage}")
         torch.optim.Optimizer.__init__(self, params, defaults)  # the full groups
+        views = [p for g in self.param_groups for p in g["params"] if isinstance(p, ShardView)]
+        if views:
+            raise ValueError(f"ShardedOptimizer got {len(views)} views of a ZeRO wrapper's "
+                             f"shards (its named_parameters()): pass the wrapper itself, "
+                             f"ShardedOptimizer(model, {optimizer_class.__name__}, ...)")
         self.group, self.zero_stage = group, zero_stage
         self.world, self.rank = comm.group_size(group), comm.group_rank(group)
         self.trainable = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
@@ -130,9 +150,11 @@ class ShardedOptimizer(ZeroOptimizer):
     @torch.no_grad()
     def step(  # type: ignore[override]  # torch's stub: overloads on closure
             self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
-        if self.wrappers:
-            return super().step(closure)  # zero.py's: the wrappers' shards
-        loss = closure() if closure is not None else None
+        with torch.enable_grad():  # the closure's backward needs it, as in torch's optimizers
+            loss = closure() if closure is not None else None
+        if self.wrappers:  # zero.py's step: the wrappers' shards (after the closure's sync)
+            super().step()
+            return loss
         for full, local in zip(self.param_groups, self.local.param_groups):
             local.update({k: v for k, v in full.items() if k != "params"})  # the scheduler's lr
         if self.zero_stage == 2 and self.trainable and self.world > 1:

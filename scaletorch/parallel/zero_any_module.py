@@ -8,13 +8,16 @@ added by a subclass of zero.py's ``ShardedDataParallel``:
 - under stage 3 a unit is gathered before whichever of its modules runs first, and a released
   unit's modules hold placeholders (``ReleasedParameter``): a parent that reads
   ``self.layers[1].weight`` without calling ``layers[1]`` stops with one line naming the unit;
-- ``named_parameters()`` under the model's own names, each this rank's piece of its shard.
+- ``named_parameters()`` under the model's own names, in its order, each this rank's piece of
+  its shard (``ShardView``: it refuses ``requires_grad_``; the sharded optimizer refuses it);
+- ``full_state_dict()`` with every key ``module.state_dict()`` has (a shared module's too);
+- a unit holds one dtype (one flat vector): a unit mixing dtypes is refused at the wrap.
 
-The optimizer is zero.py's (``ZeroAdamW``, or sharded_optimizer.py's with any class).
+The optimizer is zero.py's (``ZeroAdamW``), or sharded_optimizer.py's with an elementwise class.
 """
 
 from functools import partial
-from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, Union, cast
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union, cast
 
 import torch
 from torch import nn
@@ -78,11 +81,39 @@ class ReleasedParameter(torch.Tensor):
         raise RuntimeError(found[0].message if found else "a released ZeRO-3 parameter was used")
 
 
+class ShardView(nn.Parameter):
+    """A piece of a ZeRO unit's shard under a parameter's name (``named_parameters()``)."""
+
+    def requires_grad_(self, requires_grad: bool = True) -> "ShardView":
+        raise RuntimeError("requires_grad_ on a ZeRO view does nothing to the shard it shows: "
+                           "freeze the parameter before apply_zero_any")
+
+
+def check_unit_dtypes(units: Units) -> None:
+    """One flat vector per unit holds one dtype: refuse a unit whose parameters mix them."""
+    for name, modules in units:
+        dtypes: Dict[str, List[str]] = {}
+        for m_name, module in modules:
+            for n, p in module.named_parameters():
+                if p.requires_grad:
+                    dtypes.setdefault(str(p.dtype), []).append(f"{m_name}.{n}".strip("."))
+        if len(dtypes) > 1:
+            raise ValueError(f"ZeRO unit {name!r} mixes dtypes {dtypes}: a unit is one flat "
+                             f"vector of one dtype; cast the model, or give each dtype its units")
+
+
 class AnyShardedDataParallel(ShardedDataParallel):
     """``ShardedDataParallel`` for a module nobody here wrote (see the module docstring)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, module: nn.Module, units: Units, *args: Any, **kwargs: Any) -> None:
+        check_unit_dtypes(units)
+        first: Dict[int, str] = {}  # each tensor's first name: its other names are aliases
+        names = {
+            n: first.setdefault(id(t), n)
+            for n, t in module.state_dict(keep_vars=True).items()
+        }
+        super().__init__(module, units, *args, **kwargs)
+        self.names_at_wrap = names  # {every state_dict key: the first key of its tensor}
         if self.zero_stage == 3:
             for i, unit in enumerate(self.units):
                 # the first module has its hook (zero.py); every other one holding a parameter
@@ -113,6 +144,15 @@ class AnyShardedDataParallel(ShardedDataParallel):
         super()._free(i)
         self._hold(self.units[i], False)  # a use outside the hooks now raises, naming the unit
 
+    def finish_grad_sync(self) -> None:
+        """zero.py's, after checking that no parameter left whole (frozen at the wrap) was
+        unfrozen since: its gradient would be each rank's own, never reduced."""
+        unfrozen = [n for n, p in self.module.named_parameters() if p.requires_grad]
+        if unfrozen:
+            raise RuntimeError(f"ZeRO: {unfrozen} were frozen at the wrap and are in no unit; "
+                               f"unfreeze before apply_zero_any")
+        super().finish_grad_sync()
+
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
         """What an optimizer steps: this rank's (S,) shards (and frozen parameters, whole)."""
         for _, param in super().named_parameters(recurse=recurse):
@@ -126,17 +166,28 @@ class AnyShardedDataParallel(ShardedDataParallel):
         gradient once reduced; frozen ones whole. Pieces of all ranks make the parameter
         (``full_state_dict`` gathers them); ``parameters()`` stays the shards."""
         lead = prefix + "." if prefix else ""
+        found: List[Tuple[str, nn.Parameter]] = []
         for unit in self.units:
             lo, hi = unit.rank * unit.shard_numel, (unit.rank + 1) * unit.shard_numel
             for names, begin, end in zip(unit.names, unit.offsets, unit.offsets[1:]):
                 a, b = min(max(begin, lo), hi) - lo, min(max(end, lo), hi) - lo
-                piece = nn.Parameter(unit.shard.detach()[a:b])
+                piece = ShardView(unit.shard.detach()[a:b])
                 if unit.shard.grad is not None:
                     piece.grad = unit.shard.grad[a:b]
-                for name in names[:1] if remove_duplicate else names:
-                    yield lead + name, piece
-        for name, param in self.module.named_parameters(remove_duplicate=remove_duplicate):
-            yield lead + name, param  # frozen: in no unit, whole on every rank
+                found += [(name, piece) for name in (names[:1] if remove_duplicate else names)]
+        # frozen ones: in no unit, whole on every rank; all in the model's order
+        found += self.module.named_parameters(remove_duplicate=remove_duplicate)
+        order = {n: i for i, n in enumerate(self.names_at_wrap)}
+        for name, param in sorted(found, key=lambda item: order.get(item[0], len(order))):
+            yield lead + name, param
+
+    def full_state_dict(
+        self, value_of: Optional[Callable[[torch.Tensor],
+                                          torch.Tensor]] = None) -> Dict[str, torch.Tensor]:
+        """zero.py's, with every key of ``module.state_dict()``: a module registered under two
+        names (``self.mid2 = self.mid``) gives both, one tensor."""
+        full = super().full_state_dict(value_of)
+        return {name: full[first] for name, first in self.names_at_wrap.items() if first in full}
 
 
 def apply_zero_any(model: nn.Module, group: Group = None, zero_stage: int = 3,
