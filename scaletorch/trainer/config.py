@@ -49,7 +49,7 @@ from scaletorch.trainer.checkpoint import (check_rank_files, check_resume, lates
 from scaletorch.trainer.memory_limit import check_memory
 from scaletorch.trainer.resume_check import check_resumed
 from scaletorch.trainer.run_dir import check_run_dir, move_aside, remove_unused, take_ownership
-from scaletorch.trainer.stops import catch_stop_signals, stopped
+from scaletorch.trainer.stops import catch_stop_signals, is_output_failure, stopped
 
 __all__ = [
     "CheckpointConfig", "Config", "DataConfig", "InputError", "LoggingConfig", "ParallelConfig",
@@ -415,8 +415,8 @@ def report_input_errors(kind: Type[BaseException], err: BaseException,
     Under torchrun with several ranks, a bug's traceback goes to torchrun's error file instead
     (``write_error_file``): scripts/torchrun.py then prints the traceback of the rank that
     failed first, once, and one line for every other rank."""
-    if isinstance(err, KeyboardInterrupt):  # Ctrl-C or SIGTERM outside the training loop
-        err = stopped(err)
+    if isinstance(err, KeyboardInterrupt) or is_output_failure(err):  # outside the loop: a
+        err = stopped(err)  # Ctrl-C, SIGTERM, or stdout failing (| head, > /dev/full)
     quiet_on_stop_signals()
     if isinstance(err, RunStopped):  # a signal, a non-finite loss: one line, its own status
         rank = int(os.environ.get("RANK", "0"))
