@@ -42,6 +42,7 @@ from scaletorch.parallel.mixed_precision import precision_hooks
 from scaletorch.parallel.parallelize import parallelize
 from scaletorch.parallel.tied_embeddings import TiedEmbeddings
 from scaletorch.parallel.vocab_padding import apply_tensor_parallel_padded
+from scaletorch.rules.errors import clip
 from scaletorch.trainer import Trainer, check_against_reference, load_config
 from scaletorch.trainer.config import InputError, validate
 from scaletorch.trainer.hf_seed import seed_from_hf, stored_bytes
@@ -83,13 +84,15 @@ def limits(args):
         try:
             check_length(prompt, args.max_new_tokens, cfg.model.max_seq_len)
         except ValueError as err:
+            if prompt < 1:  # nothing to continue: refused before the run, not after it
+                raise InputError(f"--prompt {clip(args.prompt)}: {err}") from None
             raise InputError(f"--max-new-tokens {args.max_new_tokens}: {err}; ask for at most "
                              f"{max(cfg.model.max_seq_len - prompt, 0)} new tokens after this "
                              f"--prompt") from None
         try:
-            check_sampling(args.temperature, args.top_k, args.top_p)
+            check_sampling(args.temperature, args.top_k, args.top_p, cfg.data.seed)
         except ValueError as err:
-            raise InputError(f"--temperature, --top-k, --top-p: {err}") from None
+            raise InputError(f"--temperature, --top-k, --top-p, data.seed: {err}") from None
 
     return check
 

@@ -19,7 +19,7 @@ from scaletorch.models import LlamaConfig
 from scaletorch.rules.recompute import RECOMPUTE, recompute_mode
 from scaletorch.rules.schema import (PRINTED, REFUSED, RESHARD, SILENT, Rule, at_least, checked,
                                      creatable_dir, existing_file, fraction, one_of, path_component,
-                                     positive, unless)
+                                     positive, seed_range, unless)
 
 __all__ = [
     "CheckpointConfig", "Config", "DataConfig", "LoggingConfig", "ParallelConfig", "PRECISIONS",
@@ -46,7 +46,7 @@ class DataConfig:
     # gradient accumulation steps (micro-batches per rank per step)
     num_micro_batches: int = checked(1, positive(), resume=PRINTED)
     # the data seed: batch t is a function of (seed, t)
-    seed: int = checked(1234, at_least(0), resume=REFUSED)
+    seed: int = checked(1234, seed_range(), resume=REFUSED)
 
 
 @dataclass
@@ -110,7 +110,7 @@ class TrainingConfig:
     # auto (bf16 on GPU, fp32 on CPU and under --check) | fp32 | bf16 | fp16
     precision: str = checked("auto", one_of(*PRECISIONS), resume=PRINTED)
     # one seed builds the same full model everywhere
-    model_seed: int = checked(42, at_least(0), resume=PRINTED)
+    model_seed: int = checked(42, seed_range(), resume=PRINTED)
     # every collective fails after this instead of hanging
     timeout_seconds: float = checked(300.0, positive(), resume=SILENT)
     # fault injection: kill rank ``fail_rank`` at this step (first try only); -1: never

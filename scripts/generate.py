@@ -77,11 +77,11 @@ def checked_inputs(args: argparse.Namespace) -> Tuple[torch.Tensor, Llama, Any]:
     plus the new tokens against its positions. ValueError (an InputError) naming the values."""
     boundary.trust_unchecked(args.trust_unchecked)
     try:
-        check_sampling(args.temperature, args.top_k, args.top_p)
-        check_length(0, args.max_new_tokens, sys.maxsize)  # >= 0; the positions once loaded
+        check_sampling(args.temperature, args.top_k, args.top_p, args.seed)
+        check_length(1, args.max_new_tokens, sys.maxsize)  # >= 0; the positions once loaded
     except ValueError as err:
-        raise InputError(f"{err}: give --temperature, --top-k, --top-p and --max-new-tokens "
-                         f"in those ranges") from None
+        raise InputError(f"{err}: give --temperature, --top-k, --top-p, --seed and "
+                         f"--max-new-tokens in those ranges") from None
     model = load_model(args.source, args.config)
     spec = args.tokenizer
     if spec is None:
@@ -96,7 +96,8 @@ def checked_inputs(args: argparse.Namespace) -> Tuple[torch.Tensor, Llama, Any]:
     try:
         check_length(len(ids), args.max_new_tokens, model.config.max_seq_len)
     except ValueError as err:
-        raise InputError(f"{err}: give a shorter --prompt or fewer --max-new-tokens") from None
+        raise InputError(f"{err}: give a --prompt of 1 to {model.config.max_seq_len} tokens "
+                         f"with --max-new-tokens") from None
     return torch.tensor([ids]), model, tokenizer
 
 

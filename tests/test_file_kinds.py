@@ -431,8 +431,9 @@ TOP_KEYS = tuple(ckpt.TRAINER_STATE)  # step, model, optimizer, scheduler, rng
 class RankFilesOfAnotherStructureAreRefused(_SavedStates):
     """A rank file whose digests and manifest were re-written over another structure (a
     ``torch.save({})``, an entry missing, an entry of another type, an optimizer or RNG state
-    without its parts): the pre-flight (``check_rank_files``) and the load each refuse it with
-    one InputError naming the entry, never a KeyError later. 20 examples; 300 long."""
+    without its parts), or one whose step (or scheduler's last_epoch) is not its manifest's:
+    the pre-flight (``check_rank_files``) and the load each refuse it with one InputError
+    naming the entry, never a KeyError later. 20 and 10 examples; 300 long."""
 
     @classmethod
     def setUpClass(cls):
@@ -467,6 +468,27 @@ class RankFilesOfAnotherStructureAreRefused(_SavedStates):
         if how != "not_a_dict" and key in ckpt.RANK_STATE:  # what every loop's load checks
             with self.assertRaises(InputError):
                 ckpt.load_checkpoint(path, 0, 1)
+
+    @settings(max_examples=300 if LONG else 10, deadline=None, derandomize=not LONG,
+              suppress_health_check=[HealthCheck.too_slow])
+    @given(entry=st.sampled_from(["step", "last_epoch"]),
+           step=st.integers(0, 10**6).filter(lambda s: s != 1))
+    def test_a_step_other_than_the_manifests_is_one_input_error(self, entry, step):
+        state = dict(self.state)  # saved at step 1, its manifest re-written at step 1
+        if entry == "step":
+            state["step"] = step
+        else:
+            state["scheduler"] = dict(state["scheduler"], last_epoch=step)
+        path = self.saved(state)
+        checks = [ckpt.check_rank_files]
+        if entry == "step":  # what every loop's load reads: the step it resumes at
+            checks.append(lambda p: ckpt.load_checkpoint(p, 0, 1))
+        for check in checks:
+            with self.assertRaises(InputError) as refused:
+                check(path)
+            message = str(refused.exception)
+            self.assertNotIn("\n", message)
+            self.assertRegex(message, f"is {step}, but its manifest.json says step 1:")
 
     def test_the_trainers_own_state_passes(self):
         ckpt.check_rank_files(self.saved(self.state))

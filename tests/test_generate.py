@@ -125,9 +125,10 @@ def _consolidated(d: str, vocab: int, **model) -> tuple:
 
 class GenerateChecksEveryInputBeforeWork(unittest.TestCase):
     """scripts/generate.py with generated bad arguments (sampling settings out of range or
-    not finite, a negative token count, a prompt past the model's positions) and with a
-    checkpoint of another shape or a tokenizer larger than the model's vocabulary: exit 2 and
-    one ``error:`` line, before any token is generated. In this process; 25 examples."""
+    not finite, a negative token count, a prompt past the model's positions or of no token, a
+    seed outside [0, 2**63)) and with a checkpoint of another shape or a tokenizer larger than
+    the model's vocabulary: exit 2 and one ``error:`` line, before any token is generated;
+    chapter 10 refuses an empty prompt before it trains. In this process; 25 and 20 examples."""
 
     @classmethod
     def setUpClass(cls):
@@ -190,6 +191,32 @@ class GenerateChecksEveryInputBeforeWork(unittest.TestCase):
         except ValueError:
             pass
         self.assert_refused(f"{flag}={number}")
+
+    @settings(max_examples=300 if os.environ.get("SCALETORCH_LONG_TESTS") == "1" else 20,
+              deadline=None)
+    @given(seed=st.one_of(st.integers(max_value=-1), st.integers(min_value=2**63)),
+           prompt=st.sampled_from(["", "ab"]))
+    def test_a_seed_out_of_range_or_an_empty_prompt_is_one_line(self, seed, prompt):
+        if prompt == "":  # nothing to continue: refused with the other inputs, not in forward
+            err = self.assert_refused("--prompt", prompt, "--max-new-tokens", "3")
+            self.assertIn("encodes to 0 tokens", err)
+            return
+        err = self.assert_refused("--seed", str(seed), "--temperature", "1")
+        self.assertIn("need a seed in [0, 9223372036854775808)", err)
+
+    def test_the_largest_seed_generates(self):
+        code, err, out = self.run_generate("--seed", str(2**63 - 1), "--temperature", "1",
+                                           "--prompt", "ab", "--max-new-tokens", "2")
+        self.assertEqual((code, err), (0, ""))
+
+    def test_chapter_10_refuses_an_empty_prompt_before_it_trains(self):
+        from tests.test_bad_inputs import run_in_process
+        code, out = run_in_process("examples/10_real_model.py",
+                                   ["--training.steps", "2", "--prompt", ""])
+        self.assertEqual(code, 2, out)
+        self.assertEqual(
+            out, "error: --prompt '': the prompt encodes to 0 tokens: generation "
+            "continues a prompt of at least one token\n")
 
     def test_another_shape_and_a_larger_tokenizer_are_one_line(self):
         with tempfile.TemporaryDirectory() as d:

@@ -11,6 +11,8 @@ import tempfile
 import unittest
 
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from scaletorch.rules import boundary
 from tests.harness import bit_exact
@@ -180,6 +182,52 @@ class AnExportHasAChecksumPerFileAndAFlippedByteIsRefusedNamingIt(unittest.TestC
                     load_hf_llama(d)
                 with boundary.trusting([d]):
                     self.assert_same_weights(load_hf_llama(d), model)
+
+
+ROPE_TYPES = st.sampled_from([None, "default", "llama3", "linear", "dynamic", "yarn"])
+THETAS = st.sampled_from([None, 1e4, 5e5])
+
+
+class EveryRopeSettingOfAConfigIsRead(unittest.TestCase):
+    """A config.json states RoPE in two styles (4.x: rope_theta, rope_scaling; 5.x:
+    rope_parameters), so a type or a theta may be given more than once. Generated over every
+    slot: any type that is not 'default' is refused, wherever it is, and thetas that disagree
+    are refused naming each; otherwise the one theta given is the model's. In this process, no
+    weights; 40 examples, 400 long."""
+
+    @settings(max_examples=400 if os.environ.get("SCALETORCH_LONG_TESTS") == "1" else 40,
+              deadline=None)
+    @given(
+        types=st.fixed_dictionaries({
+            ("rope_parameters", "rope_type"): ROPE_TYPES,
+            ("rope_scaling", "rope_type"): ROPE_TYPES,
+            ("rope_scaling", "type"): ROPE_TYPES
+        }), thetas=st.fixed_dictionaries({
+            ("rope_parameters", "rope_theta"): THETAS,
+            (None, "rope_theta"): THETAS
+        }))
+    def test_a_type_or_theta_that_disagrees_is_one_line(self, types, thetas):
+        from scaletorch.models import LlamaConfig
+        from scaletorch.models.hf import config_from_hf, config_to_hf
+        from scaletorch.rules.errors import InputError
+        hf = config_to_hf(LlamaConfig(vocab_size=50, hidden_size=32, num_layers=2), torch.float32)
+        for key in ("rope_theta", "rope_parameters", "rope_scaling"):
+            hf.pop(key, None)
+        for (section, key), value in {**types, **thetas}.items():
+            if value is not None:
+                (hf.setdefault(section, {}) if section else hf)[key] = value
+        other = [t for t in types.values() if t not in (None, "default")]
+        given_thetas = {t for t in thetas.values() if t is not None}
+        if other or len(given_thetas) > 1:
+            with self.assertRaises(InputError) as refused:
+                config_from_hf(hf, "d/config.json")
+            message = str(refused.exception)
+            self.assertNotIn("\n", message)
+            self.assertIn("d/config.json: ", message)
+            self.assertIn(repr(other[0]) if other else "disagree", message)
+            return
+        theta = config_from_hf(hf, "d/config.json").rope_theta
+        self.assertEqual(theta, given_thetas.pop() if given_thetas else 1e4)
 
 
 @unittest.skipUnless(HAVE_HF, SKIP_REASON)

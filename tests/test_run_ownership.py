@@ -242,28 +242,34 @@ class AdviceIsBuiltFromWhatWasFound(unittest.TestCase):
     """The refusal of an occupied or held directory offers only ways on that work there:
     --overwrite only for a directory a run made (its marker), and the option that names
     another directory of that kind (--name for a run directory, --checkpoint.dir for a shared
-    checkpoint directory). Generated: marker or not, which directory, held or not."""
+    checkpoint directory), and for a shared one only when its marker names this run.
+    Generated: marker or not, whose, which directory, held or not."""
 
     @settings(max_examples=20 if not LONG else 200, deadline=None)
-    @given(marked=st.booleans(), shared=st.booleans(), live=st.booleans(), overwrite=st.booleans())
-    def test_the_advice_holds_for_the_directory_found(self, marked, shared, live, overwrite):
+    @given(marked=st.booleans(), shared=st.booleans(), live=st.booleans(), overwrite=st.booleans(),
+           ours=st.booleans())
+    def test_the_advice_holds_for_the_directory_found(self, marked, shared, live, overwrite, ours):
         with tempfile.TemporaryDirectory() as tmp:
             target = os.path.join(tmp, "ckpt" if shared else "r")
             os.makedirs(target)
             open(os.path.join(target, "step_0000001" if shared else "notes.txt"), "w").close()
             fd = held_by_another_run(target) if live and marked else None
-            if marked and fd is None:
+            if marked and fd is None:  # a finished run's: this one's (same name) or another's
+                run = os.path.realpath(os.path.join(tmp, "r" if ours else "another"))
                 with open(os.path.join(target, MARKER), "w") as f:
-                    json.dump(HOLDER, f)
+                    json.dump(dict(HOLDER, run=run), f)
             argv = ["--logging.run_dir", tmp, "--name", "r"]
             if shared:
                 argv += ["--checkpoint.dir", target, "--checkpoint.every", "1"]
             code, out = run_in_process(C00, argv + (["--overwrite"] if overwrite else []))
             if fd is not None:
                 os.close(fd)
-            if overwrite and marked and fd is None:  # a finished run's: moved aside
+            if overwrite and marked and fd is None and (ours or not shared):  # moved aside
                 self.assertEqual((code, out), (0, ""))
                 return
+            if shared and marked and fd is None and not ours:  # never continued nor moved
+                self.assertRegex(out, "belongs to the run in .*another.*, not to this run")
+                self.assertNotIn("--overwrite to move", out)
             self.assertEqual(code, 2, out)
             self.assertEqual(len(out.splitlines()), 1, out)
             other = "--checkpoint.dir" if shared else "--name"
@@ -272,3 +278,67 @@ class AdviceIsBuiltFromWhatWasFound(unittest.TestCase):
             if not marked:
                 self.assertNotIn("--overwrite to move", out)
             self.assertEqual(os.listdir(target) != [], True)
+
+
+class ARunWritesOnlyInDirectoriesOfItsOwn(unittest.TestCase):
+    """A run directory or checkpoint.dir that is a symlink (to a directory, or dangling),
+    another run's directory given as checkpoint.dir, or a directory inside a live run's: one
+    line naming it (in use, a symlink, another run's), exit 2, with --resume or --overwrite
+    too, and nothing written, moved or created. Generated; 25 examples."""
+
+    KINDS = {
+        "run": ["symlink", "dangling", "inside_live"],
+        "checkpoints": ["symlink", "dangling", "other_run", "other_live", "inside_live"]
+    }
+    SAYS = {
+        "symlink": "is a symlink",
+        "dangling": "is a symlink",
+        "other_run": "belongs to the run in",
+        "other_live": "is in use by another run",
+        "inside_live": "is in use by another run"
+    }
+
+    @settings(max_examples=EXAMPLES, deadline=None)
+    @given(where=st.sampled_from(["run", "checkpoints"]), which=st.integers(0, 4),
+           flag=st.sampled_from([[], ["--resume"], ["--overwrite"]]))
+    def test_one_line_and_nothing_moved(self, where, which, flag):
+        kind = self.KINDS[where][which % len(self.KINDS[where])]
+        with tempfile.TemporaryDirectory() as tmp:
+            elsewhere, victim = os.path.join(tmp, "elsewhere"), os.path.join(tmp, "victim")
+            os.makedirs(elsewhere)
+            os.makedirs(os.path.join(victim, "checkpoints", "step_0000001"))
+            open(os.path.join(victim, "log.txt"), "w").close()
+            fd = None
+            if kind.endswith("live"):
+                fd = held_by_another_run(victim)
+            else:  # a finished run's directory: its marker names it
+                with open(os.path.join(victim, MARKER), "w") as f:
+                    json.dump(dict(HOLDER, run=os.path.realpath(victim)), f)
+            link = os.path.join(tmp, "link")
+            if kind in ("symlink", "dangling"):
+                os.symlink(elsewhere if kind == "symlink" else os.path.join(tmp, "gone"), link)
+            argv = ["--logging.run_dir", tmp, "--name", "r"]
+            if where == "run":
+                argv = {
+                    "inside_live": ["--logging.run_dir", victim, "--name", "r"]
+                }.get(kind, ["--logging.run_dir", tmp, "--name", "link"])
+            else:
+                target = {
+                    "other_run": victim,
+                    "other_live": victim,
+                    "inside_live": os.path.join(victim, "checkpoints")
+                }.get(kind, link)
+                argv += ["--checkpoint.dir", target, "--checkpoint.every", "1"]
+            before = sorted(os.listdir(tmp)), sorted(os.listdir(victim))
+            try:
+                code, out = run_in_process(C00, argv + flag)
+            finally:
+                if fd is not None:
+                    os.close(fd)
+            self.assertEqual(code, 2, out)
+            self.assertEqual(len(out.splitlines()), 1, out)
+            self.assertTrue(out.startswith("error: "), out)
+            if not (kind == "other_run" and flag == ["--resume"]):  # continues it, if it can
+                self.assertIn(self.SAYS[kind], out)
+            self.assertEqual((sorted(os.listdir(tmp)), sorted(os.listdir(victim))), before)
+            self.assertEqual(os.listdir(elsewhere), [])

@@ -220,8 +220,10 @@ SCALARS = st.one_of(st.integers(-99, 99), st.booleans(), LETTERS)
 class AmbiguousInputIsRefusedNotResolved(unittest.TestCase):
     """Input that says two things about one key is refused in one line naming it, whichever
     comes last: a key given twice in one YAML mapping (at any depth; a merge's keys may be
-    overridden), and a key given on the command line in two spellings (--set, --section.name,
-    its alias; one flag repeated keeps its last value). Generated; 25 examples, 300 long."""
+    overridden), a config field given in a YAML section and as a dotted top-level key, a key
+    given twice in one JSON object (config.json, manifest.json, index.json: one parse_json),
+    and a key given on the command line in two spellings (--set, --section.name, its alias;
+    one flag repeated keeps its last value). Generated; 25 examples, 300 long."""
 
     @settings(max_examples=300 if LONG else 25, deadline=None)
     @given(path=st.lists(KEYS, max_size=3), keys=st.lists(KEYS, min_size=1, max_size=4,
@@ -240,6 +242,46 @@ class AmbiguousInputIsRefusedNotResolved(unittest.TestCase):
         self.assertNotIn("\n", message)
         self.assertIn(f"key {key!r} is given twice", message)
         self.assertIn(f"line {len(lines)}", message)  # the second one's line
+
+    @settings(max_examples=300 if LONG else 25, deadline=None)
+    @given(field=st.sampled_from([k for k, a, _ in FIELDS if "." in k and _kind(a)[0] is int]),
+           dotted_first=st.booleans(), values=st.tuples(st.integers(1, 9), st.integers(1, 9)))
+    def test_a_field_in_a_section_and_dotted_is_one_line_naming_it(self, field, dotted_first,
+                                                                   values):
+        section, name = field.split(".")
+        items = [(section, {name: values[0]}), (field, values[1])]
+        if dotted_first:
+            items.reverse()
+        with self.assertRaises(InputError) as refused:
+            apply_dict(Config(), dict(items), source="f.yaml")
+        message = str(refused.exception)
+        self.assertNotIn("\n", message)
+        self.assertIn(f"f.yaml: {field} is given twice", message)
+        self.assertIn(f"top-level key {field!r}", message)
+
+    @settings(max_examples=300 if LONG else 25, deadline=None)
+    @given(path=st.lists(KEYS, max_size=3), keys=st.lists(KEYS, min_size=1, max_size=4,
+                                                          unique=True), which=st.integers(0, 3),
+           values=st.tuples(SCALARS, SCALARS))
+    def test_a_key_twice_in_one_json_object_is_one_line_naming_it(self, path, keys, which, values):
+        import json
+
+        from scaletorch.rules import boundary
+        key = keys[which % len(keys)]
+        pairs = [f"{json.dumps(k)}: {json.dumps(values[0])}" for k in keys]
+        pairs.append(f"{json.dumps(key)}: {json.dumps(values[1])}")
+        text = "{" + ", ".join(pairs) + "}"
+        for outer in reversed(path):
+            text = "{" + f"{json.dumps(outer)}: {text}" + "}"
+        with self.assertRaises(InputError) as refused:
+            boundary.parse_json(text, "config.json")
+        message = str(refused.exception)
+        self.assertNotIn("\n", message)
+        self.assertIn(f"config.json gives the key {key!r} twice", message)
+        once = boundary.parse_json(text.replace(", " + pairs[-1], "", 1), "config.json")
+        for outer in path:  # the same object with the key once: read, holding its one value
+            once = once[outer]
+        self.assertEqual(once[key], values[0])
 
     def test_a_merge_may_be_overridden_once(self):
         from scaletorch.rules import boundary

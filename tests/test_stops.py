@@ -420,10 +420,13 @@ CLOSED_OUTPUT = """
 import sys
 from scaletorch.config import Config
 from scaletorch.trainer.config import report_input_errors
-from scaletorch.trainer.stops import interruptible
+from scaletorch.trainer.stops import catch_stop_signals, interruptible
 sys.excepthook = report_input_errors
 cfg = Config()
 cfg.logging.run_dir = sys.argv[1]
+catch_stop_signals(cfg)  # as load_config does: stdout guarded, the setup's stops named
+if sys.argv[2:] == ["setup"]:
+    print("model: ...", flush=True)  # a script's first line, before the loop
 steps = [0]
 with interruptible(cfg, steps):
     while True:  # a run printing a line per step, as Trainer._print does
@@ -436,7 +439,8 @@ class AClosedOutputIsACleanStop(unittest.TestCase):
     """A run whose stdout is a pipe closed by its reader (``| head -N``, generated N) stops
     as a signal does: one line on stderr naming the step reached and what a resume starts
     from, SIGPIPE's status 141, no traceback. One small process per example (no model, but
-    torch's import: seconds): 1 in the suite, 20 long."""
+    torch's import: seconds): 1 in the suite, 20 long. Any other failed write of stdout
+    (``> /dev/full``: ENOSPC), in the setup or the loop, is the same stop with status 74."""
 
     @settings(max_examples=20 if os.environ.get("SCALETORCH_LONG_TESTS") == "1" else 1,
               deadline=None)
@@ -457,3 +461,19 @@ class AClosedOutputIsACleanStop(unittest.TestCase):
             self.assertRegex(
                 err, r"^stopped: the output was closed .* at step \d+ of \d+: "
                 r"no checkpoint was saved")
+
+    def test_a_full_device_ends_the_run_with_one_line_and_status_74(self):
+        for where, said in (("setup", "before step 1 of"), ("loop", "at step 1 of")):
+            with self.subTest(where=where), tempfile.TemporaryDirectory() as tmp, \
+                    open("/dev/full", "w") as full:
+                done = subprocess.run([sys.executable, "-c", CLOSED_OUTPUT, tmp, where],
+                                      stdout=full, stderr=subprocess.PIPE, cwd=ROOT, timeout=60,
+                                      env={
+                                          **os.environ, "PYTHONPATH": ROOT
+                                      })
+                err = done.stderr.decode()
+                self.assertEqual(done.returncode, 74, err)
+                self.assertEqual(len(err.splitlines()), 1, err)
+                self.assertRegex(
+                    err, rf"^stopped: the output could not be written \(No space left on "
+                    rf"device\) {said} \d+: no checkpoint was saved")

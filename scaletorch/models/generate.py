@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from scaletorch.models.llama import Llama, TransformerBlock, apply_rope
+from scaletorch.rules.errors import clip
+from scaletorch.rules.schema import seed_range
 
 KVCache = List[Tuple[torch.Tensor, torch.Tensor]]  # per layer: k, v (b, s_cached, hkv, d)
 
@@ -78,17 +80,24 @@ def forward_with_cache(model: Llama, input_ids: torch.Tensor,
     return model.head(x), new_cache
 
 
-def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
+def check_sampling(temperature: float, top_k: int, top_p: float, seed: int = 0) -> None:
     """ValueError unless temperature >= 0 (0: greedy), top_k >= 0 (0: all) and top_p in
-    (0, 1], each finite."""
+    (0, 1], each finite, and the generator's ``seed`` in [0, 2**63) (``seed_range``: what
+    ``torch.Generator.manual_seed`` takes)."""
     if not (math.isfinite(temperature) and temperature >= 0) or top_k < 0 or not 0 < top_p <= 1:
         raise ValueError(f"need temperature >= 0 ({temperature}), top_k >= 0 ({top_k}) and "
                          f"0 < top_p <= 1 ({top_p})")
+    if not seed_range().admits(seed):
+        raise ValueError(f"need a seed {seed_range().allowed(int)} ({clip(seed)})")
 
 
 def check_length(prompt_len: int, max_new_tokens: int, max_seq_len: int) -> None:
-    """ValueError unless max_new_tokens >= 0 and the prompt plus the new tokens fit the
-    model's ``max_seq_len`` positions (RoPE was trained on those, the cache holds no more)."""
+    """ValueError unless the prompt has a token (the first new token is sampled from the
+    logits at its last position), max_new_tokens >= 0, and the prompt plus the new tokens fit
+    the model's ``max_seq_len`` positions (RoPE was trained on those, the cache holds no more)."""
+    if prompt_len < 1:
+        raise ValueError(f"the prompt encodes to {prompt_len} tokens: generation continues a "
+                         f"prompt of at least one token")
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     total = prompt_len + max_new_tokens

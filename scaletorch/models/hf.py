@@ -126,12 +126,30 @@ def _rope_theta(hf: Dict[str, Any], path: str) -> Any:
     for name, value in (("rope_parameters", params), ("rope_scaling", scaling)):
         if not isinstance(value, dict):
             raise InputError(f"{path}: {name} must be an object or null, got {value!r}")
-    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type")
-    if rope_type not in (None, "default"):
-        raise InputError(
-            f"{path}: rope type {rope_type!r} is not supported: our Llama implements plain RoPE "
-            f"(rope_type 'default') with a theta; Llama 3.1+ style 'llama3', 'linear', 'dynamic' "
-            f"and 'yarn' scaling change the frequencies and would give different logits")
+    # every rope type the file states, in either style: one that is not plain RoPE is refused
+    # even when another key says "default" (no order decides which one transformers reads)
+    types = {
+        f"{name}.{key}": part[key]
+        for name, part in (("rope_parameters", params), ("rope_scaling", scaling))
+        for key in ("rope_type", "type") if part.get(key) is not None
+    }
+    for where, rope_type in types.items():
+        if rope_type != "default":
+            raise InputError(
+                f"{path}: rope type {clip(rope_type)} ({where}) is not supported: our Llama "
+                f"implements plain RoPE (rope_type 'default') with a theta; Llama 3.1+ style "
+                f"'llama3', 'linear', 'dynamic' and 'yarn' scaling change the frequencies and "
+                f"would give different logits")
+    thetas = {
+        f"{name}.rope_theta": part["rope_theta"]
+        for name, part in (("rope_parameters", params), ("rope_scaling", scaling))
+        if "rope_theta" in part
+    }
+    if "rope_theta" in hf:
+        thetas["rope_theta"] = hf["rope_theta"]
+    if len(set(map(repr, thetas.values()))) > 1:
+        raise InputError(f"{path}: RoPE theta is given {len(thetas)} ways that disagree ("
+                         f"{', '.join(f'{k} {clip(v)}' for k, v in thetas.items())}): keep one")
     return params.get("rope_theta", hf.get("rope_theta", 10000.0))
 
 

@@ -4,7 +4,8 @@
                                           device), at most max_bytes: its size, before a read
     verified(path, what)                  its ``<path>.sha256`` matches, or the user trusted it
     read_bytes / read_text / load_json    the three, then the bytes (text, JSON values)
-    parse_json(text, what, kind)          JSON text (a line of a .jsonl) at most NESTING deep
+    parse_json(text, what, kind)          JSON text (a line of a .jsonl) at most NESTING deep;
+                                          a key given twice in one object is refused
     load_jsonl(path, what)                a JSON-lines file: its objects, each by parse_json
     load_yaml(text, source)               YAML's safe loader, with size, depth and expansion limits;
                                           a key given twice in one mapping is refused
@@ -181,11 +182,24 @@ def _depth(value: Any, limit: int) -> int:
     return deepest
 
 
+def _unique_keys(pairs: List[Any], what: str) -> Dict[str, Any]:
+    """One JSON object from its ``(key, value)`` pairs; InputError naming a key given twice.
+    ``json`` keeps the last of two, so which one a reader meant would be decided by order."""
+    value: Dict[str, Any] = {}
+    for key, item in pairs:
+        if key in value:
+            raise InputError(f"{what} gives the key {clip(key)} twice in one object: keep "
+                             f"one of the two values")
+        value[key] = item
+    return value
+
+
 def parse_json(text: str, what: str, kind: Optional[type] = dict) -> Any:
     """The JSON value of ``text`` (``what`` names it in errors): InputError, one line, when it
-    is not JSON, nests more than NESTING levels, or is not a ``kind`` (None: any value)."""
+    is not JSON, gives a key twice in one object, nests more than NESTING levels, or is not a
+    ``kind`` (None: any value)."""
     try:
-        value = json.loads(text)
+        value = json.loads(text, object_pairs_hook=lambda pairs: _unique_keys(pairs, what))
     except RecursionError:  # the C parser recurses per level: far past NESTING
         raise InputError(f"{what} nests lists or objects more than {NESTING} levels deep: it "
                          f"is not the file meant") from None

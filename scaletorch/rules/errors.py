@@ -9,8 +9,8 @@ It is a ValueError, so code that catches a bad value catches it too.
 from typing import Any
 
 __all__ = [
-    "CLIP", "INTERRUPTED", "InputError", "MissingInputError", "NON_FINITE", "PIPE_CLOSED",
-    "RunStopped", "TERMINATED", "Terminated", "clip"
+    "CLIP", "INTERRUPTED", "InputError", "MissingInputError", "NON_FINITE", "OUTPUT_FAILED",
+    "PIPE_CLOSED", "RunStopped", "TERMINATED", "Terminated", "clip"
 ]
 
 CLIP = 200  # characters of a value that an error message quotes
@@ -38,6 +38,7 @@ INTERRUPTED = 130  # the shell's status for a process ended by SIGINT (128 + 2)
 TERMINATED = 143  # ... by SIGTERM (128 + 15): torchrun's and a scheduler's way to stop a job
 NON_FINITE = 3  # a run stopped by a non-finite loss or gradient norm
 PIPE_CLOSED = 141  # ... by SIGPIPE (128 + 13): its output was a pipe whose reader ended (| head)
+OUTPUT_FAILED = 74  # sysexits' EX_IOERR: its output could not be written (> /dev/full, EIO)
 
 
 class Terminated(KeyboardInterrupt):

@@ -147,6 +147,14 @@ def at_least(low: float) -> Rule:
     return Rule(low=low)
 
 
+SEED_LIMIT = 2**63  # torch.Generator.manual_seed takes a seed below it (an int64)
+
+
+def seed_range() -> Rule:
+    """In [0, 2**63): a seed torch's generators take (a larger one is an overflow error)."""
+    return Rule(low=0, high=SEED_LIMIT, high_open=True)
+
+
 def fraction() -> Rule:
     """In [0, 1): a probability that is never certain, Adam's betas."""
     return Rule(low=0, high=1, high_open=True)

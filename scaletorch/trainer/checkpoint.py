@@ -669,6 +669,21 @@ def check_rank_state(name: str, state: Any, required: Dict[str, Any] = RANK_STAT
                              f"checkpoint is damaged or not ours")
 
 
+def check_step(name: str, state: Dict[str, Any], manifest: Dict[str, Any]) -> None:
+    """InputError naming ``name`` unless its ``state`` (checked by ``check_rank_state``) is at
+    its manifest's step: the rank file's "step" and its scheduler's ``last_epoch`` (one per
+    step taken) equal the manifest's "step". The resume reads the rank file's step and the
+    weights beside it; a step that disagrees would train from the wrong place."""
+    saved = {"'step'": state["step"]}
+    scheduler = state.get("scheduler")
+    if isinstance(scheduler, dict) and "last_epoch" in scheduler:
+        saved["the scheduler's last_epoch"] = scheduler["last_epoch"]
+    for what, step in saved.items():
+        if step != manifest["step"]:
+            raise InputError(f"{name}: {what} is {clip(step)}, but its {MANIFEST} says step "
+                             f"{manifest['step']}: the checkpoint is damaged or not ours")
+
+
 def check_rank_files(path: str) -> None:
     """Before any process starts: every rank file of per-rank checkpoint ``path`` verified,
     loaded (one at a time) and checked (``check_rank_state`` for the trainer's structure,
@@ -681,6 +696,7 @@ def check_rank_files(path: str) -> None:
         name = f"checkpoint file {os.path.join(path, file)!r}"
         state = load_tensors_only(_read_verified(path, file, manifest), name)
         check_rank_state(name, state, TRAINER_STATE)
+        check_step(name, state, manifest)
         check_every_tensor(name, state)
 
 
@@ -688,13 +704,14 @@ def load_checkpoint(path: str, rank: int, world_size: int,
                     layout: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """Read this rank's state from checkpoint directory ``path`` (checked against its manifest,
     and against this run's world size and ``layout``: see ``check_layout``), every tensor
-    checked (``check_every_tensor``)."""
+    checked (``check_every_tensor``), its step the manifest's (``check_step``)."""
     manifest = read_manifest(path)
     check_layout(path, manifest, world_size, layout)
     data = _read_verified(path, os.path.basename(rank_file(path, rank)), manifest)
     name = f"checkpoint file {rank_file(path, rank)!r}"
     state = load_tensors_only(data, name)
     check_rank_state(name, state)
+    check_step(name, state, manifest)
     check_every_tensor(name, state)
     return state
 

@@ -49,7 +49,7 @@ from scaletorch.trainer.checkpoint import (check_rank_files, check_resume, lates
 from scaletorch.trainer.memory_limit import check_memory
 from scaletorch.trainer.resume_check import check_resumed
 from scaletorch.trainer.run_dir import check_run_dir, move_aside, remove_unused, take_ownership
-from scaletorch.trainer.stops import catch_stop_signals, stopped
+from scaletorch.trainer.stops import catch_stop_signals, is_output_failure, stopped
 
 __all__ = [
     "CheckpointConfig", "Config", "DataConfig", "InputError", "LoggingConfig", "ParallelConfig",
@@ -160,23 +160,40 @@ def set_value(cfg: Config, key: str, value: Any) -> None:
     setattr(target, name, _convert(value, types[name], key))
 
 
+def _flattened(values: Dict[str, Any]) -> List[Tuple[str, Any, str]]:
+    """The settings of a YAML file as ``(section.name, value, how the file spelled it)``: a
+    section's key, or a dotted key at the top level (``"training.steps": 3``)."""
+    flat = []
+    for section, body in values.items():
+        if section in SECTIONS:
+            if not isinstance(body, dict):
+                raise ValueError(f"section {section!r} must be a mapping")
+            flat += [(f"{section}.{name}", value, f"in section {section}")
+                     for name, value in body.items()]
+        else:
+            flat.append((section, body, f"as the top-level key {clip(section)}"))
+    return flat
+
+
 def apply_dict(cfg: Config, values: Dict[str, Any], source: str = "config") -> Dict[str, Any]:
     """Apply a nested dict (as read from YAML) onto ``cfg``, each value checked against its
     rule; the keys it gave, with their values (whether the run reads them depends on the
-    command line too: ``parse_args`` checks that once every value is in)."""
+    command line too: ``parse_args`` checks that once every value is in). A key the file gives
+    twice, in a section and as a dotted top-level key, is refused: no order decides it."""
     if not isinstance(values, dict):
         raise InputError(f"{source} must be a mapping of sections, got {type(values).__name__}")
     try:
-        given = {}
-        for section, body in values.items():
-            if section in SECTIONS:
-                if not isinstance(body, dict):
-                    raise ValueError(f"section {section!r} must be a mapping")
-                for name, value in body.items():
-                    set_value(cfg, f"{section}.{name}", value)
-                    given[f"{section}.{name}"] = value
-            else:
-                set_value(cfg, section, body)
+        given: Dict[str, Any] = {}
+        spelled: Dict[str, Tuple[Any, str]] = {}
+        for key, value, how in _flattened(values):
+            if key in spelled:
+                value0, how0 = spelled[key]
+                raise ValueError(f"{key} is given twice: {clip(value0)} {how0} and "
+                                 f"{clip(value)} {how}; keep one")
+            spelled[key] = (value, how)
+            set_value(cfg, key, value)
+            if "." in key:  # a section's field, however the file spelled it
+                given[key] = value
         check_schema(cfg)  # the file's own values
         # LlamaConfig validates itself on construction; re-run its checks after edits.
         cfg.model.__post_init__()
@@ -398,8 +415,8 @@ def report_input_errors(kind: Type[BaseException], err: BaseException,
     Under torchrun with several ranks, a bug's traceback goes to torchrun's error file instead
     (``write_error_file``): scripts/torchrun.py then prints the traceback of the rank that
     failed first, once, and one line for every other rank."""
-    if isinstance(err, KeyboardInterrupt):  # Ctrl-C or SIGTERM outside the training loop
-        err = stopped(err)
+    if isinstance(err, KeyboardInterrupt) or is_output_failure(err):  # outside the loop: a
+        err = stopped(err)  # Ctrl-C, SIGTERM, or stdout failing (| head, > /dev/full)
     quiet_on_stop_signals()
     if isinstance(err, RunStopped):  # a signal, a non-finite loss: one line, its own status
         rank = int(os.environ.get("RANK", "0"))

@@ -14,7 +14,12 @@ ends, so a lock is never stale. A second run of the same directory finds the loc
 refused with one line naming the holder's pid, host and start time (``check_not_held``);
 the check is made again once the lock is held, so two runs started at the same moment cannot
 both pass it. ``--overwrite`` moves aside only a directory that carries the marker: one that
-a run made, not any directory a path happens to name.
+a run made, not any directory a path happens to name; and a checkpoint.dir only when its marker
+names this run (``run``), never another run's directory given as checkpoint.dir.
+
+Identity. A directory a run writes is the path the user gave, never a symlink to another place
+(``check_not_a_symlink``). A live lock is checked first, also on the run directory above a
+checkpoint.dir inside one, so the line says "in use" rather than offering ways on.
 """
 
 import atexit
@@ -35,6 +40,7 @@ from scaletorch.rules.safe_files import write_atomic
 
 PROBE = ".scaletorch-probe-"  # check_writable's empty directory, made and removed at once
 MARKER = ".scaletorch-run"  # a run made this directory; its lock; who holds it (JSON)
+MARKER_BYTES = 16384  # a marker's JSON: pid, host, start time, the run's path (at most PATH_MAX)
 _held: Dict[str, int] = {}  # this process's locks: directory (real path) -> open descriptor
 _made: List[str] = []  # the directories ``hold`` created (they did not exist before this run)
 
@@ -114,7 +120,7 @@ def holder(path: str, name: str = MARKER) -> Optional[str]:
 def _who(marker: str) -> str:
     try:
         with open(marker) as f:  # parse_json: JSON within its limits, else an InputError
-            info = boundary.parse_json(f.read(4096), "run marker")
+            info = boundary.parse_json(f.read(MARKER_BYTES), "run marker")
         return f"pid {info['pid']} on host {info['host']}, started {info['started']}"
     except (OSError, ValueError, KeyError, TypeError):
         return "a process that has not yet said who it is"
@@ -122,12 +128,16 @@ def _who(marker: str) -> str:
 
 def check_not_held(key: str, path: str) -> None:
     """InputError when a live run holds the lock on directory ``path`` (the option ``key``)
-    that this process would take. Not for a process that takes none (its node's first rank
-    checks), nor for a lock this process holds already."""
+    that this process would take, or on the run directory that holds ``path``. Not for a
+    process that takes none (its node's first rank checks), nor for a lock this process holds
+    already."""
     name = _marker()
     if not name or os.path.realpath(path) in _held:
         return
     who = holder(path, name)
+    above = _run_above(path)  # a checkpoint.dir inside a run's directory: that run's lock
+    if who is None and above is not None and os.path.realpath(above) not in _held:
+        who = holder(above)
     if who is not None:
         raise InputError(f"{key}: {path!r} is in use by another run ({who}); nothing was "
                          f"written: wait for it to end, or give another {_other(key)}")
@@ -168,10 +178,11 @@ def _missing(path: str) -> List[str]:
     return missing
 
 
-def hold(key: str, path: str) -> bool:
+def hold(key: str, path: str, run: Optional[str] = None) -> bool:
     """Create directory ``path`` if need be and take this process's lock on it for the rest
-    of its life, recording who holds it; InputError naming the holder when another run does.
-    Returns False for a rank that takes no lock (``_marker``)."""
+    of its life, recording who holds it and the run directory ``run`` it writes for (``path``
+    itself by default); InputError naming the holder when another run does. Returns False for
+    a rank that takes no lock (``_marker``)."""
     name = _marker()
     if not name:
         return False
@@ -193,7 +204,8 @@ def hold(key: str, path: str) -> bool:
     info = {
         "pid": os.getpid(),
         "host": socket.gethostname(),
-        "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+        "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "run": os.path.realpath(run or path)
     }
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps(info).encode(), 0)
@@ -250,7 +262,7 @@ def take_ownership(cfg: Config) -> None:
     atexit.unregister(remove_unused)  # once, however many runs this process starts
     atexit.register(remove_unused)
     for key, path in owned_dirs(cfg):
-        hold(key, path)
+        hold(key, path, cfg.run_path)
     check_run_dir(cfg)
 
 
@@ -272,17 +284,63 @@ def check_run_dir(cfg: Config) -> None:
     if cfg.logging.overwrite and cfg.checkpoint.resume:
         raise InputError(f"--overwrite moves the run in {cfg.run_path!r} aside and --resume "
                          f"{cfg.checkpoint.resume} continues it: give one of the two")
+    written = [("logging.run_dir", cfg.run_path)]
+    if cfg.checkpoint.every > 0:
+        written.append(("checkpoint.dir", cfg.checkpoint_path))
+    for key, path in written:
+        check_not_a_symlink(key, path)
     for key, path in owned_dirs(cfg):
         check_not_held(key, path)
     check_run_files(cfg.run_path)
     if continues(cfg):
         return
+    for key, path, entries in occupied(cfg):
+        if key == "checkpoint.dir" and is_run_dir(path):
+            check_this_runs(cfg.run_path, path)
     if cfg.logging.overwrite:
         for key, path, entries in occupied(cfg):
             check_made_by_a_run(key, path)
         return
     for key, path, entries in occupied(cfg)[:1]:
         raise held(key, path, entries)
+
+
+def check_not_a_symlink(key: str, path: str) -> None:
+    """InputError when directory ``path`` (the option ``key``) is a symlink: its files would
+    land where it points, a directory this run does not own (a parent may be a link)."""
+    if os.path.islink(path):
+        raise InputError(f"{key}: {clip(path)} is a symlink (to {clip(os.readlink(path))}): a "
+                         f"run writes only in a directory of its own; nothing was written: give "
+                         f"the real directory, or another {_other(key)}")
+
+
+def _marked_run(path: str) -> Optional[str]:
+    """The run directory that marker MARKER of ``path`` records (``hold``'s "run"), or None
+    when it records none (a marker of an older ScaleTorch, or an unreadable one)."""
+    try:
+        fd = _open_marker(os.path.join(path, MARKER), os.O_RDONLY)
+    except (FileNotFoundError, InputError):
+        return None
+    try:
+        info = boundary.parse_json(
+            os.pread(fd, MARKER_BYTES, 0).decode("utf-8", "replace"), "run marker")
+        return info["run"] if isinstance(info.get("run"), str) else None
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
+
+
+def check_this_runs(run_path: str, path: str) -> None:
+    """InputError unless checkpoint.dir ``path``, a directory a run made, was made for this
+    run (its marker records ``run_path``): another run's directory is neither continued nor
+    moved aside (``--overwrite``) by a run that only names it as its checkpoint.dir."""
+    owner = _marked_run(path)
+    if owner != os.path.realpath(run_path):
+        whose = f"the run in {clip(owner)}" if owner else "another run"
+        raise InputError(f"checkpoint.dir: {clip(path)} belongs to {whose}, not to this run "
+                         f"({clip(run_path)}); nothing was written or moved: give another "
+                         f"--checkpoint.dir")
 
 
 APPENDED = ("metrics.jsonl", "log.txt", "config.yaml")  # files a run opens in its directory
@@ -315,6 +373,7 @@ def check_free(key: str, path: str, resume: bool, overwrite: bool) -> None:
     if overwrite and resume:
         raise InputError(f"--overwrite moves the run in {path!r} aside and --resume continues "
                          f"it: give one of the two")
+    check_not_a_symlink(key, path)
     check_not_held(key, path)
     if resume or restart_count() > 0 or not _entries(path):
         return

@@ -6,10 +6,13 @@ torchrun and schedulers send), 3 for a non-finite value. Ctrl-C and SIGTERM take
 signal raises a KeyboardInterrupt (``Terminated`` for SIGTERM) where the run is, so a checkpoint
 being written is removed unless whole (checkpoint.removed_unless_complete). The optimizer step
 of a bad batch is not taken, so the last checkpoint holds finite weights. A closed stdout
-(``| head`` ended) is a stop too: its line goes to stderr, with SIGPIPE's status, 141.
+(``| head`` ended) is a stop too: its line goes to stderr, with SIGPIPE's status, 141; so is
+any other failure to write stdout (``> /dev/full``, an I/O error), with status 74. Stdout is
+wrapped (``guard_stdout``) so that such a failure is told apart from one of the run's files.
 """
 
 import contextlib
+import errno
 import math
 import os
 import shlex
@@ -21,8 +24,8 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator, List, Optional
 
 from scaletorch.config import Config
-from scaletorch.rules.errors import (INTERRUPTED, NON_FINITE, PIPE_CLOSED, TERMINATED, RunStopped,
-                                     Terminated)
+from scaletorch.rules.errors import (INTERRUPTED, NON_FINITE, OUTPUT_FAILED, PIPE_CLOSED,
+                                     TERMINATED, RunStopped, Terminated)
 from scaletorch.trainer.checkpoint import latest_checkpoint
 
 
@@ -93,6 +96,50 @@ _setup: List[Config] = []  # the run's config, once catch_stop_signals is called
 _wakeup: List[int] = []  # the write end of the watchdog's pipe, while it is armed
 
 
+class OutputFailed(OSError):
+    """A write to stdout that failed (a closed pipe, a full disk, an I/O error), raised by
+    ``guard_stdout``'s stream in place of the OSError: a stop, not a file of the run."""
+
+
+class _GuardedOutput:
+    """A text stream whose ``write`` and ``flush`` raise OutputFailed for any OSError; every
+    other attribute is the wrapped stream's."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except OutputFailed:
+            raise
+        except OSError as err:
+            raise OutputFailed(err.errno, err.strerror) from None
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except OutputFailed:
+            raise
+        except OSError as err:
+            raise OutputFailed(err.errno, err.strerror) from None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def guard_stdout() -> None:
+    """Wrap ``sys.stdout`` (once) so that a failed write is an OutputFailed: the stop of a run
+    whose output is gone (``output_closed``), whether the pipe closed or the disk is full."""
+    if not isinstance(sys.stdout, _GuardedOutput):
+        sys.stdout = _GuardedOutput(sys.stdout)
+
+
+def is_output_failure(err: BaseException) -> bool:
+    """Whether ``err`` is a failed write of the run's output (a broken pipe: always stdout)."""
+    return isinstance(err, (OutputFailed, BrokenPipeError))
+
+
 def catch_stop_signals(cfg: Optional[Config] = None) -> None:
     """Make SIGTERM, like Ctrl-C, raise in the main thread (``on_stop_signal``): a script calls
     it once its config is loaded, before any blocking setup (process groups, model build), so a
@@ -106,6 +153,7 @@ def catch_stop_signals(cfg: Optional[Config] = None) -> None:
         return
     if cfg is not None:
         _setup[:] = [cfg]
+    guard_stdout()
     for signum in STOP_SIGNALS:
         signal.signal(signum, on_stop_signal)
     if _wakeup:  # armed already (load_config twice in one process)
@@ -125,6 +173,8 @@ def release_stop_signals() -> None:
         signal.signal(signum,
                       signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
     _setup.clear()
+    if isinstance(sys.stdout, _GuardedOutput):
+        sys.stdout = sys.stdout._stream
     if _wakeup:
         signal.set_wakeup_fd(-1)
         os.close(_wakeup.pop())
@@ -155,29 +205,41 @@ def stopped(err: BaseException) -> RunStopped:
     """The RunStopped of a KeyboardInterrupt (Ctrl-C) or Terminated (SIGTERM) outside the loop:
     in the setup of a run (``catch_stop_signals`` had its config), the step it would have
     started at and the checkpoint a resume starts from."""
+    if is_output_failure(err):  # stdout failed in the setup (its first line, the plan)
+        return output_closed(_setup[0] if _setup else None, None, err)
     _, how, code = STOP_SIGNALS[signal.SIGTERM if isinstance(err, Terminated) else signal.SIGINT]
     if not _setup:
         return RunStopped(how, code)
     cfg = _setup[0]
+    return RunStopped(f"{how} {_before_first(cfg)}: {where_to_resume(cfg)}", code)
+
+
+def _before_first(cfg: Config) -> str:
+    """"before step N of M": the step a run in its setup would have started at."""
     path = latest_checkpoint(cfg.checkpoint_path)
     first = int(os.path.basename(path).rsplit("_", 1)[-1]) + 1 if path else 1
-    return RunStopped(
-        f"{how} before step {first} of {cfg.training.steps}: "
-        f"{where_to_resume(cfg)}", code)
+    return f"before step {first} of {cfg.training.steps}"
 
 
-def output_closed(cfg: Config, step: int) -> RunStopped:
-    """The stop of a run whose stdout was closed (``| head``: the reader ended, a write met a
-    broken pipe): a stop like SIGTERM's, with the status of SIGPIPE. Stdout is pointed at
-    /dev/null first, so that nothing written later (the buffer flushed at exit) raises again;
-    the line goes to stderr."""
-    with contextlib.suppress(OSError, ValueError):
+def output_closed(cfg: Optional[Config], step: Optional[int],
+                  err: Optional[BaseException] = None) -> RunStopped:
+    """The stop of a run whose stdout failed at ``step`` (None: in its setup): a pipe closed
+    (``| head``: the reader ended), with SIGPIPE's status, or any other failed write (``err``:
+    a full disk, an I/O error), with OUTPUT_FAILED. Stdout is pointed at /dev/null first, so
+    that nothing written later (the buffer flushed at exit) raises again; the line goes to
+    stderr."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         os.close(devnull)
-    return RunStopped(
-        f"stopped: the output was closed (a broken pipe, e.g. | head) at step {step} of "
-        f"{cfg.training.steps}: {where_to_resume(cfg)}", PIPE_CLOSED)
+    closed = err is None or getattr(err, "errno", None) == errno.EPIPE
+    what = ("the output was closed (a broken pipe, e.g. | head)" if closed else
+            f"the output could not be written ({getattr(err, 'strerror', None) or err})")
+    if cfg is None:
+        return RunStopped(f"stopped: {what}", PIPE_CLOSED if closed else OUTPUT_FAILED)
+    where = _before_first(cfg) if step is None else f"at step {step} of {cfg.training.steps}"
+    return RunStopped(f"stopped: {what} {where}: {where_to_resume(cfg)}",
+                      PIPE_CLOSED if closed else OUTPUT_FAILED)
 
 
 @contextmanager
@@ -200,10 +262,10 @@ def interruptible(cfg: Config, steps_done: List[int]) -> Iterator[None]:
     _setup.clear()  # past the setup: the loop's own line (below) names the step reached
     try:
         yield
-    except BrokenPipeError:
+    except (BrokenPipeError, OutputFailed) as err:
         if seen:  # a signal came first: its stop, below, is the one to report
             raise
-        raise output_closed(cfg, steps_done[0]) from None
+        raise output_closed(cfg, steps_done[0], err) from None
     except BaseException as err:
         if not seen and not isinstance(err, KeyboardInterrupt):
             raise
