@@ -302,8 +302,8 @@ def check_manifest(manifest: Any, where: str) -> Dict[str, Any]:
     _check_fields(f"{where} layout", manifest["layout"], LAYOUT_FIELDS, required=False)
     for name, digest in manifest["sha256"].items():
         if not re.fullmatch(r"[A-Za-z0-9_.-]{1,255}", name) or name in (".", ".."):
-            raise CorruptCheckpointError(f"{where} names {clip(name)}, not a file of its "
-                                         f"directory")
+            raise CorruptCheckpointError(f"{where}: its sha256 names {clip(name)}, not a file "
+                                         f"of its directory")
         if not isinstance(digest, str) or not re.fullmatch(r"[0-9a-f]{64}", digest):
             raise CorruptCheckpointError(f"{where}: the sha256 of {name} is "
                                          f"{type(digest).__name__} {clip(digest)}, not 64 hex "
