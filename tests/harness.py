@@ -4,7 +4,9 @@ It is ``scaletorch.dist.spawn``'s, the benchmarks' too, with the ranks forked fr
 forkserver that imported torch and the library once per test run (``PRELOAD``), not started as
 new Pythons that each import them again (spawn).
 ``value_error(fn)`` collects an error message inside a rank, for the parent to assert on;
-``run_main(main, *argv)`` runs a script's ``main`` in the test's process. ``NCCL_CHECKS``:
+``run_main(main, *argv)`` runs a script's ``main`` in the test's process;
+``launch_forked(script, nproc, *args)`` runs a script on ``nproc`` ranks forked from the same
+forkserver, as torchrun would start them but without three new Pythons. ``NCCL_CHECKS``:
 the environment of the scripts the tests launch (tests/test_examples.py, the docs' ci runs).
 ``warning_lines(text)`` and ``stderr_warnings()``: what a run printed that a learner would
 have to learn to ignore (the suite and the scripts print none).
@@ -18,13 +20,18 @@ results bit for bit; ``python run_tests.py --bit-exact`` runs only those, and CI
 and at 2 threads, so a comparison that holds by luck of the summation order shows up.
 """
 
+import atexit
 import io
 import os
 import re
+import runpy
+import signal
 import sys
 import tempfile
+import time
+import traceback
 from contextlib import contextmanager, redirect_stderr, redirect_stdout
-from typing import Any, Callable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.multiprocessing as mp
@@ -33,8 +40,8 @@ from scaletorch.dist import spawn
 from scaletorch.dist.spawn import free_port
 
 __all__ = [
-    "NCCL_CHECKS", "PROCESS_THREADS", "RANK_THREADS", "bit_exact", "free_port", "run_distributed",
-    "run_main", "stderr_warnings", "value_error", "warning_lines"
+    "NCCL_CHECKS", "PROCESS_THREADS", "RANK_THREADS", "bit_exact", "free_port", "launch_forked",
+    "run_distributed", "run_main", "stderr_warnings", "value_error", "warning_lines"
 ]
 
 THREADS_VARIABLE = "SCALETORCH_TEST_THREADS"
@@ -102,6 +109,90 @@ NCCL_CHECKS = {
            "OMP_NUM_THREADS": str(RANK_THREADS)
        })
 }
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _script_rank(rank: int, nproc: int, port: int, script: str, argv: List[str],
+                 env: Dict[str, str], output: str) -> None:
+    """One rank of ``launch_forked``, in a process forked from the forkserver: torchrun's
+    environment, the script as ``__main__``, its exit status as the process's."""
+    fd = os.open(output, os.O_WRONLY | os.O_APPEND)  # both ranks append, line by line
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.chdir(ROOT)
+    os.environ.update({
+        **env, "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "GROUP_RANK": "0",
+        "WORLD_SIZE": str(nproc),
+        "LOCAL_WORLD_SIZE": str(nproc),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port)
+    })
+    torch.set_num_threads(RANK_THREADS)
+    sys.argv = [script, *argv]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # as `python script` does
+    code = 0
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 1
+        if isinstance(stop.code, str):
+            print(stop.code, file=sys.stderr)
+    except BaseException:  # noqa: B902 - reported as Python reports it, status 1
+        traceback.print_exc()
+        code = 1
+    atexit._run_exitfuncs()  # a forked process leaves with os._exit: the script's atexit work
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def launch_forked(script: str, nproc: int, *args: str, env: Optional[Dict[str, str]] = None,
+                  timeout: float = 300) -> Tuple[str, int]:
+    """``script args`` on ``nproc`` ranks (gloo, this host) forked from the forkserver, each
+    with torchrun's variables (RANK, WORLD_SIZE, MASTER_PORT, ...), ``NCCL_CHECKS`` and
+    ``env``: (what the ranks printed, interleaved; the first non-zero exit status or 0).
+
+    The ranks run the same code as under ``scripts/launch.sh`` (whose own work, the pre-flight,
+    the command line and torchrun's error report, tests/test_launch.py and
+    tests/test_layout_errors.py check), without starting torchrun and ``nproc`` Pythons that
+    import torch again (about 3 s of a core each). When a rank fails, the others are ended
+    after 10 s, as torchrun ends them; after ``timeout`` s, all of them (AssertionError)."""
+    ctx = mp.get_context("forkserver")
+    port = free_port()
+    with tempfile.NamedTemporaryFile("r", suffix=".out") as output:
+        rank_env = {**NCCL_CHECKS, **(env or {})}
+        procs = [
+            ctx.Process(target=_script_rank,
+                        args=(rank, nproc, port, script, list(args), rank_env, output.name))
+            for rank in range(nproc)
+        ]
+        for proc in procs:
+            proc.start()
+        start, failed_at = time.time(), None
+        while any(p.is_alive() for p in procs):
+            now = time.time()
+            if failed_at is None and any(p.exitcode for p in procs):
+                failed_at = now
+            if now - start > timeout or (failed_at is not None and now - failed_at > 10):
+                for proc in procs:
+                    if proc.is_alive():
+                        os.kill(proc.pid, signal.SIGKILL)
+                if now - start > timeout:
+                    for proc in procs:
+                        proc.join()
+                    raise AssertionError(f"{script} {' '.join(args)} on {nproc} forked ranks "
+                                         f"did not finish in {timeout} s:\n"
+                                         f"{output.read()[-3000:]}")
+            procs[0].join(0.05)
+        for proc in procs:
+            proc.join()
+        codes = [p.exitcode or 0 for p in procs]
+        return output.read(), next((c for c in codes if c), 0)
 
 
 def value_error(fn: Callable[[], object]) -> str:

@@ -21,14 +21,18 @@ from scaletorch.models.hf import export_hf_llama
 from scaletorch.trainer import parse_args
 from scaletorch.trainer.dcp_checkpoint import to_consolidated
 from scripts import generate, parity_floor
-from tests.harness import NCCL_CHECKS, run_main, warning_lines
+from tests.harness import NCCL_CHECKS, launch_forked, run_main, warning_lines
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def launch(script: str, nproc: int, *args: str, launcher: Sequence[str] = (), timeout: float = 300,
            background: bool = False, env: Optional[Dict[str, str]] = None):
-    """Run ``scripts/launch.sh script --nproc-per-node nproc [launcher] -- args``.
+    """Run ``script args`` on ``nproc`` ranks, under a temporary ``--logging.run_dir``: through
+    ``scripts/launch.sh script --nproc-per-node nproc [launcher] -- args`` when ``launcher``
+    options are given (restarts, nodes), else on ranks forked from the test's forkserver
+    (``harness.launch_forked``: the same code in each rank, without torchrun, the pre-flight
+    and three new Pythons; launch.sh's own work is tested in test_launch and test_layout_errors).
 
     Returns its output (stdout + stderr); raises AssertionError with the output if it failed
     or printed a warning (a learner's run prints nothing they must learn to ignore).
@@ -38,8 +42,14 @@ def launch(script: str, nproc: int, *args: str, launcher: Sequence[str] = (), ti
     if background:
         return _POOL.submit(launch, script, nproc, *args, launcher=launcher, timeout=timeout,
                             env=env)
-    output, code, cmd = launch_status(script, nproc, *args, launcher=launcher, timeout=timeout,
-                                      env=env)
+    if launcher:
+        output, code, cmd = launch_status(script, nproc, *args, launcher=launcher,
+                                          timeout=timeout, env=env)
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            cmd = [script, *args]
+            output, code = launch_forked(script, nproc, "--logging.run_dir", tmp, *args,
+                                         env=env, timeout=timeout)
     if code != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {code}:\n{output[-3000:]}")
     if warning_lines(output):
