@@ -2,9 +2,11 @@
 
 Four models written here, not with scaletorch.models: an MLP; a net with a frozen layer, a
 frozen bias, a frozen root parameter, a branch used in even steps only and a weight tied
-between two modules; a tiny transformer (torch's encoder layers in a ``ModuleList`` that the
-parent's forward loops over); a conv net with BatchNorm and a frozen first conv. Every rank
-builds its model with its own seed: the strategy must make the replicas equal (rank 0's).
+between two modules after a frozen gain (its backward reads the gain after the tied weight's
+gradient is in: ZeRO-3 must not release it then, or the rank dies on freed memory); a tiny
+transformer (torch's encoder layers in a ``ModuleList`` that the parent's forward loops over);
+a conv net with BatchNorm and a frozen first conv. Every rank builds its model with its own
+seed: the strategy must make the replicas equal (rank 0's).
 
 Each strategy trains each model for ``STEPS`` steps at 2 ranks, and one case per strategy and
 model feature at 4 (the whole matrix with SCALETORCH_LONG_TESTS=1); one world each, every case
@@ -13,7 +15,9 @@ the N ranks' slices (so BatchNorm normalises each slice, as on the ranks): naive
 torch's DDP, the sharded optimizer (ZeRO-1 behind our DDP, ZeRO-2 alone), torch's
 ZeroRedundancyOptimizer, ZeRO-3 (``apply_zero_any`` with its default units), with AdamW, Adam
 and SGD with momentum. Compared: each step's loss, the gradients before each step, the final
-weights; frozen parameters bit for bit; a parameter no rank used has ``grad None``.
+weights; frozen parameters bit for bit; a parameter no rank used has ``grad None``. ZeRO-3
+shards the frozen ones too: each rank keeps ceil(P / N) of a unit's P (whole: P), none gathered
+after the wrap or after the steps.
 
 Tolerances (fp32, eps = 6e-8). A gradient here is a sum of N slices' gradients added in
 another order than on one device: relative error <= N x eps (2.4e-7 at N = 4), so GRAD_TOL
