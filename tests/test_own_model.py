@@ -486,6 +486,10 @@ def zero_misuses(rank: int, world: int) -> Dict[str, Any]:
     out["order"] = [n for n, _ in apply_zero_any(build("frozen", 1), None, 3).named_parameters()]
     shared = apply_zero_any(Shared(), None, 3)
     out["shared_state"] = shared.full_state_dict()
+    # a per-rank checkpoint: another model's wrapper (rank 0's seed 2) loads seed 1's shards
+    saved, loaded = (apply_zero_any(build("frozen", seed), None, 3) for seed in (1, 2))
+    loaded.load_state_dict(saved.state_dict(), strict=True)
+    out["resumed"] = (saved.full_state_dict(), loaded.full_state_dict(), list(saved.state_dict()))
     for stage in (1, 2):  # step(closure), as torch's optimizers take it: ZeRO-1 behind DDP
         model = build("mlp", 100 + rank)
         ddp = apply_data_parallel(model, None) if stage == 1 else model
@@ -689,10 +693,17 @@ class _OwnModelMixin:
 
     def test_zero3_names_follow_the_model_and_keep_every_state_dict_key(self) -> None:
         """named_parameters() in the model's order (frozen ones in place); full_state_dict() has
-        a shared module's second name, so a strict load into the model works."""
+        a shared module's second name, so a strict load into the model works. A per-rank
+        state_dict() holds the frozen shards, so a load gives another model seed 1's weights,
+        frozen ones too, bit for bit (seed 2's differ by O(0.1))."""
         self._misuse_world()
         frozen, shared = build("frozen", 1), Shared()
         for r in self.results:
+            saved, loaded, keys = r["resumed"]
+            self.assertIn("frozen_shards.outside", keys)
+            self.assertEqual(sorted(saved), sorted(frozen.state_dict()))
+            for n, want in frozen.state_dict().items():
+                self.assertTrue(torch.equal(saved[n], want) and torch.equal(loaded[n], want), n)
             self.assertEqual(r["order"], [n for n, _ in frozen.named_parameters()])
             self.assertEqual(sorted(r["shared_state"]), sorted(shared.state_dict()))
             shared.load_state_dict(r["shared_state"], strict=True)  # every key, no extra
