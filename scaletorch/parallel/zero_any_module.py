@@ -12,7 +12,7 @@ added by a subclass of zero.py's ``ShardedDataParallel``:
   its shard (``ShardView``: it refuses ``requires_grad_``; the sharded optimizer refuses it);
 - ``full_state_dict()`` with every key ``module.state_dict()`` has (a shared module's too);
 - a unit holds one dtype (one flat vector): a unit mixing dtypes is refused at the wrap;
-- under stage 3 frozen parameters are sharded too (``FrozenUnits``): a unit's in a flat vector
+- under stage 3 frozen parameters are sharded too (``frozen_unit``): a unit's in a flat vector
   of their own, gathered and released with it, the ones outside every unit in one more, gathered
   for the wrapper's forward and backward. They get no gradient and no optimizer state.
 
@@ -275,8 +275,8 @@ class AnyShardedDataParallel(ShardedDataParallel):
             if t.requires_grad for n in names[:1]
         ]
         if unfrozen:
-            raise RuntimeError(f"ZeRO: {unfrozen} were frozen at the wrap and are in no unit; "
-                               f"unfreeze before apply_zero_any")
+            raise RuntimeError(f"ZeRO: {unfrozen} were frozen at the wrap, so no gradient of "
+                               f"theirs is reduced; unfreeze before apply_zero_any")
         self._awaiting = [0] * len(self.units)
         super().finish_grad_sync()
         if self.outside is not None:
