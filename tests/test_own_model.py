@@ -2,9 +2,11 @@
 
 Four models written here, not with scaletorch.models: an MLP; a net with a frozen layer, a
 frozen bias, a frozen root parameter, a branch used in even steps only and a weight tied
-between two modules; a tiny transformer (torch's encoder layers in a ``ModuleList`` that the
-parent's forward loops over); a conv net with BatchNorm and a frozen first conv. Every rank
-builds its model with its own seed: the strategy must make the replicas equal (rank 0's).
+between two modules after a frozen gain (its backward reads the gain after the tied weight's
+gradient is in: ZeRO-3 must not release it then, or the rank dies on freed memory); a tiny
+transformer (torch's encoder layers in a ``ModuleList`` that the parent's forward loops over);
+a conv net with BatchNorm and a frozen first conv. Every rank builds its model with its own
+seed: the strategy must make the replicas equal (rank 0's).
 
 Each strategy trains each model for ``STEPS`` steps at 2 ranks, and one case per strategy and
 model feature at 4 (the whole matrix with SCALETORCH_LONG_TESTS=1); one world each, every case
@@ -13,7 +15,9 @@ the N ranks' slices (so BatchNorm normalises each slice, as on the ranks): naive
 torch's DDP, the sharded optimizer (ZeRO-1 behind our DDP, ZeRO-2 alone), torch's
 ZeroRedundancyOptimizer, ZeRO-3 (``apply_zero_any`` with its default units), with AdamW, Adam
 and SGD with momentum. Compared: each step's loss, the gradients before each step, the final
-weights; frozen parameters bit for bit; a parameter no rank used has ``grad None``.
+weights; frozen parameters bit for bit; a parameter no rank used has ``grad None``. ZeRO-3
+shards the frozen ones too: each rank keeps ceil(P / N) of a unit's P (whole: P), none gathered
+after the wrap or after the steps.
 
 Tolerances (fp32, eps = 6e-8). A gradient here is a sum of N slices' gradients added in
 another order than on one device: relative error <= N x eps (2.4e-7 at N = 4), so GRAD_TOL
@@ -74,15 +78,17 @@ class MLP(nn.Module):
 
 
 class Coupled(nn.Module):
-    """Two linears sharing one weight (the tie is inside one child)."""
+    """Two linears sharing one weight (the tie is inside one child), after a frozen gain: its
+    backward reads the gain after the last trainable gradient of the child is in."""
 
     def __init__(self) -> None:
         super().__init__()
+        self.gain = nn.Parameter(torch.linspace(0.5, 1.5, 8), requires_grad=False)
         self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
         self.b.weight = self.a.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(torch.relu(self.a(x)))
+        return self.b(torch.relu(self.a(x * self.gain)))
 
 
 class Frozen(nn.Module):
@@ -252,7 +258,7 @@ def _grads(strategy: str, model: nn.Module, optimizer: Any) -> Dict[str, Any]:
     """Every gradient the step will use, full size, on this rank (None: no rank had one)."""
     if strategy in FLAT:
         model.finish_grad_sync()
-        frozen = {n: None for n, _ in model.module.named_parameters()}  # in no unit: no grad
+        frozen = {n: None for n, p in model.named_parameters() if not p.requires_grad}
         return {
             **frozen,
             **model.full_state_dict(lambda s: s * math.nan if s.grad is None else s.grad)
@@ -261,9 +267,19 @@ def _grads(strategy: str, model: nn.Module, optimizer: Any) -> Dict[str, Any]:
     return {n: None if p.grad is None else p.grad.clone() for n, p in inner.named_parameters()}
 
 
+def frozen_held(zero: nn.Module) -> Tuple[int, int]:
+    """(elements of frozen weights in this rank's ``state_dict()``, bytes of them gathered now)
+    of a ZeRO-3 wrapper: its frozen shards, and any frozen parameter its model holds whole."""
+    frozen = {n for n, p in zero.named_parameters() if not p.requires_grad}
+    kept = sum(t.numel() for k, t in zero.state_dict().items()
+               if k.startswith("frozen_shards.") or k.removeprefix("module.") in frozen)
+    return kept, sum(u.gathered_bytes for u in zero.frozen_units())
+
+
 def train(strategy: str, name: str, opt: str, rank: int, world: int) -> Dict[str, Any]:
     model = build(name, seed=100 + rank)  # a different model on every rank
     model, optimizer = _wrap(strategy, model, opt)
+    held = frozen_held(model) if strategy == "zero3" else None  # after the wrap
     inner = getattr(model, "module", model)
     losses, grads = [], []
     for step, (x, y) in enumerate(batches(name)):
@@ -287,11 +303,20 @@ def train(strategy: str, name: str, opt: str, rank: int, world: int) -> Dict[str
     if strategy not in FLAT:
         return dict(losses=losses, grads=grads, state=state_of(inner))
     named = {  # this rank's piece of each parameter under its own name, and of its gradient
-        n: (p.detach().clone(), None if p.grad is None else p.grad.clone())
+        n: (p.detach().clone(), None if p.grad is None else p.grad.clone(), p.requires_grad)
         for n, p in model.named_parameters()
     }
-    return dict(losses=losses, grads=grads, state=model.full_state_dict(), named=named)
+    after = frozen_held(model) if strategy == "zero3" else None  # after the last step
+    return dict(losses=losses, grads=grads, state=model.full_state_dict(), named=named,
+                frozen_held=(held, after))
 
+
+# ZeRO-3's frozen units under the default units (child_units): a unit's own frozen parameters,
+# then those of no unit (a frozen child, a root parameter) in one more
+FROZEN_UNITS = {
+    "frozen": [["body.bias"], ["coupled.gain"], ["embed.weight", "embed.bias", "scale"]],
+    "convbn": [["stem.weight", "stem.bias"]],
+}
 
 CASES: List[Tuple[str, str, str]] = [
     *[(s, m, "adamw") for s in ("bucketed", "zero2", "zero3") for m in MODELS],
@@ -453,12 +478,18 @@ def zero_misuses(rank: int, world: int) -> Dict[str, Any]:
     views = [p for _, p in zero.named_parameters()]
     out["views"] = _raised(lambda: ShardedOptimizer([{"params": views}], torch.optim.AdamW))
     out["view_requires_grad"] = _raised(lambda: views[0].requires_grad_(False))
-    unfrozen = apply_zero_any(build("frozen", 1), None, 3)
-    unfrozen.module.scale.requires_grad_(True)  # whole on every rank, in no unit
+    model = build("frozen", 1)
+    scale = model.scale  # the parameter as the model held it: unfrozen after the wrap
+    unfrozen = apply_zero_any(model, None, 3)
+    scale.requires_grad_(True)
     out["unfrozen"] = _raised(lambda: (_step(unfrozen, rank, world), unfrozen.finish_grad_sync()))
     out["order"] = [n for n, _ in apply_zero_any(build("frozen", 1), None, 3).named_parameters()]
     shared = apply_zero_any(Shared(), None, 3)
     out["shared_state"] = shared.full_state_dict()
+    # a per-rank checkpoint: another model's wrapper (rank 0's seed 2) loads seed 1's shards
+    saved, loaded = (apply_zero_any(build("frozen", seed), None, 3) for seed in (1, 2))
+    loaded.load_state_dict(saved.state_dict(), strict=True)
+    out["resumed"] = (saved.full_state_dict(), loaded.full_state_dict(), list(saved.state_dict()))
     for stage in (1, 2):  # step(closure), as torch's optimizers take it: ZeRO-1 behind DDP
         model = build("mlp", 100 + rank)
         ddp = apply_data_parallel(model, None) if stage == 1 else model
@@ -542,7 +573,8 @@ class _OwnModelMixin:
                                                atol=WEIGHT_TOL[case[2]],
                                                msg=lambda m, msg=msg: f"{msg}: {m}")
                 frozen = {
-                    "embed.weight", "embed.bias", "body.bias", "scale", "stem.weight", "stem.bias"
+                    "embed.weight", "embed.bias", "body.bias", "scale", "coupled.gain",
+                    "stem.weight", "stem.bias"
                 } & set(ref["state"])
                 for n in frozen:
                     self.assertTrue(torch.equal(got["state"][n], ref["state"][n]), f"{case} {n}")
@@ -560,7 +592,8 @@ class _OwnModelMixin:
 
     def test_zero3_named_parameters_are_each_ranks_piece_under_the_original_names(self) -> None:
         """The ranks' pieces, end to end in rank order, are the full weight and its last
-        gradient exactly (frozen ones: whole on every rank, no gradient)."""
+        gradient exactly (frozen ones: no gradient, requires_grad False; pieces under ZeRO-3,
+        whole on every rank under the flat ZeRO-2)."""
         for case, ref, ranks in self._each():
             if case[0] not in FLAT:
                 continue
@@ -568,16 +601,31 @@ class _OwnModelMixin:
             self.assertEqual(sorted(ranks[0]["named"]), sorted(names), str(case))
             for n in names:
                 pieces = [r["named"][n] for r in ranks]
-                if ref["grads"][0][n] is None:  # frozen: whole on every rank, no gradient
-                    self.assertTrue(all(torch.equal(p, ranks[0]["state"][n]) for p, _ in pieces))
-                    self.assertTrue(all(g is None for _, g in pieces), f"{case} {n}")
+                whole = ranks[0]["state"][n]
+                if ref["grads"][0][n] is None:  # frozen
+                    self.assertTrue(all(g is None and not grad for _, g, grad in pieces), n)
+                    if case[0] != "zero3":  # flat ZeRO-2 keeps them whole on every rank
+                        self.assertTrue(all(torch.equal(p, whole) for p, _, _ in pieces), n)
+                        continue
+                values = torch.cat([p for p, _, _ in pieces])
+                self.assertTrue(torch.equal(values, whole.reshape(-1)), f"{case} {n}")
+                if ref["grads"][0][n] is None:
                     continue
-                values = torch.cat([p for p, _ in pieces])
-                whole = ranks[0]["state"][n].reshape(-1)
-                self.assertTrue(torch.equal(values, whole), f"{case} {n}")
-                grads = torch.cat([g for _, g in pieces])
+                grads = torch.cat([g for _, g, _ in pieces])
                 last = ranks[0]["grads"][-1][n]
                 self.assertTrue(torch.equal(grads, last.reshape(-1)), f"{case} {n}")
+
+    def test_zero3_keeps_ceil_p_over_n_of_each_frozen_unit(self) -> None:
+        """Each rank keeps ceil(P / N) elements of each unit's P frozen ones (its state_dict)
+        after the wrap and after the steps, none gathered then: whole, they would be P."""
+        for case, ref, ranks in self._each():
+            if case[0] != "zero3" or case[1] not in FROZEN_UNITS:
+                continue
+            sizes = [sum(ref["state"][n].numel() for n in unit) for unit in FROZEN_UNITS[case[1]]]
+            want = sum(-(-p // self.world) for p in sizes)
+            self.assertLess(want, sum(sizes))
+            for rank, got in enumerate(ranks):
+                self.assertEqual(got["frozen_held"], ((want, 0), (want, 0)), f"{case} {rank}")
 
     def test_zero3_unit_read_without_its_hook_stops_with_one_line_naming_it(self) -> None:
         """Prefetch off would read freed storage; prefetch on, storage still in transfer."""
@@ -638,17 +686,24 @@ class _OwnModelMixin:
             self.assertIn("cannot shard LBFGS", r["lbfgs"])
             self.assertIn("views of a ZeRO wrapper's shards", r["views"])
             self.assertIn("ShardedOptimizer(model, AdamW, ...)", r["views"])
-            self.assertIn("freeze the parameter before apply_zero_any", r["view_requires_grad"])
-            self.assertIn("['scale'] were frozen at the wrap and are in no unit", r["unfrozen"])
+            self.assertIn("unfreeze the parameter before apply_zero_any", r["view_requires_grad"])
+            self.assertIn("['scale'] were frozen at the wrap, so no gradient", r["unfrozen"])
             for said in [v for k, v in r.items() if k in ZERO_ERRORS]:
                 self.assertNotIn("\n", said)
 
     def test_zero3_names_follow_the_model_and_keep_every_state_dict_key(self) -> None:
         """named_parameters() in the model's order (frozen ones in place); full_state_dict() has
-        a shared module's second name, so a strict load into the model works."""
+        a shared module's second name, so a strict load into the model works. A per-rank
+        state_dict() holds the frozen shards, so a load gives another model seed 1's weights,
+        frozen ones too, bit for bit (seed 2's differ by O(0.1))."""
         self._misuse_world()
         frozen, shared = build("frozen", 1), Shared()
         for r in self.results:
+            saved, loaded, keys = r["resumed"]
+            self.assertIn("frozen_shards.outside", keys)
+            self.assertEqual(sorted(saved), sorted(frozen.state_dict()))
+            for n, want in frozen.state_dict().items():
+                self.assertTrue(torch.equal(saved[n], want) and torch.equal(loaded[n], want), n)
             self.assertEqual(r["order"], [n for n, _ in frozen.named_parameters()])
             self.assertEqual(sorted(r["shared_state"]), sorted(shared.state_dict()))
             shared.load_state_dict(r["shared_state"], strict=True)  # every key, no extra

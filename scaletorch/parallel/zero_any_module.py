@@ -11,11 +11,15 @@ added by a subclass of zero.py's ``ShardedDataParallel``:
 - ``named_parameters()`` under the model's own names, in its order, each this rank's piece of
   its shard (``ShardView``: it refuses ``requires_grad_``; the sharded optimizer refuses it);
 - ``full_state_dict()`` with every key ``module.state_dict()`` has (a shared module's too);
-- a unit holds one dtype (one flat vector): a unit mixing dtypes is refused at the wrap.
+- a unit holds one dtype (one flat vector): a unit mixing dtypes is refused at the wrap;
+- under stage 3 frozen parameters are sharded too (``frozen_unit``): a unit's in a flat vector
+  of their own, gathered and released with it, the ones outside every unit in one more, gathered
+  for the wrapper's forward and backward. They get no gradient and no optimizer state.
 
 The optimizer is zero.py's (``ZeroAdamW``), or sharded_optimizer.py's with an elementwise class.
 """
 
+from contextlib import contextmanager
 from functools import partial
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union, cast
 
@@ -23,9 +27,11 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from scaletorch.dist.comm import Group
+from scaletorch.dist import get_ledger
+from scaletorch.dist.comm import Group, Work
 from scaletorch.models.llama import Llama
-from scaletorch.parallel.flat_unit import FlatUnit, put_tensor
+from scaletorch.parallel.flat_unit import (FlatUnit, NamedModules, gather_unit, put_tensor,
+                                           release_unit)
 from scaletorch.parallel.zero import MakeUnit, ShardedDataParallel, Units, llama_units
 
 UnitRule = Union[Units, Sequence[nn.Module], Callable[[nn.Module], Units]]
@@ -86,20 +92,56 @@ class ShardView(nn.Parameter):
 
     def requires_grad_(self, requires_grad: bool = True) -> "ShardView":
         raise RuntimeError("requires_grad_ on a ZeRO view does nothing to the shard it shows: "
-                           "freeze the parameter before apply_zero_any")
+                           "freeze or unfreeze the parameter before apply_zero_any")
 
 
-def check_unit_dtypes(units: Units) -> None:
-    """One flat vector per unit holds one dtype: refuse a unit whose parameters mix them."""
+def check_unit_dtypes(units: Units, trainable: bool = True) -> None:
+    """One flat vector per unit holds one dtype: refuse a unit whose ``trainable`` parameters
+    (or, with False, its frozen ones: a flat vector of their own) mix them."""
     for name, modules in units:
         dtypes: Dict[str, List[str]] = {}
         for m_name, module in modules:
             for n, p in module.named_parameters():
-                if p.requires_grad:
+                if p.requires_grad == trainable:
                     dtypes.setdefault(str(p.dtype), []).append(f"{m_name}.{n}".strip("."))
         if len(dtypes) > 1:
             raise ValueError(f"ZeRO unit {name!r} mixes dtypes {dtypes}: a unit is one flat "
                              f"vector of one dtype; cast the model, or give each dtype its units")
+
+
+@contextmanager
+def shown_as_trainable(params: List[nn.Parameter]) -> Iterator[None]:
+    """FlatUnit lays out the trainable parameters it finds (flat_unit.py's ``holders_of``):
+    frozen ``params`` are shown to it as trainable while it builds their unit, then frozen again."""
+    for param in params:
+        param.requires_grad_(True)
+    try:
+        yield
+    finally:
+        for param in params:
+            param.requires_grad_(False)
+
+
+def frozen_unit(make_unit: MakeUnit, name: str, modules: NamedModules,
+                group: Group) -> Optional[FlatUnit]:
+    """Stage 3's flat vector of the frozen parameters still held by ``modules`` (a unit's,
+    built after its trainable ones took theirs), cut into N shards like any unit's: each rank
+    keeps ceil(P / N) elements. Its shard has no gradient and no optimizer state. None: none."""
+    frozen = list({
+        id(p): p
+        for _, m in modules
+        for p in m.parameters() if not p.requires_grad
+    }.values())  # once each, a shared one too
+    if not frozen:
+        return None
+    check_unit_dtypes([(name, modules)], trainable=False)
+    with shown_as_trainable(frozen):
+        unit = make_unit(name, modules, group, 3)
+    for tensor in unit.tensors:
+        tensor.requires_grad_(False)
+    unit.shard.requires_grad_(False)
+    unit.trainable = 0
+    return unit
 
 
 class AnyShardedDataParallel(ShardedDataParallel):
@@ -112,9 +154,28 @@ class AnyShardedDataParallel(ShardedDataParallel):
             n: first.setdefault(id(t), n)
             for n, t in module.state_dict(keep_vars=True).items()
         }
+        frozen_at_wrap = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
         super().__init__(module, units, *args, **kwargs)
         self.names_at_wrap = names  # {every state_dict key: the first key of its tensor}
+        self.frozen_at_wrap = frozen_at_wrap  # unfrozen later, one stops the step (by name)
+        # stage 3: unit i's frozen parameters (frozen[i]), then those of no unit (``outside``)
+        self.frozen: List[Optional[FlatUnit]] = []
+        self.outside: Optional[FlatUnit] = None
+        self.frozen_shards = nn.Module()  # their (S,) shards: buffers, in no optimizer
+        self._frozen_work: Dict[int, Work] = {}  # unit -> async all-gather of its frozen ones
+        self._inputs = [0] * len(self.units)  # the unit's inputs needing a gradient, this forward
+        self._awaiting = [0] * len(self.units)  # of those, the ones backward has not reached
         if self.zero_stage == 3:
+            modules_of = dict(units)
+            self.frozen = [
+                frozen_unit(self.make_unit, u.name, modules_of[u.name], self.group)
+                for u in self.units
+            ]
+            self.outside = frozen_unit(self.make_unit, "outside", [("", module)], self.group)
+            for unit in [*self.frozen, self.outside]:
+                if unit is not None:
+                    self.frozen_shards.register_buffer(unit.name.replace(".", "_"), unit.shard)
+                    self._hold(unit, False)
             for i, unit in enumerate(self.units):
                 # the first module has its hook (zero.py); every other one holding a parameter
                 held = {id(sub): sub for slots in unit.slots for sub, _, _ in slots}
@@ -123,38 +184,107 @@ class AnyShardedDataParallel(ShardedDataParallel):
                         module.register_forward_pre_hook(partial(self._pre_forward, i))
                 self._hold(unit, False)
 
-    @staticmethod
-    def _hold(unit: FlatUnit, gathered: bool) -> None:
+    def _hold(self, unit: FlatUnit, gathered: bool) -> None:
         """The unit's modules hold its full tensors (``gathered``) or a placeholder each."""
         where = ", ".join(sorted({type(m).__name__ for m in unit.modules}))
+        when = "the wrapper" if unit is self.outside else "one of its modules"
         for tensor, slots in zip(unit.tensors, unit.slots):
             for sub, attr, fqn in slots:
                 put_tensor(
                     sub, attr, tensor if gathered else ReleasedParameter.saying(
                         f"ZeRO-3 unit {unit.name!r} ({where}) is released, but {fqn} was used: "
-                        f"a unit is gathered only when one of its modules is called; call the "
-                        f"module, or give the code that reads {fqn} a unit holding it (units=)"))
+                        f"a unit is gathered only when {when} is called; call the module, or "
+                        f"give the code that reads {fqn} a unit holding it (units=)"))
+
+    # ---- stage 3's frozen parameters: gathered and released with their unit ---------------
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """zero.py's, with the frozen parameters of no unit gathered for the forward and the
+        backward after it (released by ``finish_grad_sync``; at once without grad)."""
+        self._inputs = [0] * len(self.units)  # no backward of ours is in flight: count afresh
+        self._awaiting = [0] * len(self.units)
+        if self.outside is not None:
+            self._gather_frozen(self.outside, None, False)
+        output = super().forward(*args, **kwargs)
+        if self.outside is not None and not torch.is_grad_enabled():
+            self._release_frozen(self.outside, None)
+        return output
+
+    def _gather_frozen(self, unit: FlatUnit, i: Optional[int], async_op: bool) -> None:
+        """``gather_unit`` of a frozen unit (unit i's, or ``outside`` when i is None)."""
+        if i in self._frozen_work:
+            if not async_op:
+                self._frozen_work.pop(i).wait()
+                self._hold(unit, True)
+        elif not unit.gathered_bytes:
+            work = gather_unit(unit.flat, unit.gather_source(), unit.group, async_op)
+            if async_op and work is not None:
+                self._frozen_work[cast(int, i)] = work
+            else:
+                self._hold(unit, True)
+
+    def _release_frozen(self, unit: FlatUnit, i: Optional[int]) -> None:
+        if i in self._frozen_work:  # never free a buffer that a transfer is writing
+            self._frozen_work.pop(i).wait()
+        release_unit(unit.flat)
+        self._hold(unit, False)
 
     def _gather(self, i: int, async_op: bool = False) -> None:
         super()._gather(i, async_op)
         if i not in self._gathering:  # complete: its modules hold the full tensors again
             self._hold(self.units[i], True)
+        frozen = self.frozen[i] if self.frozen else None
+        if frozen is not None:
+            self._gather_frozen(frozen, i, async_op)
 
     def _free(self, i: int) -> None:
         super()._free(i)
         self._hold(self.units[i], False)  # a use outside the hooks now raises, naming the unit
+        frozen = self.frozen[i] if self.frozen else None
+        # in backward, a frozen parameter may still be read after the unit's last gradient
+        # (x * frozen before a trainable layer): released once its inputs' gradients are in
+        if frozen is not None and not self._awaiting[i]:
+            self._release_frozen(frozen, i)
+
+    def _pre_forward(self, i: int, module: nn.Module, args: Tuple[Any, ...]) -> None:
+        super()._pre_forward(i, module, args)
+        if self.frozen and self.frozen[i] is not None and not self._inputs[i]:
+            inputs = [t for t in tree_leaves(args) if torch.is_tensor(t) and t.requires_grad]
+            self._inputs[i] = len(inputs) or -1  # -1: entered, no input needs a gradient
+            for tensor in inputs:
+                tensor.register_hook(partial(self._input_grad, i))
+
+    def _pre_backward(self, i: int, grad: torch.Tensor) -> None:
+        super()._pre_backward(i, grad)
+        self._awaiting[i] = max(self._inputs[i], 0)
+
+    def _input_grad(self, i: int, grad: torch.Tensor) -> None:
+        """A gradient of unit i's input is computed: the unit's backward has read it all."""
+        if self._awaiting[i] > 0:
+            self._awaiting[i] -= 1
+            frozen = self.frozen[i]
+            if not self._awaiting[i] and frozen is not None and not self.units[i].gathered_bytes:
+                self._release_frozen(frozen, i)  # the unit's own release came first
 
     def finish_grad_sync(self) -> None:
-        """zero.py's, after checking that no parameter left whole (frozen at the wrap) was
-        unfrozen since: its gradient would be each rank's own, never reduced."""
-        unfrozen = [n for n, p in self.module.named_parameters() if p.requires_grad]
+        """zero.py's (which releases every unit), after checking that no parameter frozen at
+        the wrap was unfrozen since: its gradient would be each rank's own, never reduced."""
+        unfrozen = [n for n, p in self.frozen_at_wrap if p.requires_grad]  # stages 1, 2: held
+        unfrozen += [  # stage 3: the tensors on a frozen unit's flat vector the modules hold
+            n for u in self.frozen_units() for t, names in zip(u.tensors, u.names)
+            if t.requires_grad for n in names[:1]
+        ]
         if unfrozen:
-            raise RuntimeError(f"ZeRO: {unfrozen} were frozen at the wrap and are in no unit; "
-                               f"unfreeze before apply_zero_any")
+            raise RuntimeError(f"ZeRO: {unfrozen} were frozen at the wrap, so no gradient of "
+                               f"theirs is reduced; unfreeze before apply_zero_any")
+        self._awaiting = [0] * len(self.units)
         super().finish_grad_sync()
+        if self.outside is not None:
+            self._release_frozen(self.outside, None)
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
-        """What an optimizer steps: this rank's (S,) shards (and frozen parameters, whole)."""
+        """What an optimizer steps: this rank's (S,) shards (stages 1, 2: and frozen parameters,
+        whole; stage 3's frozen shards are buffers, ``frozen_shards``)."""
         for _, param in super().named_parameters(recurse=recurse):
             yield param
 
@@ -163,30 +293,42 @@ class AnyShardedDataParallel(ShardedDataParallel):
         """Every parameter of the model under its own name (``layers.0.weight``), as a view:
         this rank's piece of it, a 1-D view of its unit's shard (0 elements when the
         parameter lies in other ranks' shards), ``.grad`` the same piece of the shard's
-        gradient once reduced; frozen ones whole. Pieces of all ranks make the parameter
-        (``full_state_dict`` gathers them); ``parameters()`` stays the shards."""
+        gradient once reduced. Stage 3's frozen ones are pieces of their shard too (no
+        gradient, requires_grad False); stages 1, 2 keep them whole. Pieces of all ranks make
+        the parameter (``full_state_dict`` gathers them); ``parameters()`` stays the shards."""
         lead = prefix + "." if prefix else ""
         found: List[Tuple[str, nn.Parameter]] = []
-        for unit in self.units:
+        for unit in [*self.units, *self.frozen_units()]:
             lo, hi = unit.rank * unit.shard_numel, (unit.rank + 1) * unit.shard_numel
             for names, begin, end in zip(unit.names, unit.offsets, unit.offsets[1:]):
                 a, b = min(max(begin, lo), hi) - lo, min(max(end, lo), hi) - lo
-                piece = ShardView(unit.shard.detach()[a:b])
+                piece = ShardView(unit.shard.detach()[a:b], unit.shard.requires_grad)
                 if unit.shard.grad is not None:
                     piece.grad = unit.shard.grad[a:b]
                 found += [(name, piece) for name in (names[:1] if remove_duplicate else names)]
-        # frozen ones: in no unit, whole on every rank; all in the model's order
+        # stages 1, 2: frozen ones in no unit, whole on every rank; all in the model's order
         found += self.module.named_parameters(remove_duplicate=remove_duplicate)
         order = {n: i for i, n in enumerate(self.names_at_wrap)}
         for name, param in sorted(found, key=lambda item: order.get(item[0], len(order))):
             yield lead + name, param
 
+    def frozen_units(self) -> List[FlatUnit]:
+        """Stage 3's units of frozen parameters (each unit's, then ``outside``)."""
+        return [u for u in [*self.frozen, self.outside] if u is not None]
+
     def full_state_dict(
         self, value_of: Optional[Callable[[torch.Tensor],
                                           torch.Tensor]] = None) -> Dict[str, torch.Tensor]:
-        """zero.py's, with every key of ``module.state_dict()``: a module registered under two
-        names (``self.mid2 = self.mid``) gives both, one tensor."""
+        """zero.py's, with stage 3's frozen parameters gathered whole too (in the weights; with
+        ``value_of``, an optimizer state, they have none) and every key of
+        ``module.state_dict()``: a module registered under two names gives both, one tensor."""
         full = super().full_state_dict(value_of)
+        with get_ledger().paused():  # a check, not training traffic
+            for unit in [] if value_of else self.frozen_units():
+                flat = unit.all_gather_flat(unit.shard)  # (S,) pieces -> (P',), over the group
+                for names, shape, start in zip(unit.names, unit.shapes, unit.offsets):
+                    tensor = flat[start:start + shape.numel()].view(shape).cpu().float().clone()
+                    full.update({name: tensor for name in names})
         return {name: full[first] for name, first in self.names_at_wrap.items() if first in full}
 
 
