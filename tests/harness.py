@@ -110,7 +110,6 @@ NCCL_CHECKS = {
        })
 }
 
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

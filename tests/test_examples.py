@@ -43,13 +43,13 @@ def launch(script: str, nproc: int, *args: str, launcher: Sequence[str] = (), ti
         return _POOL.submit(launch, script, nproc, *args, launcher=launcher, timeout=timeout,
                             env=env)
     if launcher:
-        output, code, cmd = launch_status(script, nproc, *args, launcher=launcher,
-                                          timeout=timeout, env=env)
+        output, code, cmd = launch_status(script, nproc, *args, launcher=launcher, timeout=timeout,
+                                          env=env)
     else:
         with tempfile.TemporaryDirectory() as tmp:
             cmd = [script, *args]
-            output, code = launch_forked(script, nproc, "--logging.run_dir", tmp, *args,
-                                         env=env, timeout=timeout)
+            output, code = launch_forked(script, nproc, "--logging.run_dir", tmp, *args, env=env,
+                                         timeout=timeout)
     if code != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {code}:\n{output[-3000:]}")
     if warning_lines(output):
