@@ -24,7 +24,7 @@ from scaletorch.trainer import Trainer
 from scaletorch.trainer import checkpoint as ckpt
 from scaletorch.trainer import parse_args, run_dir
 from scaletorch.trainer.stops import catch_stop_signals, release_stop_signals, stopped, watch
-from tests.harness import NCCL_CHECKS
+from tests.harness import NCCL_CHECKS, launch_forked
 from tests.test_examples import NO_PREFLIGHT, ROOT, launch_status
 from tests.test_run_dirs import BASE, C00, copy_of_base_run, metrics_lines, run_script, snapshot
 
@@ -315,7 +315,8 @@ safe_files.write_all = write_all
                         "sys.argv = ['examples/01_ddp.py', *sys.argv[1:]]\n"
                         "runpy.run_path('examples/01_ddp.py', run_name='__main__')\n")
             args = [*BASE, "--logging.run_dir", tmp]
-            out, code, _ = launch_status(C01, 2, *args, env=NO_PREFLIGHT)
+            # the run before the full disk: its ranks forked (launch.sh's work is the second's)
+            out, code = launch_forked(C01, 2, *args, env=NO_PREFLIGHT)
             self.assertEqual(code, 0, out[-3000:])
             run = os.path.join(tmp, "01_ddp")
             before = snapshot(run)
