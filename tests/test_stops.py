@@ -46,7 +46,8 @@ def interrupt_after_checkpoints(cmd: List[str], checkpoints: int,
     processes (here: launch.sh's torchrun and every rank); with ``sigterm``, SIGTERM to the
     command's process alone, as a scheduler stops a job (torchrun passes it on to the ranks).
     (exit status, stdout, stderr)."""
-    env = {**os.environ, "PYTHONPATH": ROOT, **NCCL_CHECKS}
+    # launch.sh's pre-flight skipped: the stop comes after two checkpoints, long after it
+    env = {**os.environ, "PYTHONPATH": ROOT, **NCCL_CHECKS, **NO_PREFLIGHT}
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True, env=env)
     lines, saved = [], 0
@@ -398,7 +399,7 @@ models.loss_fn = loss_fn
                     "runpy.run_path('examples/01_ddp.py', run_name='__main__')\n")
             out, code, _ = launch_status(wrapper, 2, "--steps", "6", "--checkpoint.every", "2",
                                          "--logging.progress", "false", "--logging.run_dir", tmp,
-                                         "--logging.log_every", "1")
+                                         "--logging.log_every", "1", env=NO_PREFLIGHT)
             self.assertEqual(code, 3, out[-3000:])
             self.assertNotIn("Traceback", out)
             stops = [line for line in out.splitlines() if line.startswith("error:")]
