@@ -24,7 +24,7 @@ from scaletorch.trainer import Trainer
 from scaletorch.trainer import checkpoint as ckpt
 from scaletorch.trainer import parse_args, run_dir
 from scaletorch.trainer.stops import catch_stop_signals, release_stop_signals, stopped, watch
-from tests.harness import NCCL_CHECKS
+from tests.harness import NCCL_CHECKS, launch_forked
 from tests.test_examples import NO_PREFLIGHT, ROOT, launch_status
 from tests.test_run_dirs import BASE, C00, copy_of_base_run, metrics_lines, run_script, snapshot
 
@@ -46,7 +46,8 @@ def interrupt_after_checkpoints(cmd: List[str], checkpoints: int,
     processes (here: launch.sh's torchrun and every rank); with ``sigterm``, SIGTERM to the
     command's process alone, as a scheduler stops a job (torchrun passes it on to the ranks).
     (exit status, stdout, stderr)."""
-    env = {**os.environ, "PYTHONPATH": ROOT, **NCCL_CHECKS}
+    # launch.sh's pre-flight skipped: the stop comes after two checkpoints, long after it
+    env = {**os.environ, "PYTHONPATH": ROOT, **NCCL_CHECKS, **NO_PREFLIGHT}
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True, env=env)
     lines, saved = [], 0
@@ -315,7 +316,8 @@ safe_files.write_all = write_all
                         "sys.argv = ['examples/01_ddp.py', *sys.argv[1:]]\n"
                         "runpy.run_path('examples/01_ddp.py', run_name='__main__')\n")
             args = [*BASE, "--logging.run_dir", tmp]
-            out, code, _ = launch_status(C01, 2, *args, env=NO_PREFLIGHT)
+            # the run before the full disk: its ranks forked (launch.sh's work is the second's)
+            out, code = launch_forked(C01, 2, *args, env=NO_PREFLIGHT)
             self.assertEqual(code, 0, out[-3000:])
             run = os.path.join(tmp, "01_ddp")
             before = snapshot(run)
@@ -397,7 +399,7 @@ models.loss_fn = loss_fn
                     "runpy.run_path('examples/01_ddp.py', run_name='__main__')\n")
             out, code, _ = launch_status(wrapper, 2, "--steps", "6", "--checkpoint.every", "2",
                                          "--logging.progress", "false", "--logging.run_dir", tmp,
-                                         "--logging.log_every", "1")
+                                         "--logging.log_every", "1", env=NO_PREFLIGHT)
             self.assertEqual(code, 3, out[-3000:])
             self.assertNotIn("Traceback", out)
             stops = [line for line in out.splitlines() if line.startswith("error:")]
