@@ -272,7 +272,8 @@ def bubble_run(schedule: str, v: int, steps: int) -> dict:
         step(inputs, inputs)
         timelines.append(gather_timeline(step.timeline, pgm))  # rank 0's; None elsewhere
         if len(timelines) >= steps:  # rank 0 decides for all: is the best step within?
-            found = torch.tensor([torch.distributed.get_rank() == 0 and best_within(timelines)])
+            found = torch.tensor(
+                [int(torch.distributed.get_rank() == 0 and best_within(timelines))])
             torch.distributed.broadcast(found, 0)
             if found.item():
                 break
