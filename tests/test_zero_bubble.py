@@ -222,15 +222,28 @@ DELAY = 0.12  # seconds per F, B and W of a stage: ~30x the compute and messages
 # schedule: (chunks per rank, timed steps): the V schedules' small bubbles need a third step more
 # often to find one that no other process disturbed (see the bubble tests)
 BUBBLE_RUNS = {"1f1b": (1, 2), "zb-h1": (1, 2), "zbv": (2, 3), "dualpipev": (2, 3)}
+# measured bubble / the simulator's prediction from the step's own costs, of the best step
+BUBBLE_RATIO = (0.85, 1.15)
+# On a loaded machine another process can keep a rank off the cores while its message arrives
+# in each of the first steps (1.26x once, at load average ~8): then more steps, up to this
+# many, until one is within BUBBLE_RATIO. On an idle machine the first 2 or 3 are, and the
+# extra steps never run. A runtime that waits where the schedule does not (a blocking send)
+# adds its idle time to every step: every step stays out of BUBBLE_RATIO, and the test fails.
+BUBBLE_MAX_STEPS = 6
 # What the bubble test proves of ZBV: its bubble is about a quarter of 1F1B's, the measured
 # ratio within ZBV_QUARTER (see the test for the measured range)
 ZBV_QUARTER = (0.15, 0.32)
+
+# The parity runs' steps: past the 2 warm-up steps, with clipping active. Every difference
+# a schedule could make (an action missed, a W on stale weights or on a ZeRO shard, a
+# gradient not reduced) shows from step 1 on, in an fp32 run that is deterministic.
+PARITY_STEPS = 3
 
 
 def config(name: str):
     layers, m, parallel = PARITY[name]
     cfg = make_config(micro_batches=m, **parallel)
-    cfg.model.num_layers = layers
+    cfg.model.num_layers, cfg.training.steps = layers, PARITY_STEPS
     cfg.model.tie_word_embeddings = name.startswith("tied")
     return cfg
 
@@ -254,10 +267,16 @@ def bubble_run(schedule: str, v: int, steps: int) -> dict:
     for module in pipe.modules():
         if isinstance(module, Delayed):
             module.forward_s = module.backward_s = module.weight_s = share
-    timelines = []
-    for _ in range(steps):
+    timelines: list = []
+    while len(timelines) < BUBBLE_MAX_STEPS:
         step(inputs, inputs)
-        timelines.append(gather_timeline(step.timeline, pgm))
+        timelines.append(gather_timeline(step.timeline, pgm))  # rank 0's; None elsewhere
+        if len(timelines) >= steps:  # rank 0 decides for all: is the best step within?
+            found = torch.tensor(
+                [int(torch.distributed.get_rank() == 0 and best_within(timelines))])
+            torch.distributed.broadcast(found, 0)
+            if found.item():
+                break
     out = {
         "timelines": timelines,
         "peak_count": meter.peak_count,
@@ -300,6 +319,17 @@ def predicted(timeline) -> float:
                           comm=message_cost(timeline), durations=durations).bubble_fraction()
 
 
+def bubble_ratio(timeline) -> float:
+    """The measured bubble over the simulator's prediction from the step's own costs."""
+    return timeline.bubble_fraction() / predicted(timeline)
+
+
+def best_within(timelines: list) -> bool:
+    """Is the best step's (the least disturbed: the smallest ratio) within BUBBLE_RATIO?"""
+    low, high = BUBBLE_RATIO
+    return low <= min(bubble_ratio(t) for t in timelines) <= high
+
+
 def world(rank: int, world_size: int) -> dict:
     p2p_order.set_in_order(True)  # the parity runs in NCCL's order (tests/test_nccl_order.py)
     out = {"parity": {name: train(config(name)) for name in PARITY}}
@@ -311,6 +341,7 @@ def world(rank: int, world_size: int) -> dict:
 def reference_config(layers: int, m: int, tied: bool) -> Config:
     cfg = make_config(micro_batches=m)
     cfg.model.num_layers, cfg.model.tie_word_embeddings = layers, tied
+    cfg.training.steps = PARITY_STEPS
     return cfg
 
 
@@ -362,19 +393,20 @@ class TestZeroBubbleRanks(unittest.TestCase):
         # Each step's measured idle share against the simulator fed that step's per-action costs
         # and message cost: the runtime should wait only where the schedule's dependencies make
         # it wait. A process that other processes keep off the cores while a message arrives
-        # adds idle time no cost shows, so one step of the two or three must be within 15%.
+        # adds idle time no cost shows, so the best step of the two or three (up to
+        # BUBBLE_MAX_STEPS while none is, on a loaded machine) must be within 15%.
         # Measured / predicted of the best step, 6 runs at load average 4 to 90: 1F1B
         # 1.006-1.147, ZB-H1 0.995-1.025, ZBV 1.007-1.046, DualPipeV 1.016-1.024 (single
         # steps up to 1.2-1.6 under load); messages 0.3-1.6 ms.
         for schedule, (v, _) in BUBBLE_RUNS.items():
             nominal = simulate_async(schedule, 4, 8, v).bubble_fraction()
-            ratio, best = min(((t.bubble_fraction() / predicted(t), t)
-                               for t in self.timelines(schedule)), key=lambda x: x[0])
+            ratio, best = min(((bubble_ratio(t), t) for t in self.timelines(schedule)),
+                              key=lambda x: x[0])
             msg = (f"{schedule}: measured {best.bubble_fraction():.4f} = {ratio:.3f} x predicted "
                    f"(F = B = W: {nominal:.4f}), message {message_cost(best) * 1e3:.1f} ms\n"
                    f"{best.chart(width=90)}")
-            self.assertGreaterEqual(ratio, 0.85, msg)
-            self.assertLessEqual(ratio, 1.15, msg)
+            self.assertGreaterEqual(ratio, BUBBLE_RATIO[0], msg)
+            self.assertLessEqual(ratio, BUBBLE_RATIO[1], msg)
 
     def test_measured_bubble_at_p4_m8_zb_h1_at_most_half_and_zbv_about_a_quarter_of_1f1b(self):
         # F = B = W = 120 ms per stage, simulated: 9/33 = 0.273 (1F1B), 3/27 = 0.111 (ZB-H1),
