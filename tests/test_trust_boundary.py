@@ -223,6 +223,18 @@ class TheBoundaryRefusesBeforeItReads(unittest.TestCase):
         # a config that uses an anchor or two as configs do still loads
         self.assertEqual(boundary.load_yaml("a: &lr 0.1\nb: *lr\n", "x"), {"a": 0.1, "b": 0.1})
 
+    def test_a_control_character_anywhere_in_yaml_is_one_line_or_read(self):
+        # Found by the long generated phase: a NUL appended to a config raised the YAML
+        # reader's own traceback, from where the loader is built, outside its guard.
+        chars = [chr(c) for c in [*range(0x20), *range(0x7f, 0xa0), 0xfeff, 0xfffe, 0xffff]]
+        for char in chars:
+            for text in (char, "a: 1\n" + char, "a: '" + char + "'\n", char + "a: 1\n"):
+                try:
+                    boundary.load_yaml(text, "x")
+                except InputError as err:
+                    self.assertNotIn("\n", str(err), repr(text))
+                    self.assertTrue(str(err).startswith("x"), repr(text))
+
     def test_a_61_mb_yaml_is_refused_by_its_size_before_it_is_read(self):
         path = os.path.join(self.d, "big.yaml")
         with open(path, "wb") as f:

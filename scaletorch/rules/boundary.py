@@ -345,7 +345,10 @@ def load_yaml(text: str, source: str) -> Any:
     if _too_deep(text):
         raise InputError(f"{source}: YAML nested more than {NESTING} levels deep: it is not a "
                          f"config")
-    loader = _LimitedLoader(text)
+    try:  # the reader refuses control characters (a NUL) as it is built
+        loader = _LimitedLoader(text)
+    except yaml.YAMLError as err:
+        raise _yaml_error(err, source) from None
     try:
         try:
             node = loader.get_single_node()
