@@ -3,8 +3,9 @@
 Four models written here, not with scaletorch.models: an MLP; a net with a frozen layer, a
 frozen bias, a frozen root parameter, a branch used in even steps only and a weight tied
 between two modules after a frozen gain (its backward reads the gain after the tied weight's
-gradient is in: ZeRO-3 must not release it then, or the rank dies on freed memory); a tiny
-transformer (torch's encoder layers in a ``ModuleList`` that the parent's forward loops over);
+gradient is in: ZeRO-3 must not release it then, or the rank dies on freed memory; its input
+given by position in even steps, by keyword in odd ones); a tiny transformer (torch's
+encoder layers in a ``ModuleList`` that the parent's forward loops over);
 a conv net with BatchNorm and a frozen first conv. Every rank builds its model with its own
 seed: the strategy must make the replicas equal (rank 0's).
 
@@ -108,7 +109,8 @@ class Frozen(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.body(self.embed(x))) * self.scale
-        h = self.coupled(h)
+        # by keyword in odd steps: ZeRO-3 must see the input a frozen gain multiplies either way
+        h = self.coupled(h) if self.use_extra else self.coupled(x=h)
         if self.use_extra:
             h = h + self.extra(h)
         return self.out(h)

@@ -182,6 +182,10 @@ class AnyShardedDataParallel(ShardedDataParallel):
                 for module in held.values():
                     if module is not unit.modules[0]:
                         module.register_forward_pre_hook(partial(self._pre_forward, i))
+                # the first one entered counts the unit's inputs, positional or keyword
+                for module in {id(unit.modules[0]): unit.modules[0], **held}.values():
+                    module.register_forward_pre_hook(partial(self._count_inputs, i),
+                                                     with_kwargs=True)
                 self._hold(unit, False)
 
     def _hold(self, unit: FlatUnit, gathered: bool) -> None:
@@ -246,10 +250,14 @@ class AnyShardedDataParallel(ShardedDataParallel):
         if frozen is not None and not self._awaiting[i]:
             self._release_frozen(frozen, i)
 
-    def _pre_forward(self, i: int, module: nn.Module, args: Tuple[Any, ...]) -> None:
-        super()._pre_forward(i, module, args)
-        if self.frozen and self.frozen[i] is not None and not self._inputs[i]:
-            inputs = [t for t in tree_leaves(args) if torch.is_tensor(t) and t.requires_grad]
+    def _count_inputs(self, i: int, module: nn.Module, args: Tuple[Any, ...],
+                      kwargs: Dict[str, Any]) -> None:
+        """Unit i's first entry this forward: a hook on each of its inputs (positional or
+        keyword) that needs a gradient, so its frozen parameters outlive their last reader."""
+        if self.frozen[i] is not None and not self._inputs[i]:
+            inputs = [
+                t for t in tree_leaves((args, kwargs)) if torch.is_tensor(t) and t.requires_grad
+            ]
             self._inputs[i] = len(inputs) or -1  # -1: entered, no input needs a gradient
             for tensor in inputs:
                 tensor.register_hook(partial(self._input_grad, i))
