@@ -4,6 +4,12 @@
 1, see tests/harness.py); ``--bit-exact`` runs only the tests marked ``@bit_exact``, the ones
 that compare results bit for bit. CI runs those at 1 and at 2 threads as well.
 
+``--jobs N`` runs the test modules in N worker processes at once (default: 2, or 1 on a
+one-core machine). Most tests spawn ranks or launch scripts; between them a worker waits on a
+timeout, a launcher or one Python's imports, and a second worker uses that idle core. Modules
+listed in ``ALONE`` measure time (a schedule's bubble, a straggler's delay): they run after
+the others, with no second worker beside them.
+
 ``--durations N`` also lists the N slowest test classes (their tests' times summed, setUpClass
 included: a class that spawns one world for all its tests pays it there).
 
@@ -15,10 +21,24 @@ must write its runs under a temporary directory: the README's first command need
 
 import argparse
 import collections
+import json
 import os
+import selectors
+import subprocess
 import sys
 import time
 import unittest
+from typing import Dict, List
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+# Modules that assert on measured time: run with no other worker beside them.
+ALONE = ("tests.test_zero_bubble", "tests.test_straggler", "tests.test_timer")
+# The slowest modules start first, so that no long one is left to run at the end by itself.
+SLOW_FIRST = ("tests.test_resume", "tests.test_nd_parallel", "tests.test_dry_run",
+              "tests.test_grade", "tests.test_fault_tolerance", "tests.test_debugging",
+              "tests.test_native_nd", "tests.test_dcp_async", "tests.test_dcp", "tests.test_docs",
+              "tests.test_plan", "tests.test_bad_inputs", "tests.test_stops")
 
 
 class TimedResult(unittest.TextTestResult):
@@ -52,6 +72,142 @@ def _is_bit_exact(test: unittest.TestCase) -> bool:
     return bool(getattr(method, "bit_exact", False))
 
 
+def _loader(patterns: List[str]) -> unittest.TestLoader:
+    loader = unittest.TestLoader()
+    if patterns:
+        loader.testNamePatterns = [f"*{p}*" for p in patterns]
+    return loader
+
+
+def _selected(suite: unittest.TestSuite, bit_exact: bool) -> unittest.TestSuite:
+    return unittest.TestSuite(t for t in _tests(suite) if _is_bit_exact(t)) if bit_exact else suite
+
+
+def _modules() -> List[str]:
+    """Every tests/test_*.py as a module name: the slow ones first, then in name order."""
+    names = sorted(f"tests.{f[:-3]}" for f in os.listdir(os.path.join(ROOT, "tests"))
+                   if f.startswith("test_") and f.endswith(".py"))
+    return [m for m in SLOW_FIRST if m in names] + [m for m in names if m not in SLOW_FIRST]
+
+
+def _worker(args: argparse.Namespace) -> int:
+    """Run the modules named on stdin, one line each; after each, one JSON line of its results
+    on the original stdout (the tests' own prints go to stderr, beside the progress dots)."""
+    report = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    loader = _loader(args.patterns)
+    for line in sys.stdin:
+        module = line.strip()
+        suite = _selected(loader.loadTestsFromName(module), args.bit_exact)
+        result = TimedResult(unittest.runner._WritelnDecorator(sys.stderr), True,
+                             2 if args.verbose else 1)
+        result.failfast = args.failfast
+        suite(result)
+        report.write(
+            json.dumps({
+                "module": module,
+                "run": result.testsRun,
+                "failed": [[result.getDescription(t), text] for t, text in result.failures],
+                "errors": [[result.getDescription(t), text] for t, text in result.errors],
+                "unexpected": len(result.unexpectedSuccesses),
+                "skipped": len(result.skipped),
+                "seconds": dict(result.seconds),
+            }) + "\n")
+        report.flush()
+    return 0
+
+
+class _Totals:
+    """The workers' results, summed."""
+
+    def __init__(self) -> None:
+        self.run = self.skipped = self.unexpected = 0
+        self.problems: List[tuple] = []  # (kind, test, traceback text)
+        self.seconds: collections.Counter = collections.Counter()
+
+    def add(self, out: Dict) -> None:
+        self.run += out["run"]
+        self.skipped += out["skipped"]
+        self.unexpected += out["unexpected"]
+        self.problems += [("FAIL", *f) for f in out["failed"]]
+        self.problems += [("ERROR", *e) for e in out["errors"]]
+        self.seconds.update(out["seconds"])
+
+
+def _run_in_workers(args: argparse.Namespace, jobs: int) -> _Totals:
+    """Hand the modules to ``jobs`` workers, the next to whichever is free; the ALONE ones
+    last, one at a time, when no other worker runs."""
+    forwarded = [word for p in args.patterns for word in ("-k", p)]  # threads: by environment
+    forwarded += [
+        flag for flag, on in (("--verbose", args.verbose), ("--failfast", args.failfast),
+                              ("--bit-exact", args.bit_exact)) if on
+    ]
+    modules = _modules()
+    queue = [m for m in modules if m not in ALONE]
+    alone = [m for m in modules if m in ALONE]
+    totals = _Totals()
+    workers = [
+        subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--worker", *forwarded], cwd=ROOT,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+        for _ in range(min(jobs, len(modules)))
+    ]
+    busy: Dict[subprocess.Popen, str] = {}
+    selector = selectors.DefaultSelector()
+    for worker in workers:
+        selector.register(worker.stdout, selectors.EVENT_READ, worker)
+
+    def give(worker: subprocess.Popen, module: str) -> None:
+        busy[worker] = module
+        worker.stdin.write(module + "\n")
+        worker.stdin.flush()
+
+    for worker in workers:
+        if queue:
+            give(worker, queue.pop(0))
+    while busy:
+        for key, _ in selector.select():
+            worker = key.data
+            line = worker.stdout.readline()
+            module = busy.pop(worker)
+            if not line:  # the worker died (a segfault in the test process itself)
+                totals.problems.append(("ERROR", module, f"the worker running {module} ended "
+                                        f"with status {worker.wait()} before reporting"))
+                selector.unregister(worker.stdout)
+                workers.remove(worker)
+                continue
+            totals.add(json.loads(line))
+            if args.failfast and totals.problems:
+                queue.clear()
+                alone.clear()
+            if queue:
+                give(worker, queue.pop(0))
+            elif alone and not busy:  # every other worker is idle: the timed modules now
+                give(worker, alone.pop(0))
+        if not busy and alone and workers:
+            give(workers[0], alone.pop(0))
+    for worker in workers:
+        worker.stdin.close()
+        worker.wait()
+    return totals
+
+
+def _run_here(args: argparse.Namespace) -> _Totals:
+    """Every module in this process (``--jobs 1``)."""
+    suite = _selected(_loader(args.patterns).loadTestsFromNames(_modules()), args.bit_exact)
+    runner = unittest.TextTestRunner(verbosity=2 if args.verbose else 1, failfast=args.failfast,
+                                     resultclass=TimedResult)
+    result = runner.run(suite)
+    totals = _Totals()
+    totals.run, totals.skipped = result.testsRun, len(result.skipped)
+    totals.unexpected = len(result.unexpectedSuccesses)
+    totals.problems = [("FAIL", t, "") for t, _ in result.failures]
+    totals.problems += [("ERROR", t, "") for t, _ in result.errors]  # printed by the runner
+    totals.seconds = result.seconds
+    return totals
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("-k", dest="patterns", action="append", default=[],
@@ -64,43 +220,52 @@ def main() -> int:
                         help="intra-op threads of the test process and of every rank")
     parser.add_argument("--bit-exact", action="store_true",
                         help="only the tests that compare results bit for bit")
+    parser.add_argument(
+        "--jobs", type=int, metavar="N", default=min(2,
+                                                     os.cpu_count() or 1),
+        help="test modules run at once, each in a worker process (default: "
+        "%(default)s)")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.threads is not None:
         if args.threads < 1:
             parser.error(f"--threads {args.threads}: expected at least 1")
         os.environ["SCALETORCH_TEST_THREADS"] = str(args.threads)
+    if args.jobs < 1:
+        parser.error(f"--jobs {args.jobs}: expected at least 1")
+    os.chdir(ROOT)  # the tests name files relative to the checkout
+    if ROOT not in sys.path:
+        sys.path.insert(0, ROOT)
     from tests import harness  # reads SCALETORCH_TEST_THREADS and sets the threads
-    print(f"threads: {harness.PROCESS_THREADS} in the test process, {harness.RANK_THREADS} in "
-          "each rank and launched script")
+    if args.worker:
+        return _worker(args)
+    print(
+        f"threads: {harness.PROCESS_THREADS} in the test process, {harness.RANK_THREADS} in "
+        f"each rank and launched script; {args.jobs} worker(s)", flush=True)
 
-    loader = unittest.TestLoader()
-    if args.patterns:
-        loader.testNamePatterns = [f"*{p}*" for p in args.patterns]
-    suite = loader.discover("tests", top_level_dir=".")
-    if args.bit_exact:
-        suite = unittest.TestSuite(t for t in _tests(suite) if _is_bit_exact(t))
-    runner = unittest.TextTestRunner(verbosity=2 if args.verbose else 1, failfast=args.failfast,
-                                     resultclass=TimedResult)
     start = time.time()
-    runs = os.path.join(os.path.dirname(os.path.abspath(__file__)), "runs")
+    runs = os.path.join(ROOT, "runs")
     had_runs = os.path.exists(runs)
-    result = runner.run(suite)
-    failed = len(result.failures) + len(result.errors) + len(result.unexpectedSuccesses)
+    totals = _run_in_workers(args, args.jobs) if args.jobs > 1 else _run_here(args)
+    if args.jobs > 1:
+        print(file=sys.stderr)  # after the progress dots
+        for kind, test, text in totals.problems:
+            print(f"\n{'=' * 70}\n{kind}: {test}\n{'-' * 70}\n{text}", file=sys.stderr)
+    failed = len(totals.problems) + totals.unexpected
     if not had_runs and os.path.exists(runs):  # tests write under temporary directories only
         left = ", ".join(sorted(os.listdir(runs)))
         print(f"error: the tests left {runs} in the checkout ({left}): a test ran a script "
               f"without --logging.run_dir in a temporary directory")
         failed += 1
-    skipped = len(result.skipped)
-    passed = result.testsRun - failed - skipped
+    passed = totals.run - len(totals.problems) - totals.unexpected - totals.skipped
     line = f"{passed} passed, {failed} failed"
-    if skipped:
-        line += f", {skipped} skipped"
-    for name, seconds in result.seconds.most_common(args.durations):
+    if totals.skipped:
+        line += f", {totals.skipped} skipped"
+    for name, seconds in totals.seconds.most_common(args.durations):
         print(f"{seconds:7.1f} s  {name}")
     print(f"({time.time() - start:.0f} s)")
     print(line)
-    return 0 if failed == 0 and result.testsRun > 0 else 1
+    return 0 if failed == 0 and totals.run > 0 else 1
 
 
 if __name__ == "__main__":
