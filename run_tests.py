@@ -11,7 +11,9 @@ listed in ``ALONE`` measure time (a schedule's bubble, a straggler's delay): the
 the others, with no second worker beside them.
 
 ``--durations N`` also lists the N slowest test classes (their tests' times summed, setUpClass
-included: a class that spawns one world for all its tests pays it there).
+included: a class that spawns one world for all its tests pays it there), with the CPU seconds
+of every process each one ran: on a shared machine the wall time says little, the CPU is what
+the suite costs.
 
 Discovers every ``tests/test_*.py`` with unittest and closes with one line
 ``N passed, N failed`` (plus ``, N skipped`` when any were skipped). Exits 1 on failure, and
@@ -22,7 +24,9 @@ must write its runs under a temporary directory: the README's first command need
 import argparse
 import collections
 import json
+import multiprocessing.forkserver as forkserver
 import os
+import resource
 import selectors
 import subprocess
 import sys
@@ -41,20 +45,40 @@ SLOW_FIRST = ("tests.test_resume", "tests.test_nd_parallel", "tests.test_dry_run
               "tests.test_plan", "tests.test_bad_inputs", "tests.test_stops")
 
 
+def cpu_seconds() -> float:
+    """CPU seconds of this process, of the children it waited for (scripts, launchers and
+    their ranks) and of the forkserver with the ranks it forked and reaped."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    total = own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+    pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
+    try:  # utime, stime, cutime, cstime: fields 14-17 of /proc/PID/stat, in clock ticks
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += sum(int(v) for v in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):  # no forkserver yet, or no /proc (macOS)
+        pass
+    return total
+
+
 class TimedResult(unittest.TextTestResult):
-    """Seconds per test class, from the end of one test to the end of the next: a class's
-    setUpClass (where the multi-rank tests spawn their world) counts towards its first test."""
+    """Seconds per test class, wall and CPU (``cpu_seconds``), from the end of one test to the
+    end of the next: a class's setUpClass (where the multi-rank tests spawn their world) counts
+    towards its first test. A rank is counted once reaped: mostly within its class."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.seconds: collections.Counter = collections.Counter()
-        self._last = time.time()
+        self.cpu: collections.Counter = collections.Counter()
+        self._last, self._last_cpu = time.time(), cpu_seconds()
 
     def stopTest(self, test: unittest.TestCase) -> None:
         super().stopTest(test)
-        now = time.time()
-        self.seconds[type(test).__module__ + "." + type(test).__name__] += now - self._last
-        self._last = now
+        now, cpu = time.time(), cpu_seconds()
+        name = type(test).__module__ + "." + type(test).__name__
+        self.seconds[name] += now - self._last
+        self.cpu[name] += cpu - self._last_cpu
+        self._last, self._last_cpu = now, cpu
 
 
 def _tests(suite: unittest.TestSuite) -> list:
@@ -113,6 +137,7 @@ def _worker(args: argparse.Namespace) -> int:
                 "unexpected": len(result.unexpectedSuccesses),
                 "skipped": len(result.skipped),
                 "seconds": dict(result.seconds),
+                "cpu": dict(result.cpu),
             }) + "\n")
         report.flush()
     return 0
@@ -125,6 +150,7 @@ class _Totals:
         self.run = self.skipped = self.unexpected = 0
         self.problems: List[tuple] = []  # (kind, test, traceback text)
         self.seconds: collections.Counter = collections.Counter()
+        self.cpu: collections.Counter = collections.Counter()
 
     def add(self, out: Dict) -> None:
         self.run += out["run"]
@@ -133,6 +159,7 @@ class _Totals:
         self.problems += [("FAIL", *f) for f in out["failed"]]
         self.problems += [("ERROR", *e) for e in out["errors"]]
         self.seconds.update(out["seconds"])
+        self.cpu.update(out["cpu"])
 
 
 def _run_in_workers(args: argparse.Namespace, jobs: int) -> _Totals:
@@ -204,7 +231,7 @@ def _run_here(args: argparse.Namespace) -> _Totals:
     totals.unexpected = len(result.unexpectedSuccesses)
     totals.problems = [("FAIL", t, "") for t, _ in result.failures]
     totals.problems += [("ERROR", t, "") for t, _ in result.errors]  # printed by the runner
-    totals.seconds = result.seconds
+    totals.seconds, totals.cpu = result.seconds, result.cpu
     return totals
 
 
@@ -261,9 +288,11 @@ def main() -> int:
     line = f"{passed} passed, {failed} failed"
     if totals.skipped:
         line += f", {totals.skipped} skipped"
+    if args.durations:
+        print("   wall     CPU  (seconds; CPU counts every process of the class)")
     for name, seconds in totals.seconds.most_common(args.durations):
-        print(f"{seconds:7.1f} s  {name}")
-    print(f"({time.time() - start:.0f} s)")
+        print(f"{seconds:7.1f} {totals.cpu[name]:7.1f}  {name}")
+    print(f"({time.time() - start:.0f} s; {sum(totals.cpu.values()):.0f} s of CPU)")
     print(line)
     return 0 if failed == 0 and totals.run > 0 else 1
 
