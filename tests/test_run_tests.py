@@ -10,7 +10,7 @@ import unittest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-PLANTED = '''
+PLANTED = """
 import unittest
 
 
@@ -28,7 +28,7 @@ class Planted(unittest.TestCase):
     @unittest.skip("planted")
     def test_skipped(self):
         pass
-'''
+"""
 
 
 class AWorkerReportsEachModule(unittest.TestCase):
