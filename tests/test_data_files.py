@@ -329,5 +329,65 @@ class OutsideLibrariesFailOnOneLine(_Tmp):
         self.assertIn(damage, ("flip", "truncate"), "a damaged image was read without a word")
 
 
+class AResumeNoticesChangedDataContents(_Tmp):
+    """The checkpoint's record keeps the sha256 of data.path's contents; a resume whose file
+    (same path) holds other bytes is refused in one line naming the file and both digest
+    prefixes. A checkpoint without the record, or the same bytes, resume as before."""
+
+    @_settings(12)
+    @given(dataset=st.sampled_from(["text", "bin"]),
+           change=st.sampled_from(["none", "append", "flip", "truncate",
+                                   "replace"]), at=st.integers(0, 10**6))
+    def test_a_changed_data_file_is_refused_naming_it(self, dataset, change, at):
+        from scaletorch.config import Config
+        from scaletorch.data import datasets
+        from scaletorch.trainer.resume_check import DATA_DIGEST, check_resumed, record
+        path = os.path.join(self.fresh(), "data.txt" if dataset == "text" else "data.bin")
+        data = bytes(range(97, 123)) * 20
+
+        def write(contents: bytes) -> None:
+            if dataset == "bin":  # rewritten with a fresh digest, as prepare_text would
+                write_checksummed(path, contents)
+                return
+            with open(path, "wb") as f:
+                f.write(contents)
+
+        write(data)
+        cfg = Config()
+        cfg.data.dataset, cfg.data.path = dataset, path
+        saved = record(cfg)
+        manifest = {"format": "per-rank", "layout": {"config": saved}}
+        new = bytearray(data)
+        if change == "append":
+            new += b"ab"
+        elif change == "flip":
+            new[at % len(new)] ^= 1 << (at % 8)
+        elif change == "truncate":
+            new = new[:at % len(new) // 2 * 2]
+        elif change == "replace":
+            new = bytearray(reversed(new))
+        write(bytes(new))
+        datasets._DIGESTS.clear()  # a resume is another process: nothing hashed yet
+        if bytes(new) == data:
+            self.assertIsNone(check_resumed("ck", manifest, cfg))
+            return
+        with self.assertRaises(InputError) as ctx:
+            check_resumed("ck", manifest, cfg)
+        message = str(ctx.exception)
+        self.assertIn(f"the contents of data.path {path!r} (sha256 {saved[DATA_DIGEST][:12]}",
+                      message)
+        self.assertNotIn("\n", message)
+        old = {
+            "format": "per-rank",
+            "layout": {
+                "config": {
+                    k: v
+                    for k, v in saved.items() if k != DATA_DIGEST
+                }
+            }
+        }
+        self.assertIsNone(check_resumed("ck", old, cfg))  # written before the record
+
+
 if __name__ == "__main__":
     unittest.main()

@@ -13,13 +13,14 @@ format, length, vocabulary); a mistake is an ``InputError`` that names the file.
 """
 
 import os
-from typing import Optional, Tuple, Union
+from typing import Dict, Optional, Tuple, Union
 
 import numpy as np
 
 from scaletorch.data.tokenizer import check_utf8, meta_path, token_dtype
 from scaletorch.rules import boundary
 from scaletorch.rules.errors import InputError, MissingInputError
+from scaletorch.rules.safe_files import checksum_path, file_sha256, read_checksum
 
 # The chain keeps two V x V float64 matrices (transition and its cumulative sum): 256 MiB at
 # 4096 tokens, but 40 GB at GPT-2's 50257. Real vocabularies train on text or .bin files.
@@ -186,6 +187,26 @@ def _scan_max(path: str, dtype: np.dtype, count: int, chunk: int = 1 << 22) -> T
                 best, where = int(block[at]), offset + at
             offset += block.size
     return where, best
+
+
+# (path, inode, size, mtime) -> sha256 of a data file hashed here: a run records it at every checkpoint
+_DIGESTS: Dict[Tuple[str, int, int, int], str] = {}
+
+
+def data_digest(dataset: str, path: Optional[str]) -> Optional[str]:
+    """The sha256 of the contents of a run's data file (text or bin), or None (synthetic, or no
+    such file). A .bin's is its .sha256's, which the pre-flight matched with its bytes; a text
+    (or a .bin trusted without a digest) is hashed once per size and mtime. A resume compares
+    it with the one its checkpoint recorded (scaletorch/trainer/resume_check.py)."""
+    if dataset not in ("text", "bin") or not path or not os.path.isfile(path):
+        return None
+    if dataset == "bin" and os.path.isfile(checksum_path(path)):
+        return read_checksum(path)
+    st = os.stat(path)
+    key = (os.path.realpath(path), st.st_ino, st.st_size, st.st_mtime_ns)
+    if key not in _DIGESTS:
+        _DIGESTS[key] = file_sha256(path)[0]
+    return _DIGESTS[key]
 
 
 def _random_windows(tokens: np.ndarray, num_sequences: int, length: int, rng: np.random.Generator,
