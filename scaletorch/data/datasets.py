@@ -189,7 +189,7 @@ def _scan_max(path: str, dtype: np.dtype, count: int, chunk: int = 1 << 22) -> T
     return where, best
 
 
-# (path, inode, size, mtime) -> sha256 of a data file hashed here: a run records it at every checkpoint
+# (path, inode, size, mtime) -> sha256 of a data file hashed here (recorded at every checkpoint)
 _DIGESTS: Dict[Tuple[str, int, int, int], str] = {}
 
 
