@@ -27,9 +27,16 @@ from scaletorch.rules.safe_files import checksum_path, verify_checksum  # noqa: 
 def check_out(paths: List[str], out: str) -> None:
     """InputError unless ``out`` may be written: it is none of the input files (by real path,
     so a symlink or ``./`` is seen through), and, when it exists, it is a token file this
-    script wrote (its .sha256 matches), not a file of the user's that would be lost."""
+    script wrote (its .sha256 matches), not a file of the user's that would be lost. The same
+    for the record written beside it (``<out>.json``)."""
     if not out:
         raise InputError("--out '' names no file: give the .bin file to write")
+    for written in (out, tok.meta_path(out)):  # the tokens and their record
+        check_written(paths, written)
+
+
+def check_written(paths: List[str], out: str) -> None:
+    """``check_out`` for one of the files written: the .bin, or its record."""
     for path in paths:
         if os.path.realpath(path) == os.path.realpath(out):
             raise InputError(f"--out {clip(out)} is the input file {clip(path)}: it would be "
