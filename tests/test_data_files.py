@@ -57,8 +57,9 @@ class _Tmp(unittest.TestCase):
         return tempfile.mkdtemp(dir=self.tmp)
 
 
-# finite in float64, inf once cast to the float32 a model holds (float32's max is 3.4e38)
-OVERFLOWS = st.sampled_from([1e300, -1e300, 1e39, -3.5e38, 1.7e308])
+# finite in float64, inf once cast to the float32 a model holds (float32's max is 3.4e38); and
+# inf or nan in any dtype (tests/test_file_kinds.py plants those in the other files)
+OVERFLOWS = st.sampled_from([1e300, -1e300, 1e39, -3.5e38, 1.7e308, float("nan"), float("inf")])
 
 
 class WeightsAreCheckedInTheRunsDtype(_Tmp):
@@ -66,7 +67,7 @@ class WeightsAreCheckedInTheRunsDtype(_Tmp):
     the run loads it into: every place tensors enter (a Hugging Face directory for
     --init-from, a consolidated checkpoint, a per-rank checkpoint's model and optimizer)."""
 
-    @_settings(6)
+    @_settings(8)
     @given(where=st.sampled_from(["hf", "consolidated", "rank model", "rank optimizer"]),
            value=OVERFLOWS, which=st.integers(0, 10**6), at=st.integers(0, 10**6))
     def test_a_value_that_overflows_the_models_dtype_is_refused_naming_the_tensor(
@@ -77,7 +78,7 @@ class WeightsAreCheckedInTheRunsDtype(_Tmp):
         name = names[which % len(names)]
         wide = {n: t.detach().double() for n, t in model.state_dict().items()}
         wide[name].view(-1)[at % wide[name].numel()] = value  # finite: it is a float64
-        self.assertTrue(bool(torch.isfinite(wide[name]).all()))
+        self.assertEqual(bool(torch.isfinite(wide[name]).all()), abs(value) < float("inf"))
         if where == "hf":
             path = os.path.join(self.fresh(), "hf")
             with torch.no_grad():
@@ -113,7 +114,8 @@ class WeightsAreCheckedInTheRunsDtype(_Tmp):
                 moment = state["optimizer"]["state"][index]["exp_avg_sq"].double()
                 moment.view(-1)[at % moment.numel()] = abs(value)
                 state["optimizer"]["state"][index]["exp_avg_sq"] = moment
-                ckpt.check_every_tensor("rank file", state)  # finite as stored: passes
+                if abs(value) < float("inf"):
+                    ckpt.check_every_tensor("rank file", state)  # finite as stored: passes
                 expected = f"exp_avg_sq of parameter {index}"
             with self.assertRaises(InputError) as ctx:
                 ckpt.load_model_and_optimizer(model, optimizer, state, "rank file")
@@ -137,7 +139,7 @@ class TokenFilesAreReadAtTheirRecordedWidth(_Tmp):
     vocabulary smaller than the file's. A file without a record is read at the width of
     model.vocab_size (doc/bad_inputs.md)."""
 
-    @_settings(20)
+    @_settings(12)
     @given(file_vocab=st.sampled_from([256, 5000, 65536, 65537, 70001, 2**20]),
            run_vocab=st.sampled_from([256, 5000, 65536, 65537, 70001,
                                       2**20]), n=st.integers(40, 300), seed=st.integers(0, 2**16))
@@ -211,8 +213,8 @@ class ATokenFileCutWhileTheRunReadsIt(_Tmp):
     """A .bin truncated while a run samples it is an InputError naming it, never a SIGBUS:
     each case forks a child that opens the file, cuts it to a drawn length and samples."""
 
-    @_settings(8)
-    @given(vocab=st.sampled_from([256, 70001]), cut=st.floats(0, 0.9), steps=st.integers(1, 5))
+    @_settings(4)
+    @given(vocab=st.sampled_from([256, 70001]), cut=st.floats(0, 0.8), steps=st.integers(1, 3))
     def test_a_cut_is_one_input_error_naming_the_file(self, vocab, cut, steps):
         path = os.path.join(self.fresh(), "live.bin")
         write_token_file(path, np.zeros(4000, dtype=bin_dtype(vocab)), vocab, "byte")
@@ -225,7 +227,7 @@ class ATokenFileCutWhileTheRunReadsIt(_Tmp):
                 data = build_dataset("bin", vocab, 0, path)
                 data.sample(4, 33, np.random.default_rng(0))
                 os.truncate(path, int(cut * 4000) * np.dtype(bin_dtype(vocab)).itemsize)
-                for step in range(50 * steps):
+                for step in range(30 * steps):
                     data.sample(4, 33, np.random.default_rng(step))
                 code = 0
             except InputError as err:
