@@ -32,6 +32,7 @@ import sys
 import torch
 
 from scaletorch.data import ByteTokenizer
+from scaletorch.data.tokenizer import data_tokenizer
 from scaletorch.dist import (comm, destroy_distributed, destroy_pg_manager, init_distributed,
                              init_pg_manager)
 from scaletorch.models import build_model
@@ -147,16 +148,22 @@ def main() -> int:
         export_hf_llama(trained, hf_dir)
         reloaded = load_hf_llama(hf_dir)
         same = all(torch.equal(t, reloaded.state_dict()[n]) for n, t in full.items())
-        print(f"byte-level loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f} nats/token "
-              f"(uniform over 256 bytes: log 256 = {math.log(256):.3f})")
+        tokenizer, why = data_tokenizer(cfg.data.dataset, cfg.data.path)
+        vocab = tokenizer.vocab_size if tokenizer is not None else cfg.model.vocab_size
+        level = "byte-level" if isinstance(tokenizer, ByteTokenizer) else "token"
+        print(f"{level} loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f} nats/token "
+              f"(uniform over {vocab} {'bytes' if vocab == 256 else 'tokens'}: log {vocab} = "
+              f"{math.log(vocab):.3f})")
         print(f"exported {hf_dir} (config.json + model.safetensors); reloaded weights "
               f"{'identical' if same else 'DIFFER'}")
-        tokenizer = ByteTokenizer()
-        prompt = torch.tensor([tokenizer.encode(args.prompt)])
-        out = generate(reloaded, prompt, args.max_new_tokens, args.temperature, args.top_k,
-                       args.top_p, generator=torch.Generator().manual_seed(cfg.data.seed))
-        print(f"sample (temperature {args.temperature}, top-p {args.top_p}, KV cache):")
-        print(tokenizer.decode(out[0].tolist()))
+        if tokenizer is None:  # ids without their tokenizer cannot be shown as text
+            print(f"sample skipped: {why}")
+        else:
+            prompt = torch.tensor([tokenizer.encode(args.prompt)])
+            out = generate(reloaded, prompt, args.max_new_tokens, args.temperature, args.top_k,
+                           args.top_p, generator=torch.Generator().manual_seed(cfg.data.seed))
+            print(f"sample (temperature {args.temperature}, top-p {args.top_p}, KV cache):")
+            print(tokenizer.decode(out[0].tolist()))
     ok = True
     if cfg.check:
         ok = check_against_reference(cfg, result.losses, env.device, full, result.start_step,

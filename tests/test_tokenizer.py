@@ -44,7 +44,7 @@ class TestTokenizers(unittest.TestCase):
         self.assertEqual(tokens.dtype, np.uint16)
         data = build_dataset("bin", 256, seed=0, path=out)
         expected = np.frombuffer((TEXT + "\n\n" + TEXT).encode("utf-8"), dtype=np.uint8)
-        np.testing.assert_array_equal(np.asarray(data.tokens), expected)
+        np.testing.assert_array_equal(data.window(0, len(data)), expected)
         window = data.sample(2, 16, np.random.default_rng(0))
         self.assertEqual(window.shape, (2, 16))
 
@@ -71,4 +71,4 @@ class TestTokenizers(unittest.TestCase):
         tokens = prepare([self.text_file], path, out)
         self.assertLess(tokens.size, len(TEXT.encode("utf-8")))  # BPE merged something
         data = build_dataset("bin", tok.vocab_size, seed=0, path=out)
-        self.assertEqual(tok.decode(np.asarray(data.tokens).tolist()), TEXT)
+        self.assertEqual(tok.decode(data.window(0, len(data)).tolist()), TEXT)

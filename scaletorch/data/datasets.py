@@ -6,20 +6,21 @@ batch a pure function of (seed, step): identical on every rank and after a resum
 - SyntheticMarkov: tokens from a random first-order Markov chain. Its entropy rate is known
   exactly, so a learning curve has a floor to aim for (a perfect model reaches it).
 - ByteTextDataset: the bytes of a local text file, vocabulary 256.
-- BinDataset: a nanoGPT-style flat file of token ids (e.g. uint16), memory-mapped.
+- BinDataset: a nanoGPT-style flat file of token ids (e.g. uint16), read window by window.
 
 ``check_data_file`` checks a text or .bin file against the run before anything starts (kind,
 format, length, vocabulary); a mistake is an ``InputError`` that names the file.
 """
 
 import os
-from typing import Optional, Union
+from typing import Dict, Optional, Tuple, Union
 
 import numpy as np
 
-from scaletorch.data.tokenizer import bin_dtype, check_utf8
+from scaletorch.data.tokenizer import check_utf8, meta_path, token_dtype
 from scaletorch.rules import boundary
 from scaletorch.rules.errors import InputError, MissingInputError
+from scaletorch.rules.safe_files import checksum_path, file_sha256, read_checksum
 
 # The chain keeps two V x V float64 matrices (transition and its cumulative sum): 256 MiB at
 # 4096 tokens, but 40 GB at GPT-2's 50257. Real vocabularies train on text or .bin files.
@@ -147,19 +148,65 @@ def check_data_file(dataset: str, path: Optional[str], vocab_size: int, seq_len:
         if size < length:
             raise _too_short(path, size, length, "bytes")
         return
-    dtype = np.dtype(bin_dtype(vocab_size))
-    if size == 0 or size % dtype.itemsize:
+    raw, record = token_dtype(path, vocab_size)  # the recorded width, or nanoGPT's rule
+    dtype = np.dtype(raw)
+    rule = (f"its record {os.path.basename(meta_path(path))} says {dtype}"
+            if record else f"the dtype for model.vocab_size {vocab_size}, as it has no record")
+    if size == 0:
+        raise InputError(f"data.path {path!r} holds no tokens (0 bytes): give a token file "
+                         f"of at least {length} tokens (data.seq_len {seq_len} + 1), e.g. from "
+                         f"scripts/prepare_text.py")
+    if size % dtype.itemsize:
         raise InputError(f"data.path {path!r} has {size} bytes, not a whole number of {dtype} "
-                         f"tokens ({dtype.itemsize} bytes each, the dtype for model.vocab_size "
-                         f"{vocab_size}): it is not a token file written for this vocabulary "
-                         f"(scripts/prepare_text.py writes one and prints the vocab_size)")
-    tokens = np.memmap(path, dtype=dtype, mode="r")
-    if len(tokens) < length:
-        raise _too_short(path, len(tokens), length)
-    window = tokens[:SCAN_TOKENS]
-    index = int(window.argmax())
-    if int(window[index]) >= vocab_size:
-        raise _bin_vocab_error(path, int(window[index]), f"at index {index}", vocab_size)
+                         f"tokens ({dtype.itemsize} bytes each, {rule}): it is not a token "
+                         f"file written for this vocabulary (scripts/prepare_text.py writes "
+                         f"one and prints the vocab_size)")
+    if record is not None and record["tokens"] != size // dtype.itemsize:
+        raise InputError(f"data.path {path!r} holds {size // dtype.itemsize} {dtype} tokens, "
+                         f"its record {os.path.basename(meta_path(path))} says "
+                         f"{record['tokens']}: the record belongs to another file; write both "
+                         f"again with scripts/prepare_text.py")
+    if size // dtype.itemsize < length:
+        raise _too_short(path, size // dtype.itemsize, length)
+    index, token = _scan_max(path, dtype, SCAN_TOKENS)
+    if token >= vocab_size:
+        raise _bin_vocab_error(path, token, f"at index {index}", vocab_size)
+
+
+def _scan_max(path: str, dtype: np.dtype, count: int, chunk: int = 1 << 22) -> Tuple[int, int]:
+    """(index, value) of the largest of the first ``count`` tokens of ``path``, read in chunks
+    (not memory-mapped: a file cut while it is read is a short read here, not a SIGBUS)."""
+    best, where, offset = -1, 0, 0
+    with open(path, "rb") as f:
+        while offset < count:
+            block = np.frombuffer(f.read(min(chunk, count - offset) * dtype.itemsize), dtype)
+            if not block.size:
+                break
+            at = int(block.argmax())
+            if int(block[at]) > best:
+                best, where = int(block[at]), offset + at
+            offset += block.size
+    return where, best
+
+
+# (path, inode, size, mtime) -> sha256 of a data file hashed here (recorded at every checkpoint)
+_DIGESTS: Dict[Tuple[str, int, int, int], str] = {}
+
+
+def data_digest(dataset: str, path: Optional[str]) -> Optional[str]:
+    """The sha256 of the contents of a run's data file (text or bin), or None (synthetic, or no
+    such file). A .bin's is its .sha256's, which the pre-flight matched with its bytes; a text
+    (or a .bin trusted without a digest) is hashed once per size and mtime. A resume compares
+    it with the one its checkpoint recorded (scaletorch/trainer/resume_check.py)."""
+    if dataset not in ("text", "bin") or not path or not os.path.isfile(path):
+        return None
+    if dataset == "bin" and os.path.isfile(checksum_path(path)):
+        return read_checksum(path)
+    st = os.stat(path)
+    key = (os.path.realpath(path), st.st_ino, st.st_size, st.st_mtime_ns)
+    if key not in _DIGESTS:
+        _DIGESTS[key] = file_sha256(path)[0]
+    return _DIGESTS[key]
 
 
 def _random_windows(tokens: np.ndarray, num_sequences: int, length: int, rng: np.random.Generator,
@@ -193,10 +240,13 @@ class ByteTextDataset:
 
 
 class BinDataset:
-    """A nanoGPT-style token file: a flat array of ``dtype`` token ids, memory-mapped.
+    """A nanoGPT-style token file: a flat array of ``dtype`` token ids.
 
     vocab_size: the tokenizer's vocabulary (50257 for GPT-2); the default 65536 admits any
     uint16 token. Sampled windows are checked against it, so a wrong value fails loudly.
+    Windows are read with ``os.pread``, not through a memory map: the file can be far larger
+    than RAM, and a file cut while the run reads it is a short read, reported as an
+    InputError naming it, where a memory map would kill the process with SIGBUS.
     """
 
     def __init__(self, path: str, vocab_size: int = 65536, dtype: type = np.uint16) -> None:
@@ -205,12 +255,39 @@ class BinDataset:
             raise ValueError(f"vocab_size must be positive, got {vocab_size}")
         self.path = path
         self.vocab_size = vocab_size
-        # memmap: the file can be far larger than RAM; only sampled windows are read.
-        self.tokens = np.memmap(path, dtype=dtype, mode="r")
+        self.dtype = np.dtype(dtype)
+        self._fd = os.open(path, os.O_RDONLY)
+        self.num_tokens = os.fstat(self._fd).st_size // self.dtype.itemsize
+
+    def __len__(self) -> int:
+        return self.num_tokens
+
+    def __del__(self) -> None:
+        fd = getattr(self, "_fd", None)
+        if fd is not None:
+            os.close(fd)
+
+    def window(self, start: int, length: int) -> np.ndarray:
+        """Tokens ``start .. start + length - 1`` of the file (its dtype); InputError naming
+        the file when they are no longer there."""
+        nbytes = length * self.dtype.itemsize
+        data = os.pread(self._fd, nbytes, start * self.dtype.itemsize)
+        if len(data) < nbytes:
+            now = os.fstat(self._fd).st_size
+            raise InputError(f"data.path {self.path!r} changed while the run read it: it had "
+                             f"{self.num_tokens * self.dtype.itemsize} bytes, now {now} "
+                             f"(truncated or rewritten); restore the file, then resume from "
+                             f"the last checkpoint")
+        return np.frombuffer(data, dtype=self.dtype)
 
     def sample(self, num_sequences: int, length: int, rng: np.random.Generator) -> np.ndarray:
         """(num_sequences, length) int64 random windows of the file."""
-        out = _random_windows(self.tokens, num_sequences, length, rng, self.path)
+        if self.num_tokens < length:
+            raise _too_short(self.path, self.num_tokens, length)
+        starts = rng.integers(0, self.num_tokens - length + 1, size=num_sequences)
+        out = np.empty((num_sequences, length), dtype=np.int64)
+        for row, start in enumerate(starts.tolist()):
+            out[row] = self.window(start, length)
         if out.size and out.max() >= self.vocab_size:  # past check_data_file's scan
             raise _bin_vocab_error(self.path, int(out.max()), "in a sampled window",
                                    self.vocab_size)
@@ -237,5 +314,5 @@ def build_dataset(name: str, vocab_size: int, seed: int, path: Optional[str] = N
         if vocab_size < 256:
             raise ValueError(f"byte-level text needs vocab_size >= 256, got {vocab_size}")
         return ByteTextDataset(path)
-    # The same rule as scripts/prepare_text.py: uint16 ids while they fit, else uint32.
-    return BinDataset(path, vocab_size=vocab_size, dtype=bin_dtype(vocab_size))
+    # the width scripts/prepare_text.py recorded; without a record, uint16 while ids fit
+    return BinDataset(path, vocab_size=vocab_size, dtype=token_dtype(path, vocab_size)[0])

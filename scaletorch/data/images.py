@@ -17,14 +17,16 @@ the pixels of a position are the same at any number of ranks, and after a resume
   ``resize`` are an ``InputError`` naming the file.
 """
 
+import contextlib
 import os
-from typing import Any, Dict, List, Optional, Tuple
+import warnings
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
 
 from scaletorch.data.loader import shard_batch
-from scaletorch.rules.errors import InputError, MissingInputError
+from scaletorch.rules.errors import InputError, MissingInputError, clip
 
 Sample = Tuple[np.ndarray, int]  # (3, S, S) float32, class index
 
@@ -61,6 +63,29 @@ def _pillow() -> Any:
     return PIL.Image
 
 
+@contextlib.contextmanager
+def _reading(path: str, problem: str) -> Iterator[None]:
+    """Pillow's errors while it reads ``path`` as one InputError naming the file: a damaged
+    file raises OSError, SyntaxError, ValueError, struct.error and more, and an image of more
+    than PIL.Image.MAX_IMAGE_PIXELS (89 million) pixels is a decompression bomb (its warning
+    is an error here: a real training image is far smaller)."""
+    image = _pillow()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", image.DecompressionBombWarning)
+            yield
+    except InputError:
+        raise
+    except (image.DecompressionBombError, image.DecompressionBombWarning) as err:
+        raise InputError(f"image folder: {clip(path)} is too large to decode ({err}); a "
+                         f"training image has at most {image.MAX_IMAGE_PIXELS} pixels: "
+                         f"remove it or scale it down") from None
+    except Exception as err:  # noqa: B902 - any failure of Pillow's decoders is the file's
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise InputError(f"image folder: {clip(path)} {problem} ({clip(reason)}); remove it "
+                         f"or replace it") from None
+
+
 class ImageFolder:
     """``root/<class>/<file>``: classes in sorted order (label = position), files sorted."""
 
@@ -72,13 +97,9 @@ class ImageFolder:
 
     @staticmethod
     def _size(path: str) -> Tuple[int, int]:
-        image = _pillow()
-        try:
-            with image.open(path) as im:  # reads the header only
+        with _reading(path, "is not an image Pillow can read"):
+            with _pillow().open(path) as im:  # reads the header only
                 return im.size
-        except (OSError, image.UnidentifiedImageError) as err:
-            raise InputError(f"image folder: {path!r} is not an image Pillow can read ({err}); "
-                             f"remove it or replace it") from None
 
     @classmethod
     def check(cls, root: str, resize: Optional[int]) -> Tuple[List[str], List[Tuple[str, int]]]:
@@ -119,14 +140,12 @@ class ImageFolder:
     def load(self, index: int) -> Sample:
         path, label = self.files[index]
         image = _pillow()
-        try:
+        with _reading(path, "could not be decoded"):
             with image.open(path) as im:
                 rgb = im.convert("RGB")
                 if self.resize is not None:
                     rgb = rgb.resize((self.resize, self.resize), image.Resampling.BILINEAR)
                 pixels = np.asarray(rgb, dtype=np.float32)  # (S, S, 3), 0..255
-        except OSError as err:
-            raise InputError(f"image folder: {path!r} could not be decoded ({err})") from None
         return (pixels.transpose(2, 0, 1) / 127.5 - 1.0).astype(np.float32), label
 
 

@@ -7,13 +7,15 @@
 """
 
 import codecs
+import json
 import os
-from typing import List, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 
 from scaletorch.rules import boundary
-from scaletorch.rules.errors import InputError, MissingInputError
+from scaletorch.rules.errors import InputError, MissingInputError, clip
+from scaletorch.rules.safe_files import write_checksummed
 
 
 def check_utf8(data: bytes, path: str, what: str, whole: bool = True, hint: str = "") -> None:
@@ -80,12 +82,45 @@ class HFTokenizer:
                              f"Face model directory, or 'byte'") from None
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
 
+    def _failed(self, doing: str, err: Exception) -> InputError:
+        """The tokenizers library raises a bare Exception for a model that cannot do its work
+        (a WordLevel vocabulary without its unk token): one line naming the file."""
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        return InputError(f"tokenizer file {clip(self.path)} cannot {doing} ({clip(reason)}): "
+                          f"give a tokenizer.json whose vocabulary covers the text (an unk "
+                          f"token for the rest), or 'byte'")
+
     def encode(self, text: str) -> List[int]:
         # No special tokens: training text is one stream, documents are not wrapped in BOS/EOS.
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        try:
+            return self.tokenizer.encode(text, add_special_tokens=False).ids
+        except Exception as err:
+            raise self._failed(f"encode the text{self._where_encode_fails(text)}", err) from None
+
+    def _where_encode_fails(self, text: str, window: int = 1 << 20) -> str:
+        """Where in ``text`` encoding first fails: the shortest failing prefix of its first
+        ``window`` characters, by bisection (an error path only: log2(window) encodes)."""
+        low, high = 0, min(len(text), window)  # prefix text[:high] fails, text[:low] passes
+        try:
+            self.tokenizer.encode(text[:high], add_special_tokens=False)
+            return f" ({len(text)} characters)"  # the first window encodes: no position
+        except Exception:
+            pass
+        while high - low > 1:
+            middle = (low + high) // 2
+            try:
+                self.tokenizer.encode(text[:middle], add_special_tokens=False)
+                low = middle
+            except Exception:
+                high = middle
+        line = text.count("\n", 0, high - 1) + 1
+        return f" at character {high - 1} (line {line}: {clip(text[max(0, high - 20):high])})"
 
     def decode(self, ids: List[int]) -> str:
-        return self.tokenizer.decode(ids)
+        try:
+            return self.tokenizer.decode(ids)
+        except Exception as err:
+            raise self._failed(f"decode {len(ids)} token ids", err) from None
 
 
 Tokenizer = Union[ByteTokenizer, HFTokenizer]
@@ -104,3 +139,78 @@ def load_tokenizer(spec: str) -> Tokenizer:
 def bin_dtype(vocab_size: int) -> type:
     """The token dtype of a .bin file: uint16 as nanoGPT's when every id fits, else uint32."""
     return np.uint16 if vocab_size <= 2**16 else np.uint32
+
+
+# What a token file means, recorded beside it by scripts/prepare_text.py (``<file>.json``,
+# with its own .sha256): the width of a token, the vocabulary and the tokenizer that wrote
+# it. A file without the record (nanoGPT's, or one written before it) is read at the width
+# bin_dtype gives for the run's model.vocab_size.
+META_SUFFIX = ".json"
+META_FORMAT = "scaletorch-tokens"
+TOKEN_DTYPES = ("uint16", "uint32")
+
+
+def meta_path(path: str) -> str:
+    return path + META_SUFFIX
+
+
+def write_token_file(path: str, tokens: np.ndarray, vocab_size: int, tokenizer: str) -> None:
+    """Write ``tokens`` (uint16 or uint32) to ``path`` and its record, each with a digest."""
+    record = {
+        "format": META_FORMAT,
+        "dtype": str(tokens.dtype),
+        "tokens": int(tokens.size),
+        "vocab_size": int(vocab_size),
+        "tokenizer": tokenizer
+    }
+    write_checksummed(path, tokens.tobytes())  # whole or absent, with the .sha256 a run checks
+    write_checksummed(meta_path(path), (json.dumps(record, indent=1) + "\n").encode())
+
+
+def token_file_meta(path: str) -> Optional[Dict[str, Any]]:
+    """The record of the token file ``path`` (dtype, tokens, vocab_size, tokenizer), or None
+    when it has none; InputError naming the record when it is damaged or not ours."""
+    side = meta_path(path)
+    if not os.path.lexists(side):
+        return None
+    what = f"the record of data.path {clip(path)}"
+    record = boundary.load_json(side, what, 1 << 16)
+    dtype, tokens, vocab = record.get("dtype"), record.get("tokens"), record.get("vocab_size")
+    if (record.get("format") != META_FORMAT or dtype not in TOKEN_DTYPES or type(tokens) is not int
+            or type(vocab) is not int or tokens < 0 or vocab < 1
+            or not isinstance(record.get("tokenizer"), str)):
+        raise InputError(f"{what} ({clip(side)}) is not a token-file record of "
+                         f"scripts/prepare_text.py (format, dtype uint16|uint32, tokens, "
+                         f"vocab_size, tokenizer): write the file again with it")
+    return record
+
+
+def token_dtype(path: str, vocab_size: int) -> Tuple[type, Optional[Dict[str, Any]]]:
+    """(the dtype a run over ``vocab_size`` reads ``path`` at, its record or None): the
+    recorded width; without a record, bin_dtype(vocab_size) (nanoGPT's uint16 rule).
+    InputError when the recorded vocabulary is larger than the run's."""
+    record = token_file_meta(path)
+    if record is None:
+        return bin_dtype(vocab_size), None
+    if record["vocab_size"] > vocab_size:
+        raise InputError(f"data.path {clip(path)} was written by the tokenizer "
+                         f"{clip(record['tokenizer'])} of vocabulary {record['vocab_size']} "
+                         f"({record['dtype']} tokens), more than model.vocab_size {vocab_size}: "
+                         f"train with --model.vocab_size {record['vocab_size']}")
+    return getattr(np, record["dtype"]), record
+
+
+def data_tokenizer(dataset: str, path: Optional[str]) -> Tuple[Optional[Tokenizer], str]:
+    """(the tokenizer that made a run's data, or None; why it is None): bytes for a text, the
+    one a token file's record names, none for synthetic tokens or a .bin without a record."""
+    if dataset == "text":
+        return ByteTokenizer(), ""
+    record = token_file_meta(path) if dataset == "bin" and path else None
+    if record is None:
+        return None, f"data.dataset {dataset} has no tokenizer on record"
+    if record["tokenizer"] == "byte":
+        return ByteTokenizer(), ""
+    try:
+        return load_tokenizer(record["tokenizer"]), ""
+    except InputError as err:
+        return None, f"the tokenizer that wrote data.path cannot be read ({err})"

@@ -352,14 +352,17 @@ def check_hf_llama(path: str, values: bool = False) -> LlamaConfig:
     return config
 
 
-def check_weight(file: str, hf_name: str, tensor: torch.Tensor) -> None:
-    """InputError naming ``file`` and the tensor unless it is floating point and finite."""
+def check_weight(file: str, hf_name: str, tensor: torch.Tensor,
+                 dtype: torch.dtype = torch.float32) -> None:
+    """InputError naming ``file`` and the tensor unless it is floating point and finite once
+    cast to ``dtype``, the dtype of the parameter it is loaded into."""
     if not tensor.is_floating_point():
         raise InputError(f"{file}: tensor {hf_name} is {tensor.dtype}, not a floating point "
                          f"weight")
-    if not bool(torch.isfinite(tensor).all()):
-        raise InputError(f"{file}: tensor {hf_name} holds inf or nan: the weights are damaged "
-                         f"or from a diverged run")
+    problem = boundary.not_finite_as(tensor, dtype)
+    if problem:
+        raise InputError(f"{file}: tensor {hf_name} {problem}: the weights are damaged or from "
+                         f"a diverged run")
 
 
 def _check_values(file: str) -> None:
@@ -377,11 +380,12 @@ def _check_values(file: str) -> None:
         raise InputError(f"{file} is not a readable safetensors file ({err})") from None
 
 
-def load_hf_state_dict(path: str, config: LlamaConfig) -> Dict[str, torch.Tensor]:
+def load_hf_state_dict(path: str, config: LlamaConfig,
+                       dtype: torch.dtype = torch.float32) -> Dict[str, torch.Tensor]:
     """All weights of an HF directory, renamed to ours and checked against ``config``.
 
     Raises ValueError naming the file and tensor for a missing, unexpected or misshapen tensor,
-    one that is not floating point, or one that holds inf or nan.
+    one that is not floating point, or one that holds inf or nan once cast to ``dtype``.
     """
     expected = {name: tuple(p.shape) for name, p in _shapes(config).items()}
     state: Dict[str, torch.Tensor] = {}
@@ -390,7 +394,7 @@ def load_hf_state_dict(path: str, config: LlamaConfig) -> Dict[str, torch.Tensor
         for hf_name, tensor in _read_file(file, names).items():
             name = _our_name(file, hf_name, tuple(tensor.shape), expected, path)
             if name is not None:
-                check_weight(file, hf_name, tensor)
+                check_weight(file, hf_name, tensor, dtype)
                 state[name], origin[name] = tensor, file
     if config.tie_word_embeddings and "lm_head.weight" in state:
         # Some tied exports save both; they must be the same tensor for the tie to hold.
@@ -415,7 +419,7 @@ def _shapes(config: LlamaConfig) -> Dict[str, torch.Tensor]:
 def load_hf_llama(path: str, dtype: torch.dtype = torch.float32) -> Llama:
     """Build our Llama from a Hugging Face Llama directory, weights cast to ``dtype``."""
     config = load_hf_config(path)
-    state = load_hf_state_dict(path, config)  # all checked before a model exists
+    state = load_hf_state_dict(path, config, dtype)  # all checked before a model exists
     with torch.device("meta"):
         model = Llama(config)
     model.to_empty(device="cpu")

@@ -9,6 +9,8 @@
     load_jsonl(path, what)                a JSON-lines file: its objects, each by parse_json
     load_yaml(text, source)               YAML's safe loader, with size, depth and expansion limits;
                                           a key given twice in one mapping is refused
+    not_finite_as(tensor, dtype)          why a floating tensor is not finite in the dtype the run
+                                          casts it to (1e300 in float64 is inf in float32), or ""
 
 Nesting is limited (NESTING levels) because both parsers recurse: a file of 200,000 ``[``
 would otherwise end in a RecursionError traceback. Any failure to parse is one InputError.
@@ -44,7 +46,7 @@ __all__ = [
     "CONFIG_BYTES", "JSON_BYTES", "NESTING", "TRUST_HELP", "YamlSyntaxError", "add_trust_flag",
     "TEXT_BYTES", "UNLIMITED", "YAML_NODES", "is_trusted_unchecked", "load_json", "load_jsonl",
     "load_yaml", "parse_json", "read_bytes", "read_text", "regular_file", "trust_unchecked",
-    "trusting", "verified"
+    "trusting", "verified", "not_finite_as"
 ]
 
 CONFIG_BYTES = 1 << 20  # a config YAML: ours are under 2 KB
@@ -373,3 +375,21 @@ def load_yaml(text: str, source: str) -> Any:
         raise InputError(f"{source}: YAML nested too deep: it is not a config") from None
     finally:
         loader.dispose()
+
+
+def not_finite_as(tensor: Any, dtype: Any) -> str:
+    """Why floating ``tensor`` (a torch.Tensor read from a file) holds a value that is not
+    finite once cast to ``dtype``, the dtype of the parameter or state it is loaded into, or
+    "" when every value is finite there. Checked after the cast: a float64 weight of 1e300 is
+    finite in its file and inf in a float32 model, where it would only show as a nan loss."""
+    import torch  # the rules stay importable without torch; only tensor readers call this
+    cast = tensor.detach().to(dtype) if tensor.dtype != dtype else tensor.detach()
+    finite = torch.isfinite(cast)
+    if bool(finite.all()):
+        return ""
+    index = int((~finite).flatten().nonzero()[0])
+    value = float(tensor.detach().flatten()[index])
+    if value != value or value in (float("inf"), float("-inf")):
+        return f"holds {value} (element {index})"
+    return (f"holds {value:.4g} (element {index}), beyond the largest {dtype} "
+            f"({torch.finfo(dtype).max:.4g}): it is inf once cast to the run's {dtype}")

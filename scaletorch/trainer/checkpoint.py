@@ -440,10 +440,14 @@ def load_model_and_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer,
     check_state_keys(name, state["model"], local_tensors(params), "this rank's model",
                      "resume it with the config that wrote it")
     model.load_state_dict({k: as_dtensor_like(v, params[k]) for k, v in state["model"].items()})
-    optimizer.load_state_dict(state["optimizer"])
-    for param, values in optimizer.state.items():
+    optimizer.load_state_dict(state["optimizer"])  # casts the moments to their parameter's dtype
+    for index, (param, values) in enumerate(optimizer.state.items()):
         for key, value in values.items():
             if torch.is_tensor(value):
+                if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+                    raise InputError(f"{name}: the optimizer's {key} of parameter {index} is "
+                                     f"inf or nan at the parameter's {value.dtype}: the "
+                                     f"checkpoint is damaged; resume an earlier one")
                 values[key] = as_dtensor_like(value, param)
 
 
@@ -591,10 +595,13 @@ def check_tensor(name: str, key: str, saved: Any, expected: Any) -> None:
         found = saved.dtype if isinstance(saved, torch.Tensor) else type(saved).__name__
         raise InputError(f"{name}: {key} is {found}, not a {expected.dtype} tensor as the model "
                          f"holds")
-    # a meta tensor (a sharded load's layout, before its values are read) has no values to check
-    if saved.is_floating_point() and not saved.is_meta and not bool(torch.isfinite(saved).all()):
-        raise InputError(f"{name}: {key} holds inf or nan: the checkpoint was saved from a "
-                         f"diverged run or is damaged; resume an earlier one")
+    # a meta tensor (a sharded load's layout, before its values are read) has no values to
+    # check; the others are checked at the model's dtype, which the load casts them to
+    problem = "" if saved.is_meta or not saved.is_floating_point() else \
+        boundary.not_finite_as(saved, expected.dtype)
+    if problem:
+        raise InputError(f"{name}: {key} {problem}: the checkpoint was saved from a diverged "
+                         f"run or is damaged; resume an earlier one")
 
 
 def check_every_tensor(name: str, state: Any, path: str = "") -> None:

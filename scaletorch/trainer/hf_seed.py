@@ -96,7 +96,11 @@ def seed_from_hf(path: str, par: "Parallelized") -> int:
                         box = tuple(slice(o, o + n) for o, n in zip(offsets, t.shape))
                         part = source[box]  # (t.shape): only these bytes leave the file
                         read += part.numel() * part.element_size()
-                        t.copy_(part)
+                        t.copy_(part)  # cast to the parameter's dtype: checked there
+                        if not bool(torch.isfinite(t).all()):
+                            raise InputError(f"{file}: tensor {hf_name} holds a value that is "
+                                             f"inf or nan as the model's {t.dtype}: the weights "
+                                             f"are damaged or not of this model")
     units = {id(unit): unit for _, _, unit in par.layout.entries if unit is not None}
     for unit in units.values():
         if unit.zero_stage < 3:  # the full parameters are views of the flat vector: refill it

@@ -13,6 +13,10 @@ compares it with the resumed run's by the policy each field declares beside its 
 
 Every refused field is named in one line, with both values; the printed ones go in one line
 too (``resume_notes``). A checkpoint written before manifests kept the config is not compared.
+
+The record also keeps the sha256 of the data file's contents (``DATA_DIGEST``): the same
+``data.path`` whose file was rewritten is another run's data, refused like another path. A
+checkpoint written before the record kept it is not compared on it.
 """
 
 import dataclasses
@@ -20,13 +24,17 @@ import json
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from scaletorch.config import Config
-from scaletorch.rules.errors import InputError
+from scaletorch.data.datasets import data_digest
+from scaletorch.rules.errors import InputError, clip
 from scaletorch.rules.schema import (PRINTED, REFUSED, RESHARD, RESUME, SILENT, Rule, ignored_by,
                                      rules_of)
 
 # The Trainer says these itself when it loads the optimizer's state (trainer.py
 # note_changed_settings, with the schedule they lead to): not said twice.
 SAID_BY_THE_TRAINER = ("training.lr", "training.beta1", "training.beta2", "training.weight_decay")
+
+# the record's key for the sha256 of data.path's contents (no config field: the file's)
+DATA_DIGEST = "data.sha256"
 
 
 def fields(cfg: Config) -> Iterator[Tuple[str, Any, Optional[str], Any, Rule]]:
@@ -60,6 +68,9 @@ def record(cfg: Config) -> Dict[str, Any]:
         if ignored_by(key, rule, lambda other: setting(cfg, other)):
             value = default
         out[key] = json.loads(json.dumps(value))  # a tuple as the list JSON gives back
+    digest = data_digest(cfg.data.dataset, cfg.data.path)
+    if digest is not None:
+        out[DATA_DIGEST] = digest
     return out
 
 
@@ -78,6 +89,11 @@ def changes(saved: Dict[str, Any], cfg: Config,
     refused, printed = [], []
     for key, value in now.items():
         if key not in saved or saved[key] == value:
+            continue
+        if key == DATA_DIGEST:  # another path is data.path's own change, said by it
+            if saved.get("data.path") == now.get("data.path"):
+                refused.append(f"the contents of data.path {clip(cfg.data.path)} (sha256 "
+                               f"{str(saved[key])[:12]}... -> {value[:12]}...)")
             continue
         said = f"{key} {saved[key]!r} -> {value!r}"
         kind = policy[key]
@@ -98,7 +114,9 @@ def check_resumed(path: str, manifest: Dict[str, Any], cfg: Config) -> Optional[
     refused, printed = changes(saved, cfg, fmt)
     if refused:
         why = ("a per-rank checkpoint resumes only at the layout that wrote it; " if any(
-            policies(cfg)[s.split(" ", 1)[0]] == RESHARD for s in refused) else "")
+            policies(cfg).get(s.split(" ", 1)[0]) == RESHARD for s in refused) else "")
+        if any(s.startswith("the contents of data.path") for s in refused):
+            why += "the data file was rewritten since the checkpoint: restore it; "
         raise InputError(f"--resume {path} was written by another run: {', '.join(refused)} "
                          f"(checkpoint -> this run); {why}a resume continues the same run: give "
                          f"its values (config.yaml in its run directory), or start a new run "
