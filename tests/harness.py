@@ -6,8 +6,10 @@ new Pythons that each import them again (spawn).
 ``value_error(fn)`` collects an error message inside a rank, for the parent to assert on;
 ``run_main(main, *argv)`` runs a script's ``main`` in the test's process;
 ``launch_forked(script, nproc, *args)`` runs a script on ``nproc`` ranks forked from the same
-forkserver, as torchrun would start them but without three new Pythons. ``NCCL_CHECKS``:
-the environment of the scripts the tests launch (tests/test_examples.py, the docs' ci runs).
+forkserver, as torchrun would start them but without three new Pythons;
+``run_forked(script, *args)`` is ``subprocess.run([python, script, *args])`` forked from it.
+``NCCL_CHECKS``: the environment of the scripts the tests launch (tests/test_examples.py, the
+docs' ci runs).
 ``warning_lines(text)`` and ``stderr_warnings()``: what a run printed that a learner would
 have to learn to ignore (the suite and the scripts print none).
 
@@ -26,6 +28,7 @@ import os
 import re
 import runpy
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -41,7 +44,7 @@ from scaletorch.dist.spawn import free_port
 
 __all__ = [
     "NCCL_CHECKS", "PROCESS_THREADS", "RANK_THREADS", "bit_exact", "free_port", "launch_forked",
-    "run_distributed", "run_main", "stderr_warnings", "value_error", "warning_lines"
+    "run_distributed", "run_forked", "run_main", "stderr_warnings", "value_error", "warning_lines"
 ]
 
 THREADS_VARIABLE = "SCALETORCH_TEST_THREADS"
@@ -242,3 +245,79 @@ def stderr_warnings() -> Iterator[List[str]]:
             text = capture.read().decode(errors="replace")
             sys.stderr.write(text)
             found.extend(warning_lines(text))
+
+
+def _script_process(script: str, argv: List[str], env: Dict[str, str], cwd: str, stdout: str,
+                    stderr: str) -> None:
+    """The process of ``run_forked``, forked from the forkserver: what ``python script argv``
+    would be at its first line, then the script as ``__main__`` and Python's own ending (an
+    uncaught exception through ``sys.excepthook``, status 1; ``SystemExit``'s code)."""
+    for fd, path in ((1, stdout), (2, stderr)):
+        target = os.open(path, os.O_WRONLY | os.O_TRUNC)
+        os.dup2(target, fd)
+        os.close(target)
+    os.environ.clear()  # the test's environment now, not the forkserver's at its start
+    os.environ.update(env)
+    os.chdir(cwd)
+    # a fresh Python's handlers: Ctrl-C raises KeyboardInterrupt, SIGTERM ends the process,
+    # SIGPIPE is ignored (a closed pipe is an OSError)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+    if env.get("OMP_NUM_THREADS", "").isdigit():  # torch read it at its import, in the server
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    sys.argv = [script, *argv]
+    sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python script` does
+    sys.excepthook = sys.__excepthook__
+    code = 0
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 1
+        if stop.code is not None and not isinstance(stop.code, int):
+            print(stop.code, file=sys.stderr)
+    except BaseException as err:  # noqa: B902 - reported as Python reports it, status 1
+        tb = err.__traceback__  # from the script's first frame on, without this function's
+        while tb is not None and tb.tb_frame.f_code.co_filename != script:
+            tb = tb.tb_next
+        err.__traceback__ = tb or err.__traceback__  # Python prints the exception's own
+        sys.excepthook(type(err), err, err.__traceback__)  # the script's hook, if it set one
+        code = 1
+    atexit._run_exitfuncs()  # a forked process leaves with os._exit: the script's atexit work
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def run_forked(script: str, *args: str, env: Optional[Dict[str, str]] = None,
+               cwd: Optional[str] = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``subprocess.run([sys.executable, script, *args], capture_output=True, text=True,
+    cwd=cwd or ROOT, env=env or os.environ)``, in one process forked from the forkserver
+    instead of a new Python that imports torch and the library again (about 3 s of a core):
+    the same CompletedProcess (stdout, stderr, exit status: ``SystemExit``'s code, 1 with the
+    traceback for an uncaught exception, -N when killed by signal N).
+
+    Where it differs from a fresh Python: the modules of ``PRELOAD`` were imported in the
+    forkserver, so what they read from the environment at import (torch's OMP_NUM_THREADS,
+    set again here when ``env`` gives it; TORCH_* variables read at import) comes from the
+    suite's environment; everything read at run time (every SCALETORCH_* variable, RANK, the
+    config) sees ``env``. The forkserver never starts a process group, and the process gets
+    a fresh Python's signal handlers (SIGINT, SIGTERM, SIGPIPE), ``sys.argv``, ``sys.path[0]``
+    (the script's folder) and working directory. stdin is /dev/null. After ``timeout`` s the
+    process is killed (AssertionError)."""
+    ctx = mp.get_context("forkserver")
+    with tempfile.NamedTemporaryFile("r", suffix=".out") as out, \
+            tempfile.NamedTemporaryFile("r", suffix=".err") as err:
+        proc = ctx.Process(
+            target=_script_process,
+            args=(script, list(args), dict(os.environ if env is None else env), cwd
+                  or ROOT, out.name, err.name))
+        proc.start()
+        proc.join(timeout)
+        if proc.is_alive():
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.join()
+            raise AssertionError(f"{script} {' '.join(args)} (forked) did not finish in "
+                                 f"{timeout} s:\n{out.read()[-2000:]}{err.read()[-2000:]}")
+        return subprocess.CompletedProcess([sys.executable, script, *args], proc.exitcode,
+                                           out.read(), err.read())

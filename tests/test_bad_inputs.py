@@ -3,9 +3,15 @@
 The table: a bad file, directory or value per row, given to a chapter as a user would. Each
 must print exactly one line ``error: ...`` naming the file, exit with status 2, print no
 traceback and write nothing where the run would write. Most rows run the script in this
-process through the path scripts/launch.sh takes first (``--validate-only``); the LAUNCHED
-rows go through scripts/launch.sh itself (and one through torchrun's ranks), to show the
-whole road. ``python -m tests.test_bad_inputs --table`` prints the doc's table.
+process through the path scripts/launch.sh takes first (``--validate-only``); the FRESH rows
+run that command in a process of its own as the pre-flight's Python would (forked from the
+suite's forkserver: the exit status is the process's, an escaping exception goes through
+sys.excepthook); the LAUNCHED rows go through scripts/launch.sh itself (and one through
+torchrun's ranks), to show the whole road: the pre-flight's line and status passed on, no
+torchrun started. The road is the same for every row (launch.sh runs ``SCRIPT --validate-only``
+and passes on its output and status), so two rows take it, one per script kind (a config
+read by chapter 00, a data file read by chapter 10), plus the launcher's own refusals.
+``python -m tests.test_bad_inputs --table`` prints the doc's table.
 """
 
 import argparse
@@ -36,7 +42,7 @@ from scaletorch.models.hf import config_to_hf
 from scaletorch.rules.safe_files import checksum_line, checksum_path, write_checksummed
 from scaletorch.trainer import checkpoint as ckpt
 from scaletorch.trainer.config import parse_args
-from tests.harness import run_distributed
+from tests.harness import NCCL_CHECKS, run_distributed, run_forked
 from tests.layouts import build, pg_manager_for
 from tests.test_checksums import flip_byte
 from tests.test_examples import ROOT, launch_status
@@ -54,6 +60,7 @@ class Row(NamedTuple):
     args: Tuple[str, ...]  # D stands for the folder of bad files
     says: str  # a fragment of the error line (with D); it names the file or value
     launched: bool = False  # through scripts/launch.sh, not in this process
+    fresh: bool = False  # the pre-flight's command in a process of its own (run_forked)
     hf: bool = False  # needs the hf extra (safetensors, tokenizers)
     launcher: Tuple[str, ...] = ()  # scripts/launch.sh's own options (a launched row)
 
@@ -80,7 +87,7 @@ ROWS = [
         "D/list.yaml must be a mapping of sections, got list"),
     # values, checked by one schema (scaletorch/rules/schema.py)
     Row("a value that is not finite", C00, ("--set", "training.lr=inf"),
-        "training.lr must be >= 0 and finite, got inf", launched=True),
+        "training.lr must be >= 0 and finite, got inf", fresh=True),
     Row("a NaN inside YAML", C00, ("--config", "D/nan.yaml"),
         "D/nan.yaml: training.lr must be >= 0 and finite, got nan"),
     Row("a beta outside [0, 1)", C00, ("--training.beta1", "1.5"),
@@ -104,7 +111,7 @@ ROWS = [
     Row(
         "--max-new-tokens beyond the model's positions (chapter 10)", C10,
         ("--max-new-tokens", "200"), "--max-new-tokens 200: prompt (16) + max_new_tokens (200) "
-        "= 216 exceeds max_seq_len (128)", launched=True),
+        "= 216 exceeds max_seq_len (128)", fresh=True),
     # the data
     Row("--data.path of a text too short for one sequence (3 bytes, 129 needed)", C10,
         ("--data.path", "D/short.txt"),
@@ -142,7 +149,7 @@ ROWS = [
         "--init-from a Hugging Face directory of another architecture (GPT2LMHeadModel)", C10,
         ("--init-from", "D/gpt2", "--trust-unchecked", "D/gpt2"),
         "D/gpt2/config.json: model_type 'gpt2' / architectures "
-        "['GPT2LMHeadModel'] is not a Llama", launched=True),
+        "['GPT2LMHeadModel'] is not a Llama", fresh=True),
     Row("--init-from a directory that does not exist", C10, ("--init-from", "D/nope"),
         "Hugging Face directory D/nope does not exist"),
     Row("--init-from a file", C10, ("--init-from", "D/short.txt"),
@@ -167,7 +174,7 @@ ROWS = [
         "needs model.vocab_size >= 256, got 128", hf=True),
     # a checkpoint to resume
     Row("--resume of a file that is not a checkpoint", C00, ("--resume", "D/short.txt"),
-        "--resume D/short.txt is a file, not a checkpoint directory", launched=True),
+        "--resume D/short.txt is a file, not a checkpoint directory", fresh=True),
     Row("--resume of a path that does not exist", C00, ("--resume", "D/nope"),
         "--resume D/nope does not exist"),
     Row("--resume of a directory that is not a checkpoint", C00, ("--resume", "D/folder"),
@@ -180,7 +187,7 @@ ROWS = [
         "model (hidden_size 128 there, 64 here"),
     Row("--resume of a checkpoint at or past --steps", C00,
         ("--resume", "D/done/step_0000005", "--steps", "3"),
-        "--resume D/done/step_0000005 is at step 5, and training.steps is 3", launched=True),
+        "--resume D/done/step_0000005 is at step 5, and training.steps is 3", fresh=True),
     Row("--resume of a consolidated file at --steps (chapter 07)", C07,
         ("--resume", "D/done.pt", "--steps", "4"),
         "--resume D/done.pt is at step 4, and training.steps is 4"),
@@ -463,6 +470,17 @@ def run_in_process(script: str, argv: List[str]) -> Tuple[int, str]:
     return int(code or 0), out.getvalue()
 
 
+def run_fresh(script: str, argv: List[str]) -> Tuple[int, str]:
+    """``python script --validate-only --world-size 1 ARGV`` in a process of its own, as
+    scripts/launch.sh's pre-flight runs it (forked from the suite's forkserver, with the
+    launcher's environment): (exit status, stdout + stderr)."""
+    done = run_forked(script, "--validate-only", "--world-size", "1", *argv, env={
+        **os.environ,
+        **NCCL_CHECKS
+    }, timeout=180)
+    return done.returncode, done.stdout + done.stderr
+
+
 def run_table(d: str, rows: List[Row]) -> Dict[str, Tuple[int, str, List[str]]]:
     """{row.what: (exit status, output, arguments)}, each row with a run directory of its own;
     the launched rows in two launchers at a time (the pre-flight is one Python each)."""
@@ -476,7 +494,7 @@ def run_table(d: str, rows: List[Row]) -> Dict[str, Tuple[int, str, List[str]]]:
         if row.launched:
             launched.append((row, argv))
         else:
-            code, out = run_in_process(row.script, argv)
+            code, out = (run_fresh if row.fresh else run_in_process)(row.script, argv)
             results[row.what] = (code, out, argv)
     with ThreadPoolExecutor(max_workers=2) as pool:
         futures = {
@@ -514,6 +532,8 @@ class EveryBadInputIsOneLine(unittest.TestCase):
         self.assertGreaterEqual(len(ROWS), 25)
         self.assertEqual(len({r.what for r in ROWS}), len(ROWS))
         self.assertGreaterEqual(sum(r.launched for r in ROWS), 4)
+        self.assertGreaterEqual(sum(r.launched and not r.launcher for r in ROWS), 2)
+        self.assertGreaterEqual(sum(r.fresh for r in ROWS), 4)
 
     def test_each_bad_input_is_one_error_line_naming_it_exit_2_no_traceback(self):
         read_only = read_only_dir(self.d)
@@ -564,12 +584,14 @@ class RefusedByTheRanksThemselves(unittest.TestCase):
         self.assertNotIn("Traceback", out)
 
     def _python(self, code: str) -> subprocess.CompletedProcess:
+        """``python -c CODE`` after the scripts' hook is set, as a process of its own (forked
+        from the suite's forkserver: the hook runs as Python's own, on an escaping exception)."""
         prelude = ("import sys; from scaletorch.trainer.config import InputError, "
                    "report_input_errors; sys.excepthook = report_input_errors; ")
-        return subprocess.run([sys.executable, "-c", prelude + code], cwd=ROOT, capture_output=True,
-                              text=True, timeout=120, env={
-                                  **os.environ, "PYTHONPATH": ROOT
-                              })
+        with tempfile.TemporaryDirectory() as tmp:
+            script = os.path.join(tmp, "snippet.py")
+            _write(script, prelude + code + "\n")
+            return run_forked(script, timeout=120)
 
     def test_an_input_error_found_later_is_one_line_and_a_bug_keeps_its_traceback(self):
         later = self._python("print('step 1'); raise InputError('data.path x.bin holds token 9')")

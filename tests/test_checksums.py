@@ -13,7 +13,7 @@ import re
 import shutil
 import tempfile
 import unittest
-from typing import List
+from typing import List, Tuple
 
 from scaletorch.models import build_model
 from scaletorch.models.hf import export_hf_llama
@@ -24,11 +24,23 @@ from scaletorch.trainer import checkpoint as ckpt
 from scaletorch.trainer import parse_args
 from scaletorch.trainer.consolidated import load_consolidated
 from scaletorch.trainer.dcp_checkpoint import to_consolidated
+from tests.harness import NCCL_CHECKS, run_forked
 from tests.test_hf import HAVE_HF, SKIP_REASON
-from tests.test_run_dirs import run_script, snapshot
+from tests.test_run_dirs import snapshot
 
 C07 = "examples/07_nd_parallel.py"
 CONFIG = ["--config", "examples/configs/07_nd_parallel.yaml", "--logging.progress", "false"]
+
+
+def run_script(script: str, *argv: str) -> Tuple[int, str, str]:
+    """``python script ARGV`` from the repository root, one process of its own (no torchrun),
+    as tests/test_run_dirs.py's ``run_script`` runs it, but forked from the suite's forkserver
+    instead of a new Python (tests/harness.py's ``run_forked``): (exit status, stdout, stderr)."""
+    env = {**os.environ, **NCCL_CHECKS}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT"):
+        env.pop(name, None)
+    done = run_forked(script, *argv, env=env, timeout=300)
+    return done.returncode, done.stdout, done.stderr
 
 
 def flip_byte(path: str) -> None:

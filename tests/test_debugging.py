@@ -2,7 +2,11 @@
 
 One launch per fault (examples/11_debugging.py, 2 ranks, 5 steps, timeout 3 s), two at a time,
 without launch.sh's pre-flight (tests/test_examples.py's NO_PREFLIGHT: these faults come after
-the start); the checks read their output, the flight-recorder dumps and the profiles.
+the start); the checks read their output, the flight-recorder dumps and the profiles. The
+failing runs go through torchrun, whose error report (one traceback, one line per other rank,
+the first failure named) is part of what they show; the straggler's run ends well and its
+claims are the script's own (its line, the profiles), so its ranks are forked from the suite's
+forkserver (tests/harness.py's ``launch_forked``: torchrun's variables, no new Pythons).
 """
 
 import io
@@ -23,6 +27,7 @@ from torch.distributed.flight_recorder.components.fr_logger import FlightRecorde
 from scaletorch.dist import flight_recorder
 from scaletorch.trainer.config import one_traceback, write_error_file
 from scripts import fr_analyze
+from tests.harness import launch_forked
 from tests.test_examples import NO_PREFLIGHT, ROOT, launch_status
 
 SCRIPT = "examples/11_debugging.py"
@@ -50,6 +55,10 @@ class InjectedFaultsEndAsDocumented(unittest.TestCase):
         def run(name):
             args, env = RUNS[name]
             run_dir = os.path.join(cls.tmp, name)
+            if name == "straggler":
+                out, code = launch_forked(SCRIPT, 2, *FAST, *args, "--logging.run_dir", run_dir,
+                                          env=env, timeout=120)
+                return out, code, os.path.join(run_dir, "11_debugging")
             out, code, _ = launch_status(SCRIPT, 2, *FAST, *args, "--logging.run_dir", run_dir,
                                          env={
                                              **NO_PREFLIGHT,

@@ -1,9 +1,6 @@
 """Every refusal is raised by the one layout check, before anything is built, in the user's
 terms (the settings and what to change), and reaches the user once, without a traceback."""
 
-import os
-import subprocess
-import sys
 import unittest
 
 from scaletorch.dist import destroy_pg_manager, init_pg_manager
@@ -13,8 +10,9 @@ from scaletorch.parallel.parallelize import (check_fp32_without_hooks, check_rec
 from scaletorch.parallel.tensor_layout import TensorLayout
 from scaletorch.trainer import parse_args, validate_layout
 from scaletorch.trainer.param_map import DTensorParamMap
+from tests.harness import run_forked
 from tests.layouts import layout, make_config
-from tests.test_examples import ROOT, launch_status
+from tests.test_examples import launch_status
 
 ND = "examples/07_nd_parallel.py"
 
@@ -161,10 +159,13 @@ class BadLayoutsReachTheUserOnce(unittest.TestCase):
             out, code, "error: world size 3 is not divisible by "
             "tensor_model_parallel_size (1) x pipeline_model_parallel_size (2)")
         self.assertNotIn("torchrun.py", out)  # no rank was started
-        out, code, _ = launch_status(ND, 3, "--tp", "3", timeout=120)
+        # the same road (launch.sh passes on the pre-flight's line and status) for another
+        # layout: its pre-flight command alone, in a process of its own
+        done = run_forked(ND, "--validate-only", "--world-size", "3", "--tp", "3")
         self._assert_once(
-            out, code, "model.num_attention_heads (8) is not divisible by "
-            "tensor_model_parallel_size (3)")
+            done.stdout + done.stderr, done.returncode,
+            "model.num_attention_heads (8) is not divisible by tensor_model_parallel_size (3)")
+        self.assertEqual(done.stdout, "")
 
     def test_without_the_pre_flight_rank_0_says_it_once_and_every_rank_exits_2(self):
         out, code, _ = launch_status(ND, 2, "--pp", "2", "--impl", "torch",
@@ -174,11 +175,8 @@ class BadLayoutsReachTheUserOnce(unittest.TestCase):
         self._assert_once(out, code, "model.tie_word_embeddings true with parallel.impl 'torch'")
 
     def test_validate_only_accepts_a_valid_layout_silently(self):
-        proc = subprocess.run(
-            [sys.executable, ND, "--validate-only", "--world-size", "8", "--tp", "2", "--pp", "2"],
-            cwd=ROOT, capture_output=True, text=True, timeout=120, env={
-                **os.environ, "PYTHONPATH": ROOT
-            })
+        # a process of its own, as launch.sh's pre-flight (forked from the suite's forkserver)
+        proc = run_forked(ND, "--validate-only", "--world-size", "8", "--tp", "2", "--pp", "2")
         self.assertEqual((proc.returncode, proc.stdout, proc.stderr), (0, "", ""))
 
 
