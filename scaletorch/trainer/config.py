@@ -29,7 +29,6 @@ from types import TracebackType
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Type
 
 import torch
-import yaml
 
 from scaletorch.config import (CheckpointConfig, Config, DataConfig, LoggingConfig, ParallelConfig,
                                TrainingConfig, recompute_mode)
@@ -101,9 +100,9 @@ def _convert(value: Any, annotation: Any, key: str) -> Any:
             return value.lower() in ("true", "1")
         raise ValueError(f"{key} must be true or false, got {clip(value)}")
     if annotation in (int, float):
-        if isinstance(value, bool):
+        if isinstance(value, bool) or (isinstance(value, str) and not value.isascii()):
             raise ValueError(f"{key} must be {annotation.__name__}, got {clip(value)}")
-        try:
+        try:  # text YAML left (1_000): Python's decimal, not its other digits (\uff11\uff10)
             converted = annotation(value)
         except (TypeError, ValueError, OverflowError):  # OverflowError: int(inf)
             raise ValueError(f"{key} must be {annotation.__name__}, got {clip(value)}") from None
@@ -664,4 +663,4 @@ def save_config(cfg: Config, path: str) -> None:
         if ignored_by(key, rule, lambda other: setting(cfg, other)):  # so the file loads again
             section, _, name = key.rpartition(".")
             (values[section] if section else values)[name] = default
-    write_atomic(path, yaml.safe_dump(values, sort_keys=False).encode())
+    write_atomic(path, boundary.dump_yaml(values).encode())
