@@ -14,7 +14,6 @@ run reads (config, data, checkpoint to resume) and every directory it writes (``
 a mistake there is an InputError naming the file and what to do.
 """
 
-import argparse
 import dataclasses
 import json
 import os
@@ -40,7 +39,7 @@ from scaletorch.parallel.validation import validate_layout
 from scaletorch.plan.cluster import load_cluster
 from scaletorch.rules import boundary
 from scaletorch.rules.errors import (INTERRUPTED, TERMINATED, InputError, MissingInputError,
-                                     RunStopped, clip)
+                                     OneLineParser, RunStopped, clip)
 from scaletorch.rules.safe_files import write_atomic
 from scaletorch.rules.schema import Rule, check_applies, check_value, ignored_by, rules_of
 from scaletorch.trainer.checkpoint import (check_rank_files, check_resume, latest_valid_checkpoint,
@@ -266,7 +265,7 @@ def parse_args(argv: Optional[Sequence[str]] = None, default_config: Optional[st
 
     ``unread``: {key or section prefix ("parallel."): why} of what the script never reads;
     such a key given (not its default) is refused like a value the layout ignores."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         description=description,
         epilog="Any field can be overridden as --section.name VALUE or --set section.name=VALUE. "
         "--validate-only --world-size N: check the config for N ranks and exit (0: valid).")
@@ -359,7 +358,7 @@ def load_config(default_config: str, description: str, limits: Optional[Limits] 
     ``--validate-only --world-size N`` (scripts/launch.sh runs it before torchrun) checks the
     config for N ranks and exits: 0 if it can run, 2 with the error line if not.
     """
-    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre = OneLineParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--validate-only", action="store_true")
     pre.add_argument("--world-size", type=int, default=None)
     known, rest = pre.parse_known_args(argv)
