@@ -190,6 +190,28 @@ class AResumeKeepsEachStepOnceInTheMetrics(unittest.TestCase):
             keep_metrics_to(run, 4)  # a second resume at 4: a side file of its own
             self.assertTrue(os.path.exists(os.path.join(run, "metrics.after-step-4-2.jsonl")))
 
+    @settings(max_examples=200 if os.environ.get("SCALETORCH_LONG_TESTS") == "1" else 15,
+              deadline=None)
+    @given(bad=st.one_of(
+        st.sampled_from([
+            "1e400", "-1e400", "Infinity", "-Infinity", "NaN", "true", "false", "null", '"2"',
+            "[1, 2]", "{}", "2.9", "2.0", "-1", "1" * 5000
+        ]),
+        st.floats(allow_nan=False, allow_infinity=False).map(repr),  # 2.0 too: no int
+        st.integers(max_value=-1).map(str)))
+    def test_a_line_whose_step_is_no_step_moves_aside(self, bad):
+        """Generated: a step that is no non-negative int (infinite, NaN, a float, a bool, a
+        string, a list, negative, 5000 digits) moves aside as half a line does; never an
+        OverflowError or ValueError traceback, never kept as the step it rounds to."""
+        with tempfile.TemporaryDirectory() as run:
+            good = "".join(json.dumps({"step": s}) + "\n" for s in (1, 2))
+            with open(os.path.join(run, "metrics.jsonl"), "w") as f:
+                f.write(good + f'{{"step": {bad}}}\n')
+            said = keep_metrics_to(run, 4)
+            self.assertIn("1 line(s)", said)
+            with open(os.path.join(run, "metrics.jsonl")) as f:
+                self.assertEqual(f.read(), good)
+
 
 if __name__ == "__main__":
     unittest.main()

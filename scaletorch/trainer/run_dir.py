@@ -438,10 +438,11 @@ def keep_metrics_to(run_path: str, step: int) -> Optional[str]:
         lines = f.read().splitlines(keepends=True)
     kept: List[bytes] = []
     later: List[bytes] = []
-    for line in lines:
+    for line in lines:  # kept: a whole line whose step is an int (no bool, 2.9, 1e400) <= step
         try:
             record = boundary.parse_json(line.decode("utf-8"), "a metrics line")
-            whole = line.endswith(b"\n") and int(record["step"]) <= step
+            kept_step = record["step"]
+            whole = (line.endswith(b"\n") and type(kept_step) is int and 0 <= kept_step <= step)
         except (ValueError, KeyError, TypeError):
             whole = False
         (kept if whole else later).append(line)
