@@ -304,15 +304,18 @@ class AdviceIsBuiltFromWhatWasFound(unittest.TestCase):
 
 class ARunWritesOnlyInDirectoriesOfItsOwn(unittest.TestCase):
     """A run directory or checkpoint.dir that is a symlink (to a directory, or dangling),
-    another run's directory given as checkpoint.dir, or a directory inside a live run's: one
-    line naming it (in use, a symlink, another run's), exit 2, with --resume or --overwrite
-    too, and nothing written, moved or created. Generated; 25 examples."""
+    another run's directory given as checkpoint.dir, or a directory inside a run's, live or
+    finished: one line naming it (in use, a symlink, another run's, inside another run), exit
+    2, with --resume or --overwrite too, and nothing written, moved or created. Generated; 25
+    examples."""
 
     KINDS = {
-        "run": ["symlink", "dangling", "inside_live"],
-        "checkpoints": ["symlink", "dangling", "other_run", "other_live", "inside_live"]
+        "run": ["symlink", "dangling", "inside_live", "inside_done"],
+        "checkpoints":
+        ["symlink", "dangling", "other_run", "other_live", "inside_live", "inside_done"]
     }
     SAYS = {
+        "inside_done": "is inside the directory of another run",
         "symlink": "is a symlink",
         "dangling": "is a symlink",
         "other_run": "belongs to the run in",
@@ -321,7 +324,7 @@ class ARunWritesOnlyInDirectoriesOfItsOwn(unittest.TestCase):
     }
 
     @settings(max_examples=EXAMPLES, deadline=None)
-    @given(where=st.sampled_from(["run", "checkpoints"]), which=st.integers(0, 4),
+    @given(where=st.sampled_from(["run", "checkpoints"]), which=st.integers(0, 5),
            flag=st.sampled_from([[], ["--resume"], ["--overwrite"]]))
     def test_one_line_and_nothing_moved(self, where, which, flag):
         kind = self.KINDS[where][which % len(self.KINDS[where])]
@@ -341,14 +344,15 @@ class ARunWritesOnlyInDirectoriesOfItsOwn(unittest.TestCase):
                 os.symlink(elsewhere if kind == "symlink" else os.path.join(tmp, "gone"), link)
             argv = ["--logging.run_dir", tmp, "--name", "r"]
             if where == "run":
-                argv = {
-                    "inside_live": ["--logging.run_dir", victim, "--name", "r"]
-                }.get(kind, ["--logging.run_dir", tmp, "--name", "link"])
+                argv = [
+                    "--logging.run_dir", victim, "--name", "r"
+                ] if kind.startswith("inside") else ["--logging.run_dir", tmp, "--name", "link"]
             else:
                 target = {
                     "other_run": victim,
                     "other_live": victim,
-                    "inside_live": os.path.join(victim, "checkpoints")
+                    "inside_live": os.path.join(victim, "checkpoints"),
+                    "inside_done": os.path.join(victim, "checkpoints", "sub")
                 }.get(kind, link)
                 argv += ["--checkpoint.dir", target, "--checkpoint.every", "1"]
             before = sorted(os.listdir(tmp)), sorted(os.listdir(victim))
