@@ -14,6 +14,7 @@ run reads (config, data, checkpoint to resume) and every directory it writes (``
 a mistake there is an InputError naming the file and what to do.
 """
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -419,7 +420,14 @@ def report_input_errors(kind: Type[BaseException], err: BaseException,
     if isinstance(err, RunStopped):  # a signal, a non-finite loss: one line, its own status
         rank = int(os.environ.get("RANK", "0"))
         if rank != 0 and err.exit_code in (INTERRUPTED, TERMINATED):
-            os._exit(err.exit_code)  # every rank got the signal: rank 0 says it
+            # rank 0 says it when every rank got the signal; when this rank alone got it (a
+            # scheduler's or an OOM handler's kill), rank 0 may die blocked in a collective, so
+            # the line goes to torchrun's error file: scripts/torchrun.py prints it once
+            error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+            if error_file and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+                with contextlib.suppress(OSError):
+                    write_error_file(error_file, err, tb)
+            os._exit(err.exit_code)
         if rank != 0:
             time.sleep(5)
         sys.stdout.flush()
