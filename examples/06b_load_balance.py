@@ -12,7 +12,6 @@ the bias of DeepSeek-V3 (``BiasBalancer``) and capacity with dropping on global 
 single device built the same way (the bias and dropping too).
 """
 
-import argparse
 import copy
 import statistics
 import sys
@@ -27,6 +26,7 @@ from scaletorch.parallel.expert_parallel import (ExpertParallel, expert_parallel
 from scaletorch.parallel.moe_balance import BiasBalancer, apply_global_capacity, skew_router
 from scaletorch.parallel.moe_load import LoadMeter, format_load, imbalance, measured_step
 from scaletorch.parallel.step import make_data_parallel_step
+from scaletorch.rules.errors import OneLineParser
 from scaletorch.trainer import Trainer, load_config
 from scaletorch.trainer.parity import report_parity, report_weight_parity
 from scaletorch.trainer.trainer import build_loader
@@ -43,7 +43,7 @@ REMEDIES = {
 
 def chapter_args() -> tuple:
     """This chapter's own flags; the rest go to load_config."""
-    parser = argparse.ArgumentParser(add_help=False)
+    parser = OneLineParser(add_help=False)
     parser.add_argument("--hot-offset", type=float, default=3.0,
                         help="router logit offset of experts 0 and 1 at init")
     parser.add_argument("--remedies", default=",".join(REMEDIES),

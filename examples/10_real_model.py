@@ -23,7 +23,6 @@ sharded the model each rank reads only its own pieces of the weights: hf_seed.py
 pip install -e ".[hf]".
 """
 
-import argparse
 import glob
 import math
 import os
@@ -43,7 +42,7 @@ from scaletorch.parallel.mixed_precision import precision_hooks
 from scaletorch.parallel.parallelize import parallelize
 from scaletorch.parallel.tied_embeddings import TiedEmbeddings
 from scaletorch.parallel.vocab_padding import apply_tensor_parallel_padded
-from scaletorch.rules.errors import clip
+from scaletorch.rules.errors import OneLineParser, clip
 from scaletorch.trainer import Trainer, check_against_reference, load_config
 from scaletorch.trainer.config import InputError, validate
 from scaletorch.trainer.hf_seed import seed_from_hf, stored_bytes
@@ -54,7 +53,7 @@ DOCS = "README.md"  # the config's data.path: stands for README.md + doc/*.md, j
 
 def chapter_args() -> tuple:
     """This chapter's own flags; the rest go to load_config."""
-    parser = argparse.ArgumentParser(add_help=False)
+    parser = OneLineParser(add_help=False)
     parser.add_argument("--init-from", default=None, help="a Hugging Face Llama directory")
     parser.add_argument("--prompt", default="Tensor parallel ")
     parser.add_argument("--max-new-tokens", type=int, default=100)

@@ -30,7 +30,7 @@ from scaletorch.dist import (destroy_distributed, destroy_pg_manager, get_ledger
 from scaletorch.models import ResNetConfig, build_resnet, tiny_resnet_config
 from scaletorch.parallel.sync_batchnorm import BN_MODES, sync_bn_elements
 from scaletorch.parallel.vision_parallel import parallelize_resnet
-from scaletorch.rules.errors import InputError
+from scaletorch.rules.errors import InputError, OneLineParser
 from scaletorch.rules.schema import check_value, path_component
 from scaletorch.trainer.config import report_input_errors
 from scaletorch.trainer.parity import report_parity, report_weight_parity
@@ -41,7 +41,7 @@ from scaletorch.trainer.vision_loop import (PRECISIONS, VisionSettings, is_buffe
 
 
 def parse(argv: Optional[List[str]]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = OneLineParser(description=__doc__.splitlines()[0])
     p.add_argument("--impl", choices=("ours", "torch"), default="ours")
     p.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=0)
     p.add_argument("--batchnorm", choices=BN_MODES, default="sync")

@@ -8,7 +8,6 @@ its 1/N of every batch; the table prints the largest deviation of its final weig
 same model trained on one device (rank 0's seed, the whole batch), ours beside PyTorch's.
 """
 
-import argparse
 import os
 import sys
 
@@ -24,6 +23,7 @@ from scaletorch.parallel.data_parallel import apply_data_parallel
 from scaletorch.parallel.sharded_optimizer import ShardedOptimizer
 from scaletorch.parallel.zero import ZeroAdamW
 from scaletorch.parallel.zero_any_module import apply_zero_any
+from scaletorch.rules.errors import OneLineParser
 
 ADAMW = dict(lr=1e-2, weight_decay=0.1)
 
@@ -89,7 +89,7 @@ def theirs(strategy: str, model: nn.Module):
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5)
     steps = parser.parse_args().steps
     dist.init_process_group("gloo")

@@ -17,6 +17,8 @@ A script that refused its configuration printed ``error: ...`` once and every ra
 with status 2: that case exits 2 quietly. So does a run that stopped itself with its one line
 (a non-finite loss: 3). Ctrl-C reaches torchrun and every rank: rank 0 prints the step, the
 last checkpoint and the command to resume, and this exits 130 without torchrun's traceback.
+A signal that reaches one rank other than 0 alone (a scheduler's kill) ends that rank, which
+writes its line to its error file: this prints it once (``stop_line``), and exits 143 or 130.
 """
 
 import logging
@@ -86,6 +88,21 @@ def report(failures: Dict[int, ProcessFailure]) -> str:
     return "\n".join(lines)
 
 
+def stop_line(failures: Dict[int, ProcessFailure]) -> Tuple[str, int]:
+    """(line, exit status) of a stop that reached a rank other than 0 alone (a scheduler's
+    kill): that rank wrote its line to its error file (``report_input_errors``), and rank 0,
+    blocked in a collective with it, was ended by torchrun without a line. ('', 0) when rank 0
+    stopped with its own line (130, 143): the signal reached it, and it printed."""
+    if failures.get(0) is not None and failures[0].exitcode in (INTERRUPTED, TERMINATED):
+        return "", 0
+    for rank, f in sorted(failures.items()):
+        message = f.message.get("message", "") if isinstance(f.message, dict) else ""
+        if f.exitcode in (INTERRUPTED, TERMINATED) and message.startswith("RunStopped: "):
+            return f"{message.removeprefix('RunStopped: ')} (rank {rank} got the signal)", \
+                f.exitcode
+    return "", 0
+
+
 class _NoRepeatedNotes(logging.Filter):
     """Drops torchrun's notes that would repeat a rank's one line: passing Ctrl-C on to the
     ranks, stopping the other ranks (``report`` names each stopped rank, and after a quiet
@@ -97,19 +114,25 @@ class _NoRepeatedNotes(logging.Filter):
         quiet = isinstance(record.msg, str) and record.msg.startswith("failed (exitcode: %s)") \
             and isinstance(record.args, tuple) and record.args[0] in QUIET
         return not (f"Received {int(signal.SIGINT)} death signal" in text
+                    or "no error file defined for parent" in text  # a stop line's file
                     or f"Received {int(signal.SIGTERM)} death signal" in text
                     or "closing signal SIG" in text or quiet)
 
 
 if __name__ == "__main__":
     for name in ("torch.distributed.elastic.agent.server.api",
-                 "torch.distributed.elastic.multiprocessing.api"):
+                 "torch.distributed.elastic.multiprocessing.api",
+                 "torch.distributed.elastic.multiprocessing.errors.error_handler"):
         logging.getLogger(name).addFilter(_NoRepeatedNotes())
     try:
         main()
     except SignalException as err:  # Ctrl-C (or a SIGTERM from a scheduler) reached torchrun
         sys.exit(INTERRUPTED if err.sigval == signal.SIGINT else 128 + int(err.sigval))
     except ChildFailedError as err:
+        line, status = stop_line(err.failures)
+        if line:
+            print(line, file=sys.stderr, flush=True)
+            sys.exit(status)
         _, first = err.get_first_failure()
         if first.exitcode in QUIET:
             sys.exit(first.exitcode)

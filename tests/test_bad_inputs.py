@@ -674,3 +674,33 @@ class PrepareTextNeverWritesOverAFileItDidNotMake(unittest.TestCase):
             self.assertEqual(len(output.splitlines()), 1, output)
             self.assertTrue(output.startswith("error: --out"), output)
             self.assertEqual(tree_digest(d), before)
+
+
+def _value_options() -> List[Tuple[str, str]]:
+    """(script, option) of every option that takes one value: those of load_config's parsers
+    (the pre-flight's, ``parse_args``'s fixed ones and its aliases) and chapter 10's own."""
+    from scaletorch.trainer.config import ALIASES
+    options = [(C00, flag)
+               for flag in ["--config", "--set", "--trust-unchecked", "--world-size", *ALIASES]]
+    return options + [
+        (C10, flag) for flag in
+        ["--init-from", "--prompt", "--max-new-tokens", "--temperature", "--top-k", "--top-p"]
+    ]
+
+
+class AnOptionWithoutItsValueIsOneLine(unittest.TestCase):
+    """Generated: each option that takes a value, given none (the last word, or followed by
+    ``-x``, which argparse reads as an option), is one ``error:`` line naming the option and
+    exit 2, as an unknown option is; never argparse's usage (23 lines)."""
+
+    @settings(max_examples=200 if os.environ.get("SCALETORCH_LONG_TESTS") == "1" else 20,
+              deadline=None)
+    @given(option=st.sampled_from(_value_options()), dash=st.booleans())
+    def test_exit_2_one_line_naming_the_option(self, option, dash):
+        script, flag = option
+        with tempfile.TemporaryDirectory() as d:
+            code, out = run_in_process(script,
+                                       ["--logging.run_dir", d, flag] + (["-x"] if dash else []))
+        self.assertEqual(code, 2, out)
+        self.assertEqual(len(out.splitlines()), 1, out)
+        self.assertTrue(out.startswith(f"error: argument {flag}"), out)

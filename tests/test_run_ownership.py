@@ -190,6 +190,28 @@ class AResumeKeepsEachStepOnceInTheMetrics(unittest.TestCase):
             keep_metrics_to(run, 4)  # a second resume at 4: a side file of its own
             self.assertTrue(os.path.exists(os.path.join(run, "metrics.after-step-4-2.jsonl")))
 
+    @settings(max_examples=200 if os.environ.get("SCALETORCH_LONG_TESTS") == "1" else 15,
+              deadline=None)
+    @given(bad=st.one_of(
+        st.sampled_from([
+            "1e400", "-1e400", "Infinity", "-Infinity", "NaN", "true", "false", "null", '"2"',
+            "[1, 2]", "{}", "2.9", "2.0", "-1", "1" * 5000
+        ]),
+        st.floats(allow_nan=False, allow_infinity=False).map(repr),  # 2.0 too: no int
+        st.integers(max_value=-1).map(str)))
+    def test_a_line_whose_step_is_no_step_moves_aside(self, bad):
+        """Generated: a step that is no non-negative int (infinite, NaN, a float, a bool, a
+        string, a list, negative, 5000 digits) moves aside as half a line does; never an
+        OverflowError or ValueError traceback, never kept as the step it rounds to."""
+        with tempfile.TemporaryDirectory() as run:
+            good = "".join(json.dumps({"step": s}) + "\n" for s in (1, 2))
+            with open(os.path.join(run, "metrics.jsonl"), "w") as f:
+                f.write(good + f'{{"step": {bad}}}\n')
+            said = keep_metrics_to(run, 4)
+            self.assertIn("1 line(s)", said)
+            with open(os.path.join(run, "metrics.jsonl")) as f:
+                self.assertEqual(f.read(), good)
+
 
 if __name__ == "__main__":
     unittest.main()
@@ -282,15 +304,18 @@ class AdviceIsBuiltFromWhatWasFound(unittest.TestCase):
 
 class ARunWritesOnlyInDirectoriesOfItsOwn(unittest.TestCase):
     """A run directory or checkpoint.dir that is a symlink (to a directory, or dangling),
-    another run's directory given as checkpoint.dir, or a directory inside a live run's: one
-    line naming it (in use, a symlink, another run's), exit 2, with --resume or --overwrite
-    too, and nothing written, moved or created. Generated; 25 examples."""
+    another run's directory given as checkpoint.dir, or a directory inside a run's, live or
+    finished: one line naming it (in use, a symlink, another run's, inside another run), exit
+    2, with --resume or --overwrite too, and nothing written, moved or created. Generated; 25
+    examples."""
 
     KINDS = {
-        "run": ["symlink", "dangling", "inside_live"],
-        "checkpoints": ["symlink", "dangling", "other_run", "other_live", "inside_live"]
+        "run": ["symlink", "dangling", "inside_live", "inside_done"],
+        "checkpoints":
+        ["symlink", "dangling", "other_run", "other_live", "inside_live", "inside_done"]
     }
     SAYS = {
+        "inside_done": "is inside the directory of another run",
         "symlink": "is a symlink",
         "dangling": "is a symlink",
         "other_run": "belongs to the run in",
@@ -299,7 +324,7 @@ class ARunWritesOnlyInDirectoriesOfItsOwn(unittest.TestCase):
     }
 
     @settings(max_examples=EXAMPLES, deadline=None)
-    @given(where=st.sampled_from(["run", "checkpoints"]), which=st.integers(0, 4),
+    @given(where=st.sampled_from(["run", "checkpoints"]), which=st.integers(0, 5),
            flag=st.sampled_from([[], ["--resume"], ["--overwrite"]]))
     def test_one_line_and_nothing_moved(self, where, which, flag):
         kind = self.KINDS[where][which % len(self.KINDS[where])]
@@ -319,14 +344,15 @@ class ARunWritesOnlyInDirectoriesOfItsOwn(unittest.TestCase):
                 os.symlink(elsewhere if kind == "symlink" else os.path.join(tmp, "gone"), link)
             argv = ["--logging.run_dir", tmp, "--name", "r"]
             if where == "run":
-                argv = {
-                    "inside_live": ["--logging.run_dir", victim, "--name", "r"]
-                }.get(kind, ["--logging.run_dir", tmp, "--name", "link"])
+                argv = [
+                    "--logging.run_dir", victim, "--name", "r"
+                ] if kind.startswith("inside") else ["--logging.run_dir", tmp, "--name", "link"]
             else:
                 target = {
                     "other_run": victim,
                     "other_live": victim,
-                    "inside_live": os.path.join(victim, "checkpoints")
+                    "inside_live": os.path.join(victim, "checkpoints"),
+                    "inside_done": os.path.join(victim, "checkpoints", "sub")
                 }.get(kind, link)
                 argv += ["--checkpoint.dir", target, "--checkpoint.every", "1"]
             before = sorted(os.listdir(tmp)), sorted(os.listdir(victim))

@@ -264,6 +264,43 @@ class SigtermTakesCtrlCsPath(unittest.TestCase):
                              [os.path.basename(c) for c in checkpoints])
             self.assertEqual([m["step"] for m in metrics_lines(run)], list(range(1, step + 1)))
 
+    def test_a_sigterm_to_rank_1_alone_is_its_line_once_from_the_launcher(self):
+        """Rank 1 alone stopped (a scheduler's kill): rank 0, blocked in a collective with it,
+        is ended by torchrun without a line, so rank 1's line goes to its error file and
+        scripts/torchrun.py prints it once (its ``stop_line``); when rank 0 stopped with its
+        own line, nothing more. The rank's exit runs in a forked child (it ends with _exit)."""
+        import importlib.util
+
+        from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+        from scaletorch.rules.errors import TERMINATED
+        from scaletorch.trainer.config import report_input_errors
+        spec = importlib.util.spec_from_file_location("torchrun_script",
+                                                      os.path.join(ROOT, "scripts/torchrun.py"))
+        torchrun = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(torchrun)
+        line = "terminated (SIGTERM) at step 11 of 40: last complete checkpoint ck; resume: x"
+        with tempfile.TemporaryDirectory() as tmp:
+            error_file, printed = os.path.join(tmp, "error.json"), os.path.join(tmp, "stderr")
+            pid = os.fork()
+            if pid == 0:  # rank 1 of 2 under torchrun, its stop reported
+                fd = os.open(printed, os.O_WRONLY | os.O_CREAT)
+                os.dup2(fd, 2)
+                os.environ.update(RANK="1", WORLD_SIZE="2", TORCHELASTIC_ERROR_FILE=error_file)
+                try:
+                    report_input_errors(RunStopped, RunStopped(line, TERMINATED), None)
+                finally:
+                    os._exit(99)
+            _, status = os.waitpid(pid, 0)
+            self.assertEqual(os.waitstatus_to_exitcode(status), TERMINATED)
+            with open(printed) as f:
+                self.assertEqual(f.read(), "")  # quiet: rank 0 or the launcher says it
+            rank1 = ProcessFailure(1, pid, TERMINATED, error_file)
+            for rank0_exit, said in ((-signal.SIGTERM, (f"{line} (rank 1 got the signal)",
+                                                        TERMINATED)), (TERMINATED, ("", 0))):
+                rank0 = ProcessFailure(0, 1, rank0_exit, os.path.join(tmp, "none.json"))
+                self.assertEqual(torchrun.stop_line({0: rank0, 1: rank1}), said)
+
 
 class AFullDiskDuringASaveKeepsThePreviousCheckpointAndTheMetrics(unittest.TestCase):
     """The BASE run (checkpoints at steps 2 and 4) resumed to step 8, with the disk full when

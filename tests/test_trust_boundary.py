@@ -365,3 +365,64 @@ class NestingAndTagsAreOneInputError(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+def _with_digest(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+    with open(path + ".sha256", "w") as f:
+        f.write(f"{hashlib.sha256(text.encode()).hexdigest()}  {os.path.basename(path)}\n")
+
+
+class ValuesAParserCannotConvertAreOneLine(unittest.TestCase):
+    """Generated: an integer longer than Python converts (4300 digits: a ValueError deep in the
+    parser), a YAML date with month 13, in every reader (a flight-recorder dump, a Hugging
+    Face config.json, a checkpoint manifest, a metrics line, a config file, a command-line
+    value). Each is one InputError naming the file or the flag, and the key where JSON has
+    one; never the parser's ValueError, which named neither."""
+
+    @settings(max_examples=200 if LONG else 12, deadline=None,
+              suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(reader=st.sampled_from(["dump", "hf", "manifest", "metrics", "yaml", "set"]),
+           digits=st.integers(boundary.INT_DIGITS + 1, 50_000), in_list=st.booleans())
+    def test_an_integer_past_the_digit_limit_names_its_file_and_key(self, reader, digits, in_list):
+        number = "-" * in_list + "7" * digits
+        value = f"[1, {number}]" if in_list else number
+        with tempfile.TemporaryDirectory() as d:
+            json_text = f'{{"vocab_size": {value}}}'
+            path = {
+                "dump": os.path.join(d, "rank_0"),
+                "hf": os.path.join(d, "config.json"),
+                "manifest": os.path.join(d, MANIFEST),
+                "metrics": os.path.join(d, "metrics.jsonl"),
+                "yaml": os.path.join(d, "c.yaml")
+            }.get(reader, "--training.steps")
+            if reader == "yaml":
+                with open(path, "w") as f:
+                    f.write(f"training:\n  steps: {value}\n")
+            elif reader != "set":
+                _with_digest(path, json_text)
+            read = {
+                "dump": lambda: flight_recorder._load_dump(path),
+                "hf": lambda: __import__("scaletorch.models.hf").models.hf.load_hf_config(d),
+                "manifest": lambda: read_manifest(d),
+                "metrics": lambda: boundary.load_jsonl(path, "metrics file"),
+                "yaml": lambda: load_yaml(path),
+                "set": lambda: parse_args(["--set", f"training.steps={value}"])
+            }[reader]
+            with self.assertRaises(InputError) as refused:
+                read()
+        message = str(refused.exception)
+        self.assertNotIn("\n", message)
+        self.assertIn(f"{digits} digits", message)
+        self.assertIn(path if reader != "set" else "--training.steps", message)
+        if reader in ("dump", "hf", "manifest", "metrics") and not in_list:
+            self.assertIn("'vocab_size'", message)
+        self.assertNotIn("set_int_max_str_digits", message)
+
+    def test_a_yaml_value_its_loader_cannot_build_is_one_line(self):
+        for text in ("2020-13-45", "2020-01-01 99:00:00"):
+            with self.subTest(text=text):
+                with self.assertRaises(InputError) as refused:
+                    parse_args(["--set", f"training.lr={text}"])
+                self.assertIn("--training.lr", str(refused.exception))

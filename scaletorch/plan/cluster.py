@@ -27,8 +27,6 @@ import json
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Dict, List, Optional
 
-import yaml
-
 from scaletorch.rules import boundary
 from scaletorch.rules.errors import clip
 
@@ -259,4 +257,4 @@ def save_cluster(cluster: Cluster, path: str) -> None:
             json.dump(values, f, indent=1)
             f.write("\n")
         else:
-            yaml.safe_dump(values, f, sort_keys=False)
+            f.write(boundary.dump_yaml(values))

@@ -8,12 +8,16 @@
                                           a key given twice in one object is refused
     load_jsonl(path, what)                a JSON-lines file: its objects, each by parse_json
     load_yaml(text, source)               YAML's safe loader, with size, depth and expansion limits;
-                                          a key given twice in one mapping is refused
+                                          a key given twice in one mapping is refused; numbers
+                                          as YAML 1.2 reads them (``010`` is 10, ``1:20`` text)
+    dump_yaml(values)                     YAML text that load_yaml reads back as ``values``
     not_finite_as(tensor, dtype)          why a floating tensor is not finite in the dtype the run
                                           casts it to (1e300 in float64 is inf in float32), or ""
 
 Nesting is limited (NESTING levels) because both parsers recurse: a file of 200,000 ``[``
-would otherwise end in a RecursionError traceback. Any failure to parse is one InputError.
+would otherwise end in a RecursionError traceback. An integer longer than INT_DIGITS digits
+(Python's own limit for converting text) is refused naming the key, or the YAML line. Any
+failure to parse is one InputError.
 
 The readers execute no code from a file: YAML's safe loader builds plain values only, JSON is
 data, and the formats with code in them (pickle) are read nowhere but in torch's
@@ -33,6 +37,7 @@ line (``trusting`` scopes it to a block, for code that parses no command line).
 import contextlib
 import json
 import os
+import re
 import stat
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Set
 
@@ -43,10 +48,10 @@ from scaletorch.rules.safe_files import (CorruptFileError, checksum_path, read_c
                                          verify_checksum)
 
 __all__ = [
-    "CONFIG_BYTES", "JSON_BYTES", "NESTING", "TRUST_HELP", "YamlSyntaxError", "add_trust_flag",
-    "TEXT_BYTES", "UNLIMITED", "YAML_NODES", "is_trusted_unchecked", "load_json", "load_jsonl",
-    "load_yaml", "parse_json", "read_bytes", "read_text", "regular_file", "trust_unchecked",
-    "trusting", "verified", "not_finite_as"
+    "CONFIG_BYTES", "INT_DIGITS", "JSON_BYTES", "NESTING", "TRUST_HELP", "YamlSyntaxError",
+    "add_trust_flag", "TEXT_BYTES", "UNLIMITED", "YAML_NODES", "is_trusted_unchecked", "load_json",
+    "load_jsonl", "dump_yaml", "load_yaml", "not_finite_as", "parse_json", "read_bytes",
+    "read_text", "regular_file", "trust_unchecked", "trusting", "verified"
 ]
 
 CONFIG_BYTES = 1 << 20  # a config YAML: ours are under 2 KB
@@ -57,6 +62,9 @@ UNLIMITED = 1 << 60  # memory-mapped files (a .bin, safetensors): only what is s
 # to parse, but whatever walks the value (the schema, an error message) meets every copy
 YAML_NODES = 100_000
 NESTING = 100  # levels of lists and mappings in a JSON or YAML value: ours use under 10
+# Digits an integer of a file may have: Python's default limit for int(text) (a longer one is a
+# ValueError deep inside a parser); ours have under 20
+INT_DIGITS = 4300
 _trusted: Set[str] = set()  # real paths named with --trust-unchecked
 
 TRUST_HELP = ("read PATH (a file, or every file under a directory) without the .sha256 that "
@@ -171,17 +179,40 @@ def read_text(path: str, what: str, max_bytes: int, digest: bool = False) -> str
                          f"offset {err.start} is not UTF-8)") from None
 
 
-def _depth(value: Any, limit: int) -> int:
+def _depth(value: Any, limit: int, what: str = "") -> int:
     """How deeply lists and mappings nest in ``value`` (walked with a stack, no recursion),
-    counting no further than ``limit + 1``."""
+    counting no further than ``limit + 1``; InputError naming ``what`` at a _LongInt."""
     deepest, stack = 0, [(value, 1)]
     while stack and deepest <= limit:
         item, level = stack.pop()
+        if isinstance(item, _LongInt):
+            raise _long_int(what, item.digits)
         if isinstance(item, (list, dict)):
             deepest = max(deepest, level)
             stack.extend(
                 (v, level + 1) for v in (item.values() if isinstance(item, dict) else item))
     return deepest
+
+
+class _LongInt:
+    """Where JSON held an integer of over INT_DIGITS digits (``_json_int``): refused naming
+    its key (``_unique_keys``), or, in a list, the file (``_long_int``)."""
+
+    def __init__(self, digits: int) -> None:
+        self.digits = digits
+
+
+def _json_int(text: str) -> Any:
+    """json's ``parse_int``: the int, or a _LongInt past INT_DIGITS (``int`` would raise a
+    ValueError that names neither file nor key)."""
+    digits = len(text.lstrip("-"))
+    return _LongInt(digits) if digits > INT_DIGITS else int(text)
+
+
+def _long_int(what: str, digits: int, key: Optional[str] = None) -> InputError:
+    at = f" at the key {clip(key)}" if key is not None else ""
+    return InputError(f"{what} holds an integer of {digits} digits{at}, over the limit of "
+                      f"{INT_DIGITS}: no value of ours is that long; it is not the file meant")
 
 
 def _unique_keys(pairs: List[Any], what: str) -> Dict[str, Any]:
@@ -192,6 +223,8 @@ def _unique_keys(pairs: List[Any], what: str) -> Dict[str, Any]:
         if key in value:
             raise InputError(f"{what} gives the key {clip(key)} twice in one object: keep "
                              f"one of the two values")
+        if isinstance(item, _LongInt):
+            raise _long_int(what, item.digits, key)
         value[key] = item
     return value
 
@@ -201,13 +234,16 @@ def parse_json(text: str, what: str, kind: Optional[type] = dict) -> Any:
     is not JSON, gives a key twice in one object, nests more than NESTING levels, or is not a
     ``kind`` (None: any value)."""
     try:
-        value = json.loads(text, object_pairs_hook=lambda pairs: _unique_keys(pairs, what))
+        value = json.loads(text, object_pairs_hook=lambda pairs: _unique_keys(pairs, what),
+                           parse_int=_json_int)
     except RecursionError:  # the C parser recurses per level: far past NESTING
         raise InputError(f"{what} nests lists or objects more than {NESTING} levels deep: it "
                          f"is not the file meant") from None
     except json.JSONDecodeError as err:
         raise InputError(f"{what} is not valid JSON ({str(err)[:200]})") from None
-    if _depth(value, NESTING) > NESTING:
+    except (ValueError, OverflowError) as err:  # a conversion inside the parser (a last guard:
+        raise InputError(f"{what}: a value refused ({clip(str(err))})") from None  # _json_int)
+    if _depth(value, NESTING, what) > NESTING:
         raise InputError(f"{what} nests lists or objects more than {NESTING} levels deep: it "
                          f"is not the file meant")
     if kind is not None and not isinstance(value, kind):
@@ -239,12 +275,61 @@ class YamlSyntaxError(InputError):
 
 
 MERGE_TAG = "tag:yaml.org,2002:merge"
+INT_TAG, FLOAT_TAG = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
+# YAML 1.2's core schema for numbers. PyYAML resolves YAML 1.1's: ``010`` is octal 8 there,
+# ``1:20`` sexagesimal 80, ``1e-3`` a string; here they read as a reader of the text expects
+# (10; text, which a number field refuses; 0.001). Underscores are not YAML 1.2 either: such
+# text reaches the field, which reads it as Python does (``1_000`` is 1000).
+YAML12_INT = re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$")
+YAML12_FLOAT = re.compile(r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?"
+                          r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$")
 
 
+def _yaml12_numbers(cls: Any) -> Any:
+    """``cls`` (a loader or dumper) resolving plain scalars to numbers by YAML 1.2's rules:
+    YAML 1.1's int and float patterns removed, 1.2's added (booleans, null stay as they are)."""
+    cls.yaml_implicit_resolvers = {
+        first: [(tag, regexp) for tag, regexp in resolvers if tag not in (INT_TAG, FLOAT_TAG)]
+        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+    }
+    cls.add_implicit_resolver(INT_TAG, YAML12_INT, list("-+0123456789"))
+    cls.add_implicit_resolver(FLOAT_TAG, YAML12_FLOAT, list("-+.0123456789"))
+    return cls
+
+
+@_yaml12_numbers
 class _LimitedLoader(yaml.SafeLoader):
     """YAML's safe loader (plain values only: no Python object is ever built), refusing
     nesting past NESTING levels as it composes: the composer recurses per level, and the
-    scanner slows with every open level, so it stops at the first one too deep."""
+    scanner slows with every open level, so it stops at the first one too deep. Numbers are
+    YAML 1.2's (``_yaml12_numbers``)."""
+
+    def construct_yaml_int(self, node: Any) -> int:
+        """A YAML 1.2 int (``0o17``, ``0x1F``, decimal: a leading 0 is decimal still), also
+        under an explicit ``!!int``; InputError past INT_DIGITS digits, naming the line."""
+        text = str(self.construct_scalar(node))
+        digits = len(text.lstrip("-+"))
+        if digits > INT_DIGITS:
+            raise InputError(f"at line {node.start_mark.line + 1}: an integer of {digits} "
+                             f"digits, over the limit of {INT_DIGITS}: no setting is that long")
+        try:
+            if text[:2] in ("0o", "0x"):
+                return int(text[2:], 8 if text[1] == "o" else 16)
+            return int(text, 10)
+        except ValueError:  # "!!int 1:20", "!!int 0b1": no YAML 1.2 integer
+            raise InputError(f"at line {node.start_mark.line + 1}: {clip(text)} is no integer "
+                             f"(YAML 1.2: decimal digits, 0o octal or 0x hexadecimal)") from None
+
+    def construct_yaml_float(self, node: Any) -> float:
+        """A YAML 1.2 float (``.inf``, ``.nan``, decimal), also under an explicit ``!!float``."""
+        text = str(self.construct_scalar(node))
+        special = text.lower().lstrip("+")
+        if special in (".inf", "-.inf", ".nan"):
+            return float(special.replace(".", ""))
+        if not YAML12_FLOAT.match(text):  # "!!float 1:20"
+            raise InputError(f"at line {node.start_mark.line + 1}: {clip(text)} is no number "
+                             f"(YAML 1.2: decimal, .inf or .nan)")
+        return float(text)
 
     def construct_mapping(self, node: Any, deep: bool = False) -> Any:
         """The safe loader's mapping, refusing a key given twice in it (YAML would keep the
@@ -271,6 +356,21 @@ class _LimitedLoader(yaml.SafeLoader):
             return super().compose_node(parent, index)
         finally:
             self.levels -= 1
+
+
+_LimitedLoader.add_constructor(INT_TAG, _LimitedLoader.construct_yaml_int)
+_LimitedLoader.add_constructor(FLOAT_TAG, _LimitedLoader.construct_yaml_float)
+
+
+@_yaml12_numbers
+class _Dumper(yaml.SafeDumper):
+    """YAML's safe dumper quoting what load_yaml would read as a number: the string ``1e5``
+    (plain text to YAML 1.1) is written ``'1e5'``."""
+
+
+def dump_yaml(values: Any) -> str:
+    """``values`` (plain values) as YAML text that ``load_yaml`` reads back equal."""
+    return yaml.dump(values, Dumper=_Dumper, sort_keys=False)
 
 
 def _too_deep(text: str) -> bool:
@@ -367,8 +467,11 @@ def load_yaml(text: str, source: str) -> Any:
                              f"values: it is not a config (an alias bomb?)")
         try:
             return loader.construct_document(node)
-        except InputError as err:  # a key given twice
+        except InputError as err:  # a key given twice, an integer too long
             raise InputError(f"{source}: YAML {err}") from None
+        except (ValueError, OverflowError) as err:  # the safe loader's own conversions: a
+            raise InputError(f"{source}: YAML value refused ({clip(str(err))}): write it as a "
+                             f"number or a string") from None  # date 2020-13-45, month 13
     except yaml.YAMLError as err:
         raise _yaml_error(err, source) from None
     except RecursionError:  # a last guard: the limits above stop nesting long before

@@ -6,11 +6,15 @@ exit with status 2, without a traceback; any other exception is a bug and keeps 
 It is a ValueError, so code that catches a bad value catches it too.
 """
 
-from typing import Any
+import argparse
+import os
+import sys
+import time
+from typing import Any, NoReturn
 
 __all__ = [
-    "CLIP", "INTERRUPTED", "InputError", "MissingInputError", "NON_FINITE", "OUTPUT_FAILED",
-    "PIPE_CLOSED", "RunStopped", "TERMINATED", "Terminated", "clip"
+    "CLIP", "INTERRUPTED", "InputError", "MissingInputError", "NON_FINITE", "OneLineParser",
+    "OUTPUT_FAILED", "PIPE_CLOSED", "RunStopped", "TERMINATED", "Terminated", "clip"
 ]
 
 CLIP = 200  # characters of a value that an error message quotes
@@ -32,6 +36,24 @@ def clip(value: Any, limit: int = CLIP) -> str:
 
 class MissingInputError(InputError, FileNotFoundError):
     """An input file or directory that does not exist (also a FileNotFoundError)."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's parser whose own errors (an option given no value, ``--name -x``, a bad
+    type or choice) are one line ``error: ...`` and exit status 2, as a refused value is,
+    instead of the usage (20 lines and more); ``--help`` still prints it. Rank 0 prints; another
+    rank waits, so that torchrun stops it before the line is repeated (as ``load_config``)."""
+
+    def error(self, message: str) -> NoReturn:
+        if message.endswith("expected one argument"):  # "argument --name: expected ..."
+            flag = message.split()[1].rstrip(":").split("/")[0]
+            message += (f": give {flag} a value (one that starts with '-' as {flag}=-x); "
+                        f"--help lists the options")
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {message}", file=sys.stderr, flush=True)
+        else:
+            time.sleep(5)
+        sys.exit(2)
 
 
 INTERRUPTED = 130  # the shell's status for a process ended by SIGINT (128 + 2)

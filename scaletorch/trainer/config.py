@@ -14,7 +14,7 @@ run reads (config, data, checkpoint to resume) and every directory it writes (``
 a mistake there is an InputError naming the file and what to do.
 """
 
-import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -29,7 +29,6 @@ from types import TracebackType
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Type
 
 import torch
-import yaml
 
 from scaletorch.config import (CheckpointConfig, Config, DataConfig, LoggingConfig, ParallelConfig,
                                TrainingConfig, recompute_mode)
@@ -41,7 +40,7 @@ from scaletorch.parallel.validation import validate_layout
 from scaletorch.plan.cluster import load_cluster
 from scaletorch.rules import boundary
 from scaletorch.rules.errors import (INTERRUPTED, TERMINATED, InputError, MissingInputError,
-                                     RunStopped, clip)
+                                     OneLineParser, RunStopped, clip)
 from scaletorch.rules.safe_files import write_atomic
 from scaletorch.rules.schema import Rule, check_applies, check_value, ignored_by, rules_of
 from scaletorch.trainer.checkpoint import (check_rank_files, check_resume, latest_valid_checkpoint,
@@ -101,9 +100,9 @@ def _convert(value: Any, annotation: Any, key: str) -> Any:
             return value.lower() in ("true", "1")
         raise ValueError(f"{key} must be true or false, got {clip(value)}")
     if annotation in (int, float):
-        if isinstance(value, bool):
+        if isinstance(value, bool) or (isinstance(value, str) and not value.isascii()):
             raise ValueError(f"{key} must be {annotation.__name__}, got {clip(value)}")
-        try:
+        try:  # text YAML left (1_000): Python's decimal, not its other digits (\uff11\uff10)
             converted = annotation(value)
         except (TypeError, ValueError, OverflowError):  # OverflowError: int(inf)
             raise ValueError(f"{key} must be {annotation.__name__}, got {clip(value)}") from None
@@ -267,7 +266,7 @@ def parse_args(argv: Optional[Sequence[str]] = None, default_config: Optional[st
 
     ``unread``: {key or section prefix ("parallel."): why} of what the script never reads;
     such a key given (not its default) is refused like a value the layout ignores."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         description=description,
         epilog="Any field can be overridden as --section.name VALUE or --set section.name=VALUE. "
         "--validate-only --world-size N: check the config for N ranks and exit (0: valid).")
@@ -360,7 +359,7 @@ def load_config(default_config: str, description: str, limits: Optional[Limits] 
     ``--validate-only --world-size N`` (scripts/launch.sh runs it before torchrun) checks the
     config for N ranks and exits: 0 if it can run, 2 with the error line if not.
     """
-    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre = OneLineParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--validate-only", action="store_true")
     pre.add_argument("--world-size", type=int, default=None)
     known, rest = pre.parse_known_args(argv)
@@ -421,7 +420,14 @@ def report_input_errors(kind: Type[BaseException], err: BaseException,
     if isinstance(err, RunStopped):  # a signal, a non-finite loss: one line, its own status
         rank = int(os.environ.get("RANK", "0"))
         if rank != 0 and err.exit_code in (INTERRUPTED, TERMINATED):
-            os._exit(err.exit_code)  # every rank got the signal: rank 0 says it
+            # rank 0 says it when every rank got the signal; when this rank alone got it (a
+            # scheduler's or an OOM handler's kill), rank 0 may die blocked in a collective, so
+            # the line goes to torchrun's error file: scripts/torchrun.py prints it once
+            error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+            if error_file and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+                with contextlib.suppress(OSError):
+                    write_error_file(error_file, err, tb)
+            os._exit(err.exit_code)
         if rank != 0:
             time.sleep(5)
         sys.stdout.flush()
@@ -664,4 +670,4 @@ def save_config(cfg: Config, path: str) -> None:
         if ignored_by(key, rule, lambda other: setting(cfg, other)):  # so the file loads again
             section, _, name = key.rpartition(".")
             (values[section] if section else values)[name] = default
-    write_atomic(path, yaml.safe_dump(values, sort_keys=False).encode())
+    write_atomic(path, boundary.dump_yaml(values).encode())

@@ -12,7 +12,6 @@ finds a straggler is the Trainer's, in every run: at each log line, each rank's 
 step's time less its waits in collectives) all-gathered (scaletorch/dist/straggler.py).
 """
 
-import argparse
 import os
 import signal
 import time
@@ -24,6 +23,7 @@ import torch
 
 from scaletorch.dist import comm, get_ledger
 from scaletorch.parallel.step import ForwardBackward
+from scaletorch.rules.errors import OneLineParser
 
 FAULTS = ("none", "skip", "shape", "straggler", "raise", "kill")
 
@@ -52,7 +52,7 @@ class Fault:
 
 def parse_fault_args(argv: Optional[Sequence[str]]) -> Tuple[Fault, List[str]]:
     """(fault, the other arguments) from the command line."""
-    parser = argparse.ArgumentParser(add_help=False)
+    parser = OneLineParser(add_help=False)
     parser.add_argument("--fault", choices=FAULTS, default="none")
     parser.add_argument("--fault-rank", type=int, default=1)
     parser.add_argument("--fault-step", type=int, default=3)

@@ -18,7 +18,8 @@ a run made, not any directory a path happens to name; and a checkpoint.dir only 
 names this run (``run``), never another run's directory given as checkpoint.dir.
 
 Identity. A directory a run writes is the path the user gave, never a symlink to another place
-(``check_not_a_symlink``). A live lock is checked first, also on the run directory above a
+(``check_not_a_symlink``), and never inside another run's directory, finished or not
+(``check_not_inside_a_run``). A live lock is checked first, also on the run directory above a
 checkpoint.dir inside one, so the line says "in use" rather than offering ways on.
 """
 
@@ -291,6 +292,8 @@ def check_run_dir(cfg: Config) -> None:
         check_not_a_symlink(key, path)
     for key, path in owned_dirs(cfg):
         check_not_held(key, path)
+    for key, path in written:
+        check_not_inside_a_run(key, path, cfg.run_path)
     check_run_files(cfg.run_path)
     if continues(cfg):
         return
@@ -312,6 +315,18 @@ def check_not_a_symlink(key: str, path: str) -> None:
         raise InputError(f"{key}: {clip(path)} is a symlink (to {clip(os.readlink(path))}): a "
                          f"run writes only in a directory of its own; nothing was written: give "
                          f"the real directory, or another {_other(key)}")
+
+
+def check_not_inside_a_run(key: str, path: str, run_path: str) -> None:
+    """InputError when directory ``path`` (the option ``key``) lies inside the directory of
+    another run, live or finished (a directory above it carries the MARKER and is not
+    ``run_path``): its files would mix with that run's, and an ``--overwrite`` of that run
+    would carry them away."""
+    above = _run_above(path)
+    if above is not None and os.path.realpath(above) != os.path.realpath(run_path):
+        raise InputError(f"{key}: {clip(path)} is inside the directory of another run "
+                         f"({clip(above)}, which carries {MARKER}); nothing was written: give "
+                         f"a directory outside it")
 
 
 def _marked_run(path: str) -> Optional[str]:
@@ -438,10 +453,11 @@ def keep_metrics_to(run_path: str, step: int) -> Optional[str]:
         lines = f.read().splitlines(keepends=True)
     kept: List[bytes] = []
     later: List[bytes] = []
-    for line in lines:
+    for line in lines:  # kept: a whole line whose step is an int (no bool, 2.9, 1e400) <= step
         try:
             record = boundary.parse_json(line.decode("utf-8"), "a metrics line")
-            whole = line.endswith(b"\n") and int(record["step"]) <= step
+            kept_step = record["step"]
+            whole = (line.endswith(b"\n") and type(kept_step) is int and 0 <= kept_step <= step)
         except (ValueError, KeyError, TypeError):
             whole = False
         (kept if whole else later).append(line)
