@@ -57,9 +57,6 @@ def _run(cfg: Config, pgm, stage, prefetch: bool = True) -> dict:
     model = build_model(cfg.model, seed=cfg.training.model_seed)
     numel = model.num_parameters()
     get_ledger().clear()
-    # the wrap's collectives (the all-gather checking that the ranks hold the same model, the
-    # broadcast) are setup: step 0, not the previous run's last step, which the checks read
-    get_ledger().set_step(0)
     if stage == "torch":
         model = apply_fully_shard(model, pgm)
         trainer = Trainer(cfg, model, pgm, verbose=False)

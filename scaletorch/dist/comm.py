@@ -269,8 +269,9 @@ def check_same_layout(named: Sequence[Tuple[str, torch.Tensor]], who: str, group
                       fix: str = "build the same model on every rank") -> None:
     """Raise on every rank of ``group`` when the ranks' ``named`` tensors differ in count,
     shape, dtype or (parameters) requires_grad, before a wrap's broadcast or partition would
-    die inside the backend. One all-gather of 2 int64 per rank (count, crc32 of the layout),
-    in the ledger as the wrap's broadcast is; on a mismatch the layouts (``all_gather_objects``)
+    die inside the backend. One all-gather of 2 int64 per rank (count, crc32 of the layout): a
+    check, not training traffic, so not in the ledger (a wrap's records land in the ledger's
+    current step, which its readers count). On a mismatch the layouts (``all_gather_objects``)
     name the first difference in one line: ``who`` (the wrapper) and ``fix`` say what to do."""
     world = group_size(group)
     if world == 1:
@@ -280,7 +281,8 @@ def check_same_layout(named: Sequence[Tuple[str, torch.Tensor]], who: str, group
     crc = zlib.crc32(repr([kind for _, kind in layout]).encode())  # names may differ: not hashed
     mine = torch.tensor([len(layout), crc], dtype=torch.int64, device=device)
     every = torch.empty(2 * world, dtype=torch.int64, device=device)
-    all_gather_into_tensor(every, mine, group)
+    with get_ledger().paused():
+        all_gather_into_tensor(every, mine, group)
     if every.is_meta:  # a dry run (fake tensors, fake collectives): nothing to compare
         return
     rows = every.view(world, 2).tolist()
