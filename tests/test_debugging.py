@@ -84,10 +84,11 @@ class InjectedFaultsEndAsDocumented(unittest.TestCase):
         first = flight_recorder.disagreements(traces)[0]
         call, there, ranks = first
         # rank 1 stopped after step 1: rank 0's first gradient all-reduce of step 2 over the
-        # dp group has no partner. dp's first collective is the broadcast at wrap (the replicas
-        # made equal); then 8 buckets (chapter 01's 0.05 MB) + 1 loss all-reduce per step:
-        # step 2's first bucket is dp's collective 1 + 2 * 9 + 1 = 20.
-        self.assertEqual((call.group, call.op, call.seq, ranks), ("dp", "all_reduce", 20, [0, 1]))
+        # dp group has no partner. dp's first collectives are the wrap's: the all-gather that
+        # checks the ranks hold the same model, the broadcast that makes the replicas equal;
+        # then 8 buckets (chapter 01's 0.05 MB) + 1 loss all-reduce per step: step 2's first
+        # bucket is dp's collective 2 + 2 * 9 + 1 = 21.
+        self.assertEqual((call.group, call.op, call.seq, ranks), ("dp", "all_reduce", 21, [0, 1]))
         self.assertEqual(sorted(there), [0])
         with open(os.path.join(ROOT, "scaletorch", "parallel", "data_parallel.py")) as f:
             line = next(i for i, text in enumerate(f, 1) if "comm.all_reduce(buffer" in text)
@@ -104,7 +105,7 @@ class InjectedFaultsEndAsDocumented(unittest.TestCase):
         out = io.StringIO()
         with redirect_stdout(out):
             self.assertEqual(fr_analyze.main([directory]), 0)
-        self.assertIn("first disagreement: collective #20 of group 'dp' (ranks [0, 1])",
+        self.assertIn("first disagreement: collective #21 of group 'dp' (ranks [0, 1])",
                       out.getvalue())
         # torch's analyzer (torchfrtrace) reads them too: dump() fills the group table that
         # gloo leaves empty

@@ -509,10 +509,101 @@ def zero_misuses(rank: int, world: int) -> Dict[str, Any]:
     return out
 
 
+# ---- ranks that disagree about their parameters (issue 52's probe, round 2: #28, #29) --------
+MISMATCHES = ("shape", "dtype", "frozen", "count")
+AT_WRAP = ("naive", "ours", "zero3", "opt1", "opt2")  # every wrap and the sharded optimizer
+
+
+def generated_mismatches() -> List[Tuple[str, int]]:
+    """(what differs, in which of Gated's 4 layers) on the last rank only: every kind, the
+    layers drawn from a fixed seed (the same on every rank and in the test)."""
+    g = torch.Generator().manual_seed(28)
+    n = 24 if os.environ.get("SCALETORCH_LONG_TESTS") == "1" else 4
+    return [(MISMATCHES[k % 4], int(torch.randint(4, (1, ), generator=g))) for k in range(n)]
+
+
+def mismatched(kind: str, layer: int, differs: bool) -> nn.Module:
+    """Gated, with ``kind`` changed in ``layer`` when ``differs``: a wider layer, float64, a
+    frozen weight, or no bias (one parameter fewer)."""
+    model = Gated()
+    if differs:
+        if kind == "shape":
+            model.layers[layer] = nn.Linear(6, 7)
+        elif kind == "dtype":
+            model.layers[layer].double()
+        elif kind == "frozen":
+            model.layers[layer].weight.requires_grad_(False)
+        else:
+            model.layers[layer].bias = None
+    return model
+
+
+def wrap_mismatched(how: str, model: nn.Module) -> Any:
+    if how in ("naive", "ours"):
+        return apply_data_parallel(model, None, how)
+    if how == "zero3":
+        return apply_zero_any(model)
+    return ShardedOptimizer(model.parameters(), torch.optim.SGD, zero_stage=int(how[-1]), lr=0.1)
+
+
+def mismatch_errors(rank: int, world: int) -> Dict[Any, str]:
+    """What each wrap raised, for each generated mismatch (every rank raises the same line)."""
+    return {
+        (how, kind, layer):
+        _raised(lambda: wrap_mismatched(how, mismatched(kind, layer, rank == world - 1)))
+        for kind, layer in generated_mismatches()
+        for how in AT_WRAP
+    }
+
+
+def clipped(stage: int, rank: int, world: int) -> Tuple[float, Dict[str, torch.Tensor]]:
+    """One SGD step after ``opt.clip_grad_norm(0.05)`` (the model's norm is ~1), by ZeRO-1
+    (behind our DDP) or ZeRO-2 (each rank's own gradients until it reduces): (norm, weights)."""
+    model = build("mlp", 100 + rank)
+    ddp = apply_data_parallel(model, None) if stage == 1 else model
+    opt = ShardedOptimizer(model.parameters(), torch.optim.SGD, zero_stage=stage, lr=0.5)
+    _step(ddp, rank, world)
+    norm = opt.clip_grad_norm(0.05)
+    opt.step()
+    return norm.item(), state_of(model)
+
+
+def added_group(stage: int, rank: int, world: int) -> Dict[str, torch.Tensor]:
+    """SGD over net.0 at construction, net.4 added by ``add_param_group`` at lr 0.5: 1 step.
+    One seed on every rank: ZeRO-2 broadcasts only its parameters, and net.2 is in none."""
+    model = build("mlp", 100)
+    ddp = apply_data_parallel(model, None) if stage == 1 else model
+    opt = ShardedOptimizer(model.net[0].parameters(), torch.optim.SGD, zero_stage=stage, lr=0.1)
+    opt.add_param_group({"params": list(model.net[4].parameters()), "lr": 0.5})
+    _step(ddp, rank, world)
+    opt.step()
+    return state_of(model)
+
+
+def wrap_misuses(rank: int, world: int) -> Dict[Any, Any]:
+    """A second wrap, an optimizer instance as the class, a group added to ZeRO-3's optimizer;
+    clipping and an added group, by the sharded optimizer."""
+    out: Dict[Any, Any] = {"mismatch": mismatch_errors(rank, world)}
+    zero, ddp = apply_zero_any(build("mlp", 1)), apply_data_parallel(build("mlp", 1), None)
+    out["zero_twice"] = _raised(lambda: apply_zero_any(zero))
+    out["ddp_twice"] = _raised(lambda: apply_data_parallel(ddp, None))
+    out["ddp_of_zero"] = _raised(lambda: apply_data_parallel(zero, None))
+    out["zero3_group"] = _raised(lambda: ShardedOptimizer(zero, torch.optim.SGD, lr=0.1).
+                                 add_param_group({"params": [nn.Parameter(torch.ones(2))]}))
+    params = list(build("mlp", 1).parameters())
+    out["instance"] = _raised(
+        lambda: ShardedOptimizer(params, torch.optim.SGD(params, lr=0.1), lr=0.1))
+    for stage in (1, 2):
+        out["clipped", stage] = clipped(stage, rank, world)
+        out["added", stage] = added_group(stage, rank, world)
+    return out
+
+
 def _world(rank: int, world: int) -> Dict[str, Any]:
     out: Dict[str, Any] = {"direct_read": direct_read_errors()}
     if world in MISUSE_WORLDS:
         out.update({**ddp_misuses(rank, world), **zero_misuses(rank, world)})
+        out.update(wrap_misuses(rank, world))
     for case in cases_of(world):
         start = time.perf_counter()
         out[case] = train(*case, rank=rank, world=world)
@@ -727,6 +818,63 @@ class _OwnModelMixin:
                 for n, want in state_of(model).items():
                     torch.testing.assert_close(r["closure", stage][n], want, rtol=0, atol=1e-6,
                                                msg=f"stage {stage} rank {rank} {n}")
+
+    def test_ranks_whose_models_differ_stop_at_the_wrap_with_one_line(self) -> None:
+        """Generated: a shape, a dtype, requires_grad or the count differs on the last rank;
+        every wrap and the sharded optimizer name the first differing parameter on both ranks
+        (before the fix the first collective aborted in gloo, SIGABRT, naming nothing)."""
+        self._misuse_world()
+        last = self.world - 1
+        for rank, r in enumerate(self.results):
+            for (how, kind, layer), said in r["mismatch"].items():
+                msg = f"rank {rank} {how} {kind} layers.{layer}: {said}"
+                name = f"layers.{layer}.{'bias' if kind == 'count' else 'weight'}"
+                if how.startswith("opt"):  # parameters have no names: their place
+                    name = f"param group 0 parameter {2 * layer + (kind == 'count')}"
+                self.assertIn("the ranks differ at tensor", said, msg)
+                self.assertIn(f"rank 0 has {name} ", said, msg)
+                self.assertIn(f"rank {last} has ", said, msg)
+                self.assertNotIn("\n", said, msg)
+
+    def test_a_second_wrap_and_an_optimizer_instance_are_refused_in_one_line(self) -> None:
+        """A second wrap used to blame tied weights (ZeRO) or wrap again (DDP); an instance
+        gave Python's issubclass() error; ZeRO-3's optimizer ignored an added group."""
+        self._misuse_world()
+        for r in self.results:
+            self.assertIn("apply_zero_any: the model is already wrapped by AnyShardedDataParallel",
+                          r["zero_twice"])
+            self.assertIn("already wrapped by BucketedDataParallel", r["ddp_twice"])
+            self.assertIn("already wrapped by AnyShardedDataParallel", r["ddp_of_zero"])
+            self.assertIn("got an instance of SGD", r["instance"])
+            self.assertIn("add_param_group cannot add to it", r["zero3_group"])
+
+    def test_sharded_optimizer_clips_the_models_gradient_and_trains_an_added_group(self) -> None:
+        """Against one device, atol 1e-6 (fp32 sums in another order; lr 0.5 x clip 0.05).
+        Clipping each rank's own ZeRO-2 gradient (the bug) was off by 6.5e-3; an added group
+        never moved (0.11 off)."""
+        self._misuse_world()
+        model = build("mlp", 100)
+        x, y = batches("mlp")[0]
+        F.mse_loss(model(x), y).backward()
+        norm = nn.utils.clip_grad_norm_(model.parameters(), 0.05).item()
+        torch.optim.SGD(model.parameters(), lr=0.5).step()
+        want_clipped = state_of(model)
+        model = build("mlp", 100)
+        opt = torch.optim.SGD(model.net[0].parameters(), lr=0.1)
+        opt.add_param_group({"params": list(model.net[4].parameters()), "lr": 0.5})
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        want_added = state_of(model)
+        for rank, r in enumerate(self.results):
+            for stage in (1, 2):
+                got_norm, got = r["clipped", stage]
+                self.assertAlmostEqual(got_norm, norm, delta=1e-6, msg=f"{stage} {rank}")
+                for n, want in want_clipped.items():
+                    torch.testing.assert_close(got[n], want, rtol=0, atol=1e-6,
+                                               msg=f"clip stage {stage} rank {rank} {n}")
+                for n, want in want_added.items():
+                    torch.testing.assert_close(r["added", stage][n], want, rtol=0, atol=1e-6,
+                                               msg=f"added stage {stage} rank {rank} {n}")
 
 
 ZERO_ERRORS = ("mixed_unit", "adafactor", "lbfgs", "views", "view_requires_grad", "unfrozen")

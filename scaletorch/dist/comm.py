@@ -16,8 +16,9 @@ there it stays near 0.
 """
 
 import time
+import zlib
 from contextlib import nullcontext
-from typing import Any, Callable, ContextManager, List, Optional, Tuple
+from typing import Any, Callable, ContextManager, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -255,3 +256,45 @@ def broadcast_from_first(tensors: List[torch.Tensor], group: Group = None) -> No
     parameters and buffers equal at wrap."""
     if group_size(group) > 1:
         broadcast_tensors(tensors, 0 if group is None else dist.get_global_rank(group, 0), group)
+
+
+def _layout(named: Sequence[Tuple[str, torch.Tensor]]) -> List[Tuple[str, str]]:
+    """(name, "shape dtype [frozen]") of each tensor: what the ranks must agree on."""
+    return [(name, f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}" +
+             ("" if t.requires_grad or not isinstance(t, torch.nn.Parameter) else " frozen"))
+            for name, t in named]
+
+
+def check_same_layout(named: Sequence[Tuple[str, torch.Tensor]], who: str, group: Group = None,
+                      fix: str = "build the same model on every rank") -> None:
+    """Raise on every rank of ``group`` when the ranks' ``named`` tensors differ in count,
+    shape, dtype or (parameters) requires_grad, before a wrap's broadcast or partition would
+    die inside the backend. One all-gather of 2 int64 per rank (count, crc32 of the layout): a
+    check, not training traffic, so not in the ledger (a wrap's records land in the ledger's
+    current step, which its readers count). On a mismatch the layouts (``all_gather_objects``)
+    name the first difference in one line: ``who`` (the wrapper) and ``fix`` say what to do."""
+    world = group_size(group)
+    if world == 1:
+        return
+    layout = _layout(named)
+    device = named[0][1].device if named else torch.device("cpu")
+    crc = zlib.crc32(repr([kind for _, kind in layout]).encode())  # names may differ: not hashed
+    mine = torch.tensor([len(layout), crc], dtype=torch.int64, device=device)
+    every = torch.empty(2 * world, dtype=torch.int64, device=device)
+    with get_ledger().paused():
+        all_gather_into_tensor(every, mine, group)
+    if every.is_meta:  # a dry run (fake tensors, fake collectives): nothing to compare
+        return
+    rows = every.view(world, 2).tolist()
+    other = next((r for r in range(world) if rows[r] != rows[0]), None)
+    if other is None:
+        return
+    layouts = all_gather_objects(layout, group)
+    first, theirs = dict(enumerate(layouts[0])), dict(enumerate(layouts[other]))
+    absent = ("none", "")
+    where = next((i for i in range(max(len(first), len(theirs)))
+                  if first.get(i, absent)[1] != theirs.get(i, absent)[1]), 0)
+    raise ValueError(f"{who}: the ranks differ at tensor {where}: rank {other} has "
+                     f"{' '.join(theirs.get(where, absent)).strip()}, rank 0 has "
+                     f"{' '.join(first.get(where, absent)).strip()} ({len(theirs)} vs "
+                     f"{len(first)} tensors): {fix}")

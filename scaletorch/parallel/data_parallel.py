@@ -46,7 +46,7 @@ from scaletorch.dist import ProcessGroupManager, comm, get_ledger
 from scaletorch.dist.comm import Work
 from scaletorch.parallel.gradient_sync import (average_gradients, launch_full_buckets,
                                                wait_for_buckets)
-from scaletorch.parallel.wrapper import ModuleWrapper
+from scaletorch.parallel.wrapper import ModuleWrapper, refuse_wrapped
 from scaletorch.rules.buckets import ddp_buckets
 
 IMPLS = ("naive", "ours", "torch")
@@ -59,6 +59,7 @@ class _DataParallel(ModuleWrapper, nn.Module):
     (an autograd callback, so a plain ``loss.backward(); opt.step()`` loop is synced too), or
     in ``finish_grad_sync()`` if a forward ran since the last sync and none happened.
     """
+    data_parallel_wrapper = True  # refuse_wrapped: wrapping this again is refused
 
     def __init__(self, module: nn.Module, group: Optional[dist.ProcessGroup],
                  broadcast_buffers: bool = True, find_unused_parameters: bool = False) -> None:
@@ -69,7 +70,10 @@ class _DataParallel(ModuleWrapper, nn.Module):
         self.broadcast_buffers, self.find_unused = broadcast_buffers, find_unused_parameters
         self._used: Set[int] = set()  # parameters that got a gradient since the last sync
         self._sync_enabled, self._needs_sync, self._callback_queued = True, False, False
-        # torch DDP's rule: the replicas start as the first rank's, however each was built
+        # torch DDP's rule: the replicas start as the first rank's, however each was built;
+        # first the ranks check that they hold the same tensors (one small all-gather)
+        state = [*module.named_parameters(), *module.named_buffers()]
+        comm.check_same_layout(state, "data parallel", group)
         comm.broadcast_from_first([*module.parameters(), *module.buffers()], group)
         for i, p in enumerate(self.params):
             p.register_post_accumulate_grad_hook(lambda p, i=i: self._grad_ready(i))
@@ -253,6 +257,7 @@ class BucketedDataParallel(_DataParallel):
 
 class TorchDataParallel(ModuleWrapper, DistributedDataParallel):
     """torch's DDP with ``finish_grad_sync`` (its reducer already waited) and plain keys."""
+    data_parallel_wrapper = True
 
     def finish_grad_sync(self) -> None:
         pass
@@ -293,6 +298,7 @@ def apply_data_parallel(model: nn.Module, pgm: Optional[ProcessGroupManager], im
     """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {', '.join(IMPLS)}, got {impl!r}")
+    refuse_wrapped(model, "apply_data_parallel")
     if not bucket_size_mb > 0:
         raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb}")
     group = None if pgm is None else pgm.gradient_sync_group

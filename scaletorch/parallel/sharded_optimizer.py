@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from scaletorch.dist import comm
 from scaletorch.dist.comm import Group
+from scaletorch.parallel.grad_norm import clip_grads_, world_grad_norm
 from scaletorch.parallel.zero import ShardedDataParallel, ZeroOptimizer
 from scaletorch.parallel.zero_any_module import ShardView
 
@@ -79,6 +80,12 @@ class ShardedOptimizer(ZeroOptimizer):
 
     def __init__(self, params: Any, optimizer_class: Type[torch.optim.Optimizer],
                  group: Group = None, zero_stage: Optional[int] = None, **defaults: Any) -> None:
+        if not (isinstance(optimizer_class, type)
+                and issubclass(optimizer_class, torch.optim.Optimizer)):
+            given = f"an instance of {type(optimizer_class).__name__}"  # an optimizer, a string
+            raise ValueError(f"ShardedOptimizer's optimizer_class must be a torch.optim.Optimizer "
+                             f"class (e.g. torch.optim.AdamW), got {given}: pass the class, "
+                             f"and its arguments as keywords")
         if issubclass(optimizer_class, torch.optim.LBFGS):
             raise ValueError("ShardedOptimizer cannot shard LBFGS: its step couples every "
                              "parameter (a line search over all of them); use it unsharded")
@@ -106,9 +113,10 @@ class ShardedOptimizer(ZeroOptimizer):
                              f"ShardedOptimizer(model, {optimizer_class.__name__}, ...)")
         self.group, self.zero_stage = group, zero_stage
         self.world, self.rank = comm.group_size(group), comm.group_rank(group)
-        self.trainable = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
-        owners = partition([p.numel() for p in self.trainable], self.world)
-        self.owner = {id(p): r for p, r in zip(self.trainable, owners)}
+        self._check_ranks_agree(self.param_groups)
+        self.trainable: List[torch.Tensor] = []
+        self.owner: Dict[int, int] = {}
+        self._own(self.param_groups)
         local = [{
             **{
                 k: v
@@ -116,8 +124,47 @@ class ShardedOptimizer(ZeroOptimizer):
             }, "params": [p for p in g["params"] if self.owner.get(id(p)) == self.rank]
         } for g in self.param_groups]
         self.local = optimizer_class(local, **defaults)
+        self._reduced = False  # ZeRO-2: clip_grad_norm reduced this step's gradients already
         # the replicas start equal, as under DDP: the group's first rank's values (one broadcast)
         comm.broadcast_from_first([p for g in self.param_groups for p in g["params"]], group)
+        self._built = True
+
+    def _check_ranks_agree(self, groups: List[Dict[str, Any]]) -> None:
+        """Every rank of the group must pass the same parameters (one small all-gather), or
+        the partition and the broadcasts differ and the backend aborts."""
+        named = [(f"param group {g} parameter {i}", p)
+                 for g, group in enumerate(groups,
+                                           len(self.param_groups) - len(groups))
+                 for i, p in enumerate(group["params"])]
+        comm.check_same_layout(named, "ShardedOptimizer", self.group,
+                               "give every rank the same parameters, in the same order")
+
+    def _own(self, groups: List[Dict[str, Any]]) -> None:
+        """Assign the trainable parameters of ``groups`` to owners (``partition``)."""
+        trainable = [p for g in groups for p in g["params"] if p.requires_grad]
+        owners = partition([p.numel() for p in trainable], self.world)
+        self.trainable += trainable
+        self.owner.update({id(p): r for p, r in zip(trainable, owners)})
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        """torch's, then (after construction) as torch's ZeroRedundancyOptimizer: the group's
+        trainable parameters are given owners, this rank's go to ``self.local`` in a group of
+        the same hyperparameters, and every rank takes the first rank's values (a broadcast)."""
+        if getattr(self, "wrappers", None):  # a ZeRO wrapper's shards: zero.py's refusal
+            return super().add_param_group(param_group)
+        torch.optim.Optimizer.add_param_group(self, param_group)
+        if not getattr(self, "_built", False):  # torch's __init__ adds the first groups
+            return
+        added = self.param_groups[-1]
+        self._check_ranks_agree([added])
+        self._own([added])
+        self.local.add_param_group({
+            **{
+                k: v
+                for k, v in added.items() if k != "params"
+            }, "params": [p for p in added["params"] if self.owner.get(id(p)) == self.rank]
+        })
+        comm.broadcast_from_first(list(added["params"]), self.group)
 
     def _owned_by(self, rank: int, params: List[torch.Tensor]) -> List[torch.Tensor]:
         return [p for p in params if self.owner[id(p)] == rank]
@@ -157,13 +204,41 @@ class ShardedOptimizer(ZeroOptimizer):
             return loss
         for full, local in zip(self.param_groups, self.local.param_groups):
             local.update({k: v for k, v in full.items() if k != "params"})  # the scheduler's lr
-        if self.zero_stage == 2 and self.trainable and self.world > 1:
+        if self.zero_stage == 2 and self.trainable and self.world > 1 and not self._reduced:
             self._reduce_to_owners()
+        self._reduced = False
         self.local.step()  # this rank's parameters only
         for rank in range(self.world):  # each owner's parameters, to every rank
             comm.broadcast_tensors(self._owned_by(rank, self.trainable), self._src(rank),
                                    self.group)
         return loss
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Scale the model's gradient so its norm is at most ``max_norm``; return the norm
+        before (0-dim, the same on every rank), as torch's ``clip_grad_norm_`` on one device.
+
+        ZeRO-2's gradients before ``step()`` are each rank's own: this reduces them to their
+        owners first (the reduce ``step()`` would do; it then does none). Each gradient counts
+        once, on its owner: one all-reduce of one number over the group. A ZeRO wrapper: the
+        sum over its shards, as its own ``clip_grad_norm``."""
+        if self.wrappers:
+            for wrapper in self.wrappers:
+                wrapper.finish_grad_sync()
+            shards = [s for w in self.wrappers for s in w.shards.values()]
+            norm = world_grad_norm([(s, 1) for s in shards], shards[0].device,
+                                   self.wrappers[0].group)
+            return clip_grads_(shards, max_norm, norm)
+        if self.zero_stage == 2 and self.trainable and self.world > 1 and not self._reduced:
+            self._reduce_to_owners()
+            self._reduced = True
+        mine = self._owned_by(self.rank, self.trainable)
+        device = self.trainable[0].device if self.trainable else torch.device("cpu")
+        norm = world_grad_norm([(p, 1) for p in mine], device, self.group)
+        return clip_grads_(self.trainable, max_norm, norm)  # ZeRO-1: every rank's copy too
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._reduced = False
+        super().zero_grad(set_to_none)
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         if self.wrappers:

@@ -50,3 +50,13 @@ class ModuleWrapper:
             if name == "module":
                 raise
             return getattr(self.module, name)  # e.g. model.num_parameters(), model.config
+
+
+def refuse_wrapped(model: nn.Module, by: str) -> None:
+    """Raise if ``model`` is, or holds, a data-parallel or ZeRO wrapper (its class sets
+    ``data_parallel_wrapper``): a second wrap would shard or broadcast the first one's state."""
+    for name, module in model.named_modules():
+        if getattr(type(module), "data_parallel_wrapper", False):
+            where = f" (at {name!r})" if name else ""
+            raise ValueError(f"{by}: the model is already wrapped by {type(module).__name__}"
+                             f"{where}: wrap the bare model once")

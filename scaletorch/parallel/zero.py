@@ -37,6 +37,7 @@ from scaletorch.dist.comm import Work
 from scaletorch.parallel.flat_unit import (FlatUnit, Group, NamedModules, gather_unit,
                                            reduce_scatter_mean, release_unit)
 from scaletorch.parallel.grad_norm import clip_grads_, world_grad_norm
+from scaletorch.parallel.wrapper import refuse_wrapped
 
 Units = List[Tuple[str, NamedModules]]  # (unit name, [(module name, module), ...])
 MakeUnit = Callable[[str, NamedModules, Group, int], FlatUnit]  # (name, modules, group, stage)
@@ -55,12 +56,16 @@ class ShardedDataParallel(nn.Module):
     or a later chapter's subclass).
     """
     shares_parameters = False  # chapter 10's subclass shares a weight (zero_tied.py)
+    data_parallel_wrapper = True  # wrapper.py's refuse_wrapped: wrapping this again is refused
 
     def __init__(self, module: nn.Module, units: Units, group: Optional[dist.ProcessGroup],
                  zero_stage: int, prefetch: bool = True, make_unit: MakeUnit = FlatUnit) -> None:
         super().__init__()
         if zero_stage not in (1, 2, 3):
             raise ValueError(f"zero_stage must be 1, 2 or 3, got {zero_stage}")
+        refuse_wrapped(module, "ZeRO")
+        # the ranks hold the same tensors, or the broadcast below dies in the backend
+        comm.check_same_layout([*module.named_parameters(), *module.named_buffers()], "ZeRO", group)
         # frozen parameters stay whole on every rank, in no unit (no gradient, no update)
         per_unit = [{p
                      for _, m in mods
@@ -329,6 +334,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
         super().__init__(shards, defaults)
         self.param_groups, self.state = self.local.param_groups, self.local.state
         self.defaults = self.local.defaults
+        self._built = True
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        """torch's while torch's ``__init__`` adds the shards; after it, refused: the shards
+        are the wrapper's whole model, and a flat shard has one lr and weight decay."""
+        if getattr(self, "_built", False):
+            raise ValueError("ZeRO over a wrapper's flat shards steps the whole model in one "
+                             "group: add_param_group cannot add to it; wrap every parameter "
+                             "in the model, and give the optimizer its hyperparameters at once")
+        super().add_param_group(param_group)
 
     # [core: zero-step]
     @torch.no_grad()

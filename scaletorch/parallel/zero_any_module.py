@@ -32,6 +32,7 @@ from scaletorch.dist.comm import Group, Work
 from scaletorch.models.llama import Llama
 from scaletorch.parallel.flat_unit import (FlatUnit, NamedModules, gather_unit, put_tensor,
                                            release_unit)
+from scaletorch.parallel.wrapper import refuse_wrapped
 from scaletorch.parallel.zero import MakeUnit, ShardedDataParallel, Units, llama_units
 
 UnitRule = Union[Units, Sequence[nn.Module], Callable[[nn.Module], Units]]
@@ -148,7 +149,6 @@ class AnyShardedDataParallel(ShardedDataParallel):
     """``ShardedDataParallel`` for a module nobody here wrote (see the module docstring)."""
 
     def __init__(self, module: nn.Module, units: Units, *args: Any, **kwargs: Any) -> None:
-        check_unit_dtypes(units)
         first: Dict[int, str] = {}  # each tensor's first name: its other names are aliases
         names = {
             n: first.setdefault(id(t), n)
@@ -199,6 +199,12 @@ class AnyShardedDataParallel(ShardedDataParallel):
                         f"ZeRO-3 unit {unit.name!r} ({where}) is released, but {fqn} was used: "
                         f"a unit is gathered only when {when} is called; call the module, or "
                         f"give the code that reads {fqn} a unit holding it (units=)"))
+
+    def _build_units(self, units: Units) -> List[FlatUnit]:
+        """zero.py's, after the ranks agreed on the model (a check of one rank only would
+        leave the others waiting in that all-gather)."""
+        check_unit_dtypes(units)
+        return super()._build_units(units)
 
     # ---- stage 3's frozen parameters: gathered and released with their unit ---------------
 
@@ -346,5 +352,6 @@ def apply_zero_any(model: nn.Module, group: Group = None, zero_stage: int = 3,
     """Shard any ``model`` over ``group`` (the world when None) in ``units`` (``as_units``),
     ZeRO ``zero_stage``; the first rank's weights are broadcast. Pair it with ``ZeroAdamW``
     or ``ShardedOptimizer(model, optimizer_class, ...)``."""
+    refuse_wrapped(model, "apply_zero_any")  # before the units: a wrapper's rule finds none
     return AnyShardedDataParallel(model, as_units(model, units), group, zero_stage, prefetch,
                                   make_unit)
