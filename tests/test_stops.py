@@ -11,7 +11,7 @@ import subprocess
 import sys
 import tempfile
 import unittest
-from typing import List, Tuple
+from typing import Any, List, Tuple
 from unittest import mock
 
 import torch
@@ -238,6 +238,20 @@ class ASignalDuringSetupIsOneLineEvenWhenARankIsBlocked(unittest.TestCase):
             err.getvalue(), "terminated (SIGTERM) before step 1 of 200: no checkpoint was "
             "saved (checkpoint.every 2); start again with --overwrite or a new --name (still "
             "blocked after 0.01 s: ended there)\n")
+        # on another rank the line goes to the launcher's error file (``note``): this rank may be
+        # the only one the signal reached, and rank 0 may die blocked without a word
+        read, write = os.pipe()
+        os.write(write, bytes([signal.SIGTERM]))
+        notes: List[Any] = []
+        with mock.patch.object(sys, "__stderr__", err), \
+                mock.patch.dict(os.environ, {"RANK": "1"}):
+            watch(read, 0.01, ends.append, notes.append)
+        os.close(read)
+        os.close(write)
+        self.assertEqual(ends, [143, 143])
+        self.assertEqual([n.exit_code for n in notes], [143])
+        self.assertTrue(str(notes[0]).startswith("terminated (SIGTERM) before step 1 of 200"))
+        self.assertEqual(err.getvalue().count("terminated"), 1)  # rank 1 prints nothing itself
 
 
 class SigtermTakesCtrlCsPath(unittest.TestCase):

@@ -376,8 +376,9 @@ def load_config(default_config: str, description: str, limits: Optional[Limits] 
         check_inputs(cfg, world_size, resume_files)
         if known.validate_only:
             sys.exit(0)
-        catch_stop_signals(cfg)  # before any blocking setup: SIGTERM ends in one line, as
-        sys.excepthook = report_input_errors  # Ctrl-C does, in every rank (stops.py)
+        # before any blocking setup: SIGTERM ends in one line, as Ctrl-C does, in every rank
+        catch_stop_signals(cfg, note_for_launcher)  # (stops.py)
+        sys.excepthook = report_input_errors
         # --overwrite: the old run is kept, renamed (rank 0, before any rank writes)
         lines = move_aside(cfg) if int(os.environ.get("RANK", "0")) == 0 else []
         note = resume_note(cfg)  # the settings this resume changes (checked above)
@@ -420,13 +421,7 @@ def report_input_errors(kind: Type[BaseException], err: BaseException,
     if isinstance(err, RunStopped):  # a signal, a non-finite loss: one line, its own status
         rank = int(os.environ.get("RANK", "0"))
         if rank != 0 and err.exit_code in (INTERRUPTED, TERMINATED):
-            # rank 0 says it when every rank got the signal; when this rank alone got it (a
-            # scheduler's or an OOM handler's kill), rank 0 may die blocked in a collective, so
-            # the line goes to torchrun's error file: scripts/torchrun.py prints it once
-            error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-            if error_file and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-                with contextlib.suppress(OSError):
-                    write_error_file(error_file, err, tb)
+            note_for_launcher(err)
             os._exit(err.exit_code)
         if rank != 0:
             time.sleep(5)
@@ -467,6 +462,16 @@ def one_traceback(err: BaseException) -> str:
     for e in reversed(chain[:-1]):
         lines.append(f"(raised again as {type(e).__name__}: {e})\n")
     return "".join(lines)
+
+
+def note_for_launcher(stop: RunStopped) -> None:
+    """A stop on a rank other than 0, for torchrun's error file. Rank 0 says it when every rank
+    got the signal; when this rank alone got it (a scheduler's or an OOM handler's kill), rank
+    0 may die blocked in a collective, so scripts/torchrun.py prints this once."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        with contextlib.suppress(OSError):
+            write_error_file(error_file, stop, stop.__traceback__)
 
 
 def write_error_file(path: str, err: BaseException, tb: Optional[TracebackType]) -> None:

@@ -140,7 +140,8 @@ def is_output_failure(err: BaseException) -> bool:
     return isinstance(err, (OutputFailed, BrokenPipeError))
 
 
-def catch_stop_signals(cfg: Optional[Config] = None) -> None:
+def catch_stop_signals(cfg: Optional[Config] = None, note: Optional[Callable[[RunStopped],
+                                                                             Any]] = None) -> None:
     """Make SIGTERM, like Ctrl-C, raise in the main thread (``on_stop_signal``): a script calls
     it once its config is loaded, before any blocking setup (process groups, model build), so a
     SIGTERM then ends in one line too (``stopped``, through ``report_input_errors``).
@@ -148,7 +149,9 @@ def catch_stop_signals(cfg: Optional[Config] = None) -> None:
     A Python handler runs only between bytecodes: a rank blocked in C++ (the rendezvous of
     init_process_group, a collective whose peer has stopped) would never run it, and torchrun
     would kill it with SIGKILL. So the signal also wakes a watchdog thread (signal's wakeup fd),
-    which ends the process with the stop's line and status after GRACE_SECONDS."""
+    which ends the process with the stop's line and status after GRACE_SECONDS. On a rank
+    other than 0 the watchdog hands the stop to ``note`` (the launcher's error file): that rank
+    may be the only one the signal reached."""
     if threading.current_thread() is not threading.main_thread():
         return
     if cfg is not None:
@@ -162,7 +165,7 @@ def catch_stop_signals(cfg: Optional[Config] = None) -> None:
     os.set_blocking(write, False)
     signal.set_wakeup_fd(write, warn_on_full_buffer=False)
     _wakeup.append(write)
-    threading.Thread(target=watch, args=(read, GRACE_SECONDS, os._exit), daemon=True,
+    threading.Thread(target=watch, args=(read, GRACE_SECONDS, os._exit, note), daemon=True,
                      name="stop-watchdog").start()
 
 
@@ -180,10 +183,12 @@ def release_stop_signals() -> None:
         os.close(_wakeup.pop())
 
 
-def watch(read: int, grace: float, end: Callable[[int], Any]) -> None:
+def watch(read: int, grace: float, end: Callable[[int], Any],
+          note: Optional[Callable[[RunStopped], Any]] = None) -> None:
     """The watchdog: wait for a stop signal's byte on ``read`` (the wakeup fd), then give the
     main thread ``grace`` seconds to stop cleanly; still running, rank 0 prints the stop's
-    line and ``end(status)`` ends the process (no cleanup can run in a blocked thread)."""
+    line (another rank hands it to ``note``) and ``end(status)`` ends the process (no cleanup
+    can run in a blocked thread)."""
     while True:
         data = os.read(read, 64)
         if not data:
@@ -198,6 +203,8 @@ def watch(read: int, grace: float, end: Callable[[int], Any]) -> None:
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"{stop} (still blocked after {grace:g} s: ended there)", file=sys.__stderr__,
               flush=True)
+    elif note is not None:  # this rank alone may have got the signal (a scheduler's kill)
+        note(stop)
     end(stop.exit_code)
 
 
