@@ -4,11 +4,12 @@
 1, see tests/harness.py); ``--bit-exact`` runs only the tests marked ``@bit_exact``, the ones
 that compare results bit for bit. CI runs those at 1 and at 2 threads as well.
 
-``--jobs N`` runs the test modules in N worker processes at once (default: 2, or 1 on a
-one-core machine). Most tests spawn ranks or launch scripts; between them a worker waits on a
-timeout, a launcher or one Python's imports, and a second worker uses that idle core. Modules
-listed in ``ALONE`` measure time (a schedule's bubble, a straggler's delay): they run after
-the others, with no second worker beside them.
+``--jobs N`` runs the test modules in N worker processes at once (default 1: all in this
+process). Between its worlds a worker waits on a timeout, a launcher or one Python's imports,
+which a second worker can fill; but two 8-rank worlds side by side on 2 cores cost more CPU
+than they save (measured on 2 cores: 1180 s and 2176 s of CPU at --jobs 2, 1236 s and 1840 s
+at 1). Modules listed in ``ALONE`` measure time (a schedule's bubble, a straggler's delay):
+they run after the others, with no second worker beside them.
 
 ``--durations N`` also lists the N slowest test classes (their tests' times summed, setUpClass
 included: a class that spawns one world for all its tests pays it there), with the CPU seconds
@@ -248,8 +249,7 @@ def main() -> int:
     parser.add_argument("--bit-exact", action="store_true",
                         help="only the tests that compare results bit for bit")
     parser.add_argument(
-        "--jobs", type=int, metavar="N", default=min(2,
-                                                     os.cpu_count() or 1),
+        "--jobs", type=int, metavar="N", default=1,
         help="test modules run at once, each in a worker process (default: "
         "%(default)s)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

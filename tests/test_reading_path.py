@@ -98,7 +98,9 @@ OWNER = {module: chapter for chapter, modules in MODULES_OF.items() for module i
 # sharded step (zero.py's ZeroOptimizer): 02 from 983 to 731.
 # Issue 53: chapters 00-06 write their step in the script, so the shared step (step.py, 91
 # lines) is first read in chapter 06b, which wraps it in its load meter: 05 is back within budget.
-OVER_BUDGET: Dict[str, int] = {"01": 815, "02": 731, "03": 856, "04b": 1080, "07": 785}
+# 01 and 02 grew by issue 52's checks at the wrap (every rank holds the same tensors, a model is
+# wrapped once): 815 -> 831 and 731 -> 746
+OVER_BUDGET: Dict[str, int] = {"01": 831, "02": 746, "03": 856, "04b": 1080, "07": 785}
 
 
 def chapters() -> List[Tuple[str, str, str]]:

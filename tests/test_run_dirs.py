@@ -169,9 +169,12 @@ class ARunDirectoryThatHoldsARunIsNeverWrittenOver(unittest.TestCase):
             os.path.join(run_dir, "fresh"), "--checkpoint.every", "2", "--checkpoint.dir",
             checkpoints
         ])
+        # refused as inside the finished run's directory (its .scaletorch-run), before its files
+        # are looked at
         with self.assertRaisesRegex(
-                InputError, f"checkpoint.dir: '{checkpoints}' already holds "
-                r"a run's files \(step_0000002, step_0000004\), of the run in "):
+                InputError, f"checkpoint.dir: '{checkpoints}' is inside the directory of another "
+                r"run \('.*00_single_device', which carries .scaletorch-run\); nothing was written"
+        ):
             check_run_dir(other)
 
 

@@ -485,14 +485,14 @@ def not_finite_as(tensor: Any, dtype: Any) -> str:
     finite once cast to ``dtype``, the dtype of the parameter or state it is loaded into, or
     "" when every value is finite there. Checked after the cast: a float64 weight of 1e300 is
     finite in its file and inf in a float32 model, where it would only show as a nan loss."""
-    import torch  # the rules stay importable without torch; only tensor readers call this
+    # the tensor's own methods only: the rules stay importable without torch
     cast = tensor.detach().to(dtype) if tensor.dtype != dtype else tensor.detach()
-    finite = torch.isfinite(cast)
+    finite = cast.isfinite()
     if bool(finite.all()):
         return ""
     index = int((~finite).flatten().nonzero()[0])
     value = float(tensor.detach().flatten()[index])
     if value != value or value in (float("inf"), float("-inf")):
         return f"holds {value} (element {index})"
-    return (f"holds {value:.4g} (element {index}), beyond the largest {dtype} "
-            f"({torch.finfo(dtype).max:.4g}): it is inf once cast to the run's {dtype}")
+    return (f"holds {value:.4g} (element {index}), beyond the largest {dtype}: it is inf "
+            f"once cast to the run's {dtype}")
