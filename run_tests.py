@@ -8,8 +8,9 @@ that compare results bit for bit. CI runs those at 1 and at 2 threads as well.
 process). Between its worlds a worker waits on a timeout, a launcher or one Python's imports,
 which a second worker can fill; but two 8-rank worlds side by side on 2 cores cost more CPU
 than they save (measured on 2 cores, nearly the same commit: 1180 s and 2176 s of CPU at
---jobs 2, 1015 s and 1476 s at 1). It may pay once the 8-rank worlds are smaller. Modules listed in ``ALONE`` measure time (a schedule's bubble, a straggler's delay):
-they run after the others, with no second worker beside them.
+--jobs 2, 1015 s and 1476 s at 1). It may pay once the 8-rank worlds are smaller. Modules
+listed in ``ALONE`` measure time (a schedule's bubble, a straggler's delay): they run after the
+others, with no second worker beside them.
 
 ``--durations N`` also lists the N slowest test classes (their tests' times summed, setUpClass
 included: a class that spawns one world for all its tests pays it there), with the CPU seconds
