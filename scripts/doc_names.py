@@ -162,6 +162,9 @@ def index() -> Index:
     """Every file of the repository and every Python file's names, parsed once."""
     files, modules = set(), {}
     for top, dirs, names in os.walk(ROOT):
+        if "pyvenv.cfg" in names:  # a virtual environment in the checkout (CI's .venv): not ours
+            dirs[:] = []
+            continue
         dirs[:] = sorted(d for d in dirs if d not in SKIP_DIRS and not d.endswith(".egg-info"))
         rel_top = os.path.relpath(top, ROOT)
         if rel_top != ".":

@@ -39,6 +39,13 @@ CALLS = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
          "gather", "scatter", "send", "recv", "isend", "irecv", "batch_isend_irecv")
 
 
+def _installed(path: str) -> bool:
+    """Whether ``path`` is an installed package's file, not the repository's (CI installs torch
+    into ``.venv`` inside the checkout: its frames are PyTorch's, not ours)."""
+    parts = os.path.relpath(path, ROOT).split(os.sep)
+    return "site-packages" in parts or "dist-packages" in parts
+
+
 def _first_collectives(rank: int, world_size: int, run_dir: str) -> Dict[str, Any]:
     """In each rank: run every script of ``SCRIPTS`` for 2 steps; rank 0 returns, per script,
     (the call's name, the repository's frames of its stack as "file:line function")."""
@@ -55,7 +62,7 @@ def _first_collectives(rank: int, world_size: int, run_dir: str) -> Dict[str, An
             if state.get("armed") and "stack" not in state and dist.get_rank() == 0:
                 frames = [
                     f for f in traceback.extract_stack()[:-1]
-                    if f.filename.startswith(ROOT + os.sep)
+                    if f.filename.startswith(ROOT + os.sep) and not _installed(f.filename)
                 ]
                 # from the script's first frame down (the harness and runpy called it)
                 script = [i for i, f in enumerate(frames) if f.filename == state["script"]]
