@@ -109,6 +109,23 @@ def _selected(suite: unittest.TestSuite, bit_exact: bool) -> unittest.TestSuite:
     return unittest.TestSuite(t for t in _tests(suite) if _is_bit_exact(t)) if bit_exact else suite
 
 
+# Modules that reuse one another's runs (a module-level cache of a launched or spawned run):
+# in one worker, in this order, so that the run is made once.
+SHARED_RUNS = (("tests.test_resume", "tests.test_nd_parallel", "tests.test_fault_tolerance",
+                "tests.test_dcp_async"), ("tests.test_dcp", "tests.test_dcp_layouts"))
+
+
+def _work(modules: List[str]) -> List[str]:
+    """``modules`` as a worker's items: one line each, the SHARED_RUNS ones together."""
+    items = []
+    for module in modules:
+        group = next((g for g in SHARED_RUNS if module in g), (module, ))
+        item = " ".join(m for m in group if m in modules)
+        if item not in items:
+            items.append(item)
+    return items
+
+
 def _modules() -> List[str]:
     """Every tests/test_*.py as a module name: the slow ones first, then in name order."""
     names = sorted(f"tests.{f[:-3]}" for f in os.listdir(os.path.join(ROOT, "tests"))
@@ -125,7 +142,7 @@ def _worker(args: argparse.Namespace) -> int:
     loader = _loader(args.patterns)
     for line in sys.stdin:
         module = line.strip()
-        suite = _selected(loader.loadTestsFromName(module), args.bit_exact)
+        suite = _selected(loader.loadTestsFromNames(module.split()), args.bit_exact)
         result = TimedResult(unittest.runner._WritelnDecorator(sys.stderr), True,
                              2 if args.verbose else 1)
         result.failfast = args.failfast
@@ -172,7 +189,7 @@ def _run_in_workers(args: argparse.Namespace, jobs: int) -> _Totals:
         flag for flag, on in (("--verbose", args.verbose), ("--failfast", args.failfast),
                               ("--bit-exact", args.bit_exact)) if on
     ]
-    modules = _modules()
+    modules = _work(_modules())
     queue = [m for m in modules if m not in ALONE]
     alone = [m for m in modules if m in ALONE]
     totals = _Totals()

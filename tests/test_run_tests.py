@@ -57,6 +57,41 @@ class AWorkerReportsEachModule(unittest.TestCase):
             self.assertEqual(set(out["cpu"]), {"planted_tests.Planted"})
         self.assertIn("a test's own print", run.stderr)
 
+    def test_one_line_of_modules_runs_them_in_one_process_so_that_they_share_a_run(self):
+        # SHARED_RUNS: the second module reuses the first one's module-level run
+        first = "import unittest\nRUNS = []\n\n\nclass Makes(unittest.TestCase):\n\n" \
+                "    def test_makes(self):\n        RUNS.append(1)\n"
+        second = "import unittest\nimport first_tests\n\n\nclass Reuses(unittest.TestCase):\n\n" \
+                 "    def test_reuses(self):\n        self.assertEqual(first_tests.RUNS, [1])\n"
+        with tempfile.TemporaryDirectory() as tmp:
+            for name, text in (("first_tests", first), ("second_tests", second)):
+                with open(os.path.join(tmp, name + ".py"), "w") as f:
+                    f.write(text)
+            run = subprocess.run([sys.executable, "run_tests.py", "--worker"], cwd=ROOT,
+                                 timeout=300, input="first_tests second_tests\n",
+                                 capture_output=True, text=True, env={
+                                     **os.environ, "PYTHONPATH": os.pathsep.join([ROOT, tmp])
+                                 })
+        (out, ) = [json.loads(line) for line in run.stdout.splitlines()]
+        self.assertEqual((out["run"], out["failed"], out["errors"]), (2, [], []), run.stderr)
+
+
+class SharedRunsGoToOneWorker(unittest.TestCase):
+
+    def test_a_group_is_one_item_in_its_first_members_place_and_the_rest_stay_alone(self):
+        sys.path.insert(0, ROOT)
+        import run_tests
+        group = run_tests.SHARED_RUNS[0]
+        modules = ["tests.test_a", *reversed(group), "tests.test_z"]
+        items = run_tests._work(modules)
+        self.assertEqual(items, ["tests.test_a", " ".join(group), "tests.test_z"])
+        self.assertEqual(run_tests._work(["tests.test_a", group[1]]), ["tests.test_a", group[1]])
+        # every group's modules exist: a renamed module would silently leave its group
+        for group in run_tests.SHARED_RUNS:
+            for module in group:
+                self.assertTrue(os.path.exists(os.path.join(ROOT, *module.split(".")) + ".py"),
+                                module)
+
 
 if __name__ == "__main__":
     unittest.main()
