@@ -25,8 +25,8 @@ stages 1 and 2 all-gather them. Stages 1, 2 move 2 Psi per step as DDP, stage 3 
 
 from contextlib import contextmanager
 from functools import partial
-from typing import (Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple, Type, Union,
-                    cast)
+from typing import (Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple, Type,
+                    Union, cast)
 
 import torch
 import torch.distributed as dist

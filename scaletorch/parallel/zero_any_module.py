@@ -4,7 +4,8 @@ Chapter 02's script shards a Llama in units it knows (zero.py's ``llama_units``)
 of this. A model nobody here wrote (examples/own_model.py, tests/test_own_model.py) needs more,
 added by a subclass of zero.py's ``ShardedDataParallel``:
 
-- a unit rule for any module (``child_units``, ``as_units``: a policy, submodules or units);
+- a unit rule for any module (unit_rules.py: ``child_units``, ``as_units``), units that nest
+  (the model's own parameters in a unit of their own, as FSDP2's root);
 - under stage 3 a unit is gathered before whichever of its modules runs first, and a released
   unit's modules hold placeholders (``ReleasedParameter``): a parent that reads
   ``self.layers[1].weight`` without calling ``layers[1]`` stops with one line naming the unit;
@@ -14,15 +15,15 @@ added by a subclass of zero.py's ``ShardedDataParallel``:
 - a unit holds one dtype (one flat vector): a unit mixing dtypes is refused at the wrap;
 - under stage 3 frozen parameters are sharded too (``frozen_unit``): a unit's in a flat vector
   of their own, gathered and released with it, the ones outside every unit in one more, gathered
-  for the wrapper's forward and backward. They get no gradient and no optimizer state.
+  for the wrapper's forward and backward. They get no gradient and no optimizer state;
+- the optimizer steps each parameter's piece of its unit's shard (``pieces``), and one that no
+  rank used in a step has ``grad None`` (``_agree_on_grads``): skipped as on one device.
 
 The optimizer is zero.py's (``ZeroAdamW``), or sharded_optimizer.py's with an elementwise class.
 """
 
-from contextlib import contextmanager
 from functools import partial
-from typing import (Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple, Union,
-                    cast)
+from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple, cast
 
 import torch
 from torch import nn
@@ -30,74 +31,11 @@ from torch.utils._pytree import tree_leaves
 
 from scaletorch.dist import comm, get_ledger
 from scaletorch.dist.comm import Group, Work
-from scaletorch.models.llama import Llama
-from scaletorch.parallel.flat_unit import (FlatUnit, NamedModules, gather_unit, put_tensor,
-                                           release_unit)
+from scaletorch.parallel.flat_unit import FlatUnit, gather_unit, put_tensor, release_unit
+from scaletorch.parallel.unit_rules import (UnitRule, as_units, check_unit_dtypes, frozen_unit,
+                                            nested_parameters, nests)
 from scaletorch.parallel.wrapper import refuse_wrapped
-from scaletorch.parallel.zero import MakeUnit, ShardedDataParallel, Units, llama_units
-
-UnitRule = Union[Units, Sequence[nn.Module], Callable[[nn.Module], Units]]
-
-
-def child_units(model: nn.Module) -> Units:
-    """The unit rule for any module: one unit per direct child holding trainable parameters
-    (per item of a ModuleList or ModuleDict), in registration order. The model's own trainable
-    parameters come first, in a unit "model" of their own: it lists the model, and a unit
-    nested in another keeps its parameters (``nested_parameters``), as in FSDP2."""
-    own = any(p.requires_grad for p in model.parameters(recurse=False))
-    units: Units = [("model", [("", model)])] if own else []
-    for name, child in model.named_children():
-        listed = isinstance(child, (nn.ModuleList, nn.ModuleDict))
-        for sub, module in child.named_children() if listed else [("", child)]:
-            full = f"{name}.{sub}" if sub else name
-            units += [(full, [(full, module)])] if any(p.requires_grad
-                                                       for p in module.parameters()) else []
-    return units
-
-
-def as_units(model: nn.Module, rule: Optional[UnitRule]) -> Units:
-    """ZeRO's units from ``rule``: None (a Llama: ``llama_units``, the chapters' choice; any
-    other model: ``child_units``), a policy ``model -> Units``, submodules (one unit each, in
-    forward order) or Units."""
-    if rule is None:
-        return llama_units(model) if isinstance(model, Llama) else child_units(model)
-    if callable(rule):
-        return rule(model)
-    if all(isinstance(m, nn.Module) for m in rule):
-        names = {id(m): n for n, m in model.named_modules()}
-        unknown = [type(m).__name__ for m in rule if id(m) not in names]
-        if unknown:
-            raise ValueError(f"ZeRO units must be submodules of the model; not in it: {unknown}")
-        return [(names[id(m)] or "model", [(names[id(m)], m)]) for m in cast(List[nn.Module], rule)]
-    return cast(Units, rule)
-
-
-def _held(module: nn.Module, skip: Set[int]) -> Iterator[nn.Parameter]:
-    """The parameters of ``module`` and its submodules, except in the ones in ``skip`` (ids)."""
-    yield from module.parameters(recurse=False)
-    for child in module.children():
-        if id(child) not in skip:
-            yield from _held(child, skip)
-
-
-def nested_parameters(units: Units) -> List[Set[nn.Parameter]]:
-    """Each unit's trainable parameters: those its modules hold, except those of a submodule
-    that another unit lists (a unit nested in it keeps its own: FSDP2's rule)."""
-    lists = [{id(m) for _, m in modules} for _, modules in units]
-    listed = set().union(*lists)
-    return [{p
-             for _, m in modules
-             for p in _held(m, listed - own) if p.requires_grad}
-            for (_, modules), own in zip(units, lists)]
-
-
-def nests(units: Units) -> List[int]:
-    """For each unit, how many modules of other units lie inside its modules (0: none)."""
-    inside = [{id(sub) for _, m in modules for sub in m.modules()} for _, modules in units]
-    return [
-        sum(id(m) in inside[j] for k, (_, mods) in enumerate(units) if k != j for _, m in mods)
-        for j in range(len(units))
-    ]
+from scaletorch.parallel.zero import MakeUnit, ShardedDataParallel, Units
 
 
 class ReleasedParameter(torch.Tensor):
@@ -132,55 +70,6 @@ def pieces_of(unit: FlatUnit) -> List[Tuple[int, int]]:
             for begin, end in zip(unit.offsets, unit.offsets[1:])]
 
 
-def check_unit_dtypes(units: Units, trainable: bool = True) -> None:
-    """One flat vector per unit holds one dtype: refuse a unit whose ``trainable`` parameters
-    (or, with False, its frozen ones: a flat vector of their own) mix them."""
-    for name, modules in units:
-        dtypes: Dict[str, List[str]] = {}
-        for m_name, module in modules:
-            for n, p in module.named_parameters():
-                if p.requires_grad == trainable:
-                    dtypes.setdefault(str(p.dtype), []).append(f"{m_name}.{n}".strip("."))
-        if len(dtypes) > 1:
-            raise ValueError(f"ZeRO unit {name!r} mixes dtypes {dtypes}: a unit is one flat "
-                             f"vector of one dtype; cast the model, or give each dtype its units")
-
-
-@contextmanager
-def shown_as_trainable(params: List[nn.Parameter]) -> Iterator[None]:
-    """FlatUnit lays out the trainable parameters it finds (flat_unit.py's ``holders_of``):
-    frozen ``params`` are shown to it as trainable while it builds their unit, then frozen again."""
-    for param in params:
-        param.requires_grad_(True)
-    try:
-        yield
-    finally:
-        for param in params:
-            param.requires_grad_(False)
-
-
-def frozen_unit(make_unit: MakeUnit, name: str, modules: NamedModules,
-                group: Group) -> Optional[FlatUnit]:
-    """Stage 3's flat vector of the frozen parameters still held by ``modules`` (a unit's,
-    built after its trainable ones took theirs), cut into N shards like any unit's: each rank
-    keeps ceil(P / N) elements. Its shard has no gradient and no optimizer state. None: none."""
-    frozen = list({
-        id(p): p
-        for _, m in modules
-        for p in m.parameters() if not p.requires_grad
-    }.values())  # once each, a shared one too
-    if not frozen:
-        return None
-    check_unit_dtypes([(name, modules)], trainable=False)
-    with shown_as_trainable(frozen):
-        unit = make_unit(name, modules, group, 3)
-    for tensor in unit.tensors:
-        tensor.requires_grad_(False)
-    unit.shard.requires_grad_(False)
-    unit.trainable = 0
-    return unit
-
-
 class AnyShardedDataParallel(ShardedDataParallel):
     """``ShardedDataParallel`` for a module nobody here wrote (see the module docstring)."""
 
@@ -206,8 +95,8 @@ class AnyShardedDataParallel(ShardedDataParallel):
             # an outer unit's frozen ones (the model's own) go with those of no unit: read
             # anywhere in the backward, they stay gathered until finish_grad_sync
             self.frozen = [
-                None if outer else frozen_unit(self.make_unit, u.name, modules_of[u.name],
-                                               self.group)
+                None
+                if outer else frozen_unit(self.make_unit, u.name, modules_of[u.name], self.group)
                 for u, outer in zip(self.units, self._outer)
             ]
             self.outside = frozen_unit(self.make_unit, "outside", [("", module)], self.group)
