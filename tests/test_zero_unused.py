@@ -7,7 +7,9 @@ block's second linear left out (a parameter one rank uses and the other does not
 gain left out. ZeRO-3 and the flat ZeRO-2 (drawn) step it 3 times with AdamW (weight decay) or
 SGD (momentum, weight decay) at 2 ranks, each rank built from its own seed; one device steps
 rank 0's model on the global batch, each rank's slice with that rank's plan (mean of the
-losses). Every rank calls the same blocks: ZeRO-3 gathers a unit on every rank or none.
+losses). Under ZeRO-3 every rank uses the same blocks: a unit's backward gathers it on every
+rank or none. The flat ZeRO-2 gathers nothing in backward, so there a rank also drops blocks
+the other uses (``one_drops``).
 
 Tolerance (fp32, eps 6e-8). The gradients are the mean of 2 slices' sums in another order:
 relative error about N eps = 1.2e-7. SGD is linear in them: 3 steps of lr 1e-2 with momentum
@@ -82,6 +84,7 @@ def cases() -> List[Dict[str, Any]]:
     blocks = st.lists(st.integers(0, 2), max_size=2, unique=True)
     step = st.fixed_dictionaries(
         dict(skip=blocks, drop=blocks, no_b=st.lists(blocks, min_size=WORLD, max_size=WORLD),
+             one_drops=st.lists(blocks, min_size=WORLD, max_size=WORLD),
              gain=st.lists(st.booleans(), min_size=WORLD, max_size=WORLD)))
     case = st.fixed_dictionaries(
         dict(frozen_own=st.booleans(), opt=st.sampled_from(sorted(OPTIMIZERS)),
@@ -99,8 +102,11 @@ def cases() -> List[Dict[str, Any]]:
     return found
 
 
-def plan_of(step: Dict[str, Any], rank: int) -> Dict[str, Any]:
-    return dict(skip=step["skip"], drop=step["drop"], no_b=step["no_b"][rank],
+def plan_of(case: Dict[str, Any], k: int, rank: int) -> Dict[str, Any]:
+    """Step k's plan on ``rank``: what it leaves out (ZeRO-2: blocks of its own too)."""
+    step = case["steps"][k]
+    own = step["one_drops"][rank] if case["stage"] == 2 else []
+    return dict(skip=step["skip"], drop=step["drop"] + own, no_b=step["no_b"][rank],
                 gain=step["gain"][rank])
 
 
@@ -119,12 +125,12 @@ def one_device(case: Dict[str, Any]) -> Dict[str, torch.Tensor]:
     model = build(case, 0)
     cls, kwargs = OPTIMIZERS[case["opt"]]
     opt = cls([p for p in model.parameters() if p.requires_grad], **kwargs)
-    for k, step in enumerate(case["steps"]):
+    for k in range(STEPS):
         x, y = data(case, k)
         opt.zero_grad(set_to_none=True)
         loss = 0.0
         for rank, (xs, ys) in enumerate(zip(x.chunk(WORLD), y.chunk(WORLD))):
-            model.plan = plan_of(step, rank)
+            model.plan = plan_of(case, k, rank)
             loss = loss + F.mse_loss(model(xs), ys)
         (loss / WORLD).backward()
         opt.step()
@@ -139,9 +145,9 @@ def _world(rank: int, world: int, drawn: List[Dict[str, Any]]) -> Dict[str, Any]
         out.setdefault("units", [(u.name, [n[0] for n in u.names]) for u in zero.units])
         cls, kwargs = OPTIMIZERS[case["opt"]]
         opt = ShardedOptimizer(zero, cls, **kwargs)
-        for k, step in enumerate(case["steps"]):
+        for k in range(STEPS):
             x, y = data(case, k)
-            model.plan = plan_of(step, rank)
+            model.plan = plan_of(case, k, rank)
             opt.zero_grad(set_to_none=True)
             F.mse_loss(zero(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
             opt.step()
