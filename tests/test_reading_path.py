@@ -55,8 +55,10 @@ CHAPTERS: List[Tuple[str, str, str]] = [
 MODULES_OF: Dict[str, List[str]] = {
     "01":
     ["data_parallel", "gradient_sync", "overlap_chart", "grad_norm", "memory_report", "wrapper"],
-    "02":
-    ["zero", "flat_unit", "zero_report", "fully_shard", "sharded_optimizer", "zero_any_module"],
+    "02": [
+        "zero", "flat_unit", "zero_report", "fully_shard", "sharded_optimizer", "zero_any_module",
+        "unit_rules"
+    ],
     "03": ["tensor_parallel", "tensor_parallel_layers", "tensor_parallel_dtensor"],
     "04": ["pipeline_parallel", "pipeline_schedules", "orders", "timeline", "placement"],
     "04b": [

@@ -66,10 +66,7 @@ class ShardedDataParallel(nn.Module):
         refuse_wrapped(module, "ZeRO")
         # the ranks hold the same tensors, or the broadcast below dies in the backend
         comm.check_same_layout([*module.named_parameters(), *module.named_buffers()], "ZeRO", group)
-        # frozen parameters stay whole on every rank, in no unit (no gradient, no update)
-        per_unit = [{p
-                     for _, m in mods
-                     for p in m.parameters() if p.requires_grad} for _, mods in units]
+        per_unit = self._unit_parameters(units)  # frozen ones stay whole, in no unit
         units = [unit for unit, params in zip(units, per_unit) if params]
         listed = [id(p) for params in per_unit for p in params]  # twice: a tied weight
         missing = [
@@ -103,6 +100,9 @@ class ShardedDataParallel(nn.Module):
             if zero_stage == 3:
                 unit.modules[0].register_forward_pre_hook(partial(self._pre_forward, i))
                 unit.modules[-1].register_forward_hook(partial(self._post_forward, i))
+
+    def _unit_parameters(self, units: Units) -> List[set]:  # trainable; unit_rules.py nests
+        return [{p for _, m in ms for p in m.parameters() if p.requires_grad} for _, ms in units]
 
     def _build_units(self, units: Units) -> List[FlatUnit]:
         """One FlatUnit per unit (chapter 10's subclass lets units share a parameter)."""

@@ -4,7 +4,8 @@ Chapter 02's script shards a Llama in units it knows (zero.py's ``llama_units``)
 of this. A model nobody here wrote (examples/own_model.py, tests/test_own_model.py) needs more,
 added by a subclass of zero.py's ``ShardedDataParallel``:
 
-- a unit rule for any module (``child_units``, ``as_units``: a policy, submodules or units);
+- a unit rule for any module (unit_rules.py: ``child_units``, ``as_units``), units that nest
+  (the model's own parameters in a unit of their own, as FSDP2's root);
 - under stage 3 a unit is gathered before whichever of its modules runs first, and a released
   unit's modules hold placeholders (``ReleasedParameter``): a parent that reads
   ``self.layers[1].weight`` without calling ``layers[1]`` stops with one line naming the unit;
@@ -14,61 +15,27 @@ added by a subclass of zero.py's ``ShardedDataParallel``:
 - a unit holds one dtype (one flat vector): a unit mixing dtypes is refused at the wrap;
 - under stage 3 frozen parameters are sharded too (``frozen_unit``): a unit's in a flat vector
   of their own, gathered and released with it, the ones outside every unit in one more, gathered
-  for the wrapper's forward and backward. They get no gradient and no optimizer state.
+  for the wrapper's forward and backward. They get no gradient and no optimizer state;
+- the optimizer steps each parameter's piece of its unit's shard (``pieces``), and one that no
+  rank used in a step has ``grad None`` (``_agree_on_grads``): skipped as on one device.
 
 The optimizer is zero.py's (``ZeroAdamW``), or sharded_optimizer.py's with an elementwise class.
 """
 
-from contextlib import contextmanager
 from functools import partial
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union, cast
+from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple, cast
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from scaletorch.dist import get_ledger
+from scaletorch.dist import comm, get_ledger
 from scaletorch.dist.comm import Group, Work
-from scaletorch.models.llama import Llama
-from scaletorch.parallel.flat_unit import (FlatUnit, NamedModules, gather_unit, put_tensor,
-                                           release_unit)
+from scaletorch.parallel.flat_unit import FlatUnit, gather_unit, put_tensor, release_unit
+from scaletorch.parallel.unit_rules import (UnitRule, as_units, check_unit_dtypes, frozen_unit,
+                                            nested_parameters, nests)
 from scaletorch.parallel.wrapper import refuse_wrapped
-from scaletorch.parallel.zero import MakeUnit, ShardedDataParallel, Units, llama_units
-
-UnitRule = Union[Units, Sequence[nn.Module], Callable[[nn.Module], Units]]
-
-
-def child_units(model: nn.Module) -> Units:
-    """The unit rule for any module: one unit per direct child holding trainable parameters
-    (per item of a ModuleList or ModuleDict), in registration order. Parameters of the model
-    itself make the whole model one unit (correct, but no memory saved in forward)."""
-    if any(p.requires_grad for p in model.parameters(recurse=False)):
-        return [("model", [("", model)])]
-    units: Units = []
-    for name, child in model.named_children():
-        listed = isinstance(child, (nn.ModuleList, nn.ModuleDict))
-        for sub, module in child.named_children() if listed else [("", child)]:
-            full = f"{name}.{sub}" if sub else name
-            units += [(full, [(full, module)])] if any(p.requires_grad
-                                                       for p in module.parameters()) else []
-    return units
-
-
-def as_units(model: nn.Module, rule: Optional[UnitRule]) -> Units:
-    """ZeRO's units from ``rule``: None (a Llama: ``llama_units``, the chapters' choice; any
-    other model: ``child_units``), a policy ``model -> Units``, submodules (one unit each, in
-    forward order) or Units."""
-    if rule is None:
-        return llama_units(model) if isinstance(model, Llama) else child_units(model)
-    if callable(rule):
-        return rule(model)
-    if all(isinstance(m, nn.Module) for m in rule):
-        names = {id(m): n for n, m in model.named_modules()}
-        unknown = [type(m).__name__ for m in rule if id(m) not in names]
-        if unknown:
-            raise ValueError(f"ZeRO units must be submodules of the model; not in it: {unknown}")
-        return [(names[id(m)] or "model", [(names[id(m)], m)]) for m in cast(List[nn.Module], rule)]
-    return cast(Units, rule)
+from scaletorch.parallel.zero import MakeUnit, ShardedDataParallel, Units
 
 
 class ReleasedParameter(torch.Tensor):
@@ -96,53 +63,11 @@ class ShardView(nn.Parameter):
                            "freeze or unfreeze the parameter before apply_zero_any")
 
 
-def check_unit_dtypes(units: Units, trainable: bool = True) -> None:
-    """One flat vector per unit holds one dtype: refuse a unit whose ``trainable`` parameters
-    (or, with False, its frozen ones: a flat vector of their own) mix them."""
-    for name, modules in units:
-        dtypes: Dict[str, List[str]] = {}
-        for m_name, module in modules:
-            for n, p in module.named_parameters():
-                if p.requires_grad == trainable:
-                    dtypes.setdefault(str(p.dtype), []).append(f"{m_name}.{n}".strip("."))
-        if len(dtypes) > 1:
-            raise ValueError(f"ZeRO unit {name!r} mixes dtypes {dtypes}: a unit is one flat "
-                             f"vector of one dtype; cast the model, or give each dtype its units")
-
-
-@contextmanager
-def shown_as_trainable(params: List[nn.Parameter]) -> Iterator[None]:
-    """FlatUnit lays out the trainable parameters it finds (flat_unit.py's ``holders_of``):
-    frozen ``params`` are shown to it as trainable while it builds their unit, then frozen again."""
-    for param in params:
-        param.requires_grad_(True)
-    try:
-        yield
-    finally:
-        for param in params:
-            param.requires_grad_(False)
-
-
-def frozen_unit(make_unit: MakeUnit, name: str, modules: NamedModules,
-                group: Group) -> Optional[FlatUnit]:
-    """Stage 3's flat vector of the frozen parameters still held by ``modules`` (a unit's,
-    built after its trainable ones took theirs), cut into N shards like any unit's: each rank
-    keeps ceil(P / N) elements. Its shard has no gradient and no optimizer state. None: none."""
-    frozen = list({
-        id(p): p
-        for _, m in modules
-        for p in m.parameters() if not p.requires_grad
-    }.values())  # once each, a shared one too
-    if not frozen:
-        return None
-    check_unit_dtypes([(name, modules)], trainable=False)
-    with shown_as_trainable(frozen):
-        unit = make_unit(name, modules, group, 3)
-    for tensor in unit.tensors:
-        tensor.requires_grad_(False)
-    unit.shard.requires_grad_(False)
-    unit.trainable = 0
-    return unit
+def pieces_of(unit: FlatUnit) -> List[Tuple[int, int]]:
+    """Where each of the unit's parameters lies in this rank's shard: [a, b) (a == b: none)."""
+    lo, hi = unit.rank * unit.shard_numel, (unit.rank + 1) * unit.shard_numel
+    return [(min(max(begin, lo), hi) - lo, min(max(end, lo), hi) - lo)
+            for begin, end in zip(unit.offsets, unit.offsets[1:])]
 
 
 class AnyShardedDataParallel(ShardedDataParallel):
@@ -167,9 +92,12 @@ class AnyShardedDataParallel(ShardedDataParallel):
         self._awaiting = [0] * len(self.units)  # of those, the ones backward has not reached
         if self.zero_stage == 3:
             modules_of = dict(units)
+            # an outer unit's frozen ones (the model's own) go with those of no unit: read
+            # anywhere in the backward, they stay gathered until finish_grad_sync
             self.frozen = [
-                frozen_unit(self.make_unit, u.name, modules_of[u.name], self.group)
-                for u in self.units
+                None
+                if outer else frozen_unit(self.make_unit, u.name, modules_of[u.name], self.group)
+                for u, outer in zip(self.units, self._outer)
             ]
             self.outside = frozen_unit(self.make_unit, "outside", [("", module)], self.group)
             for unit in [*self.frozen, self.outside]:
@@ -187,6 +115,15 @@ class AnyShardedDataParallel(ShardedDataParallel):
                     module.register_forward_pre_hook(partial(self._count_inputs, i),
                                                      with_kwargs=True)
                 self._hold(unit, False)
+        # the optimizer's parameters: this rank's piece of each parameter (1-D, maybe empty)
+        self.pieces = [[ShardView(unit.shard.detach()[a:b], True) for a, b in pieces_of(unit)]
+                       for unit in self.units]
+        self.has_grad = [[False] * len(u.tensors) for u in self.units]  # agreed, last step
+        self._got = [[False] * len(u.tensors) for u in self.units]  # this rank's, this step
+        self._slot = [{id(t): k for k, t in enumerate(u.tensors)} for u in self.units]
+        self._next = len(self.units) - 1  # the next unit to reduce-scatter: the last first
+        self._queued = [False] * len(self.units)  # complete here, waiting for its turn
+        self._round = False  # a forward with grad ran since the last finish_grad_sync
 
     def _hold(self, unit: FlatUnit, gathered: bool) -> None:
         """The unit's modules hold its full tensors (``gathered``) or a placeholder each."""
@@ -200,11 +137,20 @@ class AnyShardedDataParallel(ShardedDataParallel):
                         f"a unit is gathered only when {when} is called; call the module, or "
                         f"give the code that reads {fqn} a unit holding it (units=)"))
 
+    def _unit_parameters(self, units: Units) -> List[Set[nn.Parameter]]:
+        return nested_parameters(units)
+
     def _build_units(self, units: Units) -> List[FlatUnit]:
         """zero.py's, after the ranks agreed on the model (a check of one rank only would
-        leave the others waiting in that all-gather)."""
-        check_unit_dtypes(units)
-        return super()._build_units(units)
+        leave the others waiting in that all-gather). Inner units first: a unit takes the
+        trainable parameters its modules still hold, so an outer one takes only its own."""
+        inside = nests(units)
+        self._outer = [n > 0 for n in inside]
+        built: Dict[int, FlatUnit] = {}
+        for j in sorted(range(len(units)), key=lambda j: inside[j]):
+            check_unit_dtypes([units[j]])
+            built[j] = self.make_unit(units[j][0], units[j][1], self.group, self.zero_stage)
+        return [built[j] for j in range(len(units))]
 
     # ---- stage 3's frozen parameters: gathered and released with their unit ---------------
 
@@ -213,6 +159,8 @@ class AnyShardedDataParallel(ShardedDataParallel):
         backward after it (released by ``finish_grad_sync``; at once without grad)."""
         self._inputs = [0] * len(self.units)  # no backward of ours is in flight: count afresh
         self._awaiting = [0] * len(self.units)
+        self._next, self._queued = len(self.units) - 1, [False] * len(self.units)
+        self._round = self._round or torch.is_grad_enabled()  # every rank calls forward
         if self.outside is not None:
             self._gather_frozen(self.outside, None, False)
         output = super().forward(*args, **kwargs)
@@ -269,6 +217,8 @@ class AnyShardedDataParallel(ShardedDataParallel):
                 tensor.register_hook(partial(self._input_grad, i))
 
     def _pre_backward(self, i: int, grad: torch.Tensor) -> None:
+        if self.zero_stage == 3 and self._sync and not self._outer[i]:
+            self._issue(i + 1)  # the units after it are done: reduced before its gathers
         super()._pre_backward(i, grad)
         self._awaiting[i] = max(self._inputs[i], 0)
 
@@ -280,9 +230,65 @@ class AnyShardedDataParallel(ShardedDataParallel):
             if not self._awaiting[i] and frozen is not None and not self.units[i].gathered_bytes:
                 self._release_frozen(frozen, i)  # the unit's own release came first
 
+    # ---- gradients: every unit reduced in one order on every rank, None where no rank had one
+
+    def _on_grad(self, i: int, tensor: torch.Tensor) -> None:
+        self._got[i][self._slot[i][id(tensor)]] = True  # a Python flag: no device sync here
+        super()._on_grad(i, tensor)
+
+    def _reduce(self, i: int) -> None:
+        """zero.py calls this when all of unit i's gradients are in on this rank. A rank where
+        one of them never comes (a parameter it did not use) must still reduce-scatter the unit
+        at the same place in the group's sequence of collectives: so units go in one order, the
+        last first (``_issue``), each when complete, or when backward moved past it (stage 3:
+        before the next unit's gathers), or at ``finish_grad_sync``."""
+        self._queued[i] = True
+        self._issue(len(self.units))
+
+    def _issue(self, stop: int) -> None:
+        """Reduce-scatter, in order, every unit from the next one down to ``stop`` (complete
+        or not: zeros for what this rank lacks), then each next one that is complete."""
+        while self._next >= 0 and (self._next >= stop or self._queued[self._next]):
+            super()._reduce(self._next)
+            self._next -= 1
+
+    def _agree_on_grads(self) -> None:
+        """One all-reduce over the group (the units' group) of a 0/1 flag per trainable
+        parameter, in order: did this rank get a gradient for it. Summed, it says which ones
+        some rank used (their gradient is the mean, as one device's over the global batch);
+        those no rank used get ``grad None`` in ``pieces`` (and a unit with none, on its shard),
+        so the optimizer skips them as on one device: no decay, no moments, no step count. At
+        the same place on every rank: after every unit's reduce-scatter, once per step."""
+        flags = [float(g) for got in self._got for g in got]
+        got = torch.tensor(flags, device=self.units[0].shard.device)
+        comm.all_reduce(got, self.group, name="zero got a gradient")
+        agreed = iter((got > 0).tolist())  # the step's one host sync, outside backward
+        self.has_grad = [[next(agreed) for _ in u.tensors] for u in self.units]
+        self._got = [[False] * len(u.tensors) for u in self.units]
+        for unit, pieces, flags_of in zip(self.units, self.pieces, self.has_grad):
+            if not any(flags_of):
+                unit.shard.grad = None  # no rank used the unit: no gradient, as on one device
+            grad = unit.shard.grad
+            for piece, flag, (a, b) in zip(pieces, flags_of, pieces_of(unit)):
+                piece.grad = grad[a:b] if flag and grad is not None else None
+
+    def zero_grad_buffers(self) -> None:
+        """zero.py's, and the shards' gradients (the optimizer's parameters are the pieces)."""
+        super().zero_grad_buffers()
+        for unit in self.units:
+            if unit.flat_grad is None:  # stage 1's shard gradient views its flat buffer
+                unit.shard.grad = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)  # the pieces (``parameters()``)
+        self.zero_grad_buffers()
+
     def finish_grad_sync(self) -> None:
         """zero.py's (which releases every unit), after checking that no parameter frozen at
-        the wrap was unfrozen since: its gradient would be each rank's own, never reduced."""
+        the wrap was unfrozen since: its gradient would be each rank's own, never reduced.
+        After a forward with grad (on every rank alike): every unit not reduced yet is, in
+        order; gradients that came after their unit's turn are reduced and added; then the
+        ranks agree which parameters have a gradient (``_agree_on_grads``)."""
         unfrozen = [n for n, p in self.frozen_at_wrap if p.requires_grad]  # stages 1, 2: held
         unfrozen += [  # stage 3: the tensors on a frozen unit's flat vector the modules hold
             n for u in self.frozen_units() for t, names in zip(u.tensors, u.names)
@@ -292,15 +298,27 @@ class AnyShardedDataParallel(ShardedDataParallel):
             raise RuntimeError(f"ZeRO: {unfrozen} were frozen at the wrap, so no gradient of "
                                f"theirs is reduced; unfreeze before apply_zero_any")
         self._awaiting = [0] * len(self.units)
+        if self._round and self.units:
+            self._issue(0)
+            for i in reversed(range(len(self.units))):  # one order on every rank
+                if self._dirty[i]:
+                    super()._reduce(i)  # a unit's gradient after its turn: added to its shard's
+            self._wait_reduce()  # the last one in flight: its shard's gradient is in
+            self._agree_on_grads()
+        self._round = False
+        self._next, self._queued = len(self.units) - 1, [False] * len(self.units)
         super().finish_grad_sync()
         if self.outside is not None:
             self._release_frozen(self.outside, None)
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
-        """What an optimizer steps: this rank's (S,) shards (stages 1, 2: and frozen parameters,
-        whole; stage 3's frozen shards are buffers, ``frozen_shards``)."""
-        for _, param in super().named_parameters(recurse=recurse):
-            yield param
+        """What an optimizer steps: this rank's piece of each parameter (``pieces``, views of
+        its unit's (S,) shard), so that one without a gradient is skipped alone, as FSDP2's
+        per-parameter shards are. Stages 1, 2: and frozen parameters, whole; stage 3's frozen
+        shards are buffers, ``frozen_shards``. ``state_dict`` keeps the shards."""
+        for pieces in self.pieces:
+            yield from pieces
+        yield from self.module.parameters(recurse)
 
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True) -> Iterator[Tuple[str, nn.Parameter]]:
@@ -312,13 +330,11 @@ class AnyShardedDataParallel(ShardedDataParallel):
         the parameter (``full_state_dict`` gathers them); ``parameters()`` stays the shards."""
         lead = prefix + "." if prefix else ""
         found: List[Tuple[str, nn.Parameter]] = []
-        for unit in [*self.units, *self.frozen_units()]:
-            lo, hi = unit.rank * unit.shard_numel, (unit.rank + 1) * unit.shard_numel
-            for names, begin, end in zip(unit.names, unit.offsets, unit.offsets[1:]):
-                a, b = min(max(begin, lo), hi) - lo, min(max(end, lo), hi) - lo
-                piece = ShardView(unit.shard.detach()[a:b], unit.shard.requires_grad)
-                if unit.shard.grad is not None:
-                    piece.grad = unit.shard.grad[a:b]
+        for i, unit in enumerate([*self.units, *self.frozen_units()]):
+            for k, (names, (a, b)) in enumerate(zip(unit.names, pieces_of(unit))):
+                # trainable: the optimizer's piece (grad None where no rank had one)
+                piece = self.pieces[i][k] if i < len(self.units) else ShardView(
+                    unit.shard.detach()[a:b], False)
                 found += [(name, piece) for name in (names[:1] if remove_duplicate else names)]
         # stages 1, 2: frozen ones in no unit, whole on every rank; all in the model's order
         found += self.module.named_parameters(remove_duplicate=remove_duplicate)

@@ -1,0 +1,132 @@
+"""ZeRO's units of any ``nn.Module``: the rules that choose them and what each one holds.
+
+zero.py's chapter shards a Llama in the units it knows (``llama_units``). A model nobody here
+wrote (zero_any_module.py) takes a rule: a policy, submodules, or units; by default
+``child_units``, one unit per child holding trainable parameters and the model's own ones in a
+unit of their own. Units may nest, as FSDP2's ``fully_shard`` calls do: a unit that lists a
+module holds its parameters except those of a submodule another unit lists
+(``nested_parameters``); zero_any_module.py builds the inner units first, so that the outer one
+takes what its modules still hold.
+"""
+
+from contextlib import contextmanager
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Set, Union, cast
+
+from torch import nn
+
+from scaletorch.dist.comm import Group
+from scaletorch.models.llama import Llama
+from scaletorch.parallel.flat_unit import FlatUnit, NamedModules
+from scaletorch.parallel.zero import MakeUnit, Units, llama_units
+
+UnitRule = Union[Units, Sequence[nn.Module], Callable[[nn.Module], Units]]
+
+
+def child_units(model: nn.Module) -> Units:
+    """The unit rule for any module: one unit per direct child holding trainable parameters
+    (per item of a ModuleList or ModuleDict), in registration order. The model's own trainable
+    parameters come first, in a unit "model" of their own: it lists the model, and a unit
+    nested in another keeps its parameters (``nested_parameters``), as in FSDP2."""
+    own = any(p.requires_grad for p in model.parameters(recurse=False))
+    units: Units = [("model", [("", model)])] if own else []
+    for name, child in model.named_children():
+        listed = isinstance(child, (nn.ModuleList, nn.ModuleDict))
+        for sub, module in child.named_children() if listed else [("", child)]:
+            full = f"{name}.{sub}" if sub else name
+            units += [(full, [(full, module)])] if any(p.requires_grad
+                                                       for p in module.parameters()) else []
+    return units
+
+
+def as_units(model: nn.Module, rule: Optional[UnitRule]) -> Units:
+    """ZeRO's units from ``rule``: None (a Llama: ``llama_units``, the chapters' choice; any
+    other model: ``child_units``), a policy ``model -> Units``, submodules (one unit each, in
+    forward order) or Units."""
+    if rule is None:
+        return llama_units(model) if isinstance(model, Llama) else child_units(model)
+    if callable(rule):
+        return rule(model)
+    if all(isinstance(m, nn.Module) for m in rule):
+        names = {id(m): n for n, m in model.named_modules()}
+        unknown = [type(m).__name__ for m in rule if id(m) not in names]
+        if unknown:
+            raise ValueError(f"ZeRO units must be submodules of the model; not in it: {unknown}")
+        return [(names[id(m)] or "model", [(names[id(m)], m)]) for m in cast(List[nn.Module], rule)]
+    return cast(Units, rule)
+
+
+def _held(module: nn.Module, skip: Set[int]) -> Iterator[nn.Parameter]:
+    """The parameters of ``module`` and its submodules, except in the ones in ``skip`` (ids)."""
+    yield from module.parameters(recurse=False)
+    for child in module.children():
+        if id(child) not in skip:
+            yield from _held(child, skip)
+
+
+def nested_parameters(units: Units) -> List[Set[nn.Parameter]]:
+    """Each unit's trainable parameters: those its modules hold, except those of a submodule
+    that another unit lists (a unit nested in it keeps its own: FSDP2's rule)."""
+    lists = [{id(m) for _, m in modules} for _, modules in units]
+    listed = set().union(*lists)
+    return [{p
+             for _, m in modules
+             for p in _held(m, listed - own) if p.requires_grad}
+            for (_, modules), own in zip(units, lists)]
+
+
+def nests(units: Units) -> List[int]:
+    """For each unit, how many modules of other units lie inside its modules (0: none)."""
+    inside = [{id(sub) for _, m in modules for sub in m.modules()} for _, modules in units]
+    return [
+        sum(id(m) in inside[j] for k, (_, mods) in enumerate(units) if k != j for _, m in mods)
+        for j in range(len(units))
+    ]
+
+
+def check_unit_dtypes(units: Units, trainable: bool = True) -> None:
+    """One flat vector per unit holds one dtype: refuse a unit whose ``trainable`` parameters
+    (or, with False, its frozen ones: a flat vector of their own) mix them."""
+    for name, modules in units:
+        dtypes: Dict[str, List[str]] = {}
+        for m_name, module in modules:
+            for n, p in module.named_parameters():
+                if p.requires_grad == trainable:
+                    dtypes.setdefault(str(p.dtype), []).append(f"{m_name}.{n}".strip("."))
+        if len(dtypes) > 1:
+            raise ValueError(f"ZeRO unit {name!r} mixes dtypes {dtypes}: a unit is one flat "
+                             f"vector of one dtype; cast the model, or give each dtype its units")
+
+
+@contextmanager
+def shown_as_trainable(params: List[nn.Parameter]) -> Iterator[None]:
+    """FlatUnit lays out the trainable parameters it finds (flat_unit.py's ``holders_of``):
+    frozen ``params`` are shown to it as trainable while it builds their unit, then frozen again."""
+    for param in params:
+        param.requires_grad_(True)
+    try:
+        yield
+    finally:
+        for param in params:
+            param.requires_grad_(False)
+
+
+def frozen_unit(make_unit: MakeUnit, name: str, modules: NamedModules,
+                group: Group) -> Optional[FlatUnit]:
+    """Stage 3's flat vector of the frozen parameters still held by ``modules`` (a unit's,
+    built after its trainable ones took theirs), cut into N shards like any unit's: each rank
+    keeps ceil(P / N) elements. Its shard has no gradient and no optimizer state. None: none."""
+    frozen = list({
+        id(p): p
+        for _, m in modules
+        for p in m.parameters() if not p.requires_grad
+    }.values())  # once each, a shared one too
+    if not frozen:
+        return None
+    check_unit_dtypes([(name, modules)], trainable=False)
+    with shown_as_trainable(frozen):
+        unit = make_unit(name, modules, group, 3)
+    for tensor in unit.tensors:
+        tensor.requires_grad_(False)
+    unit.shard.requires_grad_(False)
+    unit.trainable = 0
+    return unit

@@ -1,0 +1,192 @@
+"""apply_zero_any on generated models whose parameters go unused, against one device.
+
+A model nobody here wrote (``Drawn``): a root with a trainable gain of its own (and, drawn, a
+frozen offset), three blocks of two linears in a ``ModuleList``, a head. Hypothesis draws, per
+step: blocks not called on any rank, blocks called whose output no rank uses, and per rank a
+block's second linear left out (a parameter one rank uses and the other does not) and the root
+gain left out. ZeRO-3 and the flat ZeRO-2 (drawn) step it 3 times with AdamW (weight decay) or
+SGD (momentum, weight decay) at 2 ranks, each rank built from its own seed; one device steps
+rank 0's model on the global batch, each rank's slice with that rank's plan (mean of the
+losses). Under ZeRO-3 every rank uses the same blocks: a unit's backward gathers it on every
+rank or none. The flat ZeRO-2 gathers nothing in backward, so there a rank also drops blocks
+the other uses (``one_drops``).
+
+Tolerance (fp32, eps 6e-8). The gradients are the mean of 2 slices' sums in another order:
+relative error about N eps = 1.2e-7. SGD is linear in them: 3 steps of lr 1e-2 with momentum
+0.9 move a weight by at most 3 x 3 x 1e-2 x |g| (|g| < 1 here), so atol 1e-6 is 10x that error
+bound. AdamW divides by the element's own gradient size, which amplifies rounding where it is
+small: atol 1e-5 (measured worst below 1e-6). The mistakes are far larger: AdamW decaying an
+unused weight moves it lr x wd x |w| (1e-2 x 0.5 x ~0.3 = 1.5e-3) and its old moments move it
+up to lr = 1e-2 per step; SGD's momentum moves it 0.9 x lr x |buffer| (~1e-3).
+"""
+
+import os
+import unittest
+from typing import Any, Dict, List
+
+import torch
+import torch.nn.functional as F
+from hypothesis import Phase, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from scaletorch.parallel.sharded_optimizer import ShardedOptimizer
+from scaletorch.parallel.zero_any_module import apply_zero_any
+from tests.harness import run_distributed
+
+WORLD, STEPS, BATCH = 2, 3, 8
+LONG = os.environ.get("SCALETORCH_LONG_TESTS") == "1"
+OPTIMIZERS = {
+    "adamw": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.5)),
+    "sgd": (torch.optim.SGD, dict(lr=1e-2, momentum=0.9, weight_decay=0.1)),
+}
+WEIGHT_TOL = {"adamw": 1e-5, "sgd": 1e-6}  # see the module docstring
+
+
+class Block(nn.Module):
+    """Two linears; the second one is left out when ``use_b`` is False."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, h: torch.Tensor, use_b: bool = True) -> torch.Tensor:
+        h = torch.tanh(self.a(h))
+        return h + torch.tanh(self.b(h)) if use_b else h
+
+
+class Drawn(nn.Module):
+    """A root gain (trainable), a frozen root offset (drawn), blocks, a head; ``plan`` says
+    what this step's forward leaves out."""
+
+    def __init__(self, frozen_own: bool) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.linspace(0.5, 1.5, 6))
+        self.offset = nn.Parameter(torch.full((6, ), 0.1), requires_grad=False) if frozen_own \
+            else None
+        self.blocks = nn.ModuleList([Block() for _ in range(3)])
+        self.head = nn.Linear(6, 3)
+        self.plan: Dict[str, Any] = dict(skip=[], drop=[], no_b=[], gain=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x * self.gain if self.plan["gain"] else x
+        h = h + self.offset if self.offset is not None else h
+        for i, block in enumerate(self.blocks):
+            if i in self.plan["skip"]:
+                continue  # not called on any rank
+            out = block(h, use_b=i not in self.plan["no_b"])
+            h = h if i in self.plan["drop"] else out  # dropped: called, unused by every rank
+        return self.head(h)
+
+
+def cases() -> List[Dict[str, Any]]:
+    """Drawn by hypothesis (derandomized: the same cases in every run and on every rank)."""
+    blocks = st.lists(st.integers(0, 2), max_size=2, unique=True)
+    step = st.fixed_dictionaries(
+        dict(skip=blocks, drop=blocks, no_b=st.lists(blocks, min_size=WORLD, max_size=WORLD),
+             one_drops=st.lists(blocks, min_size=WORLD, max_size=WORLD),
+             gain=st.lists(st.booleans(), min_size=WORLD, max_size=WORLD)))
+    case = st.fixed_dictionaries(
+        dict(frozen_own=st.booleans(), opt=st.sampled_from(sorted(OPTIMIZERS)),
+             stage=st.sampled_from([3, 2]), seed=st.integers(0, 2**16),
+             steps=st.lists(step, min_size=STEPS, max_size=STEPS)))
+    found: List[Dict[str, Any]] = []
+
+    @settings(max_examples=60 if LONG else 8, database=None, derandomize=True, deadline=None,
+              phases=[Phase.generate])
+    @given(case)
+    def collect(drawn: Dict[str, Any]) -> None:
+        found.append(drawn)
+
+    collect()
+    return found
+
+
+def plan_of(case: Dict[str, Any], k: int, rank: int) -> Dict[str, Any]:
+    """Step k's plan on ``rank``: what it leaves out (ZeRO-2: blocks of its own too)."""
+    step = case["steps"][k]
+    own = step["one_drops"][rank] if case["stage"] == 2 else []
+    return dict(skip=step["skip"], drop=step["drop"] + own, no_b=step["no_b"][rank],
+                gain=step["gain"][rank])
+
+
+def data(case: Dict[str, Any], step: int) -> Any:
+    g = torch.Generator().manual_seed(case["seed"] + step)
+    return torch.randn(BATCH, 6, generator=g), torch.randn(BATCH, 3, generator=g)
+
+
+def build(case: Dict[str, Any], rank: int) -> Drawn:
+    torch.manual_seed(case["seed"] + 100 * rank)  # each rank its own: ZeRO broadcasts rank 0's
+    return Drawn(case["frozen_own"])
+
+
+def one_device(case: Dict[str, Any]) -> Dict[str, torch.Tensor]:
+    """Rank 0's model on the global batch: each rank's slice with that rank's plan."""
+    model = build(case, 0)
+    cls, kwargs = OPTIMIZERS[case["opt"]]
+    opt = cls([p for p in model.parameters() if p.requires_grad], **kwargs)
+    for k in range(STEPS):
+        x, y = data(case, k)
+        opt.zero_grad(set_to_none=True)
+        loss = 0.0
+        for rank, (xs, ys) in enumerate(zip(x.chunk(WORLD), y.chunk(WORLD))):
+            model.plan = plan_of(case, k, rank)
+            loss = loss + F.mse_loss(model(xs), ys)
+        (loss / WORLD).backward()
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _world(rank: int, world: int, drawn: List[Dict[str, Any]]) -> Dict[str, Any]:
+    out: Dict[str, Any] = {"states": []}
+    for case in drawn:
+        model = build(case, rank)
+        zero = apply_zero_any(model, None, case["stage"])
+        out.setdefault("units", [(u.name, [n[0] for n in u.names]) for u in zero.units])
+        cls, kwargs = OPTIMIZERS[case["opt"]]
+        opt = ShardedOptimizer(zero, cls, **kwargs)
+        for k in range(STEPS):
+            x, y = data(case, k)
+            model.plan = plan_of(case, k, rank)
+            opt.zero_grad(set_to_none=True)
+            F.mse_loss(zero(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
+            opt.step()
+        out["states"].append(zero.full_state_dict())
+    return out
+
+
+class UnusedParametersZero(unittest.TestCase):
+    """One 2-rank world runs every drawn case."""
+
+    @classmethod
+    def setUpClass(cls) -> None:
+        cls.cases = cases()
+        cls.results = run_distributed(_world, WORLD, cls.cases, timeout=300)
+
+    def test_the_root_parameters_are_a_unit_of_their_own(self) -> None:
+        """child_units: the root's own trainable gain first, alone (the whole model in one unit
+        would gather every block for the root's forward), then one unit per block, the head."""
+        for r in self.results:
+            self.assertEqual(r["units"][0], ("model", ["gain"]))
+            self.assertEqual([n for n, _ in r["units"]],
+                             ["model", "blocks.0", "blocks.1", "blocks.2", "head"])
+
+    def test_weights_after_steps_with_unused_parameters_match_one_device(self) -> None:
+        worst = {"adamw": 0.0, "sgd": 0.0}
+        for k, case in enumerate(self.cases):
+            want = one_device(case)
+            for rank, r in enumerate(self.results):
+                got = r["states"][k]
+                self.assertEqual(sorted(got), sorted(want))
+                for n, w in want.items():
+                    msg = f"case {k} {case} rank {rank} {n}"
+                    if n == "offset":  # frozen: bit for bit
+                        self.assertTrue(torch.equal(got[n], w), msg)
+                    worst[case["opt"]] = max(worst[case["opt"]], (got[n] - w).abs().max().item())
+                    torch.testing.assert_close(got[n], w, rtol=0, atol=WEIGHT_TOL[case["opt"]],
+                                               msg=lambda m, msg=msg: f"{msg}: {m}")
+        print(f"\nworst |weight - one device's|: {worst}")
+
+
+if __name__ == "__main__":
+    unittest.main()
