@@ -5,19 +5,20 @@ Per-rank checkpoints hold each rank's shards: the pipeline's chunks and whatever
 at the same layout, the run must continue exactly as if it had never stopped: final weights
 and AdamW state bit-identical to the uninterrupted run, and the same losses.
 
-``InWorldResume``: every layout of chapter 07's parity matrix (dualpipev as zbv, zb-h1 as
-1F1B: see SAME_STATE_AS_ANOTHER) and the pipeline combinations (pp x ZeRO-1, pp x torch's DDP
-and FSDP2, tied embeddings under pp x ZeRO-3; the others the matrix covers), each trained
-straight, then rebuilt from scratch (a new model, a new ``parallelize``: what a restarted
-process does) and resumed from the middle checkpoint. Two worlds of 8 ranks. The matrix's
-straight runs are test_nd_parallel's parity runs (5 steps, checkpoints every 2: ``nd_world``),
-so this file only resumes them.
+``InWorldResume``: every layout of chapter 07's parity matrix whose state no other layout
+holds alike (see SAME_STATE_AS_ANOTHER) and the pipeline combinations (pp x ZeRO-1, pp x
+torch's DDP and FSDP2, tied embeddings under pp x ZeRO-3; the others the matrix covers), each
+trained straight, then rebuilt from scratch (a new model, a new ``parallelize``: what a
+restarted process does) and resumed from the middle checkpoint. Two worlds of 8 ranks. The
+matrix's straight runs are test_nd_parallel's parity runs (4 steps, checkpoints every 2:
+``nd_world``), so this file only resumes them.
 
 ``KilledRankResumes``: the real thing under ``torchrun --max-restarts 1``: a rank of chapter
-07 is killed mid-run and every rank restarts from the latest checkpoint (07's format: DCP,
-compared through the last step's checkpoint converted to one consolidated file). Run here for the
-pipeline layouts that once resumed wrongly or crashed; set SCALETORCH_FULL_RESUME=1 to run it
-for every layout.
+07 is killed mid-run and every rank restarts from the latest committed checkpoint (07's format:
+DCP, compared through the last step's checkpoint converted to one consolidated file). Run here
+for a pipeline layout that once resumed wrongly, its saves async: the same launch is
+test_dcp_async's kill during an async write. SCALETORCH_FULL_RESUME=1 runs every layout
+(blocking saves).
 """
 
 import contextlib
