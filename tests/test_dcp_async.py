@@ -9,8 +9,8 @@ weights in place: at that moment, where a kill would leave the run, ``--resume l
 finds step 2. Released, step 4 counts, and holds the weights and AdamW state of step 4 bit
 for bit (the copy was taken before the updates). ``Trainer.train`` with async saves waits for
 its last one: step 4 is complete when it returns, equal to the held run's. Under torchrun,
-a rank killed at step 5 while step 4's checkpoint is uncommitted restarts from step 2 and ends
-bit-identical to the uninterrupted run (test_resume's, shared: one launch here, not two).
+a rank killed at step 7 while step 6's checkpoint is uncommitted restarts from step 4 and ends
+bit-identical to the uninterrupted run (test_resume's runs, shared: no launch of its own).
 """
 
 import os
@@ -30,7 +30,7 @@ from scaletorch.trainer.dcp_checkpoint import to_consolidated
 from tests.harness import bit_exact, run_distributed
 from tests.layouts import build, layout, pg_manager_for
 from tests.test_dcp import config
-from tests.test_resume import (KILL_LAYOUTS, _differences, _last_logged_loss, _launch_run,
+from tests.test_resume import (ASYNC_KILLED, FAIL_AT, _differences, _last_logged_loss, killed_run,
                                straight_run)
 
 WORLD = 4
@@ -164,24 +164,22 @@ class AsyncSaveNeedsDcp(unittest.TestCase):
         self.assertTrue(cfg.checkpoint.async_save)
 
 
-# test_resume's kill test of chapter 07 (DCP checkpoints), its checkpoints async: rank 1 is
-# killed at step 5, before step 4's checkpoint is committed (at step 6's save), and torchrun
-# restarts every rank once. The uninterrupted run is test_resume's (blocking saves), shared:
-# a save, async or not, changes no weight.
-LAYOUT = "zero1_pp2_dp2"
+# test_resume's kill test of chapter 07 (DCP checkpoints at 2, 4, 6, 8), its checkpoints
+# async: rank 1 is killed at step 7, after step 6's write began and before it is committed (at
+# step 8's save), and torchrun restarts every rank once. The launch is test_resume's
+# ``killed_run`` (KilledRankResumes reads the same one); the uninterrupted run is its blocking
+# one, shared: a save, async or not, changes no weight.
 
 
 class KilledDuringAsyncWriteResumesThePrevious(unittest.TestCase):
 
     @bit_exact
-    def test_kill_before_the_commit_resumes_step_2_and_ends_as_the_uninterrupted_run(self):
-        out_a, want = straight_run(LAYOUT)
-        nproc, args = KILL_LAYOUTS[LAYOUT]
-        with tempfile.TemporaryDirectory() as tmp:
-            out_b, got = _launch_run(tmp, "killed", nproc,
-                                     [*args, "--checkpoint.async_save", "true"], fail=True)
-        self.assertIn("injected failure at step 5", out_b)
-        self.assertRegex(out_b, r"resumed from \S+step_0000002 at step 2")
+    def test_kill_before_the_commit_resumes_step_4_and_ends_as_the_uninterrupted_run(self):
+        out_a, want = straight_run(ASYNC_KILLED)
+        out_b, got = killed_run(ASYNC_KILLED, async_save=True)
+        self.assertIn(f"injected failure at step {FAIL_AT}", out_b)
+        # step 6 uncommitted: the one before it, not step 6 (nor the older step 2)
+        self.assertRegex(out_b, r"resumed from \S+step_0000004 at step 4")
         self.assertEqual(_differences(want, got), [])
         self.assertEqual(_last_logged_loss(out_a), _last_logged_loss(out_b))
 

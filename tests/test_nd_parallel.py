@@ -1,5 +1,5 @@
 """N-D parallel on 8 gloo ranks equals the single device: losses, grad norms and final weights
-of every layout of the matrix over 5 steps, a consolidated checkpoint resumed at other layouts,
+of every layout of the matrix over 4 steps, a consolidated checkpoint resumed at other layouts,
 activation checkpointing, and the combinations that must raise ValueError.
 
 One world of 8 ranks for the whole file; each layout rebuilds the pg_manager inside it. The
@@ -20,13 +20,33 @@ from scaletorch.parallel.activation_checkpointing import (apply_activation_check
                                                           saved_activation_bytes)
 from scaletorch.trainer.consolidated import load_consolidated, resume_consolidated
 from tests.harness import bit_exact, run_distributed
-from tests.layouts import (ND_LAYOUTS, TOL, assert_parity, build, config_of, layout, make_config,
+from tests.layouts import (ND_LAYOUTS, TOL, assert_parity, build, layout, make_config,
                            parallelize_error, reference_key, references, resume_at, train)
 
-RESUMED_ELSEWHERE = ("dualpipev_tp2_pp2_dp2", )  # test_resume: its state is laid out as zbv's
+# The layouts whose per-rank state another layout of the matrix holds alike: test_resume does
+# not resume them (why: there), so they write no per-rank checkpoint here.
+SAME_STATE_AS_ANOTHER = ("dualpipev_tp2_pp2_dp2", "zb_h1_tp2_pp2_dp2", "tp2_cp2_dp2",
+                         "ckpt_tp2_sp_pp2_dp2")
 
 WORLD = 8
-SAVE_AT = 3  # the checkpoint test saves after 3 of the 5 steps
+# 4 steps, not tests/layouts.py's 5: the parity of a deterministic diff shows in every step, and
+# test_resume resumes each layout's checkpoint of step 2 for two steps (AdamW's state in use)
+ND_STEPS = 4
+SAVE_AT = 2  # the checkpoint test saves after 2 of the 4 steps
+
+
+def nd_config(moe: bool = False, micro_batches: int = 2, **parallel):
+    """tests/layouts.py's ``make_config`` over ND_STEPS steps."""
+    cfg = make_config(moe, micro_batches, **parallel)
+    cfg.training.steps = ND_STEPS
+    return cfg
+
+
+def nd_config_of(layouts: dict, name: str):
+    """``layouts[name]`` = (moe, micro-batches, parallel config) as an ``nd_config``."""
+    moe, m, parallel = layouts[name]
+    return nd_config(moe, m, **parallel)
+
 
 LAYOUTS = ND_LAYOUTS  # the parity matrix (tests/layouts.py)
 
@@ -40,7 +60,7 @@ TIED_LAYOUTS = {
 
 
 def tied_config(name: str, layouts: dict = TIED_LAYOUTS):
-    cfg = config_of(layouts, name)
+    cfg = nd_config_of(layouts, name)
     cfg.model.tie_word_embeddings = True
     return cfg
 
@@ -49,21 +69,21 @@ def _checkpoint_runs(path: str) -> dict:
     """Resume the consolidated checkpoint of tp2 x pp2 x dp2's step 3 (its parity run wrote it)
     at dp 8 and at ZeRO-3 tp2 x dp4; each returns the losses of steps 3 and 4."""
     resumes = {
-        "dp8": make_config(False, 1, **layout()),
-        "zero3_tp2_dp4": make_config(False, 1, **layout(tp=2, zero_stage=3)),
+        "dp8": nd_config(False, 1, **layout()),
+        "zero3_tp2_dp4": nd_config(False, 1, **layout(tp=2, zero_stage=3)),
     }
     return resume_at(path, resumes)
 
 
 def _invalid_combinations() -> dict:
-    cp_seq = make_config(False, 1, **layout(cp=4))  # s/cp = 3 tokens: not 2 zigzag slices
+    cp_seq = nd_config(False, 1, **layout(cp=4))  # s/cp = 3 tokens: not 2 zigzag slices
     cp_seq.data.seq_len = 12
     configs = {
-        "zero_moe": make_config(True, 1, **layout(tp=2, zero_stage=1)),
-        "zero_impl_torch": make_config(False, 1, **layout(tp=2, zero_stage=1, impl="torch")),
-        "sp_moe": make_config(True, 1, **layout(tp=2, sequence_parallel=True)),
-        "torch_pp_cp": make_config(False, 2, **layout(pp=2, cp=2, impl="torch")),
-        "1f1b_m1": make_config(False, 1, **layout(pp=2, cp=2, schedule="1f1b")),  # m < p
+        "zero_moe": nd_config(True, 1, **layout(tp=2, zero_stage=1)),
+        "zero_impl_torch": nd_config(False, 1, **layout(tp=2, zero_stage=1, impl="torch")),
+        "sp_moe": nd_config(True, 1, **layout(tp=2, sequence_parallel=True)),
+        "torch_pp_cp": nd_config(False, 2, **layout(pp=2, cp=2, impl="torch")),
+        "1f1b_m1": nd_config(False, 1, **layout(pp=2, cp=2, schedule="1f1b")),  # m < p
         "cp_seq": cp_seq,
     }
     return {name: parallelize_error(cfg) for name, cfg in configs.items()}
@@ -74,8 +94,8 @@ def _world(rank: int, world: int, path: str, checkpoints: str) -> dict:
     saves = {"tp2_pp2_dp2": (SAVE_AT, path), "tied_tp2_pp2_dp2": (SAVE_AT, path + ".tied")}
     out = {}
     for name in LAYOUTS:
-        per_rank = None if name in RESUMED_ELSEWHERE else os.path.join(checkpoints, name)
-        out[name] = train(config_of(LAYOUTS, name), per_rank, saves.get(name))
+        per_rank = None if name in SAME_STATE_AS_ANOTHER else os.path.join(checkpoints, name)
+        out[name] = train(nd_config_of(LAYOUTS, name), per_rank, saves.get(name))
     out["checkpoint"] = _checkpoint_runs(path)
     out["errors"] = _invalid_combinations()
     out.update(
@@ -108,12 +128,12 @@ class NDParallelMatchesSingleDevice(unittest.TestCase):
     def setUpClass(cls):
         cls.results, cls.path, _ = nd_world()
         # one single-device reference per (model, micro-batches): losses, grad norms, weights
-        cls.references = references([config_of(LAYOUTS, name)
-                                     for name in LAYOUTS] + [make_config(False, 1)])
+        cls.references = references([nd_config_of(LAYOUTS, name)
+                                     for name in LAYOUTS] + [nd_config(False, 1)])
         cls.tied_reference = references([tied_config("tied_tp2_pp2_dp2")])
 
     def _reference(self, name: str):
-        return self.references[reference_key(config_of(LAYOUTS, name))]
+        return self.references[reference_key(nd_config_of(LAYOUTS, name))]
 
     def _assert_parity(self, name: str) -> None:
         assert_parity(self, self.results, name, self._reference(name))
@@ -158,24 +178,25 @@ class NDParallelMatchesSingleDevice(unittest.TestCase):
         resumed = self.results[0]["tied_checkpoint"]["zero3"]
         for a, b in zip(resumed, reference[0][SAVE_AT:]):
             self.assertAlmostEqual(a, b, delta=TOL)
-        self.assertEqual(len(resumed), 5 - SAVE_AT)
+        self.assertEqual(len(resumed), ND_STEPS - SAVE_AT)
 
     def test_clipping_is_active_so_the_grad_norm_comparison_means_something(self):
         _, norms, _ = self._reference("tp2_pp2_dp2")
-        self.assertGreater(max(norms), make_config().training.grad_clip)
+        self.assertGreater(max(norms), nd_config().training.grad_clip)
 
     def test_consolidated_checkpoint_resumes_at_other_layouts_with_the_same_losses(self):
         losses, _, _ = self._reference("tp2_pp2_dp2")
-        ref1 = self.references[reference_key(make_config(False, 1))]  # resumed: 1 micro-batch
+        ref1 = self.references[reference_key(nd_config(False, 1))]  # resumed: 1 micro-batch
         for name, resumed in self.results[0]["checkpoint"].items():
-            self.assertEqual(len(resumed), 5 - SAVE_AT, name)
+            self.assertEqual(len(resumed), ND_STEPS - SAVE_AT, name)
             for a, b in zip(resumed, ref1[0][SAVE_AT:]):
                 self.assertAlmostEqual(a, b, delta=TOL, msg=name)
         # and on one device, no process group at all
         state = load_consolidated(self.path)
         self.assertEqual(state["step"], SAVE_AT)
-        self.assertEqual(state["schedule"]["steps"], 5)  # resume warns when the schedule differs
-        cfg = make_config(False, 1)
+        # resume warns when the schedule differs
+        self.assertEqual(state["schedule"]["steps"], ND_STEPS)
+        cfg = nd_config(False, 1)
         pgm = init_pg_manager()
         try:
             par, trainer = build(cfg, pgm, state["model"])

@@ -5,19 +5,20 @@ Per-rank checkpoints hold each rank's shards: the pipeline's chunks and whatever
 at the same layout, the run must continue exactly as if it had never stopped: final weights
 and AdamW state bit-identical to the uninterrupted run, and the same losses.
 
-``InWorldResume``: every layout of chapter 07's parity matrix (dualpipev as zbv, zb-h1 as
-1F1B: see SAME_STATE_AS_ANOTHER) and the pipeline combinations (pp x ZeRO-1, pp x torch's DDP
-and FSDP2, tied embeddings under pp x ZeRO-3; the others the matrix covers), each trained
-straight, then rebuilt from scratch (a new model, a new ``parallelize``: what a restarted
-process does) and resumed from the middle checkpoint. Two worlds of 8 ranks. The matrix's
-straight runs are test_nd_parallel's parity runs (5 steps, checkpoints every 2: ``nd_world``),
-so this file only resumes them.
+``InWorldResume``: every layout of chapter 07's parity matrix whose state no other layout
+holds alike (see SAME_STATE_AS_ANOTHER) and the pipeline combinations (pp x ZeRO-1, pp x
+torch's DDP and FSDP2, tied embeddings under pp x ZeRO-3; the others the matrix covers), each
+trained straight, then rebuilt from scratch (a new model, a new ``parallelize``: what a
+restarted process does) and resumed from the middle checkpoint. Two worlds of 8 ranks. The
+matrix's straight runs are test_nd_parallel's parity runs (4 steps, checkpoints every 2:
+``nd_world``), so this file only resumes them.
 
 ``KilledRankResumes``: the real thing under ``torchrun --max-restarts 1``: a rank of chapter
-07 is killed mid-run and every rank restarts from the latest checkpoint (07's format: DCP,
-compared through the last step's checkpoint converted to one consolidated file). Run here for the
-pipeline layouts that once resumed wrongly or crashed; set SCALETORCH_FULL_RESUME=1 to run it
-for every layout.
+07 is killed mid-run and every rank restarts from the latest committed checkpoint (07's format:
+DCP, compared through the last step's checkpoint converted to one consolidated file). Run here
+for a pipeline layout that once resumed wrongly, its saves async: the same launch is
+test_dcp_async's kill during an async write. SCALETORCH_FULL_RESUME=1 runs every layout
+(blocking saves).
 """
 
 import contextlib
@@ -34,31 +35,47 @@ from scaletorch.trainer.dcp_checkpoint import to_consolidated
 from tests.harness import bit_exact, run_distributed, value_error
 from tests.layouts import CHECKPOINT_EVERY, ND_LAYOUTS, build, config_of, layout, pg_manager_for
 from tests.test_examples import NO_PREFLIGHT, launch
-from tests.test_nd_parallel import nd_world
+from tests.test_nd_parallel import SAME_STATE_AS_ANOTHER, nd_config_of, nd_world
 
 WORLD = 8
 STEPS, SAVE_AT = 4, 2  # two steps after the resume: AdamW's moments and step count in use
-ND_SAVE_AT = CHECKPOINT_EVERY  # the matrix: 5 steps (test_nd_parallel), resumed from step 2
+ND_SAVE_AT = CHECKPOINT_EVERY  # the matrix: 4 steps (test_nd_parallel), resumed from step 2
 
 # The pipeline combinations whose per-rank checkpoints once lost or could not load state, and
 # PyTorch's own (DTensor parameters: the files hold local pieces, placed on the new mesh).
 # Those another layout covers are not repeated: ZeRO-2 saves what ZeRO-1 saves (flat shards
 # and their moments; gradients are not saved), so zero1_pp2_dp4 and the matrix's
 # ckpt_zero2_cp2_dp4 cover pp x ZeRO-2; the matrix's tp2_pp2_dp2 covers pp x our DDP; its
-# zero3_pp2_interleaved_dp4 and zbv_tp2_pp2_dp2 cover interleaved pp (two chunks per rank).
+# zero3_pp2_interleaved_dp4 and zbv_tp2_pp2_dp2 cover interleaved pp (two chunks per rank);
+# torch_tp2_pp2_zero3_dp2 covers FSDP2's DTensor pieces on a tp x dp mesh, with stages (tp2 x
+# dp4 ZeRO-3 without them was 41 s of the world's 82 s of CPU: DTensor's dispatch per layer).
 PIPELINE_LAYOUTS = {
     "zero1_pp2_dp4": (False, 2, layout(pp=2, zero_stage=1)),
     "torch_pp2_dp4": (False, 2, layout(pp=2, impl="torch")),
     "torch_tp2_pp2_zero3_dp2": (False, 2, layout(tp=2, pp=2, zero_stage=3, impl="torch")),
-    "torch_tp2_dp4_zero3": (False, 2, layout(tp=2, zero_stage=3, impl="torch")),
     # tied embeddings: the last stage's copy in a ZeRO-3 unit of its own, and its AdamW state
     "tied_zero3_pp2_dp4": (False, 2, layout(pp=2, zero_stage=3)),
 }
-# Chapter 07's matrix, less two schedules whose state is another layout's: dualpipev's is
-# zbv's (two chunks per rank, the V), zb-h1's is tp2_pp2_dp2's (one chunk per rank; its split
-# backward holds nothing between steps). KilledRankResumes resumes dualpipev under torchrun
-# with SCALETORCH_FULL_RESUME=1.
-SAME_STATE_AS_ANOTHER = ("dualpipev_tp2_pp2_dp2", "zb_h1_tp2_pp2_dp2")
+# One layer per stage: every stage's state (chunks, wrappers, shards, moments) and the tied
+# copy's are there at any depth; the matrix's runs keep tests/layouts.py's four layers.
+PIPELINE_NUM_LAYERS = 2
+
+
+def _pipeline_config(layouts: dict, name: str):
+    cfg = config_of(layouts, name)
+    cfg.model.num_layers = PIPELINE_NUM_LAYERS
+    cfg.model.tie_word_embeddings = name.startswith("tied_")
+    return cfg
+
+
+# Chapter 07's matrix, less the layouts whose state another's is (test_nd_parallel's
+# SAME_STATE_AS_ANOTHER): dualpipev's is zbv's (two chunks per rank, the V), zb-h1's is
+# tp2_pp2_dp2's (one chunk per rank; its split backward holds nothing between steps), and so
+# is ckpt_tp2_sp_pp2_dp2's (sequence parallel and recomputation hold no state; the wrapped
+# blocks' names are resumed in ckpt_zero2_cp2_dp4); tp2_cp2_dp2's is moe_ep2_dp4_tp2's dense
+# part (our DDP over dp x cp around tp shards; cp holds no state, resumed in pp2_cp2_tp2 and
+# ckpt_zero2_cp2_dp4). KilledRankResumes resumes dualpipev under torchrun with
+# SCALETORCH_FULL_RESUME=1.
 ND_RESUMED = {k: v for k, v in ND_LAYOUTS.items() if k not in SAME_STATE_AS_ANOTHER}
 LAYOUTS = {**ND_RESUMED, **PIPELINE_LAYOUTS}
 
@@ -87,8 +104,7 @@ def _differences(want: dict, got: dict) -> list:
 def _resume_every_layout(rank: int, world: int, root: str, names: list) -> dict:
     out = {}
     for name in names:
-        cfg = config_of(LAYOUTS, name)
-        cfg.model.tie_word_embeddings = name.startswith("tied_")
+        cfg = _pipeline_config(LAYOUTS, name)
         cfg.training.steps = STEPS
         cfg.checkpoint.every = SAVE_AT
         cfg.checkpoint.dir = os.path.join(root, name)
@@ -104,7 +120,7 @@ def _resume_every_layout(rank: int, world: int, root: str, names: list) -> dict:
     if "zero1_pp2_dp4" not in names:
         return out
     # The same files at another layout: refused, pointing to the consolidated file.
-    other = config_of({"ddp_pp2_dp4": (False, 2, layout(pp=2))}, "ddp_pp2_dp4")  # no ZeRO-1
+    other = _pipeline_config({"ddp_pp2_dp4": (False, 2, layout(pp=2))}, "ddp_pp2_dp4")  # no ZeRO-1
     other.checkpoint.dir = os.path.join(root, "zero1_pp2_dp4")
 
     def resume_elsewhere() -> None:
@@ -122,7 +138,7 @@ def _resume_the_matrix(rank: int, world: int, root: str, straight: list) -> dict
     (``straight``: every rank's results there; the checkpoints under ``root``)."""
     out = {}
     for name in ND_RESUMED:
-        cfg = config_of(LAYOUTS, name)
+        cfg = nd_config_of(LAYOUTS, name)  # its steps (ND_STEPS: 2 after the checkpoint)
         cfg.checkpoint.every, cfg.checkpoint.dir = CHECKPOINT_EVERY, os.path.join(root, name)
         # a restarted process: a new model and strategy, then the checkpoint of step 2
         resumed, got = _run(cfg, resume=ckpt.step_dir(cfg.checkpoint.dir, ND_SAVE_AT))
@@ -192,18 +208,20 @@ class InWorldResume(unittest.TestCase):
         self.assertEqual(len(stderr.getvalue().splitlines()), 1)
 
 
-# Checkpoints at 2 and 4, rank 1 killed at step 5: resumed from step 4, two steps after it
-# (AdamW's moments and step count in use); test_dcp_async's kill resumes from step 2.
-RUN_STEPS = 6
+# Checkpoints at 2, 4, 6 and 8, rank 1 killed at step 7: resumed from step 6 (blocking saves)
+# or, with async saves, from step 4 (step 6's write is committed only at step 8's save), two or
+# four steps after it (AdamW's moments and step count in use).
+RUN_STEPS, FAIL_AT = 8, 7
 RUN_FLAGS = ["--steps", str(RUN_STEPS), "--checkpoint.every", "2", "--logging.log_every", "1"]
+ASYNC = ["--checkpoint.async_save", "true"]
 
 
 def _launch_run(tmp: str, name: str, nproc: int, args: list, fail: bool) -> tuple:
-    """07 under torchrun, RUN_FLAGS (6 steps, checkpoints every 2); with ``fail`` rank 1 is
-    killed at step 5 and torchrun restarts every rank once. Returns (output, the last step's
-    sharded checkpoint as a consolidated state, converted offline)."""
+    """07 under torchrun, RUN_FLAGS (8 steps, checkpoints every 2); with ``fail`` rank 1 is
+    killed at step FAIL_AT and torchrun restarts every rank once. Returns (output, the last
+    step's sharded checkpoint as a consolidated state, converted offline)."""
     root = os.path.join(tmp, name)
-    extra = ["--fail-at-step", "5", "--fail-rank", "1"] if fail else []
+    extra = ["--fail-at-step", str(FAIL_AT), "--fail-rank", "1"] if fail else []
     out = launch("examples/07_nd_parallel.py", nproc, *args, *RUN_FLAGS, "--checkpoint.dir", root,
                  *extra, launcher=["--max-restarts", "1"] if fail else [], env=NO_PREFLIGHT)
     last = os.path.join(root, f"step_{RUN_STEPS}.pt")
@@ -221,6 +239,21 @@ def straight_run(name: str) -> tuple:
         nproc, args = KILL_LAYOUTS[name]
         _STRAIGHT_RUNS[name] = _launch_run(_STRAIGHT.name, name, nproc, args, fail=False)
     return _STRAIGHT_RUNS[name]
+
+
+_KILLED_RUNS: dict = {}
+
+
+def killed_run(name: str, async_save: bool) -> tuple:
+    """KILL_LAYOUTS[name] under torchrun with rank 1 killed at FAIL_AT, its checkpoints async or
+    not, launched once per process (test_dcp_async's claim and KilledRankResumes' share the
+    async run of zero1_pp2_dp2: one torchrun launch): (output, consolidated last step)."""
+    if (name, async_save) not in _KILLED_RUNS:
+        nproc, args = KILL_LAYOUTS[name]
+        _KILLED_RUNS[name,
+                     async_save] = _launch_run(_STRAIGHT.name, f"{name}_killed_{async_save}", nproc,
+                                               [*args, *(ASYNC if async_save else [])], fail=True)
+    return _KILLED_RUNS[name, async_save]
 
 
 def _last_logged_loss(output: str) -> str:
@@ -254,25 +287,32 @@ FULL_KILL_LAYOUTS = {
     (8, ["--tp", "2", "--ep", "2", "--model.num_experts", "4", "--micro-batches", "1"]),
     "sp_tp2_pp2_dp2": (8, ["--tp", "2", "--pp", "2", "--sequence-parallel"]),
 }
+ASYNC_KILLED = "zero1_pp2_dp2"  # killed with async saves (KilledRankResumes, test_dcp_async)
 if os.environ.get("SCALETORCH_FULL_RESUME") == "1":
     KILL_LAYOUTS.update(FULL_KILL_LAYOUTS)
 
 
 class KilledRankResumes(unittest.TestCase):
     """torchrun restarts every rank after one is killed; the run ends where an uninterrupted
-    one ends: consolidated weights and AdamW state bit-identical, the same last logged loss."""
+    one ends: consolidated weights and AdamW state bit-identical, the same last logged loss.
+
+    CI's layout (zero1_pp2_dp2) saves async (test_dcp_async's kill, the same launch): the
+    restart resumes from step 4, the latest committed checkpoint, neither step 6 (written, not
+    committed) nor step 2. The others (SCALETORCH_FULL_RESUME=1) save blocking: from step 6."""
 
     @bit_exact
     def test_kill_and_restart_is_bit_identical_to_the_uninterrupted_run(self):
-        with tempfile.TemporaryDirectory() as tmp:
-            for name, (nproc, args) in KILL_LAYOUTS.items():
-                with self.subTest(layout=name):
-                    out_a, want = straight_run(name)
-                    out_b, got = _launch_run(tmp, f"{name}_killed", nproc, args, fail=True)
-                    self.assertIn("injected failure at step 5", out_b)
-                    self.assertRegex(out_b, r"resumed from \S+step_0000004 at step 4")
-                    self.assertEqual(_differences(want, got), [])
-                    self.assertEqual(_last_logged_loss(out_a), _last_logged_loss(out_b))
+        for name in KILL_LAYOUTS:
+            with self.subTest(layout=name):
+                async_save = name == ASYNC_KILLED
+                out_a, want = straight_run(name)
+                out_b, got = killed_run(name, async_save)
+                self.assertIn(f"injected failure at step {FAIL_AT}", out_b)
+                resumed_at = 4 if async_save else 6
+                self.assertRegex(out_b,
+                                 rf"resumed from \S+step_{resumed_at:07d} at step {resumed_at}")
+                self.assertEqual(_differences(want, got), [])
+                self.assertEqual(_last_logged_loss(out_a), _last_logged_loss(out_b))
 
 
 if __name__ == "__main__":
