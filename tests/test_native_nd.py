@@ -1,9 +1,9 @@
 """PyTorch's own strategies composed on one DeviceMesh (``parallel.impl = torch``, native.py)
 equal the single device and ours on 8 gloo ranks: DTensor tensor parallel with FSDP2 ZeRO-3 and
 with FSDP2's replicate over dp, pipelining with FSDP2 per stage, and all three together; losses,
-grad norms (clipping active) and final weights over 3 steps of a 2-layer model within 1e-5. Consolidated
-checkpoints move from the native stack to ours and back, and what cannot run natively here
-raises ValueError naming the settings.
+grad norms (clipping active) and final weights over 3 steps of a 2-layer model within 1e-5.
+Consolidated checkpoints move from the native stack to ours and back, and what cannot run
+natively here raises ValueError naming the settings.
 
 One world of 8 ranks; each layout rebuilds the pg_manager (and so the mesh) inside it: the
 4-rank layouts of chapter 07 run with dp 4 instead of 2.
