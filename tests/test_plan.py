@@ -740,7 +740,8 @@ def _wire(test: unittest.TestCase, name: str, results, world: int):
 # Expert parallel's all-to-all carries the tokens the router sends away: the planner assumes a
 # balanced router, the run's counts follow its data. Approximate, not equal: planned / measured
 # within EP_TOKENS_RTOL (tests below; every other group's bytes are exact). Measured: within
-# 0.024 of 1 (28 counts, the 4-rank world, with a tp 2 x ep 2 x dp 2 layout since left out), 0.000 (chapter 06's run, 2 counts).
+# 0.024 of 1 (28 counts, the 4-rank world, with a tp 2 x ep 2 x dp 2 layout since left out),
+# 0.000 (chapter 06's run, 2 counts).
 EP_TOKENS_RTOL = 0.05
 
 
