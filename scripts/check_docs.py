@@ -60,7 +60,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from scripts.doc_names import page_errors  # noqa: E402  # isort: skip
@@ -537,9 +537,11 @@ def run_block(block: Block, timeout: float) -> Tuple[int, str, str]:
     return proc.returncode, stdout.replace(runs, "runs"), stderr.replace(runs, "runs")
 
 
-def check_block(block: Block, timeout: float) -> List[str]:
-    """Problems of one block (empty when it reproduces)."""
-    code, stdout, stderr = run_block(block, timeout)
+def check_block(block: Block, timeout: float,
+                run: Callable[[Block, float], Tuple[int, str, str]] = run_block) -> List[str]:
+    """Problems of one block (empty when it reproduces); ``run`` runs its commands: (exit
+    status, stdout, stderr), by default ``run_block`` (bash, from the repository root)."""
+    code, stdout, stderr = run(block, timeout)
     fails = "fails" in block.options
     if (code != 0) != fails:
         lines = (stdout + stderr).splitlines()

@@ -2,14 +2,16 @@
 the documented commands marked ``ci`` re-run and compared with what doc/*.md shows."""
 
 import collections
+import concurrent.futures
 import os
 import re
-import subprocess
-import sys
+import shlex
+import tempfile
 import unittest
+from typing import Tuple
 
 from scripts import check_docs, doc_names
-from tests.harness import NCCL_CHECKS
+from tests.harness import NCCL_CHECKS, launch_forked, run_forked
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FENCE = "```"
@@ -253,13 +255,53 @@ class DocumentedCommandsReproduce(unittest.TestCase):
         # the blocks marked ci: chapters 00's and 01's 50-step --check runs, 04's and 04b's
         # printed schedules and 07's refusal. Chapters 03, 05 and 06 run with --check in
         # test_examples, 11's profile in test_debugging (doc/design.md says so);
-        # `scripts/check_docs.py --all` runs every block
-        proc = subprocess.run([sys.executable, "scripts/check_docs.py", "--ci", "--jobs", "2"],
-                              cwd=ROOT, capture_output=True, text=True, timeout=600, env={
-                                  **os.environ, "PYTHONPATH": ROOT,
-                                  **NCCL_CHECKS
-                              })
-        self.assertEqual(proc.returncode, 0, proc.stdout + proc.stderr)
+        # `scripts/check_docs.py --all` runs every block. Each is checked as check_docs.py
+        # --ci checks it (check_block: exit status, the doc's lines, its last lines), its
+        # commands run by _run_ci_block: forked where the numbers are the script's
+        blocks = [
+            b for path in check_docs.doc_files([]) for b in check_docs.parse(path)[0]
+            if "ci" in b.options
+        ]
+        self.assertEqual(len(blocks), 5, [b.name for b in blocks])
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:  # as check_docs.py --jobs 2
+            problems = dict(
+                zip((b.name for b in blocks),
+                    pool.map(lambda b: check_docs.check_block(b, 600, _run_ci_block), blocks)))
+        for name, found in problems.items():
+            self.assertEqual(found, [], f"{name}:\n" + "\n".join(found))
+
+
+LAUNCH = re.compile(r"^scripts/launch\.sh (examples/\S+\.py)(?: --nproc-per-node (\d+))? -- (.*)$")
+
+
+def _run_ci_block(block: check_docs.Block, timeout: float) -> Tuple[int, str, str]:
+    """check_docs.run_block for the ci blocks, without a new Python where the claim is the
+    script's output: a ``scripts/launch.sh`` run on ranks forked from the suite's forkserver
+    (``launch_forked``: the same script in each rank, without launch.sh's pre-flight, torchrun
+    and a new Python per rank; their own work is tests/test_launch.py's, test_layout_errors',
+    test_fault_tolerance's), a ``python examples/...`` command forked (``run_forked``). A
+    block that must fail (07's refusal: the launcher's pre-flight) runs through bash as
+    written. (exit status, stdout, stderr); a forked launch's output is one stream."""
+    command, = block.commands  # each ci block is one command
+    if "fails" in block.options:
+        return check_docs.run_block(block, timeout)
+    with tempfile.TemporaryDirectory() as tmp:
+        runs = os.path.join(tmp, "runs")
+        command = check_docs.in_run_dir(check_docs.overwriting(command), runs)
+        launched = LAUNCH.match(command)
+        if launched:
+            script, nproc, args = launched.groups()
+            out, code = launch_forked(script, int(nproc or 1), *shlex.split(args), timeout=timeout)
+            return code, out.replace(runs, "runs"), ""
+        python, script, *args = shlex.split(command)
+        if python != "python":
+            raise AssertionError(f"{block.name}: a ci block runs scripts/launch.sh or python, "
+                                 f"not {command!r}")
+        proc = run_forked(script, *args, env={
+            **os.environ, "PYTHONPATH": ROOT,
+            **NCCL_CHECKS
+        }, timeout=timeout)
+        return proc.returncode, proc.stdout.replace(runs, "runs"), proc.stderr.replace(runs, "runs")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """PyTorch's own strategies composed on one DeviceMesh (``parallel.impl = torch``, native.py)
 equal the single device and ours on 8 gloo ranks: DTensor tensor parallel with FSDP2 ZeRO-3 and
 with FSDP2's replicate over dp, pipelining with FSDP2 per stage, and all three together; losses,
-grad norms (clipping active) and final weights over 3 steps within 1e-5. Consolidated
-checkpoints move from the native stack to ours and back, and what cannot run natively here
-raises ValueError naming the settings.
+grad norms (clipping active) and final weights over 3 steps of a 2-layer model within 1e-5.
+Consolidated checkpoints move from the native stack to ours and back, and what cannot run
+natively here raises ValueError naming the settings.
 
 One world of 8 ranks; each layout rebuilds the pg_manager (and so the mesh) inside it: the
 4-rank layouts of chapter 07 run with dp 4 instead of 2.
@@ -25,6 +25,10 @@ WORLD = 8
 # missed reduction or a wrong mesh dimension shows from step 1 on, more steps add nothing.
 STEPS = 3
 SAVE_AT = 2
+# 2 layers, not make_config's 4: one per pipeline stage at pp 2 (what pp needs), and each path
+# here (a DTensor shard, an FSDP2 unit, a stage's send, a clipped norm, a checkpoint's keys) is
+# the same for every layer: more layers repeat the same calls, 8 ranks on 2 cores pay for each
+LAYERS = 2
 
 # name -> parallel config of the native run; the same sizes with impl ours are named "ours NAME"
 NATIVE = {
@@ -38,13 +42,13 @@ SAVED = "tp2_pp2_dp2_zero3"  # its parity runs (native and ours) also save step 
 
 def _config(name: str, impl: str = "torch"):
     cfg = make_config(False, 2, **NATIVE[name], impl=impl)
-    cfg.training.steps = STEPS
+    cfg.training.steps, cfg.model.num_layers = STEPS, LAYERS
     return cfg
 
 
 def reference_config():
     cfg = make_config(False, 2)
-    cfg.training.steps = STEPS
+    cfg.training.steps, cfg.model.num_layers = STEPS, LAYERS
     return cfg
 
 
