@@ -90,8 +90,9 @@ _POOL = ThreadPoolExecutor(max_workers=4)
 # check the same config themselves (test_bad_inputs). The chapters' runs here keep it.
 NO_PREFLIGHT = {"SCALETORCH_PREFLIGHT": "0"}
 
-# Chapter 00 from the launcher (final loss, entropy floor, parity 0.0e+00) is doc/00's
-# `check: ci` run, re-run by tests/test_docs.py; test_fault_tolerance checks launch.sh's echo.
+# Chapter 00's documented run (final loss, entropy floor, parity 0.0e+00) is doc/00's `check: ci`
+# block, re-run forked by tests/test_docs.py (scripts/check_docs.py --ci runs it through
+# launch.sh); test_fault_tolerance checks launch.sh's echo.
 
 
 def generate_script(source: str, *args: str) -> str:
