@@ -28,6 +28,14 @@ from tests.grading_solutions import ALTERNATIVES, MISTAKES
 runner.START_METHOD = "forkserver"
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The hang tests' limits, passed to the graded worlds (runner.RANK_LIMITS) in place of the
+# grader's 25 s a collective and 10 s a message: a hang waits out its limit, so a shorter one
+# ends it sooner (17 s and 6 s less), and the diagnosis names the limit it was given. A healthy
+# collective waits only for its peer to reach it (milliseconds: tiny models, 3 steps); a whole
+# world of chapter 01's three library jobs, its start and its reference run took 18.5 s of
+# wall at load average 13, and a chapter 04 message waits one micro-batch of a 1-layer stage.
+SHORT_COLLECTIVE_TIMEOUT = 8.0
+SHORT_HANG_TIMEOUT = 4.0
 VARIANTS = "scripts.grading.variants"
 SOLUTIONS = "tests.grading_solutions"
 
@@ -151,14 +159,27 @@ class GradeAHang(unittest.TestCase):
     def test_a_deadlock_is_named_with_the_operations_and_peers(self):
         for (chapter, exercise, variant), phrases in HANGS.items():
             module, _ = grade.CHAPTERS[chapter]
-            verdict, = module.grade([{exercise: (VARIANTS, variant)}])
+            with limited(module, "HANG_TIMEOUT", SHORT_HANG_TIMEOUT):
+                verdict, = module.grade([{exercise: (VARIANTS, variant)}])
             self.assertFalse(verdict.passed)
             for phrase in phrases:
                 self.assertIn(phrase, verdict.text)
             # the ranks gave up after the grader's timeout for one message, not the world's
             waited = float(re.search(r"gave up after (\d+) s", verdict.text).group(1))
-            self.assertGreaterEqual(waited, module.HANG_TIMEOUT - 1, verdict.text)
-            self.assertLessEqual(waited, module.HANG_TIMEOUT + 2, verdict.text)
+            self.assertGreaterEqual(waited, SHORT_HANG_TIMEOUT - 1, verdict.text)
+            self.assertLessEqual(waited, SHORT_HANG_TIMEOUT + 2, verdict.text)
+
+
+@contextlib.contextmanager
+def limited(module, name: str, seconds: float):
+    """``module.name`` (a limit in runner.RANK_LIMITS, sent to the ranks) set to ``seconds``
+    for the block."""
+    old = getattr(module, name)
+    setattr(module, name, seconds)
+    try:
+        yield
+    finally:
+        setattr(module, name, old)
 
 
 def _line(function, text):
@@ -187,7 +208,8 @@ class GradeEachExerciseOnItsOwn(unittest.TestCase):
         } for f in ("raise_on_rank_1", "hang_on_rank_1")]
         jobs += [{"wait_for_buckets": (module.LIBRARY, "wait_for_buckets")}]
         start = time.perf_counter()
-        cls.verdicts = module.grade(jobs)
+        with limited(runner, "COLLECTIVE_TIMEOUT", SHORT_COLLECTIVE_TIMEOUT):
+            cls.verdicts = module.grade(jobs)
         cls.seconds = time.perf_counter() - start
 
     def test_a_segfault_names_its_rank_and_function(self):
@@ -208,8 +230,8 @@ class GradeEachExerciseOnItsOwn(unittest.TestCase):
         recv = _line(grading_solutions.hang_on_rank_1, "dist.recv")
         reduce = _line(grading_solutions.hang_on_rank_1, "comm.all_reduce")
         self.assertIn(f"rank 1 stopped in hang_on_rank_1 (grading_solutions.py:{recv})", text)
-        # the grader's timeout, not gloo's 120 s
-        self.assertIn(f"no peer answered its recv within {runner.COLLECTIVE_TIMEOUT:.0f} s", text)
+        # the grader's timeout as the test set it, not gloo's 120 s nor the default 25 s
+        self.assertIn(f"no peer answered its recv within {SHORT_COLLECTIVE_TIMEOUT:.0f} s", text)
         self.assertIn(f"rank 0 stopped in hang_on_rank_1 (grading_solutions.py:{reduce})", text)
         self.assertNotIn("gloo", text)  # the learner's terms, not the backend's
 

@@ -22,7 +22,7 @@ from scaletorch.parallel.context_parallel import apply_context_parallel, make_se
 from scaletorch.parallel.data_parallel import apply_data_parallel
 from scaletorch.parallel.step import make_data_parallel_step
 from scaletorch.trainer import Config, Trainer, parse_args
-from scripts.grading.runner import (COLLECTIVE_TIMEOUT, Source, Verdict, cloned, grade_found, load,
+from scripts.grading.runner import (Source, Verdict, cloned, collective_timeout, grade_found, load,
                                     patched, run_jobs)
 from scripts.grading.traffic import observed
 
@@ -167,7 +167,7 @@ def _train(cfg: Config, pgm: Any) -> None:
 def rank_jobs(rank: int, world: int, jobs: List[Dict[str, Source]]) -> List[Dict[str, Any]]:
     """Inside a rank: each job, its calls checked one by one."""
     cfg = config()
-    pgm = init_pg_manager_from_config(cfg.parallel, COLLECTIVE_TIMEOUT)
+    pgm = init_pg_manager_from_config(cfg.parallel, collective_timeout())
 
     def measure(exercise: str, source: Source) -> Dict[str, Any]:
         found: List[str] = []

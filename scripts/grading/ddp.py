@@ -20,7 +20,7 @@ from scaletorch.parallel.grad_norm import clip_replicated
 from scaletorch.trainer import Config, Trainer, parse_args
 from scaletorch.trainer.parity import max_norm_diff, reference_trainer
 from scaletorch.trainer.precision import NORM_TOLERANCES, TOLERANCES
-from scripts.grading.runner import (COLLECTIVE_TIMEOUT, Source, Verdict, error_verdict, failure,
+from scripts.grading.runner import (Source, Verdict, collective_timeout, error_verdict, failure,
                                     is_hang, is_unwritten, load, patched, per_job, run_world,
                                     streamed)
 
@@ -102,7 +102,7 @@ def _train(cfg: Config, pgm: Any, impl: str) -> Dict[str, Any]:
 def rank_jobs(rank: int, world: int, jobs: List[Dict[str, Source]]) -> List[Dict[str, Any]]:
     """Inside a rank: each job ({exercise: source}, one exercise each) trained and measured."""
     cfg = config()
-    pgm = init_pg_manager_from_config(cfg.parallel, COLLECTIVE_TIMEOUT)  # the jobs' groups
+    pgm = init_pg_manager_from_config(cfg.parallel, collective_timeout())  # the jobs' groups
     out = streamed()
     try:
         for job in jobs:

@@ -22,7 +22,7 @@ from scaletorch.parallel.expert_parallel import (ExpertParallel, expert_parallel
                                                  shard_experts)
 from scaletorch.parallel.step import make_data_parallel_step
 from scaletorch.trainer import Config, Trainer, parse_args
-from scripts.grading.runner import (COLLECTIVE_TIMEOUT, Source, Verdict, caused_by, error_verdict,
+from scripts.grading.runner import (Source, Verdict, caused_by, collective_timeout, error_verdict,
                                     innermost, load, patched, run_jobs, run_world, streamed)
 
 CHAPTER = "06"
@@ -149,7 +149,7 @@ def _train(cfg: Config, pgm: Any) -> Dict[str, Any]:
 def rank_jobs(rank: int, world: int, jobs: List[Dict[str, Source]]) -> List[Dict[str, Any]]:
     """Inside a rank: the library's run (the reference), then each job, checked call by call."""
     cfg = config()
-    pgm = init_pg_manager_from_config(cfg.parallel, COLLECTIVE_TIMEOUT)
+    pgm = init_pg_manager_from_config(cfg.parallel, collective_timeout())
 
     def measure(exercise: str, source: Source) -> Dict[str, Any]:
         checked = _checked(exercise, load(source), getattr(expert_parallel, exercise))

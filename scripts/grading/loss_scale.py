@@ -24,7 +24,7 @@ from scaletorch.parallel.step import make_data_parallel_step
 from scaletorch.trainer import Config, Trainer, parse_args
 from scaletorch.trainer import run as run_module
 from scaletorch.trainer import trainer as trainer_module
-from scripts.grading.runner import (COLLECTIVE_TIMEOUT, Source, Verdict, error_verdict, failure,
+from scripts.grading.runner import (Source, Verdict, collective_timeout, error_verdict, failure,
                                     is_hang, is_unwritten, load, patched, run_world, streamed)
 
 CHAPTER = "08"
@@ -87,7 +87,7 @@ def _train(cfg: Config, pgm: Any, exercise: str, fn: Any) -> Dict[str, Any]:
 def rank_jobs(rank: int, world: int, jobs: List[Dict[str, Source]]) -> List[Dict[str, Any]]:
     """Inside a rank: the library's run (the reference), then each job, measured."""
     cfg = config()
-    pgm = init_pg_manager_from_config(cfg.parallel, COLLECTIVE_TIMEOUT)
+    pgm = init_pg_manager_from_config(cfg.parallel, collective_timeout())
     out = streamed()
     try:
         for job in [{EXERCISES[0]: (LIBRARY, EXERCISES[0])}] + jobs:

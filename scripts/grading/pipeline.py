@@ -33,8 +33,8 @@ from scaletorch.trainer import Config, Trainer, parse_args
 from scaletorch.trainer.parity import max_norm_diff, reference_trainer
 from scaletorch.trainer.pipeline_state import gather_pipeline_state_dict
 from scaletorch.trainer.precision import NORM_TOLERANCES, TOLERANCES
-from scripts.grading.runner import (Source, Verdict, error_verdict, failure, is_hang, is_unwritten,
-                                    load, patched, run_world, streamed)
+from scripts.grading.runner import (RANK_LIMITS, Source, Verdict, error_verdict, failure, is_hang,
+                                    is_unwritten, load, patched, run_world, streamed)
 
 CHAPTER = "04"
 EXERCISES = ("one_f_one_b", "micro_batch_loss")
@@ -46,6 +46,7 @@ STEPS = 3
 # waits for one micro-batch of a 1-layer stage (milliseconds), so 10 s is slack for a loaded
 # machine, and a deadlock costs the learner 10 s.
 HANG_TIMEOUT = 10.0
+RANK_LIMITS.append((__name__, "HANG_TIMEOUT"))  # the ranks wait the parent's (runner.py)
 # A gradient off by a factor: within 1% of it (fp32 norms agree to 1e-4 when right).
 FACTOR_TOL = 0.01
 

@@ -52,6 +52,11 @@ SOURCE_FILES: Set[str] = set()  # inside a rank: the files of the functions grad
 # imported torch and the library once (tests/harness.py)
 START_METHOD = "spawn"
 UNWRITTEN = "NotImplementedError"
+# (module, name) of each limit the ranks read: a world sends them the parent's values, which a
+# rank would not see otherwise (a new Python, or one forked from a server that imported the
+# modules earlier). A chapter's module adds its own (pipeline.py's HANG_TIMEOUT); the test
+# suite shortens them for its hang tests.
+RANK_LIMITS: List[Tuple[str, str]] = [(__name__, "COLLECTIVE_TIMEOUT")]
 
 
 @dataclass
@@ -158,12 +163,20 @@ def streamed() -> List[Any]:
     return _STREAM if _STREAM is not None else []
 
 
+def rank_limits() -> Dict[Tuple[str, str], float]:
+    """{(module, name): value} of ``RANK_LIMITS`` in this process: what a world's ranks set."""
+    return {(m, n): getattr(importlib.import_module(m), n) for m, n in RANK_LIMITS}
+
+
 def _worker(rank: int, world: int, port: int, fn: Callable, jobs: Sequence[Dict[str, Source]],
-            directory: str) -> None:
-    """One rank: gloo with the grader's timeout, faulthandler writing the Python stack on a
-    crash (SIGSEGV, SIGABRT) and on SIGUSR1 (the parent's "where are you?" before it stops a
-    hung rank), then ``fn(rank, world, jobs)`` streaming its results."""
+            directory: str, limits: Dict[Tuple[str, str], float]) -> None:
+    """One rank: the parent's ``limits`` set, gloo with the grader's timeout, faulthandler
+    writing the Python stack on a crash (SIGSEGV, SIGABRT) and on SIGUSR1 (the parent's "where
+    are you?" before it stops a hung rank), then ``fn(rank, world, jobs)`` streaming its
+    results."""
     global _STREAM
+    for (module, name), value in limits.items():
+        setattr(importlib.import_module(module), name, value)
     os.environ.update({
         flight_recorder.BUFFER_ENV: os.environ.get(flight_recorder.BUFFER_ENV, "2000"),
         "RANK": str(rank),
@@ -181,7 +194,7 @@ def _worker(rank: int, world: int, port: int, fn: Callable, jobs: Sequence[Dict[
     _STREAM = Streamed(directory, rank)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT))
+                                timeout=datetime.timedelta(seconds=collective_timeout()))
         open(os.path.join(directory, f"ready_{rank}"), "w").close()  # the stall clock starts
         fn(rank, world, jobs)
     except Exception as err:  # noqa: B902 - a hang, or the grader's own error: for the parent
@@ -195,6 +208,11 @@ def _worker(rank: int, world: int, port: int, fn: Callable, jobs: Sequence[Dict[
         gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def collective_timeout() -> float:
+    """Seconds a rank's collectives wait: ``COLLECTIVE_TIMEOUT`` as the parent set it."""
+    return COLLECTIVE_TIMEOUT
 
 
 def source_file(source: Source) -> str:
@@ -272,10 +290,10 @@ def _one_world(fn: Callable, world: int, jobs: Sequence[Dict[str, Source]], lead
     unfinished job: rank -> what stopped it). The parent waits at most ``STALL_LIMIT`` s for a
     rank to add a result, and ``GRACE`` s for the others once one rank has left early."""
     ctx: Any = mp.get_context(START_METHOD)
-    port = free_port()
+    port, limits = free_port(), rank_limits()
     procs = [
-        ctx.Process(target=_worker, args=(r, world, port, fn, list(jobs), directory), daemon=True)
-        for r in range(world)
+        ctx.Process(target=_worker, args=(r, world, port, fn, list(jobs), directory, limits),
+                    daemon=True) for r in range(world)
     ]
     for proc in procs:
         proc.start()

@@ -25,7 +25,7 @@ from scaletorch.parallel.tensor_parallel import (apply_tensor_parallel,
                                                  tensor_parallel_clip_grad_norm,
                                                  tensor_parallel_loss_fn)
 from scaletorch.trainer import Config, Trainer, parse_args
-from scripts.grading.runner import (COLLECTIVE_TIMEOUT, Source, Verdict, grade_found, load, patched,
+from scripts.grading.runner import (Source, Verdict, collective_timeout, grade_found, load, patched,
                                     run_jobs)
 
 CHAPTER = "03"
@@ -227,7 +227,7 @@ def _train(cfg: Config, pgm: Any) -> None:
 
 def rank_jobs(rank: int, world: int, jobs: List[Dict[str, Source]]) -> List[Dict[str, Any]]:
     """Inside a rank: each job, its calls checked one by one, without then with sp."""
-    pgm = init_pg_manager_from_config(config(False).parallel, COLLECTIVE_TIMEOUT)
+    pgm = init_pg_manager_from_config(config(False).parallel, collective_timeout())
     group = pgm.tensor_model_parallel_group
 
     def measure(exercise: str, source: Source) -> Dict[str, Any]:

@@ -22,7 +22,7 @@ from scaletorch.parallel.zero import ZeroAdamW, apply_zero
 from scaletorch.rules.group_names import gradient_group_name
 from scaletorch.trainer import Config, Trainer, parse_args
 from scripts.grading.ddp import GRAD_TOL, parity_diagnosis, reference
-from scripts.grading.runner import (COLLECTIVE_TIMEOUT, Source, Verdict, caused_by, error_verdict,
+from scripts.grading.runner import (Source, Verdict, caused_by, collective_timeout, error_verdict,
                                     load, patched, per_job, run_jobs, run_world)
 from scripts.grading.traffic import observed
 
@@ -155,7 +155,7 @@ def _train(cfg: Config, pgm: Any, exercise: str, fn: Callable) -> Dict[str, Any]
 def rank_jobs(rank: int, world: int, jobs: List[Dict[str, Source]]) -> List[Dict[str, Any]]:
     """Inside a rank: each job ({exercise: source}, one exercise each) trained and measured."""
     cfg = config()
-    pgm = init_pg_manager_from_config(cfg.parallel, COLLECTIVE_TIMEOUT)  # the jobs' groups
+    pgm = init_pg_manager_from_config(cfg.parallel, collective_timeout())  # the jobs' groups
     try:
         return run_jobs(jobs, lambda exercise, source: _train(cfg, pgm, exercise, load(source)))
     finally:
