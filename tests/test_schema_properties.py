@@ -267,22 +267,28 @@ class AmbiguousInputIsRefusedNotResolved(unittest.TestCase):
     @given(path=st.lists(KEYS, max_size=3), keys=st.lists(KEYS, min_size=1, max_size=4,
                                                           unique=True), which=st.integers(0, 3),
            values=st.tuples(SCALARS, SCALARS))
+    # CI's long profile drew it: a key that prefixes another key's pair once fooled the test
+    @example(path=[], keys=["_", "__"], which=1, values=(10, 1))
     def test_a_key_twice_in_one_json_object_is_one_line_naming_it(self, path, keys, which, values):
         import json
 
         from scaletorch.rules import boundary
         key = keys[which % len(keys)]
         pairs = [f"{json.dumps(k)}: {json.dumps(values[0])}" for k in keys]
-        pairs.append(f"{json.dumps(key)}: {json.dumps(values[1])}")
-        text = "{" + ", ".join(pairs) + "}"
-        for outer in reversed(path):
-            text = "{" + f"{json.dumps(outer)}: {text}" + "}"
+
+        def nested(pairs: list) -> str:
+            text = "{" + ", ".join(pairs) + "}"
+            for outer in reversed(path):
+                text = "{" + f"{json.dumps(outer)}: {text}" + "}"
+            return text
+
+        text = nested(pairs + [f"{json.dumps(key)}: {json.dumps(values[1])}"])
         with self.assertRaises(InputError) as refused:
             boundary.parse_json(text, "config.json")
         message = str(refused.exception)
         self.assertNotIn("\n", message)
         self.assertIn(f"config.json gives the key {key!r} twice", message)
-        once = boundary.parse_json(text.replace(", " + pairs[-1], "", 1), "config.json")
+        once = boundary.parse_json(nested(pairs), "config.json")
         for outer in path:  # the same object with the key once: read, holding its one value
             once = once[outer]
         self.assertEqual(once[key], values[0])
