@@ -17,7 +17,7 @@ import unittest
 from typing import Any, List, Tuple
 
 import yaml
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from scaletorch.config import Config
