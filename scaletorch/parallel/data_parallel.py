@@ -123,9 +123,11 @@ class _DataParallel(ModuleWrapper, nn.Module):
     def _sync(self) -> None:
         raise NotImplementedError
 
-    def _drop_unused(self) -> None:
+    def _drop_unused(self, held: List[bool]) -> None:
         """After a sync. With torch DDP's find_unused_parameters a parameter no rank's backward
-        reached gets ``grad = None`` (an all-reduce of a 0/1 flag each); without it, it raises."""
+        reached (an all-reduce of a 0/1 flag each) keeps the gradient it held before the
+        backward: None stays None, a zeroed or accumulated one stays (``held``: not None at the
+        sync's start), as torch's reducer leaves it. Without the flag, an unused one raises."""
         self._needs_sync = False
         now = [n for n, p in self.module.named_parameters() if p.requires_grad]
         unused = [n for i, n in enumerate(self.names) if i not in self._used]
@@ -139,8 +141,8 @@ class _DataParallel(ModuleWrapper, nn.Module):
             used = torch.tensor([float(i in self._used) for i in range(len(self.params))],
                                 device=self.params[0].device)
             comm.all_reduce(used, self.group)  # how many ranks used each parameter
-            for p, n in zip(self.params, used.tolist()):
-                p.grad = None if n == 0 else p.grad
+            for p, n, had in zip(self.params, used.tolist(), held):
+                p.grad = None if n == 0 and not had else p.grad
         self._used.clear()
 
 
@@ -148,10 +150,11 @@ class NaiveDataParallel(_DataParallel):
     """After backward, all-reduce each gradient (blocking) and divide by N."""
 
     def _sync(self) -> None:
+        held = [p.grad is not None for p in self.params]  # an unused one's: the user's
         for p in self.params:  # unused here, maybe used elsewhere: every rank reduces (zeros)
             p.grad = torch.zeros_like(p) if p.grad is None else p.grad
         self._average([p.grad for p in self.params if p.grad is not None])  # over dp, / N
-        self._drop_unused()
+        self._drop_unused(held)
 
 
 @dataclass
@@ -242,6 +245,8 @@ class BucketedDataParallel(_DataParallel):
 
     def _sync(self) -> None:
         """Launch what backward did not (unused parameters), wait once, hand out the grads."""
+        # an unused parameter's grad is still the user's: _take_grad keeps None as None
+        held = [p.grad is not None for p in self.params]
         while self._next_bucket < len(self.buckets):
             self._launch(self.buckets[self._next_bucket], in_backward=False)
             self._next_bucket += 1
@@ -250,7 +255,7 @@ class BucketedDataParallel(_DataParallel):
             bucket.work, bucket.ready = None, 0
         for p, view in zip(self.params, self._views):
             p.grad = view if p.dtype == view.dtype else view.to(p.dtype)
-        self._drop_unused()
+        self._drop_unused(held)
         self._stale = set(range(len(self.params)))
         self._next_bucket = self._grads_ready = 0
 

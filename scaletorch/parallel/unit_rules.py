@@ -51,6 +51,11 @@ def as_units(model: nn.Module, rule: Optional[UnitRule]) -> Units:
         unknown = [type(m).__name__ for m in rule if id(m) not in names]
         if unknown:
             raise ValueError(f"ZeRO units must be submodules of the model; not in it: {unknown}")
+        seen: Set[int] = set()
+        for m in rule:
+            if id(m) in seen:
+                raise ValueError(f"units= lists {names[id(m)] or 'the model'} twice")
+            seen.add(id(m))
         return [(names[id(m)] or "model", [(names[id(m)], m)]) for m in cast(List[nn.Module], rule)]
     return cast(Units, rule)
 

@@ -23,6 +23,7 @@ stages 1 and 2 all-gather them. Stages 1, 2 move 2 Psi per step as DDP, stage 3 
 (``make_unit``, zero_mixed_precision.py) attach from outside.
 """
 
+from collections import Counter
 from contextlib import contextmanager
 from functools import partial
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Type, Union, cast
@@ -43,6 +44,18 @@ Units = List[Tuple[str, NamedModules]]  # (unit name, [(module name, module), ..
 MakeUnit = Callable[[str, NamedModules, Group, int], FlatUnit]  # (name, modules, group, stage)
 State = Dict[str, torch.Tensor]
 Wrappers = Union["ShardedDataParallel", Sequence["ShardedDataParallel"]]
+
+
+def _tied_hint(module: nn.Module, names: List[str]) -> str:
+    """Chapter 10's pointer, only where one of ``names`` is a Parameter that two distinct
+    modules hold (tied weights); a module listed in two units is not that."""
+    holders: Dict[int, int] = {}
+    for sub in module.modules():  # each module once, a shared one too
+        for p in sub.parameters(recurse=False):
+            holders[id(p)] = holders.get(id(p), 0) + 1
+    params = dict(module.named_parameters())
+    tied = [n for n in names if holders[id(params[n])] > 1]
+    return f" ({tied} are tied weights: zero_tied.py)" if tied else ""
 
 
 class ShardedDataParallel(nn.Module):
@@ -68,14 +81,16 @@ class ShardedDataParallel(nn.Module):
         comm.check_same_layout([*module.named_parameters(), *module.named_buffers()], "ZeRO", group)
         per_unit = self._unit_parameters(units)  # frozen ones stay whole, in no unit
         units = [unit for unit, params in zip(units, per_unit) if params]
-        listed = [id(p) for params in per_unit for p in params]  # twice: a tied weight
+        listed = Counter(id(p) for params in per_unit for p in params)  # 2: a tied weight
         missing = [
             n for n, p in module.named_parameters() if p.requires_grad and id(p) not in listed
         ]
-        shared = 0 if self.shares_parameters else len(listed) - len(set(listed))
-        if missing or shared:
+        twice = [] if self.shares_parameters else [
+            n for n, p in module.named_parameters() if listed[id(p)] > 1
+        ]
+        if missing or twice:
             raise ValueError(f"each parameter must be in one unit; parameters in no unit: "
-                             f"{missing}, in two: {shared} (tied weights: zero_tied.py)")
+                             f"{missing}, in two: {twice}{_tied_hint(module, twice)}")
         self.module, self.group, self.zero_stage = module, group, zero_stage
         self.prefetch, self.make_unit = prefetch, make_unit
         # torch DDP's rule, as in data_parallel.py: every rank starts from the first rank's model

@@ -257,7 +257,8 @@ class AnyShardedDataParallel(ShardedDataParallel):
         parameter, in order: did this rank get a gradient for it. Summed, it says which ones
         some rank used (their gradient is the mean, as one device's over the global batch);
         those no rank used get ``grad None`` in ``pieces`` (and a unit with none, on its shard),
-        so the optimizer skips them as on one device: no decay, no moments, no step count. At
+        so the optimizer skips them as on one device: no decay, no moments, no step count
+        (unless they held a gradient before the backward: then they keep one, zeros here). At
         the same place on every rank: after every unit's reduce-scatter, once per step."""
         flags = [float(g) for got in self._got for g in got]
         got = torch.tensor(flags, device=self.units[0].shard.device)
@@ -266,11 +267,14 @@ class AnyShardedDataParallel(ShardedDataParallel):
         self.has_grad = [[next(agreed) for _ in u.tensors] for u in self.units]
         self._got = [[False] * len(u.tensors) for u in self.units]
         for unit, pieces, flags_of in zip(self.units, self.pieces, self.has_grad):
-            if not any(flags_of):
+            # a piece that held a gradient before (zero_grad(set_to_none=False), or one
+            # accumulated) keeps one, as on one device; one that held None stays None
+            keep = [flag or piece.grad is not None for piece, flag in zip(pieces, flags_of)]
+            if not any(keep):
                 unit.shard.grad = None  # no rank used the unit: no gradient, as on one device
             grad = unit.shard.grad
-            for piece, flag, (a, b) in zip(pieces, flags_of, pieces_of(unit)):
-                piece.grad = grad[a:b] if flag and grad is not None else None
+            for piece, kept, (a, b) in zip(pieces, keep, pieces_of(unit)):
+                piece.grad = grad[a:b] if kept and grad is not None else None
 
     def zero_grad_buffers(self) -> None:
         """zero.py's, and the shards' gradients (the optimizer's parameters are the pieces)."""
