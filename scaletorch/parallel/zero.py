@@ -192,9 +192,13 @@ class ShardedDataParallel(nn.Module):
             self._ready[i] = 0
             if self._sync:
                 self._reduce(i)
-            if self.zero_stage == 3:
-                for k in self._gathered_with(i):
-                    self._free(k)
+            self._backward_done(i)
+
+    def _backward_done(self, i: int) -> None:
+        """Unit i's gradients are all in on this rank: stage 3 frees it (a subclass may not)."""
+        if self.zero_stage == 3:
+            for k in self._gathered_with(i):
+                self._free(k)
 
     def _reduce(self, i: int) -> None:
         # One reduce-scatter in flight at a time: its full-size input is freed sooner.

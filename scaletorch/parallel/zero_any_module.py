@@ -124,6 +124,7 @@ class AnyShardedDataParallel(ShardedDataParallel):
         self._next = len(self.units) - 1  # the next unit to reduce-scatter: the last first
         self._queued = [False] * len(self.units)  # complete here, waiting for its turn
         self._round = False  # a forward with grad ran since the last finish_grad_sync
+        self._outer_gathered = False
 
     def _hold(self, unit: FlatUnit, gathered: bool) -> None:
         """The unit's modules hold its full tensors (``gathered``) or a placeholder each."""
@@ -158,6 +159,7 @@ class AnyShardedDataParallel(ShardedDataParallel):
         """zero.py's, with the frozen parameters of no unit gathered for the forward and the
         backward after it (released by ``finish_grad_sync``; at once without grad)."""
         self._inputs = [0] * len(self.units)  # no backward of ours is in flight: count afresh
+        self._outer_gathered = False  # ``_gather_outer``: at this forward's first backward hook
         self._awaiting = [0] * len(self.units)
         self._next, self._queued = len(self.units) - 1, [False] * len(self.units)
         self._round = self._round or torch.is_grad_enabled()  # every rank calls forward
@@ -217,10 +219,25 @@ class AnyShardedDataParallel(ShardedDataParallel):
                 tensor.register_hook(partial(self._input_grad, i))
 
     def _pre_backward(self, i: int, grad: torch.Tensor) -> None:
-        if self.zero_stage == 3 and self._sync and not self._outer[i]:
+        """zero.py's, after ``_gather_outer``; a unit holding others is gathered already, so
+        its hook does nothing more (no prefetch at a place that differs between ranks)."""
+        self._gather_outer()
+        if self._outer[i]:
+            return
+        if self.zero_stage == 3 and self._sync:
             self._issue(i + 1)  # the units after it are done: reduced before its gathers
         super()._pre_backward(i, grad)
         self._awaiting[i] = max(self._inputs[i], 0)
+
+    def _gather_outer(self) -> None:
+        """Stage 3, at the first unit's backward: gather every unit that holds others (the
+        root's own parameters), in one order, kept until ``finish_grad_sync``. Their hooks fire
+        on the output they return, at a place that depends on what a rank used: a root gain on
+        the output on one rank only moves the root's hook before or after the head's."""
+        if self.zero_stage == 3 and not self._outer_gathered:
+            self._outer_gathered = True
+            for k in [k for k, outer in enumerate(self._outer) if outer]:
+                self._gather(k)
 
     def _input_grad(self, i: int, grad: torch.Tensor) -> None:
         """A gradient of unit i's input is computed: the unit's backward has read it all."""
@@ -235,6 +252,14 @@ class AnyShardedDataParallel(ShardedDataParallel):
     def _on_grad(self, i: int, tensor: torch.Tensor) -> None:
         self._got[i][self._slot[i][id(tensor)]] = True  # a Python flag: no device sync here
         super()._on_grad(i, tensor)
+
+    def _backward_done(self, i: int) -> None:
+        """zero.py's, except for a unit that holds others (the root's own parameters): it
+        stays gathered until ``finish_grad_sync``. Its backward began before theirs, so on a
+        rank that used all its parameters it would complete first, be freed, and be gathered
+        again by a prefetch that the ranks that did not use one skip: a hang."""
+        if not self._outer[i]:
+            super()._backward_done(i)
 
     def _reduce(self, i: int) -> None:
         """zero.py calls this when all of unit i's gradients are in on this rank. A rank where
