@@ -1,8 +1,8 @@
 """ZeRO on generated models whose parameters go unused, against one device.
 
 A model nobody here wrote (``Drawn``): a root with trainable gains of its own, one read first
-or before the head (drawn) and one last in the forward (and, drawn, a frozen offset), three blocks of two linears in a
-``ModuleList``, a head. Hypothesis draws, per step: blocks not called on any rank, blocks called
+or before the head (drawn) and one last in the forward (and, drawn, a frozen offset), three
+blocks of two linears in a ``ModuleList``, a head. Hypothesis draws, per step: blocks not called on any rank, blocks called
 whose output no rank uses, and per rank a block's second linear left out (a parameter one rank
 uses and the other does not) and each root gain left out. It draws ``zero_grad``'s set_to_none
 (False: an unused parameter keeps its zeroed gradient, which AdamW decays, as on one device)
