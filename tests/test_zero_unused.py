@@ -2,11 +2,12 @@
 
 A model nobody here wrote (``Drawn``): a root with trainable gains of its own, one read first
 or before the head (drawn) and one last in the forward (and, drawn, a frozen offset), three
-blocks of two linears in a ``ModuleList``, a head. Hypothesis draws, per step: blocks not called on any rank, blocks called
-whose output no rank uses, and per rank a block's second linear left out (a parameter one rank
-uses and the other does not) and each root gain left out. It draws ``zero_grad``'s set_to_none
-(False: an unused parameter keeps its zeroed gradient, which AdamW decays, as on one device)
-and a second ``step()`` after each backward (the same gradients again, never reduced twice).
+blocks of two linears in a ``ModuleList``, a head. Hypothesis draws, per step: blocks not
+called on any rank, blocks called whose output no rank uses, per rank a block's second linear
+left out (a parameter one rank uses and the other does not) and each root gain left out, and a
+second ``step()`` after the backward (the same gradients again, never reduced twice). It draws
+``zero_grad``'s set_to_none (False: an unused parameter keeps its zeroed gradient, which AdamW
+decays, as on one device).
 apply_zero_any's ZeRO-3 and flat ZeRO-2, or ShardedOptimizer's ZeRO-2 on the bare model
 (drawn) step it 3 times with AdamW (weight decay) or SGD (momentum, weight decay) at 2 ranks,
 each rank built from its own seed; one device steps rank 0's model on the global batch, each
