@@ -46,7 +46,7 @@ State = Dict[str, torch.Tensor]
 Wrappers = Union["ShardedDataParallel", Sequence["ShardedDataParallel"]]
 
 
-def _tied_hint(module: nn.Module, names: List[str]) -> str:
+def _shared_hint(module: nn.Module, names: List[str]) -> str:
     """Chapter 10's pointer, only where one of ``names`` is a Parameter that two distinct
     modules hold (tied weights); a module listed in two units is not that."""
     holders: Dict[int, int] = {}
@@ -54,8 +54,8 @@ def _tied_hint(module: nn.Module, names: List[str]) -> str:
         for p in sub.parameters(recurse=False):
             holders[id(p)] = holders.get(id(p), 0) + 1
     params = dict(module.named_parameters())
-    tied = [n for n in names if holders[id(params[n])] > 1]
-    return f" ({tied} are tied weights: zero_tied.py)" if tied else ""
+    held_twice = [n for n in names if holders[id(params[n])] > 1]
+    return f" ({held_twice} are tied weights: zero_tied.py)" if held_twice else ""
 
 
 class ShardedDataParallel(nn.Module):
@@ -90,7 +90,7 @@ class ShardedDataParallel(nn.Module):
         ]
         if missing or twice:
             raise ValueError(f"each parameter must be in one unit; parameters in no unit: "
-                             f"{missing}, in two: {twice}{_tied_hint(module, twice)}")
+                             f"{missing}, in two: {twice}{_shared_hint(module, twice)}")
         self.module, self.group, self.zero_stage = module, group, zero_stage
         self.prefetch, self.make_unit = prefetch, make_unit
         # torch DDP's rule, as in data_parallel.py: every rank starts from the first rank's model
