@@ -795,7 +795,7 @@ class _OwnModelMixin:
             self.assertEqual("units= lists the model twice", r["root_twice"])
             self.assertIn("in two: ['0.1.weight', '0.1.bias']", r["module_in_two"])
             self.assertNotIn("zero_tied", r["module_in_two"])
-            self.assertIn("in two: ['a.weight'] (['a.weight'] are tied weights: zero_tied.py)",
+            self.assertIn("in two: ['a.weight'] (['a.weight']: tied weights, zero_tied.py)",
                           r["tied"])
             for said in [v for k, v in r.items() if k in ZERO_ERRORS]:
                 self.assertNotIn("\n", said)

@@ -9,6 +9,7 @@ module holds its parameters except those of a submodule another unit lists
 takes what its modules still hold.
 """
 
+from collections import Counter
 from contextlib import contextmanager
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Set, Union, cast
 
@@ -58,6 +59,21 @@ def as_units(model: nn.Module, rule: Optional[UnitRule]) -> Units:
             seen.add(id(m))
         return [(names[id(m)] or "model", [(names[id(m)], m)]) for m in cast(List[nn.Module], rule)]
     return cast(Units, rule)
+
+
+def check_coverage(model: nn.Module, units: Units) -> None:
+    """Every trainable parameter of ``model`` in exactly one of ``units``, or one line naming
+    those that are not; zero_tied.py only for a Parameter two modules hold (tied weights)."""
+    listed = Counter(id(p) for params in nested_parameters(units) for p in params)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    missing, twice = [n for n, p in named
+                      if not listed[id(p)]], [n for n, p in named if listed[id(p)] > 1]
+    holders = Counter(id(p) for m in model.modules() for p in m.parameters(recurse=False))
+    tied = [n for n in twice if holders[id(model.get_parameter(n))] > 1]
+    if missing or twice:
+        raise ValueError(f"each parameter must be in one unit; parameters in no unit: {missing}"
+                         f", in two: {twice}" +
+                         (f" ({tied}: tied weights, zero_tied.py)" * bool(tied)))
 
 
 def _held(module: nn.Module, skip: Set[int]) -> Iterator[nn.Parameter]:

@@ -23,7 +23,6 @@ stages 1 and 2 all-gather them. Stages 1, 2 move 2 Psi per step as DDP, stage 3 
 (``make_unit``, zero_mixed_precision.py) attach from outside.
 """
 
-from collections import Counter
 from contextlib import contextmanager
 from functools import partial
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Type, Union, cast
@@ -44,18 +43,6 @@ Units = List[Tuple[str, NamedModules]]  # (unit name, [(module name, module), ..
 MakeUnit = Callable[[str, NamedModules, Group, int], FlatUnit]  # (name, modules, group, stage)
 State = Dict[str, torch.Tensor]
 Wrappers = Union["ShardedDataParallel", Sequence["ShardedDataParallel"]]
-
-
-def _shared_hint(module: nn.Module, names: List[str]) -> str:
-    """Chapter 10's pointer, only where one of ``names`` is a Parameter that two distinct
-    modules hold (tied weights); a module listed in two units is not that."""
-    holders: Dict[int, int] = {}
-    for sub in module.modules():  # each module once, a shared one too
-        for p in sub.parameters(recurse=False):
-            holders[id(p)] = holders.get(id(p), 0) + 1
-    params = dict(module.named_parameters())
-    held_twice = [n for n in names if holders[id(params[n])] > 1]
-    return f" ({held_twice} are tied weights: zero_tied.py)" if held_twice else ""
 
 
 class ShardedDataParallel(nn.Module):
@@ -81,16 +68,14 @@ class ShardedDataParallel(nn.Module):
         comm.check_same_layout([*module.named_parameters(), *module.named_buffers()], "ZeRO", group)
         per_unit = self._unit_parameters(units)  # frozen ones stay whole, in no unit
         units = [unit for unit, params in zip(units, per_unit) if params]
-        listed = Counter(id(p) for params in per_unit for p in params)  # 2: a tied weight
+        listed = [id(p) for params in per_unit for p in params]  # twice: a tied weight
         missing = [
             n for n, p in module.named_parameters() if p.requires_grad and id(p) not in listed
         ]
-        twice = [] if self.shares_parameters else [
-            n for n, p in module.named_parameters() if listed[id(p)] > 1
-        ]
-        if missing or twice:
+        twice = [n for n, p in module.named_parameters() if listed.count(id(p)) > 1]
+        if missing or (twice and not self.shares_parameters):
             raise ValueError(f"each parameter must be in one unit; parameters in no unit: "
-                             f"{missing}, in two: {twice}{_shared_hint(module, twice)}")
+                             f"{missing}, in two: {twice} (tied weights: zero_tied.py)")
         self.module, self.group, self.zero_stage = module, group, zero_stage
         self.prefetch, self.make_unit = prefetch, make_unit
         # torch DDP's rule, as in data_parallel.py: every rank starts from the first rank's model
@@ -192,13 +177,9 @@ class ShardedDataParallel(nn.Module):
             self._ready[i] = 0
             if self._sync:
                 self._reduce(i)
-            self._backward_done(i)
-
-    def _backward_done(self, i: int) -> None:
-        """Unit i's gradients are all in on this rank: stage 3 frees it (a subclass may not)."""
-        if self.zero_stage == 3:
-            for k in self._gathered_with(i):
-                self._free(k)
+            if self.zero_stage == 3:
+                for k in self._gathered_with(i):
+                    self._free(k)
 
     def _reduce(self, i: int) -> None:
         # One reduce-scatter in flight at a time: its full-size input is freed sooner.

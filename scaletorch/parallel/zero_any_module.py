@@ -32,8 +32,8 @@ from torch.utils._pytree import tree_leaves
 from scaletorch.dist import comm, get_ledger
 from scaletorch.dist.comm import Group, Work
 from scaletorch.parallel.flat_unit import FlatUnit, gather_unit, put_tensor, release_unit
-from scaletorch.parallel.unit_rules import (UnitRule, as_units, check_unit_dtypes, frozen_unit,
-                                            nested_parameters, nests)
+from scaletorch.parallel.unit_rules import (UnitRule, as_units, check_coverage, check_unit_dtypes,
+                                            frozen_unit, nested_parameters, nests)
 from scaletorch.parallel.wrapper import refuse_wrapped
 from scaletorch.parallel.zero import MakeUnit, ShardedDataParallel, Units
 
@@ -80,6 +80,7 @@ class AnyShardedDataParallel(ShardedDataParallel):
             for n, t in module.state_dict(keep_vars=True).items()
         }
         frozen_at_wrap = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
+        check_coverage(module, units)  # zero.py's check, naming the cause (a module listed twice)
         super().__init__(module, units, *args, **kwargs)
         self.names_at_wrap = names  # {every state_dict key: the first key of its tensor}
         self.frozen_at_wrap = frozen_at_wrap  # unfrozen later, one stops the step (by name)
@@ -123,8 +124,7 @@ class AnyShardedDataParallel(ShardedDataParallel):
         self._slot = [{id(t): k for k, t in enumerate(u.tensors)} for u in self.units]
         self._next = len(self.units) - 1  # the next unit to reduce-scatter: the last first
         self._queued = [False] * len(self.units)  # complete here, waiting for its turn
-        self._round = False  # a forward with grad ran since the last finish_grad_sync
-        self._outer_gathered = False
+        self._round = self._outer_gathered = False  # a forward with grad ran since the last sync
 
     def _hold(self, unit: FlatUnit, gathered: bool) -> None:
         """The unit's modules hold its full tensors (``gathered``) or a placeholder each."""
@@ -198,6 +198,8 @@ class AnyShardedDataParallel(ShardedDataParallel):
             self._gather_frozen(frozen, i, async_op)
 
     def _free(self, i: int) -> None:
+        if self._outer[i] and self._outer_gathered:
+            return  # gathered for the whole backward (``_gather_outer``)
         super()._free(i)
         self._hold(self.units[i], False)  # a use outside the hooks now raises, naming the unit
         frozen = self.frozen[i] if self.frozen else None
@@ -252,14 +254,6 @@ class AnyShardedDataParallel(ShardedDataParallel):
     def _on_grad(self, i: int, tensor: torch.Tensor) -> None:
         self._got[i][self._slot[i][id(tensor)]] = True  # a Python flag: no device sync here
         super()._on_grad(i, tensor)
-
-    def _backward_done(self, i: int) -> None:
-        """zero.py's, except for a unit that holds others (the root's own parameters): it
-        stays gathered until ``finish_grad_sync``. Its backward began before theirs, so on a
-        rank that used all its parameters it would complete first, be freed, and be gathered
-        again by a prefetch that the ranks that did not use one skip: a hang."""
-        if not self._outer[i]:
-            super()._backward_done(i)
 
     def _reduce(self, i: int) -> None:
         """zero.py calls this when all of unit i's gradients are in on this rank. A rank where
@@ -334,7 +328,7 @@ class AnyShardedDataParallel(ShardedDataParallel):
                     super()._reduce(i)  # a unit's gradient after its turn: added to its shard's
             self._wait_reduce()  # the last one in flight: its shard's gradient is in
             self._agree_on_grads()
-        self._round = False
+        self._round = self._outer_gathered = False  # zero.py's frees every unit now
         self._next, self._queued = len(self.units) - 1, [False] * len(self.units)
         super().finish_grad_sync()
         if self.outside is not None:
