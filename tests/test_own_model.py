@@ -398,7 +398,9 @@ class Gated(nn.Module):
 
 def generated_ddp_cases() -> List[Dict[str, Any]]:
     """Every impl x optimizer pair; drawn from a fixed seed (the same on every rank and in the
-    test): the dtype, which parameters are frozen, which layers each of 2 steps leaves unused."""
+    test): the dtype, which parameters are frozen, which layers each of 3 steps leaves unused,
+    and zero_grad's set_to_none (False: an unused layer keeps its zeroed gradient, as torch's
+    DDP and one device keep it, and AdamW decays it)."""
     g = torch.Generator().manual_seed(52)
     n = 40 if os.environ.get("SCALETORCH_LONG_TESTS") == "1" else 6
 
@@ -408,10 +410,10 @@ def generated_ddp_cases() -> List[Dict[str, Any]]:
     names = [f"layers.{i}.{k}" for i in range(4) for k in ("weight", "bias")]
     return [
         dict(impl=["naive", "ours"][k % 2], opt=list(OPTIMIZERS)[k % 3],
-             dtype=pick([torch.float32, torch.float64]),
+             dtype=pick([torch.float32, torch.float64]), set_to_none=pick([True, False]),
              frozen=[m for m in names
                      if pick([0, 0, 0, 1])], skip=[[i for i in range(3) if pick([0, 0, 1])]
-                                                   for _ in range(2)]) for k in range(n)
+                                                   for _ in range(3)]) for k in range(n)
     ]
 
 
@@ -432,7 +434,7 @@ def train_gated(case: Dict[str, Any], rank: int, world: int,
     slices = list(zip(x.chunk(world), y.chunk(world)))
     for skip in case["skip"]:
         inner.skip = skip
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=case["set_to_none"])
         if one_device:
             (sum(F.mse_loss(model(xs), ys) for xs, ys in slices) / world).backward()
         else:
@@ -488,6 +490,13 @@ def zero_misuses(rank: int, world: int) -> Dict[str, Any]:
     out["order"] = [n for n, _ in apply_zero_any(build("frozen", 1), None, 3).named_parameters()]
     shared = apply_zero_any(Shared(), None, 3)
     out["shared_state"] = shared.full_state_dict()
+    mlp, lin, tied = build("mlp", 1), nn.Linear(4, 4), Coupled()  # units= mistakes (#14, #15)
+    out["listed_twice"] = _raised(
+        lambda: apply_zero_any(mlp, None, 3, units=[mlp, mlp.net[0], mlp.net[0]]))
+    out["root_twice"] = _raised(lambda: apply_zero_any(mlp, None, 3, units=[mlp, mlp]))
+    in_two = nn.Sequential(nn.Sequential(nn.Linear(4, 4), lin), nn.Sequential(lin, nn.Linear(4, 4)))
+    out["module_in_two"] = _raised(lambda: apply_zero_any(in_two, None, 3))
+    out["tied"] = _raised(lambda: apply_zero_any(tied, None, 3, units=[tied.a, tied.b]))
     # a per-rank checkpoint: another model's wrapper (rank 0's seed 2) loads seed 1's shards
     saved, loaded = (apply_zero_any(build("frozen", seed), None, 3) for seed in (1, 2))
     loaded.load_state_dict(saved.state_dict(), strict=True)
@@ -781,6 +790,13 @@ class _OwnModelMixin:
             self.assertIn("ShardedOptimizer(model, AdamW, ...)", r["views"])
             self.assertIn("unfreeze the parameter before apply_zero_any", r["view_requires_grad"])
             self.assertIn("['scale'] were frozen at the wrap, so no gradient", r["unfrozen"])
+            # a module listed twice is named; zero_tied.py only for a Parameter two modules hold
+            self.assertEqual("units= lists net.0 twice", r["listed_twice"])
+            self.assertEqual("units= lists the model twice", r["root_twice"])
+            self.assertIn("in two: ['0.1.weight', '0.1.bias']", r["module_in_two"])
+            self.assertNotIn("zero_tied", r["module_in_two"])
+            self.assertIn("in two: ['a.weight'] (['a.weight']: tied weights, zero_tied.py)",
+                          r["tied"])
             for said in [v for k, v in r.items() if k in ZERO_ERRORS]:
                 self.assertNotIn("\n", said)
 
@@ -877,7 +893,8 @@ class _OwnModelMixin:
                                                msg=f"added stage {stage} rank {rank} {n}")
 
 
-ZERO_ERRORS = ("mixed_unit", "adafactor", "lbfgs", "views", "view_requires_grad", "unfrozen")
+ZERO_ERRORS = ("mixed_unit", "adafactor", "lbfgs", "views", "view_requires_grad", "unfrozen",
+               "listed_twice", "root_twice", "module_in_two", "tied")
 
 
 def flat_vs_whole(cls: type, sizes: List[int], seed: int) -> float:

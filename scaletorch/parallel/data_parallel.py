@@ -70,8 +70,7 @@ class _DataParallel(ModuleWrapper, nn.Module):
         self.broadcast_buffers, self.find_unused = broadcast_buffers, find_unused_parameters
         self._used: Set[int] = set()  # parameters that got a gradient since the last sync
         self._sync_enabled, self._needs_sync, self._callback_queued = True, False, False
-        # torch DDP's rule: the replicas start as the first rank's, however each was built;
-        # first the ranks check that they hold the same tensors (one small all-gather)
+        # torch DDP's rule: start as the first rank's, once all hold the same tensors (all-gather)
         state = [*module.named_parameters(), *module.named_buffers()]
         comm.check_same_layout(state, "data parallel", group)
         comm.broadcast_from_first([*module.parameters(), *module.buffers()], group)
@@ -79,8 +78,7 @@ class _DataParallel(ModuleWrapper, nn.Module):
             p.register_post_accumulate_grad_hook(lambda p, i=i: self._grad_ready(i))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if torch.is_grad_enabled():
-            self._needs_sync = True
+        self._needs_sync = self._needs_sync or torch.is_grad_enabled()
         if self.broadcast_buffers:  # torch DDP's rule: every forward sees the first rank's
             comm.broadcast_from_first(list(self.module.buffers()), self.group)
         return self.module(*args, **kwargs)
@@ -123,9 +121,9 @@ class _DataParallel(ModuleWrapper, nn.Module):
     def _sync(self) -> None:
         raise NotImplementedError
 
-    def _drop_unused(self) -> None:
+    def _drop_unused(self, held: List[bool]) -> None:
         """After a sync. With torch DDP's find_unused_parameters a parameter no rank's backward
-        reached gets ``grad = None`` (an all-reduce of a 0/1 flag each); without it, it raises."""
+        reached (a 0/1 flag each, all-reduced) keeps the grad it ``held``; without, it raises."""
         self._needs_sync = False
         now = [n for n, p in self.module.named_parameters() if p.requires_grad]
         unused = [n for i, n in enumerate(self.names) if i not in self._used]
@@ -139,8 +137,8 @@ class _DataParallel(ModuleWrapper, nn.Module):
             used = torch.tensor([float(i in self._used) for i in range(len(self.params))],
                                 device=self.params[0].device)
             comm.all_reduce(used, self.group)  # how many ranks used each parameter
-            for p, n in zip(self.params, used.tolist()):
-                p.grad = None if n == 0 else p.grad
+            for p, n, had in zip(self.params, used.tolist(), held):
+                p.grad = None if n == 0 and not had else p.grad
         self._used.clear()
 
 
@@ -148,10 +146,11 @@ class NaiveDataParallel(_DataParallel):
     """After backward, all-reduce each gradient (blocking) and divide by N."""
 
     def _sync(self) -> None:
-        for p in self.params:  # unused here, maybe used elsewhere: every rank reduces (zeros)
-            p.grad = torch.zeros_like(p) if p.grad is None else p.grad
+        held = [p.grad is not None for p in self.params]  # an unused one's: the user's
+        for p, had in zip(self.params, held):  # unused here, maybe not elsewhere: zeros
+            p.grad = p.grad if had else torch.zeros_like(p)
         self._average([p.grad for p in self.params if p.grad is not None])  # over dp, / N
-        self._drop_unused()
+        self._drop_unused(held)
 
 
 @dataclass
@@ -242,6 +241,7 @@ class BucketedDataParallel(_DataParallel):
 
     def _sync(self) -> None:
         """Launch what backward did not (unused parameters), wait once, hand out the grads."""
+        held = [p.grad is not None for p in self.params]  # _take_grad keeps a None
         while self._next_bucket < len(self.buckets):
             self._launch(self.buckets[self._next_bucket], in_backward=False)
             self._next_bucket += 1
@@ -250,7 +250,7 @@ class BucketedDataParallel(_DataParallel):
             bucket.work, bucket.ready = None, 0
         for p, view in zip(self.params, self._views):
             p.grad = view if p.dtype == view.dtype else view.to(p.dtype)
-        self._drop_unused()
+        self._drop_unused(held)
         self._stale = set(range(len(self.params)))
         self._next_bucket = self._grads_ready = 0
 

@@ -124,7 +124,9 @@ class ShardedOptimizer(ZeroOptimizer):
             }, "params": [p for p in g["params"] if self.owner.get(id(p)) == self.rank]
         } for g in self.param_groups]
         self.local = optimizer_class(local, **defaults)
-        self._reduced = False  # ZeRO-2: clip_grad_norm reduced this step's gradients already
+        # ZeRO-2: the gradients are the owners' means already (clip_grad_norm, or a step since
+        # the last backward): a second step() after one backward must not reduce them again
+        self._reduced = False
         # the replicas start equal, as under DDP: the group's first rank's values (one broadcast)
         comm.broadcast_from_first([p for g in self.param_groups for p in g["params"]], group)
         self._built = True
@@ -143,6 +145,9 @@ class ShardedOptimizer(ZeroOptimizer):
         """Assign the trainable parameters of ``groups`` to owners (``partition``)."""
         trainable = [p for g in groups for p in g["params"] if p.requires_grad]
         owners = partition([p.numel() for p in trainable], self.world)
+        if self.zero_stage == 2:  # a new backward: the gradients are each rank's own again
+            for p in trainable:
+                p.register_post_accumulate_grad_hook(self._new_gradient)
         self.trainable += trainable
         self.owner.update({id(p): r for p, r in zip(trainable, owners)})
 
@@ -206,12 +211,16 @@ class ShardedOptimizer(ZeroOptimizer):
             local.update({k: v for k, v in full.items() if k != "params"})  # the scheduler's lr
         if self.zero_stage == 2 and self.trainable and self.world > 1 and not self._reduced:
             self._reduce_to_owners()
-        self._reduced = False
+        self._reduced = True  # until the next backward (``_new_gradient``)
         self.local.step()  # this rank's parameters only
         for rank in range(self.world):  # each owner's parameters, to every rank
             comm.broadcast_tensors(self._owned_by(rank, self.trainable), self._src(rank),
                                    self.group)
         return loss
+
+    def _new_gradient(self, param: torch.Tensor) -> None:
+        """ZeRO-2's post-accumulate-grad hook: a backward added a rank's own gradient."""
+        self._reduced = False
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Scale the model's gradient so its norm is at most ``max_norm``; return the norm

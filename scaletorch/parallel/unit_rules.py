@@ -9,6 +9,7 @@ module holds its parameters except those of a submodule another unit lists
 takes what its modules still hold.
 """
 
+from collections import Counter
 from contextlib import contextmanager
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Set, Union, cast
 
@@ -51,8 +52,28 @@ def as_units(model: nn.Module, rule: Optional[UnitRule]) -> Units:
         unknown = [type(m).__name__ for m in rule if id(m) not in names]
         if unknown:
             raise ValueError(f"ZeRO units must be submodules of the model; not in it: {unknown}")
+        seen: Set[int] = set()
+        for m in rule:
+            if id(m) in seen:
+                raise ValueError(f"units= lists {names[id(m)] or 'the model'} twice")
+            seen.add(id(m))
         return [(names[id(m)] or "model", [(names[id(m)], m)]) for m in cast(List[nn.Module], rule)]
     return cast(Units, rule)
+
+
+def check_coverage(model: nn.Module, units: Units) -> None:
+    """Every trainable parameter of ``model`` in exactly one of ``units``, or one line naming
+    those that are not; zero_tied.py only for a Parameter two modules hold (tied weights)."""
+    listed = Counter(id(p) for params in nested_parameters(units) for p in params)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    missing, twice = [n for n, p in named
+                      if not listed[id(p)]], [n for n, p in named if listed[id(p)] > 1]
+    holders = Counter(id(p) for m in model.modules() for p in m.parameters(recurse=False))
+    tied = [n for n in twice if holders[id(model.get_parameter(n))] > 1]
+    if missing or twice:
+        raise ValueError(f"each parameter must be in one unit; parameters in no unit: {missing}"
+                         f", in two: {twice}" +
+                         (f" ({tied}: tied weights, zero_tied.py)" * bool(tied)))
 
 
 def _held(module: nn.Module, skip: Set[int]) -> Iterator[nn.Parameter]:

@@ -72,10 +72,10 @@ class ShardedDataParallel(nn.Module):
         missing = [
             n for n, p in module.named_parameters() if p.requires_grad and id(p) not in listed
         ]
-        shared = 0 if self.shares_parameters else len(listed) - len(set(listed))
-        if missing or shared:
+        twice = [n for n, p in module.named_parameters() if listed.count(id(p)) > 1]
+        if missing or (twice and not self.shares_parameters):
             raise ValueError(f"each parameter must be in one unit; parameters in no unit: "
-                             f"{missing}, in two: {shared} (tied weights: zero_tied.py)")
+                             f"{missing}, in two: {twice} (tied weights: zero_tied.py)")
         self.module, self.group, self.zero_stage = module, group, zero_stage
         self.prefetch, self.make_unit = prefetch, make_unit
         # torch DDP's rule, as in data_parallel.py: every rank starts from the first rank's model

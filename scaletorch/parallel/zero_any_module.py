@@ -32,8 +32,8 @@ from torch.utils._pytree import tree_leaves
 from scaletorch.dist import comm, get_ledger
 from scaletorch.dist.comm import Group, Work
 from scaletorch.parallel.flat_unit import FlatUnit, gather_unit, put_tensor, release_unit
-from scaletorch.parallel.unit_rules import (UnitRule, as_units, check_unit_dtypes, frozen_unit,
-                                            nested_parameters, nests)
+from scaletorch.parallel.unit_rules import (UnitRule, as_units, check_coverage, check_unit_dtypes,
+                                            frozen_unit, nested_parameters, nests)
 from scaletorch.parallel.wrapper import refuse_wrapped
 from scaletorch.parallel.zero import MakeUnit, ShardedDataParallel, Units
 
@@ -80,6 +80,7 @@ class AnyShardedDataParallel(ShardedDataParallel):
             for n, t in module.state_dict(keep_vars=True).items()
         }
         frozen_at_wrap = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
+        check_coverage(module, units)  # zero.py's check, naming the cause (a module listed twice)
         super().__init__(module, units, *args, **kwargs)
         self.names_at_wrap = names  # {every state_dict key: the first key of its tensor}
         self.frozen_at_wrap = frozen_at_wrap  # unfrozen later, one stops the step (by name)
@@ -123,7 +124,7 @@ class AnyShardedDataParallel(ShardedDataParallel):
         self._slot = [{id(t): k for k, t in enumerate(u.tensors)} for u in self.units]
         self._next = len(self.units) - 1  # the next unit to reduce-scatter: the last first
         self._queued = [False] * len(self.units)  # complete here, waiting for its turn
-        self._round = False  # a forward with grad ran since the last finish_grad_sync
+        self._round = self._outer_gathered = False  # a forward with grad ran since the last sync
 
     def _hold(self, unit: FlatUnit, gathered: bool) -> None:
         """The unit's modules hold its full tensors (``gathered``) or a placeholder each."""
@@ -158,6 +159,7 @@ class AnyShardedDataParallel(ShardedDataParallel):
         """zero.py's, with the frozen parameters of no unit gathered for the forward and the
         backward after it (released by ``finish_grad_sync``; at once without grad)."""
         self._inputs = [0] * len(self.units)  # no backward of ours is in flight: count afresh
+        self._outer_gathered = False  # ``_gather_outer``: at this forward's first backward hook
         self._awaiting = [0] * len(self.units)
         self._next, self._queued = len(self.units) - 1, [False] * len(self.units)
         self._round = self._round or torch.is_grad_enabled()  # every rank calls forward
@@ -196,6 +198,8 @@ class AnyShardedDataParallel(ShardedDataParallel):
             self._gather_frozen(frozen, i, async_op)
 
     def _free(self, i: int) -> None:
+        if self._outer[i] and self._outer_gathered:
+            return  # gathered for the whole backward (``_gather_outer``)
         super()._free(i)
         self._hold(self.units[i], False)  # a use outside the hooks now raises, naming the unit
         frozen = self.frozen[i] if self.frozen else None
@@ -217,10 +221,25 @@ class AnyShardedDataParallel(ShardedDataParallel):
                 tensor.register_hook(partial(self._input_grad, i))
 
     def _pre_backward(self, i: int, grad: torch.Tensor) -> None:
-        if self.zero_stage == 3 and self._sync and not self._outer[i]:
+        """zero.py's, after ``_gather_outer``; a unit holding others is gathered already, so
+        its hook does nothing more (no prefetch at a place that differs between ranks)."""
+        self._gather_outer()
+        if self._outer[i]:
+            return
+        if self.zero_stage == 3 and self._sync:
             self._issue(i + 1)  # the units after it are done: reduced before its gathers
         super()._pre_backward(i, grad)
         self._awaiting[i] = max(self._inputs[i], 0)
+
+    def _gather_outer(self) -> None:
+        """Stage 3, at the first unit's backward: gather every unit that holds others (the
+        root's own parameters), in one order, kept until ``finish_grad_sync``. Their hooks fire
+        on the output they return, at a place that depends on what a rank used: a root gain on
+        the output on one rank only moves the root's hook before or after the head's."""
+        if self.zero_stage == 3 and not self._outer_gathered:
+            self._outer_gathered = True
+            for k in [k for k, outer in enumerate(self._outer) if outer]:
+                self._gather(k)
 
     def _input_grad(self, i: int, grad: torch.Tensor) -> None:
         """A gradient of unit i's input is computed: the unit's backward has read it all."""
@@ -257,7 +276,8 @@ class AnyShardedDataParallel(ShardedDataParallel):
         parameter, in order: did this rank get a gradient for it. Summed, it says which ones
         some rank used (their gradient is the mean, as one device's over the global batch);
         those no rank used get ``grad None`` in ``pieces`` (and a unit with none, on its shard),
-        so the optimizer skips them as on one device: no decay, no moments, no step count. At
+        so the optimizer skips them as on one device: no decay, no moments, no step count
+        (unless they held a gradient before the backward: then they keep one, zeros here). At
         the same place on every rank: after every unit's reduce-scatter, once per step."""
         flags = [float(g) for got in self._got for g in got]
         got = torch.tensor(flags, device=self.units[0].shard.device)
@@ -266,11 +286,14 @@ class AnyShardedDataParallel(ShardedDataParallel):
         self.has_grad = [[next(agreed) for _ in u.tensors] for u in self.units]
         self._got = [[False] * len(u.tensors) for u in self.units]
         for unit, pieces, flags_of in zip(self.units, self.pieces, self.has_grad):
-            if not any(flags_of):
+            # a piece that held a gradient before (zero_grad(set_to_none=False), or one
+            # accumulated) keeps one, as on one device; one that held None stays None
+            keep = [flag or piece.grad is not None for piece, flag in zip(pieces, flags_of)]
+            if not any(keep):
                 unit.shard.grad = None  # no rank used the unit: no gradient, as on one device
             grad = unit.shard.grad
-            for piece, flag, (a, b) in zip(pieces, flags_of, pieces_of(unit)):
-                piece.grad = grad[a:b] if flag and grad is not None else None
+            for piece, kept, (a, b) in zip(pieces, keep, pieces_of(unit)):
+                piece.grad = grad[a:b] if kept and grad is not None else None
 
     def zero_grad_buffers(self) -> None:
         """zero.py's, and the shards' gradients (the optimizer's parameters are the pieces)."""
@@ -305,7 +328,7 @@ class AnyShardedDataParallel(ShardedDataParallel):
                     super()._reduce(i)  # a unit's gradient after its turn: added to its shard's
             self._wait_reduce()  # the last one in flight: its shard's gradient is in
             self._agree_on_grads()
-        self._round = False
+        self._round = self._outer_gathered = False  # zero.py's frees every unit now
         self._next, self._queued = len(self.units) - 1, [False] * len(self.units)
         super().finish_grad_sync()
         if self.outside is not None:
