@@ -143,6 +143,11 @@ def damage(file: str, how: str, at: int, bit: int, tail: bytes) -> bool:
     if how == "truncate":
         if size == 0:
             return False
+        with open(file, "rb") as f:
+            f.seek(size - 1)
+            last = f.read(1)
+        if file.endswith(".sha256") and at % size == size - 1 and last == b"\n":
+            return False  # a digest line without its newline is read as documented (an editor's)
         os.truncate(file, at % size)
     elif how == "extend":
         with open(file, "ab") as f:
