@@ -22,6 +22,7 @@ from scripts.grading.variants import CATALOGUE, HANGS, STOPPING
 from tests import harness  # noqa: F401 - sets the forkserver's preload list
 from tests import grading_solutions
 from tests.grading_solutions import ALTERNATIVES, MISTAKES
+from tests.test_planted_bugs import patched  # a limit in runner.RANK_LIMITS, sent to the ranks
 
 # The graded worlds fork from the test run's forkserver, which imported torch and the library
 # once, instead of starting Pythons that import them again (the grader's way for a learner)
@@ -159,7 +160,7 @@ class GradeAHang(unittest.TestCase):
     def test_a_deadlock_is_named_with_the_operations_and_peers(self):
         for (chapter, exercise, variant), phrases in HANGS.items():
             module, _ = grade.CHAPTERS[chapter]
-            with limited(module, "HANG_TIMEOUT", SHORT_HANG_TIMEOUT):
+            with patched(module, "HANG_TIMEOUT", SHORT_HANG_TIMEOUT):
                 verdict, = module.grade([{exercise: (VARIANTS, variant)}])
             self.assertFalse(verdict.passed)
             for phrase in phrases:
@@ -168,18 +169,6 @@ class GradeAHang(unittest.TestCase):
             waited = float(re.search(r"gave up after (\d+) s", verdict.text).group(1))
             self.assertGreaterEqual(waited, SHORT_HANG_TIMEOUT - 1, verdict.text)
             self.assertLessEqual(waited, SHORT_HANG_TIMEOUT + 2, verdict.text)
-
-
-@contextlib.contextmanager
-def limited(module, name: str, seconds: float):
-    """``module.name`` (a limit in runner.RANK_LIMITS, sent to the ranks) set to ``seconds``
-    for the block."""
-    old = getattr(module, name)
-    setattr(module, name, seconds)
-    try:
-        yield
-    finally:
-        setattr(module, name, old)
 
 
 def _line(function, text):
@@ -208,7 +197,7 @@ class GradeEachExerciseOnItsOwn(unittest.TestCase):
         } for f in ("raise_on_rank_1", "hang_on_rank_1")]
         jobs += [{"wait_for_buckets": (module.LIBRARY, "wait_for_buckets")}]
         start = time.perf_counter()
-        with limited(runner, "COLLECTIVE_TIMEOUT", SHORT_COLLECTIVE_TIMEOUT):
+        with patched(runner, "COLLECTIVE_TIMEOUT", SHORT_COLLECTIVE_TIMEOUT):
             cls.verdicts = module.grade(jobs)
         cls.seconds = time.perf_counter() - start
 
