@@ -4,13 +4,13 @@
 1, see tests/harness.py); ``--bit-exact`` runs only the tests marked ``@bit_exact``, the ones
 that compare results bit for bit. CI runs those at 1 and at 2 threads as well.
 
-``--jobs N`` runs the test modules in N worker processes at once (default 1: all in this
-process). Between its worlds a worker waits on a timeout, a launcher or one Python's imports,
-which a second worker can fill; but two 8-rank worlds side by side on 2 cores cost more CPU
-than they save (measured on 2 cores, nearly the same commit: 1180 s and 2176 s of CPU at
---jobs 2, 1015 s and 1476 s at 1). It may pay once the 8-rank worlds are smaller. Modules
-listed in ``ALONE`` measure time (a schedule's bubble, a straggler's delay): they run after the
-others, with no second worker beside them.
+``--jobs N`` runs the test modules in N worker processes at once (default: the cores this
+process may use, at most 2; 1 runs all in this process). Between its worlds a worker waits on a
+timeout, a launcher or one Python's imports, which a second worker fills. With more than one
+worker, every test process runs one intra-op thread (unless ``--threads`` says otherwise): two
+workers of two threads each would share two cores four ways. Modules listed in ``ALONE``
+measure time (a schedule's bubble, a straggler's delay): they run after the others, with no
+second worker beside them.
 
 ``--durations N`` also lists the N slowest test classes (their tests' times summed, setUpClass
 included: a class that spawns one world for all its tests pays it there), with the CPU seconds
@@ -34,7 +34,7 @@ import subprocess
 import sys
 import time
 import unittest
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -45,6 +45,21 @@ SLOW_FIRST = ("tests.test_resume", "tests.test_nd_parallel", "tests.test_dry_run
               "tests.test_grade", "tests.test_fault_tolerance", "tests.test_debugging",
               "tests.test_native_nd", "tests.test_dcp_async", "tests.test_dcp", "tests.test_docs",
               "tests.test_plan", "tests.test_bad_inputs", "tests.test_stops")
+
+
+def default_jobs() -> int:
+    """The cores this process may run on, at most 2: two workers fill each other's waits; more
+    would run several timed or 8-rank worlds side by side."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(2, cores or 1))
+
+
+def test_threads(jobs: int, threads: Optional[int]) -> Optional[int]:
+    """The intra-op threads of every test process and rank: ``--threads`` if given; one when
+    several workers share the cores; else None (tests/harness.py's defaults)."""
+    if threads is not None:
+        return threads
+    return 1 if jobs > 1 else None
 
 
 def cpu_seconds() -> float:
@@ -267,17 +282,18 @@ def main() -> int:
     parser.add_argument("--bit-exact", action="store_true",
                         help="only the tests that compare results bit for bit")
     parser.add_argument(
-        "--jobs", type=int, metavar="N", default=1,
+        "--jobs", type=int, metavar="N", default=default_jobs(),
         help="test modules run at once, each in a worker process (default: "
-        "%(default)s)")
+        "%(default)s, the cores this process may use, at most 2)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.threads is not None:
-        if args.threads < 1:
-            parser.error(f"--threads {args.threads}: expected at least 1")
-        os.environ["SCALETORCH_TEST_THREADS"] = str(args.threads)
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"--threads {args.threads}: expected at least 1")
     if args.jobs < 1:
         parser.error(f"--jobs {args.jobs}: expected at least 1")
+    threads = test_threads(args.jobs, args.threads)
+    if threads is not None and not args.worker:  # a worker inherits its parent's
+        os.environ["SCALETORCH_TEST_THREADS"] = str(threads)
     os.chdir(ROOT)  # the tests name files relative to the checkout
     if ROOT not in sys.path:
         sys.path.insert(0, ROOT)

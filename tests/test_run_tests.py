@@ -93,5 +93,20 @@ class SharedRunsGoToOneWorker(unittest.TestCase):
                                 module)
 
 
+class JobsFollowTheCores(unittest.TestCase):
+
+    def test_one_worker_per_usable_core_at_most_two_and_workers_run_one_thread(self):
+        from unittest import mock
+        sys.path.insert(0, ROOT)
+        import run_tests
+        for cores, jobs in ((1, 1), (2, 2), (16, 2)):
+            with mock.patch("os.sched_getaffinity", lambda _: set(range(cores)), create=True):
+                self.assertEqual(run_tests.default_jobs(), jobs, cores)
+        # several workers share the cores: one thread each, unless --threads says otherwise
+        self.assertEqual(
+            [run_tests.test_threads(j, t) for j, t in ((1, None), (2, None), (2, 2), (1, 3))],
+            [None, 1, 2, 3])
+
+
 if __name__ == "__main__":
     unittest.main()
