@@ -12,6 +12,7 @@ The suite runs at most 20 examples a test; SCALETORCH_LONG_TESTS=1 runs 200.
 
 import copy
 import os
+import re
 import shutil
 import signal
 import tempfile
@@ -244,6 +245,33 @@ class ATokenFileCutWhileTheRunReadsIt(_Tmp):
             "the child died of SIGBUS")
         self.assertEqual(os.WEXITSTATUS(status), 2, message)
         self.assertIn("live.bin' changed while the run read it", message)
+
+    def test_in_a_run_the_line_names_the_step_and_the_checkpoint_to_resume_from(self):
+        from unittest import mock
+
+        from scaletorch.trainer import parse_args
+        from scaletorch.trainer.stops import interruptible
+        path = os.path.join(self.fresh(), "live.bin")
+        write_token_file(path, np.zeros(4000, dtype=np.uint16), 256, "byte")
+        cfg = parse_args([
+            "--config", "examples/configs/00_single_device.yaml", "--steps", "8",
+            "--logging.run_dir",
+            self.fresh(), "--checkpoint.every", "2"
+        ])
+        data = build_dataset("bin", 256, 0, path)
+        os.truncate(path, 100)
+        saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        self.addCleanup(lambda: [signal.signal(s, h) for s, h in saved.items()])
+        for checkpoint, where in ((None, "no checkpoint was saved (checkpoint.every 2)"),
+                                  ("R/step_4", "last complete checkpoint R/step_4; resume with:")):
+            with mock.patch("scaletorch.trainer.stops.latest_checkpoint", lambda _: checkpoint), \
+                    self.assertRaises(InputError) as raised, interruptible(cfg, [5]):
+                data.sample(4, 33, np.random.default_rng(0))
+            self.assertRegex(
+                str(raised.exception),
+                r"^data.path '.*live.bin' changed while the run read it: it had 8000 "
+                r"bytes, now 100 \(truncated or rewritten\); restore the file, then "
+                r"resume at step 5 of 8: " + re.escape(where))
 
 
 class OutsideLibrariesFailOnOneLine(_Tmp):

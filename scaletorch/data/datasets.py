@@ -239,14 +239,19 @@ class ByteTextDataset:
         return _random_windows(self.tokens, num_sequences, length, rng, self.path, "bytes")
 
 
+class DataChanged(InputError):
+    """A data file that changed under a running run. The run's loop adds the step it reached
+    and the checkpoint to resume from (trainer/stops.py's ``interruptible``)."""
+
+
 class BinDataset:
     """A nanoGPT-style token file: a flat array of ``dtype`` token ids.
 
     vocab_size: the tokenizer's vocabulary (50257 for GPT-2); the default 65536 admits any
     uint16 token. Sampled windows are checked against it, so a wrong value fails loudly.
     Windows are read with ``os.pread``, not through a memory map: the file can be far larger
-    than RAM, and a file cut while the run reads it is a short read, reported as an
-    InputError naming it, where a memory map would kill the process with SIGBUS.
+    than RAM, and a file cut while the run reads it is a short read, reported as DataChanged
+    naming it, where a memory map would kill the process with SIGBUS.
     """
 
     def __init__(self, path: str, vocab_size: int = 65536, dtype: type = np.uint16) -> None:
@@ -268,16 +273,15 @@ class BinDataset:
             os.close(fd)
 
     def window(self, start: int, length: int) -> np.ndarray:
-        """Tokens ``start .. start + length - 1`` of the file (its dtype); InputError naming
+        """Tokens ``start .. start + length - 1`` of the file (its dtype); DataChanged naming
         the file when they are no longer there."""
         nbytes = length * self.dtype.itemsize
         data = os.pread(self._fd, nbytes, start * self.dtype.itemsize)
         if len(data) < nbytes:
             now = os.fstat(self._fd).st_size
-            raise InputError(f"data.path {self.path!r} changed while the run read it: it had "
-                             f"{self.num_tokens * self.dtype.itemsize} bytes, now {now} "
-                             f"(truncated or rewritten); restore the file, then resume from "
-                             f"the last checkpoint")
+            raise DataChanged(f"data.path {self.path!r} changed while the run read it: it had "
+                              f"{self.num_tokens * self.dtype.itemsize} bytes, now {now} "
+                              f"(truncated or rewritten); restore the file, then resume")
         return np.frombuffer(data, dtype=self.dtype)
 
     def sample(self, num_sequences: int, length: int, rng: np.random.Generator) -> np.ndarray:

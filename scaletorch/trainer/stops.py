@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator, List, Optional
 
 from scaletorch.config import Config
+from scaletorch.data.datasets import DataChanged
 from scaletorch.rules.errors import (INTERRUPTED, NON_FINITE, OUTPUT_FAILED, PIPE_CLOSED,
                                      TERMINATED, RunStopped, Terminated)
 from scaletorch.trainer.checkpoint import latest_checkpoint
@@ -253,9 +254,9 @@ def output_closed(cfg: Optional[Config], step: Optional[int],
 def interruptible(cfg: Config, steps_done: List[int]) -> Iterator[None]:
     """Inside the block Ctrl-C (SIGINT) and SIGTERM raise RunStopped (exit 130, 143) naming
     the step reached (``steps_done[0]``, kept current by the caller) and the checkpoint a
-    resume starts from. After the first signal later ones are ignored (``on_stop_signal``).
-    Any error raised once a signal arrived (a collective whose peer has already stopped) is
-    the same stop."""
+    resume starts from; so does a data file changed under the run (DataChanged). After the
+    first signal later ones are ignored (``on_stop_signal``). Any error raised once a signal
+    arrived (a collective whose peer has already stopped) is the same stop."""
     if threading.current_thread() is not threading.main_thread():
         yield  # signal handlers belong to the main thread
         return
@@ -274,6 +275,9 @@ def interruptible(cfg: Config, steps_done: List[int]) -> Iterator[None]:
             raise
         raise output_closed(cfg, steps_done[0], err) from None
     except BaseException as err:
+        if not seen and isinstance(err, DataChanged):  # the data file was cut or rewritten
+            raise DataChanged(f"{err} at step {steps_done[0]} of {cfg.training.steps}: "
+                              f"{where_to_resume(cfg)}") from None
         if not seen and not isinstance(err, KeyboardInterrupt):
             raise
         for signum in STOP_SIGNALS:
