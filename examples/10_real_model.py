@@ -67,10 +67,17 @@ def limits(args):
     """This chapter's checks, made by load_config before any process starts: --init-from's
     directory is a Hugging Face Llama (config.json, every tensor's shape, floating and finite
     weights) and the layout fits its model; the sample's options fit the model, so no run
-    trains and then cannot sample."""
+    trains and then cannot sample. A resume of the default text reads the run's own joined
+    copy (``text.txt``)."""
     init_from = args.init_from
 
     def check(cfg, world_size: int) -> None:
+        joined = os.path.join(cfg.run_path, "text.txt")
+        if cfg.data.dataset == "text" and cfg.data.path == DOCS and cfg.checkpoint.resume \
+                and os.path.isfile(joined):
+            # a resume reads the text its run trained on, which the checkpoint's digest
+            # checks (resume_check.py); the docs joined anew may have changed since
+            cfg.data.path = joined
         if init_from and cfg.check:
             raise InputError("--check compares with a run from the seed; not with --init-from")
         if init_from:
