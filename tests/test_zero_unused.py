@@ -8,12 +8,12 @@ left out (a parameter one rank uses and the other does not) and each root gain l
 second ``step()`` after the backward (the same gradients again, never reduced twice). It draws
 ``zero_grad``'s set_to_none (False: an unused parameter keeps its zeroed gradient, which AdamW
 decays, as on one device).
-apply_zero_any's ZeRO-3 and flat ZeRO-2, or ShardedOptimizer's ZeRO-2 on the bare model
-(drawn) step it 3 times with AdamW (weight decay) or SGD (momentum, weight decay) at 2 ranks,
+apply_zero_any's ZeRO-3 and flat ZeRO-2, ShardedOptimizer's ZeRO-2 on the bare model, or its
+ZeRO-1 on our bucketed DDP with find_unused_parameters (drawn) step it 3 times with AdamW (weight decay) or SGD (momentum, weight decay) at 2 ranks,
 each rank built from its own seed; one device steps rank 0's model on the global batch, each
 rank's slice with that rank's plan (mean of the losses). Under ZeRO-3 every rank uses the same
-blocks: a unit's backward gathers it on every rank or none. ZeRO-2 gathers nothing in backward,
-so there a rank also drops blocks the other uses (``one_drops``).
+blocks: a unit's backward gathers it on every rank or none. ZeRO-2 and ZeRO-1 gather nothing in
+backward, so there a rank also drops blocks the other uses (``one_drops``).
 
 Tolerance (fp32, eps 6e-8). The gradients are the mean of 2 slices' sums in another order:
 relative error about N eps = 1.2e-7. SGD is linear in them: 3 steps of lr 1e-2 with momentum
@@ -34,6 +34,7 @@ from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from scaletorch.parallel.data_parallel import apply_data_parallel
 from scaletorch.parallel.sharded_optimizer import ShardedOptimizer
 from scaletorch.parallel.zero_any_module import apply_zero_any
 from tests.harness import run_distributed
@@ -45,7 +46,9 @@ OPTIMIZERS = {
     "sgd": (torch.optim.SGD, dict(lr=1e-2, momentum=0.9, weight_decay=0.1)),
 }
 WEIGHT_TOL = {"adamw": 1e-5, "sgd": 1e-6}  # see the module docstring
-STAGES = {"zero3": 3, "flat_zero2": 2, "zero2": None}  # apply_zero_any's, or the bare model's
+# apply_zero_any's (3, 2); ShardedOptimizer's ZeRO-2 on the bare model (None), or its ZeRO-1 on
+# our DDP (find_unused_parameters), which averages the gradients (-1)
+STAGES = {"zero3": 3, "flat_zero2": 2, "zero2": None, "zero1": -1}
 
 
 class Block(nn.Module):
@@ -117,6 +120,16 @@ def cases() -> List[Dict[str, Any]]:
     found.append(
         dict(frozen_own=False, opt="adamw", stage="zero3", seed=3, set_to_none=True, gain_at="head",
              steps=[root_first] * STEPS))
+    # ZeRO-1 with zero_grad(set_to_none=False), always: an unused parameter keeps its zeroed
+    # gradient through DDP's find_unused_parameters and the sharded step (round 3's #5)
+    # (a parameter used in step 1, left out of steps 2 and 3)
+    every = dict(skip=[], drop=[], no_b=[[], []], one_drops=[[], []], gain=[True, True],
+                 out_gain=[True, True], twice=False)
+    fewer = dict(skip=[1], drop=[0], no_b=[[2], []], one_drops=[[], [2]], gain=[False, True],
+                 out_gain=[False, False], twice=True)
+    found.append(
+        dict(frozen_own=True, opt="adamw", stage="zero1", seed=7, set_to_none=False,
+             gain_at="input", steps=[every, fewer, fewer]))
     return found
 
 
@@ -165,9 +178,13 @@ def _world(rank: int, world: int, drawn: List[Dict[str, Any]]) -> Dict[str, Any]
     for case in drawn:
         model = build(case, rank)
         cls, kwargs = OPTIMIZERS[case["opt"]]
-        if case["stage"] == "zero2":  # the bare model; the optimizer reduces in step()
+        bare = STAGES[case["stage"]] in (None, -1)
+        if STAGES[case["stage"]] is None:  # the bare model; the optimizer reduces in step()
             zero: Any = model
             opt = ShardedOptimizer(model.parameters(), cls, zero_stage=2, **kwargs)
+        elif STAGES[case["stage"]] == -1:  # DDP averages, the optimizer steps its shard
+            zero = apply_data_parallel(model, None, "ours", 1e-4, find_unused_parameters=True)
+            opt = ShardedOptimizer(model.parameters(), cls, zero_stage=1, **kwargs)
         else:
             zero = apply_zero_any(model, None, STAGES[case["stage"]])
             out.setdefault("units", [(u.name, [n[0] for n in u.names]) for u in zero.units])
@@ -179,7 +196,6 @@ def _world(rank: int, world: int, drawn: List[Dict[str, Any]]) -> Dict[str, Any]
             F.mse_loss(zero(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
             for _ in range(2 if case["steps"][k]["twice"] else 1):
                 opt.step()
-        bare = case["stage"] == "zero2"
         out["states"].append(state_of(model) if bare else zero.full_state_dict())
     return out
 
