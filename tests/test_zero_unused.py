@@ -10,8 +10,9 @@ second ``step()`` after the backward (the same gradients again, never reduced tw
 decays, as on one device).
 apply_zero_any's ZeRO-3 and flat ZeRO-2, ShardedOptimizer's ZeRO-2 on the bare model, or its
 ZeRO-1 on our bucketed DDP with find_unused_parameters (drawn) step it 3 times with AdamW
-(weight decay) or SGD (momentum, weight decay) at 2 ranks, each rank built from its own seed; one device steps rank 0's model on the global batch, each
-rank's slice with that rank's plan (mean of the losses). Under ZeRO-3 every rank uses the same
+(weight decay) or SGD (momentum, weight decay) at 2 ranks, each rank built from its own seed;
+one device steps rank 0's model on the global batch, each rank's slice with that rank's plan
+(mean of the losses). Under ZeRO-3 every rank uses the same
 blocks: a unit's backward gathers it on every rank or none. ZeRO-2 and ZeRO-1 gather nothing in
 backward, so there a rank also drops blocks the other uses (``one_drops``).
 
