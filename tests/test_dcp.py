@@ -94,11 +94,16 @@ RESUMED = {
 # (MOMENTS_OF: A's, E's), as every resumed run's are (the same math in another order).
 SAVE_ONLY = ("B", "D", "F", "G")
 MOMENTS_OF = {"B": "A", "D": "A", "F": "E"}
+# The runs that record the rows they train on (DataPositionResumesAtAnotherDataParallelSize):
+# A at tp2 x dp2 (dp 2) and its resume at dp4 ZeRO-3
+RECORDED = ("A", "A_zero3_dp4")
 
 
 def _straight(name: str, path: str) -> dict:
     cfg = config(SAVED[name][0], **SAVED[name][1])
-    return _save_only(cfg, path) if name in SAVE_ONLY else _straight_run(cfg, path)
+    if name in SAVE_ONLY:
+        return _save_only(cfg, path)
+    return _straight_run(cfg, path, record=name in RECORDED)
 
 
 def _save_only(cfg, path: str) -> dict:
@@ -113,30 +118,57 @@ def _save_only(cfg, path: str) -> dict:
     return {}
 
 
-def _straight_run(cfg, path: str) -> dict:
+def _record_inputs(trainer) -> list:
+    """[(step, token rows)] of every micro-batch this rank's embedding reads, in order."""
+    seen: list = []
+    for name, module in trainer.model.named_modules():
+        if name.endswith("embed_tokens"):
+            module.register_forward_pre_hook(lambda _, args: seen.append(
+                (trainer.step, args[0].detach().clone())))
+    return seen
+
+
+def _data(trainer, pgm, seen: list) -> dict:
+    """The rows this rank trained on at each step (``seen``), its data-parallel and tp rank,
+    and every step's global batch."""
+    return {
+        "seen": seen,
+        "dp": (pgm.data_parallel_rank, pgm.data_parallel_world_size),
+        "tp": pgm.tensor_model_parallel_rank,
+        "batches": [trainer.loader.get_batch(t)[0] for t in range(trainer.cfg.training.steps)],
+    }
+
+
+def _straight_run(cfg, path: str, record: bool = False) -> dict:
     """Train ``cfg``, saving the sharded checkpoint at SAVE_AT to ``path``; its remaining
-    losses, its consolidated state then and at the end (rank 0)."""
+    losses, its consolidated state then and at the end (rank 0); with ``record``, the rows it
+    trained on (``_data``)."""
     pgm = pg_manager_for(cfg)
     par, trainer = build(cfg, pgm)
+    seen = _record_inputs(trainer) if record else None
     for _ in range(SAVE_AT):
         trainer.train_step()
     save_sharded(path, trainer, par)
     at_save = consolidated_state(trainer, par)  # what to_consolidated must rebuild from path
     losses = trainer.train().losses
     out = {"losses": losses, "consolidated": consolidated_state(trainer, par), "at_save": at_save}
+    if record:
+        out["data"] = _data(trainer, pgm, seen)
     destroy_pg_manager()
     return out
 
 
-def _resumed(model: str, parallel: dict, path: str) -> dict:
-    return _resumed_run(config(model, **parallel), path)
+def _resumed(model: str, parallel: dict, path: str, record: bool = False) -> dict:
+    return _resumed_run(config(model, **parallel), path, record)
 
 
-def _resumed_run(cfg, path: str) -> dict:
+def _resumed_run(cfg, path: str, record: bool = False) -> dict:
     """Load the sharded checkpoint at ``path`` into ``cfg``'s layout and train to the end: the
-    step it started at, its losses, its full weights and consolidated state (rank 0)."""
+    step it started at, its losses, its full weights and consolidated state (rank 0); with
+    ``record``, the rows it trained on (``_data``)."""
     pgm = pg_manager_for(cfg)
     par, trainer = build(cfg, pgm)
+    seen = _record_inputs(trainer) if record else None
     load_sharded(path, trainer, par)
     start = trainer.step
     losses = trainer.train().losses
@@ -146,6 +178,8 @@ def _resumed_run(cfg, path: str) -> dict:
         "state": full_state_dict(par),
         "consolidated": consolidated_state(trainer, par),
     }
+    if record:
+        out["data"] = _data(trainer, pgm, seen)
     destroy_pg_manager()
     return out
 
@@ -236,12 +270,29 @@ def _through_the_trainer(root: str) -> dict:
 
 def _world(rank: int, world: int, root: str) -> dict:
     out = {"trainer": _through_the_trainer(root)}
+    # EightRanksResumeAtFour: the checkpoint 8 ranks saved before this world, at dp4 ZeRO-3
+    out["eight_at_four"] = _resume_at_four(rank, world, os.path.join(root, EIGHT))
     for name in SAVED:
         out[name] = _straight(name, os.path.join(root, name))
     for name, (saved, parallel) in RESUMED.items():
-        out[name] = _resumed(SAVED[saved][0], parallel, os.path.join(root, saved))
+        out[name] = _resumed(SAVED[saved][0], parallel, os.path.join(root, saved), record=name
+                             in RECORDED)
     out["bad"] = _bad_inputs(rank, root)
     return out
+
+
+_ROOT = tempfile.TemporaryDirectory()  # removed when the process exits
+_WORLD: list = []
+
+
+def dcp_world() -> list:
+    """The 4-rank world's per-rank results (its checkpoints under ``_ROOT``), after the 8-rank
+    world that saves EIGHT, run once per process: ShardedCheckpointResumesAtAnyLayout,
+    EightRanksResumeAtFour and DataPositionResumesAtAnotherDataParallelSize read it."""
+    if not _WORLD:
+        run_distributed(_save_at_eight, 8, os.path.join(_ROOT.name, EIGHT), timeout=600)
+        _WORLD.append(run_distributed(_world, WORLD, _ROOT.name, timeout=600))
+    return _WORLD[0]
 
 
 def assert_continues_as(case: unittest.TestCase, runs: list, name: str, reference: tuple,
@@ -261,17 +312,13 @@ class ShardedCheckpointResumesAtAnyLayout(unittest.TestCase):
 
     @classmethod
     def setUpClass(cls):
-        cls.tmp = tempfile.TemporaryDirectory()
-        cls.results = run_distributed(_world, WORLD, cls.tmp.name, timeout=600)
+        cls.tmp = _ROOT
+        cls.results = dcp_world()
         cls.references = {
             model: reference(config(model))
             for model in ("dense", "moe", "tied", "bf16")
         }
         cls.reference = cls.references["dense"]
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.tmp.cleanup()
 
     @bit_exact  # the same layout: the same code and steps as the uninterrupted run
     def test_same_layout_resumes_bit_identical_weights_adam_state_and_losses(self):
@@ -388,6 +435,9 @@ class ShardedCheckpointResumesAtAnyLayout(unittest.TestCase):
         self.assertEqual(load_consolidated(out)["step"], SAVE_AT)
 
 
+EIGHT = "tp2_pp2_dp2_zero1"  # saved by 8 ranks (EightRanksResumeAtFour)
+
+
 def _save_at_eight(rank: int, world: int, path: str) -> dict:
     return _save_only(config(**layout(tp=2, pp=2, zero_stage=1)), path)
 
@@ -398,13 +448,11 @@ def _resume_at_four(rank: int, world: int, path: str) -> dict:
 
 class EightRanksResumeAtFour(unittest.TestCase):
     """The issue's case: saved by 8 ranks at tp2 x pp2 x dp2 ZeRO-1 (vocabulary padded, stages,
-    flat shards of tp shards), resumed by 4 at dp4 ZeRO-3: equal to the single-device run."""
+    flat shards of tp shards), resumed by 4 at dp4 ZeRO-3: equal to the single-device run. The
+    8 ranks save before the file's 4-rank world, which resumes it (``dcp_world``)."""
 
     def test_tp2_pp2_dp2_zero1_resumes_at_dp4_zero3_as_the_single_device_run(self):
-        with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, "tp2_pp2_dp2_zero1")
-            run_distributed(_save_at_eight, 8, path, timeout=600)
-            results = run_distributed(_resume_at_four, 4, path, timeout=600)
+        results = [res["eight_at_four"] for res in dcp_world()]
         losses, _, state = reference(config())
         for rank, run in enumerate(results):
             self.assertEqual(run["start"], SAVE_AT)
@@ -413,6 +461,39 @@ class EightRanksResumeAtFour(unittest.TestCase):
                 self.assertLessEqual(abs(a - b), TOL, f"rank {rank} step {step}")
         # fp32, 5 AdamW steps: only the order of the reductions differs (tests/layouts.py)
         self.assertLessEqual(max_weight_diff(results[0]["state"], state), TOL)
+
+
+class DataPositionResumesAtAnotherDataParallelSize(unittest.TestCase):
+    """Run A, saved at tp2 x dp2 after step 2 (DCP), resumed at dp4 ZeRO-3 (A_zero3_dp4): the
+    rows the data-parallel ranks train on, joined in rank order, are global batches 0, 1, then
+    2, 3, 4 (8 sequences each): the next global sample, no repeat, no skip."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.results = [{run: res[run]["data"] for run in RECORDED} for res in dcp_world()]
+
+    def _global_rows(self, run: str, steps: range) -> dict:
+        """{step: the rows every data-parallel rank trained on, joined in dp rank order}."""
+        by_step: dict = {}
+        ranks = [r[run] for r in self.results if r[run]["tp"] == 0]  # a tp peer repeats them
+        for res in sorted(ranks, key=lambda r: r["dp"][0]):
+            for step, rows in res["seen"]:
+                if step in steps:
+                    by_step.setdefault(step, []).append(rows)
+        return {step: torch.cat(rows) for step, rows in by_step.items()}
+
+    def test_the_resumed_run_continues_with_the_next_global_sample(self):
+        saved, resumed = RECORDED
+        batches = self.results[0][saved]["batches"]
+        self.assertEqual([r[resumed]["dp"][1] for r in self.results], [4] * WORLD)
+        self.assertEqual([r[saved]["dp"][1] for r in self.results], [2] * WORLD)
+        # the saved run's steps before its save; the resumed run's, all of them
+        before = self._global_rows(saved, range(SAVE_AT))
+        after = self._global_rows(resumed, range(len(batches)))
+        self.assertEqual(sorted(before), list(range(SAVE_AT)))
+        self.assertEqual(sorted(after), list(range(SAVE_AT, len(batches))))
+        for step, rows in {**before, **after}.items():
+            self.assertTrue(torch.equal(rows, batches[step]), f"step {step}")  # exact tokens
 
 
 class FlatRangeBoxes(unittest.TestCase):

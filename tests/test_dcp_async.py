@@ -167,8 +167,8 @@ class AsyncSaveNeedsDcp(unittest.TestCase):
 # test_resume's kill test of chapter 07 (DCP checkpoints at 2, 4, 6, 8), its checkpoints
 # async: rank 1 is killed at step 7, after step 6's write began and before it is committed (at
 # step 8's save), and torchrun restarts every rank once. The launch is test_resume's
-# ``killed_run`` (KilledRankResumes reads the same one); the uninterrupted run is its blocking
-# one, shared: a save, async or not, changes no weight.
+# ``killed_run`` (KilledRankResumes and test_fault_tolerance's kill test read the same one); the
+# uninterrupted run is its blocking one, shared: a save, async or not, changes no weight.
 
 
 class KilledDuringAsyncWriteResumesThePrevious(unittest.TestCase):

@@ -18,7 +18,8 @@ from scaletorch.trainer import parse_args
 from scaletorch.trainer.dcp_checkpoint import to_consolidated
 from tests.harness import bit_exact, free_port, run_distributed
 from tests.test_examples import NO_PREFLIGHT, launch
-from tests.test_resume import KILL_LAYOUTS, RUN_FLAGS, RUN_STEPS, straight_run
+from tests.test_resume import (ASYNC_KILLED, FAIL_AT, KILL_LAYOUTS, RUN_FLAGS, RUN_STEPS,
+                               _differences, killed_run, straight_run)
 
 
 def _config(tmp: str, *overrides: str):
@@ -99,9 +100,8 @@ def _final_weights(checkpoint_root: str, step: int, world: int) -> list:
     return [ckpt.load_checkpoint(path, r, world)["model"] for r in range(world)]
 
 
-# One straight chapter-01 run at 2 ranks, shared: the kill test's uninterrupted run and the
-# two-node test's one-launcher run (4 steps, a checkpoint every 2: the kill at step 3 resumes
-# from step 2, two steps before the end, AdamW's moments and step count in use).
+# One straight chapter-01 run at 2 ranks: the two-node DDP test's one-launcher run (4 steps, a
+# checkpoint every 2).
 DDP_STEPS = 4
 DDP_ARGS = ["--steps", str(DDP_STEPS), "--checkpoint.every", "2", "--logging.log_every", "100"]
 _STRAIGHT = tempfile.TemporaryDirectory()
@@ -116,25 +116,29 @@ def _straight_ddp_run() -> str:
 
 
 class KilledRankIsRestartedAndResumesExactly(unittest.TestCase):
-    """torchrun --max-restarts 1: rank 1 is killed at step 3, every rank restarts, resumes at
-    the step-2 checkpoint, and ends with the weights of the run that never failed."""
+    """torchrun --max-restarts 1: rank 1 is killed at step FAIL_AT, every rank restarts, resumes
+    at the latest checkpoint, and ends with the weights of the run that never failed.
+
+    The kill is test_resume's (``killed_run``: chapter 07, a two-stage pipeline on 2 ranks,
+    async DCP saves every 2 of 8 steps), launched once for this test, KilledRankResumes and
+    test_dcp_async: one torchrun restart serves the three. A restarted rank finds the latest
+    checkpoint by itself whatever its format (Trainer.maybe_resume); loading a per-rank one in
+    a rebuilt model is test_resume's InWorldResume."""
 
     @bit_exact  # the restarted ranks resume the same steps of the same code
     def test_kill_restart_resume_is_bit_identical(self):
-        with tempfile.TemporaryDirectory() as tmp:
-            failing = os.path.join(tmp, "failing")
-            out = launch("examples/01_ddp.py", 2, *DDP_ARGS, "--checkpoint.dir", failing,
-                         "--fail-at-step", "3", "--fail-rank", "1",
-                         launcher=["--max-restarts", "1"], env=NO_PREFLIGHT)
-            # launch.sh echoes the command it runs
-            self.assertIn("torchrun.py --nproc-per-node 2 --max-restarts 1", out)
-            self.assertIn("injected failure at step 3", out)
-            self.assertRegex(out, r"resumed from \S+step_0000002 at step 2")
-            expected = _final_weights(_straight_ddp_run(), DDP_STEPS, 2)
-            actual = _final_weights(failing, DDP_STEPS, 2)
-        for want, got in zip(expected, actual):
-            for name in want:
-                self.assertTrue(torch.equal(want[name], got[name]), name)
+        nproc, _ = KILL_LAYOUTS[ASYNC_KILLED]
+        _, want = straight_run(ASYNC_KILLED)
+        out, got = killed_run(ASYNC_KILLED, async_save=True)
+        # launch.sh echoes the command it runs
+        self.assertIn(f"torchrun.py --nproc-per-node {nproc} --max-restarts 1", out)
+        self.assertIn(f"rank 1: injected failure at step {FAIL_AT}", out)
+        # the restarted ranks were not told to resume: they look for the latest by themselves
+        self.assertIn("torchrun restart 1: resuming from the latest checkpoint", out)
+        self.assertRegex(out, r"resumed from \S+step_0000004 at step 4")  # step 6: uncommitted
+        for key in ("model", "optimizer"):
+            self.assertEqual(sorted(got[key]), sorted(want[key]))
+        self.assertEqual(_differences(want, got), [])
 
 
 def _two_nodes(script: str, per_node: int, args: list, tmp: str) -> str:
@@ -165,7 +169,7 @@ class TwoLaunchersAsTwoNodesEqualOneLauncher(unittest.TestCase):
     # Bit for bit: two launchers on one host run the same world, ranks and collectives as one.
     @bit_exact
     def test_ddp_two_node_run_matches_single_node(self):
-        # the one-launcher run is the kill test's straight run
+        # the one-launcher run: _straight_ddp_run (forked ranks)
         with tempfile.TemporaryDirectory() as tmp:
             multi = _two_nodes("examples/01_ddp.py", 1, DDP_ARGS, tmp)
             for want, got in zip(_final_weights(_straight_ddp_run(), DDP_STEPS, 2),
@@ -174,11 +178,12 @@ class TwoLaunchersAsTwoNodesEqualOneLauncher(unittest.TestCase):
 
     @bit_exact
     def test_nd_parallel_two_node_run_matches_single_node(self):
-        # pp 2 x ZeRO-1 dp 2, 4 ranks: ZeRO's dp group inside each "node", the pipeline's two
-        # stages across the two (as Megatron places them; the DDP test above all-reduces across
-        # them). The one-launcher run is test_resume's uninterrupted zero1_pp2_dp2 run, shared.
-        nproc, args = KILL_LAYOUTS["zero1_pp2_dp2"]
-        _, want = straight_run("zero1_pp2_dp2")
+        # chapter 07's pp 2, one stage per "node": every activation and gradient between the
+        # stages crosses from one launcher's rank to the other's (as Megatron places the
+        # pipeline across nodes; the DDP test above all-reduces across them). The one-launcher
+        # run is test_resume's uninterrupted run of the layout it kills, shared.
+        nproc, args = KILL_LAYOUTS[ASYNC_KILLED]
+        _, want = straight_run(ASYNC_KILLED)
         with tempfile.TemporaryDirectory() as tmp:
             multi = _two_nodes("examples/07_nd_parallel.py", nproc // 2, [*args, *RUN_FLAGS], tmp)
             # 07's last checkpoint (sharded) as one consolidated state, converted offline

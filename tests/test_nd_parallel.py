@@ -26,7 +26,7 @@ from tests.layouts import (ND_LAYOUTS, TOL, assert_parity, build, layout, make_c
 # The layouts whose per-rank state another layout of the matrix holds alike: test_resume does
 # not resume them (why: there), so they write no per-rank checkpoint here.
 SAME_STATE_AS_ANOTHER = ("dualpipev_tp2_pp2_dp2", "zb_h1_tp2_pp2_dp2", "tp2_cp2_dp2",
-                         "ckpt_tp2_sp_pp2_dp2")
+                         "ckpt_tp2_sp_pp2_dp2", "pp2_cp2_tp2", "moe_pp2_dp4_ep2")
 
 WORLD = 8
 # 4 steps, not tests/layouts.py's 5: the parity of a deterministic diff shows in every step, and
@@ -57,6 +57,8 @@ TIED_LAYOUTS = {
     "tied_tp2_pp2_dp2": (False, 2, layout(tp=2, pp=2)),
     "tied_zero3_tp2_pp2_dp2": (False, 2, layout(tp=2, pp=2, zero_stage=3)),
 }
+
+TIED_RESUMED = ("tied_zero3_tp2_pp2_dp2", )  # writes per-rank checkpoints: test_resume's
 
 
 def tied_config(name: str, layouts: dict = TIED_LAYOUTS):
@@ -98,9 +100,13 @@ def _world(rank: int, world: int, path: str, checkpoints: str) -> dict:
         out[name] = train(nd_config_of(LAYOUTS, name), per_rank, saves.get(name))
     out["checkpoint"] = _checkpoint_runs(path)
     out["errors"] = _invalid_combinations()
-    out.update(
-        {name: train(tied_config(name), consolidated_at=saves.get(name))
-         for name in TIED_LAYOUTS})
+    # test_resume resumes the tied ZeRO-3 run's per-rank checkpoints (the tie under pp x ZeRO-3)
+    out.update({
+        name:
+        train(tied_config(name),
+              os.path.join(checkpoints, name) if name in TIED_RESUMED else None, saves.get(name))
+        for name in TIED_LAYOUTS
+    })
     # consolidated (the tied weight once) at tp2 x pp2 x dp2, resumed at ZeRO-3 tp2 x dp4
     resume = {"tied_zero3_tp2_dp4": (False, 2, layout(tp=2, zero_stage=3))}
     out["tied_checkpoint"] = resume_at(path + ".tied",

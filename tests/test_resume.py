@@ -6,19 +6,19 @@ at the same layout, the run must continue exactly as if it had never stopped: fi
 and AdamW state bit-identical to the uninterrupted run, and the same losses.
 
 ``InWorldResume``: every layout of chapter 07's parity matrix whose state no other layout
-holds alike (see SAME_STATE_AS_ANOTHER) and the pipeline combinations (pp x ZeRO-1, pp x
-torch's DDP and FSDP2, tied embeddings under pp x ZeRO-3; the others the matrix covers), each
-trained straight, then rebuilt from scratch (a new model, a new ``parallelize``: what a
-restarted process does) and resumed from the middle checkpoint. Two worlds of 8 ranks. The
-matrix's straight runs are test_nd_parallel's parity runs (4 steps, checkpoints every 2:
-``nd_world``), so this file only resumes them.
+holds alike (see SAME_STATE_AS_ANOTHER), its tied ZeRO-3 run, and the pipeline combinations
+the matrix lacks (pp x ZeRO-1, PyTorch's DTensor strategies under pp), each trained straight,
+then rebuilt from scratch (a new model, a new ``parallelize``: what a restarted process does)
+and resumed from a middle checkpoint. One world of 8 ranks. The matrix's straight runs are
+test_nd_parallel's parity runs (4 steps, checkpoints every 2: ``nd_world``), so this file
+only resumes them.
 
 ``KilledRankResumes``: the real thing under ``torchrun --max-restarts 1``: a rank of chapter
 07 is killed mid-run and every rank restarts from the latest committed checkpoint (07's format:
 DCP, compared through the last step's checkpoint converted to one consolidated file). Run here
-for a pipeline layout that once resumed wrongly, its saves async: the same launch is
-test_dcp_async's kill during an async write. SCALETORCH_FULL_RESUME=1 runs every layout
-(blocking saves).
+for a two-stage pipeline, its saves async: the same launch is test_dcp_async's kill during an
+async write and test_fault_tolerance's kill and restart. SCALETORCH_FULL_RESUME=1 runs every
+layout (blocking saves).
 """
 
 import contextlib
@@ -35,48 +35,60 @@ from scaletorch.trainer.dcp_checkpoint import to_consolidated
 from tests.harness import bit_exact, run_distributed, value_error
 from tests.layouts import CHECKPOINT_EVERY, ND_LAYOUTS, build, config_of, layout, pg_manager_for
 from tests.test_examples import NO_PREFLIGHT, launch
-from tests.test_nd_parallel import SAME_STATE_AS_ANOTHER, nd_config_of, nd_world
+from tests.test_nd_parallel import (SAME_STATE_AS_ANOTHER, TIED_LAYOUTS, TIED_RESUMED, nd_config_of,
+                                    nd_world, tied_config)
 
 WORLD = 8
-STEPS, SAVE_AT = 4, 2  # two steps after the resume: AdamW's moments and step count in use
+# save after step 1, two steps after the resume: AdamW's moments and step count in use
+STEPS, SAVE_AT = 3, 1
 ND_SAVE_AT = CHECKPOINT_EVERY  # the matrix: 4 steps (test_nd_parallel), resumed from step 2
 
 # The pipeline combinations whose per-rank checkpoints once lost or could not load state, and
-# PyTorch's own (DTensor parameters: the files hold local pieces, placed on the new mesh).
-# Those another layout covers are not repeated: ZeRO-2 saves what ZeRO-1 saves (flat shards
-# and their moments; gradients are not saved), so zero1_pp2_dp4 and the matrix's
-# ckpt_zero2_cp2_dp4 cover pp x ZeRO-2; the matrix's tp2_pp2_dp2 covers pp x our DDP; its
-# zero3_pp2_interleaved_dp4 and zbv_tp2_pp2_dp2 cover interleaved pp (two chunks per rank);
-# torch_tp2_pp2_zero3_dp2 covers FSDP2's DTensor pieces on a tp x dp mesh, with stages (tp2 x
-# dp4 ZeRO-3 without them was 41 s of the world's 82 s of CPU: DTensor's dispatch per layer).
+# PyTorch's own (DTensor parameters: the files hold local pieces, placed on the new mesh), that
+# the matrix does not hold. What another layout covers is not repeated: ZeRO-2 saves what
+# ZeRO-1 saves (flat shards and their moments; gradients are not saved), so zero1_pp2_dp4 and
+# the matrix's ckpt_zero2_cp2_dp4 cover pp x ZeRO-2; the matrix's tp2_pp2_dp2 covers pp x our
+# DDP; its zero3_pp2_interleaved_dp4 and zbv_tp2_pp2_dp2 cover interleaved pp (two chunks per
+# rank); its tied_zero3_tp2_pp2_dp2 covers the tie under pp x ZeRO-3 (the last stage's copy in
+# a ZeRO-3 unit of its own, and its AdamW state). torch_tp2_pp2_zero3_dp2 covers PyTorch's
+# pipelining stages and DTensor pieces that differ from the whole tensor (FSDP2's Shard on a
+# 2-D tp x dp mesh); FSDP2's replicate under pp (torch pp2 x dp4, 11 s of CPU) holds whole
+# Replicate DTensors, the same to_local and from_local path with the piece equal to the whole.
 PIPELINE_LAYOUTS = {
     "zero1_pp2_dp4": (False, 2, layout(pp=2, zero_stage=1)),
-    "torch_pp2_dp4": (False, 2, layout(pp=2, impl="torch")),
     "torch_tp2_pp2_zero3_dp2": (False, 2, layout(tp=2, pp=2, zero_stage=3, impl="torch")),
-    # tied embeddings: the last stage's copy in a ZeRO-3 unit of its own, and its AdamW state
-    "tied_zero3_pp2_dp4": (False, 2, layout(pp=2, zero_stage=3)),
 }
-# One layer per stage: every stage's state (chunks, wrappers, shards, moments) and the tied
-# copy's are there at any depth; the matrix's runs keep tests/layouts.py's four layers.
+# One layer per stage: every stage's state (chunks, wrappers, shards, moments) is there at any
+# depth; the matrix's runs keep tests/layouts.py's four layers.
 PIPELINE_NUM_LAYERS = 2
 
 
 def _pipeline_config(layouts: dict, name: str):
     cfg = config_of(layouts, name)
     cfg.model.num_layers = PIPELINE_NUM_LAYERS
-    cfg.model.tie_word_embeddings = name.startswith("tied_")
     return cfg
 
 
 # Chapter 07's matrix, less the layouts whose state another's is (test_nd_parallel's
 # SAME_STATE_AS_ANOTHER): dualpipev's is zbv's (two chunks per rank, the V), zb-h1's is
 # tp2_pp2_dp2's (one chunk per rank; its split backward holds nothing between steps), and so
-# is ckpt_tp2_sp_pp2_dp2's (sequence parallel and recomputation hold no state; the wrapped
-# blocks' names are resumed in ckpt_zero2_cp2_dp4); tp2_cp2_dp2's is moe_ep2_dp4_tp2's dense
-# part (our DDP over dp x cp around tp shards; cp holds no state, resumed in pp2_cp2_tp2 and
-# ckpt_zero2_cp2_dp4). KilledRankResumes resumes dualpipev under torchrun with
-# SCALETORCH_FULL_RESUME=1.
-ND_RESUMED = {k: v for k, v in ND_LAYOUTS.items() if k not in SAME_STATE_AS_ANOTHER}
+# are ckpt_tp2_sp_pp2_dp2's (sequence parallel and recomputation hold no state; the wrapped
+# blocks' names are resumed in ckpt_zero2_cp2_dp4) and pp2_cp2_tp2's (cp holds no state: tp
+# shards in stages under our DDP over dp x cp, as tp2_pp2_dp2's; cp resumed in
+# ckpt_zero2_cp2_dp4); tp2_cp2_dp2's is moe_ep2_dp4_tp2's dense part (our DDP over dp x cp
+# around tp shards). moe_pp2_dp4_ep2's is moe_ep2_dp4_tp2's expert shards and router (ep folded
+# into dp) in stages, which tp2_pp2_dp2 resumes. KilledRankResumes resumes dualpipev under
+# torchrun with SCALETORCH_FULL_RESUME=1. Plus the matrix's tied ZeRO-3 run (TIED_RESUMED).
+ND_RESUMED = {
+    **{
+        k: v
+        for k, v in ND_LAYOUTS.items() if k not in SAME_STATE_AS_ANOTHER
+    },
+    **{
+        k: TIED_LAYOUTS[k]
+        for k in TIED_RESUMED
+    }
+}
 LAYOUTS = {**ND_RESUMED, **PIPELINE_LAYOUTS}
 
 
@@ -101,12 +113,12 @@ def _differences(want: dict, got: dict) -> list:
     return [name for name, a, b in pairs if not a.equal(b)]
 
 
-def _resume_every_layout(rank: int, world: int, root: str, names: list) -> dict:
+def _resume_every_layout(rank: int, root: str) -> dict:
     out = {}
-    for name in names:
+    for name in PIPELINE_LAYOUTS:
         cfg = _pipeline_config(LAYOUTS, name)
         cfg.training.steps = STEPS
-        cfg.checkpoint.every = SAVE_AT
+        cfg.checkpoint.every, cfg.checkpoint.keep_last = SAVE_AT, STEPS  # step 1's kept
         cfg.checkpoint.dir = os.path.join(root, name)
         straight, want = _run(cfg)
         # a restarted process: a new model and strategy, then the checkpoint of SAVE_AT
@@ -117,8 +129,6 @@ def _resume_every_layout(rank: int, world: int, root: str, names: list) -> dict:
             "save_at": SAVE_AT,
             "differ": None if rank else _differences(want, got),
         }
-    if "zero1_pp2_dp4" not in names:
-        return out
     # The same files at another layout: refused, pointing to the consolidated file.
     other = _pipeline_config({"ddp_pp2_dp4": (False, 2, layout(pp=2))}, "ddp_pp2_dp4")  # no ZeRO-1
     other.checkpoint.dir = os.path.join(root, "zero1_pp2_dp4")
@@ -133,12 +143,13 @@ def _resume_every_layout(rank: int, world: int, root: str, names: list) -> dict:
     return out
 
 
-def _resume_the_matrix(rank: int, world: int, root: str, straight: list) -> dict:
+def _resume_the_matrix(rank: int, root: str, straight: list) -> dict:
     """Resume each layout of ND_RESUMED from step 2 of its straight run in test_nd_parallel
     (``straight``: every rank's results there; the checkpoints under ``root``)."""
     out = {}
     for name in ND_RESUMED:
-        cfg = nd_config_of(LAYOUTS, name)  # its steps (ND_STEPS: 2 after the checkpoint)
+        # its steps (ND_STEPS: 2 after the checkpoint)
+        cfg = tied_config(name) if name in TIED_RESUMED else nd_config_of(LAYOUTS, name)
         cfg.checkpoint.every, cfg.checkpoint.dir = CHECKPOINT_EVERY, os.path.join(root, name)
         # a restarted process: a new model and strategy, then the checkpoint of step 2
         resumed, got = _run(cfg, resume=ckpt.step_dir(cfg.checkpoint.dir, ND_SAVE_AT))
@@ -152,14 +163,18 @@ def _resume_the_matrix(rank: int, world: int, root: str, straight: list) -> dict
     return out
 
 
+def _resume_all(rank: int, world: int, matrix_root: str, root: str, straight: list) -> dict:
+    """One world for both: the matrix's checkpoints, then the pipeline layouts' own runs."""
+    return {**_resume_the_matrix(rank, matrix_root, straight), **_resume_every_layout(rank, root)}
+
+
 class InWorldResume(unittest.TestCase):
 
     @classmethod
     def setUpClass(cls):
         cls.tmp = tempfile.TemporaryDirectory()
-        # Two worlds, not one: one world of 20 layouts took 303 s on 2 cores, two of 11 and 8
-        # took 85 s (now 10 and 5). The matrix's straight runs (and their checkpoints) are
-        # test_nd_parallel's.
+        # One world of 8: the matrix's resumes, then the pipeline layouts' straight runs and
+        # resumes. The matrix's straight runs (and their checkpoints) are test_nd_parallel's.
         results, _, root = nd_world()
         straight = [{
             name: {
@@ -168,10 +183,7 @@ class InWorldResume(unittest.TestCase):
             }
             for name in ND_RESUMED
         } for res in results]
-        matrix = run_distributed(_resume_the_matrix, WORLD, root, straight, timeout=600)
-        pipelines = run_distributed(_resume_every_layout, WORLD, cls.tmp.name,
-                                    list(PIPELINE_LAYOUTS), timeout=600)
-        cls.results = [{**a, **b} for a, b in zip(matrix, pipelines)]
+        cls.results = run_distributed(_resume_all, WORLD, root, cls.tmp.name, straight, timeout=600)
 
     @classmethod
     def tearDownClass(cls):
@@ -234,7 +246,7 @@ _STRAIGHT_RUNS: dict = {}
 
 def straight_run(name: str) -> tuple:
     """The uninterrupted run of KILL_LAYOUTS[name], launched once per process (test_fault_
-    tolerance's two-node test compares with zero1_pp2_dp2's): (output, consolidated last step)."""
+    tolerance's two-node test compares with ASYNC_KILLED's): (output, consolidated last step)."""
     if name not in _STRAIGHT_RUNS:
         nproc, args = KILL_LAYOUTS[name]
         _STRAIGHT_RUNS[name] = _launch_run(_STRAIGHT.name, name, nproc, args, fail=False)
@@ -246,8 +258,9 @@ _KILLED_RUNS: dict = {}
 
 def killed_run(name: str, async_save: bool) -> tuple:
     """KILL_LAYOUTS[name] under torchrun with rank 1 killed at FAIL_AT, its checkpoints async or
-    not, launched once per process (test_dcp_async's claim and KilledRankResumes' share the
-    async run of zero1_pp2_dp2: one torchrun launch): (output, consolidated last step)."""
+    not, launched once per process (test_dcp_async's claim, test_fault_tolerance's kill and
+    KilledRankResumes' share the async run of ASYNC_KILLED: one torchrun launch): (output,
+    consolidated last step)."""
     if (name, async_save) not in _KILLED_RUNS:
         nproc, args = KILL_LAYOUTS[name]
         _KILLED_RUNS[name,
@@ -261,14 +274,16 @@ def _last_logged_loss(output: str) -> str:
             if line.startswith(f"step {RUN_STEPS:5d} |")][-1].split("|")[1]
 
 
-# name -> (ranks, 07 flags). CI kills a rank in one pipeline layout with ZeRO chunks (~20 s a
-# run on 2 cores; test_fault_tolerance's two-node run reuses its straight run): InWorldResume
-# resumes every layout in-process; all of them here with
+# name -> (ranks, 07 flags). CI kills a rank of a two-stage pipeline on 2 ranks (each restart
+# starts every rank's Python again: 2 ranks, not 4; test_fault_tolerance's two-node run
+# reuses its straight run, one stage per node): InWorldResume resumes every layout in-process,
+# test_dcp every sharded one (ZeRO-1's flat shards bit-identically); all of them here with
 # SCALETORCH_FULL_RESUME=1 python run_tests.py -k KilledRankResumes
 KILL_LAYOUTS = {
-    "zero1_pp2_dp2": (4, ["--pp", "2", "--zero-stage", "1"]),
+    "pp2": (2, ["--pp", "2"]),
 }
 FULL_KILL_LAYOUTS = {
+    "zero1_pp2_dp2": (4, ["--pp", "2", "--zero-stage", "1"]),
     "moe_pp2_ep2":
     (4, ["--pp", "2", "--ep", "2", "--model.num_experts", "4", "--micro-batches", "2"]),
     "ddp_pp2_dp2": (4, ["--pp", "2"]),
@@ -287,7 +302,7 @@ FULL_KILL_LAYOUTS = {
     (8, ["--tp", "2", "--ep", "2", "--model.num_experts", "4", "--micro-batches", "1"]),
     "sp_tp2_pp2_dp2": (8, ["--tp", "2", "--pp", "2", "--sequence-parallel"]),
 }
-ASYNC_KILLED = "zero1_pp2_dp2"  # killed with async saves (KilledRankResumes, test_dcp_async)
+ASYNC_KILLED = "pp2"  # killed with async saves (KilledRankResumes, test_dcp_async, ...)
 if os.environ.get("SCALETORCH_FULL_RESUME") == "1":
     KILL_LAYOUTS.update(FULL_KILL_LAYOUTS)
 
@@ -296,7 +311,7 @@ class KilledRankResumes(unittest.TestCase):
     """torchrun restarts every rank after one is killed; the run ends where an uninterrupted
     one ends: consolidated weights and AdamW state bit-identical, the same last logged loss.
 
-    CI's layout (zero1_pp2_dp2) saves async (test_dcp_async's kill, the same launch): the
+    CI's layout (pp2) saves async (test_dcp_async's kill, the same launch): the
     restart resumes from step 4, the latest committed checkpoint, neither step 6 (written, not
     committed) nor step 2. The others (SCALETORCH_FULL_RESUME=1) save blocking: from step 6."""
 
