@@ -36,7 +36,7 @@ from tests.layouts import assert_matches, clip_fn, full_state, reference
 # tile, merged by log-sum-exp), so outputs and gradients agree to ~1e-6, losses to ~5e-7.
 ATOL = 1e-5
 HEADS = ((4, 4), (4, 2), (3, 1))  # (query heads, key/value heads): MHA, GQA, odd counts
-STEPS = 5
+STEPS = 3  # past the 2 warm-up steps: a wrong ring step or merge shows from step 1 on
 
 
 def tiny_config() -> Config:

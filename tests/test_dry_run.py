@@ -12,8 +12,6 @@ even and an uneven layer split matches, and the planner names the heaviest one.
 import contextlib
 import io
 import os
-import subprocess
-import sys
 import tempfile
 import unittest
 import zipfile
@@ -32,6 +30,7 @@ from scaletorch.plan.traffic import collectives
 from scaletorch.trainer.checkpoint import rng_state, tensor_bytes
 from scaletorch.trainer.config import Config
 from scaletorch.trainer.dry_run import DryRun, dry_run, dry_run_text, planned, run_config
+from tests.harness import run_forked
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the activations' tolerance: what the formulas leave out is under 0.1% at these sizes; 5% is
@@ -238,8 +237,9 @@ class DryRunCommand(unittest.TestCase):
                          r"device\), .*\n$")
 
     def test_chapter_07s_dry_run_refuses_a_missing_world_in_one_line_with_status_2(self):
-        run = subprocess.run([sys.executable, "examples/07_nd_parallel.py", "--dry-run"], cwd=ROOT,
-                             capture_output=True, text=True, timeout=120)
+        # forked from the suite's forkserver (tests/harness.py): the script's own exit status
+        # and stderr, without a new Python importing torch again
+        run = run_forked("examples/07_nd_parallel.py", "--dry-run", cwd=ROOT)
         self.assertEqual(run.returncode, 2, run.stderr)
         self.assertEqual(run.stderr.strip().splitlines(),
                          ["error: --dry-run needs --world-size N: the world whose rank runs here"])

@@ -56,18 +56,21 @@ CHAPTERS = {
     "07 pp x zero-1": (False, 2, layout(pp=2, schedule="1f1b", zero_stage=1), "fp32"),
     "08 bf16 zero-3": (False, 2, layout(zero_stage=3), "bf16"),
 }
+# 2 layers, not make_config's 4: a sync site runs once per step, per layer or per micro-batch,
+# the same for every layer; 2 still tells "per layer" from "per step" (two pipeline stages too)
+LAYERS = 2
 # Syncs per step (the second step, on every rank): the trainer's float(loss) and
 # float(grad_norm) for its log, and expert parallel's one per MoE layer and micro-batch (the
-# token counts to the host for the all-to-all's splits: 4 layers x 1 micro-batch here).
+# token counts to the host for the all-to-all's splits: LAYERS x 1 micro-batch here).
 TRAINER = 2
 BUDGET = {name: TRAINER for name in CHAPTERS}
-BUDGET["06 ep"] = TRAINER + 4
+BUDGET["06 ep"] = TRAINER + LAYERS
 
 
 def count(name: str) -> Counter:
     moe, m, parallel, precision = CHAPTERS[name]
     cfg = make_config(moe=moe, micro_batches=m, **parallel)
-    cfg.training.precision = precision
+    cfg.training.precision, cfg.model.num_layers = precision, LAYERS
     counter = SyncCounter()  # marking from the start: what the run makes on the host is no sync
     with counter:
         pgm = pg_manager_for(cfg)
@@ -100,7 +103,7 @@ class TestHostSyncs(unittest.TestCase):
     def test_expert_parallel_brings_its_counts_to_the_host_once_per_layer(self):
         for res in self.results:
             ep = {site: n for site, n in res["06 ep"].items() if "expert_parallel" in site}
-            self.assertEqual(list(ep.values()), [4], ep)  # one site, once per MoE layer
+            self.assertEqual(list(ep.values()), [LAYERS], ep)  # one site, once per MoE layer
 
 
 if __name__ == "__main__":

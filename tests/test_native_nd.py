@@ -53,13 +53,15 @@ def reference_config():
 
 
 def _checkpoints(tmp: str) -> dict:
-    """Resume native tp2 x pp2 x dp2 ZeRO-3's step 2 at ours (tp2 x dp4) and at native
-    tp2 x dp4, and ours tp2 x pp2 x dp2 ZeRO-3's step 2 natively at pp2 x dp4 ZeRO-3 (their
-    parity runs wrote the consolidated files). Each returns the loss of step 2."""
+    """Resume native tp2 x pp2 x dp2 ZeRO-3's step 2 at ours (tp2 x dp4), and ours
+    tp2 x pp2 x dp2 ZeRO-3's step 2 natively at pp2 x dp4 ZeRO-3 (their parity runs wrote the
+    consolidated files): native to ours and back, each at another layout. Each returns the loss
+    of step 2. (A native resume of the native file at tp2 x dp4 is left out: the native file is
+    read at another layout by ours' resume, and the native stack loads at another layout in the
+    pp2 x dp4 resume; the file's format is one, whoever wrote it.)"""
     plan = {
         "torch": {
             "ours tp2_dp4": _config("tp2_dp4", "ours"),
-            "native tp2_dp4": _config("tp2_dp4"),
         },
         "ours": {
             "native pp2_dp4_zero3": _config("pp2_dp4_zero3"),
@@ -142,7 +144,7 @@ class NativeStrategiesComposedOnOneMesh(unittest.TestCase):
 
     def test_consolidated_checkpoints_move_between_native_and_ours(self):
         resumed = self.results[0]["checkpoints"]
-        self.assertEqual(len(resumed), 3)
+        self.assertEqual(len(resumed), 2)
         for name, losses in resumed.items():
             self.assertEqual(len(losses), STEPS - SAVE_AT, name)
             for a, b in zip(losses, self.reference[0][SAVE_AT:]):

@@ -6,7 +6,8 @@ World 3: vocabulary 1000 at tp 3 (1000 % 3 = 1, padded to 1152). World 4: vocabu
 (odd) at tp 2 x pp 2 and tp 2 x dp 2 with ZeRO-3, padded to 1024, and GPT-2's 50257 at tp 2 x
 dp 2, padded to 50432 (hidden 32, so its 1.6M-row tables stay cheap). Each compares losses, grad
 norms and the gathered full weights (which have the reference's unpadded shapes) with a single
-device run at 1e-5 (tests/layouts.py).
+device run at 1e-5 (tests/layouts.py), over 3 steps: past the 2 warm-up steps, and a wrong
+padding or shard shows from step 1 on.
 """
 
 import os
@@ -27,6 +28,7 @@ from tests.harness import run_distributed
 from tests.layouts import (assert_parity, layout, make_config, pg_manager_for, reference_key,
                            references, train)
 
+STEPS = 3
 WORLD3 = {"vocab1000_tp3": (1000, layout(tp=3))}
 WORLD4 = {
     "vocab1001_tp2_pp2": (1001, layout(tp=2, pp=2)),
@@ -51,7 +53,7 @@ def gpt2_sized_tokens() -> str:
 
 def config(vocab: int, parallel: dict):
     cfg = make_config(**parallel)
-    cfg.model.vocab_size = vocab
+    cfg.model.vocab_size, cfg.training.steps = vocab, STEPS
     if vocab > 4096:
         cfg.data.dataset, cfg.data.path = "bin", gpt2_sized_tokens()
     if parallel["tensor_model_parallel_size"] == 3:  # heads, kv heads and FFN divisible by 3

@@ -64,6 +64,7 @@ from scaletorch.plan.traffic import collectives
 from scaletorch.trainer.checkpoint import SizeCounter, tensor_bytes
 from scaletorch.trainer.config import Config, parse_args
 from scaletorch.trainer.consolidated import consolidated_bytes
+from scaletorch.trainer.meta_kernels import shape_rules
 from scaletorch.trainer.trainer import Trainer
 
 KINDS = ("params", "grads", "optimizer", "buffers")
@@ -110,36 +111,6 @@ def balance_routing(model: nn.Module) -> int:
             layer.dispatch_fn = lambda experts, routed, counts: experts(
                 routed, balanced(routed.size(0), experts.num_experts))
     return len(layers)
-
-
-def _logaddexp_shape(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """logaddexp's result on the meta device: the broadcast shape, the promoted dtype."""
-    dtype = torch.result_type(a, b)
-    if a.shape == torch.broadcast_shapes(a.shape, b.shape):
-        return torch.empty_like(a, dtype=dtype)  # a's strides, as the elementwise kernel keeps
-    return torch.empty(torch.broadcast_shapes(a.shape, b.shape), dtype=dtype, device=META)
-
-
-def _normal_shape(tensor: torch.Tensor, mean: float = 0.0, std: float = 1.0, *,
-                  generator: Optional[torch.Generator] = None) -> torch.Tensor:
-    """normal_ on the meta device: the tensor itself (no values to draw)."""
-    return tensor
-
-
-@contextmanager
-def shape_rules() -> Iterator[None]:
-    """Meta kernels given by a shape rule where torch's is a Python decomposition run op by op:
-    logaddexp, in ring attention's merges (1,984 in a cp 16 step of the 8B), 3 ms a call, a third
-    of that dry run; normal_, the model's init, 0.7 s of the 405B's 0.9 s build (built twice: the
-    run's model and the consolidated file's count). Registered for the run, then torch's again."""
-    scoped = getattr(torch.library, "_scoped_library", None)  # torch's private helper
-    if scoped is None:  # a torch without it: torch's own meta kernels, slower, the same result
-        yield
-        return
-    with scoped("aten", "IMPL") as lib:  # removed on exit
-        lib.impl("logaddexp", _logaddexp_shape, "Meta")
-        lib.impl("normal_", _normal_shape, "Meta")
-        yield
 
 
 @contextmanager
