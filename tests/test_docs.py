@@ -280,15 +280,30 @@ def _run_ci_block(block: check_docs.Block, timeout: float) -> Tuple[int, str, st
     (``launch_forked``: the same script in each rank, without launch.sh's pre-flight, torchrun
     and a new Python per rank; their own work is tests/test_launch.py's, test_layout_errors',
     test_fault_tolerance's), a ``python examples/...`` command forked (``run_forked``). A
-    block that must fail (07's refusal: the launcher's pre-flight) runs through bash as
-    written. (exit status, stdout, stderr); a forked launch's output is one stream."""
+    launch that must fail (07's refusal) is refused by launch.sh's pre-flight, before torchrun:
+    its command (``SCRIPT --validate-only --world-size N ARGS``, with launch.sh's
+    LOCAL_WORLD_SIZE) forked, not bash, launch.sh and a new Python; that launch.sh passes its
+    line and status on unchanged, for this very command, is test_layout_errors'
+    BadLayoutsReachTheUserOnce. (exit status, stdout, stderr); a forked launch's output is
+    one stream."""
     command, = block.commands  # each ci block is one command
-    if "fails" in block.options:
-        return check_docs.run_block(block, timeout)
+    fails = "fails" in block.options
     with tempfile.TemporaryDirectory() as tmp:
         runs = os.path.join(tmp, "runs")
-        command = check_docs.in_run_dir(check_docs.overwriting(command), runs)
+        # a block that must fail runs as written (check_docs.run_block), but for the directory
+        command = check_docs.in_run_dir(command if fails else check_docs.overwriting(command), runs)
         launched = LAUNCH.match(command)
+        if launched and fails:
+            script, nproc, args = launched.groups()
+            proc = run_forked(
+                script, "--validate-only", "--world-size", nproc or "1", *shlex.split(args), env={
+                    **os.environ, "PYTHONPATH": ROOT,
+                    **NCCL_CHECKS, "LOCAL_WORLD_SIZE": nproc or "1"
+                }, timeout=timeout)
+            return proc.returncode, proc.stdout.replace(runs, "runs"), \
+                proc.stderr.replace(runs, "runs")
+        if fails:
+            return check_docs.run_block(block, timeout)
         if launched:
             script, nproc, args = launched.groups()
             out, code = launch_forked(script, int(nproc or 1), *shlex.split(args), timeout=timeout)

@@ -21,7 +21,7 @@ from scaletorch.models.hf import export_hf_llama
 from scaletorch.trainer import parse_args
 from scaletorch.trainer.dcp_checkpoint import to_consolidated
 from scripts import generate, parity_floor
-from tests.harness import NCCL_CHECKS, launch_forked, run_main, warning_lines
+from tests.harness import NCCL_CHECKS, launch_forked, run_forked, run_main, warning_lines
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -195,12 +195,11 @@ class ParityFloorScript(unittest.TestCase):
     claim under every fp32 parity test), and a bad step count is refused."""
 
     def run_floor(self, *args: str) -> subprocess.CompletedProcess:
-        cmd = [
-            sys.executable,
-            os.path.join(ROOT, "scripts", "parity_floor.py"), "examples/configs/10_real_model.yaml",
-            *args, "--", "--data.dataset", "synthetic"
-        ]
-        return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        # `python scripts/parity_floor.py ...` as a process of its own (it sets its threads),
+        # forked from the suite's forkserver instead of a new Python that imports torch again
+        return run_forked(os.path.join(ROOT, "scripts",
+                                       "parity_floor.py"), "examples/configs/10_real_model.yaml",
+                          *args, "--", "--data.dataset", "synthetic", timeout=300)
 
     def test_micro_batch_splittings_agree_below_the_tolerance_on_synthetic_data(self):
         proc = self.run_floor("--steps", "2", "4")

@@ -6,42 +6,76 @@ import socket
 import subprocess
 import tempfile
 import unittest
+from concurrent.futures import ThreadPoolExecutor
+from typing import Dict, Tuple
 
 from tests.test_bad_inputs import run_in_process
 from tests.test_examples import ROOT
 
 NCCL = ("TORCH_NCCL_BLOCKING_WAIT", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
+# The threads launch.sh sets on a machine without a GPU, set beforehand: launch.sh then keeps
+# them and does not start a Python that imports torch to ask for a GPU (1.5 s of a core), which
+# the NCCL variables and the port check do not depend on.
+NO_PROBE = {"OMP_NUM_THREADS": "1"}
 SHOW = "import os\nprint('rank env', *(os.environ.get(k) for k in {names!r}))\n"
+
+
+def free_port() -> str:
+    """A port free a moment ago on this host (bound, then released at once)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return str(probe.getsockname()[1])
+
+
+def launch_show_env(*launcher: str, **user: str) -> subprocess.CompletedProcess:
+    """``scripts/launch.sh show_env.py --nproc-per-node 1 LAUNCHER``, the user having set
+    ``user`` and nothing else of NCCL's: its rank prints what it sees of NCCL's variables."""
+    with tempfile.TemporaryDirectory() as tmp:
+        script = os.path.join(tmp, "show_env.py")
+        with open(script, "w") as f:
+            f.write(SHOW.format(names=NCCL))
+        env = {k: v for k, v in os.environ.items() if k not in NCCL}
+        env.update(user, **NO_PROBE)
+        return subprocess.run(
+            ["bash", "scripts/launch.sh", script, "--nproc-per-node", "1", *launcher], cwd=ROOT,
+            env=env, capture_output=True, text=True, timeout=120)
+
+
+_DEFAULT: Dict[str, Tuple[str, subprocess.CompletedProcess]] = {}
+
+
+def default_launch() -> Tuple[str, subprocess.CompletedProcess]:
+    """(port, the launch): ``launch_show_env`` with nothing of NCCL's set and a free
+    ``--master-port``, run once per process for both classes below (each torchrun is a new
+    Python that imports torch: seconds of a core)."""
+    if not _DEFAULT:
+        port = free_port()
+        _DEFAULT["run"] = (port, launch_show_env("--master-port", port))
+    return _DEFAULT["run"]
 
 
 class LauncherSetsNcclErrorHandling(unittest.TestCase):
 
-    def _launch(self, **user: str) -> tuple:
-        """What a rank sees of NCCL's variables, and the command line printed, when the user
-        has set ``user`` and nothing else of NCCL's."""
-        with tempfile.TemporaryDirectory() as tmp:
-            script = os.path.join(tmp, "show_env.py")
-            with open(script, "w") as f:
-                f.write(SHOW.format(names=NCCL))
-            env = {k: v for k, v in os.environ.items() if k not in NCCL}
-            env.update(user)
-            proc = subprocess.run(["bash", "scripts/launch.sh", script, "--nproc-per-node", "1"],
-                                  cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    def _seen(self, proc: subprocess.CompletedProcess) -> tuple:
+        """What the rank saw of NCCL's variables, and the command line printed."""
         self.assertEqual(proc.returncode, 0, proc.stdout + proc.stderr)
         ranks = [line for line in proc.stdout.splitlines() if line.startswith("rank env")]
         command = next(line for line in proc.stdout.splitlines() if line.startswith("+ "))
         return ranks, command
 
     def test_async_error_handling_without_blocking_waits_and_a_value_already_set_wins(self):
-        # blocking waits would hold the host at every wait(): no overlap (doc/fault_tolerance.md)
-        ranks, command = self._launch()
-        self.assertEqual(ranks, ["rank env None 1"])
-        self.assertIn("+ TORCH_NCCL_ASYNC_ERROR_HANDLING=1 ",
-                      command.replace("OMP_NUM_THREADS=1 ", ""))
-        self.assertNotIn("BLOCKING_WAIT", command)
-        # the user's choices are kept, and printed
-        ranks, command = self._launch(TORCH_NCCL_BLOCKING_WAIT="1",
-                                      TORCH_NCCL_ASYNC_ERROR_HANDLING="3")
+        with ThreadPoolExecutor(max_workers=1) as pool:  # both launches at once
+            users = pool.submit(launch_show_env, TORCH_NCCL_BLOCKING_WAIT="1",
+                                TORCH_NCCL_ASYNC_ERROR_HANDLING="3")
+            # blocking waits would hold the host at every wait(): no overlap
+            # (doc/fault_tolerance.md)
+            ranks, command = self._seen(default_launch()[1])
+            self.assertEqual(ranks, ["rank env None 1"])
+            self.assertIn("+ TORCH_NCCL_ASYNC_ERROR_HANDLING=1 ",
+                          command.replace("OMP_NUM_THREADS=1 ", ""))
+            self.assertNotIn("BLOCKING_WAIT", command)
+            # the user's choices are kept, and printed
+            ranks, command = self._seen(users.result())
         self.assertEqual(ranks, ["rank env 1 3"])
         self.assertIn("TORCH_NCCL_BLOCKING_WAIT=1 TORCH_NCCL_ASYNC_ERROR_HANDLING=3", command)
 
@@ -99,17 +133,10 @@ class LauncherChecksItsArguments(unittest.TestCase):
             port = str(busy.getsockname()[1])
             self._assert_refused(["--master-port", port], "--master-port",
                                  f"--master-port {port} is in use on this host (127.0.0.1)")
-        with tempfile.TemporaryDirectory() as tmp:
-            script = os.path.join(tmp, "ok.py")
-            with open(script, "w") as f:
-                f.write("print('rank ran')\n")
-            with socket.socket() as probe:  # a port free a moment ago (released at once)
-                probe.bind(("127.0.0.1", 0))
-                port = str(probe.getsockname()[1])
-            proc = subprocess.run(["bash", "scripts/launch.sh", script, "--master-port", port],
-                                  cwd=ROOT, capture_output=True, text=True, timeout=120)
+        # a free port launches: the default launch above, with its --master-port
+        port, proc = default_launch()
         self.assertEqual(proc.returncode, 0, proc.stdout + proc.stderr)
-        self.assertIn("rank ran", proc.stdout)
+        self.assertIn("rank env", proc.stdout)  # the rank ran
         self.assertIn(f"--master-port {port}", proc.stdout)
 
     def test_the_pre_flight_refuses_a_world_of_no_ranks(self):

@@ -173,6 +173,12 @@ class BadLayoutsReachTheUserOnce(unittest.TestCase):
                                      env={"SCALETORCH_PREFLIGHT": "0"}, timeout=120)
         self.assertIn("torchrun.py", out)  # the ranks started and refused
         self._assert_once(out, code, "model.tie_word_embeddings true with parallel.impl 'torch'")
+        # torchrun ended rank 1 (waiting, so that rank 0 says it) and added nothing: its notes
+        # of a rank's status 2 and of the ranks it stopped would repeat the line. The same road
+        # for every refusal of status 2 (a bad data file in tests/test_bad_inputs.py, a full
+        # disk in tests/test_stops.py, whose ranks are forked)
+        for note in ("SIGTERM", "exitcode"):
+            self.assertNotIn(note, out)
 
     def test_validate_only_accepts_a_valid_layout_silently(self):
         # a process of its own, as launch.sh's pre-flight (forked from the suite's forkserver)

@@ -10,8 +10,6 @@ import io
 import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import unittest
 from typing import Dict, List, Optional, Tuple
@@ -20,7 +18,7 @@ from scaletorch.models import build_model
 from scaletorch.rules.errors import InputError
 from scaletorch.trainer import Trainer, parse_args
 from scaletorch.trainer.run_dir import check_run_dir
-from tests.harness import NCCL_CHECKS
+from tests.harness import NCCL_CHECKS, run_forked
 from tests.test_examples import ROOT
 
 C00 = "examples/00_single_device.py"
@@ -30,20 +28,27 @@ BASE = ["--steps", "4", "--checkpoint.every", "2", "--logging.progress", "false"
 
 def run_script(script: str, *argv: str, code: Optional[str] = None,
                timeout: float = 300) -> Tuple[int, str, str]:
-    """``python script ARGV`` from the repository root, one process (no torchrun): (exit
-    status, stdout, stderr). ``code``: Python run first in that process (e.g. a patch that
-    simulates a full disk), then the script as ``__main__``."""
-    if code is None:
-        cmd = [sys.executable, script, *argv]
-    else:
-        runner = f"import runpy, sys\n{code}\nsys.argv = {[script, *argv]!r}\n" \
-                 f"runpy.run_path({script!r}, run_name='__main__')\n"
-        cmd = [sys.executable, "-c", runner]
+    """``python script ARGV`` from the repository root, one process of its own (no torchrun):
+    (exit status, stdout, stderr). ``code``: Python run first in that process (e.g. a patch
+    that simulates a full disk), then the script as ``__main__``.
+
+    The process is forked from the suite's forkserver (tests/harness.py's ``run_forked``), not
+    a new Python that imports torch again (about 3 s of a core): the library is imported there
+    already, so ``code`` patches what a module looks up when it runs (``safe_files.write_all``,
+    the script's own ``loss_fn``), as it would in a fresh Python."""
     env = {**os.environ, "PYTHONPATH": ROOT, **NCCL_CHECKS}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT"):
         env.pop(name, None)
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
-    return proc.returncode, proc.stdout, proc.stderr
+    if code is None:
+        done = run_forked(script, *argv, env=env, timeout=timeout)
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            runner = os.path.join(tmp, "runner.py")
+            with open(runner, "w") as f:
+                f.write(f"import runpy, sys\n{code}\nsys.argv = {[script, *argv]!r}\n"
+                        f"runpy.run_path({script!r}, run_name='__main__')\n")
+            done = run_forked(runner, env=env, timeout=timeout)
+    return done.returncode, done.stdout, done.stderr
 
 
 def snapshot(root: str) -> Dict[str, bytes]:

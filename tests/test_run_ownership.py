@@ -10,11 +10,10 @@ import fcntl
 import json
 import os
 import signal
-import subprocess
-import sys
 import tempfile
 import unicodedata
 import unittest
+from concurrent.futures import ThreadPoolExecutor
 
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
@@ -23,6 +22,7 @@ from scaletorch.rules.errors import InputError
 from scaletorch.rules.schema import path_component
 from scaletorch.trainer.config import parse_args
 from scaletorch.trainer.run_dir import MARKER, hold, keep_metrics_to, release
+from tests.harness import run_forked
 from tests.test_bad_inputs import run_in_process
 from tests.test_examples import ROOT
 from tests.test_run_dirs import C00, metrics_lines
@@ -78,16 +78,16 @@ class TwoRunsStartedAtOnceWriteEveryStepOnce(unittest.TestCase):
 
     def test_one_runs_the_other_is_refused_in_one_line(self):
         with tempfile.TemporaryDirectory() as tmp:
-            cmd = [
-                sys.executable, C00, "--steps", "6", "--logging.progress", "false",
-                "--logging.run_dir", tmp
-            ]
+            args = [C00, "--steps", "6", "--logging.progress", "false", "--logging.run_dir", tmp]
             env = {**os.environ, "PYTHONPATH": ROOT}
-            procs = [
-                subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True) for _ in range(2)
-            ]
-            done = [(p.wait(timeout=300), *p.communicate()) for p in procs]
+
+            def run(_: int) -> tuple:
+                # `python C00 ...`: a process of its own, forked from the suite's forkserver
+                proc = run_forked(*args, env=env, timeout=300)
+                return proc.returncode, proc.stdout, proc.stderr
+
+            with ThreadPoolExecutor(max_workers=2) as pool:  # both started at once
+                done = list(pool.map(run, range(2)))
             codes = sorted(code for code, _, _ in done)
             self.assertEqual(codes, [0, 2], done)
             refused = next(err for code, _, err in done if code == 2)

@@ -243,8 +243,12 @@ class EveryFieldRefusesWrongTypesAndRanges(unittest.TestCase):
         for key, what, args in self.cases:
             if key in sample and "ignored" in what:
                 with self.subTest(key=key, args=args):
+                    # OMP_NUM_THREADS as launch.sh sets it without a GPU: it then starts no
+                    # Python to ask torch for one (the pre-flight is the one it starts)
                     proc = subprocess.run(["bash", "scripts/launch.sh", C00, "--", *args], cwd=ROOT,
-                                          capture_output=True, text=True, timeout=120)
+                                          capture_output=True, text=True, timeout=120, env={
+                                              **os.environ, "OMP_NUM_THREADS": "1"
+                                          })
                     self.assertEqual(proc.returncode, 2, proc.stderr)
                     self.assertEqual(proc.stderr, self.results[key, what][1])
                     self.assertNotIn("torchrun", proc.stdout)  # it never started

@@ -11,10 +11,11 @@ import subprocess
 import sys
 import tempfile
 import unittest
-from typing import Any, List, Tuple
+from typing import Any, Dict, List, Tuple
 from unittest import mock
 
 import torch
+import torch.multiprocessing as mp
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -24,7 +25,7 @@ from scaletorch.trainer import Trainer
 from scaletorch.trainer import checkpoint as ckpt
 from scaletorch.trainer import parse_args, run_dir
 from scaletorch.trainer.stops import catch_stop_signals, release_stop_signals, stopped, watch
-from tests.harness import NCCL_CHECKS, launch_forked
+from tests.harness import NCCL_CHECKS, _script_process, launch_forked
 from tests.test_examples import NO_PREFLIGHT, ROOT, launch_status
 from tests.test_run_dirs import BASE, C00, copy_of_base_run, metrics_lines, run_script, snapshot
 
@@ -37,6 +38,48 @@ C01 = "examples/01_ddp.py"
 LONG = os.environ.get("SCALETORCH_LONG_TESTS") == "1"
 CTRL_C = re.compile(r"^interrupted \(Ctrl-C\) at step (\d+) of \d+: last complete checkpoint "
                     r"(\S+); resume with: (.+ --resume)$")
+
+
+def start_forked(script: str, *args: str, stdout: str, stderr: str, env: Dict[str, str]) -> Any:
+    """``python script args`` from the repository root, its stdout and stderr opened at the
+    paths ``stdout`` (a FIFO this test reads, /dev/full) and ``stderr``: the process of
+    harness.run_forked (a fresh Python's signal handlers, ``sys.argv``, the exit status of
+    ``SystemExit`` or of the script's ``sys.excepthook``), forked from the suite's forkserver
+    instead of a new Python that imports torch again. Returns the started process."""
+    proc = mp.get_context("forkserver").Process(
+        target=_script_process, args=(script, list(args), env, ROOT, stdout, stderr))
+    proc.start()
+    return proc
+
+
+def interrupt_forked_after_checkpoints(script: str, args: List[str],
+                                       checkpoints: int) -> Tuple[int, str, str]:
+    """``python script args`` as one process (``start_forked``); once it printed
+    ``checkpoints`` "saved checkpoint" lines, SIGINT to it, as a terminal's Ctrl-C (the run has
+    no other process). (exit status, stdout, stderr)."""
+    env = {**os.environ, "PYTHONPATH": ROOT, **NCCL_CHECKS, **NO_PREFLIGHT}
+    with tempfile.TemporaryDirectory() as pipes:
+        out_path, err_path = os.path.join(pipes, "stdout"), os.path.join(pipes, "stderr")
+        os.mkfifo(out_path)
+        open(err_path, "w").close()
+        proc = start_forked(script, *args, stdout=out_path, stderr=err_path, env=env)
+        lines, saved = [], 0
+        try:
+            with open(out_path) as out:  # until the process ends (it holds the other end)
+                for line in out:
+                    lines.append(line)
+                    if line.startswith("saved checkpoint"):
+                        saved += 1
+                        if saved == checkpoints:
+                            os.kill(proc.pid, signal.SIGINT)
+            proc.join(120)
+        finally:
+            if proc.is_alive():
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.join()
+        with open(err_path) as f:
+            err = f.read()
+    return proc.exitcode, "".join(lines), err
 
 
 def interrupt_after_checkpoints(cmd: List[str], checkpoints: int,
@@ -70,6 +113,22 @@ def interrupt_after_checkpoints(cmd: List[str], checkpoints: int,
     return proc.returncode, "".join(lines) + stdout, stderr
 
 
+# The end of a script that patches the library, then runs chapter 01 as ``__main__`` on a rank
+# of ``launch_forked``, ending as Python ends it: an exception that escapes goes to the
+# script's ``sys.excepthook`` (load_config's report_input_errors: one line, its status), which
+# launch_forked's ranks would not call (they print the traceback, status 1).
+RUN_01 = """
+import runpy
+import sys
+sys.argv = ['examples/01_ddp.py', *sys.argv[1:]]
+try:
+    runpy.run_path('examples/01_ddp.py', run_name='__main__')
+except Exception as err:
+    sys.excepthook(type(err), err, err.__traceback__)
+    sys.exit(1)
+"""
+
+
 class CtrlCEndsWithOneLineAndTheLastCheckpointResumes(unittest.TestCase):
 
     def check_stop(self, code: int, out: str, err: str) -> Tuple[int, str, str]:
@@ -88,9 +147,9 @@ class CtrlCEndsWithOneLineAndTheLastCheckpointResumes(unittest.TestCase):
 
     def test_one_process(self):
         with tempfile.TemporaryDirectory() as tmp:
-            code, out, err = interrupt_after_checkpoints([
-                sys.executable, C00, "--steps", "100000", "--checkpoint.every", "2",
-                "--logging.progress", "false", "--logging.run_dir", tmp
+            code, out, err = interrupt_forked_after_checkpoints(C00, [
+                "--steps", "100000", "--checkpoint.every", "2", "--logging.progress", "false",
+                "--logging.run_dir", tmp
             ], 2)
             step, path, command = self.check_stop(code, out, err)
             self.assertTrue(command.startswith(f"python {C00} --steps 100000"), command)
@@ -356,35 +415,35 @@ safe_files.write_all = write_all
                 ckpt.latest_valid_checkpoint(os.path.join(run, "checkpoints"))[0],
                 ckpt.step_dir(os.path.join(run, "checkpoints"), 4))
 
-    def test_through_torchrun_one_line_and_every_rank_keeps_what_it_had(self):
-        # 01 at 2 ranks, as users launch it (scripts/launch.sh): steps 2 and 4 saved, then the
-        # resumed run finds the disk full while each rank writes its step 6 file (one disk,
-        # one node: every rank's write fails)
+    def test_two_ranks_each_name_their_file_and_keep_what_they_had(self):
+        # 01 at 2 ranks: steps 2 and 4 saved, then the resumed run finds the disk full while
+        # each rank writes its step 6 file (one disk, one node: every rank's write fails). The
+        # ranks forked, as torchrun starts them: what each rank says and leaves is theirs.
+        # Under torchrun the user sees rank 0's line alone (rank 1 waits, and torchrun ends
+        # it, its own notes of a status 2 dropped): tests/test_layout_errors.py's launch
+        # without the pre-flight shows that road, the same for every refusal of status 2.
         with tempfile.TemporaryDirectory() as tmp:
             wrapper = os.path.join(tmp, "full_disk_01_ddp.py")
             with open(wrapper, "w") as f:
-                f.write("import runpy, sys\n" + self.FULL_DISK +
-                        "sys.argv = ['examples/01_ddp.py', *sys.argv[1:]]\n"
-                        "runpy.run_path('examples/01_ddp.py', run_name='__main__')\n")
+                f.write(self.FULL_DISK + RUN_01)
             args = [*BASE, "--logging.run_dir", tmp]
-            # the run before the full disk: its ranks forked (launch.sh's work is the second's)
-            out, code = launch_forked(C01, 2, *args, env=NO_PREFLIGHT)
+            out, code = launch_forked(C01, 2, *args, env=NO_PREFLIGHT)  # the run before
             self.assertEqual(code, 0, out[-3000:])
             run = os.path.join(tmp, "01_ddp")
             before = snapshot(run)
-            out, code, _ = launch_status(wrapper, 2, *args, "--steps", "8", "--resume",
-                                         env=NO_PREFLIGHT)
+            out, code = launch_forked(wrapper, 2, *args, "--steps", "8", "--resume",
+                                      env=NO_PREFLIGHT)
             self.assertEqual(code, 2, out[-3000:])
             self.assertNotIn("Traceback", out)
             errors = [line for line in out.splitlines() if line.lower().startswith("error")]
             step6 = ckpt.step_dir(os.path.join(run, "checkpoints"), 6)
-            self.assertEqual(len(errors), 1, out[-3000:])  # one rank says it, once
-            for note in ("SIGTERM", "exitcode"):  # torchrun's notes would repeat it
-                self.assertNotIn(note, out)
-            self.assertIn(  # rank 0's line (another rank waits before it would say it)
-                f"error: could not write '{ckpt.rank_file(step6, 0)}': No space left on device "
-                f"(free space there); its partial files were removed", errors[0])
-            self.assertEqual(out.splitlines()[-1], errors[0])  # the last thing printed
+            # rank 0's line at once, then rank 1's after its wait (which torchrun cuts short)
+            self.assertEqual(len(errors), 2, out[-3000:])
+            for rank, line in enumerate(errors):
+                self.assertIn(
+                    f"error: could not write '{ckpt.rank_file(step6, rank)}': No space left on "
+                    f"device (free space there); its partial files were removed", line)
+            self.assertEqual(out.splitlines()[-2:], errors)  # the last things printed
             after = snapshot(run)
             self.assertFalse(os.path.exists(step6))  # no rank left a partial file
             self.assertFalse([name for name in after if ".tmp." in name], sorted(after))
@@ -491,25 +550,42 @@ with interruptible(cfg, steps):
 class AClosedOutputIsACleanStop(unittest.TestCase):
     """A run whose stdout is a pipe closed by its reader (``| head -N``, generated N) stops
     as a signal does: one line on stderr naming the step reached and what a resume starts
-    from, SIGPIPE's status 141, no traceback. One small process per example (no model, but
-    torch's import: seconds): 1 in the suite, 20 long. Any other failed write of stdout
-    (``> /dev/full``: ENOSPC), in the setup or the loop, is the same stop with status 74."""
+    from, SIGPIPE's status 141, no traceback. One small process per example (no model; forked
+    from the suite's forkserver, ``start_forked``): 1 in the suite, 20 long. Any other failed
+    write of stdout (``> /dev/full``: ENOSPC), in the setup or the loop, is the same stop with
+    status 74."""
+
+    def run_closed_output(self, tmp: str, stdout: str, *args: str) -> Any:
+        """CLOSED_OUTPUT as a script in ``tmp``, started with its stdout at ``stdout``."""
+        script = os.path.join(tmp, "closed_output.py")
+        with open(script, "w") as f:
+            f.write(CLOSED_OUTPUT)
+        open(os.path.join(tmp, "stderr"), "w").close()
+        return start_forked(script, tmp, *args, stdout=stdout, stderr=os.path.join(tmp, "stderr"),
+                            env={
+                                **os.environ, "PYTHONPATH": ROOT
+                            })
 
     @settings(max_examples=20 if os.environ.get("SCALETORCH_LONG_TESTS") == "1" else 1,
               deadline=None)
     @given(lines=st.integers(0, 50))
     def test_head_ends_the_run_with_one_line_and_status_141(self, lines):
         with tempfile.TemporaryDirectory() as tmp:
-            proc = subprocess.Popen([sys.executable, "-c", CLOSED_OUTPUT, tmp],
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, env={
-                                        **os.environ, "PYTHONPATH": ROOT
-                                    })
-            for _ in range(lines):
-                proc.stdout.readline()
-            proc.stdout.close()
-            err = proc.stderr.read().decode()
-            proc.stderr.close()
-            self.assertEqual(proc.wait(timeout=60), 141, err)
+            pipe = os.path.join(tmp, "stdout")
+            os.mkfifo(pipe)  # the pipe `| head` reads: its reader this test
+            proc = self.run_closed_output(tmp, pipe)
+            try:
+                with open(pipe) as out:
+                    for _ in range(lines):
+                        out.readline()
+                proc.join(60)
+            finally:
+                if proc.is_alive():
+                    os.kill(proc.pid, signal.SIGKILL)
+                    proc.join()
+            with open(os.path.join(tmp, "stderr")) as f:
+                err = f.read()
+            self.assertEqual(proc.exitcode, 141, err)
             self.assertEqual(len(err.splitlines()), 1, err)
             self.assertRegex(
                 err, r"^stopped: the output was closed .* at step \d+ of \d+: "
@@ -517,15 +593,15 @@ class AClosedOutputIsACleanStop(unittest.TestCase):
 
     def test_a_full_device_ends_the_run_with_one_line_and_status_74(self):
         for where, said in (("setup", "before step 1 of"), ("loop", "at step 1 of")):
-            with self.subTest(where=where), tempfile.TemporaryDirectory() as tmp, \
-                    open("/dev/full", "w") as full:
-                done = subprocess.run([sys.executable, "-c", CLOSED_OUTPUT, tmp, where],
-                                      stdout=full, stderr=subprocess.PIPE, cwd=ROOT, timeout=60,
-                                      env={
-                                          **os.environ, "PYTHONPATH": ROOT
-                                      })
-                err = done.stderr.decode()
-                self.assertEqual(done.returncode, 74, err)
+            with self.subTest(where=where), tempfile.TemporaryDirectory() as tmp:
+                proc = self.run_closed_output(tmp, "/dev/full", where)
+                proc.join(60)
+                if proc.is_alive():
+                    os.kill(proc.pid, signal.SIGKILL)
+                    proc.join()
+                with open(os.path.join(tmp, "stderr")) as f:
+                    err = f.read()
+                self.assertEqual(proc.exitcode, 74, err)
                 self.assertEqual(len(err.splitlines()), 1, err)
                 self.assertRegex(
                     err, rf"^stopped: the output could not be written \(No space left on "

@@ -11,7 +11,6 @@ folders are refused with one line before anything starts.
 import importlib.util
 import os
 import subprocess
-import sys
 import tempfile
 import unittest
 from typing import Any, Dict, List, Tuple
@@ -27,7 +26,7 @@ from scaletorch.parallel.sync_batchnorm import SyncBatchNorm, sync_bn_elements
 from scaletorch.parallel.vision_parallel import parallelize_resnet
 from scaletorch.trainer.vision_loop import (VisionSettings, largest_deviation, single_device,
                                             train_resnet)
-from tests.harness import bit_exact, run_distributed, run_main
+from tests.harness import bit_exact, run_distributed, run_forked, run_main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # fp32, 4 AdamW steps: the parallel run adds the same numbers in another order (BatchNorm's
@@ -357,10 +356,10 @@ class BadImageFolderTest(unittest.TestCase):
 
     def test_the_script_exits_2_without_a_traceback(self) -> None:
         with tempfile.TemporaryDirectory() as tmp:
-            proc = subprocess.run(
-                [sys.executable, "examples/12_vision.py", "--data-folder", tmp, "--steps", "1"],
-                cwd=ROOT, capture_output=True, text=True, timeout=120,
-                env=dict(os.environ, PYTHONPATH=ROOT))
+            # a process of its own, as `python examples/12_vision.py ...` (forked from the
+            # suite's forkserver): its exit status and stderr are the process's
+            proc = run_forked("examples/12_vision.py", "--data-folder", tmp, "--steps", "1",
+                              env=dict(os.environ, PYTHONPATH=ROOT), timeout=120)
         self.assertEqual(proc.returncode, 2)
         self.assertEqual(proc.stderr.splitlines(), [
             f"error: image folder {tmp!r} holds no "
@@ -377,9 +376,9 @@ class ARunIsNeverWrittenOver(unittest.TestCase):
         script = os.path.join(ROOT, "examples", "12_vision.py")
 
         def run(*args: str) -> "subprocess.CompletedProcess[str]":
-            return subprocess.run([sys.executable, script, "--steps", "1", *args], cwd=tmp,
-                                  capture_output=True, text=True, timeout=120,
-                                  env=dict(os.environ, PYTHONPATH=ROOT))
+            # `python SCRIPT --steps 1 ARGS` in tmp, forked from the suite's forkserver
+            return run_forked(script, "--steps", "1", *args, cwd=tmp, timeout=120,
+                              env=dict(os.environ, PYTHONPATH=ROOT))
 
         with tempfile.TemporaryDirectory() as tmp:
             self.assertEqual(run().returncode, 0)
@@ -413,11 +412,10 @@ class ChapterTwelveTakesEveryChaptersInterface(unittest.TestCase):
     def test_the_run_goes_to_logging_run_dir_and_check_prints_the_common_parity_lines(self):
         script = os.path.join(ROOT, "examples", "12_vision.py")
         with tempfile.TemporaryDirectory() as tmp:
-            proc = subprocess.run([
-                sys.executable, script, "--steps", "2", "--check", "--logging.run_dir",
-                os.path.join(tmp, "elsewhere"), "--logging.name", "mine"
-            ], cwd=tmp, capture_output=True, text=True, timeout=300,
-                                  env=dict(os.environ, PYTHONPATH=ROOT))
+            # `python SCRIPT ...` in tmp, forked from the suite's forkserver
+            proc = run_forked(script, "--steps", "2", "--check", "--logging.run_dir",
+                              os.path.join(tmp, "elsewhere"), "--logging.name", "mine", cwd=tmp,
+                              timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))
             self.assertEqual(proc.returncode, 0, proc.stdout + proc.stderr)
             self.assertTrue(os.path.isfile(os.path.join(tmp, "elsewhere", "mine", "metrics.jsonl")))
             self.assertFalse(os.path.exists(os.path.join(tmp, "runs")))
