@@ -39,7 +39,7 @@ from typing import Dict, List, Optional
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
 # Modules that assert on measured time: run with no other worker beside them.
-ALONE = ("tests.test_zero_bubble", "tests.test_straggler", "tests.test_timer")
+ALONE = ("tests.test_zero_bubble_timing", "tests.test_straggler", "tests.test_timer")
 # The slowest modules start first, so that no long one is left to run at the end by itself.
 SLOW_FIRST = ("tests.test_resume", "tests.test_nd_parallel", "tests.test_dry_run",
               "tests.test_grade", "tests.test_fault_tolerance", "tests.test_debugging",
