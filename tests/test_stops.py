@@ -555,6 +555,16 @@ class AClosedOutputIsACleanStop(unittest.TestCase):
     write of stdout (``> /dev/full``: ENOSPC), in the setup or the loop, is the same stop with
     status 74."""
 
+    @staticmethod
+    def ended(proc: Any, tmp: str) -> Tuple[int, str]:
+        """(exit status, stderr) of ``proc`` (run_closed_output's) once ended (killed at 60 s)."""
+        proc.join(60)
+        if proc.is_alive():
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.join()
+        with open(os.path.join(tmp, "stderr")) as f:
+            return proc.exitcode, f.read()
+
     def run_closed_output(self, tmp: str, stdout: str, *args: str) -> Any:
         """CLOSED_OUTPUT as a script in ``tmp``, started with its stdout at ``stdout``."""
         script = os.path.join(tmp, "closed_output.py")
@@ -578,14 +588,9 @@ class AClosedOutputIsACleanStop(unittest.TestCase):
                 with open(pipe) as out:
                     for _ in range(lines):
                         out.readline()
-                proc.join(60)
             finally:
-                if proc.is_alive():
-                    os.kill(proc.pid, signal.SIGKILL)
-                    proc.join()
-            with open(os.path.join(tmp, "stderr")) as f:
-                err = f.read()
-            self.assertEqual(proc.exitcode, 141, err)
+                code, err = self.ended(proc, tmp)
+            self.assertEqual(code, 141, err)
             self.assertEqual(len(err.splitlines()), 1, err)
             self.assertRegex(
                 err, r"^stopped: the output was closed .* at step \d+ of \d+: "
@@ -594,14 +599,8 @@ class AClosedOutputIsACleanStop(unittest.TestCase):
     def test_a_full_device_ends_the_run_with_one_line_and_status_74(self):
         for where, said in (("setup", "before step 1 of"), ("loop", "at step 1 of")):
             with self.subTest(where=where), tempfile.TemporaryDirectory() as tmp:
-                proc = self.run_closed_output(tmp, "/dev/full", where)
-                proc.join(60)
-                if proc.is_alive():
-                    os.kill(proc.pid, signal.SIGKILL)
-                    proc.join()
-                with open(os.path.join(tmp, "stderr")) as f:
-                    err = f.read()
-                self.assertEqual(proc.exitcode, 74, err)
+                code, err = self.ended(self.run_closed_output(tmp, "/dev/full", where), tmp)
+                self.assertEqual(code, 74, err)
                 self.assertEqual(len(err.splitlines()), 1, err)
                 self.assertRegex(
                     err, rf"^stopped: the output could not be written \(No space left on "
