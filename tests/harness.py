@@ -289,6 +289,18 @@ def _script_process(script: str, argv: List[str], env: Dict[str, str], cwd: str,
     os._exit(code)
 
 
+def start_forked(script: str, *args: str, stdout: str, stderr: str, env: Dict[str, str],
+                 cwd: str = ROOT) -> Any:
+    """``python script args`` in ``cwd``, its stdout and stderr opened at the paths ``stdout``
+    and ``stderr`` (a file, a FIFO the caller reads, /dev/full): ``run_forked``'s process,
+    started and returned without waiting for it (a test that signals it, or reads as it
+    writes)."""
+    proc = mp.get_context("forkserver").Process(target=_script_process,
+                                                args=(script, list(args), env, cwd, stdout, stderr))
+    proc.start()
+    return proc
+
+
 def run_forked(script: str, *args: str, env: Optional[Dict[str, str]] = None,
                cwd: Optional[str] = None, timeout: float = 120) -> subprocess.CompletedProcess:
     """``subprocess.run([sys.executable, script, *args], capture_output=True, text=True,
@@ -305,14 +317,10 @@ def run_forked(script: str, *args: str, env: Optional[Dict[str, str]] = None,
     a fresh Python's signal handlers (SIGINT, SIGTERM, SIGPIPE), ``sys.argv``, ``sys.path[0]``
     (the script's folder) and working directory. stdin is /dev/null. After ``timeout`` s the
     process is killed (AssertionError)."""
-    ctx = mp.get_context("forkserver")
     with tempfile.NamedTemporaryFile("r", suffix=".out") as out, \
             tempfile.NamedTemporaryFile("r", suffix=".err") as err:
-        proc = ctx.Process(
-            target=_script_process,
-            args=(script, list(args), dict(os.environ if env is None else env), cwd
-                  or ROOT, out.name, err.name))
-        proc.start()
+        proc = start_forked(script, *args, stdout=out.name, stderr=err.name,
+                            env=dict(os.environ if env is None else env), cwd=cwd or ROOT)
         proc.join(timeout)
         if proc.is_alive():
             os.kill(proc.pid, signal.SIGKILL)

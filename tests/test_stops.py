@@ -11,11 +11,10 @@ import subprocess
 import sys
 import tempfile
 import unittest
-from typing import Any, Dict, List, Tuple
+from typing import Any, List, Tuple
 from unittest import mock
 
 import torch
-import torch.multiprocessing as mp
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -25,7 +24,7 @@ from scaletorch.trainer import Trainer
 from scaletorch.trainer import checkpoint as ckpt
 from scaletorch.trainer import parse_args, run_dir
 from scaletorch.trainer.stops import catch_stop_signals, release_stop_signals, stopped, watch
-from tests.harness import NCCL_CHECKS, _script_process, launch_forked
+from tests.harness import NCCL_CHECKS, launch_forked, start_forked
 from tests.test_examples import NO_PREFLIGHT, ROOT, launch_status
 from tests.test_run_dirs import BASE, C00, copy_of_base_run, metrics_lines, run_script, snapshot
 
@@ -38,18 +37,6 @@ C01 = "examples/01_ddp.py"
 LONG = os.environ.get("SCALETORCH_LONG_TESTS") == "1"
 CTRL_C = re.compile(r"^interrupted \(Ctrl-C\) at step (\d+) of \d+: last complete checkpoint "
                     r"(\S+); resume with: (.+ --resume)$")
-
-
-def start_forked(script: str, *args: str, stdout: str, stderr: str, env: Dict[str, str]) -> Any:
-    """``python script args`` from the repository root, its stdout and stderr opened at the
-    paths ``stdout`` (a FIFO this test reads, /dev/full) and ``stderr``: the process of
-    harness.run_forked (a fresh Python's signal handlers, ``sys.argv``, the exit status of
-    ``SystemExit`` or of the script's ``sys.excepthook``), forked from the suite's forkserver
-    instead of a new Python that imports torch again. Returns the started process."""
-    proc = mp.get_context("forkserver").Process(
-        target=_script_process, args=(script, list(args), env, ROOT, stdout, stderr))
-    proc.start()
-    return proc
 
 
 def interrupt_forked_after_checkpoints(script: str, args: List[str],
