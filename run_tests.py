@@ -5,7 +5,7 @@
 that compare results bit for bit. CI runs those at 1 and at 2 threads as well.
 
 ``--jobs N`` runs the test modules in N worker processes at once (default: the cores this
-process may use, at most 2; 1 runs all in this process). Between its worlds a worker waits on a
+process may use, divided by ``--threads`` when given, at most 2; 1 runs all in this process). Between its worlds a worker waits on a
 timeout, a launcher or one Python's imports, which a second worker fills. With more than one
 worker, every test process runs one intra-op thread (unless ``--threads`` says otherwise): two
 workers of two threads each would share two cores four ways. Modules listed in ``ALONE``
@@ -47,11 +47,13 @@ SLOW_FIRST = ("tests.test_resume", "tests.test_nd_parallel", "tests.test_dry_run
               "tests.test_plan", "tests.test_bad_inputs", "tests.test_stops")
 
 
-def default_jobs() -> int:
-    """The cores this process may run on, at most 2: two workers fill each other's waits; more
-    would run several timed or 8-rank worlds side by side."""
+def default_jobs(threads: Optional[int] = None) -> int:
+    """The cores this process may run on, divided by ``--threads`` when given, at most 2: two
+    workers fill each other's waits; more would run several timed or 8-rank worlds side by side.
+    At ``--threads 2`` on two cores, one worker: two workers of 8 two-thread ranks each would put
+    32 spinning threads on two cores (CI's 8-rank world then ran past its 360 s)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, min(2, cores or 1))
+    return max(1, min(2, (cores or 1) // (threads or 1)))
 
 
 def test_threads(jobs: int, threads: Optional[int]) -> Optional[int]:
@@ -282,13 +284,15 @@ def main() -> int:
     parser.add_argument("--bit-exact", action="store_true",
                         help="only the tests that compare results bit for bit")
     parser.add_argument(
-        "--jobs", type=int, metavar="N", default=default_jobs(),
+        "--jobs", type=int, metavar="N",
         help="test modules run at once, each in a worker process (default: "
-        "%(default)s, the cores this process may use, at most 2)")
+        f"{default_jobs()}, the cores this process may use divided by --threads, at most 2)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.threads is not None and args.threads < 1:
         parser.error(f"--threads {args.threads}: expected at least 1")
+    if args.jobs is None:
+        args.jobs = default_jobs(args.threads)
     if args.jobs < 1:
         parser.error(f"--jobs {args.jobs}: expected at least 1")
     threads = test_threads(args.jobs, args.threads)

@@ -102,10 +102,29 @@ class JobsFollowTheCores(unittest.TestCase):
         for cores, jobs in ((1, 1), (2, 2), (16, 2)):
             with mock.patch("os.sched_getaffinity", lambda _: set(range(cores)), create=True):
                 self.assertEqual(run_tests.default_jobs(), jobs, cores)
+        # --threads N: the cores divided by N (two-thread ranks of two workers would share two
+        # cores four ways)
+        for cores, threads, jobs in ((2, 2, 1), (4, 2, 2), (2, 1, 2), (1, 3, 1), (16, 4, 2)):
+            with mock.patch("os.sched_getaffinity", lambda _: set(range(cores)), create=True):
+                self.assertEqual(run_tests.default_jobs(threads), jobs, (cores, threads))
         # several workers share the cores: one thread each, unless --threads says otherwise
         self.assertEqual(
             [run_tests.test_threads(j, t) for j, t in ((1, None), (2, None), (2, 2), (1, 3))],
             [None, 1, 2, 3])
+
+
+def _wait_policy(rank: int, world_size: int) -> str:
+    return os.environ.get("OMP_WAIT_POLICY", "")
+
+
+class IdleThreadsSleep(unittest.TestCase):
+    """tests/__init__.py: OpenMP threads wait without spinning, in the test process and in every
+    rank (two-thread ranks spinning on two cores made an 8-rank world 4x slower)."""
+
+    def test_the_test_process_and_its_ranks_wait_passively(self):
+        from tests.harness import run_distributed
+        self.assertEqual(os.environ.get("OMP_WAIT_POLICY"), "PASSIVE")
+        self.assertEqual(run_distributed(_wait_policy, 2), ["PASSIVE", "PASSIVE"])
 
 
 if __name__ == "__main__":
