@@ -5,8 +5,9 @@
 that compare results bit for bit. CI runs those at 1 and at 2 threads as well.
 
 ``--jobs N`` runs the test modules in N worker processes at once (default: the cores this
-process may use, divided by ``--threads`` when given, at most 2; 1 runs all in this process). Between its worlds a worker waits on a
-timeout, a launcher or one Python's imports, which a second worker fills. With more than one
+process may use, divided by ``--threads`` when given, at most 2; 1 runs all in this process).
+Between its worlds a worker waits on a timeout, a launcher or one Python's imports, which a
+second worker fills. With more than one
 worker, every test process runs one intra-op thread (unless ``--threads`` says otherwise): two
 workers of two threads each would share two cores four ways. Modules listed in ``ALONE``
 measure time (a schedule's bubble, a straggler's delay): they run after the others, with no
