@@ -127,5 +127,27 @@ class IdleThreadsSleep(unittest.TestCase):
         self.assertEqual(run_distributed(_wait_policy, 2), ["PASSIVE", "PASSIVE"])
 
 
+class PortsComeFromOutsideTheEphemeralRange(unittest.TestCase):
+    """scaletorch.dist.spawn.free_port: two workers start worlds side by side; a port the OS
+    could hand to the other world's gloo connections in the meantime failed a world once with
+    "address already in use"."""
+
+    def test_ports_are_below_the_ephemeral_range_and_never_one_in_use(self):
+        import socket
+        from unittest import mock
+
+        from scaletorch.dist import spawn
+        start = spawn._ephemeral_start()
+        ports = [spawn.free_port() for _ in range(200)]
+        self.assertTrue(all(20000 <= p < start for p in ports), (min(ports), max(ports), start))
+        self.assertGreater(len(set(ports)), 150)  # drawn, not one port for everyone
+        with socket.socket() as held:
+            held.bind(("127.0.0.1", ports[0]))
+            held.listen()
+            draws = iter([ports[0], ports[0], ports[1]])
+            with mock.patch.object(spawn._DRAW, "randrange", lambda a, b: next(draws)):
+                self.assertEqual(spawn.free_port(), ports[1])  # the held one is drawn again
+
+
 if __name__ == "__main__":
     unittest.main()

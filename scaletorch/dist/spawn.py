@@ -11,6 +11,7 @@ import datetime
 import gc
 import io
 import os
+import random
 import socket
 import traceback
 from typing import Any, Callable, Dict, List, Optional
@@ -19,10 +20,37 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+_DRAW = random.SystemRandom()  # not the random module's state, which a test may have seeded
+
+
+def _ephemeral_start() -> int:
+    """The first port of the range the OS hands out for bind(port 0) and outgoing connections
+    (Linux: /proc/sys/net/ipv4/ip_local_port_range, 32768 by default)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
 
 def free_port() -> int:
-    """Ask the OS for a TCP port that is free on localhost right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    """A TCP port free on localhost right now, below the OS's ephemeral range.
+
+    The port is released before the ranks bind it. A port from the ephemeral range could be
+    handed, in that moment, to another world's gloo connection or listener (two test workers
+    start worlds side by side): its rank 0 then fails with "address already in use". Below the
+    range, only a process that names the port itself can take it, so a random one is drawn
+    (and checked by binding it)."""
+    top = min(_ephemeral_start(), 65536)
+    for _ in range(50):
+        port = _DRAW.randrange(20000, top) if top > 21000 else 0
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # in use: draw again
+            return sock.getsockname()[1]
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:  # any the OS gives
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
