@@ -103,7 +103,7 @@ def _straight(name: str, path: str) -> dict:
     cfg = config(SAVED[name][0], **SAVED[name][1])
     if name in SAVE_ONLY:
         return _save_only(cfg, path)
-    return _straight_run(cfg, path, record=name in RECORDED)
+    return _straight_run(cfg, path, record=name in RECORDED, at_save=name == "A")
 
 
 def _save_only(cfg, path: str) -> dict:
@@ -139,19 +139,20 @@ def _data(trainer, pgm, seen: list) -> dict:
     }
 
 
-def _straight_run(cfg, path: str, record: bool = False) -> dict:
+def _straight_run(cfg, path: str, record: bool = False, at_save: bool = False) -> dict:
     """Train ``cfg``, saving the sharded checkpoint at SAVE_AT to ``path``; its remaining
-    losses, its consolidated state then and at the end (rank 0); with ``record``, the rows it
-    trained on (``_data``)."""
+    losses, its consolidated state at the end (rank 0); with ``at_save``, also then (what the
+    converter must rebuild: run A's alone is read); with ``record``, the rows it trained on
+    (``_data``)."""
     pgm = pg_manager_for(cfg)
     par, trainer = build(cfg, pgm)
     seen = _record_inputs(trainer) if record else None
     for _ in range(SAVE_AT):
         trainer.train_step()
     save_sharded(path, trainer, par)
-    at_save = consolidated_state(trainer, par)  # what to_consolidated must rebuild from path
-    losses = trainer.train().losses
-    out = {"losses": losses, "consolidated": consolidated_state(trainer, par), "at_save": at_save}
+    out = {"at_save": consolidated_state(trainer, par)} if at_save else {}
+    out["losses"] = trainer.train().losses
+    out["consolidated"] = consolidated_state(trainer, par)
     if record:
         out["data"] = _data(trainer, pgm, seen)
     destroy_pg_manager()
@@ -164,19 +165,21 @@ def _resumed(model: str, parallel: dict, path: str, record: bool = False) -> dic
 
 def _resumed_run(cfg, path: str, record: bool = False) -> dict:
     """Load the sharded checkpoint at ``path`` into ``cfg``'s layout and train to the end: the
-    step it started at, its losses, its full weights and consolidated state (rank 0); with
-    ``record``, the rows it trained on (``_data``)."""
+    step it started at, its losses, its consolidated state and full weights (its "model":
+    full_state_dict's gather, made once) on rank 0; with ``record``, the rows it trained on
+    (``_data``)."""
     pgm = pg_manager_for(cfg)
     par, trainer = build(cfg, pgm)
     seen = _record_inputs(trainer) if record else None
     load_sharded(path, trainer, par)
     start = trainer.step
     losses = trainer.train().losses
+    consolidated = consolidated_state(trainer, par)  # rank 0's; None elsewhere
     out = {
         "start": start,
         "losses": losses,
-        "state": full_state_dict(par),
-        "consolidated": consolidated_state(trainer, par),
+        "state": consolidated and consolidated["model"],
+        "consolidated": consolidated,
     }
     if record:
         out["data"] = _data(trainer, pgm, seen)
@@ -213,30 +216,37 @@ DAMAGE = {
 
 
 def _bad_inputs(rank: int, root: str) -> dict:
-    """Each damaged copy of A's checkpoint, and A's at another model shape, loaded at dp4
-    ZeRO-3: the error message, and whether any weight changed (nothing may load half)."""
-    out = {}
+    """Each damaged copy of A's checkpoint, loaded in turn by one run at dp4 ZeRO-3, and A's
+    by a run of another model shape: the error message, and whether any weight changed in
+    that load (nothing may load half)."""
     for name, damage in DAMAGE.items():
         path = os.path.join(root, f"damaged_{name}")
         if rank == 0:
             shutil.copytree(os.path.join(root, "A"), path)
             damage(path)
-        comm.barrier()
-        out[name] = _load_error(config(**layout(zero_stage=3)), path)
+    comm.barrier()
+    paths = {name: os.path.join(root, f"damaged_{name}") for name in DAMAGE}
+    out = _load_errors(config(**layout(zero_stage=3)), paths)
     other = config(**layout(zero_stage=3))
     other.model.intermediate_size = 96
-    out["another_model"] = _load_error(other, os.path.join(root, "A"))
+    out.update(_load_errors(other, {"another_model": os.path.join(root, "A")}))
     return out
 
 
-def _load_error(cfg, path: str) -> tuple:
+def _load_errors(cfg, paths: dict) -> dict:
+    """{name: (the error of loading paths[name] into one run of ``cfg``, whether its weights
+    are unchanged after that load)}. Each refusal comes before any load: the run that refused
+    one is the run that was built, so one run serves them all."""
     pgm = pg_manager_for(cfg)
     par, trainer = build(cfg, pgm)
-    before = [p.detach().clone() for p in trainer.model.parameters()]
-    message = value_error(lambda: load_sharded(path, trainer, par))
-    unchanged = all(a.equal(b.detach()) for a, b in zip(before, trainer.model.parameters()))
+    out = {}
+    for name, path in paths.items():
+        before = [p.detach().clone() for p in trainer.model.parameters()]
+        message = value_error(lambda: load_sharded(path, trainer, par))
+        out[name] = message, all(
+            a.equal(b.detach()) for a, b in zip(before, trainer.model.parameters()))
     destroy_pg_manager()
-    return message, unchanged
+    return out
 
 
 # What a save killed before its manifest left in step 2's directory: an 8-rank run's shard
