@@ -2,7 +2,8 @@
 layout, resumed at the same one bit-identically, and at others equal to the single-device run.
 
 One world of 4 ranks. Run A trains tp2 x dp2 ZeRO-1 with a padded vocabulary (63 rows at tp 2,
-padded to 256: tp rank 1 holds padding only) and saves at step 2. It is resumed at the same
+padded to 256: tp rank 1 holds padding only) and saves at step 2 by the Trainer's own path
+(--checkpoint.format dcp, every 2 steps: step 4 too). It is resumed at the same
 layout (bit-identical to A's uninterrupted steps 3-5: weights, AdamW moments, losses), at dp4
 ZeRO-3 (flat shards cut across rows) and, by the Trainer, at pp2 x dp2 DDP (stages). Run B
 saves at pp2 x tp2 and resumes at dp4 ZeRO-2; run C, a MoE, saves at ep2 and resumes at ep4;
@@ -74,7 +75,7 @@ SAVED = {
 RESUMED = {
     "A_same": ("A", layout(tp=2, zero_stage=1)),
     "A_zero3_dp4": ("A", layout(zero_stage=3)),
-    # A at pp2 x dp2 DDP (stages): the Trainer's run (_through_the_trainer) resumes A's layout
+    # A at pp2 x dp2 DDP (stages): the Trainer's run (_trainer_resumes_the_latest) resumes A
     # there, compared with the single-device run at the same 1e-5
     "B_zero2_dp4": ("B", layout(zero_stage=2)),
     "C_ep4": ("C", layout(ep=4)),  # 4 experts: 2 per rank there, 1 here
@@ -99,11 +100,27 @@ MOMENTS_OF = {"B": "A", "D": "A", "F": "E"}
 RECORDED = ("A", "A_zero3_dp4")
 
 
-def _straight(name: str, path: str) -> dict:
+def checkpoint_of(root: str, name: str) -> str:
+    """Where saved run ``name``'s checkpoint is: run A's, saved by the Trainer's own path
+    (``_straight``), is step 2's directory under ``root``/trainer."""
+    return ckpt.step_dir(os.path.join(root, "trainer"), SAVE_AT) if name == "A" else \
+        os.path.join(root, name)
+
+
+def _straight(name: str, root: str) -> dict:
     cfg = config(SAVED[name][0], **SAVED[name][1])
     if name in SAVE_ONLY:
-        return _save_only(cfg, path)
-    return _straight_run(cfg, path, record=name in RECORDED)
+        return _save_only(cfg, checkpoint_of(root, name))
+    if name != "A":
+        return _straight_run(cfg, checkpoint_of(root, name))
+    # A: --checkpoint.format dcp every 2 steps, step 2's directory holding a killed save's
+    # STALE shard first; _trainer_resumes_the_latest resumes its step 4 at another layout
+    cfg.checkpoint.format, cfg.checkpoint.every = "dcp", 2
+    cfg.checkpoint.dir = os.path.join(root, "trainer")
+    if comm.group_rank() == 0:
+        write_checksummed(os.path.join(checkpoint_of(root, name), STALE), b"old")
+    comm.barrier()
+    return _straight_run(cfg, checkpoint_of(root, name), record=True, at_save=True)
 
 
 def _save_only(cfg, path: str) -> dict:
@@ -139,19 +156,27 @@ def _data(trainer, pgm, seen: list) -> dict:
     }
 
 
-def _straight_run(cfg, path: str, record: bool = False) -> dict:
-    """Train ``cfg``, saving the sharded checkpoint at SAVE_AT to ``path``; its remaining
-    losses, its consolidated state then and at the end (rank 0); with ``record``, the rows it
-    trained on (``_data``)."""
+def _straight_run(cfg, path: str, record: bool = False, at_save: bool = False) -> dict:
+    """Train ``cfg``, saving the sharded checkpoint at SAVE_AT to ``path`` (with
+    --checkpoint.format dcp: ``Trainer.save``, the save its loop makes every
+    checkpoint.every steps, into ``path``, its step directory); its remaining losses, its
+    consolidated state at the end (rank 0); with ``at_save``, also then (what the converter
+    must rebuild: run A's alone is read); with ``record``, the rows it trained on
+    (``_data``)."""
     pgm = pg_manager_for(cfg)
     par, trainer = build(cfg, pgm)
     seen = _record_inputs(trainer) if record else None
     for _ in range(SAVE_AT):
         trainer.train_step()
-    save_sharded(path, trainer, par)
-    at_save = consolidated_state(trainer, par)  # what to_consolidated must rebuild from path
-    losses = trainer.train().losses
-    out = {"losses": losses, "consolidated": consolidated_state(trainer, par), "at_save": at_save}
+    if cfg.checkpoint.format == "dcp":
+        saved = trainer.save()
+        if saved != path:
+            raise AssertionError(f"Trainer.save wrote {saved}, not {path}")
+    else:
+        save_sharded(path, trainer, par)
+    out = {"at_save": consolidated_state(trainer, par)} if at_save else {}
+    out["losses"] = trainer.train().losses
+    out["consolidated"] = consolidated_state(trainer, par)
     if record:
         out["data"] = _data(trainer, pgm, seen)
     destroy_pg_manager()
@@ -164,19 +189,21 @@ def _resumed(model: str, parallel: dict, path: str, record: bool = False) -> dic
 
 def _resumed_run(cfg, path: str, record: bool = False) -> dict:
     """Load the sharded checkpoint at ``path`` into ``cfg``'s layout and train to the end: the
-    step it started at, its losses, its full weights and consolidated state (rank 0); with
-    ``record``, the rows it trained on (``_data``)."""
+    step it started at, its losses, its consolidated state and full weights (its "model":
+    full_state_dict's gather, made once) on rank 0; with ``record``, the rows it trained on
+    (``_data``)."""
     pgm = pg_manager_for(cfg)
     par, trainer = build(cfg, pgm)
     seen = _record_inputs(trainer) if record else None
     load_sharded(path, trainer, par)
     start = trainer.step
     losses = trainer.train().losses
+    consolidated = consolidated_state(trainer, par)  # rank 0's; None elsewhere
     out = {
         "start": start,
         "losses": losses,
-        "state": full_state_dict(par),
-        "consolidated": consolidated_state(trainer, par),
+        "state": consolidated and consolidated["model"],
+        "consolidated": consolidated,
     }
     if record:
         out["data"] = _data(trainer, pgm, seen)
@@ -213,52 +240,49 @@ DAMAGE = {
 
 
 def _bad_inputs(rank: int, root: str) -> dict:
-    """Each damaged copy of A's checkpoint, and A's at another model shape, loaded at dp4
-    ZeRO-3: the error message, and whether any weight changed (nothing may load half)."""
-    out = {}
+    """Each damaged copy of A's checkpoint, loaded in turn by one run at dp4 ZeRO-3, and A's
+    by a run of another model shape: the error message, and whether any weight changed in
+    that load (nothing may load half)."""
     for name, damage in DAMAGE.items():
         path = os.path.join(root, f"damaged_{name}")
         if rank == 0:
-            shutil.copytree(os.path.join(root, "A"), path)
+            shutil.copytree(checkpoint_of(root, "A"), path)
             damage(path)
-        comm.barrier()
-        out[name] = _load_error(config(**layout(zero_stage=3)), path)
+    comm.barrier()
+    paths = {name: os.path.join(root, f"damaged_{name}") for name in DAMAGE}
+    out = _load_errors(config(**layout(zero_stage=3)), paths)
     other = config(**layout(zero_stage=3))
     other.model.intermediate_size = 96
-    out["another_model"] = _load_error(other, os.path.join(root, "A"))
+    out.update(_load_errors(other, {"another_model": checkpoint_of(root, "A")}))
     return out
 
 
-def _load_error(cfg, path: str) -> tuple:
+def _load_errors(cfg, paths: dict) -> dict:
+    """{name: (the error of loading paths[name] into one run of ``cfg``, whether its weights
+    are unchanged after that load)}. Each refusal comes before any load: the run that refused
+    one is the run that was built, so one run serves them all."""
     pgm = pg_manager_for(cfg)
     par, trainer = build(cfg, pgm)
-    before = [p.detach().clone() for p in trainer.model.parameters()]
-    message = value_error(lambda: load_sharded(path, trainer, par))
-    unchanged = all(a.equal(b.detach()) for a, b in zip(before, trainer.model.parameters()))
+    out = {}
+    for name, path in paths.items():
+        before = [p.detach().clone() for p in trainer.model.parameters()]
+        message = value_error(lambda: load_sharded(path, trainer, par))
+        out[name] = message, all(
+            a.equal(b.detach()) for a, b in zip(before, trainer.model.parameters()))
     destroy_pg_manager()
-    return message, unchanged
+    return out
 
 
 # What a save killed before its manifest left in step 2's directory: an 8-rank run's shard
 STALE = "__7_0.distcp"
 
 
-def _through_the_trainer(root: str) -> dict:
-    """--checkpoint.format dcp in Trainer.train: saved every 2 steps at tp2 x dp2 ZeRO-1 (step
-    2's directory holding a killed save's STALE shard first), the latest (step 4) resumed at
-    pp2 x dp2 by ``--resume`` alone."""
-    saved = config(**SAVED["A"][1])
-    saved.checkpoint.format, saved.checkpoint.every = "dcp", 2
-    saved.checkpoint.dir = os.path.join(root, "trainer")
-    if comm.group_rank() == 0:
-        write_checksummed(os.path.join(ckpt.step_dir(saved.checkpoint.dir, 2), STALE), b"old")
-    comm.barrier()
-    pgm = pg_manager_for(saved)
-    _, trainer = build(saved, pgm)
-    trainer.train()
-    destroy_pg_manager()
+def _trainer_resumes_the_latest(root: str) -> dict:
+    """--checkpoint.format dcp in Trainer.train: run A's checkpoints (``_straight``: saved at
+    tp2 x dp2 ZeRO-1 at steps 2 and 4, step 2's directory holding a killed save's STALE shard
+    first), the latest (step 4) resumed at pp2 x dp2 by ``--resume`` alone."""
     resumed = config(**layout(pp=2))
-    resumed.checkpoint.format, resumed.checkpoint.dir = "dcp", saved.checkpoint.dir
+    resumed.checkpoint.format, resumed.checkpoint.dir = "dcp", os.path.join(root, "trainer")
     resumed.checkpoint.resume = "latest"
     pgm = pg_manager_for(resumed)
     par, trainer = build(resumed, pgm)
@@ -269,13 +293,13 @@ def _through_the_trainer(root: str) -> dict:
 
 
 def _world(rank: int, world: int, root: str) -> dict:
-    out = {"trainer": _through_the_trainer(root)}
     # EightRanksResumeAtFour: the checkpoint 8 ranks saved before this world, at dp4 ZeRO-3
-    out["eight_at_four"] = _resume_at_four(rank, world, os.path.join(root, EIGHT))
+    out = {"eight_at_four": _resume_at_four(rank, world, os.path.join(root, EIGHT))}
     for name in SAVED:
-        out[name] = _straight(name, os.path.join(root, name))
+        out[name] = _straight(name, root)
+    out["trainer"] = _trainer_resumes_the_latest(root)
     for name, (saved, parallel) in RESUMED.items():
-        out[name] = _resumed(SAVED[saved][0], parallel, os.path.join(root, saved), record=name
+        out[name] = _resumed(SAVED[saved][0], parallel, checkpoint_of(root, saved), record=name
                              in RECORDED)
     out["bad"] = _bad_inputs(rank, root)
     return out
@@ -408,7 +432,7 @@ class ShardedCheckpointResumesAtAnyLayout(unittest.TestCase):
     def test_the_converter_writes_the_consolidated_file_of_the_step_saved(self):
         want = self.results[0]["A"]["at_save"]
         out = os.path.join(self.tmp.name, "A_consolidated.pt")
-        to_consolidated(os.path.join(self.tmp.name, "A"), out)
+        to_consolidated(checkpoint_of(self.tmp.name, "A"), out)
         got = load_consolidated(out)  # its checksum verified, tensors and plain values only
         self.assertEqual(got["step"], SAVE_AT)
         self.assertEqual(got["optimizer"]["step"], want["optimizer"]["step"])
@@ -424,11 +448,11 @@ class ShardedCheckpointResumesAtAnyLayout(unittest.TestCase):
         self.assertRegex(err, r"^error: .*__1_0\.distcp' does not match its checksum")
         self.assertEqual(len(err.splitlines()), 1)
         self.assertFalse(os.path.exists(out))
-        status, stdout, _ = run_main(convert_dcp.main, os.path.join(self.tmp.name, "A"),
+        status, stdout, _ = run_main(convert_dcp.main, checkpoint_of(self.tmp.name, "A"),
                                      "--consolidated", out)
         self.assertEqual(status, 0)
         self.assertIn(f"wrote {out} (and its .sha256), step 2", stdout)
-        status, _, err = run_main(convert_dcp.main, os.path.join(self.tmp.name, "A"),
+        status, _, err = run_main(convert_dcp.main, checkpoint_of(self.tmp.name, "A"),
                                   "--consolidated", out)  # never over a file that exists
         self.assertEqual(status, 2)
         self.assertRegex(err, r"^error: --consolidated .* exists: give a new path")

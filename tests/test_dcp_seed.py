@@ -3,20 +3,23 @@
 memory (scripts/dcp_memory.py). (The data position at another data-parallel size:
 tests/test_dcp.py's DataPositionResumesAtAnotherDataParallelSize, in that file's world.)
 
-Two worlds of 4 ranks, one per class. Seed: a tiny transformers Llama (vocabulary 97: padded
-at tp 2, 3 safetensors shards with an index) seeds tp2 x dp2 ZeRO-1 and pp2 x tp2 untied,
-pp2 x tp2 tied, each both ways, the whole model loaded first or each rank's rectangles
-sliced: weights and 2 steps' losses bit-identical, bytes read = bytes held. The DCP
-checkpoints of the tp2 x dp2 and tied runs convert to the HF directories chapter 10 exports.
+One world of 4 ranks for both classes (``seed_and_memory_world``): the memory measurement
+first, in fresh ranks as scripts/dcp_memory.py runs it, then the seeds. Seed: a tiny
+transformers Llama (vocabulary 97: padded at tp 2, 3 safetensors shards with an index)
+seeds tp2 x dp2 ZeRO-1 and pp2 x tp2 untied, pp2 x tp2 tied, each both ways, the whole
+model loaded first or each rank's rectangles sliced: weights and 2 steps' losses
+bit-identical, bytes read = bytes held. The DCP checkpoints of the tp2 x dp2 and tied runs
+convert to the HF directories chapter 10 exports.
 Memory: every rank's DCP save adds at most about one tensor to its shard, and its save and
-load stay below the full model's bytes. The seed class needs the hf extra.
+load stay below the full model's bytes. The seed class needs the hf extra (without it the
+world measures the memory alone).
 """
 
 import json
 import os
 import tempfile
 import unittest
-from typing import Optional
+from typing import Dict, Optional
 
 import torch
 
@@ -35,7 +38,7 @@ from tests.harness import bit_exact, run_distributed, run_main
 from tests.layouts import build, layout, make_config, pg_manager_for
 from tests.test_hf import HAVE_HF, SKIP_REASON, read_safetensors, save_transformers_llama
 
-WORLD = 4
+WORLD = dcp_memory.WORLD  # 4: the memory measurement's world, the seeds' too
 STEPS = 2  # the second step's loss shows a tie the seed broke (two copies, two updates)
 HF_DIRS = {"hf": False, "hf_tied": True}  # directory -> tie_word_embeddings
 # seeded layout -> (the directory it starts from, its parallel config)
@@ -99,29 +102,50 @@ def _world(rank: int, world: int, root: str) -> dict:
     return out
 
 
+def _seed_and_memory(rank: int, world: int, root: str) -> dict:
+    """DcpSaveAndLoadPeakMemoryPerRank's measurement first (the ranks fresh, as in
+    scripts/dcp_memory.py's own world: nothing else has allocated yet), then, with the hf
+    extra, the seeded runs (``_world``)."""
+    out = {"memory": dcp_memory.measure(rank, world, os.path.join(root, "memory"))}
+    if HAVE_HF:
+        out["seed"] = _world(rank, world, root)
+    return out
+
+
+_ROOT = tempfile.TemporaryDirectory()  # removed when the process exits
+_RESULTS: list = []
+# the transformers Llamas the world seeds from: directory -> its tensors' bytes
+FULL_BYTES: Dict[str, int] = {}
+
+
+def seed_and_memory_world() -> list:
+    """The world's per-rank results (``_seed_and_memory``), run once per process; with the hf
+    extra, the HF directories it seeds from are written under ``_ROOT`` first."""
+    if not _RESULTS:
+        if HAVE_HF:
+            for directory, tied in HF_DIRS.items():
+                path = os.path.join(_ROOT.name, directory)
+                save_transformers_llama(path, seed=0, vocab_size=97, num_attention_heads=4,
+                                        num_key_value_heads=2, tie_word_embeddings=tied,
+                                        max_shard_size="20KB")
+                FULL_BYTES[directory] = sum(t.numel() * t.element_size()
+                                            for t in read_safetensors(path).values())
+        os.makedirs(os.path.join(_ROOT.name, "memory"))  # dcp_memory.measure's files
+        _RESULTS.extend(run_distributed(_seed_and_memory, WORLD, _ROOT.name, timeout=600))
+    return _RESULTS
+
+
 @unittest.skipUnless(HAVE_HF, SKIP_REASON)
 class SeedFromHuggingFaceReadsOnlyEachRanksPieces(unittest.TestCase):
 
     @classmethod
     def setUpClass(cls):
-        cls.tmp = tempfile.TemporaryDirectory()
-        cls.full_bytes = {}
-        for directory, tied in HF_DIRS.items():
-            path = os.path.join(cls.tmp.name, directory)
-            save_transformers_llama(path, seed=0, vocab_size=97, num_attention_heads=4,
-                                    num_key_value_heads=2, tie_word_embeddings=tied,
-                                    max_shard_size="20KB")
-            cls.full_bytes[directory] = sum(t.numel() * t.element_size()
-                                            for t in read_safetensors(path).values())
+        cls.results = [res["seed"] for res in seed_and_memory_world()]
+        cls.tmp, cls.full_bytes = _ROOT, FULL_BYTES
         cls.hf_dir = os.path.join(cls.tmp.name, "hf")
         cls.trust = boundary.trusting([os.path.join(cls.tmp.name, d) for d in HF_DIRS])
         cls.trust.__enter__()
         cls.addClassCleanup(cls.trust.__exit__, None, None, None)
-        cls.results = run_distributed(_world, WORLD, cls.tmp.name, timeout=600)
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.tmp.cleanup()
 
     def test_the_directory_is_sharded_with_an_index(self):
         files = os.listdir(self.hf_dir)
@@ -213,8 +237,7 @@ class DcpSaveAndLoadPeakMemoryPerRank(unittest.TestCase):
 
     @classmethod
     def setUpClass(cls):
-        with tempfile.TemporaryDirectory() as root:
-            cls.results = run_distributed(dcp_memory.measure, dcp_memory.WORLD, root, timeout=600)
+        cls.results = [res["memory"] for res in seed_and_memory_world()]
 
     def test_every_rank_stays_below_the_full_models_bytes_while_saving_and_loading_dcp(self):
         for rank, r in enumerate(self.results):

@@ -8,6 +8,7 @@ in fp32), resumes a killed run, and trains on an image folder written by the tes
 folders are refused with one line before anything starts.
 """
 
+import functools
 import importlib.util
 import os
 import subprocess
@@ -51,7 +52,10 @@ def _classes(folder: str) -> int:
     return ImageFolder(folder).num_classes if folder else 4
 
 
+@functools.lru_cache(maxsize=None)  # TwoRanksTest and FourRanksTest compare with the same run
 def _reference(steps: int = STEPS, folder: str = "") -> Run:
+    """The single-device run (losses, grad norms, full state), once per process; callers only
+    read it."""
     run = single_device(build_resnet(tiny_resnet_config(_classes(folder)), 0), LR)
     result = train_resnet(run, _loader(folder), VisionSettings(steps=steps, lr=LR), None, CPU)
     return result.losses, result.grad_norms, run.full_state()
