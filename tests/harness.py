@@ -134,6 +134,9 @@ def _script_rank(rank: int, nproc: int, port: int, script: str, argv: List[str],
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port)
     })
+    # torch.distributed read TORCH_DISTRIBUTED_DEBUG when the forkserver imported it: read again
+    # from this rank's environment, as a new Python would (DETAIL's collective checks)
+    torch.distributed.set_debug_level_from_env()
     torch.set_num_threads(RANK_THREADS)
     sys.argv = [script, *argv]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # as `python script` does
