@@ -9,6 +9,7 @@ import unittest
 from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, Tuple
 
+from tests.harness import free_port
 from tests.test_bad_inputs import run_in_process
 from tests.test_examples import ROOT
 
@@ -18,13 +19,6 @@ NCCL = ("TORCH_NCCL_BLOCKING_WAIT", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
 # the NCCL variables and the port check do not depend on.
 NO_PROBE = {"OMP_NUM_THREADS": "1"}
 SHOW = "import os\nprint('rank env', *(os.environ.get(k) for k in {names!r}))\n"
-
-
-def free_port() -> str:
-    """A port free a moment ago on this host (bound, then released at once)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return str(probe.getsockname()[1])
 
 
 def launch_show_env(*launcher: str, **user: str) -> subprocess.CompletedProcess:
@@ -49,7 +43,7 @@ def default_launch() -> Tuple[str, subprocess.CompletedProcess]:
     ``--master-port``, run once per process for both classes below (each torchrun is a new
     Python that imports torch: seconds of a core)."""
     if not _DEFAULT:
-        port = free_port()
+        port = str(free_port())  # the suite's rule: below the ephemeral range
         _DEFAULT["run"] = (port, launch_show_env("--master-port", port))
     return _DEFAULT["run"]
 
