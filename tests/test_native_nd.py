@@ -1,7 +1,8 @@
 """PyTorch's own strategies composed on one DeviceMesh (``parallel.impl = torch``, native.py)
 equal the single device and ours on 8 gloo ranks: DTensor tensor parallel with FSDP2 ZeRO-3 and
 with FSDP2's replicate over dp, pipelining with FSDP2 per stage, and all three together; losses,
-grad norms (clipping active) and final weights over 3 steps of a 2-layer model within 1e-5.
+grad norms (clipping active) and final weights over 2 steps (one warm-up step, one after) of a
+2-layer model within 1e-5.
 Consolidated checkpoints move from the native stack to ours and back, and what cannot run
 natively here raises ValueError naming the settings.
 
@@ -20,11 +21,14 @@ from tests.layouts import (TOL, assert_parity, layout, make_config, parallelize_
                            resume_at, train)
 
 WORLD = 8
-# 3 steps: past the 2 warm-up steps, with clipping active (test_clipping_...). In fp32 each
-# layout's difference from the single device is the order of its sums; a wrong shard, a
-# missed reduction or a wrong mesh dimension shows from step 1 on, more steps add nothing.
-STEPS = 3
-SAVE_AT = 2
+# 2 steps, the first the one warm-up step: the second runs past the warm-up on AdamW state
+# the first left (sharded as the layout shards it), with clipping active (test_clipping_...).
+# In fp32 each layout's difference from the single device is the order of its sums; a wrong
+# shard, a missed reduction or a wrong mesh dimension shows from step 0 on, more steps add
+# nothing. (3 steps with 2 warm-up ones cost each of the 8 layouts a third more: 8 ranks.)
+STEPS = 2
+WARMUP = 1
+SAVE_AT = 1  # resumed for the step after the warm-up, from the AdamW state of step 0
 # 2 layers, not make_config's 4: one per pipeline stage at pp 2 (what pp needs), and each path
 # here (a DTensor shard, an FSDP2 unit, a stage's send, a clipped norm, a checkpoint's keys) is
 # the same for every layer: more layers repeat the same calls, 8 ranks on 2 cores pay for each
@@ -37,26 +41,26 @@ NATIVE = {
     "pp2_dp4_zero3": layout(pp=2, zero_stage=3),
     "tp2_pp2_dp2_zero3": layout(tp=2, pp=2, zero_stage=3),
 }
-SAVED = "tp2_pp2_dp2_zero3"  # its parity runs (native and ours) also save step 2, consolidated
+SAVED = "tp2_pp2_dp2_zero3"  # its parity runs (native and ours) also save step SAVE_AT
 
 
 def _config(name: str, impl: str = "torch"):
     cfg = make_config(False, 2, **NATIVE[name], impl=impl)
-    cfg.training.steps, cfg.model.num_layers = STEPS, LAYERS
+    cfg.training.steps, cfg.training.warmup_steps, cfg.model.num_layers = STEPS, WARMUP, LAYERS
     return cfg
 
 
 def reference_config():
     cfg = make_config(False, 2)
-    cfg.training.steps, cfg.model.num_layers = STEPS, LAYERS
+    cfg.training.steps, cfg.training.warmup_steps, cfg.model.num_layers = STEPS, WARMUP, LAYERS
     return cfg
 
 
 def _checkpoints(tmp: str) -> dict:
-    """Resume native tp2 x pp2 x dp2 ZeRO-3's step 2 at ours (tp2 x dp4), and ours
-    tp2 x pp2 x dp2 ZeRO-3's step 2 natively at pp2 x dp4 ZeRO-3 (their parity runs wrote the
+    """Resume native tp2 x pp2 x dp2 ZeRO-3's step 1 at ours (tp2 x dp4), and ours
+    tp2 x pp2 x dp2 ZeRO-3's step 1 natively at pp2 x dp4 ZeRO-3 (their parity runs wrote the
     consolidated files): native to ours and back, each at another layout. Each returns the loss
-    of step 2. (A native resume of the native file at tp2 x dp4 is left out: the native file is
+    of step 1. (A native resume of the native file at tp2 x dp4 is left out: the native file is
     read at another layout by ours' resume, and the native stack loads at another layout in the
     pp2 x dp4 resume; the file's format is one, whoever wrote it.)"""
     plan = {

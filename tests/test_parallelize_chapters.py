@@ -1,5 +1,5 @@
 """The layouts of chapters 01-06 through ``parallelize`` (the one code path the numbered scripts
-use) on 2 gloo ranks equal the single device: losses, grad norms and full weights over 3 steps,
+use) on 2 gloo ranks equal the single device: losses, grad norms and full weights over 2 steps,
 for ours and for PyTorch's native versions (``parallel.impl = torch``: DistributedDataParallel,
 FSDP2, DTensor tensor parallel, torch.distributed.pipelining). Consolidated checkpoints written
 at FSDP2 and DTensor layouts resume at other layouts, and the impl combinations that cannot run
@@ -9,20 +9,23 @@ raise ValueError.
 import os
 import tempfile
 import unittest
+from typing import Optional, Tuple
 
 from scaletorch.dist import destroy_pg_manager
 from scaletorch.trainer.param_map import DTensorParamMap, ParamMap
 from tests.harness import run_distributed
 from tests.layouts import (TOL, assert_parity, build, config_of, layout, make_config,
-                           parallelize_error, pg_manager_for, reference_key, references,
-                           save_and_resume, train)
+                           parallelize_error, pg_manager_for, reference_key, references, resume_at,
+                           train)
 
 WORLD = 2
-# 3 steps: past the 2 warm-up steps, with clipping active. In fp32 a layout's difference from
-# the single device is the order of its sums; a wrong shard, a missed reduction or a stage's
-# wrong layers shows from step 1 on, so more steps add nothing.
-STEPS = 3
-SAVE_AT = 2
+# 2 steps: one warm-up step, then one past it on the AdamW state the first left, with clipping
+# active. In fp32 a layout's difference from the single device is the order of its sums; a
+# wrong shard, a missed reduction or a stage's wrong layers shows from step 0 on, so more steps
+# add nothing (3 steps with 2 warm-up ones cost each of the 13 layouts a third more).
+STEPS = 2
+WARMUP = 1
+SAVE_AT = 1  # resumed for the step after the warm-up, from the AdamW state of step 0
 
 # name -> (moe, micro-batches, parallel config); the chapter each layout belongs to first
 CHAPTERS = {
@@ -44,33 +47,41 @@ CHAPTERS = {
 
 
 def chapter_config(name: str, layouts: dict = CHAPTERS):
-    """``layouts[name]``'s config, STEPS steps."""
+    """``layouts[name]``'s config, STEPS steps, WARMUP of them warm-up."""
     cfg = config_of(layouts, name)
-    cfg.training.steps = STEPS
+    cfg.training.steps, cfg.training.warmup_steps = STEPS, WARMUP
     return cfg
 
 
-def _save_and_resume(tmp: str) -> dict:
-    """Save after 2 steps at FSDP2 dp2 and at DTensor tp2; resume the first at DTensor tp2 and
-    ours tp2, the second at FSDP2 dp2 and ours ZeRO-1 dp2. Each returns step 2's loss."""
-    plan = {
-        "02_fsdp2_dp2_checkpointed": {
-            "dtensor_tp2": layout(tp=2, impl="torch"),
-            "tp2": layout(tp=2)
-        },
-        "03_dtensor_tp2": {
-            "fsdp2_dp2": layout(zero_stage=3, impl="torch"),
-            "zero1_dp2": layout(zero_stage=1)
-        },
-    }
+# the saved layout -> {resumed name: its parallel config}
+RESUMES = {
+    "02_fsdp2_dp2_checkpointed": {
+        "dtensor_tp2": layout(tp=2, impl="torch"),
+        "tp2": layout(tp=2)
+    },
+    "03_dtensor_tp2": {
+        "fsdp2_dp2": layout(zero_stage=3, impl="torch"),
+        "zero1_dp2": layout(zero_stage=1)
+    },
+}
+
+
+def _saved(tmp: str, name: str) -> Optional[Tuple[int, str]]:
+    """Where the parity run of ``name`` writes its consolidated step SAVE_AT (None: not saved)."""
+    return (SAVE_AT, os.path.join(tmp, f"{name}.pt")) if name in RESUMES else None
+
+
+def _resume(tmp: str) -> dict:
+    """Resume FSDP2 dp2's step 1 at DTensor tp2 and ours tp2, DTensor tp2's at FSDP2 dp2 and
+    ours ZeRO-1 dp2 (their parity runs wrote the consolidated files, as ``save_and_resume``
+    would after training the step again). Each returns step 1's loss."""
     out = {}
-    for saved, resumes in plan.items():
+    for saved, resumes in RESUMES.items():
         configs = {
             name: chapter_config(name, {name: (False, 2, parallel)})
             for name, parallel in resumes.items()
         }
-        path = os.path.join(tmp, f"{saved}.pt")
-        for name, losses in save_and_resume(chapter_config(saved), configs, path, SAVE_AT).items():
+        for name, losses in resume_at(_saved(tmp, saved)[1], configs).items():
             out[f"{saved} -> {name}"] = losses
     return out
 
@@ -97,9 +108,12 @@ def _stage_layers(cfg) -> list:
 
 
 def _world(rank: int, world: int, tmp: str) -> dict:
-    out = {name: train(chapter_config(name)) for name in CHAPTERS}
+    out = {
+        name: train(chapter_config(name), consolidated_at=_saved(tmp, name))
+        for name in CHAPTERS
+    }
     out["uneven_stage_layers"] = _stage_layers(chapter_config("04_pp2_uneven_layer_split"))
-    out["resumed"] = _save_and_resume(tmp)
+    out["resumed"] = _resume(tmp)
     out["errors"] = _invalid_impls()
     return out
 
