@@ -180,9 +180,9 @@ def train(cfg: Config, checkpoint_dir: Optional[str] = None,
 
 
 def save_and_resume(saved: Config, resumes: Dict[str, Config], path: str,
-                    save_at: int) -> Dict[str, List[float]]:
+                    save_at: int) -> Dict[str, dict]:
     """Inside a world: train ``saved`` for ``save_at`` steps, write a consolidated checkpoint to
-    ``path``, resume it at each layout of ``resumes``; {name: losses of the remaining steps}."""
+    ``path``, resume it at each layout of ``resumes``; ``resume_at``'s {name: losses, state}."""
     pgm = pg_manager_for(saved)
     par, trainer = build(saved, pgm)
     for _ in range(save_at):
@@ -192,16 +192,18 @@ def save_and_resume(saved: Config, resumes: Dict[str, Config], path: str,
     return resume_at(path, resumes)
 
 
-def resume_at(path: str, resumes: Dict[str, Config]) -> Dict[str, List[float]]:
+def resume_at(path: str, resumes: Dict[str, Config]) -> Dict[str, dict]:
     """Inside a world: resume the consolidated checkpoint at ``path`` at each layout of
-    ``resumes``; {name: losses of the remaining steps}."""
+    ``resumes``; {name: {"losses": of the remaining steps, "state": the final full weights
+    (global rank 0; None elsewhere)}}. The losses of the steps after the save see the saved
+    weights; the final weights also see the saved AdamW state, which the first step uses."""
     state = load_consolidated(path)
     out = {}
     for name, cfg in resumes.items():
         pgm = pg_manager_for(cfg)
         par, trainer = build(cfg, pgm, state["model"])  # the weights before parallelize
         resume_consolidated(trainer, par, state)  # then each rank's part of the AdamW state
-        out[name] = trainer.train().losses
+        out[name] = {"losses": trainer.train().losses, "state": full_state_dict(par)}
         destroy_pg_manager()
     return out
 

@@ -73,8 +73,8 @@ def _checkpoints(tmp: str) -> dict:
     }
     out = {}
     for impl, resumes in plan.items():
-        for name, losses in resume_at(_saved(tmp, impl)[1], resumes).items():
-            out[f"{impl} {SAVED} -> {name}"] = losses
+        for name, resumed in resume_at(_saved(tmp, impl)[1], resumes).items():
+            out[f"{impl} {SAVED} -> {name}"] = resumed
     return out
 
 
@@ -149,10 +149,12 @@ class NativeStrategiesComposedOnOneMesh(unittest.TestCase):
     def test_consolidated_checkpoints_move_between_native_and_ours(self):
         resumed = self.results[0]["checkpoints"]
         self.assertEqual(len(resumed), 2)
-        for name, losses in resumed.items():
-            self.assertEqual(len(losses), STEPS - SAVE_AT, name)
-            for a, b in zip(losses, self.reference[0][SAVE_AT:]):
+        for name, run in resumed.items():
+            self.assertEqual(len(run["losses"]), STEPS - SAVE_AT, name)
+            for a, b in zip(run["losses"], self.reference[0][SAVE_AT:]):
                 self.assertAlmostEqual(a, b, delta=TOL, msg=name)
+            # the weights after the resumed step: the saved AdamW state in use
+            self.assertLessEqual(max_weight_diff(run["state"], self.reference[2]), TOL, name)
 
     def test_what_cannot_run_natively_raises_value_errors_naming_the_settings(self):
         errors = self.results[0]["errors"]

@@ -19,6 +19,7 @@ from scaletorch.models import build_model, loss_fn
 from scaletorch.parallel.activation_checkpointing import (apply_activation_checkpointing,
                                                           saved_activation_bytes)
 from scaletorch.trainer.consolidated import load_consolidated, resume_consolidated
+from scaletorch.trainer.parity import max_weight_diff
 from tests.harness import bit_exact, run_distributed
 from tests.layouts import (ND_LAYOUTS, TOL, assert_parity, build, layout, make_config,
                            parallelize_error, reference_key, references, resume_at, train)
@@ -69,7 +70,8 @@ def tied_config(name: str, layouts: dict = TIED_LAYOUTS):
 
 def _checkpoint_runs(path: str) -> dict:
     """Resume the consolidated checkpoint of tp2 x pp2 x dp2's step 3 (its parity run wrote it)
-    at dp 8 and at ZeRO-3 tp2 x dp4; each returns the losses of steps 3 and 4."""
+    at dp 8 and at ZeRO-3 tp2 x dp4; each returns the losses of steps 3 and 4 and the final
+    weights."""
     resumes = {
         "dp8": nd_config(False, 1, **layout()),
         "zero3_tp2_dp4": nd_config(False, 1, **layout(tp=2, zero_stage=3)),
@@ -182,9 +184,10 @@ class NDParallelMatchesSingleDevice(unittest.TestCase):
                 state = self.results[0][name]["state"]  # one tensor under both names
                 self.assertIs(state["lm_head.weight"], state["embed_tokens.weight"])
         resumed = self.results[0]["tied_checkpoint"]["zero3"]
-        for a, b in zip(resumed, reference[0][SAVE_AT:]):
+        for a, b in zip(resumed["losses"], reference[0][SAVE_AT:]):
             self.assertAlmostEqual(a, b, delta=TOL)
-        self.assertEqual(len(resumed), ND_STEPS - SAVE_AT)
+        self.assertEqual(len(resumed["losses"]), ND_STEPS - SAVE_AT)
+        self.assertLessEqual(max_weight_diff(resumed["state"], reference[2]), TOL)
 
     def test_clipping_is_active_so_the_grad_norm_comparison_means_something(self):
         _, norms, _ = self._reference("tp2_pp2_dp2")
@@ -194,9 +197,10 @@ class NDParallelMatchesSingleDevice(unittest.TestCase):
         losses, _, _ = self._reference("tp2_pp2_dp2")
         ref1 = self.references[reference_key(nd_config(False, 1))]  # resumed: 1 micro-batch
         for name, resumed in self.results[0]["checkpoint"].items():
-            self.assertEqual(len(resumed), ND_STEPS - SAVE_AT, name)
-            for a, b in zip(resumed, ref1[0][SAVE_AT:]):
+            self.assertEqual(len(resumed["losses"]), ND_STEPS - SAVE_AT, name)
+            for a, b in zip(resumed["losses"], ref1[0][SAVE_AT:]):
                 self.assertAlmostEqual(a, b, delta=TOL, msg=name)
+            self.assertLessEqual(max_weight_diff(resumed["state"], ref1[2]), TOL, name)
         # and on one device, no process group at all
         state = load_consolidated(self.path)
         self.assertEqual(state["step"], SAVE_AT)

@@ -13,6 +13,7 @@ from typing import Optional, Tuple
 
 from scaletorch.dist import destroy_pg_manager
 from scaletorch.trainer.param_map import DTensorParamMap, ParamMap
+from scaletorch.trainer.parity import max_weight_diff
 from tests.harness import run_distributed
 from tests.layouts import (TOL, assert_parity, build, config_of, layout, make_config,
                            parallelize_error, pg_manager_for, reference_key, references, resume_at,
@@ -74,15 +75,16 @@ def _saved(tmp: str, name: str) -> Optional[Tuple[int, str]]:
 def _resume(tmp: str) -> dict:
     """Resume FSDP2 dp2's step 1 at DTensor tp2 and ours tp2, DTensor tp2's at FSDP2 dp2 and
     ours ZeRO-1 dp2 (their parity runs wrote the consolidated files, as ``save_and_resume``
-    would after training the step again). Each returns step 1's loss."""
+    would after training the step again). Each returns step 1's loss and its final weights
+    (which step 1's use of the saved AdamW state moved)."""
     out = {}
     for saved, resumes in RESUMES.items():
         configs = {
             name: chapter_config(name, {name: (False, 2, parallel)})
             for name, parallel in resumes.items()
         }
-        for name, losses in resume_at(_saved(tmp, saved)[1], configs).items():
-            out[f"{saved} -> {name}"] = losses
+        for name, resumed in resume_at(_saved(tmp, saved)[1], configs).items():
+            out[f"{saved} -> {name}"] = resumed
     return out
 
 
@@ -168,13 +170,15 @@ class ChaptersThroughParallelizeMatchSingleDevice(unittest.TestCase):
             self.assertEqual(self.results[0][name]["param_map"], expected.__name__, name)
 
     def test_consolidated_checkpoints_of_native_layouts_resume_anywhere(self):
-        reference = self.references[reference_key(chapter_config("01_bucketed_dp2"))][0][SAVE_AT:]
+        losses, _, weights = self.references[reference_key(chapter_config("01_bucketed_dp2"))]
         resumed = self.results[0]["resumed"]
         self.assertEqual(len(resumed), 4)
-        for name, losses in resumed.items():
-            self.assertEqual(len(losses), STEPS - SAVE_AT, name)
-            for a, b in zip(losses, reference):
+        for name, run in resumed.items():
+            self.assertEqual(len(run["losses"]), STEPS - SAVE_AT, name)
+            for a, b in zip(run["losses"], losses[SAVE_AT:]):
                 self.assertAlmostEqual(a, b, delta=TOL, msg=name)
+            # the weights after the resumed step: the saved AdamW state in use
+            self.assertLessEqual(max_weight_diff(run["state"], weights), TOL, name)
 
     def test_impl_combinations_that_cannot_run_raise_value_errors(self):
         errors = self.results[0]["errors"]
