@@ -29,6 +29,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from scaletorch.data.datasets import check_data_file
+from scaletorch.data.tokenizer import write_token_file
 from scaletorch.dist import flight_recorder
 from scaletorch.models import LlamaConfig, build_model
 from scaletorch.rules import boundary
@@ -70,7 +71,7 @@ def _make_text(d: str) -> str:
 
 def _make_bin(d: str) -> str:
     path = os.path.join(d, "tokens.bin")
-    write_checksummed(path, (np.arange(200) % 64).astype(np.uint16).tobytes())
+    write_token_file(path, (np.arange(200) % 64).astype(np.uint16), 64, "byte")
     return path
 
 

@@ -169,10 +169,18 @@ def write_token_file(path: str, tokens: np.ndarray, vocab_size: int, tokenizer: 
 
 def token_file_meta(path: str) -> Optional[Dict[str, Any]]:
     """The record of the token file ``path`` (dtype, tokens, vocab_size, tokenizer), or None
-    when it has none; InputError naming the record when it is damaged or not ours."""
+    when it has none and the user trusted the file (``--trust-unchecked``: another tool's);
+    InputError naming the record when it is missing, damaged or not ours. A .bin with our
+    digest was written by scripts/prepare_text.py with its record: without it, the width of
+    the tokens would be guessed."""
     side = meta_path(path)
     if not os.path.lexists(side):
-        return None
+        if boundary.is_trusted_unchecked(path):
+            return None
+        raise MissingInputError(
+            f"data.path {clip(path)} has no record {os.path.basename(side)} (its token dtype "
+            f"and vocabulary; scripts/prepare_text.py writes it beside the .bin): write both "
+            f"again with it, or add --trust-unchecked {clip(path)} for a file made elsewhere")
     what = f"the record of data.path {clip(path)}"
     record = boundary.load_json(side, what, 1 << 16)
     dtype, tokens, vocab = record.get("dtype"), record.get("tokens"), record.get("vocab_size")
@@ -187,7 +195,7 @@ def token_file_meta(path: str) -> Optional[Dict[str, Any]]:
 
 def token_dtype(path: str, vocab_size: int) -> Tuple[type, Optional[Dict[str, Any]]]:
     """(the dtype a run over ``vocab_size`` reads ``path`` at, its record or None): the
-    recorded width; without a record, bin_dtype(vocab_size) (nanoGPT's uint16 rule).
+    recorded width; a trusted file without a record, bin_dtype(vocab_size) (nanoGPT's rule).
     InputError when the recorded vocabulary is larger than the run's."""
     record = token_file_meta(path)
     if record is None:
