@@ -154,6 +154,9 @@ def meta_path(path: str) -> str:
     return path + META_SUFFIX
 
 
+RECORD_FIELDS = ("format", "dtype", "tokens", "vocab_size", "tokenizer")  # write_token_file's
+
+
 def write_token_file(path: str, tokens: np.ndarray, vocab_size: int, tokenizer: str) -> None:
     """Write ``tokens`` (uint16 or uint32) to ``path`` and its record, each with a digest."""
     record = {
@@ -183,6 +186,10 @@ def token_file_meta(path: str) -> Optional[Dict[str, Any]]:
             f"again with it, or add --trust-unchecked {clip(path)} for a file made elsewhere")
     what = f"the record of data.path {clip(path)}"
     record = boundary.load_json(side, what, 1 << 16)
+    missing = [k for k in RECORD_FIELDS if k not in record]
+    if missing:  # named: a field deleted (digest rewritten) must not switch a check off
+        raise InputError(f"{what} ({clip(side)}) has no field {missing[0]!r}: write the file "
+                         f"again with scripts/prepare_text.py")
     dtype, tokens, vocab = record.get("dtype"), record.get("tokens"), record.get("vocab_size")
     if (record.get("format") != META_FORMAT or dtype not in TOKEN_DTYPES or type(tokens) is not int
             or type(vocab) is not int or tokens < 0 or vocab < 1
