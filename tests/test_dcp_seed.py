@@ -17,6 +17,7 @@ world measures the memory alone).
 
 import json
 import os
+import shutil
 import tempfile
 import unittest
 from typing import Dict, Optional
@@ -224,8 +225,15 @@ class SeedFromHuggingFaceReadsOnlyEachRanksPieces(unittest.TestCase):
         saved, run = os.path.join(self.tmp.name, SAVED[0]), os.path.join(self.tmp.name, "a_run")
         os.makedirs(run, exist_ok=True)
         open(os.path.join(run, MARKER), "w").close()
+        partial = os.path.join(self.tmp.name, "partial")  # a save killed before its manifest
+        if not os.path.isdir(partial):
+            shutil.copytree(saved, partial)
+            for name in ("manifest.json", "manifest.json.sha256"):
+                os.remove(os.path.join(partial, name))
         cases = {
             "is not a complete checkpoint (no manifest.json)": [self.hf_dir, "--consolidated", out],
+            # a DCP step without its manifest: incomplete, as --resume calls it (B7)
+            f"{partial!r} is not a complete checkpoint": [partial, "--consolidated", out],
             "--hf needs --config": [os.path.join(self.tmp.name, SAVED[0]), "--hf", out],
             "nothing to write": [self.hf_dir],
             # the outputs: never into a checkpoint's or a run's directory (B8)
