@@ -2,15 +2,16 @@
 directory, to one consolidated file, or both.
 
     python scripts/convert_dcp.py runs/07_nd_parallel/checkpoints/step_0000010 \\
-        --config runs/07_nd_parallel/config.yaml --hf runs/07_nd_parallel/hf
+        --config runs/07_nd_parallel/config.yaml --hf converted/07_hf
     python scripts/convert_dcp.py runs/07_nd_parallel/checkpoints/step_0000010 \\
-        --consolidated runs/07_nd_parallel/consolidated.pt
+        --consolidated converted/07_consolidated.pt
 
-Every file of the checkpoint is verified against its checksum first. ``--hf`` reads only the
-weights (the run's config.yaml gives the model: its RoPE theta and norm epsilon are not in
-the tensors' shapes) and writes config.json and the safetensors, each with a ``.sha256``.
-``--consolidated`` writes weights and AdamW state, which any layout resumes (chapter 07's
-``--resume FILE``). Both hold the whole model in this process's memory.
+The checkpoint is checked as ``--resume`` checks it first: complete (its manifest), every file
+matching its checksum. The outputs go outside any run's or checkpoint's directory. ``--hf``
+reads only the weights (the run's config.yaml gives the model: its RoPE theta and norm epsilon
+are not in the tensors' shapes) and writes config.json and the safetensors, each with a
+``.sha256``. ``--consolidated`` writes weights and AdamW state, which any layout resumes
+(chapter 07's ``--resume FILE``). Both hold the whole model in this process's memory.
 """
 
 import argparse
@@ -23,7 +24,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from scaletorch.trainer.config import Config, apply_dict, load_yaml  # noqa: E402
-from scaletorch.trainer.dcp_checkpoint import to_consolidated  # noqa: E402
+from scaletorch.trainer.dcp_checkpoint import check_output, to_consolidated  # noqa: E402
 from scaletorch.trainer.dcp_export import to_hf  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -41,6 +42,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         if args.hf is None and args.consolidated is None:
             raise ValueError("nothing to write: give --hf DIR, --consolidated FILE or both")
+        if args.hf is not None:
+            check_output("--hf", args.hf)
+            if os.path.isdir(args.hf) and os.listdir(args.hf):
+                raise FileExistsError(f"--hf {args.hf} is a directory that holds files: give "
+                                      f"a new or empty directory")
+        if args.consolidated is not None:
+            check_output("--consolidated", args.consolidated)
         if args.consolidated is not None and os.path.exists(args.consolidated):
             raise FileExistsError(f"--consolidated {args.consolidated} exists: give a new path "
                                   f"(a file a run or a user left is never overwritten)")

@@ -43,6 +43,7 @@ from scaletorch.models.hf import config_to_hf
 from scaletorch.rules.safe_files import checksum_line, checksum_path, write_checksummed
 from scaletorch.trainer import checkpoint as ckpt
 from scaletorch.trainer.config import parse_args
+from scaletorch.trainer.resume_check import record
 from tests.harness import NCCL_CHECKS, launch_forked, run_distributed, run_forked
 from tests.layouts import build, pg_manager_for
 from tests.test_checksums import flip_byte
@@ -184,8 +185,7 @@ ROWS = [
         ("--resume", "D/ckpts"), "it holds checkpoints: resume one, e.g. --resume "
         "D/ckpts/step_0000005"),
     Row("--resume of a checkpoint of another model size", C00, ("--resume", "D/ckpts/step_0000005"),
-        "checkpoint 'D/ckpts/step_0000005' holds another "
-        "model (hidden_size 128 there, 64 here"),
+        "--resume D/ckpts/step_0000005 was written by another run: model.hidden_size 128 -> 64"),
     Row("--resume of a checkpoint at or past --steps", C00,
         ("--resume", "D/done/step_0000005", "--steps", "3"),
         "--resume D/done/step_0000005 is at step 5, and training.steps is 3", fresh=True),
@@ -285,7 +285,9 @@ def _fake_checkpoint(root: str, model_args: List[str], damaged: bool = False) ->
         "format_version": ckpt.FORMAT_VERSION,
         "step": 5,
         "world_size": 1,
-        "layout": ckpt.run_layout(cfg, 1),
+        "layout": {
+            **ckpt.run_layout(cfg, 1), "config": record(cfg)
+        },
         "sha256": {
             "rank_00000.pt": hashlib.sha256(data).hexdigest()
         }

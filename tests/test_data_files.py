@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 from scaletorch.data.datasets import build_dataset, check_data_file
 from scaletorch.data.tokenizer import bin_dtype, meta_path, write_token_file
 from scaletorch.models import LlamaConfig, build_model
+from scaletorch.rules import boundary
 from scaletorch.rules.errors import InputError
 from scaletorch.rules.safe_files import write_checksummed
 from scaletorch.trainer import checkpoint as ckpt
@@ -137,8 +138,8 @@ class WeightsAreCheckedInTheRunsDtype(_Tmp):
 class TokenFilesAreReadAtTheirRecordedWidth(_Tmp):
     """scripts/prepare_text.py records a token file's width, vocabulary and tokenizer beside
     it; a run reads the tokens at that width, whatever model.vocab_size says, or refuses a
-    vocabulary smaller than the file's. A file without a record is read at the width of
-    model.vocab_size (doc/bad_inputs.md)."""
+    vocabulary smaller than the file's. A file with our digest but no record is refused; a
+    trusted one is read at the width of model.vocab_size (doc/bad_inputs.md)."""
 
     @_settings(12)
     @given(file_vocab=st.sampled_from([256, 5000, 65536, 65537, 70001, 2**20]),
@@ -190,12 +191,15 @@ class TokenFilesAreReadAtTheirRecordedWidth(_Tmp):
         self.assertIn("t.bin", str(ctx.exception))
         self.assertNotIn("\n", str(ctx.exception))
 
-    def test_a_file_without_record_is_read_at_the_width_of_the_vocabulary(self):
+    def test_a_trusted_file_without_record_is_read_at_the_width_of_the_vocabulary(self):
         path = os.path.join(self.fresh(), "old.bin")
         write_checksummed(path, np.arange(100, dtype=np.uint16).tobytes())
-        check_data_file("bin", path, 256, 8)
-        np.testing.assert_array_equal(
-            build_dataset("bin", 256, 0, path).window(0, 100), np.arange(100))
+        with self.assertRaisesRegex(InputError, "has no record old.bin.json"):
+            check_data_file("bin", path, 256, 8)  # our digest: prepare_text wrote a record
+        with boundary.trusting([path]):
+            check_data_file("bin", path, 256, 8)
+            np.testing.assert_array_equal(
+                build_dataset("bin", 256, 0, path).window(0, 100), np.arange(100))
 
     def test_an_empty_text_is_refused_and_an_empty_bin_holds_no_tokens(self):
         d = self.fresh()
@@ -205,7 +209,7 @@ class TokenFilesAreReadAtTheirRecordedWidth(_Tmp):
             with self.assertRaisesRegex(InputError, f"holds {len(text)} token"):
                 prepare([os.path.join(d, "e.txt")], "byte", os.path.join(d, "e.bin"))
             self.assertFalse(os.path.exists(os.path.join(d, "e.bin")))
-        write_checksummed(os.path.join(d, "z.bin"), b"")
+        write_token_file(os.path.join(d, "z.bin"), np.zeros(0, dtype=np.uint16), 256, "byte")
         with self.assertRaisesRegex(InputError, "holds no tokens"):
             check_data_file("bin", os.path.join(d, "z.bin"), 256, 8)
 

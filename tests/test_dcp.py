@@ -445,7 +445,7 @@ class ShardedCheckpointResumesAtAnyLayout(unittest.TestCase):
         damaged = os.path.join(self.tmp.name, "damaged_flipped_byte")
         status, _, err = run_main(convert_dcp.main, damaged, "--consolidated", out)
         self.assertEqual(status, 2)
-        self.assertRegex(err, r"^error: .*__1_0\.distcp' does not match its checksum")
+        self.assertRegex(err, r"^error: .*__1_0\.distcp does not match its sha256 in the manifest")
         self.assertEqual(len(err.splitlines()), 1)
         self.assertFalse(os.path.exists(out))
         status, stdout, _ = run_main(convert_dcp.main, checkpoint_of(self.tmp.name, "A"),

@@ -17,6 +17,7 @@ world measures the memory alone).
 
 import json
 import os
+import shutil
 import tempfile
 import unittest
 from typing import Dict, Optional
@@ -30,9 +31,10 @@ from scaletorch.rules import boundary
 from scaletorch.rules.safe_files import read_checksummed
 from scaletorch.trainer.config import save_config
 from scaletorch.trainer.consolidated import consolidated_state, load_consolidated
-from scaletorch.trainer.dcp_checkpoint import save_sharded
+from scaletorch.trainer.dcp_checkpoint import commit_sharded, save_sharded
 from scaletorch.trainer.hf_seed import held_bytes, seed_from_hf
 from scaletorch.trainer.param_map import full_state_dict
+from scaletorch.trainer.run_dir import MARKER
 from scripts import convert_dcp, dcp_memory
 from tests.harness import bit_exact, run_distributed, run_main
 from tests.layouts import build, layout, make_config, pg_manager_for
@@ -80,7 +82,10 @@ def _run(cfg, hf_dir: str, sliced: bool, save_to: Optional[str] = None) -> dict:
         "losses": trainer.train().losses,
     }
     if save_to is not None:
-        save_sharded(save_to, trainer, par)
+        # a complete step directory, as the Trainer's save leaves it: the converter checks
+        # it as --resume does (its manifest, then every file)
+        commit_sharded(os.path.dirname(save_to), save_to, trainer.step,
+                       save_sharded(save_to, trainer, par), 1, trainer.layout())
         final = consolidated_state(trainer, par)  # rank 0's; None elsewhere
         out["final"] = final and final["model"]
     destroy_pg_manager()
@@ -217,11 +222,25 @@ class SeedFromHuggingFaceReadsOnlyEachRanksPieces(unittest.TestCase):
 
     def test_the_converter_refuses_bad_arguments_in_one_line(self):
         out = os.path.join(self.tmp.name, "never_written")
+        saved, run = os.path.join(self.tmp.name, SAVED[0]), os.path.join(self.tmp.name, "a_run")
+        os.makedirs(run, exist_ok=True)
+        open(os.path.join(run, MARKER), "w").close()
+        partial = os.path.join(self.tmp.name, "partial")  # a save killed before its manifest
+        if not os.path.isdir(partial):
+            shutil.copytree(saved, partial)
+            for name in ("manifest.json", "manifest.json.sha256"):
+                os.remove(os.path.join(partial, name))
         cases = {
-            "is not a sharded checkpoint: it has no .metadata":
-            [self.hf_dir, "--consolidated", out],
+            "is not a complete checkpoint (no manifest.json)": [self.hf_dir, "--consolidated", out],
+            # a DCP step without its manifest: incomplete, as --resume calls it (B7)
+            f"{partial!r} is not a complete checkpoint": [partial, "--consolidated", out],
             "--hf needs --config": [os.path.join(self.tmp.name, SAVED[0]), "--hf", out],
             "nothing to write": [self.hf_dir],
+            # the outputs: never into a checkpoint's or a run's directory (B8)
+            "is inside checkpoint directory":
+            [saved, "--consolidated", os.path.join(saved, "out.pt")],
+            "is inside the directory of run": [saved, "--consolidated",
+                                               os.path.join(run, "x.pt")],
         }
         for message, argv in cases.items():
             status, _, err = run_main(convert_dcp.main, *argv)

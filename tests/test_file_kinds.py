@@ -13,6 +13,9 @@ digest) is refused, or read as the data it still is (doc/bad_inputs.md). No case
 other exception, and none blocks: a FIFO is never opened.
 
 The suite runs 60 examples; SCALETORCH_LONG_TESTS=1 runs 1000 (a phase of .ci/run).
+
+A missing companion (a digest, a .bin's record, a manifest field, the run's config in it) is
+its own class: ``AMissingCompanionIsRefusedUnlessTrusted``.
 """
 
 import io
@@ -29,6 +32,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from scaletorch.data.datasets import check_data_file
+from scaletorch.data.tokenizer import RECORD_FIELDS, write_token_file
 from scaletorch.dist import flight_recorder
 from scaletorch.models import LlamaConfig, build_model
 from scaletorch.rules import boundary
@@ -37,6 +41,7 @@ from scaletorch.rules.safe_files import write_checksummed
 from scaletorch.trainer import checkpoint as ckpt
 from scaletorch.trainer.config import load_yaml
 from scaletorch.trainer.consolidated import load_consolidated
+from scaletorch.trainer.resume_check import check_resumed, record
 
 LONG = os.environ.get("SCALETORCH_LONG_TESTS") == "1"
 EXAMPLES = 1000 if LONG else 60
@@ -70,13 +75,21 @@ def _make_text(d: str) -> str:
 
 def _make_bin(d: str) -> str:
     path = os.path.join(d, "tokens.bin")
-    write_checksummed(path, (np.arange(200) % 64).astype(np.uint16).tobytes())
+    write_token_file(path, (np.arange(200) % 64).astype(np.uint16), 64, "byte")
     return path
 
 
 def _make_per_rank(d: str) -> str:
     state = {"model": build_model(SMALL, seed=0).state_dict(), "step": 3}
     ckpt.save_checkpoint(d, 3, state, 0, 1, keep_last=0)
+    return ckpt.step_dir(d, 3)
+
+
+def _make_per_rank_with_config(d: str) -> str:
+    """A per-rank step directory whose manifest holds the run's config, as the Trainer's."""
+    from scaletorch.config import Config
+    state = {"model": build_model(SMALL, seed=0).state_dict(), "step": 3}
+    ckpt.save_checkpoint(d, 3, state, 0, 1, keep_last=0, layout={"config": record(Config())})
     return ckpt.step_dir(d, 3)
 
 
@@ -262,6 +275,108 @@ class EveryFileKindDamagedIsOneInputError(unittest.TestCase):
                 f"(digests kept: {keep_digests}) was not refused")
         if how in ("directory", "fifo") and keep_digests:  # named as what it is, not "missing"
             self.assertRegex(message, r"is a (directory|FIFO)|is not a file", message)
+
+
+# A missing companion (class 3 of the probe): every companion file and required field of the
+# kinds we write, as (kind, what is deleted, the words the refusal names, whether
+# --trust-unchecked lets the check pass). "field" cases rewrite the digest, as a forger would.
+COMPANIONS = [
+    ("bin", "tokens.bin.sha256", "has no checksum file tokens.bin.sha256", True),
+    ("bin", "tokens.bin.json", "has no record tokens.bin.json", True),
+    ("bin", "tokens.bin.json.sha256", "has no checksum file tokens.bin.json.sha256", True),
+    *[("bin", f"field tokens.bin.json {k}", f"has no field {k!r}", False) for k in RECORD_FIELDS],
+    ("per_rank", "manifest.json", "no manifest.json", False),
+    ("per_rank", "manifest.json.sha256", "has no checksum file manifest.json.sha256", False),
+    ("per_rank", "rank_00000.pt", "is missing rank_00000.pt", False),
+    ("per_rank", "rank_00000.pt.sha256", "has no checksum file rank_00000.pt.sha256", False),
+    *[("per_rank", f"field manifest.json {k}",
+       k.replace("_", " ") if k == "format_version" else f"no field {k!r}", False)
+      for k in ckpt.MANIFEST_FIELDS if k != "sha256"],
+    ("per_rank", "field manifest.json sha256", "no sha256", False),
+    ("per_rank", "field manifest.json layout.config", "has no layout.config", True),
+    ("consolidated", "consolidated.pt.sha256", "has no checksum file consolidated.pt.sha256", True),
+    ("hf", "config.json", "config.json", False),
+    ("hf", "config.json.sha256", "has no checksum file config.json.sha256", True),
+    ("hf", "model.safetensors", "model.safetensors", False),
+    ("hf", "model.safetensors.sha256", "has no checksum file model.safetensors.sha256", True),
+    ("dump", "rank_0.sha256", "has no checksum file rank_0.sha256", True),
+]
+
+
+def _resume_check(path: str) -> None:
+    """What --resume checks of a per-rank step directory before training: its files, then
+    the settings of the run that wrote it against this run's (the defaults here)."""
+    from scaletorch.config import Config
+    check_resumed(path, ckpt.verify_checkpoint(path), Config())
+
+
+def _delete_field(file: str, key: str) -> None:
+    """Remove ``key`` ("a" or "a.b") from JSON ``file``, its digest rewritten to match."""
+    with open(file) as f:
+        value = json.load(f)
+    *parents, last = key.split(".")
+    inner = value
+    for parent in parents:
+        inner = inner[parent]
+    del inner[last]
+    write_checksummed(file, json.dumps(value).encode())
+
+
+class AMissingCompanionIsRefusedUnlessTrusted(unittest.TestCase):
+    """Deleting a companion file or a required field of a kind we write (a digest, a .bin's
+    record, a manifest or one of its fields, the run's config in it, a rank file, a Hugging
+    Face config.json) never switches a check off: it is one InputError line naming what is
+    missing. ``--trust-unchecked`` lets the check pass where the missing part only vouches
+    for the rest (a digest, a record, the config); never where it is the data. 30 examples
+    drawn from the cases of COMPANIONS; SCALETORCH_LONG_TESTS=1 draws 200."""
+
+    KINDS = dict(KINDS, per_rank=(_make_per_rank_with_config, _resume_check, True))
+
+    @classmethod
+    def setUpClass(cls):
+        import torch._dynamo  # noqa: F401
+        cls.tmp = tempfile.mkdtemp(prefix="companions_")
+        cls.pristine = {}
+        for kind in {c[0] for c in COMPANIONS}:
+            d = os.path.join(cls.tmp, "pristine", kind)
+            os.makedirs(d)
+            cls.pristine[kind] = cls.KINDS[kind][0](d)
+
+    def check(self, kind: str, path: str) -> str:
+        try:
+            self.KINDS[kind][1](path)
+            return ""
+        except InputError as err:
+            return str(err)
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.tmp, ignore_errors=True)
+
+    copy = EveryFileKindDamagedIsOneInputError.copy
+
+    def test_every_kind_here_passes_whole(self):
+        for kind in self.pristine:
+            self.assertEqual(self.check(kind, self.copy(kind)), "", kind)
+
+    @settings(max_examples=200 if LONG else 30, deadline=None, derandomize=not LONG,
+              suppress_health_check=[HealthCheck.too_slow])
+    @given(case=st.sampled_from(COMPANIONS))
+    def test_a_deleted_companion_is_one_line_naming_it_unless_trusted(self, case):
+        kind, what, named, trust_passes = case
+        path = self.copy(kind)
+        where = path if os.path.isdir(path) else os.path.dirname(path)
+        if what.startswith("field "):
+            _, name, key = what.split(" ")
+            _delete_field(os.path.join(where, name), key)
+        else:
+            os.remove(os.path.join(where, what))
+        message = self.check(kind, path)
+        self.assertIn(named, message, what)
+        self.assertNotIn("\n", message)
+        with boundary.trusting([where]):  # the directory the kind's files are in
+            message = self.check(kind, path)
+        self.assertEqual(message == "", trust_passes, f"{what} trusted: {message!r}")
 
 
 def _trained_state() -> dict:

@@ -10,6 +10,7 @@ device run at 1e-5 (tests/layouts.py), over 3 steps: past the 2 warm-up steps, a
 padding or shard shows from step 1 on.
 """
 
+import json
 import os
 import tempfile
 import unittest
@@ -17,11 +18,12 @@ import unittest
 import numpy as np
 import torch
 
+from scaletorch.data.tokenizer import META_FORMAT, meta_path
 from scaletorch.dist import destroy_pg_manager
 from scaletorch.models import build_model
 from scaletorch.parallel.parallelize import parallelize
 from scaletorch.parallel.vocab_padding import apply_tensor_parallel_padded
-from scaletorch.rules.safe_files import checksum_path, write_checksum
+from scaletorch.rules.safe_files import checksum_path, write_checksum, write_checksummed
 from scaletorch.rules.vocab import padded_vocab_size
 from scaletorch.trainer.param_map import param_map
 from tests.harness import run_distributed
@@ -48,6 +50,16 @@ def gpt2_sized_tokens() -> str:
         os.replace(partial, path)
     if not os.path.isfile(checksum_path(path)):  # as scripts/prepare_text.py writes it
         write_checksum(path)
+    if not os.path.isfile(meta_path(path)):  # its record too (dtype, vocabulary)
+        write_checksummed(
+            meta_path(path),
+            json.dumps({
+                "format": META_FORMAT,
+                "dtype": "uint16",
+                "tokens": 4096,
+                "vocab_size": 50257,
+                "tokenizer": "gpt2"
+            }).encode())
     return path
 
 

@@ -154,6 +154,9 @@ def meta_path(path: str) -> str:
     return path + META_SUFFIX
 
 
+RECORD_FIELDS = ("format", "dtype", "tokens", "vocab_size", "tokenizer")  # write_token_file's
+
+
 def write_token_file(path: str, tokens: np.ndarray, vocab_size: int, tokenizer: str) -> None:
     """Write ``tokens`` (uint16 or uint32) to ``path`` and its record, each with a digest."""
     record = {
@@ -169,12 +172,24 @@ def write_token_file(path: str, tokens: np.ndarray, vocab_size: int, tokenizer: 
 
 def token_file_meta(path: str) -> Optional[Dict[str, Any]]:
     """The record of the token file ``path`` (dtype, tokens, vocab_size, tokenizer), or None
-    when it has none; InputError naming the record when it is damaged or not ours."""
+    when it has none and the user trusted the file (``--trust-unchecked``: another tool's);
+    InputError naming the record when it is missing, damaged or not ours. A .bin with our
+    digest was written by scripts/prepare_text.py with its record: without it, the width of
+    the tokens would be guessed."""
     side = meta_path(path)
     if not os.path.lexists(side):
-        return None
+        if boundary.is_trusted_unchecked(path):
+            return None
+        raise MissingInputError(
+            f"data.path {clip(path)} has no record {os.path.basename(side)} (its token dtype "
+            f"and vocabulary; scripts/prepare_text.py writes it beside the .bin): write both "
+            f"again with it, or add --trust-unchecked {clip(path)} for a file made elsewhere")
     what = f"the record of data.path {clip(path)}"
     record = boundary.load_json(side, what, 1 << 16)
+    missing = [k for k in RECORD_FIELDS if k not in record]
+    if missing:  # named: a field deleted (digest rewritten) must not switch a check off
+        raise InputError(f"{what} ({clip(side)}) has no field {missing[0]!r}: write the file "
+                         f"again with scripts/prepare_text.py")
     dtype, tokens, vocab = record.get("dtype"), record.get("tokens"), record.get("vocab_size")
     if (record.get("format") != META_FORMAT or dtype not in TOKEN_DTYPES or type(tokens) is not int
             or type(vocab) is not int or tokens < 0 or vocab < 1
@@ -187,7 +202,7 @@ def token_file_meta(path: str) -> Optional[Dict[str, Any]]:
 
 def token_dtype(path: str, vocab_size: int) -> Tuple[type, Optional[Dict[str, Any]]]:
     """(the dtype a run over ``vocab_size`` reads ``path`` at, its record or None): the
-    recorded width; without a record, bin_dtype(vocab_size) (nanoGPT's uint16 rule).
+    recorded width; a trusted file without a record, bin_dtype(vocab_size) (nanoGPT's rule).
     InputError when the recorded vocabulary is larger than the run's."""
     record = token_file_meta(path)
     if record is None:

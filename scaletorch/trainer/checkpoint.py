@@ -355,12 +355,15 @@ def _read_verified(path: str, name: str, manifest: Dict[str, Any]) -> bytes:
     return data
 
 
-def verify_checkpoint(path: str) -> None:
-    """Raise CorruptCheckpointError unless the manifest matches its checksum file and every
-    rank's file matches the manifest and its own checksum file."""
+def verify_checkpoint(path: str) -> Dict[str, Any]:
+    """The manifest of step directory ``path`` once it is complete (it has one), the manifest
+    matches its checksum file and every file it lists matches it and its own checksum file;
+    else CorruptCheckpointError (NotACheckpointError without a manifest). ``--resume`` and
+    scripts/convert_dcp.py check a directory with this one function."""
     manifest = read_manifest(path)
     for name in manifest["sha256"]:
         _read_verified(path, name, manifest)
+    return manifest
 
 
 def latest_valid_checkpoint(root: str) -> Tuple[Optional[str], List[str]]:

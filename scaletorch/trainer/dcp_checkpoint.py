@@ -28,9 +28,10 @@ from scaletorch.rules.safe_files import (CorruptFileError, read_checksummed, ver
                                          write_checksum, write_checksummed)
 from scaletorch.trainer.checkpoint import (MANIFEST, adamw_settings, check_state_keys,
                                            removed_unless_complete, rng_state, set_rng_state,
-                                           step_dir, write_manifest)
+                                           step_dir, verify_checkpoint, write_manifest)
 from scaletorch.trainer.dcp_pieces import (METADATA, TIED, TIED_COPY, Pieces, _LoadPlanner, _Reader,
                                            _SavePlanner, data_files, entries, local_pieces)
+from scaletorch.trainer.run_dir import MARKER, is_run_dir
 
 if TYPE_CHECKING:  # types only: the Trainer (chapter 00) must not import chapter 07's parallelize
     from scaletorch.parallel.parallelize import Parallelized
@@ -168,6 +169,35 @@ def verify_sharded(path: str) -> Metadata:
     return metadata
 
 
+def verify_sharded_checkpoint(path: str) -> Metadata:
+    """Offline, on one process: ``--resume``'s check of step directory ``path``
+    (``verify_checkpoint``: complete, every file matching its manifest), then that it is
+    sharded and its shards match their checksums (``verify_sharded``). InputError naming it."""
+    manifest = verify_checkpoint(path)
+    if manifest.get("format") != "dcp":
+        raise InputError(f"checkpoint {path!r} is a per-rank one, not sharded (its {MANIFEST} "
+                         f"has no format dcp): only --checkpoint.format dcp saves convert")
+    return verify_sharded(path)
+
+
+def check_output(key: str, path: str) -> None:
+    """InputError when output ``path`` (option ``key``) is in a checkpoint directory (one above
+    holds a manifest or DCP's .metadata) or a run's directory (one above carries the run
+    marker): files there that no manifest lists would mix with the run's, and a rotation or
+    ``--overwrite`` would remove them."""
+    here = os.path.abspath(path)
+    while True:
+        if any(os.path.lexists(os.path.join(here, n)) for n in (MANIFEST, METADATA)):
+            raise InputError(f"{key} {path} is inside checkpoint directory {here}: nothing was "
+                             f"written; give a new or empty directory outside it")
+        if is_run_dir(here):
+            raise InputError(f"{key} {path} is inside the directory of run {here} (it carries "
+                             f"{MARKER}): nothing was written; give a directory outside it")
+        if os.path.dirname(here) == here:
+            return
+        here = os.path.dirname(here)
+
+
 def check_model(path: str, metadata: Metadata, model: Dict[str, torch.Tensor]) -> None:
     """InputError naming ``path`` unless it holds exactly the tensors of ``model`` (chapter
     00's state dict with ``keep_vars``, on the meta device: shapes only) with their shapes. A
@@ -236,7 +266,7 @@ def to_consolidated(path: str, out: str) -> Dict[str, Any]:
     ``out`` (consolidated.py's format: full reference-keyed weights and AdamW state, any layout
     resumes it), written with its checksum beside it. Holds the whole model in host memory: for
     people who want one file, not for resuming. Returns the state written."""
-    metadata = verify_sharded(path)
+    metadata = verify_sharded_checkpoint(path)
     state: Dict[str, Any] = {}
     for key, md in metadata.state_dict_metadata.items():
         if isinstance(md, TensorStorageMetadata):

@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from scaletorch.models import Llama, LlamaConfig
 from scaletorch.models.hf import export_hf_llama
 from scaletorch.rules.safe_files import write_checksum
-from scaletorch.trainer.dcp_checkpoint import check_model, verify_sharded
+from scaletorch.trainer.dcp_checkpoint import check_model, verify_sharded_checkpoint
 from scaletorch.trainer.dcp_pieces import Pieces, _LoadPlanner, _Reader
 
 MODEL = "model."
@@ -25,10 +25,10 @@ MODEL = "model."
 
 def read_weights(path: str, config: LlamaConfig) -> Dict[str, torch.Tensor]:
     """The full weights of DCP checkpoint ``path`` under chapter 00's names, tied ones under
-    each name: (shape of the reference parameter) each, its saved dtype. The files are
-    verified against their checksums and the tensors against ``config``'s model first
-    (InputError naming the checkpoint)."""
-    metadata = verify_sharded(path)
+    each name: (shape of the reference parameter) each, its saved dtype. First the directory
+    is checked as --resume checks it (``verify_sharded_checkpoint``: its manifest, every file's
+    checksum) and the tensors against ``config``'s model (InputError naming the checkpoint)."""
+    metadata = verify_sharded_checkpoint(path)
     with torch.device("meta"):
         check_model(path, metadata, Llama(config).state_dict(keep_vars=True))
     state: Dict[str, object] = {"trainer": None}  # its aliases: the tied weights' other names

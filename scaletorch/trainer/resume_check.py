@@ -12,7 +12,8 @@ compares it with the resumed run's by the policy each field declares beside its 
     SILENT    allowed without a word: paths, the resume itself
 
 Every refused field is named in one line, with both values; the printed ones go in one line
-too (``resume_notes``). A checkpoint written before manifests kept the config is not compared.
+too (``resume_notes``). A manifest without the config (deleted: every manifest of format
+version 2 holds it) is refused, or, under ``--trust-unchecked``, resumed with a line saying so.
 
 The record also keeps the sha256 of the data file's contents (``DATA_DIGEST``): the same
 ``data.path`` whose file was rewritten is another run's data, refused like another path. A
@@ -25,6 +26,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from scaletorch.config import Config
 from scaletorch.data.datasets import data_digest
+from scaletorch.rules import boundary
 from scaletorch.rules.errors import InputError, clip
 from scaletorch.rules.schema import (PRINTED, REFUSED, RESHARD, RESUME, SILENT, Rule, ignored_by,
                                      rules_of)
@@ -108,8 +110,14 @@ def check_resumed(path: str, manifest: Dict[str, Any], cfg: Config) -> Optional[
     """InputError naming every refused change between checkpoint ``path`` (its ``manifest``)
     and ``cfg``, old and new; else the line of the printed ones (None when there are none)."""
     saved = (manifest.get("layout") or {}).get("config")
-    if not isinstance(saved, dict):
-        return None  # written before checkpoints kept their run's config
+    if not isinstance(saved, dict):  # every manifest this format version has holds it
+        if boundary.is_trusted_unchecked(path):
+            return (f"resuming {path} without comparing its settings with this run's: its "
+                    f"manifest has no layout.config (--trust-unchecked {path})")
+        raise InputError(f"--resume {path}: its manifest has no layout.config (the settings of "
+                         f"the run that wrote it; every manifest of format version 2 holds "
+                         f"them), so a changed setting would go unnoticed: resume a checkpoint "
+                         f"as saved, or add --trust-unchecked {path} to resume without comparing")
     fmt = manifest.get("format", "per-rank")
     refused, printed = changes(saved, cfg, fmt)
     if refused:
