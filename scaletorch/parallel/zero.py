@@ -240,7 +240,8 @@ class ShardedDataParallel(nn.Module):
                                                           torch.Tensor]] = None) -> State:
         """Collective over the group: chapter 00's {name: full tensor} of the shards, or of
         anything shaped like them (``value_of(shard)``: an AdamW state). Each unit's (S,) pieces
-        are all-gathered into its (P',) vector and cut at the parameters' offsets. The weights
+        are all-gathered into its (P',) vector and cut at the parameters' offsets, in the shard's
+        dtype (the parameters' own: float64 stays float64, bfloat16 stays bfloat16). The weights
         (no ``value_of``) include what no unit holds: frozen parameters, buffers."""
         full: State = {}
         rest = [] if value_of else [*self.module.named_parameters(), *self.module.named_buffers()]
@@ -249,7 +250,7 @@ class ShardedDataParallel(nn.Module):
             for unit in self.units:
                 flat = unit.all_gather_flat(value_of(unit.shard))
                 for names, shape, start in zip(unit.names, unit.shapes, unit.offsets):
-                    tensor = flat[start:start + shape.numel()].view(shape).cpu().float().clone()
+                    tensor = flat[start:start + shape.numel()].view(shape).cpu().clone()
                     full.update({name: tensor for name in names})  # tied: one tensor, both names
         return {**full, **{name: t.detach().cpu().clone() for name, t in rest}}  # whole here
 

@@ -380,7 +380,7 @@ class AnyShardedDataParallel(ShardedDataParallel):
             for unit in [] if value_of else self.frozen_units():
                 flat = unit.all_gather_flat(unit.shard)  # (S,) pieces -> (P',), over the group
                 for names, shape, start in zip(unit.names, unit.shapes, unit.offsets):
-                    tensor = flat[start:start + shape.numel()].view(shape).cpu().float().clone()
+                    tensor = flat[start:start + shape.numel()].view(shape).cpu().clone()
                     full.update({name: tensor for name in names})
         return {name: full[first] for name, first in self.names_at_wrap.items() if first in full}
 
