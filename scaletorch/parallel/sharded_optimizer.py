@@ -35,6 +35,7 @@ import torch.distributed as dist
 from scaletorch.dist import comm
 from scaletorch.dist.comm import Group
 from scaletorch.parallel.grad_norm import clip_grads_, world_grad_norm
+from scaletorch.parallel.wrapper import refuse_lazy
 from scaletorch.parallel.zero import ShardedDataParallel, ZeroOptimizer
 from scaletorch.parallel.zero_any_module import ShardView
 
@@ -138,6 +139,7 @@ class ShardedOptimizer(ZeroOptimizer):
                  for g, group in enumerate(groups,
                                            len(self.param_groups) - len(groups))
                  for i, p in enumerate(group["params"])]
+        refuse_lazy(named, "ShardedOptimizer")  # no shape to check yet: before the all-gather
         comm.check_same_layout(named, "ShardedOptimizer", self.group,
                                "give every rank the same parameters, in the same order")
 

@@ -37,7 +37,7 @@ from scaletorch.dist.comm import Work
 from scaletorch.parallel.flat_unit import (FlatUnit, Group, NamedModules, gather_unit,
                                            reduce_scatter_mean, release_unit)
 from scaletorch.parallel.grad_norm import clip_grads_, world_grad_norm
-from scaletorch.parallel.wrapper import refuse_wrapped
+from scaletorch.parallel.wrapper import refuse_unready, refuse_wrapped
 
 Units = List[Tuple[str, NamedModules]]  # (unit name, [(module name, module), ...])
 MakeUnit = Callable[[str, NamedModules, Group, int], FlatUnit]  # (name, modules, group, stage)
@@ -64,6 +64,7 @@ class ShardedDataParallel(nn.Module):
         if zero_stage not in (1, 2, 3):
             raise ValueError(f"zero_stage must be 1, 2 or 3, got {zero_stage}")
         refuse_wrapped(module, "ZeRO")
+        refuse_unready(module, "ZeRO")  # lazy, sparse: before any collective, on every rank
         # the ranks hold the same tensors, or the broadcast below dies in the backend
         comm.check_same_layout([*module.named_parameters(), *module.named_buffers()], "ZeRO", group)
         per_unit = self._unit_parameters(units)  # frozen ones stay whole, in no unit
