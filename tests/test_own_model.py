@@ -39,7 +39,8 @@ changed after the wrap, a ZeRO unit mixing dtypes, a non-elementwise class or vi
 the sharded optimizer, LBFGS. Also there: float64 reduced in float64, generated DDP cases
 (frozen and unused sets drawn), ``step(closure)``, and ZeRO-3's names and state-dict keys;
 generated parameter states a wrap does not expect (lazy, sparse, registered or frozen after
-the wrap), each refused in one line naming the parameter.
+the wrap), each refused in one line naming the parameter. In process: a units policy's
+return value, drawn, is checked.
 """
 
 import math
@@ -57,6 +58,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from scaletorch.parallel.data_parallel import apply_data_parallel
 from scaletorch.parallel.sharded_optimizer import ELEMENTWISE, ShardedOptimizer
+from scaletorch.parallel.unit_rules import as_units
 from scaletorch.parallel.zero import ZeroAdamW
 from scaletorch.parallel.zero_any_module import apply_zero_any
 from tests.harness import run_distributed
@@ -845,6 +847,7 @@ class _OwnModelMixin:
             self.assertIn("ZeRO unit 'net' mixes dtypes", said, rank)
             self.assertIn("'torch.float64': ['net.2.weight', 'net.2.bias']", said)
             self.assertIn("needs an elementwise optimizer, got Adafactor", r["adafactor"])
+            self.assertIn("use one of SGD, Adam, AdamW, RMSprop", r["adafactor"])  # not a name
             self.assertIn("cannot shard LBFGS", r["lbfgs"])
             self.assertIn("views of a ZeRO wrapper's shards", r["views"])
             self.assertIn("ShardedOptimizer(model, AdamW, ...)", r["views"])
@@ -1018,6 +1021,37 @@ class ElementwiseOptimizers(unittest.TestCase):
 
     def test_the_check_catches_a_class_that_is_not_elementwise(self) -> None:
         self.assertGreater(flat_vs_whole(torch.optim.Adafactor, [3, 4], 0), 1e-4)
+
+
+class UnitPolicyReturns(unittest.TestCase):
+    """A units policy's return value is checked (in process: ``as_units`` needs no group)."""
+
+    @settings(max_examples=100 if os.environ.get("SCALETORCH_LONG_TESTS") == "1" else 20,
+              deadline=None)
+    @given(
+        st.one_of(st.none(), st.integers(), st.text(max_size=3), st.just("model"),
+                  st.sampled_from(["net", "net.0"])))
+    def test_a_policy_returning_no_list_is_refused_naming_it(self, returned: Any) -> None:
+        """None, a number, a string, or a module (not a list of them) used to die in a loop
+        (TypeError: 'NoneType' object is not iterable) or build units from its characters."""
+        model = MLP()
+        value = model if returned == "model" else model.get_submodule(returned) \
+            if returned in ("net", "net.0") else returned
+
+        def my_policy(m: nn.Module) -> Any:
+            return value
+
+        with self.assertRaises(ValueError) as caught:
+            as_units(model, my_policy)
+        said = str(caught.exception)
+        self.assertIn("units policy my_policy returned ", said)
+        self.assertIn("return a list of submodules", said)
+        self.assertNotIn("\n", said)
+
+    def test_a_policy_returning_submodules_is_taken_as_units_given_directly(self) -> None:
+        model = MLP()
+        self.assertEqual([name for name, _ in as_units(model, lambda m: [m.net[0], m.net[2]])],
+                         ["net.0", "net.2"])
 
 
 class OwnModels2Ranks(_OwnModelMixin, unittest.TestCase):

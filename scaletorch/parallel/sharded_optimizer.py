@@ -95,7 +95,8 @@ class ShardedOptimizer(ZeroOptimizer):
             if not issubclass(optimizer_class, ELEMENTWISE):
                 raise ValueError(f"ShardedOptimizer over a ZeRO wrapper's flat shards needs an "
                                  f"elementwise optimizer, got {optimizer_class.__name__} (it sees "
-                                 f"pieces of parameters as 1-D vectors); use one of ELEMENTWISE")
+                                 f"pieces of parameters as 1-D vectors); use one of "
+                                 f"{', '.join(c.__name__ for c in ELEMENTWISE)}")
             stages = {w.zero_stage for w in self.wrappers}
             if zero_stage is not None and stages != {zero_stage}:
                 raise ValueError(f"zero_stage {zero_stage} for wrappers of stage {stages}: "
