@@ -46,7 +46,7 @@ from scaletorch.dist import ProcessGroupManager, comm, get_ledger
 from scaletorch.dist.comm import Work
 from scaletorch.parallel.gradient_sync import (average_gradients, launch_full_buckets,
                                                wait_for_buckets)
-from scaletorch.parallel.wrapper import ModuleWrapper, refuse_wrapped
+from scaletorch.parallel.wrapper import ModuleWrapper, refuse_unready, refuse_wrapped
 from scaletorch.rules.buckets import ddp_buckets
 
 IMPLS = ("naive", "ours", "torch")
@@ -67,6 +67,7 @@ class _DataParallel(ModuleWrapper, nn.Module):
         self.module, self.group, self.world = module, group, comm.group_size(group)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]  # frozen: out
         self.names, self.params = [n for n, _ in named], [p for _, p in named]
+        self.names_at_wrap = {n for n, _ in module.named_parameters()}  # frozen ones too
         self.broadcast_buffers, self.find_unused = broadcast_buffers, find_unused_parameters
         self._used: Set[int] = set()  # parameters that got a gradient since the last sync
         self._sync_enabled, self._needs_sync, self._callback_queued = True, False, False
@@ -99,6 +100,10 @@ class _DataParallel(ModuleWrapper, nn.Module):
 
     def _grad_ready(self, i: int) -> None:
         """Post-accumulate-grad hook of parameter i: runs inside backward."""
+        grad = self.params[i].grad
+        if grad is not None and grad.layout != torch.strided:  # F.embedding(sparse=True)
+            raise RuntimeError(f"data parallel: {self.names[i]} got a sparse gradient: not "
+                               f"supported; use sparse=False")
         self._needs_sync = True
         self._used.add(i)
         if self._sync_enabled and not self._callback_queued:
@@ -121,15 +126,27 @@ class _DataParallel(ModuleWrapper, nn.Module):
     def _sync(self) -> None:
         raise NotImplementedError
 
+    def _check_since_wrap(self) -> None:
+        """At each sync, before its first collective (every rank that changed the model raises
+        alike, none is left waiting in an all-reduce): the trainable parameters are the wrap's.
+        One registered since is never averaged; one frozen or unfrozen since has no slot or a
+        stale one (the buckets were laid out at the wrap; torch DDP raises too)."""
+        now = [n for n, p in self.module.named_parameters() if p.requires_grad]
+        if now == self.names:
+            return
+        self._needs_sync = False  # raised: the next backward starts afresh
+        added = [n for n in now if n not in self.names_at_wrap]
+        if added:
+            raise RuntimeError(f"data parallel: {added} registered after the wrap, so never "
+                               f"averaged: register it before apply_data_parallel")
+        raise RuntimeError(f"data parallel: requires_grad changed since the wrap for "
+                           f"{sorted(set(now) ^ set(self.names))}: wrap the model again")
+
     def _drop_unused(self, held: List[bool]) -> None:
         """After a sync. With torch DDP's find_unused_parameters a parameter no rank's backward
         reached (a 0/1 flag each, all-reduced) keeps the grad it ``held``; without, it raises."""
         self._needs_sync = False
-        now = [n for n, p in self.module.named_parameters() if p.requires_grad]
         unused = [n for i, n in enumerate(self.names) if i not in self._used]
-        if now != self.names:  # the buckets were laid out at the wrap (torch DDP raises too)
-            raise RuntimeError(f"data parallel: requires_grad changed since the wrap for "
-                               f"{sorted(set(now) ^ set(self.names))}: wrap the model again")
         if unused and not self.find_unused:  # a zero gradient is not one: AdamW would decay
             raise RuntimeError(f"data parallel: {unused} got no gradient on this rank: pass "
                                f"find_unused_parameters=True (grad None where no rank used one)")
@@ -146,6 +163,7 @@ class NaiveDataParallel(_DataParallel):
     """After backward, all-reduce each gradient (blocking) and divide by N."""
 
     def _sync(self) -> None:
+        self._check_since_wrap()
         held = [p.grad is not None for p in self.params]  # an unused one's: the user's
         for p, had in zip(self.params, held):  # unused here, maybe not elsewhere: zeros
             p.grad = p.grad if had else torch.zeros_like(p)
@@ -241,6 +259,7 @@ class BucketedDataParallel(_DataParallel):
 
     def _sync(self) -> None:
         """Launch what backward did not (unused parameters), wait once, hand out the grads."""
+        self._check_since_wrap()  # before the launches (backward's, in flight, finish alike)
         held = [p.grad is not None for p in self.params]  # _take_grad keeps a None
         while self._next_bucket < len(self.buckets):
             self._launch(self.buckets[self._next_bucket], in_backward=False)
@@ -299,6 +318,7 @@ def apply_data_parallel(model: nn.Module, pgm: Optional[ProcessGroupManager], im
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {', '.join(IMPLS)}, got {impl!r}")
     refuse_wrapped(model, "apply_data_parallel")
+    refuse_unready(model, "data parallel")  # before any collective: every rank raises alike
     if not bucket_size_mb > 0:
         raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb}")
     group = None if pgm is None else pgm.gradient_sync_group

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from scaletorch.dist import comm
 from scaletorch.dist.comm import Group
 from scaletorch.parallel.grad_norm import clip_grads_, world_grad_norm
+from scaletorch.parallel.wrapper import refuse_lazy
 from scaletorch.parallel.zero import ShardedDataParallel, ZeroOptimizer
 from scaletorch.parallel.zero_any_module import ShardView
 
@@ -94,7 +95,8 @@ class ShardedOptimizer(ZeroOptimizer):
             if not issubclass(optimizer_class, ELEMENTWISE):
                 raise ValueError(f"ShardedOptimizer over a ZeRO wrapper's flat shards needs an "
                                  f"elementwise optimizer, got {optimizer_class.__name__} (it sees "
-                                 f"pieces of parameters as 1-D vectors); use one of ELEMENTWISE")
+                                 f"pieces of parameters as 1-D vectors); use one of "
+                                 f"{', '.join(c.__name__ for c in ELEMENTWISE)}")
             stages = {w.zero_stage for w in self.wrappers}
             if zero_stage is not None and stages != {zero_stage}:
                 raise ValueError(f"zero_stage {zero_stage} for wrappers of stage {stages}: "
@@ -138,6 +140,7 @@ class ShardedOptimizer(ZeroOptimizer):
                  for g, group in enumerate(groups,
                                            len(self.param_groups) - len(groups))
                  for i, p in enumerate(group["params"])]
+        refuse_lazy(named, "ShardedOptimizer")  # no shape to check yet: before the all-gather
         comm.check_same_layout(named, "ShardedOptimizer", self.group,
                                "give every rank the same parameters, in the same order")
 

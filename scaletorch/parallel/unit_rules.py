@@ -46,7 +46,13 @@ def as_units(model: nn.Module, rule: Optional[UnitRule]) -> Units:
     if rule is None:
         return llama_units(model) if isinstance(model, Llama) else child_units(model)
     if callable(rule):
-        return rule(model)
+        made = rule(model)
+        if not isinstance(made, (list, tuple)):
+            name = getattr(rule, "__name__", type(rule).__name__)
+            what = f"a {type(made).__name__}" if isinstance(made, nn.Module) else repr(made)[:60]
+            raise ValueError(f"units policy {name} returned {what}: return a list of "
+                             f"submodules or of (name, [(name, module)]) units")
+        return as_units(model, made)  # checked as given directly
     if all(isinstance(m, nn.Module) for m in rule):
         names = {id(m): n for n, m in model.named_modules()}
         unknown = [type(m).__name__ for m in rule if id(m) not in names]

@@ -37,7 +37,7 @@ from scaletorch.dist.comm import Work
 from scaletorch.parallel.flat_unit import (FlatUnit, Group, NamedModules, gather_unit,
                                            reduce_scatter_mean, release_unit)
 from scaletorch.parallel.grad_norm import clip_grads_, world_grad_norm
-from scaletorch.parallel.wrapper import refuse_wrapped
+from scaletorch.parallel.wrapper import refuse_unready, refuse_wrapped
 
 Units = List[Tuple[str, NamedModules]]  # (unit name, [(module name, module), ...])
 MakeUnit = Callable[[str, NamedModules, Group, int], FlatUnit]  # (name, modules, group, stage)
@@ -64,6 +64,7 @@ class ShardedDataParallel(nn.Module):
         if zero_stage not in (1, 2, 3):
             raise ValueError(f"zero_stage must be 1, 2 or 3, got {zero_stage}")
         refuse_wrapped(module, "ZeRO")
+        refuse_unready(module, "ZeRO")  # lazy, sparse: before any collective, on every rank
         # the ranks hold the same tensors, or the broadcast below dies in the backend
         comm.check_same_layout([*module.named_parameters(), *module.named_buffers()], "ZeRO", group)
         per_unit = self._unit_parameters(units)  # frozen ones stay whole, in no unit
@@ -240,7 +241,8 @@ class ShardedDataParallel(nn.Module):
                                                           torch.Tensor]] = None) -> State:
         """Collective over the group: chapter 00's {name: full tensor} of the shards, or of
         anything shaped like them (``value_of(shard)``: an AdamW state). Each unit's (S,) pieces
-        are all-gathered into its (P',) vector and cut at the parameters' offsets. The weights
+        are all-gathered into its (P',) vector and cut at the parameters' offsets, in the shard's
+        dtype (the parameters' own: float64 stays float64, bfloat16 stays bfloat16). The weights
         (no ``value_of``) include what no unit holds: frozen parameters, buffers."""
         full: State = {}
         rest = [] if value_of else [*self.module.named_parameters(), *self.module.named_buffers()]
@@ -249,7 +251,7 @@ class ShardedDataParallel(nn.Module):
             for unit in self.units:
                 flat = unit.all_gather_flat(value_of(unit.shard))
                 for names, shape, start in zip(unit.names, unit.shapes, unit.offsets):
-                    tensor = flat[start:start + shape.numel()].view(shape).cpu().float().clone()
+                    tensor = flat[start:start + shape.numel()].view(shape).cpu().clone()
                     full.update({name: tensor for name in names})  # tied: one tensor, both names
         return {**full, **{name: t.detach().cpu().clone() for name, t in rest}}  # whole here
 

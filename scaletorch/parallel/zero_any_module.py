@@ -37,10 +37,13 @@ from scaletorch.parallel.unit_rules import (UnitRule, as_units, check_coverage, 
 from scaletorch.parallel.wrapper import refuse_wrapped
 from scaletorch.parallel.zero import MakeUnit, ShardedDataParallel, Units
 
+FREEZE_BEFORE = "freeze or unfreeze the parameter before apply_zero_any"
+
 
 class ReleasedParameter(torch.Tensor):
     """What a released ZeRO-3 unit's modules hold in place of each parameter: any use of it
-    raises one line naming the unit and the parameter, instead of reading freed memory."""
+    raises one line naming the unit and the parameter, instead of reading freed memory;
+    ``requires_grad_`` says what to do instead, as ``ShardView``'s."""
     message = ""
 
     @staticmethod
@@ -52,6 +55,9 @@ class ReleasedParameter(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         found = [a for a in tree_leaves((args, kwargs)) if isinstance(a, ReleasedParameter)]
+        if func is torch.Tensor.requires_grad_:  # freezing through the model, after the wrap
+            raise RuntimeError(f"requires_grad_ on a released ZeRO-3 parameter does nothing to "
+                               f"its unit's shard: {FREEZE_BEFORE}")
         raise RuntimeError(found[0].message if found else "a released ZeRO-3 parameter was used")
 
 
@@ -59,8 +65,8 @@ class ShardView(nn.Parameter):
     """A piece of a ZeRO unit's shard under a parameter's name (``named_parameters()``)."""
 
     def requires_grad_(self, requires_grad: bool = True) -> "ShardView":
-        raise RuntimeError("requires_grad_ on a ZeRO view does nothing to the shard it shows: "
-                           "freeze or unfreeze the parameter before apply_zero_any")
+        raise RuntimeError(f"requires_grad_ on a ZeRO view does nothing to the shard it shows: "
+                           f"{FREEZE_BEFORE}")
 
 
 def pieces_of(unit: FlatUnit) -> List[Tuple[int, int]]:
@@ -320,6 +326,13 @@ class AnyShardedDataParallel(ShardedDataParallel):
         if unfrozen:
             raise RuntimeError(f"ZeRO: {unfrozen} were frozen at the wrap, so no gradient of "
                                f"theirs is reduced; unfreeze before apply_zero_any")
+        frozen = {n for n, _ in self.frozen_at_wrap}  # the only Parameters the model still holds
+        added = [
+            n for n, p in self.module.named_parameters() if p.requires_grad and n not in frozen
+        ]
+        if added:
+            raise RuntimeError(f"ZeRO: {added} registered after the wrap, so in no unit and never "
+                               f"reduced: register it before apply_zero_any")
         self._awaiting = [0] * len(self.units)
         if self._round and self.units:
             self._issue(0)
@@ -380,7 +393,7 @@ class AnyShardedDataParallel(ShardedDataParallel):
             for unit in [] if value_of else self.frozen_units():
                 flat = unit.all_gather_flat(unit.shard)  # (S,) pieces -> (P',), over the group
                 for names, shape, start in zip(unit.names, unit.shapes, unit.offsets):
-                    tensor = flat[start:start + shape.numel()].view(shape).cpu().float().clone()
+                    tensor = flat[start:start + shape.numel()].view(shape).cpu().clone()
                     full.update({name: tensor for name in names})
         return {name: full[first] for name, first in self.names_at_wrap.items() if first in full}
 
