@@ -9,8 +9,10 @@ the script that reads it in this process. The claim: exit status 2 and one line 
 naming the file and the field, never a traceback.
 
 The kinds: a profile trace (``scripts/plot.py profile``: an event's name, ts, dur, tid, the
-event list itself) and a cluster file (``scripts/plan.py --cluster``, JSON or YAML: each key,
-and the entries of links, slowdown, issued, sources).
+event list itself), a cluster file (``scripts/plan.py --cluster``, JSON or YAML: each key, and
+the entries of links, slowdown, issued, sources), a pipeline's timeline.json (``plot.py
+timeline``: pp, micro_batches, virtual_stages, schedule, an event and each of its six entries)
+and a runs file (``plot.py plan-vs-measured``: a run and each of its keys).
 
 The suite runs 30 examples; SCALETORCH_LONG_TESTS=1 runs 500 (CI's long phase).
 """
@@ -30,7 +32,9 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from scaletorch.rules import boundary
+from scaletorch.schedule import simulate
 from scripts import plan, plot, plot_profile
+from scripts.plot_base import read_timeline
 
 LONG = os.environ.get("SCALETORCH_LONG_TESTS") == "1"
 
@@ -108,6 +112,25 @@ CLUSTER_FIELDS: List[Tuple[Any,
                                                                ("sources", "peak_flops")]
 INTEGERS = ("gpus_per_node", "cores", "sms")
 
+# a pipeline's timeline.json (07_nd_parallel writes it): 1F1B over 2 stages, 2 micro-batches
+TIMELINE = simulate.simulate("1f1b", 2, 2, 1, 1.0, 2.0, None).to_json()
+EVENT_FIELDS = ("rank", "kind", "micro_batch", "chunk", "start", "end")
+TIMELINE_FIELDS: List[Tuple[Any, ...]] = [
+    (k, ) for k in ("pp", "micro_batches", "virtual_stages", "schedule", "events")
+]
+TIMELINE_FIELDS += [("events", 1)] + [("events", 1, j) for j in range(6)]
+
+# scripts/plan_vs_tour.py's runs file (plot.py plan-vs-measured)
+RUNS = [{
+    "script": "00_single_device",
+    "ranks": 1,
+    "arguments": "",
+    "measured_s": 0.02,
+    "predicted_s": 0.025
+}]
+RUNS_FIELDS: List[Tuple[Any, ...]] = [(0, ), (0, "script"), (0, "ranks"), (0, "arguments"),
+                                      (0, "measured_s"), (0, "predicted_s")]
+
 BAD = st.one_of(st.none(), st.booleans(), st.text(max_size=4),
                 st.lists(st.integers(0, 3), max_size=2),
                 st.dictionaries(st.text("ab", max_size=2), st.integers(0, 3), max_size=1),
@@ -121,6 +144,20 @@ def _fits(path: Tuple[Any, ...], value: Any) -> bool:
     last = path[-1]
     number = (isinstance(value, (int, float)) and not isinstance(value, bool)
               and abs(value) < 1e300)  # nan and inf are not below it
+    if path[0] == "events" and len(path) == 3:
+        last = EVENT_FIELDS[path[2]]
+    if path[0] in ("events", "schedule") and len(path) < 3:
+        return isinstance(value, (list, str)[path[0] == "schedule"]) if len(path) == 1 else False
+    if path[0] in ("pp", "micro_batches", "virtual_stages") or last in EVENT_FIELDS[:4]:
+        if last == "kind":
+            return value in ("F", "B", "W")
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    if last in ("start", "end"):
+        return number
+    if path[0] == 0:
+        if len(path) == 1:
+            return False  # no drawn value holds a run's keys
+        return isinstance(value, str) if last in ("script", "arguments") else number
     if path[0] == "traceEvents":
         if len(path) < 3:  # the list of events, an event
             return isinstance(value, list if len(path) == 1 else dict)
@@ -151,13 +188,17 @@ def _replace(document: Any, path: Tuple[Any, ...], value: Any) -> Any:
 
 
 def _names(path: Tuple[Any, ...]) -> List[str]:
-    """What the error line must name of ``path``: its keys, an event's index, latency or
-    bandwidth for the entries of a link's pair."""
-    if path[0] == "traceEvents":
-        return ["traceEvents"
-                ] if len(path) == 1 else [f"event {path[1]}"] + [repr(k) for k in path[2:]]
-    return [path[0]
-            ] + [repr(k) if isinstance(k, str) else ("latency", "bandwidth")[k] for k in path[1:]]
+    """What the error line must name of ``path``: its keys, an event's or a run's index, the
+    name of an entry of a list (latency, bandwidth; a timeline event's rank, start ...)."""
+    head, rest = path[0], path[1:]
+    if head == 0:  # a run of a runs file
+        return ["run 0"] + [repr(k) for k in rest]
+    if head in ("traceEvents", "events") and rest:
+        names = [EVENT_FIELDS[j] for j in rest[1:]
+                 if j != 1] if head == "events" else [repr(k) for k in rest[1:]]
+        return [f"event {rest[0]}"] + names
+    names = [repr(k) if isinstance(k, str) else ("latency", "bandwidth")[k] for k in rest]
+    return [head] + names
 
 
 def _run(main: Any, argv: List[str]) -> Tuple[int, str]:
@@ -185,13 +226,25 @@ class WrongValuesInsideFilesAreOneLine(unittest.TestCase):
 
     @settings(max_examples=500 if LONG else 30, deadline=None, derandomize=not LONG,
               suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow])
-    @given(kind=st.sampled_from(["profile", "cluster.json", "cluster.yaml"]), data=st.data(),
-           value=BAD)
+    @given(kind=st.sampled_from(["profile", "cluster.json", "cluster.yaml", "timeline", "runs"]),
+           data=st.data(), value=BAD)
     def test_a_wrong_type_or_a_non_finite_value_is_refused_naming_file_and_field(
             self, kind, data, value):
-        fields = TRACE_FIELDS if kind == "profile" else CLUSTER_FIELDS
+        fields = {
+            "profile": TRACE_FIELDS,
+            "timeline": TIMELINE_FIELDS,
+            "runs": RUNS_FIELDS
+        }.get(kind, CLUSTER_FIELDS)
         path = data.draw(st.sampled_from(fields), label="field")
         assume(not _fits(path, value))
+        if kind in ("timeline", "runs"):
+            file = os.path.join(self.tmp, kind + ".json")
+            with open(file, "w") as f:
+                json.dump(_replace(TIMELINE if kind == "timeline" else RUNS, path, value), f)
+            command = "timeline" if kind == "timeline" else "plan-vs-measured"
+            status, err = _run(plot.main, [command, file, "--out", self.tmp + "/p.png"])
+            self._refused(status, err, file, _names(path))
+            return
         if kind == "profile":
             profile = os.path.join(self.tmp, "profile")
             os.makedirs(profile, exist_ok=True)
@@ -218,6 +271,12 @@ class WrongValuesInsideFilesAreOneLine(unittest.TestCase):
                 json.dump(TRACE, f)
         steps = plot_profile.read_ranks(profile)  # plot.py profile's reading, without drawing
         self.assertEqual([(s.step, len(s.collectives)) for s in steps], [(1, 1), (1, 1)])
+        for name, document in (("timeline.json", TIMELINE), ("runs.json", RUNS)):
+            with open(os.path.join(self.tmp, name), "w") as f:
+                json.dump(document, f)
+        timeline = read_timeline(os.path.join(self.tmp, "timeline.json"))
+        self.assertEqual(len(timeline.events), len(TIMELINE["events"]))
+        self.assertEqual(plot.read_runs(os.path.join(self.tmp, "runs.json")), RUNS)
         for name in ("host.json", "host.yaml"):
             file = os.path.join(self.tmp, name)
             with open(file, "w") as f:
