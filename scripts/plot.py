@@ -41,6 +41,7 @@ from typing import List
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from scaletorch.rules import boundary  # noqa: E402
+from scaletorch.rules.errors import clip  # noqa: E402
 from scaletorch.schedule import placement, simulate  # noqa: E402
 from scaletorch.schedule import zero_bubble_orders as zb  # noqa: E402
 from scaletorch.schedule.timeline import Timeline  # noqa: E402
@@ -284,14 +285,15 @@ def read_runs(path: str) -> List[dict]:
         raise ValueError(f"{path}: no runs (want {want})")
     for i, run in enumerate(runs):
         run = run if isinstance(run, dict) else {}
-        bad = [
-            k for k, kind in RUN_KEYS.items()
-            if not (isinstance(run.get(k), str) if kind is str else
-                    isinstance(run.get(k), (int, float) if kind is float else int) and run[k] > 0)
-        ]
+        bad = [k for k, kind in RUN_KEYS.items() if kind is str and not isinstance(run.get(k), str)]
         if bad:
-            raise ValueError(f"{path}: run {i} has no valid {', '.join(bad)} (script and "
-                             f"arguments are strings, the rest positive numbers): {runs[i]!r}")
+            keys = ", ".join(map(repr, bad))
+            raise ValueError(f"runs file {clip(path)}: run {i} has no valid {keys} (script and "
+                             f"arguments are strings): {clip(runs[i])}")
+        for k, kind in RUN_KEYS.items():  # finite and positive: a ratio divides by them
+            if kind is not str:
+                boundary.number(run.get(k), f"runs file {clip(path)} run {i} {k!r}", integer=kind
+                                is int, positive=True)
     return runs
 
 

@@ -6,6 +6,7 @@ import sys
 from typing import Dict, List
 
 from scaletorch.rules import boundary
+from scaletorch.rules.errors import InputError, clip
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -52,12 +53,34 @@ def read_timeline(path: str) -> Timeline:
     """A timeline.json: {"pp", "micro_batches", "virtual_stages", "events": [[rank, kind,
     micro_batch, chunk, start, end], ...]}."""
     data = boundary.load_json(path, "timeline", digest=False)
-    zero_bubble = data.get("schedule", "") in placement.ZERO_BUBBLE  # its theory: simulated
+    where = f"timeline {clip(path)}"
+    sizes = [
+        boundary.number(data.get(k), f"{where} {k!r}", integer=True, low=1)
+        for k in ("pp", "micro_batches", "virtual_stages")
+    ]
+    schedule, events = data.get("schedule", ""), data.get("events")
+    if not isinstance(schedule, str):
+        raise InputError(f"{where} 'schedule' is {clip(schedule, 60)}, not a "
+                         f"schedule's name")
+    if not isinstance(events, list):
+        raise InputError(f"{where} 'events' is {clip(events, 60)}, not a list "
+                         f"of [rank, kind, micro_batch, chunk, start, end]")
+    zero_bubble = schedule in placement.ZERO_BUBBLE  # its theory: simulated
     kind = simulate.ZeroBubbleTimeline if zero_bubble else Timeline
-    timeline = kind(data["pp"], data["micro_batches"], data["virtual_stages"],
-                    schedule=data.get("schedule", ""))
-    for rank, kind, mb, chunk, start, end in data["events"]:
-        timeline.record(rank, orders.Action(kind, mb, chunk), start, end)
+    timeline = kind(*sizes, schedule=schedule)
+    for i, event in enumerate(events):
+        at = f"{where} event {i}"
+        if not isinstance(event, list) or len(event) != 6 or event[1] not in ("F", "B", "W"):
+            raise InputError(f"{at} is {clip(event, 80)}, not [rank, kind F|B|W, "
+                             f"micro_batch, chunk, start, end]")
+        rank, mb, chunk = (boundary.number(event[j], f"{at} {name}", integer=True, low=0)
+                           for j, name in ((0, "rank"), (2, "micro_batch"), (3, "chunk")))
+        start, end = (boundary.number(event[j], f"{at} {name}")
+                      for j, name in ((4, "start"), (5, "end")))
+        if rank >= sizes[0] or chunk >= sizes[2]:
+            raise InputError(f"{at}: rank {rank} or chunk {chunk} outside pp {sizes[0]} "
+                             f"x virtual_stages {sizes[2]}")
+        timeline.record(rank, orders.Action(event[1], mb, chunk), start, end)
     return timeline
 
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from scaletorch.rules import boundary
+from scaletorch.rules.errors import InputError, MissingInputError, clip
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send", "recv",
        "send/recv")
@@ -94,11 +95,34 @@ def merge(spans: List[Span], gap: float = 0.0) -> List[Span]:
 
 
 def load(path: str) -> List[dict]:
-    """The complete events ("X") of a Chrome trace file."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"no profile {path} (run with --profile STEPS first)")
-    events = boundary.load_json(path, "profile", digest=False).get("traceEvents", [])
-    return [e for e in events if e.get("ph") == "X" and "dur" in e]
+    """The complete events ("X") of a Chrome trace file, each checked for what ``read`` uses:
+    a string ``name``, finite ``ts`` and ``dur`` >= 0 (microseconds), an int or string ``tid``.
+    InputError naming the file and the event's index otherwise; a directory is no profile."""
+    try:
+        boundary.regular_file(path, "profile", boundary.JSON_BYTES)
+    except MissingInputError:
+        raise MissingInputError(f"no profile {clip(path)} (run with --profile STEPS "
+                                f"first)") from None
+    trace = boundary.load_json(path, "profile", digest=False)
+    events = trace.get("traceEvents", [])
+    if not isinstance(events, list):
+        raise InputError(f"profile {clip(path)} 'traceEvents' is {clip(events, 60)}, not a "
+                         f"list of events: is it torch.profiler's trace?")
+    complete = []
+    for i, e in enumerate(events):
+        where = f"profile {clip(path)} event {i}"
+        if not isinstance(e, dict):
+            raise InputError(f"{where} is {clip(e, 60)}, not an object")
+        if e.get("ph") != "X" or "dur" not in e:
+            continue
+        if not isinstance(e.get("name"), str):
+            raise InputError(f"{where} 'name' is {clip(e.get('name'), 60)}, not a string")
+        boundary.number(e.get("ts"), f"{where} 'ts'")
+        boundary.number(e["dur"], f"{where} 'dur'", low=0)
+        if isinstance(e.get("tid"), bool) or not isinstance(e.get("tid"), (int, str)):
+            raise InputError(f"{where} 'tid' is {clip(e.get('tid'), 60)}, not an int or string")
+        complete.append(e)
+    return complete
 
 
 def kind_of(name: str) -> str:

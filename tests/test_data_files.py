@@ -213,6 +213,30 @@ class TokenFilesAreReadAtTheirRecordedWidth(_Tmp):
         with self.assertRaisesRegex(InputError, "holds no tokens"):
             check_data_file("bin", os.path.join(d, "z.bin"), 256, 8)
 
+    def test_a_failed_write_leaves_no_token_file_and_says_so(self):
+        """A write that fails at the .bin (the first write) or at its record (the third) leaves
+        neither, and the line says that, not a run's words about checkpoints."""
+        import errno
+        from unittest import mock
+
+        from scaletorch.rules import safe_files
+        real = safe_files.write_all
+        for failing in (0, 2):
+            d, calls = self.fresh(), []
+
+            def write_all(f, data):
+                calls.append(f.name)
+                if len(calls) == failing + 1:
+                    raise OSError(errno.ENOSPC, "No space left on device")
+                real(f, data)
+
+            with mock.patch.object(safe_files, "write_all", write_all):
+                with self.assertRaises(safe_files.WriteError) as ctx:
+                    prepare(["README.md"], "byte", os.path.join(d, "t.bin"))
+            self.assertIn("no token file is left there", str(ctx.exception))
+            self.assertNotIn("checkpoint", str(ctx.exception))
+            self.assertEqual(os.listdir(d), [], f"failing write {failing}")
+
 
 class ATokenFileCutWhileTheRunReadsIt(_Tmp):
     """A .bin truncated while a run samples it is an InputError naming it, never a SIGBUS:

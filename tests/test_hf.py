@@ -6,6 +6,7 @@ Needs the ``hf`` extra (safetensors, transformers); without it the tests skip an
 import importlib.util
 import json
 import os
+import shutil
 import sys
 import tempfile
 import unittest
@@ -291,6 +292,11 @@ class TestHuggingFaceBadInput(unittest.TestCase):
         with open(truncated, "r+b") as f:
             f.truncate(os.path.getsize(truncated) - 100)
         self.assert_load_fails(truncated)
+
+    def test_a_single_file_beside_an_index_of_other_shards_is_refused_naming_both(self):
+        shutil.copy(self.shard(0), os.path.join(self.dir, "model.safetensors"))
+        self.assert_load_fails(self.dir, "model.safetensors and model.safetensors.index.json",
+                               os.path.basename(self.shard(0)))
 
     def test_shape_that_disagrees_with_the_config_names_file_and_tensor(self):
         self.edit_config(intermediate_size=64)

@@ -119,7 +119,7 @@ class PlotPlannerPictures(unittest.TestCase):
             ("plan-memory", self.plans, "--cluster", "tpu"): "unknown cluster 'tpu'",
             ("plan-vs-measured", "missing.json"): "runs file 'missing.json' does not exist",
             ("plan-vs-measured", empty_runs): "no runs",
-            ("plan-vs-measured", bad_run): "run 0 has no valid ranks",
+            ("plan-vs-measured", bad_run): "run 0 'ranks' is 0: it must be positive",
             ("plan-vs-measured", self.runs, "--tolerance", "0"): "--tolerance must be positive",
         }
         for argv, message in cases.items():

@@ -15,7 +15,7 @@ import numpy as np
 
 from scaletorch.rules import boundary
 from scaletorch.rules.errors import InputError, MissingInputError, clip
-from scaletorch.rules.safe_files import write_checksummed
+from scaletorch.rules.safe_files import WriteError, checksum_path, write_checksummed
 
 
 def check_utf8(data: bytes, path: str, what: str, whole: bool = True, hint: str = "") -> None:
@@ -166,8 +166,16 @@ def write_token_file(path: str, tokens: np.ndarray, vocab_size: int, tokenizer: 
         "vocab_size": int(vocab_size),
         "tokenizer": tokenizer
     }
-    write_checksummed(path, tokens.tobytes())  # whole or absent, with the .sha256 a run checks
-    write_checksummed(meta_path(path), (json.dumps(record, indent=1) + "\n").encode())
+    kept = "no token file is left there (what was written of it and its record is removed)"
+    try:
+        write_checksummed(path, tokens.tobytes(), kept)  # whole or absent, with its .sha256
+        write_checksummed(meta_path(path), (json.dumps(record, indent=1) + "\n").encode(), kept)
+    except WriteError:  # a .bin without its record would be read at a guessed width
+        for written in (path, meta_path(path)):
+            for name in (written, checksum_path(written)):
+                if os.path.lexists(name):
+                    os.remove(name)
+        raise
 
 
 def token_file_meta(path: str) -> Optional[Dict[str, Any]]:

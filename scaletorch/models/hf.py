@@ -249,6 +249,13 @@ def _weight_files(path: str) -> Dict[str, List[str]]:
         files: Dict[str, List[str]] = {}
         for name, file in weight_map.items():
             files.setdefault(os.path.join(path, file), []).append(name)
+        single = os.path.join(path, SINGLE_FILE)
+        others = sorted(os.path.basename(f) for f in files if f != single)
+        if os.path.lexists(single) and (others or not files):  # two sets of weights
+            raise InputError(f"{path} holds both {SINGLE_FILE} and {INDEX_FILE}, whose weight_map "
+                             f"names {clip(others[0]) if others else 'no file'}"
+                             f"{' and more' if len(others) > 1 else ''}: which weights are meant "
+                             f"is unclear; remove one of the two")
         for file, names in files.items():
             if not os.path.lexists(file):
                 raise InputError(f"shard {file} listed in {index} is missing (it holds "

@@ -28,7 +28,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Dict, List, Optional
 
 from scaletorch.rules import boundary
-from scaletorch.rules.errors import clip
+from scaletorch.rules.errors import InputError, clip
 
 
 @dataclass(frozen=True)
@@ -209,7 +209,7 @@ def load_cluster(name_or_path: str) -> Cluster:
                    boundary.load_yaml(boundary.read_text(name_or_path, what, boundary.CONFIG_BYTES),
                                       f"{what} {clip(name_or_path)}")) or {}
     if not isinstance(values, dict):
-        raise ValueError(f"cluster file {name_or_path!r} must be a mapping of keys")
+        raise InputError(f"cluster file {clip(name_or_path)} must be a mapping of keys")
     keys = [f.name for f in fields(Cluster)]
     required = [
         f.name for f in fields(Cluster) if f.default is MISSING and f.default_factory is MISSING
@@ -220,33 +220,80 @@ def load_cluster(name_or_path: str) -> Cluster:
         raise ValueError(f"cluster file {name_or_path!r}: " +
                          (f"missing keys {', '.join(missing)}" if missing else "") +
                          ("; " if missing and unknown else "") +
-                         (f"unknown keys {', '.join(unknown)}" if unknown else ""))
-    try:
-        typed: Dict[str, Any] = {
-            k: (v if k in ("name", "links", "slowdown", "issued",
-                           "sources") else int(v) if k in ("gpus_per_node", "cores",
-                                                           "sms") else float(v))
-            for k, v in values.items()
+                         (f"unknown keys {', '.join(map(str, unknown))}" if unknown else ""))
+    where = f"cluster file {clip(name_or_path)}"
+    typed = {k: _field(k, v, f"{where} {k!r}") for k, v in values.items()}
+    try:  # the ranges (positive, efficiencies at most 1) are the dataclass's own
+        return Cluster(**typed)
+    except ValueError as err:
+        raise InputError(f"{where}: {err}") from None
+
+
+INTS = ("gpus_per_node", "cores", "sms")
+
+
+def _world(key: Any, where: str, low: int) -> str:
+    """A world or group size key of ``slowdown``, ``links``, ``issued``: an int >= ``low``
+    (YAML reads ``2:`` as an int, JSON as a string), returned as the string the lookups use."""
+    value = int(key) if isinstance(key, str) and key.isdigit() else key
+    return str(boundary.number(value, f"{where} key {clip(key)}", integer=True, low=low))
+
+
+def _mapping(value: Any, where: str) -> Dict[Any, Any]:
+    if not isinstance(value, dict):
+        raise InputError(f"{where} is {clip(value, 60)}, not a mapping")
+    return value
+
+
+def _field(key: str, value: Any, where: str) -> Any:
+    """One key of a cluster file, checked for its type and finiteness (``where`` names the
+    file and key): InputError naming the entry at fault; the ranges are Cluster's checks."""
+    if key == "name":
+        if not isinstance(value, str):
+            raise InputError(f"{where} is {clip(value, 60)}, not a string")
+        return value
+    if key == "sources":
+        for k, v in _mapping(value, where).items():
+            if not isinstance(v, str):
+                raise InputError(f"{where} {clip(k)} is {clip(v, 60)}, not a string (where the "
+                                 f"value of {clip(k)} comes from)")
+        return value
+    if key == "slowdown":
+        return {
+            _world(w, where, 1): boundary.number(f, f"{where} {w!r}", low=1)
+            for w, f in _mapping(value, where).items()
         }
-        cluster = Cluster(**typed)
-        for world, factor in cluster.slowdown.items():
-            if not (int(world) >= 1 and float(factor) >= 1):
-                raise ValueError(f"slowdown {world}: {factor} must be at least 1")
-        for world, groups in cluster.links.items():  # every entry is [latency, bandwidth] > 0
-            for size, ops in groups.items():
-                for op, (latency, bandwidth) in ops.items():
-                    if not (int(world) >= int(size) > 1 and latency >= 0 and bandwidth > 0):
-                        raise ValueError(f"links {world}/{size}/{op} [{latency}, {bandwidth}]: "
-                                         "need world >= group size > 1, latency >= 0, "
-                                         "bandwidth > 0")
-        for world, kinds in cluster.issued.items():
-            for kind, seconds in kinds.items():
-                if not (int(world) > 1 and kind in ISSUED and float(seconds) >= 0):
-                    raise ValueError(f"issued {world}/{kind} {seconds}: need world > 1, a "
-                                     f"strategy of {', '.join(ISSUED)}, seconds >= 0")
-        return cluster
-    except (AttributeError, TypeError, ValueError) as err:
-        raise ValueError(f"cluster file {name_or_path!r}: {err}") from None
+    if key == "issued":
+        out: Dict[str, Dict[str, float]] = {}
+        for w, kinds in _mapping(value, where).items():
+            out[_world(w, where, 2)] = {}
+            for kind, seconds in _mapping(kinds, f"{where} {w!r}").items():
+                if kind not in ISSUED:
+                    raise InputError(f"{where} {w!r} key {clip(kind)} is no strategy: use one of "
+                                     f"{', '.join(ISSUED)}")
+                out[str(w)][kind] = boundary.number(seconds, f"{where} {w!r} {kind!r}", low=0)
+        return out
+    if key == "links":
+        links: Dict[str, Dict[str, Dict[str, List[float]]]] = {}
+        for w, groups in _mapping(value, where).items():
+            world = _world(w, where, 2)
+            links[world] = {}
+            for n, ops in _mapping(groups, f"{where} {w!r}").items():
+                size = _world(n, f"{where} {w!r}", 2)
+                if int(size) > int(world):
+                    raise InputError(f"{where} {w!r} key {clip(n)}: a group larger than its world")
+                links[world][size] = {}
+                for op, pair in _mapping(ops, f"{where} {w!r} {n!r}").items():
+                    at = f"{where} {w!r} {n!r} {op!r}"
+                    if not isinstance(pair, list) or len(pair) != 2:
+                        raise InputError(f"{at} is {clip(pair, 60)}, not [latency s, bandwidth "
+                                         f"bytes/s]")
+                    links[world][size][str(op)] = [
+                        boundary.number(pair[0], f"{at} latency", low=0),
+                        boundary.number(pair[1], f"{at} bandwidth", positive=True)
+                    ]
+        return links
+    return boundary.number(value, where, integer=key in INTS)
 
 
 def save_cluster(cluster: Cluster, path: str) -> None:

@@ -11,6 +11,9 @@
                                           a key given twice in one mapping is refused; numbers
                                           as YAML 1.2 reads them (``010`` is 10, ``1:20`` text)
     dump_yaml(values)                     YAML text that load_yaml reads back as ``values``
+    number(value, where, ...)             a value read from a file once it is a finite number
+                                          (an int if asked, within bounds), else an InputError
+                                          naming ``where`` (the file and the field)
     not_finite_as(tensor, dtype)          why a floating tensor is not finite in the dtype the run
                                           casts it to (1e300 in float64 is inf in float32), or ""
 
@@ -36,6 +39,7 @@ line (``trusting`` scopes it to a block, for code that parses no command line).
 
 import contextlib
 import json
+import math
 import os
 import re
 import stat
@@ -50,7 +54,7 @@ from scaletorch.rules.safe_files import (CorruptFileError, checksum_path, read_c
 __all__ = [
     "CONFIG_BYTES", "INT_DIGITS", "JSON_BYTES", "NESTING", "TRUST_HELP", "YamlSyntaxError",
     "add_trust_flag", "TEXT_BYTES", "UNLIMITED", "YAML_NODES", "is_trusted_unchecked", "load_json",
-    "load_jsonl", "dump_yaml", "load_yaml", "not_finite_as", "parse_json", "read_bytes",
+    "load_jsonl", "dump_yaml", "load_yaml", "not_finite_as", "number", "parse_json", "read_bytes",
     "read_text", "regular_file", "trust_unchecked", "trusting", "verified"
 ]
 
@@ -478,6 +482,32 @@ def load_yaml(text: str, source: str) -> Any:
         raise InputError(f"{source}: YAML nested too deep: it is not a config") from None
     finally:
         loader.dispose()
+
+
+def number(value: Any, where: str, integer: bool = False, low: float = -math.inf,
+           positive: bool = False) -> Any:
+    """``value``, a field of a parsed file, as a finite float (``integer``: as the int it is),
+    at least ``low`` (``positive``: above 0); InputError naming ``where`` ("profile 'p.json'
+    event 3 'ts'") and the value otherwise. A bool is not a number here, though Python's
+    ``True`` is 1: a file that writes ``true`` for a count meant something else."""
+    kind = int if integer else (int, float)
+    wanted = "an integer" if integer else "a finite number"
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise InputError(f"{where} is {clip(value)}, not {wanted}: fix or regenerate the file")
+    if not integer:
+        try:  # an int past float's range (10**400) is as unusable as inf
+            value = float(value)
+        except OverflowError:
+            value = math.inf
+        if not math.isfinite(value):
+            raise InputError(f"{where} is {clip(value)}, not {wanted}: fix or regenerate the "
+                             f"file")
+    if integer and abs(value) >= 2**63:  # no count of ours is that large; torch's limit
+        raise InputError(f"{where} is {clip(value, 60)}: it must be below 2**63")
+    if value < low or (positive and value <= 0):
+        bound = "positive" if positive and low <= 0 else f"at least {low:g}"
+        raise InputError(f"{where} is {clip(value)}: it must be {bound}")
+    return value
 
 
 def not_finite_as(tensor: Any, dtype: Any) -> str:

@@ -53,13 +53,19 @@ def write_all(f: BinaryIO, data: bytes) -> None:
     f.write(data)
 
 
-def write_atomic(path: str, data: bytes) -> None:
+# what a failed write of a training run leaves: the error's last words (``write_atomic``)
+RUN_KEPT = "what the run wrote before (the previous checkpoint, metrics.jsonl) is kept"
+
+
+def write_atomic(path: str, data: bytes, kept: str = RUN_KEPT) -> None:
     """Write ``data`` to ``path`` so that a reader sees the old file or the new one, never half.
 
     On any failure the temporary file is removed; an OSError becomes a WriteError naming
-    ``path`` (ENOSPC: "no space left on device"). The directory is created if it is missing:
-    another rank whose own write failed may have removed a checkpoint directory it found
-    empty, and this rank's error must be its own (the full disk), not a missing directory."""
+    ``path`` (ENOSPC: "no space left on device") and ending with ``kept``, what the caller
+    leaves in place (a run: its previous checkpoint; a script: its own words). The directory
+    is created if it is missing: another rank whose own write failed may have removed a
+    checkpoint directory it found empty, and this rank's error must be its own (the full
+    disk), not a missing directory."""
     tmp = f"{path}.tmp.{os.getpid()}"
     try:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -75,8 +81,7 @@ def write_atomic(path: str, data: bytes) -> None:
             reason = os.strerror(err.errno) if err.errno else str(err)
             hint = " (free space there)" if err.errno == errno.ENOSPC else ""
             raise WriteError(f"could not write {path!r}: {reason}{hint}; its partial files were "
-                             f"removed, and what the run wrote before (the previous checkpoint, "
-                             f"metrics.jsonl) is kept") from None
+                             f"removed, and {kept}") from None
         raise
 
 
@@ -107,10 +112,10 @@ def write_checksum(path: str) -> str:
     return digest
 
 
-def write_checksummed(path: str, data: bytes) -> None:
+def write_checksummed(path: str, data: bytes, kept: str = RUN_KEPT) -> None:
     """``write_atomic`` the file, then its checksum file (a file without one is not trusted)."""
-    write_atomic(path, data)
-    write_atomic(checksum_path(path), checksum_line(os.path.basename(path), data))
+    write_atomic(path, data, kept)
+    write_atomic(checksum_path(path), checksum_line(os.path.basename(path), data), kept)
 
 
 def read_checksum(path: str) -> str:

@@ -1,0 +1,298 @@
+"""The values inside the files our scripts read are checked, not only the files' types.
+
+A reader that checks that a file is JSON (or YAML) holding an object, and then uses its fields
+as they come, fails deep inside on a string where a number belongs, or divides by an inf. Here
+hypothesis draws a file kind, one field of it, and a wrong-typed or non-finite value for that
+field (null, a bool, text, a list, an object, nan, inf, -inf, an integer past float's range,
+a fraction where an integer belongs), writes the file with that one value changed, and runs
+the script that reads it in this process. The claim: exit status 2 and one line ``error: ...``
+naming the file and the field, never a traceback.
+
+The kinds: a profile trace (``scripts/plot.py profile``: an event's name, ts, dur, tid, the
+event list itself), a cluster file (``scripts/plan.py --cluster``, JSON or YAML: each key, and
+the entries of links, slowdown, issued, sources), a pipeline's timeline.json (``plot.py
+timeline``: pp, micro_batches, virtual_stages, schedule, an event and each of its six entries)
+and a runs file (``plot.py plan-vs-measured``: a run and each of its keys).
+
+The suite runs 30 examples; SCALETORCH_LONG_TESTS=1 runs 500 (CI's long phase).
+"""
+
+import contextlib
+import copy
+import io
+import json
+import math
+import os
+import shutil
+import tempfile
+import unittest
+from typing import Any, List, Tuple
+
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from scaletorch.rules import boundary
+from scaletorch.schedule import simulate
+from scripts import plan, plot, plot_profile
+from scripts.plot_base import read_timeline
+
+LONG = os.environ.get("SCALETORCH_LONG_TESTS") == "1"
+
+# one profiled step, a collective on its main thread and an event of another thread (a tid is
+# an int or a string), as torch.profiler writes them: the trace of rank 0 and of rank 1 alike
+TRACE = {
+    "traceEvents": [
+        {
+            "ph": "X",
+            "name": "ProfilerStep#1",
+            "ts": 1000,
+            "dur": 500,
+            "tid": 1
+        },
+        {
+            "ph": "X",
+            "name": "aten::mm",
+            "ts": 1010,
+            "dur": 20.5,
+            "tid": "gloo"
+        },
+        {
+            "ph": "X",
+            "name": "dp all_reduce",
+            "ts": 1100,
+            "dur": 30,
+            "tid": 1
+        },
+    ]
+}
+EVENT_KEYS = ("name", "ts", "dur", "tid")
+TRACE_FIELDS = [("traceEvents", ), ("traceEvents", 1)]
+TRACE_FIELDS += [("traceEvents", i, key) for i in range(3) for key in EVENT_KEYS]
+
+CLUSTER = {
+    "name": "host",
+    "gpus_per_node": 4,
+    "peak_flops": 5e10,
+    "hbm_bytes": 24e9,
+    "intra_node_bandwidth": 1e9,
+    "inter_node_bandwidth": 1e9,
+    "intra_node_latency": 1e-4,
+    "inter_node_latency": 1e-4,
+    "compute_efficiency": 0.5,
+    "cores": 2,
+    "sms": 4,
+    "layer_overhead_s": 1e-3,
+    "slowdown": {
+        "2": 1.5
+    },
+    "links": {
+        "2": {
+            "2": {
+                "all_reduce": [1e-4, 1e9]
+            }
+        }
+    },
+    "issued": {
+        "2": {
+            "dp": 1e-3
+        }
+    },
+    "sources": {
+        "peak_flops": "measured"
+    }
+}
+CLUSTER_FIELDS: List[Tuple[Any,
+                           ...]] = [(k, ) for k in CLUSTER] + [("slowdown", "2"), ("links", "2"),
+                                                               ("links", "2", "2"),
+                                                               ("links", "2", "2", "all_reduce"),
+                                                               ("links", "2", "2", "all_reduce", 0),
+                                                               ("links", "2", "2", "all_reduce", 1),
+                                                               ("issued", "2"),
+                                                               ("issued", "2", "dp"),
+                                                               ("sources", "peak_flops")]
+INTEGERS = ("gpus_per_node", "cores", "sms")
+
+# a pipeline's timeline.json (07_nd_parallel writes it): 1F1B over 2 stages, 2 micro-batches
+TIMELINE = simulate.simulate("1f1b", 2, 2, 1, 1.0, 2.0, None).to_json()
+EVENT_FIELDS = ("rank", "kind", "micro_batch", "chunk", "start", "end")
+TIMELINE_FIELDS: List[Tuple[Any, ...]] = [
+    (k, ) for k in ("pp", "micro_batches", "virtual_stages", "schedule", "events")
+]
+TIMELINE_FIELDS += [("events", 1)] + [("events", 1, j) for j in range(6)]
+
+# scripts/plan_vs_tour.py's runs file (plot.py plan-vs-measured)
+RUNS = [{
+    "script": "00_single_device",
+    "ranks": 1,
+    "arguments": "",
+    "measured_s": 0.02,
+    "predicted_s": 0.025
+}]
+RUNS_FIELDS: List[Tuple[Any, ...]] = [(0, ), (0, "script"), (0, "ranks"), (0, "arguments"),
+                                      (0, "measured_s"), (0, "predicted_s")]
+
+BAD = st.one_of(st.none(), st.booleans(), st.text(max_size=4),
+                st.lists(st.integers(0, 3), max_size=2),
+                st.dictionaries(st.text("ab", max_size=2), st.integers(0, 3), max_size=1),
+                st.sampled_from([math.nan, math.inf, -math.inf, 10**400]),
+                st.floats(allow_nan=False, allow_infinity=False).filter(lambda x: x != int(x)))
+
+
+def _fits(path: Tuple[Any, ...], value: Any) -> bool:
+    """Whether ``value`` has the type the field at ``path`` holds: then it is no bad value (the
+    ranges, > 0 and such, are checked as they were, and are not this test's)."""
+    last = path[-1]
+    number = (isinstance(value, (int, float)) and not isinstance(value, bool)
+              and abs(value) < 1e300)  # nan and inf are not below it
+    if path[0] == "events" and len(path) == 3:
+        last = EVENT_FIELDS[path[2]]
+    if path[0] in ("events", "schedule") and len(path) < 3:
+        return isinstance(value, (list, str)[path[0] == "schedule"]) if len(path) == 1 else False
+    if path[0] in ("pp", "micro_batches", "virtual_stages") or last in EVENT_FIELDS[:4]:
+        if last == "kind":
+            return value in ("F", "B", "W")
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    if last in ("start", "end"):
+        return number
+    if path[0] == 0:
+        if len(path) == 1:
+            return False  # no drawn value holds a run's keys
+        return isinstance(value, str) if last in ("script", "arguments") else number
+    if path[0] == "traceEvents":
+        if len(path) < 3:  # the list of events, an event
+            return isinstance(value, list if len(path) == 1 else dict)
+        if last == "name":
+            return isinstance(value, str)
+        return isinstance(value, (int, str)) and not isinstance(value, bool) if last == "tid" \
+            else number
+    if last == "name" or path[0] == "sources" and len(path) == 2:
+        return isinstance(value, str)
+    if last in INTEGERS:
+        return isinstance(value, int) and not isinstance(value, bool) and abs(value) < 2**63
+    if len(path) == 1 and last in ("slowdown", "links", "issued", "sources") or \
+            len(path) < {"links": 4, "issued": 3}.get(path[0], 0):
+        return value == {} and isinstance(value, dict)  # drawn mappings have no valid key
+    if path[0] == "links" and len(path) == 4:
+        return isinstance(value, list) and len(value) == 2 and all(
+            _fits(path + (i, ), v) for i, v in enumerate(value))
+    return number
+
+
+def _replace(document: Any, path: Tuple[Any, ...], value: Any) -> Any:
+    document = copy.deepcopy(document)
+    inner = document
+    for key in path[:-1]:
+        inner = inner[key]
+    inner[path[-1]] = value
+    return document
+
+
+def _names(path: Tuple[Any, ...]) -> List[str]:
+    """What the error line must name of ``path``: its keys, an event's or a run's index, the
+    name of an entry of a list (latency, bandwidth; a timeline event's rank, start ...)."""
+    head, rest = path[0], path[1:]
+    if head == 0:  # a run of a runs file
+        return ["run 0"] + [repr(k) for k in rest]
+    if head in ("traceEvents", "events") and rest:
+        names = [EVENT_FIELDS[j] for j in rest[1:]
+                 if j != 1] if head == "events" else [repr(k) for k in rest[1:]]
+        return [f"event {rest[0]}"] + names
+    names = [repr(k) if isinstance(k, str) else ("latency", "bandwidth")[k] for k in rest]
+    return [head] + names
+
+
+def _run(main: Any, argv: List[str]) -> Tuple[int, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = main(argv)
+    return status, err.getvalue()
+
+
+class WrongValuesInsideFilesAreOneLine(unittest.TestCase):
+
+    def setUp(self):
+        self.tmp = tempfile.mkdtemp()
+
+    def tearDown(self):
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def _refused(self, status: int, err: str, path: str, names: List[str]) -> None:
+        self.assertEqual(status, 2, err)
+        self.assertNotIn("Traceback", err)
+        self.assertEqual(len(err.splitlines()), 1, err)
+        self.assertTrue(err.startswith("error: ") and repr(path) in err, err)
+        for name in names:
+            self.assertIn(name, err)
+
+    @settings(max_examples=500 if LONG else 30, deadline=None, derandomize=not LONG,
+              suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow])
+    @given(kind=st.sampled_from(["profile", "cluster.json", "cluster.yaml", "timeline", "runs"]),
+           data=st.data(), value=BAD)
+    def test_a_wrong_type_or_a_non_finite_value_is_refused_naming_file_and_field(
+            self, kind, data, value):
+        fields = {
+            "profile": TRACE_FIELDS,
+            "timeline": TIMELINE_FIELDS,
+            "runs": RUNS_FIELDS
+        }.get(kind, CLUSTER_FIELDS)
+        path = data.draw(st.sampled_from(fields), label="field")
+        assume(not _fits(path, value))
+        if kind in ("timeline", "runs"):
+            file = os.path.join(self.tmp, kind + ".json")
+            with open(file, "w") as f:
+                json.dump(_replace(TIMELINE if kind == "timeline" else RUNS, path, value), f)
+            command = "timeline" if kind == "timeline" else "plan-vs-measured"
+            status, err = _run(plot.main, [command, file, "--out", self.tmp + "/p.png"])
+            self._refused(status, err, file, _names(path))
+            return
+        if kind == "profile":
+            profile = os.path.join(self.tmp, "profile")
+            os.makedirs(profile, exist_ok=True)
+            for rank in (0, 1):
+                with open(os.path.join(profile, f"rank_{rank}.json"), "w") as f:
+                    json.dump(_replace(TRACE, path, value) if rank == 0 else TRACE, f)
+            status, err = _run(plot.main, ["profile", profile, "--out", self.tmp + "/p.png"])
+            self._refused(status, err, os.path.join(profile, "rank_0.json"), _names(path))
+            return
+        file = os.path.join(self.tmp, "host." + kind.split(".")[1])
+        document = _replace(CLUSTER, path, value)
+        with open(file, "w") as f:
+            f.write(
+                json.dumps(document) if file.endswith(".json") else boundary.dump_yaml(document))
+        status, err = _run(plan.main, ["--preset", "llama3-8b", "--gpus", "8", "--cluster", file])
+        self._refused(status, err, file, _names(path))
+
+    def test_the_values_drawn_from_are_accepted_as_they_are(self):
+        """The documents the test changes are valid: each refusal is the changed value's."""
+        profile = os.path.join(self.tmp, "profile")
+        os.makedirs(profile)
+        for rank in (0, 1):
+            with open(os.path.join(profile, f"rank_{rank}.json"), "w") as f:
+                json.dump(TRACE, f)
+        steps = plot_profile.read_ranks(profile)  # plot.py profile's reading, without drawing
+        self.assertEqual([(s.step, len(s.collectives)) for s in steps], [(1, 1), (1, 1)])
+        for name, document in (("timeline.json", TIMELINE), ("runs.json", RUNS)):
+            with open(os.path.join(self.tmp, name), "w") as f:
+                json.dump(document, f)
+        timeline = read_timeline(os.path.join(self.tmp, "timeline.json"))
+        self.assertEqual(len(timeline.events), len(TIMELINE["events"]))
+        self.assertEqual(plot.read_runs(os.path.join(self.tmp, "runs.json")), RUNS)
+        for name in ("host.json", "host.yaml"):
+            file = os.path.join(self.tmp, name)
+            with open(file, "w") as f:
+                f.write(
+                    json.dumps(CLUSTER) if name.endswith(".json") else boundary.dump_yaml(CLUSTER))
+            status, err = _run(plan.main,
+                               ["--preset", "llama3-8b", "--gpus", "8", "--cluster", file])
+            self.assertEqual(status, 0, err)
+
+    def test_a_directory_named_as_a_rank_trace_is_said_to_be_one(self):
+        for rank in (0, 1):
+            os.makedirs(os.path.join(self.tmp, f"rank_{rank}.json"))
+        status, err = _run(plot.main, ["profile", self.tmp])
+        self._refused(status, err, os.path.join(self.tmp, "rank_0.json"), ["is a directory"])
+        self.assertNotIn("--profile STEPS", err)
+
+
+if __name__ == "__main__":
+    unittest.main()
