@@ -25,6 +25,7 @@ import pickle
 import random
 import re
 import shutil
+import warnings
 import zipfile
 from contextlib import contextmanager, suppress
 from typing import Any, Dict, Iterator, List, Optional, Set, Tuple, Union
@@ -737,16 +738,25 @@ def load_tensors_only(source: Union[str, bytes], name: str, mmap: bool = False) 
     """
     file = io.BytesIO(source) if isinstance(source, bytes) else source
     try:
-        return torch.load(file, map_location="cpu", weights_only=True, mmap=mmap or None)
+        with warnings.catch_warnings():  # a damaged protocol byte: torch warns, then reads on
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            return torch.load(file, map_location="cpu", weights_only=True, mmap=mmap or None)
     except pickle.UnpicklingError as err:
         # torch's message names the class the file asked for ("Trying to load unsupported
         # GLOBAL posix.system ...") and then suggests weights_only=False, which we do not
         needed = re.search(r"GLOBAL \S+", str(err))  # e.g. "GLOBAL posix.system"
-        asked = f" ({needed.group()})" if needed else ""
+        if needed is None:  # not a class it asked for: damaged bytes ("invalid load key")
+            raise InputError(f"{name} is not a readable torch file ({clip(str(err))})") from None
+        asked = f" ({needed.group()})"
         raise InputError(
             f"{name} needs more than tensors and plain Python values to load{asked}: it is not "
             f"a ScaleTorch checkpoint, or it was written by an older ScaleTorch or another "
             f"program. It was not unpickled, since that could run code; re-save it with this "
             f"version from a source you trust.") from None
-    except (RuntimeError, EOFError, ValueError, OSError) as err:  # a damaged zip or pickle
-        raise InputError(f"{name} is not a readable torch file ({clip(str(err))})") from None
+    except MemoryError:
+        raise
+    except Exception as err:  # noqa: B902 - a damaged zip or pickle fails in any of torch's steps
+        # (seen on flipped or cut bytes: RuntimeError, EOFError, IndexError, KeyError, TypeError,
+        # AssertionError and more); whichever it is, the file is not one we can read
+        raise InputError(f"{name} is not a readable torch file ({type(err).__name__}: "
+                         f"{clip(str(err))})") from None
