@@ -40,7 +40,8 @@ from scaletorch.models.llama import Llama, LlamaConfig
 from scaletorch.rules import boundary
 from scaletorch.rules.errors import InputError, MissingInputError, clip
 from scaletorch.rules.safe_files import write_checksummed
-from scaletorch.rules.schema import check_value, checked, positive, rules_of, text
+from scaletorch.rules.schema import (MAX_LAYERS, check_value, checked, count, positive, rules_of,
+                                     text)
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -83,7 +84,7 @@ class HFLlamaFields:
     vocab_size: int = checked(None, positive())
     hidden_size: int = checked(None, positive())
     intermediate_size: int = checked(None, positive())
-    num_hidden_layers: int = checked(None, positive())
+    num_hidden_layers: int = checked(None, count(MAX_LAYERS))
     num_attention_heads: int = checked(None, positive())
     num_key_value_heads: Optional[int] = checked(None, positive())  # absent or null: the heads
     head_dim: Optional[int] = checked(None, positive())  # absent or null: hidden / heads
