@@ -9,7 +9,9 @@ and before anything is built or allocated.
 The suite runs at most 20 examples a test; SCALETORCH_LONG_TESTS=1 runs 200.
 """
 
+import json
 import os
+import tempfile
 import time
 import unittest
 from unittest import mock
@@ -58,7 +60,7 @@ class AHugeSizeIsRefusedInOneLineAtOnce(unittest.TestCase):
             run_in_process(script, ["--world-size", "2", "--logging.run_dir", "/nonexistent/x"])
 
     @settings(max_examples=EXAMPLES, deadline=None)
-    @given(st.sampled_from(FIELDS), st.integers(10**5, 10**18))
+    @given(st.sampled_from(FIELDS), st.integers(10**7, 10**18))  # far past any machine
     def test_each_size_field(self, field, value):
         script, world, key = field
         built = mock.Mock(side_effect=AssertionError("the model was built"))
@@ -79,6 +81,61 @@ class AHugeSizeIsRefusedInOneLineAtOnce(unittest.TestCase):
         self.assertTrue(out.startswith("error: "), out)
         # the line names the field, or is the memory check's (which names both sizes)
         self.assertTrue(key.split(".")[-1] in out or "the run needs" in out, out)
+        built.assert_not_called()
+
+
+REAL = "examples/10_real_model.py"
+HF_FIELDS = [
+    "num_hidden_layers", "hidden_size", "intermediate_size", "vocab_size", "num_attention_heads",
+    "num_key_value_heads"
+]
+
+
+class AHugeSizeInAHuggingFaceConfigIsRefusedInOneLineAtOnce(unittest.TestCase):
+    """--init-from DIR: config.json's sizes are checked (schema, layout, memory) before any
+    tensor is read or any model built, and the expected names come from one block."""
+
+    @classmethod
+    def setUpClass(cls):
+        from scaletorch.models import LlamaConfig, build_model
+        from scaletorch.models.hf import export_hf_llama
+        cls.tmp = tempfile.TemporaryDirectory()
+        cls.dir = os.path.join(cls.tmp.name, "model")
+        model = build_model(LlamaConfig(vocab_size=50, hidden_size=32, num_layers=2), seed=0)
+        export_hf_llama(model, cls.dir)
+        with open(os.path.join(cls.dir, "config.json")) as f:
+            cls.config = json.load(f)
+        for name in os.listdir(cls.dir):  # as the Hub gives it: --trust-unchecked reads it
+            if name.endswith(".sha256"):
+                os.remove(os.path.join(cls.dir, name))
+        run_in_process(REAL, cls.args())  # imports once, outside the timed calls
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.tmp.cleanup()
+
+    @classmethod
+    def args(cls):
+        return [
+            "--init-from", cls.dir, "--trust-unchecked", cls.dir, "--logging.run_dir",
+            "/nonexistent/x"
+        ]
+
+    @settings(max_examples=EXAMPLES // 2, deadline=None)
+    @given(st.sampled_from(HF_FIELDS), st.integers(10**3, 10**18))
+    def test_each_size_field_of_config_json(self, key, value):
+        with open(os.path.join(self.dir, "config.json"), "w") as f:
+            json.dump({**self.config, key: value}, f)
+        built = mock.Mock(side_effect=AssertionError("the model was built"))
+        start = time.monotonic()
+        with mock.patch.object(scaletorch.models, "build_model", built):
+            code, out = run_in_process(REAL, self.args())
+        seconds = time.monotonic() - start
+        self.assertEqual(code, 2, out)
+        self.assertLess(seconds, BOUND, f"{key}={value} took {seconds:.1f} s")
+        self.assertEqual(out.count("\n"), 1, out)
+        self.assertTrue(out.startswith("error: "), out)
+        self.assertIn(self.dir, out)  # the line names the directory (or its config.json)
         built.assert_not_called()
 
 

@@ -28,6 +28,7 @@ naming the file; a directory from the Hub carries no checksums and is read as it
 Needs the optional ``hf`` extra (``pip install -e ".[hf]"``) for ``safetensors``.
 """
 
+import dataclasses
 import json
 import os
 import typing
@@ -409,11 +410,20 @@ def load_hf_state_dict(path: str, config: LlamaConfig,
 
 
 def _shapes(config: LlamaConfig) -> Dict[str, torch.Tensor]:
-    """Our parameter names -> meta tensors of their shapes (tied lm_head omitted)."""
+    """Our parameter names -> meta tensors of their shapes (tied lm_head omitted), from a
+    one-block model on the meta device: every block of a Hugging Face Llama has block 0's
+    tensors, so the cost does not grow with num_layers (a model of them all would take
+    seconds per thousand blocks, before the memory check could refuse it)."""
     with torch.device("meta"):
-        model = Llama(config)
+        model = Llama(dataclasses.replace(config, num_layers=1))
     # named_parameters lists a tied tensor once
-    names: Dict[str, torch.Tensor] = dict(model.named_parameters())
+    one: Dict[str, torch.Tensor] = dict(model.named_parameters())
+    names = {n: p for n, p in one.items() if not n.startswith("layers.0.")}
+    for i in range(config.num_layers):
+        names.update({
+            f"layers.{i}.{n[len('layers.0.'):]}": p
+            for n, p in one.items() if n.startswith("layers.0.")
+        })
     return names
 
 
