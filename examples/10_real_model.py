@@ -36,7 +36,7 @@ from scaletorch.dist import (comm, destroy_distributed, destroy_pg_manager, init
                              init_pg_manager)
 from scaletorch.models import build_model
 from scaletorch.models.generate import check_length, check_sampling, generate
-from scaletorch.models.hf import check_hf_llama, export_hf_llama, load_hf_llama
+from scaletorch.models.hf import check_hf_llama, export_hf_llama, load_hf_config, load_hf_llama
 from scaletorch.parallel.activation_checkpointing import apply_activation_checkpointing
 from scaletorch.parallel.mixed_precision import precision_hooks
 from scaletorch.parallel.parallelize import parallelize
@@ -46,6 +46,7 @@ from scaletorch.rules.errors import OneLineParser, clip
 from scaletorch.trainer import Trainer, check_against_reference, load_config
 from scaletorch.trainer.config import InputError, validate
 from scaletorch.trainer.hf_seed import seed_from_hf, stored_bytes
+from scaletorch.trainer.memory_limit import check_memory
 from scaletorch.trainer.param_map import full_state_dict
 
 DOCS = "README.md"  # the config's data.path: stands for README.md + doc/*.md, joined
@@ -81,12 +82,14 @@ def limits(args):
         if init_from and cfg.check:
             raise InputError("--check compares with a run from the seed; not with --init-from")
         if init_from:
-            cfg.model = check_hf_llama(init_from, values=True)  # its config replaces model.*
-            try:
+            cfg.model = load_hf_config(init_from)  # its config replaces model.*
+            try:  # the layout and the memory first: no tensor is read before they fit
                 validate(cfg, world_size)
+                check_memory(cfg, world_size)
             except ValueError as err:
                 raise InputError(f"--init-from {init_from} (its config.json sets model.*): "
                                  f"{err}") from None
+            check_hf_llama(init_from, values=True)
         prompt = len(ByteTokenizer().encode(args.prompt))
         try:
             check_length(prompt, args.max_new_tokens, cfg.model.max_seq_len)

@@ -17,9 +17,10 @@ import torch
 
 from scaletorch.models import LlamaConfig
 from scaletorch.rules.recompute import RECOMPUTE, recompute_mode
-from scaletorch.rules.schema import (PRINTED, REFUSED, RESHARD, SILENT, Rule, at_least, checked,
-                                     creatable_dir, existing_file, fraction, one_of, path_component,
-                                     positive, seed_range, unless)
+from scaletorch.rules.schema import (MAX_LAYERS, MAX_MICRO_BATCHES, PRINTED, REFUSED, RESHARD,
+                                     SILENT, Rule, at_least, checked, count, creatable_dir,
+                                     existing_file, fraction, one_of, path_component, positive,
+                                     seed_range, unless)
 
 __all__ = [
     "CheckpointConfig", "Config", "DataConfig", "LoggingConfig", "ParallelConfig", "PRECISIONS",
@@ -44,7 +45,7 @@ class DataConfig:
     # sequences per optimizer step, over all data-parallel ranks
     global_batch_size: int = checked(8, positive(), resume=REFUSED)
     # gradient accumulation steps (micro-batches per rank per step)
-    num_micro_batches: int = checked(1, positive(), resume=PRINTED)
+    num_micro_batches: int = checked(1, count(MAX_MICRO_BATCHES), resume=PRINTED)
     # the data seed: batch t is a function of (seed, t)
     seed: int = checked(1234, seed_range(), resume=REFUSED)
 
@@ -72,8 +73,8 @@ class ParallelConfig:
     # chapter 04's options, read by a pipeline only (pp > 1)
     schedule: str = checked("1f1b", unless(one_of(*SCHEDULES), "pipeline_model_parallel_size", 1),
                             resume=RESHARD)
-    virtual_pipeline_stages: int = checked(1, unless(positive(), "pipeline_model_parallel_size", 1),
-                                           resume=RESHARD)
+    virtual_pipeline_stages: int = checked(
+        1, unless(count(MAX_LAYERS), "pipeline_model_parallel_size", 1), resume=RESHARD)
     # chapter 05's options, read by context parallel only (cp > 1)
     cp_variant: str = checked("ring", unless(one_of("ring", "ulysses"), "context_parallel_size", 1),
                               resume=PRINTED)

@@ -28,6 +28,7 @@ naming the file; a directory from the Hub carries no checksums and is read as it
 Needs the optional ``hf`` extra (``pip install -e ".[hf]"``) for ``safetensors``.
 """
 
+import dataclasses
 import json
 import os
 import typing
@@ -40,7 +41,8 @@ from scaletorch.models.llama import Llama, LlamaConfig
 from scaletorch.rules import boundary
 from scaletorch.rules.errors import InputError, MissingInputError, clip
 from scaletorch.rules.safe_files import write_checksummed
-from scaletorch.rules.schema import check_value, checked, positive, rules_of, text
+from scaletorch.rules.schema import (MAX_LAYERS, check_value, checked, count, positive, rules_of,
+                                     text)
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -83,7 +85,7 @@ class HFLlamaFields:
     vocab_size: int = checked(None, positive())
     hidden_size: int = checked(None, positive())
     intermediate_size: int = checked(None, positive())
-    num_hidden_layers: int = checked(None, positive())
+    num_hidden_layers: int = checked(None, count(MAX_LAYERS))
     num_attention_heads: int = checked(None, positive())
     num_key_value_heads: Optional[int] = checked(None, positive())  # absent or null: the heads
     head_dim: Optional[int] = checked(None, positive())  # absent or null: hidden / heads
@@ -415,11 +417,20 @@ def load_hf_state_dict(path: str, config: LlamaConfig,
 
 
 def _shapes(config: LlamaConfig) -> Dict[str, torch.Tensor]:
-    """Our parameter names -> meta tensors of their shapes (tied lm_head omitted)."""
+    """Our parameter names -> meta tensors of their shapes (tied lm_head omitted), from a
+    one-block model on the meta device: every block of a Hugging Face Llama has block 0's
+    tensors, so the cost does not grow with num_layers (a model of them all would take
+    seconds per thousand blocks, before the memory check could refuse it)."""
     with torch.device("meta"):
-        model = Llama(config)
+        model = Llama(dataclasses.replace(config, num_layers=1))
     # named_parameters lists a tied tensor once
-    names: Dict[str, torch.Tensor] = dict(model.named_parameters())
+    one: Dict[str, torch.Tensor] = dict(model.named_parameters())
+    names = {n: p for n, p in one.items() if not n.startswith("layers.0.")}
+    for i in range(config.num_layers):
+        names.update({
+            f"layers.{i}.{n[len('layers.0.'):]}": p
+            for n, p in one.items() if n.startswith("layers.0.")
+        })
     return names
 
 

@@ -27,8 +27,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from scaletorch.models.moe import Experts, MoE
-from scaletorch.rules.schema import (PRINTED, REFUSED, at_least, check_fields, checked, positive,
-                                     unless)
+from scaletorch.rules.schema import (MAX_LAYERS, PRINTED, REFUSED, at_least, check_fields, checked,
+                                     count, positive, unless)
 
 
 @dataclass
@@ -36,7 +36,7 @@ class LlamaConfig:
     vocab_size: int = checked(256, positive(), resume=REFUSED)
     hidden_size: int = checked(64, positive(), resume=REFUSED)
     intermediate_size: int = checked(128, positive(), resume=REFUSED)
-    num_layers: int = checked(2, positive(), resume=REFUSED)
+    num_layers: int = checked(2, count(MAX_LAYERS), resume=REFUSED)
     num_attention_heads: int = checked(4, positive(), resume=REFUSED)
     num_key_value_heads: int = checked(2, positive(), resume=REFUSED)
     max_seq_len: int = checked(64, positive(), resume=REFUSED)

@@ -20,7 +20,7 @@ from scaletorch.parallel.expert_parallel import validate_expert_parallel
 from scaletorch.parallel.tensor_parallel import validate_tensor_parallel
 from scaletorch.rules.group_names import gradient_group_name
 from scaletorch.schedule.catalog import validate_schedule
-from scaletorch.schedule.placement import V_SHAPED, split_layers
+from scaletorch.schedule.placement import V_SHAPED, stage_ranges
 
 if TYPE_CHECKING:  # the config module imports this one
     from scaletorch.config import Config
@@ -126,7 +126,7 @@ def _check_pipeline(cfg: "Config", sizes: Dict[str, int]) -> None:
         raise ValueError(f"parallel.layer_split {list(p.layer_split)} needs a pipeline: "
                          f"pipeline_model_parallel_size is 1 (set --pp, or drop layer_split)")
     if sizes["pp"] > 1:
-        split_layers(cfg.model.num_layers, sizes["stages"], p.layer_split)
+        stage_ranges(cfg.model.num_layers, sizes["stages"], p.layer_split)
 
 
 def _check_tied_embeddings(cfg: "Config", sizes: Dict[str, int]) -> None:

@@ -19,7 +19,7 @@ from scaletorch.plan.layout import V_SHAPED, ZERO_BUBBLE, PlanLayout
 from scaletorch.plan.model import ModelSpec
 from scaletorch.schedule.catalog import schedule_actions
 from scaletorch.schedule.orders import peak_live_activations
-from scaletorch.schedule.placement import split_layers, stage_index, theoretical_bubble
+from scaletorch.schedule.placement import stage_index, stage_ranges, theoretical_bubble
 from scaletorch.schedule.simulate import simulate_async
 
 
@@ -30,10 +30,18 @@ def rank_stages(pp: int, virtual_stages: int, pp_rank: int, schedule: str = "1f1
 
 def rank_layers(num_layers: int, pp: int, virtual_stages: int = 1,
                 layer_split: Optional[Sequence[int]] = None,
-                schedule: str = "1f1b") -> List[List[List[int]]]:
+                schedule: str = "1f1b") -> List[List[range]]:
     """For each pipeline rank, the layers of each of its chunks (global stage r + c p; in a V
-    r and 2p - 1 - r)."""
-    stages = split_layers(num_layers, pp * virtual_stages, layer_split)
+    r and 2p - 1 - r), as ranges: O(stages), whatever the number of layers. Cached (read it,
+    never change it): the planner asks once per rank and per estimate."""
+    split = None if layer_split is None else tuple(layer_split)
+    return _rank_layers(num_layers, pp, virtual_stages, split, schedule)
+
+
+@lru_cache(maxsize=256)
+def _rank_layers(num_layers: int, pp: int, virtual_stages: int,
+                 layer_split: Optional[Tuple[int, ...]], schedule: str) -> List[List[range]]:
+    stages = stage_ranges(num_layers, pp * virtual_stages, layer_split)
     return [[stages[s] for s in rank_stages(pp, virtual_stages, r, schedule)] for r in range(pp)]
 
 
@@ -73,9 +81,20 @@ def held_peak(schedule: str, pp: int, micro_batches: int, virtual_stages: int, r
     """The most micro-batch chunks rank ``rank`` holds at once under ``schedule`` (from a
     chunk's F to its last backward: its W, or a B with no W after it), counted on the schedule's
     own action list; with ``chunk_sizes``, the most of their sizes (chunk c weighs
-    ``chunk_sizes[c]``: the planner's activation bytes)."""
-    actions = schedule_actions(schedule, pp, micro_batches, rank, virtual_stages)
+    ``chunk_sizes[c]``: the planner's activation bytes).
+
+    The count stops growing once m >= 2p (the steady state repeats one pattern), so it is
+    counted on ``steady_micro_batches(pp, m)`` micro-batches: the same peak (tests/
+    test_size_limits.py compares them) at a cost that does not grow with m."""
+    m = steady_micro_batches(pp, micro_batches)
+    actions = schedule_actions(schedule, pp, m, rank, virtual_stages)
     return peak_live_activations(actions, chunk_sizes)
+
+
+def steady_micro_batches(pp: int, micro_batches: int) -> int:
+    """m, or past 4p (twice the 2p from which the zero-bubble schedules' peak holds) 4p of
+    the same parity: the micro-batches ``held_peak`` lists to find the peak of m."""
+    return micro_batches if micro_batches <= 4 * pp else 4 * pp + micro_batches % 2
 
 
 def split_backwards(schedule: str, pp: int, micro_batches: int, virtual_stages: int,
@@ -97,7 +116,7 @@ def bubble(model: ModelSpec, layout: PlanLayout) -> float:
         return 0.0
     if lay.schedule not in ZERO_BUBBLE:
         return theoretical_bubble(lay.pp, lay.num_micro_batches, lay.virtual_stages)
-    stages = split_layers(model.num_layers, lay.pp * lay.virtual_stages, lay.layer_split)
+    stages = stage_ranges(model.num_layers, lay.pp * lay.virtual_stages, lay.layer_split)
     costs = [split_backward_flops(model, lay, layers) for layers in stages]
     unit = sum(sum(c) for c in costs) / len(costs)  # scale-free: a search reuses simulations
     key = tuple(tuple(round(x / unit, 12) for x in c) for c in costs)

@@ -26,10 +26,10 @@ from typing import Any, Callable, Iterator, List, Optional, Tuple
 from scaletorch.rules.errors import InputError, clip
 
 __all__ = [
-    "PRINTED", "REFUSED", "RESHARD", "RESUME", "RESUME_POLICIES", "Rule", "SILENT", "at_least",
-    "check_applies", "check_fields", "check_type", "check_value", "checked", "conditions",
-    "creatable_dir", "existing_file", "fraction", "ignored_by", "one_of", "positive",
-    "path_component", "resume_policy", "rules_of", "text", "unless"
+    "MAX_LAYERS", "MAX_MICRO_BATCHES", "PRINTED", "REFUSED", "RESHARD", "RESUME", "RESUME_POLICIES",
+    "Rule", "SILENT", "at_least", "check_applies", "check_fields", "check_type", "check_value",
+    "checked", "conditions", "count", "creatable_dir", "existing_file", "fraction", "ignored_by",
+    "one_of", "positive", "path_component", "resume_policy", "rules_of", "text", "unless"
 ]
 
 RULE = "rule"  # the key of a field's metadata that holds its Rule
@@ -140,6 +140,18 @@ def resume_policy(cls: Any, name: str) -> Optional[str]:
 def positive() -> Rule:
     """> 0 (an int from 1 on; a float finite too)."""
     return Rule(low=0, low_open=True)
+
+
+# the largest count a size field takes: the pre-flight's checks walk layers, stages and
+# micro-batches one by one, so a count beyond any real model's is refused before it is walked
+MAX_LAYERS = 10_000  # model.num_layers, HF num_hidden_layers, virtual pipeline stages
+MAX_MICRO_BATCHES = 10_000  # data.num_micro_batches: the schedules list each one's actions
+
+
+def count(high: int) -> Rule:
+    """In [1, ``high``]: a count of layers, stages or micro-batches that a check walks one by
+    one (MAX_LAYERS, MAX_MICRO_BATCHES)."""
+    return Rule(low=1, high=high)
 
 
 def at_least(low: float) -> Rule:

@@ -7,6 +7,7 @@ and the last stage (the embedding and the head). Pure Python: the runtime (scale
 and the planner (scaletorch/plan) read the same rules.
 """
 
+import itertools
 from typing import List, Optional, Sequence
 
 CLASSIC = ("afab", "1f1b", "interleaved")  # chapter 04
@@ -34,6 +35,13 @@ def split_layers(num_layers: int, num_stages: int,
                  layer_split: Optional[Sequence[int]] = None) -> List[List[int]]:
     """Layer indices of each stage: an even split, or ``layer_split[s]`` layers on stage s
     (``parallel.layer_split``, one entry per global stage: p x v of them)."""
+    return [list(r) for r in stage_ranges(num_layers, num_stages, layer_split)]
+
+
+def stage_ranges(num_layers: int, num_stages: int,
+                 layer_split: Optional[Sequence[int]] = None) -> List[range]:
+    """``split_layers`` as ranges, with its checks: a check that needs only counts (the
+    planner, the memory pre-flight) costs O(stages), never O(layers)."""
     stages = f"{num_stages} = pipeline_model_parallel_size x virtual_pipeline_stages"
     if layer_split is None:
         if num_layers % num_stages != 0:
@@ -49,8 +57,8 @@ def split_layers(num_layers: int, num_stages: int,
         raise ValueError(f"parallel.layer_split {list(layer_split)} must have one entry per "
                          f"pipeline stage ({stages}), each >= 1, summing to model.num_layers "
                          f"({num_layers})")
-    bounds = [sum(layer_split[:s]) for s in range(num_stages + 1)]
-    return [list(range(bounds[s], bounds[s + 1])) for s in range(num_stages)]
+    bounds = [0, *itertools.accumulate(layer_split)]  # not a sum per stage: O(stages)
+    return [range(bounds[s], bounds[s + 1]) for s in range(num_stages)]
 
 
 def theoretical_bubble(pp: int, micro_batches: int, virtual_stages: int = 1) -> float:
