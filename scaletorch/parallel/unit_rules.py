@@ -11,7 +11,7 @@ takes what its modules still hold.
 
 from collections import Counter
 from contextlib import contextmanager
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Set, Union, cast
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple, Union, cast
 
 from torch import nn
 
@@ -157,3 +157,23 @@ def frozen_unit(make_unit: MakeUnit, name: str, modules: NamedModules,
     unit.shard.requires_grad_(False)
     unit.trainable = 0
     return unit
+
+
+def refuse_changed_since_wrap(model: nn.Module, frozen_at_wrap: List[Tuple[str, nn.Parameter]],
+                              frozen_units: List[FlatUnit]) -> None:
+    """Before a ZeRO step's reductions (``AnyShardedDataParallel.finish_grad_sync``): a
+    parameter frozen at the wrap and unfrozen since (its gradient would be each rank's own,
+    never reduced), or one registered after the wrap (in no unit): one line naming them."""
+    unfrozen = [n for n, p in frozen_at_wrap if p.requires_grad]  # stages 1, 2: held
+    unfrozen += [  # stage 3: the tensors on a frozen unit's flat vector the modules hold
+        n for u in frozen_units for t, names in zip(u.tensors, u.names) if t.requires_grad
+        for n in names[:1]
+    ]
+    if unfrozen:
+        raise RuntimeError(f"ZeRO: {unfrozen} were frozen at the wrap, so no gradient of "
+                           f"theirs is reduced; unfreeze before apply_zero_any")
+    known = {n for n, _ in frozen_at_wrap}  # the only Parameters the model still holds
+    added = [n for n, p in model.named_parameters() if p.requires_grad and n not in known]
+    if added:
+        raise RuntimeError(f"ZeRO: {added} registered after the wrap, so in no unit and never "
+                           f"reduced: register it before apply_zero_any")

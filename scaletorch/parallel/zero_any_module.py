@@ -33,7 +33,8 @@ from scaletorch.dist import comm, get_ledger
 from scaletorch.dist.comm import Group, Work
 from scaletorch.parallel.flat_unit import FlatUnit, gather_unit, put_tensor, release_unit
 from scaletorch.parallel.unit_rules import (UnitRule, as_units, check_coverage, check_unit_dtypes,
-                                            frozen_unit, nested_parameters, nests)
+                                            frozen_unit, nested_parameters, nests,
+                                            refuse_changed_since_wrap)
 from scaletorch.parallel.wrapper import refuse_wrapped
 from scaletorch.parallel.zero import MakeUnit, ShardedDataParallel, Units
 
@@ -318,21 +319,7 @@ class AnyShardedDataParallel(ShardedDataParallel):
         After a forward with grad (on every rank alike): every unit not reduced yet is, in
         order; gradients that came after their unit's turn are reduced and added; then the
         ranks agree which parameters have a gradient (``_agree_on_grads``)."""
-        unfrozen = [n for n, p in self.frozen_at_wrap if p.requires_grad]  # stages 1, 2: held
-        unfrozen += [  # stage 3: the tensors on a frozen unit's flat vector the modules hold
-            n for u in self.frozen_units() for t, names in zip(u.tensors, u.names)
-            if t.requires_grad for n in names[:1]
-        ]
-        if unfrozen:
-            raise RuntimeError(f"ZeRO: {unfrozen} were frozen at the wrap, so no gradient of "
-                               f"theirs is reduced; unfreeze before apply_zero_any")
-        frozen = {n for n, _ in self.frozen_at_wrap}  # the only Parameters the model still holds
-        added = [
-            n for n, p in self.module.named_parameters() if p.requires_grad and n not in frozen
-        ]
-        if added:
-            raise RuntimeError(f"ZeRO: {added} registered after the wrap, so in no unit and never "
-                               f"reduced: register it before apply_zero_any")
+        refuse_changed_since_wrap(self.module, self.frozen_at_wrap, self.frozen_units())
         self._awaiting = [0] * len(self.units)
         if self._round and self.units:
             self._issue(0)
