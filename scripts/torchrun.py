@@ -92,8 +92,14 @@ def stop_line(failures: Dict[int, ProcessFailure]) -> Tuple[str, int]:
     """(line, exit status) of a stop that reached a rank other than 0 alone (a scheduler's
     kill): that rank wrote its line to its error file (``report_input_errors``), and rank 0,
     blocked in a collective with it, was ended by torchrun without a line. ('', 0) when rank 0
-    stopped with its own line (130, 143): the signal reached it, and it printed."""
+    stopped with its own line (130, 143): the signal reached it, and it printed; and when a rank
+    failed with a status of its own (1): the SIGTERM was torchrun's, after that failure."""
     if failures.get(0) is not None and failures[0].exitcode in (INTERRUPTED, TERMINATED):
+        return "", 0
+    if any(f.exitcode > 0 and f.exitcode not in (INTERRUPTED, TERMINATED)
+           for f in failures.values()):
+        # a rank failed on its own (a raise: exit 1): torchrun then sent the others its own
+        # SIGTERM, and one between two steps stopped with its line; the failure is the news
         return "", 0
     for rank, f in sorted(failures.items()):
         message = f.message.get("message", "") if isinstance(f.message, dict) else ""
