@@ -74,7 +74,9 @@ class LlamaConfig:
                 f"num_key_value_heads ({self.num_key_value_heads})")
         if self.head_dim % 2 != 0:
             # RoPE rotates pairs of channels.
-            raise ValueError(f"head_dim ({self.head_dim}) must be even for rotary embeddings")
+            raise ValueError(f"head_dim = hidden_size ({self.hidden_size}) / num_attention_heads "
+                             f"({self.num_attention_heads}) = {self.head_dim} must be even for "
+                             f"rotary embeddings")
         if self.num_experts > 0 and not 1 <= self.moe_top_k <= self.num_experts:
             raise ValueError(f"moe_top_k ({self.moe_top_k}) must be between 1 and num_experts "
                              f"({self.num_experts})")
