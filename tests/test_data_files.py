@@ -355,7 +355,8 @@ class OutsideLibrariesFailOnOneLine(_Tmp):
             for i in range(2):
                 PIL.Image.new("RGB", (16, 16), (i * 90, 40, 200)).save(f"{root}/{c}/{i}.png")
         bad = os.path.join(root, folder, "1.png")
-        data = open(bad, "rb").read()
+        with open(bad, "rb") as f:
+            data = f.read()
         if damage == "truncate":
             data = data[:max(1, at % len(data))]
         elif damage == "flip":
