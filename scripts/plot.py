@@ -137,25 +137,28 @@ def read_plans(paths: List[str]) -> List[dict]:
     layouts = []
     for path in paths:
         if path == "-":
-            layouts += plan_layouts(sys.stdin.read(), "standard input")
+            layouts += plan_layouts(sys.stdin.read(boundary.JSON_BYTES + 1), "standard input")
             continue
         if not os.path.isfile(path):
             raise FileNotFoundError(f"plan file {path!r} does not exist")
-        with open(path) as f:
-            layouts += plan_layouts(f.read(), path)
+        layouts += plan_layouts(boundary.read_text(path, "plan file", boundary.JSON_BYTES), path)
     return layouts
 
 
 def plan_layouts(text: str, source: str) -> List[dict]:
-    """The ``layouts`` of the JSON object(s) in ``text``, each checked for ``memory_bytes``."""
+    """The ``layouts`` of the JSON object(s) in ``text``, each checked for ``memory_bytes``
+    (bytes: numbers of at least 0), its model's name and the rank it describes."""
     from scaletorch.plan.report import KINDS
 
+    if len(text) > boundary.JSON_BYTES:
+        raise ValueError(f"{source}: more than {boundary.JSON_BYTES} characters: not plan.py "
+                         f"--json output")
     decoder, layouts, text, at = json.JSONDecoder(), [], text.strip(), 0
     while at < len(text):
         try:
             data, at = decoder.raw_decode(text, at)
-        except ValueError as err:
-            raise ValueError(f"{source}: not plan.py --json output ({err})") from None
+        except (ValueError, RecursionError) as err:
+            raise ValueError(f"{source}: not plan.py --json output ({clip(str(err))})") from None
         at = len(text) - len(text[at:].lstrip())
         if not isinstance(data, dict) or not isinstance(data.get("layouts"), list):
             raise ValueError(f"{source}: not plan.py --json output (no list 'layouts')")
@@ -163,11 +166,17 @@ def plan_layouts(text: str, source: str) -> List[dict]:
     if not layouts:
         raise ValueError(f"{source}: no layouts (plan.py --search found none that fits?)")
     for i, r in enumerate(layouts):
-        missing = [
-            k for k in KINDS if not isinstance(r, dict) or k not in r.get("memory_bytes", {})
-        ]
+        memory = r.get("memory_bytes") if isinstance(r, dict) else None
+        missing = [k for k in KINDS if not isinstance(memory, dict) or k not in memory]
         if missing:
             raise ValueError(f"{source}: layout {i} has no memory_bytes {', '.join(missing)}")
+        for kind in KINDS:
+            boundary.number(memory[kind], f"{source} layout {i} memory_bytes {kind!r}", low=0)
+        boundary.number(r.get("most_loaded_pp_rank"), f"{source} layout {i} "
+                        f"'most_loaded_pp_rank'", integer=True, low=0)
+        if not isinstance(r.get("model"), str):
+            raise ValueError(f"{source}: layout {i}'s 'model' is {clip(r.get('model'), 60)}, "
+                             f"not a model's name")
     return layouts
 
 

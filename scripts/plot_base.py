@@ -1,6 +1,7 @@
 """What scripts/plot.py and scripts/chapter_plots.py share: matplotlib (optional), reading a
 run's metrics.jsonl and timeline.json, and drawing a pipeline timeline."""
 
+import math
 import os
 import sys
 from typing import Dict, List
@@ -32,14 +33,22 @@ def pyplot():
 
 def read_metrics(path: str, key: str) -> Dict[str, List[float]]:
     """{"step": [...], key: [...]} from a metrics.jsonl file (a restarted run appends: the
-    last record of each step wins)."""
+    last record of each step wins). Each record's step is a count and its value a number: a
+    non-finite one (a run stopped on a nan loss) is drawn as a gap, anything else is one line."""
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"metrics file {path!r} does not exist")
+        raise InputError(f"metrics file {clip(path)} does not exist")
     by_step = {}
-    for record in boundary.load_jsonl(path, "metrics file"):
-        if key not in record:
-            raise ValueError(f"{path}: no {key!r} in a record; keys: {sorted(record)}")
-        by_step[record["step"]] = record[key]
+    for n, record in enumerate(boundary.load_jsonl(path, "metrics file"), 1):
+        at = f"metrics file {clip(path)} record {n}"
+        if "step" not in record or key not in record:
+            raise InputError(f"{at} has no {'step' if 'step' not in record else repr(key)}; "
+                             f"keys: {clip(sorted(record), 200)}")
+        value = record[key]
+        if value is None or isinstance(value, float) and not math.isfinite(value):
+            value = math.nan  # json writes a nan loss as NaN (and None in other writers)
+        else:
+            value = boundary.number(value, f"{at} {key!r}")
+        by_step[boundary.number(record["step"], f"{at} 'step'", integer=True, low=0)] = value
     steps = sorted(by_step)
     return {"step": steps, key: [by_step[s] for s in steps]}
 

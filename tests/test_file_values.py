@@ -12,7 +12,11 @@ The kinds: a profile trace (``scripts/plot.py profile``: an event's name, ts, du
 event list itself), a cluster file (``scripts/plan.py --cluster``, JSON or YAML: each key, and
 the entries of links, slowdown, issued, sources), a pipeline's timeline.json (``plot.py
 timeline``: pp, micro_batches, virtual_stages, schedule, an event and each of its six entries)
-and a runs file (``plot.py plan-vs-measured``: a run and each of its keys).
+a runs file (``plot.py plan-vs-measured``: a run and each of its keys), a run's metrics.jsonl
+(``plot.py loss``: a record's step and loss; a nan or null loss is a gap in the curve, as a run
+stopped on a nan loss writes it) and a plan file (``plot.py plan-memory``: each memory_bytes
+kind, the rank and the model's name). A flight-recorder directory with a rank's dump missing
+names the missing ranks, whichever they are (FlightRecorderNamesTheMissingRanks).
 
 The suite runs 30 examples; SCALETORCH_LONG_TESTS=1 runs 500 (CI's long phase).
 """
@@ -34,7 +38,7 @@ from hypothesis import strategies as st
 from scaletorch.rules import boundary
 from scaletorch.schedule import simulate
 from scripts import plan, plot, plot_profile
-from scripts.plot_base import read_timeline
+from scripts.plot_base import read_metrics, read_timeline
 
 LONG = os.environ.get("SCALETORCH_LONG_TESTS") == "1"
 
@@ -131,6 +135,31 @@ RUNS = [{
 RUNS_FIELDS: List[Tuple[Any, ...]] = [(0, ), (0, "script"), (0, "ranks"), (0, "arguments"),
                                       (0, "measured_s"), (0, "predicted_s")]
 
+# a run's metrics.jsonl, two records (plot.py loss reads step and loss)
+METRICS = [{"step": 0, "loss": 4.2, "lr": 1e-3}, {"step": 1, "loss": 4.0, "lr": 1e-3}]
+METRICS_FIELDS: List[Tuple[Any,
+                           ...]] = [("metrics", i, k) for i in (0, 1) for k in ("step", "loss")]
+
+# scripts/plan.py --json output as plot.py plan-memory reads it: the fields it uses
+MEMORY_KINDS = ("params", "grads", "optimizer", "buffers", "activations", "total")
+PLAN = {
+    "layouts": [{
+        "tp": 1,
+        "pp": 1,
+        "dp": 8,
+        "seq_len": 8192,
+        "model": "llama3-8b",
+        "most_loaded_pp_rank": 0,
+        "memory_bytes": {
+            k: 1e9 * (i + 1)
+            for i, k in enumerate(MEMORY_KINDS)
+        }
+    }]
+}
+PLAN_FIELDS: List[Tuple[Any, ...]] = [("layouts", 0, "model"),
+                                      ("layouts", 0, "most_loaded_pp_rank")]
+PLAN_FIELDS += [("layouts", 0, "memory_bytes", k) for k in MEMORY_KINDS]
+
 BAD = st.one_of(st.none(), st.booleans(), st.text(max_size=4),
                 st.lists(st.integers(0, 3), max_size=2),
                 st.dictionaries(st.text("ab", max_size=2), st.integers(0, 3), max_size=1),
@@ -144,6 +173,13 @@ def _fits(path: Tuple[Any, ...], value: Any) -> bool:
     last = path[-1]
     number = (isinstance(value, (int, float)) and not isinstance(value, bool)
               and abs(value) < 1e300)  # nan and inf are not below it
+    count = isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63
+    if path[0] == "metrics":  # a loss that is null or a non-finite float is a gap
+        return count if last == "step" else number or value is None or (
+            isinstance(value, float) and not math.isfinite(value))
+    if path[0] == "layouts":
+        return isinstance(value, str) if last == "model" else count if last == \
+            "most_loaded_pp_rank" else number and value >= 0
     if path[0] == "events" and len(path) == 3:
         last = EVENT_FIELDS[path[2]]
     if path[0] in ("events", "schedule") and len(path) < 3:
@@ -191,6 +227,10 @@ def _names(path: Tuple[Any, ...]) -> List[str]:
     """What the error line must name of ``path``: its keys, an event's or a run's index, the
     name of an entry of a list (latency, bandwidth; a timeline event's rank, start ...)."""
     head, rest = path[0], path[1:]
+    if head == "metrics":  # a record of metrics.jsonl, counted from 1
+        return [f"record {rest[0] + 1}", repr(rest[1])]
+    if head == "layouts":
+        return ["layout 0", repr(rest[-1]) if rest[-1] != "model" else "'model'"]
     if head == 0:  # a run of a runs file
         return ["run 0"] + [repr(k) for k in rest]
     if head in ("traceEvents", "events") and rest:
@@ -216,27 +256,47 @@ class WrongValuesInsideFilesAreOneLine(unittest.TestCase):
     def tearDown(self):
         shutil.rmtree(self.tmp, ignore_errors=True)
 
-    def _refused(self, status: int, err: str, path: str, names: List[str]) -> None:
+    def _refused(self, status: int, err: str, path: str, names: List[str],
+                 quoted: bool = True) -> None:
         self.assertEqual(status, 2, err)
         self.assertNotIn("Traceback", err)
         self.assertEqual(len(err.splitlines()), 1, err)
-        self.assertTrue(err.startswith("error: ") and repr(path) in err, err)
+        self.assertTrue(err.startswith("error: ") and (repr(path) if quoted else path) in err, err)
         for name in names:
             self.assertIn(name, err)
 
     @settings(max_examples=500 if LONG else 30, deadline=None, derandomize=not LONG,
               suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow])
-    @given(kind=st.sampled_from(["profile", "cluster.json", "cluster.yaml", "timeline", "runs"]),
-           data=st.data(), value=BAD)
+    @given(
+        kind=st.sampled_from(
+            ["profile", "cluster.json", "cluster.yaml", "timeline", "runs", "metrics", "plan"]),
+        data=st.data(), value=BAD)
     def test_a_wrong_type_or_a_non_finite_value_is_refused_naming_file_and_field(
             self, kind, data, value):
         fields = {
             "profile": TRACE_FIELDS,
             "timeline": TIMELINE_FIELDS,
-            "runs": RUNS_FIELDS
+            "runs": RUNS_FIELDS,
+            "metrics": METRICS_FIELDS,
+            "plan": PLAN_FIELDS
         }.get(kind, CLUSTER_FIELDS)
         path = data.draw(st.sampled_from(fields), label="field")
         assume(not _fits(path, value))
+        if kind == "metrics":
+            file = os.path.join(self.tmp, "metrics.jsonl")
+            with open(file, "w") as f:
+                for record in _replace({"metrics": METRICS}, path, value)["metrics"]:
+                    f.write(json.dumps(record) + "\n")
+            status, err = _run(plot.main, ["loss", file, "--out", self.tmp + "/p.png"])
+            self._refused(status, err, file, _names(path))
+            return
+        if kind == "plan":
+            file = os.path.join(self.tmp, "plan.json")
+            with open(file, "w") as f:
+                json.dump(_replace(PLAN, path, value), f)
+            status, err = _run(plot.main, ["plan-memory", file, "--out", self.tmp + "/p.png"])
+            self._refused(status, err, file, _names(path), quoted=False)
+            return
         if kind in ("timeline", "runs"):
             file = os.path.join(self.tmp, kind + ".json")
             with open(file, "w") as f:
@@ -271,9 +331,17 @@ class WrongValuesInsideFilesAreOneLine(unittest.TestCase):
                 json.dump(TRACE, f)
         steps = plot_profile.read_ranks(profile)  # plot.py profile's reading, without drawing
         self.assertEqual([(s.step, len(s.collectives)) for s in steps], [(1, 1), (1, 1)])
-        for name, document in (("timeline.json", TIMELINE), ("runs.json", RUNS)):
+        for name, document in (("timeline.json", TIMELINE), ("runs.json", RUNS), ("plan.json",
+                                                                                  PLAN)):
             with open(os.path.join(self.tmp, name), "w") as f:
                 json.dump(document, f)
+        self.assertEqual(plot.read_plans([os.path.join(self.tmp, "plan.json")]), PLAN["layouts"])
+        with open(os.path.join(self.tmp, "metrics.jsonl"), "w") as f:
+            f.write("".join(json.dumps(r) + "\n" for r in METRICS))
+            f.write('{"step": 2, "loss": NaN}\n{"step": 3, "loss": null}\n')  # gaps
+        curve = read_metrics(os.path.join(self.tmp, "metrics.jsonl"), "loss")
+        self.assertEqual((curve["step"], curve["loss"][:2]), ([0, 1, 2, 3], [4.2, 4.0]))
+        self.assertTrue(all(math.isnan(v) for v in curve["loss"][2:]))
         timeline = read_timeline(os.path.join(self.tmp, "timeline.json"))
         self.assertEqual(len(timeline.events), len(TIMELINE["events"]))
         self.assertEqual(plot.read_runs(os.path.join(self.tmp, "runs.json")), RUNS)
@@ -292,6 +360,80 @@ class WrongValuesInsideFilesAreOneLine(unittest.TestCase):
         status, err = _run(plot.main, ["profile", self.tmp])
         self._refused(status, err, os.path.join(self.tmp, "rank_0.json"), ["is a directory"])
         self.assertNotIn("--profile STEPS", err)
+
+
+def _dump(world: int, calls: int) -> dict:
+    """A rank's flight-recorder dump (scaletorch.dist.flight_recorder's JSON): ``calls``
+    all-reduces over the world group of ``world`` ranks, every rank alike."""
+    entry = {
+        "process_group": ["0", "world"],
+        "profiling_name": "gloo:all_reduce",
+        "input_sizes": [[3]],
+        "input_dtypes": ["Float"],
+        "time_created_ns": 1,
+        "frames": [{
+            "filename": "x.py",
+            "line": 1,
+            "name": "f"
+        }]
+    }
+    ranks = ", ".join(map(str, range(world)))
+    return {
+        "entries": [{
+            **entry, "collective_seq_id": i + 1
+        } for i in range(calls)],
+        "pg_config": {
+            "0": {
+                "name": "0",
+                "desc": "world",
+                "ranks": f"[{ranks}]"
+            }
+        }
+    }
+
+
+class FlightRecorderNamesTheMissingRanks(unittest.TestCase):
+    """scripts/fr_analyze.py on a directory where some ranks wrote no dump (killed, or still
+    hanging): the ranks of the groups the dumps name tell which are missing, whichever they are
+    (the highest rank's dump alone, or the lowest's). A rank number no world has is refused."""
+
+    def setUp(self):
+        self.tmp = tempfile.mkdtemp()
+
+    def tearDown(self):
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    @settings(max_examples=60 if LONG else 8, deadline=None, derandomize=not LONG)
+    @given(world=st.integers(2, 6), data=st.data(), calls=st.integers(1, 4))
+    def test_the_missing_ranks_are_named_and_the_present_ones_said_to_agree(
+            self, world, data, calls):
+        from scaletorch.rules.safe_files import write_checksummed
+        from scripts import fr_analyze
+        present = data.draw(st.sets(st.integers(0, world - 1), min_size=1, max_size=world - 1))
+        directory = os.path.join(self.tmp, f"fr{world}-{'-'.join(map(str, sorted(present)))}")
+        for rank in present:
+            write_checksummed(os.path.join(directory, f"rank_{rank}"),
+                              json.dumps(_dump(world, calls)).encode())
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            self.assertEqual(fr_analyze.main([directory]), 0)
+        missing = sorted(set(range(world)) - present)
+        self.assertIn(f"no dump from ranks {missing}", out.getvalue())
+        self.assertIn(f"but ranks {missing} wrote none", out.getvalue())
+        self.assertNotIn("the ranks agree", out.getvalue())
+
+    def test_a_rank_above_any_world_is_refused(self):
+        from scaletorch.rules.safe_files import write_checksummed
+        from scripts import fr_analyze
+        for name, world in (("rank_99999999999", 2), ("rank_0", 10**12)):
+            directory = os.path.join(self.tmp, name + str(world))
+            dump = _dump(2, 1)
+            dump["pg_config"]["0"]["ranks"] = f"[0, {world}]"
+            write_checksummed(os.path.join(directory, name), json.dumps(dump).encode())
+            status, err = _run(fr_analyze.main, [directory])
+            self.assertEqual(status, 2, err)
+            self.assertEqual(len(err.splitlines()), 1, err)
+            self.assertIn(repr(os.path.join(directory, name)), err)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from scaletorch.rules.safe_files import write_checksummed
 
 BUFFER_ENV = "TORCH_FR_BUFFER_SIZE"
 PREFIX = "rank_"
+MAX_RANK = 1 << 20  # a dump's rank, or a group's member: no world of ours is larger
 # frames that are not ours (torch's), or only pass a call on (our collectives' wrappers, the
 # device check's torch function mode)
 SKIPPED = re.compile(r"[/\\](torch|contextlib|threading)[/\\.]|"
@@ -89,6 +90,9 @@ def load(directory: str) -> Dict[int, dict]:
     for name in sorted(os.listdir(directory)):
         match = re.fullmatch(rf"{PREFIX}(\d+)", name)
         if match:
+            if int(match.group(1)) > MAX_RANK:  # the analysis lists the ranks below it
+                raise InputError(f"{clip(os.path.join(directory, name))}: rank "
+                                 f"{clip(match.group(1), 40)} is above {MAX_RANK}, no world's")
             traces[int(match.group(1))] = _load_dump(os.path.join(directory, name))
     if not traces:
         raise InputError(f"no flight-recorder dumps ({PREFIX}<rank>) in {clip(directory)}")
@@ -164,6 +168,8 @@ def _members(traces: Dict[int, dict]) -> Dict[str, List[int]]:
     for t in traces.values():
         for name, c in t.get("pg_config", {}).items():
             members[name] = [int(r) for r in c["ranks"].strip("[]").split(",") if r.strip()]
+            if any(not 0 <= r <= MAX_RANK for r in members[name]):
+                raise ValueError(f"group {name!r} names a rank outside 0..{MAX_RANK}")
     return members
 
 
@@ -206,7 +212,15 @@ def analyze(traces: Dict[int, dict]) -> List[str]:
     """Lines naming the first collective the ranks disagree on, and where each rank stopped."""
     lines = []
     found = disagreements(traces)
-    if not found:
+    # the ranks of every group a dump names, not only those below the highest dump's: rank 1's
+    # dump alone, in a world of 2, is missing rank 0's; rank 0's alone is missing rank 1's
+    known = set(range(max(traces) + 1)).union(*_members(traces).values())
+    missing = sorted(known - set(traces))
+    if not found and missing:
+        n = sum(len(calls(r, t)) for r, t in traces.items())
+        lines.append(f"the dumps present agree on all {n} collectives recorded, but ranks "
+                     f"{clip(missing)} wrote none: a hang's missing partner is often among them")
+    elif not found:
         n = sum(len(calls(r, t)) for r, t in traces.items())
         lines.append(f"the ranks agree on all {n} collectives recorded: look for a rank that "
                      f"stopped outside a collective")
@@ -228,7 +242,6 @@ def analyze(traces: Dict[int, dict]) -> List[str]:
             last = cs[-1]
             lines.append(f"  rank {rank}: {last.op} #{last.seq} of group '{last.group}' "
                          f"{last.sizes}, issued at {last.where}")
-    missing = sorted(set(range(max(traces) + 1)) - set(traces))
     if missing:
-        lines.append(f"no dump from ranks {missing} (killed, or still running)")
+        lines.append(f"no dump from ranks {clip(missing)} (killed, or still running)")
     return lines
