@@ -38,12 +38,16 @@ def _num(text: str) -> float:
     return float(text.replace(",", ""))
 
 
+LOG_BYTES = 64 << 20  # a chapter's saved output is kilobytes; a larger file is not one
+
+
 def read_log(path: str) -> str:
-    if not os.path.isfile(path):
+    """A chapter's saved output: a regular file within LOG_BYTES (a directory, a FIFO or a
+    huge file is refused unread), decoded with any stray byte replaced."""
+    if not os.path.lexists(path):
         raise FileNotFoundError(f"log {path!r} does not exist (save the run's output: "
                                 f"scripts/launch.sh ... > {path})")
-    with open(path, encoding="utf-8", errors="replace") as f:
-        return f.read()
+    return boundary.read_bytes(path, "log", LOG_BYTES, digest=False).decode("utf-8", "replace")
 
 
 def _need(found, what: str, path: str):

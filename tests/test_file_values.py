@@ -16,7 +16,9 @@ a runs file (``plot.py plan-vs-measured``: a run and each of its keys), a run's 
 (``plot.py loss``: a record's step and loss; a nan or null loss is a gap in the curve, as a run
 stopped on a nan loss writes it) and a plan file (``plot.py plan-memory``: each memory_bytes
 kind, the rank and the model's name). A flight-recorder directory with a rank's dump missing
-names the missing ranks, whichever they are (FlightRecorderNamesTheMissingRanks).
+names the missing ranks, whichever they are (FlightRecorderNamesTheMissingRanks); a chapter
+picture's log that is a directory, a FIFO, too large or another text is one line
+(ChapterPlotLogsAreOneLine).
 
 The suite runs 30 examples; SCALETORCH_LONG_TESTS=1 runs 500 (CI's long phase).
 """
@@ -434,6 +436,44 @@ class FlightRecorderNamesTheMissingRanks(unittest.TestCase):
             self.assertEqual(status, 2, err)
             self.assertEqual(len(err.splitlines()), 1, err)
             self.assertIn(repr(os.path.join(directory, name)), err)
+
+
+LOG_PLOTS = ("ddp-buckets", "zero-memory", "tp-split", "zigzag", "experts", "rank-grid",
+             "dtype-bytes")
+
+
+class ChapterPlotLogsAreOneLine(unittest.TestCase):
+    """plot.py's chapter pictures read a chapter's saved output: a directory, a FIFO, a file
+    over the size limit (sparse: nothing is written), random bytes or text of another chapter
+    is one ``error:`` line naming the file, exit 2, never a traceback or a hang on the FIFO."""
+
+    def setUp(self):
+        self.tmp = tempfile.mkdtemp()
+
+    def tearDown(self):
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    @settings(max_examples=60 if LONG else 10, deadline=None, derandomize=not LONG)
+    @given(command=st.sampled_from(LOG_PLOTS),
+           kind=st.sampled_from(["directory", "fifo", "huge", "bytes",
+                                 "text"]), content=st.binary(max_size=200))
+    def test_a_wrong_log_is_one_line(self, command, kind, content):
+        from scripts import chapter_plots
+        log = os.path.join(self.tmp, f"{command}-{kind}.log")
+        if kind == "directory":
+            os.makedirs(log, exist_ok=True)
+        elif kind == "fifo":
+            if not os.path.exists(log):
+                os.mkfifo(log)
+        else:
+            with open(log, "wb") as f:
+                f.write(content if kind == "bytes" else b"step 1 | loss 4.2\n")
+            if kind == "huge":
+                os.truncate(log, chapter_plots.LOG_BYTES + 1)
+        status, err = _run(plot.main, [command, log, "--out", self.tmp + "/p.png"])
+        self.assertEqual(status, 2, err)
+        self.assertEqual(len(err.splitlines()), 1, err)
+        self.assertTrue(err.startswith("error: ") and log in err, err)
 
 
 if __name__ == "__main__":
