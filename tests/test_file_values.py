@@ -18,7 +18,8 @@ stopped on a nan loss writes it) and a plan file (``plot.py plan-memory``: each 
 kind, the rank and the model's name). A flight-recorder directory with a rank's dump missing
 names the missing ranks, whichever they are (FlightRecorderNamesTheMissingRanks); a chapter
 picture's log that is a directory, a FIFO, too large or another text is one line
-(ChapterPlotLogsAreOneLine).
+(ChapterPlotLogsAreOneLine); a safetensors index naming a shard that is no file name is one
+line naming the tensor (HfIndexEntriesAreFileNames).
 
 The suite runs 30 examples; SCALETORCH_LONG_TESTS=1 runs 500 (CI's long phase).
 """
@@ -474,6 +475,47 @@ class ChapterPlotLogsAreOneLine(unittest.TestCase):
         self.assertEqual(status, 2, err)
         self.assertEqual(len(err.splitlines()), 1, err)
         self.assertTrue(err.startswith("error: ") and log in err, err)
+
+
+class HfIndexEntriesAreFileNames(unittest.TestCase):
+    """A safetensors index whose weight_map gives a tensor a shard that is no file name (a
+    number, null, a list, an object) is one InputError naming the tensor, not a TypeError's
+    text from os.path.join."""
+
+    @classmethod
+    def setUpClass(cls):
+        from scaletorch.models import build_model
+        from scaletorch.models.hf import INDEX_FILE, export_hf_llama
+        from scaletorch.models.llama import LlamaConfig
+        cls.tmp = tempfile.mkdtemp()
+        cls.path = os.path.join(cls.tmp, "hf")
+        small = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=1,
+                            num_attention_heads=2, num_key_value_heads=1, max_seq_len=32)
+        export_hf_llama(build_model(small, seed=0), cls.path, max_shard_bytes=2_000)
+        cls.index = os.path.join(cls.path, INDEX_FILE)
+        with open(cls.index) as f:
+            cls.document = json.load(f)
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.tmp, ignore_errors=True)
+
+    @settings(max_examples=40 if LONG else 6, deadline=None, derandomize=not LONG)
+    @given(data=st.data(), value=BAD)
+    def test_a_shard_that_is_no_file_name_is_refused_naming_the_tensor(self, data, value):
+        from scaletorch.models.hf import check_hf_llama
+        from scaletorch.rules.errors import InputError
+        from scaletorch.rules.safe_files import write_checksummed
+        assume(not isinstance(value, str))  # a name: the shard checks' (outside, missing)
+        tensor = data.draw(st.sampled_from(sorted(self.document["weight_map"])))
+        document = _replace(self.document, ("weight_map", tensor), value)
+        write_checksummed(self.index, json.dumps(document).encode())
+        try:
+            with self.assertRaises(InputError) as caught:
+                check_hf_llama(self.path)
+            self.assertIn(f"weight_map gives {tensor!r} the shard", str(caught.exception))
+        finally:
+            write_checksummed(self.index, json.dumps(self.document).encode())
 
 
 if __name__ == "__main__":

@@ -239,6 +239,10 @@ def _weight_files(path: str) -> Dict[str, List[str]]:
         values = boundary.load_json(index, "safetensors index", digest=False)  # verified above
         try:
             weight_map = values["weight_map"]
+            bad = [(k, v) for k, v in weight_map.items() if not isinstance(v, str)]
+            if bad:  # an InputError, not caught below
+                raise InputError(f"{index}: weight_map gives {clip(bad[0][0], 80)} the shard "
+                                 f"{clip(bad[0][1], 60)}, not a file name")
             files_named = [os.path.join(path, file) for file in weight_map.values()]
         except (KeyError, TypeError, AttributeError) as err:
             raise InputError(f"{index} is not a safetensors index (a JSON object with a "
