@@ -84,9 +84,15 @@ def check_sampling(temperature: float, top_k: int, top_p: float, seed: int = 0) 
     """ValueError unless temperature >= 0 (0: greedy), top_k >= 0 (0: all) and top_p in
     (0, 1], each finite, and the generator's ``seed`` in [0, 2**63) (``seed_range``: what
     ``torch.Generator.manual_seed`` takes)."""
-    if not (math.isfinite(temperature) and temperature >= 0) or top_k < 0 or not 0 < top_p <= 1:
-        raise ValueError(f"need temperature >= 0 ({temperature}), top_k >= 0 ({top_k}) and "
-                         f"0 < top_p <= 1 ({top_p})")
+    wrong = []  # each value that breaks its rule, named with the rule
+    if not (math.isfinite(temperature) and temperature >= 0):
+        wrong.append(f"temperature {temperature} (need a finite number >= 0)")
+    if top_k < 0:
+        wrong.append(f"top_k {top_k} (need >= 0)")
+    if not 0 < top_p <= 1:
+        wrong.append(f"top_p {top_p} (need 0 < top_p <= 1)")
+    if wrong:
+        raise ValueError("; ".join(wrong))
     if not seed_range().admits(seed):
         raise ValueError(f"need a seed {seed_range().allowed(int)} ({clip(seed)})")
 
