@@ -33,7 +33,7 @@ from scaletorch.plan.model import PRESETS, ModelSpec, from_config, from_params, 
 from scaletorch.plan.report import evaluate, format_breakdown  # noqa: E402
 from scaletorch.plan.search import NOT_SEARCHED, search, with_split  # noqa: E402
 from scaletorch.trainer.config import Config, parse_args  # noqa: E402
-from scaletorch.trainer.dry_run import dry_run_text  # noqa: E402
+from scaletorch.trainer.dry_run import dry_run_text, stages  # noqa: E402
 from scripts.plan_measure import checker, measure_rank, run_config  # noqa: E402, F401
 
 
@@ -204,6 +204,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         why = check(model, layout)
         if why is not None:
             raise ValueError(why)
+        if dry:  # the ranks it names, before the plan is printed: one line, no plan above it
+            stages(run_config(cfg, model, layout), gpus, args.dry_run)
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -236,6 +236,19 @@ class DryRunCommand(unittest.TestCase):
         self.assertRegex(err.getvalue(), r"^error: --dry-run .*: fp32 \(autocast has no meta "
                          r"device\), .*\n$")
 
+    def test_the_planners_dry_run_refuses_a_stage_outside_the_pipeline_before_the_plan(self):
+        from scripts.plan import main
+
+        for stages in ("99", "0,2", "x"):
+            out, err = io.StringIO(), io.StringIO()
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                status = main([
+                    "--preset", "llama3-8b", "--gpus", "8", "--tp", "2", "--pp", "2", "--dry-run",
+                    stages
+                ])
+            self.assertEqual((status, out.getvalue()), (2, ""), err.getvalue())  # no plan first
+            self.assertRegex(err.getvalue(), rf"^error: --dry-run '?{stages}'?: .*\n$")
+
     def test_chapter_07s_dry_run_refuses_a_missing_world_in_one_line_with_status_2(self):
         # forked from the suite's forkserver (tests/harness.py): the script's own exit status
         # and stderr, without a new Python importing torch again
