@@ -519,6 +519,13 @@ def zero_misuses(rank: int, world: int) -> Dict[str, Any]:
 
         opt.step(closure)
         out["closure", stage] = state_of(model)
+    # param_groups show the class's defaults, as torch's own optimizer's do (probe 52 round 5)
+    out["group_keys"] = {
+        cls.__name__:
+        (sorted(ShardedOptimizer(build("mlp", 1).parameters(), cls, lr=0.1).param_groups[0]),
+         sorted(cls(build("mlp", 1).parameters(), lr=0.1).param_groups[0]))
+        for cls in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop)
+    }
     return out
 
 
@@ -849,6 +856,8 @@ class _OwnModelMixin:
             self.assertIn("needs an elementwise optimizer, got Adafactor", r["adafactor"])
             self.assertIn("use one of SGD, Adam, AdamW, RMSprop", r["adafactor"])  # not a name
             self.assertIn("cannot shard LBFGS", r["lbfgs"])
+            for name, (ours, torchs) in r["group_keys"].items():
+                self.assertEqual(ours, torchs, name)  # betas, eps, momentum ... are there
             self.assertIn("views of a ZeRO wrapper's shards", r["views"])
             self.assertIn("ShardedOptimizer(model, AdamW, ...)", r["views"])
             self.assertIn("unfreeze the parameter before apply_zero_any", r["view_requires_grad"])

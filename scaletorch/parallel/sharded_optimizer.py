@@ -126,6 +126,12 @@ class ShardedOptimizer(ZeroOptimizer):
             }, "params": [p for p in g["params"] if self.owner.get(id(p)) == self.rank]
         } for g in self.param_groups]
         self.local = optimizer_class(local, **defaults)
+        # the class's own defaults in the full groups too (betas, eps, ...), as torch's
+        # ZeroRedundancyOptimizer shows them: code and schedulers read them from param_groups
+        self.defaults = dict(self.local.defaults)
+        for g in self.param_groups:
+            for k, v in self.defaults.items():
+                g.setdefault(k, v)
         # ZeRO-2: the gradients are the owners' means already (clip_grad_norm, or a step since
         # the last backward): a second step() after one backward must not reduce them again
         self._reduced = False
