@@ -804,6 +804,7 @@ class _OwnModelMixin:
             for said in r["direct_read"]:
                 self.assertIn("ZeRO-3 unit 'layers.1' (Linear) is released", said, f"rank {rank}")
                 self.assertIn("layers.1.weight was used", said)
+                self.assertIn("read outside such a call", said)  # not "call the module"
                 self.assertNotIn("\n", said)
 
     def test_ddp_refuses_a_gradient_it_would_make_up(self) -> None:

@@ -142,8 +142,9 @@ class AnyShardedDataParallel(ShardedDataParallel):
                 put_tensor(
                     sub, attr, tensor if gathered else ReleasedParameter.saying(
                         f"ZeRO-3 unit {unit.name!r} ({where}) is released, but {fqn} was used: "
-                        f"a unit is gathered only when {when} is called; call the module, or "
-                        f"give the code that reads {fqn} a unit holding it (units=)"))
+                        f"a unit is gathered only while {when} runs (from its call to its "
+                        f"return), and {fqn} was read outside such a call: give the module "
+                        f"whose forward reads it a unit holding {fqn} too (units=)"))
 
     def _unit_parameters(self, units: Units) -> List[Set[nn.Parameter]]:
         return nested_parameters(units)
