@@ -7,11 +7,12 @@ and AdamW state bit-identical to the uninterrupted run, and the same losses.
 
 ``InWorldResume``: every layout of chapter 07's parity matrix whose state no other layout
 holds alike (see SAME_STATE_AS_ANOTHER), its tied ZeRO-3 run, and the pipeline combinations
-the matrix lacks (pp x ZeRO-1, PyTorch's DTensor strategies under pp), each trained straight,
-then rebuilt from scratch (a new model, a new ``parallelize``: what a restarted process does)
-and resumed from a middle checkpoint. One world of 8 ranks. The matrix's straight runs are
-test_nd_parallel's parity runs (4 steps, checkpoints every 2: ``nd_world``), so this file
-only resumes them.
+the matrix lacks (pp x ZeRO-1), each trained straight, then rebuilt from scratch (a new model,
+a new ``parallelize``: what a restarted process does) and resumed from a middle checkpoint. One
+world of 8 ranks. The matrix's straight runs are test_nd_parallel's parity runs (4 steps, a
+per-rank checkpoint of step 2: ``nd_world``), so this file only resumes them. PyTorch's
+DTensor strategies under pp are resumed in test_native_nd's world, from its parity run
+(test_a_per_rank_checkpoint_of_the_native_stack_resumes_bit_identically).
 
 ``KilledRankResumes``: the real thing under ``torchrun --max-restarts 1``: a rank of chapter
 07 is killed mid-run and every rank restarts from the latest committed checkpoint (07's format:
@@ -30,10 +31,11 @@ import unittest
 from scaletorch.dist import destroy_pg_manager
 from scaletorch.trainer import checkpoint as ckpt
 from scaletorch.trainer import load_config
-from scaletorch.trainer.consolidated import consolidated_state
 from scaletorch.trainer.dcp_checkpoint import to_consolidated
 from tests.harness import bit_exact, run_distributed, value_error
-from tests.layouts import CHECKPOINT_EVERY, ND_LAYOUTS, build, config_of, layout, pg_manager_for
+from tests.layouts import CHECKPOINT_EVERY, ND_LAYOUTS, config_of, differences, layout
+from tests.layouts import resumed as _run
+from tests.layouts import train
 from tests.test_examples import NO_PREFLIGHT, launch
 from tests.test_nd_parallel import (SAME_STATE_AS_ANOTHER, TIED_LAYOUTS, TIED_RESUMED, nd_config_of,
                                     nd_world, tied_config)
@@ -43,20 +45,20 @@ WORLD = 8
 STEPS, SAVE_AT = 3, 1
 ND_SAVE_AT = CHECKPOINT_EVERY  # the matrix: 4 steps (test_nd_parallel), resumed from step 2
 
-# The pipeline combinations whose per-rank checkpoints once lost or could not load state, and
-# PyTorch's own (DTensor parameters: the files hold local pieces, placed on the new mesh), that
+# The pipeline combinations whose per-rank checkpoints once lost or could not load state that
 # the matrix does not hold. What another layout covers is not repeated: ZeRO-2 saves what
 # ZeRO-1 saves (flat shards and their moments; gradients are not saved), so zero1_pp2_dp4 and
 # the matrix's ckpt_zero2_cp2_dp4 cover pp x ZeRO-2; the matrix's tp2_pp2_dp2 covers pp x our
 # DDP; its zero3_pp2_interleaved_dp4 and zbv_tp2_pp2_dp2 cover interleaved pp (two chunks per
 # rank); its tied_zero3_tp2_pp2_dp2 covers the tie under pp x ZeRO-3 (the last stage's copy in
-# a ZeRO-3 unit of its own, and its AdamW state). torch_tp2_pp2_zero3_dp2 covers PyTorch's
-# pipelining stages and DTensor pieces that differ from the whole tensor (FSDP2's Shard on a
-# 2-D tp x dp mesh); FSDP2's replicate under pp (torch pp2 x dp4, 11 s of CPU) holds whole
-# Replicate DTensors, the same to_local and from_local path with the piece equal to the whole.
+# a ZeRO-3 unit of its own, and its AdamW state). PyTorch's pipelining stages and DTensor
+# pieces that differ from the whole tensor (FSDP2's Shard on a 2-D tp x dp mesh): native
+# tp2 x pp2 x dp2 ZeRO-3, resumed in test_native_nd's world from its own parity run (its
+# DTensor sharding rules already computed there: here a straight and a resumed run of it cost
+# 20 s of CPU). FSDP2's replicate under pp holds whole Replicate DTensors, the same to_local
+# and from_local path with the piece equal to the whole.
 PIPELINE_LAYOUTS = {
     "zero1_pp2_dp4": (False, 2, layout(pp=2, zero_stage=1)),
-    "torch_tp2_pp2_zero3_dp2": (False, 2, layout(tp=2, pp=2, zero_stage=3, impl="torch")),
 }
 # One layer per stage: every stage's state (chunks, wrappers, shards, moments) is there at any
 # depth; the matrix's runs keep tests/layouts.py's four layers.
@@ -91,26 +93,7 @@ ND_RESUMED = {
 }
 LAYOUTS = {**ND_RESUMED, **PIPELINE_LAYOUTS}
 
-
-def _run(cfg, resume=None):
-    """Train ``cfg`` (from ``resume``, a checkpoint directory, if given) in a fresh pg_manager;
-    returns the losses and the consolidated state (rank 0; None elsewhere)."""
-    cfg.checkpoint.resume = resume
-    pgm = pg_manager_for(cfg)
-    par, trainer = build(cfg, pgm)
-    result = trainer.train()
-    state = consolidated_state(trainer, par)
-    destroy_pg_manager()
-    return result, state
-
-
-def _differences(want: dict, got: dict) -> list:
-    """Names of the tensors (weights and AdamW moments) that are not bit-identical."""
-    pairs = [(k, want["model"][k], got["model"][k]) for k in want["model"]]
-    for key in ("exp_avg", "exp_avg_sq"):
-        pairs += [(f"{key} of {k}", want["optimizer"][key][k], got["optimizer"][key][k])
-                  for k in want["optimizer"][key]]
-    return [name for name, a, b in pairs if not a.equal(b)]
+_differences = differences  # the name test_dcp and test_dcp_async import
 
 
 def _resume_every_layout(rank: int, root: str) -> dict:
@@ -118,16 +101,14 @@ def _resume_every_layout(rank: int, root: str) -> dict:
     for name in PIPELINE_LAYOUTS:
         cfg = _pipeline_config(LAYOUTS, name)
         cfg.training.steps = STEPS
-        cfg.checkpoint.every, cfg.checkpoint.keep_last = SAVE_AT, STEPS  # step 1's kept
-        cfg.checkpoint.dir = os.path.join(root, name)
-        straight, want = _run(cfg)
+        straight = train(cfg, os.path.join(root, name), checkpoint_at=SAVE_AT)
         # a restarted process: a new model and strategy, then the checkpoint of SAVE_AT
         resumed, got = _run(cfg, resume=ckpt.step_dir(cfg.checkpoint.dir, SAVE_AT))
         out[name] = {
-            "losses": (straight.losses[SAVE_AT:], resumed.losses),
+            "losses": (straight["losses"][SAVE_AT:], resumed.losses),
             "start": resumed.start_step,
             "save_at": SAVE_AT,
-            "differ": None if rank else _differences(want, got),
+            "differ": None if rank else _differences(straight["consolidated"], got),
         }
     # The same files at another layout: refused, pointing to the consolidated file.
     other = _pipeline_config({"ddp_pp2_dp4": (False, 2, layout(pp=2))}, "ddp_pp2_dp4")  # no ZeRO-1
