@@ -3,9 +3,8 @@ equal the single device and ours on 8 gloo ranks: DTensor tensor parallel with F
 with FSDP2's replicate over dp, pipelining with FSDP2 per stage, and all three together; losses,
 grad norms (clipping active) and final weights over 2 steps (one warm-up step, one after) of a
 2-layer model within 1e-5.
-Consolidated checkpoints move from the native stack to ours and back, a per-rank checkpoint of
-native tp2 x pp2 x dp2 ZeRO-3 resumes bit-identically (tests/test_resume.py's claim for the
-DTensor pieces), and what cannot run natively here raises ValueError naming the settings.
+Consolidated checkpoints move from the native stack to ours and back, and what cannot run
+natively here raises ValueError naming the settings.
 
 One world of 8 ranks; each layout rebuilds the pg_manager (and so the mesh) inside it: the
 4-rank layouts of chapter 07 run with dp 4 instead of 2.
@@ -15,12 +14,11 @@ import os
 import tempfile
 import unittest
 
-from scaletorch.trainer.checkpoint import step_dir
 from scaletorch.trainer.param_map import DTensorParamMap
 from scaletorch.trainer.parity import max_weight_diff
-from tests.harness import bit_exact, run_distributed, stderr_warnings
-from tests.layouts import (TOL, assert_parity, differences, layout, make_config, parallelize_error,
-                           references, resume_at, resumed, train)
+from tests.harness import run_distributed, stderr_warnings
+from tests.layouts import (TOL, assert_parity, layout, make_config, parallelize_error, references,
+                           resume_at, train)
 
 WORLD = 8
 # 2 steps, the first the one warm-up step: the second runs past the warm-up on AdamW state
@@ -75,25 +73,14 @@ def _checkpoints(tmp: str) -> dict:
     }
     out = {}
     for impl, resumes in plan.items():
-        for name, run in resume_at(_saved(tmp, impl)[1], resumes).items():
-            out[f"{impl} {SAVED} -> {name}"] = run
+        for name, resumed in resume_at(_saved(tmp, impl)[1], resumes).items():
+            out[f"{impl} {SAVED} -> {name}"] = resumed
     return out
 
 
 def _saved(tmp: str, impl: str) -> tuple:
     """Where the parity run of SAVED at ``impl`` writes its consolidated step SAVE_AT."""
     return SAVE_AT, os.path.join(tmp, f"{impl}_{SAVED}.pt")
-
-
-def _per_rank_resume(tmp: str) -> dict:
-    """Native SAVED rebuilt from scratch (what a restarted process does) and resumed from the
-    per-rank checkpoint its parity run wrote at step SAVE_AT: PyTorch's pipelining stages and
-    DTensor pieces that differ from the whole tensor (FSDP2's Shard on a 2-D tp x dp mesh),
-    placed on the new mesh. Its losses and consolidated state (rank 0)."""
-    cfg = _config(SAVED)
-    cfg.checkpoint.every, cfg.checkpoint.dir = SAVE_AT, os.path.join(tmp, "per_rank")
-    result, state = resumed(cfg, step_dir(cfg.checkpoint.dir, SAVE_AT))
-    return {"losses": result.losses, "start": result.start_step, "consolidated": state}
 
 
 def _refusals() -> dict:
@@ -111,10 +98,7 @@ def _world(rank: int, world: int, tmp: str) -> dict:
         for impl, prefix in (("torch", ""), ("ours", "ours ")):
             for name in NATIVE:
                 save = _saved(tmp, impl) if name == SAVED else None
-                # native SAVED also writes a per-rank checkpoint of step SAVE_AT
-                per_rank = os.path.join(tmp, "per_rank") if save and impl == "torch" else None
-                out[prefix + name] = train(_config(name, impl), per_rank, save, SAVE_AT)
-        out["per_rank_resume"] = _per_rank_resume(tmp)
+                out[prefix + name] = train(_config(name, impl), consolidated_at=save)
     out["warnings"] = warnings
     out["checkpoints"] = _checkpoints(tmp)
     out["errors"] = _refusals()
@@ -171,18 +155,6 @@ class NativeStrategiesComposedOnOneMesh(unittest.TestCase):
                 self.assertAlmostEqual(a, b, delta=TOL, msg=name)
             # the weights after the resumed step: the saved AdamW state in use
             self.assertLessEqual(max_weight_diff(run["state"], self.reference[2]), TOL, name)
-
-    @bit_exact  # a resumed run is the uninterrupted run: the same code, the same steps
-    def test_a_per_rank_checkpoint_of_the_native_stack_resumes_bit_identically(self):
-        # one step after the resume, on the saved AdamW moments and step count; the final
-        # weights and moments (every DTensor piece, gathered) bit for bit, and the loss
-        for rank, res in enumerate(self.results):
-            run = res["per_rank_resume"]
-            self.assertEqual(run["start"], SAVE_AT, f"rank {rank}")
-            self.assertEqual(run["losses"], res[SAVED]["losses"][SAVE_AT:], f"rank {rank}")
-        self.assertEqual(len(self.results[0]["per_rank_resume"]["losses"]), STEPS - SAVE_AT)
-        want = self.results[0][SAVED]["consolidated"]
-        self.assertEqual(differences(want, self.results[0]["per_rank_resume"]["consolidated"]), [])
 
     def test_what_cannot_run_natively_raises_value_errors_naming_the_settings(self):
         errors = self.results[0]["errors"]

@@ -7,12 +7,11 @@ and AdamW state bit-identical to the uninterrupted run, and the same losses.
 
 ``InWorldResume``: every layout of chapter 07's parity matrix whose state no other layout
 holds alike (see SAME_STATE_AS_ANOTHER), its tied ZeRO-3 run, and the pipeline combinations
-the matrix lacks (pp x ZeRO-1), each trained straight, then rebuilt from scratch (a new model,
-a new ``parallelize``: what a restarted process does) and resumed from a middle checkpoint. One
-world of 8 ranks. The matrix's straight runs are test_nd_parallel's parity runs (4 steps, a
-per-rank checkpoint of step 2: ``nd_world``), so this file only resumes them. PyTorch's
-DTensor strategies under pp are resumed in test_native_nd's world, from its parity run
-(test_a_per_rank_checkpoint_of_the_native_stack_resumes_bit_identically).
+the matrix lacks (pp x ZeRO-1, PyTorch's DTensor strategies under pp), each trained straight,
+then rebuilt from scratch (a new model, a new ``parallelize``: what a restarted process does)
+and resumed from a middle checkpoint. One world of 8 ranks. The matrix's straight runs are
+test_nd_parallel's parity runs (4 steps, a per-rank checkpoint of step 2: ``nd_world``), so
+this file only resumes them.
 
 ``KilledRankResumes``: the real thing under ``torchrun --max-restarts 1``: a rank of chapter
 07 is killed mid-run and every rank restarts from the latest committed checkpoint (07's format:
@@ -45,20 +44,20 @@ WORLD = 8
 STEPS, SAVE_AT = 3, 1
 ND_SAVE_AT = CHECKPOINT_EVERY  # the matrix: 4 steps (test_nd_parallel), resumed from step 2
 
-# The pipeline combinations whose per-rank checkpoints once lost or could not load state that
+# The pipeline combinations whose per-rank checkpoints once lost or could not load state, and
+# PyTorch's own (DTensor parameters: the files hold local pieces, placed on the new mesh), that
 # the matrix does not hold. What another layout covers is not repeated: ZeRO-2 saves what
 # ZeRO-1 saves (flat shards and their moments; gradients are not saved), so zero1_pp2_dp4 and
 # the matrix's ckpt_zero2_cp2_dp4 cover pp x ZeRO-2; the matrix's tp2_pp2_dp2 covers pp x our
 # DDP; its zero3_pp2_interleaved_dp4 and zbv_tp2_pp2_dp2 cover interleaved pp (two chunks per
 # rank); its tied_zero3_tp2_pp2_dp2 covers the tie under pp x ZeRO-3 (the last stage's copy in
-# a ZeRO-3 unit of its own, and its AdamW state). PyTorch's pipelining stages and DTensor
-# pieces that differ from the whole tensor (FSDP2's Shard on a 2-D tp x dp mesh): native
-# tp2 x pp2 x dp2 ZeRO-3, resumed in test_native_nd's world from its own parity run (its
-# DTensor sharding rules already computed there: here a straight and a resumed run of it cost
-# 20 s of CPU). FSDP2's replicate under pp holds whole Replicate DTensors, the same to_local
-# and from_local path with the piece equal to the whole.
+# a ZeRO-3 unit of its own, and its AdamW state). torch_tp2_pp2_zero3_dp2 covers PyTorch's
+# pipelining stages and DTensor pieces that differ from the whole tensor (FSDP2's Shard on a
+# 2-D tp x dp mesh); FSDP2's replicate under pp (torch pp2 x dp4, 11 s of CPU) holds whole
+# Replicate DTensors, the same to_local and from_local path with the piece equal to the whole.
 PIPELINE_LAYOUTS = {
     "zero1_pp2_dp4": (False, 2, layout(pp=2, zero_stage=1)),
+    "torch_tp2_pp2_zero3_dp2": (False, 2, layout(tp=2, pp=2, zero_stage=3, impl="torch")),
 }
 # One layer per stage: every stage's state (chunks, wrappers, shards, moments) is there at any
 # depth; the matrix's runs keep tests/layouts.py's four layers.
