@@ -145,14 +145,14 @@ def build(cfg: Config, pgm, state=None) -> Tuple[Parallelized, Trainer]:
 
 
 def train(cfg: Config, checkpoint_dir: Optional[str] = None,
-          consolidated_at: Optional[Tuple[int, str]] = None,
-          checkpoint_at: int = CHECKPOINT_EVERY) -> dict:
+          consolidated_at: Optional[Tuple[int, str]] = None, checkpoint_at: int = CHECKPOINT_EVERY,
+          pgm=None) -> dict:
     """Inside a world: train ``cfg``'s layout; losses, grad norms, full weights (rank 0). With
     ``checkpoint_dir``, also a per-rank checkpoint there of step ``checkpoint_at`` (the one
     ``resumed`` resumes: later steps write none) and the final weights and AdamW state (rank 0,
     "consolidated"); with ``consolidated_at = (step, path)``, a consolidated checkpoint of that
     step at ``path`` (``resume_at`` resumes it at other layouts). Both are written before
-    ``train()`` goes on."""
+    ``train()`` goes on. In its own pg_manager unless ``pgm`` is given."""
     saves = {}
     if checkpoint_dir is not None:
         # the cadence train() would save at; a resume may change it (resume_check: PRINTED)
@@ -160,7 +160,8 @@ def train(cfg: Config, checkpoint_dir: Optional[str] = None,
         saves[checkpoint_at] = "per-rank"
     if consolidated_at is not None:
         saves[consolidated_at[0]] = saves.get(consolidated_at[0], "") + "consolidated"
-    pgm = pg_manager_for(cfg)
+    own = pgm is None
+    pgm = pg_manager_for(cfg) if own else pgm
     par, trainer = build(cfg, pgm)
     losses: List[float] = []
     norms: List[float] = []
@@ -185,22 +186,27 @@ def train(cfg: Config, checkpoint_dir: Optional[str] = None,
         out["state"] = None if out["consolidated"] is None else out["consolidated"]["model"]
     else:
         out["state"] = full_state_dict(par)
-    destroy_pg_manager()
+    if own:
+        destroy_pg_manager()
     return out
 
 
-def resumed(cfg: Config, resume: Optional[str] = None) -> Tuple[TrainResult, Optional[State]]:
+def resumed(cfg: Config, resume: Optional[str] = None,
+            pgm=None) -> Tuple[TrainResult, Optional[State]]:
     """Inside a world: train ``cfg`` (from ``resume``, a per-rank checkpoint directory, if
-    given) in a fresh pg_manager, a new model and strategy (what a restarted process does);
-    (its TrainResult, the consolidated state: rank 0, None elsewhere)."""
+    given) with a new model and strategy (what a restarted process does), in a fresh
+    pg_manager unless ``pgm`` is given; (its TrainResult, the consolidated state: rank 0, None
+    elsewhere)."""
     cfg.checkpoint.resume = resume
     if resume is not None:  # its own checkpoints would not be read (resume_check: PRINTED)
         cfg.checkpoint.every = 0
-    pgm = pg_manager_for(cfg)
+    own = pgm is None
+    pgm = pg_manager_for(cfg) if own else pgm
     par, trainer = build(cfg, pgm)
     result = trainer.train()
     state = consolidated_state(trainer, par)
-    destroy_pg_manager()
+    if own:
+        destroy_pg_manager()
     return result, state
 
 
