@@ -28,7 +28,7 @@ from scaletorch.parallel.tensor_layout import (TensorLayout, plain_entries, reco
 from scaletorch.parallel.tied_embeddings import TiedEmbeddings
 from scaletorch.parallel.vocab_padding import apply_tensor_parallel_padded
 from scaletorch.parallel.zero import ShardedDataParallel
-from scaletorch.trainer import Config, Trainer
+from scaletorch.trainer import Config, Trainer, TrainResult
 from scaletorch.trainer.consolidated import (consolidated_state, load_consolidated,
                                              resume_consolidated, save_consolidated)
 from scaletorch.trainer.param_map import (DTensorParamMap, ParamMap, State, full_state_dict,
@@ -39,7 +39,7 @@ from tests.harness import value_error
 
 TOL = 1e-5  # fp32, 5 AdamW steps: only the order of the reductions differs (doc/design.md)
 STEPS = 5
-CHECKPOINT_EVERY = 2  # train(..., checkpoint_dir): test_resume resumes from step 2 of 5
+CHECKPOINT_EVERY = 2  # train(..., checkpoint_dir) saves step 2 per rank: test_resume resumes it
 
 
 def make_config(moe: bool = False, micro_batches: int = 2, **parallel) -> Config:
@@ -145,38 +145,79 @@ def build(cfg: Config, pgm, state=None) -> Tuple[Parallelized, Trainer]:
 
 
 def train(cfg: Config, checkpoint_dir: Optional[str] = None,
-          consolidated_at: Optional[Tuple[int, str]] = None) -> dict:
+          consolidated_at: Optional[Tuple[int, str]] = None, checkpoint_at: int = CHECKPOINT_EVERY,
+          pgm=None) -> dict:
     """Inside a world: train ``cfg``'s layout; losses, grad norms, full weights (rank 0). With
-    ``checkpoint_dir``, also per-rank checkpoints there every CHECKPOINT_EVERY steps and the
-    final weights and AdamW state (rank 0, "consolidated"), for test_resume to resume; with
-    ``consolidated_at = (step, path)``, a consolidated checkpoint of that step at ``path``
-    (``resume_at`` resumes it at other layouts), written before ``train()`` goes on."""
+    ``checkpoint_dir``, also a per-rank checkpoint there of step ``checkpoint_at`` (the one
+    ``resumed`` resumes: later steps write none) and the final weights and AdamW state (rank 0,
+    "consolidated"); with ``consolidated_at = (step, path)``, a consolidated checkpoint of that
+    step at ``path`` (``resume_at`` resumes it at other layouts). Both are written before
+    ``train()`` goes on. In its own pg_manager unless ``pgm`` is given."""
+    saves = {}
     if checkpoint_dir is not None:
-        cfg.checkpoint.every, cfg.checkpoint.dir = CHECKPOINT_EVERY, checkpoint_dir
-    pgm = pg_manager_for(cfg)
+        # the cadence train() would save at; a resume may change it (resume_check: PRINTED)
+        cfg.checkpoint.every, cfg.checkpoint.dir = checkpoint_at, checkpoint_dir
+        saves[checkpoint_at] = "per-rank"
+    if consolidated_at is not None:
+        saves[consolidated_at[0]] = saves.get(consolidated_at[0], "") + "consolidated"
+    own = pgm is None
+    pgm = pg_manager_for(cfg) if own else pgm
     par, trainer = build(cfg, pgm)
     losses: List[float] = []
     norms: List[float] = []
-    if consolidated_at is not None:
-        save_at, path = consolidated_at
-        for _ in range(save_at):  # train()'s steps one by one (its schedule reads t.steps)
-            loss, norm = trainer.train_step()
-            losses.append(loss)
-            norms.append(norm)
-            if checkpoint_dir is not None and trainer.step % CHECKPOINT_EVERY == 0:
-                trainer.save()  # as train() would: test_resume resumes these
-        save_consolidated(path, trainer, par)
+    for _ in range(max(saves, default=0)):  # train()'s steps one by one (its schedule reads
+        loss, norm = trainer.train_step()  # t.steps)
+        losses.append(loss)
+        norms.append(norm)
+        if "per-rank" in saves.get(trainer.step, ""):
+            trainer.save()  # as train() would at this step
+        if "consolidated" in saves.get(trainer.step, ""):
+            save_consolidated(consolidated_at[1], trainer, par)
+    if checkpoint_dir is not None:
+        cfg.checkpoint.every = 0  # no more per-rank checkpoints: nothing resumes them
     result = trainer.train()
     out = {
         "losses": losses + result.losses,
         "grad_norms": norms + result.grad_norms,
-        "state": full_state_dict(par),
         "param_map": type(param_map(par)).__name__,
     }
-    if checkpoint_dir is not None:
+    if checkpoint_dir is not None:  # its weights are the full state: one gather, not two
         out["consolidated"] = consolidated_state(trainer, par)
-    destroy_pg_manager()
+        out["state"] = None if out["consolidated"] is None else out["consolidated"]["model"]
+    else:
+        out["state"] = full_state_dict(par)
+    if own:
+        destroy_pg_manager()
     return out
+
+
+def resumed(cfg: Config, resume: Optional[str] = None,
+            pgm=None) -> Tuple[TrainResult, Optional[State]]:
+    """Inside a world: train ``cfg`` (from ``resume``, a per-rank checkpoint directory, if
+    given) with a new model and strategy (what a restarted process does), in a fresh
+    pg_manager unless ``pgm`` is given; (its TrainResult, the consolidated state: rank 0, None
+    elsewhere)."""
+    cfg.checkpoint.resume = resume
+    if resume is not None:  # its own checkpoints would not be read (resume_check: PRINTED)
+        cfg.checkpoint.every = 0
+    own = pgm is None
+    pgm = pg_manager_for(cfg) if own else pgm
+    par, trainer = build(cfg, pgm)
+    result = trainer.train()
+    state = consolidated_state(trainer, par)
+    if own:
+        destroy_pg_manager()
+    return result, state
+
+
+def differences(want: dict, got: dict) -> List[str]:
+    """Names of the tensors of two consolidated states (weights and AdamW moments) that are not
+    bit-identical."""
+    pairs = [(k, want["model"][k], got["model"][k]) for k in want["model"]]
+    for key in ("exp_avg", "exp_avg_sq"):
+        pairs += [(f"{key} of {k}", want["optimizer"][key][k], got["optimizer"][key][k])
+                  for k in want["optimizer"][key]]
+    return [name for name, a, b in pairs if not a.equal(b)]
 
 
 def save_and_resume(saved: Config, resumes: Dict[str, Config], path: str,
