@@ -19,18 +19,21 @@ import pickle
 import re
 import shutil
 import tempfile
+import time
 import unittest
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import redirect_stdout
 from unittest import mock
 
+import torch
+import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from torch.distributed.flight_recorder.components.fr_logger import FlightRecorderLogger
 
-from scaletorch.dist import flight_recorder
+from scaletorch.dist import flight_recorder, meet_before_first_step
 from scaletorch.trainer.config import one_traceback, write_error_file
 from scripts import fr_analyze
-from tests.harness import launch_forked
+from tests.harness import launch_forked, run_distributed
 from tests.test_examples import NO_PREFLIGHT, ROOT, launch_status
 
 SCRIPT = "examples/11_debugging.py"
@@ -184,6 +187,49 @@ class InjectedFaultsEndAsDocumented(unittest.TestCase):
             self.assertIn("ProfilerStep#1", names)
         # the line doc/11_debugging.md's profiled run shows (its block is not re-run in CI)
         self.assertIn("profile: 2 steps per rank in ", out)
+
+
+LATE = 2.5  # seconds a rank ends its setup after the other: more than SHORT
+SHORT = 2.0  # the collectives' timeout
+
+
+def _late_ranks(rank: int, world: int) -> list:
+    """Two first steps in one world under a SHORT timeout, rank 1 LATE to the first, rank 0 to
+    the second; then a collective without partner. Each step's all-reduce result (2.0 when
+    both took part, None when it failed), then how long the unpartnered one waited."""
+    import datetime
+    dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=SHORT))
+    out: list = []
+    for late in (1, 0):
+        if rank == late:
+            time.sleep(LATE)  # its setup: rank 0 writes the run directory, say
+        meet_before_first_step(SHORT)  # what Run.batches does before a run's first step
+        total = torch.ones(1)
+        try:
+            dist.all_reduce(total)
+            out.append(total.item())
+        except RuntimeError:
+            out.append(None)
+    start = time.perf_counter()
+    if rank == 0:  # the lesson stays: a collective with no partner gives up after SHORT
+        try:
+            dist.all_reduce(torch.ones(1))
+        except RuntimeError:
+            pass
+    out.append(time.perf_counter() - start)
+    return out
+
+
+class RanksMeetBeforeTheFirstStep(unittest.TestCase):
+    """A rank that ends its setup later than the collectives' timeout (the first optimizer
+    imports torch._dynamo: seconds apart on a busy host) is waited for before step 0; the
+    short timeout still ends a collective whose partner never comes."""
+
+    def test_a_late_rank_is_waited_for_and_a_hang_still_times_out(self):
+        ranks = run_distributed(_late_ranks, 2, timeout=60)
+        self.assertEqual([r[:2] for r in ranks], [[2.0, 2.0]] * 2)
+        self.assertGreaterEqual(ranks[0][2], SHORT)
+        self.assertLess(ranks[0][2], SHORT + 10)
 
 
 class OneTraceback(unittest.TestCase):
