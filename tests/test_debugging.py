@@ -1,11 +1,12 @@
 """Chapter 11: each injected fault ends as doc/11_debugging.md shows, and the tools find it.
 
 One launch per fault (examples/11_debugging.py, 2 ranks, 5 steps, timeout 3 s), two at a time,
-without launch.sh's pre-flight (tests/test_examples.py's NO_PREFLIGHT: these faults come after
-the start); the checks read their output, the flight-recorder dumps and the profiles. The
-skipped collective, the raise and the kill go through torchrun, whose error report is part of
-what they show: one traceback, one line per other rank, the first failure named, whether the
-other rank raised too (skip), was ended by torchrun (raise) or the first was killed (kill).
+without launch.sh's pre-flight (these faults come after the start); the checks read their
+output, the flight-recorder dumps and the profiles. The skipped collective, the raise and the
+kill go through torchrun (scripts/torchrun.py, the agent forked from the suite's forkserver,
+its ranks new Pythons), whose error report is part of what they show: one traceback, one
+line per other rank, the first failure named, whether the other rank raised too (skip), was
+ended by torchrun (raise) or the first was killed (kill).
 The straggler's run ends well and the shape's claims are torch's DETAIL check and the
 script's fault (each rank raises naming both shapes, as the doc says; two ranks raising is
 the skip's report again), so their ranks are forked from the suite's forkserver
@@ -33,8 +34,8 @@ from torch.distributed.flight_recorder.components.fr_logger import FlightRecorde
 from scaletorch.dist import flight_recorder, meet_before_first_step
 from scaletorch.trainer.config import one_traceback, write_error_file
 from scripts import fr_analyze
-from tests.harness import launch_forked, run_distributed
-from tests.test_examples import NO_PREFLIGHT, ROOT, launch_status
+from tests.harness import NCCL_CHECKS, launch_forked, run_distributed, run_forked
+from tests.test_examples import ROOT
 
 SCRIPT = "examples/11_debugging.py"
 FAST = ("--steps", "5", "--training.timeout_seconds", "3", "--logging.progress", "false")
@@ -68,12 +69,17 @@ class InjectedFaultsEndAsDocumented(unittest.TestCase):
                 out, code = launch_forked(SCRIPT, 2, *FAST, *args, "--logging.run_dir", run_dir,
                                           env=env, timeout=120)
                 return out, code, os.path.join(run_dir, "11_debugging")
-            out, code, _ = launch_status(SCRIPT, 2, *FAST, *args, "--logging.run_dir", run_dir,
-                                         env={
-                                             **NO_PREFLIGHT,
-                                             **env
-                                         }, timeout=120)
-            return out, code, os.path.join(run_dir, "11_debugging")
+            # torchrun (scripts/torchrun.py, as launch.sh runs it) forked from the forkserver:
+            # its ranks are new Pythons as under launch.sh, the agent does not import torch
+            # again (about 2.5 s of a core a launch; launch.sh's own steps: test_launch.py)
+            done = run_forked("scripts/torchrun.py", "--nproc-per-node", "2", "--max-restarts", "0",
+                              "--standalone", SCRIPT, *FAST, *args, "--logging.run_dir", run_dir,
+                              env={
+                                  **os.environ, "PYTHONPATH": ROOT,
+                                  **NCCL_CHECKS,
+                                  **env
+                              }, timeout=120)
+            return done.stdout + done.stderr, done.returncode, os.path.join(run_dir, "11_debugging")
 
         with ThreadPoolExecutor(max_workers=2) as pool:  # 4 ranks at a time
             cls.runs = dict(zip(RUNS, pool.map(run, RUNS)))
