@@ -201,8 +201,7 @@ SHORT = 2.0  # the collectives' timeout
 
 def _late_ranks(rank: int, world: int) -> list:
     """Two first steps in one world under a SHORT timeout, rank 1 LATE to the first, rank 0 to
-    the second; then a collective without partner. Each step's all-reduce result (2.0 when
-    both took part, None when it failed), then how long the unpartnered one waited."""
+    the second: each step's all-reduce result (2.0 when both took part, None when it failed)."""
     import datetime
     dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=SHORT))
     out: list = []
@@ -216,26 +215,16 @@ def _late_ranks(rank: int, world: int) -> list:
             out.append(total.item())
         except RuntimeError:
             out.append(None)
-    start = time.perf_counter()
-    if rank == 0:  # the lesson stays: a collective with no partner gives up after SHORT
-        try:
-            dist.all_reduce(torch.ones(1))
-        except RuntimeError:
-            pass
-    out.append(time.perf_counter() - start)
     return out
 
 
 class RanksMeetBeforeTheFirstStep(unittest.TestCase):
     """A rank that ends its setup later than the collectives' timeout (the first optimizer
-    imports torch._dynamo: seconds apart on a busy host) is waited for before step 0; the
-    short timeout still ends a collective whose partner never comes."""
+    imports torch._dynamo: seconds apart on a busy host) is waited for before step 0. The
+    short timeout still ends a collective whose partner never comes: the skip run above."""
 
-    def test_a_late_rank_is_waited_for_and_a_hang_still_times_out(self):
-        ranks = run_distributed(_late_ranks, 2, timeout=60)
-        self.assertEqual([r[:2] for r in ranks], [[2.0, 2.0]] * 2)
-        self.assertGreaterEqual(ranks[0][2], SHORT)
-        self.assertLess(ranks[0][2], SHORT + 10)
+    def test_a_rank_later_than_the_timeout_to_its_first_step_is_waited_for(self):
+        self.assertEqual(run_distributed(_late_ranks, 2, timeout=60), [[2.0, 2.0]] * 2)
 
 
 class OneTraceback(unittest.TestCase):
