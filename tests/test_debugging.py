@@ -1,11 +1,12 @@
 """Chapter 11: each injected fault ends as doc/11_debugging.md shows, and the tools find it.
 
 One launch per fault (examples/11_debugging.py, 2 ranks, 5 steps, timeout 3 s), two at a time,
-without launch.sh's pre-flight (tests/test_examples.py's NO_PREFLIGHT: these faults come after
-the start); the checks read their output, the flight-recorder dumps and the profiles. The
-skipped collective, the raise and the kill go through torchrun, whose error report is part of
-what they show: one traceback, one line per other rank, the first failure named, whether the
-other rank raised too (skip), was ended by torchrun (raise) or the first was killed (kill).
+without launch.sh's pre-flight (these faults come after the start); the checks read their
+output, the flight-recorder dumps and the profiles. The skipped collective, the raise and the
+kill go through torchrun (scripts/torchrun.py, the agent forked from the suite's forkserver,
+its ranks new Pythons), whose error report is part of what they show: one traceback, one
+line per other rank, the first failure named, whether the other rank raised too (skip), was
+ended by torchrun (raise) or the first was killed (kill).
 The straggler's run ends well and the shape's claims are torch's DETAIL check and the
 script's fault (each rank raises naming both shapes, as the doc says; two ranks raising is
 the skip's report again), so their ranks are forked from the suite's forkserver
@@ -19,19 +20,22 @@ import pickle
 import re
 import shutil
 import tempfile
+import time
 import unittest
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import redirect_stdout
 from unittest import mock
 
+import torch
+import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from torch.distributed.flight_recorder.components.fr_logger import FlightRecorderLogger
 
-from scaletorch.dist import flight_recorder
+from scaletorch.dist import flight_recorder, meet_before_first_step
 from scaletorch.trainer.config import one_traceback, write_error_file
 from scripts import fr_analyze
-from tests.harness import launch_forked
-from tests.test_examples import NO_PREFLIGHT, ROOT, launch_status
+from tests.harness import NCCL_CHECKS, launch_forked, run_distributed, run_forked
+from tests.test_examples import ROOT
 
 SCRIPT = "examples/11_debugging.py"
 FAST = ("--steps", "5", "--training.timeout_seconds", "3", "--logging.progress", "false")
@@ -65,12 +69,17 @@ class InjectedFaultsEndAsDocumented(unittest.TestCase):
                 out, code = launch_forked(SCRIPT, 2, *FAST, *args, "--logging.run_dir", run_dir,
                                           env=env, timeout=120)
                 return out, code, os.path.join(run_dir, "11_debugging")
-            out, code, _ = launch_status(SCRIPT, 2, *FAST, *args, "--logging.run_dir", run_dir,
-                                         env={
-                                             **NO_PREFLIGHT,
-                                             **env
-                                         }, timeout=120)
-            return out, code, os.path.join(run_dir, "11_debugging")
+            # torchrun (scripts/torchrun.py, as launch.sh runs it) forked from the forkserver:
+            # its ranks are new Pythons as under launch.sh, the agent does not import torch
+            # again (about 2.5 s of a core a launch; launch.sh's own steps: test_launch.py)
+            done = run_forked("scripts/torchrun.py", "--nproc-per-node", "2", "--max-restarts", "0",
+                              "--standalone", SCRIPT, *FAST, *args, "--logging.run_dir", run_dir,
+                              env={
+                                  **os.environ, "PYTHONPATH": ROOT,
+                                  **NCCL_CHECKS,
+                                  **env
+                              }, timeout=120)
+            return done.stdout + done.stderr, done.returncode, os.path.join(run_dir, "11_debugging")
 
         with ThreadPoolExecutor(max_workers=2) as pool:  # 4 ranks at a time
             cls.runs = dict(zip(RUNS, pool.map(run, RUNS)))
@@ -184,6 +193,38 @@ class InjectedFaultsEndAsDocumented(unittest.TestCase):
             self.assertIn("ProfilerStep#1", names)
         # the line doc/11_debugging.md's profiled run shows (its block is not re-run in CI)
         self.assertIn("profile: 2 steps per rank in ", out)
+
+
+LATE = 2.5  # seconds a rank ends its setup after the other: more than SHORT
+SHORT = 2.0  # the collectives' timeout
+
+
+def _late_ranks(rank: int, world: int) -> list:
+    """Two first steps in one world under a SHORT timeout, rank 1 LATE to the first, rank 0 to
+    the second: each step's all-reduce result (2.0 when both took part, None when it failed)."""
+    import datetime
+    dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=SHORT))
+    out: list = []
+    for late in (1, 0):
+        if rank == late:
+            time.sleep(LATE)  # its setup: rank 0 writes the run directory, say
+        meet_before_first_step(SHORT)  # what Run.batches does before a run's first step
+        total = torch.ones(1)
+        try:
+            dist.all_reduce(total)
+            out.append(total.item())
+        except RuntimeError:
+            out.append(None)
+    return out
+
+
+class RanksMeetBeforeTheFirstStep(unittest.TestCase):
+    """A rank that ends its setup later than the collectives' timeout (the first optimizer
+    imports torch._dynamo: seconds apart on a busy host) is waited for before step 0. The
+    short timeout still ends a collective whose partner never comes: the skip run above."""
+
+    def test_a_rank_later_than_the_timeout_to_its_first_step_is_waited_for(self):
+        self.assertEqual(run_distributed(_late_ranks, 2, timeout=60), [[2.0, 2.0]] * 2)
 
 
 class OneTraceback(unittest.TestCase):

@@ -20,6 +20,11 @@ from tests.harness import run_distributed
 from tests.test_pipeline_parallel import build_pipeline
 from tests.test_pipeline_parallel import make_config as pipeline_config
 
+# Shorter sleeps do not pay: the compute, the messages and a loaded host's wake-ups stay, so the
+# V schedules' small bubbles leave the bounds and more steps run. Measured at load average 15
+# to 22 (best step's measured / predicted; ZBV / 1F1B): 0.12 s passes (ZBV 1.106, DualPipeV
+# 1.062; 0.264) in 62 s; 0.09 s fails (DualPipeV 1.172 after 6 steps) in 78 s; 0.06 s fails
+# (ZBV 1.258 after 6 steps; 0.658) in 93 s.
 DELAY = 0.12  # seconds per F, B and W of a stage: ~30x the compute and messages of an action
 # schedule: (chunks per rank, timed steps): the V schedules' small bubbles need a third step more
 # often to find one that no other process disturbed (see the bubble tests)

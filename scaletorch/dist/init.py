@@ -21,6 +21,7 @@ from scaletorch.dist import device_check
 from scaletorch.dist.pg_manager import startup_timeout
 
 DEFAULT_TIMEOUT_SECONDS = 300.0
+MEET_KEY = "scaletorch/ready"  # the store's count of the ranks that reached a first step
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,39 @@ def init_distributed(timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS) -> Distri
         if startup != timeout:  # the world joined: now every collective gets the asked timeout
             dist.distributed_c10d._set_pg_timeout(timeout)
     return DistributedEnv(rank, local_rank, world_size, device, backend)
+
+
+def meet_before_first_step(timeout_seconds: float) -> None:
+    """Every rank of the world waits here for the others, up to the start-up timeout
+    (``startup_timeout``), when ``timeout_seconds`` is shorter than it.
+
+    The setup after the groups exist is not the same on every rank: rank 0 writes the run
+    directory (an fsync), and each rank's first optimizer imports torch._dynamo (about 2 s of
+    a core, many more on a busy host). Without this, the step's first collective would bound
+    how far apart the ranks end it, and a 3 s timeout (chapter 11's tests) ends a healthy
+    run at step 0. Through the world's store, not a collective: no group's collective numbers
+    or flight-recorder entries change. A timeout as long as the start-up's needs nothing: the
+    first collective waits as long."""
+    if not dist.is_initialized() or dist.get_world_size() < 2:
+        return
+    timeout = datetime.timedelta(seconds=timeout_seconds)
+    startup = startup_timeout(timeout)
+    if startup == timeout:
+        return
+    store = dist.distributed_c10d._get_default_store()
+    world = dist.get_world_size()
+    # one count for every meeting of this world (a test's world trains more than once): the
+    # k-th meeting (from 0) is complete when the count reaches (k + 1) x world
+    arrived = store.add(MEET_KEY, 1)
+    meeting = (arrived - 1) // world
+    done = f"{MEET_KEY}/{meeting}"
+    if arrived == (meeting + 1) * world:
+        store.set(done, "1")
+    try:
+        store.wait([done], startup)
+    except RuntimeError as err:  # DistStoreError: a rank failed or is stuck before its first step
+        raise RuntimeError(f"rank {dist.get_rank()}: the other ranks did not reach the first step "
+                           f"within {startup.total_seconds():.0f} s") from err
 
 
 def destroy_distributed() -> None:

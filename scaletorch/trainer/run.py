@@ -36,7 +36,7 @@ from typing import Any, Iterator, List, Optional, Tuple, Type
 import torch
 import torch.distributed as dist
 
-from scaletorch.dist import comm, get_ledger
+from scaletorch.dist import comm, get_ledger, meet_before_first_step
 from scaletorch.dist.straggler import straggler_report
 from scaletorch.rules.safe_files import WriteError
 from scaletorch.trainer.config import save_config
@@ -120,6 +120,10 @@ class Run:
         """(inputs, targets), each (global batch, seq_len) on the run's device, for every step
         left; the work after a step (schedule, metrics, log, checkpoint) runs on the next ask."""
         trainer, cfg = self.trainer, self.cfg
+        if trainer.pgm is not None and trainer.step < cfg.training.steps:
+            # the ranks end their setup seconds apart on a busy host: under a short timeout the
+            # first step's collective would time out (dist/init.py)
+            meet_before_first_step(cfg.training.timeout_seconds)
         while trainer.step < cfg.training.steps:
             self._reached[0] = trainer.step
             start, waited = time.perf_counter(), comm.waited()
