@@ -24,6 +24,9 @@ from collections import defaultdict
 from dataclasses import replace
 from unittest import mock
 
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
 from scaletorch.plan.cluster import ISSUED, Cluster, load_cluster, save_cluster
 from scaletorch.plan.flops import (gpt_model_flops, hardware_flops, model_flops, six_nd,
                                    split_backward_flops)
@@ -36,6 +39,7 @@ from scaletorch.plan.pipeline import bubble, in_flight
 from scaletorch.plan.time import (comm_seconds, compute_seconds, issued_counts, stage_ranks,
                                   step_time)
 from scaletorch.plan.traffic import collectives
+from scaletorch.rules.schema import MAX_LAYERS
 from scaletorch.rules.vocab import padded_vocab_size
 from scaletorch.schedule.simulate import simulate_async
 from scaletorch.schedule.zero_bubble_orders import zero_bubble_theory
@@ -45,6 +49,8 @@ from scripts.plan import main
 from scripts.plan_measure import measure_rank
 from tests.harness import run_distributed, run_main
 from tests.layouts import layout, make_config
+
+LONG = os.environ.get("SCALETORCH_LONG_TESTS") == "1"
 
 GiB = 2**30
 
@@ -239,7 +245,7 @@ class PlannerRefusesBadInput(unittest.TestCase):
             PlanLayout(tp=0, dp=-1)
         with self.assertRaisesRegex(ValueError, "activation_checkpointing must be one of"):
             PlanLayout(activation_checkpointing="some")
-        with self.assertRaisesRegex(ValueError, "--params must be positive, got 0"):
+        with self.assertRaisesRegex(ValueError, "--params must be positive and finite, got 0"):
             from_params(0)
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "c.yaml")
@@ -253,6 +259,34 @@ class PlannerRefusesBadInput(unittest.TestCase):
                 ValueError, "schedule must be one of afab, 1f1b, interleaved"
                 ", zb-h1, zbv, dualpipev, got 'zb'"):
             PlanLayout(schedule="zb")
+
+
+class AParameterCountIsAModelOrOneLine(unittest.TestCase):
+    """``--params N`` is a Llama of at most MAX_LAYERS layers (the schema's bound, which the
+    planner walks layer by layer) or one line naming --params: nan, inf (1e400) and counts
+    past the widest shape's MAX_LAYERS layers too. Generated counts; 30 examples, 300 long."""
+
+    @settings(max_examples=300 if LONG else 30, deadline=None)
+    @given(count=st.one_of(st.floats(), st.floats(1e6, 1e16), st.integers(-10, 10**30)))
+    @example(count=float("nan"))
+    @example(count=float("inf"))
+    def test_a_count_is_a_bounded_model_or_a_value_error_naming_the_flag(self, count):
+        try:
+            model = from_params(count)
+        except ValueError as err:
+            self.assertIn("--params", str(err))
+            self.assertNotIn("\n", str(err))
+            return
+        self.assertTrue(1 <= model.num_layers <= MAX_LAYERS, model)
+        if count > 1e10:  # a count larger than the smallest shape's is met within 5%
+            self.assertAlmostEqual(model.num_parameters() / count, 1, delta=0.05)
+
+    def test_the_script_says_it_in_one_line(self):
+        for text in ("nan", "1e400", "1e20"):
+            status, out, err = _script("examples/configs/07_nd_parallel.yaml", "--params", text)
+            self.assertEqual((status, out), (2, ""), err)
+            self.assertEqual(len(err.splitlines()), 1, err)
+            self.assertTrue(err.startswith("error: --params "), err)
 
 
 # A measured host as scripts/plan.py --calibrate writes it (figures of the order this 2-core

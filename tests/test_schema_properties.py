@@ -48,15 +48,19 @@ def wrong_values(annotation: Any, rule: Rule) -> st.SearchStrategy:
     other_types = [st.dictionaries(LETTERS, st.integers(), min_size=1, max_size=2)]
     if not optional:
         other_types.append(st.none())
+    # in a file a value counts as it stands: the text of a valid one ("2", "true") is text
     if kind is bool:
         other_types += [
             st.integers().filter(lambda i: i not in (0, 1)),
-            st.floats(),
-            LETTERS.filter(lambda s: s.lower() not in ("true", "false")),
+            st.floats(), LETTERS,
+            st.sampled_from(["true", "false", "True", "1", "0"]),
             st.lists(st.booleans(), min_size=1)
         ]
     elif kind in (int, float):
         other_types += [st.booleans(), LETTERS, st.lists(st.integers(), min_size=1)]
+        admitted = [str(n) for n in (*rule.choices, 0, 1, 2, 3, 10, 1000) if rule.admits(n)]
+        if admitted:
+            other_types.append(st.sampled_from(admitted))
         if kind is int:  # a float that is no integer, and the non-finite ones
             other_types.append(st.floats().filter(lambda x: not float(x).is_integer()))
         else:
@@ -85,7 +89,12 @@ def wrong_values(annotation: Any, rule: Rule) -> st.SearchStrategy:
                     "\u2029", "日" * 86
                 ]))
     elif typing.get_origin(kind) is list:
-        other_types += [st.just([]), st.dictionaries(LETTERS, st.integers(), min_size=1)]
+        other_types += [
+            st.just([]),
+            st.dictionaries(LETTERS, st.integers(), min_size=1),
+            st.sampled_from(["1,3", "[1, 3]", 3]),
+            st.just(["1", "3"])
+        ]
     if rule.choices:
         other_types.append(LETTERS.filter(lambda s: s not in rule.choices))
     return st.one_of(other_types)
@@ -133,6 +142,44 @@ class EveryFieldRefusesWhatItsDeclarationExcludes(unittest.TestCase):
         section, _, name = key.rpartition(".")
         landed = getattr(getattr(cfg, section) if section else cfg, name)
         check_value(key, landed, annotation, rule)  # raises if it does not fit
+
+
+SECTION_NAMES = ["model", "data", "parallel", "training", "checkpoint", "logging"]
+TOP_FIELDS = [k for k, _, _ in FIELDS if "." not in k]
+PARTS = st.one_of(st.sampled_from(SECTION_NAMES + [k.rpartition(".")[2] for k, _, _ in FIELDS]),
+                  LETTERS,
+                  st.sampled_from(SECTION_NAMES).map(lambda s: s[:-1] + "x"))
+
+
+class AnUnknownKeyListsTheValidKeysOfItsLevel(unittest.TestCase):
+    """A key that names no field, in a file (a misspelt section ``trainig:``, an anchor's
+    ``base:``) or with --set, is one line listing exactly the valid keys of the level where it
+    goes wrong: the sections and top-level fields, or one section's fields. Generated dotted
+    keys of 1-3 parts; 30 examples, 300 long."""
+
+    @settings(max_examples=300 if LONG else 30, deadline=None)
+    @given(parts=st.lists(PARTS, min_size=1, max_size=3), in_file=st.booleans())
+    def test_the_listed_keys_are_those_of_its_level(self, parts, in_file):
+        key = ".".join(parts)
+        valid = {k for k, _, _ in FIELDS}
+        if key in valid or (len(parts) == 1 and key in SECTION_NAMES):
+            return  # a field (or a section, which a file gives as a mapping)
+        if parts[0] in SECTION_NAMES and len(parts) > 1:
+            level = [k.split(".")[1] for k in valid if k.startswith(parts[0] + ".")]
+        elif len(parts) > 1:
+            level = SECTION_NAMES
+        else:
+            level = SECTION_NAMES + TOP_FIELDS
+        values = {key: 1} if in_file else None
+        with self.assertRaises(ValueError) as refused:
+            if in_file:
+                apply_dict(Config(), values, source="f.yaml")
+            else:
+                parse_args(["--set", f"{key}=1"])
+        message = str(refused.exception)
+        self.assertNotIn("\n", message)
+        self.assertIn(f"unknown config key {key!r}", message)
+        self.assertEqual(sorted(message.rsplit(": ", 1)[1].split(", ")), sorted(level), message)
 
 
 class AWrongValueInAConfigFileStopsTheScriptInOneLine(unittest.TestCase):

@@ -416,6 +416,50 @@ def _with_digest(path: str, text: str) -> None:
         f.write(f"{hashlib.sha256(text.encode()).hexdigest()}  {os.path.basename(path)}\n")
 
 
+# A long path as a user may give one: components of letters, spaces, quotes and non-ASCII
+LONG_TAILS = st.lists(
+    st.text(alphabet="ab '\"\u6f22", min_size=100,
+            max_size=200).filter(lambda c: c.strip(" ") != ""), min_size=2,
+    max_size=20).map("/".join)
+QUOTED = 200 + 60  # clip's 200 characters of a value, its quotes and "... (N characters)"
+
+
+class EveryQuotedPathIsCut(unittest.TestCase):
+    """An error line quotes a path through ``clip``, and InputError cuts any word longer than
+    a clipped value (a path inside an OSError's text): a 4,000-character run directory made
+    an 8,283-character line. Generated long paths under a file, missing, or no checkpoint,
+    through each reader; 15 examples, 200 long."""
+
+    def bounded(self, message: str, quotes: int) -> None:
+        self.assertNotIn("\n", message)
+        self.assertLess(len(message), 400 + quotes * QUOTED, message[:300])
+
+    @settings(max_examples=200 if LONG else 15, deadline=None,
+              suppress_health_check=[HealthCheck.too_slow])
+    @given(tail=LONG_TAILS)
+    def test_a_long_path_is_quoted_cut_by_every_reader(self, tail):
+        from scaletorch.trainer.config import check_writable
+        with tempfile.TemporaryDirectory() as tmp:
+            afile = os.path.join(tmp, "afile")
+            open(afile, "w").close()
+            for read, path, quotes in (
+                (lambda p: check_writable("logging.run_dir", p), os.path.join(afile, tail), 3),
+                (load_yaml, os.path.join(tmp, tail), 1),
+                (read_manifest, os.path.join(tmp, tail), 1),
+            ):
+                with self.subTest(reader=read), self.assertRaises(ValueError) as refused:
+                    read(path)
+                self.bounded(str(refused.exception), quotes)
+
+    @settings(max_examples=200 if LONG else 15, deadline=None)
+    @given(words=st.lists(st.text(alphabet="ab/'", min_size=1, max_size=5000), max_size=4),
+           path=st.text(alphabet="ab/'", min_size=QUOTED + 1, max_size=5000))
+    def test_no_word_of_an_input_error_is_longer_than_a_clipped_value(self, words, path):
+        message = str(InputError("error in " + " ".join([*words, path]) + " here"))
+        self.assertTrue(all(len(word) <= QUOTED for word in message.split(" ")), message[:300])
+        self.assertTrue(message.startswith("error in ") and message.endswith(" here"))
+
+
 class ValuesAParserCannotConvertAreOneLine(unittest.TestCase):
     """Generated: an integer longer than Python converts (4300 digits: a ValueError deep in the
     parser), a YAML date with month 13, in every reader (a flight-recorder dump, a Hugging

@@ -19,7 +19,7 @@ import numpy as np
 
 from scaletorch.data.tokenizer import check_utf8, meta_path, token_dtype
 from scaletorch.rules import boundary
-from scaletorch.rules.errors import InputError, MissingInputError
+from scaletorch.rules.errors import InputError, MissingInputError, clip
 from scaletorch.rules.safe_files import checksum_path, file_sha256, read_checksum
 
 # The chain keeps two V x V float64 matrices (transition and its cumulative sum): 256 MiB at
@@ -98,13 +98,14 @@ SCAN_TOKENS = 1 << 27
 
 
 def _too_short(path: str, have: int, length: int, unit: str = "tokens") -> InputError:
-    return InputError(f"data.path {path!r} has {have} {unit}, fewer than the {length} one sequence "
-                      f"needs (data.seq_len {length - 1} + 1): use a longer file or lower "
-                      f"--data.seq_len")
+    return InputError(
+        f"data.path {clip(path)} has {have} {unit}, fewer than the {length} one sequence "
+        f"needs (data.seq_len {length - 1} + 1): use a longer file or lower "
+        f"--data.seq_len")
 
 
 def _bin_vocab_error(path: str, token: int, where: str, vocab_size: int) -> InputError:
-    return InputError(f"data.path {path!r} holds token {token} ({where}), outside "
+    return InputError(f"data.path {clip(path)} holds token {token} ({where}), outside "
                       f"model.vocab_size {vocab_size}: the file was written for a larger "
                       f"vocabulary; train with the --model.vocab_size that "
                       f"scripts/prepare_text.py printed for it")
@@ -118,12 +119,12 @@ def check_data_file(dataset: str, path: Optional[str], vocab_size: int, seq_len:
         raise InputError(f"data.dataset {dataset!r} needs data.path: give it a file with "
                          f"--data.path FILE")
     if not os.path.exists(path):
-        raise MissingInputError(f"data.path {path!r} does not exist: give a text file "
+        raise MissingInputError(f"data.path {clip(path)} does not exist: give a text file "
                                 f"(data.dataset text) or a token file from "
                                 f"scripts/prepare_text.py (data.dataset bin)")
     if not os.path.isfile(path):
         raise InputError(
-            f"data.path {path!r} is not a file: give one file (scripts/prepare_text.py "
+            f"data.path {clip(path)} is not a file: give one file (scripts/prepare_text.py "
             f"joins several into one .bin)")
     # through the trust boundary: a regular file (not a FIFO); a text is read whole into
     # memory, so it has a size limit; a .bin is ours (scripts/prepare_text.py writes its
@@ -135,13 +136,14 @@ def check_data_file(dataset: str, path: Optional[str], vocab_size: int, seq_len:
     length = seq_len + 1
     if dataset == "text":
         if size == 0:
-            raise InputError(f"data.path {path!r} is empty: give a text file of at least {length} "
-                             f"bytes (data.seq_len {seq_len} + 1)")
+            raise InputError(
+                f"data.path {clip(path)} is empty: give a text file of at least {length} "
+                f"bytes (data.seq_len {seq_len} + 1)")
         try:
             with open(path, "rb") as f:
                 head = f.read(1 << 20)
         except OSError as err:  # e.g. no permission to read it
-            raise InputError(f"data.path {path!r} cannot be read ({err.strerror}): give a file "
+            raise InputError(f"data.path {clip(path)} cannot be read ({err.strerror}): give a file "
                              f"you can read") from None
         check_utf8(head, path, "data.path", whole=size <= len(head),
                    hint="data.dataset text reads UTF-8 text; a token file is --data.dataset bin")
@@ -153,16 +155,16 @@ def check_data_file(dataset: str, path: Optional[str], vocab_size: int, seq_len:
     rule = (f"its record {os.path.basename(meta_path(path))} says {dtype}"
             if record else f"the dtype for model.vocab_size {vocab_size}, as it has no record")
     if size == 0:
-        raise InputError(f"data.path {path!r} holds no tokens (0 bytes): give a token file "
+        raise InputError(f"data.path {clip(path)} holds no tokens (0 bytes): give a token file "
                          f"of at least {length} tokens (data.seq_len {seq_len} + 1), e.g. from "
                          f"scripts/prepare_text.py")
     if size % dtype.itemsize:
-        raise InputError(f"data.path {path!r} has {size} bytes, not a whole number of {dtype} "
+        raise InputError(f"data.path {clip(path)} has {size} bytes, not a whole number of {dtype} "
                          f"tokens ({dtype.itemsize} bytes each, {rule}): it is not a token "
                          f"file written for this vocabulary (scripts/prepare_text.py writes "
                          f"one and prints the vocab_size)")
     if record is not None and record["tokens"] != size // dtype.itemsize:
-        raise InputError(f"data.path {path!r} holds {size // dtype.itemsize} {dtype} tokens, "
+        raise InputError(f"data.path {clip(path)} holds {size // dtype.itemsize} {dtype} tokens, "
                          f"its record {os.path.basename(meta_path(path))} says "
                          f"{record['tokens']}: the record belongs to another file; write both "
                          f"again with scripts/prepare_text.py")
@@ -279,7 +281,7 @@ class BinDataset:
         data = os.pread(self._fd, nbytes, start * self.dtype.itemsize)
         if len(data) < nbytes:
             now = os.fstat(self._fd).st_size
-            raise DataChanged(f"data.path {self.path!r} changed while the run read it: it had "
+            raise DataChanged(f"data.path {clip(self.path)} changed while the run read it: it had "
                               f"{self.num_tokens * self.dtype.itemsize} bytes, now {now} "
                               f"(truncated or rewritten); restore the file, then resume")
         return np.frombuffer(data, dtype=self.dtype)

@@ -29,16 +29,16 @@ def check_utf8(data: bytes, path: str, what: str, whole: bool = True, hint: str 
         except UnicodeDecodeError as err:
             problem = f"is not UTF-8 (byte 0x{data[err.start]:02x} at offset {err.start})"
     if problem:
-        raise InputError(f"{what} {path!r} is not text: it {problem}; "
+        raise InputError(f"{what} {clip(path)} is not text: it {problem}; "
                          f"{hint or 'convert it to UTF-8 first (e.g. iconv -t utf-8)'}")
 
 
 def read_text(path: str) -> str:
     """The UTF-8 text of ``path``; InputError naming it when it is missing or not text."""
     if not os.path.exists(path):
-        raise MissingInputError(f"text file {path!r} does not exist")
+        raise MissingInputError(f"text file {clip(path)} does not exist")
     if not os.path.isfile(path):
-        raise InputError(f"text file {path!r} is not a file: give the text files themselves")
+        raise InputError(f"text file {clip(path)} is not a file: give the text files themselves")
     data = boundary.read_bytes(path, "text file", boundary.TEXT_BYTES, digest=False)
     check_utf8(data, path, "text file")
     return data.decode("utf-8")
@@ -62,8 +62,9 @@ class HFTokenizer:
 
     def __init__(self, path: str) -> None:
         if not os.path.lexists(path):
-            raise MissingInputError(f"tokenizer file {path!r} not found: give a tokenizer.json (or "
-                                    f"the model directory that holds one), or 'byte'")
+            raise MissingInputError(
+                f"tokenizer file {clip(path)} not found: give a tokenizer.json (or "
+                f"the model directory that holds one), or 'byte'")
         try:
             from tokenizers import Tokenizer
         except ImportError as err:
@@ -77,9 +78,10 @@ class HFTokenizer:
             self.tokenizer = Tokenizer.from_file(path)
         except Exception as err:  # tokenizers raises a bare Exception for a file it cannot parse
             reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-            raise InputError(f"tokenizer file {path!r} is not a tokenizer.json that the tokenizers "
-                             f"library reads ({reason}): give the tokenizer.json of a Hugging "
-                             f"Face model directory, or 'byte'") from None
+            raise InputError(
+                f"tokenizer file {clip(path)} is not a tokenizer.json that the tokenizers "
+                f"library reads ({reason}): give the tokenizer.json of a Hugging "
+                f"Face model directory, or 'byte'") from None
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
 
     def _failed(self, doing: str, err: Exception) -> InputError:

@@ -198,7 +198,7 @@ def load_cluster(name_or_path: str) -> Cluster:
     if name_or_path in CLUSTERS:
         return CLUSTERS[name_or_path]
     if not name_or_path.endswith((".yaml", ".yml", ".json")):
-        raise ValueError(f"unknown cluster {name_or_path!r}: use one of "
+        raise ValueError(f"unknown cluster {clip(name_or_path)}: use one of "
                          f"{', '.join(CLUSTERS)} or a .yaml / .json file")
     # a file the user may write by hand, as a config: read through the trust boundary (a
     # regular file within the config limit; YAML's limited safe loader), without a digest
@@ -217,7 +217,7 @@ def load_cluster(name_or_path: str) -> Cluster:
     missing = [k for k in required if k not in values]
     unknown = [k for k in values if k not in keys]
     if missing or unknown:
-        raise ValueError(f"cluster file {name_or_path!r}: " +
+        raise ValueError(f"cluster file {clip(name_or_path)}: " +
                          (f"missing keys {', '.join(missing)}" if missing else "") +
                          ("; " if missing and unknown else "") +
                          (f"unknown keys {', '.join(map(str, unknown))}" if unknown else ""))

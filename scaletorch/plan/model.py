@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Tuple
 
+from scaletorch.rules.schema import MAX_LAYERS
 from scaletorch.rules.vocab import padded_vocab_size
 
 
@@ -185,9 +186,11 @@ def preset(name: str) -> ModelSpec:
 def from_params(num_params: float, vocab_size: int = 128256) -> ModelSpec:
     """A Llama of about ``num_params`` parameters with Llama 3's proportions: head_dim 128,
     8 key-value heads, MLP width 3.5 h (rounded to 256), about h / 128 layers (depth and width
-    grow together, as from 8B to 405B). The shape with the nearest count is returned."""
-    if num_params <= 0:
-        raise ValueError(f"--params must be positive, got {num_params}")
+    grow together, as from 8B to 405B). The shape with the nearest count is returned, of at
+    most MAX_LAYERS layers (the schema's bound on a model's depth); ValueError naming
+    --params for a count that is not a positive finite number or needs more layers."""
+    if not (math.isfinite(num_params) and num_params > 0):  # nan fails every comparison
+        raise ValueError(f"--params must be positive and finite, got {num_params:g}")
     best: List[Tuple[float, ModelSpec]] = []
     for heads in range(8, 257, 8):
         h = 128 * heads
@@ -196,11 +199,17 @@ def from_params(num_params: float, vocab_size: int = 128256) -> ModelSpec:
         spec = replace(spec, vocab_size=vocab_size)
         per_layer = sum(spec.layer_params(0))
         layers = max(1, round((num_params - 2 * spec.embedding_params()) / per_layer))
+        if layers > MAX_LAYERS:  # the planner walks a model's layers one by one
+            continue
         spec = replace(spec, num_layers=layers)
+        count = spec.embedding_params() + spec.head_params() + layers * per_layer  # dense
         # prefer about 128 hidden per layer (Llama 3: 128, 102, 130) among near counts
-        error = abs(math.log(spec.num_parameters() / num_params)) + \
+        error = abs(math.log(count / num_params)) + \
             0.05 * abs(math.log(h / (128 * layers)))
         best.append((error, spec))
+    if not best:
+        raise ValueError(f"--params {num_params:g} needs more than {MAX_LAYERS} layers at every "
+                         f"width this planner shapes (hidden up to 32768): give a smaller count")
     return min(best, key=lambda e: e[0])[1]
 
 

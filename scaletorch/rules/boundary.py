@@ -282,9 +282,10 @@ MERGE_TAG = "tag:yaml.org,2002:merge"
 INT_TAG, FLOAT_TAG = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
 # YAML 1.2's core schema for numbers. PyYAML resolves YAML 1.1's: ``010`` is octal 8 there,
 # ``1:20`` sexagesimal 80, ``1e-3`` a string; here they read as a reader of the text expects
-# (10; text, which a number field refuses; 0.001). Underscores are not YAML 1.2 either: such
-# text reaches the field, which reads it as Python does (``1_000`` is 1000).
-YAML12_INT = re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$")
+# (10; text, which a number field refuses; 0.001). Underscores between decimal digits are no
+# YAML 1.2, but read as Python writes them (``1_000`` is 1000): a file's value counts as it
+# stands, so a number field takes no text, and such a number must be read as one here.
+YAML12_INT = re.compile(r"^(?:[-+]?[0-9]+(?:_[0-9]+)*|0o[0-7]+|0x[0-9a-fA-F]+)$")
 YAML12_FLOAT = re.compile(r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?"
                           r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$")
 

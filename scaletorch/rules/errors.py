@@ -8,6 +8,7 @@ It is a ValueError, so code that catches a bad value catches it too.
 
 import argparse
 import os
+import re
 import sys
 import time
 from typing import Any, NoReturn
@@ -21,7 +22,22 @@ CLIP = 200  # characters of a value that an error message quotes
 
 
 class InputError(ValueError):
-    """A file, directory or value the user gave that the run cannot use."""
+    """A file, directory or value the user gave that the run cannot use. Its message is cut
+    where a value was quoted without ``clip`` (a path inside an OSError's text, say): every
+    word longer than CLIP_WORD characters keeps its first CLIP and says how long it was."""
+
+    def __init__(self, message: Any = "", *args: Any) -> None:
+        super().__init__(clip_words(message) if isinstance(message, str) else message, *args)
+
+
+CLIP_WORD = 260  # longer than what clip leaves of a value without a space (CLIP + a few)
+
+
+def clip_words(message: str) -> str:
+    """``message`` with every run of non-space characters longer than CLIP_WORD cut to CLIP,
+    saying how long it was: a path quoted in full is one such run."""
+    return re.sub(r"\S{%d,}" % (CLIP_WORD + 1),
+                  lambda m: f"{m.group()[:CLIP]}... ({len(m.group())} characters)", message)
 
 
 def clip(value: Any, limit: int = CLIP) -> str:

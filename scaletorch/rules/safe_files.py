@@ -17,7 +17,7 @@ import hashlib
 import os
 from typing import BinaryIO, Tuple
 
-from scaletorch.rules.errors import InputError
+from scaletorch.rules.errors import InputError, clip
 
 __all__ = [
     "CorruptFileError", "WriteError", "checksum_line", "checksum_path", "file_sha256",
@@ -80,8 +80,9 @@ def write_atomic(path: str, data: bytes, kept: str = RUN_KEPT) -> None:
         if isinstance(err, OSError):
             reason = os.strerror(err.errno) if err.errno else str(err)
             hint = " (free space there)" if err.errno == errno.ENOSPC else ""
-            raise WriteError(f"could not write {path!r}: {reason}{hint}; its partial files were "
-                             f"removed, and {kept}") from None
+            raise WriteError(
+                f"could not write {clip(path)}: {reason}{hint}; its partial files were "
+                f"removed, and {kept}") from None
         raise
 
 
@@ -123,8 +124,9 @@ def read_checksum(path: str) -> str:
     file when there is none or it is damaged (every byte of it is checked, the name too)."""
     side = checksum_path(path)
     if not os.path.isfile(side):
-        raise CorruptFileError(f"{path!r} has no checksum file {os.path.basename(side)}: it was "
-                               f"not written whole by this ScaleTorch; it is not trusted")
+        raise CorruptFileError(
+            f"{clip(path)} has no checksum file {os.path.basename(side)}: it was "
+            f"not written whole by this ScaleTorch; it is not trusted")
     with open(side, "rb") as f:
         line = f.read(4096)  # a digest line is under 4 KB; never read a huge file whole
     digest = line[:64].decode(errors="replace")
@@ -142,7 +144,7 @@ def read_checksum(path: str) -> str:
 def _regular(path: str) -> None:
     """CorruptFileError unless ``path`` is a regular file (a FIFO would block the read)."""
     if not os.path.isfile(path):
-        raise CorruptFileError(f"{path!r} is not a regular file: it cannot be the file written")
+        raise CorruptFileError(f"{clip(path)} is not a regular file: it cannot be the file written")
 
 
 def read_checksummed(path: str) -> bytes:
@@ -167,6 +169,6 @@ def verify_checksum(path: str) -> None:
 
 
 def _mismatch(path: str, size: int) -> CorruptFileError:
-    return CorruptFileError(f"{path!r} does not match its checksum in "
+    return CorruptFileError(f"{clip(path)} does not match its checksum in "
                             f"{os.path.basename(checksum_path(path))} ({size} bytes; truncated "
                             f"or damaged)")

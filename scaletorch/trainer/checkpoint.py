@@ -326,32 +326,33 @@ def read_manifest(path: str) -> Dict[str, Any]:
         hint = (f"it holds checkpoints: resume one, e.g. --resume {steps[-1]}" if steps else
                 f"resume a step_NNNNNNN directory that holds a {MANIFEST}, or --resume alone "
                 f"for the latest one in checkpoint.dir")
-        raise NotACheckpointError(f"{path!r} is not a complete checkpoint (no {MANIFEST}); {hint}")
+        raise NotACheckpointError(
+            f"{clip(path)} is not a complete checkpoint (no {MANIFEST}); {hint}")
     boundary.regular_file(manifest_path, "checkpoint manifest", boundary.JSON_BYTES)
     _digest_is_a_file(manifest_path)
     try:
         text = read_checksummed(manifest_path).decode("utf-8")  # verified before it is parsed
     except (OSError, UnicodeDecodeError) as err:
-        raise CorruptCheckpointError(f"{manifest_path!r} is unreadable: {err}") from err
-    manifest = boundary.parse_json(text, f"checkpoint manifest {manifest_path!r}", kind=None)
-    return check_manifest(manifest, f"checkpoint {path!r}")
+        raise CorruptCheckpointError(f"{clip(manifest_path)} is unreadable: {err}") from err
+    manifest = boundary.parse_json(text, f"checkpoint manifest {clip(manifest_path)}", kind=None)
+    return check_manifest(manifest, f"checkpoint {clip(path)}")
 
 
 def _read_verified(path: str, name: str, manifest: Dict[str, Any]) -> bytes:
     file_path = os.path.join(path, name)
     if not os.path.lexists(file_path):
-        raise CorruptCheckpointError(f"checkpoint {path!r} is missing {name}")
-    boundary.regular_file(file_path, f"checkpoint {path!r}: {name}", boundary.UNLIMITED)
+        raise CorruptCheckpointError(f"checkpoint {clip(path)} is missing {name}")
+    boundary.regular_file(file_path, f"checkpoint {clip(path)}: {name}", boundary.UNLIMITED)
     _digest_is_a_file(file_path)
     with open(file_path, "rb") as f:
         data = f.read()
     expected = manifest["sha256"].get(name)
     if sha256(data) != expected:
         raise CorruptCheckpointError(
-            f"checkpoint {path!r}: {name} does not match its sha256 in the manifest "
+            f"checkpoint {clip(path)}: {name} does not match its sha256 in the manifest "
             f"({len(data)} bytes; truncated or damaged)")
     if read_checksum(file_path) != expected:  # the file beside it, damaged after the save
-        raise CorruptCheckpointError(f"checkpoint {path!r}: {name}.sha256 does not match the "
+        raise CorruptCheckpointError(f"checkpoint {clip(path)}: {name}.sha256 does not match the "
                                      f"manifest (damaged)")
     return data
 
@@ -400,13 +401,13 @@ def check_layout(path: str, manifest: Dict[str, Any], world_size: int,
         differ = []
     if not differ:
         if there is not None and here is not None and there != here:  # the layout first
-            raise InputError(f"checkpoint {path!r} holds another model (" +
+            raise InputError(f"checkpoint {clip(path)} holds another model (" +
                              ", ".join(f"{k} {there.get(k)} there, {here[k]} here"
                                        for k in here if there.get(k) != here[k]) +
                              "): resume it with the config that wrote it (config.yaml in its "
                              "run directory), or start a new run with another --name")
         return
-    raise InputError(f"checkpoint {path!r} holds per-rank shards of another layout (" +
+    raise InputError(f"checkpoint {clip(path)} holds per-rank shards of another layout (" +
                      ", ".join(f"{k} {saved[k]} there, {now[k]} here" for k in differ) +
                      "); per-rank checkpoints resume only at the layout that wrote them; to "
                      "change layouts, save with --checkpoint.format dcp (chapters 07, 08 and 10 "

@@ -16,6 +16,7 @@ a mistake there is an InputError naming the file and what to do.
 
 import contextlib
 import dataclasses
+import difflib
 import json
 import os
 import signal
@@ -87,12 +88,23 @@ FLAGS = {
 }
 
 
-def _convert(value: Any, annotation: Any, key: str) -> Any:
-    """Coerce a YAML or command-line value to the field's type, or raise ValueError."""
+def _convert(value: Any, annotation: Any, key: str, as_typed: bool = False) -> Any:
+    """Coerce a YAML or command-line value to the field's type, or raise ValueError.
+    ``as_typed`` (a file's value): it counts as it stands, so text (``"2"``, ``"true"``,
+    ``"1,3"``) is no number, boolean or list. A command-line value is text by nature: what
+    YAML leaves text there (``1,3``, a quoted ``"3"``) is converted."""
     if typing.get_origin(annotation) is typing.Union:  # Optional[T]
         if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
             return None
         annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
+    listed = typing.get_origin(annotation) is list
+    if as_typed and annotation is not str and (isinstance(value, str) or
+                                               (listed and not isinstance(value, list))):
+        kind = annotation.__name__ if annotation in (int, float) else (
+            "true or false" if annotation is bool else "a list, e.g. [1, 3]")
+        raise ValueError(f"{key} must be {kind}, got {clip(value)}: a value counts as it "
+                         f"stands in the file, so write it "
+                         f"{'as a YAML list' if listed else 'without quotes'}")
     if annotation is bool:
         if isinstance(value, bool):
             return value
@@ -102,7 +114,7 @@ def _convert(value: Any, annotation: Any, key: str) -> Any:
     if annotation in (int, float):
         if isinstance(value, bool) or (isinstance(value, str) and not value.isascii()):
             raise ValueError(f"{key} must be {annotation.__name__}, got {clip(value)}")
-        try:  # text YAML left (1_000): Python's decimal, not its other digits (\uff11\uff10)
+        try:  # command-line text: Python's decimal, not its other digits (\uff11\uff10)
             converted = annotation(value)
         except (TypeError, ValueError, OverflowError):  # OverflowError: int(inf)
             raise ValueError(f"{key} must be {annotation.__name__}, got {clip(value)}") from None
@@ -119,7 +131,10 @@ def _convert(value: Any, annotation: Any, key: str) -> Any:
         if not isinstance(value, (list, tuple)) or not value:
             raise ValueError(f"{key} must be a non-empty list, e.g. [1, 3], got {clip(value)}")
         item = typing.get_args(annotation)[0]
-        return [_convert(v.strip() if isinstance(v, str) else v, item, key) for v in value]
+        return [
+            _convert(v.strip() if isinstance(v, str) and not as_typed else v, item, key, as_typed)
+            for v in value
+        ]
     return value
 
 
@@ -140,23 +155,43 @@ def is_text_field(cfg: Config, key: str) -> bool:
     return kind is str
 
 
-def set_value(cfg: Config, key: str, value: Any) -> None:
-    """Set ``section.name`` (or a top-level name) on ``cfg``, converting the type."""
-    parts = key.split(".")
-    if len(parts) == 1:
-        target, name = cfg, parts[0]
-        allowed = [n for n in _field_types(cfg) if n not in SECTIONS]
-    elif len(parts) == 2 and parts[0] in SECTIONS:
-        target, name = getattr(cfg, parts[0]), parts[1]
-        allowed = list(_field_types(target))
+def unknown_key(cfg: Config, key: str) -> Optional[str]:
+    """Why ``key`` names no field of ``cfg``, listing the valid keys of the level where it goes
+    wrong (the top level: the sections and the top-level fields; a section: its fields) and
+    the nearest one; None when it names a field."""
+    top = [n for n in _field_types(cfg) if n not in SECTIONS]
+    section, *rest = key.split(".")
+    if not rest:
+        if section in top:
+            return None
+        if section in SECTIONS:
+            return (f"config key {clip(key)} is a section, not a value: give its fields, as "
+                    f"{section}.NAME")
+        wrong, valid, where = section, [*SECTIONS, *top], "at the top level (sections first)"
+    elif section not in SECTIONS:
+        wrong, valid, where = section, list(SECTIONS), "before the dot (the sections)"
+    elif len(rest) == 1 and rest[0] in _field_types(getattr(cfg, section)):
+        return None
     else:
-        raise ValueError(f"unknown config key {clip(key)}; sections are {', '.join(SECTIONS)}")
+        wrong, valid = ".".join(rest), list(_field_types(getattr(cfg, section)))
+        where = f"in section {section}"
+    near = difflib.get_close_matches(wrong, valid, n=1)
+    nearest = f" (did you mean {near[0]!r}?)" if near else ""
+    return f"unknown config key {clip(key)}{nearest}; valid keys {where}: {', '.join(valid)}"
+
+
+def set_value(cfg: Config, key: str, value: Any, as_typed: bool = False) -> None:
+    """Set ``section.name`` (or a top-level name) on ``cfg``, converting the type
+    (``as_typed``: a file's value, which counts as it stands; see ``_convert``)."""
+    why = unknown_key(cfg, key)
+    if why is not None:
+        raise ValueError(why)
+    section, _, name = key.rpartition(".")
+    target = getattr(cfg, section) if section else cfg
     types = _field_types(target)
-    if name not in types or name not in allowed:
-        raise ValueError(f"unknown config key {clip(key)}; valid keys there: {', '.join(allowed)}")
     if key == RECOMPUTE and str(value).lower() in ("true", "false"):  # older configs' form
         value = recompute_mode(value)
-    setattr(target, name, _convert(value, types[name], key))
+    setattr(target, name, _convert(value, types[name], key, as_typed))
 
 
 def _flattened(values: Dict[str, Any]) -> List[Tuple[str, Any, str]]:
@@ -190,7 +225,7 @@ def apply_dict(cfg: Config, values: Dict[str, Any], source: str = "config") -> D
                 raise ValueError(f"{key} is given twice: {clip(value0)} {how0} and "
                                  f"{clip(value)} {how}; keep one")
             spelled[key] = (value, how)
-            set_value(cfg, key, value)
+            set_value(cfg, key, value, as_typed=True)
             if "." in key:  # a section's field, however the file spelled it
                 given[key] = value
         check_schema(cfg)  # the file's own values
@@ -566,17 +601,19 @@ def check_writable(key: str, path: str) -> None:
         while not os.path.exists(existing):
             existing = os.path.dirname(existing)
         if not os.path.isdir(existing):
-            raise InputError(f"{key}: cannot create {path!r}, since {existing!r} is a file; "
-                             f"give a directory path with --{key}")
+            raise InputError(
+                f"{key}: cannot create {clip(path)}, since {clip(existing)} is a file; "
+                f"give a directory path with --{key}")
         try:
             os.rmdir(tempfile.mkdtemp(prefix=".scaletorch-probe-", dir=existing))
             return
         except FileNotFoundError:
             continue
         except OSError as err:
-            raise InputError(f"{key}: cannot write {path!r} ({existing!r}: {err.strerror}); "
-                             f"give a directory you can write with --{key}") from None
-    raise InputError(f"{key}: {path!r} was renamed or removed while it was probed, 3 times: "
+            raise InputError(
+                f"{key}: cannot write {clip(path)} ({clip(existing)}: {err.strerror}); "
+                f"give a directory you can write with --{key}") from None
+    raise InputError(f"{key}: {clip(path)} was renamed or removed while it was probed, 3 times: "
                      f"is another run moving it?")
 
 

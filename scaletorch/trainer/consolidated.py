@@ -22,6 +22,7 @@ from scaletorch.dist import comm, get_ledger
 from scaletorch.models import Llama
 from scaletorch.parallel.parallelize import Parallelized
 from scaletorch.rules import boundary
+from scaletorch.rules.errors import clip
 from scaletorch.rules.safe_files import write_checksummed
 from scaletorch.trainer.checkpoint import load_tensors_only, tensor_bytes
 from scaletorch.trainer.param_map import param_map
@@ -104,7 +105,7 @@ def load_consolidated(path: str) -> Dict[str, Any]:
     holds anything but tensors and plain values is refused (``load_tensors_only``)."""
     what = "consolidated checkpoint"
     return load_tensors_only(boundary.read_bytes(path, what, boundary.UNLIMITED),
-                             f"{what} {path!r}")
+                             f"{what} {clip(path)}")
 
 
 def resume_consolidated(trainer: "Trainer", par: Parallelized, state: Dict[str, Any]) -> None:

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from scaletorch.dist import comm
 from scaletorch.models import Llama
-from scaletorch.rules.errors import InputError
+from scaletorch.rules.errors import InputError, clip
 from scaletorch.rules.safe_files import (CorruptFileError, read_checksummed, verify_checksum,
                                          write_checksum, write_checksummed)
 from scaletorch.trainer.checkpoint import (MANIFEST, adamw_settings, check_state_keys,
@@ -149,7 +149,7 @@ def verify_sharded(path: str) -> Metadata:
     CorruptFileError naming the first bad file, before anything is loaded."""
     meta = os.path.join(path, METADATA)
     if not os.path.isfile(meta):
-        raise InputError(f"{path!r} is not a sharded checkpoint: it has no {METADATA} (written "
+        raise InputError(f"{clip(path)} is not a sharded checkpoint: it has no {METADATA} (written "
                          f"last: a save that stopped before it left an incomplete one)")
     read_checksummed(meta)  # every rank: a truncated or damaged metadata file is never unpickled
     metadata = _Reader(path).read_metadata()
@@ -157,7 +157,7 @@ def verify_sharded(path: str) -> Metadata:
     for name in data_files(metadata)[comm.group_rank()::comm.group_size()]:
         file = os.path.join(path, name)
         if not os.path.isfile(file):
-            errors.append(f"checkpoint {path!r} is missing {name} (one of its shards)")
+            errors.append(f"checkpoint {clip(path)} is missing {name} (one of its shards)")
             continue
         try:
             verify_checksum(file)  # in blocks: a shard's bytes are never all in memory at once
@@ -175,7 +175,7 @@ def verify_sharded_checkpoint(path: str) -> Metadata:
     sharded and its shards match their checksums (``verify_sharded``). InputError naming it."""
     manifest = verify_checkpoint(path)
     if manifest.get("format") != "dcp":
-        raise InputError(f"checkpoint {path!r} is a per-rank one, not sharded (its {MANIFEST} "
+        raise InputError(f"checkpoint {clip(path)} is a per-rank one, not sharded (its {MANIFEST} "
                          f"has no format dcp): only --checkpoint.format dcp saves convert")
     return verify_sharded(path)
 
@@ -210,7 +210,7 @@ def check_model(path: str, metadata: Metadata, model: Dict[str, torch.Tensor]) -
         for k, md in metadata.state_dict_metadata.items()
         if k.startswith("model.") and isinstance(md, TensorStorageMetadata)
     }
-    check_state_keys(f"checkpoint {path!r}", saved, expected, "this config's model.*",
+    check_state_keys(f"checkpoint {clip(path)}", saved, expected, "this config's model.*",
                      "resume it with the model config that wrote it")
 
 
@@ -241,7 +241,7 @@ def load_sharded(path: str, trainer: Any, par: "Parallelized") -> None:
     rng_key = f"rng.{par.layout.pgm.rank}"
     if rng_key in metadata.state_dict_metadata:
         state[rng_key] = None
-    dcp.load(state, storage_reader=_Reader(path), planner=_LoadPlanner(f"checkpoint {path!r}"))
+    dcp.load(state, storage_reader=_Reader(path), planner=_LoadPlanner(f"checkpoint {clip(path)}"))
     if with_optim:
         for p in params:
             opt.state[p]["step"] = torch.tensor(state["optim.step"])
@@ -276,8 +276,8 @@ def to_consolidated(path: str, out: str) -> Dict[str, Any]:
             state[key] = None
     with warnings.catch_warnings():  # DCP warns that no_dist loads in one process: we ask it to
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, storage_reader=_Reader(path), planner=_LoadPlanner(f"checkpoint {path!r}"),
-                 no_dist=True)
+        dcp.load(state, storage_reader=_Reader(path),
+                 planner=_LoadPlanner(f"checkpoint {clip(path)}"), no_dist=True)
 
     def named(prefix: str) -> Dict[str, torch.Tensor]:
         tensors = {

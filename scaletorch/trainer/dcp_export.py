@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from scaletorch.models import Llama, LlamaConfig
 from scaletorch.models.hf import export_hf_llama
+from scaletorch.rules.errors import clip
 from scaletorch.rules.safe_files import write_checksum
 from scaletorch.trainer.dcp_checkpoint import check_model, verify_sharded_checkpoint
 from scaletorch.trainer.dcp_pieces import Pieces, _LoadPlanner, _Reader
@@ -38,8 +39,8 @@ def read_weights(path: str, config: LlamaConfig) -> Dict[str, torch.Tensor]:
             state[key] = Pieces(md.size, [((0, ) * len(md.size), full)])
     with warnings.catch_warnings():  # DCP warns that no_dist loads in one process: we ask it to
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, storage_reader=_Reader(path), planner=_LoadPlanner(f"checkpoint {path!r}"),
-                 no_dist=True)
+        dcp.load(state, storage_reader=_Reader(path),
+                 planner=_LoadPlanner(f"checkpoint {clip(path)}"), no_dist=True)
     weights = {k[len(MODEL):]: v.pieces[0][1] for k, v in state.items() if isinstance(v, Pieces)}
     aliases = state["trainer"]["aliases"]  # type: ignore[index]
     weights.update({alias: weights[first] for alias, first in aliases.items()})

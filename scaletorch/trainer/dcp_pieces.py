@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor
 
 from scaletorch.dist import ProcessGroupManager
 from scaletorch.parallel.tensor_layout import plain_entries
-from scaletorch.rules.errors import InputError
+from scaletorch.rules.errors import InputError, clip
 from scaletorch.trainer.checkpoint import load_tensors_only
 
 if TYPE_CHECKING:  # types only: the Trainer (chapter 00) must not import chapter 07's parallelize
@@ -272,7 +272,7 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
         if (module, name) not in METADATA_CLASSES and not dtype:
-            raise InputError(f"{self.file_name!r} needs {module}.{name} to load: it is not the "
+            raise InputError(f"{clip(self.file_name)} needs {module}.{name} to load: it is not the "
                              f"metadata of a checkpoint, and was not unpickled, since that could "
                              f"run code")
         return super().find_class(module, name)
@@ -291,7 +291,7 @@ class _Reader(dcp.FileSystemReader):
         with open(file, "rb") as f:
             metadata = _MetadataUnpickler(f.read(), file).load()
         if not isinstance(metadata, Metadata):
-            raise InputError(f"{file!r} is not the metadata of a checkpoint")
+            raise InputError(f"{clip(file)} is not the metadata of a checkpoint")
         metadata.storage_meta = metadata.storage_meta or StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata

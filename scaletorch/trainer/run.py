@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from scaletorch.dist import comm, get_ledger, meet_before_first_step
 from scaletorch.dist.straggler import straggler_report
+from scaletorch.rules.errors import clip
 from scaletorch.rules.safe_files import WriteError
 from scaletorch.trainer.config import save_config
 from scaletorch.trainer.plan_line import plan_report
@@ -173,7 +174,7 @@ class Run:
             try:
                 self._metrics.write(json.dumps(record) + "\n")
             except OSError as err:  # a full disk: one line, not a traceback
-                raise WriteError(f"could not write {self._metrics.name!r}: {err.strerror}; the "
+                raise WriteError(f"could not write {clip(self._metrics.name)}: {err.strerror}; the "
                                  f"lines before this step's are kept") from None
         if self._bar is not None:
             self._bar.update(1)

@@ -140,7 +140,7 @@ def check_not_held(key: str, path: str) -> None:
     if who is None and above is not None and os.path.realpath(above) not in _held:
         who = holder(above)
     if who is not None:
-        raise InputError(f"{key}: {path!r} is in use by another run ({who}); nothing was "
+        raise InputError(f"{key}: {clip(path)} is in use by another run ({who}); nothing was "
                          f"written: wait for it to end, or give another {_other(key)}")
 
 
@@ -201,7 +201,7 @@ def hold(key: str, path: str, run: Optional[str] = None) -> bool:
     except BlockingIOError:
         os.close(fd)
         check_not_held(key, path)  # names the holder
-        raise InputError(f"{key}: {path!r} is in use by another run") from None
+        raise InputError(f"{key}: {clip(path)} is in use by another run") from None
     info = {
         "pid": os.getpid(),
         "host": socket.gethostname(),
@@ -283,7 +283,7 @@ def check_run_dir(cfg: Config) -> None:
     live run holds them, and they hold no other run, unless this one continues it or moves a
     run's directory aside (``--overwrite``)."""
     if cfg.logging.overwrite and cfg.checkpoint.resume:
-        raise InputError(f"--overwrite moves the run in {cfg.run_path!r} aside and --resume "
+        raise InputError(f"--overwrite moves the run in {clip(cfg.run_path)} aside and --resume "
                          f"{cfg.checkpoint.resume} continues it: give one of the two")
     written = [("logging.run_dir", cfg.run_path)]
     if cfg.checkpoint.every > 0:
@@ -376,7 +376,7 @@ def check_run_files(run_path: str) -> None:
 def check_made_by_a_run(key: str, path: str) -> None:
     """InputError unless ``path`` carries a run's MARKER: --overwrite moves only those."""
     if not is_run_dir(path):
-        raise InputError(f"{key}: {path!r} was not made by a run (it has no {MARKER}): "
+        raise InputError(f"{key}: {clip(path)} was not made by a run (it has no {MARKER}): "
                          f"--overwrite moves aside only a run's directory; give another "
                          f"{_other(key)}, or move it yourself")
 
@@ -386,7 +386,7 @@ def check_free(key: str, path: str, resume: bool, overwrite: bool) -> None:
     nothing, or this run continues it (``resume``, a torchrun restart), or ``overwrite`` moves
     it aside. Chapter 12, whose options are its own, calls it for runs/<name>."""
     if overwrite and resume:
-        raise InputError(f"--overwrite moves the run in {path!r} aside and --resume continues "
+        raise InputError(f"--overwrite moves the run in {clip(path)} aside and --resume continues "
                          f"it: give one of the two")
     check_not_a_symlink(key, path)
     check_not_held(key, path)
@@ -403,13 +403,13 @@ def held(key: str, path: str, entries: List[str]) -> InputError:
     shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
     above = _run_above(path)
     if not is_run_dir(path) and above is not None:  # a run's checkpoints/, in its directory
-        return InputError(f"{key}: {path!r} already holds a run's files ({shown}), of the run "
+        return InputError(f"{key}: {clip(path)} already holds a run's files ({shown}), of the run "
                           f"in {above!r}; nothing was written: give another {_other(key)}")
     if not is_run_dir(path):
-        return InputError(f"{key}: {path!r} already holds files ({shown}) that no run made (it "
+        return InputError(f"{key}: {clip(path)} already holds files ({shown}) that no run made (it "
                           f"has no {MARKER}); nothing was written: give another {_other(key)}, "
                           f"or move it yourself")
-    return InputError(f"{key}: {path!r} already holds a run ({shown}); nothing was written: "
+    return InputError(f"{key}: {clip(path)} already holds a run ({shown}); nothing was written: "
                       f"continue it with --resume, give a new {_other(key)}, or "
                       f"--overwrite to move it aside to {path}.old-<time> (kept, not deleted)")
 
