@@ -13,7 +13,6 @@ A row reports ratios measured alternately in one run (ours / native step time), 
 single absolute time: on a shared CPU only ratios measured together mean something.
 """
 
-import argparse
 import copy
 import importlib
 import os
@@ -25,6 +24,7 @@ from typing import Optional, Tuple
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import scripts.benchmarks as benchmarks  # noqa: E402
+from scaletorch.rules.errors import OneLineParser  # noqa: E402
 
 DEFAULT_WORLD_SIZE = 2
 
@@ -59,7 +59,7 @@ def _fmt(value) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="+", default=None, help="chapters to run")
     parser.add_argument("--list", action="store_true", help="list the chapters and exit")
     parser.add_argument("--scaling", action="store_true",

@@ -48,7 +48,6 @@ The convention (doc/design.md, "Docs that reproduce"):
 Exit status 1 and a diff (``-`` the doc, ``+`` the output) on any drift or structure error.
 """
 
-import argparse
 import concurrent.futures
 import difflib
 import glob
@@ -63,6 +62,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from scaletorch.rules.errors import OneLineParser  # noqa: E402  # isort: skip
 from scripts.doc_names import page_errors  # noqa: E402  # isort: skip
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -562,7 +562,7 @@ def doc_files(names: Sequence[str]) -> List[str]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--lint", action="store_true",
                       help="check the structure and sentence length only, run nothing")

@@ -14,7 +14,6 @@ are not in the tensors' shapes) and writes config.json and the safetensors, each
 (chapter 07's ``--resume FILE``). Both hold the whole model in this process's memory.
 """
 
-import argparse
 import os
 import sys
 from typing import List, Optional
@@ -23,6 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from scaletorch.rules.errors import OneLineParser  # noqa: E402
 from scaletorch.trainer.config import Config, apply_dict, load_yaml  # noqa: E402
 from scaletorch.trainer.dcp_checkpoint import check_output, to_consolidated  # noqa: E402
 from scaletorch.trainer.dcp_export import to_hf  # noqa: E402
@@ -31,7 +31,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", help="a sharded checkpoint directory (with .metadata)")
     parser.add_argument("--hf", default=None, help="write a Hugging Face Llama directory here")
     parser.add_argument("--config", default=None, help="the run's config.yaml (for --hf)")

@@ -28,6 +28,7 @@ from scaletorch.dist.spawn import run_distributed  # noqa: E402
 from scaletorch.models import build_model  # noqa: E402
 from scaletorch.parallel.mixed_precision import precision_hooks  # noqa: E402
 from scaletorch.parallel.parallelize import parallelize  # noqa: E402
+from scaletorch.rules.errors import OneLineParser  # noqa: E402
 from scaletorch.trainer import Config, Trainer  # noqa: E402
 from scaletorch.trainer.dcp_checkpoint import load_sharded, save_sharded  # noqa: E402
 from scaletorch.trainer.dcp_pieces import local_pieces  # noqa: E402
@@ -116,6 +117,8 @@ def table(results: List[Dict[str, int]]) -> List[str]:
 
 
 def main() -> int:
+    OneLineParser(
+        description=__doc__.splitlines()[0]).parse_args()  # no options: --help, or one line
     with tempfile.TemporaryDirectory() as root:
         results = run_distributed(measure, WORLD, root, timeout=600)
     print("\n".join(table(results)))

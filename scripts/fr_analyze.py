@@ -9,17 +9,16 @@ it", the line of our code that issued it, and where each rank stopped. The dumps
 each with its ``.sha256``; a pickle dump is refused unread, since unpickling can run code.
 """
 
-import argparse
 import sys
 from typing import List, Optional
 
 from scaletorch.dist import flight_recorder
 from scaletorch.rules import boundary
-from scaletorch.rules.errors import InputError
+from scaletorch.rules.errors import InputError, OneLineParser
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("directory", help="the run's flight_recorder directory")
     boundary.add_trust_flag(parser)
     args = parser.parse_args(argv)

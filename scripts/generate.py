@@ -28,7 +28,7 @@ from scaletorch.models import Llama, build_model  # noqa: E402
 from scaletorch.models.generate import check_length, check_sampling, generate  # noqa: E402
 from scaletorch.models.hf import load_hf_llama  # noqa: E402
 from scaletorch.rules import boundary  # noqa: E402
-from scaletorch.rules.errors import InputError  # noqa: E402
+from scaletorch.rules.errors import InputError, OneLineParser  # noqa: E402
 
 
 def load_model(source: str, config_file: str) -> Llama:
@@ -104,7 +104,7 @@ def checked_inputs(args: argparse.Namespace) -> Tuple[torch.Tensor, Llama, Any]:
 def main(argv: Optional[List[str]] = None) -> int:
     """The command line above (``argv``: its arguments, sys.argv's by default); 0, or 2 on
     a bad source."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("source", help="a Hugging Face Llama directory or a consolidated .pt")
     parser.add_argument("--config", default="examples/configs/10_real_model.yaml",
                         help="the run's config (for a consolidated .pt: the model's shape)")

@@ -12,11 +12,11 @@ gradients' ratio to the reference, the ranks that disagree, a bucket launched ea
 never waited for, and for a hang the flight recorder's account of which rank waits on which.
 ``--variant NAME`` grades one of scripts/grading/variants.py's planted mistakes instead (the
 grader's own test suite), to see what a diagnosis looks like.
-Exit status 0 when every exercise passed, 1 otherwise (an unwritten one: "write <function>
-next"), 2 for a chapter without exercises.
+A file that does not compile or import is named, with its line, the exception and its message,
+before any rank starts. Exit status 0 when every exercise passed, 1 otherwise (an unwritten
+one: "write <function> next"; a file that does not import), 2 for a chapter without exercises.
 """
 
-import argparse
 import os
 import sys
 import time
@@ -25,7 +25,9 @@ from typing import List, Optional
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from scripts.grading import context, ddp, expert, loss_scale, pipeline, tensor, variants, zero
+from scaletorch.rules.errors import OneLineParser  # noqa: E402
+from scripts.grading import (context, ddp, expert, loss_scale, pipeline, runner, tensor, variants,
+                             zero)
 
 CHAPTERS = {
     ddp.CHAPTER: (ddp, "examples/exercises/01_ddp.py"),
@@ -49,6 +51,12 @@ def grade_chapter(chapter: str, solution: bool, variant: Optional[str] = None) -
     print(
         f"chapter {chapter}: {what}, {module.WORLD} ranks (CPU, gloo), {module.STEPS} steps "
         f"against {module.AGAINST}", flush=True)
+    broken = None if solution or variant is not None else runner.import_error(
+        os.path.join(ROOT, path), path)
+    if broken is not None:  # each rank would stop on it, in whichever exercise it was
+        print(f"  your file does not compile or import: {broken}")
+        print(f"chapter {chapter}: not yet (fix the file first)")
+        return False
     passed = True
     for verdict in module.grade(jobs):
         print(f"  {verdict.line()}")
@@ -61,7 +69,7 @@ def grade_chapter(chapter: str, solution: bool, variant: Optional[str] = None) -
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("chapter", help=f"{', '.join(CHAPTERS)} or all")
     parser.add_argument("--solution", action="store_true",
                         help="grade the library's own functions (the reference solutions)")

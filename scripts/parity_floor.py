@@ -14,7 +14,6 @@ updates of about lr; a high learning rate amplifies every difference), not a wro
     python scripts/parity_floor.py examples/configs/00_single_device.yaml --steps 50 -- --lr 1e-2
 """
 
-import argparse
 import os
 import sys
 from typing import Dict, List, Optional
@@ -23,6 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from scaletorch.rules.errors import OneLineParser  # noqa: E402
 from scaletorch.trainer import load_config  # noqa: E402
 from scaletorch.trainer.parity import reference_trainer  # noqa: E402
 from scaletorch.trainer.parity import TOLERANCE, max_loss_diff, max_weight_diff  # noqa: E402
@@ -51,7 +51,7 @@ def run(config_file: str, overrides: List[str], micro_batches: int,
 
 def main(argv: Optional[List[str]] = None) -> None:
     """The command line above (``argv``: its arguments, sys.argv's by default)."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("config", help="a chapter's YAML config")
     parser.add_argument("--steps", type=int, nargs="+", default=[10, 40],
                         help="report the drift after each of these step counts")

@@ -15,7 +15,6 @@ prints the --top fastest that fit in memory, and why each rejected family (tp, c
 rejected. --json prints the same as one JSON object. Bad input: one "error:" line, exit 2.
 """
 
-import argparse
 import json
 import os
 import sys
@@ -32,6 +31,7 @@ from scaletorch.plan.layout import from_config as layout_of  # noqa: E402
 from scaletorch.plan.model import PRESETS, ModelSpec, from_config, from_params, preset  # noqa: E402
 from scaletorch.plan.report import evaluate, format_breakdown  # noqa: E402
 from scaletorch.plan.search import NOT_SEARCHED, search, with_split  # noqa: E402
+from scaletorch.rules.errors import OneLineParser  # noqa: E402
 from scaletorch.trainer.config import Config, parse_args  # noqa: E402
 from scaletorch.trainer.dry_run import dry_run_text, stages  # noqa: E402
 from scripts.plan_measure import checker, measure_rank, run_config  # noqa: E402, F401
@@ -67,8 +67,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     epilog = ("Also every flag of the examples: --tp, --pp, --cp, --ep, --zero-stage, "
               "--micro-batches, --schedule, --virtual-stages, --sequence-parallel, "
               "--activation-checkpointing [MODE], --section.name VALUE.")
-    parser = argparse.ArgumentParser(usage="plan.py [CONFIG.yaml] [options]",
-                                     description=__doc__.splitlines()[0], epilog=epilog)
+    parser = OneLineParser(usage="plan.py [CONFIG.yaml] [options]",
+                           description=__doc__.splitlines()[0], epilog=epilog)
     parser.add_argument("--preset", help=f"a model instead of the config's: {', '.join(PRESETS)}")
     parser.add_argument("--params", type=float, help="a Llama of about this many parameters")
     parser.add_argument(

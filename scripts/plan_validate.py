@@ -16,7 +16,6 @@ memory within 15% (the goals of issue 30). A row whose run used something the pl
 not model says so, and its verdict is not counted.
 """
 
-import argparse
 import json
 import os
 import sys
@@ -30,6 +29,7 @@ from scaletorch.plan.layout import PlanLayout  # noqa: E402
 from scaletorch.plan.model import preset  # noqa: E402
 from scaletorch.plan.report import evaluate  # noqa: E402
 from scaletorch.plan.search import with_split  # noqa: E402
+from scaletorch.rules.errors import OneLineParser  # noqa: E402
 
 SPEED_TOLERANCE = 0.20
 MEMORY_TOLERANCE = 0.15
@@ -249,7 +249,7 @@ def ring_steps(results: List[Dict[str, Any]]) -> str:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="the rows as one JSON object")
     parser.add_argument(
         "--plot", metavar="FILE.png",

@@ -13,7 +13,6 @@ scaletorch/plan/time.py's on the cluster file. Exit status 1 if a ratio is outsi
 [1 / (1 + tolerance), 1 + tolerance].
 """
 
-import argparse
 import json
 import os
 import sys
@@ -26,6 +25,7 @@ from scaletorch.plan.layout import from_config as layout_of  # noqa: E402
 from scaletorch.plan.model import from_config as model_of  # noqa: E402
 from scaletorch.plan.time import measured_step, step_time  # noqa: E402
 from scaletorch.rules import boundary  # noqa: E402
+from scaletorch.rules.errors import OneLineParser  # noqa: E402
 from scaletorch.trainer.config import parse_args  # noqa: E402
 
 
@@ -41,7 +41,7 @@ def measured_step_seconds(run_dir: str) -> float:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("tsv", help="runs/tour_runs.tsv (written by scripts/tour.sh)")
     parser.add_argument("--cluster", required=True, help="a calibrated cluster file")
     parser.add_argument("--tolerance", type=float, default=0.3)

@@ -41,7 +41,7 @@ from typing import List
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from scaletorch.rules import boundary  # noqa: E402
-from scaletorch.rules.errors import clip  # noqa: E402
+from scaletorch.rules.errors import OneLineParser, clip  # noqa: E402
 from scaletorch.schedule import placement, simulate  # noqa: E402
 from scaletorch.schedule import zero_bubble_orders as zb  # noqa: E402
 from scaletorch.schedule.timeline import Timeline  # noqa: E402
@@ -365,7 +365,7 @@ def plot_plan_vs_measured(runs: List[dict], tolerance: float, out: str) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="what", required=True)
     loss = sub.add_parser("loss", help="overlay loss curves from metrics.jsonl files")
     loss.add_argument("paths", nargs="+")

@@ -10,7 +10,6 @@ flat array of token ids: uint16 when the vocabulary fits (as nanoGPT's), uint32 
 .sha256); the loader reads the tokens at the recorded width. Prints the flags that train on it.
 """
 
-import argparse
 import os
 import sys
 from typing import List
@@ -20,7 +19,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from scaletorch.data import tokenizer as tok  # noqa: E402
-from scaletorch.rules.errors import InputError, clip  # noqa: E402
+from scaletorch.rules.errors import InputError, OneLineParser, clip  # noqa: E402
 from scaletorch.rules.safe_files import checksum_path, verify_checksum  # noqa: E402
 
 
@@ -77,7 +76,7 @@ def prepare(paths: List[str], tokenizer_spec: str, out: str) -> np.ndarray:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("files", nargs="+", help="text files (UTF-8), joined in this order")
     parser.add_argument("--tokenizer", default="byte",
                         help='"byte" (default) or a tokenizer.json / model directory holding one')

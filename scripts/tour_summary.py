@@ -17,6 +17,7 @@ from typing import Dict, List, Optional
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from scaletorch.rules import boundary  # noqa: E402
+from scaletorch.rules.errors import OneLineParser  # noqa: E402
 
 CHECK = re.compile(r"parity: max \|(loss|weight) - reference\| = (\S+) ")
 
@@ -70,6 +71,6 @@ def main(tsv: str) -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit("usage: python scripts/tour_summary.py RUNS.tsv (written by scripts/tour.sh)")
-    sys.exit(main(sys.argv[1]))
+    parser = OneLineParser(description=__doc__.splitlines()[0])
+    parser.add_argument("runs", metavar="RUNS.tsv", help="written by scripts/tour.sh")
+    sys.exit(main(parser.parse_args().runs))

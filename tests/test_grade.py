@@ -7,13 +7,18 @@ of examples/exercises/ (each says "write <function> next"). Without a world: eac
 signature and the docstring of the library function it stands for, so they cannot drift.
 """
 
+import ast
 import contextlib
 import inspect
 import io
 import os
 import re
+import tempfile
 import time
 import unittest
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from scripts import grade
 from scripts.grading import runner
@@ -227,6 +232,57 @@ class GradeEachExerciseOnItsOwn(unittest.TestCase):
     def test_the_other_exercises_keep_their_verdicts(self):
         self.assertEqual([(v.exercise, v.text) for v in (self.verdicts[1], self.verdicts[4])],
                          [("average_gradients", "passed"), ("wait_for_buckets", "passed")])
+
+
+# A broken learner's file, by kind: (what is inserted before a top-level statement, the line
+# the message must name counted from it, the exception and words of its message)
+BROKEN = {
+    "SyntaxError": ("x = = 1", 0, "SyntaxError", "invalid syntax"),
+    "IndentationError": ("if True:\nx = 1", 1, "IndentationError", "expected an indented block"),
+    "ImportError": ("from torch import no_such_name_here", 0, "ImportError", "no_such_name_here"),
+    "NameError": ("no_such_name_here", 0, "NameError", "no_such_name_here"),
+}
+
+
+class GradeABrokenFile(unittest.TestCase):
+    """Generated: a chapter's exercise file x a kind of break (a statement that does not
+    compile, or fails at import) x where it is: the grader says the file does not compile or
+    import, with its line, exception and message, before any world starts (a rank would stop
+    on it in whichever exercise it was, and the exercise's verdict named another cause)."""
+
+    @settings(max_examples=200 if os.environ.get("SCALETORCH_LONG_TESTS") == "1" else 20,
+              deadline=None)
+    @given(chapter=st.sampled_from(sorted(grade.CHAPTERS)), kind=st.sampled_from(sorted(BROKEN)),
+           where=st.integers(0, 10**6))
+    def test_the_file_line_and_message_no_world(self, chapter, kind, where):
+        module, path = grade.CHAPTERS[chapter]
+        with open(os.path.join(ROOT, path)) as f:
+            lines = f.read().splitlines()
+        tree = ast.parse("\n".join(lines))
+        starts = [
+            min([n.lineno] + [d.lineno for d in getattr(n, "decorator_list", [])])
+            for n in tree.body
+        ] + [len(lines) + 1]
+        at = starts[where % len(starts)]  # 1-based: the statement the break goes before
+        snippet, offset, exception, words = BROKEN[kind]
+        with tempfile.TemporaryDirectory() as d:
+            broken = os.path.join(d, os.path.basename(path))
+            with open(broken, "w") as f:
+                f.write("\n".join(lines[:at - 1] + snippet.split("\n") + lines[at - 1:]) + "\n")
+            out = io.StringIO()
+
+            def no_world(*args):
+                raise AssertionError("a world started on a file that does not import")
+
+            with patched(grade, "CHAPTERS", {**grade.CHAPTERS, chapter: (module, broken)}), \
+                    patched(runner, "_one_world", no_world), contextlib.redirect_stdout(out):
+                passed = grade.grade_chapter(chapter, solution=False)
+        said = out.getvalue().splitlines()
+        self.assertFalse(passed)
+        self.assertEqual(len(said), 3, said)  # the chapter's line, the file's, the verdict
+        self.assertIn(f"does not compile or import: {broken}:{at + offset}: {exception}: ", said[1])
+        self.assertIn(words, said[1])
+        self.assertIn(snippet.split("\n")[offset].strip(), said[1])  # the line itself
 
 
 class StubsMatchTheLibrary(unittest.TestCase):

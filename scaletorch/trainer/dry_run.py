@@ -61,6 +61,7 @@ from scaletorch.plan.model import ModelSpec
 from scaletorch.plan.model import from_config as model_of
 from scaletorch.plan.report import human, most_loaded
 from scaletorch.plan.traffic import collectives
+from scaletorch.rules.errors import OneLineParser
 from scaletorch.trainer.checkpoint import SizeCounter, tensor_bytes
 from scaletorch.trainer.config import Config, parse_args
 from scaletorch.trainer.consolidated import consolidated_bytes
@@ -402,8 +403,7 @@ def main(argv: List[str], default_config: str, description: str) -> int:
     dry run's report on stdout; a mistake is one "error:" line and exit status 2."""
     from scaletorch.plan.model import preset
 
-    parser = argparse.ArgumentParser(description=description, allow_abbrev=False,
-                                     exit_on_error=False)
+    parser = OneLineParser(description=description, allow_abbrev=False, exit_on_error=False)
     parser.add_argument("--dry-run", nargs="?", const="heaviest", help=STAGES_HELP)
     parser.add_argument("--world-size", type=int, help="ranks of the world (required)")
     parser.add_argument("--preset", help="the planner's model instead of the config's")
