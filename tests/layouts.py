@@ -39,7 +39,7 @@ from tests.harness import value_error
 
 TOL = 1e-5  # fp32, 5 AdamW steps: only the order of the reductions differs (doc/design.md)
 STEPS = 5
-CHECKPOINT_EVERY = 2  # train(..., checkpoint_dir) saves step 2 per rank: test_resume resumes it
+CHECKPOINT_EVERY = 1  # train(..., checkpoint_dir) saves step 1 per rank: test_resume resumes it
 
 
 def make_config(moe: bool = False, micro_batches: int = 2, **parallel) -> Config:
@@ -233,19 +233,22 @@ def save_and_resume(saved: Config, resumes: Dict[str, Config], path: str,
     return resume_at(path, resumes)
 
 
-def resume_at(path: str, resumes: Dict[str, Config]) -> Dict[str, dict]:
+def resume_at(path: str, resumes: Dict[str, Config], pgm=None) -> Dict[str, dict]:
     """Inside a world: resume the consolidated checkpoint at ``path`` at each layout of
     ``resumes``; {name: {"losses": of the remaining steps, "state": the final full weights
     (global rank 0; None elsewhere)}}. The losses of the steps after the save see the saved
-    weights; the final weights also see the saved AdamW state, which the first step uses."""
+    weights; the final weights also see the saved AdamW state, which the first step uses.
+    Each in its own pg_manager unless ``pgm`` (of every layout's sizes) is given."""
     state = load_consolidated(path)
     out = {}
     for name, cfg in resumes.items():
-        pgm = pg_manager_for(cfg)
-        par, trainer = build(cfg, pgm, state["model"])  # the weights before parallelize
+        own = pgm is None
+        run_pgm = pg_manager_for(cfg) if own else pgm
+        par, trainer = build(cfg, run_pgm, state["model"])  # the weights before parallelize
         resume_consolidated(trainer, par, state)  # then each rank's part of the AdamW state
         out[name] = {"losses": trainer.train().losses, "state": full_state_dict(par)}
-        destroy_pg_manager()
+        if own:
+            destroy_pg_manager()
     return out
 
 

@@ -6,19 +6,21 @@ grad norms (clipping active) and final weights over 2 steps (one warm-up step, o
 Consolidated checkpoints move from the native stack to ours and back, and what cannot run
 natively here raises ValueError naming the settings.
 
-One world of 8 ranks; each layout rebuilds the pg_manager (and so the mesh) inside it: the
-4-rank layouts of chapter 07 run with dp 4 instead of 2.
+One world of 8 ranks; the runs on one mesh (tp, pp) share a pg_manager (and so the
+DeviceMesh), rebuilt per mesh inside it: the 4-rank layouts of chapter 07 run with dp 4
+instead of 2.
 """
 
 import os
 import tempfile
 import unittest
 
+from scaletorch.dist import destroy_pg_manager
 from scaletorch.trainer.param_map import DTensorParamMap
 from scaletorch.trainer.parity import max_weight_diff
 from tests.harness import run_distributed, stderr_warnings
-from tests.layouts import (TOL, assert_parity, layout, make_config, parallelize_error, references,
-                           resume_at, train)
+from tests.layouts import (TOL, assert_parity, layout, make_config, parallelize_error,
+                           pg_manager_for, references, resume_at, train)
 
 WORLD = 8
 # 2 steps, the first the one warm-up step: the second runs past the warm-up on AdamW state
@@ -56,26 +58,35 @@ def reference_config():
     return cfg
 
 
-def _checkpoints(tmp: str) -> dict:
-    """Resume native tp2 x pp2 x dp2 ZeRO-3's step 1 at ours (tp2 x dp4), and ours
-    tp2 x pp2 x dp2 ZeRO-3's step 1 natively at pp2 x dp4 ZeRO-3 (their parity runs wrote the
-    consolidated files): native to ours and back, each at another layout. Each returns the loss
-    of step 1. (A native resume of the native file at tp2 x dp4 is left out: the native file is
-    read at another layout by ours' resume, and the native stack loads at another layout in the
-    pp2 x dp4 resume; the file's format is one, whoever wrote it.)"""
-    plan = {
-        "torch": {
-            "ours tp2_dp4": _config("tp2_dp4", "ours"),
-        },
-        "ours": {
-            "native pp2_dp4_zero3": _config("pp2_dp4_zero3"),
-        },
-    }
-    out = {}
-    for impl, resumes in plan.items():
-        for name, resumed in resume_at(_saved(tmp, impl)[1], resumes).items():
-            out[f"{impl} {SAVED} -> {name}"] = resumed
-    return out
+# The layouts by their mesh (tp, pp): every run on one mesh shares its pg_manager. The groups
+# and the DeviceMesh hold no training state, and on the same mesh DTensor reuses the sharding
+# rules it worked out for a run before (tp2 x dp4's second native run, pp2 x dp4's native
+# resume). tp2 x pp2 first: its parity runs write the files the others resume.
+MESHES = {
+    (2, 2): ("tp2_pp2_dp2_zero3", ),
+    (1, 2): ("pp2_dp4_zero3", ),
+    (2, 1): ("tp2_dp4_zero3", "tp2_dp4"),
+}
+assert sorted(n for names in MESHES.values() for n in names) == sorted(NATIVE)
+# Consolidated checkpoints, the writer's impl -> (the layout resumed at, its impl): native
+# tp2 x pp2 x dp2 ZeRO-3's step 1 at ours tp2 x dp4, and ours' natively at pp2 x dp4 ZeRO-3:
+# native to ours and back, each at another layout. (A native resume of the native file at
+# tp2 x dp4 is left out: the native file is read at another layout by ours' resume, and the
+# native stack loads at another layout in the pp2 x dp4 resume; the file's format is one,
+# whoever wrote it.)
+RESUMES = {
+    "torch": ("tp2_dp4", "ours"),
+    "ours": ("pp2_dp4_zero3", "torch"),
+}
+
+
+def _resume(tmp: str, impl: str, pgm) -> dict:
+    """Resume SAVED's consolidated step SAVE_AT written by ``impl`` (RESUMES) on ``pgm``, the
+    mesh of the layout resumed at; {"IMPL SAVED -> STACK NAME": the loss of step 1 and the
+    final weights}."""
+    name, stack = RESUMES[impl]
+    label = f"{impl} {SAVED} -> {'ours' if stack == 'ours' else 'native'} {name}"
+    return {label: resume_at(_saved(tmp, impl)[1], {name: _config(name, stack)}, pgm)[name]}
 
 
 def _saved(tmp: str, impl: str) -> tuple:
@@ -83,25 +94,34 @@ def _saved(tmp: str, impl: str) -> tuple:
     return SAVE_AT, os.path.join(tmp, f"{impl}_{SAVED}.pt")
 
 
-def _refusals() -> dict:
+def _refusals(pgm) -> dict:
+    """The ValueErrors at tp 2, on ``pgm`` (tp2 x dp4's)."""
     configs = {
-        "cp_tp": make_config(False, 2, **layout(tp=2, cp=2, impl="torch")),
         "zero1": make_config(False, 2, **layout(tp=2, zero_stage=1, impl="torch")),
         "moe": make_config(True, 1, **layout(tp=2, impl="torch")),
     }
-    return {name: parallelize_error(cfg) for name, cfg in configs.items()}
+    return {name: parallelize_error(cfg, pgm) for name, cfg in configs.items()}
 
 
 def _world(rank: int, world: int, tmp: str) -> dict:
-    out = {}
+    out: dict = {"checkpoints": {}}
     with stderr_warnings() as warnings:  # FSDP2 around pipeline chunks: no view returned
-        for impl, prefix in (("torch", ""), ("ours", "ours ")):
-            for name in NATIVE:
-                save = _saved(tmp, impl) if name == SAVED else None
-                out[prefix + name] = train(_config(name, impl), consolidated_at=save)
+        for names in MESHES.values():
+            pgm = pg_manager_for(_config(names[0]))
+            for name in names:
+                for impl, prefix in (("torch", ""), ("ours", "ours ")):
+                    save = _saved(tmp, impl) if name == SAVED else None
+                    out[prefix + name] = train(_config(name, impl), consolidated_at=save, pgm=pgm)
+            for impl, (resumed_at, _) in RESUMES.items():
+                if resumed_at in names:
+                    out["checkpoints"].update(_resume(tmp, impl, pgm))
+            if "tp2_dp4" in names:
+                out["errors"] = _refusals(pgm)
+            destroy_pg_manager()
     out["warnings"] = warnings
-    out["checkpoints"] = _checkpoints(tmp)
-    out["errors"] = _refusals()
+    # tp 2 x cp 2: a mesh of its own
+    cp_tp = make_config(False, 2, **layout(tp=2, cp=2, impl="torch"))
+    out["errors"]["cp_tp"] = parallelize_error(cp_tp)
     return out
 
 

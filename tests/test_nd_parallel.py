@@ -1,5 +1,5 @@
 """N-D parallel on 8 gloo ranks equals the single device: losses, grad norms and final weights
-of every layout of the matrix over 4 steps, a consolidated checkpoint resumed at other layouts,
+of every layout of the matrix over 3 steps, a consolidated checkpoint resumed at other layouts,
 activation checkpointing, and the combinations that must raise ValueError.
 
 One world of 8 ranks for the whole file; each layout rebuilds the pg_manager inside it. The
@@ -30,10 +30,11 @@ SAME_STATE_AS_ANOTHER = ("dualpipev_tp2_pp2_dp2", "zb_h1_tp2_pp2_dp2", "tp2_cp2_
                          "ckpt_tp2_sp_pp2_dp2", "pp2_cp2_tp2", "moe_pp2_dp4_ep2")
 
 WORLD = 8
-# 4 steps, not tests/layouts.py's 5: the parity of a deterministic diff shows in every step, and
-# test_resume resumes each layout's checkpoint of step 2 for two steps (AdamW's state in use)
-ND_STEPS = 4
-SAVE_AT = 2  # the checkpoint test saves after 2 of the 4 steps
+# 3 steps, not tests/layouts.py's 5: the parity of a deterministic diff shows in every step, and
+# test_resume resumes each layout's checkpoint of step 1 for two steps (AdamW's moments and step
+# count in use in both; the second past make_config's 2 warm-up steps)
+ND_STEPS = 3
+SAVE_AT = 1  # the consolidated checkpoint: after 1 of the 3 steps, resumed for the other 2
 
 
 def nd_config(moe: bool = False, micro_batches: int = 2, **parallel):
@@ -69,9 +70,9 @@ def tied_config(name: str, layouts: dict = TIED_LAYOUTS):
 
 
 def _checkpoint_runs(path: str) -> dict:
-    """Resume the consolidated checkpoint of tp2 x pp2 x dp2's step 3 (its parity run wrote it)
-    at dp 8 and at ZeRO-3 tp2 x dp4; each returns the losses of steps 3 and 4 and the final
-    weights."""
+    """Resume the consolidated checkpoint of tp2 x pp2 x dp2's step SAVE_AT (its parity run wrote
+    it) at dp 8 and at ZeRO-3 tp2 x dp4; each returns the losses of the steps after it and the
+    final weights."""
     resumes = {
         "dp8": nd_config(False, 1, **layout()),
         "zero3_tp2_dp4": nd_config(False, 1, **layout(tp=2, zero_stage=3)),
@@ -94,7 +95,7 @@ def _invalid_combinations() -> dict:
 
 
 def _world(rank: int, world: int, path: str, checkpoints: str) -> dict:
-    # tp2 x pp2 x dp2 and its tied twin also write a consolidated checkpoint of step 3
+    # tp2 x pp2 x dp2 and its tied twin also write a consolidated checkpoint of step SAVE_AT
     saves = {"tp2_pp2_dp2": (SAVE_AT, path), "tied_tp2_pp2_dp2": (SAVE_AT, path + ".tied")}
     out = {}
     for name in LAYOUTS:

@@ -10,7 +10,7 @@ holds alike (see SAME_STATE_AS_ANOTHER), its tied ZeRO-3 run, and the pipeline c
 the matrix lacks (pp x ZeRO-1, PyTorch's DTensor strategies under pp), each trained straight,
 then rebuilt from scratch (a new model, a new ``parallelize``: what a restarted process does)
 and resumed from a middle checkpoint. One world of 8 ranks. The matrix's straight runs are
-test_nd_parallel's parity runs (4 steps, a per-rank checkpoint of step 2: ``nd_world``), so
+test_nd_parallel's parity runs (3 steps, a per-rank checkpoint of step 1: ``nd_world``), so
 this file only resumes them.
 
 ``KilledRankResumes``: the real thing under ``torchrun --max-restarts 1``: a rank of chapter
@@ -43,7 +43,7 @@ from tests.test_nd_parallel import (SAME_STATE_AS_ANOTHER, TIED_LAYOUTS, TIED_RE
 WORLD = 8
 # save after step 1, two steps after the resume: AdamW's moments and step count in use
 STEPS, SAVE_AT = 3, 1
-ND_SAVE_AT = CHECKPOINT_EVERY  # the matrix: 4 steps (test_nd_parallel), resumed from step 2
+ND_SAVE_AT = CHECKPOINT_EVERY  # the matrix: 3 steps (test_nd_parallel), resumed from step 1
 
 # The pipeline combinations whose per-rank checkpoints once lost or could not load state, and
 # PyTorch's own (DTensor parameters: the files hold local pieces, placed on the new mesh), that
@@ -131,14 +131,14 @@ def _resume_every_layout(rank: int, root: str) -> dict:
 
 
 def _resume_the_matrix(rank: int, root: str, straight: list) -> dict:
-    """Resume each layout of ND_RESUMED from step 2 of its straight run in test_nd_parallel
+    """Resume each layout of ND_RESUMED from step 1 of its straight run in test_nd_parallel
     (``straight``: every rank's results there; the checkpoints under ``root``)."""
     out = {}
     for name in ND_RESUMED:
         # its steps (ND_STEPS: 2 after the checkpoint)
         cfg = tied_config(name) if name in TIED_RESUMED else nd_config_of(LAYOUTS, name)
         cfg.checkpoint.every, cfg.checkpoint.dir = CHECKPOINT_EVERY, os.path.join(root, name)
-        # a restarted process: a new model and strategy, then the checkpoint of step 2
+        # a restarted process: a new model and strategy, then the checkpoint of step 1
         resumed, got = _run(cfg, resume=ckpt.step_dir(cfg.checkpoint.dir, ND_SAVE_AT))
         want = straight[rank][name]
         out[name] = {
