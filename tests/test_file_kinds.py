@@ -46,6 +46,7 @@ from scaletorch.trainer.resume_check import check_resumed, record
 LONG = os.environ.get("SCALETORCH_LONG_TESTS") == "1"
 EXAMPLES = 1000 if LONG else 60
 DAMAGES = ("truncate", "extend", "flip", "directory", "fifo", "device", "loop")
+NAMED = {"directory": "is a directory", "fifo": "is a FIFO", "device": "is a character device"}
 SMALL = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=1,
                     num_attention_heads=2, num_key_value_heads=1, max_seq_len=32)
 
@@ -273,8 +274,43 @@ class EveryFileKindDamagedIsOneInputError(unittest.TestCase):
             self.assertNotEqual(
                 message, "", f"{kind}: {how} of {files[which % len(files)]} "
                 f"(digests kept: {keep_digests}) was not refused")
-        if how in ("directory", "fifo") and keep_digests:  # named as what it is, not "missing"
-            self.assertRegex(message, r"is a (directory|FIFO)|is not a file", message)
+        if how in NAMED and keep_digests:  # named as what it is, not "missing", not "a file"
+            self.assertIn(NAMED[how], message)
+
+    @settings(max_examples=EXAMPLES // 3, deadline=None, derandomize=not LONG,
+              suppress_health_check=[HealthCheck.too_slow])
+    @given(kind=st.sampled_from(sorted(KINDS)), which=st.integers(0, 50),
+           how=st.sampled_from(sorted(NAMED)))
+    def test_a_file_replaced_is_named_as_what_it_is(self, kind, which, how):
+        """Any file of any kind (a digest too) replaced by a directory, a FIFO or a symlink to
+        a device: the line says which of them it is, not "missing", not "not a file" (a FIFO
+        given as data.path is a stream to save first). 20 examples (long: 333)."""
+        path = self.copy(kind)
+        files = files_of(path)
+        damage(files[which % len(files)], how, 0, 0, b"")
+        self.assertIn(NAMED[how], self.check(kind, path), files[which % len(files)])
+
+    @settings(max_examples=EXAMPLES // 3, deadline=None, derandomize=not LONG,
+              suppress_health_check=[HealthCheck.too_slow])
+    @given(kind=st.sampled_from(sorted(k for k, v in KINDS.items() if v[2])),
+           which=st.integers(0, 50), how=st.sampled_from(
+               ("truncate", "extend", "flip")), at=st.integers(0, 1 << 20), bit=st.integers(0, 7),
+           tail=st.binary(min_size=1, max_size=64), whole_dir=st.booleans())
+    def test_trust_never_excuses_a_digest_that_disagrees(self, kind, which, how, at, bit, tail,
+                                                         whole_dir):
+        """--trust-unchecked excuses a missing .sha256 only: a file of a kind we write whose
+        digest exists and disagrees (a byte changed in the file or in the digest) is refused
+        with the flag naming the file or its directory. 20 examples (long: 333)."""
+        path = self.copy(kind)
+        files = files_of(path)
+        file = files[which % len(files)]
+        if not damage(file, how, at, bit, tail):
+            return
+        trusted = os.path.dirname(file) if whole_dir else file.removesuffix(".sha256")
+        with boundary.trusting([trusted]):
+            message = self.check(kind, path)
+        self.assertNotEqual(message, "", f"{kind}: {how} of {file}, trusted, was read")
+        self.assertNotIn("\n", message)
 
 
 # A missing companion (class 3 of the probe): every companion file and required field of the

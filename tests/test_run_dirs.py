@@ -9,15 +9,21 @@ import glob
 import io
 import json
 import os
+import resource
 import shutil
+import signal
 import tempfile
 import unittest
 from typing import Dict, List, Optional, Tuple
 
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
 from scaletorch.models import build_model
 from scaletorch.rules.errors import InputError
+from scaletorch.rules.schema import NAME_BYTES, path_component
 from scaletorch.trainer import Trainer, parse_args
-from scaletorch.trainer.run_dir import check_run_dir
+from scaletorch.trainer.run_dir import MARKER, check_run_dir, hold, moved_aside
 from tests.harness import NCCL_CHECKS, run_forked
 from tests.test_examples import ROOT
 
@@ -216,6 +222,106 @@ class TheWritableProbeSurvivesAMoveAside(unittest.TestCase):
             with mock.patch.object(config_module.tempfile, "mkdtemp", always_gone):
                 with self.assertRaisesRegex(InputError, "renamed or removed while it was probed"):
                     config_module.check_writable("logging.run_dir", run)
+
+
+class OverwriteMovesAsideAnyNameTheRuleAdmits(unittest.TestCase):
+    """--overwrite renames a run directory to ``NAME.old-<time>``: for every name the rule of
+    --name admits (up to NAME_BYTES bytes, 1 to 4 per character), moved twice in one second
+    (the -2 suffix), the new name fits NAME_BYTES (the name cut, whole characters) and the
+    run's files move with it. A rename the OS still refuses is one InputError line. Generated;
+    15 examples (long: 200)."""
+
+    @settings(max_examples=200 if os.environ.get("SCALETORCH_LONG_TESTS") == "1" else 15,
+              deadline=None)
+    @given(name=st.text(st.sampled_from("ab.-_ é漢😀"), min_size=1, max_size=100).filter(
+        path_component().admits))
+    @example(name="漢" * 85)  # 255 bytes: the probe's
+    @example(name="😀" * 63 + "abc")
+    def test_the_aside_name_fits_and_holds_the_run(self, name):
+        with tempfile.TemporaryDirectory() as tmp:
+            run = os.path.join(tmp, name)
+            moved = []
+            for _ in range(2):
+                os.makedirs(run)
+                open(os.path.join(run, MARKER), "w").close()
+                moved.append(moved_aside(run))
+            self.assertEqual(len(set(moved)), 2, moved)
+            for target in moved:
+                self.assertEqual(os.path.dirname(target), tmp)
+                base = os.path.basename(target)
+                self.assertLessEqual(len(base.encode("utf-8")), NAME_BYTES, base)
+                self.assertTrue(name.startswith(base[:base.rindex(".old-")]), base)
+                self.assertEqual(os.listdir(target), [MARKER])
+            self.assertFalse(os.path.lexists(run))
+
+    def test_a_rename_past_path_max_is_one_line(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            deep = os.path.join(tmp, *["d" * 250] * ((4095 - len(tmp)) // 251))
+            run = os.path.join(deep, "r" * (4094 - len(deep)))  # 4095 bytes: the longest path
+            os.makedirs(run)
+            with self.assertRaisesRegex(InputError, "cannot move .* aside .*nothing was moved"):
+                moved_aside(run)
+            self.assertTrue(os.path.isdir(run))
+
+
+def _hold_with_room(run: str, limit: int) -> str:
+    """``hold(run)`` in a forked child whose files may not grow past ``limit`` bytes
+    (RLIMIT_FSIZE: the kernel refuses the bytes past it, as a full disk refuses those past
+    its blocks): "" when the lock was taken, else the child's InputError (or what else it
+    raised, with its type)."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into the test runner
+        try:
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of a core dump
+            resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+            hold("logging.run_dir", run)
+            said = ""
+        except InputError as err:
+            said = str(err)
+        except BaseException as err:  # noqa: B902 (reported to the parent, which fails)
+            said = f"{type(err).__name__}: {err}"
+        os.write(write, said.encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as f:
+        said = f.read().decode()
+    os.waitpid(pid, 0)
+    return said
+
+
+class AFullDiskWhileTheMarkerIsWrittenLeavesNothing(unittest.TestCase):
+    """A run takes its directory by writing its marker (``hold``). A disk that fills up during
+    that write (any number of the marker's bytes fit, under new or existing directories) is
+    one InputError line, and nothing is left half made: a new run's marker and the directories
+    it made are removed; a run's existing marker keeps its bytes. Generated; 15 examples."""
+
+    @settings(max_examples=200 if os.environ.get("SCALETORCH_LONG_TESTS") == "1" else 15,
+              deadline=None)
+    @given(room=st.integers(0, 300), depth=st.integers(0, 2), existing=st.booleans())
+    def test_one_line_and_nothing_half_made(self, room, depth, existing):
+        with tempfile.TemporaryDirectory() as tmp:
+            run = os.path.join(tmp, *["parent"] * depth, "r")
+            old = b""
+            if existing:  # a finished run's marker: --resume takes it again
+                os.makedirs(run)
+                old = json.dumps({"pid": 1, "host": "h", "started": "t", "run": run}).encode()
+                with open(os.path.join(run, MARKER), "wb") as f:
+                    f.write(old)
+            said = _hold_with_room(run, len(old) + room)
+            if said == "":  # it fitted: this run's marker, whole
+                with open(os.path.join(run, MARKER)) as f:
+                    self.assertEqual(json.load(f)["run"], os.path.realpath(run))
+                return
+            self.assertRegex(
+                said, r"^logging.run_dir: cannot write the run marker .*\(File "
+                r"too large\); nothing was written: free space there")
+            self.assertNotIn("\n", said)
+            if existing:
+                self.assertEqual(snapshot(tmp),
+                                 {os.path.relpath(os.path.join(run, MARKER), tmp): old})
+            else:
+                self.assertEqual(os.listdir(tmp), [])
 
 
 if __name__ == "__main__":

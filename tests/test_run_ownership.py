@@ -10,6 +10,7 @@ import fcntl
 import json
 import os
 import signal
+import stat
 import tempfile
 import unicodedata
 import unittest
@@ -260,6 +261,31 @@ class FilesInARunDirectoryMustBeRegularFiles(unittest.TestCase):
             self.assertIn(os.path.join(run, name), out)
             self.assertIn("not a regular file", out)
             self.assertEqual(sorted(os.listdir(run)), before)
+
+
+class WhatStandsWhereARunDirectoryGoesIsNamed(unittest.TestCase):
+    """A file, FIFO, socket or device where the run directory or checkpoint.dir goes, or above
+    it: one line naming it as what it is, and the option that fits. Generated; 12 cases."""
+
+    KINDS = {"file": stat.S_IFREG, "fifo": stat.S_IFIFO, "socket": stat.S_IFSOCK, "device": 0}
+    ADVICE = {"run": "another --name", "ck": "another --checkpoint.dir", "up": "--logging.run_dir"}
+
+    @settings(max_examples=12 if not LONG else 100, deadline=None)
+    @given(kind=st.sampled_from(sorted(KINDS)), where=st.sampled_from(sorted(ADVICE)))
+    def test_named_as_what_it_is(self, kind, where):
+        with tempfile.TemporaryDirectory() as tmp:
+            spot = os.path.join(tmp, "x")
+            (os.symlink(os.devnull, spot) if kind == "device" else  # a symlink to a device
+             os.mknod(spot, 0o600 | self.KINDS[kind]))
+            by = {"run": ["--name", "x"], "ck": ["--checkpoint.dir", spot, "--checkpoint.every=1"]}
+            argv = ["--logging.run_dir", os.path.join(spot, "runs") if where == "up" else tmp]
+            code, out = run_in_process(C00, argv + by.get(where, []))
+            self.assertEqual((code, len(out.splitlines())), (2, 1), out)
+            says = {"fifo": "FIFO", "device": "character device"}.get(kind, kind)
+            link = kind == "device" and where != "up"  # the directory itself: "a symlink"
+            self.assertIn(f"'{spot}' is a {'symlink' if link else says}", out)
+            self.assertIn(self.ADVICE[where], out)
+            self.assertEqual(os.listdir(tmp), ["x"])
 
 
 class AdviceIsBuiltFromWhatWasFound(unittest.TestCase):

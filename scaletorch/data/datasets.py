@@ -122,15 +122,16 @@ def check_data_file(dataset: str, path: Optional[str], vocab_size: int, seq_len:
         raise MissingInputError(f"data.path {clip(path)} does not exist: give a text file "
                                 f"(data.dataset text) or a token file from "
                                 f"scripts/prepare_text.py (data.dataset bin)")
-    if not os.path.isfile(path):
-        raise InputError(
-            f"data.path {clip(path)} is not a file: give one file (scripts/prepare_text.py "
-            f"joins several into one .bin)")
-    # through the trust boundary: a regular file (not a FIFO); a text is read whole into
-    # memory, so it has a size limit; a .bin is ours (scripts/prepare_text.py writes its
-    # .sha256) or named with --trust-unchecked
-    size = boundary.regular_file(path, "data.path",
-                                 boundary.TEXT_BYTES if dataset == "text" else boundary.UNLIMITED)
+    if os.path.isdir(path):
+        raise InputError(f"data.path {clip(path)} is a directory, not a file: give one file "
+                         f"(scripts/prepare_text.py joins several into one .bin)")
+    # through the trust boundary: a regular file (a FIFO or a device named as what it is); a
+    # text is read whole into memory, so it has a size limit; a .bin is ours
+    # (scripts/prepare_text.py writes its .sha256) or named with --trust-unchecked
+    size = boundary.regular_file(
+        path, "data.path", boundary.TEXT_BYTES if dataset == "text" else boundary.UNLIMITED,
+        hint="a run reads data.path again and again, a window at any offset: save what it "
+        "streams to a file and give that")
     if dataset == "bin":
         boundary.verified(path, "data.path (a token file)")
     length = seq_len + 1

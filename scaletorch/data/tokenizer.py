@@ -37,8 +37,9 @@ def read_text(path: str) -> str:
     """The UTF-8 text of ``path``; InputError naming it when it is missing or not text."""
     if not os.path.exists(path):
         raise MissingInputError(f"text file {clip(path)} does not exist")
-    if not os.path.isfile(path):
-        raise InputError(f"text file {clip(path)} is not a file: give the text files themselves")
+    if os.path.isdir(path):  # a FIFO or a device: named by read_bytes
+        raise InputError(f"text file {clip(path)} is a directory, not a file: give the text files "
+                         f"themselves")
     data = boundary.read_bytes(path, "text file", boundary.TEXT_BYTES, digest=False)
     check_utf8(data, path, "text file")
     return data.decode("utf-8")

@@ -31,7 +31,8 @@ the allow-list unpickler of DCP's ``.metadata`` (``scaletorch/trainer/dcp_pieces
 Digests are required: a file kind that ScaleTorch writes is read only once its ``.sha256``
 matches. A missing, unreadable or wrong digest is an ``InputError``, one line. A file made
 elsewhere (a Hugging Face directory from the Hub, a token file of another tool) has none; the
-user names it with ``--trust-unchecked PATH`` (a directory trusts the files under it), and
+user names it with ``--trust-unchecked PATH`` (a directory trusts the files under it; a digest
+that exists is still checked: the flag excuses a missing one only), and
 ``trust_unchecked`` records that for this process. It is process state on purpose: the user's
 statement holds for every reader of the run, however deep, and is set once, from the command
 line (``trusting`` scopes it to a block, for code that parses no command line).
@@ -53,9 +54,9 @@ from scaletorch.rules.safe_files import (CorruptFileError, checksum_path, read_c
 
 __all__ = [
     "CONFIG_BYTES", "INT_DIGITS", "JSON_BYTES", "NESTING", "TRUST_HELP", "YamlSyntaxError",
-    "add_trust_flag", "TEXT_BYTES", "UNLIMITED", "YAML_NODES", "is_trusted_unchecked", "load_json",
-    "load_jsonl", "dump_yaml", "load_yaml", "not_finite_as", "number", "parse_json", "read_bytes",
-    "read_text", "regular_file", "trust_unchecked", "trusting", "verified"
+    "add_trust_flag", "TEXT_BYTES", "UNLIMITED", "YAML_NODES", "is_trusted_unchecked", "kind_of",
+    "load_json", "load_jsonl", "dump_yaml", "load_yaml", "not_finite_as", "number", "parse_json",
+    "read_bytes", "read_text", "regular_file", "trust_unchecked", "trusting", "verified"
 ]
 
 CONFIG_BYTES = 1 << 20  # a config YAML: ours are under 2 KB
@@ -73,9 +74,10 @@ _trusted: Set[str] = set()  # real paths named with --trust-unchecked
 
 TRUST_HELP = ("read PATH (a file, or every file under a directory) without the .sha256 that "
               "ScaleTorch writes beside its files: for files made elsewhere (a Hugging Face "
-              "directory from the Hub, another tool's .bin or torch file). RISK: a damaged or "
-              "altered file is then not detected; it is still parsed only as data (no code "
-              "runs). Repeatable.")
+              "directory from the Hub, another tool's .bin or torch file). It excuses only a "
+              "missing .sha256: one that exists is still checked, and a mismatch refused. "
+              "RISK: a damaged or altered file without one is then not detected; it is still "
+              "parsed only as data (no code runs). Repeatable.")
 
 
 def add_trust_flag(parser: Any) -> None:
@@ -120,9 +122,21 @@ def is_trusted_unchecked(path: str) -> bool:
     return any(real == t or real.startswith(t.rstrip(os.sep) + os.sep) for t in _trusted)
 
 
-def regular_file(path: str, what: str, max_bytes: int) -> int:
+KINDS = ((stat.S_ISREG, "a file"), (stat.S_ISDIR, "a directory"), (stat.S_ISLNK, "a symlink"),
+         (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+         (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def kind_of(mode: int) -> str:
+    """What a file of ``mode`` (``os.stat``'s, or ``os.lstat``'s) is, in words: "a file", "a
+    FIFO", "a character device"... An error line names a path as what it is."""
+    return next((words for test, words in KINDS if test(mode)), "no file of a known kind")
+
+
+def regular_file(path: str, what: str, max_bytes: int, hint: str = "give the file itself") -> int:
     """The size of ``path`` once it is a regular file of at most ``max_bytes`` (a symlink is
-    followed); InputError naming ``what`` and the path otherwise. Nothing is read."""
+    followed); InputError naming ``what``, the path and what it is otherwise, with ``hint``
+    for a FIFO or a device (what to give instead). Nothing is read."""
     try:
         st = os.stat(path)
     except FileNotFoundError:
@@ -132,9 +146,8 @@ def regular_file(path: str, what: str, max_bytes: int) -> int:
     if stat.S_ISDIR(st.st_mode):
         raise InputError(f"{what} {clip(path)} is a directory, not a file")
     if not stat.S_ISREG(st.st_mode):
-        kind = "a FIFO" if stat.S_ISFIFO(st.st_mode) else "a device or socket"
-        raise InputError(f"{what} {clip(path)} is {kind}, not a regular file: give the file "
-                         f"itself")
+        raise InputError(f"{what} {clip(path)} is {kind_of(st.st_mode)}, not a regular file: "
+                         f"{hint}")
     if st.st_size > max_bytes:
         raise InputError(f"{what} {clip(path)} has {st.st_size} bytes, over the limit of "
                          f"{max_bytes} for it: it is not the file meant")
@@ -142,23 +155,32 @@ def regular_file(path: str, what: str, max_bytes: int) -> int:
 
 
 def verified(path: str, what: str, content: bool = True) -> None:
-    """InputError (a CorruptFileError) unless ``path`` matches ``<path>.sha256``, or the user
-    trusted it with ``--trust-unchecked``. A missing digest is an error: removing it must not
-    switch the check off. ``content=False``: the digest file only, for a pre-flight that
-    must not hash gigabytes (the load that reads the bytes hashes them)."""
-    if is_trusted_unchecked(path):
-        return
+    """InputError (a CorruptFileError) unless ``path`` matches ``<path>.sha256``. A missing
+    digest is an error, unless the user trusted the file with ``--trust-unchecked``: removing
+    it must not switch the check off. A digest that exists is checked, trusted or not: the
+    flag is for files made elsewhere, which have none. ``content=False``: the digest file
+    only, for a pre-flight that must not hash gigabytes (the load that reads the bytes hashes
+    them)."""
     side = checksum_path(path)
     if not os.path.lexists(side):
+        if is_trusted_unchecked(path):
+            return
         raise CorruptFileError(
             f"{what} {clip(path)} has no checksum file {os.path.basename(side)}: ScaleTorch "
             f"writes one beside every file it makes. If the file was made elsewhere and you "
             f"trust it, add --trust-unchecked {clip(path)}")
-    regular_file(side, "checksum file", 4096)
-    if content:
-        verify_checksum(path)
-    else:
-        read_checksum(path)
+    try:
+        regular_file(side, "checksum file", 4096)
+        if content:
+            verify_checksum(path)
+        else:
+            read_checksum(path)
+    except InputError as err:
+        if not is_trusted_unchecked(path):
+            raise
+        raise CorruptFileError(
+            f"{err}; --trust-unchecked excuses a missing digest only, not one that disagrees: "
+            f"if you changed the file on purpose, remove {os.path.basename(side)}") from None
 
 
 def read_bytes(path: str, what: str, max_bytes: int, digest: bool = True) -> bytes:

@@ -48,7 +48,8 @@ from scaletorch.trainer.checkpoint import (check_rank_files, check_resume, lates
                                            load_tensors_only, read_manifest)
 from scaletorch.trainer.memory_limit import check_memory
 from scaletorch.trainer.resume_check import check_resumed
-from scaletorch.trainer.run_dir import check_run_dir, move_aside, remove_unused, take_ownership
+from scaletorch.trainer.run_dir import (check_run_dir, move_aside, other_option, remove_unused,
+                                        take_ownership)
 from scaletorch.trainer.stops import catch_stop_signals, is_output_failure, stopped
 
 __all__ = [
@@ -244,8 +245,8 @@ def load_yaml(path: str) -> Dict[str, Any]:
         raise MissingInputError(f"config file {clip(path)} does not exist; each script's "
                                 f"defaults are in examples/configs/")
     if os.path.isdir(path):
-        raise InputError(f"config file {clip(path)} is not a file: give a YAML file such as "
-                         f"examples/configs/00_single_device.yaml")
+        raise InputError(f"config file {clip(path)} is a directory, not a file: give a YAML file "
+                         f"such as examples/configs/00_single_device.yaml")
     boundary.regular_file(path, "config file", boundary.CONFIG_BYTES)
     try:
         with open(path, "rb") as f:
@@ -601,8 +602,13 @@ def check_writable(key: str, path: str) -> None:
         while not os.path.exists(existing):
             existing = os.path.dirname(existing)
         if not os.path.isdir(existing):
+            what = boundary.kind_of(os.stat(existing).st_mode)
+            if existing == os.path.abspath(path):  # the run's own directory, the last name
+                raise InputError(f"{key}: {clip(path)} is {what}, not a directory: the run "
+                                 f"makes its directory there; nothing was written: give "
+                                 f"another {other_option(key)}, or remove or rename it")
             raise InputError(
-                f"{key}: cannot create {clip(path)}, since {clip(existing)} is a file; "
+                f"{key}: cannot create {clip(path)}, since {clip(existing)} is {what}; "
                 f"give a directory path with --{key}")
         try:
             os.rmdir(tempfile.mkdtemp(prefix=".scaletorch-probe-", dir=existing))

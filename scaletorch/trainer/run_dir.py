@@ -38,6 +38,7 @@ from scaletorch.dist import restart_count
 from scaletorch.rules import boundary
 from scaletorch.rules.errors import InputError, clip
 from scaletorch.rules.safe_files import write_atomic
+from scaletorch.rules.schema import NAME_BYTES
 
 PROBE = ".scaletorch-probe-"  # check_writable's empty directory, made and removed at once
 MARKER = ".scaletorch-run"  # a run made this directory; its lock; who holds it (JSON)
@@ -85,11 +86,7 @@ def _open_marker(marker: str, flags: int) -> int:
 
 def _kind(mode: int) -> Optional[str]:
     """What a file that is not a regular one is, in words (None: a regular file)."""
-    if stat.S_ISREG(mode):
-        return None
-    if stat.S_ISDIR(mode):
-        return "a directory"
-    return "a symlink" if stat.S_ISLNK(mode) else "a FIFO, device or socket"
+    return None if stat.S_ISREG(mode) else boundary.kind_of(mode)
 
 
 def _not_a_marker(marker: str, found: str) -> InputError:
@@ -141,10 +138,10 @@ def check_not_held(key: str, path: str) -> None:
         who = holder(above)
     if who is not None:
         raise InputError(f"{key}: {clip(path)} is in use by another run ({who}); nothing was "
-                         f"written: wait for it to end, or give another {_other(key)}")
+                         f"written: wait for it to end, or give another {other_option(key)}")
 
 
-def _other(key: str) -> str:
+def other_option(key: str) -> str:
     """The option that names another directory for ``key``: a run directory is
     logging.run_dir/<--name>; checkpoint.dir is given whole."""
     if key == "logging.run_dir":
@@ -189,10 +186,12 @@ def hold(key: str, path: str, run: Optional[str] = None) -> bool:
         return False
     if os.path.realpath(path) in _held:  # taken already (load_config twice in one process)
         return True
-    _made.extend(_missing(path))  # what this run creates, to remove if it writes nothing
+    missing, marker = _missing(path), os.path.join(path, name)
+    _made.extend(missing)  # what this run creates, to remove if it writes nothing
+    created = not os.path.lexists(marker)
     try:  # a name the schema let through may still fail here (a full disk, a path too long)
         os.makedirs(path, exist_ok=True)
-        fd = _open_marker(os.path.join(path, name), os.O_RDWR | os.O_CREAT)
+        fd = _open_marker(marker, os.O_RDWR | os.O_CREAT)
     except OSError as err:
         raise InputError(f"{key}: cannot create {clip(path)} ({err.strerror}); nothing was "
                          f"written: give a shorter --name or a directory you can write") from None
@@ -208,8 +207,25 @@ def hold(key: str, path: str, run: Optional[str] = None) -> bool:
         "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         "run": os.path.realpath(run or path)
     }
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, json.dumps(info).encode(), 0)
+    data, old, done = json.dumps(info).encode(), os.pread(fd, MARKER_BYTES, 0), 0
+    try:  # over the old marker, then cut: a full disk refuses only the bytes past its blocks
+        while done < len(data):
+            done += os.pwrite(fd, data[done:], done)
+        os.ftruncate(fd, len(data))
+    except OSError as err:  # a full disk, a quota: the old marker back, or none of this run's
+        with contextlib.suppress(OSError):
+            os.pwrite(fd, old, 0)
+            os.ftruncate(fd, len(old))
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            if created:
+                os.remove(marker)
+        for made in reversed(missing):
+            with contextlib.suppress(OSError):
+                os.rmdir(made)
+        raise InputError(f"{key}: cannot write the run marker {clip(marker)} ({err.strerror}); "
+                         f"nothing was written: free space there, or give a directory on "
+                         f"another disk") from None
     _held[os.path.realpath(path)] = fd
     return True
 
@@ -314,7 +330,7 @@ def check_not_a_symlink(key: str, path: str) -> None:
     if os.path.islink(path):
         raise InputError(f"{key}: {clip(path)} is a symlink (to {clip(os.readlink(path))}): a "
                          f"run writes only in a directory of its own; nothing was written: give "
-                         f"the real directory, or another {_other(key)}")
+                         f"the real directory, or another {other_option(key)}")
 
 
 def check_not_inside_a_run(key: str, path: str, run_path: str) -> None:
@@ -378,7 +394,7 @@ def check_made_by_a_run(key: str, path: str) -> None:
     if not is_run_dir(path):
         raise InputError(f"{key}: {clip(path)} was not made by a run (it has no {MARKER}): "
                          f"--overwrite moves aside only a run's directory; give another "
-                         f"{_other(key)}, or move it yourself")
+                         f"{other_option(key)}, or move it yourself")
 
 
 def check_free(key: str, path: str, resume: bool, overwrite: bool) -> None:
@@ -403,14 +419,16 @@ def held(key: str, path: str, entries: List[str]) -> InputError:
     shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
     above = _run_above(path)
     if not is_run_dir(path) and above is not None:  # a run's checkpoints/, in its directory
-        return InputError(f"{key}: {clip(path)} already holds a run's files ({shown}), of the run "
-                          f"in {above!r}; nothing was written: give another {_other(key)}")
+        return InputError(
+            f"{key}: {clip(path)} already holds a run's files ({shown}), of the run "
+            f"in {clip(above)}; nothing was written: give another {other_option(key)}")
     if not is_run_dir(path):
-        return InputError(f"{key}: {clip(path)} already holds files ({shown}) that no run made (it "
-                          f"has no {MARKER}); nothing was written: give another {_other(key)}, "
-                          f"or move it yourself")
+        return InputError(
+            f"{key}: {clip(path)} already holds files ({shown}) that no run made (it "
+            f"has no {MARKER}); nothing was written: give another {other_option(key)}, "
+            f"or move it yourself")
     return InputError(f"{key}: {clip(path)} already holds a run ({shown}); nothing was written: "
-                      f"continue it with --resume, give a new {_other(key)}, or "
+                      f"continue it with --resume, give a new {other_option(key)}, or "
                       f"--overwrite to move it aside to {path}.old-<time> (kept, not deleted)")
 
 
@@ -427,13 +445,22 @@ def move_aside(cfg: Config) -> List[str]:
 
 
 def moved_aside(path: str) -> str:
-    """Rename directory ``path`` to ``<path>.old-<YYYYmmdd-HHMMSS>`` (-2, -3... if taken)."""
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    target, n = f"{path}.old-{stamp}", 1
-    while os.path.exists(target):
-        n += 1
-        target = f"{path}.old-{stamp}-{n}"
-    os.rename(path, target)
+    """Rename directory ``path`` to ``<path>.old-<YYYYmmdd-HHMMSS>`` (-2, -3... if taken), its
+    name cut (whole characters) so that the new one fits NAME_BYTES: a run name may use all of
+    them. InputError naming both when the OS still refuses (a path over PATH_MAX)."""
+    parent, name = os.path.split(os.path.normpath(path))
+    stamp, n, target = time.strftime("%Y%m%d-%H%M%S"), 1, ""
+    while not target or os.path.lexists(target):
+        suffix = f".old-{stamp}" + (f"-{n}" if n > 1 else "")
+        cut = name  # each character's bytes as the OS gets them (a surrogate escape: one)
+        while len(os.fsencode(cut + suffix)) > NAME_BYTES:
+            cut = cut[:-1]
+        target, n = os.path.join(parent, cut + suffix), n + 1
+    try:
+        os.rename(path, target)
+    except OSError as err:
+        raise InputError(f"--overwrite: cannot move {clip(path)} aside to {clip(target)} "
+                         f"({err.strerror}); nothing was moved: move it yourself") from None
     return target
 
 
