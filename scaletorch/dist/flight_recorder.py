@@ -216,12 +216,11 @@ def analyze(traces: Dict[int, dict]) -> List[str]:
     # dump alone, in a world of 2, is missing rank 0's; rank 0's alone is missing rank 1's
     known = set(range(max(traces) + 1)).union(*_members(traces).values())
     missing = sorted(known - set(traces))
+    n = sum(len(calls(r, t)) for r, t in traces.items())
     if not found and missing:
-        n = sum(len(calls(r, t)) for r, t in traces.items())
         lines.append(f"the dumps present agree on all {n} collectives recorded, but ranks "
                      f"{clip(missing)} wrote none: a hang's missing partner is often among them")
     elif not found:
-        n = sum(len(calls(r, t)) for r, t in traces.items())
         lines.append(f"the ranks agree on all {n} collectives recorded: look for a rank that "
                      f"stopped outside a collective")
     for i, (c, there, ranks) in enumerate(found):
