@@ -109,21 +109,25 @@ def _make_hf(d: str) -> str:
     return path
 
 
+# one collective as a flight-recorder dump records it (tests/test_file_values.py uses it too)
+DUMP_ENTRY = {
+    "process_group": ["0", "default_pg"],
+    "collective_seq_id": 1,
+    "profiling_name": "gloo:all_reduce",
+    "input_sizes": [[3]],
+    "input_dtypes": ["Float"],
+    "time_created_ns": 1,
+    "frames": [{
+        "filename": "x.py",
+        "line": 1,
+        "name": "f"
+    }]
+}
+
+
 def _make_dump(d: str) -> str:
     path = os.path.join(d, "flight_recorder")
-    entry = {
-        "process_group": ["0", "default_pg"],
-        "collective_seq_id": 1,
-        "profiling_name": "gloo:all_reduce",
-        "input_sizes": [[3]],
-        "input_dtypes": ["Float"],
-        "time_created_ns": 1,
-        "frames": [{
-            "filename": "x.py",
-            "line": 1,
-            "name": "f"
-        }]
-    }
+    entry = DUMP_ENTRY
     for rank in (0, 1):
         write_checksummed(os.path.join(path, f"rank_{rank}"),
                           json.dumps({

@@ -42,6 +42,7 @@ from scaletorch.rules import boundary
 from scaletorch.schedule import simulate
 from scripts import plan, plot, plot_profile
 from scripts.plot_base import read_metrics, read_timeline
+from tests.test_file_kinds import DUMP_ENTRY
 
 LONG = os.environ.get("SCALETORCH_LONG_TESTS") == "1"
 
@@ -368,18 +369,7 @@ class WrongValuesInsideFilesAreOneLine(unittest.TestCase):
 def _dump(world: int, calls: int) -> dict:
     """A rank's flight-recorder dump (scaletorch.dist.flight_recorder's JSON): ``calls``
     all-reduces over the world group of ``world`` ranks, every rank alike."""
-    entry = {
-        "process_group": ["0", "world"],
-        "profiling_name": "gloo:all_reduce",
-        "input_sizes": [[3]],
-        "input_dtypes": ["Float"],
-        "time_created_ns": 1,
-        "frames": [{
-            "filename": "x.py",
-            "line": 1,
-            "name": "f"
-        }]
-    }
+    entry = {**DUMP_ENTRY, "process_group": ["0", "world"]}
     ranks = ", ".join(map(str, range(world)))
     return {
         "entries": [{
