@@ -27,7 +27,8 @@ import re
 from typing import Dict, List, Tuple
 
 from scaletorch.rules import boundary
-from scripts.plot_base import draw_timeline, label_of, pyplot, read_metrics, read_timeline
+from scripts.plot_base import (draw_timeline, label_of, pyplot, read_metrics, read_timeline,
+                               save_figure)
 
 NUMBER = r"[\d,]+(?:\.\d+)?"
 RANK_COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown",
@@ -58,8 +59,7 @@ def _need(found, what: str, path: str):
 
 def _save(plt, fig, out: str) -> None:
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    save_figure(fig, out, dpi=110)
     print(f"wrote {out}")
 
 

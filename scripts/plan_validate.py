@@ -30,6 +30,7 @@ from scaletorch.plan.model import preset  # noqa: E402
 from scaletorch.plan.report import evaluate  # noqa: E402
 from scaletorch.plan.search import with_split  # noqa: E402
 from scaletorch.rules.errors import OneLineParser  # noqa: E402
+from scripts.plot_base import save_figure  # noqa: E402
 
 SPEED_TOLERANCE = 0.20
 MEMORY_TOLERANCE = 0.15
@@ -266,6 +267,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         except ImportError:
             print("error: --plot needs matplotlib (pip install -e .[plot])", file=sys.stderr)
             return 2
+        except ValueError as err:  # a suffix matplotlib cannot write, a full disk: one line
+            print(f"error: --plot {err}", file=sys.stderr)
+            return 2
         print(f"wrote {args.plot}")
     return 0
 
@@ -307,7 +311,7 @@ def plot(results: List[Dict[str, Any]], path: str) -> None:
         ax.set_title(f"{title}: red outside the band, gray: not all modelled")
         ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
 
 
 if __name__ == "__main__":

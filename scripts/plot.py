@@ -48,7 +48,7 @@ from scaletorch.schedule.timeline import Timeline  # noqa: E402
 from scripts import plot_profile  # noqa: E402
 
 from scripts.plot_base import draw_timeline, label_of, pyplot  # noqa: E402  # isort: skip
-from scripts.plot_base import read_metrics, read_timeline  # noqa: E402  # isort: skip
+from scripts.plot_base import read_metrics, read_timeline, save_figure  # noqa: E402  # isort: skip
 
 
 def plot_losses(paths: List[str], key: str, out: str) -> None:
@@ -68,7 +68,7 @@ def plot_losses(paths: List[str], key: str, out: str) -> None:
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out, dpi=120)
+    save_figure(fig, out, dpi=120)
     print(f"wrote {out}")
 
 
@@ -91,7 +91,7 @@ def plot_timelines(timelines: List[tuple], out: str, unit: str = "s", note: str 
         f"light = forward F, dark = backward B (input gradient, or the whole backward), "
         f"hatched = weight gradient W{note}", fontsize=8)
     fig.tight_layout(rect=(0, 0, 1, 0.985))
-    fig.savefig(out, dpi=120)
+    save_figure(fig, out, dpi=120)
     print(f"wrote {out}")
 
 
@@ -269,8 +269,7 @@ def plot_plan_memory(layouts: List[dict], cluster: str, out: str) -> None:
     ax.legend(handles[::-1], names[::-1], fontsize=7, loc="upper left", bbox_to_anchor=(1, 1))
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    save_figure(fig, out, dpi=100)
     print(f"wrote {out}")
 
 
@@ -359,8 +358,7 @@ def plot_plan_vs_measured(runs: List[dict], tolerance: float, out: str) -> None:
     ax.legend(fontsize=7, loc="upper left")
     ax.grid(alpha=0.3, which="both")
     fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    save_figure(fig, out, dpi=100)
     print(f"wrote {out}")
 
 

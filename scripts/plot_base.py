@@ -6,7 +6,7 @@ import os
 import sys
 from typing import Dict, List
 
-from scaletorch.rules import boundary
+from scaletorch.rules import boundary, safe_files
 from scaletorch.rules.errors import InputError, clip
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -31,14 +31,34 @@ def pyplot():
     return plt
 
 
+def save_figure(fig, out: str, dpi: int) -> None:
+    """Draw ``fig`` into ``out`` whole or not at all: the picture is rendered in memory (the
+    format from the name's suffix, PNG without one), then written under a temporary name and
+    renamed (safe_files.write_atomic). A full disk is one line, and no empty file is left."""
+    import io
+
+    import matplotlib.pyplot as plt
+
+    kind = os.path.splitext(out)[1][1:].lower() or "png"
+    if kind not in fig.canvas.get_supported_filetypes():
+        raise InputError(f"{clip(out)}: matplotlib writes no {kind!r} files; name one of "
+                         f"{', '.join(sorted(fig.canvas.get_supported_filetypes()))}")
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format=kind, dpi=dpi)
+    plt.close(fig)
+    safe_files.write_atomic(out, buffer.getvalue(), kept="no picture was written")
+
+
 def read_metrics(path: str, key: str) -> Dict[str, List[float]]:
     """{"step": [...], key: [...]} from a metrics.jsonl file (a restarted run appends: the
     last record of each step wins). Each record's step is a count and its value a number: a
-    non-finite one (a run stopped on a nan loss) is drawn as a gap, anything else is one line."""
-    if not os.path.isfile(path):
-        raise InputError(f"metrics file {clip(path)} does not exist")
+    non-finite one or null (fp16 logs the inf gradient norm of a step it skips) is drawn as a
+    gap, anything else is one line."""
+    records = boundary.load_jsonl(path, "metrics file")  # a FIFO or a directory: named
+    if not records:
+        raise InputError(f"metrics file {clip(path)} holds no records: no step to draw")
     by_step = {}
-    for n, record in enumerate(boundary.load_jsonl(path, "metrics file"), 1):
+    for n, record in enumerate(records, 1):
         at = f"metrics file {clip(path)} record {n}"
         if "step" not in record or key not in record:
             raise InputError(f"{at} has no {'step' if 'step' not in record else repr(key)}; "

@@ -30,6 +30,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from scaletorch.rules import boundary
 from scaletorch.rules.errors import InputError, MissingInputError, clip
+from scripts.plot_base import save_figure
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send", "recv",
        "send/recv")
@@ -251,8 +252,7 @@ def draw(plt: Any, steps: List[RankStep], title: str, out: str) -> None:
     ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.grid(alpha=0.3, axis="x")
     fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    save_figure(fig, out, dpi=100)
     print(f"wrote {out}")
 
 

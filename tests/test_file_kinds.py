@@ -132,7 +132,8 @@ def _make_dump(d: str) -> str:
         write_checksummed(os.path.join(path, f"rank_{rank}"),
                           json.dumps({
                               "entries": [entry],
-                              "pg_config": {}
+                              "pg_config": {},
+                              "rank": rank
                           }).encode())
     return path
 

@@ -13,8 +13,8 @@ event list itself), a cluster file (``scripts/plan.py --cluster``, JSON or YAML:
 the entries of links, slowdown, issued, sources), a pipeline's timeline.json (``plot.py
 timeline``: pp, micro_batches, virtual_stages, schedule, an event and each of its six entries)
 a runs file (``plot.py plan-vs-measured``: a run and each of its keys), a run's metrics.jsonl
-(``plot.py loss``: a record's step and loss; a nan or null loss is a gap in the curve, as a run
-stopped on a nan loss writes it) and a plan file (``plot.py plan-memory``: each memory_bytes
+(``plot.py loss``: a record's step and loss; a nan, inf or null loss is a gap in the curve, as
+fp16's skipped steps write such values) and a plan file (``plot.py plan-memory``: each memory_bytes
 kind, the rank and the model's name). A flight-recorder directory with a rank's dump missing
 names the missing ranks, whichever they are (FlightRecorderNamesTheMissingRanks); a chapter
 picture's log that is a directory, a FIFO, too large or another text is one line
@@ -342,9 +342,10 @@ class WrongValuesInsideFilesAreOneLine(unittest.TestCase):
         self.assertEqual(plot.read_plans([os.path.join(self.tmp, "plan.json")]), PLAN["layouts"])
         with open(os.path.join(self.tmp, "metrics.jsonl"), "w") as f:
             f.write("".join(json.dumps(r) + "\n" for r in METRICS))
-            f.write('{"step": 2, "loss": NaN}\n{"step": 3, "loss": null}\n')  # gaps
+            f.write('{"step": 2, "loss": NaN}\n{"step": 3, "loss": null}\n'  # gaps
+                    '{"step": 4, "loss": Infinity}\n{"step": 5, "loss": -Infinity}\n')
         curve = read_metrics(os.path.join(self.tmp, "metrics.jsonl"), "loss")
-        self.assertEqual((curve["step"], curve["loss"][:2]), ([0, 1, 2, 3], [4.2, 4.0]))
+        self.assertEqual((curve["step"], curve["loss"][:2]), ([0, 1, 2, 3, 4, 5], [4.2, 4.0]))
         self.assertTrue(all(math.isnan(v) for v in curve["loss"][2:]))
         timeline = read_timeline(os.path.join(self.tmp, "timeline.json"))
         self.assertEqual(len(timeline.events), len(TIMELINE["events"]))
@@ -366,8 +367,8 @@ class WrongValuesInsideFilesAreOneLine(unittest.TestCase):
         self.assertNotIn("--profile STEPS", err)
 
 
-def _dump(world: int, calls: int) -> dict:
-    """A rank's flight-recorder dump (scaletorch.dist.flight_recorder's JSON): ``calls``
+def _dump(world: int, calls: int, rank: int) -> dict:
+    """Rank ``rank``'s flight-recorder dump (scaletorch.dist.flight_recorder's JSON): ``calls``
     all-reduces over the world group of ``world`` ranks, every rank alike."""
     entry = {**DUMP_ENTRY, "process_group": ["0", "world"]}
     ranks = ", ".join(map(str, range(world)))
@@ -381,7 +382,8 @@ def _dump(world: int, calls: int) -> dict:
                 "desc": "world",
                 "ranks": f"[{ranks}]"
             }
-        }
+        },
+        "rank": rank
     }
 
 
@@ -406,7 +408,7 @@ class FlightRecorderNamesTheMissingRanks(unittest.TestCase):
         directory = os.path.join(self.tmp, f"fr{world}-{'-'.join(map(str, sorted(present)))}")
         for rank in present:
             write_checksummed(os.path.join(directory, f"rank_{rank}"),
-                              json.dumps(_dump(world, calls)).encode())
+                              json.dumps(_dump(world, calls, rank)).encode())
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
             self.assertEqual(fr_analyze.main([directory]), 0)
@@ -420,13 +422,46 @@ class FlightRecorderNamesTheMissingRanks(unittest.TestCase):
         from scripts import fr_analyze
         for name, world in (("rank_99999999999", 2), ("rank_0", 10**12)):
             directory = os.path.join(self.tmp, name + str(world))
-            dump = _dump(2, 1)
+            dump = _dump(2, 1, int(name[len("rank_"):]))
             dump["pg_config"]["0"]["ranks"] = f"[0, {world}]"
             write_checksummed(os.path.join(directory, name), json.dumps(dump).encode())
             status, err = _run(fr_analyze.main, [directory])
             self.assertEqual(status, 2, err)
             self.assertEqual(len(err.splitlines()), 1, err)
             self.assertIn(repr(os.path.join(directory, name)), err)
+
+    @settings(max_examples=40 if LONG else 8, deadline=None, derandomize=not LONG)
+    @given(world=st.integers(2, 6), data=st.data(),
+           kind=st.sampled_from(["renamed", "copied", "outside", "other world", "no rank"]))
+    def test_a_dump_under_another_ranks_name_is_refused_naming_it(self, world, data, kind):
+        # the rank is the dump's own ("rank", written by flight_recorder.dump), not its file
+        # name's: a renamed or copied dump would put one rank's collectives under another
+        from scaletorch.rules.safe_files import write_checksummed
+        from scripts import fr_analyze
+        rank = data.draw(st.integers(0, world - 1))
+        other = data.draw(st.integers(0, 2 * world).filter(lambda r: r != rank))
+        dumps = {r: _dump(world, 2, r) for r in range(world)}
+        if kind in ("renamed", "copied"):  # rank's dump under other's name
+            if kind == "renamed":
+                del dumps[rank]
+            dumps[other] = _dump(world, 2, rank)
+            bad = other
+        elif kind == "outside":  # a world that does not hold the rank its dump names
+            dumps[rank]["pg_config"]["0"]["ranks"] = str([r for r in range(world) if r != rank])
+            bad = rank
+        elif kind == "other world":  # another run's dump among this run's
+            dumps[rank] = _dump(world + 1, 2, rank)
+            bad = rank
+        else:
+            del dumps[rank]["rank"]
+            bad = rank
+        directory = os.path.join(self.tmp, f"{kind}-{world}-{rank}-{other}")
+        for r, dump in dumps.items():
+            write_checksummed(os.path.join(directory, f"rank_{r}"), json.dumps(dump).encode())
+        status, err = _run(fr_analyze.main, [directory])
+        self.assertEqual(status, 2, err)
+        self.assertEqual(len(err.splitlines()), 1, err)
+        self.assertIn(f"rank_{bad}", err)
 
 
 LOG_PLOTS = ("ddp-buckets", "zero-memory", "tp-split", "zigzag", "experts", "rank-grid",

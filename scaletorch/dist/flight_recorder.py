@@ -18,7 +18,7 @@ import os
 import pickle
 import re
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, List, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -63,6 +63,7 @@ def dump(directory: str, rank: int, groups: Iterable[Tuple[Any, str]] = ()) -> s
             "ranks": str(dist.get_process_group_ranks(group)),
         }
     trace["pg_config"] = table
+    trace["rank"] = rank  # ours: load() checks the file's name against it
     path = os.path.join(directory, f"{PREFIX}{rank}")
     # whole or absent, with its digest; default=str: a value JSON has no form for, as text
     write_checksummed(path, json.dumps(trace, default=str).encode())
@@ -93,13 +94,30 @@ def load(directory: str) -> Dict[int, dict]:
             if int(match.group(1)) > MAX_RANK:  # the analysis lists the ranks below it
                 raise InputError(f"{clip(os.path.join(directory, name))}: rank "
                                  f"{clip(match.group(1), 40)} is above {MAX_RANK}, no world's")
-            traces[int(match.group(1))] = _load_dump(os.path.join(directory, name))
+            traces[int(match.group(1))] = _load_dump(os.path.join(directory, name),
+                                                     int(match.group(1)))
     if not traces:
         raise InputError(f"no flight-recorder dumps ({PREFIX}<rank>) in {clip(directory)}")
+    worlds = {rank: _world(trace) for rank, trace in traces.items()}
+    first = min(worlds)
+    for rank, world in worlds.items():
+        if None not in (world, worlds[first]) and world != worlds[first]:
+            raise InputError(f"{clip(directory)}: {PREFIX}{first}'s world is ranks "
+                             f"{clip(worlds[first])} but {PREFIX}{rank}'s is {clip(world)}: "
+                             f"dumps of different runs; analyze one run's dumps at a time")
     return traces
 
 
-def _load_dump(path: str) -> dict:
+def _world(trace: dict) -> Optional[List[int]]:
+    """The ranks of the dump's world group (its group table's "world" entry), if it has one."""
+    return next((_members({0: {
+        "pg_config": {
+            name: c
+        }
+    }})[name] for name, c in trace.get("pg_config", {}).items() if c.get("desc") == "world"), None)
+
+
+def _load_dump(path: str, rank: int) -> dict:
     what = "flight-recorder dump"
     boundary.regular_file(path, what, boundary.JSON_BYTES)
     with open(path, "rb") as f:
@@ -118,6 +136,18 @@ def _load_dump(path: str) -> dict:
     except (KeyError, TypeError, AttributeError, ValueError):
         raise InputError(f"{what} {clip(path)} is JSON but not a flight-recorder dump (a "
                          f"mapping whose entries hold {', '.join(ENTRY_FIELDS)})") from None
+    # The rank is the dump's own, not its file name's: a renamed or copied dump would put one
+    # rank's collectives under another and name the wrong ranks missing
+    own, world = trace.get("rank"), _world(trace)
+    if type(own) is not int:
+        raise InputError(f"{what} {clip(path)} records no rank of its own ('rank': "
+                         f"{clip(own, 40)}): written by an older ScaleTorch, or edited; dump again")
+    if own != rank:
+        raise InputError(f"{what} {clip(path)} is rank {own}'s dump, not rank {rank}'s as its "
+                         f"name says: a renamed or copied file; name it {PREFIX}{own}")
+    if world is not None and rank not in world:
+        raise InputError(f"{what} {clip(path)}: rank {rank} is not in its own world, ranks "
+                         f"{clip(world)}")
     return trace
 
 

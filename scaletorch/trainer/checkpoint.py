@@ -321,6 +321,9 @@ def _digest_is_a_file(path: str) -> None:
 
 def read_manifest(path: str) -> Dict[str, Any]:
     manifest_path = os.path.join(path, MANIFEST)
+    if os.path.exists(path) and not os.path.isdir(path):  # a FIFO, a device: named as such
+        raise NotACheckpointError(f"{clip(path)} is {boundary.kind_of(os.stat(path).st_mode)}, "
+                                  f"not a checkpoint directory (step_NNNNNNN with a {MANIFEST})")
     if not os.path.lexists(manifest_path):
         steps = list_checkpoints(path) if os.path.isdir(path) else []
         hint = (f"it holds checkpoints: resume one, e.g. --resume {steps[-1]}" if steps else

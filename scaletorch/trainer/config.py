@@ -103,6 +103,10 @@ def _convert(value: Any, annotation: Any, key: str, as_typed: bool = False) -> A
                                                (listed and not isinstance(value, list))):
         kind = annotation.__name__ if annotation in (int, float) else (
             "true or false" if annotation is bool else "a list, e.g. [1, 3]")
+        try:  # text that would convert was quoted (YAML reads an unquoted 2 as a number)
+            _convert(value, annotation, key)
+        except ValueError:  # no such value however written (0b10 for an int): no advice
+            raise ValueError(f"{key} must be {kind}, got {clip(value)}") from None
         raise ValueError(f"{key} must be {kind}, got {clip(value)}: a value counts as it "
                          f"stands in the file, so write it "
                          f"{'as a YAML list' if listed else 'without quotes'}")
