@@ -31,10 +31,12 @@ SAME_STATE_AS_ANOTHER = ("dualpipev_tp2_pp2_dp2", "zb_h1_tp2_pp2_dp2", "tp2_cp2_
 
 WORLD = 8
 # 3 steps, not tests/layouts.py's 5: the parity of a deterministic diff shows in every step, and
-# test_resume resumes each layout's checkpoint of step 1 for two steps (AdamW's moments and step
-# count in use in both; the second past make_config's 2 warm-up steps)
+# test_resume resumes each layout's checkpoint of step 2 for the last step (past make_config's 2
+# warm-up steps; its update uses AdamW's moments and step count, the scheduler's position)
 ND_STEPS = 3
-SAVE_AT = 1  # the consolidated checkpoint: after 1 of the 3 steps, resumed for the other 2
+# the consolidated checkpoint: after 2 of the 3 steps, resumed for the last (its update uses the
+# saved AdamW moments and step count: the final weights show them)
+SAVE_AT = 2
 
 
 def nd_config(moe: bool = False, micro_batches: int = 2, **parallel):

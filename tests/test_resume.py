@@ -7,10 +7,10 @@ and AdamW state bit-identical to the uninterrupted run, and the same losses.
 
 ``InWorldResume``: every layout of chapter 07's parity matrix whose state no other layout
 holds alike (see SAME_STATE_AS_ANOTHER), its tied ZeRO-3 run, and the pipeline combinations
-the matrix lacks (pp x ZeRO-1, PyTorch's DTensor strategies under pp), each trained straight,
+the matrix lacks (pp x ZeRO-1, PyTorch's FSDP2 under its pipelining), each trained straight,
 then rebuilt from scratch (a new model, a new ``parallelize``: what a restarted process does)
 and resumed from a middle checkpoint. One world of 8 ranks. The matrix's straight runs are
-test_nd_parallel's parity runs (3 steps, a per-rank checkpoint of step 1: ``nd_world``), so
+test_nd_parallel's parity runs (3 steps, a per-rank checkpoint of step 2: ``nd_world``), so
 this file only resumes them.
 
 ``KilledRankResumes``: the real thing under ``torchrun --max-restarts 1``: a rank of chapter
@@ -41,9 +41,13 @@ from tests.test_nd_parallel import (SAME_STATE_AS_ANOTHER, TIED_LAYOUTS, TIED_RE
                                     nd_world, tied_config)
 
 WORLD = 8
-# save after step 1, two steps after the resume: AdamW's moments and step count in use
-STEPS, SAVE_AT = 3, 1
-ND_SAVE_AT = CHECKPOINT_EVERY  # the matrix: 3 steps (test_nd_parallel), resumed from step 1
+# One step after the resume: its update uses every part of the saved state (AdamW's moments and
+# step count, the scheduler, the data position, the weights), and the final weights and moments
+# are compared bit for bit; a step more repeats what the first one read. The matrix's resumed
+# step is past the 2 warm-up steps (the scheduler's decay); these layouts' scheduler is the
+# same Trainer's.
+STEPS, SAVE_AT = 2, 1
+ND_SAVE_AT = CHECKPOINT_EVERY  # the matrix: 3 steps (test_nd_parallel), resumed from step 2
 
 # The pipeline combinations whose per-rank checkpoints once lost or could not load state, and
 # PyTorch's own (DTensor parameters: the files hold local pieces, placed on the new mesh), that
@@ -52,13 +56,17 @@ ND_SAVE_AT = CHECKPOINT_EVERY  # the matrix: 3 steps (test_nd_parallel), resumed
 # the matrix's ckpt_zero2_cp2_dp4 cover pp x ZeRO-2; the matrix's tp2_pp2_dp2 covers pp x our
 # DDP; its zero3_pp2_interleaved_dp4 and zbv_tp2_pp2_dp2 cover interleaved pp (two chunks per
 # rank); its tied_zero3_tp2_pp2_dp2 covers the tie under pp x ZeRO-3 (the last stage's copy in
-# a ZeRO-3 unit of its own, and its AdamW state). torch_tp2_pp2_zero3_dp2 covers PyTorch's
-# pipelining stages and DTensor pieces that differ from the whole tensor (FSDP2's Shard on a
-# 2-D tp x dp mesh); FSDP2's replicate under pp (torch pp2 x dp4, 11 s of CPU) holds whole
-# Replicate DTensors, the same to_local and from_local path with the piece equal to the whole.
+# a ZeRO-3 unit of its own, and its AdamW state). torch_pp2_zero3_dp4 covers PyTorch's
+# pipelining stages and DTensor pieces that differ from the whole tensor (FSDP2's Shard over
+# dp 4, the weights' and the moments'). A file holds each DTensor's to_local() piece and
+# from_local() places it again with the parameter's own mesh and placements
+# (checkpoint.py), whatever their number: DTensor tensor parallel beside it on a 2-D tp x dp
+# mesh (torch tp2 x pp2 x ZeRO-3 dp2, 3 steps) ran the same lines for 19 s of CPU, not 9, its
+# time in DTensor's per-operator sharding rules; FSDP2's replicate under pp holds whole
+# Replicate DTensors, the same path with the piece equal to the whole.
 PIPELINE_LAYOUTS = {
     "zero1_pp2_dp4": (False, 2, layout(pp=2, zero_stage=1)),
-    "torch_tp2_pp2_zero3_dp2": (False, 2, layout(tp=2, pp=2, zero_stage=3, impl="torch")),
+    "torch_pp2_zero3_dp4": (False, 2, layout(pp=2, zero_stage=3, impl="torch")),
 }
 # One layer per stage: every stage's state (chunks, wrappers, shards, moments) is there at any
 # depth; the matrix's runs keep tests/layouts.py's four layers.
@@ -103,8 +111,8 @@ def _resume_every_layout(rank: int, root: str) -> dict:
         cfg.training.steps = STEPS
         # One pg_manager for both runs: the process groups and the mesh hold no training state
         # (the files hold it all), and on the same DeviceMesh PyTorch's DTensor reuses the
-        # sharding rules it worked out for the straight run (torch_tp2_pp2_zero3_dp2's resume:
-        # 9 s of CPU with a mesh of its own, 4 s on this one).
+        # sharding rules it worked out for the straight run (torch tp2 x pp2 x ZeRO-3 dp2's
+        # resume: 9 s of CPU with a mesh of its own, 4 s on this one).
         pgm = pg_manager_for(cfg)
         straight = train(cfg, os.path.join(root, name), checkpoint_at=SAVE_AT, pgm=pgm)
         # a restarted process: a new model and strategy, then the checkpoint of SAVE_AT
@@ -131,14 +139,14 @@ def _resume_every_layout(rank: int, root: str) -> dict:
 
 
 def _resume_the_matrix(rank: int, root: str, straight: list) -> dict:
-    """Resume each layout of ND_RESUMED from step 1 of its straight run in test_nd_parallel
+    """Resume each layout of ND_RESUMED from step 2 of its straight run in test_nd_parallel
     (``straight``: every rank's results there; the checkpoints under ``root``)."""
     out = {}
     for name in ND_RESUMED:
-        # its steps (ND_STEPS: 2 after the checkpoint)
+        # its steps (ND_STEPS: 1 after the checkpoint)
         cfg = tied_config(name) if name in TIED_RESUMED else nd_config_of(LAYOUTS, name)
         cfg.checkpoint.every, cfg.checkpoint.dir = CHECKPOINT_EVERY, os.path.join(root, name)
-        # a restarted process: a new model and strategy, then the checkpoint of step 1
+        # a restarted process: a new model and strategy, then the checkpoint of step 2
         resumed, got = _run(cfg, resume=ckpt.step_dir(cfg.checkpoint.dir, ND_SAVE_AT))
         want = straight[rank][name]
         out[name] = {
@@ -182,7 +190,7 @@ class InWorldResume(unittest.TestCase):
             for rank, res in enumerate(self.results):
                 out = res[name]
                 self.assertEqual(out["start"], out["save_at"], name)
-                self.assertGreaterEqual(len(out["losses"][1]), 2, name)  # AdamW state in use
+                self.assertGreaterEqual(len(out["losses"][1]), 1, name)  # AdamW state in use
                 straight, resumed = out["losses"]
                 self.assertEqual(straight, resumed, f"{name} rank {rank}")  # exactly
             self.assertEqual(self.results[0][name]["differ"], [], name)
