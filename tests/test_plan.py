@@ -554,14 +554,16 @@ class Calibrate(unittest.TestCase):
 
     def test_calibrate_writes_a_cluster_file_that_plan_py_reads(self):
         # one world of 2 (the script measures 2, 3 and 4): the format, not the figures; 2 steps
-        # per strategy, the fewest a step time reads (the first warms up: time.measured_step)
+        # per strategy, the fewest a step time reads (the first warms up: time.measured_step);
+        # 2 layers, the fewest a pipeline of 2 takes
         cfg = make_config()
+        cfg.model.num_layers = 2
         lines = []
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "host.json")
             # its worlds forked from the test run's forkserver (tests/harness.py), not spawned;
-            # each timing in this process one call, not the fastest of many (_once)
-            with mock.patch("scripts.calibrate.run_distributed", run_distributed), \
+            # each timing in this process and in the ranks one call, not the fastest of many
+            with mock.patch("scripts.calibrate.run_distributed", _run_timing_once), \
                     mock.patch("scripts.calibrate._seconds", _once):
                 calibrate(cfg, 16, path, lines.append, worlds=(2, ), steps=2)
             host = load_cluster(path)
@@ -591,6 +593,21 @@ def _once(fn, reps: int, warmup: int = 2) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
+
+
+def _timing_once(rank: int, world: int, fn, *args):
+    """``fn`` in a rank with calibrate's timings of one call (``_once``) and no activation
+    pass after each strategy's steps (``measure_rank``'s "saved", which calibrate never reads):
+    a mock.patch in the test's process reaches no rank (forked from the forkserver)."""
+    with mock.patch("scripts.calibrate._seconds",
+                    _once), mock.patch("scripts.plan_measure.saved_activation_bytes",
+                                       lambda model, fn: (0, None)):
+        return fn(rank, world, *args)
+
+
+def _run_timing_once(fn, world: int, *args, timeout: float):
+    """``run_distributed`` of ``fn``, its ranks timing as ``_timing_once`` does."""
+    return run_distributed(_timing_once, world, fn, *args, timeout=timeout)
 
 
 def _script(*argv: str):
