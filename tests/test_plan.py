@@ -674,12 +674,12 @@ class PlanScript(unittest.TestCase):
 
 
 # chapter 07's parity matrix (tests/layouts.py ND_LAYOUTS) on 4 ranks: each 8-rank layout
-# with one of its factors of 2 taken out, and plain DDP / ZeRO-1 over 4. Its tp 2 x pp 2,
-# tp 2 x dp 2 ZeRO-3 and MoE tp 2 x ep 2 x dp 2 are CHAPTERS_4's 07_tp2_pp2, 07_tp2_zero3 and
-# 07_tp2_ep2_moe (chapter 07's model, the same layouts and schedules): not run twice.
+# with one of its factors of 2 taken out, and ZeRO-1 over 4. Its tp 2 x pp 2, tp 2 x dp 2
+# ZeRO-3 and MoE tp 2 x ep 2 x dp 2 are CHAPTERS_4's 07_tp2_pp2, 07_tp2_zero3 and
+# 07_tp2_ep2_moe (chapter 07's model, the same layouts and schedules), plain DDP over 4 is its
+# 07_nd_parallel (dp 4, one bucket either way): not run twice.
 WORLD = 4
 LAYOUTS = {
-    "ddp_dp4": (False, 2, layout()),
     "zero1_dp4": (False, 2, layout(zero_stage=1)),
     "tp2_cp2": (False, 2, layout(tp=2, cp=2)),
     "zero3_pp2_interleaved_dp2":
