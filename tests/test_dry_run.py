@@ -44,6 +44,11 @@ ACTIVATIONS = 0.05
 # Context parallelism at Llama 3's long-context width (cp 16, 131072 tokens, 16,384 ranks) runs
 # on the 8B: the 405B's 126 layers in 1F1B ask 126 layer-forwards of 16 ring steps each of any
 # rank (83 s of a core in meta kernels); the 8B's 32 run the same code at a quarter of that.
+# Its stage's 8 layers run one micro-batch under AFAB (1F1B needs m >= p: 4 passes of each
+# layer's 16 ring steps, the same code four times); the pipeline's micro-batches in flight are
+# the "8b even" / "uneven" runs' check (the ring's calls per micro-batch, m of 2 and 4:
+# tests/test_plan.py's tp2_cp2 and zbv_cp2_pp2, against the ledger). Mixtral: m = p = 4 (not
+# 16) fills its 1F1B pipeline; more repeat each block's dispatch and combine, the same shapes.
 LAYOUTS = {
     "405b interleaved":
     ("llama3-405b",
@@ -51,11 +56,11 @@ LAYOUTS = {
                 micro_batch_size=2, seq_len=8192, sequence_parallel=True,
                 activation_checkpointing="selective"), None),
     "8b cp16 s131072": ("llama3-8b",
-                        PlanLayout(tp=8, cp=16, pp=4, dp=32, num_micro_batches=4, seq_len=131072,
-                                   sequence_parallel=True,
+                        PlanLayout(tp=8, cp=16, pp=4, dp=32, num_micro_batches=1, seq_len=131072,
+                                   schedule="afab", sequence_parallel=True,
                                    activation_checkpointing="selective"), None),
     "mixtral ep8": ("mixtral-8x7b",
-                    PlanLayout(tp=4, pp=4, dp=64, ep=8, num_micro_batches=16, micro_batch_size=2,
+                    PlanLayout(tp=4, pp=4, dp=64, ep=8, num_micro_batches=4, micro_batch_size=2,
                                seq_len=4096), None),
 }
 for _stage in (1, 2, 3):

@@ -2,7 +2,7 @@
 equal the single device and ours on 8 gloo ranks: DTensor tensor parallel with FSDP2 ZeRO-3 and
 with FSDP2's replicate over dp, pipelining with FSDP2 per stage, and all three together; losses,
 grad norms (clipping active) and final weights over 2 steps (one warm-up step, one after) of a
-2-layer model within 1e-5.
+2-layer model within 1e-5 (ours at tp 2 x dp 4 ZeRO-3: tests/test_nd_parallel.py).
 Consolidated checkpoints move from the native stack to ours and back, and what cannot run
 natively here raises ValueError naming the settings.
 
@@ -44,6 +44,10 @@ NATIVE = {
     "tp2_pp2_dp2_zero3": layout(tp=2, pp=2, zero_stage=3),
 }
 SAVED = "tp2_pp2_dp2_zero3"  # its parity runs (native and ours) also save step SAVE_AT
+# The layouts whose run with impl ours is left out: ours at tp 2 x dp 4 ZeRO-3 on 8 ranks is
+# tests/test_nd_parallel.py's zero3_dp4_tp2 (the single-device run within 1e-5 there); the
+# native run here is held to the same reference at the same 1e-5.
+NO_OURS = ("tp2_dp4_zero3", )
 
 
 def _config(name: str, impl: str = "torch"):
@@ -109,7 +113,7 @@ def _world(rank: int, world: int, tmp: str) -> dict:
         for names in MESHES.values():
             pgm = pg_manager_for(_config(names[0]))
             for name in names:
-                for impl, prefix in (("torch", ""), ("ours", "ours ")):
+                for impl, prefix in (("torch", ""), ("ours", "ours "))[:1 + (name not in NO_OURS)]:
                     save = _saved(tmp, impl) if name == SAVED else None
                     out[prefix + name] = train(_config(name, impl), consolidated_at=save, pgm=pgm)
             for impl, (resumed_at, _) in RESUMES.items():
@@ -139,13 +143,16 @@ class NativeStrategiesComposedOnOneMesh(unittest.TestCase):
 
     def _assert_native_equals_reference_and_ours(self, name: str) -> None:
         assert_parity(self, self.results, name, self.reference)
-        native, ours = self.results[0][name], self.results[0][f"ours {name}"]
+        native = self.results[0][name]
         self.assertEqual(native["param_map"], DTensorParamMap.__name__)
+        if name in NO_OURS:
+            return
+        ours = self.results[0][f"ours {name}"]
         for a, b in zip(native["losses"], ours["losses"]):
             self.assertAlmostEqual(a, b, delta=TOL, msg=name)
         self.assertLessEqual(max_weight_diff(native["state"], ours["state"]), TOL, name)
 
-    def test_dtensor_tp2_with_fsdp2_zero3_over_dp4_matches_single_device_and_ours(self):
+    def test_dtensor_tp2_with_fsdp2_zero3_over_dp4_matches_single_device(self):
         self._assert_native_equals_reference_and_ours("tp2_dp4_zero3")
 
     def test_dtensor_tp2_with_replicated_dp4_matches_single_device_and_ours(self):

@@ -554,14 +554,16 @@ class Calibrate(unittest.TestCase):
 
     def test_calibrate_writes_a_cluster_file_that_plan_py_reads(self):
         # one world of 2 (the script measures 2, 3 and 4): the format, not the figures; 2 steps
-        # per strategy, the fewest a step time reads (the first warms up: time.measured_step)
+        # per strategy, the fewest a step time reads (the first warms up: time.measured_step);
+        # 2 layers, the fewest a pipeline of 2 takes
         cfg = make_config()
+        cfg.model.num_layers = 2
         lines = []
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "host.json")
             # its worlds forked from the test run's forkserver (tests/harness.py), not spawned;
-            # each timing in this process one call, not the fastest of many (_once)
-            with mock.patch("scripts.calibrate.run_distributed", run_distributed), \
+            # each timing in this process and in the ranks one call, not the fastest of many
+            with mock.patch("scripts.calibrate.run_distributed", _run_timing_once), \
                     mock.patch("scripts.calibrate._seconds", _once):
                 calibrate(cfg, 16, path, lines.append, worlds=(2, ), steps=2)
             host = load_cluster(path)
@@ -591,6 +593,21 @@ def _once(fn, reps: int, warmup: int = 2) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
+
+
+def _timing_once(rank: int, world: int, fn, *args):
+    """``fn`` in a rank with calibrate's timings of one call (``_once``) and no activation
+    pass after each strategy's steps (``measure_rank``'s "saved", which calibrate never reads):
+    a mock.patch in the test's process reaches no rank (forked from the forkserver)."""
+    with mock.patch("scripts.calibrate._seconds",
+                    _once), mock.patch("scripts.plan_measure.saved_activation_bytes",
+                                       lambda model, fn: (0, None)):
+        return fn(rank, world, *args)
+
+
+def _run_timing_once(fn, world: int, *args, timeout: float):
+    """``run_distributed`` of ``fn``, its ranks timing as ``_timing_once`` does."""
+    return run_distributed(_timing_once, world, fn, *args, timeout=timeout)
 
 
 def _script(*argv: str):
@@ -657,12 +674,12 @@ class PlanScript(unittest.TestCase):
 
 
 # chapter 07's parity matrix (tests/layouts.py ND_LAYOUTS) on 4 ranks: each 8-rank layout
-# with one of its factors of 2 taken out, and plain DDP / ZeRO-1 over 4. Its tp 2 x pp 2,
-# tp 2 x dp 2 ZeRO-3 and MoE tp 2 x ep 2 x dp 2 are CHAPTERS_4's 07_tp2_pp2, 07_tp2_zero3 and
-# 07_tp2_ep2_moe (chapter 07's model, the same layouts and schedules): not run twice.
+# with one of its factors of 2 taken out, and ZeRO-1 over 4. Its tp 2 x pp 2, tp 2 x dp 2
+# ZeRO-3 and MoE tp 2 x ep 2 x dp 2 are CHAPTERS_4's 07_tp2_pp2, 07_tp2_zero3 and
+# 07_tp2_ep2_moe (chapter 07's model, the same layouts and schedules), plain DDP over 4 is its
+# 07_nd_parallel (dp 4, one bucket either way): not run twice.
 WORLD = 4
 LAYOUTS = {
-    "ddp_dp4": (False, 2, layout()),
     "zero1_dp4": (False, 2, layout(zero_stage=1)),
     "tp2_cp2": (False, 2, layout(tp=2, cp=2)),
     "zero3_pp2_interleaved_dp2":
