@@ -48,7 +48,6 @@ A step measured is the 10th percentile of its steps after the first
 import copy
 import os
 import statistics
-import sys
 import time
 from dataclasses import replace
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -538,5 +537,7 @@ def calibrate(cfg: Config, seq_len: int, path: str, progress: Callable[[str], No
     return cluster
 
 
-if __name__ == "__main__":
-    sys.exit("run: python scripts/plan.py [CONFIG.yaml] --calibrate FILE.json")
+if __name__ == "__main__":  # a module of plan.py: one line saying what to run, exit 2
+    from scripts import module_only
+
+    module_only(__doc__, "python scripts/plan.py [CONFIG.yaml] --calibrate FILE.json")

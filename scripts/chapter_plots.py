@@ -24,6 +24,7 @@ it prints the table only. The parsers need no matplotlib (tests/test_chapter_plo
 import math
 import os
 import re
+import sys
 from typing import Dict, List, Tuple
 
 from scaletorch.rules import boundary
@@ -662,3 +663,11 @@ def dispatch(args) -> bool:
         return False
     draw(args)
     return True
+
+
+if __name__ == "__main__":  # a module: one line saying what to run instead, exit 2
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from scripts import module_only
+
+    module_only(__doc__,
+                "python scripts/plot.py SUBCOMMAND ... (python scripts/plot.py --help lists them)")

@@ -22,6 +22,7 @@ import ast
 import os
 import re
 import shlex
+import sys
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Dict, List, Optional, Set, Tuple
@@ -559,3 +560,10 @@ def _joined(lines: List[str]) -> List[str]:
         out.append((current + stripped).split(" #")[0])
         current = ""
     return out
+
+
+if __name__ == "__main__":  # a module: one line saying what to run instead, exit 2
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from scripts import module_only
+
+    module_only(__doc__, "python scripts/check_docs.py --lint")

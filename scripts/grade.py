@@ -13,8 +13,10 @@ never waited for, and for a hang the flight recorder's account of which rank wai
 ``--variant NAME`` grades one of scripts/grading/variants.py's planted mistakes instead (the
 grader's own test suite), to see what a diagnosis looks like.
 A file that does not compile or import is named, with its line, the exception and its message,
-before any rank starts. Exit status 0 when every exercise passed, 1 otherwise (an unwritten
-one: "write <function> next"; a file that does not import), 2 for a chapter without exercises.
+before any rank starts: any exception (SystemExit, KeyboardInterrupt too), a process that ends
+(os._exit) or an import that does not finish within a limit. Exit status 0 when every exercise
+passed, 1 otherwise (an unwritten one: "write <function> next"; a file that does not import),
+2 for a chapter without exercises.
 """
 
 import os
@@ -26,8 +28,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from scaletorch.rules.errors import OneLineParser  # noqa: E402
-from scripts.grading import (context, ddp, expert, loss_scale, pipeline, runner, tensor, variants,
-                             zero)
+from scripts.grading import (context, ddp, expert, file_check, loss_scale, pipeline, tensor,
+                             variants, zero)
 
 CHAPTERS = {
     ddp.CHAPTER: (ddp, "examples/exercises/01_ddp.py"),
@@ -51,18 +53,21 @@ def grade_chapter(chapter: str, solution: bool, variant: Optional[str] = None) -
     print(
         f"chapter {chapter}: {what}, {module.WORLD} ranks (CPU, gloo), {module.STEPS} steps "
         f"against {module.AGAINST}", flush=True)
-    broken = None if solution or variant is not None else runner.import_error(
+    broken = None if solution or variant is not None else file_check.import_error(
         os.path.join(ROOT, path), path)
     if broken is not None:  # each rank would stop on it, in whichever exercise it was
         print(f"  your file does not compile or import: {broken}")
         print(f"chapter {chapter}: not yet (fix the file first)")
         return False
-    passed = True
+    passed, graded = True, 0
     for verdict in module.grade(jobs):
         print(f"  {verdict.line()}")
-        passed = passed and verdict.passed
+        passed, graded = passed and verdict.passed, graded + 1
         if not verdict.passed and verdict.text.startswith("write "):
             break  # the next function to write: the later ones wait for it
+    if not graded:  # "passed" needs a verdict: never exit 0 with none
+        print("  no exercise was graded")
+        passed = False
     print(f"chapter {chapter}: {'passed' if passed else 'not yet'} "
           f"({time.perf_counter() - start:.0f} s)")
     return passed

@@ -82,3 +82,10 @@ def measure_rank(rank: int, world: int, configs: Dict[str, Config]) -> Dict[str,
         }
         destroy_pg_manager()
     return out
+
+
+if __name__ == "__main__":  # a module: one line saying what to run instead, exit 2
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from scripts import module_only
+
+    module_only(__doc__, "python scripts/plan.py CONFIG.yaml --measure (or --calibrate FILE.json)")

@@ -143,3 +143,11 @@ def draw_timeline(ax, timeline: Timeline, title: str, unit: str, span: float) ->
     ax.set_xlim(0, span)
     ax.set_xlabel(f"time ({unit})")
     ax.set_title(f"{title}: bubble {timeline.bubble_fraction():.3f}", fontsize=9)
+
+
+if __name__ == "__main__":  # a module: one line saying what to run instead, exit 2
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from scripts import module_only
+
+    module_only(__doc__,
+                "python scripts/plot.py SUBCOMMAND ... (python scripts/plot.py --help lists them)")

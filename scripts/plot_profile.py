@@ -25,6 +25,7 @@ extra) draws it. This module parses without matplotlib (tests/test_plot_profile.
 import argparse
 import os
 import re
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -275,3 +276,10 @@ def run(args: argparse.Namespace, pyplot: Callable[[], Any]) -> None:
         ranks = " and ".join(str(r) for r in args.ranks)
         draw(plt, steps, f"{name}: step {steps[0].step} of ranks {ranks} as it ran "
              "(torch.profiler, CPU)", args.out)
+
+
+if __name__ == "__main__":  # a module: one line saying what to run instead, exit 2
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from scripts import module_only
+
+    module_only(__doc__, "python scripts/plot.py profile RUN_DIR/profile --out FILE.png")

@@ -84,30 +84,6 @@ def load(source: Source) -> Callable:
     return getattr(module, name)
 
 
-def import_error(path: str, shown: str = "") -> Optional[str]:
-    """Why the learner's file ``path`` does not compile or import (``FILE:LINE: Type: message:
-    the line``, FILE as ``shown``), or None: each rank would stop on it, in any exercise."""
-    try:
-        spec = importlib.util.spec_from_file_location(f"exercise_{abs(hash(path))}", path)
-        if spec is None or spec.loader is None:
-            return f"{shown or path}: not a Python file"
-        spec.loader.exec_module(importlib.util.module_from_spec(spec))
-    except SyntaxError as err:  # IndentationError, TabError: the compiler names the line
-        line, text, message, kind = err.lineno, err.text, err.msg, type(err).__name__
-    except Exception as err:  # noqa: B902 - ImportError, NameError, ...: the learner's line
-        mine = [
-            f for f in traceback.extract_tb(err.__traceback__)
-            if os.path.abspath(f.filename) == os.path.abspath(path)
-        ]
-        line, text = (mine[-1].lineno, mine[-1].line) if mine else (None, None)
-        message, kind = str(err), type(err).__name__
-    else:
-        return None
-    where = f"{shown or path}:{line}" if line else shown or path
-    quoted = f": {text.strip()}" if text and text.strip() else ""
-    return f"{where}: {kind}: {message}{quoted}"
-
-
 @contextmanager
 def patched(patches: Sequence[Tuple[object, str, object]]) -> Iterator[None]:
     """Set each (owner, attribute, value) for the block, then put the old values back."""
