@@ -48,6 +48,7 @@ A step measured is the 10th percentile of its steps after the first
 import copy
 import os
 import statistics
+import sys
 import time
 from dataclasses import replace
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -66,7 +67,9 @@ from scaletorch.plan.layout import PlanLayout
 from scaletorch.plan.model import ModelSpec, from_config
 from scaletorch.plan.time import issued_counts, measured_step, step_time
 from scaletorch.rules.wire import wire_bytes
-from scripts.plan_measure import checker, measure_rank, run_config
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from scripts.plan_measure import checker, measure_rank, run_config  # noqa: E402
 
 WORLDS = (2, 3, 4)
 SMALL, LARGE = 1, 2**16  # fp32 elements of a latency-bound and a bandwidth-bound call

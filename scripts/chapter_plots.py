@@ -28,8 +28,15 @@ import sys
 from typing import Dict, List, Tuple
 
 from scaletorch.rules import boundary
-from scripts.plot_base import (draw_timeline, label_of, pyplot, read_metrics, read_timeline,
-                               save_figure)
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from scripts.plot_base import (
+    draw_timeline,
+    label_of,
+    pyplot,
+    read_metrics,  # noqa: E402
+    read_timeline,
+    save_figure)
 
 NUMBER = r"[\d,]+(?:\.\d+)?"
 RANK_COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown",
@@ -666,7 +673,6 @@ def dispatch(args) -> bool:
 
 
 if __name__ == "__main__":  # a module: one line saying what to run instead, exit 2
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from scripts import module_only
 
     module_only(__doc__,

@@ -31,7 +31,6 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from scaletorch.rules import boundary
 from scaletorch.rules.errors import InputError, MissingInputError, clip
-from scripts.plot_base import save_figure
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send", "recv",
        "send/recv")
@@ -214,6 +213,8 @@ def draw(plt: Any, steps: List[RankStep], title: str, out: str) -> None:
     """Per rank two rows: the main thread (compute and waits) and the
     collectives (gloo's runs, one lane per overlap; point-to-point calls as ticks)."""
     from matplotlib.patches import Patch
+
+    from scripts.plot_base import save_figure  # once scripts/plot.py put the repository on sys.path
     fig, ax = plt.subplots(figsize=(11, 1.0 + 1.3 * len(steps)))
     palette = plt.get_cmap("tab10")
     labels: Dict[str, Any] = {}
