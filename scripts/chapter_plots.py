@@ -30,13 +30,8 @@ from typing import Dict, List, Tuple
 from scaletorch.rules import boundary
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from scripts.plot_base import (
-    draw_timeline,
-    label_of,
-    pyplot,
-    read_metrics,  # noqa: E402
-    read_timeline,
-    save_figure)
+from scripts.plot_base import draw_timeline, label_of, pyplot  # noqa: E402  # isort: skip
+from scripts.plot_base import read_metrics, read_timeline, save_figure  # noqa: E402  # isort: skip
 
 NUMBER = r"[\d,]+(?:\.\d+)?"
 RANK_COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown",
