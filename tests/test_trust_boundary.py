@@ -489,7 +489,7 @@ class ValuesAParserCannotConvertAreOneLine(unittest.TestCase):
             elif reader != "set":
                 _with_digest(path, json_text)
             read = {
-                "dump": lambda: flight_recorder._load_dump(path),
+                "dump": lambda: flight_recorder._load_dump(path, 0),
                 "hf": lambda: __import__("scaletorch.models.hf").models.hf.load_hf_config(d),
                 "manifest": lambda: read_manifest(d),
                 "metrics": lambda: boundary.load_jsonl(path, "metrics file"),
