@@ -155,7 +155,8 @@ class AnUnknownKeyListsTheValidKeysOfItsLevel(unittest.TestCase):
     """A key that names no field, in a file (a misspelt section ``trainig:``, an anchor's
     ``base:``) or with --set, is one line listing exactly the valid keys of the level where it
     goes wrong: the sections and top-level fields, or one section's fields. Generated dotted
-    keys of 1-3 parts; 30 examples, 300 long."""
+    keys of 1-3 parts; 30 examples, 300 long. A field given in another section, or without
+    its own, is told where it belongs."""
 
     @settings(max_examples=300 if LONG else 30, deadline=None)
     @given(parts=st.lists(PARTS, min_size=1, max_size=3), in_file=st.booleans())
@@ -180,6 +181,24 @@ class AnUnknownKeyListsTheValidKeysOfItsLevel(unittest.TestCase):
         self.assertNotIn("\n", message)
         self.assertIn(f"unknown config key {key!r}", message)
         self.assertEqual(sorted(message.rsplit(": ", 1)[1].split(", ")), sorted(level), message)
+
+    @settings(max_examples=100 if LONG else 10, deadline=None)
+    @given(field=FIELD, where=st.sampled_from(["", *SECTION_NAMES]), in_file=st.booleans())
+    def test_a_field_in_the_wrong_section_is_told_where_it_belongs(self, field, where, in_file):
+        key = field[0]
+        name = key.rsplit(".", 1)[-1]
+        wrong = f"{where}.{name}" if where else name
+        if wrong == key or (not where and name in SECTION_NAMES):
+            return
+        with self.assertRaises(ValueError) as refused:
+            if in_file:
+                apply_dict(Config(), {wrong: 1}, source="f.yaml")
+            else:
+                parse_args(["--set", f"{wrong}=1"])
+        message = str(refused.exception)
+        self.assertIn("(it is ", message)
+        for owner in (k for k, _, _ in FIELDS if k.rsplit(".", 1)[-1] == name and k != wrong):
+            self.assertIn(repr(owner), message.split(";")[0])
 
 
 class AWrongValueInAConfigFileStopsTheScriptInOneLine(unittest.TestCase):

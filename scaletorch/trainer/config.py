@@ -182,7 +182,20 @@ def unknown_key(cfg: Config, key: str) -> Optional[str]:
         where = f"in section {section}"
     near = difflib.get_close_matches(wrong, valid, n=1)
     nearest = f" (did you mean {near[0]!r}?)" if near else ""
+    # a field given in the wrong section (training.zero_stage), or without its section
+    elsewhere = [
+        name if owner is None else f"{owner}.{name}" for owner, name in _all_fields(cfg)
+        if name == key.rsplit(".", 1)[-1] and f"{owner}.{name}" != key
+    ]
+    if elsewhere:
+        nearest = f" (it is {' or '.join(map(repr, elsewhere))})"
     return f"unknown config key {clip(key)}{nearest}; valid keys {where}: {', '.join(valid)}"
+
+
+def _all_fields(cfg: Config) -> List[Tuple[Optional[str], str]]:
+    """(section, name) of every field (section None: a top-level field)."""
+    return [(None, n) for n in _field_types(cfg) if n not in SECTIONS
+            ] + [(section, n) for section in SECTIONS for n in _field_types(getattr(cfg, section))]
 
 
 def set_value(cfg: Config, key: str, value: Any, as_typed: bool = False) -> None:
