@@ -302,8 +302,6 @@ def _world(rank: int, world: int, root: str) -> dict:
         out[name] = _resumed(SAVED[saved][0], parallel, checkpoint_of(root, saved), record=name
                              in RECORDED)
     out["bad"] = _bad_inputs(rank, root)
-    from tests import test_dcp_layouts  # it imports this module: here, not at the top
-    out["layouts"] = test_dcp_layouts.layouts_world(rank, world, root)
     return out
 
 
@@ -314,11 +312,10 @@ _WORLD: list = []
 def dcp_world() -> list:
     """The 4-rank world's per-rank results (its checkpoints under ``_ROOT``), after the 8-rank
     world that saves EIGHT, run once per process: ShardedCheckpointResumesAtAnyLayout,
-    EightRanksResumeAtFour, DataPositionResumesAtAnotherDataParallelSize and
-    tests/test_dcp_layouts.py's class (its runs: "layouts") read it."""
+    EightRanksResumeAtFour and DataPositionResumesAtAnotherDataParallelSize read it."""
     if not _WORLD:
         run_distributed(_save_at_eight, 8, os.path.join(_ROOT.name, EIGHT), timeout=600)
-        _WORLD.append(run_distributed(_world, WORLD, _ROOT.name, timeout=900))
+        _WORLD.append(run_distributed(_world, WORLD, _ROOT.name, timeout=600))
     return _WORLD[0]
 
 

@@ -1,12 +1,11 @@
 """Sharded checkpoints across the layouts tests/test_dcp.py leaves out: a zero-bubble V
 schedule and context parallel, saved at one and resumed at another.
 
-In tests/test_dcp.py's world of 4 ranks (one spawn for both modules). Run Z trains zbv
-pp2 x tp2 (two chunks per rank, the V placement: rank 0 holds the first and last layers) and
-saves at step 2; it is resumed at 1F1B pp4 (one layer per stage: the issue's case) and at
-interleaved pp2 x dp2 (two chunks per rank, the loop placement). Run K trains cp2 x dp2
-ZeRO-1 (every cp rank a replica of the weights) and saves; it is resumed at dp4 ZeRO-3 and
-at cp2 x tp2. Each resumed run's losses and final weights
+One world of 4 ranks. Run Z trains zbv pp2 x tp2 (two chunks per rank, the V placement: rank
+0 holds the first and last layers) and saves at step 2; it is resumed at 1F1B pp4 (one layer
+per stage: the issue's case) and at interleaved pp2 x dp2 (two chunks per rank, the loop
+placement). Run K trains cp2 x dp2 ZeRO-1 (every cp rank a replica of the weights) and saves;
+it is resumed at dp4 ZeRO-3 and at cp2 x tp2. Each resumed run's losses and final weights
 equal the single-device run's at 1e-5 (fp32, only the order of the reductions differs, as
 tests/layouts.py's parity runs; at pp4 also the micro-batches, 4 instead of 2). In the same
 world, a save through the Trainer's path that finds the disk full leaves no partial file, and
@@ -16,6 +15,7 @@ a resume with another lr, beta1 and weight decay says so in the per-rank path's 
 import errno
 import os
 import re
+import tempfile
 import unittest
 
 from scaletorch.dist import comm, destroy_pg_manager
@@ -23,11 +23,11 @@ from scaletorch.rules import safe_files
 from scaletorch.trainer.checkpoint import step_dir
 from scaletorch.trainer.dcp_checkpoint import load_sharded, save_sharded_checkpoint
 from scaletorch.trainer.parity import max_weight_diff
-from tests.harness import value_error
+from tests.harness import run_distributed, value_error
 from tests.layouts import TOL, build, layout, pg_manager_for, reference
-from tests.test_dcp import (SAVE_AT, _resumed_run, _straight_run, assert_continues_as, config,
-                            dcp_world)
+from tests.test_dcp import SAVE_AT, _resumed_run, _straight_run, assert_continues_as, config
 
+WORLD = 4
 # saved run -> layout
 SAVED = {
     "Z": layout(tp=2, pp=2, schedule="zbv", virtual_pipeline_stages=2),
@@ -101,9 +101,7 @@ def _changed_settings(path: str) -> dict:
     return out
 
 
-def layouts_world(rank: int, world: int, root: str) -> dict:
-    """This module's runs, in tests/test_dcp.py's 4-rank world (one world for both modules,
-    ``dcp_world``); their checkpoints (full_disk, Z, K) beside that module's under ``root``."""
+def _world(rank: int, world: int, root: str) -> dict:
     out = {"failed_save": _failed_save(os.path.join(root, "full_disk"))}
     for name, parallel in SAVED.items():
         out[name] = _straight_run(config(**parallel), os.path.join(root, name))
@@ -117,7 +115,8 @@ class ZeroBubbleAndContextParallelResumeAtOtherLayouts(unittest.TestCase):
 
     @classmethod
     def setUpClass(cls):
-        cls.results = [res["layouts"] for res in dcp_world()]
+        with tempfile.TemporaryDirectory() as tmp:
+            cls.results = run_distributed(_world, WORLD, tmp, timeout=600)
         cls.reference = reference(config())
 
     def test_each_resumed_layout_continues_as_the_single_device_run(self):
