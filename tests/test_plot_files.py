@@ -46,7 +46,7 @@ class APictureIsWrittenWholeOrNotAtAll(unittest.TestCase):
     def tearDown(self):
         shutil.rmtree(self.tmp, ignore_errors=True)
 
-    @settings(max_examples=30 if LONG else 6, deadline=None, derandomize=not LONG)
+    @settings(max_examples=30 if LONG else 3, deadline=None, derandomize=not LONG)
     @given(command=st.sampled_from(sorted(DRAWINGS)), suffix=st.sampled_from(["png", "svg", "pdf"]),
            code=st.sampled_from([errno.ENOSPC, errno.EIO, errno.EDQUOT]))
     def test_a_failed_write_is_one_line_and_leaves_no_file(self, command, suffix, code):
@@ -64,7 +64,7 @@ class APictureIsWrittenWholeOrNotAtAll(unittest.TestCase):
         self.assertIn(os.strerror(code), err)
         self.assertEqual(sorted(os.listdir(self.tmp)), ["metrics.jsonl"])  # no file, no temporary
 
-    @settings(max_examples=20 if LONG else 4, deadline=None, derandomize=not LONG)
+    @settings(max_examples=20 if LONG else 2, deadline=None, derandomize=not LONG)
     @given(
         command=st.sampled_from(sorted(DRAWINGS)),
         suffix=st.text(alphabet="abcxyz", min_size=1, max_size=5).filter(
