@@ -110,11 +110,10 @@ def load(directory: str) -> Dict[int, dict]:
 
 def _world(trace: dict) -> Optional[List[int]]:
     """The ranks of the dump's world group (its group table's "world" entry), if it has one."""
-    return next((_members({0: {
-        "pg_config": {
-            name: c
-        }
-    }})[name] for name, c in trace.get("pg_config", {}).items() if c.get("desc") == "world"), None)
+    for name, group in trace.get("pg_config", {}).items():
+        if group.get("desc") == "world":
+            return _members({0: {"pg_config": {name: group}}})[name]
+    return None
 
 
 def _load_dump(path: str, rank: int) -> dict:
