@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from scaletorch.rules import safe_files
 from scripts import plot
 from tests.test_bad_inputs import run_in_process
+from tests.test_file_kinds import damage
 from tests.test_file_values import _run
 
 LONG = os.environ.get("SCALETORCH_LONG_TESTS") == "1"
@@ -95,15 +96,12 @@ class WhatStandsInAFilesPlaceIsNamed(unittest.TestCase):
         shutil.rmtree(self.tmp, ignore_errors=True)
 
     def make(self, kind: str) -> str:
+        """An empty file at ``kind``'s name, replaced (test_file_kinds.damage) by a FIFO, a
+        directory or a device (a symlink to /dev/zero) unless ``kind`` is "empty"."""
         path = os.path.join(self.tmp, kind)
-        if kind == "fifo":
-            os.mkfifo(path)
-        elif kind == "directory":
-            os.mkdir(path)
-        elif kind == "device":
-            os.symlink("/dev/null", path)
-        else:
-            open(path, "w").close()
+        open(path, "w").close()
+        if kind != "empty":
+            damage(path, kind, 0, 0, b"")
         return path
 
     @unittest.skipUnless(hasattr(os, "mkfifo"), "FIFOs need a POSIX system")
