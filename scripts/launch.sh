@@ -55,6 +55,10 @@ for option in nproc-per-node:"$nproc" nnodes:"$nnodes" node-rank:"$node_rank" \
   if [[ -n "$value" || "$name" != master-port ]] && ! [[ "$value" =~ ^[0-9]+$ ]]; then
     fail "--$name '$value' is not a non-negative integer"
   fi
+  # bash's arithmetic is 64-bit: a longer number would wrap around (to another count of ranks)
+  if [[ "$value" =~ ^0*[1-9][0-9]{9,}$ ]]; then
+    fail "--$name $value is too large (at most 999999999)"
+  fi
 done
 # 10# reads a number with leading zeros in base 10 (bash would take 010 as octal)
 if (( 10#$nproc < 1 )); then

@@ -87,6 +87,9 @@ BAD_ARGUMENTS = [
     (["--master-port", "0"], "--master-port", "must be in 1..65535, got 0"),
     (["--master-port", "65536"], "--master-port", "must be in 1..65535, got 65536"),
     (["--master-port", "x"], "--master-port", "'x' is not a non-negative integer"),
+    # past 64 bits, bash's arithmetic would wrap around to another number of ranks
+    (["--nproc-per-node", "99999999999999999999"], "--nproc-per-node", "is too large"),
+    (["--nnodes", "18446744073709551618"], "--nnodes", "is too large"),
 ]
 
 
