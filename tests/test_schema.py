@@ -152,6 +152,10 @@ def cases(d: str) -> List[Tuple[str, str, List[str]]]:
             with open(path, "w") as f:
                 yaml.safe_dump({section: {name: 123}} if section else {name: 123}, f)
             out.append((key, "wrong type", ["--config", path]))
+            path = os.path.join(d, f"{key}.yes.yaml")  # YAML 1.1 reads an unquoted yes as true
+            with open(path, "w") as f:
+                f.write(f"{section}:\n  {name}: yes\n" if section else f"{name}: yes\n")
+            out.append((key, "wrong type yes", ["--config", path]))
         else:
             out.append((key, "wrong type", ["--set", f"{key}={wrong_type(annotation)}"]))
         context = read_when(rule, key)
@@ -206,6 +210,11 @@ class EveryFieldRefusesWrongTypesAndRanges(unittest.TestCase):
                 self.assertTrue(out.startswith("error: "), out)
                 names = [key, *FLAGS.get(key, []), *[f for f, k in ALIASES.items() if k == key]]
                 self.assertTrue(any(name in out for name in names), out)
+                # a string field given a number or yes: the line says to quote it (the
+                # recompute mode alone reads true as 'full', its flag given without a value)
+                if what.startswith("wrong type") and "--config" in args and not (
+                        key == "parallel.activation_checkpointing" and what.endswith("yes")):
+                    self.assertIn("put the text in quotes", out)
 
     def test_the_issue_cases_say_what_is_allowed(self):
         by_args = {" ".join(args): self.results[key, what] for key, what, args in self.cases}

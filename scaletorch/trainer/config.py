@@ -128,7 +128,10 @@ def _convert(value: Any, annotation: Any, key: str, as_typed: bool = False) -> A
         return converted
     if annotation is str:  # a file's 123 or true is no name: a value counts as it stands
         if not isinstance(value, str):  # (the command line keeps a string field's text)
-            raise ValueError(f"{key} must be a string, got {clip(value)}")
+            quote = ("" if isinstance(value, (list, dict)) or value is None else
+                     ": YAML reads an unquoted yes, no, on, off, true, false or number as "
+                     "such, so put the text in quotes")
+            raise ValueError(f"{key} must be a string, got {clip(value)}{quote}")
         return value
     if typing.get_origin(annotation) is list:  # a YAML list, or "1,3" / "[1,3]" on the CLI
         if isinstance(value, (int, str)) and not isinstance(value, bool):
