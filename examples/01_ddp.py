@@ -24,12 +24,12 @@ import torch
 from scaletorch.data import local_batch, split_micro_batches
 from scaletorch.dist import (comm, destroy_distributed, destroy_pg_manager, init_distributed,
                              init_pg_manager_from_config)
+from scaletorch.dist.overlap_text import format_overlap, format_timeline
 from scaletorch.models import build_model, loss_fn
 from scaletorch.parallel.data_parallel import BucketedDataParallel, apply_data_parallel, ddp_report
 from scaletorch.parallel.grad_norm import clip_replicated
 from scaletorch.parallel.memory_report import memory_table
-from scaletorch.parallel.overlap_chart import (OverlapRecorder, format_overlap, format_timeline,
-                                               record_overlap)
+from scaletorch.parallel.overlap_chart import OverlapRecorder, record_overlap
 from scaletorch.trainer import build_optimizer, check_against_reference, load_config, start_run
 from scaletorch.trainer.precision import autocast
 

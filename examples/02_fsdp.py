@@ -29,9 +29,10 @@ import torch
 from scaletorch.data import local_batch, split_micro_batches
 from scaletorch.dist import (comm, destroy_distributed, destroy_pg_manager, init_distributed,
                              init_pg_manager_from_config)
+from scaletorch.dist.wrap_checks import check_zero_layout
 from scaletorch.models import build_model, loss_fn
 from scaletorch.parallel.fully_shard import apply_fully_shard, full_state_dict
-from scaletorch.parallel.zero import ZeroAdamW, apply_zero, check_zero_layout
+from scaletorch.parallel.zero import ZeroAdamW, apply_zero
 from scaletorch.parallel.zero_report import zero_report
 from scaletorch.trainer import build_optimizer, check_against_reference, load_config, start_run
 from scaletorch.trainer.consolidated import save_consolidated

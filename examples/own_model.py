@@ -19,7 +19,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
-from scaletorch.parallel.data_parallel import apply_data_parallel
+from scaletorch.parallel.data_parallel_any_module import apply_data_parallel_any
 from scaletorch.parallel.sharded_optimizer import ShardedOptimizer
 from scaletorch.parallel.zero import ZeroAdamW
 from scaletorch.parallel.zero_any_module import apply_zero_any
@@ -52,12 +52,12 @@ def ours(strategy: str, model: nn.Module):
     """(the model to call, its optimizer, a function returning the full weights): ours."""
     # [core: ours-ddp]
     if strategy == "DDP":
-        model = apply_data_parallel(model, None)  # bucketed; broadcasts rank 0's weights
+        model = apply_data_parallel_any(model, None)  # bucketed; broadcasts rank 0's weights
         return model, torch.optim.AdamW(model.parameters(), **ADAMW), model.state_dict
     # [end: ours-ddp]
     # [core: ours-zero]
     if strategy == "ZeRO-1":
-        model = apply_data_parallel(model, None)
+        model = apply_data_parallel_any(model, None)
         opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, **ADAMW)
         return model, opt, model.state_dict
     model = apply_zero_any(model)  # ZeRO-3, one unit per child, over the world

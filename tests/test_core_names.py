@@ -12,7 +12,8 @@ vocabulary padding through ``parallelize(..., tensor_parallel=apply_tensor_paral
 (vocab_padding.py pads the reference's tables, then swaps in a head that masks the padding).
 Data parallel learns of chapter 08's reduce dtype by subclasses of the DDP wrappers
 (``apply_data_parallel_in``); chapter 01's overlap chart records through ``record_overlap``
-(overlap_chart.py).
+(overlap_chart.py); a model nobody here wrote (any dtype, torch DDP's flags) through the
+subclasses of data_parallel_any_module.py.
 ZeRO (02) learns of chapter 08's dtypes through its ``make_unit`` argument, a ``FlatUnit``
 subclass that zero_mixed_precision.py defines, and of chapter 10's tied weights through
 zero_tied.py, which points borrowers at a unit's tensors.
@@ -40,11 +41,14 @@ _COMPUTE_DTYPE = [
 ]
 # chapter 10's vocabulary padding (vocab_padding.py), which tensor parallel must not name either
 _TENSOR = _COMPUTE_DTYPE + ["pad", "vocab_pad", "padded", "padding"]
-# chapter 08's reduce dtype, chapter 01's overlap chart and chapter 05's dp x cp group (chapter
-# 01 asks pg_manager for ``gradient_sync_group``), which data parallel must not name
+# chapter 08's reduce dtype, chapter 01's overlap chart, chapter 05's dp x cp group (chapter
+# 01 asks pg_manager for ``gradient_sync_group``) and what only a model nobody here wrote needs
+# (data_parallel_any_module.py: other dtypes' buckets, torch DDP's flags), which data parallel
+# must not name
 _DATA_PARALLEL = [
     "reduce_dtype", "wire", "precision", "bfloat16", "float16", "autocast", "timeline", "timer",
-    "mark", "recording", "launches", "overlap", "with_context", "dp_cp"
+    "mark", "recording", "launches", "overlap", "with_context", "dp_cp", "float64", "promote_types",
+    "find_unused", "broadcast_buffers", "held"
 ]
 # later chapters' concerns that ZeRO's unit and wrapper (02) must not name: chapter 10's tied
 # weights (zero_tied.py points borrowers at a unit's tensors) and chapter 08's dtypes

@@ -15,10 +15,11 @@ import torch
 from torch import nn
 
 from scaletorch.dist import destroy_pg_manager, get_ledger, init_pg_manager
+from scaletorch.dist.overlap_text import BucketLaunch, SyncTimeline, format_overlap, format_timeline
 from scaletorch.models import LlamaConfig, build_model, loss_fn
 from scaletorch.parallel.data_parallel import IMPLS, BucketedDataParallel, apply_data_parallel
-from scaletorch.parallel.overlap_chart import (BucketLaunch, SyncTimeline, format_overlap,
-                                               format_timeline, record_overlap)
+from scaletorch.parallel.data_parallel_any_module import apply_data_parallel_any
+from scaletorch.parallel.overlap_chart import record_overlap
 from scaletorch.parallel.step import forward_backward
 from scaletorch.trainer import Config, Trainer, validate
 from scaletorch.trainer.trainer import build_loader
@@ -97,8 +98,8 @@ def _toy_grads(rank: int, world: int, impl: str) -> dict:
         for mb in range(2):
             (expected(xs[r, mb]).pow(2).mean() / (2 * world)).backward()
     # torch DDP's flag: without it a parameter no rank's backward reached raises
-    model = apply_data_parallel(copy.deepcopy(base), None, impl, bucket_size_mb=1e-4,
-                                find_unused_parameters=True)
+    model = apply_data_parallel_any(copy.deepcopy(base), None, impl, bucket_size_mb=1e-4,
+                                    find_unused_parameters=True)
     model.module.use_rank0_only = rank == 0
     for _ in range(2):  # the second step checks that the buckets were reset
         model.zero_grad(set_to_none=True)

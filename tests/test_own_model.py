@@ -57,6 +57,7 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from scaletorch.parallel.data_parallel import apply_data_parallel
+from scaletorch.parallel.data_parallel_any_module import apply_data_parallel_any
 from scaletorch.parallel.sharded_optimizer import ELEMENTWISE, ShardedOptimizer
 from scaletorch.parallel.unit_rules import as_units
 from scaletorch.parallel.zero import ZeroAdamW
@@ -243,8 +244,8 @@ def _wrap(strategy: str, model: nn.Module, opt: str) -> Tuple[nn.Module, Any]:
             "torch_zero1": "torch"
         }.get(strategy, "ours")
         # only Frozen leaves a parameter unused (torch's DDP warns when none is)
-        ddp = apply_data_parallel(model, None, impl, bucket_size_mb=1e-3,
-                                  find_unused_parameters=isinstance(model, Frozen))
+        ddp = apply_data_parallel_any(model, None, impl, bucket_size_mb=1e-3,
+                                      find_unused_parameters=isinstance(model, Frozen))
         params = [p for p in ddp.parameters() if p.requires_grad]
         if strategy == "zero1":
             return ddp, ShardedOptimizer(params, cls, zero_stage=1, **kwargs)
@@ -381,7 +382,7 @@ def _step(model: nn.Module, rank: int, world: int, dtype: torch.dtype = torch.fl
 
 def fp64_grads(impl: str, rank: int, world: int) -> Dict[str, torch.Tensor]:
     """Our DDP on a float64 MLP (each rank its own seed): the gradients after one backward."""
-    model = apply_data_parallel(build("mlp", 100 + rank).double(), None, impl, 1e-3)
+    model = apply_data_parallel_any(build("mlp", 100 + rank).double(), None, impl, 1e-3)
     _step(model, rank, world, torch.float64)
     return {n: p.grad.clone() for n, p in model.module.named_parameters()}
 
@@ -431,7 +432,8 @@ def train_gated(case: Dict[str, Any], rank: int, world: int,
         model.get_parameter(name).requires_grad_(False)
     inner = model
     if not one_device:
-        model = apply_data_parallel(model, None, case["impl"], 1e-4, find_unused_parameters=True)
+        model = apply_data_parallel_any(model, None, case["impl"], 1e-4,
+                                        find_unused_parameters=True)
     cls, kwargs = OPTIMIZERS[case["opt"]]
     opt = cls([p for p in model.parameters() if p.requires_grad], **kwargs)
     x, y = (t.to(case["dtype"]) for t in batches("mlp")[0])

@@ -6,8 +6,8 @@ import unittest
 
 import torch
 
+from scaletorch.dist.overlap_text import BucketLaunch, SyncTimeline
 from scaletorch.dist.timer import Spans, Timer, seconds
-from scaletorch.parallel.overlap_chart import BucketLaunch, SyncTimeline
 
 
 class _FakeClock:

@@ -36,7 +36,7 @@ from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from scaletorch.parallel.data_parallel import apply_data_parallel
+from scaletorch.parallel.data_parallel_any_module import apply_data_parallel_any
 from scaletorch.parallel.sharded_optimizer import ShardedOptimizer
 from scaletorch.parallel.zero_any_module import apply_zero_any
 from tests.harness import run_distributed
@@ -195,7 +195,7 @@ def _world(rank: int, world: int, drawn: List[Dict[str, Any]]) -> Dict[str, Any]
             zero: Any = model
             opt = ShardedOptimizer(model.parameters(), cls, zero_stage=2, **kwargs)
         elif STAGES[case["stage"]] == -1:  # DDP averages, the optimizer steps its shard
-            zero = apply_data_parallel(model, None, "ours", 1e-4, find_unused_parameters=True)
+            zero = apply_data_parallel_any(model, None, "ours", 1e-4, find_unused_parameters=True)
             opt = ShardedOptimizer(model.parameters(), cls, zero_stage=1, **kwargs)
         else:
             zero = apply_zero_any(model, None, STAGES[case["stage"]])

@@ -33,7 +33,6 @@ records when each bucket went out (chapter 01's chart), ddp_reduce_dtype.py redu
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import reduce
 from typing import Any, Dict, Iterator, List, Optional, Set
 
 import torch
@@ -44,9 +43,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 from scaletorch.dist import ProcessGroupManager, comm, get_ledger
 from scaletorch.dist.comm import Work
+from scaletorch.dist.wrap_checks import (refuse_changed_since_wrap, refuse_several_devices,
+                                         refuse_sparse_grad, refuse_unwrappable)
 from scaletorch.parallel.gradient_sync import (average_gradients, launch_full_buckets,
                                                wait_for_buckets)
-from scaletorch.parallel.wrapper import ModuleWrapper, refuse_unready, refuse_wrapped
+from scaletorch.parallel.wrapper import ModuleWrapper
 from scaletorch.rules.buckets import ddp_buckets
 
 IMPLS = ("naive", "ours", "torch")
@@ -61,27 +62,22 @@ class _DataParallel(ModuleWrapper, nn.Module):
     """
     data_parallel_wrapper = True  # refuse_wrapped: wrapping this again is refused
 
-    def __init__(self, module: nn.Module, group: Optional[dist.ProcessGroup],
-                 broadcast_buffers: bool = True, find_unused_parameters: bool = False) -> None:
+    def __init__(self, module: nn.Module, group: Optional[dist.ProcessGroup]) -> None:
         super().__init__()
         self.module, self.group, self.world = module, group, comm.group_size(group)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]  # frozen: out
         self.names, self.params = [n for n, _ in named], [p for _, p in named]
         self.names_at_wrap = {n for n, _ in module.named_parameters()}  # frozen ones too
-        self.broadcast_buffers, self.find_unused = broadcast_buffers, find_unused_parameters
         self._used: Set[int] = set()  # parameters that got a gradient since the last sync
         self._sync_enabled, self._needs_sync, self._callback_queued = True, False, False
-        # torch DDP's rule: start as the first rank's, once all hold the same tensors (all-gather)
-        state = [*module.named_parameters(), *module.named_buffers()]
-        comm.check_same_layout(state, "data parallel", group)
+        refuse_unwrappable(module, "data parallel", group)  # every rank alike (wrap_checks.py)
+        # torch DDP's rule: every rank starts from the first rank's model
         comm.broadcast_from_first([*module.parameters(), *module.buffers()], group)
         for i, p in enumerate(self.params):
             p.register_post_accumulate_grad_hook(lambda p, i=i: self._grad_ready(i))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._needs_sync = self._needs_sync or torch.is_grad_enabled()
-        if self.broadcast_buffers:  # torch DDP's rule: every forward sees the first rank's
-            comm.broadcast_from_first(list(self.module.buffers()), self.group)
         return self.module(*args, **kwargs)
 
     @contextmanager
@@ -100,10 +96,7 @@ class _DataParallel(ModuleWrapper, nn.Module):
 
     def _grad_ready(self, i: int) -> None:
         """Post-accumulate-grad hook of parameter i: runs inside backward."""
-        grad = self.params[i].grad
-        if grad is not None and grad.layout != torch.strided:  # F.embedding(sparse=True)
-            raise RuntimeError(f"data parallel: {self.names[i]} got a sparse gradient: not "
-                               f"supported; use sparse=False")
+        refuse_sparse_grad(self.params[i].grad, self.names[i], "data parallel")
         self._needs_sync = True
         self._used.add(i)
         if self._sync_enabled and not self._callback_queued:
@@ -126,54 +119,34 @@ class _DataParallel(ModuleWrapper, nn.Module):
     def _sync(self) -> None:
         raise NotImplementedError
 
-    def _check_since_wrap(self) -> None:
-        """At each sync, before its first collective (every rank that changed the model raises
-        alike, none is left waiting in an all-reduce): the trainable parameters are the wrap's.
-        One registered since is never averaged; one frozen or unfrozen since has no slot or a
-        stale one (the buckets were laid out at the wrap; torch DDP raises too)."""
-        now = [n for n, p in self.module.named_parameters() if p.requires_grad]
-        if now == self.names:
-            return
-        self._needs_sync = False  # raised: the next backward starts afresh
-        added = [n for n in now if n not in self.names_at_wrap]
-        if added:
-            raise RuntimeError(f"data parallel: {added} registered after the wrap, so never "
-                               f"averaged: register it before apply_data_parallel")
-        raise RuntimeError(f"data parallel: requires_grad changed since the wrap for "
-                           f"{sorted(set(now) ^ set(self.names))}: wrap the model again")
-
-    def _drop_unused(self, held: List[bool]) -> None:
-        """After a sync. With torch DDP's find_unused_parameters a parameter no rank's backward
-        reached (a 0/1 flag each, all-reduced) keeps the grad it ``held``; without, it raises."""
+    def _drop_unused(self) -> None:
+        """After a sync. A parameter that got no gradient on this rank was reduced as zeros
+        (every rank issues the same collectives); a zero gradient is not one (AdamW would decay
+        the weight), so it raises, as torch DDP does without find_unused_parameters."""
         self._needs_sync = False
         unused = [n for i, n in enumerate(self.names) if i not in self._used]
-        if unused and not self.find_unused:  # a zero gradient is not one: AdamW would decay
-            raise RuntimeError(f"data parallel: {unused} got no gradient on this rank: pass "
-                               f"find_unused_parameters=True (grad None where no rank used one)")
-        if self.find_unused and self.params:
-            used = torch.tensor([float(i in self._used) for i in range(len(self.params))],
-                                device=self.params[0].device)
-            comm.all_reduce(used, self.group)  # how many ranks used each parameter
-            for p, n, had in zip(self.params, used.tolist(), held):
-                p.grad = None if n == 0 and not had else p.grad
         self._used.clear()
+        if unused:
+            raise RuntimeError(f"data parallel: {unused} got no gradient on this rank: pass "
+                               f"find_unused_parameters=True to apply_data_parallel_any "
+                               f"(grad None where no rank used one)")
 
 
 class NaiveDataParallel(_DataParallel):
     """After backward, all-reduce each gradient (blocking) and divide by N."""
 
     def _sync(self) -> None:
-        self._check_since_wrap()
-        held = [p.grad is not None for p in self.params]  # an unused one's: the user's
-        for p, had in zip(self.params, held):  # unused here, maybe not elsewhere: zeros
-            p.grad = p.grad if had else torch.zeros_like(p)
+        self._needs_sync = False  # if the check raises, the next backward starts afresh
+        refuse_changed_since_wrap(self.module, self.names, self.names_at_wrap, "data parallel")
+        for p in self.params:  # unused here, maybe not elsewhere: zeros, as every rank sends
+            p.grad = p.grad if p.grad is not None else torch.zeros_like(p)
         self._average([p.grad for p in self.params if p.grad is not None])  # over dp, / N
-        self._drop_unused(held)
+        self._drop_unused()
 
 
 @dataclass
 class Bucket:
-    """A flat gradient buffer (fp32, or fp64 for fp64 parameters) for a run of parameters."""
+    """A flat fp32 gradient buffer for a run of parameters."""
     index: int
     param_ids: List[int]
     buffer: torch.Tensor  # (numel,)
@@ -185,21 +158,18 @@ class BucketedDataParallel(_DataParallel):
     """DDP with gradient buckets: all-reduce of bucket k overlaps backward of earlier layers.
 
     Gradients live in the buckets: after the first micro-batch ``p.grad`` is a view of the
-    fp32 bucket buffer (of a copy, for non-fp32 parameters), so later micro-batches accumulate
+    fp32 bucket buffer, so later micro-batches accumulate
     in place. ``optimizer.zero_grad()`` works as usual: with set_to_none the next gradient
     overwrites the stale bucket slot instead of adding to it. A parameter that gets no
     gradient is reduced as zeros (ranks must agree on every bucket); ``_drop_unused`` decides.
     """
 
     def __init__(self, module: nn.Module, group: Optional[dist.ProcessGroup],
-                 bucket_size_mb: float = 25.0, broadcast_buffers: bool = True,
-                 find_unused_parameters: bool = False) -> None:
+                 bucket_size_mb: float = 25.0) -> None:
         if not bucket_size_mb > 0:
             raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb}")
-        devices = {p.device for p in module.parameters()}
-        if len(devices) > 1:
-            raise ValueError(f"data parallel wraps a model on one device, got {devices}")
-        super().__init__(module, group, broadcast_buffers, find_unused_parameters)
+        refuse_several_devices(module, "data parallel")
+        super().__init__(module, group)
         self.buckets: List[Bucket] = []
         self._bucket_of: Dict[int, int] = {}
         self._views: List[torch.Tensor] = [None] * len(self.params)  # type: ignore[list-item]
@@ -210,8 +180,8 @@ class BucketedDataParallel(_DataParallel):
 
     def _add_bucket(self, ids: List[int]) -> None:
         device = self.params[ids[0]].device
-        dtype = reduce(torch.promote_types, [self.params[j].dtype for j in ids], torch.float32)
-        buffer = torch.zeros(sum(self.params[j].numel() for j in ids), dtype=dtype, device=device)
+        buffer = torch.zeros(sum(self.params[j].numel() for j in ids),
+                             dtype=self._bucket_dtype(ids), device=device)
         offset = 0
         for j in ids:
             n = self.params[j].numel()
@@ -219,6 +189,13 @@ class BucketedDataParallel(_DataParallel):
             self._bucket_of[j] = len(self.buckets)
             offset += n
         self.buckets.append(Bucket(len(self.buckets), list(ids), buffer))
+
+    def _bucket_dtype(self, ids: List[int]) -> torch.dtype:
+        other = [self.names[j] for j in ids if self.params[j].dtype != torch.float32]
+        if other:  # every rank alike: the wrap checked that their layouts agree
+            raise ValueError(f"data parallel: {other} are not float32: apply_data_parallel_any "
+                             f"(data_parallel_any_module.py) buckets any dtype")
+        return torch.float32
 
     def _take_grad(self, i: int) -> None:
         """Move parameter i's fresh ``p.grad`` into its bucket slot (fp32), if not there yet."""
@@ -231,7 +208,7 @@ class BucketedDataParallel(_DataParallel):
         else:
             view.add_(grad)
         if grad is not None:
-            p.grad = view if p.dtype == view.dtype else None
+            p.grad = view
         elif i in self._stale:
             view.zero_()  # no gradient at all in this accumulation
         self._stale.discard(i)
@@ -248,6 +225,10 @@ class BucketedDataParallel(_DataParallel):
             [b.ready for b in self.buckets], [len(b.param_ids) for b in self.buckets],
             self._next_bucket, lambda k: self._launch(self.buckets[k], in_backward=True))
 
+    def _hand_out(self) -> None:
+        for p, view in zip(self.params, self._views):  # after the wait: the averaged slot
+            p.grad = view
+
     def _launch(self, bucket: Bucket, in_backward: bool) -> None:
         """Start the async all-reduce (SUM of grad / N over the group) of one bucket."""
         for i in bucket.param_ids:
@@ -259,17 +240,17 @@ class BucketedDataParallel(_DataParallel):
 
     def _sync(self) -> None:
         """Launch what backward did not (unused parameters), wait once, hand out the grads."""
-        self._check_since_wrap()  # before the launches (backward's, in flight, finish alike)
-        held = [p.grad is not None for p in self.params]  # _take_grad keeps a None
+        self._needs_sync = False  # if the check raises, the next backward starts afresh
+        # before the launches (backward's, in flight, finish alike); wrap_checks.py
+        refuse_changed_since_wrap(self.module, self.names, self.names_at_wrap, "data parallel")
         while self._next_bucket < len(self.buckets):
             self._launch(self.buckets[self._next_bucket], in_backward=False)
             self._next_bucket += 1
         wait_for_buckets([bucket.work for bucket in self.buckets])
         for bucket in self.buckets:
             bucket.work, bucket.ready = None, 0
-        for p, view in zip(self.params, self._views):
-            p.grad = view if p.dtype == view.dtype else view.to(p.dtype)
-        self._drop_unused(held)
+        self._hand_out()
+        self._drop_unused()
         self._stale = set(range(len(self.params)))
         self._next_bucket = self._grads_ready = 0
 
@@ -306,32 +287,26 @@ def ddp_report(model: nn.Module, pgm: ProcessGroupManager, impl: str, step: int)
 
 
 def apply_data_parallel(model: nn.Module, pgm: Optional[ProcessGroupManager], impl: str = "ours",
-                        bucket_size_mb: float = 25.0, broadcast_buffers: bool = True,
-                        find_unused_parameters: bool = False) -> nn.Module:
+                        bucket_size_mb: float = 25.0, **torch_flags: bool) -> nn.Module:
     """Wrap ``model`` for data parallel over ``pgm.gradient_sync_group`` (the data-parallel
     ranks; chapter 05 adds its context-parallel ranks to it).
 
     impl: "naive" (all-reduce per parameter after backward), "ours" (bucketed, overlapped)
-    or "torch" (torch.nn.parallel.DistributedDataParallel). Returns the wrapper, which reduces
-    in fp32 (chapter 08 changes that from mixed_precision.py). The flags are torch DDP's.
+    or "torch" (torch.nn.parallel.DistributedDataParallel, given ``torch_flags``). Returns the
+    wrapper, which reduces in fp32 (chapter 08 changes that from mixed_precision.py). Any dtype
+    and torch DDP's flags for ours: data_parallel_any_module.py.
     """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {', '.join(IMPLS)}, got {impl!r}")
-    refuse_wrapped(model, "apply_data_parallel")
-    refuse_unready(model, "data parallel")  # before any collective: every rank raises alike
-    if not bucket_size_mb > 0:
-        raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb}")
     group = None if pgm is None else pgm.gradient_sync_group
-    if impl == "torch" and not dist.is_initialized():
+    if impl == "naive":
+        return NaiveDataParallel(model, group)
+    if impl == "ours":
+        return BucketedDataParallel(model, group, bucket_size_mb)
+    if not dist.is_initialized():
         raise ValueError("impl 'torch' (DistributedDataParallel) needs a process group: "
                          "launch with torchrun, or use impl 'ours' on one process")
-    flags = dict(broadcast_buffers=broadcast_buffers, find_unused_parameters=find_unused_parameters)
-    if impl == "naive":
-        return NaiveDataParallel(model, group, **flags)
-    if impl == "ours":
-        return BucketedDataParallel(model, group, bucket_size_mb, **flags)
+    refuse_unwrappable(model, "data parallel", group)  # ours refuse at their wrap
     device = next(model.parameters()).device
-    keep = {} if broadcast_buffers else dict(broadcast_buffers=False)  # torch's default: True
     return TorchDataParallel(model, device_ids=None if device.type == "cpu" else [device.index],
-                             process_group=group, bucket_cap_mb=bucket_size_mb,
-                             find_unused_parameters=find_unused_parameters, **keep)
+                             process_group=group, bucket_cap_mb=bucket_size_mb, **torch_flags)

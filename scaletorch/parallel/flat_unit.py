@@ -11,8 +11,8 @@ The three collectives of ZeRO come first (``reduce_scatter_mean``, ``gather_unit
 ``release_unit``: examples/exercises/02_fsdp.py has them for the learner); zero.py's hooks and
 step call them. Then the unit: bookkeeping only (offsets, the shard, what to send, where a
 reduced gradient goes).
-Later chapters attach from outside: a subclass picks the dtypes (``full_buffer``,
-``sent_dtype``: zero_mixed_precision.py); zero_tied.py points a tied weight at a unit's tensor.
+Later chapters attach from outside: zero_mixed_precision.py's subclass changes the dtypes,
+zero_tied.py points a tied weight at a unit's tensor.
 Shapes (jaxtyping, checked in tests/test_zero_shapes.py): "P" is P' = N S, "S" a shard.
 """
 
@@ -112,7 +112,7 @@ class FlatUnit:
         master = torch.zeros(self.padded_numel, dtype=first.dtype, device=first.device)
         for param, start in zip(params, self.offsets):
             master[start:start + param.numel()].copy_(param.detach().reshape(-1))
-        self.flat = self.full_buffer(master)
+        self.flat = master
         self.tensors: List[torch.Tensor] = []
         storage = self.flat.untyped_storage()
         for param, (_, holders), start in zip(params, found.values(), self.offsets):
@@ -137,26 +137,15 @@ class FlatUnit:
         if zero_stage == 3:
             release_unit(self.flat)  # stage 3 keeps the shard only until a unit is gathered
 
-    def full_buffer(self, master: Flat) -> Flat:
-        """The (P',) vector the parameters live on and gathers write: ``master`` itself (a
-        subclass may return a copy in another dtype under stage 3; the shard stays fp32)."""
-        return master
-
-    def sent_dtype(self, full: Flat) -> torch.dtype:
-        """The dtype the gradients are reduce-scattered in: full's (a subclass may differ)."""
-        return full.dtype
-
     @property
     def gathered_bytes(self) -> int:
         """Bytes of full parameters this unit holds right now (0 when freed)."""
         return self.flat.untyped_storage().nbytes()
 
     def gather_source(self) -> Shard:
-        """What ``gather_unit`` sends for this rank: the (S,) shard in flat's dtype, not a view
-        of flat (stages 1, 2 keep the shard on flat: a copy, so in and out do not alias)."""
+        """What ``gather_unit`` sends for this rank: the (S,) shard, not a view of flat (stages
+        1, 2 keep the shard on flat: a copy, so in and out do not alias)."""
         source = self.shard.detach()
-        if source.dtype != self.flat.dtype:
-            return source.to(self.flat.dtype)  # full_buffer's dtype: the copy that is sent
         return source.clone() if self.zero_stage < 3 else source
 
     def gather(self, async_op: bool = False) -> Optional[Work]:
@@ -166,7 +155,7 @@ class FlatUnit:
 
     def grads_to_reduce(self) -> Tuple[Flat, Shard]:
         """(full, out) for ``reduce_scatter_mean``: this unit's (P',) gradients and an empty
-        (S,) for this rank's mean, in ``sent_dtype``. Stages 2, 3 free the parameters' full
+        (S,) for this rank's mean. Stages 2, 3 free the parameters' full
         gradients here (they are copied into ``full``); stage 1 keeps its flat buffer."""
         if self.flat_grad is not None:
             full = self.flat_grad
@@ -179,12 +168,11 @@ class FlatUnit:
             full = torch.cat(pieces)  # (P',)
             for tensor in self.tensors:
                 tensor.grad = None
-        return full, full.new_empty(self.shard_numel, dtype=self.sent_dtype(full))
+        return full, full.new_empty(self.shard_numel)
 
     def take_grad(self, out: Shard) -> None:
         """After ``reduce_scatter_mean`` into ``out`` is done: add it to the shard's gradient
-        (fp32, the master's dtype; stage 1 writes it into its flat buffer)."""
-        out = out.to(self.shard.dtype)
+        (stage 1 writes it into its flat buffer)."""
         if self.flat_grad is not None:
             own = self.flat_grad[self.rank * self.shard_numel:(self.rank + 1) * self.shard_numel]
             own.copy_(out)

@@ -15,7 +15,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from scaletorch.dist import ProcessGroupManager
-from scaletorch.parallel.zero import check_zero_layout
+from scaletorch.dist.wrap_checks import check_zero_layout
 
 
 def shard_blocks_then_root(modules: Iterable[nn.Module], mesh: DeviceMesh,

@@ -26,24 +26,13 @@ rank ends with the same norm and scales its own gradients by min(1, max_norm / n
 """
 
 import math
-import sys
-from typing import TYPE_CHECKING, Iterable, Optional, Tuple, TypeGuard, Union, cast
+from typing import Iterable, Optional, Tuple, Union, cast
 
 import torch
 import torch.distributed as dist
 
 from scaletorch.dist import ProcessGroupManager, comm
-
-if TYPE_CHECKING:  # imported by the runs that make DTensors (is_dtensor)
-    from torch.distributed.tensor import DTensor
-
-
-def is_dtensor(t: object) -> TypeGuard["DTensor"]:
-    """True for PyTorch's DTensor (FSDP2, DTensor tensor parallel). One exists only once
-    torch.distributed.tensor is imported, so a run that makes none never imports it: half a
-    second of every process's start in chapters 00-06."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(t, module.DTensor)
+from scaletorch.dist.dtensor import is_dtensor
 
 
 def local_grad(param: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,7 @@ rank's next to a formula: 16 Psi for data parallel (chapter 01), ZeRO's stages (
 zero_report.py). Chapter 07 prints them per rank beside the traffic.
 """
 
-from typing import Dict, Iterable, Optional, Sequence
+from typing import Dict, Iterable, Optional, Sequence, Set
 
 import torch
 import torch.distributed as dist
@@ -14,7 +14,7 @@ from torch import nn
 from scaletorch.dist import comm, get_ledger
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
     """The part of a (possibly DTensor) tensor that lives on this rank."""
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
@@ -22,46 +22,29 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 def storage_key(tensor: torch.Tensor) -> int:
     """One number per storage, shared by its views: the storage object's address, not its
     data's (a fake tensor's storage has none: every data pointer is 0 in a dry run)."""
-    return _local(tensor).untyped_storage()._cdata
-
-
-def memory_by_dtype(model: nn.Module,
-                    optimizer: torch.optim.Optimizer) -> Dict[str, Dict[torch.dtype, int]]:
-    """Bytes this rank holds now, by kind (params, grads, optimizer, buffers) and dtype.
-
-    Counts each storage once, whole (so padding and the full buffer behind a shard view are
-    included); DTensors (FSDP2) count their local shard; scalar state (Adam's step) is left out.
-    Buffers (RoPE's tables, say) whose storage a parameter shares count with the parameters.
-    """
-    seen: Dict[int, str] = {}
-    out: Dict[str, Dict[torch.dtype, int]] = {}
-
-    def add(kind: str, tensors: Iterable[torch.Tensor]) -> None:
-        mine = out.setdefault(kind, {})
-        for t in tensors:
-            key = storage_key(t)
-            if key in seen:
-                continue
-            seen[key] = kind
-            storage = _local(t).untyped_storage()
-            mine[t.dtype] = mine.get(t.dtype, 0) + storage.nbytes()
-
-    params = list(model.parameters())
-    add("params", params)
-    add("grads", [p.grad for p in params if p.grad is not None])
-    add("optimizer", [
-        v for s in optimizer.state.values()
-        for v in s.values() if torch.is_tensor(v) and v.dim() > 0
-    ])
-    add("buffers", model.buffers())
-    return out
+    return local_part(tensor).untyped_storage()._cdata
 
 
 def measure_memory(model: nn.Module, optimizer: torch.optim.Optimizer) -> Dict[str, int]:
-    """Bytes this rank holds now for parameters, gradients and optimizer state (all dtypes;
-    ``memory_by_dtype`` says how they count)."""
-    held = memory_by_dtype(model, optimizer)
-    return {k: sum(held[k].values()) for k in ("params", "grads", "optimizer")}
+    """Bytes this rank holds now for parameters, gradients and optimizer state. Each storage
+    counts once, whole (so padding and the full buffer behind a shard view are included), with
+    the first kind that holds it; DTensors (FSDP2) count their local shard; scalar state (Adam's
+    step) is left out. (The dry run splits them by dtype: trainer/memory_by_dtype.py.)"""
+    seen: Set[int] = set()
+
+    def held(tensors: Iterable[torch.Tensor]) -> int:
+        new = {storage_key(t): local_part(t).untyped_storage().nbytes() for t in tensors}
+        new = {key: n for key, n in new.items() if key not in seen}
+        seen.update(new)
+        return sum(new.values())
+
+    params = list(model.parameters())
+    state = [v for s in optimizer.state.values() for v in s.values()]
+    return {
+        "params": held(params),
+        "grads": held(p.grad for p in params if p.grad is not None),
+        "optimizer": held(v for v in state if torch.is_tensor(v) and v.dim() > 0)
+    }
 
 
 KINDS = ("params", "grads", "optimizer", "peak_gathered")

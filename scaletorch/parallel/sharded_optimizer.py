@@ -34,8 +34,8 @@ import torch.distributed as dist
 
 from scaletorch.dist import comm
 from scaletorch.dist.comm import Group
+from scaletorch.dist.wrap_checks import refuse_lazy
 from scaletorch.parallel.grad_norm import clip_grads_, world_grad_norm
-from scaletorch.parallel.wrapper import refuse_lazy
 from scaletorch.parallel.zero import ShardedDataParallel, ZeroOptimizer
 from scaletorch.parallel.zero_any_module import ShardView
 

@@ -71,8 +71,7 @@ def parallelize_resnet(model: nn.Module, pgm: ProcessGroupManager, impl: str, ze
     after_step = partial(average_running_stats, model, group) if average else (lambda: None)
     if zero_stage == 0:
         # ours leaves the buffers to ``batchnorm``'s rule; torch's broadcasts rank 0's
-        wrapped = apply_data_parallel(model, pgm, impl, bucket_size_mb,
-                                      broadcast_buffers=impl == "torch")
+        wrapped = apply_data_parallel(model, pgm, impl, bucket_size_mb)
         params = list(wrapped.parameters())
         return ParallelResNet(
             wrapped, adamw(params), partial(clip_replicated, params), lambda: {

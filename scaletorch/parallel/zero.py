@@ -34,10 +34,11 @@ from torch.utils._pytree import tree_leaves
 
 from scaletorch.dist import ProcessGroupManager, comm, get_ledger
 from scaletorch.dist.comm import Work
+from scaletorch.dist.wrap_checks import (RefuseAddedGroups, check_zero_layout, refuse_partition,
+                                         refuse_unwrappable)
 from scaletorch.parallel.flat_unit import (FlatUnit, Group, NamedModules, gather_unit,
                                            reduce_scatter_mean, release_unit)
 from scaletorch.parallel.grad_norm import clip_grads_, world_grad_norm
-from scaletorch.parallel.wrapper import refuse_unready, refuse_wrapped
 
 Units = List[Tuple[str, NamedModules]]  # (unit name, [(module name, module), ...])
 MakeUnit = Callable[[str, NamedModules, Group, int], FlatUnit]  # (name, modules, group, stage)
@@ -52,8 +53,7 @@ class ShardedDataParallel(nn.Module):
     every parameter must be in exactly one unit. The wrapper's parameters (``self.shards``, one
     flat (S,) shard per unit) are all that the optimizer and ``state_dict`` see: this rank's
     shards. ``full_state_dict`` gathers the full tensors under the original names;
-    ``clip_grad_norm`` counts each shard element once. ``make_unit`` builds each unit (``FlatUnit``,
-    or a later chapter's subclass).
+    ``clip_grad_norm`` counts each shard element once.
     """
     shares_parameters = False  # chapter 10's subclass shares a weight (zero_tied.py)
     data_parallel_wrapper = True  # wrapper.py's refuse_wrapped: wrapping this again is refused
@@ -63,20 +63,10 @@ class ShardedDataParallel(nn.Module):
         super().__init__()
         if zero_stage not in (1, 2, 3):
             raise ValueError(f"zero_stage must be 1, 2 or 3, got {zero_stage}")
-        refuse_wrapped(module, "ZeRO")
-        refuse_unready(module, "ZeRO")  # lazy, sparse: before any collective, on every rank
-        # the ranks hold the same tensors, or the broadcast below dies in the backend
-        comm.check_same_layout([*module.named_parameters(), *module.named_buffers()], "ZeRO", group)
+        refuse_unwrappable(module, "ZeRO", group)  # every rank alike (wrap_checks.py)
         per_unit = self._unit_parameters(units)  # frozen ones stay whole, in no unit
         units = [unit for unit, params in zip(units, per_unit) if params]
-        listed = [id(p) for params in per_unit for p in params]  # twice: a tied weight
-        missing = [
-            n for n, p in module.named_parameters() if p.requires_grad and id(p) not in listed
-        ]
-        twice = [n for n, p in module.named_parameters() if listed.count(id(p)) > 1]
-        if missing or (twice and not self.shares_parameters):
-            raise ValueError(f"each parameter must be in one unit; parameters in no unit: "
-                             f"{missing}, in two: {twice} (tied weights: zero_tied.py)")
+        refuse_partition(module, per_unit, "ZeRO", self.shares_parameters)
         self.module, self.group, self.zero_stage = module, group, zero_stage
         self.prefetch, self.make_unit = prefetch, make_unit
         # torch DDP's rule, as in data_parallel.py: every rank starts from the first rank's model
@@ -227,9 +217,8 @@ class ShardedDataParallel(nn.Module):
             unit.zero_grad()
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """The Trainer's clip: each shard element lives on one rank, so it counts once
-        (grad_norm.py's rule, replicas 1); one all-reduce of one number over the world, which
-        ZeRO alone shards over (chapter 07's ``parallelize`` clips composed layouts)."""
+        """The clip: each shard element lives on one rank, so it counts once (grad_norm.py's
+        rule, replicas 1): one all-reduce of one number over the world."""
         self.finish_grad_sync()
         shards = list(self.shards.values())
         norm = world_grad_norm([(s, 1) for s in shards], shards[0].device)
@@ -276,22 +265,6 @@ class ShardedDataParallel(nn.Module):
                     unit.gather()
 
 
-def check_zero_layout(zero_stage: int, tensor_model_parallel_size: int = 1,
-                      pipeline_model_parallel_size: int = 1,
-                      expert_model_parallel_size: int = 1) -> None:
-    """ZeRO on its own (chapter 02) shards over data parallel only; ``parallelize`` (chapter
-    07) combines it with the others."""
-    if zero_stage not in (1, 2, 3):
-        raise ValueError(f"zero_stage must be 1, 2 or 3 (--zero-stage), got {zero_stage}")
-    sizes = zip(
-        ("tensor", "pipeline", "expert"),
-        (tensor_model_parallel_size, pipeline_model_parallel_size, expert_model_parallel_size))
-    unsupported = [f"{name}_model_parallel_size ({n})" for name, n in sizes if n > 1]
-    if unsupported:
-        raise ValueError(f"zero_stage {zero_stage} on its own shards over data parallel only; got "
-                         f"{', '.join(unsupported)}: 07_nd_parallel combines ZeRO with them")
-
-
 def llama_units(model: nn.Module) -> Units:
     """The sharding units of a Llama, in forward order: embedding, each block, head (or of
     a pipeline chunk, chapter 04: its ``layers`` keyed by index, a missing end None)."""
@@ -320,7 +293,7 @@ def apply_zero(model: nn.Module, pgm: ProcessGroupManager, zero_stage: int = 3,
                                zero_stage, prefetch, make_unit)
 
 
-class ZeroOptimizer(torch.optim.Optimizer):
+class ZeroOptimizer(RefuseAddedGroups, torch.optim.Optimizer):
     """``optimizer_class`` over this rank's (S,) shards of ``model``, the ZeRO wrapper (or a
     list of them: a pipeline rank's chunks, chapter 07): the same arithmetic, 1/N of the state.
 
@@ -336,16 +309,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         super().__init__(shards, defaults)
         self.param_groups, self.state = self.local.param_groups, self.local.state
         self.defaults = self.local.defaults
-        self._built = True
-
-    def add_param_group(self, param_group: Dict[str, Any]) -> None:
-        """torch's while torch's ``__init__`` adds the shards; after it, refused: the shards
-        are the wrapper's whole model, and a flat shard has one lr and weight decay."""
-        if getattr(self, "_built", False):
-            raise ValueError("ZeRO over a wrapper's flat shards steps the whole model in one "
-                             "group: add_param_group cannot add to it; wrap every parameter "
-                             "in the model, and give the optimizer its hyperparameters at once")
-        super().add_param_group(param_group)
+        self._built = True  # RefuseAddedGroups (wrap_checks.py): no group added after this
 
     # [core: zero-step]
     @torch.no_grad()

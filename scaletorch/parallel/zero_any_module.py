@@ -31,11 +31,11 @@ from torch.utils._pytree import tree_leaves
 
 from scaletorch.dist import comm, get_ledger
 from scaletorch.dist.comm import Group, Work
+from scaletorch.dist.wrap_checks import refuse_wrapped
 from scaletorch.parallel.flat_unit import FlatUnit, gather_unit, put_tensor, release_unit
 from scaletorch.parallel.unit_rules import (UnitRule, as_units, check_coverage, check_unit_dtypes,
                                             frozen_unit, nested_parameters, nests,
                                             refuse_changed_since_wrap)
-from scaletorch.parallel.wrapper import refuse_wrapped
 from scaletorch.parallel.zero import MakeUnit, ShardedDataParallel, Units
 
 FREEZE_BEFORE = "freeze or unfreeze the parameter before apply_zero_any"

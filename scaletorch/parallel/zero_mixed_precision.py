@@ -7,11 +7,11 @@ shards, their gradients and AdamW's state stay fp32 (mixed_precision.py says why
 """
 
 from functools import partial
-from typing import Callable
+from typing import Callable, Tuple
 
 import torch
 
-from scaletorch.parallel.flat_unit import FlatUnit, Group, NamedModules
+from scaletorch.parallel.flat_unit import FlatUnit, Group, NamedModules, put_tensor, release_unit
 
 
 class FlatUnitInDtypes(FlatUnit):
@@ -21,18 +21,41 @@ class FlatUnitInDtypes(FlatUnit):
 
     def __init__(self, name: str, modules: NamedModules, group: Group, zero_stage: int,
                  param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> None:
-        # read by the two methods below while FlatUnit builds the unit
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         super().__init__(name, modules, group, zero_stage)
+        if zero_stage == 3 and param_dtype != self.flat.dtype:
+            self._compute_in(param_dtype)
 
-    def full_buffer(self, master: torch.Tensor) -> torch.Tensor:
-        """Stage 3: the gathered parameters in ``param_dtype``; stages 1, 2 keep the master."""
-        low = self.zero_stage == 3 and self.param_dtype != master.dtype
-        return master.to(self.param_dtype) if low else master
+    def _compute_in(self, dtype: torch.dtype) -> None:
+        """Stage 3: the full parameters (gathered, computed with) in ``dtype``: a new flat
+        vector, released until its first gather, and new tensors on it in every holder's place
+        (chapter 02's unit built them on the fp32 master); the shard stays fp32."""
+        self.flat = self.flat.new_empty(self.padded_numel, dtype=dtype)
+        storage = self.flat.untyped_storage()
+        for k, (old, start) in enumerate(zip(self.tensors, self.offsets)):
+            tensor = torch.empty(0, dtype=dtype, device=old.device)
+            tensor.set_(storage, start, old.shape)  # type: ignore[call-overload]
+            tensor.requires_grad_(old.requires_grad)
+            for sub, attr, _ in self.slots[k]:
+                put_tensor(sub, attr, tensor)
+            self.tensors[k] = tensor
+        release_unit(self.flat)
 
-    def sent_dtype(self, full: torch.Tensor) -> torch.dtype:
-        """``reduce_dtype`` (one rank: nothing is sent, nothing to round)."""
-        return self.reduce_dtype if self.world > 1 else full.dtype
+    def gather_source(self) -> torch.Tensor:
+        """The fp32 shard cast to ``param_dtype`` (stage 3): the copy that is sent."""
+        source = self.shard.detach()
+        if source.dtype != self.flat.dtype:
+            return source.to(self.flat.dtype)
+        return super().gather_source()
+
+    def grads_to_reduce(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The mean is received in ``reduce_dtype`` (one rank: nothing is sent, nothing to
+        round)."""
+        full, out = super().grads_to_reduce()
+        return full, out if self.world == 1 else torch.empty_like(out, dtype=self.reduce_dtype)
+
+    def take_grad(self, out: torch.Tensor) -> None:
+        super().take_grad(out.to(self.shard.dtype))  # accumulated in fp32
 
 
 def zero_unit_in(param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> Callable[..., FlatUnit]:

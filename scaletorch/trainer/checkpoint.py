@@ -37,8 +37,8 @@ from torch import nn
 
 from scaletorch.config import Config
 from scaletorch.dist import comm, restart_count
+from scaletorch.dist.dtensor import is_dtensor
 from scaletorch.models import Llama
-from scaletorch.parallel.grad_norm import is_dtensor
 from scaletorch.parallel.memory_report import storage_key
 from scaletorch.rules import boundary
 from scaletorch.rules.errors import InputError, MissingInputError, clip

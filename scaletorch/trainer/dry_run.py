@@ -49,7 +49,6 @@ from scaletorch.parallel.activation_checkpointing import (apply_activation_check
                                                           saved_activation_peaks)
 from scaletorch.parallel.activation_meter import micro_batch_of
 from scaletorch.parallel.expert_parallel import AllToAllDispatcher
-from scaletorch.parallel.memory_report import memory_by_dtype
 from scaletorch.parallel.mixed_precision import precision_hooks
 from scaletorch.parallel.parallelize import Parallelized, parallelize
 from scaletorch.parallel.tied_embeddings import TiedEmbeddings
@@ -65,6 +64,7 @@ from scaletorch.rules.errors import OneLineParser
 from scaletorch.trainer.checkpoint import SizeCounter, tensor_bytes
 from scaletorch.trainer.config import Config, parse_args
 from scaletorch.trainer.consolidated import consolidated_bytes
+from scaletorch.trainer.memory_by_dtype import memory_by_dtype
 from scaletorch.trainer.meta_kernels import shape_rules
 from scaletorch.trainer.trainer import Trainer
 

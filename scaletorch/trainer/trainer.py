@@ -26,8 +26,9 @@ from torch import nn
 from scaletorch.data import GlobalBatchLoader, build_dataset
 from scaletorch.data.loader import BatchSource
 from scaletorch.dist import ProcessGroupManager, comm, get_ledger, restart_count
+from scaletorch.dist.dtensor import is_dtensor
 from scaletorch.models import loss_fn
-from scaletorch.parallel.grad_norm import clip_replicated, is_dtensor
+from scaletorch.parallel.grad_norm import clip_replicated
 from scaletorch.parallel.mixed_precision import DynamicLossScaler
 from scaletorch.parallel.step import ForwardBackward, LossFn, make_data_parallel_step
 from scaletorch.rules.errors import InputError
