@@ -20,7 +20,7 @@ import sys
 
 import torch
 
-from scaletorch.config import recompute_mode, resolve_precision
+from scaletorch.config import recompute_mode
 from scaletorch.data import local_batch, split_micro_batches
 from scaletorch.dist import (comm, destroy_distributed, destroy_pg_manager, init_distributed,
                              init_pg_manager_from_config)
@@ -30,7 +30,7 @@ from scaletorch.parallel.expert_parallel import (ExpertParallel, ep_report,
                                                  gather_expert_parallel_state_dict, shard_experts)
 from scaletorch.parallel.tensor_parallel import apply_tensor_parallel, tensor_parallel_loss_fn
 from scaletorch.trainer import build_optimizer, check_against_reference, load_config, start_run
-from scaletorch.trainer.precision import DTYPES, autocast
+from scaletorch.trainer.precision import autocast
 
 
 def limits(cfg, world_size: int) -> None:
@@ -61,10 +61,8 @@ def main() -> int:
     pgm = init_pg_manager_from_config(cfg.parallel, cfg.training.timeout_seconds)
     pgm.log_topology(experts=True)
 
-    compute_dtype = DTYPES[resolve_precision(cfg, env.device.type)]  # what crosses the wire
-
     model = build_model(cfg.model, seed=cfg.training.model_seed).to(env.device)
-    shard_experts(model, pgm, compute_dtype)  # the new idea: E/ep experts here, tokens go to them
+    shard_experts(model, pgm)  # the new idea: E/ep experts here, tokens go to them
     loss_of = loss_fn
     if pgm.tensor_model_parallel_world_size > 1:  # chapter 03: attention split, MoE whole
         apply_tensor_parallel(model, pgm)

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from scaletorch.dist import comm
-from scaletorch.dist.functional import all_to_all
+from scaletorch.dist.all_to_all import all_to_all
 from scaletorch.parallel.ring_attention import merge as library_merge
 from scaletorch.parallel.ring_attention import ring_schedule
 

@@ -5,7 +5,7 @@ import unittest
 
 import torch
 
-from scaletorch.dist import comm, functional, get_ledger
+from scaletorch.dist import all_to_all, comm, functional, get_ledger, split_regions
 from scaletorch.dist.ledger import wire_bytes
 from tests.harness import run_distributed
 
@@ -41,12 +41,12 @@ def _world(rank: int, world: int) -> dict:
     # g: all-reduce forward, identity backward.
     out["g"] = _run(lambda x: functional.reduce_from_parallel_region(x, group), xs[rank], gs[rank])
     # scatter along the last dim: every rank holds the same input (xs[0]).
-    out["scatter"] = _run(lambda x: functional.scatter_to_parallel_region(x, group, -1), xs[0],
+    out["scatter"] = _run(lambda x: split_regions.scatter_to_parallel_region(x, group, -1), xs[0],
                           gs[rank][..., :8 // world])
     # gather along the last dim.
     full_g = [_tensor(200 + r, 2, 4, 8 * world) for r in range(world)]
-    out["gather"] = _run(lambda x: functional.gather_from_parallel_region(x, group, -1), xs[rank],
-                         full_g[rank])
+    out["gather"] = _run(lambda x: split_regions.gather_from_parallel_region(x, group, -1),
+                         xs[rank], full_g[rank])
     # sequence parallel pair along dim 1.
     seq_g = [_tensor(300 + r, 2, 4 * world, 8) for r in range(world)]
     out["gather_seq"] = _run(lambda x: functional.gather_from_sequence_parallel_region(x, group, 1),
@@ -60,7 +60,7 @@ def _world(rank: int, world: int) -> dict:
     recv = [_splits(src, world)[rank] for src in range(world)]
     a2a_x = _tensor(500 + rank, sum(send), 3)
     a2a_g = _tensor(600 + rank, sum(recv), 3)
-    out["all_to_all"] = _run(lambda x: functional.all_to_all(x, recv, send, group), a2a_x, a2a_g)
+    out["all_to_all"] = _run(lambda x: all_to_all.all_to_all(x, recv, send, group), a2a_x, a2a_g)
 
     # Ledger: plain collectives record the tensor they carry.
     ledger.clear()

@@ -14,6 +14,9 @@ Data parallel learns of chapter 08's reduce dtype by subclasses of the DDP wrapp
 (``apply_data_parallel_in``); chapter 01's overlap chart records through ``record_overlap``
 (overlap_chart.py); a model nobody here wrote (any dtype, torch DDP's flags) through the
 subclasses of data_parallel_any_module.py.
+Expert parallel (06) learns of chapter 08's compute dtype the same way
+(``expert_parallel_wire_in_compute`` swaps in a dispatcher whose ``outgoing`` casts), and ring
+attention turns autocast off only where the device has one (a meta tensor's has none).
 ZeRO (02) learns of chapter 08's dtypes through its ``make_unit`` argument, a ``FlatUnit``
 subclass that zero_mixed_precision.py defines, and of chapter 10's tied weights through
 zero_tied.py, which points borrowers at a unit's tensors.
@@ -60,7 +63,12 @@ _ZERO = [
 # later chapters' concerns that context parallel (05) must not name. It may name autocast: the
 # ring turns it off around its merge, which keeps the log-sum-exp statistics in fp32 whatever
 # the caller's dtype (the ring's own numerics, as flash attention's are).
-_CONTEXT = sorted({n for n in _PIPELINE + _COMPUTE_DTYPE if n != "autocast"})
+_CONTEXT = sorted({n for n in _PIPELINE + _COMPUTE_DTYPE + ["is_meta"] if n != "autocast"})
+# chapter 08's compute dtype (mixed_precision.py swaps in a dispatcher that casts the routed
+# tokens, ``expert_parallel_wire_in_compute``), which expert parallel (06) must not name
+_EXPERT = _COMPUTE_DTYPE + ["is_meta"]
+# the differentiable collectives: chapter 03's f, f-bar, g, g-bar; 05's and 06's all-to-all
+_COLLECTIVES = _COMPUTE_DTYPE + ["pad", "padded", "tied", "is_meta", "expert", "moe"]
 FORBIDDEN: Dict[str, List[str]] = {
     "scaletorch/parallel/context_parallel.py": _CONTEXT,
     "scaletorch/parallel/ring_attention.py": _CONTEXT,
@@ -74,6 +82,9 @@ FORBIDDEN: Dict[str, List[str]] = {
     "scaletorch/parallel/tensor_parallel_layers.py": _TENSOR,
     "scaletorch/parallel/flat_unit.py": _ZERO,
     "scaletorch/parallel/zero.py": _ZERO,
+    "scaletorch/parallel/expert_parallel.py": _EXPERT,
+    "scaletorch/dist/functional.py": _COLLECTIVES,
+    "scaletorch/dist/all_to_all.py": _COLLECTIVES,
 }
 
 

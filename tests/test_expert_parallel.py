@@ -10,7 +10,7 @@ import unittest
 
 import torch
 
-from scaletorch.dist import destroy_pg_manager, functional, get_ledger, init_pg_manager
+from scaletorch.dist import all_to_all, destroy_pg_manager, get_ledger, init_pg_manager
 from scaletorch.models import MoE, build_model, moe_aux_loss
 from scaletorch.parallel.expert_parallel import (AllToAllDispatcher, apply_expert_parallel,
                                                  moe_layers, validate_expert_parallel)
@@ -84,7 +84,7 @@ def _check_all_to_all(rank: int) -> dict:
     recv = [_splits(src)[rank] for src in range(WORLD)]
     x = _rows(rank, sum(send), 100).requires_grad_(True)
     grad_out = _rows(rank, sum(recv), 200)
-    y = functional.all_to_all(x, recv, send, None)
+    y = all_to_all.all_to_all(x, recv, send, None)
     y.backward(grad_out)
     return {"y": y.detach(), "grad": x.grad}
 

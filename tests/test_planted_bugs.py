@@ -26,7 +26,7 @@ import scaletorch.parallel.parallelize as parallelize_module
 import scaletorch.parallel.step as step_module
 import scaletorch.parallel.tied_embeddings as tied_module
 from scaletorch.dist import comm
-from scaletorch.dist.functional import _AllToAll
+from scaletorch.dist.all_to_all import _AllToAll
 from scaletorch.parallel.data_parallel import BucketedDataParallel
 from scaletorch.parallel.pipeline_runtime import PipelineSchedule
 from scaletorch.trainer import Config

@@ -5,7 +5,7 @@ import statement (top level, in a function, under TYPE_CHECKING), followed throu
 scaletorch/parallel, scaletorch/schedule, scaletorch/rules and scaletorch/plan. The shared
 infrastructure of chapter 00 (dist, models, data, config, trainer) is not followed: a learner
 met it before the first strategy. Two of its modules hold a chapter's own idea and are followed
-too (``TAUGHT``): the autograd-aware collectives (f, f-bar, the all-to-all) and the MoE layer.
+too (``TAUGHT``): the autograd-aware collectives (f, f-bar; the all-to-all) and the MoE layer.
 
 The rules (doc/design.md):
 - a chapter's path holds no module that a later chapter introduces (``OWNER``), and the modules
@@ -28,7 +28,11 @@ from typing import Dict, List, Set, Tuple
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Modules of chapter 00's packages that a chapter's strategy code imports for its idea, and the
 # chapter that introduces them: its page lists them like its strategy modules.
-TAUGHT = {"scaletorch.dist.functional": "03", "scaletorch.models.moe": "06"}
+TAUGHT = {
+    "scaletorch.dist.functional": "03",
+    "scaletorch.dist.all_to_all": "05",
+    "scaletorch.models.moe": "06"
+}
 FOLLOWED = ("scaletorch.parallel", "scaletorch.schedule", "scaletorch.rules", "scaletorch.plan",
             *TAUGHT)
 BUDGET = 700  # lines a chapter may add to the ones before it
@@ -96,7 +100,11 @@ OWNER = {module: chapter for chapter, modules in MODULES_OF.items() for module i
 # (any dtype, torch DDP's flags) is data_parallel_any_module.py's, 01's but outside its
 # script's path, as zero_any_module.py is 02's; chapter 08's dtypes left flat_unit.py for its
 # subclass (zero_mixed_precision.py).
-OVER_BUDGET: Dict[str, int] = {"03": 856, "04b": 1080, "07": 785}
+# Issue 53 (item 3): the all-to-all of 05 and 06 left dist/functional.py for
+# dist/all_to_all.py (05's), the split and gather no strategy calls for dist/split_regions.py
+# (followed by no chapter), and the gather's cut of chapter 10's padding left
+# tensor_parallel.py: 03 from 855 to 779, 05 stays within.
+OVER_BUDGET: Dict[str, int] = {"03": 779, "04b": 1080, "07": 785}
 
 
 def chapters() -> List[Tuple[str, str, str]]:

@@ -7,15 +7,15 @@ Each is scaletorch/parallel/expert_parallel.py's function with its body removed.
 runs chapter 06 on 2 gloo ranks (4 experts, top-2, 2 experts per rank) with your function in
 place of the library's. Each call is compared with the library's on the same inputs; it says
 "passed" or what is wrong, and names the function to write next. The collective is
-scaletorch.dist.functional's ``all_to_all(x, output_split_sizes, input_split_sizes, group,
+scaletorch.dist.all_to_all's ``all_to_all(x, output_split_sizes, input_split_sizes, group,
 "ep")``: rows of dim 0, differentiable (its backward is the reverse all-to-all).
 ``by_local_expert(recv_table, device)`` (expert_parallel.py) gives the regrouping's order.
 """
 
 from typing import List
 
+from scaletorch.dist.all_to_all import all_to_all  # noqa: F401 - the collective to call
 from scaletorch.dist.comm import Group
-from scaletorch.dist.functional import all_to_all  # noqa: F401 - the collective to call
 from scaletorch.parallel.expert_parallel import by_local_expert  # noqa: F401 - the order
 from scaletorch.parallel.expert_parallel import ForMyExperts, Routed  # the shapes (jaxtyping)
 

@@ -3,23 +3,21 @@
 ``torch.distributed`` collectives are invisible to autograd. Each parallel strategy needs a
 collective in forward *and its conjugate in backward*, so each pair is one small
 ``torch.autograd.Function`` here. The group is always an argument: the same operator serves
-tensor parallel ("tp"), sequence parallel, context parallel and expert parallel.
+tensor parallel ("tp"), sequence parallel and context parallel (the all-to-all of context and
+expert parallel is all_to_all.py's).
 
     operator                              forward          backward
     copy_to_parallel_region      (f)      identity         all-reduce
     reduce_from_parallel_region  (f-bar)  all-reduce       identity
     gather_from_sequence_parallel_region  all-gather dim   reduce-scatter dim   (g)
     reduce_scatter_to_sequence_parallel   reduce-scatter   all-gather dim       (g-bar)
-    scatter_to_parallel_region            split dim        all-gather dim
-    gather_from_parallel_region           all-gather dim   split dim
-    all_to_all                            all-to-all       all-to-all, splits swapped
 
 The names are Korthikanti et al. 2022's: f and g enter a tensor-parallel region, f-bar and
 g-bar leave it; g and g-bar are f and f-bar under sequence parallel. (Shoeybi et al. 2019,
 without sequence parallel, call f-bar "g".)
 """
 
-from typing import Any, List, Optional, Tuple
+from typing import Any, Tuple
 
 import torch
 
@@ -96,32 +94,6 @@ class _ReduceFromParallelRegion(torch.autograd.Function):
 
 
 # [end: f-and-f-bar]
-class _ScatterToParallelRegion(torch.autograd.Function):
-    """Forward: keep this rank's chunk along ``dim``; backward: all-gather the gradient."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
-        ctx.group, ctx.dim = group, dim
-        return split_along_dim(x, dim, group)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[torch.Tensor, None, None]:
-        return gather_along_dim(grad, ctx.dim, ctx.group), None, None
-
-
-class _GatherFromParallelRegion(torch.autograd.Function):
-    """Forward: all-gather along ``dim``; backward: keep this rank's chunk of the gradient."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
-        ctx.group, ctx.dim = group, dim
-        return gather_along_dim(x, dim, group)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[torch.Tensor, None, None]:
-        return split_along_dim(grad, ctx.dim, ctx.group), None, None
-
-
 class _GatherFromSequenceParallelRegion(torch.autograd.Function):
     """g: forward all-gather along ``dim``, backward reduce-scatter along ``dim``.
 
@@ -156,47 +128,12 @@ class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
         return gather_along_dim(grad, ctx.dim, ctx.group), None, None
 
 
-class _AllToAll(torch.autograd.Function):
-    """Forward: all-to-all of dim-0 slices; backward: the reverse all-to-all (splits swapped)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, output_split_sizes: Optional[List[int]],
-                input_split_sizes: Optional[List[int]], group: Group,
-                name: Optional[str]) -> torch.Tensor:
-        ctx.group, ctx.name = group, name
-        ctx.output_split_sizes, ctx.input_split_sizes = output_split_sizes, input_split_sizes
-        n = comm.group_size(group)
-        rows = sum(output_split_sizes) if output_split_sizes is not None else x.shape[0]
-        if output_split_sizes is None and x.shape[0] % n != 0:
-            raise ValueError(f"all_to_all without split sizes needs dim 0 ({x.shape[0]}) "
-                             f"divisible by the group size ({n})")
-        out = x.new_empty((rows, *x.shape[1:]))
-        comm.all_to_all_single(out, x.contiguous(), output_split_sizes, input_split_sizes, group,
-                               name=name)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[torch.Tensor, None, None, None, None]:
-        # What this rank received from rank j goes back to rank j: the splits swap roles.
-        out = _AllToAll.apply(grad.contiguous(), ctx.input_split_sizes, ctx.output_split_sizes,
-                              ctx.group, ctx.name)
-        return out, None, None, None, None
-
-
 def copy_to_parallel_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     return _CopyToParallelRegion.apply(x, group)
 
 
 def reduce_from_parallel_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     return _ReduceFromParallelRegion.apply(x, group)
-
-
-def scatter_to_parallel_region(x: torch.Tensor, group: Group, dim: int = -1) -> torch.Tensor:
-    return _ScatterToParallelRegion.apply(x, group, dim)
-
-
-def gather_from_parallel_region(x: torch.Tensor, group: Group, dim: int = -1) -> torch.Tensor:
-    return _GatherFromParallelRegion.apply(x, group, dim)
 
 
 def gather_from_sequence_parallel_region(x: torch.Tensor, group: Group,
@@ -207,14 +144,3 @@ def gather_from_sequence_parallel_region(x: torch.Tensor, group: Group,
 def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group: Group,
                                                dim: int = 1) -> torch.Tensor:
     return _ReduceScatterToSequenceParallelRegion.apply(x, group, dim)
-
-
-def all_to_all(x: torch.Tensor, output_split_sizes: Optional[List[int]],
-               input_split_sizes: Optional[List[int]], group: Group,
-               name: Optional[str] = None) -> torch.Tensor:
-    """Differentiable all-to-all along dim 0.
-
-    x (sum(input_split_sizes), ...) -> (sum(output_split_sizes), ...); backward is the reverse.
-    ``name``: the ledger's label of both directions (comm.py).
-    """
-    return _AllToAll.apply(x, output_split_sizes, input_split_sizes, group, name)

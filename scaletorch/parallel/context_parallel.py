@@ -31,8 +31,9 @@ import torch
 from torch import nn
 
 from scaletorch.dist import ProcessGroupManager, comm, get_ledger
+from scaletorch.dist.all_to_all import all_to_all
 from scaletorch.dist.comm import Group
-from scaletorch.dist.functional import all_to_all, gather_along_dim
+from scaletorch.dist.functional import gather_along_dim
 from scaletorch.models.llama import Attention, causal_attention
 from scaletorch.parallel.ring_attention import RingAttention, attention_tile_counts, slice_ids
 from scaletorch.parallel.tensor_parallel import gather_tensor_parallel_state_dict

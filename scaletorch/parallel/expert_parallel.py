@@ -14,7 +14,7 @@ the rank of each expert it chose and back:
     4. combine all-to-all: the reverse splits, each result back to its token's rank
     5. weight by the router probability, scatter-add into the token's row (MoE.forward)
 
-Both all-to-alls are differentiable (``functional.all_to_all``: backward = the all-to-all with
+Both all-to-alls are differentiable (``all_to_all.all_to_all``: backward = the all-to-all with
 the splits swapped), so per MoE layer a step moves, per rank, h x (tokens sent to other ranks
 + tokens received from them) elements in forward and the same in backward.
 
@@ -46,8 +46,9 @@ from jaxtyping import Float
 from torch import nn
 
 from scaletorch.dist import ProcessGroupManager, comm, get_ledger
+from scaletorch.dist.all_to_all import all_to_all
 from scaletorch.dist.comm import Group
-from scaletorch.dist.functional import all_reduce_sum, all_to_all, gather_along_dim
+from scaletorch.dist.functional import all_reduce_sum, gather_along_dim
 from scaletorch.models.moe import Experts, MoE
 from scaletorch.parallel.grad_norm import clip_grads_, replica_count, world_grad_norm
 from scaletorch.parallel.tensor_parallel import gather_tensor_parallel_state_dict
@@ -127,18 +128,17 @@ class AllToAllDispatcher:
 
     After each call: ``sent`` (P,) tokens this rank sent to each ep rank (itself included),
     ``received`` (P, E/P) tokens from each ep rank for each local expert, ``row_elements`` and
-    ``element_size`` of one token row (h elements). ``compute_dtype`` (None: no cast): under
-    autocast the tokens cross in it, as the experts' matmul would cast them (chapter 08).
+    ``element_size`` of one token row (h elements). The rows cross as ``outgoing`` returns
+    them: as routed here; a later chapter's subclass may narrow them.
     """
 
-    def __init__(self, group: Group, compute_dtype: Optional[torch.dtype] = None) -> None:
-        self.group, self.compute_dtype = group, compute_dtype
+    def __init__(self, group: Group) -> None:
+        self.group = group
         self.sent: Optional[torch.Tensor] = None
         self.received: Optional[torch.Tensor] = None
         self.row_elements = self.element_size = 0
         # (send, recv, routed rows) -> the count tables on the host: the layer's one wait for
-        # the device (a dry run, with no values, splits the rows as a balanced router would:
-        # scaletorch/trainer/dry_run.py)
+        # the device (a run without values replaces it with tables of its own)
         self.host_tables: Callable[[torch.Tensor, torch.Tensor, int], List[List[List[int]]]] = \
             lambda send, recv, rows: torch.stack((send, recv)).tolist()
 
@@ -154,17 +154,17 @@ class AllToAllDispatcher:
         comm.all_to_all_single(recv_counts, send_counts, group=self.group, name="ep")
         # both tables to the host at once (the splits and the experts' counts are their sums)
         send_table, recv_table = self.host_tables(send_counts, recv_counts, routed.size(0))
-        dtype = self.compute_dtype
-        # the width first: fp32 asks no autocast state (a dry run's meta device has none)
-        if dtype is not None and routed.element_size() > dtype.itemsize \
-                and torch.is_autocast_enabled(routed.device.type):
-            routed = routed.to(dtype)  # the same numbers the matmul would cast, fewer bytes
+        routed = self.outgoing(routed)
         received = dispatch_tokens(routed, send_table, recv_table, self.group)  # (M, h)
         out = experts(received, [sum(col) for col in zip(*recv_table)])  # (M, h)
         combined = combine_tokens(out, send_table, recv_table, self.group)  # (N, h)
         self.sent, self.received = send_counts.sum(1).detach(), recv_counts.detach()
         self.row_elements, self.element_size = routed.shape[1], routed.element_size()
         return combined
+
+    def outgoing(self, routed: Routed) -> Routed:
+        """The routed rows (N, h) as they leave for their experts' ranks: unchanged here."""
+        return routed
 
     def remote_tokens(self, rank: int) -> Tuple[int, int]:
         """(tokens sent to other ranks, tokens received from them) in the last forward."""
@@ -237,15 +237,14 @@ def moe_layers(model: nn.Module) -> List[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 
-def shard_experts(model: nn.Module, pgm: ProcessGroupManager,
-                  compute_dtype: Optional[torch.dtype] = None) -> nn.Module:
+def shard_experts(model: nn.Module, pgm: ProcessGroupManager) -> nn.Module:
     """Shard every MoE layer's experts over "ep" in place; returns ``model``.
 
     Rank j of its ep group keeps experts [j E/P, (j+1) E/P) (copied from the full weights, so
     the run starts from the reference), its MoE layers dispatch through the all-to-alls, and
     their routing statistics are summed over "dp_cp". Dense weights stay whole (or as tensor
     parallel left them). The gradients' sync is ``ExpertParallel``'s, wrapped around the model
-    last (after tensor parallel). ``compute_dtype``: see ``AllToAllDispatcher``.
+    last (after tensor parallel).
     """
     layers = moe_layers(model)
     ep = pgm.expert_model_parallel_world_size
@@ -260,7 +259,7 @@ def shard_experts(model: nn.Module, pgm: ProcessGroupManager,
             shard = nn.Parameter(full.detach()[rank * local:(rank + 1) * local].clone())
             setattr(shard, "expert_parallel", True)  # a tag: reduced over "edp", gathered over "ep"
             setattr(moe.experts, name, shard)
-        moe.dispatch_fn = AllToAllDispatcher(group, compute_dtype)
+        moe.dispatch_fn = AllToAllDispatcher(group)
         moe.global_stats_fn = stats_fn
     return model
 

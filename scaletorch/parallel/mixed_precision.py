@@ -48,6 +48,7 @@ from torch import nn
 from scaletorch.config import Config, resolve_precision
 from scaletorch.dist import ProcessGroupManager
 from scaletorch.parallel.ddp_reduce_dtype import apply_data_parallel_in
+from scaletorch.parallel.expert_parallel import AllToAllDispatcher
 from scaletorch.parallel.flat_unit import FlatUnit
 from scaletorch.parallel.loss_scale import unscale_and_check, update_scale
 from scaletorch.parallel.moe_pipeline import MoELossInPipeline
@@ -198,6 +199,23 @@ def tensor_parallel_wire_in_compute(model: nn.Module) -> None:
             module.__class__ = _EmbeddingLeavesInCompute
 
 
+class _DispatchInCompute(AllToAllDispatcher):
+    """Chapter 06's dispatcher whose routed tokens cross in autocast's dtype (``to_compute``):
+    the numbers the experts' matmul would cast, half the bytes each way."""
+
+    def outgoing(self, routed: torch.Tensor) -> torch.Tensor:
+        return to_compute(routed)
+
+
+def expert_parallel_wire_in_compute(model: nn.Module) -> None:
+    """Chapter 06's token dispatch in autocast's dtype: each of its dispatchers becomes the
+    subclass above, in place (as ``tensor_parallel_wire_in_compute`` swaps tp's layers)."""
+    for module in model.modules():
+        dispatch = getattr(module, "dispatch_fn", None)
+        if type(dispatch) is AllToAllDispatcher:
+            dispatch.__class__ = _DispatchInCompute
+
+
 def fsdp_mp_policy(policy: Optional[MixedPrecisionPolicy]) -> "FSDPMixedPrecision":
     """FSDP2's ``mp_policy`` of ours: fp32 means no cast (None)."""
     p = policy or FP32
@@ -331,6 +349,7 @@ class PrecisionHooks:
 
     after_zero = staticmethod(disable_autocast_cache_per_unit)  # each ZeRO wrapper, once
     after_tensor_parallel = staticmethod(tensor_parallel_wire_in_compute)  # the model, once
+    after_expert_parallel = staticmethod(expert_parallel_wire_in_compute)  # the model, once
 
     def attach_to_pipeline(self, schedule: PipelineSchedule) -> None:
         """A pipeline schedule's messages in autocast's dtype; under fp16 its backward starts

@@ -48,8 +48,8 @@ class TimedDispatcher(AllToAllDispatcher):
     """Chapter 06's dispatcher, timed: per call (experts' start, their end, the call's end)."""
 
     def __init__(self, base: AllToAllDispatcher, timer: Timer) -> None:
-        super().__init__(base.group, base.compute_dtype)
-        self.host_tables, self.timer = base.host_tables, timer
+        super().__init__(base.group)
+        self.host_tables, self.timer, self.base = base.host_tables, timer, base
         self.marks: List[tuple] = []  # per call: (experts' start, experts' end, combined)
         self.computed = 0  # rows this rank's experts computed since the last ``take``
 
@@ -59,6 +59,9 @@ class TimedDispatcher(AllToAllDispatcher):
         self.marks.append((timed.start, timed.end, self.timer.mark()))
         self.computed += int(self.received.sum()) if self.received is not None else 0
         return out
+
+    def outgoing(self, routed: torch.Tensor) -> torch.Tensor:
+        return self.base.outgoing(routed)  # as the timed dispatcher sends them
 
     def take(self) -> List[float]:
         """[rows computed, expert seconds, seconds waited at the combine] since the last take."""

@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from scaletorch.config import autocast_dtype, recompute_mode
+from scaletorch.config import recompute_mode
 from scaletorch.dist import ProcessGroupManager, comm, get_ledger
 from scaletorch.models import Llama, loss_fn
 from scaletorch.parallel.context_parallel import apply_context_parallel, make_sequence_sharder
@@ -202,8 +202,9 @@ def parallelize(model: Llama, cfg: "Config", pgm: ProcessGroupManager, device: t
     loss: LossFn = loss_fn
     shard_sequence: Optional[Callable] = None
     if cfg.model.num_experts > 0:  # 1 (also at ep 1: the routing statistics over dp_cp)
-        # the routed tokens cross the wire in autocast's dtype (chapter 08)
-        shard_experts(model, pgm, autocast_dtype(cfg, device.type))
+        shard_experts(model, pgm)
+        if precision is not None:  # the routed tokens in autocast's dtype (chapter 08)
+            precision.after_expert_parallel(model)
     if pgm.tensor_model_parallel_world_size > 1:  # 2
         tensor_parallel(model, pgm, p.sequence_parallel)
         if precision is not None:  # activations on the wire in autocast's dtype (chapter 08)

@@ -13,8 +13,9 @@ sequences and installs this attention (or Ulysses).
 """
 
 import math
+from contextlib import nullcontext
 from functools import partial
-from typing import Any, Callable, Dict, List, Optional, Tuple, cast
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple, cast
 
 import torch
 import torch.distributed as dist
@@ -167,6 +168,12 @@ def _wait(works: list) -> None:
         work.wait()
 
 
+def _autocast_off(t: torch.Tensor) -> ContextManager[Any]:
+    """Autocast off on ``t``'s device, if that device has an autocast to turn off."""
+    on = torch.amp.is_autocast_available(t.device.type)
+    return torch.autocast(t.device.type, enabled=False) if on else nullcontext()
+
+
 def _upcast(kernel: str) -> Callable[[torch.Tensor], torch.Tensor]:
     return (lambda t: t.float()) if kernel == "math" else (lambda t: t)
 
@@ -228,8 +235,7 @@ class _RingAttention(torch.autograd.Function):
         scale = 1.0 / math.sqrt(q.size(-1))
         dtype = q.dtype  # the compute dtype (bf16 under autocast): what crosses the ring
         up = _upcast(kernel)  # math: tiles in fp32; kernels: in the compute dtype
-        # merges in fp32 (a dry run's meta tensors have no autocast of their own: the CPU's)
-        with torch.autocast("cpu" if q.is_meta else q.device.type, enabled=False):
+        with _autocast_off(q):  # merges in fp32
 
             def tile(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor,
                      causal: bool) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -255,7 +261,7 @@ class _RingAttention(torch.autograd.Function):
             ctx.counts[kind] += n
         tile_bwd = _math_backward if ctx.kernel == "math" else partial(kernels.backward, ctx.kernel)
         dtype, up = q.dtype, _upcast(ctx.kernel)  # dK/dV cross the ring in dtype; sums: fp32
-        with torch.autocast("cpu" if q.is_meta else q.device.type, enabled=False):
+        with _autocast_off(q):
             qs, outs, lses = up(q).chunk(2, 2), up(out).chunk(2, 2), lse.chunk(2, 2)
             douts = up(dout).chunk(2, 2)
             dq = torch.zeros_like(q, dtype=torch.float32)

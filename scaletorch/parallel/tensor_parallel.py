@@ -147,9 +147,8 @@ def gather_tensor_parallel_state_dict(model: nn.Module,
                                       pgm: ProcessGroupManager) -> Optional[State]:
     """Collective over "tp": the reference-keyed full weights on global rank 0, None elsewhere.
 
-    Each tp shard is all-gathered along its partition dim (and cut to the real vocabulary if
-    chapter 10 padded it, vocab_padding.py); a DTensor (``--impl torch``) gathers itself; a
-    replicated norm weight is taken as it is.
+    Each tp shard is all-gathered along its partition dim; a DTensor (``--impl torch``) gathers
+    itself; a replicated norm weight is taken as it is.
     """
     full: State = {}
     with get_ledger().paused():  # a check, not training traffic
@@ -159,7 +158,6 @@ def gather_tensor_parallel_state_dict(model: nn.Module,
                 value = value.full_tensor()
             elif getattr(t, "tensor_model_parallel", False):
                 value = gather_along_dim(value, t.partition_dim, pgm.tensor_model_parallel_group)
-                value = value[:getattr(t, "vocab_padding", (len(value), ))[0]]
             full[name] = value.float().clone()
     return full if pgm.rank == 0 else None
 

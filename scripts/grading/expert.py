@@ -63,7 +63,7 @@ def _text(exercise: str, code: int, rank: int, got: int, want: int, step: int) -
         f"and receiving recv_table's",
         ("dispatch_tokens", NO_GRAD):
         "the dispatched tokens carry no gradient back to the router and attention: "
-        "torch.distributed's all-to-all is invisible to autograd; use functional.all_to_all "
+        "torch.distributed's all-to-all is invisible to autograd; use all_to_all.all_to_all "
         "(its backward is the reverse all-to-all)",
         ("dispatch_tokens", ORDER):
         f"rank {rank}'s experts got the right {want} tokens in step {step}, but not grouped by "
@@ -76,7 +76,7 @@ def _text(exercise: str, code: int, rank: int, got: int, want: int, step: int) -
         f"dispatch's splits swapped)",
         ("combine_tokens", NO_GRAD):
         "the combined outputs carry no gradient back to the experts: torch.distributed's "
-        "all-to-all is invisible to autograd; use functional.all_to_all",
+        "all-to-all is invisible to autograd; use all_to_all.all_to_all",
         ("combine_tokens", ORDER):
         f"rank {rank} got its tokens' outputs back in step {step}, in the wrong order: row n "
         f"must be routed row n's output",

@@ -12,13 +12,13 @@ import torch
 import torch.distributed as dist
 
 from scaletorch.dist import comm
+from scaletorch.dist.all_to_all import all_to_all
 from scaletorch.dist.comm import Group
-from scaletorch.dist.functional import (all_to_all, copy_to_parallel_region,
-                                        gather_from_parallel_region,
+from scaletorch.dist.functional import (copy_to_parallel_region,
                                         gather_from_sequence_parallel_region,
                                         reduce_from_parallel_region,
-                                        reduce_scatter_to_sequence_parallel_region,
-                                        scatter_to_parallel_region)
+                                        reduce_scatter_to_sequence_parallel_region)
+from scaletorch.dist.split_regions import gather_from_parallel_region, scatter_to_parallel_region
 from scaletorch.parallel.expert_parallel import by_local_expert
 from scaletorch.parallel.ring_attention import KV_TAG, _exchange, _wait, merge, ring_schedule
 
