@@ -24,6 +24,7 @@ from scaletorch.plan.model import from_config as model_of
 from scaletorch.plan.time import imbalance_seconds, step_time
 from scaletorch.plan.traffic import collectives
 from scaletorch.trainer.config import parse_args
+from scaletorch.trainer.dry_run import dry_run_report, dry_run_text
 from scripts.plan import main as plan_main
 from tests.harness import run_main
 
@@ -137,6 +138,17 @@ class PlannerImbalanceAgainstThisHost(unittest.TestCase):
                                   "--search")
         self.assertEqual(status, 2)
         self.assertIn("without --search", err)
+
+    def test_the_dry_run_prints_the_hot_ranks_rows_and_refuses_more_than_ep(self):
+        # the report's head only (no rank run): the line the dry run prints above its runs
+        head = dry_run_report(self.cfg, EP, [], moe_imbalance=1.5)
+        self.assertIn("MoE imbalance 1.5 (max/mean rows per ep rank, assumed): per MoE layer and "
+                      "micro-batch the hot rank computes 768 rows (balanced 512) and receives 384 "
+                      "(98.3 kB; balanced 65.5 kB)",
+                      head)  # 256 tokens x top-2 (at 2: 131.1 kB, as 06b measured)
+        self.assertNotIn("MoE imbalance", dry_run_report(self.cfg, EP, []))
+        with self.assertRaisesRegex(ValueError, "must be between 1 .* and ep \\(2"):
+            dry_run_text(self.cfg, EP, moe_imbalance=3.0)
 
 
 if __name__ == "__main__":
