@@ -40,7 +40,8 @@ from typing import Dict, List, Optional
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
 # Modules that assert on measured time: run with no other worker beside them.
-ALONE = ("tests.test_zero_bubble_timing", "tests.test_straggler", "tests.test_timer")
+ALONE = ("tests.test_zero_bubble_timing", "tests.test_straggler", "tests.test_timer",
+         "tests.test_moe_imbalance_timing")
 # The slowest modules start first, longest first (their wall seconds in an idle full run), so
 # that what is left at the end is short: the worker that finishes first would wait alone for a
 # long last module, one core idle, before the ALONE ones start.

@@ -28,8 +28,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from scaletorch.rules.errors import OneLineParser  # noqa: E402
-from scripts.grading import (context, ddp, expert, file_check, loss_scale, pipeline, tensor,
-                             variants, zero)
+from scripts.grading import (balance, context, ddp, expert, file_check, loss_scale, pipeline,
+                             tensor, variants, zero)
 
 CHAPTERS = {
     ddp.CHAPTER: (ddp, "examples/exercises/01_ddp.py"),
@@ -38,6 +38,7 @@ CHAPTERS = {
     pipeline.CHAPTER: (pipeline, "examples/exercises/04_pipeline_parallel.py"),
     context.CHAPTER: (context, "examples/exercises/05_context_parallel.py"),
     expert.CHAPTER: (expert, "examples/exercises/06_expert_parallel.py"),
+    balance.CHAPTER: (balance, "examples/exercises/06b_load_balance.py"),
     loss_scale.CHAPTER: (loss_scale, "examples/exercises/08_mixed_precision.py"),
 }
 

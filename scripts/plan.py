@@ -101,6 +101,11 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="fp32 (default for a config) | bf16 | bf16-fp32-grads (presets)")
     parser.add_argument("--attention", choices=("eager", "flash"),
                         help="eager keeps the s x s scores (this repo); flash (presets' default)")
+    parser.add_argument(
+        "--moe-imbalance", type=float, default=1.0, metavar="RHO",
+        help="an MoE layout's max/mean rows per ep rank, measured (chapter 06b) or assumed: "
+        "the hot rank's extra expert compute and all-to-all bytes join the step (default 1, "
+        "a balanced router)")
     parser.add_argument("--search", action="store_true", help="rank every valid layout")
     parser.add_argument("--top", type=int, default=5, help="layouts --search prints")
     parser.add_argument("--json", action="store_true", help="one JSON object")
@@ -166,6 +171,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                              "no --search, --framework scaletorch")
         cluster = load_cluster(args.cluster)
         check = checker(cfg)
+        if args.search and args.moe_imbalance != 1.0:
+            raise ValueError("--moe-imbalance is one layout's (1 <= it <= its ep): plan that "
+                             "layout without --search")
         if args.search:
             base = {
                 "framework": args.framework or "scaletorch",
@@ -194,6 +202,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                     args.compile,
                     "fp8":
                     args.fp8,
+                    "moe_imbalance":
+                    args.moe_imbalance,
                     "activation_checkpointing":
                     args.recompute or layout.activation_checkpointing,
                     # torchtitan's tensor parallel always shards the norms' sequence
@@ -217,7 +227,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(measured_report(cfg, gpus, model, layout))
     if dry:
         try:
-            print(dry_run_text(run_config(cfg, model, layout), gpus, args.dry_run))
+            print(
+                dry_run_text(run_config(cfg, model, layout), gpus, args.dry_run,
+                             moe_imbalance=args.moe_imbalance))
         except ValueError as err:
             print(f"error: {err}", file=sys.stderr)
             return 2

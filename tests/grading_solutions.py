@@ -342,6 +342,22 @@ def update_scale_early_return(scale, clean_steps, found_inf, growth_interval):
     return (scale * 0.5 if found_inf else scale + scale), 0
 
 
+# chapter 06b
+
+
+def biased_top_k_argsort(probs, bias, k):
+    """The k largest scores by a sort, lowest expert first; the weights by index."""
+    chosen = (probs + bias).argsort(dim=-1, descending=True)[:, :k].sort(dim=-1).values
+    return torch.take_along_dim(probs, chosen, dim=-1), chosen
+
+
+@torch.no_grad()
+def update_bias_where(bias, load, rate):
+    """Each expert's step by comparison, no sign()."""
+    mean = load.mean()
+    bias += torch.where(load > mean, -rate, torch.where(load < mean, rate, 0.0))
+
+
 # (chapter, exercise, function in this module): each must pass
 ALTERNATIVES = [
     ("01", "average_gradients", "average_gradients_async_direct"),
@@ -362,6 +378,8 @@ ALTERNATIVES = [
     ("06", "combine_tokens", "combine_tokens_index_copy"),
     ("08", "unscale_and_check", "unscale_and_check_direct"),
     ("08", "update_scale", "update_scale_early_return"),
+    ("06b", "biased_top_k", "biased_top_k_argsort"),
+    ("06b", "update_bias", "update_bias_where"),
 ]
 
 # ---- mistakes that nobody planted: each must fail with a diagnosis that says what was measured

@@ -138,6 +138,12 @@ class GradeChapter06(_GradeChapter, unittest.TestCase):
     chapter = "06"
 
 
+class GradeChapter06b(_GradeChapter, unittest.TestCase):
+    """The routing bias of chapter 06b, 2 ranks (ep 2), 4 steps a job after a probe: 2
+    solutions, 7 variants, 2 stubs."""
+    chapter = "06b"
+
+
 class GradeChapter08(_GradeChapter, unittest.TestCase):
     """The loss scale, 2 ranks, 8 steps a job: the library's run, 2 solutions, 6 variants,
     2 stubs."""
@@ -352,7 +358,7 @@ class StubsMatchTheLibrary(unittest.TestCase):
             self.assertEqual(grade.main(["99"]), 2)
         self.assertEqual(
             err.getvalue(), "error: chapter '99' has no exercises; chapters with "
-            "exercises: 01, 02, 03, 04, 05, 06, 08 (or all)\n")
+            "exercises: 01, 02, 03, 04, 05, 06, 06b, 08 (or all)\n")
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ Two remedies besides the auxiliary loss (which chapter 06 has):
    drops. Chapter 06's rule (C of each rank's own T/R tokens) drops other tokens.
 """
 
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -48,9 +48,16 @@ class BiasedTopK:
         self.layer = layer
 
     def __call__(self, probs: torch.Tensor, k: int) -> tuple:
-        bias = self.layer.get_buffer("expert_bias")  # (E,)
-        chosen = (probs + bias).topk(k, dim=-1).indices  # (T, k): the biased choice
-        return probs.gather(-1, chosen), chosen  # the weights: unbiased probabilities
+        return biased_top_k(probs, self.layer.get_buffer("expert_bias"), k)
+
+
+def biased_top_k(probs: torch.Tensor, bias: torch.Tensor,
+                 k: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The top-k choice of DeepSeek-V3's balancing: probs (T, E), bias (E,) -> (weights,
+    chosen), (T, k) each. The experts are the k largest of probs + bias; the weights are their
+    probabilities, without the bias (and with probs' gradient to the router)."""
+    chosen = (probs + bias).topk(k, dim=-1).indices  # (T, k): the biased choice
+    return probs.gather(-1, chosen), chosen  # the weights: unbiased probabilities
 
 
 class BiasBalancer:
@@ -83,12 +90,20 @@ class BiasBalancer:
 
     @torch.no_grad()
     def update(self) -> None:
-        """b_e += rate * sign(mean load - load_e) for every layer; clears the step's load."""
+        """``update_bias`` of every layer by its step's load; clears the load."""
         for i, layer in enumerate(self.layers):
             if i in self.load:
-                load = self.load[i]
-                layer.get_buffer("expert_bias").add_(self.rate * torch.sign(load.mean() - load))
+                update_bias(layer.get_buffer("expert_bias"), self.load[i], self.rate)
         self.load.clear()
+
+
+@torch.no_grad()
+def update_bias(bias: torch.Tensor, load: torch.Tensor, rate: float) -> None:
+    """One step of DeepSeek-V3's bias update, in place: bias (E,), load (E,) the step's
+    assignments per expert over the global batch. b_e += rate * sign(mean load - load_e): an
+    overloaded expert's bias falls by rate, an underloaded one's rises, an expert at the mean
+    keeps its own."""
+    bias.add_(rate * torch.sign(load.mean() - load))
 
 
 # [end: bias-balancing]

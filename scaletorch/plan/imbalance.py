@@ -13,6 +13,9 @@ Every rank waits for the hot one at the combine, so the layer takes rho times th
 layer's expert compute and dispatch receive: (rho - 1) x (expert + receive) seconds extra.
 """
 
+from scaletorch.plan.layout import ACTIVATION_BYTES, PlanLayout
+from scaletorch.plan.model import ModelSpec
+
 
 def _check(imbalance: float, ep: int) -> None:
     if not 1.0 <= imbalance <= ep:
@@ -38,3 +41,16 @@ def imbalance_extra_seconds(expert_seconds: float, receive_seconds: float, imbal
     and dispatch-receive seconds (forward, backward or both, as the inputs are)."""
     _check(imbalance, ep)
     return (imbalance - 1.0) * (expert_seconds + receive_seconds)
+
+
+def hot_rank_line(model: ModelSpec, layout: PlanLayout) -> str:
+    """The hot ep rank at ``layout.moe_imbalance``, one line for the dry run: its router has no
+    values (meta tensors), so the wire rows it measures are a balanced router's."""
+    tokens = layout.micro_batch_size * layout.seq_len // layout.cp  # a dp_cp rank's
+    k, ep, rho = model.moe_top_k, layout.ep, layout.moe_imbalance
+    kb = model.hidden_size * ACTIVATION_BYTES[layout.precision] / 1e3  # a row's
+    received = hot_rank_received_rows(tokens, k, ep, rho)
+    return (f"MoE imbalance {rho:g} (max/mean rows per ep rank, assumed): per MoE layer and "
+            f"micro-batch the hot rank computes {hot_rank_rows(tokens, k, ep, rho):,.0f} rows "
+            f"(balanced {tokens * k:,}) and receives {received:,.0f} ({received * kb:,.1f} kB; "
+            f"balanced {received / rho * kb:,.1f} kB); the dispatch rows below are balanced")

@@ -70,6 +70,9 @@ class PlanLayout:
     framework: str = "scaletorch"  # FRAMEWORKS
     compiled: bool = False  # torch.compile: a block's elementwise ops fused into few kernels
     fp8: str = "none"  # none | matmul | matmul+all-gather (torchao float8, torchtitan only)
+    # max over mean rows per ep rank of an MoE layer (1: the balanced router the traffic and
+    # compute assume; measured by chapter 06b's LoadMeter, or assumed): time.imbalance_seconds
+    moe_imbalance: float = 1.0
 
     def __post_init__(self) -> None:
         sizes = {
@@ -113,6 +116,10 @@ class PlanLayout:
         if (self.dp * self.cp) % self.ep:
             raise ValueError(f"expert parallel size {self.ep} must divide data x context "
                              f"parallel ({self.dp} x {self.cp})")
+        if not 1.0 <= self.moe_imbalance <= self.ep:
+            raise ValueError(f"moe_imbalance (max/mean rows per ep rank) {self.moe_imbalance} "
+                             f"must be between 1 (even) and ep ({self.ep}: one rank computes "
+                             f"everything)")
         if self.seq_len % self.cp:
             raise ValueError(f"seq_len {self.seq_len} is not divisible by cp {self.cp}")
         if not self.bucket_size_mb > 0:
@@ -152,7 +159,8 @@ class PlanLayout:
                 f" m{self.num_micro_batches} b{self.micro_batch_size}" +
                 ("" if self.framework == "scaletorch" else f" {self.framework}") +
                 (" compiled" if self.compiled else "") +
-                ("" if self.fp8 == "none" else f" fp8={self.fp8}"))
+                ("" if self.fp8 == "none" else f" fp8={self.fp8}") +
+                ("" if self.moe_imbalance == 1.0 else f" imbalance={self.moe_imbalance:g}"))
 
     def as_dict(self) -> Dict[str, Any]:
         return dict(self.__dict__)

@@ -39,6 +39,7 @@ def evaluate(model: ModelSpec, layout: PlanLayout,
         out.update({k: t[k] for k in ("bubble", "step_time_s", "tokens_per_s_per_gpu", "mfu")})
         out["exposed_comm_s"] = t["exposed_s"]
         out["compute_s"] = t["compute_s"]
+        out["imbalance_s"] = t["imbalance_s"]
         out["fits"] = memory[worst]["total"] <= cluster.hbm_bytes
     return out
 
@@ -76,6 +77,11 @@ def format_breakdown(result: Dict[str, Any]) -> str:
                      f"exposed comm s: {exposed or 'none'}, bubble {result['bubble']:.3f}); "
                      f"{result['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, MFU "
                      f"{100 * result['mfu']:.1f}%")
+        if result.get("moe_imbalance", 1.0) != 1.0:
+            hot = result["imbalance_s"]
+            lines.append(f"MoE imbalance {result['moe_imbalance']:g} (max/mean rows per ep rank): "
+                         f"the hot rank adds {hot['compute']:.3g} s of expert compute and "
+                         f"{hot['ep']:.3g} s of all-to-all bytes; every rank waits for it")
     return "\n".join(lines)
 
 

@@ -13,6 +13,9 @@ stride x size <= GPUs per node stays on NVLink, others use the NIC. What overlap
 - the data-parallel gradient reduction (DDP buckets, ZeRO's reduce-scatter) overlaps the last
   micro-batch's backward; ZeRO-3's gathers are prefetched, overlapping all compute.
 Then the pipeline bubble stretches the busy time: step = busy / (1 - bubble) + exposed dp.
+An MoE layout's ``moe_imbalance`` (max/mean rows per ep rank, 1 by default) adds the hot
+rank's extra expert FLOPs to the compute and its extra dispatch and combine bytes to the ep
+traffic (``imbalance_seconds``): every rank waits for it at the combine.
 
 A measured host (``scripts/plan.py --calibrate``: CPU ranks over gloo) differs in three ways,
 each measured rather than assumed:
@@ -42,6 +45,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from scaletorch.plan.cluster import Cluster
 from scaletorch.plan.flops import hardware_flops, model_flops
+from scaletorch.plan.imbalance import imbalance_extra_seconds
 from scaletorch.plan.kernels import gpu_step
 from scaletorch.plan.layout import V_SHAPED, PlanLayout
 from scaletorch.plan.model import ModelSpec
@@ -198,6 +202,48 @@ def compute_seconds(model: ModelSpec, layout: PlanLayout, cluster: Cluster,
     return seconds + lay.num_micro_batches * per_micro_batch + cluster.step_overhead_s
 
 
+def imbalance_seconds(model: ModelSpec, layout: PlanLayout, cluster: Cluster,
+                      pp_rank: int = 0) -> Dict[str, float]:
+    """{"compute": s, "ep": s}: what the hot ep rank adds to a step at ``moe_imbalance`` rho
+    (scaletorch/plan/imbalance.py): its experts' FLOPs and its dispatch and combine bytes grow
+    by rho, the fixed cost per op does not (as many ops, more rows each). Zero at rho 1."""
+    lay = layout
+    if lay.moe_imbalance == 1.0:
+        return {"compute": 0.0, "ep": 0.0}
+    blocks = [
+        i for c in rank_layers(model.num_layers, lay.pp, lay.virtual_stages, lay.layer_split,
+                               lay.schedule)[pp_rank] for i in c
+    ]
+    moe = sum(1 for i in blocks if model.is_moe_layer(i))
+    # the balanced rank's expert FLOPs: k of 3 h x f matmuls per token, forward + backward
+    # (+ the forward again under full recomputation), its share as compute_seconds takes it
+    redo = 4 if lay.activation_checkpointing == "full" else 3
+    flops = redo * 2 * model.moe_top_k * 3 * model.hidden_size * model.expert_size * moe * \
+        lay.tokens_per_step / (lay.dp_cp * lay.tp)
+    expert = flops / (cluster.peak_flops * cluster.compute_efficiency)
+    receive = 0.0  # the routed rows' bytes (not the int64 counts), at the link's bandwidth
+    for c in collectives(model, lay, pp_rank):
+        if c.group == "ep" and c.op == "all_to_all" and c.element_size != 8:
+            if cluster.cores:
+                bandwidth = cluster.link(c.op, c.size, lay.world)[1]
+            else:
+                intra = group_span(lay, "ep") <= cluster.gpus_per_node
+                bandwidth = (cluster.intra_node_bandwidth
+                             if intra else cluster.inter_node_bandwidth) * cluster.comm_efficiency
+            receive += c.wire / bandwidth
+    return {
+        "compute": imbalance_extra_seconds(expert, 0.0, lay.moe_imbalance, lay.ep),
+        "ep": imbalance_extra_seconds(0.0, receive, lay.moe_imbalance, lay.ep),
+    }
+
+
+def _hot_rank(model: ModelSpec, layout: PlanLayout, cluster: Cluster) -> Dict[str, float]:
+    """imbalance_seconds of the stage rank it adds most to (the one holding the most MoE
+    blocks)."""
+    extras = [imbalance_seconds(model, layout, cluster, r) for r in stage_ranks(layout)]
+    return max(extras, key=lambda e: e["compute"] + e["ep"])
+
+
 def stage_ranks(layout: PlanLayout) -> List[int]:
     """The pipeline ranks whose compute and traffic can set the step: the first and the last
     (the embedding; the head and loss), and in a V a middle rank too (rank 0 holds both ends,
@@ -210,14 +256,23 @@ def _measured_host_step(model: ModelSpec, layout: PlanLayout, cluster: Cluster) 
     """compute_s, exposed_s, bubble, step_time_s of a measured host (the module docstring)."""
     lay = layout
     ranks = stage_ranks(lay)
-    compute = max(compute_seconds(model, lay, cluster, r) for r in ranks)
+    hot = _hot_rank(model, lay, cluster)
+    compute = max(compute_seconds(model, lay, cluster, r) for r in ranks) + hot["compute"]
     exposed: Dict[str, float] = {}
     for r in ranks:  # the slower stage's traffic, group by group
         for group, seconds in measured_comm_seconds(model, lay, cluster, r).items():
             exposed[group] = max(exposed.get(group, 0.0), seconds)
+    if hot["ep"]:
+        exposed["ep"] += hot["ep"]
     bubble = pipeline_bubble(model, lay)  # each schedule's (the zero-bubble ones simulated)
     step = cluster.time_slicing(lay.world) * (compute / (1 - bubble) + sum(exposed.values()))
-    return {"compute_s": compute, "exposed_s": exposed, "bubble": bubble, "step_time_s": step}
+    return {
+        "compute_s": compute,
+        "exposed_s": exposed,
+        "bubble": bubble,
+        "step_time_s": step,
+        "imbalance_s": hot
+    }
 
 
 def step_time(model: ModelSpec, layout: PlanLayout, cluster: Cluster) -> Dict[str, Any]:
@@ -239,11 +294,17 @@ def step_time(model: ModelSpec, layout: PlanLayout, cluster: Cluster) -> Dict[st
         for r in stage_ranks(lay):
             for group, seconds in comm_seconds(model, lay, cluster, r).items():
                 slowest[group] = max(slowest.get(group, 0.0), seconds)
+        hot = _hot_rank(model, lay, cluster)
+        if hot["ep"]:
+            slowest["ep"] += hot["ep"]
         gpu = gpu_step(model, lay, cluster, stage_ranks(lay), slowest)
+        gpu["compute_s"] += hot["compute"]
+        gpu["busy_s"] += hot["compute"]
         bubble = pipeline_bubble(model, lay)
         step = gpu["busy_s"] / (1 - bubble) + gpu["after_s"]
         return {
             **gpu,
+            "imbalance_s": hot,
             "bubble": bubble,
             "step_time_s": step,
             "tokens_per_s_per_gpu": lay.tokens_per_step / step / lay.world,
@@ -252,7 +313,8 @@ def step_time(model: ModelSpec, layout: PlanLayout, cluster: Cluster) -> Dict[st
             "hardware_flops": hw,
         }
     rate = cluster.peak_flops * cluster.compute_efficiency
-    compute = hw / lay.world / rate
+    hot = _hot_rank(model, lay, cluster)
+    compute = hw / lay.world / rate + hot["compute"]
     # the attention cores' share: what the cp ring hides behind
     core = 3 * 4 * lay.seq_len * model.hidden_size * model.num_layers * lay.tokens_per_step
     core_s = core / lay.world / rate
@@ -261,6 +323,8 @@ def step_time(model: ModelSpec, layout: PlanLayout, cluster: Cluster) -> Dict[st
     for r in stage_ranks(lay):  # the slowest of them sets it
         for group, seconds in comm_seconds(model, lay, cluster, r).items():
             comm[group] = max(comm.get(group, 0.0), seconds)
+    if hot["ep"]:
+        comm["ep"] += hot["ep"]
     exposed = {}
     for group, seconds in comm.items():
         if group == "cp":
@@ -279,6 +343,7 @@ def step_time(model: ModelSpec, layout: PlanLayout, cluster: Cluster) -> Dict[st
         "exposed_s": exposed,
         "bubble": bubble,
         "step_time_s": step,
+        "imbalance_s": hot,
         "tokens_per_s_per_gpu": lay.tokens_per_step / step / lay.world,
         "mfu": flops / (step * lay.world * cluster.peak_flops),
         "model_flops": flops,

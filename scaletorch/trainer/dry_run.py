@@ -32,7 +32,7 @@ import copy
 import sys
 import time
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, cast
 
 import torch
@@ -53,6 +53,7 @@ from scaletorch.parallel.mixed_precision import precision_hooks
 from scaletorch.parallel.parallelize import Parallelized, parallelize
 from scaletorch.parallel.tied_embeddings import TiedEmbeddings
 from scaletorch.parallel.vocab_padding import apply_tensor_parallel_padded
+from scaletorch.plan.imbalance import hot_rank_line
 from scaletorch.plan.layout import PlanLayout
 from scaletorch.plan.layout import from_config as layout_of
 from scaletorch.plan.memory import activation_bytes, checkpoint_bytes, state_bytes
@@ -289,16 +290,18 @@ def _dtypes(held: Dict[torch.dtype, int]) -> str:
     return " ".join(f"{str(d).replace('torch.', '')}" for d in sorted(held, key=str)) or "-"
 
 
-def dry_run_report(cfg: Config, world: int, runs: List[DryRun]) -> str:
+def dry_run_report(cfg: Config, world: int, runs: List[DryRun], moe_imbalance: float = 1.0) -> str:
     """Each run's memory by kind (with its dtypes), peak saved activations and wire bytes and
     calls per (op, group, phase), each beside the planner's prediction and their ratio
-    (predicted / dry run; "=" when equal)."""
+    (predicted / dry run; "=" when equal); with ``moe_imbalance`` > 1, the hot ep rank's rows."""
     model, layout = planned(cfg, world)
     lines = [
         f"dry run of {model_line(model)} on {world:,} ranks: {layout.describe()} "
         f"s{layout.seq_len}"
     ]
     lines.append(f"the planner's most-loaded pipeline rank: {most_loaded(model, layout)}")
+    if moe_imbalance != 1.0:
+        lines.append(hot_rank_line(model, replace(layout, moe_imbalance=moe_imbalance)))
     head = f"{'what':<38}{'planner':>16}{'dry run':>16}  ratio"
     for run in runs:
         plan_states = state_bytes(model, layout, run.pp_rank)
@@ -386,14 +389,16 @@ def check_dry_run(cfg: Config) -> None:
                          "(PyTorch's own collectives bypass the ledger)")
 
 
-def dry_run_text(cfg: Config, world: int, which: str = "heaviest", steps: int = 2) -> str:
+def dry_run_text(cfg: Config, world: int, which: str = "heaviest", steps: int = 2,
+                 moe_imbalance: float = 1.0) -> str:
     """The dry run of ``cfg`` on ``world`` ranks, the pipeline ranks ``which`` names, as text:
     ``dry_run_report`` and the wall time."""
     check_dry_run(cfg)
-    planned(cfg, world)  # the layout's sizes divide the world (ValueError naming them)
+    _, layout = planned(cfg, world)  # the layout's sizes divide the world (ValueError naming them)
+    replace(layout, moe_imbalance=moe_imbalance)  # 1 <= it <= ep (ValueError naming it)
     start = time.perf_counter()
     runs = [dry_run(cfg, world, r, steps) for r in stages(cfg, world, which)]
-    return (dry_run_report(cfg, world, runs) +
+    return (dry_run_report(cfg, world, runs, moe_imbalance) +
             f"\ndry run: {len(runs)} rank(s), {steps} steps each, "
             f"{time.perf_counter() - start:.0f} s on this CPU")
 
@@ -408,6 +413,8 @@ def main(argv: List[str], default_config: str, description: str) -> int:
     parser.add_argument("--world-size", type=int, help="ranks of the world (required)")
     parser.add_argument("--preset", help="the planner's model instead of the config's")
     parser.add_argument("--dry-run-steps", type=int, default=2, help="steps per rank")
+    parser.add_argument("--moe-imbalance", type=float, default=1.0,
+                        help="max/mean rows per ep rank assumed (chapter 06b): the hot rank's")
     try:
         args, rest = parser.parse_known_args(argv)
         if args.world_size is None:
@@ -418,7 +425,8 @@ def main(argv: List[str], default_config: str, description: str) -> int:
         if args.world_size < 1 or args.dry_run_steps < 1:
             raise ValueError(f"--world-size ({args.world_size}) and --dry-run-steps "
                              f"({args.dry_run_steps}) must be positive")
-        text = dry_run_text(cfg, args.world_size, args.dry_run or "heaviest", args.dry_run_steps)
+        text = dry_run_text(cfg, args.world_size, args.dry_run or "heaviest", args.dry_run_steps,
+                            args.moe_imbalance)
     except (ValueError, FileNotFoundError, argparse.ArgumentError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -21,6 +21,7 @@ from scaletorch.dist.functional import (copy_to_parallel_region,
 from scaletorch.dist.split_regions import gather_from_parallel_region, scatter_to_parallel_region
 from scaletorch.parallel.expert_parallel import by_local_expert
 from scaletorch.parallel.ring_attention import KV_TAG, _exchange, _wait, merge, ring_schedule
+from scripts.grading import balance_variants
 
 # ---- chapter 01: average_gradients ---------------------------------------------------------
 
@@ -750,4 +751,7 @@ HANGS: Dict[Tuple[str, str, str], Tuple[str, ...]] = {
     ("hang in step 0: rank 0 waits in send_forward(mb 1 -> rank 1) at variants.py:",
      "rank 1 waits in send_backward(mb 0 -> rank 0) at variants.py:", "(both send first)"),
 }
+# chapter 06b's, in a file of their own: its functions are this module's too (a Source's name)
+globals().update(balance_variants.FUNCTIONS)
+CATALOGUE.update(balance_variants.CATALOGUE)
 PLANTED = [*CATALOGUE, *STOPPING, *HANGS]  # (chapter, exercise, variant) of every variant
