@@ -16,9 +16,8 @@ from scaletorch.trainer import Trainer
 from scaletorch.trainer import checkpoint as ckpt
 from scaletorch.trainer import parse_args
 from scaletorch.trainer.dcp_checkpoint import to_consolidated
-from tests.harness import (NCCL_CHECKS, bit_exact, free_port, run_distributed, run_forked,
-                           warning_lines)
-from tests.test_examples import NO_PREFLIGHT, ROOT, launch
+from tests.harness import bit_exact, free_port, run_distributed
+from tests.test_examples import NO_PREFLIGHT, launch
 from tests.test_resume import (ASYNC_KILLED, FAIL_AT, KILL_LAYOUTS, RUN_FLAGS, RUN_STEPS,
                                _differences, killed_run, straight_run)
 
@@ -121,29 +120,19 @@ class KilledRankIsRestartedAndResumesExactly(unittest.TestCase):
 
 def _two_nodes(script: str, per_node: int, args: list, tmp: str) -> str:
     """Train ``script`` with two launchers of per_node ranks each on 127.0.0.1 as node 0 and
-    node 1; return the checkpoint root. Node 0's launcher is scripts/launch.sh, which runs the
-    pre-flight for the world of both (per_node x 2 ranks); node 1's is the torchrun command
-    launch.sh would run there (without the pre-flight, the same check again), forked from the
-    forkserver: an agent that does not import torch again (about 3 s of a core)."""
+    node 1; return the checkpoint root. Node 0's launcher runs the pre-flight for the world of
+    both (per_node x 2 ranks); node 1's would run the same check again."""
     multi = os.path.join(tmp, "multi")
     port = str(free_port())
-    node0 = launch(
-        script, per_node, *args, "--checkpoint.dir", multi, background=True, launcher=[
-            "--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", port
-        ])
-    node1 = run_forked("scripts/torchrun.py", "--nproc-per-node", str(per_node), "--max-restarts",
-                       "0", "--nnodes", "2", "--node-rank", "1", "--rdzv-backend", "c10d",
-                       "--rdzv-endpoint", f"127.0.0.1:{port}",
-                       "--rdzv-id", "scaletorch", script, "--logging.run_dir",
-                       os.path.join(tmp, "node1"), *args, "--checkpoint.dir", multi, env={
-                           **os.environ, "PYTHONPATH": ROOT,
-                           **NCCL_CHECKS,
-                           **NO_PREFLIGHT
-                       }, timeout=300)
-    out = node1.stdout + node1.stderr
-    if node1.returncode != 0 or warning_lines(out):
-        raise AssertionError(f"node 1 exited {node1.returncode}:\n{out[-3000:]}")
-    node0.result()
+    nodes = [
+        launch(
+            script, per_node, *args, "--checkpoint.dir", multi, background=True, launcher=[
+                "--nnodes", "2", "--node-rank",
+                str(node), "--master-addr", "127.0.0.1", "--master-port", port
+            ], env=NO_PREFLIGHT if node else None) for node in (0, 1)
+    ]
+    for node in nodes:
+        node.result()
     return multi
 
 
