@@ -2,15 +2,16 @@
 
 One launch per fault (examples/11_debugging.py, 2 ranks, 5 steps, timeout 3 s), two at a time,
 without launch.sh's pre-flight (these faults come after the start); the checks read their
-output, the flight-recorder dumps and the profiles. The skipped collective, the raise and the
-kill go through torchrun (scripts/torchrun.py, the agent forked from the suite's forkserver,
-its ranks new Pythons), whose error report is part of what they show: one traceback, one
-line per other rank, the first failure named, whether the other rank raised too (skip), was
-ended by torchrun (raise) or the first was killed (kill).
-The straggler's run ends well and the shape's claims are torch's DETAIL check and the
-script's fault (each rank raises naming both shapes, as the doc says; two ranks raising is
-the skip's report again), so their ranks are forked from the suite's forkserver
-(tests/harness.py's ``launch_forked``: torchrun's variables, no new Pythons).
+output, the flight-recorder dumps and the profiles. The raise goes through torchrun
+(scripts/torchrun.py, the agent forked from the suite's forkserver, its ranks new Pythons),
+whose error report is part of what it shows: one traceback, the first failure named, one line
+for the other rank, which torchrun ended. The skip's and the kill's reports (both ranks
+raised; the first was killed) are that report read from other ProcessFailures: shown on the
+ranks' own error files and a SIGKILL's status (``TorchrunReportsTheFirstFailure``), torchrun
+seeing a killed rank being test_resume's KilledRankResumes (it restarts it). So their ranks
+are forked from the suite's forkserver (tests/harness.py's ``launch_forked``: torchrun's
+variables, no new Pythons), as are the straggler's (its run ends well) and the shape's (its
+claims are torch's DETAIL check and the script's fault: each rank raises naming both shapes).
 """
 
 import io
@@ -19,6 +20,7 @@ import os
 import pickle
 import re
 import shutil
+import signal
 import tempfile
 import time
 import unittest
@@ -34,6 +36,7 @@ from torch.distributed.flight_recorder.components.fr_logger import FlightRecorde
 from scaletorch.dist import flight_recorder, meet_before_first_step
 from scaletorch.trainer.config import one_traceback, write_error_file
 from scripts import fr_analyze
+from scripts import torchrun as torchrun_script
 from tests.harness import NCCL_CHECKS, launch_forked, run_distributed, run_forked
 from tests.test_examples import ROOT
 
@@ -52,7 +55,7 @@ RUNS = {  # name: (arguments, environment)
     "straggler": (("--fault", "straggler", "--fault-rank", "1", "--fault-step", "1",
                    "--fault-seconds", "0.5", "--profile", "2"), {}),
 }
-FORKED = ("straggler", "shape")  # the runs whose claims are not torchrun's (the docstring)
+FORKED = ("skip", "kill", "straggler", "shape")  # all but the raise (the docstring)
 TRACEBACK = "Traceback (most recent call last)"
 
 
@@ -92,10 +95,7 @@ class InjectedFaultsEndAsDocumented(unittest.TestCase):
             self):
         out, code, run = self.runs["skip"]
         self.assertEqual(code, 1, out[-3000:])
-        self.assertIn("Timed out waiting 3000ms", out)
-        self.assertEqual(out.count(TRACEBACK), 1, out[-3000:])
-        self.assertEqual(len(re.findall(r"^rank \d: stopped because rank \d failed", out, re.M)), 1,
-                         out[-3000:])
+        self.assertIn("Timed out waiting 3000ms", out)  # torchrun's report of it: below
         traces = flight_recorder.load(os.path.join(run, "flight_recorder"))
         self.assertEqual(sorted(traces), [0, 1])  # every rank wrote its trace
         first = flight_recorder.disagreements(traces)[0]
@@ -153,13 +153,11 @@ class InjectedFaultsEndAsDocumented(unittest.TestCase):
         self.assertIn("RuntimeError: injected error on rank 0 at step 2", out)
         self.assertEqual(len(re.findall(r"^rank 1: stopped because rank 0 failed", out, re.M)), 1)
 
-    def test_a_killed_rank_is_named_as_the_first_failure(self):
+    def test_a_killed_rank_says_so_and_ends_the_run(self):
         out, code, _ = self.runs["kill"]
-        self.assertEqual(code, 1, out[-3000:])
+        self.assertNotEqual(code, 0, out[-3000:])
+        # its last words; torchrun's report of the kill: TorchrunReportsTheFirstFailure
         self.assertIn("rank 1: injected kill (SIGKILL) at step 2", out)
-        self.assertIn("error: rank 1 failed first: killed by SIGKILL", out)
-        self.assertIn("rank 0: stopped because rank 1 failed", out)
-        self.assertEqual(out.count(TRACEBACK), 0, out[-3000:])
 
     def test_another_shape_is_named_with_both_shapes_under_distributed_debug_detail(self):
         out, code, _ = self.runs["shape"]
@@ -245,6 +243,58 @@ class OneTraceback(unittest.TestCase):
         self.assertRegex(
             text, r"in inner\n\s+raise KeyError\(\"a bug\"\)\nKeyError: 'a bug'\n"
             r"\(raised again as RuntimeError: step 3 failed\)\n$")
+
+
+def _raised(path: str, rank: int, what: str) -> ProcessFailure:
+    """The ProcessFailure torchrun hands over for a rank that raised RuntimeError(what): its
+    error file written by the ranks' own writer (exit status 1)."""
+    try:
+        raise RuntimeError(what)
+    except RuntimeError as err:
+        with mock.patch.dict(os.environ, {"RANK": str(rank)}):
+            write_error_file(path, err, err.__traceback__)
+    return ProcessFailure(local_rank=rank, pid=1, exitcode=1, error_file=path)
+
+
+class TorchrunReportsTheFirstFailure(unittest.TestCase):
+    """scripts/torchrun.py's report of the skip's and the kill's failures, from the
+    ProcessFailures torchrun hands over (the raise run above shows it end to end)."""
+
+    def test_two_raising_ranks_are_the_first_ones_traceback_and_one_line(self):
+        # the skip: rank 0's all-reduce timed out, then rank 1's next collective failed
+        with tempfile.TemporaryDirectory() as tmp:
+            timed_out = _raised(
+                os.path.join(tmp, "0.json"), 0, "rank 0: step 2 failed; the "
+                "last collective issued was all_reduce over group 'dp' (2 "
+                "ranks): Timed out waiting 3000ms")
+            closed = _raised(os.path.join(tmp, "1.json"), 1,
+                             "rank 1: step 2 failed; Connection closed by peer")
+            text = torchrun_script.report({0: timed_out, 1: closed})
+        self.assertEqual(text.count(TRACEBACK), 1, text)
+        self.assertTrue(text.startswith("error: rank 0 failed first:\n"), text)
+        self.assertIn("Timed out waiting 3000ms", text)
+        self.assertEqual(re.findall(r"^rank \d: stopped because rank \d failed.*", text, re.M), [
+            "rank 1: stopped because rank 0 failed (RuntimeError: rank 1: step 2 "
+            "failed; Connection closed by peer)"
+        ])
+
+    def test_a_killed_rank_is_named_as_the_first_failure(self):
+        # the kill: rank 1 SIGKILLed (no error file); rank 0 then ended by torchrun, or failed
+        # on its own first (its error file earlier than torchrun saw the kill): the kill wins
+        with tempfile.TemporaryDirectory() as tmp:
+            killed = ProcessFailure(local_rank=1, pid=1, exitcode=-int(signal.SIGKILL),
+                                    error_file=os.path.join(tmp, "none.json"))
+            ended = ProcessFailure(local_rank=0, pid=1, exitcode=-int(signal.SIGTERM),
+                                   error_file=os.path.join(tmp, "none.json"))
+            raised = _raised(os.path.join(tmp, "0.json"), 0, "rank 0: step 2 failed")
+            for rank0, line in ((ended, "torchrun ended it: SIGTERM"),
+                                (raised, "RuntimeError: rank 0: step 2 failed")):
+                text = torchrun_script.report({0: rank0, 1: killed})
+                self.assertEqual(text.count(TRACEBACK), 0, text)
+                self.assertTrue(text.startswith("error: rank 1 failed first: killed by SIGKILL"),
+                                text)
+                self.assertEqual(text.splitlines()[1:],
+                                 [f"rank 0: stopped because rank 1 failed ({line})"])
 
 
 class ErrorFile(unittest.TestCase):

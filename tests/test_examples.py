@@ -92,7 +92,7 @@ NO_PREFLIGHT = {"SCALETORCH_PREFLIGHT": "0"}
 
 # Chapter 00's documented run (final loss, entropy floor, parity 0.0e+00) is doc/00's `check: ci`
 # block, re-run forked by tests/test_docs.py (scripts/check_docs.py --ci runs it through
-# launch.sh); test_fault_tolerance checks launch.sh's echo.
+# launch.sh); test_launch checks launch.sh's echo.
 
 
 def generate_script(source: str, *args: str) -> str:

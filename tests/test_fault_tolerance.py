@@ -107,11 +107,8 @@ class KilledRankIsRestartedAndResumesExactly(unittest.TestCase):
 
     @bit_exact  # the restarted ranks resume the same steps of the same code
     def test_kill_restart_resume_is_bit_identical(self):
-        nproc, _ = KILL_LAYOUTS[ASYNC_KILLED]
         _, want = straight_run(ASYNC_KILLED)
         out, got = killed_run(ASYNC_KILLED, async_save=True)
-        # launch.sh echoes the command it runs
-        self.assertIn(f"torchrun.py --nproc-per-node {nproc} --max-restarts 1", out)
         self.assertIn(f"rank 1: injected failure at step {FAIL_AT}", out)
         # the restarted ranks were not told to resume: they look for the latest by themselves
         self.assertIn("torchrun restart 1: resuming from the latest checkpoint", out)

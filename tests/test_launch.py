@@ -44,7 +44,8 @@ def default_launch() -> Tuple[str, subprocess.CompletedProcess]:
     Python that imports torch: seconds of a core)."""
     if not _DEFAULT:
         port = str(free_port())  # the suite's rule: below the ephemeral range
-        _DEFAULT["run"] = (port, launch_show_env("--master-port", port))
+        # --max-restarts: passed on to torchrun (test_resume's kill runs torchrun.py itself)
+        _DEFAULT["run"] = (port, launch_show_env("--master-port", port, "--max-restarts", "1"))
     return _DEFAULT["run"]
 
 
@@ -135,6 +136,7 @@ class LauncherChecksItsArguments(unittest.TestCase):
         self.assertEqual(proc.returncode, 0, proc.stdout + proc.stderr)
         self.assertIn("rank env", proc.stdout)  # the rank ran
         self.assertIn(f"--master-port {port}", proc.stdout)
+        self.assertIn("torchrun.py --nproc-per-node 1 --max-restarts 1 ", proc.stdout)
 
     def test_the_pre_flight_refuses_a_world_of_no_ranks(self):
         # launch.sh never asks for it now; a script called directly may be: the script as

@@ -31,12 +31,13 @@ from scaletorch.dist import destroy_pg_manager
 from scaletorch.trainer import checkpoint as ckpt
 from scaletorch.trainer import load_config
 from scaletorch.trainer.dcp_checkpoint import to_consolidated
-from tests.harness import bit_exact, run_distributed, value_error
+from tests.harness import (NCCL_CHECKS, bit_exact, run_distributed, run_forked, value_error,
+                           warning_lines)
 from tests.layouts import (CHECKPOINT_EVERY, ND_LAYOUTS, config_of, differences, layout,
                            pg_manager_for)
 from tests.layouts import resumed as _run
 from tests.layouts import train
-from tests.test_examples import NO_PREFLIGHT, launch
+from tests.test_examples import NO_PREFLIGHT, ROOT, launch
 from tests.test_nd_parallel import (SAME_STATE_AS_ANOTHER, TIED_LAYOUTS, TIED_RESUMED, nd_config_of,
                                     nd_world, tied_config)
 
@@ -228,9 +229,23 @@ def _launch_run(tmp: str, name: str, nproc: int, args: list, fail: bool) -> tupl
     killed at step FAIL_AT and torchrun restarts every rank once. Returns (output, the last
     step's sharded checkpoint as a consolidated state, converted offline)."""
     root = os.path.join(tmp, name)
-    extra = ["--fail-at-step", str(FAIL_AT), "--fail-rank", "1"] if fail else []
-    out = launch("examples/07_nd_parallel.py", nproc, *args, *RUN_FLAGS, "--checkpoint.dir", root,
-                 *extra, launcher=["--max-restarts", "1"] if fail else [], env=NO_PREFLIGHT)
+    script, flags = "examples/07_nd_parallel.py", [*args, *RUN_FLAGS, "--checkpoint.dir", root]
+    if not fail:  # on forked ranks (test_examples.launch)
+        out = launch(script, nproc, *flags, env=NO_PREFLIGHT)
+    else:
+        # torchrun's restart is the claim: scripts/torchrun.py (as launch.sh runs it, which
+        # passes --max-restarts on: tests/test_launch.py) forked from the forkserver, its
+        # ranks new Pythons; the agent does not import torch again (about 3 s of a core)
+        done = run_forked("scripts/torchrun.py", "--nproc-per-node", str(nproc), "--max-restarts",
+                          "1", "--standalone", script, "--logging.run_dir", f"{root}_logs", *flags,
+                          "--fail-at-step", str(FAIL_AT), "--fail-rank", "1", env={
+                              **os.environ, "PYTHONPATH": ROOT,
+                              **NCCL_CHECKS,
+                              **NO_PREFLIGHT
+                          }, timeout=300)
+        out = done.stdout + done.stderr
+        if done.returncode != 0 or warning_lines(out):
+            raise AssertionError(f"torchrun {script} exited {done.returncode}:\n{out[-3000:]}")
     last = os.path.join(root, f"step_{RUN_STEPS}.pt")
     return out, to_consolidated(ckpt.step_dir(root, RUN_STEPS), last)
 
