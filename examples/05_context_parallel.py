@@ -42,11 +42,16 @@ def limits(cfg, world_size: int) -> None:
         "--pp": p.pipeline_model_parallel_size > 1,
         "--ep": p.expert_model_parallel_size > 1,
         "--zero-stage": p.zero_stage > 0,
-        f"--impl {p.impl}": p.impl != "ours",  # our ring; its data parallel is ours too
         "--activation-checkpointing": recompute_mode(p.activation_checkpointing) != "none",
         "--training.precision fp16": cfg.training.precision == "fp16",
         "--parallel.reduce_dtype": p.reduce_dtype != "fp32",
     }
+    if p.impl != "ours":  # torch was PyTorch's DDP around our ring: 07 composes that
+        what = {"torch": "PyTorch's DDP", "naive": "chapter 01's naive DDP"}[p.impl]
+        raise ValueError(f"05_context_parallel runs --impl ours only (our ring, our data "
+                         f"parallel over dp x cp); {what} around our ring is "
+                         f"examples/07_nd_parallel.py --cp {p.context_parallel_size} "
+                         f"--impl {p.impl}")
     if any(later.values()):
         raise ValueError(f"05_context_parallel composes cp with dp and tp (impl ours); "
                          f"{', '.join(k for k, v in later.items() if v)}: run "

@@ -24,8 +24,8 @@ from scaletorch.rules.schema import (MAX_LAYERS, MAX_MICRO_BATCHES, PRINTED, REF
 
 __all__ = [
     "CheckpointConfig", "Config", "DataConfig", "LoggingConfig", "ParallelConfig", "PRECISIONS",
-    "RECOMPUTE", "TrainingConfig", "autocast_dtype", "gpu_has_native_bf16", "recompute_mode",
-    "resolve_precision"
+    "RECOMPUTE", "TrainingConfig", "VisionConfig", "VisionRunConfig", "autocast_dtype",
+    "gpu_has_native_bf16", "recompute_mode", "resolve_precision"
 ]
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")  # training.precision
@@ -177,6 +177,26 @@ class Config:
 
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+@dataclass
+class VisionConfig:
+    """Chapter 12's own section: the ResNet, its BatchNorm across ranks and its images."""
+    model: str = checked("tiny", one_of("tiny", "resnet18"), resume=REFUSED)
+    # per-rank: each rank's own B/N images | sync: sums all-reduced (ours) | torch: SyncBatchNorm
+    batchnorm: str = checked("sync", one_of("per-rank", "sync", "torch"), resume=PRINTED)
+    channels_last: bool = checked(False, resume=PRINTED)
+    image_size: int = checked(16, at_least(8), resume=REFUSED)  # synthetic images (224: ImageNet)
+    num_classes: int = checked(4, at_least(2), resume=REFUSED)  # synthetic images
+    # DIR/<class>/<image> instead of synthetic images, resized to resize x resize if given
+    data_folder: Optional[str] = checked(None, resume=REFUSED)
+    resize: Optional[int] = checked(None, unless(positive(), "data_folder", None), resume=REFUSED)
+
+
+@dataclass
+class VisionRunConfig(Config):
+    """Chapter 12's config: every section of Config (its Llama ``model`` unread), and ``vision``."""
+    vision: VisionConfig = field(default_factory=VisionConfig)
 
 
 def resolve_precision(cfg: Config, device_type: str, bf16_native: Optional[bool] = None) -> str:

@@ -68,7 +68,17 @@ LINK = re.compile(r"\]\(([^)\s#]+)(?:#[^)]*)?\)")
 DOTTED = re.compile(r"^([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+)(?:\(.*\))?$")
 CALL = re.compile(r"^([A-Za-z_]\w*)\(.*\)$")
 CAMEL = re.compile(r"^[A-Z][a-z0-9]+(?:[A-Z][a-z0-9]*)+$")
-SECTIONS = ("model", "data", "parallel", "training", "checkpoint", "logging")
+SECTIONS = ("model", "data", "parallel", "training", "checkpoint", "logging", "vision")
+
+
+def _config_error(parts: List[str]) -> Optional[str]:
+    """``_resolve_in_class`` for a config key: ``vision`` is chapter 12's section of its own
+    (``VisionRunConfig``'s), the others are every Config's."""
+    if parts[0] == "vision":
+        return _resolve_in_class("VisionConfig", parts[1:])
+    return _resolve_in_class("Config", parts)
+
+
 DIRECTION = re.compile(
     r"\b(picture|figure|diagram|drawing|chart|table|block|output|excerpt|code|listing|loop|"
     r"timeline|command)s?\s+(above|below)\b", re.IGNORECASE)
@@ -264,7 +274,7 @@ def dotted_error(name: str) -> Optional[str]:
     if parts[0] in NOT_OURS:
         return None
     if parts[0] in SECTIONS:  # a config field (parallel.impl), else a module (parallel.step)
-        error = _resolve_in_class("Config", parts[:2])
+        error = _config_error(parts[:2])
         if error is None:
             return None
         module, n = _module(parts)
@@ -370,7 +380,7 @@ def config_field_error(flag: str) -> Optional[str]:
     parts = flag[2:].split(".")
     if parts[0] not in SECTIONS:
         return f"{flag}: no config section '{parts[0]}' (sections: {', '.join(SECTIONS)})"
-    error = _resolve_in_class("Config", parts)
+    error = _config_error(parts)
     return f"{flag}: {error}" if error else None
 
 

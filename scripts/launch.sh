@@ -109,8 +109,8 @@ fi
 # it is set on every machine; a value the user set wins.
 export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"
 
-# Pre-flight: a script built on scaletorch's load_config (or taking --validate-only itself, as
-# 12_vision does) checks its config for the world it is about to get (nproc x nnodes) before
+# Pre-flight: a script built on scaletorch's load_config (or taking --validate-only itself)
+# checks its config for the world it is about to get (nproc x nnodes) before
 # any process starts, so a mistake is one line
 # "error: ..." and exit status 2, not a traceback from every rank. SCALETORCH_PREFLIGHT=0
 # skips it (the ranks then refuse the config themselves, with the same line, once).

@@ -85,6 +85,8 @@ class TheChaptersAreFarBelowTheLimit(unittest.TestCase):
 
     def test_every_chapter_config_at_every_world_it_runs_needs_under_100_mb(self):
         for path in sorted(glob.glob(os.path.join(ROOT, "examples", "configs", "*.yaml"))):
+            if os.path.basename(path).startswith("12_"):  # a ResNet: the planner models the Llama
+                continue
             cfg = parse_args(["--config", path])
             needs = {w: rank_need(cfg, w, "cpu") for w in (1, 2, 4, 8)}
             needs = {w: n * w for w, n in needs.items() if n is not None}

@@ -30,6 +30,7 @@ from scaletorch.trainer.vision_loop import (VisionSettings, largest_deviation, s
 from tests.harness import bit_exact, run_distributed, run_forked, run_main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = os.path.join(ROOT, "examples", "configs", "12_vision.yaml")  # 12's own, from any cwd
 # fp32, 4 AdamW steps: the parallel run adds the same numbers in another order (BatchNorm's
 # sums over ranks, the gradients' all-reduce), so it differs from one device by a few ulps a
 # step: measured 2.4e-7 (losses, weights, buffers) at 2 and 4 ranks, 40x below 1e-5, the
@@ -125,7 +126,7 @@ def _two_ranks(rank: int, world: int, tmp: str, folder: str) -> Dict[str, Any]:
         ckpt = os.path.join(tmp, f"{impl}{z}")
         kept = VisionSettings(steps=6, lr=LR, checkpoint_dir=ckpt, checkpoint_every=2)
         _train(pgm, impl, z, "sync", kept, stop_at=5)
-        kept.resume = True
+        kept.resume = "latest"
         resumed = _train(pgm, impl, z, "sync", kept)
         out[f"resume {impl} {z}"] = (whole_run, resumed)
     out["folder"] = _train(pgm, "ours", 0, "sync", VisionSettings(steps=STEPS, lr=LR), folder)
@@ -322,11 +323,23 @@ def _example() -> Any:
     return module
 
 
+def _status(main: Any) -> Any:
+    """``main(argv)`` with load_config's exit (SystemExit) as its status, as the process's."""
+
+    def call(argv: List[str]) -> int:
+        try:
+            return main(argv)
+        except SystemExit as stop:
+            return int(stop.code or 0)
+
+    return call
+
+
 class BadImageFolderTest(unittest.TestCase):
     """Each mistake: one line ``error: ...`` naming it, status 2, before any process group."""
 
     def test_each_bad_folder_is_one_error_line_and_status_2(self) -> None:
-        main = _example().main
+        main = _status(_example().main)
         with tempfile.TemporaryDirectory() as tmp:
             empty = os.path.join(tmp, "empty")
             os.makedirs(os.path.join(empty, "a"))
@@ -339,19 +352,21 @@ class BadImageFolderTest(unittest.TestCase):
                      (junk, "notes.txt' is not an image"), (mixed, "mixed sizes"),
                      (os.path.join(tmp, "nowhere"), "does not exist")]
             for folder, words in cases:
-                status, out, err = run_main(main, "--data-folder", folder, "--steps", "1")
+                status, out, err = run_main(main, "--vision.data_folder", folder, "--steps", "1")
                 self.assertEqual(status, 2, folder)
                 self.assertEqual(len(err.splitlines()), 1, err)
                 self.assertTrue(err.startswith("error: ") and words in err, err)
                 self.assertEqual(out, "")
             if not torch.cuda.is_available():  # torch.nn.SyncBatchNorm has no CPU kernels
-                status, _, err = run_main(main, "--batchnorm", "torch", "--steps", "1")
+                status, _, err = run_main(main, "--vision.batchnorm", "torch", "--steps", "1")
                 self.assertEqual(status, 2)
                 self.assertIn("runs on GPUs only", err)
             # launch.sh's pre-flight: the world it is about to start, before any rank
             status, out, err = run_main(main, "--validate-only", "--world-size", "3")
-            self.assertEqual((status, err), (2, "error: --global-batch-size 16 is not divisible "
-                                             "by the 3 data-parallel ranks\n"))
+            self.assertEqual((status, err), (2, "error: data.global_batch_size (16) is not "
+                                             "divisible by data_parallel_size (3) x "
+                                             "data.num_micro_batches (1): set "
+                                             "data.global_batch_size to a multiple of 3\n"))
             self.assertEqual(
                 run_main(main, "--validate-only", "--world-size", "4", "--logging.run_dir", tmp)[0],
                 0)  # not the cwd's runs/
@@ -362,7 +377,7 @@ class BadImageFolderTest(unittest.TestCase):
         with tempfile.TemporaryDirectory() as tmp:
             # a process of its own, as `python examples/12_vision.py ...` (forked from the
             # suite's forkserver): its exit status and stderr are the process's
-            proc = run_forked("examples/12_vision.py", "--data-folder", tmp, "--steps", "1",
+            proc = run_forked("examples/12_vision.py", "--vision.data_folder", tmp, "--steps", "1",
                               env=dict(os.environ, PYTHONPATH=ROOT), timeout=120)
         self.assertEqual(proc.returncode, 2)
         self.assertEqual(proc.stderr.splitlines(), [
@@ -373,16 +388,17 @@ class BadImageFolderTest(unittest.TestCase):
 
 
 class ARunIsNeverWrittenOver(unittest.TestCase):
-    """Chapter 12 keeps issue 42's rule with its own options: a --name that holds a run is
-    refused in one line, before anything is written; --overwrite moves it aside, kept."""
+    """Chapter 12 keeps issue 42's rule, through every chapter's run directory: a --name that
+    holds a run is refused in one line, before anything is written; --overwrite moves it aside,
+    kept."""
 
     def test_a_second_run_of_a_name_is_refused_and_overwrite_keeps_the_first(self) -> None:
         script = os.path.join(ROOT, "examples", "12_vision.py")
 
         def run(*args: str) -> "subprocess.CompletedProcess[str]":
             # `python SCRIPT --steps 1 ARGS` in tmp, forked from the suite's forkserver
-            return run_forked(script, "--steps", "1", *args, cwd=tmp, timeout=120,
-                              env=dict(os.environ, PYTHONPATH=ROOT))
+            return run_forked(script, "--config", CONFIG, "--steps", "1", *args, cwd=tmp,
+                              timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
 
         with tempfile.TemporaryDirectory() as tmp:
             self.assertEqual(run().returncode, 0)
@@ -392,7 +408,8 @@ class ARunIsNeverWrittenOver(unittest.TestCase):
             again = run()
             self.assertEqual(again.returncode, 2)
             self.assertEqual(again.stderr.splitlines(), [
-                "error: --name: 'runs/12_vision' already holds a run (metrics.jsonl); nothing "
+                "error: logging.run_dir: 'runs/12_vision' already holds a run (config.yaml, "
+                "metrics.jsonl); nothing "
                 "was written: continue it with --resume, give a new --name, or --overwrite to "
                 "move it aside to runs/12_vision.old-<time> (kept, not deleted)"
             ])
@@ -405,31 +422,54 @@ class ARunIsNeverWrittenOver(unittest.TestCase):
                 self.assertEqual(f.read(), first)
 
 
-if __name__ == "__main__":
-    unittest.main()
-
-
 class ChapterTwelveTakesEveryChaptersInterface(unittest.TestCase):
-    """--logging.run_dir, --logging.name and --check's parity lines as every other chapter
-    prints them ("OK", steps, the worst tensor named), plus the running buffers' line."""
+    """--config, dotted overrides, --logging.run_dir and --logging.name, and --check's parity
+    lines as every other chapter prints them ("OK", steps, the worst tensor named), plus the
+    running buffers' line; an option of its own before is one line naming its dotted key."""
 
     def test_the_run_goes_to_logging_run_dir_and_check_prints_the_common_parity_lines(self):
         script = os.path.join(ROOT, "examples", "12_vision.py")
         with tempfile.TemporaryDirectory() as tmp:
             # `python SCRIPT ...` in tmp, forked from the suite's forkserver
-            proc = run_forked(script, "--steps", "2", "--check", "--logging.run_dir",
+            proc = run_forked(script, "--config", CONFIG, "--training.steps", "2", "--set",
+                              "vision.batchnorm=per-rank", "--check", "--logging.run_dir",
                               os.path.join(tmp, "elsewhere"), "--logging.name", "mine", cwd=tmp,
                               timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))
             self.assertEqual(proc.returncode, 0, proc.stdout + proc.stderr)
-            self.assertTrue(os.path.isfile(os.path.join(tmp, "elsewhere", "mine", "metrics.jsonl")))
+            run = os.path.join(tmp, "elsewhere", "mine")
+            self.assertTrue(os.path.isfile(os.path.join(run, "metrics.jsonl")))
+            with open(os.path.join(run, "config.yaml")) as f:  # the run's settings, as 00-11's
+                saved = f.read()
+            self.assertIn("batchnorm: per-rank", saved)
             self.assertFalse(os.path.exists(os.path.join(tmp, "runs")))
+        self.assertIn("batchnorm per-rank", proc.stdout)
         lines = [line for line in proc.stdout.splitlines() if line.startswith("parity:")]
-        self.assertEqual(len(lines), 3, proc.stdout)
-        # the trainer's report_parity / report_weight_parity lines (scaletorch/trainer/parity.py)
+        self.assertEqual(len(lines), 4, proc.stdout)
+        # the trainer's report_parity / report_weight_parity / report_norm_parity lines
+        # (scaletorch/trainer/parity.py); one rank: per-rank statistics are the batch's
         self.assertRegex(
             lines[0], r"^parity: max \|loss - reference\| = \d\.\de[-+]\d\d over 2 "
             r"steps \(tolerance 1e-05\): OK$")
-        for line, kind in zip(lines[1:], ("weight", "buffer")):
+        self.assertRegex(
+            lines[2], r"^parity: max \|grad norm / reference - 1\| = \d\.\de[-+]\d\d over 2 "
+            r"steps \(tolerance 1e-04\): OK$")
+        for line, kind in zip((lines[1], lines[3]), ("weight", "buffer")):
             self.assertRegex(
                 line, rf"^parity: max \|{kind} - reference\| = \d\.\de[-+]\d\d after 2 "
                 r"steps, in \S+ \(tolerance 1e-05\): OK$")
+
+    def test_an_option_of_its_own_before_names_its_dotted_key(self):
+        main = _status(_example().main)
+        for old, new in (("--batchnorm", "--vision.batchnorm"),
+                         ("--data-folder", "--vision.data_folder"), ("--global-batch-size",
+                                                                     "--data.global_batch_size")):
+            with self.subTest(old=old):
+                status, out, err = run_main(main, old, "x", "--validate-only")
+                self.assertEqual((status, out), (2, ""))
+                self.assertEqual(
+                    err, f"error: unrecognized argument {old!r} (it is {new}) "
+                    f"(see --help)\n")
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -60,6 +60,13 @@ __all__ = [
 
 SECTIONS = ("model", "data", "parallel", "training", "checkpoint", "logging")
 
+
+def sections(cfg: Config) -> Tuple[str, ...]:
+    """The sections of ``cfg``: SECTIONS, and a subclass's own (chapter 12's ``vision``)."""
+    return tuple(f.name for f in dataclasses.fields(cfg)
+                 if dataclasses.is_dataclass(getattr(cfg, f.name)))
+
+
 # Short command-line flags for the fields every chapter uses.
 ALIASES = {
     "--steps": "training.steps",
@@ -167,17 +174,17 @@ def unknown_key(cfg: Config, key: str) -> Optional[str]:
     """Why ``key`` names no field of ``cfg``, listing the valid keys of the level where it goes
     wrong (the top level: the sections and the top-level fields; a section: its fields) and
     the nearest one; None when it names a field."""
-    top = [n for n in _field_types(cfg) if n not in SECTIONS]
+    top = [n for n in _field_types(cfg) if n not in sections(cfg)]
     section, *rest = key.split(".")
     if not rest:
         if section in top:
             return None
-        if section in SECTIONS:
+        if section in sections(cfg):
             return (f"config key {clip(key)} is a section, not a value: give its fields, as "
                     f"{section}.NAME")
-        wrong, valid, where = section, [*SECTIONS, *top], "at the top level (sections first)"
-    elif section not in SECTIONS:
-        wrong, valid, where = section, list(SECTIONS), "before the dot (the sections)"
+        wrong, valid, where = section, [*sections(cfg), *top], "at the top level (sections first)"
+    elif section not in sections(cfg):
+        wrong, valid, where = section, list(sections(cfg)), "before the dot (the sections)"
     elif len(rest) == 1 and rest[0] in _field_types(getattr(cfg, section)):
         return None
     else:
@@ -197,8 +204,17 @@ def unknown_key(cfg: Config, key: str) -> Optional[str]:
 
 def _all_fields(cfg: Config) -> List[Tuple[Optional[str], str]]:
     """(section, name) of every field (section None: a top-level field)."""
-    return [(None, n) for n in _field_types(cfg) if n not in SECTIONS
-            ] + [(section, n) for section in SECTIONS for n in _field_types(getattr(cfg, section))]
+    return [(None, n) for n in _field_types(cfg) if n not in sections(cfg)] + [
+        (section, n) for section in sections(cfg) for n in _field_types(getattr(cfg, section))
+    ]
+
+
+def _spelled(cfg: Config, token: str) -> str:
+    """" (it is --vision.batchnorm)" when an unknown ``--batchnorm`` names a field of ``cfg``
+    (an option chapter 12 had of its own, now a dotted key as in every chapter); else ""."""
+    name = token[2:].split("=", 1)[0].replace("-", "_")
+    keys = [f"--{s}.{n}" for s, n in _all_fields(cfg) if s and n == name]
+    return f" (it is {' or '.join(keys)})" if token.startswith("--") and keys else ""
 
 
 def set_value(cfg: Config, key: str, value: Any, as_typed: bool = False) -> None:
@@ -215,12 +231,12 @@ def set_value(cfg: Config, key: str, value: Any, as_typed: bool = False) -> None
     setattr(target, name, _convert(value, types[name], key, as_typed))
 
 
-def _flattened(values: Dict[str, Any]) -> List[Tuple[str, Any, str]]:
+def _flattened(values: Dict[str, Any], cfg: Config) -> List[Tuple[str, Any, str]]:
     """The settings of a YAML file as ``(section.name, value, how the file spelled it)``: a
     section's key, or a dotted key at the top level (``"training.steps": 3``)."""
     flat = []
     for section, body in values.items():
-        if section in SECTIONS:
+        if section in sections(cfg):
             if not isinstance(body, dict):
                 raise ValueError(f"section {section!r} must be a mapping")
             flat += [(f"{section}.{name}", value, f"in section {section}")
@@ -240,7 +256,7 @@ def apply_dict(cfg: Config, values: Dict[str, Any], source: str = "config") -> D
     try:
         given: Dict[str, Any] = {}
         spelled: Dict[str, Tuple[Any, str]] = {}
-        for key, value, how in _flattened(values):
+        for key, value, how in _flattened(values, cfg):
             if key in spelled:
                 value0, how0 = spelled[key]
                 raise ValueError(f"{key} is given twice: {clip(value0)} {how0} and "
@@ -317,11 +333,13 @@ def check_given_once(overrides: List[Tuple[str, Any, str]]) -> None:
 
 
 def parse_args(argv: Optional[Sequence[str]] = None, default_config: Optional[str] = None,
-               description: str = "", unread: Optional[Dict[str, str]] = None) -> Config:
+               description: str = "", unread: Optional[Dict[str, str]] = None,
+               config_class: Type[Config] = Config) -> Config:
     """Build a Config from dataclass defaults, ``--config`` YAML and command-line overrides.
 
     ``unread``: {key or section prefix ("parallel."): why} of what the script never reads;
-    such a key given (not its default) is refused like a value the layout ignores."""
+    such a key given (not its default) is refused like a value the layout ignores.
+    ``config_class``: Config, or a subclass with a section of its own (chapter 12's)."""
     parser = OneLineParser(
         description=description,
         epilog="Any field can be overridden as --section.name VALUE or --set section.name=VALUE. "
@@ -341,7 +359,7 @@ def parse_args(argv: Optional[Sequence[str]] = None, default_config: Optional[st
     args, rest = parser.parse_known_args(argv)
     boundary.trust_unchecked(args.trust_unchecked)
 
-    cfg = Config()
+    cfg = config_class()
     in_file: Dict[str, Any] = {}
     if args.config:
         in_file = apply_dict(cfg, load_yaml(args.config), source=args.config)
@@ -350,7 +368,8 @@ def parse_args(argv: Optional[Sequence[str]] = None, default_config: Optional[st
     while i < len(rest):  # --section.name VALUE or --section.name=VALUE
         token = rest[i]
         if not token.startswith("--") or "." not in token:
-            raise ValueError(f"unrecognized argument {clip(token)} (see --help)")
+            raise ValueError(f"unrecognized argument {clip(token)}{_spelled(cfg, token)} "
+                             f"(see --help)")
         if "=" in token:
             key, value = token[2:].split("=", 1)
             i += 1
@@ -401,7 +420,8 @@ Limits = Callable[[Config, int], None]  # a script's own refusals: limits(cfg, w
 
 def load_config(default_config: str, description: str, limits: Optional[Limits] = None,
                 argv: Optional[Sequence[str]] = None, resume_files: bool = False,
-                unread: Optional[Dict[str, str]] = None) -> Config:
+                unread: Optional[Dict[str,
+                                      str]] = None, config_class: Type[Config] = Config) -> Config:
     """A script's config, checked for the world it is launched into before anything starts.
 
     ``parse_args``, then ``validate(cfg, world_size)`` (the one layout check), the script's
@@ -424,11 +444,12 @@ def load_config(default_config: str, description: str, limits: Optional[Limits] 
     try:
         if world_size < 1:  # scripts/launch.sh refuses it first; a direct call may not
             raise InputError(f"--world-size must be at least 1, got {world_size}")
-        cfg = parse_args(rest, default_config, description, unread)
+        cfg = parse_args(rest, default_config, description, unread, config_class)
         validate(cfg, world_size)
         if limits is not None:
             limits(cfg, world_size)
-        check_memory(cfg, world_size)  # the planner's estimate against the device, unallocated
+        if config_class is Config:  # the planner models the Llama, not chapter 12's ResNet
+            check_memory(cfg, world_size)  # the planner's estimate against the device
         check_inputs(cfg, world_size, resume_files)
         if known.validate_only:
             sys.exit(0)
@@ -646,7 +667,7 @@ def check_writable(key: str, path: str) -> None:
 def schema(cfg: Config) -> Iterator[Tuple[str, Any, Any, Rule, Any]]:
     """(key, value, annotation, rule, default) of every field of ``cfg``, section by section,
     as the dataclasses in scaletorch/config.py declare them."""
-    for section in ("", *SECTIONS):
+    for section in ("", *sections(cfg)):
         obj = getattr(cfg, section) if section else cfg
         prefix = f"{section}." if section else ""
         for name, annotation, rule, default in rules_of(type(obj)):

@@ -47,8 +47,12 @@ class VisionSettings:
     precision: str = "fp32"  # fp32 | bf16 (autocast; BatchNorm statistics stay fp32)
     checkpoint_dir: Optional[str] = None  # per-rank checkpoints here, and resume from here
     checkpoint_every: int = 0  # 0: none
-    resume: bool = False  # start from the newest valid checkpoint in checkpoint_dir
-    kill_at_step: int = -1  # fault injection: SIGKILL rank 0 at this step, on the first try only
+    keep_last: int = 2  # older checkpoints are deleted
+    # "latest" (the newest valid one in checkpoint_dir) or a checkpoint directory; None: none
+    resume: Optional[str] = None
+    # fault injection: SIGKILL rank fail_rank at this step, on the first try only; -1: never
+    fail_at_step: int = -1
+    fail_rank: int = 0
     metrics_path: Optional[str] = None  # rank 0 appends one JSON line per step
 
 
@@ -81,11 +85,12 @@ def _state(run: ParallelResNet, step: int) -> Dict[str, Any]:
 
 def resume(run: ParallelResNet, settings: VisionSettings, rank: int, world_size: int,
            layout: Dict[str, Any]) -> int:
-    """Load the newest valid checkpoint in ``settings.checkpoint_dir``; the step to start at."""
-    if not (settings.resume and settings.checkpoint_dir):
-        return 0
-    path, _ = ckpt.latest_valid_checkpoint(settings.checkpoint_dir)
-    if path is None:
+    """Load ``settings.resume`` (or after a torchrun restart the latest checkpoint in
+    ``settings.checkpoint_dir``); the step to start at."""
+    path = settings.resume or ("latest" if restart_count() > 0 else None)
+    if path == "latest" and settings.checkpoint_dir:
+        path, _ = ckpt.latest_valid_checkpoint(settings.checkpoint_dir)
+    if path is None or path == "latest":  # nothing saved before the restart: from step 0
         return 0
     state = ckpt.load_checkpoint(path, rank, world_size, layout)
     ckpt.load_model_and_optimizer(run.model, run.optimizer, state)
@@ -109,7 +114,8 @@ def train_resnet(run: ParallelResNet, loader: ImageBatchLoader, settings: Vision
     for step in range(result.start_step, settings.steps):
         if stop_at is not None and step == stop_at:
             break
-        if step == settings.kill_at_step and rank == 0 and restart_count() == 0:
+        if step == settings.fail_at_step and rank == settings.fail_rank and restart_count() == 0:
+            print(f"rank {rank}: injected failure at step {step}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)  # as a lost machine: no exit, no last save
         get_ledger().set_step(step)
         start = time.perf_counter()
@@ -137,7 +143,7 @@ def train_resnet(run: ParallelResNet, loader: ImageBatchLoader, settings: Vision
         if settings.checkpoint_dir and settings.checkpoint_every and \
                 (step + 1) % settings.checkpoint_every == 0:
             ckpt.save_checkpoint(settings.checkpoint_dir, step + 1, _state(run, step + 1), rank,
-                                 world, layout=layout)
+                                 world, keep_last=settings.keep_last, layout=layout)
         if settings.metrics_path and rank == 0:
             wire = get_ledger().total(step=step, field="wire_bytes") if pgm else 0.0
             with open(settings.metrics_path, "a") as f:
