@@ -404,8 +404,6 @@ class OutputBlocksShowTheLastLines(unittest.TestCase):
 
 # Blocks whose command has not been re-run yet (issue 53, item 5): they may only get fewer.
 NOT_RERUN_YET = {  # yapf: disable
-    "doc/02_fsdp.md": 1,
-    "doc/07_nd_parallel.md": 1,
     "doc/08_mixed_precision.md": 1,
 }
 
