@@ -390,8 +390,7 @@ class OutputBlocksShowTheLastLines(unittest.TestCase):
         # --lint's elided_ends is an error: every block shows the command's real last lines (a
         # verdict or an error there is part of the claim), a --check run its gradient norms' line
         hidden = [e for path in check_docs.doc_files([]) for e in check_docs.elided_ends(path)]
-        self.assertEqual([e for e in hidden if e.split(":")[0] not in NOT_RERUN_YET], [])
-        self.assertLessEqual(len(hidden), sum(NOT_RERUN_YET.values()))
+        self.assertEqual(hidden, [])
 
     def test_the_lint_names_a_block_that_ends_with_an_ellipsis(self):
         with tempfile.NamedTemporaryFile("w", suffix=".md") as f:  # not in doc/: no page
@@ -400,12 +399,6 @@ class OutputBlocksShowTheLastLines(unittest.TestCase):
             errors = check_docs.elided_ends(f.name)
         self.assertEqual(len(errors), 1, errors)
         self.assertIn("the output ends with '...'", errors[0])
-
-
-# Blocks whose command has not been re-run yet (issue 53, item 5): they may only get fewer.
-NOT_RERUN_YET = {  # yapf: disable
-    "doc/08_mixed_precision.md": 1,
-}
 
 
 class ReadmeArchitectureListsThePackage(unittest.TestCase):
