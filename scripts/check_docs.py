@@ -34,8 +34,8 @@ The convention (doc/design.md, "Docs that reproduce"):
 - --lint also checks the names a page gives (scripts/doc_names.py): every path, module,
   function, class and flag exists, and "the picture above" (or below) is where it says.
 - A source excerpt is a ```python fence right after ``<!-- excerpt: FILE NAME -->``: its lines
-  must equal FILE's lines between ``# [core: NAME]`` and ``# [end: NAME]`` (markers left out),
-  so code shown on a page cannot drift from the code that runs.
+  must equal FILE's lines between ``# [core: NAME]`` and ``# [end: NAME]`` (markers left out,
+  common indentation removed), so code shown on a page cannot drift from the code that runs.
 - A plain ``` fence that looks like program output (a parity line, a ledger header...) is an
   error: label it ```text and put its command before it.
 - A prose sentence has at most 30 words in a chapter page (doc/NN_*.md) and the README
@@ -57,6 +57,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -151,8 +152,8 @@ def _fences(text: str) -> List[Fence]:
 
 def source_excerpt(path: str, name: str) -> Optional[List[str]]:
     """The lines of ``path`` (from the repository root) between ``# [core: name]`` and
-    ``# [end: name]``, without the markers and the blank lines next to them; None if the file
-    or a marker is missing."""
+    ``# [end: name]``, without the markers and the blank lines next to them, dedented (lines
+    inside a function start at column 0); None if the file or a marker is missing."""
     full = os.path.join(ROOT, path)
     if not os.path.isfile(full):
         return None
@@ -164,7 +165,8 @@ def source_excerpt(path: str, name: str) -> Optional[List[str]]:
     ]
     if len(marks) != 2:
         return None
-    return "\n".join(lines[marks[0] + 1:marks[1]]).strip("\n").splitlines()  # no blank ends
+    body = textwrap.dedent("\n".join(lines[marks[0] + 1:marks[1]]))  # a method's lines at 0
+    return body.strip("\n").splitlines()  # no blank ends
 
 
 def excerpt_errors(rel: str, lines: List[str], fences: List[Fence]) -> List[str]:
@@ -182,7 +184,8 @@ def excerpt_errors(rel: str, lines: List[str], fences: List[Fence]) -> List[str]
         if source is None:
             errors.append(f"{where}: excerpt of {match.group(1)} '{match.group(2)}': no such "
                           f"file, or not one '# [core: {match.group(2)}]' ... '# [end: ...]' pair")
-        elif [line.rstrip() for line in fence.lines] != [line.rstrip() for line in source]:
+        elif [line.rstrip() for line in textwrap.dedent("\n".join(fence.lines)).splitlines()] \
+                != [line.rstrip() for line in source]:  # shown at either indentation
             diff = difflib.unified_diff(fence.lines, source, "page", match.group(1), lineterm="")
             errors.append(f"{where}: excerpt differs from {match.group(1)} (update the page):\n" +
                           "\n".join(list(diff)[2:]))

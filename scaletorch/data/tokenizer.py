@@ -45,6 +45,7 @@ def read_text(path: str) -> str:
     return data.decode("utf-8")
 
 
+# [core: byte-tokenizer]
 class ByteTokenizer:
     """Token i is the byte value i: encode is ``text.encode("utf-8")``."""
 
@@ -58,6 +59,7 @@ class ByteTokenizer:
         return bytes(ids).decode("utf-8", errors="replace")
 
 
+# [end: byte-tokenizer]
 class HFTokenizer:
     """A local ``tokenizer.json`` (BPE, SentencePiece-converted, ...) via ``tokenizers``."""
 

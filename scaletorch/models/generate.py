@@ -43,6 +43,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return (probs @ v).transpose(1, 2)
 
 
+# [core: kv-cache]
 def _block_with_cache(
     block: TransformerBlock, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     cache: Optional[Tuple[torch.Tensor, torch.Tensor]]
@@ -80,6 +81,7 @@ def forward_with_cache(model: Llama, input_ids: torch.Tensor,
     return model.head(x), new_cache
 
 
+# [end: kv-cache]
 def check_sampling(temperature: float, top_k: int, top_p: float, seed: int = 0) -> None:
     """ValueError unless temperature >= 0 (0: greedy), top_k >= 0 (0: all) and top_p in
     (0, 1], each finite, and the generator's ``seed`` in [0, 2**63) (``seed_range``: what

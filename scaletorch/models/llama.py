@@ -120,6 +120,7 @@ def rope_cos_sin(position_ids: torch.Tensor, head_dim: int,
     return angles.cos(), angles.sin()
 
 
+# [core: rotate-half]
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -133,6 +134,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out.to(x.dtype)
 
 
+# [end: rotate-half]
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Causal softmax attention with grouped-query heads.
 

@@ -30,6 +30,7 @@ from scaletorch.models.llama import Attention
 from scaletorch.parallel.memory_report import storage_key
 
 
+# [core: recompute]
 class _Checkpointed:
     """A block's forward that keeps only its inputs and recomputes the rest in backward.
 
@@ -69,6 +70,7 @@ def apply_activation_checkpointing(model: Llama, mode: Union[str, bool] = "full"
     return model
 
 
+# [end: recompute]
 class _Saved:
     """What autograd holds in place of a saved tensor while ``saved_activation_bytes`` watches:
     the tensor, and (through a weakref finalizer) word of when autograd lets it go.

@@ -112,6 +112,7 @@ def _sequence_to_heads(x: torch.Tensor, group: Group) -> torch.Tensor:
     return x.view(cp, b, s, hl, d).permute(1, 2, 0, 3, 4).reshape(b, s, cp * hl, d)
 
 
+# [core: ulysses]
 class UlyssesAttention:
     """``Attention.attention_fn`` that trades the sequence split for a head split.
 
@@ -137,6 +138,7 @@ class UlyssesAttention:
         return _sequence_to_heads(out, self.group)
 
 
+# [end: ulysses]
 def check_ulysses_heads(num_q_heads: int, num_kv_heads: int, cp_size: int) -> None:
     if num_q_heads % cp_size != 0 or num_kv_heads % cp_size != 0:
         raise ValueError(

@@ -70,6 +70,7 @@ def clip_replicated(params: Iterable[torch.Tensor], max_norm: float) -> torch.Te
     return clip_grads_(params, max_norm, norm)
 
 
+# [core: world-grad-norm]
 def replica_count(param: torch.Tensor, pgm: ProcessGroupManager) -> int:
     """Ranks of the world holding an identical copy of ``param``'s gradient (see above).
 
@@ -107,3 +108,4 @@ def world_grad_norm(params: Iterable[ParamReplicas], device: torch.device,
             total += (local_grad(p).detach().float().pow(2) / replicas).sum()
     comm.all_reduce(total, group)
     return total.sqrt()[0]
+    # [end: world-grad-norm]

@@ -9,6 +9,7 @@ import torch.distributed as dist
 from scaletorch.dist import comm
 
 
+# [core: loss-scale]
 @torch.no_grad()
 def unscale_and_check(grads: Sequence[torch.Tensor], scale: float,
                       group: Optional[dist.ProcessGroup], agree: bool = True) -> bool:
@@ -36,3 +37,4 @@ def update_scale(scale: float, clean_steps: int, found_inf: bool,
     if clean_steps == growth_interval:
         return scale * 2.0, 0
     return scale, clean_steps
+    # [end: loss-scale]

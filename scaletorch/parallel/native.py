@@ -93,6 +93,7 @@ def parallelize_native(
     p, m = cfg.parallel, cfg.data.num_micro_batches
     tp, pp = pgm.tensor_model_parallel_world_size, pgm.pipeline_model_parallel_world_size
     zero3 = p.zero_stage == 3
+    # [core: native-order]
     mesh = device_mesh(pgm, next(model.parameters()).device.type) \
         if pgm.context_parallel_world_size == 1 else {}  # cp: DDP only (validation.py)
     shard_sequence = None
@@ -118,6 +119,7 @@ def parallelize_native(
     elif pgm.gradient_sync_world_size > 1 and pipe is None:
         wrap = apply_data_parallel if precision is None else precision.data_parallel
         trainer_model = wrap(model, pgm, "torch", p.bucket_size_mb)
+    # [end: native-order]
     # FSDP2 swapped in DTensors (their placements say the split); DDP is around model
     layout = TensorLayout(pgm, {}, [], pipe, dtensor_model=model)
 

@@ -51,6 +51,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
                 running_mean: torch.Tensor, running_var: torch.Tensor, eps: float, momentum: float,
                 group: Group) -> torch.Tensor:
+        # [core: bn-forward]
         x32 = x.float()
         dims = [0] + list(range(2, x.dim()))  # every dim but the channel's
         count = x32.new_full((1, ), x.numel() // x.size(1))
@@ -66,6 +67,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         shape = [1, c] + [1] * (x.dim() - 2)
         invstd = torch.rsqrt(var + eps)
         x_hat = (x32 - mean.view(shape)) * invstd.view(shape)
+        # [end: bn-forward]
         ctx.save_for_backward(x_hat, weight, invstd, n)
         ctx.group, ctx.dtype = group, x.dtype
         return (x_hat * weight.float().view(shape) + bias.float().view(shape)).to(x.dtype)
@@ -77,12 +79,14 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         dims = [0] + list(range(2, dy.dim()))
         c = dy.size(1)
         shape = [1, c] + [1] * (dy.dim() - 2)
+        # [core: bn-backward]
         local = torch.cat([dy.sum(dims), (dy * x_hat).sum(dims)])  # (2C,)
         grad_bias, grad_weight = local[:c].clone(), local[c:].clone()  # this rank's own
         comm.all_reduce(local, ctx.group, name="bn")  # the whole batch's sums
         mean_dy, mean_dy_xhat = (local[:c] / n).view(shape), (local[c:] / n).view(shape)
         scale = (weight.float() * invstd).view(shape)
         dx = scale * (dy - mean_dy - x_hat * mean_dy_xhat)
+        # [end: bn-backward]
         return (dx.to(ctx.dtype), grad_weight.to(weight.dtype), grad_bias.to(weight.dtype), None,
                 None, None, None, None)
 

@@ -30,6 +30,7 @@ def _with_zero_rows(weight: torch.Tensor, rows: int) -> nn.Parameter:
     return nn.Parameter(torch.cat((weight.detach(), zeros)))
 
 
+# [core: padded-head]
 class PaddedVocabHead(ColumnParallelLinear):
     """Chapter 03's vocabulary-parallel head whose padding columns give -inf logits.
 
@@ -48,6 +49,7 @@ class PaddedVocabHead(ColumnParallelLinear):
         return logits
 
 
+# [end: padded-head]
 def apply_tensor_parallel_padded(model: Llama, pgm: ProcessGroupManager,
                                  sequence_parallel: bool = False) -> Llama:
     """Chapter 03's ``apply_tensor_parallel``, after padding the vocabulary to a multiple of

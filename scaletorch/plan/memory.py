@@ -58,6 +58,7 @@ def memory_formula(zero_stage: int, numel: int, world: int,
     }
 
 
+# [core: model-states]
 def model_state_bytes(zero_stage: int, numel: float, world: int,
                       precision: str = "bf16") -> Dict[str, float]:
     """Bytes per rank of ``numel`` parameters over ``world`` ZeRO ranks, by precision (no
@@ -70,6 +71,7 @@ def model_state_bytes(zero_stage: int, numel: float, world: int,
     }
 
 
+# [end: model-states]
 class Unit(NamedTuple):
     """Parameters of one sharding unit on one rank: dense (replicated over dp x cp) and
     expert (replicated over the expert-data-parallel ranks)."""

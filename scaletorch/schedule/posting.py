@@ -16,6 +16,7 @@ Batch = Tuple[P2P, ...]  # one batch_isend_irecv
 PostStep = Tuple[Tuple[Batch, ...], Optional[Action], Optional[P2P]]
 
 
+# [core: posting-order]
 def posting_program(schedule: str, pp: int, micro_batches: int, rank: int,
                     virtual_stages: int = 1) -> List[PostStep]:
     """Rank ``rank``'s steps; the last one posts what is left and runs no action."""
@@ -59,3 +60,4 @@ def posting_program(schedule: str, pp: int, micro_batches: int, rank: int,
         recv = needs[i] if step is not None else None  # posted by now (in_order.py's tests)
         program.append((tuple(b for b, _ in batches[first:done]), step, recv))
     return program
+    # [end: posting-order]

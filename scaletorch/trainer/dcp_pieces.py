@@ -213,6 +213,7 @@ def entries(par: "Parallelized") -> List[Any]:
 TIED_COPY, TIED = "lm_head.weight", "embed_tokens.weight"
 
 
+# [core: local-pieces]
 def local_pieces(par: "Parallelized", value_of: Callable[[torch.Tensor], torch.Tensor],
                  load: bool = False) -> Dict[str, Any]:
     """{reference name: this rank's rectangles of it}, of the parameters (``value_of = detach``)
@@ -254,6 +255,7 @@ def local_pieces(par: "Parallelized", value_of: Callable[[torch.Tensor], torch.T
     return out
 
 
+# [end: local-pieces]
 METADATA = ".metadata"  # DCP's: global shapes, every rank's rectangles, where their bytes are
 # What DCP's metadata pickle may name (torch 2.13): its dataclasses, torch.Size, dtypes, a
 # layout by name, the checkpoint's path. Nothing else is unpickled: a shared checkpoint whose
