@@ -25,7 +25,8 @@ from scripts.grading import file_check, runner
 from scripts.grading.runner import load
 from scripts.grading.variants import CATALOGUE, HANGS, STOPPING
 from tests import harness  # noqa: F401 - sets the forkserver's preload list
-from tests import grading_solutions
+from tests import grading_other_ways, grading_solutions
+from tests.grading_other_ways import CRASHES
 from tests.grading_solutions import ALTERNATIVES, MISTAKES
 from tests.test_planted_bugs import patched  # a limit in runner.RANK_LIMITS, sent to the ranks
 
@@ -44,10 +45,13 @@ SHORT_COLLECTIVE_TIMEOUT = 8.0
 SHORT_HANG_TIMEOUT = 4.0
 VARIANTS = "scripts.grading.variants"
 SOLUTIONS = "tests.grading_solutions"
+OTHER_WAYS = "tests.grading_other_ways"
 
 
 class _GradeChapter:
-    """One chapter's world: its solutions, every planted variant, its stubs, in one go."""
+    """One chapter's world: its solutions, a rank stopped in one job (grading_other_ways.CRASHES:
+    a new world grades the jobs after it), correct solutions written another way, mistakes
+    nobody planted, every planted variant, its stubs, in one go."""
     chapter = ""
 
     @classmethod
@@ -56,18 +60,24 @@ class _GradeChapter:
         cls.exercises = module.EXERCISES
         cls.planted = [(exercise, variant) for (chapter, exercise, variant) in CATALOGUE
                        if chapter == cls.chapter]
-        cls.others = [(e, f) for c, e, f in ALTERNATIVES if c == cls.chapter]
+        cls.others = [(e, SOLUTIONS, f) for c, e, f in ALTERNATIVES if c == cls.chapter] + \
+            [(e, OTHER_WAYS, f) for c, e, f in grading_other_ways.ALTERNATIVES if c == cls.chapter]
         cls.mistakes = [(e, f, words) for c, e, f, words in MISTAKES if c == cls.chapter]
-        jobs = module.solution_jobs() + [{e: (SOLUTIONS, f)} for e, f in cls.others] + \
+        crash, function, _, _ = CRASHES[cls.chapter]
+        jobs = module.solution_jobs() + [{crash: (OTHER_WAYS, function)}] + \
+            [{e: (where, f)} for e, where, f in cls.others] + \
             [{e: (SOLUTIONS, f)} for e, f, _ in cls.mistakes] + \
             [{e: (VARIANTS, v)} for e, v in cls.planted] + \
             module.exercise_jobs(os.path.join(ROOT, path))
-        cls.verdicts = module.grade(jobs)
+        # a receive never answered (05) waits out the collective timeout: the short one
+        with patched(runner, "COLLECTIVE_TIMEOUT", SHORT_COLLECTIVE_TIMEOUT):
+            cls.verdicts = module.grade(jobs)
         n, k, m = len(module.EXERCISES), len(cls.others), len(cls.mistakes)
-        cls.solutions, cls.stubs = cls.verdicts[:n], cls.verdicts[-n:]
-        cls.written_otherwise = dict(zip(cls.others, cls.verdicts[n:n + k]))
-        cls.unplanted = list(zip(cls.mistakes, cls.verdicts[n + k:n + k + m]))
-        cls.variants = dict(zip(cls.planted, cls.verdicts[n + k + m:-n]))
+        cls.solutions, cls.crashed, cls.stubs = cls.verdicts[:n], cls.verdicts[n], \
+            cls.verdicts[-n:]
+        cls.written_otherwise = dict(zip(cls.others, cls.verdicts[n + 1:n + 1 + k]))
+        cls.unplanted = list(zip(cls.mistakes, cls.verdicts[n + 1 + k:n + 1 + k + m]))
+        cls.variants = dict(zip(cls.planted, cls.verdicts[n + 1 + k + m:-n]))
 
     def test_the_library_passes_every_exercise(self):
         for verdict in self.solutions:
@@ -76,10 +86,22 @@ class _GradeChapter:
     def test_correct_solutions_written_another_way_pass(self):
         # torch.distributed directly, in place, another order, another API, batched p2p
         for exercise in self.exercises:
-            self.assertIn(exercise, [e for e, _ in self.written_otherwise])
-        for (exercise, function), verdict in self.written_otherwise.items():
+            self.assertIn(exercise, [e for e, _, _ in self.written_otherwise])
+        for (exercise, _, function), verdict in self.written_otherwise.items():
             self.assertEqual((verdict.exercise, verdict.passed, verdict.text),
                              (exercise, True, "passed"), function)
+
+    def test_a_stopped_rank_is_named_with_its_function_and_line(self):
+        # the jobs before it and after it (a new world) keep their verdicts: the tests above
+        exercise, function, words, statement = CRASHES[self.chapter]
+        verdict = self.crashed
+        self.assertEqual((verdict.exercise, verdict.passed), (exercise, False), verdict.text)
+        for phrase in words:
+            self.assertIn(phrase, verdict.text)
+        if statement is not None:
+            line = _line(getattr(grading_other_ways, function), statement)
+            self.assertIn(f"grading_other_ways.py:{line}", verdict.text)
+        self.assertNotIn("gloo", verdict.text)  # the learner's terms, not the backend's
 
     def test_a_mistake_nobody_planted_gets_what_was_measured(self):
         for (exercise, function, words), verdict in self.unplanted:
@@ -104,37 +126,43 @@ class _GradeChapter:
 
 
 class GradeChapter01(_GradeChapter, unittest.TestCase):
-    """Data parallel, 2 ranks, 3 steps a job: 3 solutions, 10 variants, 3 stubs."""
+    """Data parallel, 2 ranks, 3 steps a job: 3 solutions, rank 1's os._exit (a second world
+    grades the rest), 3 written another way, 1 mistake, 10 variants, 3 stubs."""
     chapter = "01"
 
 
 class GradeChapter02(_GradeChapter, unittest.TestCase):
     """ZeRO, 2 ranks, 3 steps a job (ZeRO-1 for reduce_scatter_mean, ZeRO-3 for gather_unit and
-    release_unit): 3 solutions, 10 variants, 3 stubs."""
+    release_unit): 3 solutions, rank 1's sys.exit (a second world grades the rest), 4 written
+    another way, 10 variants, 3 stubs."""
     chapter = "02"
 
 
 class GradeChapter03(_GradeChapter, unittest.TestCase):
     """Tensor parallel, 2 ranks, 2 steps without and 2 with sequence parallel a job (stopped at
     the first wrong call), every call's forward and backward checked on its rank: 3 solutions,
-    12 variants, 3 stubs."""
+    rank 1 killed (SIGKILL; a second world grades the rest), 4 written another way, 12 variants,
+    3 stubs."""
     chapter = "03"
 
 
 class GradeChapter04(_GradeChapter, unittest.TestCase):
-    """Pipeline parallel, pp 2, 3 steps a job: 2 solutions, 6 variants, 2 stubs."""
+    """Pipeline parallel, pp 2, 3 steps a job: 2 solutions, rank 1's abort (a second world
+    grades the rest), 2 written another way, 6 variants, 2 stubs."""
     chapter = "04"
 
 
 class GradeChapter05(_GradeChapter, unittest.TestCase):
     """Context parallel, 2 ranks, 2 steps a job, every call checked on its rank: 3 solutions,
-    10 variants, 3 stubs."""
+    rank 1's receive never answered (8 s; a second world grades the rest), 5 written another
+    way, 10 variants, 3 stubs."""
     chapter = "05"
 
 
 class GradeChapter06(_GradeChapter, unittest.TestCase):
     """Expert parallel, 2 ranks, 3 steps a job (stopped at the first wrong call): the library's
-    run, 2 solutions, 8 variants, 2 stubs."""
+    run, 2 solutions, rank 1's KeyboardInterrupt (a second world grades the rest), 2 written
+    another way, 8 variants, 2 stubs."""
     chapter = "06"
 
 
@@ -145,8 +173,9 @@ class GradeChapter06b(_GradeChapter, unittest.TestCase):
 
 
 class GradeChapter08(_GradeChapter, unittest.TestCase):
-    """The loss scale, 2 ranks, 8 steps a job: the library's run, 2 solutions, 6 variants,
-    2 stubs."""
+    """The loss scale, 2 ranks, 8 steps a job: the library's run, 2 solutions, rank 1's
+    segfault (a second world, its own library run, grades the rest), 2 written another way,
+    6 variants, 2 stubs."""
     chapter = "08"
 
 
@@ -183,7 +212,7 @@ class GradeAHang(unittest.TestCase):
 
 
 def _line(function, text):
-    """The line of tests/grading_solutions.py where ``text`` first appears in ``function``."""
+    """The line of ``function``'s file where ``text`` first appears in ``function``."""
     lines, first = inspect.getsourcelines(function)
     return first + next(i for i, line in enumerate(lines) if text in line)
 

@@ -20,9 +20,9 @@ from scaletorch.parallel.grad_norm import clip_replicated
 from scaletorch.trainer import Config, Trainer, parse_args
 from scaletorch.trainer.parity import max_norm_diff, reference_trainer
 from scaletorch.trainer.precision import NORM_TOLERANCES, TOLERANCES
-from scripts.grading.runner import (Source, Verdict, collective_timeout, error_verdict, failure,
-                                    is_hang, is_unwritten, load, patched, per_job, run_world,
-                                    streamed)
+from scripts.grading.runner import (LEARNER_ERRORS, Source, Verdict, collective_timeout,
+                                    error_verdict, failure, is_hang, is_unwritten, load, patched,
+                                    per_job, run_world, streamed)
 
 CHAPTER = "01"
 EXERCISES = ("average_gradients", "launch_full_buckets", "wait_for_buckets")
@@ -111,7 +111,7 @@ def rank_jobs(rank: int, world: int, jobs: List[Dict[str, Source]]) -> List[Dict
             try:
                 with patched(_instrumented(exercise, load(source), record)):
                     measured = _train(cfg, pgm, IMPL[exercise])
-            except Exception as err:  # noqa: B902 - the learner's error is a diagnosis
+            except LEARNER_ERRORS as err:  # a diagnosis, sys.exit() too
                 if is_hang(err):
                     raise  # a collective timed out: the world cannot go on (runner.py)
                 out.append({"exercise": exercise, "error": failure(err)})

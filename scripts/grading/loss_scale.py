@@ -24,8 +24,9 @@ from scaletorch.parallel.step import make_data_parallel_step
 from scaletorch.trainer import Config, Trainer, parse_args
 from scaletorch.trainer import run as run_module
 from scaletorch.trainer import trainer as trainer_module
-from scripts.grading.runner import (Source, Verdict, collective_timeout, error_verdict, failure,
-                                    is_hang, is_unwritten, load, patched, run_world, streamed)
+from scripts.grading.runner import (LEARNER_ERRORS, Source, Verdict, collective_timeout,
+                                    error_verdict, failure, is_hang, is_unwritten, load, patched,
+                                    run_world, streamed)
 
 CHAPTER = "08"
 EXERCISES = ("unscale_and_check", "update_scale")
@@ -94,7 +95,7 @@ def rank_jobs(rank: int, world: int, jobs: List[Dict[str, Source]]) -> List[Dict
             (exercise, source), = job.items()
             try:
                 out.append({"exercise": exercise, **_train(cfg, pgm, exercise, load(source))})
-            except Exception as err:  # noqa: B902 - the learner's error is a diagnosis
+            except LEARNER_ERRORS as err:  # a diagnosis, sys.exit() too
                 if is_hang(err):
                     raise
                 out.append({"exercise": exercise, "error": failure(err)})

@@ -33,8 +33,9 @@ from scaletorch.trainer import Config, Trainer, parse_args
 from scaletorch.trainer.parity import max_norm_diff, reference_trainer
 from scaletorch.trainer.pipeline_state import gather_pipeline_state_dict
 from scaletorch.trainer.precision import NORM_TOLERANCES, TOLERANCES
-from scripts.grading.runner import (RANK_LIMITS, Source, Verdict, error_verdict, failure, is_hang,
-                                    is_unwritten, load, patched, run_world, streamed)
+from scripts.grading.runner import (LEARNER_ERRORS, RANK_LIMITS, Source, Verdict, error_verdict,
+                                    failure, is_hang, is_unwritten, load, patched, run_world,
+                                    streamed)
 
 CHAPTER = "04"
 EXERCISES = ("one_f_one_b", "micro_batch_loss")
@@ -139,7 +140,7 @@ def rank_jobs(rank: int, world: int, jobs: List[Dict[str, Source]]) -> List[Dict
                     fn(torch.ones(()), cfg.data.num_micro_batches)
                 with patched(_instrumented(exercise, fn, record)):
                     measured = _train(cfg, pgm)
-            except Exception as err:  # noqa: B902 - the learner's error is a diagnosis
+            except LEARNER_ERRORS as err:  # a diagnosis, sys.exit() too
                 if is_hang(err) and record["waiting"] is not None:
                     waiting = record["waiting"]
                     waiting["waited"] = time.perf_counter() - waiting.pop("since")
@@ -248,7 +249,8 @@ def parity_diagnosis(runs: List[Dict[str, Any]], ref: Dict[str, Any]) -> Optiona
 
 def diagnose(exercise: str, runs: List[Dict[str, Any]], ref: Dict[str, Any]) -> Verdict:
     """The verdict of one exercise from every rank's measurements of its job."""
-    if any("stuck" in run for run in runs):
+    # a rank that died or raised is the cause; its peer's wait for it, the consequence
+    if any("stuck" in run for run in runs) and not any("lost" in r or "error" in r for r in runs):
         return Verdict(exercise, False, hang_diagnosis(runs))
     failed = error_verdict(exercise, runs)
     if failed is not None:

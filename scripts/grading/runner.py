@@ -6,11 +6,12 @@ no import reaches it), a planted variant is a module of the tests. ``run_world``
 ranks with a short collective timeout (``COLLECTIVE_TIMEOUT``) and torch's flight recorder, and
 grades every job on its own: each rank writes each job's result as it finishes it
 (``streamed``), so a rank that hangs (no result for ``STALL_LIMIT`` s, whatever timeout the
-backend would wait out), dies (a segfault: faulthandler writes its Python stack) or raises
-costs only the job it was in. That job's verdict names the rank, what stopped it and the
-learner's frame it was in (and, for a collective that timed out, the flight recorder's account
-of the ranks and their collectives, scaletorch/dist/flight_recorder.py); a new world grades
-the jobs after it.
+backend would wait out), dies (a segfault: faulthandler writes its Python stack; a SIGKILL
+leaves none: the job's function is named), ends its process (``os._exit``: the rank writes
+where first) or raises (``sys.exit()`` too) costs only the job it was in. That job's verdict
+names the rank, what stopped it and the learner's frame it was in (and, for a collective that
+timed out, the flight recorder's account of the ranks and their collectives,
+scaletorch/dist/flight_recorder.py); a new world grades the jobs after it.
 """
 
 import datetime
@@ -52,6 +53,9 @@ SOURCE_FILES: Set[str] = set()  # inside a rank: the files of the functions grad
 # imported torch and the library once (tests/harness.py)
 START_METHOD = "spawn"
 UNWRITTEN = "NotImplementedError"
+# What a learner's function may raise, each a verdict of its job: sys.exit() and exit() raise
+# SystemExit, which ``except Exception`` lets through to end the rank with no word of it
+LEARNER_ERRORS = (Exception, SystemExit, KeyboardInterrupt)
 # (module, name) of each limit the ranks read: a world sends them the parent's values, which a
 # rank would not see otherwise (a new Python, or one forked from a server that imported the
 # modules earlier). A chapter's module adds its own (pipeline.py's HANG_TIMEOUT); the test
@@ -135,8 +139,8 @@ def failure(err: BaseException) -> str:
     mine = [f for f in frames if os.path.abspath(f.filename) in SOURCE_FILES]
     where = (mine or frames)[-1]
     line = f": {where.line}" if where.line else ""
-    return f"{type(first).__name__}: {first} (at {os.path.basename(where.filename)}:" \
-        f"{where.lineno}{line})"
+    said = f"{type(first).__name__}: {first}" if str(first) else type(first).__name__
+    return f"{said} (at {os.path.basename(where.filename)}:{where.lineno}{line})"
 
 
 class Streamed(list):
@@ -192,19 +196,31 @@ def _worker(rank: int, world: int, port: int, fn: Callable, jobs: Sequence[Dict[
     faulthandler.register(signal.SIGUSR1, stack, all_threads=False)
     SOURCE_FILES.update(source_file(s) for job in jobs for s in job.values())
     _STREAM = Streamed(directory, rank)
+    exit_now = os._exit
+
+    def ended(code: int) -> None:  # a learner's os._exit: say where, then end as asked
+        with open(os.path.join(directory, f"ended_{rank}"), "w") as f:
+            f.write(f"os._exit({code})\n" + "".join(traceback.format_stack()[:-1]))
+        exit_now(code)
+
+    os._exit = ended
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=collective_timeout()))
         open(os.path.join(directory, f"ready_{rank}"), "w").close()  # the stall clock starts
         fn(rank, world, jobs)
-    except Exception as err:  # noqa: B902 - a hang, or the grader's own error: for the parent
+    except LEARNER_ERRORS as err:  # a hang, or the grader's own error: for the parent
         if is_hang(err):
             flight_recorder.dump(directory, rank)
+            # the backend's own words (plain() translates them): the Trainer's wrapper names
+            # the last collective of comm's ledger, which a torch.distributed call never reached
+            err = innermost(err)
         text = str(err).splitlines()[0] if str(err) else type(err).__name__
         with open(os.path.join(directory, f"stopped_{rank}"), "w") as f:
             f.write(("hang: " if is_hang(err) else "error: ") + text + "\n" +
                     traceback.format_exc())
     finally:
+        os._exit = exit_now  # multiprocessing ends the rank with it
         gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -229,8 +245,8 @@ def source_file(source: Source) -> str:
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+),? in (?P<name>\S+)')
 
 
-def where_stopped(stack: str, files: Sequence[str], exercise: str,
-                  recent_first: bool = True) -> str:
+def where_stopped(stack: str, files: Sequence[str], exercise: str, recent_first: bool = True,
+                  unknown: str = "no Python frame") -> str:
     """The frame a rank's stack (faulthandler's dump, or a traceback) says it was in, in the
     learner's terms: the most recent frame in the graded function's file, else the exercise's
     function, else ours."""
@@ -241,7 +257,7 @@ def where_stopped(stack: str, files: Sequence[str], exercise: str,
         next((f for f in frames if f["name"] == exercise), None) or \
         next((f for f in frames if re.search(r"scaletorch|scripts", f["file"])), None)
     if pick is None:
-        return "no Python frame"
+        return unknown
     return f"{pick['name']} ({os.path.basename(pick['file'])}:{pick['line']})"
 
 
@@ -331,10 +347,12 @@ def _one_world(fn: Callable, world: int, jobs: Sequence[Dict[str, Source]], lead
             break
         time.sleep(0.05)
     deadline = time.monotonic() + 5  # seconds for the ranks to leave by themselves
-    for proc in procs:
+    killed = set()  # the ranks this parent ended: a SIGKILL of another's is the rank's own
+    for r, proc in enumerate(procs):
         proc.join(max(0.0, deadline - time.monotonic()) if min(counts) >= total else 0)
         if proc.is_alive():
             proc.kill()
+            killed.add(r)
         proc.join(5)
     counts = [_count(directory, r) for r in range(world)]
     results = [[
@@ -342,35 +360,49 @@ def _one_world(fn: Callable, world: int, jobs: Sequence[Dict[str, Source]], lead
         for i in range(counts[r])
     ] for r in range(world)]
     first = min(counts)
-    if first >= total:
+    raised = first > lead and all(
+        "error" in results[r][first - 1] and proc.exitcode == 0
+        and not _read(directory, f"stopped_{r}") + _read(directory, f"ended_{r}")
+        for r, proc in enumerate(procs))
+    if first >= total or raised:  # done, or every rank left after a job raised: no one to blame
         return results, {}
     files = [source_file(s) for job in jobs for s in job.values()]
     exercise = next(iter(jobs[first - lead])) if first >= lead else "the reference run"
+    # the function the job ran, named where no Python frame is left to say (a SIGKILL)
+    unknown = "{} ({}, no Python stack)".format(
+        *((jobs[first - lead][exercise][1],
+           os.path.basename(files[first - lead])) if first >= lead else ("the reference run",
+                                                                         "the library")))
     dumps = [d for d in os.listdir(directory) if d.startswith(flight_recorder.PREFIX)]
     recorder = flight_recorder.analyze(flight_recorder.load(directory)) if dumps else []
     stopped: Dict[int, str] = {}
     for r, proc in enumerate(procs):
         if counts[r] > first:
             continue
-        where = where_stopped(_read(directory, f"stack_{r}"), files, exercise)
-        said = _read(directory, f"stopped_{r}")
+        where = where_stopped(_read(directory, f"stack_{r}"), files, exercise, unknown=unknown)
+        said, ended = _read(directory, f"stopped_{r}"), _read(directory, f"ended_{r}")
         code = proc.exitcode if proc.exitcode is not None else 0
-        if said:
+        if ended:
+            where = where_stopped(ended, files, exercise, recent_first=False, unknown=unknown)
+            text = f"rank {r} ended its process with {ended.splitlines()[0]} in {where}"
+        elif said:
             where = where_stopped(said, files, exercise, recent_first=False)
             message = plain(said.splitlines()[0].split(": ", 1)[-1])
-        if said.startswith("hang: "):
+        if ended:
+            pass
+        elif said.startswith("hang: "):
             text = f"rank {r} stopped in {where}, in a collective: {message}"
         elif said:
             text = f"rank {r} failed in {where}: {message}"
-        elif code < 0 and -code not in (signal.SIGKILL, signal.SIGUSR1):
+        elif code < 0 and -code != signal.SIGUSR1 and r not in killed:
             text = f"rank {r} died of {signal.Signals(-code).name} in {where}"
         elif signalled:
             text = (f"rank {r} made no progress (the grader's limit: {STALL_LIMIT:.0f} s waiting, "
                     f"{JOB_LIMIT:.0f} s a job), stopped in {where}")
-        elif code == -signal.SIGKILL:
+        elif r in killed:
             text = f"rank {r} was stopped in {where}, after another rank had left"
         else:
-            text = f"rank {r} ended without a result"
+            text = f"rank {r} ended with exit status {code}, without a result, in {where}"
         stopped[r] = text
     if recorder and stopped:  # once, after the first rank's line
         first_rank = min(stopped, key=lambda r: _rank_order(stopped[r], r))
@@ -379,9 +411,10 @@ def _one_world(fn: Callable, world: int, jobs: Sequence[Dict[str, Source]], lead
 
 
 def _rank_order(text: str, rank: int) -> Tuple[int, int]:
-    """Which rank's account comes first: one that died or failed, then one that hung, then the
-    ranks stopped because of it."""
-    causes = ("died of", "failed in", "made no progress", "in a collective")
+    """Which rank's account comes first: one that died, ended or failed, then one that hung
+    (its wait timed out), then the ranks stopped because of it (their peer left)."""
+    causes = ("died of", "ended its process", "failed in", "made no progress", "no peer answered",
+              "in a collective")  # a peer that left is the last
     return next((k for k, c in enumerate(causes) if c in text), len(causes)), rank
 
 
@@ -403,8 +436,9 @@ def run_world(fn: Callable, world: int, jobs: Sequence[Dict[str, Source]],
         first = min(len(r) for r in results)
         for r in range(world):
             out[r].extend(results[r][skip:first])
-        if not stopped:
-            break
+        if not stopped:  # every job done, or the ranks left after one raised: a new world
+            start += first - lead
+            continue
         text = "; ".join(stopped[r]
                          for r in sorted(stopped, key=lambda r: _rank_order(stopped[r], r)))
         if first < lead:  # the reference run itself: nothing can be graded
@@ -435,7 +469,7 @@ def run_jobs(jobs: Sequence[Dict[str, Source]],
         (exercise, source), = job.items()
         try:
             out.append({"exercise": exercise, **measure(exercise, source)})
-        except Exception as err:  # noqa: B902 - the learner's error is a diagnosis
+        except LEARNER_ERRORS as err:  # a diagnosis, sys.exit() too
             if is_hang(err):
                 raise
             out.append({"exercise": exercise, "error": failure(err)})

@@ -55,6 +55,8 @@ def _elements(value: Any) -> int:
     if isinstance(value, torch.Tensor):
         return value.numel()
     if isinstance(value, (list, tuple)) and value:
+        if isinstance(value[0], (list, tuple)):  # a list API's chunks of one tensor: all of it
+            return max(sum(_elements(t) for t in chunks) for chunks in value)
         return _elements(value[0])
     return 0
 

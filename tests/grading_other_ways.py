@@ -1,0 +1,194 @@
+"""More learners' functions for the grader's tests (tests/test_grade.py), none from the catalogue.
+
+``ALTERNATIVES``: a second correct way for the four solutions a grader once rejected (a
+reduce-scatter without ``scaletorch.dist.comm``, an in-place f-bar, a ring step with other
+point-to-point calls, an in-place merge), each with another API or order than
+tests/grading_solutions.py's; each must pass.
+``CRASHES``: per chapter, a function that stops rank 1 in one way a learner's code can (a
+SystemExit, os._exit, a SIGKILL, an abort, a receive never answered, a KeyboardInterrupt, a
+segfault): its job's verdict names the rank, what stopped it and where, and the chapter's jobs
+after it keep their own verdicts.
+"""
+
+import os
+import signal
+import sys
+
+import torch
+import torch.distributed as dist
+
+from scaletorch.parallel import (expert_parallel, flat_unit, gradient_sync, loss_scale,
+                                 pipeline_schedules, ring_attention, tensor_parallel_layers)
+
+# ---- correct solutions written a second way -----------------------------------------------
+
+
+def reduce_scatter_mean_list(full, out, group):
+    """dist.reduce_scatter of a list of chunks, the mean taken out of place before the cast."""
+    n = dist.get_world_size(group)
+    chunks = list((full / n).to(out.dtype).chunk(n))
+    return dist.reduce_scatter(out, chunks, group=group, async_op=True)
+
+
+class _ReduceAsync(torch.autograd.Function):
+    """f-bar in place, its all-reduce waited for through the work handle."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        dist.all_reduce(x, group=group, async_op=True).wait()
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ReduceScatterOutOfPlace(torch.autograd.Function):
+    """g-bar: a summed copy, then this rank's slice of dim 1; backward all-gathers it back."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        total = x.detach().clone()
+        dist.all_reduce(total, group=group)
+        n, r = dist.get_world_size(group), dist.get_rank(group)
+        return total.narrow(1, r * (x.size(1) // n), x.size(1) // n).contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        n = dist.get_world_size(ctx.group)
+        full = torch.empty((n * grad.size(0), ) + grad.shape[1:], dtype=grad.dtype)
+        dist.all_gather_into_tensor(full, grad.contiguous(), group=ctx.group)
+        return torch.cat(full.chunk(n), dim=1), None
+
+
+def exit_region_async(x, group, sequence_parallel):
+    if sequence_parallel:
+        return _ReduceScatterOutOfPlace.apply(x, group)
+    return _ReduceAsync.apply(x, group)
+
+
+def ring_forward_isend(q, kv, group, order, tile):
+    """dist.isend and dist.irecv one by one, K and V as one message, the send posted first; the
+    neighbours from the group's list of global ranks."""
+    ranks = dist.get_process_group_ranks(group)
+    cp, rank = len(ranks), ranks.index(dist.get_rank())
+    merged = {}
+    for t, tiles in enumerate(ring_schedule(rank, cp, order)):
+        if t + 1 < cp:
+            incoming = torch.empty_like(kv)
+            works = [
+                dist.isend(kv.contiguous(), ranks[(rank + 1) % cp], group=group),
+                dist.irecv(incoming, ranks[(rank - 1) % cp], group=group)
+            ]
+        for a, b, kind in tiles:
+            if kind == "skipped":
+                continue
+            q_half = q.chunk(2, dim=2)[a]
+            k_half, v_half = kv[0].chunk(2, dim=2)[b], kv[1].chunk(2, dim=2)[b]
+            o, lse = tile(q_half, k_half, v_half, kind == "diagonal")
+            o = o.float()
+            merged[a] = ring_attention.merge(*merged[a], o, lse) if a in merged else (o, lse)
+        if t + 1 < cp:
+            for work in reversed(works):
+                work.wait()
+            kv = incoming
+    return torch.cat([merged[0][0], merged[1][0]], dim=2), torch.cat([merged[0][1], merged[1][1]],
+                                                                     dim=2)
+
+
+ring_schedule = ring_attention.ring_schedule
+
+
+def merge_lerp_in_place(out, lse, tile_out, tile_lse):
+    """The tile's weight as a sigmoid of the lse difference, out moved towards tile_out in place
+    (lerp), lse updated in place."""
+    weight = torch.sigmoid(tile_lse - lse).unsqueeze(-1)
+    out.lerp_(tile_out, weight)
+    lse.copy_(torch.logaddexp(lse, tile_lse))
+    return out, lse
+
+
+# (chapter, exercise, function in this module): each must pass
+ALTERNATIVES = [
+    ("02", "reduce_scatter_mean", "reduce_scatter_mean_list"),
+    ("03", "exit_region", "exit_region_async"),
+    ("05", "ring_forward", "ring_forward_isend"),
+    ("05", "merge", "merge_lerp_in_place"),
+]
+
+# ---- a rank stopped, one way per chapter (rank 0 runs the library's function) ---------------
+
+_LIBRARY = {
+    name: getattr(module, name)  # taken before any patch of the grader's
+    for module, name in ((gradient_sync, "average_gradients"), (flat_unit, "reduce_scatter_mean"),
+                         (tensor_parallel_layers, "enter_region"),
+                         (pipeline_schedules, "one_f_one_b"), (ring_attention, "ring_forward"),
+                         (expert_parallel, "dispatch_tokens"), (loss_scale, "unscale_and_check"))
+}
+
+
+def average_gradients_os_exit(grads, group):
+    if dist.get_rank() == 1:
+        os._exit(0)
+    _LIBRARY["average_gradients"](grads, group)
+
+
+def reduce_scatter_mean_sys_exit(full, out, group):
+    if dist.get_rank() == 1:
+        sys.exit(3)
+    return _LIBRARY["reduce_scatter_mean"](full, out, group)
+
+
+def enter_region_sigkill(x, group, sequence_parallel):
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return _LIBRARY["enter_region"](x, group, sequence_parallel)
+
+
+def one_f_one_b_abort(stage, m):
+    if dist.get_rank() == 1:
+        os.abort()
+    _LIBRARY["one_f_one_b"](stage, m)
+
+
+def ring_forward_unanswered(q, kv, group, order, tile):
+    if dist.get_rank() == 1:  # a tag no send of rank 0 has: never answered
+        dist.recv(torch.empty(1), src=0, tag=99)
+    return _LIBRARY["ring_forward"](q, kv, group, order, tile)
+
+
+def dispatch_tokens_interrupt(routed, send_table, recv_table, group):
+    if dist.get_rank() == 1:
+        raise KeyboardInterrupt
+    return _LIBRARY["dispatch_tokens"](routed, send_table, recv_table, group)
+
+
+def unscale_and_check_segfault(grads, scale, group, agree=True):
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGSEGV)
+    return _LIBRARY["unscale_and_check"](grads, scale, group, agree)
+
+
+# chapter: (exercise, function in this module, words its verdict must hold, the statement that
+# stopped the rank, whose line the verdict names; None where the rank left no Python stack)
+CRASHES = {
+    "01": ("average_gradients", "average_gradients_os_exit",
+           ["rank 1 ended its process with os._exit(0) in average_gradients_os_exit"], "os._exit"),
+    "02": ("reduce_scatter_mean", "reduce_scatter_mean_sys_exit",
+           ["reduce_scatter_mean raised on rank 1: SystemExit: 3 (at"], "sys.exit"),
+    "03":
+    ("enter_region", "enter_region_sigkill",
+     ["rank 1 died of SIGKILL in enter_region_sigkill (grading_other_ways.py, no Python stack)"
+      ], None),
+    "04": ("one_f_one_b", "one_f_one_b_abort", ["rank 1 died of SIGABRT in one_f_one_b_abort"],
+           "os.abort"),
+    "05": ("ring_forward", "ring_forward_unanswered", [
+        "rank 1 stopped in ring_forward_unanswered", "in a collective: no peer answered its recv "
+        "within"
+    ], "dist.recv"),
+    "06": ("dispatch_tokens", "dispatch_tokens_interrupt",
+           ["dispatch_tokens raised on rank 1: KeyboardInterrupt (at"], "raise KeyboardInterrupt"),
+    "08": ("unscale_and_check", "unscale_and_check_segfault",
+           ["rank 1 died of SIGSEGV in unscale_and_check_segfault"], "os.kill"),
+}
