@@ -171,7 +171,8 @@ class APlantedSurvivorIsReported(unittest.TestCase):
                       survivors[0])
         score = mutants.scores(graded)["full_buckets"]
         self.assertEqual((score.killed + 1, score.not_graded), (score.made, 0))
-        self.assertEqual(score.named, score.killed)  # each verdict above names the function
+        self.assertEqual(score.named, score.killed)  # no verdict above blames another function
+        self.assertFalse(graded[0].names_function(["full_buckets", "returned"]))
 
     def test_a_verdict_after_a_lost_job_is_graded_again(self):
         # an error leaves the next job "ended without a result": a mutant there is regraded,

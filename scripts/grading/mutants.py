@@ -5,8 +5,9 @@ scripts/grading/mutate.py; each mutant is written to a file of its own that sees
 module's names, and graded by the chapter's own ``grade(jobs)`` in the exercise's place, as a
 learner's function would be. A mutant is killed when its grade fails; a survivor is listed
 (the library's file:line and the mutation), unless scripts/grading/equivalent_mutants.txt
-lists it as equivalent, with the reason no test could see it. For a killed mutant the report
-says whether the diagnosis names its function.
+lists it as equivalent, with the reason no test could see it. A killed mutant's verdict is its
+exercise's (each job grades one function); the report lists those whose diagnosis blames
+another of the chapter's functions.
 
 Mutants share worlds (a world costs more than a job), each followed by the library's own
 function: a mutant's verdict counts only if it is the first job of its world or the library's
@@ -21,7 +22,7 @@ import os
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch.multiprocessing as mp
 
@@ -67,8 +68,10 @@ class Graded:
     def where(self) -> str:
         return f"{self.file}:{self.mutant.line} {self.mutant.description}"
 
-    def names_function(self) -> bool:
-        return self.exercise in self.text
+    def names_function(self, exercises: Sequence[str]) -> bool:
+        """The verdict names this exercise (its line starts with it) and no other of
+        ``exercises`` (a diagnosis that blames another function)."""
+        return not any(e in self.text for e in exercises if e != self.exercise)
 
 
 def equivalents(path: Optional[str] = None) -> Dict[Tuple[str, str, str], str]:
@@ -175,7 +178,7 @@ def _bar(done: int, total: int, width: int = 20) -> str:
 
 @dataclass
 class Score:
-    """One exercise's mutants: made, killed (and of them, diagnosed naming the function),
+    """One exercise's mutants: made, killed (and of them, diagnosed without blaming another),
     survivors (equivalent or not), not graded (the time limit), the grader's own errors."""
     made: int = 0
     killed: int = 0
@@ -191,6 +194,7 @@ class Score:
 
 
 def scores(graded: List[Graded]) -> Dict[str, Score]:
+    exercises = sorted({g.exercise for g in graded})
     out: Dict[str, Score] = {}
     for g in graded:
         s = out.setdefault(g.exercise, Score())
@@ -201,7 +205,7 @@ def scores(graded: List[Graded]) -> Dict[str, Score]:
             s.not_graded += 1
         elif not g.passed:
             s.killed += 1
-            s.named += g.names_function()
+            s.named += g.names_function(exercises)
         elif g.equivalent:
             s.equivalent += 1
         else:
@@ -213,15 +217,14 @@ def report(chapter: str, graded: List[Graded], seconds: float) -> List[str]:
     """The lines of the run's report: per exercise its score, then each survivor."""
     lines = [f"chapter {chapter}: {len(graded)} mutants in {seconds:.0f} s"]
     for exercise, s in scores(graded).items():
-        line = (f"  {exercise:22s} {s.made} made, {s.killed} killed ({s.named} diagnosed naming "
-                f"{exercise}), {len(s.survivors)} survived, {s.equivalent} equivalent: "
-                f"score {s.score():.0%}")
+        line = (f"  {exercise:22s} {s.made} made, {s.killed} killed ({s.killed - s.named} "
+                f"blamed on another function), {len(s.survivors)} survived, {s.equivalent} "
+                f"equivalent: score {s.score():.0%}")
         lines.append(line + (f", {s.not_graded} not graded (time limit)" if s.not_graded else "") +
                      (f", {len(s.crashed)} crashed the grader" if s.crashed else ""))
         lines += [f"    survived: {g.where()}" for g in s.survivors]
         lines += [f"    the grader raised on: {g.where()}: {g.crash}" for g in s.crashed]
-    unnamed = [g for g in graded if g.passed is False and not g.names_function()]
-    lines += [
-        f"  killed, diagnosis without its function: {g.where()}: {g.text[:160]}" for g in unnamed
-    ]
+    exercises = sorted({g.exercise for g in graded})
+    blamed = [g for g in graded if g.passed is False and not g.names_function(exercises)]
+    lines += [f"  killed, another function blamed: {g.where()}: {g.text[:160]}" for g in blamed]
     return lines
