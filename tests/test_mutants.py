@@ -62,7 +62,8 @@ def bounded(fn: Callable, *args: Any) -> Any:
 
 class PlantedChapter:
     """A chapter with one exercise and a grader that cannot tell ``if`` from ``while``; a job
-    that raises leaves the next one without a verdict, as a world whose ranks stopped does."""
+    that raises leaves the next two without a verdict (a world whose ranks stopped: the run
+    must not take the job after the library's for the mutant's own)."""
     EXERCISES = ("full_buckets", )
 
     def __init__(self) -> None:
@@ -74,18 +75,18 @@ class PlantedChapter:
 
     def grade(self, jobs: List[Dict[str, Source]]) -> List[Verdict]:
         self.calls += 1
-        out, lost = [], False
+        out, lost = [], 0
         for job in jobs:
             (exercise, source), = job.items()
             if lost:
                 out.append(Verdict(exercise, False, "rank 1 ended without a result"))
-                lost = False
+                lost -= 1
                 continue
             try:
                 got = [bounded(load(source), *case) for case in CASES]
             except Exception as err:  # noqa: B902 - a mutant's error is its verdict
                 out.append(Verdict(exercise, False, f"{exercise} raised {err!r}"))
-                lost = True
+                lost = 2
                 continue
             want = [full_buckets(*case) for case in CASES]
             out.append(
