@@ -15,7 +15,8 @@ never waited for, and for a hang the flight recorder's account of which rank wai
 grader's own test suite), to see what a diagnosis looks like. ``--mutants NN`` grades every
 mutant of chapter NN's library functions (scripts/grading/mutants.py) and reports, per exercise,
 the mutants made, killed and surviving (exit status 1 if one survives that
-scripts/grading/equivalent_mutants.txt does not list as equivalent).
+scripts/grading/equivalent_mutants.txt does not list as equivalent, makes the grader raise or
+is not graded within ``--time-limit`` s).
 A file that does not compile or import is named, with its line, the exception and its message,
 before any rank starts: any exception (SystemExit, KeyboardInterrupt too), a process that ends
 (os._exit) or an import that does not finish within a limit. Exit status 0 when every exercise
