@@ -4,6 +4,7 @@
     python scripts/grade.py 01 --solution    # the library's own functions (they pass)
     python scripts/grade.py all --solution
     python scripts/grade.py 01 --variant average_sum_not_mean   # a planted mistake's diagnosis
+    python scripts/grade.py --mutants 01     # mutants of the library's solutions, each graded
 
 Each exercise is a core function of the chapter with its body removed. The grader runs the
 chapter on gloo ranks of this CPU with the learner's function in place of the library's,
@@ -11,7 +12,11 @@ compares with one device and prints, per exercise, "passed" or the diagnosis mea
 gradients' ratio to the reference, the ranks that disagree, a bucket launched early, a work
 never waited for, and for a hang the flight recorder's account of which rank waits on which.
 ``--variant NAME`` grades one of scripts/grading/variants.py's planted mistakes instead (the
-grader's own test suite), to see what a diagnosis looks like.
+grader's own test suite), to see what a diagnosis looks like. ``--mutants NN`` grades every
+mutant of chapter NN's library functions (scripts/grading/mutants.py) and reports, per exercise,
+the mutants made, killed and surviving (exit status 1 if one survives that
+scripts/grading/equivalent_mutants.txt does not list as equivalent, makes the grader raise or
+is not graded within ``--time-limit`` s).
 A file that does not compile or import is named, with its line, the exception and its message,
 before any rank starts: any exception (SystemExit, KeyboardInterrupt too), a process that ends
 (os._exit) or an import that does not finish within a limit. Exit status 0 when every exercise
@@ -74,13 +79,34 @@ def grade_chapter(chapter: str, solution: bool, variant: Optional[str] = None) -
     return passed
 
 
+def grade_mutants(chapter: str, time_limit: float) -> int:
+    """Every mutant of ``chapter``'s solutions graded: 0 if each is killed or listed as
+    equivalent, 1 otherwise."""
+    from scripts.grading import mutants
+    from scripts.plan import progress
+    start = time.perf_counter()
+    mutants.preload(CHAPTERS[chapter][0])
+    graded = mutants.grade_mutants(chapter, CHAPTERS[chapter][0], time_limit, progress)
+    print("\n".join(mutants.report(chapter, graded, time.perf_counter() - start)))
+    left = [g for g in graded if g.crash or g.passed is None or (g.passed and not g.equivalent)]
+    return 1 if left else 0
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = OneLineParser(description=__doc__.splitlines()[0])
-    parser.add_argument("chapter", help=f"{', '.join(CHAPTERS)} or all")
+    parser.add_argument("chapter", nargs="?", help=f"{', '.join(CHAPTERS)} or all")
     parser.add_argument("--solution", action="store_true",
                         help="grade the library's own functions (the reference solutions)")
     parser.add_argument("--variant", help="grade one planted mistake (scripts/grading/variants.py)")
+    parser.add_argument("--mutants", metavar="NN", choices=list(CHAPTERS),
+                        help="grade every mutant of chapter NN's library functions")
+    parser.add_argument("--time-limit", type=float, default=900.0, metavar="S",
+                        help="--mutants: start no world after S seconds (default 900)")
     args = parser.parse_args(argv)
+    if args.mutants is not None:
+        return grade_mutants(args.mutants, args.time_limit)
+    if args.chapter is None:
+        parser.error("a chapter, or --mutants NN, is needed")
     if args.chapter != "all" and args.chapter not in CHAPTERS:
         print(
             f"error: chapter {args.chapter!r} has no exercises; chapters with exercises: "
