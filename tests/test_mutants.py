@@ -196,3 +196,13 @@ class APlantedSurvivorIsReported(unittest.TestCase):
                                   " | no test sees it\n")
         self.assertFalse(mutants.scores(graded)["full_buckets"].survivors)
         self.assertEqual(mutants.scores(graded)["full_buckets"].equivalent, 1)
+
+
+class AMutantThatDropsTheLaunchIsDiagnosed(unittest.TestCase):
+    """The mutation run of chapter 01 found it: a launch_full_buckets that never launches left
+    the diagnosis with no launches to look at (ValueError from max() in the grader itself)."""
+
+    def test_no_launch_at_all_is_named(self):
+        from scripts.grading import ddp
+        verdict = ddp.launch_diagnosis([{"launches": []}, {"launches": []}])
+        self.assertIn("no bucket's all-reduce started during backward", verdict or "")

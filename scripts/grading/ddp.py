@@ -230,6 +230,9 @@ def launch_diagnosis(runs: List[Dict[str, Any]]) -> Optional[str]:
                 return (f"bucket {bucket}'s all-reduce started with {ready} of its {size} "
                         f"gradients: launch a bucket only when its last gradient has arrived")
             seen[(step, bucket)] = seen.get((step, bucket), 0) + 1
+        if not seen:  # (a launch that never runs: its buckets are left to the wait)
+            return ("no bucket's all-reduce started during backward: launch each bucket as "
+                    "soon as its last gradient has arrived")
         (step, bucket), times = max(seen.items(), key=lambda kv: kv[1])
         if times > 1:
             return (f"bucket {bucket} was all-reduced {times} times in step {step}: return the "
