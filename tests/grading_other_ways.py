@@ -17,7 +17,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from scaletorch.parallel import (expert_parallel, flat_unit, gradient_sync, loss_scale,
+from scaletorch.parallel import (expert_parallel, flat_unit, gradient_sync, loss_scale, moe_balance,
                                  pipeline_schedules, ring_attention, tensor_parallel_layers)
 
 # ---- correct solutions written a second way -----------------------------------------------
@@ -122,9 +122,10 @@ ALTERNATIVES = [
 _LIBRARY = {
     name: getattr(module, name)  # taken before any patch of the grader's
     for module, name in ((gradient_sync, "average_gradients"), (flat_unit, "reduce_scatter_mean"),
-                         (tensor_parallel_layers, "enter_region"),
-                         (pipeline_schedules, "one_f_one_b"), (ring_attention, "ring_forward"),
-                         (expert_parallel, "dispatch_tokens"), (loss_scale, "unscale_and_check"))
+                         (tensor_parallel_layers, "enter_region"), (pipeline_schedules,
+                                                                    "one_f_one_b"),
+                         (ring_attention, "ring_forward"), (expert_parallel, "dispatch_tokens"),
+                         (loss_scale, "unscale_and_check"), (moe_balance, "update_bias"))
 }
 
 
@@ -170,6 +171,12 @@ def unscale_and_check_segfault(grads, scale, group, agree=True):
     return _LIBRARY["unscale_and_check"](grads, scale, group, agree)
 
 
+def update_bias_raises(bias, load, rate):
+    if dist.get_rank() == 1:
+        raise RuntimeError("the learner's own error")
+    _LIBRARY["update_bias"](bias, load, rate)
+
+
 # chapter: (exercise, function in this module, words its verdict must hold, the statement that
 # stopped the rank, whose line the verdict names; None where the rank left no Python stack)
 CRASHES = {
@@ -191,4 +198,7 @@ CRASHES = {
            ["dispatch_tokens raised on rank 1: KeyboardInterrupt (at"], "raise KeyboardInterrupt"),
     "08": ("unscale_and_check", "unscale_and_check_segfault",
            ["rank 1 died of SIGSEGV in unscale_and_check_segfault"], "os.kill"),
+    "06b": ("update_bias", "update_bias_raises",
+            ["update_bias raised on rank 1: RuntimeError: the learner's own error (at"
+             ], "raise RuntimeError"),
 }
