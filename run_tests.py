@@ -4,6 +4,11 @@
 1, see tests/harness.py); ``--bit-exact`` runs only the tests marked ``@bit_exact``, the ones
 that compare results bit for bit. CI runs those at 1 and at 2 threads as well.
 
+``--torchrun`` runs only the tests marked ``@under_torchrun`` (tests/harness.py): torchrun
+kills, restarts or signals ranks it started as new Pythons, each about 5 s of a core before its
+first step. The suite leaves them out (unless ``-k`` names them) and says how many; CI runs
+them in a phase of their own.
+
 ``--jobs N`` runs the test modules in N worker processes at once (default: the cores this
 process may use, divided by ``--threads`` when given, at most 2; 1 runs all in this process).
 Between its worlds a worker waits on a timeout, a launcher or one Python's imports, which a
@@ -126,6 +131,18 @@ def _is_bit_exact(test: unittest.TestCase) -> bool:
     return bool(getattr(method, "bit_exact", False))
 
 
+def _is_under_torchrun(test: unittest.TestCase) -> bool:
+    method = getattr(test, getattr(test, "_testMethodName", ""), None)
+    return bool(getattr(method, "under_torchrun", False))
+
+
+def _left_out(suite: unittest.TestSuite, args: argparse.Namespace) -> int:
+    """The @under_torchrun tests that this run leaves to ``--torchrun``."""
+    if args.bit_exact or args.torchrun or args.patterns:
+        return 0
+    return sum(1 for t in _tests(suite) if _is_under_torchrun(t))
+
+
 def _loader(patterns: List[str]) -> unittest.TestLoader:
     loader = unittest.TestLoader()
     if patterns:
@@ -133,8 +150,15 @@ def _loader(patterns: List[str]) -> unittest.TestLoader:
     return loader
 
 
-def _selected(suite: unittest.TestSuite, bit_exact: bool) -> unittest.TestSuite:
-    return unittest.TestSuite(t for t in _tests(suite) if _is_bit_exact(t)) if bit_exact else suite
+def _selected(suite: unittest.TestSuite, args: argparse.Namespace) -> unittest.TestSuite:
+    """The tests this run takes: ``--bit-exact`` the @bit_exact ones; ``--torchrun`` the
+    @under_torchrun ones; otherwise every test but those, unless ``-k`` names them."""
+    tests = _tests(suite)
+    if args.bit_exact:
+        return unittest.TestSuite(t for t in tests if _is_bit_exact(t))
+    if args.torchrun:
+        return unittest.TestSuite(t for t in tests if _is_under_torchrun(t))
+    return unittest.TestSuite(t for t in tests if args.patterns or not _is_under_torchrun(t))
 
 
 # Modules that reuse one another's runs (a module-level cache of a launched or spawned run):
@@ -170,7 +194,8 @@ def _worker(args: argparse.Namespace) -> int:
     loader = _loader(args.patterns)
     for line in sys.stdin:
         module = line.strip()
-        suite = _selected(loader.loadTestsFromNames(module.split()), args.bit_exact)
+        loaded = loader.loadTestsFromNames(module.split())
+        suite = _selected(loaded, args)
         result = TimedResult(unittest.runner._WritelnDecorator(sys.stderr), True,
                              2 if args.verbose else 1)
         result.failfast = args.failfast
@@ -183,6 +208,7 @@ def _worker(args: argparse.Namespace) -> int:
                 "errors": [[result.getDescription(t), text] for t, text in result.errors],
                 "unexpected": len(result.unexpectedSuccesses),
                 "skipped": len(result.skipped),
+                "left": _left_out(loaded, args),
                 "seconds": dict(result.seconds),
                 "cpu": dict(result.cpu),
             }) + "\n")
@@ -194,7 +220,7 @@ class _Totals:
     """The workers' results, summed."""
 
     def __init__(self) -> None:
-        self.run = self.skipped = self.unexpected = 0
+        self.run = self.skipped = self.unexpected = self.left = 0
         self.problems: List[tuple] = []  # (kind, test, traceback text)
         self.seconds: collections.Counter = collections.Counter()
         self.cpu: collections.Counter = collections.Counter()
@@ -202,6 +228,7 @@ class _Totals:
     def add(self, out: Dict) -> None:
         self.run += out["run"]
         self.skipped += out["skipped"]
+        self.left += out["left"]
         self.unexpected += out["unexpected"]
         self.problems += [("FAIL", *f) for f in out["failed"]]
         self.problems += [("ERROR", *e) for e in out["errors"]]
@@ -215,7 +242,7 @@ def _run_in_workers(args: argparse.Namespace, jobs: int) -> _Totals:
     forwarded = [word for p in args.patterns for word in ("-k", p)]  # threads: by environment
     forwarded += [
         flag for flag, on in (("--verbose", args.verbose), ("--failfast", args.failfast),
-                              ("--bit-exact", args.bit_exact)) if on
+                              ("--bit-exact", args.bit_exact), ("--torchrun", args.torchrun)) if on
     ]
     modules = _work(_modules())
     queue = [m for m in modules if m not in ALONE]
@@ -269,12 +296,14 @@ def _run_in_workers(args: argparse.Namespace, jobs: int) -> _Totals:
 
 def _run_here(args: argparse.Namespace) -> _Totals:
     """Every module in this process (``--jobs 1``)."""
-    suite = _selected(_loader(args.patterns).loadTestsFromNames(_modules()), args.bit_exact)
+    loaded = _loader(args.patterns).loadTestsFromNames(_modules())
+    suite = _selected(loaded, args)
     runner = unittest.TextTestRunner(verbosity=2 if args.verbose else 1, failfast=args.failfast,
                                      resultclass=TimedResult)
     result = runner.run(suite)
     totals = _Totals()
     totals.run, totals.skipped = result.testsRun, len(result.skipped)
+    totals.left = _left_out(loaded, args)
     totals.unexpected = len(result.unexpectedSuccesses)
     totals.problems = [("FAIL", t, "") for t, _ in result.failures]
     totals.problems += [("ERROR", t, "") for t, _ in result.errors]  # printed by the runner
@@ -294,6 +323,10 @@ def main() -> int:
                         help="intra-op threads of the test process and of every rank")
     parser.add_argument("--bit-exact", action="store_true",
                         help="only the tests that compare results bit for bit")
+    parser.add_argument(
+        "--torchrun", action="store_true",
+        help="only the tests under torchrun (killed, restarted, signalled "
+        "ranks: new Pythons), which the suite leaves out; CI runs them")
     parser.add_argument(
         "--jobs", type=int, metavar="N",
         help="test modules run at once, each in a worker process (default: "
@@ -337,6 +370,8 @@ def main() -> int:
     line = f"{passed} passed, {failed} failed"
     if totals.skipped:
         line += f", {totals.skipped} skipped"
+    if totals.left:  # (CI runs them in a phase of their own)
+        line += f"; {totals.left} under torchrun left for --torchrun"
     if args.durations:
         print("   wall     CPU  (seconds; CPU counts every process of the class)")
     for name, seconds in totals.seconds.most_common(args.durations):

@@ -74,6 +74,17 @@ def bit_exact(test: Callable) -> Callable:
     return test
 
 
+def under_torchrun(test: Callable) -> Callable:
+    """Mark a test whose ranks torchrun starts as new Pythons and then kills, restarts or
+    signals: a kill and its restart, two launchers as two nodes, SIGTERM and Ctrl-C through
+    the launcher. Each new rank spends about 5 s of a core importing torch before its first
+    step, so ``python run_tests.py`` leaves them to ``python run_tests.py --torchrun``, a CI
+    phase of their own; what they resume is proven in the suite's own worlds (InWorldResume,
+    test_dcp, the stops of one process)."""
+    test.under_torchrun = True  # type: ignore[attr-defined]
+    return test
+
+
 # Imported once, in the forkserver: a rank that imports them itself (spawn) spends about 3 s of a
 # core on it (1.4 s for torch alone), 12 s of the two cores' time for a world of 8 ranks. The
 # library imports PyTorch's DTensor, FSDP2, pipelining and DCP only where a run uses them, and

@@ -27,7 +27,7 @@ from scaletorch.trainer import checkpoint as ckpt
 from scaletorch.trainer.config import parse_args
 from scaletorch.trainer.consolidated import consolidated_state
 from scaletorch.trainer.dcp_checkpoint import to_consolidated
-from tests.harness import bit_exact, run_distributed
+from tests.harness import bit_exact, run_distributed, under_torchrun
 from tests.layouts import build, layout, pg_manager_for
 from tests.test_dcp import config
 from tests.test_resume import (ASYNC_KILLED, FAIL_AT, _differences, _last_logged_loss, killed_run,
@@ -174,6 +174,7 @@ class AsyncSaveNeedsDcp(unittest.TestCase):
 class KilledDuringAsyncWriteResumesThePrevious(unittest.TestCase):
 
     @bit_exact
+    @under_torchrun
     def test_kill_before_the_commit_resumes_step_4_and_ends_as_the_uninterrupted_run(self):
         out_a, want = straight_run(ASYNC_KILLED)
         out_b, got = killed_run(ASYNC_KILLED, async_save=True)

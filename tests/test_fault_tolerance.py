@@ -16,7 +16,7 @@ from scaletorch.trainer import Trainer
 from scaletorch.trainer import checkpoint as ckpt
 from scaletorch.trainer import parse_args
 from scaletorch.trainer.dcp_checkpoint import to_consolidated
-from tests.harness import bit_exact, free_port, run_distributed
+from tests.harness import bit_exact, free_port, run_distributed, under_torchrun
 from tests.test_examples import NO_PREFLIGHT, launch
 from tests.test_resume import (ASYNC_KILLED, FAIL_AT, KILL_LAYOUTS, RUN_FLAGS, RUN_STEPS,
                                _differences, killed_run, straight_run)
@@ -106,6 +106,7 @@ class KilledRankIsRestartedAndResumesExactly(unittest.TestCase):
     a rebuilt model is test_resume's InWorldResume."""
 
     @bit_exact  # the restarted ranks resume the same steps of the same code
+    @under_torchrun
     def test_kill_restart_resume_is_bit_identical(self):
         _, want = straight_run(ASYNC_KILLED)
         out, got = killed_run(ASYNC_KILLED, async_save=True)
@@ -156,6 +157,7 @@ class TwoLaunchersAsTwoNodesEqualOneLauncher(unittest.TestCase):
             self.assertTrue(torch.equal(expected[name], actual[name]), name)
 
     @bit_exact
+    @under_torchrun
     def test_nd_parallel_two_node_run_matches_single_node(self):
         # The one-launcher run is test_resume's uninterrupted run of the layout it kills, shared.
         nproc, args = KILL_LAYOUTS[ASYNC_KILLED]

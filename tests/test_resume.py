@@ -31,8 +31,8 @@ from scaletorch.dist import destroy_pg_manager
 from scaletorch.trainer import checkpoint as ckpt
 from scaletorch.trainer import load_config
 from scaletorch.trainer.dcp_checkpoint import to_consolidated
-from tests.harness import (NCCL_CHECKS, bit_exact, run_distributed, run_forked, value_error,
-                           warning_lines)
+from tests.harness import (NCCL_CHECKS, bit_exact, run_distributed, run_forked, under_torchrun,
+                           value_error, warning_lines)
 from tests.layouts import (CHECKPOINT_EVERY, ND_LAYOUTS, config_of, differences, layout,
                            pg_manager_for)
 from tests.layouts import resumed as _run
@@ -326,6 +326,7 @@ class KilledRankResumes(unittest.TestCase):
     committed) nor step 2. The others (SCALETORCH_FULL_RESUME=1) save blocking: from step 6."""
 
     @bit_exact
+    @under_torchrun
     def test_kill_and_restart_is_bit_identical_to_the_uninterrupted_run(self):
         for name in KILL_LAYOUTS:
             with self.subTest(layout=name):

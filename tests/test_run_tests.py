@@ -76,6 +76,46 @@ class AWorkerReportsEachModule(unittest.TestCase):
         self.assertEqual((out["run"], out["failed"], out["errors"]), (2, [], []), run.stderr)
 
 
+UNDER_TORCHRUN = """
+import unittest
+
+from tests.harness import under_torchrun
+
+
+class Launches(unittest.TestCase):
+
+    def test_in_process(self):
+        pass
+
+    @under_torchrun
+    def test_restarted_by_torchrun(self):
+        pass
+"""
+
+
+class TestsUnderTorchrunHaveTheirOwnRun(unittest.TestCase):
+    """The suite leaves the @under_torchrun tests out and counts them; ``--torchrun`` runs them
+    alone; ``-k`` naming one runs it."""
+
+    def _worker(self, *flags: str) -> dict:
+        with tempfile.TemporaryDirectory() as tmp:
+            with open(os.path.join(tmp, "torchrun_tests.py"), "w") as f:
+                f.write(UNDER_TORCHRUN)
+            run = subprocess.run([sys.executable, "run_tests.py", "--worker", *flags], cwd=ROOT,
+                                 timeout=300, input="torchrun_tests\n", capture_output=True,
+                                 text=True, env={
+                                     **os.environ, "PYTHONPATH": os.pathsep.join([ROOT, tmp])
+                                 })
+        self.assertEqual(run.returncode, 0, run.stderr)
+        return json.loads(run.stdout)
+
+    def test_left_out_counted_run_alone_or_named(self):
+        self.assertEqual([self._worker()[k] for k in ("run", "left")], [1, 1])
+        self.assertEqual([self._worker("--torchrun")[k] for k in ("run", "left")], [1, 0])
+        named = self._worker("-k", "restarted")
+        self.assertEqual([named[k] for k in ("run", "left")], [1, 0])
+
+
 class SharedRunsGoToOneWorker(unittest.TestCase):
 
     def test_a_group_is_one_item_in_its_first_members_place_and_the_rest_stay_alone(self):

@@ -24,7 +24,7 @@ from scaletorch.trainer import Trainer
 from scaletorch.trainer import checkpoint as ckpt
 from scaletorch.trainer import parse_args, run_dir
 from scaletorch.trainer.stops import catch_stop_signals, release_stop_signals, stopped, watch
-from tests.harness import NCCL_CHECKS, launch_forked, run_forked, start_forked
+from tests.harness import NCCL_CHECKS, launch_forked, run_forked, start_forked, under_torchrun
 from tests.test_examples import NO_PREFLIGHT, ROOT
 from tests.test_run_dirs import BASE, C00, copy_of_base_run, metrics_lines, run_script, snapshot
 
@@ -161,6 +161,7 @@ class CtrlCEndsWithOneLineAndTheLastCheckpointResumes(unittest.TestCase):
                 self.assertEqual([json.loads(line)["step"] for line in f],
                                  list(range(done + 1, step + 1)))
 
+    @under_torchrun
     def test_through_torchrun(self):
         with tempfile.TemporaryDirectory() as tmp:
             code, out, err = interrupt_after_checkpoints([
@@ -302,6 +303,7 @@ class ASignalDuringSetupIsOneLineEvenWhenARankIsBlocked(unittest.TestCase):
 
 class SigtermTakesCtrlCsPath(unittest.TestCase):
 
+    @under_torchrun
     def test_through_torchrun_one_line_exit_143_and_only_whole_checkpoints(self):
         with tempfile.TemporaryDirectory() as tmp:
             code, out, err = interrupt_after_checkpoints([
@@ -324,6 +326,7 @@ class SigtermTakesCtrlCsPath(unittest.TestCase):
                              [os.path.basename(c) for c in checkpoints])
             self.assertEqual([m["step"] for m in metrics_lines(run)], list(range(1, step + 1)))
 
+    @under_torchrun
     def test_a_sigterm_to_rank_1_alone_is_its_line_once_from_the_launcher(self):
         """Rank 1 alone stopped (a scheduler's kill): rank 0, blocked in a collective with it,
         is ended by torchrun without a line, so rank 1's line goes to its error file and
