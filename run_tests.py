@@ -24,7 +24,8 @@ of every process each one ran: on a shared machine the wall time says little, th
 the suite costs.
 
 Discovers every ``tests/test_*.py`` with unittest and closes with one line
-``N passed, N failed`` (plus ``, N skipped`` when any were skipped). Exits 1 on failure, and
+``N passed, N failed`` (plus ``, N skipped`` when any were skipped, and ``; N under torchrun
+left for --torchrun`` when the run left such tests out). Exits 1 on failure, and
 when the tests left a ``runs/`` directory in the checkout that was not there before (a test
 must write its runs under a temporary directory: the README's first command needs the name).
 """
