@@ -150,7 +150,12 @@ class TheSteadyPeakIsTheWholeSchedulesPeak(unittest.TestCase):
         rank = data.draw(st.integers(0, pp - 1))
         sizes = data.draw(st.none() | st.lists(st.floats(0.5, 4.0), min_size=v, max_size=v))
         whole = peak_live_activations(schedule_actions(schedule, pp, m, rank, v), sizes)
-        self.assertEqual(held_peak(schedule, pp, m, v, rank, sizes), whole)
+        got = held_peak(schedule, pp, m, v, rank, sizes)
+        if sizes is None:  # counts: exact
+            self.assertEqual(got, whole)
+        else:  # float sizes summed in another order may differ in the last bit (19.02027049303164
+            # against ...646 once): equal within 1e-12, far below one micro-batch's 0.5
+            self.assertAlmostEqual(got, whole, delta=1e-12 * abs(whole))
 
 
 if __name__ == "__main__":
