@@ -13,6 +13,8 @@ single device built the same way (the bias and dropping too).
 """
 
 import copy
+import math
+import os
 import statistics
 import sys
 
@@ -60,10 +62,21 @@ def limits(args):
                 p.context_parallel_size > 1 or p.impl != "ours":
             raise ValueError("06b_load_balance runs ep with data parallel (impl ours); compose "
                              "with tp in examples/07_nd_parallel.py")
-        unknown = [r for r in args.remedies.split(",") if r not in REMEDIES]
+        remedies = args.remedies.split(",")
+        unknown = [r for r in remedies if r not in REMEDIES]
         if unknown:
             raise ValueError(f"--remedies {args.remedies}: unknown {unknown}; choose from "
                              f"{', '.join(REMEDIES)}")
+        if not math.isfinite(args.hot_offset):
+            raise ValueError(f"--hot-offset must be a finite number, got {args.hot_offset}")
+        if cfg.training.steps < 2:  # step 1 warms up: the times are of the steps after it
+            raise ValueError(f"06b_load_balance times the steps after the first: "
+                             f"--steps must be at least 2, got {cfg.training.steps}")
+        if args.plot and not {"none", "bias"} <= set(remedies):
+            raise ValueError(f"--plot draws 'none' against 'bias': --remedies {args.remedies} "
+                             f"lacks {' and '.join(sorted({'none', 'bias'} - set(remedies)))}")
+        if args.plot and not os.path.isdir(os.path.dirname(os.path.abspath(args.plot))):
+            raise ValueError(f"--plot {args.plot}: its directory does not exist")
 
     return check
 

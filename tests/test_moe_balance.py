@@ -303,3 +303,31 @@ class LoadBalanceRules(unittest.TestCase):
         self.assertEqual(hot_rank_received_rows(32, 2, 2, 2.0), 64.0)  # all of rank 1's rows
         with self.assertRaises(ValueError):
             hot_rank_rows(32, 2, 2, 3.0)  # over ep: more than everything on one rank
+
+
+class ChapterFlagsAreCheckedBeforeWork(unittest.TestCase):
+    """Chapter 06b's own flags (probe of issue 55): a value the run cannot use is one line
+    before any process group, in the launcher's pre-flight (in this process here)."""
+
+    def test_each_bad_flag_is_one_line(self):
+        from tests.test_bad_inputs import run_in_process
+        cases = {
+            "--hot-offset nan": "--hot-offset must be a finite number, got nan",
+            "--hot-offset=-inf": "--hot-offset must be a finite number, got -inf",
+            "--steps 1": "--steps must be at least 2, got 1",
+            "--remedies bias --plot /tmp/x.png": "--remedies bias lacks none",
+            "--remedies none,bias --plot /no/such/dir/x.png": "its directory does not exist",
+        }
+        for args, words in cases.items():
+            with self.subTest(args=args):
+                code, out = run_in_process("examples/06b_load_balance.py",
+                                           ["--ep", "1", *args.split()])
+                self.assertEqual((code, out.count("\n")), (2, 1), out)
+                self.assertIn(words, out)
+        self.assertEqual(run_in_process("examples/06b_load_balance.py", ["--ep", "1"]), (0, ""))
+
+    def test_a_bias_rate_that_is_not_a_finite_positive_number_is_refused(self):
+        model = torch.nn.Linear(2, 2)
+        for rate in (0.0, -1.0, float("nan"), float("inf")):
+            with self.subTest(rate=rate), self.assertRaisesRegex(ValueError, "finite number > 0"):
+                BiasBalancer(model, rate)

@@ -67,8 +67,8 @@ class BiasBalancer:
     the layer's ``tokens_per_expert`` over the step's forwards (global counts, all ranks)."""
 
     def __init__(self, model: nn.Module, rate: float) -> None:
-        if rate <= 0:
-            raise ValueError(f"the bias update rate must be > 0, got {rate}")
+        if not 0 < rate < float("inf"):  # (NaN fails too: a NaN bias routes to fixed experts)
+            raise ValueError(f"the bias update rate must be a finite number > 0, got {rate}")
         self.rate, self.layers = rate, moe_layers(model)
         self.load: Dict[int, torch.Tensor] = {}  # layer index -> (E,) this step's assignments
         for i, layer in enumerate(self.layers):
