@@ -367,7 +367,8 @@ def main() -> int:
         print(f"error: the tests left {runs} in the checkout ({left}): a test ran a script "
               f"without --logging.run_dir in a temporary directory")
         failed += 1
-    passed = totals.run - len(totals.problems) - totals.unexpected - totals.skipped
+    # a class whose setUpClass failed is one error and no test run: never below 0
+    passed = max(0, totals.run - len(totals.problems) - totals.unexpected - totals.skipped)
     line = f"{passed} passed, {failed} failed"
     if totals.skipped:
         line += f", {totals.skipped} skipped"

@@ -4,7 +4,8 @@ A model nobody here wrote (``Drawn``): a root with trainable gains of its own, o
 or before the head (drawn) and one last in the forward (and, drawn, a frozen offset), three
 blocks of two linears in a ``ModuleList``, a head. Hypothesis draws, per step: blocks not
 called on any rank, blocks called whose output no rank uses, per rank a block's second linear
-left out (a parameter one rank uses and the other does not) and each root gain left out, and a
+left out (a parameter one rank uses and the other does not), blocks one rank does not call,
+blocks one rank calls but does not use, and each root gain left out, and a
 second ``step()`` after the backward (the same gradients again, never reduced twice). It draws
 ``zero_grad``'s set_to_none (False: an unused parameter keeps its zeroed gradient, which AdamW
 decays, as on one device) and the dtype: float64 weights come back float64, within 1e-12
@@ -13,9 +14,8 @@ apply_zero_any's ZeRO-3 and flat ZeRO-2, ShardedOptimizer's ZeRO-2 on the bare m
 ZeRO-1 on our bucketed DDP with find_unused_parameters (drawn) step it 3 times with AdamW
 (weight decay) or SGD (momentum, weight decay) at 2 ranks, each rank built from its own seed;
 one device steps rank 0's model on the global batch, each rank's slice with that rank's plan
-(mean of the losses). Under ZeRO-3 every rank uses the same
-blocks: a unit's backward gathers it on every rank or none. ZeRO-2 and ZeRO-1 gather nothing in
-backward, so there a rank also drops blocks the other uses (``one_drops``).
+(mean of the losses). ZeRO-3 is drawn with and without prefetch: a block one rank skips must
+still be gathered there at its turn, or the ranks' all-gathers no longer pair up (they hung).
 
 Tolerance (fp32, eps 6e-8). The gradients are the mean of 2 slices' sums in another order:
 relative error about N eps = 1.2e-7. SGD is linear in them: 3 steps of lr 1e-2 with momentum
@@ -101,12 +101,15 @@ def cases() -> List[Dict[str, Any]]:
     per_rank = st.lists(st.booleans(), min_size=WORLD, max_size=WORLD)
     step = st.fixed_dictionaries(
         dict(skip=blocks, drop=blocks, no_b=st.lists(blocks, min_size=WORLD, max_size=WORLD),
-             one_drops=st.lists(blocks, min_size=WORLD, max_size=WORLD), gain=per_rank,
+             one_drops=st.lists(blocks, min_size=WORLD,
+                                max_size=WORLD), one_skips=st.lists(blocks, min_size=WORLD,
+                                                                    max_size=WORLD), gain=per_rank,
              out_gain=per_rank, twice=st.booleans()))
     case = st.fixed_dictionaries(
         dict(frozen_own=st.booleans(), opt=st.sampled_from(sorted(OPTIMIZERS)),
              stage=st.sampled_from(list(STAGES)), seed=st.integers(0, 2**16),
-             set_to_none=st.booleans(), gain_at=st.sampled_from(["input", "head"]),
+             set_to_none=st.booleans(), gain_at=st.sampled_from(["input",
+                                                                 "head"]), prefetch=st.booleans(),
              dtype=st.sampled_from(DTYPES), steps=st.lists(step, min_size=STEPS, max_size=STEPS)))
     found: List[Dict[str, Any]] = []
 
@@ -120,29 +123,36 @@ def cases() -> List[Dict[str, Any]]:
     # round 3's hang, always: ZeRO-3, both root gains read after block 0 on rank 0 alone, so the
     # root's unit completes there first (block 0's prefetch must not gather it on rank 0 only);
     # in float64 (round 4's #11: ZeRO-3's full_state_dict gave float32; bfloat16: bf16_model)
-    root_first = dict(skip=[], drop=[], no_b=[[], []], one_drops=[[], []], gain=[True, True],
-                      out_gain=[True, False], twice=False)
+    root_first = dict(skip=[], drop=[], no_b=[[], []], one_drops=[[], []], one_skips=[[], []],
+                      gain=[True, True], out_gain=[True, False], twice=False)
     found.append(
         dict(frozen_own=False, opt="adamw", stage="zero3", seed=3, set_to_none=True, gain_at="head",
-             dtype="float64", steps=[root_first] * STEPS))
+             dtype="float64", prefetch=True, steps=[root_first] * STEPS))
+    # issue 52's probe, round 6, always: ZeRO-3 without prefetch, rank 0 calls block 1 and not
+    # block 2, rank 1 calls block 2 and drops block 1's output (each hung in the first backward)
+    per_rank = dict(skip=[], drop=[], no_b=[[], []], one_drops=[[], [1]], one_skips=[[2], []],
+                    gain=[True, True], out_gain=[True, True], twice=False)
+    found.append(
+        dict(frozen_own=True, opt="adamw", stage="zero3", seed=5, set_to_none=True, gain_at="input",
+             dtype="float32", prefetch=False, steps=[per_rank] * STEPS))
     # ZeRO-1 with zero_grad(set_to_none=False), always: an unused parameter keeps its zeroed
     # gradient through DDP's find_unused_parameters and the sharded step (round 3's #5)
     # (a parameter used in step 1, left out of steps 2 and 3)
-    every = dict(skip=[], drop=[], no_b=[[], []], one_drops=[[], []], gain=[True, True],
-                 out_gain=[True, True], twice=False)
-    fewer = dict(skip=[1], drop=[0], no_b=[[2], []], one_drops=[[], [2]], gain=[False, True],
-                 out_gain=[False, False], twice=True)
+    every = dict(skip=[], drop=[], no_b=[[], []], one_drops=[[], []], one_skips=[[], []],
+                 gain=[True, True], out_gain=[True, True], twice=False)
+    fewer = dict(skip=[1], drop=[0], no_b=[[2], []], one_drops=[[], [2]], one_skips=[[], []],
+                 gain=[False, True], out_gain=[False, False], twice=True)
     found.append(
         dict(frozen_own=True, opt="adamw", stage="zero1", seed=7, set_to_none=False,
-             gain_at="input", dtype="float32", steps=[every, fewer, fewer]))
+             gain_at="input", dtype="float32", prefetch=True, steps=[every, fewer, fewer]))
     return found
 
 
 def plan_of(case: Dict[str, Any], k: int, rank: int) -> Dict[str, Any]:
-    """Step k's plan on ``rank``: what it leaves out (ZeRO-2: blocks of its own too)."""
+    """Step k's plan on ``rank``: what every rank leaves out, and what this one does."""
     step = case["steps"][k]
-    own = step["one_drops"][rank] if case["stage"] != "zero3" else []
-    return dict(skip=step["skip"], drop=step["drop"] + own, no_b=step["no_b"][rank],
+    return dict(skip=step["skip"] + step["one_skips"][rank],
+                drop=step["drop"] + step["one_drops"][rank], no_b=step["no_b"][rank],
                 gain=step["gain"][rank], out_gain=step["out_gain"][rank], gain_at=case["gain_at"])
 
 
@@ -198,7 +208,7 @@ def _world(rank: int, world: int, drawn: List[Dict[str, Any]]) -> Dict[str, Any]
             zero = apply_data_parallel_any(model, None, "ours", 1e-4, find_unused_parameters=True)
             opt = ShardedOptimizer(model.parameters(), cls, zero_stage=1, **kwargs)
         else:
-            zero = apply_zero_any(model, None, STAGES[case["stage"]])
+            zero = apply_zero_any(model, None, STAGES[case["stage"]], prefetch=case["prefetch"])
             out.setdefault("units", [(u.name, [n[0] for n in u.names]) for u in zero.units])
             opt = ShardedOptimizer(zero, cls, **kwargs)
         for k in range(STEPS):

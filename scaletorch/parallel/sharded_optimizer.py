@@ -37,7 +37,7 @@ from scaletorch.dist.comm import Group
 from scaletorch.dist.wrap_checks import refuse_lazy
 from scaletorch.parallel.grad_norm import clip_grads_, world_grad_norm
 from scaletorch.parallel.zero import ShardedDataParallel, ZeroOptimizer
-from scaletorch.parallel.zero_any_module import ShardView
+from scaletorch.parallel.zero_views import ShardView
 
 Params = Union[Iterable[torch.Tensor], Iterable[Dict[str, Any]]]
 # each element of a parameter updated from that element's gradient and state alone

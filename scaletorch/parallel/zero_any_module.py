@@ -17,7 +17,10 @@ added by a subclass of zero.py's ``ShardedDataParallel``:
   of their own, gathered and released with it, the ones outside every unit in one more, gathered
   for the wrapper's forward and backward. They get no gradient and no optimizer state;
 - the optimizer steps each parameter's piece of its unit's shard (``pieces``), and one that no
-  rank used in a step has ``grad None`` (``_agree_on_grads``): skipped as on one device.
+  rank used in a step has ``grad None`` (``_agree_on_grads``): skipped as on one device;
+- under stage 3 ranks may call or use different units: all gather in one order (forward 0..U-1,
+  backward U-1..0), a unit this rank skips gathered and freed at its turn all the same
+  (``_pass_forward``, ``_pass_backward``): another rank's all-gather needs this rank's part.
 
 The optimizer is zero.py's (``ZeroAdamW``), or sharded_optimizer.py's with an elementwise class.
 """
@@ -37,44 +40,7 @@ from scaletorch.parallel.unit_rules import (UnitRule, as_units, check_coverage, 
                                             frozen_unit, nested_parameters, nests,
                                             refuse_changed_since_wrap)
 from scaletorch.parallel.zero import MakeUnit, ShardedDataParallel, Units
-
-FREEZE_BEFORE = "freeze or unfreeze the parameter before apply_zero_any"
-
-
-class ReleasedParameter(torch.Tensor):
-    """What a released ZeRO-3 unit's modules hold in place of each parameter: any use of it
-    raises one line naming the unit and the parameter, instead of reading freed memory;
-    ``requires_grad_`` says what to do instead, as ``ShardView``'s."""
-    message = ""
-
-    @staticmethod
-    def saying(message: str) -> "ReleasedParameter":
-        released = torch.Tensor._make_subclass(ReleasedParameter, torch.empty(0))
-        released.message = message
-        return released
-
-    @classmethod
-    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        found = [a for a in tree_leaves((args, kwargs)) if isinstance(a, ReleasedParameter)]
-        if func is torch.Tensor.requires_grad_:  # freezing through the model, after the wrap
-            raise RuntimeError(f"requires_grad_ on a released ZeRO-3 parameter does nothing to "
-                               f"its unit's shard: {FREEZE_BEFORE}")
-        raise RuntimeError(found[0].message if found else "a released ZeRO-3 parameter was used")
-
-
-class ShardView(nn.Parameter):
-    """A piece of a ZeRO unit's shard under a parameter's name (``named_parameters()``)."""
-
-    def requires_grad_(self, requires_grad: bool = True) -> "ShardView":
-        raise RuntimeError(f"requires_grad_ on a ZeRO view does nothing to the shard it shows: "
-                           f"{FREEZE_BEFORE}")
-
-
-def pieces_of(unit: FlatUnit) -> List[Tuple[int, int]]:
-    """Where each of the unit's parameters lies in this rank's shard: [a, b) (a == b: none)."""
-    lo, hi = unit.rank * unit.shard_numel, (unit.rank + 1) * unit.shard_numel
-    return [(min(max(begin, lo), hi) - lo, min(max(end, lo), hi) - lo)
-            for begin, end in zip(unit.offsets, unit.offsets[1:])]
+from scaletorch.parallel.zero_views import ReleasedParameter, ShardView, named_views, pieces_of
 
 
 class AnyShardedDataParallel(ShardedDataParallel):
@@ -132,6 +98,7 @@ class AnyShardedDataParallel(ShardedDataParallel):
         self._next = len(self.units) - 1  # the next unit to reduce-scatter: the last first
         self._queued = [False] * len(self.units)  # complete here, waiting for its turn
         self._round = self._outer_gathered = False  # a forward with grad ran since the last sync
+        self._forward_next, self._backward_next, self._end_queued = 0, len(self.units) - 1, False
 
     def _hold(self, unit: FlatUnit, gathered: bool) -> None:
         """The unit's modules hold its full tensors (``gathered``) or a placeholder each."""
@@ -171,9 +138,12 @@ class AnyShardedDataParallel(ShardedDataParallel):
         self._awaiting = [0] * len(self.units)
         self._next, self._queued = len(self.units) - 1, [False] * len(self.units)
         self._round = self._round or torch.is_grad_enabled()  # every rank calls forward
+        self._forward_next, self._backward_next = 0, len(self.units) - 1
         if self.outside is not None:
             self._gather_frozen(self.outside, None, False)
         output = super().forward(*args, **kwargs)
+        if self.zero_stage == 3:
+            self._pass_forward(len(self.units))  # the units this rank's forward never called
         if self.outside is not None and not torch.is_grad_enabled():
             self._release_frozen(self.outside, None)
         return output
@@ -228,16 +198,57 @@ class AnyShardedDataParallel(ShardedDataParallel):
             for tensor in inputs:
                 tensor.register_hook(partial(self._input_grad, i))
 
-    def _pre_backward(self, i: int, grad: torch.Tensor) -> None:
-        """zero.py's, after ``_gather_outer``; a unit holding others is gathered already, so
-        its hook does nothing more (no prefetch at a place that differs between ranks)."""
+    def _pre_forward(self, i: int, module: nn.Module, args: Tuple[Any, ...]) -> None:
+        """zero.py's, after passing the units before unit i that this forward did not call."""
+        if not self._outer[i]:
+            self._pass_forward(i)
+            self._forward_next = max(self._forward_next, i + 1)
+        super()._pre_forward(i, module, args)
+
+    def _pass_forward(self, stop: int) -> None:
+        """Each unit from the next one in forward order up to ``stop`` (excluded) that this rank
+        did not call: gathered and freed as if it ran (another rank may run it now)."""
+        while self._forward_next < stop:
+            j, self._forward_next = self._forward_next, self._forward_next + 1
+            if not self._outer[j]:
+                super()._pre_forward(j, self.units[j].modules[0], ())  # gather j, prefetch j + 1
+                self._free(j)
+
+    def _pre_backward(self, i: int, grad: Optional[torch.Tensor]) -> None:
+        """zero.py's, after ``_gather_outer`` and the units after i this backward skipped; a unit
+        holding others is gathered already (no prefetch at a place that differs between ranks)."""
         self._gather_outer()
         if self._outer[i]:
             return
-        if self.zero_stage == 3 and self._sync:
+        if not self._end_queued:  # the units below the last one this backward reaches
+            self._end_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        self._pass_backward(i)
+        self._enter_backward(i, grad)
+
+    def _enter_backward(self, i: int, grad: Optional[torch.Tensor]) -> None:
+        if self._sync:
             self._issue(i + 1)  # the units after it are done: reduced before its gathers
-        super()._pre_backward(i, grad)
+        super()._pre_backward(i, cast(torch.Tensor,
+                                      grad))  # gather i, prefetch i - 1 (no grad read)
         self._awaiting[i] = max(self._inputs[i], 0)
+        self._backward_next = min(self._backward_next, i - 1)
+
+    def _pass_backward(self, stop: int) -> None:
+        """Each unit from the next one in backward order down to ``stop`` (excluded) whose
+        backward this rank skipped (no gradient reached its output here): gathered, reduced (zeros
+        from this rank) and freed at its turn, as on a rank whose backward runs it."""
+        while self._backward_next > stop:
+            j, self._backward_next = self._backward_next, self._backward_next - 1
+            if not self._outer[j]:
+                self._enter_backward(j, None)
+                self._awaiting[j] = 0  # no input gradient will come here: frozen ones go too
+                self._free(j)
+
+    def _end_backward(self) -> None:
+        """At the end of a backward (autograd's callback): the units it never reached."""
+        self._end_queued = False
+        self._pass_backward(-1)
 
     def _gather_outer(self) -> None:
         """Stage 3, at the first unit's backward: gather every unit that holds others (the
@@ -280,13 +291,10 @@ class AnyShardedDataParallel(ShardedDataParallel):
             self._next -= 1
 
     def _agree_on_grads(self) -> None:
-        """One all-reduce over the group (the units' group) of a 0/1 flag per trainable
-        parameter, in order: did this rank get a gradient for it. Summed, it says which ones
-        some rank used (their gradient is the mean, as one device's over the global batch);
-        those no rank used get ``grad None`` in ``pieces`` (and a unit with none, on its shard),
-        so the optimizer skips them as on one device: no decay, no moments, no step count
-        (unless they held a gradient before the backward: then they keep one, zeros here). At
-        the same place on every rank: after every unit's reduce-scatter, once per step."""
+        """One all-reduce over the units' group of a 0/1 flag per trainable parameter: did this
+        rank get a gradient for it. Those no rank used get ``grad None`` in ``pieces`` (a unit
+        with none, on its shard too), skipped by the optimizer as on one device (unless they
+        held a gradient before: then they keep one). Once per step, after every reduce-scatter."""
         flags = [float(g) for got in self._got for g in got]
         got = torch.tensor(flags, device=self.units[0].shard.device)
         comm.all_reduce(got, self.group, name="zero got a gradient")
@@ -321,6 +329,9 @@ class AnyShardedDataParallel(ShardedDataParallel):
         order; gradients that came after their unit's turn are reduced and added; then the
         ranks agree which parameters have a gradient (``_agree_on_grads``)."""
         refuse_changed_since_wrap(self.module, self.frozen_at_wrap, self.frozen_units())
+        if self._round and self.zero_stage == 3:  # a rank whose backward reached no unit
+            self._gather_outer()
+            self._pass_backward(-1)
         self._awaiting = [0] * len(self.units)
         if self._round and self.units:
             self._issue(0)
@@ -352,19 +363,11 @@ class AnyShardedDataParallel(ShardedDataParallel):
         gradient once reduced. Stage 3's frozen ones are pieces of their shard too (no
         gradient, requires_grad False); stages 1, 2 keep them whole. Pieces of all ranks make
         the parameter (``full_state_dict`` gathers them); ``parameters()`` stays the shards."""
-        lead = prefix + "." if prefix else ""
-        found: List[Tuple[str, nn.Parameter]] = []
-        for i, unit in enumerate([*self.units, *self.frozen_units()]):
-            for k, (names, (a, b)) in enumerate(zip(unit.names, pieces_of(unit))):
-                # trainable: the optimizer's piece (grad None where no rank had one)
-                piece = self.pieces[i][k] if i < len(self.units) else ShardView(
-                    unit.shard.detach()[a:b], False)
-                found += [(name, piece) for name in (names[:1] if remove_duplicate else names)]
-        # stages 1, 2: frozen ones in no unit, whole on every rank; all in the model's order
-        found += self.module.named_parameters(remove_duplicate=remove_duplicate)
-        order = {n: i for i, n in enumerate(self.names_at_wrap)}
-        for name, param in sorted(found, key=lambda item: order.get(item[0], len(order))):
-            yield lead + name, param
+        units = [*self.units, *self.frozen_units()]
+        pieces = [*self.pieces, *[None] * len(self.frozen_units())]
+        rest = self.module.named_parameters(remove_duplicate=remove_duplicate)  # stages 1, 2
+        for name, param in named_views(units, pieces, rest, self.names_at_wrap, remove_duplicate):
+            yield (prefix + "." if prefix else "") + name, param
 
     def frozen_units(self) -> List[FlatUnit]:
         """Stage 3's units of frozen parameters (each unit's, then ``outside``)."""
