@@ -93,62 +93,58 @@ def zbv_actions(pp: int, micro_batches: int, rank: int) -> List[Action]:
 
 
 def dualpipev_bundles(pp: int, micro_batches: int, rank: int) -> List[List[Action]]:
-    """DualPipeV (DeepSeek-V3's DualPipe in a V), as torch's ScheduleDualPipeV orders it.
+    """DualPipeV (DeepSeek-V3's DualPipe in a V), in the order of torch's ScheduleDualPipeV.
 
-    A bundle of two actions [F of one chunk, B of the other] is DualPipe's overlapped pair: its
-    messages go out together and, on a GPU, the two computations hide each other's
-    communication. A B with no W later in the list is a full backward (B + W at once); the
-    B's of the last phases are split, and their W's fill the final bubble.
+    A bundle [F of one chunk, B of the other] is DualPipe's overlapped pair: its messages go
+    out together and, on a GPU, each computation hides the other's communication. A B with no
+    W later is a full backward; the last phases' B's are split, their W's fill the end.
     """
     p, m = pp, micro_batches
     count = {(kind, c): 0 for kind in "FBW" for c in (0, 1)}
-    pending_w: List[Tuple[int, int]] = []  # (chunk, micro-batch) whose W is owed
+    owed: List[Tuple[int, int]] = []  # (chunk, micro-batch) whose W is owed, oldest first
     bundles: List[List[Action]] = []
 
-    def act(kind: str, chunk: int, split: bool = False) -> Action:
-        action = Action(kind, count[(kind, chunk)], chunk)
-        count[(kind, chunk)] += 1
-        if kind == "B" and split:
-            pending_w.append((chunk, action.micro_batch))
-        return action
+    def add(*steps: str, split: bool = False) -> None:
+        """One bundle of "F0", "B1", ... (the next F of chunk 0, ...), or "W": the oldest owed."""
+        bundle = []
+        for kind, chunk in ((step[0], int(step[1:] or 0)) for step in steps):
+            if kind == "W":  # none owed: no bundle
+                bundle += [Action("W", mb, c) for c, mb in owed[:1]]
+                del owed[:1]
+                continue
+            bundle.append(Action(kind, count[(kind, chunk)], chunk))
+            count[(kind, chunk)] += 1
+            if kind == "B" and split:
+                owed.append((chunk, bundle[-1].micro_batch))
+        bundles.extend([bundle] if bundle else [])
 
-    def weight() -> None:
-        if pending_w:
-            chunk, mb = pending_w.pop(0)
-            bundles.append([Action("W", mb, chunk)])
-
-    for _ in range(2 * (p - rank - 1)):  # 1: forwards of chunk 0
-        bundles.append([act("F", 0)])
-    for _ in range(rank + 1):  # 2: F0 F1
-        bundles.append([act("F", 0)])
-        bundles.append([act("F", 1)])
+    for step in ["F0"] * (2 * (p - rank - 1)) + ["F0", "F1"] * (rank + 1):  # 1, 2: forwards
+        add(step)
     for _ in range(p - rank - 1):  # 3: B1 W F1 (zero bubble)
-        bundles.append([act("B", 1, split=True)])
-        weight()
-        bundles.append([act("F", 1)])
+        add("B1", split=True)
+        add("W")
+        add("F1")
     for i in range(m - 2 * p + rank + 1):  # 4: main: (F0, B1) and (F1, B0), overlapped
         if i == 0 and rank == p - 1:  # not overlapped: the turn of the V is on this rank
-            bundles.append([act("F", 0)])
-            bundles.append([act("B", 1)])
+            add("F0")
+            add("B1")
         else:
-            bundles.append([act("F", 0), act("B", 1)])
-        bundles.append([act("F", 1), act("B", 0)])
+            add("F0", "B1")
+        add("F1", "B0")
     for _ in range(p - rank - 1):  # 5: B1, (F1, B0)
-        bundles.append([act("B", 1)])
-        bundles.append([act("F", 1), act("B", 0)])
+        add("B1")
+        add("F1", "B0")
     split = False
     for i in range(rank + 1):  # 6: B1 B0; the second half split (zero bubble)
-        if i == (rank + 1) // 2 and rank % 2 == 1:
-            split = True
-        bundles.append([act("B", 1, split)])
-        if i == (rank + 1) // 2 and rank % 2 == 0:
-            split = True
-        bundles.append([act("B", 0, split)])
+        split = split or (i == (rank + 1) // 2 and rank % 2 == 1)
+        add("B1", split=split)
+        split = split or (i == (rank + 1) // 2 and rank % 2 == 0)
+        add("B0", split=split)
     for _ in range(p - rank - 1):  # 7: W B0
-        weight()
-        bundles.append([act("B", 0, split)])
-    while pending_w:  # 8: the W's still owed
-        weight()
+        add("W")
+        add("B0", split=split)
+    while owed:  # 8: the W's still owed
+        add("W")
     return bundles
 
 
