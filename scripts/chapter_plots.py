@@ -347,7 +347,7 @@ def mean_costs(timeline) -> Dict[str, float]:
 
 
 def plot_pipeline_vs_sim(run_dir: str, out: str) -> None:
-    from scaletorch.schedule import simulate
+    from scaletorch.schedule import analysis
     path = os.path.join(run_dir, "timeline.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} does not exist (examples/04_pipeline_parallel.py "
@@ -357,7 +357,7 @@ def plot_pipeline_vs_sim(run_dir: str, out: str) -> None:
     measured = read_timeline(path)
     costs = mean_costs(measured)
     p, m, v = measured.pp, measured.micro_batches, measured.virtual_stages
-    sim = simulate.simulate(schedule, p, m, v, costs["F"], costs["B"], costs.get("W"))
+    sim = analysis.simulate(schedule, p, m, v, costs["F"], costs["B"], costs.get("W"))
     span = max(t.span()[1] - t.span()[0] for t in (measured, sim))
     print(f"{schedule}, p = {p}, m = {m}, v = {v}; measured mean F {costs['F'] * 1e3:.2f} ms, "
           f"B {costs['B'] * 1e3:.2f} ms")

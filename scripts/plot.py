@@ -42,8 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from scaletorch.rules import boundary  # noqa: E402
 from scaletorch.rules.errors import OneLineParser, clip  # noqa: E402
-from scaletorch.schedule import placement, simulate  # noqa: E402
-from scaletorch.schedule import zero_bubble_orders as zb  # noqa: E402
+from scaletorch.schedule import analysis, placement, simulate  # noqa: E402
 from scaletorch.schedule.timeline import Timeline  # noqa: E402
 from scripts import plot_profile  # noqa: E402
 
@@ -119,7 +118,7 @@ def compare_schedules(p: int, m: int, costs: List[float], comm: float, out: str)
             "afab": placement.theoretical_bubble(p, m),
             "1f1b": placement.theoretical_bubble(p, m),
             "interleaved": placement.theoretical_bubble(p, m, v),
-            "zb-h1": zb.zero_bubble_theory("zb-h1", p, m, f, b, w),
+            "zb-h1": analysis.zero_bubble_theory("zb-h1", p, m, f, b, w),
         }.get(schedule)
         peaks = [timeline.peak_live(r) for r in range(p)]
         start, end = timeline.span()
@@ -428,7 +427,7 @@ def dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         compare_schedules(args.pp, args.micro_batches, args.costs, args.comm, args.out)
     elif args.simulate:
         f, b, w = args.costs or (1.0, 2.0, None)
-        timeline = simulate.simulate(args.simulate, args.pp, args.micro_batches,
+        timeline = analysis.simulate(args.simulate, args.pp, args.micro_batches,
                                      args.virtual_stages, f, b, w)
         costs = f"F {f:g}, B {b:g}" + ("" if w is None else f", W {w:g}")
         plot_timeline(

@@ -39,7 +39,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from scaletorch.rules import boundary
-from scaletorch.schedule import simulate
+from scaletorch.schedule import analysis
 from scripts import plan, plot, plot_profile
 from scripts.plot_base import read_metrics, read_timeline
 from tests.test_file_kinds import DUMP_ENTRY
@@ -121,7 +121,7 @@ CLUSTER_FIELDS: List[Tuple[Any,
 INTEGERS = ("gpus_per_node", "cores", "sms")
 
 # a pipeline's timeline.json (07_nd_parallel writes it): 1F1B over 2 stages, 2 micro-batches
-TIMELINE = simulate.simulate("1f1b", 2, 2, 1, 1.0, 2.0, None).to_json()
+TIMELINE = analysis.simulate("1f1b", 2, 2, 1, 1.0, 2.0, None).to_json()
 EVENT_FIELDS = ("rank", "kind", "micro_batch", "chunk", "start", "end")
 TIMELINE_FIELDS: List[Tuple[Any, ...]] = [
     (k, ) for k in ("pp", "micro_batches", "virtual_stages", "schedule", "events")

@@ -24,11 +24,12 @@ from scaletorch.parallel.pipeline_schedules import SCHEDULES, PipelineLoop, Sche
 from scaletorch.parallel.split_backward import runtime_class
 from scaletorch.parallel.tied_embeddings import (attach_tied_embedding_sync, check_v_shape_wrappers,
                                                  tied_embedding_params, untie_across_stages)
+from scaletorch.schedule.analysis import simulate, simulate_plans
 from scaletorch.schedule.catalog import schedule_actions, validate_schedule
 from scaletorch.schedule.orders import afab_actions, one_f_one_b_actions, peak_live_activations
 from scaletorch.schedule.placement import V_SHAPED, split_layers, theoretical_bubble
 from scaletorch.schedule.plans import comm_plan
-from scaletorch.schedule.simulate import PipelineDeadlock, simulate, simulate_plans
+from scaletorch.schedule.simulate import PipelineDeadlock
 from scaletorch.trainer import Config, Trainer
 from scripts.benchmarks.timing import Delayed
 from tests.harness import bit_exact, run_distributed, stderr_warnings, value_error

@@ -41,8 +41,8 @@ from scaletorch.plan.time import (comm_seconds, compute_seconds, issued_counts, 
 from scaletorch.plan.traffic import collectives
 from scaletorch.rules.schema import MAX_LAYERS
 from scaletorch.rules.vocab import padded_vocab_size
+from scaletorch.schedule.analysis import zero_bubble_theory
 from scaletorch.schedule.simulate import simulate_async
-from scaletorch.schedule.zero_bubble_orders import zero_bubble_theory
 from scaletorch.trainer.config import parse_args
 from scripts.calibrate import calibrate, composed_layouts, measure_call_factor
 from scripts.plan import main

@@ -69,7 +69,7 @@ MODULES_OF: Dict[str, List[str]] = {
     "04": ["pipeline_parallel", "pipeline_schedules", "orders", "timeline", "placement"],
     "04b": [
         "pipeline_runtime", "plans", "pipeline_native", "split_backward", "activation_meter",
-        "zero_bubble_orders", "simulate", "catalog", "posting", "in_order"
+        "zero_bubble_orders", "simulate", "catalog", "posting", "in_order", "analysis"
     ],
     "05": ["context_parallel", "ring_attention", "attention_kernels"],
     "06": ["expert_parallel"],
@@ -104,7 +104,11 @@ OWNER = {module: chapter for chapter, modules in MODULES_OF.items() for module i
 # dist/all_to_all.py (05's), the split and gather no strategy calls for dist/split_regions.py
 # (followed by no chapter), and the gather's cut of chapter 10's padding left
 # tensor_parallel.py: 03 from 855 to 779, 05 stays within.
-OVER_BUDGET: Dict[str, int] = {"03": 779, "04b": 1080, "07": 785}
+# Issue 53 (item 6), 04b from 1077 to 872: what only the tests, plots and planner read (the
+# rendezvous simulator of the classic plans, ZB-H1's closed-form bubble) is
+# schedule/analysis.py's, 04b's but outside every script's path, as in_order.py is; the
+# schedules' checks are one function, the two executors share their backward's tail.
+OVER_BUDGET: Dict[str, int] = {"03": 779, "04b": 872, "07": 785}
 
 
 def chapters() -> List[Tuple[str, str, str]]:

@@ -14,11 +14,11 @@ from scaletorch.dist import p2p_order
 from scaletorch.models import LlamaConfig, build_model
 from scaletorch.parallel.activation_meter import ActivationMeter
 from scaletorch.parallel.validation import validate_layout
+from scaletorch.schedule.analysis import simulate, zero_bubble_theory
 from scaletorch.schedule.catalog import schedule_actions, validate_schedule
 from scaletorch.schedule.orders import peak_live_activations
 from scaletorch.schedule.placement import ZERO_BUBBLE
-from scaletorch.schedule.simulate import simulate, simulate_async
-from scaletorch.schedule.zero_bubble_orders import zero_bubble_theory
+from scaletorch.schedule.simulate import simulate_async
 from scaletorch.trainer import Config, max_weight_diff
 from tests.harness import run_distributed
 from tests.layouts import TOL, assert_run_matches, layout, make_config, reference, train

@@ -1,11 +1,8 @@
-"""Chapter 04b's pipeline runtime: any schedule given as data, the generalisation of 04's loops.
+"""Chapter 04b's pipeline runtime: any schedule as data, the generalisation of 04's loops.
 
-Chapter 04 writes AFAB and 1F1B as loops of named sends and receives (pipeline_schedules.py).
-Here a schedule is data instead: each rank's plan is a list of steps,
-each a batch of point-to-point messages (``schedule/orders.py``'s ``comm_plan``) and one action.
-The same executor then runs afab, 1f1b, interleaved (v chunks per rank) and, in a subclass,
-the zero-bubble schedules (split_backward.py). On the same layout it gives 04's loops'
-losses, gradients and weights bit for bit (tests/test_pipeline_parallel.py).
+Each rank's plan is a list of steps, each a batch of point-to-point messages and one action
+(``schedule/plans.py``). One executor runs afab, 1f1b, interleaved and, in a subclass
+(split_backward.py), the zero-bubble schedules; where 04's loops run, bit for bit as they do.
 """
 
 import time
@@ -22,8 +19,9 @@ from scaletorch.dist.comm import average_over_group
 from scaletorch.dist.timer import Spans
 from scaletorch.models import loss_fn
 from scaletorch.parallel.pipeline_parallel import LossFn, PipelineModel
+from scaletorch.schedule.catalog import schedule_plan
 from scaletorch.schedule.orders import Action
-from scaletorch.schedule.plans import P2P, Step, classic_bundles, comm_plan
+from scaletorch.schedule.plans import P2P
 from scaletorch.schedule.timeline import Timeline
 
 
@@ -64,7 +62,7 @@ class PipelineSchedule:
         p, rank = pgm.pipeline_model_parallel_world_size, pgm.pipeline_model_parallel_rank
         v, self.m = len(pipe.chunks), num_micro_batches
         self.group, self.ranks = pgm.pipeline_model_parallel_group, pgm.group_ranks("pp")
-        self.plan = self.make_plan(schedule, p, rank, v)
+        self.plan = schedule_plan(schedule, p, num_micro_batches, rank, v)
         # a chunk's data-parallel gradients sync in its last backward only (the last B wins)
         last_b = {a.chunk: i for i, (_, a) in enumerate(self.plan) if a and a.kind == "B"}
         self.syncs = set(last_b.values())
@@ -72,10 +70,6 @@ class PipelineSchedule:
         self.spans = Spans(next(pipe.parameters()).device, time.time)
         self.timeline_type, self.schedule, self.p, self.rank = Timeline, schedule, p, rank
         self.param_dtype = self.dtype = next(pipe.parameters()).dtype  # a hook may set .dtype
-
-    def make_plan(self, schedule: str, p: int, rank: int, v: int) -> List[Step]:
-        """This rank's steps: afab, 1f1b or interleaved (a subclass runs other orders)."""
-        return comm_plan(classic_bundles(schedule, p, self.m, rank, v), rank, p, v)
 
     @property
     def timeline(self) -> Timeline:
@@ -172,12 +166,18 @@ class PipelineSchedule:
         return x, [out], [None if last else self.inbox.pop(("grad", mb, stage)).to(out.dtype)]
 
     def _backward(self, action: Action, index: int) -> None:
-        stage, mb = self.pipe.stages[action.chunk], action.micro_batch
         x, outputs, grads = self._outputs_and_grads(action)
+        self._accumulate(action, index, outputs, grads)
+        if self.pipe.stages[action.chunk] > 0:
+            self.outbox[("grad", action.micro_batch, self.pipe.stages[action.chunk])] = \
+                x.grad.to(self.dtype)
+
+    def _accumulate(self, action: Action, index: int, outputs: list, grads: list,
+                    inputs: Optional[List[Tensor]] = None) -> None:
+        """Backpropagate into ``inputs`` (default: every leaf); the chunk's data-parallel
+        gradients sync in the step's last one (``syncs``), the micro-batch's graph goes."""
         no_sync = getattr(self.pipe.chunks[action.chunk], "no_sync", None)
         with nullcontext() if index in self.syncs or no_sync is None else no_sync():
-            torch.autograd.backward(outputs, grads)
+            torch.autograd.backward(outputs, grads, inputs=inputs)
         for hooks in self.hooks:
-            hooks.release((mb, action.chunk))
-        if stage > 0:
-            self.outbox[("grad", mb, stage)] = x.grad.to(self.dtype)
+            hooks.release((action.micro_batch, action.chunk))

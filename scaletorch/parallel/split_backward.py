@@ -1,28 +1,15 @@
-"""The split backward and the runtime of the zero-bubble schedules (chapter 04b); their orders
-are plain data in scaletorch/schedule/zero_bubble_orders.py. B and W of one micro-batch
+"""The split backward and the asynchronous runtime of the zero-bubble schedules (chapter 04b;
+their orders are data in scaletorch/schedule/zero_bubble_orders.py). For one micro-batch
 through one chunk, with autograd's explicit ``inputs``:
 
-    out = chunk(x)                               # F: autograd saves the activations
-    dx, = torch.autograd.grad(out, x, dout, retain_graph=True)   # B: input gradient; send it
-    torch.autograd.backward(out, dout, inputs=params)            # W, later: weight gradients
+    out = chunk(x)                                               # F
+    dx, = torch.autograd.grad(out, x, dout, retain_graph=True)   # B: send dx at once
+    torch.autograd.backward(out, dout, inputs=params)            # W, later: the weights' .grad
 
-B runs only the nodes between ``out`` and ``x``, each computing only the gradient that leads
-there (a linear layer's grad_input, not its grad_weight). W walks the graph again to the
-weights and accumulates into ``.grad`` (so data-parallel gradient hooks fire as in a plain
-backward), then frees it. What the deferred W holds: every tensor autograd saved in the
-forward stays alive until W (B frees none of them), so a micro-batch's activations live from
-its F to its W, which is why ZB-H1 holds W's back only as far as 1F1B's peak allows
-(``activation_meter.ActivationMeter`` measures those bytes). This readable version
-pays the activation-gradient chain twice (in B and again in W); production code
-(torch.distributed.pipelining's stage_backward_weight, Megatron's WeightGradStore) keeps B's
-intermediate gradients so that W is only the weight matmuls.
-
-The runtime sends asynchronously: a B's gradient goes out at once and the rank moves on (to a
-W, say) while its neighbour is still busy. What it posts, and when, is ``posting_program``'s,
-an order that cannot hang on NCCL (doc/04b_zero_bubble.md, "Posting order on NCCL").
+The activations live from F to W (B frees none). Sends do not wait for the peer, and the
+messages go out in ``posting_program``'s order, which cannot hang on NCCL.
 """
 
-from contextlib import nullcontext
 from typing import Any, Dict, List, Optional, Tuple, Type
 
 import torch
@@ -32,43 +19,40 @@ from torch import nn
 from scaletorch.dist import ProcessGroupManager, comm
 from scaletorch.parallel.pipeline_parallel import PipelineChunk, PipelineModel
 from scaletorch.parallel.pipeline_runtime import PipelineSchedule
-from scaletorch.schedule.catalog import schedule_actions, schedule_plan
+from scaletorch.schedule.catalog import schedule_actions
 from scaletorch.schedule.orders import Action
 from scaletorch.schedule.placement import ZERO_BUBBLE, rank_of_stage
-from scaletorch.schedule.plans import P2P, Step
+from scaletorch.schedule.plans import P2P
 from scaletorch.schedule.posting import Batch, posting_program
 from scaletorch.schedule.simulate import ZeroBubbleTimeline
 
 
 def weight_leaves(chunk: nn.Module) -> List[torch.Tensor]:
-    """The leaves a chunk's W differentiates: the trainable weights its forward reads. Those
-    are its parameters, but for a ZeRO wrapper (zero.py), whose parameters are this rank's
-    shards: the graph holds its units' full parameters (views of each unit's flat vector), and
-    a W over the shards would reach no weight (no gradient, no reduce-scatter)."""
+    """The trainable weights a chunk's forward reads, which W differentiates: its parameters,
+    or a ZeRO wrapper's full unit parameters (W over its shards would reach no weight)."""
     units = getattr(chunk, "units", None)  # a ZeRO wrapper's FlatUnits
     params = chunk.parameters() if units is None else [t for u in units for t in u.tensors]
     return [p for p in params if p.requires_grad]
 
 
 class ZeroBubbleSchedule(PipelineSchedule):
-    """``PipelineSchedule``'s contract for zb-h1, zbv and dualpipev: F, B (input gradient
-    only, when a W of the same micro-batch and chunk follows; else the full backward) and W.
-    A micro-batch's activations are freed at its W (``StageHooks.release``). The classic
-    schedules run too (through the same asynchronous runtime)."""
+    """``PipelineSchedule``'s contract for any schedule, with asynchronous sends: F, B (the
+    input gradient only when a W of its micro-batch and chunk follows, else the full
+    backward) and W, which frees the micro-batch's activations (``StageHooks.release``)."""
 
     def __init__(self, pipe: PipelineModel, pgm: ProcessGroupManager, schedule: str,
                  num_micro_batches: int, *args: Any, **kwargs: Any) -> None:
         super().__init__(pipe, pgm, schedule, num_micro_batches, *args, **kwargs)
-        p, rank, v = self.p, self.rank, len(pipe.chunks)
-        self.v, self.timeline_type = v, ZeroBubbleTimeline
-        self.actions = schedule_actions(schedule, p, num_micro_batches, rank, v)
-        self.split = {(a.micro_batch, a.chunk) for a in self.actions if a.kind == "W"}
+        p, rank, v, self.timeline_type = self.p, self.rank, len(pipe.chunks), ZeroBubbleTimeline
+        actions = schedule_actions(schedule, p, num_micro_batches, rank, v)
+        self.split = {(a.micro_batch, a.chunk) for a in actions if a.kind == "W"}
         # a chunk's data-parallel gradients sync in the last action that makes them
-        makes_grads = [
-            i for i, a in enumerate(self.actions)
+        last = {
+            a.chunk: i
+            for i, a in enumerate(actions)
             if a.kind == "W" or (a.kind == "B" and (a.micro_batch, a.chunk) not in self.split)
-        ]
-        self.syncs = {max(i for i in makes_grads if self.actions[i].chunk == c) for c in range(v)}
+        }
+        self.syncs = set(last.values())
         # per action: the batches to post first, the action, the receive it waits for
         self.program = posting_program(schedule, p, num_micro_batches, rank, v)
         self.params = [weight_leaves(chunk) for chunk in pipe.chunks]  # what W differentiates
@@ -77,10 +61,6 @@ class ZeroBubbleSchedule(PipelineSchedule):
         for module in pipe.modules():
             if isinstance(module, PipelineChunk) and module.embed_tokens is not None:
                 module.embed_tokens.register_forward_hook(self._keep_embedded)
-
-    def make_plan(self, schedule: str, p: int, rank: int, v: int) -> List[Step]:
-        """Any schedule of the catalog (the zero-bubble ones split B and W)."""
-        return schedule_plan(schedule, p, self.m, rank, v)
 
     def _keep_embedded(self, module: nn.Module, inputs: Tuple[Any, ...],
                        output: torch.Tensor) -> None:
@@ -155,17 +135,10 @@ class ZeroBubbleSchedule(PipelineSchedule):
 
     def _weight(self, action: Action, index: int) -> None:
         """W: the weights' gradients into .grad (data-parallel sync in the chunk's last W)."""
-        key = (action.micro_batch, action.chunk)
-        outputs, grads = self.held.pop(key)
-        chunk = self.pipe.chunks[action.chunk]
-        no_sync = getattr(chunk, "no_sync", None)
-        with nullcontext() if index in self.syncs or no_sync is None else no_sync():
-            torch.autograd.backward(outputs, grads, inputs=self.params[action.chunk])
-        for hooks in self.hooks:
-            hooks.release(key)
+        outputs, grads = self.held.pop((action.micro_batch, action.chunk))
+        self._accumulate(action, index, outputs, grads, self.params[action.chunk])
 
 
 def runtime_class(schedule: str) -> Type[PipelineSchedule]:
-    """The runtime of ``schedule``: ``ZeroBubbleSchedule`` for zb-h1, zbv and dualpipev (B and
-    W apart), ``PipelineSchedule`` for afab, 1f1b and interleaved."""
+    """``ZeroBubbleSchedule`` for zb-h1, zbv and dualpipev, else ``PipelineSchedule``."""
     return ZeroBubbleSchedule if schedule in ZERO_BUBBLE else PipelineSchedule

@@ -1,55 +1,33 @@
-"""Every pipeline schedule by name (chapter 04's classic ones and 04b's zero-bubble ones):
-validation, per-rank bundles and actions, the point-to-point plan. What the planner, the
-simulators and the zero-bubble runtime look schedules up in."""
+"""Every pipeline schedule by name (04's classic ones, 04b's zero-bubble ones): its checks,
+each rank's bundles and actions, its plan, and ``--show-schedule``'s listing."""
 
 from typing import List
 
 from scaletorch.schedule.orders import Action, message
-from scaletorch.schedule.placement import CLASSIC, SCHEDULES, V_SHAPED, ZERO_BUBBLE
+from scaletorch.schedule.placement import SCHEDULES, V_SHAPED, ZERO_BUBBLE
 from scaletorch.schedule.plans import Step, action_p2p, classic_bundles, comm_plan
 from scaletorch.schedule.zero_bubble_orders import validate_zero_bubble, zero_bubble_bundles
 
 
 def validate_schedule(schedule: str, pp: int, micro_batches: int, virtual_stages: int = 1) -> None:
-    """Raise ValueError for a schedule that cannot run with these numbers."""
+    """Raise ValueError, naming the numbers, for a schedule that cannot run with them (the
+    config has checked that each is positive)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"pipeline schedule must be one of {', '.join(SCHEDULES)}, "
                          f"got {schedule!r}")
-    check_sizes(pp, micro_batches, virtual_stages)
-    if schedule in ZERO_BUBBLE:
-        validate_zero_bubble(schedule, pp, micro_batches, virtual_stages)
-    else:
-        validate_classic(schedule, pp, micro_batches, virtual_stages)
-
-
-def check_sizes(pp: int, micro_batches: int, virtual_stages: int) -> None:
-    """Raise ValueError for a size below 1, or chunks per rank without a pipeline."""
-    sizes = {
-        "pipeline_model_parallel_size": pp,
-        "num_micro_batches": micro_batches,
-        "virtual_pipeline_stages": virtual_stages
-    }
-    for name, value in sizes.items():
-        if value < 1:
-            raise ValueError(f"{name} must be positive, got {value}")
     if virtual_stages > 1 and pp == 1:
         raise ValueError(f"virtual_pipeline_stages ({virtual_stages}) needs a pipeline: "
                          f"pipeline_model_parallel_size is 1 (set --pp)")
-
-
-def validate_classic(schedule: str, pp: int, micro_batches: int, virtual_stages: int = 1) -> None:
-    """Raise ValueError for afab, 1f1b or interleaved when it cannot run with these numbers."""
-    if schedule not in CLASSIC:
-        raise ValueError(f"pipeline schedule must be one of {', '.join(CLASSIC)}, "
-                         f"got {schedule!r}")
-    if virtual_stages > 1 and schedule != "interleaved":
+    if schedule in ZERO_BUBBLE:
+        validate_zero_bubble(schedule, pp, micro_batches, virtual_stages)
+    elif virtual_stages > 1 and schedule != "interleaved":
         raise ValueError(f"virtual_pipeline_stages ({virtual_stages}) > 1 needs the "
                          f"interleaved schedule, got {schedule!r} (set --schedule interleaved)")
-    if schedule == "1f1b" and micro_batches < pp:
+    elif schedule == "1f1b" and micro_batches < pp:
         raise ValueError(f"1F1B needs num_micro_batches ({micro_batches}) >= "
                          f"pipeline_model_parallel_size ({pp}) to fill the pipeline: set "
                          f"--micro-batches {pp} or more, or --schedule afab")
-    if schedule == "interleaved" and micro_batches % pp != 0:
+    elif schedule == "interleaved" and micro_batches % pp != 0:
         raise ValueError(f"interleaved 1F1B needs num_micro_batches ({micro_batches}) "
                          f"divisible by pipeline_model_parallel_size ({pp}): set "
                          f"--micro-batches to a multiple of {pp}")
@@ -73,15 +51,14 @@ def schedule_actions(schedule: str, pp: int, micro_batches: int, rank: int,
 
 def schedule_plan(schedule: str, pp: int, micro_batches: int, rank: int,
                   virtual_stages: int = 1) -> List[Step]:
-    """``comm_plan`` of ``schedule_bundles``: what a rendezvous executor of rank ``rank`` runs."""
+    """``comm_plan`` of ``schedule_bundles``: rank ``rank``'s steps in the classic executor."""
     bundles = schedule_bundles(schedule, pp, micro_batches, rank, virtual_stages)
     return comm_plan(bundles, rank, pp, virtual_stages, schedule in V_SHAPED)
 
 
 def show_plan(schedule: str, pp: int, micro_batches: int, virtual_stages: int = 1) -> str:
-    """Every pipeline rank's actions in order, each between the message it waits for and the
-    one it sends (``--show-schedule`` of 04b): "rank 1: recv_forward(mb 0 <- rank 0) F0
-    send_forward(mb 0 -> rank 2)". A W, or a V's turn on one rank, has no message."""
+    """Every rank's actions, each between the message it waits for and the one it sends:
+    "rank 1: recv_forward(mb 0 <- rank 0) F0 send_forward(mb 0 -> rank 2)"."""
     names = {"act": ("recv_forward", "send_forward"), "grad": ("recv_backward", "send_backward")}
     lines = []
     for rank in range(pp):

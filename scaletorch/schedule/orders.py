@@ -1,7 +1,7 @@
 """The classic pipeline schedules as plain data: what each rank computes, in which order.
 
 No process group here: every schedule is checked in milliseconds (the order of forwards F
-and backwards B, the live activations, that the messages pair up, no deadlock: simulate.py).
+and backwards B, the live activations, that the messages pair up, no deadlock: analysis.py).
 p = pipeline ranks, m = micro-batches, v = model chunks per rank (placement.py). Simulated
 with F = 1 slot and B = 2 (a, b, ...: forward of micro-batch 0, 1, ...; A, B, ...: its
 backward; ".": idle), p = 4, m = 4:

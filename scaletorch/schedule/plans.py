@@ -1,11 +1,7 @@
-"""Schedules as plans (chapter 04b's runtime): each rank's bundles of actions and the
-point-to-point messages that go with them, as data.
-
-Chapter 04's loops name their messages in code (send_forward_recv_backward, ...). Here they
-are derived from the actions: ``action_p2p`` gives the receive an action needs and the send it
-makes, ``comm_plan`` batches them so that a send goes out with the receive it must not block.
-One executor (scaletorch/parallel/pipeline_runtime.py) then runs any order, interleaved
-included. No process group here: ``simulate.py`` proves every plan deadlock-free.
+"""Schedules as plans (chapter 04b): each rank's actions in bundles, and the point-to-point
+messages derived from them (``action_p2p``), batched so that a send goes out with the receive
+it must not block (``comm_plan``). No process group: analysis.py proves the plans
+deadlock-free.
 """
 
 from dataclasses import dataclass
@@ -17,10 +13,9 @@ from scaletorch.schedule.placement import rank_of_stage, stage_index
 
 def interleaved_bundles(pp: int, micro_batches: int, rank: int,
                         virtual_stages: int) -> List[List[Action]]:
-    """Interleaved 1F1B (Megatron): the k-th forward runs micro-batch group k // (p v) in
-    chunk (k // p) % v, p micro-batches per chunk before moving on; backwards visit the
-    chunks in reverse. Warm-up is 2 (p - rank - 1) + (v - 1) p forwards; in the steady state
-    each bundle is a forward and a backward (their p2p goes out together, see comm_plan)."""
+    """Interleaved 1F1B (Megatron): the k-th forward runs chunk (k // p) % v, p micro-batches
+    per chunk; backwards visit the chunks in reverse. Warm-up: 2 (p - rank - 1) + (v - 1) p
+    forwards; then each bundle is a forward and a backward (their messages go together)."""
     p, v = pp, virtual_stages
     total = micro_batches * v
 
@@ -38,8 +33,8 @@ def interleaved_bundles(pp: int, micro_batches: int, rank: int,
 
 def classic_bundles(schedule: str, pp: int, micro_batches: int, rank: int,
                     virtual_stages: int = 1) -> List[List[Action]]:
-    """The work of pipeline rank ``rank`` for one step, in bundles whose p2p is batched (for
-    numbers that ``catalog.validate_schedule`` accepts)."""
+    """Rank ``rank``'s bundles of afab, 1f1b or interleaved (numbers ``validate_schedule``
+    accepts)."""
     if schedule == "afab":
         return [[a] for a in afab_actions(pp, micro_batches, rank)]
     if schedule == "1f1b":
@@ -50,7 +45,7 @@ def classic_bundles(schedule: str, pp: int, micro_batches: int, rank: int,
 @dataclass(frozen=True)
 class P2P:
     """A send or recv of an activation ("act") or a gradient ("grad") of ``micro_batch``
-    from global stage ``src`` to ``dst``, to/from pipeline rank ``peer``."""
+    from global stage ``src`` to ``dst``, to or from pipeline rank ``peer``."""
     op: str
     peer: int
     kind: str
@@ -64,12 +59,9 @@ Step = Tuple[Tuple[P2P, ...], Optional[Action]]
 
 def action_p2p(action: Action, rank: int, pp: int, virtual_stages: int,
                v_shape: bool = False) -> Tuple[Optional[P2P], Optional[P2P]]:
-    """(the recv the action needs before it runs, the send it makes after), or None.
-
-    F receives the previous stage's output and sends its own; B receives its output's gradient
-    and sends its input's; W talks to nobody; a neighbour stage on this rank (the turn of a V)
-    is no message.
-    """
+    """(the recv the action needs before it runs, the send it makes after), or None: F
+    receives the previous stage's output and sends its own, B the gradients the other way; W,
+    or a neighbour stage on this rank (the turn of a V), has no message."""
     p = pp
     s = stage_index(rank, action.chunk, p, v_shape)
     last = p * virtual_stages - 1
@@ -91,15 +83,10 @@ def action_p2p(action: Action, rank: int, pp: int, virtual_stages: int,
 
 def comm_plan(bundles: Sequence[Sequence[Action]], rank: int, pp: int, virtual_stages: int = 1,
               v_shape: bool = False) -> List[Step]:
-    """Steps of (p2p batch, action): post the batch, wait for it, then run the action.
-
-    The batch before a bundle pairs the sends of the previous bundle with the recvs the bundle
-    needs: the 1F1B steady state sends an activation and receives a gradient together,
-    meeting the neighbour's opposite pair. Interleaving makes the p2p a ring, so its
-    steady-state bundles are a forward and a backward, up to four ops a batch (Megatron's
-    send_forward_backward_recv_forward_backward). ``simulate.simulate`` proves each plan
-    deadlock-free.
-    """
+    """Steps of (p2p batch, action): post the batch, wait for it, run the action. The batch
+    before a bundle pairs the previous bundle's sends with the bundle's recvs, as 1F1B's
+    send_forward_recv_backward does; on interleaving's ring, up to four ops (Megatron's
+    send_forward_backward_recv_forward_backward)."""
     steps: List[Step] = []
     pending: List[P2P] = []
     for bundle in bundles:

@@ -1,17 +1,14 @@
-"""Pipeline schedules simulated: every rank's plan run with fixed costs, no process group.
-
-``simulate`` runs the classic schedules' rendezvous plans (a send completes only when its peer
-posted the matching receive) and proves them deadlock-free; ``simulate_async`` runs any
-schedule as the zero-bubble runtime does, with sends that never block. Both return a
-``Timeline`` in slots: its chart, its bubble, its peak of live activations.
+"""The asynchronous runtime simulated: every rank's actions with fixed costs and sends that
+never block, no process group. The runtime posts its messages in this timeline's order
+(posting.py); its chart and bubble are the theory of the runtime's (analysis.py holds the
+rendezvous simulator of the classic plans).
 """
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
-from scaletorch.schedule.catalog import schedule_actions, schedule_plan
+from scaletorch.schedule.catalog import schedule_actions
 from scaletorch.schedule.orders import Action
-from scaletorch.schedule.placement import V_SHAPED, ZERO_BUBBLE, rank_of_stage, stage_index
-from scaletorch.schedule.plans import P2P, Step
+from scaletorch.schedule.placement import V_SHAPED, rank_of_stage, stage_index
 from scaletorch.schedule.timeline import Timeline
 
 
@@ -28,86 +25,6 @@ class ZeroBubbleTimeline(Timeline):
 
 class PipelineDeadlock(RuntimeError):
     """Ranks wait for each other in a cycle: the plan cannot finish."""
-
-
-def simulate(schedule: str, pp: int, micro_batches: int, virtual_stages: int = 1,
-             forward_cost: float = 1.0, backward_cost: float = 2.0,
-             weight_cost: Optional[float] = None) -> Timeline:
-    """The slot timeline of ``schedule`` with equal-cost stages (see ``simulate_plans``). The
-    zero-bubble schedules' runtime sends asynchronously: ``simulate_async`` (W costs
-    ``weight_cost``, default as much as B)."""
-    if schedule in ZERO_BUBBLE:
-        weight = backward_cost if weight_cost is None else weight_cost
-        return simulate_async(schedule, pp, micro_batches, virtual_stages, forward_cost,
-                              backward_cost, weight)
-    plans = [schedule_plan(schedule, pp, micro_batches, r, virtual_stages) for r in range(pp)]
-    return simulate_plans(plans, micro_batches, virtual_stages, forward_cost, backward_cost)
-
-
-def simulate_plans(plans: Sequence[List[Step]], micro_batches: int, virtual_stages: int = 1,
-                   forward_cost: float = 1.0, backward_cost: float = 2.0) -> Timeline:
-    """Run every rank's plan (``plans[r]``) with instant messages and fixed compute costs.
-
-    A send completes only when its peer has posted the matching recv (and vice versa) - the
-    strictest semantics (NCCL's), so a plan that finishes here cannot deadlock on gloo or
-    NCCL. Messages on each (src, dst) pair are matched in posting order, and both sides must
-    name the same (kind, micro-batch, stages), or ValueError. Raises PipelineDeadlock when
-    ranks wait for each other in a cycle. Returns the timeline in slots.
-    """
-    p = len(plans)
-    timeline = Timeline(p, micro_batches, virtual_stages)
-    pos, clock = [0] * p, [0.0] * p
-    # (src, dst, "send" | "recv") -> [(op, post time)] in posting order: the k-th send on a
-    # channel meets the k-th recv
-    channels: Dict[Tuple[int, int, str], List[Tuple[P2P, float]]] = {}
-    posted: Dict[int, List[Tuple[Tuple[int, int, str], int]]] = {}  # rank -> its open ops
-
-    def post(r: int, batch: Sequence[P2P]) -> None:
-        posted[r] = []
-        for op in batch:
-            key = (r, op.peer, "send") if op.op == "send" else (op.peer, r, "recv")
-            channels.setdefault(key, []).append((op, clock[r]))
-            posted[r].append((key, len(channels[key]) - 1))
-
-    def completion(r: int) -> Optional[float]:
-        """When rank r's posted batch completes, or None if a peer has not posted yet."""
-        done = clock[r]
-        for (src, dst, side), k in posted[r]:
-            other = channels.get((src, dst, "recv" if side == "send" else "send"), [])
-            if k >= len(other):
-                return None
-            mine, theirs = channels[(src, dst, side)][k][0], other[k][0]
-            if (mine.kind, mine.micro_batch, mine.src, mine.dst) != \
-                    (theirs.kind, theirs.micro_batch, theirs.src, theirs.dst):
-                raise ValueError(f"message {k} from rank {src} to rank {dst} is {mine} on one "
-                                 f"side and {theirs} on the other")
-            done = max(done, other[k][1])
-        return done
-
-    progress = True
-    while progress:
-        progress = False
-        for r in range(p):
-            while pos[r] < len(plans[r]):
-                batch, action = plans[r][pos[r]]
-                if r not in posted:
-                    post(r, batch)
-                done = completion(r)
-                if done is None:
-                    break
-                del posted[r]
-                clock[r] = done
-                if action is not None:
-                    cost = forward_cost if action.kind == "F" else backward_cost
-                    timeline.record(r, action, done, done + cost)
-                    clock[r] = done + cost
-                pos[r] += 1
-                progress = True
-    stuck = {r: str(plans[r][pos[r]][1]) for r in range(p) if pos[r] < len(plans[r])}
-    if stuck:
-        raise PipelineDeadlock(f"p={p} m={micro_batches} v={virtual_stages}: ranks wait for "
-                               f"each other at {stuck}")
-    return timeline
 
 
 def simulate_async(

@@ -1,7 +1,7 @@
 """A pipeline step's timeline: which rank ran which action when, its chart and its bubble.
 
 The runtime records one (scaletorch/parallel/pipeline_parallel.py, in seconds), the simulators
-build one (simulate.py, in slots); both are drawn and measured the same way.
+build one (simulate.py, analysis.py: in slots); both are drawn and measured the same way.
 """
 
 from dataclasses import dataclass, field

@@ -1,41 +1,20 @@
-"""The zero-bubble pipeline schedules as plain data: each backward split in two, half of it waits.
+"""The zero-bubble schedules as plain data (chapter 04b; its page draws and explains them).
 
-A chunk's backward computes two things: the gradient of its input (B, which the previous stage
-is waiting for: it is on the critical path) and the gradients of its weights (W, which nobody
-needs before the optimizer step). Run B at once, send its result, and keep W for later: the
-W's then fill the idle slots that 1F1B leaves in its cool-down (Qi et al., "Zero Bubble
-Pipeline Parallelism", 2023). F = forward, B = input gradient, W = weight gradient; F = B = W = 1:
-
-    1F1B (B+W together)                          ZB-H1
-    stage 0 |abcd......AA.BB.CC.DD|   ->   stage 0 |abcd...AeBfCgDhE0F1G2H3|  (0-9: W)
-    stage 3 |...aAAbBBcCCdDD......|   ->   stage 3 |...aAbB0cC1dD2...
-
-Schedules (per-rank lists of actions, like the classic ones in ``orders.py``):
-
-- ``zb-h1``: 1F1B's order with B split off; stage r holds back r W's, so no stage holds more
-  than p micro-batches of activations (1F1B's peak): bubble (p-1)(F+B-W) instead of
-  (p-1)(F+B+W).
-- ``zbv``: two chunks per rank in a V (rank r holds stages r and 2p-1-r, so the turn from
-  stage p-1 to p and the loss stay on one rank); the ZB-V schedule of Qi et al. 2024: with
-  F = B = W the bubble nearly vanishes, at 1F1B's activation memory.
-- ``dualpipev``: DeepSeek's DualPipe folded into a V (single direction): in the steady state a
-  rank runs the forward of one micro-batch and the backward of another as one bundle, so that
-  on a GPU the compute of one hides the all-to-all/p2p of the other. gloo on a CPU cannot
-  overlap them; we run the pair back to back and draw them as one bundle.
-
-The runtime (scaletorch/parallel/split_backward.py) sends asynchronously: a B's gradient
-goes out at once and the rank moves on to a W while the neighbour is still busy; a rendezvous
-batch (the classic runtime's) would hold the rank until the neighbour posts its receive, and
-the W's would fill nothing. ``simulate.simulate_async`` is that runtime's timeline.
+A chunk's backward splits in two: B, the gradient of its input, which the previous stage waits
+for, and W, the gradient of its weights, which only the optimizer step needs. B runs at once
+and the W's fill the bubble (Qi et al., "Zero Bubble Pipeline Parallelism", 2023). Per-rank
+action lists like the classic ones in ``orders.py``: F = forward, B = input gradient,
+W = weight gradient, chunk 1 = the rank's second stage, on the way back up a V.
 """
 
-from typing import List, Optional, Tuple
+from typing import List, Tuple
 
 from scaletorch.schedule.orders import Action
 
 
 def validate_zero_bubble(schedule: str, pp: int, micro_batches: int, virtual_stages: int) -> None:
-    """Raise ValueError, naming the numbers, when ``schedule`` cannot run with them."""
+    """Raise ValueError, naming the numbers, when ``schedule`` cannot run with them (p > 1:
+    ``catalog.validate_schedule`` checks it first)."""
     p, m, v = pp, micro_batches, virtual_stages
     if schedule == "zb-h1":
         if v != 1:
@@ -49,8 +28,6 @@ def validate_zero_bubble(schedule: str, pp: int, micro_batches: int, virtual_sta
     if v != 2:
         raise ValueError(f"{schedule} places two chunks per rank in a V: set "
                          f"--virtual-stages 2 (virtual_pipeline_stages is {v})")
-    if p < 2:
-        raise ValueError(f"{schedule} needs a pipeline: pipeline_model_parallel_size is {p}")
     # DualPipe's order is built for m >= 2p (its main phase runs m - 2p + rank + 1 times; torch's
     # ScheduleDualPipeV and DeepSeek's own code refuse fewer); zbv runs any m (see zbv_actions)
     if schedule == "dualpipev" and m < 2 * p:
@@ -81,8 +58,8 @@ def zb_h1_actions(pp: int, micro_batches: int, rank: int) -> List[Action]:
 
 
 def zbv_actions(pp: int, micro_batches: int, rank: int) -> List[Action]:
-    """ZB-V (Qi et al.): chunk 0 is stage ``rank`` (going down), chunk 1 is stage 2p-1-rank
-    (coming back up); the same order as torch's ScheduleZBVZeroBubble.
+    """ZB-V (Qi et al.), in the order of torch's ScheduleZBVZeroBubble: chunk 0 is stage
+    ``rank`` (going down), chunk 1 stage 2p-1-rank (coming back up).
 
     1. warm-up: 2 (p - rank) - 1 forwards of chunk 0, then ``rank`` pairs F(chunk 1), F(chunk 0)
     2. p - rank times F B W on chunk 1 (its input came from the turn of the V)
@@ -90,10 +67,8 @@ def zbv_actions(pp: int, micro_batches: int, rank: int) -> List[Action]:
     4. cool-down: ``rank`` pairs B(chunk 0) B(chunk 1), then p - rank times B W on chunk 0,
        then the W's still owed (chunk 1's, then chunk 0's)
 
-    Rank 0's warm-up alone runs 2p - 1 forwards, so with fewer micro-batches the order is built
-    for 2p - 1 and the actions of the micro-batches that do not exist are left out (as torch
-    does): every dependency is within one micro-batch, so what remains still runs; the V is
-    then not full (bubble 0.46 at p = 4, m = 2 against 0.059 at m = 8).
+    With m < 2p - 1 the order is built for 2p - 1 and the missing micro-batches' actions are
+    left out, as torch does (every dependency is within one micro-batch).
     """
     if micro_batches < 2 * pp - 1:
         full = zbv_actions(pp, 2 * pp - 1, rank)
@@ -102,96 +77,74 @@ def zbv_actions(pp: int, micro_batches: int, rank: int) -> List[Action]:
     count = {(kind, c): 0 for kind in "FBW" for c in (0, 1)}
     actions: List[Action] = []
 
-    def do(kind: str, chunk: int) -> None:
-        actions.append(Action(kind, count[(kind, chunk)], chunk))
-        count[(kind, chunk)] += 1
+    def do(*steps: str) -> None:  # "F0": the next forward through chunk 0
+        for kind, chunk in ((step[0], int(step[1])) for step in steps):
+            actions.append(Action(kind, count[(kind, chunk)], chunk))
+            count[(kind, chunk)] += 1
 
-    for _ in range(2 * (p - rank) - 1):
-        do("F", 0)
-    for _ in range(rank):
-        do("F", 1)
-        do("F", 0)
-    for _ in range(p - rank):
-        do("F", 1)
-        do("B", 1)
-        do("W", 1)
-    while count[("F", 1)] < count[("F", 0)] or count[("F", 0)] < m:
-        if count[("F", 0)] < m:
-            do("F", 0)
-        do("B", 0)
-        do("W", 0)
-        do("F", 1)
-        do("B", 1)
-        do("W", 1)
-    for _ in range(rank):
-        do("B", 0)
-        do("B", 1)
-    for _ in range(p - rank):
-        do("B", 0)
-        do("W", 0)
+    do(*["F0"] * (2 * (p - rank) - 1), *["F1", "F0"] * rank)  # 1
+    do(*["F1", "B1", "W1"] * (p - rank))  # 2
+    while count[("F", 1)] < count[("F", 0)] or count[("F", 0)] < m:  # 3
+        do(*(["F0"] if count[("F", 0)] < m else []), "B0", "W0", "F1", "B1", "W1")
+    do(*["B0", "B1"] * rank, *["B0", "W0"] * (p - rank))  # 4
     for chunk in (1, 0):
-        while count[("W", chunk)] < count[("B", chunk)]:
-            do("W", chunk)
+        do(*[f"W{chunk}"] * (count[("B", chunk)] - count[("W", chunk)]))
     return actions
 
 
 def dualpipev_bundles(pp: int, micro_batches: int, rank: int) -> List[List[Action]]:
-    """DualPipeV (DeepSeek-V3's DualPipe in a V), as torch's ScheduleDualPipeV orders it.
+    """DualPipeV (DeepSeek-V3's DualPipe in a V), in the order of torch's ScheduleDualPipeV.
 
-    A bundle of two actions [F of one chunk, B of the other] is DualPipe's overlapped pair: its
-    messages go out together and, on a GPU, the two computations hide each other's
-    communication. A B with no W later in the list is a full backward (B + W at once); the
-    B's of the last phases are split, and their W's fill the final bubble.
+    A bundle [F of one chunk, B of the other] is DualPipe's overlapped pair: its messages go
+    out together and, on a GPU, each computation hides the other's communication. A B with no
+    W later is a full backward; the last phases' B's are split, their W's fill the end.
     """
     p, m = pp, micro_batches
     count = {(kind, c): 0 for kind in "FBW" for c in (0, 1)}
-    pending_w: List[Tuple[int, int]] = []  # (chunk, micro-batch) whose W is owed
+    owed: List[Tuple[int, int]] = []  # (chunk, micro-batch) whose W is owed, oldest first
     bundles: List[List[Action]] = []
 
-    def act(kind: str, chunk: int, split: bool = False) -> Action:
-        action = Action(kind, count[(kind, chunk)], chunk)
-        count[(kind, chunk)] += 1
-        if kind == "B" and split:
-            pending_w.append((chunk, action.micro_batch))
-        return action
+    def add(*steps: str, split: bool = False) -> None:
+        """One bundle of "F0", "B1", ... (the next F of chunk 0, ...), or "W": the oldest owed."""
+        bundle = []
+        for kind, chunk in ((step[0], int(step[1:] or 0)) for step in steps):
+            if kind == "W":  # none owed: no bundle
+                bundle += [Action("W", mb, c) for c, mb in owed[:1]]
+                del owed[:1]
+                continue
+            bundle.append(Action(kind, count[(kind, chunk)], chunk))
+            count[(kind, chunk)] += 1
+            if kind == "B" and split:
+                owed.append((chunk, bundle[-1].micro_batch))
+        bundles.extend([bundle] if bundle else [])
 
-    def weight() -> None:
-        if pending_w:
-            chunk, mb = pending_w.pop(0)
-            bundles.append([Action("W", mb, chunk)])
-
-    for _ in range(2 * (p - rank - 1)):  # 1: forwards of chunk 0
-        bundles.append([act("F", 0)])
-    for _ in range(rank + 1):  # 2: F0 F1
-        bundles.append([act("F", 0)])
-        bundles.append([act("F", 1)])
+    for step in ["F0"] * (2 * (p - rank - 1)) + ["F0", "F1"] * (rank + 1):  # 1, 2: forwards
+        add(step)
     for _ in range(p - rank - 1):  # 3: B1 W F1 (zero bubble)
-        bundles.append([act("B", 1, split=True)])
-        weight()
-        bundles.append([act("F", 1)])
+        add("B1", split=True)
+        add("W")
+        add("F1")
     for i in range(m - 2 * p + rank + 1):  # 4: main: (F0, B1) and (F1, B0), overlapped
         if i == 0 and rank == p - 1:  # not overlapped: the turn of the V is on this rank
-            bundles.append([act("F", 0)])
-            bundles.append([act("B", 1)])
+            add("F0")
+            add("B1")
         else:
-            bundles.append([act("F", 0), act("B", 1)])
-        bundles.append([act("F", 1), act("B", 0)])
+            add("F0", "B1")
+        add("F1", "B0")
     for _ in range(p - rank - 1):  # 5: B1, (F1, B0)
-        bundles.append([act("B", 1)])
-        bundles.append([act("F", 1), act("B", 0)])
+        add("B1")
+        add("F1", "B0")
     split = False
     for i in range(rank + 1):  # 6: B1 B0; the second half split (zero bubble)
-        if i == (rank + 1) // 2 and rank % 2 == 1:
-            split = True
-        bundles.append([act("B", 1, split)])
-        if i == (rank + 1) // 2 and rank % 2 == 0:
-            split = True
-        bundles.append([act("B", 0, split)])
+        split = split or (i == (rank + 1) // 2 and rank % 2 == 1)
+        add("B1", split=split)
+        split = split or (i == (rank + 1) // 2 and rank % 2 == 0)
+        add("B0", split=split)
     for _ in range(p - rank - 1):  # 7: W B0
-        weight()
-        bundles.append([act("B", 0, split)])
-    while pending_w:  # 8: the W's still owed
-        weight()
+        add("W")
+        add("B0", split=split)
+    while owed:  # 8: the W's still owed
+        add("W")
     return bundles
 
 
@@ -203,15 +156,3 @@ def zero_bubble_bundles(schedule: str, pp: int, micro_batches: int,
     if schedule == "zbv":
         return [[a] for a in zbv_actions(pp, micro_batches, rank)]
     return dualpipev_bundles(pp, micro_batches, rank)
-
-
-def zero_bubble_theory(schedule: str, pp: int, micro_batches: int, forward: float = 1.0,
-                       backward: float = 1.0, weight: float = 1.0) -> Optional[float]:
-    """Idle fraction of ZB-H1 with per-stage costs F, B, W (W <= F + B): each rank idles
-    (p-1)(F+B-W) of a step that works m (F+B+W). None for the V schedules (the simulator
-    gives theirs)."""
-    if schedule != "zb-h1":
-        return None
-    p, m = pp, micro_batches
-    idle = (p - 1) * max(forward + backward - weight, 0.0)
-    return idle / (m * (forward + backward + weight) + idle)
