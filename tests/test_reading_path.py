@@ -63,7 +63,7 @@ MODULES_OF: Dict[str, List[str]] = {
     ],
     "02": [
         "zero", "flat_unit", "zero_report", "fully_shard", "sharded_optimizer", "zero_any_module",
-        "unit_rules", "zero_views"
+        "unit_rules", "zero_views", "zero_order_check"
     ],
     "03": ["tensor_parallel", "tensor_parallel_layers", "tensor_parallel_dtensor"],
     "04": ["pipeline_parallel", "pipeline_schedules", "orders", "timeline", "placement"],

@@ -5,7 +5,8 @@ or before the head (drawn) and one last in the forward (and, drawn, a frozen off
 blocks of two linears in a ``ModuleList``, a head. Hypothesis draws, per step: blocks not
 called on any rank, blocks called whose output no rank uses, per rank a block's second linear
 left out (a parameter one rank uses and the other does not), blocks one rank does not call,
-blocks one rank calls but does not use, and each root gain left out, and a
+blocks one rank calls but does not use, a rank that calls no unit at all (its output a view of
+a root parameter), and each root gain left out, and a
 second ``step()`` after the backward (the same gradients again, never reduced twice). It draws
 ``zero_grad``'s set_to_none (False: an unused parameter keeps its zeroed gradient, which AdamW
 decays, as on one device) and the dtype: float64 weights come back float64, within 1e-12
@@ -16,6 +17,8 @@ ZeRO-1 on our bucketed DDP with find_unused_parameters (drawn) step it 3 times w
 one device steps rank 0's model on the global batch, each rank's slice with that rank's plan
 (mean of the losses). ZeRO-3 is drawn with and without prefetch: a block one rank skips must
 still be gathered there at its turn, or the ranks' all-gathers no longer pair up (they hung).
+Ranks that call a unit a different number of times, or units in another order, must stop on
+every rank with one line (``DIVERGING``).
 
 Tolerance (fp32, eps 6e-8). The gradients are the mean of 2 slices' sums in another order:
 relative error about N eps = 1.2e-7. SGD is linear in them: 3 steps of lr 1e-2 with momentum
@@ -83,6 +86,8 @@ class Drawn(nn.Module):
                                          gain_at="input")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.plan.get("root_only"):  # no unit called: the output views a root parameter
+            return self.out_gain.expand(len(x), 3)
         first = self.plan["gain_at"] == "input"
         h = x * self.gain if self.plan["gain"] and first else x
         h = h + self.offset if self.offset is not None else h
@@ -98,13 +103,15 @@ class Drawn(nn.Module):
 def cases() -> List[Dict[str, Any]]:
     """Drawn by hypothesis (derandomized: the same cases in every run and on every rank)."""
     blocks = st.lists(st.integers(0, 2), max_size=2, unique=True)
-    per_rank = st.lists(st.booleans(), min_size=WORLD, max_size=WORLD)
+
+    def per_rank(each: Any) -> Any:  # one draw per rank
+        return st.lists(each, min_size=WORLD, max_size=WORLD)
+
     step = st.fixed_dictionaries(
-        dict(skip=blocks, drop=blocks, no_b=st.lists(blocks, min_size=WORLD, max_size=WORLD),
-             one_drops=st.lists(blocks, min_size=WORLD,
-                                max_size=WORLD), one_skips=st.lists(blocks, min_size=WORLD,
-                                                                    max_size=WORLD), gain=per_rank,
-             out_gain=per_rank, twice=st.booleans()))
+        dict(skip=blocks, drop=blocks, no_b=per_rank(blocks), one_drops=per_rank(blocks),
+             one_skips=per_rank(blocks), gain=per_rank(st.booleans()),
+             out_gain=per_rank(st.booleans()), twice=st.booleans(),
+             root_only=per_rank(st.sampled_from([False, False, False, True]))))
     case = st.fixed_dictionaries(
         dict(frozen_own=st.booleans(), opt=st.sampled_from(sorted(OPTIMIZERS)),
              stage=st.sampled_from(list(STAGES)), seed=st.integers(0, 2**16),
@@ -124,24 +131,27 @@ def cases() -> List[Dict[str, Any]]:
     # root's unit completes there first (block 0's prefetch must not gather it on rank 0 only);
     # in float64 (round 4's #11: ZeRO-3's full_state_dict gave float32; bfloat16: bf16_model)
     root_first = dict(skip=[], drop=[], no_b=[[], []], one_drops=[[], []], one_skips=[[], []],
-                      gain=[True, True], out_gain=[True, False], twice=False)
+                      gain=[True, True], out_gain=[True, False], twice=False, root_only=[0, 0])
     found.append(
         dict(frozen_own=False, opt="adamw", stage="zero3", seed=3, set_to_none=True, gain_at="head",
              dtype="float64", prefetch=True, steps=[root_first] * STEPS))
     # issue 52's probe, round 6, always: ZeRO-3 without prefetch, rank 0 calls block 1 and not
     # block 2, rank 1 calls block 2 and drops block 1's output (each hung in the first backward)
     per_rank = dict(skip=[], drop=[], no_b=[[], []], one_drops=[[], [1]], one_skips=[[2], []],
-                    gain=[True, True], out_gain=[True, True], twice=False)
+                    gain=[True, True], out_gain=[True, True], twice=False, root_only=[0, 0])
+    # probe round 7: rank 1 calls no unit, its output a view of a root parameter (it segfaulted)
+    root_only = dict(per_rank, one_drops=[[], []], one_skips=[[], []], root_only=[0, 1])
     found.append(
         dict(frozen_own=True, opt="adamw", stage="zero3", seed=5, set_to_none=True, gain_at="input",
              dtype="float32", prefetch=False, steps=[per_rank] * STEPS))
+    found.append(dict(found[-1], seed=6, steps=[per_rank, root_only, root_only]))
     # ZeRO-1 with zero_grad(set_to_none=False), always: an unused parameter keeps its zeroed
     # gradient through DDP's find_unused_parameters and the sharded step (round 3's #5)
     # (a parameter used in step 1, left out of steps 2 and 3)
     every = dict(skip=[], drop=[], no_b=[[], []], one_drops=[[], []], one_skips=[[], []],
-                 gain=[True, True], out_gain=[True, True], twice=False)
+                 gain=[True, True], out_gain=[True, True], twice=False, root_only=[0, 0])
     fewer = dict(skip=[1], drop=[0], no_b=[[2], []], one_drops=[[], [2]], one_skips=[[], []],
-                 gain=[False, True], out_gain=[False, False], twice=True)
+                 gain=[False, True], out_gain=[False, False], twice=True, root_only=[0, 0])
     found.append(
         dict(frozen_own=True, opt="adamw", stage="zero1", seed=7, set_to_none=False,
              gain_at="input", dtype="float32", prefetch=True, steps=[every, fewer, fewer]))
@@ -153,7 +163,8 @@ def plan_of(case: Dict[str, Any], k: int, rank: int) -> Dict[str, Any]:
     step = case["steps"][k]
     return dict(skip=step["skip"] + step["one_skips"][rank],
                 drop=step["drop"] + step["one_drops"][rank], no_b=step["no_b"][rank],
-                gain=step["gain"][rank], out_gain=step["out_gain"][rank], gain_at=case["gain_at"])
+                gain=step["gain"][rank], out_gain=step["out_gain"][rank], gain_at=case["gain_at"],
+                root_only=step["root_only"][rank])
 
 
 def data(case: Dict[str, Any], step: int) -> Any:
@@ -194,6 +205,44 @@ def bf16_model(rank: int) -> Drawn:
     return Drawn(frozen_own=True).bfloat16()
 
 
+class Diverging(nn.Module):
+    """Three square linears; ``calls`` lists the ones this rank's forward calls, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 6)
+        self.calls = "abc"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for name in self.calls:
+            x = torch.tanh(getattr(self, name)(x))
+        return x
+
+
+# ZeRO-3 cannot pair up what ranks that call units a different number of times, or in another
+# order, all-gather: each must stop on every rank with the check's one line, not a hang
+DIVERGING = {
+    "b twice on rank 0": ["abbc", "abc"],
+    "b, a on rank 1": ["abc", "bac"],
+    "c on rank 0 only, b twice on rank 1": ["abc", "abb"]
+}
+
+
+def diverging(rank: int) -> Dict[Any, str]:
+    said = {}
+    for how, calls in DIVERGING.items():
+        for prefetch in (True, False):
+            model = Diverging()
+            model.calls = calls[rank]
+            zero = apply_zero_any(model, prefetch=prefetch)
+            try:
+                zero(torch.randn(2, 6)).sum().backward()
+                said[how, prefetch] = "ran"
+            except RuntimeError as error:
+                said[how, prefetch] = str(error)
+    return said
+
+
 def _world(rank: int, world: int, drawn: List[Dict[str, Any]]) -> Dict[str, Any]:
     out: Dict[str, Any] = {"states": []}
     out["bf16"] = apply_zero_any(bf16_model(rank)).full_state_dict()  # a frozen unit too
@@ -219,6 +268,7 @@ def _world(rank: int, world: int, drawn: List[Dict[str, Any]]) -> Dict[str, Any]
             for _ in range(2 if case["steps"][k]["twice"] else 1):
                 opt.step()
         out["states"].append(state_of(model) if bare else zero.full_state_dict())
+    out["diverging"] = diverging(rank)  # last: a case that stops leaves nothing in flight
     return out
 
 
@@ -247,6 +297,14 @@ class UnusedParametersZero(unittest.TestCase):
             for n, w in want.items():
                 self.assertEqual(r["bf16"][n].dtype, torch.bfloat16, n)
                 self.assertTrue(torch.equal(r["bf16"][n], w), n)
+
+    def test_ranks_that_call_units_differently_stop_with_one_line_on_every_rank(self) -> None:
+        for key in [(how, prefetch) for how in DIVERGING for prefetch in (True, False)]:
+            for rank, r in enumerate(self.results):
+                said = r["diverging"][key]
+                self.assertIn("ZeRO-3: the ranks are about to run different collectives", said,
+                              f"{key} rank {rank}")
+                self.assertIn("rank 1: all-gather of unit", said, f"{key} rank {rank}")
 
     def test_weights_after_steps_with_unused_parameters_match_one_device(self) -> None:
         worst = {"adamw": 0.0, "sgd": 0.0, "float64": 0.0}

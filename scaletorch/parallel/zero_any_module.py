@@ -6,21 +6,18 @@ added by a subclass of zero.py's ``ShardedDataParallel``:
 
 - a unit rule for any module (unit_rules.py: ``child_units``, ``as_units``), units that nest
   (the model's own parameters in a unit of their own, as FSDP2's root);
-- under stage 3 a unit is gathered before whichever of its modules runs first, and a released
-  unit's modules hold placeholders (``ReleasedParameter``): a parent that reads
-  ``self.layers[1].weight`` without calling ``layers[1]`` stops with one line naming the unit;
-- ``named_parameters()`` under the model's own names, in its order, each this rank's piece of
-  its shard (``ShardView``: it refuses ``requires_grad_``; the sharded optimizer refuses it);
-- ``full_state_dict()`` with every key ``module.state_dict()`` has (a shared module's too);
+- under stage 3 a unit is gathered before whichever of its modules runs first; a released
+  unit's modules hold placeholders, and ``named_parameters()`` gives this rank's piece of each
+  parameter under its own name (zero_views.py); ``full_state_dict()`` has every key;
 - a unit holds one dtype (one flat vector): a unit mixing dtypes is refused at the wrap;
-- under stage 3 frozen parameters are sharded too (``frozen_unit``): a unit's in a flat vector
-  of their own, gathered and released with it, the ones outside every unit in one more, gathered
-  for the wrapper's forward and backward. They get no gradient and no optimizer state;
+- under stage 3 frozen parameters are sharded too (``frozen_unit``): a unit's gathered and
+  released with it, those of no unit for the wrapper's forward and backward;
 - the optimizer steps each parameter's piece of its unit's shard (``pieces``), and one that no
   rank used in a step has ``grad None`` (``_agree_on_grads``): skipped as on one device;
 - under stage 3 ranks may call or use different units: all gather in one order (forward 0..U-1,
   backward U-1..0), a unit this rank skips gathered and freed at its turn all the same
   (``_pass_forward``, ``_pass_backward``): another rank's all-gather needs this rank's part.
+  Before each all-gather and reduce-scatter the ranks check it is the same (zero_order_check.py).
 
 The optimizer is zero.py's (``ZeroAdamW``), or sharded_optimizer.py's with an elementwise class.
 """
@@ -35,12 +32,14 @@ from torch.utils._pytree import tree_leaves
 from scaletorch.dist import comm, get_ledger
 from scaletorch.dist.comm import Group, Work
 from scaletorch.dist.wrap_checks import refuse_wrapped
-from scaletorch.parallel.flat_unit import FlatUnit, gather_unit, put_tensor, release_unit
+from scaletorch.parallel.flat_unit import FlatUnit, gather_unit, release_unit
 from scaletorch.parallel.unit_rules import (UnitRule, as_units, check_coverage, check_unit_dtypes,
                                             frozen_unit, nested_parameters, nests,
                                             refuse_changed_since_wrap)
 from scaletorch.parallel.zero import MakeUnit, ShardedDataParallel, Units
-from scaletorch.parallel.zero_views import ReleasedParameter, ShardView, named_views, pieces_of
+from scaletorch.parallel.zero_order_check import (check_same_collective, copy_views_of,
+                                                  warn_called_again)
+from scaletorch.parallel.zero_views import ShardView, hold, named_views, pieces_of, unflatten
 
 
 class AnyShardedDataParallel(ShardedDataParallel):
@@ -102,16 +101,7 @@ class AnyShardedDataParallel(ShardedDataParallel):
 
     def _hold(self, unit: FlatUnit, gathered: bool) -> None:
         """The unit's modules hold its full tensors (``gathered``) or a placeholder each."""
-        where = ", ".join(sorted({type(m).__name__ for m in unit.modules}))
-        when = "the wrapper" if unit is self.outside else "one of its modules"
-        for tensor, slots in zip(unit.tensors, unit.slots):
-            for sub, attr, fqn in slots:
-                put_tensor(
-                    sub, attr, tensor if gathered else ReleasedParameter.saying(
-                        f"ZeRO-3 unit {unit.name!r} ({where}) is released, but {fqn} was used: "
-                        f"a unit is gathered only while {when} runs (from its call to its "
-                        f"return), and {fqn} was read outside such a call: give the module "
-                        f"whose forward reads it a unit holding {fqn} too (units=)"))
+        hold(unit, gathered, "the wrapper" if unit is self.outside else "one of its modules")
 
     def _unit_parameters(self, units: Units) -> List[Set[nn.Parameter]]:
         return nested_parameters(units)
@@ -168,6 +158,8 @@ class AnyShardedDataParallel(ShardedDataParallel):
         self._hold(unit, False)
 
     def _gather(self, i: int, async_op: bool = False) -> None:
+        if i not in self._gathering and not self.units[i].gathered_bytes:  # it will all-gather
+            self._check_same(0, i)
         super()._gather(i, async_op)
         if i not in self._gathering:  # complete: its modules hold the full tensors again
             self._hold(self.units[i], True)
@@ -200,19 +192,24 @@ class AnyShardedDataParallel(ShardedDataParallel):
 
     def _pre_forward(self, i: int, module: nn.Module, args: Tuple[Any, ...]) -> None:
         """zero.py's, after passing the units before unit i that this forward did not call."""
-        if not self._outer[i]:
-            self._pass_forward(i)
-            self._forward_next = max(self._forward_next, i + 1)
+        if i + 1 < self._forward_next:  # passed already: gathered once more
+            warn_called_again(self.units[i].name, [u.name for u in self.units])
+        self._pass_forward(i)
+        self._forward_next = max(self._forward_next, i + 1)
         super()._pre_forward(i, module, args)
 
+    def _post_forward(self, i: int, module: nn.Module, args: Tuple[Any, ...], output: Any) -> Any:
+        """zero.py's, on a copy of each output that views the unit's parameters (freed now)."""
+        output = copy_views_of(self.units[i].flat, output)
+        super()._post_forward(i, module, args, output)
+        return output  # a forward hook's return value replaces the module's output
+
     def _pass_forward(self, stop: int) -> None:
-        """Each unit from the next one in forward order up to ``stop`` (excluded) that this rank
-        did not call: gathered and freed as if it ran (another rank may run it now)."""
+        """The units up to ``stop`` (excluded) this forward skipped: gathered and freed, as run."""
         while self._forward_next < stop:
             j, self._forward_next = self._forward_next, self._forward_next + 1
-            if not self._outer[j]:
-                super()._pre_forward(j, self.units[j].modules[0], ())  # gather j, prefetch j + 1
-                self._free(j)
+            super()._pre_forward(j, self.units[j].modules[0], ())  # gather j, prefetch j + 1
+            self._free(j)
 
     def _pre_backward(self, i: int, grad: Optional[torch.Tensor]) -> None:
         """zero.py's, after ``_gather_outer`` and the units after i this backward skipped; a unit
@@ -229,15 +226,13 @@ class AnyShardedDataParallel(ShardedDataParallel):
     def _enter_backward(self, i: int, grad: Optional[torch.Tensor]) -> None:
         if self._sync:
             self._issue(i + 1)  # the units after it are done: reduced before its gathers
-        super()._pre_backward(i, cast(torch.Tensor,
-                                      grad))  # gather i, prefetch i - 1 (no grad read)
+        super()._pre_backward(i, cast(torch.Tensor, grad))  # gather i, prefetch i - 1
         self._awaiting[i] = max(self._inputs[i], 0)
         self._backward_next = min(self._backward_next, i - 1)
 
     def _pass_backward(self, stop: int) -> None:
-        """Each unit from the next one in backward order down to ``stop`` (excluded) whose
-        backward this rank skipped (no gradient reached its output here): gathered, reduced (zeros
-        from this rank) and freed at its turn, as on a rank whose backward runs it."""
+        """Each unit from the next one in backward order down to ``stop`` (excluded) that this
+        backward skipped: gathered, reduced (zeros from here) and freed, as where it runs."""
         while self._backward_next > stop:
             j, self._backward_next = self._backward_next, self._backward_next - 1
             if not self._outer[j]:
@@ -252,9 +247,8 @@ class AnyShardedDataParallel(ShardedDataParallel):
 
     def _gather_outer(self) -> None:
         """Stage 3, at the first unit's backward: gather every unit that holds others (the
-        root's own parameters), in one order, kept until ``finish_grad_sync``. Their hooks fire
-        on the output they return, at a place that depends on what a rank used: a root gain on
-        the output on one rank only moves the root's hook before or after the head's."""
+        root's own parameters), in one order, kept until ``finish_grad_sync``: their hooks fire
+        at a place that depends on what a rank used (a root gain on one rank's output only)."""
         if self.zero_stage == 3 and not self._outer_gathered:
             self._outer_gathered = True
             for k in [k for k, outer in enumerate(self._outer) if outer]:
@@ -287,8 +281,17 @@ class AnyShardedDataParallel(ShardedDataParallel):
         """Reduce-scatter, in order, every unit from the next one down to ``stop`` (complete
         or not: zeros for what this rank lacks), then each next one that is complete."""
         while self._next >= 0 and (self._next >= stop or self._queued[self._next]):
-            super()._reduce(self._next)
+            self._reduce_unit(self._next)
             self._next -= 1
+
+    def _reduce_unit(self, i: int) -> None:
+        if self.zero_stage == 3:
+            self._check_same(1, i)
+        super()._reduce(i)  # zero.py's reduce-scatter of unit i
+
+    def _check_same(self, collective: int, i: int) -> None:
+        check_same_collective(collective, i, [u.name for u in self.units], self.group,
+                              self.units[i].shard.device)
 
     def _agree_on_grads(self) -> None:
         """One all-reduce over the units' group of a 0/1 flag per trainable parameter: did this
@@ -337,7 +340,7 @@ class AnyShardedDataParallel(ShardedDataParallel):
             self._issue(0)
             for i in reversed(range(len(self.units))):  # one order on every rank
                 if self._dirty[i]:
-                    super()._reduce(i)  # a unit's gradient after its turn: added to its shard's
+                    self._reduce_unit(i)  # a unit's gradient after its turn: added to its shard's
             self._wait_reduce()  # the last one in flight: its shard's gradient is in
             self._agree_on_grads()
         self._round = self._outer_gathered = False  # zero.py's frees every unit now
@@ -382,10 +385,7 @@ class AnyShardedDataParallel(ShardedDataParallel):
         full = super().full_state_dict(value_of)
         with get_ledger().paused():  # a check, not training traffic
             for unit in [] if value_of else self.frozen_units():
-                flat = unit.all_gather_flat(unit.shard)  # (S,) pieces -> (P',), over the group
-                for names, shape, start in zip(unit.names, unit.shapes, unit.offsets):
-                    tensor = flat[start:start + shape.numel()].view(shape).cpu().clone()
-                    full.update({name: tensor for name in names})
+                full.update(unflatten(unit, unit.all_gather_flat(unit.shard)))  # over the group
         return {name: full[first] for name, first in self.names_at_wrap.items() if first in full}
 
 

@@ -1,9 +1,9 @@
 """What a ZeRO-3 unit's modules and a ZeRO wrapper's ``named_parameters()`` hold, for any module.
 
 zero_any_module.py wraps a model nobody here wrote. A released unit's modules hold a
-``ReleasedParameter`` in place of each parameter (a use raises one line naming the unit); the
-wrapper names each parameter by a ``ShardView``, this rank's piece of its unit's (S,) shard,
-[a, b) of it by ``pieces_of``.
+``ReleasedParameter`` in place of each parameter (``hold``: a use raises one line naming the
+unit); the wrapper names each parameter by a ``ShardView``, this rank's piece of its unit's (S,)
+shard, [a, b) of it by ``pieces_of``; ``unflatten`` cuts a gathered unit into its tensors.
 """
 
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from scaletorch.parallel.flat_unit import FlatUnit
+from scaletorch.parallel.flat_unit import FlatUnit, put_tensor
 
 FREEZE_BEFORE = "freeze or unfreeze the parameter before apply_zero_any"
 
@@ -51,6 +51,30 @@ def pieces_of(unit: FlatUnit) -> List[Tuple[int, int]]:
     lo, hi = unit.rank * unit.shard_numel, (unit.rank + 1) * unit.shard_numel
     return [(min(max(begin, lo), hi) - lo, min(max(end, lo), hi) - lo)
             for begin, end in zip(unit.offsets, unit.offsets[1:])]
+
+
+def hold(unit: FlatUnit, gathered: bool, when: str) -> None:
+    """The unit's modules hold its full tensors (``gathered``) or a ``ReleasedParameter`` each,
+    whose use names the unit and ``when`` it is gathered."""
+    where = ", ".join(sorted({type(m).__name__ for m in unit.modules}))
+    for tensor, slots in zip(unit.tensors, unit.slots):
+        for sub, attr, fqn in slots:
+            put_tensor(
+                sub, attr, tensor if gathered else ReleasedParameter.saying(
+                    f"ZeRO-3 unit {unit.name!r} ({where}) is released, but {fqn} was used: "
+                    f"a unit is gathered only while {when} runs (from its call to its "
+                    f"return), and {fqn} was read outside such a call: give the module "
+                    f"whose forward reads it a unit holding {fqn} too (units=)"))
+
+
+def unflatten(unit: FlatUnit, flat: torch.Tensor) -> Dict[str, torch.Tensor]:
+    """{every name of each of the unit's parameters: its full tensor, on the CPU} from the
+    unit's (P',) ``flat`` vector (a name sharing a tensor gets the same one)."""
+    full: Dict[str, torch.Tensor] = {}
+    for names, shape, start in zip(unit.names, unit.shapes, unit.offsets):
+        tensor = flat[start:start + shape.numel()].view(shape).cpu().clone()
+        full.update({name: tensor for name in names})
+    return full
 
 
 def named_views(units: Sequence[FlatUnit], pieces: Sequence[Optional[List[ShardView]]],
