@@ -1,9 +1,11 @@
 """Chapter 06b: load balance. The meter sees the hot rank, the bias of DeepSeek-V3 and capacity
-with dropping on global statistics keep parity with the single device at ep 2 and 4, and the
-bias resumes bit for bit."""
+with dropping on global statistics keep parity with the single device at ep 2 and 4, and both
+resume bit for bit."""
 
 import copy
+import os
 import unittest
+from unittest import mock
 
 import torch
 
@@ -325,6 +327,38 @@ class ChapterFlagsAreCheckedBeforeWork(unittest.TestCase):
                 self.assertEqual((code, out.count("\n")), (2, 1), out)
                 self.assertIn(words, out)
         self.assertEqual(run_in_process("examples/06b_load_balance.py", ["--ep", "1"]), (0, ""))
+
+    def test_a_setting_each_remedy_sets_is_refused_with_the_remedy_to_use(self):
+        """06b sets the aux loss and the capacity per remedy: a value given for them would be
+        ignored, so it is refused, naming the --remedies entry that runs it; that entry runs."""
+        from tests.test_bad_inputs import run_in_process
+        cases = [
+            (["--set", "model.moe_capacity_factor=0.01"],
+             "model.moe_capacity_factor 0.01 would be ignored: each remedy sets its own; use "
+             '--remedies "capacity 0.01" instead'),
+            (["--model.moe_aux_loss_coeff", "0.3"], 'use --remedies "aux 0.3" instead'),
+            (["--remedies", "none,capacity 0"], "'capacity 0' is none of none, aux C, bias"),
+            (["--remedies", "aux nan"], "'aux nan' is none of"),
+            (["--remedies", "bias,bias"], "each remedy once"),
+        ]
+        for argv, words in cases:
+            with self.subTest(argv=argv):
+                code, out = run_in_process("examples/06b_load_balance.py", ["--ep", "1", *argv])
+                self.assertEqual((code, out.count("\n")), (2, 1), out)
+                self.assertIn(words, out)
+        runs = ["--remedies", "none,capacity 0.01,aux 0.3", "--set", "model.moe_capacity_factor=0"]
+        self.assertEqual(run_in_process("examples/06b_load_balance.py", ["--ep", "1", *runs]),
+                         (0, ""))
+
+    def test_help_lists_the_chapters_options_one_line_each(self):
+        from tests.test_bad_inputs import run_in_process
+        with mock.patch.dict(os.environ, {"COLUMNS": "80"}):  # argparse's width
+            code, out = run_in_process("examples/06b_load_balance.py", ["--help"])
+        self.assertEqual(code, 0, out)
+        mine = out.split("chapter 06b's options:\n", 1)[-1].split("\n\n")[0].splitlines()
+        self.assertEqual([line.split()[0] for line in mine],
+                         ["--remedies", "--hot-offset", "--plot"], out)
+        self.assertIn("comma-separated, of: none, aux C, bias, capacity F", mine[0])
 
     def test_a_bias_rate_that_is_not_a_finite_positive_number_is_refused(self):
         model = torch.nn.Linear(2, 2)
