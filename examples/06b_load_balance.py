@@ -33,7 +33,7 @@ from scaletorch.trainer import Trainer, load_config
 from scaletorch.trainer.parity import report_parity, report_weight_parity
 from scaletorch.trainer.trainer import build_loader
 
-# name -> (aux loss coefficient, bias update rate, capacity factor)
+# name -> (aux loss coefficient, bias update rate, capacity factor): the default runs
 REMEDIES = {
     "none": (0.0, 0.0, 0.0),
     "aux 0.01": (0.01, 0.0, 0.0),
@@ -41,17 +41,39 @@ REMEDIES = {
     "bias": (0.0, 0.02, 0.0),
     "capacity 1.0": (0.0, 0.0, 1.0),
 }
+FORMS = "none, aux C, bias, capacity F"  # what --remedies takes (C, F: numbers > 0)
+# the model's settings each remedy sets: key -> the remedy that takes its value
+PER_REMEDY = {"moe_aux_loss_coeff": "aux", "moe_capacity_factor": "capacity"}
+
+
+def remedy_settings(name: str) -> tuple:
+    """(aux loss coefficient, bias update rate, capacity factor) of one --remedies entry:
+    "none", "bias", "aux C" or "capacity F" (C, F finite numbers > 0). ValueError otherwise."""
+    if name in ("none", "bias"):
+        return REMEDIES[name]
+    kind, _, value = name.partition(" ")
+    try:
+        number = float(value)
+    except ValueError:
+        number = float("nan")
+    if kind not in ("aux", "capacity") or not 0 < number < float("inf"):
+        raise ValueError(f"--remedies: {name!r} is none of {FORMS} (C and F finite numbers "
+                         f'> 0), e.g. --remedies "none,capacity 1.25"')
+    return (number, 0.0, 0.0) if kind == "aux" else (0.0, 0.0, number)
 
 
 def chapter_args() -> tuple:
-    """This chapter's own flags; the rest go to load_config."""
+    """This chapter's own flags and its parser (for --help); the rest go to load_config."""
     parser = OneLineParser(add_help=False)
-    parser.add_argument("--hot-offset", type=float, default=3.0,
-                        help="router logit offset of experts 0 and 1 at init")
-    parser.add_argument("--remedies", default=",".join(REMEDIES),
-                        help=f"comma-separated, of: {', '.join(REMEDIES)}")
-    parser.add_argument("--plot", default=None, help="PNG: tokens per expert, time per rank")
-    return parser.parse_known_args()
+    mine = parser.add_argument_group("chapter 06b's options")
+    mine.add_argument("--remedies", default=",".join(REMEDIES), metavar="LIST",
+                      help=f"comma-separated, of: {FORMS}")
+    mine.add_argument("--hot-offset", type=float, default=3.0, metavar="X",
+                      help="router logit offset of experts 0 and 1 at init")
+    mine.add_argument("--plot", default=None, metavar="PNG",
+                      help="draw tokens per expert and time per rank to PNG")
+    args, rest = parser.parse_known_args()
+    return args, rest, parser
 
 
 def limits(args):
@@ -63,10 +85,16 @@ def limits(args):
             raise ValueError("06b_load_balance runs ep with data parallel (impl ours); compose "
                              "with tp in examples/07_nd_parallel.py")
         remedies = args.remedies.split(",")
-        unknown = [r for r in remedies if r not in REMEDIES]
-        if unknown:
-            raise ValueError(f"--remedies {args.remedies}: unknown {unknown}; choose from "
-                             f"{', '.join(REMEDIES)}")
+        for name in remedies:
+            remedy_settings(name)
+        if len(set(remedies)) < len(remedies):
+            raise ValueError(f"--remedies {args.remedies}: each remedy once")
+        for key, kind in PER_REMEDY.items():  # the config's 0 is overwritten by each remedy's
+            value = getattr(cfg.model, key)
+            if value != 0:
+                raise ValueError(f"model.{key} {value:g} would be ignored: each remedy sets its "
+                                 f'own; use --remedies "{kind} {value:g}" instead (with '
+                                 f'others: --remedies "none,{kind} {value:g}")')
         if not math.isfinite(args.hot_offset):
             raise ValueError(f"--hot-offset must be a finite number, got {args.hot_offset}")
         if cfg.training.steps < 2:  # step 1 warms up: the times are of the steps after it
@@ -84,7 +112,7 @@ def limits(args):
 def build(cfg, remedy: str, device, hot_offset: float, pgm=None):
     """The model and its step for ``remedy``: on ep (``pgm``) or on one device (None, the
     reference). Returns (model, step, meter or None)."""
-    aux, rate, factor = REMEDIES[remedy]
+    aux, rate, factor = remedy_settings(remedy)
     cfg.model.moe_aux_loss_coeff, cfg.model.moe_capacity_factor = aux, factor
     model = build_model(cfg.model, seed=cfg.training.model_seed).to(device)
     skew_router(model, {0: hot_offset, 1: hot_offset})  # the collapse, same on every rank
@@ -148,9 +176,10 @@ def draw(every: torch.Tensor, balanced: torch.Tensor, num_experts: int, path: st
 
 
 def main() -> int:
-    args, rest = chapter_args()
+    args, rest, options = chapter_args()
     cfg = load_config("examples/configs/06b_load_balance.yaml",
-                      "Chapter 06b: load balance in a mixture of experts", limits(args), argv=rest)
+                      "Chapter 06b: load balance in a mixture of experts", limits(args), argv=rest,
+                      options=options)
     env = init_distributed(cfg.training.timeout_seconds)
     pgm = init_pg_manager_from_config(cfg.parallel, cfg.training.timeout_seconds)
     pgm.log_topology(experts=True)
@@ -194,11 +223,12 @@ def main() -> int:
         print(f"\nremedies on one run: ep {pgm.expert_model_parallel_world_size}, {e} experts, "
               f"top-{cfg.model.moe_top_k}, router offset {args.hot_offset:g} on experts 0 1, "
               f"{cfg.training.steps} steps")
-        print(f"{'remedy':<13} {'imbalance':>9} {'last10':>6} {'hot_rows':>8} "
+        w = max([13] + [len(row[0]) for row in rows])  # "capacity 1.25" and longer
+        print(f"{'remedy':<{w}} {'imbalance':>9} {'last10':>6} {'hot_rows':>8} "
               f"{'dropped%':>9} {'heldout_loss':>12} {'step_ms':>7} {'wait_ms':>7}")
         for name, first, tail_mean, hot_rows, dropped, loss, ms, wait in rows:
             drops = "/".join(f"{100 * d:.1f}" for d in dropped)  # per layer
-            print(f"{name:<13} {first:>9.2f} {tail_mean:>6.2f} {hot_rows:>8.0f} {drops:>9} "
+            print(f"{name:<{w}} {first:>9.2f} {tail_mean:>6.2f} {hot_rows:>8.0f} {drops:>9} "
                   f"{loss:>12.4f} {ms:>7.1f} {wait:>7.1f}")
     destroy_pg_manager()
     destroy_distributed()

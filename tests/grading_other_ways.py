@@ -8,6 +8,8 @@ tests/grading_solutions.py's; each must pass.
 SystemExit, os._exit, a SIGKILL, an abort, a receive never answered, a KeyboardInterrupt, a
 segfault): its job's verdict names the rank, what stopped it and where, and the chapter's jobs
 after it keep their own verdicts.
+``MISTAKES``: chapter 06b's wrong rules of choice, each to fail with a diagnosis that names a
+cause only where the grader's probe determines it, and otherwise says what was chosen and seen.
 """
 
 import os
@@ -115,6 +117,68 @@ ALTERNATIVES = [
     ("03", "exit_region", "exit_region_async"),
     ("05", "ring_forward", "ring_forward_isend"),
     ("05", "merge", "merge_lerp_in_place"),
+]
+
+# ---- chapter 06b: wrong rules of choice (probe of issue 55), each named only when determined
+
+
+def top_k_scaled_by_bias(probs, bias, k):
+    """The bias as a factor: rare experts' small probabilities barely move."""
+    chosen = (probs * (1 + bias)).topk(k, dim=-1).indices
+    return probs.gather(-1, chosen), chosen
+
+
+def top_k_smallest(probs, bias, k):
+    """The k smallest of probs + bias."""
+    chosen = (probs + bias).topk(k, dim=-1, largest=False).indices
+    return probs.gather(-1, chosen), chosen
+
+
+def top_k_bias_alone(probs, bias, k):
+    """Every token the same experts: the bias without the probabilities."""
+    chosen = bias.expand_as(probs).topk(k, dim=-1).indices
+    return probs.gather(-1, chosen), chosen
+
+
+def top_k_over_tokens(probs, bias, k):
+    """The top-k over dim 0, the tokens."""
+    weights, chosen = (probs + bias).topk(k, dim=0)
+    return probs.gather(0, chosen), chosen
+
+
+def top_k_first_at_threshold(probs, bias, k):
+    """Every expert at or above the k-th score, the first k of them by index: right without
+    ties; at a tie on the k-th place it can leave out the largest."""
+    scores = probs + bias
+    at_least = scores >= scores.topk(k, dim=-1).values[:, -1:]
+    chosen = at_least.float().argsort(dim=-1, descending=True, stable=True)[:, :k]
+    return probs.gather(-1, chosen), chosen
+
+
+def top_k_swapped(probs, bias, k):
+    """(chosen, weights): the order of chapter 06's router, not this function's."""
+    chosen = (probs + bias).topk(k, dim=-1).indices
+    return chosen, probs.gather(-1, chosen)
+
+
+# (chapter, exercise, function in this module, words its diagnosis must hold): each must fail,
+# its cause named only where the probe's choices determine it, else what it chose and saw
+MISTAKES = [
+    ("06b", "biased_top_k", "top_k_scaled_by_bias",
+     "chose the k largest of probs x (1 + bias) on all 4 tokens of the probe"),
+    ("06b", "biased_top_k", "top_k_smallest",
+     "chose the k smallest of probs + bias on all 4 tokens of the probe"),
+    ("06b", "biased_top_k", "top_k_bias_alone",
+     "chose the k largest of the bias alone on all 4 tokens of the probe"),
+    ("06b", "biased_top_k", "top_k_over_tokens",
+     "returned weights (2, 4) and chosen (2, 4) in the probe, for probs (4, 4) and k 2: (T, k) "
+     "each; (k, E) is what a top-k over dim 0 (the tokens) returns"),
+    ("06b", "biased_top_k", "top_k_first_at_threshold",
+     "chose experts [0, 1] for token 3 in the probe: probs [0.4375, 0.3125, 0.0625, 0.1875] + "
+     "bias [-0.375, -0.25, 0.25, -0.375] = [0.0625, 0.0625, 0.3125, -0.1875], whose k largest "
+     "are experts [2] and 1 of the tied [0, 1]"),
+    ("06b", "biased_top_k", "top_k_swapped",
+     "returned chosen of dtype torch.float32 in the probe: it returns (weights, chosen)"),
 ]
 
 # ---- a rank stopped, one way per chapter (rank 0 runs the library's function) ---------------

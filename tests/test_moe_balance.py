@@ -1,9 +1,11 @@
 """Chapter 06b: load balance. The meter sees the hot rank, the bias of DeepSeek-V3 and capacity
-with dropping on global statistics keep parity with the single device at ep 2 and 4, and the
-bias resumes bit for bit."""
+with dropping on global statistics keep parity with the single device at ep 2 and 4, and both
+resume bit for bit."""
 
 import copy
+import os
 import unittest
+from unittest import mock
 
 import torch
 
@@ -86,15 +88,21 @@ def _run(remedy: str, pgm) -> dict:
     }
 
 
-def _resume(pgm) -> dict:
-    """The bias run in two halves, through the trainer's state (what a checkpoint holds)."""
-    first, _, _ = _trainer(_config(steps=3), "bias", pgm)
+def _resume(remedy: str, pgm) -> dict:
+    """``remedy``'s run in two halves, through the trainer's state (what a checkpoint holds)."""
+    first, _, _ = _trainer(_config(steps=3), remedy, pgm)
     first.train()
     state = copy.deepcopy(first.state_dict())
-    second, model, _ = _trainer(_config(), "bias", pgm)
+    second, model, _ = _trainer(_config(), remedy, pgm)
     second.load_state_dict(state)
     result = second.train()
-    return {"losses": result.losses, "biases": torch.stack(biases(model))}
+    mine = torch.stack(biases(model)) if remedy == "bias" else torch.zeros(1)
+    return {
+        "losses": result.losses,
+        "biases": mine,
+        "state": gather_expert_parallel_state_dict(model, pgm),
+        "dropped": [layer.dropped for layer in model.modules() if isinstance(layer, MoE)],
+    }
 
 
 def _layer_capacity(pgm) -> dict:
@@ -146,8 +154,9 @@ def _world(rank: int, world: int) -> dict:
             out["layer_capacity"] = _layer_capacity(pgm)
         for remedy in ("bias", "capacity"):
             out[f"{remedy}_ep{ep}"] = _run(remedy, pgm)
-        if ep == 2:
-            out["resume"] = _resume(pgm)
+        if ep == 2:  # the bias is state; capacity's drops follow from the weights it resumes
+            for remedy in ("bias", "capacity"):
+                out[f"resume_{remedy}"] = _resume(remedy, pgm)
         destroy_pg_manager()
     pgm = init_pg_manager(tensor_model_parallel_size=2, expert_model_parallel_size=2)
     for remedy in ("bias", "capacity"):
@@ -268,9 +277,23 @@ class LoadBalanceMatchesSingleDevice(unittest.TestCase):
                     self.assertTrue(torch.equal(mine, theirs), remedy)
 
     def test_bias_resumes_bit_for_bit(self):
-        whole, halves = self.results[0]["bias_ep2"], self.results[0]["resume"]
+        whole, halves = self.results[0]["bias_ep2"], self.results[0]["resume_bias"]
         self.assertEqual(halves["losses"], whole["losses"][3:])
         self.assertTrue(torch.equal(halves["biases"], whole["biases"][0]))
+
+    def test_capacity_with_dropping_resumes_bit_for_bit(self):
+        """ep 2 (x edp 2), capacity 1.0: 3 steps, then 2 more from the trainer's state, against
+        5 straight. Every rank has the same losses and drops the same assignments at the last
+        step, and the weights end the same, bit for bit (step 5's loss needs Adam's moments)."""
+        for r, rank in enumerate(self.results):
+            whole, halves = rank["capacity_ep2"], rank["resume_capacity"]
+            self.assertEqual(halves["losses"], whole["losses"][3:], f"rank {r}")
+            self.assertEqual(halves["dropped"], whole["dropped"], f"rank {r}")
+        self.assertGreater(sum(self.results[0]["capacity_ep2"]["dropped"]), 0)  # it drops
+        whole, halves = self.results[0]["capacity_ep2"], self.results[0]["resume_capacity"]
+        self.assertEqual(sorted(halves["state"]), sorted(whole["state"]))
+        for name, tensor in whole["state"].items():
+            self.assertTrue(torch.equal(halves["state"][name], tensor), name)
 
 
 class LoadBalanceRules(unittest.TestCase):
@@ -325,6 +348,38 @@ class ChapterFlagsAreCheckedBeforeWork(unittest.TestCase):
                 self.assertEqual((code, out.count("\n")), (2, 1), out)
                 self.assertIn(words, out)
         self.assertEqual(run_in_process("examples/06b_load_balance.py", ["--ep", "1"]), (0, ""))
+
+    def test_a_setting_each_remedy_sets_is_refused_with_the_remedy_to_use(self):
+        """06b sets the aux loss and the capacity per remedy: a value given for them would be
+        ignored, so it is refused, naming the --remedies entry that runs it; that entry runs."""
+        from tests.test_bad_inputs import run_in_process
+        cases = [
+            (["--set", "model.moe_capacity_factor=0.01"],
+             "model.moe_capacity_factor 0.01 would be ignored: each remedy sets its own; use "
+             '--remedies "capacity 0.01" instead'),
+            (["--model.moe_aux_loss_coeff", "0.3"], 'use --remedies "aux 0.3" instead'),
+            (["--remedies", "none,capacity 0"], "'capacity 0' is none of none, aux C, bias"),
+            (["--remedies", "aux nan"], "'aux nan' is none of"),
+            (["--remedies", "bias,bias"], "each remedy once"),
+        ]
+        for argv, words in cases:
+            with self.subTest(argv=argv):
+                code, out = run_in_process("examples/06b_load_balance.py", ["--ep", "1", *argv])
+                self.assertEqual((code, out.count("\n")), (2, 1), out)
+                self.assertIn(words, out)
+        runs = ["--remedies", "none,capacity 0.01,aux 0.3", "--set", "model.moe_capacity_factor=0"]
+        self.assertEqual(run_in_process("examples/06b_load_balance.py", ["--ep", "1", *runs]),
+                         (0, ""))
+
+    def test_help_lists_the_chapters_options_one_line_each(self):
+        from tests.test_bad_inputs import run_in_process
+        with mock.patch.dict(os.environ, {"COLUMNS": "80"}):  # argparse's width
+            code, out = run_in_process("examples/06b_load_balance.py", ["--help"])
+        self.assertEqual(code, 0, out)
+        mine = out.split("chapter 06b's options:\n", 1)[-1].split("\n\n")[0].splitlines()
+        self.assertEqual([line.split()[0] for line in mine],
+                         ["--remedies", "--hot-offset", "--plot"], out)
+        self.assertIn("comma-separated, of: none, aux C, bias, capacity F", mine[0])
 
     def test_a_bias_rate_that_is_not_a_finite_positive_number_is_refused(self):
         model = torch.nn.Linear(2, 2)

@@ -14,6 +14,7 @@ run reads (config, data, checkpoint to resume) and every directory it writes (``
 a mistake there is an InputError naming the file and what to do.
 """
 
+import argparse
 import contextlib
 import dataclasses
 import difflib
@@ -334,14 +335,17 @@ def check_given_once(overrides: List[Tuple[str, Any, str]]) -> None:
 
 def parse_args(argv: Optional[Sequence[str]] = None, default_config: Optional[str] = None,
                description: str = "", unread: Optional[Dict[str, str]] = None,
-               config_class: Type[Config] = Config) -> Config:
+               config_class: Type[Config] = Config,
+               options: Optional[argparse.ArgumentParser] = None) -> Config:
     """Build a Config from dataclass defaults, ``--config`` YAML and command-line overrides.
 
     ``unread``: {key or section prefix ("parallel."): why} of what the script never reads;
     such a key given (not its default) is refused like a value the layout ignores.
-    ``config_class``: Config, or a subclass with a section of its own (chapter 12's)."""
+    ``config_class``: Config, or a subclass with a section of its own (chapter 12's).
+    ``options``: the script's own parser (``add_help=False``), which has taken its flags out of
+    ``argv`` already; ``--help`` lists them, under its argument groups' titles."""
     parser = OneLineParser(
-        description=description,
+        parents=[options] if options is not None else [], description=description,
         epilog="Any field can be overridden as --section.name VALUE or --set section.name=VALUE. "
         "--validate-only --world-size N: check the config for N ranks and exit (0: valid).")
     parser.add_argument("--config", default=default_config, help="YAML config file")
@@ -420,8 +424,8 @@ Limits = Callable[[Config, int], None]  # a script's own refusals: limits(cfg, w
 
 def load_config(default_config: str, description: str, limits: Optional[Limits] = None,
                 argv: Optional[Sequence[str]] = None, resume_files: bool = False,
-                unread: Optional[Dict[str,
-                                      str]] = None, config_class: Type[Config] = Config) -> Config:
+                unread: Optional[Dict[str, str]] = None, config_class: Type[Config] = Config,
+                options: Optional[argparse.ArgumentParser] = None) -> Config:
     """A script's config, checked for the world it is launched into before anything starts.
 
     ``parse_args``, then ``validate(cfg, world_size)`` (the one layout check), the script's
@@ -433,7 +437,8 @@ def load_config(default_config: str, description: str, limits: Optional[Limits] 
     same way (``report_input_errors``); any other exception keeps its traceback.
 
     ``--validate-only --world-size N`` (scripts/launch.sh runs it before torchrun) checks the
-    config for N ranks and exits: 0 if it can run, 2 with the error line if not.
+    config for N ranks and exits: 0 if it can run, 2 with the error line if not. ``options``:
+    the script's own parser, for ``--help`` (``parse_args``).
     """
     pre = OneLineParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--validate-only", action="store_true")
@@ -444,7 +449,7 @@ def load_config(default_config: str, description: str, limits: Optional[Limits] 
     try:
         if world_size < 1:  # scripts/launch.sh refuses it first; a direct call may not
             raise InputError(f"--world-size must be at least 1, got {world_size}")
-        cfg = parse_args(rest, default_config, description, unread, config_class)
+        cfg = parse_args(rest, default_config, description, unread, config_class, options)
         validate(cfg, world_size)
         if limits is not None:
             limits(cfg, world_size)

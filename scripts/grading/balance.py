@@ -34,48 +34,119 @@ AGAINST = "the library's calls"  # what the jobs are compared with
 STEPS = 4
 RATE = 0.2  # after 2 steps the cold experts' bias is 0.8 over the hot ones': some tokens turn
 HOT = {0: 3.0, 1: 3.0}  # chapter 06b's collapse (its --hot-offset)
-# The probe: top-2 of probs + bias is {1, 3}, of probs alone {0, 1}, of probs - bias {0, 2}
-PROBE_PROBS = [[0.4, 0.3, 0.2, 0.1]]
-PROBE_BIAS = [-0.3, 0.15, 0.0, 0.25]
-PROBE_LOAD = [5.0, 3.0, 0.0, 4.0]  # mean 3: expert 1 at the mean keeps its bias
+# The probe: 4 tokens, 4 experts, k 2, in sixteenths (exact sums). Token 0's k largest of
+# probs + bias, {2, 3}, are none of the choices a mistaken rule of RULES makes there, and the
+# rules' choices on tokens 0-2 differ pairwise (so at most one rule matches every token).
+# Token 3's probs + bias tie at the k-th place (experts 0 and 1): either is right.
+PROBE_PROBS = [[1 / 16, 4 / 16, 2 / 16, 9 / 16], [10 / 16, 1 / 16, 2 / 16, 3 / 16],
+               [3 / 16, 7 / 16, 4 / 16, 2 / 16], [7 / 16, 5 / 16, 1 / 16, 3 / 16]]
+PROBE_BIAS = [-6 / 16, -4 / 16, 4 / 16, -6 / 16]
+# mean 3: expert 1 at the mean keeps its bias; the median (2, torch's lower middle) is not it
+PROBE_LOAD = [7.0, 3.0, 0.0, 2.0]
 PROBE_RATE = 0.1
+# Other rules of choice a learner may write: (scores whose k largest it takes, what it chose
+# by, what to do). A diagnosis names one only when it chose as that rule does on every token.
+RULES: List[Tuple[Callable, str, str]] = [
+    (lambda p, b: p, "the k largest of probs alone",
+     "add the bias to the probabilities before top-k (it is what moves the choice)"),
+    (lambda p, b: p - b, "the k largest of probs - bias",
+     "add the bias (an underloaded expert's is positive, to win more tokens)"),
+    (lambda p, b: b.expand_as(p), "the k largest of the bias alone",
+     "add the bias to the probabilities, which keep each token's own preference"),
+    (lambda p, b: p * (1 + b), "the k largest of probs x (1 + bias)",
+     "add the bias to the probabilities: scaled by it, a rare expert's score hardly moves"),
+    (lambda p, b: p * b, "the k largest of probs x bias",
+     "add the bias to the probabilities, do not multiply by it"),
+    (lambda p, b: -(p + b), "the k smallest of probs + bias",
+     "take the k largest (topk's largest=True, the default)"),
+]
 
 
 def _experts(chosen: torch.Tensor) -> List[List[int]]:
     return [sorted(row) for row in chosen.tolist()]
 
 
-def _by_expert(weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
-    """weights (T, k) in the order of each row's experts: any order of the k is right."""
-    return weights.gather(-1, chosen.argsort(-1))
+def _consistent(scores: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """(T,) True where row t's chosen experts (k distinct) hold the k largest scores, which
+    any tie-break may pick from."""
+    k = chosen.size(1)
+    distinct = chosen.sort(-1).values.diff(dim=-1).ne(0).all(-1) if k > 1 else \
+        torch.ones(len(chosen), dtype=torch.bool)
+    mine = scores.gather(-1, chosen).sort(-1, descending=True).values
+    return distinct & mine.eq(scores.topk(k, dim=-1).values).all(-1)
+
+
+def _kind(value: Any) -> str:
+    """What a function returned, in a few words: None, a tensor (2, 4), a tuple of 3."""
+    if isinstance(value, torch.Tensor):
+        return f"one tensor {tuple(value.shape)}"
+    if isinstance(value, (tuple, list)):
+        kinds = ", ".join(type(v).__name__ for v in value)
+        return f"a {type(value).__name__} of {len(value)}: {kinds}"
+    return repr(value) if value is None else type(value).__name__
+
+
+def _largest(scores: torch.Tensor, k: int) -> str:
+    """The k largest of one token's scores (E,), ties said: "experts [1, 3]", or "expert 2 and
+    1 of the tied [0, 1]"."""
+    kth = scores.topk(k).values[-1]
+    above = (scores > kth).nonzero().flatten().tolist()
+    tied = (scores == kth).nonzero().flatten().tolist()
+    if len(above) + len(tied) == k:
+        return f"experts {sorted(above + tied)}"
+    return (f"{'experts ' + str(above) + ' and ' if above else ''}{k - len(above)} of the tied "
+            f"{tied}")
+
+
+def _numbers(row: torch.Tensor) -> List[float]:
+    return [round(v, 4) for v in row.tolist()]
 
 
 def top_k_diagnosis(args: Tuple, got: Any, want: Tuple[torch.Tensor, torch.Tensor],
                     when: str) -> Optional[str]:
     """What is wrong with one biased_top_k call's answer (``when``: "the probe" or "step S's
-    call"), None if right."""
+    call"), None if right. A cause is named only when the choices determine it (one rule of
+    RULES makes them on every token); otherwise what was chosen, on which token, from what."""
     probs, bias, k = args
+    if not (isinstance(got, (tuple, list)) and len(got) == 2
+            and all(isinstance(g, torch.Tensor) for g in got)):
+        return (f"biased_top_k returned {_kind(got)} in {when}: return (weights, chosen), two "
+                f"tensors")
     weights, chosen = got
     if tuple(weights.shape) != tuple(want[0].shape) or tuple(chosen.shape) != tuple(want[1].shape):
+        over_tokens = ("; (k, E) is what a top-k over dim 0 (the tokens) returns"
+                       if tuple(chosen.shape) == (k, probs.size(-1)) else "")
         return (f"biased_top_k returned weights {tuple(weights.shape)} and chosen "
                 f"{tuple(chosen.shape)} in {when}, for probs {tuple(probs.shape)} and k {k}: "
-                f"(T, k) each")
-    if _experts(chosen) != _experts(want[1]):
-        if _experts(chosen) == _experts(probs.topk(k, dim=-1).indices):
-            return (f"biased_top_k chose by probs alone in {when}: add the bias to the "
-                    f"probabilities before top-k (it is what moves the choice)")
-        if _experts(chosen) == _experts((probs - bias).topk(k, dim=-1).indices):
-            return (f"biased_top_k chose by probs - bias in {when}: add the bias (an "
-                    f"underloaded expert's is positive, to win more tokens)")
-        return (f"biased_top_k chose experts {_experts(chosen)[0]} for token 0 in {when}, the "
-                f"k largest of probs + bias are {_experts(want[1])[0]}")
-    mine, theirs = _by_expert(weights, chosen).detach(), _by_expert(want[0], want[1]).detach()
+                f"(T, k) each{over_tokens}")
+    if chosen.is_floating_point() or chosen.is_complex() or chosen.dtype == torch.bool:
+        return (f"biased_top_k returned chosen of dtype {chosen.dtype} in {when}: it returns "
+                f"(weights, chosen), chosen the experts' indices (integers)")
+    outside = chosen[(chosen < 0) | (chosen >= probs.size(-1))]
+    if len(outside):
+        return (f"biased_top_k chose expert {int(outside[0])} in {when}, of {probs.size(-1)} "
+                f"experts (0 to {probs.size(-1) - 1})")
+    p, scores = probs.detach(), (probs + bias).detach()
+    right = _consistent(scores, chosen)
+    if not bool(right.all()):
+        matched = [(what, fix) for rule, what, fix in RULES
+                   if bool(_consistent(rule(p, bias), chosen).all())]
+        if len(matched) == 1:
+            (what, fix), = matched
+            return (f"biased_top_k chose {what} on all {len(p)} tokens of {when}, not the k "
+                    f"largest of probs + bias: {fix}")
+        t = int((~right).nonzero()[0])  # the first token it chose wrongly for: what it saw
+        return (f"biased_top_k chose experts {_experts(chosen[t:t + 1])[0]} for token {t} in "
+                f"{when}: probs {_numbers(p[t])} + bias {_numbers(bias)} = "
+                f"{_numbers(scores[t])}, whose k largest are {_largest(scores[t], k)}")
+    theirs = p.gather(-1, chosen)  # the chosen experts' probabilities, in the learner's order
+    mine = weights.detach()
     if torch.equal(mine, theirs):
         if probs.requires_grad and weights.grad_fn is None:
             return (f"biased_top_k's weights carry no gradient back to the router in {when}: "
                     f"gather them from probs, without detaching")
         return None
-    if torch.equal(mine, _by_expert((probs + bias).gather(-1, want[1]), want[1])):
+    if torch.equal(mine, scores.gather(-1, chosen)):
         return (f"biased_top_k chose the right experts in {when}, but its weights are probs + "
                 f"bias: take them from probs (the bias moves the choice, never the output's "
                 f"scale)")

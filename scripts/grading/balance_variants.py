@@ -55,9 +55,10 @@ FUNCTIONS = {
 # (chapter, exercise, variant) -> words its diagnosis must contain
 CATALOGUE: Dict[Tuple[str, str, str], str] = {
     ("06b", "biased_top_k", "top_k_ignores_bias"):
-    "biased_top_k chose by probs alone in the probe: add the bias",
+    "biased_top_k chose the k largest of probs alone on all 4 tokens of the probe, not the k "
+    "largest of probs + bias: add the bias",
     ("06b", "biased_top_k", "top_k_bias_subtracted"):
-    "biased_top_k chose by probs - bias in the probe",
+    "biased_top_k chose the k largest of probs - bias on all 4 tokens of the probe",
     ("06b", "biased_top_k", "top_k_biased_weights"):
     "but its weights are probs + bias: take them from probs",
     ("06b", "biased_top_k", "top_k_detached_weights"):
@@ -65,8 +66,8 @@ CATALOGUE: Dict[Tuple[str, str, str], str] = {
     ("06b", "update_bias", "update_toward_load"):
     "update_bias moved each bias toward the load in the probe",
     ("06b", "update_bias", "update_by_error"):
-    "update_bias moved the bias by rate x (mean load - load) in the probe, [-0.2, 0.0, 0.3, "
-    "-0.1]: by rate x its sign, [-0.1, 0.0, 0.1, -0.1]",
+    "update_bias moved the bias by rate x (mean load - load) in the probe, [-0.4, 0.0, 0.3, "
+    "0.1]: by rate x its sign, [-0.1, 0.0, 0.1, 0.1]",
     ("06b", "update_bias", "update_not_in_place"):
     "update_bias left the bias unchanged in the probe: change it in place",
 }
