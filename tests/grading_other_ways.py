@@ -202,3 +202,37 @@ CRASHES = {
             ["update_bias raised on rank 1: RuntimeError: the learner's own error (at"
              ], "raise RuntimeError"),
 }
+
+# ---- mistakes nobody planted that only a direct call sees (the run's group is the world) ----
+
+
+@torch.no_grad()
+def unscale_and_check_over_the_world(grads, scale, group, agree=True):
+    """Agrees over the world, whatever group it is given."""
+    bad = torch.zeros(())
+    for g in grads:
+        g.div_(scale)
+        bad = torch.maximum(bad, (~torch.isfinite(g)).any().float())
+    if agree:
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    return bool(bad.item())
+
+
+@torch.no_grad()
+def unscale_and_check_first_gradient(grads, scale, group, agree=True):
+    """Looks for an overflow in the first gradient only."""
+    for g in grads:
+        g.div_(scale)
+    bad = (~torch.isfinite(grads[0])).any().float()
+    if agree:
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)
+    return bool(bad.item())
+
+
+# (chapter, exercise, function in this module, words its diagnosis must hold)
+MISTAKES = [
+    ("08", "unscale_and_check", "unscale_and_check_over_the_world",
+     "rank 0 learned of rank 1's value beyond the group it was given"),
+    ("08", "unscale_and_check", "unscale_and_check_first_gradient",
+     "rank 1, which holds it, did not find it"),
+]

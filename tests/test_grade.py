@@ -62,11 +62,14 @@ class _GradeChapter:
                        if chapter == cls.chapter]
         cls.others = [(e, SOLUTIONS, f) for c, e, f in ALTERNATIVES if c == cls.chapter] + \
             [(e, OTHER_WAYS, f) for c, e, f in grading_other_ways.ALTERNATIVES if c == cls.chapter]
-        cls.mistakes = [(e, f, words) for c, e, f, words in MISTAKES if c == cls.chapter]
+        cls.mistakes = [(e, (SOLUTIONS, f), words) for c, e, f, words in MISTAKES
+                        if c == cls.chapter] + \
+            [(e, (OTHER_WAYS, f), words) for c, e, f, words in grading_other_ways.MISTAKES
+             if c == cls.chapter]
         crash, function, _, _ = CRASHES[cls.chapter]
         jobs = module.solution_jobs() + [{crash: (OTHER_WAYS, function)}] + \
             [{e: (where, f)} for e, where, f in cls.others] + \
-            [{e: (SOLUTIONS, f)} for e, f, _ in cls.mistakes] + \
+            [{e: source} for e, source, _ in cls.mistakes] + \
             [{e: (VARIANTS, v)} for e, v in cls.planted] + \
             module.exercise_jobs(os.path.join(ROOT, path))
         # a receive never answered (05) waits out the collective timeout: the short one
@@ -104,7 +107,7 @@ class _GradeChapter:
         self.assertNotIn("gloo", verdict.text)  # the learner's terms, not the backend's
 
     def test_a_mistake_nobody_planted_gets_what_was_measured(self):
-        for (exercise, function, words), verdict in self.unplanted:
+        for (exercise, (_, function), words), verdict in self.unplanted:
             self.assertEqual(verdict.exercise, exercise)
             self.assertFalse(verdict.passed, function)
             self.assertIn(words, verdict.text, function)
@@ -173,9 +176,10 @@ class GradeChapter06b(_GradeChapter, unittest.TestCase):
 
 
 class GradeChapter08(_GradeChapter, unittest.TestCase):
-    """The loss scale, 2 ranks, 8 steps a job: the library's run, 2 solutions, rank 1's
-    segfault (a second world, its own library run, grades the rest), 2 written another way,
-    6 variants, 2 stubs."""
+    """The loss scale, 2 ranks, 8 steps a job, then direct calls (a group of each rank alone,
+    agree=False): the library's run, 2 solutions, rank 1's segfault (a second world, its own
+    library run, grades the rest), 2 written another way, 2 mistakes only the direct calls
+    see, 6 variants, 2 stubs."""
     chapter = "08"
 
 
