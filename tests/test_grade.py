@@ -163,9 +163,10 @@ class GradeChapter05(_GradeChapter, unittest.TestCase):
 
 
 class GradeChapter06(_GradeChapter, unittest.TestCase):
-    """Expert parallel, 2 ranks, 3 steps a job (stopped at the first wrong call): the library's
-    run, 2 solutions, rank 1's KeyboardInterrupt (a second world grades the rest), 2 written
-    another way, 8 variants, 2 stubs."""
+    """Expert parallel, 4 ranks (ep 2 x edp 2), 3 steps a job (stopped at the first wrong
+    call), then one call on uneven tables: the library's run, 2 solutions, rank 1's
+    KeyboardInterrupt (a second world grades the rest), 2 written another way, 8 variants, 2
+    stubs."""
     chapter = "06"
 
 
