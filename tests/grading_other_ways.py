@@ -17,6 +17,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from scaletorch.dist.all_to_all import all_to_all
 from scaletorch.parallel import (expert_parallel, flat_unit, gradient_sync, loss_scale, moe_balance,
                                  pipeline_schedules, ring_attention, tensor_parallel_layers)
 
@@ -236,3 +237,26 @@ MISTAKES = [
     ("08", "unscale_and_check", "unscale_and_check_first_gradient",
      "rank 1, which holds it, did not find it"),
 ]
+
+
+def dispatch_tokens_stops_at_an_empty_pair(routed, send_table, recv_table, group):
+    """Regroups by local expert with ``break`` for ``continue``: a (rank, expert) pair without
+    rows ends that expert's rows (the run never has one; the grader's tables do)."""
+    received = all_to_all(routed, [sum(r) for r in recv_table], [sum(r) for r in send_table], group,
+                          "ep")
+    starts, row = [], 0
+    for counts in recv_table:
+        starts.append([row + sum(counts[:e]) for e in range(len(counts))])
+        row += sum(counts)
+    order = []
+    for e in range(len(recv_table[0])):
+        for i, counts in enumerate(recv_table):
+            if counts[e] == 0:
+                break
+            order += range(starts[i][e], starts[i][e] + counts[e])
+    return received[torch.tensor(order, dtype=torch.long)]
+
+
+MISTAKES.append(("06", "dispatch_tokens", "dispatch_tokens_stops_at_an_empty_pair",
+                 "rank 0's experts got 3 rows with the grader's tables (uneven counts, some "
+                 "zero), the ranks routed 7 to them"))

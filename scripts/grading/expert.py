@@ -66,13 +66,17 @@ def _compare(got: torch.Tensor, want: torch.Tensor, needs_grad: bool) -> int:
     return NO_GRAD if needs_grad and got.grad_fn is None else RIGHT
 
 
-def _text(exercise: str, code: int, rank: int, got: int, want: int, when: str) -> str:
-    """The diagnosis of a call that returned ``code`` on ``rank`` (in the learner's terms)."""
+def _text(exercise: str, code: int, rank: int, got: int, want: int, given: int, when: str) -> str:
+    """The diagnosis of a call that returned ``code`` on ``rank`` (in the learner's terms):
+    ``got`` rows for ``want``, from ``given`` rows in. A wrong row count names a cause only
+    when the rows returned are the rows given (none crossed)."""
+    kept = got == given != want
     texts = {
         ("dispatch_tokens", ROWS):
-        f"rank {rank}'s experts got {got} rows {when}, the ranks routed {want} to "
-        f"them: exchange the tokens with one all-to-all over ep, sending send_table's row sums "
-        f"and receiving recv_table's",
+        f"rank {rank}'s experts got {got} rows {when}, the ranks routed {want} to them" +
+        (f": the {given} rows it was given, so none crossed; exchange the tokens with one "
+         f"all-to-all over ep, sending send_table's row sums and receiving recv_table's"
+         if kept else ""),
         ("dispatch_tokens", NO_GRAD):
         "the dispatched tokens carry no gradient back to the router and attention: "
         "torch.distributed's all-to-all is invisible to autograd; use all_to_all.all_to_all "
@@ -83,9 +87,10 @@ def _text(exercise: str, code: int, rank: int, got: int, want: int, when: str) -
         ("dispatch_tokens", FOREIGN):
         f"rank {rank}'s experts got tokens {when} that no rank routed to them",
         ("combine_tokens", ROWS):
-        f"combine_tokens returned {got} rows on rank {rank} {when}, for its {want} "
-        f"routed rows: send each output back to its token's rank (the all-to-all with the "
-        f"dispatch's splits swapped)",
+        f"combine_tokens returned {got} rows on rank {rank} {when}, for its {want} routed "
+        f"rows" +
+        (f": send each output back to its token's rank (the all-to-all with the "
+         f"dispatch's splits swapped; it returned the {given} rows it was given)" if kept else ""),
         ("combine_tokens", NO_GRAD):
         "the combined outputs carry no gradient back to the experts: torch.distributed's "
         "all-to-all is invisible to autograd; use all_to_all.all_to_all",
@@ -120,10 +125,11 @@ def _checked(exercise: str, fn: Callable, library: Callable) -> Callable:
         got = fn(x.clone(), send_table, recv_table, group)  # its own input: may work in place
         with torch.no_grad(), get_ledger().paused():  # a check, not training traffic
             want = library(x.detach(), send_table, recv_table, group)
-            mine = torch.zeros(comm.group_size(None), 3)  # (rank, [code, rows, rows expected])
+            # (rank, [code, rows returned, rows expected, rows given])
+            mine = torch.zeros(comm.group_size(None), 4)
             rank = comm.group_rank(None)
             mine[rank] = torch.tensor(
-                [_compare(got, want, x.requires_grad), got.shape[0], want.shape[0]],
+                [_compare(got, want, x.requires_grad), got.shape[0], want.shape[0], x.shape[0]],
                 dtype=torch.float)
             comm.all_reduce(mine, None)
         codes = [int(c) for c in mine[:, 0].tolist()]
@@ -139,7 +145,7 @@ def _worst(exercise: str, mine: torch.Tensor, when: str) -> str:
     codes = [int(c) for c in mine[:, 0].tolist()]
     worst = min(c for c in codes if c)
     r = codes.index(worst)
-    return _text(exercise, worst, r, int(mine[r, 1]), int(mine[r, 2]), when)
+    return _text(exercise, worst, r, int(mine[r, 1]), int(mine[r, 2]), int(mine[r, 3]), when)
 
 
 def _probe(exercise: str, fn: Callable, library: Callable, pgm: Any) -> Optional[str]:
@@ -157,8 +163,8 @@ def _probe(exercise: str, fn: Callable, library: Callable, pgm: Any) -> Optional
     with get_ledger().paused():
         want = library(lib_x, send, recv, pgm.expert_model_parallel_group)
     world, rank = comm.group_size(None), comm.group_rank(None)
-    mine = torch.zeros(world, 3)
-    mine[rank] = torch.tensor([_compare(got, want, True), got.shape[0], want.shape[0]],
+    mine = torch.zeros(world, 4)
+    mine[rank] = torch.tensor([_compare(got, want, True), got.shape[0], want.shape[0], rows_in],
                               dtype=torch.float)
     comm.all_reduce(mine, None)
     if mine[:, 0].any():
