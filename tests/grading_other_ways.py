@@ -19,6 +19,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from scaletorch.dist.all_to_all import all_to_all
 from scaletorch.parallel import (expert_parallel, flat_unit, gradient_sync, loss_scale, moe_balance,
                                  pipeline_schedules, ring_attention, tensor_parallel_layers)
 
@@ -266,3 +267,60 @@ CRASHES = {
             ["update_bias raised on rank 1: RuntimeError: the learner's own error (at"
              ], "raise RuntimeError"),
 }
+
+# ---- mistakes nobody planted that only a direct call sees (the run's group is the world) ----
+
+
+@torch.no_grad()
+def unscale_and_check_over_the_world(grads, scale, group, agree=True):
+    """Agrees over the world, whatever group it is given."""
+    bad = torch.zeros(())
+    for g in grads:
+        g.div_(scale)
+        bad = torch.maximum(bad, (~torch.isfinite(g)).any().float())
+    if agree:
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    return bool(bad.item())
+
+
+@torch.no_grad()
+def unscale_and_check_first_gradient(grads, scale, group, agree=True):
+    """Looks for an overflow in the first gradient only."""
+    for g in grads:
+        g.div_(scale)
+    bad = (~torch.isfinite(grads[0])).any().float()
+    if agree:
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)
+    return bool(bad.item())
+
+
+# (chapter, exercise, function in this module, words its diagnosis must hold)
+MISTAKES = [
+    ("08", "unscale_and_check", "unscale_and_check_over_the_world",
+     "rank 0 learned of rank 1's value beyond the group it was given"),
+    ("08", "unscale_and_check", "unscale_and_check_first_gradient",
+     "rank 1, which holds it, did not find it"),
+]
+
+
+def dispatch_tokens_stops_at_an_empty_pair(routed, send_table, recv_table, group):
+    """Regroups by local expert with ``break`` for ``continue``: a (rank, expert) pair without
+    rows ends that expert's rows (the run never has one; the grader's tables do)."""
+    received = all_to_all(routed, [sum(r) for r in recv_table], [sum(r) for r in send_table], group,
+                          "ep")
+    starts, row = [], 0
+    for counts in recv_table:
+        starts.append([row + sum(counts[:e]) for e in range(len(counts))])
+        row += sum(counts)
+    order = []
+    for e in range(len(recv_table[0])):
+        for i, counts in enumerate(recv_table):
+            if counts[e] == 0:
+                break
+            order += range(starts[i][e], starts[i][e] + counts[e])
+    return received[torch.tensor(order, dtype=torch.long)]
+
+
+MISTAKES.append(("06", "dispatch_tokens", "dispatch_tokens_stops_at_an_empty_pair",
+                 "rank 0's experts got 3 rows with the grader's tables (uneven counts, some "
+                 "zero), the ranks routed 7 to them"))

@@ -62,13 +62,14 @@ class _GradeChapter:
                        if chapter == cls.chapter]
         cls.others = [(e, SOLUTIONS, f) for c, e, f in ALTERNATIVES if c == cls.chapter] + \
             [(e, OTHER_WAYS, f) for c, e, f in grading_other_ways.ALTERNATIVES if c == cls.chapter]
-        cls.mistakes = [(e, SOLUTIONS, f, words) for c, e, f, words in MISTAKES if c == cls.chapter
-                        ] + [(e, OTHER_WAYS, f, words)
-                             for c, e, f, words in grading_other_ways.MISTAKES if c == cls.chapter]
+        cls.mistakes = [(e, (SOLUTIONS, f), words) for c, e, f, words in MISTAKES
+                        if c == cls.chapter] + \
+            [(e, (OTHER_WAYS, f), words) for c, e, f, words in grading_other_ways.MISTAKES
+             if c == cls.chapter]
         crash, function, _, _ = CRASHES[cls.chapter]
         jobs = module.solution_jobs() + [{crash: (OTHER_WAYS, function)}] + \
             [{e: (where, f)} for e, where, f in cls.others] + \
-            [{e: (where, f)} for e, where, f, _ in cls.mistakes] + \
+            [{e: source} for e, source, _ in cls.mistakes] + \
             [{e: (VARIANTS, v)} for e, v in cls.planted] + \
             module.exercise_jobs(os.path.join(ROOT, path))
         # a receive never answered (05) waits out the collective timeout: the short one
@@ -106,7 +107,7 @@ class _GradeChapter:
         self.assertNotIn("gloo", verdict.text)  # the learner's terms, not the backend's
 
     def test_a_mistake_nobody_planted_gets_what_was_measured(self):
-        for (exercise, _, function, words), verdict in self.unplanted:
+        for (exercise, (_, function), words), verdict in self.unplanted:
             self.assertEqual(verdict.exercise, exercise)
             self.assertFalse(verdict.passed, function)
             self.assertIn(words, verdict.text, function)
@@ -162,24 +163,24 @@ class GradeChapter05(_GradeChapter, unittest.TestCase):
 
 
 class GradeChapter06(_GradeChapter, unittest.TestCase):
-    """Expert parallel, 2 ranks, 3 steps a job (stopped at the first wrong call): the library's
-    run, 2 solutions, rank 1's KeyboardInterrupt (a second world grades the rest), 2 written
-    another way, 8 variants, 2 stubs."""
+    """Expert parallel, 4 ranks (ep 2 x edp 2), 3 steps a job (stopped at the first wrong
+    call), then one call on uneven tables: the library's run, 2 solutions, rank 1's
+    KeyboardInterrupt (a second world grades the rest), 2 written another way, 8 variants, 2
+    stubs."""
     chapter = "06"
 
 
 class GradeChapter06b(_GradeChapter, unittest.TestCase):
     """The routing bias of chapter 06b, 2 ranks (ep 2), 4 steps a job after a probe: 2
-    solutions, rank 1's error (a second world grades the rest), 2 written another way (one
-    breaks the probe's tie otherwise), 6 mistakes nobody planted (each stopped by the probe: no
-    run), 7 variants, 2 stubs."""
+    solutions, 7 variants, 2 stubs."""
     chapter = "06b"
 
 
 class GradeChapter08(_GradeChapter, unittest.TestCase):
-    """The loss scale, 2 ranks, 8 steps a job: the library's run, 2 solutions, rank 1's
-    segfault (a second world, its own library run, grades the rest), 2 written another way,
-    6 variants, 2 stubs."""
+    """The loss scale, 2 ranks, 8 steps a job, then direct calls (a group of each rank alone,
+    agree=False): the library's run, 2 solutions, rank 1's segfault (a second world, its own
+    library run, grades the rest), 2 written another way, 2 mistakes only the direct calls
+    see, 6 variants, 2 stubs."""
     chapter = "08"
 
 

@@ -4,9 +4,10 @@ Each is scaletorch/parallel/expert_parallel.py's function with its body removed.
 
     python scripts/grade.py 06
 
-runs chapter 06 on 2 gloo ranks (4 experts, top-2, 2 experts per rank) with your function in
-place of the library's. Each call is compared with the library's on the same inputs; it says
-"passed" or what is wrong, and names the function to write next. The collective is
+runs chapter 06 on 4 gloo ranks (ep 2 x edp 2: the ep group is not the world; 4 experts, top-2,
+2 experts per rank) with your function in place of the library's. Each call is compared with the
+library's on the same inputs, then one call on uneven tables with some zero counts, forward and
+backward; it says "passed" or what is wrong, and names the function to write next. The collective is
 scaletorch.dist.all_to_all's ``all_to_all(x, output_split_sizes, input_split_sizes, group,
 "ep")``: rows of dim 0, differentiable (its backward is the reverse all-to-all).
 ``by_local_expert(recv_table, device)`` (expert_parallel.py) gives the regrouping's order.

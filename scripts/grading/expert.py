@@ -1,13 +1,18 @@
-"""Grading chapter 06's exercises (examples/exercises/06_expert_parallel.py) on 2 gloo ranks.
+"""Grading chapter 06's exercises (examples/exercises/06_expert_parallel.py) on 4 gloo ranks.
 
 Each job trains chapter 06's run (examples/configs/06_expert_parallel.yaml: 4 experts, top-2,
-ep 2, so 2 local experts per rank) for ``STEPS`` steps with the learner's function in place of
+ep 2, so 2 local experts per rank) on ``WORLD`` = 4 ranks, dp 4 = ep 2 x edp 2: the ep group
+the functions are given is not the world (a function that uses the world, or None, fails), for
+``STEPS`` steps with the learner's function in place of
 scaletorch/parallel/expert_parallel.py's. Every call of it is checked at once against the
 library's function on the same inputs (ledger paused): the rows it returns (how many, which,
 in which order) and whether they carry a gradient. The ranks agree on the verdict by one
 all-reduce over the world, so all stop the job together and the next job starts in step. A job
 whose every call matched is then compared with the library's run in the same world (job 0):
-losses, grad norms and final weights.
+losses, grad norms and final weights. Then the function is called on tables of the grader's
+own (``COUNTS``: uneven, some zero, a rank that sends nothing to one expert) and its rows and the
+gradient it sends back for a random output gradient (not all ones) are compared with the
+library's, forward first.
 """
 
 import traceback
@@ -28,12 +33,19 @@ from scripts.grading.runner import (Source, Verdict, caused_by, collective_timeo
 CHAPTER = "06"
 EXERCISES = ("dispatch_tokens", "combine_tokens")
 LIBRARY = "scaletorch.parallel.expert_parallel"
-WORLD = 2
+WORLD = 4  # dp 4 = ep 2 x edp 2: the ep group is half the world
 AGAINST = "the library's run"  # what the jobs are compared with
 STEPS = 3
 # A learner's dispatch and combine only move rows: the same numbers as the library's, so the
 # runs are equal; 1e-6 leaves room for another summation order in a learner's regrouping.
 TOL = 1e-6
+# The probe's tables, COUNTS[i][j][l]: rows ep rank i sends to local expert l of ep rank j
+# (ep 2, 2 local experts): uneven, and none to ep rank 0's expert 1 from rank 0, to its expert
+# 0 from rank 1, to ep rank 1's expert 0 from rank 1 (a code that assumes rows for every pair
+# of rank and expert, or equal counts, fails).
+COUNTS = [[[3, 0], [2, 5]], [[0, 4], [0, 1]]]
+PROBE_WIDTH = 6  # h of the probe's rows
+PROBE = "with the grader's tables (uneven counts, some zero)"
 RIGHT, ROWS, NO_GRAD, ORDER, FOREIGN = range(5)  # what a call returned, in order of priority
 
 
@@ -54,34 +66,39 @@ def _compare(got: torch.Tensor, want: torch.Tensor, needs_grad: bool) -> int:
     return NO_GRAD if needs_grad and got.grad_fn is None else RIGHT
 
 
-def _text(exercise: str, code: int, rank: int, got: int, want: int, step: int) -> str:
-    """The diagnosis of a call that returned ``code`` on ``rank`` (in the learner's terms)."""
+def _text(exercise: str, code: int, rank: int, got: int, want: int, given: int, when: str) -> str:
+    """The diagnosis of a call that returned ``code`` on ``rank`` (in the learner's terms):
+    ``got`` rows for ``want``, from ``given`` rows in. A wrong row count names a cause only
+    when the rows returned are the rows given (none crossed)."""
+    kept = got == given != want
     texts = {
         ("dispatch_tokens", ROWS):
-        f"rank {rank}'s experts got {got} rows in step {step}, the ranks routed {want} to "
-        f"them: exchange the tokens with one all-to-all over ep, sending send_table's row sums "
-        f"and receiving recv_table's",
+        f"rank {rank}'s experts got {got} rows {when}, the ranks routed {want} to them" +
+        (f": the {given} rows it was given, so none crossed; exchange the tokens with one "
+         f"all-to-all over ep, sending send_table's row sums and receiving recv_table's"
+         if kept else ""),
         ("dispatch_tokens", NO_GRAD):
         "the dispatched tokens carry no gradient back to the router and attention: "
         "torch.distributed's all-to-all is invisible to autograd; use all_to_all.all_to_all "
         "(its backward is the reverse all-to-all)",
         ("dispatch_tokens", ORDER):
-        f"rank {rank}'s experts got the right {want} tokens in step {step}, but not grouped by "
+        f"rank {rank}'s experts got the right {want} tokens {when}, but not grouped by "
         f"local expert: they arrive by source rank; regroup them, expert 0's rows first",
         ("dispatch_tokens", FOREIGN):
-        f"rank {rank}'s experts got tokens in step {step} that no rank routed to them",
+        f"rank {rank}'s experts got tokens {when} that no rank routed to them",
         ("combine_tokens", ROWS):
-        f"combine_tokens returned {got} rows on rank {rank} in step {step}, for its {want} "
-        f"routed rows: send each output back to its token's rank (the all-to-all with the "
-        f"dispatch's splits swapped)",
+        f"combine_tokens returned {got} rows on rank {rank} {when}, for its {want} routed "
+        f"rows" +
+        (f": send each output back to its token's rank (the all-to-all with the "
+         f"dispatch's splits swapped; it returned the {given} rows it was given)" if kept else ""),
         ("combine_tokens", NO_GRAD):
         "the combined outputs carry no gradient back to the experts: torch.distributed's "
         "all-to-all is invisible to autograd; use all_to_all.all_to_all",
         ("combine_tokens", ORDER):
-        f"rank {rank} got its tokens' outputs back in step {step}, in the wrong order: row n "
+        f"rank {rank} got its tokens' outputs back {when}, in the wrong order: row n "
         f"must be routed row n's output",
         ("combine_tokens", FOREIGN):
-        f"rank {rank} got back outputs of other tokens in step {step}: undo the regrouping by "
+        f"rank {rank} got back outputs of other tokens {when}: undo the regrouping by "
         f"local expert before the all-to-all back, so each rank's rows go home",
     }
     return texts[(exercise, code)]
@@ -108,22 +125,70 @@ def _checked(exercise: str, fn: Callable, library: Callable) -> Callable:
         got = fn(x.clone(), send_table, recv_table, group)  # its own input: may work in place
         with torch.no_grad(), get_ledger().paused():  # a check, not training traffic
             want = library(x.detach(), send_table, recv_table, group)
-            mine = torch.zeros(WORLD, 3)  # (rank, [code, rows returned, rows expected])
+            # (rank, [code, rows returned, rows expected, rows given])
+            mine = torch.zeros(comm.group_size(None), 4)
             rank = comm.group_rank(None)
             mine[rank] = torch.tensor(
-                [_compare(got, want, x.requires_grad), got.shape[0], want.shape[0]],
+                [_compare(got, want, x.requires_grad), got.shape[0], want.shape[0], x.shape[0]],
                 dtype=torch.float)
             comm.all_reduce(mine, None)
         codes = [int(c) for c in mine[:, 0].tolist()]
         if any(codes):
-            worst = min(c for c in codes if c)
-            r = codes.index(worst)
-            raise WrongRows(
-                _text(exercise, worst, r, int(mine[r, 1]), int(mine[r, 2]),
-                      get_ledger().step))
+            raise WrongRows(_worst(exercise, mine, f"in step {get_ledger().step}"))
         return got
 
     return call
+
+
+def _worst(exercise: str, mine: torch.Tensor, when: str) -> str:
+    """The diagnosis of the worst code of ``mine`` (rank, [code, rows returned, expected])."""
+    codes = [int(c) for c in mine[:, 0].tolist()]
+    worst = min(c for c in codes if c)
+    r = codes.index(worst)
+    return _text(exercise, worst, r, int(mine[r, 1]), int(mine[r, 2]), int(mine[r, 3]), when)
+
+
+def _probe(exercise: str, fn: Callable, library: Callable, pgm: Any) -> Optional[str]:
+    """``fn`` and ``library`` called on the same rows with ``COUNTS``'s tables over the ep
+    group, and their backward with the same random output gradient: the diagnosis of the first
+    difference (the ranks agree on it: one all-reduce over the world each), None if none."""
+    me, ep = pgm.expert_model_parallel_rank, pgm.expert_model_parallel_world_size
+    send = COUNTS[me]
+    recv = [COUNTS[i][me] for i in range(ep)]
+    rows_in = sum(map(sum, send if exercise == "dispatch_tokens" else recv))
+    gen = torch.Generator().manual_seed(60 + pgm.rank)
+    x = torch.randn(rows_in, PROBE_WIDTH, generator=gen)
+    mine_x, lib_x = x.clone().requires_grad_(), x.clone().requires_grad_()
+    got = fn(mine_x.clone(), send, recv, pgm.expert_model_parallel_group)
+    with get_ledger().paused():
+        want = library(lib_x, send, recv, pgm.expert_model_parallel_group)
+    world, rank = comm.group_size(None), comm.group_rank(None)
+    mine = torch.zeros(world, 4)
+    mine[rank] = torch.tensor([_compare(got, want, True), got.shape[0], want.shape[0], rows_in],
+                              dtype=torch.float)
+    comm.all_reduce(mine, None)
+    if mine[:, 0].any():
+        return _worst(exercise, mine, PROBE)
+    grad = torch.randn(want.shape, generator=gen)
+    got.backward(grad)
+    with get_ledger().paused():
+        want.backward(grad)
+    assert mine_x.grad is not None and lib_x.grad is not None
+    off_rows = ((mine_x.grad - lib_x.grad).abs().amax(1) > TOL * lib_x.grad.abs().max())
+    norms = torch.zeros(world, 4)  # (rank, [rows off, first row off, norm ratio, rows])
+    ratio = float(mine_x.grad.norm() / lib_x.grad.norm()) if lib_x.grad.norm() else 1.0
+    first = int(off_rows.nonzero()[0, 0]) if off_rows.any() else -1
+    norms[rank] = torch.tensor([float(off_rows.sum()), first, ratio, rows_in])
+    comm.all_reduce(norms, None)
+    bad = [r for r in range(world) if norms[r, 0] > 0]
+    if not bad:
+        return None
+    r = bad[0]
+    return (f"{exercise} returns the library's rows {PROBE}, but the gradient it sends back "
+            f"for a random output gradient differs on rank {r} in {int(norms[r, 0])} of "
+            f"{int(norms[r, 3])} rows (from row {int(norms[r, 1])}; its norm "
+            f"{float(norms[r, 2]):.4g}x the library's): its backward must be the reverse "
+            f"all-to-all and nothing more")
 
 
 def config() -> Config:
@@ -155,7 +220,9 @@ def rank_jobs(rank: int, world: int, jobs: List[Dict[str, Source]]) -> List[Dict
         checked = _checked(exercise, load(source), getattr(expert_parallel, exercise))
         try:
             with patched([(expert_parallel, exercise, checked)]):
-                return _train(cfg, pgm)
+                run = _train(cfg, pgm)
+            library = getattr(expert_parallel, exercise)
+            return {**run, "probe": _probe(exercise, load(source), library, pgm)}
         except Exception as err:  # noqa: B902 - run_jobs reports what this cannot name
             wrong = caused_by(err, WrongRows)
             text = str(wrong) if wrong is not None else _backward_splits(err)
@@ -211,7 +278,8 @@ def grade(jobs: List[Dict[str, Source]]) -> List[Verdict]:
         if failed is not None:
             verdicts.append(failed)
             continue
-        text = runs[0]["wrong"] if "wrong" in runs[0] else parity_diagnosis(exercise, runs, refs)
+        text = runs[0]["wrong"] if "wrong" in runs[0] else \
+            parity_diagnosis(exercise, runs, refs) or runs[0]["probe"]
         verdicts.append(Verdict(exercise, text is None, text or "passed"))
     return verdicts
 

@@ -7,16 +7,24 @@ the already averaged gradients of one rank: an inf on rank 1 in step 3, a NaN on
 5. It measures each rank's overflow flag, scale and clean-step count after every step, step 0's
 unscaled gradients and the final weights, and compares them with the library's run in the same
 world (job 0). fp32 compute: the scale's logic is the same as in fp16, and the run is exact.
+
+Then the function is called directly (``PROBES``): unscale_and_check on random gradients with a
+non-finite element on one rank only, over the world, over a group of each rank alone (a group
+that is not the world: the flag must not cross it) and with ``agree`` False (no collective);
+update_scale along flag sequences with growth intervals 1 and 3 (``UPDATE_PROBES``), each call
+compared with the library's.
 """
 
+import datetime
 import math
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 
 from scaletorch.dist import destroy_pg_manager, get_ledger, init_pg_manager_from_config
 from scaletorch.models import build_model, loss_fn
-from scaletorch.parallel import mixed_precision
+from scaletorch.parallel import loss_scale, mixed_precision
 from scaletorch.parallel.data_parallel import apply_data_parallel
 from scaletorch.parallel.grad_norm import clip_replicated
 from scaletorch.parallel.mixed_precision import DynamicLossScaler
@@ -37,6 +45,22 @@ STEPS = 8
 INIT_SCALE, GROWTH_INTERVAL = 2.0**10, 2
 PLANTED = {3: (1, math.inf, "an inf on rank 1"), 5: (0, math.nan, "a NaN on rank 0")}
 WEIGHT_TOL = 1e-6  # the same operations in the same order as the library's run: equal
+# The direct calls of unscale_and_check: (what the ranks hold, the group: "world", "alone" (each
+# rank in a group of its own) or None (agree False), the rank with the non-finite element or
+# -1, its value). The element is the second gradient's fifth, not the first: a check of only
+# the first tensor or element misses it.
+PROBES: List[Tuple[str, Optional[str], int, float]] = [
+    ("finite gradients, group the world", "world", -1, 0.0),
+    ("an inf on rank 1 only, group the world", "world", 1, math.inf),
+    ("a NaN on rank 0 only, group the world", "world", 0, math.nan),
+    ("a -inf on rank 1 only, each rank in a group of its own", "alone", 1, -math.inf),
+    ("a NaN on rank 1 only, agree=False", None, 1, math.nan),
+]
+PROBE_SCALE = 512.0  # a power of 2: g * (1 / s) and g / s are equal, so the check is exact
+PROBE_TOL = 1e-6  # relative: room for another way to divide
+# update_scale along each sequence of overflow flags, from (PROBE_SCALE, 0): (interval, flags)
+UPDATE_PROBES = [(1, [False, False, True, False, True, True, False]),
+                 (3, [False, False, False, False, True, False, False, False, False])]
 
 
 def config() -> Config:
@@ -45,7 +69,7 @@ def config() -> Config:
     return cfg
 
 
-def _train(cfg: Config, pgm: Any, exercise: str, fn: Any) -> Dict[str, Any]:
+def _train(cfg: Config, pgm: Any, exercise: str, fn: Any, alone: Any) -> Dict[str, Any]:
     model = build_model(cfg.model, seed=cfg.training.model_seed)
     wrapped = apply_data_parallel(model, pgm, "ours", cfg.parallel.bucket_size_mb)
     scaler = DynamicLossScaler(INIT_SCALE, GROWTH_INTERVAL)  # over the world
@@ -82,19 +106,80 @@ def _train(cfg: Config, pgm: Any, exercise: str, fn: Any) -> Dict[str, Any]:
                 clip_grad_norm=lambda max_norm: clip_replicated(list(model.parameters()), max_norm),
                 scaler=scaler, verbose=False).train()
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return {"found": found, "scales": scales, "grads": grads, "state": state}
+    probes = _probe_unscale(fn, pgm.rank, alone) if exercise == "unscale_and_check" else \
+        _probe_update(fn)
+    return {"found": found, "scales": scales, "grads": grads, "state": state, "probes": probes}
+
+
+def _probe_grads(rank: int) -> List[torch.Tensor]:
+    """This rank's gradients for the probes: random, scaled, two tensors of other shapes."""
+    gen = torch.Generator().manual_seed(80 + rank)
+    return [
+        PROBE_SCALE * torch.randn(3, 4, generator=gen), PROBE_SCALE * torch.randn(9, generator=gen)
+    ]
+
+
+@torch.no_grad()
+def _probe_unscale(fn: Any, rank: int, alone: Any) -> List[Dict[str, Any]]:
+    """Each of ``PROBES`` on this rank: the flag returned and the gradients after the call,
+    measured against the gradients divided by the scale (the non-finite element left out)."""
+    out = []
+    for _, where, bad_rank, value in PROBES:
+        grads = _probe_grads(rank)
+        if rank == bad_rank:
+            grads[1][4] = value
+        want = [g / PROBE_SCALE for g in grads]
+        group = {"world": dist.group.WORLD, "alone": alone, None: None}[where]
+        flag = bool(fn(grads, PROBE_SCALE, group, where is not None))
+        finite = [torch.isfinite(w) for w in want]
+        got_norm = math.sqrt(sum(float(g[f].norm())**2 for g, f in zip(grads, finite)))
+        want_norm = math.sqrt(sum(float(w[f].norm())**2 for w, f in zip(want, finite)))
+        off = max(
+            float(((g - w)[f]).abs().max() / w[f].abs().max())
+            for g, w, f in zip(grads, want, finite))
+        unchanged = all(
+            torch.equal(g[f], (w * PROBE_SCALE)[f]) for g, w, f in zip(grads, want, finite))
+        out.append({
+            "flag": flag,
+            "ratio": got_norm / want_norm,
+            "off": off,
+            "unchanged": unchanged
+        })
+    return out
+
+
+def _probe_update(fn: Any) -> Optional[str]:
+    """The first call of ``UPDATE_PROBES`` whose result differs from the library's, said as
+    the call and both results; None if none does."""
+    for interval, flags in UPDATE_PROBES:
+        scale, clean = PROBE_SCALE, 0
+        for flag in flags:
+            got = fn(scale, clean, flag, interval)
+            want = loss_scale.update_scale(scale, clean, flag, interval)
+            if (float(got[0]), int(got[1])) != want:
+                return (f"update_scale(scale={scale:g}, clean_steps={clean}, found_inf={flag}, "
+                        f"growth_interval={interval}) returned ({float(got[0]):g}, "
+                        f"{int(got[1])}), the library's ({want[0]:g}, {want[1]})")
+            scale, clean = want
+    return None
 
 
 def rank_jobs(rank: int, world: int, jobs: List[Dict[str, Source]]) -> List[Dict[str, Any]]:
     """Inside a rank: the library's run (the reference), then each job, measured."""
     cfg = config()
     pgm = init_pg_manager_from_config(cfg.parallel, collective_timeout())
+    timeout = datetime.timedelta(seconds=collective_timeout())
+    # every rank makes every group (new_group is collective); each probes with its own
+    alone = [dist.new_group([r], timeout=timeout) for r in range(world)][rank]
     out = streamed()
     try:
         for job in [{EXERCISES[0]: (LIBRARY, EXERCISES[0])}] + jobs:
             (exercise, source), = job.items()
             try:
-                out.append({"exercise": exercise, **_train(cfg, pgm, exercise, load(source))})
+                out.append({
+                    "exercise": exercise,
+                    **_train(cfg, pgm, exercise, load(source), alone)
+                })
             except LEARNER_ERRORS as err:  # a diagnosis, sys.exit() too
                 if is_hang(err):
                     raise
@@ -150,6 +235,49 @@ def update_diagnosis(runs: List[Dict[str, Any]], ref: Dict[str, Any]) -> Optiona
     return None
 
 
+def _ranks(flags: List[bool]) -> str:
+    return ", ".join(f"rank {r} {f}" for r, f in enumerate(flags))
+
+
+def probe_diagnosis(runs: List[Dict[str, Any]]) -> Optional[str]:
+    """What the direct calls of unscale_and_check (``PROBES``) measured: each rank's flag
+    against the flag its group should agree on, then its gradients against grads / scale. A
+    cause is named only where the flags decide it; None if every call matched."""
+    for k, (what, where, bad, _) in enumerate(PROBES):
+        flags = [run["probes"][k]["flag"] for run in runs]
+        want = [bad >= 0 and (where == "world" or r == bad) for r in range(len(runs))]
+        if flags == want:
+            continue
+        place = " (the second gradient's element 4)" if bad >= 0 else ""
+        text = (f"given {what}{place}, unscale_and_check returned {_ranks(flags)}, not "
+                f"{_ranks(want)}")
+        crossed = [r for r, f in enumerate(flags) if f and not want[r] and bad >= 0]
+        if bad < 0:
+            return text + ": no gradient held an inf or a NaN"
+        if not flags[bad]:  # the rank that holds it did not see it
+            return text + f": rank {bad}, which holds it, did not find it; look at every " \
+                "element of every gradient (torch.isfinite finds inf and NaN alike)"
+        if crossed and where == "alone":  # its own gradients were finite: told by another rank
+            return (text + f": rank {crossed[0]} learned of rank {bad}'s value beyond the group "
+                    f"it was given; agree over group, not the world")
+        if crossed:
+            return text + ": with agree=False each rank decides alone, no collective"
+        if flags[bad] and where == "world":
+            return text + f": only rank {bad}, which holds it, found it; agree on the flag " \
+                "over group (all-reduce MAX)"
+        return text
+    for k, (what, _, _, _) in enumerate(PROBES):
+        for r, run in enumerate(runs):
+            probe = run["probes"][k]
+            if probe["off"] > PROBE_TOL:
+                if probe["unchanged"]:
+                    return (f"given {what}, rank {r}'s gradients came back unchanged: divide "
+                            f"them by the scale ({PROBE_SCALE:g}) in place")
+                return (f"given {what}, rank {r}'s gradients are {probe['ratio']:.4g}x grads / "
+                        f"scale (scale {PROBE_SCALE:g}) after unscale_and_check")
+    return None
+
+
 def diagnose(exercise: str, runs: List[Dict[str, Any]], ref: Dict[str, Any]) -> Verdict:
     failed = error_verdict(exercise, runs)
     if failed is not None:
@@ -162,6 +290,8 @@ def diagnose(exercise: str, runs: List[Dict[str, Any]], ref: Dict[str, Any]) -> 
             for k, v in ref["state"].items())
         if not weight <= WEIGHT_TOL:
             text = f"flags and scales match, but the weights end {weight:.1e} off the reference"
+    if text is None:
+        text = probe_diagnosis(runs) if exercise == "unscale_and_check" else runs[0]["probes"]
     return Verdict(exercise, text is None, text or "passed")
 
 

@@ -360,10 +360,16 @@ def _one_world(fn: Callable, world: int, jobs: Sequence[Dict[str, Source]], lead
         for i in range(counts[r])
     ] for r in range(world)]
     first = min(counts)
-    raised = first > lead and all(
-        "error" in results[r][first - 1] and proc.exitcode == 0
+    # a rank whose last result is an error (not a stub's) has left its jobs (run_jobs stops
+    # there): one the parent stopped while it tore its groups down (on a loaded machine, more
+    # than GRACE s after the first rank left) lost no job either
+    left_jobs = [
+        first > lead and "error" in results[r][first - 1]
         and not _read(directory, f"stopped_{r}") + _read(directory, f"ended_{r}")
-        for r, proc in enumerate(procs))
+        and (proc.exitcode == 0 or r in killed and results[r][first - 1]["error"] != UNWRITTEN)
+        for r, proc in enumerate(procs)
+    ]
+    raised = all(left_jobs)
     if first >= total or raised:  # done, or every rank left after a job raised: no one to blame
         return results, {}
     files = [source_file(s) for job in jobs for s in job.values()]

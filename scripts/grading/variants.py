@@ -693,14 +693,14 @@ CATALOGUE: Dict[Tuple[str, str, str], str] = {
     ("05", "ring_forward", "ring_attends_skipped_tiles"):
     "above the library's",
     ("06", "dispatch_tokens", "dispatch_not_regrouped"):
-    "rank 0's experts got the right 450 tokens in step 0, but not grouped by local expert",
+    "rank 0's experts got the right 235 tokens in step 0, but not grouped by local expert",
     ("06", "dispatch_tokens", "dispatch_not_differentiable"):
     "the dispatched tokens carry no gradient back",
     ("06", "dispatch_tokens", "dispatch_backward_not_swapped"):
     "the backward's all-to-all raised \"Split sizes doesn't match total dim 0 size\" in step 0: "
     "the gradients of the rows received from rank i go back to rank i",
     ("06", "dispatch_tokens", "dispatch_without_exchange"):
-    "rank 0's experts got 512 rows in step 0, the ranks routed 450 to them",
+    "rank 0's experts got 256 rows in step 0, the ranks routed 235 to them",
     ("06", "combine_tokens", "combine_not_put_back"):
     "got back outputs of other tokens in step 0: undo the regrouping by local expert",
     ("06", "combine_tokens", "combine_not_differentiable"):
@@ -708,7 +708,7 @@ CATALOGUE: Dict[Tuple[str, str, str], str] = {
     ("06", "combine_tokens", "combine_backward_averaged"):
     "returns the library's rows, but step 0's gradient norm is 0.999",
     ("06", "combine_tokens", "combine_without_exchange"):
-    "returned 450 rows on rank 0 in step 0, for its 512 routed rows: send each output back",
+    "returned 235 rows on rank 0 in step 0, for its 256 routed rows: send each output back",
     ("03", "enter_region", "enter_f_backward_copies"):
     "loss matches, gradients do not: f's backward must all-reduce, not copy",
     ("03", "enter_region", "enter_f_all_reduces_forward"):
