@@ -143,19 +143,21 @@ def _composed_trainer(cfg: Config, pgm):
 
 
 def _run_composed(remedy: str, pgm, root: str) -> dict:
-    """The composed run; the bias run also writes DCP checkpoints (07's format), the one of
-    step 1 resumed by a new model and Trainer for the last 2 steps. Step 1, not 2: the bias
-    of step 2 can be 0 again (an expert over the mean load, then under it), so a resume that
-    forgot the bias would pass."""
+    """The composed run; the bias run also saves a DCP checkpoint of step 1 (07's format), which
+    a new model and Trainer resume for the last 2 steps. Step 1, not 2: the bias of step 2 can
+    be 0 again (an expert over the mean load, then under it), so a resume that forgot the
+    bias would pass."""
     cfg = _composed_config(remedy)
+    trainer, par = _composed_trainer(cfg, pgm)
+    first = []
     if remedy == "bias":
         cfg.checkpoint.format, cfg.checkpoint.dir = "dcp", root
-        cfg.checkpoint.every, cfg.checkpoint.keep_last = 1, COMPOSED_STEPS
-    trainer, par = _composed_trainer(cfg, pgm)
-    out = {"losses": trainer.train().losses, "state": full_state_dict(par)}
+        first.append(trainer.train_step()[0])
+        trainer.save()  # as train() saves at checkpoint.every 1, once
+    out = {"losses": first + trainer.train().losses, "state": full_state_dict(par)}
     if remedy == "bias":
         out["biases"] = bias_state(trainer.balancer)
-        cfg.checkpoint.every, cfg.checkpoint.resume = 0, step_dir(root, 1)
+        cfg.checkpoint.resume = step_dir(root, 1)
         trainer, par = _composed_trainer(cfg, pgm)
         out["resumed"] = {
             "losses": trainer.train().losses,
