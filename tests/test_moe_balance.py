@@ -37,8 +37,8 @@ TOLERANCE = 1e-5  # the chapters' fp32 parity: 5 steps of a tiny model, one micr
 # which AdamW turns into updates near lr (parity.py's floor). At 1e-2 even no remedy ends
 # 9.9e-6 from the reference after 5 steps (ep 2, experts' gate_proj); at 3e-3 about 3 times less.
 LR = 3e-3
-# tp 2 x ep 2 through chapter 07's parallelize: 3 steps (at 5 the bias run ends 8.5e-6 from the
-# reference, too near 1e-5 for a test run at 1 and 2 threads)
+# tp 2 x ep 2 through chapter 07's parallelize: 3 steps (at 5, with the skewed router these runs
+# had before, the bias run ended 8.5e-6 from the reference, too near 1e-5 for 1 and 2 threads)
 COMPOSED_STEPS = 3
 
 
