@@ -80,10 +80,16 @@ def limits(args):
 
     def check(cfg, world_size: int) -> None:
         p = cfg.parallel
-        if p.tensor_model_parallel_size > 1 or p.pipeline_model_parallel_size > 1 or \
-                p.context_parallel_size > 1 or p.impl != "ours":
-            raise ValueError("06b_load_balance runs ep with data parallel (impl ours); compose "
-                             "with tp in examples/07_nd_parallel.py")
+        tp, pp, cp = (p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+                      p.context_parallel_size)
+        if tp > 1 or pp > 1 or cp > 1 or p.impl != "ours":
+            raise ValueError(f"06b_load_balance runs ep with data parallel, impl ours (got tp "
+                             f"{tp}, pp {pp}, cp {cp}, impl {p.impl}); examples/07_nd_parallel.py "
+                             f"composes --model.moe_bias_rate (pp 1) and --model.moe_capacity_"
+                             f"factor (cp 1) with them")
+        if cfg.model.moe_bias_rate > 0:  # the Trainer would add a second bias to the runs
+            raise ValueError(f"model.moe_bias_rate {cfg.model.moe_bias_rate}: 06b sets each "
+                             f"remedy's own (--remedies bias); that flag is chapter 07's")
         remedies = args.remedies.split(",")
         for name in remedies:
             remedy_settings(name)

@@ -295,7 +295,7 @@ def unscale_and_check_first_gradient(grads, scale, group, agree=True):
 
 
 # (chapter, exercise, function in this module, words its diagnosis must hold)
-MISTAKES = [
+MISTAKES += [
     ("08", "unscale_and_check", "unscale_and_check_over_the_world",
      "rank 0 learned of rank 1's value beyond the group it was given"),
     ("08", "unscale_and_check", "unscale_and_check_first_gradient",

@@ -4,6 +4,7 @@ resume bit for bit."""
 
 import copy
 import os
+import tempfile
 import unittest
 from unittest import mock
 
@@ -15,14 +16,17 @@ from scaletorch.dist.functional import gather_along_dim
 from scaletorch.models import build_model
 from scaletorch.models.moe import MoE, queue_positions
 from scaletorch.parallel.expert_parallel import (ExpertParallel, expert_parallel_clip_grad_norm,
-                                                 gather_expert_parallel_state_dict, shard_experts)
+                                                 gather_expert_parallel_state_dict, moe_layers,
+                                                 shard_experts)
 from scaletorch.parallel.moe_balance import (BiasBalancer, BiasedTopK, GlobalCapacity,
-                                             apply_global_capacity, biases, skew_router)
+                                             apply_global_capacity, bias_state, biases, skew_router)
 from scaletorch.parallel.moe_load import LoadMeter, imbalance, measured_step
 from scaletorch.parallel.parallelize import parallelize
 from scaletorch.parallel.step import make_data_parallel_step
+from scaletorch.parallel.validation import validate_layout
 from scaletorch.plan.imbalance import hot_rank_received_rows, hot_rank_rows, imbalance_extra_seconds
 from scaletorch.trainer import Trainer
+from scaletorch.trainer.checkpoint import step_dir
 from scaletorch.trainer.param_map import full_state_dict
 from scaletorch.trainer.parity import max_weight_diff
 from tests.harness import run_distributed
@@ -35,8 +39,8 @@ TOLERANCE = 1e-5  # the chapters' fp32 parity: 5 steps of a tiny model, one micr
 # which AdamW turns into updates near lr (parity.py's floor). At 1e-2 even no remedy ends
 # 9.9e-6 from the reference after 5 steps (ep 2, experts' gate_proj); at 3e-3 about 3 times less.
 LR = 3e-3
-# tp 2 x ep 2 through chapter 07's parallelize: 3 steps (at 5 the bias run ends 8.5e-6 from the
-# reference, too near 1e-5 for a test run at 1 and 2 threads)
+# tp 2 x ep 2 through chapter 07's parallelize: 3 steps (at 5, with the skewed router these runs
+# had before, the bias run ended 8.5e-6 from the reference, too near 1e-5 for 1 and 2 threads)
 COMPOSED_STEPS = 3
 
 
@@ -123,30 +127,55 @@ def _layer_capacity(pgm) -> dict:
     return out
 
 
-def _run_composed(remedy: str, pgm) -> dict:
-    """Chapter 07's ``parallelize`` at tp 2 x ep 2 (dp 2), the remedy attached around it: the
-    bias before (parallelize replaces the dispatch, not the choice), the step wrapped after."""
+def _composed_config(remedy: str) -> Config:
+    """tp 2 x ep 2 (dp 2), the remedy by the config alone, as chapter 07 takes it."""
     cfg = _config(steps=COMPOSED_STEPS)
     cfg.parallel.tensor_model_parallel_size, cfg.parallel.expert_model_parallel_size = 2, 2
     if remedy == "capacity":
-        cfg.model.moe_capacity_factor = FACTOR
-    model = skew_router(build_model(cfg.model, seed=cfg.training.model_seed), HOT)
-    balancer = BiasBalancer(model, RATE) if remedy == "bias" else None
+        cfg.model.moe_capacity_factor = FACTOR  # parallelize decides it on the global batch
+    else:
+        cfg.model.moe_bias_rate = RATE  # the Trainer keeps and saves the bias
+    return cfg
+
+
+def _composed_trainer(cfg: Config, pgm):
+    """Chapter 07's model, ``parallelize`` and Trainer; on one device (pgm None) the reference
+    that 07's --check builds (parity.py's ``reference_trainer``). Its router is not skewed
+    (``skew_router`` adds parameters, which a DCP resume refuses as another model): its
+    initial routing is uneven enough for the factor to drop (the test checks it does)."""
+    model = build_model(cfg.model, seed=cfg.training.model_seed)
+    if pgm is None:
+        return Trainer(cfg, model, None, verbose=False), model
     par = parallelize(model, cfg, pgm, torch.device("cpu"))
-    if remedy == "capacity":
-        apply_global_capacity(par.model, pgm)
-    trainer = Trainer.from_parallelized(cfg, par, pgm, verbose=False)
-    if balancer is not None:
-        trainer.forward_backward = measured_step(trainer.forward_backward, balancer.update)
-    losses = trainer.train().losses
-    return {
-        "losses": losses,
-        "state": full_state_dict(par),
-        "biases": [b.clone() for b in biases(par.model)]
-    }
+    return Trainer.from_parallelized(cfg, par, pgm, verbose=False), par
 
 
-def _world(rank: int, world: int) -> dict:
+def _run_composed(remedy: str, pgm, root: str) -> dict:
+    """The composed run; the bias run also saves a DCP checkpoint of step 1 (07's format), which
+    a new model and Trainer resume for the last 2 steps. Step 1, not 2: the bias of step 2 can
+    be 0 again (an expert over the mean load, then under it), so a resume that forgot the
+    bias would pass."""
+    cfg = _composed_config(remedy)
+    trainer, par = _composed_trainer(cfg, pgm)
+    first = []
+    if remedy == "bias":
+        cfg.checkpoint.format, cfg.checkpoint.dir = "dcp", root
+        first.append(trainer.train_step()[0])
+        trainer.save()  # as train() saves at checkpoint.every 1, once
+    out = {"losses": first + trainer.train().losses, "state": full_state_dict(par)}
+    if remedy == "bias":
+        out["biases"] = bias_state(trainer.balancer)
+        cfg.checkpoint.resume = step_dir(root, 1)
+        trainer, par = _composed_trainer(cfg, pgm)
+        out["resumed"] = {
+            "losses": trainer.train().losses,
+            "state": full_state_dict(par),
+            "biases": bias_state(trainer.balancer)
+        }
+    return out
+
+
+def _world(rank: int, world: int, root: str) -> dict:
     out = {}
     for ep in (2, 4):
         pgm = init_pg_manager(expert_model_parallel_size=ep)
@@ -160,24 +189,27 @@ def _world(rank: int, world: int) -> dict:
         destroy_pg_manager()
     pgm = init_pg_manager(tensor_model_parallel_size=2, expert_model_parallel_size=2)
     for remedy in ("bias", "capacity"):
-        out[f"{remedy}_tp2_ep2"] = _run_composed(remedy, pgm)
+        out[f"{remedy}_tp2_ep2"] = _run_composed(remedy, pgm, root)
     destroy_pg_manager()
     return out
 
 
 class LoadBalanceMatchesSingleDevice(unittest.TestCase):
-    """One world of 4 ranks: ep 2 (x edp 2) and ep 4, 5 steps each; tp 2 x ep 2, 3 steps."""
+    """One world of 4 ranks: ep 2 (x edp 2) and ep 4, 5 steps each; tp 2 x ep 2 through
+    chapter 07's parallelize and Trainer, 3 steps, and the bias run's DCP resume."""
 
     @classmethod
     def setUpClass(cls):
-        cls.results = run_distributed(_world, WORLD, timeout=300)
+        cls.tmp = tempfile.TemporaryDirectory()
+        cls.results = run_distributed(_world, WORLD, cls.tmp.name, timeout=300)
         cls.reference = {}
         for remedy in ("bias", "capacity"):
-            trainer, model, _ = _trainer(_config(steps=COMPOSED_STEPS), remedy)
-            trainer.train()
+            trainer, model = _composed_trainer(_composed_config(remedy), None)
             cls.reference[f"{remedy}_short"] = {
+                "losses": trainer.train().losses,
                 "state": model.state_dict(),
-                "biases": biases(model)
+                "biases": bias_state(trainer.balancer) if remedy == "bias" else None,
+                "dropped": [layer.dropped for layer in moe_layers(model)],
             }
             trainer, model, _ = _trainer(_config(), remedy)
             losses = trainer.train().losses
@@ -266,15 +298,29 @@ class LoadBalanceMatchesSingleDevice(unittest.TestCase):
         self.assertLess(float((global_ - full).abs().max()), 1e-6)
         self.assertGreater(float((per_rank - full).abs().max()), 1e-3)  # chapter 06's limit
 
-    def test_bias_and_capacity_compose_with_tp_and_dp_through_parallelize(self):
+    def test_bias_and_capacity_compose_with_tp_and_dp_through_chapter_07s_config(self):
+        """model.moe_bias_rate and model.moe_capacity_factor at tp 2 x ep 2 x dp 2, against the
+        reference 07's --check builds from the same config."""
+        self.assertGreater(sum(self.reference["capacity_short"]["dropped"]), 0)  # it drops
         for remedy in ("bias", "capacity"):
             run, ref = self.results[0][f"{remedy}_tp2_ep2"], self.reference[f"{remedy}_short"]
-            losses = self.reference[remedy]["losses"][:COMPOSED_STEPS]
-            self.assertLess(max(abs(a - b) for a, b in zip(run["losses"], losses)), TOLERANCE)
+            self.assertLess(max(abs(a - b) for a, b in zip(run["losses"], ref["losses"])),
+                            TOLERANCE, remedy)
             self.assertLess(max_weight_diff(run["state"], ref["state"]), TOLERANCE, remedy)
-            for rank in self.results:  # every rank, tp peers included: the reference's bits
-                for mine, theirs in zip(rank[f"{remedy}_tp2_ep2"]["biases"], ref["biases"]):
-                    self.assertTrue(torch.equal(mine, theirs), remedy)
+        self.assertGreater(float(self.reference["bias_short"]["biases"].abs().max()), 0.0)
+        for rank in self.results:  # every rank, tp peers included: the reference's bits
+            self.assertTrue(
+                torch.equal(rank["bias_tp2_ep2"]["biases"], self.reference["bias_short"]["biases"]))
+
+    def test_composed_bias_resumes_from_a_dcp_checkpoint_bit_for_bit(self):
+        for rank in self.results:
+            whole = rank["bias_tp2_ep2"]
+            resumed = whole["resumed"]
+            self.assertEqual(resumed["losses"], whole["losses"][1:])
+            self.assertTrue(torch.equal(resumed["biases"], whole["biases"]))
+        whole, resumed = self.results[0]["bias_tp2_ep2"], self.results[0]["bias_tp2_ep2"]["resumed"]
+        for k in whole["state"]:
+            self.assertTrue(torch.equal(resumed["state"][k], whole["state"][k]), k)
 
     def test_bias_resumes_bit_for_bit(self):
         whole, halves = self.results[0]["bias_ep2"], self.results[0]["resume_bias"]
@@ -313,6 +359,20 @@ class LoadBalanceRules(unittest.TestCase):
         balancer.load[0] = torch.tensor([5.0, 3.0, 0.0, 4.0])  # mean 3
         balancer.update()
         self.assertTrue(torch.allclose(model[0].expert_bias, torch.tensor([-0.1, 0.0, 0.1, -0.1])))
+
+    def test_seventh_chapter_refuses_what_it_cannot_compose_naming_the_numbers(self):
+        cfg = _composed_config("bias")
+        cfg.parallel.pipeline_model_parallel_size, cfg.parallel.schedule = 2, "afab"
+        with self.assertRaisesRegex(
+                ValueError, r"^model.moe_bias_rate 0.05 with pipeline_model"
+                r"_parallel_size 2: [^\n]*$"):
+            validate_layout(cfg, 8)
+        cfg = _composed_config("capacity")
+        cfg.parallel.context_parallel_size, cfg.parallel.tensor_model_parallel_size = 2, 1
+        with self.assertRaisesRegex(
+                ValueError, r"^model.moe_capacity_factor 1.0 with context_"
+                r"parallel_size 2: [^\n]*$"):
+            validate_layout(cfg, 4)
 
     def test_queue_serves_first_choices_first_then_token_order(self):
         chosen = torch.tensor([[0, 1], [1, 0], [0, 2]])  # (T 3, k 2)

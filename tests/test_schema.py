@@ -34,10 +34,10 @@ FLAGS = {"checkpoint.resume": ["--resume"]}  # a key's own flag, named by check_
 IGNORED_UNLESS = {
     "data.path", "model.vocab_pad_to", "model.moe_top_k", "model.moe_layer_freq",
     "model.moe_intermediate_size", "model.moe_aux_loss_coeff", "model.moe_capacity_factor",
-    "parallel.expert_model_parallel_size", "parallel.bucket_size_mb", "parallel.sequence_parallel",
-    "parallel.schedule", "parallel.virtual_pipeline_stages", "parallel.cp_variant",
-    "parallel.cp_attention", "parallel.layer_split", "parallel.param_dtype", "training.fail_rank",
-    "checkpoint.keep_last", "checkpoint.async_save"
+    "model.moe_bias_rate", "parallel.expert_model_parallel_size", "parallel.bucket_size_mb",
+    "parallel.sequence_parallel", "parallel.schedule", "parallel.virtual_pipeline_stages",
+    "parallel.cp_variant", "parallel.cp_attention", "parallel.layer_split", "parallel.param_dtype",
+    "training.fail_rank", "checkpoint.keep_last", "checkpoint.async_save"
 }
 
 

@@ -62,6 +62,9 @@ class LlamaConfig:
     moe_aux_loss_coeff: float = checked(0.01, unless(at_least(0), "num_experts", 0), resume=PRINTED)
     # > 0: drop assignments beyond capacity; 0: never drop
     moe_capacity_factor: float = checked(0.0, unless(at_least(0), "num_experts", 0), resume=PRINTED)
+    # > 0: DeepSeek-V3's routing bias, moved by this much per step (the Trainer attaches it,
+    # parallel/moe_balance.py); 0: the top-k of the probabilities alone
+    moe_bias_rate: float = checked(0.0, unless(at_least(0), "num_experts", 0), resume=PRINTED)
 
     def __post_init__(self) -> None:
         check_fields(self)  # every field's type and range (the rules above)

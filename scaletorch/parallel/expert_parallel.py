@@ -36,6 +36,7 @@ gradient. (With num_micro_batches > 1 "the whole batch" is one micro-batch of ev
 which is not the reference's micro-batch: parity is exact with one micro-batch.)
 Capacity (``moe_capacity_factor`` > 0) is applied per rank on its own T/R tokens, so with
 dropping on the run is not the reference's (which caps over all T tokens): parity needs 0.
+Chapter 06b's global rule (moe_balance.py) fixes that; chapter 07's ``parallelize`` applies it.
 """
 
 from functools import partial

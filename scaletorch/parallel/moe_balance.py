@@ -33,6 +33,7 @@ from torch import nn
 from scaletorch.dist import ProcessGroupManager
 from scaletorch.dist.comm import Group
 from scaletorch.dist.functional import gather_along_dim
+from scaletorch.models.llama import LlamaConfig
 from scaletorch.models.moe import MoE, capacity, queue_positions
 from scaletorch.parallel.expert_parallel import moe_layers
 
@@ -66,7 +67,7 @@ class BiasBalancer:
     ``rate``: the bias change per step (the paper's gamma). The load of a step is the sum of
     the layer's ``tokens_per_expert`` over the step's forwards (global counts, all ranks)."""
 
-    def __init__(self, model: nn.Module, rate: float) -> None:
+    def __init__(self, model: nn.Module, rate: float, persistent: bool = True) -> None:
         if not 0 < rate < float("inf"):  # (NaN fails too: a NaN bias routes to fixed experts)
             raise ValueError(f"the bias update rate must be a finite number > 0, got {rate}")
         self.rate, self.layers = rate, moe_layers(model)
@@ -75,7 +76,8 @@ class BiasBalancer:
             if "expert_bias" not in dict(layer.named_buffers()):
                 layer.register_buffer(
                     "expert_bias", torch.zeros(layer.num_experts,
-                                               device=layer.router.weight.device))
+                                               device=layer.router.weight.device),
+                    persistent=persistent)
             layer.select_fn = BiasedTopK(layer)
             layer.register_forward_hook(self._count(i))
 
@@ -107,6 +109,25 @@ def update_bias(bias: torch.Tensor, load: torch.Tensor, rate: float) -> None:
 
 
 # [end: bias-balancing]
+
+
+def bias_state(balancer: BiasBalancer) -> torch.Tensor:
+    """(layers, E): a copy of every balanced layer's bias, for a checkpoint. Identical on every
+    rank (global counts, same arithmetic), so any rank's copy is the run's."""
+    return torch.stack(
+        [layer.get_buffer("expert_bias").detach().cpu().clone() for layer in balancer.layers])
+
+
+def load_bias_state(balancer: BiasBalancer, state: torch.Tensor, name: str) -> None:
+    """Copy ``bias_state``'s (layers, E) into the balanced layers; ValueError naming ``name``
+    (the checkpoint) if its shape is not this model's."""
+    want = (len(balancer.layers), balancer.layers[0].num_experts if balancer.layers else 0)
+    if tuple(state.shape) != want:
+        raise ValueError(f"{name}: its routing bias is {tuple(state.shape)} (MoE layers, "
+                         f"experts), this model's is {want}")
+    with torch.no_grad():
+        for layer, saved in zip(balancer.layers, state):
+            layer.get_buffer("expert_bias").copy_(saved)
 
 
 def biases(model: nn.Module) -> List[torch.Tensor]:
@@ -146,15 +167,31 @@ class GlobalCapacity:
 
 def apply_global_capacity(model: nn.Module, pgm: ProcessGroupManager) -> nn.Module:
     """Every MoE layer's capacity decided on the global batch (``GlobalCapacity``) over
-    "dp_cp"; returns ``model``. Context parallel splits a sequence, not the batch's rows:
-    the queue's token order would be another, so it is refused."""
-    if pgm.context_parallel_world_size > 1:
+    "dp_cp"; returns ``model``. A layer whose capacity factor is 0 never calls it. Context
+    parallel splits a sequence, not the batch's rows: the queue's token order would be
+    another, so a factor > 0 with it is refused."""
+    layers = moe_layers(model)
+    if pgm.context_parallel_world_size > 1 and any(layer.capacity_factor > 0 for layer in layers):
         raise ValueError(f"global capacity needs context_parallel_size 1, got "
                          f"{pgm.context_parallel_world_size}: each rank must hold whole rows")
     rule = GlobalCapacity(pgm.gradient_sync_group, pgm.data_parallel_rank)
-    for layer in moe_layers(model):
+    for layer in layers:
         layer.capacity_fn = rule
     return model
+
+
+def validate_balancing(model: LlamaConfig, pp: int, cp: int) -> None:
+    """ValueError naming the numbers for a remedy that a layout of chapter 07 cannot hold: the
+    bias under a pipeline (a checkpoint keeps one rank's bias, and each stage holds other MoE
+    layers), capacity under context parallel (its queue runs along whole sequences)."""
+    if model.num_experts > 0 and model.moe_bias_rate > 0 and pp > 1:
+        raise ValueError(f"model.moe_bias_rate {model.moe_bias_rate} with pipeline_model_"
+                         f"parallel_size {pp}: a checkpoint keeps one rank's routing bias, and "
+                         f"each stage holds other MoE layers; use pp 1 or model.moe_bias_rate 0")
+    if model.num_experts > 0 and model.moe_capacity_factor > 0 and cp > 1:
+        raise ValueError(f"model.moe_capacity_factor {model.moe_capacity_factor} with context_"
+                         f"parallel_size {cp}: the global capacity queues whole sequences in "
+                         f"token order, and cp splits each one; use cp 1 or capacity factor 0")
 
 
 def skew_router(model: nn.Module, offsets: Dict[int, float]) -> nn.Module:

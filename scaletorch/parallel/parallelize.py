@@ -3,9 +3,9 @@
 ``parallelize(model, cfg, pgm, device)`` converts the reference model in place and returns what
 the Trainer needs. The order (as in torchtitan), and why:
 
-    1 expert     shard each MoE layer's experts over "ep"; routing statistics over "dp_cp".
-                 First: it needs the full stacked expert weights, and the MoE stays whole
-                 under tensor parallel (experts are split over ep, not tp).
+    1 expert     shard each MoE layer's experts over "ep"; routing statistics (and 06b's
+                 capacity) over "dp_cp". First: it needs the full stacked expert weights, and
+                 the MoE stays whole under tensor parallel (experts are split over ep, not tp).
     2 tensor     split attention / MLP / embedding / head over "tp" (+ sequence parallel).
                  Before context parallel: ring attention then works on this rank's heads.
     3 context    swap each attention's ``attention_fn`` for ring (or Ulysses) attention over
@@ -58,6 +58,7 @@ from scaletorch.parallel.context_parallel import apply_context_parallel, make_se
 from scaletorch.parallel.data_parallel import apply_data_parallel
 from scaletorch.parallel.expert_parallel import ExpertParallel, shard_experts
 from scaletorch.parallel.grad_norm import clip_grads_, world_grad_norm
+from scaletorch.parallel.moe_balance import apply_global_capacity
 from scaletorch.parallel.moe_pipeline import MoELossInPipeline
 from scaletorch.parallel.pipeline_parallel import apply_pipeline_parallel
 from scaletorch.parallel.split_backward import runtime_class
@@ -164,8 +165,7 @@ def check_recompute_without_hook(cfg: "Config") -> None:
 
 def check_tied_without_hooks(cfg: "Config") -> None:
     """A tied model under our pipeline or ZeRO needs chapter 10's hooks: ValueError."""
-    p = cfg.parallel
-    pp = p.pipeline_model_parallel_size
+    p, pp = cfg.parallel, cfg.parallel.pipeline_model_parallel_size
     if cfg.model.tie_word_embeddings and p.impl != "torch" and (pp > 1 or p.zero_stage > 0):
         raise ValueError(f"model.tie_word_embeddings true with pipeline_model_parallel_size "
                          f"{pp} and zero_stage {p.zero_stage} needs chapter 10's hooks: "
@@ -203,6 +203,7 @@ def parallelize(model: Llama, cfg: "Config", pgm: ProcessGroupManager, device: t
     shard_sequence: Optional[Callable] = None
     if cfg.model.num_experts > 0:  # 1 (also at ep 1: the routing statistics over dp_cp)
         shard_experts(model, pgm)
+        apply_global_capacity(model, pgm)  # a capacity drops what one device drops (06b)
         if precision is not None:  # the routed tokens in autocast's dtype (chapter 08)
             precision.after_expert_parallel(model)
     if pgm.tensor_model_parallel_world_size > 1:  # 2

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Dict
 
 from scaletorch.parallel.context_parallel import check_sequence_length
 from scaletorch.parallel.expert_parallel import validate_expert_parallel
+from scaletorch.parallel.moe_balance import validate_balancing
 from scaletorch.parallel.tensor_parallel import validate_tensor_parallel
 from scaletorch.rules.group_names import gradient_group_name
 from scaletorch.schedule.catalog import validate_schedule
@@ -73,6 +74,7 @@ def validate_layout(cfg: "Config", world_size: int) -> Dict[str, int]:
     validate_tensor_parallel(cfg.model, sizes["tp"], cfg.parallel.sequence_parallel,
                              cfg.data.seq_len // sizes["cp"])
     validate_expert_parallel(cfg.model.num_experts, sizes["ep"], sizes["dp_cp"])
+    validate_balancing(cfg.model, sizes["pp"], sizes["cp"])  # chapter 06b's remedies
     _check_pipeline(cfg, sizes)
     _check_tied_embeddings(cfg, sizes)
     _check_combinations(cfg, sizes)
@@ -89,17 +91,13 @@ def _check_batch(cfg: "Config", sizes: Dict[str, int]) -> None:
 
 def _check_context(cfg: "Config", sizes: Dict[str, int]) -> None:
     cp, tp = sizes["cp"], sizes["tp"]
-    if cp == 1:
-        return
-    check_sequence_length(cfg.data.seq_len, cp)
-    if cfg.parallel.cp_variant != "ulysses":
+    if cp > 1:
+        check_sequence_length(cfg.data.seq_len, cp)
+    if cp == 1 or cfg.parallel.cp_variant != "ulysses":
         return
     # Ulysses gives each cp rank 1/cp of the heads that this tp rank holds
-    heads = {
-        "num_attention_heads": cfg.model.num_attention_heads,
-        "num_key_value_heads": cfg.model.num_key_value_heads,
-    }
-    for name, total in heads.items():
+    for name in ("num_attention_heads", "num_key_value_heads"):
+        total = getattr(cfg.model, name)
         local = total // tp
         if local % cp != 0:
             per_rank = f" / tensor_model_parallel_size {tp} = {local} heads per tp rank," \

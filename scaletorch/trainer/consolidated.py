@@ -8,7 +8,8 @@ into the full model *before* ``parallelize`` shards it, then ``resume_consolidat
 rank its part of the AdamW state (param_map.py: ``scatter``), the schedule and the step.
 
     {"step", "model": {name: tensor}, "optimizer": {"step", "exp_avg", "exp_avg_sq"} or None,
-     "scheduler": LambdaLR state, "schedule": {steps, lr, min_lr, warmup_steps}}
+     "scheduler": LambdaLR state, "schedule": {steps, lr, min_lr, warmup_steps},
+     "moe_bias": (MoE layers, E), only with model.moe_bias_rate > 0}
 """
 
 import io
@@ -20,6 +21,7 @@ import torch
 from scaletorch.config import Config
 from scaletorch.dist import comm, get_ledger
 from scaletorch.models import Llama
+from scaletorch.parallel.moe_balance import bias_state, load_bias_state
 from scaletorch.parallel.parallelize import Parallelized
 from scaletorch.rules import boundary
 from scaletorch.rules.errors import clip
@@ -58,13 +60,16 @@ def consolidated_state(trainer: "Trainer", par: Union[Parallelized,
     model = gather(lambda p: p.detach())
     if comm.group_rank() != 0:
         return None
-    return {
+    state: Dict[str, Any] = {
         "step": trainer.step,
         "model": model,
         "optimizer": optim,
         "scheduler": trainer.scheduler.state_dict(),
         "schedule": _schedule(trainer.cfg),
     }
+    if trainer.balancer is not None:  # model.moe_bias_rate's bias, the same on every rank
+        state["moe_bias"] = bias_state(trainer.balancer)
+    return state
 
 
 SCHEDULE = ("steps", "lr", "min_lr", "warmup_steps")
@@ -124,6 +129,8 @@ def resume_consolidated(trainer: "Trainer", par: Parallelized, state: Dict[str, 
                 "exp_avg_sq": exp_avg_sq[param],
             }
     trainer.load_schedule(state["scheduler"])  # at this run's lr (the note below says so)
+    if trainer.balancer is not None and "moe_bias" in state:  # else it starts at 0
+        load_bias_state(trainer.balancer, state["moe_bias"], "the consolidated checkpoint")
     trainer.step = state["step"]
     saved, now = state.get("schedule"), _schedule(trainer.cfg)
     if saved is not None and saved != now and par.layout.pgm.rank == 0:

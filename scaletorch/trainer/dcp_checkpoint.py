@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from scaletorch.dist import comm
 from scaletorch.models import Llama
+from scaletorch.parallel.moe_balance import bias_state, load_bias_state
 from scaletorch.rules.errors import InputError, clip
 from scaletorch.rules.safe_files import (CorruptFileError, read_checksummed, verify_checksum,
                                          write_checksum, write_checksummed)
@@ -67,6 +68,8 @@ def sharded_state(trainer: Any, par: "Parallelized") -> Dict[str, Any]:
     }
     if trainer.scaler is not None:  # fp16: the loss scale resumes where it was
         extra["scaler"] = trainer.scaler.state_dict()
+    if trainer.balancer is not None:  # model.moe_bias_rate: the same (layers, E) on every rank
+        extra["moe_bias"] = bias_state(trainer.balancer)
     state["trainer"] = extra
     state[f"rng.{par.layout.pgm.rank}"] = rng_state()
     return state
@@ -253,6 +256,8 @@ def load_sharded(path: str, trainer: Any, par: "Parallelized") -> None:
     saved_lr = trainer.load_schedule(extra["scheduler"])  # this run's lr, as a per-rank resume
     if trainer.scaler is not None and "scaler" in extra:
         trainer.scaler.load_state_dict(extra["scaler"])
+    if trainer.balancer is not None and "moe_bias" in extra:  # else it starts at 0
+        load_bias_state(trainer.balancer, extra["moe_bias"], f"checkpoint {clip(path)}")
     trainer.step = extra["step"]
     if state.get(rng_key) is not None:  # another world size: the ranks' generators start anew
         set_rng_state(state[rng_key])
@@ -297,6 +302,8 @@ def to_consolidated(path: str, out: str) -> Dict[str, Any]:
         "optimizer": optimizer,
         "scheduler": extra["scheduler"],
     }
+    if "moe_bias" in extra:
+        consolidated["moe_bias"] = extra["moe_bias"]
     buffer = io.BytesIO()
     torch.save(consolidated, buffer)
     write_checksummed(out, buffer.getvalue())

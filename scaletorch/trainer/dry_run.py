@@ -380,10 +380,10 @@ def check_dry_run(cfg: Config) -> None:
     if cfg.training.precision not in ("auto", "fp32"):
         raise ValueError(f"training.precision {cfg.training.precision}: the dry run runs fp32 "
                          f"only (autocast has no meta device)")
-    if cfg.model.num_experts and cfg.model.moe_capacity_factor > 0:
-        raise ValueError(f"model.moe_capacity_factor {cfg.model.moe_capacity_factor}: which "
-                         f"assignments a capacity drops depends on the router's values, which "
-                         f"a dry run has not; set 0 (a balanced router drops none)")
+    for key in ("moe_capacity_factor", "moe_bias_rate"):  # the drops, the bias's moves
+        if cfg.model.num_experts and getattr(cfg.model, key) > 0:
+            raise ValueError(f"model.{key} {getattr(cfg.model, key)}: what it does depends on "
+                             f"the router's values, which a dry run has not; set 0")
     if cfg.parallel.impl == "torch":
         raise ValueError("parallel.impl torch: the dry run runs this repository's strategies "
                          "(PyTorch's own collectives bypass the ledger)")

@@ -30,6 +30,8 @@ from scaletorch.dist.dtensor import is_dtensor
 from scaletorch.models import loss_fn
 from scaletorch.parallel.grad_norm import clip_replicated
 from scaletorch.parallel.mixed_precision import DynamicLossScaler
+from scaletorch.parallel.moe_balance import BiasBalancer, bias_state, load_bias_state
+from scaletorch.parallel.moe_load import measured_step
 from scaletorch.parallel.step import ForwardBackward, LossFn, make_data_parallel_step
 from scaletorch.rules.errors import InputError
 from scaletorch.trainer import checkpoint as ckpt
@@ -129,6 +131,11 @@ class Trainer:
             raise ValueError("training.precision fp16: this step does not scale the loss (pass "
                              "the DynamicLossScaler its forward_backward uses)")
         self.scaler = scaler
+        # model.moe_bias_rate: 06b's routing bias, saved beside the weights (layouts hold params)
+        self.balancer: Optional[BiasBalancer] = None
+        if cfg.model.num_experts > 0 and cfg.model.moe_bias_rate > 0:
+            self.balancer = BiasBalancer(model, cfg.model.moe_bias_rate, persistent=False)
+            forward_backward = measured_step(forward_backward, self.balancer.update)
         self.forward_backward = forward_backward
         self.clip_grad_norm = clip_grad_norm or self._clip_replicated
         self.step = 0
@@ -180,6 +187,8 @@ class Trainer:
         }
         if self.scaler is not None:  # fp16: the loss scale resumes where it was
             state["scaler"] = self.scaler.state_dict()
+        if self.balancer is not None:
+            state["moe_bias"] = bias_state(self.balancer)
         return state
 
     def load_state_dict(self, state: dict, name: str = "the checkpoint") -> None:
@@ -190,6 +199,8 @@ class Trainer:
         ckpt.set_rng_state(state["rng"])
         if self.scaler is not None and "scaler" in state:
             self.scaler.load_state_dict(state["scaler"])
+        if self.balancer is not None and "moe_bias" in state:  # else it starts at 0
+            load_bias_state(self.balancer, state["moe_bias"], name)
         self.step = state["step"]
         self.note_changed_settings(saved_lr, changed)
 
