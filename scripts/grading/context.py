@@ -11,8 +11,9 @@ K/V messages the learner's sent are counted and their peers noted (at the proces
 before or after the run see what it cannot: ``slice_ids`` every rank of 1 to 4 ranks in both
 orders; ``merge`` two tiles whose log-sum-exps (100 and 90) overflow fp32 once exponentiated,
 and tiles whose outputs and log-sum-exps all differ, so that any wrong combination shows;
-``ring_forward`` the contiguous order on the ring of 3, and both orders on a ring of ranks 0
-and 1 only (its group is not the world: ``dist.get_world_size()`` or the world group is wrong).
+``ring_forward`` the contiguous order on the ring of 3, and both orders on a ring of ranks 1
+and 2 only (its group is not the world, and its ranks are not the world's: the world's size,
+rank or group is wrong).
 """
 
 import datetime
@@ -41,7 +42,7 @@ AGAINST = "the library's calls"  # what the jobs are compared with
 STEPS = 2
 SEQ_LEN = 24  # divisible by 2 x cp = 6 (zigzag's slices)
 ORDERS = ("zigzag", "contiguous")
-PAIR = [0, 1]  # the ring of the probe whose group is not the world
+PAIR = [1, 2]  # the probe's ring: its group is not the world, its ranks not the world's
 # merge in fp32: the library's logaddexp and a learner's max-shifted exps differ by a few
 # roundings of values of order 1 (eps 1.2e-7 each); a wrong weight is off by far more.
 RTOL, ATOL = 1e-5, 1e-6
@@ -252,7 +253,7 @@ def rank_jobs(rank: int, world: int, jobs: List[Dict[str, Source]]) -> List[Dict
     """Inside a rank: each job, its calls checked one by one."""
     cfg = config()
     pgm = init_pg_manager_from_config(cfg.parallel, collective_timeout())
-    # a ring whose group is not the world (every rank creates it; ranks 0 and 1 use it)
+    # a ring whose group is not the world (every rank creates it; ranks 1 and 2 use it)
     pair = dist.new_group(PAIR, timeout=datetime.timedelta(seconds=collective_timeout()))
 
     def measure(exercise: str, source: Source) -> Dict[str, Any]:
