@@ -21,11 +21,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scripts import grade
-from scripts.grading import file_check, runner
+from scripts.grading import file_check, runner, tensor
 from scripts.grading.runner import load
 from scripts.grading.variants import CATALOGUE, HANGS, STOPPING
 from tests import harness  # noqa: F401 - sets the forkserver's preload list
-from tests import grading_other_ways, grading_solutions
+from tests import grading_mistakes_03_05, grading_other_ways, grading_solutions
 from tests.grading_other_ways import CRASHES
 from tests.grading_solutions import ALTERNATIVES, MISTAKES
 from tests.test_planted_bugs import patched  # a limit in runner.RANK_LIMITS, sent to the ranks
@@ -46,6 +46,7 @@ SHORT_HANG_TIMEOUT = 4.0
 VARIANTS = "scripts.grading.variants"
 SOLUTIONS = "tests.grading_solutions"
 OTHER_WAYS = "tests.grading_other_ways"
+MISTAKES_03_05 = "tests.grading_mistakes_03_05"
 
 
 class _GradeChapter:
@@ -53,6 +54,7 @@ class _GradeChapter:
     a new world grades the jobs after it), correct solutions written another way, mistakes
     nobody planted, every planted variant, its stubs, in one go."""
     chapter = ""
+    world = 0  # ranks, if not the grader's (module.WORLD)
 
     @classmethod
     def setUpClass(cls):
@@ -65,7 +67,9 @@ class _GradeChapter:
         cls.mistakes = [(e, (SOLUTIONS, f), words) for c, e, f, words in MISTAKES
                         if c == cls.chapter] + \
             [(e, (OTHER_WAYS, f), words) for c, e, f, words in grading_other_ways.MISTAKES
-             if c == cls.chapter]
+             if c == cls.chapter] + \
+            [(e, (MISTAKES_03_05, f), words)
+             for c, e, f, words in grading_mistakes_03_05.MISTAKES if c == cls.chapter]
         crash, function, _, _ = CRASHES[cls.chapter]
         jobs = module.solution_jobs() + [{crash: (OTHER_WAYS, function)}] + \
             [{e: (where, f)} for e, where, f in cls.others] + \
@@ -73,7 +77,8 @@ class _GradeChapter:
             [{e: (VARIANTS, v)} for e, v in cls.planted] + \
             module.exercise_jobs(os.path.join(ROOT, path))
         # a receive never answered (05) waits out the collective timeout: the short one
-        with patched(runner, "COLLECTIVE_TIMEOUT", SHORT_COLLECTIVE_TIMEOUT):
+        with patched(runner, "COLLECTIVE_TIMEOUT", SHORT_COLLECTIVE_TIMEOUT), \
+                patched(module, "WORLD", cls.world or module.WORLD):
             cls.verdicts = module.grade(jobs)
         n, k, m = len(module.EXERCISES), len(cls.others), len(cls.mistakes)
         cls.solutions, cls.crashed, cls.stubs = cls.verdicts[:n], cls.verdicts[n], \
@@ -142,11 +147,25 @@ class GradeChapter02(_GradeChapter, unittest.TestCase):
 
 
 class GradeChapter03(_GradeChapter, unittest.TestCase):
-    """Tensor parallel, 2 ranks, 2 steps without and 2 with sequence parallel a job (stopped at
-    the first wrong call), every call's forward and backward checked on its rank: 3 solutions,
-    rank 1 killed (SIGKILL; a second world grades the rest), 4 written another way, 12 variants,
-    3 stubs."""
+    """Tensor parallel, 2 ranks (tp 2; the grader's 4, tp 2 x dp 2, in GradeOverTheTpGroup and
+    the mutation run), 2 steps without and 2 with sequence parallel a job (stopped at the first
+    wrong call), every call's forward and backward checked on its rank: 3 solutions, rank 1
+    killed (SIGKILL; a second world grades the rest), 4 written another way, 1 mistake, 12
+    variants, 3 stubs."""
     chapter = "03"
+    # at 4 ranks the class took 42 s of CPU, at 2 ranks 22 s; only a wrong group needs the 4
+    world = 2
+
+
+class GradeOverTheTpGroup(unittest.TestCase):
+    """Chapter 03 at the grader's 4 ranks (tp 2 x dp 2), one job: an f-bar that sums over the
+    world, not its tp group, is named so (the suite's GradeChapter03 grades at tp 2 = world)."""
+
+    def test_a_sum_over_the_world_is_named(self):
+        for exercise, function, words in grading_mistakes_03_05.WIDE:
+            verdict, = tensor.grade([{exercise: (MISTAKES_03_05, function)}])
+            self.assertEqual((verdict.exercise, verdict.passed), (exercise, False))
+            self.assertIn(words, verdict.text)
 
 
 class GradeChapter04(_GradeChapter, unittest.TestCase):
@@ -156,9 +175,10 @@ class GradeChapter04(_GradeChapter, unittest.TestCase):
 
 
 class GradeChapter05(_GradeChapter, unittest.TestCase):
-    """Context parallel, 2 ranks, 2 steps a job, every call checked on its rank: 3 solutions,
-    rank 1's receive never answered (8 s; a second world grades the rest), 5 written another
-    way, 10 variants, 3 stubs."""
+    """Context parallel, 3 ranks (a ring of 3; probes on a ring of 2 whose group is not the
+    world), 2 steps a job, every call checked on its rank: 3 solutions, rank 1's receive never
+    answered (8 s; a second world grades the rest), 5 written another way, 2 mistakes, 10
+    variants, 3 stubs."""
     chapter = "05"
 
 
@@ -242,7 +262,8 @@ class GradeEachExerciseOnItsOwn(unittest.TestCase):
         } for f in ("raise_on_rank_1", "hang_on_rank_1")]
         jobs += [{"wait_for_buckets": (module.LIBRARY, "wait_for_buckets")}]
         start = time.perf_counter()
-        with patched(runner, "COLLECTIVE_TIMEOUT", SHORT_COLLECTIVE_TIMEOUT):
+        with patched(runner, "COLLECTIVE_TIMEOUT", SHORT_COLLECTIVE_TIMEOUT), \
+                patched(module, "WORLD", cls.world or module.WORLD):
             cls.verdicts = module.grade(jobs)
         cls.seconds = time.perf_counter() - start
 

@@ -1,15 +1,18 @@
-"""Grading chapter 03's exercises (examples/exercises/03_tensor_parallel.py) on 2 gloo ranks.
+"""Grading chapter 03's exercises (examples/exercises/03_tensor_parallel.py) on 4 gloo ranks.
 
-Each job trains chapter 03's run (examples/configs/03_tensor_parallel.yaml, tp 2) for ``STEPS``
-steps, without and then with sequence parallel, with the learner's function called beside the
-library's: ``enter_region`` (f, or g under sequence parallel) and ``exit_region`` (f-bar, or
-g-bar) get the same input in forward and the same output gradient in backward, so the forward
-and the backward are each compared; ``vocab_parallel_cross_entropy`` gets the same logits,
-and its loss and gradient are compared. The run goes on with the library's answer, so the ranks
-stay in step whatever the learner returned; the first difference is the diagnosis. The ranks
-agree by one all-reduce over the world whether to go on to sequence parallel. The
-cross-entropy is first given probes: logits near 100 (exp overflows fp32), targets in one
-rank's shard at a time, and shards whose largest logits differ.
+Each job trains chapter 03's run (examples/configs/03_tensor_parallel.yaml) at tp 2 x dp 2 for
+``STEPS`` steps, without and then with sequence parallel, with the learner's function called
+beside the library's: ``enter_region`` (f, or g under sequence parallel) and ``exit_region``
+(f-bar, or g-bar) get the same input in forward and the same output gradient in backward, so
+the forward and the backward are each compared; ``vocab_parallel_cross_entropy`` gets the same
+logits, and its loss and gradient are compared. The tp group is not the world: a function that
+communicates over the world (``dist.get_world_size()``, no group) sums or gathers the other dp
+replica's data too, and each call is also compared with the library's over the world, to say
+so. The run goes on with the library's answer, so the ranks stay in step whatever the learner
+returned; the first difference is the diagnosis. The ranks agree by one all-reduce over the
+world whether to go on to sequence parallel. The cross-entropy is first given probes: logits
+near 100 (exp overflows fp32), targets in one rank's shard at a time, shards whose largest
+logits differ, and an output gradient of ``GRAD_OUTPUT``, not 1 (a backward must scale by it).
 """
 
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -21,6 +24,7 @@ from scaletorch.dist import comm, destroy_pg_manager, init_pg_manager_from_confi
 from scaletorch.dist.functional import split_along_dim
 from scaletorch.models import build_model, loss_fn
 from scaletorch.parallel import tensor_parallel, tensor_parallel_layers
+from scaletorch.parallel.data_parallel import apply_data_parallel
 from scaletorch.parallel.tensor_parallel import (apply_tensor_parallel,
                                                  tensor_parallel_clip_grad_norm,
                                                  tensor_parallel_loss_fn)
@@ -31,12 +35,15 @@ from scripts.grading.runner import (Source, Verdict, collective_timeout, grade_f
 CHAPTER = "03"
 EXERCISES = ("enter_region", "exit_region", "vocab_parallel_cross_entropy")
 LIBRARY = "scaletorch.parallel.tensor_parallel_layers"
-WORLD = 2
+WORLD = 4  # tp 2 x dp 2: the tp group the functions are given is not the world
 AGAINST = "the library's calls"  # what the jobs are compared with
 STEPS = 2
 # fp32: a learner's all-reduce or loss may add the same numbers in another order, a few ulps of
 # values below 10 (ulp at 8: 9.5e-7); a wrong operator is off by a factor or a shape.
 RTOL, ATOL = 1e-5, 1e-5
+# the probe's output gradient: a backward that ignores it returns 1 / GRAD_OUTPUT times the
+# gradient, a factor no other mistake of the probe gives (the token count is 8)
+GRAD_OUTPUT = 0.375
 LIBRARY_FNS = {e: getattr(tensor_parallel_layers, e) for e in EXERCISES}  # before any patch
 NAMES = {
     ("enter_region", False): "f",
@@ -58,12 +65,22 @@ def _ratio(got: torch.Tensor, want: torch.Tensor) -> Optional[float]:
     return r if _close(got, r * want) else None
 
 
+def _over_world(op: str, what: str, group: Any) -> str:
+    return (f"{op}'s {what} equals the same operation over the whole world "
+            f"({dist.get_world_size()} ranks), not over the tp group it is given "
+            f"({comm.group_size(group)} ranks): communicate over ``group``, and take sizes "
+            f"and ranks from it")
+
+
 def forward_text(exercise: str, sp: bool, x: torch.Tensor, got: torch.Tensor, want: torch.Tensor,
-                 group: Any) -> Optional[str]:
-    """What is wrong with one call's forward, None if right."""
+                 group: Any, world: Optional[torch.Tensor] = None) -> Optional[str]:
+    """What is wrong with one call's forward, None if right. ``world``: the library's answer
+    over the whole world (a group that is not the tp group)."""
     op = NAMES[(exercise, sp)]
     if _close(got, want):
         return None
+    if world is not None and not _close(world, want) and _close(got, world):
+        return _over_world(op, "forward", group)
     if got.shape != want.shape:
         what = "all-gather" if exercise == "enter_region" else "reduce-scatter"
         return (f"{op} returned {tuple(got.shape)} for an input {tuple(x.shape)}, the library "
@@ -82,7 +99,8 @@ def forward_text(exercise: str, sp: bool, x: torch.Tensor, got: torch.Tensor, wa
 
 
 def backward_text(exercise: str, sp: bool, dy: torch.Tensor, got: Optional[torch.Tensor],
-                  want: torch.Tensor, group: Any) -> Optional[str]:
+                  want: torch.Tensor, group: Any,
+                  world: Optional[torch.Tensor] = None) -> Optional[str]:
     """What is wrong with one call's backward (its forward was right), None if right."""
     op = NAMES[(exercise, sp)]
     if got is None:
@@ -90,6 +108,8 @@ def backward_text(exercise: str, sp: bool, dy: torch.Tensor, got: Optional[torch
                 f"invisible to autograd, so write a torch.autograd.Function")
     if _close(got, want):
         return None
+    if world is not None and not _close(world, want) and _close(got, world):
+        return _over_world(op, "backward", group)
     if exercise == "enter_region" and _close(got, split_along_dim(dy, 1, group) if sp else dy):
         if sp:
             return ("g's backward kept this rank's chunk of the gradient without summing it: "
@@ -119,34 +139,49 @@ class _Compared(torch.autograd.Function):
             # each its own copy: an in-place f-bar (Megatron's all_reduce(x); return x) is right
             mine, theirs = x.detach().clone().requires_grad_(), x.detach().requires_grad_()
             got, want = fn(mine, group, sp), library(theirs, group, sp)
+            # the library over the world, on every rank alike: what a wrong group gives
+            other = x.detach().clone().requires_grad_()
+            world = library(other, dist.group.WORLD, sp)
         if not found:
-            found += [t for t in [forward_text(exercise, sp, x, got.detach(), want, group)] if t]
-        ctx.graphs, ctx.how = (mine, got, theirs, want), (exercise, group, sp, found)
+            found += [
+                t
+                for t in [forward_text(exercise, sp, x, got.detach(), want, group, world.detach())]
+                if t
+            ]
+        ctx.graphs, ctx.how = (mine, got, theirs, want, other, world), (exercise, group, sp, found)
         return want.detach().clone()
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
-        (mine, got, theirs, want), (exercise, group, sp, found) = ctx.graphs, ctx.how
+        (mine, got, theirs, want, other, world), (exercise, group, sp, found) = ctx.graphs, ctx.how
         dx_want, = torch.autograd.grad(want, theirs, dy)
+        dx_world = None  # shapes are alike on every rank: each decides the same
+        if world.shape == want.shape:
+            dx_world, = torch.autograd.grad(world, other, dy.clone())
         dx_got = None  # the same decision on every rank: the learner's backward may communicate
         if got.shape == want.shape and got.requires_grad:
             dx_got, = torch.autograd.grad(got, mine, dy.clone(), allow_unused=True)
         if not found:
-            found += [t for t in [backward_text(exercise, sp, dy, dx_got, dx_want, group)] if t]
+            found += [
+                t for t in [backward_text(exercise, sp, dy, dx_got, dx_want, group, dx_world)] if t
+            ]
         return dx_want, None, None, None, None, None
 
 
-def _probe(fn: Callable, logits: torch.Tensor, targets: torch.Tensor,
-           group: Any) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
+def _probe(
+    fn: Callable, logits: torch.Tensor, targets: torch.Tensor, group: Any, grad_output: float = 1.0
+) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
     """(learner's loss, its gradient of this rank's shard, the reference loss and gradient) of
-    full logits (b, s, V) computed on one device, this rank holding its vocabulary shard."""
+    full logits (b, s, V) computed on one device, this rank holding its vocabulary shard; the
+    loss's output gradient is ``grad_output``."""
     rank, n = comm.group_rank(group), comm.group_size(group)
     full = logits.clone().requires_grad_()
     want = loss_fn(full, targets)
-    want_grad, = torch.autograd.grad(want, full)
+    want_grad, = torch.autograd.grad(want, full, torch.tensor(grad_output))
     mine = logits.chunk(n, dim=-1)[rank].clone().requires_grad_()
     got = fn(mine, targets.clone(), group)
-    grad = torch.autograd.grad(got, mine)[0] if got.requires_grad else None
+    grad = torch.autograd.grad(got, mine, torch.full_like(got, grad_output))[0] \
+        if got.requires_grad else None
     return got.detach(), grad, want.detach(), want_grad.chunk(n, dim=-1)[rank]
 
 
@@ -157,8 +192,17 @@ def probe_cross_entropy(fn: Callable, group: Any, vocab: int) -> Optional[str]:
     logits = torch.randn(2, 4, vocab, generator=gen)
     for r in range(n):  # every shard's largest logit 10: this rank's max is the global max
         logits[..., r * shard] = 10.0
-    got, _, want, _ = _probe(fn, 100.0 + logits, torch.zeros(2, 4, dtype=torch.long), group)
-    if not _close(got, want):
+    zeros = torch.zeros(2, 4, dtype=torch.long)
+    got, _, want, _ = _probe(fn, 100.0 + logits, zeros, group)
+    # the library's loss over the world, on every rank alike: what a wrong group gives
+    world = LIBRARY_FNS["vocab_parallel_cross_entropy"](
+        (100.0 + logits).chunk(n, dim=-1)[comm.group_rank(group)], zeros, dist.group.WORLD)
+    if not _close(got, want) and _close(got, world.detach()):
+        return (f"the loss is {float(got):.4f}, not {float(want):.4f}, and equals the library's "
+                f"over the whole world ({dist.get_world_size()} ranks), not over the tp group it "
+                f"is given ({n} ranks): communicate over ``group``, and take sizes and ranks "
+                f"from it")
+    if not bool(torch.isfinite(got)):
         return (f"the loss of logits near 100 is {float(got):.4g}, not {float(want):.4f}: "
                 f"exp(100) overflows fp32; subtract the max over all tp ranks first")
     wrong = []
@@ -178,16 +222,24 @@ def probe_cross_entropy(fn: Callable, group: Any, vocab: int) -> Optional[str]:
         return (f"the loss is right when every rank's largest logit is the same, and "
                 f"{float(got):.4f}, not {float(want):.4f}, when they differ: shift by the max "
                 f"over all tp ranks (all-reduce MAX), not by this rank's")
-    got, grad, want, want_grad = _probe(fn, logits, targets, group)
+    got, _, want, _ = _probe(fn, 100.0 + logits, zeros, group)
+    if not _close(got, want):  # finite, right in the probes above, wrong near 100
+        return f"the loss of logits near 100 is {float(got):.6g}, not {float(want):.6f}"
+    got, grad, want, want_grad = _probe(fn, logits, targets, group, GRAD_OUTPUT)
     if grad is None:
         return "the loss carries no gradient back to the logits: write a torch.autograd.Function"
-    r = _ratio(grad, want_grad)
+    r, tokens = _ratio(grad, want_grad), targets.numel()
+    head = f"the loss matches; given an output gradient of {GRAD_OUTPUT}, its gradient is"
+    if r is not None and abs(r * GRAD_OUTPUT - 1.0) < 1e-3:
+        return (f"{head} {r:.2f}x = 1 / {GRAD_OUTPUT} the library's: the backward ignores its "
+                f"output gradient; multiply (softmax - one_hot) / {tokens} by it")
+    if r is not None and abs(r / tokens - 1.0) < 1e-3:
+        return (f"{head} {r:.2f}x the library's: the loss is the mean over the {tokens} tokens, "
+                f"so its gradient is (softmax - one_hot) / {tokens}")
     if r is not None and abs(r - 1.0) > 1e-3:
-        return (f"the loss matches, its gradient is {r:.2f}x the library's: the loss is the mean "
-                f"over the {targets.numel()} tokens, so its gradient is (softmax - one_hot) / "
-                f"{targets.numel()}")
+        return f"{head} {r:.2f}x the library's"
     if not _close(grad, want_grad):
-        return f"the loss matches, its gradient is {float((grad - want_grad).abs().max()):.1e} off"
+        return f"{head} {float((grad - want_grad).abs().max()):.1e} off the library's"
     return None
 
 
@@ -221,7 +273,10 @@ def config(sp: bool) -> Config:
 def _train(cfg: Config, pgm: Any) -> None:
     model = apply_tensor_parallel(build_model(cfg.model, seed=cfg.training.model_seed), pgm,
                                   cfg.parallel.sequence_parallel)
-    Trainer(cfg, model, pgm, device=torch.device("cpu"), loss_fn=tensor_parallel_loss_fn(pgm),
+    # dp > 1: chapter 01 around it, as the chapter's script does
+    wrapped = apply_data_parallel(model, pgm, cfg.parallel.impl, cfg.parallel.bucket_size_mb) \
+        if pgm.data_parallel_world_size > 1 else model
+    Trainer(cfg, wrapped, pgm, device=torch.device("cpu"), loss_fn=tensor_parallel_loss_fn(pgm),
             clip_grad_norm=tensor_parallel_clip_grad_norm(model, pgm), verbose=False).train()
 
 

@@ -673,7 +673,7 @@ CATALOGUE: Dict[Tuple[str, str, str], str] = {
     ("04", "micro_batch_loss", "micro_batch_loss_by_ranks"):
     "gradients are 4x the reference in step 0 (its grad norm): divided by p = 2, the pipeline",
     ("05", "slice_ids", "slice_ids_contiguous"):
-    "slice_ids(0, 2) returned (0, 1), the contiguous split: zigzag pairs",
+    "slice_ids(0, 2, 'zigzag') returned (0, 1), the contiguous split: zigzag pairs",
     ("05", "slice_ids", "slice_ids_past_the_end"):
     "returned (0, 2): there are 2 x 1 = 2 slices, numbered 0 to 1",
     ("05", "slice_ids", "slice_ids_unsorted"):
@@ -687,7 +687,7 @@ CATALOGUE: Dict[Tuple[str, str, str], str] = {
     ("05", "ring_forward", "ring_never_exchanges"):
     "ring_forward sent no K/V message on rank 0 in step 0",
     ("05", "ring_forward", "ring_exchanges_every_step"):
-    "ring_forward sent 2 blocks of K/V on rank 0 in step 0",
+    "ring_forward sent 3 blocks of K/V on rank 0 in step 0",
     ("05", "ring_forward", "ring_keeps_last_tile"):
     "below the library's",
     ("05", "ring_forward", "ring_attends_skipped_tiles"):
@@ -734,7 +734,7 @@ CATALOGUE: Dict[Tuple[str, str, str], str] = {
     ("03", "vocab_parallel_cross_entropy", "ce_target_off_by_one_shard"):
     "the loss is wrong when the targets are in rank 0's (ids 0-31) and rank 1's (ids 32-63) shard",
     ("03", "vocab_parallel_cross_entropy", "ce_gradient_of_the_sum"):
-    "the loss matches, its gradient is 8.00x the library's: the loss is the mean over the 8",
+    "its gradient is 8.00x the library's: the loss is the mean over the 8 tokens",
 }
 # Variants that stop the world (gloo aborts a rank on mismatched collectives): one world each,
 # after the catalogue's; the diagnosis names the collective, its group and the line issuing it
