@@ -6,7 +6,8 @@ blocks of two linears in a ``ModuleList``, a head. Hypothesis draws, per step: b
 called on any rank, blocks called whose output no rank uses, per rank a block's second linear
 left out (a parameter one rank uses and the other does not), blocks one rank does not call,
 blocks one rank calls but does not use, a rank that calls no unit at all (its output a view of
-a root parameter), and each root gain left out, and a
+a root parameter), and each root gain left out, units drawn nested (each block a unit with its
+own gain around its linears' units), and a
 second ``step()`` after the backward (the same gradients again, never reduced twice). It draws
 ``zero_grad``'s set_to_none (False: an unused parameter keeps its zeroed gradient, which AdamW
 decays, as on one device) and the dtype: float64 weights come back float64, within 1e-12
@@ -31,6 +32,7 @@ up to lr = 1e-2 per step; SGD's momentum moves it 0.9 x lr x |buffer| (~1e-3).
 
 import os
 import unittest
+import warnings
 from typing import Any, Dict, List
 
 import torch
@@ -59,14 +61,16 @@ STAGES = {"zero3": 3, "flat_zero2": 2, "zero2": None, "zero1": -1}
 
 
 class Block(nn.Module):
-    """Two linears; the second one is left out when ``use_b`` is False."""
+    """Two linears and a gain of its own; the second linear is left out when ``use_b`` is False
+    (with ``nested`` units the block is a unit holding the units of its linears)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+        self.scale = nn.Parameter(torch.linspace(0.8, 1.2, 6))
 
     def forward(self, h: torch.Tensor, use_b: bool = True) -> torch.Tensor:
-        h = torch.tanh(self.a(h))
+        h = torch.tanh(self.a(h)) * self.scale
         return h + torch.tanh(self.b(h)) if use_b else h
 
 
@@ -112,12 +116,18 @@ def cases() -> List[Dict[str, Any]]:
              one_skips=per_rank(blocks), gain=per_rank(st.booleans()),
              out_gain=per_rank(st.booleans()), twice=st.booleans(),
              root_only=per_rank(st.sampled_from([False, False, False, True]))))
-    case = st.fixed_dictionaries(
-        dict(frozen_own=st.booleans(), opt=st.sampled_from(sorted(OPTIMIZERS)),
-             stage=st.sampled_from(list(STAGES)), seed=st.integers(0, 2**16),
-             set_to_none=st.booleans(), gain_at=st.sampled_from(["input",
-                                                                 "head"]), prefetch=st.booleans(),
-             dtype=st.sampled_from(DTYPES), steps=st.lists(step, min_size=STEPS, max_size=STEPS)))
+    case = st.fixed_dictionaries({
+        "frozen_own": st.booleans(),
+        "opt": st.sampled_from(sorted(OPTIMIZERS)),
+        "stage": st.sampled_from(list(STAGES)),
+        "seed": st.integers(0, 2**16),
+        "set_to_none": st.booleans(),
+        "gain_at": st.sampled_from(["input", "head"]),
+        "prefetch": st.booleans(),
+        "nested": st.booleans(),
+        "dtype": st.sampled_from(DTYPES),
+        "steps": st.lists(step, min_size=STEPS, max_size=STEPS),
+    })
     found: List[Dict[str, Any]] = []
 
     @settings(max_examples=60 if LONG else 10, database=None, derandomize=True, deadline=None,
@@ -134,7 +144,7 @@ def cases() -> List[Dict[str, Any]]:
                       gain=[True, True], out_gain=[True, False], twice=False, root_only=[0, 0])
     found.append(
         dict(frozen_own=False, opt="adamw", stage="zero3", seed=3, set_to_none=True, gain_at="head",
-             dtype="float64", prefetch=True, steps=[root_first] * STEPS))
+             dtype="float64", prefetch=True, nested=False, steps=[root_first] * STEPS))
     # issue 52's probe, round 6, always: ZeRO-3 without prefetch, rank 0 calls block 1 and not
     # block 2, rank 1 calls block 2 and drops block 1's output (each hung in the first backward)
     per_rank = dict(skip=[], drop=[], no_b=[[], []], one_drops=[[], [1]], one_skips=[[2], []],
@@ -143,8 +153,9 @@ def cases() -> List[Dict[str, Any]]:
     root_only = dict(per_rank, one_drops=[[], []], one_skips=[[], []], root_only=[0, 1])
     found.append(
         dict(frozen_own=True, opt="adamw", stage="zero3", seed=5, set_to_none=True, gain_at="input",
-             dtype="float32", prefetch=False, steps=[per_rank] * STEPS))
-    found.append(dict(found[-1], seed=6, steps=[per_rank, root_only, root_only]))
+             dtype="float32", prefetch=False, nested=False, steps=[per_rank] * STEPS))
+    # and nested units (round 7: rank 0 skipping a block that holds units aborted)
+    found.append(dict(found[-1], seed=6, nested=True, steps=[per_rank, root_only, root_only]))
     # ZeRO-1 with zero_grad(set_to_none=False), always: an unused parameter keeps its zeroed
     # gradient through DDP's find_unused_parameters and the sharded step (round 3's #5)
     # (a parameter used in step 1, left out of steps 2 and 3)
@@ -154,7 +165,8 @@ def cases() -> List[Dict[str, Any]]:
                  gain=[False, True], out_gain=[False, False], twice=True, root_only=[0, 0])
     found.append(
         dict(frozen_own=True, opt="adamw", stage="zero1", seed=7, set_to_none=False,
-             gain_at="input", dtype="float32", prefetch=True, steps=[every, fewer, fewer]))
+             gain_at="input", dtype="float32", prefetch=True, nested=False,
+             steps=[every, fewer, fewer]))
     return found
 
 
@@ -221,6 +233,7 @@ class Diverging(nn.Module):
 
 # ZeRO-3 cannot pair up what ranks that call units a different number of times, or in another
 # order, all-gather: each must stop on every rank with the check's one line, not a hang
+ORDER_BATCH = torch.linspace(-1, 1, 4 * 6).view(4, 6)
 DIVERGING = {
     "b twice on rank 0": ["abbc", "abc"],
     "b, a on rank 1": ["abc", "bac"],
@@ -243,6 +256,26 @@ def diverging(rank: int) -> Dict[Any, str]:
     return said
 
 
+def nested_units(model: Drawn) -> List[nn.Module]:
+    """The root, each block (its own gain) holding its two linears' units, the head."""
+    return [model, *[m for b in model.blocks for m in (b, b.a, b.b)], model.head]
+
+
+def out_of_order(rank: int) -> Dict[str, Any]:
+    """Every rank calls b, a, c, listed a, b, c: correct, but b's turn passes a (gathered once
+    more), which one warning says. One SGD step on this rank's slice of ``ORDER_BATCH``."""
+    torch.manual_seed(0)
+    model = Diverging()
+    model.calls = "bac"
+    zero = apply_zero_any(model)
+    opt = ShardedOptimizer(zero, torch.optim.SGD, lr=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        zero(ORDER_BATCH.chunk(WORLD)[rank]).sum().backward()
+    opt.step()
+    return dict(warned=[str(w.message) for w in caught], state=zero.full_state_dict())
+
+
 def _world(rank: int, world: int, drawn: List[Dict[str, Any]]) -> Dict[str, Any]:
     out: Dict[str, Any] = {"states": []}
     out["bf16"] = apply_zero_any(bf16_model(rank)).full_state_dict()  # a frozen unit too
@@ -257,8 +290,10 @@ def _world(rank: int, world: int, drawn: List[Dict[str, Any]]) -> Dict[str, Any]
             zero = apply_data_parallel_any(model, None, "ours", 1e-4, find_unused_parameters=True)
             opt = ShardedOptimizer(model.parameters(), cls, zero_stage=1, **kwargs)
         else:
-            zero = apply_zero_any(model, None, STAGES[case["stage"]], prefetch=case["prefetch"])
-            out.setdefault("units", [(u.name, [n[0] for n in u.names]) for u in zero.units])
+            zero = apply_zero_any(model, None, STAGES[case["stage"]], prefetch=case["prefetch"],
+                                  units=nested_units(model) if case["nested"] else None)
+            if not case["nested"]:
+                out.setdefault("units", [(u.name, [n[0] for n in u.names]) for u in zero.units])
             opt = ShardedOptimizer(zero, cls, **kwargs)
         for k in range(STEPS):
             x, y = data(case, k)
@@ -268,6 +303,7 @@ def _world(rank: int, world: int, drawn: List[Dict[str, Any]]) -> Dict[str, Any]
             for _ in range(2 if case["steps"][k]["twice"] else 1):
                 opt.step()
         out["states"].append(state_of(model) if bare else zero.full_state_dict())
+    out["out_of_order"] = out_of_order(rank)
     out["diverging"] = diverging(rank)  # last: a case that stops leaves nothing in flight
     return out
 
@@ -305,6 +341,20 @@ class UnusedParametersZero(unittest.TestCase):
                 self.assertIn("ZeRO-3: the ranks are about to run different collectives", said,
                               f"{key} rank {rank}")
                 self.assertIn("rank 1: all-gather of unit", said, f"{key} rank {rank}")
+
+    def test_units_listed_out_of_call_order_train_as_one_device_and_warn(self) -> None:
+        torch.manual_seed(0)
+        model = Diverging()
+        model.calls = "bac"
+        (sum(model(x).sum() for x in ORDER_BATCH.chunk(WORLD)) / WORLD).backward()
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
+        for r in self.results:
+            got = r["out_of_order"]
+            self.assertTrue(
+                any("unit 'a' ran after the forward had passed it" in w for w in got["warned"]),
+                got["warned"])
+            for n, w in state_of(model).items():
+                torch.testing.assert_close(got["state"][n], w, rtol=0, atol=1e-6)
 
     def test_weights_after_steps_with_unused_parameters_match_one_device(self) -> None:
         worst = {"adamw": 0.0, "sgd": 0.0, "float64": 0.0}
