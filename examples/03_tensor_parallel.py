@@ -22,21 +22,22 @@ import sys
 from contextlib import nullcontext
 
 import torch
+from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.tensor.parallel import loss_parallel
 
 from scaletorch.config import resolve_precision
 from scaletorch.data import local_batch, split_micro_batches
 from scaletorch.dist import (comm, destroy_distributed, destroy_pg_manager, init_distributed,
                              init_pg_manager_from_config)
+from scaletorch.dist.full_state import gather_tensor_parallel_state_dict
 from scaletorch.models import build_model
 from scaletorch.parallel.data_parallel import apply_data_parallel
+from scaletorch.parallel.fully_shard import shard_blocks_then_root
 from scaletorch.parallel.tensor_parallel import (apply_tensor_parallel,
-                                                 gather_tensor_parallel_state_dict,
                                                  tensor_parallel_clip_grad_norm,
                                                  tensor_parallel_loss_fn, tp_report)
 from scaletorch.parallel.tensor_parallel_dtensor import (apply_dtensor_tensor_parallel, device_mesh,
-                                                         dtensor_loss_fn, native_clip_grad_norm,
-                                                         replicate_over_data_parallel)
+                                                         dtensor_loss_fn, native_clip_grad_norm)
 from scaletorch.trainer import build_optimizer, check_against_reference, load_config, start_run
 from scaletorch.trainer.precision import autocast
 
@@ -52,6 +53,7 @@ def limits(cfg, world_size: int) -> None:
         "num_experts": cfg.model.num_experts > 0,
         "activation_checkpointing": p.activation_checkpointing != "none",
         "reduce_dtype": p.reduce_dtype != "fp32",
+        "tie_word_embeddings": cfg.model.tie_word_embeddings,
         "impl": p.impl not in ("ours", "torch"),
         "tp 1": p.tensor_model_parallel_size == 1
     }
@@ -80,7 +82,8 @@ def main() -> int:
     if p.impl == "torch":  # PyTorch's own: DTensor tp, FSDP2's replicate over dp
         mesh = device_mesh(pgm, env.device.type)
         tp_model = apply_dtensor_tensor_parallel(model, mesh["tp"], p.sequence_parallel)
-        model = replicate_over_data_parallel(tp_model, mesh["dp"]) if dp > 1 else tp_model
+        if dp > 1:  # FSDP2's replicate over dp: each block, then the root (chapter 02's units)
+            shard_blocks_then_root([model], mesh["dp"], replicate)
         loss_fn, clip = dtensor_loss_fn, native_clip_grad_norm(list(model.parameters()), pgm)
     else:  # the new idea: tp shards every block
         tp_model = apply_tensor_parallel(model, pgm, p.sequence_parallel)

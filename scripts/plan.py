@@ -10,7 +10,7 @@
 A run's config comes as in the examples (a YAML file, then --tp, --pp, --zero-stage, ... and
 --section.name VALUE overrides, scaletorch/trainer/config.py); --preset or --params replaces its
 model. With the layout fixed it prints the breakdown of the most-loaded rank; --search tries
-every layout that the trainer's layout check accepts (scaletorch/parallel/validation.py) and
+every layout that the trainer's layout check accepts (scaletorch/dist/layout_check.py) and
 prints the --top fastest that fit in memory, and why each rejected family (tp, cp, pp) was
 rejected. --json prints the same as one JSON object. Bad input: one "error:" line, exit 2.
 """

@@ -13,9 +13,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from scaletorch.dist import destroy_pg_manager, get_ledger, init_pg_manager  # noqa: E402
+from scaletorch.dist.layout_check import validate_layout  # noqa: E402
 from scaletorch.parallel.activation_checkpointing import saved_activation_bytes  # noqa: E402
 from scaletorch.parallel.memory_report import measure_memory  # noqa: E402
-from scaletorch.parallel.validation import validate_layout  # noqa: E402
 from scaletorch.plan.layout import PlanLayout  # noqa: E402
 from scaletorch.plan.model import ModelSpec  # noqa: E402
 from scaletorch.trainer.config import Config  # noqa: E402

@@ -9,7 +9,10 @@ meters, message dtypes and tied embeddings through ``StageHooks`` that those cha
 parallel learns of chapter 08's compute dtype the same way: mixed_precision.py swaps in
 subclasses of its norm and embedding (``tensor_parallel_wire_in_compute``); of chapter 10's
 vocabulary padding through ``parallelize(..., tensor_parallel=apply_tensor_parallel_padded)``
-(vocab_padding.py pads the reference's tables, then swaps in a head that masks the padding).
+(vocab_padding.py pads the reference's tables, then swaps in a head that masks the padding);
+of chapter 06's MoE blocks through its ``plan`` argument (chapter 07's ``tensor_parallel_plan``
+keeps the experts whole); of chapter 10's tied head not at all (``parallelize`` ties it again
+after the split; native.py after DTensor's, and gathers the logits a pipeline's loss takes).
 Data parallel learns of chapter 08's reduce dtype by subclasses of the DDP wrappers
 (``apply_data_parallel_in``); chapter 01's overlap chart records through ``record_overlap``
 (overlap_chart.py); a model nobody here wrote (any dtype, torch DDP's flags) through the
@@ -17,9 +20,11 @@ subclasses of data_parallel_any_module.py.
 Expert parallel (06) learns of chapter 08's compute dtype the same way
 (``expert_parallel_wire_in_compute`` swaps in a dispatcher whose ``outgoing`` casts), and ring
 attention turns autocast off only where the device has one (a meta tensor's has none).
-ZeRO (02) learns of chapter 08's dtypes through its ``make_unit`` argument, a ``FlatUnit``
-subclass that zero_mixed_precision.py defines, and of chapter 10's tied weights through
-zero_tied.py, which points borrowers at a unit's tensors.
+ZeRO (02) learns of chapter 08's dtypes through a subclass whose ``new_unit`` builds the
+``FlatUnit`` subclass that zero_mixed_precision.py defines, and of chapter 10's tied weights
+through zero_tied.py's subclass, which points borrowers at a unit's tensors and gathers and
+frees them with the unit that borrows them. The full weights for ``--check``
+(dist/full_state.py) name no later chapter either.
 """
 
 import io
@@ -43,7 +48,12 @@ _COMPUTE_DTYPE = [
     "float16", "mixed_precision"
 ]
 # chapter 10's vocabulary padding (vocab_padding.py), which tensor parallel must not name either
-_TENSOR = _COMPUTE_DTYPE + ["pad", "vocab_pad", "padded", "padding"]
+# nor chapter 06's MoE (07 passes a plan that keeps it whole), nor chapter 10's tied head (07
+# ties it again), nor the plain logits of 07's pipelines (native.py gathers them)
+_TENSOR = _COMPUTE_DTYPE + [
+    "pad", "vocab_pad", "padded", "padding", "moe", "expert", "dense", "tie", "tied", "pipeline",
+    "vocab_parallel_logits"
+]
 # chapter 08's reduce dtype, chapter 01's overlap chart, chapter 05's dp x cp group (chapter
 # 01 asks pg_manager for ``gradient_sync_group``) and what only a model nobody here wrote needs
 # (data_parallel_any_module.py: other dtypes' buckets, torch DDP's flags), which data parallel
@@ -57,8 +67,9 @@ _DATA_PARALLEL = [
 # weights (zero_tied.py points borrowers at a unit's tensors) and chapter 08's dtypes
 # (zero_mixed_precision.py's FlatUnit subclass)
 _ZERO = [
-    "users", "tied", "shared_embedding", "borrowers", "borrows", "param_dtype", "reduce_dtype",
-    "wire", "policy", "precision", "autocast", "compute_dtype", "bfloat16", "float16"
+    "users", "tied", "shared_embedding", "borrowers", "borrows", "gathered_with", "make_unit",
+    "param_dtype", "reduce_dtype", "wire", "policy", "precision", "autocast", "compute_dtype",
+    "bfloat16", "float16"
 ]
 # later chapters' concerns that context parallel (05) must not name. It may name autocast: the
 # ring turns it off around its merge, which keeps the log-sum-exp statistics in fp32 whatever
@@ -80,11 +91,13 @@ FORBIDDEN: Dict[str, List[str]] = {
     "scaletorch/parallel/pipeline_parallel.py": _PIPELINE,
     "scaletorch/parallel/tensor_parallel.py": _TENSOR,
     "scaletorch/parallel/tensor_parallel_layers.py": _TENSOR,
+    "scaletorch/parallel/tensor_parallel_dtensor.py": [n for n in _TENSOR if n != "pipeline"],
     "scaletorch/parallel/flat_unit.py": _ZERO,
     "scaletorch/parallel/zero.py": _ZERO,
     "scaletorch/parallel/expert_parallel.py": _EXPERT,
     "scaletorch/dist/functional.py": _COLLECTIVES,
     "scaletorch/dist/all_to_all.py": _COLLECTIVES,
+    "scaletorch/dist/full_state.py": _COLLECTIVES,
 }
 
 

@@ -11,9 +11,11 @@ import unittest
 import torch
 
 from scaletorch.dist import all_to_all, destroy_pg_manager, get_ledger, init_pg_manager
+from scaletorch.dist.layout_check import validate_expert_parallel
 from scaletorch.models import MoE, build_model, moe_aux_loss
 from scaletorch.parallel.expert_parallel import (AllToAllDispatcher, apply_expert_parallel,
-                                                 moe_layers, validate_expert_parallel)
+                                                 moe_layers)
+from scaletorch.parallel.parallelize import tensor_parallel_plan
 from scaletorch.parallel.step import make_data_parallel_step
 from scaletorch.parallel.tensor_parallel import apply_tensor_parallel, tensor_parallel_loss_fn
 from scaletorch.trainer import Config, Trainer
@@ -127,7 +129,7 @@ def _check_layer(pgm) -> dict:
 def _train(cfg: Config, pgm, tensor_parallel: bool = False) -> dict:
     model = build_model(cfg.model, seed=cfg.training.model_seed)
     if tensor_parallel:  # tensor parallel first, then the experts (torchtitan's order)
-        apply_tensor_parallel(model, pgm)
+        apply_tensor_parallel(model, pgm, plan=tensor_parallel_plan)  # the MoE stays whole
     model = apply_expert_parallel(model, pgm)
     step = None
     if tensor_parallel:  # the vocab-parallel loss; the step drives the wrapper's grad sync

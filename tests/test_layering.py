@@ -25,7 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ALLOWED = {
     "scaletorch.rules": set(),
     "scaletorch.schedule": {"scaletorch.rules"},
-    "scaletorch.dist": {"scaletorch.rules"},
+    "scaletorch.dist": {"scaletorch.rules", "scaletorch.schedule"},
     "scaletorch.models": {"scaletorch.rules", "scaletorch.dist"},
     "scaletorch.data": {"scaletorch.rules"},
     "scaletorch.plan": {"scaletorch.rules", "scaletorch.schedule"},

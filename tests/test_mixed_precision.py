@@ -22,7 +22,7 @@ from scaletorch.parallel.mixed_precision import (DynamicLossScaler, MixedPrecisi
 from scaletorch.parallel.mixed_precision import policy_for as policy
 from scaletorch.parallel.mixed_precision import supports_fp16
 from scaletorch.parallel.zero import ShardedDataParallel, ZeroAdamW, llama_units
-from scaletorch.parallel.zero_mixed_precision import zero_unit_in
+from scaletorch.parallel.zero_mixed_precision import zero_in_dtypes
 from scaletorch.parallel.zero_report import memory_formula
 from scaletorch.rules.group_names import gradient_group_name
 from scaletorch.trainer import Config, Trainer
@@ -230,8 +230,8 @@ def _reference(cfg: Config) -> tuple:
     cfg.parallel = Config().parallel  # one device; param_dtype and reduce_dtype read from p
     if p.zero_stage == 3:
         policy = MixedPrecisionPolicy.of(p.param_dtype, p.reduce_dtype)
-        zero = ShardedDataParallel(model, llama_units(model), None, 3,
-                                   make_unit=zero_unit_in(policy.param_dtype, policy.reduce_dtype))
+        wrapper = zero_in_dtypes(ShardedDataParallel, policy.param_dtype, policy.reduce_dtype)
+        zero = wrapper(model, llama_units(model), None, 3)
         disable_autocast_cache_per_unit(zero)  # as parallelize does
         t = cfg.training
         optimizer = ZeroAdamW(zero, t.lr, (t.beta1, t.beta2), t.weight_decay)
@@ -288,8 +288,8 @@ def _zero3_weight_copies_held(param_dtype: str) -> dict:
     cfg = make_config()
     model = build_model(cfg.model, seed=0)
     policy = MixedPrecisionPolicy.of(param_dtype, "fp32", "bf16")
-    zero = ShardedDataParallel(model, llama_units(model), None, 3,
-                               make_unit=zero_unit_in(policy.param_dtype, policy.reduce_dtype))
+    wrapper = zero_in_dtypes(ShardedDataParallel, policy.param_dtype, policy.reduce_dtype)
+    zero = wrapper(model, llama_units(model), None, 3)
     disable_autocast_cache_per_unit(zero)  # as parallelize does
     x = torch.randint(0, cfg.model.vocab_size, (4, 16))
     casts = _WeightCasts()

@@ -13,6 +13,7 @@ import torch
 from scaletorch.config import Config
 from scaletorch.dist import destroy_pg_manager, init_pg_manager
 from scaletorch.dist.functional import gather_along_dim
+from scaletorch.dist.layout_check import validate_layout
 from scaletorch.models import build_model
 from scaletorch.models.moe import MoE, queue_positions
 from scaletorch.parallel.expert_parallel import (ExpertParallel, expert_parallel_clip_grad_norm,
@@ -23,7 +24,6 @@ from scaletorch.parallel.moe_balance import (BiasBalancer, BiasedTopK, GlobalCap
 from scaletorch.parallel.moe_load import LoadMeter, imbalance, measured_step
 from scaletorch.parallel.parallelize import parallelize
 from scaletorch.parallel.step import make_data_parallel_step
-from scaletorch.parallel.validation import validate_layout
 from scaletorch.plan.imbalance import hot_rank_received_rows, hot_rank_rows, imbalance_extra_seconds
 from scaletorch.trainer import Trainer
 from scaletorch.trainer.checkpoint import step_dir

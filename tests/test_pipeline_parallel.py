@@ -253,6 +253,8 @@ def build_pipeline(cfg: Config, pp: int, tp: int, schedule: str, v: int, impl: s
         from scaletorch.parallel.tensor_parallel import (apply_tensor_parallel,
                                                          tensor_parallel_loss_fn)
         apply_tensor_parallel(model, pgm, sequence_parallel)
+        if cfg.model.tie_word_embeddings:  # as parallelize does: one vocabulary shard
+            model.lm_head.weight = model.embed_tokens.weight
         kwargs["loss_fn"] = tensor_parallel_loss_fn(pgm)
     v_shape = schedule in V_SHAPED  # zbv, dualpipev: stages r and 2p - 1 - r
     if cfg.model.tie_word_embeddings and not v_shape:

@@ -75,7 +75,7 @@ MODULES_OF: Dict[str, List[str]] = {
     "06": ["expert_parallel"],
     # 06b runs chapter 06's model through the shared step (step.py), with its meter around it
     "06b": ["moe_balance", "moe_load", "step"],
-    "07": ["parallelize", "tensor_layout", "validation", "native", "moe_pipeline"],
+    "07": ["parallelize", "tensor_layout", "native", "moe_pipeline"],
     "08": ["mixed_precision", "ddp_reduce_dtype", "zero_mixed_precision", "loss_scale"],
     "10": ["tied_embeddings", "zero_tied", "activation_checkpointing", "vocab_padding"],
     "12": ["sync_batchnorm", "vision_parallel"],
@@ -108,7 +108,14 @@ OWNER = {module: chapter for chapter, modules in MODULES_OF.items() for module i
 # rendezvous simulator of the classic plans, ZB-H1's closed-form bubble) is
 # schedule/analysis.py's, 04b's but outside every script's path, as in_order.py is; the
 # schedules' checks are one function, the two executors share their backward's tail.
-OVER_BUDGET: Dict[str, int] = {"03": 779, "04b": 872, "07": 785}
+# 03 and 07 are back within budget (issue 53, items 3 and 6): every refusal from the config's
+# sizes (the one layout check, and the size rules of tp, cp and ep) is
+# scaletorch/dist/layout_check.py's, called by one line each, beside wrap_checks.py; the full
+# weights for --check are dist/full_state.py's; what only later chapters need left 03's modules
+# (the MoE block's plan is 07's, the tied head 07's and 10's, the pipeline's plain logits
+# native.py's), and 03's script applies FSDP2's replicate itself: 03 from 779 to 697 (<= 700),
+# 07 from 784 to 608.
+OVER_BUDGET: Dict[str, int] = {"04b": 872}
 
 
 def chapters() -> List[Tuple[str, str, str]]:

@@ -16,7 +16,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel import loss_parallel
 
-from scaletorch.dist import destroy_pg_manager, get_ledger, init_pg_manager
+from scaletorch.dist import (destroy_pg_manager, full_state, get_ledger, init_pg_manager,
+                             layout_check)
 from scaletorch.models import LlamaConfig, build_model, loss_fn
 from scaletorch.parallel import tensor_parallel as tp_lib
 from scaletorch.parallel import tensor_parallel_dtensor as dtensor_tp
@@ -171,7 +172,7 @@ def _train(rank: int, cfg: Config, impl: str) -> dict:
         (r.op, r.group): ledger.total(op=r.op, group=r.group, step=s, field=field)
         for r in ledger.select(step=s)
     } for s in range(cfg.training.steps) for field in ("elements", "wire_bytes")]
-    full = tp_lib.gather_tensor_parallel_state_dict(tp_model, pgm)  # collective: on rank 0
+    full = full_state.gather_tensor_parallel_state_dict(tp_model, pgm)  # collective: on rank 0
     destroy_pg_manager()
     return {
         "losses": result.losses,
@@ -200,7 +201,7 @@ class TestTensorParallelConfigErrors(unittest.TestCase):
     def check(self, pattern: str, tp: int, sp: bool = False, seq_len=None, **model) -> None:
         config = LlamaConfig(**{**MODEL.__dict__, **model})
         with self.assertRaisesRegex(ValueError, pattern):
-            tp_lib.validate_tensor_parallel(config, tp, sp, seq_len)
+            layout_check.validate_tensor_parallel(config, tp, sp, seq_len)
 
     def test_attention_heads_not_divisible_by_tensor_size_raises(self):
         self.check(r"num_attention_heads \(6\) .* tensor_model_parallel_size \(4\)", 4,
@@ -214,7 +215,7 @@ class TestTensorParallelConfigErrors(unittest.TestCase):
         # pads them to a multiple of vocab_pad_to x tp = 128 x 4, i.e. 512
         # (tests/test_vocab_padding.py)
         config = LlamaConfig(**{**MODEL.__dict__, "vocab_size": 66})
-        self.assertEqual(value_error(lambda: tp_lib.validate_tensor_parallel(config, 4)),
+        self.assertEqual(value_error(lambda: layout_check.validate_tensor_parallel(config, 4)),
                          "no error")
         self.assertEqual(padded_vocab_size(66, 4, config.vocab_pad_to), 512)
 
@@ -226,7 +227,7 @@ class TestTensorParallelConfigErrors(unittest.TestCase):
 
     def test_sequence_length_not_divisible_under_sequence_parallel_raises(self):
         self.check(r"sequence length \(30\) .* \(4\)", 4, sp=True, seq_len=30)
-        tp_lib.validate_tensor_parallel(MODEL, 4, False, 30)  # fine without sp
+        layout_check.validate_tensor_parallel(MODEL, 4, False, 30)  # fine without sp
 
 
 class TestChapterFormulaIsThePlanners(unittest.TestCase):
@@ -363,8 +364,9 @@ class TestTensorParallel(unittest.TestCase):
     def test_invalid_splits_raise_value_errors_on_ranks(self):
         errors = self.results[0]["errors"]
         self.assertRegex(errors["kv_heads"], r"num_key_value_heads \(2\)")
-        self.assertRegex(errors["seq_len"], r"sequence length 10 is not divisible by "
-                         r"tensor_model_parallel_size 4")
+        self.assertRegex(
+            errors["seq_len"], r"sequence length \(10\) of a cp rank divisible by "
+            r"tensor_model_parallel_size \(4\)")
 
 
 if __name__ == "__main__":

@@ -11,9 +11,9 @@ from collections import Counter
 import torch
 
 from scaletorch.dist import p2p_order
+from scaletorch.dist.layout_check import validate_layout
 from scaletorch.models import LlamaConfig, build_model
 from scaletorch.parallel.activation_meter import ActivationMeter
-from scaletorch.parallel.validation import validate_layout
 from scaletorch.schedule.analysis import simulate, zero_bubble_theory
 from scaletorch.schedule.catalog import schedule_actions, validate_schedule
 from scaletorch.schedule.orders import peak_live_activations
@@ -189,7 +189,7 @@ PARITY = {
     "zbv pp2 dp2 m4": (4, 4, layout(pp=2, schedule="zbv", virtual_pipeline_stages=2)),
     "dualpipev pp4 m8": (8, 8, layout(pp=4, schedule="dualpipev", virtual_pipeline_stages=2)),
     # tied embeddings in a V: rank 0's two chunks share the one parameter (dp_cp 1, see
-    # validation.py's refusal of a V with a data-parallel wrapper)
+    # layout_check.py's refusal of a V with a data-parallel wrapper)
     "tied zbv pp2 tp2 m4": (4, 4, layout(pp=2, tp=2, schedule="zbv", virtual_pipeline_stages=2)),
     "tied dualpipev pp2 tp2 m4":
     (4, 4, layout(pp=2, tp=2, schedule="dualpipev", virtual_pipeline_stages=2)),

@@ -2,7 +2,7 @@
 
 ``flat_unit`` is imported afresh under jaxtyping's import hook, which checks every annotated
 argument and return value of its functions and methods: a unit's flat vector (P',), a shard (S,).
-ZeRO's wrapper builds its units from that module (its ``make_unit`` argument), so every gather,
+ZeRO's wrapper builds its units from that module (a subclass's ``new_unit``), so every gather,
 release and reduce-scatter of training is checked. One world of 2 ranks trains stages 1 and 3
 for 2 steps with 2 micro-batches, checked and unchecked: an annotation that lied would raise,
 and the checks change no number (bit for bit). Two calls that break the annotations show the
@@ -40,10 +40,11 @@ def checked_module():
         sys.modules[MODULE] = saved  # the rest of the library keeps the module it imported
 
 
-def train(stage: int, make_unit, group, rank: int) -> dict:
-    """STEPS steps of ZeRO ``stage`` with units built by ``make_unit``: losses, full weights."""
+def train(stage: int, new_unit, group, rank: int) -> dict:
+    """STEPS steps of ZeRO ``stage`` with units built by ``new_unit``: losses, full weights."""
     model = build_model(CONFIG, seed=0)
-    zero = ShardedDataParallel(model, llama_units(model), group, stage, make_unit=make_unit)
+    wrapper = type("ZeroWith", (ShardedDataParallel, ), {"new_unit": new_unit})
+    zero = wrapper(model, llama_units(model), group, stage)
     optimizer = ZeroAdamW(zero, 1e-2, (0.9, 0.95), 0.1)
     tokens = torch.randint(0, CONFIG.vocab_size, (STEPS, MICRO, BATCH // MICRO, SEQ),
                            generator=torch.Generator().manual_seed(rank))

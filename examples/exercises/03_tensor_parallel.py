@@ -11,8 +11,8 @@ gradient; it says "passed" or what is wrong, and names the function to write nex
 ``torch.distributed``'s collectives are invisible to autograd: write each operator as a
 ``torch.autograd.Function`` whose backward runs the conjugate collective. The collectives
 without autograd are in scaletorch.dist: ``comm.all_reduce(t, group, op=...)`` (in place),
-and functional's ``all_reduce_sum``, ``gather_along_dim``, ``reduce_scatter_along_dim`` and
-``split_along_dim`` (out of place, any dim).
+functional's ``all_reduce_sum``, ``gather_along_dim`` and ``reduce_scatter_along_dim``, and
+split_regions' ``split_along_dim`` (out of place, any dim).
 """
 
 import torch  # noqa: F401 - for your torch.autograd.Function
@@ -22,7 +22,7 @@ from scaletorch.dist.comm import Group
 from scaletorch.dist.functional import all_reduce_sum  # noqa: F401 - and the three below
 from scaletorch.dist.functional import gather_along_dim  # noqa: F401
 from scaletorch.dist.functional import reduce_scatter_along_dim  # noqa: F401
-from scaletorch.dist.functional import split_along_dim  # noqa: F401
+from scaletorch.dist.split_regions import split_along_dim  # noqa: F401
 from scaletorch.parallel.tensor_parallel_layers import (FullSequence, Logits, Scalar, SequenceShard,
                                                         TokenIds)
 

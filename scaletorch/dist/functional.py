@@ -25,15 +25,6 @@ from scaletorch.dist import comm
 from scaletorch.dist.comm import Group
 
 
-def split_along_dim(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
-    """This rank's contiguous chunk of ``x`` along ``dim`` (no communication)."""
-    n, rank = comm.group_size(group), comm.group_rank(group)
-    if x.shape[dim] % n != 0:
-        raise ValueError(f"dimension {dim} of size {x.shape[dim]} is not divisible by the "
-                         f"group size {n}")
-    return x.chunk(n, dim=dim)[rank].contiguous()
-
-
 def gather_along_dim(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim``: (.., n, ..) -> (.., N * n, ..)."""
     n = comm.group_size(group)

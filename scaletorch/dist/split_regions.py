@@ -1,5 +1,6 @@
 """Differentiable split and gather along a dim, which no chapter's strategy calls: the graders'
-wrong variants of f and f-bar (a split where a sum belongs) and tests/test_comm.py use them.
+wrong variants of f and f-bar (a split where a sum belongs) and tests/test_comm.py use them;
+``split_along_dim`` also cuts a full tensor into this rank's piece (the trainer's param map).
 
     operator                     forward          backward
     scatter_to_parallel_region   split dim        all-gather dim
@@ -10,8 +11,18 @@ from typing import Any, Tuple
 
 import torch
 
+from scaletorch.dist import comm
 from scaletorch.dist.comm import Group
-from scaletorch.dist.functional import gather_along_dim, split_along_dim
+from scaletorch.dist.functional import gather_along_dim
+
+
+def split_along_dim(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    """This rank's contiguous chunk of ``x`` along ``dim`` (no communication)."""
+    n, rank = comm.group_size(group), comm.group_rank(group)
+    if x.shape[dim] % n != 0:
+        raise ValueError(f"dimension {dim} of size {x.shape[dim]} is not divisible by the "
+                         f"group size {n}")
+    return x.chunk(n, dim=dim)[rank].contiguous()
 
 
 class _ScatterToParallelRegion(torch.autograd.Function):

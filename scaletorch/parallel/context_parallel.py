@@ -33,10 +33,11 @@ from torch import nn
 from scaletorch.dist import ProcessGroupManager, comm, get_ledger
 from scaletorch.dist.all_to_all import all_to_all
 from scaletorch.dist.comm import Group
+from scaletorch.dist.full_state import gather_tensor_parallel_state_dict
 from scaletorch.dist.functional import gather_along_dim
+from scaletorch.dist.layout_check import check_sequence_length
 from scaletorch.models.llama import Attention, causal_attention
 from scaletorch.parallel.ring_attention import RingAttention, attention_tile_counts, slice_ids
-from scaletorch.parallel.tensor_parallel import gather_tensor_parallel_state_dict
 
 if TYPE_CHECKING:
     from scaletorch.config import Config
@@ -44,14 +45,6 @@ if TYPE_CHECKING:
 VARIANTS = ("ring", "ulysses")
 
 # ---- which tokens each rank holds ------------------------------------------------------------
-
-
-def check_sequence_length(seq_len: int, cp_size: int) -> None:
-    """Zigzag cuts each sequence into 2 x cp slices: ``seq_len`` must be divisible by it."""
-    if seq_len % (2 * cp_size) != 0:
-        raise ValueError(f"sequence length {seq_len} (data.seq_len) is not divisible by 2 x "
-                         f"context_parallel_size ({cp_size}) = {2 * cp_size}, the zigzag "
-                         f"slices: set data.seq_len to a multiple of {2 * cp_size}")
 
 
 # [core: zigzag-positions]

@@ -49,29 +49,12 @@ from torch import nn
 from scaletorch.dist import ProcessGroupManager, comm, get_ledger
 from scaletorch.dist.all_to_all import all_to_all
 from scaletorch.dist.comm import Group
+from scaletorch.dist.full_state import gather_tensor_parallel_state_dict
 from scaletorch.dist.functional import all_reduce_sum, gather_along_dim
+from scaletorch.dist.layout_check import validate_expert_parallel
 from scaletorch.models.moe import Experts, MoE
 from scaletorch.parallel.grad_norm import clip_grads_, replica_count, world_grad_norm
-from scaletorch.parallel.tensor_parallel import gather_tensor_parallel_state_dict
 from scaletorch.parallel.wrapper import ModuleWrapper
-
-
-def validate_expert_parallel(num_experts: int, expert_model_parallel_size: int,
-                             data_parallel_size_with_context: int) -> None:
-    """Raise ValueError if ``num_experts`` experts cannot be split over the ep ranks."""
-    ep, e, dp_cp = expert_model_parallel_size, num_experts, data_parallel_size_with_context
-    if ep > 1 and e == 0:
-        raise ValueError(f"expert_model_parallel_size ({ep}) needs a mixture-of-experts model, "
-                         f"but model.num_experts is 0: set model.num_experts (e.g. "
-                         f"--model.num_experts {2 * ep}) or --ep 1")
-    if e % ep != 0:
-        raise ValueError(f"model.num_experts ({e}) is not divisible by "
-                         f"expert_model_parallel_size ({ep}): every ep rank holds "
-                         f"num_experts / ep experts")
-    if dp_cp % ep != 0:
-        raise ValueError(f"expert_model_parallel_size ({ep}) does not divide data_parallel_size "
-                         f"x context_parallel_size ({dp_cp}): ep is carved out of those ranks; "
-                         f"choose an ep that divides {dp_cp}")
 
 
 def by_local_expert(recv_table: List[List[int]], device: torch.device) -> torch.Tensor:

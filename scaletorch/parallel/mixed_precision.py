@@ -39,7 +39,7 @@ that skipped alone would leave the replicas different forever. bf16 has fp32's e
 import warnings
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any, Callable, Iterable, List, Optional, Tuple, cast
+from typing import TYPE_CHECKING, Any, Callable, Iterable, List, Optional, Tuple, Type, cast
 
 import torch
 import torch.distributed as dist
@@ -49,12 +49,11 @@ from scaletorch.config import Config, resolve_precision
 from scaletorch.dist import ProcessGroupManager
 from scaletorch.parallel.ddp_reduce_dtype import apply_data_parallel_in
 from scaletorch.parallel.expert_parallel import AllToAllDispatcher
-from scaletorch.parallel.flat_unit import FlatUnit
 from scaletorch.parallel.loss_scale import unscale_and_check, update_scale
 from scaletorch.parallel.moe_pipeline import MoELossInPipeline
 from scaletorch.parallel.pipeline_runtime import LossFn, PipelineSchedule, StageHooks
 from scaletorch.parallel.tensor_parallel_layers import ParallelRMSNorm, VocabParallelEmbedding
-from scaletorch.parallel.zero_mixed_precision import zero_unit_in
+from scaletorch.parallel.zero_mixed_precision import W, zero_in_dtypes
 
 if TYPE_CHECKING:  # FSDP2's own class, imported only where FSDP2 runs (its import costs ~0.4 s)
     from torch.distributed.fsdp import MixedPrecisionPolicy as FSDPMixedPrecision
@@ -372,8 +371,8 @@ class PrecisionHooks:
             reduce_dtype=self.policy.reduce_dtype)
         return fsdp_mp_policy(policy)
 
-    def zero_unit(self) -> Callable[..., FlatUnit]:  # ZeRO's units in the policy's dtypes
-        return zero_unit_in(self.policy.param_dtype, self.policy.reduce_dtype)
+    def zero_in(self, wrapper: Type[W]) -> Type[W]:  # ZeRO's units in the policy's dtypes
+        return zero_in_dtypes(wrapper, self.policy.param_dtype, self.policy.reduce_dtype)
 
 
 def precision_hooks(cfg: Config, device_type: str) -> PrecisionHooks:

@@ -180,20 +180,6 @@ def apply_global_capacity(model: nn.Module, pgm: ProcessGroupManager) -> nn.Modu
     return model
 
 
-def validate_balancing(model: LlamaConfig, pp: int, cp: int) -> None:
-    """ValueError naming the numbers for a remedy that a layout of chapter 07 cannot hold: the
-    bias under a pipeline (a checkpoint keeps one rank's bias, and each stage holds other MoE
-    layers), capacity under context parallel (its queue runs along whole sequences)."""
-    if model.num_experts > 0 and model.moe_bias_rate > 0 and pp > 1:
-        raise ValueError(f"model.moe_bias_rate {model.moe_bias_rate} with pipeline_model_"
-                         f"parallel_size {pp}: a checkpoint keeps one rank's routing bias, and "
-                         f"each stage holds other MoE layers; use pp 1 or model.moe_bias_rate 0")
-    if model.num_experts > 0 and model.moe_capacity_factor > 0 and cp > 1:
-        raise ValueError(f"model.moe_capacity_factor {model.moe_capacity_factor} with context_"
-                         f"parallel_size {cp}: the global capacity queues whole sequences in "
-                         f"token order, and cp splits each one; use cp 1 or capacity factor 0")
-
-
 def skew_router(model: nn.Module, offsets: Dict[int, float]) -> nn.Module:
     """A router that favours a few experts: each layer's router gets a learned bias, set to
     ``offsets[e]`` for expert e (0 elsewhere). Call before the optimizer is built (it adds

@@ -28,7 +28,7 @@ of ranks that hold it; one all-reduce over the world, which also sums the pipeli
 Loss: without a pipeline the head's logits stay sharded on the vocabulary and the loss runs
 under ``loss_parallel()``; pipelining's ``loss_fn`` gets plain tensors, so there the head
 gathers them. DTensor, FSDP2 and pipelining issue their own collectives: our ledger does not
-see them. What cannot run here (validation.py): MoE, ZeRO-1/2, context parallel beside tp, pp
+see them. What cannot run here (layout_check.py): MoE, ZeRO-1/2, context parallel beside tp, pp
 or ZeRO-3.
 """
 
@@ -95,7 +95,7 @@ def parallelize_native(
     zero3 = p.zero_stage == 3
     # [core: native-order]
     mesh = device_mesh(pgm, next(model.parameters()).device.type) \
-        if pgm.context_parallel_world_size == 1 else {}  # cp: DDP only (validation.py)
+        if pgm.context_parallel_world_size == 1 else {}  # cp: DDP only (layout_check.py)
     shard_sequence = None
     if pgm.context_parallel_world_size > 1:  # 1
         apply_context_parallel(model, pgm, p.cp_variant, kernel=p.cp_attention)
@@ -103,8 +103,11 @@ def parallelize_native(
     if recompute is not None:  # 2
         recompute(model, p.activation_checkpointing)
     if tp > 1:  # 3
-        apply_dtensor_tensor_parallel(model, mesh["tp"], p.sequence_parallel,
-                                      vocab_parallel_logits=pp == 1)
+        apply_dtensor_tensor_parallel(model, mesh["tp"], p.sequence_parallel)
+        if pp > 1:  # a pipeline's loss takes plain logits: gathered, a copy (FSDP2 warns of a view)
+            model.lm_head.register_forward_hook(lambda m, args, out: out.full_tensor().clone())
+        if cfg.model.tie_word_embeddings:  # both split by vocabulary rows: the same shard
+            model.lm_head.weight = model.embed_tokens.weight
     modules: List[nn.Module] = [model]
     pipe = None
     if pp > 1:  # 4

@@ -40,7 +40,7 @@ goes through this same call (chapters 07, 08 and 10 use ``parallelize``):
                 takes DistributedDataParallel over dp_cp (around our cp)
 
 What cannot compose (ZeRO with MoE, impl torch with cp beside tp, ...) is refused before any
-surgery by the one layout check (validation.py); doc/07_nd_parallel.md, "Limits", lists all.
+surgery by the one layout check (layout_check.py); doc/07_nd_parallel.md, "Limits", lists all.
 MoE parity with the reference is exact with one micro-batch (moe.py: the load-balancing
 statistics are per micro-batch, and a micro-batch of the parallel run holds other tokens).
 """
@@ -53,7 +53,8 @@ from torch import nn
 
 from scaletorch.config import recompute_mode
 from scaletorch.dist import ProcessGroupManager, comm, get_ledger
-from scaletorch.models import Llama, loss_fn
+from scaletorch.dist.layout_check import validate_layout
+from scaletorch.models import MLP, Llama, loss_fn
 from scaletorch.parallel.context_parallel import apply_context_parallel, make_sequence_sharder
 from scaletorch.parallel.data_parallel import apply_data_parallel
 from scaletorch.parallel.expert_parallel import ExpertParallel, shard_experts
@@ -65,8 +66,8 @@ from scaletorch.parallel.split_backward import runtime_class
 from scaletorch.parallel.step import ForwardBackward, LossFn, LossScale, make_data_parallel_step
 from scaletorch.parallel.tensor_layout import (TensorLayout, plain_entries, record_splits,
                                                zero_entries)
-from scaletorch.parallel.tensor_parallel import apply_tensor_parallel, tensor_parallel_loss_fn
-from scaletorch.parallel.validation import validate_layout
+from scaletorch.parallel.tensor_parallel import (BLOCK_PLAN, apply_tensor_parallel,
+                                                 tensor_parallel_loss_fn)
 from scaletorch.parallel.zero import ShardedDataParallel, ZeroAdamW, llama_units
 from scaletorch.rules.group_names import gradient_group_name
 from scaletorch.schedule.placement import V_SHAPED
@@ -121,13 +122,12 @@ def _apply_data_parallel(
     optimizer or None for the Trainer's AdamW)."""
     p, t = cfg.parallel, cfg.training
     if p.zero_stage > 0:
-        # chapter 08's units gather and reduce in the policy's dtypes (mixed_precision.py)
-        unit = {} if precision is None else dict(make_unit=precision.zero_unit())
+        # chapter 10's units may share a tied weight; 08's gather and reduce in its dtypes
+        wrapper, units = (ShardedDataParallel, llama_units) if tied is None else tied.zero()
+        if precision is not None:
+            wrapper = precision.zero_in(wrapper)
         group = pgm.gradient_sync_group
-        zero: List[ShardedDataParallel] = [
-            ShardedDataParallel(m, llama_units(m), group, p.zero_stage, **unit)
-            if tied is None else tied.zero(m, group, p.zero_stage, **unit) for m in modules
-        ]
+        zero = [wrapper(m, units(m), group, p.zero_stage) for m in modules]
         for z in zero:
             if precision is not None:
                 precision.after_zero(z)
@@ -139,6 +139,17 @@ def _apply_data_parallel(
         return modules, None
     wrap = apply_data_parallel if precision is None else precision.data_parallel
     return [wrap(m, pgm, p.impl, p.bucket_size_mb) for m in modules], None
+
+
+def tensor_parallel_plan(block: nn.Module) -> Dict[str, Tuple[str, ...]]:
+    """Chapter 03's plan for a dense block. A MoE block (06) splits its attention only: the
+    experts, split over ep and not tp, run whole on every tp rank on the replicated input."""
+    if isinstance(block.mlp, MLP):
+        return BLOCK_PLAN
+    return {
+        k: tuple(n for n in v if not n.startswith(("post_", "mlp.")))
+        for k, v in BLOCK_PLAN.items()
+    }
 
 
 def check_fp32_without_hooks(cfg: "Config") -> None:
@@ -207,7 +218,9 @@ def parallelize(model: Llama, cfg: "Config", pgm: ProcessGroupManager, device: t
         if precision is not None:  # the routed tokens in autocast's dtype (chapter 08)
             precision.after_expert_parallel(model)
     if pgm.tensor_model_parallel_world_size > 1:  # 2
-        tensor_parallel(model, pgm, p.sequence_parallel)
+        tensor_parallel(model, pgm, p.sequence_parallel, plan=tensor_parallel_plan)
+        if cfg.model.tie_word_embeddings:  # both split by vocabulary rows: the same shard
+            model.lm_head.weight = model.embed_tokens.weight
         if precision is not None:  # activations on the wire in autocast's dtype (chapter 08)
             precision.after_tensor_parallel(model)
         loss = tensor_parallel_loss_fn(pgm)

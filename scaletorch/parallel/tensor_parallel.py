@@ -25,67 +25,47 @@ Embedding and head are split over the vocabulary; the loss never gathers the log
 rank has (b, s, V/N) and only the max and the sum of exponentials are all-reduced. N must
 divide the vocabulary here; chapter 10 pads one it does not divide (vocab_padding.py).
 
-Here: the model surgery, the chapter's clip, gather and formula; the layers are in
+Here: the model surgery, the chapter's clip and formula; the layers are in
 tensor_parallel_layers.py, PyTorch's DTensor version in tensor_parallel_dtensor.py.
 """
 
-import math
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Tuple
 
 import torch
 from torch import nn
 
 from scaletorch.config import Config
 from scaletorch.dist import ProcessGroupManager, get_ledger
-from scaletorch.dist.functional import gather_along_dim
-from scaletorch.models import MLP, Llama, LlamaConfig, RMSNorm
-from scaletorch.parallel.grad_norm import clip_grads_, is_dtensor, replica_count, world_grad_norm
+from scaletorch.dist.layout_check import validate_tensor_parallel
+from scaletorch.models import Llama, LlamaConfig, RMSNorm
+from scaletorch.parallel.grad_norm import clip_grads_, replica_count, world_grad_norm
 from scaletorch.parallel.tensor_parallel_layers import (ColumnParallelLinear, ParallelRMSNorm,
                                                         RowParallelLinear, VocabParallelEmbedding,
                                                         vocab_parallel_cross_entropy)
 
-State = Dict[str, torch.Tensor]
+# Which layers of a block (their names in chapter 00's Llama) are split how; PyTorch's version
+# (tensor_parallel_dtensor.py) hands the same plan to parallelize_module
+BLOCK_PLAN = {
+    "norm": ("input_layernorm", "post_attention_layernorm"),
+    "column":
+    ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"),
+    "row": ("self_attn.o_proj", "mlp.down_proj"),
+}
+Plan = Callable[[nn.Module], Dict[str, Tuple[str, ...]]]  # block -> {kind: layer names}
 
 
-def validate_tensor_parallel(config: LlamaConfig, tensor_model_parallel_size: int,
-                             sequence_parallel: bool = False,
-                             seq_len: Optional[int] = None) -> None:
-    """Raise ValueError if ``config`` cannot be split over ``tensor_model_parallel_size`` ranks."""
-    tp = tensor_model_parallel_size
-    if sequence_parallel and tp == 1:
-        raise ValueError("sequence parallel shards activations over the tensor-parallel group "
-                         "and needs tensor_model_parallel_size > 1, got 1: set --tp, or drop "
-                         "--sequence-parallel")
-    sizes = {
-        "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": config.num_key_value_heads,
-        "intermediate_size": config.intermediate_size,
-    }  # the vocabulary is checked by the embedding: chapter 10 pads it first when tp does not
-    for name, value in sizes.items():
-        if value % tp != 0:
-            divides = math.gcd(*sizes.values())
-            raise ValueError(f"model.{name} ({value}) is not divisible by "
-                             f"tensor_model_parallel_size ({tp}): tp must divide the heads, "
-                             f"key/value heads and intermediate size; here a divisor of "
-                             f"{divides}")
-    if sequence_parallel and seq_len is not None and seq_len % tp != 0:
-        raise ValueError(f"sequence parallel needs the sequence length ({seq_len}) of a cp "
-                         f"rank divisible by tensor_model_parallel_size ({tp}): change "
-                         f"data.seq_len or --tp")
-
-
-def apply_tensor_parallel(model: Llama, pgm: ProcessGroupManager,
-                          sequence_parallel: bool = False) -> Llama:
+def apply_tensor_parallel(model: Llama, pgm: ProcessGroupManager, sequence_parallel: bool = False,
+                          plan: Plan = lambda block: BLOCK_PLAN) -> Llama:
     """Convert the reference Llama in place; every shard is copied from the full weights.
 
     q/k/v, gate/up: column parallel (heads and kv heads split contiguously, so a rank's query
     heads use its own kv heads); o, down: row parallel; embedding and head: vocabulary
     parallel; norms: replicated. The model's forward then returns logits (b, s, V/N): use
-    ``tensor_parallel_loss_fn(pgm)`` as the trainer's loss.
+    ``tensor_parallel_loss_fn(pgm)`` as the trainer's loss. ``plan(block)``: which of a block's
+    layers are split how (``BLOCK_PLAN``; a later chapter's block may keep some whole).
     """
     group, tp = pgm.tensor_model_parallel_group, pgm.tensor_model_parallel_world_size
-    cfg = model.config
-    validate_tensor_parallel(cfg, tp, sequence_parallel)
+    validate_tensor_parallel(model.config, tp, sequence_parallel)
     kwargs: Dict[str, Any] = dict(sequence_parallel=sequence_parallel)
 
     def norm(old: RMSNorm) -> ParallelRMSNorm:
@@ -100,25 +80,15 @@ def apply_tensor_parallel(model: Llama, pgm: ProcessGroupManager,
     def row(linear: nn.Linear) -> RowParallelLinear:
         return RowParallelLinear.from_linear(linear, group, sequence_parallel=sequence_parallel)
 
-    # parallel modules where the reference's types say nn.Linear or RMSNorm: an untyped handle
-    ref: Any = model
-    for block in ref.layers:
-        attn, mlp = block.self_attn, block.mlp
-        block.input_layernorm = norm(block.input_layernorm)
-        attn.q_proj, attn.k_proj, attn.v_proj = column(attn.q_proj), column(attn.k_proj), \
-            column(attn.v_proj)
-        attn.o_proj = row(attn.o_proj)
-        dense = isinstance(mlp, MLP)  # only chapter 00's dense MLP is split here; another
-        if not dense:  # (chapter 06's MoE) runs whole on every tp rank on the replicated input
-            continue
-        block.post_attention_layernorm = norm(block.post_attention_layernorm)
-        mlp.gate_proj, mlp.up_proj = column(mlp.gate_proj), column(mlp.up_proj)
-        mlp.down_proj = row(mlp.down_proj)
-    ref.embed_tokens = VocabParallelEmbedding.from_embedding(ref.embed_tokens, group, **kwargs)
-    ref.norm = norm(ref.norm)
-    ref.lm_head = column(ref.lm_head)  # the vocabulary-parallel head: logits (b, s, V/N)
-    if cfg.tie_word_embeddings:  # both are split by vocabulary rows: the same shard
-        ref.lm_head.weight = ref.embed_tokens.weight
+    split: Dict[str, Callable[[Any], nn.Module]] = dict(norm=norm, column=column, row=row)
+    for block in model.layers:
+        for kind, names in plan(block).items():
+            for name in names:
+                block.set_submodule(name, split[kind](block.get_submodule(name)))
+    embed = VocabParallelEmbedding.from_embedding(model.embed_tokens, group, **kwargs)
+    model.set_submodule("embed_tokens", embed)
+    model.set_submodule("norm", norm(model.norm))
+    model.set_submodule("lm_head", column(model.lm_head))  # the vocabulary-parallel head
     return model
 
 
@@ -141,25 +111,6 @@ def tensor_parallel_clip_grad_norm(model: nn.Module,
         return clip_grads_(params, max_norm, world_grad_norm(replicas, params[0].device))
 
     return clip
-
-
-def gather_tensor_parallel_state_dict(model: nn.Module,
-                                      pgm: ProcessGroupManager) -> Optional[State]:
-    """Collective over "tp": the reference-keyed full weights on global rank 0, None elsewhere.
-
-    Each tp shard is all-gathered along its partition dim; a DTensor (``--impl torch``) gathers
-    itself; a replicated norm weight is taken as it is.
-    """
-    full: State = {}
-    with get_ledger().paused():  # a check, not training traffic
-        for name, t in model.state_dict(keep_vars=True).items():
-            value = t.detach()
-            if is_dtensor(value):
-                value = value.full_tensor()
-            elif getattr(t, "tensor_model_parallel", False):
-                value = gather_along_dim(value, t.partition_dim, pgm.tensor_model_parallel_group)
-            full[name] = value.float().clone()
-    return full if pgm.rank == 0 else None
 
 
 def format_block_comm(config: LlamaConfig, tokens: int, tp: int, sequence_parallel: bool,

@@ -14,7 +14,6 @@ from typing import Callable, Dict, List, cast
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
@@ -22,10 +21,9 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 from torch.nn import functional as F
 
 from scaletorch.dist import ProcessGroupManager
+from scaletorch.dist.layout_check import validate_tensor_parallel
 from scaletorch.models import Llama
-from scaletorch.parallel.fully_shard import shard_blocks_then_root
 from scaletorch.parallel.grad_norm import clip_grads_, world_grad_norm
-from scaletorch.parallel.tensor_parallel import validate_tensor_parallel
 
 MESH_DIMS = ("pp", "dp", "tp")  # slowest to fastest, as the rank grid orders them
 
@@ -49,21 +47,17 @@ def device_mesh(pgm: ProcessGroupManager, device_type: str) -> Dict[str, DeviceM
 
 
 def apply_dtensor_tensor_parallel(model: Llama, tp_mesh: DeviceMesh,
-                                  sequence_parallel: bool = False,
-                                  vocab_parallel_logits: bool = True) -> Llama:
+                                  sequence_parallel: bool = False) -> Llama:
     """Chapter 03's split with ``parallelize_module`` (torchtitan's plan) over ``tp_mesh``.
 
-    ``vocab_parallel_logits``: the head returns (b, s, V) logits as a DTensor sharded on the
-    vocabulary (train inside ``loss_parallel()`` with ``dtensor_loss_fn``); else it gathers
-    them into a plain tensor for a pipeline's loss, a copy (FSDP2 warns of a view output)."""
+    The head returns (b, s, V) logits as a DTensor sharded on the vocabulary: train inside
+    ``loss_parallel()`` with ``dtensor_loss_fn``."""
     validate_tensor_parallel(model.config, tp_mesh.size(), sequence_parallel)
     seq = Shard(1) if sequence_parallel else Replicate()  # the layout between blocks
-    logits = (Shard(-1), False) if vocab_parallel_logits else (Replicate(), True)
     top = {
-        "embed_tokens":
-        RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
-        "lm_head":
-        ColwiseParallel(input_layouts=seq, output_layouts=logits[0], use_local_output=logits[1]),
+        "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+        "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1),
+                                   use_local_output=False),
     }
     if sequence_parallel:
         top["norm"] = SequenceParallel()
@@ -86,10 +80,6 @@ def apply_dtensor_tensor_parallel(model: Llama, tp_mesh: DeviceMesh,
             plan["mlp"] = PrepareModuleInput(input_layouts=Shard(1),
                                              desired_input_layouts=Replicate())
         parallelize_module(block, tp_mesh, plan)
-    if not vocab_parallel_logits:  # to_local() returns a view: FSDP2 around a chunk warns
-        model.lm_head.register_forward_hook(lambda module, args, out: out.clone())
-    if model.config.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
     return model
 
 
@@ -98,12 +88,6 @@ def dtensor_loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
     inside ``loss_parallel()``. Returns this rank's (replicated) loss as a plain tensor."""
     loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
     return cast(DTensor, loss).to_local()  # a DTensor, as the logits were
-
-
-def replicate_over_data_parallel(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
-    """Data parallel beside DTensor tensor parallel: FSDP2's ``replicate`` per block and root."""
-    shard_blocks_then_root([model], dp_mesh, replicate)  # chapter 02's units, replicated
-    return model
 
 
 def copies(param: torch.Tensor, pgm: ProcessGroupManager) -> int:

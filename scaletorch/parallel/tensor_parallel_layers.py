@@ -19,6 +19,7 @@ from scaletorch.dist.functional import (copy_to_parallel_region,
                                         gather_from_sequence_parallel_region,
                                         reduce_from_parallel_region,
                                         reduce_scatter_to_sequence_parallel_region)
+from scaletorch.dist.layout_check import check_sequence_parallel_length, check_split
 from scaletorch.models import RMSNorm
 
 # What one tp rank holds (jaxtyping; tests/test_tensor_parallel_shapes.py checks it at run time):
@@ -79,9 +80,7 @@ class ColumnParallelLinear(nn.Module):
                  sequence_parallel: bool = False, enter_region: bool = True) -> None:
         super().__init__()
         n = comm.group_size(group)
-        if out_features % n != 0:
-            raise ValueError(f"column-parallel output size {out_features} is not divisible by "
-                             f"the tensor-parallel size {n}")
+        check_split(out_features, n, "column-parallel output size")
         self.group, self.sequence_parallel = group, sequence_parallel
         self.enter_region = enter_region
         self.weight = _mark_sharded(nn.Parameter(torch.empty(out_features // n, in_features)), 0)
@@ -121,9 +120,7 @@ class RowParallelLinear(nn.Module):
                  sequence_parallel: bool = False) -> None:
         super().__init__()
         n = comm.group_size(group)
-        if in_features % n != 0:
-            raise ValueError(f"row-parallel input size {in_features} is not divisible by the "
-                             f"tensor-parallel size {n}")
+        check_split(in_features, n, "row-parallel input size")
         self.group, self.sequence_parallel = group, sequence_parallel
         self.weight = _mark_sharded(nn.Parameter(torch.empty(out_features, in_features // n)), 1)
 
@@ -158,9 +155,7 @@ class VocabParallelEmbedding(nn.Module):
                  sequence_parallel: bool = False) -> None:
         super().__init__()
         n = comm.group_size(group)
-        if num_embeddings % n != 0:
-            raise ValueError(f"vocabulary size {num_embeddings} is not divisible by the "
-                             f"tensor-parallel size {n} (examples/10_real_model.py pads it)")
+        check_split(num_embeddings, n, "vocabulary size", " (examples/10_real_model.py pads it)")
         self.group, self.sequence_parallel = group, sequence_parallel
         self.vocab_start = comm.group_rank(group) * (num_embeddings // n)
         self.weight = _mark_sharded(nn.Parameter(torch.empty(num_embeddings // n, embedding_dim)),
@@ -185,11 +180,8 @@ class VocabParallelEmbedding(nn.Module):
         return out.masked_fill(outside.unsqueeze(-1), 0.0)  # rows held by other ranks
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        n = comm.group_size(self.group)
-        if self.sequence_parallel and ids.size(1) % n != 0:
-            raise ValueError(f"sequence parallel splits the sequence over the tensor-parallel "
-                             f"group: sequence length {ids.size(1)} is not divisible by "
-                             f"tensor_model_parallel_size {n}")
+        if self.sequence_parallel:
+            check_sequence_parallel_length(ids.size(1), comm.group_size(self.group))
         return exit_region(self.lookup(ids), self.group, self.sequence_parallel)
 
 

@@ -10,16 +10,15 @@ accumulate into its one ``.grad`` (no copy, no embedding group). Chapter 10 (rea
 them) attaches this to chapter 07's ``parallelize`` from outside: ``tied=TiedEmbeddings()``.
 """
 
-from typing import Any, List, Sequence
+from typing import Callable, List, Sequence, Tuple, Type
 
 import torch
 from torch import nn
 
 from scaletorch.dist import ProcessGroupManager, comm
-from scaletorch.dist.comm import Group
 from scaletorch.models import Llama
 from scaletorch.parallel.pipeline_runtime import PipelineModel, PipelineSchedule, StageHooks
-from scaletorch.parallel.zero import ShardedDataParallel
+from scaletorch.parallel.zero import ShardedDataParallel, Units
 from scaletorch.parallel.zero_tied import TiedShardedDataParallel, zero_units
 from scaletorch.rules.group_names import gradient_group_name
 
@@ -75,7 +74,7 @@ def attach_tied_embedding_sync(schedule: PipelineSchedule, pgm: ProcessGroupMana
 
 def check_v_shape_wrappers(pipe: PipelineModel, pgm: ProcessGroupManager) -> None:
     """Refuse to wrap a V's chunks one by one for data parallel when they share the tied weight
-    (validation.py refuses the layout first for ``parallelize``)."""
+    (layout_check.py refuses the layout first for ``parallelize``)."""
     if pipe.v_shape and pgm.gradient_sync_world_size > 1 and \
             any(p is q for p in pipe.chunks[0].parameters() for q in pipe.chunks[1].parameters()):
         dp = gradient_group_name(pgm.context_parallel_world_size)  # "dp" at cp 1
@@ -94,10 +93,9 @@ class TiedEmbeddings:
         if not v_shape:  # a V keeps the tie: both ends are chunks of rank 0
             untie_across_stages(model)
 
-    def zero(self, module: nn.Module, group: Group, zero_stage: int,
-             **make_unit: Any) -> ShardedDataParallel:
-        """``make_unit``: chapter 08's units in its dtypes (``ShardedDataParallel``'s argument)."""
-        return TiedShardedDataParallel(module, zero_units(module), group, zero_stage, **make_unit)
+    def zero(self) -> Tuple[Type[ShardedDataParallel], Callable[[nn.Module], Units]]:
+        """ZeRO's wrapper whose units may share the tied weight, and a model's units."""
+        return TiedShardedDataParallel, zero_units
 
     def after_schedule(self, schedule: PipelineSchedule, pgm: ProcessGroupManager) -> None:
         attach_tied_embedding_sync(schedule, pgm)

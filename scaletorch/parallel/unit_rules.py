@@ -18,7 +18,7 @@ from torch import nn
 from scaletorch.dist.comm import Group
 from scaletorch.models.llama import Llama
 from scaletorch.parallel.flat_unit import FlatUnit, NamedModules
-from scaletorch.parallel.zero import MakeUnit, Units, llama_units
+from scaletorch.parallel.zero import Units, llama_units
 
 UnitRule = Union[Units, Sequence[nn.Module], Callable[[nn.Module], Units]]
 
@@ -137,7 +137,7 @@ def shown_as_trainable(params: List[nn.Parameter]) -> Iterator[None]:
             param.requires_grad_(False)
 
 
-def frozen_unit(make_unit: MakeUnit, name: str, modules: NamedModules,
+def frozen_unit(new_unit: Callable[..., FlatUnit], name: str, modules: NamedModules,
                 group: Group) -> Optional[FlatUnit]:
     """Stage 3's flat vector of the frozen parameters still held by ``modules`` (a unit's,
     built after its trainable ones took theirs), cut into N shards like any unit's: each rank
@@ -151,7 +151,7 @@ def frozen_unit(make_unit: MakeUnit, name: str, modules: NamedModules,
         return None
     check_unit_dtypes([(name, modules)], trainable=False)
     with shown_as_trainable(frozen):
-        unit = make_unit(name, modules, group, 3)
+        unit = new_unit(name, modules, group, 3)
     for tensor in unit.tensors:
         tensor.requires_grad_(False)
     unit.shard.requires_grad_(False)

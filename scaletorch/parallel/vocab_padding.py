@@ -51,19 +51,20 @@ class PaddedVocabHead(ColumnParallelLinear):
 
 # [end: padded-head]
 def apply_tensor_parallel_padded(model: Llama, pgm: ProcessGroupManager,
-                                 sequence_parallel: bool = False) -> Llama:
-    """Chapter 03's ``apply_tensor_parallel``, after padding the vocabulary to a multiple of
-    ``model.vocab_pad_to`` x tp when tp does not divide it; the head masks the padding."""
+                                 sequence_parallel: bool = False, **plan: Any) -> Llama:
+    """Chapter 03's ``apply_tensor_parallel`` (``plan``: its argument), after padding the
+    vocabulary to a multiple of ``model.vocab_pad_to`` x tp when tp does not divide it; the
+    head masks the padding."""
     cfg, tp = model.config, pgm.tensor_model_parallel_world_size
     rows = padded_vocab_size(cfg.vocab_size, tp, cfg.vocab_pad_to)
     if rows == cfg.vocab_size:
-        return apply_tensor_parallel(model, pgm, sequence_parallel)
+        return apply_tensor_parallel(model, pgm, sequence_parallel, **plan)
     ref: Any = model  # the reference's types say nn.Embedding and nn.Linear
     ref.embed_tokens.weight = _with_zero_rows(ref.embed_tokens.weight, rows)
     ref.embed_tokens.num_embeddings = rows
     ref.lm_head.weight = _with_zero_rows(ref.lm_head.weight, rows)  # untied here, tied again
-    ref.lm_head.out_features = rows  # by apply_tensor_parallel
-    apply_tensor_parallel(model, pgm, sequence_parallel)
+    ref.lm_head.out_features = rows  # by parallelize after the split
+    apply_tensor_parallel(model, pgm, sequence_parallel, **plan)
     head = ref.lm_head
     head.__class__ = PaddedVocabHead  # the class swap of mixed_precision.py: state stays
     head.vocab_size = cfg.vocab_size

@@ -20,7 +20,7 @@ Every stage reduce-scatters a unit's gradients once its last one is in (post-acc
 hooks; inside ``no_sync()`` nothing is reduced). ``ZeroAdamW.step`` updates the shards, then
 stages 1 and 2 all-gather them. Stages 1, 2 move 2 Psi per step as DDP, stage 3 3 Psi
 (zero_report.py). Chapter 10's tied weights (zero_tied.py) and chapter 08's dtypes
-(``make_unit``, zero_mixed_precision.py) attach from outside.
+(zero_mixed_precision.py) attach from outside, as subclasses.
 """
 
 from contextlib import contextmanager
@@ -41,7 +41,6 @@ from scaletorch.parallel.flat_unit import (FlatUnit, Group, NamedModules, gather
 from scaletorch.parallel.grad_norm import clip_grads_, world_grad_norm
 
 Units = List[Tuple[str, NamedModules]]  # (unit name, [(module name, module), ...])
-MakeUnit = Callable[[str, NamedModules, Group, int], FlatUnit]  # (name, modules, group, stage)
 State = Dict[str, torch.Tensor]
 Wrappers = Union["ShardedDataParallel", Sequence["ShardedDataParallel"]]
 
@@ -57,9 +56,11 @@ class ShardedDataParallel(nn.Module):
     """
     shares_parameters = False  # chapter 10's subclass shares a weight (zero_tied.py)
     data_parallel_wrapper = True  # wrapper.py's refuse_wrapped: wrapping this again is refused
+    # (name, modules, group, stage) -> one unit; chapter 08's subclass builds its own kind
+    new_unit: Callable[[str, NamedModules, Group, int], FlatUnit] = FlatUnit
 
     def __init__(self, module: nn.Module, units: Units, group: Optional[dist.ProcessGroup],
-                 zero_stage: int, prefetch: bool = True, make_unit: MakeUnit = FlatUnit) -> None:
+                 zero_stage: int, prefetch: bool = True) -> None:
         super().__init__()
         if zero_stage not in (1, 2, 3):
             raise ValueError(f"zero_stage must be 1, 2 or 3, got {zero_stage}")
@@ -68,7 +69,7 @@ class ShardedDataParallel(nn.Module):
         units = [unit for unit, params in zip(units, per_unit) if params]
         refuse_partition(module, per_unit, "ZeRO", self.shares_parameters)
         self.module, self.group, self.zero_stage = module, group, zero_stage
-        self.prefetch, self.make_unit = prefetch, make_unit
+        self.prefetch = prefetch
         # torch DDP's rule, as in data_parallel.py: every rank starts from the first rank's model
         comm.broadcast_from_first([*module.parameters(), *module.buffers()], group)
         self.units = self._build_units(units)
@@ -97,11 +98,7 @@ class ShardedDataParallel(nn.Module):
 
     def _build_units(self, units: Units) -> List[FlatUnit]:
         """One FlatUnit per unit (chapter 10's subclass lets units share a parameter)."""
-        return [self.make_unit(n, mods, self.group, self.zero_stage) for n, mods in units]
-
-    def _gathered_with(self, i: int) -> List[int]:
-        """The units that must be full while unit i runs (a subclass adds borrowed ones)."""
-        return [i]
+        return [self.new_unit(n, mods, self.group, self.zero_stage) for n, mods in units]
 
     @property
     def padded_numel(self) -> int:
@@ -137,22 +134,19 @@ class ShardedDataParallel(nn.Module):
         release_unit(self.units[i].flat)
 
     def _pre_forward(self, i: int, module: nn.Module, args: Tuple[Any, ...]) -> None:
-        for k in self._gathered_with(i):
-            self._gather(k)
+        self._gather(i)
         if self.prefetch and i + 1 < len(self.units):
             self._gather(i + 1, async_op=True)
 
     def _post_forward(self, i: int, module: nn.Module, args: Tuple[Any, ...], output: Any) -> None:
-        for k in self._gathered_with(i):
-            self._free(k)
+        self._free(i)
         for tensor in tree_leaves(output):  # a tensor, or a tuple or dict of them
             if torch.is_tensor(tensor) and tensor.requires_grad:
                 # Fires when the gradient of the unit's output is ready: its backward starts.
                 tensor.register_hook(partial(self._pre_backward, i))
 
     def _pre_backward(self, i: int, grad: torch.Tensor) -> None:
-        for k in self._gathered_with(i):
-            self._gather(k)
+        self._gather(i)
         if self.prefetch and i > 0:
             self._gather(i - 1, async_op=True)  # backward runs the units in reverse
 
@@ -169,8 +163,7 @@ class ShardedDataParallel(nn.Module):
             if self._sync:
                 self._reduce(i)
             if self.zero_stage == 3:
-                for k in self._gathered_with(i):
-                    self._free(k)
+                self._free(i)
 
     def _reduce(self, i: int) -> None:
         # One reduce-scatter in flight at a time: its full-size input is freed sooner.
@@ -281,16 +274,14 @@ def llama_units(model: nn.Module) -> Units:
 
 
 def apply_zero(model: nn.Module, pgm: ProcessGroupManager, zero_stage: int = 3,
-               prefetch: bool = True, units: Optional[Units] = None,
-               make_unit: MakeUnit = FlatUnit) -> ShardedDataParallel:
+               prefetch: bool = True, units: Optional[Units] = None) -> ShardedDataParallel:
     """Shard ``model`` over ``pgm.gradient_sync_group`` in ``units`` (a Llama's by default),
-    ZeRO ``zero_stage``; the first rank's weights are broadcast. ``make_unit``: chapter 08's
-    dtypes. Pair it with ``ZeroAdamW``; the Trainer with ``model.clip_grad_norm``. Any other
-    ``nn.Module``: zero_any_module.py."""
+    ZeRO ``zero_stage``; the first rank's weights are broadcast. Pair it with ``ZeroAdamW``;
+    the Trainer with ``model.clip_grad_norm``. Any other ``nn.Module``: zero_any_module.py."""
     check_zero_layout(zero_stage, pgm.tensor_model_parallel_world_size,
                       pgm.pipeline_model_parallel_world_size, pgm.expert_model_parallel_world_size)
     return ShardedDataParallel(model, units or llama_units(model), pgm.gradient_sync_group,
-                               zero_stage, prefetch, make_unit)
+                               zero_stage, prefetch)
 
 
 class ZeroOptimizer(RefuseAddedGroups, torch.optim.Optimizer):

@@ -36,7 +36,7 @@ from scaletorch.parallel.flat_unit import FlatUnit, gather_unit, release_unit
 from scaletorch.parallel.unit_rules import (UnitRule, as_units, check_coverage, check_unit_dtypes,
                                             frozen_unit, nested_parameters, nests,
                                             refuse_changed_since_wrap)
-from scaletorch.parallel.zero import MakeUnit, ShardedDataParallel, Units
+from scaletorch.parallel.zero import ShardedDataParallel, Units
 from scaletorch.parallel.zero_order_check import (check_same_collective, copy_views_of,
                                                   warn_called_again)
 from scaletorch.parallel.zero_views import ShardView, hold, named_views, pieces_of, unflatten
@@ -69,10 +69,10 @@ class AnyShardedDataParallel(ShardedDataParallel):
             # anywhere in the backward, they stay gathered until finish_grad_sync
             self.frozen = [
                 None
-                if outer else frozen_unit(self.make_unit, u.name, modules_of[u.name], self.group)
+                if outer else frozen_unit(self.new_unit, u.name, modules_of[u.name], self.group)
                 for u, outer in zip(self.units, self._outer)
             ]
-            self.outside = frozen_unit(self.make_unit, "outside", [("", module)], self.group)
+            self.outside = frozen_unit(self.new_unit, "outside", [("", module)], self.group)
             for unit in [*self.frozen, self.outside]:
                 if unit is not None:
                     self.frozen_shards.register_buffer(unit.name.replace(".", "_"), unit.shard)
@@ -115,7 +115,7 @@ class AnyShardedDataParallel(ShardedDataParallel):
         built: Dict[int, FlatUnit] = {}
         for j in sorted(range(len(units)), key=lambda j: inside[j]):
             check_unit_dtypes([units[j]])
-            built[j] = self.make_unit(units[j][0], units[j][1], self.group, self.zero_stage)
+            built[j] = self.new_unit(units[j][0], units[j][1], self.group, self.zero_stage)
         return [built[j] for j in range(len(units))]
 
     # ---- stage 3's frozen parameters: gathered and released with their unit ---------------
@@ -390,11 +390,10 @@ class AnyShardedDataParallel(ShardedDataParallel):
 
 
 def apply_zero_any(model: nn.Module, group: Group = None, zero_stage: int = 3,
-                   prefetch: bool = True, units: Optional[UnitRule] = None,
-                   make_unit: MakeUnit = FlatUnit) -> AnyShardedDataParallel:
+                   prefetch: bool = True,
+                   units: Optional[UnitRule] = None) -> AnyShardedDataParallel:
     """Shard any ``model`` over ``group`` (the world when None) in ``units`` (``as_units``),
     ZeRO ``zero_stage``; the first rank's weights are broadcast. Pair it with ``ZeroAdamW``
     or ``ShardedOptimizer(model, optimizer_class, ...)``."""
     refuse_wrapped(model, "apply_zero_any")  # before the units: a wrapper's rule finds none
-    return AnyShardedDataParallel(model, as_units(model, units), group, zero_stage, prefetch,
-                                  make_unit)
+    return AnyShardedDataParallel(model, as_units(model, units), group, zero_stage, prefetch)

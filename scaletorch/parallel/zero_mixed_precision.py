@@ -1,17 +1,21 @@
-"""Chapter 08's dtypes in chapter 02's ZeRO unit, attached from outside as a subclass.
+"""Chapter 08's dtypes in chapter 02's ZeRO unit, attached from outside as subclasses.
 
-``ShardedDataParallel(..., make_unit=zero_unit_in(param_dtype, reduce_dtype))`` builds each unit
-as ``FlatUnitInDtypes``: stage 3 keeps (gathers, computes with) its full parameters in
-``param_dtype``, and every stage reduce-scatters the averaged gradients in ``reduce_dtype``. The
-shards, their gradients and AdamW's state stay fp32 (mixed_precision.py says why).
+``zero_in_dtypes(ShardedDataParallel, param_dtype, reduce_dtype)`` is the ZeRO wrapper (or any
+subclass of it) whose units are ``FlatUnitInDtypes``: stage 3 keeps (gathers, computes with)
+its full parameters in ``param_dtype``, and every stage reduce-scatters the averaged gradients
+in ``reduce_dtype``. The shards, their gradients and AdamW's state stay fp32
+(mixed_precision.py says why).
 """
 
 from functools import partial
-from typing import Callable, Tuple
+from typing import Callable, Tuple, Type, TypeVar, cast
 
 import torch
 
 from scaletorch.parallel.flat_unit import FlatUnit, Group, NamedModules, put_tensor, release_unit
+from scaletorch.parallel.zero import ShardedDataParallel
+
+W = TypeVar("W", bound=ShardedDataParallel)
 
 
 class FlatUnitInDtypes(FlatUnit):
@@ -59,6 +63,14 @@ class FlatUnitInDtypes(FlatUnit):
 
 
 def zero_unit_in(param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> Callable[..., FlatUnit]:
-    """ZeRO's ``make_unit`` argument: units that gather in ``param_dtype`` (stage 3) and
-    reduce-scatter in ``reduce_dtype``."""
+    """ZeRO's ``new_unit``: units that gather in ``param_dtype`` (stage 3) and reduce-scatter
+    in ``reduce_dtype``."""
     return partial(FlatUnitInDtypes, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+
+
+def zero_in_dtypes(wrapper: Type[W], param_dtype: torch.dtype,
+                   reduce_dtype: torch.dtype) -> Type[W]:
+    """A subclass of ``wrapper`` (chapter 02's ZeRO wrapper, or a subclass of it: chapter 10's
+    tied one, any module's) whose units are built by ``zero_unit_in``."""
+    unit = zero_unit_in(param_dtype, reduce_dtype)  # a partial: no method, so no self
+    return cast(Type[W], type(f"{wrapper.__name__}InDtypes", (wrapper, ), {"new_unit": unit}))

@@ -52,7 +52,7 @@ class TiedShardedDataParallel(ShardedDataParallel):
                 m for j, (_, mods) in enumerate(units) if i in self.borrows[j] for m in mods
             ]
             held = holders_of(borrowers)  # read before the unit replaces its own parameters
-            unit = self.make_unit(name, modules, self.group, self.zero_stage)
+            unit = self.new_unit(name, modules, self.group, self.zero_stage)
             # the borrowers' holders of the unit's parameters hold the unit's tensors instead
             for key, (_, holders) in held.items():
                 if key in unit.index:
@@ -66,8 +66,16 @@ class TiedShardedDataParallel(ShardedDataParallel):
             built.append(unit)
         return built
 
-    def _gathered_with(self, i: int) -> List[int]:
-        return [i] + self.borrows[i]
+    # a unit gathers and frees the units it borrows from with itself (not when prefetched)
+    def _gather(self, i: int, async_op: bool = False) -> None:
+        super()._gather(i, async_op)
+        for k in [] if async_op else self.borrows[i]:
+            super()._gather(k)
+
+    def _free(self, i: int) -> None:
+        super()._free(i)
+        for k in self.borrows[i]:
+            super()._free(k)
 
 
 def zero_units(model: nn.Module) -> Units:

@@ -36,9 +36,9 @@ from scaletorch.config import (CheckpointConfig, Config, DataConfig, LoggingConf
                                TrainingConfig, recompute_mode)
 from scaletorch.data.datasets import check_data_file, check_synthetic_vocab
 from scaletorch.dist import restart_count
-from scaletorch.parallel.mixed_precision import policy_for as precision_policy
 # the one layout check (also run by parallelize): re-exported for the scripts
-from scaletorch.parallel.validation import validate_layout
+from scaletorch.dist.layout_check import validate_layout
+from scaletorch.parallel.mixed_precision import policy_for as precision_policy
 from scaletorch.plan.cluster import load_cluster
 from scaletorch.rules import boundary
 from scaletorch.rules.errors import (INTERRUPTED, TERMINATED, InputError, MissingInputError,

@@ -17,7 +17,8 @@ import torch
 
 from scaletorch.dist import get_ledger
 from scaletorch.dist.dtensor import is_dtensor
-from scaletorch.dist.functional import gather_along_dim, split_along_dim
+from scaletorch.dist.functional import gather_along_dim
+from scaletorch.dist.split_regions import split_along_dim
 from scaletorch.parallel.parallelize import Parallelized
 from scaletorch.parallel.tensor_layout import TensorLayout, plain_entries
 from scaletorch.trainer.pipeline_state import gather_pipeline_state_dict

@@ -23,7 +23,7 @@ from scaletorch.parallel.mixed_precision import (MixedPrecisionPolicy,
                                                  disable_autocast_cache_per_unit, fsdp_mp_policy)
 from scaletorch.parallel.step import forward_backward
 from scaletorch.parallel.zero import ShardedDataParallel, ZeroAdamW, llama_units
-from scaletorch.parallel.zero_mixed_precision import zero_unit_in
+from scaletorch.parallel.zero_mixed_precision import zero_in_dtypes
 from scripts.benchmarks import timing
 from scripts.benchmarks.fsdp import BATCH_PER_RANK, MODEL, SEQ_LEN, WARMUP
 
@@ -41,8 +41,8 @@ def _build(impl: str, pgm) -> tuple:
     if impl.startswith("fully_shard"):
         model = apply_fully_shard(model, pgm, fsdp_mp_policy(policy))
         return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
-    model = ShardedDataParallel(model, llama_units(model), pgm.gradient_sync_group, 3,
-                                make_unit=zero_unit_in(policy.param_dtype, policy.reduce_dtype))
+    wrapper = zero_in_dtypes(ShardedDataParallel, policy.param_dtype, policy.reduce_dtype)
+    model = wrapper(model, llama_units(model), pgm.gradient_sync_group, 3)
     disable_autocast_cache_per_unit(model)  # as parallelize does
     return model, ZeroAdamW(model, 1e-4, (0.9, 0.95), 0.1)
 

@@ -16,7 +16,7 @@ from typing import Dict, List
 import torch
 from torch.distributed.tensor.parallel import loss_parallel
 
-from scaletorch.dist import destroy_pg_manager, get_ledger, init_pg_manager
+from scaletorch.dist import destroy_pg_manager, get_ledger, init_pg_manager, layout_check
 from scaletorch.models import LlamaConfig, build_model
 from scaletorch.parallel import tensor_parallel as tp_lib
 from scaletorch.parallel import tensor_parallel_dtensor as native
@@ -89,7 +89,7 @@ def run(args) -> List[dict]:
     from scaletorch.dist.spawn import run_distributed
 
     world = getattr(args, "world_size", 2)
-    tp_lib.validate_tensor_parallel(MODEL, world, True, SEQ_LEN)
+    layout_check.validate_tensor_parallel(MODEL, world, True, SEQ_LEN)
     samples = timing.samples(args)
     result = run_distributed(_measure, world, samples, timeout=900)[0]
     times = result["times"]

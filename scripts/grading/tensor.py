@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from scaletorch.dist import comm, destroy_pg_manager, init_pg_manager_from_config
-from scaletorch.dist.functional import split_along_dim
+from scaletorch.dist.split_regions import split_along_dim
 from scaletorch.models import build_model, loss_fn
 from scaletorch.parallel import tensor_parallel, tensor_parallel_layers
 from scaletorch.parallel.data_parallel import apply_data_parallel

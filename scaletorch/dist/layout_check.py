@@ -8,26 +8,90 @@ ValueError naming the user's settings and what to change, e.g.
 
     model.tie_word_embeddings true with parallel.schedule 'zbv' ...: ...; use ...
 
-Rules that are a strategy's own (heads divisible by tp, the pipeline schedule, experts over
-ep, the split of the layers) live in its module and are called from here; the strategies keep
-their checks on the tensors they are handed. doc/07_nd_parallel.md, "Limits", lists them all.
+The strategies' own size rules (heads divisible by tp, experts over ep, the zigzag slices of
+cp) are here too, and each strategy calls its rule by one line when it is applied: refusals
+are no chapter's idea, so they live beside wrap_checks.py, not in the strategy a learner
+reads. doc/07_nd_parallel.md, "Limits", lists them all. ``cfg`` is a scaletorch.config
+``Config`` (read, never imported here: the config sits above dist).
 """
 
-from typing import TYPE_CHECKING, Dict
+import math
+from typing import Any, Dict, Optional
 
-from scaletorch.parallel.context_parallel import check_sequence_length
-from scaletorch.parallel.expert_parallel import validate_expert_parallel
-from scaletorch.parallel.moe_balance import validate_balancing
-from scaletorch.parallel.tensor_parallel import validate_tensor_parallel
 from scaletorch.rules.group_names import gradient_group_name
 from scaletorch.schedule.catalog import validate_schedule
 from scaletorch.schedule.placement import V_SHAPED, stage_ranges
 
-if TYPE_CHECKING:  # the config module imports this one
-    from scaletorch.config import Config
+
+def validate_tensor_parallel(config: Any, tensor_model_parallel_size: int,
+                             sequence_parallel: bool = False,
+                             seq_len: Optional[int] = None) -> None:
+    """Raise ValueError if the model ``config`` (a LlamaConfig) cannot be split over
+    ``tensor_model_parallel_size`` ranks (chapter 03)."""
+    tp = tensor_model_parallel_size
+    if sequence_parallel and tp == 1:
+        raise ValueError("sequence parallel shards activations over the tensor-parallel group "
+                         "and needs tensor_model_parallel_size > 1, got 1: set --tp, or drop "
+                         "--sequence-parallel")
+    sizes = {
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "intermediate_size": config.intermediate_size,
+    }  # the vocabulary is checked by the embedding: chapter 10 pads it first when tp does not
+    for name, value in sizes.items():
+        if value % tp != 0:
+            divides = math.gcd(*sizes.values())
+            raise ValueError(f"model.{name} ({value}) is not divisible by "
+                             f"tensor_model_parallel_size ({tp}): tp must divide the heads, "
+                             f"key/value heads and intermediate size; here a divisor of "
+                             f"{divides}")
+    if sequence_parallel and seq_len is not None:
+        check_sequence_parallel_length(seq_len, tp)
 
 
-def data_parallel_size(cfg: "Config", world_size: int) -> int:
+def check_sequence_parallel_length(seq_len: int, tp: int) -> None:
+    """Sequence parallel splits each sequence (of a cp rank) over the tp ranks (chapter 03)."""
+    if seq_len % tp != 0:
+        raise ValueError(f"sequence parallel needs the sequence length ({seq_len}) of a cp "
+                         f"rank divisible by tensor_model_parallel_size ({tp}): change "
+                         f"data.seq_len or --tp")
+
+
+def check_split(size: int, n: int, what: str, hint: str = "") -> None:
+    """A tensor-parallel layer's split of ``size`` rows or columns into ``n`` equal shards."""
+    if size % n != 0:
+        raise ValueError(f"{what} {size} is not divisible by the tensor-parallel size {n}{hint}")
+
+
+def check_sequence_length(seq_len: int, cp_size: int) -> None:
+    """Zigzag cuts each sequence into 2 x cp slices: ``seq_len`` must be divisible by it
+    (chapter 05)."""
+    if seq_len % (2 * cp_size) != 0:
+        raise ValueError(f"sequence length {seq_len} (data.seq_len) is not divisible by 2 x "
+                         f"context_parallel_size ({cp_size}) = {2 * cp_size}, the zigzag "
+                         f"slices: set data.seq_len to a multiple of {2 * cp_size}")
+
+
+def validate_expert_parallel(num_experts: int, expert_model_parallel_size: int,
+                             data_parallel_size_with_context: int) -> None:
+    """Raise ValueError if ``num_experts`` experts cannot be split over the ep ranks
+    (chapter 06)."""
+    ep, e, dp_cp = expert_model_parallel_size, num_experts, data_parallel_size_with_context
+    if ep > 1 and e == 0:
+        raise ValueError(f"expert_model_parallel_size ({ep}) needs a mixture-of-experts model, "
+                         f"but model.num_experts is 0: set model.num_experts (e.g. "
+                         f"--model.num_experts {2 * ep}) or --ep 1")
+    if e % ep != 0:
+        raise ValueError(f"model.num_experts ({e}) is not divisible by "
+                         f"expert_model_parallel_size ({ep}): every ep rank holds "
+                         f"num_experts / ep experts")
+    if dp_cp % ep != 0:
+        raise ValueError(f"expert_model_parallel_size ({ep}) does not divide data_parallel_size "
+                         f"x context_parallel_size ({dp_cp}): ep is carved out of those ranks; "
+                         f"choose an ep that divides {dp_cp}")
+
+
+def data_parallel_size(cfg: Any, world_size: int) -> int:
     """Ranks that see different samples: world / (tp x pp x cp), checked against the config."""
     p = cfg.parallel
     model_parallel = (p.tensor_model_parallel_size * p.pipeline_model_parallel_size *
@@ -49,7 +113,7 @@ def data_parallel_size(cfg: "Config", world_size: int) -> int:
     return dp
 
 
-def layout_sizes(cfg: "Config", world_size: int) -> Dict[str, int]:
+def layout_sizes(cfg: Any, world_size: int) -> Dict[str, int]:
     """{tp, pp, cp, ep, dp, dp_cp, stages}: the group sizes ``cfg`` asks of ``world_size`` ranks."""
     p = cfg.parallel
     dp = data_parallel_size(cfg, world_size)
@@ -64,7 +128,7 @@ def layout_sizes(cfg: "Config", world_size: int) -> Dict[str, int]:
     }
 
 
-def validate_layout(cfg: "Config", world_size: int) -> Dict[str, int]:
+def validate_layout(cfg: Any, world_size: int) -> Dict[str, int]:
     """Raise ValueError, naming the settings and what to change, for any layout of ``cfg`` that
     cannot run on ``world_size`` ranks; else return ``layout_sizes``."""
     sizes = layout_sizes(cfg, world_size)
@@ -81,7 +145,7 @@ def validate_layout(cfg: "Config", world_size: int) -> Dict[str, int]:
     return sizes
 
 
-def _check_batch(cfg: "Config", sizes: Dict[str, int]) -> None:
+def _check_batch(cfg: Any, sizes: Dict[str, int]) -> None:
     m, batch = cfg.data.num_micro_batches, cfg.data.global_batch_size
     if batch % (sizes["dp"] * m) != 0:
         raise ValueError(f"data.global_batch_size ({batch}) is not divisible by "
@@ -89,7 +153,7 @@ def _check_batch(cfg: "Config", sizes: Dict[str, int]) -> None:
                          f"set data.global_batch_size to a multiple of {sizes['dp'] * m}")
 
 
-def _check_context(cfg: "Config", sizes: Dict[str, int]) -> None:
+def _check_context(cfg: Any, sizes: Dict[str, int]) -> None:
     cp, tp = sizes["cp"], sizes["tp"]
     if cp > 1:
         check_sequence_length(cfg.data.seq_len, cp)
@@ -108,7 +172,7 @@ def _check_context(cfg: "Config", sizes: Dict[str, int]) -> None:
                 f"--cp-variant ring, or a context_parallel_size that divides {local}")
 
 
-def _check_pipeline(cfg: "Config", sizes: Dict[str, int]) -> None:
+def _check_pipeline(cfg: Any, sizes: Dict[str, int]) -> None:
     p = cfg.parallel
     if sizes["pp"] > 1 or p.virtual_pipeline_stages > 1:
         validate_schedule(p.schedule, sizes["pp"], cfg.data.num_micro_batches,
@@ -127,7 +191,7 @@ def _check_pipeline(cfg: "Config", sizes: Dict[str, int]) -> None:
         stage_ranges(cfg.model.num_layers, sizes["stages"], p.layer_split)
 
 
-def _check_tied_embeddings(cfg: "Config", sizes: Dict[str, int]) -> None:
+def _check_tied_embeddings(cfg: Any, sizes: Dict[str, int]) -> None:
     """Tied embeddings run with ZeRO (one shard, zero.py) and with our pipeline (a copy on the
     first and the last stage, tied_embeddings.py; in a V both are rank 0's chunks, which
     share the one parameter), except where a V's chunks are wrapped one by one."""
@@ -152,7 +216,7 @@ def _check_tied_embeddings(cfg: "Config", sizes: Dict[str, int]) -> None:
                          f"'ours', or model.tie_word_embeddings false")
 
 
-def _check_combinations(cfg: "Config", sizes: Dict[str, int]) -> None:
+def _check_combinations(cfg: Any, sizes: Dict[str, int]) -> None:
     """What ``parallelize`` cannot compose (its module docstring says why)."""
     p, m = cfg.parallel, cfg.model
     tp, pp, cp = sizes["tp"], sizes["pp"], sizes["cp"]
@@ -188,3 +252,18 @@ def _check_combinations(cfg: "Config", sizes: Dict[str, int]) -> None:
                          f"or Ulysses attention beside DistributedDataParallel only (PyTorch's "
                          f"context_parallel shards CUDA attention kernels, none on CPU); got "
                          f"{got}: use impl 'ours'")
+
+
+def validate_balancing(model: Any, pp: int, cp: int) -> None:
+    """ValueError naming the numbers for a remedy of chapter 06b that a layout of chapter 07
+    cannot hold: the bias under a pipeline (a checkpoint keeps one rank's bias, and each stage
+    holds other MoE layers), capacity under context parallel (its queue runs along whole
+    sequences). ``model`` is the config's model section."""
+    if model.num_experts > 0 and model.moe_bias_rate > 0 and pp > 1:
+        raise ValueError(f"model.moe_bias_rate {model.moe_bias_rate} with pipeline_model_"
+                         f"parallel_size {pp}: a checkpoint keeps one rank's routing bias, and "
+                         f"each stage holds other MoE layers; use pp 1 or model.moe_bias_rate 0")
+    if model.num_experts > 0 and model.moe_capacity_factor > 0 and cp > 1:
+        raise ValueError(f"model.moe_capacity_factor {model.moe_capacity_factor} with context_"
+                         f"parallel_size {cp}: the global capacity queues whole sequences in "
+                         f"token order, and cp splits each one; use cp 1 or capacity factor 0")
