@@ -33,7 +33,6 @@ from torch import nn
 from scaletorch.dist import ProcessGroupManager
 from scaletorch.dist.comm import Group
 from scaletorch.dist.functional import gather_along_dim
-from scaletorch.models.llama import LlamaConfig
 from scaletorch.models.moe import MoE, capacity, queue_positions
 from scaletorch.parallel.expert_parallel import moe_layers
 
