@@ -126,15 +126,17 @@ class _GradeChapter:
 
 
 class GradeChapter01(_GradeChapter, unittest.TestCase):
-    """Data parallel, 2 ranks, 3 steps a job: 3 solutions, rank 1's os._exit (a second world
-    grades the rest), 3 written another way, 1 mistake, 10 variants, 3 stubs."""
+    """Data parallel, 4 ranks (dp 2 x tp 2: the group is not the world), 3 steps of 2
+    micro-batches a job: 3 solutions, rank 1's os._exit (a second world grades the rest), 3
+    written another way, 1 mistake, 10 variants, 3 stubs."""
     chapter = "01"
 
 
 class GradeChapter02(_GradeChapter, unittest.TestCase):
-    """ZeRO, 2 ranks, 3 steps a job (ZeRO-1 for reduce_scatter_mean, ZeRO-3 for gather_unit and
-    release_unit): 3 solutions, rank 1's sys.exit (a second world grades the rest), 4 written
-    another way, 10 variants, 3 stubs."""
+    """ZeRO, 4 ranks (dp 2 x tp 2: the group is not the world), 3 steps of 2 micro-batches a
+    job (ZeRO-1 for reduce_scatter_mean, ZeRO-3 with prefetch for gather_unit and release_unit,
+    then each called on its own): 3 solutions, rank 1's sys.exit (a second world grades the
+    rest), 4 written another way, 10 variants, 3 stubs."""
     chapter = "02"
 
 
@@ -181,7 +183,7 @@ class GradeChapter08(_GradeChapter, unittest.TestCase):
 
 class GradeAStoppedWorld(unittest.TestCase):
     """A variant whose ranks issue different collectives: gloo aborts one; the grader names
-    where the other stopped, from its flight recorder (2 ranks, one job)."""
+    where the other stopped, from its flight recorder (one job, chapter 01's 4 ranks)."""
 
     def test_a_mismatched_collective_is_named_with_its_group_and_line(self):
         for (chapter, exercise, variant), words in STOPPING.items():
@@ -224,7 +226,7 @@ def _text(line):
 class GradeEachExerciseOnItsOwn(unittest.TestCase):
     """Chapter 01's jobs: a segfault on rank 1, the library, an error raised on rank 1, a hang
     (rank 1 receives a message never sent), the library: each failure is its job's alone, with
-    its rank and the learner's line, and the library's jobs after it pass (4 worlds of 2)."""
+    its rank and the learner's line, and the library's jobs after it pass (4 worlds of 4)."""
 
     @classmethod
     def setUpClass(cls):
