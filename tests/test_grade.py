@@ -263,7 +263,8 @@ class GradeEachExerciseOnItsOwn(unittest.TestCase):
         self.assertIn(f"rank 1 stopped in hang_on_rank_1 (grading_solutions.py:{recv})", text)
         # the grader's timeout as the test set it, not gloo's 120 s nor the default 25 s
         self.assertIn(f"no peer answered its recv within {SHORT_COLLECTIVE_TIMEOUT:.0f} s", text)
-        self.assertIn(f"rank 0 stopped in hang_on_rank_1 (grading_solutions.py:{reduce})", text)
+        # rank 1's data-parallel peer (dp 2 x tp 2: ranks 1 and 3) waits for it in the sum
+        self.assertIn(f"rank 3 stopped in hang_on_rank_1 (grading_solutions.py:{reduce})", text)
         self.assertNotIn("gloo", text)  # the learner's terms, not the backend's
 
     def test_the_other_exercises_keep_their_verdicts(self):

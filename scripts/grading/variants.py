@@ -609,8 +609,8 @@ CATALOGUE: Dict[Tuple[str, str, str], str] = {
     ("01", "average_gradients", "average_divided_twice"):
     "gradients are 0.50x the reference on every rank: divided by N = 2 twice",
     ("01", "average_gradients", "average_without_all_reduce"):
-    "gradients differ in all 21 parameters after the sync, and their mean is the reference: "
-    "each rank kept its own",
+    "gradients (one data-parallel group) differ in all 21 parameters after the sync, and their "
+    "mean is the reference: each rank kept its own",
     ("01", "average_gradients", "average_first_only"):
     "20 of 21 gradients differ between the ranks",
     ("01", "launch_full_buckets", "launch_before_full"):
