@@ -397,5 +397,5 @@ def average_divided_on_rank_0_only(grads, group):
 # (chapter, exercise, function in this module, words its diagnosis must hold)
 MISTAKES = [
     ("01", "average_gradients", "average_divided_on_rank_0_only",
-     "multiples of the reference (rank 0's 1.00x, rank 1's 2.00x)"),
+     "multiples of the reference (rank 0's 1.00x, rank 1's 1.00x, rank 2's 2.00x"),
 ]

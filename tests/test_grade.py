@@ -134,15 +134,17 @@ class _GradeChapter:
 
 
 class GradeChapter01(_GradeChapter, unittest.TestCase):
-    """Data parallel, 2 ranks, 3 steps a job: 3 solutions, rank 1's os._exit (a second world
-    grades the rest), 3 written another way, 1 mistake, 10 variants, 3 stubs."""
+    """Data parallel, 4 ranks (dp 2 x tp 2: the group is not the world), 3 steps of 2
+    micro-batches a job: 3 solutions, rank 1's os._exit (a second world grades the rest), 3
+    written another way, 1 mistake, 10 variants, 3 stubs."""
     chapter = "01"
 
 
 class GradeChapter02(_GradeChapter, unittest.TestCase):
-    """ZeRO, 2 ranks, 3 steps a job (ZeRO-1 for reduce_scatter_mean, ZeRO-3 for gather_unit and
-    release_unit): 3 solutions, rank 1's sys.exit (a second world grades the rest), 4 written
-    another way, 10 variants, 3 stubs."""
+    """ZeRO, 4 ranks (dp 2 x tp 2: the group is not the world), 3 steps of 2 micro-batches a
+    job (ZeRO-1 for reduce_scatter_mean, ZeRO-3 with prefetch for gather_unit and release_unit,
+    then each called on its own): 3 solutions, rank 1's sys.exit (a second world grades the
+    rest), 4 written another way, 10 variants, 3 stubs."""
     chapter = "02"
 
 
@@ -206,7 +208,7 @@ class GradeChapter08(_GradeChapter, unittest.TestCase):
 
 class GradeAStoppedWorld(unittest.TestCase):
     """A variant whose ranks issue different collectives: gloo aborts one; the grader names
-    where the other stopped, from its flight recorder (2 ranks, one job)."""
+    where the other stopped, from its flight recorder (one job, chapter 01's 4 ranks)."""
 
     def test_a_mismatched_collective_is_named_with_its_group_and_line(self):
         for (chapter, exercise, variant), words in STOPPING.items():
@@ -249,7 +251,7 @@ def _text(line):
 class GradeEachExerciseOnItsOwn(unittest.TestCase):
     """Chapter 01's jobs: a segfault on rank 1, the library, an error raised on rank 1, a hang
     (rank 1 receives a message never sent), the library: each failure is its job's alone, with
-    its rank and the learner's line, and the library's jobs after it pass (4 worlds of 2)."""
+    its rank and the learner's line, and the library's jobs after it pass (4 worlds of 4)."""
 
     @classmethod
     def setUpClass(cls):
@@ -287,7 +289,8 @@ class GradeEachExerciseOnItsOwn(unittest.TestCase):
         self.assertIn(f"rank 1 stopped in hang_on_rank_1 (grading_solutions.py:{recv})", text)
         # the grader's timeout as the test set it, not gloo's 120 s nor the default 25 s
         self.assertIn(f"no peer answered its recv within {SHORT_COLLECTIVE_TIMEOUT:.0f} s", text)
-        self.assertIn(f"rank 0 stopped in hang_on_rank_1 (grading_solutions.py:{reduce})", text)
+        # rank 1's data-parallel peer (dp 2 x tp 2: ranks 1 and 3) waits for it in the sum
+        self.assertIn(f"rank 3 stopped in hang_on_rank_1 (grading_solutions.py:{reduce})", text)
         self.assertNotIn("gloo", text)  # the learner's terms, not the backend's
 
     def test_the_other_exercises_keep_their_verdicts(self):

@@ -609,8 +609,8 @@ CATALOGUE: Dict[Tuple[str, str, str], str] = {
     ("01", "average_gradients", "average_divided_twice"):
     "gradients are 0.50x the reference on every rank: divided by N = 2 twice",
     ("01", "average_gradients", "average_without_all_reduce"):
-    "gradients differ in all 21 parameters after the sync, and their mean is the reference: "
-    "each rank kept its own",
+    "gradients (one data-parallel group) differ in all 21 parameters after the sync, and their "
+    "mean is the reference: each rank kept its own",
     ("01", "average_gradients", "average_first_only"):
     "20 of 21 gradients differ between the ranks",
     ("01", "launch_full_buckets", "launch_before_full"):
@@ -622,13 +622,14 @@ CATALOGUE: Dict[Tuple[str, str, str], str] = {
     ("01", "wait_for_buckets", "wait_never"):
     "no rank waited for any bucket's all-reduce",
     ("01", "wait_for_buckets", "wait_on_rank_0_only"):
-    "rank 1 waited for no bucket, the others for all",
+    "ranks 1, 2, 3 waited for no bucket, rank 0 for all",
     ("01", "wait_for_buckets", "wait_all_but_the_last"):
     "was never waited for (rank 0): wait for every bucket, the last one launched too",
     ("02", "reduce_scatter_mean", "reduce_scatter_sum"):
-    "the shards' gradients are 2.00x the reference: the reduce-scatter sums over the N = 2 ranks",
+    "the shards' gradients are 2.00x the reference on every rank: the reduce-scatter sums over "
+    "the N = 2 ranks",
     ("02", "reduce_scatter_mean", "reduce_scatter_divided_twice"):
-    "the shards' gradients are 0.50x the reference: divided by N = 2 twice?",
+    "the shards' gradients are 0.50x the reference on every rank: divided by N = 2 twice",
     ("02", "reduce_scatter_mean", "reduce_scatter_by_all_reduce"):
     "crossed as an all-reduce of its P' elements",
     ("02", "reduce_scatter_mean", "reduce_scatter_own_only"):
@@ -638,7 +639,7 @@ CATALOGUE: Dict[Tuple[str, str, str], str] = {
     ("02", "gather_unit", "gather_own_shard_only"):
     "holding values no rank sent: all-gather every rank's shard into flat",
     ("02", "gather_unit", "gather_reversed"):
-    "on rank 0 with rank 1's shard at offset 0 S: rank r's shard belongs at r S",
+    "on rank 0 with group rank 1's shard (rank 2's) at offset 0 S: group rank r's shard belongs",
     ("02", "release_unit", "release_never"):
     "the whole model",
     ("02", "release_unit", "release_by_zeroing"):
@@ -741,7 +742,7 @@ CATALOGUE: Dict[Tuple[str, str, str], str] = {
 # (a pattern: the collective's number counts what the world ran before the variant).
 STOPPING: Dict[Tuple[str, str, str], str] = {
     ("01", "average_gradients", "average_on_rank_0_only"):
-    r"rank 0: all_reduce #\d+ of group 'dp' \[\[64, 64\]\] Float, issued at "
+    r"rank 0: all_reduce #\d+ of group 'dp' \[\[\d+, 64\]\] Float, issued at "
     r"scripts/grading/variants\.py",
 }
 # Variants that deadlock: one world each; the phrases their diagnosis must contain (the ranks,

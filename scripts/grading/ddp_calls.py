@@ -1,0 +1,57 @@
+"""Chapter 01's ``launch_full_buckets`` called on its own (scripts/grading/ddp.py grades it).
+
+In chapter 01's run gradients arrive in bucket order, one bucket filling per hook, so an ``if``
+for the ``while`` launches the same buckets there. A hook may see several full buckets at once
+(gradients out of bucket order, a bucket of unused parameters): ``CASES`` are such states, each
+called with a launch that records, and compared with what the docstring asks.
+"""
+
+from typing import Any, Dict, List, Optional, Tuple
+
+# (ready, sizes, next_bucket) a hook may see: several buckets full at once (gradients arrive
+# out of bucket order), a full bucket after one that is not, none full
+CASES = [([2, 1, 0], [2, 1, 3], 0), ([2, 1, 3], [2, 1, 3], 1), ([2, 0, 3], [2, 1, 3], 1),
+         ([1, 1], [2, 1], 0)]
+
+
+def calls(fn: Any) -> List[Tuple[List[int], int]]:
+    """``fn`` (a launch_full_buckets) on each of ``CASES``: (buckets it launched, returned)."""
+    out = []
+    for ready, sizes, next_bucket in CASES:
+        launched: List[int] = []
+        returned = fn(list(ready), list(sizes), next_bucket, launched.append)
+        out.append((launched, returned))
+    return out
+
+
+def expected_calls() -> List[Tuple[List[int], int]]:
+    out = []
+    for ready, sizes, k in CASES:
+        launched = []
+        while k < len(sizes) and ready[k] == sizes[k]:
+            launched.append(k)
+            k += 1
+        out.append((launched, k))
+    return out
+
+
+def call_diagnosis(runs: List[Dict[str, Any]]) -> Optional[str]:
+    """launch_full_buckets: no hook left a full bucket unlaunched, and on ``CASES`` (several
+    buckets full at once) it launched the full ones from next_bucket in order."""
+    for rank, run in enumerate(runs):
+        if run["left"]:
+            step, k = run["left"][0]
+            return (f"in step {step} on rank {rank} a hook's launch_full_buckets returned {k} with "
+                    f"bucket {k} full: its all-reduce started at a later hook or after backward, "
+                    f"so it overlapped less of backward; launch every full bucket in order")
+    for (ready, sizes, start), got, want in zip(CASES, runs[0]["calls"], expected_calls()):
+        if tuple(got) == tuple(want):
+            continue
+        said = (f"launch_full_buckets(ready={ready}, sizes={sizes}, next_bucket={start}) launched "
+                f"{got[0]} and returned {got[1]}; the full buckets from {start} on, in order, "
+                f"are {want[0]}")
+        if list(got[0]) == list(want[0])[:len(got[0])] and len(got[0]) < len(want[0]):
+            return (said + ": the ones left wait for a later hook or the end of backward, no "
+                    "longer overlapping it; launch while the next bucket is full")
+        return said + f": launch those, stop at the first bucket not full, return {want[1]}"
+    return None
