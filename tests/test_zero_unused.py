@@ -237,7 +237,8 @@ ORDER_BATCH = torch.linspace(-1, 1, 4 * 6).view(4, 6)
 DIVERGING = {
     "b twice on rank 0": ["abbc", "abc"],
     "b, a on rank 1": ["abc", "bac"],
-    "c on rank 0 only, b twice on rank 1": ["abc", "abb"]
+    "c on rank 0 only, b twice on rank 1": ["abc", "abb"],
+    "b before a on rank 0, b skipped on rank 1 (probe round 8)": ["bac", "ac"],
 }
 
 
@@ -341,6 +342,7 @@ class UnusedParametersZero(unittest.TestCase):
                 self.assertIn("ZeRO-3: the ranks are about to run different collectives", said,
                               f"{key} rank {rank}")
                 self.assertIn("rank 1: all-gather of unit", said, f"{key} rank {rank}")
+                self.assertIn("listed in the order the forward calls them", said)
 
     def test_units_listed_out_of_call_order_train_as_one_device_and_warn(self) -> None:
         torch.manual_seed(0)

@@ -37,8 +37,9 @@ def check_same_collective(collective: int, unit: int, names: Sequence[str], grou
         raise RuntimeError(
             f"ZeRO-3: the ranks are about to run different collectives ({said}); every rank "
             f"must reach the units in one order, each as often as the others (a unit that a rank "
-            f"skips is fine; one called twice on one rank only, or units called in another "
-            f"order per rank, is not)")
+            f"skips is fine when the units are listed in the order the forward calls them: "
+            f"units=[...]; one called twice on one rank only, or units called in another order "
+            f"per rank, is not)")
 
 
 def copy_views_of(flat: torch.Tensor, output: Any) -> Any:
