@@ -45,6 +45,8 @@ FORMS = "none, aux C, bias, capacity F"  # what --remedies takes (C, F: numbers 
 # the model's settings each remedy sets: key -> the remedy that takes its value
 PER_REMEDY = {"moe_aux_loss_coeff": "aux", "moe_capacity_factor": "capacity"}
 
+PICTURES = ("png", "pdf", "svg", "jpg", "jpeg")  # what matplotlib's savefig writes here
+
 
 def remedy_settings(name: str) -> tuple:
     """(aux loss coefficient, bias update rate, capacity factor) of one --remedies entry:
@@ -91,9 +93,8 @@ def limits(args):
             raise ValueError(f"model.moe_bias_rate {cfg.model.moe_bias_rate}: 06b sets each "
                              f"remedy's own (--remedies bias); that flag is chapter 07's")
         remedies = args.remedies.split(",")
-        for name in remedies:
-            remedy_settings(name)
-        if len(set(remedies)) < len(remedies):
+        settings = [remedy_settings(name) for name in remedies]
+        if len(set(settings)) < len(settings):  # "capacity 1" and "capacity 1.0" are one
             raise ValueError(f"--remedies {args.remedies}: each remedy once")
         for key, kind in PER_REMEDY.items():  # the config's 0 is overwritten by each remedy's
             value = getattr(cfg.model, key)
@@ -111,6 +112,10 @@ def limits(args):
                              f"lacks {' and '.join(sorted({'none', 'bias'} - set(remedies)))}")
         if args.plot and not os.path.isdir(os.path.dirname(os.path.abspath(args.plot))):
             raise ValueError(f"--plot {args.plot}: its directory does not exist")
+        suffix = os.path.splitext(args.plot or "x.png")[1].lower().lstrip(".")
+        if suffix not in PICTURES:
+            raise ValueError(f"--plot {args.plot}: a picture is one of "
+                             f"{', '.join('.' + k for k in PICTURES)}")
 
     return check
 

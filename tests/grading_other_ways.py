@@ -118,6 +118,7 @@ ALTERNATIVES = [
     ("03", "exit_region", "exit_region_async"),
     ("05", "ring_forward", "ring_forward_isend"),
     ("05", "merge", "merge_lerp_in_place"),
+    ("06b", "biased_top_k", "top_k_weights_rescaled"),
 ]
 
 # ---- chapter 06b: wrong rules of choice (probe of issue 55), each named only when determined
@@ -156,6 +157,22 @@ def top_k_first_at_threshold(probs, bias, k):
     return probs.gather(-1, chosen), chosen
 
 
+def top_k_weights_rescaled(probs, bias, k):
+    """Correct: the chosen probabilities divided and multiplied by their sum, equal to them up to
+    rounding (3e-8; probe 55 round 2 was failed on that)."""
+    chosen = (probs + bias).topk(k, dim=-1, sorted=False).indices.sort(-1).values
+    weights = probs.gather(-1, chosen)
+    total = weights.sum(-1, keepdim=True).detach()
+    return weights / total * total, chosen
+
+
+@torch.no_grad()
+def update_bias_clamped(bias, load, rate):
+    """The rule's step, then the bias held within +-rate: a bias at the bound comes back to it
+    (probe 55 round 2: told "left the bias unchanged: change it in place", which it did)."""
+    bias.add_(rate * torch.sign(load.mean() - load)).clamp_(-rate, rate)
+
+
 def top_k_swapped(probs, bias, k):
     """(chosen, weights): the order of chapter 06's router, not this function's."""
     chosen = (probs + bias).topk(k, dim=-1).indices
@@ -178,6 +195,7 @@ MISTAKES = [
      "chose experts [0, 1] for token 3 in the probe: probs [0.4375, 0.3125, 0.0625, 0.1875] + "
      "bias [-0.375, -0.25, 0.25, -0.375] = [0.0625, 0.0625, 0.3125, -0.1875], whose k largest "
      "are experts [2] and 1 of the tied [0, 1]"),
+    ("06b", "update_bias", "update_bias_clamped", "holds what it held before"),
     ("06b", "biased_top_k", "top_k_swapped",
      "returned chosen of dtype torch.float32 in the probe: it returns (weights, chosen)"),
 ]

@@ -400,6 +400,7 @@ class ChapterFlagsAreCheckedBeforeWork(unittest.TestCase):
             "--steps 1": "--steps must be at least 2, got 1",
             "--remedies bias --plot /tmp/x.png": "--remedies bias lacks none",
             "--remedies none,bias --plot /no/such/dir/x.png": "its directory does not exist",
+            "--remedies none,bias --plot /tmp/x.txt": "a picture is one of .png",  # probe 55 r2
         }
         for args, words in cases.items():
             with self.subTest(args=args):
@@ -421,6 +422,7 @@ class ChapterFlagsAreCheckedBeforeWork(unittest.TestCase):
             (["--remedies", "none,capacity 0"], "'capacity 0' is none of none, aux C, bias"),
             (["--remedies", "aux nan"], "'aux nan' is none of"),
             (["--remedies", "bias,bias"], "each remedy once"),
+            (["--remedies", "capacity 1.0,capacity 1"], "each remedy once"),  # probe 55 r2
         ]
         for argv, words in cases:
             with self.subTest(argv=argv):
