@@ -183,11 +183,11 @@ def top_k_swapped(probs, bias, k):
 # its cause named only where the probe's choices determine it, else what it chose and saw
 MISTAKES = [
     ("06b", "biased_top_k", "top_k_scaled_by_bias",
-     "chose the k largest of probs x (1 + bias) on all 4 tokens of the probe"),
+     "choices on all 4 tokens of the probe are those of the k largest of probs x (1 + bias)"),
     ("06b", "biased_top_k", "top_k_smallest",
-     "chose the k smallest of probs + bias on all 4 tokens of the probe"),
+     "choices on all 4 tokens of the probe are those of the k smallest of probs + bias"),
     ("06b", "biased_top_k", "top_k_bias_alone",
-     "chose the k largest of the bias alone on all 4 tokens of the probe"),
+     "choices on all 4 tokens of the probe are those of the k largest of the bias alone"),
     ("06b", "biased_top_k", "top_k_over_tokens",
      "returned weights (2, 4) and chosen (2, 4) in the probe, for probs (4, 4) and k 2: (T, k) "
      "each; (k, E) is what a top-k over dim 0 (the tokens) returns"),

@@ -133,8 +133,9 @@ def top_k_diagnosis(args: Tuple, got: Any, want: Tuple[torch.Tensor, torch.Tenso
                    if bool(_consistent(rule(p, bias), chosen).all())]
         if len(matched) == 1:
             (what, fix), = matched
-            return (f"biased_top_k chose {what} on all {len(p)} tokens of {when}, not the k "
-                    f"largest of probs + bias: {fix}")
+            # the observation, not a claim on the code: another rule may choose alike here
+            return (f"biased_top_k's choices on all {len(p)} tokens of {when} are those of {what}, "
+                    f"not of the k largest of probs + bias: {fix}")
         t = int((~right).nonzero()[0])  # the first token it chose wrongly for: what it saw
         return (f"biased_top_k chose experts {_experts(chosen[t:t + 1])[0]} for token {t} in "
                 f"{when}: probs {_numbers(p[t])} + bias {_numbers(bias)} = "

@@ -55,10 +55,11 @@ FUNCTIONS = {
 # (chapter, exercise, variant) -> words its diagnosis must contain
 CATALOGUE: Dict[Tuple[str, str, str], str] = {
     ("06b", "biased_top_k", "top_k_ignores_bias"):
-    "biased_top_k chose the k largest of probs alone on all 4 tokens of the probe, not the k "
-    "largest of probs + bias: add the bias",
+    "biased_top_k's choices on all 4 tokens of the probe are those of the k largest of probs "
+    "alone, not of the k largest of probs + bias: add the bias",
     ("06b", "biased_top_k", "top_k_bias_subtracted"):
-    "biased_top_k chose the k largest of probs - bias on all 4 tokens of the probe",
+    "biased_top_k's choices on all 4 tokens of the probe are those of the k largest of probs "
+    "- bias",
     ("06b", "biased_top_k", "top_k_biased_weights"):
     "but its weights are probs + bias: take them from probs",
     ("06b", "biased_top_k", "top_k_detached_weights"):
