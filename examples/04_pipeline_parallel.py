@@ -11,15 +11,15 @@ The interleaved and zero-bubble schedules and torch's pipelining run in 04b_zero
 
 Chapter 03's tensor parallel (with --tp) on the whole model first, then the new idea: this rank
 keeps only its stage (``apply_pipeline_parallel``), and chapter 01's data-parallel wrapper goes
-around it (dp > 1). The Trainer gets the schedule, AFAB or 1F1B written as a loop of named
-sends and receives (``pipeline_schedules.py``), as its forward_backward, and a grad norm summed
-over the stages. Then the script prints the point-to-point traffic of the last step and its
+around it (dp > 1). The step, in the script, calls the schedule: AFAB or 1F1B written as a
+loop of named sends and receives (``pipeline_schedules.py``); the grad norm sums the stages. Then the script prints the point-to-point traffic of the last step and its
 timeline: which rank computed which micro-batch when, the measured bubble next to
 (p-1)/(m + p - 1), and the peak activations. ``--show-schedule`` prints each rank's calls of
 the loop, with the messages they send and receive, and exits without training.
 """
 
 import json
+import math
 import os
 import sys
 from typing import List, Optional
@@ -35,8 +35,9 @@ from scaletorch.parallel.pipeline_schedules import SCHEDULES, PipelineLoop, show
 from scaletorch.parallel.tensor_parallel import (apply_tensor_parallel,
                                                  tensor_parallel_clip_grad_norm,
                                                  tensor_parallel_loss_fn)
-from scaletorch.trainer import Trainer, check_against_reference, load_config
+from scaletorch.trainer import build_optimizer, check_against_reference, load_config, start_run
 from scaletorch.trainer.pipeline_state import gather_pipeline_state_dict
+from scaletorch.trainer.precision import autocast
 
 
 def limits(cfg, world_size: int) -> None:
@@ -46,9 +47,12 @@ def limits(cfg, world_size: int) -> None:
         raise ValueError(f"04_pipeline_parallel runs afab and 1f1b as plain loops; "
                          f"{p.schedule} with impl {p.impl} runs in the general runtime: run "
                          f"examples/04b_zero_bubble.py")
-    if p.context_parallel_size > 1 or p.expert_model_parallel_size > 1 or p.impl == "naive":
-        raise ValueError("04_pipeline_parallel composes pp with dp and tp (impl ours); "
-                         "context and expert parallel join in 07_nd_parallel")
+    if p.impl == "naive":
+        raise ValueError("04_pipeline_parallel: --impl naive (chapter 01's per-parameter "
+                         "all-reduce) is not offered here; its data parallel is impl ours")
+    if p.context_parallel_size > 1 or p.expert_model_parallel_size > 1:
+        raise ValueError("04_pipeline_parallel composes pp with dp and tp; context and expert "
+                         "parallel join in 07_nd_parallel")
     if p.pipeline_model_parallel_size < 2:
         raise ValueError(f"04_pipeline_parallel needs pipeline_model_parallel_size >= 2 (--pp), "
                          f"got {p.pipeline_model_parallel_size}")
@@ -91,8 +95,22 @@ def main(argv: Optional[List[str]] = None) -> int:
     schedule = PipelineLoop(pipe, pgm, p.schedule, m, loss)  # afab or one_f_one_b
     # chapter 03's clip, one rule: each element once over the world; the stages' squares add up
     clip = tensor_parallel_clip_grad_norm(pipe, pgm)
-    result = Trainer(cfg, pipe, pgm, device=env.device, forward_backward=schedule,
-                     clip_grad_norm=clip).train()
+    optimizer = build_optimizer(cfg, pipe.parameters())  # AdamW, on this rank's stage
+    max_norm = cfg.training.grad_clip or math.inf  # 0: no clip
+
+    # [core: step]
+    with start_run(cfg, pipe, optimizer, pgm) as run:  # run directory, resume, checkpoints
+        for inputs, targets in run.batches():  # this step's global batch (B, s)
+            optimizer.zero_grad(set_to_none=True)
+            with autocast(cfg, env.device):
+                # the new line: this rank's dp slice in m micro-batches through the stages
+                # (1F1B or AFAB), the data-parallel sync in the last backward; the global mean
+                loss = schedule(inputs, targets)
+            grad_norm = clip(max_norm)  # every stage's squares, summed over pp (and tp)
+            run.record(loss, grad_norm)  # logged; a NaN or inf stops the run here
+            optimizer.step()
+    # [end: step]
+    result = run.result
 
     # What this chapter is about: activations and gradients passed between stages, the bubble.
     ledger, last = get_ledger(), cfg.training.steps - 1
