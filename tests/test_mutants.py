@@ -206,3 +206,28 @@ class AMutantThatDropsTheLaunchIsDiagnosed(unittest.TestCase):
         from scripts.grading import ddp
         verdict = ddp.launch_diagnosis([{"launches": []}, {"launches": []}])
         self.assertIn("no bucket's all-reduce started during backward", verdict or "")
+
+
+class ASliceIdsThatTakesAnyOrderIsDiagnosed(unittest.TestCase):
+    """Chapter 05's mutant that drops slice_ids' ValueError is not equivalent: zigzag_positions
+    and Ulysses refuse a misspelt order through it. The grader's probe asks for one."""
+
+    def test_an_unknown_order_must_raise_value_error(self):
+        from scaletorch.parallel.ring_attention import slice_ids
+        from scripts.grading.context import probe_slice_ids
+
+        def any_order(cp_rank, cp_size, order="zigzag"):  # noqa: ANN001, ANN202 - a mutant
+            if order == "zigzag":
+                return cp_rank, 2 * cp_size - 1 - cp_rank
+            return 2 * cp_rank, 2 * cp_rank + 1
+
+        def key_error(cp_rank, cp_size, order="zigzag"):  # noqa: ANN001, ANN202
+            return {"zigzag": any_order, "contiguous": any_order}[order](cp_rank, cp_size, order)
+
+        self.assertIsNone(probe_slice_ids(slice_ids))
+        self.assertIn(
+            "returned (0, 1): an order other than zigzag or contiguous raises "
+            "ValueError",
+            probe_slice_ids(any_order) or "")
+        self.assertIn("slice_ids(0, 2, 'striped') raised KeyError",
+                      probe_slice_ids(key_error) or "")

@@ -25,7 +25,8 @@ from scaletorch.parallel.ring_attention import Attended, KeysValues, LogSumExp, 
 
 def slice_ids(cp_rank: int, cp_size: int, order: str = "zigzag") -> Tuple[int, int]:
     """The two of the 2 x cp_size sequence slices that ``cp_rank`` holds, in sequence order;
-    zigzag balances the causal work over the cp group, contiguous gives two neighbours."""
+    zigzag balances the causal work over the cp group, contiguous gives two neighbours. Any
+    other order raises ValueError (zigzag_positions and Ulysses refuse a misspelt order so)."""
     raise NotImplementedError
 
 

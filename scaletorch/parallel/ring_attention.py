@@ -36,7 +36,8 @@ KV_TAG, DKV_TAG = 1, 2  # distinct tags: K/V and dK/dV are in flight between the
 # [core: zigzag]
 def slice_ids(cp_rank: int, cp_size: int, order: str = "zigzag") -> Tuple[int, int]:
     """The two of the 2 x cp_size sequence slices that ``cp_rank`` holds, in sequence order;
-    zigzag balances the causal work over the cp group, contiguous gives two neighbours."""
+    zigzag balances the causal work over the cp group, contiguous gives two neighbours. Any
+    other order raises ValueError (zigzag_positions and Ulysses refuse a misspelt order so)."""
     if order not in ORDERS:
         raise ValueError(f"order must be one of {', '.join(ORDERS)}, got {order!r}")
     if order == "zigzag":

@@ -9,11 +9,11 @@ in step whatever the learner returned, and the first call that differs is the di
 ``ring_forward`` communicates: every rank runs the learner's call, then the library's, and the
 K/V messages the learner's sent are counted and their peers noted (at the process group). Probes
 before or after the run see what it cannot: ``slice_ids`` every rank of 1 to 4 ranks in both
-orders; ``merge`` two tiles whose log-sum-exps (100 and 90) overflow fp32 once exponentiated,
-and tiles whose outputs and log-sum-exps all differ, so that any wrong combination shows;
-``ring_forward`` the contiguous order on the ring of 3, and both orders on a ring of ranks 1
-and 2 only (its group is not the world, and its ranks are not the world's: the world's size,
-rank or group is wrong).
+orders, and an unknown order (ValueError); ``merge`` two tiles whose log-sum-exps (100 and 90)
+overflow fp32 once exponentiated, and tiles whose outputs and log-sum-exps all differ, so that
+any wrong combination shows; ``ring_forward`` the contiguous order on the ring of 3, and both
+orders on a ring of ranks 1 and 2 only (its group is not the world, and its ranks are not the
+world's: the world's size, rank or group is wrong).
 """
 
 import datetime
@@ -42,6 +42,7 @@ AGAINST = "the library's calls"  # what the jobs are compared with
 STEPS = 2
 SEQ_LEN = 24  # divisible by 2 x cp = 6 (zigzag's slices)
 ORDERS = ("zigzag", "contiguous")
+BAD_ORDER = "striped"  # neither: slice_ids raises ValueError
 PAIR = [1, 2]  # the probe's ring: its group is not the world, its ranks not the world's
 # merge in fp32: the library's logaddexp and a learner's max-shifted exps differ by a few
 # roundings of values of order 1 (eps 1.2e-7 each); a wrong weight is off by far more.
@@ -74,8 +75,8 @@ def slice_ids_diagnosis(args: Tuple, got: Any, want: Tuple[int, int]) -> Optiona
 
 
 def probe_slice_ids(fn: Callable) -> Optional[str]:
-    """Every rank of 1 to 4 ranks in both orders (the run sees only zigzag at cp 3): the first
-    wrong answer's diagnosis, None if none."""
+    """Every rank of 1 to 4 ranks in both orders (the run sees only zigzag at cp 3), then an
+    unknown order: the first wrong answer's diagnosis, None if none."""
     for size in range(1, 5):
         for rank in range(size):
             for order in ORDERS:
@@ -83,7 +84,17 @@ def probe_slice_ids(fn: Callable) -> Optional[str]:
                 text = slice_ids_diagnosis(args, fn(*args), ring_attention.slice_ids(*args))
                 if text is not None:
                     return text
-    return None
+    # the library's callers (zigzag_positions, Ulysses) refuse a misspelt order through it
+    call = f"slice_ids(0, 2, {BAD_ORDER!r})"
+    try:
+        got = fn(0, 2, BAD_ORDER)
+    except ValueError:
+        return None
+    except Exception as err:  # noqa: B902 - any other error is the learner's answer
+        return (f"{call} raised {type(err).__name__}: an order other than zigzag or contiguous "
+                f"raises ValueError, which the callers expect")
+    return (f"{call} returned {got!r}: an order other than zigzag or contiguous raises "
+            f"ValueError, or a misspelt order trains with the wrong slices")
 
 
 def merge_diagnosis(args: Tuple, got: Any, want: Tuple[torch.Tensor, torch.Tensor],

@@ -14,13 +14,17 @@ function: a mutant's verdict counts only if it is the first job of its world or 
 job before it passed. Otherwise the mutant before it may have left the world disagreeing (an
 error ends the ranks' jobs, a failed one may leave the next job nothing to compare), and the
 mutant is graded again in the next round. A run stops starting rounds after ``--time-limit`` s.
+``PARALLEL`` rounds run at once, each in its own worlds: most of a round's time is waiting (a
+world's ranks meeting, a hung mutant's stall limit), which the other round's ranks fill.
 """
 
 import ast
 import importlib.util
 import os
+import re
 import tempfile
 import time
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -32,6 +36,7 @@ from scripts.grading.mutate import Mutant, function_def, mutants
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EQUIVALENT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "equivalent_mutants.txt")
 BATCH = 12  # mutants per ``grade`` call: a world's start costs several jobs
+PARALLEL = 2  # rounds at once (threads of this process, each waiting on its worlds' ranks)
 # The grader's settings, for mutants: ranks forked from a server that imported torch and the
 # library once (``PRELOAD``: a new Python per rank and world costs 3 s of a core) and shorter
 # limits, since a dropped collective leaves its peer waiting and a while for an if may never
@@ -70,8 +75,11 @@ class Graded:
 
     def names_function(self, exercises: Sequence[str]) -> bool:
         """The verdict names this exercise (its line starts with it) and no other of
-        ``exercises`` (a diagnosis that blames another function)."""
-        return not any(e in self.text for e in exercises if e != self.exercise)
+        ``exercises`` (a diagnosis that blames another function), as a whole word and outside
+        the learner's own line that raised (05's ``merged[a] = merge(...)`` is ring_forward's)."""
+        text = re.sub(r"\(at [\w.-]+\.py:\d+(: .*)?\)", "", self.text)
+        return not any(
+            re.search(rf"\b{re.escape(e)}\b", text) for e in exercises if e != self.exercise)
 
 
 def equivalents(path: Optional[str] = None) -> Dict[Tuple[str, str, str], str]:
@@ -121,9 +129,6 @@ def _round(module: Any, batch: List[Graded], library: Dict[str, runner.Source]) 
     jobs: List[Dict[str, runner.Source]] = []
     for g in batch:
         jobs += [{g.exercise: (g.path, g.exercise)}, {g.exercise: library[g.exercise]}]
-    saved = {k: getattr(runner, k) for k in SETTINGS if hasattr(runner, k)}
-    for k in saved:
-        setattr(runner, k, SETTINGS[k])
     try:
         verdicts = module.grade(jobs)
     except Exception as err:  # noqa: B902 - the grader's own error, on one of these mutants
@@ -132,9 +137,6 @@ def _round(module: Any, batch: List[Graded], library: Dict[str, runner.Source]) 
             return _round(module, batch[:half], library) + _round(module, batch[half:], library)
         batch[0].crash = f"{type(err).__name__}: {err}"
         return []
-    finally:
-        for k, v in saved.items():
-            setattr(runner, k, v)
     again, counts = [], True
     for i, g in enumerate(batch):
         if counts and 2 * i < len(verdicts):
@@ -157,17 +159,30 @@ def grade_mutants(chapter: str, module: Any, time_limit: float,
     keep ``passed`` None)."""
     library = {e: (where, name) for e, where, name in library_sources(module)}
     start = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix=f"mutants_{chapter}_") as directory:
-        made = make_mutants(chapter, module, directory)
-        todo = list(made)
-        while todo and time.monotonic() - start < time_limit:
-            done = len(made) - len(todo)
-            progress(f"mutants of {chapter}: {_bar(done, len(made))} {done}/{len(made)} graded, "
-                     f"{time.monotonic() - start:.0f} s")
-            batch, todo = todo[:BATCH], todo[BATCH:]
-            todo = _round(module, batch, library) + todo
-        progress(f"mutants of {chapter}: {_bar(len(made) - len(todo), len(made))} "
-                 f"{len(made) - len(todo)}/{len(made)} graded, {time.monotonic() - start:.0f} s")
+    saved = {k: getattr(runner, k) for k in SETTINGS if hasattr(runner, k)}
+    for k in saved:  # once for the run: the rounds' threads share the module
+        setattr(runner, k, SETTINGS[k])
+    try:
+        with tempfile.TemporaryDirectory(prefix=f"mutants_{chapter}_") as directory, \
+                ThreadPoolExecutor(PARALLEL) as pool:
+            made = make_mutants(chapter, module, directory)
+            todo, running = list(made), {}  # running: a round's future -> its mutants
+            while todo or running:
+                while todo and len(running) < PARALLEL and time.monotonic() - start < time_limit:
+                    batch, todo = todo[:BATCH], todo[BATCH:]
+                    running[pool.submit(_round, module, batch, library)] = len(batch)
+                if not running:
+                    break  # the time limit: the rest stay not graded
+                finished, _ = wait(running, return_when=FIRST_COMPLETED)
+                for future in finished:
+                    del running[future]
+                    todo = future.result() + todo
+                done = len(made) - len(todo) - sum(running.values())
+                progress(f"mutants of {chapter}: {_bar(done, len(made))} {done}/{len(made)} "
+                         f"graded, {time.monotonic() - start:.0f} s")
+    finally:
+        for k, v in saved.items():
+            setattr(runner, k, v)
     return made
 
 
