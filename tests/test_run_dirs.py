@@ -216,11 +216,27 @@ class TheWritableProbeSurvivesAMoveAside(unittest.TestCase):
                 config_module.check_writable("logging.run_dir", run)
             self.assertEqual(calls, [run, root])  # probed again, at the parent that remains
 
-            def always_gone(prefix: str, dir: str) -> str:  # noqa: A002
+            deep = os.path.join(root, "a", "b", "c", "d")
+            os.makedirs(deep)
+
+            def moved_each_time(prefix: str, dir: str) -> str:  # noqa: A002
+                # another run moves the probed directory away each time (only inside root/a)
+                self.assertTrue(dir.startswith(os.path.join(root, "a", "")), dir)
+                os.rename(dir, dir + ".moved")
                 raise FileNotFoundError(2, "No such file or directory")
 
-            with mock.patch.object(config_module.tempfile, "mkdtemp", always_gone):
+            with mock.patch.object(config_module.tempfile, "mkdtemp", moved_each_time):
                 with self.assertRaisesRegex(InputError, "renamed or removed while it was probed"):
+                    config_module.check_writable("logging.run_dir", deep)
+
+            def refused(prefix: str, dir: str) -> str:  # noqa: A002
+                raise FileNotFoundError(2, "No such file or directory")  # /proc's answer
+
+            # the directory is still there: not a move but a filesystem that refuses entries
+            with mock.patch.object(config_module.tempfile, "mkdtemp", refused):
+                with self.assertRaisesRegex(
+                        InputError, r"cannot write .*\(.*: No such file or directory\); give a "
+                        r"directory you can write with --logging.run_dir"):
                     config_module.check_writable("logging.run_dir", run)
 
 

@@ -659,8 +659,13 @@ def check_writable(key: str, path: str) -> None:
         try:
             os.rmdir(tempfile.mkdtemp(prefix=".scaletorch-probe-", dir=existing))
             return
-        except FileNotFoundError:
-            continue
+        except FileNotFoundError as err:
+            if not os.path.isdir(existing):  # renamed meanwhile: probe again
+                continue
+            # still there: the filesystem refuses new entries (/proc answers "No such file")
+            raise InputError(f"{key}: cannot write {clip(path)} ({clip(existing)}: "
+                             f"{err.strerror}); give a directory you can write with "
+                             f"--{key}") from None
         except OSError as err:
             raise InputError(
                 f"{key}: cannot write {clip(path)} ({clip(existing)}: {err.strerror}); "
