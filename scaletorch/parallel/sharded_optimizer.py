@@ -250,7 +250,9 @@ class ShardedOptimizer(ZeroOptimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._reduced = False
-        super().zero_grad(set_to_none)
+        if self.zero is not None:  # zero.py's: the wrapper's full gradients too
+            return super().zero_grad(set_to_none)
+        torch.optim.Optimizer.zero_grad(self, set_to_none)
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         if self.zero is not None:
