@@ -25,7 +25,6 @@ import torch
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.tensor.parallel import loss_parallel
 
-from scaletorch.config import resolve_precision
 from scaletorch.data import local_batch, split_micro_batches
 from scaletorch.dist import (comm, destroy_distributed, destroy_pg_manager, init_distributed,
                              init_pg_manager_from_config)
@@ -39,7 +38,7 @@ from scaletorch.parallel.tensor_parallel import (apply_tensor_parallel,
 from scaletorch.parallel.tensor_parallel_dtensor import (apply_dtensor_tensor_parallel, device_mesh,
                                                          dtensor_loss_fn, native_clip_grad_norm)
 from scaletorch.trainer import build_optimizer, check_against_reference, load_config, start_run
-from scaletorch.trainer.precision import autocast
+from scaletorch.trainer.precision import activation_element_size, autocast
 
 
 def limits(cfg, world_size: int) -> None:
@@ -76,7 +75,6 @@ def main() -> int:
     pgm = init_pg_manager_from_config(p, cfg.training.timeout_seconds)
     pgm.log_topology()
     dp = pgm.data_parallel_world_size
-    precision = resolve_precision(cfg, env.device.type)
 
     model = build_model(cfg.model, seed=cfg.training.model_seed).to(env.device)
     if p.impl == "torch":  # PyTorch's own: DTensor tp, FSDP2's replicate over dp
@@ -119,7 +117,8 @@ def main() -> int:
     result = run.result
 
     # What this chapter is about: 2 + 2 collectives of b x s x h per block, nothing bigger.
-    report = tp_report(cfg, pgm, cfg.training.steps - 1, precision)
+    element_size = activation_element_size(cfg, env.device.type)  # 2 bytes in bf16 (chapter 08)
+    report = tp_report(cfg, pgm, cfg.training.steps - 1, element_size)
     if pgm.rank == 0:
         print(report)
 

@@ -23,10 +23,29 @@ attention turns autocast off only where the device has one (a meta tensor's has 
 ZeRO (02) learns of chapter 08's dtypes through a subclass whose ``new_unit`` builds the
 ``FlatUnit`` subclass that zero_mixed_precision.py defines, and of chapter 10's tied weights
 through zero_tied.py's subclass, which points borrowers at a unit's tensors and gathers and
-frees them with the unit that borrows them. The full weights for ``--check``
-(dist/full_state.py) name no later chapter either.
+frees them with the unit that borrows them. Its optimizer steps one wrapper; chapter 07's
+pipeline chunks, a wrapper each, reach it as one (zero_chunks.py's ``ZeroChunks``). The full
+weights for ``--check`` (dist/full_state.py) name no later chapter either.
+
+A few values are a later chapter's too, as string literals (``STRINGS``): tensor parallel's
+report takes the bytes of an activation element (the script asks trainer/precision.py's
+``activation_element_size``), not chapter 08's precision names; no module of chapter 05 asks
+for the meta device (the dry run gives the rings their fused tiles from outside:
+trainer/meta_kernels.py's ``fused_attention_tiles``).
+
+What stays, and why. Ring attention's kernel choice ("auto", "math", "fused",
+attention_kernels.py) is chapter 05's own lesson: its page teaches the math tiles and the fused
+ones and which device runs which. So is turning autocast off around the merges: the
+log-sum-exp statistics stay fp32 whatever the caller's dtype, as flash attention's do (doc/05
+explains why bf16 merge weights fail). Expert parallel's ``host_tables`` is a hook whose
+default is chapter 06's one wait for the device (the count tables to the host, doc/06); the
+dry run's balanced tables attach through it. Data parallel's buckets refuse a parameter that
+is not fp32 (chapter 01's wrappers accumulate in fp32): a refusal, not a branch;
+data_parallel_any_module.py's subclass buckets any dtype from outside, and chapter 08's
+reduce dtype is ddp_reduce_dtype.py's subclass.
 """
 
+import ast
 import io
 import os
 import re
@@ -52,7 +71,7 @@ _COMPUTE_DTYPE = [
 # ties it again), nor the plain logits of 07's pipelines (native.py gathers them)
 _TENSOR = _COMPUTE_DTYPE + [
     "pad", "vocab_pad", "padded", "padding", "moe", "expert", "dense", "tie", "tied", "pipeline",
-    "vocab_parallel_logits"
+    "vocab_parallel_logits", "precision"
 ]
 # chapter 08's reduce dtype, chapter 01's overlap chart, chapter 05's dp x cp group (chapter
 # 01 asks pg_manager for ``gradient_sync_group``) and what only a model nobody here wrote needs
@@ -63,13 +82,14 @@ _DATA_PARALLEL = [
     "mark", "recording", "launches", "overlap", "with_context", "dp_cp", "float64", "promote_types",
     "find_unused", "broadcast_buffers", "held"
 ]
-# later chapters' concerns that ZeRO's unit and wrapper (02) must not name: chapter 10's tied
-# weights (zero_tied.py points borrowers at a unit's tensors) and chapter 08's dtypes
-# (zero_mixed_precision.py's FlatUnit subclass)
+# later chapters' concerns that ZeRO's unit, wrapper and optimizers (02) must not name: chapter
+# 10's tied weights (zero_tied.py points borrowers at a unit's tensors), chapter 08's dtypes
+# (zero_mixed_precision.py's FlatUnit subclass) and chapter 07's several wrappers per rank, one
+# per pipeline chunk (zero_chunks.py)
 _ZERO = [
     "users", "tied", "shared_embedding", "borrowers", "borrows", "gathered_with", "make_unit",
     "param_dtype", "reduce_dtype", "wire", "policy", "precision", "autocast", "compute_dtype",
-    "bfloat16", "float16"
+    "bfloat16", "float16", "wrappers", "chunks"
 ]
 # later chapters' concerns that context parallel (05) must not name. It may name autocast: the
 # ring turns it off around its merge, which keeps the log-sum-exp statistics in fp32 whatever
@@ -94,10 +114,25 @@ FORBIDDEN: Dict[str, List[str]] = {
     "scaletorch/parallel/tensor_parallel_dtensor.py": [n for n in _TENSOR if n != "pipeline"],
     "scaletorch/parallel/flat_unit.py": _ZERO,
     "scaletorch/parallel/zero.py": _ZERO,
+    "scaletorch/parallel/sharded_optimizer.py": _ZERO,
     "scaletorch/parallel/expert_parallel.py": _EXPERT,
     "scaletorch/dist/functional.py": _COLLECTIVES,
     "scaletorch/dist/all_to_all.py": _COLLECTIVES,
     "scaletorch/dist/full_state.py": _COLLECTIVES,
+}
+# values a core module must not hold as a string literal: chapter 08's precision names, the dry
+# run's meta device
+_PRECISIONS, _META = ["fp32", "bf16", "fp16", "auto"], ["meta"]
+STRINGS: Dict[str, List[str]] = {
+    "scaletorch/parallel/tensor_parallel.py": _PRECISIONS + _META,
+    "scaletorch/parallel/tensor_parallel_layers.py": _PRECISIONS + _META,
+    "scaletorch/parallel/context_parallel.py": _META,
+    "scaletorch/parallel/ring_attention.py": _META,
+    "scaletorch/parallel/attention_kernels.py": _META,
+    "scaletorch/parallel/expert_parallel.py": _PRECISIONS + _META,
+    "scaletorch/parallel/data_parallel.py": _PRECISIONS + _META,
+    "scaletorch/parallel/zero.py": _PRECISIONS + _META,
+    "scaletorch/parallel/flat_unit.py": _PRECISIONS + _META,
 }
 
 
@@ -123,6 +158,18 @@ def offending(source: str, names: List[str]) -> List[Tuple[str, str, int]]:
     return found
 
 
+def literals(source: str, values: List[str]) -> List[Tuple[str, int]]:
+    """(value, line) for every plain string literal of ``source`` equal to one of ``values``
+    (f-strings and docstrings are text, not values compared with)."""
+    found = []
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.STRING and token.string[:1] in "\"'":
+            value = ast.literal_eval(token.string)
+            if value in values:
+                found.append((value, token.start[0]))
+    return found
+
+
 class CoreModulesNameNoLaterChapter(unittest.TestCase):
 
     def test_the_matcher_reads_identifiers_by_whole_words_and_skips_comments_and_strings(self):
@@ -141,6 +188,16 @@ class CoreModulesNameNoLaterChapter(unittest.TestCase):
                     f"{path}:{line}: identifier {identifier!r} names {name!r}"
                     for identifier, name, line in found
                 ])
+
+    def test_no_core_module_holds_a_later_chapters_value(self):
+        self.assertEqual(literals("x = 'meta'\ny = f'meta'\nz = \"fp32\"\n", ["meta", "fp32"]),
+                         [("meta", 1), ("fp32", 3)])
+        for path, values in STRINGS.items():
+            with self.subTest(module=path):
+                with open(os.path.join(ROOT, path)) as f:
+                    found = literals(f.read(), values)
+                self.assertEqual([],
+                                 [f"{path}:{line}: the literal {value!r}" for value, line in found])
 
 
 if __name__ == "__main__":

@@ -75,7 +75,7 @@ MODULES_OF: Dict[str, List[str]] = {
     "06": ["expert_parallel"],
     # 06b runs chapter 06's model through the shared step (step.py), with its meter around it
     "06b": ["moe_balance", "moe_load", "step"],
-    "07": ["parallelize", "tensor_layout", "native", "moe_pipeline"],
+    "07": ["parallelize", "tensor_layout", "native", "moe_pipeline", "zero_chunks"],
     "08": ["mixed_precision", "ddp_reduce_dtype", "zero_mixed_precision", "loss_scale"],
     "10": ["tied_embeddings", "zero_tied", "activation_checkpointing", "vocab_padding"],
     "12": ["sync_batchnorm", "vision_parallel"],

@@ -38,8 +38,6 @@ def pick(kernel: str, device_type: str, q: torch.Tensor) -> str:
         return kernel
     if device_type == "cpu":  # auto: the readable fp32 path, the numbers the CPU tests check
         return "math" if kernel == "auto" else "cpu_flash"
-    if device_type == "meta":  # a dry run: a fused kernel, as on a GPU (the same messages and
-        return "cpu_flash"  # saved tensors as math; one op per tile, not the scores' many)
     if device_type == "cuda":  # torch's own checks: GPU generation, dtype, head size, toggles
         sdpa = torch.backends.cuda
         try:

@@ -69,6 +69,7 @@ from scaletorch.parallel.tensor_layout import (TensorLayout, plain_entries, reco
 from scaletorch.parallel.tensor_parallel import (BLOCK_PLAN, apply_tensor_parallel,
                                                  tensor_parallel_loss_fn)
 from scaletorch.parallel.zero import ShardedDataParallel, ZeroAdamW, llama_units
+from scaletorch.parallel.zero_chunks import ZeroChunks
 from scaletorch.rules.group_names import gradient_group_name
 from scaletorch.schedule.placement import V_SHAPED
 
@@ -131,7 +132,8 @@ def _apply_data_parallel(
         for z in zero:
             if precision is not None:
                 precision.after_zero(z)
-        optimizer = ZeroAdamW(zero, t.lr, (t.beta1, t.beta2), t.weight_decay)
+        # one optimizer over the chunks' wrappers (zero_chunks.py: chapter 02's steps one)
+        optimizer = ZeroAdamW(ZeroChunks(zero), t.lr, (t.beta1, t.beta2), t.weight_decay)
         return list(zero), optimizer
     if cfg.model.num_experts > 0:
         return [ExpertParallel(m, pgm) for m in modules], None

@@ -56,18 +56,14 @@ def partition(numels: List[int], world: int) -> List[int]:
     return owner
 
 
-def zero_wrappers(params: Any) -> List[Any]:
-    """Chapter 02's ZeRO wrappers in ``params`` (one, or a list: a pipeline rank's chunks), or
-    [] when ``params`` are parameters."""
+def zero_wrapper(params: Any) -> Optional[ShardedDataParallel]:
+    """Chapter 02's ZeRO wrapper when ``params`` is one, None when they are parameters."""
     if isinstance(params, torch.nn.Module):
         if not isinstance(params, ShardedDataParallel):
             raise ValueError(f"ShardedOptimizer takes parameters or a ZeRO wrapper (apply_zero), "
                              f"got a {type(params).__name__}: pass its .parameters()")
-        return [params]
-    if isinstance(params,
-                  (list, tuple)) and params and all(isinstance(p, torch.nn.Module) for p in params):
-        return [w for p in params for w in zero_wrappers(p)]
-    return []
+        return params
+    return None
 
 
 class ShardedOptimizer(ZeroOptimizer):
@@ -90,18 +86,18 @@ class ShardedOptimizer(ZeroOptimizer):
         if issubclass(optimizer_class, torch.optim.LBFGS):
             raise ValueError("ShardedOptimizer cannot shard LBFGS: its step couples every "
                              "parameter (a line search over all of them); use it unsharded")
-        self.wrappers = zero_wrappers(params)
-        if self.wrappers:
+        self.zero = zero_wrapper(params)
+        if self.zero is not None:
             if not issubclass(optimizer_class, ELEMENTWISE):
                 raise ValueError(f"ShardedOptimizer over a ZeRO wrapper's flat shards needs an "
                                  f"elementwise optimizer, got {optimizer_class.__name__} (it sees "
                                  f"pieces of parameters as 1-D vectors); use one of "
                                  f"{', '.join(c.__name__ for c in ELEMENTWISE)}")
-            stages = {w.zero_stage for w in self.wrappers}
-            if zero_stage is not None and stages != {zero_stage}:
-                raise ValueError(f"zero_stage {zero_stage} for wrappers of stage {stages}: "
-                                 f"the wrapper's stage is the optimizer's, leave it out")
-            super().__init__(self.wrappers, optimizer_class, **defaults)
+            if zero_stage is not None and zero_stage != self.zero.zero_stage:
+                raise ValueError(f"zero_stage {zero_stage} for a wrapper of stage "
+                                 f"{self.zero.zero_stage}: the wrapper's stage is the "
+                                 f"optimizer's, leave it out")
+            super().__init__(self.zero, optimizer_class, **defaults)
             return
         zero_stage = 1 if zero_stage is None else zero_stage
         if zero_stage not in (1, 2):
@@ -164,7 +160,7 @@ class ShardedOptimizer(ZeroOptimizer):
         """torch's, then (after construction) as torch's ZeroRedundancyOptimizer: the group's
         trainable parameters are given owners, this rank's go to ``self.local`` in a group of
         the same hyperparameters, and every rank takes the first rank's values (a broadcast)."""
-        if getattr(self, "wrappers", None):  # a ZeRO wrapper's shards: zero.py's refusal
+        if getattr(self, "zero", None) is not None:  # a ZeRO wrapper's shards: zero.py's refusal
             return super().add_param_group(param_group)
         torch.optim.Optimizer.add_param_group(self, param_group)
         if not getattr(self, "_built", False):  # torch's __init__ adds the first groups
@@ -213,7 +209,7 @@ class ShardedOptimizer(ZeroOptimizer):
             self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
         with torch.enable_grad():  # the closure's backward needs it, as in torch's optimizers
             loss = closure() if closure is not None else None
-        if self.wrappers:  # zero.py's step: the wrappers' shards (after the closure's sync)
+        if self.zero is not None:  # zero.py's step: the wrapper's shards (after the closure)
             super().step()
             return loss
         for full, local in zip(self.param_groups, self.local.param_groups):
@@ -239,12 +235,10 @@ class ShardedOptimizer(ZeroOptimizer):
         owners first (the reduce ``step()`` would do; it then does none). Each gradient counts
         once, on its owner: one all-reduce of one number over the group. A ZeRO wrapper: the
         sum over its shards, as its own ``clip_grad_norm``."""
-        if self.wrappers:
-            for wrapper in self.wrappers:
-                wrapper.finish_grad_sync()
-            shards = [s for w in self.wrappers for s in w.shards.values()]
-            norm = world_grad_norm([(s, 1) for s in shards], shards[0].device,
-                                   self.wrappers[0].group)
+        if self.zero is not None:
+            self.zero.finish_grad_sync()
+            shards = list(self.zero.shards.values())
+            norm = world_grad_norm([(s, 1) for s in shards], shards[0].device, self.zero.group)
             return clip_grads_(shards, max_norm, norm)
         if self.zero_stage == 2 and self.trainable and self.world > 1 and not self._reduced:
             self._reduce_to_owners()
@@ -256,9 +250,11 @@ class ShardedOptimizer(ZeroOptimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._reduced = False
-        super().zero_grad(set_to_none)
+        if self.zero is not None:  # zero.py's: the wrapper's full gradients too
+            return super().zero_grad(set_to_none)
+        torch.optim.Optimizer.zero_grad(self, set_to_none)
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        if self.wrappers:
+        if self.zero is not None:
             return super().load_state_dict(state_dict)
         self.local.load_state_dict(state_dict)  # the full groups stay this optimizer's

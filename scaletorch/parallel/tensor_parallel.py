@@ -114,10 +114,9 @@ def tensor_parallel_clip_grad_norm(model: nn.Module,
 
 
 def format_block_comm(config: LlamaConfig, tokens: int, tp: int, sequence_parallel: bool,
-                      precision: str = "fp32") -> str:
+                      element_size: int = 4) -> str:
     """The collectives of one transformer block for one micro-batch of ``tokens`` = b x s;
-    activations cross the wire in the compute ``precision`` (chapter 08: 2 bytes in bf16)."""
-    e = 4 if precision == "fp32" else 2
+    activations cross the wire as they are computed, ``element_size`` bytes each (fp32: 4)."""
     n = tokens * config.hidden_size
     if sequence_parallel:  # Korthikanti et al.'s names: g enters a region, g-bar leaves it
         enter, leave = ("g", "all_gather", "reduce_scatter"), ("g-bar", "reduce_scatter",
@@ -127,7 +126,8 @@ def format_block_comm(config: LlamaConfig, tokens: int, tp: int, sequence_parall
     sites = [(f"{where} ({op[0]})", op[1], op[2])
              for where, op in (("attention input", enter), ("o_proj output", leave),
                                ("MLP input", enter), ("down_proj output", leave))]
-    wire = 8 * (tp - 1) / tp * e * n  # 4 all-reduces, or 4 all-gather + reduce-scatter pairs
+    # 4 all-reduces, or 4 all-gather + reduce-scatter pairs
+    wire = 8 * (tp - 1) / tp * element_size * n
     lines = [
         f"one transformer block, one micro-batch: b x s x h = {tokens} x "
         f"{config.hidden_size} = {n:,} elements per collective, tp {tp}",
@@ -136,7 +136,7 @@ def format_block_comm(config: LlamaConfig, tokens: int, tp: int, sequence_parall
     lines += [f"{site:<26}{fwd:<16}{bwd:<16}" for site, fwd, bwd in sites]
     lines.append(f"per block: 2 forward + 2 backward = 4 x b x s x h = {4 * n:,} elements" +
                  (" in each of all_gather and reduce_scatter" if sequence_parallel else "") +
-                 f"; ring wire {wire / 1e6:.3f} MB per rank ({precision})")
+                 f"; ring wire {wire / 1e6:.3f} MB per rank ({element_size} bytes per element)")
     return "\n".join(lines)
 
 
@@ -166,15 +166,15 @@ def tp_comm_elements(config: LlamaConfig, tokens: int, sequence_parallel: bool,
     }
 
 
-def tp_report(cfg: Config, pgm: ProcessGroupManager, step: int, precision: str = "fp32") -> str:
+def tp_report(cfg: Config, pgm: ProcessGroupManager, step: int, element_size: int = 4) -> str:
     """What chapter 03 prints after training (rank 0's view, no communication): one block's
     collectives, the ledger's table of ``step`` and every tp op next to its formula;
-    ``precision``: the run's compute precision ("fp32", "bf16", "fp16")."""
+    ``element_size``: bytes of one activation element as the run computes it."""
     p, d, tp = cfg.parallel, cfg.data, pgm.tensor_model_parallel_world_size
     tokens = d.global_batch_size // pgm.data_parallel_world_size * d.seq_len  # per rank
     ledger = get_ledger()
     block = format_block_comm(cfg.model, tokens // d.num_micro_batches, tp, p.sequence_parallel,
-                              precision)
+                              element_size)
     lines = [block, ledger.table(step=step)]
     if p.impl == "torch":
         lines.append("note: DTensor issues its collectives itself, out of our ledger's sight")

@@ -20,12 +20,12 @@ Every stage reduce-scatters a unit's gradients once its last one is in (post-acc
 hooks; inside ``no_sync()`` nothing is reduced). ``ZeroAdamW.step`` updates the shards, then
 stages 1 and 2 all-gather them. Stages 1, 2 move 2 Psi per step as DDP, stage 3 3 Psi
 (zero_report.py). Chapter 10's tied weights (zero_tied.py) and chapter 08's dtypes
-(zero_mixed_precision.py) attach from outside, as subclasses.
+(zero_mixed_precision.py) attach from outside, as subclasses, chapter 07's chunks as one wrapper.
 """
 
 from contextlib import contextmanager
 from functools import partial
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Type, Union, cast
+from typing import Any, Callable, Dict, Iterator, List, Optional, Protocol, Tuple, Type, Union, cast
 
 import torch
 import torch.distributed as dist
@@ -42,7 +42,6 @@ from scaletorch.parallel.grad_norm import clip_grads_, world_grad_norm
 
 Units = List[Tuple[str, NamedModules]]  # (unit name, [(module name, module), ...])
 State = Dict[str, torch.Tensor]
-Wrappers = Union["ShardedDataParallel", Sequence["ShardedDataParallel"]]
 
 
 class ShardedDataParallel(nn.Module):
@@ -284,18 +283,30 @@ def apply_zero(model: nn.Module, pgm: ProcessGroupManager, zero_stage: int = 3,
                                zero_stage, prefetch)
 
 
+class Sharded(Protocol):  # what ZeroOptimizer steps: ShardedDataParallel (or zero_chunks.py's)
+    zero_stage: int
+    units: List[FlatUnit]
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """The (S,) shards."""
+
+    def finish_grad_sync(self) -> None:
+        """Wait for every unit's reduce-scatter."""
+
+    def zero_grad_buffers(self) -> None:
+        """Clear the full gradients."""
+
+
 class ZeroOptimizer(RefuseAddedGroups, torch.optim.Optimizer):
-    """``optimizer_class`` over this rank's (S,) shards of ``model``, the ZeRO wrapper (or a
-    list of them: a pipeline rank's chunks, chapter 07): the same arithmetic, 1/N of the state.
+    """``optimizer_class`` over this rank's (S,) shards of ``model``: 1/N of the state.
 
     ``self.local`` steps the shards; its groups and state are this optimizer's (a scheduler's
-    lr, a checkpoint). ``zero_grad()`` also clears the wrappers' full gradients.
+    lr, a checkpoint). ``zero_grad()`` also clears the wrapper's full gradients.
     """
 
-    def __init__(self, model: Wrappers, optimizer_class: Type[torch.optim.Optimizer],
+    def __init__(self, model: Sharded, optimizer_class: Type[torch.optim.Optimizer],
                  **defaults: Any) -> None:
-        self.wrappers = [model] if isinstance(model, ShardedDataParallel) else list(model)
-        shards = [p for w in self.wrappers for p in w.parameters()]
+        self.wrapper, shards = model, list(model.parameters())  # the wrapper, its (S,) shards
         self.local = optimizer_class(shards, **defaults)
         super().__init__(shards, defaults)
         self.param_groups, self.state = self.local.param_groups, self.local.state
@@ -306,10 +317,9 @@ class ZeroOptimizer(RefuseAddedGroups, torch.optim.Optimizer):
     @torch.no_grad()
     def step(  # type: ignore[override]  # torch's stub: overloads on closure
             self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
-        for w in self.wrappers:  # each unit's reduce_scatter_mean, started in backward: done
-            w.finish_grad_sync()
+        self.wrapper.finish_grad_sync()  # each unit's reduce_scatter_mean, started in backward
         loss = self.local.step(closure)  # e.g. AdamW on this rank's (S,) shards only
-        units = [u for w in self.wrappers if w.zero_stage < 3 for u in w.units]
+        units = self.wrapper.units if self.wrapper.zero_stage < 3 else []
         # stages 1, 2: gather_unit of every unit, (S,) -> (P',); stage 3 gathers before use
         works = [gather_unit(u.flat, u.gather_source(), u.group, async_op=True) for u in units]
         for work in works:
@@ -321,8 +331,7 @@ class ZeroOptimizer(RefuseAddedGroups, torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)  # every group's parameters
-        for w in self.wrappers:  # and the wrappers' full gradients (stage 1's flat buffers)
-            w.zero_grad_buffers()
+        self.wrapper.zero_grad_buffers()  # and the full gradients (stage 1's flat buffers)
 
     def state_dict(self) -> Dict[str, Any]:
         """This rank's optimizer state (resumed by the same rank of the same N)."""
@@ -336,7 +345,7 @@ class ZeroOptimizer(RefuseAddedGroups, torch.optim.Optimizer):
 class ZeroAdamW(ZeroOptimizer):
     """``ZeroOptimizer`` with torch.optim.AdamW."""
 
-    def __init__(self, model: Wrappers, lr: float, betas: Tuple[float, float], weight_decay: float,
+    def __init__(self, model: Sharded, lr: float, betas: Tuple[float, float], weight_decay: float,
                  eps: float = 1e-8) -> None:
         super().__init__(model, torch.optim.AdamW, lr=lr, betas=betas, eps=eps,
                          weight_decay=weight_decay)

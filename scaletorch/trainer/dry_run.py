@@ -66,7 +66,7 @@ from scaletorch.trainer.checkpoint import SizeCounter, tensor_bytes
 from scaletorch.trainer.config import Config, parse_args
 from scaletorch.trainer.consolidated import consolidated_bytes
 from scaletorch.trainer.memory_by_dtype import memory_by_dtype
-from scaletorch.trainer.meta_kernels import shape_rules
+from scaletorch.trainer.meta_kernels import fused_attention_tiles, shape_rules
 from scaletorch.trainer.trainer import Trainer
 
 KINDS = ("params", "grads", "optimizer", "buffers")
@@ -229,6 +229,7 @@ def dry_run(cfg: Config, world: int, pp_rank: int = 0, steps: int = 2) -> DryRun
             loader = ShapeLoader(cfg.data.global_batch_size, cfg.data.seq_len)
             par, trainer = build_run(cfg, pgm, META, loader)
             balance_routing(par.model)
+            fused_attention_tiles(par.model)
             ledger.clear()
             for _ in range(steps - 1):
                 trainer.step_tensors()

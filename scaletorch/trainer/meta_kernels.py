@@ -13,6 +13,10 @@ about 12,000 of them, most with shapes seen before: every layer and micro-batch 
 - logaddexp by a shape rule (ring attention's merges: its decomposition calls further ops);
 - normal_ as a no-op (the model's init: there are no values to draw).
 
+``fused_attention_tiles(model)`` gives ring attention the CPU's fused tile kernel: the meta
+device has no kernel of its own to pick, and the math tiles' many ops per tile (the s x s
+scores) would be slower for the same messages and saved tensors.
+
 Meta kernels see no values, so a result's metadata is a function of its inputs' metadata and
 the other arguments: the cache returns what torch's kernel would.
 """
@@ -21,6 +25,9 @@ from contextlib import contextmanager
 from typing import Any, Callable, Dict, Iterator, Optional, Set, Tuple
 
 import torch
+from torch import nn
+
+from scaletorch.parallel.ring_attention import RingAttention
 
 META = torch.device("meta")
 # torch's activate_meta leaves these to their C++ kernels (recursion or autograd mismatches)
@@ -154,3 +161,12 @@ def shape_rules() -> Iterator[None]:
             if op.name() != "aten::logaddexp":
                 lib.impl(op, cached(op.name(), kernel), "Meta")
         yield
+
+
+def fused_attention_tiles(model: nn.Module) -> None:
+    """Every ring attention of ``model`` that would pick its kernel ("auto", "fused") runs the
+    CPU's fused one, as a GPU runs a fused kernel; "math" asked by name stays."""
+    for module in model.modules():
+        fn = getattr(module, "attention_fn", None)
+        if isinstance(fn, RingAttention) and fn.kernel in ("auto", "fused"):
+            fn.kernel = "cpu_flash"

@@ -39,8 +39,8 @@ import torch
 from scaletorch.config import Config, resolve_precision
 
 __all__ = [
-    "NORM_TOLERANCES", "TOLERANCES", "autocast", "parity_tolerance", "precision_note",
-    "resolve_precision"
+    "NORM_TOLERANCES", "TOLERANCES", "activation_element_size", "autocast", "parity_tolerance",
+    "precision_note", "resolve_precision"
 ]
 
 BF16_UNIT_ROUNDOFF = 2.0**-8  # 8 significant bits (7 stored + 1 implicit)
@@ -81,3 +81,10 @@ def autocast(cfg: Config, device: torch.device) -> ContextManager:
     """Autocast to the resolved precision's dtype on ``device`` (nothing for fp32)."""
     dtype = DTYPES[resolve_precision(cfg, device.type)]
     return nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
+
+
+def activation_element_size(cfg: Config, device_type: str) -> int:
+    """Bytes of one activation element as the run computes it: 2 under bf16 or fp16 autocast,
+    fp32's 4 without (chapter 03's report prices its wire with it)."""
+    dtype = DTYPES[resolve_precision(cfg, device_type)]
+    return 4 if dtype is None else dtype.itemsize
