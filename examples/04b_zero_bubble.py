@@ -14,10 +14,10 @@ gradients fill the bubble.
         --virtual-stages 2 --micro-batches 4
 
 Chapter 04's script with the general runtime: a schedule is data, each rank's list of actions
-and messages (pipeline_runtime.py), so one executor runs afab, 1f1b and interleaved (v chunks
-per rank), bit for bit as 04's loops where both run. The zero-bubble schedules run in a
-``ZeroBubbleSchedule`` (split_backward.py): B (the input gradient) at once and W (the weight
-gradient) later, with asynchronous sends; zbv and dualpipev place two chunks per rank in a V
+and messages, so one executor (pipeline_runtime.py) runs afab, 1f1b and interleaved (v chunks
+per rank), bit for bit as 04's loops where both run, and the zero-bubble schedules: B (the
+input gradient) at once and W (the weight gradient) later, with asynchronous sends in the
+order of the schedule's simulation; zbv and dualpipev place two chunks per rank in a V
 (stages r and 2p - 1 - r). The timeline shows each W as a digit, and its theory is the
 schedule simulated with F = B = W. ``--show-schedule`` prints each rank's actions with the
 messages they wait for and send, and exits without training.
@@ -35,7 +35,7 @@ from scaletorch.models import build_model, loss_fn
 from scaletorch.parallel.data_parallel import apply_data_parallel
 from scaletorch.parallel.pipeline_native import TorchPipelineSchedule
 from scaletorch.parallel.pipeline_parallel import apply_pipeline_parallel, gather_timeline
-from scaletorch.parallel.split_backward import runtime_class
+from scaletorch.parallel.pipeline_runtime import PipelineSchedule
 from scaletorch.parallel.tensor_parallel import (apply_tensor_parallel,
                                                  tensor_parallel_clip_grad_norm,
                                                  tensor_parallel_loss_fn)
@@ -103,7 +103,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             apply_data_parallel(chunk, pgm, p.impl, p.bucket_size_mb) for chunk in pipe.chunks)
     # the new idea: any schedule as data; the zero-bubble ones run B now, W later
     schedule = TorchPipelineSchedule(pipe, pgm, p.schedule, m) if p.impl == "torch" else \
-        runtime_class(p.schedule)(pipe, pgm, p.schedule, m, loss)
+        PipelineSchedule(pipe, pgm, p.schedule, m, loss)
     # chapter 03's clip, one rule: each element once over the world; the stages' squares add up
     clip = tensor_parallel_clip_grad_norm(pipe, pgm)
     result = Trainer(cfg, pipe, pgm, device=env.device, forward_backward=schedule,

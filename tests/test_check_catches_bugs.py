@@ -86,16 +86,16 @@ def in_last_step(plant: Callable[[], ContextManager], owner: type,
 def pipeline_gradients_scaled() -> ContextManager:
     """Pipeline: every gradient message rank 1 sends back (to stage 0) is 1.001 times too
     large, in every step."""
-    exchange = PipelineSchedule._exchange
+    post = PipelineSchedule._post
 
     def scaled(self, batch):
         if comm.group_rank() == 1:
             for op in batch:
                 if op.op == "send" and op.kind == "grad":
-                    self.outbox[(op.kind, op.micro_batch, op.src)].mul_(1.001)
-        return exchange(self, batch)
+                    self.box[(op.kind, op.micro_batch, op.dst)].mul_(1.001)
+        return post(self, batch)
 
-    return patched(PipelineSchedule, "_exchange", scaled)
+    return patched(PipelineSchedule, "_post", scaled)
 
 
 GRAD_NORM_BUG = "04: rank 1's gradient messages x 1.001"
@@ -107,7 +107,7 @@ RUNS: Dict[str, Tuple[str, Optional[Callable[[], ContextManager]]]] = {
     "dp: one bucket not averaged, last step":
     ("dp2", in_last_step(bucket_not_averaged, BucketedDataParallel, "_launch")),
     "pp: wrong micro-batch's activation, last step":
-    ("pp2", in_last_step(pipeline_wrong_micro_batch, PipelineSchedule, "_exchange")),
+    ("pp2", in_last_step(pipeline_wrong_micro_batch, PipelineSchedule, "_post")),
     "control 04": ("04", None),
     GRAD_NORM_BUG: ("04", pipeline_gradients_scaled),
 }

@@ -1,6 +1,6 @@
 """What gloo forgives and NCCL does not, made to fail on the CPU: NCCL's point-to-point order
 (scaletorch/dist/p2p_order.py) and the zero-bubble runtime's posting order
-(scaletorch/schedule/posting.py), the simulator in both modes (no ranks), then every pipeline
+(scaletorch/schedule/simulate.py), the simulator in both modes (no ranks), then every pipeline
 schedule trained in NCCL's order at pp 2 and pp 4, m from p to 2p + 1, beside dp and tp,
 each matching the single device (two worlds, 2 and 4 ranks); and, in the world of 2, a pair's
 receive-then-send hanging in the mode and host-made tensors reaching a collective
@@ -20,12 +20,10 @@ import torch.distributed as dist
 from scaletorch.dist import comm, destroy_pg_manager, device_check, p2p_order
 from scaletorch.dist.device_check import HostTensorError, check_devices, made_on_host
 from scaletorch.parallel.mixed_precision import DynamicLossScaler
-from scaletorch.schedule.catalog import schedule_actions
+from scaletorch.schedule.catalog import action_p2p, schedule_actions
 from scaletorch.schedule.in_order import simulate_posted
 from scaletorch.schedule.placement import V_SHAPED
-from scaletorch.schedule.plans import action_p2p
-from scaletorch.schedule.posting import posting_program
-from scaletorch.schedule.simulate import PipelineDeadlock, simulate_async
+from scaletorch.schedule.simulate import PipelineDeadlock, posting_program, simulate_async
 from scaletorch.trainer.param_map import full_state_dict
 from tests.harness import run_distributed
 from tests.layouts import (assert_matches, build, layout, make_config, pg_manager_for, reference,

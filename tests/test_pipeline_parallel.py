@@ -20,15 +20,14 @@ from scaletorch.models import LlamaConfig, build_model
 from scaletorch.parallel.data_parallel import apply_data_parallel
 from scaletorch.parallel.pipeline_native import TorchPipelineSchedule
 from scaletorch.parallel.pipeline_parallel import apply_pipeline_parallel, gather_timeline
+from scaletorch.parallel.pipeline_runtime import PipelineSchedule
 from scaletorch.parallel.pipeline_schedules import SCHEDULES, PipelineLoop, ScheduleTrace
-from scaletorch.parallel.split_backward import runtime_class
 from scaletorch.parallel.tied_embeddings import (attach_tied_embedding_sync, check_v_shape_wrappers,
                                                  tied_embedding_params, untie_across_stages)
-from scaletorch.schedule.analysis import simulate, simulate_plans
+from scaletorch.schedule.analysis import comm_plan, simulate, simulate_plans
 from scaletorch.schedule.catalog import schedule_actions, validate_schedule
 from scaletorch.schedule.orders import afab_actions, one_f_one_b_actions, peak_live_activations
 from scaletorch.schedule.placement import V_SHAPED, split_layers, theoretical_bubble
-from scaletorch.schedule.plans import comm_plan
 from scaletorch.schedule.simulate import PipelineDeadlock
 from scaletorch.trainer import Config, Trainer
 from scripts.benchmarks.timing import Delayed
@@ -264,7 +263,7 @@ def build_pipeline(cfg: Config, pp: int, tp: int, schedule: str, v: int, impl: s
         wrapper = "ours" if impl == "loop" else impl
         pipe.chunks = torch.nn.ModuleList(apply_data_parallel(c, pgm, wrapper) for c in pipe.chunks)
     cls = TorchPipelineSchedule if impl == "torch" else PipelineLoop if impl == "loop" else \
-        runtime_class(schedule)
+        PipelineSchedule
     step = cls(pipe, pgm, schedule, cfg.data.num_micro_batches, **kwargs)
     if cfg.model.tie_word_embeddings and impl != "torch":
         attach_tied_embedding_sync(step, pgm)

@@ -141,23 +141,23 @@ def rope_positions_not_offset() -> ContextManager:
     return patched(parallelize_module, "make_sequence_sharder", make)
 
 
-_exchange = PipelineSchedule._exchange
+_post = PipelineSchedule._post
 
 
 def pipeline_wrong_micro_batch() -> ContextManager:
     """Pipeline: the activation sent for micro-batch 1 is micro-batch 0's."""
 
-    def exchange(self, batch):
+    def post(self, batch):
         for op in batch:
             if op.op == "send" and op.kind == "act":
-                key = (op.kind, op.micro_batch, op.src)
+                key = (op.kind, op.micro_batch, op.dst)
                 if op.micro_batch == 0:
-                    self.planted_first = self.outbox[key].clone()
+                    self.planted_first = self.box[key].clone()
                 else:
-                    self.outbox[key] = self.planted_first
-        return _exchange(self, batch)
+                    self.box[key] = self.planted_first
+        return _post(self, batch)
 
-    return patched(PipelineSchedule, "_exchange", exchange)
+    return patched(PipelineSchedule, "_post", post)
 
 
 def expert_all_to_all_backward_skipped() -> ContextManager:

@@ -29,7 +29,7 @@ def order(schedule, p, m, rank, v=1):
 
 
 class TestSplitBackward(unittest.TestCase):
-    """B then W (split_backward.py's calls) give a plain backward's gradients; no ranks."""
+    """B then W (pipeline_runtime.py's calls) give a plain backward's gradients; no ranks."""
 
     def test_input_then_weight_gradients_equal_one_backward_and_w_frees_the_activations(self):
         cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
@@ -202,9 +202,10 @@ PARITY = {
     (8, 8, layout(pp=4, schedule="dualpipev", virtual_pipeline_stages=2, impl="torch")),
 }
 # ZeRO at pp 2 x dp 2: W must reach the ZeRO units' full parameters, not the wrapper's shards
-# (split_backward.weight_leaves), which stage 3 also gathers for W. Stage 3 under each schedule;
-# stages 1 and 2, whose units the schedule sees alike (full parameters, the same post-accumulate
-# hooks reduce-scatter what W makes), each under one chunk per rank and under a V
+# (parallelize.py sets PipelineSchedule.params), which stage 3 also gathers for W. Stage 3
+# under each schedule; stages 1 and 2, whose units the schedule sees alike (full parameters,
+# the same post-accumulate hooks reduce-scatter what W makes), each under one chunk per rank
+# and under a V
 ZERO_RUNS = ((3, "zb-h1"), (3, "zbv"), (3, "dualpipev"), (2, "zb-h1"), (2, "dualpipev"), (1, "zbv"))
 PARITY.update({
     f"zero{z} {s} pp2 dp2 m4":

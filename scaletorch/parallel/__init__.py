@@ -2,7 +2,7 @@
 
 Chapter 01 data_parallel (+ gradient_sync, grad_norm, memory_report, wrapper), 02 zero
 (+ flat_unit, zero_report, fully_shard), 03 tensor_parallel (+ tensor_parallel_layers,
-tensor_parallel_dtensor), 04 pipeline_parallel (+ pipeline_native), 04b split_backward
+tensor_parallel_dtensor), 04 pipeline_parallel (+ pipeline_native), 04b pipeline_runtime
 (+ activation_meter), 05 context_parallel (+ ring_attention, attention_kernels, step),
 06 expert_parallel; chapter 07's parallelize (+ tensor_layout, native, zero_chunks) composes
 them all; 08 mixed_precision (+ loss_scale) and 10 tied_embeddings, zero_tied,

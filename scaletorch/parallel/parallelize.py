@@ -62,7 +62,7 @@ from scaletorch.parallel.grad_norm import clip_grads_, world_grad_norm
 from scaletorch.parallel.moe_balance import apply_global_capacity
 from scaletorch.parallel.moe_pipeline import MoELossInPipeline
 from scaletorch.parallel.pipeline_parallel import apply_pipeline_parallel
-from scaletorch.parallel.split_backward import runtime_class
+from scaletorch.parallel.pipeline_runtime import PipelineSchedule
 from scaletorch.parallel.step import ForwardBackward, LossFn, LossScale, make_data_parallel_step
 from scaletorch.parallel.tensor_layout import (TensorLayout, plain_entries, record_splits,
                                                zero_entries)
@@ -250,9 +250,13 @@ def parallelize(model: Llama, cfg: "Config", pgm: ProcessGroupManager, device: t
     if pipe is not None:
         pipe.chunks = nn.ModuleList(wrapped)
         trainer_model: nn.Module = pipe
-        schedule = runtime_class(p.schedule)(pipe, pgm, p.schedule, cfg.data.num_micro_batches,
-                                             loss, shard_sequence)
+        schedule = PipelineSchedule(pipe, pgm, p.schedule, cfg.data.num_micro_batches, loss,
+                                    shard_sequence)
         schedule.hooks.append(MoELossInPipeline(cfg.data.num_micro_batches))  # MoE's loss (06)
+        for i, chunk in enumerate(pipe.chunks):  # a split backward's W: ZeRO's full parameters,
+            units = getattr(chunk, "units", None)  # which the forward reads, not its shards
+            if units is not None:
+                schedule.params[i] = [t for u in units for t in u.tensors if t.requires_grad]
         if precision is not None:  # chapter 08: messages in autocast's dtype, fp16's scaling
             precision.attach_to_pipeline(schedule)
         if tied is not None and cfg.model.tie_word_embeddings:  # sum the two copies' grads

@@ -81,7 +81,7 @@ def split_backward_flops(model: ModelSpec, layout: PlanLayout,
     (the first backward of a block rebuilds it): full adds the block's forward, selective the
     core's. The head and the embedding are left out (the stages of the closed-form bubbles are
     equal too); this repository's readable W also walks the input-gradient chain again
-    (split_backward.py), which production W's (and these costs) do not.
+    (pipeline_runtime.py), which production W's (and these costs) do not.
     """
     matmul = sum(2.0 * block_matmul_params(model, i) for i in layers)
     core = 4.0 * layout.seq_len * model.hidden_size * len(layers)

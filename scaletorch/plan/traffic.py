@@ -171,7 +171,7 @@ def _pipeline_sends(layout: PlanLayout, pp_rank: int) -> int:
 def w_repeats(model: ModelSpec, layout: PlanLayout, pp_rank: int) -> Tuple[int, int, int]:
     """(dense blocks, MoE blocks, heads) whose backward this repository's W runs again on
     ``pp_rank``, per step: a zero-bubble schedule's W walks the input-gradient chain a second
-    time to reach the weights (split_backward.py), once for each backward it splits. Their
+    time to reach the weights (pipeline_runtime.py), once for each backward it splits. Their
     collectives are sent again: tp 2 T h per dense block and 1 per MoE block, T h for the
     head's input (under SP reduce-scatters and, for the blocks, all-gathers; the embedding's
     backward sends nothing more); the cp ring's 2 cp - 1 backward K/V messages per block

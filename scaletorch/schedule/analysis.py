@@ -1,19 +1,22 @@
 """The schedules analysed without running them, for the tests, scripts/plot.py and the
 planner's checks (chapter 04b; the runtime reads none of it).
 
-``simulate`` runs the classic schedules' rendezvous plans (``plans.comm_plan``: a send
-completes only when its peer posted the matching receive) and proves them deadlock-free;
+``simulate`` runs the classic schedules' rendezvous plans (``comm_plan``: each step one batch
+that pairs a send with the receive it must not block, waited for at once; a send completes
+only when its peer posted the matching receive) and proves them deadlock-free;
 ``zero_bubble_theory`` is ZB-H1's closed-form bubble, against which the asynchronous
 simulator (simulate.py) is checked.
 """
 
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from scaletorch.schedule.catalog import schedule_plan
-from scaletorch.schedule.placement import ZERO_BUBBLE
-from scaletorch.schedule.plans import P2P, Step
+from scaletorch.schedule.catalog import P2P, action_p2p, schedule_bundles
+from scaletorch.schedule.orders import Action
+from scaletorch.schedule.placement import V_SHAPED, ZERO_BUBBLE
 from scaletorch.schedule.simulate import PipelineDeadlock, simulate_async
 from scaletorch.schedule.timeline import Timeline
+
+Step = Tuple[Tuple[P2P, ...], Optional[Action]]
 
 
 def simulate(schedule: str, pp: int, micro_batches: int, virtual_stages: int = 1,
@@ -106,3 +109,27 @@ def zero_bubble_theory(schedule: str, pp: int, micro_batches: int, forward: floa
     p, m = pp, micro_batches
     idle = (p - 1) * max(forward + backward - weight, 0.0)
     return idle / (m * (forward + backward + weight) + idle)
+
+
+def comm_plan(bundles: Sequence[Sequence[Action]], rank: int, pp: int, virtual_stages: int = 1,
+              v_shape: bool = False) -> List[Step]:
+    """Steps of (p2p batch, action): post the batch, wait for it, run the action. The batch
+    before a bundle pairs the previous bundle's sends with the bundle's recvs, as 1F1B's
+    send_forward_recv_backward does; on interleaving's ring, up to four ops (Megatron's
+    send_forward_backward_recv_forward_backward)."""
+    steps: List[Step] = []
+    pending: List[P2P] = []
+    for bundle in bundles:
+        ops = [action_p2p(a, rank, pp, virtual_stages, v_shape) for a in bundle]
+        steps.append((tuple(pending + [recv for recv, _ in ops if recv]), bundle[0]))
+        steps += [((), a) for a in bundle[1:]]
+        pending = [send for _, send in ops if send]
+    steps.append((tuple(pending), None))
+    return steps
+
+
+def schedule_plan(schedule: str, pp: int, micro_batches: int, rank: int,
+                  virtual_stages: int = 1) -> List[Step]:
+    """``comm_plan`` of ``schedule_bundles``: rank ``rank``'s steps with rendezvous batches."""
+    bundles = schedule_bundles(schedule, pp, micro_batches, rank, virtual_stages)
+    return comm_plan(bundles, rank, pp, virtual_stages, schedule in V_SHAPED)

@@ -8,9 +8,8 @@ posting. A program that finishes in NCCL's order cannot hang on either backend.
 
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from scaletorch.schedule.plans import P2P
-from scaletorch.schedule.posting import PostStep
-from scaletorch.schedule.simulate import PipelineDeadlock, ZeroBubbleTimeline
+from scaletorch.schedule.catalog import P2P
+from scaletorch.schedule.simulate import PipelineDeadlock, PostStep, ZeroBubbleTimeline
 
 
 def simulate_posted(programs: Sequence[List[PostStep]], micro_batches: int, virtual_stages: int = 1,

@@ -15,7 +15,7 @@ backward; ".": idle), p = 4, m = 4:
 Both idle (p-1)/(m+p-1) of the time (the bubble); 1F1B holds at most p - r micro-batches of
 activations on rank r instead of m, because each backward frees one as soon as it can.
 Chapter 04 runs these two as loops (scaletorch/parallel/pipeline_schedules.py). Interleaving
-v chunks per rank (plans.py, chapter 04b) shrinks the bubble to (p-1)/(v m + p - 1) at the
+v chunks per rank (catalog.py, chapter 04b) shrinks the bubble to (p-1)/(v m + p - 1) at the
 price of v times more point-to-point messages.
 """
 

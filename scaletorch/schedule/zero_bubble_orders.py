@@ -1,40 +1,10 @@
-"""The zero-bubble schedules as plain data (chapter 04b; its page draws and explains them).
-
-A chunk's backward splits in two: B, the gradient of its input, which the previous stage waits
-for, and W, the gradient of its weights, which only the optimizer step needs. B runs at once
-and the W's fill the bubble (Qi et al., "Zero Bubble Pipeline Parallelism", 2023). Per-rank
-action lists like the classic ones in ``orders.py``: F = forward, B = input gradient,
-W = weight gradient, chunk 1 = the rank's second stage, on the way back up a V.
-"""
+"""The zero-bubble schedules (Qi et al., 2023) as per-rank action lists like ``orders.py``'s
+(chapter 04b; its page draws and explains them): F = forward, B = input gradient, W = weight
+gradient, chunk 1 = the rank's second stage, on the way back up a V."""
 
 from typing import List, Tuple
 
 from scaletorch.schedule.orders import Action
-
-
-def validate_zero_bubble(schedule: str, pp: int, micro_batches: int, virtual_stages: int) -> None:
-    """Raise ValueError, naming the numbers, when ``schedule`` cannot run with them (p > 1:
-    ``catalog.validate_schedule`` checks it first)."""
-    p, m, v = pp, micro_batches, virtual_stages
-    if schedule == "zb-h1":
-        if v != 1:
-            raise ValueError(f"zb-h1 runs one chunk per rank: virtual_pipeline_stages must be 1, "
-                             f"got {v} (use --schedule zbv for two chunks per rank)")
-        if m < p:
-            raise ValueError(f"zb-h1 needs num_micro_batches ({m}) >= "
-                             f"pipeline_model_parallel_size ({p}) to fill the pipeline: set "
-                             f"--micro-batches {p} or more")
-        return
-    if v != 2:
-        raise ValueError(f"{schedule} places two chunks per rank in a V: set "
-                         f"--virtual-stages 2 (virtual_pipeline_stages is {v})")
-    # DualPipe's order is built for m >= 2p (its main phase runs m - 2p + rank + 1 times; torch's
-    # ScheduleDualPipeV and DeepSeek's own code refuse fewer); zbv runs any m (see zbv_actions)
-    if schedule == "dualpipev" and m < 2 * p:
-        raise ValueError(f"{schedule} needs num_micro_batches ({m}) >= 2 x "
-                         f"pipeline_model_parallel_size ({p}) = {2 * p} stages: set "
-                         f"--micro-batches {2 * p} or more (or --schedule zbv, which runs any "
-                         f"number)")
 
 
 def zb_h1_actions(pp: int, micro_batches: int, rank: int) -> List[Action]:
@@ -146,13 +116,3 @@ def dualpipev_bundles(pp: int, micro_batches: int, rank: int) -> List[List[Actio
     while owed:  # 8: the W's still owed
         add("W")
     return bundles
-
-
-def zero_bubble_bundles(schedule: str, pp: int, micro_batches: int,
-                        rank: int) -> List[List[Action]]:
-    """The work of pipeline rank ``rank``, in bundles whose p2p is batched (see comm_plan)."""
-    if schedule == "zb-h1":
-        return [[a] for a in zb_h1_actions(pp, micro_batches, rank)]
-    if schedule == "zbv":
-        return [[a] for a in zbv_actions(pp, micro_batches, rank)]
-    return dualpipev_bundles(pp, micro_batches, rank)

@@ -101,7 +101,7 @@ class _Sleep(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        # once: a zero-bubble W walks this graph again (split_backward.py), B already slept
+        # once: a zero-bubble W walks this graph again (pipeline_runtime.py), B already slept
         time.sleep(ctx.backward_s)
         ctx.backward_s = 0.0
         return grad, None, None

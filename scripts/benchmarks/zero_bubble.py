@@ -19,7 +19,7 @@ from scaletorch.dist import destroy_pg_manager, init_pg_manager
 from scaletorch.models import LlamaConfig, build_model
 from scaletorch.parallel.pipeline_native import TorchPipelineSchedule
 from scaletorch.parallel.pipeline_parallel import apply_pipeline_parallel, gather_timeline
-from scaletorch.parallel.split_backward import runtime_class
+from scaletorch.parallel.pipeline_runtime import PipelineSchedule
 from scaletorch.schedule.placement import V_SHAPED
 from scaletorch.schedule.simulate import simulate_async
 from scripts.benchmarks import timing
@@ -41,7 +41,7 @@ def _pipeline(pgm, schedule: str, v: int, impl: str):
     for i, layer in enumerate(model.layers):
         model.layers[i] = Delayed(layer, share, share, share)
     pipe = apply_pipeline_parallel(model, pgm, v, v_shape=schedule in V_SHAPED)
-    cls = TorchPipelineSchedule if impl == "torch" else runtime_class(schedule)
+    cls = TorchPipelineSchedule if impl == "torch" else PipelineSchedule
     return pipe, cls(pipe, pgm, schedule, MICRO_BATCHES)
 
 
