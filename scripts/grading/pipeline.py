@@ -140,10 +140,12 @@ def _instrumented(exercise: str, fn: Any, record: Dict[str, Any]) -> List[tuple]
         }
         out = batch(self, name, sends, recvs)
         record["waiting"] = None
-        for mb, peer in recvs:
+        for mb, peer in recvs:  # activations come from the previous rank, gradients the next
             if step == 0 and peer is not None and out is not None:
                 arrived[id(out)] = (len(record["received"]), out)
-                record["received"].append([kind(peer), mb, pp(peer), -1])
+                of = "activation" if peer == self.prev else "gradient"
+                record["received"].append(
+                    [of, mb, self.rank + (-1 if of == "activation" else 1), -1])
         return out
 
     def bounded_wait(self: comm.Work, *args: Any) -> Any:
@@ -270,7 +272,11 @@ def diagnose(exercise: str, runs: List[Dict[str, Any]], ref: Dict[str, Any]) -> 
     if any("stuck" in run for run in runs) and not any(
             "lost" in r or ("error" in r and "stuck" not in r and not r.get("hung")) for r in runs):
         return Verdict(exercise, False, hang_diagnosis(runs, m))
-    failed = error_verdict(exercise, [r for r in runs if "stuck" not in r])
+    # a rank stuck because a peer raised: the peer's error is the verdict, named by its rank
+    failed = error_verdict(exercise, [{
+        k: v
+        for k, v in r.items() if k != "error"
+    } if "stuck" in r else r for r in runs])
     if failed is not None:
         return failed
     for rank, run in enumerate(runs):
