@@ -342,3 +342,58 @@ def dispatch_tokens_stops_at_an_empty_pair(routed, send_table, recv_table, group
 MISTAKES.append(("06", "dispatch_tokens", "dispatch_tokens_stops_at_an_empty_pair",
                  "rank 0's experts got 3 rows with the grader's tables (uneven counts, some "
                  "zero), the ranks routed 7 to them"))
+
+# ---- chapter 04 at pp 3: another API, and a mistake a pipeline of 2 cannot see --------------
+
+
+def _exchange(stage, send=None, to=None, source=None):
+    """``send`` to ``to``, a receive from ``source``: one batch; the received (b, s, h) or None."""
+    ops, got = [], None
+    if send is not None and to is not None:
+        ops.append(dist.P2POp(dist.isend, send, to, stage.group))
+    if source is not None:
+        got = torch.empty(stage.shape, dtype=stage.dtype)
+        ops.append(dist.P2POp(dist.irecv, got, source, stage.group))
+    for work in dist.batch_isend_irecv(ops) if ops else []:
+        work.wait()
+    return got
+
+
+def one_f_one_b_batch_isend_irecv(stage, m):
+    """Correct: 1F1B whose messages are torch.distributed.batch_isend_irecv batches, not the
+    named operations of PipelineRank, each send posted with the receive that answers it."""
+    warmup = min(stage.p - stage.rank - 1, m)
+    for mb in range(warmup):
+        _exchange(stage, stage.forward(mb, _exchange(stage, source=stage.prev)), stage.next)
+    x = _exchange(stage, source=stage.prev)
+    for i in range(m - warmup):
+        dy = _exchange(stage, stage.forward(warmup + i, x), stage.next, stage.next)
+        last = warmup + i + 1 == m
+        x = _exchange(stage, stage.backward(i, dy), stage.prev, None if last else stage.prev)
+    for mb in range(m - warmup, m):
+        dy = _exchange(stage, source=stage.next)
+        _exchange(stage, stage.backward(mb, dy), stage.prev)
+
+
+def one_f_one_b_warmup_on_rank_0(stage, m):
+    """Warm-up forwards on rank 0 only (p - 1 of them), none on the others: right at pp 2,
+    where rank 0 is the only rank with a warm-up; at pp 3 the middle rank warms up with none."""
+    warmup = min(stage.p - 1, m) if stage.rank == 0 else 0
+    for mb in range(warmup):
+        stage.send_forward(mb, stage.forward(mb, stage.recv_forward(mb)))
+    x = stage.recv_forward(warmup) if warmup < m else None
+    for i in range(m - warmup):
+        dy = stage.send_forward_recv_backward(warmup + i, stage.forward(warmup + i, x), i)
+        dx = stage.backward(i, dy)
+        if warmup + i + 1 < m:
+            x = stage.send_backward_recv_forward(i, dx, warmup + i + 1)
+        else:
+            stage.send_backward(i, dx)
+    for mb in range(m - warmup, m):
+        stage.send_backward(mb, stage.backward(mb, stage.recv_backward(mb)))
+
+
+ALTERNATIVES.append(("04", "one_f_one_b", "one_f_one_b_batch_isend_irecv"))
+MISTAKES.append(("04", "one_f_one_b", "one_f_one_b_warmup_on_rank_0",
+                 "rank 1's warm-up ran 0 forwards before the steady state (F0 B0 F1 ...): "
+                 "1F1B warms up with p - r - 1 = 1; one fewer and the ranks take turns"))

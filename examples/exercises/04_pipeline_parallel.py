@@ -5,7 +5,7 @@ then
 
     python scripts/grade.py 04
 
-runs chapter 04 on 2 gloo ranks (pp 2, 8 micro-batches) with your functions in place of the
+runs chapter 04 on 3 gloo ranks (pp 3, 4 micro-batches) with your functions in place of the
 library's, compares it with one device and says "passed" or what is wrong; it names the function
 to write next. ``stage`` (a ``pipeline_schedules.PipelineRank``) holds this rank's part:
 ``stage.p``, ``stage.rank``, ``stage.forward(mb, x)``, ``stage.backward(mb, dy)`` and the named

@@ -307,7 +307,7 @@ def micro_batch_loss_divided_twice(loss: torch.Tensor, m: int) -> torch.Tensor:
 
 
 def micro_batch_loss_by_ranks(loss: torch.Tensor, m: int) -> torch.Tensor:
-    return loss / 2  # the number of pipeline ranks (p = 2 here), not of micro-batches
+    return loss / dist.get_world_size()  # the number of pipeline ranks, not of micro-batches
 
 
 # ---- chapter 05: slice_ids -----------------------------------------------------------------
@@ -659,20 +659,20 @@ CATALOGUE: Dict[Tuple[str, str, str], str] = {
     ("08", "update_scale", "update_halves_without_reset"):
     "after the overflow in step 3 the clean-step count is 1, not 0: count the clean steps from 0",
     ("04", "one_f_one_b", "one_f_one_b_warmup_too_long"):
-    "rank 0's warm-up ran 2 forwards before the steady state (F0 F1 F2 B0 F3 ...): 1F1B warms "
-    "up with p - r - 1 = 1; one more holds 3 activations at once, not p - r = 2",
+    "rank 0's warm-up ran 3 forwards before the steady state (F0 F1 F2 F3 B0 B1 ...): 1F1B warms "
+    "up with p - r - 1 = 2; one more holds 4 activations at once, not p - r = 3",
     ("04", "one_f_one_b", "one_f_one_b_warmup_too_short"):
-    "rank 0's warm-up ran 0 forwards before the steady state (F0 B0 F1 ...): 1F1B warms up with "
-    "p - r - 1 = 1; one fewer and the ranks take turns",
+    "rank 0's warm-up ran 1 forwards before the steady state (F0 F1 B0 F2 ...): 1F1B warms up with "
+    "p - r - 1 = 2; one fewer and the ranks take turns",
     ("04", "one_f_one_b", "one_f_one_b_cool_down_without_recv"):
-    "rank 0 ran the backward of micro-batch 7 in step 0 without its gradient: in the cool-down, "
-    "recv_backward(7) from rank 1 first",
+    "rank 0 ran the backward of micro-batch 2 in step 0 without its gradient: in the cool-down, "
+    "recv_backward(2) from rank 1 first",
     ("04", "micro_batch_loss", "micro_batch_loss_not_divided"):
-    "gradients are 8x the reference in step 0 (its grad norm): each micro-batch's loss is a mean",
+    "gradients are 4x the reference in step 0 (its grad norm): each micro-batch's loss is a mean",
     ("04", "micro_batch_loss", "micro_batch_loss_divided_twice"):
-    "gradients are 0.125x the reference in step 0 (its grad norm) = 1/m: divided by m = 8 twice",
+    "gradients are 0.25x the reference in step 0 (its grad norm) = 1/m: divided by m = 4 twice",
     ("04", "micro_batch_loss", "micro_batch_loss_by_ranks"):
-    "gradients are 4x the reference in step 0 (its grad norm): divided by p = 2, the pipeline",
+    "gradients are 1.33x the reference in step 0 (its grad norm): divided by p = 3, the pipeline",
     ("05", "slice_ids", "slice_ids_contiguous"):
     "slice_ids(0, 2, 'zigzag') returned (0, 1), the contiguous split: zigzag pairs",
     ("05", "slice_ids", "slice_ids_past_the_end"):
@@ -749,8 +749,9 @@ STOPPING: Dict[Tuple[str, str, str], str] = {
 # the operations they wait in, their peers, why).
 HANGS: Dict[Tuple[str, str, str], Tuple[str, ...]] = {
     ("04", "one_f_one_b", "one_f_one_b_sends_first"):
-    ("hang in step 0: rank 0 waits in send_forward(mb 1 -> rank 1) at variants.py:",
-     "rank 1 waits in send_backward(mb 0 -> rank 0) at variants.py:", "(both send first)"),
+    ("hang in step 0: rank 0 waits in send_forward(mb 2 -> rank 1) at variants.py:",
+     "rank 1 waits in send_forward(mb 1 -> rank 2) at variants.py:",
+     "rank 2 waits in send_backward(mb 0 -> rank 1) at variants.py:", "(all send first)"),
 }
 # chapter 06b's, in a file of their own: its functions are this module's too (a Source's name)
 globals().update(balance_variants.FUNCTIONS)

@@ -1,0 +1,201 @@
+"""Chapter 04's diagnoses (scripts/grading/pipeline.py): from what each rank measured in step 0
+and over the run, in the learner's terms, for a pipeline of ``p`` ranks and ``m`` micro-batches.
+
+Each rank's run holds: "actions" (step 0's F<mb> and B<mb> in order), "peak" (activations held
+at once), "sent" and "received" (step 0's messages: [kind, label, pipeline rank of the peer,
+mb], kind "activation" or "gradient", label the micro-batch the named operation was given, mb
+the micro-batch whose forward or backward produced the tensor sent, or whose forward or
+backward used the tensor received; -1 where the tensor was none of those), "stage_grads" (step
+0's squared gradient norm of each of the stage's tensors), "losses", "grad_norms", "state".
+"""
+
+from typing import Any, Dict, List, Optional
+
+from scaletorch.schedule.orders import one_f_one_b_actions
+from scaletorch.trainer.parity import max_norm_diff
+from scaletorch.trainer.precision import NORM_TOLERANCES, TOLERANCES
+
+# A gradient off by a factor: within 1% of it (fp32 norms agree to 1e-4 when right).
+FACTOR_TOL = 0.01
+OPERATION = {
+    ("activation", True): "send_forward",
+    ("activation", False): "recv_forward",
+    ("gradient", True): "send_backward",
+    ("gradient", False): "recv_backward"
+}
+
+
+def _mbs(mbs: List[int]) -> str:
+    return ", ".join(str(k) for k in mbs)
+
+
+def link_facts(runs: List[Dict[str, Any]], m: int, finished: bool) -> List[str]:
+    """What each link's messages of step 0 show: a micro-batch sent twice or never (``finished``:
+    the step ended; otherwise only one skipped below a later one), a label that is not the
+    micro-batch carried, a forward or backward run on another micro-batch's message. Messages
+    of one link arrive in the order sent, so the k-th receive holds the k-th send."""
+    facts: List[str] = []
+    p = len(runs)
+    for rank, run in enumerate(runs):
+        for kind, peer in (("activation", rank + 1), ("gradient", rank - 1)):
+            # a link neither end used a named operation on (torch.distributed's own calls) is
+            # not seen: nothing to say of it
+            seen = [
+                m for r in (run, runs[peer] if 0 <= peer < p else {})
+                for m in r.get("sent", []) + r.get("received", [])
+            ]
+            if not 0 <= peer < p or not seen:
+                continue
+            sent = [s for s in run.get("sent", []) if s[0] == kind]
+            carried = [s[3] for s in sent if s[3] >= 0]
+            twice = sorted({k for k in carried if carried.count(k) > 1})
+            if twice:
+                facts.append(f"rank {rank} sent the {kind} of micro-batch {_mbs(twice)} to rank "
+                             f"{peer} {carried.count(twice[0])} times in step 0")
+            top = max(carried, default=-1)
+            never = [k for k in range(m if finished else top) if k not in carried]
+            if never and len(carried) == len(sent):
+                facts.append(f"rank {rank} sent no {kind} of micro-batch {_mbs(never)} to rank "
+                             f"{peer} in step 0 (it sent {_mbs(carried) or 'none'})")
+            for _, label, _, mb in sent:
+                if mb >= 0 and label != mb:
+                    facts.append(f"rank {rank} sent the {kind} of micro-batch {mb} to rank {peer} "
+                                 f"labelled micro-batch {label} ({OPERATION[kind, True]}({label}"
+                                 f", ...)): the label names the message in traces and hangs")
+            got = [g for g in runs[peer].get("received", []) if g[0] == kind]
+            action = "forward" if kind == "activation" else "backward"
+            for (_, _, _, mb), (_, label, _, used) in zip(sent, got):
+                if mb >= 0 and used >= 0 and used != mb:
+                    facts.append(f"rank {peer} ran the {action} of micro-batch {used} on rank "
+                                 f"{rank}'s {kind} of micro-batch {mb}")
+                elif used >= 0 and label != used:
+                    facts.append(f"rank {peer} received the {kind} of micro-batch {used} "
+                                 f"labelled micro-batch {label} ({OPERATION[kind, False]}"
+                                 f"({label})): the label names the message in traces and hangs")
+    return facts
+
+
+def hang_diagnosis(runs: List[Dict[str, Any]], m: int) -> str:
+    """The ranks, the operations they wait in and their peers; why, when the pattern says; what
+    the messages sent before it show."""
+    stuck = [run.get("stuck") for run in runs]
+    step = next(s["step"] for s in stuck if s is not None)
+    waits = [
+        f"rank {rank} waits in {s['call']} at {s['where']}"
+        if s is not None else f"rank {rank} is in no send or receive"
+        for rank, s in enumerate(stuck)
+    ]
+    text = f"hang in step {step}: {', '.join(waits)}"
+    waiting = [s for s in stuck if s is not None]
+    if len(waiting) > 1 and all(s["sends"] and not s["recvs"] for s in waiting):
+        text += (" (all send first): a send waits for its receive, so post each send with the "
+                 "receive that answers it in one batch (send_forward_recv_backward, "
+                 "send_backward_recv_forward)")
+    elif len(waiting) > 1 and all(s["recvs"] and not s["sends"] for s in waiting):
+        text += " (all receive first): one of them must send first"
+    facts = link_facts([s.get("messages", {}) if s else {} for s in stuck], m, False) \
+        if step == 0 else []
+    if facts:
+        text += f"; before it {'; '.join(facts[:2])}"
+    waited, limit = max(s["waited"] for s in waiting), max(s["limit"] for s in waiting)
+    return text + (f"; they gave up after {waited:.0f} s (the grader's timeout for a message: "
+                   f"{limit:.0f} s at this machine's load)")
+
+
+def order_diagnosis(runs: List[Dict[str, Any]], m: int) -> Optional[str]:
+    """What differs between each rank's actions of step 0 and 1F1B's, None if nothing."""
+    p = len(runs)
+    for rank, run in enumerate(runs):
+        want = [str(a) for a in one_f_one_b_actions(p, m, rank)]
+        got = run["actions"]
+        if got == want:
+            continue
+        for kind, name in (("F", "forward"), ("B", "backward")):
+            ran = [int(a[1:]) for a in got if a[0] == kind]
+            twice = sorted({k for k in ran if ran.count(k) > 1})
+            never = [k for k in range(m) if k not in ran]
+            if twice or never:
+                said = [f"ran the {name} of micro-batch {_mbs(twice)} twice"] if twice else []
+                said += [f"never ran the {name} of micro-batch {_mbs(never)}"] if never else []
+                return (f"rank {rank} {' and '.join(said)} in step 0 ({' '.join(got)}; 1F1B "
+                        f"runs {' '.join(want)})")
+        first_b = next((i for i, a in enumerate(got) if a.startswith("B")), len(got))
+        if first_b != next(i for i, a in enumerate(want) if a.startswith("B")):
+            ran_f, warmup = first_b - 1, p - rank - 1  # one forward of the steady state
+            head = (f"rank {rank}'s warm-up ran {ran_f} forwards before the steady state "
+                    f"({' '.join(got[:first_b + 2])} ...): 1F1B warms up with p - r - 1 = "
+                    f"{warmup}")
+            if ran_f > warmup:
+                return (f"{head}; one more holds {run['peak']} activations at once, not "
+                        f"p - r = {p - rank}")
+            return (f"{head}; one fewer and the ranks take turns: rank {rank} waits for a "
+                    f"gradient while the next rank has no micro-batch to work on")
+        k = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+        return (f"rank {rank}'s actions of step 0 leave 1F1B's at action {k}: "
+                f"{' '.join(got[max(k - 2, 0):k + 2])}, where 1F1B runs "
+                f"{' '.join(want[max(k - 2, 0):k + 2])}")
+    return None
+
+
+def gradient_diagnosis(runs: List[Dict[str, Any]], ref: Dict[str, Any], m: int) -> Optional[str]:
+    """Step 0's gradients off by one factor on every stage (the global grad norm's ratio), None
+    if not."""
+    p = len(runs)
+    ratios = stage_ratios(runs, ref)
+    ratio = runs[0]["grad_norms"][0] / ref["grad_norms"][0]
+    if ratios and max(ratios) - min(ratios) > FACTOR_TOL * max(ratios):
+        return None  # the stages differ: not one factor (stage_diagnosis)
+    near = lambda k: abs(ratio - k) < FACTOR_TOL * k  # noqa: E731
+    head = f"gradients are {ratio:.3g}x the reference in step 0 (its grad norm)"
+    if near(m):
+        return (f"{head}: each micro-batch's loss is a mean over its tokens; divide it by "
+                f"m = {m}, so that the m backwards add up to the whole batch's mean")
+    if near(1 / m):
+        return f"{head} = 1/m: divided by m = {m} twice? divide once"
+    if near(m / p):
+        return (f"{head}: divided by p = {p}, the pipeline ranks? divide by m = {m}, the "
+                f"micro-batches")
+    if near(m * m):
+        return f"{head} = m x m: multiplied by m = {m}? divide by it"
+    return None
+
+
+def stage_ratios(runs: List[Dict[str, Any]], ref: Dict[str, Any]) -> List[float]:
+    """Each stage's gradient norm of step 0 over the reference's on the same tensors."""
+    out = []
+    for run in runs:
+        mine = run.get("stage_grads") or {}
+        want = sum(ref["grads"][k] for k in mine)
+        out.append((sum(mine.values()) / want)**0.5 if want else 1.0)
+    return out
+
+
+def stage_diagnosis(runs: List[Dict[str, Any]], ref: Dict[str, Any]) -> Optional[str]:
+    """The stages whose gradients of step 0 differ from the reference's, by their factors."""
+    ratios = stage_ratios(runs, ref)
+    off = [r for r, x in enumerate(ratios) if abs(x - 1) > FACTOR_TOL]
+    if not off:
+        return None
+    each = ", ".join(f"stage {r}'s {x:.3g}x" for r, x in enumerate(ratios))
+    if max(ratios) - min(ratios) <= FACTOR_TOL * max(ratios):  # one factor: the loss's scale
+        return (f"step 0's gradients are {ratios[0]:.3g}x the reference's on every stage "
+                f"({each}): the loss each backward starts from is scaled by that factor")
+    first = off[-1]  # the backward runs from the last stage: the first one off on its way
+    return (f"step 0's gradients differ from the reference's on stage {_mbs(off)} ({each}): "
+            f"the backward runs from the last stage, so look first at what stage {first} "
+            f"computes or receives" + (f" from stage {first + 1}" if first + 1 < len(runs) else ""))
+
+
+def parity_diagnosis(runs: List[Dict[str, Any]], ref: Dict[str, Any], steps: int) -> Optional[str]:
+    """The chapter's check: losses and grad norms on every rank, weights on rank 0."""
+    for rank, run in enumerate(runs):
+        loss = max(abs(a - b) for a, b in zip(run["losses"], ref["losses"]))
+        norm = max_norm_diff(run["grad_norms"], ref["grad_norms"])
+        state = run["state"] or {}
+        weight = max((float((state[k] - v).abs().max())
+                      for k, v in ref["state"].items() if k in state), default=0.0)
+        if loss > TOLERANCES["fp32"] or weight > TOLERANCES["fp32"] or \
+                norm > NORM_TOLERANCES["fp32"]:
+            return (f"after {steps} steps rank {rank}'s loss is {loss:.1e}, its grad norm "
+                    f"{norm:.1e} relative and the weights {weight:.1e} off the reference")
+    return None
