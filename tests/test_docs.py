@@ -229,7 +229,7 @@ class SourceExcerptsEqualTheSource(unittest.TestCase):
         errors = self.errors(self.page(drifted))
         self.assertEqual(len(errors), 1)
         self.assertIn("doc/page.md:4: excerpt differs from " + self.SOURCE, errors[0])
-        self.assertIn("-        dy = stage.send_forward_then_recv_backward(", errors[0])
+        self.assertIn("-        dy = this_rank.send_forward_then_recv_backward(", errors[0])
         self.assertIn("no such file", self.errors(self.page(code, "no-such-marker"))[0])
 
     def test_chapter_04_shows_its_loops_from_the_source(self):

@@ -7,16 +7,16 @@ then
 
 runs chapter 04 on 3 gloo ranks (pp 3, 4 micro-batches) with your functions in place of the
 library's, compares it with one device and says "passed" or what is wrong; it names the function
-to write next. ``stage`` (a ``pipeline_schedules.PipelineRank``) holds this rank's part:
-``stage.p``, ``stage.rank``, ``stage.forward(mb, x)``, ``stage.backward(mb, dy)`` and the named
-operations ``recv_forward``, ``send_forward``, ``recv_backward``, ``send_backward``,
+to write next. ``this_rank`` (a ``pipeline_schedules.PipelineRank``: a rank, which holds one
+stage here) has ``this_rank.p``, ``this_rank.rank``, ``this_rank.forward(mb, x)``,
+``this_rank.backward(mb, dy)`` and the named operations ``recv_forward``, ``send_forward``, ``recv_backward``, ``send_backward``,
 ``send_forward_recv_backward`` and ``send_backward_recv_forward``.
 """
 
 from scaletorch.parallel.pipeline_schedules import PipelineRank, Scalar
 
 
-def one_f_one_b(stage: "PipelineRank", m: int) -> None:
+def one_f_one_b(this_rank: "PipelineRank", m: int) -> None:
     """1F1B: rank r of p holds at most p - r activations (m >= p).
 
     Warm-up: p - r - 1 forwards. Steady state: one forward, one backward, each send posted

@@ -42,48 +42,48 @@ Scalar = Float[torch.Tensor, ""]
 # [core: schedules]
 
 
-def afab(stage: "PipelineRank", m: int) -> None:
+def afab(this_rank: "PipelineRank", m: int) -> None:
     """All forwards, then all backwards (GPipe): every rank holds m activations at the peak."""
     # forward: receive the previous stage's activation, run this stage, pass its output on
     for mb in range(m):
-        x = stage.recv_forward(mb)
-        y = stage.forward(mb, x)
-        stage.send_forward(mb, y)
+        x = this_rank.recv_forward(mb)
+        y = this_rank.forward(mb, x)
+        this_rank.send_forward(mb, y)
     # backward, in the same order: the gradient of the output comes back, that of the input goes
     for mb in range(m):
-        dy = stage.recv_backward(mb)
-        dx = stage.backward(mb, dy)
-        stage.send_backward(mb, dx)
+        dy = this_rank.recv_backward(mb)
+        dx = this_rank.backward(mb, dy)
+        this_rank.send_backward(mb, dx)
 
 
-def one_f_one_b(stage: "PipelineRank", m: int) -> None:
+def one_f_one_b(this_rank: "PipelineRank", m: int) -> None:
     """1F1B: rank r of p holds at most p - r activations (m >= p).
 
     Warm-up: p - r - 1 forwards. Steady state: one forward, one backward, each send posted
     with the receive that answers it. Cool-down: the last backwards. Messages are (b, s, h),
     the parameters' dtype, over "pp": activations to rank r + 1, gradients to rank r - 1.
     """
-    warmup = min(stage.p - stage.rank - 1, m)
+    warmup = min(this_rank.p - this_rank.rank - 1, m)
     # warm-up: forwards only, until the last stage can answer with a backward
     for mb in range(warmup):
-        x = stage.recv_forward(mb)
-        y = stage.forward(mb, x)
-        stage.send_forward(mb, y)
-    x = stage.recv_forward(warmup) if warmup < m else None
+        x = this_rank.recv_forward(mb)
+        y = this_rank.forward(mb, x)
+        this_rank.send_forward(mb, y)
+    x = this_rank.recv_forward(warmup) if warmup < m else None
     # steady state: forward micro-batch warmup + i, then backward micro-batch i
     for i in range(m - warmup):
-        y = stage.forward(warmup + i, x)
-        dy = stage.send_forward_recv_backward(warmup + i, y, i)
-        dx = stage.backward(i, dy)
+        y = this_rank.forward(warmup + i, x)
+        dy = this_rank.send_forward_recv_backward(warmup + i, y, i)
+        dx = this_rank.backward(i, dy)
         if warmup + i + 1 < m:  # the next forward's input comes back with this gradient
-            x = stage.send_backward_recv_forward(i, dx, warmup + i + 1)
+            x = this_rank.send_backward_recv_forward(i, dx, warmup + i + 1)
         else:
-            stage.send_backward(i, dx)
+            this_rank.send_backward(i, dx)
     # cool-down: the backwards of the warm-up forwards
     for mb in range(m - warmup, m):
-        dy = stage.recv_backward(mb)
-        dx = stage.backward(mb, dy)
-        stage.send_backward(mb, dx)
+        dy = this_rank.recv_backward(mb)
+        dx = this_rank.backward(mb, dy)
+        this_rank.send_backward(mb, dx)
 
 
 def micro_batch_loss(loss: Scalar, m: int) -> Scalar:
@@ -220,14 +220,14 @@ class PipelineLoop:
         inputs, targets, _ = local_batch(inputs, targets, pgm.data_parallel_rank,
                                          pgm.data_parallel_world_size)
         self.spans.clear()
-        stage = PipelineRank(self.pipe, pgm, split_micro_batches(inputs, targets, self.m),
-                             self.loss_fn, self.spans)
-        SCHEDULES[self.schedule](stage, self.m)
-        finish = getattr(stage.chunk, "finish_grad_sync", None)  # data parallel: end the sync
+        this_rank = PipelineRank(self.pipe, pgm, split_micro_batches(inputs, targets, self.m),
+                                 self.loss_fn, self.spans)
+        SCHEDULES[self.schedule](this_rank, self.m)
+        finish = getattr(this_rank.chunk, "finish_grad_sync", None)  # data parallel: end the sync
         if finish is not None:
             finish()
-        comm.all_reduce(stage.loss, stage.group)  # nonzero on the last stage only
-        return average_over_group(stage.loss, pgm.gradient_sync_group)
+        comm.all_reduce(this_rank.loss, this_rank.group)  # nonzero on the last stage only
+        return average_over_group(this_rank.loss, pgm.gradient_sync_group)
 
     @property
     def timeline(self) -> Timeline:
