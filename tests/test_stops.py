@@ -271,6 +271,20 @@ class ASignalDuringSetupIsOneLineEvenWhenARankIsBlocked(unittest.TestCase):
                               f"(checkpoint.every 2); start again with --overwrite or a new "
                               f"--name", code))
 
+    def test_after_the_loop_the_line_names_the_steps_trained(self):
+        # Ctrl-C while the script reports, writes its last files or tears down (probe 53:
+        # the line was a bare "interrupted (Ctrl-C)", or none, for a run that had finished)
+        from scaletorch.trainer.stops import interruptible
+        with interruptible(self.cfg, [12]):
+            pass
+        for err, how, code in ((Terminated(), "terminated (SIGTERM)", 143),
+                               (KeyboardInterrupt(), "interrupted (Ctrl-C)", 130)):
+            stop = stopped(err)
+            self.assertEqual((str(stop), stop.exit_code),
+                             (f"{how} after step 12 of 200 was trained, while the run was "
+                              f"ending: no checkpoint was saved (checkpoint.every 2); start "
+                              f"again with --overwrite or a new --name", code))
+
     def test_the_watchdog_ends_a_blocked_rank_with_the_line_and_status(self):
         read, write = os.pipe()
         os.write(write, bytes([signal.SIGCHLD, signal.SIGTERM]))  # the first is no stop

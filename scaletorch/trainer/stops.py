@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, List, Optional
+from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 from scaletorch.config import Config
 from scaletorch.data.datasets import DataChanged
@@ -95,6 +95,7 @@ def on_stop_signal(signum: int, frame: object) -> None:
 GRACE_SECONDS = 10.0  # after a stop signal, the longest a rank waits for its clean stop
 _setup: List[Config] = []  # the run's config, once catch_stop_signals is called
 _wakeup: List[int] = []  # the write end of the watchdog's pipe, while it is armed
+_ended: List[Tuple[Config, int]] = []  # (config, steps trained) once the loop has ended
 
 
 class OutputFailed(OSError):
@@ -177,6 +178,7 @@ def release_stop_signals() -> None:
         signal.signal(signum,
                       signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
     _setup.clear()
+    _ended.clear()
     if isinstance(sys.stdout, _GuardedOutput):
         sys.stdout = sys.stdout._stream
     if _wakeup:
@@ -216,6 +218,11 @@ def stopped(err: BaseException) -> RunStopped:
     if is_output_failure(err):  # stdout failed in the setup (its first line, the plan)
         return output_closed(_setup[0] if _setup else None, None, err)
     _, how, code = STOP_SIGNALS[signal.SIGTERM if isinstance(err, Terminated) else signal.SIGINT]
+    if not _setup and _ended:  # past the loop: the script's reports, the last files, teardown
+        cfg, steps = _ended[0]
+        return RunStopped(
+            f"{how} after step {steps} of {cfg.training.steps} was trained, while "
+            f"the run was ending: {where_to_resume(cfg)}", code)
     if not _setup:
         return RunStopped(how, code)
     cfg = _setup[0]
@@ -289,5 +296,6 @@ def interruptible(cfg: Config, steps_done: List[int]) -> Iterator[None]:
             f"{how} at step {steps_done[0]} of {cfg.training.steps}: {where_to_resume(cfg)}",
             code) from None
     if not seen:
+        _ended[:] = [(cfg, steps_done[0])]  # a signal from here on names the steps trained
         for signum, handler in previous.items():
             signal.signal(signum, handler)
