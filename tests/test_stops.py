@@ -275,15 +275,18 @@ class ASignalDuringSetupIsOneLineEvenWhenARankIsBlocked(unittest.TestCase):
         # Ctrl-C while the script reports, writes its last files or tears down (probe 53:
         # the line was a bare "interrupted (Ctrl-C)", or none, for a run that had finished)
         from scaletorch.trainer.stops import interruptible
-        with interruptible(self.cfg, [12]):
-            pass
-        for err, how, code in ((Terminated(), "terminated (SIGTERM)", 143),
-                               (KeyboardInterrupt(), "interrupted (Ctrl-C)", 130)):
-            stop = stopped(err)
-            self.assertEqual((str(stop), stop.exit_code),
-                             (f"{how} after step 12 of 200 was trained, while the run was "
-                              f"ending: no checkpoint was saved (checkpoint.every 2); start "
-                              f"again with --overwrite or a new --name", code))
+        for steps, kept in ((12, "no checkpoint was saved (checkpoint.every 2); start again "
+                             "with --overwrite or a new --name"),
+                            (200, f"every step was trained; the run's files are in "
+                             f"{self.cfg.run_path}")):
+            with interruptible(self.cfg, [steps]):
+                pass
+            for err, how, code in ((Terminated(), "terminated (SIGTERM)", 143),
+                                   (KeyboardInterrupt(), "interrupted (Ctrl-C)", 130)):
+                stop = stopped(err)
+                self.assertEqual((str(stop), stop.exit_code),
+                                 (f"{how} after step {steps} of 200 was trained, while the run "
+                                  f"was ending: {kept}", code))
 
     def test_the_watchdog_ends_a_blocked_rank_with_the_line_and_status(self):
         read, write = os.pipe()

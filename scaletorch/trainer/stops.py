@@ -220,9 +220,11 @@ def stopped(err: BaseException) -> RunStopped:
     _, how, code = STOP_SIGNALS[signal.SIGTERM if isinstance(err, Terminated) else signal.SIGINT]
     if not _setup and _ended:  # past the loop: the script's reports, the last files, teardown
         cfg, steps = _ended[0]
+        kept = (f"every step was trained; the run's files are in {cfg.run_path}"
+                if steps >= cfg.training.steps else where_to_resume(cfg))
         return RunStopped(
             f"{how} after step {steps} of {cfg.training.steps} was trained, while "
-            f"the run was ending: {where_to_resume(cfg)}", code)
+            f"the run was ending: {kept}", code)
     if not _setup:
         return RunStopped(how, code)
     cfg = _setup[0]
