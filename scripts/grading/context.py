@@ -118,6 +118,13 @@ def merge_diagnosis(args: Tuple, got: Any, want: Tuple[torch.Tensor, torch.Tenso
         return (f"merge weighted each tile's output by the other tile's share ({when}): out "
                 f"by exp(lse - the merged lse), tile_out by exp(tile_lse - the merged lse)")
     off = float((out.float() - want[0]).abs().max())
+    if close(lse, torch.maximum(a_lse, b_lse)):
+        return (f"merge's lse is the larger of the two tiles' ({when}), not their "
+                f"log(e^lse + e^tile_lse) (torch.logaddexp); its output is {off:.1e} off")
+    if close(lse, want[1]):  # the weights: what, and where to look first
+        return (f"merge's lse matches, its output is {off:.1e} off the library's {when}: look "
+                f"at the weights, exp(lse - the merged lse) on out and exp(tile_lse - the "
+                f"merged lse) on tile_out, each from the lse it was given")
     return f"merge's output is {off:.1e} off the library's {when}"
 
 
@@ -167,17 +174,25 @@ def probe_merge(fn: Callable) -> Optional[str]:
     lse, tile_lse = (torch.full((1, 1, 1), v) for v in PROBE_LSE)
     out, tile_out = torch.ones(1, 1, 1, 2), torch.zeros(1, 1, 1, 2)
     got, new_lse = fn(out, lse, tile_out, tile_lse)
-    if not (bool(torch.isfinite(got).all()) and bool(torch.isfinite(new_lse).all())):
+    finite = lambda *ts: all(bool(torch.isfinite(t).all()) for t in ts)  # noqa: E731
+    seen = None if finite(got, new_lse) else (f"merging tiles with lse {PROBE_LSE[0]:.0f} and "
+                                              f"{PROBE_LSE[1]:.0f} gave {float(got[0, 0, 0, 0])}")
+    if seen is not None:
         want = 1 / (1 + math.exp(PROBE_LSE[1] - PROBE_LSE[0]))
-        return (f"merging tiles with lse {PROBE_LSE[0]:.0f} and {PROBE_LSE[1]:.0f} gave "
-                f"{float(got[0, 0, 0, 0])}, not {want:.6f}: e^100 overflows fp32; weight by "
-                f"exp(lse - the merged lse), every exponent <= 0")
+        # an overflow only if the same tiles with lse 100 lower merge right; else the probe
+        # below says what else is wrong
+        low = fn(torch.ones(1, 1, 1, 2), torch.full((1, 1, 1), 0.0), torch.zeros(1, 1, 1, 2),
+                 torch.full((1, 1, 1), PROBE_LSE[1] - PROBE_LSE[0]))
+        if finite(*low) and abs(float(low[0][0, 0, 0, 0]) - want) < 1e-5:
+            return (f"{seen}, not {want:.6f}, and {want:.6f} with lse 100 "
+                    f"lower: e^100 overflows fp32; weight by exp(lse - the merged lse), every "
+                    f"exponent <= 0")
     gen = torch.Generator().manual_seed(5)
     args = (torch.randn(1, 2, 3, 4, generator=gen), torch.randn(1, 2, 3, generator=gen),
             torch.randn(1, 2, 3, 4, generator=gen), 1.0 + torch.randn(1, 2, 3, generator=gen))
     want = LIBRARY_FNS["merge"](*args)
     return merge_diagnosis(args, fn(*cloned(args)), want,
-                           "for tiles (1, 2, 3, 4) whose outputs and lse all differ")
+                           "for tiles (1, 2, 3, 4) whose outputs and lse all differ") or seen
 
 
 def _tile(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

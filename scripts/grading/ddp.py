@@ -289,8 +289,12 @@ def gradient_diagnosis(runs: List[Dict[str, Any]], ref: Dict[str, Any]) -> Optio
                 f"every gradient must go through the all-reduce")
     scales = [_scale(run["grads"], run["want"]) for run in runs]
     if all(abs(s - DP) < 0.01 * DP for s in scales):
-        return (f"gradients are {scales[0]:.2f}x the reference on every rank: did you average "
-                f"over the data-parallel ranks? divide the all-reduced sum by N = {DP}")
+        # the sum, undivided: no division, one on a copy (g = g / N rebinds g) and one while
+        # an async all-reduce was in flight (overwritten by its sum) all leave it so
+        return (f"gradients are {scales[0]:.2f}x the reference on every rank: the sum over the "
+                f"{DP} data-parallel ranks, not divided by N = {DP}; look at the division: "
+                f"missing, on a copy (g = g / N rebinds g), or before the all-reduce finished? "
+                f"divide each gradient in place once its sum has arrived")
     if all(abs(s - 1 / DP) < 0.01 / DP for s in scales):
         return (f"gradients are {scales[0]:.2f}x the reference on every rank: divided by N = "
                 f"{DP} twice, or by the world's {len(runs)} ranks? the all-reduce sums over "

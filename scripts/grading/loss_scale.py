@@ -191,6 +191,25 @@ def rank_jobs(rank: int, world: int, jobs: List[Dict[str, Source]]) -> List[Dict
     return out
 
 
+# (a direct call over the world, one alone) with the same kind of value on one rank (an
+# infinity, a NaN; the same element): the holder finds it alone but not over the world only if
+# the agreement lost it, not the check
+SAME_VALUE = ((1, 3), (2, 4))
+
+
+def agreement_lost(runs: List[Dict[str, Any]]) -> Optional[str]:
+    """What the direct calls show if a rank finds its own non-finite value when it decides
+    alone but not when the ranks agree over the world; None otherwise."""
+    for world, alone in SAME_VALUE:
+        held = lambda k: runs[PROBES[k][2]]["probes"][k]["flag"]  # noqa: E731
+        if not held(world) and held(alone):
+            return (f"given {PROBES[alone][0]}, rank {PROBES[alone][2]} found it, but given "
+                    f"{PROBES[world][0]}, rank {PROBES[world][2]} returned False: the "
+                    f"agreement lost it; agree on the flag over group with an all-reduce MAX "
+                    f"(any rank's overflow)")
+    return None
+
+
 def unscale_diagnosis(runs: List[Dict[str, Any]], ref: Dict[str, Any]) -> Optional[str]:
     for step in range(STEPS):
         flags = [run["found"][step] for run in runs]
@@ -201,8 +220,13 @@ def unscale_diagnosis(runs: List[Dict[str, Any]], ref: Dict[str, Any]) -> Option
                     f"MAX)")
         if flags[0] != ref["found"][step]:
             what = PLANTED[step][2] if step in PLANTED else "no overflow"
-            return (f"step {step}'s gradients held {what}, and unscale_and_check returned "
-                    f"{flags[0]}: look for inf and NaN alike (torch.isfinite)")
+            head = f"step {step}'s gradients held {what}, and unscale_and_check returned {flags[0]}"
+            lost = agreement_lost(runs) if ref["found"][step] else None
+            if lost:
+                return f"{head}; {lost}"
+            if not ref["found"][step]:  # an overflow seen where none was: what, not why
+                return f"{head} on every rank"
+            return f"{head}: look for inf and NaN alike (torch.isfinite)"
     norm = lambda gs: math.sqrt(sum(float(g.norm())**2 for g in gs))  # noqa: E731
     ratio = norm(runs[0]["grads"]) / norm(ref["grads"])
     if abs(ratio - 1) > 1e-4:
@@ -212,7 +236,7 @@ def unscale_diagnosis(runs: List[Dict[str, Any]], ref: Dict[str, Any]) -> Option
 
 
 def update_diagnosis(runs: List[Dict[str, Any]], ref: Dict[str, Any]) -> Optional[str]:
-    previous = (INIT_SCALE, 0)
+    previous, changed = (INIT_SCALE, 0), -1  # the step after which the scale last changed
     for step, ((scale, clean), (want,
                                 want_clean)) in enumerate(zip(runs[0]["scales"], ref["scales"])):
         if ref["found"][step] and scale >= previous[0]:
@@ -222,8 +246,12 @@ def update_diagnosis(runs: List[Dict[str, Any]], ref: Dict[str, Any]) -> Optiona
             return (f"the scale did not double after {GROWTH_INTERVAL} clean steps (step "
                     f"{step}): double it every growth_interval clean steps")
         if scale > previous[0] and want <= previous[0]:
-            return (f"the scale doubled in step {step}, the reference's did not: count the "
-                    f"clean steps from 0 again after halving or doubling")
+            # too early: a count not reset, or counted or compared off by one; what, then where
+            return (f"the scale doubled in step {step}, {step - changed} step(s) after its last "
+                    f"change, the reference's did not (it doubles after growth_interval = "
+                    f"{GROWTH_INTERVAL} clean steps): look at where the clean steps are counted "
+                    f"and compared with growth_interval, and at their reset to 0 after halving "
+                    f"or doubling")
         if scale == want and clean != want_clean == 0:
             event = f"the overflow in step {step}" if ref["found"][step] else f"step {step}"
             return (f"after {event} the clean-step count is {clean}, not 0: count the clean "
@@ -231,6 +259,7 @@ def update_diagnosis(runs: List[Dict[str, Any]], ref: Dict[str, Any]) -> Optiona
         if (scale, clean) != (want, want_clean):
             return (f"after step {step} the scale is {scale:.0f} with {clean} clean steps, the "
                     f"reference's {want:.0f} with {want_clean}")
+        changed = step if scale != previous[0] else changed
         previous = (scale, clean)
     return None
 
@@ -254,6 +283,8 @@ def probe_diagnosis(runs: List[Dict[str, Any]]) -> Optional[str]:
         crossed = [r for r, f in enumerate(flags) if f and not want[r] and bad >= 0]
         if bad < 0:
             return text + ": no gradient held an inf or a NaN"
+        if not flags[bad] and agreement_lost(runs):  # it finds it alone: the agreement
+            return f"{text}; {agreement_lost(runs)}"
         if not flags[bad]:  # the rank that holds it did not see it
             return text + f": rank {bad}, which holds it, did not find it; look at every " \
                 "element of every gradient (torch.isfinite finds inf and NaN alike)"

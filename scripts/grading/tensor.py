@@ -202,9 +202,14 @@ def probe_cross_entropy(fn: Callable, group: Any, vocab: int) -> Optional[str]:
                 f"over the whole world ({dist.get_world_size()} ranks), not over the tp group it "
                 f"is given ({n} ranks): communicate over ``group``, and take sizes and ranks "
                 f"from it")
+    # an overflow only if the same logits 100 lower give the right loss; else the later probes
+    # say what else is wrong (called on every rank: the ranks call the same collectives)
+    low, _, low_want, _ = _probe(fn, logits, zeros, group)
     if not bool(torch.isfinite(got)):
-        return (f"the loss of logits near 100 is {float(got):.4g}, not {float(want):.4f}: "
-                f"exp(100) overflows fp32; subtract the max over all tp ranks first")
+        if _close(low, low_want):
+            return (f"the loss of logits near 100 is {float(got):.4g}, not {float(want):.4f}, "
+                    f"and right for the same logits 100 lower: exp(100) overflows fp32; "
+                    f"subtract the max over all tp ranks first")
     wrong = []
     for r in range(n):  # every target in rank r's shard
         targets = torch.randint(r * shard, (r + 1) * shard, (2, 4), generator=gen)

@@ -605,7 +605,8 @@ def ce_gradient_of_the_sum(logits: torch.Tensor, targets: torch.Tensor,
 # (chapter, exercise, variant) -> words its diagnosis must contain
 CATALOGUE: Dict[Tuple[str, str, str], str] = {
     ("01", "average_gradients", "average_sum_not_mean"):
-    "gradients are 2.00x the reference on every rank: did you average over the data-parallel",
+    "gradients are 2.00x the reference on every rank: the sum over the 2 data-parallel ranks, "
+    "not divided by N = 2",
     ("01", "average_gradients", "average_divided_twice"):
     "gradients are 0.50x the reference on every rank: divided by N = 2 twice",
     ("01", "average_gradients", "average_without_all_reduce"):
@@ -626,8 +627,8 @@ CATALOGUE: Dict[Tuple[str, str, str], str] = {
     ("01", "wait_for_buckets", "wait_all_but_the_last"):
     "was never waited for (rank 0): wait for every bucket, the last one launched too",
     ("02", "reduce_scatter_mean", "reduce_scatter_sum"):
-    "the shards' gradients are 2.00x the reference on every rank: the reduce-scatter sums over "
-    "the N = 2 ranks",
+    "the shards' gradients are 2.00x the reference on every rank: the sum over the N = 2 ranks, "
+    "not divided by N",
     ("02", "reduce_scatter_mean", "reduce_scatter_divided_twice"):
     "the shards' gradients are 0.50x the reference on every rank: divided by N = 2 twice",
     ("02", "reduce_scatter_mean", "reduce_scatter_by_all_reduce"):

@@ -319,8 +319,12 @@ def shard_gradient_diagnosis(runs: List[Dict[str, Any]], ref: Dict[str, Any]) ->
             sum(float((r["want"][n] * r["want"][n]).sum()) for n in r["want"]) for r in runs
         ]
         if all(abs(x - DP) < 0.01 * DP for x in scales):
-            return (f"the shards' gradients are {scales[0]:.2f}x the reference on every rank: the "
-                    f"reduce-scatter sums over the N = {DP} ranks; divide by N for the mean")
+            # undivided: no division, or one of out while the reduce-scatter was in flight
+            # (its sum overwrites out) both leave it so
+            return (f"the shards' gradients are {scales[0]:.2f}x the reference on every rank: "
+                    f"the sum over the N = {DP} ranks, not divided by N; look at the division: "
+                    f"missing, or of out before the reduce-scatter finished? divide full before "
+                    f"it starts")
         if all(abs(x - 1 / DP) < 0.01 / DP for x in scales):
             return (f"the shards' gradients are {scales[0]:.2f}x the reference on every rank: "
                     f"divided by N = {DP} twice, or by the world's {len(runs)} ranks? divide "

@@ -1,0 +1,105 @@
+"""The grader's diagnoses of mistakes nobody planted, where a probe decides them in one process
+(no world: the probes of scripts/grading/context.py call ``merge`` directly, and
+scripts/grading/loss_scale.py's diagnoses read the flags and scales a world measured, here
+given by hand). Each names a cause only where the measurement determines it: a merge that is
+not finite is an overflow only if the same tiles 100 lower merge right; an overflow lost by
+every rank is the agreement's fault only if the rank holding it finds it when it decides alone.
+"""
+
+import unittest
+
+import torch
+
+from scaletorch.parallel import loss_scale as library
+from scripts.grading import context, loss_scale, variants
+
+
+def merge_max_for_lse(out, lse, tile_out, tile_lse):
+    """The larger lse for the merged one: the weights no longer sum to 1."""
+    new_lse = torch.maximum(lse, tile_lse)
+    return (torch.exp(lse - new_lse).unsqueeze(-1) * out +
+            torch.exp(tile_lse - new_lse).unsqueeze(-1) * tile_out), new_lse
+
+
+def merge_lse_updated_first(out, lse, tile_out, tile_lse):
+    """lse updated in place first, then used as the old one: out's weight is 1."""
+    lse.copy_(torch.logaddexp(lse, tile_lse))
+    return out + torch.exp(tile_lse - lse).unsqueeze(-1) * tile_out, lse
+
+
+def merge_divides_by_zero(out, lse, tile_out, tile_lse):
+    """Not finite for any lse (0 / 0): no overflow to name."""
+    return out * 0 / 0, torch.logaddexp(lse, tile_lse)
+
+
+def merge_max_shift(out, lse, tile_out, tile_lse):
+    """Correct: shifted by the larger lse, normalised by the weights' sum."""
+    top = torch.maximum(lse, tile_lse)
+    a, b = torch.exp(lse - top), torch.exp(tile_lse - top)
+    out = (a.unsqueeze(-1) * out + b.unsqueeze(-1) * tile_out) / (a + b).unsqueeze(-1)
+    return out, top + torch.log(a + b)
+
+
+def update_grows_early(scale, clean_steps, found_inf, growth_interval):
+    """Compares with growth_interval - 1: doubles one clean step early."""
+    if found_inf:
+        return scale / 2.0, 0
+    clean_steps += 1
+    if clean_steps >= growth_interval - 1:
+        return scale * 2.0, 0
+    return scale, clean_steps
+
+
+class MergeProbes(unittest.TestCase):
+
+    def test_each_merge_gets_what_was_measured(self):
+        cases = [
+            (merge_max_for_lse, "merge's lse is the larger of the two tiles'"),
+            (merge_lse_updated_first, "merge's lse matches, its output is"),
+            (merge_divides_by_zero, "its output is nan off the library's"),
+            (variants.merge_without_max_shift, "and 0.999955 with lse 100 lower: e^100 overflows"),
+        ]
+        for fn, words in cases:
+            text = context.probe_merge(fn)
+            self.assertIn(words, text or "passed", fn.__name__)
+            if fn is not variants.merge_without_max_shift:
+                self.assertNotIn("overflows", text, fn.__name__)  # wrong at lse 0 and -10 too
+        self.assertIsNone(context.probe_merge(merge_max_shift))
+
+
+def _runs(found, probe_flags):
+    return [{"found": found, "probes": [{"flag": f} for f in flags]} for flags in probe_flags]
+
+
+class LossScaleDiagnoses(unittest.TestCase):
+
+    def test_an_overflow_lost_by_the_agreement_is_named_so(self):
+        # every rank returned False in every step; alone (probes 3, 4) rank 1 finds its own
+        runs = _runs([False] * loss_scale.STEPS, [[False] * 5, [False, False, False, True, True]])
+        ref = {"found": [s in loss_scale.PLANTED for s in range(loss_scale.STEPS)]}
+        text = loss_scale.unscale_diagnosis(runs, ref)
+        self.assertIn("step 3's gradients held an inf on rank 1", text)
+        self.assertIn("the agreement lost it", text)
+        self.assertNotIn("inf and NaN alike", text)
+
+    def test_a_scale_doubled_early_is_told_when_not_why(self):
+
+        def scales(fn):
+            out, scale, clean = [], loss_scale.INIT_SCALE, 0
+            for step in range(loss_scale.STEPS):
+                scale, clean = fn(scale, clean, step in loss_scale.PLANTED,
+                                  loss_scale.GROWTH_INTERVAL)
+                out.append((scale, clean))
+            return out
+
+        ref = {
+            "found": [s in loss_scale.PLANTED for s in range(loss_scale.STEPS)],
+            "scales": scales(library.update_scale)
+        }
+        text = loss_scale.update_diagnosis([{"scales": scales(update_grows_early)}], ref)
+        self.assertIn("the scale doubled in step 0, 1 step(s) after its last change", text)
+        self.assertIn("look at where the clean steps are counted and compared", text)
+
+
+if __name__ == "__main__":
+    unittest.main()
