@@ -53,7 +53,7 @@ def limits(cfg, world_size: int) -> None:
         "activation_checkpointing": p.activation_checkpointing != "none",
         "reduce_dtype": p.reduce_dtype != "fp32",
         "tie_word_embeddings": cfg.model.tie_word_embeddings,
-        "impl": p.impl not in ("ours", "torch"),
+        f"--impl {p.impl}": p.impl not in ("ours", "torch"),
         "tp 1": p.tensor_model_parallel_size == 1
     }
     if any(later.values()):

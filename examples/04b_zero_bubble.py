@@ -48,8 +48,8 @@ def limits(cfg, world_size: int) -> None:
     """This chapter's scope (load_config checks it with the layout, before anything starts)."""
     p, t = cfg.parallel, cfg.training
     if p.context_parallel_size > 1 or p.expert_model_parallel_size > 1 or p.impl == "naive":
-        raise ValueError("04b_zero_bubble composes pp with dp and tp (impl ours or "
-                         "torch); context and expert parallel join in 07_nd_parallel")
+        raise ValueError(f"04b_zero_bubble composes pp with dp and tp (--impl ours or torch, "
+                         f"got --impl {p.impl}); context and expert parallel join in 07")
     if p.pipeline_model_parallel_size < 2:
         raise ValueError(f"04b_zero_bubble needs pipeline_model_parallel_size >= 2 (--pp), "
                          f"got {p.pipeline_model_parallel_size}")

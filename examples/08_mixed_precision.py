@@ -35,8 +35,9 @@ def limits(cfg, world_size: int) -> None:
     p = cfg.parallel
     if max(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size,
            p.expert_model_parallel_size) > 1 or p.impl == "torch":
-        raise ValueError("08_mixed_precision runs our data parallel and ZeRO (impl ours or "
-                         "naive, tp = pp = cp = ep = 1): those reduce in parallel.reduce_dtype")
+        raise ValueError(f"08_mixed_precision runs our data parallel and ZeRO (--impl ours or "
+                         f"naive, tp = pp = cp = ep = 1; got --impl {p.impl}): those reduce in "
+                         f"parallel.reduce_dtype")
 
 
 def bf16_sum_error(group, device: torch.device, numel: int = 1 << 16) -> str:
