@@ -200,5 +200,26 @@ class CoreModulesNameNoLaterChapter(unittest.TestCase):
                                  [f"{path}:{line}: the literal {value!r}" for value, line in found])
 
 
+class APipelineRankIsNotCalledAStage(unittest.TestCase):
+    """One name, one meaning (the glossary): a stage is a run of layers, a ``PipelineRank`` is
+    a rank that holds one or more of them. No parameter annotated ``PipelineRank`` in the
+    package, the examples or the exercises is named ``stage`` (the schedules' loops were)."""
+
+    def test_parameters_of_type_pipeline_rank_are_not_named_stage(self):
+        found = []
+        for top in ("scaletorch", "examples"):
+            for root, _, files in os.walk(os.path.join(ROOT, top)):
+                for name in (f for f in files if f.endswith(".py")):
+                    path = os.path.join(root, name)
+                    with open(path) as f:
+                        tree = ast.parse(f.read())
+                    for node in ast.walk(tree):
+                        if isinstance(node, ast.arg) and node.annotation is not None and \
+                                "PipelineRank" in ast.unparse(node.annotation) and \
+                                node.arg == "stage":
+                            found.append(f"{os.path.relpath(path, ROOT)}:{node.lineno}")
+        self.assertEqual(found, [])
+
+
 if __name__ == "__main__":
     unittest.main()
