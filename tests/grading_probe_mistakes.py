@@ -83,7 +83,8 @@ def ring_forward_own_helpers(q, kv, group, order, tile):
 ALTERNATIVES = [("05", "ring_forward", "ring_forward_own_helpers")]
 MISTAKES = [
     ("02", "release_unit", "release_unit_rebinds",
-     "bytes allocated in the storage the parameters view (flat now has a new one of 0)"),
+     "left 8,192 bytes allocated in the storage the parameters view (flat now has a new one "
+     "of 0)"),
     ("06", "combine_tokens", "combine_tokens_forward_order_again",
      "the rows went back in by_local_expert's order, the regrouping applied a second time"),
     ("06b", "update_bias", "update_bias_floor_mean",
