@@ -4,7 +4,8 @@
 words: what was measured, and a cause only where the measurement determines it (a release
 that rebinds flat: the bytes the parameters still hold; a combine that applies the regrouping
 again, not its inverse; a mean load floored; a contiguous slice_ids off by one, which is not
-zigzag's rule at 3 ranks). ``ALTERNATIVES``: a correct ring_forward whose file's slice_ids and
+zigzag's rule at 3 ranks; a scale halved by floor division, 0 from a scale of 1).
+``ALTERNATIVES``: a correct ring_forward whose file's slice_ids and
 merge are wrong: it must pass, each exercise judged on its own.
 """
 
@@ -80,6 +81,14 @@ def ring_forward_own_helpers(q, kv, group, order, tile):
     return torch.cat([acc[0][0], acc[1][0]], dim=2), torch.cat([acc[0][1], acc[1][1]], dim=2)
 
 
+def update_scale_floor_halves(scale, clean_steps, found_inf, growth_interval):
+    """Halves by floor division: right from 512, 0 from a scale of 1."""
+    if found_inf:
+        return scale // 2, 0
+    clean_steps += 1
+    return (scale * 2.0, 0) if clean_steps == growth_interval else (scale, clean_steps)
+
+
 ALTERNATIVES = [("05", "ring_forward", "ring_forward_own_helpers")]
 MISTAKES = [
     ("02", "release_unit", "release_unit_rebinds",
@@ -92,4 +101,7 @@ MISTAKES = [
      "(mean 2.5), the rule by [-0.1, 0.1, 0.1, -0.1]"),
     ("05", "slice_ids", "slice_ids",
      "slice_ids(1, 2, 'contiguous') returned (1, 2), the library (2, 3) (wrong in 6 of the 10"),
+    ("08", "update_scale", "update_scale_floor_halves",
+     "update_scale(scale=1, clean_steps=0, found_inf=True, growth_interval=2) returned (0, 0), "
+     "the library's (0.5, 0)"),
 ]

@@ -209,7 +209,7 @@ class GradeChapter06b(_GradeChapter, unittest.TestCase):
 class GradeChapter08(_GradeChapter, unittest.TestCase):
     """The loss scale, 2 ranks, 8 steps a job, then direct calls (a group of each rank alone,
     agree=False): the library's run, 2 solutions, rank 1's segfault (a second world, its own
-    library run, grades the rest), 2 written another way, 2 mistakes only the direct calls
+    library run, grades the rest), 2 written another way, 3 mistakes only the direct calls
     see, 6 variants, 2 stubs."""
     chapter = "08"
 
