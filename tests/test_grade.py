@@ -25,7 +25,8 @@ from scripts.grading import file_check, runner, tensor
 from scripts.grading.runner import load
 from scripts.grading.variants import CATALOGUE, HANGS, STOPPING
 from tests import harness  # noqa: F401 - sets the forkserver's preload list
-from tests import grading_mistakes_03_05, grading_other_ways, grading_solutions
+from tests import (grading_mistakes_03_05, grading_other_ways, grading_probe_mistakes,
+                   grading_solutions)
 from tests.grading_other_ways import CRASHES
 from tests.grading_solutions import ALTERNATIVES, MISTAKES
 from tests.test_planted_bugs import patched  # a limit in runner.RANK_LIMITS, sent to the ranks
@@ -47,6 +48,7 @@ VARIANTS = "scripts.grading.variants"
 SOLUTIONS = "tests.grading_solutions"
 OTHER_WAYS = "tests.grading_other_ways"
 MISTAKES_03_05 = "tests.grading_mistakes_03_05"
+PROBED = "tests.grading_probe_mistakes"
 
 
 class _GradeChapter:
@@ -63,13 +65,17 @@ class _GradeChapter:
         cls.planted = [(exercise, variant) for (chapter, exercise, variant) in CATALOGUE
                        if chapter == cls.chapter]
         cls.others = [(e, SOLUTIONS, f) for c, e, f in ALTERNATIVES if c == cls.chapter] + \
-            [(e, OTHER_WAYS, f) for c, e, f in grading_other_ways.ALTERNATIVES if c == cls.chapter]
+            [(e, where, f) for where, module_ in ((OTHER_WAYS, grading_other_ways),
+                                                  (PROBED, grading_probe_mistakes))
+             for c, e, f in module_.ALTERNATIVES if c == cls.chapter]
         cls.mistakes = [(e, (SOLUTIONS, f), words) for c, e, f, words in MISTAKES
                         if c == cls.chapter] + \
             [(e, (OTHER_WAYS, f), words) for c, e, f, words in grading_other_ways.MISTAKES
              if c == cls.chapter] + \
             [(e, (MISTAKES_03_05, f), words)
-             for c, e, f, words in grading_mistakes_03_05.MISTAKES if c == cls.chapter]
+             for c, e, f, words in grading_mistakes_03_05.MISTAKES if c == cls.chapter] + \
+            [(e, (PROBED, f), words)
+             for c, e, f, words in grading_probe_mistakes.MISTAKES if c == cls.chapter]
         crash, function, _, _ = CRASHES[cls.chapter]
         jobs = module.solution_jobs() + [{crash: (OTHER_WAYS, function)}] + \
             [{e: (where, f)} for e, where, f in cls.others] + \
@@ -144,7 +150,7 @@ class GradeChapter02(_GradeChapter, unittest.TestCase):
     """ZeRO, 4 ranks (dp 2 x tp 2: the group is not the world), 3 steps of 2 micro-batches a
     job (ZeRO-1 for reduce_scatter_mean, ZeRO-3 with prefetch for gather_unit and release_unit,
     then each called on its own): 3 solutions, rank 1's sys.exit (a second world grades the
-    rest), 4 written another way, 10 variants, 3 stubs."""
+    rest), 4 written another way, 1 mistake, 10 variants, 3 stubs."""
     chapter = "02"
 
 
@@ -181,7 +187,7 @@ class GradeChapter04(_GradeChapter, unittest.TestCase):
 class GradeChapter05(_GradeChapter, unittest.TestCase):
     """Context parallel, 3 ranks (a ring of 3; probes on a ring of 2 whose group is not the
     world), 2 steps a job, every call checked on its rank: 3 solutions, rank 1's receive never
-    answered (8 s; a second world grades the rest), 5 written another way, 2 mistakes, 10
+    answered (8 s; a second world grades the rest), 6 written another way, 3 mistakes, 10
     variants, 3 stubs."""
     chapter = "05"
 
@@ -189,8 +195,8 @@ class GradeChapter05(_GradeChapter, unittest.TestCase):
 class GradeChapter06(_GradeChapter, unittest.TestCase):
     """Expert parallel, 4 ranks (ep 2 x edp 2), 3 steps a job (stopped at the first wrong
     call), then one call on uneven tables: the library's run, 2 solutions, rank 1's
-    KeyboardInterrupt (a second world grades the rest), 2 written another way, 8 variants, 2
-    stubs."""
+    KeyboardInterrupt (a second world grades the rest), 2 written another way, 2 mistakes, 8
+    variants, 2 stubs."""
     chapter = "06"
 
 
@@ -203,7 +209,7 @@ class GradeChapter06b(_GradeChapter, unittest.TestCase):
 class GradeChapter08(_GradeChapter, unittest.TestCase):
     """The loss scale, 2 ranks, 8 steps a job, then direct calls (a group of each rank alone,
     agree=False): the library's run, 2 solutions, rank 1's segfault (a second world, its own
-    library run, grades the rest), 2 written another way, 2 mistakes only the direct calls
+    library run, grades the rest), 2 written another way, 3 mistakes only the direct calls
     see, 6 variants, 2 stubs."""
     chapter = "08"
 

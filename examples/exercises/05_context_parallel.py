@@ -9,7 +9,8 @@ with the library's on the same inputs; it says "passed" or what is wrong, and na
 function to write next. ``slice_ids`` and ``merge`` do not communicate; ``ring_forward`` passes
 K and V around the ring with ``ring._exchange(tensor, group, ring.KV_TAG)`` (post a send to the next
 rank and a receive from the previous one: (the received buffer, works to ``ring._wait`` for)),
-and calls your ``merge``.
+and calls ``merge``. The grader runs your ``ring_forward`` with the library's ``slice_ids`` and
+``merge``: each exercise is judged on its own.
 """
 
 from typing import Dict, Tuple  # noqa: F401 - Dict: for your code

@@ -43,6 +43,8 @@ PROBE_PROBS = [[1 / 16, 4 / 16, 2 / 16, 9 / 16], [10 / 16, 1 / 16, 2 / 16, 3 / 1
 PROBE_BIAS = [-6 / 16, -4 / 16, 4 / 16, -6 / 16]
 # mean 3: expert 1 at the mean keeps its bias; the median (2, torch's lower middle) is not it
 PROBE_LOAD = [7.0, 3.0, 0.0, 2.0]
+# then a mean that is not whole (2.5): a mean floored or rounded to 2 leaves experts 1 and 2 be
+PROBE_LOAD_HALF = [3.0, 2.0, 2.0, 3.0]
 PROBE_RATE = 0.1
 # Other rules of choice a learner may write: (scores whose k largest it takes, what it chose
 # by, what to do). A diagnosis names one only when it chose as that rule does on every token.
@@ -210,10 +212,16 @@ def probe(exercise: str, fn: Callable) -> Optional[str]:
     """The learner's function on the chosen inputs, where each mistake answers differently."""
     if exercise == "biased_top_k":
         args: Tuple = (torch.tensor(PROBE_PROBS, requires_grad=True), torch.tensor(PROBE_BIAS), 2)
-    else:
-        args = (torch.zeros(4), torch.tensor(PROBE_LOAD), PROBE_RATE)
-    got, want = _call(exercise, fn, args)
-    return DIAGNOSES[exercise](args, got, want, "the probe")
+        got, want = _call(exercise, fn, args)
+        return top_k_diagnosis(args, got, want, "the probe")
+    for rows, when in ((PROBE_LOAD, "the probe"),
+                       (PROBE_LOAD_HALF, f"the probe with load {PROBE_LOAD_HALF} (mean 2.5)")):
+        args = (torch.zeros(4), torch.tensor(rows), PROBE_RATE)
+        got, want = _call(exercise, fn, args)
+        text = update_diagnosis(args, got, want, when)
+        if text is not None:
+            return text
+    return None
 
 
 def _checked(exercise: str, fn: Callable, found: List[str]) -> Callable:

@@ -21,10 +21,11 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from scaletorch.dist import comm, destroy_pg_manager, get_ledger, init_pg_manager_from_config
+from scaletorch.dist.all_to_all import all_to_all
 from scaletorch.models import build_model, loss_fn
 from scaletorch.parallel import expert_parallel
-from scaletorch.parallel.expert_parallel import (ExpertParallel, expert_parallel_clip_grad_norm,
-                                                 shard_experts)
+from scaletorch.parallel.expert_parallel import (ExpertParallel, by_local_expert,
+                                                 expert_parallel_clip_grad_norm, shard_experts)
 from scaletorch.parallel.step import make_data_parallel_step
 from scaletorch.trainer import Config, Trainer, parse_args
 from scripts.grading.runner import (Source, Verdict, caused_by, collective_timeout, error_verdict,
@@ -47,6 +48,15 @@ COUNTS = [[[3, 0], [2, 5]], [[0, 4], [0, 1]]]
 PROBE_WIDTH = 6  # h of the probe's rows
 PROBE = "with the grader's tables (uneven counts, some zero)"
 RIGHT, ROWS, NO_GRAD, ORDER, FOREIGN = range(5)  # what a call returned, in order of priority
+UNDONE, TWICE = 1, 2  # combine_tokens's rows went back as given, or regrouped a second time
+UNDO_SEEN = {  # what combine_tokens's wrong rows were, by _undo_seen
+    0: ": neither the rows as given nor in by_local_expert's order again; each rank's rows go "
+    "back in source-rank order",
+    UNDONE: ": undo the regrouping by local expert before the all-to-all back, so each rank's "
+    "rows go home",
+    TWICE: ": the rows went back in by_local_expert's order, the regrouping applied a second "
+    "time; undo it with its inverse (torch.argsort of that order)",
+}
 
 
 class WrongRows(Exception):
@@ -66,10 +76,12 @@ def _compare(got: torch.Tensor, want: torch.Tensor, needs_grad: bool) -> int:
     return NO_GRAD if needs_grad and got.grad_fn is None else RIGHT
 
 
-def _text(exercise: str, code: int, rank: int, got: int, want: int, given: int, when: str) -> str:
+def _text(exercise: str, code: int, rank: int, got: int, want: int, given: int, when: str,
+          undo: int = 0) -> str:
     """The diagnosis of a call that returned ``code`` on ``rank`` (in the learner's terms):
     ``got`` rows for ``want``, from ``given`` rows in. A wrong row count names a cause only
-    when the rows returned are the rows given (none crossed)."""
+    when the rows returned are the rows given (none crossed), a wrong undo only when
+    ``undo`` (_undo_seen) says which order the rows went back in."""
     kept = got == given != want
     texts = {
         ("dispatch_tokens", ROWS):
@@ -98,10 +110,26 @@ def _text(exercise: str, code: int, rank: int, got: int, want: int, given: int, 
         f"rank {rank} got its tokens' outputs back {when}, in the wrong order: row n "
         f"must be routed row n's output",
         ("combine_tokens", FOREIGN):
-        f"rank {rank} got back outputs of other tokens {when}: undo the regrouping by "
-        f"local expert before the all-to-all back, so each rank's rows go home",
+        f"rank {rank} got back outputs of other tokens {when}" + UNDO_SEEN[undo],
     }
     return texts[(exercise, code)]
+
+
+def _undo_seen(x: torch.Tensor, got: torch.Tensor, send_table: List[List[int]],
+               recv_table: List[List[int]], group: Any) -> int:
+    """combine_tokens returned other tokens' rows: UNDONE if on every rank they are the
+    all-to-all back of ``x`` as given (M, h), TWICE if of ``x`` in by_local_expert's order
+    again, else 0 (the ranks agree: one all-reduce over the world each)."""
+    order = by_local_expert(recv_table, x.device)
+    send = [sum(row) for row in send_table]
+    recv = [sum(row) for row in recv_table]
+    seen = torch.zeros(2)
+    for i, rows in enumerate((x, x[order])):
+        back = all_to_all(rows.detach(), send, recv, group, "ep")
+        seen[i] = float(back.shape == got.shape and torch.equal(back, got.detach().to(back)))
+    comm.all_reduce(seen, None)
+    world = comm.group_size(None)
+    return UNDONE if seen[0] == world else TWICE if seen[1] == world else 0
 
 
 def _backward_splits(err: BaseException) -> Optional[str]:
@@ -132,20 +160,36 @@ def _checked(exercise: str, fn: Callable, library: Callable) -> Callable:
                 [_compare(got, want, x.requires_grad), got.shape[0], want.shape[0], x.shape[0]],
                 dtype=torch.float)
             comm.all_reduce(mine, None)
+            undo = _undo(exercise, mine, x, got, send_table, recv_table, group)
         codes = [int(c) for c in mine[:, 0].tolist()]
         if any(codes):
-            raise WrongRows(_worst(exercise, mine, f"in step {get_ledger().step}"))
+            raise WrongRows(_worst(exercise, mine, f"in step {get_ledger().step}", undo))
         return got
 
     return call
 
 
-def _worst(exercise: str, mine: torch.Tensor, when: str) -> str:
-    """The diagnosis of the worst code of ``mine`` (rank, [code, rows returned, expected])."""
+def _worst_rank(mine: torch.Tensor) -> int:
+    """The first rank of the worst code of ``mine`` (rank, [code, ...]), -1 if all RIGHT."""
     codes = [int(c) for c in mine[:, 0].tolist()]
-    worst = min(c for c in codes if c)
-    r = codes.index(worst)
-    return _text(exercise, worst, r, int(mine[r, 1]), int(mine[r, 2]), int(mine[r, 3]), when)
+    return codes.index(min(c for c in codes if c)) if any(codes) else -1
+
+
+def _undo(exercise: str, mine: torch.Tensor, x: torch.Tensor, got: torch.Tensor,
+          send_table: List[List[int]], recv_table: List[List[int]], group: Any) -> int:
+    """_undo_seen when the worst of ``mine`` is combine_tokens's FOREIGN (every rank sees
+    the same ``mine``, so all call it or none), else 0."""
+    r = _worst_rank(mine)
+    if exercise != "combine_tokens" or r < 0 or int(mine[r, 0]) != FOREIGN:
+        return 0
+    return _undo_seen(x, got, send_table, recv_table, group)
+
+
+def _worst(exercise: str, mine: torch.Tensor, when: str, undo: int = 0) -> str:
+    """The diagnosis of the worst code of ``mine`` (rank, [code, rows returned, expected])."""
+    r = _worst_rank(mine)
+    return _text(exercise, int(mine[r, 0]), r, int(mine[r, 1]), int(mine[r, 2]), int(mine[r, 3]),
+                 when, undo)
 
 
 def _probe(exercise: str, fn: Callable, library: Callable, pgm: Any) -> Optional[str]:
@@ -168,7 +212,9 @@ def _probe(exercise: str, fn: Callable, library: Callable, pgm: Any) -> Optional
                               dtype=torch.float)
     comm.all_reduce(mine, None)
     if mine[:, 0].any():
-        return _worst(exercise, mine, PROBE)
+        with get_ledger().paused():
+            undo = _undo(exercise, mine, x, got, send, recv, pgm.expert_model_parallel_group)
+        return _worst(exercise, mine, PROBE, undo)
     grad = torch.randn(want.shape, generator=gen)
     got.backward(grad)
     with get_ledger().paused():

@@ -11,8 +11,8 @@ world (job 0). fp32 compute: the scale's logic is the same as in fp16, and the r
 Then the function is called directly (``PROBES``): unscale_and_check on random gradients with a
 non-finite element on one rank only, over the world, over a group of each rank alone (a group
 that is not the world: the flag must not cross it) and with ``agree`` False (no collective);
-update_scale along flag sequences with growth intervals 1 and 3 (``UPDATE_PROBES``), each call
-compared with the library's.
+update_scale along flag sequences with growth intervals 1 and 3 (``UPDATE_PROBES``), then from
+a scale of 1 (``LOW_PROBE``), each call compared with the library's.
 """
 
 import datetime
@@ -61,6 +61,8 @@ PROBE_TOL = 1e-6  # relative: room for another way to divide
 # update_scale along each sequence of overflow flags, from (PROBE_SCALE, 0): (interval, flags)
 UPDATE_PROBES = [(1, [False, False, True, False, True, True, False]),
                  (3, [False, False, False, False, True, False, False, False, False])]
+# then from a scale of 1 (FP16 runs can fall below 2): halving by floor division gives 0
+LOW_PROBE = (1.0, 2, [True, True, False, False])
 
 
 def config() -> Config:
@@ -151,8 +153,8 @@ def _probe_unscale(fn: Any, rank: int, alone: Any) -> List[Dict[str, Any]]:
 def _probe_update(fn: Any) -> Optional[str]:
     """The first call of ``UPDATE_PROBES`` whose result differs from the library's, said as
     the call and both results; None if none does."""
-    for interval, flags in UPDATE_PROBES:
-        scale, clean = PROBE_SCALE, 0
+    for start, interval, flags in [(PROBE_SCALE, *p) for p in UPDATE_PROBES] + [LOW_PROBE]:
+        scale, clean = start, 0
         for flag in flags:
             got = fn(scale, clean, flag, interval)
             want = loss_scale.update_scale(scale, clean, flag, interval)

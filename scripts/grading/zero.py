@@ -111,12 +111,18 @@ def _train(cfg: Config, pgm: Any, exercise: str, fn: Callable, ref: Dict[str,
 
     def release(flat: torch.Tensor) -> None:
         shape = tuple(flat.shape)
+        # the storage the parameters view: a release that rebinds flat (flat.data = ...)
+        # leaves them holding it, so its bytes, not flat's new ones, are what stays allocated
+        storage = flat.untyped_storage()
         fn(flat)
-        left = flat.untyped_storage().nbytes()
+        left = storage.nbytes()
         if tuple(flat.shape) != shape:  # the next gather would fail on it
+            rebound = flat.untyped_storage().data_ptr() != storage.data_ptr()
             raise Diagnosed(f"release_unit changed flat's shape from ({shape[0]:,},) to "
-                            f"{tuple(flat.shape)} and left {left:,} bytes allocated: keep the "
-                            f"shape (the parameters live on flat), free its storage")
+                            f"{tuple(flat.shape)} and left {left:,} bytes allocated" +
+                            (f" in the storage the parameters view (flat now has a new one "
+                             f"of {flat.untyped_storage().nbytes():,})" if rebound else "") +
+                            ": keep the shape (the parameters live on flat), free its storage")
         if get_ledger().step == 0:
             released.append((shape, left, left > 0 and not bool(flat.detach().any())))
 
