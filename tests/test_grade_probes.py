@@ -10,8 +10,10 @@ import unittest
 
 import torch
 
+from scaletorch.dist import flight_recorder
 from scaletorch.parallel import loss_scale as library
 from scripts.grading import context, loss_scale, variants
+from tests.test_file_kinds import DUMP_ENTRY
 
 
 def merge_max_for_lse(out, lse, tile_out, tile_lse):
@@ -99,6 +101,80 @@ class LossScaleDiagnoses(unittest.TestCase):
         text = loss_scale.update_diagnosis([{"scales": scales(update_grows_early)}], ref)
         self.assertIn("the scale doubled in step 0, 1 step(s) after its last change", text)
         self.assertIn("look at where the clean steps are counted and compared", text)
+
+
+def _dp_tp_dump(rank, dp_name, last_op):
+    """Rank ``rank``'s dump in a world of 4 ranks as dp 2 x tp 2: one all_gather of its dp group
+    (torch's name ``dp_name``), then two collectives of the world, the second ``last_op``."""
+    dp = [rank % 2, rank % 2 + 2]
+    entry = lambda group, seq, op: {  # noqa: E731
+        **DUMP_ENTRY, "process_group": [group, "x"],
+        "collective_seq_id": seq,
+        "profiling_name": f"gloo:{op}"
+    }
+    return {
+        "entries":
+        [entry(dp_name, 1, "all_gather"),
+         entry("0", 1, "all_reduce"),
+         entry("0", 2, last_op)],
+        "pg_config": {
+            "0": {
+                "name": "0",
+                "desc": "world",
+                "ranks": "[0, 1, 2, 3]"
+            },
+            dp_name: {
+                "name": dp_name,
+                "desc": "dp",
+                "ranks": str(dp)
+            },
+        },
+        "rank":
+        rank
+    }
+
+
+class FlightRecorderGroups(unittest.TestCase):
+    """Groups are told apart by their ranks: two dp groups of a dp x tp world are never compared
+    with each other, even under one torch name; what rank 0 alone did differently is named."""
+
+    def test_only_the_collective_that_differs_is_a_disagreement(self):
+        for same_name in (False, True):
+            traces = {
+                r:
+                _dp_tp_dump(r, "1" if same_name or r % 2 == 0 else "2",
+                            "barrier" if r == 0 else "all_reduce")
+                for r in range(4)
+            }
+            lines = flight_recorder.analyze(traces)
+            self.assertIn(
+                "first disagreement: collective #2 of group 'world' (ranks "
+                "[0, 1, 2, 3])", lines[0], same_name)
+            self.assertNotIn(
+                "'dp'",
+                "\n".join(lines[:lines.index("where each rank stopped (its last collective):")]),
+                same_name)
+
+    def test_a_dump_names_the_ranks_of_every_group_of_its_rank(self):
+        # the grader's ranks dump without naming their groups (runner.py): each group's ranks
+        # must be in the table, else the analysis takes it for the world's
+        import json
+        import tempfile
+
+        import torch.distributed as dist
+
+        from scaletorch.dist.spawn import free_port
+        if dist.is_initialized():
+            self.skipTest("a process group exists already")
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                                world_size=1)
+        try:
+            dist.new_group([0], group_desc="dp")
+            with tempfile.TemporaryDirectory() as d, open(flight_recorder.dump(d, 0)) as f:
+                table = json.load(f)["pg_config"]
+        finally:
+            dist.destroy_process_group()
+        self.assertIn(("dp", "[0]"), [(g["desc"], g["ranks"]) for g in table.values()])
 
 
 if __name__ == "__main__":

@@ -54,7 +54,11 @@ def dump(directory: str, rank: int, groups: Iterable[Tuple[Any, str]] = ()) -> s
     # torch's stubs do not declare it (torch 2.13).
     trace = pickle.loads(torch._C._distributed_c10d._dump_fr_trace())  # type: ignore[attr-defined]
     table = {}
-    for group, name in [(dist.group.WORLD, "world"), *groups]:
+    # every group this rank belongs to, by its ranks: without them the analysis would take a
+    # group for the world's ranks and call each rank outside it "never issued it"
+    known = [(g, getattr(g, "group_desc", "") or g.group_name)
+             for g in dist.distributed_c10d._world.pg_group_ranks if g is not dist.group.WORLD]
+    for group, name in [(dist.group.WORLD, "world"), *known, *groups]:
         if group is None:
             continue
         table[group.group_name] = {
@@ -154,7 +158,7 @@ def _load_dump(path: str, rank: int) -> dict:
 class Call:
     """One collective as one rank issued it."""
     rank: int
-    group_id: str  # torch's name of the group ("1"): the same on every rank
+    group_id: str  # torch's name of the group ("1"), with its ranks where the dump names them
     group: str  # the ledger's name ("dp"), or torch's description ("default_pg")
     seq: int  # its number among the group's collectives on this rank (1, 2, ...)
     op: str  # "all_reduce", ...
@@ -179,13 +183,18 @@ def _ours(frames: Sequence[dict]) -> Tuple[str, ...]:
 def calls(rank: int, trace: dict) -> List[Call]:
     """A rank's collectives, in the order it issued them (p2p operations are left out)."""
     desc = {name: c["desc"] for name, c in trace.get("pg_config", {}).items()}
+    ranks = _members({rank: trace})
     out = []
     for e in trace["entries"]:
         if e.get("is_p2p"):
             continue
         pg_name, pg_desc = e["process_group"]
+        # a group is its name and its ranks, as this rank's own table gives them: two ranks'
+        # groups of one name but other members (the dp group of tp rank 0 and of tp rank 1,
+        # should torch name them alike) are different groups, never compared
+        key = f"{pg_name} {ranks[pg_name]}" if pg_name in ranks else pg_name
         out.append(
-            Call(rank, pg_name, desc.get(pg_name, pg_desc or pg_name), e["collective_seq_id"],
+            Call(rank, key, desc.get(pg_name, pg_desc or pg_name), e["collective_seq_id"],
                  e["profiling_name"].split(":", 1)[-1],
                  f"{e['input_sizes']} {','.join(e['input_dtypes'])}", e["time_created_ns"],
                  _ours(e.get("frames", []))))
@@ -193,12 +202,14 @@ def calls(rank: int, trace: dict) -> List[Call]:
 
 
 def _members(traces: Dict[int, dict]) -> Dict[str, List[int]]:
+    """{torch's group name: its ranks}, and {Call.group_id: its ranks}, from the dumps' tables."""
     members: Dict[str, List[int]] = {}
     for t in traces.values():
         for name, c in t.get("pg_config", {}).items():
-            members[name] = [int(r) for r in c["ranks"].strip("[]").split(",") if r.strip()]
-            if any(not 0 <= r <= MAX_RANK for r in members[name]):
+            ranks = [int(r) for r in c["ranks"].strip("[]").split(",") if r.strip()]
+            if any(not 0 <= r <= MAX_RANK for r in ranks):
                 raise ValueError(f"group {name!r} names a rank outside 0..{MAX_RANK}")
+            members[name] = members[f"{name} {ranks}"] = ranks
     return members
 
 
