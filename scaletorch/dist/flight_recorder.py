@@ -56,8 +56,10 @@ def dump(directory: str, rank: int, groups: Iterable[Tuple[Any, str]] = ()) -> s
     table = {}
     # every group this rank belongs to, by its ranks: without them the analysis would take a
     # group for the world's ranks and call each rank outside it "never issued it"
+    # (torch keeps a marker, not a group, for the groups this rank is not in)
     known = [(g, getattr(g, "group_desc", "") or g.group_name)
-             for g in dist.distributed_c10d._world.pg_group_ranks if g is not dist.group.WORLD]
+             for g in dist.distributed_c10d._world.pg_group_ranks
+             if isinstance(g, dist.ProcessGroup) and g is not dist.group.WORLD]
     for group, name in [(dist.group.WORLD, "world"), *known, *groups]:
         if group is None:
             continue
