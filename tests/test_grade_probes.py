@@ -12,7 +12,7 @@ import torch
 
 from scaletorch.dist import flight_recorder
 from scaletorch.parallel import loss_scale as library
-from scripts.grading import context, loss_scale, variants
+from scripts.grading import context, loss_scale, pipeline, variants
 from tests.test_file_kinds import DUMP_ENTRY
 
 
@@ -175,6 +175,53 @@ class FlightRecorderGroups(unittest.TestCase):
         finally:
             dist.destroy_process_group()
         self.assertIn(("dp", "[0]"), [(g["desc"], g["ranks"]) for g in table.values()])
+
+
+class PipelineHangOutsideTheLoop(unittest.TestCase):
+    """A 1F1B whose cool-down skips the last backward (``range(rem, m - 1)``): rank 2 waits in
+    send_backward(3) while ranks 0 and 1 left the loop and wait in a collective. The verdict
+    names the backward each left without, from the actions it ran (pipeline.rank_jobs records
+    them), and is the hang's, never a bare timeout, even with no rank in a send or receive."""
+
+    def test_the_skipped_backward_is_named(self):
+        from scaletorch.schedule.orders import one_f_one_b_actions
+        m, p = pipeline.MICRO_BATCHES, pipeline.WORLD
+        timeout = "RuntimeError: Timed out waiting 10000ms for recv (at distributed_c10d.py:1)"
+        runs = [{
+            "exercise": "one_f_one_b",
+            "error": timeout,
+            "hung": True,
+            "step": 0,
+            "in": "all_reduce (comm.py:1)",
+            "actions": [str(a) for a in one_f_one_b_actions(p, m, r) if str(a) != f"B{m - 1}"]
+        } for r in range(p)]
+        text = pipeline.diagnose("one_f_one_b", runs, {}).text
+        self.assertNotIn("Timed out", text)
+        for r in range(p):
+            self.assertIn(
+                f"rank {r} is in no send or receive (it waits in all_reduce (comm.py:1))"
+                f": it left step 0's loop without B{m - 1}", text)
+        runs[-1] = {
+            "exercise": "one_f_one_b",
+            "error": "stuck",
+            "stuck": {
+                "step": 0,
+                "call": f"send_backward(mb {m - 1} -> rank {p - 2})",
+                "sends": True,
+                "recvs": False,
+                "where": "04_pipeline_parallel.py:34",
+                "waited": 4.0,
+                "limit": 4.0,
+                "messages": {
+                    "sent": [],
+                    "received": []
+                }
+            }
+        }
+        text = pipeline.diagnose("one_f_one_b", runs, {}).text
+        self.assertIn(f"rank {p - 1} waits in send_backward(mb {m - 1} -> rank {p - 2})", text)
+        self.assertIn(f"rank {p - 2} is in no send or receive", text)
+        self.assertIn(f"without B{m - 1}", text)
 
 
 if __name__ == "__main__":
