@@ -224,5 +224,63 @@ class PipelineHangOutsideTheLoop(unittest.TestCase):
         self.assertIn(f"without B{m - 1}", text)
 
 
+class AHangIsHeadedByTheCollectiveNeverMet(unittest.TestCase):
+    """A 06 world of two ep groups ([0, 1], [2, 3]) where rank 3's combine_tokens skips its
+    all-to-all: rank 2 waits in it, the others go on to a world all_reduce. The headline names
+    the rank waiting, the op, the group by its ranks, the learner's line and the rank missing."""
+
+    def test_the_waiting_and_the_missing_rank_are_named(self):
+        import os
+
+        from scripts.grading import runner
+        mine = os.path.abspath("examples/exercises/06_expert_parallel.py")
+
+        def entry(group, seq, op, frames):
+            return {
+                **DUMP_ENTRY, "process_group": [group, "x"],
+                "collective_seq_id": seq,
+                "profiling_name": f"gloo:{op}",
+                "frames": frames
+            }
+
+        ours = [{
+            "filename": os.path.abspath("scaletorch/dist/all_to_all.py"),
+            "line": 28,
+            "name": "forward"
+        }, {
+            "filename": mine,
+            "line": 9,
+            "name": "combine_tokens"
+        }]
+        traces = {}
+        for r in range(4):
+            ep = "1" if r < 2 else "2"
+            # an all-to-all's sizes differ between ranks when right (uneven splits)
+            entries = [{**entry(ep, 1, "all_to_all", ours), "input_sizes": [[r + 1, 4]]}]
+            entries += [entry(ep, 2, "all_to_all", ours)] if r != 3 else []
+            entries += [entry("0", 1, "all_reduce", [])] if r != 2 else []
+            traces[r] = {
+                "entries": entries,
+                "rank": r,
+                "pg_config": {
+                    "0": {
+                        "name": "0",
+                        "desc": "world",
+                        "ranks": "[0, 1, 2, 3]"
+                    },
+                    ep: {
+                        "name": ep,
+                        "desc": "ep",
+                        "ranks": "[0, 1]" if r < 2 else "[2, 3]"
+                    }
+                }
+            }
+        head = runner._hang_head(traces, [mine])
+        self.assertIn(
+            "hang: rank 2 wait(s) in all_to_all #2 of group 'ep' (ranks [2, 3]), "
+            "issued at combine_tokens (06_expert_parallel.py:9); rank 3 of that group "
+            "never issued it (rank 3's last is all_reduce #1 of group 'world'", head)
+
+
 if __name__ == "__main__":
     unittest.main()

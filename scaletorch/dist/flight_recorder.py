@@ -44,6 +44,21 @@ def enable(entries: int = 2000) -> None:
     os.environ.setdefault(BUFFER_ENV, str(entries))
 
 
+# every group this process made through pg_manager, by torch's name: {"name", "desc", "ranks"}
+# (a dump after the groups were destroyed, as a grader's rank tears down before it dumps, still
+# names their ranks)
+_SEEN: Dict[str, Dict[str, str]] = {}
+
+
+def remember(group: Any, name: str) -> None:
+    """Keep ``group``'s ranks and ``name`` for this process's dumps."""
+    _SEEN[group.group_name] = {
+        "name": group.group_name,
+        "desc": name,
+        "ranks": str(dist.get_process_group_ranks(group))
+    }
+
+
 def dump(directory: str, rank: int, groups: Iterable[Tuple[Any, str]] = ()) -> str:
     """Write this rank's flight-recorder entries to ``<directory>/rank_<rank>``; returns the path.
 
@@ -53,7 +68,16 @@ def dump(directory: str, rank: int, groups: Iterable[Tuple[Any, str]] = ()) -> s
     # Bytes torch's C++ made in this process, not a file: its JSON dump leaves out the stacks.
     # torch's stubs do not declare it (torch 2.13).
     trace = pickle.loads(torch._C._distributed_c10d._dump_fr_trace())  # type: ignore[attr-defined]
-    table = {}
+    # a group of an earlier, larger world of this process is not this world's
+    size = dist.get_world_size()
+    table = {
+        k: g
+        for k, g in _SEEN.items() if max(_members({0: {
+            "pg_config": {
+                k: g
+            }
+        }})[k], default=0) < size
+    }
     # every group this rank belongs to, by its ranks: without them the analysis would take a
     # group for the world's ranks and call each rank outside it "never issued it"
     # (torch keeps a marker, not a group, for the groups this rank is not in)
@@ -215,10 +239,20 @@ def _members(traces: Dict[int, dict]) -> Dict[str, List[int]]:
     return members
 
 
+# ops whose ranks send and receive different sizes when right (uneven splits)
+UNEVEN = ("all_to_all", "alltoall", "alltoall_base")
+
+
+def _shape(c: Call) -> Tuple[str, str]:
+    """What every rank of a collective must agree on: its op, and its sizes unless uneven."""
+    return c.op, ("" if c.op in UNEVEN else c.sizes)
+
+
 # [core: first-disagreement]
 def disagreements(traces: Dict[int, dict]) -> List[Tuple[Call, Dict[int, Call], List[int]]]:
     """Per group, the first collective that some rank of the group did not issue as its call of
-    the same number (another op, other sizes, or none): (call, {rank: its call}, group ranks).
+    the same number (another op, other sizes but an all-to-all's, or none): (call, {rank: its
+    call}, group ranks).
 
     Collective n of a group on one rank meets collective n of the group on every other rank.
     Numbers older than a rank's oldest recorded one (its buffer wrapped) are not compared.
@@ -241,8 +275,7 @@ def disagreements(traces: Dict[int, dict]) -> List[Tuple[Call, Dict[int, Call], 
             if any(c.seq < oldest.get((c.group_id, r), 0) for r in ranks):
                 continue
             there = table[(c.group_id, c.seq)]
-            if any(r not in there or (there[r].op, there[r].sizes) != (c.op, c.sizes)
-                   for r in ranks):
+            if any(r not in there or _shape(there[r]) != _shape(c) for r in ranks):
                 if c.group_id not in first or c.seq < first[c.group_id][0].seq:
                     first[c.group_id] = (c, there, ranks)
                 break
