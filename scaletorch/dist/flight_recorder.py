@@ -44,6 +44,21 @@ def enable(entries: int = 2000) -> None:
     os.environ.setdefault(BUFFER_ENV, str(entries))
 
 
+# every group this process made through pg_manager, by torch's name: {"name", "desc", "ranks"}
+# (a dump after the groups were destroyed, as a grader's rank tears down before it dumps, still
+# names their ranks)
+_SEEN: Dict[str, Dict[str, str]] = {}
+
+
+def remember(group: Any, name: str) -> None:
+    """Keep ``group``'s ranks and ``name`` for this process's dumps."""
+    _SEEN[group.group_name] = {
+        "name": group.group_name,
+        "desc": name,
+        "ranks": str(dist.get_process_group_ranks(group))
+    }
+
+
 def dump(directory: str, rank: int, groups: Iterable[Tuple[Any, str]] = ()) -> str:
     """Write this rank's flight-recorder entries to ``<directory>/rank_<rank>``; returns the path.
 
@@ -53,8 +68,23 @@ def dump(directory: str, rank: int, groups: Iterable[Tuple[Any, str]] = ()) -> s
     # Bytes torch's C++ made in this process, not a file: its JSON dump leaves out the stacks.
     # torch's stubs do not declare it (torch 2.13).
     trace = pickle.loads(torch._C._distributed_c10d._dump_fr_trace())  # type: ignore[attr-defined]
-    table = {}
-    for group, name in [(dist.group.WORLD, "world"), *groups]:
+    # a group of an earlier, larger world of this process is not this world's
+    size = dist.get_world_size()
+    table = {
+        k: g
+        for k, g in _SEEN.items() if max(_members({0: {
+            "pg_config": {
+                k: g
+            }
+        }})[k], default=0) < size
+    }
+    # every group this rank belongs to, by its ranks: without them the analysis would take a
+    # group for the world's ranks and call each rank outside it "never issued it"
+    # (torch keeps a marker, not a group, for the groups this rank is not in)
+    known = [(g, getattr(g, "group_desc", "") or g.group_name)
+             for g in dist.distributed_c10d._world.pg_group_ranks
+             if isinstance(g, dist.ProcessGroup) and g is not dist.group.WORLD]
+    for group, name in [(dist.group.WORLD, "world"), *known, *groups]:
         if group is None:
             continue
         table[group.group_name] = {
@@ -154,7 +184,7 @@ def _load_dump(path: str, rank: int) -> dict:
 class Call:
     """One collective as one rank issued it."""
     rank: int
-    group_id: str  # torch's name of the group ("1"): the same on every rank
+    group_id: str  # torch's name of the group ("1"), with its ranks where the dump names them
     group: str  # the ledger's name ("dp"), or torch's description ("default_pg")
     seq: int  # its number among the group's collectives on this rank (1, 2, ...)
     op: str  # "all_reduce", ...
@@ -179,13 +209,18 @@ def _ours(frames: Sequence[dict]) -> Tuple[str, ...]:
 def calls(rank: int, trace: dict) -> List[Call]:
     """A rank's collectives, in the order it issued them (p2p operations are left out)."""
     desc = {name: c["desc"] for name, c in trace.get("pg_config", {}).items()}
+    ranks = _members({rank: trace})
     out = []
     for e in trace["entries"]:
         if e.get("is_p2p"):
             continue
         pg_name, pg_desc = e["process_group"]
+        # a group is its name and its ranks, as this rank's own table gives them: two ranks'
+        # groups of one name but other members (the dp group of tp rank 0 and of tp rank 1,
+        # should torch name them alike) are different groups, never compared
+        key = f"{pg_name} {ranks[pg_name]}" if pg_name in ranks else pg_name
         out.append(
-            Call(rank, pg_name, desc.get(pg_name, pg_desc or pg_name), e["collective_seq_id"],
+            Call(rank, key, desc.get(pg_name, pg_desc or pg_name), e["collective_seq_id"],
                  e["profiling_name"].split(":", 1)[-1],
                  f"{e['input_sizes']} {','.join(e['input_dtypes'])}", e["time_created_ns"],
                  _ours(e.get("frames", []))))
@@ -193,19 +228,31 @@ def calls(rank: int, trace: dict) -> List[Call]:
 
 
 def _members(traces: Dict[int, dict]) -> Dict[str, List[int]]:
+    """{torch's group name: its ranks}, and {Call.group_id: its ranks}, from the dumps' tables."""
     members: Dict[str, List[int]] = {}
     for t in traces.values():
         for name, c in t.get("pg_config", {}).items():
-            members[name] = [int(r) for r in c["ranks"].strip("[]").split(",") if r.strip()]
-            if any(not 0 <= r <= MAX_RANK for r in members[name]):
+            ranks = [int(r) for r in c["ranks"].strip("[]").split(",") if r.strip()]
+            if any(not 0 <= r <= MAX_RANK for r in ranks):
                 raise ValueError(f"group {name!r} names a rank outside 0..{MAX_RANK}")
+            members[name] = members[f"{name} {ranks}"] = ranks
     return members
+
+
+# ops whose ranks send and receive different sizes when right (uneven splits)
+UNEVEN = ("all_to_all", "alltoall", "alltoall_base")
+
+
+def _shape(c: Call) -> Tuple[str, str]:
+    """What every rank of a collective must agree on: its op, and its sizes unless uneven."""
+    return c.op, ("" if c.op in UNEVEN else c.sizes)
 
 
 # [core: first-disagreement]
 def disagreements(traces: Dict[int, dict]) -> List[Tuple[Call, Dict[int, Call], List[int]]]:
     """Per group, the first collective that some rank of the group did not issue as its call of
-    the same number (another op, other sizes, or none): (call, {rank: its call}, group ranks).
+    the same number (another op, other sizes but an all-to-all's, or none): (call, {rank: its
+    call}, group ranks).
 
     Collective n of a group on one rank meets collective n of the group on every other rank.
     Numbers older than a rank's oldest recorded one (its buffer wrapped) are not compared.
@@ -228,8 +275,7 @@ def disagreements(traces: Dict[int, dict]) -> List[Tuple[Call, Dict[int, Call], 
             if any(c.seq < oldest.get((c.group_id, r), 0) for r in ranks):
                 continue
             there = table[(c.group_id, c.seq)]
-            if any(r not in there or (there[r].op, there[r].sizes) != (c.op, c.sizes)
-                   for r in ranks):
+            if any(r not in there or _shape(there[r]) != _shape(c) for r in ranks):
                 if c.group_id not in first or c.seq < first[c.group_id][0].seq:
                     first[c.group_id] = (c, there, ranks)
                 break

@@ -39,6 +39,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch.distributed as dist
 
+from scaletorch.dist import flight_recorder
 from scaletorch.dist.ledger import forget_group, name_group
 from scaletorch.rules.group_names import ledger_name
 
@@ -278,6 +279,7 @@ class ProcessGroupManager:
                     for kind in kinds:
                         self._groups[kind] = group
                     name_group(group, ledger_name(kinds))  # how the ledger labels it
+                    flight_recorder.remember(group, ledger_name(kinds))
 
     # -- generic access ---------------------------------------------------------------------
     def get_group(self, kind: str) -> Optional[dist.ProcessGroup]:

@@ -20,8 +20,10 @@ ranks, the operations, their peers and the messages before it; a new world grade
 
 import datetime
 import os
+import re
 import sys
 import time
+import traceback
 from typing import Any, Dict, List, Tuple
 
 import torch
@@ -40,7 +42,7 @@ from scripts.grading.pipeline_diagnoses import (gradient_diagnosis, hang_diagnos
                                                 order_diagnosis, parity_diagnosis, stage_diagnosis)
 from scripts.grading.runner import (LEARNER_ERRORS, RANK_LIMITS, Source, Verdict, error_verdict,
                                     failure, is_hang, is_unwritten, load, patched, run_world,
-                                    streamed)
+                                    streamed, where_stopped)
 
 CHAPTER = "04"
 EXERCISES = ("one_f_one_b", "micro_batch_loss")
@@ -232,7 +234,25 @@ def rank_jobs(rank: int, world: int, jobs: List[Dict[str, Source]]) -> List[Dict
                     # the ranks' messages are out of step: the world cannot go on
                     out.append({"exercise": exercise, "stuck": waiting, "error": "stuck"})
                     break
-                out.append({"exercise": exercise, "error": failure(err), "hung": is_hang(err)})
+                hung = {}
+                if is_hang(err):  # waits outside a send or receive: where, and what it ran
+                    # the Trainer names the collective it waited in; else the innermost frame
+                    said = re.search(r"the last collective issued was ([^:]+)", str(err))
+                    hung = {
+                        "step":
+                        get_ledger().step,
+                        "actions":
+                        record["actions"],
+                        "in":
+                        said.group(1)
+                        if said else where_stopped(traceback.format_exc(), [], "", False)
+                    }
+                out.append({
+                    "exercise": exercise,
+                    "error": failure(err),
+                    "hung": is_hang(err),
+                    **hung
+                })
                 if not is_unwritten(err):
                     break
                 continue
@@ -269,7 +289,8 @@ def diagnose(exercise: str, runs: List[Dict[str, Any]], ref: Dict[str, Any]) -> 
     """The verdict of one exercise from every rank's measurements of its job."""
     m = config().data.num_micro_batches
     # a rank that died or raised is the cause; the others' waits for it, the consequence
-    if any("stuck" in run for run in runs) and not any(
+    # ranks that only wait (in a send or receive, or a collective): a hang, not a raw timeout
+    if any("stuck" in r or r.get("hung") for r in runs) and not any(
             "lost" in r or ("error" in r and "stuck" not in r and not r.get("hung")) for r in runs):
         return Verdict(exercise, False, hang_diagnosis(runs, m))
     # a rank stuck because a peer raised: the peer's error is the verdict, named by its rank

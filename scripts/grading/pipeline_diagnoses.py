@@ -79,11 +79,11 @@ def hang_diagnosis(runs: List[Dict[str, Any]], m: int) -> str:
     """The ranks, the operations they wait in and their peers; why, when the pattern says; what
     the messages sent before it show."""
     stuck = [run.get("stuck") for run in runs]
-    step = next(s["step"] for s in stuck if s is not None)
+    step = next((s["step"] for s in stuck if s is not None), None)
+    step = next((r["step"] for r in runs if "step" in r), 0) if step is None else step
     waits = [
-        f"rank {rank} waits in {s['call']} at {s['where']}"
-        if s is not None else f"rank {rank} is in no send or receive"
-        for rank, s in enumerate(stuck)
+        f"rank {rank} waits in {s['call']} at {s['where']}" if s is not None else _outside(
+            rank, runs[rank], len(runs), m, step) for rank, s in enumerate(stuck)
     ]
     text = f"hang in step {step}: {', '.join(waits)}"
     waiting = [s for s in stuck if s is not None]
@@ -97,9 +97,25 @@ def hang_diagnosis(runs: List[Dict[str, Any]], m: int) -> str:
         if step == 0 else []
     if facts:
         text += f"; before it {'; '.join(facts[:2])}"
+    if not waiting:
+        return text
     waited, limit = max(s["waited"] for s in waiting), max(s["limit"] for s in waiting)
     return text + (f"; they gave up after {waited:.0f} s (the grader's timeout for a message: "
                    f"{limit:.0f} s at this machine's load)")
+
+
+def _outside(rank: int, run: Dict[str, Any], p: int, m: int, step: int) -> str:
+    """A rank waiting outside a send or receive: where, and the actions of step 0 it left the
+    loop without (the message its peer waits to give it or take from it)."""
+    text = f"rank {rank} is in no send or receive"
+    text += f" (it waits in {run['in']})" if run.get("in") else ""
+    want = [str(a) for a in one_f_one_b_actions(p, m, rank)]
+    got = run.get("actions") or []
+    never = [a for a in want if a not in got]
+    if step == 0 and got and never:
+        text += (f": it left step 0's loop without {' '.join(never)} ({' '.join(got)}; 1F1B "
+                 f"runs {' '.join(want)})")
+    return text
 
 
 def order_diagnosis(runs: List[Dict[str, Any]], m: int) -> Optional[str]:

@@ -413,7 +413,39 @@ def _one_world(fn: Callable, world: int, jobs: Sequence[Dict[str, Source]], lead
     if recorder and stopped:  # once, after the first rank's line
         first_rank = min(stopped, key=lambda r: _rank_order(stopped[r], r))
         stopped[first_rank] += "; the flight recorder says\n    " + "\n    ".join(recorder)
+        # no rank died, ended or raised: a hang, headed by the collective some ranks never met
+        if all(_rank_order(t, r)[0] >= 3 for r, t in stopped.items()):
+            head = _hang_head(flight_recorder.load(directory), files, exercise)
+            if head:
+                stopped[first_rank] = f"{head}; {stopped[first_rank]}"
     return results, stopped
+
+
+def _hang_head(traces: Dict[int, dict], files: Sequence[str], exercise: str = "") -> Optional[str]:
+    """The first collective some ranks of its group wait in and others never issued: which
+    ranks, the op, the group (its ranks) and the learner's line that issued it (else the frame
+    of the function graded: the grader's reference call of it); None if none."""
+    for call, there, ranks in flight_recorder.disagreements(traces):
+        missing = [r for r in ranks if r not in there]
+        if not missing or len(missing) == len(ranks):
+            continue
+        frames = [f.rsplit(" ", 1) for f in call.stack]
+        named = [(f"{name} ({os.path.basename(at)})", at, name) for at, name in frames]
+        mine = next((n for n, at, _ in named if os.path.abspath(at.rsplit(":", 1)[0]) in files),
+                    None) or next((n for n, _, name in named if name == exercise), call.where)
+        waiting = [r for r in ranks if r in there]
+        after = []
+        for r in missing:  # where the rank went instead: its last collective
+            last = flight_recorder.calls(r, traces[r])[-1:] if r in traces else []
+            after += [
+                f"rank {r}'s last is {x.op} #{x.seq} of group '{x.group}' at {x.where}"
+                for x in last
+            ]
+        return (f"hang: rank {', '.join(map(str, waiting))} wait(s) in {call.op} #{call.seq} of "
+                f"group '{call.group}' (ranks {ranks}), issued at {mine}; rank "
+                f"{', '.join(map(str, missing))} of that group never issued it" +
+                (f" ({'; '.join(after)})" if after else ""))
+    return None
 
 
 def _rank_order(text: str, rank: int) -> Tuple[int, int]:
