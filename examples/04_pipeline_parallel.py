@@ -11,11 +11,12 @@ The interleaved and zero-bubble schedules and torch's pipelining run in 04b_zero
 
 Chapter 03's tensor parallel (with --tp) on the whole model first, then the new idea: this rank
 keeps only its stage (``apply_pipeline_parallel``), and chapter 01's data-parallel wrapper goes
-around it (dp > 1). The step, in the script, calls the schedule: AFAB or 1F1B written as a
-loop of named sends and receives (``pipeline_schedules.py``); the grad norm sums the stages. Then the script prints the point-to-point traffic of the last step and its
-timeline: which rank computed which micro-batch when, the measured bubble next to
-(p-1)/(m + p - 1), and the peak activations. ``--show-schedule`` prints each rank's calls of
-the loop, with the messages they send and receive, and exits without training.
+around it (dp > 1). The step, in the script, calls the schedule: AFAB or 1F1B written as a loop
+of named sends and receives (``pipeline_schedules.py``); the grad norm sums the stages. Then the
+script prints the point-to-point traffic of the last step and its timeline: which rank computed
+which micro-batch when, the measured bubble next to (p-1)/(m + p - 1), and the peak activations.
+``--show-schedule`` prints each rank's calls of the loop, with the messages they send and
+receive, and exits without training.
 """
 
 import json

@@ -5,11 +5,11 @@ experts' forward and backward take longer. Timed here in one process: run_tests.
 module with no other beside it (ALONE).
 
 The host's figures are read as ``scripts/plan.py --calibrate`` reads them: a fixed cost per MoE
-layer plus FLOPs at a measured rate, fitted by least squares to the experts at four loads up
-to the balanced one. The hot rank's experts should then take the balanced time plus what the planner adds at
-imbalance 2; that sum is compared with the hot rank's measured experts, as the planner's band
-is stated for a time, not for a difference of two (the difference alone moved 0.3-1.2 between
-rounds here under load: a few milliseconds measured twice).
+layer plus FLOPs at a measured rate, fitted by least squares to the experts at four loads up to
+the balanced one. The hot rank's experts should then take the balanced time plus what the
+planner adds at imbalance 2; that sum is compared with the hot rank's measured experts, as the
+planner's band is stated for a time, not for a difference of two (the difference alone moved
+0.3-1.2 between rounds here under load: a few milliseconds measured twice).
 """
 
 import time
@@ -108,8 +108,9 @@ class PlannerImbalanceAgainstThisHost(unittest.TestCase):
         ratios = []
         for _ in range(ROUNDS):
             rows = [2 * local, balanced // 4, balanced // 2, balanced]  # the fit's loads
-            *seconds, skewed = _experts_seconds(experts, [[r // local] * local for r in rows] +
-                                                [[hot // local] * local], m.hidden_size, REPS)
+            *seconds, skewed = _experts_seconds(experts, [[r // local] * local
+                                                          for r in rows] + [[hot // local] * local],
+                                                m.hidden_size, REPS)
             fixed, per_row = _fit(rows, seconds)  # least squares, as the calibration fits
             host = _host(flops / (per_row * balanced), fixed)
             even = fixed + per_row * balanced  # the balanced rank's experts, as fitted

@@ -9,8 +9,9 @@ runs chapter 04 on 3 gloo ranks (pp 3, 4 micro-batches) with your functions in p
 library's, compares it with one device and says "passed" or what is wrong; it names the function
 to write next. ``this_rank`` (a ``pipeline_schedules.PipelineRank``: a rank, which holds one
 stage here) has ``this_rank.p``, ``this_rank.rank``, ``this_rank.forward(mb, x)``,
-``this_rank.backward(mb, dy)`` and the named operations ``recv_forward``, ``send_forward``, ``recv_backward``, ``send_backward``,
-``send_forward_recv_backward`` and ``send_backward_recv_forward``.
+``this_rank.backward(mb, dy)`` and the named operations ``recv_forward``, ``send_forward``,
+``recv_backward``, ``send_backward``, ``send_forward_recv_backward`` and
+``send_backward_recv_forward``.
 """
 
 from scaletorch.parallel.pipeline_schedules import PipelineRank, Scalar
