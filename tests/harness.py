@@ -167,11 +167,12 @@ def _script_rank(rank: int, nproc: int, port: int, script: str, argv: List[str],
     os._exit(code)
 
 
-def launch_forked(script: str, nproc: int, *args: str, env: Optional[Dict[str, str]] = None,
-                  timeout: float = 300) -> Tuple[str, int]:
+def launch_forked_ranks(script: str, nproc: int, *args: str, env: Optional[Dict[str, str]] = None,
+                        timeout: float = 300) -> Tuple[str, List[int]]:
     """``script args`` on ``nproc`` ranks (gloo, this host) forked from the forkserver, each
     with torchrun's variables (RANK, WORLD_SIZE, MASTER_PORT, ...), ``NCCL_CHECKS`` and
-    ``env``: (what the ranks printed, interleaved; the first non-zero exit status or 0).
+    ``env``: (what the ranks printed, interleaved; each rank's exit status, negative for the
+    signal that ended it).
 
     The ranks run the same code as under ``scripts/launch.sh`` (whose own work, the pre-flight,
     the command line and torchrun's error report, tests/test_launch.py and
@@ -199,16 +200,31 @@ def launch_forked(script: str, nproc: int, *args: str, env: Optional[Dict[str, s
                     if proc.is_alive():
                         os.kill(proc.pid, signal.SIGKILL)
                 if now - start > timeout:
+                    running = [r for r, p in enumerate(procs) if p.is_alive()]
                     for proc in procs:
                         proc.join()
+                    # the ranks last: a log cut in the middle still shows which ones hung
                     raise AssertionError(f"{script} {' '.join(args)} on {nproc} forked ranks "
                                          f"did not finish in {timeout} s:\n"
-                                         f"{output.read()[-3000:]}")
+                                         f"{output.read()[-3000:]}\n[harness] ranks still "
+                                         f"running after {timeout} s: {running}")
             procs[0].join(0.05)
         for proc in procs:
             proc.join()
-        codes = [p.exitcode or 0 for p in procs]
-        return output.read(), next((c for c in codes if c), 0)
+        return output.read(), [p.exitcode or 0 for p in procs]
+
+
+def launch_forked(script: str, nproc: int, *args: str, env: Optional[Dict[str, str]] = None,
+                  timeout: float = 300) -> Tuple[str, int]:
+    """``launch_forked_ranks``: (what the ranks printed; the first non-zero status or 0)."""
+    output, codes = launch_forked_ranks(script, nproc, *args, env=env, timeout=timeout)
+    return output, next((c for c in codes if c), 0)
+
+
+def describe_exit(rank: int, code: int) -> str:
+    """``rank 1 exited -11 (SIGSEGV)``: a negative status is the signal that ended it."""
+    name = f" ({signal.Signals(-code).name})" if code < 0 else ""
+    return f"rank {rank} exited {code}{name}"
 
 
 def value_error(fn: Callable[[], object]) -> str:

@@ -136,6 +136,8 @@ def _mechanics(rank: int, world: int) -> dict:
         if impl == "ours":
             out["launches"] = [(x.index, x.in_backward, x.grads_pending, x.t_launch
                                 < model.timeline.t_backward_end) for x in model.timeline.launches]
+            # every completion mark taken (gloo's callback thread done) when the sync returned
+            out["marked"] = [x.t_done <= x.t_done for x in model.timeline.launches]  # not NaN
             out["bucket_params"] = [b.param_ids for b in model.buckets]
             out["bucket_numels"] = [(b.buffer.numel(), len(b.param_ids)) for b in model.buckets]
             out["num_params"] = len(model.params)
@@ -223,6 +225,7 @@ class DataParallel2Mechanics(unittest.TestCase):
             # All but the last bucket went out while gradients were still being computed.
             self.assertTrue(all(pending > 0 for _, _, pending, _ in launches[:-1]), launches)
             self.assertIn("bucket 0", res["timeline"])
+            self.assertTrue(all(res["marked"]), res["marked"])
 
     def test_unused_and_odd_sized_parameters_are_reduced_and_ranks_agree(self):
         for impl in ("naive", "ours"):

@@ -12,7 +12,7 @@ import sys
 import tempfile
 import unittest
 from concurrent.futures import ThreadPoolExecutor
-from typing import Dict, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
@@ -21,7 +21,8 @@ from scaletorch.models.hf import export_hf_llama
 from scaletorch.trainer import parse_args
 from scaletorch.trainer.dcp_checkpoint import to_consolidated
 from scripts import generate, parity_floor
-from tests.harness import NCCL_CHECKS, launch_forked, run_forked, run_main, warning_lines
+from tests.harness import (NCCL_CHECKS, describe_exit, launch_forked_ranks, run_forked, run_main,
+                           warning_lines)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -42,16 +43,21 @@ def launch(script: str, nproc: int, *args: str, launcher: Sequence[str] = (), ti
     if background:
         return _POOL.submit(launch, script, nproc, *args, launcher=launcher, timeout=timeout,
                             env=env)
+    failed: List[str] = []  # the ranks that failed, for the message
     if launcher:
         output, code, cmd = launch_status(script, nproc, *args, launcher=launcher, timeout=timeout,
                                           env=env)
+        failed = [f"exit {code}"]
     else:
         with tempfile.TemporaryDirectory() as tmp:
             cmd = [script, *args]
-            output, code = launch_forked(script, nproc, "--logging.run_dir", tmp, *args, env=env,
-                                         timeout=timeout)
-    if code != 0:
-        raise AssertionError(f"{' '.join(cmd)} exited {code}:\n{output[-3000:]}")
+            output, codes = launch_forked_ranks(script, nproc, "--logging.run_dir", tmp, *args,
+                                                env=env, timeout=timeout)
+        code = next((c for c in codes if c), 0)
+        failed = [describe_exit(rank, c) for rank, c in enumerate(codes) if c]
+    if code != 0:  # the statuses again after the output: a log cut in the middle keeps them
+        raise AssertionError(f"{' '.join(cmd)} exited {code}:\n{output[-3000:]}\n"
+                             f"({' '.join(cmd)}: {'; '.join(failed)})")
     if warning_lines(output):
         raise AssertionError(f"{' '.join(cmd)} printed warnings: {warning_lines(output)}")
     return output

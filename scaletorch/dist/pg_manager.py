@@ -34,6 +34,7 @@ collective issued for another of its kinds names it at the call (comm.py's ``nam
 """
 
 import datetime
+import gc
 import numbers
 from typing import Any, Dict, List, Optional, Tuple, Union
 
@@ -512,8 +513,12 @@ def get_pg_manager() -> ProcessGroupManager:
 
 
 def destroy_pg_manager() -> None:
-    """Destroy the registered manager's subgroups and unregister it (no-op when unset)."""
+    """Destroy the registered manager's subgroups and unregister it (no-op when unset).
+
+    ``gc.collect()`` first, as ``destroy_distributed`` does: what still holds a subgroup (a
+    finished work handle, a hook) is freed while the group exists (doc/cpu_and_gloo.md)."""
     global _PG_MANAGER
     if _PG_MANAGER is not None:
+        gc.collect()
         _PG_MANAGER.destroy()
         _PG_MANAGER = None

@@ -20,6 +20,7 @@ class OverlapRecorder(BucketedDataParallel):
     def _start(self) -> None:  # CPU: perf_counter at each mark; CUDA: events (dist/timer.py)
         self._timer = Timer(self.buckets[0].buffer.device if self.buckets else torch.device("cpu"))
         self._synced, self._recording = SyncTimeline(), SyncTimeline()
+        self._marking: list = []  # the callbacks' futures: each has run before the step goes on
 
     @property
     def timeline(self) -> SyncTimeline:
@@ -50,13 +51,19 @@ class OverlapRecorder(BucketedDataParallel):
             # all-reduce's kernel (torch.futures.Future.then), so the CUDA event recorded
             # there fires when the all-reduce has finished on the GPU. (A clock reading there
             # would be the launch time, and work.wait() does not block the host on NCCL.)
-            bucket.work.get_future().then(lambda _: setattr(launch, "t_done", self._timer.mark()))
+            self._marking.append(bucket.work.get_future().then(
+                lambda _: setattr(launch, "t_done", self._timer.mark())))
         self._recording.launches.append(launch)
 
     def _sync(self) -> None:
         self._recording.t_backward_end = self._timer.mark()
         super()._sync()
         self._recording.t_wait_end = self._timer.mark()  # CUDA: the wait()s joined the stream
+        # gloo runs a callback in its own thread, maybe after wait() returned: wait for each, so
+        # none is still running when the step reads the marks or the group is destroyed
+        for marked in self._marking:
+            marked.wait()
+        self._marking = []
         self._synced, self._recording = self._recording, SyncTimeline()
 
 
