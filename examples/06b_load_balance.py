@@ -20,17 +20,19 @@ import sys
 
 import torch
 
+from scaletorch.data import local_batch, split_micro_batches
 from scaletorch.dist import (comm, destroy_distributed, destroy_pg_manager, get_ledger,
                              init_distributed, init_pg_manager_from_config)
 from scaletorch.models import build_model, loss_fn, moe_aux_loss
 from scaletorch.parallel.expert_parallel import (ExpertParallel, expert_parallel_clip_grad_norm,
                                                  gather_expert_parallel_state_dict, shard_experts)
+from scaletorch.parallel.grad_norm import clip_replicated
 from scaletorch.parallel.moe_balance import BiasBalancer, apply_global_capacity, skew_router
-from scaletorch.parallel.moe_load import LoadMeter, format_load, imbalance, measured_step
-from scaletorch.parallel.step import make_data_parallel_step
+from scaletorch.parallel.moe_load import LoadMeter, format_load, imbalance
 from scaletorch.rules.errors import OneLineParser
-from scaletorch.trainer import Trainer, load_config
+from scaletorch.trainer import build_optimizer, load_config, start_run
 from scaletorch.trainer.parity import report_parity, report_weight_parity
+from scaletorch.trainer.precision import autocast
 from scaletorch.trainer.trainer import build_loader
 
 # name -> (aux loss coefficient, bias update rate, capacity factor): the default runs
@@ -89,7 +91,7 @@ def limits(args):
                              f"{tp}, pp {pp}, cp {cp}, impl {p.impl}); examples/07_nd_parallel.py "
                              f"composes --model.moe_bias_rate (pp 1) and --model.moe_capacity_"
                              f"factor (cp 1) with them")
-        if cfg.model.moe_bias_rate > 0:  # the Trainer would add a second bias to the runs
+        if cfg.model.moe_bias_rate > 0:  # start_run would add a second bias to the runs
             raise ValueError(f"model.moe_bias_rate {cfg.model.moe_bias_rate}: 06b sets each "
                              f"remedy's own (--remedies bias); that flag is chapter 07's")
         remedies = args.remedies.split(",")
@@ -121,25 +123,55 @@ def limits(args):
 
 
 def build(cfg, remedy: str, device, hot_offset: float, pgm=None):
-    """The model and its step for ``remedy``: on ep (``pgm``) or on one device (None, the
-    reference). Returns (model, step, meter or None)."""
+    """The model of ``remedy`` on ep (``pgm``) or on one device (None, the reference), and what
+    its step calls: (model, clip(max_norm) -> norm, LoadMeter or None, BiasBalancer or None)."""
     aux, rate, factor = remedy_settings(remedy)
     cfg.model.moe_aux_loss_coeff, cfg.model.moe_capacity_factor = aux, factor
     model = build_model(cfg.model, seed=cfg.training.model_seed).to(device)
     skew_router(model, {0: hot_offset, 1: hot_offset})  # the collapse, same on every rank
-    after = []
-    if rate:
-        after.append(BiasBalancer(model, rate).update)  # the bias, updated after each step
+    # the bias: a buffer of each MoE layer, so checkpoints save it and a resume loads it
+    balancer = BiasBalancer(model, rate) if rate else None
     if pgm is None:
-        return model, measured_step(make_data_parallel_step(model, 1, 0, 1, None), *after), None
+        params = list(model.parameters())  # every gradient whole here: chapter 01's norm
+        return model, lambda max_norm: clip_replicated(params, max_norm), None, balancer
     shard_experts(model, pgm)
     if factor:
         apply_global_capacity(model, pgm)  # drop what the single device drops
     meter = LoadMeter(model, pgm)
     model = ExpertParallel(model, pgm)
-    step = make_data_parallel_step(model, cfg.data.num_micro_batches, pgm.data_parallel_rank,
-                                   pgm.data_parallel_world_size, pgm.gradient_sync_group)
-    return model, measured_step(step, meter.after_step, *after), meter
+    return model, expert_parallel_clip_grad_norm(model, pgm), meter, balancer
+
+
+def train(cfg, model, pgm, clip, meter, balancer):
+    """Chapter 06's step with the remedy's calls; ``pgm`` None: on one device, no collective
+    (the reference). Returns the run's result: losses, grad norms, step seconds."""
+    device = next(model.parameters()).device
+    optimizer = build_optimizer(cfg, model.parameters())
+    rank, n = (pgm.data_parallel_rank, pgm.data_parallel_world_size) if pgm else (0, 1)
+    m, max_norm = cfg.data.num_micro_batches, cfg.training.grad_clip or math.inf  # 0: no clip
+    # [core: step]
+    with start_run(cfg, model, optimizer, pgm, verbose=False) as run:  # resume, checkpoints
+        for inputs, targets in run.batches():  # this step's batch (b, s)
+            optimizer.zero_grad(set_to_none=True)
+            inputs, targets, _ = local_batch(inputs, targets, rank, n)
+            loss = torch.zeros((), device=device)
+            with autocast(cfg, device):
+                for x, y in split_micro_batches(inputs, targets, m):
+                    micro_loss = (loss_fn(model(x), y) + moe_aux_loss(model)) / m
+                    micro_loss.backward()
+                    loss += micro_loss.detach()
+            if pgm is not None:  # ep: chapter 06's gradient sync and loss average
+                model.finish_grad_sync()
+                loss = comm.average_over_group(loss, pgm.gradient_sync_group)
+            if meter is not None:
+                meter.after_step()  # this step's rows, expert and wait times, bytes per rank
+            grad_norm = clip(max_norm)
+            run.record(loss, grad_norm)
+            optimizer.step()
+            if balancer is not None:
+                balancer.update()  # the next step's bias, from this step's load
+    # [end: step]
+    return run.result
 
 
 def held_out_loss(cfg, model, pgm, device) -> float:
@@ -198,10 +230,8 @@ def main() -> int:
     rows, ok, measured = [], True, {}
     for remedy in args.remedies.split(","):
         run_cfg = copy.deepcopy(cfg)
-        model, step, meter = build(run_cfg, remedy, env.device, args.hot_offset, pgm)
-        result = Trainer(run_cfg, model, pgm, device=env.device, forward_backward=step,
-                         clip_grad_norm=expert_parallel_clip_grad_norm(model,
-                                                                       pgm), verbose=False).train()
+        model, clip, meter, balancer = build(run_cfg, remedy, env.device, args.hot_offset, pgm)
+        result = train(run_cfg, model, pgm, clip, meter, balancer)
         every = meter.gather()  # (world, steps, layers, E + columns) on rank 0
         loss = held_out_loss(run_cfg, model, pgm, env.device)
         full = gather_expert_parallel_state_dict(model, pgm) if cfg.check else None
@@ -220,12 +250,12 @@ def main() -> int:
              dropped.tolist(), loss, statistics.median(result.step_seconds[1:]) * 1e3, wait))
         if cfg.check:
             print(f"{remedy}: ", end="")
-            ref_model, ref_step, _ = build(copy.deepcopy(cfg), remedy, env.device, args.hot_offset)
             ref_cfg = copy.deepcopy(run_cfg)
             ref_cfg.checkpoint.every, ref_cfg.checkpoint.resume = 0, None
-            reference = Trainer(ref_cfg, ref_model, None, device=env.device,
-                                forward_backward=ref_step, verbose=False).train()
-            ok &= report_parity(result.losses, reference.losses)
+            ref_model, ref_clip, _, ref_balancer = build(ref_cfg, remedy, env.device,
+                                                         args.hot_offset)
+            reference = train(ref_cfg, ref_model, None, ref_clip, None, ref_balancer)
+            ok &= report_parity(result.losses, reference.losses[result.start_step:])  # resumed
             ok &= report_weight_parity(full, ref_model.state_dict(), cfg.training.steps)
     if pgm.rank == 0 and args.plot and {"none", "bias"} <= set(measured):
         draw(measured["none"], measured["bias"], e, args.plot,

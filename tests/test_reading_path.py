@@ -73,15 +73,15 @@ MODULES_OF: Dict[str, List[str]] = {
     ],
     "05": ["context_parallel", "ring_attention", "attention_kernels"],
     "06": ["expert_parallel"],
-    # 06b runs chapter 06's model through the shared step (step.py), with its meter around it
-    "06b": ["moe_balance", "moe_load", "step"],
-    "07": ["parallelize", "tensor_layout", "native", "moe_pipeline", "zero_chunks"],
+    "06b": ["moe_balance", "moe_load"],
+    # the shared step (step.py): chapters 00-06b write theirs in the script, 07 on share it
+    "07": ["parallelize", "tensor_layout", "native", "moe_pipeline", "zero_chunks", "step"],
     "08": ["mixed_precision", "ddp_reduce_dtype", "zero_mixed_precision", "loss_scale"],
     "10": ["tied_embeddings", "zero_tied", "activation_checkpointing", "vocab_padding"],
     "12": ["sync_batchnorm", "vision_parallel"],
 }
 OWNER = {module: chapter for chapter, modules in MODULES_OF.items() for module in modules}
-# Chapters over the budget, at most this many lines (they may shrink, not grow); none today.
+# Chapters over the budget, at most this many lines (they may shrink, not grow).
 # 03 went over when dist/functional.py (220 lines, where f and f-bar live) was counted in its
 # path. 04b: the general pipeline runtime (schedules as plans, interleaved, torch's pipelining)
 # moved there from chapter 04, whose schedules became plain loops (issue 41).
@@ -92,7 +92,7 @@ OWNER = {module: chapter for chapter, modules in MODULES_OF.items() for module i
 # lines: "dp" until cp makes it "dp_cp"), and 05's ring its kernel names (05 +5). The layout
 # errors name that group by the same rule (07 +3).
 # Issue 53: chapters 00-06 write their step in the script, so the shared step (step.py, 91
-# lines) is first read in chapter 06b, which wraps it in its load meter: 05 is back within budget.
+# lines) left 05's path: 05 is back within budget (06b, then 07, read it first; OVER_BUDGET).
 # 01 and 02 are back within budget too (issue 53, item 6): the refusals at a wrap (a second wrap,
 # a lazy, sparse or late parameter, ranks whose tensors differ, ZeRO's units and layout) are
 # scaletorch/dist/wrap_checks.py's, called by one line each; the overlap chart's drawing is
@@ -120,7 +120,9 @@ OWNER = {module: chapter for chapter, modules in MODULES_OF.items() for module i
 # (the MoE block's plan is 07's, the tied head 07's and 10's, the pipeline's plain logits
 # native.py's), and 03's script applies FSDP2's replicate itself: 03 from 779 to 697 (<= 700),
 # 07 from 784 to 608.
-OVER_BUDGET: Dict[str, int] = {}
+# 07, 655 -> 746: chapter 06b writes its step in the script (issue 53, item 1), so the shared
+# step (step.py, 91 lines), which parallelize.py builds, is first read in chapter 07.
+OVER_BUDGET: Dict[str, int] = {"07": 746}
 
 
 def chapters() -> List[Tuple[str, str, str]]:

@@ -4,8 +4,8 @@ A learner reads the loop their strategy changes in the script itself: the step s
 ``# [core: step]`` and ``# [end: step]`` inside ``with start_run(...) as run:``, and holds the
 batch loop, ``zero_grad``, the forward and backward (or the strategy's call that runs them: a
 pipeline schedule), ``run.record`` and ``optimizer.step()``. No script of these chapters hands
-its step to the shared ``Trainer`` (chapter 04 did until a probe found it). Chapter 06b still
-compares its remedies through the Trainer, one run each (not yet its own loop).
+its step to the shared ``Trainer`` (chapter 04 did until a probe found it); 06b runs each
+remedy and its one-device reference through one loop of its own, chapter 06's step.
 No process is started: the scripts are parsed.
 """
 
@@ -18,7 +18,7 @@ from typing import List
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = [
     "00_single_device", "01_ddp", "02_fsdp", "03_tensor_parallel", "04_pipeline_parallel",
-    "04b_zero_bubble", "05_context_parallel", "06_expert_parallel"
+    "04b_zero_bubble", "05_context_parallel", "06_expert_parallel", "06b_load_balance"
 ]
 
 

@@ -66,15 +66,17 @@ def _the_scripts_step(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tens
 
 
 def start_run(cfg: Config, model: nn.Module, optimizer: torch.optim.Optimizer,
-              pgm: Optional[ProcessGroupManager] = None) -> Run:
+              pgm: Optional[ProcessGroupManager] = None, verbose: bool = True) -> Run:
     """The run around a script's own training loop (chapters 00-06; run.py shows the loop):
     the run directory, resume, the lr schedule, metrics, log lines, checkpoints and stops.
     ``model`` and ``optimizer`` are what the script trains and steps; their state is what a
-    checkpoint saves and a resume loads. Use it as ``with start_run(...) as run:``."""
+    checkpoint saves and a resume loads. Use it as ``with start_run(...) as run:``.
+    ``verbose=False``: no run directory, nothing printed (06b's runs, one per remedy)."""
     if resolve_precision(cfg, next(model.parameters()).device.type) == "fp16":
         raise InputError("training.precision fp16 needs a loss scale, which this chapter's "
                          "loop does not have: run examples/08_mixed_precision.py")
-    trainer = Trainer(cfg, model, pgm, optimizer=optimizer, forward_backward=_the_scripts_step)
+    trainer = Trainer(cfg, model, pgm, optimizer=optimizer, forward_backward=_the_scripts_step,
+                      verbose=verbose)
     return Run(trainer, TrainResult())
 
 
