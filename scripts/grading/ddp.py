@@ -30,9 +30,10 @@ from scaletorch.trainer.param_map import ParamMap
 from scaletorch.trainer.parity import max_norm_diff, reference_trainer
 from scaletorch.trainer.precision import NORM_TOLERANCES, TOLERANCES
 from scripts.grading.ddp_calls import call_diagnosis, calls
-from scripts.grading.runner import (LEARNER_ERRORS, Source, Verdict, collective_timeout,
-                                    error_verdict, failure, is_hang, is_unwritten, load, patched,
-                                    per_job, run_world, streamed)
+from scripts.grading.learner import (LEARNER_ERRORS, Source, failure, is_hang, is_unwritten, load,
+                                     patched)
+from scripts.grading.runner import collective_timeout, run_world, streamed
+from scripts.grading.verdicts import Verdict, error_verdict, per_job
 
 CHAPTER = "01"
 EXERCISES = ("average_gradients", "launch_full_buckets", "wait_for_buckets")

@@ -38,11 +38,13 @@ from scaletorch.schedule.orders import message
 from scaletorch.trainer import Config, Trainer, parse_args
 from scaletorch.trainer.parity import reference_trainer
 from scaletorch.trainer.pipeline_state import gather_pipeline_state_dict
+from scripts.grading.learner import (LEARNER_ERRORS, Source, failure, is_hang, is_unwritten, load,
+                                     patched)
 from scripts.grading.pipeline_diagnoses import (gradient_diagnosis, hang_diagnosis, link_facts,
                                                 order_diagnosis, parity_diagnosis, stage_diagnosis)
-from scripts.grading.runner import (LEARNER_ERRORS, RANK_LIMITS, Source, Verdict, error_verdict,
-                                    failure, is_hang, is_unwritten, load, patched, run_world,
-                                    streamed, where_stopped)
+from scripts.grading.runner import RANK_LIMITS, run_world, streamed
+from scripts.grading.stop_reports import where_stopped
+from scripts.grading.verdicts import Verdict, error_verdict
 
 CHAPTER = "04"
 EXERCISES = ("one_f_one_b", "micro_batch_loss")
