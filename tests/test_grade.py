@@ -169,9 +169,11 @@ class GradeOverTheTpGroup(unittest.TestCase):
 
 class GradeChapter04(_GradeChapter, unittest.TestCase):
     """Pipeline parallel, pp 3 (a middle stage sends and receives both ways), 4 micro-batches,
-    3 steps a job: 2 solutions, rank 1's abort (a second world grades the rest), 3 written
-    another way (one with torch.distributed.batch_isend_irecv), 1 mistake pp 2 cannot see (a
-    warm-up on rank 0 only), 6 variants, 2 stubs."""
+    3 steps a job: 2 solutions, rank 1's abort (a second world grades the rest), 4 written
+    another way (torch.distributed.batch_isend_irecv over pp, and over the default group), 3
+    mistakes: a warm-up on rank 0 only (pp 2 cannot see it); the world's size as p and
+    neighbours at the global rank +- 1 (only a pipeline that is a subgroup sees them: each
+    one_f_one_b that passes pp 3 is graded again at pp 2 x dp 2, 1 step), 6 variants, 2 stubs."""
     chapter = "04"
 
 
