@@ -10,8 +10,7 @@ holds them (``ParamMap.scatter``); the gradients each rank handed ``average_grad
 losses, grad norms and final weights; for the bucketed wrapper each bucket launch (how many of
 its gradients had arrived, inside backward or not), each hook's call (a full bucket left
 unlaunched) and which works the learner waited for. ``launch_full_buckets`` is also called on
-states where several buckets are full at once (scripts/grading/ddp_calls.py). The parent says
-what is wrong in the learner's terms.
+states where several buckets are full at once (ddp_calls.py); the parent says what is wrong.
 """
 
 import copy
