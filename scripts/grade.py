@@ -54,7 +54,7 @@ def grade_chapter(chapter: str, solution: bool, variant: Optional[str] = None) -
     what = "the library" if solution else path
     if variant is not None:
         exercise = next(e for c, e, v in variants.PLANTED if (c, v) == (chapter, variant))
-        jobs, what = [{exercise: (variants.__name__, variant)}], f"variant {variant}"
+        jobs, what = [{exercise: variants.source(variant)}], f"variant {variant}"
     start = time.perf_counter()
     print(
         f"chapter {chapter}: {what}, {module.WORLD} ranks (CPU, gloo), {module.STEPS} steps "

@@ -6,7 +6,7 @@ that rebinds flat: the bytes the parameters still hold; a combine that applies t
 again, not its inverse; a mean load floored; a contiguous slice_ids off by one, which is not
 zigzag's rule at 3 ranks; a scale halved by floor division, 0 from a scale of 1).
 ``ALTERNATIVES``: a correct ring_forward whose file's slice_ids and
-merge are wrong: it must pass, each exercise judged on its own.
+merge are wrong: it must pass, each exercise judged on its own; a 1F1B over the default group.
 """
 
 import torch
@@ -104,4 +104,67 @@ MISTAKES = [
     ("08", "update_scale", "update_scale_floor_halves",
      "update_scale(scale=1, clean_steps=0, found_inf=True, growth_interval=2) returned (0, 0), "
      "the library's (0.5, 0)"),
+]
+
+# ---- chapter 04 where the pipeline is a subgroup (pp 2 x dp 2: pipelines [0, 2] and [1, 3]) ----
+
+
+def _exchange_default_group(stage, send=None, to=None, source=None):
+    """``send`` to global rank ``to``, a receive from ``source``, over the default group."""
+    ops, got = [], None
+    if send is not None and to is not None:
+        ops.append(dist.P2POp(dist.isend, send, to))
+    if source is not None:
+        got = torch.empty(stage.shape, dtype=stage.dtype)
+        ops.append(dist.P2POp(dist.irecv, got, source))
+    for work in dist.batch_isend_irecv(ops) if ops else []:
+        work.wait()
+    return got
+
+
+def _one_f_one_b_between(stage, m, p, prev, nxt):
+    """1F1B of p stages whose messages go over the default group to the global ranks given."""
+    warmup = min(p - stage.rank - 1, m)
+    for mb in range(warmup):
+        y = stage.forward(mb, _exchange_default_group(stage, source=prev))
+        _exchange_default_group(stage, y, nxt)
+    x = _exchange_default_group(stage, source=prev)
+    for i in range(m - warmup):
+        dy = _exchange_default_group(stage, stage.forward(warmup + i, x), nxt, nxt)
+        last = warmup + i + 1 == m
+        x = _exchange_default_group(stage, stage.backward(i, dy), prev, None if last else prev)
+    for mb in range(m - warmup, m):
+        dy = _exchange_default_group(stage, source=nxt)
+        _exchange_default_group(stage, stage.backward(mb, dy), prev)
+
+
+def one_f_one_b_default_group(stage, m):
+    """Correct: the default group, to this_rank.next and this_rank.prev (global ranks)."""
+    _one_f_one_b_between(stage, m, stage.p, stage.prev, stage.next)
+
+
+def one_f_one_b_global_rank_plus_one(stage, m):
+    """Neighbours computed as the global rank +- 1: right where the pipeline is the world."""
+    rank = dist.get_rank()
+    _one_f_one_b_between(stage, m, stage.p, None if stage.first else rank - 1,
+                         None if stage.last else rank + 1)
+
+
+def one_f_one_b_world_size(stage, m):
+    """Warms up with dist.get_world_size() - r - 1: right where the pipeline is the world."""
+    _one_f_one_b_between(stage, m, dist.get_world_size(), stage.prev, stage.next)
+
+
+ALTERNATIVES.append(("04", "one_f_one_b", "one_f_one_b_default_group"))
+MISTAKES += [
+    ("04", "one_f_one_b", "one_f_one_b_global_rank_plus_one",
+     "in the pp 2 x dp 2 world rank 0 (stage 0 of the pipeline of ranks [0, 2]) sent a message "
+     "to rank 1 (stage 0 of the pipeline [1, 3]) over the group 'default_pg' in step 0; its "
+     "neighbour stages are rank 2: rank 1 is its global rank + 1"),
+    ("04", "one_f_one_b", "one_f_one_b_world_size",
+     "pipeline of ranks [0, 2] (its stage s is rank 0 for s = 0, 2 for s = 1): stage 0's "
+     "warm-up ran 3 forwards before the steady state (F0 F1 F2 F3 B0 B1 ...): 1F1B warms up "
+     "with p - r - 1 = 1; one more holds 4 activations at once, not p - r = 2; each stage s "
+     "warmed up with 4 - s - 1 forwards, the world's size (dist.get_world_size()) in place of "
+     "p = 2"),
 ]

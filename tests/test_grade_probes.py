@@ -12,7 +12,7 @@ import torch
 
 from scaletorch.dist import flight_recorder
 from scaletorch.parallel import loss_scale as library
-from scripts.grading import context, loss_scale, pipeline, variants
+from scripts.grading import context, context_variants, loss_scale, pipeline
 from tests.test_file_kinds import DUMP_ENTRY
 
 
@@ -59,12 +59,13 @@ class MergeProbes(unittest.TestCase):
             (merge_max_for_lse, "merge's lse is the larger of the two tiles'"),
             (merge_lse_updated_first, "merge's lse matches, its output is"),
             (merge_divides_by_zero, "its output is nan off the library's"),
-            (variants.merge_without_max_shift, "and 0.999955 with lse 100 lower: e^100 overflows"),
+            (context_variants.merge_without_max_shift,
+             "and 0.999955 with lse 100 lower: e^100 overflows"),
         ]
         for fn, words in cases:
             text = context.probe_merge(fn)
             self.assertIn(words, text or "passed", fn.__name__)
-            if fn is not variants.merge_without_max_shift:
+            if fn is not context_variants.merge_without_max_shift:
                 self.assertNotIn("overflows", text, fn.__name__)  # wrong at lse 0 and -10 too
         self.assertIsNone(context.probe_merge(merge_max_shift))
 
@@ -232,7 +233,7 @@ class AHangIsHeadedByTheCollectiveNeverMet(unittest.TestCase):
     def test_the_waiting_and_the_missing_rank_are_named(self):
         import os
 
-        from scripts.grading import runner
+        from scripts.grading import stop_reports
         mine = os.path.abspath("examples/exercises/06_expert_parallel.py")
 
         def entry(group, seq, op, frames):
@@ -275,7 +276,7 @@ class AHangIsHeadedByTheCollectiveNeverMet(unittest.TestCase):
                     }
                 }
             }
-        head = runner._hang_head(traces, [mine])
+        head = stop_reports.hang_head(traces, [mine])
         self.assertIn(
             "hang: rank 2 wait(s) in all_to_all #2 of group 'ep' (ranks [2, 3]), "
             "issued at combine_tokens (06_expert_parallel.py:9); rank 3 of that group "

@@ -13,9 +13,10 @@ import unittest
 from typing import Any, Callable, Dict, List, Sequence
 
 from scripts.grading import mutants
+from scripts.grading.learner import Source, load
 from scripts.grading.mutate import WORLD_GROUP, function_def
 from scripts.grading.mutate import mutants as make
-from scripts.grading.runner import Source, Verdict, load
+from scripts.grading.verdicts import Verdict
 
 
 def sample(x, y, group, other_group, comm):  # noqa: ANN001, ANN201 - the mutator's input

@@ -23,8 +23,9 @@ from scaletorch.parallel.moe_balance import BiasBalancer, skew_router
 from scaletorch.parallel.moe_load import measured_step
 from scaletorch.parallel.step import make_data_parallel_step
 from scaletorch.trainer import Config, Trainer, parse_args
-from scripts.grading.runner import (Source, Verdict, collective_timeout, grade_found, load, patched,
-                                    run_jobs)
+from scripts.grading.learner import Source, load, patched
+from scripts.grading.runner import collective_timeout, run_jobs
+from scripts.grading.verdicts import Verdict, grade_found
 
 CHAPTER = "06b"
 EXERCISES = ("biased_top_k", "update_bias")

@@ -1,6 +1,6 @@
 """Chapter 06b's planted mistakes (scripts/grading/balance.py grades them): the library's
-biased_top_k and update_bias, each with one learner's mistake. scripts/grading/variants.py
-holds them in its namespace and its CATALOGUE, with every other chapter's."""
+biased_top_k and update_bias, each with one learner's mistake. scripts/grading/variants.py names
+them all (``PLANTED``) and gives each one's ``Source``."""
 
 from typing import Dict, Tuple
 
@@ -47,11 +47,6 @@ def update_not_in_place(bias: torch.Tensor, load: torch.Tensor, rate: float) -> 
     bias = bias + rate * torch.sign(load.mean() - load)  # a new tensor: the layer's unchanged
 
 
-FUNCTIONS = {
-    f.__name__: f
-    for f in (top_k_ignores_bias, top_k_bias_subtracted, top_k_biased_weights,
-              top_k_detached_weights, update_toward_load, update_by_error, update_not_in_place)
-}
 # (chapter, exercise, variant) -> words its diagnosis must contain
 CATALOGUE: Dict[Tuple[str, str, str], str] = {
     ("06b", "biased_top_k", "top_k_ignores_bias"):

@@ -31,9 +31,10 @@ from scaletorch.parallel.context_parallel import apply_context_parallel, make_se
 from scaletorch.parallel.data_parallel import apply_data_parallel
 from scaletorch.parallel.step import make_data_parallel_step
 from scaletorch.trainer import Config, Trainer, parse_args
-from scripts.grading.runner import (Source, Verdict, cloned, collective_timeout, grade_found, load,
-                                    patched, run_jobs)
+from scripts.grading.learner import Source, cloned, load, patched
+from scripts.grading.runner import collective_timeout, run_jobs
 from scripts.grading.traffic import observed
+from scripts.grading.verdicts import Verdict, grade_found
 
 CHAPTER = "05"
 EXERCISES = ("slice_ids", "merge", "ring_forward")

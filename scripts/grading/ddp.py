@@ -10,8 +10,7 @@ holds them (``ParamMap.scatter``); the gradients each rank handed ``average_grad
 losses, grad norms and final weights; for the bucketed wrapper each bucket launch (how many of
 its gradients had arrived, inside backward or not), each hook's call (a full bucket left
 unlaunched) and which works the learner waited for. ``launch_full_buckets`` is also called on
-states where several buckets are full at once (scripts/grading/ddp_calls.py). The parent says
-what is wrong in the learner's terms.
+states where several buckets are full at once (ddp_calls.py); the parent says what is wrong.
 """
 
 import copy
@@ -30,9 +29,10 @@ from scaletorch.trainer.param_map import ParamMap
 from scaletorch.trainer.parity import max_norm_diff, reference_trainer
 from scaletorch.trainer.precision import NORM_TOLERANCES, TOLERANCES
 from scripts.grading.ddp_calls import call_diagnosis, calls
-from scripts.grading.runner import (LEARNER_ERRORS, Source, Verdict, collective_timeout,
-                                    error_verdict, failure, is_hang, is_unwritten, load, patched,
-                                    per_job, run_world, streamed)
+from scripts.grading.learner import (LEARNER_ERRORS, Source, failure, is_hang, is_unwritten, load,
+                                     patched)
+from scripts.grading.runner import collective_timeout, run_world, streamed
+from scripts.grading.verdicts import Verdict, error_verdict, per_job
 
 CHAPTER = "01"
 EXERCISES = ("average_gradients", "launch_full_buckets", "wait_for_buckets")

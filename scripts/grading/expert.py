@@ -28,8 +28,9 @@ from scaletorch.parallel.expert_parallel import (ExpertParallel, by_local_expert
                                                  expert_parallel_clip_grad_norm, shard_experts)
 from scaletorch.parallel.step import make_data_parallel_step
 from scaletorch.trainer import Config, Trainer, parse_args
-from scripts.grading.runner import (Source, Verdict, caused_by, collective_timeout, error_verdict,
-                                    innermost, load, patched, run_jobs, run_world, streamed)
+from scripts.grading.learner import Source, caused_by, innermost, load, patched
+from scripts.grading.runner import collective_timeout, run_jobs, run_world, streamed
+from scripts.grading.verdicts import Verdict, error_verdict
 
 CHAPTER = "06"
 EXERCISES = ("dispatch_tokens", "combine_tokens")

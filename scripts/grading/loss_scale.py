@@ -32,9 +32,10 @@ from scaletorch.parallel.step import make_data_parallel_step
 from scaletorch.trainer import Config, Trainer, parse_args
 from scaletorch.trainer import run as run_module
 from scaletorch.trainer import trainer as trainer_module
-from scripts.grading.runner import (LEARNER_ERRORS, Source, Verdict, collective_timeout,
-                                    error_verdict, failure, is_hang, is_unwritten, load, patched,
-                                    run_world, streamed)
+from scripts.grading.learner import (LEARNER_ERRORS, Source, failure, is_hang, is_unwritten, load,
+                                     patched)
+from scripts.grading.runner import collective_timeout, run_world, streamed
+from scripts.grading.verdicts import Verdict, error_verdict
 
 CHAPTER = "08"
 EXERCISES = ("unscale_and_check", "update_scale")

@@ -30,7 +30,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch.multiprocessing as mp
 
-from scripts.grading import runner
+from scripts.grading import learner, runner
 from scripts.grading.mutate import Mutant, function_def, mutants
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -123,10 +123,10 @@ def make_mutants(chapter: str, module: Any, directory: str) -> List[Graded]:
     return out
 
 
-def _round(module: Any, batch: List[Graded], library: Dict[str, runner.Source]) -> List[Graded]:
+def _round(module: Any, batch: List[Graded], library: Dict[str, learner.Source]) -> List[Graded]:
     """Grade ``batch`` in one ``grade`` call, each mutant followed by the library's job; the
     mutants whose verdict does not count (see the module's docstring), to grade again."""
-    jobs: List[Dict[str, runner.Source]] = []
+    jobs: List[Dict[str, learner.Source]] = []
     for g in batch:
         jobs += [{g.exercise: (g.path, g.exercise)}, {g.exercise: library[g.exercise]}]
     try:

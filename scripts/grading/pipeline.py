@@ -38,11 +38,14 @@ from scaletorch.schedule.orders import message
 from scaletorch.trainer import Config, Trainer, parse_args
 from scaletorch.trainer.parity import reference_trainer
 from scaletorch.trainer.pipeline_state import gather_pipeline_state_dict
+from scripts.grading import pipeline_groups
+from scripts.grading.learner import (LEARNER_ERRORS, Source, failure, is_hang, is_unwritten, load,
+                                     patched)
 from scripts.grading.pipeline_diagnoses import (gradient_diagnosis, hang_diagnosis, link_facts,
                                                 order_diagnosis, parity_diagnosis, stage_diagnosis)
-from scripts.grading.runner import (LEARNER_ERRORS, RANK_LIMITS, Source, Verdict, error_verdict,
-                                    failure, is_hang, is_unwritten, load, patched, run_world,
-                                    streamed, where_stopped)
+from scripts.grading.runner import RANK_LIMITS, run_world, streamed
+from scripts.grading.stop_reports import where_stopped
+from scripts.grading.verdicts import Verdict, error_verdict
 
 CHAPTER = "04"
 EXERCISES = ("one_f_one_b", "micro_batch_loss")
@@ -314,11 +317,20 @@ def diagnose(exercise: str, runs: List[Dict[str, Any]], ref: Dict[str, Any]) -> 
     return Verdict(exercise, text is None, text or "passed")
 
 
+def subgroup_rank_jobs(rank: int, world: int, jobs: List[Dict[str, Source]]) -> List[Any]:
+    """Inside a rank of pipeline_groups.py's pp 2 x dp 2 world: its measurements of each job."""
+    return pipeline_groups.rank_jobs(jobs, _instrumented, _train, HANG_TIMEOUT)
+
+
 def grade(jobs: List[Dict[str, Source]]) -> List[Verdict]:
-    """Every job (one exercise each, in order) graded in one world of WORLD ranks."""
+    """Every job (one exercise each, in order) graded in one world of WORLD ranks; each
+    one_f_one_b that passed, again where the pipeline is a subgroup (pipeline_groups.py)."""
     ref = reference()
     results = run_world(rank_jobs, WORLD, jobs)
-    return [diagnose(next(iter(job)), [r[i] for r in results], ref) for i, job in enumerate(jobs)]
+    verdicts = [
+        diagnose(next(iter(job)), [r[i] for r in results], ref) for i, job in enumerate(jobs)
+    ]
+    return pipeline_groups.regrade(jobs, verdicts, subgroup_rank_jobs)
 
 
 def solution_jobs() -> List[Dict[str, Source]]:

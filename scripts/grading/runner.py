@@ -1,33 +1,27 @@
-"""What every chapter's grading shares: the learner's functions, the patch, the world, a hang.
+"""The world every chapter's grading runs in: its ranks, its limits, each job graded on its own.
 
-A function to grade is named by its ``Source``, (file or module, attribute), so that each spawned
-rank loads it itself: ``examples/exercises/01_ddp.py`` is a file (its name starts with a digit,
-no import reaches it), a planted variant is a module of the tests. ``run_world`` starts the
-ranks with a short collective timeout (``COLLECTIVE_TIMEOUT``) and torch's flight recorder, and
-grades every job on its own: each rank writes each job's result as it finishes it
-(``streamed``), so a rank that hangs (no result for ``STALL_LIMIT`` s, whatever timeout the
-backend would wait out), dies (a segfault: faulthandler writes its Python stack; a SIGKILL
-leaves none: the job's function is named), ends its process (``os._exit``: the rank writes
-where first) or raises (``sys.exit()`` too) costs only the job it was in. That job's verdict
-names the rank, what stopped it and the learner's frame it was in (and, for a collective that
-timed out, the flight recorder's account of the ranks and their collectives,
-scaletorch/dist/flight_recorder.py); a new world grades the jobs after it.
+``run_world`` starts the ranks with a short collective timeout (``COLLECTIVE_TIMEOUT``) and
+torch's flight recorder, and grades every job on its own: each rank writes each job's result as
+it finishes it (``streamed``), so a rank that hangs (no result for ``STALL_LIMIT`` s, whatever
+timeout the backend would wait out), dies (a segfault: faulthandler writes its Python stack; a
+SIGKILL leaves none: the job's function is named), ends its process (``os._exit``: the rank
+writes where first) or raises (``sys.exit()`` too) costs only the job it was in. That job's
+verdict names the rank, what stopped it and the learner's frame it was in (stop_reports.py; for
+a collective that timed out, the flight recorder's account of the ranks and their collectives,
+scaletorch/dist/flight_recorder.py); a new world grades the jobs after it. The learner's
+functions and their errors are learner.py's; a job's verdict from its results, verdicts.py's.
 """
-
 import datetime
 import faulthandler
 import gc
 import importlib
 import importlib.util
 import os
-import re
 import signal
 import tempfile
 import time
 import traceback
-from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -35,8 +29,10 @@ import torch.multiprocessing as mp
 
 from scaletorch.dist import flight_recorder
 from scaletorch.dist.spawn import free_port
+from scripts.grading.learner import (LEARNER_ERRORS, SOURCE_FILES, UNWRITTEN, Source, failure,
+                                     innermost, is_hang, is_unwritten, source_file)
+from scripts.grading.stop_reports import hang_head, plain, rank_order, where_stopped
 
-Source = Tuple[str, str]  # (a .py file or a module name, the function's name in it)
 # seconds a collective waits (every group of the world): a world of tiny ranks never waits this
 # long unless hung; below STALL_LIMIT, so that a hung rank dumps its flight recorder first
 COLLECTIVE_TIMEOUT = 25.0
@@ -48,99 +44,14 @@ CPU_PROGRESS = 1.0
 JOB_LIMIT = 300.0  # seconds of a job however busy its ranks (a learner's endless loop)
 STARTUP_LIMIT = 600.0  # seconds for the ranks to start (import torch, meet) on a loaded machine
 GRACE = 3.0  # seconds the other ranks get to finish a job once one rank has left early
-SOURCE_FILES: Set[str] = set()  # inside a rank: the files of the functions graded
 # How the ranks start: new Pythons (spawn); the test suite forks them from its forkserver, which
 # imported torch and the library once (tests/harness.py)
 START_METHOD = "spawn"
-UNWRITTEN = "NotImplementedError"
-# What a learner's function may raise, each a verdict of its job: sys.exit() and exit() raise
-# SystemExit, which ``except Exception`` lets through to end the rank with no word of it
-LEARNER_ERRORS = (Exception, SystemExit, KeyboardInterrupt)
 # (module, name) of each limit the ranks read: a world sends them the parent's values, which a
 # rank would not see otherwise (a new Python, or one forked from a server that imported the
 # modules earlier). A chapter's module adds its own (pipeline.py's HANG_TIMEOUT); the test
 # suite shortens them for its hang tests.
 RANK_LIMITS: List[Tuple[str, str]] = [(__name__, "COLLECTIVE_TIMEOUT")]
-
-
-@dataclass
-class Verdict:
-    """One exercise's grade: ``passed``, and the line the learner reads."""
-    exercise: str
-    passed: bool
-    text: str
-
-    def line(self) -> str:
-        return f"{self.exercise:22s} {self.text}"
-
-
-def load(source: Source) -> Callable:
-    """The function ``source`` names: from a file by its path, or from an importable module."""
-    where, name = source
-    if where.endswith(".py"):
-        spec = importlib.util.spec_from_file_location(f"exercise_{abs(hash(where))}", where)
-        if spec is None or spec.loader is None:
-            raise ValueError(f"cannot load {where!r}")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    else:
-        module = importlib.import_module(where)
-    return getattr(module, name)
-
-
-@contextmanager
-def patched(patches: Sequence[Tuple[object, str, object]]) -> Iterator[None]:
-    """Set each (owner, attribute, value) for the block, then put the old values back."""
-    with ExitStack() as stack:
-        for owner, attr, value in patches:
-            old = getattr(owner, attr)
-            setattr(owner, attr, value)
-            stack.callback(setattr, owner, attr, old)
-        yield
-
-
-def _chain(err: BaseException) -> List[BaseException]:
-    """``err`` and what caused it (the Trainer re-raises a step's error as a RuntimeError)."""
-    out: List[BaseException] = []
-    while err is not None and err not in out:
-        out.append(err)
-        err = err.__cause__ or err.__context__  # type: ignore[assignment]
-    return out
-
-
-def innermost(err: BaseException) -> BaseException:
-    """The first error of ``err``'s chain: the one raised where it went wrong."""
-    return _chain(err)[-1]
-
-
-def caused_by(err: BaseException, kind: type) -> Optional[BaseException]:
-    """The first error of type ``kind`` in ``err``'s chain, or None."""
-    return next((e for e in _chain(err) if isinstance(e, kind)), None)
-
-
-def is_unwritten(err: BaseException) -> bool:
-    return any(isinstance(e, NotImplementedError) for e in _chain(err))
-
-
-def is_hang(err: BaseException) -> bool:
-    """A collective that timed out, or whose peer left: the world cannot go on."""
-    return not is_unwritten(err) and any(
-        isinstance(e, dist.DistError) or re.search(r"imed out|peer|gloo", str(e)) is not None
-        for e in _chain(err))
-
-
-def failure(err: BaseException) -> str:
-    """What a job's error was, for the parent: "NotImplementedError" for an unwritten stub,
-    else the first exception's type, message and the line of the exercise that raised it."""
-    if is_unwritten(err):
-        return UNWRITTEN
-    first = _chain(err)[-1]
-    frames = traceback.extract_tb(first.__traceback__)
-    mine = [f for f in frames if os.path.abspath(f.filename) in SOURCE_FILES]
-    where = (mine or frames)[-1]
-    line = f": {where.line}" if where.line else ""
-    said = f"{type(first).__name__}: {first}" if str(first) else type(first).__name__
-    return f"{said} (at {os.path.basename(where.filename)}:{where.lineno}{line})"
 
 
 class Streamed(list):
@@ -229,49 +140,6 @@ def _worker(rank: int, world: int, port: int, fn: Callable, jobs: Sequence[Dict[
 def collective_timeout() -> float:
     """Seconds a rank's collectives wait: ``COLLECTIVE_TIMEOUT`` as the parent set it."""
     return COLLECTIVE_TIMEOUT
-
-
-def source_file(source: Source) -> str:
-    """The file that holds ``source``'s function: a learner's .py, or a module's file."""
-    where = source[0]
-    if where.endswith(".py"):
-        return os.path.abspath(where)
-    spec = importlib.util.find_spec(where)
-    return os.path.abspath(spec.origin) if spec is not None and spec.origin else where
-
-
-# a frame of faulthandler's dump ('File "x.py", line 12 in name', most recent first) or of a
-# traceback ('File "x.py", line 12, in name', most recent last)
-_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+),? in (?P<name>\S+)')
-
-
-def where_stopped(stack: str, files: Sequence[str], exercise: str, recent_first: bool = True,
-                  unknown: str = "no Python frame") -> str:
-    """The frame a rank's stack (faulthandler's dump, or a traceback) says it was in, in the
-    learner's terms: the most recent frame in the graded function's file, else the exercise's
-    function, else ours."""
-    block = stack.split("Current thread")[-1] if "Current thread" in stack else stack
-    frames = [m.groupdict() for m in _FRAME.finditer(block)]
-    frames = frames if recent_first else frames[::-1]
-    pick = next((f for f in frames if os.path.abspath(f["file"]) in files), None) or \
-        next((f for f in frames if f["name"] == exercise), None) or \
-        next((f for f in frames if re.search(r"scaletorch|scripts", f["file"])), None)
-    if pick is None:
-        return unknown
-    return f"{pick['name']} ({os.path.basename(pick['file'])}:{pick['line']})"
-
-
-def plain(message: str) -> str:
-    """A backend's error in the learner's terms: gloo's source locations dropped, its "Connection
-    closed by peer" a peer that left, its "Timed out waiting Nms" a wait of N / 1000 s."""
-    message = re.sub(r"\[[^\]]*gloo[^\]]*\]\s*", "", message)
-    message = re.sub(r"Connection closed by peer.*", "a peer rank had left (its connection closed)",
-                     message)
-    message = re.sub(
-        r"Timed out waiting (\d+)ms for (\w+) operation to complete",
-        lambda m: f"no peer answered its {m.group(2)} within "
-        f"{int(m.group(1)) / 1000:.0f} s", message)
-    return message if len(message) < 240 else message[:240] + "..."
 
 
 def _cpu_seconds(pid: Optional[int]) -> float:
@@ -411,49 +279,14 @@ def _one_world(fn: Callable, world: int, jobs: Sequence[Dict[str, Source]], lead
             text = f"rank {r} ended with exit status {code}, without a result, in {where}"
         stopped[r] = text
     if recorder and stopped:  # once, after the first rank's line
-        first_rank = min(stopped, key=lambda r: _rank_order(stopped[r], r))
+        first_rank = min(stopped, key=lambda r: rank_order(stopped[r], r))
         stopped[first_rank] += "; the flight recorder says\n    " + "\n    ".join(recorder)
         # no rank died, ended or raised: a hang, headed by the collective some ranks never met
-        if all(_rank_order(t, r)[0] >= 3 for r, t in stopped.items()):
-            head = _hang_head(flight_recorder.load(directory), files, exercise)
+        if all(rank_order(t, r)[0] >= 3 for r, t in stopped.items()):
+            head = hang_head(flight_recorder.load(directory), files, exercise)
             if head:
                 stopped[first_rank] = f"{head}; {stopped[first_rank]}"
     return results, stopped
-
-
-def _hang_head(traces: Dict[int, dict], files: Sequence[str], exercise: str = "") -> Optional[str]:
-    """The first collective some ranks of its group wait in and others never issued: which
-    ranks, the op, the group (its ranks) and the learner's line that issued it (else the frame
-    of the function graded: the grader's reference call of it); None if none."""
-    for call, there, ranks in flight_recorder.disagreements(traces):
-        missing = [r for r in ranks if r not in there]
-        if not missing or len(missing) == len(ranks):
-            continue
-        frames = [f.rsplit(" ", 1) for f in call.stack]
-        named = [(f"{name} ({os.path.basename(at)})", at, name) for at, name in frames]
-        mine = next((n for n, at, _ in named if os.path.abspath(at.rsplit(":", 1)[0]) in files),
-                    None) or next((n for n, _, name in named if name == exercise), call.where)
-        waiting = [r for r in ranks if r in there]
-        after = []
-        for r in missing:  # where the rank went instead: its last collective
-            last = flight_recorder.calls(r, traces[r])[-1:] if r in traces else []
-            after += [
-                f"rank {r}'s last is {x.op} #{x.seq} of group '{x.group}' at {x.where}"
-                for x in last
-            ]
-        return (f"hang: rank {', '.join(map(str, waiting))} wait(s) in {call.op} #{call.seq} of "
-                f"group '{call.group}' (ranks {ranks}), issued at {mine}; rank "
-                f"{', '.join(map(str, missing))} of that group never issued it" +
-                (f" ({'; '.join(after)})" if after else ""))
-    return None
-
-
-def _rank_order(text: str, rank: int) -> Tuple[int, int]:
-    """Which rank's account comes first: one that died, ended or failed, then one that hung
-    (its wait timed out), then the ranks stopped because of it (their peer left)."""
-    causes = ("died of", "ended its process", "failed in", "made no progress", "no peer answered",
-              "in a collective")  # a peer that left is the last
-    return next((k for k, c in enumerate(causes) if c in text), len(causes)), rank
 
 
 def run_world(fn: Callable, world: int, jobs: Sequence[Dict[str, Source]],
@@ -478,7 +311,7 @@ def run_world(fn: Callable, world: int, jobs: Sequence[Dict[str, Source]],
             start += first - lead
             continue
         text = "; ".join(stopped[r]
-                         for r in sorted(stopped, key=lambda r: _rank_order(stopped[r], r)))
+                         for r in sorted(stopped, key=lambda r: rank_order(stopped[r], r)))
         if first < lead:  # the reference run itself: nothing can be graded
             for r in range(world):
                 out[r].extend({
@@ -514,56 +347,3 @@ def run_jobs(jobs: Sequence[Dict[str, Source]],
             if not is_unwritten(err):
                 break
     return out
-
-
-def cloned(args: Sequence[Any]) -> Tuple[Any, ...]:
-    """``args`` with each tensor cloned (in the autograd graph still, gradients flow back to
-    the original): the function under test gets inputs of its own, so in-place work on them,
-    wherever the contract allows it, cannot change what the library's call reads."""
-    return tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
-
-
-def relative(a: float, b: float) -> float:
-    return abs(a - b) / abs(b) if b else abs(a)
-
-
-def error_verdict(exercise: str, runs: List[dict]) -> Optional[Verdict]:
-    """The verdict of a job that raised on some rank: "write <function> next" for a stub, else
-    the error and where; None if every rank finished it."""
-    errors = [(r, run["error"]) for r, run in enumerate(runs) if "error" in run]
-    if any(e == UNWRITTEN for _, e in errors):
-        return Verdict(exercise, False, f"write {exercise} next")
-    if errors:
-        rank, error = errors[0]
-        return Verdict(exercise, False, f"{exercise} raised on rank {rank}: {error}")
-    lost = [run["lost"] for run in runs if "lost" in run]
-    if lost:
-        return Verdict(exercise, False, f"{exercise}: {lost[0]}")
-    return None
-
-
-def per_job(jobs: Sequence[Dict[str, Source]], results: List[List[Any]],
-            verdict: Callable[[str, List[Dict[str, Any]]], Verdict]) -> List[Verdict]:
-    """Each job's verdict from every rank's result of it (``run_world``'s): its error or what
-    stopped it, else ``verdict(exercise, runs)``."""
-    verdicts = []
-    for i, job in enumerate(jobs):
-        (exercise, _), = job.items()
-        runs = [r[i] for r in results]
-        verdicts.append(error_verdict(exercise, runs) or verdict(exercise, runs))
-    return verdicts
-
-
-def found_verdict(exercise: str, runs: List[Dict[str, Any]]) -> Verdict:
-    """"passed" if no rank found a call that differed from the library's, else the first."""
-    failed = error_verdict(exercise, runs)
-    if failed is not None:
-        return failed
-    texts = [t for run in runs for t in run["found"]]
-    return Verdict(exercise, not texts, texts[0] if texts else "passed")
-
-
-def grade_found(rank_jobs: Callable, world: int, jobs: List[Dict[str, Source]]) -> List[Verdict]:
-    """Every job graded in one world of ``world`` ranks, by ``rank_jobs`` whose measure returns
-    {"found": the diagnoses of the calls that differed from the library's} (05 and 03 grade so)."""
-    return per_job(jobs, run_world(rank_jobs, world, jobs), found_verdict)

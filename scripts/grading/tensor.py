@@ -29,8 +29,9 @@ from scaletorch.parallel.tensor_parallel import (apply_tensor_parallel,
                                                  tensor_parallel_clip_grad_norm,
                                                  tensor_parallel_loss_fn)
 from scaletorch.trainer import Config, Trainer, parse_args
-from scripts.grading.runner import (Source, Verdict, collective_timeout, grade_found, load, patched,
-                                    run_jobs)
+from scripts.grading.learner import Source, load, patched
+from scripts.grading.runner import collective_timeout, run_jobs
+from scripts.grading.verdicts import Verdict, grade_found
 
 CHAPTER = "03"
 EXERCISES = ("enter_region", "exit_region", "vocab_parallel_cross_entropy")

@@ -29,9 +29,10 @@ from scaletorch.rules.group_names import gradient_group_name
 from scaletorch.trainer import Config, Trainer, parse_args
 from scaletorch.trainer.param_map import ParamMap
 from scripts.grading.ddp import GRAD_TOL, parity_diagnosis, reference
-from scripts.grading.runner import (Source, Verdict, caused_by, collective_timeout, error_verdict,
-                                    failure, load, patched, per_job, run_jobs, run_world)
+from scripts.grading.learner import Source, caused_by, failure, load, patched
+from scripts.grading.runner import collective_timeout, run_jobs, run_world
 from scripts.grading.traffic import observed
+from scripts.grading.verdicts import Verdict, error_verdict, per_job
 
 CHAPTER = "02"
 EXERCISES = ("reduce_scatter_mean", "gather_unit", "release_unit")

@@ -1,0 +1,111 @@
+"""The learner's functions as the grader sees them: named, loaded, patched in, their errors told.
+
+A function to grade is named by its ``Source``, (file or module, attribute), so that each spawned
+rank loads it itself: ``examples/exercises/01_ddp.py`` is a file (its name starts with a digit,
+no import reaches it), a planted variant is a module of the tests. What a learner's function
+raises is told by ``failure``, at the learner's own line (``SOURCE_FILES``); ``is_hang`` tells a
+collective that timed out (the world cannot go on) from an error of the job alone.
+"""
+
+import importlib
+import importlib.util
+import os
+import re
+import traceback
+from contextlib import ExitStack, contextmanager
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Set, Tuple
+
+import torch
+import torch.distributed as dist
+
+Source = Tuple[str, str]  # (a .py file or a module name, the function's name in it)
+SOURCE_FILES: Set[str] = set()  # inside a rank: the files of the functions graded
+UNWRITTEN = "NotImplementedError"
+# What a learner's function may raise, each a verdict of its job: sys.exit() and exit() raise
+# SystemExit, which ``except Exception`` lets through to end the rank with no word of it
+LEARNER_ERRORS = (Exception, SystemExit, KeyboardInterrupt)
+
+
+def load(source: Source) -> Callable:
+    """The function ``source`` names: from a file by its path, or from an importable module."""
+    where, name = source
+    if where.endswith(".py"):
+        spec = importlib.util.spec_from_file_location(f"exercise_{abs(hash(where))}", where)
+        if spec is None or spec.loader is None:
+            raise ValueError(f"cannot load {where!r}")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(where)
+    return getattr(module, name)
+
+
+@contextmanager
+def patched(patches: Sequence[Tuple[object, str, object]]) -> Iterator[None]:
+    """Set each (owner, attribute, value) for the block, then put the old values back."""
+    with ExitStack() as stack:
+        for owner, attr, value in patches:
+            old = getattr(owner, attr)
+            setattr(owner, attr, value)
+            stack.callback(setattr, owner, attr, old)
+        yield
+
+
+def _chain(err: BaseException) -> List[BaseException]:
+    """``err`` and what caused it (the Trainer re-raises a step's error as a RuntimeError)."""
+    out: List[BaseException] = []
+    while err is not None and err not in out:
+        out.append(err)
+        err = err.__cause__ or err.__context__  # type: ignore[assignment]
+    return out
+
+
+def innermost(err: BaseException) -> BaseException:
+    """The first error of ``err``'s chain: the one raised where it went wrong."""
+    return _chain(err)[-1]
+
+
+def caused_by(err: BaseException, kind: type) -> Optional[BaseException]:
+    """The first error of type ``kind`` in ``err``'s chain, or None."""
+    return next((e for e in _chain(err) if isinstance(e, kind)), None)
+
+
+def is_unwritten(err: BaseException) -> bool:
+    return any(isinstance(e, NotImplementedError) for e in _chain(err))
+
+
+def is_hang(err: BaseException) -> bool:
+    """A collective that timed out, or whose peer left: the world cannot go on."""
+    return not is_unwritten(err) and any(
+        isinstance(e, dist.DistError) or re.search(r"imed out|peer|gloo", str(e)) is not None
+        for e in _chain(err))
+
+
+def failure(err: BaseException) -> str:
+    """What a job's error was, for the parent: "NotImplementedError" for an unwritten stub,
+    else the first exception's type, message and the line of the exercise that raised it."""
+    if is_unwritten(err):
+        return UNWRITTEN
+    first = _chain(err)[-1]
+    frames = traceback.extract_tb(first.__traceback__)
+    mine = [f for f in frames if os.path.abspath(f.filename) in SOURCE_FILES]
+    where = (mine or frames)[-1]
+    line = f": {where.line}" if where.line else ""
+    said = f"{type(first).__name__}: {first}" if str(first) else type(first).__name__
+    return f"{said} (at {os.path.basename(where.filename)}:{where.lineno}{line})"
+
+
+def source_file(source: Source) -> str:
+    """The file that holds ``source``'s function: a learner's .py, or a module's file."""
+    where = source[0]
+    if where.endswith(".py"):
+        return os.path.abspath(where)
+    spec = importlib.util.find_spec(where)
+    return os.path.abspath(spec.origin) if spec is not None and spec.origin else where
+
+
+def cloned(args: Sequence[Any]) -> Tuple[Any, ...]:
+    """``args`` with each tensor cloned (in the autograd graph still, gradients flow back to
+    the original): the function under test gets inputs of its own, so in-place work on them,
+    wherever the contract allows it, cannot change what the library's call reads."""
+    return tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
