@@ -58,7 +58,7 @@ def grade_chapter(chapter: str, solution: bool, variant: Optional[str] = None) -
     start = time.perf_counter()
     print(
         f"chapter {chapter}: {what}, {module.WORLD} ranks (CPU, gloo), {module.STEPS} steps "
-        f"against {module.AGAINST}", flush=True)
+        f"against {module.AGAINST}{getattr(module, 'ALSO', '')}", flush=True)
     broken = None if solution or variant is not None else file_check.import_error(
         os.path.join(ROOT, path), path)
     if broken is not None:  # each rank would stop on it, in whichever exercise it was

@@ -51,6 +51,9 @@ CHAPTER = "04"
 EXERCISES = ("one_f_one_b", "micro_batch_loss")
 LIBRARY = "scaletorch.parallel.pipeline_schedules"
 WORLD = 3  # pp 3: a first, a middle and a last stage
+# what the headline adds: where a 1F1B that passes is graded again (pipeline_groups.py)
+ALSO = (f"; a 1F1B that passes, again at {pipeline_groups.NAME} ({pipeline_groups.WORLD} ranks, "
+        f"the pipeline a subgroup)")
 # m >= p; 4, not the chapter's 8: every phase of 1F1B on every rank (rank 0: 2 warm-up forwards,
 # 2 steady, 2 cool-down backwards) at half the job's cost, and m differs from p, p - 1, m / p
 MICRO_BATCHES = 4
