@@ -78,10 +78,10 @@ def bit_exact(test: Callable) -> Callable:
 def under_torchrun(test: Callable) -> Callable:
     """Mark a test whose ranks torchrun starts as new Pythons and then kills, restarts or
     signals: a kill and its restart, two launchers as two nodes, SIGTERM and Ctrl-C through
-    the launcher. Each new rank spends about 5 s of a core importing torch before its first
-    step, so ``python run_tests.py`` leaves them to ``python run_tests.py --torchrun``, a CI
-    phase of their own; what they resume is proven in the suite's own worlds (InWorldResume,
-    test_dcp, the stops of one process)."""
+    the launcher, a raise that torchrun ends and reports. Each new rank spends about 5 s of a
+    core importing torch before its first step, so ``python run_tests.py`` leaves them to
+    ``python run_tests.py --torchrun``, a CI phase of their own; what they resume is proven in
+    the suite's own worlds (InWorldResume, test_dcp, the stops of one process)."""
     test.under_torchrun = True  # type: ignore[attr-defined]
     return test
 
