@@ -265,6 +265,23 @@ def parallelize_error(cfg: Config, pgm=None) -> str:
             destroy_pg_manager()
 
 
+class WorldSize:
+    """A stand-in pg_manager that holds the world's size alone: all ``parallelize`` reads before
+    its layout check (validate_layout) refuses a config. A refusal moved past that check ends in
+    an AttributeError (a group size read here), not in the expected ValueError."""
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+
+
+def layout_refusal(cfg: Config, world_size: int) -> str:
+    """Outside any world: the ValueError ``parallelize`` raises for ``cfg`` at ``world_size``
+    ranks before it reads a process group. In a world of 8, the pg_manager that
+    ``parallelize_error`` builds for a refused layout costs each rank about as much CPU as a
+    layout's training (tests/test_nd_parallel.py's six refusals: 3.5 s a rank, at a load of 30)."""
+    return parallelize_error(cfg, WorldSize(world_size))
+
+
 def references(configs: Iterable[Config]) -> Dict[Tuple[int, int, int], tuple]:
     """Outside the world: one single-device run per reference_key of ``configs``, by the plain
     PyTorch loop (scaletorch/trainer/plain_loop.py, which tests/test_trainer.py holds equal to

@@ -2,17 +2,19 @@
 
 One launch per fault (examples/11_debugging.py, 2 ranks, 5 steps, timeout 3 s), two at a time,
 without launch.sh's pre-flight (these faults come after the start); the checks read their
-output, the flight-recorder dumps and the profiles. The raise goes through torchrun
-(scripts/torchrun.py, the agent forked from the suite's forkserver, its ranks new Pythons),
-whose error report is part of what it shows: one traceback, the first failure named, one line
-for the other rank, which torchrun ended. The skip's and the kill's reports (both ranks
-raised; the first was killed) are that report read from other ProcessFailures: shown on the
-ranks' own error files and a SIGKILL's status (``TorchrunReportsTheFirstFailure``), torchrun
-seeing a killed rank being test_resume's KilledRankResumes (it restarts it). So their ranks
-are forked from the suite's forkserver (tests/harness.py's ``launch_forked``: torchrun's
-variables, no new Pythons), as are the straggler's (its run ends well) and the shape's (its
-claims are torch's DETAIL check and the script's fault: each rank raises naming both shapes).
-"""
+output, the flight-recorder dumps and the profiles. The suite's launches fork their ranks from
+the suite's forkserver (tests/harness.py's ``launch_forked``: torchrun's variables, no new
+Pythons): the skip, the kill, the straggler (its run ends well) and the shape (its claims are
+torch's DETAIL check and the script's fault: each rank raises naming both shapes). The raise
+goes through torchrun (scripts/torchrun.py, the agent forked from the suite's forkserver, its
+ranks new Pythons), whose error report is what it shows: one traceback, the first failure
+named, one line for the other rank, which torchrun ended. Its two new Pythons (about 5 s of a
+core each) put it under ``python run_tests.py --torchrun`` (``TorchrunReportsARaise``); the
+suite holds what it proves in parts: that report read from ProcessFailures of each kind
+(``TorchrunReportsTheFirstFailure``: a raise's error files, a SIGKILL's status), the ranks'
+error files (``ErrorFile``), and torchrun.py started by launch.sh with ranks that fail
+(tests/test_layout_errors.py's BadLayoutsReachTheUserOnce). Torchrun seeing a killed rank is
+test_resume's KilledRankResumes (it restarts it)."""
 
 import io
 import json
@@ -37,7 +39,7 @@ from scaletorch.dist import flight_recorder, meet_before_first_step
 from scaletorch.trainer.config import one_traceback, write_error_file
 from scripts import fr_analyze
 from scripts import torchrun as torchrun_script
-from tests.harness import NCCL_CHECKS, launch_forked, run_distributed, run_forked
+from tests.harness import NCCL_CHECKS, launch_forked, run_distributed, run_forked, under_torchrun
 from tests.test_examples import ROOT
 
 SCRIPT = "examples/11_debugging.py"
@@ -59,33 +61,33 @@ FORKED = ("skip", "kill", "straggler", "shape")  # all but the raise (the docstr
 TRACEBACK = "Traceback (most recent call last)"
 
 
+def _launch(name: str, tmp: str) -> tuple:
+    """RUNS[name] in a run directory under ``tmp``: (its output, its status, its run's files)."""
+    args, env = RUNS[name]
+    run_dir = os.path.join(tmp, name)
+    if name in FORKED:
+        out, code = launch_forked(SCRIPT, 2, *FAST, *args, "--logging.run_dir", run_dir, env=env,
+                                  timeout=120)
+        return out, code, os.path.join(run_dir, "11_debugging")
+    # torchrun (scripts/torchrun.py, as launch.sh runs it) forked from the forkserver: its
+    # ranks are new Pythons as under launch.sh, the agent does not import torch again (about
+    # 2.5 s of a core a launch; launch.sh's own steps: test_launch.py)
+    done = run_forked("scripts/torchrun.py", "--nproc-per-node", "2", "--max-restarts", "0",
+                      "--standalone", SCRIPT, *FAST, *args, "--logging.run_dir", run_dir, env={
+                          **os.environ, "PYTHONPATH": ROOT,
+                          **NCCL_CHECKS,
+                          **env
+                      }, timeout=120)
+    return done.stdout + done.stderr, done.returncode, os.path.join(run_dir, "11_debugging")
+
+
 class InjectedFaultsEndAsDocumented(unittest.TestCase):
 
     @classmethod
     def setUpClass(cls):
         cls.tmp = tempfile.mkdtemp()
-
-        def run(name):
-            args, env = RUNS[name]
-            run_dir = os.path.join(cls.tmp, name)
-            if name in FORKED:
-                out, code = launch_forked(SCRIPT, 2, *FAST, *args, "--logging.run_dir", run_dir,
-                                          env=env, timeout=120)
-                return out, code, os.path.join(run_dir, "11_debugging")
-            # torchrun (scripts/torchrun.py, as launch.sh runs it) forked from the forkserver:
-            # its ranks are new Pythons as under launch.sh, the agent does not import torch
-            # again (about 2.5 s of a core a launch; launch.sh's own steps: test_launch.py)
-            done = run_forked("scripts/torchrun.py", "--nproc-per-node", "2", "--max-restarts", "0",
-                              "--standalone", SCRIPT, *FAST, *args, "--logging.run_dir", run_dir,
-                              env={
-                                  **os.environ, "PYTHONPATH": ROOT,
-                                  **NCCL_CHECKS,
-                                  **env
-                              }, timeout=120)
-            return done.stdout + done.stderr, done.returncode, os.path.join(run_dir, "11_debugging")
-
         with ThreadPoolExecutor(max_workers=2) as pool:  # 4 ranks at a time
-            cls.runs = dict(zip(RUNS, pool.map(run, RUNS)))
+            cls.runs = dict(zip(FORKED, pool.map(lambda name: _launch(name, cls.tmp), FORKED)))
 
     @classmethod
     def tearDownClass(cls):
@@ -145,14 +147,6 @@ class InjectedFaultsEndAsDocumented(unittest.TestCase):
             text, r"group info: \d+:dp\ncollective: gloo:all_reduce\n"
             r"missing ranks: \{1\}")
 
-    def test_a_raising_rank_gives_one_traceback_and_one_line_per_other_rank(self):
-        out, code, _ = self.runs["raise"]
-        self.assertEqual(code, 1, out[-3000:])
-        self.assertEqual(out.count(TRACEBACK), 1, out[-3000:])
-        self.assertIn("error: rank 0 failed first:", out)
-        self.assertIn("RuntimeError: injected error on rank 0 at step 2", out)
-        self.assertEqual(len(re.findall(r"^rank 1: stopped because rank 0 failed", out, re.M)), 1)
-
     def test_a_killed_rank_says_so_and_ends_the_run(self):
         out, code, _ = self.runs["kill"]
         self.assertNotEqual(code, 0, out[-3000:])
@@ -191,6 +185,20 @@ class InjectedFaultsEndAsDocumented(unittest.TestCase):
             self.assertIn("ProfilerStep#1", names)
         # the line doc/11_debugging.md's profiled run shows (its block is not re-run in CI)
         self.assertIn("profile: 2 steps per rank in ", out)
+
+
+class TorchrunReportsARaise(unittest.TestCase):
+    """The raise of RUNS under torchrun, end to end (the module's docstring)."""
+
+    @under_torchrun
+    def test_a_raising_rank_gives_one_traceback_and_one_line_per_other_rank(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            out, code, _ = _launch("raise", tmp)
+        self.assertEqual(code, 1, out[-3000:])
+        self.assertEqual(out.count(TRACEBACK), 1, out[-3000:])
+        self.assertIn("error: rank 0 failed first:", out)
+        self.assertIn("RuntimeError: injected error on rank 0 at step 2", out)
+        self.assertEqual(len(re.findall(r"^rank 1: stopped because rank 0 failed", out, re.M)), 1)
 
 
 LATE = 2.5  # seconds a rank ends its setup after the other: more than SHORT
@@ -258,7 +266,8 @@ def _raised(path: str, rank: int, what: str) -> ProcessFailure:
 
 class TorchrunReportsTheFirstFailure(unittest.TestCase):
     """scripts/torchrun.py's report of the skip's and the kill's failures, from the
-    ProcessFailures torchrun hands over (the raise run above shows it end to end)."""
+    ProcessFailures torchrun hands over (TorchrunReportsARaise shows it end to end, under
+    ``python run_tests.py --torchrun``)."""
 
     def test_two_raising_ranks_are_the_first_ones_traceback_and_one_line(self):
         # the skip: rank 0's all-reduce timed out, then rank 1's next collective failed

@@ -4,7 +4,8 @@ with FSDP2's replicate over dp, pipelining with FSDP2 per stage, and all three t
 grad norms (clipping active) and final weights over 2 steps (one warm-up step, one after) of a
 2-layer model within 1e-5 (ours at tp 2 x dp 4 ZeRO-3: tests/test_nd_parallel.py).
 Consolidated checkpoints move from the native stack to ours and back, and what cannot run
-natively here raises ValueError naming the settings.
+natively here raises ValueError naming the settings (in this process: ``parallelize`` refuses
+it before it reads a process group).
 
 One world of 8 ranks; the runs on one mesh (tp, pp) share a pg_manager (and so the
 DeviceMesh), rebuilt per mesh inside it: the 4-rank layouts of chapter 07 run with dp 4
@@ -19,8 +20,8 @@ from scaletorch.dist import destroy_pg_manager
 from scaletorch.trainer.param_map import DTensorParamMap
 from scaletorch.trainer.parity import max_weight_diff
 from tests.harness import run_distributed, stderr_warnings
-from tests.layouts import (TOL, assert_parity, layout, make_config, parallelize_error,
-                           pg_manager_for, references, resume_at, train)
+from tests.layouts import (TOL, assert_parity, layout, layout_refusal, make_config, pg_manager_for,
+                           references, resume_at, train)
 
 WORLD = 8
 # 2 steps, the first the one warm-up step: the second runs past the warm-up on AdamW state
@@ -98,13 +99,14 @@ def _saved(tmp: str, impl: str) -> tuple:
     return SAVE_AT, os.path.join(tmp, f"{impl}_{SAVED}.pt")
 
 
-def _refusals(pgm) -> dict:
-    """The ValueErrors at tp 2, on ``pgm`` (tp2 x dp4's)."""
+def _refusals() -> dict:
+    """The ValueErrors, outside the world (``layout_refusal``: refused before any group)."""
     configs = {
         "zero1": make_config(False, 2, **layout(tp=2, zero_stage=1, impl="torch")),
         "moe": make_config(True, 1, **layout(tp=2, impl="torch")),
+        "cp_tp": make_config(False, 2, **layout(tp=2, cp=2, impl="torch")),
     }
-    return {name: parallelize_error(cfg, pgm) for name, cfg in configs.items()}
+    return {name: layout_refusal(cfg, WORLD) for name, cfg in configs.items()}
 
 
 def _world(rank: int, world: int, tmp: str) -> dict:
@@ -119,13 +121,8 @@ def _world(rank: int, world: int, tmp: str) -> dict:
             for impl, (resumed_at, _) in RESUMES.items():
                 if resumed_at in names:
                     out["checkpoints"].update(_resume(tmp, impl, pgm))
-            if "tp2_dp4" in names:
-                out["errors"] = _refusals(pgm)
             destroy_pg_manager()
     out["warnings"] = warnings
-    # tp 2 x cp 2: a mesh of its own
-    cp_tp = make_config(False, 2, **layout(tp=2, cp=2, impl="torch"))
-    out["errors"]["cp_tp"] = parallelize_error(cp_tp)
     return out
 
 
@@ -183,8 +180,12 @@ class NativeStrategiesComposedOnOneMesh(unittest.TestCase):
             # the weights after the resumed step: the saved AdamW state in use
             self.assertLessEqual(max_weight_diff(run["state"], self.reference[2]), TOL, name)
 
+
+class RefusedNatively(unittest.TestCase):
+    """No world: ``parallelize`` refuses them before it reads a process group."""
+
     def test_what_cannot_run_natively_raises_value_errors_naming_the_settings(self):
-        errors = self.results[0]["errors"]
+        errors = _refusals()
         self.assertRegex(errors["cp_tp"], r"context_parallel_size 2.*CUDA.*tp 2")
         self.assertRegex(errors["zero1"], r"'torch'.*ZeRO-3.*zero_stage 1")
         self.assertRegex(errors["moe"], r"'torch'.*num_experts 4")

@@ -1,6 +1,7 @@
 """N-D parallel on 8 gloo ranks equals the single device: losses, grad norms and final weights
 of every layout of the matrix over 3 steps, a consolidated checkpoint resumed at other layouts,
-activation checkpointing, and the combinations that must raise ValueError.
+activation checkpointing, and the combinations that must raise ValueError (in this process:
+``parallelize`` refuses them before it reads a process group).
 
 One world of 8 ranks for the whole file; each layout rebuilds the pg_manager inside it. The
 references run in this (parent) process, which has no process group. The world runs once per
@@ -21,8 +22,8 @@ from scaletorch.parallel.activation_checkpointing import (apply_activation_check
 from scaletorch.trainer.consolidated import load_consolidated, resume_consolidated
 from scaletorch.trainer.parity import max_weight_diff
 from tests.harness import bit_exact, run_distributed
-from tests.layouts import (ND_LAYOUTS, TOL, assert_parity, build, layout, make_config,
-                           parallelize_error, reference_key, references, resume_at, train)
+from tests.layouts import (ND_LAYOUTS, TOL, assert_parity, build, layout, layout_refusal,
+                           make_config, reference_key, references, resume_at, train)
 
 # The layouts whose per-rank state another layout of the matrix holds alike: test_resume does
 # not resume them (why: there), so they write no per-rank checkpoint here.
@@ -93,7 +94,7 @@ def _invalid_combinations() -> dict:
         "1f1b_m1": nd_config(False, 1, **layout(pp=2, cp=2, schedule="1f1b")),  # m < p
         "cp_seq": cp_seq,
     }
-    return {name: parallelize_error(cfg) for name, cfg in configs.items()}
+    return {name: layout_refusal(cfg, WORLD) for name, cfg in configs.items()}
 
 
 def _world(rank: int, world: int, path: str, checkpoints: str) -> dict:
@@ -104,7 +105,6 @@ def _world(rank: int, world: int, path: str, checkpoints: str) -> dict:
         per_rank = None if name in SAME_STATE_AS_ANOTHER else os.path.join(checkpoints, name)
         out[name] = train(nd_config_of(LAYOUTS, name), per_rank, saves.get(name))
     out["checkpoint"] = _checkpoint_runs(path)
-    out["errors"] = _invalid_combinations()
     # test_resume resumes the tied ZeRO-3 run's per-rank checkpoints (the tie under pp x ZeRO-3)
     out.update({
         name:
@@ -221,8 +221,13 @@ class NDParallelMatchesSingleDevice(unittest.TestCase):
         for a, b in zip(result.losses, ref1[0][SAVE_AT:]):
             self.assertAlmostEqual(a, b, delta=TOL)
 
+
+class InvalidCombinations(unittest.TestCase):
+    """No world: ``parallelize`` refuses them before it reads a process group (tests/layouts.py's
+    ``layout_refusal``)."""
+
     def test_invalid_combinations_raise_value_errors_naming_the_numbers(self):
-        errors = self.results[0]["errors"]
+        errors = _invalid_combinations()
         self.assertRegex(errors["zero_moe"], r"zero_stage \(1\).*num_experts = 4")
         self.assertRegex(errors["zero_impl_torch"], r"'torch'.*zero_stage 1")
         self.assertRegex(errors["sp_moe"], r"sequence parallel.*num_experts = 4")

@@ -15,9 +15,8 @@ from scaletorch.dist import destroy_pg_manager
 from scaletorch.trainer.param_map import DTensorParamMap, ParamMap
 from scaletorch.trainer.parity import max_weight_diff
 from tests.harness import run_distributed
-from tests.layouts import (TOL, assert_parity, build, config_of, layout, make_config,
-                           parallelize_error, pg_manager_for, reference_key, references, resume_at,
-                           train)
+from tests.layouts import (TOL, assert_parity, build, config_of, layout, layout_refusal,
+                           make_config, pg_manager_for, reference_key, references, resume_at, train)
 
 WORLD = 2
 # 2 steps: one warm-up step, then one past it on the AdamW state the first left, with clipping
@@ -94,7 +93,7 @@ def _invalid_impls() -> dict:
         "torch_moe": make_config(True, 1, **layout(ep=2, impl="torch")),
         "torch_zero1": make_config(False, 1, **layout(zero_stage=1, impl="torch")),
     }
-    return {name: parallelize_error(cfg) for name, cfg in configs.items()}
+    return {name: layout_refusal(cfg, WORLD) for name, cfg in configs.items()}
 
 
 def _stage_layers(cfg) -> list:
@@ -116,7 +115,6 @@ def _world(rank: int, world: int, tmp: str) -> dict:
     }
     out["uneven_stage_layers"] = _stage_layers(chapter_config("04_pp2_uneven_layer_split"))
     out["resumed"] = _resume(tmp)
-    out["errors"] = _invalid_impls()
     return out
 
 
@@ -180,8 +178,12 @@ class ChaptersThroughParallelizeMatchSingleDevice(unittest.TestCase):
             # the weights after the resumed step: the saved AdamW state in use
             self.assertLessEqual(max_weight_diff(run["state"], weights), TOL, name)
 
+
+class RefusedImplCombinations(unittest.TestCase):
+    """No world: ``parallelize`` refuses them before it reads a process group."""
+
     def test_impl_combinations_that_cannot_run_raise_value_errors(self):
-        errors = self.results[0]["errors"]
+        errors = _invalid_impls()  # tests/layouts.py's layout_refusal
         self.assertRegex(errors["naive_zero"], r"'naive'.*zero_stage 1")
         self.assertRegex(errors["torch_moe"], r"'torch'.*num_experts 4")
         self.assertRegex(errors["torch_zero1"], r"FSDP2.*ZeRO-3; got zero_stage 1")
