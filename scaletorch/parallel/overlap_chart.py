@@ -4,7 +4,7 @@
 of its sync happens (``model.timeline``, a ``SyncTimeline``); dist/overlap_text.py draws it.
 """
 
-from typing import Any, cast
+from typing import Any, List, cast
 
 import torch
 
@@ -16,11 +16,11 @@ from scaletorch.parallel.data_parallel import Bucket, BucketedDataParallel
 class OverlapRecorder(BucketedDataParallel):
     """``BucketedDataParallel`` that marks when each step of its sync happens (``record_overlap``
     swaps it in). It computes and communicates exactly as the wrapper it extends."""
+    _marks: List[torch.futures.Future]  # the completion marks' callbacks, until the sync ends
 
     def _start(self) -> None:  # CPU: perf_counter at each mark; CUDA: events (dist/timer.py)
         self._timer = Timer(self.buckets[0].buffer.device if self.buckets else torch.device("cpu"))
-        self._synced, self._recording = SyncTimeline(), SyncTimeline()
-        self._marking: list = []  # the callbacks' futures: each has run before the step goes on
+        self._synced, self._recording, self._marks = SyncTimeline(), SyncTimeline(), []
 
     @property
     def timeline(self) -> SyncTimeline:
@@ -45,13 +45,11 @@ class OverlapRecorder(BucketedDataParallel):
         if bucket.work is None:  # a group of one rank: nothing to wait for
             launch.t_done = launch.t_launch
         else:
-            # The completion mark, taken in the future's callback. gloo (CPU) runs it when the
-            # all-reduce has finished: the clock then is the completion time. NCCL runs it as
-            # soon as the all-reduce is queued, but with a current stream that waits for the
-            # all-reduce's kernel (torch.futures.Future.then), so the CUDA event recorded
-            # there fires when the all-reduce has finished on the GPU. (A clock reading there
-            # would be the launch time, and work.wait() does not block the host on NCCL.)
-            self._marking.append(bucket.work.get_future().then(
+            # The completion mark, taken in the future's callback: gloo runs it in its own thread
+            # when the all-reduce has finished; NCCL as soon as it is queued, on a stream that
+            # waits for its kernel (Future.then), so the CUDA event recorded there fires when the
+            # all-reduce has finished on the GPU (a clock there would read the launch time).
+            self._marks.append(bucket.work.get_future().then(
                 lambda _: setattr(launch, "t_done", self._timer.mark())))
         self._recording.launches.append(launch)
 
@@ -59,12 +57,8 @@ class OverlapRecorder(BucketedDataParallel):
         self._recording.t_backward_end = self._timer.mark()
         super()._sync()
         self._recording.t_wait_end = self._timer.mark()  # CUDA: the wait()s joined the stream
-        # gloo runs a callback in its own thread, maybe after wait() returned: wait for each, so
-        # none is still running when the step reads the marks or the group is destroyed
-        for marked in self._marking:
-            marked.wait()
-        self._marking = []
-        self._synced, self._recording = self._recording, SyncTimeline()
+        torch.futures.wait_all(self._marks)  # no mark still running when the group is destroyed
+        self._synced, self._recording, self._marks = self._recording, SyncTimeline(), []
 
 
 def record_overlap(model: BucketedDataParallel) -> OverlapRecorder:
