@@ -18,7 +18,7 @@ must, passes its own ``loss_fn`` (tensor parallel's vocab-parallel loss, for the
 import math
 import os
 import signal
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Tuple, cast
 
 import torch
 from torch import nn
@@ -120,17 +120,19 @@ class Trainer:
         if forward_backward is None:
             # fp16: a loss scale, agreed over the world (alone on one device: pgm None)
             scaler = DynamicLossScaler(agree=pgm is not None) if fp16 else None
-            losses: Tuple[Any, Any] = (loss_fn, moe_aux_loss)
+            aux_loss: Callable = moe_aux_loss
             if scaler is not None:  # backward from scale x each loss, their values unscaled
-                losses = (scale_backward(loss_fn, scaler), scale_backward(moe_aux_loss, scaler))
+                loss_fn, aux_loss = (cast(LossFn, scale_backward(loss_fn, scaler)),
+                                     cast(Callable, scale_backward(moe_aux_loss, scaler)))
             if pgm is None:
                 forward_backward = make_data_parallel_step(model, cfg.data.num_micro_batches, 0, 1,
-                                                           None, *losses)
+                                                           None, loss_fn, aux_loss=aux_loss)
             else:
                 forward_backward = make_data_parallel_step(model, cfg.data.num_micro_batches,
                                                            pgm.data_parallel_rank,
                                                            pgm.data_parallel_world_size,
-                                                           pgm.gradient_sync_group, *losses)
+                                                           pgm.gradient_sync_group, loss_fn,
+                                                           aux_loss=aux_loss)
         if fp16 and scaler is None:
             raise ValueError("training.precision fp16: this step does not scale the loss (pass "
                              "the DynamicLossScaler its forward_backward uses: after parallelize, "
