@@ -33,10 +33,10 @@ import sys
 
 from scaletorch.dist import (destroy_distributed, destroy_pg_manager, get_ledger, init_distributed,
                              init_pg_manager_from_config)
+from scaletorch.dist.layout_check import (check_fp32_without_hooks, check_recompute_without_hook,
+                                          check_tied_without_hooks)
 from scaletorch.models import build_model
-from scaletorch.parallel.parallelize import (ORDER, check_fp32_without_hooks,
-                                             check_recompute_without_hook, check_tied_without_hooks,
-                                             parallelize, rank_report)
+from scaletorch.parallel.parallelize import ORDER, parallelize, rank_report
 from scaletorch.parallel.pipeline_parallel import gather_timeline
 from scaletorch.trainer import Trainer, check_against_reference, load_config
 from scaletorch.trainer.consolidated import load_consolidated, resume_consolidated

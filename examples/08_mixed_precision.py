@@ -75,7 +75,7 @@ def main() -> int:
         print(f"{numel:,} parameters, ZeRO stage {p.zero_stage}, compute "
               f"{resolve_precision(cfg, env.device.type)}, {precision.policy}; "
               f"master weights, gradients and AdamW state fp32")
-    trainer = Trainer.from_parallelized(cfg, par, pgm, device=env.device)
+    trainer = Trainer.from_parallelized(cfg, par, pgm, device=env.device, scaler=precision.scaler)
     result = trainer.train()
 
     # What this chapter is about: the bytes per element that crossed the wire, by collective.

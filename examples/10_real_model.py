@@ -136,8 +136,9 @@ def main() -> int:
     # what a real model needs, attached from outside: a head tied to the embedding,
     # recomputation to fit its activations (--activation-checkpointing), and a vocabulary
     # padded to a multiple of tp
-    par = parallelize(model, cfg, pgm, env.device, precision_hooks(cfg, env.device.type),
-                      tied=TiedEmbeddings(), recompute=apply_activation_checkpointing,
+    precision = precision_hooks(cfg, env.device.type)
+    par = parallelize(model, cfg, pgm, env.device, precision, tied=TiedEmbeddings(),
+                      recompute=apply_activation_checkpointing,
                       tensor_parallel=apply_tensor_parallel_padded)
     if args.init_from:  # a real checkpoint: each rank reads only its own pieces of its weights
         read = comm.gather_objects(seed_from_hf(args.init_from, par))
@@ -146,7 +147,7 @@ def main() -> int:
             for rank, nbytes in enumerate(read):
                 print(f"seeded from {args.init_from}: rank {rank} read {nbytes / 1e6:.3f} of "
                       f"{total:.3f} MB")
-    trainer = Trainer.from_parallelized(cfg, par, pgm, device=env.device)
+    trainer = Trainer.from_parallelized(cfg, par, pgm, device=env.device, scaler=precision.scaler)
     result = trainer.train()
 
     full = full_state_dict(par)  # collective: chapter 00's full weights on rank 0, None elsewhere

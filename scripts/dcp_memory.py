@@ -56,8 +56,9 @@ def config(parallel: Dict[str, Any]) -> Config:
 def _build(cfg: Config) -> tuple:
     pgm = init_pg_manager_from_config(cfg.parallel)
     model = build_model(cfg.model, seed=cfg.training.model_seed)
-    par = parallelize(model, cfg, pgm, torch.device("cpu"), precision_hooks(cfg, "cpu"))
-    return par, Trainer.from_parallelized(cfg, par, pgm, verbose=False)
+    hooks = precision_hooks(cfg, "cpu")
+    par = parallelize(model, cfg, pgm, torch.device("cpu"), hooks)
+    return par, Trainer.from_parallelized(cfg, par, pgm, verbose=False, scaler=hooks.scaler)
 
 
 def _shard_bytes(par: Any) -> int:

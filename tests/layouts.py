@@ -138,10 +138,11 @@ def build(cfg: Config, pgm, state=None) -> Tuple[Parallelized, Trainer]:
     model = build_model(cfg.model, seed=cfg.training.model_seed)
     if state is not None:
         model.load_state_dict(state)
-    par = parallelize(model, cfg, pgm, torch.device("cpu"), precision_hooks(cfg, "cpu"),
-                      tied=TiedEmbeddings(), recompute=apply_activation_checkpointing,
+    hooks = precision_hooks(cfg, "cpu")
+    par = parallelize(model, cfg, pgm, torch.device("cpu"), hooks, tied=TiedEmbeddings(),
+                      recompute=apply_activation_checkpointing,
                       tensor_parallel=apply_tensor_parallel_padded)
-    return par, Trainer.from_parallelized(cfg, par, pgm, verbose=False)
+    return par, Trainer.from_parallelized(cfg, par, pgm, verbose=False, scaler=hooks.scaler)
 
 
 def train(cfg: Config, checkpoint_dir: Optional[str] = None,

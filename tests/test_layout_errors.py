@@ -4,9 +4,10 @@ terms (the settings and what to change), and reaches the user once, without a tr
 import unittest
 
 from scaletorch.dist import destroy_pg_manager, init_pg_manager
+from scaletorch.dist.layout_check import (check_fp32_without_hooks, check_recompute_without_hook,
+                                          check_tied_without_hooks)
 from scaletorch.models import build_model
-from scaletorch.parallel.parallelize import (check_fp32_without_hooks, check_recompute_without_hook,
-                                             check_tied_without_hooks, parallelize)
+from scaletorch.parallel.parallelize import parallelize
 from scaletorch.parallel.tensor_layout import TensorLayout
 from scaletorch.trainer import parse_args, validate_layout
 from scaletorch.trainer.param_map import DTensorParamMap

@@ -19,6 +19,7 @@ import math
 from typing import Any, Dict, Optional
 
 from scaletorch.rules.group_names import gradient_group_name
+from scaletorch.rules.recompute import recompute_mode
 from scaletorch.schedule.catalog import validate_schedule
 from scaletorch.schedule.placement import V_SHAPED, stage_ranges
 
@@ -143,6 +144,65 @@ def validate_layout(cfg: Any, world_size: int) -> Dict[str, int]:
     _check_tied_embeddings(cfg, sizes)
     _check_combinations(cfg, sizes)
     return sizes
+
+
+def validate_parallelize(cfg: Any, pgm: Any, precision: Any = None, tied: Any = None,
+                         recompute: Any = None) -> Dict[str, int]:
+    """``parallelize``'s refusals, before any surgery: ``validate_layout``, then ``pgm`` (a
+    ProcessGroupManager) must hold the process groups of ``cfg``'s layout, and what later
+    chapters attach from outside (08's ``precision``, 10's ``tied`` and ``recompute``) must be
+    given when the config asks for it. Returns ``layout_sizes``."""
+    sizes = validate_layout(cfg, pgm.world_size)
+    have = {
+        "tp": pgm.tensor_model_parallel_world_size,
+        "pp": pgm.pipeline_model_parallel_world_size,
+        "cp": pgm.context_parallel_world_size,
+        "ep": pgm.expert_model_parallel_world_size,
+        "dp": pgm.data_parallel_world_size,
+    }
+    wrong = [f"{k} {have[k]} (config: {sizes[k]})" for k in have if have[k] != sizes[k]]
+    if wrong:
+        raise ValueError(f"the process-group manager's sizes differ from cfg.parallel: "
+                         f"{', '.join(wrong)}; build it from the same config")
+    if precision is None:
+        check_fp32_without_hooks(cfg)
+    if tied is None:
+        check_tied_without_hooks(cfg)
+    if recompute is None:
+        check_recompute_without_hook(cfg)
+    return sizes
+
+
+def check_fp32_without_hooks(cfg: Any) -> None:
+    """Without chapter 08's hooks every wire is fp32 (autocast may still compute in bf16):
+    ValueError for what needs them, fp16's loss scale and the policy's dtypes."""
+    t, p = cfg.training, cfg.parallel
+    if t.precision == "fp16" or p.param_dtype not in ("auto", "fp32") or p.reduce_dtype != "fp32":
+        raise ValueError(f"training.precision {t.precision}, parallel.param_dtype "
+                         f"{p.param_dtype}, parallel.reduce_dtype {p.reduce_dtype} need chapter "
+                         f"08's hooks: parallelize(..., precision=precision_hooks(cfg, "
+                         f"device.type)) from scaletorch.parallel.mixed_precision, as "
+                         f"examples/08_mixed_precision.py does")
+
+
+def check_recompute_without_hook(cfg: Any) -> None:
+    """Recomputation is chapter 10's, attached from outside: ValueError when asked without it."""
+    mode = recompute_mode(cfg.parallel.activation_checkpointing)
+    if mode != "none":
+        raise ValueError(f"parallel.activation_checkpointing {mode!r} needs chapter 10's hook: "
+                         f"parallelize(..., recompute=apply_activation_checkpointing) from "
+                         f"scaletorch.parallel.activation_checkpointing, as "
+                         f"examples/10_real_model.py does")
+
+
+def check_tied_without_hooks(cfg: Any) -> None:
+    """A tied model under our pipeline or ZeRO needs chapter 10's hooks: ValueError."""
+    p, pp = cfg.parallel, cfg.parallel.pipeline_model_parallel_size
+    if cfg.model.tie_word_embeddings and p.impl != "torch" and (pp > 1 or p.zero_stage > 0):
+        raise ValueError(f"model.tie_word_embeddings true with pipeline_model_parallel_size "
+                         f"{pp} and zero_stage {p.zero_stage} needs chapter 10's hooks: "
+                         f"parallelize(..., tied=TiedEmbeddings()) from "
+                         f"scaletorch.parallel.tied_embeddings, as examples/10_real_model.py does")
 
 
 def _check_batch(cfg: Any, sizes: Dict[str, int]) -> None:

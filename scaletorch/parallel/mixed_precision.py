@@ -360,6 +360,14 @@ class PrecisionHooks:
                 if isinstance(hooks, MoELossInPipeline):
                     hooks.loss_of = cast(Callable, scale_backward(hooks.loss_of, self.scaler))
 
+    def scale_losses(self, loss_fn: Callable, aux_loss: Callable) -> Tuple[Callable, Callable]:
+        """The data-parallel step's two losses (step.py); under fp16 their backward starts from
+        scale x loss, as a pipeline's does (``attach_to_pipeline``), their values unscaled."""
+        if self.scaler is None:
+            return loss_fn, aux_loss
+        return (cast(Callable, scale_backward(loss_fn, self.scaler)),
+                cast(Callable, scale_backward(aux_loss, self.scaler)))
+
     def data_parallel(self, model: nn.Module, pgm: ProcessGroupManager, impl: str,
                       bucket_size_mb: float) -> nn.Module:
         """Chapter 01's data parallel reducing in the policy's ``reduce_dtype``."""

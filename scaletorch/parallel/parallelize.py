@@ -51,10 +51,9 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from scaletorch.config import recompute_mode
 from scaletorch.dist import ProcessGroupManager, comm, get_ledger
-from scaletorch.dist.layout_check import validate_layout
-from scaletorch.models import MLP, Llama, loss_fn
+from scaletorch.dist.layout_check import validate_parallelize
+from scaletorch.models import MLP, Llama, loss_fn, moe_aux_loss
 from scaletorch.parallel.context_parallel import apply_context_parallel, make_sequence_sharder
 from scaletorch.parallel.data_parallel import apply_data_parallel
 from scaletorch.parallel.expert_parallel import ExpertParallel, shard_experts
@@ -63,7 +62,7 @@ from scaletorch.parallel.moe_balance import apply_global_capacity
 from scaletorch.parallel.moe_pipeline import MoELossInPipeline
 from scaletorch.parallel.pipeline_parallel import apply_pipeline_parallel
 from scaletorch.parallel.pipeline_runtime import PipelineSchedule
-from scaletorch.parallel.step import ForwardBackward, LossFn, LossScale, make_data_parallel_step
+from scaletorch.parallel.step import ForwardBackward, LossFn, make_data_parallel_step
 from scaletorch.parallel.tensor_layout import (TensorLayout, plain_entries, record_splits,
                                                zero_entries)
 from scaletorch.parallel.tensor_parallel import (BLOCK_PLAN, apply_tensor_parallel,
@@ -94,22 +93,6 @@ class Parallelized:
     clip_grad_norm: Callable[[float], torch.Tensor]
     optimizer: Optional[torch.optim.Optimizer]
     layout: TensorLayout
-    scaler: Optional[LossScale] = None  # fp16's loss scale, agreed over the world (chapter 08)
-
-
-def _check_groups_match(cfg: "Config", pgm: ProcessGroupManager, sizes: Dict[str, int]) -> None:
-    """``pgm`` must be the process groups of ``cfg``'s layout, whose sizes validate_layout read."""
-    have = {
-        "tp": pgm.tensor_model_parallel_world_size,
-        "pp": pgm.pipeline_model_parallel_world_size,
-        "cp": pgm.context_parallel_world_size,
-        "ep": pgm.expert_model_parallel_world_size,
-        "dp": pgm.data_parallel_world_size,
-    }
-    wrong = [f"{k} {have[k]} (config: {sizes[k]})" for k in have if have[k] != sizes[k]]
-    if wrong:
-        raise ValueError(f"the process-group manager's sizes differ from cfg.parallel: "
-                         f"{', '.join(wrong)}; build it from the same config")
 
 
 def _apply_data_parallel(
@@ -154,38 +137,6 @@ def tensor_parallel_plan(block: nn.Module) -> Dict[str, Tuple[str, ...]]:
     }
 
 
-def check_fp32_without_hooks(cfg: "Config") -> None:
-    """Without chapter 08's hooks every wire is fp32 (autocast may still compute in bf16):
-    ValueError for what needs them, fp16's loss scale and the policy's dtypes."""
-    t, p = cfg.training, cfg.parallel
-    if t.precision == "fp16" or p.param_dtype not in ("auto", "fp32") or p.reduce_dtype != "fp32":
-        raise ValueError(f"training.precision {t.precision}, parallel.param_dtype "
-                         f"{p.param_dtype}, parallel.reduce_dtype {p.reduce_dtype} need chapter "
-                         f"08's hooks: parallelize(..., precision=precision_hooks(cfg, "
-                         f"device.type)) from scaletorch.parallel.mixed_precision, as "
-                         f"examples/08_mixed_precision.py does")
-
-
-def check_recompute_without_hook(cfg: "Config") -> None:
-    """Recomputation is chapter 10's, attached from outside: ValueError when asked without it."""
-    mode = recompute_mode(cfg.parallel.activation_checkpointing)
-    if mode != "none":
-        raise ValueError(f"parallel.activation_checkpointing {mode!r} needs chapter 10's hook: "
-                         f"parallelize(..., recompute=apply_activation_checkpointing) from "
-                         f"scaletorch.parallel.activation_checkpointing, as "
-                         f"examples/10_real_model.py does")
-
-
-def check_tied_without_hooks(cfg: "Config") -> None:
-    """A tied model under our pipeline or ZeRO needs chapter 10's hooks: ValueError."""
-    p, pp = cfg.parallel, cfg.parallel.pipeline_model_parallel_size
-    if cfg.model.tie_word_embeddings and p.impl != "torch" and (pp > 1 or p.zero_stage > 0):
-        raise ValueError(f"model.tie_word_embeddings true with pipeline_model_parallel_size "
-                         f"{pp} and zero_stage {p.zero_stage} needs chapter 10's hooks: "
-                         f"parallelize(..., tied=TiedEmbeddings()) from "
-                         f"scaletorch.parallel.tied_embeddings, as examples/10_real_model.py does")
-
-
 def parallelize(model: Llama, cfg: "Config", pgm: ProcessGroupManager, device: torch.device,
                 precision: Optional[Any] = None, tied: Optional[Any] = None,
                 recompute: Optional[Callable[[nn.Module, str], Any]] = None,
@@ -198,14 +149,7 @@ def parallelize(model: Llama, cfg: "Config", pgm: ProcessGroupManager, device: t
     ``TiedEmbeddings``, which a tied model needs under a pipeline or ZeRO; ``recompute``: 10's
     ``apply_activation_checkpointing``; ``tensor_parallel``: 03's surgery, or 10's padded one.
     """
-    sizes = validate_layout(cfg, pgm.world_size)  # every refusal, before any surgery
-    _check_groups_match(cfg, pgm, sizes)
-    if precision is None:
-        check_fp32_without_hooks(cfg)
-    if tied is None:
-        check_tied_without_hooks(cfg)
-    if recompute is None:
-        check_recompute_without_hook(cfg)
+    validate_parallelize(cfg, pgm, precision, tied, recompute)  # every refusal, before surgery
     p = cfg.parallel
     model = model.to(device)
     if p.impl == "torch":  # PyTorch's own strategies on one DeviceMesh (native.py)
@@ -246,7 +190,6 @@ def parallelize(model: Llama, cfg: "Config", pgm: ProcessGroupManager, device: t
     zero = [w for w in wrapped if isinstance(w, ShardedDataParallel)]
     layout = TensorLayout(pgm, splits, zero_entries(zero) if zero else plain_entries(modules), pipe)
 
-    scaler = None if precision is None else precision.scaler  # fp16 (08): overflows agreed
     if pipe is not None:
         pipe.chunks = nn.ModuleList(wrapped)
         trainer_model: nn.Module = pipe
@@ -264,9 +207,12 @@ def parallelize(model: Llama, cfg: "Config", pgm: ProcessGroupManager, device: t
         step: ForwardBackward = schedule
     else:
         trainer_model = wrapped[0]
+        aux_loss: Callable = moe_aux_loss
+        if precision is not None:  # chapter 08: under fp16, backward from scale x each loss
+            loss, aux_loss = precision.scale_losses(loss, aux_loss)
         step = make_data_parallel_step(trainer_model, cfg.data.num_micro_batches,
                                        pgm.data_parallel_rank, pgm.data_parallel_world_size,
-                                       pgm.gradient_sync_group, loss, shard_sequence, scaler)
+                                       pgm.gradient_sync_group, loss, shard_sequence, aux_loss)
 
     replicas = layout.replicas()
 
@@ -276,7 +222,7 @@ def parallelize(model: Llama, cfg: "Config", pgm: ProcessGroupManager, device: t
         norm = world_grad_norm(replicas, device)  # one all-reduce of one number, world
         return clip_grads_([param for param, _ in replicas], max_norm, norm)
 
-    return Parallelized(trainer_model, step, clip_grad_norm, optimizer, layout, scaler)
+    return Parallelized(trainer_model, step, clip_grad_norm, optimizer, layout)
 
 
 # ---- what chapter 07 prints: every rank's place, traffic and memory in one table -------------

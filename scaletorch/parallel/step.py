@@ -14,7 +14,7 @@ A model wrapper may provide two hooks, both optional:
 """
 
 from contextlib import nullcontext
-from typing import Callable, Optional, Protocol
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -26,24 +26,21 @@ from scaletorch.models import loss_fn, moe_aux_loss
 
 ForwardBackward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-class LossScale(Protocol):
-    """What scales the loss before backward: chapter 08's fp16 loss scaler, by its ``scale``."""
-    scale: float
+AuxLoss = Callable[[nn.Module], Any]
 
 
 def forward_backward(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
                      num_micro_batches: int, loss_fn: LossFn = loss_fn,
                      position_ids: Optional[torch.Tensor] = None,
-                     loss_scale: float = 1.0) -> torch.Tensor:
+                     aux_loss: AuxLoss = moe_aux_loss) -> torch.Tensor:
     """Accumulate gradients of this rank's mean loss; returns that loss (detached).
 
     inputs, targets: (b, s), the rank's slice of the global batch. ``loss_fn(logits, targets)``
     is the mean loss of a micro-batch (tensor parallel passes its vocab-parallel one).
     ``position_ids`` (s,), if given, go to the model (context parallel: the true positions).
-    ``loss_scale``: backward runs on loss x loss_scale (fp16's loss scale; the gradients are
-    then that many times too large until the scaler divides them).
+    ``aux_loss(model)``: what the model's own layers add to the loss of their last forward
+    (chapter 06's load balancing; 0.0 for a dense model). fp16 (chapter 08) passes both losses
+    wrapped to scale their backward.
     """
     micro_batches = split_micro_batches(inputs, targets, num_micro_batches)
     total = torch.zeros((), device=inputs.device)
@@ -52,9 +49,8 @@ def forward_backward(model: nn.Module, inputs: torch.Tensor, targets: torch.Tens
         no_sync = getattr(model, "no_sync", None)
         with nullcontext() if is_last or no_sync is None else no_sync():
             logits = model(x) if position_ids is None else model(x, position_ids=position_ids)
-            # + the MoE load-balancing losses of this forward (0.0 for a dense model)
-            loss = (loss_fn(logits, y) + moe_aux_loss(model)) / num_micro_batches
-            (loss * loss_scale if loss_scale != 1.0 else loss).backward()
+            loss = (loss_fn(logits, y) + aux_loss(model)) / num_micro_batches
+            loss.backward()
         total += loss.detach()
     finish = getattr(model, "finish_grad_sync", None)
     if finish is not None:
@@ -66,22 +62,20 @@ def make_data_parallel_step(model: nn.Module, num_micro_batches: int, data_paral
                             data_parallel_size: int, loss_group: Optional[dist.ProcessGroup],
                             loss_fn: LossFn = loss_fn,
                             shard_sequence: Optional[SequenceShard] = None,
-                            scaler: Optional[LossScale] = None) -> ForwardBackward:
+                            aux_loss: AuxLoss = moe_aux_loss) -> ForwardBackward:
     """The step for single device, DDP, ZeRO and tensor parallel: slice, accumulate, report.
 
     ``loss_group`` averages the reported loss over the ranks that saw different tokens
     (data x context parallel); the gradients are the model wrapper's business.
     ``shard_sequence(inputs, targets) -> (inputs, targets, position_ids)`` then keeps this
-    rank's tokens of each sequence (context parallel). ``scaler`` (fp16, chapter 08): backward
-    runs on the loss times its current ``scale``.
+    rank's tokens of each sequence (context parallel). ``aux_loss``: as in ``forward_backward``.
     """
 
     def step(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         inputs, targets, position_ids = local_batch(inputs, targets, data_parallel_rank,
                                                     data_parallel_size, shard_sequence)
-        scale = 1.0 if scaler is None else scaler.scale
         loss = forward_backward(model, inputs, targets, num_micro_batches, loss_fn, position_ids,
-                                scale)
+                                aux_loss)
         if loss_group is None and data_parallel_size == 1:
             # A single-device run (the reference of --check, run by rank 0 alone): it must not
             # touch the world group that may exist around it (None means the world in comm).

@@ -150,7 +150,8 @@ def build_run(cfg: Config, pgm: ProcessGroupManager, device: torch.device,
         model = build_model(cfg.model, seed=cfg.training.model_seed)
         par = parallelize(model, cfg, pgm, device, hooks, tied=TiedEmbeddings(),
                           recompute=RECOMPUTE, tensor_parallel=apply_tensor_parallel_padded)
-    trainer = Trainer.from_parallelized(cfg, par, pgm, device=device, verbose=False, loader=loader)
+    trainer = Trainer.from_parallelized(cfg, par, pgm, device=device, verbose=False, loader=loader,
+                                        scaler=None if hooks is None else hooks.scaler)
     return par, trainer
 
 

@@ -27,9 +27,9 @@ from scaletorch.data import GlobalBatchLoader, build_dataset
 from scaletorch.data.loader import BatchSource
 from scaletorch.dist import ProcessGroupManager, comm, get_ledger, restart_count
 from scaletorch.dist.dtensor import is_dtensor
-from scaletorch.models import loss_fn
+from scaletorch.models import loss_fn, moe_aux_loss
 from scaletorch.parallel.grad_norm import clip_replicated
-from scaletorch.parallel.mixed_precision import DynamicLossScaler
+from scaletorch.parallel.mixed_precision import DynamicLossScaler, scale_backward
 from scaletorch.parallel.moe_balance import BiasBalancer, bias_state, load_bias_state
 from scaletorch.parallel.moe_load import measured_step
 from scaletorch.parallel.step import ForwardBackward, LossFn, make_data_parallel_step
@@ -120,18 +120,23 @@ class Trainer:
         if forward_backward is None:
             # fp16: a loss scale, agreed over the world (alone on one device: pgm None)
             scaler = DynamicLossScaler(agree=pgm is not None) if fp16 else None
+            aux_loss: Callable = moe_aux_loss
+            if scaler is not None:  # backward from scale x each loss, their values unscaled
+                loss_fn, aux_loss = (cast(LossFn, scale_backward(loss_fn, scaler)),
+                                     cast(Callable, scale_backward(moe_aux_loss, scaler)))
             if pgm is None:
                 forward_backward = make_data_parallel_step(model, cfg.data.num_micro_batches, 0, 1,
-                                                           None, loss_fn, scaler=scaler)
+                                                           None, loss_fn, aux_loss=aux_loss)
             else:
                 forward_backward = make_data_parallel_step(model, cfg.data.num_micro_batches,
                                                            pgm.data_parallel_rank,
                                                            pgm.data_parallel_world_size,
                                                            pgm.gradient_sync_group, loss_fn,
-                                                           scaler=scaler)
+                                                           aux_loss=aux_loss)
         if fp16 and scaler is None:
             raise ValueError("training.precision fp16: this step does not scale the loss (pass "
-                             "the DynamicLossScaler its forward_backward uses)")
+                             "the DynamicLossScaler its forward_backward uses: after parallelize, "
+                             "Trainer.from_parallelized(..., scaler=precision.scaler))")
         self.scaler = scaler
         # model.moe_bias_rate: 06b's routing bias, saved beside the weights (layouts hold params)
         self.balancer: Optional[BiasBalancer] = None
@@ -154,13 +159,14 @@ class Trainer:
     @classmethod
     def from_parallelized(cls, cfg: Config, par: "Parallelized", pgm: ProcessGroupManager, *,
                           device: Optional[torch.device] = None, verbose: bool = True,
-                          loader: Optional[BatchSource] = None) -> "Trainer":
+                          loader: Optional[BatchSource] = None,
+                          scaler: Optional[DynamicLossScaler] = None) -> "Trainer":
         """The Trainer of what ``scaletorch.parallel.parallelize`` returned: its model, its
-        step (data parallel or pipeline), its global-norm clipping and (ZeRO) optimizer."""
+        step (data parallel or pipeline), its global-norm clipping and (ZeRO) optimizer.
+        ``scaler``: fp16's, the one chapter 08's hooks gave the step (``precision.scaler``)."""
         trainer = cls(cfg, par.model, pgm, device=device, optimizer=par.optimizer,
                       forward_backward=par.forward_backward, clip_grad_norm=par.clip_grad_norm,
-                      scaler=cast(Optional[DynamicLossScaler],
-                                  par.scaler), verbose=verbose, loader=loader)
+                      scaler=scaler, verbose=verbose, loader=loader)
         trainer.parallelized = par
         return trainer
 

@@ -51,8 +51,10 @@ def _measure(rank: int, world: int, samples: int, root: str) -> Dict[str, Any]:
     built: Dict[str, Any] = {}
     for name in NAMES:
         model = build_model(cfg.model, seed=cfg.training.model_seed)
-        par = parallelize(model, cfg, pgm, torch.device("cpu"), precision_hooks(cfg, "cpu"))
-        built[name] = (par, Trainer.from_parallelized(cfg, par, pgm, verbose=False))
+        hooks = precision_hooks(cfg, "cpu")
+        par = parallelize(model, cfg, pgm, torch.device("cpu"), hooks)
+        built[name] = (par,
+                       Trainer.from_parallelized(cfg, par, pgm, verbose=False, scaler=hooks.scaler))
     saver = AsyncSaver()
     layout = built["async"][1].layout()
 

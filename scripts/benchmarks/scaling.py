@@ -59,11 +59,12 @@ def _measure(rank: int, world: int, samples: int) -> Dict[str, dict]:
     for name, tp, pp, zero in LAYOUTS[world]:
         cfg = _config(tp, pp, zero)
         pgm = ProcessGroupManager(RankGrid(world, tp, pp))
-        par = parallelize(build_model(cfg.model, seed=0), cfg, pgm, torch.device("cpu"),
-                          precision_hooks(cfg, "cpu"), recompute=apply_activation_checkpointing)
+        hooks = precision_hooks(cfg, "cpu")
+        par = parallelize(build_model(cfg.model, seed=0), cfg, pgm, torch.device("cpu"), hooks,
+                          recompute=apply_activation_checkpointing)
         trainer = Trainer(cfg, par.model, pgm, optimizer=par.optimizer,
                           forward_backward=par.forward_backward, clip_grad_norm=par.clip_grad_norm,
-                          verbose=False)
+                          scaler=hooks.scaler, verbose=False)
         runs[name] = (pgm, trainer)
     times, wires = timing.alternate(
         list(runs), samples, WARMUP, lambda name: runs[name][1].train_step(),

@@ -23,11 +23,11 @@ import torch
 import torch.distributed as dist
 
 from scaletorch.dist import destroy_pg_manager, get_ledger, init_pg_manager_from_config
-from scaletorch.models import build_model, loss_fn
+from scaletorch.models import build_model, loss_fn, moe_aux_loss
 from scaletorch.parallel import loss_scale, mixed_precision
 from scaletorch.parallel.data_parallel import apply_data_parallel
 from scaletorch.parallel.grad_norm import clip_replicated
-from scaletorch.parallel.mixed_precision import DynamicLossScaler
+from scaletorch.parallel.mixed_precision import DynamicLossScaler, scale_backward
 from scaletorch.parallel.step import make_data_parallel_step
 from scaletorch.trainer import Config, Trainer, parse_args
 from scaletorch.trainer import run as run_module
@@ -77,8 +77,9 @@ def _train(cfg: Config, pgm: Any, exercise: str, fn: Any, alone: Any) -> Dict[st
     wrapped = apply_data_parallel(model, pgm, "ours", cfg.parallel.bucket_size_mb)
     scaler = DynamicLossScaler(INIT_SCALE, GROWTH_INTERVAL)  # over the world
     step = make_data_parallel_step(wrapped, cfg.data.num_micro_batches, pgm.data_parallel_rank,
-                                   pgm.data_parallel_world_size, pgm.gradient_sync_group, loss_fn,
-                                   scaler=scaler)
+                                   pgm.data_parallel_world_size, pgm.gradient_sync_group,
+                                   scale_backward(loss_fn, scaler),
+                                   scale_backward(moe_aux_loss, scaler))
     found: List[bool] = []
     scales: List[tuple] = []
     grads: List[torch.Tensor] = []
