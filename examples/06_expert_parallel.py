@@ -96,7 +96,7 @@ def main() -> int:
     result = run.result
 
     # What this chapter is about: where the tokens went, and what moving them cost.
-    report = ep_report(model, pgm, step=cfg.training.steps - 1)
+    report = ep_report(model, pgm, step=cfg.training.steps - 1, micro_batches=m)
     if pgm.rank == 0:
         print(report)
 

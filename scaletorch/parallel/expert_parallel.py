@@ -346,22 +346,28 @@ def format_routing(model: nn.Module, pgm: ProcessGroupManager) -> str:
     return "\n".join(lines)
 
 
-def ep_report(model: nn.Module, pgm: ProcessGroupManager, step: int) -> str:
+def ep_report(model: nn.Module, pgm: ProcessGroupManager, step: int, micro_batches: int = 1) -> str:
     """What chapter 06 prints after training. Collective over the world (the routing table
     gathers every rank's counts); the text on global rank 0, "" elsewhere: where the tokens
-    went, the ledger's table of ``step``, and rank 0's all-to-all token elements next to the
-    formula 2 directions x h x (sent + received) summed over MoE layers."""
+    went, the ledger's table of ``step``, and rank 0's all-to-all token elements of the last
+    micro-batch (the routing is the last forward's) next to the formula 2 directions x h x
+    (sent + received) summed over MoE layers."""
     routing, ledger = format_routing(model, pgm), get_ledger()
     if pgm.rank != 0:
         return ""
-    # token rows: every all_to_all over ep but the exchange of int64 counts
-    moved = sum(r.elements for r in ledger.select("all_to_all", "ep", step, "compute")
-                if r.bytes != 8 * r.elements)
+    # token rows: every all_to_all over ep but the exchange of int64 counts; each micro-batch
+    # issues as many, one after the other: the last micro-batch's are the last 1/m of them
+    rows = [
+        r.elements for r in ledger.select("all_to_all", "ep", step, "compute")
+        if r.bytes != 8 * r.elements
+    ]
+    moved = sum(rows[len(rows) - len(rows) // micro_batches:])
     formula = all_to_all_elements(model, pgm)
+    which = "" if micro_batches == 1 else f" (its last micro-batch of {micro_batches})"
     return "\n".join([
         routing,
         ledger.table(step=step),
-        f"rank 0, step {step}: all-to-all token elements over ep {moved:,} = 2 directions x h x "
-        f"(sent + received) summed over layers {formula:,} "
+        f"rank 0, step {step}{which}: all-to-all token elements over ep {moved:,} = 2 "
+        f"directions x h x (sent + received) summed over layers {formula:,} "
         f"({'OK' if moved == formula else 'MISMATCH'})"
     ])
