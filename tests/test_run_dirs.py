@@ -235,8 +235,9 @@ class TheWritableProbeSurvivesAMoveAside(unittest.TestCase):
             # the directory is still there: not a move but a filesystem that refuses entries
             with mock.patch.object(config_module.tempfile, "mkdtemp", refused):
                 with self.assertRaisesRegex(
-                        InputError, r"cannot write .*\(.*: No such file or directory\); give a "
-                        r"directory you can write with --logging.run_dir"):
+                        InputError, r"cannot write .*: .* exists but refuses new entries \(it "
+                        r"answers 'No such file or directory'\); give a directory you can write "
+                        r"with --logging.run_dir"):
                     config_module.check_writable("logging.run_dir", run)
 
 

@@ -663,9 +663,9 @@ def check_writable(key: str, path: str) -> None:
             if not os.path.isdir(existing):  # renamed meanwhile: probe again
                 continue
             # still there: the filesystem refuses new entries (/proc answers "No such file")
-            raise InputError(f"{key}: cannot write {clip(path)} ({clip(existing)}: "
-                             f"{err.strerror}); give a directory you can write with "
-                             f"--{key}") from None
+            raise InputError(f"{key}: cannot write {clip(path)}: {clip(existing)} exists but "
+                             f"refuses new entries (it answers {err.strerror!r}); give a "
+                             f"directory you can write with --{key}") from None
         except OSError as err:
             raise InputError(
                 f"{key}: cannot write {clip(path)} ({clip(existing)}: {err.strerror}); "
