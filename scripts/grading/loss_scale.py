@@ -78,8 +78,8 @@ def _train(cfg: Config, pgm: Any, exercise: str, fn: Any, alone: Any) -> Dict[st
     scaler = DynamicLossScaler(INIT_SCALE, GROWTH_INTERVAL)  # over the world
     step = make_data_parallel_step(wrapped, cfg.data.num_micro_batches, pgm.data_parallel_rank,
                                    pgm.data_parallel_world_size, pgm.gradient_sync_group,
-                                   scale_backward(loss_fn, scaler),
-                                   scale_backward(moe_aux_loss, scaler))
+                                   loss_fn=scale_backward(loss_fn, scaler),
+                                   aux_loss=scale_backward(moe_aux_loss, scaler))
     found: List[bool] = []
     scales: List[tuple] = []
     grads: List[torch.Tensor] = []
