@@ -132,9 +132,11 @@ def _train(cfg: Config, pgm: Any, exercise: str, fn: Callable, ref: Dict[str,
     def checked_gather(output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         need = output.numel() * output.element_size()
         if output.untyped_storage().nbytes() < need:  # gloo would write into freed memory
-            raise Diagnosed(f"gather_unit all-gathered into a released flat ("
-                            f"{output.untyped_storage().nbytes()} of its {need:,} bytes): give "
-                            f"its storage the P' elements back first")
+            held = output.untyped_storage().nbytes()
+            count = f", its element count: resize_ takes bytes, P' x {output.element_size()}" \
+                if held == output.numel() and output.element_size() > 1 else ""
+            raise Diagnosed(f"gather_unit all-gathered into a released flat ({held:,} of its "
+                            f"{need:,} bytes{count}): give its storage the P' elements back first")
         return gather_into(output, input, *args, **kwargs)
 
     grads: Dict[str, torch.Tensor] = {}
