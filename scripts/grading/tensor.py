@@ -256,12 +256,19 @@ def probe_cross_entropy(fn: Callable, group: Any, vocab: int) -> Optional[str]:
             return (f"the loss of logits near 100 is {float(got):.4g}, not {float(want):.4f}, "
                     f"and right for the same logits 100 lower: exp(100) overflows fp32; "
                     f"subtract the max over all tp ranks first")
-    wrong = []
+    wrong, ratios = [], []
     for r in range(n):  # every target in rank r's shard
         targets = torch.randint(r * shard, (r + 1) * shard, (2, 4), generator=gen)
         got, _, want, _ = _probe(fn, logits, targets, group)
+        ratios.append(float(got / want))
         if not _close(got, want):
             wrong.append(f"rank {r}'s (ids {r * shard}-{(r + 1) * shard - 1})")
+    tokens = zeros.numel()
+    if len(wrong) == n and max(ratios) - min(ratios) < 1e-4 * abs(ratios[0]):  # one factor
+        k = tokens / ratios[0]
+        return (f"the loss is {ratios[0]:.4g}x the library's whatever shard the targets are in" +
+                (f": divided by {k:.0f}, not by the {tokens} tokens (b x s)"
+                 if abs(k - round(k)) < 1e-3 else ""))
     if wrong:
         return (f"the loss is wrong when the targets are in {' and '.join(wrong)} shard: rank r "
                 f"holds the logits of ids [r V/tp, (r+1) V/tp); subtract r V/tp from a target "
