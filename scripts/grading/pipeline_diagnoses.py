@@ -76,8 +76,10 @@ def link_facts(runs: List[Dict[str, Any]], m: int, finished: bool) -> List[str]:
     return facts
 
 
-# the parent's words for a rank it stopped, still running, once the others had left (runner.py)
-STOPPED = re.compile(r"rank \d+ was stopped in (.+?), after another rank had left")
+# the parent's words for a rank it stopped, still running, once the others had left or while
+# no rank progressed (runner.py)
+STOPPED = re.compile(r"rank \d+ (?:was stopped in (.+?), after another rank had left|"
+                     r"made no progress \([^)]*\), stopped in (.+))")
 
 
 def waited_for(runs: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
@@ -92,7 +94,7 @@ def waited_for(runs: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
         parts = [STOPPED.fullmatch(t) for t in lost.split("; ")] if lost else []
         out.append({
             "exercise": run["exercise"],
-            "never": parts[0].group(1)
+            "never": parts[0].group(1) or parts[0].group(2)
         } if parts and all(parts) and len(parts) == 1 else run)
     return out
 

@@ -279,8 +279,14 @@ def _one_world(fn: Callable, world: int, jobs: Sequence[Dict[str, Source]], lead
         else:
             text = f"rank {r} ended with exit status {code}, without a result, in {where}"
         stopped[r] = text
-    dead = [r for r, t in stopped.items() if rank_order(t, r)[0] < 2]  # died, or ended
-    if dead:  # the others' errors and disagreements followed the death: not a second cause
+    # a rank that died or ended in the learner's code: the others' errors and disagreements
+    # followed it, not a second cause (a rank aborted inside a mismatched collective is not one)
+    dead = [
+        r for r, t in stopped.items()
+        if rank_order(t, r)[0] < 2 and any(f"({os.path.basename(f)}" in t.split(";")[0]
+                                           for f in files)
+    ]
+    if dead:
         after = [r for r in stopped if r not in dead]
         if after:
             stopped[min(after)] = "what followed: " + ", ".join(
