@@ -9,12 +9,19 @@ zigzag's rule at 3 ranks; a scale halved by floor division, 0 from a scale of 1)
 merge are wrong: it must pass, each exercise judged on its own; a 1F1B over the default group.
 """
 
+import os
+import signal
+import time
+
 import torch
 import torch.distributed as dist
 
+from scaletorch.dist import comm
 from scaletorch.dist.all_to_all import all_to_all
+from scaletorch.dist.functional import reduce_from_parallel_region
 from scaletorch.parallel.expert_parallel import by_local_expert
 from scaletorch.parallel.ring_attention import KV_TAG
+from tests.grading_other_ways import _LIBRARY
 
 
 def release_unit_rebinds(flat):
@@ -168,3 +175,82 @@ MISTAKES += [
      "warmed up with 4 - s - 1 forwards, the world's size (dist.get_world_size()) in place of "
      "p = 2"),
 ]
+
+# ---- probe 2's findings: what was measured, not a guess (``MUST_NOT``: words a verdict lacks) --
+
+
+def dispatch_tokens_inverse_order(routed, send_table, recv_table, group):
+    """Regroups the received rows by the inverse permutation: neither by source rank nor by
+    local expert."""
+    send, recv = [sum(r) for r in send_table], [sum(r) for r in recv_table]
+    got = all_to_all(routed, recv, send, group, "ep")
+    return got[torch.argsort(by_local_expert(recv_table, routed.device))]
+
+
+def one_f_one_b_rank2_sleeps(stage, m):
+    """Rank 2 never reaches its first receive: ranks 0 and 1 wait for it and give up."""
+    if dist.get_rank() == 2:
+        time.sleep(600)  # the grader stops it once the others have left
+    _LIBRARY["one_f_one_b"](stage, m)  # the grader's sends and receives: it sees them wait
+
+
+def wait_for_buckets_segfault(works):
+    """World rank 1 dies of SIGSEGV: the others' broken collectives follow, not a second cause."""
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGSEGV)
+    for work in works:
+        if work is not None:
+            work.wait()
+
+
+def vocab_parallel_cross_entropy_world_offset(logits, targets, group):
+    """The target's shard offset from the world rank: right on ranks 0 and 1 of tp 2 x dp 2,
+    whose tp rank is their world rank, wrong on ranks 2 and 3."""
+    z = logits.reshape(-1, logits.size(-1)).float()
+    width = z.size(-1)
+    top = z.max(dim=-1).values.detach()
+    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+    local = targets.reshape(-1) - dist.get_rank() * width
+    mine = (local >= 0) & (local < width)
+    shifted = z - top.unsqueeze(-1)
+    picked = shifted.gather(-1, local.clamp(0, width - 1).unsqueeze(-1))[:, 0]
+    sums = reduce_from_parallel_region(
+        torch.stack((shifted.exp().sum(dim=-1), torch.where(mine, picked, 0.0))), group)
+    return (sums[0].log() - sums[1]).mean()
+
+
+def reduce_scatter_mean_divides_in_flight(full, out, group):
+    """Divides out before the reduce-scatter finished: its sum overwrites the division."""
+    work = comm.reduce_scatter_tensor(out, full.to(out.dtype), group, async_op=True)
+    out.div_(comm.group_size(group))
+    return work
+
+
+MISTAKES += [
+    ("02", "reduce_scatter_mean", "reduce_scatter_mean_divides_in_flight",
+     "reduce_scatter_mean called div_ on out while its reduce-scatter was in flight"),
+    ("06", "dispatch_tokens", "dispatch_tokens_inverse_order",
+     "but not grouped by local expert: they were regrouped by the inverse of by_local_expert's "
+     "order"),
+    ("01", "wait_for_buckets", "wait_for_buckets_segfault",
+     "rank 1 died of SIGSEGV in wait_for_buckets_segfault (grading_probe_mistakes.py:"),
+]
+# a hang, graded with the short timeout (tests/test_grade.py's GradeAHang): the cause first,
+# then what the others waited in
+NEVER_CAME = ("one_f_one_b", "one_f_one_b_rank2_sleeps",
+              ("hang in step 0: rank 2 never reached a send or receive: it was still in "
+               "one_f_one_b_rank2_sleeps (grading_probe_mistakes.py:", "; rank 0 waits in ",
+               "rank 1 waits in"))
+# chapter 03 at tp 2 x dp 2 (tests/test_grade.py's GradeOverTheTpGroup): at tp 2 = world the
+# world rank is the tp rank
+WIDE = [("vocab_parallel_cross_entropy", "vocab_parallel_cross_entropy_world_offset",
+         "the loss is off on ranks 2 and 3 (rank 2: tp rank 0 of the tp group [2, 3], rank 3: tp "
+         "rank 1 of the tp group [2, 3]) and right on ranks 0 and 1, whose world rank is their tp "
+         "rank: it is the loss of shards offset by the world rank")]
+MUST_NOT = {
+    "dispatch_tokens_inverse_order": ["arrive by source rank", "by source rank; regroup"],
+    "one_f_one_b_rank2_sleeps": ["after another rank had left"],
+    "wait_for_buckets_segfault": ["disagreement", "never issued", "Connection reset", "GLHF"],
+    "vocab_parallel_cross_entropy_world_offset": ["subtract r V/tp"],
+    "reduce_scatter_mean_divides_in_flight": ["missing, or of out"],
+}

@@ -113,6 +113,8 @@ class _GradeChapter:
             self.assertEqual(verdict.exercise, exercise)
             self.assertFalse(verdict.passed, function)
             self.assertIn(words, verdict.text, function)
+            for wrong in grading_probe_mistakes.MUST_NOT.get(function, []):  # a guessed cause
+                self.assertNotIn(wrong, verdict.text, function)
 
     def test_every_planted_variant_gets_its_own_diagnosis(self):
         texts = set()
@@ -133,7 +135,7 @@ class _GradeChapter:
 class GradeChapter01(_GradeChapter, unittest.TestCase):
     """Data parallel, 4 ranks (dp 2 x tp 2: the group is not the world), 3 steps of 2
     micro-batches a job: 3 solutions, rank 1's os._exit (a second world grades the rest), 3
-    written another way, 1 mistake, 10 variants, 3 stubs."""
+    written another way, 2 mistakes (one a SIGSEGV: a third world), 10 variants, 3 stubs."""
     chapter = "01"
 
 
@@ -141,7 +143,7 @@ class GradeChapter02(_GradeChapter, unittest.TestCase):
     """ZeRO, 4 ranks (dp 2 x tp 2: the group is not the world), 3 steps of 2 micro-batches a
     job (ZeRO-1 for reduce_scatter_mean, ZeRO-3 with prefetch for gather_unit and release_unit,
     then each called on its own): 3 solutions, rank 1's sys.exit (a second world grades the
-    rest), 4 written another way, 1 mistake, 10 variants, 3 stubs."""
+    rest), 4 written another way, 2 mistakes, 10 variants, 3 stubs."""
     chapter = "02"
 
 
@@ -157,14 +159,21 @@ class GradeChapter03(_GradeChapter, unittest.TestCase):
 
 
 class GradeOverTheTpGroup(unittest.TestCase):
-    """Chapter 03 at the grader's 4 ranks (tp 2 x dp 2), one job: an f-bar that sums over the
-    world, not its tp group, is named so (the suite's GradeChapter03 grades at tp 2 = world)."""
+    """Chapter 03 at the grader's 4 ranks (tp 2 x dp 2), one world: an f-bar that sums over the
+    world, not its tp group, is named so, and a vocabulary offset from the world rank by the
+    ranks it puts off (the suite's GradeChapter03 grades at tp 2 = world)."""
 
     def test_a_sum_over_the_world_is_named(self):
-        for exercise, function, words in grading_mistakes_03_05.WIDE:
-            verdict, = tensor.grade([{exercise: (MISTAKES_03_05, function)}])
+        wide = [(MISTAKES_03_05, *w) for w in grading_mistakes_03_05.WIDE] + \
+            [(PROBED, *w) for w in grading_probe_mistakes.WIDE]
+        verdicts = tensor.grade([{
+            exercise: (where, function)
+        } for where, exercise, function, _ in wide])
+        for (_, exercise, function, words), verdict in zip(wide, verdicts):
             self.assertEqual((verdict.exercise, verdict.passed), (exercise, False))
             self.assertIn(words, verdict.text)
+            for wrong in grading_probe_mistakes.MUST_NOT.get(function, []):
+                self.assertNotIn(wrong, verdict.text, function)
 
 
 class GradeChapter04(_GradeChapter, unittest.TestCase):
@@ -188,7 +197,7 @@ class GradeChapter05(_GradeChapter, unittest.TestCase):
 class GradeChapter06(_GradeChapter, unittest.TestCase):
     """Expert parallel, 4 ranks (ep 2 x edp 2), 3 steps a job (stopped at the first wrong
     call), then one call on uneven tables: the library's run, 2 solutions, rank 1's
-    KeyboardInterrupt (a second world grades the rest), 2 written another way, 2 mistakes, 8
+    KeyboardInterrupt (a second world grades the rest), 2 written another way, 3 mistakes, 8
     variants, 2 stubs."""
     chapter = "06"
 
@@ -222,8 +231,9 @@ class GradeAStoppedWorld(unittest.TestCase):
 
 
 class GradeAHang(unittest.TestCase):
-    """A variant that deadlocks (all pipeline ranks send first): the grader's short timeout
-    ends it, and the diagnosis names each rank's operation, its peer and why (pp 3, one job)."""
+    """A variant that deadlocks (all pipeline ranks send first), and a rank that never reaches
+    its first receive: the grader's short timeout ends each, and the diagnosis names each
+    rank's operation, its peer and why (pp 3, one job each)."""
 
     def test_a_deadlock_is_named_with_the_operations_and_peers(self):
         for (chapter, exercise, variant), phrases in HANGS.items():
@@ -241,6 +251,18 @@ class GradeAHang(unittest.TestCase):
             self.assertLessEqual(limit, SHORT_HANG_TIMEOUT * module.LOAD_STRETCH + 1, verdict.text)
             self.assertGreaterEqual(waited, limit - 1, verdict.text)
             self.assertLessEqual(waited, limit + 2, verdict.text)
+
+    def test_a_rank_the_others_waited_for_is_the_cause(self):
+        # rank 2 sleeps before its first receive: not "stopped after another rank had left"
+        exercise, function, phrases = grading_probe_mistakes.NEVER_CAME
+        module, _ = grade.CHAPTERS["04"]
+        with patched(module, "HANG_TIMEOUT", SHORT_HANG_TIMEOUT):
+            verdict, = module.grade([{exercise: (PROBED, function)}])
+        self.assertFalse(verdict.passed)
+        for phrase in phrases:
+            self.assertIn(phrase, verdict.text)
+        for wrong in grading_probe_mistakes.MUST_NOT[function]:
+            self.assertNotIn(wrong, verdict.text)
 
 
 def _line(function, text):

@@ -28,7 +28,7 @@ from scaletorch.trainer import Config, Trainer, parse_args
 from scaletorch.trainer.param_map import ParamMap
 from scaletorch.trainer.parity import max_norm_diff, reference_trainer
 from scaletorch.trainer.precision import NORM_TOLERANCES, TOLERANCES
-from scripts.grading.ddp_calls import call_diagnosis, calls
+from scripts.grading.ddp_calls import apart_cause, call_diagnosis, calls
 from scripts.grading.learner import (LEARNER_ERRORS, Source, failure, is_hang, is_unwritten, load,
                                      patched)
 from scripts.grading.runner import collective_timeout, run_world, streamed
@@ -229,11 +229,11 @@ def mixing_diagnosis(runs: List[Dict[str, Any]]) -> Optional[str]:
         [torch.cat([g.double().flatten() for g in run["inputs"]]) for run in runs], dim=1)
     for r, run in enumerate(runs):
         got = torch.cat([run["grads"][n].double().flatten() for n in run["names"]])
-        weights = torch.linalg.lstsq(columns, got.unsqueeze(1)).solution.flatten().tolist()
+        fit = torch.linalg.lstsq(columns, got.unsqueeze(1)).solution  # exact for a wrong group
+        weights = fit.flatten().tolist()
         outside = [s for s, w in enumerate(weights) if s not in run["dp_ranks"] and abs(w) > 0.01]
-        if outside:
-            told = ", ".join(f"{w:.2f} x rank {s}'s" for s, w in enumerate(weights)
-                             if abs(w) > 0.01)
+        if outside and float((columns @ fit).flatten().sub(got).norm()) < 1e-3 * float(got.norm()):
+            told = ", ".join(f"{w:.2f} x rank {s}'s" for s, w in enumerate(weights) if abs(w) > .01)
             return (f"rank {r}'s gradients after the sync are {told} own gradients: ranks "
                     f"{_ranks(outside)} are outside its data-parallel group (ranks "
                     f"{_ranks(run['dp_ranks'])}; the world has {len(runs)}), so the sum ran over "
@@ -286,7 +286,7 @@ def gradient_diagnosis(runs: List[Dict[str, Any]], ref: Dict[str, Any]) -> Optio
     if apart:
         return (f"{len(apart)} of {len(names)} gradients differ between the ranks of a "
                 f"data-parallel group (ranks {_ranks(peers)}) after the sync, first {apart[0]}: "
-                f"every gradient must go through the all-reduce")
+                f"{apart_cause(runs, peers, apart[0])}")
     scales = [_scale(run["grads"], run["want"]) for run in runs]
     if all(abs(s - DP) < 0.01 * DP for s in scales):
         # the sum, undivided: no division, one on a copy (g = g / N rebinds g) and one while

@@ -8,6 +8,8 @@ called with a launch that records, and compared with what the docstring asks.
 
 from typing import Any, Dict, List, Optional, Tuple
 
+import torch
+
 # (ready, sizes, next_bucket) a hook may see: several buckets full at once (gradients arrive
 # out of bucket order), a full bucket after one that is not, none full
 CASES = [([2, 1, 0], [2, 1, 3], 0), ([2, 1, 3], [2, 1, 3], 1), ([2, 0, 3], [2, 1, 3], 1),
@@ -55,3 +57,26 @@ def call_diagnosis(runs: List[Dict[str, Any]]) -> Optional[str]:
                     "longer overlapping it; launch while the next bucket is full")
         return said + f": launch those, stop at the first bucket not full, return {want[1]}"
     return None
+
+
+def apart_cause(runs: List[Dict[str, Any]], peers: List[int], name: str) -> str:
+    """What each rank of the data-parallel group ``peers`` holds in gradient ``name`` after the
+    sync, against what the ranks handed to average_gradients (step 0): its own, its own / N, the
+    group's sum or mean; a cause only when every rank kept its own (no all-reduce)."""
+    if any("inputs" not in runs[r] for r in peers):
+        return "look at what each rank sends and divides"
+    i = runs[peers[0]]["names"].index(name)
+    given = [runs[r]["inputs"][i].double() for r in peers]
+    total, n = sum(given), len(peers)
+    said, kept = [], True
+    for r, own in zip(peers, given):
+        got = runs[r]["grads"][name].double()
+        atol = 1e-5 * float(total.abs().max())
+        label = next(
+            (label for label, want in (("its own", own), ("its own / N", own / n),
+                                       ("the group's sum", total), ("the group's mean", total / n))
+             if torch.allclose(got, want, rtol=1e-4, atol=atol)), None)
+        kept = kept and label is not None and label.startswith("its own")
+        said.append(f"rank {r}'s is {label or 'none of its own, the group sum or mean'}")
+    return ", ".join(said) + ("; no rank all-reduced it: every gradient goes through the "
+                              "all-reduce" if kept else "")

@@ -59,6 +59,18 @@ UNDO_SEEN = {  # what combine_tokens's wrong rows were, by _undo_seen
     "time; undo it with its inverse (torch.argsort of that order)",
 }
 
+ARRIVED, INVERSE = 1, 2  # dispatch_tokens's rows: as they arrived, by the inverse of the order
+ARRIVAL_SEEN = {  # which order dispatch_tokens's rows were in, by _arrival_seen (bits)
+    0: ": neither in the order they arrived (by source rank) nor in the inverse of "
+    "by_local_expert's; expert 0's rows first, each expert's in source-rank order",
+    ARRIVED: ": they are in the order they arrived, by source rank; regroup them, expert 0's "
+    "rows first",
+    INVERSE: ": they were regrouped by the inverse of by_local_expert's order "
+    "(received[torch.argsort(order)]); index the received rows with the order itself",
+    ARRIVED | INVERSE: ": here the order they arrived in (by source rank) and the inverse of "
+    "by_local_expert's order are the same; regroup them, expert 0's rows first",
+}
+
 
 class WrongRows(Exception):
     """Raised on every rank when a call's rows differ from the library's on some rank."""
@@ -96,7 +108,7 @@ def _text(exercise: str, code: int, rank: int, got: int, want: int, given: int, 
         "(its backward is the reverse all-to-all)",
         ("dispatch_tokens", ORDER):
         f"rank {rank}'s experts got the right {want} tokens {when}, but not grouped by "
-        f"local expert: they arrive by source rank; regroup them, expert 0's rows first",
+        f"local expert" + ARRIVAL_SEEN[undo],
         ("dispatch_tokens", FOREIGN):
         f"rank {rank}'s experts got tokens {when} that no rank routed to them",
         ("combine_tokens", ROWS):
@@ -131,6 +143,23 @@ def _undo_seen(x: torch.Tensor, got: torch.Tensor, send_table: List[List[int]],
     comm.all_reduce(seen, None)
     world = comm.group_size(None)
     return UNDONE if seen[0] == world else TWICE if seen[1] == world else 0
+
+
+def _arrival_seen(x: torch.Tensor, got: torch.Tensor, send_table: List[List[int]],
+                  recv_table: List[List[int]], group: Any, rank: int) -> int:
+    """dispatch_tokens returned the right rows in another order on ``rank``: ARRIVED if they
+    are the all-to-all of ``x`` (N, h) as it arrives (source-rank order), INVERSE if that
+    indexed by the inverse of by_local_expert's order, both bits, or 0 (one all-to-all over
+    ``group`` on every rank, one all-reduce over the world)."""
+    send = [sum(row) for row in send_table]
+    recv = [sum(row) for row in recv_table]
+    arrived = all_to_all(x.detach(), recv, send, group, "ep")
+    inverse = arrived[torch.argsort(by_local_expert(recv_table, x.device))]
+    seen = torch.zeros(comm.group_size(None), 2)
+    for i, rows in enumerate((arrived, inverse)):
+        seen[comm.group_rank(None), i] = float(torch.equal(rows, got.detach().to(rows)))
+    comm.all_reduce(seen, None)
+    return ARRIVED * int(seen[rank, 0]) | INVERSE * int(seen[rank, 1])
 
 
 def _backward_splits(err: BaseException) -> Optional[str]:
@@ -178,9 +207,12 @@ def _worst_rank(mine: torch.Tensor) -> int:
 
 def _undo(exercise: str, mine: torch.Tensor, x: torch.Tensor, got: torch.Tensor,
           send_table: List[List[int]], recv_table: List[List[int]], group: Any) -> int:
-    """_undo_seen when the worst of ``mine`` is combine_tokens's FOREIGN (every rank sees
-    the same ``mine``, so all call it or none), else 0."""
+    """_undo_seen when the worst of ``mine`` is combine_tokens's FOREIGN, _arrival_seen when
+    it is dispatch_tokens's ORDER (every rank sees the same ``mine``, so all call it or
+    none), else 0."""
     r = _worst_rank(mine)
+    if exercise == "dispatch_tokens" and r >= 0 and int(mine[r, 0]) == ORDER:
+        return _arrival_seen(x, got, send_table, recv_table, group, r)
     if exercise != "combine_tokens" or r < 0 or int(mine[r, 0]) != FOREIGN:
         return 0
     return _undo_seen(x, got, send_table, recv_table, group)

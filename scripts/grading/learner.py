@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
 
 Source = Tuple[str, str]  # (a .py file or a module name, the function's name in it)
 SOURCE_FILES: Set[str] = set()  # inside a rank: the files of the functions graded
@@ -109,3 +110,17 @@ def cloned(args: Sequence[Any]) -> Tuple[Any, ...]:
     the original): the function under test gets inputs of its own, so in-place work on them,
     wherever the contract allows it, cannot change what the library's call reads."""
     return tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
+
+
+class InPlace(TorchFunctionMode):
+    """The in-place arithmetic (div_, mul_, /=, *=) called on ``target``'s storage while on."""
+
+    def __init__(self, target: torch.Tensor) -> None:
+        super().__init__()
+        self.ptr, self.seen = target.untyped_storage().data_ptr(), []  # type: ignore[var-annotated]
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if getattr(func, "__name__", "") in ("div_", "mul_", "__itruediv__", "__imul__") and \
+                args and args[0].untyped_storage().data_ptr() == self.ptr:
+            self.seen.append(func.__name__)
+        return func(*args, **(kwargs or {}))

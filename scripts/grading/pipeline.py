@@ -42,7 +42,8 @@ from scripts.grading import pipeline_groups
 from scripts.grading.learner import (LEARNER_ERRORS, Source, failure, is_hang, is_unwritten, load,
                                      patched)
 from scripts.grading.pipeline_diagnoses import (gradient_diagnosis, hang_diagnosis, link_facts,
-                                                order_diagnosis, parity_diagnosis, stage_diagnosis)
+                                                order_diagnosis, parity_diagnosis, stage_diagnosis,
+                                                waited_for)
 from scripts.grading.runner import RANK_LIMITS, run_world, streamed
 from scripts.grading.stop_reports import where_stopped
 from scripts.grading.verdicts import Verdict, error_verdict
@@ -294,6 +295,7 @@ def reference() -> Dict[str, Any]:
 def diagnose(exercise: str, runs: List[Dict[str, Any]], ref: Dict[str, Any]) -> Verdict:
     """The verdict of one exercise from every rank's measurements of its job."""
     m = config().data.num_micro_batches
+    runs = waited_for(runs)
     # a rank that died or raised is the cause; the others' waits for it, the consequence
     # ranks that only wait (in a send or receive, or a collective): a hang, not a raw timeout
     if any("stuck" in r or r.get("hung") for r in runs) and not any(

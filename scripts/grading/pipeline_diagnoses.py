@@ -9,6 +9,7 @@ backward used the tensor received; -1 where the tensor was none of those), "stag
 0's squared gradient norm of each of the stage's tensors), "losses", "grad_norms", "state".
 """
 
+import re
 from typing import Any, Dict, List, Optional
 
 from scaletorch.schedule.orders import one_f_one_b_actions
@@ -75,6 +76,29 @@ def link_facts(runs: List[Dict[str, Any]], m: int, finished: bool) -> List[str]:
     return facts
 
 
+# the parent's words for a rank it stopped, still running, once the others had left or while
+# no rank progressed (runner.py)
+STOPPED = re.compile(r"rank \d+ (?:was stopped in (.+?), after another rank had left|"
+                     r"made no progress \([^)]*\), stopped in (.+))")
+
+
+def waited_for(runs: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """``runs`` with each rank the parent stopped after the others left as {"never": where it
+    was}, when the others left because they gave up waiting in a send or receive ("stuck"):
+    the ranks waited for it, it is no victim of their leaving."""
+    if not any("stuck" in r for r in runs):
+        return runs
+    out = []
+    for run in runs:
+        lost = run.get("lost", "")
+        parts = [STOPPED.fullmatch(t) for t in lost.split("; ")] if lost else []
+        out.append({
+            "exercise": run["exercise"],
+            "never": parts[0].group(1) or parts[0].group(2)
+        } if parts and all(parts) and len(parts) == 1 else run)
+    return out
+
+
 def hang_diagnosis(runs: List[Dict[str, Any]], m: int) -> str:
     """The ranks, the operations they wait in and their peers; why, when the pattern says; what
     the messages sent before it show."""
@@ -85,8 +109,12 @@ def hang_diagnosis(runs: List[Dict[str, Any]], m: int) -> str:
         f"rank {rank} waits in {s['call']} at {s['where']}" if s is not None else _outside(
             rank, runs[rank], len(runs), m, step) for rank, s in enumerate(stuck)
     ]
-    text = f"hang in step {step}: {', '.join(waits)}"
-    waiting = [s for s in stuck if s is not None]
+    # a rank the others waited for, still outside any send or receive, first: the cause; the
+    # others' operations only say what they waited in (all sends wait for a rank that never came)
+    never = [w for w in waits if "never reached" in w]
+    text = f"hang in step {step}: " + "; ".join(never +
+                                                [", ".join(w for w in waits if w not in never)])
+    waiting = [s for s in stuck if s is not None] if not never else []
     if len(waiting) > 1 and all(s["sends"] and not s["recvs"] for s in waiting):
         text += (" (all send first): a send waits for its receive, so post each send with the "
                  "receive that answers it in one batch (send_forward_recv_backward, "
@@ -97,6 +125,7 @@ def hang_diagnosis(runs: List[Dict[str, Any]], m: int) -> str:
         if step == 0 else []
     if facts:
         text += f"; before it {'; '.join(facts[:2])}"
+    waiting = [s for s in stuck if s is not None]
     if not waiting:
         return text
     waited, limit = max(s["waited"] for s in waiting), max(s["limit"] for s in waiting)
@@ -107,6 +136,9 @@ def hang_diagnosis(runs: List[Dict[str, Any]], m: int) -> str:
 def _outside(rank: int, run: Dict[str, Any], p: int, m: int, step: int) -> str:
     """A rank waiting outside a send or receive: where, and the actions of step 0 it left the
     loop without (the message its peer waits to give it or take from it)."""
+    if run.get("never"):
+        return (f"rank {rank} never reached a send or receive: it was still in {run['never']} "
+                f"when the others gave up waiting for it")
     text = f"rank {rank} is in no send or receive"
     text += f" (it waits in {run['in']})" if run.get("in") else ""
     want = [str(a) for a in one_f_one_b_actions(p, m, rank)]

@@ -17,6 +17,7 @@ import gc
 import importlib
 import importlib.util
 import os
+import re
 import signal
 import tempfile
 import time
@@ -278,6 +279,20 @@ def _one_world(fn: Callable, world: int, jobs: Sequence[Dict[str, Source]], lead
         else:
             text = f"rank {r} ended with exit status {code}, without a result, in {where}"
         stopped[r] = text
+    # a rank that died or ended in the learner's code: the others' errors and disagreements
+    # followed it, not a second cause (a rank aborted inside a mismatched collective is not one)
+    dead = [
+        r for r, t in stopped.items()
+        if rank_order(t, r)[0] < 2 and any(f"({os.path.basename(f)}" in t.split(";")[0]
+                                           for f in files)
+    ]
+    if dead:
+        after = [r for r in stopped if r not in dead]
+        if after:
+            stopped[min(after)] = "what followed: " + ", ".join(
+                f"rank {r} stopped{_place(stopped.pop(r))}" for r in sorted(after)) + \
+                " (their peer was gone)"
+        recorder = []
     if recorder and stopped:  # once, after the first rank's line
         first_rank = min(stopped, key=lambda r: rank_order(stopped[r], r))
         stopped[first_rank] += "; the flight recorder says\n    " + "\n    ".join(recorder)
@@ -287,6 +302,12 @@ def _one_world(fn: Callable, world: int, jobs: Sequence[Dict[str, Source]], lead
             if head:
                 stopped[first_rank] = f"{head}; {stopped[first_rank]}"
     return results, stopped
+
+
+def _place(text: str) -> str:
+    """" in <frame>" of a rank's stop text, else ""."""
+    found = re.search(r" in (\S+ \([^)]*\))", text)
+    return f" in {found.group(1)}" if found else ""
 
 
 def run_world(fn: Callable, world: int, jobs: Sequence[Dict[str, Source]],

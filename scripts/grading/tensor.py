@@ -186,8 +186,53 @@ def _probe(
     return got.detach(), grad, want.detach(), want_grad.chunk(n, dim=-1)[rank]
 
 
+def _ranks_off(fn: Callable, group: Any, vocab: int) -> Optional[str]:
+    """Which world ranks' loss is off for targets in every shard, when they are exactly the
+    ranks whose world rank is not their tp rank and each equals the loss of shards offset by
+    the world rank (r V/tp with r = dist.get_rank()): that, else None (one all-reduce over the
+    world, on every rank alike)."""
+    n, t, world = comm.group_size(group), comm.group_rank(group), dist.get_world_size()
+    shard, gen = vocab // n, torch.Generator().manual_seed(1)
+    members = dist.get_process_group_ranks(group) if group is not None else list(range(world))
+    logits = torch.randn(2, 4, vocab, generator=gen)
+    targets = torch.arange(8).view(2, 4) * vocab // 8  # ids in every shard
+    got, _, want, _ = _probe(fn, logits, targets, group)
+    # shard s's rank takes a target's logit at target - members[s] V/tp, when in its shard
+    local = targets.unsqueeze(-1) - torch.tensor(members) * shard  # (2, 4, n)
+    held = (local >= 0) & (local < shard)
+    ids = torch.arange(n) * shard + local.clamp(0, shard - 1)
+    shifted = logits - logits.amax(-1, keepdim=True)  # a target no rank holds adds 0 to it
+    picked = (shifted.gather(-1, ids) * held).sum(-1)
+    offset = (torch.logsumexp(shifted, -1) - picked).mean()
+    seen = torch.zeros(world, 3 + world)  # (rank, [off, world-rank offset, its tp rank, members])
+    me = dist.get_rank()
+    seen[me, :3] = torch.tensor([float(not _close(got, want)), float(_close(got, offset)), t])
+    seen[me, 3 + torch.tensor(members)] = 1.0
+    comm.all_reduce(seen, None)
+    groups = [[k for k in range(world) if seen[r, 3 + k]] for r in range(world)]
+    off = [r for r in range(world) if seen[r, 0]]
+    # a tp group's loss is its ranks' sum: off wherever one of its ranks' world rank is not its
+    # tp rank
+    moved = [r for r in range(world) if any(int(seen[k, 2]) != k for k in groups[r])]
+    if not off or off != moved or not all(seen[r, 1] for r in off):
+        return None
+
+    def named(ranks: List[int]) -> str:
+        return " and ".join(map(str, ranks))
+
+    where = ", ".join(f"rank {r}: tp rank {int(seen[r, 2])} of the tp group {groups[r]}"
+                      for r in off)
+    right = [r for r in range(world) if r not in off]
+    return (f"the loss is off on ranks {named(off)} ({where}) and right on ranks {named(right)}, "
+            f"whose world rank is their tp rank: it is the loss of shards offset by the world "
+            f"rank (dist.get_rank()), not the tp group's; take the rank from ``group``")
+
+
 def probe_cross_entropy(fn: Callable, group: Any, vocab: int) -> Optional[str]:
     """The diagnosis of the first probe the learner's cross-entropy fails, None if none."""
+    seen = _ranks_off(fn, group, vocab)
+    if seen is not None:
+        return seen
     n, gen = comm.group_size(group), torch.Generator().manual_seed(0)
     shard = vocab // n
     logits = torch.randn(2, 4, vocab, generator=gen)
@@ -211,12 +256,19 @@ def probe_cross_entropy(fn: Callable, group: Any, vocab: int) -> Optional[str]:
             return (f"the loss of logits near 100 is {float(got):.4g}, not {float(want):.4f}, "
                     f"and right for the same logits 100 lower: exp(100) overflows fp32; "
                     f"subtract the max over all tp ranks first")
-    wrong = []
+    wrong, ratios = [], []
     for r in range(n):  # every target in rank r's shard
         targets = torch.randint(r * shard, (r + 1) * shard, (2, 4), generator=gen)
         got, _, want, _ = _probe(fn, logits, targets, group)
+        ratios.append(float(got / want))
         if not _close(got, want):
             wrong.append(f"rank {r}'s (ids {r * shard}-{(r + 1) * shard - 1})")
+    tokens = zeros.numel()
+    if len(wrong) == n and max(ratios) - min(ratios) < 1e-4 * abs(ratios[0]):  # one factor
+        k = tokens / ratios[0]
+        return (f"the loss is {ratios[0]:.4g}x the library's whatever shard the targets are in" +
+                (f": divided by {k:.0f}, not by the {tokens} tokens (b x s)"
+                 if abs(k - round(k)) < 1e-3 else ""))
     if wrong:
         return (f"the loss is wrong when the targets are in {' and '.join(wrong)} shard: rank r "
                 f"holds the logits of ids [r V/tp, (r+1) V/tp); subtract r V/tp from a target "

@@ -29,7 +29,7 @@ from scaletorch.rules.group_names import gradient_group_name
 from scaletorch.trainer import Config, Trainer, parse_args
 from scaletorch.trainer.param_map import ParamMap
 from scripts.grading.ddp import GRAD_TOL, parity_diagnosis, reference
-from scripts.grading.learner import Source, caused_by, failure, load, patched
+from scripts.grading.learner import InPlace, Source, caused_by, failure, load, patched
 from scripts.grading.runner import collective_timeout, run_jobs, run_world
 from scripts.grading.traffic import observed
 from scripts.grading.verdicts import Verdict, error_verdict, per_job
@@ -132,9 +132,11 @@ def _train(cfg: Config, pgm: Any, exercise: str, fn: Callable, ref: Dict[str,
     def checked_gather(output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         need = output.numel() * output.element_size()
         if output.untyped_storage().nbytes() < need:  # gloo would write into freed memory
-            raise Diagnosed(f"gather_unit all-gathered into a released flat ("
-                            f"{output.untyped_storage().nbytes()} of its {need:,} bytes): give "
-                            f"its storage the P' elements back first")
+            held = output.untyped_storage().nbytes()
+            count = f", its element count: resize_ takes bytes, P' x {output.element_size()}" \
+                if held == output.numel() and output.element_size() > 1 else ""
+            raise Diagnosed(f"gather_unit all-gathered into a released flat ({held:,} of its "
+                            f"{need:,} bytes{count}): give its storage the P' elements back first")
         return gather_into(output, input, *args, **kwargs)
 
     grads: Dict[str, torch.Tensor] = {}
@@ -209,6 +211,9 @@ def _values(seed: int, n: int) -> torch.Tensor:
     return torch.randn(n, generator=torch.Generator().manual_seed(seed)) + seed % 7
 
 
+IN_FLIGHT = "while its reduce-scatter was in flight"  # the probe's words for a division too soon
+
+
 def probe(exercise: str, fn: Callable, pgm: Any) -> Optional[str]:
     """``fn`` called on its own on every rank over the dp group: (reduce_scatter_mean) full
     (P',) fp32 into an fp32 and a bf16 out; (gather_unit) a released flat, async_op False and
@@ -219,10 +224,17 @@ def probe(exercise: str, fn: Callable, pgm: Any) -> Optional[str]:
         if exercise == "reduce_scatter_mean":
             for dtype in (torch.float32, torch.bfloat16):
                 out = torch.zeros(s, dtype=dtype)
-                work = fn(_values(pgm.rank, n * s), out, group)
+                with InPlace(out) as seen:
+                    work = fn(_values(pgm.rank, n * s), out, group)
                 if work is not None:
                     work.wait()
                 want = sum(_values(r, n * s)[me * s:(me + 1) * s] for r in peers) / n
+                summed = torch.allclose(out.float(), n * want.float(), rtol=1e-2, atol=1e-2)
+                if work is not None and seen.seen and summed:  # its division lost to the sum
+                    return (f"reduce_scatter_mean called {seen.seen[0]} on out {IN_FLIGHT} (it "
+                            f"returned the work unfinished), and out then held the sum over the "
+                            f"{n} ranks: the reduce-scatter wrote its sum over the division; "
+                            f"divide full before it starts")
                 if not torch.allclose(out.float(), want.to(dtype).float(), rtol=1e-2, atol=1e-2):
                     got = ", ".join(f"{v:.2f}" for v in out.float().tolist())
                     return (f"reduce_scatter_mean of a (P',) fp32 full into a {dtype} out gave "
@@ -325,6 +337,10 @@ def shard_gradient_diagnosis(runs: List[Dict[str, Any]], ref: Dict[str, Any]) ->
             sum(float((r["grads"][n] * r["want"][n]).sum()) for n in r["want"]) /
             sum(float((r["want"][n] * r["want"][n]).sum()) for n in r["want"]) for r in runs
         ]
+        early = next((r["probe"] for r in runs if IN_FLIGHT in (r.get("probe") or "")), None)
+        if all(abs(x - DP) < 0.01 * DP for x in scales) and early:  # the probe saw why
+            return (f"the shards' gradients are {scales[0]:.2f}x the reference on every rank, "
+                    f"not divided by N = {DP}; called on its own, {early}")
         if all(abs(x - DP) < 0.01 * DP for x in scales):
             # undivided: no division, or one of out while the reduce-scatter was in flight
             # (its sum overwrites out) both leave it so
