@@ -9,7 +9,9 @@ and 1 get a logit offset) and a ``LoadMeter`` that times each rank's experts and
 the combine. Then the same run once per remedy: none, the auxiliary loss (two coefficients),
 the bias of DeepSeek-V3 (``BiasBalancer``) and capacity with dropping on global statistics
 (``apply_global_capacity``). One table compares them. ``--check``: each run against the
-single device built the same way (the bias and dropping too).
+single device built the same way (the bias and dropping too). Each remedy is a run of its own
+in ``runs/NAME/<remedy>/`` (config, metrics, log, checkpoints; "capacity 1.0": capacity_1.0),
+and ``--resume`` continues each from its own checkpoints.
 """
 
 import copy
@@ -31,7 +33,8 @@ from scaletorch.parallel.moe_balance import BiasBalancer, apply_global_capacity,
 from scaletorch.parallel.moe_load import LoadMeter, format_load, imbalance
 from scaletorch.rules.errors import OneLineParser
 from scaletorch.trainer import build_optimizer, load_config, start_run
-from scaletorch.trainer.parity import report_parity, report_weight_parity
+from scaletorch.trainer.checkpoint import latest_valid_checkpoint
+from scaletorch.trainer.parity import report_norm_parity, report_parity, report_weight_parity
 from scaletorch.trainer.precision import autocast
 from scaletorch.trainer.trainer import build_loader
 
@@ -66,6 +69,26 @@ def remedy_settings(name: str) -> tuple:
     return (number, 0.0, 0.0) if kind == "aux" else (0.0, 0.0, number)
 
 
+def remedy_config(cfg, remedy: str):
+    """``cfg`` for one remedy's run: its settings, and its own directory ``runs/NAME/<slug>``
+    (checkpoints in it, or in ``checkpoint.dir/<slug>``); ``--resume`` continues the latest
+    checkpoint there, and a remedy with none (it never saved one) starts at step 0."""
+    part, slug = copy.deepcopy(cfg), remedy.replace(" ", "_")
+    part.model.moe_aux_loss_coeff, _, part.model.moe_capacity_factor = remedy_settings(remedy)
+    part.logging.run_dir, part.logging.name = cfg.run_path, slug
+    if cfg.checkpoint.dir:
+        part.checkpoint.dir = os.path.join(cfg.checkpoint.dir, slug)
+    if cfg.checkpoint.resume == "latest" and latest_valid_checkpoint(
+            part.checkpoint_path)[0] is None:
+        part.checkpoint.resume = None
+    return part
+
+
+def remedy_configs(args):
+    """load_config's ``parts``: each remedy's run of the config (its resume is checked)."""
+    return lambda cfg: [remedy_config(cfg, remedy) for remedy in args.remedies.split(",")]
+
+
 def chapter_args() -> tuple:
     """This chapter's own flags and its parser (for --help); the rest go to load_config."""
     parser = OneLineParser(add_help=False)
@@ -98,6 +121,11 @@ def limits(args):
         settings = [remedy_settings(name) for name in remedies]
         if len(set(settings)) < len(settings):  # "capacity 1" and "capacity 1.0" are one
             raise ValueError(f"--remedies {args.remedies}: each remedy once")
+        resume = cfg.checkpoint.resume
+        if resume not in (None, "latest") and len(remedies) > 1:
+            raise ValueError(f"--resume {resume} is one remedy's checkpoint, and --remedies names "
+                             f"{len(remedies)}: give --resume alone (each remedy continues its "
+                             f"own, in runs/NAME/<remedy>/checkpoints)")
         for key, kind in PER_REMEDY.items():  # the config's 0 is overwritten by each remedy's
             value = getattr(cfg.model, key)
             if value != 0:
@@ -144,13 +172,15 @@ def build(cfg, remedy: str, device, hot_offset: float, pgm=None):
 
 def train(cfg, model, pgm, clip, meter, balancer):
     """Chapter 06's step with the remedy's calls; ``pgm`` None: on one device, no collective
-    (the reference). Returns the run's result: losses, grad norms, step seconds."""
+    (the reference, which writes nothing). Returns the run's result: losses, grad norms, step
+    seconds. The remedy's run writes its directory and prints nothing (the table does)."""
     device = next(model.parameters()).device
     optimizer = build_optimizer(cfg, model.parameters())
     rank, n = (pgm.data_parallel_rank, pgm.data_parallel_world_size) if pgm else (0, 1)
     m, max_norm = cfg.data.num_micro_batches, cfg.training.grad_clip or math.inf  # 0: no clip
     # [core: step]
-    with start_run(cfg, model, optimizer, pgm, verbose=False) as run:  # resume, checkpoints
+    # its run directory, resume and checkpoints, nothing printed; the reference (pgm None) none
+    with start_run(cfg, model, optimizer, pgm, verbose=pgm is not None, quiet=True) as run:
         for inputs, targets in run.batches():  # this step's batch (b, s)
             optimizer.zero_grad(set_to_none=True)
             inputs, targets, _ = local_batch(inputs, targets, rank, n)
@@ -206,8 +236,9 @@ def draw(every: torch.Tensor, balanced: torch.Tensor, num_experts: int, path: st
     left.legend()
     e = num_experts
     ranks = range(every.shape[0])
-    compute = every[:, 1:, :, e + 1].sum(-1).median(-1).values * 1e3  # (ranks,) ms per step
-    wait = every[:, 1:, :, e + 2].sum(-1).median(-1).values * 1e3
+    later = every[:, 1:] if every.shape[1] > 1 else every  # after the warm-up step, if any
+    compute = later[..., e + 1].sum(-1).median(-1).values * 1e3  # (ranks,) ms per step
+    wait = later[..., e + 2].sum(-1).median(-1).values * 1e3
     right.bar(ranks, compute.tolist(), label="experts")
     right.bar(ranks, wait.tolist(), bottom=compute.tolist(), label="wait at the combine")
     right.set(xlabel="rank", ylabel="ms per step (median, all layers)",
@@ -222,32 +253,42 @@ def main() -> int:
     args, rest, options = chapter_args()
     cfg = load_config("examples/configs/06b_load_balance.yaml",
                       "Chapter 06b: load balance in a mixture of experts", limits(args), argv=rest,
-                      options=options)
+                      options=options, parts=remedy_configs(args))
     env = init_distributed(cfg.training.timeout_seconds)
     pgm = init_pg_manager_from_config(cfg.parallel, cfg.training.timeout_seconds)
     pgm.log_topology(experts=True)
     e = cfg.model.num_experts
-    rows, ok, measured = [], True, {}
+    rows, ok, measured, notes = [], True, {}, []
     for remedy in args.remedies.split(","):
-        run_cfg = copy.deepcopy(cfg)
+        run_cfg = remedy_config(cfg, remedy)
         model, clip, meter, balancer = build(run_cfg, remedy, env.device, args.hot_offset, pgm)
         result = train(run_cfg, model, pgm, clip, meter, balancer)
-        every = meter.gather()  # (world, steps, layers, E + columns) on rank 0
+        start, trained = result.start_step, len(result.losses)  # the same on every rank
+        if trained == 0:  # finished by an earlier run: its numbers are in its metrics
+            notes.append(f"{remedy}: finished at step {start} by an earlier run (its metrics: "
+                         f"{os.path.join(run_cfg.run_path, 'metrics.jsonl')})")
+            continue
+        every = meter.gather()  # (world, steps trained here, layers, E + columns) on rank 0
         loss = held_out_loss(run_cfg, model, pgm, env.device)
         full = gather_expert_parallel_state_dict(model, pgm) if cfg.check else None
         if pgm.rank != 0:
             continue
         if remedy == "none":  # the problem, measured
-            print(format_load(every, e))
+            print(format_load(every, e, start))
+        if start > 0 or trained < 2:
+            notes.append(f"{remedy}: measured over the {trained} step{'s' * (trained > 1)} "
+                         f"this run trained" + (f", resumed at step {start}" if start else "") +
+                         ("; step_ms needs 2 (the first warms up)" if trained < 2 else ""))
         measured[remedy] = every
         tail = every[:, -10:]  # the last 10 steps
         share = imbalance(tail[..., e].permute(1, 2, 0))  # (steps, layers): max/mean over ranks
         dropped = tail[..., e + 5].sum((0, 1)) / tail[0, :, :, :e].sum((0, 2))  # (layers,)
         wait = statistics.median(tail[..., e + 2].sum(-1).max(0).values.tolist()) * 1e3
         hot_rows = float(tail[..., e].max(0).values.mean())  # the busiest rank's, per layer
+        step_ms = statistics.median(result.step_seconds[1:]) * 1e3 if trained > 1 else math.nan
+        first = float(imbalance(every[:, 0, :, e].t()).max())  # this run's first step
         rows.append(
-            (remedy, float(imbalance(every[:, 0, :, e].t()).max()), float(share.mean()), hot_rows,
-             dropped.tolist(), loss, statistics.median(result.step_seconds[1:]) * 1e3, wait))
+            (remedy, first, float(share.mean()), hot_rows, dropped.tolist(), loss, step_ms, wait))
         if cfg.check:
             print(f"{remedy}: ", end="")
             ref_cfg = copy.deepcopy(run_cfg)
@@ -255,8 +296,9 @@ def main() -> int:
             ref_model, ref_clip, _, ref_balancer = build(ref_cfg, remedy, env.device,
                                                          args.hot_offset)
             reference = train(ref_cfg, ref_model, None, ref_clip, None, ref_balancer)
-            ok &= report_parity(result.losses, reference.losses[result.start_step:])  # resumed
+            ok &= report_parity(result.losses, reference.losses[start:])  # resumed: the rest
             ok &= report_weight_parity(full, ref_model.state_dict(), cfg.training.steps)
+            ok &= report_norm_parity(result.grad_norms, reference.grad_norms[start:])
     if pgm.rank == 0 and args.plot and {"none", "bias"} <= set(measured):
         draw(measured["none"], measured["bias"], e, args.plot,
              f"ep {pgm.expert_model_parallel_world_size}")
@@ -270,7 +312,11 @@ def main() -> int:
         for name, first, tail_mean, hot_rows, dropped, loss, ms, wait in rows:
             drops = "/".join(f"{100 * d:.1f}" for d in dropped)  # per layer
             print(f"{name:<{w}} {first:>9.2f} {tail_mean:>6.2f} {hot_rows:>8.0f} {drops:>9} "
-                  f"{loss:>12.4f} {ms:>7.1f} {wait:>7.1f}")
+                  f"{loss:>12.4f} {'-' if math.isnan(ms) else f'{ms:.1f}':>7} {wait:>7.1f}")
+        print("\n".join(
+            notes +
+            [f"each remedy's config, metrics and checkpoints: "
+             f"{cfg.run_path}/<remedy>/"]))
     destroy_pg_manager()
     destroy_distributed()
     return 0 if ok else 1

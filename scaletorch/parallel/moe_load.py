@@ -156,23 +156,26 @@ def imbalance(computed: torch.Tensor) -> torch.Tensor:
     return computed.max(-1).values / computed.mean(-1).clamp(min=1e-9)
 
 
-def format_load(every: torch.Tensor, num_experts: int) -> str:
-    """The meter's table (``every``: ``LoadMeter.gather``'s). Per layer: the global tokens per
-    expert at the first and last step; per rank, medians over the steps after the first (it
-    warms up): rows its experts computed, dispatch KB sent and received (the ledger), expert
-    and combine-wait milliseconds; the imbalance is max over mean of the median rows."""
+def format_load(every: torch.Tensor, num_experts: int, start: int = 0) -> str:
+    """The meter's table (``every``: ``LoadMeter.gather``'s, of steps ``start`` on: a resumed
+    run's). Per layer: the global tokens per expert at the first and last step; per rank,
+    medians over the steps after the first (it warms up; the first alone if it is the only
+    one): rows its experts computed, dispatch KB sent and received (the ledger), expert and
+    combine-wait milliseconds; the imbalance is max over mean of the median rows."""
     e, steps = num_experts, every.shape[1]
     later = every[:, 1:] if steps > 1 else every
+    over = (f"medians over steps {start + 1}-{start + steps - 1}"
+            if steps > 1 else f"step {start} alone: no step after the warm-up")
     lines = []
     for layer in range(every.shape[2]):
         first, last = (" ".join(str(int(t)) for t in every[0, s, layer, :e].tolist())
                        for s in (0, steps - 1))
         median = later[:, :, layer, e:].median(1).values  # (world, columns)
-        lines.append(f"MoE layer {layer}: tokens per expert, step 0 [{first}], step "
-                     f"{steps - 1} [{last}]; imbalance (max/mean rows per rank) "
+        lines.append(f"MoE layer {layer}: tokens per expert, step {start} [{first}], step "
+                     f"{start + steps - 1} [{last}]; imbalance (max/mean rows per rank) "
                      f"{float(imbalance(median[:, 0])):.2f}")
         lines.append(f"  {'rank':>4} {'ep':>3} {'rows':>6} {'sent_KB':>8} {'recv_KB':>8} "
-                     f"{'expert_ms':>9} {'wait_ms':>8}   (medians over steps 1-{steps - 1})")
+                     f"{'expert_ms':>9} {'wait_ms':>8}   ({over})")
         for r in range(median.shape[0]):
             computed, expert, wait, sent, received, _, ep_rank = median[r].tolist()
             lines.append(f"  {r:>4} {int(ep_rank):>3} {int(computed):>6} {sent / 1e3:>8.1f} "

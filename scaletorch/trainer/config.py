@@ -46,7 +46,7 @@ from scaletorch.rules.errors import (INTERRUPTED, TERMINATED, InputError, Missin
 from scaletorch.rules.safe_files import write_atomic
 from scaletorch.rules.schema import Rule, check_applies, check_value, ignored_by, rules_of
 from scaletorch.trainer.checkpoint import (check_rank_files, check_resume, latest_valid_checkpoint,
-                                           load_tensors_only, read_manifest)
+                                           load_tensors_only, nothing_to_resume, read_manifest)
 from scaletorch.trainer.memory_limit import check_memory
 from scaletorch.trainer.resume_check import check_resumed
 from scaletorch.trainer.run_dir import (check_run_dir, move_aside, other_option, remove_unused,
@@ -420,12 +420,16 @@ def parse_args(argv: Optional[Sequence[str]] = None, default_config: Optional[st
 
 
 Limits = Callable[[Config, int], None]  # a script's own refusals: limits(cfg, world_size)
+# the runs a script makes of one config, each in a directory of its own under the run's
+# (06b: one per remedy); each resumes its own checkpoints: parts(cfg) -> their configs
+Parts = Callable[[Config], List[Config]]
 
 
 def load_config(default_config: str, description: str, limits: Optional[Limits] = None,
                 argv: Optional[Sequence[str]] = None, resume_files: bool = False,
                 unread: Optional[Dict[str, str]] = None, config_class: Type[Config] = Config,
-                options: Optional[argparse.ArgumentParser] = None) -> Config:
+                options: Optional[argparse.ArgumentParser] = None,
+                parts: Optional[Parts] = None) -> Config:
     """A script's config, checked for the world it is launched into before anything starts.
 
     ``parse_args``, then ``validate(cfg, world_size)`` (the one layout check), the script's
@@ -438,7 +442,8 @@ def load_config(default_config: str, description: str, limits: Optional[Limits] 
 
     ``--validate-only --world-size N`` (scripts/launch.sh runs it before torchrun) checks the
     config for N ranks and exits: 0 if it can run, 2 with the error line if not. ``options``:
-    the script's own parser, for ``--help`` (``parse_args``).
+    the script's own parser, for ``--help`` (``parse_args``). ``parts``: the runs the script
+    makes of ``cfg`` (``check_inputs`` checks their resumes, not the run's own).
     """
     pre = OneLineParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--validate-only", action="store_true")
@@ -455,7 +460,7 @@ def load_config(default_config: str, description: str, limits: Optional[Limits] 
             limits(cfg, world_size)
         if config_class is Config:  # the planner models the Llama, not chapter 12's ResNet
             check_memory(cfg, world_size)  # the planner's estimate against the device
-        check_inputs(cfg, world_size, resume_files)
+        check_inputs(cfg, world_size, resume_files, parts)
         if known.validate_only:
             sys.exit(0)
         # before any blocking setup: SIGTERM ends in one line, as Ctrl-C does, in every rank
@@ -463,8 +468,9 @@ def load_config(default_config: str, description: str, limits: Optional[Limits] 
         sys.excepthook = report_input_errors
         # --overwrite: the old run is kept, renamed (rank 0, before any rank writes)
         lines = move_aside(cfg) if int(os.environ.get("RANK", "0")) == 0 else []
-        note = resume_note(cfg)  # the settings this resume changes (checked above)
-        lines += [note] if note and int(os.environ.get("RANK", "0")) == 0 else []
+        # the settings this resume changes (checked above)
+        notes = [resume_note(part) for part in (parts(cfg) if parts else [cfg])]
+        lines += [n for n in notes if n] if int(os.environ.get("RANK", "0")) == 0 else []
         take_ownership(cfg)  # this run's lock on its directories, for its whole life
     except (ValueError, FileNotFoundError) as err:
         if int(os.environ.get("RANK", "0")) == 0:
@@ -582,23 +588,53 @@ def write_error_file(path: str, err: BaseException, tb: Optional[TracebackType])
     os.replace(tmp, path)
 
 
-def check_inputs(cfg: Config, world_size: int, resume_files: bool = False) -> None:
+def check_inputs(cfg: Config, world_size: int, resume_files: bool = False,
+                 parts: Optional[Parts] = None) -> None:
     """What ``validate`` cannot see without touching the disk: the checkpoint to resume fits
     this run (``check_resume``), the run directory holds no other run (``check_run_dir``),
     and it (and checkpoint.dir when checkpoints are saved) can be created and written.
-    InputError naming the path."""
+    ``parts``: each part's checkpoint instead (``check_part_resumes``). InputError naming the
+    path."""
     check_run_dir(cfg)  # a live run's lock first: its line says why nothing else is checked
-    check_resume(cfg, world_size, resume_files)
-    check_resume_step(cfg)
-    resume_note(cfg)  # the checkpoint's run against this one, field by field
-    resumed = resumed_checkpoint(cfg)
-    if resumed is not None and os.path.isdir(resumed):  # its values, before a directory is made
-        check_rank_files(resumed)
+    if parts is not None:
+        check_part_resumes(cfg, parts(cfg), world_size, resume_files)
+    else:
+        check_one_resume(cfg, world_size, resume_files)
     outputs = {"logging.run_dir": cfg.run_path}
     if cfg.checkpoint.every > 0:
         outputs["checkpoint.dir"] = cfg.checkpoint_path
     for key, path in outputs.items():
         check_writable(key, path)
+
+
+def check_one_resume(cfg: Config, world_size: int, resume_files: bool = False,
+                     finished_ok: bool = False) -> None:
+    """The checkpoint ``cfg`` resumes fits it and (unless ``finished_ok``) leaves steps to
+    train (InputError)."""
+    check_resume(cfg, world_size, resume_files)
+    if not finished_ok:
+        check_resume_step(cfg)
+    resume_note(cfg)  # the checkpoint's run against this one, field by field
+    resumed = resumed_checkpoint(cfg)
+    if resumed is not None and os.path.isdir(resumed):  # its values, before a directory is made
+        check_rank_files(resumed)
+
+
+def check_part_resumes(cfg: Config, parts: List[Config], world_size: int,
+                       resume_files: bool = False) -> None:
+    """``--resume`` of a run made of ``parts`` (Parts): each part that has a checkpoint (its
+    ``checkpoint.resume`` set) must fit it; a part without one starts at step 0, a finished
+    one trains nothing. InputError when no part has a checkpoint, or every part is finished."""
+    resumed = [part for part in parts if part.checkpoint.resume]
+    if cfg.checkpoint.resume and not resumed and restart_count() == 0:
+        raise nothing_to_resume(cfg.run_path, [])
+    for part in resumed:
+        check_one_resume(part, world_size, resume_files, finished_ok=True)
+    if len(resumed) == len(parts):  # every part finished: the first one's line
+        for part in parts:
+            if (resumed_step(part) or 0) < part.training.steps:
+                return
+        check_resume_step(parts[0])
 
 
 def resumed_checkpoint(cfg: Config) -> Optional[str]:
@@ -624,17 +660,23 @@ def check_resume_step(cfg: Config) -> None:
     """InputError when the checkpoint that ``--resume`` names (or the latest) is at or past
     ``training.steps``: nothing is left to train, and the run would end on a report of no
     steps. Both numbers are named. A torchrun restart resumes whatever it finds, unchecked."""
+    path, step = resumed_checkpoint(cfg), resumed_step(cfg)
+    if path is not None and step is not None and step >= cfg.training.steps:
+        raise InputError(f"--resume {path} is at step {step}, and training.steps is "
+                         f"{cfg.training.steps}: nothing is left to train; give --steps above "
+                         f"{step} to continue it, or start a new run without --resume")
+
+
+def resumed_step(cfg: Config) -> Optional[int]:
+    """The step of the checkpoint ``--resume`` names (``resumed_checkpoint``), None if none."""
     path = resumed_checkpoint(cfg)
     if path is None:
-        return
+        return None
     if os.path.isfile(path):  # a consolidated file (check_resume read it already)
         step = load_tensors_only(path, f"--resume {path}", mmap=True).get("step")
     else:
         step = read_manifest(path).get("step")
-    if isinstance(step, int) and step >= cfg.training.steps:
-        raise InputError(f"--resume {path} is at step {step}, and training.steps is "
-                         f"{cfg.training.steps}: nothing is left to train; give --steps above "
-                         f"{step} to continue it, or start a new run without --resume")
+    return step if isinstance(step, int) else None
 
 
 def check_writable(key: str, path: str) -> None:

@@ -105,8 +105,8 @@ class Run:
             self._metrics = self._stack.enter_context(
                 open(os.path.join(cfg.run_path, "metrics.jsonl"), "a", buffering=1))
         # A bar only on a terminal: in a log file its redraws are noise; the log lines remain.
-        if (trainer.verbose and cfg.logging.progress and trainer.step < cfg.training.steps
-                and sys.stderr.isatty()):
+        if (trainer.verbose and not trainer.quiet and cfg.logging.progress
+                and trainer.step < cfg.training.steps and sys.stderr.isatty()):
             from tqdm import tqdm
             self._bar = tqdm(total=cfg.training.steps, initial=trainer.step, desc="train",
                              unit="step", dynamic_ncols=True)

@@ -66,17 +66,20 @@ def _the_scripts_step(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tens
 
 
 def start_run(cfg: Config, model: nn.Module, optimizer: torch.optim.Optimizer,
-              pgm: Optional[ProcessGroupManager] = None, verbose: bool = True) -> Run:
+              pgm: Optional[ProcessGroupManager] = None, verbose: bool = True,
+              quiet: bool = False) -> Run:
     """The run around a script's own training loop (chapters 00-06; run.py shows the loop):
     the run directory, resume, the lr schedule, metrics, log lines, checkpoints and stops.
     ``model`` and ``optimizer`` are what the script trains and steps; their state is what a
     checkpoint saves and a resume loads. Use it as ``with start_run(...) as run:``.
-    ``verbose=False``: no run directory, nothing printed (06b's runs, one per remedy)."""
+    ``verbose=False``: no run directory, nothing printed (a ``--check`` reference);
+    ``quiet=True``: the run directory written, nothing printed (06b's remedies: one table)."""
     if resolve_precision(cfg, next(model.parameters()).device.type) == "fp16":
         raise InputError("training.precision fp16 needs a loss scale, which this chapter's "
                          "loop does not have: run examples/08_mixed_precision.py")
     trainer = Trainer(cfg, model, pgm, optimizer=optimizer, forward_backward=_the_scripts_step,
                       verbose=verbose)
+    trainer.quiet = quiet
     return Run(trainer, TrainResult())
 
 
@@ -111,6 +114,7 @@ class Trainer:
         self.rank = comm.group_rank() if pgm is not None else 0
         self.world_size = comm.group_size() if pgm is not None else 1
         self.verbose = verbose and self.rank == 0
+        self.quiet = False  # True: log.txt only, nothing on stdout (start_run's quiet)
         self.loader: BatchSource = loader or build_loader(cfg)  # a dry run's: shapes only
         self.optimizer = optimizer or build_optimizer(cfg, model.parameters())
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -322,7 +326,7 @@ class Trainer:
         if self._log is not None:
             with open(self._log, "a") as f:  # a line at a time: nothing to close on a failure
                 f.write(message + "\n")
-        if detail and not self.cfg.logging.verbose:
+        if self.quiet or (detail and not self.cfg.logging.verbose):
             return
         if bar is not None:
             bar.write(message)
