@@ -11,6 +11,7 @@ No process is started: the scripts are parsed.
 
 import ast
 import os
+import re
 import textwrap
 import unittest
 from typing import List
@@ -55,3 +56,14 @@ class EachChapterWritesItsStep(unittest.TestCase):
                     self.assertIn(needed, called, f"{name}: the step does not call {needed}")
                 self.assertNotIn("Trainer", calls(ast.parse(source)),
                                  f"{name}: the shared Trainer runs a step")
+
+    def test_their_pages_say_the_script_runs_the_step_not_the_trainer(self):
+        # a probe found pages 01 and 06 still saying "the trainer" calls finish_grad_sync,
+        # divides and averages: words left from before the step moved into the script
+        allowed = "the Trainer that chapters 07 on share"  # doc/00's evidence
+        for name in SCRIPTS:
+            with self.subTest(page=name):
+                with open(os.path.join(ROOT, "doc", f"{name}.md")) as f:
+                    text = " ".join(f.read().replace(allowed, "").split())
+                said = re.findall(r"(?i)\b(?:the|its|by the) trainer(?:'s)?\b[^.]{0,40}", text)
+                self.assertEqual(said, [], f"doc/{name}.md names the trainer as running the step")
