@@ -252,6 +252,9 @@ class GradeAHang(unittest.TestCase):
             self.assertGreaterEqual(waited, limit - 1, verdict.text)
             self.assertLessEqual(waited, limit + 2, verdict.text)
 
+    # a world that waits out the grader's hang limit (about 40 s of wall, little CPU): in the
+    # long phase of .ci/run (SCALETORCH_LONG_TESTS=1), as the suite keeps to 10 minutes
+    @unittest.skipUnless(os.environ.get("SCALETORCH_LONG_TESTS") == "1", "long phase")
     def test_a_rank_the_others_waited_for_is_the_cause(self):
         # rank 2 sleeps before its first receive: not "stopped after another rank had left"
         exercise, function, phrases = grading_probe_mistakes.NEVER_CAME
