@@ -217,15 +217,7 @@ def rank_jobs(rank: int, world: int, jobs: List[Dict[str, Source]]) -> List[Dict
     try:
         for job in jobs:
             (exercise, source), = job.items()
-            record: Dict[str, Any] = {
-                "actions": [],
-                "peak": 0,
-                "no_grad": [],
-                "waiting": None,
-                "sent": [],
-                "received": [],
-                "stage_grads": {}
-            }
+            record = pipeline_groups.empty_record()
             try:
                 fn = load(source)
                 if exercise == "micro_batch_loss":  # every rank, before anything is sent

@@ -58,6 +58,19 @@ def _messages(traffic: List[Any], pipeline: List[int]) -> List[List[Any]]:
     ] for c in traffic if c.op in ("send", "recv") and c.step == 0 and c.peer is not None]
 
 
+def empty_record() -> Dict[str, Any]:
+    """What a rank measures of one job (both worlds of chapter 04 fill it)."""
+    return {
+        "actions": [],
+        "peak": 0,
+        "no_grad": [],
+        "waiting": None,
+        "sent": [],
+        "received": [],
+        "stage_grads": {}
+    }
+
+
 def rank_jobs(jobs: List[Dict[str, Source]], instrumented: Callable, train: Callable,
               timeout: float) -> List[Any]:
     """Inside a rank: each job (``one_f_one_b``) trained with pipeline.py's ``instrumented``
@@ -70,15 +83,7 @@ def rank_jobs(jobs: List[Dict[str, Source]], instrumented: Callable, train: Call
     try:
         for job in jobs:
             (exercise, source), = job.items()
-            record: Dict[str, Any] = {
-                "actions": [],
-                "peak": 0,
-                "no_grad": [],
-                "waiting": None,
-                "sent": [],
-                "received": [],
-                "stage_grads": {}
-            }
+            record = empty_record()
             facts = {"pipeline": pipeline, "stage": pgm.pipeline_model_parallel_rank}
             with observed(lambda: get_ledger().step) as traffic:
                 try:
