@@ -1,10 +1,14 @@
 """The grader (scripts/grade.py) says what is wrong, in the learner's terms, and passes the library.
 
 One world per chapter grades, in one go: the library's own functions (the reference solutions,
-each must pass), every planted variant of scripts/grading/variants.py (each must get its own
-diagnosis, the words its catalogue entry names, not a generic failure) and the unwritten stubs
-of examples/exercises/ (each says "write <function> next"). A learner's file that does not
-import, and the stubs' signatures, are tests/test_grade_files.py's (no world).
+each must pass), correct solutions written another way (each must pass), mistakes nobody planted
+and a rank stopped in one job (each gets what was measured) and the unwritten stubs of
+examples/exercises/ (each says "write <function> next"). Every planted variant of
+scripts/grading/variants.py (each must get its own diagnosis, the words its catalogue entry
+names, not a generic failure) is graded in the same worlds in CI's long phase
+(``SCALETORCH_LONG_TESTS=1``), beside the mutation runs: the planted catalogue is a regression
+set of 67 jobs, and the 10-minute suite keeps what is new to each job. A learner's file that does
+not import, and the stubs' signatures, are tests/test_grade_files.py's (no world).
 """
 
 import inspect
@@ -36,6 +40,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # wall at load average 13, and a chapter 04 message waits one micro-batch of a 1-layer stage.
 SHORT_COLLECTIVE_TIMEOUT = 8.0
 SHORT_HANG_TIMEOUT = 4.0
+# CI's long phase (.ci/run): the planted variants in each chapter's world, and the worlds that
+# wait out a limit
+LONG = os.environ.get("SCALETORCH_LONG_TESTS") == "1"
 SOLUTIONS = "tests.grading_solutions"
 OTHER_WAYS = "tests.grading_other_ways"
 MISTAKES_03_05 = "tests.grading_mistakes_03_05"
@@ -54,7 +61,7 @@ class _GradeChapter:
         module, path = grade.CHAPTERS[cls.chapter]
         cls.exercises = module.EXERCISES
         cls.planted = [(exercise, variant) for (chapter, exercise, variant) in CATALOGUE
-                       if chapter == cls.chapter]
+                       if chapter == cls.chapter and LONG]
         cls.others = [(e, SOLUTIONS, f) for c, e, f in ALTERNATIVES if c == cls.chapter] + \
             [(e, where, f) for where, module_ in ((OTHER_WAYS, grading_other_ways),
                                                   (PROBED, grading_probe_mistakes))
@@ -68,21 +75,24 @@ class _GradeChapter:
             [(e, (PROBED, f), words)
              for c, e, f, words in grading_probe_mistakes.MISTAKES if c == cls.chapter]
         crash, function, _, _ = CRASHES[cls.chapter]
+        # the mistakes last: one that ends its rank (01's SIGSEGV) then needs no new world for
+        # the jobs after it (a new world after a stopped rank is CRASHES' test)
         jobs = module.solution_jobs() + [{crash: (OTHER_WAYS, function)}] + \
             [{e: (where, f)} for e, where, f in cls.others] + \
+            module.exercise_jobs(os.path.join(ROOT, path)) + \
             [{e: source} for e, source, _ in cls.mistakes] + \
-            [{e: source(v)} for e, v in cls.planted] + \
-            module.exercise_jobs(os.path.join(ROOT, path))
+            [{e: source(v)} for e, v in cls.planted]
         # a receive never answered (05) waits out the collective timeout: the short one
         with patched(runner, "COLLECTIVE_TIMEOUT", SHORT_COLLECTIVE_TIMEOUT), \
                 patched(module, "WORLD", cls.world or module.WORLD):
-            cls.verdicts = module.grade(jobs)
+            verdicts = module.grade(jobs)
         n, k, m = len(module.EXERCISES), len(cls.others), len(cls.mistakes)
-        cls.solutions, cls.crashed, cls.stubs = cls.verdicts[:n], cls.verdicts[n], \
-            cls.verdicts[-n:]
-        cls.written_otherwise = dict(zip(cls.others, cls.verdicts[n + 1:n + 1 + k]))
-        cls.unplanted = list(zip(cls.mistakes, cls.verdicts[n + 1 + k:n + 1 + k + m]))
-        cls.variants = dict(zip(cls.planted, cls.verdicts[n + 1 + k + m:-n]))
+        cls.solutions, cls.crashed = verdicts[:n], verdicts[n]
+        cls.written_otherwise = dict(zip(cls.others, verdicts[n + 1:n + 1 + k]))
+        cls.stubs = verdicts[n + 1 + k:2 * n + 1 + k]
+        cls.unplanted = list(zip(cls.mistakes, verdicts[2 * n + 1 + k:2 * n + 1 + k + m]))
+        cls.variants = dict(zip(cls.planted, verdicts[2 * n + 1 + k + m:]))
+        assert len(verdicts) == len(jobs) == 2 * n + 1 + k + m + len(cls.planted)
 
     def test_the_library_passes_every_exercise(self):
         for verdict in self.solutions:
@@ -116,6 +126,7 @@ class _GradeChapter:
             for wrong in grading_probe_mistakes.MUST_NOT.get(function, []):  # a guessed cause
                 self.assertNotIn(wrong, verdict.text, function)
 
+    @unittest.skipUnless(LONG, "long phase: the planted catalogue, a regression set")
     def test_every_planted_variant_gets_its_own_diagnosis(self):
         texts = set()
         for (exercise, variant), verdict in self.variants.items():
@@ -254,7 +265,7 @@ class GradeAHang(unittest.TestCase):
 
     # a world that waits out the grader's hang limit (about 40 s of wall, little CPU): in the
     # long phase of .ci/run (SCALETORCH_LONG_TESTS=1), as the suite keeps to 10 minutes
-    @unittest.skipUnless(os.environ.get("SCALETORCH_LONG_TESTS") == "1", "long phase")
+    @unittest.skipUnless(LONG, "long phase")
     def test_a_rank_the_others_waited_for_is_the_cause(self):
         # rank 2 sleeps before its first receive: not "stopped after another rank had left"
         exercise, function, phrases = grading_probe_mistakes.NEVER_CAME
@@ -278,6 +289,10 @@ def _text(line):
     return inspect.getsource(grading_solutions).splitlines()[line - 1].strip()
 
 
+# In CI's long phase: its four worlds wait out a segfault and a hang (39 s of wall, 24 s of CPU
+# in the suite). The suite's chapter worlds each stop a rank in one job (CRASHES: its rank, its
+# function and line, the jobs after it graded by a new world) and GradeAHang names a hang's ranks.
+@unittest.skipUnless(LONG, "long phase")
 class GradeEachExerciseOnItsOwn(unittest.TestCase):
     """Chapter 01's jobs: a segfault on rank 1, the library, an error raised on rank 1, a hang
     (rank 1 receives a message never sent), the library: each failure is its job's alone, with

@@ -11,7 +11,7 @@ from scaletorch.parallel.parallelize import parallelize
 from scaletorch.parallel.tensor_layout import TensorLayout
 from scaletorch.trainer import parse_args, validate_layout
 from scaletorch.trainer.param_map import DTensorParamMap
-from tests.harness import run_forked
+from tests.harness import run_forked, under_torchrun
 from tests.layouts import layout, make_config
 from tests.test_examples import launch_status
 
@@ -168,6 +168,7 @@ class BadLayoutsReachTheUserOnce(unittest.TestCase):
             "model.num_attention_heads (8) is not divisible by tensor_model_parallel_size (3)")
         self.assertEqual(done.stdout, "")
 
+    @under_torchrun  # two new Pythons that torchrun starts and ends: --torchrun's phase
     def test_without_the_pre_flight_rank_0_says_it_once_and_every_rank_exits_2(self):
         out, code, _ = launch_status(ND, 2, "--pp", "2", "--impl", "torch",
                                      "--model.tie_word_embeddings", "true",
