@@ -32,9 +32,10 @@ from scaletorch.parallel.data_parallel import apply_data_parallel
 from scaletorch.parallel.step import make_data_parallel_step
 from scaletorch.trainer import Config, Trainer, parse_args
 from scripts.grading.learner import Source, cloned, load, patched
-from scripts.grading.runner import collective_timeout, run_jobs
+from scripts.grading.ring_waits import bounded, hang_text
+from scripts.grading.runner import collective_timeout, run_jobs, run_world
 from scripts.grading.traffic import observed
-from scripts.grading.verdicts import Verdict, grade_found
+from scripts.grading.verdicts import Verdict, found_verdict
 
 CHAPTER = "05"
 EXERCISES = ("slice_ids", "merge", "ring_forward")
@@ -228,7 +229,7 @@ def probe_ring(fn: Callable, group: Any, order: str, found: List[str]) -> None:
     gen = torch.Generator().manual_seed(1000 + dist.get_rank())
     q, kv = torch.randn(1, 4, 8, 8, generator=gen), torch.randn(2, 1, 2, 8, 8, generator=gen)
     args = (q, kv, group, order, _tile)
-    with observed() as traffic:
+    with observed() as traffic, bounded("ring_forward", "a probe"):
         got = fn(*cloned(args))
     with observed() as reference:
         want = LIBRARY_FNS["ring_forward"](*args)
@@ -283,7 +284,7 @@ def _checked(exercise: str, fn: Callable, library: Callable, found: List[str]) -
         ledger = get_ledger()
         # every rank: the learner's call on inputs of its own, then the library's; the K/V
         # messages sent are counted where they reach a process group, whatever API sent them
-        with observed() as traffic:
+        with observed() as traffic, bounded(exercise, f"step {ledger.step}"):
             got = fn(*cloned(args))
         with observed() as reference:
             want = library(*args)
@@ -357,8 +358,18 @@ def rank_jobs(rank: int, world: int, jobs: List[Dict[str, Source]]) -> List[Dict
 
 
 def grade(jobs: List[Dict[str, Source]]) -> List[Verdict]:
-    """Every job graded in one world of WORLD ranks, each call against the library's."""
-    return grade_found(rank_jobs, WORLD, jobs)
+    """Every job graded in one world of WORLD ranks, each call against the library's; a job
+    whose ranks gave up waiting for a ring message, by what they waited for (ring_waits.py)."""
+
+    results, verdicts = run_world(rank_jobs, WORLD, jobs), []
+    for i, job in enumerate(jobs):
+        (exercise, _), = job.items()
+        runs = [r[i] for r in results]
+        hang = hang_text(runs)
+        verdicts.append(
+            Verdict(exercise, False, f"{exercise}: {hang}"
+                    ) if hang else found_verdict(exercise, runs))
+    return verdicts
 
 
 def solution_jobs() -> List[Dict[str, Source]]:
