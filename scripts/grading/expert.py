@@ -28,6 +28,7 @@ from scaletorch.parallel.expert_parallel import (ExpertParallel, by_local_expert
                                                  expert_parallel_clip_grad_norm, shard_experts)
 from scaletorch.parallel.step import make_data_parallel_step
 from scaletorch.trainer import Config, Trainer, parse_args
+from scripts.grading.expert_splits import SplitSizes, agreed_splits
 from scripts.grading.learner import Source, caused_by, innermost, load, patched
 from scripts.grading.runner import collective_timeout, run_jobs, run_world, streamed
 from scripts.grading.verdicts import Verdict, error_verdict
@@ -180,7 +181,8 @@ def _checked(exercise: str, fn: Callable, library: Callable) -> Callable:
 
     def call(x: torch.Tensor, send_table: List[List[int]], recv_table: List[List[int]],
              group: Any) -> torch.Tensor:
-        got = fn(x.clone(), send_table, recv_table, group)  # its own input: may work in place
+        with agreed_splits(exercise, send_table, recv_table, f"in step {get_ledger().step}"):
+            got = fn(x.clone(), send_table, recv_table, group)  # its own input: may work in place
         with torch.no_grad(), get_ledger().paused():  # a check, not training traffic
             want = library(x.detach(), send_table, recv_table, group)
             # (rank, [code, rows returned, rows expected, rows given])
@@ -236,7 +238,8 @@ def _probe(exercise: str, fn: Callable, library: Callable, pgm: Any) -> Optional
     gen = torch.Generator().manual_seed(60 + pgm.rank)
     x = torch.randn(rows_in, PROBE_WIDTH, generator=gen)
     mine_x, lib_x = x.clone().requires_grad_(), x.clone().requires_grad_()
-    got = fn(mine_x.clone(), send, recv, pgm.expert_model_parallel_group)
+    with agreed_splits(exercise, send, recv, PROBE):
+        got = fn(mine_x.clone(), send, recv, pgm.expert_model_parallel_group)
     with get_ledger().paused():
         want = library(lib_x, send, recv, pgm.expert_model_parallel_group)
     world, rank = comm.group_size(None), comm.group_rank(None)
@@ -303,7 +306,7 @@ def rank_jobs(rank: int, world: int, jobs: List[Dict[str, Source]]) -> List[Dict
             library = getattr(expert_parallel, exercise)
             return {**run, "probe": _probe(exercise, load(source), library, pgm)}
         except Exception as err:  # noqa: B902 - run_jobs reports what this cannot name
-            wrong = caused_by(err, WrongRows)
+            wrong = caused_by(err, WrongRows) or caused_by(err, SplitSizes)
             text = str(wrong) if wrong is not None else _backward_splits(err)
             if text is None:
                 raise
