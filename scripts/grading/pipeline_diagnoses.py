@@ -9,12 +9,18 @@ backward used the tensor received; -1 where the tensor was none of those), "stag
 0's squared gradient norm of each of the stage's tensors), "losses", "grad_norms", "state".
 """
 
+import linecache
+import os
 import re
-from typing import Any, Dict, List, Optional
+import sys
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
 
 from scaletorch.schedule.orders import one_f_one_b_actions
 from scaletorch.trainer.parity import max_norm_diff
 from scaletorch.trainer.precision import NORM_TOLERANCES, TOLERANCES
+from scripts.grading.learner import innermost
 
 # A gradient off by a factor: within 1% of it (fp32 norms agree to 1e-4 when right).
 FACTOR_TOL = 0.01
@@ -247,3 +253,47 @@ def parity_diagnosis(runs: List[Dict[str, Any]], ref: Dict[str, Any], steps: int
             return (f"after {steps} steps rank {rank}'s loss is {loss:.1e}, its grad norm "
                     f"{norm:.1e} relative and the weights {weight:.1e} off the reference")
     return None
+
+
+class MicroBatchNotHeld(LookupError):
+    """A backward asked of a micro-batch whose forward this rank does not hold."""
+
+
+def not_held(rank: int, mb: int, step: int, ran: List[str]) -> str:
+    """What a backward of micro-batch ``mb`` asked, in the learner's terms: its forward not run
+    yet, or its backward run already (``ran``: this rank's actions of the step so far)."""
+    why = ("its backward had already run (each micro-batch's backward runs once)"
+           if f"B{mb}" in ran else "this rank had not run its forward yet")
+    return (f"rank {rank} asked for the backward of micro-batch {mb} in step {step}, but {why}; "
+            f"its actions of the step so far: {' '.join(ran) or 'none'}")
+
+
+def detached_return(fn: Callable, m: int) -> Optional[str]:
+    """``fn`` (a micro_batch_loss) given a loss that requires grad: None if what it returns
+    keeps a grad_fn, else the learner's line that returned it ("file:line: text")."""
+    code, line = getattr(fn, "__code__", None), [0]
+
+    def seen(frame: Any, event: str, arg: Any) -> None:
+        if event == "return" and frame.f_code is code:
+            line[0] = frame.f_lineno
+
+    sys.setprofile(seen)
+    try:
+        out = fn(torch.ones((), requires_grad=True), m)
+    finally:
+        sys.setprofile(None)
+    if not isinstance(out, torch.Tensor) or out.grad_fn is not None or code is None:
+        return None
+    text = linecache.getline(code.co_filename, line[0]).strip()
+    return f"{os.path.basename(code.co_filename)}:{line[0]}: {text}"
+
+
+def detached_failure(err: BaseException, returned: str) -> str:
+    """The error of a backward whose loss micro_batch_loss returned without a grad_fn: torch's
+    words, at the learner's line that returned it (no frame of the learner's is on the
+    backward's stack)."""
+    first = innermost(err)
+    said = str(first).splitlines()[0] if str(first) else ""
+    return (f"{type(first).__name__}: {said} (in the backward of the loss micro_batch_loss "
+            f"returned at {returned}): given a loss that requires grad, it returned one without "
+            f"a grad_fn, so no gradient reaches the model")
