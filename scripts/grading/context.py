@@ -15,6 +15,7 @@ any wrong combination shows; ``ring_forward`` the contiguous order on the ring o
 orders on a ring of ranks 1 and 2 only (its group is not the world, and its ranks are not the
 world's: the world's size, rank or group is wrong). A ``ring_forward`` calls the library's
 ``slice_ids`` and ``merge`` in place of its file's, so each exercise is judged on its own.
+Its waits are bounded (ring_waits.py): a rank that never sent is named, then what each waited in.
 """
 
 import datetime

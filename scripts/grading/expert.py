@@ -12,7 +12,8 @@ whose every call matched is then compared with the library's run in the same wor
 losses, grad norms and final weights. Then the function is called on tables of the grader's
 own (``COUNTS``: uneven, some zero, a rank that sends nothing to one expert) and its rows and the
 gradient it sends back for a random output gradient (not all ones) are compared with the
-library's, forward first.
+library's, forward first. Split sizes the ranks disagree on are told before gloo sees them
+(expert_splits.py).
 """
 
 import traceback

@@ -39,12 +39,12 @@ from scaletorch.trainer import Config, Trainer, parse_args
 from scaletorch.trainer.parity import reference_trainer
 from scaletorch.trainer.pipeline_state import gather_pipeline_state_dict
 from scripts.grading import pipeline_groups
-from scripts.grading.learner import (LEARNER_ERRORS, Source, failure, innermost, is_hang,
-                                     is_unwritten, load, patched)
-from scripts.grading.pipeline_diagnoses import (MicroBatchNotHeld, detached_failure,
-                                                detached_return, gradient_diagnosis, hang_diagnosis,
-                                                link_facts, not_held, order_diagnosis,
-                                                parity_diagnosis, stage_diagnosis, waited_for)
+from scripts.grading.learner import (LEARNER_ERRORS, Source, failure, is_hang, is_unwritten, load,
+                                     patched)
+from scripts.grading.pipeline_diagnoses import (MicroBatchNotHeld, detached_return,
+                                                gradient_diagnosis, hang_diagnosis, link_facts,
+                                                not_held, order_diagnosis, parity_diagnosis,
+                                                stage_diagnosis, waited_for)
 from scripts.grading.runner import RANK_LIMITS, run_world, streamed
 from scripts.grading.stop_reports import where_stopped
 from scripts.grading.verdicts import Verdict, error_verdict
@@ -230,6 +230,9 @@ def rank_jobs(rank: int, world: int, jobs: List[Dict[str, Source]]) -> List[Dict
                 fn = load(source)
                 if exercise == "micro_batch_loss":  # every rank, before anything is sent
                     detached = detached_return(fn, cfg.data.num_micro_batches)
+                if detached is not None:  # every rank alike: the world goes on to the next job
+                    out.append({"exercise": exercise, "error": detached})
+                    continue
                 with patched(_instrumented(exercise, fn, record)):
                     measured = _train(cfg, pgm, record)
             except LEARNER_ERRORS as err:  # a diagnosis, sys.exit() too
@@ -255,13 +258,9 @@ def rank_jobs(rank: int, world: int, jobs: List[Dict[str, Source]]) -> List[Dict
                         if said else where_stopped(traceback.format_exc(), [], "", False)
                     }
                 out.append({
-                    "exercise":
-                    exercise,
-                    "error":
-                    detached_failure(err, detached)
-                    if detached and "grad" in str(innermost(err)) else failure(err),
-                    "hung":
-                    is_hang(err),
+                    "exercise": exercise,
+                    "error": failure(err),
+                    "hung": is_hang(err),
                     **hung
                 })
                 if not is_unwritten(err):

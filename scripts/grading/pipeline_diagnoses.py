@@ -20,7 +20,6 @@ import torch
 from scaletorch.schedule.orders import one_f_one_b_actions
 from scaletorch.trainer.parity import max_norm_diff
 from scaletorch.trainer.precision import NORM_TOLERANCES, TOLERANCES
-from scripts.grading.learner import innermost
 
 # A gradient off by a factor: within 1% of it (fp32 norms agree to 1e-4 when right).
 FACTOR_TOL = 0.01
@@ -269,8 +268,9 @@ def not_held(rank: int, mb: int, step: int, ran: List[str]) -> str:
 
 
 def detached_return(fn: Callable, m: int) -> Optional[str]:
-    """``fn`` (a micro_batch_loss) given a loss that requires grad: None if what it returns
-    keeps a grad_fn, else the learner's line that returned it ("file:line: text")."""
+    """``fn`` (a micro_batch_loss) given a loss that requires grad, and the backward of what it
+    returns, on this rank alone: None if that backward runs, else torch's error at the learner's
+    line that returned the loss (no frame of the learner's is on a backward's stack)."""
     code, line = getattr(fn, "__code__", None), [0]
 
     def seen(frame: Any, event: str, arg: Any) -> None:
@@ -284,16 +284,12 @@ def detached_return(fn: Callable, m: int) -> Optional[str]:
         sys.setprofile(None)
     if not isinstance(out, torch.Tensor) or out.grad_fn is not None or code is None:
         return None
-    text = linecache.getline(code.co_filename, line[0]).strip()
-    return f"{os.path.basename(code.co_filename)}:{line[0]}: {text}"
-
-
-def detached_failure(err: BaseException, returned: str) -> str:
-    """The error of a backward whose loss micro_batch_loss returned without a grad_fn: torch's
-    words, at the learner's line that returned it (no frame of the learner's is on the
-    backward's stack)."""
-    first = innermost(err)
-    said = str(first).splitlines()[0] if str(first) else ""
-    return (f"{type(first).__name__}: {said} (in the backward of the loss micro_batch_loss "
-            f"returned at {returned}): given a loss that requires grad, it returned one without "
-            f"a grad_fn, so no gradient reaches the model")
+    try:
+        out.sum().backward()
+        return None
+    except RuntimeError as err:
+        said = str(err).splitlines()[0]
+    returned = linecache.getline(code.co_filename, line[0]).strip()
+    return (f"RuntimeError: {said} (in the backward of the loss micro_batch_loss returned at "
+            f"{os.path.basename(code.co_filename)}:{line[0]}: {returned}): given a loss that "
+            f"requires grad, it returned one without a grad_fn, so no gradient reaches the model")
