@@ -254,3 +254,138 @@ MUST_NOT = {
     "vocab_parallel_cross_entropy_world_offset": ["subtract r V/tp"],
     "reduce_scatter_mean_divides_in_flight": ["missing, or of out"],
 }
+
+# ---- probe 2, round 2: causes measured where the backend or torch's internals spoke ----
+
+
+def dispatch_tokens_transposed_splits(routed, send_table, recv_table, group):
+    """Receives recv_table's column sums (rows per local expert) as if they were the rows from
+    each rank: the ranks' split sizes disagree (gloo said "inLengthPerRank[myRank] == ...")."""
+    send = [sum(r) for r in send_table]
+    recv = [
+        sum(recv_table[i][e] for i in range(len(recv_table))) for e in range(len(recv_table[0]))
+    ]
+    got = all_to_all(routed, recv, send, group, "ep")
+    return got[by_local_expert(recv_table, routed.device)]
+
+
+def one_f_one_b_backward_next(stage, m):
+    """1F1B whose steady phase runs the backward of the next micro-batch (bwd + 1): micro-batch
+    2's backward comes twice (a KeyError of the library's dict, once)."""
+    warm = min(stage.p - stage.rank - 1, m)
+    for i in range(warm):
+        stage.send_forward(i, stage.forward(i, stage.recv_forward(i)))
+    fwd, bwd = warm, 0
+    x = stage.recv_forward(fwd) if fwd < m else None
+    while fwd < m:
+        dy = stage.send_forward_recv_backward(fwd, stage.forward(fwd, x), bwd)
+        dx = stage.backward(min(bwd + 1, fwd), dy)
+        fwd += 1
+        if fwd < m:
+            x = stage.send_backward_recv_forward(bwd, dx, fwd)
+        else:
+            stage.send_backward(bwd, dx)
+        bwd += 1
+    while bwd < m:
+        stage.send_backward(bwd, stage.backward(bwd, stage.recv_backward(bwd)))
+        bwd += 1
+
+
+def micro_batch_loss_detached(loss, m):
+    """Detached: torch raises in the backward, where no frame of this function is left."""
+    return loss.detach() / m
+
+
+class _GatherDim2(torch.autograd.Function):
+    """g-bar whose backward gathers along dim 2 (h), not 1 (s): autograd refuses its shape."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        y = x.contiguous().clone()
+        dist.all_reduce(y, group=group)
+        return y.chunk(dist.get_world_size(group), dim=1)[dist.get_rank(group)].contiguous()
+
+    @staticmethod
+    def backward(ctx, g):
+        parts = [torch.empty_like(g) for _ in range(dist.get_world_size(ctx.group))]
+        dist.all_gather(parts, g.contiguous(), group=ctx.group)
+        return torch.cat(parts, dim=2), None
+
+
+def exit_region_gathers_dim2(x, group, sequence_parallel):
+    return _GatherDim2.apply(x, group) if sequence_parallel else reduce_from_parallel_region(
+        x, group)
+
+
+MISTAKES += [
+    ("06", "dispatch_tokens", "dispatch_tokens_transposed_splits",
+     "are recv_table's column sums, the rows per local expert over all ranks, not per source "
+     "rank"),
+    ("04", "micro_batch_loss", "micro_batch_loss_detached",
+     "(in the backward of the loss micro_batch_loss returned at grading_probe_mistakes.py:"),
+]
+# a raise ends its world (a new one grades the jobs after it): graded one world each in the long
+# phase (tests/test_grade.py's GradeARaiseInTheLearnersTerms), at the grader's worlds
+RAISING = [
+    ("04", "one_f_one_b", "one_f_one_b_backward_next",
+     "asked for the backward of micro-batch 2 in step 0, but its backward had already run"),
+    ("03", "exit_region", "exit_region_gathers_dim2",
+     "returned an invalid gradient at index 0 - got [8, 16, 128] but expected shape compatible "
+     "with [8, 32, 64] (in _GatherDim2.backward at grading_probe_mistakes.py:"),
+]
+MUST_NOT.update({
+    "dispatch_tokens_transposed_splits": ["inLengthPerRank", "gloo"],
+    "one_f_one_b_backward_next": ["KeyError"],
+    "micro_batch_loss_detached": ["graph.py"],
+    "exit_region_gathers_dim2": ["graph.py"],
+})
+
+
+def ring_forward_rank0_sleeps(q, kv, group, order, tile):
+    """Rank 0 never reaches its first send: ranks 1 and 2 wait for its K/V and give up."""
+    if dist.get_rank() == 0:
+        time.sleep(600)  # the grader stops it once the others have left
+    return _LIBRARY["ring_forward"](q, kv, group, order, tile)
+
+
+# chapter 05's hang (tests/test_grade.py's GradeAHang, long phase): the rank that never sent
+NEVER_SENT = ("ring_forward", "ring_forward_rank0_sleeps",
+              ("hang in step 0: rank 0 never issued its send to rank 1 and its receive from "
+               "rank 2: it was still in ring_forward_rank0_sleeps (grading_probe_mistakes.py:",
+               "outside any send or receive, when ranks 1 and 2 gave up waiting for it",
+               "rank 1 waited ", " in its receive from rank 0 at "))
+MUST_NOT["ring_forward_rank0_sleeps"] = ["made no progress", "after another rank had left"]
+
+
+class _ChunkByWorldRank(torch.autograd.Function):
+    """g-bar keeping chunk dist.get_rank() % n of the sum; its backward gathers along dim 1."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        y = x.contiguous().clone()
+        dist.all_reduce(y, group=group)
+        n = dist.get_world_size(group)
+        return y.chunk(n, dim=1)[dist.get_rank() % n].contiguous()
+
+    @staticmethod
+    def backward(ctx, g):
+        parts = [torch.empty_like(g) for _ in range(dist.get_world_size(ctx.group))]
+        dist.all_gather(parts, g.contiguous(), group=ctx.group)
+        return torch.cat(parts, dim=1), None
+
+
+def exit_region_world_rank_chunk(x, group, sequence_parallel):
+    """Its group rank where the group is a block of consecutive ranks (the run's tp groups [0,
+    1], [2, 3]), not over [0, 2], [1, 3]."""
+    return _ChunkByWorldRank.apply(x, group) if sequence_parallel else \
+        reduce_from_parallel_region(x, group)
+
+
+# at tp 2 x dp 2 (GradeOverTheTpGroup): at tp 2 = world the dp groups have one rank
+WIDE.append(
+    ("exit_region", "exit_region_world_rank_chunk",
+     "over groups whose ranks are not blocks of the world (the dp groups [0, 2] and [1, 3]): its "
+     "forward differs from the library's on world ranks [1, 2]; world rank 1, rank 0 of its "
+     "group, kept chunk 1 of the sum: the chunk of its world rank modulo the group's size"))

@@ -18,7 +18,7 @@ import time
 import unittest
 
 from scripts import grade
-from scripts.grading import runner, tensor
+from scripts.grading import ring_waits, runner, tensor
 from scripts.grading.variants import CATALOGUE, HANGS, STOPPING, source
 from tests import harness  # noqa: F401 - sets the forkserver's preload list
 from tests import (grading_mistakes_03_05, grading_other_ways, grading_probe_mistakes,
@@ -190,10 +190,11 @@ class GradeOverTheTpGroup(unittest.TestCase):
 class GradeChapter04(_GradeChapter, unittest.TestCase):
     """Pipeline parallel, pp 3 (a middle stage sends and receives both ways), 4 micro-batches,
     3 steps a job: 2 solutions, rank 1's abort (a second world grades the rest), 4 written
-    another way (torch.distributed.batch_isend_irecv over pp, and over the default group), 3
+    another way (torch.distributed.batch_isend_irecv over pp, and over the default group), 4
     mistakes: a warm-up on rank 0 only (pp 2 cannot see it); the world's size as p and
     neighbours at the global rank +- 1 (only a pipeline that is a subgroup sees them: each
-    one_f_one_b that passes pp 3 is graded again at pp 2 x dp 2, 1 step), 6 variants, 2 stubs."""
+    one_f_one_b that passes pp 3 is graded again at pp 2 x dp 2, 1 step); a loss returned
+    without grad_fn (told before the run, on every rank), 6 variants, 2 stubs."""
     chapter = "04"
 
 
@@ -208,8 +209,8 @@ class GradeChapter05(_GradeChapter, unittest.TestCase):
 class GradeChapter06(_GradeChapter, unittest.TestCase):
     """Expert parallel, 4 ranks (ep 2 x edp 2), 3 steps a job (stopped at the first wrong
     call), then one call on uneven tables: the library's run, 2 solutions, rank 1's
-    KeyboardInterrupt (a second world grades the rest), 2 written another way, 3 mistakes, 8
-    variants, 2 stubs."""
+    KeyboardInterrupt (a second world grades the rest), 2 written another way, 4 mistakes (one
+    of split sizes the ranks disagree on, told before gloo sees them), 8 variants, 2 stubs."""
     chapter = "06"
 
 
@@ -243,8 +244,8 @@ class GradeAStoppedWorld(unittest.TestCase):
 
 class GradeAHang(unittest.TestCase):
     """A variant that deadlocks (all pipeline ranks send first), and a rank that never reaches
-    its first receive: the grader's short timeout ends each, and the diagnosis names each
-    rank's operation, its peer and why (pp 3, one job each)."""
+    its first receive (pp 3; a ring of 3 whose rank 0 never sends): the grader's short timeout
+    ends each, and the diagnosis names each rank's operation, its peer and why (one job each)."""
 
     def test_a_deadlock_is_named_with_the_operations_and_peers(self):
         for (chapter, exercise, variant), phrases in HANGS.items():
@@ -277,6 +278,35 @@ class GradeAHang(unittest.TestCase):
             self.assertIn(phrase, verdict.text)
         for wrong in grading_probe_mistakes.MUST_NOT[function]:
             self.assertNotIn(wrong, verdict.text)
+
+    # as above: the others wait out the limit of a ring message (chapter 05, 3 ranks)
+    @unittest.skipUnless(LONG, "long phase")
+    def test_a_rank_that_never_sent_its_ring_message_is_the_cause(self):
+        exercise, function, phrases = grading_probe_mistakes.NEVER_SENT
+        module, _ = grade.CHAPTERS["05"]
+        with patched(ring_waits, "WAIT_LIMIT", SHORT_HANG_TIMEOUT):
+            verdict, = module.grade([{exercise: (PROBED, function)}])
+        self.assertFalse(verdict.passed)
+        for phrase in phrases:
+            self.assertIn(phrase, verdict.text)
+        for wrong in grading_probe_mistakes.MUST_NOT[function]:
+            self.assertNotIn(wrong, verdict.text)
+
+
+class GradeARaiseInTheLearnersTerms(unittest.TestCase):
+    """A raise where no frame of the learner's is left (autograd checks a backward's result
+    after it returned) or inside the library's bookkeeping (a backward of a micro-batch not
+    held): torch's words at the learner's line, or what was asked (one world each)."""
+
+    @unittest.skipUnless(LONG, "long phase")
+    def test_a_raise_is_told_at_the_learners_line(self):
+        for chapter, exercise, function, words in grading_probe_mistakes.RAISING:
+            module, _ = grade.CHAPTERS[chapter]
+            verdict, = module.grade([{exercise: (PROBED, function)}])
+            self.assertFalse(verdict.passed, function)
+            self.assertIn(words, verdict.text, function)
+            for wrong in grading_probe_mistakes.MUST_NOT[function]:
+                self.assertNotIn(wrong, verdict.text, function)
 
 
 def _line(function, text):

@@ -15,6 +15,7 @@ any wrong combination shows; ``ring_forward`` the contiguous order on the ring o
 orders on a ring of ranks 1 and 2 only (its group is not the world, and its ranks are not the
 world's: the world's size, rank or group is wrong). A ``ring_forward`` calls the library's
 ``slice_ids`` and ``merge`` in place of its file's, so each exercise is judged on its own.
+Its waits are bounded (ring_waits.py): a rank that never sent is named, then what each waited in.
 """
 
 import datetime
@@ -32,9 +33,10 @@ from scaletorch.parallel.data_parallel import apply_data_parallel
 from scaletorch.parallel.step import make_data_parallel_step
 from scaletorch.trainer import Config, Trainer, parse_args
 from scripts.grading.learner import Source, cloned, load, patched
-from scripts.grading.runner import collective_timeout, run_jobs
+from scripts.grading.ring_waits import bounded, hang_text
+from scripts.grading.runner import collective_timeout, run_jobs, run_world
 from scripts.grading.traffic import observed
-from scripts.grading.verdicts import Verdict, grade_found
+from scripts.grading.verdicts import Verdict, found_verdict
 
 CHAPTER = "05"
 EXERCISES = ("slice_ids", "merge", "ring_forward")
@@ -228,7 +230,7 @@ def probe_ring(fn: Callable, group: Any, order: str, found: List[str]) -> None:
     gen = torch.Generator().manual_seed(1000 + dist.get_rank())
     q, kv = torch.randn(1, 4, 8, 8, generator=gen), torch.randn(2, 1, 2, 8, 8, generator=gen)
     args = (q, kv, group, order, _tile)
-    with observed() as traffic:
+    with observed() as traffic, bounded("ring_forward", "a probe"):
         got = fn(*cloned(args))
     with observed() as reference:
         want = LIBRARY_FNS["ring_forward"](*args)
@@ -283,7 +285,7 @@ def _checked(exercise: str, fn: Callable, library: Callable, found: List[str]) -
         ledger = get_ledger()
         # every rank: the learner's call on inputs of its own, then the library's; the K/V
         # messages sent are counted where they reach a process group, whatever API sent them
-        with observed() as traffic:
+        with observed() as traffic, bounded(exercise, f"step {ledger.step}"):
             got = fn(*cloned(args))
         with observed() as reference:
             want = library(*args)
@@ -357,8 +359,18 @@ def rank_jobs(rank: int, world: int, jobs: List[Dict[str, Source]]) -> List[Dict
 
 
 def grade(jobs: List[Dict[str, Source]]) -> List[Verdict]:
-    """Every job graded in one world of WORLD ranks, each call against the library's."""
-    return grade_found(rank_jobs, WORLD, jobs)
+    """Every job graded in one world of WORLD ranks, each call against the library's; a job
+    whose ranks gave up waiting for a ring message, by what they waited for (ring_waits.py)."""
+
+    results, verdicts = run_world(rank_jobs, WORLD, jobs), []
+    for i, job in enumerate(jobs):
+        (exercise, _), = job.items()
+        runs = [r[i] for r in results]
+        hang = hang_text(runs)
+        verdicts.append(
+            Verdict(exercise, False, f"{exercise}: {hang}"
+                    ) if hang else found_verdict(exercise, runs))
+    return verdicts
 
 
 def solution_jobs() -> List[Dict[str, Source]]:

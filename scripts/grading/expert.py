@@ -12,7 +12,8 @@ whose every call matched is then compared with the library's run in the same wor
 losses, grad norms and final weights. Then the function is called on tables of the grader's
 own (``COUNTS``: uneven, some zero, a rank that sends nothing to one expert) and its rows and the
 gradient it sends back for a random output gradient (not all ones) are compared with the
-library's, forward first.
+library's, forward first. Split sizes the ranks disagree on are told before gloo sees them
+(expert_splits.py).
 """
 
 import traceback
@@ -28,6 +29,7 @@ from scaletorch.parallel.expert_parallel import (ExpertParallel, by_local_expert
                                                  expert_parallel_clip_grad_norm, shard_experts)
 from scaletorch.parallel.step import make_data_parallel_step
 from scaletorch.trainer import Config, Trainer, parse_args
+from scripts.grading.expert_splits import SplitSizes, agreed_splits
 from scripts.grading.learner import Source, caused_by, innermost, load, patched
 from scripts.grading.runner import collective_timeout, run_jobs, run_world, streamed
 from scripts.grading.verdicts import Verdict, error_verdict
@@ -180,7 +182,8 @@ def _checked(exercise: str, fn: Callable, library: Callable) -> Callable:
 
     def call(x: torch.Tensor, send_table: List[List[int]], recv_table: List[List[int]],
              group: Any) -> torch.Tensor:
-        got = fn(x.clone(), send_table, recv_table, group)  # its own input: may work in place
+        with agreed_splits(exercise, send_table, recv_table, f"in step {get_ledger().step}"):
+            got = fn(x.clone(), send_table, recv_table, group)  # its own input: may work in place
         with torch.no_grad(), get_ledger().paused():  # a check, not training traffic
             want = library(x.detach(), send_table, recv_table, group)
             # (rank, [code, rows returned, rows expected, rows given])
@@ -236,7 +239,8 @@ def _probe(exercise: str, fn: Callable, library: Callable, pgm: Any) -> Optional
     gen = torch.Generator().manual_seed(60 + pgm.rank)
     x = torch.randn(rows_in, PROBE_WIDTH, generator=gen)
     mine_x, lib_x = x.clone().requires_grad_(), x.clone().requires_grad_()
-    got = fn(mine_x.clone(), send, recv, pgm.expert_model_parallel_group)
+    with agreed_splits(exercise, send, recv, PROBE):
+        got = fn(mine_x.clone(), send, recv, pgm.expert_model_parallel_group)
     with get_ledger().paused():
         want = library(lib_x, send, recv, pgm.expert_model_parallel_group)
     world, rank = comm.group_size(None), comm.group_rank(None)
@@ -303,7 +307,7 @@ def rank_jobs(rank: int, world: int, jobs: List[Dict[str, Source]]) -> List[Dict
             library = getattr(expert_parallel, exercise)
             return {**run, "probe": _probe(exercise, load(source), library, pgm)}
         except Exception as err:  # noqa: B902 - run_jobs reports what this cannot name
-            wrong = caused_by(err, WrongRows)
+            wrong = caused_by(err, WrongRows) or caused_by(err, SplitSizes)
             text = str(wrong) if wrong is not None else _backward_splits(err)
             if text is None:
                 raise

@@ -13,7 +13,7 @@ import os
 import re
 import traceback
 from contextlib import ExitStack, contextmanager
-from typing import Any, Callable, Iterator, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -71,6 +71,12 @@ def caused_by(err: BaseException, kind: type) -> Optional[BaseException]:
     return next((e for e in _chain(err) if isinstance(e, kind)), None)
 
 
+def carried(err: BaseException) -> Dict[str, Any]:
+    """What a grader's error of ``err``'s chain measured before it was raised: its ``result``
+    dict (chapter 05's ring wait that gave up: {"stuck": ...}), else {}."""
+    return next((e.result for e in _chain(err) if isinstance(getattr(e, "result", None), dict)), {})
+
+
 def is_unwritten(err: BaseException) -> bool:
     return any(isinstance(e, NotImplementedError) for e in _chain(err))
 
@@ -93,7 +99,35 @@ def failure(err: BaseException) -> str:
     where = (mine or frames)[-1]
     line = f": {where.line}" if where.line else ""
     said = f"{type(first).__name__}: {first}" if str(first) else type(first).__name__
+    named = None if mine else _backward_named(str(first))
+    if named is not None:  # autograd checked what a learner's backward returned, after it left
+        return f"{said} (in {named})"
     return f"{said} (at {os.path.basename(where.filename)}:{where.lineno}{line})"
+
+
+def _backward_named(message: str) -> Optional[str]:
+    """The learner's backward that torch's message names ("Function _GBBackward returned an
+    invalid gradient": class _GB's backward), as "_GB.backward at file:line: text", else None.
+    No frame of it is on the stack: the engine checks its result once it has returned."""
+    found = re.search(r"Function (\w+)Backward\b", message)
+    if found is None:
+        return None
+    cls = found.group(1)
+    for path in sorted(SOURCE_FILES):
+        try:
+            with open(path) as f:
+                lines = f.read().splitlines()
+        except OSError:
+            continue
+        start = next((i for i, t in enumerate(lines) if re.match(rf"class {cls}\b", t)), None)
+        if start is None:
+            continue
+        at = next((i for i in range(start + 1, len(lines))
+                   if re.match(r"\s+def backward\b", lines[i]) or re.match(r"class ", lines[i])),
+                  None)
+        if at is not None and "def backward" in lines[at]:
+            return f"{cls}.backward at {os.path.basename(path)}:{at + 1}: {lines[at].strip()}"
+    return None
 
 
 def source_file(source: Source) -> str:

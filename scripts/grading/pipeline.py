@@ -41,9 +41,10 @@ from scaletorch.trainer.pipeline_state import gather_pipeline_state_dict
 from scripts.grading import pipeline_groups
 from scripts.grading.learner import (LEARNER_ERRORS, Source, failure, is_hang, is_unwritten, load,
                                      patched)
-from scripts.grading.pipeline_diagnoses import (gradient_diagnosis, hang_diagnosis, link_facts,
-                                                order_diagnosis, parity_diagnosis, stage_diagnosis,
-                                                waited_for)
+from scripts.grading.pipeline_diagnoses import (MicroBatchNotHeld, detached_return,
+                                                gradient_diagnosis, hang_diagnosis, link_facts,
+                                                not_held, order_diagnosis, parity_diagnosis,
+                                                stage_diagnosis, waited_for)
 from scripts.grading.runner import RANK_LIMITS, run_world, streamed
 from scripts.grading.stop_reports import where_stopped
 from scripts.grading.verdicts import Verdict, error_verdict
@@ -97,6 +98,9 @@ def _instrumented(exercise: str, fn: Any, record: Dict[str, Any]) -> List[tuple]
     made: Dict[int, Tuple[str, int, Any]] = {}
     arrived: Dict[int, Tuple[int, Any]] = {}  # id -> (its index in "received", the tensor)
 
+    def ran(self: PipelineRank) -> List[str]:  # its actions ("F0", "B0", ...): one step's rank
+        return self.__dict__.setdefault("_graded_actions", [])
+
     def used(t: Any, mb: int) -> None:  # a received tensor given to micro-batch mb's action
         hit = arrived.pop(id(t), None) if t is not None else None
         if hit is not None:
@@ -107,6 +111,7 @@ def _instrumented(exercise: str, fn: Any, record: Dict[str, Any]) -> List[tuple]
         if step0:
             used(x, mb)
         out = forward(self, mb, x)
+        ran(self).append(f"F{mb}")
         if step0:
             record["actions"].append(f"F{mb}")
             record["peak"] = max(record["peak"], len(self.held))
@@ -119,9 +124,12 @@ def _instrumented(exercise: str, fn: Any, record: Dict[str, Any]) -> List[tuple]
             record["no_grad"].append((get_ledger().step, mb))
             dy = recv_backward(self, mb)
         step0 = get_ledger().step == 0
+        if mb not in self.held:  # the library would raise KeyError: say what was asked
+            raise MicroBatchNotHeld(not_held(self.rank, mb, get_ledger().step, ran(self)))
         if step0:
             used(dy, mb)
             record["actions"].append(f"B{mb}")
+        ran(self).append(f"B{mb}")
         dx = backward(self, mb, dy)
         if step0 and dx is not None:
             made[id(dx)] = ("gradient", mb, dx)
@@ -217,11 +225,14 @@ def rank_jobs(rank: int, world: int, jobs: List[Dict[str, Source]]) -> List[Dict
     try:
         for job in jobs:
             (exercise, source), = job.items()
-            record = pipeline_groups.empty_record()
+            record, detached = pipeline_groups.empty_record(), None
             try:
                 fn = load(source)
                 if exercise == "micro_batch_loss":  # every rank, before anything is sent
-                    fn(torch.ones(()), cfg.data.num_micro_batches)
+                    detached = detached_return(fn, cfg.data.num_micro_batches)
+                if detached is not None:  # every rank alike: the world goes on to the next job
+                    out.append({"exercise": exercise, "error": detached})
+                    continue
                 with patched(_instrumented(exercise, fn, record)):
                     measured = _train(cfg, pgm, record)
             except LEARNER_ERRORS as err:  # a diagnosis, sys.exit() too

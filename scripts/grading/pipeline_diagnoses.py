@@ -9,8 +9,13 @@ backward used the tensor received; -1 where the tensor was none of those), "stag
 0's squared gradient norm of each of the stage's tensors), "losses", "grad_norms", "state".
 """
 
+import linecache
+import os
 import re
-from typing import Any, Dict, List, Optional
+import sys
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
 
 from scaletorch.schedule.orders import one_f_one_b_actions
 from scaletorch.trainer.parity import max_norm_diff
@@ -247,3 +252,44 @@ def parity_diagnosis(runs: List[Dict[str, Any]], ref: Dict[str, Any], steps: int
             return (f"after {steps} steps rank {rank}'s loss is {loss:.1e}, its grad norm "
                     f"{norm:.1e} relative and the weights {weight:.1e} off the reference")
     return None
+
+
+class MicroBatchNotHeld(LookupError):
+    """A backward asked of a micro-batch whose forward this rank does not hold."""
+
+
+def not_held(rank: int, mb: int, step: int, ran: List[str]) -> str:
+    """What a backward of micro-batch ``mb`` asked, in the learner's terms: its forward not run
+    yet, or its backward run already (``ran``: this rank's actions of the step so far)."""
+    why = ("its backward had already run (each micro-batch's backward runs once)"
+           if f"B{mb}" in ran else "this rank had not run its forward yet")
+    return (f"rank {rank} asked for the backward of micro-batch {mb} in step {step}, but {why}; "
+            f"its actions of the step so far: {' '.join(ran) or 'none'}")
+
+
+def detached_return(fn: Callable, m: int) -> Optional[str]:
+    """``fn`` (a micro_batch_loss) given a loss that requires grad, and the backward of what it
+    returns, on this rank alone: None if that backward runs, else torch's error at the learner's
+    line that returned the loss (no frame of the learner's is on a backward's stack)."""
+    code, line = getattr(fn, "__code__", None), [0]
+
+    def seen(frame: Any, event: str, arg: Any) -> None:
+        if event == "return" and frame.f_code is code:
+            line[0] = frame.f_lineno
+
+    sys.setprofile(seen)
+    try:
+        out = fn(torch.ones((), requires_grad=True), m)
+    finally:
+        sys.setprofile(None)
+    if not isinstance(out, torch.Tensor) or out.grad_fn is not None or code is None:
+        return None
+    try:
+        out.sum().backward()
+        return None
+    except RuntimeError as err:
+        said = str(err).splitlines()[0]
+    returned = linecache.getline(code.co_filename, line[0]).strip()
+    return (f"RuntimeError: {said} (in the backward of the loss micro_batch_loss returned at "
+            f"{os.path.basename(code.co_filename)}:{line[0]}: {returned}): given a loss that "
+            f"requires grad, it returned one without a grad_fn, so no gradient reaches the model")

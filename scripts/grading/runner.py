@@ -30,8 +30,8 @@ import torch.multiprocessing as mp
 
 from scaletorch.dist import flight_recorder
 from scaletorch.dist.spawn import free_port
-from scripts.grading.learner import (LEARNER_ERRORS, SOURCE_FILES, UNWRITTEN, Source, failure,
-                                     innermost, is_hang, is_unwritten, source_file)
+from scripts.grading.learner import (LEARNER_ERRORS, SOURCE_FILES, UNWRITTEN, Source, carried,
+                                     failure, innermost, is_hang, is_unwritten, source_file)
 from scripts.grading.stop_reports import hang_head, plain, rank_order, where_stopped
 
 # seconds a collective waits (every group of the world): a world of tiny ranks never waits this
@@ -355,7 +355,8 @@ def run_jobs(jobs: Sequence[Dict[str, Source]],
     """Inside a rank: ``measure(exercise, source)`` of each job in turn, as {"exercise": ...,
     **measured}; a learner's error becomes {"exercise", "error": failure(err)}, and any error
     but an unwritten stub ends the jobs (the ranks may now disagree on the collectives to
-    come). A hang is raised: the world cannot go on (``run_world`` reports it)."""
+    come); an error's ``result`` (a dict, learner.carried) joins its job's result. A hang is
+    raised: the world cannot go on (``run_world`` reports it)."""
     out = streamed()
     for job in jobs:
         (exercise, source), = job.items()
@@ -364,7 +365,8 @@ def run_jobs(jobs: Sequence[Dict[str, Source]],
         except LEARNER_ERRORS as err:  # a diagnosis, sys.exit() too
             if is_hang(err):
                 raise
-            out.append({"exercise": exercise, "error": failure(err)})
+            # what the chapter measured before the error (an error's ``result`` dict), with it
+            out.append({"exercise": exercise, "error": failure(err), **carried(err)})
             if not is_unwritten(err):
                 break
     return out

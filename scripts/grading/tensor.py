@@ -13,6 +13,8 @@ returned; the first difference is the diagnosis. The ranks agree by one all-redu
 world whether to go on to sequence parallel. The cross-entropy is first given probes: logits
 near 100 (exp overflows fp32), targets in one rank's shard at a time, shards whose largest
 logits differ, and an output gradient of ``GRAD_OUTPUT``, not 1 (a backward must scale by it).
+A region that passed is then given the dp groups, whose ranks are not blocks of the world
+(tensor_groups.py: a chunk taken by the world rank modulo the group's size fails there).
 """
 
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -31,6 +33,7 @@ from scaletorch.parallel.tensor_parallel import (apply_tensor_parallel,
 from scaletorch.trainer import Config, Trainer, parse_args
 from scripts.grading.learner import Source, load, patched
 from scripts.grading.runner import collective_timeout, run_jobs
+from scripts.grading.tensor_groups import probe_strided
 from scripts.grading.verdicts import Verdict, grade_found
 
 CHAPTER = "03"
@@ -360,6 +363,11 @@ def rank_jobs(rank: int, world: int, jobs: List[Dict[str, Source]]) -> List[Dict
                 break
             with patched([(tensor_parallel_layers, exercise, checked)]):
                 _train(config(sp), pgm)
+        agreed = torch.tensor(float(bool(found)))
+        comm.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        if not agreed.item():  # the run's tp groups are blocks of ranks: a group that is not
+            text = probe_strided(fn, LIBRARY_FNS[exercise], exercise, pgm.data_parallel_group)
+            found += [text] if text is not None else []
         return {"found": found}
 
     try:
