@@ -22,7 +22,7 @@ from scripts.grading import ring_waits, runner, tensor
 from scripts.grading.variants import CATALOGUE, HANGS, STOPPING, source
 from tests import harness  # noqa: F401 - sets the forkserver's preload list
 from tests import (grading_mistakes_03_05, grading_other_ways, grading_probe_mistakes,
-                   grading_solutions)
+                   grading_probe_r3, grading_solutions)
 from tests.grading_other_ways import CRASHES
 from tests.grading_solutions import ALTERNATIVES, MISTAKES
 from tests.test_planted_bugs import patched  # a limit in runner.RANK_LIMITS, sent to the ranks
@@ -47,6 +47,9 @@ SOLUTIONS = "tests.grading_solutions"
 OTHER_WAYS = "tests.grading_other_ways"
 MISTAKES_03_05 = "tests.grading_mistakes_03_05"
 PROBED = "tests.grading_probe_mistakes"
+PROBED_R3 = "tests.grading_probe_r3"
+# the words a verdict must not say, of every module of mistakes
+MUST_NOT = {**grading_probe_mistakes.MUST_NOT, **grading_probe_r3.MUST_NOT}
 
 
 class _GradeChapter:
@@ -73,7 +76,9 @@ class _GradeChapter:
             [(e, (MISTAKES_03_05, f), words)
              for c, e, f, words in grading_mistakes_03_05.MISTAKES if c == cls.chapter] + \
             [(e, (PROBED, f), words)
-             for c, e, f, words in grading_probe_mistakes.MISTAKES if c == cls.chapter]
+             for c, e, f, words in grading_probe_mistakes.MISTAKES if c == cls.chapter] + \
+            [(e, (PROBED_R3, f), words)
+             for c, e, f, words in grading_probe_r3.MISTAKES if c == cls.chapter]
         crash, function, _, _ = CRASHES[cls.chapter]
         # the mistakes last: one that ends its rank (01's SIGSEGV) then needs no new world for
         # the jobs after it (a new world after a stopped rank is CRASHES' test)
@@ -123,7 +128,7 @@ class _GradeChapter:
             self.assertEqual(verdict.exercise, exercise)
             self.assertFalse(verdict.passed, function)
             self.assertIn(words, verdict.text, function)
-            for wrong in grading_probe_mistakes.MUST_NOT.get(function, []):  # a guessed cause
+            for wrong in MUST_NOT.get(function, []):  # a guessed cause
                 self.assertNotIn(wrong, verdict.text, function)
 
     @unittest.skipUnless(LONG, "long phase: the planted catalogue, a regression set")
@@ -176,14 +181,15 @@ class GradeOverTheTpGroup(unittest.TestCase):
 
     def test_a_sum_over_the_world_is_named(self):
         wide = [(MISTAKES_03_05, *w) for w in grading_mistakes_03_05.WIDE] + \
-            [(PROBED, *w) for w in grading_probe_mistakes.WIDE]
+            [(PROBED, *w) for w in grading_probe_mistakes.WIDE] + \
+            [(PROBED_R3, *w) for w in grading_probe_r3.WIDE]
         verdicts = tensor.grade([{
             exercise: (where, function)
         } for where, exercise, function, _ in wide])
         for (_, exercise, function, words), verdict in zip(wide, verdicts):
             self.assertEqual((verdict.exercise, verdict.passed), (exercise, False))
             self.assertIn(words, verdict.text)
-            for wrong in grading_probe_mistakes.MUST_NOT.get(function, []):
+            for wrong in MUST_NOT.get(function, []):
                 self.assertNotIn(wrong, verdict.text, function)
 
 
@@ -278,6 +284,23 @@ class GradeAHang(unittest.TestCase):
             self.assertIn(phrase, verdict.text)
         for wrong in grading_probe_mistakes.MUST_NOT[function]:
             self.assertNotIn(wrong, verdict.text)
+
+    # a world whose ranks compute until the grader's CPU limit for one job (3 s here, not 15:
+    # 2 ranks x 3 s of CPU), then a new world for the job after it: in the long phase
+    @unittest.skipUnless(LONG, "long phase")
+    def test_a_function_that_never_returns_is_stopped_by_its_cpu_and_the_next_job_passes(self):
+        chapter, exercise, function, words = grading_probe_r3.NEVER_RETURNS
+        module, _ = grade.CHAPTERS[chapter]
+        with patched(runner, "JOB_CPU_LIMIT", 3.0):
+            loop, after = module.grade([{
+                exercise: (PROBED_R3, function)
+            }, {
+                exercise: (module.LIBRARY, exercise)
+            }])
+        self.assertFalse(loop.passed)
+        self.assertIn(words, loop.text)
+        self.assertIn("s of CPU in this job (the grader's limit: 3 s on any rank)", loop.text)
+        self.assertEqual((after.passed, after.text), (True, "passed"))
 
     # as above: the others wait out the limit of a ring message (chapter 05, 3 ranks)
     @unittest.skipUnless(LONG, "long phase")

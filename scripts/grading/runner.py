@@ -30,6 +30,8 @@ import torch.multiprocessing as mp
 
 from scaletorch.dist import flight_recorder
 from scaletorch.dist.spawn import free_port
+from scripts.grading.job_state import end_job
+from scripts.grading.job_state import start as start_jobs
 from scripts.grading.learner import (LEARNER_ERRORS, SOURCE_FILES, UNWRITTEN, Source, carried,
                                      failure, innermost, is_hang, is_unwritten, source_file)
 from scripts.grading.stop_reports import hang_head, plain, rank_order, where_stopped
@@ -42,7 +44,11 @@ COLLECTIVE_TIMEOUT = 25.0
 # the world, whatever timeout the backend would wait out (gloo's receives wait 120 s)
 STALL_LIMIT = 30.0
 CPU_PROGRESS = 1.0
-JOB_LIMIT = 300.0  # seconds of a job however busy its ranks (a learner's endless loop)
+JOB_LIMIT = 300.0  # seconds of a job however busy its ranks
+# seconds of CPU one rank may spend in one of the learner's jobs (a tiny model's few steps take
+# a fraction of one): a loop that never ends is stopped after it, at any load, where the wall
+# clock's JOB_LIMIT would wait minutes
+JOB_CPU_LIMIT = 15.0
 STARTUP_LIMIT = 600.0  # seconds for the ranks to start (import torch, meet) on a loaded machine
 GRACE = 3.0  # seconds the other ranks get to finish a job once one rank has left early
 # How the ranks start: new Pythons (spawn); the test suite forks them from its forkserver, which
@@ -64,6 +70,7 @@ class Streamed(list):
         self.directory, self.rank = directory, rank
 
     def append(self, item: Any) -> None:
+        item = end_job(item)  # torch's settings put back for the next job (job_state.py)
         super().append(item)
         path = os.path.join(self.directory, f"result_{self.rank}_{len(self) - 1}")
         torch.save(item, path + ".tmp")
@@ -107,6 +114,7 @@ def _worker(rank: int, world: int, port: int, fn: Callable, jobs: Sequence[Dict[
     faulthandler.enable(stack)
     faulthandler.register(signal.SIGUSR1, stack, all_threads=False)
     SOURCE_FILES.update(source_file(s) for job in jobs for s in job.values())
+    start_jobs(rank)  # a job's printed lines capped, its settings put back after it
     _STREAM = Streamed(directory, rank)
     exit_now = os._exit
 
@@ -186,6 +194,9 @@ def _one_world(fn: Callable, world: int, jobs: Sequence[Dict[str, Source]], lead
     counts, progress, left, signalled = [0] * world, time.monotonic(), None, False
     started, spent = time.monotonic(), 0.0
     finished = started  # when a rank last finished a job
+    job_cpu = [0.0] * world  # each rank's CPU when it last finished a job
+    busy: List[int] = []  # ranks past JOB_CPU_LIMIT in one of the learner's jobs
+    spent_in_job = [0.0] * world
     while any(p.is_alive() for p in procs):
         now = time.monotonic()
         ready = [os.path.exists(os.path.join(directory, f"ready_{r}")) for r in range(world)]
@@ -194,6 +205,15 @@ def _one_world(fn: Callable, world: int, jobs: Sequence[Dict[str, Source]], lead
         fresh = [_count(directory, r) for r in range(world)]
         cpu = sum(_cpu_seconds(p.pid) for p in procs if p.is_alive())
         spent = min(spent, cpu)  # a rank that left takes its CPU time with it
+        each = [_cpu_seconds(p.pid) for p in procs]
+        for r in range(world):  # a rank's job clock starts when it is ready or ends a job
+            if not ready[r] or fresh[r] != counts[r] or not job_cpu[r]:
+                job_cpu[r] = each[r]
+        spent_in_job = [max(0.0, c - j) for c, j in zip(each, job_cpu)]
+        busy = [
+            r for r in range(world)
+            if procs[r].is_alive() and fresh[r] >= lead and spent_in_job[r] > JOB_CPU_LIMIT
+        ]
         if fresh != counts:
             counts, progress, finished = fresh, now, now
         elif cpu > spent + CPU_PROGRESS:
@@ -206,7 +226,7 @@ def _one_world(fn: Callable, world: int, jobs: Sequence[Dict[str, Source]], lead
         ]
         if early and left is None:
             left = now
-        stalled = now - progress > STALL_LIMIT or now - finished > JOB_LIMIT
+        stalled = now - progress > STALL_LIMIT or now - finished > JOB_LIMIT or bool(busy)
         if (left is not None and now - left > GRACE) or stalled:
             signalled = stalled
             for r, proc in enumerate(procs):  # where each is: faulthandler writes its stack
@@ -271,6 +291,10 @@ def _one_world(fn: Callable, world: int, jobs: Sequence[Dict[str, Source]], lead
             text = f"rank {r} failed in {where}: {message}"
         elif code < 0 and -code != signal.SIGUSR1 and r not in killed:
             text = f"rank {r} died of {signal.Signals(-code).name} in {where}"
+        elif signalled and busy and spent_in_job[r] > CPU_PROGRESS:
+            text = (f"rank {r} was still computing in {where} after {spent_in_job[r]:.0f} s of "
+                    f"CPU in this job (the grader's limit: {JOB_CPU_LIMIT:.0f} s on any rank): a "
+                    f"loop that never ends?")
         elif signalled:
             text = (f"rank {r} made no progress (the grader's limit: {STALL_LIMIT:.0f} s waiting, "
                     f"{JOB_LIMIT:.0f} s a job), stopped in {where}")

@@ -204,12 +204,15 @@ def _ranks_off(fn: Callable, group: Any, vocab: int) -> Optional[str]:
     local = targets.unsqueeze(-1) - torch.tensor(members) * shard  # (2, 4, n)
     held = (local >= 0) & (local < shard)
     ids = torch.arange(n) * shard + local.clamp(0, shard - 1)
-    shifted = logits - logits.amax(-1, keepdim=True)  # a target no rank holds adds 0 to it
-    picked = (shifted.gather(-1, ids) * held).sum(-1)
-    offset = (torch.logsumexp(shifted, -1) - picked).mean()
+    # a target no rank holds adds 0 to the target logit: to the logit itself, or to the logit
+    # less the max when the code shifts before it picks (both are right when a rank holds it)
+    offset = [(torch.logsumexp(x, -1) - (x.gather(-1, ids) * held).sum(-1)).mean()
+              for x in (logits, logits - logits.amax(-1, keepdim=True))]
     seen = torch.zeros(world, 3 + world)  # (rank, [off, world-rank offset, its tp rank, members])
     me = dist.get_rank()
-    seen[me, :3] = torch.tensor([float(not _close(got, want)), float(_close(got, offset)), t])
+    seen[me, :3] = torch.tensor(
+        [float(not _close(got, want)),
+         float(any(_close(got, o) for o in offset)), t])
     seen[me, 3 + torch.tensor(members)] = 1.0
     comm.all_reduce(seen, None)
     groups = [[k for k in range(world) if seen[r, 3 + k]] for r in range(world)]

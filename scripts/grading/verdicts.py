@@ -33,6 +33,10 @@ def error_verdict(exercise: str, runs: List[dict]) -> Optional[Verdict]:
     if errors:
         rank, error = errors[0]
         return Verdict(exercise, False, f"{exercise} raised on rank {rank}: {error}")
+    changed = [(r, run["state"]) for r, run in enumerate(runs) if "state" in run]
+    if changed:  # job_state.py: a setting the job left changed
+        rank, state = changed[0]
+        return Verdict(exercise, False, f"on rank {rank}, {state}")
     lost = [run["lost"] for run in runs if "lost" in run]
     if lost:
         return Verdict(exercise, False, f"{exercise}: {lost[0]}")

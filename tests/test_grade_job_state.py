@@ -1,0 +1,81 @@
+"""What one graded job may leave in a rank is put back before the next (scripts/grading/
+job_state.py): torch's default dtype and grad mode, and a job's printed lines past the first
+SHOWN_LINES. In this process, no world (the worlds' cases: tests/test_grade.py, chapter 06b's
+biased_top_k_sets_float64)."""
+
+import io
+import sys
+import unittest
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from scripts.grading import job_state
+
+
+class _InARank(unittest.TestCase):
+
+    def setUp(self):
+        self.streams = sys.stdout, sys.stderr
+        self.shown = io.StringIO()
+        sys.stdout = self.shown  # what the rank's CappedOutput writes through to
+        self.state = job_state.JobState(rank=1)
+
+    def tearDown(self):
+        sys.stdout, sys.stderr = self.streams
+        torch.set_default_dtype(torch.float32)
+        torch.set_grad_enabled(True)
+
+
+class SettingsArePutBack(_InARank):
+
+    @given(dtype=st.sampled_from([torch.float64, torch.bfloat16, torch.float16]),
+           grad=st.booleans())
+    @settings(max_examples=12, deadline=None)
+    def test_a_changed_setting_fails_its_job_and_the_next_job_starts_as_the_world_did(
+            self, dtype, grad):
+        torch.set_default_dtype(dtype)
+        torch.set_grad_enabled(grad)
+        item = self.state.end_job({"exercise": "biased_top_k", "probe": 1})
+        self.assertEqual((torch.get_default_dtype(), torch.is_grad_enabled()),
+                         (torch.float32, True))
+        self.assertEqual(item["probe"], 1)  # what the job measured stays
+        self.assertIn(
+            f"biased_top_k left torch's default dtype at {dtype} (it was "
+            f"torch.float32)", item["state"])
+        self.assertEqual("grad mode at False (it was True)" in item["state"], not grad)
+
+    def test_an_unchanged_job_and_an_error_are_left_as_they_are(self):
+        self.assertEqual(self.state.end_job({"exercise": "x", "a": 2}), {"exercise": "x", "a": 2})
+        torch.set_default_dtype(torch.float64)
+        failed = {"exercise": "x", "error": "ValueError: its own"}
+        self.assertEqual(self.state.end_job(failed), failed)  # its error says more
+        self.assertEqual(torch.get_default_dtype(), torch.float32)  # put back all the same
+
+
+class PrintedLinesAreCapped(_InARank):
+
+    @given(lines=st.integers(0, 200), jobs=st.integers(1, 3))
+    @settings(max_examples=20, deadline=None)
+    def test_each_job_shows_its_first_lines_and_counts_the_rest(self, lines, jobs):
+        for job in range(jobs):
+            self.shown.seek(0)
+            self.shown.truncate()
+            for i in range(lines):
+                print(f"line {i}")
+            self.state.end_job({"exercise": f"job{job}"})
+            out = self.shown.getvalue().splitlines()
+            shown = min(lines, job_state.SHOWN_LINES)
+            self.assertEqual(out[:shown], [f"line {i}" for i in range(shown)])
+            if lines > shown:
+                self.assertEqual(
+                    out[shown:],
+                    [f"(rank 1: {lines - shown} more lines printed in "
+                     f"job{job}, not shown)"])
+            else:
+                self.assertEqual(len(out), lines)
+
+
+if __name__ == "__main__":
+    unittest.main()
