@@ -7,6 +7,7 @@ never returns (the grader's CPU limit for one job, tests/test_grade.py's long ph
 import torch
 import torch.distributed as dist
 
+from scaletorch.dist.functional import reduce_from_parallel_region
 from scaletorch.parallel.moe_balance import biased_top_k as library_biased_top_k
 
 
@@ -34,8 +35,8 @@ def vocab_parallel_cross_entropy_world_offset_raw(logits, targets, group):
     local = targets.reshape(-1) - dist.get_rank() * width
     mine = (local >= 0) & (local < width)
     picked = z.gather(-1, local.clamp(0, width - 1).unsqueeze(-1))[:, 0] * mine
-    both = torch.stack(((z - top.unsqueeze(-1)).exp().sum(dim=-1), picked))
-    dist.all_reduce(both, group=group)
+    both = reduce_from_parallel_region(
+        torch.stack(((z - top.unsqueeze(-1)).exp().sum(dim=-1), picked)), group)
     return (both[0].log() + top - both[1]).mean()
 
 

@@ -89,6 +89,12 @@ RESUMED = {
     "G_zero3_bf16_dp4": ("G", layout(zero_stage=3, param_dtype="bf16")),
 }
 
+# PyTorch's FSDP2 writing the checkpoint ours resumes runs in CI's long phase
+# (SCALETORCH_LONG_TESTS=1, .ci/run), as the suite keeps to its 10 minutes; the suite keeps the
+# other direction (A_torch_fsdp2_dp4: ours written, FSDP2's DTensor shards read)
+if os.environ.get("SCALETORCH_LONG_TESTS") != "1":
+    SAVED.pop("D")
+    RESUMED.pop("D_tp2_zero1_dp2")
 # Saved runs whose steps after the save nothing reads: G's moments are not compared (bf16: no
 # derived bound), its resumed run is compared with the single-device bf16 run; B's, D's and F's
 # resumed moments are compared with the uninterrupted run of the same model at another layout

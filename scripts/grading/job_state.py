@@ -63,7 +63,7 @@ class JobState:
         sys.stdout, sys.stderr = self.out, self.err  # type: ignore[assignment]
 
     def end_job(self, item: Dict[str, Any]) -> Dict[str, Any]:
-        """``item`` (a job's result), with {"state": ...} when the job changed a setting; the
+        """``item`` (a job's result), with {"settings_left": ...} when the job changed a setting; the
         settings put back, the output's count of hidden lines said and restarted."""
         exercise = item.get("exercise", "the job")
         for stream in (self.out, self.err):
@@ -79,7 +79,7 @@ class JobState:
         if not changed or "error" in item or "lost" in item:
             return item
         return {
-            **item, "state":
+            **item, "settings_left":
             f"{exercise} left {' and '.join(changed)}: every job after it, "
             f"the library's too, would run with it (put back for them)"
         }

@@ -33,7 +33,7 @@ def error_verdict(exercise: str, runs: List[dict]) -> Optional[Verdict]:
     if errors:
         rank, error = errors[0]
         return Verdict(exercise, False, f"{exercise} raised on rank {rank}: {error}")
-    changed = [(r, run["state"]) for r, run in enumerate(runs) if "state" in run]
+    changed = [(r, run["settings_left"]) for r, run in enumerate(runs) if "settings_left" in run]
     if changed:  # job_state.py: a setting the job left changed
         rank, state = changed[0]
         return Verdict(exercise, False, f"on rank {rank}, {state}")
