@@ -63,8 +63,8 @@ class JobState:
         sys.stdout, sys.stderr = self.out, self.err  # type: ignore[assignment]
 
     def end_job(self, item: Dict[str, Any]) -> Dict[str, Any]:
-        """``item`` (a job's result), with {"settings_left": ...} when the job changed a setting; the
-        settings put back, the output's count of hidden lines said and restarted."""
+        """``item`` (a job's result), with {"settings_left": ...} when the job changed a
+        setting; the settings put back, the output's count of hidden lines said and restarted."""
         exercise = item.get("exercise", "the job")
         for stream in (self.out, self.err):
             if stream.hidden:
