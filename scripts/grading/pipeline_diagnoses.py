@@ -270,7 +270,8 @@ def not_held(rank: int, mb: int, step: int, ran: List[str]) -> str:
 def detached_return(fn: Callable, m: int) -> Optional[str]:
     """``fn`` (a micro_batch_loss) given a loss that requires grad, and the backward of what it
     returns, on this rank alone: None if that backward runs, else torch's error at the learner's
-    line that returned the loss (no frame of the learner's is on a backward's stack)."""
+    line that returned the loss (no frame of the learner's is on a backward's stack): a loss
+    without a grad_fn, or one whose backward torch has not (``loss // m``)."""
     code, line = getattr(fn, "__code__", None), [0]
 
     def seen(frame: Any, event: str, arg: Any) -> None:
@@ -282,7 +283,7 @@ def detached_return(fn: Callable, m: int) -> Optional[str]:
         out = fn(torch.ones((), requires_grad=True), m)
     finally:
         sys.setprofile(None)
-    if not isinstance(out, torch.Tensor) or out.grad_fn is not None or code is None:
+    if not isinstance(out, torch.Tensor) or code is None:
         return None
     try:
         out.sum().backward()
@@ -290,6 +291,8 @@ def detached_return(fn: Callable, m: int) -> Optional[str]:
     except RuntimeError as err:
         said = str(err).splitlines()[0]
     returned = linecache.getline(code.co_filename, line[0]).strip()
+    why = ("it returned one without a grad_fn, so no gradient reaches the model"
+           if out.grad_fn is None else "torch cannot run the backward of what it returned")
     return (f"RuntimeError: {said} (in the backward of the loss micro_batch_loss returned at "
             f"{os.path.basename(code.co_filename)}:{line[0]}: {returned}): given a loss that "
-            f"requires grad, it returned one without a grad_fn, so no gradient reaches the model")
+            f"requires grad, {why}")
