@@ -3,9 +3,10 @@
 ``run_world`` starts the ranks with a short collective timeout (``COLLECTIVE_TIMEOUT``) and
 torch's flight recorder, and grades every job on its own: each rank writes each job's result as
 it finishes it (``streamed``), so a rank that hangs (no result for ``STALL_LIMIT`` s, whatever
-timeout the backend would wait out), computes without end (``JOB_CPU_LIMIT`` s of CPU), dies (a segfault: faulthandler writes its Python stack; a
-SIGKILL leaves none: the job's function is named), ends its process (``os._exit``: the rank
-writes where first) or raises (``sys.exit()`` too) costs only the job it was in. That job's
+timeout the backend would wait out), computes without end (``JOB_CPU_LIMIT`` s of CPU), dies
+(a segfault: faulthandler writes its Python stack; a SIGKILL leaves none: the job's function is
+named), ends its process (``os._exit``: the rank writes where first) or raises (``sys.exit()``
+too) costs only the job it was in. That job's
 verdict names the rank, what stopped it and the learner's frame it was in (stop_reports.py; for
 a collective that timed out, the flight recorder's account of the ranks and their collectives,
 scaletorch/dist/flight_recorder.py); a new world grades the jobs after it. The learner's
