@@ -47,18 +47,40 @@ class SettingsArePutBack(_InARank):
             f"torch.float32)", item["settings_left"])
         self.assertEqual("grad mode at False (it was True)" in item["settings_left"], not grad)
 
-    def test_an_unchanged_job_and_an_error_are_left_as_they_are(self):
+    def test_an_unchanged_job_is_left_as_it_is_and_an_error_says_the_setting_first(self):
         self.assertEqual(self.state.end_job({"exercise": "x", "a": 2}), {"exercise": "x", "a": 2})
         # a chapter's own result may hold any key ("state": 04's, 06's and 08's weights)
         kept = self.state.end_job({"exercise": "x", "state": {"w": torch.ones(2)}})
         self.assertIsNone(error_verdict("x", [kept, kept]))
         torch.set_default_dtype(torch.float64)
-        failed = {"exercise": "x", "error": "ValueError: its own"}
-        self.assertEqual(self.state.end_job(failed), failed)  # its error says more
+        failed = self.state.end_job({"exercise": "x", "error": "ValueError: its own"})
+        # the setting first (it may be the error's cause), then the error
+        self.assertRegex(
+            failed["error"], r"^x left torch's default dtype at torch.float64 .*; "
+            r"then: ValueError: its own$")
         self.assertEqual(torch.get_default_dtype(), torch.float32)  # put back all the same
 
 
 class PrintedLinesAreCapped(_InARank):
+
+    def test_stdout_and_stderr_share_the_cap_and_a_line_without_its_end_is_ended(self):
+        sys.stderr = self.state.err  # the rank's stderr, writing where its stdout does
+        self.state.err.stream = self.shown
+        for i in range(15):
+            print(f"out {i}")
+            print(f"err {i}", file=sys.stderr)
+        print("x" * 10, end="")
+        self.state.end_job({"exercise": "j"})
+        out = self.shown.getvalue().splitlines()
+        self.assertEqual(len(out), job_state.SHOWN_LINES + 1)
+        self.assertEqual(out[-1], "(rank 1: 10 more lines printed in j, not shown)")
+        self.shown.seek(0)
+        self.shown.truncate()
+        print("y" * (job_state.SHOWN_CHARS + 1), end="")  # one line of more than is shown
+        print("z", end="")
+        self.state.end_job({"exercise": "k"})
+        self.assertEqual(self.shown.getvalue(),
+                         "z\n(rank 1: 4001 more characters printed in k, not shown)\n")
 
     @given(lines=st.integers(0, 200), jobs=st.integers(1, 3))
     @settings(max_examples=20, deadline=None)

@@ -13,13 +13,16 @@ which exercise.
 
 import ctypes
 import io
+import multiprocessing
+import os
 import signal
 import sys
 from typing import Any, Dict, Optional, TextIO
 
 import torch
 
-SHOWN_LINES = 20  # of each job, on each rank
+SHOWN_LINES = 20  # of each job, on each rank, stdout and stderr together
+SHOWN_CHARS = 4000  # of each job, on each rank: a line of millions is not shown
 
 
 def _settings() -> Dict[str, Any]:
@@ -31,23 +34,35 @@ def _restore(settings: Dict[str, Any]) -> None:
     torch.set_grad_enabled(settings["grad mode"])
 
 
-class CappedOutput(io.TextIOBase):
-    """A rank's stdout or stderr: the first ``SHOWN_LINES`` lines of each job pass, the rest
-    are counted (``hidden``) and named when the job ends."""
+class Shown:
+    """A rank's lines of the current job, stdout and stderr together (``hidden``: past the
+    first ``SHOWN_LINES``, or past ``SHOWN_CHARS`` characters without a line's end)."""
 
-    def __init__(self, stream: TextIO) -> None:
+    def __init__(self) -> None:
+        self.lines = self.chars = self.hidden = self.hidden_chars = 0
+        self.ended = True  # the last character shown ended a line
+
+
+class CappedOutput(io.TextIOBase):
+    """A rank's stdout or stderr: what ``shown`` allows passes, the rest is counted."""
+
+    def __init__(self, stream: TextIO, shown: Shown) -> None:
         super().__init__()
-        self.stream, self.lines, self.hidden = stream, 0, 0
+        self.stream, self.shown = stream, shown
 
     def writable(self) -> bool:
         return True
 
     def write(self, text: str) -> int:
-        if self.lines < SHOWN_LINES:
+        shown = self.shown
+        if shown.lines < SHOWN_LINES and shown.chars + len(text) <= SHOWN_CHARS:
             self.stream.write(text)
+            shown.chars += len(text)
+            shown.ended = text.endswith("\n") if text else shown.ended
         else:
-            self.hidden += text.count("\n")
-        self.lines += text.count("\n")
+            shown.hidden += text.count("\n")
+            shown.hidden_chars += len(text)
+        shown.lines += text.count("\n")
         return len(text)
 
     def flush(self) -> None:
@@ -58,46 +73,61 @@ class JobState:
     """One rank's settings as its world started them, and its capped output."""
 
     def __init__(self, rank: int) -> None:
-        self.rank, self.settings = rank, _settings()
-        self.out, self.err = CappedOutput(sys.stdout), CappedOutput(sys.stderr)
+        self.rank, self.settings, self.shown = rank, _settings(), Shown()
+        self.out = CappedOutput(sys.stdout, self.shown)
+        self.err = CappedOutput(sys.stderr, self.shown)
         sys.stdout, sys.stderr = self.out, self.err  # type: ignore[assignment]
 
     def end_job(self, item: Dict[str, Any]) -> Dict[str, Any]:
         """``item`` (a job's result), with {"settings_left": ...} when the job changed a
-        setting; the settings put back, the output's count of hidden lines said and restarted."""
+        setting (an error's words start with it: it may be the error's cause); the settings
+        put back, the output's count of hidden lines said and restarted."""
         exercise = item.get("exercise", "the job")
-        for stream in (self.out, self.err):
-            if stream.hidden:
-                stream.stream.write(f"(rank {self.rank}: {stream.hidden} more lines printed in "
-                                    f"{exercise}, not shown)\n")
-            stream.lines = stream.hidden = 0
+        shown = self.shown
+        end = "" if shown.ended else "\n"  # the verdicts start on a line of their own
+        if shown.hidden_chars:
+            more = (f"{shown.hidden} more lines"
+                    if shown.hidden else f"{shown.hidden_chars} more characters")
+            self.out.stream.write(f"{end}(rank {self.rank}: {more} printed in {exercise}, not "
+                                  f"shown)\n")
+        elif end:
+            self.out.stream.write(end)
+        self.out.stream.flush()
+        self.shown.__init__()  # type: ignore[misc]
         now = _settings()
         changed = [
             f"torch's {k} at {now[k]} (it was {v})" for k, v in self.settings.items() if now[k] != v
         ]
         _restore(self.settings)
-        if not changed or "error" in item or "lost" in item:
+        if not changed or "lost" in item:
             return item
-        return {
-            **item, "settings_left":
-            f"{exercise} left {' and '.join(changed)}: every job after it, "
-            f"the library's too, would run with it (put back for them)"
-        }
+        left = (f"{exercise} left {' and '.join(changed)}: every job after it, the library's "
+                f"too, would run with it (put back for them)")
+        if "error" in item:
+            return {**item, "error": f"{left}; then: {item['error']}"}
+        return {**item, "settings_left": left}
 
 
 _STATE: Optional[JobState] = None
 
 
 def start(rank: int) -> None:
-    """In a rank, before its first job; on Linux the rank also ends when the process that
-    started it does (a grader ended by a timeout or Ctrl-C leaves no rank spinning in a
-    learner's endless loop)."""
+    """In a rank, before its first job."""
     global _STATE
     _STATE = JobState(rank)
+
+
+def die_with_parent() -> None:
+    """Linux: this rank ends when the process that started it does (a grader ended by a timeout
+    or Ctrl-C leaves no rank spinning in a learner's endless loop); a rank whose grader ended
+    while it imported torch ends at once."""
     try:  # prctl(PR_SET_PDEATHSIG, SIGKILL)
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
     except (OSError, AttributeError):  # not Linux: the grader's own kill at its limits stays
-        pass
+        return
+    parent = multiprocessing.parent_process()
+    if os.getppid() == 1 and parent is not None and parent.pid != 1:  # adopted: the grader is gone
+        os._exit(1)
 
 
 def end_job(item: Dict[str, Any]) -> Dict[str, Any]:

@@ -32,7 +32,7 @@ import torch.multiprocessing as mp
 
 from scaletorch.dist import flight_recorder
 from scaletorch.dist.spawn import free_port
-from scripts.grading.job_state import end_job
+from scripts.grading.job_state import die_with_parent, end_job
 from scripts.grading.job_state import start as start_jobs
 from scripts.grading.learner import (LEARNER_ERRORS, SOURCE_FILES, UNWRITTEN, Source, carried,
                                      failure, innermost, is_hang, is_unwritten, source_file)
@@ -101,6 +101,7 @@ def _worker(rank: int, world: int, port: int, fn: Callable, jobs: Sequence[Dict[
     are you?" before it stops a hung rank), then ``fn(rank, world, jobs)`` streaming its
     results."""
     global _STREAM
+    die_with_parent()
     for (module, name), value in limits.items():
         setattr(importlib.import_module(module), name, value)
     os.environ.update({
@@ -294,7 +295,7 @@ def _one_world(fn: Callable, world: int, jobs: Sequence[Dict[str, Source]], lead
             text = f"rank {r} failed in {where}: {message}"
         elif code < 0 and -code != signal.SIGUSR1 and r not in killed:
             text = f"rank {r} died of {signal.Signals(-code).name} in {where}"
-        elif signalled and busy and spent_in_job[r] > CPU_PROGRESS:
+        elif signalled and busy and spent_in_job[r] > JOB_CPU_LIMIT / 2:  # not a waiting rank
             text = (f"rank {r} was still computing in {where} after {spent_in_job[r]:.0f} s of "
                     f"CPU in this job (the grader's limit: {JOB_CPU_LIMIT:.0f} s on any rank): a "
                     f"loop that never ends?")
