@@ -285,7 +285,7 @@ class GradeAHang(unittest.TestCase):
         for wrong in grading_probe_mistakes.MUST_NOT[function]:
             self.assertNotIn(wrong, verdict.text)
 
-    # a world whose ranks compute until the grader's CPU limit for one job (3 s here, not 15:
+    # a world whose ranks compute until the grader's CPU limit for one job (3 s here, not 20:
     # 2 ranks x 3 s of CPU), then a new world for the job after it: in the long phase
     @unittest.skipUnless(LONG, "long phase")
     def test_a_function_that_never_returns_is_stopped_by_its_cpu_and_the_next_job_passes(self):
