@@ -1,5 +1,5 @@
 """What one graded job may leave in a rank is put back before the next (scripts/grading/
-job_state.py): torch's default dtype and grad mode, and a job's printed lines past the first
+job_state.py): torch's default dtype and device, grad mode and inference mode, and a job's printed lines past the first
 SHOWN_LINES. In this process, no world (the worlds' cases: tests/test_grade.py, chapter 06b's
 biased_top_k_sets_float64)."""
 
@@ -26,6 +26,7 @@ class _InARank(unittest.TestCase):
     def tearDown(self):
         sys.stdout, sys.stderr = self.streams
         torch.set_default_dtype(torch.float32)
+        torch.set_default_device(None)
         torch.set_grad_enabled(True)
 
 
@@ -46,6 +47,43 @@ class SettingsArePutBack(_InARank):
             f"biased_top_k left torch's default dtype at {dtype} (it was "
             f"torch.float32)", item["settings_left"])
         self.assertEqual("grad mode at False (it was True)" in item["settings_left"], not grad)
+
+    @given(inference=st.booleans(), device=st.sampled_from(["cpu", "meta"]),
+           dtype=st.sampled_from([torch.float32, torch.float64]))
+    @settings(max_examples=12, deadline=None)
+    def test_inference_mode_left_on_and_a_default_device_are_put_back(self, inference, device,
+                                                                      dtype):
+        held = []  # a learner's module-level ``ctx = torch.inference_mode(); ctx.__enter__()``
+        if inference:
+            held.append(torch.inference_mode())
+            held[0].__enter__()
+        torch.set_default_device(device)
+        torch.set_default_dtype(dtype)
+        item = self.state.end_job({"exercise": "exit_region"})
+        self.assertFalse(torch.is_inference_mode_enabled())
+        self.assertEqual(torch.get_default_device(), torch.device("cpu"))
+        # the next job builds a graph and runs its backward (an inference tensor would raise)
+        x = torch.ones(3, requires_grad=True)
+        (x * x).sum().backward()
+        self.assertEqual(x.grad.tolist(), [2.0, 2.0, 2.0])
+        left = item.get("settings_left", "")
+        self.assertEqual("inference mode at True (it was False)" in left, inference)
+        self.assertEqual("default device at meta (it was cpu)" in left, device == "meta")
+        if inference or device == "meta" or dtype != torch.float32:
+            self.assertIn("(put back for them)", left)
+        else:
+            self.assertNotIn("settings_left", item)
+
+    def test_a_device_mode_entered_and_never_left_is_said_to_stay(self):
+        held = torch.device("meta")
+        held.__enter__()  # a mode on torch's stack: set_default_device cannot pop it
+        try:
+            item = self.state.end_job({"exercise": "ring_forward"})
+            self.assertIn("ring_forward left torch's default device at meta (it was cpu)",
+                          item["settings_left"])
+            self.assertIn("it could not be put back", item["settings_left"])
+        finally:
+            held.__exit__(None, None, None)
 
     def test_an_unchanged_job_is_left_as_it_is_and_an_error_says_the_setting_first(self):
         self.assertEqual(self.state.end_job({"exercise": "x", "a": 2}), {"exercise": "x", "a": 2})

@@ -1,8 +1,9 @@
 """What one job may leave behind in a rank, put back before the next job starts.
 
 A rank grades the chapter's jobs one after another in one process. A learner's function that
-changes torch's process-wide settings (``torch.set_default_dtype``, ``torch.set_grad_enabled``)
-would change every job after it: a correct ``update_bias`` failed after a ``biased_top_k`` that
+changes torch's process-wide settings (``torch.set_default_dtype``, ``torch.set_default_device``,
+``torch.set_grad_enabled``, an ``inference_mode`` entered and never left) would change every job
+after it: a correct ``update_bias`` failed after a ``biased_top_k`` that
 set float64. ``end_job`` (called as each job's result is written, runner.Streamed) puts the
 settings back and marks the job that changed them, which fails with what it left.
 
@@ -17,7 +18,7 @@ import multiprocessing
 import os
 import signal
 import sys
-from typing import Any, Dict, Optional, TextIO
+from typing import Any, Dict, List, Optional, TextIO
 
 import torch
 
@@ -26,11 +27,27 @@ SHOWN_CHARS = 4000  # of each job, on each rank: a line of millions is not shown
 
 
 def _settings() -> Dict[str, Any]:
-    return {"default dtype": torch.get_default_dtype(), "grad mode": torch.is_grad_enabled()}
+    return {
+        "default dtype": torch.get_default_dtype(),
+        "default device": torch.get_default_device(),
+        "inference mode": torch.is_inference_mode_enabled(),
+        "grad mode": torch.is_grad_enabled(),
+    }
+
+
+_GUARDS: List[Any] = []  # inference-mode guards entered to undo a learner's, never left
 
 
 def _restore(settings: Dict[str, Any]) -> None:
+    if torch.is_inference_mode_enabled() != settings["inference mode"]:
+        # a learner's ``torch.inference_mode().__enter__()`` is a guard held open: a guard of
+        # ours, held open too, sets the mode back (it also turns grad mode off: restored below)
+        guard = torch._C._InferenceMode(settings["inference mode"])
+        guard.__enter__()
+        _GUARDS.append(guard)
     torch.set_default_dtype(settings["default dtype"])
+    device = settings["default device"]
+    torch.set_default_device(None if device == torch.device("cpu") else device)
     torch.set_grad_enabled(settings["grad mode"])
 
 
@@ -99,10 +116,13 @@ class JobState:
             f"torch's {k} at {now[k]} (it was {v})" for k, v in self.settings.items() if now[k] != v
         ]
         _restore(self.settings)
+        # ``with torch.device(...)`` entered and never left is a mode set_default_device can't pop
+        put_back = ("put back for them" if _settings() == self.settings else
+                    "it could not be put back: the jobs after it may fail for it")
         if not changed or "lost" in item:
             return item
         left = (f"{exercise} left {' and '.join(changed)}: every job after it, the library's "
-                f"too, would run with it (put back for them)")
+                f"too, would run with it ({put_back})")
         if "error" in item:
             return {**item, "error": f"{left}; then: {item['error']}"}
         return {**item, "settings_left": left}

@@ -231,7 +231,7 @@ def rank_jobs(rank: int, world: int, jobs: List[Dict[str, Source]]) -> List[Dict
                 if exercise == "micro_batch_loss":  # every rank, before anything is sent
                     detached = detached_return(fn, cfg.data.num_micro_batches)
                 if detached is not None:  # every rank alike: the world goes on to the next job
-                    out.append({"exercise": exercise, "error": detached})
+                    out.append({"exercise": exercise, **detached})
                     continue
                 with patched(_instrumented(exercise, fn, record)):
                     measured = _train(cfg, pgm, record)
@@ -311,6 +311,9 @@ def diagnose(exercise: str, runs: List[Dict[str, Any]], ref: Dict[str, Any]) -> 
     } if "stuck" in r else r for r in runs])
     if failed is not None:
         return failed
+    checked = [r["before_run"] for r in runs if "before_run" in r]
+    if checked:  # micro_batch_loss's return, checked on each rank before the run (not run)
+        return Verdict(exercise, False, f"{exercise}, checked before the run: {checked[0]}")
     for rank, run in enumerate(runs):
         if run["no_grad"]:
             step, mb = run["no_grad"][0]

@@ -267,32 +267,42 @@ def not_held(rank: int, mb: int, step: int, ran: List[str]) -> str:
             f"its actions of the step so far: {' '.join(ran) or 'none'}")
 
 
-def detached_return(fn: Callable, m: int) -> Optional[str]:
+def detached_return(fn: Callable, m: int) -> Optional[Dict[str, str]]:
     """``fn`` (a micro_batch_loss) given a loss that requires grad, and the backward of what it
-    returns, on this rank alone: None if that backward runs, else torch's error at the learner's
-    line that returned the loss (no frame of the learner's is on a backward's stack): a loss
-    without a grad_fn, or one whose backward torch has not (``loss // m``)."""
+    returns, on this rank alone: None if that backward reaches the loss given, else what stops it
+    ({"error": ...} if the backward raised, else {"before_run": ...}), at the learner's line that returned the loss (no frame of the learner's is on a backward's
+    stack): torch's error for a loss without a grad_fn or one whose backward torch has not
+    (``loss // m``), or a loss whose backward ends before the given one (a new tensor made of
+    ``loss.item()``: the last stage's gradient would reach no model and send nothing back)."""
     code, line = getattr(fn, "__code__", None), [0]
 
     def seen(frame: Any, event: str, arg: Any) -> None:
         if event == "return" and frame.f_code is code:
             line[0] = frame.f_lineno
 
+    given = torch.ones((), requires_grad=True)
     sys.setprofile(seen)
     try:
-        out = fn(torch.ones((), requires_grad=True), m)
+        out = fn(given, m)
     finally:
         sys.setprofile(None)
     if not isinstance(out, torch.Tensor) or code is None:
         return None
     try:
         out.sum().backward()
-        return None
+        if given.grad is not None:
+            return None
+        key, said, why = (
+            "before_run", "its backward does not reach the loss it was given", "what it returned "
+            "does not depend on it (a new tensor made of loss.item() or a copy starts "
+            "a graph of its own), so no gradient reaches the model")
     except RuntimeError as err:
-        said = str(err).splitlines()[0]
+        key, said = "error", f"RuntimeError: {str(err).splitlines()[0]}"
+        why = ("it returned one without a grad_fn, so no gradient reaches the model"
+               if out.grad_fn is None else "torch cannot run the backward of what it returned")
     returned = linecache.getline(code.co_filename, line[0]).strip()
-    why = ("it returned one without a grad_fn, so no gradient reaches the model"
-           if out.grad_fn is None else "torch cannot run the backward of what it returned")
-    return (f"RuntimeError: {said} (in the backward of the loss micro_batch_loss returned at "
-            f"{os.path.basename(code.co_filename)}:{line[0]}: {returned}): given a loss that "
-            f"requires grad, {why}")
+    return {
+        key: (f"{said} (in the backward of the loss micro_batch_loss returned at "
+              f"{os.path.basename(code.co_filename)}:{line[0]}: {returned}): given a loss that "
+              f"requires grad, {why}")
+    }
