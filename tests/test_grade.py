@@ -82,8 +82,8 @@ class _GradeChapter:
              for c, e, f, words in grading_mistakes_03_05.MISTAKES if c == cls.chapter] + \
             [(e, (PROBED, f), words)
              for c, e, f, words in grading_probe_mistakes.MISTAKES if c == cls.chapter] + \
-            [(e, (where, f), words) for where, module_ in ((PROBED_R3, grading_probe_r3),
-                                                         (PROBED_R4, grading_probe_r4))
+            [(e, (where, f), words)
+             for where, module_ in ((PROBED_R3, grading_probe_r3), (PROBED_R4, grading_probe_r4))
              for c, e, f, words in module_.MISTAKES if c == cls.chapter]
         crash, function, _, _ = CRASHES[cls.chapter]
         # the mistakes last: one that ends its rank (01's SIGSEGV) then needs no new world for

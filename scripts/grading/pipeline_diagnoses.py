@@ -269,11 +269,12 @@ def not_held(rank: int, mb: int, step: int, ran: List[str]) -> str:
 
 def detached_return(fn: Callable, m: int) -> Optional[Dict[str, str]]:
     """``fn`` (a micro_batch_loss) given a loss that requires grad, and the backward of what it
-    returns, on this rank alone: None if that backward reaches the loss given, else what stops it
-    ({"error": ...} if the backward raised, else {"before_run": ...}), at the learner's line that returned the loss (no frame of the learner's is on a backward's
-    stack): torch's error for a loss without a grad_fn or one whose backward torch has not
-    (``loss // m``), or a loss whose backward ends before the given one (a new tensor made of
-    ``loss.item()``: the last stage's gradient would reach no model and send nothing back)."""
+    returns, on this rank alone: None if that backward reaches the loss given, else what stops
+    it ({"error": ...} if the backward raised, else {"before_run": ...}), at the learner's line
+    that returned the loss (no frame of the learner's is on a backward's stack): torch's error
+    for a loss without a grad_fn or one whose backward torch has not (``loss // m``), or a loss
+    whose backward ends before the given one (a new tensor made of ``loss.item()``: the last
+    stage's gradient would reach no model and send nothing back)."""
     code, line = getattr(fn, "__code__", None), [0]
 
     def seen(frame: Any, event: str, arg: Any) -> None:
