@@ -1,10 +1,11 @@
 """What one job may leave behind in a rank, put back before the next job starts.
 
 A rank grades the chapter's jobs one after another in one process. A learner's function that
-changes torch's process-wide settings (``torch.set_default_dtype``, ``torch.set_default_device``,
-``torch.set_grad_enabled``, an ``inference_mode`` entered and never left) would change every job
-after it: a correct ``update_bias`` failed after a ``biased_top_k`` that
-set float64. ``end_job`` (called as each job's result is written, runner.Streamed) puts the
+changes a process-wide setting (``torch.set_default_dtype``, ``torch.set_default_device``,
+``torch.set_grad_enabled``, an ``inference_mode`` entered and never left, torch's threads,
+anomaly detection or deterministic algorithms, the working directory, the recursion limit,
+``sys.stdout``, a function of torch or of the library replaced) would change every job after it: a correct ``update_bias`` failed after a
+``biased_top_k`` that set float64. ``end_job`` (called as each job's result is written, runner.Streamed) puts the
 settings back and marks the job that changed them, which fails with what it left.
 
 A function that prints a great deal would bury the verdicts under the ranks' lines: each rank
@@ -18,7 +19,9 @@ import multiprocessing
 import os
 import signal
 import sys
-from typing import Any, Dict, List, Optional, TextIO
+import types
+import warnings
+from typing import Any, Dict, List, Optional, TextIO, Tuple
 
 import torch
 
@@ -28,27 +31,99 @@ SHOWN_CHARS = 4000  # of each job, on each rank: a line of millions is not shown
 
 def _settings() -> Dict[str, Any]:
     return {
-        "default dtype": torch.get_default_dtype(),
-        "default device": torch.get_default_device(),
-        "inference mode": torch.is_inference_mode_enabled(),
-        "grad mode": torch.is_grad_enabled(),
+        "torch's default dtype": torch.get_default_dtype(),
+        "torch's default device": torch.get_default_device(),
+        "torch's inference mode": torch.is_inference_mode_enabled(),
+        "torch's grad mode": torch.is_grad_enabled(),
+        "torch's number of threads": torch.get_num_threads(),
+        "torch's anomaly detection": torch.is_anomaly_enabled(),
+        "torch's deterministic algorithms": torch.are_deterministic_algorithms_enabled(),
+        "the working directory": os.getcwd(),
+        "the recursion limit": sys.getrecursionlimit(),
     }
 
 
 _GUARDS: List[Any] = []  # inference-mode guards entered to undo a learner's, never left
 
 
-def _restore(settings: Dict[str, Any]) -> None:
-    if torch.is_inference_mode_enabled() != settings["inference mode"]:
-        # a learner's ``torch.inference_mode().__enter__()`` is a guard held open: a guard of
-        # ours, held open too, sets the mode back (it also turns grad mode off: restored below)
-        guard = torch._C._InferenceMode(settings["inference mode"])
-        guard.__enter__()
-        _GUARDS.append(guard)
-    torch.set_default_dtype(settings["default dtype"])
-    device = settings["default device"]
+def _set_device(device: torch.device) -> None:
     torch.set_default_device(None if device == torch.device("cpu") else device)
-    torch.set_grad_enabled(settings["grad mode"])
+
+
+def _set_inference_mode(on: bool) -> None:
+    # a learner's ``torch.inference_mode().__enter__()`` is a guard held open: a guard of ours,
+    # held open too, sets the mode back (it also sets grad mode: put back after it)
+    guard = torch._C._InferenceMode(on)
+    guard.__enter__()
+    _GUARDS.append(guard)
+
+
+# each setting's setter, in the order they are put back; each called only for a setting changed
+# (torch.use_deterministic_algorithms takes 10 s the first time: it imports torch's compiler)
+_SETTERS = {
+    "torch's inference mode": _set_inference_mode,
+    "torch's default dtype": torch.set_default_dtype,
+    "torch's default device": _set_device,
+    "torch's grad mode": torch.set_grad_enabled,
+    "torch's number of threads": torch.set_num_threads,
+    "torch's anomaly detection": torch.set_anomaly_enabled,
+    "torch's deterministic algorithms": torch.use_deterministic_algorithms,
+    "the working directory": os.chdir,
+    "the recursion limit": sys.setrecursionlimit,
+}
+
+
+def _restore(settings: Dict[str, Any]) -> None:
+    for name, setter in _SETTERS.items():
+        if _settings()[name] != settings[name]:
+            setter(settings[name])
+
+
+# where a learner may replace a function that the jobs after theirs call (``dist.all_reduce =
+# counting``); the library's modules too, each ``scaletorch.*`` the rank has imported
+WATCHED = ("torch", "torch.distributed", "torch.distributed.distributed_c10d",
+           "torch.nn.functional", "torch.autograd")
+_CLASSES = (("torch.Tensor", torch.Tensor), ("torch.nn.Module", torch.nn.Module))
+# (id(owner), attribute) set by the grader's own learner.patched for a job: not the learner's
+GRADERS: List[Tuple[int, str]] = []
+_FUNCTION = (types.FunctionType, types.BuiltinFunctionType, type)
+
+
+def _functions() -> Dict[Tuple[str, str], Tuple[Any, Any]]:
+    """(where, name) -> (owner, value): each function and class of the watched namespaces."""
+    spaces = [(n, sys.modules[n]) for n in WATCHED if n in sys.modules] + list(_CLASSES) + \
+        [(n, m) for n, m in list(sys.modules.items()) if n.startswith("scaletorch.") and m]
+    with warnings.catch_warnings():  # a deprecated name (dist.reduce_op) warns when looked at
+        warnings.simplefilter("ignore")
+        return {
+            (where, name): (owner, value)
+            for where, owner in spaces
+            for name, value in list(vars(owner).items())
+            if isinstance(value, _FUNCTION) and not name.startswith("__")
+        }
+
+
+def _put_back_functions(start: Dict[Tuple[str, str], Tuple[Any, Any]]) -> List[str]:
+    """Each function replaced (or a method added to torch.Tensor or nn.Module) since ``start``,
+    put back; what was replaced, in the learner's words. A wrapper of the function it replaced
+    (``__wrapped__``) is torch's own (importing torch._dynamo wraps torch.manual_seed): it
+    stays, and ``start`` takes it."""
+    replaced = []
+    for (where, name), (owner, value) in list(start.items()):
+        now = vars(owner).get(name)
+        if now is value or (id(owner), name) in GRADERS:
+            continue
+        if getattr(now, "__wrapped__", None) is value:
+            start[(where, name)] = (owner, now)
+            continue
+        replaced.append(f"{where}.{name} replaced")
+        setattr(owner, name, value)
+    for where, cls in _CLASSES:
+        for name in [n for n in vars(cls) if (where, n) not in start and not n.startswith("__")]:
+            if isinstance(vars(cls)[name], _FUNCTION) and (id(cls), name) not in GRADERS:
+                replaced.append(f"{where}.{name} added")
+                delattr(cls, name)
+    return replaced
 
 
 class Shown:
@@ -91,6 +166,7 @@ class JobState:
 
     def __init__(self, rank: int) -> None:
         self.rank, self.settings, self.shown = rank, _settings(), Shown()
+        self.functions = _functions()
         self.out = CappedOutput(sys.stdout, self.shown)
         self.err = CappedOutput(sys.stderr, self.shown)
         sys.stdout, sys.stderr = self.out, self.err  # type: ignore[assignment]
@@ -112,10 +188,13 @@ class JobState:
         self.out.stream.flush()
         self.shown.__init__()  # type: ignore[misc]
         now = _settings()
-        changed = [
-            f"torch's {k} at {now[k]} (it was {v})" for k, v in self.settings.items() if now[k] != v
-        ]
-        _restore(self.settings)
+        changed = [f"{k} at {now[k]} (it was {v})" for k, v in self.settings.items() if now[k] != v]
+        for name, ours in (("stdout", self.out), ("stderr", self.err)):
+            if getattr(sys, name) is not ours:  # replaced: its lines would go uncounted
+                changed.append(f"sys.{name} replaced by {type(getattr(sys, name)).__name__}")
+                setattr(sys, name, ours)
+        _restore(self.settings)  # first: torch.set_default_dtype sets torch.Storage too
+        changed += _put_back_functions(self.functions)
         # ``with torch.device(...)`` entered and never left is a mode set_default_device can't pop
         put_back = ("put back for them" if _settings() == self.settings else
                     "it could not be put back: the jobs after it may fail for it")
