@@ -1,9 +1,9 @@
 """What one graded job may leave in a rank is put back before the next (scripts/grading/
 job_state.py): torch's default dtype and device, grad and inference mode, threads, anomaly
 detection and deterministic algorithms, the working directory, the recursion limit and
-sys.stdout, and a job's printed lines past the first SHOWN_LINES. In this process, no world (the worlds' cases:
-tests/test_grade.py, chapter 06b's biased_top_k_sets_float64 and
-biased_top_k_leaves_inference_mode_on)."""
+sys.stdout, a function of torch or the library replaced, and a job's printed lines past the
+first SHOWN_LINES. In this process, no world (the worlds' cases: tests/test_grade.py, chapter
+06b's biased_top_k_sets_float64 and biased_top_k_leaves_inference_mode_on)."""
 
 import functools
 import io

@@ -4,9 +4,10 @@ A rank grades the chapter's jobs one after another in one process. A learner's f
 changes a process-wide setting (``torch.set_default_dtype``, ``torch.set_default_device``,
 ``torch.set_grad_enabled``, an ``inference_mode`` entered and never left, torch's threads,
 anomaly detection or deterministic algorithms, the working directory, the recursion limit,
-``sys.stdout``, a function of torch or of the library replaced) would change every job after it: a correct ``update_bias`` failed after a
-``biased_top_k`` that set float64. ``end_job`` (called as each job's result is written, runner.Streamed) puts the
-settings back and marks the job that changed them, which fails with what it left.
+``sys.stdout``, a function of torch or of the library replaced) would change every job after
+it: a correct ``update_bias`` failed after a ``biased_top_k`` that set float64. ``end_job``
+(called as each job's result is written, runner.Streamed) puts the settings back and marks the
+job that changed them, which fails with what it left.
 
 A function that prints a great deal would bury the verdicts under the ranks' lines: each rank
 shows at most ``SHOWN_LINES`` lines of a job and then says how many more it printed, and in
