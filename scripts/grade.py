@@ -25,6 +25,7 @@ passed, 1 otherwise (an unwritten one: "write <function> next"; a file that does
 """
 
 import os
+import signal
 import sys
 import time
 from typing import List, Optional
@@ -32,9 +33,10 @@ from typing import List, Optional
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from scaletorch.rules.errors import OneLineParser  # noqa: E402
+from scaletorch.rules.errors import OneLineParser, RunStopped  # noqa: E402
 from scripts.grading import (balance, context, ddp, expert, file_check, loss_scale, pipeline,
                              tensor, variants, zero)
+from scripts.grading.job_state import adopt_orphans, children  # noqa: E402
 
 CHAPTERS = {
     ddp.CHAPTER: (ddp, "examples/exercises/01_ddp.py"),
@@ -124,4 +126,14 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    adopt_orphans()  # a process a learner's rank forked ends with its world (job_state.py)
+    try:
+        sys.exit(main())
+    except (KeyboardInterrupt, RunStopped):  # the reference run's Trainer says RunStopped;
+        # the ranks ignore Ctrl-C and end with the grader
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second one would break the exit
+        for pid in children():  # the ranks, at once: a SIGTERM at exit would stop their runs
+            os.kill(pid, signal.SIGKILL)
+        print("\ngrade: stopped by Ctrl-C; the exercises not graded yet have no verdict",
+              file=sys.stderr)
+        sys.exit(130)

@@ -11,7 +11,11 @@ import contextlib
 import inspect
 import io
 import os
+import signal
+import subprocess
+import sys
 import tempfile
+import time
 import unittest
 
 from hypothesis import given, settings
@@ -21,6 +25,8 @@ from scripts import grade
 from scripts.grading import file_check, runner
 from scripts.grading.learner import load
 from tests.test_planted_bugs import patched
+
+LONG = os.environ.get("SCALETORCH_LONG_TESTS") == "1"
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -147,3 +153,84 @@ class StubsMatchTheLibrary(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_FORKS_A_SLEEPER = """
+import multiprocessing, os, sys, time
+from scripts.grading import job_state
+job_state.adopt_orphans()
+before = job_state.children()
+
+def rank(path):  # a learner's function that forks a process of its own, in a new session
+    pid = os.fork()
+    if pid == 0:
+        os.setsid()
+        time.sleep(60)
+        os._exit(0)
+    with open(path, "w") as f:
+        f.write(str(pid))
+
+proc = multiprocessing.get_context("fork").Process(target=rank, args=(sys.argv[1],))
+proc.start()
+proc.join()
+time.sleep(0.2)  # the sleeper, its rank gone, is now this process's child
+print(job_state.end_orphans(before))
+"""
+
+
+class GraderProcesses(unittest.TestCase):
+    """No process a rank started outlives its world; Ctrl-C ends the grader in one line."""
+
+    def test_a_process_a_rank_forked_is_ended_with_its_world(self):
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "pid")
+            out = subprocess.run([sys.executable, "-c", _FORKS_A_SLEEPER, path], cwd=ROOT,
+                                 capture_output=True, text=True, timeout=60, env={
+                                     **os.environ, "PYTHONPATH": ROOT
+                                 })
+            self.assertEqual(out.returncode, 0, out.stderr)
+            with open(path) as f:
+                sleeper = int(f.read())
+        self.assertEqual(out.stdout.strip(), f"[{sleeper}]")
+        self.assertFalse(os.path.exists(f"/proc/{sleeper}"))
+
+    @unittest.skipUnless(LONG, "long phase: a chapter's world started and stopped by Ctrl-C")
+    def test_ctrl_c_ends_the_grader_in_one_line_and_its_ranks_with_it(self):
+        grader = subprocess.Popen([sys.executable, "scripts/grade.py", "06b", "--solution"],
+                                  cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True, start_new_session=True)  # its own terminal group
+        ranks: set = set()
+        deadline = time.monotonic() + 120
+        while not ranks and time.monotonic() < deadline and grader.poll() is None:
+            time.sleep(0.2)
+            ranks = {p for p in _children_of(grader.pid) if "spawn_main" in _args(p)}
+        self.assertTrue(ranks, "no rank started within 120 s")
+        time.sleep(1.0)
+        os.killpg(grader.pid, signal.SIGINT)  # what Ctrl-C sends: the grader and its ranks
+        out, err = grader.communicate(timeout=60)
+        self.assertEqual(grader.returncode, 130, out + err)
+        self.assertNotIn("Traceback", out + err)
+        self.assertEqual(err.strip().splitlines()[-1],
+                         "grade: stopped by Ctrl-C; the exercises not graded yet have no verdict")
+        time.sleep(0.5)
+        self.assertEqual([p for p in ranks if os.path.exists(f"/proc/{p}")], [])
+
+
+def _children_of(pid: int) -> list:
+    found = []
+    for p in (p for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(p))
+        except OSError:
+            continue
+    return found
+
+
+def _args(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline") as f:
+            return f.read().replace("\0", " ")
+    except OSError:
+        return ""

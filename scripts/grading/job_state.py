@@ -17,12 +17,13 @@ which exercise.
 import ctypes
 import io
 import multiprocessing
+import multiprocessing.resource_tracker
 import os
 import signal
 import sys
 import types
 import warnings
-from typing import Any, Dict, List, Optional, TextIO, Tuple
+from typing import Any, Dict, List, Optional, Set, TextIO, Tuple
 
 import torch
 
@@ -228,6 +229,54 @@ def die_with_parent() -> None:
     parent = multiprocessing.parent_process()
     if os.getppid() == 1 and parent is not None and parent.pid != 1:  # adopted: the grader is gone
         os._exit(1)
+
+
+_ADOPTING: List[bool] = []  # the grader's command adopts; a test process that grades does not
+
+
+def adopt_orphans() -> None:
+    """Linux, in the grader: a process a rank forked (``os.fork``, ``multiprocessing``, even
+    after ``setsid``) becomes the grader's child when its rank ends, not init's, so that
+    ``end_orphans`` can end it (PR_SET_CHILD_SUBREAPER)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1)
+        _ADOPTING.append(True)
+    except (OSError, AttributeError):
+        pass
+
+
+def children() -> Set[int]:
+    """This process's children (Linux: /proc; elsewhere none are found)."""
+    found = set()
+    try:
+        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return found
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == os.getpid():
+            found.add(pid)
+    return found
+
+
+def end_orphans(before: Set[int]) -> List[int]:
+    """End (SIGKILL, then reap) this process's children that ``before`` did not hold: what the
+    ranks of a world left running (multiprocessing's own helpers stay). The pids ended."""
+    if not _ADOPTING:
+        return []
+    tracker = getattr(multiprocessing.resource_tracker._resource_tracker, "_pid", None)
+    ended = sorted(children() - before - {tracker})
+    for pid in ended:
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+    return ended
 
 
 def end_job(item: Dict[str, Any]) -> Dict[str, Any]:

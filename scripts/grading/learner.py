@@ -103,17 +103,34 @@ def failure(err: BaseException) -> str:
     mine = [f for f in frames if os.path.abspath(f.filename) in SOURCE_FILES]
     where = (mine or frames)[-1]
     line = f": {where.line}" if where.line else ""
-    said = f"{type(first).__name__}: {first}" if str(first) else type(first).__name__
+    said = f"{type(first).__name__}: {_shortened(str(first))}" if str(first) else \
+        type(first).__name__
     named = None if mine else _backward_named(str(first))
     if named is not None:  # autograd checked what a learner's backward returned, after it left
         return f"{said} (in {named})"
     return f"{said} (at {os.path.basename(where.filename)}:{where.lineno}{line})"
 
 
+MESSAGE_LINES = 3  # of an error's message in a verdict; the rest counted
+MESSAGE_CHARS = 600
+
+
+def _shortened(message: str) -> str:
+    """An error's message as a verdict shows it: its first MESSAGE_LINES lines (at most
+    MESSAGE_CHARS characters), then how much more it said."""
+    lines = message.splitlines()
+    shown = " / ".join(lines[:MESSAGE_LINES])
+    more = len(lines) - MESSAGE_LINES
+    if len(shown) > MESSAGE_CHARS:
+        shown = shown[:MESSAGE_CHARS] + "..."
+    return shown + (f" ({more} more lines of the message)" if more > 0 else "")
+
+
 def _backward_named(message: str) -> Optional[str]:
     """The learner's backward that torch's message names ("Function _GBBackward returned an
-    invalid gradient": class _GB's backward), as "_GB.backward at file:line: text", else None.
-    No frame of it is on the stack: the engine checks its result once it has returned."""
+    invalid gradient": class _GB's backward, at any indent: a class made in a function too), as
+    "_GB.backward at file:line: text", else None. No frame of it is on the stack: the engine
+    checks its result once it has returned."""
     found = re.search(r"Function (\w+)Backward\b", message)
     if found is None:
         return None
@@ -124,14 +141,17 @@ def _backward_named(message: str) -> Optional[str]:
                 lines = f.read().splitlines()
         except OSError:
             continue
-        start = next((i for i, t in enumerate(lines) if re.match(rf"class {cls}\b", t)), None)
-        if start is None:
-            continue
-        at = next((i for i in range(start + 1, len(lines))
-                   if re.match(r"\s+def backward\b", lines[i]) or re.match(r"class ", lines[i])),
-                  None)
-        if at is not None and "def backward" in lines[at]:
-            return f"{cls}.backward at {os.path.basename(path)}:{at + 1}: {lines[at].strip()}"
+        for start, text in enumerate(lines):
+            head = re.match(rf"(\s*)class {cls}\b", text)
+            if head is None:
+                continue
+            indent = len(head.group(1))
+            for i in range(start + 1, len(lines)):
+                body = lines[i]
+                if body.strip() and len(body) - len(body.lstrip()) <= indent:
+                    break  # the class ended
+                if re.match(r"\s+def backward\b", body):
+                    return f"{cls}.backward at {os.path.basename(path)}:{i + 1}: {body.strip()}"
     return None
 
 

@@ -32,7 +32,7 @@ import torch.multiprocessing as mp
 
 from scaletorch.dist import flight_recorder
 from scaletorch.dist.spawn import free_port
-from scripts.grading.job_state import die_with_parent, end_job
+from scripts.grading.job_state import children, die_with_parent, end_job, end_orphans
 from scripts.grading.job_state import start as start_jobs
 from scripts.grading.learner import (LEARNER_ERRORS, SOURCE_FILES, UNWRITTEN, Source, carried,
                                      failure, innermost, is_hang, is_unwritten, source_file)
@@ -192,8 +192,15 @@ def _one_world(fn: Callable, world: int, jobs: Sequence[Dict[str, Source]], lead
         ctx.Process(target=_worker, args=(r, world, port, fn, list(jobs), directory, limits),
                     daemon=True) for r in range(world)
     ]
-    for proc in procs:
-        proc.start()
+    before = children()
+    # the ranks ignore Ctrl-C (the grader's own ends them): a spawned Python keeps SIG_IGN
+    # through exec and does not install its handler, so no rank prints a KeyboardInterrupt
+    handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        for proc in procs:
+            proc.start()
+    finally:
+        signal.signal(signal.SIGINT, handler)
     total = lead + len(jobs)
     counts, progress, left, signalled = [0] * world, time.monotonic(), None, False
     started, spent = time.monotonic(), 0.0
@@ -247,6 +254,7 @@ def _one_world(fn: Callable, world: int, jobs: Sequence[Dict[str, Source]], lead
             proc.kill()
             killed.add(r)
         proc.join(5)
+    end_orphans(before | {p.pid for p in procs if p.pid is not None})  # what the ranks forked
     counts = [_count(directory, r) for r in range(world)]
     results = [[
         torch.load(os.path.join(directory, f"result_{r}_{i}"), weights_only=True)

@@ -115,8 +115,13 @@ def _train(cfg: Config, pgm: Any, exercise: str, fn: Callable, ref: Dict[str,
         # the storage the parameters view: a release that rebinds flat (flat.data = ...)
         # leaves them holding it, so its bytes, not flat's new ones, are what stays allocated
         storage = flat.untyped_storage()
+        held = storage.nbytes()
         fn(flat)
         left = storage.nbytes()
+        if 0 < left < held:  # the parameters' views now reach past it: their next use fails
+            raise Diagnosed(f"release_unit left {left:,} of flat's {held:,} bytes allocated: "
+                            f"resize its storage to 0 bytes (all of it is gathered again "
+                            f"before its next use)")
         if tuple(flat.shape) != shape:  # the next gather would fail on it
             rebound = flat.untyped_storage().data_ptr() != storage.data_ptr()
             raise Diagnosed(f"release_unit changed flat's shape from ({shape[0]:,},) to "
