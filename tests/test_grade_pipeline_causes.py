@@ -8,7 +8,7 @@ by hand; in the long phase, each of tests/grading_probe_r5.py's HANGS_04 in a wo
 import unittest
 
 from scripts import grade
-from scripts.grading.pipeline_diagnoses import divisor_diagnosis, hang_diagnosis
+from scripts.grading.pipeline_diagnoses import divisor_diagnosis, gradient_diagnosis, hang_diagnosis
 from tests import grading_probe_r5
 from tests.test_grade import LONG, PROBED_R5, SHORT_HANG_TIMEOUT, patched
 
@@ -96,6 +96,18 @@ class PipelineHangCauses(unittest.TestCase):
             ": it divides by m - 1", text)
         self.assertIn("3 whatever m is", divisor_diagnosis(head, {k: 1 / 3 for k in (2, 4)}, M))
         self.assertIsNone(divisor_diagnosis(head, {k: 1 / k for k in (2, 3, 4)}, M))
+        # both 4/3x at pp 3: the divisor measured at other m tells them apart
+        ref = {"grad_norms": [1.0], "grads": {}}
+        for divisor, words in ((lambda k: k - 1, "it divides by m - 1"),
+                               (lambda k: 3, "divided by p = 3, the pipeline ranks?")):
+            runs = [{
+                "grad_norms": [4 / 3],
+                "scales": {
+                    k: 1 / divisor(k)
+                    for k in (2, 3, 4, 5)
+                }
+            } for _ in range(3)]
+            self.assertIn(words, gradient_diagnosis(runs, ref, M))
 
 
 class GradeAPipelineHangsCause(unittest.TestCase):

@@ -235,21 +235,19 @@ def gradient_diagnosis(runs: List[Dict[str, Any]], ref: Dict[str, Any], m: int) 
         return None  # the stages differ: not one factor (stage_diagnosis)
     near = lambda k: abs(ratio - k) < FACTOR_TOL * k  # noqa: E731
     head = f"gradients are {ratio:.3g}x the reference in step 0 (its grad norm)"
-    if runs[0].get("scales"):
-        if not near(1.0):
-            return divisor_diagnosis(head, runs[0]["scales"], m)
-        return None
+    scales = runs[0].get("scales") or {}
     if near(m):
         return (f"{head}: each micro-batch's loss is a mean over its tokens; divide it by "
                 f"m = {m}, so that the m backwards add up to the whole batch's mean")
     if near(1 / m):
         return f"{head} = 1/m: divided by m = {m} twice? divide once"
-    if near(m / p):
+    # the same divisor at every m measured: p (a count of ranks); else what it was at each m
+    if near(m / p) and len({round(1 / v, 3) for v in scales.values() if v}) <= 1:
         return (f"{head}: divided by p = {p}, the pipeline ranks? divide by m = {m}, the "
                 f"micro-batches")
     if near(m * m):
         return f"{head} = m x m: multiplied by m = {m}? divide by it"
-    return None
+    return divisor_diagnosis(head, scales, m) if not near(1.0) else None
 
 
 # the m micro_batch_loss is measured at, besides the run's, before the run (``loss_scales``)
