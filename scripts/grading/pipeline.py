@@ -27,6 +27,7 @@ import traceback
 from typing import Any, Dict, List, Tuple
 
 import torch
+import torch.distributed as dist
 
 from scaletorch.dist import comm, destroy_pg_manager, get_ledger, init_pg_manager_from_config
 from scaletorch.models import build_model
@@ -43,8 +44,8 @@ from scripts.grading.learner import (LEARNER_ERRORS, Source, failure, is_hang, i
                                      patched)
 from scripts.grading.pipeline_diagnoses import (MicroBatchNotHeld, detached_return,
                                                 gradient_diagnosis, hang_diagnosis, link_facts,
-                                                not_held, order_diagnosis, parity_diagnosis,
-                                                stage_diagnosis, waited_for)
+                                                loss_scales, not_held, order_diagnosis,
+                                                parity_diagnosis, stage_diagnosis, waited_for)
 from scripts.grading.runner import RANK_LIMITS, run_world, streamed
 from scripts.grading.stop_reports import where_stopped
 from scripts.grading.verdicts import Verdict, error_verdict
@@ -147,11 +148,15 @@ def _instrumented(exercise: str, fn: Any, record: Dict[str, Any]) -> List[tuple]
                 if peer is not None and y is not None:
                     k, of, _ = made.get(id(y), (None, -1, None))
                     record["sent"].append([kind(peer), mb, pp(peer), of if k == kind(peer) else -1])
+        # what each receive waits for: a gradient from the next rank, an activation the previous
+        wants = [["gradient" if peer == self.next else "activation", mb,
+                  pp(peer)] for mb, peer in recvs if peer is not None]
         record["waiting"] = {
             "step": step,
             "call": f"{name}({', '.join(messages)})",
             "sends": any(peer is not None for _, peer, _ in sends),
-            "recvs": any(peer is not None for _, peer in recvs),
+            "recvs": bool(wants),
+            "wants": wants,
             "where": f"{os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno}",
             "since": time.perf_counter()
         }
@@ -164,6 +169,29 @@ def _instrumented(exercise: str, fn: Any, record: Dict[str, Any]) -> List[tuple]
                 record["received"].append(
                     [of, mb, self.rank + (-1 if of == "activation" else 1), -1])
         return out
+
+    def own(op: str, call: Any) -> Any:  # torch.distributed's blocking send or recv, waited in
+
+        def waited_in(*args: Any, **kwargs: Any) -> Any:
+            caller = sys._getframe(1)
+            peer = args[1] if len(args) > 1 else kwargs.get("dst" if op == "send" else "src")
+            tag = args[3] if len(args) > 3 else kwargs.get("tag", 0)
+            before = record["waiting"]
+            record["waiting"] = {
+                "step": get_ledger().step,
+                "call": f"torch.distributed.{op}({'to' if op == 'send' else 'from'} rank {peer}"
+                f"{f', tag {tag}' if tag else ''})",
+                "sends": op == "send",
+                "recvs": op == "recv",
+                "own": peer,
+                "where": f"{os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno}",
+                "since": time.perf_counter()
+            }
+            out = call(*args, **kwargs)
+            record["waiting"] = before
+            return out
+
+        return waited_in
 
     def bounded_wait(self: comm.Work, *args: Any) -> Any:
         if args:
@@ -179,7 +207,8 @@ def _instrumented(exercise: str, fn: Any, record: Dict[str, Any]) -> List[tuple]
             (pipeline_schedules, "micro_batch_loss", loss),
             (PipelineRank, "forward", recorded_forward),
             (PipelineRank, "backward", recorded_backward), (PipelineRank, "_batch", recorded_batch),
-            (comm.Work, "wait", bounded_wait)]
+            (comm.Work, "wait", bounded_wait), (dist, "send", own("send", dist.send)),
+            (dist, "recv", own("recv", dist.recv))]
 
 
 def _grads_of(module: torch.nn.Module) -> Dict[str, float]:
@@ -233,6 +262,8 @@ def rank_jobs(rank: int, world: int, jobs: List[Dict[str, Source]]) -> List[Dict
                 if detached is not None:  # every rank alike: the world goes on to the next job
                     out.append({"exercise": exercise, **detached})
                     continue
+                if exercise == "micro_batch_loss":  # its divisor, at several m (p = m - 1 here)
+                    record["scales"] = loss_scales(fn, cfg.data.num_micro_batches)
                 with patched(_instrumented(exercise, fn, record)):
                     measured = _train(cfg, pgm, record)
             except LEARNER_ERRORS as err:  # a diagnosis, sys.exit() too
@@ -241,6 +272,7 @@ def rank_jobs(rank: int, world: int, jobs: List[Dict[str, Source]]) -> List[Dict
                     waiting["waited"] = time.perf_counter() - waiting.pop("since")
                     waiting["limit"] = record.get("limit", HANG_TIMEOUT)
                     waiting["messages"] = {"sent": record["sent"], "received": record["received"]}
+                    waiting["actions"] = record["actions"]
                     # the ranks' messages are out of step: the world cannot go on
                     out.append({"exercise": exercise, "stuck": waiting, "error": "stuck"})
                     break
@@ -253,6 +285,10 @@ def rank_jobs(rank: int, world: int, jobs: List[Dict[str, Source]]) -> List[Dict
                         get_ledger().step,
                         "actions":
                         record["actions"],
+                        "messages": {
+                            "sent": record["sent"],
+                            "received": record["received"]
+                        },
                         "in":
                         said.group(1)
                         if said else where_stopped(traceback.format_exc(), [], "", False)
@@ -304,11 +340,14 @@ def diagnose(exercise: str, runs: List[Dict[str, Any]], ref: Dict[str, Any]) -> 
     if any("stuck" in r or r.get("hung") for r in runs) and not any(
             "lost" in r or ("error" in r and "stuck" not in r and not r.get("hung")) for r in runs):
         return Verdict(exercise, False, hang_diagnosis(runs, m))
-    # a rank stuck because a peer raised: the peer's error is the verdict, named by its rank
+    # a rank stuck because a peer raised: the peer's error is the verdict, named by its rank;
+    # a rank that raised its own error is the cause, the others' broken connections (a hang's
+    # error: they waited for it) the consequence
+    own = any("error" in r and "stuck" not in r and not r.get("hung") for r in runs)
     failed = error_verdict(exercise, [{
         k: v
         for k, v in r.items() if k != "error"
-    } if "stuck" in r else r for r in runs])
+    } if "stuck" in r or (own and r.get("hung")) else r for r in runs])
     if failed is not None:
         return failed
     checked = [r["before_run"] for r in runs if "before_run" in r]

@@ -119,12 +119,23 @@ def hang_diagnosis(runs: List[Dict[str, Any]], m: int) -> str:
     never = [w for w in waits if "never reached" in w]
     text = f"hang in step {step}: " + "; ".join(never +
                                                 [", ".join(w for w in waits if w not in never)])
+    unsent = _unsent(runs, stuck) if step == 0 else []
+    for rank, s in enumerate(stuck):  # torch.distributed's own send, no receive posted for it
+        peer = (s or {}).get("own")
+        if s is not None and s["sends"] and isinstance(peer, int) and 0 <= peer < len(runs) \
+                and stuck[peer] is not None and stuck[peer].get("own") != rank:
+            unsent.insert(
+                0, f"rank {peer} posts no receive for rank {rank}'s {s['call']} at "
+                f"{s['where']}: it waits in {stuck[peer]['call']}")
+    text += "".join(f"; {fact}" for fact in unsent)
     waiting = [s for s in stuck if s is not None] if not never else []
     if len(waiting) > 1 and all(s["sends"] and not s["recvs"] for s in waiting):
         text += (" (all send first): a send waits for its receive, so post each send with the "
                  "receive that answers it in one batch (send_forward_recv_backward, "
                  "send_backward_recv_forward)")
-    elif len(waiting) > 1 and all(s["recvs"] and not s["sends"] for s in waiting):
+    # every rank in a receive, none left the loop: a cycle of receives, none of them answered
+    elif len(waiting) == len(runs) > 1 and not unsent and \
+            all(s["recvs"] and not s["sends"] for s in waiting):
         text += " (all receive first): one of them must send first"
     facts = link_facts([s.get("messages", {}) if s else {} for s in stuck], m, False) \
         if step == 0 else []
@@ -136,6 +147,29 @@ def hang_diagnosis(runs: List[Dict[str, Any]], m: int) -> str:
     waited, limit = max(s["waited"] for s in waiting), max(s["limit"] for s in waiting)
     return text + (f"; they gave up after {waited:.0f} s (the grader's timeout for a message: "
                    f"{limit:.0f} s at this machine's load)")
+
+
+def _unsent(runs: List[Dict[str, Any]], stuck: List[Optional[Dict[str, Any]]]) -> List[str]:
+    """Each message of step 0 a rank waits to receive whose sender ran the forward or backward
+    that makes it but sent it to no one (its messages and actions as measured up to the hang)."""
+    facts = []
+    for rank, s in enumerate(stuck):
+        for kind, mb, peer in (s or {}).get("wants", []):
+            if not 0 <= peer < len(runs):
+                continue
+            theirs = stuck[peer] or runs[peer]
+            messages, actions = theirs.get("messages"), theirs.get("actions") or []
+            action = ("F" if kind == "activation" else "B") + str(mb)
+            if messages is None or action not in actions:
+                continue  # not measured, or it never got that far: waiting itself
+            sent = [x for x in messages["sent"] if x[0] == kind and x[2] == rank]
+            if any(mb in (x[1], x[3]) for x in sent):
+                continue
+            name = "forward" if kind == "activation" else "backward"
+            facts.append(f"rank {peer} ran the {name} of micro-batch {mb} but never sent its "
+                         f"{kind} to rank {rank} ({OPERATION[kind, True]}({mb}, ...); it sent "
+                         f"{'micro-batch ' + _mbs([x[1] for x in sent]) if sent else 'none'})")
+    return facts
 
 
 def _outside(rank: int, run: Dict[str, Any], p: int, m: int, step: int) -> str:
@@ -192,7 +226,8 @@ def order_diagnosis(runs: List[Dict[str, Any]], m: int) -> Optional[str]:
 
 def gradient_diagnosis(runs: List[Dict[str, Any]], ref: Dict[str, Any], m: int) -> Optional[str]:
     """Step 0's gradients off by one factor on every stage (the global grad norm's ratio), None
-    if not."""
+    if not. A micro_batch_loss's runs hold "scales" (``loss_scales``): its divisor as measured
+    at several m, which tells m - 1 from p where they are equal."""
     p = len(runs)
     ratios = stage_ratios(runs, ref)
     ratio = runs[0]["grad_norms"][0] / ref["grad_norms"][0]
@@ -200,17 +235,63 @@ def gradient_diagnosis(runs: List[Dict[str, Any]], ref: Dict[str, Any], m: int) 
         return None  # the stages differ: not one factor (stage_diagnosis)
     near = lambda k: abs(ratio - k) < FACTOR_TOL * k  # noqa: E731
     head = f"gradients are {ratio:.3g}x the reference in step 0 (its grad norm)"
+    scales = runs[0].get("scales") or {}
     if near(m):
         return (f"{head}: each micro-batch's loss is a mean over its tokens; divide it by "
                 f"m = {m}, so that the m backwards add up to the whole batch's mean")
     if near(1 / m):
         return f"{head} = 1/m: divided by m = {m} twice? divide once"
-    if near(m / p):
+    # the same divisor at every m measured: p (a count of ranks); else what it was at each m
+    if near(m / p) and len({round(1 / v, 3) for v in scales.values() if v}) <= 1:
         return (f"{head}: divided by p = {p}, the pipeline ranks? divide by m = {m}, the "
                 f"micro-batches")
     if near(m * m):
         return f"{head} = m x m: multiplied by m = {m}? divide by it"
-    return None
+    return divisor_diagnosis(head, scales, m) if not near(1.0) else None
+
+
+# the m micro_batch_loss is measured at, besides the run's, before the run (``loss_scales``)
+SCALE_MS = (2, 3, 5, 8)
+# what a divisor measured at every m reads as, in the learner's terms
+DIVISORS = (("m", lambda k: k), ("m - 1", lambda k: k - 1), ("m + 1", lambda k: k + 1),
+            ("m x m", lambda k: k * k), ("nothing", lambda k: 1))
+
+
+def loss_scales(fn: Callable, m: int) -> Dict[int, float]:
+    """The gradient ``fn`` (a micro_batch_loss) gives the loss it is passed, at m and at each
+    of ``SCALE_MS`` (1/m for the library's); {} if a call raised or returned no tensor."""
+    scales = {}
+    for k in sorted({m, *SCALE_MS}):
+        given = torch.ones((), requires_grad=True)
+        try:
+            out = fn(given, k)
+            if not isinstance(out, torch.Tensor):
+                return {}
+            out.sum().backward()
+        except Exception:  # noqa: B902 - the run's own call says what it raised
+            return {}
+        scales[k] = float(given.grad) if given.grad is not None else 0.0
+    return scales
+
+
+def divisor_diagnosis(head: str, scales: Dict[int, float], m: int) -> Optional[str]:
+    """What micro_batch_loss was measured to divide the loss by, at several m; None if by m."""
+    if not scales or any(v == 0 for v in scales.values()):
+        return None
+    divisor = {k: 1 / v for k, v in scales.items()}
+    if all(abs(d - k) < FACTOR_TOL * k for k, d in divisor.items()):
+        return None
+    others = ", ".join(f"{d:.3g} at m = {k}" for k, d in divisor.items() if k != m)
+    fits = [
+        name for name, f in DIVISORS if all(
+            abs(d - f(k)) < FACTOR_TOL * f(k) for k, d in divisor.items())
+    ]
+    same = len({round(d, 3) for d in divisor.values()}) == 1
+    reads = (f": it divides by {fits[0]}"
+             if fits else f": it divides by {divisor[m]:.3g} whatever m is" if same else "")
+    return (f"{head}: micro_batch_loss(loss, m), called before the run with a loss of 1, "
+            f"divides it by {divisor[m]:.3g} at m = {m} ({others}){reads}; divide by m, so "
+            f"that the m backwards add up to the whole batch's mean")
 
 
 def stage_ratios(runs: List[Dict[str, Any]], ref: Dict[str, Any]) -> List[float]:
