@@ -22,7 +22,7 @@ from scripts.grading import ring_waits, runner, tensor
 from scripts.grading.variants import CATALOGUE, HANGS, STOPPING, source
 from tests import harness  # noqa: F401 - sets the forkserver's preload list
 from tests import (grading_mistakes_03_05, grading_other_ways, grading_probe_mistakes,
-                   grading_probe_r3, grading_probe_r4, grading_solutions)
+                   grading_probe_r3, grading_probe_r4, grading_probe_r5, grading_solutions)
 from tests.grading_other_ways import CRASHES
 from tests.grading_solutions import ALTERNATIVES, MISTAKES
 from tests.test_planted_bugs import patched  # a limit in runner.RANK_LIMITS, sent to the ranks
@@ -49,11 +49,15 @@ MISTAKES_03_05 = "tests.grading_mistakes_03_05"
 PROBED = "tests.grading_probe_mistakes"
 PROBED_R3 = "tests.grading_probe_r3"
 PROBED_R4 = "tests.grading_probe_r4"
+PROBED_R5 = "tests.grading_probe_r5"
+PROBE_ROUNDS = ((PROBED_R3, grading_probe_r3), (PROBED_R4, grading_probe_r4), (PROBED_R5,
+                                                                               grading_probe_r5))
 # the words a verdict must not say, of every module of mistakes
 MUST_NOT = {
     **grading_probe_mistakes.MUST_NOT,
     **grading_probe_r3.MUST_NOT,
-    **grading_probe_r4.MUST_NOT
+    **grading_probe_r4.MUST_NOT,
+    **grading_probe_r5.MUST_NOT
 }
 
 
@@ -83,7 +87,7 @@ class _GradeChapter:
             [(e, (PROBED, f), words)
              for c, e, f, words in grading_probe_mistakes.MISTAKES if c == cls.chapter] + \
             [(e, (where, f), words)
-             for where, module_ in ((PROBED_R3, grading_probe_r3), (PROBED_R4, grading_probe_r4))
+             for where, module_ in PROBE_ROUNDS
              for c, e, f, words in module_.MISTAKES if c == cls.chapter]
         crash, function, _, _ = CRASHES[cls.chapter]
         # the mistakes last: one that ends its rank (01's SIGSEGV) then needs no new world for
@@ -157,7 +161,8 @@ class _GradeChapter:
 class GradeChapter01(_GradeChapter, unittest.TestCase):
     """Data parallel, 4 ranks (dp 2 x tp 2: the group is not the world), 3 steps of 2
     micro-batches a job: 3 solutions, rank 1's os._exit (a second world grades the rest), 3
-    written another way, 2 mistakes (one a SIGSEGV: a third world), 10 variants, 3 stubs."""
+    written another way, 3 mistakes (one a SIGSEGV: a third world; one a division while its
+    all-reduce is in flight), 10 variants, 3 stubs."""
     chapter = "01"
 
 
@@ -173,8 +178,8 @@ class GradeChapter03(_GradeChapter, unittest.TestCase):
     """Tensor parallel, 2 ranks (tp 2; the grader's 4, tp 2 x dp 2, in GradeOverTheTpGroup and
     the mutation run), 2 steps without and 2 with sequence parallel a job (stopped at the first
     wrong call), every call's forward and backward checked on its rank: 3 solutions, rank 1
-    killed (SIGKILL; a second world grades the rest), 4 written another way, 1 mistake, 12
-    variants, 3 stubs."""
+    killed (SIGKILL; a second world grades the rest), 4 written another way, 3 mistakes (two a
+    loss returned in bf16), 12 variants, 3 stubs."""
     chapter = "03"
     # at 4 ranks the class took 42 s of CPU, at 2 ranks 22 s; only a wrong group needs the 4
     world = 2
@@ -235,7 +240,7 @@ class GradeChapter06b(_GradeChapter, unittest.TestCase):
 class GradeChapter08(_GradeChapter, unittest.TestCase):
     """The loss scale, 2 ranks, 8 steps a job, then direct calls (a group of each rank alone,
     agree=False): the library's run, 2 solutions, rank 1's segfault (a second world, its own
-    library run, grades the rest), 2 written another way, 3 mistakes only the direct calls
+    library run, grades the rest), 2 written another way, 4 mistakes only the direct calls
     see, 6 variants, 2 stubs."""
     chapter = "08"
 
