@@ -52,6 +52,8 @@ PROBED_R3 = "tests.grading_probe_r3"
 PROBED_R4 = "tests.grading_probe_r4"
 PROBED_R5 = "tests.grading_probe_r5"
 PROBED_R5_MAIN = "tests.grading_probe_r5_main"
+PROBE_ROUNDS = ((PROBED_R3, grading_probe_r3), (PROBED_R4, grading_probe_r4),
+                (PROBED_R5, grading_probe_r5), (PROBED_R5_MAIN, grading_probe_r5_main))
 # the words a verdict must not say, of every module of mistakes
 MUST_NOT = {
     **grading_probe_mistakes.MUST_NOT,
@@ -88,9 +90,7 @@ class _GradeChapter:
             [(e, (PROBED, f), words)
              for c, e, f, words in grading_probe_mistakes.MISTAKES if c == cls.chapter] + \
             [(e, (where, f), words)
-             for where, module_ in ((PROBED_R3, grading_probe_r3), (PROBED_R4, grading_probe_r4),
-                                    (PROBED_R5, grading_probe_r5),
-                                    (PROBED_R5_MAIN, grading_probe_r5_main))
+             for where, module_ in PROBE_ROUNDS
              for c, e, f, words in module_.MISTAKES if c == cls.chapter]
         crash, function, _, _ = CRASHES[cls.chapter]
         # the mistakes last: one that ends its rank (01's SIGSEGV) then needs no new world for
@@ -164,7 +164,8 @@ class _GradeChapter:
 class GradeChapter01(_GradeChapter, unittest.TestCase):
     """Data parallel, 4 ranks (dp 2 x tp 2: the group is not the world), 3 steps of 2
     micro-batches a job: 3 solutions, rank 1's os._exit (a second world grades the rest), 3
-    written another way, 2 mistakes (one a SIGSEGV: a third world), 10 variants, 3 stubs."""
+    written another way, 3 mistakes (one a SIGSEGV: a third world; one a division while its
+    all-reduce is in flight), 10 variants, 3 stubs."""
     chapter = "01"
 
 
@@ -180,8 +181,8 @@ class GradeChapter03(_GradeChapter, unittest.TestCase):
     """Tensor parallel, 2 ranks (tp 2; the grader's 4, tp 2 x dp 2, in GradeOverTheTpGroup and
     the mutation run), 2 steps without and 2 with sequence parallel a job (stopped at the first
     wrong call), every call's forward and backward checked on its rank: 3 solutions, rank 1
-    killed (SIGKILL; a second world grades the rest), 4 written another way, 1 mistake, 12
-    variants, 3 stubs."""
+    killed (SIGKILL; a second world grades the rest), 4 written another way, 3 mistakes (two a
+    loss returned in bf16), 12 variants, 3 stubs."""
     chapter = "03"
     # at 4 ranks the class took 42 s of CPU, at 2 ranks 22 s; only a wrong group needs the 4
     world = 2
@@ -242,7 +243,7 @@ class GradeChapter06b(_GradeChapter, unittest.TestCase):
 class GradeChapter08(_GradeChapter, unittest.TestCase):
     """The loss scale, 2 ranks, 8 steps a job, then direct calls (a group of each rank alone,
     agree=False): the library's run, 2 solutions, rank 1's segfault (a second world, its own
-    library run, grades the rest), 2 written another way, 3 mistakes only the direct calls
+    library run, grades the rest), 2 written another way, 4 mistakes only the direct calls
     see, 6 variants, 2 stubs."""
     chapter = "08"
 

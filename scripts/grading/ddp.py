@@ -10,7 +10,9 @@ holds them (``ParamMap.scatter``); the gradients each rank handed ``average_grad
 losses, grad norms and final weights; for the bucketed wrapper each bucket launch (how many of
 its gradients had arrived, inside backward or not), each hook's call (a full bucket left
 unlaunched) and which works the learner waited for. ``launch_full_buckets`` is also called on
-states where several buckets are full at once (ddp_calls.py); the parent says what is wrong.
+states where several buckets are full at once (ddp_calls.py), ``average_gradients`` on known
+values, watched for a tensor touched while its all-reduce is in flight (ddp_race.py); the parent
+says what is wrong.
 """
 
 import copy
@@ -28,7 +30,9 @@ from scaletorch.trainer import Config, Trainer, parse_args
 from scaletorch.trainer.param_map import ParamMap
 from scaletorch.trainer.parity import max_norm_diff, reference_trainer
 from scaletorch.trainer.precision import NORM_TOLERANCES, TOLERANCES
-from scripts.grading.ddp_calls import apart_cause, call_diagnosis, calls
+from scripts.grading.ddp_calls import (apart_cause, call_diagnosis, calls, launch_diagnosis,
+                                       wait_diagnosis)
+from scripts.grading.ddp_race import race_probe, race_text
 from scripts.grading.learner import (LEARNER_ERRORS, Source, failure, is_hang, is_unwritten, load,
                                      patched)
 from scripts.grading.runner import collective_timeout, run_world, streamed
@@ -165,6 +169,8 @@ def rank_jobs(rank: int, world: int, jobs: List[Dict[str, Source]]) -> List[Dict
                     record["calls"] = calls(fn)
                 with patched(_instrumented(exercise, fn, record)):
                     measured = _train(cfg, pgm, IMPL[exercise], ref)
+                if exercise == "average_gradients":  # a race the run's values cannot name
+                    record["race"] = race_probe(fn, pgm.gradient_sync_group)
             except LEARNER_ERRORS as err:  # a diagnosis, sys.exit() too
                 if is_hang(err):
                     raise  # a collective timed out: the world cannot go on (runner.py)
@@ -275,6 +281,10 @@ def gradient_diagnosis(runs: List[Dict[str, Any]], ref: Dict[str, Any]) -> Optio
     tol = GRAD_TOL * top
     if not any(_off(run["grads"], run["want"], tol) for run in runs):
         return None
+    if race_text(runs):  # measured in the call on its own: the cause, whatever the factors
+        told = ", ".join(f"rank {r}'s {_scale(run['grads'], run['want']):.3f}x"
+                         for r, run in enumerate(runs))
+        return f"the gradients are off the reference ({told}); called on its own, {race_text(runs)}"
     text = mixing_diagnosis(runs)
     if text:
         return text
@@ -299,11 +309,14 @@ def gradient_diagnosis(runs: List[Dict[str, Any]], ref: Dict[str, Any]) -> Optio
         return (f"gradients are {scales[0]:.2f}x the reference on every rank: divided by N = "
                 f"{DP} twice, or by the world's {len(runs)} ranks? the all-reduce sums over "
                 f"the group, divide once by its size")
+    told = ", ".join(f"rank {r}'s {s:.3f}x" for r, s in enumerate(scales))
     for r, run in enumerate(runs):
         off = _off(run["grads"], run["want"], tol)
         if off:
             return (f"rank {r}'s gradients are {scales[r]:.3f}x the reference, {len(off)} of "
-                    f"{len(names)} parameters off, first {off[0]}")
+                    f"{len(names)} parameters off, first {off[0]} (all ranks: {told}): look at "
+                    f"what each gradient is summed and divided by, and in which order: a "
+                    f"division while its all-reduce is in flight gives factors like these")
     return None
 
 
@@ -324,52 +337,6 @@ def parity_diagnosis(runs: List[Dict[str, Any]], ref: Dict[str, Any]) -> Optiona
     return None
 
 
-def launch_diagnosis(runs: List[Dict[str, Any]]) -> Optional[str]:
-    for run in runs:
-        seen: Dict[Tuple[int, int], int] = {}
-        for step, bucket, ready, size, _ in run["launches"]:
-            if ready < size:
-                return (f"bucket {bucket}'s all-reduce started with {ready} of its {size} "
-                        f"gradients: launch a bucket only when its last gradient has arrived")
-            seen[(step, bucket)] = seen.get((step, bucket), 0) + 1
-        if not seen:  # (a launch that never runs: its buckets are left to the wait)
-            return ("no bucket's all-reduce started during backward: launch each bucket as "
-                    "soon as its last gradient has arrived")
-        (step, bucket), times = max(seen.items(), key=lambda kv: kv[1])
-        if times > 1:
-            return (f"bucket {bucket} was all-reduced {times} times in step {step}: return the "
-                    f"index of the next bucket to launch, past the ones you launched")
-        if not any(inside for *_, inside in run["launches"]):
-            n = len({b for _, b, *_ in run["launches"]})
-            return (f"none of the {n} buckets started its all-reduce during backward: launch "
-                    f"each as soon as it is full, so that it overlaps the rest of backward")
-    return None
-
-
-def wait_diagnosis(runs: List[Dict[str, Any]]) -> Optional[str]:
-    skipped = {
-        rank: sorted({k
-                      for waits in run["waits"]
-                      for k, n in enumerate(waits) if n == 0})
-        for rank, run in enumerate(runs)
-    }
-    buckets = len(runs[0]["waits"][0]) if runs[0]["waits"] else 0
-    if all(len(s) == buckets for s in skipped.values()):
-        return ("no rank waited for any bucket's all-reduce before the step: the optimizer "
-                "read gradients still in flight; call wait() on every work")
-    lazy = [rank for rank, s in skipped.items() if len(s) == buckets]
-    if lazy:
-        busy = [rank for rank in skipped if rank not in lazy]
-        return (f"rank{'s' if len(lazy) > 1 else ''} {_ranks(lazy)} waited for no bucket, rank"
-                f"{'s' if len(busy) > 1 else ''} {_ranks(busy)} for all: every rank must wait "
-                f"before its own step")
-    for rank, s in skipped.items():
-        if s:
-            return (f"bucket {s[-1]} of 0-{buckets - 1} was never waited for (rank {rank}): "
-                    f"wait for every bucket, the last one launched too")
-    return None
-
-
 def diagnose(exercise: str, runs: List[Dict[str, Any]], ref: Dict[str, Any]) -> Verdict:
     """The verdict of one exercise from every rank's measurements of its job."""
     failed = error_verdict(exercise, runs)
@@ -380,7 +347,11 @@ def diagnose(exercise: str, runs: List[Dict[str, Any]], ref: Dict[str, Any]) -> 
         "wait_for_buckets": wait_diagnosis
     }
     text = special[exercise](runs) if exercise in special else None
-    text = text or gradient_diagnosis(runs, ref) or parity_diagnosis(runs, ref)
+    text = text or gradient_diagnosis(runs, ref)
+    if text is None and race_text(runs):  # the race went well in step 0, or in every step
+        text = f"{parity_diagnosis(runs, ref) or 'the run matches'}; called on its own, " \
+            f"{race_text(runs)}"
+    text = text or parity_diagnosis(runs, ref)
     return Verdict(exercise, text is None, text or "passed")
 
 

@@ -3,10 +3,11 @@
 In chapter 01's run gradients arrive in bucket order, one bucket filling per hook, so an ``if``
 for the ``while`` launches the same buckets there. A hook may see several full buckets at once
 (gradients out of bucket order, a bucket of unused parameters): ``CASES`` are such states, each
-called with a launch that records, and compared with what the docstring asks.
+called with a launch that records, and compared with what the docstring asks. Here too the
+diagnoses of the bucketed run's launches and waits (``launch_diagnosis``, ``wait_diagnosis``).
 """
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -80,3 +81,53 @@ def apart_cause(runs: List[Dict[str, Any]], peers: List[int], name: str) -> str:
         said.append(f"rank {r}'s is {label or 'none of its own, the group sum or mean'}")
     return ", ".join(said) + ("; no rank all-reduced it: every gradient goes through the "
                               "all-reduce" if kept else "")
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return ", ".join(str(r) for r in ranks)
+
+
+def launch_diagnosis(runs: List[Dict[str, Any]]) -> Optional[str]:
+    for run in runs:
+        seen: Dict[Tuple[int, int], int] = {}
+        for step, bucket, ready, size, _ in run["launches"]:
+            if ready < size:
+                return (f"bucket {bucket}'s all-reduce started with {ready} of its {size} "
+                        f"gradients: launch a bucket only when its last gradient has arrived")
+            seen[(step, bucket)] = seen.get((step, bucket), 0) + 1
+        if not seen:  # (a launch that never runs: its buckets are left to the wait)
+            return ("no bucket's all-reduce started during backward: launch each bucket as "
+                    "soon as its last gradient has arrived")
+        (step, bucket), times = max(seen.items(), key=lambda kv: kv[1])
+        if times > 1:
+            return (f"bucket {bucket} was all-reduced {times} times in step {step}: return the "
+                    f"index of the next bucket to launch, past the ones you launched")
+        if not any(inside for *_, inside in run["launches"]):
+            n = len({b for _, b, *_ in run["launches"]})
+            return (f"none of the {n} buckets started its all-reduce during backward: launch "
+                    f"each as soon as it is full, so that it overlaps the rest of backward")
+    return None
+
+
+def wait_diagnosis(runs: List[Dict[str, Any]]) -> Optional[str]:
+    skipped = {
+        rank: sorted({k
+                      for waits in run["waits"]
+                      for k, n in enumerate(waits) if n == 0})
+        for rank, run in enumerate(runs)
+    }
+    buckets = len(runs[0]["waits"][0]) if runs[0]["waits"] else 0
+    if all(len(s) == buckets for s in skipped.values()):
+        return ("no rank waited for any bucket's all-reduce before the step: the optimizer "
+                "read gradients still in flight; call wait() on every work")
+    lazy = [rank for rank, s in skipped.items() if len(s) == buckets]
+    if lazy:
+        busy = [rank for rank in skipped if rank not in lazy]
+        return (f"rank{'s' if len(lazy) > 1 else ''} {_ranks(lazy)} waited for no bucket, rank"
+                f"{'s' if len(busy) > 1 else ''} {_ranks(busy)} for all: every rank must wait "
+                f"before its own step")
+    for rank, s in skipped.items():
+        if s:
+            return (f"bucket {s[-1]} of 0-{buckets - 1} was never waited for (rank {rank}): "
+                    f"wait for every bucket, the last one launched too")
+    return None

@@ -272,6 +272,21 @@ def _ranks(flags: List[bool]) -> str:
     return ", ".join(f"rank {r} {f}" for r, f in enumerate(flags))
 
 
+def agree_false_missed(runs: List[Dict[str, Any]], k: int) -> str:
+    """The holder missed probe ``k``'s value with agree=False, though every probe before it (an
+    inf, a NaN, a -inf, with agree=True) was found: the agree=False path skips the check."""
+    bad = PROBES[k][2]
+    found = [what for what, where, held, _ in PROBES[:k] if held >= 0 and where is not None]
+    scaled = [r for r, run in enumerate(runs) if run["probes"][k]["unchanged"]]
+    unscaled = (f", and rank{'s' if len(scaled) > 1 else ''} {', '.join(map(str, scaled))} "
+                f"got {'their' if len(scaled) > 1 else 'its'} gradients back not divided by "
+                f"the scale") if scaled else ""
+    return (f": rank {bad}, which holds it, did not find it with agree=False, yet with "
+            f"agree=True the check found every one ({'; '.join(found)}){unscaled}: look at "
+            f"what unscale_and_check does when agree is False; it unscales and checks every "
+            f"gradient whatever agree is, and only the all-reduce of the flag is skipped")
+
+
 def probe_diagnosis(runs: List[Dict[str, Any]]) -> Optional[str]:
     """What the direct calls of unscale_and_check (``PROBES``) measured: each rank's flag
     against the flag its group should agree on, then its gradients against grads / scale. A
@@ -289,6 +304,8 @@ def probe_diagnosis(runs: List[Dict[str, Any]]) -> Optional[str]:
             return text + ": no gradient held an inf or a NaN"
         if not flags[bad] and agreement_lost(runs):  # it finds it alone: the agreement
             return f"{text}; {agreement_lost(runs)}"
+        if not flags[bad] and where is None and k > 0:  # the probes before it all matched
+            return text + agree_false_missed(runs, k)
         if not flags[bad]:  # the rank that holds it did not see it
             return text + f": rank {bad}, which holds it, did not find it; look at every " \
                 "element of every gradient (torch.isfinite finds inf and NaN alike)"

@@ -10,9 +10,10 @@ communicates over the world (``dist.get_world_size()``, no group) sums or gather
 replica's data too, and each call is also compared with the library's over the world, to say
 so. The run goes on with the library's answer, so the ranks stay in step whatever the learner
 returned; the first difference is the diagnosis. The ranks agree by one all-reduce over the
-world whether to go on to sequence parallel. The cross-entropy is first given probes: logits
-near 100 (exp overflows fp32), targets in one rank's shard at a time, shards whose largest
-logits differ, and an output gradient of ``GRAD_OUTPUT``, not 1 (a backward must scale by it).
+world whether to go on to sequence parallel. The cross-entropy is first given probes: fp32 and
+bf16 logits (its loss is fp32 whatever they are), logits near 100 (exp overflows fp32), targets
+in one rank's shard at a time, shards whose largest logits differ, and an output gradient of
+``GRAD_OUTPUT``, not 1 (a backward must scale by it) (tensor_probes.py gives the first two).
 A region that passed is then given the dp groups, whose ranks are not blocks of the world
 (tensor_groups.py: a chunk taken by the world rank modulo the group's size fails there).
 """
@@ -24,7 +25,7 @@ import torch.distributed as dist
 
 from scaletorch.dist import comm, destroy_pg_manager, init_pg_manager_from_config
 from scaletorch.dist.split_regions import split_along_dim
-from scaletorch.models import build_model, loss_fn
+from scaletorch.models import build_model
 from scaletorch.parallel import tensor_parallel, tensor_parallel_layers
 from scaletorch.parallel.data_parallel import apply_data_parallel
 from scaletorch.parallel.tensor_parallel import (apply_tensor_parallel,
@@ -34,6 +35,7 @@ from scaletorch.trainer import Config, Trainer, parse_args
 from scripts.grading.learner import Source, load, patched
 from scripts.grading.runner import collective_timeout, run_jobs
 from scripts.grading.tensor_groups import probe_strided
+from scripts.grading.tensor_probes import close, dtype_off, probe, ranks_off
 from scripts.grading.verdicts import Verdict, grade_found
 
 CHAPTER = "03"
@@ -42,9 +44,6 @@ LIBRARY = "scaletorch.parallel.tensor_parallel_layers"
 WORLD = 4  # tp 2 x dp 2: the tp group the functions are given is not the world
 AGAINST = "the library's calls"  # what the jobs are compared with
 STEPS = 2
-# fp32: a learner's all-reduce or loss may add the same numbers in another order, a few ulps of
-# values below 10 (ulp at 8: 9.5e-7); a wrong operator is off by a factor or a shape.
-RTOL, ATOL = 1e-5, 1e-5
 # the probe's output gradient: a backward that ignores it returns 1 / GRAD_OUTPUT times the
 # gradient, a factor no other mistake of the probe gives (the token count is 8)
 GRAD_OUTPUT = 0.375
@@ -57,16 +56,12 @@ NAMES = {
 }
 
 
-def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and torch.allclose(a.float(), b.float(), rtol=RTOL, atol=ATOL)
-
-
 def _ratio(got: torch.Tensor, want: torch.Tensor) -> Optional[float]:
     """r if got = r x want (a factor the learner's mistake multiplied by), else None."""
     if got.shape != want.shape or float(want.abs().max()) == 0.0:
         return None
     r = float((got * want).sum() / (want * want).sum())
-    return r if _close(got, r * want) else None
+    return r if close(got, r * want) else None
 
 
 def _over_world(op: str, what: str, group: Any) -> str:
@@ -81,15 +76,15 @@ def forward_text(exercise: str, sp: bool, x: torch.Tensor, got: torch.Tensor, wa
     """What is wrong with one call's forward, None if right. ``world``: the library's answer
     over the whole world (a group that is not the tp group)."""
     op = NAMES[(exercise, sp)]
-    if _close(got, want):
+    if close(got, want):
         return None
-    if world is not None and not _close(world, want) and _close(got, world):
+    if world is not None and not close(world, want) and close(got, world):
         return _over_world(op, "forward", group)
     if got.shape != want.shape:
         what = "all-gather" if exercise == "enter_region" else "reduce-scatter"
         return (f"{op} returned {tuple(got.shape)} for an input {tuple(x.shape)}, the library "
                 f"{tuple(want.shape)}: {what} the sequence, dim 1 of (b, s, h)")
-    if exercise == "exit_region" and _close(got, split_along_dim(x, 1, group) if sp else x):
+    if exercise == "exit_region" and close(got, split_along_dim(x, 1, group) if sp else x):
         return (f"{op} returned this rank's own partial output: sum the row-parallel shards' "
                 f"outputs over tp ({'reduce-scatter' if sp else 'all-reduce'})")
     r = _ratio(got, want)
@@ -110,11 +105,11 @@ def backward_text(exercise: str, sp: bool, dy: torch.Tensor, got: Optional[torch
     if got is None:
         return (f"{op}'s output carries no gradient back: torch.distributed's collectives are "
                 f"invisible to autograd, so write a torch.autograd.Function")
-    if _close(got, want):
+    if close(got, want):
         return None
-    if world is not None and not _close(world, want) and _close(got, world):
+    if world is not None and not close(world, want) and close(got, world):
         return _over_world(op, "backward", group)
-    if exercise == "enter_region" and _close(got, split_along_dim(dy, 1, group) if sp else dy):
+    if exercise == "enter_region" and close(got, split_along_dim(dy, 1, group) if sp else dy):
         if sp:
             return ("g's backward kept this rank's chunk of the gradient without summing it: "
                     "reduce-scatter it over tp (sum the ranks' partial gradients, then split)")
@@ -172,71 +167,9 @@ class _Compared(torch.autograd.Function):
         return dx_want, None, None, None, None, None
 
 
-def _probe(
-    fn: Callable, logits: torch.Tensor, targets: torch.Tensor, group: Any, grad_output: float = 1.0
-) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
-    """(learner's loss, its gradient of this rank's shard, the reference loss and gradient) of
-    full logits (b, s, V) computed on one device, this rank holding its vocabulary shard; the
-    loss's output gradient is ``grad_output``."""
-    rank, n = comm.group_rank(group), comm.group_size(group)
-    full = logits.clone().requires_grad_()
-    want = loss_fn(full, targets)
-    want_grad, = torch.autograd.grad(want, full, torch.tensor(grad_output))
-    mine = logits.chunk(n, dim=-1)[rank].clone().requires_grad_()
-    got = fn(mine, targets.clone(), group)
-    grad = torch.autograd.grad(got, mine, torch.full_like(got, grad_output))[0] \
-        if got.requires_grad else None
-    return got.detach(), grad, want.detach(), want_grad.chunk(n, dim=-1)[rank]
-
-
-def _ranks_off(fn: Callable, group: Any, vocab: int) -> Optional[str]:
-    """Which world ranks' loss is off for targets in every shard, when they are exactly the
-    ranks whose world rank is not their tp rank and each equals the loss of shards offset by
-    the world rank (r V/tp with r = dist.get_rank()): that, else None (one all-reduce over the
-    world, on every rank alike)."""
-    n, t, world = comm.group_size(group), comm.group_rank(group), dist.get_world_size()
-    shard, gen = vocab // n, torch.Generator().manual_seed(1)
-    members = dist.get_process_group_ranks(group) if group is not None else list(range(world))
-    logits = torch.randn(2, 4, vocab, generator=gen)
-    targets = torch.arange(8).view(2, 4) * vocab // 8  # ids in every shard
-    got, _, want, _ = _probe(fn, logits, targets, group)
-    # shard s's rank takes a target's logit at target - members[s] V/tp, when in its shard
-    local = targets.unsqueeze(-1) - torch.tensor(members) * shard  # (2, 4, n)
-    held = (local >= 0) & (local < shard)
-    ids = torch.arange(n) * shard + local.clamp(0, shard - 1)
-    # a target no rank holds adds 0 to the target logit: to the logit itself, or to the logit
-    # less the max when the code shifts before it picks (both are right when a rank holds it)
-    offset = [(torch.logsumexp(x, -1) - (x.gather(-1, ids) * held).sum(-1)).mean()
-              for x in (logits, logits - logits.amax(-1, keepdim=True))]
-    seen = torch.zeros(world, 3 + world)  # (rank, [off, world-rank offset, its tp rank, members])
-    me = dist.get_rank()
-    seen[me, :3] = torch.tensor(
-        [float(not _close(got, want)),
-         float(any(_close(got, o) for o in offset)), t])
-    seen[me, 3 + torch.tensor(members)] = 1.0
-    comm.all_reduce(seen, None)
-    groups = [[k for k in range(world) if seen[r, 3 + k]] for r in range(world)]
-    off = [r for r in range(world) if seen[r, 0]]
-    # a tp group's loss is its ranks' sum: off wherever one of its ranks' world rank is not its
-    # tp rank
-    moved = [r for r in range(world) if any(int(seen[k, 2]) != k for k in groups[r])]
-    if not off or off != moved or not all(seen[r, 1] for r in off):
-        return None
-
-    def named(ranks: List[int]) -> str:
-        return " and ".join(map(str, ranks))
-
-    where = ", ".join(f"rank {r}: tp rank {int(seen[r, 2])} of the tp group {groups[r]}"
-                      for r in off)
-    right = [r for r in range(world) if r not in off]
-    return (f"the loss is off on ranks {named(off)} ({where}) and right on ranks {named(right)}, "
-            f"whose world rank is their tp rank: it is the loss of shards offset by the world "
-            f"rank (dist.get_rank()), not the tp group's; take the rank from ``group``")
-
-
 def probe_cross_entropy(fn: Callable, group: Any, vocab: int) -> Optional[str]:
     """The diagnosis of the first probe the learner's cross-entropy fails, None if none."""
-    seen = _ranks_off(fn, group, vocab)
+    seen = dtype_off(fn, group, vocab) or ranks_off(fn, group, vocab)
     if seen is not None:
         return seen
     n, gen = comm.group_size(group), torch.Generator().manual_seed(0)
@@ -245,29 +178,29 @@ def probe_cross_entropy(fn: Callable, group: Any, vocab: int) -> Optional[str]:
     for r in range(n):  # every shard's largest logit 10: this rank's max is the global max
         logits[..., r * shard] = 10.0
     zeros = torch.zeros(2, 4, dtype=torch.long)
-    got, _, want, _ = _probe(fn, 100.0 + logits, zeros, group)
+    got, _, want, _ = probe(fn, 100.0 + logits, zeros, group)
     # the library's loss over the world, on every rank alike: what a wrong group gives
     world = LIBRARY_FNS["vocab_parallel_cross_entropy"](
         (100.0 + logits).chunk(n, dim=-1)[comm.group_rank(group)], zeros, dist.group.WORLD)
-    if not _close(got, want) and _close(got, world.detach()):
+    if not close(got, want) and close(got, world.detach()):
         return (f"the loss is {float(got):.4f}, not {float(want):.4f}, and equals the library's "
                 f"over the whole world ({dist.get_world_size()} ranks), not over the tp group it "
                 f"is given ({n} ranks): communicate over ``group``, and take sizes and ranks "
                 f"from it")
     # an overflow only if the same logits 100 lower give the right loss; else the later probes
     # say what else is wrong (called on every rank: the ranks call the same collectives)
-    low, _, low_want, _ = _probe(fn, logits, zeros, group)
+    low, _, low_want, _ = probe(fn, logits, zeros, group)
     if not bool(torch.isfinite(got)):
-        if _close(low, low_want):
+        if close(low, low_want):
             return (f"the loss of logits near 100 is {float(got):.4g}, not {float(want):.4f}, "
                     f"and right for the same logits 100 lower: exp(100) overflows fp32; "
                     f"subtract the max over all tp ranks first")
     wrong, ratios = [], []
     for r in range(n):  # every target in rank r's shard
         targets = torch.randint(r * shard, (r + 1) * shard, (2, 4), generator=gen)
-        got, _, want, _ = _probe(fn, logits, targets, group)
+        got, _, want, _ = probe(fn, logits, targets, group)
         ratios.append(float(got / want))
-        if not _close(got, want):
+        if not close(got, want):
             wrong.append(f"rank {r}'s (ids {r * shard}-{(r + 1) * shard - 1})")
     tokens = zeros.numel()
     if len(wrong) == n and max(ratios) - min(ratios) < 1e-4 * abs(ratios[0]):  # one factor
@@ -281,15 +214,15 @@ def probe_cross_entropy(fn: Callable, group: Any, vocab: int) -> Optional[str]:
                 f"id, and add 0 on the ranks that do not hold it")
     targets = torch.randint(0, vocab, (2, 4), generator=gen)
     skewed = logits + 4.0 * torch.arange(vocab).div(shard, rounding_mode="floor")  # max 10 + 4r
-    got, _, want, _ = _probe(fn, skewed, targets, group)
-    if not _close(got, want):
+    got, _, want, _ = probe(fn, skewed, targets, group)
+    if not close(got, want):
         return (f"the loss is right when every rank's largest logit is the same, and "
                 f"{float(got):.4f}, not {float(want):.4f}, when they differ: shift by the max "
                 f"over all tp ranks (all-reduce MAX), not by this rank's")
-    got, _, want, _ = _probe(fn, 100.0 + logits, zeros, group)
-    if not _close(got, want):  # finite, right in the probes above, wrong near 100
+    got, _, want, _ = probe(fn, 100.0 + logits, zeros, group)
+    if not close(got, want):  # finite, right in the probes above, wrong near 100
         return f"the loss of logits near 100 is {float(got):.6g}, not {float(want):.6f}"
-    got, grad, want, want_grad = _probe(fn, logits, targets, group, GRAD_OUTPUT)
+    got, grad, want, want_grad = probe(fn, logits, targets, group, GRAD_OUTPUT)
     if grad is None:
         return "the loss carries no gradient back to the logits: write a torch.autograd.Function"
     r, tokens = _ratio(grad, want_grad), targets.numel()
@@ -302,7 +235,7 @@ def probe_cross_entropy(fn: Callable, group: Any, vocab: int) -> Optional[str]:
                 f"so its gradient is (softmax - one_hot) / {tokens}")
     if r is not None and abs(r - 1.0) > 1e-3:
         return f"{head} {r:.2f}x the library's"
-    if not _close(grad, want_grad):
+    if not close(grad, want_grad):
         return f"{head} {float((grad - want_grad).abs().max()):.1e} off the library's"
     return None
 
@@ -319,7 +252,7 @@ def _cross_entropy_checked(fn: Callable, found: List[str]) -> Callable:
         theirs = logits.detach().requires_grad_()
         want = library(theirs, targets, group)
         want_grad, = torch.autograd.grad(want, theirs)
-        if not found and not (_close(got, want) and grad is not None and _close(grad, want_grad)):
+        if not found and not (close(got, want) and grad is not None and close(grad, want_grad)):
             found.append(f"the loss {float(got):.6f} (the library {float(want):.6f}) or its "
                          f"gradient differs in the run")
         return library(logits, targets, group)
