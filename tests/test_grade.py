@@ -22,7 +22,7 @@ from scripts.grading import ring_waits, runner, tensor
 from scripts.grading.variants import CATALOGUE, HANGS, STOPPING, source
 from tests import harness  # noqa: F401 - sets the forkserver's preload list
 from tests import (grading_mistakes_03_05, grading_other_ways, grading_probe_mistakes,
-                   grading_probe_r3, grading_probe_r4, grading_solutions)
+                   grading_probe_r3, grading_probe_r4, grading_probe_r5, grading_solutions)
 from tests.grading_other_ways import CRASHES
 from tests.grading_solutions import ALTERNATIVES, MISTAKES
 from tests.test_planted_bugs import patched  # a limit in runner.RANK_LIMITS, sent to the ranks
@@ -49,11 +49,13 @@ MISTAKES_03_05 = "tests.grading_mistakes_03_05"
 PROBED = "tests.grading_probe_mistakes"
 PROBED_R3 = "tests.grading_probe_r3"
 PROBED_R4 = "tests.grading_probe_r4"
+PROBED_R5 = "tests.grading_probe_r5"
 # the words a verdict must not say, of every module of mistakes
 MUST_NOT = {
     **grading_probe_mistakes.MUST_NOT,
     **grading_probe_r3.MUST_NOT,
-    **grading_probe_r4.MUST_NOT
+    **grading_probe_r4.MUST_NOT,
+    **grading_probe_r5.MUST_NOT
 }
 
 
@@ -83,7 +85,8 @@ class _GradeChapter:
             [(e, (PROBED, f), words)
              for c, e, f, words in grading_probe_mistakes.MISTAKES if c == cls.chapter] + \
             [(e, (where, f), words)
-             for where, module_ in ((PROBED_R3, grading_probe_r3), (PROBED_R4, grading_probe_r4))
+             for where, module_ in ((PROBED_R3, grading_probe_r3), (PROBED_R4, grading_probe_r4),
+                                    (PROBED_R5, grading_probe_r5))
              for c, e, f, words in module_.MISTAKES if c == cls.chapter]
         crash, function, _, _ = CRASHES[cls.chapter]
         # the mistakes last: one that ends its rank (01's SIGSEGV) then needs no new world for

@@ -4,14 +4,20 @@ kind of stop, its learner's frame, faulthandler's dump, the flight recorder's du
 whose collectives timed out), and verdicts.py's ``error_verdict`` of a job that raised. The
 cause leads: a rank still computing, or one outside any collective that the others timed out
 waiting for (asleep, in a call every rank of the world must make, stopped without a stack); a
-rank's own error before the backend's "connection closed" of its peers."""
+rank's own error before the backend's "connection closed" of its peers. One world, in CI's long
+phase: a rank asleep in chapter 08 (tests/grading_probe_r5.py)."""
 
 import unittest
 
+from scripts import grade
+from scripts.grading import runner
 from scripts.grading.learner import is_hang
 from scripts.grading.stop_reports import Stop, account
 from scripts.grading.verdicts import error_verdict
+from tests import grading_probe_r5
 from tests.test_file_kinds import DUMP_ENTRY
+from tests.test_grade import LONG, SHORT_COLLECTIVE_TIMEOUT
+from tests.test_planted_bugs import patched
 
 MINE = "/learner/02_fsdp.py"
 TORCH = "/site-packages/torch/distributed"
@@ -202,6 +208,24 @@ class ARanksOwnErrorLeads(unittest.TestCase):
     def test_gloos_timeout_that_closed_the_pair_is_a_hang_not_the_learners_error(self):
         # as gloo tells a wait that ran out on a loaded machine: the world cannot go on
         self.assertTrue(is_hang(RuntimeError("Application timeout caused pair closure")))
+
+
+# a world that waits out the collective timeout (8 s here) and the grader's grace: long phase
+@unittest.skipUnless(LONG, "long phase")
+class GradeARankAsleep(unittest.TestCase):
+    """Chapter 08, 2 ranks: rank 1 sleeps outside any collective, rank 0 times out waiting for
+    it in the next step's; rank 1 leads the verdict at the learner's line, not as a victim."""
+
+    def test_a_rank_asleep_outside_any_collective_is_the_cause(self):
+        chapter, exercise, function, words = grading_probe_r5.ASLEEP
+        module, _ = grade.CHAPTERS[chapter]
+        with patched(runner, "COLLECTIVE_TIMEOUT", SHORT_COLLECTIVE_TIMEOUT):
+            verdict, = module.grade([{exercise: ("tests.grading_probe_r5", function)}])
+        self.assertFalse(verdict.passed)
+        self.assertTrue(verdict.text.startswith(words), verdict.text)
+        self.assertIn("outside any collective, while the others waited for it", verdict.text)
+        for wrong in grading_probe_r5.MUST_NOT[function]:
+            self.assertNotIn(wrong, verdict.text)
 
 
 if __name__ == "__main__":
