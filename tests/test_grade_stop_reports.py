@@ -114,6 +114,10 @@ class TheCauseLeads(unittest.TestCase):
                             "collective, while the others waited for it"), text)
         self.assertIn("rank 0 timed out in all_reduce #93 of group 'dp' (ranks [0, 1])", text)
         self.assertNotIn("after another rank had left", text)
+        # a loop on a loaded machine, stopped before the CPU limit: its CPU told
+        stops[1].cpu = 12.4
+        self.assertIn("outside any collective after 12 s of CPU in this job, while",
+                      _verdict(stops, {0: _dump(0, "dp", [0, 1], 93, "all_reduce")}))
 
     def test_a_rank_in_a_call_of_the_whole_world_is_named_at_its_line(self):
         # rank 0 alone makes a group: the others wait in the grader's collectives for it

@@ -302,10 +302,11 @@ def _one_world(fn: Callable, world: int, jobs: Sequence[Dict[str, Source]], lead
         elif signalled:
             stop = Stop(
                 f"rank {r} made no progress (the grader's limit: {STALL_LIMIT:.0f} s waiting, "
-                f"{JOB_LIMIT:.0f} s a job), stopped in {where}", "no progress", where, stack)
+                f"{JOB_LIMIT:.0f} s a job), stopped in {where}", "no progress", where, stack,
+                spent_in_job[r])
         elif r in killed:
             stop = Stop(f"rank {r} was stopped in {where}, after another rank had left", "stopped",
-                        where, stack)
+                        where, stack, spent_in_job[r])
         else:
             stop = Stop(f"rank {r} ended with exit status {code}, without a result, in {where}",
                         "exit", where)

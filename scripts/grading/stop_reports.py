@@ -93,11 +93,12 @@ class Stop:
     kind ("died", "ended", "failed", "timed out" (its collective's wait ran out), "hang" (its
     peer left), "computing", "no progress", "stopped" (by the parent, after another rank had
     left), "exit"), the learner's terms of where it was, and faulthandler's dump of its stack
-    ("" if it wrote none)."""
+    ("" if it wrote none), the CPU it spent in the job."""
     text: str
     kind: str
     where: str
     stack: str = ""
+    cpu: float = 0.0  # seconds of CPU it spent in the job
 
 
 # torch.distributed's calls that wait for the other ranks of their group
@@ -228,4 +229,5 @@ def _outside(stop: Stop) -> str:
     call = f", in torch.distributed's {callee}" if callee else ""
     if callee in _WORLD_CALLS:
         call += " (every rank of the world must call it, whatever ranks the group holds)"
-    return f"was stopped in {stop.where}{call}, outside any collective"
+    busy = f" after {stop.cpu:.0f} s of CPU in this job" if stop.cpu >= 1 else ""
+    return f"was stopped in {stop.where}{call}, outside any collective{busy}"
