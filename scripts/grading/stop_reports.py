@@ -226,7 +226,10 @@ def _outside(stop: Stop) -> str:
     if not stop.stack.strip():
         return f"stopped in {stop.where}: it did not even write its stack when the grader asked"
     _, callee = torch_call(stop.stack)
-    call = f", in torch.distributed's {callee}" if callee else ""
+    package = "torch.distributed" if callee and re.search(
+        rf'torch[/\\]distributed[/\\][^"]*", line \d+ in {re.escape(callee)}\n', stop.stack) \
+        else "torch"
+    call = f", in {package}'s {callee}" if callee else ""
     if callee in _WORLD_CALLS:
         call += " (every rank of the world must call it, whatever ranks the group holds)"
     busy = f" after {stop.cpu:.0f} s of CPU in this job" if stop.cpu >= 1 else ""
