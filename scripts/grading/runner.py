@@ -7,8 +7,10 @@ timeout the backend would wait out), computes without end (``JOB_CPU_LIMIT`` s o
 (a segfault: faulthandler writes its Python stack; a SIGKILL leaves none: the job's function is
 named), ends its process (``os._exit``: the rank writes where first) or raises (``sys.exit()``
 too) costs only the job it was in. That job's
-verdict names the rank, what stopped it and the learner's frame it was in (stop_reports.py; for
-a collective that timed out, the flight recorder's account of the ranks and their collectives,
+verdict names the rank, what stopped it and the learner's frame it was in, the cause first (a
+rank that died, computed without end, or stood outside any collective while the others timed out
+waiting for it), the others' waits after it (stop_reports.account; else, for a collective that
+timed out, the flight recorder's account of the ranks and their collectives,
 scaletorch/dist/flight_recorder.py); a new world grades the jobs after it. The learner's
 functions and their errors are learner.py's; a job's verdict from its results, verdicts.py's;
 what a job leaves in its rank (torch's settings, its printed lines), job_state.py's.
