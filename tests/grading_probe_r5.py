@@ -1,12 +1,15 @@
 """Probe 54 round 5's learners' mistakes, as tests/test_grade.py grades them (one module for the
 round's helpers: each block its own)."""
 
+import time
+
 import torch
 import torch.distributed as dist
 
 from scaletorch.dist import comm
 from scaletorch.parallel import pipeline_schedules
 from scaletorch.parallel.loss_scale import unscale_and_check as library_unscale_and_check
+from scaletorch.parallel.loss_scale import update_scale as library_update_scale
 from scaletorch.parallel.tensor_parallel_layers import \
     vocab_parallel_cross_entropy as library_cross_entropy
 
@@ -57,7 +60,9 @@ def micro_batch_loss_interrupted_on_rank_2(loss, m):
 
 MISTAKES_04 = [("04", "micro_batch_loss", "micro_batch_loss_by_m_minus_1",
                 "divides it by 3 at m = 4 (1 at m = 2, 2 at m = 3, 4 at m = 5, 7 at m = 8): it "
-                "divides by m - 1")]
+                "divides by m - 1"),
+               ("04", "micro_batch_loss", "micro_batch_loss_interrupted_on_rank_2",
+                "micro_batch_loss raised on rank 2: KeyboardInterrupt (at grading_probe_r5.py:")]
 # (function, the words its verdict must hold): each graded in a world of its own (a hang or a
 # rank that stopped ends the world), in the long phase
 HANGS_04 = [("one_f_one_b", "one_f_one_b_last_steady_send_forgotten", [
@@ -67,14 +72,12 @@ HANGS_04 = [("one_f_one_b", "one_f_one_b_last_steady_send_forgotten", [
             ("one_f_one_b", "one_f_one_b_unanswered_send", [
                 "rank 0 waits in torch.distributed.send(to rank 1, tag 77) at grading_probe_r5.py:",
                 "rank 1 posts no receive for rank 0's torch.distributed.send(to rank 1, tag 77)"
-            ]),
-            ("micro_batch_loss", "micro_batch_loss_interrupted_on_rank_2",
-             ["micro_batch_loss raised on rank 2: KeyboardInterrupt (at grading_probe_r5.py:"])]
+            ])]
 MUST_NOT_04 = {
     "micro_batch_loss_by_m_minus_1": ["divided by p", "pipeline ranks"],
     "one_f_one_b_last_steady_send_forgotten": ["all receive first", "must send first"],
     "one_f_one_b_unanswered_send": ["all receive first", "__exit__", "run.py"],
-    "micro_batch_loss_interrupted_on_rank_2": ["Connection closed", "rank 0", "c10d"],
+    "micro_batch_loss_interrupted_on_rank_2": ["Connection closed", "rank 0", "c10d", "gloo"],
 }
 # ---- end of chapter 04 ----------------------------------------------------------------------
 
@@ -127,5 +130,24 @@ MUST_NOT_G14B = {
 }
 # ---- end of g14b ---------------------------------------------------------------------------
 
+# ---- who caused a hang: the cause leads the verdict, not its consequences (g14c) ------------
+
+
+def update_scale_sleeps_on_rank_1(scale, clean_steps, found_inf, growth_interval):
+    """Rank 1 sleeps an hour: no CPU, no collective; rank 0 waits for it in the next step's."""
+    if dist.get_rank() == 1:
+        time.sleep(3600)
+    return library_update_scale(scale, clean_steps, found_inf, growth_interval)
+
+
+# chapter, exercise, function, the words its verdict starts with (tests/test_grade_stop_reports.py's
+# long phase: rank 0 waits out the collective timeout)
+ASLEEP = ("08", "update_scale", "update_scale_sleeps_on_rank_1",
+          "update_scale: rank 1 was stopped in update_scale_sleeps_on_rank_1 (grading_probe_r5.py:")
+MUST_NOT_ASLEEP = {
+    "update_scale_sleeps_on_rank_1": ["after another rank had left", "flight recorder"]
+}
+# ---- end of g14c ---------------------------------------------------------------------------
+
 MISTAKES = [*MISTAKES_04, *MISTAKES_G14B]
-MUST_NOT = {**MUST_NOT_04, **MUST_NOT_G14B}
+MUST_NOT = {**MUST_NOT_04, **MUST_NOT_G14B, **MUST_NOT_ASLEEP}

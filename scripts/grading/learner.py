@@ -86,11 +86,15 @@ def is_unwritten(err: BaseException) -> bool:
     return any(isinstance(e, NotImplementedError) for e in _chain(err))
 
 
+# gloo's words for a wait that ran out or a peer that left ("Application timeout caused pair
+# closure": a wait that ran out, as gloo tells it on a loaded machine)
+_BACKEND = re.compile(r"imed out|peer|gloo|timeout caused pair closure")
+
+
 def is_hang(err: BaseException) -> bool:
     """A collective that timed out, or whose peer left: the world cannot go on."""
     return not is_unwritten(err) and any(
-        isinstance(e, dist.DistError) or re.search(r"imed out|peer|gloo", str(e)) is not None
-        for e in _chain(err))
+        isinstance(e, dist.DistError) or _BACKEND.search(str(e)) is not None for e in _chain(err))
 
 
 def failure(err: BaseException) -> str:

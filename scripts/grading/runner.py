@@ -7,8 +7,10 @@ timeout the backend would wait out), computes without end (``JOB_CPU_LIMIT`` s o
 (a segfault: faulthandler writes its Python stack; a SIGKILL leaves none: the job's function is
 named), ends its process (``os._exit``: the rank writes where first) or raises (``sys.exit()``
 too) costs only the job it was in. That job's
-verdict names the rank, what stopped it and the learner's frame it was in (stop_reports.py; for
-a collective that timed out, the flight recorder's account of the ranks and their collectives,
+verdict names the rank, what stopped it and the learner's frame it was in, the cause first (a
+rank that died, computed without end, or stood outside any collective while the others timed out
+waiting for it), the others' waits after it (stop_reports.account; else, for a collective that
+timed out, the flight recorder's account of the ranks and their collectives,
 scaletorch/dist/flight_recorder.py); a new world grades the jobs after it. The learner's
 functions and their errors are learner.py's; a job's verdict from its results, verdicts.py's;
 what a job leaves in its rank (torch's settings, its printed lines), job_state.py's.
@@ -36,7 +38,7 @@ from scripts.grading.job_state import children, die_with_parent, end_job, end_or
 from scripts.grading.job_state import start as start_jobs
 from scripts.grading.learner import (LEARNER_ERRORS, SOURCE_FILES, UNWRITTEN, Source, carried,
                                      failure, innermost, is_hang, is_unwritten, source_file)
-from scripts.grading.stop_reports import hang_head, plain, rank_order, where_stopped
+from scripts.grading.stop_reports import Stop, account, plain, rank_order, where_stopped
 
 # seconds a collective waits (every group of the world): a world of tiny ranks never waits this
 # long unless hung; below STALL_LIMIT, so that a hung rank dumps its flight recorder first
@@ -281,69 +283,47 @@ def _one_world(fn: Callable, world: int, jobs: Sequence[Dict[str, Source]], lead
            os.path.basename(files[first - lead])) if first >= lead else ("the reference run",
                                                                          "the library")))
     dumps = [d for d in os.listdir(directory) if d.startswith(flight_recorder.PREFIX)]
-    recorder = flight_recorder.analyze(flight_recorder.load(directory)) if dumps else []
-    stopped: Dict[int, str] = {}
+    stops: Dict[int, Stop] = {}
     for r, proc in enumerate(procs):
         if counts[r] > first:
             continue
-        where = where_stopped(_read(directory, f"stack_{r}"), files, exercise, unknown=unknown)
+        stack = _read(directory, f"stack_{r}")
+        where = where_stopped(stack, files, exercise, unknown=unknown)
         said, ended = _read(directory, f"stopped_{r}"), _read(directory, f"ended_{r}")
         code = proc.exitcode if proc.exitcode is not None else 0
         if ended:
             where = where_stopped(ended, files, exercise, recent_first=False, unknown=unknown)
-            text = f"rank {r} ended its process with {ended.splitlines()[0]} in {where}"
+            stop = Stop(f"rank {r} ended its process with {ended.splitlines()[0]} in {where}",
+                        "ended", where)
         elif said:
             where = where_stopped(said, files, exercise, recent_first=False)
             message = plain(said.splitlines()[0].split(": ", 1)[-1])
-        if ended:
-            pass
-        elif said.startswith("hang: "):
-            text = f"rank {r} stopped in {where}, in a collective: {message}"
-        elif said:
-            text = f"rank {r} failed in {where}: {message}"
+            waited = re.search("imed out|timeout", said.splitlines()[0])  # not a peer that left
+            stop = Stop(f"rank {r} stopped in {where}, in a collective: {message}",
+                        "timed out" if waited else "hang", where) if said.startswith("hang: ") \
+                else Stop(f"rank {r} failed in {where}: {message}", "failed", where)
         elif code < 0 and -code != signal.SIGUSR1 and r not in killed:
-            text = f"rank {r} died of {signal.Signals(-code).name} in {where}"
+            stop = Stop(f"rank {r} died of {signal.Signals(-code).name} in {where}", "died", where)
         elif signalled and busy and spent_in_job[r] > JOB_CPU_LIMIT / 2:  # not a waiting rank
-            text = (f"rank {r} was still computing in {where} after {spent_in_job[r]:.0f} s of "
-                    f"CPU in this job (the grader's limit: {JOB_CPU_LIMIT:.0f} s on any rank): a "
-                    f"loop that never ends?")
+            stop = Stop(
+                f"rank {r} was still computing in {where} after {spent_in_job[r]:.0f} s of CPU "
+                f"in this job (the grader's limit: {JOB_CPU_LIMIT:.0f} s on any rank): a loop "
+                f"that never ends?", "computing", where)
         elif signalled:
-            text = (f"rank {r} made no progress (the grader's limit: {STALL_LIMIT:.0f} s waiting, "
-                    f"{JOB_LIMIT:.0f} s a job), stopped in {where}")
+            stop = Stop(
+                f"rank {r} made no progress (the grader's limit: {STALL_LIMIT:.0f} s waiting, "
+                f"{JOB_LIMIT:.0f} s a job), stopped in {where}", "no progress", where, stack,
+                spent_in_job[r])
         elif r in killed:
-            text = f"rank {r} was stopped in {where}, after another rank had left"
+            stop = Stop(f"rank {r} was stopped in {where}, after another rank had left", "stopped",
+                        where, stack, spent_in_job[r])
         else:
-            text = f"rank {r} ended with exit status {code}, without a result, in {where}"
-        stopped[r] = text
-    # a rank that died or ended in the learner's code: the others' errors and disagreements
-    # followed it, not a second cause (a rank aborted inside a mismatched collective is not one)
-    dead = [
-        r for r, t in stopped.items()
-        if rank_order(t, r)[0] < 2 and any(f"({os.path.basename(f)}" in t.split(";")[0]
-                                           for f in files)
-    ]
-    if dead:
-        after = [r for r in stopped if r not in dead]
-        if after:
-            stopped[min(after)] = "what followed: " + ", ".join(
-                f"rank {r} stopped{_place(stopped.pop(r))}" for r in sorted(after)) + \
-                " (their peer was gone)"
-        recorder = []
-    if recorder and stopped:  # once, after the first rank's line
-        first_rank = min(stopped, key=lambda r: rank_order(stopped[r], r))
-        stopped[first_rank] += "; the flight recorder says\n    " + "\n    ".join(recorder)
-        # no rank died, ended or raised: a hang, headed by the collective some ranks never met
-        if all(rank_order(t, r)[0] >= 3 for r, t in stopped.items()):
-            head = hang_head(flight_recorder.load(directory), files, exercise)
-            if head:
-                stopped[first_rank] = f"{head}; {stopped[first_rank]}"
-    return results, stopped
-
-
-def _place(text: str) -> str:
-    """" in <frame>" of a rank's stop text, else ""."""
-    found = re.search(r" in (\S+ \([^)]*\))", text)
-    return f" in {found.group(1)}" if found else ""
+            stop = Stop(f"rank {r} ended with exit status {code}, without a result, in {where}",
+                        "exit", where)
+        stops[r] = stop
+    # the cause first, the others' waits after it (stop_reports.py)
+    return results, account(stops,
+                            flight_recorder.load(directory) if dumps else {}, files, exercise)
 
 
 def run_world(fn: Callable, world: int, jobs: Sequence[Dict[str, Source]],

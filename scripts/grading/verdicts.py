@@ -6,11 +6,24 @@ A job's results are one dict per rank: {"error": ...} when the learner's functio
 chapters whose ranks return {"found": diagnoses} (03, 05, 06b) use ``grade_found``.
 """
 
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from scripts.grading.learner import UNWRITTEN, Source
 from scripts.grading.runner import run_world
+from scripts.grading.stop_reports import plain
+
+# a backend's error that follows another rank's: its connection closed or reset, a wait that
+# timed out (gloo's words, torch's DistError)
+_FOLLOWED = re.compile(r"Connection (?:closed|reset) by peer|peer rank had left|imed out|"
+                       r"timeout caused pair closure|DistBackendError|DistNetworkError|Broken pipe")
+
+
+def followed(run: Dict[str, Any]) -> bool:
+    """Whether a rank's error followed another rank's (the backend's words, or the chapter
+    marked it a hang): the other rank's own error is the job's verdict."""
+    return bool(run.get("hung")) or _FOLLOWED.search(str(run.get("error", ""))) is not None
 
 
 @dataclass
@@ -26,19 +39,21 @@ class Verdict:
 
 def error_verdict(exercise: str, runs: List[dict]) -> Optional[Verdict]:
     """The verdict of a job that raised on some rank: "write <function> next" for a stub, else
-    the error and where; None if every rank finished it."""
+    the error and where (a rank's own error before the ones that followed it on its peers: their
+    connection closed, their wait timed out); None if every rank finished it."""
     errors = [(r, run["error"]) for r, run in enumerate(runs) if "error" in run]
     if any(e == UNWRITTEN for _, e in errors):
         return Verdict(exercise, False, f"write {exercise} next")
-    if errors:
-        rank, error = errors[0]
+    lost = [run["lost"] for run in runs if "lost" in run]
+    if errors and not (lost and all(followed(runs[r]) for r, _ in errors)):
+        rank, error = min(errors, key=lambda e: (followed(runs[e[0]]), e[0]))
+        error = plain(error) if followed(runs[rank]) else error  # without gloo's internals
         return Verdict(exercise, False, f"{exercise} raised on rank {rank}: {error}")
     changed = [(r, run["settings_left"]) for r, run in enumerate(runs) if "settings_left" in run]
     if changed:  # job_state.py: a setting the job left changed
         rank, state = changed[0]
         return Verdict(exercise, False, f"on rank {rank}, {state}")
-    lost = [run["lost"] for run in runs if "lost" in run]
-    if lost:
+    if lost:  # a rank stopped (runner.py's words), the others' errors followed it
         return Verdict(exercise, False, f"{exercise}: {lost[0]}")
     return None
 
