@@ -24,6 +24,7 @@ import os
 import re
 import signal
 import tempfile
+import threading
 import time
 import traceback
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -197,12 +198,15 @@ def _one_world(fn: Callable, world: int, jobs: Sequence[Dict[str, Source]], lead
     before = children()
     # the ranks ignore Ctrl-C (the grader's own ends them): a spawned Python keeps SIG_IGN
     # through exec and does not install its handler, so no rank prints a KeyboardInterrupt
-    handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # (only the main thread may set a handler: --mutants grades worlds in threads)
+    main = threading.current_thread() is threading.main_thread()
+    handler = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
     try:
         for proc in procs:
             proc.start()
     finally:
-        signal.signal(signal.SIGINT, handler)
+        if main:
+            signal.signal(signal.SIGINT, handler)
     total = lead + len(jobs)
     counts, progress, left, signalled = [0] * world, time.monotonic(), None, False
     started, spent = time.monotonic(), 0.0
