@@ -170,11 +170,15 @@ def rank(path):  # a learner's function that forks a process of its own, in a ne
     with open(path, "w") as f:
         f.write(str(pid))
 
-proc = multiprocessing.get_context("fork").Process(target=rank, args=(sys.argv[1],))
+ctx = multiprocessing.get_context("fork")
+other = ctx.Process(target=time.sleep, args=(30,))  # a rank of another world (--mutants' threads)
+other.start()
+proc = ctx.Process(target=rank, args=(sys.argv[1],))
 proc.start()
 proc.join()
 time.sleep(0.2)  # the sleeper, its rank gone, is now this process's child
-print(job_state.end_orphans(before))
+print(job_state.end_orphans(before), other.is_alive())
+other.kill()
 """
 
 
@@ -191,7 +195,7 @@ class GraderProcesses(unittest.TestCase):
             self.assertEqual(out.returncode, 0, out.stderr)
             with open(path) as f:
                 sleeper = int(f.read())
-        self.assertEqual(out.stdout.strip(), f"[{sleeper}]")
+        self.assertEqual(out.stdout.strip(), f"[{sleeper}] True")  # the other world's rank lives
         self.assertFalse(os.path.exists(f"/proc/{sleeper}"))
 
     @unittest.skipUnless(LONG, "long phase: a chapter's world started and stopped by Ctrl-C")

@@ -21,6 +21,7 @@ import multiprocessing.resource_tracker
 import os
 import signal
 import sys
+import threading
 import types
 import warnings
 from typing import Any, Dict, List, Optional, Set, TextIO, Tuple
@@ -263,19 +264,27 @@ def children() -> Set[int]:
     return found
 
 
+# held while a world starts its ranks and while orphans are ended: --mutants runs worlds in
+# threads, and a rank just forked must be known to multiprocessing before it can be told apart
+STARTING = threading.Lock()
+
+
 def end_orphans(before: Set[int]) -> List[int]:
-    """End (SIGKILL, then reap) this process's children that ``before`` did not hold: what the
-    ranks of a world left running (multiprocessing's own helpers stay). The pids ended."""
+    """End (SIGKILL, then reap) this process's children that are neither in ``before`` nor a
+    rank multiprocessing started (this world's or another thread's): what ranks forked and left
+    running (multiprocessing's own helpers stay). The pids ended."""
     if not _ADOPTING:
         return []
-    tracker = getattr(multiprocessing.resource_tracker._resource_tracker, "_pid", None)
-    ended = sorted(children() - before - {tracker})
-    for pid in ended:
-        try:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-        except (ProcessLookupError, ChildProcessError):
-            pass
+    with STARTING:
+        ranks = {p.pid for p in multiprocessing.active_children()}
+        tracker = getattr(multiprocessing.resource_tracker._resource_tracker, "_pid", None)
+        ended = sorted(children() - before - ranks - {tracker})
+        for pid in ended:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            except (ProcessLookupError, ChildProcessError):
+                pass
     return ended
 
 

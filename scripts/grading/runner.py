@@ -35,7 +35,7 @@ import torch.multiprocessing as mp
 
 from scaletorch.dist import flight_recorder
 from scaletorch.dist.spawn import free_port
-from scripts.grading.job_state import children, die_with_parent, end_job, end_orphans
+from scripts.grading.job_state import STARTING, children, die_with_parent, end_job, end_orphans
 from scripts.grading.job_state import start as start_jobs
 from scripts.grading.learner import (LEARNER_ERRORS, SOURCE_FILES, UNWRITTEN, Source, carried,
                                      failure, innermost, is_hang, is_unwritten, source_file)
@@ -202,8 +202,9 @@ def _one_world(fn: Callable, world: int, jobs: Sequence[Dict[str, Source]], lead
     main = threading.current_thread() is threading.main_thread()
     handler = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
     try:
-        for proc in procs:
-            proc.start()
+        with STARTING:  # each rank known to multiprocessing before any world ends orphans
+            for proc in procs:
+                proc.start()
     finally:
         if main:
             signal.signal(signal.SIGINT, handler)
