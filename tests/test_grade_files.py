@@ -156,7 +156,7 @@ if __name__ == "__main__":
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _FORKS_A_SLEEPER = """
-import multiprocessing, os, sys, time
+import multiprocessing, multiprocessing.forkserver, os, sys, time
 from scripts.grading import job_state
 job_state.adopt_orphans()
 before = job_state.children()
@@ -173,11 +173,16 @@ def rank(path):  # a learner's function that forks a process of its own, in a ne
 ctx = multiprocessing.get_context("fork")
 other = ctx.Process(target=time.sleep, args=(30,))  # a rank of another world (--mutants' threads)
 other.start()
+server = multiprocessing.get_context("forkserver")  # --mutants forks its ranks from one
+served = server.Process(target=time.sleep, args=(0,))
+served.start()
+served.join()
 proc = ctx.Process(target=rank, args=(sys.argv[1],))
 proc.start()
 proc.join()
 time.sleep(0.2)  # the sleeper, its rank gone, is now this process's child
-print(job_state.end_orphans(before), other.is_alive())
+print(job_state.end_orphans(before), other.is_alive(),
+      os.path.exists(f"/proc/{multiprocessing.forkserver._forkserver._forkserver_pid}"))
 other.kill()
 """
 
@@ -195,7 +200,8 @@ class GraderProcesses(unittest.TestCase):
             self.assertEqual(out.returncode, 0, out.stderr)
             with open(path) as f:
                 sleeper = int(f.read())
-        self.assertEqual(out.stdout.strip(), f"[{sleeper}] True")  # the other world's rank lives
+        # the other world's rank and the forkserver live on
+        self.assertEqual(out.stdout.strip(), f"[{sleeper}] True True")
         self.assertFalse(os.path.exists(f"/proc/{sleeper}"))
 
     @unittest.skipUnless(LONG, "long phase: a chapter's world started and stopped by Ctrl-C")

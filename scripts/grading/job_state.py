@@ -17,6 +17,7 @@ which exercise.
 import ctypes
 import io
 import multiprocessing
+import multiprocessing.forkserver
 import multiprocessing.resource_tracker
 import os
 import signal
@@ -272,13 +273,15 @@ STARTING = threading.Lock()
 def end_orphans(before: Set[int]) -> List[int]:
     """End (SIGKILL, then reap) this process's children that are neither in ``before`` nor a
     rank multiprocessing started (this world's or another thread's): what ranks forked and left
-    running (multiprocessing's own helpers stay). The pids ended."""
+    running (multiprocessing's resource tracker and forkserver stay: --mutants forks its ranks
+    from a forkserver). The pids ended."""
     if not _ADOPTING:
         return []
     with STARTING:
         ranks = {p.pid for p in multiprocessing.active_children()}
         tracker = getattr(multiprocessing.resource_tracker._resource_tracker, "_pid", None)
-        ended = sorted(children() - before - ranks - {tracker})
+        server = getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)
+        ended = sorted(children() - before - ranks - {tracker, server})
         for pid in ended:
             try:
                 os.kill(pid, signal.SIGKILL)
