@@ -11,7 +11,7 @@ scaletorch/dist/flight_recorder.py), ``rank_order`` (which rank's account comes 
 import os
 import re
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from scaletorch.dist import flight_recorder
 
@@ -188,18 +188,26 @@ def _led(causes: List[int], texts: Dict[int, str], how: str, each: Callable[[int
     return out
 
 
-def _waits(stops: Dict[int, Stop], traces: Dict[int, dict]) -> Dict[int, str]:
-    """{rank whose collective timed out: "rank k timed out in <op> #<n> of group '<g>' (ranks
-    [...])"}, its last collective as its dump records it."""
-    members = flight_recorder._members(traces) if traces else {}
+def _timed_out(stops: Dict[int, Stop], traces: Dict[int, dict]) -> Dict[int, Any]:
+    """{rank whose collective timed out: its last collective, as its dump records it}."""
     out = {}
     for k, s in stops.items():
         last = flight_recorder.calls(k, traces[k])[-1:] if k in traces else []
         if s.kind == "timed out" and last:
-            c = last[0]
-            out[k] = (f"rank {k} timed out in {c.op} #{c.seq} of group '{c.group}' (ranks "
-                      f"{members.get(c.group_id, '?')})")
+            out[k] = last[0]
     return out
+
+
+def _waits(stops: Dict[int, Stop], traces: Dict[int, dict]) -> Dict[int, str]:
+    """{rank whose collective timed out: "rank k timed out in <op> #<n> of group '<g>' (ranks
+    [...])"}."""
+    members = flight_recorder._members(traces) if traces else {}
+    return {
+        k:
+        f"rank {k} timed out in {c.op} #{c.seq} of group '{c.group}' (ranks "
+        f"{members.get(c.group_id, '?')})"
+        for k, c in _timed_out(stops, traces).items()
+    }
 
 
 def _absent(stops: Dict[int, Stop], traces: Dict[int, dict], mine: List[int]) -> List[int]:
@@ -210,10 +218,8 @@ def _absent(stops: Dict[int, Stop], traces: Dict[int, dict], mine: List[int]) ->
         return []
     members = flight_recorder._members(traces) if traces else {}
     waited: Set[int] = set()
-    for k, s in stops.items():
-        last = flight_recorder.calls(k, traces[k])[-1:] if k in traces else []
-        if s.kind == "timed out" and last:
-            waited.update(r for r in members.get(last[0].group_id, []) if r != k)
+    for k, c in _timed_out(stops, traces).items():
+        waited.update(r for r in members.get(c.group_id, []) if r != k)
     return [
         r for r, s in sorted(stops.items())
         if r in waited and r not in traces and s.kind in ("stopped", "no progress") and (
